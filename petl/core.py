@@ -1,0 +1,313 @@
+"""Method registry, the wrapper base class, and the helpers every method shares.
+
+A method is a config dataclass (subclass of :class:`MethodConfig`) plus an ``inject`` function
+registered with :func:`register_method`.  :func:`apply` does the parts every method shares
+(check the model, freeze it, reset the head, record the config) so that a method file only adds
+its own modules.  Wrappers subclass :class:`PetlModule` and keep the wrapped layer as ``base``;
+merging, saving and counting find them by ``isinstance``, never by parameter-name substrings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from petl import vit
+
+FORMAT = "petl-trainable-1"
+
+
+@dataclass
+class MethodConfig:
+    """Options shared by every method.
+
+    Attributes:
+        num_classes: reset the classifier head to this many classes; ``None`` keeps the head.
+    """
+
+    num_classes: int | None = None
+
+    def validate(self, model: nn.Module) -> None:
+        """Raise ValueError naming the field and its allowed range if a value is off for ``model``."""
+        if self.num_classes is not None:
+            check_range("num_classes", self.num_classes, low=1)
+
+
+def check_range(field: str, value: float, low: float | None = None, high: float | None = None) -> None:
+    """Raise a ValueError naming ``field`` when ``value`` lies outside [low, high]."""
+    if (low is not None and value < low) or (high is not None and value > high):
+        bounds = f"[{'-inf' if low is None else low}, {'inf' if high is None else high}]"
+        raise ValueError(f"{field}={value} is out of range: allowed {bounds}")
+
+
+class PetlModule(nn.Module):
+    """Base class of every petl wrapper: keeps the wrapped module as ``base``.
+
+    Subclasses that can fold their update into ``base`` set ``mergeable = True`` and implement
+    :meth:`merge` and :meth:`unmerge`.
+    """
+
+    mergeable = False
+
+    def __init__(self, base: nn.Module) -> None:
+        super().__init__()
+        self.base = base
+        self.merged = False
+
+    def merge(self) -> None:
+        """Fold this wrapper's update into ``base`` so that inference costs what the base costs."""
+        raise NotImplementedError(f"{type(self).__name__} cannot merge")
+
+    def unmerge(self) -> None:
+        """Undo :meth:`merge`."""
+        raise NotImplementedError(f"{type(self).__name__} cannot unmerge")
+
+
+# Foreign wrapper types (e.g. peft's tuner layers) that have merge()/unmerge() of their own.
+_FOREIGN_MERGEABLE: list[type] = []
+
+
+def register_mergeable_type(cls: type) -> None:
+    """Let :func:`merge` / :func:`unmerge` also call ``merge()`` / ``unmerge()`` on instances of ``cls``."""
+    if cls not in _FOREIGN_MERGEABLE:
+        _FOREIGN_MERGEABLE.append(cls)
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """A registered method."""
+
+    name: str
+    config_cls: type[MethodConfig]
+    inject: Callable[[nn.Module, MethodConfig], None]
+    trainable_formula: Callable[[nn.Module, MethodConfig], int]
+    zero_init: bool
+    mergeable: bool
+    doc: str
+
+
+_REGISTRY: dict[str, MethodSpec] = {}
+
+
+def register_method(
+    name: str,
+    config_cls: type[MethodConfig],
+    trainable_formula: Callable[[nn.Module, MethodConfig], int],
+    zero_init: bool = False,
+    mergeable: bool = False,
+) -> Callable:
+    """Decorator registering ``inject(model, cfg)`` as method ``name``.
+
+    Args:
+        name: the method name used by :func:`apply`, the CLI and the benchmark.
+        config_cls: its config dataclass (the schema of its options).
+        trainable_formula: closed-form count of the trainable parameters outside the head,
+            given a ViT (before injection) and a config; the contract tests check it.
+        zero_init: the method leaves the model's outputs unchanged at init.
+        mergeable: the method's wrappers can merge into the frozen weights.
+    """
+
+    def decorate(inject: Callable[[nn.Module, MethodConfig], None]) -> Callable:
+        if name in _REGISTRY:
+            raise ValueError(f"method {name!r} is registered twice")
+        doc = (inject.__doc__ or "").strip().splitlines()[0] if inject.__doc__ else name
+        _REGISTRY[name] = MethodSpec(name, config_cls, inject, trainable_formula, zero_init, mergeable, doc)
+        return inject
+
+    return decorate
+
+
+def list_methods() -> list[str]:
+    """Names of all registered methods, sorted."""
+    return sorted(_REGISTRY)
+
+
+def get_method(name: str) -> MethodSpec:
+    """The registered method ``name``; a ValueError lists the valid names otherwise."""
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown method {name!r}; choose one of: {', '.join(list_methods())}")
+    return _REGISTRY[name]
+
+
+def make_config(name: str, **options: Any) -> MethodConfig:
+    """Build method ``name``'s config from keyword options, rejecting unknown keys by name."""
+    spec = get_method(name)
+    valid = [f.name for f in fields(spec.config_cls)]
+    unknown = sorted(set(options) - set(valid))
+    if unknown:
+        raise ValueError(f"unknown option(s) {', '.join(unknown)} for method {name!r}; valid: {', '.join(valid)}")
+    return spec.config_cls(**options)
+
+
+def apply(model: nn.Module, method: str, config: MethodConfig | None = None, **options: Any) -> nn.Module:
+    """Inject ``method`` into a timm ViT in place, freeze what it does not train, and return the model.
+
+    The classifier head is reset to ``num_classes`` (when given) and trains for every method.
+
+    Args:
+        model: a timm VisionTransformer.
+        method: a name from :func:`list_methods`.
+        config: a ready config; otherwise one is built from ``options``.
+        **options: the method's config fields, e.g. ``rank=4``.
+
+    Returns:
+        The same model, modified.
+
+    Raises:
+        ValueError: unknown method or option, a value out of range, an unsupported model,
+            or a model that already carries a petl method.
+    """
+    spec = get_method(method)
+    if config is None:
+        config = make_config(method, **options)
+    elif options:
+        raise ValueError("pass either a config or keyword options, not both")
+    if not isinstance(config, spec.config_cls):
+        raise ValueError(f"method {method!r} takes a {spec.config_cls.__name__}, got {type(config).__name__}")
+    vit.check_vit(model)
+    if getattr(model, "petl_method", None) is not None:
+        raise ValueError(f"this model already carries petl method {model.petl_method!r}; start from a fresh model")
+    config.validate(model)
+    model.requires_grad_(False)
+    if config.num_classes is not None:
+        vit.reset_head(model, config.num_classes)
+    spec.inject(model, config)
+    vit.head(model).requires_grad_(True)
+    model.petl_method = method
+    model.petl_config = config
+    return model
+
+
+class ParamCount(NamedTuple):
+    """Parameter counts of a model."""
+
+    trainable: int
+    trainable_no_head: int
+    total: int
+
+
+def count_params(model: nn.Module) -> ParamCount:
+    """Count trainable parameters (with and without the classifier head) and all parameters."""
+    head_ids = {id(p) for p in vit.head(model).parameters()} if hasattr(model, "head") else set()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return ParamCount(
+        trainable=sum(p.numel() for p in trainable),
+        trainable_no_head=sum(p.numel() for p in trainable if id(p) not in head_ids),
+        total=sum(p.numel() for p in model.parameters()),
+    )
+
+
+def _mergeables(model: nn.Module) -> list[nn.Module]:
+    found = [m for m in model.modules() if isinstance(m, PetlModule) and m.mergeable]
+    found += [m for m in model.modules() if _FOREIGN_MERGEABLE and isinstance(m, tuple(_FOREIGN_MERGEABLE))]
+    if not found:
+        raise ValueError(f"nothing to merge: method {getattr(model, 'petl_method', None)!r} adds no mergeable layer")
+    return found
+
+
+@torch.no_grad()
+def merge(model: nn.Module) -> nn.Module:
+    """Fold every mergeable wrapper's update into its frozen base weight (in place)."""
+    for module in _mergeables(model):
+        module.merge()
+    return model
+
+
+@torch.no_grad()
+def unmerge(model: nn.Module) -> nn.Module:
+    """Undo :func:`merge` (in place)."""
+    for module in _mergeables(model):
+        module.unmerge()
+    return model
+
+
+def trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The trained tensors by parameter name (what :func:`save_trainable` writes)."""
+    return {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _describe(model: nn.Module) -> dict[str, str]:
+    config = model.petl_config
+    return {
+        "format": FORMAT,
+        "method": model.petl_method,
+        "config": json.dumps(dataclasses.asdict(config), sort_keys=True),
+        "embed_dim": str(vit.embed_dim(model)),
+        "depth": str(vit.depth(model)),
+    }
+
+
+def save_trainable(model: nn.Module, path: str | Path) -> None:
+    """Write only the trained tensors, with the method and its config as metadata, to safetensors.
+
+    Args:
+        model: a model returned by :func:`apply`.
+        path: the ``.safetensors`` file to write.
+    """
+    if getattr(model, "petl_method", None) is None:
+        raise ValueError("save_trainable needs a model prepared by petl.apply (no petl method found)")
+    if any(getattr(m, "merged", False) for m in model.modules()):
+        raise ValueError("unmerge the model before saving: merged weights are not trainable tensors")
+    tensors = {n: t.cpu().contiguous() for n, t in trainable_state(model).items()}
+    save_file(tensors, str(path), metadata=_describe(model))
+
+
+def read_trainable_metadata(path: str | Path) -> dict[str, Any]:
+    """The method, config and backbone shape recorded in a file written by :func:`save_trainable`."""
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{path} is not a petl trainable-weights file (format {meta.get('format')!r})")
+    return {**meta, "config": json.loads(meta["config"]), "embed_dim": int(meta["embed_dim"]), "depth": int(meta["depth"])}
+
+
+def load_trainable(model: nn.Module, path: str | Path) -> nn.Module:
+    """Restore trained tensors saved by :func:`save_trainable` onto ``model`` (in place).
+
+    A fresh backbone (no petl method yet) first gets the method and config recorded in the file.
+    Any mismatch of method, option, depth, width or tensor shape raises a ValueError naming it.
+    Files are read with safetensors, so nothing is ever unpickled.
+    """
+    meta = read_trainable_metadata(path)
+    for key in ("embed_dim", "depth"):
+        have = vit.embed_dim(model) if key == "embed_dim" else vit.depth(model)
+        if have != meta[key]:
+            raise ValueError(f"{path} was saved for a backbone with {key}={meta[key]}, this one has {key}={have}")
+    if getattr(model, "petl_method", None) is None:
+        apply(model, meta["method"], **meta["config"])
+    elif model.petl_method != meta["method"]:
+        raise ValueError(f"{path} holds method {meta['method']!r}, the model carries {model.petl_method!r}")
+    else:
+        have = dataclasses.asdict(model.petl_config)
+        for key, value in meta["config"].items():
+            if key == "num_classes" and value is None:
+                continue
+            if json.loads(json.dumps(have.get(key))) != value:
+                raise ValueError(f"{path} was saved with {key}={value!r}, the model has {key}={have.get(key)!r}")
+    if any(getattr(m, "merged", False) for m in model.modules()):
+        raise ValueError("unmerge the model before loading trainable weights")
+    params = dict(model.named_parameters())
+    expected = {n for n, p in params.items() if p.requires_grad}
+    with safe_open(str(path), framework="pt") as f:
+        keys = set(f.keys())
+        missing, unexpected = sorted(expected - keys), sorted(keys - expected)
+        if missing or unexpected:
+            raise ValueError(f"{path} does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        with torch.no_grad():
+            for name in sorted(keys):
+                tensor = f.get_tensor(name)
+                if tensor.shape != params[name].shape:
+                    raise ValueError(
+                        f"{path}: {name} has shape {tuple(tensor.shape)}, the model needs {tuple(params[name].shape)}"
+                    )
+                params[name].copy_(tensor)
+    return model

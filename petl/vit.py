@@ -1,0 +1,107 @@
+"""The one module that knows timm's VisionTransformer internals.
+
+Methods ask this module for blocks, the fused ``qkv`` Linear, the embedding width and the
+prefix-token count, so that a change in timm touches one file.  timm's ``Attention`` computes
+Q, K and V with one Linear whose output rows are laid out as Q = [0, d), K = [d, 2d), V = [2d, 3d).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+SUPPORTED = (
+    "a timm VisionTransformer (ViT, DeiT, with or without class token, register tokens, "
+    "token or avg pooling) whose blocks have a fused attn.qkv Linear"
+)
+
+# Row slice of the fused qkv output for each of Q, K, V, as a multiple of the embed dim.
+QKV_INDEX = {"q": 0, "k": 1, "v": 2}
+
+
+def check_vit(model: nn.Module) -> None:
+    """Raise a ValueError naming what is supported unless ``model`` is a usable timm ViT.
+
+    Args:
+        model: the model to check.
+
+    Raises:
+        ValueError: if the model lacks ``blocks``, ``embed_dim`` or a fused ``attn.qkv`` Linear.
+    """
+    name = type(model).__name__
+    blocks = getattr(model, "blocks", None)
+    if not isinstance(blocks, nn.Sequential) or len(blocks) == 0 or not hasattr(model, "embed_dim"):
+        raise ValueError(f"petl supports {SUPPORTED}; got {name}, which has no timm ViT blocks.")
+    for i, block in enumerate(blocks):
+        inner = unwrap(block)
+        qkv = getattr(getattr(inner, "attn", None), "qkv", None)
+        if not isinstance(qkv, nn.Linear) or qkv.out_features != 3 * qkv.in_features:
+            raise ValueError(f"petl supports {SUPPORTED}; block {i} of {name} has no fused attn.qkv Linear.")
+        if not hasattr(inner, "mlp"):
+            raise ValueError(f"petl supports {SUPPORTED}; block {i} of {name} has no mlp.")
+    if not hasattr(model, "reset_classifier") or not hasattr(model, "head"):
+        raise ValueError(f"petl supports {SUPPORTED}; {name} has no timm classifier head.")
+
+
+def unwrap(module: nn.Module) -> nn.Module:
+    """Return the original module under any petl wrappers (each keeps it as ``base``)."""
+    while hasattr(module, "base") and isinstance(module.base, nn.Module):
+        module = module.base
+    return module
+
+
+def blocks(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks, original (unwrapped) modules, in order."""
+    return [unwrap(b) for b in model.blocks]
+
+
+def depth(model: nn.Module) -> int:
+    """Number of transformer blocks."""
+    return len(model.blocks)
+
+
+def embed_dim(model: nn.Module) -> int:
+    """Token width of the ViT."""
+    return int(model.embed_dim)
+
+
+def num_prefix_tokens(model: nn.Module) -> int:
+    """Class plus register tokens that precede the patch tokens."""
+    return int(getattr(model, "num_prefix_tokens", 1 if getattr(model, "cls_token", None) is not None else 0))
+
+
+def patch_size(model: nn.Module) -> tuple[int, int]:
+    """Patch size (h, w) of the patch embedding."""
+    size = model.patch_embed.patch_size
+    return (size, size) if isinstance(size, int) else tuple(size)
+
+
+def in_chans(model: nn.Module) -> int:
+    """Input channels of the patch embedding."""
+    return int(model.patch_embed.proj.in_channels)
+
+
+def linear(block: nn.Module, name: str) -> nn.Module:
+    """A named Linear of a block: ``qkv``, ``proj`` (attention) or ``fc1``, ``fc2`` (MLP)."""
+    owner = block.attn if name in ("qkv", "proj") else block.mlp
+    return getattr(owner, name)
+
+
+def set_linear(block: nn.Module, name: str, module: nn.Module) -> None:
+    """Replace a named Linear of a block (see :func:`linear`)."""
+    owner = block.attn if name in ("qkv", "proj") else block.mlp
+    setattr(owner, name, module)
+
+
+def head(model: nn.Module) -> nn.Module:
+    """The classifier head module (``nn.Identity`` when the model has no classes)."""
+    return model.head
+
+
+def reset_head(model: nn.Module, num_classes: int) -> None:
+    """Replace the classifier with a fresh one for ``num_classes`` classes, keeping the pooling."""
+    model.reset_classifier(num_classes)
+
+
+def final_norms(model: nn.Module) -> list[nn.Module]:
+    """The norms after the last block (``norm`` and ``fc_norm``), those that exist."""
+    return [m for m in (getattr(model, "norm", None), getattr(model, "fc_norm", None)) if isinstance(m, nn.Module)]
