@@ -1,0 +1,196 @@
+"""The training engine: one loop on accelerate, shared by petl-run, petl-bench and petl-pretrain.
+
+It knows nothing of methods: it trains whatever parameters require grad, keeps frozen parts in
+eval mode (so dropout and drop-path stay off where nothing learns), and reports top-1 accuracy.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+from accelerate import Accelerator
+from torch import nn
+from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
+
+from petl.core import PetlModule
+
+
+class NonFiniteLossError(RuntimeError):
+    """The training loss became NaN or infinite."""
+
+
+@dataclass
+class TrainSettings:
+    """Optimisation settings (the field's VTAB-1k recipe as defaults).
+
+    Attributes:
+        epochs: passes over the training split.
+        lr: peak learning rate of AdamW.
+        weight_decay: AdamW weight decay.
+        warmup_frac: fraction of the steps spent in linear warm-up before the cosine decay.
+        label_smoothing: cross-entropy label smoothing.
+        grad_clip: max gradient norm, 0 to disable.
+        progress: show a progress bar per epoch.
+    """
+
+    epochs: int = 100
+    lr: float = 1e-3
+    weight_decay: float = 1e-4
+    warmup_frac: float = 0.1
+    label_smoothing: float = 0.0
+    grad_clip: float = 0.0
+    progress: bool = True
+
+
+def set_train_mode(model: nn.Module) -> None:
+    """Put only what learns in train mode; the frozen backbone stays in eval mode.
+
+    A module whose parameters all train (the head, unfrozen blocks, the whole model for full
+    fine-tuning) goes to train mode with its children.  A petl wrapper trains its own modules
+    (prompt dropout, LoRA dropout) but leaves its frozen ``base`` in eval mode.
+    """
+    model.eval()
+    for module in model.modules():
+        params = list(module.parameters())
+        if params and all(p.requires_grad for p in params):
+            module.train()
+        elif isinstance(module, PetlModule):
+            module.training = True
+            for name, child in module.named_children():
+                if name != "base":
+                    child.train()
+
+
+def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters the optimizer updates (only those that require grad)."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def build_optimizer(
+    model: nn.Module, settings: TrainSettings, steps_per_epoch: int
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW over the trainable parameters and a per-step cosine schedule with linear warm-up."""
+    params = trainable_parameters(model)
+    if not params:
+        raise ValueError("the model has no trainable parameters")
+    optimizer = torch.optim.AdamW(params, lr=settings.lr, weight_decay=settings.weight_decay)
+    total = max(1, settings.epochs * steps_per_epoch)
+    warmup = int(settings.warmup_frac * total)
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, total - warmup)
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, loader: DataLoader, accelerator: Accelerator) -> float:
+    """Top-1 accuracy in percent over a loader (all processes gathered)."""
+    model.eval()
+    correct = total = 0
+    for images, labels in loader:
+        logits = model(images)
+        pred, labels = accelerator.gather_for_metrics((logits.argmax(-1), labels))
+        correct += int((pred == labels).sum())
+        total += labels.numel()
+    return 100.0 * correct / max(1, total)
+
+
+def train_one_epoch(
+    model: nn.Module,
+    loader: DataLoader,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    accelerator: Accelerator,
+    settings: TrainSettings,
+    description: str = "train",
+) -> dict[str, float]:
+    """One pass over ``loader``; returns mean loss, train top-1 (%), images seen and images/s.
+
+    Raises:
+        NonFiniteLossError: when the loss is NaN or infinite (the caller keeps its last checkpoint).
+    """
+    set_train_mode(model)
+    loss_fn = nn.CrossEntropyLoss(label_smoothing=settings.label_smoothing)
+    params = trainable_parameters(model)
+    loss_sum = correct = seen = 0.0
+    start = time.perf_counter()
+    bar = tqdm(loader, desc=description, leave=False, disable=not (settings.progress and accelerator.is_main_process))
+    for images, labels in bar:
+        with accelerator.accumulate(model):
+            logits = model(images)
+            loss = loss_fn(logits, labels)
+            if not torch.isfinite(loss):
+                raise NonFiniteLossError(f"loss became {loss.item()} at {description}")
+            accelerator.backward(loss)
+            if settings.grad_clip > 0 and accelerator.sync_gradients:
+                accelerator.clip_grad_norm_(params, settings.grad_clip)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+        n = labels.numel()
+        loss_sum += loss.item() * n
+        correct += float((logits.argmax(-1) == labels).sum())
+        seen += n
+        rate = seen / max(1e-9, time.perf_counter() - start)
+        bar.set_postfix(loss=f"{loss_sum / seen:.3f}", acc=f"{100 * correct / seen:.1f}", img_s=f"{rate:.0f}")
+    seconds = time.perf_counter() - start
+    return {
+        "loss": loss_sum / max(1, seen),
+        "train_top1": 100.0 * correct / max(1, seen),
+        "images": seen,
+        "seconds": seconds,
+        "images_per_second": seen / max(1e-9, seconds),
+    }
+
+
+def fit(
+    model: nn.Module,
+    train_loader: DataLoader,
+    eval_loaders: dict[str, DataLoader],
+    settings: TrainSettings,
+    accelerator: Accelerator,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    start_epoch: int = 0,
+    on_epoch_end: Callable[[int, dict[str, float]], None] | None = None,
+) -> list[dict[str, float]]:
+    """Train from ``start_epoch`` to ``settings.epochs``, evaluating on every loader after each epoch.
+
+    Model, loaders, optimizer and scheduler must already be prepared by ``accelerator``.
+
+    Args:
+        model: the model; only parameters that require grad are in ``optimizer``.
+        train_loader: the training loader.
+        eval_loaders: loaders evaluated after each epoch, by name (e.g. ``{"val": ...}``).
+        settings: optimisation settings.
+        accelerator: the accelerate Accelerator owning devices and precision.
+        optimizer: from :func:`build_optimizer` (prepared).
+        scheduler: from :func:`build_optimizer` (prepared).
+        start_epoch: the first epoch to run (a resumed run starts past its checkpoint).
+        on_epoch_end: called with (epoch, metrics) after each epoch, e.g. to checkpoint.
+
+    Returns:
+        The per-epoch metrics.
+    """
+    history = []
+    epochs: Iterable[int] = range(start_epoch, settings.epochs)
+    for epoch in epochs:
+        metrics = train_one_epoch(
+            model, train_loader, optimizer, scheduler, accelerator, settings, f"epoch {epoch + 1}/{settings.epochs}"
+        )
+        for name, loader in eval_loaders.items():
+            metrics[f"{name}_top1"] = evaluate(model, loader, accelerator)
+        metrics = {"epoch": epoch + 1, "lr": optimizer.param_groups[0]["lr"], **metrics}
+        history.append(metrics)
+        if on_epoch_end is not None:
+            on_epoch_end(epoch, metrics)
+    return history
