@@ -32,6 +32,7 @@ class MethodConfig:
 
     Attributes:
         num_classes: reset the classifier head to this many classes; ``None`` keeps the head.
+
     """
 
     num_classes: int | None = None
@@ -47,6 +48,30 @@ def check_range(field: str, value: float, low: float | None = None, high: float 
     if (low is not None and value < low) or (high is not None and value > high):
         bounds = f"[{'-inf' if low is None else low}, {'inf' if high is None else high}]"
         raise ValueError(f"{field}={value} is out of range: allowed {bounds}")
+
+
+def check_choice(field: str, value: Any, choices: tuple[str, ...]) -> None:
+    """Raise a ValueError naming ``field`` and the valid choices when ``value`` is not one of them."""
+    if value not in choices:
+        raise ValueError(f"{field}={value!r} is not valid: choose one of {', '.join(choices)}")
+
+
+def to_str_tuple(value: Any) -> tuple[str, ...]:
+    """Normalise a config's sequence-of-strings field to a tuple.
+
+    The CLI hands over lists (or OmegaConf ListConfigs) where the dataclass declares a tuple, and a
+    comma-separated string is the easiest way to type a list on a command line, so all three are
+    accepted; the tuple keeps the config hashable and its JSON form stable.
+    """
+    if isinstance(value, str):
+        return tuple(part.strip() for part in value.split(",") if part.strip())
+    return tuple(str(part) for part in value)
+
+
+def factory_kwargs(model: nn.Module) -> dict[str, Any]:
+    """``device`` and ``dtype`` of ``model``'s first parameter, for building modules that live beside it."""
+    first = next(model.parameters())
+    return {"device": first.device, "dtype": first.dtype}
 
 
 class PetlModule(nn.Module):
@@ -114,6 +139,7 @@ def register_method(
             given a ViT (before injection) and a config; the contract tests check it.
         zero_init: the method leaves the model's outputs unchanged at init.
         mergeable: the method's wrappers can merge into the frozen weights.
+
     """
 
     def decorate(inject: Callable[[nn.Module, MethodConfig], None]) -> Callable:
@@ -165,6 +191,7 @@ def apply(model: nn.Module, method: str, config: MethodConfig | None = None, **o
     Raises:
         ValueError: unknown method or option, a value out of range, an unsupported model,
             or a model that already carries a petl method.
+
     """
     spec = get_method(method)
     if config is None:
@@ -173,9 +200,10 @@ def apply(model: nn.Module, method: str, config: MethodConfig | None = None, **o
         raise ValueError("pass either a config or keyword options, not both")
     if not isinstance(config, spec.config_cls):
         raise ValueError(f"method {method!r} takes a {spec.config_cls.__name__}, got {type(config).__name__}")
-    vit.check_vit(model)
+    # Checked first: a wrapped model would otherwise fail the ViT check with a misleading message.
     if getattr(model, "petl_method", None) is not None:
         raise ValueError(f"this model already carries petl method {model.petl_method!r}; start from a fresh model")
+    vit.check_vit(model)
     config.validate(model)
     model.requires_grad_(False)
     if config.num_classes is not None:
@@ -252,6 +280,7 @@ def save_trainable(model: nn.Module, path: str | Path) -> None:
     Args:
         model: a model returned by :func:`apply`.
         path: the ``.safetensors`` file to write.
+
     """
     if getattr(model, "petl_method", None) is None:
         raise ValueError("save_trainable needs a model prepared by petl.apply (no petl method found)")
@@ -267,7 +296,12 @@ def read_trainable_metadata(path: str | Path) -> dict[str, Any]:
         meta = f.metadata() or {}
     if meta.get("format") != FORMAT:
         raise ValueError(f"{path} is not a petl trainable-weights file (format {meta.get('format')!r})")
-    return {**meta, "config": json.loads(meta["config"]), "embed_dim": int(meta["embed_dim"]), "depth": int(meta["depth"])}
+    return {
+        **meta,
+        "config": json.loads(meta["config"]),
+        "embed_dim": int(meta["embed_dim"]),
+        "depth": int(meta["depth"]),
+    }
 
 
 def load_trainable(model: nn.Module, path: str | Path) -> nn.Module:

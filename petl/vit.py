@@ -26,6 +26,7 @@ def check_vit(model: nn.Module) -> None:
 
     Raises:
         ValueError: if the model lacks ``blocks``, ``embed_dim`` or a fused ``attn.qkv`` Linear.
+
     """
     name = type(model).__name__
     blocks = getattr(model, "blocks", None)
@@ -92,9 +93,48 @@ def set_linear(block: nn.Module, name: str, module: nn.Module) -> None:
     setattr(owner, name, module)
 
 
+def mlp(block: nn.Module) -> nn.Module:
+    """The MLP (feed-forward) sub-module of a block; its input is the block's second norm output."""
+    return block.mlp
+
+
+def set_mlp(block: nn.Module, module: nn.Module) -> None:
+    """Replace the MLP of a block (see :func:`mlp`)."""
+    block.mlp = module
+
+
+def block_container(model: nn.Module) -> nn.Sequential:
+    """The ``nn.Sequential`` of blocks as the model runs it (wrappers included).
+
+    timm's forward runs this container itself (plainly or through ``checkpoint_seq``), so methods
+    that must act between blocks wrap single entries instead of replacing the container.
+    """
+    return model.blocks
+
+
+def set_block(model: nn.Module, index: int, module: nn.Module) -> None:
+    """Replace the block at ``index`` in the running container (see :func:`block_container`)."""
+    model.blocks[index] = module
+
+
 def head(model: nn.Module) -> nn.Module:
     """The classifier head module (``nn.Identity`` when the model has no classes)."""
     return model.head
+
+
+def set_head(model: nn.Module, module: nn.Module) -> None:
+    """Install ``module`` as the classifier; timm's ``forward_head`` calls it on the pooled features."""
+    model.head = module
+
+
+def num_classes(model: nn.Module) -> int:
+    """Output classes of the current head (0 when the head is ``nn.Identity``)."""
+    return int(getattr(model, "num_classes", 0))
+
+
+def head_in_features(model: nn.Module) -> int:
+    """Width of the pooled features the head receives."""
+    return int(getattr(model, "head_hidden_size", model.embed_dim))
 
 
 def reset_head(model: nn.Module, num_classes: int) -> None:

@@ -1,0 +1,40 @@
+"""Full fine-tuning: every parameter trains (the reference the parameter-efficient methods chase)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from petl import core, vit
+
+
+@dataclass
+class FullConfig(core.MethodConfig):
+    """Full fine-tuning has no options beyond ``num_classes``."""
+
+
+def _formula(model: nn.Module, cfg: FullConfig) -> int:
+    head_ids = {id(p) for p in vit.head(model).parameters()}
+    return sum(p.numel() for p in model.parameters() if id(p) not in head_ids)
+
+
+@core.register_method("full", FullConfig, trainable_formula=_formula, zero_init=True, mergeable=False)
+def inject_full(model: nn.Module, cfg: FullConfig) -> None:
+    """Full fine-tuning: every parameter trains."""
+    model.requires_grad_(True)
+
+
+def apply_full(model: nn.Module, **options: Any) -> nn.Module:
+    """Make every parameter of ``model`` trainable (with a reset head when ``num_classes`` is given).
+
+    Args:
+        model: a timm VisionTransformer.
+        **options: fields of :class:`FullConfig` (``num_classes``).
+
+    Returns:
+        The same model, modified in place.
+
+    """
+    return core.apply(model, "full", **options)

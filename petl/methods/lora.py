@@ -1,0 +1,186 @@
+"""LoRA: low-rank updates ``scale * B @ A`` added to frozen Linear layers of every block.
+
+Targets are ``q``, ``k``, ``v`` (row slices of timm's fused ``attn.qkv`` Linear, so adapting Q
+and V leaves the K rows untouched), ``proj``, ``fc1`` and ``fc2``.  B starts at zero, so the
+model is unchanged at init, while A starts random, so B receives a gradient on the first step
+(zeroing both would leave the branch without any gradient forever).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from petl import core, vit
+
+# Which Linear of a block each target adapts, and which third of the fused qkv rows (None = all rows).
+TARGETS: dict[str, tuple[str, int | None]] = {
+    "q": ("qkv", vit.QKV_INDEX["q"]),
+    "k": ("qkv", vit.QKV_INDEX["k"]),
+    "v": ("qkv", vit.QKV_INDEX["v"]),
+    "proj": ("proj", None),
+    "fc1": ("fc1", None),
+    "fc2": ("fc2", None),
+}
+
+
+@dataclass
+class LoraConfig(core.MethodConfig):
+    """Options of LoRA.
+
+    Attributes:
+        rank: inner dimension r of each low-rank update.
+        alpha: the update is scaled by ``alpha / rank``, so changing the rank keeps its magnitude.
+        dropout: dropout on the LoRA branch's input (train mode only).
+        targets: which projections to adapt; any of q, k, v, proj, fc1, fc2.
+
+    """
+
+    rank: int = 8
+    alpha: float = 8.0
+    dropout: float = 0.0
+    targets: tuple[str, ...] = ("q", "v")
+
+    def __post_init__(self) -> None:
+        self.targets = core.to_str_tuple(self.targets)
+
+    def validate(self, model: nn.Module) -> None:
+        super().validate(model)
+        core.check_range("rank", self.rank, low=1)
+        if self.alpha <= 0:
+            raise ValueError(f"alpha={self.alpha} is out of range: allowed (0, inf)")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"dropout={self.dropout} is out of range: allowed [0, 1)")
+        if not self.targets:
+            raise ValueError(f"targets is empty: choose one or more of {', '.join(TARGETS)}")
+        for target in self.targets:
+            core.check_choice("targets", target, tuple(TARGETS))
+        if len(set(self.targets)) != len(self.targets):
+            raise ValueError(f"targets={list(self.targets)} names a projection twice")
+
+
+class LoraLinear(core.PetlModule):
+    """A frozen Linear plus one low-rank update per adapted block of output rows.
+
+    Args:
+        base: the Linear to adapt; it stays frozen and is kept as ``base``.
+        slices: target name -> (first row, end row) of ``base``'s output that the target updates.
+        rank: inner dimension of every update.
+        alpha: the updates are scaled by ``alpha / rank``.
+        dropout: dropout on the branch input.
+
+    """
+
+    mergeable = True
+
+    def __init__(
+        self, base: nn.Linear, slices: dict[str, tuple[int, int]], rank: int, alpha: float, dropout: float
+    ) -> None:
+        super().__init__(base)
+        # Sorted by first row so forward can stitch the output back together in one pass.
+        self.slices = dict(sorted(slices.items(), key=lambda item: item[1][0]))
+        self.scale = alpha / rank
+        self.dropout = nn.Dropout(dropout)
+        kw = {"device": base.weight.device, "dtype": base.weight.dtype}
+        self.lora_a = nn.ParameterDict(
+            {name: nn.Parameter(torch.empty(rank, base.in_features, **kw)) for name in self.slices}
+        )
+        self.lora_b = nn.ParameterDict(
+            {name: nn.Parameter(torch.zeros(end - start, rank, **kw)) for name, (start, end) in self.slices.items()}
+        )
+        for a in self.lora_a.values():
+            # The same init nn.Linear gives its weight, as in the LoRA paper's reference code.
+            nn.init.kaiming_uniform_(a, a=math.sqrt(5))
+
+    def delta_weight(self, name: str) -> torch.Tensor:
+        """The update ``scale * B @ A`` that target ``name`` adds to its rows of ``base.weight``."""
+        return self.scale * (self.lora_b[name] @ self.lora_a[name])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.base(x)
+        if self.merged:
+            return out
+        h = self.dropout(x)
+        # Build the output from slices rather than adding in place, which autograd may not allow.
+        pieces, cursor = [], 0
+        for name, (start, end) in self.slices.items():
+            if start > cursor:
+                pieces.append(out[..., cursor:start])
+            update = F.linear(F.linear(h, self.lora_a[name]), self.lora_b[name])
+            pieces.append(out[..., start:end] + self.scale * update)
+            cursor = end
+        if cursor < out.shape[-1]:
+            pieces.append(out[..., cursor:])
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=-1)
+
+    @torch.no_grad()
+    def merge(self) -> None:
+        """Add every update into its rows of the frozen weight; forward then costs what ``base`` costs."""
+        if self.merged:
+            return
+        for name, (start, end) in self.slices.items():
+            self.base.weight[start:end] += self.delta_weight(name).to(self.base.weight.dtype)
+        self.merged = True
+
+    @torch.no_grad()
+    def unmerge(self) -> None:
+        """Subtract the updates again, restoring the frozen weight (up to rounding)."""
+        if not self.merged:
+            return
+        for name, (start, end) in self.slices.items():
+            self.base.weight[start:end] -= self.delta_weight(name).to(self.base.weight.dtype)
+        self.merged = False
+
+
+def _slices_per_linear(block: nn.Module, targets: tuple[str, ...]) -> dict[str, dict[str, tuple[int, int]]]:
+    """Linear name -> {target: (first row, end row)} for one block."""
+    grouped: dict[str, dict[str, tuple[int, int]]] = {}
+    for target in targets:
+        linear_name, third = TARGETS[target]
+        out_features = vit.linear(block, linear_name).out_features
+        if third is None:
+            rows = (0, out_features)
+        else:
+            width = out_features // 3
+            rows = (third * width, (third + 1) * width)
+        grouped.setdefault(linear_name, {})[target] = rows
+    return grouped
+
+
+def _formula(model: nn.Module, cfg: LoraConfig) -> int:
+    # r * (in + out_slice) per adapted slice: A is r x in, B is out_slice x r.
+    total = 0
+    for block in vit.blocks(model):
+        for linear_name, slices in _slices_per_linear(block, cfg.targets).items():
+            in_features = vit.linear(block, linear_name).in_features
+            total += sum(cfg.rank * (in_features + end - start) for start, end in slices.values())
+    return total
+
+
+@core.register_method("lora", LoraConfig, trainable_formula=_formula, zero_init=True, mergeable=True)
+def inject_lora(model: nn.Module, cfg: LoraConfig) -> None:
+    """LoRA: low-rank updates on q/k/v slices of the fused qkv, proj, fc1 and/or fc2."""
+    for block in vit.blocks(model):
+        for linear_name, slices in _slices_per_linear(block, cfg.targets).items():
+            wrapper = LoraLinear(vit.linear(block, linear_name), slices, cfg.rank, cfg.alpha, cfg.dropout)
+            vit.set_linear(block, linear_name, wrapper)
+
+
+def apply_lora(model: nn.Module, **options: Any) -> nn.Module:
+    """Add LoRA to every block of ``model`` and freeze everything else but the head.
+
+    Args:
+        model: a timm VisionTransformer.
+        **options: fields of :class:`LoraConfig` (``rank``, ``alpha``, ``dropout``, ``targets``,
+            ``num_classes``); with none, Q and V get rank-8 updates and the head is kept.
+
+    Returns:
+        The same model, modified in place.
+
+    """
+    return core.apply(model, "lora", **options)

@@ -1,0 +1,63 @@
+"""Partial-k fine-tuning: the last ``k`` blocks, the final norms and the head train.
+
+Blocks are chosen by their index in the block list; a name test such as ``'blocks.1' in name``
+would also catch ``blocks.10`` and ``blocks.11``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from petl import core, vit
+
+
+@dataclass
+class PartialConfig(core.MethodConfig):
+    """Options of Partial-k.
+
+    Attributes:
+        k: how many of the last blocks train, 1 to the model's depth.
+
+    """
+
+    k: int = 1
+
+    def validate(self, model: nn.Module) -> None:
+        super().validate(model)
+        core.check_range("k", self.k, low=1, high=vit.depth(model))
+
+
+def _trained_modules(model: nn.Module, k: int) -> list[nn.Module]:
+    blocks = vit.blocks(model)
+    return blocks[len(blocks) - k :] + vit.final_norms(model)
+
+
+def _formula(model: nn.Module, cfg: PartialConfig) -> int:
+    return sum(p.numel() for m in _trained_modules(model, cfg.k) for p in m.parameters())
+
+
+@core.register_method("partial", PartialConfig, trainable_formula=_formula, zero_init=True, mergeable=False)
+def inject_partial(model: nn.Module, cfg: PartialConfig) -> None:
+    """Partial-k: train the last k blocks, the final norms and the head."""
+    for module in _trained_modules(model, cfg.k):
+        module.requires_grad_(True)
+
+
+def apply_partial(model: nn.Module, **options: Any) -> nn.Module:
+    """Train only the last ``k`` blocks, the final norms and the head of ``model``.
+
+    Args:
+        model: a timm VisionTransformer.
+        **options: fields of :class:`PartialConfig` (``k``, ``num_classes``).
+
+    Returns:
+        The same model, modified in place.
+
+    Raises:
+        ValueError: ``k`` outside 1..depth.
+
+    """
+    return core.apply(model, "partial", **options)

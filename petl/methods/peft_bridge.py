@@ -1,0 +1,203 @@
+"""A bridge to Hugging Face peft: any tuner that ``peft.inject_adapter_in_model`` supports, on a timm ViT.
+
+peft is imported only when this method is used, because importing it pulls in transformers and
+would slow down ``import petl`` for everyone else.  The petl config keeps the peft config as
+plain fields plus a JSON string of extra keyword arguments, so the CLI can build a schema from it
+and ``save_trainable`` can record it.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import enum
+import json
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+
+from petl import core, vit
+
+if TYPE_CHECKING:
+    from peft import PeftConfig
+
+# Fields of a peft config that describe where it came from rather than what it does.
+_PROVENANCE_FIELDS = ("peft_type", "target_modules", "peft_version", "base_model_name_or_path", "revision")
+# LoRA options that leave the closed-form count r * (in + out) per adapted Linear intact.
+_PLAIN_LORA_OPTIONS = {"r", "lora_alpha", "lora_dropout", "init_lora_weights", "use_rslora", "fan_in_fan_out"}
+
+
+@dataclass
+class PeftBridgeConfig(core.MethodConfig):
+    """Options of the peft bridge.
+
+    Attributes:
+        peft_type: a peft tuner type that ``inject_adapter_in_model`` supports (``LORA``, ``IA3``, ``LOHA``...).
+        target_modules: module-name suffixes to adapt, matched the way peft matches them (``qkv`` hits
+            every ``blocks.N.attn.qkv``).
+        options: JSON object of extra keyword arguments for the peft config, e.g. ``'{"r": 8, "lora_alpha": 8}'``;
+            a ``target_modules`` key there (a regex string, say) overrides the field.
+
+    """
+
+    peft_type: str = "LORA"
+    target_modules: tuple[str, ...] = ("qkv",)
+    options: str = "{}"
+
+    def __post_init__(self) -> None:
+        self.target_modules = core.to_str_tuple(self.target_modules)
+        self.peft_type = str(self.peft_type).upper()
+
+    def extra_options(self) -> dict[str, Any]:
+        """``options`` parsed; a ValueError names the field when it is not a JSON object."""
+        try:
+            extra = json.loads(self.options)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"options={self.options!r} is not valid JSON: {err}") from err
+        if not isinstance(extra, dict):
+            raise ValueError(f"options={self.options!r} must be a JSON object of peft config keyword arguments")
+        return extra
+
+    def to_peft(self) -> PeftConfig:
+        """Build the peft config object these options describe."""
+        from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING, PEFT_TYPE_TO_TUNER_MAPPING
+        from peft.utils import PeftType
+
+        # Only tuners that peft can inject into an arbitrary nn.Module in place qualify.
+        supported = tuple(sorted(str(t.value) for t in PEFT_TYPE_TO_TUNER_MAPPING))
+        core.check_choice("peft_type", self.peft_type, supported)
+        kwargs: dict[str, Any] = {"target_modules": list(self.target_modules) or None, **self.extra_options()}
+        try:
+            return PEFT_TYPE_TO_CONFIG_MAPPING[PeftType(self.peft_type)](**kwargs)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"peft rejected options={self.options!r} for peft_type={self.peft_type}: {err}") from err
+
+    def validate(self, model: nn.Module) -> None:
+        super().validate(model)
+        from peft.tuners.tuners_utils import check_target_module_exists
+
+        peft_config = self.to_peft()
+        # Caught here rather than by peft mid-injection, when the model would already be frozen.
+        if peft_config.target_modules is not None and not any(
+            check_target_module_exists(peft_config, name) for name, _ in model.named_modules()
+        ):
+            raise ValueError(
+                f"target_modules={peft_config.target_modules!r} match no module of this model; "
+                "a timm ViT block has attn.qkv, attn.proj, mlp.fc1 and mlp.fc2"
+            )
+
+
+def _jsonable(name: str, value: Any) -> Any:
+    """``value`` in a form json.dumps accepts (sets sorted into lists, enums by value)."""
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, (set, frozenset)):
+        return sorted(value)
+    if isinstance(value, dict):
+        return {k: _jsonable(f"{name}.{k}", v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(name, v) for v in value]
+    try:
+        json.dumps(value)
+    except TypeError as err:
+        raise ValueError(f"peft config field {name}={value!r} cannot be stored as JSON") from err
+    return value
+
+
+def config_from_peft(peft_config: PeftConfig, num_classes: int | None = None) -> PeftBridgeConfig:
+    """Describe a ready peft config object as a :class:`PeftBridgeConfig`.
+
+    Only fields that differ from the peft class's defaults go into ``options``, which keeps the
+    recorded config short and readable.
+
+    Args:
+        peft_config: e.g. ``peft.LoraConfig(r=4, target_modules=["qkv"])``.
+        num_classes: reset the classifier to this many classes; ``None`` keeps it.
+
+    """
+    extra: dict[str, Any] = {}
+    for field in dataclasses.fields(peft_config):
+        if field.name in _PROVENANCE_FIELDS or not field.init:
+            continue
+        value = getattr(peft_config, field.name)
+        if field.default is not dataclasses.MISSING:
+            default = field.default
+        elif field.default_factory is not dataclasses.MISSING:
+            default = field.default_factory()
+        else:
+            default = dataclasses.MISSING
+        if default is dataclasses.MISSING or value != default:
+            extra[field.name] = _jsonable(field.name, value)
+    targets = peft_config.target_modules
+    if isinstance(targets, str):
+        # A regex string means "full match", a list means "suffix match"; keep the regex as it was.
+        extra["target_modules"], targets = targets, ()
+    return PeftBridgeConfig(
+        num_classes=num_classes,
+        peft_type=str(_jsonable("peft_type", peft_config.peft_type)),
+        target_modules=tuple(sorted(targets or ())),
+        options=json.dumps(extra, sort_keys=True),
+    )
+
+
+def _count_by_injecting(model: nn.Module, cfg: PeftBridgeConfig) -> int:
+    # Tuners other than plain LoRA have shapes peft alone knows; count them on a throwaway copy.
+    from peft import inject_adapter_in_model
+
+    trial = copy.deepcopy(model)
+    trial.requires_grad_(False)
+    inject_adapter_in_model(cfg.to_peft(), trial)
+    head_ids = {id(p) for p in vit.head(trial).parameters()}
+    return sum(p.numel() for p in trial.parameters() if p.requires_grad and id(p) not in head_ids)
+
+
+def _formula(model: nn.Module, cfg: PeftBridgeConfig) -> int:
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    peft_config = cfg.to_peft()
+    if cfg.peft_type != "LORA" or not set(cfg.extra_options()) <= _PLAIN_LORA_OPTIONS:
+        return _count_by_injecting(model, cfg)
+    head_ids = {id(m) for m in vit.head(model).modules()}
+    rank = peft_config.r
+    # peft's own matcher decides which Linears its target_modules name, so the count agrees with it.
+    return sum(
+        rank * (module.in_features + module.out_features)
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear)
+        and id(module) not in head_ids
+        and check_target_module_exists(peft_config, name)
+    )
+
+
+@core.register_method("peft", PeftBridgeConfig, trainable_formula=_formula, zero_init=True, mergeable=True)
+def inject_peft(model: nn.Module, cfg: PeftBridgeConfig) -> None:
+    """Hugging Face peft tuners (LoRA by default) injected in place with peft.inject_adapter_in_model."""
+    from peft import inject_adapter_in_model
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    # peft's layers carry merge()/unmerge() of their own; let petl.merge reach them.
+    core.register_mergeable_type(BaseTunerLayer)
+    inject_adapter_in_model(cfg.to_peft(), model)
+
+
+def apply_peft(model: nn.Module, peft_config: PeftConfig | None = None, **options: Any) -> nn.Module:
+    """Inject a peft tuner into ``model`` in place; the head trains too.
+
+    Args:
+        model: a timm VisionTransformer.
+        peft_config: a ready peft config object (e.g. ``peft.LoraConfig(...)``); its fields are
+            recorded in the petl config so that ``save_trainable`` / ``load_trainable`` work.
+        **options: fields of :class:`PeftBridgeConfig` (``peft_type``, ``target_modules``,
+            ``options``, ``num_classes``); only ``num_classes`` may accompany ``peft_config``.
+
+    Returns:
+        The same model, modified in place.
+
+    """
+    if peft_config is None:
+        return core.apply(model, "peft", **options)
+    others = sorted(set(options) - {"num_classes"})
+    if others:
+        raise ValueError(f"with peft_config, pass only num_classes; got {', '.join(others)} as well")
+    return core.apply(model, "peft", config=config_from_peft(peft_config, options.get("num_classes")))

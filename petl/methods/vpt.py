@@ -1,0 +1,139 @@
+"""Visual Prompt Tuning (VPT): learnable tokens inserted after the class/register tokens.
+
+Shallow VPT inserts one set of prompts before the first block and carries their outputs through
+the network; deep VPT replaces the previous layer's prompt outputs by fresh prompts before every
+block.  The prompts are removed after the last block, so the final norm and the pooling (class
+token or average) see exactly the tokens they would see without VPT.
+
+Each affected block is wrapped on its own, not the block container, so timm's forward still runs
+``model.blocks`` itself, including through ``checkpoint_seq`` when gradient checkpointing is on.
+timm's ``forward_intermediates`` also runs the wrapped blocks, but the intermediate outputs of
+blocks before the last one then still hold the prompts among the patch tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from petl import core, vit
+
+
+@dataclass
+class VptConfig(core.MethodConfig):
+    """Options of VPT.
+
+    Attributes:
+        num_tokens: prompts per layer.
+        deep: fresh prompts before every block (VPT-deep) rather than only the first (VPT-shallow).
+        dropout: dropout on the prompts (train mode only).
+
+    """
+
+    num_tokens: int = 10
+    deep: bool = False
+    dropout: float = 0.1
+
+    def validate(self, model: nn.Module) -> None:
+        super().validate(model)
+        core.check_range("num_tokens", self.num_tokens, low=1)
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"dropout={self.dropout} is out of range: allowed [0, 1)")
+
+
+class PromptedBlock(core.PetlModule):
+    """A block that adds prompts to its input and/or strips them from its output.
+
+    Args:
+        base: the timm block.
+        num_prefix: class plus register tokens; prompts go right after them.
+        num_tokens: how many prompts the sequence carries.
+        prompt: this block's prompts (``num_tokens`` x dim), or ``None`` to keep what arrives.
+        replace: the input already carries prompts (from the previous block) that ``prompt`` replaces.
+        strip: remove the prompts from the output (last block).
+        dropout: dropout on ``prompt``.
+
+    """
+
+    def __init__(
+        self,
+        base: nn.Module,
+        num_prefix: int,
+        num_tokens: int,
+        prompt: torch.Tensor | None,
+        replace: bool,
+        strip: bool,
+        dropout: float,
+    ) -> None:
+        super().__init__(base)
+        self.num_prefix, self.num_tokens = num_prefix, num_tokens
+        self.replace, self.strip = replace, strip
+        self.prompt = None if prompt is None else nn.Parameter(prompt)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self.prompt is not None:
+            p = self.num_prefix
+            rest = x[:, p + self.num_tokens :] if self.replace else x[:, p:]
+            prompts = self.dropout(self.prompt).unsqueeze(0).expand(x.shape[0], -1, -1)
+            x = torch.cat([x[:, :p], prompts.to(x.dtype), rest], dim=1)
+        # timm blocks take attn_mask / is_causal keywords; pass whatever the caller gave.
+        x = self.base(x, *args, **kwargs)
+        if self.strip:
+            p = self.num_prefix
+            x = torch.cat([x[:, :p], x[:, p + self.num_tokens :]], dim=1)
+        return x
+
+
+def _prompt_init_bound(model: nn.Module) -> float:
+    # VPT's Xavier-uniform bound for a patch-sized fan-in (3 * patch_h * patch_w) and fan-out dim.
+    patch_h, patch_w = vit.patch_size(model)
+    return math.sqrt(6.0 / (3 * patch_h * patch_w + vit.embed_dim(model)))
+
+
+def _formula(model: nn.Module, cfg: VptConfig) -> int:
+    prompt_sets = vit.depth(model) if cfg.deep else 1
+    return prompt_sets * cfg.num_tokens * vit.embed_dim(model)
+
+
+@core.register_method("vpt", VptConfig, trainable_formula=_formula, zero_init=False, mergeable=False)
+def inject_vpt(model: nn.Module, cfg: VptConfig) -> None:
+    """Visual Prompt Tuning: learnable prompt tokens, shallow (first block) or deep (every block)."""
+    depth, bound = vit.depth(model), _prompt_init_bound(model)
+    kw = core.factory_kwargs(model)
+    container = vit.block_container(model)
+    for i in range(depth):
+        has_prompt = i == 0 or cfg.deep
+        is_last = i == depth - 1
+        if not (has_prompt or is_last):
+            # Shallow VPT's middle blocks just carry the prompt outputs along; they stay unwrapped.
+            continue
+        prompt = torch.empty(cfg.num_tokens, vit.embed_dim(model), **kw).uniform_(-bound, bound) if has_prompt else None
+        wrapper = PromptedBlock(
+            container[i],
+            num_prefix=vit.num_prefix_tokens(model),
+            num_tokens=cfg.num_tokens,
+            prompt=prompt,
+            replace=i > 0,
+            strip=is_last,
+            dropout=cfg.dropout,
+        )
+        vit.set_block(model, i, wrapper)
+
+
+def apply_vpt(model: nn.Module, **options: Any) -> nn.Module:
+    """Add visual prompts to ``model`` and freeze everything else but the head.
+
+    Args:
+        model: a timm VisionTransformer (class token or not, register tokens, token or avg pooling).
+        **options: fields of :class:`VptConfig` (``num_tokens``, ``deep``, ``dropout``, ``num_classes``).
+
+    Returns:
+        The same model, modified in place.
+
+    """
+    return core.apply(model, "vpt", **options)
