@@ -1,0 +1,186 @@
+"""``petl-bench``: run a benchmark suite, build its leaderboard, or time the methods.
+
+Usage::
+
+    petl-bench [run] suite=mini [methods=linear,lora] [tasks=mini/digits] [seeds=0,1]
+               [output_dir=runs/bench/mini] [benchmarks_dir=...] [report=true] [dry_run=false]
+               [train.epochs=5 model.drop_path_rate=0.1 ...]
+    petl-bench report RESULTS_DIR [out=DIR]
+    petl-bench speed [model=...] [batch=32] [steps=10] [warmup=3] [device=cpu] [methods=...] [out=FILE]
+    petl-bench commands suite=vtab1k [hydra/launcher=submitit_slurm ...]   (prints petl-run --multirun lines)
+    petl-bench list
+
+Arguments are Hydra-style ``key=value``.  Keys the sweep does not know (``train.*``, ``model.*``,
+``data.root``...) pass through to ``petl.run.default_config`` after the suite's and experiment's own
+overrides, so the command line wins.
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from petl.bench import suite as suites
+from petl.bench.report import write_report
+from petl.bench.sweep import plan, run_sweep
+
+SWEEP_KEYS = {"suite", "methods", "tasks", "seeds", "output_dir", "benchmarks_dir", "report", "dry_run", "progress"}
+
+# Overrides that would silently fight the sweep's own bookkeeping: which method and task a run is,
+# its seed and its folder come from the suite and the experiment files.
+_RESERVED = {
+    "method": "choose experiments with methods=...",
+    "data": "choose tasks with tasks=...",
+    "seed": "choose seeds with seeds=...",
+}
+
+
+def _split_list(value: str) -> list[str]:
+    return [v.strip() for v in value.strip("[]").split(",") if v.strip()]
+
+
+def _as_bool(key: str, value: str) -> bool:
+    if value.lower() in ("true", "1", "yes"):
+        return True
+    if value.lower() in ("false", "0", "no"):
+        return False
+    raise SystemExit(f"petl-bench: {key}={value}: expected true or false")
+
+
+def parse_args(args: Sequence[str], known: set[str]) -> tuple[dict[str, str], list[str]]:
+    """Split ``key=value`` arguments into the command's own keys and pass-through overrides.
+
+    Raises:
+        SystemExit: an argument without ``=``, or an override of what the sweep itself decides.
+
+    """
+    own, passthrough = {}, []
+    for arg in args:
+        key, sep, value = arg.partition("=")
+        if not sep:
+            raise SystemExit(f"petl-bench: expected key=value, got {arg!r} (see petl-bench --help)")
+        if key in known:
+            own[key] = value
+            continue
+        root = key.lstrip("+~").split(".")[0]
+        if root in _RESERVED and (key == root or root == "method"):
+            raise SystemExit(f"petl-bench: {arg!r} is set per run by the sweep; {_RESERVED[root]}")
+        passthrough.append(arg)
+    return own, passthrough
+
+
+def cmd_run(args: Sequence[str]) -> int:
+    """Run a suite (restricted by methods/tasks/seeds), skipping finished runs, then build the report."""
+    own, overrides = parse_args(args, SWEEP_KEYS)
+    bench_dir = suites.find_benchmarks_dir(own.get("benchmarks_dir"))
+    suite = suites.load_suite(own.get("suite", "mini"), bench_dir)
+    names = _split_list(own["methods"]) if "methods" in own else suite.experiments
+    tasks = _split_list(own["tasks"]) if "tasks" in own else suite.tasks
+    seeds = [int(s) for s in _split_list(own["seeds"])] if "seeds" in own else suite.seeds
+    experiments = [suites.load_experiment(n, bench_dir) for n in names]
+    output_dir = Path(own.get("output_dir", f"runs/bench/{suite.name}"))
+    runs = plan(experiments, tasks, seeds, output_dir, suite.overrides(), overrides)
+    done = sum(r.is_done() for r in runs)
+    print(
+        f"petl-bench: suite {suite.name}: {len(experiments)} experiments x {len(tasks)} tasks x {len(seeds)} seeds "
+        f"= {len(runs)} runs into {output_dir} ({done} already done)"
+    )
+    if _as_bool("dry_run", own.get("dry_run", "false")):
+        for run in runs:
+            print(("done  " if run.is_done() else "todo  ") + run.label + "  " + " ".join(run.overrides))
+        return 0
+    summary = run_sweep(runs, progress=_as_bool("progress", own.get("progress", "true")))
+    print(f"petl-bench: {summary.line()}")
+    for line in summary.held_elsewhere:
+        print(f"  held by another sweep: {line}")
+    for line in summary.failed:
+        print(f"  failed: {line}")
+    if _as_bool("report", own.get("report", "true")) and any(r.is_done() for r in runs):
+        write_report(output_dir)
+        print(f"petl-bench: leaderboard written to {output_dir}/leaderboard.{{md,csv,html}} and pareto.png")
+    return 1 if summary.failed else 0
+
+
+def cmd_commands(args: Sequence[str]) -> int:
+    """Print one ``petl-run --multirun`` command per experiment that writes the suite's results layout.
+
+    Extra arguments (``hydra/launcher=submitit_slurm``, ``hydra.launcher.partition=gpu``, ``train.*``...)
+    are appended to every command, so a cluster launcher spreads the runs and ``petl-bench report``
+    reads the same folders afterwards.  Nothing is run.
+    """
+    own, overrides = parse_args(args, SWEEP_KEYS - {"report", "dry_run", "progress"})
+    bench_dir = suites.find_benchmarks_dir(own.get("benchmarks_dir"))
+    suite = suites.load_suite(own.get("suite", "mini"), bench_dir)
+    names = _split_list(own["methods"]) if "methods" in own else suite.experiments
+    tasks = _split_list(own["tasks"]) if "tasks" in own else suite.tasks
+    seeds = _split_list(own["seeds"]) if "seeds" in own else [str(s) for s in suite.seeds]
+    output_dir = own.get("output_dir", f"runs/bench/{suite.name}")
+    for name in names:
+        experiment = suites.load_experiment(name, bench_dir)
+        # Hydra resolves ${data.name} and ${seed} per job, giving each job the folder petl-bench would use.
+        parts = [
+            "petl-run",
+            "--multirun",
+            *suite.overrides(),
+            *experiment.overrides(),
+            f"data={','.join(tasks)}",
+            f"seed={','.join(seeds)}",
+            *overrides,
+            f"output_dir={output_dir}/${{data.name}}/{name}/seed${{seed}}",
+        ]
+        print(" ".join(shlex.quote(p) for p in parts))
+    return 0
+
+
+def cmd_report(args: Sequence[str]) -> int:
+    """Build the leaderboard of a results folder."""
+    positional = [a for a in args if "=" not in a]
+    own, rest = parse_args([a for a in args if "=" in a], {"out"})
+    if len(positional) != 1 or rest:
+        raise SystemExit("usage: petl-bench report RESULTS_DIR [out=DIR]")
+    out = own.get("out", positional[0])
+    board = write_report(positional[0], out)
+    print(
+        f"petl-bench: {len(board.rows)} experiments x {len(board.tasks)} tasks -> "
+        f"{out}/leaderboard.{{md,csv,html}}, {out}/pareto.png"
+    )
+    return 0
+
+
+def cmd_list(args: Sequence[str]) -> int:
+    """Print the suites and experiments found."""
+    own, _ = parse_args(args, {"benchmarks_dir"})
+    bench_dir = suites.find_benchmarks_dir(own.get("benchmarks_dir"))
+    for name in suites.list_suites(bench_dir):
+        s = suites.load_suite(name, bench_dir)
+        print(f"suite {name}: {len(s.experiments)} experiments, {len(s.tasks)} tasks, seeds {s.seeds}")
+    for name in suites.list_experiments(bench_dir):
+        e = suites.load_experiment(name, bench_dir)
+        print(f"experiment {name}: {' '.join(e.overrides())}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``petl-bench``."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] in ("-h", "--help", "help"):
+        print(__doc__)
+        return 0
+    command = args.pop(0) if args and "=" not in args[0] else "run"
+    if command == "speed":
+        from petl.bench.speed import main as speed_main
+
+        return speed_main(args)
+    commands = {"run": cmd_run, "report": cmd_report, "list": cmd_list, "commands": cmd_commands}
+    if command not in commands:
+        raise SystemExit(f"petl-bench: unknown command {command!r}; use run, report, speed, commands or list")
+    try:
+        return commands[command](args)
+    except (ValueError, FileNotFoundError) as err:
+        raise SystemExit(f"petl-bench: {err}") from err
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""``leaderboard.html``: one self-contained static page (no network, no external files).
+
+The tables come from the same display rows as the Markdown.  Every cell carries its sort key in
+``data-sort``, so a click on a header sorts numerically even though the cell shows ``85.12 ± 0.31``.
+Opening the page as ``leaderboard.html#sort=<column key>:<asc|desc>`` sorts on load, which makes a
+sorted view linkable (and lets the tests check the sorting in a real browser).
+"""
+
+from __future__ import annotations
+
+import base64
+from html import escape
+
+from petl.bench.report import Cell, Column, Leaderboard, display_table, notes, published_tables
+
+_STYLE = """
+body { font-family: system-ui, sans-serif; margin: 1.5em; color: #222; }
+table { border-collapse: collapse; font-size: 13px; margin: 1em 0; }
+th, td { border: 1px solid #ccc; padding: 3px 6px; text-align: right; white-space: nowrap; }
+th { background: #f0f0f0; cursor: pointer; user-select: none; position: sticky; top: 0; }
+th.info, td.info { text-align: left; }
+th.published { background: #fdf1dc; }
+td.published { background: #fffaf0; color: #555; font-style: italic; }
+th[data-dir="asc"]::after { content: " \\25B2"; }
+th[data-dir="desc"]::after { content: " \\25BC"; }
+.wrap { overflow-x: auto; }
+li { margin: 0.3em 0; }
+"""
+
+# Empty sort keys (a task not run yet) stay at the bottom whichever way a column is sorted.
+_SCRIPT = """
+function sortTable(table, col, dir) {
+  var body = table.tBodies[0];
+  var rows = Array.prototype.slice.call(body.rows);
+  rows.sort(function (a, b) {
+    var x = a.cells[col].getAttribute("data-sort"), y = b.cells[col].getAttribute("data-sort");
+    if (x === "" || y === "") { return (x === "") - (y === ""); }
+    var nx = Number(x), ny = Number(y);
+    var c = (!isNaN(nx) && !isNaN(ny)) ? nx - ny : x.localeCompare(y);
+    return dir === "asc" ? c : -c;
+  });
+  rows.forEach(function (row) { body.appendChild(row); });
+  Array.prototype.forEach.call(table.tHead.rows[0].cells, function (th, i) {
+    if (i === col) { th.setAttribute("data-dir", dir); } else { th.removeAttribute("data-dir"); }
+  });
+}
+document.querySelectorAll("table.sortable").forEach(function (table) {
+  Array.prototype.forEach.call(table.tHead.rows[0].cells, function (th, col) {
+    th.addEventListener("click", function () {
+      sortTable(table, col, th.getAttribute("data-dir") === "desc" ? "asc" : "desc");
+    });
+  });
+});
+(function () {
+  var m = /^#sort=([^:]+):(asc|desc)$/.exec(decodeURIComponent(window.location.hash));
+  var table = document.getElementById("leaderboard");
+  if (!m || !table) { return; }
+  Array.prototype.forEach.call(table.tHead.rows[0].cells, function (th, col) {
+    if (th.getAttribute("data-key") === m[1]) { sortTable(table, col, m[2]); }
+  });
+})();
+"""
+
+
+def _table(columns: list[Column], rows: list[list[Cell]], table_id: str) -> str:
+    head = "".join(
+        f'<th class="{c.kind}" data-key="{escape(c.key)}" title="click to sort">{escape(c.label)}</th>' for c in columns
+    )
+    body = "".join(
+        "<tr>"
+        + "".join(
+            f'<td class="{c.kind}" data-sort="{escape(str(key))}">{escape(text)}</td>'
+            for c, (text, key) in zip(columns, cells, strict=True)
+        )
+        + "</tr>"
+        for cells in rows
+    )
+    return (
+        f'<div class="wrap"><table class="sortable" id="{table_id}"><thead><tr>{head}</tr></thead>'
+        f"<tbody>{body}</tbody></table></div>"
+    )
+
+
+def render_html(board: Leaderboard, png: bytes) -> str:
+    """The page: leaderboard table, legend, Pareto plot (inline base64 PNG), published per-task tables."""
+    title = f"petl leaderboard: {board.results_dir.name}"
+    parts = [
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        f"<title>{escape(title)}</title><style>{_STYLE}</style></head><body>",
+        f"<h1>{escape(title)}</h1>",
+        "<p>Click a column header to sort.</p>",
+        _table(*display_table(board), "leaderboard"),
+        "<ul>" + "".join(f"<li>{_inline_markdown(escape(n))}</li>" for n in notes(board)) + "</ul>",
+        "<h2>Accuracy vs trainable parameters</h2>",
+        f'<img alt="Pareto plot" src="data:image/png;base64,{base64.b64encode(png).decode()}">',
+    ]
+    for i, (table, columns, rows) in enumerate(published_tables(board)):
+        parts += [
+            f"<h2>Published per-task figures: {escape(table.title)} (not measured by petl)</h2>",
+            f"<p>Source: {escape(table.source)}.</p>",
+            _table(columns, rows, f"published-{i}"),
+        ]
+    parts += [f"<script>{_SCRIPT}</script>", "</body></html>"]
+    return "\n".join(parts) + "\n"
+
+
+def _inline_markdown(text: str) -> str:
+    # notes() is written for Markdown; its only markup is **bold** and `code`.
+    for marker, tag in (("**", "b"), ("`", "code")):
+        pieces = text.split(marker)
+        text = "".join(f"<{tag}>{p}</{tag}>" if i % 2 else p for i, p in enumerate(pieces))
+    return text

@@ -1,0 +1,179 @@
+"""Figures other people published, kept apart from anything petl measures.
+
+The CSVs in ``petl/bench/published/`` are copies of the V-PETL Bench tables (ViT-B/16 pretrained on
+ImageNet-21k).  They ship inside the package because users have no copy of the project's shared
+folder.  Leaderboards show them only in columns labelled "published", with :attr:`PublishedTable.source`
+beside them: a tiny 32-pixel backbone and a ViT-B/16 are not comparable number for number, only in trend.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+PUBLISHED_DIR = Path(__file__).parent / "published"
+
+# The denominator C of V-PETL's Performance-Parameter Trade-off.
+PPT_SCALE = 1e7
+
+# petl experiment name -> row name in the published tables.  Each pair is the closest published match;
+# the leaderboard prints petl's own configuration beside it so that differences stay visible
+# (e.g. V-PETL's "Adapter" is a sequential bottleneck of dim 8, AdaptFormer the parallel one).
+EXPERIMENT_TO_PUBLISHED = {
+    "linear": "Linear probing",
+    "full": "Full fine-tuning",
+    "adapter_sequential": "Adapter",
+    "adapter_parallel": "AdaptFormer",
+    "lora": "LoRA",
+    "vpt_shallow": "VPT-Shallow",
+    "vpt_deep": "VPT-Deep",
+    "partial": "Partial-1",
+    "mlp": "MLP-3",
+}
+
+# VTAB-1k's three groups, in the column order of the published table.  The group mean that VPT, NOAH and
+# Adapter+ report is the mean of these three group averages.
+VTAB_GROUPS = {
+    "natural": ("cifar100", "caltech101", "dtd", "flowers102", "pets", "svhn", "sun397"),
+    "specialized": ("patch_camelyon", "eurosat", "resisc45", "retinopathy"),
+    "structured": (
+        "clevr_count",
+        "clevr_dist",
+        "dmlab",
+        "kitti_dist",
+        "dsprites_loc",
+        "dsprites_ori",
+        "smallnorb_azi",
+        "smallnorb_ele",
+    ),
+}
+
+_SOURCE = (
+    "V-PETL Bench README (github.com/synbol/Parameter-Efficient-Transfer-Learning-Benchmark, commit c188fad), "
+    "ViT-B/16 pretrained on ImageNet-21k"
+)
+
+
+def ppt(mean_top1_percent: float, trainable_params: float) -> float:
+    """V-PETL's Performance-Parameter Trade-off: ``M * exp(-log10(P / C + 1))``.
+
+    Args:
+        mean_top1_percent: mean top-1 accuracy in percent (converted to the fraction M here).
+        trainable_params: P, the trained parameters outside the classifier head (V-PETL counts
+            linear probing as 0M, so heads are excluded).
+
+    Returns:
+        The PPT score (NaN when the accuracy is NaN).
+
+    """
+    return (mean_top1_percent / 100.0) * math.exp(-math.log10(trainable_params / PPT_SCALE + 1.0))
+
+
+def parse_params(text: str) -> float | None:
+    """Parse a published parameter count such as ``0.29M`` or ``0 M`` into a number of parameters."""
+    text = text.strip().replace(" ", "")
+    if not text or text == "-":
+        return None
+    if text[-1] in "Mm":
+        return float(text[:-1]) * 1e6
+    return float(text)
+
+
+@dataclass(frozen=True)
+class PublishedRow:
+    """One published method: per-task top-1 (%), the table's own task mean, params and PPT."""
+
+    method: str
+    top1: dict[str, float]
+    task_mean: float
+    params: float | None
+    ppt: float | None
+
+
+@dataclass(frozen=True)
+class PublishedTable:
+    """A published results table and how petl task names map onto its columns.
+
+    Attributes:
+        key: short name used in column labels (``vtab1k``, ``fgvc``).
+        prefix: petl dataset prefix the table covers (``vtab/`` covers ``vtab/cifar100``...).
+        filename: the CSV under ``petl/bench/published/``.
+        title: human-readable table name.
+        source: where the figures come from (printed beside every published column).
+
+    """
+
+    key: str
+    prefix: str
+    filename: str
+    title: str
+    source: str
+
+    def covers(self, task: str) -> bool:
+        """Whether petl dataset ``task`` is one of this table's columns."""
+        return task.startswith(self.prefix)
+
+    def column(self, task: str) -> str:
+        """The table's column name for petl dataset ``task`` (the name after the prefix)."""
+        return task[len(self.prefix) :]
+
+    def rows(self) -> dict[str, PublishedRow]:
+        """The table's rows by method name."""
+        return _load(PUBLISHED_DIR / self.filename)
+
+    def group_of(self, column: str) -> str:
+        """The benchmark group of a column (VTAB's three groups; one group for FGVC)."""
+        if self.key == "vtab1k":
+            return next((g for g, cols in VTAB_GROUPS.items() if column in cols), "other")
+        return self.key
+
+    def group_mean(self, row: PublishedRow) -> float:
+        """Mean of the group averages of ``row``'s per-task figures."""
+        by_group: dict[str, list[float]] = {}
+        for column, value in row.top1.items():
+            by_group.setdefault(self.group_of(column), []).append(value)
+        return sum(sum(v) / len(v) for v in by_group.values()) / len(by_group)
+
+
+TABLES = (
+    PublishedTable(
+        "vtab1k",
+        "vtab/",
+        "vtab1k_vitb16_in21k_vpetl.csv",
+        'VTAB-1k, table "Benchmark results of image classification on VTAB"',
+        _SOURCE,
+    ),
+    PublishedTable("fgvc", "fgvc/", "fgvc_vitb16_in21k_vpetl.csv", "FGVC", _SOURCE),
+)
+
+
+@cache
+def _load(path: Path) -> dict[str, PublishedRow]:
+    # Cached because a report asks for the same table once per experiment.
+    rows = {}
+    with path.open(newline="") as f:
+        for record in csv.DictReader(f):
+            method = record.pop("method")
+            params = parse_params(record.pop("params"))
+            ppt_text = record.pop("ppt").strip()
+            task_mean = float(record.pop("task_mean"))
+            top1 = {column: float(value) for column, value in record.items()}
+            rows[method] = PublishedRow(method, top1, task_mean, params, None if ppt_text == "-" else float(ppt_text))
+    return rows
+
+
+def table_for(task: str) -> PublishedTable | None:
+    """The published table covering petl dataset ``task``, if any (mini tasks have none)."""
+    return next((t for t in TABLES if t.covers(task)), None)
+
+
+def vtab_group(task: str) -> str | None:
+    """VTAB-1k group of a ``vtab/...`` task name, from the published convention; None for other tasks."""
+    table = table_for(task)
+    if table is None or table.key != "vtab1k":
+        return None
+    group = table.group_of(table.column(task))
+    return None if group == "other" else group

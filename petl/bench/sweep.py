@@ -1,0 +1,219 @@
+"""Run a suite's experiments × tasks × seeds in-process through ``petl.run.train``.
+
+Each run owns ``<output_dir>/<task>/<experiment>/seed<k>/``.  A run whose ``result.json`` exists is
+done and skipped, so an interrupted sweep resumes by running the same command again.  A run being
+trained holds a lock file in its folder, so a second sweep on the same folder (another terminal,
+another node on a shared filesystem) trains something else instead of writing into the same files.
+This is bookkeeping, not a scheduler: spreading runs over GPUs or SLURM is Hydra's launchers' job
+(see benchmarks/README.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from petl.bench.suite import Experiment, format_value
+
+RESULT_FILE = "result.json"
+LOCK_FILE = ".petl-bench.lock"
+ERROR_FILE = "error.log"
+
+TrainFn = Callable[[Any], dict]
+ComposeFn = Callable[[list[str]], Any]
+
+
+@dataclass(frozen=True)
+class PlannedRun:
+    """One training run of a sweep: where it writes and the overrides that define it."""
+
+    task: str
+    experiment: str
+    seed: int
+    run_dir: Path
+    overrides: tuple[str, ...]
+
+    @property
+    def label(self) -> str:
+        """Short name for progress lines."""
+        return f"{self.task} {self.experiment} seed{self.seed}"
+
+    def is_done(self) -> bool:
+        """Whether the run has already written its result."""
+        return (self.run_dir / RESULT_FILE).is_file()
+
+
+def run_dir_for(output_dir: Path, task: str, experiment: str, seed: int) -> Path:
+    """The folder one run owns: ``<output_dir>/<task>/<experiment>/seed<k>``."""
+    return output_dir / task / experiment / f"seed{seed}"
+
+
+def plan(
+    experiments: Sequence[Experiment],
+    tasks: Sequence[str],
+    seeds: Sequence[int],
+    output_dir: Path,
+    base_overrides: Sequence[str] = (),
+    extra_overrides: Sequence[str] = (),
+) -> list[PlannedRun]:
+    """Every run of a sweep, seed by seed, so a partial sweep already covers all cells once.
+
+    Args:
+        experiments: the experiments to run.
+        tasks: petl dataset names.
+        seeds: random seeds.
+        output_dir: the results root.
+        base_overrides: the suite's overrides (applied first).
+        extra_overrides: the user's command-line overrides (applied last, so they win).
+
+    Returns:
+        The planned runs, in execution order.
+
+    """
+    runs = []
+    for seed in seeds:
+        for task in tasks:
+            for exp in experiments:
+                run_dir = run_dir_for(output_dir, task, exp.name, seed)
+                overrides = (
+                    *base_overrides,
+                    *exp.overrides(),
+                    f"data={task}",
+                    f"seed={seed}",
+                    *extra_overrides,
+                    # Last, so no override can send two runs into one folder.
+                    f"output_dir={format_value(str(run_dir))}",
+                )
+                runs.append(PlannedRun(task, exp.name, seed, run_dir, overrides))
+    return runs
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def acquire_lock(run_dir: Path) -> bool:
+    """Claim ``run_dir`` for this process; False if another live sweep holds it.
+
+    The lock is created with O_EXCL, which is atomic on local filesystems and NFSv3+.  A lock left by a
+    dead process on this host is stale and taken over; one from another host cannot be checked and is
+    respected (delete it by hand after a crashed node).
+    """
+    run_dir.mkdir(parents=True, exist_ok=True)
+    lock = run_dir / LOCK_FILE
+    me = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}
+    for _ in range(2):
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            try:
+                holder = json.loads(lock.read_text())
+            except (OSError, ValueError):
+                return False  # being written right now by its owner
+            if holder.get("host") == me["host"] and not _pid_alive(int(holder.get("pid", -1))):
+                lock.unlink(missing_ok=True)
+                continue
+            return False
+        with os.fdopen(fd, "w") as f:
+            json.dump(me, f)
+        return True
+    return False
+
+
+def release_lock(run_dir: Path) -> None:
+    """Drop this process's claim on ``run_dir``."""
+    (run_dir / LOCK_FILE).unlink(missing_ok=True)
+
+
+@dataclass
+class SweepSummary:
+    """What a sweep did: counts by outcome, and the failed runs with their error logs."""
+
+    total: int = 0
+    already_done: int = 0
+    trained: int = 0
+    held_elsewhere: list[str] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)
+
+    def line(self) -> str:
+        """One-line summary for the console."""
+        return (
+            f"{self.total} runs: {self.already_done} already done, {self.trained} trained, "
+            f"{len(self.held_elsewhere)} held by another sweep, {len(self.failed)} failed"
+        )
+
+
+def _default_fns() -> tuple[TrainFn, ComposeFn]:
+    # Imported late: the sweep is testable with fakes, and `petl-bench report` never needs the engine.
+    from petl import run
+
+    return run.train, run.default_config
+
+
+def run_sweep(
+    runs: Sequence[PlannedRun],
+    train_fn: TrainFn | None = None,
+    compose_fn: ComposeFn | None = None,
+    progress: bool = True,
+) -> SweepSummary:
+    """Train every planned run that has no result yet, one after another, in this process.
+
+    A run that raises is logged to ``<run_dir>/error.log`` and the sweep goes on; the caller decides
+    the exit status from :attr:`SweepSummary.failed`.
+
+    Args:
+        runs: from :func:`plan`.
+        train_fn: ``petl.run.train`` unless given (tests pass a fake).
+        compose_fn: ``petl.run.default_config`` unless given.
+        progress: show the sweep's progress bar (runs done / total, current run, ETA).
+
+    Returns:
+        The sweep's summary.
+
+    """
+    if train_fn is None or compose_fn is None:
+        default_train, default_compose = _default_fns()
+        train_fn = train_fn or default_train
+        compose_fn = compose_fn or default_compose
+    summary = SweepSummary(total=len(runs))
+    pending = [r for r in runs if not r.is_done()]
+    summary.already_done = len(runs) - len(pending)
+    # Starting the bar at the runs already done keeps its ETA based on this session's pace only.
+    bar = tqdm(total=len(runs), initial=summary.already_done, desc="sweep", unit="run", disable=not progress)
+    try:
+        for run in pending:
+            bar.set_postfix_str(run.label)
+            if not acquire_lock(run.run_dir):
+                summary.held_elsewhere.append(run.label)
+            else:
+                try:
+                    # Another sweep may have finished it between our first look and the lock.
+                    if not run.is_done():
+                        (run.run_dir / ERROR_FILE).unlink(missing_ok=True)
+                        train_fn(compose_fn(list(run.overrides)))
+                        summary.trained += 1
+                except Exception:  # one bad run must not end a day-long sweep
+                    (run.run_dir / ERROR_FILE).write_text(traceback.format_exc())
+                    summary.failed.append(f"{run.label}: see {run.run_dir / ERROR_FILE}")
+                    bar.write(f"FAILED {run.label} (see {run.run_dir / ERROR_FILE})")
+                finally:
+                    release_lock(run.run_dir)
+            bar.update(1)
+    finally:
+        bar.close()
+    return summary
