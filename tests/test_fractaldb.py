@@ -18,7 +18,7 @@ def test_systems_pass_the_fill_filter_and_are_seeded():
     for system in systems:
         assert fill_rate(render(system, TINY.image_size, rng)) >= TINY.fill_threshold
     again = search_systems(TINY)
-    assert all(np.array_equal(a, b) for a, b in zip(systems, again))
+    assert all(np.array_equal(a, b) for a, b in zip(systems, again, strict=True))
 
 
 def test_generate_is_deterministic_and_labelled():
@@ -60,7 +60,8 @@ def test_short_pretraining_writes_loadable_weights_and_provenance(tmp_path):
     )
     fresh = timm.create_model(pretrain.ARCH, num_classes=3)
     trained = dict(model.named_parameters())
-    assert not torch.equal(trained["blocks.0.attn.qkv.weight"], dict(fresh.named_parameters())["blocks.0.attn.qkv.weight"])
+    key = "blocks.0.attn.qkv.weight"
+    assert not torch.equal(trained[key], dict(fresh.named_parameters())[key])
 
 
 def test_cli_rejects_bad_sizes(capsys):
