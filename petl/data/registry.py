@@ -1,0 +1,147 @@
+"""The dataset registry: names, metadata, and the single entry point that builds a split.
+
+A dataset is a :class:`DatasetInfo` plus a builder function.  Defining the builder with the
+:func:`register_dataset` decorator registers it, so a new dataset is one decorated function in one
+file; nothing else has to be edited.  Builders receive already-validated arguments: the split name
+is one of :data:`SPLITS` and the image options are bundled into an :class:`~petl.data.transforms.ImageSpec`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from torch.utils.data import Dataset
+
+from petl.data.transforms import IMAGENET_MEAN, IMAGENET_STD, ImageSpec
+
+# The VTAB-1k protocol's four splits.  Every dataset answers to these names so that training code
+# never needs to know which family a dataset comes from.
+SPLITS: tuple[str, ...] = ("train800", "val200", "train800val200", "test")
+GROUPS: tuple[str, ...] = ("natural", "specialized", "structured", "fgvc")
+
+
+class DatasetUnavailableError(RuntimeError):
+    """A dataset's source cannot be reached here (not cached, offline, or a package is missing).
+
+    The message says what is missing and how to provide it; it is raised ``from None`` so the
+    user sees one clear sentence rather than a network traceback.
+    """
+
+
+@dataclass(frozen=True)
+class DatasetInfo:
+    """What is known about a dataset without loading it.
+
+    Attributes:
+        name: registry name, e.g. ``"vtab/cifar100"`` or ``"mini/digits"``.
+        group: one of :data:`GROUPS` (VTAB's natural / specialized / structured, or fgvc).
+        num_classes: number of labels; every label lies in ``[0, num_classes)``.
+        source: one line on where the images come from.
+        hub_id: Hugging Face hub repository used when no local folder is given, or ``None``.
+
+    """
+
+    name: str
+    group: str
+    num_classes: int
+    source: str
+    hub_id: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.group not in GROUPS:
+            raise ValueError(f"{self.name}: group {self.group!r} is not one of {GROUPS}")
+        if self.num_classes < 2:
+            raise ValueError(f"{self.name}: num_classes must be >= 2, got {self.num_classes}")
+
+
+class Builder(Protocol):
+    def __call__(self, split: str, spec: ImageSpec, *, root: str | None, strict: bool) -> Dataset: ...
+
+
+_REGISTRY: dict[str, tuple[DatasetInfo, Builder]] = {}
+
+
+def register_dataset(info: DatasetInfo) -> Callable[[Builder], Builder]:
+    """Decorator that registers ``builder`` under ``info.name``.
+
+    Args:
+        info: the dataset's metadata; its name must not be registered yet.
+
+    Returns:
+        A decorator returning the builder unchanged, so builders stay callable directly in tests.
+
+    """
+
+    def decorate(builder: Builder) -> Builder:
+        if info.name in _REGISTRY:
+            # Two definitions of one name would silently shadow each other depending on import order.
+            raise ValueError(f"dataset {info.name!r} is registered twice")
+        _REGISTRY[info.name] = (info, builder)
+        return builder
+
+    return decorate
+
+
+def list_datasets() -> list[str]:
+    """Every registered dataset name, sorted."""
+    return sorted(_REGISTRY)
+
+
+def _lookup(name: str) -> tuple[DatasetInfo, Builder]:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown dataset {name!r}; valid names: {', '.join(list_datasets())}") from None
+
+
+def get_info(name: str) -> DatasetInfo:
+    """Metadata of dataset ``name``.
+
+    Raises:
+        ValueError: ``name`` is not registered; the message lists the valid names.
+
+    """
+    return _lookup(name)[0]
+
+
+def build_dataset(
+    name: str,
+    split: str,
+    *,
+    image_size: int,
+    mean: Sequence[float] = IMAGENET_MEAN,
+    std: Sequence[float] = IMAGENET_STD,
+    normalize: bool = True,
+    root: str | None = None,
+    strict: bool = True,
+) -> Dataset:
+    """Build one split of a registered dataset.
+
+    Items are ``(float32 tensor [3, image_size, image_size], int label)``: images are resized to
+    ``image_size``, converted to three channels and, if ``normalize``, standardised with
+    ``mean``/``std``.  No augmentation is applied.
+
+    Args:
+        name: a name from :func:`list_datasets`.
+        split: one of ``train800``, ``val200``, ``train800val200``, ``test``.
+        image_size: side of the square output images (the backbone's input size).
+        mean: per-channel mean, normally the backbone's timm pretrained config value.
+        std: per-channel standard deviation, same origin as ``mean``.
+        normalize: ``False`` returns pixel values in [0, 1] instead.
+        root: folder holding the dataset in the field's layout; real datasets use the hub when
+            ``None``.  Mini datasets ignore it.
+        strict: check the VTAB-1k split sizes (800/200/1000) of local folders.  Only test
+            fixtures turn this off; label ranges are checked either way.
+
+    Raises:
+        ValueError: unknown name or split, or bad image options.
+        DatasetUnavailableError: the source cannot be reached or read.
+
+    """
+    _info, builder = _lookup(name)
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r} for {name}; valid splits: {', '.join(SPLITS)}")
+    spec = ImageSpec(image_size=image_size, mean=tuple(mean), std=tuple(std), normalize=normalize)
+    return builder(split, spec, root=root, strict=strict)

@@ -1,0 +1,466 @@
+"""The real benchmarks: the 19 VTAB-1k tasks (``vtab/<task>``) and the 5 FGVC tasks (``fgvc/<task>``).
+
+Each task loads from one of two places:
+
+* a local folder (``root``), in the layout the field distributes: for VTAB-1k,
+  ``<root>/<task>/`` holding the images and ``train800.txt``, ``val200.txt``,
+  ``train800val200.txt``, ``test.txt`` with lines ``relative/image/path label``; the task folder
+  may carry petl's name (``cifar100``) or the field's (``cifar``, as in the common ``vtab-1k.zip``).
+  For FGVC, ``<root>/<task>/`` holding ``train.txt``/``val.txt``/``test.txt`` in the same line
+  format, or VPT's ``train.json``/``val.json``/``test.json`` (``{"relative/path": label}``);
+* the Hugging Face hub when ``root`` is ``None`` (ids and their verification status are listed in
+  ``petl/data/README.md``).  Offline or uncached, that raises :class:`DatasetUnavailableError`
+  naming the dataset, the hub id and the local-folder alternative.
+
+FGVC has no fixed 800/200 protocol, so its splits answer to the VTAB names this way:
+``train800`` -> train, ``val200`` -> val, ``train800val200`` -> train + val, ``test`` -> test.
+Loading checks what can be checked: VTAB-1k split sizes (800/200/1000, unless ``strict=False``
+for small test fixtures), labels inside ``[0, num_classes)``, and (strict) that the labels
+present cover exactly ``num_classes`` classes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import warnings
+import zipfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+from torch.utils.data import Dataset
+
+from petl.data.registry import DatasetInfo, DatasetUnavailableError, register_dataset
+from petl.data.transforms import ImageSpec, pil_to_tensor
+
+VTAB_SIZES = {"train800": 800, "val200": 200, "train800val200": 1000}
+VTAB_HUB_ID = "XiN0919/VTAB-1k"
+VTAB_HUB_FILE = "vtab-1k.zip"
+CACHE_ENV = "PETL_CACHE_DIR"
+# Seeded hold-out for hub FGVC copies that publish no validation split (VPT also holds out ~10%).
+FGVC_VAL_FRACTION = 0.1
+FGVC_VAL_SEED = 0
+
+
+@dataclass(frozen=True)
+class _Task:
+    name: str
+    group: str
+    num_classes: int
+    folders: tuple[str, ...]
+    source: str
+    hub_id: str | None
+
+
+# Class counts follow VTAB's task definitions (task_adaptation): caltech101 includes the
+# background class (102), clevr_dist / kitti_dist / dsprites_* / smallnorb_* are binned factors.
+VTAB_TASKS: tuple[_Task, ...] = (
+    _Task("cifar100", "natural", 100, ("cifar",), "CIFAR-100", VTAB_HUB_ID),
+    _Task("caltech101", "natural", 102, ("caltech101",), "Caltech-101 (with background class)", VTAB_HUB_ID),
+    _Task("dtd", "natural", 47, ("dtd",), "Describable Textures", VTAB_HUB_ID),
+    _Task("flowers102", "natural", 102, ("oxford_flowers102",), "Oxford Flowers-102", VTAB_HUB_ID),
+    _Task("pets", "natural", 37, ("oxford_iiit_pet",), "Oxford-IIIT Pet", VTAB_HUB_ID),
+    _Task("svhn", "natural", 10, ("svhn",), "SVHN cropped digits", VTAB_HUB_ID),
+    _Task("sun397", "natural", 397, ("sun397",), "SUN397 scenes", VTAB_HUB_ID),
+    _Task("patch_camelyon", "specialized", 2, ("patch_camelyon",), "PatchCamelyon histopathology", VTAB_HUB_ID),
+    _Task("eurosat", "specialized", 10, ("eurosat",), "EuroSAT RGB satellite", VTAB_HUB_ID),
+    _Task("resisc45", "specialized", 45, ("resisc45",), "RESISC45 remote sensing", VTAB_HUB_ID),
+    _Task("retinopathy", "specialized", 5, ("diabetic_retinopathy",), "Diabetic retinopathy grades", VTAB_HUB_ID),
+    _Task("clevr_count", "structured", 8, ("clevr_count",), "CLEVR object count (3-10)", VTAB_HUB_ID),
+    _Task("clevr_dist", "structured", 6, ("clevr_dist",), "CLEVR closest-object distance bins", VTAB_HUB_ID),
+    _Task("dmlab", "structured", 6, ("dmlab",), "DeepMind Lab distance to reward", VTAB_HUB_ID),
+    _Task("kitti_dist", "structured", 4, ("kitti",), "KITTI closest-vehicle distance bins", VTAB_HUB_ID),
+    _Task("dsprites_loc", "structured", 16, ("dsprites_loc",), "dSprites x-position bins", VTAB_HUB_ID),
+    _Task("dsprites_ori", "structured", 16, ("dsprites_ori",), "dSprites orientation bins", VTAB_HUB_ID),
+    _Task("smallnorb_azi", "structured", 18, ("smallnorb_azi",), "smallNORB azimuth", VTAB_HUB_ID),
+    _Task("smallnorb_ele", "structured", 9, ("smallnorb_ele",), "smallNORB elevation", VTAB_HUB_ID),
+)
+
+FGVC_TASKS: tuple[_Task, ...] = (
+    _Task("cub", "fgvc", 200, ("CUB_200_2011",), "CUB-200-2011 birds", "bentrevett/caltech-ucsd-birds-200-2011"),
+    # No public hub copy of NABirds with labels was found: local folder only.
+    _Task("nabirds", "fgvc", 555, ("NABirds",), "NABirds", None),
+    _Task(
+        "flowers",
+        "fgvc",
+        102,
+        ("OxfordFlower", "oxford_flowers102"),
+        "Oxford Flowers-102",
+        "dpdl-benchmark/oxford_flowers102",
+    ),
+    _Task("dogs", "fgvc", 120, ("StanfordDogs", "stanford_dogs"), "Stanford Dogs", "maurice-fp/stanford-dogs"),
+    _Task(
+        "cars",
+        "fgvc",
+        196,
+        ("StanfordCars", "stanford_cars", "Stanford-cars"),
+        "Stanford Cars",
+        "tanganke/stanford_cars",
+    ),
+)
+
+
+# --------------------------------------------------------------------------------------------
+# Datasets over lists of files or hub rows
+# --------------------------------------------------------------------------------------------
+
+
+class FileListDataset(Dataset):
+    """Images listed by path, decoded and transformed lazily on access.
+
+    Args:
+        items: ``(absolute image path, label)`` pairs.
+        spec: output size and normalisation.
+
+    """
+
+    def __init__(self, items: Sequence[tuple[Path, int]], spec: ImageSpec) -> None:
+        self.items = list(items)
+        self.spec = spec
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        path, label = self.items[index]
+        with Image.open(path) as image:
+            return pil_to_tensor(image, self.spec), label
+
+    @property
+    def labels(self) -> list[int]:
+        """Every item's label, without decoding images."""
+        return [label for _, label in self.items]
+
+
+class HubDataset(Dataset):
+    """Rows of a Hugging Face ``datasets.Dataset`` selected by index, transformed lazily.
+
+    Args:
+        rows: the hub split.
+        indices: which rows form this split.
+        image_column: column holding the images.
+        label_column: column holding integer labels.
+        spec: output size and normalisation.
+
+    """
+
+    def __init__(
+        self, rows: Any, indices: Sequence[int], image_column: str, label_column: str, spec: ImageSpec
+    ) -> None:
+        self.rows = rows
+        self.indices = list(indices)
+        self.image_column = image_column
+        self.label_column = label_column
+        self.spec = spec
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        row = self.rows[self.indices[index]]
+        return pil_to_tensor(row[self.image_column], self.spec), int(row[self.label_column])
+
+
+# --------------------------------------------------------------------------------------------
+# Local folders
+# --------------------------------------------------------------------------------------------
+
+
+def _find_task_dir(info: DatasetInfo, task: _Task, root: Path, markers: Sequence[str]) -> Path:
+    """The folder under ``root`` holding ``task``; ``root`` itself counts if it holds the split files."""
+    short = task.name
+    candidates = [root / short, *(root / f for f in task.folders), root]
+    for folder in candidates:
+        if any((folder / m).is_file() for m in markers):
+            return folder
+    tried = ", ".join(str(c) for c in candidates)
+    raise DatasetUnavailableError(
+        f"{info.name}: no task folder found under root={root} (looked for {' / '.join(markers)} in: {tried})"
+    )
+
+
+def _read_list(path: Path, base: Path) -> list[tuple[Path, int]]:
+    """Parse a ``relative/path label`` file; paths may contain spaces, the label is the last field."""
+    items = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        parts = line.rsplit(maxsplit=1)
+        if len(parts) != 2:
+            raise ValueError(f"{path}:{number}: expected 'relative/path label', got {line!r}")
+        try:
+            label = int(parts[1])
+        except ValueError:
+            raise ValueError(f"{path}:{number}: label {parts[1]!r} is not an integer") from None
+        items.append((base / parts[0], label))
+    return items
+
+
+def _check_labels(info: DatasetInfo, splits: dict[str, list[tuple[Path, int]]], strict: bool) -> None:
+    """Labels must index the classes; with ``strict``, together they must cover every class."""
+    seen: set[int] = set()
+    for split, items in splits.items():
+        labels = {label for _, label in items}
+        outside = sorted(lb for lb in labels if not 0 <= lb < info.num_classes)
+        if outside:
+            raise ValueError(
+                f"{info.name}: split {split} has labels {outside[:5]} outside [0, {info.num_classes}): "
+                "wrong task folder or wrong class count"
+            )
+        seen |= labels
+    if strict and len(seen) != info.num_classes:
+        raise ValueError(
+            f"{info.name}: the splits hold {len(seen)} distinct labels but the task has {info.num_classes} classes"
+        )
+
+
+def _check_files(info: DatasetInfo, items: list[tuple[Path, int]]) -> None:
+    missing = [path for path, _ in items if not path.is_file()]
+    if missing:
+        raise DatasetUnavailableError(f"{info.name}: {len(missing)} listed images are missing, e.g. {missing[0]}")
+
+
+def _load_vtab_folder(info: DatasetInfo, folder: Path, split: str, spec: ImageSpec, strict: bool) -> Dataset:
+    """Read all four split lists, validate them, and return ``split``."""
+    splits = {}
+    for name in ("train800", "val200", "train800val200", "test"):
+        path = folder / f"{name}.txt"
+        if not path.is_file():
+            raise DatasetUnavailableError(f"{info.name}: {path} is missing (a VTAB-1k task folder has all four lists)")
+        splits[name] = _read_list(path, folder)
+    if strict:
+        for name, expected in VTAB_SIZES.items():
+            if len(splits[name]) != expected:
+                raise ValueError(
+                    f"{info.name}: {folder / name}.txt lists {len(splits[name])} images, VTAB-1k expects {expected}"
+                )
+        if not splits["test"]:
+            raise ValueError(f"{info.name}: {folder / 'test.txt'} is empty")
+        union = sorted(splits["train800"] + splits["val200"])
+        if union != sorted(splits["train800val200"]):
+            # Known copies build train800val200 as the concatenation; a mismatch is suspicious but
+            # not necessarily wrong, so it warns instead of refusing to run.
+            warnings.warn(
+                f"{info.name}: train800val200.txt is not the union of train800.txt and val200.txt", stacklevel=3
+            )
+    _check_labels(info, splits, strict)
+    _check_files(info, splits[split])
+    return FileListDataset(splits[split], spec)
+
+
+def _read_json_split(path: Path) -> dict[str, int]:
+    with path.open() as handle:
+        data = json.load(handle)
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected an object mapping image paths to labels")
+    return {str(k): int(v) for k, v in data.items()}
+
+
+def _image_base(folder: Path, relative: str) -> Path:
+    """Where VPT-style relative paths live: the task folder or its images/ subfolder."""
+    for base in (folder, folder / "images", folder / "Images"):
+        if (base / relative).is_file():
+            return base
+    return folder
+
+
+def _load_fgvc_folder(info: DatasetInfo, folder: Path, split: str, spec: ImageSpec, strict: bool) -> Dataset:
+    native = {"train": "train", "val": "val", "test": "test"}
+    splits: dict[str, list[tuple[Path, int]]] = {}
+    if all((folder / f"{n}.txt").is_file() for n in native):
+        for n in native:
+            splits[n] = _read_list(folder / f"{n}.txt", folder)
+    elif all((folder / f"{n}.json").is_file() for n in native):
+        raw = {n: _read_json_split(folder / f"{n}.json") for n in native}
+        # VPT's json labels are dataset class ids (1-based for some datasets): map the sorted ids
+        # of all splits onto 0..K-1 so that every split shares one mapping.
+        ids = sorted({label for split_map in raw.values() for label in split_map.values()})
+        contiguous = {class_id: index for index, class_id in enumerate(ids)}
+        first = next((k for split_map in raw.values() for k in split_map), "")
+        base = _image_base(folder, first)
+        for n, split_map in raw.items():
+            splits[n] = [(base / rel, contiguous[label]) for rel, label in split_map.items()]
+    else:
+        raise DatasetUnavailableError(
+            f"{info.name}: {folder} needs train/val/test lists (train.txt, val.txt, test.txt or VPT's *.json)"
+        )
+    _check_labels(info, splits, strict)
+    wanted = {"train800": ["train"], "val200": ["val"], "train800val200": ["train", "val"], "test": ["test"]}[split]
+    items = [item for n in wanted for item in splits[n]]
+    _check_files(info, items)
+    return FileListDataset(items, spec)
+
+
+# --------------------------------------------------------------------------------------------
+# Hugging Face hub
+# --------------------------------------------------------------------------------------------
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "petl")
+
+
+def _unavailable(
+    info: DatasetInfo, task: _Task, layout: str, error: BaseException | None = None
+) -> DatasetUnavailableError:
+    """The one message users see when the hub cannot provide a dataset."""
+    reason = ""
+    if error is not None:
+        first_line = (str(error).strip().splitlines() or [""])[0][:200]
+        reason = f" ({type(error).__name__}: {first_line})"
+    hub = (
+        f"the Hugging Face hub dataset {info.hub_id!r} is not reachable or not cached{reason}"
+        if info.hub_id
+        else ("no public Hugging Face hub copy is known")
+    )
+    folders = " or ".join(f"<root>/{f}/" for f in (task.name, *task.folders))
+    return DatasetUnavailableError(
+        f"{info.name} is unavailable: {hub}. Use a local copy instead: pass root=/path "
+        f"(command line: data.root=/path) where {folders} holds {layout}."
+    )
+
+
+_VTAB_LAYOUT = "the images and train800.txt, val200.txt, train800val200.txt, test.txt (lines 'relative/path label')"
+_FGVC_LAYOUT = "the images and train.txt, val.txt, test.txt (lines 'relative/path label') or VPT's train/val/test.json"
+
+
+def _vtab_from_hub(info: DatasetInfo, task: _Task) -> Path:
+    """Fetch the field's VTAB-1k archive from the hub (once) and unpack this task's folder.
+
+    The public copy is one zip of every task in the ``<task>/train800.txt ...`` layout, so the
+    hub path ends in the same local-folder loader; only the task's own files are extracted.
+    """
+    target_root = _cache_dir() / "vtab-1k"
+    for name in (task.name, *task.folders):
+        if (target_root / name / "train800.txt").is_file():
+            return target_root / name
+    try:
+        from huggingface_hub import hf_hub_download
+
+        archive = hf_hub_download(repo_id=VTAB_HUB_ID, filename=VTAB_HUB_FILE, repo_type="dataset")
+    except Exception as error:  # network, offline and cache errors come in many types
+        raise _unavailable(info, task, _VTAB_LAYOUT, error) from None
+    with zipfile.ZipFile(archive) as bundle:
+        prefix = None
+        for member in bundle.namelist():
+            parts = member.split("/")
+            if parts[-1] == "train800.txt" and len(parts) >= 2 and parts[-2] in (task.name, *task.folders):
+                prefix = member[: -len("train800.txt")]
+                break
+        if prefix is None:
+            raise DatasetUnavailableError(f"{info.name}: {VTAB_HUB_ID}/{VTAB_HUB_FILE} holds no folder for this task")
+        destination = target_root / prefix.rstrip("/").split("/")[-1]
+        partial = destination.with_name(destination.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)  # leftovers of an interrupted extraction
+        for member in bundle.namelist():
+            if not member.startswith(prefix) or member.endswith("/"):
+                continue
+            out = (partial / member[len(prefix) :]).resolve()
+            # A crafted archive could name ../ paths; never write outside the task folder.
+            if partial.resolve() not in out.parents:
+                raise DatasetUnavailableError(f"{info.name}: unsafe path {member!r} in {VTAB_HUB_FILE}")
+            out.parent.mkdir(parents=True, exist_ok=True)
+            with bundle.open(member) as source, out.open("wb") as sink:
+                while chunk := source.read(1 << 20):
+                    sink.write(chunk)
+        # Rename last, so an interrupted extraction is never mistaken for a complete folder.
+        partial.rename(destination)
+    return destination
+
+
+def _find_column(features: Any, kind: str, fallbacks: Sequence[str]) -> str:
+    for column, feature in features.items():
+        if type(feature).__name__ == kind:
+            return column
+    for column in fallbacks:
+        if column in features:
+            return column
+    raise ValueError(f"no {kind} column among {list(features)}")
+
+
+def _fgvc_from_hub(info: DatasetInfo, task: _Task, split: str, spec: ImageSpec) -> Dataset:
+    if info.hub_id is None:
+        raise _unavailable(info, task, _FGVC_LAYOUT)
+    try:
+        import datasets
+
+        hub = datasets.load_dataset(info.hub_id)
+    except Exception as error:  # network, offline and cache errors come in many types
+        raise _unavailable(info, task, _FGVC_LAYOUT, error) from None
+    if "train" not in hub or "test" not in hub:
+        raise DatasetUnavailableError(
+            f"{info.name}: hub copy {info.hub_id} has splits {sorted(hub)}, expected train and test"
+        )
+    train = hub["train"]
+    test = hub["test"]
+    image_column = _find_column(train.features, "Image", ("image", "img"))
+    label_column = _find_column(train.features, "ClassLabel", ("label", "labels", "target"))
+    val_name = next((n for n in ("validation", "val", "valid") if n in hub), None)
+    if val_name is not None:
+        pools = {"train": (train, range(len(train))), "val": (hub[val_name], range(len(hub[val_name])))}
+    else:
+        # No published validation split: hold out a fixed, seeded fraction of train.
+        order = np.random.default_rng(FGVC_VAL_SEED).permutation(len(train))
+        cut = int(round(len(train) * FGVC_VAL_FRACTION))
+        pools = {"train": (train, sorted(order[cut:].tolist())), "val": (train, sorted(order[:cut].tolist()))}
+    pools["test"] = (test, range(len(test)))
+    labels = set(train.unique(label_column)) | set(test.unique(label_column))
+    if max(labels) >= info.num_classes or min(labels) < 0 or len(labels) != info.num_classes:
+        raise ValueError(f"{info.name}: hub copy {info.hub_id} has {len(labels)} classes, expected {info.num_classes}")
+    if split == "train800val200":
+        parts = [HubDataset(*pools[n], image_column, label_column, spec) for n in ("train", "val")]
+        return torch.utils.data.ConcatDataset(parts)
+    native = {"train800": "train", "val200": "val", "test": "test"}[split]
+    return HubDataset(*pools[native], image_column, label_column, spec)
+
+
+# --------------------------------------------------------------------------------------------
+# Registration
+# --------------------------------------------------------------------------------------------
+
+
+def _register_vtab(task: _Task) -> None:
+    info = DatasetInfo(
+        name=f"vtab/{task.name}",
+        group=task.group,
+        num_classes=task.num_classes,
+        source=f"VTAB-1k {task.source}",
+        hub_id=task.hub_id,
+    )
+
+    @register_dataset(info)
+    def build(split: str, spec: ImageSpec, *, root: str | None, strict: bool) -> Dataset:
+        if root is not None:
+            folder = _find_task_dir(info, task, Path(root).expanduser(), ["train800.txt"])
+        else:
+            folder = _vtab_from_hub(info, task)
+        return _load_vtab_folder(info, folder, split, spec, strict)
+
+
+def _register_fgvc(task: _Task) -> None:
+    info = DatasetInfo(
+        name=f"fgvc/{task.name}",
+        group=task.group,
+        num_classes=task.num_classes,
+        source=f"FGVC {task.source} (train/val/test as train800/val200/test)",
+        hub_id=task.hub_id,
+    )
+
+    @register_dataset(info)
+    def build(split: str, spec: ImageSpec, *, root: str | None, strict: bool) -> Dataset:
+        if root is None:
+            return _fgvc_from_hub(info, task, split, spec)
+        folder = _find_task_dir(info, task, Path(root).expanduser(), ["train.txt", "train.json"])
+        return _load_fgvc_folder(info, folder, split, spec, strict)
+
+
+for _task in VTAB_TASKS:
+    _register_vtab(_task)
+for _task in FGVC_TASKS:
+    _register_fgvc(_task)

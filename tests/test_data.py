@@ -1,0 +1,235 @@
+"""Registry and offline mini-VTAB suite: metadata, split protocol, determinism, image pipeline."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import struct
+
+import numpy as np
+import pytest
+import torch
+
+from petl import data
+from petl.data import mini
+
+MINI = sorted(n for n in data.list_datasets() if n.startswith("mini/"))
+
+EXPECTED_CLASSES = {
+    "vtab/cifar100": 100,
+    "vtab/caltech101": 102,
+    "vtab/dtd": 47,
+    "vtab/flowers102": 102,
+    "vtab/pets": 37,
+    "vtab/svhn": 10,
+    "vtab/sun397": 397,
+    "vtab/patch_camelyon": 2,
+    "vtab/eurosat": 10,
+    "vtab/resisc45": 45,
+    "vtab/retinopathy": 5,
+    "vtab/clevr_count": 8,
+    "vtab/clevr_dist": 6,
+    "vtab/dmlab": 6,
+    "vtab/kitti_dist": 4,
+    "vtab/dsprites_loc": 16,
+    "vtab/dsprites_ori": 16,
+    "vtab/smallnorb_azi": 18,
+    "vtab/smallnorb_ele": 9,
+    "fgvc/cub": 200,
+    "fgvc/nabirds": 555,
+    "fgvc/flowers": 102,
+    "fgvc/dogs": 120,
+    "fgvc/cars": 196,
+    "mini/fashion_mnist": 10,
+    "mini/mnist": 10,
+    "mini/digits": 10,
+    "mini/textures": 3,
+    "mini/dsprites_loc": 16,
+    "mini/dsprites_ori": 16,
+    "mini/clevr_count": 8,
+}
+
+VTAB_GROUPS = {
+    "natural": {"cifar100", "caltech101", "dtd", "flowers102", "pets", "svhn", "sun397"},
+    "specialized": {"patch_camelyon", "eurosat", "resisc45", "retinopathy"},
+    "structured": {
+        "clevr_count",
+        "clevr_dist",
+        "dmlab",
+        "kitti_dist",
+        "dsprites_loc",
+        "dsprites_ori",
+        "smallnorb_azi",
+        "smallnorb_ele",
+    },
+}
+
+
+def digests(images: np.ndarray) -> set[bytes]:
+    return {hashlib.blake2b(image.tobytes(), digest_size=16).digest() for image in images}
+
+
+# ------------------------------------------------------------------ registry
+
+
+def test_registry_names_groups_and_class_counts():
+    assert set(data.list_datasets()) == set(EXPECTED_CLASSES)
+    assert data.list_datasets() == sorted(data.list_datasets())
+    for name in data.list_datasets():
+        info = data.get_info(name)
+        assert info.name == name
+        assert info.group in data.GROUPS
+        assert info.num_classes == EXPECTED_CLASSES[name], name
+        assert info.source
+    for group, tasks in VTAB_GROUPS.items():
+        for task in tasks:
+            assert data.get_info(f"vtab/{task}").group == group
+    assert {data.get_info(f"fgvc/{t}").group for t in ("cub", "nabirds", "flowers", "dogs", "cars")} == {"fgvc"}
+    assert {data.get_info(n).group for n in ("mini/fashion_mnist", "mini/mnist", "mini/digits", "mini/textures")} == {
+        "natural"
+    }
+    assert {data.get_info(n).group for n in ("mini/dsprites_loc", "mini/dsprites_ori", "mini/clevr_count")} == {
+        "structured"
+    }
+    assert all(data.get_info(n).hub_id is None for n in MINI)
+
+
+def test_info_is_frozen():
+    info = data.get_info("mini/digits")
+    with pytest.raises(AttributeError):
+        info.num_classes = 3  # type: ignore[misc]
+
+
+def test_unknown_dataset_lists_valid_names():
+    with pytest.raises(ValueError, match="unknown dataset 'vtab/imagenet'") as caught:
+        data.get_info("vtab/imagenet")
+    assert "mini/digits" in str(caught.value) and "vtab/dtd" in str(caught.value)
+    with pytest.raises(ValueError, match="valid names"):
+        data.build_dataset("nope", "test", image_size=32)
+
+
+def test_unknown_split_and_bad_image_options():
+    with pytest.raises(ValueError, match="valid splits: train800, val200, train800val200, test"):
+        data.build_dataset("mini/digits", "train", image_size=32)
+    with pytest.raises(ValueError, match="image_size"):
+        data.build_dataset("mini/digits", "test", image_size=0)
+    with pytest.raises(ValueError, match="3 values"):
+        data.build_dataset("mini/digits", "test", image_size=32, mean=(0.5,), std=(0.5,))
+
+
+def test_duplicate_registration_is_refused():
+    with pytest.raises(ValueError, match="registered twice"):
+        data.register_dataset(data.get_info("mini/digits"))(lambda *a, **k: None)
+
+
+# ------------------------------------------------------------------ mini suite
+
+
+@pytest.mark.parametrize("name", MINI)
+def test_mini_split_protocol(name):
+    info = data.get_info(name)
+    raw = mini.load_raw(name)
+    sizes = {split: len(raw.split(split)[0]) for split in data.SPLITS}
+    assert sizes["train800"] == 800 and sizes["val200"] == 200 and sizes["train800val200"] == 1000
+    assert sizes["test"] >= (797 if name == "mini/digits" else 1000)
+    for split in data.SPLITS:
+        images, labels = raw.split(split)
+        assert images.dtype == np.uint8 and labels.dtype == np.int64
+        assert len(images) == len(labels)
+        assert labels.min() >= 0 and labels.max() < info.num_classes
+    # Every class appears in training and in test, so accuracy is measured on the whole task.
+    assert set(np.unique(raw.split("train800")[1])) == set(range(info.num_classes))
+    assert set(np.unique(raw.split("test")[1])) == set(range(info.num_classes))
+    # train800val200 is exactly train800 followed by val200.
+    tv_images, tv_labels = raw.split("train800val200")
+    assert np.array_equal(tv_images, np.concatenate([raw.split("train800")[0], raw.split("val200")[0]]))
+    assert np.array_equal(tv_labels, np.concatenate([raw.split("train800")[1], raw.split("val200")[1]]))
+    # Disjoint by content: no test image was seen in train/val, and train/val images are distinct.
+    train, val, test = (digests(raw.split(s)[0]) for s in ("train800", "val200", "test"))
+    assert len(train) == 800 and len(val) == 200 and len(test) == sizes["test"]
+    assert not train & val and not (train | val) & test
+
+
+@pytest.mark.parametrize("name", MINI)
+def test_mini_builds_float_tensors(name):
+    ds = data.build_dataset(name, "val200", image_size=32)
+    assert isinstance(ds, torch.utils.data.TensorDataset)
+    assert len(ds) == 200
+    image, label = ds[0]
+    assert image.shape == (3, 32, 32) and image.dtype == torch.float32
+    assert isinstance(label, int) and 0 <= label < data.get_info(name).num_classes
+    images, labels = ds.tensors
+    assert images.shape == (200, 3, 32, 32) and torch.isfinite(images).all()
+    assert torch.equal(labels, torch.from_numpy(mini.load_raw(name).split("val200")[1]))
+    # A data loader batches them as usual.
+    batch_images, batch_labels = next(iter(torch.utils.data.DataLoader(ds, batch_size=16)))
+    assert batch_images.shape == (16, 3, 32, 32) and batch_labels.dtype == torch.int64
+
+
+@pytest.mark.parametrize("name", MINI)
+def test_mini_is_deterministic(name):
+    first = mini.load_raw(name)
+    mini.clear_cache(name)
+    second = mini.load_raw(name)
+    assert first is not second
+    for split in data.SPLITS:
+        assert np.array_equal(first.split(split)[0], second.split(split)[0])
+        assert np.array_equal(first.split(split)[1], second.split(split)[1])
+
+
+def test_normalisation_switch():
+    mean, std = (0.5, 0.4, 0.3), (0.2, 0.25, 0.3)
+    plain = data.build_dataset("mini/clevr_count", "val200", image_size=32, mean=mean, std=std, normalize=False)
+    normed = data.build_dataset("mini/clevr_count", "val200", image_size=32, mean=mean, std=std)
+    x, z = plain.tensors[0], normed.tensors[0]
+    assert x.min() >= 0.0 and x.max() <= 1.0
+    expected = (x - torch.tensor(mean).view(1, 3, 1, 1)) / torch.tensor(std).view(1, 3, 1, 1)
+    torch.testing.assert_close(z, expected)
+    # Same images, same seed: building twice gives identical tensors.
+    torch.testing.assert_close(
+        normed.tensors[0],
+        data.build_dataset("mini/clevr_count", "val200", image_size=32, mean=mean, std=std).tensors[0],
+    )
+
+
+def test_grey_images_become_three_equal_channels_and_resize():
+    ds = data.build_dataset("mini/digits", "train800", image_size=20, normalize=False)
+    images = ds.tensors[0]
+    assert images.shape == (800, 3, 20, 20)
+    assert torch.equal(images[:, 0], images[:, 1]) and torch.equal(images[:, 1], images[:, 2])
+
+
+def test_missing_fashion_mnist_says_how_to_install(tmp_path, monkeypatch):
+    monkeypatch.setenv(mini.FASHION_MNIST_ENV, str(tmp_path))
+    mini.clear_cache("mini/fashion_mnist")
+    try:
+        with pytest.raises(data.DatasetUnavailableError, match="apt-get install dataset-fashion-mnist"):
+            data.build_dataset("mini/fashion_mnist", "test", image_size=32)
+    finally:
+        monkeypatch.undo()
+        mini.clear_cache("mini/fashion_mnist")
+
+
+def test_read_idx(tmp_path):
+    values = np.arange(2 * 3 * 4, dtype=np.uint8).reshape(2, 3, 4)
+    path = tmp_path / "x-idx3-ubyte.gz"
+    with gzip.open(path, "wb") as handle:
+        handle.write(bytes([0, 0, 0x08, 3]) + struct.pack(">3I", 2, 3, 4) + values.tobytes())
+    assert np.array_equal(mini.read_idx(path), values)
+    with gzip.open(path, "wb") as handle:
+        handle.write(bytes([0, 0, 0x0D, 1]) + struct.pack(">I", 1) + b"\0\0\0\0")
+    with pytest.raises(ValueError, match="not a uint8 IDX"):
+        mini.read_idx(path)
+
+
+def test_sprite_labels_follow_factors():
+    rng = np.random.default_rng(0)
+    images, factors = mini.draw_sprites(rng, 64)
+    assert images.shape == (64, 64, 64) and set(np.unique(images)) <= {0, 255}
+    # Every sprite is drawn, and lies inside the canvas (its border rows/columns are empty).
+    assert (images.reshape(64, -1).max(axis=1) == 255).all()
+    assert images[:, 0].max() == 0 and images[:, -1].max() == 0 and images[:, :, 0].max() == 0
+    # The x-position label is visible: the shape's column centroid grows with the factor.
+    cols = np.arange(64)
+    centroid = (images.astype(float).sum(axis=1) * cols).sum(axis=1) / images.astype(float).sum(axis=(1, 2))
+    assert np.corrcoef(centroid, factors["x"])[0, 1] > 0.99
