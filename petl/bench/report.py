@@ -133,6 +133,7 @@ class Leaderboard:
     rows: list[ExperimentRow]
     models: list[str]
     tables: list[PublishedTable]
+    memory_kinds: list[str] = field(default_factory=list)
 
     @property
     def group_names(self) -> list[str]:
@@ -162,6 +163,14 @@ def _mean(values: list[float]) -> float:
     return statistics.fmean(values) if values else math.nan
 
 
+def _nanmean(values: list[float]) -> float:
+    return _mean([v for v in values if not math.isnan(v)])
+
+
+def _nanmax(values: list[float]) -> float:
+    return max((v for v in values if not math.isnan(v)), default=math.nan)
+
+
 def _format_option(value: Any) -> str:
     if isinstance(value, list | tuple):
         return "[" + ",".join(_format_option(v) for v in value) + "]"
@@ -172,18 +181,23 @@ def _describe_run(record: RunRecord) -> str:
     """Method options (minus the per-task class count) and the learning rate / epochs of one run."""
     options = {k: v for k, v in (record.result.get("method_config") or {}).items() if k != "num_classes"}
     text = ", ".join(f"{k}={_format_option(v)}" for k, v in sorted(options.items()))
-    recipe = []
+    # The resolved config sits in result.json (else config.yaml beside it); the learning rate is the one
+    # recipe value experiments change (full fine-tuning), so it belongs beside the method options.
+    config = record.result.get("config")
     config_path = record.path.parent / "config.yaml"
-    if config_path.is_file():
-        # config.yaml holds the composed config; the learning rate is the one recipe value that experiments
-        # change (full fine-tuning), so it belongs beside the method options.
-        config = yaml.safe_load(config_path.read_text()) or {}
-        lr = (config.get("train") or {}).get("lr") if isinstance(config, dict) else None
-        if lr is not None:
-            recipe.append(f"lr={lr}")
+    if not isinstance(config, dict) and config_path.is_file():
+        config = yaml.safe_load(config_path.read_text())
+    lr = (config.get("train") or {}).get("lr") if isinstance(config, dict) else None
+    recipe = [] if lr is None else [f"lr={lr}"]
     if record.result.get("epochs") is not None:
         recipe.append(f"{record.result['epochs']} ep")
     return "; ".join(part for part in (text, ", ".join(recipe)) if part)
+
+
+def _field(record: RunRecord, key: str) -> float:
+    # Optional numbers may be missing or null (e.g. images/s of a run that trained on cached features only).
+    value = record.result.get(key)
+    return math.nan if value is None else float(value)
 
 
 def aggregate(records: list[RunRecord], results_dir: str | Path = ".") -> Leaderboard:
@@ -241,15 +255,22 @@ def aggregate(records: list[RunRecord], results_dir: str | Path = ".") -> Leader
                 group_means=group_means,
                 group_mean=_mean(list(group_means.values())),
                 ppt=ppt(task_mean, _mean(no_head)),
-                train_seconds=_mean([float(r.result.get("train_seconds", math.nan)) for r in runs]),
-                images_per_second=_mean([float(r.result.get("images_per_second", math.nan)) for r in runs]),
-                peak_memory_mb=max(float(r.result.get("peak_memory_mb", math.nan)) for r in runs),
+                train_seconds=_nanmean([_field(r, "train_seconds") for r in runs]),
+                images_per_second=_nanmean([_field(r, "images_per_second") for r in runs]),
+                peak_memory_mb=_nanmax([_field(r, "peak_memory_mb") for r in runs]),
                 published=published,
             )
         )
     rows.sort(key=lambda r: (-r.task_mean if not math.isnan(r.task_mean) else math.inf, r.experiment))
-    models = sorted({str(r.result.get("model", "?")) for r in records})
-    return Leaderboard(Path(results_dir), tasks, groups, rows, models, tables)
+    # A backbone trained from random init is a different model from its pretrained namesake; say so.
+    models = sorted(
+        {
+            str(r.result.get("model", "?")) + (" (random init)" if r.result.get("pretrained") is False else "")
+            for r in records
+        }
+    )
+    memory_kinds = sorted({str(r.result["peak_memory_kind"]) for r in records if r.result.get("peak_memory_kind")})
+    return Leaderboard(Path(results_dir), tasks, groups, rows, models, tables, memory_kinds)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -462,7 +483,9 @@ def notes(board: Leaderboard) -> list[str]:
         "**PPT** = M·exp(−log10(P/C + 1)), M = task mean as a fraction, P = trainable parameters without the "
         "head (mean over tasks), C = 10^7 (V-PETL Bench).",
         "Trainable counts are means over runs (the head's size follows each task's classes); % is of all "
-        "parameters. Train s/run and Images/s are means over runs; Peak MB is the maximum over runs.",
+        "parameters. Train s/run and Images/s are means over runs (as the engine ran them, feature caching "
+        "included); Peak MB is the maximum over runs"
+        + (f" ({', '.join(board.memory_kinds)})." if board.memory_kinds else "."),
         "`*` after an experiment: it has not run on every task yet, so its means cover fewer tasks.",
     ]
     for table in board.tables:

@@ -1,15 +1,15 @@
 """``petl-bench speed``: what each method costs per training step, in memory, and at inference.
 
-For every experiment (and two references) on one backbone and batch, in a fresh subprocess each:
+For every experiment and two references, on one backbone and batch:
 
 * **train step**: forward + cross-entropy + backward + AdamW step, median of ``steps`` timed steps after
-  ``warmup`` untimed ones (the first steps allocate optimizer state and warm caches);
-* **peak memory**: on CUDA, ``torch.cuda.max_memory_allocated`` over the timed steps (absolute: weights,
-  gradients, optimizer state, activations); on CPU, the growth of the process's peak resident set
-  (``resource.getrusage(...).ru_maxrss``) from the end of set-up (model, batch and optimizer built) to the
-  end of the steps, so it counts gradients, AdamW state and activations but not the frozen weights.
-  tracemalloc cannot see torch's allocator, hence the fresh process per method;
-* **inference**: eval-mode forward latency at ``infer_batch``, median of ``infer_steps``.
+  ``warmup`` untimed ones (the first steps allocate optimizer state and warm caches).  All cases live in
+  one process and take turns over ``rounds`` rounds, so a shared machine's drifting load falls on all alike;
+* **peak memory**, in a fresh subprocess per case: on CUDA, ``torch.cuda.max_memory_allocated`` (absolute:
+  weights, gradients, optimizer state, activations); on CPU, the growth of the resident set's high-water
+  mark (Linux VmHWM, reset after set-up) over the RSS after set-up, so it counts gradients, AdamW state
+  and activations but not the frozen weights.  tracemalloc cannot see torch's allocator, hence RSS;
+* **inference**: eval-mode forward latency at ``infer_batch``, median of ``infer_steps``, also in turns.
 
 References: the frozen backbone's forward pass (the floor no training step can beat), full fine-tuning,
 and peft's LoRA on the whole fused qkv (``peft.inject_adapter_in_model(LoraConfig(r=8,
@@ -19,190 +19,211 @@ plain backbone's inference.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import platform
-import resource
 import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
+
+from petl.bench.rss import current_rss_mb, peak_rss_mb, reset_peak_rss
 
 FLOOR = "frozen forward (floor)"
 PEFT_LORA = "peft LoRA r=8 on fused qkv"
 
-SPEED_KEYS = {
-    "model",
-    "batch",
-    "steps",
-    "warmup",
-    "infer_batch",
-    "infer_steps",
-    "device",
-    "methods",
-    "num_classes",
-    "out",
-    "inprocess",
-    "benchmarks_dir",
-}
-
 
 @dataclass(frozen=True)
 class SpeedSpec:
-    """One measurement: which case, on what, how many steps.
+    """The shared settings of a speed measurement.
 
     Attributes:
-        case: a row label: an experiment name, :data:`FLOOR` or :data:`PEFT_LORA`.
-        method: the experiment's ``method`` mapping (``{"name": "lora", "rank": 8}``); empty for references.
         model: timm model name (built with random weights: speed does not depend on their values).
         batch: training batch size.
-        steps: timed training steps.
-        warmup: untimed steps before them.
+        steps: timed training steps per case, spread over ``rounds``.
+        warmup: untimed steps per case before the first round.
+        rounds: how many times the cases take turns; the median runs over all of them.
         infer_batch: inference batch size.
-        infer_steps: timed inference forwards.
+        infer_steps: timed inference forwards per case, spread over ``rounds``.
         device: ``cpu`` or ``cuda``.
         num_classes: classifier size.
 
     """
 
-    case: str
-    method: dict[str, Any]
     model: str = "vit_fractal_tiny_patch4_32"
     batch: int = 32
     steps: int = 10
     warmup: int = 3
+    rounds: int = 5
     infer_batch: int = 1
     infer_steps: int = 30
     device: str = "cpu"
     num_classes: int = 10
 
 
-def _peak_rss_mb() -> float:
-    # ru_maxrss is in kilobytes on Linux (bytes on macOS).
-    scale = 1 / 1024 if sys.platform != "darwin" else 1 / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+# The command's own keys besides SpeedSpec's fields.
+SPEED_KEYS = {f.name for f in fields(SpeedSpec)} | {"methods", "out", "inprocess", "benchmarks_dir"}
 
 
-def _build(spec: SpeedSpec):
-    """The model for ``spec``: plain frozen backbone, petl method, or peft LoRA; returns (model, image size)."""
+def _build(case: str, method: dict[str, Any], spec: SpeedSpec):
+    """The model of one case: plain frozen backbone, petl method, or peft LoRA."""
     import timm
     import torch
 
     import petl
 
     model = timm.create_model(spec.model, pretrained=False, num_classes=spec.num_classes)
-    size = model.patch_embed.img_size
-    if spec.case == FLOOR:
+    if case == FLOOR:
         model.requires_grad_(False)
-    elif spec.case == PEFT_LORA:
+    elif case == PEFT_LORA:
         from peft import LoraConfig, inject_adapter_in_model
 
         # peft marks only its own adapters trainable; the head trains too, as it does for every petl method.
         model = inject_adapter_in_model(LoraConfig(r=8, target_modules=["qkv"]), model)
         model.get_classifier().requires_grad_(True)
     else:
-        options = {k: v for k, v in spec.method.items() if k != "name"}
-        petl.apply(model, spec.method["name"], num_classes=spec.num_classes, **options)
-    return model.to(torch.device(spec.device)), tuple(size)
+        options = {k: v for k, v in method.items() if k != "name"}
+        petl.apply(model, method["name"], num_classes=spec.num_classes, **options)
+    return model.to(torch.device(spec.device))
 
 
-def _timer(device: str) -> Callable[[], float]:
-    import torch
+class _Bench:
+    """One live case: its model, a fixed batch, its optimizer, and timed step / inference calls."""
 
-    def now() -> float:
+    def __init__(self, case: str, method: dict[str, Any], spec: SpeedSpec) -> None:
+        import torch
+
+        torch.manual_seed(0)
+        self.spec = spec
+        self.model = _build(case, method, spec)
+        h, w = self.model.patch_embed.img_size
+        device = torch.device(spec.device)
+        self.images = torch.randn(spec.batch, 3, h, w, device=device)
+        self.labels = torch.randint(0, spec.num_classes, (spec.batch,), device=device)
+        self.infer_images = torch.randn(spec.infer_batch, 3, h, w, device=device)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        # The floor trains nothing: its "step" is a no-grad forward at the training batch.
+        self.optimizer = torch.optim.AdamW(self.params, lr=1e-3) if self.params else None
+        self.loss_fn = torch.nn.CrossEntropyLoss()
+        self.merged = None
+
+    def _now(self) -> float:
+        import torch
+
         # CUDA runs asynchronously: without a sync the clock would stop before the kernels do.
-        if device == "cuda":
+        if self.spec.device == "cuda":
             torch.cuda.synchronize()
         return time.perf_counter()
 
-    return now
+    def train_step(self) -> float:
+        """Seconds for one training step (or one no-grad forward for the floor)."""
+        import torch
+
+        start = self._now()
+        if self.optimizer is None:
+            self.model.eval()
+            with torch.no_grad():
+                self.model(self.images)
+        else:
+            self.model.train()
+            self.loss_fn(self.model(self.images), self.labels).backward()
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        return self._now() - start
+
+    def infer(self, model=None) -> float:
+        """Seconds for one eval-mode forward at the inference batch."""
+        import torch
+
+        model = self.model if model is None else model
+        model.eval()
+        start = self._now()
+        with torch.no_grad():
+            model(self.infer_images)
+        return self._now() - start
 
 
-def measure(spec: SpeedSpec) -> dict[str, Any]:
-    """Time and size one case in this process (call it in a fresh process for a clean CPU peak).
+def measure_memory(case: str, method: dict[str, Any], spec: SpeedSpec) -> dict[str, Any]:
+    """Trainable count and peak memory of a few training steps (call it in a fresh process on CPU).
 
-    Returns:
-        ``trainable``, ``train_ms`` (for the floor: the no-grad forward at the training batch),
-        ``peak_mb``, ``infer_ms`` and, for mergeable methods, ``infer_merged_ms``.
-
+    The peak covers ``warmup`` + 2 steps: the first step allocates the gradients and AdamW's state,
+    later ones only repeat it.
     """
     import torch
 
-    import petl
-
-    torch.manual_seed(0)
-    model, (h, w) = _build(spec)
-    device = torch.device(spec.device)
-    images = torch.randn(spec.batch, 3, h, w, device=device)
-    labels = torch.randint(0, spec.num_classes, (spec.batch,), device=device)
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=1e-3) if params else None
-    loss_fn = torch.nn.CrossEntropyLoss()
-    now = _timer(spec.device)
-
+    bench = _Bench(case, method, spec)
     if spec.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    rss_before = _peak_rss_mb()
-    times = []
-    for i in range(spec.warmup + spec.steps):
-        start = now()
-        if optimizer is None:
-            model.eval()
-            with torch.no_grad():
-                model(images)
-        else:
-            model.train()
-            loss = loss_fn(model(images), labels)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        if i >= spec.warmup:
-            times.append(now() - start)
-    if spec.device == "cuda":
-        peak = torch.cuda.max_memory_allocated() / 2**20
-    else:
-        peak = max(0.0, _peak_rss_mb() - rss_before)
-
-    def infer_ms() -> float:
-        model.eval()
-        x = images[: spec.infer_batch] if spec.infer_batch <= spec.batch else torch.randn(spec.infer_batch, 3, h, w)
-        x = x.to(device)
-        laps = []
-        with torch.no_grad():
-            for i in range(spec.warmup + spec.infer_steps):
-                start = now()
-                model(x)
-                if i >= spec.warmup:
-                    laps.append(now() - start)
-        return 1000 * statistics.median(laps)
-
-    result = {
-        "trainable": sum(p.numel() for p in params),
-        "train_ms": 1000 * statistics.median(times),
-        "peak_mb": peak,
-        "infer_ms": infer_ms(),
-    }
-    if spec.method and petl.get_method(spec.method["name"]).mergeable:
-        petl.merge(model)
-        result["infer_merged_ms"] = infer_ms()
-    return result
+    # From here the high-water mark belongs to the steps alone (Linux); the weights are already resident.
+    reset_peak_rss()
+    before = current_rss_mb()
+    for _ in range(spec.warmup + 2):
+        bench.train_step()
+    peak = torch.cuda.max_memory_allocated() / 2**20 if spec.device == "cuda" else max(0.0, peak_rss_mb() - before)
+    return {"trainable": sum(p.numel() for p in bench.params), "peak_mb": peak}
 
 
-def measure_in_subprocess(spec: SpeedSpec) -> dict[str, Any]:
-    """Run :func:`measure` in a fresh Python process (same interpreter and environment)."""
+def measure_memory_in_subprocess(case: str, method: dict[str, Any], spec: SpeedSpec) -> dict[str, Any]:
+    """Run :func:`measure_memory` in a fresh Python process (same interpreter and environment)."""
+    payload = json.dumps({"case": case, "method": method, "spec": asdict(spec)})
     proc = subprocess.run(
-        [sys.executable, "-m", "petl.bench.speed", "--worker", json.dumps(asdict(spec))],
-        capture_output=True,
-        text=True,
-        check=False,
+        [sys.executable, "-m", "petl.bench.speed", "--worker", payload], capture_output=True, text=True, check=False
     )
     if proc.returncode != 0:
-        raise RuntimeError(f"speed worker for {spec.case!r} failed:\n{proc.stderr[-3000:]}")
+        raise RuntimeError(f"speed worker for {case!r} failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def measure_times(
+    cases: Sequence[tuple[str, dict[str, Any]]], spec: SpeedSpec, log: Callable[[str], None] = print
+) -> dict[str, dict[str, float]]:
+    """Median training-step and inference times of every case, the cases taking turns.
+
+    On a shared machine the background load drifts; measuring the cases in turns, ``rounds`` times,
+    spreads that drift over all of them instead of penalising whichever ran during a busy minute.
+    Mergeable methods also get a merged copy (``petl.merge``) timed at inference.
+
+    Returns:
+        By case: ``train_ms``, ``infer_ms`` and, for mergeable methods, ``infer_merged_ms``.
+
+    """
+    import petl
+
+    benches = {}
+    for case, method in cases:
+        log(f"speed: building {case}")
+        bench = benches[case] = _Bench(case, method, spec)
+        for _ in range(spec.warmup):
+            bench.train_step()
+            bench.infer()
+        if method and petl.get_method(method["name"]).mergeable:
+            # Merged after the warm-up steps, so the folded update is not zero.
+            bench.merged = petl.merge(copy.deepcopy(bench.model))
+            for _ in range(spec.warmup):
+                bench.infer(bench.merged)
+    laps: dict[tuple[str, str], list[float]] = {}
+    for r in range(spec.rounds):
+        log(f"speed: round {r + 1}/{spec.rounds}")
+        for case, bench in benches.items():
+            timed = {"train_ms": (bench.train_step, spec.steps), "infer_ms": (bench.infer, spec.infer_steps)}
+            if bench.merged is not None:
+                timed["infer_merged_ms"] = (lambda b=bench: b.infer(b.merged), spec.infer_steps)
+            for key, (call, total) in timed.items():
+                laps.setdefault((case, key), []).extend(call() for _ in range(_share(total, spec.rounds, r)))
+    out: dict[str, dict[str, float]] = {case: {} for case in benches}
+    for (case, key), seconds in laps.items():
+        out[case][key] = 1000 * statistics.median(seconds)
+    return out
+
+
+def _share(total: int, rounds: int, r: int) -> int:
+    # Spread `total` over `rounds` as evenly as integers allow, at least one per round.
+    return max(1, total // rounds + (1 if r < total % rounds else 0))
 
 
 def machine_line(device: str) -> str:
@@ -234,16 +255,18 @@ def format_table(results: dict[str, dict[str, Any]], spec: SpeedSpec, machine: s
     full = results.get("full", {})
     peft_lora = results.get(PEFT_LORA, {})
     memory = (
-        "CUDA max_memory_allocated during the steps (absolute)"
+        "CUDA max_memory_allocated (absolute: weights, grads, AdamW state, activations), fresh process per row"
         if spec.device == "cuda"
-        else "growth of peak RSS (ru_maxrss) over set-up, fresh process per row: grads + AdamW state + activations"
+        else "peak RSS growth over the RSS after set-up (Linux VmHWM, reset through /proc/self/clear_refs), "
+        "fresh process per row, i.e. grads + AdamW state + activations, not the weights"
     )
     lines = [
         f"Backbone `{spec.model}` (random weights), training batch {spec.batch}, {spec.num_classes} classes, "
-        f"device {spec.device}. Train step = forward + loss + backward + AdamW step, median of {spec.steps} "
-        f"after {spec.warmup} warm-up steps; the floor row times a no-grad forward at the same batch. "
-        f"Inference: eval forward at batch {spec.infer_batch}, median of {spec.infer_steps}. "
-        f"Peak MB: {memory}.",
+        f"device {spec.device}. Train step = forward + loss + backward + AdamW step, median of {spec.steps} steps "
+        f"after {spec.warmup} warm-up steps, all cases taking turns over {spec.rounds} rounds (so background load "
+        "falls on all of them alike); the floor row times a no-grad forward at the same batch. "
+        f"Inference: eval forward at batch {spec.infer_batch}, median of {spec.infer_steps}, also in turns. "
+        f"Peak MB over {spec.warmup + 2} training steps: {memory}.",
         "",
         f"Machine: {machine}.",
         "",
@@ -279,7 +302,7 @@ def format_table(results: dict[str, dict[str, Any]], spec: SpeedSpec, machine: s
 
 
 def run_speed(
-    base: SpeedSpec,
+    spec: SpeedSpec,
     experiments: Sequence[tuple[str, dict[str, Any]]],
     inprocess: bool = False,
     log: Callable[[str], None] = print,
@@ -287,18 +310,19 @@ def run_speed(
     """Measure the floor, each experiment and peft's LoRA; returns results by case, in table order.
 
     Args:
-        base: the shared settings (its ``case`` and ``method`` are replaced per row).
+        spec: the shared settings.
         experiments: (name, method mapping) pairs.
-        inprocess: measure in this process (fast, for tests; the CPU peak is then not per-method clean).
+        inprocess: measure memory in this process too (fast, for tests; CPU peaks are then not clean).
         log: progress messages.
 
     """
     cases = [(FLOOR, {}), *experiments, (PEFT_LORA, {})]
-    results = {}
+    results: dict[str, dict[str, Any]] = {}
     for case, method in cases:
-        spec = SpeedSpec(**{**asdict(base), "case": case, "method": dict(method)})
-        log(f"speed: {case} ...")
-        results[case] = measure(spec) if inprocess else measure_in_subprocess(spec)
+        log(f"speed: memory of {case}")
+        results[case] = (measure_memory if inprocess else measure_memory_in_subprocess)(case, dict(method), spec)
+    for case, times in measure_times(cases, spec, log).items():
+        results[case].update(times)
     return results
 
 
@@ -312,33 +336,24 @@ def main(args: Sequence[str]) -> int:
         raise SystemExit(f"petl-bench speed: unknown argument(s) {rest}; known: {', '.join(sorted(SPEED_KEYS))}")
     import torch
 
-    device = own.get("device", "cuda" if torch.cuda.is_available() else "cpu")
-    base = SpeedSpec(
-        case="",
-        method={},
-        model=own.get("model", SpeedSpec.model),
-        batch=int(own.get("batch", SpeedSpec.batch)),
-        steps=int(own.get("steps", SpeedSpec.steps)),
-        warmup=int(own.get("warmup", SpeedSpec.warmup)),
-        infer_batch=int(own.get("infer_batch", SpeedSpec.infer_batch)),
-        infer_steps=int(own.get("infer_steps", SpeedSpec.infer_steps)),
-        device=device,
-        num_classes=int(own.get("num_classes", SpeedSpec.num_classes)),
-    )
+    settings = {f.name: type(f.default)(own[f.name]) for f in fields(SpeedSpec) if f.name in own}
+    settings.setdefault("device", "cuda" if torch.cuda.is_available() else "cpu")
+    spec = SpeedSpec(**settings)
     bench_dir = find_benchmarks_dir(own.get("benchmarks_dir"))
     names = _split_list(own["methods"]) if "methods" in own else list_experiments(bench_dir)
     experiments = [(n, load_experiment(n, bench_dir).method) for n in names]
-    results = run_speed(base, experiments, inprocess=_as_bool("inprocess", own.get("inprocess", "false")))
-    table = format_table(results, base, machine_line(device))
+    results = run_speed(spec, experiments, inprocess=_as_bool("inprocess", own.get("inprocess", "false")))
+    table = format_table(results, spec, machine_line(spec.device))
     print(table)
     if "out" in own:
         out = Path(own["out"])
         out.parent.mkdir(parents=True, exist_ok=True)
         command = "petl-bench speed " + " ".join(args)
-        out.write_text(f"# petl speed: {base.model} on {device}\n\nCommand: `{command}`\n\n{table}")
+        out.write_text(f"# petl speed: {spec.model} on {spec.device}\n\nCommand: `{command}`\n\n{table}")
     return 0
 
 
 if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--worker":
-    # Worker mode: one measurement, its JSON on the last line of stdout.
-    print(json.dumps(measure(SpeedSpec(**json.loads(sys.argv[2])))))
+    # Worker mode: one memory measurement, its JSON on the last line of stdout.
+    job = json.loads(sys.argv[2])
+    print(json.dumps(measure_memory(job["case"], job["method"], SpeedSpec(**job["spec"]))))

@@ -22,6 +22,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from petl.bench.rss import reset_peak_rss
 from petl.bench.suite import Experiment, format_value
 
 RESULT_FILE = "result.json"
@@ -205,6 +206,9 @@ def run_sweep(
                     # Another sweep may have finished it between our first look and the lock.
                     if not run.is_done():
                         (run.run_dir / ERROR_FILE).unlink(missing_ok=True)
+                        # Runs share this process: without a reset, a CPU run's recorded peak memory (max RSS)
+                        # would be the largest of every run before it.
+                        reset_peak_rss()
                         train_fn(compose_fn(list(run.overrides)))
                         summary.trained += 1
                 except Exception:  # one bad run must not end a day-long sweep
