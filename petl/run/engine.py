@@ -36,6 +36,7 @@ class TrainSettings:
         label_smoothing: cross-entropy label smoothing.
         grad_clip: max gradient norm, 0 to disable.
         progress: show a progress bar per epoch.
+
     """
 
     epochs: int = 100
@@ -117,6 +118,7 @@ def train_one_epoch(
 
     Raises:
         NonFiniteLossError: when the loss is NaN or infinite (the caller keeps its last checkpoint).
+
     """
     set_train_mode(model)
     loss_fn = nn.CrossEntropyLoss(label_smoothing=settings.label_smoothing)
@@ -180,10 +182,16 @@ def fit(
 
     Returns:
         The per-epoch metrics.
+
     """
     history = []
     epochs: Iterable[int] = range(start_epoch, settings.epochs)
     for epoch in epochs:
+        if hasattr(train_loader, "set_epoch"):
+            # Samplers that draw each epoch's order from (seed, epoch), like DistributedSampler, need
+            # the epoch number; it is also what lets a resumed run see the same batches as an
+            # uninterrupted one.  accelerate's prepared loaders pass it on to their sampler.
+            train_loader.set_epoch(epoch)
         metrics = train_one_epoch(
             model, train_loader, optimizer, scheduler, accelerator, settings, f"epoch {epoch + 1}/{settings.epochs}"
         )

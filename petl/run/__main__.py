@@ -1,0 +1,5 @@
+"""``python -m petl.run`` (and ``accelerate launch -m petl.run``) is ``petl-run``."""
+
+from petl.run.cli import main
+
+main()

@@ -1,0 +1,172 @@
+"""Feature caching: pay for the frozen front of the backbone once per run, not once per epoch.
+
+When nothing up to block ``i`` trains or is wrapped, the tokens entering block ``i`` are a fixed
+function of the image: there is no augmentation, and frozen modules run in eval mode (no dropout,
+no drop-path).  So they are computed once and the rest of the network trains on them.  When the
+whole trunk including the final norms and pooling is frozen (linear probe, MLP head) the cached
+tensors are the pre-logits features and only the head runs per step.
+
+The decision is read off the model (which parameters require grad, where :class:`PetlModule`
+wrappers or hooks sit), never off the method name, so a new method is cached correctly without
+telling this module about it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from accelerate import Accelerator
+from timm.models.vision_transformer import VisionTransformer
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+from petl import vit
+from petl.core import PetlModule
+
+log = logging.getLogger(__name__)
+
+# Modules of a timm VisionTransformer that run after the blocks (their order: norm, pool, fc_norm, head).
+_AFTER_BLOCKS = ("blocks", "norm", "fc_norm", "attn_pool", "head_drop", "head")
+
+# Above this size (CPU memory) the cache would cost more than it saves; the run goes uncached.
+MAX_CACHE_BYTES = 8 * 2**30
+
+
+@dataclass(frozen=True)
+class CachePlan:
+    """What to cache for a model.
+
+    Attributes:
+        start: index of the first block that runs every step; ``depth`` when only the final norm
+            and head run.  ``None`` with ``features`` means the cached tensors are pre-logits.
+        features: cache pre-logits features and run only the head.
+
+    """
+
+    start: int | None
+    features: bool
+
+    def describe(self) -> str:
+        """Short label recorded in result.json."""
+        return "pre-logits features" if self.features else f"tokens entering block {self.start}"
+
+
+def _untouched(module: nn.Module) -> bool:
+    """No trainable parameter, no petl (or other) wrapper, no hook anywhere in ``module``."""
+    for sub in module.modules():
+        if isinstance(sub, PetlModule) or sub._forward_hooks or sub._forward_pre_hooks:
+            return False
+    return not any(p.requires_grad for p in module.parameters())
+
+
+def plan(model: nn.Module) -> CachePlan | None:
+    """The cache plan for ``model``, or ``None`` when nothing in front of the trained part is frozen.
+
+    Only plain timm ``VisionTransformer`` forwards are cached: the cached path replays timm's
+    ``forward_features``/``forward_head`` from the point it cuts in, which is only exact when the
+    model runs those very methods (not a subclass's or a patched copy).
+    """
+    overridden = any(name in vars(model) for name in ("forward", "forward_features", "forward_head"))
+    if type(model) is not VisionTransformer or overridden or model._forward_hooks or model._forward_pre_hooks:
+        return None
+    # The stem: patch embedding, cls/register tokens, position embedding, norm_pre (and dropouts).
+    stem_params = list(model.parameters(recurse=False))
+    stem_modules = [module for name, module in model.named_children() if name not in _AFTER_BLOCKS]
+    if any(p.requires_grad for p in stem_params) or not all(_untouched(m) for m in stem_modules):
+        return None
+    start = next((i for i, block in enumerate(model.blocks) if not _untouched(block)), vit.depth(model))
+    if start == 0:
+        return None
+    after = [getattr(model, n) for n in ("norm", "fc_norm", "attn_pool") if getattr(model, n, None) is not None]
+    if start == vit.depth(model) and all(_untouched(m) for m in after):
+        return CachePlan(start=None, features=True)
+    return CachePlan(start=start, features=False)
+
+
+class _Captured(Exception):
+    """Raised by the capture hook to stop the forward once the cut point is reached."""
+
+
+class CachedTail(nn.Module):
+    """The part of ``model`` that runs on cached tensors.
+
+    ``model`` is a child, so parameters, ``train()``/``eval()`` and the engine's
+    ``set_train_mode`` see the same modules as on the full model; the forward skips the front.
+    """
+
+    def __init__(self, model: VisionTransformer, cache_plan: CachePlan) -> None:
+        super().__init__()
+        self.model = model
+        self.plan = cache_plan
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits from cached tensors (the rest of timm's forward from the cut point on)."""
+        model = self.model
+        if self.plan.features:
+            # forward_head(pre_logits=True) ends with head_drop, which has no parameters and so
+            # stays in eval mode (identity) on the uncached path too: only the head is left.
+            return vit.head(model)(x)
+        for block in model.blocks[self.plan.start :]:
+            x = block(x)
+        return model.forward_head(model.norm(x))
+
+    @torch.no_grad()
+    def front(self, images: torch.Tensor) -> torch.Tensor:
+        """What the cache holds for a batch of images (run with the model in eval mode)."""
+        model = self.model
+        if self.plan.features:
+            return model.forward_head(model.forward_features(images), pre_logits=True)
+        cut = model.blocks[self.plan.start] if self.plan.start < vit.depth(model) else model.norm
+        captured: list[torch.Tensor] = []
+
+        def grab(_module: nn.Module, args: tuple) -> None:
+            captured.append(args[0])
+            raise _Captured
+
+        handle = cut.register_forward_pre_hook(grab)
+        try:
+            model.forward_features(images)
+        except _Captured:
+            pass
+        finally:
+            handle.remove()
+        return captured[0]
+
+
+def _estimate_bytes(model: VisionTransformer, cache_plan: CachePlan, num_items: int) -> int:
+    if cache_plan.features:
+        return num_items * model.num_features * 4
+    grid = model.patch_embed.num_patches if hasattr(model.patch_embed, "num_patches") else 0
+    tokens = grid + vit.num_prefix_tokens(model)
+    return num_items * tokens * vit.embed_dim(model) * 4
+
+
+def fits(model: VisionTransformer, cache_plan: CachePlan, sizes: list[int]) -> bool:
+    """Whether caching splits of these sizes stays under :data:`MAX_CACHE_BYTES`."""
+    return _estimate_bytes(model, cache_plan, sum(sizes)) <= MAX_CACHE_BYTES
+
+
+@torch.no_grad()
+def cache_split(
+    tail: CachedTail, dataset: Dataset, accelerator: Accelerator, batch_size: int, num_workers: int = 0
+) -> TensorDataset:
+    """Run the frozen front over ``dataset`` once and keep (cached tensor, label) pairs in CPU memory.
+
+    Every process computes the whole split (it is small: VTAB-1k), so each can shard it afterwards
+    like any dataset.  Mixed precision applies as it would on the uncached path.
+    """
+    model = tail.model
+    was_training = model.training
+    model.eval()
+    # Its own generator: drawing the worker seed from the global RNG would shift the stream that
+    # dropout and drop-path use later, and the cached run would no longer match the uncached one.
+    loader = DataLoader(dataset, batch_size=batch_size, num_workers=num_workers, generator=torch.Generator())
+    outputs, labels = [], []
+    for images, targets in loader:
+        with accelerator.autocast():
+            outputs.append(tail.front(images.to(accelerator.device)).cpu())
+        labels.append(torch.as_tensor(targets))
+    model.train(was_training)
+    return TensorDataset(torch.cat(outputs), torch.cat(labels))

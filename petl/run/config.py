@@ -1,0 +1,503 @@
+"""The configuration of a run: typed schema, Hydra config groups, composition and validation.
+
+The ``method`` group is generated from the method registry: every registered method gets one
+structured node whose fields are its config dataclass's fields (plus ``name``), so the dataclasses
+stay the only schema of method options and Hydra type-checks ``method.rank=abc`` by itself.  The
+``data`` and ``model`` groups are generated the same way from petl's dataset registry and from
+timm's ViT registry; ``train`` options are YAML files in ``petl/conf/train``.
+
+Everything here that rejects user input raises :class:`ConfigError` with a one-line message that
+names the key and the valid choices or range; the CLI prints it without a traceback.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+import typing
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import timm
+from hydra import compose, initialize_config_module
+from hydra.core.config_store import ConfigStore
+from hydra.core.global_hydra import GlobalHydra
+from hydra.errors import HydraException
+from omegaconf import II, MISSING, DictConfig, OmegaConf, open_dict
+from omegaconf.errors import OmegaConfBaseException
+
+import petl
+from petl import data as petl_data
+from petl import models as petl_models
+from petl.run.engine import TrainSettings
+
+GROUPS = ("method", "data", "model", "train")
+SPLITS = ("train800", "train800val200")
+PRECISIONS = ("no", "bf16", "fp16")
+TRACKERS = ("tensorboard", "wandb", "mlflow", "comet_ml", "aim", "clearml", "dvclive")
+
+# Method fields the runner fills in itself (from the dataset), so they are not command-line options.
+RUNNER_FIELDS = ("num_classes",)
+
+# Suites whose tasks are small enough for a quick offline run get fewer epochs by default; every
+# other task follows the field's VTAB-1k/FGVC protocol of 100 epochs.  ``train.epochs`` overrides.
+SUITE_EPOCHS = {"mini": 10}
+PROTOCOL_EPOCHS = 100
+
+# timm modules whose models are (subclasses of) timm's VisionTransformer, the family petl supports;
+# "models" is the module name timm records for petl's own petl/models.py.
+VIT_MODULES = ("vision_transformer", "vision_transformer_hybrid", "deit", "models")
+
+
+class ConfigError(ValueError):
+    """Bad user input: an unknown choice or key, a value of the wrong type or out of range."""
+
+
+@dataclass
+class DataConfig:
+    """Which dataset to train on, and how to load it.
+
+    Attributes:
+        name: a name from :func:`petl.data.list_datasets`.
+        split: ``train800`` (train on 800, select on val200) or ``train800val200`` (final run on all 1000).
+        root: folder holding the dataset in the field's layout; ``None`` uses the dataset's default source.
+        subset: keep this many examples of every split (a fixed random choice, for quick checks); ``None`` keeps all.
+        num_workers: DataLoader worker processes; 0 loads in the main process (deterministic, fine for tensors).
+        epochs: the suite's default number of epochs, which ``train.epochs`` follows unless overridden.
+
+    """
+
+    name: str = MISSING
+    split: str = "train800"
+    root: str | None = None
+    subset: int | None = None
+    num_workers: int = 0
+    epochs: int = PROTOCOL_EPOCHS
+
+
+@dataclass
+class ModelConfig:
+    """The backbone.
+
+    Attributes:
+        name: a timm ViT name, optionally with a pretrained tag (``vit_base_patch16_224.augreg2_in21k_ft_in1k``).
+        pretrained: load the tag's pretrained weights (from the hub, or a file petl ships).
+        checkpoint: a local weights file to load instead of the tag's source (offline clusters).
+        drop_path: stochastic-depth rate; it only acts in blocks that train, frozen ones run in eval mode.
+        kwargs: extra keyword arguments for ``timm.create_model`` (e.g. ``+model.kwargs.depth=2``).
+
+    """
+
+    name: str = MISSING
+    pretrained: bool = True
+    checkpoint: str | None = None
+    drop_path: float = 0.1
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class TrainConfig(TrainSettings):
+    """Optimisation and engine settings: the engine's :class:`TrainSettings` plus run-level options.
+
+    The inherited fields (lr, weight_decay, warmup_frac, label_smoothing, grad_clip, progress) keep
+    the engine's defaults, the field's VTAB-1k recipe, so that the two never drift apart.
+
+    Attributes:
+        batch_size: training images per step and process (effective batch: x processes x grad_accum).
+        eval_batch_size: images per step when evaluating.
+        grad_accum: micro-batches accumulated per optimizer step.
+        precision: accelerate mixed precision: ``no``, ``bf16`` or ``fp16``.
+        cache_features: train on cached activations of the frozen part of the backbone, when there is one.
+        deterministic: use deterministic algorithms where torch has them (CPU runs repeat exactly).
+        trackers: experiment trackers through accelerate (``tensorboard``, ``wandb``...); none by default.
+        keep_checkpoint: keep the last per-epoch checkpoint after the run has finished.
+
+    """
+
+    epochs: int = II("data.epochs")
+    batch_size: int = 64
+    eval_batch_size: int = 256
+    grad_accum: int = 1
+    precision: str = "no"
+    cache_features: bool = True
+    deterministic: bool = True
+    trackers: list[str] = field(default_factory=list)
+    keep_checkpoint: bool = False
+
+
+@dataclass
+class RunConfig:
+    """A whole run: one node per config group plus the seed and where the results go.
+
+    Attributes:
+        method: the method's options (one structured node per registered method, with ``name``).
+        data: see :class:`DataConfig`.
+        model: see :class:`ModelConfig`.
+        train: see :class:`TrainConfig`.
+        seed: seeds the model init, the new modules and the data order.
+        output_dir: where the run writes its config, metrics, weights and result.
+        resume: continue an unfinished run found in ``output_dir`` (or return its result if it finished);
+            ``false`` deletes what an earlier run left there and starts over.
+
+    """
+
+    method: Any = MISSING
+    data: DataConfig = MISSING
+    model: ModelConfig = MISSING
+    train: TrainConfig = field(default_factory=TrainConfig)
+    seed: int = 0
+    output_dir: str = "runs/${petl.slug:${data.name}}/${petl.slug:${model.name}}/${method.name}/seed${seed}"
+    resume: bool = True
+
+
+def _slug(value: str) -> str:
+    # Dataset names contain "/" (``vtab/cifar100``); one directory level per run part reads better.
+    return re.sub(r"[^A-Za-z0-9._=-]+", "-", str(value)).strip("-")
+
+
+def list_models() -> list[str]:
+    """The timm ViT names the ``model`` group accepts: architectures and architecture.tag names."""
+    return sorted(
+        set(timm.list_models(module=list(VIT_MODULES), pretrained=True))
+        | set(timm.list_models(module=list(VIT_MODULES)))
+    )
+
+
+def _cli_type(hint: Any) -> Any:
+    """The OmegaConf annotation for a method field's type hint.
+
+    ``tuple[str, ...]`` becomes ``list[str]`` because the command line (and YAML) hand over lists;
+    the runner turns them back into tuples.  Types OmegaConf cannot check (general unions,
+    literals) fall back to ``Any`` and are left to the method's own ``validate``.
+    """
+    origin = typing.get_origin(hint)
+    if origin is tuple:
+        args = [a for a in typing.get_args(hint) if a is not Ellipsis]
+        return list[args[0]] if len(set(args)) == 1 else list[Any]
+    try:
+        OmegaConf.structured(dataclasses.make_dataclass("_Probe", [("x", hint, field(default=MISSING))]))
+    except (OmegaConfBaseException, ValueError, TypeError):
+        return Any
+    return hint
+
+
+def method_node(name: str) -> type:
+    """A dataclass with method ``name``'s options plus a ``name`` field: its node in the ``method`` group."""
+    spec = petl.get_method(name)
+    hints = typing.get_type_hints(spec.config_cls)
+    node_fields: list[tuple[str, Any, Any]] = [("name", str, field(default=name))]
+    for f in dataclasses.fields(spec.config_cls):
+        if f.name in RUNNER_FIELDS or not f.init:
+            continue
+        default = (
+            field(default_factory=f.default_factory)
+            if f.default is dataclasses.MISSING and f.default_factory is not dataclasses.MISSING
+            else field(default=f.default)
+        )
+        node_fields.append((f.name, _cli_type(hints[f.name]), default))
+    return dataclasses.make_dataclass(f"{spec.config_cls.__name__}Options", node_fields)
+
+
+_registered = False
+_registered_models: set[str] = set()
+
+
+def register_configs() -> None:
+    """Register the schema and the generated ``method`` and ``data`` groups (once per process).
+
+    The ConfigStore is a process-wide singleton that Hydra launchers ship to their jobs, so jobs
+    of a sweep (local or on a cluster) see the same groups.
+    """
+    global _registered
+    if _registered:
+        return
+    if not OmegaConf.has_resolver("petl.slug"):
+        OmegaConf.register_new_resolver("petl.slug", _slug)
+    store = ConfigStore.instance()
+    store.store(name="petl_schema", node=RunConfig)
+    for name in petl.list_methods():
+        store.store(group="method", name=name, node=method_node(name))
+    for name in petl_data.list_datasets():
+        # Hydra reads "data=mini/digits" as option "digits" of the nested group "data/mini".
+        folder, _, leaf = name.rpartition("/")
+        suite = name.split("/")[0] if "/" in name else ""
+        node = DataConfig(name=name, epochs=SUITE_EPOCHS.get(suite, PROTOCOL_EPOCHS))
+        store.store(group=f"data/{folder}" if folder else "data", name=leaf, node=node)
+    register_model(petl_models.DEFAULT_MODEL)
+    _registered = True
+
+
+def register_model(name: str) -> None:
+    """Add ``name`` to the ``model`` group if it is a timm ViT (unknown names are left to the checks).
+
+    Models are registered on demand, not all ~500 up front: Hydra deep-copies the whole
+    ConfigStore on every composition, which would cost seconds per run.
+    """
+    store = ConfigStore.instance()
+    if name in _registered_models or name not in list_models():
+        return
+    store.store(group="model", name=name, node=ModelConfig(name=name))
+    _registered_models.add(name)
+
+
+def register_models_in(overrides: Iterable[str]) -> None:
+    """Register every model an override list names, including each value of a sweep (``model=a,b``)."""
+    for override in overrides:
+        key, eq, value = override.partition("=")
+        if eq and key.lstrip("+~") == "model":
+            for name in re.split(r"[,()\[\]\s]+", value):
+                if name:
+                    register_model(name)
+
+
+def group_choices(group: str) -> list[str]:
+    """Valid options of a config group."""
+    if group == "method":
+        return petl.list_methods()
+    if group == "data":
+        return petl_data.list_datasets()
+    if group == "model":
+        return list_models()
+    if group == "train":
+        from importlib import resources
+
+        files = resources.files("petl.conf").joinpath("train").iterdir()
+        return sorted(f.name[: -len(".yaml")] for f in files if f.name.endswith(".yaml"))
+    raise KeyError(group)
+
+
+def unknown_choice_message(group: str, value: str) -> str:
+    """One line naming the bad choice and the valid ones (the closest ones, for the long model list)."""
+    choices = group_choices(group)
+    noun = {"data": "dataset", "train": "train recipe"}.get(group, group)
+    if group == "model":
+        close = difflib.get_close_matches(value, choices, n=5, cutoff=0.5)
+        hint = f"did you mean: {', '.join(close)}? " if close else ""
+        return (
+            f"unknown model {value!r}; {hint}choose a timm ViT, e.g. {petl_models.DEFAULT_MODEL}, "
+            'vit_base_patch16_224.augreg2_in21k_ft_in1k (all: python -c "import petl.run.config as c; '
+            'print(*c.list_models())")'
+        )
+    return f"unknown {noun} {value!r}; choose one of: {', '.join(choices)}"
+
+
+def check_choice(group: str, value: str) -> None:
+    """Raise :class:`ConfigError` unless ``value`` is an option of ``group``."""
+    if value not in group_choices(group):
+        raise ConfigError(unknown_choice_message(group, value))
+
+
+def _first_line(text: str) -> str:
+    return next((line.strip() for line in str(text).splitlines() if line.strip()), str(text))
+
+
+def explain(error: Exception, overrides: Sequence[str] = ()) -> str:
+    """Turn a Hydra/OmegaConf composition error into one line that names the key and what is valid."""
+    cause = error.__cause__ if error.__cause__ is not None else error
+    text = str(cause)
+    missing = re.search(r"Could not find '(\w+)/([^']+)'", str(error))
+    if missing:
+        return unknown_choice_message(missing.group(1), missing.group(2))
+    key_match = re.search(r"full_key: (\S+)", text)
+    full_key = key_match.group(1) if key_match else None
+    if re.search(r"Key '[^']+' (not in|is not in struct)", text) or "Could not append to config" in text:
+        bad = full_key or (re.search(r"Could not override '([^']+)'", str(error)) or [None, "?"])[1]
+        return unknown_key_message(bad, overrides)
+    line = _first_line(text)
+    if line.startswith("Ambiguous value"):
+        return f"{line}: to sweep over the values add --multirun, to pass a list write key=[a,b]"
+    return f"{full_key}: {line}" if full_key and full_key not in line else line
+
+
+def unknown_key_message(key: str, overrides: Sequence[str] = ()) -> str:
+    """One line naming an unknown config key and the valid keys beside it."""
+    parent, _, leaf = key.rpartition(".")
+    # Compose again with only the group choices so the listing shows the nodes actually selected.
+    chosen = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") in GROUPS]
+    try:
+        base = compose_config(chosen)
+        node = OmegaConf.select(base, parent) if parent else base
+    except (ConfigError, HydraException, OmegaConfBaseException):
+        node = None
+    valid = ", ".join(node.keys()) if isinstance(node, DictConfig) else "?"
+    where = f"under '{parent}'" if parent else "at the top level"
+    if parent == "method" and isinstance(node, DictConfig):
+        where += f" (method {node.name})"
+    return f"unknown config key {key!r}; valid keys {where}: {valid}"
+
+
+def compose_config(overrides: Iterable[str] = ()) -> DictConfig:
+    """Compose ``petl/conf/config.yaml`` with Hydra overrides (no validation of values)."""
+    register_configs()
+    overrides = list(overrides)
+    register_models_in(overrides)
+    hydra = GlobalHydra.instance()
+    # Inside a running Hydra app (a sweep job, a notebook using Hydra) Global Hydra is taken;
+    # compose in a fresh one and put the caller's back afterwards.
+    saved = hydra.hydra if hydra.is_initialized() else None
+    hydra.clear()
+    try:
+        with initialize_config_module("petl.conf", version_base="1.3"):
+            return compose("config", overrides=overrides)
+    finally:
+        if saved is not None:
+            hydra.clear()
+            hydra.initialize(saved)
+
+
+def default_config(overrides: Iterable[str] = ()) -> DictConfig:
+    """The default run configuration with Hydra command-line style overrides applied and checked.
+
+    Args:
+        overrides: e.g. ``["method=lora", "method.rank=4", "data=mini/digits", "train.epochs=2"]``.
+
+    Returns:
+        The composed config (interpolations such as ``output_dir`` left unresolved).
+
+    Raises:
+        ConfigError: an unknown choice or key, a wrong type or a value out of range (one-line message).
+
+    """
+    cfg = _compose_checked(overrides)
+    check_values(cfg)
+    check_method(cfg)
+    return cfg
+
+
+def _compose_checked(overrides: Iterable[str]) -> DictConfig:
+    """:func:`compose_config`, with unknown group choices and composition errors as ConfigError."""
+    overrides = list(overrides)
+    for override in overrides:
+        key, eq, value = override.partition("=")
+        if eq and key in GROUPS and "," not in value and "(" not in value:
+            check_choice(key, value.strip())
+    try:
+        return compose_config(overrides)
+    except (HydraException, OmegaConfBaseException) as error:
+        raise ConfigError(explain(error, overrides)) from None
+
+
+def to_config(cfg: DictConfig | Mapping[str, Any]) -> DictConfig:
+    """A complete, type-checked run config from a composed config or a (partial) nested dict.
+
+    Group nodes may be given as a name (``{"method": "lora"}``) or as a mapping with ``name``;
+    whatever the mapping sets is merged onto that group's defaults, which type-checks it.
+    """
+    if isinstance(cfg, DictConfig) and OmegaConf.get_type(cfg) is RunConfig:
+        # Already composed (default_config, Hydra) and typed: edits since then were type-checked on
+        # assignment, only the ranges need a look (method options are checked when applied).
+        check_values(cfg)
+        return cfg
+    raw = OmegaConf.to_container(cfg, resolve=False) if isinstance(cfg, DictConfig) else dict(cfg)
+    if not isinstance(raw, dict):
+        raise ConfigError(f"a run config must be a mapping, got {type(cfg).__name__}")
+    choices = []
+    for group in ("method", "data", "model"):
+        node = raw.get(group)
+        if isinstance(node, str):
+            choices.append(f"{group}={node}")
+            raw.pop(group)
+        elif isinstance(node, Mapping) and "name" in node:
+            choices.append(f"{group}={node['name']}")
+    base = _compose_checked(choices)
+    try:
+        # model.kwargs is free-form (any timm.create_model keyword), the one node that takes new keys.
+        with open_dict(base.model.kwargs):
+            merged = OmegaConf.merge(base, raw)
+    except OmegaConfBaseException as error:
+        raise ConfigError(explain(error, choices)) from None
+    check_values(merged)
+    check_method(merged)
+    return merged
+
+
+def _range(key: str, value: float, low: float | None = None, high: float | None = None, open_low: bool = False) -> None:
+    below = value is not None and low is not None and (value <= low if open_low else value < low)
+    if below or (value is not None and high is not None and value > high):
+        lo = "-inf" if low is None else low
+        hi = "inf" if high is None else high
+        raise ConfigError(f"{key}={value} is out of range: allowed {'(' if open_low else '['}{lo}, {hi}]")
+
+
+def check_values(cfg: DictConfig) -> None:
+    """Check the engine-level values of a composed config (method options are checked on the model).
+
+    Raises:
+        ConfigError: naming the field and its allowed range or choices.
+
+    """
+    try:
+        train, data = cfg.train, cfg.data
+        _range("train.epochs", train.epochs, low=1)
+        _range("train.lr", train.lr, low=0, open_low=True)
+        _range("train.weight_decay", train.weight_decay, low=0)
+        _range("train.warmup_frac", train.warmup_frac, low=0, high=1)
+        _range("train.label_smoothing", train.label_smoothing, low=0, high=1)
+        _range("train.grad_clip", train.grad_clip, low=0)
+        _range("train.batch_size", train.batch_size, low=1)
+        _range("train.eval_batch_size", train.eval_batch_size, low=1)
+        _range("train.grad_accum", train.grad_accum, low=1)
+        _range("model.drop_path", cfg.model.drop_path, low=0, high=1)
+        _range("data.subset", data.subset, low=1)
+        _range("data.num_workers", data.num_workers, low=0)
+        _range("seed", cfg.seed, low=0)
+        if train.precision not in PRECISIONS:
+            choices = ", ".join(PRECISIONS)
+            raise ConfigError(f"train.precision={train.precision!r} is not valid: choose one of {choices}")
+        if data.split not in SPLITS:
+            raise ConfigError(f"data.split={data.split!r} is not valid: choose one of {', '.join(SPLITS)}")
+        for tracker in train.trackers:
+            if tracker not in TRACKERS:
+                raise ConfigError(f"train.trackers: {tracker!r} is not valid: choose from {', '.join(TRACKERS)}")
+        check_choice("method", cfg.method.name)
+        check_choice("data", data.name)
+        check_choice("model", cfg.model.name)
+        if not str(cfg.output_dir).strip():
+            raise ConfigError("output_dir is empty: give the folder the run writes to")
+    except OmegaConfBaseException as error:
+        # An interpolation that does not resolve, or a missing mandatory value.
+        raise ConfigError(explain(error)) from None
+
+
+def method_options(cfg: DictConfig) -> dict[str, Any]:
+    """The method node as keyword options for :func:`petl.core.make_config` (lists back to tuples)."""
+    options = OmegaConf.to_container(cfg.method, resolve=True)
+    assert isinstance(options, dict)
+    name = options.pop("name")
+    hints = typing.get_type_hints(petl.get_method(name).config_cls)
+    for key, value in options.items():
+        if typing.get_origin(hints.get(key)) is tuple and isinstance(value, list):
+            options[key] = tuple(value)
+    return options
+
+
+def settings_from(cfg: DictConfig) -> TrainSettings:
+    """The engine's settings from the ``train`` node."""
+    return TrainSettings(**{f.name: cfg.train[f.name] for f in dataclasses.fields(TrainSettings)})
+
+
+def check_method(cfg: DictConfig) -> None:
+    """Check the method options against the chosen backbone's shape (depth, width) without building it.
+
+    The model is instantiated on PyTorch's ``meta`` device: it has shapes but no storage, so
+    even a ViT-L costs a fraction of a second and no weights are loaded.
+
+    Raises:
+        ConfigError: naming the method field and its allowed range (``k`` larger than the depth...).
+
+    """
+    import torch
+
+    kwargs = OmegaConf.to_container(cfg.model.kwargs, resolve=True)
+    try:
+        with torch.device("meta"):
+            model = timm.create_model(cfg.model.name, pretrained=False, **kwargs)
+    except TypeError as error:
+        raise ConfigError(f"model.kwargs: {error}") from None
+    num_classes = petl_data.get_info(cfg.data.name).num_classes
+    try:
+        petl.make_config(cfg.method.name, num_classes=num_classes, **method_options(cfg)).validate(model)
+    except ValueError as error:
+        raise ConfigError(f"method {cfg.method.name}: {error}") from None
