@@ -47,9 +47,9 @@ class SpeedSpec:
         batch: training batch size.
         steps: timed training steps per case, spread over ``rounds``.
         warmup: untimed steps per case before the first round.
-        rounds: how many times the cases take turns; the median runs over all of them.
+        rounds: how many times the cases take turns at training steps; the median runs over all of them.
         infer_batch: inference batch size.
-        infer_steps: timed inference forwards per case, spread over ``rounds``.
+        infer_steps: timed inference forwards per case, the cases taking turns call by call.
         device: ``cpu`` or ``cuda``.
         num_classes: classifier size.
 
@@ -61,7 +61,7 @@ class SpeedSpec:
     warmup: int = 3
     rounds: int = 5
     infer_batch: int = 1
-    infer_steps: int = 30
+    infer_steps: int = 100
     device: str = "cpu"
     num_classes: int = 10
 
@@ -208,13 +208,19 @@ def measure_times(
                 bench.infer(bench.merged)
     laps: dict[tuple[str, str], list[float]] = {}
     for r in range(spec.rounds):
-        log(f"speed: round {r + 1}/{spec.rounds}")
+        log(f"speed: training round {r + 1}/{spec.rounds}")
         for case, bench in benches.items():
-            timed = {"train_ms": (bench.train_step, spec.steps), "infer_ms": (bench.infer, spec.infer_steps)}
+            laps.setdefault((case, "train_ms"), []).extend(
+                bench.train_step() for _ in range(_share(spec.steps, spec.rounds, r))
+            )
+    # A forward at the inference batch takes milliseconds, so the cases can take turns call by call: the
+    # finest interleaving, which matters most for merged-vs-plain, a comparison of near-equal times.
+    log("speed: inference")
+    for _ in range(spec.infer_steps):
+        for case, bench in benches.items():
+            laps.setdefault((case, "infer_ms"), []).append(bench.infer())
             if bench.merged is not None:
-                timed["infer_merged_ms"] = (lambda b=bench: b.infer(b.merged), spec.infer_steps)
-            for key, (call, total) in timed.items():
-                laps.setdefault((case, key), []).extend(call() for _ in range(_share(total, spec.rounds, r)))
+                laps.setdefault((case, "infer_merged_ms"), []).append(bench.infer(bench.merged))
     out: dict[str, dict[str, float]] = {case: {} for case in benches}
     for (case, key), seconds in laps.items():
         out[case][key] = 1000 * statistics.median(seconds)
@@ -265,7 +271,8 @@ def format_table(results: dict[str, dict[str, Any]], spec: SpeedSpec, machine: s
         f"device {spec.device}. Train step = forward + loss + backward + AdamW step, median of {spec.steps} steps "
         f"after {spec.warmup} warm-up steps, all cases taking turns over {spec.rounds} rounds (so background load "
         "falls on all of them alike); the floor row times a no-grad forward at the same batch. "
-        f"Inference: eval forward at batch {spec.infer_batch}, median of {spec.infer_steps}, also in turns. "
+        f"Inference: eval forward at batch {spec.infer_batch}, median of {spec.infer_steps}, cases in turns call "
+        "by call. "
         f"Peak MB over {spec.warmup + 2} training steps: {memory}.",
         "",
         f"Machine: {machine}.",

@@ -99,6 +99,8 @@ def plan(
 
 
 def _pid_alive(pid: int) -> bool:
+    if pid <= 0:  # os.kill(0 or -1, ...) would address process groups, not one process
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
