@@ -82,17 +82,23 @@ def check_command_line(overrides: Sequence[str], multirun: bool = False) -> None
 
 def _task(cfg: DictConfig) -> dict[str, Any] | None:
     """Hydra's task function: one run; errors become one line and an exit status."""
-    multirun = HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+    hydra_cfg = HydraConfig.get() if HydraConfig.initialized() else None
+    multirun = hydra_cfg is not None and hydra_cfg.mode == RunMode.MULTIRUN
+    # Hydra's basic launcher runs a sweep's jobs in this process; others (submitit...) elsewhere.
+    in_process = multirun and "BasicLauncher" in str(hydra_cfg.launcher.get("_target_", ""))
     try:
         result = runner.run(cfg)
     except (ConfigError, runner.RunError) as error:
         status = USAGE_ERROR if isinstance(error, ConfigError) else RUN_ERROR
         _error(str(error))
-        if not multirun:
-            raise SystemExit(status) from None
-        # Let the other jobs of the sweep run; main() reports the failures at the end.
-        _failed_jobs.append(str(error))
-        return None
+        if in_process:
+            # Let the other jobs of the sweep run; main() reports the failures at the end.
+            _failed_jobs.append(str(error))
+            return None
+        if multirun:
+            # A remote job must fail visibly to its launcher (the line above is in its log).
+            raise RuntimeError(str(error)) from None
+        raise SystemExit(status) from None
     if os.environ.get("RANK", "0") == "0":
         print(runner._summary_line(result) + f"  -> {cfg.output_dir}", flush=True)
     return result
@@ -125,6 +131,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     sys.argv = [saved_argv[0] if saved_argv else PROG, *argv]
     try:
         _hydra_main()
+    except KeyboardInterrupt:
+        _error("interrupted; the same command resumes from the last finished epoch")
+        raise SystemExit(130) from None
     finally:
         sys.argv = saved_argv
     if _failed_jobs:

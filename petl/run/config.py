@@ -20,11 +20,13 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import accelerate.utils
 import timm
+from accelerate.tracking import LOGGER_TYPE_TO_CLASS
 from hydra import compose, initialize_config_module
 from hydra.core.config_store import ConfigStore
 from hydra.core.global_hydra import GlobalHydra
-from hydra.errors import HydraException
+from hydra.errors import HydraException, OverrideParseException
 from omegaconf import II, MISSING, DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
@@ -36,7 +38,7 @@ from petl.run.engine import TrainSettings
 GROUPS = ("method", "data", "model", "train")
 SPLITS = ("train800", "train800val200")
 PRECISIONS = ("no", "bf16", "fp16")
-TRACKERS = ("tensorboard", "wandb", "mlflow", "comet_ml", "aim", "clearml", "dvclive")
+TRACKERS = tuple(LOGGER_TYPE_TO_CLASS)
 
 # Method fields the runner fills in itself (from the dataset), so they are not command-line options.
 RUNNER_FIELDS = ("num_classes",)
@@ -295,11 +297,18 @@ def _first_line(text: str) -> str:
 
 def explain(error: Exception, overrides: Sequence[str] = ()) -> str:
     """Turn a Hydra/OmegaConf composition error into one line that names the key and what is valid."""
+    if isinstance(error, OverrideParseException):
+        return (
+            f"cannot parse override {error.override!r}: {_first_line(error.message)} "
+            "(quote values holding special characters: key='a=b')"
+        )
     cause = error.__cause__ if error.__cause__ is not None else error
     text = str(cause)
     missing = re.search(r"Could not find '(\w+)/([^']+)'", str(error))
-    if missing:
+    if missing and missing.group(1) in GROUPS:
         return unknown_choice_message(missing.group(1), missing.group(2))
+    if missing:  # e.g. hydra/launcher=submitit_slurm without its plugin installed
+        return f"{_first_line(str(error))} (is the Hydra plugin that provides it installed?)"
     key_match = re.search(r"full_key: (\S+)", text)
     full_key = key_match.group(1) if key_match else None
     if re.search(r"Key '[^']+' (not in|is not in struct)", text) or "Could not append to config" in text:
@@ -451,6 +460,9 @@ def check_values(cfg: DictConfig) -> None:
         for tracker in train.trackers:
             if tracker not in TRACKERS:
                 raise ConfigError(f"train.trackers: {tracker!r} is not valid: choose from {', '.join(TRACKERS)}")
+            # accelerate would only warn and log nowhere; a tracker asked for and missing is an error.
+            if not getattr(accelerate.utils, f"is_{tracker}_available", lambda: True)():
+                raise ConfigError(f"train.trackers: {tracker} is not installed (pip install {tracker})")
         check_choice("method", cfg.method.name)
         check_choice("data", data.name)
         check_choice("model", cfg.model.name)

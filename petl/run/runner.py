@@ -23,7 +23,7 @@ import numpy as np
 import timm
 import torch
 from accelerate import Accelerator
-from accelerate.state import AcceleratorState, GradientState
+from accelerate.state import AcceleratorState, GradientState, PartialState
 from accelerate.utils import set_seed
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -157,16 +157,20 @@ def _make_accelerator(cfg: DictConfig, out: Path) -> Accelerator:
     AcceleratorState._reset_state()
     GradientState._reset_state()
     trackers = list(cfg.train.trackers)
+    precision = cfg.train.precision
+    if precision == "fp16" and PartialState().device.type == "cpu":
+        # accelerate would accept it and silently run in fp32; say so, and record what really ran.
+        log.warning("train.precision=fp16 needs a GPU: running in full precision on the CPU (bf16 works there)")
+        precision = "no"
     try:
         return Accelerator(
-            mixed_precision=cfg.train.precision,
+            mixed_precision=precision,
             gradient_accumulation_steps=cfg.train.grad_accum,
             log_with=trackers or None,
             project_dir=str(out),
         )
-    except (ValueError, ImportError) as error:
-        # e.g. fp16 where the device has no fp16 support, or a tracker that is not installed.
-        raise ConfigError(f"train.precision={cfg.train.precision} / train.trackers={trackers}: {error}") from None
+    except ValueError as error:  # e.g. bf16 on a GPU without bf16 support
+        raise ConfigError(f"train.precision={precision}: {error}") from None
 
 
 def _create_model(cfg: DictConfig, num_classes: int) -> nn.Module:
