@@ -195,7 +195,7 @@ def _describe_run(record: RunRecord) -> str:
 
 
 def _field(record: RunRecord, key: str) -> float:
-    # Optional numbers may be missing or null (e.g. images/s of a run that trained on cached features only).
+    # Optional numbers may be missing or null in a result.json; they count as absent, not as zero.
     value = record.result.get(key)
     return math.nan if value is None else float(value)
 

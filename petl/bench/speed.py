@@ -233,7 +233,7 @@ def _share(total: int, rounds: int, r: int) -> int:
 
 
 def machine_line(device: str) -> str:
-    """Where the numbers come from: CPU model (lscpu), cores, threads, torch version, GPU if used."""
+    """Where the numbers come from: CPU model (lscpu), cores, threads, torch version, GPU if used, load."""
     import torch
 
     cpu = platform.processor() or "unknown CPU"
@@ -246,6 +246,9 @@ def machine_line(device: str) -> str:
     parts = [f"CPU {cpu}", f"{os.cpu_count()} cores", f"torch {torch.__version__}", f"{threads} torch threads"]
     if device == "cuda":
         parts.append(f"GPU {torch.cuda.get_device_name()}")
+    if hasattr(os, "getloadavg"):
+        # Called after the measurements: the 15-minute load average says how much else shared the cores.
+        parts.append(f"15-min load average {os.getloadavg()[2]:.1f} at the end")
     return ", ".join(parts)
 
 
