@@ -145,6 +145,12 @@ def train_one_epoch(
         rate = seen / max(1e-9, time.perf_counter() - start)
         bar.set_postfix(loss=f"{loss_sum / seen:.3f}", acc=f"{100 * correct / seen:.1f}", img_s=f"{rate:.0f}")
     seconds = time.perf_counter() - start
+    if accelerator.num_processes > 1:
+        # Each process saw its own shard: report the whole epoch (summed images, pooled loss and
+        # accuracy, the slowest process's time), identically on every process.
+        totals = torch.tensor([loss_sum, correct, seen], dtype=torch.float64, device=accelerator.device)
+        loss_sum, correct, seen = accelerator.reduce(totals, reduction="sum").tolist()
+        seconds = float(accelerator.gather(torch.tensor([seconds], device=accelerator.device)).max())
     return {
         "loss": loss_sum / max(1, seen),
         "train_top1": 100.0 * correct / max(1, seen),

@@ -255,7 +255,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     fingerprint = _fingerprint(resolved)
     finished = _prepare_output_dir(out, cfg, fingerprint, is_main=_is_main_process())
     if finished is not None:
-        log.info("already finished: %s", _summary_line(finished))
+        if _is_main_process():
+            log.info("already finished: %s", _summary_line(finished))
         return finished
 
     accelerator = _make_accelerator(cfg, out)
@@ -282,6 +283,8 @@ def _run(
     cfg: DictConfig, resolved: dict[str, Any], fingerprint: dict[str, Any], out: Path, accelerator: Accelerator
 ) -> dict[str, Any]:
     started = time.perf_counter()
+    # Every process runs this function; one of them talks.
+    say = log.info if accelerator.is_main_process else lambda *args: None
     set_seed(cfg.seed)
     info = petl_data.get_info(cfg.data.name)
     model = _create_model(cfg, info.num_classes)
@@ -300,7 +303,7 @@ def _run(
     cache_plan = cache.plan(model) if cfg.train.cache_features else None
     train_set, val_set = datasets["train"], datasets.get("val")
     if cache_plan is not None and not cache.fits(model, cache_plan, [len(d) for d in (train_set, val_set) if d]):
-        log.info("not caching features: the cache would exceed %d GiB", cache.MAX_CACHE_BYTES // 2**30)
+        say("not caching features: the cache would exceed %d GiB", cache.MAX_CACHE_BYTES // 2**30)
         cache_plan = None
     trainee: nn.Module = model
     tick = time.perf_counter()
@@ -310,7 +313,7 @@ def _run(
         train_set = cache.cache_split(trainee, train_set, accelerator, batch, num_workers)
         val_set = cache.cache_split(trainee, val_set, accelerator, batch, num_workers) if val_set else None
         seconds = time.perf_counter() - tick
-        log.info("cached %s of %d train images in %.1f s", cache_plan.describe(), len(train_set), seconds)
+        say("cached %s of %d train images in %.1f s", cache_plan.describe(), len(train_set), seconds)
 
     sampler = EpochSampler(len(train_set), cfg.seed)
     train_loader = _loader(train_set, cfg.train.batch_size, num_workers, cfg.seed, sampler)
@@ -337,7 +340,7 @@ def _run(
         scheduler.load_state_dict(checkpoint["scheduler"])
         records.set_rng_state(checkpoint["rng"])
         start_epoch, history, seconds_before = checkpoint["epoch"], checkpoint["history"], checkpoint["seconds"]
-        log.info("resuming %s from epoch %d/%d", out, start_epoch, settings.epochs)
+        say("resuming %s from epoch %d/%d", out, start_epoch, settings.epochs)
     if accelerator.is_main_process:
         records.write_metrics(out / records.METRICS_FILE, history)
     if cfg.train.trackers:
@@ -364,7 +367,7 @@ def _run(
             records.append_metrics(out / records.METRICS_FILE, metrics)
         accelerator.wait_for_everyone()
         val = f"  val {metrics['val_top1']:.2f}" if "val_top1" in metrics else ""
-        log.info(
+        say(
             "epoch %d/%d  loss %.4f  train %.2f%s  %.0f img/s",
             epoch + 1,
             settings.epochs,
@@ -398,7 +401,7 @@ def _run(
         if not cfg.train.keep_checkpoint:
             (out / records.CHECKPOINT_FILE).unlink(missing_ok=True)
     accelerator.wait_for_everyone()
-    log.info("%s -> %s", _summary_line(result), out / records.RESULT_FILE)
+    say("wrote %s", out / records.RESULT_FILE)
     return result
 
 
