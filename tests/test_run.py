@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import timm
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 import petl
 from petl.run import cache, config, default_config, engine, records, runner, train
@@ -220,3 +220,14 @@ def test_epoch_sampler_order_depends_on_seed_and_epoch_only():
     fresh = runner.EpochSampler(50, seed=3)
     fresh.set_epoch(1)
     assert list(fresh) == second
+
+
+def test_local_checkpoint_replaces_the_hub_download(tmp_path):
+    # Offline clusters: model.checkpoint points timm's own pretrained loader at a local file.
+    source = timm.create_model("vit_fractal_tiny_patch4_32", depth=2, embed_dim=48, num_classes=0)
+    save_file({k: v.contiguous() for k, v in source.state_dict().items()}, tmp_path / "w.safetensors")
+    cfg = default_config([*TINY, "method=lora", "model.pretrained=true", f"model.checkpoint={tmp_path}/w.safetensors"])
+    model = runner._create_model(cfg, num_classes=10)
+    assert torch.equal(model.blocks[1].mlp.fc2.weight, source.blocks[1].mlp.fc2.weight)
+    with pytest.raises(config.ConfigError, match="model.checkpoint=.*nope.safetensors: no such file"):
+        runner._create_model(default_config([*TINY, "model.checkpoint=nope.safetensors"]), num_classes=10)

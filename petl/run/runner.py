@@ -177,6 +177,10 @@ def _create_model(cfg: DictConfig, num_classes: int) -> nn.Module:
     m = cfg.model
     kwargs: dict[str, Any] = dict(OmegaConf.to_container(m.kwargs, resolve=True))
     if m.checkpoint:
+        if not Path(m.checkpoint).is_file():
+            raise ConfigError(f"model.checkpoint={m.checkpoint}: no such file")
+        if not m.pretrained:
+            raise ConfigError("model.checkpoint is set but model.pretrained=false: the file would be ignored")
         kwargs["pretrained_cfg_overlay"] = {"file": str(m.checkpoint)}
     try:
         model = timm.create_model(m.name, pretrained=m.pretrained, drop_path_rate=m.drop_path, **kwargs)
@@ -185,7 +189,8 @@ def _create_model(cfg: DictConfig, num_classes: int) -> nn.Module:
     except Exception as error:  # timm/hub raise many kinds (RuntimeError, OSError, HTTP errors...)
         if not m.pretrained:
             raise
-        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        text = str(error).strip()
+        first = text.splitlines()[0] if text else f"{type(error).__name__} (no weights file)"
         raise RunError(
             f"cannot load pretrained weights of {m.name}: {first}. Give a local file with model.checkpoint=PATH, "
             "or train from random init with model.pretrained=false"
