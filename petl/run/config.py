@@ -18,6 +18,7 @@ import re
 import typing
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from importlib import resources
 from typing import Any
 
 import accelerate.utils
@@ -224,8 +225,7 @@ def register_configs() -> None:
     for name in petl_data.list_datasets():
         # Hydra reads "data=mini/digits" as option "digits" of the nested group "data/mini".
         folder, _, leaf = name.rpartition("/")
-        suite = name.split("/")[0] if "/" in name else ""
-        node = DataConfig(name=name, epochs=SUITE_EPOCHS.get(suite, PROTOCOL_EPOCHS))
+        node = DataConfig(name=name, epochs=SUITE_EPOCHS.get(folder.split("/")[0], PROTOCOL_EPOCHS))
         store.store(group=f"data/{folder}" if folder else "data", name=leaf, node=node)
     register_model(petl_models.DEFAULT_MODEL)
     _registered = True
@@ -263,8 +263,6 @@ def group_choices(group: str) -> list[str]:
     if group == "model":
         return list_models()
     if group == "train":
-        from importlib import resources
-
         files = resources.files("petl.conf").joinpath("train").iterdir()
         return sorted(f.name[: -len(".yaml")] for f in files if f.name.endswith(".yaml"))
     raise KeyError(group)
@@ -312,8 +310,10 @@ def explain(error: Exception, overrides: Sequence[str] = ()) -> str:
     key_match = re.search(r"full_key: (\S+)", text)
     full_key = key_match.group(1) if key_match else None
     if re.search(r"Key '[^']+' (not in|is not in struct)", text) or "Could not append to config" in text:
-        bad = full_key or (re.search(r"Could not override '([^']+)'", str(error)) or [None, "?"])[1]
-        return unknown_key_message(bad, overrides)
+        if full_key is None:
+            overridden = re.search(r"Could not override '([^']+)'", str(error))
+            full_key = overridden.group(1) if overridden else "?"
+        return unknown_key_message(full_key, overrides)
     line = _first_line(text)
     if line.startswith("Ambiguous value"):
         return f"{line}: to sweep over the values add --multirun, to pass a list write key=[a,b]"
@@ -322,7 +322,7 @@ def explain(error: Exception, overrides: Sequence[str] = ()) -> str:
 
 def unknown_key_message(key: str, overrides: Sequence[str] = ()) -> str:
     """One line naming an unknown config key and the valid keys beside it."""
-    parent, _, leaf = key.rpartition(".")
+    parent = key.rpartition(".")[0]
     # Compose again with only the group choices so the listing shows the nodes actually selected.
     chosen = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") in GROUPS]
     try:

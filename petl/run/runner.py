@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -270,7 +271,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         # warn_only: an op without a deterministic kernel warns instead of stopping the run.
         torch.use_deterministic_algorithms(True, warn_only=True)
     try:
-        return _run(cfg, resolved, fingerprint, out, accelerator)
+        return _run(cfg, resolved, out, accelerator)
     finally:
         torch.use_deterministic_algorithms(deterministic_before)
         if cfg.train.trackers:
@@ -278,15 +279,11 @@ def run(cfg: DictConfig) -> dict[str, Any]:
 
 
 def _is_main_process() -> bool:
-    import os
-
     # Read before accelerate is set up (the launcher exports RANK to every process).
     return os.environ.get("RANK", "0") == "0"
 
 
-def _run(
-    cfg: DictConfig, resolved: dict[str, Any], fingerprint: dict[str, Any], out: Path, accelerator: Accelerator
-) -> dict[str, Any]:
+def _run(cfg: DictConfig, resolved: dict[str, Any], out: Path, accelerator: Accelerator) -> dict[str, Any]:
     started = time.perf_counter()
     # Every process runs this function; one of them talks.
     say = log.info if accelerator.is_main_process else lambda *args: None
@@ -338,8 +335,7 @@ def _run(
     start_epoch = 0
     checkpoint = records.load_checkpoint(out / records.CHECKPOINT_FILE) if cfg.resume else None
     if checkpoint is not None:
-        if checkpoint["fingerprint"] != fingerprint:
-            raise ConfigError(f"{out / records.CHECKPOINT_FILE} belongs to another config; use resume=false")
+        # _prepare_output_dir has already matched this checkpoint's config.yaml against cfg.
         _load_trainable(model, checkpoint["trainable"])
         optimizer.load_state_dict(checkpoint["optimizer"])
         scheduler.load_state_dict(checkpoint["scheduler"])
@@ -358,7 +354,6 @@ def _run(
         if accelerator.is_main_process:
             state = {
                 "epoch": epoch + 1,
-                "fingerprint": fingerprint,
                 "trainable": {k: v.cpu() for k, v in trainable_state(model).items()},
                 "optimizer": optimizer.state_dict(),
                 "scheduler": scheduler.state_dict(),
