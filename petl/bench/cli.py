@@ -4,9 +4,10 @@ Usage::
 
     petl-bench [run] suite=mini [methods=linear,lora] [tasks=mini/digits] [seeds=0,1]
                [output_dir=runs/bench/mini] [benchmarks_dir=...] [report=true] [dry_run=false]
-               [train.epochs=5 model.drop_path_rate=0.1 ...]
+               [train.epochs=5 model.drop_path=0.1 data.root=... ...]
     petl-bench report RESULTS_DIR [out=DIR]
-    petl-bench speed [model=...] [batch=32] [steps=10] [warmup=3] [device=cpu] [methods=...] [out=FILE]
+    petl-bench speed [model=...] [batch=32] [steps=10] [warmup=3] [rounds=5] [infer_batch=1] [infer_steps=100]
+                     [device=cpu|cuda] [methods=...] [out=FILE]
     petl-bench commands suite=vtab1k [hydra/launcher=submitit_slurm ...]   (prints petl-run --multirun lines)
     petl-bench list
 
