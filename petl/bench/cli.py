@@ -38,11 +38,13 @@ _RESERVED = {
 }
 
 
-def _split_list(value: str) -> list[str]:
+def split_list(value: str) -> list[str]:
+    """``a,b`` or ``[a,b]`` -> ``["a", "b"]``."""
     return [v.strip() for v in value.strip("[]").split(",") if v.strip()]
 
 
-def _as_bool(key: str, value: str) -> bool:
+def as_bool(key: str, value: str) -> bool:
+    """A ``key=true|false`` value as a bool; anything else exits naming the key."""
     if value.lower() in ("true", "1", "yes"):
         return True
     if value.lower() in ("false", "0", "no"):
@@ -77,9 +79,9 @@ def cmd_run(args: Sequence[str]) -> int:
     own, overrides = parse_args(args, SWEEP_KEYS)
     bench_dir = suites.find_benchmarks_dir(own.get("benchmarks_dir"))
     suite = suites.load_suite(own.get("suite", "mini"), bench_dir)
-    names = _split_list(own["methods"]) if "methods" in own else suite.experiments
-    tasks = _split_list(own["tasks"]) if "tasks" in own else suite.tasks
-    seeds = [int(s) for s in _split_list(own["seeds"])] if "seeds" in own else suite.seeds
+    names = split_list(own["methods"]) if "methods" in own else suite.experiments
+    tasks = split_list(own["tasks"]) if "tasks" in own else suite.tasks
+    seeds = [int(s) for s in split_list(own["seeds"])] if "seeds" in own else suite.seeds
     experiments = [suites.load_experiment(n, bench_dir) for n in names]
     output_dir = Path(own.get("output_dir", f"runs/bench/{suite.name}"))
     runs = plan(experiments, tasks, seeds, output_dir, suite.overrides(), overrides)
@@ -88,17 +90,17 @@ def cmd_run(args: Sequence[str]) -> int:
         f"petl-bench: suite {suite.name}: {len(experiments)} experiments x {len(tasks)} tasks x {len(seeds)} seeds "
         f"= {len(runs)} runs into {output_dir} ({done} already done)"
     )
-    if _as_bool("dry_run", own.get("dry_run", "false")):
+    if as_bool("dry_run", own.get("dry_run", "false")):
         for run in runs:
             print(("done  " if run.is_done() else "todo  ") + run.label + "  " + " ".join(run.overrides))
         return 0
-    summary = run_sweep(runs, progress=_as_bool("progress", own.get("progress", "true")))
+    summary = run_sweep(runs, progress=as_bool("progress", own.get("progress", "true")))
     print(f"petl-bench: {summary.line()}")
     for line in summary.held_elsewhere:
         print(f"  held by another sweep: {line}")
     for line in summary.failed:
         print(f"  failed: {line}")
-    if _as_bool("report", own.get("report", "true")) and any(r.is_done() for r in runs):
+    if as_bool("report", own.get("report", "true")) and any(r.is_done() for r in runs):
         write_report(output_dir)
         print(f"petl-bench: leaderboard written to {output_dir}/leaderboard.{{md,csv,html}} and pareto.png")
     return 1 if summary.failed else 0
@@ -114,9 +116,9 @@ def cmd_commands(args: Sequence[str]) -> int:
     own, overrides = parse_args(args, SWEEP_KEYS - {"report", "dry_run", "progress"})
     bench_dir = suites.find_benchmarks_dir(own.get("benchmarks_dir"))
     suite = suites.load_suite(own.get("suite", "mini"), bench_dir)
-    names = _split_list(own["methods"]) if "methods" in own else suite.experiments
-    tasks = _split_list(own["tasks"]) if "tasks" in own else suite.tasks
-    seeds = _split_list(own["seeds"]) if "seeds" in own else [str(s) for s in suite.seeds]
+    names = split_list(own["methods"]) if "methods" in own else suite.experiments
+    tasks = split_list(own["tasks"]) if "tasks" in own else suite.tasks
+    seeds = split_list(own["seeds"]) if "seeds" in own else [str(s) for s in suite.seeds]
     output_dir = own.get("output_dir", f"runs/bench/{suite.name}")
     for name in names:
         experiment = suites.load_experiment(name, bench_dir)
@@ -163,6 +165,13 @@ def cmd_list(args: Sequence[str]) -> int:
     return 0
 
 
+def cmd_speed(args: Sequence[str]) -> int:
+    """Time the methods (see :mod:`petl.bench.speed`, imported on use: no other command builds models)."""
+    from petl.bench.speed import main as speed_main
+
+    return speed_main(args)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``petl-bench``."""
     args = list(sys.argv[1:] if argv is None else argv)
@@ -170,11 +179,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(__doc__)
         return 0
     command = args.pop(0) if args and "=" not in args[0] else "run"
-    if command == "speed":
-        from petl.bench.speed import main as speed_main
-
-        return speed_main(args)
-    commands = {"run": cmd_run, "report": cmd_report, "list": cmd_list, "commands": cmd_commands}
+    commands = {"run": cmd_run, "report": cmd_report, "list": cmd_list, "commands": cmd_commands, "speed": cmd_speed}
     if command not in commands:
         raise SystemExit(f"petl-bench: unknown command {command!r}; use run, report, speed, commands or list")
     try:

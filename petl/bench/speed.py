@@ -338,7 +338,7 @@ def run_speed(
 
 def main(args: Sequence[str]) -> int:
     """``petl-bench speed key=value ...``: measure, print the table, optionally write it to ``out=``."""
-    from petl.bench.cli import _as_bool, _split_list, parse_args
+    from petl.bench.cli import as_bool, parse_args, split_list
     from petl.bench.suite import find_benchmarks_dir, list_experiments, load_experiment
 
     own, rest = parse_args(args, SPEED_KEYS)
@@ -350,9 +350,9 @@ def main(args: Sequence[str]) -> int:
     settings.setdefault("device", "cuda" if torch.cuda.is_available() else "cpu")
     spec = SpeedSpec(**settings)
     bench_dir = find_benchmarks_dir(own.get("benchmarks_dir"))
-    names = _split_list(own["methods"]) if "methods" in own else list_experiments(bench_dir)
+    names = split_list(own["methods"]) if "methods" in own else list_experiments(bench_dir)
     experiments = [(n, load_experiment(n, bench_dir).method) for n in names]
-    results = run_speed(spec, experiments, inprocess=_as_bool("inprocess", own.get("inprocess", "false")))
+    results = run_speed(spec, experiments, inprocess=as_bool("inprocess", own.get("inprocess", "false")))
     table = format_table(results, spec, machine_line(spec.device))
     print(table)
     if "out" in own:
