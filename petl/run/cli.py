@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import hydra
+from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
@@ -136,6 +137,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         raise SystemExit(130) from None
     finally:
         sys.argv = saved_argv
+        # hydra.main leaves its global state set (a process normally exits here); callers that
+        # run petl-run in-process (tests, notebooks) get a clean slate back.
+        GlobalHydra.instance().clear()
     if _failed_jobs:
         _error(f"{len(_failed_jobs)} job(s) of the sweep failed (see above)")
         raise SystemExit(RUN_ERROR)
