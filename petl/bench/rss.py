@@ -37,5 +37,10 @@ def current_rss_mb() -> float:
 
 def peak_rss_mb() -> float:
     """The resident-set high-water mark, in MB."""
+    # VmHWM is what clear_refs resets; ru_maxrss also keeps the peak of anything before an exec
+    # (e.g. a launcher process), so it is only the fallback where /proc is missing.
+    hwm = _status_mb("VmHWM")
+    if hwm is not None:
+        return hwm
     # ru_maxrss is in kilobytes on Linux, bytes on macOS.
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (2**20 if sys.platform == "darwin" else 1024)
