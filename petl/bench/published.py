@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
+from petl.data import get_info
+
 PUBLISHED_DIR = Path(__file__).parent / "published"
 
 # The denominator C of V-PETL's Performance-Parameter Trade-off.
@@ -32,23 +34,6 @@ EXPERIMENT_TO_PUBLISHED = {
     "vpt_deep": "VPT-Deep",
     "partial": "Partial-1",
     "mlp": "MLP-3",
-}
-
-# VTAB-1k's three groups, in the column order of the published table.  The group mean that VPT, NOAH and
-# Adapter+ report is the mean of these three group averages.
-VTAB_GROUPS = {
-    "natural": ("cifar100", "caltech101", "dtd", "flowers102", "pets", "svhn", "sun397"),
-    "specialized": ("patch_camelyon", "eurosat", "resisc45", "retinopathy"),
-    "structured": (
-        "clevr_count",
-        "clevr_dist",
-        "dmlab",
-        "kitti_dist",
-        "dsprites_loc",
-        "dsprites_ori",
-        "smallnorb_azi",
-        "smallnorb_ele",
-    ),
 }
 
 _SOURCE = (
@@ -125,10 +110,8 @@ class PublishedTable:
         return _load(PUBLISHED_DIR / self.filename)
 
     def group_of(self, column: str) -> str:
-        """The benchmark group of a column (VTAB's three groups; one group for FGVC)."""
-        if self.key == "vtab1k":
-            return next((g for g, cols in VTAB_GROUPS.items() if column in cols), "other")
-        return self.key
+        """The benchmark group of a column (VTAB's three groups; one group for FGVC), from petl's dataset registry."""
+        return get_info(self.prefix + column).group
 
     def group_mean(self, row: PublishedRow) -> float:
         """Mean of the group averages of ``row``'s per-task figures."""
