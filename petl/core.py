@@ -50,6 +50,12 @@ def check_range(field: str, value: float, low: float | None = None, high: float 
         raise ValueError(f"{field}={value} is out of range: allowed {bounds}")
 
 
+def check_dropout(field: str, value: float) -> None:
+    """Raise a ValueError naming ``field`` unless ``value`` is a dropout probability in [0, 1)."""
+    if not 0 <= value < 1:
+        raise ValueError(f"{field}={value} is out of range: allowed [0, 1)")
+
+
 def check_choice(field: str, value: Any, choices: tuple[str, ...]) -> None:
     """Raise a ValueError naming ``field`` and the valid choices when ``value`` is not one of them."""
     if value not in choices:

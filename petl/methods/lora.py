@@ -54,8 +54,7 @@ class LoraConfig(core.MethodConfig):
         core.check_range("rank", self.rank, low=1)
         if self.alpha <= 0:
             raise ValueError(f"alpha={self.alpha} is out of range: allowed (0, inf)")
-        if not 0 <= self.dropout < 1:
-            raise ValueError(f"dropout={self.dropout} is out of range: allowed [0, 1)")
+        core.check_dropout("dropout", self.dropout)
         if not self.targets:
             raise ValueError(f"targets is empty: choose one or more of {', '.join(TARGETS)}")
         for target in self.targets:

@@ -41,8 +41,7 @@ class VptConfig(core.MethodConfig):
     def validate(self, model: nn.Module) -> None:
         super().validate(model)
         core.check_range("num_tokens", self.num_tokens, low=1)
-        if not 0 <= self.dropout < 1:
-            raise ValueError(f"dropout={self.dropout} is out of range: allowed [0, 1)")
+        core.check_dropout("dropout", self.dropout)
 
 
 class PromptedBlock(core.PetlModule):
