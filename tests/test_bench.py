@@ -98,12 +98,20 @@ class FakeEngine:
         return result
 
 
-def fake_result(task: str, method: str, seed: int, top1: float, no_head: float = 1000.0, head: float = 100.0) -> dict:
+def fake_result(
+    task: str,
+    method: str,
+    seed: int,
+    top1: float,
+    no_head: float = 1000.0,
+    head: float = 100.0,
+    model: str = "vit_fractal_tiny_patch4_32.fractaldb",
+) -> dict:
     return {
         "method": method,
         "method_config": {"num_classes": 10},
         "dataset": task,
-        "model": "vit_fractal_tiny_patch4_32.fractaldb",
+        "model": model,
         "seed": seed,
         "num_classes": 10,
         "trainable_params": no_head + head,
@@ -199,14 +207,20 @@ def test_ppt_matches_the_published_worked_examples():
 
 @pytest.fixture
 def vtab_results(tmp_path) -> Path:
-    """Two seeds of LoRA and linear probing on VTAB-1k: the published figures ± 0.5, and a partial VPT-Deep."""
+    """Two seeds of LoRA and linear probing on VTAB-1k: the published figures ± 0.5, and a partial VPT-Deep.
+
+    All on the published backbone, except for adapter_parallel (on petl's tiny backbone); partial has
+    no published row.
+    """
     root = tmp_path / "vtab"
     for experiment, published, no_head in (("lora", "LoRA", 0.29e6), ("linear", "Linear probing", 0.0)):
         for seed, delta in ((0, -0.5), (1, 0.5)):
             for task in VTAB_TASKS:
                 top1 = VTAB_ROWS[published].top1[VTAB.column(task)] + delta
-                write_run(root, task, experiment, seed, top1=top1, no_head=no_head, head=7.7e3)
-    write_run(root, "vtab/dtd", "vpt_deep", 0, method="vpt", top1=60.0, no_head=5e4)
+                write_run(root, task, experiment, seed, top1=top1, no_head=no_head, head=7.7e3, model=VTAB.backbone)
+    write_run(root, "vtab/dtd", "vpt_deep", 0, method="vpt", top1=60.0, no_head=5e4, model=VTAB.backbone)
+    write_run(root, "vtab/dtd", "adapter_parallel", 0, method="adapter", top1=20.0)
+    write_run(root, "vtab/dtd", "partial", 0, top1=10.0, model=VTAB.backbone)
     return root
 
 
@@ -234,12 +248,19 @@ def test_vtab_leaderboard_means_stds_ppt_and_published_columns(vtab_results):
     assert lora["published_vtab1k_method"] == "LoRA" and float(lora["published_vtab1k_task_mean"]) == 72.25
     assert float(lora["published_vtab1k_dtd"]) == 69.4 and "c188fad" in lora["published_vtab1k_source"]
     assert rows["vpt_deep"]["tasks_done"] == "1/19" and rows["vpt_deep"]["published_vtab1k_method"] == "VPT-Deep"
-    assert [r.experiment for r in board.rows] == ["lora", "vpt_deep", "linear"]
+    assert [r.experiment for r in board.rows] == ["lora", "vpt_deep", "linear", "adapter_parallel", "partial"]
+    # No silently empty published cell: another backbone, or no published row, is said in words.
+    assert rows["adapter_parallel"]["published_vtab1k_method"] == "different backbone"
+    assert (
+        rows["adapter_parallel"]["published_vtab1k_task_mean"] == "" == rows["adapter_parallel"]["published_vtab1k_dtd"]
+    )
+    assert rows["partial"]["published_vtab1k_method"] == "no published row"
 
     md = (vtab_results / "leaderboard.md").read_text()
     header = next(line for line in md.splitlines() if line.startswith("| Experiment"))
     assert "Published vtab1k task mean" in header and "| dtd |" in header
     assert "69.40 ± 0.71" in md and "vpt_deep *" in md
+    assert "| different backbone | – | – | – | – |" in md and "| no published row | – |" in md
     assert "**Task mean**" in md and "**Group mean**" in md and "V-PETL Bench README" in md
     assert "## Published per-task figures" in md
 
@@ -266,7 +287,7 @@ def test_experiment_comes_from_the_folder_and_config_from_the_result(tmp_path):
     (result.parent / "config.yaml").write_text("train:\n  lr: 0.001\n")
     board = aggregate(collect(tmp_path), tmp_path)
     row = next(r for r in board.rows if r.experiment == "adapter_parallel")
-    assert row.method == "adapter" and row.config == "dim=8, style=parallel; lr=0.001, 1 ep"
+    assert row.values["method"] == "adapter" and row.values["config"] == "dim=8, style=parallel; lr=0.001, 1 ep"
     assert len(board.rows) == 2
 
 
@@ -340,10 +361,10 @@ def test_html_renders_in_a_browser_and_sorts(vtab_results, tmp_path):
     assert 'src="data:image/png;base64,iVBORw0KGgo' in text and "http" not in text.split("<body>")[1].lower()
     # The hash makes the page's own script sort by PPT ascending on load: this checks the JS, in a real browser.
     reader = _render_in_chromium(page.as_uri() + "#sort=ppt:asc", tmp_path)
-    # Written best task mean first (lora, vpt_deep, linear); PPT ascending puts linear first.
-    assert [row[0] for row in reader.rows] == ["linear", "vpt_deep *", "lora"]
+    # Written best task mean first (lora, vpt_deep, linear, ...); PPT ascending puts partial first.
+    assert [row[0] for row in reader.rows] == ["partial *", "adapter_parallel *", "linear", "vpt_deep *", "lora"]
     ppt_col = next(i for i, h in enumerate(reader.headers) if h == "PPT")
-    assert [row[ppt_col] for row in reader.rows] == ["0.53", "0.60", "0.71"]
+    assert [row[ppt_col] for row in reader.rows] == ["0.10", "0.20", "0.53", "0.60", "0.71"]
     assert "Published vtab1k task mean" in reader.headers
     assert len(reader.rows[0]) == len(reader.headers)
 
@@ -354,3 +375,123 @@ def test_commands_print_multirun_lines_writing_the_same_layout(capsys):
     assert line.startswith("petl-run --multirun ") and "method=adapter method.style=parallel method.dim=8" in line
     assert "seed=0,1" in line and "hydra/launcher=joblib" in line and "data=mini/fashion_mnist,mini/mnist," in line
     assert line.endswith("'output_dir=runs/bench/mini/${data.name}/adapter_parallel/seed${seed}'")
+
+
+def test_adding_a_column_is_one_declaration(tmp_path, monkeypatch):
+    from petl.bench import report
+
+    write_run(tmp_path, "mini/digits", "lora", 0, method="lora", top1=90.0)
+    write_run(tmp_path, "mini/digits", "lora", 1, method="lora", top1=92.0)
+    original = report.leaderboard_columns
+
+    def with_one_more(board):
+        extra = report.Column("seed_count", "Seeds seen", lambda row: float(len(row.runs)), note="**Seeds seen**: x.")
+        return [*original(board), extra]
+
+    monkeypatch.setattr(report, "leaderboard_columns", with_one_more)
+    write_report(tmp_path)
+    assert read_csv(tmp_path / "leaderboard.csv")["lora"]["seed_count"] == "2.0"
+    md = (tmp_path / "leaderboard.md").read_text()
+    assert "| Seeds seen |" in md and "| 2.00 |" in md and "- **Seeds seen**: x." in md
+    assert 'data-key="seed_count"' in (tmp_path / "leaderboard.html").read_text()
+
+
+def test_selected_configuration_column_shows_only_when_runs_record_a_selection(tmp_path):
+    write_run(tmp_path, "mini/digits", "linear", 0, top1=80.0, no_head=0.0)
+    write_report(tmp_path)
+    assert "selected_on_val" not in read_csv(tmp_path / "leaderboard.csv")["linear"]
+    for task, lr in (("mini/digits", 0.01), ("mini/mnist", 0.001)):
+        for seed in (0, 1):
+            write_run(tmp_path, task, "lora", seed, method="lora", top1=90.0)
+            path = tmp_path / task / "lora" / f"seed{seed}" / "result.json"
+            result = json.loads(path.read_text())
+            result["selection"] = {"space": {"lr": [0.01, 0.001]}, "chosen": {"lr": lr, "wd": 0.0001}}
+            path.write_text(json.dumps(result))
+    write_report(tmp_path)
+    rows = read_csv(tmp_path / "leaderboard.csv")
+    assert rows["lora"]["selected_on_val"] == "digits: lr=0.01, wd=0.0001; mnist: lr=0.001, wd=0.0001"
+    assert rows["linear"]["selected_on_val"] == ""
+    md = (tmp_path / "leaderboard.md").read_text()
+    assert "| Selected on val |" in md and "**Selected on val**" in md
+
+
+def test_no_import_loops_inside_petl_bench():
+    import ast
+
+    import petl.bench
+
+    folder = Path(petl.bench.__file__).parent
+    graph: dict[str, set[str]] = {}
+    for path in folder.glob("*.py"):
+        imports = set()
+        for node in ast.walk(ast.parse(path.read_text())):  # imports inside functions count too
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("petl.bench."):
+                imports.add(node.module.split(".")[2])
+            elif isinstance(node, ast.ImportFrom) and node.module == "petl.bench":
+                imports |= {alias.name for alias in node.names if (folder / f"{alias.name}.py").exists()}
+        graph[path.stem] = imports - {path.stem}
+
+    def reaches(start: str, target: str, seen: set[str]) -> bool:
+        for nxt in graph.get(start, ()):
+            if nxt == target or (nxt not in seen and reaches(nxt, target, seen | {nxt})):
+                return True
+        return False
+
+    assert {"args", "params", "table"} <= set(graph)
+    loops = sorted(m for m in graph if m != "__init__" and reaches(m, m, {m}))
+    assert loops == []
+
+
+# ----------------------------------------------------------------------------------------------- params
+
+
+def test_published_precision():
+    row = VTAB_ROWS["Full fine-tuning"]
+    assert row.params_digits == 1 and row.params_match(85_798_656) and not row.params_match(86_000_000)
+    lora = VTAB_ROWS["LoRA"]
+    assert lora.params_digits == 2 and lora.params_match(294_912) and not lora.params_match(147_456)
+    assert VTAB_ROWS["Linear probing"].params_match(0)
+
+
+def test_params_vtab1k_matches_every_published_row(capsys):
+    assert cli.main(["params", "suite=vtab1k"]) == 0
+    out = capsys.readouterr().out
+    status = {}
+    for line in out.splitlines():
+        parts = line.split()
+        if parts and parts[0] in load_suite("vtab1k", BENCH).experiments:
+            status[parts[0]] = line
+    # Every experiment with a published row matches it, except VPT-Deep whose file says why.
+    for name, line in status.items():
+        experiment = load_experiment(name, BENCH)
+        if not experiment.published:
+            assert line.endswith("no published row"), line
+        elif name == "vpt_deep":
+            assert line.endswith("differs (explained)"), line
+        else:
+            assert line.endswith("  ok"), line
+    assert "0.08M  ok" in status["vpt_shallow"] and "0.29M  ok" in status["lora"]
+
+
+def _fake_configs(tmp_path: Path, note: str = "") -> Path:
+    (tmp_path / "suites").mkdir(parents=True, exist_ok=True)
+    (tmp_path / "experiments").mkdir(exist_ok=True)
+    (tmp_path / "suites" / "s.yaml").write_text("experiments: [lora4]\ntasks: [vtab/dtd]\nseeds: [0]\n")
+    # Rank 4 is half the count of the published LoRA row (rank 8): 0.15M against 0.29M.
+    text = "published: LoRA\n" + note + "method: {name: lora, rank: 4}\n"
+    (tmp_path / "experiments" / "lora4.yaml").write_text(text)
+    return tmp_path
+
+
+def test_params_fails_on_a_count_that_differs_unless_the_file_says_why(tmp_path, capsys):
+    args = ["params", "suite=s", f"benchmarks_dir={_fake_configs(tmp_path)}"]
+    assert cli.main(args) == 1
+    assert "DIFFERS" in capsys.readouterr().out
+    # A note for another table does not excuse this one.
+    _fake_configs(tmp_path, "published_note: {fgvc: another table}\n")
+    assert cli.main(args) == 1
+    _fake_configs(tmp_path, "published_note: {vtab1k: rank 4 on purpose}\n")
+    capsys.readouterr()
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    assert "differs (explained)" in out and "note: rank 4 on purpose" in out

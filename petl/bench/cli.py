@@ -8,6 +8,7 @@ Usage::
     petl-bench report RESULTS_DIR [out=DIR]
     petl-bench speed [model=...] [batch=32] [steps=10] [warmup=3] [rounds=5] [infer_batch=1] [infer_steps=100]
                      [device=cpu|cuda] [methods=...] [out=FILE]
+    petl-bench params suite=vtab1k [methods=...] [model=...]   (parameter counts vs the published ones)
     petl-bench commands suite=vtab1k [hydra/launcher=submitit_slurm ...]   (prints petl-run --multirun lines)
     petl-bench list
 
@@ -24,54 +25,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from petl.bench import suite as suites
+from petl.bench.args import as_bool, parse_args, split_list
 from petl.bench.report import write_report
 from petl.bench.sweep import plan, run_sweep
 
 SWEEP_KEYS = {"suite", "methods", "tasks", "seeds", "output_dir", "benchmarks_dir", "report", "dry_run", "progress"}
-
-# Overrides that would silently fight the sweep's own bookkeeping: which method and task a run is,
-# its seed and its folder come from the suite and the experiment files.
-_RESERVED = {
-    "method": "choose experiments with methods=...",
-    "data": "choose tasks with tasks=...",
-    "seed": "choose seeds with seeds=...",
-}
-
-
-def split_list(value: str) -> list[str]:
-    """``a,b`` or ``[a,b]`` -> ``["a", "b"]``."""
-    return [v.strip() for v in value.strip("[]").split(",") if v.strip()]
-
-
-def as_bool(key: str, value: str) -> bool:
-    """A ``key=true|false`` value as a bool; anything else exits naming the key."""
-    if value.lower() in ("true", "1", "yes"):
-        return True
-    if value.lower() in ("false", "0", "no"):
-        return False
-    raise SystemExit(f"petl-bench: {key}={value}: expected true or false")
-
-
-def parse_args(args: Sequence[str], known: set[str]) -> tuple[dict[str, str], list[str]]:
-    """Split ``key=value`` arguments into the command's own keys and pass-through overrides.
-
-    Raises:
-        SystemExit: an argument without ``=``, or an override of what the sweep itself decides.
-
-    """
-    own, passthrough = {}, []
-    for arg in args:
-        key, sep, value = arg.partition("=")
-        if not sep:
-            raise SystemExit(f"petl-bench: expected key=value, got {arg!r} (see petl-bench --help)")
-        if key in known:
-            own[key] = value
-            continue
-        root = key.lstrip("+~").split(".")[0]
-        if root in _RESERVED and (key == root or root == "method"):
-            raise SystemExit(f"petl-bench: {arg!r} is set per run by the sweep; {_RESERVED[root]}")
-        passthrough.append(arg)
-    return own, passthrough
 
 
 def cmd_run(args: Sequence[str]) -> int:
@@ -165,6 +123,13 @@ def cmd_list(args: Sequence[str]) -> int:
     return 0
 
 
+def cmd_params(args: Sequence[str]) -> int:
+    """Compare each experiment's parameter count with its published row (see :mod:`petl.bench.params`)."""
+    from petl.bench.params import main as params_main
+
+    return params_main(args)
+
+
 def cmd_speed(args: Sequence[str]) -> int:
     """Time the methods (see :mod:`petl.bench.speed`, imported on use: no other command builds models)."""
     from petl.bench.speed import main as speed_main
@@ -179,9 +144,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(__doc__)
         return 0
     command = args.pop(0) if args and "=" not in args[0] else "run"
-    commands = {"run": cmd_run, "report": cmd_report, "list": cmd_list, "commands": cmd_commands, "speed": cmd_speed}
+    commands = {
+        "run": cmd_run,
+        "report": cmd_report,
+        "list": cmd_list,
+        "commands": cmd_commands,
+        "speed": cmd_speed,
+        "params": cmd_params,
+    }
     if command not in commands:
-        raise SystemExit(f"petl-bench: unknown command {command!r}; use run, report, speed, commands or list")
+        raise SystemExit(f"petl-bench: unknown command {command!r}; use {', '.join(commands)}")
     try:
         return commands[command](args)
     except (ValueError, FileNotFoundError) as err:

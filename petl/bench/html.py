@@ -1,6 +1,7 @@
 """``leaderboard.html``: one self-contained static page (no network, no external files).
 
-The tables come from the same display rows as the Markdown.  Every cell carries its sort key in
+The tables come from the same display rows as the Markdown (:class:`petl.bench.table.Table`); this
+module renders them and knows nothing of how a leaderboard is built.  Every cell carries its sort key in
 ``data-sort``, so a click on a header sorts numerically even though the cell shows ``85.12 ± 0.31``.
 Opening the page as ``leaderboard.html#sort=<column key>:<asc|desc>`` sorts on load, which makes a
 sorted view linkable (and lets the tests check the sorting in a real browser).
@@ -11,7 +12,7 @@ from __future__ import annotations
 import base64
 from html import escape
 
-from petl.bench.report import Cell, Column, Leaderboard, display_table, notes, published_tables
+from petl.bench.table import Table
 
 _STYLE = """
 body { font-family: system-ui, sans-serif; margin: 1.5em; color: #222; }
@@ -62,18 +63,19 @@ document.querySelectorAll("table.sortable").forEach(function (table) {
 """
 
 
-def _table(columns: list[Column], rows: list[list[Cell]], table_id: str) -> str:
+def _table(table: Table, table_id: str) -> str:
     head = "".join(
-        f'<th class="{c.kind}" data-key="{escape(c.key)}" title="click to sort">{escape(c.label)}</th>' for c in columns
+        f'<th class="{h.kind}" data-key="{escape(h.key)}" title="click to sort">{escape(h.label)}</th>'
+        for h in table.headers
     )
     body = "".join(
         "<tr>"
         + "".join(
-            f'<td class="{c.kind}" data-sort="{escape(str(key))}">{escape(text)}</td>'
-            for c, (text, key) in zip(columns, cells, strict=True)
+            f'<td class="{h.kind}" data-sort="{escape(str(key))}">{escape(text)}</td>'
+            for h, (text, key) in zip(table.headers, cells, strict=True)
         )
         + "</tr>"
-        for cells in rows
+        for cells in table.rows
     )
     return (
         f'<div class="wrap"><table class="sortable" id="{table_id}"><thead><tr>{head}</tr></thead>'
@@ -81,25 +83,33 @@ def _table(columns: list[Column], rows: list[list[Cell]], table_id: str) -> str:
     )
 
 
-def render_html(board: Leaderboard, png: bytes) -> str:
-    """The page: leaderboard table, legend, Pareto plot (inline base64 PNG), published per-task tables."""
-    title = f"petl leaderboard: {board.results_dir.name}"
+def render_html(title: str, leaderboard: Table, notes: list[str], png: bytes, extra: list[Table]) -> str:
+    """The page: leaderboard table, legend, Pareto plot (inline base64 PNG), then the extra tables.
+
+    Args:
+        title: the page title.
+        leaderboard: the main table (``id="leaderboard"``, sortable on load with ``#sort=key:dir``).
+        notes: legend lines, Markdown with only ``**bold**`` and ```code``` markup.
+        png: the Pareto plot.
+        extra: further tables (the published per-task figures), each under its title and source.
+
+    """
     parts = [
         "<!DOCTYPE html>",
         '<html lang="en"><head><meta charset="utf-8">',
         f"<title>{escape(title)}</title><style>{_STYLE}</style></head><body>",
         f"<h1>{escape(title)}</h1>",
         "<p>Click a column header to sort.</p>",
-        _table(*display_table(board), "leaderboard"),
-        "<ul>" + "".join(f"<li>{_inline_markdown(escape(n))}</li>" for n in notes(board)) + "</ul>",
+        _table(leaderboard, "leaderboard"),
+        "<ul>" + "".join(f"<li>{_inline_markdown(escape(n))}</li>" for n in notes) + "</ul>",
         "<h2>Accuracy vs trainable parameters</h2>",
         f'<img alt="Pareto plot" src="data:image/png;base64,{base64.b64encode(png).decode()}">',
     ]
-    for i, (table, columns, rows) in enumerate(published_tables(board)):
+    for i, table in enumerate(extra):
         parts += [
-            f"<h2>Published per-task figures: {escape(table.title)} (not measured by petl)</h2>",
+            f"<h2>{escape(table.title)}</h2>",
             f"<p>Source: {escape(table.source)}.</p>",
-            _table(columns, rows, f"published-{i}"),
+            _table(table, f"published-{i}"),
         ]
     parts += [f"<script>{_SCRIPT}</script>", "</body></html>"]
     return "\n".join(parts) + "\n"

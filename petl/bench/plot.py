@@ -4,12 +4,22 @@ from __future__ import annotations
 
 import io
 import math
+from dataclasses import dataclass
 
 # The Figure/Agg canvas pair draws without pyplot, so no global backend is chosen behind the user's back.
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from petl.bench.report import Leaderboard
+
+@dataclass(frozen=True)
+class Point:
+    """One experiment on the plot: trainable parameters (head included), task-mean top-1, all tasks run."""
+
+    label: str
+    params: float
+    accuracy: float
+    complete: bool
+
 
 _MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "<", ">", "h", "p")
 
@@ -33,25 +43,31 @@ def pareto_front(points: list[tuple[float, float]]) -> list[int]:
     return front
 
 
-def render_pareto(board: Leaderboard) -> bytes:
+def render_pareto(points: list[Point], num_tasks: int, models: list[str]) -> bytes:
     """PNG bytes of task-mean top-1 against trainable parameters (log x), one marker per experiment.
 
     The x axis counts the head too: linear probing trains nothing else, and a log axis needs a
     positive value.
+
+    Args:
+        points: one per experiment; those without an accuracy or with no parameters are left out.
+        num_tasks: how many tasks a complete experiment's mean covers (axis label).
+        models: the backbones measured on (title).
+
     """
-    rows = [r for r in board.rows if not math.isnan(r.task_mean) and r.trainable > 0]
+    rows = [p for p in points if not math.isnan(p.accuracy) and p.params > 0]
     fig = Figure(figsize=(7.5, 5), dpi=110)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
-    points = [(r.trainable, r.task_mean) for r in rows]
-    for i, (row, (x, y)) in enumerate(zip(rows, points, strict=True)):
-        complete = board.complete(row)
-        label = row.experiment if complete else f"{row.experiment} (not all tasks)"
+    for i, p in enumerate(rows):
+        label = p.label if p.complete else f"{p.label} (not all tasks)"
         marker = _MARKERS[i % len(_MARKERS)]
-        ax.scatter([x], [y], marker=marker, s=60, label=label, zorder=3, alpha=1.0 if complete else 0.35)
-        ax.annotate(row.experiment, (x, y), textcoords="offset points", xytext=(5, 4), fontsize=8)
+        ax.scatter(
+            [p.params], [p.accuracy], marker=marker, s=60, label=label, zorder=3, alpha=1.0 if p.complete else 0.35
+        )
+        ax.annotate(p.label, (p.params, p.accuracy), textcoords="offset points", xytext=(5, 4), fontsize=8)
     # A mean over fewer tasks is not comparable, so only experiments run on every task make the frontier.
-    complete_points = [p for p, r in zip(points, rows, strict=True) if board.complete(r)]
+    complete_points = [(p.params, p.accuracy) for p in rows if p.complete]
     front = [complete_points[i] for i in pareto_front(complete_points)]
     if len(front) > 1:
         # A step line: between two frontier points, the better accuracy is only reached at the larger budget.
@@ -61,8 +77,8 @@ def render_pareto(board: Leaderboard) -> bytes:
         ax.scatter(xs, ys, s=170, facecolors="none", edgecolors="0.3", zorder=2, label="Pareto frontier")
     ax.set_xscale("log")
     ax.set_xlabel("trainable parameters, head included (mean over tasks, log scale)")
-    ax.set_ylabel(f"task-mean top-1 (%) over {len(board.tasks)} tasks")
-    ax.set_title(f"petl, measured on {', '.join(board.models)}", fontsize=10)
+    ax.set_ylabel(f"task-mean top-1 (%) over {num_tasks} tasks")
+    ax.set_title(f"petl, measured on {', '.join(models)}", fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
     if rows:
         ax.legend(fontsize=8, loc="best")

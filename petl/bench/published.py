@@ -21,20 +21,12 @@ PUBLISHED_DIR = Path(__file__).parent / "published"
 # The denominator C of V-PETL's Performance-Parameter Trade-off.
 PPT_SCALE = 1e7
 
-# petl experiment name -> row name in the published tables.  Each pair is the closest published match;
-# the leaderboard prints petl's own configuration beside it so that differences stay visible
-# (e.g. V-PETL's "Adapter" is a sequential bottleneck of dim 8, AdaptFormer the parallel one).
-EXPERIMENT_TO_PUBLISHED = {
-    "linear": "Linear probing",
-    "full": "Full fine-tuning",
-    "adapter_sequential": "Adapter",
-    "adapter_parallel": "AdaptFormer",
-    "lora": "LoRA",
-    "vpt_shallow": "VPT-Shallow",
-    "vpt_deep": "VPT-Deep",
-    "partial": "Partial-1",
-    "mlp": "MLP-3",
-}
+# The backbone V-PETL's tables were measured on: Google's ViT-B/16 pretrained on ImageNet-21k
+# (V-PETL scripts load released_models/ViT-B_16.npz), timm's `orig_in21k` tag of it.
+PUBLISHED_BACKBONE = "vit_base_patch16_224.orig_in21k"
+
+# Which petl experiment stands for which published row is written in each experiment file
+# (`published:`), so that a new method's file carries its own mapping.
 
 _SOURCE = (
     "V-PETL Bench README (github.com/synbol/Parameter-Efficient-Transfer-Learning-Benchmark, commit c188fad), "
@@ -67,15 +59,32 @@ def parse_params(text: str) -> float | None:
     return float(text)
 
 
+def params_digits(text: str) -> int:
+    """Decimals of a published count in millions (``0.29M`` -> 2, ``85.8M`` -> 1, ``0 M`` -> 0)."""
+    number = text.strip().replace(" ", "").rstrip("Mm")
+    return len(number.partition(".")[2])
+
+
 @dataclass(frozen=True)
 class PublishedRow:
-    """One published method: per-task top-1 (%), the table's own task mean, params and PPT."""
+    """One published method: per-task top-1 (%), the table's own task mean, params and PPT.
+
+    ``params_digits`` is the precision the count was published at (decimals in millions), the
+    precision ``petl-bench params`` compares petl's own count at.
+    """
 
     method: str
     top1: dict[str, float]
     task_mean: float
     params: float | None
     ppt: float | None
+    params_digits: int = 2
+
+    def params_match(self, count: float) -> bool:
+        """Whether ``count`` parameters round to the published figure at its published precision."""
+        if self.params is None:
+            return False
+        return round(count / 1e6, self.params_digits) == round(self.params / 1e6, self.params_digits)
 
 
 @dataclass(frozen=True)
@@ -88,6 +97,8 @@ class PublishedTable:
         filename: the CSV under ``petl/bench/published/``.
         title: human-readable table name.
         source: where the figures come from (printed beside every published column).
+        backbone: the timm name of the backbone the figures were measured on; a run on another
+            backbone is not shown beside them.
 
     """
 
@@ -96,6 +107,7 @@ class PublishedTable:
     filename: str
     title: str
     source: str
+    backbone: str = PUBLISHED_BACKBONE
 
     def covers(self, task: str) -> bool:
         """Whether petl dataset ``task`` is one of this table's columns."""
@@ -140,11 +152,13 @@ def _load(path: Path) -> dict[str, PublishedRow]:
     with path.open(newline="") as f:
         for record in csv.DictReader(f):
             method = record.pop("method")
-            params = parse_params(record.pop("params"))
+            params_text = record.pop("params")
+            params = parse_params(params_text)
             ppt_text = record.pop("ppt").strip()
             task_mean = float(record.pop("task_mean"))
             top1 = {column: float(value) for column, value in record.items()}
-            rows[method] = PublishedRow(method, top1, task_mean, params, None if ppt_text == "-" else float(ppt_text))
+            ppt_value = None if ppt_text == "-" else float(ppt_text)
+            rows[method] = PublishedRow(method, top1, task_mean, params, ppt_value, params_digits(params_text))
     return rows
 
 

@@ -5,6 +5,10 @@
 them into one row per experiment; ``write_report`` writes ``leaderboard.md``, ``leaderboard.csv``,
 ``leaderboard.html`` and ``pareto.png``.  Reports only read run folders, so they are safe to build
 while a sweep is still writing.
+
+Every leaderboard column is one :class:`Column` declaration in :func:`leaderboard_columns`: its
+label, how its value is computed from an experiment's runs, how it is shown and how it is written to
+the CSV.  The CSV, Markdown and HTML writers only iterate the declarations.
 """
 
 from __future__ import annotations
@@ -13,25 +17,19 @@ import csv
 import io
 import json
 import math
-import os
 import re
 import statistics
 import warnings
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from petl.bench.published import (
-    EXPERIMENT_TO_PUBLISHED,
-    TABLES,
-    PublishedRow,
-    PublishedTable,
-    ppt,
-    table_for,
-    vtab_group,
-)
+from petl.bench.published import TABLES, PublishedRow, PublishedTable, ppt, table_for, vtab_group
+from petl.bench.table import Cell, Header, Table
+from petl.run.records import write_atomic, write_text
 
 # Groups in the order benchmarks print them; unknown groups follow alphabetically.
 GROUP_ORDER = ("natural", "specialized", "structured", "fgvc")
@@ -100,32 +98,87 @@ class TaskScore:
     seeds: tuple[int, ...]
 
 
+# What a published column shows for a row: the published row, or why there is none to show.
+NO_PUBLISHED_ROW = "no published row"
+DIFFERENT_BACKBONE = "different backbone"
+
+
 @dataclass
 class ExperimentRow:
-    """One leaderboard row: an experiment's configuration, cost and scores."""
+    """One leaderboard row: an experiment's runs, the figures several columns share, and each column's value.
+
+    Attributes:
+        experiment: the experiment name (its results folder).
+        runs: every run of the experiment.
+        scores: per task, the mean and std over seeds.
+        task_mean: unweighted mean of the per-task means (the sort key).
+        group_means: per benchmark group, the mean of its tasks' means.
+        trainable: trainable parameters, head included (mean over runs).
+        trainable_no_head: trainable parameters outside the head (mean over runs).
+        published: per published table key, the matching published row, or the reason none is shown
+            (:data:`NO_PUBLISHED_ROW`, :data:`DIFFERENT_BACKBONE`).
+        values: each column's computed value, by column key.
+
+    """
 
     experiment: str
-    method: str
-    config: str
-    runs: int
+    runs: list[RunRecord]
     scores: dict[str, TaskScore]
-    trainable: float
-    trainable_pct: float
-    trainable_no_head: float
-    trainable_no_head_pct: float
     task_mean: float
     group_means: dict[str, float]
-    group_mean: float
-    ppt: float
-    train_seconds: float
-    images_per_second: float
-    peak_memory_mb: float
-    published: dict[str, PublishedRow] = field(default_factory=dict)
+    trainable: float
+    trainable_no_head: float
+    published: dict[str, PublishedRow | str] = field(default_factory=dict)
+    values: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def group_mean(self) -> float:
+        """Mean of the group means (what VPT, NOAH and Adapter+ report)."""
+        return _mean(list(self.group_means.values()))
+
+
+def _as_csv(key: str, digits: int | None = 4) -> Callable[[Any], dict[str, Any]]:
+    # The default CSV writer of a column: one field named after the column, floats rounded (None: as
+    # they are), NaN (nothing to show) written empty.
+    def fields(value: Any) -> dict[str, Any]:
+        if isinstance(value, float):
+            value = "" if math.isnan(value) else (value if digits is None else round(value, digits))
+        return {key: value}
+
+    return fields
+
+
+@dataclass(frozen=True)
+class Column:
+    """One leaderboard column, declared once.
+
+    Attributes:
+        key: stable key (the HTML's sort links; the CSV field unless ``csv`` says otherwise).
+        label: the displayed header; ``None`` for a CSV-only column.
+        compute: the column's value from a row (its runs and the figures rows share).
+        show: the displayed (text, sort key) cell of a value.
+        csv: the CSV fields of a value (default: ``{key: value}``, floats rounded to 4 digits).
+        kind: ``measured``, ``published`` or ``info`` (styling; info columns are left-aligned).
+        note: a legend line for the column, printed under the tables.
+
+    """
+
+    key: str
+    label: str | None
+    compute: Callable[[ExperimentRow], Any]
+    show: Callable[[Any], Cell] = field(default=lambda value: _num(value))
+    csv: Callable[[Any], dict[str, Any]] | None = None
+    kind: str = "measured"
+    note: str = ""
+
+    def csv_fields(self, value: Any) -> dict[str, Any]:
+        """The CSV fields of ``value``."""
+        return (self.csv or _as_csv(self.key))(value)
 
 
 @dataclass
 class Leaderboard:
-    """Everything a report renders: the tasks and groups found, and one row per experiment."""
+    """Everything a report renders: the tasks and groups found, one row per experiment, and the columns."""
 
     results_dir: Path
     tasks: list[str]
@@ -134,6 +187,7 @@ class Leaderboard:
     models: list[str]
     tables: list[PublishedTable]
     memory_kinds: list[str] = field(default_factory=list)
+    columns: list[Column] = field(default_factory=list)
 
     @property
     def group_names(self) -> list[str]:
@@ -174,13 +228,15 @@ def _nanmax(values: list[float]) -> float:
 def _format_option(value: Any) -> str:
     if isinstance(value, list | tuple):
         return "[" + ",".join(_format_option(v) for v in value) + "]"
+    if isinstance(value, Mapping):
+        return ", ".join(f"{k}={_format_option(v)}" for k, v in sorted(value.items()))
     return str(value)
 
 
 def _describe_run(record: RunRecord) -> str:
     """Method options (minus the per-task class count) and the learning rate / epochs of one run."""
     options = {k: v for k, v in (record.result.get("method_config") or {}).items() if k != "num_classes"}
-    text = ", ".join(f"{k}={_format_option(v)}" for k, v in sorted(options.items()))
+    text = _format_option(options)
     # The resolved config sits in result.json (else config.yaml beside it); the learning rate is the one
     # recipe value experiments change (full fine-tuning), so it belongs beside the method options.
     config = record.result.get("config")
@@ -200,13 +256,53 @@ def _field(record: RunRecord, key: str) -> float:
     return math.nan if value is None else float(value)
 
 
-def aggregate(records: list[RunRecord], results_dir: str | Path = ".") -> Leaderboard:
+def _published_status(runs: list[RunRecord], table: PublishedTable, row_name: str | None) -> PublishedRow | str:
+    """The published row to show beside ``runs`` in ``table``, or why none is shown."""
+    row = table.rows().get(row_name) if row_name else None
+    if row is None:
+        return NO_PUBLISHED_ROW
+    # Published figures sit beside petl's only when petl measured on the same pretrained backbone.
+    covered = [r for r in runs if table.covers(r.task)] or runs
+    if any(r.result.get("model") != table.backbone or r.result.get("pretrained") is False for r in covered):
+        return DIFFERENT_BACKBONE
+    return row
+
+
+def published_names(experiments: list[str], configs_dir: str | Path | None = None) -> dict[str, str]:
+    """Each experiment's published row name, read from its experiment file (``published:``).
+
+    An experiment without a file (a folder written by ``petl-run --multirun`` under another name) or
+    without ``published:`` has no published row; so does every experiment when no configs folder is found.
+    """
+    from petl.bench import suite
+
+    try:
+        folder = suite.find_benchmarks_dir(configs_dir)
+    except FileNotFoundError:
+        return {}
+    known = set(suite.list_experiments(folder))
+    out = {}
+    for name in experiments:
+        if name in known and (published := suite.load_experiment(name, folder).published):
+            out[name] = published
+    return out
+
+
+def aggregate(
+    records: list[RunRecord], results_dir: str | Path = ".", published: Mapping[str, str] | None = None
+) -> Leaderboard:
     """One row per experiment, sorted by task mean (best first).
 
     Per task: mean and sample standard deviation over seeds.  Task mean: the unweighted mean of the
     per-task means (V-PETL's ``task_mean``).  Group mean: the mean of the group averages (what VPT,
     NOAH and Adapter+ report).  PPT uses the task mean and the trainable parameters outside the head,
     as V-PETL does (it counts linear probing as 0M).
+
+    Args:
+        records: the runs, from :func:`collect`.
+        results_dir: the folder they came from (named in the report's title).
+        published: experiment name -> published row name; default: read from the experiment files
+            (:func:`published_names`).
     """
     groups = {r.task: task_group(r.task) for r in records}
     tasks = sorted(groups, key=lambda t: _task_order_key(t, groups))
@@ -214,6 +310,8 @@ def aggregate(records: list[RunRecord], results_dir: str | Path = ".") -> Leader
     by_experiment: dict[str, list[RunRecord]] = {}
     for record in records:
         by_experiment.setdefault(record.experiment, []).append(record)
+    if published is None:
+        published = published_names(list(by_experiment))
 
     rows = []
     for name, runs in by_experiment.items():
@@ -224,41 +322,20 @@ def aggregate(records: list[RunRecord], results_dir: str | Path = ".") -> Leader
                 top1 = [float(r.result["test_top1"]) for r in cell]
                 std = statistics.stdev(top1) if len(top1) > 1 else math.nan
                 scores[task] = TaskScore(statistics.fmean(top1), std, tuple(r.seed for r in cell))
-        task_mean = _mean([s.mean for s in scores.values()])
         group_means = {
             g: _mean([s.mean for t, s in scores.items() if groups[t] == g])
             for g in _order_groups({groups[t] for t in scores})
         }
-        trainable = [float(r.result["trainable_params"]) for r in runs]
-        no_head = [float(r.result["trainable_params_no_head"]) for r in runs]
-        totals = [float(r.result["total_params"]) for r in runs]
-        configs = list(dict.fromkeys(_describe_run(r) for r in runs))
-        methods = list(dict.fromkeys(str(r.result.get("method", "?")) for r in runs))
-        published = {}
-        if name in EXPERIMENT_TO_PUBLISHED:
-            for table in tables:
-                row = table.rows().get(EXPERIMENT_TO_PUBLISHED[name])
-                if row is not None:
-                    published[table.key] = row
         rows.append(
             ExperimentRow(
                 experiment=name,
-                method=", ".join(methods),
-                config=" | ".join(configs),
-                runs=len(runs),
+                runs=runs,
                 scores=scores,
-                trainable=_mean(trainable),
-                trainable_pct=_mean([100 * p / t for p, t in zip(trainable, totals, strict=True)]),
-                trainable_no_head=_mean(no_head),
-                trainable_no_head_pct=_mean([100 * p / t for p, t in zip(no_head, totals, strict=True)]),
-                task_mean=task_mean,
+                task_mean=_mean([s.mean for s in scores.values()]),
                 group_means=group_means,
-                group_mean=_mean(list(group_means.values())),
-                ppt=ppt(task_mean, _mean(no_head)),
-                train_seconds=_nanmean([_field(r, "train_seconds") for r in runs]),
-                images_per_second=_nanmean([_field(r, "images_per_second") for r in runs]),
-                peak_memory_mb=_nanmax([_field(r, "peak_memory_mb") for r in runs]),
-                published=published,
+                trainable=_mean([float(r.result["trainable_params"]) for r in runs]),
+                trainable_no_head=_mean([float(r.result["trainable_params_no_head"]) for r in runs]),
+                published={t.key: _published_status(runs, t, published.get(name)) for t in tables},
             )
         )
     rows.sort(key=lambda r: (-r.task_mean if not math.isnan(r.task_mean) else math.inf, r.experiment))
@@ -270,88 +347,29 @@ def aggregate(records: list[RunRecord], results_dir: str | Path = ".") -> Leader
         }
     )
     memory_kinds = sorted({str(r.result["peak_memory_kind"]) for r in records if r.result.get("peak_memory_kind")})
-    return Leaderboard(Path(results_dir), tasks, groups, rows, models, tables, memory_kinds)
+    board = Leaderboard(Path(results_dir), tasks, groups, rows, models, tables, memory_kinds)
+    board.columns = leaderboard_columns(board)
+    for row in rows:
+        row.values = {c.key: c.compute(row) for c in board.columns}
+    return board
 
 
 # ---------------------------------------------------------------------------------------------------
-# Tables: one flat CSV for machines, one display table (text + sort key per cell) for Markdown and HTML.
+# Column declarations.  Adding a column = adding one Column(...) to leaderboard_columns.
 
 
 def _round(value: float, digits: int = 4) -> float | str:
     return "" if value is None or math.isnan(value) else round(value, digits)
 
 
-def csv_records(board: Leaderboard) -> list[dict[str, Any]]:
-    """The leaderboard as flat records (numbers unformatted, published figures prefixed ``published_``)."""
-    out = []
-    for row in board.rows:
-        rec: dict[str, Any] = {
-            "experiment": row.experiment,
-            "method": row.method,
-            "config": row.config,
-            "runs": row.runs,
-            "tasks_done": f"{len(row.scores)}/{len(board.tasks)}",
-            "trainable_M": _round(row.trainable / 1e6, 6),
-            "trainable_pct": _round(row.trainable_pct),
-            "trainable_no_head_M": _round(row.trainable_no_head / 1e6, 6),
-            "trainable_no_head_pct": _round(row.trainable_no_head_pct),
-        }
-        for task in board.tasks:
-            score = row.scores.get(task)
-            rec[f"{task}_top1_mean"] = _round(score.mean) if score else ""
-            rec[f"{task}_top1_std"] = _round(score.std) if score else ""
-            rec[f"{task}_seeds"] = " ".join(map(str, score.seeds)) if score else ""
-        rec["task_mean"] = _round(row.task_mean)
-        for group in board.group_names:
-            rec[f"group_mean_{group}"] = _round(row.group_means.get(group, math.nan))
-        rec["group_mean"] = _round(row.group_mean)
-        rec["ppt"] = _round(row.ppt)
-        rec["train_seconds"] = _round(row.train_seconds, 2)
-        rec["images_per_second"] = _round(row.images_per_second, 1)
-        rec["peak_memory_mb"] = _round(row.peak_memory_mb, 1)
-        for table in board.tables:
-            pub = row.published.get(table.key)
-            prefix = f"published_{table.key}"
-            rec[f"{prefix}_method"] = pub.method if pub else ""
-            for task in board.tasks:
-                if table.covers(task):
-                    rec[f"{prefix}_{table.column(task)}"] = pub.top1.get(table.column(task), "") if pub else ""
-            rec[f"{prefix}_task_mean"] = pub.task_mean if pub else ""
-            rec[f"{prefix}_group_mean"] = _round(table.group_mean(pub), 2) if pub else ""
-            rec[f"{prefix}_params_M"] = _round(pub.params / 1e6, 4) if pub and pub.params is not None else ""
-            rec[f"{prefix}_ppt"] = pub.ppt if pub and pub.ppt is not None else ""
-            rec[f"{prefix}_source"] = table.source
-        out.append(rec)
-    return out
-
-
-def csv_text(board: Leaderboard) -> str:
-    """``leaderboard.csv``'s contents."""
-    records = csv_records(board)
-    columns = list(dict.fromkeys(k for rec in records for k in rec))
-    buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=columns, lineterminator="\n")
-    writer.writeheader()
-    writer.writerows(records)
-    return buffer.getvalue()
-
-
-@dataclass(frozen=True)
-class Column:
-    """A display column: a stable key (for the HTML's sort links), its label, and measured/published/info."""
-
-    key: str
-    label: str
-    kind: str = "measured"
-
-
-Cell = tuple[str, float | str]  # (display text, sort key)
-
-
 def _num(value: float, digits: int = 2, suffix: str = "") -> Cell:
     if value is None or math.isnan(value):
         return "–", ""
     return f"{value:.{digits}f}{suffix}", value
+
+
+def _text(value: str) -> Cell:
+    return value, value
 
 
 def _score_cell(score: TaskScore | None) -> Cell:
@@ -368,91 +386,251 @@ def _task_labels(tasks: list[str]) -> dict[str, str]:
     return {t: (s if counts[s] == 1 else t) for t, s in short.items()}
 
 
-def display_table(board: Leaderboard) -> tuple[list[Column], list[list[Cell]]]:
-    """The main leaderboard table: measured columns first, then each published table's summary columns."""
-    labels = _task_labels(board.tasks)
-    columns = [
-        Column("experiment", "Experiment", "info"),
-        Column("config", "petl config", "info"),
-        Column("trainable", "Trainable M (% of total)"),
-        Column("trainable_no_head", "Trainable w/o head M (%)"),
-        *[Column(f"task:{t}", labels[t]) for t in board.tasks],
-        Column("task_mean", "Task mean"),
-    ]
-    several_groups = len(board.group_names) > 1
-    if several_groups:
-        columns += [Column(f"group:{g}", f"{g.capitalize()} mean") for g in board.group_names]
+def _count_with_pct(total_key: str) -> Callable[[ExperimentRow], tuple[float, float]]:
+    # (mean count, mean share of all parameters in %) of a result.json count field.
+    def compute(row: ExperimentRow) -> tuple[float, float]:
+        counts = [float(r.result[total_key]) for r in row.runs]
+        totals = [float(r.result["total_params"]) for r in row.runs]
+        return _mean(counts), _mean([100 * p / t for p, t in zip(counts, totals, strict=True)])
+
+    return compute
+
+
+def _show_count(value: tuple[float, float]) -> Cell:
+    return f"{value[0] / 1e6:.4f} ({value[1]:.2f}%)", value[0]
+
+
+def _selection(row: ExperimentRow, labels: dict[str, str]) -> str:
+    # result.json's "selection" record (written by a search-then-final sweep): the configuration chosen on val.
+    chosen: dict[str, list[str]] = {}
+    for run in row.runs:
+        selection = run.result.get("selection")
+        if isinstance(selection, Mapping) and selection.get("chosen") is not None:
+            text = _format_option(selection["chosen"])
+            if text not in chosen.setdefault(run.task, []):
+                chosen[run.task].append(text)
+    return "; ".join(f"{labels.get(t, t)}: {' | '.join(v)}" for t, v in chosen.items())
+
+
+def _published_columns(board: Leaderboard, table: PublishedTable) -> list[Column]:
+    """One published table's columns: its row name (or why none), per-task figures (CSV), summaries, source."""
+    prefix = f"published_{table.key}"
+
+    def of(compute: Callable[[PublishedRow], Any]) -> Callable[[ExperimentRow], Any]:
+        # A figure of the row's published match; empty when there is none to show (the row column says why).
+        def value(row: ExperimentRow) -> Any:
+            pub = row.published.get(table.key)
+            return compute(pub) if isinstance(pub, PublishedRow) else math.nan
+
+        return value
+
+    def million(pub: PublishedRow) -> float:
+        return pub.params / 1e6 if pub.params is not None else math.nan
+
+    def status(row: ExperimentRow) -> str:
+        pub = row.published[table.key]
+        return pub.method if isinstance(pub, PublishedRow) else pub
+
+    columns = [Column(f"{prefix}_method", f"Published {table.key} row", status, _text, kind="published")]
     columns += [
-        Column("group_mean", "Group mean"),
-        Column("ppt", "PPT"),
-        Column("train_seconds", "Train s/run"),
-        Column("images_per_second", "Images/s"),
-        Column("peak_memory_mb", "Peak MB"),
+        Column(
+            f"{prefix}_{column}",
+            None,
+            of(lambda pub, column=column: pub.top1.get(column, math.nan)),
+            csv=_as_csv(f"{prefix}_{column}", None),
+        )
+        for column in [table.column(t) for t in board.tasks if table.covers(t)]
+    ]
+    columns += [
+        Column(
+            f"{prefix}_task_mean", f"Published {table.key} task mean", of(lambda pub: pub.task_mean), kind="published"
+        ),
+        Column(
+            f"{prefix}_group_mean",
+            f"Published {table.key} group mean",
+            of(table.group_mean),
+            csv=_as_csv(f"{prefix}_group_mean", 2),
+            kind="published",
+        ),
+        Column(
+            f"{prefix}_params",
+            f"Published {table.key} params M",
+            of(million),
+            csv=_as_csv(f"{prefix}_params_M", 4),
+            kind="published",
+        ),
+        Column(
+            f"{prefix}_ppt",
+            f"Published {table.key} PPT",
+            of(lambda pub: pub.ppt if pub.ppt is not None else math.nan),
+            kind="published",
+        ),
+        Column(f"{prefix}_source", None, lambda row: table.source),
+    ]
+    return columns
+
+
+def leaderboard_columns(board: Leaderboard) -> list[Column]:
+    """Every column of the leaderboard, in display and CSV order (measured first, then published tables)."""
+    labels = _task_labels(board.tasks)
+    several_groups = len(board.group_names) > 1
+    any_selection = any("selection" in r.result for row in board.rows for r in row.runs)
+    columns = [
+        Column(
+            "experiment",
+            "Experiment",
+            lambda row: (row.experiment, board.complete(row)),
+            show=lambda v: (v[0] if v[1] else f"{v[0]} *", v[0]),
+            csv=lambda v: {"experiment": v[0]},
+            kind="info",
+        ),
+        Column(
+            "method", None, lambda row: ", ".join(dict.fromkeys(str(r.result.get("method", "?")) for r in row.runs))
+        ),
+        Column(
+            "config",
+            "petl config",
+            lambda row: " | ".join(dict.fromkeys(_describe_run(r) for r in row.runs)),
+            _text,
+            kind="info",
+        ),
+    ]
+    if any_selection:
+        columns.append(
+            Column(
+                "selected_on_val",
+                "Selected on val",
+                lambda row: _selection(row, labels),
+                _text,
+                kind="info",
+                note="**Selected on val**: per task, the configuration the search chose on the validation split "
+                "(result.json's `selection` record); the task's scores are of that configuration's final runs.",
+            )
+        )
+    columns += [
+        Column("runs", None, lambda row: len(row.runs)),
+        Column("tasks_done", None, lambda row: f"{len(row.scores)}/{len(board.tasks)}"),
+        Column(
+            "trainable",
+            "Trainable M (% of total)",
+            _count_with_pct("trainable_params"),
+            _show_count,
+            csv=lambda v: {"trainable_M": _round(v[0] / 1e6, 6), "trainable_pct": _round(v[1])},
+        ),
+        Column(
+            "trainable_no_head",
+            "Trainable w/o head M (%)",
+            _count_with_pct("trainable_params_no_head"),
+            _show_count,
+            csv=lambda v: {"trainable_no_head_M": _round(v[0] / 1e6, 6), "trainable_no_head_pct": _round(v[1])},
+        ),
+    ]
+    columns += [
+        Column(
+            f"task:{t}",
+            labels[t],
+            lambda row, t=t: row.scores.get(t),
+            _score_cell,
+            csv=lambda score, t=t: {
+                f"{t}_top1_mean": _round(score.mean) if score else "",
+                f"{t}_top1_std": _round(score.std) if score else "",
+                f"{t}_seeds": " ".join(map(str, score.seeds)) if score else "",
+            },
+        )
+        for t in board.tasks
+    ]
+    columns.append(Column("task_mean", "Task mean", lambda row: row.task_mean))
+    columns += [
+        Column(
+            f"group:{g}",
+            f"{g.capitalize()} mean" if several_groups else None,
+            lambda row, g=g: row.group_means.get(g, math.nan),
+            csv=_as_csv(f"group_mean_{g}"),
+        )
+        for g in board.group_names
+    ]
+    columns += [
+        Column("group_mean", "Group mean", lambda row: row.group_mean),
+        Column("ppt", "PPT", lambda row: ppt(row.task_mean, row.trainable_no_head)),
+        Column(
+            "train_seconds",
+            "Train s/run",
+            lambda row: _nanmean([_field(r, "train_seconds") for r in row.runs]),
+            lambda v: _num(v, 1),
+            csv=_as_csv("train_seconds", 2),
+        ),
+        Column(
+            "images_per_second",
+            "Images/s",
+            lambda row: _nanmean([_field(r, "images_per_second") for r in row.runs]),
+            lambda v: _num(v, 0),
+            csv=_as_csv("images_per_second", 1),
+        ),
+        Column(
+            "peak_memory_mb",
+            "Peak MB",
+            lambda row: _nanmax([_field(r, "peak_memory_mb") for r in row.runs]),
+            lambda v: _num(v, 0),
+            csv=_as_csv("peak_memory_mb", 1),
+        ),
     ]
     for table in board.tables:
-        columns += [
-            Column(f"published_{table.key}_method", f"Published {table.key} row", "published"),
-            Column(f"published_{table.key}_task_mean", f"Published {table.key} task mean", "published"),
-            Column(f"published_{table.key}_group_mean", f"Published {table.key} group mean", "published"),
-            Column(f"published_{table.key}_params", f"Published {table.key} params M", "published"),
-            Column(f"published_{table.key}_ppt", f"Published {table.key} PPT", "published"),
-        ]
+        columns += _published_columns(board, table)
+    return columns
 
-    rows = []
+
+# ---------------------------------------------------------------------------------------------------
+# Writers: one flat CSV for machines, display tables (text + sort key per cell) for Markdown and HTML.
+
+
+def csv_records(board: Leaderboard) -> list[dict[str, Any]]:
+    """The leaderboard as flat records (numbers unformatted, published figures prefixed ``published_``)."""
+    out = []
     for row in board.rows:
-        name = row.experiment if board.complete(row) else f"{row.experiment} *"
-        cells: list[Cell] = [
-            (name, row.experiment),
-            (row.config, row.config),
-            (f"{row.trainable / 1e6:.4f} ({row.trainable_pct:.2f}%)", row.trainable),
-            (f"{row.trainable_no_head / 1e6:.4f} ({row.trainable_no_head_pct:.2f}%)", row.trainable_no_head),
-            *[_score_cell(row.scores.get(t)) for t in board.tasks],
-            _num(row.task_mean),
-        ]
-        if several_groups:
-            cells += [_num(row.group_means.get(g, math.nan)) for g in board.group_names]
-        cells += [
-            _num(row.group_mean),
-            _num(row.ppt),
-            _num(row.train_seconds, 1),
-            _num(row.images_per_second, 0),
-            _num(row.peak_memory_mb, 0),
-        ]
-        for table in board.tables:
-            pub = row.published.get(table.key)
-            if pub is None:
-                cells += [("–", "")] * 5
-                continue
-            cells += [
-                (pub.method, pub.method),
-                _num(pub.task_mean),
-                _num(table.group_mean(pub)),
-                _num(pub.params / 1e6 if pub.params is not None else math.nan),
-                _num(pub.ppt if pub.ppt is not None else math.nan),
-            ]
-        rows.append(cells)
-    return columns, rows
+        record: dict[str, Any] = {}
+        for column in board.columns:
+            record.update(column.csv_fields(row.values[column.key]))
+        out.append(record)
+    return out
 
 
-def published_tables(board: Leaderboard) -> list[tuple[PublishedTable, list[Column], list[list[Cell]]]]:
+def csv_text(board: Leaderboard) -> str:
+    """``leaderboard.csv``'s contents."""
+    records = csv_records(board)
+    columns = list(dict.fromkeys(k for rec in records for k in rec))
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=columns, lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(records)
+    return buffer.getvalue()
+
+
+def display_table(board: Leaderboard) -> Table:
+    """The main leaderboard table: every column with a label, in declaration order."""
+    shown = [c for c in board.columns if c.label is not None]
+    headers = [Header(c.key, c.label, c.kind) for c in shown]
+    return Table(headers, [[c.show(row.values[c.key]) for c in shown] for row in board.rows])
+
+
+def published_tables(board: Leaderboard) -> list[Table]:
     """Per-task published figures of each matched row, one table per published source."""
     out = []
     for table in board.tables:
         covered = [t for t in board.tasks if table.covers(t)]
         labels = _task_labels(covered)
-        columns = [
-            Column("experiment", "petl experiment", "info"),
-            Column("published_method", "Published row", "published"),
-            *[Column(f"published:{t}", labels[t], "published") for t in covered],
-            Column("published_task_mean", "Task mean", "published"),
-            Column("published_group_mean", "Group mean", "published"),
-            Column("published_params", "Params M", "published"),
-            Column("published_ppt", "PPT", "published"),
+        headers = [
+            Header("experiment", "petl experiment", "info"),
+            Header("published_method", "Published row", "published"),
+            *[Header(f"published:{t}", labels[t], "published") for t in covered],
+            Header("published_task_mean", "Task mean", "published"),
+            Header("published_group_mean", "Group mean", "published"),
+            Header("published_params", "Params M", "published"),
+            Header("published_ppt", "PPT", "published"),
         ]
         rows = []
         for row in board.rows:
             pub = row.published.get(table.key)
-            if pub is None:
+            if not isinstance(pub, PublishedRow):
                 continue
             rows.append(
                 [
@@ -466,7 +644,8 @@ def published_tables(board: Leaderboard) -> list[tuple[PublishedTable, list[Colu
                 ]
             )
         if rows:
-            out.append((table, columns, rows))
+            title = f"Published per-task figures: {table.title} (not measured by petl)"
+            out.append(Table(headers, rows, title, table.source))
     return out
 
 
@@ -488,10 +667,14 @@ def notes(board: Leaderboard) -> list[str]:
         + (f" ({', '.join(board.memory_kinds)})." if board.memory_kinds else "."),
         "`*` after an experiment: it has not run on every task yet, so its means cover fewer tasks.",
     ]
+    lines += [c.note for c in board.columns if c.note]
     for table in board.tables:
         lines.append(
             f"**Published {table.key}** columns: {table.title}; source: {table.source}. Figures published by "
-            "others on a different backbone, not measured by petl; they are never mixed into the measured columns."
+            "others, not measured by petl; they are never mixed into the measured columns. They are shown only "
+            f"beside experiments run on the published backbone (`{table.backbone}`, pretrained): otherwise the "
+            f'row column says "{DIFFERENT_BACKBONE}"; "{NO_PUBLISHED_ROW}" means the experiment file names no '
+            "row of this table (`published:`)."
         )
     return lines
 
@@ -500,45 +683,50 @@ def _md_escape(text: str) -> str:
     return text.replace("|", "\\|")
 
 
-def _md_table(columns: list[Column], rows: list[list[Cell]]) -> list[str]:
+def _md_table(table: Table) -> list[str]:
     lines = [
-        "| " + " | ".join(_md_escape(c.label) for c in columns) + " |",
-        "|" + "|".join("---" if c.kind == "info" else "---:" for c in columns) + "|",
+        "| " + " | ".join(_md_escape(h.label) for h in table.headers) + " |",
+        "|" + "|".join("---" if h.kind == "info" else "---:" for h in table.headers) + "|",
     ]
-    lines += ["| " + " | ".join(_md_escape(text) for text, _ in cells) + " |" for cells in rows]
+    lines += ["| " + " | ".join(_md_escape(text) for text, _ in cells) + " |" for cells in table.rows]
     return lines
 
 
 def markdown(board: Leaderboard) -> str:
     """``leaderboard.md``: the main table, the legend, then the published per-task tables."""
-    runs = sum(r.runs for r in board.rows)
+    runs = sum(len(r.runs) for r in board.rows)
     lines = [
         f"# petl leaderboard: {board.results_dir.name}",
         "",
         f"{len(board.rows)} experiments, {len(board.tasks)} tasks, {runs} runs.",
         "",
-        *_md_table(*display_table(board)),
+        *_md_table(display_table(board)),
         "",
         *[f"- {n}" for n in notes(board)],
     ]
-    for table, columns, rows in published_tables(board):
-        lines += [
-            "",
-            f"## Published per-task figures: {table.title} (not measured by petl)",
-            "",
-            f"Source: {table.source}.",
-            "",
-            *_md_table(columns, rows),
-        ]
+    for table in published_tables(board):
+        lines += ["", f"## {table.title}", "", f"Source: {table.source}.", "", *_md_table(table)]
     return "\n".join(lines) + "\n"
 
 
-def write_report(results_dir: str | Path, out_dir: str | Path | None = None) -> Leaderboard:
+def pareto_png(board: Leaderboard) -> bytes:
+    """``pareto.png``: task-mean top-1 against trainable parameters, one marker per experiment."""
+    from petl.bench.plot import Point, render_pareto  # matplotlib loads only when a plot is drawn
+
+    points = [Point(r.experiment, r.trainable, r.task_mean, board.complete(r)) for r in board.rows]
+    return render_pareto(points, len(board.tasks), board.models)
+
+
+def write_report(
+    results_dir: str | Path, out_dir: str | Path | None = None, configs_dir: str | Path | None = None
+) -> Leaderboard:
     """Build the leaderboard of ``results_dir`` and write md, csv, html and pareto.png into ``out_dir``.
 
     Args:
         results_dir: a results root holding ``<task>/<experiment>/seed<k>/result.json`` files.
         out_dir: where to write (default: ``results_dir``).
+        configs_dir: the folder of experiment files that name each experiment's published row
+            (default: petl's own, see :func:`petl.bench.suite.find_benchmarks_dir`).
 
     Returns:
         The leaderboard.
@@ -548,25 +736,19 @@ def write_report(results_dir: str | Path, out_dir: str | Path | None = None) -> 
 
     """
     from petl.bench.html import render_html
-    from petl.bench.plot import render_pareto
 
     results_dir = Path(results_dir)
     records = collect(results_dir)
     if not records:
         raise FileNotFoundError(f"no result.json under {results_dir}")
-    board = aggregate(records, results_dir)
+    board = aggregate(records, results_dir, published_names(sorted({r.experiment for r in records}), configs_dir))
     out = Path(out_dir) if out_dir is not None else results_dir
-    out.mkdir(parents=True, exist_ok=True)
-    png = render_pareto(board)
-    _write_atomic(out / "leaderboard.csv", csv_text(board).encode())
-    _write_atomic(out / "leaderboard.md", markdown(board).encode())
-    _write_atomic(out / "pareto.png", png)
-    _write_atomic(out / "leaderboard.html", render_html(board, png).encode())
+    png = pareto_png(board)
+    title = f"petl leaderboard: {board.results_dir.name}"
+    html = render_html(title, display_table(board), notes(board), png, published_tables(board))
+    # Two sweeps finishing together both rebuild the report; each file is renamed into place whole.
+    write_text(out / "leaderboard.csv", csv_text(board))
+    write_text(out / "leaderboard.md", markdown(board))
+    write_atomic(out / "pareto.png", lambda tmp: tmp.write_bytes(png))
+    write_text(out / "leaderboard.html", html)
     return board
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    # Two sweeps finishing together both rebuild the report; a rename makes each file whole, never interleaved.
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)

@@ -338,7 +338,7 @@ def run_speed(
 
 def main(args: Sequence[str]) -> int:
     """``petl-bench speed key=value ...``: measure, print the table, optionally write it to ``out=``."""
-    from petl.bench.cli import as_bool, parse_args, split_list
+    from petl.bench.args import as_bool, parse_args, split_list
     from petl.bench.suite import find_benchmarks_dir, list_experiments, load_experiment
 
     own, rest = parse_args(args, SPEED_KEYS)

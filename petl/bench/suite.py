@@ -98,6 +98,9 @@ class Experiment:
         method: ``{"name": ..., <option>: value}``.
         groups: overrides of other config groups, e.g. ``{"train": {"lr": 1e-4}}``.
         description: one line for humans.
+        published: the row name of this experiment in the published tables (``LoRA``), or ``""``.
+        published_note: why petl's parameter count differs from the published one, or ``""``; either
+            one text for every published table or a mapping from table key (``vtab1k``, ``fgvc``) to text.
 
     """
 
@@ -105,6 +108,8 @@ class Experiment:
     method: dict[str, Any]
     groups: dict[str, dict[str, Any]] = field(default_factory=dict)
     description: str = ""
+    published: str = ""
+    published_note: str | dict[str, str] = ""
 
     def overrides(self) -> list[str]:
         """Hydra overrides selecting the method group, then its options and other groups' values."""
@@ -146,12 +151,28 @@ def load_experiment(name: str, benchmarks_dir: Path) -> Experiment:
     if not path.is_file():
         known = ", ".join(_names(benchmarks_dir / "experiments"))
         raise ValueError(f"unknown experiment {name!r}; known: {known}")
-    data = _read_yaml(path, {"description", "method", *OVERRIDABLE_GROUPS})
+    data = _read_yaml(path, {"description", "method", "published", "published_note", *OVERRIDABLE_GROUPS})
     method = data.get("method")
     if not isinstance(method, dict) or "name" not in method:
         raise ValueError(f"{path}: `method` must be a mapping with a `name`")
     groups = {g: data[g] for g in OVERRIDABLE_GROUPS if data.get(g)}
-    return Experiment(name, dict(method), groups, str(data.get("description", "")))
+    return Experiment(
+        name,
+        dict(method),
+        groups,
+        str(data.get("description", "")),
+        str(data.get("published") or ""),
+        _note(data.get("published_note"), path),
+    )
+
+
+def _note(value: Any, path: Path) -> str | dict[str, str]:
+    # `published_note:` is one text, or one text per published table (`{fgvc: ...}`).
+    if isinstance(value, Mapping):
+        return {str(k): str(v) for k, v in value.items()}
+    if value is not None and not isinstance(value, str):
+        raise ValueError(f"{path}: `published_note` must be a text or a mapping from table key to text")
+    return value or ""
 
 
 def load_suite(name: str, benchmarks_dir: Path) -> Suite:

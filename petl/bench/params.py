@@ -1,0 +1,140 @@
+"""``petl-bench params suite=vtab1k``: petl's trainable-parameter counts beside the published ones.
+
+For each experiment of the suite, the method is applied to the suite's backbone built on PyTorch's
+``meta`` device (shapes, no storage, no download) and counted without the classifier head, the way
+V-PETL's tables count (linear probing = 0M).  The count is compared with the published row the
+experiment file names (``published:``) at the precision the figure was published at (``0.29M``: two
+decimals in millions).  A difference fails the command unless the experiment file says why
+(``published_note:``), so a published column can never sit beside a different method unnoticed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from petl.bench import suite as suites
+from petl.bench.args import parse_args
+from petl.bench.published import PUBLISHED_BACKBONE, TABLES, PublishedRow, PublishedTable
+
+PARAMS_KEYS = {"suite", "methods", "benchmarks_dir", "model"}
+
+
+@dataclass(frozen=True)
+class ParamsLine:
+    """One experiment against one published table.
+
+    Attributes:
+        experiment: the experiment name.
+        count: petl's trainable parameters without head on the backbone.
+        published: the published row, or ``None`` when the experiment names none in this table.
+        note: the experiment file's reason for a difference (``""``: none given).
+
+    """
+
+    experiment: str
+    count: int
+    published: PublishedRow | None
+    note: str
+
+    @property
+    def status(self) -> str:
+        """``ok``, ``differs (explained)``, ``DIFFERS`` or ``no published row``."""
+        if self.published is None or self.published.params is None:
+            return "no published row"
+        if self.published.params_match(self.count):
+            return "ok"
+        return "differs (explained)" if self.note else "DIFFERS"
+
+
+def count_without_head(model_name: str, method: dict, num_classes: int) -> int:
+    """Trainable parameters outside the head of ``method`` on ``model_name``, built on the meta device."""
+    import timm
+    import torch
+
+    import petl
+
+    options = {k: v for k, v in method.items() if k != "name"}
+    # Meta tensors have shapes but no storage: a ViT-B/16 costs nothing and no weights are fetched.
+    with torch.device("meta"):
+        model = timm.create_model(model_name, pretrained=False, num_classes=num_classes)
+        petl.apply(model, method["name"], num_classes=num_classes, **options)
+    return petl.count_params(model).trainable_no_head
+
+
+def note_for(experiment: suites.Experiment, table: PublishedTable) -> str:
+    """The experiment's ``published_note`` for ``table`` (one text for all tables, or per table key)."""
+    note = experiment.published_note
+    return note.get(table.key, "") if isinstance(note, dict) else note
+
+
+def suite_backbone(suite: suites.Suite) -> str:
+    """The backbone a suite runs on: its ``model.name`` if it names one, else the published backbone."""
+    return str((suite.groups.get("model") or {}).get("name") or PUBLISHED_BACKBONE)
+
+
+def compare(
+    experiments: list[suites.Experiment], table: PublishedTable, model_name: str, num_classes: int
+) -> list[ParamsLine]:
+    """Each experiment's petl count beside its published row in ``table``."""
+    rows = table.rows()
+    return [
+        ParamsLine(
+            e.name, count_without_head(model_name, e.method, num_classes), rows.get(e.published), note_for(e, table)
+        )
+        for e in experiments
+    ]
+
+
+def format_lines(lines: list[ParamsLine], table: PublishedTable) -> list[str]:
+    """A plain-text table: experiment, petl's count, the published row and count, the verdict and any note."""
+    out = [f"{'experiment':<20} {'petl M (no head)':>16}  {'published row':<18} {'published':>9}  status"]
+    for line in lines:
+        pub = line.published
+        digits = pub.params_digits if pub is not None else 2
+        shown = f"{line.count / 1e6:.{max(digits, 2)}f}"
+        row = pub.method if pub is not None else "-"
+        figure = f"{pub.params / 1e6:.{digits}f}M" if pub is not None and pub.params is not None else "-"
+        out.append(f"{line.experiment:<20} {shown:>16}  {row:<18} {figure:>9}  {line.status}")
+        if line.note and line.status != "ok":
+            out.append(f"{'':<20} note: {line.note}")
+    return out
+
+
+def main(args: Sequence[str]) -> int:
+    """``petl-bench params suite=... [methods=...] [model=...] [benchmarks_dir=...]``.
+
+    Returns:
+        1 when an experiment's count differs from its published row at the published precision and
+        its file gives no ``published_note`` for that table, else 0.
+
+    """
+    from petl.bench.args import split_list
+    from petl.data import get_info
+
+    own, rest = parse_args(args, PARAMS_KEYS)
+    if rest:
+        raise SystemExit(f"petl-bench params: unknown argument(s) {rest}; known: {', '.join(sorted(PARAMS_KEYS))}")
+    bench_dir = suites.find_benchmarks_dir(own.get("benchmarks_dir"))
+    suite = suites.load_suite(own.get("suite", "vtab1k"), bench_dir)
+    names = split_list(own["methods"]) if "methods" in own else suite.experiments
+    experiments = [suites.load_experiment(n, bench_dir) for n in names]
+    tables = [t for t in TABLES if any(t.covers(task) for task in suite.tasks)]
+    if not tables:
+        raise SystemExit(f"petl-bench params: suite {suite.name} has no published table to compare with")
+    model_name = own.get("model", suite_backbone(suite))
+    # The head is not counted, so any class count serves; the suite's first task's keeps it realistic.
+    num_classes = get_info(suite.tasks[0]).num_classes
+    failed = False
+    for table in tables:
+        print(f"petl-bench params: suite {suite.name} on {model_name} (meta device) vs published {table.key}")
+        print(f"  published: {table.title}; {table.source}; backbone {table.backbone}")
+        if model_name != table.backbone:
+            print(f"  note: {model_name} is not the published backbone; counts are not expected to match")
+        lines = compare(experiments, table, model_name, num_classes)
+        for text in format_lines(lines, table):
+            print("  " + text)
+        failed |= any(line.status == "DIFFERS" for line in lines)
+    if failed:
+        print("petl-bench params: counts differ from the published ones; fix the experiment or give a published_note")
+    return 1 if failed else 0

@@ -1,0 +1,30 @@
+"""A rendered table as the Markdown and HTML writers receive it: headers and (text, sort key) cells.
+
+Its own small module so that :mod:`petl.bench.html` renders tables without importing the report that
+builds them (the report imports the renderers, never the other way round).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+Cell = tuple[str, float | str]  # (display text, sort key); an empty sort key sorts last either way
+
+
+@dataclass(frozen=True)
+class Header:
+    """A displayed column: a stable key (the HTML's sort links), its label, and measured/published/info."""
+
+    key: str
+    label: str
+    kind: str = "measured"
+
+
+@dataclass(frozen=True)
+class Table:
+    """Headers and rows of cells, one cell per header; ``title``/``source`` head the extra tables."""
+
+    headers: list[Header]
+    rows: list[list[Cell]]
+    title: str = ""
+    source: str = ""
