@@ -12,6 +12,7 @@ import math
 import os
 import shutil
 import subprocess
+import sys
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -495,3 +496,40 @@ def test_params_fails_on_a_count_that_differs_unless_the_file_says_why(tmp_path,
     assert cli.main(args) == 0
     out = capsys.readouterr().out
     assert "differs (explained)" in out and "note: rank 4 on purpose" in out
+
+
+# ---------------------------------------------------------------------------------------------- configs
+
+
+def test_configs_are_found_in_a_checkout_and_the_package_list_is_complete():
+    root = Path(__file__).resolve().parent.parent
+    assert BENCH == root / "configs"
+    import tomllib
+
+    listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    on_disk = {".".join(p.parent.relative_to(root).parts) for p in (root / "petl").rglob("__init__.py")}
+    assert listed == on_disk | {"petl.configs"}
+
+
+def test_a_non_editable_install_carries_the_configs(tmp_path):
+    root = Path(__file__).resolve().parent.parent
+    source = tmp_path / "src"
+    # A copy of what a source distribution holds, so the build leaves nothing in the checkout.
+    for name in ("petl", "configs"):
+        shutil.copytree(root / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(root / name, source / name)
+    site = tmp_path / "site"
+    pip = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation", "--target"]
+    subprocess.run([*pip, str(site), str(source)], check=True, timeout=600, capture_output=True)
+    assert (site / "petl" / "configs" / "suites" / "vtab1k.yaml").is_file()
+    assert (site / "petl" / "configs" / "experiments" / "lora.yaml").is_file()
+    # Imported from the install (not this checkout), petl-bench's loader finds the installed presets.
+    code = "from petl.bench.suite import find_benchmarks_dir, load_suite; d = find_benchmarks_dir(); "
+    code += "print(d); print(load_suite('vtab1k', d).name)"
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [str(site / "petl" / "configs"), "vtab1k"]

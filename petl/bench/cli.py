@@ -3,9 +3,9 @@
 Usage::
 
     petl-bench [run] suite=mini [methods=linear,lora] [tasks=mini/digits] [seeds=0,1]
-               [output_dir=runs/bench/mini] [benchmarks_dir=...] [report=true] [dry_run=false]
+               [output_dir=runs/bench/mini] [configs_dir=...] [report=true] [dry_run=false]
                [train.epochs=5 model.drop_path=0.1 data.root=... ...]
-    petl-bench report RESULTS_DIR [out=DIR]
+    petl-bench report RESULTS_DIR [out=DIR] [configs_dir=DIR]
     petl-bench speed [model=...] [batch=32] [steps=10] [warmup=3] [rounds=5] [infer_batch=1] [infer_steps=100]
                      [device=cpu|cuda] [methods=...] [out=FILE]
     petl-bench params suite=vtab1k [methods=...] [model=...]   (parameter counts vs the published ones)
@@ -14,7 +14,8 @@ Usage::
 
 Arguments are Hydra-style ``key=value``.  Keys the sweep does not know (``train.*``, ``model.*``,
 ``data.root``...) pass through to ``petl.run.default_config`` after the suite's and experiment's own
-overrides, so the command line wins.
+overrides, so the command line wins.  Suites and experiments come from petl's top-level ``configs/``
+folder (installed as ``petl.configs``); ``configs_dir=DIR`` (formerly ``benchmarks_dir=``) points at another.
 """
 
 from __future__ import annotations
@@ -29,13 +30,29 @@ from petl.bench.args import as_bool, parse_args, split_list
 from petl.bench.report import write_report
 from petl.bench.sweep import plan, run_sweep
 
-SWEEP_KEYS = {"suite", "methods", "tasks", "seeds", "output_dir", "benchmarks_dir", "report", "dry_run", "progress"}
+SWEEP_KEYS = {
+    "suite",
+    "methods",
+    "tasks",
+    "seeds",
+    "output_dir",
+    "configs_dir",
+    "benchmarks_dir",
+    "report",
+    "dry_run",
+    "progress",
+}
+
+
+def configs_folder(own: dict[str, str]) -> Path:
+    """The presets folder: ``configs_dir=`` (or its older name ``benchmarks_dir=``), else petl's own."""
+    return suites.find_benchmarks_dir(own.get("configs_dir", own.get("benchmarks_dir")))
 
 
 def cmd_run(args: Sequence[str]) -> int:
     """Run a suite (restricted by methods/tasks/seeds), skipping finished runs, then build the report."""
     own, overrides = parse_args(args, SWEEP_KEYS)
-    bench_dir = suites.find_benchmarks_dir(own.get("benchmarks_dir"))
+    bench_dir = configs_folder(own)
     suite = suites.load_suite(own.get("suite", "mini"), bench_dir)
     names = split_list(own["methods"]) if "methods" in own else suite.experiments
     tasks = split_list(own["tasks"]) if "tasks" in own else suite.tasks
@@ -59,7 +76,7 @@ def cmd_run(args: Sequence[str]) -> int:
     for line in summary.failed:
         print(f"  failed: {line}")
     if as_bool("report", own.get("report", "true")) and any(r.is_done() for r in runs):
-        write_report(output_dir)
+        write_report(output_dir, configs_dir=bench_dir)
         print(f"petl-bench: leaderboard written to {output_dir}/leaderboard.{{md,csv,html}} and pareto.png")
     return 1 if summary.failed else 0
 
@@ -72,7 +89,7 @@ def cmd_commands(args: Sequence[str]) -> int:
     reads the same folders afterwards.  Nothing is run.
     """
     own, overrides = parse_args(args, SWEEP_KEYS - {"report", "dry_run", "progress"})
-    bench_dir = suites.find_benchmarks_dir(own.get("benchmarks_dir"))
+    bench_dir = configs_folder(own)
     suite = suites.load_suite(own.get("suite", "mini"), bench_dir)
     names = split_list(own["methods"]) if "methods" in own else suite.experiments
     tasks = split_list(own["tasks"]) if "tasks" in own else suite.tasks
@@ -98,11 +115,11 @@ def cmd_commands(args: Sequence[str]) -> int:
 def cmd_report(args: Sequence[str]) -> int:
     """Build the leaderboard of a results folder."""
     positional = [a for a in args if "=" not in a]
-    own, rest = parse_args([a for a in args if "=" in a], {"out"})
+    own, rest = parse_args([a for a in args if "=" in a], {"out", "configs_dir"})
     if len(positional) != 1 or rest:
-        raise SystemExit("usage: petl-bench report RESULTS_DIR [out=DIR]")
+        raise SystemExit("usage: petl-bench report RESULTS_DIR [out=DIR] [configs_dir=DIR]")
     out = own.get("out", positional[0])
-    board = write_report(positional[0], out)
+    board = write_report(positional[0], out, own.get("configs_dir"))
     print(
         f"petl-bench: {len(board.rows)} experiments x {len(board.tasks)} tasks -> "
         f"{out}/leaderboard.{{md,csv,html}}, {out}/pareto.png"
@@ -112,8 +129,8 @@ def cmd_report(args: Sequence[str]) -> int:
 
 def cmd_list(args: Sequence[str]) -> int:
     """Print the suites and experiments found."""
-    own, _ = parse_args(args, {"benchmarks_dir"})
-    bench_dir = suites.find_benchmarks_dir(own.get("benchmarks_dir"))
+    own, _ = parse_args(args, {"configs_dir", "benchmarks_dir"})
+    bench_dir = configs_folder(own)
     for name in suites.list_suites(bench_dir):
         s = suites.load_suite(name, bench_dir)
         print(f"suite {name}: {len(s.experiments)} experiments, {len(s.tasks)} tasks, seeds {s.seeds}")

@@ -17,7 +17,7 @@ from petl.bench import suite as suites
 from petl.bench.args import parse_args
 from petl.bench.published import PUBLISHED_BACKBONE, TABLES, PublishedRow, PublishedTable
 
-PARAMS_KEYS = {"suite", "methods", "benchmarks_dir", "model"}
+PARAMS_KEYS = {"suite", "methods", "configs_dir", "benchmarks_dir", "model"}
 
 
 @dataclass(frozen=True)
@@ -102,7 +102,7 @@ def format_lines(lines: list[ParamsLine], table: PublishedTable) -> list[str]:
 
 
 def main(args: Sequence[str]) -> int:
-    """``petl-bench params suite=... [methods=...] [model=...] [benchmarks_dir=...]``.
+    """``petl-bench params suite=... [methods=...] [model=...] [configs_dir=...]``.
 
     Returns:
         1 when an experiment's count differs from its published row at the published precision and
@@ -115,7 +115,7 @@ def main(args: Sequence[str]) -> int:
     own, rest = parse_args(args, PARAMS_KEYS)
     if rest:
         raise SystemExit(f"petl-bench params: unknown argument(s) {rest}; known: {', '.join(sorted(PARAMS_KEYS))}")
-    bench_dir = suites.find_benchmarks_dir(own.get("benchmarks_dir"))
+    bench_dir = suites.find_benchmarks_dir(own.get("configs_dir", own.get("benchmarks_dir")))
     suite = suites.load_suite(own.get("suite", "vtab1k"), bench_dir)
     names = split_list(own["methods"]) if "methods" in own else suite.experiments
     experiments = [suites.load_experiment(n, bench_dir) for n in names]

@@ -3,7 +3,9 @@
 The CSVs in ``petl/bench/published/`` are copies of the V-PETL Bench tables (ViT-B/16 pretrained on
 ImageNet-21k).  They ship inside the package because users have no copy of the project's shared
 folder.  Leaderboards show them only in columns labelled "published", with :attr:`PublishedTable.source`
-beside them: a tiny 32-pixel backbone and a ViT-B/16 are not comparable number for number, only in trend.
+beside them, and only beside runs on the table's own backbone (:attr:`PublishedTable.backbone`); which
+experiment matches which row is written in the experiment files (``published:``).  ``petl-bench params``
+checks petl's parameter counts against the rows' (:meth:`PublishedRow.params_match`).
 """
 
 from __future__ import annotations

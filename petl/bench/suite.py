@@ -25,25 +25,19 @@ _NOT_BARE = {"true", "false", "null", "none", "nan", "inf"}
 
 
 def find_benchmarks_dir(override: str | Path | None = None) -> Path:
-    """Locate the ``benchmarks/`` folder holding ``experiments/`` and ``suites/``.
+    """Locate the folder holding ``experiments/`` and ``suites/`` (see :func:`petl.presets.configs_dir`).
 
     Args:
-        override: an explicit folder (the CLI's ``benchmarks_dir=``); otherwise the one beside the
-            ``petl`` package, which is where an editable install or a source checkout has it.
+        override: an explicit folder (the CLI's ``configs_dir=`` or ``benchmarks_dir=``); otherwise the
+            checkout's top-level ``configs/``, else the installed package ``petl.configs``.
 
     Raises:
         FileNotFoundError: naming the folder that was looked for.
 
     """
-    import petl
+    from petl.presets import configs_dir
 
-    folder = Path(override) if override is not None else Path(petl.__file__).resolve().parent.parent / "benchmarks"
-    if not (folder / "experiments").is_dir() or not (folder / "suites").is_dir():
-        raise FileNotFoundError(
-            f"no benchmarks folder with experiments/ and suites/ at {folder}; pass benchmarks_dir=PATH "
-            "(a checkout of the petl repository has one at its root)"
-        )
-    return folder
+    return configs_dir(override)
 
 
 def format_value(value: Any) -> str:
