@@ -470,6 +470,19 @@ def _published_columns(board: Leaderboard, table: PublishedTable) -> list[Column
     return columns
 
 
+def _result_column(
+    key: str, label: str, reduce: Callable[[list[float]], float], shown_digits: int, csv_digits: int
+) -> Column:
+    # A number every result.json may carry (missing or null counts as absent), reduced over the runs.
+    return Column(
+        key,
+        label,
+        lambda row: reduce([_field(r, key) for r in row.runs]),
+        lambda v: _num(v, shown_digits),
+        csv=_as_csv(key, csv_digits),
+    )
+
+
 def leaderboard_columns(board: Leaderboard) -> list[Column]:
     """Every column of the leaderboard, in display and CSV order (measured first, then published tables)."""
     labels = _task_labels(board.tasks)
@@ -552,27 +565,9 @@ def leaderboard_columns(board: Leaderboard) -> list[Column]:
     columns += [
         Column("group_mean", "Group mean", lambda row: row.group_mean),
         Column("ppt", "PPT", lambda row: ppt(row.task_mean, row.trainable_no_head)),
-        Column(
-            "train_seconds",
-            "Train s/run",
-            lambda row: _nanmean([_field(r, "train_seconds") for r in row.runs]),
-            lambda v: _num(v, 1),
-            csv=_as_csv("train_seconds", 2),
-        ),
-        Column(
-            "images_per_second",
-            "Images/s",
-            lambda row: _nanmean([_field(r, "images_per_second") for r in row.runs]),
-            lambda v: _num(v, 0),
-            csv=_as_csv("images_per_second", 1),
-        ),
-        Column(
-            "peak_memory_mb",
-            "Peak MB",
-            lambda row: _nanmax([_field(r, "peak_memory_mb") for r in row.runs]),
-            lambda v: _num(v, 0),
-            csv=_as_csv("peak_memory_mb", 1),
-        ),
+        _result_column("train_seconds", "Train s/run", _nanmean, 1, 2),
+        _result_column("images_per_second", "Images/s", _nanmean, 0, 1),
+        _result_column("peak_memory_mb", "Peak MB", _nanmax, 0, 1),
     ]
     for table in board.tables:
         columns += _published_columns(board, table)
