@@ -406,7 +406,8 @@ def _selection(row: ExperimentRow, labels: dict[str, str]) -> str:
     for run in row.runs:
         selection = run.result.get("selection")
         if isinstance(selection, Mapping) and selection.get("chosen") is not None:
-            text = _format_option(selection["chosen"])
+            # An empty choice is a search whose only point is the defaults.
+            text = _format_option(selection["chosen"]) or "defaults"
             if text not in chosen.setdefault(run.task, []):
                 chosen[run.task].append(text)
     return "; ".join(f"{labels.get(t, t)}: {' | '.join(v)}" for t, v in chosen.items())
