@@ -20,9 +20,9 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import safetensors.torch
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import nn
 
 from petl import vit
@@ -300,7 +300,11 @@ def save_trainable(model: nn.Module, path: str | Path) -> None:
     if any(getattr(m, "merged", False) for m in model.modules()):
         raise ValueError("unmerge the model before saving: merged weights are not trainable tensors")
     tensors = {n: t.cpu().contiguous() for n, t in trainable_state(model).items()}
-    save_file(tensors, str(path), metadata={**_describe(model), "sha256": _content_hash(tensors)})
+    data = safetensors.torch.save(tensors, metadata={**_describe(model), "sha256": _content_hash(tensors)})
+    # Written by Python, not safetensors.save_file: a full disk then raises OSError(ENOSPC), which
+    # callers can handle, instead of safetensors' own SafetensorError.
+    with open(path, "wb") as f:
+        f.write(data)
 
 
 def _content_hash(tensors: dict[str, torch.Tensor]) -> str:
