@@ -8,8 +8,12 @@
 
 Bad input (an unknown method, dataset, model or key; a value of the wrong type or out of range)
 exits with status 2 and one line naming the key and what is valid; a run that cannot complete
-(non-finite loss, unreachable data) exits with status 1.  Both are checked for every job of a
-sweep before the first one starts.
+(non-finite loss, unreachable data, a full disk, output_dir held by another run) exits with status 1
+and one line.  Bad input is checked for every job of a sweep before the first one starts.
+``--debug`` (or ``HYDRA_FULL_ERROR=1``) shows the traceback instead of the line.
+
+A single run is composed and checked once and run directly; sweeps, and command lines that set
+Hydra's own options, go through Hydra's app runner.
 """
 
 from __future__ import annotations

@@ -6,7 +6,12 @@ on all 1,000 examples and has no val split.
 
 Files in ``output_dir``: ``config.yaml`` (resolved, at start), ``metrics.jsonl`` (one line per
 epoch), ``checkpoint.pt`` (each epoch, removed at the end unless ``train.keep_checkpoint``),
-``trainable.safetensors`` and finally ``result.json``, whose presence marks a finished run.
+``trainable.safetensors`` and finally ``result.json``, whose presence marks a finished run.  While a
+run goes on, ``.petl.lock`` (:mod:`petl.run.lock`) keeps a second run out of the folder.
+
+Steps of :func:`_run`: build the model, build the data, check a resume against the data and weights
+files, prepare the loaders (over cached features where the method allows) and optimizer, restore the
+checkpoint, train, evaluate test once, record.
 """
 
 from __future__ import annotations
