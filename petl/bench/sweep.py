@@ -10,10 +10,6 @@ This is bookkeeping, not a scheduler: spreading runs over GPUs or SLURM is Hydra
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -24,9 +20,10 @@ from tqdm.auto import tqdm
 
 from petl.bench.rss import reset_peak_rss
 from petl.bench.suite import Experiment, format_value
+from petl.run.lock import LOCK_FILE as LOCK_FILE  # the lock is petl-run's too: one home, re-exported here
+from petl.run.lock import acquire_lock, release_lock
+from petl.run.records import RESULT_FILE
 
-RESULT_FILE = "result.json"
-LOCK_FILE = ".petl-bench.lock"
 ERROR_FILE = "error.log"
 
 TrainFn = Callable[[Any], dict]
@@ -96,51 +93,6 @@ def plan(
                 )
                 runs.append(PlannedRun(task, exp.name, seed, run_dir, overrides))
     return runs
-
-
-def _pid_alive(pid: int) -> bool:
-    if pid <= 0:  # os.kill(0 or -1, ...) would address process groups, not one process
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def acquire_lock(run_dir: Path) -> bool:
-    """Claim ``run_dir`` for this process; False if another live sweep holds it.
-
-    The lock is created with O_EXCL, which is atomic on local filesystems and NFSv3+.  A lock left by a
-    dead process on this host is stale and taken over; one from another host cannot be checked and is
-    respected (delete it by hand after a crashed node).
-    """
-    run_dir.mkdir(parents=True, exist_ok=True)
-    lock = run_dir / LOCK_FILE
-    me = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}
-    for _ in range(2):
-        try:
-            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            try:
-                holder = json.loads(lock.read_text())
-            except (OSError, ValueError):
-                return False  # being written right now by its owner
-            if holder.get("host") == me["host"] and not _pid_alive(int(holder.get("pid", -1))):
-                lock.unlink(missing_ok=True)
-                continue
-            return False
-        with os.fdopen(fd, "w") as f:
-            json.dump(me, f)
-        return True
-    return False
-
-
-def release_lock(run_dir: Path) -> None:
-    """Drop this process's claim on ``run_dir``."""
-    (run_dir / LOCK_FILE).unlink(missing_ok=True)
 
 
 @dataclass

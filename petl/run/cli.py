@@ -8,18 +8,27 @@
 
 Bad input (an unknown method, dataset, model or key; a value of the wrong type or out of range)
 exits with status 2 and one line naming the key and what is valid; a run that cannot complete
-(non-finite loss, unreachable data) exits with status 1.  Both are checked for every job of a
-sweep before the first one starts.
+(non-finite loss, unreachable data, a full disk, output_dir held by another run) exits with status 1
+and one line.  Bad input is checked for every job of a sweep before the first one starts.
+``--debug`` (or ``HYDRA_FULL_ERROR=1``) shows the traceback instead of the line.
+
+A single run is composed and checked once and run directly; sweeps, and command lines that set
+Hydra's own options, go through Hydra's app runner.
 """
 
 from __future__ import annotations
 
+import argparse
+import itertools
+import logging.config
 import os
 import sys
 from collections.abc import Sequence
+from importlib import resources
 from typing import Any
 
 import hydra
+import yaml
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -27,7 +36,7 @@ from hydra.errors import HydraException
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from petl.run import config, runner
+from petl.run import config, records, runner
 from petl.run.config import ConfigError
 
 PROG = "petl-run"
@@ -40,30 +49,41 @@ MAX_CHECKED_JOBS = 64
 # Errors of the jobs of a local sweep (Hydra's basic launcher runs them in this process).
 _failed_jobs: list[str] = []
 
+# Show tracebacks instead of one line (``--debug``, or Hydra's own HYDRA_FULL_ERROR=1).
+DEBUG_FLAG = "--debug"
+_debug = False
+
 
 def _error(message: str) -> None:
     # Only one process of a multi-GPU launch speaks, or every error would print once per GPU.
-    if os.environ.get("RANK", "0") == "0":
+    if records.is_main_process():
         print(f"{PROG}: error: {message}", file=sys.stderr)
 
 
 def _job_overrides(overrides: list[str], multirun: bool) -> list[list[str]]:
-    """The override list of every job the command line would launch (the first MAX_CHECKED_JOBS)."""
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    """The override list of every job the command line would launch (the first MAX_CHECKED_JOBS).
 
-    parsed = OverridesParser.create().parse_overrides(overrides)
+    Expanded as Hydra's basic sweeper does (the cartesian product of the sweeps, a later override
+    of a key replacing an earlier one), through the public ``Override`` API.
+    """
     if not multirun:
         return [overrides]
-    try:
-        jobs = BasicSweeper.split_arguments(parsed, None)[0]
-    except HydraException:
+    final: dict[str, list[str]] = {}
+    for override in OverridesParser.create().parse_overrides(overrides):
+        key = override.get_key_element()
+        if not override.is_sweep_override():
+            final[key] = [f"{key}={override.get_value_element_as_str()}"]
+        elif override.is_discrete_sweep():
+            final[key] = [f"{key}={value}" for value in override.sweep_string_iterator()]
         # Sweep kinds only other sweepers understand (intervals for Optuna...): check the fixed part.
-        jobs = [[o.input_line for o in parsed if not o.is_sweep_override()]]
-    return jobs[:MAX_CHECKED_JOBS]
+    return [list(job) for job in itertools.islice(itertools.product(*final.values()), MAX_CHECKED_JOBS)]
 
 
-def check_command_line(overrides: Sequence[str], multirun: bool = False) -> None:
+def check_command_line(overrides: Sequence[str], multirun: bool = False) -> list[DictConfig]:
     """Compose and check every job of a command line before Hydra starts any of them.
+
+    Returns:
+        The composed, checked config of each job checked (a single run's is the one it runs).
 
     Raises:
         ConfigError: the first problem found, as one line (naming the job of a sweep).
@@ -73,35 +93,49 @@ def check_command_line(overrides: Sequence[str], multirun: bool = False) -> None
         jobs = _job_overrides(list(overrides), multirun)
     except HydraException as error:
         raise ConfigError(config.explain(error, overrides)) from None
+    checked = []
     for job in jobs:
         try:
-            config.default_config(job)
+            checked.append(config.default_config(job))
         except ConfigError as error:
             where = f" (in job {' '.join(job)})" if multirun and len(jobs) > 1 else ""
             raise ConfigError(f"{error}{where}") from None
+    return checked
 
 
-def _task(cfg: DictConfig) -> dict[str, Any] | None:
-    """Hydra's task function: one run; errors become one line and an exit status."""
+def _task(cfg: DictConfig, checked: bool = False) -> dict[str, Any] | None:
+    """One run; errors become one line and an exit status.
+
+    Args:
+        cfg: the run's config.
+        checked: ``cfg`` is the one :func:`check_command_line` composed and checked.
+
+    """
     hydra_cfg = HydraConfig.get() if HydraConfig.initialized() else None
     multirun = hydra_cfg is not None and hydra_cfg.mode == RunMode.MULTIRUN
     # Hydra's basic launcher runs a sweep's jobs in this process; others (submitit...) elsewhere.
     in_process = multirun and "BasicLauncher" in str(hydra_cfg.launcher.get("_target_", ""))
     try:
-        result = runner.run(cfg)
-    except (ConfigError, runner.RunError) as error:
+        result = runner.run(cfg, checked=checked)
+    except (ConfigError, runner.RunError, OSError, ValueError) as error:
+        if _debug:
+            raise
         status = USAGE_ERROR if isinstance(error, ConfigError) else RUN_ERROR
-        _error(str(error))
+        # OSError/ValueError: faults the run did not foresee (a bad file met mid-training...);
+        # one line names them, the checkpoint of finished epochs is on disk.
+        known = isinstance(error, (ConfigError, runner.RunError))
+        message = str(error) if known else f"{type(error).__name__}: {error} ({DEBUG_FLAG} shows the traceback)"
+        _error(message)
         if in_process:
             # Let the other jobs of the sweep run; main() reports the failures at the end.
-            _failed_jobs.append(str(error))
+            _failed_jobs.append(message)
             return None
         if multirun:
             # A remote job must fail visibly to its launcher (the line above is in its log).
-            raise RuntimeError(str(error)) from None
+            raise RuntimeError(message) from None
         raise SystemExit(status) from None
-    if os.environ.get("RANK", "0") == "0":
-        print(runner._summary_line(result) + f"  -> {cfg.output_dir}", flush=True)
+    if records.is_main_process():
+        print(runner.summary_line(result) + f"  -> {cfg.output_dir}", flush=True)
     return result
 
 
@@ -110,39 +144,74 @@ def _hydra_main(cfg: DictConfig) -> dict[str, Any] | None:
     return _task(cfg)
 
 
+def _needs_hydra(args: argparse.Namespace) -> bool:
+    """Whether a command line uses something only Hydra's app runner does (sweeps, hydra.* settings)."""
+    hydra_flags = ("cfg", "config_path", "config_name", "config_dir", "experimental_rerun", "package", "resolve")
+    return (
+        args.multirun
+        or any(getattr(args, flag, None) for flag in hydra_flags)
+        or any("hydra" in override for override in args.overrides)
+    )
+
+
+def _configure_logging() -> None:
+    """Set up the job logging of conf/hydra/job_logging/petl.yaml, as Hydra does for its app."""
+    text = resources.files("petl.conf").joinpath("hydra/job_logging/petl.yaml").read_text(encoding="utf-8")
+    logging.config.dictConfig(yaml.safe_load(text))
+
+
 def main(argv: Sequence[str] | None = None) -> None:
-    """Entry point of ``petl-run`` (and ``python -m petl.run``)."""
+    """Entry point of ``petl-run`` (and ``python -m petl.run``).
+
+    A single run is composed and checked once, then run directly; sweeps and command lines that
+    set Hydra's own options go through Hydra's app runner, each job of a sweep checked first.
+    """
+    # Hydra has no public API for its command-line parser (hydra.main builds it internally), and
+    # the overrides must be known before Hydra starts so that every job is checked up front.
     from hydra._internal.utils import get_args_parser
 
+    global _debug
     argv = list(sys.argv[1:] if argv is None else argv)
+    _debug = DEBUG_FLAG in argv or os.environ.get("HYDRA_FULL_ERROR") == "1"
+    argv = [arg for arg in argv if arg != DEBUG_FLAG]
     args = get_args_parser().parse_args(argv)
     config.register_configs()
     config.register_models_in(args.overrides)
     # --version exits inside the parser; these others only print, so nothing needs checking.
     informational = any(getattr(args, flag, None) for flag in ("help", "hydra_help", "shell_completion", "info"))
+    checked: list[DictConfig] = []
     if not informational:
         try:
-            check_command_line(args.overrides, multirun=args.multirun)
+            checked = check_command_line(args.overrides, multirun=args.multirun)
         except ConfigError as error:
             _error(str(error))
             raise SystemExit(USAGE_ERROR) from None
     _failed_jobs.clear()
+    try:
+        if checked and not _needs_hydra(args):
+            _configure_logging()
+            _task(checked[0], checked=True)
+        else:
+            _run_hydra(argv)
+    except KeyboardInterrupt:
+        _error("interrupted; the same command resumes from the last finished epoch")
+        raise SystemExit(130) from None
+    if _failed_jobs:
+        _error(f"{len(_failed_jobs)} job(s) of the sweep failed (see above)")
+        raise SystemExit(RUN_ERROR)
+
+
+def _run_hydra(argv: list[str]) -> None:
     saved_argv = sys.argv
     # hydra.main reads the command line from sys.argv.
     sys.argv = [saved_argv[0] if saved_argv else PROG, *argv]
     try:
         _hydra_main()
-    except KeyboardInterrupt:
-        _error("interrupted; the same command resumes from the last finished epoch")
-        raise SystemExit(130) from None
     finally:
         sys.argv = saved_argv
         # hydra.main leaves its global state set (a process normally exits here); callers that
         # run petl-run in-process (tests, notebooks) get a clean slate back.
         GlobalHydra.instance().clear()
-    if _failed_jobs:
-        _error(f"{len(_failed_jobs)} job(s) of the sweep failed (see above)")
-        raise SystemExit(RUN_ERROR)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ never a torn one.  ``result.json`` is written last, so its presence means the ru
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import platform
@@ -31,6 +32,29 @@ CHECKPOINT_FILE = "checkpoint.pt"
 RUN_FILES = (CONFIG_FILE, METRICS_FILE, RESULT_FILE, WEIGHTS_FILE, CHECKPOINT_FILE)
 
 VERSIONED_PACKAGES = ("petl", "torch", "torchvision", "timm", "accelerate", "peft", "hydra-core", "omegaconf", "numpy")
+
+
+def is_main_process() -> bool:
+    """Whether this process writes the records and talks: rank 0 of a multi-process launch, or the only one.
+
+    Read from the environment, so it works before accelerate is set up (``accelerate launch`` and
+    ``torchrun`` export RANK to every process).
+    """
+    return os.environ.get("RANK", "0") == "0"
+
+
+def temporary_files(folder: Path) -> list[Path]:
+    """Temporary files of :func:`atomic_path` left in ``folder`` by a process killed mid-write."""
+    return sorted(p for name in RUN_FILES for p in folder.glob(f".{name}.*.tmp"))
+
+
+def file_sha256(path: Path) -> str:
+    """SHA-256 of a file's bytes (read in 1 MiB blocks)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(2**20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 @contextmanager
@@ -118,7 +142,16 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
     """Write a checkpoint atomically (trainable weights, optimizer, scheduler, RNG, history)."""
-    write_atomic(path, lambda tmp: torch.save(state, tmp))
+
+    def write(tmp: Path) -> None:
+        # Through a Python file object: a full disk then raises OSError(ENOSPC), where torch.save
+        # given a path raises an opaque C++ error ("unexpected pos", "basic_ios::clear").
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+
+    write_atomic(path, write)
 
 
 def load_checkpoint(path: Path) -> dict[str, Any] | None:
@@ -161,7 +194,45 @@ def peak_memory() -> tuple[float, str]:
     """Peak memory in MiB and what it measures: CUDA max allocated on GPU, else the process's max RSS."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         return torch.cuda.max_memory_allocated() / 2**20, "cuda_max_allocated"
-    # Linux reports ru_maxrss in KiB (macOS in bytes).
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    divisor = 2**20 if platform.system() == "Darwin" else 2**10
-    return rss / divisor, "process_max_rss"
+    return peak_rss_mb(), "process_max_rss"
+
+
+def reset_peak_rss() -> bool:
+    """Reset the resident-set high-water mark (VmHWM, and with it ``ru_maxrss``) to the current RSS.
+
+    Linux supports this by writing 5 to ``/proc/self/clear_refs``, so that runs sharing one process
+    (a sweep, a notebook) each get their own peak.  Returns False where it is not supported, in which
+    case a peak read later may belong to anything the process did before.
+    """
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return True
+
+
+def _status_mb(key: str) -> float | None:
+    try:
+        with open("/proc/self/status") as f:
+            line = next((line for line in f if line.startswith(key + ":")), None)
+    except OSError:
+        return None
+    return None if line is None else int(line.split()[1]) / 1024  # reported in kB
+
+
+def current_rss_mb() -> float:
+    """The resident set now, in MiB (the peak so far where /proc is unavailable)."""
+    now = _status_mb("VmRSS")
+    return peak_rss_mb() if now is None else now
+
+
+def peak_rss_mb() -> float:
+    """The resident-set high-water mark, in MiB."""
+    # VmHWM is what clear_refs resets; ru_maxrss also keeps the peak of anything before an exec
+    # (e.g. a launcher process), so it is only the fallback where /proc is missing.
+    hwm = _status_mb("VmHWM")
+    if hwm is not None:
+        return hwm
+    # ru_maxrss is in KiB on Linux, bytes on macOS.
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (2**20 if platform.system() == "Darwin" else 2**10)

@@ -6,7 +6,12 @@ on all 1,000 examples and has no val split.
 
 Files in ``output_dir``: ``config.yaml`` (resolved, at start), ``metrics.jsonl`` (one line per
 epoch), ``checkpoint.pt`` (each epoch, removed at the end unless ``train.keep_checkpoint``),
-``trainable.safetensors`` and finally ``result.json``, whose presence marks a finished run.
+``trainable.safetensors`` and finally ``result.json``, whose presence marks a finished run.  While a
+run goes on, ``.petl.lock`` (:mod:`petl.run.lock`) keeps a second run out of the folder.
+
+Steps of :func:`_run`: build the model, build the data, check a resume against the data and weights
+files, prepare the loaders (over cached features where the method allows) and optimizer, restore the
+checkpoint, train, evaluate test once, record.
 """
 
 from __future__ import annotations
@@ -14,9 +19,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,9 +41,9 @@ from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 import petl
 from petl import data as petl_data
 from petl.core import trainable_state
-from petl.run import cache, config, records
+from petl.run import cache, config, lock, records
 from petl.run.config import ConfigError
-from petl.run.engine import NonFiniteLossError, build_optimizer, evaluate, fit
+from petl.run.engine import NonFiniteLossError, TrainSettings, build_optimizer, evaluate, fit
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +154,51 @@ def _prepare_output_dir(out: Path, cfg: DictConfig, fingerprint: dict[str, Any],
             f"output_dir {out} holds a run with another config ({_difference(old, fingerprint)}); "
             "choose another output_dir, or resume=false to replace it"
         )
+    if finished is not None:
+        # The dataset's content fingerprint needs the dataset built; a finished run is compared on
+        # what is known without that (data.root, the model file), so a changed folder is refused.
+        _check_inputs(out, finished.get("inputs"), _inputs(cfg, None), finished=True)
+        if is_main and not cfg.train.keep_checkpoint:
+            # Left by a kill between result.json and the checkpoint's removal.
+            (out / records.CHECKPOINT_FILE).unlink(missing_ok=True)
     return finished
+
+
+def _inputs(cfg: DictConfig, dataset: Dataset | None) -> dict[str, Any]:
+    """What decides a run's result besides its config values: the data and weights files' content.
+
+    ``data.root`` may move without changing anything (it is not part of :func:`_fingerprint`), so a
+    dataset's content ``fingerprint`` (datasets read from local folders carry one) is what counts
+    when there is one; without it, the resolved folder is compared instead.
+    """
+    while isinstance(dataset, Subset):
+        dataset = dataset.dataset
+    root = cfg.data.root
+    checkpoint = cfg.model.checkpoint if cfg.model.pretrained else None
+    return {
+        "data.root": str(Path(root).expanduser().resolve()) if root else None,
+        "data.fingerprint": getattr(dataset, "fingerprint", None),
+        "model.checkpoint_sha256": records.file_sha256(Path(checkpoint)) if checkpoint else None,
+    }
+
+
+def _check_inputs(out: Path, old: dict[str, Any] | None, new: dict[str, Any], finished: bool = False) -> None:
+    """Refuse to resume (or to return a finished result) when the data or weights changed."""
+    if old is None:
+        return  # recorded by a petl from before inputs were recorded
+    keys = ["model.checkpoint_sha256"]
+    if finished or old.get("data.fingerprint") is None or new.get("data.fingerprint") is None:
+        keys.append("data.root")
+    if not finished:
+        keys.append("data.fingerprint")
+    changed = {k: (old.get(k), new.get(k)) for k in keys if old.get(k) != new.get(k)}
+    if changed:
+        what = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changed.items())
+        done = "a finished run" if finished else "epochs trained"
+        raise ConfigError(
+            f"output_dir {out} holds {done} on other inputs ({what}); "
+            "choose another output_dir, or resume=false to replace it"
+        )
 
 
 def _make_accelerator(cfg: DictConfig, out: Path) -> Accelerator:
@@ -240,7 +290,8 @@ def _loader(
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers, generator=generator)
 
 
-def _summary_line(result: dict[str, Any]) -> str:
+def summary_line(result: dict[str, Any]) -> str:
+    """One line for the console: method, task, accuracies, trainable parameters, time."""
     val = "-" if result["val_top1"] is None else f"{result['val_top1']:.2f}"
     return (
         f"{result['method']} on {result['dataset']} ({result['model']}, seed {result['seed']}): "
@@ -249,63 +300,216 @@ def _summary_line(result: dict[str, Any]) -> str:
     )
 
 
-def run(cfg: DictConfig) -> dict[str, Any]:
-    """Run a composed, checked config (:func:`train` completes and checks one first)."""
-    config.check_values(cfg)
+def run(cfg: DictConfig, *, checked: bool = False) -> dict[str, Any]:
+    """Run a composed config (:func:`train` completes and checks one first).
+
+    Args:
+        cfg: a composed run config.
+        checked: ``cfg`` comes from :func:`petl.run.config.default_config` unchanged (petl-run's
+            own path), so its values are not checked a second time.
+
+    """
+    if not checked:
+        config.check_values(cfg)
     try:
         resolved = OmegaConf.to_container(cfg, resolve=True)
     except OmegaConfBaseException as error:
         raise ConfigError(config.explain(error)) from None
     assert isinstance(resolved, dict)
     out = Path(cfg.output_dir)
-    fingerprint = _fingerprint(resolved)
-    finished = _prepare_output_dir(out, cfg, fingerprint, is_main=_is_main_process())
-    if finished is not None:
-        if _is_main_process():
-            log.info("already finished: %s", _summary_line(finished))
-        return finished
+    with _claim(out):
+        finished = _prepare_output_dir(out, cfg, _fingerprint(resolved), is_main=records.is_main_process())
+        if finished is not None:
+            if records.is_main_process():
+                log.info("already finished: %s", summary_line(finished))
+            return finished
 
-    accelerator = _make_accelerator(cfg, out)
-    deterministic_before = torch.are_deterministic_algorithms_enabled()
-    if cfg.train.deterministic and accelerator.device.type == "cpu":
-        # warn_only: an op without a deterministic kernel warns instead of stopping the run.
-        torch.use_deterministic_algorithms(True, warn_only=True)
+        accelerator = _make_accelerator(cfg, out)
+        deterministic_before = torch.are_deterministic_algorithms_enabled()
+        if cfg.train.deterministic and accelerator.device.type == "cpu":
+            # warn_only: an op without a deterministic kernel warns instead of stopping the run.
+            torch.use_deterministic_algorithms(True, warn_only=True)
+        try:
+            return _run(cfg, resolved, out, accelerator)
+        finally:
+            torch.use_deterministic_algorithms(deterministic_before)
+            if cfg.train.trackers:
+                accelerator.end_training()
+
+
+@contextmanager
+def _claim(out: Path) -> Iterator[None]:
+    """Hold ``out`` for this run: checked writable, locked, cleared of litter; left as found on failure.
+
+    Only the main process claims (the others of a multi-GPU launch write nothing).  A folder this
+    claim created is removed again if the run fails before writing anything into it.
+    """
+    if not records.is_main_process():
+        yield
+        return
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"output_dir {out} is a file, not a folder: choose another output_dir")
+    created = [p for p in (out, *out.parents) if not p.exists()]
+    # A sweep (petl-bench) holds the folder's lock itself and trains in this very process.
+    ours = not lock.holds_lock(out)
     try:
-        return _run(cfg, resolved, out, accelerator)
+        taken = lock.acquire_lock(out) if ours else True
+    except OSError as error:
+        _remove_empty(created)
+        reason = error.strerror or str(error)
+        raise ConfigError(f"output_dir {out} cannot be written ({reason}): choose another output_dir") from None
+    if not taken:
+        raise RunError(
+            f"output_dir {out} is in use by another run ({lock.describe_holder(out)}); wait for it to finish "
+            f"or choose another output_dir (delete {out / lock.LOCK_FILE} if that process is gone)"
+        )
+    for tmp in records.temporary_files(out):  # left by a kill during an atomic write
+        tmp.unlink(missing_ok=True)
+    try:
+        yield
     finally:
-        torch.use_deterministic_algorithms(deterministic_before)
-        if cfg.train.trackers:
-            accelerator.end_training()
+        if ours:
+            lock.release_lock(out)
+        _remove_empty(created)
 
 
-def _is_main_process() -> bool:
-    # Read before accelerate is set up (the launcher exports RANK to every process).
-    return os.environ.get("RANK", "0") == "0"
+def _remove_empty(created: list[Path]) -> None:
+    """Remove the folders of ``created`` (deepest first) that are still empty."""
+    for folder in created:
+        try:
+            folder.rmdir()
+        except OSError:  # not empty (the run wrote something), or already gone
+            return
+
+
+@contextmanager
+def _disk_errors(out: Path, saved_epoch: Callable[[], int]) -> Iterator[None]:
+    """Turn a failed write (disk full, folder gone) into one line saying which epochs are safe."""
+    try:
+        yield
+    except OSError as error:
+        epoch = saved_epoch()
+        kept = f"the checkpoint of epoch {epoch} is kept" if epoch else "no epoch had finished"
+        reason = error.strerror or str(error)
+        raise RunError(
+            f"cannot write to output_dir {out} ({reason}): {kept}; free the space and run the same command "
+            "again to resume"
+        ) from None
 
 
 def _run(cfg: DictConfig, resolved: dict[str, Any], out: Path, accelerator: Accelerator) -> dict[str, Any]:
+    """The protocol: build, check the resume, train, evaluate test once, record."""
     started = time.perf_counter()
-    # Every process runs this function; one of them talks.
-    say = log.info if accelerator.is_main_process else lambda *args: None
     set_seed(cfg.seed)
     info = petl_data.get_info(cfg.data.name)
     model = _create_model(cfg, info.num_classes)
     datasets = _datasets(cfg, model)
+    inputs = _inputs(cfg, datasets["train"])
+    checkpoint = _resume_checkpoint(out, cfg, inputs)
     model.to(accelerator.device)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
+    progress = _Progress.start(checkpoint)
+    with _disk_errors(out, lambda: progress.saved_epoch):
+        if accelerator.is_main_process:
+            records.write_text(out / records.CONFIG_FILE, OmegaConf.to_yaml(resolved))
+    training = _prepare_training(cfg, model, datasets, accelerator)
+    if checkpoint is not None:
+        training.restore(checkpoint)
+        _say(accelerator, "resuming %s from epoch %d/%d", out, progress.start_epoch, cfg.train.epochs)
+    with _disk_errors(out, lambda: progress.saved_epoch):
+        if accelerator.is_main_process:
+            records.write_metrics(out / records.METRICS_FILE, progress.history)
+    if cfg.train.trackers:
+        accelerator.init_trackers("petl", config=_scalars(_flatten(resolved)))
+    # Training time counts the cache once: a resumed session's caching was paid by the first session.
+    progress.session_start = time.perf_counter() if checkpoint is not None else training.tick
+    _train(cfg, out, training, progress, inputs)
+    test_top1 = _evaluate_test_once(training)
+    result = _result(cfg, model, info.num_classes, progress.history, test_top1, progress.seconds(), training)
+    peak_mb, peak_kind = records.peak_memory()
+    result.update(peak_memory_mb=round(peak_mb, 1), peak_memory_kind=peak_kind, config=resolved, inputs=inputs)
+    result["wall_seconds"] = round(time.perf_counter() - started, 2)
+    with _disk_errors(out, lambda: progress.saved_epoch):
+        _record(cfg, out, model, result, accelerator)
+    _say(accelerator, "wrote %s", out / records.RESULT_FILE)
+    return result
 
+
+def _say(accelerator: Accelerator, message: str, *args: Any) -> None:
+    # Every process runs the training; one of them talks.
     if accelerator.is_main_process:
-        out.mkdir(parents=True, exist_ok=True)
-        records.write_text(out / records.CONFIG_FILE, OmegaConf.to_yaml(resolved))
+        log.info(message, *args)
 
+
+def _resume_checkpoint(out: Path, cfg: DictConfig, inputs: dict[str, Any]) -> dict[str, Any] | None:
+    """The checkpoint to resume from, once its data and weights are known to be this run's."""
+    checkpoint = records.load_checkpoint(out / records.CHECKPOINT_FILE) if cfg.resume else None
+    if checkpoint is not None:
+        # _prepare_output_dir has matched its config.yaml against cfg; the inputs need the data built.
+        _check_inputs(out, checkpoint.get("inputs"), inputs)
+    return checkpoint
+
+
+@dataclass
+class _Progress:
+    """Where training stands: epochs done, their metrics, time spent, the last epoch saved to disk."""
+
+    start_epoch: int = 0
+    history: list[dict[str, Any]] = field(default_factory=list)
+    seconds_before: float = 0.0
+    saved_epoch: int = 0
+    session_start: float = 0.0
+
+    @classmethod
+    def start(cls, checkpoint: dict[str, Any] | None) -> _Progress:
+        if checkpoint is None:
+            return cls()
+        epoch = checkpoint["epoch"]
+        return cls(epoch, checkpoint["history"], checkpoint["seconds"], saved_epoch=epoch)
+
+    def seconds(self) -> float:
+        return self.seconds_before + time.perf_counter() - self.session_start
+
+
+@dataclass
+class _Training:
+    """The model as trained (maybe behind a feature cache), its loaders, optimizer and schedule."""
+
+    model: nn.Module
+    trainee: nn.Module
+    train_loader: DataLoader
+    eval_loaders: dict[str, DataLoader]
+    test_loader: DataLoader
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    settings: TrainSettings
+    accelerator: Accelerator
+    cache_plan: cache.CachePlan | None
+    tick: float
+
+    def restore(self, checkpoint: dict[str, Any]) -> None:
+        """Continue from a checkpoint: weights, optimizer, schedule and every random generator."""
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for name, tensor in checkpoint["trainable"].items():
+                params[name].copy_(tensor)
+        self.optimizer.load_state_dict(checkpoint["optimizer"])
+        self.scheduler.load_state_dict(checkpoint["scheduler"])
+        records.set_rng_state(checkpoint["rng"])
+
+
+def _prepare_training(
+    cfg: DictConfig, model: nn.Module, datasets: dict[str, Dataset], accelerator: Accelerator
+) -> _Training:
+    """Loaders (over cached features where the method allows), optimizer and schedule, prepared."""
     settings = config.settings_from(cfg)
     settings = dataclasses.replace(settings, progress=settings.progress and accelerator.is_main_process)
     num_workers = cfg.data.num_workers
     cache_plan = cache.plan(model) if cfg.train.cache_features else None
     train_set, val_set = datasets["train"], datasets.get("val")
     if cache_plan is not None and not cache.fits(model, cache_plan, [len(d) for d in (train_set, val_set) if d]):
-        say("not caching features: the cache would exceed %d GiB", cache.MAX_CACHE_BYTES // 2**30)
+        _say(accelerator, "not caching features: the cache would exceed %d GiB", cache.MAX_CACHE_BYTES // 2**30)
         cache_plan = None
     trainee: nn.Module = model
     tick = time.perf_counter()
@@ -315,7 +519,7 @@ def _run(cfg: DictConfig, resolved: dict[str, Any], out: Path, accelerator: Acce
         train_set = cache.cache_split(trainee, train_set, accelerator, batch, num_workers)
         val_set = cache.cache_split(trainee, val_set, accelerator, batch, num_workers) if val_set else None
         seconds = time.perf_counter() - tick
-        say("cached %s of %d train images in %.1f s", cache_plan.describe(), len(train_set), seconds)
+        _say(accelerator, "cached %s of %d train images in %.1f s", cache_plan.describe(), len(train_set), seconds)
 
     sampler = EpochSampler(len(train_set), cfg.seed)
     train_loader = _loader(train_set, cfg.train.batch_size, num_workers, cfg.seed, sampler)
@@ -329,28 +533,23 @@ def _run(cfg: DictConfig, resolved: dict[str, Any], out: Path, accelerator: Acce
         trainee, optimizer, train_loader, test_loader, scheduler
     )
     eval_loaders = {name: accelerator.prepare(loader) for name, loader in eval_loaders.items()}
+    return _Training(
+        model, trainee, train_loader, eval_loaders, test_loader, optimizer, scheduler, settings, accelerator,
+        cache_plan, tick,
+    )  # fmt: skip
 
-    history: list[dict[str, Any]] = []
-    seconds_before = 0.0
-    start_epoch = 0
-    checkpoint = records.load_checkpoint(out / records.CHECKPOINT_FILE) if cfg.resume else None
-    if checkpoint is not None:
-        # _prepare_output_dir has already matched this checkpoint's config.yaml against cfg.
-        _load_trainable(model, checkpoint["trainable"])
-        optimizer.load_state_dict(checkpoint["optimizer"])
-        scheduler.load_state_dict(checkpoint["scheduler"])
-        records.set_rng_state(checkpoint["rng"])
-        start_epoch, history, seconds_before = checkpoint["epoch"], checkpoint["history"], checkpoint["seconds"]
-        say("resuming %s from epoch %d/%d", out, start_epoch, settings.epochs)
-    if accelerator.is_main_process:
-        records.write_metrics(out / records.METRICS_FILE, history)
-    if cfg.train.trackers:
-        accelerator.init_trackers("petl", config=_scalars(_flatten(resolved)))
-    # Training time counts the cache once: a resumed session's caching was paid by the first session.
-    session_start = time.perf_counter() if checkpoint is not None else tick
+
+def _train(cfg: DictConfig, out: Path, training: _Training, progress: _Progress, inputs: dict[str, Any]) -> None:
+    """Train the remaining epochs, checkpointing each one (val is evaluated per epoch, test never)."""
+    accelerator, model, optimizer, scheduler = (
+        training.accelerator,
+        training.model,
+        training.optimizer,
+        training.scheduler,
+    )
 
     def on_epoch_end(epoch: int, metrics: dict[str, float]) -> None:
-        history.append(metrics)
+        progress.history.append(metrics)
         if accelerator.is_main_process:
             state = {
                 "epoch": epoch + 1,
@@ -358,19 +557,23 @@ def _run(cfg: DictConfig, resolved: dict[str, Any], out: Path, accelerator: Acce
                 "optimizer": optimizer.state_dict(),
                 "scheduler": scheduler.state_dict(),
                 "rng": records.rng_state(),
-                "history": history,
-                "seconds": seconds_before + time.perf_counter() - session_start,
+                "history": progress.history,
+                "seconds": progress.seconds(),
+                "inputs": inputs,
             }
             # Checkpoint first, then the metrics line: a crash in between leaves a line too few,
             # and a resume rewrites metrics.jsonl from the checkpoint's history anyway.
-            records.save_checkpoint(out / records.CHECKPOINT_FILE, state)
-            records.append_metrics(out / records.METRICS_FILE, metrics)
+            with _disk_errors(out, lambda: progress.saved_epoch):
+                records.save_checkpoint(out / records.CHECKPOINT_FILE, state)
+                progress.saved_epoch = epoch + 1
+                records.append_metrics(out / records.METRICS_FILE, metrics)
         accelerator.wait_for_everyone()
         val = f"  val {metrics['val_top1']:.2f}" if "val_top1" in metrics else ""
-        say(
+        _say(
+            accelerator,
             "epoch %d/%d  loss %.4f  train %.2f%s  %.0f img/s",
             epoch + 1,
-            settings.epochs,
+            training.settings.epochs,
             metrics["loss"],
             metrics["train_top1"],
             val,
@@ -380,36 +583,33 @@ def _run(cfg: DictConfig, resolved: dict[str, Any], out: Path, accelerator: Acce
             accelerator.log(metrics, step=epoch + 1)
 
     try:
-        fit(trainee, train_loader, eval_loaders, settings, accelerator, optimizer, scheduler, start_epoch, on_epoch_end)
+        fit(
+            training.trainee, training.train_loader, training.eval_loaders, training.settings, accelerator,
+            optimizer, scheduler, progress.start_epoch, on_epoch_end,
+        )  # fmt: skip
     except NonFiniteLossError as error:
-        kept = f"the checkpoint of epoch {len(history)} is kept" if history else "no epoch had finished"
+        done = len(progress.history)
+        kept = f"the checkpoint of epoch {done} is kept" if done else "no epoch had finished"
         raise RunError(
             f"{error}: training stopped ({kept}); lower train.lr (with resume=false) or check the data"
         ) from None
-    train_seconds = seconds_before + time.perf_counter() - session_start
 
-    full_model = accelerator.unwrap_model(trainee)
+
+def _evaluate_test_once(training: _Training) -> float:
+    """Test accuracy of the final model: the only time the test split is looked at."""
+    full_model = training.accelerator.unwrap_model(training.trainee)
     full_model = full_model.model if isinstance(full_model, cache.CachedTail) else full_model
-    test_top1 = evaluate(full_model, test_loader, accelerator)
-    peak_mb, peak_kind = records.peak_memory()
-    result = _result(cfg, model, info.num_classes, history, test_top1, train_seconds, cache_plan, accelerator)
-    result.update(peak_memory_mb=round(peak_mb, 1), peak_memory_kind=peak_kind, config=resolved)
-    result["wall_seconds"] = round(time.perf_counter() - started, 2)
+    return evaluate(full_model, training.test_loader, training.accelerator)
+
+
+def _record(cfg: DictConfig, out: Path, model: nn.Module, result: dict[str, Any], accelerator: Accelerator) -> None:
+    """Weights, then ``result.json`` (its presence marks the run finished), then drop the checkpoint."""
     if accelerator.is_main_process:
         records.write_atomic(out / records.WEIGHTS_FILE, lambda tmp: petl.save_trainable(model, tmp))
         records.write_json(out / records.RESULT_FILE, result)
         if not cfg.train.keep_checkpoint:
             (out / records.CHECKPOINT_FILE).unlink(missing_ok=True)
     accelerator.wait_for_everyone()
-    say("wrote %s", out / records.RESULT_FILE)
-    return result
-
-
-def _load_trainable(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-    params = dict(model.named_parameters())
-    with torch.no_grad():
-        for name, tensor in state.items():
-            params[name].copy_(tensor)
 
 
 def _scalars(flat: dict[str, Any]) -> dict[str, Any]:
@@ -424,9 +624,9 @@ def _result(
     history: list[dict[str, Any]],
     test_top1: float,
     train_seconds: float,
-    cache_plan: cache.CachePlan | None,
-    accelerator: Accelerator,
+    training: _Training,
 ) -> dict[str, Any]:
+    accelerator, cache_plan = training.accelerator, training.cache_plan
     counts = petl.count_params(model)
     images = sum(h["images"] for h in history)
     seconds = sum(h["seconds"] for h in history)

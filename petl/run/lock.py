@@ -1,0 +1,109 @@
+"""One writer per run folder: a lock file shared by ``petl-run`` and ``petl-bench``'s sweeps.
+
+The lock holds its owner's host and pid as JSON.  It is made visible with one atomic step (a hard
+link of a fully written file, or ``O_EXCL`` where the file system has no hard links), so a reader
+never sees a half-written lock.  A lock whose owner died on this host (kill -9, a crashed node's
+process restarted here) is stale and taken over, so a crash never blocks the resume that follows.
+A lock from another host cannot be checked and is respected: delete it by hand after a crashed node.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+LOCK_FILE = ".petl.lock"
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:  # os.kill(0 or -1, ...) would address process groups, not one process
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _me() -> dict[str, Any]:
+    return {"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}
+
+
+def read_holder(folder: Path) -> dict[str, Any] | None:
+    """Who holds ``folder``'s lock (``host``, ``pid``, ``since``), or ``None`` when nobody does."""
+    try:
+        holder = json.loads((folder / LOCK_FILE).read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return {}  # unreadable: treated as held, never silently overwritten
+    return holder if isinstance(holder, dict) else {}
+
+
+def holds_lock(folder: Path) -> bool:
+    """Whether this very process holds ``folder``'s lock (a sweep that runs the training in-process)."""
+    holder = read_holder(folder)
+    return bool(holder) and holder.get("host") == socket.gethostname() and holder.get("pid") == os.getpid()
+
+
+def _create(lock: Path, text: str) -> bool:
+    """Make ``lock`` appear with ``text`` in one step; False if it already exists."""
+    tmp = lock.with_name(f"{lock.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    try:
+        os.link(tmp, lock)
+        return True
+    except FileExistsError:
+        return False
+    except OSError:  # no hard links on this file system: O_EXCL is atomic too (local and NFSv3+)
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        return True
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def acquire_lock(folder: Path) -> bool:
+    """Claim ``folder`` (created if missing) for this process; False if another live process holds it.
+
+    Raises:
+        OSError: the folder cannot be created or written (a file in the way, read-only, full).
+
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    lock = folder / LOCK_FILE
+    me = _me()
+    for _ in range(2):
+        if _create(lock, json.dumps(me)):
+            return True
+        holder = read_holder(folder)
+        if holder is None:
+            continue  # released between our two looks
+        if holder.get("host") == me["host"] and not _pid_alive(int(holder.get("pid", -1))):
+            lock.unlink(missing_ok=True)  # stale: its owner is dead
+            continue
+        return False
+    return False
+
+
+def release_lock(folder: Path) -> None:
+    """Drop the claim on ``folder``."""
+    (folder / LOCK_FILE).unlink(missing_ok=True)
+
+
+def describe_holder(folder: Path) -> str:
+    """``pid 123 on host h since 04:10:00`` for messages."""
+    holder = read_holder(folder) or {}
+    since = holder.get("since")
+    when = time.strftime(" since %H:%M:%S", time.localtime(since)) if isinstance(since, (int, float)) else ""
+    return f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')}{when}"
