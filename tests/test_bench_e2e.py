@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from petl.bench import cli
+from petl.bench import cli, sweep
 
 pytest.importorskip("petl.run.runner", reason="petl.run.train has not landed")
 
@@ -29,7 +29,7 @@ def test_petl_bench_trains_reports_and_resumes(tmp_path, capsys):
         run_dir = tmp_path / "mini" / "digits" / experiment / "seed0"
         result = json.loads((run_dir / "result.json").read_text())
         assert result["method"] == method and result["dataset"] == "mini/digits" and result["seed"] == 0
-        assert (run_dir / "trainable.safetensors").is_file() and not (run_dir / ".petl-bench.lock").exists()
+        assert (run_dir / "trainable.safetensors").is_file() and not (run_dir / sweep.LOCK_FILE).exists()
     lora = json.loads((tmp_path / "mini/digits/lora/seed0/result.json").read_text())
     assert lora["method_config"]["rank"] == 8 and lora["epochs"] == 1
 

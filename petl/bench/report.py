@@ -29,7 +29,7 @@ import yaml
 
 from petl.bench.published import TABLES, PublishedRow, PublishedTable, ppt, table_for, vtab_group
 from petl.bench.table import Cell, Header, Table
-from petl.run.records import write_atomic, write_text
+from petl.run.records import RESULT_FILE, write_atomic, write_text
 
 # Groups in the order benchmarks print them; unknown groups follow alphabetically.
 GROUP_ORDER = ("natural", "specialized", "structured", "fgvc")
@@ -55,7 +55,7 @@ def collect(results_dir: str | Path) -> list[RunRecord]:
     Unreadable files are skipped with a warning; a duplicate (task, experiment, seed) keeps the first.
     """
     records: dict[tuple[str, str, int], RunRecord] = {}
-    for path in sorted(Path(results_dir).rglob("result.json")):
+    for path in sorted(Path(results_dir).rglob(RESULT_FILE)):
         try:
             result = json.loads(path.read_text())
             task, seed = str(result["dataset"]), int(result["seed"])
