@@ -77,6 +77,12 @@ def test_overrides_are_applied_and_type_checked():
         (["trian.lr=1"], r"unknown config key 'trian'; valid keys at the top level: method, data, model, train, seed"),
         (["method.rank=0"], r"method lora: rank=0 is out of range: allowed \[1, inf\]"),
         (["train.lr=-0.1"], r"train.lr=-0.1 is out of range: allowed \(0, inf\]"),
+        (["train.lr=nan"], r"train.lr=nan is not a finite number: allowed \(0, inf\]"),
+        (["train.warmup_frac=nan"], r"train.warmup_frac=nan is not a finite number: allowed \[0, 1\]"),
+        (["train.weight_decay=inf"], r"train.weight_decay=inf is not a finite number: allowed \[0, inf\]"),
+        (["model.drop_path=nan"], r"model.drop_path=nan is not a finite number: allowed \[0, 1\]"),
+        (["method.alpha=nan"], r"method lora: alpha=nan is not a finite number$"),
+        (["method=adapter", "method.scale=-inf"], r"method adapter: scale=-inf is not a finite number"),
         (["method=partial", "method.k=7"], r"method partial: k=7 is out of range: allowed \[1, 6\]"),
         (["train.precision=fp8"], r"train.precision='fp8' is not valid: choose one of no, bf16, fp16"),
         (["data.split=test"], r"data.split='test' is not valid: choose one of train800, train800val200"),
@@ -95,6 +101,14 @@ def test_cli_error_exits_2_with_one_line_and_checks_every_sweep_job(capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith("petl-run: error: unknown config key 'method.k'") and "(in job method=lora method.k=2)" in err
     assert "\n" not in err
+
+
+def test_cli_refuses_nan_with_one_line_and_exit_2(capsys):
+    with pytest.raises(SystemExit) as caught:
+        cli.main(["method=lora", "method.alpha=nan"])
+    assert caught.value.code == cli.USAGE_ERROR == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "petl-run: error: method lora: alpha=nan is not a finite number"
 
 
 def test_cli_multirun_sweeps_methods_and_seeds(tmp_path, capsys):

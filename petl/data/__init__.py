@@ -14,6 +14,7 @@ from petl.data import mini, vtab  # noqa: F401  (importing registers their datas
 from petl.data.registry import (
     GROUPS,
     SPLITS,
+    BadImagesError,
     DatasetInfo,
     DatasetUnavailableError,
     build_dataset,
@@ -28,6 +29,7 @@ __all__ = [
     "IMAGENET_MEAN",
     "IMAGENET_STD",
     "SPLITS",
+    "BadImagesError",
     "DatasetInfo",
     "DatasetUnavailableError",
     "ImageSpec",

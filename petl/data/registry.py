@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 from torch.utils.data import Dataset
@@ -28,6 +29,20 @@ class DatasetUnavailableError(RuntimeError):
     The message says what is missing and how to provide it; it is raised ``from None`` so the
     user sees one clear sentence rather than a network traceback.
     """
+
+
+class BadImagesError(ValueError):
+    """Listed image files that cannot be decoded, all of them, found when a dataset is built.
+
+    Attributes:
+        bad: ``(path, reason)`` for every bad file, sorted by path.
+
+    """
+
+    def __init__(self, dataset: str, bad: Sequence[tuple[Path, str]]) -> None:
+        self.bad = list(bad)
+        listing = "; ".join(f"{path} ({reason})" for path, reason in self.bad)
+        super().__init__(f"{dataset}: {len(self.bad)} listed image(s) cannot be used, fix or remove them: {listing}")
 
 
 @dataclass(frozen=True)

@@ -423,11 +423,11 @@ def to_config(cfg: DictConfig | Mapping[str, Any]) -> DictConfig:
 
 
 def _range(key: str, value: float, low: float | None = None, high: float | None = None, open_low: bool = False) -> None:
-    below = value is not None and low is not None and (value <= low if open_low else value < low)
-    if below or (value is not None and high is not None and value > high):
-        lo = "-inf" if low is None else low
-        hi = "inf" if high is None else high
-        raise ConfigError(f"{key}={value} is out of range: allowed {'(' if open_low else '['}{lo}, {hi}]")
+    """:func:`petl.core.check_range` (NaN/inf and bounds), raising ConfigError."""
+    try:
+        petl.core.check_range(key, value, low=low, high=high, open_low=open_low)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
 
 
 def check_values(cfg: DictConfig) -> None:
