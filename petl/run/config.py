@@ -172,7 +172,7 @@ def _cli_type(hint: Any) -> Any:
     """The OmegaConf annotation for a method field's type hint.
 
     ``tuple[str, ...]`` becomes ``list[str]`` because the command line (and YAML) hand over lists;
-    the runner turns them back into tuples.  Types OmegaConf cannot check (general unions,
+    :func:`method_options` turns them back into tuples.  Types OmegaConf cannot check (general unions,
     literals) fall back to ``Any`` and are left to the method's own ``validate``.
     """
     origin = typing.get_origin(hint)
@@ -474,14 +474,18 @@ def check_values(cfg: DictConfig) -> None:
 
 
 def method_options(cfg: DictConfig) -> dict[str, Any]:
-    """The method node as keyword options for :func:`petl.core.make_config` (lists back to tuples)."""
+    """The method node as keyword options for :func:`petl.core.make_config`.
+
+    Lists (the command line's form of a ``tuple[str, ...]`` field, see :func:`_cli_type`) go back
+    to tuples through :func:`petl.core.to_str_tuple`, the one normaliser the configs use too.
+    """
     options = OmegaConf.to_container(cfg.method, resolve=True)
     assert isinstance(options, dict)
     name = options.pop("name")
     hints = typing.get_type_hints(petl.get_method(name).config_cls)
     for key, value in options.items():
         if typing.get_origin(hints.get(key)) is tuple and isinstance(value, list):
-            options[key] = tuple(value)
+            options[key] = petl.core.to_str_tuple(value)
     return options
 
 
