@@ -29,13 +29,16 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
-from petl.data.registry import DatasetInfo, DatasetUnavailableError, register_dataset
+from petl.data.registry import TEST, TRAIN, TRAIN_VAL, VAL, DatasetInfo, DatasetUnavailableError, register_dataset
 from petl.data.transforms import ImageSpec, array_to_tensors
 
 TRAIN_SIZE = 800
 VAL_SIZE = 200
 TRAINVAL_SIZE = TRAIN_SIZE + VAL_SIZE
 TEST_SIZE = 1000
+# Default training epochs of every mini task (the protocol's 100 would be hours on a CPU for no gain
+# on tasks this small); petl-run and every suite that sets no train.epochs take it from here.
+EPOCHS = 10
 
 FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
 # Lets users without the Debian package point at any folder holding the four IDX files.
@@ -61,13 +64,13 @@ class RawSplits:
 
     def split(self, split: str) -> tuple[np.ndarray, np.ndarray]:
         """Images and labels of ``split`` (one of the VTAB-1k split names)."""
-        if split == "train800":
+        if split == TRAIN:
             return self.trainval_images[:TRAIN_SIZE], self.trainval_labels[:TRAIN_SIZE]
-        if split == "val200":
+        if split == VAL:
             return self.trainval_images[TRAIN_SIZE:], self.trainval_labels[TRAIN_SIZE:]
-        if split == "train800val200":
+        if split == TRAIN_VAL:
             return self.trainval_images, self.trainval_labels
-        if split == "test":
+        if split == TEST:
             return self.test_images, self.test_labels
         raise ValueError(f"unknown split {split!r}")
 
@@ -94,7 +97,7 @@ def _mini_task(name: str, group: str, num_classes: int, source: str) -> Callable
     the task's cached native-resolution :class:`RawSplits`; its ``cache_clear()`` forgets them
     (e.g. after pointing a source at another folder).
     """
-    info = DatasetInfo(name=f"mini/{name}", group=group, num_classes=num_classes, source=source)
+    info = DatasetInfo(name=f"mini/{name}", group=group, num_classes=num_classes, source=source, epochs=EPOCHS)
 
     def decorate(make_raw: Callable[[], RawSplits]) -> Callable[[], RawSplits]:
         @functools.lru_cache(maxsize=1)

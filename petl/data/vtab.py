@@ -38,10 +38,20 @@ import torch
 from PIL import Image, UnidentifiedImageError
 from torch.utils.data import Dataset
 
-from petl.data.registry import BadImagesError, DatasetInfo, DatasetUnavailableError, register_dataset
+from petl.data.registry import (
+    SPLITS,
+    TEST,
+    TRAIN,
+    TRAIN_VAL,
+    VAL,
+    BadImagesError,
+    DatasetInfo,
+    DatasetUnavailableError,
+    register_dataset,
+)
 from petl.data.transforms import ImageSpec, pil_to_tensor
 
-VTAB_SIZES = {"train800": 800, "val200": 200, "train800val200": 1000}
+VTAB_SIZES = {TRAIN: 800, VAL: 200, TRAIN_VAL: 1000}
 VTAB_HUB_ID = "XiN0919/VTAB-1k"
 VTAB_HUB_FILE = "vtab-1k.zip"
 CACHE_ENV = "PETL_CACHE_DIR"
@@ -345,7 +355,7 @@ def _check_files(info: DatasetInfo, items: list[tuple[Path, int]]) -> None:
 def _load_vtab_folder(info: DatasetInfo, folder: Path, split: str, spec: ImageSpec, strict: bool) -> Dataset:
     """Read all four split lists, validate them, and return ``split``."""
     splits = {}
-    for name in ("train800", "val200", "train800val200", "test"):
+    for name in SPLITS:
         path = folder / f"{name}.txt"
         if not path.is_file():
             raise DatasetUnavailableError(f"{info.name}: {path} is missing (a VTAB-1k task folder has all four lists)")
@@ -407,7 +417,7 @@ def _load_fgvc_folder(info: DatasetInfo, folder: Path, split: str, spec: ImageSp
             f"{info.name}: {folder} needs train/val/test lists (train.txt, val.txt, test.txt or VPT's *.json)"
         )
     _check_labels(info, splits, strict)
-    wanted = {"train800": ["train"], "val200": ["val"], "train800val200": ["train", "val"], "test": ["test"]}[split]
+    wanted = {TRAIN: ["train"], VAL: ["val"], TRAIN_VAL: ["train", "val"], TEST: ["test"]}[split]
     items = [item for n in wanted for item in splits[n]]
     _check_files(info, items)
     return FileListDataset(items, spec, name=info.name, folder=folder)
@@ -529,10 +539,10 @@ def _fgvc_from_hub(info: DatasetInfo, task: _Task, split: str, spec: ImageSpec) 
     labels = set(train.unique(label_column)) | set(test.unique(label_column))
     if max(labels) >= info.num_classes or min(labels) < 0 or len(labels) != info.num_classes:
         raise ValueError(f"{info.name}: hub copy {info.hub_id} has {len(labels)} classes, expected {info.num_classes}")
-    if split == "train800val200":
+    if split == TRAIN_VAL:
         parts = [HubDataset(*pools[n], image_column, label_column, spec) for n in ("train", "val")]
         return torch.utils.data.ConcatDataset(parts)
-    native = {"train800": "train", "val200": "val", "test": "test"}[split]
+    native = {TRAIN: "train", VAL: "val", TEST: "test"}[split]
     return HubDataset(*pools[native], image_column, label_column, spec)
 
 

@@ -37,17 +37,13 @@ from petl import models as petl_models
 from petl.run.engine import TrainSettings
 
 GROUPS = ("method", "data", "model", "train")
-SPLITS = ("train800", "train800val200")
+SPLITS = petl_data.TRAINING_SPLITS
 PRECISIONS = ("no", "bf16", "fp16")
 TRACKERS = tuple(LOGGER_TYPE_TO_CLASS)
 
 # Method fields the runner fills in itself (from the dataset), so they are not command-line options.
 RUNNER_FIELDS = ("num_classes",)
 
-# Suites whose tasks are small enough for a quick offline run get fewer epochs by default; every
-# other task follows the field's VTAB-1k/FGVC protocol of 100 epochs.  ``train.epochs`` overrides.
-SUITE_EPOCHS = {"mini": 10}
-PROTOCOL_EPOCHS = 100
 
 # timm modules whose models are (subclasses of) timm's VisionTransformer, the family petl supports;
 # "models" is the module name timm records for petl's own petl/models.py.
@@ -68,16 +64,17 @@ class DataConfig:
         root: folder holding the dataset in the field's layout; ``None`` uses the dataset's default source.
         subset: keep this many examples of every split (a fixed random choice, for quick checks); ``None`` keeps all.
         num_workers: DataLoader worker processes; 0 loads in the main process (deterministic, fine for tensors).
-        epochs: the suite's default number of epochs, which ``train.epochs`` follows unless overridden.
+        epochs: the dataset's default number of epochs (its ``DatasetInfo.epochs``), which
+            ``train.epochs`` follows unless overridden.
 
     """
 
     name: str = MISSING
-    split: str = "train800"
+    split: str = petl_data.TRAIN
     root: str | None = None
     subset: int | None = None
     num_workers: int = 0
-    epochs: int = PROTOCOL_EPOCHS
+    epochs: int = petl_data.PROTOCOL_EPOCHS
 
 
 @dataclass
@@ -225,7 +222,7 @@ def register_configs() -> None:
     for name in petl_data.list_datasets():
         # Hydra reads "data=mini/digits" as option "digits" of the nested group "data/mini".
         folder, _, leaf = name.rpartition("/")
-        node = DataConfig(name=name, epochs=SUITE_EPOCHS.get(folder.split("/")[0], PROTOCOL_EPOCHS))
+        node = DataConfig(name=name, epochs=petl_data.get_info(name).epochs)
         store.store(group=f"data/{folder}" if folder else "data", name=leaf, node=node)
     register_model(petl_models.DEFAULT_MODEL)
     _registered = True
