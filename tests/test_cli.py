@@ -39,6 +39,12 @@ def test_defaults_are_the_vtab1k_recipe():
     # The engine's defaults and the CLI's are one source.
     assert all(train[f.name] == f.default for f in dataclasses.fields(TrainSettings) if f.name != "epochs")
     assert default_config(["data=vtab/dtd"]).train.epochs == 100
+    # Default epochs come from the dataset registry, their one home.
+    from petl import data
+    from petl.data import mini
+
+    assert default_config(["data=mini/digits"]).train.epochs == mini.EPOCHS == data.get_info("mini/digits").epochs
+    assert data.get_info("vtab/dtd").epochs == data.PROTOCOL_EPOCHS == 100
     slug = cfg.data.name.replace("/", "-")
     assert cfg.output_dir == f"runs/{slug}/vit_fractal_tiny_patch4_32.fractaldb/lora/seed0"
 
@@ -86,6 +92,12 @@ def test_overrides_are_applied_and_type_checked():
         (["method=partial", "method.k=7"], r"method partial: k=7 is out of range: allowed \[1, 6\]"),
         (["train.precision=fp8"], r"train.precision='fp8' is not valid: choose one of no, bf16, fp16"),
         (["data.split=test"], r"data.split='test' is not valid: choose one of train800, train800val200"),
+        (["seed=1,2"], r"^Ambiguous value for argument 'seed=1,2': to sweep over the values add --multirun"),
+        (["+method.rank=3"], r"^Could not append to config. An item is already at 'method.rank'.$"),
+        (
+            ["hydra/launcher=submitit_slurm"],
+            r"Could not find 'hydra/launcher/submitit_slurm' \(is the Hydra plugin that provides it installed\?\)$",
+        ),
     ],
 )
 def test_bad_input_gives_one_line_naming_what_is_valid(overrides, message):

@@ -27,9 +27,10 @@ from accelerate.tracking import LOGGER_TYPE_TO_CLASS
 from hydra import compose, initialize_config_module
 from hydra.core.config_store import ConfigStore
 from hydra.core.global_hydra import GlobalHydra
-from hydra.errors import HydraException, OverrideParseException
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException, MissingConfigException, OverrideParseException
 from omegaconf import II, MISSING, DictConfig, OmegaConf, open_dict
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
 import petl
 from petl import data as petl_data
@@ -291,30 +292,44 @@ def _first_line(text: str) -> str:
 
 
 def explain(error: Exception, overrides: Sequence[str] = ()) -> str:
-    """Turn a Hydra/OmegaConf composition error into one line that names the key and what is valid."""
+    """Turn a Hydra/OmegaConf composition error into one line that names the key and what is valid.
+
+    Reads the exceptions' public attributes (``missing_cfg_file``, ``full_key``, ``msg``) rather
+    than their text, so a rewording in Hydra or OmegaConf cannot change what users see.
+    """
     if isinstance(error, OverrideParseException):
         return (
             f"cannot parse override {error.override!r}: {_first_line(error.message)} "
             "(quote values holding special characters: key='a=b')"
         )
-    cause = error.__cause__ if error.__cause__ is not None else error
-    text = str(cause)
-    missing = re.search(r"Could not find '(\w+)/([^']+)'", str(error))
-    if missing and missing.group(1) in GROUPS:
-        return unknown_choice_message(missing.group(1), missing.group(2))
-    if missing:  # e.g. hydra/launcher=submitit_slurm without its plugin installed
+    if isinstance(error, MissingConfigException) and error.missing_cfg_file:
+        group, _, value = error.missing_cfg_file.partition("/")
+        if group in GROUPS:
+            return unknown_choice_message(group, value)
+        # e.g. hydra/launcher=submitit_slurm without its plugin installed
         return f"{_first_line(str(error))} (is the Hydra plugin that provides it installed?)"
-    key_match = re.search(r"full_key: (\S+)", text)
-    full_key = key_match.group(1) if key_match else None
-    if re.search(r"Key '[^']+' (not in|is not in struct)", text) or "Could not append to config" in text:
-        if full_key is None:
-            overridden = re.search(r"Could not override '([^']+)'", str(error))
-            full_key = overridden.group(1) if overridden else "?"
-        return unknown_key_message(full_key, overrides)
-    line = _first_line(text)
-    if line.startswith("Ambiguous value"):
-        return f"{line}: to sweep over the values add --multirun, to pass a list write key=[a,b]"
+    cause = error.__cause__ if error.__cause__ is not None else error
+    if isinstance(cause, (ConfigKeyError, ConfigAttributeError)):
+        return unknown_key_message(cause.full_key or cause.key or "?", overrides)
+    if not isinstance(cause, OmegaConfBaseException):
+        sweep = _sweep_override(overrides)
+        if sweep is not None:  # Hydra composes one config; a,b is a sweep only under --multirun
+            return (
+                f"Ambiguous value for argument {sweep!r}: to sweep over the values add --multirun, "
+                "to pass a list write key=[a,b]"
+            )
+    full_key = getattr(cause, "full_key", None)
+    line = _first_line(getattr(cause, "msg", None) or str(cause))
     return f"{full_key}: {line}" if full_key and full_key not in line else line
+
+
+def _sweep_override(overrides: Sequence[str]) -> str | None:
+    """The first override that is a sweep (``seed=1,2``), as typed; ``None`` when there is none."""
+    try:
+        parsed = OverridesParser.create().parse_overrides(list(overrides))
+    except HydraException:
+        return None
+    return next((o.input_line for o in parsed if o.is_sweep_override()), None)
 
 
 def unknown_key_message(key: str, overrides: Sequence[str] = ()) -> str:
