@@ -180,6 +180,12 @@ def test_images_are_held_decoded_and_fingerprinted(tmp_path, monkeypatch):
     lists.write_text(lists.read_text().replace("images/img 0.png 0", "images/img 0.png 1"))
     relabelled = data.build_dataset("vtab/dtd", "train800", image_size=8, root=str(moved), strict=False)
     assert relabelled.fingerprint not in (ds.fingerprint, changed.fingerprint)
+    # Decoding per access names the file that went bad after the build.
+    monkeypatch.setattr(vtab, "DECODED_MEMORY_LIMIT", 10)
+    lazy = data.build_dataset("vtab/dtd", "train800", image_size=8, root=str(moved), strict=False)
+    (moved / "dtd" / "images" / "img 0.png").write_bytes(b"")
+    with pytest.raises(data.BadImagesError, match=r"1 listed image\(s\).*img 0\.png \(empty file\)"):
+        lazy[0]
 
 
 def test_bad_list_line_names_file_and_line(tmp_path):

@@ -208,6 +208,7 @@ class FileListDataset(Dataset):
     ) -> None:
         self.items = list(items)
         self.spec = spec
+        self.name = name
         self.images, self.fingerprint = _decode_all(name, self.items, folder)
 
     def __len__(self) -> int:
@@ -215,7 +216,13 @@ class FileListDataset(Dataset):
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
         path, label = self.items[index]
-        array = self.images[index] if self.images is not None else decode_image(path.read_bytes())
+        if self.images is not None:
+            array = self.images[index]
+        else:
+            try:  # checked when built, but the file may have changed since
+                array = decode_image(path.read_bytes())
+            except (OSError, ValueError) as error:
+                raise BadImagesError(self.name, [(path, _first_line(error))]) from None
         return pil_to_tensor(Image.fromarray(array), self.spec), label
 
     @property
@@ -290,7 +297,9 @@ class HubDataset(Dataset):
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
         row = self.rows[self.indices[index]]
-        return pil_to_tensor(row[self.image_column], self.spec), int(row[self.label_column])
+        # The same conversion as local files (16-bit grey scaled to 8 bits, not clipped to white).
+        image = Image.fromarray(_to_uint8(row[self.image_column]))
+        return pil_to_tensor(image, self.spec), int(row[self.label_column])
 
 
 # --------------------------------------------------------------------------------------------
