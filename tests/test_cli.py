@@ -155,6 +155,23 @@ def test_cli_run_failure_exits_1(tmp_path, monkeypatch, capsys):
     assert not (tmp_path / "result.json").exists()
 
 
+def test_cli_bad_images_stop_the_run_before_training_with_one_line(tmp_path, capsys):
+    from test_data_vtab import FULL, make_vtab_task
+
+    make_vtab_task(tmp_path / "root" / "dtd", FULL, num_classes=47)
+    (tmp_path / "root" / "dtd" / "images" / "img 7.png").write_bytes(b"")  # listed in test.txt only
+    (tmp_path / "root" / "dtd" / "images" / "img 9.png").write_bytes(b"garbage")
+    args = [a for a in TINY if not a.startswith("data=")]
+    with pytest.raises(SystemExit) as caught:
+        cli.main([*args, "data=vtab/dtd", f"data.root={tmp_path / 'root'}", f"output_dir={tmp_path / 'out'}"])
+    # Bad data is the user's input or the run's fault depending on the runner; either way one line, no training.
+    assert caught.value.code in (cli.USAGE_ERROR, cli.RUN_ERROR)
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "2 listed image(s) cannot be used" in err
+    assert "img 7.png (empty file)" in err and "img 9.png (not a readable image" in err
+    assert not (tmp_path / "out" / "metrics.jsonl").exists() and not (tmp_path / "out" / "result.json").exists()
+
+
 def _petl_run(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(
