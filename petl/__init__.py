@@ -1,6 +1,9 @@
 """petl: parameter-efficient transfer learning for timm Vision Transformers."""
 
-from petl import models  # noqa: F401  (registers petl's timm models)
+from petl import (
+    methods,
+    models,  # noqa: F401  (registers petl's timm models)
+)
 from petl.core import (
     MethodConfig,
     MethodSpec,
@@ -18,16 +21,7 @@ from petl.core import (
     save_trainable,
     unmerge,
 )
-from petl.methods import (  # importing petl.methods registers every method
-    apply_adapter,
-    apply_full,
-    apply_linear,
-    apply_lora,
-    apply_mlp,
-    apply_partial,
-    apply_peft,
-    apply_vpt,
-)
+from petl.methods import *  # noqa: F403  (every apply_<name>; importing petl.methods registers the methods)
 
 __version__ = "0.1.0"
 
@@ -37,14 +31,6 @@ __all__ = [
     "ParamCount",
     "PetlModule",
     "apply",
-    "apply_adapter",
-    "apply_full",
-    "apply_linear",
-    "apply_lora",
-    "apply_mlp",
-    "apply_partial",
-    "apply_peft",
-    "apply_vpt",
     "count_params",
     "get_method",
     "list_methods",
@@ -55,4 +41,5 @@ __all__ = [
     "register_method",
     "save_trainable",
     "unmerge",
+    *methods.__all__,
 ]

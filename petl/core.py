@@ -14,6 +14,7 @@ import dataclasses
 import errno
 import hashlib
 import json
+import math
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, fields
@@ -42,22 +43,61 @@ class MethodConfig:
     num_classes: int | None = None
 
     def validate(self, model: nn.Module) -> None:
-        """Raise ValueError naming the field and its allowed range if a value is off for ``model``."""
+        """Raise ValueError naming the field and its allowed range if a value is off for ``model``.
+
+        Every float field is checked for NaN/inf here, so a method's own checks (``alpha <= 0``,
+        which NaN passes) never see one.
+        """
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, float):
+                check_range(f.name, value)
         if self.num_classes is not None:
             check_range("num_classes", self.num_classes, low=1)
 
 
-def check_range(field: str, value: float, low: float | None = None, high: float | None = None) -> None:
-    """Raise a ValueError naming ``field`` when ``value`` lies outside [low, high]."""
-    if (low is not None and value < low) or (high is not None and value > high):
-        bounds = f"[{'-inf' if low is None else low}, {'inf' if high is None else high}]"
+def check_range(
+    field: str,
+    value: float,
+    low: float | None = None,
+    high: float | None = None,
+    *,
+    open_low: bool = False,
+    open_high: bool = False,
+) -> None:
+    """Raise a ValueError naming ``field`` when ``value`` is NaN, infinite, or outside its bounds.
+
+    The one range check of petl: method configs call it directly, the run config
+    (:mod:`petl.run.config`) wraps it to raise its ConfigError.
+
+    Args:
+        field: the option's name as the user typed it (``rank``, ``train.lr``).
+        value: the value to check; ``None`` (an unset optional option) passes.
+        low: lower bound, ``None`` for none.
+        high: upper bound, ``None`` for none.
+        open_low: the lower bound itself is not allowed (``(0, inf]``).
+        open_high: the upper bound itself is not allowed (``[0, 1)``).
+
+    """
+    if value is None:
+        return
+    bounds = (
+        f"{'(' if open_low else '['}{'-inf' if low is None else low}, "
+        f"{'inf' if high is None else high}{')' if open_high else ']'}"
+    )
+    # NaN compares False with everything, so it would pass every bound below; inf is never meant.
+    if isinstance(value, float) and not math.isfinite(value):
+        allowed = f": allowed {bounds}" if low is not None or high is not None else ""
+        raise ValueError(f"{field}={value} is not a finite number{allowed}")
+    below = low is not None and (value <= low if open_low else value < low)
+    above = high is not None and (value >= high if open_high else value > high)
+    if below or above:
         raise ValueError(f"{field}={value} is out of range: allowed {bounds}")
 
 
 def check_dropout(field: str, value: float) -> None:
     """Raise a ValueError naming ``field`` unless ``value`` is a dropout probability in [0, 1)."""
-    if not 0 <= value < 1:
-        raise ValueError(f"{field}={value} is out of range: allowed [0, 1)")
+    check_range(field, value, low=0, high=1, open_high=True)
 
 
 def check_choice(field: str, value: Any, choices: tuple[str, ...]) -> None:
@@ -127,7 +167,6 @@ class MethodSpec:
     trainable_formula: Callable[[nn.Module, MethodConfig], int]
     zero_init: bool
     mergeable: bool
-    doc: str
 
 
 _REGISTRY: dict[str, MethodSpec] = {}
@@ -155,8 +194,7 @@ def register_method(
     def decorate(inject: Callable[[nn.Module, MethodConfig], None]) -> Callable:
         if name in _REGISTRY:
             raise ValueError(f"method {name!r} is registered twice")
-        doc = (inject.__doc__ or "").strip().splitlines()[0] if inject.__doc__ else name
-        _REGISTRY[name] = MethodSpec(name, config_cls, inject, trainable_formula, zero_init, mergeable, doc)
+        _REGISTRY[name] = MethodSpec(name, config_cls, inject, trainable_formula, zero_init, mergeable)
         return inject
 
     return decorate
@@ -184,15 +222,35 @@ def make_config(name: str, **options: Any) -> MethodConfig:
     return spec.config_cls(**options)
 
 
-def apply(model: nn.Module, method: str, config: MethodConfig | None = None, **options: Any) -> nn.Module:
-    """Inject ``method`` into a timm ViT in place, freeze what it does not train, and return the model.
+def method_for_config(config: MethodConfig) -> str:
+    """The registered method whose config class ``config`` is (as peft dispatches on a config's type).
 
-    The classifier head is reset to ``num_classes`` (when given) and trains for every method.
+    Raises:
+        ValueError: no method, or several methods, take this config class; then pass the name.
+
+    """
+    names = [spec.name for spec in _REGISTRY.values() if type(config) is spec.config_cls]
+    if not names:  # a user's subclass of a method's config
+        names = [spec.name for spec in _REGISTRY.values() if isinstance(config, spec.config_cls)]
+    if len(names) != 1:
+        found = f"methods {', '.join(sorted(names))} all take" if names else "no registered method takes"
+        raise ValueError(f"{found} a {type(config).__name__}: pass the method name: apply(model, name, cfg)")
+    return names[0]
+
+
+def apply(
+    model: nn.Module, method: str | MethodConfig, config: MethodConfig | None = None, **options: Any
+) -> nn.Module:
+    """Inject a method into a timm ViT in place, freeze what it does not train, and return the model.
+
+    The method is named (``apply(model, "lora", rank=4)``) or given by its config
+    (``apply(model, LoraConfig(rank=4))``).  The classifier head is reset to ``num_classes``
+    (when given) and trains for every method.
 
     Args:
         model: a timm VisionTransformer.
-        method: a name from :func:`list_methods`.
-        config: a ready config; otherwise one is built from ``options``.
+        method: a name from :func:`list_methods`, or a method's config object.
+        config: a ready config for a named method; otherwise one is built from ``options``.
         **options: the method's config fields, e.g. ``rank=4``.
 
     Returns:
@@ -203,6 +261,10 @@ def apply(model: nn.Module, method: str, config: MethodConfig | None = None, **o
             or a model that already carries a petl method.
 
     """
+    if isinstance(method, MethodConfig):
+        if config is not None:
+            raise ValueError("pass the config once: apply(model, config) or apply(model, name, config)")
+        method, config = method_for_config(method), method
     spec = get_method(method)
     if config is None:
         config = make_config(method, **options)

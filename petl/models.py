@@ -15,7 +15,6 @@ from timm.models.vision_transformer import VisionTransformer, checkpoint_filter_
 
 WEIGHTS_DIR = Path(__file__).parent / "weights"
 FRACTAL_CHECKPOINT = WEIGHTS_DIR / "vit_fractal_tiny_patch4_32.fractaldb.safetensors"
-FRACTAL_PROVENANCE = WEIGHTS_DIR / "vit_fractal_tiny_patch4_32.fractaldb.json"
 DEFAULT_MODEL = "vit_fractal_tiny_patch4_32.fractaldb"
 
 # Fractals are drawn white-ish on black, so a symmetric normalisation suits them and any RGB task.

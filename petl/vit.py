@@ -76,11 +76,6 @@ def patch_size(model: nn.Module) -> tuple[int, int]:
     return (size, size) if isinstance(size, int) else tuple(size)
 
 
-def in_chans(model: nn.Module) -> int:
-    """Input channels of the patch embedding."""
-    return int(model.patch_embed.proj.in_channels)
-
-
 def linear(block: nn.Module, name: str) -> nn.Module:
     """A named Linear of a block: ``qkv``, ``proj`` (attention) or ``fc1``, ``fc2`` (MLP)."""
     owner = block.attn if name in ("qkv", "proj") else block.mlp

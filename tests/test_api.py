@@ -92,6 +92,55 @@ def test_out_of_range_values_name_the_field(tiny_vit, method, options, pattern):
     assert all(p.requires_grad for p in model.parameters())
 
 
+@pytest.mark.parametrize(
+    ("method", "options"),
+    [
+        ("lora", {"alpha": float("nan")}),  # alpha <= 0 alone lets NaN through
+        ("lora", {"alpha": float("inf")}),
+        ("lora", {"dropout": float("nan")}),
+        ("adapter", {"scale": float("nan")}),
+        ("vpt", {"dropout": float("-inf")}),
+    ],
+)
+def test_non_finite_floats_are_refused_by_every_method(tiny_vit, method, options):
+    model = tiny_vit()
+    ((key, value),) = options.items()
+    with pytest.raises(ValueError, match=rf"^{key}={value} is not a finite number"):
+        petl.apply(model, method, **options)
+    assert getattr(model, "petl_method", None) is None
+
+
+def test_check_range_bounds_and_non_finite():
+    core.check_range("x", 0.5, low=0, high=1)
+    core.check_range("x", None, low=0)  # unset optional options pass
+    with pytest.raises(ValueError, match=r"x=0 is out of range: allowed \(0, inf\]"):
+        core.check_range("x", 0, low=0, open_low=True)
+    with pytest.raises(ValueError, match=r"x=1.0 is out of range: allowed \[0, 1\)"):
+        core.check_dropout("x", 1.0)
+    with pytest.raises(ValueError, match=r"x=nan is not a finite number: allowed \[0, 1\)"):
+        core.check_dropout("x", float("nan"))
+
+
+def test_apply_dispatches_on_the_config_type(tiny_vit, images):
+    from petl.methods.lora import LoraConfig
+
+    model = petl.apply(tiny_vit(), LoraConfig(rank=4, num_classes=3))
+    assert model.petl_method == "lora" and model.petl_config.rank == 4
+    assert model(images).shape == (2, 3)
+    classes = [petl.get_method(m).config_cls for m in petl.list_methods()]
+    for method in petl.list_methods():
+        config = petl.get_method(method).config_cls()
+        if classes.count(type(config)) == 1:
+            assert petl.apply(tiny_vit(), config).petl_method == method
+        else:  # presets sharing one config class need their name
+            with pytest.raises(ValueError, match="pass the method name"):
+                petl.apply(tiny_vit(), config)
+    with pytest.raises(ValueError, match="once"):
+        petl.apply(tiny_vit(), LoraConfig(), LoraConfig())
+    with pytest.raises(ValueError, match="no registered method takes a MethodConfig"):
+        petl.apply(tiny_vit(), core.MethodConfig())
+
+
 def test_config_or_options_not_both(tiny_vit):
     with pytest.raises(ValueError, match="either"):
         petl.apply(tiny_vit(), "lora", config=core.make_config("lora"), rank=2)

@@ -39,6 +39,12 @@ def test_defaults_are_the_vtab1k_recipe():
     # The engine's defaults and the CLI's are one source.
     assert all(train[f.name] == f.default for f in dataclasses.fields(TrainSettings) if f.name != "epochs")
     assert default_config(["data=vtab/dtd"]).train.epochs == 100
+    # Default epochs come from the dataset registry, their one home.
+    from petl import data
+    from petl.data import mini
+
+    assert default_config(["data=mini/digits"]).train.epochs == mini.EPOCHS == data.get_info("mini/digits").epochs
+    assert data.get_info("vtab/dtd").epochs == data.PROTOCOL_EPOCHS == 100
     slug = cfg.data.name.replace("/", "-")
     assert cfg.output_dir == f"runs/{slug}/vit_fractal_tiny_patch4_32.fractaldb/lora/seed0"
 
@@ -77,9 +83,21 @@ def test_overrides_are_applied_and_type_checked():
         (["trian.lr=1"], r"unknown config key 'trian'; valid keys at the top level: method, data, model, train, seed"),
         (["method.rank=0"], r"method lora: rank=0 is out of range: allowed \[1, inf\]"),
         (["train.lr=-0.1"], r"train.lr=-0.1 is out of range: allowed \(0, inf\]"),
+        (["train.lr=nan"], r"train.lr=nan is not a finite number: allowed \(0, inf\]"),
+        (["train.warmup_frac=nan"], r"train.warmup_frac=nan is not a finite number: allowed \[0, 1\]"),
+        (["train.weight_decay=inf"], r"train.weight_decay=inf is not a finite number: allowed \[0, inf\]"),
+        (["model.drop_path=nan"], r"model.drop_path=nan is not a finite number: allowed \[0, 1\]"),
+        (["method.alpha=nan"], r"method lora: alpha=nan is not a finite number$"),
+        (["method=adapter", "method.scale=-inf"], r"method adapter: scale=-inf is not a finite number"),
         (["method=partial", "method.k=7"], r"method partial: k=7 is out of range: allowed \[1, 6\]"),
         (["train.precision=fp8"], r"train.precision='fp8' is not valid: choose one of no, bf16, fp16"),
         (["data.split=test"], r"data.split='test' is not valid: choose one of train800, train800val200"),
+        (["seed=1,2"], r"^Ambiguous value for argument 'seed=1,2': to sweep over the values add --multirun"),
+        (["+method.rank=3"], r"^Could not append to config. An item is already at 'method.rank'.$"),
+        (
+            ["hydra/launcher=submitit_slurm"],
+            r"Could not find 'hydra/launcher/submitit_slurm' \(is the Hydra plugin that provides it installed\?\)$",
+        ),
     ],
 )
 def test_bad_input_gives_one_line_naming_what_is_valid(overrides, message):
@@ -95,6 +113,14 @@ def test_cli_error_exits_2_with_one_line_and_checks_every_sweep_job(capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith("petl-run: error: unknown config key 'method.k'") and "(in job method=lora method.k=2)" in err
     assert "\n" not in err
+
+
+def test_cli_refuses_nan_with_one_line_and_exit_2(capsys):
+    with pytest.raises(SystemExit) as caught:
+        cli.main(["method=lora", "method.alpha=nan"])
+    assert caught.value.code == cli.USAGE_ERROR == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "petl-run: error: method lora: alpha=nan is not a finite number"
 
 
 def test_cli_multirun_sweeps_methods_and_seeds(tmp_path, capsys):
@@ -127,6 +153,23 @@ def test_cli_run_failure_exits_1(tmp_path, monkeypatch, capsys):
     assert caught.value.code == cli.RUN_ERROR
     assert capsys.readouterr().err.strip().endswith("petl-run: error: mini/digits is not cached here; set data.root")
     assert not (tmp_path / "result.json").exists()
+
+
+def test_cli_bad_images_stop_the_run_before_training_with_one_line(tmp_path, capsys):
+    from test_data_vtab import FULL, make_vtab_task
+
+    make_vtab_task(tmp_path / "root" / "dtd", FULL, num_classes=47)
+    (tmp_path / "root" / "dtd" / "images" / "img 7.png").write_bytes(b"")  # listed in test.txt only
+    (tmp_path / "root" / "dtd" / "images" / "img 9.png").write_bytes(b"garbage")
+    args = [a for a in TINY if not a.startswith("data=")]
+    with pytest.raises(SystemExit) as caught:
+        cli.main([*args, "data=vtab/dtd", f"data.root={tmp_path / 'root'}", f"output_dir={tmp_path / 'out'}"])
+    # Bad data is the user's input or the run's fault depending on the runner; either way one line, no training.
+    assert caught.value.code in (cli.USAGE_ERROR, cli.RUN_ERROR)
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "2 listed image(s) cannot be used" in err
+    assert "img 7.png (empty file)" in err and "img 9.png (not a readable image" in err
+    assert not (tmp_path / "out" / "metrics.jsonl").exists() and not (tmp_path / "out" / "result.json").exists()
 
 
 def _petl_run(*args: str, cwd: Path) -> subprocess.CompletedProcess:

@@ -16,6 +16,13 @@ from petl import data
 from petl.data import mini
 
 MINI_NAMES = sorted(n for n in data.list_datasets() if n.startswith("mini/"))
+
+
+def raw_task(name: str):
+    """Mini task ``name``'s cached raw-split function (``mini.digits`` for ``mini/digits``)."""
+    return getattr(mini, name.removeprefix("mini/"))
+
+
 # CI installs the Debian package when apt works; without it those tests skip, not fail.
 HAVE_FASHION = (
     Path(os.environ.get(mini.FASHION_MNIST_ENV, mini.FASHION_MNIST_DIR)) / "t10k-labels-idx1-ubyte.gz"
@@ -143,7 +150,7 @@ def test_duplicate_registration_is_refused():
 @pytest.mark.parametrize("name", MINI)
 def test_mini_split_protocol(name):
     info = data.get_info(name)
-    raw = mini.load_raw(name)
+    raw = raw_task(name)()
     sizes = {split: len(raw.split(split)[0]) for split in data.SPLITS}
     assert sizes["train800"] == 800 and sizes["val200"] == 200 and sizes["train800val200"] == 1000
     assert sizes["test"] >= (797 if name == "mini/digits" else 1000)
@@ -175,7 +182,7 @@ def test_mini_builds_float_tensors(name):
     assert isinstance(label, int) and 0 <= label < data.get_info(name).num_classes
     images, labels = ds.tensors
     assert images.shape == (200, 3, 32, 32) and torch.isfinite(images).all()
-    assert torch.equal(labels, torch.from_numpy(mini.load_raw(name).split("val200")[1]))
+    assert torch.equal(labels, torch.from_numpy(raw_task(name)().split("val200")[1]))
     # A data loader batches them as usual.
     batch_images, batch_labels = next(iter(torch.utils.data.DataLoader(ds, batch_size=16)))
     assert batch_images.shape == (16, 3, 32, 32) and batch_labels.dtype == torch.int64
@@ -183,9 +190,9 @@ def test_mini_builds_float_tensors(name):
 
 @pytest.mark.parametrize("name", MINI)
 def test_mini_is_deterministic(name):
-    first = mini.load_raw(name)
-    mini.clear_cache(name)
-    second = mini.load_raw(name)
+    first = raw_task(name)()
+    raw_task(name).cache_clear()
+    second = raw_task(name)()
     assert first is not second
     for split in data.SPLITS:
         assert np.array_equal(first.split(split)[0], second.split(split)[0])
@@ -216,13 +223,13 @@ def test_grey_images_become_three_equal_channels_and_resize():
 
 def test_missing_fashion_mnist_says_how_to_install(tmp_path, monkeypatch):
     monkeypatch.setenv(mini.FASHION_MNIST_ENV, str(tmp_path))
-    mini.clear_cache("mini/fashion_mnist")
+    mini.fashion_mnist.cache_clear()
     try:
         with pytest.raises(data.DatasetUnavailableError, match="apt-get install dataset-fashion-mnist"):
             data.build_dataset("mini/fashion_mnist", "test", image_size=32)
     finally:
         monkeypatch.undo()
-        mini.clear_cache("mini/fashion_mnist")
+        mini.fashion_mnist.cache_clear()
 
 
 def test_read_idx(tmp_path):

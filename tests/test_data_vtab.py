@@ -101,6 +101,93 @@ def test_missing_folder_and_images_are_clear(tmp_path):
         data.build_dataset("vtab/svhn", "train800", image_size=32, root=str(tmp_path), strict=False)
 
 
+def test_every_bad_image_is_reported_by_path_when_the_dataset_is_built(tmp_path):
+    make_vtab_task(tmp_path / "dtd", SMALL, num_classes=47)
+    images = tmp_path / "dtd" / "images"
+    noise = np.random.default_rng(0).integers(0, 256, (32, 32, 3), dtype=np.uint8)
+    Image.fromarray(noise).save(images / "img 1.png")
+    good = (images / "img 1.png").read_bytes()
+    (images / "img 0.png").write_bytes(b"")  # zero bytes
+    (images / "img 1.png").write_bytes(good[: len(good) // 2])  # truncated in the pixel data
+    (images / "img 2.png").write_bytes(b"not an image at all")
+    # img 3 appears in val200 only; train800 names images 0-7, test 5-11.
+    with pytest.raises(data.BadImagesError) as caught:
+        data.build_dataset("vtab/dtd", "train800", image_size=32, root=str(tmp_path), strict=False)
+    message = str(caught.value)
+    assert "\n" not in message and message.startswith("vtab/dtd: 3 listed image(s) cannot be used")
+    assert [path.name for path, _ in caught.value.bad] == ["img 0.png", "img 1.png", "img 2.png"]
+    reasons = {"img 0.png": "empty file", "img 1.png": "cannot decode", "img 2.png": "not a readable image"}
+    for name, reason in reasons.items():
+        assert f"{images / name} ({reason}" in message
+    assert isinstance(caught.value, ValueError)
+    # A split that lists none of them builds.
+    assert len(data.build_dataset("vtab/dtd", "test", image_size=32, root=str(tmp_path), strict=False)) == 5
+
+
+def test_truncated_jpeg_is_found_up_front(tmp_path):
+    make_vtab_task(tmp_path / "dtd", SMALL, num_classes=47)
+    path = tmp_path / "dtd" / "images" / "img 4.png"
+    rng = np.random.default_rng(0)
+    Image.fromarray(rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)).save(path, format="JPEG")
+    path.write_bytes(path.read_bytes()[:-600])
+    with pytest.raises(data.BadImagesError, match=r"1 listed image\(s\).*img 4\.png \(cannot decode"):
+        data.build_dataset("vtab/dtd", "train800", image_size=32, root=str(tmp_path), strict=False)
+
+
+def test_sixteen_bit_grey_png_is_scaled_not_white(tmp_path):
+    make_vtab_task(tmp_path / "dtd", SMALL, num_classes=47)
+    ramp = np.linspace(0, 65535, 16 * 16).round().astype(np.uint16).reshape(16, 16)
+    Image.fromarray(ramp).save(tmp_path / "dtd" / "images" / "img 0.png")
+    assert Image.open(tmp_path / "dtd" / "images" / "img 0.png").mode.startswith("I")
+    ds = data.build_dataset("vtab/dtd", "train800", image_size=16, normalize=False, root=str(tmp_path), strict=False)
+    image, _ = ds[0]
+    expected = torch.from_numpy((ramp.astype(np.float64) / 257).round() / 255).float()
+    for channel in image:
+        torch.testing.assert_close(channel, expected, atol=1 / 255 + 1e-6, rtol=0)
+    assert image.min() == 0 and image.max() == 1 and 0.45 < image.mean() < 0.55
+    # Float images have no known range: refused by path.
+    Image.fromarray(ramp.astype(np.float32)).save(tmp_path / "dtd" / "images" / "img 1.tiff")
+    (tmp_path / "dtd" / "train800.txt").write_text("images/img 1.tiff 0\n")
+    with pytest.raises(data.BadImagesError, match=r"img 1\.tiff \(floating-point pixels"):
+        data.build_dataset("vtab/dtd", "train800", image_size=16, root=str(tmp_path), strict=False)
+
+
+def test_images_are_held_decoded_and_fingerprinted(tmp_path, monkeypatch):
+    make_vtab_task(tmp_path / "dtd", SMALL, num_classes=47)
+    build = lambda: data.build_dataset("vtab/dtd", "train800", image_size=8, root=str(tmp_path), strict=False)  # noqa: E731
+    ds = build()
+    assert ds.images is not None and len(ds.images) == 8 and ds.images[0].dtype == np.uint8
+    first = [ds[i][0] for i in range(len(ds))]
+    # Decoding per access (above the memory limit) gives the same tensors.
+    monkeypatch.setattr(vtab, "DECODED_MEMORY_LIMIT", 10)
+    lazy = build()
+    assert lazy.images is None and lazy.fingerprint == ds.fingerprint
+    for index, tensor in enumerate(first):
+        assert torch.equal(lazy[index][0], tensor)
+    monkeypatch.undo()
+    # The fingerprint is stable, follows the content, the labels and the listed paths.
+    assert len(ds.fingerprint) == 64 and build().fingerprint == ds.fingerprint
+    moved = tmp_path / "moved"
+    (tmp_path / "dtd").rename(moved / "dtd" if moved.mkdir() is None else moved)
+    assert data.build_dataset("vtab/dtd", "train800", image_size=8, root=str(moved), strict=False).fingerprint == (
+        ds.fingerprint
+    )
+    image = moved / "dtd" / "images" / "img 3.png"
+    Image.fromarray(np.full((6, 6, 3), 99, np.uint8)).save(image)
+    changed = data.build_dataset("vtab/dtd", "train800", image_size=8, root=str(moved), strict=False)
+    assert changed.fingerprint != ds.fingerprint
+    lists = moved / "dtd" / "train800.txt"
+    lists.write_text(lists.read_text().replace("images/img 0.png 0", "images/img 0.png 1"))
+    relabelled = data.build_dataset("vtab/dtd", "train800", image_size=8, root=str(moved), strict=False)
+    assert relabelled.fingerprint not in (ds.fingerprint, changed.fingerprint)
+    # Decoding per access names the file that went bad after the build.
+    monkeypatch.setattr(vtab, "DECODED_MEMORY_LIMIT", 10)
+    lazy = data.build_dataset("vtab/dtd", "train800", image_size=8, root=str(moved), strict=False)
+    (moved / "dtd" / "images" / "img 0.png").write_bytes(b"")
+    with pytest.raises(data.BadImagesError, match=r"1 listed image\(s\).*img 0\.png \(empty file\)"):
+        lazy[0]
+
+
 def test_bad_list_line_names_file_and_line(tmp_path):
     make_vtab_task(tmp_path / "dtd", SMALL, num_classes=47)
     (tmp_path / "dtd" / "val200.txt").write_text("images/img 1.png 3\nimages/img 2.png x\n")

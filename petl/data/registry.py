@@ -10,16 +10,22 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 from torch.utils.data import Dataset
 
 from petl.data.transforms import IMAGENET_MEAN, IMAGENET_STD, ImageSpec
 
-# The VTAB-1k protocol's four splits.  Every dataset answers to these names so that training code
-# never needs to know which family a dataset comes from.
-SPLITS: tuple[str, ...] = ("train800", "val200", "train800val200", "test")
+# The VTAB-1k protocol's four splits, the one home of their names.  Every dataset answers to these
+# names so that training code never needs to know which family a dataset comes from.  TRAIN_VAL
+# is TRAIN followed by VAL (the final run's training set); a run trains on TRAIN or TRAIN_VAL.
+TRAIN, VAL, TRAIN_VAL, TEST = "train800", "val200", "train800val200", "test"
+SPLITS: tuple[str, ...] = (TRAIN, VAL, TRAIN_VAL, TEST)
+TRAINING_SPLITS: tuple[str, ...] = (TRAIN, TRAIN_VAL)
 GROUPS: tuple[str, ...] = ("natural", "specialized", "structured", "fgvc")
+# Training epochs of the field's VTAB-1k / FGVC protocol; a dataset may set fewer (DatasetInfo.epochs).
+PROTOCOL_EPOCHS = 100
 
 
 class DatasetUnavailableError(RuntimeError):
@@ -28,6 +34,20 @@ class DatasetUnavailableError(RuntimeError):
     The message says what is missing and how to provide it; it is raised ``from None`` so the
     user sees one clear sentence rather than a network traceback.
     """
+
+
+class BadImagesError(ValueError):
+    """Listed image files that cannot be decoded, all of them, found when a dataset is built.
+
+    Attributes:
+        bad: ``(path, reason)`` for every bad file, sorted by path.
+
+    """
+
+    def __init__(self, dataset: str, bad: Sequence[tuple[Path, str]]) -> None:
+        self.bad = list(bad)
+        listing = "; ".join(f"{path} ({reason})" for path, reason in self.bad)
+        super().__init__(f"{dataset}: {len(self.bad)} listed image(s) cannot be used, fix or remove them: {listing}")
 
 
 @dataclass(frozen=True)
@@ -40,6 +60,8 @@ class DatasetInfo:
         num_classes: number of labels; every label lies in ``[0, num_classes)``.
         source: one line on where the images come from.
         hub_id: Hugging Face hub repository used when no local folder is given, or ``None``.
+        epochs: how many epochs a run trains on it by default (``train.epochs`` overrides): the
+            protocol's 100, or fewer for tasks small enough for a quick offline run (mini).
 
     """
 
@@ -48,12 +70,15 @@ class DatasetInfo:
     num_classes: int
     source: str
     hub_id: str | None = None
+    epochs: int = PROTOCOL_EPOCHS
 
     def __post_init__(self) -> None:
         if self.group not in GROUPS:
             raise ValueError(f"{self.name}: group {self.group!r} is not one of {GROUPS}")
         if self.num_classes < 2:
             raise ValueError(f"{self.name}: num_classes must be >= 2, got {self.num_classes}")
+        if self.epochs < 1:
+            raise ValueError(f"{self.name}: epochs must be >= 1, got {self.epochs}")
 
 
 class Builder(Protocol):

@@ -27,9 +27,10 @@ from accelerate.tracking import LOGGER_TYPE_TO_CLASS
 from hydra import compose, initialize_config_module
 from hydra.core.config_store import ConfigStore
 from hydra.core.global_hydra import GlobalHydra
-from hydra.errors import HydraException, OverrideParseException
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException, MissingConfigException, OverrideParseException
 from omegaconf import II, MISSING, DictConfig, OmegaConf, open_dict
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
 import petl
 from petl import data as petl_data
@@ -37,17 +38,13 @@ from petl import models as petl_models
 from petl.run.engine import TrainSettings
 
 GROUPS = ("method", "data", "model", "train")
-SPLITS = ("train800", "train800val200")
+SPLITS = petl_data.TRAINING_SPLITS
 PRECISIONS = ("no", "bf16", "fp16")
 TRACKERS = tuple(LOGGER_TYPE_TO_CLASS)
 
 # Method fields the runner fills in itself (from the dataset), so they are not command-line options.
 RUNNER_FIELDS = ("num_classes",)
 
-# Suites whose tasks are small enough for a quick offline run get fewer epochs by default; every
-# other task follows the field's VTAB-1k/FGVC protocol of 100 epochs.  ``train.epochs`` overrides.
-SUITE_EPOCHS = {"mini": 10}
-PROTOCOL_EPOCHS = 100
 
 # timm modules whose models are (subclasses of) timm's VisionTransformer, the family petl supports;
 # "models" is the module name timm records for petl's own petl/models.py.
@@ -68,16 +65,17 @@ class DataConfig:
         root: folder holding the dataset in the field's layout; ``None`` uses the dataset's default source.
         subset: keep this many examples of every split (a fixed random choice, for quick checks); ``None`` keeps all.
         num_workers: DataLoader worker processes; 0 loads in the main process (deterministic, fine for tensors).
-        epochs: the suite's default number of epochs, which ``train.epochs`` follows unless overridden.
+        epochs: the dataset's default number of epochs (its ``DatasetInfo.epochs``), which
+            ``train.epochs`` follows unless overridden.
 
     """
 
     name: str = MISSING
-    split: str = "train800"
+    split: str = petl_data.TRAIN
     root: str | None = None
     subset: int | None = None
     num_workers: int = 0
-    epochs: int = PROTOCOL_EPOCHS
+    epochs: int = petl_data.PROTOCOL_EPOCHS
 
 
 @dataclass
@@ -172,7 +170,7 @@ def _cli_type(hint: Any) -> Any:
     """The OmegaConf annotation for a method field's type hint.
 
     ``tuple[str, ...]`` becomes ``list[str]`` because the command line (and YAML) hand over lists;
-    the runner turns them back into tuples.  Types OmegaConf cannot check (general unions,
+    :func:`method_options` turns them back into tuples.  Types OmegaConf cannot check (general unions,
     literals) fall back to ``Any`` and are left to the method's own ``validate``.
     """
     origin = typing.get_origin(hint)
@@ -225,7 +223,7 @@ def register_configs() -> None:
     for name in petl_data.list_datasets():
         # Hydra reads "data=mini/digits" as option "digits" of the nested group "data/mini".
         folder, _, leaf = name.rpartition("/")
-        node = DataConfig(name=name, epochs=SUITE_EPOCHS.get(folder.split("/")[0], PROTOCOL_EPOCHS))
+        node = DataConfig(name=name, epochs=petl_data.get_info(name).epochs)
         store.store(group=f"data/{folder}" if folder else "data", name=leaf, node=node)
     register_model(petl_models.DEFAULT_MODEL)
     _registered = True
@@ -294,30 +292,44 @@ def _first_line(text: str) -> str:
 
 
 def explain(error: Exception, overrides: Sequence[str] = ()) -> str:
-    """Turn a Hydra/OmegaConf composition error into one line that names the key and what is valid."""
+    """Turn a Hydra/OmegaConf composition error into one line that names the key and what is valid.
+
+    Reads the exceptions' public attributes (``missing_cfg_file``, ``full_key``, ``msg``) rather
+    than their text, so a rewording in Hydra or OmegaConf cannot change what users see.
+    """
     if isinstance(error, OverrideParseException):
         return (
             f"cannot parse override {error.override!r}: {_first_line(error.message)} "
             "(quote values holding special characters: key='a=b')"
         )
-    cause = error.__cause__ if error.__cause__ is not None else error
-    text = str(cause)
-    missing = re.search(r"Could not find '(\w+)/([^']+)'", str(error))
-    if missing and missing.group(1) in GROUPS:
-        return unknown_choice_message(missing.group(1), missing.group(2))
-    if missing:  # e.g. hydra/launcher=submitit_slurm without its plugin installed
+    if isinstance(error, MissingConfigException) and error.missing_cfg_file:
+        group, _, value = error.missing_cfg_file.partition("/")
+        if group in GROUPS:
+            return unknown_choice_message(group, value)
+        # e.g. hydra/launcher=submitit_slurm without its plugin installed
         return f"{_first_line(str(error))} (is the Hydra plugin that provides it installed?)"
-    key_match = re.search(r"full_key: (\S+)", text)
-    full_key = key_match.group(1) if key_match else None
-    if re.search(r"Key '[^']+' (not in|is not in struct)", text) or "Could not append to config" in text:
-        if full_key is None:
-            overridden = re.search(r"Could not override '([^']+)'", str(error))
-            full_key = overridden.group(1) if overridden else "?"
-        return unknown_key_message(full_key, overrides)
-    line = _first_line(text)
-    if line.startswith("Ambiguous value"):
-        return f"{line}: to sweep over the values add --multirun, to pass a list write key=[a,b]"
+    cause = error.__cause__ if error.__cause__ is not None else error
+    if isinstance(cause, (ConfigKeyError, ConfigAttributeError)):
+        return unknown_key_message(cause.full_key or cause.key or "?", overrides)
+    if not isinstance(cause, OmegaConfBaseException):
+        sweep = _sweep_override(overrides)
+        if sweep is not None:  # Hydra composes one config; a,b is a sweep only under --multirun
+            return (
+                f"Ambiguous value for argument {sweep!r}: to sweep over the values add --multirun, "
+                "to pass a list write key=[a,b]"
+            )
+    full_key = getattr(cause, "full_key", None)
+    line = _first_line(getattr(cause, "msg", None) or str(cause))
     return f"{full_key}: {line}" if full_key and full_key not in line else line
+
+
+def _sweep_override(overrides: Sequence[str]) -> str | None:
+    """The first override that is a sweep (``seed=1,2``), as typed; ``None`` when there is none."""
+    try:
+        parsed = OverridesParser.create().parse_overrides(list(overrides))
+    except HydraException:
+        return None
+    return next((o.input_line for o in parsed if o.is_sweep_override()), None)
 
 
 def unknown_key_message(key: str, overrides: Sequence[str] = ()) -> str:
@@ -423,11 +435,11 @@ def to_config(cfg: DictConfig | Mapping[str, Any]) -> DictConfig:
 
 
 def _range(key: str, value: float, low: float | None = None, high: float | None = None, open_low: bool = False) -> None:
-    below = value is not None and low is not None and (value <= low if open_low else value < low)
-    if below or (value is not None and high is not None and value > high):
-        lo = "-inf" if low is None else low
-        hi = "inf" if high is None else high
-        raise ConfigError(f"{key}={value} is out of range: allowed {'(' if open_low else '['}{lo}, {hi}]")
+    """:func:`petl.core.check_range` (NaN/inf and bounds), raising ConfigError."""
+    try:
+        petl.core.check_range(key, value, low=low, high=high, open_low=open_low)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
 
 
 def check_values(cfg: DictConfig) -> None:
@@ -474,14 +486,18 @@ def check_values(cfg: DictConfig) -> None:
 
 
 def method_options(cfg: DictConfig) -> dict[str, Any]:
-    """The method node as keyword options for :func:`petl.core.make_config` (lists back to tuples)."""
+    """The method node as keyword options for :func:`petl.core.make_config`.
+
+    Lists (the command line's form of a ``tuple[str, ...]`` field, see :func:`_cli_type`) go back
+    to tuples through :func:`petl.core.to_str_tuple`, the one normaliser the configs use too.
+    """
     options = OmegaConf.to_container(cfg.method, resolve=True)
     assert isinstance(options, dict)
     name = options.pop("name")
     hints = typing.get_type_hints(petl.get_method(name).config_cls)
     for key, value in options.items():
         if typing.get_origin(hints.get(key)) is tuple and isinstance(value, list):
-            options[key] = tuple(value)
+            options[key] = petl.core.to_str_tuple(value)
     return options
 
 

@@ -14,11 +14,9 @@ import argparse
 import dataclasses
 import json
 import platform
-import subprocess
 import time
 from pathlib import Path
 
-import accelerate
 import timm
 import torch
 from accelerate import Accelerator
@@ -28,6 +26,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from petl import models
 from petl.data.fractaldb import FractalConfig, generate, search_systems, to_model_input
+from petl.run import records
 from petl.run.engine import TrainSettings, build_optimizer, fit
 
 ARCH = "vit_fractal_tiny_patch4_32"
@@ -36,14 +35,6 @@ ARCH = "vit_fractal_tiny_patch4_32"
 def _normalised(dataset: TensorDataset) -> TensorDataset:
     images, labels = dataset.tensors
     return TensorDataset(to_model_input(images, models.FRACTAL_MEAN, models.FRACTAL_STD), labels)
-
-
-def _git_commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent)
-        return out.stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
 
 
 def pretrain(
@@ -111,13 +102,9 @@ def pretrain(
         "generation_seconds": round(generation_seconds, 1),
         "wall_seconds": round(time.time() - start, 1),
         "machine": f"{platform.machine()} {platform.processor() or ''} {torch.get_num_threads()} threads".strip(),
-        "versions": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "timm": timm.__version__,
-            "accelerate": accelerate.__version__,
-        },
-        "git_commit": _git_commit(),
+        # The same version and commit lookup as every petl-run record (git_commit, git_dirty).
+        "versions": records.versions(),
+        **records.git_commit(),
     }
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
