@@ -21,6 +21,7 @@ from petl.core import (
 from petl.methods import (  # importing petl.methods registers every method
     apply_adapter,
     apply_full,
+    apply_hydra,
     apply_linear,
     apply_lora,
     apply_mlp,
@@ -39,6 +40,7 @@ __all__ = [
     "apply",
     "apply_adapter",
     "apply_full",
+    "apply_hydra",
     "apply_linear",
     "apply_lora",
     "apply_mlp",

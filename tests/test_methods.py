@@ -32,6 +32,7 @@ VARIANTS = [(name, {}) for name in petl.list_methods()] + [
     ("partial", {"k": 2}),
     ("mlp", {"k": 1}),
     ("peft", {"target_modules": ["qkv", "fc2"], "options": '{"r": 4, "lora_alpha": 8}'}),
+    ("hydra", {"dim": 3, "scale": 0.5, "dropout": 0.0, "targets": ["fc2"]}),
 ]
 IDS = [name + "".join(f"-{k}={v}" for k, v in opts.items()) for name, opts in VARIANTS]
 MERGEABLE = [v for v in VARIANTS if petl.get_method(v[0]).mergeable]

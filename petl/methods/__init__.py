@@ -6,6 +6,7 @@ the benchmark all read the registry.
 
 from petl.methods.adapter import apply_adapter
 from petl.methods.full import apply_full
+from petl.methods.hydra import apply_hydra
 from petl.methods.linear import apply_linear
 from petl.methods.lora import apply_lora
 from petl.methods.mlp import apply_mlp
@@ -16,6 +17,7 @@ from petl.methods.vpt import apply_vpt
 __all__ = [
     "apply_adapter",
     "apply_full",
+    "apply_hydra",
     "apply_linear",
     "apply_lora",
     "apply_mlp",

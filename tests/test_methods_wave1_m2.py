@@ -1,0 +1,143 @@
+"""Reference-equivalence and count tests of Hydra, Adapter+, SCT, Convpass and the DoRA/IA3 peft presets.
+
+Each reference test re-implements the reference forward in a few lines (from the file:line cited in
+the method's module) and runs it on the very weights petl's modules hold.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import timm
+import torch
+import torch.nn.functional as F
+
+import petl
+from petl import vit
+from petl.methods.hydra import HydraLinear
+
+
+def _perturb(model: torch.nn.Module, seed: int = 3) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(0.1 * torch.randn(p.shape, generator=gen))
+
+
+@pytest.fixture(scope="module")
+def vit_base():
+    with torch.device("meta"):
+        return timm.create_model("vit_base_patch16_224", pretrained=False)
+
+
+def _formula(vit_base, method, **options) -> int:
+    return petl.get_method(method).trainable_formula(vit_base, petl.make_config(method, **options))
+
+
+# --- Hydra -------------------------------------------------------------------------------------
+
+
+def _reference_hydra_branch(branch, x, scale):
+    # extremebird/Hydra vtab1k/hydra.py L55-57: up(dropout(down(x))) * scale (dropout off in eval).
+    return F.linear(F.linear(x, branch.down.weight, branch.down.bias), branch.up.weight, branch.up.bias) * scale
+
+
+def _reference_hydra_block(block, x):
+    # vtab1k/hydra.py L8-38: the branches read the input (parallel) and output (sequential) of
+    # attn.proj and mlp.fc2, and all three terms are summed before the dropout.
+    attn, mlp = block.attn, block.mlp
+    b, n, c = x.shape
+    h = block.norm1(x)
+    qkv = F.linear(h, attn.qkv.weight, attn.qkv.bias).reshape(b, n, 3, attn.num_heads, c // attn.num_heads)
+    q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+    a = ((q * attn.scale) @ k.transpose(-2, -1)).softmax(-1) @ v
+    a = a.transpose(1, 2).reshape(b, n, c)
+    proj = attn.proj
+    y = F.linear(a, proj.base.weight, proj.base.bias)
+    x = (
+        x
+        + y
+        + _reference_hydra_branch(proj.parallel, a, proj.scale)
+        + _reference_hydra_branch(proj.sequential, y, proj.scale)
+    )
+    h = mlp.act(mlp.fc1(block.norm2(x)))
+    fc2 = mlp.fc2
+    y = F.linear(h, fc2.base.weight, fc2.base.bias)
+    return (
+        x
+        + y
+        + _reference_hydra_branch(fc2.parallel, h, fc2.scale)
+        + _reference_hydra_branch(fc2.sequential, y, fc2.scale)
+    )
+
+
+def test_hydra_matches_reference_forward(tiny_vit):
+    model = petl.apply_hydra(tiny_vit(), scale=0.7).eval()
+    _perturb(model)
+    x = torch.randn(2, 17, 48)
+    for block in model.blocks:
+        assert isinstance(block.attn.proj, HydraLinear) and isinstance(block.mlp.fc2, HydraLinear)
+        torch.testing.assert_close(block(x), _reference_hydra_block(block, x), atol=1e-5, rtol=1e-5)
+
+
+def test_hydra_merge_matches_reference_reparameterize(tiny_vit):
+    model = petl.apply_hydra(tiny_vit(), scale=0.3)
+    _perturb(model)
+    fc2 = model.blocks[0].mlp.fc2
+    with torch.no_grad():
+        fc2.base.bias.normal_()  # timm starts biases at zero, which would hide a wrong bias fold
+    # hydra.py L61-71 in nn.Linear's (out, in) layout: W = W0 + s (Wp + Ws W0), b = b0 + s (Ws b0 + bp + bs).
+    wp = fc2.parallel.up.weight @ fc2.parallel.down.weight
+    bp = fc2.parallel.up.weight @ fc2.parallel.down.bias + fc2.parallel.up.bias
+    ws = fc2.sequential.up.weight @ fc2.sequential.down.weight
+    bs = fc2.sequential.up.weight @ fc2.sequential.down.bias + fc2.sequential.up.bias
+    w0, b0 = fc2.base.weight.clone(), fc2.base.bias.clone()
+    petl.merge(model)
+    torch.testing.assert_close(fc2.base.weight, w0 + 0.3 * (wp + ws @ w0), atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(fc2.base.bias, b0 + 0.3 * (ws @ b0 + bp + bs), atol=1e-6, rtol=1e-5)
+
+
+def test_hydra_init_dropout_and_merge_guards(tiny_vit, images):
+    model = petl.apply_hydra(tiny_vit(), dropout=0.5)
+    proj = model.blocks[0].attn.proj
+    assert proj.parallel.up.weight.abs().sum() == 0 and proj.parallel.down.weight.abs().sum() > 0
+    assert isinstance(petl.apply_hydra(tiny_vit(), dropout=0.0).blocks[0].attn.proj.parallel.dropout, torch.nn.Identity)
+    _perturb(model)
+    model.train()
+    assert not torch.equal(model(images), model(images))
+    with torch.no_grad():
+        proj.sequential.up.weight[0, 0] = float("inf")
+    before = proj.base.weight.clone()
+    with pytest.raises(ValueError, match="non-finite"):
+        proj.merge()
+    assert torch.equal(proj.base.weight, before) and not proj.merged
+
+
+def test_hydra_merge_upcasts_half_weights(tiny_vit, images):
+    model = petl.apply_hydra(tiny_vit(), scale=0.5)
+    _perturb(model)
+    model = model.to(torch.bfloat16)
+    unmerged = model(images.bfloat16()).float()
+    petl.merge(model)
+    merged = model(images.bfloat16()).float()
+    assert (merged - unmerged).abs().max() < 0.1
+    assert model.blocks[0].mlp.fc2.base.weight.dtype == torch.bfloat16
+
+
+def test_hydra_rejects_bad_options(tiny_vit):
+    with pytest.raises(ValueError, match="targets"):
+        petl.apply_hydra(tiny_vit(), targets=["qkv"])
+    with pytest.raises(ValueError, match="scale"):
+        petl.apply_hydra(tiny_vit(), scale=0.0)
+    with pytest.raises(ValueError, match="dim"):
+        petl.apply_hydra(tiny_vit(), dim=0)
+
+
+def test_hydra_vit_base_count(vit_base):
+    # 239,712 without the head; V-PETL's 0.28M includes the average VTAB-1k head (see hydra.yaml).
+    assert _formula(vit_base, "hydra") == 12 * (2 * (3072 + 3 * 768) + 4 + 1536 + 2 * (768 + 3 * 768) + 4 + 1536)
+    assert _formula(vit_base, "hydra") == 239_712
+    model = petl.apply(copy.deepcopy(vit_base), "hydra", num_classes=10)
+    assert petl.count_params(model).trainable_no_head == 239_712
