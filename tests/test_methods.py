@@ -32,6 +32,11 @@ VARIANTS = [(name, {}) for name in petl.list_methods()] + [
     ("partial", {"k": 2}),
     ("mlp", {"k": 1}),
     ("peft", {"target_modules": ["qkv", "fc2"], "options": '{"r": 4, "lora_alpha": 8}'}),
+    (
+        "peft",
+        {"peft_type": "LORA", "target_modules": ["qkv"], "options": '{"r": 8, "lora_alpha": 8, "use_dora": true}'},
+    ),
+    ("peft", {"peft_type": "IA3", "target_modules": ["qkv", "fc2"], "options": '{"feedforward_modules": ["fc2"]}'}),
     ("hydra", {"dim": 3, "scale": 0.5, "dropout": 0.0, "targets": ["fc2"]}),
 ]
 IDS = [name + "".join(f"-{k}={v}" for k, v in opts.items()) for name, opts in VARIANTS]

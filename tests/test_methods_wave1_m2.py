@@ -141,3 +141,62 @@ def test_hydra_vit_base_count(vit_base):
     assert _formula(vit_base, "hydra") == 239_712
     model = petl.apply(copy.deepcopy(vit_base), "hydra", num_classes=10)
     assert petl.count_params(model).trainable_no_head == 239_712
+
+
+# --- peft presets: DoRA and IA3 ----------------------------------------------------------------
+
+
+def test_peft_preset_counts_are_closed_form(vit_base, monkeypatch):
+    from petl.methods import peft_bridge
+
+    def refuse(*_args):
+        raise AssertionError("counted by injecting into a copy")
+
+    monkeypatch.setattr(peft_bridge, "_count_by_injecting", refuse)
+    # DoRA: rank-8 A and B on qkv plus one magnitude per output row; IA3: a scale per qkv output and per fc2 input.
+    assert _formula(vit_base, "peft", **peft_bridge.PRESETS["dora"]) == 12 * (8 * (768 + 2304) + 2304) == 322_560
+    assert _formula(vit_base, "peft", **peft_bridge.PRESETS["ia3"]) == 12 * (2304 + 3072) == 64_512
+    ia3_regex = {"peft_type": "IA3", "target_modules": ["qkv", "fc2"], "options": '{"feedforward_modules": ".*fc2"}'}
+    assert _formula(vit_base, "peft", **ia3_regex) == 64_512
+
+
+@pytest.mark.parametrize("preset", ["dora", "ia3"])
+def test_peft_preset_counts_match_the_injected_model(tiny_vit, preset):
+    from petl.methods.peft_bridge import PRESETS
+
+    model = petl.apply(tiny_vit(), "peft", num_classes=4, **PRESETS[preset])
+    d, depth = 48, 3
+    expected = {"dora": depth * (8 * (d + 3 * d) + 3 * d), "ia3": depth * (3 * d + 4 * d)}[preset]
+    assert petl.count_params(model).trainable_no_head == expected
+    assert _formula(tiny_vit(), "peft", **PRESETS[preset]) == expected
+
+
+def test_ia3_preset_matches_reference_forward(tiny_vit):
+    from petl.methods.peft_bridge import PRESETS
+
+    model = petl.apply(tiny_vit(), "peft", **PRESETS["ia3"]).eval()
+    _perturb(model)
+    block = model.blocks[0]
+    qkv, fc2 = block.attn.qkv, block.mlp.fc2
+    x, h = torch.randn(2, 5, 48), torch.randn(2, 5, 192)
+    # IA3 (Liu et al. 2022, eq. in sec. 3.3): l * (W x + b) on attention outputs, W (l * h) + b in the MLP.
+    l_qkv, l_fc2 = qkv.ia3_l["default"].flatten(), fc2.ia3_l["default"].flatten()
+    base_qkv, base_fc2 = qkv.get_base_layer(), fc2.get_base_layer()
+    torch.testing.assert_close(qkv(x), l_qkv * F.linear(x, base_qkv.weight, base_qkv.bias))
+    torch.testing.assert_close(fc2(h), F.linear(l_fc2 * h, base_fc2.weight, base_fc2.bias))
+
+
+def test_dora_preset_matches_reference_forward(tiny_vit):
+    from petl.methods.peft_bridge import PRESETS
+
+    model = petl.apply(tiny_vit(), "peft", **PRESETS["dora"]).eval()
+    _perturb(model)
+    qkv = model.blocks[0].attn.qkv
+    base = qkv.get_base_layer()
+    a, b = qkv.lora_A["default"].weight, qkv.lora_B["default"].weight
+    m = qkv.lora_magnitude_vector["default"].weight
+    # DoRA (Liu et al. 2024, eq. 5): W' = m * (W0 + s B A) / ||W0 + s B A|| per output row, s = alpha / r = 1.
+    direction = base.weight + b @ a
+    weight = m.unsqueeze(1) * direction / direction.norm(dim=1, keepdim=True)
+    x = torch.randn(2, 5, 48)
+    torch.testing.assert_close(qkv(x), F.linear(x, weight, base.bias), atol=1e-5, rtol=1e-5)
