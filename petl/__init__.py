@@ -27,6 +27,7 @@ from petl.methods import (  # importing petl.methods registers every method
     apply_mlp,
     apply_partial,
     apply_peft,
+    apply_sct,
     apply_vpt,
 )
 
@@ -46,6 +47,7 @@ __all__ = [
     "apply_mlp",
     "apply_partial",
     "apply_peft",
+    "apply_sct",
     "apply_vpt",
     "count_params",
     "get_method",

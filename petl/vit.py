@@ -174,6 +174,11 @@ def mlp_residual(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return x + block.drop_path2(block.ls2(block.mlp(block.norm2(x))))
 
 
+def mlp_norm(block: nn.Module) -> nn.Module:
+    """The norm in front of a block's MLP (its input is the residual stream after attention)."""
+    return block.norm2
+
+
 def check_pre_norm_block(block: nn.Module) -> None:
     """Raise a ValueError unless ``block`` is timm's pre-norm ``Block`` (what the halves above assume)."""
     if type(block) is not Block:

@@ -37,6 +37,7 @@ VARIANTS = [(name, {}) for name in petl.list_methods()] + [
         {"peft_type": "LORA", "target_modules": ["qkv"], "options": '{"r": 8, "lora_alpha": 8, "use_dora": true}'},
     ),
     ("peft", {"peft_type": "IA3", "target_modules": ["qkv", "fc2"], "options": '{"feedforward_modules": ["fc2"]}'}),
+    ("sct", {"top_n": 3, "channels": [[0, 5, 9], [47, 1, 2], [10, 20, 30]]}),
     ("hydra", {"dim": 3, "scale": 0.5, "dropout": 0.0, "targets": ["fc2"]}),
 ]
 IDS = [name + "".join(f"-{k}={v}" for k, v in opts.items()) for name, opts in VARIANTS]

@@ -14,7 +14,6 @@ import torch
 import torch.nn.functional as F
 
 import petl
-from petl import vit
 from petl.methods.hydra import HydraLinear
 
 
@@ -200,3 +199,96 @@ def test_dora_preset_matches_reference_forward(tiny_vit):
     weight = m.unsqueeze(1) * direction / direction.norm(dim=1, keepdim=True)
     x = torch.randn(2, 5, 48)
     torch.testing.assert_close(qkv(x), F.linear(x, weight, base.bias), atol=1e-5, rtol=1e-5)
+
+
+# --- SCT ---------------------------------------------------------------------------------------
+
+
+def _reference_sct_block(block, x):
+    # V-PETL Bench vision_transformer_sct.py L340-346 with ChannelAdapter.forward L295-306:
+    # x = x + attn(norm1(x)); x[..., idx] += Linear(x[..., idx]); x = x + mlp(norm2(x)).
+    inner, idx = block.base, block.index
+    x = x + inner.attn(inner.norm1(x))
+    x = x.clone()
+    x[..., idx] += F.linear(x[..., idx], block.linear.weight, block.linear.bias)
+    return x + inner.mlp(inner.norm2(x))
+
+
+def test_sct_matches_reference_forward(tiny_vit):
+    channels = [[5, 1, 40, 7], [0, 2, 3, 47], [10, 11, 12, 13]]
+    model = petl.apply_sct(tiny_vit(), top_n=4, channels=channels)
+    _perturb(model)
+    x = torch.randn(2, 17, 48)
+    for block, chosen in zip(model.blocks, channels, strict=True):
+        assert sorted(block.index.tolist()) == sorted(chosen)
+        torch.testing.assert_close(block(x), _reference_sct_block(block, x), atol=1e-6, rtol=1e-6)
+
+
+def _batches(n_batches=3, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        (torch.randn(4, 3, 32, 32, generator=gen), torch.randint(0, 3, (4,), generator=gen)) for _ in range(n_batches)
+    ]
+
+
+def _reference_salient_channels(model, batches, top_n):
+    # train_model_sct.py L21-110 (sct_attn): hook blocks.i.norm2's input without the class token,
+    # per class the L2 norm over (samples, tokens), mean over classes, keep values above the
+    # (d-1-topN)-th smallest.
+    features = [[] for _ in model.blocks]
+    for i, block in enumerate(model.blocks):
+        block.norm2.register_forward_hook(lambda _m, inp, _out, i=i: features[i].append(inp[0][:, 1:]))
+    labels = []
+    with torch.no_grad():
+        for images, targets in batches:
+            labels.append(targets)
+            model(images)
+    labels = torch.cat(labels)
+    chosen = []
+    for per_layer in features:
+        feats = torch.cat(per_layer)
+        norms = torch.stack([torch.norm(feats[labels == c], 2, dim=(0, 1)) for c in labels.unique()])
+        fea = norms.mean(0)
+        threshold = fea.sort().values[fea.numel() - 1 - top_n]
+        chosen.append(tuple(torch.nonzero(fea > threshold).flatten().tolist()))
+    return tuple(chosen)
+
+
+def test_sct_selection_matches_reference(tiny_vit):
+    from petl.methods.sct import SctConfig, calibrate_sct, select_sct_channels
+
+    batches = _batches()
+    expected = _reference_salient_channels(tiny_vit(), batches, top_n=6)
+    assert select_sct_channels(tiny_vit(), batches, top_n=6) == expected
+    assert calibrate_sct(tiny_vit(), SctConfig(top_n=6), batches).channels == expected
+    # A selection on fewer batches differs (the data matter) and the model is left as it was.
+    model = tiny_vit()
+    assert select_sct_channels(model, batches, top_n=6, max_batches=1) != expected
+    assert not model.training and not model.blocks[0].norm2._forward_pre_hooks
+
+
+def test_sct_default_placeholder_and_bad_channels(tiny_vit, tmp_path, images):
+    model = petl.apply_sct(tiny_vit())
+    assert [b.index.tolist() for b in model.blocks] == [list(range(6))] * 3  # 48 // 8, the documented default
+    with pytest.raises(ValueError, match="blocks"):
+        petl.apply_sct(tiny_vit(), top_n=2, channels=[[0, 1]])
+    with pytest.raises(ValueError, match="distinct"):
+        petl.apply_sct(tiny_vit(), top_n=2, channels=[[0, 0], [0, 1], [0, 1]])
+    with pytest.raises(ValueError, match="outside"):
+        petl.apply_sct(tiny_vit(), top_n=2, channels=[[0, 48], [0, 1], [0, 1]])
+    with pytest.raises(ValueError, match="top_n"):
+        petl.apply_sct(tiny_vit(), top_n=49)
+    # Selected channels are part of the recorded config: a fresh backbone gets the same ones back.
+    channels = [[1, 2], [3, 4], [5, 47]]
+    trained = petl.apply_sct(tiny_vit(), top_n=2, channels=channels, num_classes=3)
+    _perturb(trained)
+    petl.save_trainable(trained, tmp_path / "sct.safetensors")
+    fresh = petl.load_trainable(tiny_vit(), tmp_path / "sct.safetensors")
+    assert [b.index.tolist() for b in fresh.blocks] == channels
+    assert torch.equal(fresh.eval()(images), trained.eval()(images))
+
+
+def test_sct_vit_base_count(vit_base):
+    assert _formula(vit_base, "sct") == 12 * (96 * 96 + 96) == 111_744  # published 0.11M
+    model = petl.apply(copy.deepcopy(vit_base), "sct", num_classes=10)
+    assert petl.count_params(model).trainable_no_head == 111_744

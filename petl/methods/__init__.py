@@ -12,6 +12,7 @@ from petl.methods.lora import apply_lora
 from petl.methods.mlp import apply_mlp
 from petl.methods.partial import apply_partial
 from petl.methods.peft_bridge import apply_peft
+from petl.methods.sct import apply_sct
 from petl.methods.vpt import apply_vpt
 
 __all__ = [
@@ -23,5 +24,6 @@ __all__ = [
     "apply_mlp",
     "apply_partial",
     "apply_peft",
+    "apply_sct",
     "apply_vpt",
 ]
