@@ -20,6 +20,7 @@ from petl.core import (
 )
 from petl.methods import (  # importing petl.methods registers every method
     apply_adapter,
+    apply_adapter_plus,
     apply_full,
     apply_hydra,
     apply_linear,
@@ -40,6 +41,7 @@ __all__ = [
     "PetlModule",
     "apply",
     "apply_adapter",
+    "apply_adapter_plus",
     "apply_full",
     "apply_hydra",
     "apply_linear",

@@ -292,3 +292,50 @@ def test_sct_vit_base_count(vit_base):
     assert _formula(vit_base, "sct") == 12 * (96 * 96 + 96) == 111_744  # published 0.11M
     model = petl.apply(copy.deepcopy(vit_base), "sct", num_classes=10)
     assert petl.count_params(model).trainable_no_head == 111_744
+
+
+# --- Adapter+ ----------------------------------------------------------------------------------
+
+
+def _reference_adapter_plus(block, x):
+    # visinf/adapter_plus vit_adapter.py L269-273 (forward_post) with Adapter.forward L91-102:
+    # x = block(x); x = x + scaling * bottleneck(x), no norm (norm_layer None), drop path off in eval.
+    inner = block.base
+    x = x + inner.attn(inner.norm1(x))
+    x = x + inner.mlp(inner.norm2(x))
+    h = F.gelu(F.linear(x, block.down.weight, block.down.bias))
+    return x + F.linear(h, block.up.weight, block.up.bias) * block.scaling
+
+
+def test_adapter_plus_matches_reference_forward(tiny_vit):
+    model = petl.apply_adapter_plus(tiny_vit()).eval()
+    _perturb(model)
+    x = torch.randn(2, 17, 48)
+    for block in model.blocks:
+        assert block.scaling.shape == (48,)
+        torch.testing.assert_close(block(x), _reference_adapter_plus(block, x), atol=1e-6, rtol=1e-6)
+
+
+def test_adapter_plus_init_and_drop_path(tiny_vit, images):
+    model = petl.apply_adapter_plus(tiny_vit(seed=1))
+    block = model.blocks[0]
+    # Houlsby init (vit_adapter.py L51-63): truncated normal std 0.01 within two std, zero biases; scales at one.
+    for linear in (block.down, block.up):
+        assert 0.005 < linear.weight.std() < 0.015 and linear.weight.abs().max() <= 0.02
+        assert linear.bias.abs().sum() == 0
+    assert torch.equal(block.scaling, torch.ones(48))
+    assert not block.training  # follows the eval backbone
+    _perturb(model)
+    model.train()
+    assert not torch.equal(model(images), model(images))  # drop path 0.1 acts in train mode
+    assert isinstance(petl.apply_adapter_plus(tiny_vit(), drop_path=0.0).blocks[0].drop_path, torch.nn.Identity)
+    with pytest.raises(ValueError, match="scaling"):
+        petl.apply_adapter_plus(tiny_vit(), scaling="per-token")
+
+
+def test_adapter_plus_vit_base_count(vit_base):
+    # No V-PETL row: 12 x (2 x 768 x 8 + 8 + 768 + 768) = 165,984 (0.17M) on ViT-B/16.
+    assert _formula(vit_base, "adapter_plus") == 165_984
+    assert _formula(vit_base, "adapter_plus", scaling="none") == 165_984 - 12 * 768
+    model = petl.apply(copy.deepcopy(vit_base), "adapter_plus", num_classes=10)
+    assert petl.count_params(model).trainable_no_head == 165_984
