@@ -21,6 +21,7 @@ from petl.core import (
 from petl.methods import (  # importing petl.methods registers every method
     apply_adapter,
     apply_adapter_plus,
+    apply_convpass,
     apply_full,
     apply_hydra,
     apply_linear,
@@ -42,6 +43,7 @@ __all__ = [
     "apply",
     "apply_adapter",
     "apply_adapter_plus",
+    "apply_convpass",
     "apply_full",
     "apply_hydra",
     "apply_linear",

@@ -40,6 +40,7 @@ VARIANTS = [(name, {}) for name in petl.list_methods()] + [
     ("sct", {"top_n": 3, "channels": [[0, 5, 9], [47, 1, 2], [10, 20, 30]]}),
     ("adapter_plus", {"dim": 3, "scaling": "learned", "dropout": 0.1, "drop_path": 0.0}),
     ("adapter_plus", {"scaling": "none"}),
+    ("convpass", {"dim": 3, "scale": 0.5, "xavier_conv": True, "dropout": 0.0}),
     ("hydra", {"dim": 3, "scale": 0.5, "dropout": 0.0, "targets": ["fc2"]}),
 ]
 IDS = [name + "".join(f"-{k}={v}" for k, v in opts.items()) for name, opts in VARIANTS]

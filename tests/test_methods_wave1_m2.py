@@ -339,3 +339,53 @@ def test_adapter_plus_vit_base_count(vit_base):
     assert _formula(vit_base, "adapter_plus", scaling="none") == 165_984 - 12 * 768
     model = petl.apply(copy.deepcopy(vit_base), "adapter_plus", num_classes=10)
     assert petl.count_params(model).trainable_no_head == 165_984
+
+
+# --- Convpass ----------------------------------------------------------------------------------
+
+
+def _reference_convpass(module, x, grid):
+    # OSU-MLB/PETL_Vision model/convpass.py L29-50, one class token: down, QuickGELU, the patch
+    # tokens as a grid and the class token as a 1x1 image through the same 3x3 conv, QuickGELU, up, x scale.
+    def quick_gelu(t):
+        return t * torch.sigmoid(1.702 * t)
+
+    b, _, _ = x.shape
+    r = module.down.out_features
+    h = quick_gelu(F.linear(x, module.down.weight, module.down.bias))
+    patches = h[:, 1:].reshape(b, grid, grid, r).permute(0, 3, 1, 2)
+    patches = F.conv2d(patches, module.conv.weight, module.conv.bias, padding=1)
+    patches = patches.permute(0, 2, 3, 1).reshape(b, grid * grid, r)
+    cls = F.conv2d(h[:, :1].reshape(b, 1, 1, r).permute(0, 3, 1, 2), module.conv.weight, module.conv.bias, padding=1)
+    h = quick_gelu(torch.cat([cls.permute(0, 2, 3, 1).reshape(b, 1, r), patches], dim=1))
+    return F.linear(h, module.up.weight, module.up.bias) * module.scale
+
+
+def test_convpass_matches_reference_forward(tiny_vit):
+    model = petl.apply_convpass(tiny_vit(), scale=3.0).eval()
+    _perturb(model)
+    x = torch.randn(2, 17, 48)  # class token + 4x4 patches
+    for block in model.blocks:
+        inner = block.attn.base, block.mlp.base
+        # model/block.py L98-104 / L140-146, parallel mode with the LN "after": both read norm_i(x).
+        h = x + inner[0](block.norm1(x)) + _reference_convpass(block.attn, block.norm1(x), 4)
+        expected = h + inner[1](block.norm2(h)) + _reference_convpass(block.mlp, block.norm2(h), 4)
+        torch.testing.assert_close(block(x), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_convpass_init_and_token_check(tiny_vit):
+    module = petl.apply_convpass(tiny_vit()).blocks[0].attn
+    centre = module.conv.weight[:, :, 1, 1]
+    assert torch.equal(centre, torch.eye(8)) and module.conv.weight.abs().sum() == 8
+    assert module.up.weight.abs().sum() == 0 and module.down.weight.abs().sum() > 0
+    xavier = petl.apply_convpass(tiny_vit(), xavier_conv=True).blocks[0].attn.conv.weight
+    assert not torch.equal(xavier[:, :, 1, 1], torch.eye(8))
+    with pytest.raises(ValueError, match="patch tokens"):
+        module.bypass(torch.randn(1, 10, 48))
+
+
+def test_convpass_vit_base_count(vit_base):
+    # No V-PETL row: 12 x 2 x (768*8 + 8 + 8*8*9 + 8 + 8*768 + 768) = 327,552 (0.33M) on ViT-B/16.
+    assert _formula(vit_base, "convpass") == 327_552
+    model = petl.apply(copy.deepcopy(vit_base), "convpass", num_classes=10)
+    assert petl.count_params(model).trainable_no_head == 327_552

@@ -6,6 +6,7 @@ the benchmark all read the registry.
 
 from petl.methods.adapter import apply_adapter
 from petl.methods.adapter_plus import apply_adapter_plus
+from petl.methods.convpass import apply_convpass
 from petl.methods.full import apply_full
 from petl.methods.hydra import apply_hydra
 from petl.methods.linear import apply_linear
@@ -19,6 +20,7 @@ from petl.methods.vpt import apply_vpt
 __all__ = [
     "apply_adapter",
     "apply_adapter_plus",
+    "apply_convpass",
     "apply_full",
     "apply_hydra",
     "apply_linear",
