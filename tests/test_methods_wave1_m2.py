@@ -260,7 +260,7 @@ def test_sct_selection_matches_reference(tiny_vit):
     batches = _batches()
     expected = _reference_salient_channels(tiny_vit(), batches, top_n=6)
     assert select_sct_channels(tiny_vit(), batches, top_n=6) == expected
-    assert calibrate_sct(tiny_vit(), SctConfig(top_n=6), batches).channels == expected
+    assert calibrate_sct(tiny_vit(), SctConfig(top_n=6), batches).channel_indices() == expected
     # A selection on fewer batches differs (the data matter) and the model is left as it was.
     model = tiny_vit()
     assert select_sct_channels(model, batches, top_n=6, max_batches=1) != expected
@@ -280,6 +280,9 @@ def test_sct_default_placeholder_and_bad_channels(tiny_vit, tmp_path, images):
         petl.apply_sct(tiny_vit(), top_n=49)
     # Selected channels are part of the recorded config: a fresh backbone gets the same ones back.
     channels = [[1, 2], [3, 4], [5, 47]]
+    assert petl.make_config("sct", channels="1, 2; 3,4;5 47").channels == ("1,2", "3,4", "5,47")
+    with pytest.raises(ValueError, match="channels"):
+        petl.make_config("sct", channels=["1,x"])
     trained = petl.apply_sct(tiny_vit(), top_n=2, channels=channels, num_classes=3)
     _perturb(trained)
     petl.save_trainable(trained, tmp_path / "sct.safetensors")

@@ -42,25 +42,32 @@ class SctConfig(core.MethodConfig):
 
     Attributes:
         top_n: channels tuned per block; ``None`` picks embed_dim // 8 (96 on ViT-B, the reference's topN).
-        channels: per block, the ``top_n`` channel indices to tune (from :func:`select_sct_channels`);
-            empty means the data-free placeholder ``0 .. top_n-1`` in every block.
+        channels: per block, the ``top_n`` channel indices to tune (from :func:`select_sct_channels`),
+            stored as one comma-separated string per block (``("3,17,40", ...)``) so that the CLI
+            schema and the saved config stay plain; lists of ints and a ``;``-separated string
+            (``"3,17,40;1,2,5"``) are accepted too.  Empty means the data-free placeholder
+            ``0 .. top_n-1`` in every block.
 
     """
 
     top_n: int | None = None
-    channels: tuple[tuple[int, ...], ...] = ()
+    channels: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        self.channels = tuple(tuple(int(c) for c in block) for block in self.channels)
+        self.channels = _normalise_channels(self.channels)
 
     def width(self, model: nn.Module) -> int:
         """The number of tuned channels per block on ``model``."""
         return vit.embed_dim(model) // DEFAULT_FRACTION if self.top_n is None else self.top_n
 
+    def channel_indices(self) -> tuple[tuple[int, ...], ...]:
+        """``channels`` parsed into one tuple of ints per block."""
+        return tuple(tuple(int(c) for c in block.split(",")) for block in self.channels)
+
     def channels_for(self, model: nn.Module) -> tuple[tuple[int, ...], ...]:
         """The channel indices per block: ``channels`` or the placeholder."""
         if self.channels:
-            return self.channels
+            return self.channel_indices()
         return tuple(tuple(range(self.width(model))) for _ in range(vit.depth(model)))
 
     def validate(self, model: nn.Module) -> None:
@@ -71,11 +78,26 @@ class SctConfig(core.MethodConfig):
             return
         if len(self.channels) != depth:
             raise ValueError(f"channels lists {len(self.channels)} blocks; the model has {depth}")
-        for i, block in enumerate(self.channels):
+        for i, block in enumerate(self.channel_indices()):
             if len(block) != self.width(model) or len(set(block)) != len(block):
                 raise ValueError(f"channels[{i}] must hold {self.width(model)} distinct indices, got {len(block)}")
             if min(block) < 0 or max(block) >= d:
                 raise ValueError(f"channels[{i}] has an index outside [0, {d - 1}]")
+
+
+def _normalise_channels(value: Any) -> tuple[str, ...]:
+    """Per-block channel lists in any accepted form -> one ``"i,j,k"`` string per block."""
+    blocks = [part for part in value.split(";") if part.strip()] if isinstance(value, str) else list(value)
+    out = []
+    for block in blocks:
+        items = block.replace(",", " ").split() if isinstance(block, str) else list(block)
+        if not items:
+            raise ValueError(f"channels={value!r} has an empty block: give each block its channel indices")
+        try:
+            out.append(",".join(str(int(item)) for item in items))
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"channels={value!r}: every entry must be a list of channel indices ({err})") from err
+    return tuple(out)
 
 
 class SctBlock(core.PetlModule):
