@@ -39,12 +39,12 @@ def _formula(vit_base, method, **options) -> int:
 
 
 def _reference_hydra_branch(branch, x, scale):
-    # extremebird/Hydra vtab1k/hydra.py L55-57: up(dropout(down(x))) * scale (dropout off in eval).
+    # extremebird/Hydra vtab1k/hydra.py L59-61: up(dropout(down(x))) * scale (dropout off in eval).
     return F.linear(F.linear(x, branch.down.weight, branch.down.bias), branch.up.weight, branch.up.bias) * scale
 
 
 def _reference_hydra_block(block, x):
-    # vtab1k/hydra.py L8-38: the branches read the input (parallel) and output (sequential) of
+    # vtab1k/hydra.py L8-41: the branches read the input (parallel) and output (sequential) of
     # attn.proj and mlp.fc2, and all three terms are summed before the dropout.
     attn, mlp = block.attn, block.mlp
     b, n, c = x.shape
@@ -87,7 +87,7 @@ def test_hydra_merge_matches_reference_reparameterize(tiny_vit):
     fc2 = model.blocks[0].mlp.fc2
     with torch.no_grad():
         fc2.base.bias.normal_()  # timm starts biases at zero, which would hide a wrong bias fold
-    # hydra.py L61-71 in nn.Linear's (out, in) layout: W = W0 + s (Wp + Ws W0), b = b0 + s (Ws b0 + bp + bs).
+    # hydra.py L65-74 in nn.Linear's (out, in) layout: W = W0 + s (Wp + Ws W0), b = b0 + s (Ws b0 + bp + bs).
     wp = fc2.parallel.up.weight @ fc2.parallel.down.weight
     bp = fc2.parallel.up.weight @ fc2.parallel.down.bias + fc2.parallel.up.bias
     ws = fc2.sequential.up.weight @ fc2.sequential.down.weight

@@ -5,13 +5,14 @@ For a frozen Linear ``y = W0 x + b0`` Hydra adds two bottlenecks (Kim et al., 20
 sequential branch ``S`` reads its output.  Both are linear (down, dropout, up), so at inference
 they fold into the frozen weight: ``W = W0 + s * (Up Dp + Us Ds W0)``.
 
-Follows extremebird/Hydra@b8f5a11 vtab1k/hydra.py: ``forward_vit_hydra_ffn`` / ``forward_vit_hydra_attn``
-(L8-38: the branches on fc2 and attn.proj), ``Hydra_layer`` (L40-57: down, dropout, up, times scale;
-xavier-uniform down weight, zeros elsewhere), ``reparameterize`` (L61-71), ``set_hydra`` (L74-89:
-both branches on both Linears); defaults from vtab1k/train.py L57-60 (dim 2) and the VTAB configs
+Follows extremebird/Hydra@4138457 vtab1k/hydra.py: ``forward_vit_hydra_ffn`` / ``forward_vit_hydra_attn``
+(L8-41: the branches on fc2 and attn.proj), ``Hydra_layer`` (L43-61: down, dropout, up, times scale;
+xavier-uniform down weight, zeros elsewhere), ``reparameterize`` (L65-74), ``set_hydra`` (L77-94:
+both branches on both Linears); defaults from vtab1k/train.py L60-62 (dim 2) and the VTAB configs
 (configs/hydra_both/cifar.yaml: scale 0.1, dropout 0.2).  V-PETL Bench lists Hydra, but its
 ImageClassification/models/vision_transformer_hydra.py is a copy of its VPT-shallow model, so the
-Hydra authors' repository is the reference here.
+Hydra authors' repository is the reference here.  (Its ``set_hydraWeight`` L118 folds the attention
+branches into ``mlp.fc2``'s weight, a slip; petl merges each Linear with its own weight.)
 """
 
 from __future__ import annotations

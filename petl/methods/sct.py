@@ -12,7 +12,7 @@ data-free placeholder, the first ``top_n`` channels of every block, so that it c
 tested anywhere; that is NOT the paper's selection.
 
 Follows synbol/Parameter-Efficient-Transfer-Learning-Benchmark@c188fad (V-PETL Bench):
-ImageClassification/models/vision_transformer_sct.py L272-306 (``ChannelAdapter``: Linear(topN, topN),
+ImageClassification/models/vision_transformer_sct.py L272-307 (``ChannelAdapter``: Linear(topN, topN),
 trunc-normal std 0.02 weight, zero bias, added to the selected channels) and L340-346 (``sct_attn``:
 applied between the attention and MLP residuals); ImageClassification/train/train_model_sct.py
 L21-110 (``getSalientChannels``: hook the input of ``blocks.i.norm2``, drop the class token, per
