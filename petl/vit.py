@@ -7,6 +7,10 @@ Q, K and V with one Linear whose output rows are laid out as Q = [0, d), K = [d,
 
 from __future__ import annotations
 
+from typing import Any
+
+import torch
+from timm.models.vision_transformer import Block
 from torch import nn
 
 SUPPORTED = (
@@ -140,3 +144,43 @@ def reset_head(model: nn.Module, num_classes: int) -> None:
 def final_norms(model: nn.Module) -> list[nn.Module]:
     """The norms after the last block (``norm`` and ``fc_norm``), those that exist."""
     return [m for m in (getattr(model, "norm", None), getattr(model, "fc_norm", None)) if isinstance(m, nn.Module)]
+
+
+def attn(block: nn.Module) -> nn.Module:
+    """The attention sub-module of a block; its input is the block's first norm output."""
+    return block.attn
+
+
+def set_attn(block: nn.Module, module: nn.Module) -> None:
+    """Replace the attention of a block (see :func:`attn`); timm calls it with ``attn_mask`` keywords."""
+    block.attn = module
+
+
+def attn_residual(block: nn.Module, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+    """The first half of a pre-norm timm block: ``x + attn(norm1(x))`` (layer scale, drop path included).
+
+    Methods that act on the residual stream between the two halves run the halves themselves.
+    """
+    return x + block.drop_path1(block.ls1(block.attn(block.norm1(x), **kwargs)))
+
+
+def mlp_residual(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The second half of a pre-norm timm block: ``x + mlp(norm2(x))`` (see :func:`attn_residual`)."""
+    return x + block.drop_path2(block.ls2(block.mlp(block.norm2(x))))
+
+
+def mlp_norm(block: nn.Module) -> nn.Module:
+    """The norm in front of a block's MLP (its input is the residual stream after attention)."""
+    return block.norm2
+
+
+def check_pre_norm_block(block: nn.Module) -> None:
+    """Raise a ValueError unless ``block`` is timm's pre-norm ``Block`` (what the halves above assume)."""
+    if type(block) is not Block:
+        raise ValueError(f"this method needs timm's pre-norm vision_transformer.Block; got {type(block).__name__}")
+
+
+def grid_size(model: nn.Module) -> tuple[int, int]:
+    """Patch-token grid (rows, columns) of the patch embedding at the model's image size."""
+    rows, cols = model.patch_embed.grid_size
+    return int(rows), int(cols)

@@ -32,6 +32,16 @@ VARIANTS = [(name, {}) for name in petl.list_methods()] + [
     ("partial", {"k": 2}),
     ("mlp", {"k": 1}),
     ("peft", {"target_modules": ["qkv", "fc2"], "options": '{"r": 4, "lora_alpha": 8}'}),
+    (
+        "peft",
+        {"peft_type": "LORA", "target_modules": ["qkv"], "options": '{"r": 8, "lora_alpha": 8, "use_dora": true}'},
+    ),
+    ("peft", {"peft_type": "IA3", "target_modules": ["qkv", "fc2"], "options": '{"feedforward_modules": ["fc2"]}'}),
+    ("sct", {"top_n": 3, "channels": [[0, 5, 9], [47, 1, 2], [10, 20, 30]]}),
+    ("adapter_plus", {"dim": 3, "scaling": "learned", "dropout": 0.1, "drop_path": 0.0}),
+    ("adapter_plus", {"scaling": "none"}),
+    ("convpass", {"dim": 3, "scale": 0.5, "xavier_conv": True, "dropout": 0.0}),
+    ("hydra", {"dim": 3, "scale": 0.5, "dropout": 0.0, "targets": ["fc2"]}),
 ]
 IDS = [name + "".join(f"-{k}={v}" for k, v in opts.items()) for name, opts in VARIANTS]
 MERGEABLE = [v for v in VARIANTS if petl.get_method(v[0]).mergeable]

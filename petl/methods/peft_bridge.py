@@ -12,6 +12,7 @@ import copy
 import dataclasses
 import enum
 import json
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -142,7 +143,9 @@ def config_from_peft(peft_config: PeftConfig, num_classes: int | None = None) ->
 
 
 def _count_by_injecting(model: nn.Module, cfg: PeftBridgeConfig) -> int:
-    # Tuners other than plain LoRA have shapes peft alone knows; count them on a throwaway copy.
+    # Tuners and options without a closed form below have shapes peft alone knows; count them on a
+    # throwaway copy.  (This agrees with the injected model by construction, so the contract test
+    # cannot catch a wrong count for them: add a closed form when a tuner becomes a preset.)
     from peft import inject_adapter_in_model
 
     trial = copy.deepcopy(model)
@@ -152,22 +155,70 @@ def _count_by_injecting(model: nn.Module, cfg: PeftBridgeConfig) -> int:
     return sum(p.numel() for p in trial.parameters() if p.requires_grad and id(p) not in head_ids)
 
 
-def _formula(model: nn.Module, cfg: PeftBridgeConfig) -> int:
+def _target_linears(model: nn.Module, peft_config: PeftConfig) -> list[tuple[str, nn.Linear]]:
+    """The Linears outside the head that peft's own matcher says ``target_modules`` names."""
     from peft.tuners.tuners_utils import check_target_module_exists
 
-    peft_config = cfg.to_peft()
-    if cfg.peft_type != "LORA" or not set(cfg.extra_options()) <= _PLAIN_LORA_OPTIONS:
-        return _count_by_injecting(model, cfg)
     head_ids = {id(m) for m in vit.head(model).modules()}
-    rank = peft_config.r
-    # peft's own matcher decides which Linears its target_modules name, so the count agrees with it.
-    return sum(
-        rank * (module.in_features + module.out_features)
+    return [
+        (name, module)
         for name, module in model.named_modules()
         if isinstance(module, nn.Linear)
         and id(module) not in head_ids
         and check_target_module_exists(peft_config, name)
+    ]
+
+
+def _is_feedforward(peft_config: PeftConfig, name: str) -> bool:
+    # The rule of peft 0.21 tuners/ia3/model.py IA3Model._check_target_module_feedforward: a regex
+    # string must match the whole module name, a list entry its end.
+    modules = peft_config.feedforward_modules or ()
+    if isinstance(modules, str):
+        return re.fullmatch(modules, name) is not None
+    return any(name.endswith(key) for key in modules)
+
+
+def _lora_count(model: nn.Module, peft_config: PeftConfig) -> int:
+    # A: r x in, B: out x r; DoRA adds one magnitude per output row (peft lora/dora.py, DoraLinearLayer).
+    magnitude = 1 if peft_config.use_dora else 0
+    return sum(
+        peft_config.r * (m.in_features + m.out_features) + magnitude * m.out_features
+        for _, m in _target_linears(model, peft_config)
     )
+
+
+def _ia3_count(model: nn.Module, peft_config: PeftConfig) -> int:
+    # One scale per input feature of a feedforward module, else per output feature (peft ia3/layer.py, Linear).
+    return sum(
+        m.in_features if _is_feedforward(peft_config, name) else m.out_features
+        for name, m in _target_linears(model, peft_config)
+    )
+
+
+# peft type -> (closed-form counter, the options it accounts for: the others may add tensors).
+_CLOSED_FORMS = {
+    "LORA": (_lora_count, _PLAIN_LORA_OPTIONS | {"use_dora"}),
+    "IA3": (_ia3_count, {"feedforward_modules", "init_ia3_weights", "fan_in_fan_out"}),
+}
+
+
+def _formula(model: nn.Module, cfg: PeftBridgeConfig) -> int:
+    peft_config = cfg.to_peft()
+    counter, options = _CLOSED_FORMS.get(cfg.peft_type, (None, set()))
+    if counter is None or not set(cfg.extra_options()) - {"target_modules"} <= options:
+        return _count_by_injecting(model, cfg)
+    return counter(model, peft_config)
+
+
+# Named presets: keyword options for ``petl.apply(model, "peft", **PRESETS[name])`` (README, "peft presets").
+PRESETS: dict[str, dict[str, Any]] = {
+    # DoRA (Liu et al., 2024): LoRA's low-rank direction plus a trained per-row magnitude, on the
+    # fused qkv like petl's LoRA default, rank 8.
+    "dora": {"peft_type": "LORA", "target_modules": ("qkv",), "options": '{"r": 8, "lora_alpha": 8, "use_dora": true}'},
+    # IA3 (Liu et al., 2022): learned rescaling of attention outputs and of the MLP's hidden
+    # activations.  timm fuses q, k and v, so the qkv scale covers q too (the paper scales k and v).
+    "ia3": {"peft_type": "IA3", "target_modules": ("qkv", "fc2"), "options": '{"feedforward_modules": ["fc2"]}'},
+}
 
 
 @core.register_method("peft", PeftBridgeConfig, trainable_formula=_formula, zero_init=True, mergeable=True)

@@ -1,0 +1,149 @@
+"""Convpass: a convolutional bypass beside each block's attention and MLP (Jie & Deng, 2022).
+
+The bypass reads what the attention (or MLP) reads, the normalised tokens, and adds
+``scale * up(drop(act(conv3x3(act(down(x))))))``: the patch tokens are laid back on their image grid
+for a 3x3 convolution in the bottleneck, so the branch sees spatial neighbours that a token-wise
+adapter cannot.  The class and register tokens each pass through the same convolution as a 1x1
+image (only its centre tap acts).  ``up`` starts at zero, so the model is unchanged at init.
+
+Follows OSU-MLB/PETL_Vision@245d262 model/convpass.py L5-55 (``ConvPass``: down, QuickGELU, 3x3
+conv initialised to zero plus the identity at the centre tap, QuickGELU, dropout 0.1, up, times
+``convpass_scaler``; down/up initialised by model/utils.py ``init_weight`` "lora_xavier":
+xavier-uniform down, zero up, zero biases) and model/block.py L98-104, L140-146 (parallel mode, "ln
+after": beside attention and MLP, reading norm1/norm2 outputs); defaults from main.py L104-111
+(bottleneck 8, conv identity init, scaler 10) and experiment/config/method/convpass.yml.  The
+reference adds the bypass inside the block's drop path with a mask of its own; petl adds it inside
+the attention/MLP output, so one drop-path mask covers both (identical at inference).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from petl import core, vit
+
+
+@dataclass
+class ConvpassConfig(core.MethodConfig):
+    """Options of Convpass.
+
+    Attributes:
+        dim: bottleneck channels of the bypass (``convpass_bottleneck``, 8).
+        scale: factor on the bypass output (``convpass_scaler``, 10).
+        xavier_conv: draw the 3x3 conv from xavier-uniform instead of starting it at the identity.
+        dropout: dropout before the up projection (train mode only; the reference fixes 0.1).
+
+    """
+
+    dim: int = 8
+    scale: float = 10.0
+    xavier_conv: bool = False
+    dropout: float = 0.1
+
+    def validate(self, model: nn.Module) -> None:
+        super().validate(model)
+        core.check_range("dim", self.dim, low=1)
+        if self.scale == 0:
+            raise ValueError("scale=0 switches the bypass off: choose a non-zero scale")
+        core.check_dropout("dropout", self.dropout)
+
+
+class _QuickGELU(nn.Module):
+    """x * sigmoid(1.702 x), the GELU approximation the reference uses."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.sigmoid(1.702 * x)
+
+
+class ConvpassParallel(core.PetlModule):
+    """A frozen attention or MLP plus the convolutional bypass reading the same (normalised) tokens.
+
+    Args:
+        base: the block's attention or MLP; it stays frozen and is kept as ``base``.
+        width: the token width.
+        grid: patch-token grid (rows, columns).
+        num_prefix: class and register tokens ahead of the patch tokens.
+        cfg: the method's options.
+
+    """
+
+    def __init__(
+        self, base: nn.Module, width: int, grid: tuple[int, int], num_prefix: int, cfg: ConvpassConfig
+    ) -> None:
+        super().__init__(base)
+        kw = core.factory_kwargs(base)
+        r = cfg.dim
+        self.grid, self.num_prefix, self.scale = grid, num_prefix, cfg.scale
+        self.down = nn.Linear(width, r, **kw)
+        self.act = _QuickGELU()
+        self.conv = nn.Conv2d(r, r, kernel_size=3, padding=1, **kw)
+        self.dropout = nn.Dropout(cfg.dropout) if cfg.dropout > 0 else nn.Identity()
+        self.up = nn.Linear(r, width, **kw)
+        with torch.no_grad():
+            if cfg.xavier_conv:
+                nn.init.xavier_uniform_(self.conv.weight)
+            else:
+                # Zero except the identity at the centre tap: the conv starts as a pass-through.
+                self.conv.weight.zero_()
+                self.conv.weight[:, :, 1, 1] = torch.eye(r, **kw)
+            nn.init.zeros_(self.conv.bias)
+            nn.init.xavier_uniform_(self.down.weight)
+            nn.init.zeros_(self.down.bias)
+            nn.init.zeros_(self.up.weight)
+            nn.init.zeros_(self.up.bias)
+        # New modules start in train mode; follow the wrapped layer so an eval model stays in eval.
+        self.train(base.training)
+
+    def bypass(self, x: torch.Tensor) -> torch.Tensor:
+        """The convolutional bypass on tokens ``x`` (batch, tokens, width)."""
+        b, n, _ = x.shape
+        rows, cols = self.grid
+        p = self.num_prefix
+        if n - p != rows * cols:
+            raise ValueError(f"Convpass expects {p} prefix + {rows}x{cols} patch tokens, got {n} tokens")
+        h = self.act(self.down(x))
+        r = h.shape[-1]
+        patches = h[:, p:].reshape(b, rows, cols, r).permute(0, 3, 1, 2)
+        patches = self.conv(patches).permute(0, 2, 3, 1).reshape(b, rows * cols, r)
+        # Each prefix token is its own 1x1 image, as in the reference's class-token path.
+        prefix = self.conv(h[:, :p].reshape(b * p, r, 1, 1)).reshape(b, p, r)
+        h = self.dropout(self.act(torch.cat([prefix, patches], dim=1)))
+        return self.up(h) * self.scale
+
+    def forward(self, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        # timm calls attention with attn_mask / is_causal keywords; the bypass does not use them.
+        return self.base(x, **kwargs) + self.bypass(x)
+
+
+def _formula(model: nn.Module, cfg: ConvpassConfig) -> int:
+    d, r = vit.embed_dim(model), cfg.dim
+    # down d*r + r, conv r*r*9 + r, up r*d + d; one bypass beside attention and one beside the MLP.
+    return vit.depth(model) * 2 * (2 * d * r + 2 * r + 9 * r * r + d)
+
+
+@core.register_method("convpass", ConvpassConfig, trainable_formula=_formula, zero_init=True)
+def inject_convpass(model: nn.Module, cfg: ConvpassConfig) -> None:
+    """Convpass: a 3x3 convolutional bypass beside every attention and MLP."""
+    width, grid, prefix = vit.embed_dim(model), vit.grid_size(model), vit.num_prefix_tokens(model)
+    for block in vit.blocks(model):
+        vit.set_attn(block, ConvpassParallel(vit.attn(block), width, grid, prefix, cfg))
+        vit.set_mlp(block, ConvpassParallel(vit.mlp(block), width, grid, prefix, cfg))
+
+
+def apply_convpass(model: nn.Module, **options: Any) -> nn.Module:
+    """Add a convolutional bypass beside the attention and MLP of every block; freeze everything else but the head.
+
+    Args:
+        model: a timm VisionTransformer.
+        **options: fields of :class:`ConvpassConfig` (``dim``, ``scale``, ``xavier_conv``,
+            ``dropout``, ``num_classes``).
+
+    Returns:
+        The same model, modified in place.
+
+    """
+    return core.apply(model, "convpass", **options)

@@ -1,0 +1,213 @@
+"""SCT, salient channel tuning: a small Linear on a few task-salient channels of the residual stream.
+
+In every block, right after the attention residual, the ``top_n`` selected channels ``x[..., idx]``
+get ``x[..., idx] + W x[..., idx] + b`` (Zhao et al., 2024, "SCT: A Simple Baseline for
+Parameter-Efficient Fine-Tuning via Salient Channels"); the rest of the block is untouched.
+
+The channels come from the task's data: :func:`select_sct_channels` runs the frozen backbone over
+the training images and keeps, per block, the ``top_n`` channels with the largest class-averaged L2
+norm of the patch tokens entering the MLP half.  Pass its result as ``channels``, or call
+:func:`calibrate_sct` to fill a config.  Without ``channels`` the method uses a deterministic,
+data-free placeholder, the first ``top_n`` channels of every block, so that it can be built and
+tested anywhere; that is NOT the paper's selection.
+
+Follows synbol/Parameter-Efficient-Transfer-Learning-Benchmark@c188fad (V-PETL Bench):
+ImageClassification/models/vision_transformer_sct.py L272-307 (``ChannelAdapter``: Linear(topN, topN),
+trunc-normal std 0.02 weight, zero bias, added to the selected channels) and L340-346 (``sct_attn``:
+applied between the attention and MLP residuals); ImageClassification/train/train_model_sct.py
+L21-110 (``getSalientChannels``: hook the input of ``blocks.i.norm2``, drop the class token, per
+class the L2 norm over samples and tokens, mean over classes, top-N) and scripts/run_model_sct.sh
+(topN 96, tuning_mode sct_attn).  The reference's ``scale`` option is unused by its forward
+(commented out at L298-302), so petl has none.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from petl import core, vit
+
+# The reference's topN=96 on ViT-B's 768 channels: one in eight.
+DEFAULT_FRACTION = 8
+
+
+@dataclass
+class SctConfig(core.MethodConfig):
+    """Options of SCT.
+
+    Attributes:
+        top_n: channels tuned per block; ``None`` picks embed_dim // 8 (96 on ViT-B, the reference's topN).
+        channels: per block, the ``top_n`` channel indices to tune (from :func:`select_sct_channels`),
+            stored as one comma-separated string per block (``("3,17,40", ...)``) so that the CLI
+            schema and the saved config stay plain; lists of ints and a ``;``-separated string
+            (``"3,17,40;1,2,5"``) are accepted too.  Empty means the data-free placeholder
+            ``0 .. top_n-1`` in every block.
+
+    """
+
+    top_n: int | None = None
+    channels: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        self.channels = _normalise_channels(self.channels)
+
+    def width(self, model: nn.Module) -> int:
+        """The number of tuned channels per block on ``model``."""
+        return vit.embed_dim(model) // DEFAULT_FRACTION if self.top_n is None else self.top_n
+
+    def channel_indices(self) -> tuple[tuple[int, ...], ...]:
+        """``channels`` parsed into one tuple of ints per block."""
+        return tuple(tuple(int(c) for c in block.split(",")) for block in self.channels)
+
+    def channels_for(self, model: nn.Module) -> tuple[tuple[int, ...], ...]:
+        """The channel indices per block: ``channels`` or the placeholder."""
+        if self.channels:
+            return self.channel_indices()
+        return tuple(tuple(range(self.width(model))) for _ in range(vit.depth(model)))
+
+    def validate(self, model: nn.Module) -> None:
+        super().validate(model)
+        d, depth = vit.embed_dim(model), vit.depth(model)
+        core.check_range("top_n", self.width(model), low=1, high=d)
+        if not self.channels:
+            return
+        if len(self.channels) != depth:
+            raise ValueError(f"channels lists {len(self.channels)} blocks; the model has {depth}")
+        for i, block in enumerate(self.channel_indices()):
+            if len(block) != self.width(model) or len(set(block)) != len(block):
+                raise ValueError(f"channels[{i}] must hold {self.width(model)} distinct indices, got {len(block)}")
+            if min(block) < 0 or max(block) >= d:
+                raise ValueError(f"channels[{i}] has an index outside [0, {d - 1}]")
+
+
+def _normalise_channels(value: Any) -> tuple[str, ...]:
+    """Per-block channel lists in any accepted form -> one ``"i,j,k"`` string per block."""
+    blocks = [part for part in value.split(";") if part.strip()] if isinstance(value, str) else list(value)
+    out = []
+    for block in blocks:
+        items = block.replace(",", " ").split() if isinstance(block, str) else list(block)
+        if not items:
+            raise ValueError(f"channels={value!r} has an empty block: give each block its channel indices")
+        try:
+            out.append(",".join(str(int(item)) for item in items))
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"channels={value!r}: every entry must be a list of channel indices ({err})") from err
+    return tuple(out)
+
+
+class SctBlock(core.PetlModule):
+    """A frozen pre-norm block whose residual stream gets ``x[..., idx] += W x[..., idx] + b`` after attention.
+
+    Args:
+        base: the timm Block; it stays frozen and is kept as ``base``.
+        channels: the indices ``idx`` of the tuned channels.
+
+    """
+
+    def __init__(self, base: nn.Module, channels: tuple[int, ...]) -> None:
+        vit.check_pre_norm_block(base)
+        super().__init__(base)
+        kw = core.factory_kwargs(base)
+        self.register_buffer("index", torch.tensor(channels, dtype=torch.long, device=kw["device"]), persistent=False)
+        self.linear = nn.Linear(len(channels), len(channels), **kw)
+        nn.init.trunc_normal_(self.linear.weight, std=0.02)
+        nn.init.zeros_(self.linear.bias)
+
+    def forward(self, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        # timm passes attn_mask / is_causal by keyword; they belong to the attention half.
+        x = vit.attn_residual(self.base, x, **kwargs)
+        # index_add returns a new tensor: the reference's in-place update would trip autograd here.
+        x = x.index_add(-1, self.index, self.linear(x.index_select(-1, self.index)))
+        return vit.mlp_residual(self.base, x)
+
+
+def _formula(model: nn.Module, cfg: SctConfig) -> int:
+    n = cfg.width(model)
+    return vit.depth(model) * (n * n + n)
+
+
+@core.register_method("sct", SctConfig, trainable_formula=_formula)
+def inject_sct(model: nn.Module, cfg: SctConfig) -> None:
+    """SCT: a Linear on the top_n salient residual channels after each block's attention."""
+    for i, channels in enumerate(cfg.channels_for(model)):
+        vit.set_block(model, i, SctBlock(vit.block_container(model)[i], channels))
+
+
+@torch.no_grad()
+def select_sct_channels(
+    model: nn.Module, loader: Iterable, top_n: int | None = None, max_batches: int | None = None
+) -> tuple[tuple[int, ...], ...]:
+    """Pick each block's salient channels from the task's training data (run before :func:`apply_sct`).
+
+    Args:
+        model: the frozen backbone, before SCT is applied.
+        loader: yields ``(images, labels)`` batches; use the training set without augmentation.
+        top_n: channels per block; ``None`` picks embed_dim // 8.
+        max_batches: stop after this many batches (``None``: the whole loader).
+
+    Returns:
+        Per block, the ``top_n`` channel indices in ascending order: the ``channels`` option.
+
+    """
+    n = SctConfig(top_n=top_n).width(model)
+    prefix, was_training = vit.num_prefix_tokens(model), model.training
+    sums: list[dict[int, torch.Tensor]] = [{} for _ in range(vit.depth(model))]
+    labels: torch.Tensor | None = None
+
+    def record(i: int) -> Any:
+        def hook(_module: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+            # Per class, the squared norm over every sample and patch token of each channel.
+            squares = args[0][:, prefix:].double().pow(2).sum(dim=1)
+            for label in labels.unique().tolist():
+                part = squares[labels == label].sum(dim=0)
+                sums[i][label] = sums[i].get(label, 0) + part
+
+        return hook
+
+    handles = [vit.mlp_norm(block).register_forward_pre_hook(record(i)) for i, block in enumerate(vit.blocks(model))]
+    try:
+        model.eval()
+        device = next(model.parameters()).device
+        for step, (images, targets) in enumerate(loader):
+            if max_batches is not None and step >= max_batches:
+                break
+            labels = torch.as_tensor(targets).to(device)
+            model(images.to(device))
+    finally:
+        for handle in handles:
+            handle.remove()
+        model.train(was_training)
+    if not sums[0]:
+        raise ValueError("select_sct_channels got no batches from the loader")
+    selected = []
+    for per_class in sums:
+        salience = torch.stack([per_class[c].sqrt() for c in sorted(per_class)]).mean(dim=0)
+        selected.append(tuple(sorted(salience.topk(n).indices.tolist())))
+    return tuple(selected)
+
+
+def calibrate_sct(model: nn.Module, cfg: SctConfig, loader: Iterable, max_batches: int | None = None) -> SctConfig:
+    """``cfg`` with ``channels`` selected on ``loader`` by :func:`select_sct_channels` (unchanged if already set)."""
+    if cfg.channels:
+        return cfg
+    return replace(cfg, channels=select_sct_channels(model, loader, cfg.top_n, max_batches))
+
+
+def apply_sct(model: nn.Module, **options: Any) -> nn.Module:
+    """Add SCT to every block of ``model`` and freeze everything else but the head.
+
+    Args:
+        model: a timm VisionTransformer.
+        **options: fields of :class:`SctConfig` (``top_n``, ``channels``, ``num_classes``); pass
+            ``channels=select_sct_channels(model, train_loader)`` for the paper's data-driven choice.
+
+    Returns:
+        The same model, modified in place.
+
+    """
+    return core.apply(model, "sct", **options)
