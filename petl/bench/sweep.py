@@ -24,8 +24,8 @@ from tqdm.auto import tqdm
 
 from petl.bench.rss import reset_peak_rss
 from petl.bench.suite import Experiment, format_value
+from petl.run.records import RESULT_FILE
 
-RESULT_FILE = "result.json"
 LOCK_FILE = ".petl-bench.lock"
 ERROR_FILE = "error.log"
 
@@ -42,11 +42,12 @@ class PlannedRun:
     seed: int
     run_dir: Path
     overrides: tuple[str, ...]
+    name: str = ""
 
     @property
     def label(self) -> str:
-        """Short name for progress lines."""
-        return f"{self.task} {self.experiment} seed{self.seed}"
+        """Short name for progress lines (``name`` if given, e.g. a selection trial's)."""
+        return self.name or f"{self.task} {self.experiment} seed{self.seed}"
 
     def is_done(self) -> bool:
         """Whether the run has already written its result."""
@@ -152,13 +153,24 @@ class SweepSummary:
     trained: int = 0
     held_elsewhere: list[str] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)
+    waiting: list[str] = field(default_factory=list)
 
     def line(self) -> str:
         """One-line summary for the console."""
+        waiting = f", {len(self.waiting)} cells waiting for their search" if self.waiting else ""
         return (
             f"{self.total} runs: {self.already_done} already done, {self.trained} trained, "
-            f"{len(self.held_elsewhere)} held by another sweep, {len(self.failed)} failed"
+            f"{len(self.held_elsewhere)} held by another sweep, {len(self.failed)} failed{waiting}"
         )
+
+    def merge(self, other: SweepSummary) -> None:
+        """Add another sweep's counts and lists to this one."""
+        self.total += other.total
+        self.already_done += other.already_done
+        self.trained += other.trained
+        self.held_elsewhere += other.held_elsewhere
+        self.failed += other.failed
+        self.waiting += other.waiting
 
 
 def _default_fns() -> tuple[TrainFn, ComposeFn]:
