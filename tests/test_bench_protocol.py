@@ -60,7 +60,8 @@ def write_bench(folder: Path) -> None:
         "  train.lr: [1.0e-3, 3.0e-2]\n"
         "train: {epochs: 1, batch_size: 200}\n"
         # The default 32 px FractalDB architecture, shrunk: random weights, no download.
-        "model: {name: vit_fractal_tiny_patch4_32, pretrained: false, kwargs: {depth: 1, embed_dim: 32, num_heads: 2}}\n"
+        "model: {name: vit_fractal_tiny_patch4_32, pretrained: false,\n"
+        "        kwargs: {depth: 1, embed_dim: 32, num_heads: 2}}\n"
     )
 
 
@@ -205,7 +206,8 @@ def test_ties_go_to_the_first_grid_point_and_finals_use_the_choice(tmp_path):
     exp = suites.Experiment("e", {"name": "lora"})
     cells = protocol.plan_cells(suite, [exp], ["mini/digits"], [0, 1], tmp_path)
     trained: list = []
-    summary = protocol.run_protocol(cells, progress=False, **_fake_trainer({1e-3: 60.0, 1e-2: 70.0, 1e-1: 70.0}, trained))
+    fakes = _fake_trainer({1e-3: 60.0, 1e-2: 70.0, 1e-1: 70.0}, trained)
+    summary = protocol.run_protocol(cells, progress=False, **fakes)
     assert summary.trained == 5 and not summary.failed and not summary.waiting
     trials, finals = trained[:3], trained[3:]
     assert all(t["data.split"] == "train800" and t["seed"] == "0" for t in trials)
