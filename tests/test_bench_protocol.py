@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from petl.bench import cli, protocol
+from petl.bench import cli, protocol, sweep
 from petl.bench import suite as suites
 from petl.bench.sweep import PlannedRun
 from petl.data.vtab import FileListDataset
@@ -246,7 +246,10 @@ def test_suite_file_validation(tmp_path):
         "search:\n  lr: [1]\n": "search key 'lr'",
         "search:\n  train.lr: []\n": "must list at least one value",
         "search:\n  data.split: [train800]\n": "search key 'data.split'",
-        "final_split: train800\n": "needs a `search:` space",
+        "search_seed: 1\n": "needs a `search:` space",
+        "per_task: {vpt: {mini/digits: {train.lr: 0.1}}}\n": "'vpt' is not one of the suite's experiments",
+        "per_task: {lora: {mini/mnist: {train.lr: 0.1}}}\n": "'mini/mnist' is not one of the suite's tasks",
+        "per_task: {lora: {mini/digits: {lr: 0.1}}}\n": "'lr' is not an option key",
         "data: {split: train800}\n": "data.split are set per run",
     }
     for extra, message in cases.items():
@@ -273,3 +276,17 @@ def test_shipped_suites_carry_their_protocol():
 def test_planned_run_label():
     run = PlannedRun("t", "e", 0, Path("x"), ())
     assert run.label == "t e seed0" and PlannedRun("t", "e", 0, Path("x"), (), "named").label == "named"
+
+
+def test_per_task_settings_and_final_split_without_search(tmp_path):
+    per_task = {"e": {"mini/mnist": {"train.lr": 0.005, "train.label_smoothing": 0.1}}}
+    preset = _suite(tasks=["mini/digits", "mini/mnist"], final_split="train800val200", per_task=per_task)
+    exp = suites.Experiment("e", {"name": "lora"})
+    runs = sweep.plan([exp], preset.tasks, [0], tmp_path, preset.overrides(), ["train.epochs=1"], preset)
+    digits, mnist = (r.overrides for r in runs)
+    assert "train.lr=0.005" in mnist and "train.label_smoothing=0.1" in mnist and "train.lr=0.005" not in digits
+    assert all("data.split=train800val200" in o for o in (digits, mnist))
+    assert "data.split=train800val200" not in sweep.plan([exp], ["mini/digits"], [0], tmp_path)[0].overrides
+    # In a searching suite a per-task setting pins its key: that task's grid leaves it out.
+    searching = _suite(tasks=["mini/digits", "mini/mnist"], search={"train.lr": [1e-3, 1e-2]}, per_task=per_task)
+    assert searching.space_for(exp, "mini/mnist") == {} and searching.space_for(exp, "mini/digits") != {}

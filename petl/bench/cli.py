@@ -87,7 +87,7 @@ def cmd_run(args: Sequence[str]) -> int:
     output_dir = Path(own.get("output_dir", f"runs/bench/{suite.name}"))
     if suite.search:
         return run_selection(suite, experiments, tasks, seeds, output_dir, overrides, own)
-    runs = plan(experiments, tasks, seeds, output_dir, suite.overrides(), overrides)
+    runs = plan(experiments, tasks, seeds, output_dir, suite.overrides(), overrides, suite)
     done = sum(r.is_done() for r in runs)
     print(
         f"petl-bench: suite {suite.name}: {len(experiments)} experiments x {len(tasks)} tasks x {len(seeds)} seeds "
@@ -160,6 +160,8 @@ def cmd_commands(args: Sequence[str]) -> int:
     own, overrides = parse_args(args, SWEEP_KEYS - {"report", "dry_run", "progress"})
     bench_dir = suites.find_benchmarks_dir(own.get("benchmarks_dir"))
     suite = suites.load_suite(own.get("suite", "mini"), bench_dir)
+    if suite.per_task:
+        raise SystemExit(f"petl-bench commands: suite {suite.name} sets options per task; one multirun line cannot")
     if suite.search:
         # One multirun line per experiment cannot pick a configuration on val before the final runs.
         raise SystemExit(
@@ -179,6 +181,7 @@ def cmd_commands(args: Sequence[str]) -> int:
             *suite.overrides(),
             *experiment.overrides(),
             f"data={','.join(tasks)}",
+            *([f"data.split={suite.final_split}"] if suite.final_split else []),
             f"seed={','.join(seeds)}",
             *overrides,
             f"output_dir={output_dir}/${{data.name}}/{name}/seed${{seed}}",

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from petl.bench.suite import Experiment, Suite, format_value
+from petl.bench.suite import FINAL_SPLIT, Experiment, Suite, format_value
 from petl.bench.sweep import PlannedRun, SweepSummary, run_dir_for, run_sweep
 from petl.run.records import RESULT_FILE, WEIGHTS_FILE, read_json, write_json
 
@@ -161,14 +161,14 @@ def plan_cells(
     cells = []
     for task in tasks:
         for exp in experiments:
-            space = suite.space_for(exp)
+            space = suite.space_for(exp, task)
             clash = sorted(extra_keys & (set(space) | set(_PROTOCOL_KEYS)))
             if clash:
                 raise ValueError(
                     f"{', '.join(clash)}: set per run by suite {suite.name}'s selection protocol "
                     f"(searched: {', '.join(space) or 'nothing'}); edit the suite or experiment file instead"
                 )
-            base = (*suite.overrides(), *exp.overrides(), f"data={task}")
+            base = (*suite.overrides(), *exp.overrides(), *suite.task_overrides(exp.name, task), f"data={task}")
             trials = []
             # A cell whose experiment pins every searched key has nothing to select: it goes straight to its finals.
             for point in grid(space) if space else []:
@@ -192,7 +192,7 @@ def plan_cells(
                     trials,
                     base,
                     tuple(extra_overrides),
-                    suite.final_split,
+                    suite.final_split or FINAL_SPLIT,
                     list(seeds),
                     output_dir,
                     suite.search_seed,

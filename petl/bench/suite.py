@@ -200,7 +200,10 @@ class Suite:
         search: the space selected on val, ``{"train.lr": [1e-3, 1e-2], ...}``; empty: no selection,
             every run trains once per seed on ``data.split``'s default (train800), as before.
         search_seed: the one seed every selection trial trains with.
-        final_split: the split the selected configuration trains on for the reported runs.
+        final_split: the split the reported runs train on; ``None`` (only without a search) keeps
+            ``data.split``'s default, train800.
+        per_task: ``{experiment: {task: {"train.lr": 0.005, ...}}}``: settings a reference published per
+            task (a "reproduce V-PETL" preset); they pin their keys out of a search.
 
     """
 
@@ -212,7 +215,12 @@ class Suite:
     description: str = ""
     search: dict[str, list[Any]] = field(default_factory=dict)
     search_seed: int = 0
-    final_split: str = FINAL_SPLIT
+    final_split: str | None = None
+    per_task: dict[str, dict[str, dict[str, Any]]] = field(default_factory=dict)
+
+    def task_overrides(self, experiment: str, task: str) -> list[str]:
+        """The per-task settings of one experiment on one task, as Hydra overrides."""
+        return [f"{k}={format_value(v)}" for k, v in self.per_task.get(experiment, {}).get(task, {}).items()]
 
     def overrides(self) -> list[str]:
         """Hydra overrides of the suite's protocol (backbone, epochs, augmentation...)."""
@@ -225,7 +233,7 @@ class Suite:
             out += to_overrides(group, values)
         return out
 
-    def space_for(self, experiment: Experiment) -> dict[str, list[Any]]:
+    def space_for(self, experiment: Experiment, task: str | None = None) -> dict[str, list[Any]]:
         """The grid one experiment is selected over.
 
         The suite's space, less the keys the experiment pins (full fine-tuning's lower ``train.lr``), plus
@@ -233,7 +241,7 @@ class Suite:
         """
         if not self.search:
             return {}
-        pinned = experiment.fixed_keys()
+        pinned = experiment.fixed_keys() | set(self.per_task.get(experiment.name, {}).get(task, {}))
         space = {k: v for k, v in self.search.items() if k not in pinned}
         space.update(experiment.search)
         return space
@@ -295,7 +303,8 @@ def load_suite(name: str, benchmarks_dir: Path) -> Suite:
     path = benchmarks_dir / "suites" / f"{name}.yaml"
     if not path.is_file():
         raise ValueError(f"unknown suite {name!r}; known: {', '.join(_names(benchmarks_dir / 'suites'))}")
-    keys = {"description", "experiments", "tasks", "seeds", "search", "search_seed", "final_split", *SUITE_GROUPS}
+    keys = {"description", "experiments", "tasks", "seeds", "search", "search_seed", "final_split", "per_task"}
+    keys |= set(SUITE_GROUPS)
     data = _read_yaml(path, keys, SUITE_GROUPS)
     if data.get("experiments") == ALL:
         data["experiments"] = list_experiments(benchmarks_dir)
@@ -307,10 +316,10 @@ def load_suite(name: str, benchmarks_dir: Path) -> Suite:
     if owned:
         raise ValueError(f"{path}: {', '.join(owned)} are set per run by the sweep (final_split: sets the split)")
     search = read_space(path, data.get("search"))
-    for key in ("search_seed", "final_split"):
-        if key in data and not search:
-            # A value without effect is a bug: these only act when the suite selects on val.
-            raise ValueError(f"{path}: `{key}` needs a `search:` space (without one, runs train once per seed)")
+    if "search_seed" in data and not search:
+        # A value without effect is a bug: the trial seed only acts when the suite selects on val.
+        raise ValueError(f"{path}: `search_seed` needs a `search:` space (without one, runs train once per seed)")
+    per_task = _read_per_task(path, data.get("per_task") or {}, data["experiments"], data["tasks"])
     return Suite(
         name,
         [str(e) for e in data["experiments"]],
@@ -320,8 +329,28 @@ def load_suite(name: str, benchmarks_dir: Path) -> Suite:
         str(data.get("description", "")),
         search=search,
         search_seed=int(data.get("search_seed", 0)),
-        final_split=str(data.get("final_split", FINAL_SPLIT)),
+        final_split=str(data.get("final_split", FINAL_SPLIT if search else "")) or None,
+        per_task=per_task,
     )
+
+
+def _read_per_task(path: Path, raw: Any, experiments: list[Any], tasks: list[Any]) -> dict[str, dict[str, dict]]:
+    """Check ``per_task: {experiment: {task: {option.key: value}}}`` against the suite's own lists."""
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: `per_task` must map experiments to tasks to option overrides")
+    out: dict[str, dict[str, dict]] = {}
+    for experiment, by_task in raw.items():
+        if str(experiment) not in map(str, experiments) or not isinstance(by_task, dict):
+            raise ValueError(f"{path}: per_task: {experiment!r} is not one of the suite's experiments")
+        for task, values in by_task.items():
+            if str(task) not in map(str, tasks) or not isinstance(values, dict):
+                raise ValueError(f"{path}: per_task.{experiment}: {task!r} is not one of the suite's tasks")
+            for key in values:
+                if "." not in str(key) or str(key).split(".")[0] not in SEARCH_ROOTS or key in _SWEEP_OWNED:
+                    where = f"per_task.{experiment}.{task}"
+                    raise ValueError(f"{path}: {where}: {key!r} is not an option key like train.lr")
+            out.setdefault(str(experiment), {})[str(task)] = {str(k): v for k, v in values.items()}
+    return out
 
 
 def list_experiments(benchmarks_dir: Path) -> list[str]:

@@ -23,7 +23,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from petl.bench.rss import reset_peak_rss
-from petl.bench.suite import Experiment, format_value
+from petl.bench.suite import Experiment, Suite, format_value
 from petl.run.records import RESULT_FILE
 
 LOCK_FILE = ".petl-bench.lock"
@@ -66,6 +66,7 @@ def plan(
     output_dir: Path,
     base_overrides: Sequence[str] = (),
     extra_overrides: Sequence[str] = (),
+    suite: Suite | None = None,
 ) -> list[PlannedRun]:
     """Every run of a sweep, seed by seed, so a partial sweep already covers all cells once.
 
@@ -76,6 +77,8 @@ def plan(
         output_dir: the results root.
         base_overrides: the suite's overrides (applied first).
         extra_overrides: the user's command-line overrides (applied last, so they win).
+        suite: its per-task settings follow the experiment's overrides, and its ``final_split`` (when set)
+            is every run's ``data.split``.
 
     Returns:
         The planned runs, in execution order.
@@ -89,7 +92,9 @@ def plan(
                 overrides = (
                     *base_overrides,
                     *exp.overrides(),
+                    *(suite.task_overrides(exp.name, task) if suite else ()),
                     f"data={task}",
+                    *([f"data.split={suite.final_split}"] if suite and suite.final_split else []),
                     f"seed={seed}",
                     *extra_overrides,
                     # Last, so no override can send two runs into one folder.
