@@ -273,6 +273,27 @@ def test_shipped_suites_carry_their_protocol():
     assert not suites.load_suite("mini", bench).search  # re-run under the protocol by issue 12
 
 
+def test_shipped_suites_compose_into_valid_run_configs(tmp_path):
+    from petl.run import default_config
+
+    bench = suites.find_benchmarks_dir()
+    vtab = suites.load_suite("vtab1k", bench)
+    cell = protocol.plan_cells(vtab, [suites.load_experiment("lora", bench)], ["vtab/dmlab"], [0], tmp_path)[0]
+    trial = default_config(list(cell.trials[-1].run.overrides))
+    assert trial.model.name == "vit_base_patch16_224.orig_in21k"
+    assert (trial.data.split, trial.train.eval_test) == ("train800", False)
+    assert (trial.train.lr, trial.train.weight_decay) == (1e-2, 1e-3)  # the last grid point
+    # The "reproduce V-PETL" preset: V-PETL's per-task numbers (scripts/run_vit_vptshallow.sh, dmlab line).
+    preset = suites.load_suite("vtab1k_vpetl", bench)
+    vpt = suites.load_experiment("vpt_shallow", bench)
+    run = sweep.plan([vpt], ["vtab/dmlab"], [0], tmp_path, preset.overrides(), (), preset)[0]
+    cfg = default_config(list(run.overrides))
+    assert (cfg.train.lr, cfg.train.weight_decay, cfg.method.num_tokens) == (0.009, 0.1, 100)
+    assert cfg.data.split == "train800val200" and not cfg.method.deep
+    assert set(preset.per_task) == {"lora", "adapter_sequential", "adapter_parallel", "vpt_shallow"}
+    assert all(set(by_task) == set(preset.tasks) for by_task in preset.per_task.values())
+
+
 def test_planned_run_label():
     run = PlannedRun("t", "e", 0, Path("x"), ())
     assert run.label == "t e seed0" and PlannedRun("t", "e", 0, Path("x"), (), "named").label == "named"
