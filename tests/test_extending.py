@@ -82,4 +82,4 @@ def test_an_experiment_file_overrides_the_registry_default(throwaway, tmp_path):
     loud = suites.load_experiment("loud", tmp_path)
     assert loud.overrides() == [f"method={throwaway}", "method.gain=8.0"]
     assert (loud.published, loud.published_note) == ("Throwaway", "counts differ by the bias")
-    assert suites.load_experiment("lora", tmp_path).published is None  # no file: the registry default
+    assert suites.load_experiment("lora", tmp_path).published == ""  # no file: the registry default

@@ -156,8 +156,9 @@ class Experiment:
         description: one line for humans.
         search: method options (or other keys) this experiment adds to a searching suite's space,
             e.g. ``{"method.rank": [4, 8]}``; ignored by suites that do not search.
-        published: the row name in ``petl/bench/published/*.csv`` this experiment stands for.
-        published_note: why petl's trainable-parameter count differs from the published one, if it does.
+        published: the row name of this experiment in the published tables (``LoRA``), or ``""``.
+        published_note: why petl's parameter count differs from the published one, or ``""``; either
+            one text for every published table or a mapping from table key (``vtab1k``, ``fgvc``) to text.
 
     """
 
@@ -166,8 +167,8 @@ class Experiment:
     groups: dict[str, dict[str, Any]] = field(default_factory=dict)
     description: str = ""
     search: dict[str, list[Any]] = field(default_factory=dict)
-    published: str | None = None
-    published_note: str = ""
+    published: str = ""
+    published_note: str | dict[str, str] = ""
 
     def fixed_keys(self) -> set[str]:
         """Dotted keys this experiment pins (``method.rank``, ``train.lr``): a suite's search leaves them alone."""
@@ -281,16 +282,24 @@ def load_experiment(name: str, benchmarks_dir: Path) -> Experiment:
     if not isinstance(method, dict) or "name" not in method:
         raise ValueError(f"{path}: `method` must be a mapping with a `name`")
     groups = {g: data[g] for g in OVERRIDABLE_GROUPS if data.get(g)}
-    published = data.get("published")
     return Experiment(
         name,
         dict(method),
         groups,
         str(data.get("description", "")),
         search=read_space(path, data.get("search")),
-        published=None if published is None else str(published),
-        published_note=str(data.get("published_note", "")),
+        published=str(data.get("published") or ""),
+        published_note=_note(data.get("published_note"), path),
     )
+
+
+def _note(value: Any, path: Path) -> str | dict[str, str]:
+    # `published_note:` is one text, or one text per published table (`{fgvc: ...}`).
+    if isinstance(value, Mapping):
+        return {str(k): str(v) for k, v in value.items()}
+    if value is not None and not isinstance(value, str):
+        raise ValueError(f"{path}: `published_note` must be a text or a mapping from table key to text")
+    return value or ""
 
 
 def load_suite(name: str, benchmarks_dir: Path) -> Suite:
