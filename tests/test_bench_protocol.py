@@ -311,3 +311,18 @@ def test_per_task_settings_and_final_split_without_search(tmp_path):
     # In a searching suite a per-task setting pins its key: that task's grid leaves it out.
     searching = _suite(tasks=["mini/digits", "mini/mnist"], search={"train.lr": [1e-3, 1e-2]}, per_task=per_task)
     assert searching.space_for(exp, "mini/mnist") == {} and searching.space_for(exp, "mini/digits") != {}
+
+
+def test_a_final_run_of_another_point_is_not_relabelled(tmp_path):
+    suite = _suite(search={"train.lr": [1e-3, 1e-2]})
+    cells = protocol.plan_cells(suite, [suites.Experiment("e", {"name": "lora"})], ["mini/digits"], [0], tmp_path)
+    trained: list = []
+    protocol.run_protocol(cells, progress=False, **_fake_trainer({1e-3: 60.0, 1e-2: 50.0}, trained))
+    final = tmp_path / "mini/digits/e/seed0/result.json"
+    assert json.loads(final.read_text())["selection"]["chosen"] == {"train.lr": 1e-3}
+    # The trials change afterwards (say, more epochs): the finished final trained 1e-3, the search now says 1e-2.
+    trial = cells[0].trials[1].run.run_dir / "result.json"
+    trial.write_text(json.dumps({**json.loads(trial.read_text()), "val_top1": 99.0}))
+    summary = protocol.run_protocol(cells, progress=False, **_fake_trainer({}, trained))
+    assert len(summary.failed) == 1 and "delete" in summary.failed[0]
+    assert json.loads(final.read_text())["selection"]["chosen"] == {"train.lr": 1e-3}

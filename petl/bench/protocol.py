@@ -201,13 +201,34 @@ def plan_cells(
     return cells
 
 
-def stamp_selection(run: PlannedRun, selection: dict[str, Any]) -> None:
-    """Record the search in a finished final run's ``result.json`` (again after an interrupted stamp)."""
+def _config_value(config: dict[str, Any], key: str) -> Any:
+    node: Any = config
+    for part in key.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
+
+
+def stamp_selection(run: PlannedRun, selection: dict[str, Any]) -> str | None:
+    """Record the search in a finished final run's ``result.json`` (again after an interrupted stamp).
+
+    Returns:
+        ``None``, or why the run cannot carry this selection: it trained another point (the search space or
+        the trials changed after it finished), which a finished run's folder is never silently relabelled for.
+
+    """
     path = run.run_dir / RESULT_FILE
     result = read_json(path)
-    if result is not None and result.get("selection") != selection:
-        result["selection"] = selection
-        write_json(path, result)
+    if result is None or result.get("selection") == selection:
+        return None
+    trained = {key: _config_value(result.get("config", {}), key) for key in selection["chosen"]}
+    if trained != selection["chosen"]:
+        return (
+            f"{run.label}: trained {trained} but the search now chooses {selection['chosen']}; "
+            f"delete {run.run_dir} to train the new choice"
+        )
+    result["selection"] = selection
+    write_json(path, result)
+    return None
 
 
 def run_protocol(cells: Sequence[Cell], progress: bool = True, **sweep_fns: Any) -> SweepSummary:
@@ -242,6 +263,6 @@ def run_protocol(cells: Sequence[Cell], progress: bool = True, **sweep_fns: Any)
         chosen += [(run, selection) for run in runs]
     summary.merge(run_sweep(finals, progress=progress, **sweep_fns))
     for run, selection in chosen:
-        if run.is_done():
-            stamp_selection(run, selection)
+        if run.is_done() and (problem := stamp_selection(run, selection)):
+            summary.failed.append(problem)
     return summary
