@@ -25,10 +25,11 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from petl.bench import protocol
 from petl.bench import suite as suites
 from petl.bench.args import as_bool, parse_args, split_list
 from petl.bench.report import write_report
-from petl.bench.sweep import plan, run_sweep
+from petl.bench.sweep import SweepSummary, plan, run_sweep
 
 SWEEP_KEYS = {
     "suite",
@@ -59,7 +60,9 @@ def cmd_run(args: Sequence[str]) -> int:
     seeds = [int(s) for s in split_list(own["seeds"])] if "seeds" in own else suite.seeds
     experiments = [suites.load_experiment(n, bench_dir) for n in names]
     output_dir = Path(own.get("output_dir", f"runs/bench/{suite.name}"))
-    runs = plan(experiments, tasks, seeds, output_dir, suite.overrides(), overrides)
+    if suite.search:
+        return run_selection(suite, experiments, tasks, seeds, output_dir, overrides, own)
+    runs = plan(experiments, tasks, seeds, output_dir, suite.overrides(), overrides, suite)
     done = sum(r.is_done() for r in runs)
     print(
         f"petl-bench: suite {suite.name}: {len(experiments)} experiments x {len(tasks)} tasks x {len(seeds)} seeds "
@@ -70,15 +73,56 @@ def cmd_run(args: Sequence[str]) -> int:
             print(("done  " if run.is_done() else "todo  ") + run.label + "  " + " ".join(run.overrides))
         return 0
     summary = run_sweep(runs, progress=as_bool("progress", own.get("progress", "true")))
+    return _finish(summary, output_dir, own, any(r.is_done() for r in runs))
+
+
+def _finish(summary: SweepSummary, output_dir: Path, own: dict[str, str], any_done: bool) -> int:
     print(f"petl-bench: {summary.line()}")
     for line in summary.held_elsewhere:
         print(f"  held by another sweep: {line}")
     for line in summary.failed:
         print(f"  failed: {line}")
-    if as_bool("report", own.get("report", "true")) and any(r.is_done() for r in runs):
-        write_report(output_dir, configs_dir=bench_dir)
+    for line in summary.waiting:
+        print(f"  waiting: {line}")
+    if as_bool("report", own.get("report", "true")) and any_done:
+        write_report(output_dir, configs_dir=configs_folder(own))
         print(f"petl-bench: leaderboard written to {output_dir}/leaderboard.{{md,csv,html}} and pareto.png")
     return 1 if summary.failed else 0
+
+
+def run_selection(
+    suite: suites.Suite,
+    experiments: list[suites.Experiment],
+    tasks: list[str],
+    seeds: list[int],
+    output_dir: Path,
+    overrides: list[str],
+    own: dict[str, str],
+) -> int:
+    """Run a searching suite: selection on val, then the final runs (see :mod:`petl.bench.protocol`)."""
+    cells = protocol.plan_cells(suite, experiments, tasks, seeds, output_dir, overrides)
+    trials = [t.run for cell in cells for t in cell.trials]
+    print(
+        f"petl-bench: suite {suite.name}: {len(experiments)} experiments x {len(tasks)} tasks: {len(trials)} "
+        f"selection trials on {protocol.SEARCH_SPLIT} (seed {suite.search_seed}, scored on val200), then "
+        f"{len(seeds)} final runs per cell on {suite.final_split} into {output_dir} "
+        f"({sum(r.is_done() for r in trials)} trials already done)"
+    )
+    if as_bool("dry_run", own.get("dry_run", "false")):
+        for cell in cells:
+            for trial in cell.trials:
+                state = "done  " if trial.run.is_done() else "todo  "
+                print(state + trial.run.label + "  " + " ".join(trial.run.overrides))
+            selection = cell.selection()
+            if selection is None:
+                print(f"later {cell.label}: {len(seeds)} final runs once its search is complete")
+                continue
+            for run in cell.finals(selection["chosen"]):
+                print(("done  " if run.is_done() else "todo  ") + run.label + "  " + " ".join(run.overrides))
+        return 0
+    summary = protocol.run_protocol(cells, progress=as_bool("progress", own.get("progress", "true")))
+    finals_done = any(any((output_dir / c.task / c.experiment.name).glob("seed*/result.json")) for c in cells)
+    return _finish(summary, output_dir, own, finals_done)
 
 
 def cmd_commands(args: Sequence[str]) -> int:
@@ -91,6 +135,14 @@ def cmd_commands(args: Sequence[str]) -> int:
     own, overrides = parse_args(args, SWEEP_KEYS - {"report", "dry_run", "progress"})
     bench_dir = configs_folder(own)
     suite = suites.load_suite(own.get("suite", "mini"), bench_dir)
+    if suite.per_task:
+        raise SystemExit(f"petl-bench commands: suite {suite.name} sets options per task; one multirun line cannot")
+    if suite.search:
+        # One multirun line per experiment cannot pick a configuration on val before the final runs.
+        raise SystemExit(
+            f"petl-bench commands: suite {suite.name} selects on val before its final runs, which petl-run "
+            "--multirun cannot express; start `petl-bench suite=...` on each node (per-run locks share the work)"
+        )
     names = split_list(own["methods"]) if "methods" in own else suite.experiments
     tasks = split_list(own["tasks"]) if "tasks" in own else suite.tasks
     seeds = split_list(own["seeds"]) if "seeds" in own else [str(s) for s in suite.seeds]
@@ -104,6 +156,7 @@ def cmd_commands(args: Sequence[str]) -> int:
             *suite.overrides(),
             *experiment.overrides(),
             f"data={','.join(tasks)}",
+            *([f"data.split={suite.final_split}"] if suite.final_split else []),
             f"seed={','.join(seeds)}",
             *overrides,
             f"output_dir={output_dir}/${{data.name}}/{name}/seed${{seed}}",

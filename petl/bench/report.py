@@ -62,6 +62,8 @@ def collect(results_dir: str | Path) -> list[RunRecord]:
         except (OSError, ValueError, KeyError, TypeError) as err:
             warnings.warn(f"skipping {path}: {err}", stacklevel=2)
             continue
+        if result.get("test_top1") is None:
+            continue  # a selection trial (train.eval_test=false, petl.bench.protocol): scored on val only
         run_dir = path.parent
         experiment = run_dir.parent.name if _SEED_DIR.match(run_dir.name) else str(result.get("method", "?"))
         key = (task, experiment, seed)

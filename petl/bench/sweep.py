@@ -19,7 +19,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from petl.bench.rss import reset_peak_rss
-from petl.bench.suite import Experiment, format_value
+from petl.bench.suite import Experiment, Suite, format_value
 from petl.run.lock import LOCK_FILE as LOCK_FILE  # the lock is petl-run's too: one home, re-exported here
 from petl.run.lock import acquire_lock, release_lock
 from petl.run.records import RESULT_FILE
@@ -39,11 +39,12 @@ class PlannedRun:
     seed: int
     run_dir: Path
     overrides: tuple[str, ...]
+    name: str = ""
 
     @property
     def label(self) -> str:
-        """Short name for progress lines."""
-        return f"{self.task} {self.experiment} seed{self.seed}"
+        """Short name for progress lines (``name`` if given, e.g. a selection trial's)."""
+        return self.name or f"{self.task} {self.experiment} seed{self.seed}"
 
     def is_done(self) -> bool:
         """Whether the run has already written its result."""
@@ -62,6 +63,7 @@ def plan(
     output_dir: Path,
     base_overrides: Sequence[str] = (),
     extra_overrides: Sequence[str] = (),
+    suite: Suite | None = None,
 ) -> list[PlannedRun]:
     """Every run of a sweep, seed by seed, so a partial sweep already covers all cells once.
 
@@ -72,6 +74,8 @@ def plan(
         output_dir: the results root.
         base_overrides: the suite's overrides (applied first).
         extra_overrides: the user's command-line overrides (applied last, so they win).
+        suite: its per-task settings follow the experiment's overrides, and its ``final_split`` (when set)
+            is every run's ``data.split``.
 
     Returns:
         The planned runs, in execution order.
@@ -85,7 +89,9 @@ def plan(
                 overrides = (
                     *base_overrides,
                     *exp.overrides(),
+                    *(suite.task_overrides(exp.name, task) if suite else ()),
                     f"data={task}",
+                    *([f"data.split={suite.final_split}"] if suite and suite.final_split else []),
                     f"seed={seed}",
                     *extra_overrides,
                     # Last, so no override can send two runs into one folder.
@@ -104,13 +110,24 @@ class SweepSummary:
     trained: int = 0
     held_elsewhere: list[str] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)
+    waiting: list[str] = field(default_factory=list)
 
     def line(self) -> str:
         """One-line summary for the console."""
+        waiting = f", {len(self.waiting)} cells waiting for their search" if self.waiting else ""
         return (
             f"{self.total} runs: {self.already_done} already done, {self.trained} trained, "
-            f"{len(self.held_elsewhere)} held by another sweep, {len(self.failed)} failed"
+            f"{len(self.held_elsewhere)} held by another sweep, {len(self.failed)} failed{waiting}"
         )
+
+    def merge(self, other: SweepSummary) -> None:
+        """Add another sweep's counts and lists to this one."""
+        self.total += other.total
+        self.already_done += other.already_done
+        self.trained += other.trained
+        self.held_elsewhere += other.held_elsewhere
+        self.failed += other.failed
+        self.waiting += other.waiting
 
 
 def _default_fns() -> tuple[TrainFn, ComposeFn]:

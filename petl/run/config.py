@@ -114,6 +114,8 @@ class TrainConfig(TrainSettings):
         deterministic: use deterministic algorithms where torch has them (CPU runs repeat exactly).
         trackers: experiment trackers through accelerate (``tensorboard``, ``wandb``...); none by default.
         keep_checkpoint: keep the last per-epoch checkpoint after the run has finished.
+        eval_test: evaluate the test split once after the last epoch; ``false`` for the selection trials of
+            ``petl-bench`` (their result then has ``test_top1: null``, so no choice can see a test number).
 
     """
 
@@ -126,6 +128,7 @@ class TrainConfig(TrainSettings):
     deterministic: bool = True
     trackers: list[str] = field(default_factory=list)
     keep_checkpoint: bool = False
+    eval_test: bool = True
 
 
 @dataclass
@@ -203,23 +206,27 @@ def method_node(name: str) -> type:
 
 _registered = False
 _registered_models: set[str] = set()
+_registered_methods: set[str] = set()
 
 
 def register_configs() -> None:
     """Register the schema and the generated ``method`` and ``data`` groups (once per process).
 
     The ConfigStore is a process-wide singleton that Hydra launchers ship to their jobs, so jobs
-    of a sweep (local or on a cluster) see the same groups.
+    of a sweep (local or on a cluster) see the same groups.  Methods are looked up on every call:
+    one registered after the first composition (a plugin, a test) still joins the ``method`` group.
     """
     global _registered
+    store = ConfigStore.instance()
+    for name in petl.list_methods():
+        if name not in _registered_methods:
+            store.store(group="method", name=name, node=method_node(name))
+            _registered_methods.add(name)
     if _registered:
         return
     if not OmegaConf.has_resolver("petl.slug"):
         OmegaConf.register_new_resolver("petl.slug", _slug)
-    store = ConfigStore.instance()
     store.store(name="petl_schema", node=RunConfig)
-    for name in petl.list_methods():
-        store.store(group="method", name=name, node=method_node(name))
     for name in petl_data.list_datasets():
         # Hydra reads "data=mini/digits" as option "digits" of the nested group "data/mini".
         folder, _, leaf = name.rpartition("/")

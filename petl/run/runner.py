@@ -266,7 +266,9 @@ def _datasets(cfg: DictConfig, model: nn.Module) -> dict[str, Dataset]:
     """Train / val (when the split has one) / test, preprocessed as the backbone expects."""
     data_cfg = resolve_data_config({}, model=model)
     image = dict(image_size=int(data_cfg["input_size"][-1]), mean=data_cfg["mean"], std=data_cfg["std"])
-    splits = {"train": cfg.data.split, "test": "test"}
+    splits = {"train": cfg.data.split}
+    if cfg.train.eval_test:
+        splits["test"] = "test"
     if cfg.data.split == "train800":
         splits["val"] = "val200"
     built = {}
@@ -293,9 +295,10 @@ def _loader(
 def summary_line(result: dict[str, Any]) -> str:
     """One line for the console: method, task, accuracies, trainable parameters, time."""
     val = "-" if result["val_top1"] is None else f"{result['val_top1']:.2f}"
+    test = "-" if result["test_top1"] is None else f"{result['test_top1']:.2f}"
     return (
         f"{result['method']} on {result['dataset']} ({result['model']}, seed {result['seed']}): "
-        f"val {val}  test {result['test_top1']:.2f}  | {result['trainable_params']:,} trainable params "
+        f"val {val}  test {test}  | {result['trainable_params']:,} trainable params "
         f"| {result['train_seconds']:.0f} s"
     )
 
@@ -480,7 +483,7 @@ class _Training:
     trainee: nn.Module
     train_loader: DataLoader
     eval_loaders: dict[str, DataLoader]
-    test_loader: DataLoader
+    test_loader: DataLoader | None
     optimizer: torch.optim.Optimizer
     scheduler: Any
     settings: TrainSettings
@@ -524,14 +527,15 @@ def _prepare_training(
     sampler = EpochSampler(len(train_set), cfg.seed)
     train_loader = _loader(train_set, cfg.train.batch_size, num_workers, cfg.seed, sampler)
     eval_loaders = {"val": _loader(val_set, cfg.train.eval_batch_size, num_workers, cfg.seed)} if val_set else {}
-    test_loader = _loader(datasets["test"], cfg.train.eval_batch_size, num_workers, cfg.seed)
+    # A selection trial (train.eval_test=false) never builds the test split, let alone scores it.
+    test_set = datasets.get("test")
+    test_loader = _loader(test_set, cfg.train.eval_batch_size, num_workers, cfg.seed) if test_set is not None else None
     # The schedule counts optimizer steps: one per grad_accum batches (accelerate steps the
     # scheduler once per process per call, which adds up to this count under DDP too).
     steps_per_epoch = math.ceil(len(train_loader) / cfg.train.grad_accum)
     optimizer, scheduler = build_optimizer(trainee, settings, steps_per_epoch)
-    trainee, optimizer, train_loader, test_loader, scheduler = accelerator.prepare(
-        trainee, optimizer, train_loader, test_loader, scheduler
-    )
+    trainee, optimizer, train_loader, scheduler = accelerator.prepare(trainee, optimizer, train_loader, scheduler)
+    test_loader = accelerator.prepare(test_loader) if test_loader is not None else None
     eval_loaders = {name: accelerator.prepare(loader) for name, loader in eval_loaders.items()}
     return _Training(
         model, trainee, train_loader, eval_loaders, test_loader, optimizer, scheduler, settings, accelerator,
@@ -595,8 +599,10 @@ def _train(cfg: DictConfig, out: Path, training: _Training, progress: _Progress,
         ) from None
 
 
-def _evaluate_test_once(training: _Training) -> float:
-    """Test accuracy of the final model: the only time the test split is looked at."""
+def _evaluate_test_once(training: _Training) -> float | None:
+    """Test accuracy of the final model: the only time the test split is looked at (None for a trial)."""
+    if training.test_loader is None:
+        return None
     full_model = training.accelerator.unwrap_model(training.trainee)
     full_model = full_model.model if isinstance(full_model, cache.CachedTail) else full_model
     return evaluate(full_model, training.test_loader, training.accelerator)
@@ -622,7 +628,7 @@ def _result(
     model: nn.Module,
     num_classes: int,
     history: list[dict[str, Any]],
-    test_top1: float,
+    test_top1: float | None,
     train_seconds: float,
     training: _Training,
 ) -> dict[str, Any]:

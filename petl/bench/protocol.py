@@ -1,0 +1,268 @@
+"""Model selection on val, then the reported runs: the protocol of a suite that declares ``search:``.
+
+Per task and experiment (a *cell*):
+
+1. **Search.**  One trial per point of the grid (the suite's space, less what the experiment pins, plus
+   the experiment's own ``search:``), each trained on ``train800`` with one seed (``search_seed``) and
+   scored on ``val200`` only: trials run with ``train.eval_test=false``, so no test image is ever read
+   before the choice.  Trials live in ``<task>/<experiment>/search/<point>/``.
+2. **Choice.**  The trial with the highest val top-1 after its last epoch (PETL_Vision's default,
+   ``final_acc_hp: True``: OSU-MLB/PETL_Vision@245d262 experiment/run.py:L118-120 and
+   experiment/config/default_vtab_processed.yml:L61).  Ties go to the first point in grid order (keys
+   in the order declared, values in the order listed): 200 val images give accuracies in steps of 0.5
+   points, so ties happen, and a fixed rule keeps the choice reproducible.
+3. **Final runs.**  The chosen point trains on ``final_split`` (``train800val200``: all 1,000 images, no
+   val) once per suite seed into ``<task>/<experiment>/seed<k>/``; the test split is evaluated once,
+   after the last epoch.  Each final ``result.json`` gets ``result["selection"]``: the space, every
+   trial's overrides and val accuracy, and ``chosen``.
+
+Everything is resumable the way a plain sweep is: finished trials and finals are skipped, a cell whose
+search is incomplete (a trial failed, or another sweep still holds one) waits for the next invocation.
+Trials keep ``result.json``, ``metrics.jsonl`` and ``config.yaml`` but not their weights: the final run
+retrains the chosen point, and a full fine-tuning trial's weights on ViT-B would be 340 MB each.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from petl.bench.suite import FINAL_SPLIT, Experiment, Suite, format_value
+from petl.bench.sweep import PlannedRun, SweepSummary, run_dir_for, run_sweep
+from petl.run.records import RESULT_FILE, WEIGHTS_FILE, read_json, write_json
+
+SEARCH_DIR = "search"
+SEARCH_SPLIT = "train800"  # the only split with a val split (val200) to select on
+METRIC = "val_top1"
+RULE = "highest val top-1 after the last epoch; ties: first point in grid order"
+
+# Options the protocol sets itself; a command-line override of one would silently undo the protocol.
+_PROTOCOL_KEYS = ("data.split", "train.eval_test")
+
+
+def grid(space: dict[str, list[Any]]) -> list[dict[str, Any]]:
+    """Every point of a grid, keys in declared order, the last key varying fastest; ``[{}]`` for no space."""
+    keys = list(space)
+    return [dict(zip(keys, values, strict=True)) for values in itertools.product(*(space[k] for k in keys))]
+
+
+def point_name(point: dict[str, Any]) -> str:
+    """A trial's folder name: ``train.lr=0.001,train.weight_decay=0.0001`` with unsafe characters replaced."""
+    text = ",".join(f"{k}={format_value(v)}" for k, v in point.items()) or "defaults"
+    return re.sub(r"[^A-Za-z0-9._=,+-]+", "_", text)
+
+
+def point_overrides(point: dict[str, Any]) -> list[str]:
+    """A grid point as Hydra overrides."""
+    return [f"{k}={format_value(v)}" for k, v in point.items()]
+
+
+@dataclass(frozen=True)
+class Trial:
+    """One point of a cell's search and the run that scores it."""
+
+    point: dict[str, Any]
+    run: PlannedRun
+
+
+@dataclass
+class Cell:
+    """One experiment on one task under a searching suite: its trials, and how to plan its finals."""
+
+    task: str
+    experiment: Experiment
+    space: dict[str, list[Any]]
+    trials: list[Trial]
+    base: tuple[str, ...]
+    extra: tuple[str, ...]
+    final_split: str
+    seeds: list[int]
+    output_dir: Path
+    search_seed: int
+
+    @property
+    def label(self) -> str:
+        """Short name for progress lines."""
+        return f"{self.task} {self.experiment.name}"
+
+    def selection(self) -> dict[str, Any] | None:
+        """The search record with the chosen point, or ``None`` while a trial has no result yet."""
+        scored = []
+        for trial in self.trials:
+            result = read_json(trial.run.run_dir / RESULT_FILE)
+            if result is None:
+                return None
+            scored.append(
+                {
+                    "overrides": trial.point,
+                    METRIC: result.get(METRIC),
+                    "best_val_top1": result.get("best_val_top1"),
+                    "output_dir": trial.run.run_dir.relative_to(self.output_dir).as_posix(),
+                }
+            )
+        # max() keeps the first of equal keys: ties go to the earlier grid point.  A trial without a val
+        # score (it cannot happen on train800, but a hand-edited file could) ranks last.
+        best = max(scored, key=lambda t: -1.0 if t[METRIC] is None else t[METRIC]) if scored else None
+        return {
+            "space": self.space,
+            "split": SEARCH_SPLIT,
+            "scored_on": "val200",
+            "seed": self.search_seed,
+            "metric": METRIC,
+            "rule": RULE,
+            "trials": scored,
+            "chosen": best["overrides"] if best else {},
+        }
+
+    def finals(self, chosen: dict[str, Any]) -> list[PlannedRun]:
+        """The reported runs of the chosen point: one per seed, on the final split."""
+        runs = []
+        for seed in self.seeds:
+            run_dir = run_dir_for(self.output_dir, self.task, self.experiment.name, seed)
+            overrides = (
+                *self.base,
+                *point_overrides(chosen),
+                f"data.split={self.final_split}",
+                f"seed={seed}",
+                *self.extra,  # the user's, after the protocol's own (plan_cells refused any clash)
+                f"output_dir={format_value(str(run_dir))}",
+            )
+            runs.append(PlannedRun(self.task, self.experiment.name, seed, run_dir, overrides))
+        return runs
+
+
+def plan_cells(
+    suite: Suite,
+    experiments: Sequence[Experiment],
+    tasks: Sequence[str],
+    seeds: Sequence[int],
+    output_dir: Path,
+    extra_overrides: Sequence[str] = (),
+) -> list[Cell]:
+    """The cells of a searching suite, each with its planned trials.
+
+    Args:
+        suite: a suite with a ``search`` space.
+        experiments: the experiments to run.
+        tasks: petl dataset names.
+        seeds: the final runs' seeds.
+        output_dir: the results root.
+        extra_overrides: the user's command-line overrides (applied after the suite's and experiment's).
+
+    Raises:
+        ValueError: a command-line override of a searched key or of a key the protocol sets.
+
+    """
+    extra_keys = {o.partition("=")[0].lstrip("+~") for o in extra_overrides}
+    cells = []
+    for task in tasks:
+        for exp in experiments:
+            space = suite.space_for(exp, task)
+            clash = sorted(extra_keys & (set(space) | set(_PROTOCOL_KEYS)))
+            if clash:
+                raise ValueError(
+                    f"{', '.join(clash)}: set per run by suite {suite.name}'s selection protocol "
+                    f"(searched: {', '.join(space) or 'nothing'}); edit the suite or experiment file instead"
+                )
+            base = (*suite.overrides(), *exp.overrides(), *suite.task_overrides(exp.name, task), f"data={task}")
+            trials = []
+            # A cell whose experiment pins every searched key has nothing to select: it goes straight to its finals.
+            for point in grid(space) if space else []:
+                run_dir = output_dir / task / exp.name / SEARCH_DIR / point_name(point)
+                overrides = (
+                    *base,
+                    *point_overrides(point),
+                    f"data.split={SEARCH_SPLIT}",
+                    f"seed={suite.search_seed}",
+                    "train.eval_test=false",
+                    *extra_overrides,
+                    f"output_dir={format_value(str(run_dir))}",
+                )
+                label = f"{task} {exp.name} search {point_name(point)}"
+                trials.append(Trial(point, PlannedRun(task, exp.name, suite.search_seed, run_dir, overrides, label)))
+            cells.append(
+                Cell(
+                    task,
+                    exp,
+                    space,
+                    trials,
+                    base,
+                    tuple(extra_overrides),
+                    suite.final_split or FINAL_SPLIT,
+                    list(seeds),
+                    output_dir,
+                    suite.search_seed,
+                )
+            )
+    return cells
+
+
+def _config_value(config: dict[str, Any], key: str) -> Any:
+    node: Any = config
+    for part in key.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
+
+
+def stamp_selection(run: PlannedRun, selection: dict[str, Any]) -> str | None:
+    """Record the search in a finished final run's ``result.json`` (again after an interrupted stamp).
+
+    Returns:
+        ``None``, or why the run cannot carry this selection: it trained another point (the search space or
+        the trials changed after it finished), which a finished run's folder is never silently relabelled for.
+
+    """
+    path = run.run_dir / RESULT_FILE
+    result = read_json(path)
+    if result is None or result.get("selection") == selection:
+        return None
+    trained = {key: _config_value(result.get("config", {}), key) for key in selection["chosen"]}
+    if trained != selection["chosen"]:
+        return (
+            f"{run.label}: trained {trained} but the search now chooses {selection['chosen']}; "
+            f"delete {run.run_dir} to train the new choice"
+        )
+    result["selection"] = selection
+    write_json(path, result)
+    return None
+
+
+def run_protocol(cells: Sequence[Cell], progress: bool = True, **sweep_fns: Any) -> SweepSummary:
+    """Run every cell's search, then the final runs of every cell whose search is complete.
+
+    Trials of all cells come first (one sweep), then the finals (a second sweep), so an interrupted
+    session leaves whole searches behind it rather than half a cell; run the same command again to go on.
+
+    Args:
+        cells: from :func:`plan_cells`.
+        progress: show the sweeps' progress bars.
+        **sweep_fns: ``train_fn`` / ``compose_fn`` for :func:`petl.bench.sweep.run_sweep` (tests pass fakes).
+
+    Returns:
+        Both sweeps' summary; cells whose search is incomplete are listed in ``waiting``.
+
+    """
+    trials = [t.run for cell in cells for t in cell.trials]
+    summary = run_sweep(trials, progress=progress, **sweep_fns) if trials else SweepSummary()
+    finals, chosen = [], []
+    for cell in cells:
+        for trial in cell.trials:
+            # The final run retrains the chosen point: a trial's weights are never used again.
+            if trial.run.is_done():
+                (trial.run.run_dir / WEIGHTS_FILE).unlink(missing_ok=True)
+        selection = cell.selection()
+        if selection is None:
+            summary.waiting.append(f"{cell.label}: search incomplete, final runs wait for the next invocation")
+            continue
+        runs = cell.finals(selection["chosen"])
+        finals += runs
+        chosen += [(run, selection) for run in runs]
+    summary.merge(run_sweep(finals, progress=progress, **sweep_fns))
+    for run, selection in chosen:
+        if run.is_done() and (problem := stamp_selection(run, selection)):
+            summary.failed.append(problem)
+    return summary

