@@ -35,7 +35,10 @@ EXPORTS = [
 def test_public_names_exist():
     assert [name for name in EXPORTS if not hasattr(petl, name)] == []
     assert set(EXPORTS) <= set(petl.__all__)
-    assert petl.list_methods() == sorted(["linear", "mlp", "partial", "full", "lora", "adapter", "vpt", "peft"])
+    assert petl.list_methods() == sorted(
+        ["linear", "mlp", "partial", "full", "lora", "adapter", "vpt", "peft"]
+        + ["bitfit", "ln", "ssf", "fact", "repadapter"]
+    )
 
 
 def test_apply_lora_without_arguments_keeps_the_head(tiny_vit, images):

@@ -32,6 +32,10 @@ VARIANTS = [(name, {}) for name in petl.list_methods()] + [
     ("partial", {"k": 2}),
     ("mlp", {"k": 1}),
     ("peft", {"target_modules": ["qkv", "fc2"], "options": '{"r": 4, "lora_alpha": 8}'}),
+    ("bitfit", {"biases": "linear"}),
+    ("ssf", {"init_std": 0.1}),
+    ("fact", {"type": "tt", "rank": 4, "scale": 10.0}),
+    ("repadapter", {"bottleneck": 4, "groups": 4, "scale": 0.5}),
 ]
 IDS = [name + "".join(f"-{k}={v}" for k, v in opts.items()) for name, opts in VARIANTS]
 MERGEABLE = [v for v in VARIANTS if petl.get_method(v[0]).mergeable]
@@ -186,6 +190,8 @@ PUBLISHED = [
     ("vpt", {"num_tokens": 10, "deep": True}, 92_160),
     ("vpt", {"num_tokens": 10, "deep": False}, 7_680),
     ("linear", {}, 0),
+    ("bitfit", {}, 102_912),
+    ("ssf", {}, 205_824),
 ]
 
 
