@@ -182,10 +182,12 @@ class FactLinear(core.PetlModule):
         return self.scale * delta
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.base(x)
         if self.merged:
-            return out
-        return out + self.update(x)
+            # The wrapper's own module call stands in for base's: merged, this layer costs what the plain
+            # layer costs (one module call and base's forward).  Hooks registered on ``base`` itself are
+            # skipped while merged; hooks on this wrapper (the model's module at that path) still run.
+            return self.base.forward(x)
+        return self.base(x) + self.update(x)
 
     @torch.no_grad()
     def merge(self) -> None:

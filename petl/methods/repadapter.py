@@ -103,7 +103,10 @@ class RepAdapterLinear(core.PetlModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.merged:
-            return self.base(x)
+            # The wrapper's own module call stands in for base's: merged, this layer costs what the plain
+            # layer costs (one module call and base's forward).  Hooks registered on ``base`` itself are
+            # skipped while merged; hooks on this wrapper (the model's module at that path) still run.
+            return self.base.forward(x)
         return self.base(self.adapt(x))
 
     def _affine(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

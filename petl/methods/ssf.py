@@ -81,9 +81,12 @@ class SsfLayer(core.PetlModule):
         self.channel_dim = 1 if isinstance(base, nn.Conv2d) else -1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.base(x)
         if self.merged:
-            return out
+            # The wrapper's own module call stands in for base's: merged, this layer costs what the plain
+            # layer costs (one module call and base's forward).  Hooks registered on ``base`` itself are
+            # skipped while merged; hooks on this wrapper (the model's module at that path) still run.
+            return self.base.forward(x)
+        out = self.base(x)
         if self.channel_dim == 1:
             return out * self.scale.view(-1, 1, 1) + self.shift.view(-1, 1, 1)
         return out * self.scale + self.shift
