@@ -7,6 +7,7 @@ init convention shows up as a numerical difference.
 
 from __future__ import annotations
 
+import copy
 import csv
 import math
 from pathlib import Path
@@ -340,3 +341,21 @@ def test_half_precision_merge_computes_in_float32(tiny_vit, method, options):
     for (name, merged), merged_half in zip(full.named_parameters(), half.parameters(), strict=True):
         # Computed in float32 and rounded to bf16 once, not accumulated in bf16.
         assert torch.equal(merged_half, merged.detach().to(torch.bfloat16)), name
+
+
+@pytest.mark.parametrize("method", ["fact", "repadapter"])
+def test_new_dropout_follows_the_model_mode(tiny_vit, images, method):
+    # Wrappers added to an eval-mode model start in eval mode (no dropout), and follow .train().
+    model = petl.apply(tiny_vit(), method)
+    _perturb(model)
+    assert torch.equal(model(images), model(images))
+    model.train()
+    assert not torch.equal(model(images), model(images))
+
+
+def test_fact_deepcopy_shares_factors_within_the_copy(tiny_vit):
+    model = petl.apply_fact(tiny_vit())
+    clone = copy.deepcopy(model)
+    owner = vit.linear(vit.blocks(clone)[0], "qkv")
+    assert vit.linear(vit.blocks(clone)[2], "fc2").factors is owner.factors
+    assert owner.factors is not vit.linear(vit.blocks(model)[0], "qkv").factors
