@@ -42,6 +42,10 @@ VARIANTS = [(name, {}) for name in petl.list_methods()] + [
     ("adapter_plus", {"scaling": "none"}),
     ("convpass", {"dim": 3, "scale": 0.5, "xavier_conv": True, "dropout": 0.0}),
     ("hydra", {"dim": 3, "scale": 0.5, "dropout": 0.0, "targets": ["fc2"]}),
+    ("bitfit", {"biases": "linear"}),
+    ("ssf", {"init_std": 0.1}),
+    ("fact", {"type": "tt", "rank": 4, "scale": 10.0}),
+    ("repadapter", {"bottleneck": 4, "groups": 4, "scale": 0.5}),
 ]
 IDS = [name + "".join(f"-{k}={v}" for k, v in opts.items()) for name, opts in VARIANTS]
 MERGEABLE = [v for v in VARIANTS if petl.get_method(v[0]).mergeable]
@@ -196,6 +200,8 @@ PUBLISHED = [
     ("vpt", {"num_tokens": 10, "deep": True}, 92_160),
     ("vpt", {"num_tokens": 10, "deep": False}, 7_680),
     ("linear", {}, 0),
+    ("bitfit", {}, 102_912),
+    ("ssf", {}, 205_824),
 ]
 
 
