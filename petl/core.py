@@ -14,7 +14,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 from safetensors import safe_open
@@ -32,10 +32,16 @@ class MethodConfig:
 
     Attributes:
         num_classes: reset the classifier head to this many classes; ``None`` keeps the head.
+        backbone_mode: (class-level, not an option) how the frozen backbone runs while this
+            method trains, as its reference trains it: ``train`` (dropout and drop-path act
+            everywhere; V-PETL, NOAH and PETL_Vision call ``model.train()``) or ``eval`` (only
+            what learns is in train mode; the VPT repo's frozen encoder).  ``train.backbone_mode``
+            overrides it per run.
 
     """
 
     num_classes: int | None = None
+    backbone_mode: ClassVar[str] = "train"
 
     def validate(self, model: nn.Module) -> None:
         """Raise ValueError naming the field and its allowed range if a value is off for ``model``."""
@@ -265,8 +271,18 @@ def unmerge(model: nn.Module) -> nn.Module:
 
 
 def trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The trained tensors by parameter name (what :func:`save_trainable` writes)."""
-    return {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+    """The trained tensors by name (what :func:`save_trainable` writes).
+
+    Besides the parameters that require grad, the buffers of modules whose own parameters all
+    train: the running statistics of a trained BatchNorm (Mlp-k's head) are learnt state too.
+    """
+    state = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+    for prefix, module in model.named_modules():
+        own = list(module.parameters(recurse=False))
+        if own and all(p.requires_grad for p in own):
+            for name, buffer in module.named_buffers(recurse=False):
+                state[f"{prefix}.{name}" if prefix else name] = buffer.detach()
+    return state
 
 
 def _describe(model: nn.Module) -> dict[str, str]:
@@ -335,8 +351,8 @@ def load_trainable(model: nn.Module, path: str | Path) -> nn.Module:
                 raise ValueError(f"{path} was saved with {key}={value!r}, the model has {key}={have.get(key)!r}")
     if any(getattr(m, "merged", False) for m in model.modules()):
         raise ValueError("unmerge the model before loading trainable weights")
-    params = dict(model.named_parameters())
-    expected = {n for n, p in params.items() if p.requires_grad}
+    params = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    expected = set(trainable_state(model))
     with safe_open(str(path), framework="pt") as f:
         keys = set(f.keys())
         missing, unexpected = sorted(expected - keys), sorted(keys - expected)

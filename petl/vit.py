@@ -7,6 +7,10 @@ Q, K and V with one Linear whose output rows are laid out as Q = [0, d), K = [d,
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
+import torch
 from torch import nn
 
 SUPPORTED = (
@@ -101,6 +105,37 @@ def mlp(block: nn.Module) -> nn.Module:
 def set_mlp(block: nn.Module, module: nn.Module) -> None:
     """Replace the MLP of a block (see :func:`mlp`)."""
     block.mlp = module
+
+
+# The sub-modules of timm's pre-norm ``Block`` that :func:`block_forward` runs, in order.
+BLOCK_PARTS = ("norm1", "attn", "ls1", "drop_path1", "norm2", "mlp", "ls2", "drop_path2")
+
+
+def check_block_forward(block: nn.Module) -> None:
+    """Raise a ValueError unless :func:`block_forward` can run ``block`` (a timm pre-norm ``Block``)."""
+    missing = [part for part in BLOCK_PARTS if not isinstance(getattr(block, part, None), nn.Module)]
+    if missing:
+        raise ValueError(f"{type(block).__name__} is not a timm pre-norm Block (no {', '.join(missing)})")
+
+
+def block_forward(
+    block: nn.Module, x: torch.Tensor, beside_mlp: Callable[[torch.Tensor], torch.Tensor], **attn_kwargs: Any
+) -> torch.Tensor:
+    """timm's ``Block.forward`` with a branch added beside the MLP sub-layer.
+
+    The branch reads the residual stream entering the MLP sub-layer (before ``norm2``) and its
+    output joins the residual sum outside layer-scale and drop-path, as AdaptFormer's parallel
+    adapter does (ShoufaChen/AdaptFormer@6967d67 models/custom_modules.py:L76-94).
+
+    Args:
+        block: a timm ``Block`` (see :func:`check_block_forward`).
+        x: the tokens entering the block.
+        beside_mlp: the branch.
+        **attn_kwargs: what timm passes to the attention (``attn_mask``, ``is_causal``).
+
+    """
+    x = x + block.drop_path1(block.ls1(block.attn(block.norm1(x), **attn_kwargs)))
+    return x + block.drop_path2(block.ls2(block.mlp(block.norm2(x)))) + beside_mlp(x)
 
 
 def block_container(model: nn.Module) -> nn.Sequential:

@@ -34,7 +34,7 @@ from omegaconf.errors import OmegaConfBaseException
 import petl
 from petl import data as petl_data
 from petl import models as petl_models
-from petl.run.engine import TrainSettings
+from petl.run.engine import BACKBONE_MODES, TrainSettings
 
 GROUPS = ("method", "data", "model", "train")
 SPLITS = ("train800", "train800val200")
@@ -88,7 +88,8 @@ class ModelConfig:
         name: a timm ViT name, optionally with a pretrained tag (``vit_base_patch16_224.augreg2_in21k_ft_in1k``).
         pretrained: load the tag's pretrained weights (from the hub, or a file petl ships).
         checkpoint: a local weights file to load instead of the tag's source (offline clusters).
-        drop_path: stochastic-depth rate; it only acts in blocks that train, frozen ones run in eval mode.
+        drop_path: stochastic-depth rate; in frozen blocks it acts only when the backbone trains in
+            train mode (``train.backbone_mode``, by default the method's reference choice).
         kwargs: extra keyword arguments for ``timm.create_model`` (e.g. ``+model.kwargs.depth=2``).
 
     """
@@ -455,6 +456,9 @@ def check_values(cfg: DictConfig) -> None:
         if train.precision not in PRECISIONS:
             choices = ", ".join(PRECISIONS)
             raise ConfigError(f"train.precision={train.precision!r} is not valid: choose one of {choices}")
+        if train.backbone_mode not in BACKBONE_MODES:
+            choices = ", ".join(BACKBONE_MODES)
+            raise ConfigError(f"train.backbone_mode={train.backbone_mode!r} is not valid: choose one of {choices}")
         if data.split not in SPLITS:
             raise ConfigError(f"data.split={data.split!r} is not valid: choose one of {', '.join(SPLITS)}")
         for tracker in train.trackers:

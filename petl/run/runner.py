@@ -37,7 +37,7 @@ from petl import data as petl_data
 from petl.core import trainable_state
 from petl.run import cache, config, records
 from petl.run.config import ConfigError
-from petl.run.engine import NonFiniteLossError, build_optimizer, evaluate, fit
+from petl.run.engine import NonFiniteLossError, backbone_mode, build_optimizer, evaluate, fit
 
 log = logging.getLogger(__name__)
 
@@ -303,6 +303,11 @@ def _run(cfg: DictConfig, resolved: dict[str, Any], out: Path, accelerator: Acce
     settings = dataclasses.replace(settings, progress=settings.progress and accelerator.is_main_process)
     num_workers = cfg.data.num_workers
     cache_plan = cache.plan(model) if cfg.train.cache_features else None
+    if cache_plan is not None and backbone_mode(model, settings) == "train":
+        # A cached front runs once in eval mode; with the backbone in train mode its dropout and
+        # drop-path must act on every step, so nothing can be cached.
+        say("not caching features: train.backbone_mode is train, the frozen front is stochastic")
+        cache_plan = None
     train_set, val_set = datasets["train"], datasets.get("val")
     if cache_plan is not None and not cache.fits(model, cache_plan, [len(d) for d in (train_set, val_set) if d]):
         say("not caching features: the cache would exceed %d GiB", cache.MAX_CACHE_BYTES // 2**30)
@@ -406,7 +411,8 @@ def _run(cfg: DictConfig, resolved: dict[str, Any], out: Path, accelerator: Acce
 
 
 def _load_trainable(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-    params = dict(model.named_parameters())
+    # trainable_state also holds buffers of trained modules (BatchNorm statistics in Mlp-k's head).
+    params = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     with torch.no_grad():
         for name, tensor in state.items():
             params[name].copy_(tensor)
