@@ -121,7 +121,7 @@ def check_block_forward(block: nn.Module) -> None:
 def block_forward(
     block: nn.Module, x: torch.Tensor, beside_mlp: Callable[[torch.Tensor], torch.Tensor], **attn_kwargs: Any
 ) -> torch.Tensor:
-    """timm's ``Block.forward`` with a branch added beside the MLP sub-layer.
+    """Run timm's ``Block.forward`` with a branch added beside the MLP sub-layer.
 
     The branch reads the residual stream entering the MLP sub-layer (before ``norm2``) and its
     output joins the residual sum outside layer-scale and drop-path, as AdaptFormer's parallel

@@ -93,9 +93,7 @@ class _Bottleneck(core.PetlModule):
     the second.
     """
 
-    def __init__(
-        self, base: nn.Module, width: int, cfg: AdapterConfig, act: nn.Module, zero_down_bias: bool
-    ) -> None:
+    def __init__(self, base: nn.Module, width: int, cfg: AdapterConfig, act: nn.Module, zero_down_bias: bool) -> None:
         super().__init__(base)
         self.norm = nn.LayerNorm(width) if cfg.norm else nn.Identity()
         self.down = nn.Linear(width, cfg.bottleneck)

@@ -32,7 +32,6 @@ from torch import nn
 
 from petl import core, vit
 
-
 POOLS = ("original", "img_pool")
 
 
