@@ -372,6 +372,17 @@ def test_mlp_head_is_the_head(tiny_vit, images):
         petl.apply_mlp(tiny_vit(num_classes=0))
 
 
+def test_mlp_head_batchnorm_statistics_are_saved_and_loaded(tiny_vit, images, tmp_path):
+    model = petl.apply_mlp(tiny_vit(), k=2, num_classes=3).train()
+    model(torch.randn(8, 3, 32, 32))  # moves the head's BatchNorm running statistics
+    path = tmp_path / "mlp.safetensors"
+    petl.save_trainable(model, path)
+    with safe_open(str(path), framework="pt") as f:
+        assert "head.2.running_mean" in f.keys()
+    fresh = petl.load_trainable(tiny_vit(), path)
+    assert torch.equal(fresh.eval()(images), model.eval()(images))
+
+
 # --- peft bridge -------------------------------------------------------------------------------
 
 
