@@ -68,6 +68,8 @@ class DataConfig:
         root: folder holding the dataset in the field's layout; ``None`` uses the dataset's default source.
         subset: keep this many examples of every split (a fixed random choice, for quick checks); ``None`` keeps all.
         num_workers: DataLoader worker processes; 0 loads in the main process (deterministic, fine for tensors).
+        augment: VPT's FGVC protocol (resize to 256/224 of the input size, random crop and flip for
+            training, centre crop for evaluation); ``None`` = on for fgvc/* tasks, off otherwise.
         epochs: the suite's default number of epochs, which ``train.epochs`` follows unless overridden.
 
     """
@@ -77,6 +79,7 @@ class DataConfig:
     root: str | None = None
     subset: int | None = None
     num_workers: int = 0
+    augment: bool | None = None
     epochs: int = PROTOCOL_EPOCHS
 
 

@@ -215,7 +215,13 @@ def _subset(dataset: Dataset, size: int | None) -> Dataset:
 def _datasets(cfg: DictConfig, model: nn.Module) -> dict[str, Dataset]:
     """Train / val (when the split has one) / test, preprocessed as the backbone expects."""
     data_cfg = resolve_data_config({}, model=model)
-    image = dict(image_size=int(data_cfg["input_size"][-1]), mean=data_cfg["mean"], std=data_cfg["std"])
+    image = dict(
+        image_size=int(data_cfg["input_size"][-1]),
+        mean=data_cfg["mean"],
+        std=data_cfg["std"],
+        interpolation=data_cfg["interpolation"],
+        augment=cfg.data.augment,
+    )
     splits = {"train": cfg.data.split, "test": "test"}
     if cfg.data.split == "train800":
         splits["val"] = "val200"
