@@ -8,6 +8,7 @@ which follow the references' training loops.
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -189,18 +190,11 @@ def test_mlp_head_equals_vpts_mlp(tiny_vit):
     features = torch.randn(16, 48, generator=torch.Generator().manual_seed(2))
     for mode in (True, False):
         head.train(mode)
-        reference = _copy_head(head)
+        reference = copy.deepcopy(head)  # it updates its own BatchNorm statistics
         torch.manual_seed(4)
         got = head(features)
         torch.manual_seed(4)
         torch.testing.assert_close(got, _vpt_mlp_head(reference, features))
-
-
-def _copy_head(head: torch.nn.Sequential) -> torch.nn.Sequential:
-    # The reference updates its own BatchNorm statistics, so it runs on a copy of the weights.
-    import copy
-
-    return copy.deepcopy(head)
 
 
 def test_vpt_head_init(tiny_vit):
