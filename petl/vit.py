@@ -7,10 +7,10 @@ Q, K and V with one Linear whose output rows are laid out as Q = [0, d), K = [d,
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
+from timm.models.vision_transformer import Block
 from torch import nn
 
 SUPPORTED = (
@@ -80,11 +80,6 @@ def patch_size(model: nn.Module) -> tuple[int, int]:
     return (size, size) if isinstance(size, int) else tuple(size)
 
 
-def in_chans(model: nn.Module) -> int:
-    """Input channels of the patch embedding."""
-    return int(model.patch_embed.proj.in_channels)
-
-
 def linear(block: nn.Module, name: str) -> nn.Module:
     """A named Linear of a block: ``qkv``, ``proj`` (attention) or ``fc1``, ``fc2`` (MLP)."""
     owner = block.attn if name in ("qkv", "proj") else block.mlp
@@ -105,37 +100,6 @@ def mlp(block: nn.Module) -> nn.Module:
 def set_mlp(block: nn.Module, module: nn.Module) -> None:
     """Replace the MLP of a block (see :func:`mlp`)."""
     block.mlp = module
-
-
-# The sub-modules of timm's pre-norm ``Block`` that :func:`block_forward` runs, in order.
-BLOCK_PARTS = ("norm1", "attn", "ls1", "drop_path1", "norm2", "mlp", "ls2", "drop_path2")
-
-
-def check_block_forward(block: nn.Module) -> None:
-    """Raise a ValueError unless :func:`block_forward` can run ``block`` (a timm pre-norm ``Block``)."""
-    missing = [part for part in BLOCK_PARTS if not isinstance(getattr(block, part, None), nn.Module)]
-    if missing:
-        raise ValueError(f"{type(block).__name__} is not a timm pre-norm Block (no {', '.join(missing)})")
-
-
-def block_forward(
-    block: nn.Module, x: torch.Tensor, beside_mlp: Callable[[torch.Tensor], torch.Tensor], **attn_kwargs: Any
-) -> torch.Tensor:
-    """Run timm's ``Block.forward`` with a branch added beside the MLP sub-layer.
-
-    The branch reads the residual stream entering the MLP sub-layer (before ``norm2``) and its
-    output joins the residual sum outside layer-scale and drop-path, as AdaptFormer's parallel
-    adapter does (ShoufaChen/AdaptFormer@6967d67 models/custom_modules.py:L76-94).
-
-    Args:
-        block: a timm ``Block`` (see :func:`check_block_forward`).
-        x: the tokens entering the block.
-        beside_mlp: the branch.
-        **attn_kwargs: what timm passes to the attention (``attn_mask``, ``is_causal``).
-
-    """
-    x = x + block.drop_path1(block.ls1(block.attn(block.norm1(x), **attn_kwargs)))
-    return x + block.drop_path2(block.ls2(block.mlp(block.norm2(x)))) + beside_mlp(x)
 
 
 def block_container(model: nn.Module) -> nn.Sequential:
@@ -180,3 +144,43 @@ def reset_head(model: nn.Module, num_classes: int) -> None:
 def final_norms(model: nn.Module) -> list[nn.Module]:
     """The norms after the last block (``norm`` and ``fc_norm``), those that exist."""
     return [m for m in (getattr(model, "norm", None), getattr(model, "fc_norm", None)) if isinstance(m, nn.Module)]
+
+
+def attn(block: nn.Module) -> nn.Module:
+    """The attention sub-module of a block; its input is the block's first norm output."""
+    return block.attn
+
+
+def set_attn(block: nn.Module, module: nn.Module) -> None:
+    """Replace the attention of a block (see :func:`attn`); timm calls it with ``attn_mask`` keywords."""
+    block.attn = module
+
+
+def attn_residual(block: nn.Module, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+    """The first half of a pre-norm timm block: ``x + attn(norm1(x))`` (layer scale, drop path included).
+
+    Methods that act on the residual stream between the two halves run the halves themselves.
+    """
+    return x + block.drop_path1(block.ls1(block.attn(block.norm1(x), **kwargs)))
+
+
+def mlp_residual(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The second half of a pre-norm timm block: ``x + mlp(norm2(x))`` (see :func:`attn_residual`)."""
+    return x + block.drop_path2(block.ls2(block.mlp(block.norm2(x))))
+
+
+def mlp_norm(block: nn.Module) -> nn.Module:
+    """The norm in front of a block's MLP (its input is the residual stream after attention)."""
+    return block.norm2
+
+
+def check_pre_norm_block(block: nn.Module) -> None:
+    """Raise a ValueError unless ``block`` is timm's pre-norm ``Block`` (what the halves above assume)."""
+    if type(block) is not Block:
+        raise ValueError(f"this method needs timm's pre-norm vision_transformer.Block; got {type(block).__name__}")
+
+
+def grid_size(model: nn.Module) -> tuple[int, int]:
+    """Patch-token grid (rows, columns) of the patch embedding at the model's image size."""
+    rows, cols = model.patch_embed.grid_size
+    return int(rows), int(cols)

@@ -82,7 +82,7 @@ class AdapterConfig(core.MethodConfig):
         core.check_dropout("dropout", self.dropout_p)
         if self.style == "parallel":
             for block in vit.blocks(model):
-                vit.check_block_forward(block)
+                vit.check_pre_norm_block(block)
 
 
 class _Bottleneck(core.PetlModule):
@@ -135,7 +135,10 @@ class ParallelAdapter(_Bottleneck):
 
     def forward(self, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         # timm blocks take attn_mask / is_causal keywords; pass whatever the caller gave.
-        return vit.block_forward(self.base, x, self.adapter, **kwargs)
+        x = vit.attn_residual(self.base, x, **kwargs)
+        # custom_modules.py:L78-93: the branch reads x, the residual stream entering the MLP
+        # sub-layer, and joins the sum outside the block's layer scale and drop-path.
+        return vit.mlp_residual(self.base, x) + self.adapter(x)
 
 
 def _formula(model: nn.Module, cfg: AdapterConfig) -> int:
