@@ -16,12 +16,15 @@ from torch.utils.data import Dataset
 
 from petl.data.transforms import IMAGENET_MEAN, IMAGENET_STD, ImageSpec
 
-# The VTAB-1k protocol's four splits.  Every dataset answers to these names so that training code
-# never needs to know which family a dataset comes from.
-SPLITS: tuple[str, ...] = ("train800", "val200", "train800val200", "test")
+# The VTAB-1k protocol's four splits, the one home of their names.  Every dataset answers to these
+# names so that training code never needs to know which family a dataset comes from.  TRAIN_VAL
+# is TRAIN followed by VAL (the final run's training set); a run trains on TRAIN or TRAIN_VAL.
+TRAIN, VAL, TRAIN_VAL, TEST = "train800", "val200", "train800val200", "test"
+SPLITS: tuple[str, ...] = (TRAIN, VAL, TRAIN_VAL, TEST)
+TRAINING_SPLITS: tuple[str, ...] = (TRAIN, TRAIN_VAL)
 GROUPS: tuple[str, ...] = ("natural", "specialized", "structured", "fgvc")
-# The splits a model trains on: the ones that get random augmentation when it is on.
-TRAIN_SPLITS: tuple[str, ...] = ("train800", "train800val200")
+# Training epochs of the field's VTAB-1k / FGVC protocol; a dataset may set fewer (DatasetInfo.epochs).
+PROTOCOL_EPOCHS = 100
 
 
 class DatasetUnavailableError(RuntimeError):
@@ -160,6 +163,6 @@ def build_dataset(
         normalize=normalize,
         interpolation=interpolation,
         crop=crop,
-        augment=crop and split in TRAIN_SPLITS,
+        augment=crop and split in TRAINING_SPLITS,
     )
     return builder(split, spec, root=root, strict=strict)

@@ -67,9 +67,9 @@ class DataConfig:
         split: ``train800`` (train on 800, select on val200) or ``train800val200`` (final run on all 1000).
         root: folder holding the dataset in the field's layout; ``None`` uses the dataset's default source.
         subset: keep this many examples of every split (a fixed random choice, for quick checks); ``None`` keeps all.
-        num_workers: DataLoader worker processes; 0 loads in the main process (deterministic, fine for tensors).
         augment: VPT's FGVC protocol (resize to 256/224 of the input size, random crop and flip for
             training, centre crop for evaluation); ``None`` = on for fgvc/* tasks, off otherwise.
+        num_workers: DataLoader worker processes; 0 loads in the main process (deterministic, fine for tensors).
         epochs: the suite's default number of epochs, which ``train.epochs`` follows unless overridden.
 
     """
@@ -78,8 +78,8 @@ class DataConfig:
     split: str = "train800"
     root: str | None = None
     subset: int | None = None
-    num_workers: int = 0
     augment: bool | None = None
+    num_workers: int = 0
     epochs: int = PROTOCOL_EPOCHS
 
 
