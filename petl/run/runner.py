@@ -312,7 +312,8 @@ def _run(cfg: DictConfig, resolved: dict[str, Any], out: Path, accelerator: Acce
     if cache_plan is not None and backbone_mode(model, settings) == "train":
         # A cached front runs once in eval mode; with the backbone in train mode its dropout and
         # drop-path must act on every step, so nothing can be cached.
-        say("not caching features: train.backbone_mode is train, the frozen front is stochastic")
+        if accelerator.is_main_process:
+            log.info("not caching features: train.backbone_mode is train, the frozen front is stochastic")
         cache_plan = None
     train_set, val_set = datasets["train"], datasets.get("val")
     if cache_plan is not None and not cache.fits(model, cache_plan, [len(d) for d in (train_set, val_set) if d]):
