@@ -37,7 +37,6 @@ class TrainSettings:
         warmup_frac: fraction of the steps spent in linear warm-up before the cosine decay.
         label_smoothing: cross-entropy label smoothing.
         grad_clip: max gradient norm, 0 to disable.
-        progress: show a progress bar per epoch.
         backbone_mode: how the frozen backbone runs while training: ``train`` (dropout and
             drop-path act everywhere, as V-PETL, NOAH and PETL_Vision train), ``eval`` (only what
             learns is in train mode, as the VPT repo keeps its frozen encoder), or ``auto`` (the
@@ -45,6 +44,7 @@ class TrainSettings:
         weight_decay_all: decay every trainable tensor; by default biases, norms (every 1-D
             tensor), prompt tokens and position embeddings are exempt, as in timm's
             ``param_groups_weight_decay`` and the models' ``no_weight_decay()``.
+        progress: show a progress bar per epoch.
 
     """
 
@@ -54,9 +54,9 @@ class TrainSettings:
     warmup_frac: float = 0.1
     label_smoothing: float = 0.0
     grad_clip: float = 0.0
-    progress: bool = True
     backbone_mode: str = "auto"
     weight_decay_all: bool = False
+    progress: bool = True
 
 
 BACKBONE_MODES = ("auto", "train", "eval")
