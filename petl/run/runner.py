@@ -215,20 +215,16 @@ def _subset(dataset: Dataset, size: int | None) -> Dataset:
 def _datasets(cfg: DictConfig, model: nn.Module) -> dict[str, Dataset]:
     """Train / val (when the split has one) / test, preprocessed as the backbone expects."""
     data_cfg = resolve_data_config({}, model=model)
-    image = dict(
-        image_size=int(data_cfg["input_size"][-1]),
-        mean=data_cfg["mean"],
-        std=data_cfg["std"],
-        interpolation=data_cfg["interpolation"],
-        augment=cfg.data.augment,
-    )
+    # The backbone's own resampling filter; FGVC's crop-and-flip protocol unless data.augment says otherwise.
+    geometry = dict(interpolation=data_cfg["interpolation"], augment=cfg.data.augment)
+    image = dict(image_size=int(data_cfg["input_size"][-1]), mean=data_cfg["mean"], std=data_cfg["std"])
     splits = {"train": cfg.data.split, "test": "test"}
     if cfg.data.split == "train800":
         splits["val"] = "val200"
     built = {}
     for role, split in splits.items():
         try:
-            dataset = petl_data.build_dataset(cfg.data.name, split, root=cfg.data.root, **image)
+            dataset = petl_data.build_dataset(cfg.data.name, split, root=cfg.data.root, **image, **geometry)
         except petl_data.DatasetUnavailableError as error:
             raise RunError(str(error)) from None
         except ValueError as error:
