@@ -43,7 +43,7 @@ from petl import data as petl_data
 from petl.core import trainable_state
 from petl.run import cache, config, lock, records
 from petl.run.config import ConfigError
-from petl.run.engine import NonFiniteLossError, TrainSettings, build_optimizer, evaluate, fit
+from petl.run.engine import NonFiniteLossError, TrainSettings, backbone_mode, build_optimizer, evaluate, fit
 
 log = logging.getLogger(__name__)
 
@@ -265,6 +265,8 @@ def _subset(dataset: Dataset, size: int | None) -> Dataset:
 def _datasets(cfg: DictConfig, model: nn.Module) -> dict[str, Dataset]:
     """Train / val (when the split has one) / test, preprocessed as the backbone expects."""
     data_cfg = resolve_data_config({}, model=model)
+    # The backbone's own resampling filter; FGVC's crop-and-flip protocol unless data.augment says otherwise.
+    geometry = dict(interpolation=data_cfg["interpolation"], augment=cfg.data.augment)
     image = dict(image_size=int(data_cfg["input_size"][-1]), mean=data_cfg["mean"], std=data_cfg["std"])
     splits = {"train": cfg.data.split}
     if cfg.train.eval_test:
@@ -274,7 +276,7 @@ def _datasets(cfg: DictConfig, model: nn.Module) -> dict[str, Dataset]:
     built = {}
     for role, split in splits.items():
         try:
-            dataset = petl_data.build_dataset(cfg.data.name, split, root=cfg.data.root, **image)
+            dataset = petl_data.build_dataset(cfg.data.name, split, root=cfg.data.root, **image, **geometry)
         except petl_data.DatasetUnavailableError as error:
             raise RunError(str(error)) from None
         except ValueError as error:
@@ -493,7 +495,8 @@ class _Training:
 
     def restore(self, checkpoint: dict[str, Any]) -> None:
         """Continue from a checkpoint: weights, optimizer, schedule and every random generator."""
-        params = dict(self.model.named_parameters())
+        # trainable_state also holds buffers of trained modules (BatchNorm statistics in Mlp-k's head).
+        params = {**dict(self.model.named_parameters()), **dict(self.model.named_buffers())}
         with torch.no_grad():
             for name, tensor in checkpoint["trainable"].items():
                 params[name].copy_(tensor)
@@ -510,6 +513,12 @@ def _prepare_training(
     settings = dataclasses.replace(settings, progress=settings.progress and accelerator.is_main_process)
     num_workers = cfg.data.num_workers
     cache_plan = cache.plan(model) if cfg.train.cache_features else None
+    if cache_plan is not None and backbone_mode(model, settings) == "train":
+        # A cached front runs once in eval mode; with the backbone in train mode its dropout and
+        # drop-path must act on every step, so nothing can be cached.
+        if accelerator.is_main_process:
+            log.info("not caching features: train.backbone_mode is train, the frozen front is stochastic")
+        cache_plan = None
     train_set, val_set = datasets["train"], datasets.get("val")
     if cache_plan is not None and not cache.fits(model, cache_plan, [len(d) for d in (train_set, val_set) if d]):
         _say(accelerator, "not caching features: the cache would exceed %d GiB", cache.MAX_CACHE_BYTES // 2**30)
