@@ -270,14 +270,15 @@ def _datasets(cfg: DictConfig, model: nn.Module) -> dict[str, Dataset]:
     image = dict(image_size=int(data_cfg["input_size"][-1]), mean=data_cfg["mean"], std=data_cfg["std"])
     splits = {"train": cfg.data.split}
     if cfg.train.eval_test:
-        splits["test"] = "test"
-    if cfg.data.split == "train800":
-        splits["val"] = "val200"
+        splits["test"] = petl_data.TEST
+    if cfg.data.split == petl_data.TRAIN:
+        splits["val"] = petl_data.VAL
     built = {}
     for role, split in splits.items():
         try:
             dataset = petl_data.build_dataset(cfg.data.name, split, root=cfg.data.root, **image, **geometry)
-        except petl_data.DatasetUnavailableError as error:
+        except (petl_data.DatasetUnavailableError, petl_data.BadImagesError) as error:
+            # Bad image files are a data fault, not a config error; the message names the dataset and every path.
             raise RunError(str(error)) from None
         except ValueError as error:
             raise ConfigError(f"data {cfg.data.name}: {error}") from None
