@@ -19,7 +19,7 @@ import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import safetensors.torch
 import torch
@@ -37,10 +37,16 @@ class MethodConfig:
 
     Attributes:
         num_classes: reset the classifier head to this many classes; ``None`` keeps the head.
+        backbone_mode: (class-level, not an option) how the frozen backbone runs while this
+            method trains, as its reference trains it: ``train`` (dropout and drop-path act
+            everywhere; V-PETL, NOAH and PETL_Vision call ``model.train()``) or ``eval`` (only
+            what learns is in train mode; the VPT repo's frozen encoder).  ``train.backbone_mode``
+            overrides it per run.
 
     """
 
     num_classes: int | None = None
+    backbone_mode: ClassVar[str] = "train"
 
     def validate(self, model: nn.Module) -> None:
         """Raise ValueError naming the field and its allowed range if a value is off for ``model``.
@@ -339,8 +345,18 @@ def unmerge(model: nn.Module) -> nn.Module:
 
 
 def trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The trained tensors by parameter name (what :func:`save_trainable` writes)."""
-    return {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+    """The trained tensors by name (what :func:`save_trainable` writes).
+
+    Besides the parameters that require grad, the buffers of modules whose own parameters all
+    train: the running statistics of a trained BatchNorm (Mlp-k's head) are learnt state too.
+    """
+    state = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+    for prefix, module in model.named_modules():
+        own = list(module.parameters(recurse=False))
+        if own and all(p.requires_grad for p in own):
+            for name, buffer in module.named_buffers(recurse=False):
+                state[f"{prefix}.{name}" if prefix else name] = buffer.detach()
+    return state
 
 
 def _describe(model: nn.Module) -> dict[str, str]:
@@ -447,7 +463,7 @@ def _read_tensors(path: str | Path) -> dict[str, torch.Tensor]:
 
 def _check_matches(path: str | Path, model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
     """Refuse (before anything is copied) a file whose names, shapes or dtypes do not fit ``model``."""
-    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    params = trainable_state(model)
     missing, unexpected = sorted(params.keys() - tensors.keys()), sorted(tensors.keys() - params.keys())
     if missing or unexpected:
         raise ValueError(f"{path} does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
@@ -492,7 +508,7 @@ def load_trainable(model: nn.Module, path: str | Path) -> nn.Module:
     _check_matches(path, target, tensors)
     if fresh:
         _applied(path, model, meta)
-    params = dict(model.named_parameters())
+    params = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     with torch.no_grad():
         for name, tensor in tensors.items():
             params[name].copy_(tensor)

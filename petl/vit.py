@@ -184,3 +184,49 @@ def grid_size(model: nn.Module) -> tuple[int, int]:
     """Patch-token grid (rows, columns) of the patch embedding at the model's image size."""
     rows, cols = model.patch_embed.grid_size
     return int(rows), int(cols)
+
+
+def patch_proj(model: nn.Module) -> nn.Module:
+    """The patch embedding's projection (a Conv2d whose output channels are the embedding width)."""
+    return model.patch_embed.proj
+
+
+def set_patch_proj(model: nn.Module, module: nn.Module) -> None:
+    """Replace the patch embedding's projection (see :func:`patch_proj`)."""
+    model.patch_embed.proj = module
+
+
+def patch_norm(model: nn.Module) -> nn.Module:
+    """The norm after the patch projection (``nn.Identity`` in most ViTs)."""
+    return model.patch_embed.norm
+
+
+def set_patch_norm(model: nn.Module, module: nn.Module) -> None:
+    """Replace the norm after the patch projection (see :func:`patch_norm`)."""
+    model.patch_embed.norm = module
+
+
+def block_norm(block: nn.Module, name: str) -> nn.Module:
+    """A block's pre-norm: ``norm1`` (before attention) or ``norm2`` (before the MLP)."""
+    return getattr(block, name)
+
+
+def set_block_norm(block: nn.Module, name: str, module: nn.Module) -> None:
+    """Replace a block's pre-norm (see :func:`block_norm`)."""
+    setattr(block, name, module)
+
+
+def named_final_norms(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(attribute name, module) of the norms after the last block (``norm``, ``fc_norm``), those that exist."""
+    return [(n, m) for n in ("norm", "fc_norm") if isinstance(m := getattr(model, n, None), nn.Module)]
+
+
+def set_final_norm(model: nn.Module, name: str, module: nn.Module) -> None:
+    """Replace a final norm named by :func:`named_final_norms`."""
+    setattr(model, name, module)
+
+
+def layer_norms(model: nn.Module) -> list[nn.LayerNorm]:
+    """Every LayerNorm of the backbone, the head's left out (patch-embedding, block and final norms)."""
+    in_head = {id(m) for m in head(model).modules()}
+    return [m for m in model.modules() if isinstance(m, nn.LayerNorm) and id(m) not in in_head]

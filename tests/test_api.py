@@ -37,7 +37,8 @@ def test_public_names_exist():
     assert set(EXPORTS) <= set(petl.__all__)
     assert petl.list_methods() == sorted(
         ["linear", "mlp", "partial", "full", "lora", "adapter", "vpt", "peft"]
-        + ["hydra", "adapter_plus", "sct", "convpass"]  # issue 11, helper m2
+        + ["hydra", "adapter_plus", "sct", "convpass"]  # issue 11
+        + ["bitfit", "ln", "ssf", "fact", "repadapter"]
     )
 
 

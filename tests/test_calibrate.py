@@ -144,3 +144,18 @@ def test_the_runner_calls_a_calibrate_hook_once_with_a_train_loader(probe, tmp_p
 def test_methods_without_a_hook_build_no_calibration_set(tmp_path, monkeypatch):
     monkeypatch.setattr(runner, "_calibration_set", lambda *a: pytest.fail("lora has no calibrate hook"))
     assert tiny(tmp_path / "run", "method=lora", "method.rank=2")["method_config"]["rank"] == 2
+
+
+def test_the_calibration_split_is_the_train_split_without_random_augmentation(tmp_path):
+    from test_data_protocol import _fgvc_folder
+
+    # FGVC trains on random crops and flips; calibration reads the training images centre-cropped, as test.
+    _fgvc_folder(tmp_path)
+    cfg = default_config([*TINY[2:], "data=fgvc/cub", f"data.root={tmp_path}", "data.subset=4"])
+    backbone = runner._create_backbone(cfg)
+    calibration, datasets = runner._calibration_set(cfg, backbone), runner._datasets(cfg, backbone)
+    assert len(calibration) == len(datasets["train"]) == 4
+    torch.manual_seed(0)
+    reads = [calibration[0][0] for _ in range(10)]
+    assert all(torch.equal(x, datasets["test"][0][0]) for x in reads)  # the one image, centre-cropped
+    assert any(not torch.equal(datasets["train"][0][0], reads[0]) for _ in range(10))  # training is augmented

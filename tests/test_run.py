@@ -231,3 +231,11 @@ def test_local_checkpoint_replaces_the_hub_download(tmp_path):
     assert torch.equal(model.blocks[1].mlp.fc2.weight, source.blocks[1].mlp.fc2.weight)
     with pytest.raises(config.ConfigError, match="model.checkpoint=.*nope.safetensors: no such file"):
         runner._create_backbone(default_config([*TINY, "model.checkpoint=nope.safetensors"]))
+
+
+def test_backbone_mode_train_turns_the_feature_cache_off(tmp_path):
+    # A cached front runs once, in eval mode; with train.backbone_mode=train its drop-path must act.
+    run = tiny(tmp_path, "method=linear", "train.backbone_mode=train", "train.epochs=1")
+    assert run["feature_cache"] is None and run["config"]["train"]["backbone_mode"] == "train"
+    with pytest.raises(config.ConfigError, match="train.backbone_mode"):
+        tiny(tmp_path / "bad", "method=linear", "train.backbone_mode=frozen")

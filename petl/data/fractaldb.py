@@ -18,6 +18,8 @@ import numpy as np
 import torch
 from torch.utils.data import TensorDataset
 
+from petl.data.transforms import normalize
+
 
 @dataclass(frozen=True)
 class FractalConfig:
@@ -144,8 +146,5 @@ def generate(config: FractalConfig, systems: list[np.ndarray] | None = None, see
 
 
 def to_model_input(images: torch.Tensor, mean: tuple[float, ...], std: tuple[float, ...]) -> torch.Tensor:
-    """uint8 [N,1,H,W] fractals → normalised float [N,3,H,W] for an RGB ViT."""
-    x = images.float().div_(255).expand(-1, 3, -1, -1)
-    mean_t = torch.tensor(mean).view(1, 3, 1, 1)
-    std_t = torch.tensor(std).view(1, 3, 1, 1)
-    return (x - mean_t) / std_t
+    """uint8 [N,1,H,W] fractals → normalised float [N,3,H,W] for an RGB ViT (petl.data's normaliser)."""
+    return normalize(images.float().div_(255).expand(-1, 3, -1, -1), mean, std)

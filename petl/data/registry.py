@@ -141,12 +141,15 @@ def build_dataset(
     normalize: bool = True,
     root: str | None = None,
     strict: bool = True,
+    augment: bool | None = None,
+    interpolation: str = "bicubic",
+    eval_transform: bool = False,
 ) -> Dataset:
     """Build one split of a registered dataset.
 
     Items are ``(float32 tensor [3, image_size, image_size], int label)``: images are resized to
-    ``image_size``, converted to three channels and, if ``normalize``, standardised with
-    ``mean``/``std``.  No augmentation is applied.
+    ``image_size`` (or resized and cropped, see ``augment``), converted to three channels and, if
+    ``normalize``, standardised with ``mean``/``std``.
 
     Args:
         name: a name from :func:`list_datasets`.
@@ -159,14 +162,30 @@ def build_dataset(
             ``None``.  Mini datasets ignore it.
         strict: check the VTAB-1k split sizes (800/200/1000) of local folders.  Only test
             fixtures turn this off; label ranges are checked either way.
+        augment: VPT's FGVC protocol: resize to ``image_size * 256 / 224`` and crop, randomly with a
+            horizontal flip on the training splits (train800, train800val200), centred on the
+            others (see :mod:`petl.data.transforms`).  ``None`` turns it on for the fgvc group
+            only; VTAB resizes straight to the square, as V-PETL Bench does.
+        interpolation: resampling filter, normally the backbone's timm pretrained config value.
+        eval_transform: build a training split with the evaluation transform (centre crop, no flip):
+            for statistics of the training images, such as a method's calibration before training.
 
     Raises:
         ValueError: unknown name or split, or bad image options.
         DatasetUnavailableError: the source cannot be reached or read.
 
     """
-    _info, builder = _lookup(name)
+    info, builder = _lookup(name)
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r} for {name}; valid splits: {', '.join(SPLITS)}")
-    spec = ImageSpec(image_size=image_size, mean=tuple(mean), std=tuple(std), normalize=normalize)
+    crop = info.group == "fgvc" if augment is None else augment
+    spec = ImageSpec(
+        image_size=image_size,
+        mean=tuple(mean),
+        std=tuple(std),
+        normalize=normalize,
+        interpolation=interpolation,
+        crop=crop,
+        augment=crop and split in TRAINING_SPLITS and not eval_transform,
+    )
     return builder(split, spec, root=root, strict=strict)

@@ -1,9 +1,21 @@
-"""The one image pipeline every dataset shares: resize, three channels, optional normalisation.
+"""The one image pipeline every dataset shares: resize (or resize and crop), three channels, normalisation.
 
 Two entry points do the same thing for two kinds of input: :func:`array_to_tensors` for in-memory
 uint8 batches (the mini datasets, converted once) and :func:`pil_to_tensor` for images decoded one
-at a time (real datasets, converted lazily).  Both use bicubic resampling with antialiasing so a
-model sees the same kind of pixels whichever family a dataset comes from.
+at a time (real datasets, converted lazily).  Both resample with the backbone's own interpolation
+(its timm pretrained config's ``interpolation``; bicubic unless told) and antialias when shrinking,
+so a model sees the same kind of pixels whichever family a dataset comes from.  :func:`normalize`
+is the one place images are standardised (FractalDB pretraining uses it too).
+
+Two geometries, after the references:
+
+* VTAB-1k: resize straight to ``image_size`` x ``image_size`` (V-PETL Bench,
+  synbol/Parameter-Efficient-Transfer-Learning-Benchmark@c188fad ImageClassification/dataloader/vtab.py:L72-74);
+* FGVC (``crop``): resize the shorter side to ``image_size * 256 / 224`` and crop ``image_size``,
+  centred for evaluation, random with a horizontal flip (p=0.5) for training (``augment``)
+  (KMnP/vpt@4410440 src/data/transforms.py:L7-41; 224 -> 256, 384 -> 438, 448 -> 512 as there).
+  Only decoded images (:func:`pil_to_tensor`) can be cropped or augmented: mini datasets are
+  converted once.
 """
 
 from __future__ import annotations
@@ -22,6 +34,15 @@ IMAGENET_STD: tuple[float, float, float] = (0.229, 0.224, 0.225)
 # Batches converted at once by array_to_tensors: bounds the float32 temporaries at large image sizes.
 _CHUNK = 256
 
+# timm's interpolation names -> PIL filters; torch's F.interpolate has the same names for these three.
+INTERPOLATIONS = {
+    "bicubic": Image.Resampling.BICUBIC,
+    "bilinear": Image.Resampling.BILINEAR,
+    "nearest": Image.Resampling.NEAREST,
+}
+# VPT's FGVC resize-then-crop ratio (src/data/transforms.py:L11-19: 256 for 224).
+CROP_RATIO = 256 / 224
+
 
 @dataclass(frozen=True)
 class ImageSpec:
@@ -32,6 +53,11 @@ class ImageSpec:
         mean: per-channel mean subtracted when ``normalize``.
         std: per-channel standard deviation divided by when ``normalize``.
         normalize: whether to standardise; otherwise values stay in [0, 1].
+        interpolation: ``bicubic``, ``bilinear`` or ``nearest`` (the backbone's timm pretrained config).
+        crop: resize the shorter side to ``image_size * 256 / 224`` and crop ``image_size`` (VPT's
+            FGVC geometry) instead of resizing straight to the square.
+        augment: a random crop and horizontal flip instead of the centre crop (training splits;
+            needs ``crop``).
 
     """
 
@@ -39,6 +65,9 @@ class ImageSpec:
     mean: tuple[float, ...] = IMAGENET_MEAN
     std: tuple[float, ...] = IMAGENET_STD
     normalize: bool = True
+    interpolation: str = "bicubic"
+    crop: bool = False
+    augment: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.image_size, int) or self.image_size < 1:
@@ -47,6 +76,19 @@ class ImageSpec:
             raise ValueError(f"mean and std need 3 values (RGB), got mean={self.mean}, std={self.std}")
         if any(s <= 0 for s in self.std):
             raise ValueError(f"std values must be > 0, got {self.std}")
+        if self.interpolation not in INTERPOLATIONS:
+            raise ValueError(
+                f"interpolation={self.interpolation!r} is not supported: choose one of {', '.join(INTERPOLATIONS)}"
+            )
+        if self.augment and not self.crop:
+            raise ValueError("augment=True needs crop=True (augmentation is a random crop and flip)")
+
+
+def normalize(batch: torch.Tensor, mean: tuple[float, ...], std: tuple[float, ...]) -> torch.Tensor:
+    """Standardise a float ``[N, 3, H, W]`` batch in [0, 1] per channel: ``(x - mean) / std``."""
+    mean_t = torch.tensor(mean, dtype=batch.dtype).view(1, 3, 1, 1)
+    std_t = torch.tensor(std, dtype=batch.dtype).view(1, 3, 1, 1)
+    return (batch - mean_t) / std_t
 
 
 def _finish(batch: torch.Tensor, spec: ImageSpec) -> torch.Tensor:
@@ -54,12 +96,14 @@ def _finish(batch: torch.Tensor, spec: ImageSpec) -> torch.Tensor:
     size = spec.image_size
     if batch.shape[-2:] != (size, size):
         # Antialiasing matters when shrinking (e.g. 64 px scenes to 32 px); bicubic overshoots, so clamp.
-        batch = F.interpolate(batch, size=(size, size), mode="bicubic", align_corners=False, antialias=True)
+        mode = spec.interpolation
+        smooth = mode != "nearest"
+        batch = F.interpolate(
+            batch, size=(size, size), mode=mode, align_corners=False if smooth else None, antialias=smooth
+        )
         batch = batch.clamp_(0.0, 1.0)
     if spec.normalize:
-        mean = torch.tensor(spec.mean, dtype=batch.dtype).view(1, 3, 1, 1)
-        std = torch.tensor(spec.std, dtype=batch.dtype).view(1, 3, 1, 1)
-        batch = (batch - mean) / std
+        batch = normalize(batch, spec.mean, spec.std)
     return batch.contiguous()
 
 
@@ -80,6 +124,8 @@ def array_to_tensors(images: np.ndarray, spec: ImageSpec) -> torch.Tensor:
         images = images[..., None]
     if images.ndim != 4 or images.shape[-1] not in (1, 3):
         raise ValueError(f"expected [N, H, W] or [N, H, W, 3] images, got shape {images.shape}")
+    if spec.crop:
+        raise ValueError("in-memory datasets are converted once: no crop or augmentation (use augment=False)")
     out = []
     for start in range(0, len(images), _CHUNK):
         chunk = torch.from_numpy(np.ascontiguousarray(images[start : start + _CHUNK]))
@@ -92,13 +138,35 @@ def array_to_tensors(images: np.ndarray, spec: ImageSpec) -> torch.Tensor:
     return torch.cat(out)
 
 
+def _resize_and_crop(image: Image.Image, spec: ImageSpec) -> Image.Image:
+    """VPT's FGVC geometry: shorter side to ``size * 256 / 224``, then a centre or random crop, random flip."""
+    size, short = spec.image_size, int(spec.image_size * CROP_RATIO)
+    w, h = image.size
+    # As torchvision's Resize(int): the shorter side becomes ``short``, the longer one is truncated.
+    new_w, new_h = (short, int(short * h / w)) if w <= h else (int(short * w / h), short)
+    if (new_w, new_h) != (w, h):
+        image = image.resize((new_w, new_h), INTERPOLATIONS[spec.interpolation])
+    if spec.augment:
+        # torch's RNG, so DataLoader workers and petl's seeding govern it like dropout.
+        left = int(torch.randint(0, new_w - size + 1, ()))
+        top = int(torch.randint(0, new_h - size + 1, ()))
+    else:
+        left, top = round((new_w - size) / 2), round((new_h - size) / 2)
+    image = image.crop((left, top, left + size, top + size))
+    if spec.augment and float(torch.rand(())) < 0.5:
+        image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+    return image
+
+
 def pil_to_tensor(image: Image.Image, spec: ImageSpec) -> torch.Tensor:
     """Convert one decoded image (any mode) to a float32 tensor ``[3, image_size, image_size]``."""
     image = image.convert("RGB")
     size = spec.image_size
-    if image.size != (size, size):
+    if spec.crop:
+        image = _resize_and_crop(image, spec)
+    elif image.size != (size, size):
         # PIL's resize widens its filter when shrinking, i.e. it antialiases like the batch path.
-        image = image.resize((size, size), Image.Resampling.BICUBIC)
+        image = image.resize((size, size), INTERPOLATIONS[spec.interpolation])
     array = np.asarray(image, dtype=np.uint8)
     tensor = torch.from_numpy(array.copy()).permute(2, 0, 1).float().div_(255.0)
     return _finish(tensor[None], spec)[0]

@@ -28,6 +28,7 @@ import os
 import shutil
 import warnings
 import zipfile
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -361,6 +362,27 @@ def _check_files(info: DatasetInfo, items: list[tuple[Path, int]]) -> None:
         raise DatasetUnavailableError(f"{info.name}: {len(missing)} listed images are missing, e.g. {missing[0]}")
 
 
+def _check_union(info: DatasetInfo, splits: dict[str, list[tuple[Path, int]]]) -> None:
+    """Warn when train800val200 cannot be train800 plus val200.
+
+    Two layouts are right: lists of the same image files (train800val200 = the concatenation), or
+    NOAH's, the field's standard zip, where every split lists its own copies of the images
+    (``images/train800val200/NNNNNN.jpg``; ZhangYuanhan-AI/NOAH@e9c55f3
+    data/vtab-source/get_vtab1k.py:L62-77).  Copies cannot be matched by path, so there the check
+    is on labels: the same number of images of every class.  A mismatch is suspicious but not
+    necessarily wrong, so it warns instead of refusing to run.
+    """
+    parts, whole = splits["train800"] + splits["val200"], splits["train800val200"]
+    if sorted(parts) == sorted(whole):
+        return
+    part_paths, whole_paths = {path for path, _ in parts}, {path for path, _ in whole}
+    same_labels = Counter(label for _, label in parts) == Counter(label for _, label in whole)
+    if part_paths.isdisjoint(whole_paths) and same_labels:
+        return  # NOAH's layout: its own copies with the same classes
+    reason = "lists other labels" if not same_labels else "shares only some image files"
+    warnings.warn(f"{info.name}: train800val200.txt is not train800.txt plus val200.txt (it {reason})", stacklevel=4)
+
+
 def _load_vtab_folder(info: DatasetInfo, folder: Path, split: str, spec: ImageSpec, strict: bool) -> Dataset:
     """Read all four split lists, validate them, and return ``split``."""
     splits = {}
@@ -377,13 +399,7 @@ def _load_vtab_folder(info: DatasetInfo, folder: Path, split: str, spec: ImageSp
                 )
         if not splits["test"]:
             raise ValueError(f"{info.name}: {folder / 'test.txt'} is empty")
-        union = sorted(splits["train800"] + splits["val200"])
-        if union != sorted(splits["train800val200"]):
-            # Known copies build train800val200 as the concatenation; a mismatch is suspicious but
-            # not necessarily wrong, so it warns instead of refusing to run.
-            warnings.warn(
-                f"{info.name}: train800val200.txt is not the union of train800.txt and val200.txt", stacklevel=3
-            )
+        _check_union(info, splits)
     _check_labels(info, splits, strict)
     _check_files(info, splits[split])
     return FileListDataset(splits[split], spec, name=info.name, folder=folder)

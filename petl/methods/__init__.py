@@ -8,15 +8,20 @@ benchmark all read the registry.
 
 from petl.methods.adapter import apply_adapter as apply_adapter
 from petl.methods.adapter_plus import apply_adapter_plus as apply_adapter_plus
+from petl.methods.bitfit import apply_bitfit as apply_bitfit
 from petl.methods.convpass import apply_convpass as apply_convpass
+from petl.methods.fact import apply_fact as apply_fact
 from petl.methods.full import apply_full as apply_full
 from petl.methods.hydra import apply_hydra as apply_hydra
 from petl.methods.linear import apply_linear as apply_linear
+from petl.methods.ln import apply_ln as apply_ln
 from petl.methods.lora import apply_lora as apply_lora
 from petl.methods.mlp import apply_mlp as apply_mlp
 from petl.methods.partial import apply_partial as apply_partial
 from petl.methods.peft_bridge import apply_peft as apply_peft
+from petl.methods.repadapter import apply_repadapter as apply_repadapter
 from petl.methods.sct import apply_sct as apply_sct
+from petl.methods.ssf import apply_ssf as apply_ssf
 from petl.methods.vpt import apply_vpt as apply_vpt
 
 # Every apply_<name> imported above is public and re-exported by petl, so a new method's import

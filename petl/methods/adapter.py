@@ -1,15 +1,27 @@
-"""Bottleneck adapters on each block's MLP: sequential (Houlsby/Pfeiffer) or parallel (AdaptFormer).
+"""Bottleneck adapters: sequential (Houlsby/Pfeiffer, after the MLP) or parallel (AdaptFormer).
 
-An adapter maps x -> up(act(down(x))) through a narrow ``dim``.  ``up`` starts at zero (weight
-and bias), so the model is unchanged at init; ``down`` keeps nn.Linear's random init, so ``up``
-gets a gradient on the first step and ``down`` from the second.  Zeroing both, as one public
-benchmark repo does, leaves the adapter without any gradient, ever.
+An adapter maps x -> scale * up(dropout(act(down(norm(x))))) through a narrow ``dim``.
+
+* ``parallel`` follows AdaptFormer (ShoufaChen/AdaptFormer@6967d67): the branch reads the residual
+  stream entering the MLP sub-layer, not the MLP's normalised input (models/custom_modules.py:L76-94),
+  uses ReLU and dropout 0.1 in the bottleneck (custom_modules.py:L70, models/adapter.py:L55-58),
+  scale 0.1 and no input LayerNorm (main_image.py:L185-191), zero up weight and zero biases with
+  the down weight kept random (adapter.py:L43-48).  PETL_Vision places it the same way
+  (OSU-MLB/PETL_Vision@245d262 model/block.py, ``ft_mlp_ln: before``).
+* ``sequential`` follows V-PETL Bench's Houlsby-style adapter (synbol/Parameter-Efficient-Transfer-
+  Learning-Benchmark@c188fad ImageClassification/models/vision_transformer_adapter.py:L196-265):
+  h = mlp(norm2(x)), out = h + up(gelu(down(h))), then drop-path and the residual.  V-PETL applies
+  it after the block's layer scale, petl before (inside the MLP): the same where the block has no
+  layer scale, as in ViT-B/16.  Deliberate difference: V-PETL zeroes the down weight too
+  (vision_transformer_adapter.py:L210-214), which leaves every gradient but the up bias's at zero
+  forever, so its adapter trains only that bias; petl zeroes only ``up`` (the model is still
+  unchanged at init) and keeps nn.Linear's random ``down``, so the whole adapter learns.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -17,8 +29,11 @@ from torch import nn
 from petl import core, vit
 
 STYLES = ("sequential", "parallel")
-# Bottleneck widths from the papers: Pfeiffer-style sequential adapters use 8, AdaptFormer 64.
+# Per-style defaults from the references: Pfeiffer/V-PETL-style sequential adapters use width 8,
+# no dropout, no scaling; AdaptFormer uses width 64, dropout 0.1, scale 0.1 (main_image.py:L114, L190).
 DEFAULT_DIM = {"sequential": 8, "parallel": 64}
+DEFAULT_DROPOUT = {"sequential": 0.0, "parallel": 0.1}
+DEFAULT_SCALE = {"sequential": 1.0, "parallel": 0.1}
 
 
 @dataclass
@@ -26,48 +41,81 @@ class AdapterConfig(core.MethodConfig):
     """Options of the bottleneck adapter.
 
     Attributes:
-        style: ``sequential`` (after the MLP, GELU) or ``parallel`` (beside the MLP, ReLU).
+        style: ``sequential`` (after the MLP, GELU) or ``parallel`` (beside the MLP sub-layer, ReLU).
         dim: bottleneck width; ``None`` picks 8 for sequential, 64 for parallel.
-        scale: factor on the parallel branch's output (ignored by sequential).
+        dropout: dropout after the bottleneck's activation; ``None`` picks 0 for sequential,
+            0.1 for parallel (AdaptFormer).
+        scale: factor on the adapter's output; ``None`` picks 1 for sequential, 0.1 for parallel.
+        norm: a trainable LayerNorm on the adapter's input (AdaptFormer's layernorm option
+            ``in``; off by default, as in AdaptFormer's image runs).
 
     """
 
+    # V-PETL, AdaptFormer and PETL_Vision train with model.train(): drop-path acts in the frozen blocks.
+    backbone_mode: ClassVar[str] = "train"
+
     style: str = "sequential"
     dim: int | None = None
-    scale: float = 0.1
+    dropout: float | None = None
+    scale: float | None = None
+    norm: bool = False
 
     @property
     def bottleneck(self) -> int:
         """The bottleneck width in use (``dim`` or the style's default)."""
         return DEFAULT_DIM.get(self.style, 8) if self.dim is None else self.dim
 
+    @property
+    def dropout_p(self) -> float:
+        """The dropout in use (``dropout`` or the style's default)."""
+        return DEFAULT_DROPOUT.get(self.style, 0.0) if self.dropout is None else self.dropout
+
+    @property
+    def scale_factor(self) -> float:
+        """The output scale in use (``scale`` or the style's default)."""
+        return DEFAULT_SCALE.get(self.style, 1.0) if self.scale is None else self.scale
+
     def validate(self, model: nn.Module) -> None:
         super().validate(model)
         core.check_choice("style", self.style, STYLES)
         core.check_range("dim", self.bottleneck, low=1)
+        core.check_dropout("dropout", self.dropout_p)
+        if self.style == "parallel":
+            for block in vit.blocks(model):
+                vit.check_pre_norm_block(block)
 
 
 class _Bottleneck(core.PetlModule):
-    """Shared parts of both adapter styles: ``base`` is the block's MLP, plus down/act/up."""
+    """What both styles share: ``base`` (the wrapped MLP or block) plus norm/down/act/dropout/up.
 
-    def __init__(self, base: nn.Module, width: int, dim: int, act: nn.Module) -> None:
+    ``up`` starts at zero, so the model is unchanged at init; ``down``'s weight keeps nn.Linear's
+    random (kaiming-uniform) init, so ``up`` gets a gradient on the first step and ``down`` from
+    the second.
+    """
+
+    def __init__(self, base: nn.Module, width: int, cfg: AdapterConfig, act: nn.Module, zero_down_bias: bool) -> None:
         super().__init__(base)
-        self.down = nn.Linear(width, dim)
+        self.norm = nn.LayerNorm(width) if cfg.norm else nn.Identity()
+        self.down = nn.Linear(width, cfg.bottleneck)
         self.act = act
-        self.up = nn.Linear(dim, width)
+        self.dropout = nn.Dropout(cfg.dropout_p) if cfg.dropout_p > 0 else nn.Identity()
+        self.up = nn.Linear(cfg.bottleneck, width)
+        self.scale = cfg.scale_factor
         nn.init.zeros_(self.up.weight)
         nn.init.zeros_(self.up.bias)
+        if zero_down_bias:
+            nn.init.zeros_(self.down.bias)
 
     def adapter(self, x: torch.Tensor) -> torch.Tensor:
-        """The bottleneck branch up(act(down(x)))."""
-        return self.up(self.act(self.down(x)))
+        """The bottleneck branch scale * up(dropout(act(down(norm(x)))))."""
+        return self.scale * self.up(self.dropout(self.act(self.down(self.norm(x)))))
 
 
 class SequentialAdapter(_Bottleneck):
-    """Adapter after the MLP: out = h + adapter(h) with h = mlp(x)."""
+    """Adapter after the MLP, wrapping it: out = h + adapter(h) with h = mlp(x)."""
 
-    def __init__(self, base: nn.Module, width: int, dim: int) -> None:
-        super().__init__(base, width, dim, nn.GELU())
+    def __init__(self, base: nn.Module, width: int, cfg: AdapterConfig) -> None:
+        super().__init__(base, width, cfg, nn.GELU(), zero_down_bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.base(x)
@@ -75,35 +123,39 @@ class SequentialAdapter(_Bottleneck):
 
 
 class ParallelAdapter(_Bottleneck):
-    """AdaptFormer: out = mlp(x) + scale * adapter(x), a branch beside the MLP."""
+    """AdaptFormer, wrapping the whole block: out = x + drop_path(mlp(norm2(x))) + adapter(x).
 
-    def __init__(self, base: nn.Module, width: int, dim: int, scale: float) -> None:
-        super().__init__(base, width, dim, nn.ReLU())
-        self.scale = scale
+    ``x`` is the residual stream after the attention sub-layer; the branch skips the block's
+    layer scale and drop-path, as in AdaptFormer (custom_modules.py:L76-94).
+    """
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x is the MLP's input, i.e. the block's norm2 output, so the branch reads normalised
-        # tokens exactly as AdaptFormer's does.
-        return self.base(x) + self.scale * self.adapter(x)
+    def __init__(self, base: nn.Module, width: int, cfg: AdapterConfig) -> None:
+        # AdaptFormer's "lora" init zeroes the down bias as well (models/adapter.py:L43-48).
+        super().__init__(base, width, cfg, nn.ReLU(), zero_down_bias=True)
+
+    def forward(self, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        # timm blocks take attn_mask / is_causal keywords; pass whatever the caller gave.
+        x = vit.attn_residual(self.base, x, **kwargs)
+        # custom_modules.py:L78-93: the branch reads x, the residual stream entering the MLP
+        # sub-layer, and joins the sum outside the block's layer scale and drop-path.
+        return vit.mlp_residual(self.base, x) + self.adapter(x)
 
 
 def _formula(model: nn.Module, cfg: AdapterConfig) -> int:
     d, r = vit.embed_dim(model), cfg.bottleneck
-    # down: d*r + r, up: r*d + d, per block.
-    return vit.depth(model) * (2 * d * r + r + d)
+    # down: d*r + r, up: r*d + d, and the optional input LayerNorm 2*d, per block.
+    return vit.depth(model) * (2 * d * r + r + d + (2 * d if cfg.norm else 0))
 
 
 @core.register_method("adapter", AdapterConfig, trainable_formula=_formula, zero_init=True, mergeable=False)
 def inject_adapter(model: nn.Module, cfg: AdapterConfig) -> None:
-    """Bottleneck adapter on every block's MLP (sequential or parallel/AdaptFormer)."""
+    """Bottleneck adapter in every block (sequential after the MLP, or parallel/AdaptFormer)."""
     width, kw = vit.embed_dim(model), core.factory_kwargs(model)
-    for block in vit.blocks(model):
-        mlp = vit.mlp(block)
+    for i, block in enumerate(vit.blocks(model)):
         if cfg.style == "parallel":
-            wrapper: nn.Module = ParallelAdapter(mlp, width, cfg.bottleneck, cfg.scale)
+            vit.set_block(model, i, ParallelAdapter(block, width, cfg).to(**kw))
         else:
-            wrapper = SequentialAdapter(mlp, width, cfg.bottleneck)
-        vit.set_mlp(block, wrapper.to(**kw))
+            vit.set_mlp(block, SequentialAdapter(vit.mlp(block), width, cfg).to(**kw))
 
 
 def apply_adapter(model: nn.Module, **options: Any) -> nn.Module:
@@ -111,7 +163,8 @@ def apply_adapter(model: nn.Module, **options: Any) -> nn.Module:
 
     Args:
         model: a timm VisionTransformer.
-        **options: fields of :class:`AdapterConfig` (``style``, ``dim``, ``scale``, ``num_classes``).
+        **options: fields of :class:`AdapterConfig` (``style``, ``dim``, ``dropout``, ``scale``,
+            ``norm``, ``num_classes``).
 
     Returns:
         The same model, modified in place.

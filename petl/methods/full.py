@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from torch import nn
 
@@ -13,6 +13,9 @@ from petl import core, vit
 @dataclass
 class FullConfig(core.MethodConfig):
     """Full fine-tuning has no options beyond ``num_classes``."""
+
+    # Everything trains, so everything is in train mode (VPT's end2end, src/models/vit_models.py:L36-38).
+    backbone_mode: ClassVar[str] = "train"
 
 
 def _formula(model: nn.Module, cfg: FullConfig) -> int:

@@ -1,13 +1,25 @@
-"""Mlp-k: the frozen backbone feeds a k-layer MLP classifier, which is the only part that trains."""
+"""Mlp-k: the frozen backbone feeds a k-layer MLP classifier, which is the only part that trains.
+
+The head is VPT's MLP (KMnP/vpt@4410440 src/models/mlp.py:L15-65, built by
+src/models/vit_models.py:L159-165 with hidden width = the feature width): each of the ``k - 1``
+hidden layers is Linear -> ReLU -> BatchNorm1d -> Dropout(0.1) with a kaiming-normal (fan-out)
+weight, and the last Linear is initialised like VPT's linear head (see
+:func:`petl.methods.linear.vpt_head_init`).  ``k`` counts Linear layers, i.e. VPT's
+``MODEL.MLP_NUM`` is ``k - 1``.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from torch import nn
 
 from petl import core, vit
+from petl.methods.linear import vpt_head_init
+
+# VPT's MLP default dropout (src/models/mlp.py:L20), which vit_models.py's head keeps.
+HIDDEN_DROPOUT = 0.1
 
 
 @dataclass
@@ -15,9 +27,12 @@ class MlpConfig(core.MethodConfig):
     """Options of Mlp-k.
 
     Attributes:
-        k: number of Linear layers in the head (hidden width = the ViT's feature width, GELU between).
+        k: number of Linear layers in the head (hidden width = the ViT's feature width).
 
     """
+
+    # VPT runs its frozen encoder in eval mode (src/models/vit_models.py:L33-35, L173-174).
+    backbone_mode: ClassVar[str] = "eval"
 
     k: int = 3
 
@@ -29,13 +44,17 @@ class MlpConfig(core.MethodConfig):
 
 
 class MlpHead(nn.Sequential):
-    """``k`` Linear layers of width ``in_features`` with GELU between them, ending in ``num_classes``."""
+    """VPT's MLP head: ``k - 1`` hidden (Linear, ReLU, BatchNorm1d, Dropout) layers, then a Linear."""
 
     def __init__(self, in_features: int, num_classes: int, k: int) -> None:
         layers: list[nn.Module] = []
         for _ in range(k - 1):
-            layers += [nn.Linear(in_features, in_features), nn.GELU()]
-        layers.append(nn.Linear(in_features, num_classes))
+            hidden = nn.Linear(in_features, in_features)
+            nn.init.kaiming_normal_(hidden.weight, a=0, mode="fan_out")
+            layers += [hidden, nn.ReLU(), nn.BatchNorm1d(in_features), nn.Dropout(HIDDEN_DROPOUT)]
+        last = nn.Linear(in_features, num_classes)
+        vpt_head_init(last)
+        layers.append(last)
         super().__init__(*layers)
 
 
@@ -46,7 +65,7 @@ def _formula(model: nn.Module, cfg: MlpConfig) -> int:
 
 @core.register_method("mlp", MlpConfig, trainable_formula=_formula, zero_init=False, mergeable=False)
 def inject_mlp(model: nn.Module, cfg: MlpConfig) -> None:
-    """Mlp-k: replace the head with a k-layer MLP; the backbone stays frozen."""
+    """Mlp-k: replace the head with VPT's k-layer MLP head; the backbone stays frozen."""
     # core.apply has already reset the head when num_classes was given, so the model knows its classes.
     head = MlpHead(vit.head_in_features(model), vit.num_classes(model), cfg.k)
     head.to(**core.factory_kwargs(model))
@@ -55,7 +74,7 @@ def inject_mlp(model: nn.Module, cfg: MlpConfig) -> None:
 
 
 def apply_mlp(model: nn.Module, **options: Any) -> nn.Module:
-    """Freeze ``model`` and give it a trainable k-layer MLP head.
+    """Freeze ``model`` and give it a trainable k-layer MLP head (VPT's).
 
     Args:
         model: a timm VisionTransformer.

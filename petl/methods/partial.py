@@ -7,7 +7,7 @@ would also catch ``blocks.10`` and ``blocks.11``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from torch import nn
 
@@ -22,6 +22,10 @@ class PartialConfig(core.MethodConfig):
         k: how many of the last blocks train, 1 to the model's depth.
 
     """
+
+    # VPT, the reference of Partial-k, runs its encoder in eval mode for partial-k
+    # (src/models/vit_models.py:L33-35, L70-76, L173-174); petl keeps the trained blocks in train mode.
+    backbone_mode: ClassVar[str] = "eval"
 
     k: int = 1
 

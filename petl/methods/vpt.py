@@ -1,9 +1,19 @@
 """Visual Prompt Tuning (VPT): learnable tokens inserted after the class/register tokens.
 
-Shallow VPT inserts one set of prompts before the first block and carries their outputs through
-the network; deep VPT replaces the previous layer's prompt outputs by fresh prompts before every
-block.  The prompts are removed after the last block, so the final norm and the pooling (class
-token or average) see exactly the tokens they would see without VPT.
+Follows KMnP/vpt@4410440.  Shallow VPT inserts one set of prompts after the class (and register)
+tokens before the first block and carries their outputs through the network
+(src/models/vit_prompt/vit.py:L75-84); deep VPT replaces the previous layer's prompt outputs by
+fresh prompts before every block (vit.py:L109-124).  Prompts start uniform in +-sqrt(6 / (3 p^2 + d))
+(vit.py:L55-62); prompt dropout defaults to VPT's 0.0 (src/configs/config.py:L74).
+
+What the pooling sees is ``pool``: VPT's default ``original`` keeps the prompts in the sequence
+through the final norm and pooling, so an average-pooled backbone averages prompts and patches
+(src/models/vit_prompt/vit_mae.py:L122-124, the backbone's own pool of
+src/models/vit_backbones/vit_mae.py:L40-41); ``img_pool`` removes them after the last block, so
+the final norm and pooling see exactly the tokens they would see without VPT
+(vit_prompt/vit_mae.py:L125-128).  On a class-token backbone both give
+the same logits.  While training, VPT keeps the frozen encoder in eval mode and only the prompt
+dropout in train mode (vit.py:L89-100): :attr:`VptConfig.backbone_mode` is ``eval``.
 
 Each affected block is wrapped on its own, not the block container, so timm's forward still runs
 ``model.blocks`` itself, including through ``checkpoint_seq`` when gradient checkpointing is on.
@@ -15,12 +25,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from petl import core, vit
+
+POOLS = ("original", "img_pool")
 
 
 @dataclass
@@ -30,18 +42,25 @@ class VptConfig(core.MethodConfig):
     Attributes:
         num_tokens: prompts per layer.
         deep: fresh prompts before every block (VPT-deep) rather than only the first (VPT-shallow).
-        dropout: dropout on the prompts (train mode only).
+        dropout: dropout on the prompts (train mode only); VPT's default is 0.0.
+        pool: ``original`` (VPT's default: prompts stay in the sequence the pooling sees) or
+            ``img_pool`` (prompts removed after the last block: the pooling sees patches only).
 
     """
 
+    # VPT's PromptedTransformer.train() keeps the frozen encoder in eval mode (vit.py:L89-100).
+    backbone_mode: ClassVar[str] = "eval"
+
     num_tokens: int = 10
     deep: bool = False
-    dropout: float = 0.1
+    dropout: float = 0.0
+    pool: str = "original"
 
     def validate(self, model: nn.Module) -> None:
         super().validate(model)
         core.check_range("num_tokens", self.num_tokens, low=1)
         core.check_dropout("dropout", self.dropout)
+        core.check_choice("pool", self.pool, POOLS)
 
 
 class PromptedBlock(core.PetlModule):
@@ -87,6 +106,10 @@ class PromptedBlock(core.PetlModule):
             x = torch.cat([x[:, :p], x[:, p + self.num_tokens :]], dim=1)
         return x
 
+    def no_weight_decay(self) -> set[str]:
+        """Prompt tokens are exempt from weight decay by default (see petl.run.engine.param_groups)."""
+        return {"prompt"} if self.prompt is not None else set()
+
 
 def _prompt_init_bound(model: nn.Module) -> float:
     # VPT's Xavier-uniform bound for a patch-sized fan-in (3 * patch_h * patch_w) and fan-out dim.
@@ -107,9 +130,9 @@ def inject_vpt(model: nn.Module, cfg: VptConfig) -> None:
     container = vit.block_container(model)
     for i in range(depth):
         has_prompt = i == 0 or cfg.deep
-        is_last = i == depth - 1
-        if not (has_prompt or is_last):
-            # Shallow VPT's middle blocks just carry the prompt outputs along; they stay unwrapped.
+        strip = i == depth - 1 and cfg.pool == "img_pool"
+        if not (has_prompt or strip):
+            # Shallow VPT's later blocks just carry the prompt outputs along; they stay unwrapped.
             continue
         prompt = torch.empty(cfg.num_tokens, vit.embed_dim(model), **kw).uniform_(-bound, bound) if has_prompt else None
         wrapper = PromptedBlock(
@@ -118,7 +141,7 @@ def inject_vpt(model: nn.Module, cfg: VptConfig) -> None:
             num_tokens=cfg.num_tokens,
             prompt=prompt,
             replace=i > 0,
-            strip=is_last,
+            strip=strip,
             dropout=cfg.dropout,
         )
         vit.set_block(model, i, wrapper)
@@ -129,7 +152,8 @@ def apply_vpt(model: nn.Module, **options: Any) -> nn.Module:
 
     Args:
         model: a timm VisionTransformer (class token or not, register tokens, token or avg pooling).
-        **options: fields of :class:`VptConfig` (``num_tokens``, ``deep``, ``dropout``, ``num_classes``).
+        **options: fields of :class:`VptConfig` (``num_tokens``, ``deep``, ``dropout``, ``pool``,
+            ``num_classes``).
 
     Returns:
         The same model, modified in place.

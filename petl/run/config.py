@@ -35,7 +35,7 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 import petl
 from petl import data as petl_data
 from petl import models as petl_models
-from petl.run.engine import TrainSettings
+from petl.run.engine import BACKBONE_MODES, TrainSettings
 
 GROUPS = ("method", "data", "model", "train")
 SPLITS = petl_data.TRAINING_SPLITS
@@ -64,6 +64,8 @@ class DataConfig:
         split: ``train800`` (train on 800, select on val200) or ``train800val200`` (final run on all 1000).
         root: folder holding the dataset in the field's layout; ``None`` uses the dataset's default source.
         subset: keep this many examples of every split (a fixed random choice, for quick checks); ``None`` keeps all.
+        augment: VPT's FGVC protocol (resize to 256/224 of the input size, random crop and flip for
+            training, centre crop for evaluation); ``None`` = on for fgvc/* tasks, off otherwise.
         num_workers: DataLoader worker processes; 0 loads in the main process (deterministic, fine for tensors).
         epochs: the dataset's default number of epochs (its ``DatasetInfo.epochs``), which
             ``train.epochs`` follows unless overridden.
@@ -74,6 +76,7 @@ class DataConfig:
     split: str = petl_data.TRAIN
     root: str | None = None
     subset: int | None = None
+    augment: bool | None = None
     num_workers: int = 0
     epochs: int = petl_data.PROTOCOL_EPOCHS
 
@@ -86,7 +89,8 @@ class ModelConfig:
         name: a timm ViT name, optionally with a pretrained tag (``vit_base_patch16_224.augreg2_in21k_ft_in1k``).
         pretrained: load the tag's pretrained weights (from the hub, or a file petl ships).
         checkpoint: a local weights file to load instead of the tag's source (offline clusters).
-        drop_path: stochastic-depth rate; it only acts in blocks that train, frozen ones run in eval mode.
+        drop_path: stochastic-depth rate; in frozen blocks it acts only when the backbone trains in
+            train mode (``train.backbone_mode``, by default the method's reference choice).
         kwargs: extra keyword arguments for ``timm.create_model`` (e.g. ``+model.kwargs.depth=2``).
 
     """
@@ -474,6 +478,9 @@ def check_values(cfg: DictConfig) -> None:
         if train.precision not in PRECISIONS:
             choices = ", ".join(PRECISIONS)
             raise ConfigError(f"train.precision={train.precision!r} is not valid: choose one of {choices}")
+        if train.backbone_mode not in BACKBONE_MODES:
+            choices = ", ".join(BACKBONE_MODES)
+            raise ConfigError(f"train.backbone_mode={train.backbone_mode!r} is not valid: choose one of {choices}")
         if data.split not in SPLITS:
             raise ConfigError(f"data.split={data.split!r} is not valid: choose one of {', '.join(SPLITS)}")
         for tracker in train.trackers:

@@ -1,7 +1,9 @@
 """The training engine: one loop on accelerate, shared by petl-run, petl-bench and petl-pretrain.
 
-It knows nothing of methods: it trains whatever parameters require grad, keeps frozen parts in
-eval mode (so dropout and drop-path stay off where nothing learns), and reports top-1 accuracy.
+It knows nothing of methods: it trains whatever parameters require grad and reports top-1 accuracy.
+Whether the frozen backbone's dropout and drop-path act during training is the one setting
+``backbone_mode``: ``auto`` takes the default the method's config declares
+(:attr:`petl.core.MethodConfig.backbone_mode`, written down per method after its reference).
 """
 
 from __future__ import annotations
@@ -35,6 +37,13 @@ class TrainSettings:
         warmup_frac: fraction of the steps spent in linear warm-up before the cosine decay.
         label_smoothing: cross-entropy label smoothing.
         grad_clip: max gradient norm, 0 to disable.
+        backbone_mode: how the frozen backbone runs while training: ``train`` (dropout and
+            drop-path act everywhere, as V-PETL, NOAH and PETL_Vision train), ``eval`` (only what
+            learns is in train mode, as the VPT repo keeps its frozen encoder), or ``auto`` (the
+            method's own default, :attr:`petl.core.MethodConfig.backbone_mode`).
+        weight_decay_all: decay every trainable tensor; by default biases, norms (every 1-D
+            tensor), prompt tokens and position embeddings are exempt, as in timm's
+            ``param_groups_weight_decay`` and the models' ``no_weight_decay()``.
         progress: show a progress bar per epoch.
 
     """
@@ -45,16 +54,45 @@ class TrainSettings:
     warmup_frac: float = 0.1
     label_smoothing: float = 0.0
     grad_clip: float = 0.0
+    backbone_mode: str = "auto"
+    weight_decay_all: bool = False
     progress: bool = True
 
 
-def set_train_mode(model: nn.Module) -> None:
-    """Put only what learns in train mode; the frozen backbone stays in eval mode.
+BACKBONE_MODES = ("auto", "train", "eval")
 
-    A module whose parameters all train (the head, unfrozen blocks, the whole model for full
-    fine-tuning) goes to train mode with its children.  A petl wrapper trains its own modules
-    (prompt dropout, LoRA dropout) but leaves its frozen ``base`` in eval mode.
+
+def backbone_mode(model: nn.Module, settings: TrainSettings) -> str:
+    """The mode, ``train`` or ``eval``, that ``settings.backbone_mode`` means for ``model``.
+
+    ``auto`` reads the default of the method the model carries (found on any submodule, so a
+    wrapped model works too); a model without a petl method trains whole, like plain fine-tuning.
+
+    Raises:
+        ValueError: ``settings.backbone_mode`` is not one of :data:`BACKBONE_MODES`.
+
     """
+    if settings.backbone_mode not in BACKBONE_MODES:
+        raise ValueError(
+            f"train.backbone_mode={settings.backbone_mode!r} is not valid: choose one of {', '.join(BACKBONE_MODES)}"
+        )
+    if settings.backbone_mode != "auto":
+        return settings.backbone_mode
+    config = next((m.petl_config for m in model.modules() if getattr(m, "petl_config", None) is not None), None)
+    return "train" if config is None else config.backbone_mode
+
+
+def set_train_mode(model: nn.Module, mode: str = "eval") -> None:
+    """Put ``model`` in train mode for a training epoch, the frozen backbone as ``mode`` says.
+
+    ``train``: every module, frozen or not, so the backbone's dropout and drop-path act.
+    ``eval``: only what learns.  A module whose parameters all train (the head, unfrozen blocks,
+    the whole model for full fine-tuning) goes to train mode with its children.  A petl wrapper
+    trains its own modules (prompt dropout, LoRA dropout) but leaves its frozen ``base`` in eval mode.
+    """
+    if mode == "train":
+        model.train()
+        return
     model.eval()
     for module in model.modules():
         params = list(module.parameters())
@@ -72,14 +110,40 @@ def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
+def no_weight_decay_names(model: nn.Module) -> set[str]:
+    """Names of the parameters exempt from weight decay by default.
+
+    Every 1-D tensor (biases, norm weights) as timm's ``param_groups_weight_decay`` does, plus
+    what any submodule lists in its ``no_weight_decay()`` (timm's ViT: position embedding, class
+    and register tokens; petl's prompt wrappers: their prompts), named from ``model``'s root.
+    """
+    names = {n for n, p in model.named_parameters() if p.ndim <= 1 or n.endswith(".bias")}
+    for prefix, module in model.named_modules():
+        listed = getattr(module, "no_weight_decay", None)
+        if callable(listed):
+            names |= {f"{prefix}.{n}" if prefix else n for n in listed()}
+    return names
+
+
+def param_groups(model: nn.Module, settings: TrainSettings) -> list[dict]:
+    """The optimizer's parameter groups: decayed and (unless ``weight_decay_all``) exempt tensors."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    skip = set() if settings.weight_decay_all else no_weight_decay_names(model)
+    groups = [
+        {"params": [p for n, p in named if n not in skip], "weight_decay": settings.weight_decay},
+        {"params": [p for n, p in named if n in skip], "weight_decay": 0.0},
+    ]
+    return [g for g in groups if g["params"]]
+
+
 def build_optimizer(
     model: nn.Module, settings: TrainSettings, steps_per_epoch: int
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     """AdamW over the trainable parameters and a per-step cosine schedule with linear warm-up."""
-    params = trainable_parameters(model)
-    if not params:
+    if not trainable_parameters(model):
         raise ValueError("the model has no trainable parameters")
-    optimizer = torch.optim.AdamW(params, lr=settings.lr, weight_decay=settings.weight_decay)
+    backbone_mode(model, settings)  # refuse a bad backbone_mode before any training starts
+    optimizer = torch.optim.AdamW(param_groups(model, settings), lr=settings.lr, weight_decay=settings.weight_decay)
     total = max(1, settings.epochs * steps_per_epoch)
     warmup = int(settings.warmup_frac * total)
 
@@ -120,7 +184,7 @@ def train_one_epoch(
         NonFiniteLossError: when the loss is NaN or infinite (the caller keeps its last checkpoint).
 
     """
-    set_train_mode(model)
+    set_train_mode(model, backbone_mode(model, settings))
     loss_fn = nn.CrossEntropyLoss(label_smoothing=settings.label_smoothing)
     params = trainable_parameters(model)
     loss_sum = correct = seen = 0.0

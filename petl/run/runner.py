@@ -43,7 +43,7 @@ from petl import data as petl_data
 from petl.core import trainable_state
 from petl.run import cache, config, lock, records
 from petl.run.config import ConfigError
-from petl.run.engine import NonFiniteLossError, TrainSettings, build_optimizer, evaluate, fit
+from petl.run.engine import NonFiniteLossError, TrainSettings, backbone_mode, build_optimizer, evaluate, fit
 
 log = logging.getLogger(__name__)
 
@@ -296,16 +296,24 @@ def _subset(dataset: Dataset, size: int | None) -> Dataset:
     return Subset(dataset, keep.tolist())
 
 
-def _image_options(model: nn.Module) -> dict[str, Any]:
-    """How the backbone expects its images: size and normalisation from its timm pretrained config."""
+def _image_options(cfg: DictConfig, model: nn.Module) -> dict[str, Any]:
+    """How the backbone expects its images (timm pretrained config), and the task's augmentation setting."""
     data_cfg = resolve_data_config({}, model=model)
-    return dict(image_size=int(data_cfg["input_size"][-1]), mean=data_cfg["mean"], std=data_cfg["std"])
+    return dict(
+        image_size=int(data_cfg["input_size"][-1]),
+        mean=data_cfg["mean"],
+        std=data_cfg["std"],
+        # The backbone's own resampling filter; FGVC's crop-and-flip protocol unless data.augment says otherwise.
+        interpolation=data_cfg["interpolation"],
+        augment=cfg.data.augment,
+    )
 
 
 def _build_split(cfg: DictConfig, split: str, image: dict[str, Any]) -> Dataset:
     try:
         dataset = petl_data.build_dataset(cfg.data.name, split, root=cfg.data.root, **image)
-    except petl_data.DatasetUnavailableError as error:
+    except (petl_data.DatasetUnavailableError, petl_data.BadImagesError) as error:
+        # Bad image files are a data fault, not a config error; the message names the dataset and every path.
         raise RunError(str(error)) from None
     except ValueError as error:
         raise ConfigError(f"data {cfg.data.name}: {error}") from None
@@ -314,18 +322,18 @@ def _build_split(cfg: DictConfig, split: str, image: dict[str, Any]) -> Dataset:
 
 def _datasets(cfg: DictConfig, model: nn.Module) -> dict[str, Dataset]:
     """Train / val (when the split has one) / test, preprocessed as the backbone expects."""
-    image = _image_options(model)
+    image = _image_options(cfg, model)
     splits = {"train": cfg.data.split}
     if cfg.train.eval_test:
-        splits["test"] = "test"
-    if cfg.data.split == "train800":
-        splits["val"] = "val200"
+        splits["test"] = petl_data.TEST
+    if cfg.data.split == petl_data.TRAIN:
+        splits["val"] = petl_data.VAL
     return {role: _build_split(cfg, split, image) for role, split in splits.items()}
 
 
 def _calibration_set(cfg: DictConfig, model: nn.Module) -> Dataset:
-    """The training split (same examples as training) built as the test split is, without augmentation."""
-    return _build_split(cfg, cfg.data.split, _image_options(model))
+    """The training split (the same examples) with the evaluation transform: no random crop or flip."""
+    return _build_split(cfg, cfg.data.split, {**_image_options(cfg, model), "eval_transform": True})
 
 
 def _loader(
@@ -540,7 +548,8 @@ class _Training:
 
     def restore(self, checkpoint: dict[str, Any]) -> None:
         """Continue from a checkpoint: weights, optimizer, schedule and every random generator."""
-        params = dict(self.model.named_parameters())
+        # trainable_state also holds buffers of trained modules (BatchNorm statistics in Mlp-k's head).
+        params = {**dict(self.model.named_parameters()), **dict(self.model.named_buffers())}
         with torch.no_grad():
             for name, tensor in checkpoint["trainable"].items():
                 params[name].copy_(tensor)
@@ -557,6 +566,12 @@ def _prepare_training(
     settings = dataclasses.replace(settings, progress=settings.progress and accelerator.is_main_process)
     num_workers = cfg.data.num_workers
     cache_plan = cache.plan(model) if cfg.train.cache_features else None
+    if cache_plan is not None and backbone_mode(model, settings) == "train":
+        # A cached front runs once in eval mode; with the backbone in train mode its dropout and
+        # drop-path must act on every step, so nothing can be cached.
+        if accelerator.is_main_process:
+            log.info("not caching features: train.backbone_mode is train, the frozen front is stochastic")
+        cache_plan = None
     train_set, val_set = datasets["train"], datasets.get("val")
     if cache_plan is not None and not cache.fits(model, cache_plan, [len(d) for d in (train_set, val_set) if d]):
         _say(accelerator, "not caching features: the cache would exceed %d GiB", cache.MAX_CACHE_BYTES // 2**30)

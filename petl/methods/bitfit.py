@@ -1,0 +1,77 @@
+"""BitFit: train bias terms only (Ben Zaken et al., 2022).
+
+``biases="all"`` (the default) trains every bias of the backbone: the patch embedding, every Linear
+and every LayerNorm, the final norm.  This is what V-PETL Bench trains for its "BitFit" row:
+every parameter whose name holds "bias"
+(synbol/Parameter-Efficient-Transfer-Learning-Benchmark@c188fad
+ImageClassification/train/train_model_bitfit.py:L164-171), as does PETL_Vision
+(OSU-MLB/PETL_Vision@245d262 experiment/build_model.py:L30-31); on ViT-B/16 that is 102,912
+tensors' entries, V-PETL's 0.10M.  ``biases="linear"`` trains only the blocks' Linear biases
+(qkv, proj, fc1, fc2), 82,944 on ViT-B/16.  Biases are found as modules' ``bias`` parameters,
+never by matching parameter names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from petl import core, vit
+
+SCOPES = ("all", "linear")
+LINEARS = ("qkv", "proj", "fc1", "fc2")
+
+
+@dataclass
+class BitFitConfig(core.MethodConfig):
+    """Options of BitFit.
+
+    Attributes:
+        biases: ``all`` (every bias of the backbone, V-PETL's choice) or ``linear`` (the blocks'
+            qkv, proj, fc1 and fc2 biases only).
+
+    """
+
+    biases: str = "all"
+
+    def validate(self, model: nn.Module) -> None:
+        super().validate(model)
+        core.check_choice("biases", self.biases, SCOPES)
+        if not _biases(model, self.biases):
+            raise ValueError(f"biases={self.biases!r}: this model has no such bias to train")
+
+
+def _biases(model: nn.Module, scope: str) -> list[nn.Parameter]:
+    if scope == "linear":
+        modules = [vit.linear(block, name) for block in vit.blocks(model) for name in LINEARS]
+    else:
+        in_head = {id(m) for m in vit.head(model).modules()}
+        modules = [m for m in model.modules() if id(m) not in in_head]
+    return [m.bias for m in modules if isinstance(getattr(m, "bias", None), nn.Parameter)]
+
+
+def _formula(model: nn.Module, cfg: BitFitConfig) -> int:
+    return sum(b.numel() for b in _biases(model, cfg.biases))
+
+
+@core.register_method("bitfit", BitFitConfig, trainable_formula=_formula, zero_init=True, mergeable=False)
+def inject_bitfit(model: nn.Module, cfg: BitFitConfig) -> None:
+    """BitFit: train the backbone's biases (all of them, or the blocks' Linear biases)."""
+    for bias in _biases(model, cfg.biases):
+        bias.requires_grad_(True)
+
+
+def apply_bitfit(model: nn.Module, **options: Any) -> nn.Module:
+    """Train only the biases (and the head) of ``model``.
+
+    Args:
+        model: a timm VisionTransformer.
+        **options: fields of :class:`BitFitConfig` (``biases``, ``num_classes``).
+
+    Returns:
+        The same model, modified in place.
+
+    """
+    return core.apply(model, "bitfit", **options)

@@ -1,0 +1,253 @@
+"""FacT: the weight updates of all blocks as one factorised tensor (Jie & Deng, AAAI 2023).
+
+Follows PETL_Vision's FacT (OSU-MLB/PETL_Vision@245d262 model/fact.py:L7-118, applied in
+model/attention.py:L55-56, L90-91 and model/mlp.py:L52-53, L64-65).  Every block's qkv, proj, fc1
+and fc2 get an update ``scale * V @ core @ U`` where ``U`` (dim -> rank) and ``V`` (rank -> dim)
+are shared by all blocks and ``V`` starts at zero, so the model is unchanged at init:
+
+- ``tt`` (tensor-train): each block has its own cores - rank x rank for each of q, k, v and proj,
+  4rank x rank for fc1 and rank x 4rank for fc2 (fact.py:L15-34).
+- ``tk`` (Tucker): one shared rank^3 core ``C`` and a rank x (12 * depth) matrix ``P`` whose 12
+  columns per block mix ``C`` into that block's 12 rank x rank cores: q, k, v, proj, then four for
+  fc1 and four for fc2 (fact.py:L36-52, L81-116).  petl stores each block's columns of ``P`` on
+  that block's wrappers; the count and the function are the same.
+
+The MLP's 4*dim side is cut into four dim-wide chunks, each with its own rank x rank core, in the
+reference's layout (fact.py:L69-78, L97-116).  Dropout 0.1 acts on the rank-sized hidden
+(fact.py:L27, L32, L49-50).  Defaults are PETL_Vision's (main.py:L132-138): rank 8, scale 1;
+the type defaults to ``tk``, the variant behind V-PETL's "FacT" row.  The updates are linear in
+the input, so ``merge`` adds them to the frozen weights.
+
+The shared factors are registered once, on block 0's qkv wrapper; the other wrappers reach them
+through an unregistered reference, so every parameter has exactly one name in the state dict.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from petl import core, vit
+from petl.methods import _reparam
+
+TYPES = ("tt", "tk")
+# Per-block columns of the Tucker mixing matrix P, in the reference's order (fact.py:L84-116).
+TK_COLUMNS = {"qkv": (0, 3), "proj": (3, 4), "fc1": (4, 8), "fc2": (8, 12)}
+TK_PER_BLOCK = 12
+LINEARS = tuple(TK_COLUMNS)
+
+
+@dataclass
+class FactConfig(core.MethodConfig):
+    """Options of FacT.
+
+    Attributes:
+        type: ``tk`` (Tucker, one shared core) or ``tt`` (tensor-train, per-block cores).
+        rank: the factorisation rank (PETL_Vision's ``fact_dim``).
+        scale: factor on every update (``fact_scaler``).
+        dropout: dropout on the rank-sized hidden (train mode only).
+
+    """
+
+    type: str = "tk"
+    rank: int = 8
+    scale: float = 1.0
+    dropout: float = 0.1
+
+    def validate(self, model: nn.Module) -> None:
+        super().validate(model)
+        core.check_choice("type", self.type, TYPES)
+        core.check_range("rank", self.rank, low=1)
+        core.check_dropout("dropout", self.dropout)
+        d = vit.embed_dim(model)
+        for block in vit.blocks(model):
+            fc1 = vit.linear(block, "fc1")
+            if fc1.out_features != 4 * d:
+                raise ValueError(f"FacT needs an MLP of width 4 x embed dim ({4 * d}); this one has {fc1.out_features}")
+
+
+class FactorsShared(nn.Module):
+    """The factors every block shares: U (dim -> rank), V (rank -> dim, zero at init) and, for tk, C."""
+
+    def __init__(self, dim: int, rank: int, tucker: bool, kw: dict[str, Any]) -> None:
+        super().__init__()
+        self.u = nn.Parameter(torch.empty(rank, dim, **kw))
+        self.v = nn.Parameter(torch.zeros(dim, rank, **kw))
+        nn.init.kaiming_uniform_(self.u, a=math.sqrt(5))  # nn.Linear's init, as the reference's FacTu
+        self.c = None
+        if tucker:
+            self.c = nn.Parameter(torch.empty(rank, rank, rank, **kw))
+            nn.init.xavier_uniform_(self.c)
+
+
+class FactLinear(core.PetlModule):
+    """A frozen Linear (qkv, proj, fc1 or fc2) plus its FacT update.
+
+    Args:
+        base: the Linear; kept frozen as ``base``.
+        kind: which of ``qkv``, ``proj``, ``fc1``, ``fc2`` it is (sets the core layout).
+        shared: the shared factors; registered here when ``owner`` is true, else only referenced.
+        owner: whether this wrapper registers ``shared``.
+        tucker: tk (cores mixed from ``shared.c`` by this block's columns of P) or tt (own cores).
+        p_bound: half-width of the uniform init of P's columns (xavier over the whole P).
+        scale: factor on the update.
+        dropout: dropout on the rank-sized hidden.
+
+    """
+
+    mergeable = True
+
+    def __init__(
+        self,
+        base: nn.Linear,
+        kind: str,
+        shared: FactorsShared,
+        owner: bool,
+        tucker: bool,
+        p_bound: float,
+        scale: float,
+        dropout: float,
+    ) -> None:
+        super().__init__(base)
+        self.kind, self.scale = kind, scale
+        rank = shared.u.shape[0]
+        kw = {"device": base.weight.device, "dtype": base.weight.dtype}
+        if owner:
+            self.shared = shared
+        else:
+            # A list hides the module from registration: one name per parameter in the state dict.
+            self._shared_ref = [shared]
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.train(base.training)  # new modules start in train mode; follow the model's mode instead
+        self.p = self.cores = None
+        if tucker:
+            start, end = TK_COLUMNS[kind]
+            self.p = nn.Parameter(torch.empty(rank, end - start, **kw))
+            nn.init.uniform_(self.p, -p_bound, p_bound)
+        else:
+            shapes = {"qkv": (3, rank, rank), "proj": (1, rank, rank), "fc1": (1, 4 * rank, rank)}
+            self.cores = nn.Parameter(torch.empty(shapes.get(kind, (1, rank, 4 * rank)), **kw))
+            # Each tt core is an nn.Linear weight in the reference: the same init.
+            for core_ in self.cores:
+                nn.init.kaiming_uniform_(core_, a=math.sqrt(5))
+
+    @property
+    def factors(self) -> FactorsShared:
+        """The shared U, V (and C)."""
+        return self.shared if "shared" in self._modules else self._shared_ref[0]
+
+    def block_cores(self) -> list[torch.Tensor]:
+        """This layer's cores as (out x in) matrices: q, k, v for qkv; one for proj; fc1 4r x r; fc2 r x 4r."""
+        if self.cores is not None:
+            return list(self.cores.unbind(0))
+        mixed = self.factors.c @ self.p  # (r, r, columns): C mixed by this block's columns of P
+        r = mixed.shape[0]
+        if self.kind == "fc1":
+            # The reference flattens the four fc1 cores to r x 4r (in x out) and reads its output
+            # as four chunks of r (fact.py:L100-105): as an (out x in) matrix, the transpose.
+            return [mixed.reshape(r, -1).t()]
+        if self.kind == "fc2":
+            return [mixed.reshape(r, -1)]  # already (out x in): x_u (4r) @ this.t() (fact.py:L112-116)
+        return [mixed[:, :, j].t() for j in range(mixed.shape[2])]  # x_u @ core (fact.py:L85-96)
+
+    def update(self, x: torch.Tensor) -> torch.Tensor:
+        """The FacT branch's output for input ``x`` (scale included)."""
+        f = self.factors
+        cores = self.block_cores()
+        if self.kind == "fc2":
+            # The 4*dim input as four dim-wide chunks, each projected by U, then one r x 4r core.
+            xu = F.linear(x.unflatten(-1, (4, -1)), f.u).flatten(-2)
+            return self.scale * F.linear(self.dropout(F.linear(xu, cores[0])), f.v)
+        xu = F.linear(x, f.u)
+        if self.kind == "fc1":
+            h = self.dropout(F.linear(xu, cores[0])).unflatten(-1, (4, -1))
+            return self.scale * F.linear(h, f.v).flatten(-2)
+        return self.scale * torch.cat([F.linear(self.dropout(F.linear(xu, c)), f.v) for c in cores], dim=-1)
+
+    def delta_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """The update as a weight matrix of ``base``'s shape, in ``dtype``."""
+        u, v = self.factors.u.to(dtype), self.factors.v.to(dtype)
+        cores = [c.to(dtype) for c in self.block_cores()]
+        if self.kind == "fc1":  # four dim-row chunks, chunk j from core rows [j r, (j+1) r)
+            delta = torch.cat([v @ chunk @ u for chunk in cores[0].chunk(4, dim=0)], dim=0)
+        elif self.kind == "fc2":  # four dim-column chunks, chunk j from core columns [j r, (j+1) r)
+            delta = torch.cat([v @ chunk @ u for chunk in cores[0].chunk(4, dim=1)], dim=1)
+        else:
+            delta = torch.cat([v @ c @ u for c in cores], dim=0)
+        return self.scale * delta
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.merged:
+            # The wrapper's own module call stands in for base's: merged, this layer costs what the plain
+            # layer costs (one module call and base's forward).  Hooks registered on ``base`` itself are
+            # skipped while merged; hooks on this wrapper (the model's module at that path) still run.
+            return self.base.forward(x)
+        return self.base(x) + self.update(x)
+
+    @torch.no_grad()
+    def merge(self) -> None:
+        """Add the update into the frozen weight; forward then costs what ``base`` costs."""
+        if self.merged:
+            return
+        weight = self.base.weight
+        dtype = _reparam.work_dtype(weight)
+        delta = self.delta_weight(dtype)
+        _reparam.check_finite("the FacT update", delta)
+        _reparam.write(weight, weight.to(dtype) + delta, "the FacT update into the weight")
+        self.merged = True
+
+    @torch.no_grad()
+    def unmerge(self) -> None:
+        """Subtract the update again (up to rounding)."""
+        if not self.merged:
+            return
+        weight = self.base.weight
+        dtype = _reparam.work_dtype(weight)
+        _reparam.write(weight, weight.to(dtype) - self.delta_weight(dtype), "the FacT update out of the weight")
+        self.merged = False
+
+
+def _formula(model: nn.Module, cfg: FactConfig) -> int:
+    d, r, depth = vit.embed_dim(model), cfg.rank, vit.depth(model)
+    shared = 2 * d * r  # U and V
+    if cfg.type == "tt":
+        # Per block: q, k, v, proj cores r*r each, fc1 and fc2 cores 4r*r each = 12 r^2.
+        return shared + depth * 12 * r * r
+    # Tucker: the r^3 core plus 12 columns of P per block.
+    return shared + r**3 + depth * TK_PER_BLOCK * r
+
+
+@core.register_method("fact", FactConfig, trainable_formula=_formula, zero_init=True, mergeable=True)
+def inject_fact(model: nn.Module, cfg: FactConfig) -> None:
+    """FacT: qkv/proj/fc1/fc2 updates factorised across all blocks (tensor-train or Tucker); mergeable."""
+    kw = core.factory_kwargs(model)
+    tucker = cfg.type == "tk"
+    shared = FactorsShared(vit.embed_dim(model), cfg.rank, tucker, kw)
+    # xavier-uniform over the whole rank x (12 * depth) P, as the reference initialises it.
+    p_bound = math.sqrt(6.0 / (cfg.rank + TK_PER_BLOCK * vit.depth(model)))
+    owner = True
+    for block in vit.blocks(model):
+        for name in LINEARS:
+            wrapper = FactLinear(vit.linear(block, name), name, shared, owner, tucker, p_bound, cfg.scale, cfg.dropout)
+            vit.set_linear(block, name, wrapper)
+            owner = False
+
+
+def apply_fact(model: nn.Module, **options: Any) -> nn.Module:
+    """Add FacT updates to every block of ``model`` and freeze everything else but the head.
+
+    Args:
+        model: a timm VisionTransformer.
+        **options: fields of :class:`FactConfig` (``type``, ``rank``, ``scale``, ``dropout``,
+            ``num_classes``).
+
+    Returns:
+        The same model, modified in place.
+
+    """
+    return core.apply(model, "fact", **options)

@@ -1,0 +1,53 @@
+"""LN tuning: train the affine parameters (weight and bias) of every LayerNorm of the backbone.
+
+Follows PETL_Vision's "ln" method, which trains every parameter named "norm" - the blocks' norm1
+and norm2 and the final norm (OSU-MLB/PETL_Vision@245d262 experiment/build_model.py:L33-34;
+V-PETL's ImageClassification/train/train_model_lntune.py:L163-169 does the same).  petl finds the
+LayerNorms by type (:func:`petl.vit.layer_norms`), not by name.  On ViT-B/16 that is
+25 norms x 2 x 768 = 38,400 parameters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from petl import core, vit
+
+
+@dataclass
+class LnConfig(core.MethodConfig):
+    """Options of LN tuning (none beyond ``num_classes``)."""
+
+    def validate(self, model: nn.Module) -> None:
+        super().validate(model)
+        if not any(True for norm in vit.layer_norms(model) for _ in norm.parameters()):
+            raise ValueError("ln: this model has no LayerNorm with affine parameters to train")
+
+
+def _formula(model: nn.Module, cfg: LnConfig) -> int:
+    # weight and bias of each affine LayerNorm: 2 x its width.
+    return sum(p.numel() for norm in vit.layer_norms(model) for p in norm.parameters())
+
+
+@core.register_method("ln", LnConfig, trainable_formula=_formula, zero_init=True, mergeable=False)
+def inject_ln(model: nn.Module, cfg: LnConfig) -> None:
+    """LN tuning: train the weight and bias of every LayerNorm of the backbone."""
+    for norm in vit.layer_norms(model):
+        norm.requires_grad_(True)
+
+
+def apply_ln(model: nn.Module, **options: Any) -> nn.Module:
+    """Train only the LayerNorms' affine parameters (and the head) of ``model``.
+
+    Args:
+        model: a timm VisionTransformer.
+        **options: fields of :class:`LnConfig` (``num_classes``).
+
+    Returns:
+        The same model, modified in place.
+
+    """
+    return core.apply(model, "ln", **options)

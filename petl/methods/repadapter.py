@@ -1,0 +1,184 @@
+"""RepAdapter: re-parameterisable group-wise adapters before attention and the MLP (Luo et al., 2023).
+
+Follows PETL_Vision's RepAdapter (OSU-MLB/PETL_Vision@245d262 model/repadapter.py:L5-27) in its
+"sequential_before" placement (model/block.py:L112-113, L154-155;
+experiment/config/method/repadapter.yml): each block's norm1 output passes through
+``x + scale * B(dropout(A(x)))`` before attention, and the norm2 output likewise before the MLP.
+A is a dense ``dim -> bottleneck`` map with bias, B a group-wise ``bottleneck -> dim`` map with
+bias (a 1x1 Conv1d with ``groups`` in the reference, so its weight is block-diagonal).  Defaults
+are the reference's (main.py:L141-149): bottleneck 8, groups 2, scale 1, dropout 0.1, and the
+"lora_xavier" init (model/utils.py:L13-17): A xavier-uniform, B and both biases zero, so the
+model is unchanged at init.
+
+The attention's first (and only) reader of its input is the fused qkv Linear, and the MLP's is
+fc1, so petl wraps those two Linears: ``base(adapter(x))``.  The adapter is affine, so ``merge``
+folds it into the Linear (``W <- W (I + s M)``, ``b <- b + s W c``) and merged inference is the
+plain backbone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from petl import core, vit
+from petl.methods import _reparam
+
+# The Linear that first reads the attention's input and the MLP's input.
+TARGETS = ("qkv", "fc1")
+
+
+@dataclass
+class RepAdapterConfig(core.MethodConfig):
+    """Options of RepAdapter.
+
+    Attributes:
+        bottleneck: width of the adapter's hidden layer.
+        groups: groups of the up-projection B (block-diagonal weight); divides ``bottleneck`` and the width.
+        scale: factor on the adapter's branch.
+        dropout: dropout between A and B (train mode only).
+
+    """
+
+    bottleneck: int = 8
+    groups: int = 2
+    scale: float = 1.0
+    dropout: float = 0.1
+
+    def validate(self, model: nn.Module) -> None:
+        super().validate(model)
+        core.check_range("bottleneck", self.bottleneck, low=1)
+        core.check_range("groups", self.groups, low=1)
+        core.check_dropout("dropout", self.dropout)
+        width = vit.embed_dim(model)
+        if self.bottleneck % self.groups or width % self.groups:
+            raise ValueError(f"groups={self.groups} must divide bottleneck={self.bottleneck} and the embed dim {width}")
+
+
+class RepAdapterLinear(core.PetlModule):
+    """A frozen Linear whose input first passes through a re-parameterisable adapter.
+
+    Args:
+        base: the Linear (qkv or fc1); kept frozen as ``base``.
+        bottleneck: hidden width of the adapter.
+        groups: groups of the up-projection.
+        scale: factor on the adapter branch.
+        dropout: dropout between the two projections.
+
+    """
+
+    mergeable = True
+
+    def __init__(self, base: nn.Linear, bottleneck: int, groups: int, scale: float, dropout: float) -> None:
+        super().__init__(base)
+        width = base.in_features
+        kw = {"device": base.weight.device, "dtype": base.weight.dtype}
+        self.groups, self.scale = groups, scale
+        self.down = nn.Linear(width, bottleneck, **kw)
+        # Group g maps hidden units [g*bottleneck/groups, ...) to output channels [g*width/groups, ...):
+        # weight rows are output channels, columns the hidden units of the row's group.
+        self.up_weight = nn.Parameter(torch.zeros(width, bottleneck // groups, **kw))
+        self.up_bias = nn.Parameter(torch.zeros(width, **kw))
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.train(base.training)  # new modules start in train mode; follow the model's mode instead
+        nn.init.xavier_uniform_(self.down.weight)
+        nn.init.zeros_(self.down.bias)
+
+    def up_dense(self) -> torch.Tensor:
+        """The up-projection as a dense ``width x bottleneck`` (block-diagonal) matrix."""
+        blocks = self.up_weight.view(self.groups, -1, self.up_weight.shape[1])
+        return torch.block_diag(*blocks.unbind(0))
+
+    def adapt(self, x: torch.Tensor) -> torch.Tensor:
+        """The adapter alone: ``x + scale * B(dropout(A(x)))``."""
+        h = self.dropout(self.down(x))
+        # Grouped up-projection: each group of hidden units feeds its own slice of channels.
+        h = h.unflatten(-1, (self.groups, -1))
+        weight = self.up_weight.view(self.groups, -1, self.up_weight.shape[1])
+        up = torch.einsum("...gi,goi->...go", h, weight).flatten(-2) + self.up_bias
+        return x + self.scale * up
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.merged:
+            # The wrapper's own module call stands in for base's: merged, this layer costs what the plain
+            # layer costs (one module call and base's forward).  Hooks registered on ``base`` itself are
+            # skipped while merged; hooks on this wrapper (the model's module at that path) still run.
+            return self.base.forward(x)
+        return self.base(self.adapt(x))
+
+    def _affine(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The adapter as ``x -> x + (M x + c)``: returns ``(M, c)`` (scale included) in ``dtype``."""
+        up = self.up_dense().to(dtype)
+        m = self.scale * up @ self.down.weight.to(dtype)
+        c = self.scale * (up @ self.down.bias.to(dtype) + self.up_bias.to(dtype))
+        return m, c
+
+    @torch.no_grad()
+    def merge(self) -> None:
+        """Fold the adapter into the Linear: ``W <- W + W M``, ``b <- b + W c``."""
+        if self.merged:
+            return
+        weight, bias = self.base.weight, self.base.bias
+        dtype = _reparam.work_dtype(weight)
+        m, c = self._affine(dtype)
+        _reparam.check_finite("the RepAdapter", m, c)
+        w = weight.to(dtype)
+        if bias is None:
+            if bool(c.any()):
+                raise ValueError("RepAdapter cannot merge a non-zero adapter bias into a Linear without bias")
+        else:
+            _reparam.write(bias, bias.to(dtype) + w @ c, "the RepAdapter into the bias")
+        _reparam.write(weight, w + w @ m, "the RepAdapter into the weight")
+        self.merged = True
+
+    @torch.no_grad()
+    def unmerge(self) -> None:
+        """Undo :meth:`merge`: ``W = W' (I + M)^-1`` (via the low-rank Woodbury identity), ``b = b' - W c``."""
+        if not self.merged:
+            return
+        weight, bias = self.base.weight, self.base.bias
+        dtype = _reparam.work_dtype(weight)
+        up = self.up_dense().to(dtype)
+        down = self.down.weight.to(dtype)
+        _, c = self._affine(dtype)
+        # (I + s U D)^-1 = I - s U (I_r + s D U)^-1 D: only a bottleneck-sized matrix is inverted.
+        inner = torch.eye(down.shape[0], dtype=dtype, device=down.device) + self.scale * down @ up
+        merged = weight.to(dtype)
+        w = merged - self.scale * (merged @ up) @ torch.linalg.solve(inner, down)
+        _reparam.write(weight, w, "the RepAdapter out of the weight")
+        if bias is not None:
+            _reparam.write(bias, bias.to(dtype) - w @ c, "the RepAdapter out of the bias")
+        self.merged = False
+
+
+def _formula(model: nn.Module, cfg: RepAdapterConfig) -> int:
+    d, r, g = vit.embed_dim(model), cfg.bottleneck, cfg.groups
+    # A: d*r + r; grouped B: d * (r/g) + d; two adapters (attention, MLP) per block.
+    return vit.depth(model) * 2 * (d * r + r + d * (r // g) + d)
+
+
+@core.register_method("repadapter", RepAdapterConfig, trainable_formula=_formula, zero_init=True, mergeable=True)
+def inject_repadapter(model: nn.Module, cfg: RepAdapterConfig) -> None:
+    """RepAdapter: group-wise adapters before attention and the MLP, merged into qkv and fc1."""
+    for block in vit.blocks(model):
+        for name in TARGETS:
+            wrapper = RepAdapterLinear(vit.linear(block, name), cfg.bottleneck, cfg.groups, cfg.scale, cfg.dropout)
+            vit.set_linear(block, name, wrapper)
+
+
+def apply_repadapter(model: nn.Module, **options: Any) -> nn.Module:
+    """Add RepAdapters before every block's attention and MLP and freeze everything else but the head.
+
+    Args:
+        model: a timm VisionTransformer.
+        **options: fields of :class:`RepAdapterConfig` (``bottleneck``, ``groups``, ``scale``,
+            ``dropout``, ``num_classes``).
+
+    Returns:
+        The same model, modified in place.
+
+    """
+    return core.apply(model, "repadapter", **options)

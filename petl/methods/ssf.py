@@ -1,0 +1,173 @@
+"""SSF: learnable per-channel scale and shift after each operation (Lian et al., NeurIPS 2022).
+
+Placement follows PETL_Vision (OSU-MLB/PETL_Vision@245d262): after the patch projection and the
+patch-embedding norm when there is one (model/patch_embed.py:L61-64, L93-96), after each block's
+norm1 and norm2 (model/block.py:L78-80, L93-94, L134-135), after qkv and proj
+(model/attention.py:L40-42, L50-51, L88-89), after fc1 and fc2 (model/mlp.py:L40-42, L50-51,
+L62-63) and after the final norm (model/vision_transformer.py:L159-160, L246-247).  petl puts
+the last one after every final LayerNorm (``norm``, or ``fc_norm`` in average-pooling ViTs, where
+``norm`` is an Identity the shift could not be folded into).  The init is the reference's:
+scale ~ N(1, 0.02), shift ~ N(0, 0.02) (model/ssf.py:L4-11), so the model is *not* exactly
+unchanged at init; ``init_std=0`` starts at the exact identity.
+
+Each scale/shift follows an affine layer (Linear, Conv2d or LayerNorm), so ``merge`` folds it in:
+``W <- s * W`` (row-wise) and ``b <- s * b + t``; merged inference runs the plain layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from petl import core, vit
+from petl.methods import _reparam
+
+BLOCK_LINEARS = ("qkv", "proj", "fc1", "fc2")
+
+
+@dataclass
+class SsfConfig(core.MethodConfig):
+    """Options of SSF.
+
+    Attributes:
+        init_std: standard deviation of the random init around scale 1 and shift 0 (the reference's
+            0.02); 0 starts from the exact identity.
+
+    """
+
+    init_std: float = 0.02
+
+    def validate(self, model: nn.Module) -> None:
+        super().validate(model)
+        core.check_range("init_std", self.init_std, low=0)
+
+
+def _width(module: nn.Module) -> int:
+    """Output channels of an affine layer: what SSF scales and shifts."""
+    if isinstance(module, nn.Linear):
+        return module.out_features
+    if isinstance(module, nn.Conv2d):
+        return module.out_channels
+    if isinstance(module, nn.LayerNorm):
+        return int(module.normalized_shape[-1])
+    raise ValueError(f"SSF follows a Linear, Conv2d or LayerNorm, not {type(module).__name__}")
+
+
+class SsfLayer(core.PetlModule):
+    """An affine layer followed by a learnable per-channel scale and shift.
+
+    Args:
+        base: the Linear, Conv2d (channels on dim 1) or LayerNorm to follow; kept frozen as ``base``.
+        init_std: std of the random init around scale 1, shift 0.
+
+    """
+
+    mergeable = True
+
+    def __init__(self, base: nn.Module, init_std: float) -> None:
+        super().__init__(base)
+        width = _width(base)
+        kw = {"device": base.weight.device, "dtype": base.weight.dtype}
+        self.scale = nn.Parameter(torch.ones(width, **kw))
+        self.shift = nn.Parameter(torch.zeros(width, **kw))
+        if init_std > 0:
+            nn.init.normal_(self.scale, mean=1.0, std=init_std)
+            nn.init.normal_(self.shift, mean=0.0, std=init_std)
+        # A Conv2d's channels sit on dim 1 (NCHW); the other layers' on the last dim.
+        self.channel_dim = 1 if isinstance(base, nn.Conv2d) else -1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.merged:
+            # The wrapper's own module call stands in for base's: merged, this layer costs what the plain
+            # layer costs (one module call and base's forward).  Hooks registered on ``base`` itself are
+            # skipped while merged; hooks on this wrapper (the model's module at that path) still run.
+            return self.base.forward(x)
+        out = self.base(x)
+        if self.channel_dim == 1:
+            return out * self.scale.view(-1, 1, 1) + self.shift.view(-1, 1, 1)
+        return out * self.scale + self.shift
+
+    def _check_mergeable(self) -> None:
+        if getattr(self.base, "weight", None) is None or getattr(self.base, "bias", None) is None:
+            raise ValueError(
+                f"SSF cannot merge into a {type(self.base).__name__} without weight and bias (nothing holds the shift)"
+            )
+
+    @torch.no_grad()
+    def merge(self) -> None:
+        """Fold the scale into the base's weight rows and scale+shift into its bias."""
+        if self.merged:
+            return
+        self._check_mergeable()
+        weight, bias = self.base.weight, self.base.bias
+        dtype = _reparam.work_dtype(weight)
+        scale, shift = self.scale.to(dtype), self.shift.to(dtype)
+        _reparam.check_finite("SSF scale/shift", scale, shift)
+        if bool((scale == 0).any()):
+            raise ValueError("refusing to merge SSF: a scale of exactly 0 could not be unmerged")
+        rows = scale.view(-1, *[1] * (weight.dim() - 1))
+        _reparam.write(weight, weight.to(dtype) * rows, "SSF into the weight")
+        _reparam.write(bias, bias.to(dtype) * scale + shift, "SSF into the bias")
+        self.merged = True
+
+    @torch.no_grad()
+    def unmerge(self) -> None:
+        """Undo :meth:`merge` (divide the scale back out), up to rounding."""
+        if not self.merged:
+            return
+        weight, bias = self.base.weight, self.base.bias
+        dtype = _reparam.work_dtype(weight)
+        scale, shift = self.scale.to(dtype), self.shift.to(dtype)
+        rows = scale.view(-1, *[1] * (weight.dim() - 1))
+        _reparam.write(weight, weight.to(dtype) / rows, "SSF out of the weight")
+        _reparam.write(bias, (bias.to(dtype) - shift) / scale, "SSF out of the bias")
+        self.merged = False
+
+
+def _sites(model: nn.Module) -> list[tuple[nn.Module, Callable[[nn.Module], None]]]:
+    """Every layer SSF follows, with the function that installs its wrapper, in forward order."""
+    sites: list[tuple[nn.Module, Callable[[nn.Module], None]]] = [
+        (vit.patch_proj(model), lambda m: vit.set_patch_proj(model, m))
+    ]
+    if isinstance(vit.patch_norm(model), nn.LayerNorm):
+        sites.append((vit.patch_norm(model), lambda m: vit.set_patch_norm(model, m)))
+    for block in vit.blocks(model):
+        for norm_name, linear_names in (("norm1", ("qkv", "proj")), ("norm2", ("fc1", "fc2"))):
+            norm = vit.block_norm(block, norm_name)
+            sites.append((norm, lambda m, b=block, n=norm_name: vit.set_block_norm(b, n, m)))
+            for name in linear_names:
+                sites.append((vit.linear(block, name), lambda m, b=block, n=name: vit.set_linear(b, n, m)))
+    for name, norm in vit.named_final_norms(model):
+        if isinstance(norm, nn.LayerNorm):
+            sites.append((norm, lambda m, n=name: vit.set_final_norm(model, n, m)))
+    return sites
+
+
+def _formula(model: nn.Module, cfg: SsfConfig) -> int:
+    # One scale and one shift per output channel of every site.
+    return sum(2 * _width(module) for module, _ in _sites(model))
+
+
+@core.register_method("ssf", SsfConfig, trainable_formula=_formula, zero_init=False, mergeable=True)
+def inject_ssf(model: nn.Module, cfg: SsfConfig) -> None:
+    """SSF: per-channel scale and shift after every norm, Linear and the patch projection; mergeable."""
+    for module, install in _sites(model):
+        install(SsfLayer(module, cfg.init_std))
+
+
+def apply_ssf(model: nn.Module, **options: Any) -> nn.Module:
+    """Add SSF scale/shift layers to ``model`` and freeze everything else but the head.
+
+    Args:
+        model: a timm VisionTransformer.
+        **options: fields of :class:`SsfConfig` (``init_std``, ``num_classes``).
+
+    Returns:
+        The same model, modified in place.
+
+    """
+    return core.apply(model, "ssf", **options)
