@@ -16,7 +16,7 @@ import hashlib
 import json
 import math
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, ClassVar, NamedTuple
@@ -173,6 +173,9 @@ class MethodSpec:
     trainable_formula: Callable[[nn.Module, MethodConfig], int]
     zero_init: bool
     mergeable: bool
+    # Optional data-driven step before injection (e.g. choosing channels from the task's images):
+    # ``calibrate(backbone, cfg, loader) -> cfg``.  petl-run calls it; Python users call it themselves.
+    calibrate: Callable[[nn.Module, MethodConfig, Iterable], MethodConfig] | None = None
 
 
 _REGISTRY: dict[str, MethodSpec] = {}
@@ -184,6 +187,7 @@ def register_method(
     trainable_formula: Callable[[nn.Module, MethodConfig], int],
     zero_init: bool = False,
     mergeable: bool = False,
+    calibrate: Callable[[nn.Module, MethodConfig, Iterable], MethodConfig] | None = None,
 ) -> Callable:
     """Decorator registering ``inject(model, cfg)`` as method ``name``.
 
@@ -194,13 +198,17 @@ def register_method(
             given a ViT (before injection) and a config; the contract tests check it.
         zero_init: the method leaves the model's outputs unchanged at init.
         mergeable: the method's wrappers can merge into the frozen weights.
+        calibrate: optional ``calibrate(backbone, cfg, loader) -> cfg`` that completes the config from
+            the task's training images (``loader`` yields ``(images, labels)`` batches without
+            augmentation) on the frozen backbone before injection.  ``petl-run`` calls it once per run
+            and records the returned config; :func:`apply` does not, so Python users call it first.
 
     """
 
     def decorate(inject: Callable[[nn.Module, MethodConfig], None]) -> Callable:
         if name in _REGISTRY:
             raise ValueError(f"method {name!r} is registered twice")
-        _REGISTRY[name] = MethodSpec(name, config_cls, inject, trainable_formula, zero_init, mergeable)
+        _REGISTRY[name] = MethodSpec(name, config_cls, inject, trainable_formula, zero_init, mergeable, calibrate)
         return inject
 
     return decorate

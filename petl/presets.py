@@ -1,17 +1,44 @@
-"""Where petl's user-facing presets live: the top-level ``configs/`` folder (suites, experiments).
+"""petl's user-facing presets: where the top-level ``configs/`` folder is, and its experiments.
 
-In a source checkout (or an editable install) it sits beside the ``petl`` package; an installed
-wheel carries it as the package ``petl.configs`` (``pyproject.toml`` maps that package onto the
-same folder), found through :mod:`importlib.resources`.  Both ``petl-bench`` and anything else that
-reads presets ask :func:`configs_dir`.
+In a source checkout (or an editable install) the folder sits beside the ``petl`` package; an
+installed wheel carries it as the package ``petl.configs`` (``pyproject.toml`` maps that package onto
+the same folder), found through :mod:`importlib.resources`.  Both ``petl-run`` and ``petl-bench`` ask
+:func:`configs_dir`.
+
+An experiment (``configs/experiments/<name>.yaml``) names a method and the options that make it that
+experiment (``lora.yaml`` is ``method: {name: lora, rank: 8}``), optionally with ``train:`` / ``model:``
+overrides it needs, method options to search (``search:``) and the published row it stands for
+(``published:``).  A registered method without an experiment file of its name is an experiment too,
+with its registry defaults.  :meth:`Experiment.overrides` turns one into Hydra override strings, the
+language ``petl-run`` speaks: ``petl-run experiment=NAME`` and a ``petl-bench`` sweep compose the same
+config from it.  Suites (:mod:`petl.bench.suite`) build on these.  Reading presets needs no torch.
 """
 
 from __future__ import annotations
 
 import importlib.resources
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+import yaml
 
 PRESET_FOLDERS = ("experiments", "suites")
+
+# Config groups an experiment may override.
+OVERRIDABLE_GROUPS = ("train", "model")
+# Keys a sweep sets per run: no experiment, suite or search may.
+SWEEP_OWNED = ("data.name", "data.split", "seed", "output_dir")
+# The roots a search space may vary: any option of these groups.
+SEARCH_ROOTS = ("train", "model", "method", "data")
+
+# Config nodes that take any key (see petl.run.config.ModelConfig.kwargs).
+_FREE_FORM_NODES = ("model.kwargs",)
+
+_SAFE_BARE = re.compile(r"^[A-Za-z_][A-Za-z0-9_./-]*$")
+_NOT_BARE = {"true", "false", "null", "none", "nan", "inf"}
 
 
 def _has_presets(folder: Path) -> bool:
@@ -48,3 +75,205 @@ def configs_dir(override: str | Path | None = None) -> Path:
         f"no configs folder with experiments/ and suites/ at {looked}; pass configs_dir=PATH "
         "(a checkout of the petl repository has one at its root)"
     )
+
+
+def format_value(value: Any) -> str:
+    """Write a Python value in Hydra's override grammar (strings quoted unless plainly safe)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "null"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str):
+        # A bare word such as `sequential` stays bare for readable logs; anything that Hydra could read
+        # as another type (true, 1e-3) or that holds grammar characters gets quoted.
+        if _SAFE_BARE.match(value) and value.lower() not in _NOT_BARE:
+            return value
+        return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+    if isinstance(value, Mapping):
+        return "{" + ",".join(f"{k}:{format_value(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, Iterable):
+        return "[" + ",".join(format_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {value!r} ({type(value).__name__}) as a Hydra override")
+
+
+def to_overrides(prefix: str, values: Mapping[str, Any]) -> list[str]:
+    """Flatten nested ``values`` under ``prefix`` into ``prefix.key=value`` override strings.
+
+    Keys under a free-form node (``model.kwargs``, any ``timm.create_model`` keyword) are new keys to
+    Hydra, so they are written ``++key=value`` (add or replace) as on petl-run's command line.
+    """
+    out = []
+    for key, value in flatten(prefix, values).items():
+        add = "++" if any(key.startswith(node + ".") for node in _FREE_FORM_NODES) else ""
+        out.append(f"{add}{key}={format_value(value)}")
+    return out
+
+
+def read_yaml_mapping(path: Path, allowed: set[str], groups: tuple[str, ...] = OVERRIDABLE_GROUPS) -> dict[str, Any]:
+    """A preset file's top-level mapping, its keys checked against ``allowed`` and ``groups`` mappings."""
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
+    unknown = sorted(set(data) - allowed)
+    if unknown:
+        raise ValueError(f"{path}: unknown key(s) {', '.join(unknown)}; allowed: {', '.join(sorted(allowed))}")
+    for group in groups:
+        if not isinstance(data.get(group, {}), dict):
+            raise ValueError(f"{path}: `{group}` must be a mapping of overrides")
+    return data
+
+
+def flatten(prefix: str, values: Mapping[str, Any]) -> dict[str, Any]:
+    """Nested ``values`` under ``prefix`` as ``{"prefix.key.sub": value}``."""
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        path = f"{prefix}.{key}"
+        out.update(flatten(path, value) if isinstance(value, Mapping) else {path: value})
+    return out
+
+
+def read_space(path: Path | str, space: Any) -> dict[str, list[Any]]:
+    """Check a ``search:`` mapping: dotted option keys (``train.lr``) to non-empty lists of values.
+
+    Raises:
+        ValueError: naming the file and the bad key.
+
+    """
+    if space is None:
+        return {}
+    if not isinstance(space, dict):
+        raise ValueError(f"{path}: `search` must map option keys (train.lr) to lists of values")
+    out = {}
+    for key, values in space.items():
+        key = str(key)
+        root = key.split(".")[0]
+        if "." not in key or root not in SEARCH_ROOTS or key in SWEEP_OWNED:
+            raise ValueError(
+                f"{path}: search key {key!r}: expected an option of {', '.join(SEARCH_ROOTS)} such as train.lr "
+                f"(not {', '.join(SWEEP_OWNED)}, which the sweep sets)"
+            )
+        if not isinstance(values, list) or not values:
+            raise ValueError(f"{path}: search key {key!r} must list at least one value, e.g. [1.0e-3, 1.0e-2]")
+        out[key] = list(values)
+    return out
+
+
+@dataclass(frozen=True)
+class Experiment:
+    """One method configuration, as differences from the defaults.
+
+    Attributes:
+        name: the file stem; also the results folder name.
+        method: ``{"name": ..., <option>: value}``.
+        groups: overrides of other config groups, e.g. ``{"train": {"lr": 1e-4}}``.
+        description: one line for humans.
+        search: method options (or other keys) this experiment adds to a searching suite's space,
+            e.g. ``{"method.rank": [4, 8]}``; ignored by suites that do not search.
+        published: the row name of this experiment in the published tables (``LoRA``), or ``""``.
+        published_note: why petl's parameter count differs from the published one, or ``""``; either
+            one text for every published table or a mapping from table key (``vtab1k``, ``fgvc``) to text.
+
+    """
+
+    name: str
+    method: dict[str, Any]
+    groups: dict[str, dict[str, Any]] = field(default_factory=dict)
+    description: str = ""
+    search: dict[str, list[Any]] = field(default_factory=dict)
+    published: str = ""
+    published_note: str | dict[str, str] = ""
+
+    def fixed_keys(self) -> set[str]:
+        """Dotted keys this experiment pins (``method.rank``, ``train.lr``): a suite's search leaves them alone."""
+        options = {k: v for k, v in self.method.items() if k != "name"}
+        keys = set(flatten("method", options))
+        for group, values in self.groups.items():
+            keys |= set(flatten(group, values))
+        return keys
+
+    def overrides(self) -> list[str]:
+        """Hydra overrides selecting the method group, then its options and other groups' values."""
+        options = {k: v for k, v in self.method.items() if k != "name"}
+        out = [f"method={self.method['name']}"] + to_overrides("method", options)
+        for group, values in self.groups.items():
+            out += to_overrides(group, values)
+        return out
+
+
+def preset_names(folder: Path) -> list[str]:
+    """Stems of the YAML files in ``folder``, sorted."""
+    return sorted(p.stem for p in folder.glob("*.yaml"))
+
+
+def _registered_methods() -> list[str]:
+    # Imported late: reading suites for a report must not need torch.
+    import petl
+
+    return petl.list_methods()
+
+
+def default_experiment(method: str) -> Experiment:
+    """The benchmark experiment of a registered method that has no experiment file: its config defaults."""
+    return Experiment(method, {"name": method}, description=f"{method} with its registry defaults (no experiment file)")
+
+
+def load_experiment(name: str, benchmarks_dir: Path) -> Experiment:
+    """Read ``experiments/<name>.yaml``, or a registered method's :func:`default_experiment` if there is none.
+
+    Raises:
+        ValueError: an unknown experiment (listing the known ones) or a malformed file.
+
+    """
+    path = benchmarks_dir / "experiments" / f"{name}.yaml"
+    if not path.is_file():
+        if name in _registered_methods():
+            return default_experiment(name)
+        raise ValueError(f"unknown experiment {name!r}; known: {', '.join(list_experiments(benchmarks_dir))}")
+    keys = {"description", "method", "search", "published", "published_note", *OVERRIDABLE_GROUPS}
+    data = read_yaml_mapping(path, keys)
+    method = data.get("method")
+    if not isinstance(method, dict) or "name" not in method:
+        raise ValueError(f"{path}: `method` must be a mapping with a `name`")
+    groups = {g: data[g] for g in OVERRIDABLE_GROUPS if data.get(g)}
+    return Experiment(
+        name,
+        dict(method),
+        groups,
+        str(data.get("description", "")),
+        search=read_space(path, data.get("search")),
+        published=str(data.get("published") or ""),
+        published_note=_note(data.get("published_note"), path),
+    )
+
+
+def _note(value: Any, path: Path) -> str | dict[str, str]:
+    # `published_note:` is one text, or one text per published table (`{fgvc: ...}`).
+    if isinstance(value, Mapping):
+        return {str(k): str(v) for k, v in value.items()}
+    if value is not None and not isinstance(value, str):
+        raise ValueError(f"{path}: `published_note` must be a text or a mapping from table key to text")
+    return value or ""
+
+
+def list_experiments(benchmarks_dir: Path) -> list[str]:
+    """Experiment files, plus every registered method that no experiment file runs (its registry defaults)."""
+    files = preset_names(benchmarks_dir / "experiments")
+    covered = set(files)
+    for name in files:
+        method = (yaml.safe_load((benchmarks_dir / "experiments" / f"{name}.yaml").read_text()) or {}).get("method")
+        if isinstance(method, dict):
+            covered.add(str(method.get("name")))
+    return files + [m for m in _registered_methods() if m not in covered]
+
+
+def experiment_overrides(name: str, folder: str | Path | None = None) -> list[str]:
+    """The Hydra overrides of experiment ``name`` (``petl-run experiment=NAME``), read from :func:`configs_dir`.
+
+    Raises:
+        ValueError: an unknown experiment (listing the known ones) or a malformed file.
+        FileNotFoundError: no presets folder (see :func:`configs_dir`).
+
+    """
+    return load_experiment(name, configs_dir(folder)).overrides()

@@ -530,10 +530,12 @@ def test_a_non_editable_install_carries_the_configs(tmp_path):
     assert (site / "petl" / "configs" / "experiments" / "lora.yaml").is_file()
     # Imported from the install (not this checkout), petl-bench's loader finds the installed presets.
     code = "from petl.bench.suite import find_benchmarks_dir, load_suite; d = find_benchmarks_dir(); "
-    code += "print(d); print(load_suite('vtab1k', d).name)"
+    code += "print(d); print(load_suite('vtab1k', d).name); "
+    # ... and so does petl-run's experiment=NAME.
+    code += "from petl.run.cli import expand_experiment; print(expand_experiment(['experiment=lora'])[0])"
     env = {**os.environ, "PYTHONPATH": str(site)}
     out = subprocess.run(
         [sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300
     )
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == [str(site / "petl" / "configs"), "vtab1k"]
+    assert out.stdout.split() == [str(site / "petl" / "configs"), "vtab1k", "method=lora"]

@@ -228,7 +228,7 @@ def test_a_moved_dataset_with_the_same_content_still_resumes():
 
 def test_output_dir_that_is_a_file_fails_before_building_anything(tmp_path, monkeypatch, capsys):
     (tmp_path / "out").write_text("not a folder")
-    monkeypatch.setattr(runner, "_create_model", lambda *a: pytest.fail("must fail before building the model"))
+    monkeypatch.setattr(runner, "_create_backbone", lambda *a: pytest.fail("must fail before building the model"))
     with pytest.raises(ConfigError, match=r"^output_dir .*/out is a file, not a folder: choose another output_dir$"):
         tiny(tmp_path / "out")
     with pytest.raises(ConfigError, match=r"output_dir .*/out/run cannot be written \(Not a directory\)"):
@@ -253,7 +253,7 @@ def _read_only_dir(tmp_path: Path) -> Path:
 
 def test_read_only_output_dir_fails_before_building_anything(tmp_path, monkeypatch, capsys):
     folder = _read_only_dir(tmp_path)
-    monkeypatch.setattr(runner, "_create_model", lambda *a: pytest.fail("must fail before building the model"))
+    monkeypatch.setattr(runner, "_create_backbone", lambda *a: pytest.fail("must fail before building the model"))
     with pytest.raises(ConfigError, match=rf"^output_dir {folder} cannot be written \((Permission denied|.*)\)"):
         tiny(folder)
     with pytest.raises(SystemExit) as caught:

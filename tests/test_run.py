@@ -227,10 +227,10 @@ def test_local_checkpoint_replaces_the_hub_download(tmp_path):
     source = timm.create_model("vit_fractal_tiny_patch4_32", depth=2, embed_dim=48, num_classes=0)
     save_file({k: v.contiguous() for k, v in source.state_dict().items()}, tmp_path / "w.safetensors")
     cfg = default_config([*TINY, "method=lora", "model.pretrained=true", f"model.checkpoint={tmp_path}/w.safetensors"])
-    model = runner._create_model(cfg, num_classes=10)
+    model = runner._create_backbone(cfg)
     assert torch.equal(model.blocks[1].mlp.fc2.weight, source.blocks[1].mlp.fc2.weight)
     with pytest.raises(config.ConfigError, match="model.checkpoint=.*nope.safetensors: no such file"):
-        runner._create_model(default_config([*TINY, "model.checkpoint=nope.safetensors"]), num_classes=10)
+        runner._create_backbone(default_config([*TINY, "model.checkpoint=nope.safetensors"]))
 
 
 def test_backbone_mode_train_turns_the_feature_cache_off(tmp_path):

@@ -143,6 +143,7 @@ def build_dataset(
     strict: bool = True,
     augment: bool | None = None,
     interpolation: str = "bicubic",
+    eval_transform: bool = False,
 ) -> Dataset:
     """Build one split of a registered dataset.
 
@@ -166,6 +167,8 @@ def build_dataset(
             others (see :mod:`petl.data.transforms`).  ``None`` turns it on for the fgvc group
             only; VTAB resizes straight to the square, as V-PETL Bench does.
         interpolation: resampling filter, normally the backbone's timm pretrained config value.
+        eval_transform: build a training split with the evaluation transform (centre crop, no flip):
+            for statistics of the training images, such as a method's calibration before training.
 
     Raises:
         ValueError: unknown name or split, or bad image options.
@@ -183,6 +186,6 @@ def build_dataset(
         normalize=normalize,
         interpolation=interpolation,
         crop=crop,
-        augment=crop and split in TRAINING_SPLITS,
+        augment=crop and split in TRAINING_SPLITS and not eval_transform,
     )
     return builder(split, spec, root=root, strict=strict)

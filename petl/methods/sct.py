@@ -6,10 +6,14 @@ Parameter-Efficient Fine-Tuning via Salient Channels"); the rest of the block is
 
 The channels come from the task's data: :func:`select_sct_channels` runs the frozen backbone over
 the training images and keeps, per block, the ``top_n`` channels with the largest class-averaged L2
-norm of the patch tokens entering the MLP half.  Pass its result as ``channels``, or call
-:func:`calibrate_sct` to fill a config.  Without ``channels`` the method uses a deterministic,
-data-free placeholder, the first ``top_n`` channels of every block, so that it can be built and
-tested anywhere; that is NOT the paper's selection.
+norm of the patch tokens entering the MLP half.  ``petl-run`` does this itself: SCT registers
+:func:`calibrate_sct` as its ``calibrate`` hook, which the runner calls on the pretrained backbone
+with the training split (without augmentation) before injecting, and the chosen channels are recorded
+in ``result.json``'s ``method_config``, the checkpoint and ``trainable.safetensors``.  From Python,
+:func:`petl.apply` does not look at data: call ``cfg = calibrate_sct(backbone, SctConfig(), loader)``
+first (or pass ``channels=select_sct_channels(backbone, loader)``).  Without ``channels`` the method
+uses a deterministic, data-free placeholder, the first ``top_n`` channels of every block, so that it
+can be built and tested anywhere; that is NOT the paper's selection.
 
 Follows synbol/Parameter-Efficient-Transfer-Learning-Benchmark@c188fad (V-PETL Bench):
 ImageClassification/models/vision_transformer_sct.py L272-307 (``ChannelAdapter``: Linear(topN, topN),
@@ -126,18 +130,6 @@ class SctBlock(core.PetlModule):
         return vit.mlp_residual(self.base, x)
 
 
-def _formula(model: nn.Module, cfg: SctConfig) -> int:
-    n = cfg.width(model)
-    return vit.depth(model) * (n * n + n)
-
-
-@core.register_method("sct", SctConfig, trainable_formula=_formula)
-def inject_sct(model: nn.Module, cfg: SctConfig) -> None:
-    """SCT: a Linear on the top_n salient residual channels after each block's attention."""
-    for i, channels in enumerate(cfg.channels_for(model)):
-        vit.set_block(model, i, SctBlock(vit.block_container(model)[i], channels))
-
-
 @torch.no_grad()
 def select_sct_channels(
     model: nn.Module, loader: Iterable, top_n: int | None = None, max_batches: int | None = None
@@ -196,6 +188,18 @@ def calibrate_sct(model: nn.Module, cfg: SctConfig, loader: Iterable, max_batche
     if cfg.channels:
         return cfg
     return replace(cfg, channels=select_sct_channels(model, loader, cfg.top_n, max_batches))
+
+
+def _formula(model: nn.Module, cfg: SctConfig) -> int:
+    n = cfg.width(model)
+    return vit.depth(model) * (n * n + n)
+
+
+@core.register_method("sct", SctConfig, trainable_formula=_formula, calibrate=calibrate_sct)
+def inject_sct(model: nn.Module, cfg: SctConfig) -> None:
+    """SCT: a Linear on the top_n salient residual channels after each block's attention."""
+    for i, channels in enumerate(cfg.channels_for(model)):
+        vit.set_block(model, i, SctBlock(vit.block_container(model)[i], channels))
 
 
 def apply_sct(model: nn.Module, **options: Any) -> nn.Module:

@@ -4,7 +4,15 @@
     petl-run method=lora method.rank=4 data=mini/dsprites_ori train.epochs=20 seed=1
     petl-run model=vit_base_patch16_224.augreg2_in21k_ft_in1k data=vtab/cifar100 train.precision=bf16
     petl-run --multirun method=lora,adapter,vpt seed=0,1,2
+    petl-run experiment=vpt_deep data=mini/digits       # a preset of configs/experiments/
     accelerate launch -m petl.run method=lora ...      # DDP on every GPU of the machine
+
+``experiment=NAME`` stands for the overrides of the experiment preset NAME (``configs/experiments/``,
+found by :func:`petl.presets.configs_dir`; ``petl-bench list`` shows them): its method and options, its
+``train``/``model`` settings and an ``output_dir`` under its name, placed before the rest of the command
+line, which wins (``experiment=vpt_deep method.num_tokens=50``).  It cannot be combined with
+``method=``, and takes one name (sweep other keys with ``--multirun``; a suite of experiments is
+``petl-bench``'s job).
 
 Bad input (an unknown method, dataset, model or key; a value of the wrong type or out of range)
 exits with status 2 and one line naming the key and what is valid; a run that cannot complete
@@ -19,6 +27,7 @@ Hydra's own options, go through Hydra's app runner.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import logging.config
 import os
@@ -36,6 +45,7 @@ from hydra.errors import HydraException
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+from petl import presets
 from petl.run import config, records, runner
 from petl.run.config import ConfigError
 
@@ -45,6 +55,9 @@ RUN_ERROR = 1
 
 # Sweeps larger than this are checked on their first jobs only; every job still checks itself.
 MAX_CHECKED_JOBS = 64
+
+# ``experiment=NAME``: an experiment preset's overrides in place of this one (see expand_experiment).
+EXPERIMENT_KEY = "experiment"
 
 # Errors of the jobs of a local sweep (Hydra's basic launcher runs them in this process).
 _failed_jobs: list[str] = []
@@ -77,6 +90,45 @@ def _job_overrides(overrides: list[str], multirun: bool) -> list[list[str]]:
             final[key] = [f"{key}={value}" for value in override.sweep_string_iterator()]
         # Sweep kinds only other sweepers understand (intervals for Optuna...): check the fixed part.
     return [list(job) for job in itertools.islice(itertools.product(*final.values()), MAX_CHECKED_JOBS)]
+
+
+def _key(override: str) -> str:
+    return override.split("=", 1)[0].lstrip("+~")
+
+
+def expand_experiment(overrides: Sequence[str]) -> list[str]:
+    """Replace ``experiment=NAME`` by the experiment's overrides, placed first so the others win.
+
+    Besides :meth:`petl.presets.Experiment.overrides` (the same strings a ``petl-bench`` sweep
+    uses), the default ``output_dir`` gets the experiment's name in place of the method's, so two
+    experiments of one method (``vpt_shallow``, ``vpt_deep``) do not share a folder.
+
+    Raises:
+        ConfigError: an unknown experiment (listing the known ones), a malformed file, ``method=``
+            beside it, or more than one experiment.
+
+    """
+    chosen = [o for o in overrides if _key(o) == EXPERIMENT_KEY]
+    if not chosen:
+        return list(overrides)
+    name = chosen[0].split("=", 1)[1] if "=" in chosen[0] else ""
+    if len(chosen) > 1 or "," in name or "(" in name:
+        raise ConfigError(
+            "experiment= takes one name: run one petl-run per experiment, or a suite of them with petl-bench "
+            "(--multirun sweeps the other keys)"
+        )
+    rest = [o for o in overrides if o is not chosen[0]]
+    if any(_key(o) in ("method", "method.name") for o in rest):
+        raise ConfigError(
+            f"experiment={name} sets the method: drop method= (its options may follow, e.g. method.rank=4)"
+        )
+    try:
+        expanded = presets.experiment_overrides(name)
+    except (ValueError, FileNotFoundError) as error:
+        raise ConfigError(str(error)) from None
+    default_dir = next(f.default for f in dataclasses.fields(config.RunConfig) if f.name == "output_dir")
+    output_dir = presets.format_value(default_dir.replace("${method.name}", name))
+    return [*expanded, f"output_dir={output_dir}", *rest]
 
 
 def check_command_line(overrides: Sequence[str], multirun: bool = False) -> list[DictConfig]:
@@ -175,6 +227,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     _debug = DEBUG_FLAG in argv or os.environ.get("HYDRA_FULL_ERROR") == "1"
     argv = [arg for arg in argv if arg != DEBUG_FLAG]
     args = get_args_parser().parse_args(argv)
+    try:
+        overrides = expand_experiment(args.overrides)
+    except ConfigError as error:
+        _error(str(error))
+        raise SystemExit(USAGE_ERROR) from None
+    if overrides != args.overrides:
+        # Hydra reads the command line again (sweeps, --help): hand it the expanded overrides.
+        flags = list(argv)
+        for override in args.overrides:
+            flags.remove(override)
+        argv, args.overrides = [*flags, *overrides], overrides
     config.register_configs()
     config.register_models_in(args.overrides)
     # --version exits inside the parser; these others only print, so nothing needs checking.

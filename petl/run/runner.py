@@ -224,7 +224,8 @@ def _make_accelerator(cfg: DictConfig, out: Path) -> Accelerator:
         raise ConfigError(f"train.precision={precision}: {error}") from None
 
 
-def _create_model(cfg: DictConfig, num_classes: int) -> nn.Module:
+def _create_backbone(cfg: DictConfig) -> nn.Module:
+    """The pretrained (or randomly initialised) timm model, before any method is applied."""
     m = cfg.model
     kwargs: dict[str, Any] = dict(OmegaConf.to_container(m.kwargs, resolve=True))
     if m.checkpoint:
@@ -234,7 +235,7 @@ def _create_model(cfg: DictConfig, num_classes: int) -> nn.Module:
             raise ConfigError("model.checkpoint is set but model.pretrained=false: the file would be ignored")
         kwargs["pretrained_cfg_overlay"] = {"file": str(m.checkpoint)}
     try:
-        model = timm.create_model(m.name, pretrained=m.pretrained, drop_path_rate=m.drop_path, **kwargs)
+        return timm.create_model(m.name, pretrained=m.pretrained, drop_path_rate=m.drop_path, **kwargs)
     except TypeError as error:
         raise ConfigError(f"model.kwargs: {error}") from None
     except Exception as error:  # timm/hub raise many kinds (RuntimeError, OSError, HTTP errors...)
@@ -246,13 +247,46 @@ def _create_model(cfg: DictConfig, num_classes: int) -> nn.Module:
             f"cannot load pretrained weights of {m.name}: {first}. Give a local file with model.checkpoint=PATH, "
             "or train from random init with model.pretrained=false"
         ) from None
-    options = config.method_options(cfg)
+
+
+def _method_config(
+    cfg: DictConfig,
+    backbone: nn.Module,
+    num_classes: int,
+    checkpoint: dict[str, Any] | None,
+    accelerator: Accelerator,
+) -> petl.MethodConfig:
+    """The method's config: from the command line, completed by the method's ``calibrate`` hook if it has one.
+
+    A resumed run takes the config its checkpoint recorded, so the weights it restores fit the
+    modules they were trained in even if calibrating again would choose differently.
+    """
+    name = cfg.method.name
+    spec = petl.get_method(name)
+    recorded = checkpoint.get("method_config") if checkpoint is not None else None
+    options = recorded if recorded is not None else {"num_classes": num_classes, **config.method_options(cfg)}
     try:
-        method_cfg = petl.make_config(cfg.method.name, num_classes=num_classes, **options)
+        method_cfg = petl.make_config(name, **options)
+    except ValueError as error:
+        raise ConfigError(f"method {name}: {error}") from None
+    if recorded is not None or spec.calibrate is None:
+        return method_cfg
+    tick = time.perf_counter()
+    dataset = _calibration_set(cfg, backbone)
+    loader = _loader(dataset, cfg.train.eval_batch_size, cfg.data.num_workers, cfg.seed)
+    try:
+        method_cfg = spec.calibrate(backbone.to(accelerator.device), method_cfg, loader)
+    except ValueError as error:
+        raise RunError(f"method {name}: calibrating on the train split failed: {error}") from None
+    _say(accelerator, "calibrated %s on %d train images in %.1f s", name, len(dataset), time.perf_counter() - tick)
+    return method_cfg
+
+
+def _apply_method(cfg: DictConfig, model: nn.Module, method_cfg: petl.MethodConfig) -> None:
+    try:
         petl.apply(model, cfg.method.name, config=method_cfg)
     except ValueError as error:
         raise ConfigError(f"method {cfg.method.name}: {error}") from None
-    return model
 
 
 def _subset(dataset: Dataset, size: int | None) -> Dataset:
@@ -262,28 +296,44 @@ def _subset(dataset: Dataset, size: int | None) -> Dataset:
     return Subset(dataset, keep.tolist())
 
 
+def _image_options(cfg: DictConfig, model: nn.Module) -> dict[str, Any]:
+    """How the backbone expects its images (timm pretrained config), and the task's augmentation setting."""
+    data_cfg = resolve_data_config({}, model=model)
+    return dict(
+        image_size=int(data_cfg["input_size"][-1]),
+        mean=data_cfg["mean"],
+        std=data_cfg["std"],
+        # The backbone's own resampling filter; FGVC's crop-and-flip protocol unless data.augment says otherwise.
+        interpolation=data_cfg["interpolation"],
+        augment=cfg.data.augment,
+    )
+
+
+def _build_split(cfg: DictConfig, split: str, image: dict[str, Any]) -> Dataset:
+    try:
+        dataset = petl_data.build_dataset(cfg.data.name, split, root=cfg.data.root, **image)
+    except (petl_data.DatasetUnavailableError, petl_data.BadImagesError) as error:
+        # Bad image files are a data fault, not a config error; the message names the dataset and every path.
+        raise RunError(str(error)) from None
+    except ValueError as error:
+        raise ConfigError(f"data {cfg.data.name}: {error}") from None
+    return _subset(dataset, cfg.data.subset)
+
+
 def _datasets(cfg: DictConfig, model: nn.Module) -> dict[str, Dataset]:
     """Train / val (when the split has one) / test, preprocessed as the backbone expects."""
-    data_cfg = resolve_data_config({}, model=model)
-    # The backbone's own resampling filter; FGVC's crop-and-flip protocol unless data.augment says otherwise.
-    geometry = dict(interpolation=data_cfg["interpolation"], augment=cfg.data.augment)
-    image = dict(image_size=int(data_cfg["input_size"][-1]), mean=data_cfg["mean"], std=data_cfg["std"])
+    image = _image_options(cfg, model)
     splits = {"train": cfg.data.split}
     if cfg.train.eval_test:
         splits["test"] = petl_data.TEST
     if cfg.data.split == petl_data.TRAIN:
         splits["val"] = petl_data.VAL
-    built = {}
-    for role, split in splits.items():
-        try:
-            dataset = petl_data.build_dataset(cfg.data.name, split, root=cfg.data.root, **image, **geometry)
-        except (petl_data.DatasetUnavailableError, petl_data.BadImagesError) as error:
-            # Bad image files are a data fault, not a config error; the message names the dataset and every path.
-            raise RunError(str(error)) from None
-        except ValueError as error:
-            raise ConfigError(f"data {cfg.data.name}: {error}") from None
-        built[role] = _subset(dataset, cfg.data.subset)
-    return built
+    return {role: _build_split(cfg, split, image) for role, split in splits.items()}
+
+
+def _calibration_set(cfg: DictConfig, model: nn.Module) -> Dataset:
+    """The training split (the same examples) with the evaluation transform: no random crop or flip."""
+    return _build_split(cfg, cfg.data.split, {**_image_options(cfg, model), "eval_transform": True})
 
 
 def _loader(
@@ -408,10 +458,12 @@ def _run(cfg: DictConfig, resolved: dict[str, Any], out: Path, accelerator: Acce
     started = time.perf_counter()
     set_seed(cfg.seed)
     info = petl_data.get_info(cfg.data.name)
-    model = _create_model(cfg, info.num_classes)
+    model = _create_backbone(cfg)
     datasets = _datasets(cfg, model)
     inputs = _inputs(cfg, datasets["train"])
     checkpoint = _resume_checkpoint(out, cfg, inputs)
+    method_cfg = _method_config(cfg, model, info.num_classes, checkpoint, accelerator)
+    _apply_method(cfg, model, method_cfg)
     model.to(accelerator.device)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
@@ -574,6 +626,8 @@ def _train(cfg: DictConfig, out: Path, training: _Training, progress: _Progress,
                 "history": progress.history,
                 "seconds": progress.seconds(),
                 "inputs": inputs,
+                # What the method's calibrate hook chose: a resume must rebuild the same modules.
+                "method_config": dataclasses.asdict(model.petl_config),
             }
             # Checkpoint first, then the metrics line: a crash in between leaves a line too few,
             # and a resume rewrites metrics.jsonl from the checkpoint's history anyway.

@@ -1,0 +1,161 @@
+"""A method's ``calibrate`` hook: petl-run completes the config from the train split before injecting.
+
+SCT is the method that has one (it picks its salient channels from the task's images); the
+throwaway method below checks the runner's side of the contract without SCT's details.  Runs use
+the two-block, width-48 random ViT on 96 images of ``mini/digits`` as tests/test_run.py does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+import timm
+import torch
+from accelerate.utils import set_seed
+from hydra.core.config_store import ConfigStore
+from torch import nn
+from torch.utils.data import DataLoader
+
+import petl
+from petl import core
+from petl.methods.sct import SctBlock, SctConfig, select_sct_channels
+from petl.run import config, default_config, engine, runner, train
+
+TINY = [
+    "data=mini/digits",
+    "data.subset=96",
+    "model=vit_fractal_tiny_patch4_32",
+    "model.pretrained=false",
+    "+model.kwargs.depth=2",
+    "+model.kwargs.embed_dim=48",
+    "train.epochs=1",
+    "train.batch_size=32",
+    "train.progress=false",
+]
+
+
+def tiny(out, *overrides: str) -> dict:
+    return train(default_config([*TINY, f"output_dir={out}", *overrides]))
+
+
+def test_sct_run_records_channels_chosen_from_the_train_split(tmp_path):
+    result = tiny(tmp_path / "run", "method=sct")
+    channels = tuple(result["method_config"]["channels"])
+    placeholder = ((0, 1, 2, 3, 4, 5),) * 2  # the data-free default: the first embed_dim // 8 channels
+    assert len(channels) == 2 and SctConfig(channels=channels).channel_indices() != placeholder
+    assert result["config"]["method"]["channels"] == []  # the command line's value stays as given
+
+    # The same choice as selecting on the run's own backbone and train split (no augmentation).
+    cfg = default_config([*TINY, "method=sct"])
+    set_seed(cfg.seed)
+    backbone = runner._create_backbone(cfg)
+    loader = DataLoader(runner._calibration_set(cfg, backbone), batch_size=64)
+    assert SctConfig(channels=select_sct_channels(backbone, loader)).channels == channels
+
+    # The saved weights carry the channels: they load onto a fresh backbone with the same modules.
+    fresh = timm.create_model("vit_fractal_tiny_patch4_32", depth=2, embed_dim=48)
+    petl.load_trainable(fresh, tmp_path / "run" / "trainable.safetensors")
+    assert fresh.petl_config.channels == channels
+    blocks = [m for m in fresh.modules() if isinstance(m, SctBlock)]
+    assert [tuple(b.index.tolist()) for b in blocks] == list(SctConfig(channels=channels).channel_indices())
+
+
+def test_sct_with_channels_given_keeps_them(tmp_path):
+    result = tiny(tmp_path / "run", "method=sct", "method.top_n=2", "method.channels=['1,7','3,40']")
+    assert tuple(result["method_config"]["channels"]) == ("1,7", "3,40")
+
+
+def test_a_resumed_run_keeps_the_channels_of_its_first_session(tmp_path, monkeypatch):
+    args = ("method=sct", "train.epochs=2")
+    whole = tiny(tmp_path / "whole", *args)
+
+    original = engine.train_one_epoch
+    calls = {"n": 0}
+
+    def dying(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt("killed")
+        return original(*a, **k)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(engine, "train_one_epoch", dying)
+        with pytest.raises(KeyboardInterrupt):
+            tiny(tmp_path / "killed", *args)
+    assert (tmp_path / "killed" / "checkpoint.pt").exists()
+
+    # Calibrating again would choose other channels: the resume must take the checkpoint's.
+    spec = core.get_method("sct")
+    other = dataclasses.replace(spec, calibrate=lambda m, cfg, loader: pytest.fail("a resume must not recalibrate"))
+    monkeypatch.setitem(core._REGISTRY, "sct", other)
+    resumed = tiny(tmp_path / "killed", *args)
+    assert resumed["method_config"] == whole["method_config"]
+    assert resumed["test_top1"] == whole["test_top1"] and resumed["final_train_loss"] == whole["final_train_loss"]
+
+
+NAME = "throwaway_calibrated"
+
+
+@dataclass
+class ProbeConfig(core.MethodConfig):
+    """A method whose one option is filled by its calibrate hook."""
+
+    seen_images: int = 0
+
+
+@pytest.fixture
+def probe() -> Iterator[list]:
+    """Register a method with a calibrate hook that records its calls; remove it afterwards."""
+    calls: list = []
+
+    def calibrate(model: nn.Module, cfg: ProbeConfig, loader) -> ProbeConfig:
+        calls.append((model, cfg, loader))
+        assert getattr(model, "petl_method", None) is None  # the backbone, before injection
+        images = [x for x, _ in loader]
+        assert all(isinstance(x, torch.Tensor) and x.shape[1:] == (3, 32, 32) for x in images)
+        return dataclasses.replace(cfg, seen_images=sum(len(x) for x in images))
+
+    def inject(model: nn.Module, cfg: ProbeConfig) -> None:
+        """Nothing to add: the head trains."""
+
+    config.register_configs()
+    core.register_method(NAME, ProbeConfig, trainable_formula=lambda model, cfg: 0, calibrate=calibrate)(inject)
+    try:
+        yield calls
+    finally:
+        core._REGISTRY.pop(NAME, None)
+        ConfigStore.instance().repo["method"].pop(f"{NAME}.yaml", None)
+        config._registered_methods.discard(NAME)
+
+
+def test_the_runner_calls_a_calibrate_hook_once_with_a_train_loader(probe, tmp_path):
+    result = tiny(tmp_path / "run", f"method={NAME}", "train.epochs=2")
+    assert len(probe) == 1
+    _model, cfg, loader = probe[0]
+    assert isinstance(loader, DataLoader) and cfg.num_classes == 10
+    assert len(loader.dataset) == 96  # data.subset of the train split
+    assert result["method_config"]["seen_images"] == 96
+    assert petl.read_trainable_metadata(tmp_path / "run" / "trainable.safetensors")["config"]["seen_images"] == 96
+
+
+def test_methods_without_a_hook_build_no_calibration_set(tmp_path, monkeypatch):
+    monkeypatch.setattr(runner, "_calibration_set", lambda *a: pytest.fail("lora has no calibrate hook"))
+    assert tiny(tmp_path / "run", "method=lora", "method.rank=2")["method_config"]["rank"] == 2
+
+
+def test_the_calibration_split_is_the_train_split_without_random_augmentation(tmp_path):
+    from test_data_protocol import _fgvc_folder
+
+    # FGVC trains on random crops and flips; calibration reads the training images centre-cropped, as test.
+    _fgvc_folder(tmp_path)
+    cfg = default_config([*TINY[2:], "data=fgvc/cub", f"data.root={tmp_path}", "data.subset=4"])
+    backbone = runner._create_backbone(cfg)
+    calibration, datasets = runner._calibration_set(cfg, backbone), runner._datasets(cfg, backbone)
+    assert len(calibration) == len(datasets["train"]) == 4
+    torch.manual_seed(0)
+    reads = [calibration[0][0] for _ in range(10)]
+    assert all(torch.equal(x, datasets["test"][0][0]) for x in reads)  # the one image, centre-cropped
+    assert any(not torch.equal(datasets["train"][0][0], reads[0]) for _ in range(10))  # training is augmented
