@@ -143,3 +143,20 @@ def test_committed_results_keep_no_weights_per_the_ignore_rules():
         ["git", "check-ignore", *paths], cwd=REPO, capture_output=True, text=True, check=False
     ).stdout.split()
     assert ignored == paths[2:]
+
+
+# ---------------------------------------------------------------------------------------- proposed suite
+
+
+def test_proposed_mini_selection_suite_is_the_mini_suite_under_the_selection_protocol():
+    from petl.bench.suite import find_benchmarks_dir, load_experiment, load_suite
+
+    configs = find_benchmarks_dir()
+    mini, proposed = load_suite("mini", configs), load_suite("mini_selection", configs)
+    assert proposed.tasks == mini.tasks and proposed.experiments == mini.experiments
+    assert proposed.seeds == [0, 1, 2] and proposed.search_seed == 0
+    assert proposed.search == {"train.lr": [1e-3, 1e-2]}  # weight decay fixed: the file says why
+    assert proposed.final_split == "train800val200"
+    assert "train.epochs=20" in proposed.overrides()
+    for name in proposed.experiments:
+        load_experiment(name, configs)
