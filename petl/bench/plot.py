@@ -86,3 +86,30 @@ def render_pareto(points: list[Point], num_tasks: int, models: list[str]) -> byt
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png")
     return buffer.getvalue()
+
+
+def render_curves(curves: dict[str, list[float]], task: str, models: list[str]) -> bytes:
+    """PNG bytes of val top-1 per epoch, one line per experiment: does each run level off before its last epoch?
+
+    Args:
+        curves: experiment -> val top-1 (%) after each epoch.
+        task: the task the curves are on (title).
+        models: the backbones measured on (title).
+
+    """
+    fig = Figure(figsize=(7.5, 5), dpi=110)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    for i, (label, values) in enumerate(curves.items()):
+        epochs = range(1, len(values) + 1)
+        ax.plot(epochs, values, marker=_MARKERS[i % len(_MARKERS)], markersize=4, lw=1.3, label=label)
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("val top-1 (%)")
+    ax.set_title(f"val accuracy per epoch on {task}, {', '.join(models)}", fontsize=10)
+    ax.grid(True, alpha=0.3)
+    if curves:
+        ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
+    return buffer.getvalue()
