@@ -28,3 +28,19 @@ def tiny_vit() -> Callable[..., VisionTransformer]:
 def images() -> torch.Tensor:
     """A fixed batch of two random 32x32 RGB images."""
     return torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+
+
+def tiny_run(*, subset: int = 64, depth: int = 1, epochs: int = 2, batch_size: int | None = None) -> list[str]:
+    """Overrides for a run that takes seconds: a narrow random-init default backbone on a slice of mini/digits."""
+    overrides = [
+        "data=mini/digits",
+        f"data.subset={subset}",
+        "model=vit_fractal_tiny_patch4_32",
+        "model.pretrained=false",
+        f"+model.kwargs.depth={depth}",
+        "+model.kwargs.embed_dim=48",
+        f"train.epochs={epochs}",
+    ]
+    if batch_size is not None:
+        overrides.append(f"train.batch_size={batch_size}")
+    return [*overrides, "train.progress=false"]

@@ -15,6 +15,7 @@ import pytest
 import timm
 import torch
 from accelerate.utils import set_seed
+from conftest import tiny_run
 from hydra.core.config_store import ConfigStore
 from torch import nn
 from torch.utils.data import DataLoader
@@ -24,17 +25,7 @@ from petl import core
 from petl.methods.sct import SctBlock, SctConfig, select_sct_channels
 from petl.run import config, default_config, engine, runner, train
 
-TINY = [
-    "data=mini/digits",
-    "data.subset=96",
-    "model=vit_fractal_tiny_patch4_32",
-    "model.pretrained=false",
-    "+model.kwargs.depth=2",
-    "+model.kwargs.embed_dim=48",
-    "train.epochs=1",
-    "train.batch_size=32",
-    "train.progress=false",
-]
+TINY = tiny_run(subset=96, depth=2, epochs=1, batch_size=32)
 
 
 def tiny(out, *overrides: str) -> dict:

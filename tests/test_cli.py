@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import tiny_run
 from omegaconf import OmegaConf
 
 import petl
@@ -17,16 +18,7 @@ from petl.run import cli, config, default_config
 from petl.run.config import ConfigError
 from petl.run.engine import TrainSettings
 
-TINY = [
-    "data=mini/digits",
-    "data.subset=64",
-    "model=vit_fractal_tiny_patch4_32",
-    "model.pretrained=false",
-    "+model.kwargs.depth=1",
-    "+model.kwargs.embed_dim=48",
-    "train.epochs=2",
-    "train.progress=false",
-]
+TINY = tiny_run()
 
 
 def test_defaults_are_the_vtab1k_recipe():

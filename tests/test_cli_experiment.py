@@ -8,21 +8,13 @@ import subprocess
 import sys
 
 import pytest
+from conftest import tiny_run
 
 from petl import presets
 from petl.bench import suite as suites
 from petl.run import cli, default_config
 
-TINY = [
-    "data=mini/digits",
-    "data.subset=64",
-    "model=vit_fractal_tiny_patch4_32",
-    "model.pretrained=false",
-    "+model.kwargs.depth=1",
-    "+model.kwargs.embed_dim=48",
-    "train.epochs=1",
-    "train.progress=false",
-]
+TINY = tiny_run(epochs=1)
 
 
 def test_experiment_expands_to_the_bench_overrides_and_the_command_line_wins():

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import timm
 import torch
+from conftest import tiny_run
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -27,17 +28,7 @@ from petl import data as petl_data
 from petl.run import cli, default_config, engine, lock, records, runner, train
 from petl.run.config import ConfigError
 
-TINY = [
-    "data=mini/digits",
-    "data.subset=64",
-    "model=vit_fractal_tiny_patch4_32",
-    "model.pretrained=false",
-    "+model.kwargs.depth=1",
-    "+model.kwargs.embed_dim=48",
-    "train.epochs=2",
-    "train.batch_size=32",
-    "train.progress=false",
-]
+TINY = tiny_run(batch_size=32)
 
 
 def tiny(out: Path, *overrides: str) -> dict:

@@ -12,22 +12,13 @@ from pathlib import Path
 import pytest
 import timm
 import torch
+from conftest import tiny_run
 from safetensors.torch import load_file, save_file
 
 import petl
 from petl.run import cache, config, default_config, engine, records, runner, train
 
-TINY = [
-    "data=mini/digits",
-    "data.subset=96",
-    "model=vit_fractal_tiny_patch4_32",
-    "model.pretrained=false",
-    "+model.kwargs.depth=2",
-    "+model.kwargs.embed_dim=48",
-    "train.epochs=2",
-    "train.batch_size=32",
-    "train.progress=false",
-]
+TINY = tiny_run(subset=96, depth=2, batch_size=32)
 
 RESULT_KEYS = {
     "method",

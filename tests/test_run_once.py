@@ -3,21 +3,13 @@
 from __future__ import annotations
 
 import pytest
+from conftest import tiny_run
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
 from petl.run import cli, config
 
-TINY = [
-    "data=mini/digits",
-    "data.subset=64",
-    "model=vit_fractal_tiny_patch4_32",
-    "model.pretrained=false",
-    "+model.kwargs.depth=1",
-    "+model.kwargs.embed_dim=48",
-    "train.epochs=1",
-    "train.progress=false",
-]
+TINY = tiny_run(epochs=1)
 
 
 def test_a_single_run_is_composed_and_checked_once(tmp_path, monkeypatch):
