@@ -133,12 +133,8 @@ def test_search_on_val_then_final_on_1000_images_test_once(tmp_path, monkeypatch
     final = json.loads((out / "vtab/kitti_dist/lora4/seed0/result.json").read_text())
     assert float(board["lora4"]["vtab/kitti_dist_top1_mean"]) == pytest.approx(final["test_top1"])
 
-    union = [str(w.message) for w in caught if "not the union" in str(w.message)]
-    # TODO(merge with helper "ref"): NOAH writes train800val200 as its own image copies, and the loader on
-    # this branch still warns "train800val200.txt is not the union" on that layout; helper "ref" fixes the
-    # false alarm on its branch.  Enable this assertion once both are merged.
-    # assert union == []
-    del union
+    # NOAH writes train800val200 as its own image copies: that layout is no reason for a warning.
+    assert [str(w.message) for w in caught if "not the union" in str(w.message)] == []
 
     capsys.readouterr()
     assert cli.main(args) == 0  # resumed: every trial and final is done, nothing trains again
