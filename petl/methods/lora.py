@@ -81,10 +81,10 @@ class LoraLinear(core.PetlModule):
         self, base: nn.Linear, slices: dict[str, tuple[int, int]], rank: int, alpha: float, dropout: float
     ) -> None:
         super().__init__(base)
-        # Sorted by first row so forward can stitch the output back together in one pass.
         self.slices = dict(sorted(slices.items(), key=lambda item: item[1][0]))
+        self.rank = rank
         self.scale = alpha / rank
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         kw = {"device": base.weight.device, "dtype": base.weight.dtype}
         self.lora_a = nn.ParameterDict(
             {name: nn.Parameter(torch.empty(rank, base.in_features, **kw)) for name in self.slices}
@@ -105,17 +105,17 @@ class LoraLinear(core.PetlModule):
         if self.merged:
             return out
         h = self.dropout(x)
-        # Build the output from slices rather than adding in place, which autograd may not allow.
-        pieces, cursor = [], 0
-        for name, (start, end) in self.slices.items():
-            if start > cursor:
-                pieces.append(out[..., cursor:start])
-            update = F.linear(F.linear(h, self.lora_a[name]), self.lora_b[name])
-            pieces.append(out[..., start:end] + self.scale * update)
-            cursor = end
-        if cursor < out.shape[-1]:
-            pieces.append(out[..., cursor:])
-        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=-1)
+        # In slice order (ParameterDict sorts the keys it is built from).
+        a = [self.lora_a[name] for name in self.slices]
+        # All A's in one matmul (h is read once); a copy of the small A's costs nothing next to it.
+        z = F.linear(h, a[0] if len(a) == 1 else torch.cat(a))
+        for i, (name, (start, end)) in enumerate(self.slices.items()):
+            # The scale goes into B (d x r) rather than onto the update (tokens x d), and the update is added
+            # in place into its rows of the base output: no slice-sized temporaries and no torch.cat copy of
+            # the whole output.  Autograd allows it because the Linear's backward does not need its output.
+            update = F.linear(z[..., i * self.rank : (i + 1) * self.rank], self.lora_b[name] * self.scale)
+            out[..., start:end].add_(update)
+        return out
 
     @torch.no_grad()
     def merge(self) -> None:
