@@ -35,7 +35,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 import petl
 from petl import data as petl_data
 from petl.core import trainable_state
-from petl.run import cache, config, records
+from petl.run import cache, config, engine, records
 from petl.run.config import ConfigError
 from petl.run.engine import NonFiniteLossError, build_optimizer, evaluate, fit
 
@@ -163,9 +163,20 @@ def _make_accelerator(cfg: DictConfig, out: Path) -> Accelerator:
         # accelerate would accept it and silently run in fp32; say so, and record what really ran.
         log.warning("train.precision=fp16 needs a GPU: running in full precision on the CPU (bf16 works there)")
         precision = "no"
+    if precision == "bf16" and PartialState().device.type == "cpu" and not engine.cpu_supports_bf16():
+        # accelerate would autocast anyway, through slow emulated bf16 matmuls; result.json records "no".
+        log.warning("train.precision=bf16: this CPU has no bf16 instructions (AVX512-BF16/AMX): running in fp32")
+        precision = "no"
+    # train.compile goes through accelerate's dynamo plugin, which compiles the model in prepare().
+    dynamo = "inductor" if cfg.train.compile else None
+    missing = engine.compiler_missing(PartialState().device.type) if cfg.train.compile else None
+    if missing:
+        log.warning("train.compile: %s; running uncompiled", missing)
+        dynamo = None
     try:
         return Accelerator(
             mixed_precision=precision,
+            dynamo_backend=dynamo,
             gradient_accumulation_steps=cfg.train.grad_accum,
             log_with=trackers or None,
             project_dir=str(out),
@@ -290,6 +301,8 @@ def _run(cfg: DictConfig, resolved: dict[str, Any], out: Path, accelerator: Acce
     set_seed(cfg.seed)
     info = petl_data.get_info(cfg.data.name)
     model = _create_model(cfg, info.num_classes)
+    if cfg.train.grad_checkpointing:
+        engine.enable_grad_checkpointing(model)
     datasets = _datasets(cfg, model)
     model.to(accelerator.device)
     if torch.cuda.is_available():
@@ -388,7 +401,8 @@ def _run(cfg: DictConfig, resolved: dict[str, Any], out: Path, accelerator: Acce
         ) from None
     train_seconds = seconds_before + time.perf_counter() - session_start
 
-    full_model = accelerator.unwrap_model(trainee)
+    # Without the compile wrapper: a CachedTail is swapped for the whole model to test on images.
+    full_model = accelerator.unwrap_model(trainee, keep_torch_compile=False)
     full_model = full_model.model if isinstance(full_model, cache.CachedTail) else full_model
     test_top1 = evaluate(full_model, test_loader, accelerator)
     peak_mb, peak_kind = records.peak_memory()
