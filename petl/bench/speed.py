@@ -624,6 +624,16 @@ def run_speed(
     return results
 
 
+def make_spec(own: dict[str, str], cuda_available: bool) -> SpeedSpec:
+    """The spec from command-line values: the GPU when there is one, and there :data:`CUDA_DEFAULTS`."""
+    settings: dict[str, Any] = {f.name: type(f.default)(own[f.name]) for f in fields(SpeedSpec) if f.name in own}
+    settings.setdefault("device", "cuda" if cuda_available else "cpu")
+    if settings["device"] == "cuda":
+        for key, value in CUDA_DEFAULTS.items():
+            settings.setdefault(key, value)
+    return SpeedSpec(**settings)
+
+
 def main(args: Sequence[str]) -> int:
     """``petl-bench speed key=value ...``: measure, print the table, optionally write it to ``out=``."""
     from petl.bench.cli import as_bool, parse_args, split_list
@@ -634,12 +644,7 @@ def main(args: Sequence[str]) -> int:
         raise SystemExit(f"petl-bench speed: unknown argument(s) {rest}; known: {', '.join(sorted(SPEED_KEYS))}")
     import torch
 
-    settings = {f.name: type(f.default)(own[f.name]) for f in fields(SpeedSpec) if f.name in own}
-    settings.setdefault("device", "cuda" if torch.cuda.is_available() else "cpu")
-    if settings["device"] == "cuda":
-        for key, value in CUDA_DEFAULTS.items():
-            settings.setdefault(key, value)
-    spec = SpeedSpec(**settings)
+    spec = make_spec(own, torch.cuda.is_available())
     bench_dir = find_benchmarks_dir(own.get("benchmarks_dir"))
     names = split_list(own["methods"]) if "methods" in own else list_experiments(bench_dir)
     options_for = split_list(own["options_for"]) if "options_for" in own else []
