@@ -94,20 +94,21 @@ class Floor:
     """A method's lower bound: the frozen forward plus a backward that reaches its earliest trainable tensor.
 
     Attributes:
-        start: where that tensor sits: -1 before the blocks (the backward reaches the images), ``i`` in block
-            ``i`` (it reaches that block's input), ``depth`` after the blocks (it reaches their output).
+        start: the backbone module whose input the backward must reach: the innermost module that runs
+            the method's earliest trainable tensor, named as in the plain backbone (``blocks.0.attn.qkv``
+            for LoRA on Q/V, ``head`` for a linear probe); ``""`` for the whole model (the images).
         extra_tokens: tokens the method adds to the sequence (prompts), most over any block.
         extra_at: the first block that sees them.
 
     """
 
-    start: int
+    start: str
     extra_tokens: int = 0
     extra_at: int = 0
 
-    def label(self, depth: int) -> str:
+    def label(self) -> str:
         """The floor's row name."""
-        where = "images" if self.start < 0 else "head input" if self.start >= depth else f"block {self.start} input"
+        where = f"`{self.start}` input" if self.start else "images"
         tokens = f", +{self.extra_tokens} tokens from block {self.extra_at}" if self.extra_tokens else ""
         return f"floor: fwd + bwd to {where}{tokens}"
 
@@ -180,24 +181,32 @@ def _tokens_per_block(model, images) -> list[int]:
     return seen
 
 
-def find_floor(model, images, plain_tokens: int) -> Floor:
-    """Where ``model``'s earliest trainable tensor sits and how many tokens it adds (see :class:`Floor`).
+def _parent(path: str) -> str:
+    return path.rsplit(".", 1)[0] if "." in path else ""
 
-    Read off the model: the first block holding a trainable parameter (wrappers included), or, for
-    trainable modules outside the blocks, whether they run before the first block (one forward with
-    hooks records the order modules run in).
+
+def find_floor(model, images, plain_tokens: int, plain_modules: set[str]) -> Floor:
+    """Where ``model``'s earliest trainable tensor is used and how many tokens it adds (see :class:`Floor`).
+
+    Read off the model, not the method's name: one forward with hooks records the order modules run in;
+    each trainable parameter is placed at the innermost module that runs and holds it, and the earliest
+    of those, mapped to the plain backbone's module of the same name (or its nearest ancestor there:
+    a new adapter module maps to the block part it sits in), is where the floor's backward must reach.
+
+    Args:
+        model: the model with the method applied.
+        images: a batch to run it on.
+        plain_tokens: tokens the plain backbone feeds to each block.
+        plain_modules: module names of the plain backbone.
+
     """
     import torch
 
-    from petl import vit
-
-    container = vit.block_container(model)
-    depth = len(container)
-    start = next((i for i, b in enumerate(container) if any(p.requires_grad for p in b.parameters())), depth)
-    order: dict[Any, int] = {}
+    names = {module: name for name, module in model.named_modules()}
+    order: dict[str, int] = {}
 
     def record(module, _args) -> None:  # a pre-hook returning a value would replace the module's input
-        order.setdefault(module, len(order))
+        order.setdefault(names[module], len(order))
 
     handles = [m.register_forward_pre_hook(record) for m in model.modules()]
     try:
@@ -206,12 +215,16 @@ def find_floor(model, images, plain_tokens: int) -> Floor:
     finally:
         for handle in handles:
             handle.remove()
-    in_blocks = set(container.modules())
-    first_block = order.get(container[0], len(order))
-    for module in model.modules():
-        owns_trainable = any(p.requires_grad for p in module.parameters(recurse=False))
-        if module not in in_blocks and owns_trainable and order.get(module, len(order)) < first_block:
-            start = -1  # e.g. patch embedding, class token or position embedding
+    places = []
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            path = _parent(name)
+            while path and path not in order:  # e.g. a ParameterDict, which never runs itself
+                path = _parent(path)
+            places.append((order[path], path))
+    start = min(places)[1] if places else ""
+    while start and start not in plain_modules:
+        start = _parent(start)
     tokens = _tokens_per_block(model, images)
     extra = max(t - plain_tokens for t in tokens)
     extra_at = next((i for i, t in enumerate(tokens) if t > plain_tokens), 0)
@@ -221,30 +234,22 @@ def find_floor(model, images, plain_tokens: int) -> Floor:
 def _floor_hooks(model, floor: Floor) -> None:
     """Make the frozen ``model`` run ``floor``.
 
-    Extra tokens are appended where they enter, and the tensor at the earliest trainable tensor's place is
-    made to require grad, so the backward reaches exactly that far.
+    Extra tokens are appended where they enter, then the input of ``floor.start`` is made to require grad,
+    so the backward reaches exactly that far (hooks run in the order they were registered).
     """
     import torch
 
     from petl import vit
 
-    container = vit.block_container(model)
+    def add_tokens(_module, args):
+        x = args[0]
+        return (torch.cat([x, x.new_zeros(x.shape[0], floor.extra_tokens, x.shape[-1])], dim=-2), *args[1:])
 
-    def before_block(i):
-        def hook(_module, args):
-            x = args[0]
-            if floor.extra_tokens and i == floor.extra_at:
-                x = torch.cat([x, x.new_zeros(x.shape[0], floor.extra_tokens, x.shape[-1])], dim=-2)
-            if i == floor.start:
-                x = x.detach().requires_grad_()
-            return (x, *args[1:])
-
-        return hook
-
-    for i, block in enumerate(container):
-        block.register_forward_pre_hook(before_block(i))
-    if floor.start >= len(container):
-        container.register_forward_hook(lambda _m, _a, out: out.detach().requires_grad_())
+    if floor.extra_tokens:
+        vit.block_container(model)[floor.extra_at].register_forward_pre_hook(add_tokens)
+    if floor.start:
+        start = model.get_submodule(floor.start)
+        start.register_forward_pre_hook(lambda _m, args: (args[0].detach().requires_grad_(), *args[1:]))
 
 
 class _Bench:
@@ -298,7 +303,8 @@ class _Bench:
             with torch.no_grad():
                 self.model(self.images)
             return
-        images = self.images.detach().requires_grad_() if self.case.floor and self.case.floor.start < 0 else self.images
+        floor_at_images = self.case.floor is not None and not self.case.floor.start
+        images = self.images.detach().requires_grad_() if floor_at_images else self.images
         with self.autocast():
             loss = self.loss_fn(self.step_model(images), self.labels)
         loss.backward()
@@ -564,16 +570,16 @@ def plan_cases(
 
     from petl.run import engine
 
-    plain = _build(Case("plain"), SpeedSpec(**{**asdict(spec), "device": "cpu"}))
+    cpu = SpeedSpec(**{**asdict(spec), "device": "cpu"})
+    plain = _build(Case("plain"), cpu)
     h, w = plain.patch_embed.img_size
     probe = torch.randn(1, 3, h, w)
     plain_tokens = max(_tokens_per_block(plain, probe))
-    depth = len(plain.blocks)
+    plain_modules = {name for name, _ in plain.named_modules()}
     floors: dict[str, Floor] = {}
     for name, method in experiments:
-        model = _build(Case(name, dict(method)), SpeedSpec(**{**asdict(spec), "device": "cpu"}))
-        floors[name] = find_floor(model, probe, plain_tokens)
-    floor_rows = {f.label(depth): f for f in floors.values()}
+        floors[name] = find_floor(_build(Case(name, dict(method)), cpu), probe, plain_tokens, plain_modules)
+    floor_rows = {f.label(): f for f in floors.values()}
     cases = [Case(FORWARD), *(Case(label, floor=f) for label, f in floor_rows.items())]
     cases += [Case(name, dict(method)) for name, method in experiments]
     missing = engine.compiler_missing(spec.device)
@@ -586,7 +592,7 @@ def plan_cases(
                 continue
             cases.append(Case(f"{name} {suffix}", dict(method), options=(option,)))
     cases.append(Case(PEFT_LORA, peft=True))
-    of = {name: floors[name].label(depth) for name, _ in experiments}
+    of = {name: floors[name].label() for name, _ in experiments}
     of.update({c.name: of[n] for c in cases if c.options for n, _ in experiments if c.name.startswith(n + " + ")})
     return cases, of
 

@@ -107,15 +107,16 @@ class LoraLinear(core.PetlModule):
         h = self.dropout(x)
         # In slice order (ParameterDict sorts the keys it is built from).
         a = [self.lora_a[name] for name in self.slices]
-        # All A's in one matmul (h is read once); a copy of the small A's costs nothing next to it.
+        # All A's in one matmul (h is read once), then all B's in one addmm that adds straight into the base
+        # output: B is stacked into an (out_features x n*rank) matrix, each target's B in its own rows and
+        # columns and zeros elsewhere, with the scale folded in.  No slice of the output is copied (the old
+        # torch.cat rebuilt the whole qkv output) or updated in place (autograd copies the whole gradient
+        # once per in-place slice update), and the stacked matrices are tiny next to the activations.
         z = F.linear(h, a[0] if len(a) == 1 else torch.cat(a))
-        for i, (name, (start, end)) in enumerate(self.slices.items()):
-            # The scale goes into B (d x r) rather than onto the update (tokens x d), and the update is added
-            # in place into its rows of the base output: no slice-sized temporaries and no torch.cat copy of
-            # the whole output.  Autograd allows it because the Linear's backward does not need its output.
-            update = F.linear(z[..., i * self.rank : (i + 1) * self.rank], self.lora_b[name] * self.scale)
-            out[..., start:end].add_(update)
-        return out
+        out_features = out.shape[-1]
+        b = [F.pad(self.lora_b[name], (0, 0, start, out_features - end)) for name, (start, end) in self.slices.items()]
+        b = (b[0] if len(b) == 1 else torch.cat(b, dim=1)) * self.scale
+        return torch.addmm(out.reshape(-1, out_features), z.reshape(-1, z.shape[-1]), b.t()).view(out.shape)
 
     @torch.no_grad()
     def merge(self) -> None:
