@@ -78,7 +78,7 @@ class SpeedSpec:
     batch: int = 32
     steps: int = 10
     warmup: int = 3
-    rounds: int = 5
+    rounds: int = 10
     infer_batch: int = 1
     infer_steps: int = 100
     device: str = "cpu"
@@ -433,7 +433,12 @@ def measure_times(
     laps: dict[tuple[str, str], list[float]] = {}
     for r in range(spec.rounds):
         log(f"speed: training round {r + 1}/{spec.rounds}")
-        for name, bench in benches.items():
+        # Each round starts at a different case, so a slot in the round that runs slow (measured: the first
+        # and last few on this shared machine) does not always fall on the same cases.
+        names = list(benches)
+        start = r * len(names) // spec.rounds
+        for name in names[start:] + names[:start]:
+            bench = benches[name]
             laps.setdefault((name, "train_ms"), []).extend(
                 bench.train_step() for _ in range(_share(spec.steps, spec.rounds, r))
             )
