@@ -52,25 +52,26 @@ def _model(name: str, **options) -> torch.nn.Module:
 @pytest.mark.parametrize(
     ("name", "options", "floor"),
     [
-        ("lora", {}, Floor(start=0)),
-        ("lora", {"targets": ["fc2"]}, Floor(start=0)),
-        ("partial", {"k": 2}, Floor(start=DEPTH - 2)),
-        ("linear", {}, Floor(start=DEPTH)),
-        ("mlp", {}, Floor(start=DEPTH)),
-        ("full", {}, Floor(start=-1)),
-        ("vpt", {"num_tokens": 7}, Floor(start=0, extra_tokens=7, extra_at=0)),
-        ("vpt", {"num_tokens": 3, "deep": True}, Floor(start=0, extra_tokens=3, extra_at=0)),
+        ("lora", {}, Floor("blocks.0.attn.qkv")),
+        ("lora", {"targets": ["fc2"]}, Floor("blocks.0.mlp.fc2")),
+        ("partial", {"k": 2}, Floor(f"blocks.{DEPTH - 2}.norm1")),
+        ("linear", {}, Floor("head")),
+        ("full", {}, Floor("")),
+        ("vpt", {"num_tokens": 7}, Floor("blocks.0", extra_tokens=7, extra_at=0)),
+        ("vpt", {"num_tokens": 3, "deep": True}, Floor("blocks.0", extra_tokens=3, extra_at=0)),
     ],
 )
 def test_floor_is_read_off_the_model(name, options, floor):
-    assert find_floor(_model(name, **options), torch.randn(1, 3, 32, 32), TOKENS) == floor
+    model = _model(name, **options)
+    plain = {n for n, _ in _model("full").named_modules()}
+    assert find_floor(model, torch.randn(1, 3, 32, 32), TOKENS, plain) == floor
 
 
 def test_floor_backward_stops_at_the_earliest_trainable_tensor():
-    # A floor at block 4's input: blocks 0-3 run forward only, so their frozen weights see no gradient flow.
+    # A floor at block 4's input: blocks 0-3 run forward only, so no gradient flows through them.
     from petl.bench.speed import _Bench
 
-    bench = _Bench(Case("floor", floor=Floor(start=4)), TINY)
+    bench = _Bench(Case("floor", floor=Floor("blocks.4")), TINY)
     reached = []
     for i, block in enumerate(bench.model.blocks):
         block.register_full_backward_hook(lambda _m, _gi, _go, i=i: reached.append(i))
@@ -84,8 +85,8 @@ def test_rows_and_references(results):
     floors = [r for r in rows if r.startswith("floor:")]
     assert floors == [
         "floor: fwd + bwd to images",
-        "floor: fwd + bwd to block 0 input",
-        "floor: fwd + bwd to block 0 input, +5 tokens from block 0",
+        "floor: fwd + bwd to `blocks.0.attn.qkv` input",
+        "floor: fwd + bwd to `blocks.0` input, +5 tokens from block 0",
     ]
     assert results["full"]["floor"] == floors[0] and results["lora"]["floor"] == floors[1]
     assert results["vpt"]["floor"] == floors[2]
