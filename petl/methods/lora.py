@@ -81,10 +81,10 @@ class LoraLinear(core.PetlModule):
         self, base: nn.Linear, slices: dict[str, tuple[int, int]], rank: int, alpha: float, dropout: float
     ) -> None:
         super().__init__(base)
-        # Sorted by first row so forward can stitch the output back together in one pass.
         self.slices = dict(sorted(slices.items(), key=lambda item: item[1][0]))
+        self.rank = rank
         self.scale = alpha / rank
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         kw = {"device": base.weight.device, "dtype": base.weight.dtype}
         self.lora_a = nn.ParameterDict(
             {name: nn.Parameter(torch.empty(rank, base.in_features, **kw)) for name in self.slices}
@@ -105,17 +105,18 @@ class LoraLinear(core.PetlModule):
         if self.merged:
             return out
         h = self.dropout(x)
-        # Build the output from slices rather than adding in place, which autograd may not allow.
-        pieces, cursor = [], 0
-        for name, (start, end) in self.slices.items():
-            if start > cursor:
-                pieces.append(out[..., cursor:start])
-            update = F.linear(F.linear(h, self.lora_a[name]), self.lora_b[name])
-            pieces.append(out[..., start:end] + self.scale * update)
-            cursor = end
-        if cursor < out.shape[-1]:
-            pieces.append(out[..., cursor:])
-        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=-1)
+        # In slice order (ParameterDict sorts the keys it is built from).
+        a = [self.lora_a[name] for name in self.slices]
+        # All A's in one matmul (h is read once), then all B's in one addmm that adds straight into the base
+        # output: B is stacked into an (out_features x n*rank) matrix, each target's B in its own rows and
+        # columns and zeros elsewhere, with the scale folded in.  No slice of the output is copied (the old
+        # torch.cat rebuilt the whole qkv output) or updated in place (autograd copies the whole gradient
+        # once per in-place slice update), and the stacked matrices are tiny next to the activations.
+        z = F.linear(h, a[0] if len(a) == 1 else torch.cat(a))
+        out_features = out.shape[-1]
+        b = [F.pad(self.lora_b[name], (0, 0, start, out_features - end)) for name, (start, end) in self.slices.items()]
+        b = (b[0] if len(b) == 1 else torch.cat(b, dim=1)) * self.scale
+        return torch.addmm(out.reshape(-1, out_features), z.reshape(-1, z.shape[-1]), b.t()).view(out.shape)
 
     @torch.no_grad()
     def merge(self) -> None:

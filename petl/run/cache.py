@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 from accelerate import Accelerator
+from timm.models import checkpoint_seq
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
@@ -108,8 +109,9 @@ class CachedTail(nn.Module):
             # forward_head(pre_logits=True) ends with head_drop, which has no parameters and so
             # stays in eval mode (identity) on the uncached path too: only the head is left.
             return vit.head(model)(x)
-        for block in model.blocks[self.plan.start :]:
-            x = block(x)
+        tail = model.blocks[self.plan.start :]
+        # Honour train.grad_checkpointing as timm's forward_features does on the uncached path.
+        x = checkpoint_seq(tail, x) if getattr(model, "grad_checkpointing", False) else tail(x)
         return model.forward_head(model.norm(x))
 
     @torch.no_grad()

@@ -9,6 +9,8 @@ Whether the frozen backbone's dropout and drop-path act during training is the o
 from __future__ import annotations
 
 import math
+import os
+import shutil
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -45,6 +47,10 @@ class TrainSettings:
             tensor), prompt tokens and position embeddings are exempt, as in timm's
             ``param_groups_weight_decay`` and the models' ``no_weight_decay()``.
         progress: show a progress bar per epoch.
+        grad_checkpointing: recompute each block's activations during the backward instead of keeping them
+            (timm's ``set_grad_checkpointing``): less memory, one more forward through the blocks.
+        compile: compile the model with ``torch.compile`` (through accelerate's dynamo backend); on CPU it
+            needs a C++ compiler and is skipped with a warning without one.
 
     """
 
@@ -57,6 +63,8 @@ class TrainSettings:
     backbone_mode: str = "auto"
     weight_decay_all: bool = False
     progress: bool = True
+    grad_checkpointing: bool = False
+    compile: bool = False
 
 
 BACKBONE_MODES = ("auto", "train", "eval")
@@ -272,3 +280,40 @@ def fit(
         if on_epoch_end is not None:
             on_epoch_end(epoch, metrics)
     return history
+
+
+def enable_grad_checkpointing(model: nn.Module) -> None:
+    """Turn on timm's gradient checkpointing: blocks run through ``checkpoint_seq``, which keeps only each
+    block's input and recomputes the rest in the backward.
+
+    timm checkpoints without re-entrancy by default, so parameters inside a block get their gradient
+    even when the block's input does not require grad (frozen stem, LoRA in the first block).  Petl
+    wrappers sit inside blocks or replace single blocks, so every method runs through it.
+
+    Raises:
+        ValueError: the model has no ``set_grad_checkpointing``.
+
+    """
+    if not hasattr(model, "set_grad_checkpointing"):
+        raise ValueError(f"train.grad_checkpointing: {type(model).__name__} has no set_grad_checkpointing")
+    model.set_grad_checkpointing(True)
+
+
+def cpu_supports_bf16() -> bool:
+    """Whether this CPU has bf16 instructions (AVX512-BF16 or AMX); without them bf16 matmuls are emulated."""
+    cpu = getattr(torch, "cpu", None)
+    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(bool(getattr(cpu, name, lambda: False)()) for name in checks)
+
+
+def compiler_missing(device_type: str) -> str | None:
+    """Why ``torch.compile`` cannot run on ``device_type``, or None when it can.
+
+    On CPU, inductor generates C++ and needs a compiler (``$CXX``, g++, clang++ or c++) on the PATH.
+    """
+    if device_type != "cpu":
+        return None
+    names = [os.environ.get("CXX", ""), "g++", "clang++", "c++"]
+    if any(name and shutil.which(name) for name in names):
+        return None
+    return "torch.compile on CPU needs a C++ compiler (g++ or clang++) and none is on the PATH"

@@ -41,7 +41,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 import petl
 from petl import data as petl_data
 from petl.core import trainable_state
-from petl.run import cache, config, lock, records
+from petl.run import cache, config, engine, lock, records
 from petl.run.config import ConfigError
 from petl.run.engine import NonFiniteLossError, TrainSettings, backbone_mode, build_optimizer, evaluate, fit
 
@@ -213,9 +213,20 @@ def _make_accelerator(cfg: DictConfig, out: Path) -> Accelerator:
         # accelerate would accept it and silently run in fp32; say so, and record what really ran.
         log.warning("train.precision=fp16 needs a GPU: running in full precision on the CPU (bf16 works there)")
         precision = "no"
+    if precision == "bf16" and PartialState().device.type == "cpu" and not engine.cpu_supports_bf16():
+        # accelerate would autocast anyway, through slow emulated bf16 matmuls; result.json records "no".
+        log.warning("train.precision=bf16: this CPU has no bf16 instructions (AVX512-BF16/AMX): running in fp32")
+        precision = "no"
+    # train.compile goes through accelerate's dynamo plugin, which compiles the model in prepare().
+    dynamo = "inductor" if cfg.train.compile else None
+    missing = engine.compiler_missing(PartialState().device.type) if cfg.train.compile else None
+    if missing:
+        log.warning("train.compile: %s; running uncompiled", missing)
+        dynamo = None
     try:
         return Accelerator(
             mixed_precision=precision,
+            dynamo_backend=dynamo,
             gradient_accumulation_steps=cfg.train.grad_accum,
             log_with=trackers or None,
             project_dir=str(out),
@@ -464,6 +475,8 @@ def _run(cfg: DictConfig, resolved: dict[str, Any], out: Path, accelerator: Acce
     checkpoint = _resume_checkpoint(out, cfg, inputs)
     method_cfg = _method_config(cfg, model, info.num_classes, checkpoint, accelerator)
     _apply_method(cfg, model, method_cfg)
+    if cfg.train.grad_checkpointing:
+        engine.enable_grad_checkpointing(model)
     model.to(accelerator.device)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
@@ -667,7 +680,8 @@ def _evaluate_test_once(training: _Training) -> float | None:
     """Test accuracy of the final model: the only time the test split is looked at (None for a trial)."""
     if training.test_loader is None:
         return None
-    full_model = training.accelerator.unwrap_model(training.trainee)
+    # Without the compile wrapper: a CachedTail is swapped for the whole model to test on images.
+    full_model = training.accelerator.unwrap_model(training.trainee, keep_torch_compile=False)
     full_model = full_model.model if isinstance(full_model, cache.CachedTail) else full_model
     return evaluate(full_model, training.test_loader, training.accelerator)
 
