@@ -51,10 +51,11 @@ def test_grad_checkpointing_gives_the_same_loss_and_gradients(name, options, ima
     ckpt = petl.apply(make_tiny_vit(), name, num_classes=5, **options)
     ckpt.load_state_dict(plain.state_dict())
     engine.enable_grad_checkpointing(ckpt)
-    # Count block forwards (pre-hooks: the recomputation stops early, before post-hooks): a checkpointed
-    # block that something below it trains runs again in the backward.
+    # Count forwards of the first block as the model runs it (a method's wrapper, if it replaced the block;
+    # pre-hooks: the recomputation stops early, before post-hooks): a checkpointed block that something
+    # below it trains runs again in the backward.
     calls = []
-    vit.blocks(ckpt)[0].register_forward_pre_hook(lambda *_: calls.append(1))
+    vit.block_container(ckpt)[0].register_forward_pre_hook(lambda *_: calls.append(1))
     loss, grads = _loss_and_grads(plain, images)
     loss_ckpt, grads_ckpt = _loss_and_grads(ckpt, images)
     assert loss_ckpt == pytest.approx(loss, rel=1e-6)
@@ -96,6 +97,7 @@ def test_compile_falls_back_with_a_warning_without_a_compiler(tmp_path, monkeypa
     with caplog.at_level(logging.WARNING):
         result = _run(tmp_path / "run", "method=linear", "train.compile=true")
     assert "running uncompiled" in caplog.text and result["final_train_loss"] == plain["final_train_loss"]
+    assert result["compiled"] is False
 
 
 @pytest.mark.skipif(engine.compiler_missing("cpu") is not None, reason="torch.compile on CPU needs a C++ compiler")
@@ -105,3 +107,4 @@ def test_compile_run_gives_the_same_loss(tmp_path):
     compiled = _run(tmp_path / "compiled", "method=linear", "train.compile=true")
     assert compiled["final_train_loss"] == pytest.approx(plain["final_train_loss"], rel=1e-4)
     assert compiled["test_top1"] == plain["test_top1"]
+    assert compiled["compiled"] is True and plain["compiled"] is False

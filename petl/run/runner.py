@@ -740,6 +740,8 @@ def _result(
         "device": str(accelerator.device),
         "num_processes": accelerator.num_processes,
         "precision": accelerator.mixed_precision,
+        # What really ran: train.compile falls back to eager (with a warning) where no compiler is found.
+        "compiled": accelerator.state.dynamo_plugin.backend.value != "NO",
         "effective_batch_size": cfg.train.batch_size * accelerator.num_processes * cfg.train.grad_accum,
         "versions": records.versions(),
         **records.git_commit(),
