@@ -330,9 +330,21 @@ def _mergeables(model: nn.Module) -> list[nn.Module]:
 
 @torch.no_grad()
 def merge(model: nn.Module) -> nn.Module:
-    """Fold every mergeable wrapper's update into its frozen base weight (in place)."""
-    for module in _mergeables(model):
-        module.merge()
+    """Fold every mergeable wrapper's update into its frozen base weight (in place).
+
+    All or nothing: a wrapper that refuses (a non-finite update, a layer without the bias a shift needs)
+    raises after the wrappers merged before it are unmerged again, so the model is never half merged.
+    """
+    done: list[nn.Module] = []
+    try:
+        for module in _mergeables(model):
+            if not getattr(module, "merged", False):
+                module.merge()
+                done.append(module)
+    except Exception:
+        for module in reversed(done):
+            module.unmerge()
+        raise
     return model
 
 

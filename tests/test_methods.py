@@ -321,6 +321,33 @@ def test_lora_merge_touches_only_adapted_rows(tiny_vit, images):
     torch.testing.assert_close(qkv.base.weight, before, atol=1e-6, rtol=0)
 
 
+def test_merge_refuses_non_finite_updates_and_leaves_the_model_unmerged(tiny_vit):
+    model = petl.apply_lora(tiny_vit())
+    _perturb_trainable(model)
+    # The last block's update is bad: the blocks merged before it must be unmerged again.
+    with torch.no_grad():
+        vit.linear(vit.blocks(model)[-1], "qkv").lora_b["v"][0, 0] = float("inf")
+    before = {n: t.clone() for n, t in model.state_dict().items()}
+    with pytest.raises(ValueError, match="non-finite"):
+        petl.merge(model)
+    assert not any(getattr(m, "merged", False) for m in model.modules())
+    after = model.state_dict()
+    for name, tensor in before.items():
+        torch.testing.assert_close(after[name], tensor, atol=1e-6, rtol=0)
+
+
+def test_lora_merge_of_half_weights_rounds_once(tiny_vit):
+    model = petl.apply_lora(tiny_vit()).to(torch.bfloat16)
+    _perturb_trainable(model)
+    qkv = vit.linear(vit.blocks(model)[0], "qkv")
+    d = vit.embed_dim(model)
+    weight = qkv.base.weight.float()
+    expected = weight[:d] + qkv.scale * (qkv.lora_b["q"].float() @ qkv.lora_a["q"].float())
+    petl.merge(model)
+    # Computed in float32 and rounded to bfloat16 once; a bfloat16 update would be rounded before the add.
+    assert torch.equal(qkv.base.weight[:d], expected.to(torch.bfloat16))
+
+
 def test_lora_init_and_scale(tiny_vit):
     model = petl.apply_lora(tiny_vit(), rank=4, alpha=16.0)
     qkv = vit.linear(vit.blocks(model)[0], "qkv")

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from petl import core, vit
+from petl.methods import _reparam
 
 # Which Linear of a block each target adapts, and which third of the fused qkv rows (None = all rows).
 TARGETS: dict[str, tuple[str, int | None]] = {
@@ -96,9 +97,9 @@ class LoraLinear(core.PetlModule):
             # The same init nn.Linear gives its weight, as in the LoRA paper's reference code.
             nn.init.kaiming_uniform_(a, a=math.sqrt(5))
 
-    def delta_weight(self, name: str) -> torch.Tensor:
-        """The update ``scale * B @ A`` that target ``name`` adds to its rows of ``base.weight``."""
-        return self.scale * (self.lora_b[name] @ self.lora_a[name])
+    def delta_weight(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The update ``scale * B @ A`` that target ``name`` adds to its rows of ``base.weight`` (in ``dtype``)."""
+        return self.scale * (self.lora_b[name].to(dtype) @ self.lora_a[name].to(dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
@@ -119,22 +120,30 @@ class LoraLinear(core.PetlModule):
         return torch.addmm(out.reshape(-1, out_features), z.reshape(-1, z.shape[-1]), b.t()).view(out.shape)
 
     @torch.no_grad()
+    def _fold(self, sign: float) -> None:
+        # Every row block is computed (in float32 for half-precision weights, so the small update is rounded
+        # once, not lost) and checked before any is written: a non-finite update leaves the weight untouched.
+        weight = self.base.weight
+        dtype = _reparam.work_dtype(weight)
+        new = {
+            name: (weight[start:end].to(dtype) + sign * self.delta_weight(name, dtype)).to(weight.dtype)
+            for name, (start, end) in self.slices.items()
+        }
+        _reparam.check_finite("LoRA into the weight", *new.values())
+        for name, (start, end) in self.slices.items():
+            weight[start:end] = new[name]
+
     def merge(self) -> None:
         """Add every update into its rows of the frozen weight; forward then costs what ``base`` costs."""
-        if self.merged:
-            return
-        for name, (start, end) in self.slices.items():
-            self.base.weight[start:end] += self.delta_weight(name).to(self.base.weight.dtype)
-        self.merged = True
+        if not self.merged:
+            self._fold(+1.0)
+            self.merged = True
 
-    @torch.no_grad()
     def unmerge(self) -> None:
         """Subtract the updates again, restoring the frozen weight (up to rounding)."""
-        if not self.merged:
-            return
-        for name, (start, end) in self.slices.items():
-            self.base.weight[start:end] -= self.delta_weight(name).to(self.base.weight.dtype)
-        self.merged = False
+        if self.merged:
+            self._fold(-1.0)
+            self.merged = False
 
 
 def _slices_per_linear(block: nn.Module, targets: tuple[str, ...]) -> dict[str, dict[str, tuple[int, int]]]:
