@@ -30,6 +30,15 @@ def images() -> torch.Tensor:
     return torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
 
 
+def perturb_trainable(model: torch.nn.Module, seed: int = 3) -> None:
+    """Give every trainable tensor random values, so zero-initialised branches actually act."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(0.1 * torch.randn(p.shape, generator=gen))
+
+
 def tiny_run(*, subset: int = 64, depth: int = 1, epochs: int = 2, batch_size: int | None = None) -> list[str]:
     """Overrides for a run that takes seconds: a narrow random-init default backbone on a slice of mini/digits."""
     overrides = [

@@ -14,6 +14,7 @@ import pytest
 import timm
 import torch
 import torch.nn.functional as F
+from conftest import perturb_trainable
 from peft import LoraConfig
 from peft.tuners.tuners_utils import BaseTunerLayer
 from safetensors import safe_open
@@ -58,15 +59,6 @@ BACKBONES = {
     "avg-no-cls": {"class_token": False, "global_pool": "avg"},
     "reg-tokens": {"reg_tokens": 2},
 }
-
-
-def _perturb_trainable(model: torch.nn.Module, seed: int = 3) -> None:
-    """Give every trainable tensor random values, so zero-initialised branches actually act."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.requires_grad:
-                p.add_(0.1 * torch.randn(p.shape, generator=gen))
 
 
 @pytest.mark.parametrize(("method", "options"), VARIANTS, ids=IDS)
@@ -119,7 +111,7 @@ def test_inserted_modules_are_wrappers(tiny_vit, method, options):
 @pytest.mark.parametrize(("method", "options"), MERGEABLE, ids=MERGEABLE_IDS)
 def test_merge_unmerge_equivalence(tiny_vit, images, method, options):
     model = petl.apply(tiny_vit(), method, num_classes=4, **options)
-    _perturb_trainable(model)
+    perturb_trainable(model)
     frozen = {n: t.clone() for n, t in model.state_dict().items() if n not in core.trainable_state(model)}
     unmerged = model(images)
     petl.merge(model)
@@ -134,7 +126,7 @@ def test_merge_unmerge_equivalence(tiny_vit, images, method, options):
 @pytest.mark.parametrize(("method", "options"), VARIANTS, ids=IDS)
 def test_save_load_round_trip_onto_fresh_backbone(tiny_vit, images, tmp_path, method, options):
     model = petl.apply(tiny_vit(), method, num_classes=4, **options)
-    _perturb_trainable(model)
+    perturb_trainable(model)
     path = tmp_path / "trained.safetensors"
     petl.save_trainable(model, path)
     with safe_open(str(path), framework="pt") as f:
@@ -307,7 +299,7 @@ def test_partial_rejects_k_outside_depth(tiny_vit, k):
 
 def test_lora_merge_touches_only_adapted_rows(tiny_vit, images):
     model = petl.apply_lora(tiny_vit(), targets=("q", "v"))
-    _perturb_trainable(model)
+    perturb_trainable(model)
     qkv = vit.linear(vit.blocks(model)[0], "qkv")
     assert isinstance(qkv, LoraLinear)
     d = vit.embed_dim(model)
@@ -323,7 +315,7 @@ def test_lora_merge_touches_only_adapted_rows(tiny_vit, images):
 
 def test_merge_refuses_non_finite_updates_and_leaves_the_model_unmerged(tiny_vit):
     model = petl.apply_lora(tiny_vit())
-    _perturb_trainable(model)
+    perturb_trainable(model)
     # The last block's update is bad: the blocks merged before it must be unmerged again.
     with torch.no_grad():
         vit.linear(vit.blocks(model)[-1], "qkv").lora_b["v"][0, 0] = float("inf")
@@ -338,7 +330,7 @@ def test_merge_refuses_non_finite_updates_and_leaves_the_model_unmerged(tiny_vit
 
 def test_lora_merge_of_half_weights_rounds_once(tiny_vit):
     model = petl.apply_lora(tiny_vit()).to(torch.bfloat16)
-    _perturb_trainable(model)
+    perturb_trainable(model)
     qkv = vit.linear(vit.blocks(model)[0], "qkv")
     d = vit.embed_dim(model)
     weight = qkv.base.weight.float()
@@ -363,7 +355,7 @@ def test_sequential_adapter_sits_after_the_mlp(tiny_vit):
     model = petl.apply_adapter(tiny_vit(), dim=4)
     wrapper = vit.mlp(vit.blocks(model)[0])
     assert isinstance(wrapper, SequentialAdapter)
-    _perturb_trainable(model)
+    perturb_trainable(model)
     x = torch.randn(2, 5, 48)
     h = wrapper.base(x)
     torch.testing.assert_close(wrapper(x), h + wrapper.up(F.gelu(wrapper.down(h))))
@@ -386,7 +378,7 @@ def test_adapter_options_act_in_both_styles(tiny_vit, images):
         model = petl.apply_adapter(tiny_vit(), style=style, dim=4, norm=True, dropout=0.5, scale=2.0)
         wrapper = next(m for m in model.modules() if isinstance(m, (ParallelAdapter, SequentialAdapter)))
         assert isinstance(wrapper.norm, torch.nn.LayerNorm) and wrapper.scale == 2.0
-        _perturb_trainable(model)
+        perturb_trainable(model)
         model.train()
         assert not torch.equal(model(images), model(images))  # the bottleneck dropout acts
         d = vit.embed_dim(model)
@@ -436,7 +428,7 @@ def test_peft_accepts_a_ready_config_and_round_trips(tiny_vit, images, tmp_path)
     d = vit.embed_dim(model)
     assert petl.count_params(model).trainable_no_head == 3 * 4 * (d + 3 * d)
     assert model.petl_config.target_modules == ("qkv",)
-    _perturb_trainable(model)
+    perturb_trainable(model)
     path = tmp_path / "peft.safetensors"
     petl.save_trainable(model, path)
     fresh = petl.load_trainable(tiny_vit(), path)

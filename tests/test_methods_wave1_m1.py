@@ -16,6 +16,7 @@ import pytest
 import timm
 import torch
 import torch.nn.functional as F
+from conftest import perturb_trainable
 from torch import nn
 
 import petl
@@ -25,14 +26,6 @@ from petl.methods.repadapter import RepAdapterLinear
 from petl.methods.ssf import SsfLayer
 
 PUBLISHED_CSV = Path(petl.__file__).parent / "bench" / "published" / "vtab1k_vitb16_in21k_vpetl.csv"
-
-
-def _perturb(model: nn.Module, seed: int = 3) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.requires_grad:
-                p.add_(0.1 * torch.randn(p.shape, generator=gen))
 
 
 def _published_params(row: str) -> str:
@@ -144,7 +137,7 @@ def _reference_ssf_forward(plain: nn.Module, petl_model: nn.Module, images: torc
 
 def test_ssf_matches_the_reference_forward(tiny_vit, images):
     model = petl.apply_ssf(tiny_vit())
-    _perturb(model)
+    perturb_trainable(model)
     plain = tiny_vit()
     assert len([m for m in model.modules() if isinstance(m, SsfLayer)]) == 1 + 3 * 6 + 1
     torch.testing.assert_close(model(images), _reference_ssf_forward(plain, model, images), atol=1e-5, rtol=1e-5)
@@ -163,7 +156,7 @@ def test_ssf_init_follows_the_reference_and_zero_std_is_the_identity(tiny_vit, i
 
 def test_ssf_merged_layers_run_the_plain_layer(tiny_vit, images):
     model = petl.apply_ssf(tiny_vit())
-    _perturb(model)
+    perturb_trainable(model)
     before = model(images)
     petl.merge(model)
     layer = vit.linear(vit.blocks(model)[0], "qkv")
@@ -234,7 +227,7 @@ def _reference_tensors(model: nn.Module, kind: str) -> dict:
 def test_fact_matches_the_reference_forward(tiny_vit, kind):
     scale = 3.0
     model = petl.apply_fact(tiny_vit(), type=kind, rank=4, scale=scale).eval()
-    _perturb(model)
+    perturb_trainable(model)
     ref = _reference_tensors(model, kind)
     if kind == "tk":
         assert ref["p"].shape == (4, 12 * 3) and ref["c"].shape == (4, 4, 4)
@@ -285,7 +278,7 @@ def _reference_repadapter(x: torch.Tensor, layer: RepAdapterLinear, groups: int,
 def test_repadapter_matches_the_reference_block(tiny_vit):
     groups, scale = 4, 0.7
     model = petl.apply_repadapter(tiny_vit(), bottleneck=8, groups=groups, scale=scale)
-    _perturb(model)
+    perturb_trainable(model)
     plain = tiny_vit()
     x = torch.randn(2, 5, 48)
     for block, ref_block in zip(model.blocks, plain.blocks, strict=True):
@@ -306,7 +299,7 @@ def test_repadapter_init_is_lora_xavier(tiny_vit):
 
 def test_repadapter_merge_runs_the_plain_linear_and_unmerges(tiny_vit, images):
     model = petl.apply_repadapter(tiny_vit(), scale=2.0)
-    _perturb(model)
+    perturb_trainable(model)
     layer = vit.linear(vit.blocks(model)[2], "qkv")
     weight, bias = layer.base.weight.clone(), layer.base.bias.clone()
     before = model(images)
@@ -330,7 +323,7 @@ def test_repadapter_refuses_groups_that_do_not_divide(tiny_vit):
 @pytest.mark.parametrize(("method", "options"), [("ssf", {}), ("fact", {"type": "tt"}), ("repadapter", {})])
 def test_half_precision_merge_computes_in_float32(tiny_vit, method, options):
     half = petl.apply(tiny_vit(), method, **options).to(torch.bfloat16)
-    _perturb(half)
+    perturb_trainable(half)
     # The same bf16 values in a float32 model: its merge is the exact float32 result.
     full = petl.apply(tiny_vit(), method, **options)
     with torch.no_grad():
@@ -347,7 +340,7 @@ def test_half_precision_merge_computes_in_float32(tiny_vit, method, options):
 def test_new_dropout_follows_the_model_mode(tiny_vit, images, method):
     # Wrappers added to an eval-mode model start in eval mode (no dropout), and follow .train().
     model = petl.apply(tiny_vit(), method)
-    _perturb(model)
+    perturb_trainable(model)
     assert torch.equal(model(images), model(images))
     model.train()
     assert not torch.equal(model(images), model(images))

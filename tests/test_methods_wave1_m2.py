@@ -12,17 +12,10 @@ import pytest
 import timm
 import torch
 import torch.nn.functional as F
+from conftest import perturb_trainable
 
 import petl
 from petl.methods.hydra import HydraLinear
-
-
-def _perturb(model: torch.nn.Module, seed: int = 3) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.requires_grad:
-                p.add_(0.1 * torch.randn(p.shape, generator=gen))
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +67,7 @@ def _reference_hydra_block(block, x):
 
 def test_hydra_matches_reference_forward(tiny_vit):
     model = petl.apply_hydra(tiny_vit(), scale=0.7).eval()
-    _perturb(model)
+    perturb_trainable(model)
     x = torch.randn(2, 17, 48)
     for block in model.blocks:
         assert isinstance(block.attn.proj, HydraLinear) and isinstance(block.mlp.fc2, HydraLinear)
@@ -83,7 +76,7 @@ def test_hydra_matches_reference_forward(tiny_vit):
 
 def test_hydra_merge_matches_reference_reparameterize(tiny_vit):
     model = petl.apply_hydra(tiny_vit(), scale=0.3)
-    _perturb(model)
+    perturb_trainable(model)
     fc2 = model.blocks[0].mlp.fc2
     with torch.no_grad():
         fc2.base.bias.normal_()  # timm starts biases at zero, which would hide a wrong bias fold
@@ -103,7 +96,7 @@ def test_hydra_init_dropout_and_merge_guards(tiny_vit, images):
     proj = model.blocks[0].attn.proj
     assert proj.parallel.up.weight.abs().sum() == 0 and proj.parallel.down.weight.abs().sum() > 0
     assert isinstance(petl.apply_hydra(tiny_vit(), dropout=0.0).blocks[0].attn.proj.parallel.dropout, torch.nn.Identity)
-    _perturb(model)
+    perturb_trainable(model)
     model.train()
     assert not torch.equal(model(images), model(images))
     with torch.no_grad():
@@ -116,7 +109,7 @@ def test_hydra_init_dropout_and_merge_guards(tiny_vit, images):
 
 def test_hydra_merge_upcasts_half_weights(tiny_vit, images):
     model = petl.apply_hydra(tiny_vit(), scale=0.5)
-    _perturb(model)
+    perturb_trainable(model)
     model = model.to(torch.bfloat16)
     unmerged = model(images.bfloat16()).float()
     petl.merge(model)
@@ -174,7 +167,7 @@ def test_ia3_preset_matches_reference_forward(tiny_vit):
     from petl.methods.peft_bridge import PRESETS
 
     model = petl.apply(tiny_vit(), "peft", **PRESETS["ia3"]).eval()
-    _perturb(model)
+    perturb_trainable(model)
     block = model.blocks[0]
     qkv, fc2 = block.attn.qkv, block.mlp.fc2
     x, h = torch.randn(2, 5, 48), torch.randn(2, 5, 192)
@@ -189,7 +182,7 @@ def test_dora_preset_matches_reference_forward(tiny_vit):
     from petl.methods.peft_bridge import PRESETS
 
     model = petl.apply(tiny_vit(), "peft", **PRESETS["dora"]).eval()
-    _perturb(model)
+    perturb_trainable(model)
     qkv = model.blocks[0].attn.qkv
     base = qkv.get_base_layer()
     a, b = qkv.lora_A["default"].weight, qkv.lora_B["default"].weight
@@ -217,7 +210,7 @@ def _reference_sct_block(block, x):
 def test_sct_matches_reference_forward(tiny_vit):
     channels = [[5, 1, 40, 7], [0, 2, 3, 47], [10, 11, 12, 13]]
     model = petl.apply_sct(tiny_vit(), top_n=4, channels=channels)
-    _perturb(model)
+    perturb_trainable(model)
     x = torch.randn(2, 17, 48)
     for block, chosen in zip(model.blocks, channels, strict=True):
         assert sorted(block.index.tolist()) == sorted(chosen)
@@ -284,7 +277,7 @@ def test_sct_default_placeholder_and_bad_channels(tiny_vit, tmp_path, images):
     with pytest.raises(ValueError, match="channels"):
         petl.make_config("sct", channels=["1,x"])
     trained = petl.apply_sct(tiny_vit(), top_n=2, channels=channels, num_classes=3)
-    _perturb(trained)
+    perturb_trainable(trained)
     petl.save_trainable(trained, tmp_path / "sct.safetensors")
     fresh = petl.load_trainable(tiny_vit(), tmp_path / "sct.safetensors")
     assert [b.index.tolist() for b in fresh.blocks] == channels
@@ -312,7 +305,7 @@ def _reference_adapter_plus(block, x):
 
 def test_adapter_plus_matches_reference_forward(tiny_vit):
     model = petl.apply_adapter_plus(tiny_vit()).eval()
-    _perturb(model)
+    perturb_trainable(model)
     x = torch.randn(2, 17, 48)
     for block in model.blocks:
         assert block.scaling.shape == (48,)
@@ -328,7 +321,7 @@ def test_adapter_plus_init_and_drop_path(tiny_vit, images):
         assert linear.bias.abs().sum() == 0
     assert torch.equal(block.scaling, torch.ones(48))
     assert not block.training  # follows the eval backbone
-    _perturb(model)
+    perturb_trainable(model)
     model.train()
     assert not torch.equal(model(images), model(images))  # drop path 0.1 acts in train mode
     assert isinstance(petl.apply_adapter_plus(tiny_vit(), drop_path=0.0).blocks[0].drop_path, torch.nn.Identity)
@@ -366,7 +359,7 @@ def _reference_convpass(module, x, grid):
 
 def test_convpass_matches_reference_forward(tiny_vit):
     model = petl.apply_convpass(tiny_vit(), scale=3.0).eval()
-    _perturb(model)
+    perturb_trainable(model)
     x = torch.randn(2, 17, 48)  # class token + 4x4 patches
     for block in model.blocks:
         inner = block.attn.base, block.mlp.base

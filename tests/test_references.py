@@ -14,6 +14,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import perturb_trainable
 from timm.layers import DropPath
 
 import petl
@@ -21,15 +22,6 @@ from petl import vit
 from petl.methods.adapter import ParallelAdapter, SequentialAdapter
 from petl.methods.vpt import PromptedBlock
 from petl.run import engine
-
-
-def _perturb(model: torch.nn.Module, seed: int = 3) -> None:
-    """Random values in every trainable tensor, so zero-initialised parts act."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.requires_grad:
-                p.add_(0.1 * torch.randn(p.shape, generator=gen))
 
 
 def _attn(block: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -70,7 +62,7 @@ def _adaptformer_block(block: torch.nn.Module, adapter: ParallelAdapter, x: torc
 
 def test_parallel_adapter_equals_adaptformer(tiny_vit, images):
     model = petl.apply_adapter(tiny_vit(), style="parallel", dim=8)
-    _perturb(model)
+    perturb_trainable(model)
     model.eval()
     x = _embed(model, images)
     ours = x
@@ -114,7 +106,7 @@ def _vpetl_adapter_block(block: torch.nn.Module, adapter: SequentialAdapter, x: 
 
 def test_sequential_adapter_equals_vpetl(tiny_vit, images):
     model = petl.apply_adapter(tiny_vit(), style="sequential", dim=4)
-    _perturb(model)
+    perturb_trainable(model)
     model.eval()
     x = ours = _embed(model, images)
     for block in model.blocks:
@@ -186,7 +178,7 @@ def _vpt_mlp_head(head: torch.nn.Sequential, x: torch.Tensor) -> torch.Tensor:
 def test_mlp_head_equals_vpts_mlp(tiny_vit):
     model = petl.apply_mlp(tiny_vit(), k=3, num_classes=7)
     head = vit.head(model)
-    _perturb(model)
+    perturb_trainable(model)
     features = torch.randn(16, 48, generator=torch.Generator().manual_seed(2))
     for mode in (True, False):
         head.train(mode)
@@ -237,7 +229,7 @@ def _drop_paths(model: torch.nn.Module) -> list[DropPath]:
 )
 def test_backbone_mode_defaults_follow_the_references(tiny_vit, images, method, options, active):
     model = petl.apply(tiny_vit(drop_path_rate=0.5), method, num_classes=4, **options)
-    _perturb(model)
+    perturb_trainable(model)
     settings = engine.TrainSettings()
     assert engine.backbone_mode(model, settings) == ("train" if active else "eval")
     engine.set_train_mode(model, engine.backbone_mode(model, settings))

@@ -161,10 +161,20 @@ def _build(case: Case, spec: SpeedSpec):
     return model.to(torch.device(spec.device))
 
 
-def _tokens_per_block(model, images) -> list[int]:
-    """How many tokens enter each block (inside any wrapper, so prompts added by a wrapper count)."""
+def _observe(model, images, handles: list) -> None:
+    """One no-grad eval forward of ``model`` with the given hooks in place, which are removed afterwards."""
     import torch
 
+    try:
+        with torch.no_grad():
+            model.eval()(images)
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _tokens_per_block(model, images) -> list[int]:
+    """How many tokens enter each block (inside any wrapper, so prompts added by a wrapper count)."""
     from petl import vit
 
     seen: list[int] = [0] * vit.depth(model)
@@ -172,12 +182,7 @@ def _tokens_per_block(model, images) -> list[int]:
         block.register_forward_pre_hook(lambda _m, args, i=i: seen.__setitem__(i, max(seen[i], args[0].shape[-2])))
         for i, block in enumerate(vit.blocks(model))
     ]
-    try:
-        with torch.no_grad():
-            model.eval()(images)
-    finally:
-        for handle in handles:
-            handle.remove()
+    _observe(model, images, handles)
     return seen
 
 
@@ -200,21 +205,13 @@ def find_floor(model, images, plain_tokens: int, plain_modules: set[str]) -> Flo
         plain_modules: module names of the plain backbone.
 
     """
-    import torch
-
     names = {module: name for name, module in model.named_modules()}
     order: dict[str, int] = {}
 
     def record(module, _args) -> None:  # a pre-hook returning a value would replace the module's input
         order.setdefault(names[module], len(order))
 
-    handles = [m.register_forward_pre_hook(record) for m in model.modules()]
-    try:
-        with torch.no_grad():
-            model.eval()(images)
-    finally:
-        for handle in handles:
-            handle.remove()
+    _observe(model, images, [m.register_forward_pre_hook(record) for m in model.modules()])
     places = []
     for name, param in model.named_parameters():
         if param.requires_grad:
