@@ -111,6 +111,39 @@ def test_table_has_ratios_to_each_reference(results):
     assert "Merged inference" in table and "Machine: test machine" in table
 
 
+def test_merged_inference_is_compared_with_the_median_of_the_plain_copies(results):
+    # The plain copies: the no-grad row and the floors that add no tokens; the prompt floor runs a longer sequence.
+    copies = {c for c, r in results.items() if r.get("plain_copy")}
+    assert copies == {FORWARD, "floor: fwd + bwd to images", "floor: fwd + bwd to `blocks.0.attn.qkv` input"}
+    times = sorted(results[c]["infer_ms"] for c in copies)
+    assert speed.plain_inference(results) == (times[1], times[0], times[2], 3)
+    table = format_table(results, TINY, "m")
+    merged_section = table.split("Merged inference")[1]
+    merged_row = next(line for line in merged_section.splitlines() if line.startswith("| lora | "))
+    assert merged_row.split("|")[4].strip() == f"{times[1]:.2f}"
+    assert merged_row.split("|")[5].strip() == f"{results['lora']['infer_merged_ms'] / times[1]:.2f}×"
+    assert "median of 3 identical plain networks" in table
+
+
+def test_inference_turns_change_order(monkeypatch):
+    # Record the order of the timed inference calls: every turn must not start with the same case.
+    seen: list[str] = []
+    real_infer = speed._Bench.infer
+
+    def infer(self, model=None):
+        seen.append(self.case.name + (" merged" if model is not None else ""))
+        return real_infer(self, model)
+
+    monkeypatch.setattr(speed._Bench, "infer", infer)
+    spec = SpeedSpec(batch=2, steps=1, warmup=0, rounds=1, infer_steps=6)
+    cases = [Case(FORWARD), Case("lora", {"name": "lora", "rank": 2}), Case("full", {"name": "full"})]
+    speed.measure_times(cases, spec, log=lambda _: None)
+    turns = [seen[i : i + 4] for i in range(0, len(seen), 4)]
+    assert len(turns) == 6 and all(sorted(t) == sorted(turns[0]) for t in turns)
+    assert sorted(turns[0]) == [FORWARD, "full", "lora", "lora merged"]
+    assert len({t[0] for t in turns}) > 1
+
+
 def test_a_row_above_its_floor_gets_a_note(results):
     noted = {c for c, r in results.items() if "note" in r}
     above = {

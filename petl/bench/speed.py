@@ -36,6 +36,7 @@ import copy
 import json
 import os
 import platform
+import random
 import statistics
 import subprocess
 import sys
@@ -440,13 +441,18 @@ def measure_times(
                 bench.train_step() for _ in range(_share(spec.steps, spec.rounds, r))
             )
     # A forward at the inference batch takes milliseconds, so the cases can take turns call by call: the
-    # finest interleaving, which matters most for merged-vs-plain, a comparison of near-equal times.
+    # finest interleaving, which matters most for merged-vs-plain, a comparison of near-equal times.  Each
+    # turn runs the calls in a new order: in a fixed order the first call of every turn read 2-5 % faster
+    # than identical plain copies later in the turn (measured: the floor rows of an earlier speed_cpu.md).
+    # Seeded, so a rerun times the same schedule.
     log("speed: inference")
+    calls = [(name, "infer_ms", None) for name in benches]
+    calls += [(name, "infer_merged_ms", b.merged) for name, b in benches.items() if b.merged is not None]
+    order = random.Random(0)
     for _ in range(spec.infer_steps):
-        for name, bench in benches.items():
-            laps.setdefault((name, "infer_ms"), []).append(bench.infer())
-            if bench.merged is not None:
-                laps.setdefault((name, "infer_merged_ms"), []).append(bench.infer(bench.merged))
+        order.shuffle(calls)
+        for name, key, model in calls:
+            laps.setdefault((name, key), []).append(benches[name].infer(model))
     out: dict[str, dict[str, Any]] = {name: {} for name in benches}
     for (name, key), seconds in laps.items():
         out[name][key] = 1000 * statistics.median(seconds)
@@ -517,7 +523,8 @@ def format_table(results: dict[str, dict[str, Any]], spec: SpeedSpec, machine: s
         "| mem × floor | mem × full FT | mem × peft LoRA | Infer ms | infer × plain |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    plain_infer = forward.get("infer_ms")
+    plain = plain_inference(results)
+    plain_infer = plain[0] if plain else forward.get("infer_ms")
     for case, r in results.items():
         own = results.get(r.get("floor", case), {}) if "floor" in r or case.startswith("floor:") else {}
         lines.append(
@@ -542,7 +549,8 @@ def format_table(results: dict[str, dict[str, Any]], spec: SpeedSpec, machine: s
     if merged:
         lines += [
             "",
-            "Merged inference (`petl.merge` folds the update into the frozen weights):",
+            "Merged inference (`petl.merge` folds the update into the frozen weights; the merged model is a plain "
+            "network again):",
             "",
             "| Case | Infer ms unmerged | Infer ms merged | Plain backbone ms | merged × plain |",
             "|---|---:|---:|---:|---:|",
@@ -553,6 +561,15 @@ def format_table(results: dict[str, dict[str, Any]], spec: SpeedSpec, machine: s
                 f"{plain_infer if plain_infer is None else f'{plain_infer:.2f}'} | "
                 f"{_ratio(r['infer_merged_ms'], plain_infer)} |"
             )
+        if plain:
+            median, low, high, count = plain
+            lines += [
+                "",
+                f"Plain backbone: the median of {count} identical plain networks timed in the same turns (the "
+                f"no-grad row and the floors without extra tokens), {low:.2f}–{high:.2f} ms, i.e. "
+                f"{low / median:.3f}–{high / median:.3f}× their median: what identical networks read here. "
+                "The `infer × plain` column uses the same median.",
+            ]
     return "\n".join(lines) + "\n"
 
 
@@ -629,7 +646,24 @@ def run_speed(
         results[name].update(times)
     for name, floor in floor_of.items():
         results[name]["floor"] = floor
+    for case in cases:
+        if case.name == FORWARD or (case.floor is not None and not case.floor.extra_tokens):
+            # Its inference is the frozen backbone's plain forward: one more identical copy of the network.
+            results[case.name]["plain_copy"] = True
     return results
+
+
+def plain_inference(results: dict[str, dict[str, Any]]) -> tuple[float, float, float, int] | None:
+    """The plain backbone's inference time: the median, min and max over its identical copies, and their number.
+
+    The no-grad row and every floor without extra tokens run the same eval forward of the same network, each
+    model at its own place in memory.  Their spread is what an identical network reads here, so a merged model
+    (also a plain network) is compared with their median, not with one copy that may sit at either end.
+    """
+    times = sorted(r["infer_ms"] for r in results.values() if r.get("plain_copy") and "infer_ms" in r)
+    if not times:
+        return None
+    return statistics.median(times), times[0], times[-1], len(times)
 
 
 def make_spec(own: dict[str, str], cuda_available: bool) -> SpeedSpec:

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Runs, or resumes, the committed mini leaderboard (configs/suites/mini_selection.yaml) on a CPU machine.
+#
+# Two sweeps share one results folder, one torch thread each (one process per core beats one process with two
+# threads on this tiny ViT; see benchmarks/results/mini/README.md).  Each run's folder lock sends the second
+# sweep to another run, so they never train the same thing.  Methods go one at a time, cheapest first, so a
+# session that stops early leaves whole leaderboard rows behind; a cell whose search is still running in the
+# other sweep shows as "waiting", and the next pass trains its finals.  Run it again to go on: finished runs
+# (result.json present) are skipped.
+#
+#   benchmarks/mini_sweep.sh [METHOD ...]      (default: the suite's nine experiments)
+set -u
+cd "$(dirname "$0")/.."
+PETL_BENCH=${PETL_BENCH:-petl-bench}
+OUT=benchmarks/results/mini/runs
+METHODS=("$@")
+if [ ${#METHODS[@]} -eq 0 ]; then
+    METHODS=(linear mlp partial lora adapter_parallel adapter_sequential vpt_deep full vpt_shallow)
+fi
+
+sweep() {
+    for method in "${METHODS[@]}"; do
+        OMP_NUM_THREADS=1 "$PETL_BENCH" suite=mini_selection methods="$method" output_dir="$OUT" report=false
+    done
+}
+
+# Two passes: the second trains the finals that were waiting for the other sweep's last trial.
+LOGS=runs/mini_sweep  # outside the committed results: progress bars, not results
+mkdir -p "$LOGS"
+for pass in 1 2; do
+    echo "== pass $pass: $(date -u +%FT%TZ)"
+    sweep >> "$LOGS/a.log" 2>&1 &
+    sleep 30  # let the first sweep lock its run before the second one looks
+    sweep >> "$LOGS/b.log" 2>&1 &
+    wait
+done
+echo "== done: $(date -u +%FT%TZ)"
