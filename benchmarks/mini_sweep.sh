@@ -8,14 +8,16 @@
 # other sweep shows as "waiting", and the next pass trains its finals.  Run it again to go on: finished runs
 # (result.json present) are skipped.
 #
-#   benchmarks/mini_sweep.sh [METHOD ...]      (default: the suite's nine experiments)
+#   benchmarks/mini_sweep.sh [METHOD ...]      (default: every experiment of the suite)
 set -u
 cd "$(dirname "$0")/.."
 PETL_BENCH=${PETL_BENCH:-petl-bench}
 OUT=benchmarks/results/mini/runs
 METHODS=("$@")
 if [ ${#METHODS[@]} -eq 0 ]; then
-    METHODS=(linear mlp partial lora adapter_parallel adapter_sequential vpt_deep full vpt_shallow)
+    # The nine seed experiments first (cheapest first), then issue 11's methods.
+    METHODS=(linear mlp partial lora adapter_parallel adapter_sequential vpt_deep full vpt_shallow
+        bitfit ln ssf fact repadapter hydra adapter_plus sct convpass dora ia3)
 fi
 
 sweep() {

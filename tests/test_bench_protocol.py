@@ -214,6 +214,27 @@ def test_ties_go_to_the_first_grid_point_and_finals_use_the_choice(tmp_path):
     assert [t["val_top1"] for t in result["selection"]["trials"]] == [60.0, 70.0, 70.0]
 
 
+def test_a_pinned_experiment_gets_one_trial_for_its_val_curve_under_pinned_trial(tmp_path):
+    full = suites.Experiment("full", {"name": "full"}, {"train": {"lr": 1e-4}})
+    lora = suites.Experiment("lora", {"name": "lora"})
+    plain = protocol.plan_cells(_suite(search={"train.lr": [1e-3]}), [full], ["mini/digits"], [0], tmp_path)
+    assert plain[0].trials == []  # without the option: straight to the finals
+    suite = _suite(search={"train.lr": [1e-3, 1e-2]}, pinned_trial=True)
+    cells = protocol.plan_cells(suite, [full, lora], ["mini/digits"], [0], tmp_path)
+    assert [t.run.run_dir.relative_to(tmp_path).as_posix() for t in cells[0].trials] == [
+        "mini/digits/full/search/defaults"
+    ]
+    assert len(cells[1].trials) == 2  # a searched experiment is unchanged
+    trained: list = []
+    summary = protocol.run_protocol(cells, progress=False, **_fake_trainer({}, trained))
+    assert summary.trained == 5 and not summary.failed
+    trial = next(t for t in trained if t["output_dir"].endswith("full/search/defaults"))
+    assert trial["data.split"] == "train800" and trial["train.eval_test"] == "false"
+    result = json.loads((tmp_path / "mini/digits/full/seed0/result.json").read_text())
+    assert result["selection"]["chosen"] == {} and result["selection"]["space"] == {}
+    assert result["selection"]["trials"][0]["output_dir"] == "mini/digits/full/search/defaults"
+
+
 def test_finals_wait_for_a_complete_search(tmp_path):
     suite = _suite(search={"train.lr": [1e-3, 1e-2]})
     cells = protocol.plan_cells(suite, [suites.Experiment("e", {"name": "lora"})], ["mini/digits"], [0], tmp_path)
@@ -247,6 +268,8 @@ def test_suite_file_validation(tmp_path):
         "per_task: {lora: {mini/mnist: {train.lr: 0.1}}}\n": "'mini/mnist' is not one of the suite's tasks",
         "per_task: {lora: {mini/digits: {lr: 0.1}}}\n": "'lr' is not an option key",
         "data: {split: train800}\n": "data.split are set per run",
+        "pinned_trial: true\n": "`pinned_trial` needs a `search:` space",
+        "search: {train.lr: [0.001]}\npinned_trial: 1\n": "`pinned_trial` must be true or false",
     }
     for extra, message in cases.items():
         (tmp_path / "suites" / "bad.yaml").write_text(base + extra)

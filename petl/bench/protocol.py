@@ -170,8 +170,10 @@ def plan_cells(
                 )
             base = (*suite.overrides(), *exp.overrides(), *suite.task_overrides(exp.name, task), f"data={task}")
             trials = []
-            # A cell whose experiment pins every searched key has nothing to select: it goes straight to its finals.
-            for point in grid(space) if space else []:
+            # A cell whose experiment pins every searched key has nothing to select: it goes straight to its
+            # finals, or, under `pinned_trial`, first trains its one point (grid({}) == [{}], folder "defaults")
+            # for the val curve.
+            for point in grid(space) if space or suite.pinned_trial else []:
                 run_dir = output_dir / task / exp.name / SEARCH_DIR / point_name(point)
                 overrides = (
                     *base,

@@ -496,8 +496,9 @@ def _selection(row: ExperimentRow, labels: dict[str, str]) -> str:
     for run in row.runs:
         selection = run.result.get("selection")
         if isinstance(selection, Mapping) and selection.get("chosen") is not None:
-            # An empty choice is a search whose only point is the defaults.
-            text = _format_option(selection["chosen"]) or "defaults"
+            # An empty choice: the experiment pins every searched key (a `pinned_trial` suite's one trial), or
+            # a search whose only point is the defaults.
+            text = _format_option(selection["chosen"]) or ("pinned" if not selection.get("space") else "defaults")
             if text not in chosen.setdefault(run.task, []):
                 chosen[run.task].append(text)
     return "; ".join(f"{labels.get(t, t)}: {' | '.join(v)}" for t, v in chosen.items())

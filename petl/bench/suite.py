@@ -86,6 +86,9 @@ class Suite:
             ``data.split``'s default, train800.
         per_task: ``{experiment: {task: {"train.lr": 0.005, ...}}}``: settings a reference published per
             task (a "reproduce V-PETL" preset); they pin their keys out of a search.
+        pinned_trial: an experiment that pins every searched key (full fine-tuning's ``train.lr``) still
+            gets its one trial on train800 / val200: nothing to select, but its val curve shows whether the
+            schedule converged, at one more run per task.  Off: such a cell goes straight to its finals.
 
     """
 
@@ -99,6 +102,7 @@ class Suite:
     search_seed: int = 0
     final_split: str | None = None
     per_task: dict[str, dict[str, dict[str, Any]]] = field(default_factory=dict)
+    pinned_trial: bool = False
 
     def task_overrides(self, experiment: str, task: str) -> list[str]:
         """The per-task settings of one experiment on one task, as Hydra overrides."""
@@ -140,6 +144,7 @@ def load_suite(name: str, benchmarks_dir: Path) -> Suite:
     if not path.is_file():
         raise ValueError(f"unknown suite {name!r}; known: {', '.join(preset_names(benchmarks_dir / 'suites'))}")
     keys = {"description", "experiments", "tasks", "seeds", "search", "search_seed", "final_split", "per_task"}
+    keys |= {"pinned_trial"}
     keys |= set(SUITE_GROUPS)
     data = read_yaml_mapping(path, keys, SUITE_GROUPS)
     if data.get("experiments") == ALL:
@@ -155,6 +160,11 @@ def load_suite(name: str, benchmarks_dir: Path) -> Suite:
     if "search_seed" in data and not search:
         # A value without effect is a bug: the trial seed only acts when the suite selects on val.
         raise ValueError(f"{path}: `search_seed` needs a `search:` space (without one, runs train once per seed)")
+    pinned_trial = data.get("pinned_trial", False)
+    if not isinstance(pinned_trial, bool):
+        raise ValueError(f"{path}: `pinned_trial` must be true or false, got {pinned_trial!r}")
+    if pinned_trial and not search:
+        raise ValueError(f"{path}: `pinned_trial` needs a `search:` space (without one, nothing is pinned out of it)")
     per_task = _read_per_task(path, data.get("per_task") or {}, data["experiments"], data["tasks"])
     return Suite(
         name,
@@ -167,6 +177,7 @@ def load_suite(name: str, benchmarks_dir: Path) -> Suite:
         search_seed=int(data.get("search_seed", 0)),
         final_split=str(data.get("final_split", FINAL_SPLIT if search else "")) or None,
         per_task=per_task,
+        pinned_trial=pinned_trial,
     )
 
 
