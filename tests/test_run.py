@@ -230,3 +230,11 @@ def test_backbone_mode_train_turns_the_feature_cache_off(tmp_path):
     assert run["feature_cache"] is None and run["config"]["train"]["backbone_mode"] == "train"
     with pytest.raises(config.ConfigError, match="train.backbone_mode"):
         tiny(tmp_path / "bad", "method=linear", "train.backbone_mode=frozen")
+
+
+def test_a_last_batch_of_one_image_is_left_out_so_batchnorm_heads_train(tmp_path):
+    # 97 = 3 x 32 + 1: Mlp-k's BatchNorm1d cannot train on that last single image ("Expected more than 1 value
+    # per channel"), so the epoch is three batches; the image left out changes with each epoch's order.
+    result = tiny(tmp_path / "run", "method=mlp", "data.subset=97", "train.epochs=1")
+    assert result["final_train_top1"] is not None
+    assert runner._loader(list(range(97)), 32, 0, 0, drop_last=True).__len__() == 3

@@ -348,12 +348,24 @@ def _calibration_set(cfg: DictConfig, model: nn.Module) -> Dataset:
 
 
 def _loader(
-    dataset: Dataset, batch_size: int, num_workers: int, seed: int, sampler: Sampler | None = None
+    dataset: Dataset,
+    batch_size: int,
+    num_workers: int,
+    seed: int,
+    sampler: Sampler | None = None,
+    drop_last: bool = False,
 ) -> DataLoader:
     # A loader of its own generator: every DataLoader iterator draws a worker base seed, and drawing
     # it from the global RNG would shift the stream that dropout and drop-path use.
     generator = torch.Generator().manual_seed(seed)
-    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers, generator=generator)
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=sampler,
+        num_workers=num_workers,
+        generator=generator,
+        drop_last=drop_last,
+    )
 
 
 def summary_line(result: dict[str, Any]) -> str:
@@ -600,7 +612,11 @@ def _prepare_training(
         _say(accelerator, "cached %s of %d train images in %.1f s", cache_plan.describe(), len(train_set), seconds)
 
     sampler = EpochSampler(len(train_set), cfg.seed)
-    train_loader = _loader(train_set, cfg.train.batch_size, num_workers, cfg.seed, sampler)
+    # A last training batch of one image cannot be trained in batch statistics (Mlp-k's BatchNorm1d raises on
+    # it; KMnP/vpt src/data/loader.py:L53-65 keeps it on one GPU and would fail the same way): that one image
+    # is left out of the epoch, a different one each epoch since the order is reshuffled.  No other size drops.
+    lone_last = len(train_set) % cfg.train.batch_size == 1
+    train_loader = _loader(train_set, cfg.train.batch_size, num_workers, cfg.seed, sampler, drop_last=lone_last)
     eval_loaders = {"val": _loader(val_set, cfg.train.eval_batch_size, num_workers, cfg.seed)} if val_set else {}
     # A selection trial (train.eval_test=false) never builds the test split, let alone scores it.
     test_set = datasets.get("test")
