@@ -123,6 +123,22 @@ def test_convergence_column_reads_own_curves_and_the_selected_trials_curve(tmp_p
     assert png.startswith(b"\x89PNG") and len(png) > 1000
 
 
+def test_rows_short_of_a_task_or_a_seed_are_marked_and_the_compute_is_summed(tmp_path):
+    for seed in (0, 1):
+        _write(tmp_path / f"mini/digits/linear/seed{seed}", _result("mini/digits", "linear", seed, 70.0))
+        _write(tmp_path / f"mini/mnist/linear/seed{seed}", _result("mini/mnist", "linear", seed, 90.0))
+    _write(tmp_path / "mini/digits/lora/seed0", _result("mini/digits", "lora", 0, 80.0))  # one seed so far
+    _write(tmp_path / "mini/mnist/lora/seed0", _result("mini/mnist", "lora", 0, 95.0))
+    _write(tmp_path / "mini/mnist/lora/seed1", _result("mini/mnist", "lora", 1, 95.0, wall_seconds=3600.0))
+    _write(tmp_path / "mini/digits/lora/search/train.lr=0.1", _result("mini/digits", "lora", 0, None))
+    board = write_report(tmp_path)
+    assert {r.experiment: board.complete(r) for r in board.rows} == {"linear": True, "lora": False}
+    assert board.compute == report.Compute(runs=7, trials=1, seconds=7 * 2.0 + 3600.0)
+    md = (tmp_path / "leaderboard.md").read_text()
+    assert "| lora * |" in md and "| linear |" in md
+    assert "**Compute**: 7 reported runs and 1 selection trials, 1.00 h of run time" in md
+
+
 def test_no_learning_curves_png_without_curves(tmp_path):
     _write(tmp_path / "mini/digits/linear/seed0", _result("mini/digits", "linear", 0, 70.0))
     write_report(tmp_path)
@@ -156,7 +172,7 @@ def test_proposed_mini_selection_suite_is_the_mini_suite_under_the_selection_pro
     assert proposed.tasks == mini.tasks and proposed.experiments == mini.experiments
     assert proposed.seeds == [0, 1, 2] and proposed.search_seed == 0
     assert proposed.search == {"train.lr": [1e-3, 1e-2]}  # weight decay fixed: the file says why
-    assert proposed.final_split == "train800val200"
+    assert proposed.final_split == "train800val200" and proposed.pinned_trial
     assert "train.epochs=20" in proposed.overrides()
     for name in proposed.experiments:
         load_experiment(name, configs)

@@ -180,6 +180,42 @@ class Column:
         return (self.csv or _as_csv(self.key))(value)
 
 
+@dataclass(frozen=True)
+class Compute:
+    """What the results folder cost: its reported runs, its selection trials, and their run times summed."""
+
+    runs: int
+    trials: int
+    seconds: float
+
+    def line(self) -> str:
+        """The legend line."""
+        return (
+            f"**Compute**: {self.runs} reported runs and {self.trials} selection trials, {self.seconds / 3600:.2f} h "
+            "of run time summed over them (each run's wall time in its result.json; sweeps run side by side "
+            "overlap, so the elapsed time is shorter)."
+        )
+
+
+def compute_spent(results_dir: str | Path) -> Compute:
+    """Count every finished run under ``results_dir``, selection trials included, and sum their wall times."""
+    runs = trials = 0
+    seconds = 0.0
+    for path in sorted(Path(results_dir).rglob(RESULT_FILE)):
+        try:
+            result = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue  # collect() warns about the same file
+        if not isinstance(result, Mapping):
+            continue
+        if result.get("test_top1") is None:
+            trials += 1
+        else:
+            runs += 1
+        seconds += float(result.get("wall_seconds") or result.get("train_seconds") or 0.0)
+    return Compute(runs, trials, seconds)
+
+
 @dataclass
 class Leaderboard:
     """Everything a report renders: the tasks and groups found, one row per experiment, and the columns."""
@@ -192,6 +228,7 @@ class Leaderboard:
     tables: list[PublishedTable]
     memory_kinds: list[str] = field(default_factory=list)
     columns: list[Column] = field(default_factory=list)
+    compute: Compute | None = None
 
     @property
     def group_names(self) -> list[str]:
@@ -199,8 +236,9 @@ class Leaderboard:
         return _order_groups(set(self.groups.values()))
 
     def complete(self, row: ExperimentRow) -> bool:
-        """Whether ``row`` has a score on every task of the leaderboard."""
-        return len(row.scores) == len(self.tasks)
+        """Whether ``row`` has a score on every task, each over as many seeds as the fullest cell of the board."""
+        seeds = max((len(s.seeds) for r in self.rows for s in r.scores.values()), default=0)
+        return len(row.scores) == len(self.tasks) and all(len(s.seeds) == seeds for s in row.scores.values())
 
 
 def _order_groups(groups: set[str]) -> list[str]:
@@ -768,8 +806,11 @@ def notes(board: Leaderboard) -> list[str]:
         "parameters. Train s/run and Images/s are means over runs (as the engine ran them, feature caching "
         "included); Peak MB is the maximum over runs"
         + (f" ({', '.join(board.memory_kinds)})." if board.memory_kinds else "."),
-        "`*` after an experiment: it has not run on every task yet, so its means cover fewer tasks.",
+        "`*` after an experiment: it has not run on every task, or with every seed, yet, so its means cover "
+        "fewer tasks or seeds.",
     ]
+    if board.compute is not None:
+        lines.append(board.compute.line())
     lines += [c.note for c in board.columns if c.note]
     for table in board.tables:
         lines.append(
@@ -886,6 +927,7 @@ def write_report(
     if not records:
         raise FileNotFoundError(f"no result.json under {results_dir}")
     board = aggregate(records, results_dir, published_names(sorted({r.experiment for r in records}), configs_dir))
+    board.compute = compute_spent(results_dir)
     out = Path(out_dir) if out_dir is not None else results_dir
     png = pareto_png(board)
     title = f"petl leaderboard: {board.results_dir.name}"
