@@ -236,6 +236,16 @@ def make_config(name: str, **options: Any) -> MethodConfig:
     return spec.config_cls(**options)
 
 
+# Config objects of other libraries that ``apply`` accepts: (recogniser, converter to a petl method config).
+# peft_bridge registers peft's configs; a recogniser rather than a class, so nobody imports peft to check.
+_FOREIGN_CONFIGS: list[tuple[Callable[[Any], bool], Callable[..., MethodConfig]]] = []
+
+
+def register_foreign_config(is_one: Callable[[Any], bool], convert: Callable[..., MethodConfig]) -> None:
+    """Let :func:`apply` take objects ``is_one`` accepts; ``convert(obj, num_classes=...)`` returns a petl config."""
+    _FOREIGN_CONFIGS.append((is_one, convert))
+
+
 def method_for_config(config: MethodConfig) -> str:
     """The registered method whose config class ``config`` is (as peft dispatches on a config's type).
 
@@ -253,7 +263,7 @@ def method_for_config(config: MethodConfig) -> str:
 
 
 def apply(
-    model: nn.Module, method: str | MethodConfig, config: MethodConfig | None = None, **options: Any
+    model: nn.Module, method: str | MethodConfig | Any, config: MethodConfig | None = None, **options: Any
 ) -> nn.Module:
     """Inject a method into a timm ViT in place, freeze what it does not train, and return the model.
 
@@ -263,7 +273,8 @@ def apply(
 
     Args:
         model: a timm VisionTransformer.
-        method: a name from :func:`list_methods`, or a method's config object.
+        method: a name from :func:`list_methods`, a method's config object, or a registered foreign config
+            (a ``peft.PeftConfig``, which goes through the ``peft`` bridge).
         config: a ready config for a named method; otherwise one is built from ``options``.
         **options: the method's config fields, e.g. ``rank=4``.
 
@@ -275,6 +286,15 @@ def apply(
             or a model that already carries a petl method.
 
     """
+    foreign = next((convert for is_one, convert in _FOREIGN_CONFIGS if is_one(method)), None)
+    if foreign is not None:
+        # e.g. apply(model, peft.LoraConfig(...), num_classes=10): converted, then applied as any petl config.
+        others = sorted(set(options) - {"num_classes"})
+        if config is not None or others:
+            raise ValueError(
+                f"with a {type(method).__name__}, pass only num_classes; got {', '.join(others) or 'config'}"
+            )
+        method, options = foreign(method, num_classes=options.get("num_classes")), {}
     if isinstance(method, MethodConfig):
         if config is not None:
             raise ValueError("pass the config once: apply(model, config) or apply(model, name, config)")

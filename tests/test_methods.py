@@ -437,6 +437,18 @@ def test_peft_accepts_a_ready_config_and_round_trips(tiny_vit, images, tmp_path)
         petl.apply_peft(tiny_vit(), peft_config=LoraConfig(target_modules=["qkv"]), rank=2)
 
 
+def test_petl_apply_takes_a_peft_config_object(tiny_vit):
+    model = petl.apply(tiny_vit(), LoraConfig(r=4, target_modules=["qkv"]), num_classes=3)
+    assert model.petl_method == "peft" and model.petl_config.num_classes == 3
+    assert petl.count_params(model).trainable_no_head == 3 * 4 * (vit.embed_dim(model) * 4)
+    assert (
+        model.petl_config
+        == petl.apply_peft(tiny_vit(), LoraConfig(r=4, target_modules=["qkv"]), num_classes=3).petl_config
+    )
+    with pytest.raises(ValueError, match="pass only num_classes; got rank"):
+        petl.apply(tiny_vit(), LoraConfig(target_modules=["qkv"]), rank=2)
+
+
 def test_peft_other_tuner_counts_by_injecting(tiny_vit):
     options = {"peft_type": "IA3", "target_modules": ["qkv", "fc2"], "options": '{"feedforward_modules": ["fc2"]}'}
     expected = petl.get_method("peft").trainable_formula(tiny_vit(), petl.make_config("peft", **options))

@@ -232,6 +232,15 @@ def inject_peft(model: nn.Module, cfg: PeftBridgeConfig) -> None:
     inject_adapter_in_model(cfg.to_peft(), model)
 
 
+def _is_peft_config(obj: Any) -> bool:
+    # Recognised by class name and module, so `import petl` need not import peft (slow: it pulls in transformers).
+    return any(c.__name__ == "PeftConfig" and c.__module__.split(".")[0] == "peft" for c in type(obj).__mro__)
+
+
+# petl.apply(model, peft.LoraConfig(...)) goes through this bridge.
+core.register_foreign_config(_is_peft_config, config_from_peft)
+
+
 def apply_peft(model: nn.Module, peft_config: PeftConfig | None = None, **options: Any) -> nn.Module:
     """Inject a peft tuner into ``model`` in place; the head trains too.
 
@@ -248,7 +257,4 @@ def apply_peft(model: nn.Module, peft_config: PeftConfig | None = None, **option
     """
     if peft_config is None:
         return core.apply(model, "peft", **options)
-    others = sorted(set(options) - {"num_classes"})
-    if others:
-        raise ValueError(f"with peft_config, pass only num_classes; got {', '.join(others)} as well")
-    return core.apply(model, "peft", config=config_from_peft(peft_config, options.get("num_classes")))
+    return core.apply(model, peft_config, **options)
