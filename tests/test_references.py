@@ -189,17 +189,28 @@ def test_mlp_head_equals_vpts_mlp(tiny_vit):
         torch.testing.assert_close(got, _vpt_mlp_head(reference, features))
 
 
-def test_vpt_head_init(tiny_vit):
+def test_vpt_head_init_on_mlp_k(tiny_vit):
     # src/models/mlp.py:L38-57 and vit_models.py:L159-165 (special_bias=True): kaiming-normal
     # (fan-out) weights, last bias -log((1 - 0.01) / 0.01).
     bias = -math.log(99)
-    linear_head = vit.head(petl.apply_linear(tiny_vit(embed_dim=192, num_heads=3), num_classes=200))
     mlp_head = vit.head(petl.apply_mlp(tiny_vit(embed_dim=192, num_heads=3), k=2, num_classes=200))
     hidden, last = (m for m in mlp_head if isinstance(m, torch.nn.Linear))
-    for layer in (linear_head, last):
-        torch.testing.assert_close(layer.bias, torch.full_like(layer.bias, bias))
-        assert layer.weight.std().item() == pytest.approx(math.sqrt(2 / 200), rel=0.1)
+    torch.testing.assert_close(last.bias, torch.full_like(last.bias, bias))
+    assert last.weight.std().item() == pytest.approx(math.sqrt(2 / 200), rel=0.1)
     assert hidden.weight.std().item() == pytest.approx(math.sqrt(2 / 192), rel=0.1)
+
+
+def test_linear_head_is_the_reset_head_every_method_gets(tiny_vit):
+    # V-PETL's reset_classifier (vision_transformer_adapter.py:L424-429): a plain nn.Linear, default init.
+    torch.manual_seed(5)
+    linear_head = vit.head(petl.apply_linear(tiny_vit(), num_classes=7))
+    torch.manual_seed(5)
+    model = tiny_vit()
+    model.reset_classifier(7)
+    torch.testing.assert_close(linear_head.state_dict(), vit.head(model).state_dict())
+    torch.manual_seed(5)
+    lora_head = vit.head(petl.apply_lora(tiny_vit(), num_classes=7))
+    torch.testing.assert_close(linear_head.state_dict(), lora_head.state_dict())
     # A kept head (no num_classes) is left as it is.
     model = tiny_vit()
     before = vit.head(model).bias.clone()

@@ -3,23 +3,37 @@
 The head is VPT's MLP (KMnP/vpt@4410440 src/models/mlp.py:L15-65, built by
 src/models/vit_models.py:L159-165 with hidden width = the feature width): each of the ``k - 1``
 hidden layers is Linear -> ReLU -> BatchNorm1d -> Dropout(0.1) with a kaiming-normal (fan-out)
-weight, and the last Linear is initialised like VPT's linear head (see
-:func:`petl.methods.linear.vpt_head_init`).  ``k`` counts Linear layers, i.e. VPT's
+weight, and the last Linear starts as VPT's last layer (:func:`vpt_head_init`: kaiming-normal fan-out, bias
+-log(99)).  ``k`` counts Linear layers, i.e. VPT's
 ``MODEL.MLP_NUM`` is ``k - 1``.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import torch
 from torch import nn
 
 from petl import core, vit
-from petl.methods.linear import vpt_head_init
 
 # VPT's MLP default dropout (src/models/mlp.py:L20), which vit_models.py's head keeps.
 HIDDEN_DROPOUT = 0.1
+# Prior probability of VPT's "special_bias" on the last layer (src/models/mlp.py:L54-57).
+PRIOR_PROB = 0.01
+
+
+@torch.no_grad()
+def vpt_head_init(layer: nn.Linear) -> None:
+    """Initialise a classifier Linear as VPT's last layer: kaiming-normal (fan-out), bias -log((1-p)/p).
+
+    The bias leaves the softmax unchanged (the same for every class) but matches the reference's logits.
+    """
+    nn.init.kaiming_normal_(layer.weight, a=0, mode="fan_out")
+    if layer.bias is not None:
+        nn.init.constant_(layer.bias, -math.log((1 - PRIOR_PROB) / PRIOR_PROB))
 
 
 @dataclass
