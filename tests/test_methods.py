@@ -456,6 +456,14 @@ def test_peft_other_tuner_counts_by_injecting(tiny_vit):
     assert petl.count_params(model).trainable_no_head == expected > 0
 
 
+def test_peft_count_covers_a_target_that_also_names_a_conv(tiny_vit):
+    # `proj` names each block's attn.proj (Linear) and patch_embed.proj (Conv2d): peft adapts both.
+    model = petl.apply(tiny_vit(), "peft", target_modules=["proj"], options='{"r": 2}', num_classes=3)
+    expected = petl.get_method("peft").trainable_formula(tiny_vit(), model.petl_config)
+    assert petl.count_params(model).trainable_no_head == expected
+    assert any("patch_embed.proj.lora_A" in name for name, _ in model.named_parameters())
+
+
 def test_peft_rejects_bad_options(tiny_vit):
     with pytest.raises(ValueError, match="peft_type.*LORA"):
         petl.apply_peft(tiny_vit(), peft_type="NOPE")

@@ -256,6 +256,8 @@ def test_fact_refuses_bad_options(tiny_vit):
         petl.apply_fact(tiny_vit(), rank=0)
     with pytest.raises(ValueError, match="MLP"):
         petl.apply_fact(tiny_vit(mlp_ratio=2.0))
+    with pytest.raises(ValueError, match="scale=0 switches the factorised update off"):
+        petl.apply_fact(tiny_vit(), scale=0.0)
 
 
 # --- RepAdapter --------------------------------------------------------------------------------
@@ -315,6 +317,8 @@ def test_repadapter_merge_runs_the_plain_linear_and_unmerges(tiny_vit, images):
 def test_repadapter_refuses_groups_that_do_not_divide(tiny_vit):
     with pytest.raises(ValueError, match="groups=3"):
         petl.apply_repadapter(tiny_vit(), bottleneck=8, groups=3)
+    with pytest.raises(ValueError, match="scale=0 switches the adapters off"):
+        petl.apply_repadapter(tiny_vit(), scale=0.0)
 
 
 # --- merging in half precision ------------------------------------------------------------------

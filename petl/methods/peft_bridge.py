@@ -155,18 +155,21 @@ def _count_by_injecting(model: nn.Module, cfg: PeftBridgeConfig) -> int:
     return sum(p.numel() for p in trial.parameters() if p.requires_grad and id(p) not in head_ids)
 
 
-def _target_linears(model: nn.Module, peft_config: PeftConfig) -> list[tuple[str, nn.Linear]]:
-    """The Linears outside the head that peft's own matcher says ``target_modules`` names."""
+def _targets(model: nn.Module, peft_config: PeftConfig) -> list[tuple[str, nn.Module]]:
+    """The modules outside the head that peft's own matcher says ``target_modules`` names."""
     from peft.tuners.tuners_utils import check_target_module_exists
 
     head_ids = {id(m) for m in vit.head(model).modules()}
     return [
         (name, module)
         for name, module in model.named_modules()
-        if isinstance(module, nn.Linear)
-        and id(module) not in head_ids
-        and check_target_module_exists(peft_config, name)
+        if id(module) not in head_ids and check_target_module_exists(peft_config, name)
     ]
+
+
+def _target_linears(model: nn.Module, peft_config: PeftConfig) -> list[tuple[str, nn.Linear]]:
+    """The Linears among :func:`_targets` (the closed forms count only those)."""
+    return [(name, m) for name, m in _targets(model, peft_config) if isinstance(m, nn.Linear)]
 
 
 def _is_feedforward(peft_config: PeftConfig, name: str) -> bool:
@@ -207,13 +210,18 @@ def _formula(model: nn.Module, cfg: PeftBridgeConfig) -> int:
     counter, options = _CLOSED_FORMS.get(cfg.peft_type, (None, set()))
     if counter is None or not set(cfg.extra_options()) - {"target_modules"} <= options:
         return _count_by_injecting(model, cfg)
+    # A target that also names a non-Linear (`proj` matches patch_embed.proj, a Conv2d, as well as each block's
+    # attn.proj): peft adapts it with shapes of its own, which the Linear closed forms do not count.
+    if any(not isinstance(m, nn.Linear) for _, m in _targets(model, peft_config)):
+        return _count_by_injecting(model, cfg)
     return counter(model, peft_config)
 
 
 # Named presets: keyword options for ``petl.apply(model, "peft", **PRESETS[name])`` (README, "peft presets").
 PRESETS: dict[str, dict[str, Any]] = {
-    # DoRA (Liu et al., 2024): LoRA's low-rank direction plus a trained per-row magnitude, on the
-    # fused qkv like petl's LoRA default, rank 8.
+    # DoRA (Liu et al., 2024): LoRA's low-rank direction plus a trained per-row magnitude, rank 8.  peft
+    # adapts whole Linears, so this is one rank-8 update of the fused qkv (q, k and v together), not petl's
+    # LoRA default of separate updates of the q and v slices: about as many weights, not the same placement.
     "dora": {"peft_type": "LORA", "target_modules": ("qkv",), "options": '{"r": 8, "lora_alpha": 8, "use_dora": true}'},
     # IA3 (Liu et al., 2022): learned rescaling of attention outputs and of the MLP's hidden
     # activations.  timm fuses q, k and v, so the qkv scale covers q too (the paper scales k and v).
