@@ -111,9 +111,22 @@ def to_overrides(prefix: str, values: Mapping[str, Any]) -> list[str]:
     return out
 
 
+class _Loader(yaml.SafeLoader):
+    """PyYAML reads YAML 1.1, where ``1e-3`` (no dot) is a string; YAML 1.2, OmegaConf and Hydra read a float.
+
+    A string lr in a ``search:`` list would reach the run as 0.001 but be recorded as ``'1e-3'``, and the
+    selection stamp would then refuse every final run; reading it as a float from the start avoids that.
+    """
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)[eE][-+]?[0-9]+$"), list("-+0123456789.")
+)
+
+
 def read_yaml_mapping(path: Path, allowed: set[str], groups: tuple[str, ...] = OVERRIDABLE_GROUPS) -> dict[str, Any]:
     """A preset file's top-level mapping, its keys checked against ``allowed`` and ``groups`` mappings."""
-    data = yaml.safe_load(path.read_text()) or {}
+    data = yaml.load(path.read_text(), Loader=_Loader) or {}  # noqa: S506 - a SafeLoader subclass
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
     unknown = sorted(set(data) - allowed)

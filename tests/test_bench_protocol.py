@@ -235,6 +235,38 @@ def test_a_pinned_experiment_gets_one_trial_for_its_val_curve_under_pinned_trial
     assert result["selection"]["trials"][0]["output_dir"] == "mini/digits/full/search/defaults"
 
 
+def test_a_diverged_trial_is_scored_last_and_the_finals_go_ahead(tmp_path):
+    from petl.run.runner import DivergedError
+
+    suite = _suite(search={"train.lr": [1e-1, 1e-3]})
+    cells = protocol.plan_cells(suite, [suites.Experiment("e", {"name": "lora"})], ["mini/digits"], [0], tmp_path)
+    trained: list = []
+    fakes = _fake_trainer({1e-3: 40.0}, trained)
+    real_train = fakes["train_fn"]
+
+    def train(cfg):
+        if cfg.get("train.lr") == "0.1":
+            raise DivergedError("loss became nan at epoch 2")
+        return real_train(cfg)
+
+    summary = protocol.run_protocol(cells, progress=False, train_fn=train, compose_fn=fakes["compose_fn"])
+    assert not summary.failed and not summary.waiting and len(summary.diverged) == 1
+    result = json.loads((tmp_path / "mini/digits/e/seed0/result.json").read_text())
+    assert result["selection"]["chosen"] == {"train.lr": 1e-3}
+    assert result["selection"]["trials"][0]["diverged"] is True and "diverged" not in result["selection"]["trials"][1]
+    # The next invocation trains nothing: the diverged trial has its result.
+    again = protocol.run_protocol(cells, progress=False, train_fn=train, compose_fn=fakes["compose_fn"])
+    assert again.trained == 0 and not again.diverged
+    # Any other error in a trial still blocks the cell (and is reported as a failure).
+    other = protocol.plan_cells(suite, [suites.Experiment("f", {"name": "lora"})], ["mini/digits"], [0], tmp_path)
+
+    def broken(cfg):
+        raise OSError("data not found")
+
+    summary = protocol.run_protocol(other, progress=False, train_fn=broken, compose_fn=fakes["compose_fn"])
+    assert len(summary.failed) == 2 and len(summary.waiting) == 1 and not summary.diverged
+
+
 def test_finals_wait_for_a_complete_search(tmp_path):
     suite = _suite(search={"train.lr": [1e-3, 1e-2]})
     cells = protocol.plan_cells(suite, [suites.Experiment("e", {"name": "lora"})], ["mini/digits"], [0], tmp_path)
@@ -280,6 +312,9 @@ def test_suite_file_validation(tmp_path):
     )
     suite = suites.load_suite("ok", tmp_path)
     assert suite.overrides() == ["model=vit_base_patch16_224.orig_in21k", "data.subset=8"]
+    # YAML 1.1 reads `1e-3` (no dot) as a string; preset files read it as the float Hydra would.
+    (tmp_path / "suites" / "exp.yaml").write_text(base + "search: {train.lr: [1e-3, 2.5E-2], method.type: [tk]}\n")
+    assert suites.load_suite("exp", tmp_path).search == {"train.lr": [1e-3, 2.5e-2], "method.type": ["tk"]}
     assert (suite.search_seed, suite.final_split) == (0, "train800val200")
 
 

@@ -82,6 +82,8 @@ def _finish(summary: SweepSummary, output_dir: Path, own: dict[str, str], any_do
         print(f"  held by another sweep: {line}")
     for line in summary.failed:
         print(f"  failed: {line}")
+    for line in summary.diverged:
+        print(f"  diverged (scored last in its search): {line}")
     for line in summary.waiting:
         print(f"  waiting: {line}")
     if as_bool("report", own.get("report", "true")) and any_done:

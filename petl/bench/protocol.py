@@ -102,10 +102,12 @@ class Cell:
                     METRIC: result.get(METRIC),
                     "best_val_top1": result.get("best_val_top1"),
                     "output_dir": trial.run.run_dir.relative_to(self.output_dir).as_posix(),
+                    # Only where it happened, so the records of searches without a divergence stay as they were.
+                    **({"diverged": True} if result.get("diverged") else {}),
                 }
             )
         # max() keeps the first of equal keys: ties go to the earlier grid point.  A trial without a val
-        # score (it cannot happen on train800, but a hand-edited file could) ranks last.
+        # score (one that diverged, see sweep.run_sweep) ranks last.
         best = max(scored, key=lambda t: -1.0 if t[METRIC] is None else t[METRIC]) if scored else None
         return {
             "space": self.space,
@@ -185,7 +187,8 @@ def plan_cells(
                     f"output_dir={format_value(str(run_dir))}",
                 )
                 label = f"{task} {exp.name} search {point_name(point)}"
-                trials.append(Trial(point, PlannedRun(task, exp.name, suite.search_seed, run_dir, overrides, label)))
+                run = PlannedRun(task, exp.name, suite.search_seed, run_dir, overrides, label, score_divergence=True)
+                trials.append(Trial(point, run))
             cells.append(
                 Cell(
                     task,

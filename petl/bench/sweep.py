@@ -22,7 +22,7 @@ from petl.bench.rss import reset_peak_rss
 from petl.bench.suite import Experiment, Suite, format_value
 from petl.run.lock import LOCK_FILE as LOCK_FILE  # the lock is petl-run's too: one home, re-exported here
 from petl.run.lock import acquire_lock, release_lock
-from petl.run.records import RESULT_FILE
+from petl.run.records import RESULT_FILE, write_json
 
 ERROR_FILE = "error.log"
 
@@ -40,6 +40,7 @@ class PlannedRun:
     run_dir: Path
     overrides: tuple[str, ...]
     name: str = ""
+    score_divergence: bool = False
 
     @property
     def label(self) -> str:
@@ -111,13 +112,15 @@ class SweepSummary:
     held_elsewhere: list[str] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)
     waiting: list[str] = field(default_factory=list)
+    diverged: list[str] = field(default_factory=list)
 
     def line(self) -> str:
         """One-line summary for the console."""
         waiting = f", {len(self.waiting)} cells waiting for their search" if self.waiting else ""
+        diverged = f", {len(self.diverged)} trials diverged (scored last)" if self.diverged else ""
         return (
             f"{self.total} runs: {self.already_done} already done, {self.trained} trained, "
-            f"{len(self.held_elsewhere)} held by another sweep, {len(self.failed)} failed{waiting}"
+            f"{len(self.held_elsewhere)} held by another sweep, {len(self.failed)} failed{diverged}{waiting}"
         )
 
     def merge(self, other: SweepSummary) -> None:
@@ -128,6 +131,19 @@ class SweepSummary:
         self.held_elsewhere += other.held_elsewhere
         self.failed += other.failed
         self.waiting += other.waiting
+        self.diverged += other.diverged
+
+
+def _diverged_result(run: PlannedRun, error: Exception) -> dict[str, Any]:
+    """The result.json of a selection trial that diverged: no scores, and why."""
+    return {
+        "method": run.experiment,
+        "dataset": run.task,
+        "seed": run.seed,
+        "val_top1": None,
+        "test_top1": None,
+        "diverged": str(error),
+    }
 
 
 def _default_fns() -> tuple[TrainFn, ComposeFn]:
@@ -182,10 +198,18 @@ def run_sweep(
                         reset_peak_rss()
                         train_fn(compose_fn(list(run.overrides)))
                         summary.trained += 1
-                except Exception:  # one bad run must not end a day-long sweep
+                except Exception as error:  # one bad run must not end a day-long sweep
                     (run.run_dir / ERROR_FILE).write_text(traceback.format_exc())
-                    summary.failed.append(f"{run.label}: see {run.run_dir / ERROR_FILE}")
-                    bar.write(f"FAILED {run.label} (see {run.run_dir / ERROR_FILE})")
+                    if run.score_divergence and getattr(error, "diverged", False):
+                        # A selection trial whose loss went non-finite has its answer: this point diverges.  Its
+                        # result (no val score, so it ranks last) lets the cell's finals go ahead; without it the
+                        # cell would wait, resume, and diverge again on every invocation.
+                        write_json(run.run_dir / RESULT_FILE, _diverged_result(run, error))
+                        summary.diverged.append(f"{run.label}: {error}")
+                        bar.write(f"DIVERGED {run.label}: scored last (see {run.run_dir / ERROR_FILE})")
+                    else:
+                        summary.failed.append(f"{run.label}: see {run.run_dir / ERROR_FILE}")
+                        bar.write(f"FAILED {run.label} (see {run.run_dir / ERROR_FILE})")
                 finally:
                     release_lock(run.run_dir)
             bar.update(1)

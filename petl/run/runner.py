@@ -68,6 +68,16 @@ class RunError(RuntimeError):
     """A run could not complete (non-finite loss, unreachable data or weights); the message says why."""
 
 
+class DivergedError(RunError):
+    """The loss became NaN or infinite: this configuration diverged.
+
+    In an lr search that is an outcome, not a breakdown: the selection protocol scores such a trial last
+    (it checks ``diverged`` rather than the class, so the sweep need not import the engine).
+    """
+
+    diverged = True
+
+
 class EpochSampler(Sampler[int]):
     """Shuffles with an order drawn from (seed, epoch) alone.
 
@@ -687,7 +697,7 @@ def _train(cfg: DictConfig, out: Path, training: _Training, progress: _Progress,
     except NonFiniteLossError as error:
         done = len(progress.history)
         kept = f"the checkpoint of epoch {done} is kept" if done else "no epoch had finished"
-        raise RunError(
+        raise DivergedError(
             f"{error}: training stopped ({kept}); lower train.lr (with resume=false) or check the data"
         ) from None
 
