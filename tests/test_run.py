@@ -238,3 +238,21 @@ def test_a_last_batch_of_one_image_is_left_out_so_batchnorm_heads_train(tmp_path
     result = tiny(tmp_path / "run", "method=mlp", "data.subset=97", "train.epochs=1")
     assert result["final_train_top1"] is not None
     assert runner._loader(list(range(97)), 32, 0, 0, drop_last=True).__len__() == 3
+
+
+def test_augmented_training_images_are_not_cached_and_test_time_is_apart(tmp_path):
+    # An FGVC folder (CUB layout), whose training split is cropped and flipped anew at every access.
+    from PIL import Image
+
+    folder = tmp_path / "data" / "CUB_200_2011"
+    (folder / "images").mkdir(parents=True)
+    Image.new("RGB", (40, 30), (200, 10, 10)).save(folder / "images" / "a.png")
+    for split in ("train", "val", "test"):
+        (folder / f"{split}.txt").write_text("".join(f"images/a.png {c}\n" for c in range(200)))
+    base = [o for o in TINY if not o.startswith(("data=", "data.subset"))]
+    common = [*base, "data=fgvc/cub", f"data.root={tmp_path / 'data'}", "method=linear", "train.epochs=1"]
+    augmented = train(default_config([*common, f"output_dir={tmp_path / 'a'}"]))
+    plain = train(default_config([*common, "data.augment=false", f"output_dir={tmp_path / 'b'}"]))
+    assert augmented["feature_cache"] is None and plain["feature_cache"] is not None
+    for result in (augmented, plain):
+        assert result["test_seconds"] > 0 and result["train_seconds"] < result["wall_seconds"]

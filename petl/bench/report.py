@@ -804,7 +804,7 @@ def notes(board: Leaderboard) -> list[str]:
         "head (mean over tasks), C = 10^7 (V-PETL Bench).",
         "Trainable counts are means over runs (the head's size follows each task's classes); % is of all "
         "parameters. Train s/run and Images/s are means over runs (as the engine ran them, feature caching "
-        "included); Peak MB is the maximum over runs"
+        "included, the test pass not); Peak MB is the maximum over runs"
         + (f" ({', '.join(board.memory_kinds)})." if board.memory_kinds else "."),
         "`*` after an experiment: it has not run on every task, or with every seed, yet, so its means cover "
         "fewer tasks or seeds.",

@@ -357,6 +357,14 @@ def _calibration_set(cfg: DictConfig, model: nn.Module) -> Dataset:
     return _build_split(cfg, cfg.data.split, {**_image_options(cfg, model), "eval_transform": True})
 
 
+def _is_augmented(dataset: Dataset) -> bool:
+    """Whether ``dataset`` draws a new random crop and flip at every access (FGVC's training transform)."""
+    while isinstance(dataset, Subset):
+        dataset = dataset.dataset
+    spec = getattr(dataset, "spec", None)
+    return bool(getattr(spec, "augment", False))
+
+
 def _loader(
     dataset: Dataset,
     batch_size: int,
@@ -518,8 +526,13 @@ def _run(cfg: DictConfig, resolved: dict[str, Any], out: Path, accelerator: Acce
     # Training time counts the cache once: a resumed session's caching was paid by the first session.
     progress.session_start = time.perf_counter() if checkpoint is not None else training.tick
     _train(cfg, out, training, progress, inputs)
+    # Read before the test pass: train_seconds is what training cost (a trial, which never tests, and a final run
+    # then count alike); the test pass is recorded on its own.
+    train_seconds = progress.seconds()
+    tested = time.perf_counter()
     test_top1 = _evaluate_test_once(training)
-    result = _result(cfg, model, info.num_classes, progress.history, test_top1, progress.seconds(), training)
+    result = _result(cfg, model, info.num_classes, progress.history, test_top1, train_seconds, training)
+    result["test_seconds"] = round(time.perf_counter() - tested, 2) if test_top1 is not None else None
     peak_mb, peak_kind = records.peak_memory()
     result.update(peak_memory_mb=round(peak_mb, 1), peak_memory_kind=peak_kind, config=resolved, inputs=inputs)
     result["wall_seconds"] = round(time.perf_counter() - started, 2)
@@ -608,6 +621,10 @@ def _prepare_training(
             log.info("not caching features: train.backbone_mode is train, the frozen front is stochastic")
         cache_plan = None
     train_set, val_set = datasets["train"], datasets.get("val")
+    if cache_plan is not None and _is_augmented(train_set):
+        # A cached image would be one random crop and flip reused every epoch: the augmentation would be lost.
+        _say(accelerator, "not caching features: the training images are augmented (a new crop and flip each epoch)")
+        cache_plan = None
     if cache_plan is not None and not cache.fits(model, cache_plan, [len(d) for d in (train_set, val_set) if d]):
         _say(accelerator, "not caching features: the cache would exceed %d GiB", cache.MAX_CACHE_BYTES // 2**30)
         cache_plan = None
