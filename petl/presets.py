@@ -98,17 +98,19 @@ def format_value(value: Any) -> str:
     raise TypeError(f"cannot write {value!r} ({type(value).__name__}) as a Hydra override")
 
 
-def to_overrides(prefix: str, values: Mapping[str, Any]) -> list[str]:
-    """Flatten nested ``values`` under ``prefix`` into ``prefix.key=value`` override strings.
+def override(key: str, value: Any) -> str:
+    """One Hydra override ``key=value``.
 
     Keys under a free-form node (``model.kwargs``, any ``timm.create_model`` keyword) are new keys to
     Hydra, so they are written ``++key=value`` (add or replace) as on petl-run's command line.
     """
-    out = []
-    for key, value in flatten(prefix, values).items():
-        add = "++" if any(key.startswith(node + ".") for node in _FREE_FORM_NODES) else ""
-        out.append(f"{add}{key}={format_value(value)}")
-    return out
+    add = "++" if any(key.startswith(node + ".") for node in _FREE_FORM_NODES) else ""
+    return f"{add}{key}={format_value(value)}"
+
+
+def to_overrides(prefix: str, values: Mapping[str, Any]) -> list[str]:
+    """Flatten nested ``values`` under ``prefix`` into override strings (:func:`override`)."""
+    return [override(key, value) for key, value in flatten(prefix, values).items()]
 
 
 class _Loader(yaml.SafeLoader):

@@ -197,6 +197,31 @@ def _fake_trainer(val_by_lr: dict[float, float], trained: list[list[str]]):
     return {"train_fn": train, "compose_fn": compose}
 
 
+def test_free_form_keys_get_plus_plus_and_per_task_pins_beat_an_experiment_search(tmp_path):
+    suite = _suite(
+        search={"train.lr": [1e-3, 1e-2], "model.kwargs.drop_rate": [0.0, 0.1]},
+        per_task={"e": {"mini/digits": {"train.lr": 0.0032, "model.kwargs.qkv_bias": False}}},
+    )
+    exp = suites.Experiment("e", {"name": "lora"}, search={"train.lr": [1e-4]})
+    assert suite.space_for(exp, "mini/digits") == {"model.kwargs.drop_rate": [0.0, 0.1]}
+    assert suite.space_for(exp, "mini/mnist") == {"train.lr": [1e-4], "model.kwargs.drop_rate": [0.0, 0.1]}
+    assert suite.task_overrides("e", "mini/digits") == ["train.lr=0.0032", "++model.kwargs.qkv_bias=false"]
+    cells = protocol.plan_cells(suite, [exp], ["mini/digits"], [0], tmp_path)
+    assert "++model.kwargs.drop_rate=0.1" in cells[0].trials[1].run.overrides
+
+
+def test_sweep_owned_keys_are_refused_with_any_prefix():
+    from petl.bench.args import parse_args
+
+    for arg in ("seed=3", "+seed=3", "++seed=7", "data.name=mini/mnist", "++data=mini/mnist", "method.rank=2"):
+        with pytest.raises(SystemExit, match="is set per run by the sweep"):
+            parse_args([arg], set())
+    assert parse_args(["data.root=/x", "+model.kwargs.depth=2"], set()) == (
+        {},
+        ["data.root=/x", "+model.kwargs.depth=2"],
+    )
+
+
 def test_ties_go_to_the_first_grid_point_and_finals_use_the_choice(tmp_path):
     suite = _suite(search={"train.lr": [1e-3, 1e-2, 1e-1]})
     exp = suites.Experiment("e", {"name": "lora"})

@@ -46,8 +46,10 @@ def parse_args(args: Sequence[str], known: set[str]) -> tuple[dict[str, str], li
         if key in known:
             own[key] = value
             continue
-        root = key.lstrip("+~").split(".")[0]
-        if root in RESERVED and (key == root or root == "method"):
+        # `+seed=` and `++seed=` add or force the same key: the prefix must not let it past.
+        name = key.lstrip("+~")
+        root = name.split(".")[0]
+        if root in RESERVED and (name in (root, "data.name") or root == "method"):
             raise SystemExit(f"petl-bench: {arg!r} is set per run by the sweep; {RESERVED[root]}")
         passthrough.append(arg)
     return own, passthrough

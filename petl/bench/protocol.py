@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from petl.bench.suite import FINAL_SPLIT, Experiment, Suite, format_value
+from petl.bench.suite import FINAL_SPLIT, Experiment, Suite, format_value, override
 from petl.bench.sweep import PlannedRun, SweepSummary, run_dir_for, run_sweep
 from petl.run.records import RESULT_FILE, WEIGHTS_FILE, read_json, write_json
 
@@ -58,7 +58,7 @@ def point_name(point: dict[str, Any]) -> str:
 
 def point_overrides(point: dict[str, Any]) -> list[str]:
     """A grid point as Hydra overrides."""
-    return [f"{k}={format_value(v)}" for k, v in point.items()]
+    return [override(k, v) for k, v in point.items()]
 
 
 @dataclass(frozen=True)

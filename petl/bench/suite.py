@@ -24,6 +24,7 @@ from petl.presets import (
     format_value,
     list_experiments,
     load_experiment,
+    override,
     preset_names,
     read_space,
     read_yaml_mapping,
@@ -42,6 +43,7 @@ __all__ = [
     "list_suites",
     "load_experiment",
     "load_suite",
+    "override",
     "to_overrides",
 ]
 
@@ -106,7 +108,7 @@ class Suite:
 
     def task_overrides(self, experiment: str, task: str) -> list[str]:
         """The per-task settings of one experiment on one task, as Hydra overrides."""
-        return [f"{k}={format_value(v)}" for k, v in self.per_task.get(experiment, {}).get(task, {}).items()]
+        return [override(k, v) for k, v in self.per_task.get(experiment, {}).get(task, {}).items()]
 
     def overrides(self) -> list[str]:
         """Hydra overrides of the suite's protocol (backbone, epochs, augmentation...)."""
@@ -127,10 +129,11 @@ class Suite:
         """
         if not self.search:
             return {}
-        pinned = experiment.fixed_keys() | set(self.per_task.get(experiment.name, {}).get(task, {}))
-        space = {k: v for k, v in self.search.items() if k not in pinned}
+        per_task = set(self.per_task.get(experiment.name, {}).get(task, {}))
+        space = {k: v for k, v in self.search.items() if k not in experiment.fixed_keys() | per_task}
         space.update(experiment.search)
-        return space
+        # A reference's published per-task value pins its key out of the experiment's own search too.
+        return {k: v for k, v in space.items() if k not in per_task}
 
 
 def load_suite(name: str, benchmarks_dir: Path) -> Suite:
