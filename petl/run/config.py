@@ -115,7 +115,8 @@ class TrainConfig(TrainSettings):
         grad_accum: micro-batches accumulated per optimizer step.
         precision: accelerate mixed precision: ``no``, ``bf16`` or ``fp16``.
         cache_features: train on cached activations of the frozen part of the backbone, when there is one.
-        deterministic: use deterministic algorithms where torch has them (CPU runs repeat exactly).
+        deterministic: use deterministic algorithms where torch has them (CPU runs repeat exactly; on CUDA also
+            a fixed cuBLAS workspace and no cuDNN autotuning); false turns them off for the run.
         trackers: experiment trackers through accelerate (``tensorboard``, ``wandb``...); none by default.
         keep_checkpoint: keep the last per-epoch checkpoint after the run has finished.
         eval_test: evaluate the test split once after the last epoch; ``false`` for the selection trials of

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -423,13 +424,19 @@ def run(cfg: DictConfig, *, checked: bool = False) -> dict[str, Any]:
 
         accelerator = _make_accelerator(cfg, out)
         deterministic_before = torch.are_deterministic_algorithms_enabled()
-        if cfg.train.deterministic and accelerator.device.type == "cpu":
-            # warn_only: an op without a deterministic kernel warns instead of stopping the run.
-            torch.use_deterministic_algorithms(True, warn_only=True)
+        benchmark_before = torch.backends.cudnn.benchmark
+        # warn_only: an op without a deterministic kernel warns instead of stopping the run.
+        torch.use_deterministic_algorithms(cfg.train.deterministic, warn_only=True)
+        if cfg.train.deterministic and accelerator.device.type == "cuda":
+            # cuBLAS repeats its results only with a fixed workspace, read when cuBLAS starts (torch's
+            # reproducibility notes); set here, it acts unless this process already ran a CUDA matmul.
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.backends.cudnn.benchmark = False
         try:
             return _run(cfg, resolved, out, accelerator)
         finally:
             torch.use_deterministic_algorithms(deterministic_before)
+            torch.backends.cudnn.benchmark = benchmark_before
             if cfg.train.trackers:
                 accelerator.end_training()
 
@@ -508,6 +515,8 @@ def _run(cfg: DictConfig, resolved: dict[str, Any], out: Path, accelerator: Acce
     if cfg.train.grad_checkpointing:
         engine.enable_grad_checkpointing(model)
     model.to(accelerator.device)
+    # Every run's peak is its own, also when runs share a process (Hydra's in-process --multirun, a notebook).
+    records.reset_peak_rss()
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     progress = _Progress.start(checkpoint)
