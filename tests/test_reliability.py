@@ -426,3 +426,19 @@ def test_two_runs_into_one_output_dir_and_a_stale_lock(tmp_path, capsys):
     resumed = train(default_config([*args[:-1], f"output_dir={run}"]))
     assert resumed["epochs"] == 30 and not (run / lock.LOCK_FILE).exists()
     assert len((run / "metrics.jsonl").read_text().splitlines()) == 30 and epoch >= 1
+
+
+def test_a_slower_claimant_of_a_stale_lock_leaves_the_winners_lock_alone(tmp_path, monkeypatch):
+    # Two claimants judged the same dead holder stale; the first has already replaced the lock with its own
+    # live one when the second takes over.  The second must fail and leave the live lock in place.
+    dead = {"host": lock.socket.gethostname(), "pid": 2**22 + 12345, "since": 0.0}
+    live = {"host": lock.socket.gethostname(), "pid": os.getppid(), "since": 1.0}
+    (tmp_path / lock.LOCK_FILE).write_text(json.dumps(live))
+    monkeypatch.setattr(lock, "read_holder", lambda folder: dead)  # the second claimant's (old) look
+    assert not lock.acquire_lock(tmp_path)
+    assert json.loads((tmp_path / lock.LOCK_FILE).read_text()) == live
+    assert sorted(p.name for p in tmp_path.iterdir()) == [lock.LOCK_FILE]
+    # A lock that really is the dead holder's is taken over.
+    (tmp_path / lock.LOCK_FILE).write_text(json.dumps(dead))
+    assert lock.acquire_lock(tmp_path)
+    assert json.loads((tmp_path / lock.LOCK_FILE).read_text())["pid"] == os.getpid()

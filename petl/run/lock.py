@@ -90,15 +90,44 @@ def acquire_lock(folder: Path) -> bool:
         if holder is None:
             continue  # released between our two looks
         if holder.get("host") == me["host"] and not _pid_alive(int(holder.get("pid", -1))):
-            lock.unlink(missing_ok=True)  # stale: its owner is dead
-            continue
+            if _take_over(lock, holder):
+                continue  # stale: its owner is dead, and the lock is out of the way
         return False
     return False
 
 
+def _take_over(lock: Path, stale: dict[str, Any]) -> bool:
+    """Move a stale lock out of the way; False if what moved was not ``stale`` (a newer, live lock).
+
+    A rename moves one file once: of two claimants that judged the same lock stale, only one moves it, and
+    the other either finds nothing (and races fairly for the new lock) or moves the winner's fresh lock,
+    sees it is not the stale one, and puts it back.  (Deleting instead would let the slower one delete
+    the faster one's live lock.)
+    """
+    moved = lock.with_name(f"{lock.name}.{os.getpid()}.stale")
+    try:
+        os.rename(lock, moved)
+    except FileNotFoundError:
+        return True  # another claimant moved it first: try to create ours
+    try:
+        taken = json.loads(moved.read_text())
+    except (OSError, ValueError):
+        taken = None
+    if taken == stale:
+        moved.unlink(missing_ok=True)
+        return True
+    try:
+        os.link(moved, lock)  # put the live lock back, unless yet another claimant already made one
+    except OSError:
+        pass
+    moved.unlink(missing_ok=True)
+    return False
+
+
 def release_lock(folder: Path) -> None:
-    """Drop the claim on ``folder``."""
-    (folder / LOCK_FILE).unlink(missing_ok=True)
+    """Drop this process's claim on ``folder``; a lock another process holds (it took over) is left alone."""
+    if holds_lock(folder):
+        (folder / LOCK_FILE).unlink(missing_ok=True)
 
 
 def describe_holder(folder: Path) -> str:
