@@ -185,7 +185,7 @@ def test_a_failing_run_is_logged_and_the_sweep_goes_on(tmp_path):
 
 def test_cli_runs_a_restricted_suite_then_reports(tmp_path, monkeypatch, capsys):
     engine = FakeEngine()
-    monkeypatch.setattr(sweep, "_default_fns", lambda: (engine.train, engine.compose))
+    monkeypatch.setattr(sweep, "_default_fns", lambda: (engine.train, engine.compose, None))
     args = ["suite=mini", "methods=linear,lora", "tasks=mini/digits", "seeds=0,1", "train.epochs=1"]
     assert cli.main([*args, f"output_dir={tmp_path}", "progress=false"]) == 0
     assert len(engine.trained) == 4 and all("train.epochs=1" in o for o in engine.trained)

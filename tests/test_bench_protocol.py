@@ -292,6 +292,43 @@ def test_a_diverged_trial_is_scored_last_and_the_finals_go_ahead(tmp_path):
     assert len(summary.failed) == 2 and len(summary.waiting) == 1 and not summary.diverged
 
 
+def test_a_finished_trial_of_another_config_is_not_reused(tmp_path):
+    suite = _suite(search={"train.lr": [1e-3, 1e-2]})
+    cells = protocol.plan_cells(suite, [suites.Experiment("e", {"name": "lora"})], ["mini/digits"], [0], tmp_path)
+    trained: list = []
+    fakes = _fake_trainer({1e-3: 40.0, 1e-2: 50.0}, trained)
+    protocol.run_protocol(cells, progress=False, **fakes)
+    stale = cells[0].trials[1].run  # as if the suite's epochs had been edited since it finished
+
+    def check(cfg):
+        if cfg["output_dir"] == str(stale.run_dir):
+            raise ValueError("holds a run with another config (train.epochs: 20 -> 30)")
+
+    summary = protocol.run_protocol(cells, progress=False, check_fn=check, **fakes)
+    assert summary.stale == [stale.label] and any("train.epochs: 20 -> 30" in f for f in summary.failed)
+    assert summary.waiting and "another config" in summary.waiting[0]
+
+
+def test_check_finished_compares_the_config_a_run_was_trained_with(tmp_path):
+    from conftest import tiny_run
+
+    from petl.run import default_config, train
+    from petl.run.config import ConfigError
+    from petl.run.runner import check_finished
+
+    overrides = [*tiny_run(subset=32, epochs=1), "method=linear", f"output_dir={tmp_path}"]
+    train(default_config(overrides))
+    check_finished(default_config(overrides))  # the same config: fine
+    with pytest.raises(ConfigError, match="another config .*train.epochs: 1 -> 2"):
+        check_finished(default_config([*overrides, "train.epochs=2"]))
+    check_finished(default_config([*overrides, "train.progress=true"]))  # neutral keys do not count
+    # A key petl did not have when the run finished is no difference (new options default to the old behaviour).
+    result = json.loads((tmp_path / "result.json").read_text())
+    del result["config"]["train"]["weight_decay_all"]
+    (tmp_path / "result.json").write_text(json.dumps(result))
+    check_finished(default_config(overrides))
+
+
 def test_finals_wait_for_a_complete_search(tmp_path):
     suite = _suite(search={"train.lr": [1e-3, 1e-2]})
     cells = protocol.plan_cells(suite, [suites.Experiment("e", {"name": "lora"})], ["mini/digits"], [0], tmp_path)

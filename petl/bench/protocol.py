@@ -254,11 +254,15 @@ def run_protocol(cells: Sequence[Cell], progress: bool = True, **sweep_fns: Any)
     trials = [t.run for cell in cells for t in cell.trials]
     summary = run_sweep(trials, progress=progress, **sweep_fns) if trials else SweepSummary()
     finals, chosen = [], []
+    stale = set(summary.stale)
     for cell in cells:
         for trial in cell.trials:
             # The final run retrains the chosen point: a trial's weights are never used again.
             if trial.run.is_done():
                 (trial.run.run_dir / WEIGHTS_FILE).unlink(missing_ok=True)
+        if any(t.run.label in stale for t in cell.trials):
+            summary.waiting.append(f"{cell.label}: a trial holds another config's result, final runs wait")
+            continue
         selection = cell.selection()
         if selection is None:
             summary.waiting.append(f"{cell.label}: search incomplete, final runs wait for the next invocation")

@@ -28,6 +28,7 @@ ERROR_FILE = "error.log"
 
 TrainFn = Callable[[Any], dict]
 ComposeFn = Callable[[list[str]], Any]
+CheckFn = Callable[[Any], None]
 
 
 @dataclass(frozen=True)
@@ -113,6 +114,7 @@ class SweepSummary:
     failed: list[str] = field(default_factory=list)
     waiting: list[str] = field(default_factory=list)
     diverged: list[str] = field(default_factory=list)
+    stale: list[str] = field(default_factory=list)
 
     def line(self) -> str:
         """One-line summary for the console."""
@@ -132,6 +134,7 @@ class SweepSummary:
         self.failed += other.failed
         self.waiting += other.waiting
         self.diverged += other.diverged
+        self.stale += other.stale
 
 
 def _diverged_result(run: PlannedRun, error: Exception) -> dict[str, Any]:
@@ -146,11 +149,12 @@ def _diverged_result(run: PlannedRun, error: Exception) -> dict[str, Any]:
     }
 
 
-def _default_fns() -> tuple[TrainFn, ComposeFn]:
+def _default_fns() -> tuple[TrainFn, ComposeFn, CheckFn]:
     # Imported late: the sweep is testable with fakes, and `petl-bench report` never needs the engine.
     from petl import run
+    from petl.run.runner import check_finished
 
-    return run.train, run.default_config
+    return run.train, run.default_config, check_finished
 
 
 def run_sweep(
@@ -158,29 +162,43 @@ def run_sweep(
     train_fn: TrainFn | None = None,
     compose_fn: ComposeFn | None = None,
     progress: bool = True,
+    check_fn: CheckFn | None = None,
 ) -> SweepSummary:
     """Train every planned run that has no result yet, one after another, in this process.
 
     A run that raises is logged to ``<run_dir>/error.log`` and the sweep goes on; the caller decides
-    the exit status from :attr:`SweepSummary.failed`.
+    the exit status from :attr:`SweepSummary.failed`.  A finished run is checked against its planned
+    config (``check_fn``); one trained with another config (an edited suite) is reported as failed and
+    listed in ``stale``, never counted as this config's result.
 
     Args:
         runs: from :func:`plan`.
         train_fn: ``petl.run.train`` unless given (tests pass a fake).
         compose_fn: ``petl.run.default_config`` unless given.
         progress: show the sweep's progress bar (runs done / total, current run, ETA).
+        check_fn: raises when a finished run's folder holds another config; with the engine's defaults
+            ``petl.run.runner.check_finished``, else none unless given.
 
     Returns:
         The sweep's summary.
 
     """
     if train_fn is None or compose_fn is None:
-        default_train, default_compose = _default_fns()
+        default_train, default_compose, default_check = _default_fns()
+        check_fn = check_fn or (default_check if train_fn is None else None)
         train_fn = train_fn or default_train
         compose_fn = compose_fn or default_compose
     summary = SweepSummary(total=len(runs))
     pending = [r for r in runs if not r.is_done()]
     summary.already_done = len(runs) - len(pending)
+    waiting_ids = {id(r) for r in pending}
+    for run in runs:
+        if check_fn is not None and id(run) not in waiting_ids:
+            try:
+                check_fn(compose_fn(list(run.overrides)))
+            except Exception as error:  # a ConfigError naming the difference
+                summary.stale.append(run.label)
+                summary.failed.append(f"{run.label}: {error}")
     # Starting the bar at the runs already done keeps its ETA based on this session's pace only.
     bar = tqdm(total=len(runs), initial=summary.already_done, desc="sweep", unit="run", disable=not progress)
     try:

@@ -175,6 +175,34 @@ def _prepare_output_dir(out: Path, cfg: DictConfig, fingerprint: dict[str, Any],
     return finished
 
 
+def check_finished(cfg: DictConfig) -> None:
+    """Refuse a finished run in ``cfg.output_dir`` that was trained with another config or other inputs.
+
+    A sweep skips a run whose ``result.json`` exists without calling :func:`run`; this is the same check
+    :func:`run` makes before returning such a result, so an edited suite (another epoch count, say) cannot
+    have old results counted as its own.
+
+    Raises:
+        ConfigError: the folder holds a run of another config, data folder or weights file.
+
+    """
+    finished = records.read_json(Path(cfg.output_dir) / records.RESULT_FILE)
+    if finished is None or "config" not in finished:
+        return  # nothing finished here (or a hand-made record): nothing to compare
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    assert isinstance(resolved, dict)
+    old, new = _fingerprint(finished["config"]), _fingerprint(resolved)
+    # A key added to petl after the run finished is not a difference: an option is added with a default that
+    # keeps the old behaviour, so committed results stay valid when petl grows an option.
+    new = {k: v for k, v in new.items() if k in old}
+    if old != new:
+        raise ConfigError(
+            f"output_dir {cfg.output_dir} holds a run with another config ({_difference(old, new)}); "
+            "delete it to train this config"
+        )
+    _check_inputs(Path(cfg.output_dir), finished.get("inputs"), _inputs(cfg, None), finished=True)
+
+
 def _inputs(cfg: DictConfig, dataset: Dataset | None) -> dict[str, Any]:
     """What decides a run's result besides its config values: the data and weights files' content.
 
