@@ -222,6 +222,12 @@ def test_local_checkpoint_replaces_the_hub_download(tmp_path):
     assert torch.equal(model.blocks[1].mlp.fc2.weight, source.blocks[1].mlp.fc2.weight)
     with pytest.raises(config.ConfigError, match="model.checkpoint=.*nope.safetensors: no such file"):
         runner._create_backbone(default_config([*TINY, "model.checkpoint=nope.safetensors"]))
+    # A finished run whose weights file is gone: the same usage error, not a raw FileNotFoundError.
+    finished = [*TINY, "method=linear", "model.pretrained=true", f"model.checkpoint={tmp_path}/w.safetensors"]
+    train(default_config([*finished, "train.epochs=1", f"output_dir={tmp_path / 'run'}"]))
+    (tmp_path / "w.safetensors").unlink()
+    with pytest.raises(config.ConfigError, match="no such file"):
+        train(default_config([*finished, "train.epochs=1", f"output_dir={tmp_path / 'run'}"]))
 
 
 def test_backbone_mode_train_turns_the_feature_cache_off(tmp_path):

@@ -257,7 +257,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         else:
             _run_hydra(argv)
     except KeyboardInterrupt:
-        _error("interrupted; the same command resumes from the last finished epoch")
+        resumes = not checked or checked[0].resume  # resume=false would delete the kept epochs
+        _error(
+            "interrupted; the same command resumes from the last finished epoch"
+            if resumes
+            else "interrupted; run it again with resume=true to resume from the last finished epoch"
+        )
         raise SystemExit(130) from None
     if _failed_jobs:
         _error(f"{len(_failed_jobs)} job(s) of the sweep failed (see above)")

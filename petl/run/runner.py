@@ -214,6 +214,8 @@ def _inputs(cfg: DictConfig, dataset: Dataset | None) -> dict[str, Any]:
         dataset = dataset.dataset
     root = cfg.data.root
     checkpoint = cfg.model.checkpoint if cfg.model.pretrained else None
+    if checkpoint and not Path(checkpoint).is_file():
+        raise ConfigError(f"model.checkpoint={checkpoint}: no such file")
     return {
         "data.root": str(Path(root).expanduser().resolve()) if root else None,
         "data.fingerprint": getattr(dataset, "fingerprint", None),
@@ -515,7 +517,7 @@ def _remove_empty(created: list[Path]) -> None:
 
 
 @contextmanager
-def _disk_errors(out: Path, saved_epoch: Callable[[], int]) -> Iterator[None]:
+def _disk_errors(out: Path, saved_epoch: Callable[[], int], resume: bool = True) -> Iterator[None]:
     """Turn a failed write (disk full, folder gone) into one line saying which epochs are safe."""
     try:
         yield
@@ -523,10 +525,9 @@ def _disk_errors(out: Path, saved_epoch: Callable[[], int]) -> Iterator[None]:
         epoch = saved_epoch()
         kept = f"the checkpoint of epoch {epoch} is kept" if epoch else "no epoch had finished"
         reason = error.strerror or str(error)
-        raise RunError(
-            f"cannot write to output_dir {out} ({reason}): {kept}; free the space and run the same command "
-            "again to resume"
-        ) from None
+        # With resume=false the same command would delete the kept checkpoint and start over.
+        again = "run the same command again to resume" if resume else "run the command again with resume=true"
+        raise RunError(f"cannot write to output_dir {out} ({reason}): {kept}; free the space and {again}") from None
 
 
 def _run(cfg: DictConfig, resolved: dict[str, Any], out: Path, accelerator: Accelerator) -> dict[str, Any]:
@@ -548,14 +549,14 @@ def _run(cfg: DictConfig, resolved: dict[str, Any], out: Path, accelerator: Acce
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     progress = _Progress.start(checkpoint)
-    with _disk_errors(out, lambda: progress.saved_epoch):
+    with _disk_errors(out, lambda: progress.saved_epoch, cfg.resume):
         if accelerator.is_main_process:
             records.write_text(out / records.CONFIG_FILE, OmegaConf.to_yaml(resolved))
     training = _prepare_training(cfg, model, datasets, accelerator)
     if checkpoint is not None:
         training.restore(checkpoint)
         _say(accelerator, "resuming %s from epoch %d/%d", out, progress.start_epoch, cfg.train.epochs)
-    with _disk_errors(out, lambda: progress.saved_epoch):
+    with _disk_errors(out, lambda: progress.saved_epoch, cfg.resume):
         if accelerator.is_main_process:
             records.write_metrics(out / records.METRICS_FILE, progress.history)
     if cfg.train.trackers:
@@ -573,7 +574,7 @@ def _run(cfg: DictConfig, resolved: dict[str, Any], out: Path, accelerator: Acce
     peak_mb, peak_kind = records.peak_memory()
     result.update(peak_memory_mb=round(peak_mb, 1), peak_memory_kind=peak_kind, config=resolved, inputs=inputs)
     result["wall_seconds"] = round(time.perf_counter() - started, 2)
-    with _disk_errors(out, lambda: progress.saved_epoch):
+    with _disk_errors(out, lambda: progress.saved_epoch, cfg.resume):
         _record(cfg, out, model, result, accelerator)
     _say(accelerator, "wrote %s", out / records.RESULT_FILE)
     return result
@@ -724,7 +725,7 @@ def _train(cfg: DictConfig, out: Path, training: _Training, progress: _Progress,
             }
             # Checkpoint first, then the metrics line: a crash in between leaves a line too few,
             # and a resume rewrites metrics.jsonl from the checkpoint's history anyway.
-            with _disk_errors(out, lambda: progress.saved_epoch):
+            with _disk_errors(out, lambda: progress.saved_epoch, cfg.resume):
                 records.save_checkpoint(out / records.CHECKPOINT_FILE, state)
                 progress.saved_epoch = epoch + 1
                 records.append_metrics(out / records.METRICS_FILE, metrics)
