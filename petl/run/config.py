@@ -115,6 +115,10 @@ class TrainConfig(TrainSettings):
         grad_accum: micro-batches accumulated per optimizer step.
         precision: accelerate mixed precision: ``no``, ``bf16`` or ``fp16``.
         cache_features: train on cached activations of the frozen part of the backbone, when there is one.
+        grad_checkpointing: recompute each block's activations during the backward instead of keeping them
+            (timm's ``set_grad_checkpointing``, applied by the runner): less memory, one more forward per block.
+        compile: compile the model with ``torch.compile`` (accelerate's dynamo backend, set up by the runner);
+            on CPU it needs a C++ compiler and is skipped with a warning without one.
         deterministic: use deterministic algorithms where torch has them (CPU runs repeat exactly; on CUDA also
             a fixed cuBLAS workspace and no cuDNN autotuning); false turns them off for the run.
         trackers: experiment trackers through accelerate (``tensorboard``, ``wandb``...); none by default.
@@ -130,6 +134,8 @@ class TrainConfig(TrainSettings):
     grad_accum: int = 1
     precision: str = "no"
     cache_features: bool = True
+    grad_checkpointing: bool = False
+    compile: bool = False
     deterministic: bool = True
     trackers: list[str] = field(default_factory=list)
     keep_checkpoint: bool = False

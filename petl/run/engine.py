@@ -47,10 +47,6 @@ class TrainSettings:
             tensor), prompt tokens and position embeddings are exempt, as in timm's
             ``param_groups_weight_decay`` and the models' ``no_weight_decay()``.
         progress: show a progress bar per epoch.
-        grad_checkpointing: recompute each block's activations during the backward instead of keeping them
-            (timm's ``set_grad_checkpointing``): less memory, one more forward through the blocks.
-        compile: compile the model with ``torch.compile`` (through accelerate's dynamo backend); on CPU it
-            needs a C++ compiler and is skipped with a warning without one.
 
     """
 
@@ -63,8 +59,6 @@ class TrainSettings:
     backbone_mode: str = "auto"
     weight_decay_all: bool = False
     progress: bool = True
-    grad_checkpointing: bool = False
-    compile: bool = False
 
 
 BACKBONE_MODES = ("auto", "train", "eval")
