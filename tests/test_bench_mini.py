@@ -77,6 +77,12 @@ def test_committed_mini_reports_rebuild_from_the_committed_results(tmp_path):
 # ---------------------------------------------------------------------------------------- convergence
 
 
+def test_a_task_the_registry_does_not_know_is_reported_not_fatal():
+    assert report.task_group("vtab/not_registered_here") == "other"
+    assert report.task_group("fgvc/not_registered_here") == "fgvc"
+    assert report.task_group("mini/digits") == "natural"
+
+
 def test_tail_change_is_the_change_over_the_last_fifth_of_the_epochs():
     assert tail_change([10.0, 20.0, 30.0, 40.0, 50.0, 60.0, 70.0, 80.0, 85.0, 86.0]) == 86.0 - 80.0  # k = 2
     assert tail_change([10.0, 30.0, 31.0, 31.5, 31.0]) == 31.0 - 31.5  # k = 1

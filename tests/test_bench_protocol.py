@@ -364,6 +364,7 @@ def test_suite_file_validation(tmp_path):
         "data: {split: train800}\n": "data.split are set per run",
         "pinned_trial: true\n": "`pinned_trial` needs a `search:` space",
         "search: {train.lr: [0.001]}\npinned_trial: 1\n": "`pinned_trial` must be true or false",
+        "search: {train.lr: [0.001]}\nfinal_split: test\n": "final_split 'test': expected one of",
     }
     for extra, message in cases.items():
         (tmp_path / "suites" / "bad.yaml").write_text(base + extra)

@@ -167,12 +167,3 @@ def _load(path: Path) -> dict[str, PublishedRow]:
 def table_for(task: str) -> PublishedTable | None:
     """The published table covering petl dataset ``task``, if any (mini tasks have none)."""
     return next((t for t in TABLES if t.covers(task)), None)
-
-
-def vtab_group(task: str) -> str | None:
-    """VTAB-1k group of a ``vtab/...`` task name, from the published convention; None for other tasks."""
-    table = table_for(task)
-    if table is None or table.key != "vtab1k":
-        return None
-    group = table.group_of(table.column(task))
-    return None if group == "other" else group

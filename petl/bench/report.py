@@ -27,7 +27,7 @@ from typing import Any
 
 import yaml
 
-from petl.bench.published import TABLES, PublishedRow, PublishedTable, ppt, table_for, vtab_group
+from petl.bench.published import TABLES, PublishedRow, PublishedTable, ppt, table_for
 from petl.bench.table import Cell, Header, Table
 from petl.run.records import METRICS_FILE, RESULT_FILE, write_atomic, write_text
 
@@ -79,18 +79,15 @@ def collect(results_dir: str | Path) -> list[RunRecord]:
 def task_group(task: str) -> str:
     """The benchmark group of a dataset (natural / specialized / structured / fgvc, else ``other``).
 
-    The dataset registry is asked first; VTAB and FGVC names fall back to the published convention so
-    that a report can be built on a machine without the data package's registry entry for a task.
+    The dataset registry says; a task it does not know (registered by a plugin in the process that trained,
+    not in this one) is ``fgvc`` by its prefix, else ``other``: a report never fails on a task name.
     """
-    try:
-        from petl.data import get_info
+    from petl.data import get_info
 
+    try:
         return str(get_info(task).group)
-    except (ImportError, KeyError, ValueError):
-        pass
-    if (group := vtab_group(task)) is not None:
-        return group
-    return "fgvc" if task.startswith("fgvc/") else "other"
+    except (KeyError, ValueError):
+        return "fgvc" if task.startswith("fgvc/") else "other"
 
 
 @dataclass(frozen=True)

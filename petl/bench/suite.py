@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from petl.data import TRAINING_SPLITS
 from petl.presets import (
     SEARCH_ROOTS,
     SWEEP_OWNED,
@@ -163,6 +164,10 @@ def load_suite(name: str, benchmarks_dir: Path) -> Suite:
     if "search_seed" in data and not search:
         # A value without effect is a bug: the trial seed only acts when the suite selects on val.
         raise ValueError(f"{path}: `search_seed` needs a `search:` space (without one, runs train once per seed)")
+    final_split = data.get("final_split", FINAL_SPLIT if search else None)
+    if final_split is not None and final_split not in TRAINING_SPLITS:
+        # Checked here, not after a whole search has been spent on a split no run can train on.
+        raise ValueError(f"{path}: final_split {final_split!r}: expected one of {', '.join(TRAINING_SPLITS)}")
     pinned_trial = data.get("pinned_trial", False)
     if not isinstance(pinned_trial, bool):
         raise ValueError(f"{path}: `pinned_trial` must be true or false, got {pinned_trial!r}")
@@ -178,7 +183,7 @@ def load_suite(name: str, benchmarks_dir: Path) -> Suite:
         str(data.get("description", "")),
         search=search,
         search_seed=int(data.get("search_seed", 0)),
-        final_split=str(data.get("final_split", FINAL_SPLIT if search else "")) or None,
+        final_split=final_split,
         per_task=per_task,
         pinned_trial=pinned_trial,
     )
