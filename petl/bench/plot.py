@@ -60,7 +60,7 @@ def render_pareto(points: list[Point], num_tasks: int, models: list[str]) -> byt
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     for i, p in enumerate(rows):
-        label = p.label if p.complete else f"{p.label} (not all tasks)"
+        label = p.label if p.complete else f"{p.label} (not all tasks or seeds)"
         marker = _MARKERS[i % len(_MARKERS)]
         ax.scatter(
             [p.params], [p.accuracy], marker=marker, s=60, label=label, zorder=3, alpha=1.0 if p.complete else 0.35
@@ -76,7 +76,7 @@ def render_pareto(points: list[Point], num_tasks: int, models: list[str]) -> byt
         xs, ys = zip(*front, strict=True)
         ax.scatter(xs, ys, s=170, facecolors="none", edgecolors="0.3", zorder=2, label="Pareto frontier")
     ax.set_xscale("log")
-    ax.set_xlabel("trainable parameters, head included (mean over tasks, log scale)")
+    ax.set_xlabel("trainable parameters, head included (mean over runs, log scale)")
     ax.set_ylabel(f"task-mean top-1 (%) over {num_tasks} tasks")
     ax.set_title(f"petl, measured on {', '.join(models)}", fontsize=10)
     ax.grid(True, which="both", alpha=0.3)

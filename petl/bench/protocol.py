@@ -171,6 +171,10 @@ def plan_cells(
                     f"(searched: {', '.join(space) or 'nothing'}); edit the suite or experiment file instead"
                 )
             base = (*suite.overrides(), *exp.overrides(), *suite.task_overrides(exp.name, task), f"data={task}")
+            names = [point_name(p) for p in grid(space)]
+            if len(set(names)) < len(names):
+                # Folder names replace unsafe characters: two points must not share one trial folder.
+                raise ValueError(f"{exp.name}: search points {names} share a folder name; use distinct values")
             trials = []
             # A cell whose experiment pins every searched key has nothing to select: it goes straight to its
             # finals, or, under `pinned_trial`, first trains its one point (grid({}) == [{}], folder "defaults")

@@ -188,9 +188,9 @@ class Compute:
     def line(self) -> str:
         """The legend line."""
         return (
-            f"**Compute**: {self.runs} reported runs and {self.trials} selection trials, {self.seconds / 3600:.2f} h "
-            "of run time summed over them (each run's wall time in its result.json; sweeps run side by side "
-            "overlap, so the elapsed time is shorter)."
+            f"**Compute**: {self.runs} reported runs and {self.trials} selection trials (every result.json under "
+            f"the folder), {self.seconds / 3600:.2f} h of run time summed over them (each run's wall time in its "
+            "result.json; sweeps run side by side overlap, so the elapsed time is shorter)."
         )
 
 
@@ -704,9 +704,9 @@ def leaderboard_columns(board: Leaderboard) -> list[Column]:
             },
             note=f"**Val Δ last {CONVERGENCE_TAIL:.0%} ep**: convergence check, the val top-1 change (points) over "
             f"the last {CONVERGENCE_TAIL:.0%} of the epochs, mean over tasks (in brackets the largest absolute change "
-            "of any task): from each run's own per-epoch val accuracy (metrics.jsonl), or, for a final run "
-            "trained on train+val, from the search trial it was selected from (one seed); – where none was "
-            "recorded.",
+            "of any one curve, the figure to read: opposite changes on two tasks cancel in the mean): from each "
+            "run's own per-epoch val accuracy (metrics.jsonl), or, for a final run trained on train+val, from the "
+            "search trial it was selected from (one seed); – where none was recorded.",
         ),
         _result_column("train_seconds", "Train s/run", _nanmean, 1, 2),
         _result_column("images_per_second", "Images/s", _nanmean, 0, 1),
@@ -798,7 +798,7 @@ def notes(board: Leaderboard) -> list[str]:
         "`task_mean`). **Group mean** = mean of the group averages (as VPT, NOAH and Adapter+ report), "
         f"groups — {group_text}.",
         "**PPT** = M·exp(−log10(P/C + 1)), M = task mean as a fraction, P = trainable parameters without the "
-        "head (mean over tasks), C = 10^7 (V-PETL Bench).",
+        "head (mean over runs), C = 10^7 (V-PETL Bench).",
         "Trainable counts are means over runs (the head's size follows each task's classes); % is of all "
         "parameters. Train s/run and Images/s are means over runs (as the engine ran them, feature caching "
         "included, the test pass not); Peak MB is the maximum over runs"
