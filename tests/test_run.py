@@ -262,3 +262,17 @@ def test_augmented_training_images_are_not_cached_and_test_time_is_apart(tmp_pat
     assert augmented["feature_cache"] is None and plain["feature_cache"] is not None
     for result in (augmented, plain):
         assert result["test_seconds"] > 0 and result["train_seconds"] < result["wall_seconds"]
+
+
+def test_the_loaders_worker_seed_of_an_epoch_does_not_depend_on_the_epochs_before():
+    # Each epoch's iterator draws its worker base seed from the loader's generator: a run resumed at epoch 2
+    # must draw epoch 2's, not epoch 0's (it decides the random crops and flips when num_workers > 0).
+    def base_seed(sampler, epoch):
+        sampler.set_epoch(epoch)
+        loader = runner._loader(list(range(8)), 4, 0, seed=3, sampler=sampler)
+        return iter(loader)._base_seed
+
+    uninterrupted = runner.EpochSampler(8, seed=3)
+    seeds = [base_seed(uninterrupted, e) for e in range(3)]
+    assert len(set(seeds)) == 3
+    assert base_seed(runner.EpochSampler(8, seed=3), 2) == seeds[2]

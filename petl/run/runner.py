@@ -57,6 +57,8 @@ _NEUTRAL_KEYS = (
     "train.keep_checkpoint",
     "train.eval_batch_size",
     "data.root",
+    # Neutral for the order, dropout and drop-path; with augmented images (FGVC) the crops come from the global
+    # stream with 0 workers and from per-epoch worker seeds with more, so changing it mid-run changes the crops.
     "data.num_workers",
 )
 
@@ -84,16 +86,22 @@ class EpochSampler(Sampler[int]):
 
     Unlike a sampler fed by one running generator, epoch ``e``'s order does not depend on the
     epochs before it, so a run resumed at epoch ``e`` sees exactly the batches it would have seen.
+    ``generator`` (the training DataLoader's) is reseeded from (seed, epoch) too: each epoch's
+    iterator draws its worker base seed from it, and with ``num_workers > 0`` the workers' random
+    crops and flips come from that seed, so a resumed epoch gets its own, not epoch 0's.
     """
 
     def __init__(self, size: int, seed: int) -> None:
         self.size = size
         self.seed = seed
         self.epoch = 0
+        self.generator = torch.Generator()
+        self.set_epoch(0)
 
     def set_epoch(self, epoch: int) -> None:
-        """Select the order of epoch ``epoch``."""
+        """Select the order (and the loader's worker seeds) of epoch ``epoch``."""
         self.epoch = epoch
+        self.generator.manual_seed(int(np.random.SeedSequence([self.seed, epoch]).generate_state(1)[0]))
 
     def __iter__(self) -> Iterator[int]:
         yield from np.random.default_rng([self.seed, self.epoch]).permutation(self.size).tolist()
@@ -405,8 +413,9 @@ def _loader(
     drop_last: bool = False,
 ) -> DataLoader:
     # A loader of its own generator: every DataLoader iterator draws a worker base seed, and drawing
-    # it from the global RNG would shift the stream that dropout and drop-path use.
-    generator = torch.Generator().manual_seed(seed)
+    # it from the global RNG would shift the stream that dropout and drop-path use.  The training
+    # loader takes its EpochSampler's, which is reseeded every epoch.
+    generator = getattr(sampler, "generator", None) or torch.Generator().manual_seed(seed)
     return DataLoader(
         dataset,
         batch_size=batch_size,
@@ -641,6 +650,8 @@ class _Training:
                 params[name].copy_(tensor)
         self.optimizer.load_state_dict(checkpoint["optimizer"])
         self.scheduler.load_state_dict(checkpoint["scheduler"])
+        if checkpoint.get("scaler") is not None and self.accelerator.scaler is not None:
+            self.accelerator.scaler.load_state_dict(checkpoint["scaler"])
         records.set_rng_state(checkpoint["rng"])
 
 
@@ -717,6 +728,8 @@ def _train(cfg: DictConfig, out: Path, training: _Training, progress: _Progress,
                 "optimizer": optimizer.state_dict(),
                 "scheduler": scheduler.state_dict(),
                 "rng": records.rng_state(),
+                # fp16's loss scale: restarted at its initial value, a resumed run would skip other steps.
+                "scaler": accelerator.scaler.state_dict() if accelerator.scaler is not None else None,
                 "history": progress.history,
                 "seconds": progress.seconds(),
                 "inputs": inputs,
