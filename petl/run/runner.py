@@ -777,7 +777,10 @@ def _evaluate_test_once(training: _Training) -> float | None:
     # Without the compile wrapper: a CachedTail is swapped for the whole model to test on images.
     full_model = training.accelerator.unwrap_model(training.trainee, keep_torch_compile=False)
     full_model = full_model.model if isinstance(full_model, cache.CachedTail) else full_model
-    return evaluate(full_model, training.test_loader, training.accelerator)
+    # The unwrapped model is outside the autocast accelerate put around the prepared one: test under the
+    # same precision as training and val did (a no-op in fp32).
+    with training.accelerator.autocast():
+        return evaluate(full_model, training.test_loader, training.accelerator)
 
 
 def _record(cfg: DictConfig, out: Path, model: nn.Module, result: dict[str, Any], accelerator: Accelerator) -> None:
