@@ -106,6 +106,12 @@ def check_dropout(field: str, value: float) -> None:
     check_range(field, value, low=0, high=1, open_high=True)
 
 
+def check_nonzero(field: str, value: float, switches_off: str) -> None:
+    """Raise a ValueError when a multiplier ``field`` is 0: it would silently switch ``switches_off`` off."""
+    if value == 0:
+        raise ValueError(f"{field}=0 switches {switches_off} off: choose a non-zero {field}")
+
+
 def check_choice(field: str, value: Any, choices: tuple[str, ...]) -> None:
     """Raise a ValueError naming ``field`` and the valid choices when ``value`` is not one of them."""
     if value not in choices:

@@ -385,3 +385,8 @@ def test_convpass_vit_base_count(vit_base):
     assert _formula(vit_base, "convpass") == 327_552
     model = petl.apply(copy.deepcopy(vit_base), "convpass", num_classes=10)
     assert petl.count_params(model).trainable_no_head == 327_552
+
+
+def test_convpass_refuses_a_zero_scale(tiny_vit):
+    with pytest.raises(ValueError, match="scale=0 switches the bypass off"):
+        petl.apply_convpass(tiny_vit(), scale=0.0)

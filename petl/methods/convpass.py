@@ -47,8 +47,7 @@ class ConvpassConfig(core.MethodConfig):
     def validate(self, model: nn.Module) -> None:
         super().validate(model)
         core.check_range("dim", self.dim, low=1)
-        if self.scale == 0:
-            raise ValueError("scale=0 switches the bypass off: choose a non-zero scale")
+        core.check_nonzero("scale", self.scale, "the bypass")
         core.check_dropout("dropout", self.dropout)
 
 

@@ -64,9 +64,7 @@ class FactConfig(core.MethodConfig):
         core.check_choice("type", self.type, TYPES)
         core.check_range("rank", self.rank, low=1)
         core.check_dropout("dropout", self.dropout)
-        if self.scale == 0:
-            raise ValueError("scale=0 switches the factorised update off: choose a non-zero scale")
-        core.check_range("scale", self.scale)
+        core.check_nonzero("scale", self.scale, "the factorised update")
         d = vit.embed_dim(model)
         for block in vit.blocks(model):
             fc1 = vit.linear(block, "fc1")

@@ -51,8 +51,7 @@ class HydraConfig(core.MethodConfig):
     def validate(self, model: nn.Module) -> None:
         super().validate(model)
         core.check_range("dim", self.dim, low=1)
-        if self.scale == 0:
-            raise ValueError("scale=0 switches both branches off: choose a non-zero scale")
+        core.check_nonzero("scale", self.scale, "both branches")
         core.check_dropout("dropout", self.dropout)
         if not self.targets:
             raise ValueError(f"targets is empty: choose one or both of {', '.join(TARGETS)}")

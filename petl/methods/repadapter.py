@@ -53,9 +53,7 @@ class RepAdapterConfig(core.MethodConfig):
         core.check_range("bottleneck", self.bottleneck, low=1)
         core.check_range("groups", self.groups, low=1)
         core.check_dropout("dropout", self.dropout)
-        if self.scale == 0:
-            raise ValueError("scale=0 switches the adapters off: choose a non-zero scale")
-        core.check_range("scale", self.scale)
+        core.check_nonzero("scale", self.scale, "the adapters")
         width = vit.embed_dim(model)
         if self.bottleneck % self.groups or width % self.groups:
             raise ValueError(f"groups={self.groups} must divide bottleneck={self.bottleneck} and the embed dim {width}")
