@@ -276,3 +276,12 @@ def test_the_loaders_worker_seed_of_an_epoch_does_not_depend_on_the_epochs_befor
     seeds = [base_seed(uninterrupted, e) for e in range(3)]
     assert len(set(seeds)) == 3
     assert base_seed(runner.EpochSampler(8, seed=3), 2) == seeds[2]
+
+
+def test_every_run_resets_its_own_peak_memory(tmp_path, monkeypatch):
+    # In-process runs (a sweep, Hydra's --multirun, a notebook) would otherwise report the peak of all before them.
+    resets: list[int] = []
+    monkeypatch.setattr(records, "reset_peak_rss", lambda: resets.append(1) or True)
+    tiny(tmp_path / "a", "method=linear", "train.epochs=1")
+    tiny(tmp_path / "b", "method=linear", "train.epochs=1")
+    assert len(resets) == 2

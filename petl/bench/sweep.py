@@ -18,7 +18,6 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from petl.bench.rss import reset_peak_rss
 from petl.bench.suite import Experiment, Suite, format_value
 from petl.run.lock import LOCK_FILE as LOCK_FILE  # the lock is petl-run's too: one home, re-exported here
 from petl.run.lock import acquire_lock, release_lock
@@ -191,9 +190,9 @@ def run_sweep(
     summary = SweepSummary(total=len(runs))
     pending = [r for r in runs if not r.is_done()]
     summary.already_done = len(runs) - len(pending)
-    waiting_ids = {id(r) for r in pending}
+    pending_ids = {id(r) for r in pending}
     for run in runs:
-        if check_fn is not None and id(run) not in waiting_ids:
+        if check_fn is not None and id(run) not in pending_ids:
             try:
                 check_fn(compose_fn(list(run.overrides)))
             except Exception as error:  # a ConfigError naming the difference
@@ -211,9 +210,7 @@ def run_sweep(
                     # Another sweep may have finished it between our first look and the lock.
                     if not run.is_done():
                         (run.run_dir / ERROR_FILE).unlink(missing_ok=True)
-                        # Runs share this process: without a reset, a CPU run's recorded peak memory (max RSS)
-                        # would be the largest of every run before it.
-                        reset_peak_rss()
+                        # Runs share this process; each resets its own peak memory (petl.run.runner._run).
                         train_fn(compose_fn(list(run.overrides)))
                         summary.trained += 1
                 except Exception as error:  # one bad run must not end a day-long sweep
