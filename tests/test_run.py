@@ -104,6 +104,13 @@ def test_killed_run_resumes_to_the_uninterrupted_result(tmp_path, monkeypatch):
     assert not (killed / "result.json").exists() and not (killed / "trainable.safetensors").exists()
     assert (killed / "checkpoint.pt").exists() and len((killed / "metrics.jsonl").read_text().splitlines()) == 1
 
+    config_file = killed / "config.yaml"
+    kept = config_file.read_text()
+    config_file.unlink()  # without it the checkpoint's config cannot be checked: refused, not resumed blindly
+    with pytest.raises(config.ConfigError, match="checkpoint.pt without its config.yaml"):
+        tiny(killed, *args)
+    assert (killed / "checkpoint.pt").exists()
+    config_file.write_text(kept)
     resumed = tiny(killed, *args)
     for key in ("val_top1", "test_top1", "best_val_top1", "final_train_loss"):
         assert resumed[key] == whole[key], key

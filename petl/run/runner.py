@@ -162,7 +162,14 @@ def _prepare_output_dir(out: Path, cfg: DictConfig, fingerprint: dict[str, Any],
     finished = records.read_json(out / records.RESULT_FILE)
     if finished is not None:
         previous = finished["config"]
-    elif (out / records.CHECKPOINT_FILE).exists() and (out / records.CONFIG_FILE).exists():
+    elif (out / records.CHECKPOINT_FILE).exists():
+        if not (out / records.CONFIG_FILE).exists():
+            # config.yaml is written before the first checkpoint, so only a hand-deleted file gets here; without
+            # it nothing tells which config the checkpoint was trained with, and resuming could mix two.
+            raise ConfigError(
+                f"output_dir {out} holds {records.CHECKPOINT_FILE} without its {records.CONFIG_FILE}, so its config "
+                "cannot be checked; choose another output_dir, or resume=false to replace it"
+            )
         previous = OmegaConf.to_container(OmegaConf.load(out / records.CONFIG_FILE))
     else:
         # Nothing finished and no epoch to resume: whatever is there gets overwritten.
