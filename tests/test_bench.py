@@ -502,6 +502,25 @@ def test_params_fails_on_a_count_that_differs_unless_the_file_says_why(tmp_path,
     assert "differs (explained)" in out and "note: rank 4 on purpose" in out
 
 
+def test_params_applies_per_task_method_options_and_spares_another_backbone(tmp_path, capsys):
+    bench = _fake_configs(tmp_path)
+    suite = "experiments: [lora4]\ntasks: [vtab/dtd, vtab/cifar100]\nseeds: [0]\n"
+    # Rank 8 on both tasks is the published LoRA row, whatever the experiment file says.
+    both = "per_task:\n  lora4:\n    vtab/dtd: {method.rank: 8}\n    vtab/cifar100: {method.rank: 8}\n"
+    (bench / "suites" / "s.yaml").write_text(suite + both)
+    args = ["params", "suite=s", f"benchmarks_dir={bench}"]
+    assert cli.main(args) == 0
+    assert "0.29M  ok" in capsys.readouterr().out
+    # Rank 8 on one task, 4 on the other: the mean (0.22M) is shown with the range, and it differs.
+    (bench / "suites" / "s.yaml").write_text(suite + "per_task:\n  lora4:\n    vtab/dtd: {method.rank: 8}\n")
+    assert cli.main(args) == 1
+    out = capsys.readouterr().out
+    assert "0.22 " in out and "DIFFERS" in out and "0.15 to 0.29 over the tasks" in out
+    # On a backbone the table was not measured on, a difference is expected, not a failure.
+    assert cli.main([*args, "model=vit_small_patch16_224"]) == 0
+    assert "differs (other backbone)" in capsys.readouterr().out
+
+
 # ---------------------------------------------------------------------------------------------- configs
 
 

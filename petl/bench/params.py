@@ -6,6 +6,10 @@ V-PETL's tables count (linear probing = 0M).  The count is compared with the pub
 experiment file names (``published:``) at the precision the figure was published at (``0.29M``: two
 decimals in millions).  A difference fails the command unless the experiment file says why
 (``published_note:``), so a published column can never sit beside a different method unnoticed.
+
+A suite's ``per_task`` ``method.*`` options (VPT's prompt length, say) are applied task by task: the count
+shown is the mean over the suite's tasks, as a published per-task configuration is counted, with the range
+when tasks differ.  On a backbone other than the published table's, counts are printed but cannot fail.
 """
 
 from __future__ import annotations
@@ -26,24 +30,30 @@ class ParamsLine:
 
     Attributes:
         experiment: the experiment name.
-        count: petl's trainable parameters without head on the backbone.
+        count: petl's trainable parameters without head on the backbone (mean over the suite's tasks).
         published: the published row, or ``None`` when the experiment names none in this table.
         note: the experiment file's reason for a difference (``""``: none given).
+        task_range: the smallest and largest per-task count when per-task options make them differ.
+        published_backbone: whether the counts are of the table's own backbone (else a difference is expected).
 
     """
 
     experiment: str
-    count: int
+    count: float
     published: PublishedRow | None
     note: str
+    task_range: tuple[int, int] | None = None
+    published_backbone: bool = True
 
     @property
     def status(self) -> str:
-        """``ok``, ``differs (explained)``, ``DIFFERS`` or ``no published row``."""
+        """``ok``, ``differs (explained)``, ``differs (other backbone)``, ``DIFFERS`` or ``no published row``."""
         if self.published is None or self.published.params is None:
             return "no published row"
         if self.published.params_match(self.count):
             return "ok"
+        if not self.published_backbone:
+            return "differs (other backbone)"
         return "differs (explained)" if self.note else "DIFFERS"
 
 
@@ -73,17 +83,45 @@ def suite_backbone(suite: suites.Suite) -> str:
     return str((suite.groups.get("model") or {}).get("name") or PUBLISHED_BACKBONE)
 
 
+def method_for_task(suite: suites.Suite, experiment: suites.Experiment, task: str) -> dict:
+    """The experiment's method options with the suite's ``per_task`` ``method.*`` settings for ``task``."""
+    method = dict(experiment.method)
+    for key, value in suite.per_task.get(experiment.name, {}).get(task, {}).items():
+        if key.startswith("method."):
+            method[key.removeprefix("method.")] = value
+    return method
+
+
+def task_counts(suite: suites.Suite, experiment: suites.Experiment, model_name: str, num_classes: int) -> list[int]:
+    """The experiment's count on each of the suite's tasks (one model build per distinct option set)."""
+    counted: dict[str, int] = {}
+    counts = []
+    for task in suite.tasks:
+        method = method_for_task(suite, experiment, task)
+        key = repr(sorted(method.items()))
+        if key not in counted:
+            counted[key] = count_without_head(model_name, method, num_classes)
+        counts.append(counted[key])
+    return counts
+
+
 def compare(
-    experiments: list[suites.Experiment], table: PublishedTable, model_name: str, num_classes: int
+    suite: suites.Suite,
+    experiments: list[suites.Experiment],
+    table: PublishedTable,
+    model_name: str,
+    num_classes: int,
 ) -> list[ParamsLine]:
     """Each experiment's petl count beside its published row in ``table``."""
     rows = table.rows()
-    return [
-        ParamsLine(
-            e.name, count_without_head(model_name, e.method, num_classes), rows.get(e.published), note_for(e, table)
-        )
-        for e in experiments
-    ]
+    lines = []
+    for e in experiments:
+        counts = task_counts(suite, e, model_name, num_classes)
+        spread = (min(counts), max(counts)) if min(counts) != max(counts) else None
+        mean = sum(counts) / len(counts)
+        published = rows.get(e.published)
+        lines.append(ParamsLine(e.name, mean, published, note_for(e, table), spread, model_name == table.backbone))
+    return lines
 
 
 def format_lines(lines: list[ParamsLine], table: PublishedTable) -> list[str]:
@@ -96,7 +134,10 @@ def format_lines(lines: list[ParamsLine], table: PublishedTable) -> list[str]:
         row = pub.method if pub is not None else "-"
         figure = f"{pub.params / 1e6:.{digits}f}M" if pub is not None and pub.params is not None else "-"
         out.append(f"{line.experiment:<20} {shown:>16}  {row:<18} {figure:>9}  {line.status}")
-        if line.note and line.status != "ok":
+        if line.task_range is not None:
+            low, high = (f"{n / 1e6:.{max(digits, 2)}f}" for n in line.task_range)
+            out.append(f"{'':<20} per-task options: {low} to {high} over the tasks, mean shown")
+        if line.note and line.status not in ("ok", "differs (other backbone)"):
             out.append(f"{'':<20} note: {line.note}")
     return out
 
@@ -105,8 +146,8 @@ def main(args: Sequence[str]) -> int:
     """``petl-bench params suite=... [methods=...] [model=...] [configs_dir=...]``.
 
     Returns:
-        1 when an experiment's count differs from its published row at the published precision and
-        its file gives no ``published_note`` for that table, else 0.
+        1 when an experiment's count on the published backbone differs from its published row at the
+        published precision and its file gives no ``published_note`` for that table, else 0.
 
     """
     from petl.bench.args import split_list
@@ -131,7 +172,7 @@ def main(args: Sequence[str]) -> int:
         print(f"  published: {table.title}; {table.source}; backbone {table.backbone}")
         if model_name != table.backbone:
             print(f"  note: {model_name} is not the published backbone; counts are not expected to match")
-        lines = compare(experiments, table, model_name, num_classes)
+        lines = compare(suite, experiments, table, model_name, num_classes)
         for text in format_lines(lines, table):
             print("  " + text)
         failed |= any(line.status == "DIFFERS" for line in lines)
