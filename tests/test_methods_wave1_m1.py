@@ -119,7 +119,10 @@ def _reference_ssf_forward(plain: nn.Module, petl_model: nn.Module, images: torc
     """PETL_Vision's SSF ViT forward on ``plain``'s frozen weights and ``petl_model``'s scales/shifts."""
     ssf = {name: m for name, m in petl_model.named_modules() if isinstance(m, SsfLayer)}
     x = _ssf(plain.patch_embed.proj(images), ssf["patch_embed.proj"])  # patch_embed.py:L93-94
-    x = plain._pos_embed(x.flatten(2).transpose(1, 2))
+    x = x.flatten(2).transpose(1, 2)
+    if "patch_embed.norm" in ssf:
+        x = _ssf(plain.patch_embed.norm(x), ssf["patch_embed.norm"])  # patch_embed.py:L95-96
+    x = plain._pos_embed(x)
     for i, blk in enumerate(plain.blocks):
         p = f"blocks.{i}."
         h = _ssf(blk.norm1(x), ssf[p + "norm1"])  # block.py:L93-94
@@ -131,6 +134,10 @@ def _reference_ssf_forward(plain: nn.Module, petl_model: nn.Module, images: torc
         h = _ssf(blk.norm2(x), ssf[p + "norm2"])  # block.py:L134-135
         h = _ssf(blk.mlp.fc1(h), ssf[p + "mlp.fc1"])  # mlp.py:L50-51
         x = x + _ssf(blk.mlp.fc2(blk.mlp.act(h)), ssf[p + "mlp.fc2"])  # mlp.py:L62-63
+    if plain.global_pool == "avg":
+        # Average pooling: ``norm`` is an Identity, the final LayerNorm is fc_norm after the pooling.
+        pooled = x[:, plain.num_prefix_tokens :].mean(dim=1)
+        return petl_model.head(_ssf(plain.fc_norm(pooled), ssf["fc_norm"]))
     x = _ssf(plain.norm(x), ssf["norm"])  # vision_transformer.py:L246-247
     return petl_model.head(x[:, 0])  # the head trains too, so take the perturbed one
 
@@ -141,6 +148,19 @@ def test_ssf_matches_the_reference_forward(tiny_vit, images):
     plain = tiny_vit()
     assert len([m for m in model.modules() if isinstance(m, SsfLayer)]) == 1 + 3 * 6 + 1
     torch.testing.assert_close(model(images), _reference_ssf_forward(plain, model, images), atol=1e-5, rtol=1e-5)
+
+
+def test_ssf_follows_the_patch_norm_and_fc_norm_where_a_vit_has_them(tiny_vit, images):
+    options = dict(embed_norm_layer="layernorm", class_token=False, global_pool="avg", fc_norm=True)
+    model = petl.apply_ssf(tiny_vit(**options))
+    perturb_trainable(model)
+    plain = tiny_vit(**options)
+    sites = {name for name, m in model.named_modules() if isinstance(m, SsfLayer)}
+    assert {"patch_embed.norm", "fc_norm"} <= sites and "norm" not in sites and len(sites) == 2 + 3 * 6 + 1
+    torch.testing.assert_close(model(images), _reference_ssf_forward(plain, model, images), atol=1e-5, rtol=1e-5)
+    before = model(images)
+    petl.merge(model)
+    torch.testing.assert_close(model(images), before, atol=1e-5, rtol=1e-5)
 
 
 def test_ssf_init_follows_the_reference_and_zero_std_is_the_identity(tiny_vit, images):
