@@ -340,9 +340,10 @@ def test_adapter_plus_vit_base_count(vit_base):
 # --- Convpass ----------------------------------------------------------------------------------
 
 
-def _reference_convpass(module, x, grid):
+def _reference_convpass(module, x, grid, dropout=0.0):
     # OSU-MLB/PETL_Vision model/convpass.py L29-50, one class token: down, QuickGELU, the patch
-    # tokens as a grid and the class token as a 1x1 image through the same 3x3 conv, QuickGELU, up, x scale.
+    # tokens as a grid and the class token as a 1x1 image through the same 3x3 conv, QuickGELU,
+    # dropout (L46, train mode only), up, x scale.
     def quick_gelu(t):
         return t * torch.sigmoid(1.702 * t)
 
@@ -354,6 +355,7 @@ def _reference_convpass(module, x, grid):
     patches = patches.permute(0, 2, 3, 1).reshape(b, grid * grid, r)
     cls = F.conv2d(h[:, :1].reshape(b, 1, 1, r).permute(0, 3, 1, 2), module.conv.weight, module.conv.bias, padding=1)
     h = quick_gelu(torch.cat([cls.permute(0, 2, 3, 1).reshape(b, 1, r), patches], dim=1))
+    h = F.dropout(h, dropout, training=dropout > 0)
     return F.linear(h, module.up.weight, module.up.bias) * module.scale
 
 
@@ -390,3 +392,69 @@ def test_convpass_vit_base_count(vit_base):
 def test_convpass_refuses_a_zero_scale(tiny_vit):
     with pytest.raises(ValueError, match="scale=0 switches the bypass off"):
         petl.apply_convpass(tiny_vit(), scale=0.0)
+
+
+# --- dropout placement in train mode -----------------------------------------------------------
+# Each test draws the same random numbers for petl's module and for the reference forward (same seed, the same
+# masks drawn in the same order on tensors of the same shape), so a dropout moved to another tensor, or drawn in
+# another order, shows as a mismatch; the eval output differing shows that the masks act at all.
+
+
+def _same_draws(module_forward, reference_forward, seed=7):
+    torch.manual_seed(seed)
+    out = module_forward()
+    torch.manual_seed(seed)
+    return out, reference_forward()
+
+
+def test_hydra_dropout_sits_between_down_and_up_of_each_branch(tiny_vit):
+    model = petl.apply_hydra(tiny_vit(), dropout=0.5, scale=0.7)
+    perturb_trainable(model)
+    proj = model.blocks[0].attn.proj.train()
+    x = torch.randn(2, 17, 48)
+
+    def reference():
+        # vtab1k/hydra.py L18-41 (par before seq) with Hydra_layer.forward L59-61: up(dropout(down(x))) * scale.
+        def branch(module, t):
+            h = F.dropout(F.linear(t, module.down.weight, module.down.bias), 0.5, training=True)
+            return F.linear(h, module.up.weight, module.up.bias) * proj.scale
+
+        par = branch(proj.parallel, x)
+        y = F.linear(x, proj.base.weight, proj.base.bias)
+        return y + par + branch(proj.sequential, y)
+
+    out, expected = _same_draws(lambda: proj(x), reference)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(out, proj.eval()(x))
+
+
+def test_convpass_dropout_sits_before_the_up_projection(tiny_vit):
+    model = petl.apply_convpass(tiny_vit(), dropout=0.5, scale=3.0)
+    perturb_trainable(model)
+    module = model.blocks[0].mlp.train()
+    x = torch.randn(2, 17, 48)
+    out, expected = _same_draws(lambda: module.bypass(x), lambda: _reference_convpass(module, x, 4, dropout=0.5))
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(out, module.eval().bypass(x))
+
+
+def test_adapter_plus_dropout_then_drop_path_then_scaling(tiny_vit):
+    from timm.layers import drop_path
+
+    model = petl.apply_adapter_plus(tiny_vit(), dropout=0.5, drop_path=0.5)
+    perturb_trainable(model)
+    block = model.blocks[0].train()
+    block.base.eval()  # the frozen block draws no masks here: only the adapter's are compared
+    x = torch.randn(4, 17, 48)
+
+    def reference():
+        # visinf/adapter_plus vit_adapter.py L34-40 (Linear, act, Dropout, Linear) and L91-102: drop path on
+        # the bottleneck's output, then the scaling, added to the block's output (forward_post, L269-273).
+        y = block.base(x)
+        h = F.dropout(F.gelu(F.linear(y, block.down.weight, block.down.bias)), 0.5, training=True)
+        branch = drop_path(F.linear(h, block.up.weight, block.up.bias), 0.5, training=True)
+        return y + branch * block.scaling
+
+    out, expected = _same_draws(lambda: block(x), reference)
+    torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-6)
+    assert not torch.allclose(out, block.eval()(x))
