@@ -74,6 +74,16 @@ def test_committed_mini_reports_rebuild_from_the_committed_results(tmp_path):
     assert not [p for p in RUNS.rglob("*") if p.suffix in {".safetensors", ".pt"}]
 
 
+def test_committed_convergence_table_rebuilds_from_the_committed_runs():
+    """convergence.md (20 against 40 epochs) is what benchmarks/mini_convergence.py renders from committed runs."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("mini_convergence", REPO / "benchmarks" / "mini_convergence.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.render() == (MINI / "convergence.md").read_text()
+
+
 # ---------------------------------------------------------------------------------------- convergence
 
 
