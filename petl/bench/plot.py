@@ -9,6 +9,7 @@ from dataclasses import dataclass
 # The Figure/Agg canvas pair draws without pyplot, so no global backend is chosen behind the user's back.
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 
 @dataclass(frozen=True)
@@ -104,6 +105,7 @@ def render_curves(curves: dict[str, list[float]], task: str, models: list[str]) 
         epochs = range(1, len(values) + 1)
         ax.plot(epochs, values, marker=_MARKERS[i % len(_MARKERS)], markersize=4, lw=1.3, label=label)
     ax.set_xlabel("epoch")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # epochs are whole numbers, not 2.5
     ax.set_ylabel("val top-1 (%)")
     ax.set_title(f"val accuracy per epoch on {task}, {', '.join(models)}", fontsize=10)
     ax.grid(True, alpha=0.3)
