@@ -519,6 +519,8 @@ def test_params_applies_per_task_method_options_and_spares_another_backbone(tmp_
     # On a backbone the table was not measured on, a difference is expected, not a failure.
     assert cli.main([*args, "model=vit_small_patch16_224"]) == 0
     assert "differs (other backbone)" in capsys.readouterr().out
+    # The published network under another pretrained tag is the same architecture: a difference still fails.
+    assert cli.main([*args, "model=vit_base_patch16_224.augreg_in21k"]) == 1
 
 
 # ---------------------------------------------------------------------------------------------- configs

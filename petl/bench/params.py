@@ -8,8 +8,9 @@ decimals in millions).  A difference fails the command unless the experiment fil
 (``published_note:``), so a published column can never sit beside a different method unnoticed.
 
 A suite's ``per_task`` ``method.*`` options (VPT's prompt length, say) are applied task by task: the count
-shown is the mean over the suite's tasks, as a published per-task configuration is counted, with the range
-when tasks differ.  On a backbone other than the published table's, counts are printed but cannot fail.
+shown is the mean over the suite's tasks that the table covers, as a published per-task configuration is
+counted, with the range when tasks differ.  On another architecture than the published table's (its
+pretrained tag aside), counts are printed but cannot fail.
 """
 
 from __future__ import annotations
@@ -92,11 +93,18 @@ def method_for_task(suite: suites.Suite, experiment: suites.Experiment, task: st
     return method
 
 
-def task_counts(suite: suites.Suite, experiment: suites.Experiment, model_name: str, num_classes: int) -> list[int]:
-    """The experiment's count on each of the suite's tasks (one model build per distinct option set)."""
+def same_architecture(model_name: str, backbone: str) -> bool:
+    """Whether two timm names build the same network (the pretrained tag after the dot does not count)."""
+    return model_name.split(".")[0] == backbone.split(".")[0]
+
+
+def task_counts(
+    suite: suites.Suite, experiment: suites.Experiment, tasks: list[str], model_name: str, num_classes: int
+) -> list[int]:
+    """The experiment's count on each of ``tasks`` (one model build per distinct option set)."""
     counted: dict[str, int] = {}
     counts = []
-    for task in suite.tasks:
+    for task in tasks:
         method = method_for_task(suite, experiment, task)
         key = repr(sorted(method.items()))
         if key not in counted:
@@ -114,13 +122,15 @@ def compare(
 ) -> list[ParamsLine]:
     """Each experiment's petl count beside its published row in ``table``."""
     rows = table.rows()
+    tasks = [t for t in suite.tasks if table.covers(t)]
     lines = []
     for e in experiments:
-        counts = task_counts(suite, e, model_name, num_classes)
+        counts = task_counts(suite, e, tasks, model_name, num_classes)
         spread = (min(counts), max(counts)) if min(counts) != max(counts) else None
         mean = sum(counts) / len(counts)
         published = rows.get(e.published)
-        lines.append(ParamsLine(e.name, mean, published, note_for(e, table), spread, model_name == table.backbone))
+        same = same_architecture(model_name, table.backbone)
+        lines.append(ParamsLine(e.name, mean, published, note_for(e, table), spread, same))
     return lines
 
 
@@ -170,7 +180,7 @@ def main(args: Sequence[str]) -> int:
     for table in tables:
         print(f"petl-bench params: suite {suite.name} on {model_name} (meta device) vs published {table.key}")
         print(f"  published: {table.title}; {table.source}; backbone {table.backbone}")
-        if model_name != table.backbone:
+        if not same_architecture(model_name, table.backbone):
             print(f"  note: {model_name} is not the published backbone; counts are not expected to match")
         lines = compare(suite, experiments, table, model_name, num_classes)
         for text in format_lines(lines, table):
