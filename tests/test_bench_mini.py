@@ -192,3 +192,20 @@ def test_proposed_mini_selection_suite_is_the_mini_suite_under_the_selection_pro
     assert "train.epochs=20" in proposed.overrides()
     for name in proposed.experiments:
         load_experiment(name, configs)
+
+
+def test_device_column_names_where_each_row_trained(tmp_path):
+    for seed in (0, 1):
+        _write(tmp_path / f"mini/digits/linear/seed{seed}", _result("mini/digits", "linear", seed, 70.0, device="cpu"))
+    devices = {0: "cuda", 1: "cuda", 2: "cpu"}  # a row finished on another machine
+    for seed, device in devices.items():
+        _write(tmp_path / f"mini/digits/lora/seed{seed}", _result("mini/digits", "lora", seed, 80.0, device=device))
+    write_report(tmp_path)
+    rows = _rows(tmp_path / "leaderboard.csv")
+    assert rows["linear"]["device"] == "cpu" and rows["lora"]["device"] == "cpu 1, cuda 2"
+    assert "**Device**" in (tmp_path / "leaderboard.md").read_text()
+    # Results that never recorded a device get no column.
+    plain = tmp_path / "plain"
+    _write(plain / "mini/digits/linear/seed0", _result("mini/digits", "linear", 0, 70.0))
+    write_report(plain)
+    assert "device" not in _rows(plain / "leaderboard.csv")["linear"]

@@ -20,6 +20,7 @@ import math
 import re
 import statistics
 import warnings
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -597,6 +598,14 @@ def _published_columns(board: Leaderboard, table: PublishedTable) -> list[Column
     return columns
 
 
+def _devices(row: ExperimentRow) -> str:
+    # "cpu", or "cpu 9, cuda 12" when the reported runs of one row trained on different devices.
+    counts = Counter(str(r.result.get("device") or "?") for r in row.runs)
+    if len(counts) == 1:
+        return next(iter(counts))
+    return ", ".join(f"{device} {n}" for device, n in sorted(counts.items()))
+
+
 def _result_column(
     key: str, label: str, reduce: Callable[[list[float]], float], shown_digits: int, csv_digits: int
 ) -> Column:
@@ -708,6 +717,20 @@ def leaderboard_columns(board: Leaderboard) -> list[Column]:
             "run's own per-epoch val accuracy (metrics.jsonl), or, for a final run trained on train+val, from the "
             "search trial it was selected from (one seed); – where none was recorded.",
         ),
+    ]
+    if any(r.result.get("device") for row in board.rows for r in row.runs):
+        columns.append(
+            Column(
+                "device",
+                "Device",
+                _devices,
+                _text,
+                kind="info",
+                note="**Device**: where the reported runs trained (result.json's `device`; with several, how many "
+                "runs each). Train s/run, Images/s and Peak MB compare only between rows on the same device.",
+            )
+        )
+    columns += [
         _result_column("train_seconds", "Train s/run", _nanmean, 1, 2),
         _result_column("images_per_second", "Images/s", _nanmean, 0, 1),
         _result_column("peak_memory_mb", "Peak MB", _nanmax, 0, 1),
