@@ -209,3 +209,17 @@ def test_device_column_names_where_each_row_trained(tmp_path):
     _write(plain / "mini/digits/linear/seed0", _result("mini/digits", "linear", 0, 70.0))
     write_report(plain)
     assert "device" not in _rows(plain / "leaderboard.csv")["linear"]
+
+
+def test_a_long_calibrated_option_is_shown_by_its_length(tmp_path):
+    channels = [",".join(str(c) for c in range(block, block + 24)) for block in range(6)]  # SCT's per-block lists
+    method_config = {"num_classes": 10, "channels": channels, "top_n": None}
+    _write(tmp_path / "mini/digits/sct/seed0", _result("mini/digits", "sct", 0, 70.0, method_config=method_config))
+    _write(
+        tmp_path / "mini/digits/lora/seed0",
+        _result("mini/digits", "lora", 0, 70.0, method_config={"targets": ["q", "v"]}),
+    )
+    write_report(tmp_path)
+    rows = _rows(tmp_path / "leaderboard.csv")
+    assert rows["sct"]["config"].startswith("channels=[6 values], top_n=None")
+    assert rows["lora"]["config"].startswith("targets=[q,v]")

@@ -253,6 +253,10 @@ def _task_order_key(task: str, groups: dict[str, str]) -> tuple:
     return order.index(groups[task]), position, task
 
 
+# A list option whose text is longer than this many characters is shown by its length in the config column.
+LONG_OPTION = 60
+
+
 def _mean(values: list[float]) -> float:
     return statistics.fmean(values) if values else math.nan
 
@@ -267,7 +271,10 @@ def _nanmax(values: list[float]) -> float:
 
 def _format_option(value: Any) -> str:
     if isinstance(value, list | tuple):
-        return "[" + ",".join(_format_option(v) for v in value) + "]"
+        text = "[" + ",".join(_format_option(v) for v in value) + "]"
+        # A calibrated choice (SCT's channel indices, different on every task) would fill the row; its size says
+        # enough there, and result.json keeps the values.
+        return text if len(text) <= LONG_OPTION else f"[{len(value)} values]"
     if isinstance(value, Mapping):
         return ", ".join(f"{k}={_format_option(v)}" for k, v in sorted(value.items()))
     return str(value)
