@@ -84,6 +84,17 @@ def test_committed_convergence_table_rebuilds_from_the_committed_runs():
     assert module.render() == (MINI / "convergence.md").read_text()
 
 
+def test_committed_lr_edge_table_rebuilds_from_the_committed_runs(monkeypatch):
+    """lr_edge.md (lr 3e-2 against the grid's top) is what benchmarks/mini_lr_edge.py renders from committed runs."""
+    import importlib.util
+
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))  # the probe imports its helpers from mini_convergence
+    spec = importlib.util.spec_from_file_location("mini_lr_edge", REPO / "benchmarks" / "mini_lr_edge.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.render() == (MINI / "lr_edge.md").read_text()
+
+
 # ---------------------------------------------------------------------------------------- convergence
 
 
