@@ -57,7 +57,7 @@ def render_pareto(points: list[Point], num_tasks: int, models: list[str]) -> byt
 
     """
     rows = [p for p in points if not math.isnan(p.accuracy) and p.params > 0]
-    fig = Figure(figsize=(7.5, 5), dpi=110)
+    fig = Figure(figsize=(9.5, 5), dpi=110)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     for i, p in enumerate(rows):
@@ -82,7 +82,8 @@ def render_pareto(points: list[Point], num_tasks: int, models: list[str]) -> byt
     ax.set_title(f"petl, measured on {', '.join(models)}", fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
     if rows:
-        ax.legend(fontsize=8, loc="best")
+        # Beside the axes, not on them: with twenty experiments a legend inside hides points.
+        ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png")
@@ -98,7 +99,7 @@ def render_curves(curves: dict[str, list[float]], task: str, models: list[str]) 
         models: the backbones measured on (title).
 
     """
-    fig = Figure(figsize=(7.5, 5), dpi=110)
+    fig = Figure(figsize=(9.5, 5), dpi=110)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     for i, (label, values) in enumerate(curves.items()):
@@ -110,7 +111,7 @@ def render_curves(curves: dict[str, list[float]], task: str, models: list[str]) 
     ax.set_title(f"val accuracy per epoch on {task}, {', '.join(models)}", fontsize=10)
     ax.grid(True, alpha=0.3)
     if curves:
-        ax.legend(fontsize=8, loc="lower right")
+        ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png")
