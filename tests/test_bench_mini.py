@@ -234,3 +234,16 @@ def test_a_long_calibrated_option_is_shown_by_its_length(tmp_path):
     rows = _rows(tmp_path / "leaderboard.csv")
     assert rows["sct"]["config"].startswith("channels=[6 values], top_n=None")
     assert rows["lora"]["config"].startswith("targets=[q,v]")
+
+
+def test_the_mini_tasks_are_the_data_the_committed_results_trained_on(monkeypatch):
+    """Every task hashes as recorded beside the results (fingerprints.txt), so a changed source is caught."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("fingerprints", REPO / "benchmarks" / "mini_fingerprints.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    recorded = dict(line.split() for line in (MINI / "fingerprints.txt").read_text().splitlines())
+    assert set(recorded) == set(module.TASKS)
+    for task, digest in recorded.items():
+        assert module.fingerprint(task) == digest, f"mini/{task} is not the data the committed results used"
