@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Runs, or resumes, the committed mini leaderboard (configs/suites/mini_selection.yaml) on a CPU machine.
+# Runs, or resumes, the committed mini leaderboard (configs/suites/mini_selection.yaml).
 #
-# Two sweeps share one results folder, one torch thread each (two one-thread processes train 1.04x the images of
-# one two-thread process on this tiny ViT, and overlap each other's evaluation: benchmarks/results/threads_cpu.md).  Each run's folder lock sends the second
+# Two sweeps share one results folder, one torch thread each (on the 2-core CPU, two one-thread processes train
+# 1.04x the images of one two-thread process and overlap each other's evaluation:
+# benchmarks/results/threads_cpu.md).  Each run's folder lock sends the second
 # sweep to another run, so they never train the same thing.  Methods go one at a time, cheapest first, so a
 # session that stops early leaves whole leaderboard rows behind; a cell whose search is still running in the
 # other sweep shows as "waiting", and the next pass trains its finals.  Run it again to go on: finished runs

@@ -164,8 +164,9 @@ def _prepare_output_dir(out: Path, cfg: DictConfig, fingerprint: dict[str, Any],
         previous = finished["config"]
     elif (out / records.CHECKPOINT_FILE).exists():
         if not (out / records.CONFIG_FILE).exists():
-            # config.yaml is written before the first checkpoint, so only a hand-deleted file gets here; without
-            # it nothing tells which config the checkpoint was trained with, and resuming could mix two.
+            # config.yaml is written before the first checkpoint, so only a deleted file gets here (by hand, or a
+            # copy of the folder that kept only git-ignored files); without it nothing tells which config the
+            # checkpoint was trained with, and resuming could mix two.
             raise ConfigError(
                 f"output_dir {out} holds {records.CHECKPOINT_FILE} without its {records.CONFIG_FILE}, so its config "
                 "cannot be checked; choose another output_dir, or resume=false to replace it"
