@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import csv
+import importlib.util
 import json
 import re
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -45,6 +47,15 @@ def _write(folder: Path, result: dict, val: list[float] | None = None) -> None:
         (folder / "metrics.jsonl").write_text("\n".join(lines) + "\n")
 
 
+def _load_script(name: str, monkeypatch) -> ModuleType:
+    """A benchmarks/ script as a module (they import each other's helpers, so their folder goes on the path)."""
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _rows(path: Path) -> dict[str, dict[str, str]]:
     with path.open() as f:
         return {row["experiment"]: row for row in csv.DictReader(f)}
@@ -74,25 +85,14 @@ def test_committed_mini_reports_rebuild_from_the_committed_results(tmp_path):
     assert not [p for p in RUNS.rglob("*") if p.suffix in {".safetensors", ".pt"}]
 
 
-def test_committed_convergence_table_rebuilds_from_the_committed_runs():
+def test_committed_convergence_table_rebuilds_from_the_committed_runs(monkeypatch):
     """convergence.md (20 against 40 epochs) is what benchmarks/mini_convergence.py renders from committed runs."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("mini_convergence", REPO / "benchmarks" / "mini_convergence.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    assert module.render() == (MINI / "convergence.md").read_text()
+    assert _load_script("mini_convergence", monkeypatch).render() == (MINI / "convergence.md").read_text()
 
 
 def test_committed_lr_edge_table_rebuilds_from_the_committed_runs(monkeypatch):
     """lr_edge.md (lr 3e-2 against the grid's top) is what benchmarks/mini_lr_edge.py renders from committed runs."""
-    import importlib.util
-
-    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))  # the probe imports its helpers from mini_convergence
-    spec = importlib.util.spec_from_file_location("mini_lr_edge", REPO / "benchmarks" / "mini_lr_edge.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    assert module.render() == (MINI / "lr_edge.md").read_text()
+    assert _load_script("mini_lr_edge", monkeypatch).render() == (MINI / "lr_edge.md").read_text()
 
 
 # ---------------------------------------------------------------------------------------- convergence
@@ -238,11 +238,7 @@ def test_a_long_calibrated_option_is_shown_by_its_length(tmp_path):
 
 def test_the_mini_tasks_are_the_data_the_committed_results_trained_on(monkeypatch):
     """Every task hashes as recorded beside the results (fingerprints.txt), so a changed source is caught."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("fingerprints", REPO / "benchmarks" / "mini_fingerprints.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = _load_script("mini_fingerprints", monkeypatch)
     recorded = dict(line.split() for line in (MINI / "fingerprints.txt").read_text().splitlines())
     assert set(recorded) == set(module.TASKS)
     for task, digest in recorded.items():
