@@ -123,13 +123,13 @@ def compare(
     """Each experiment's petl count beside its published row in ``table``."""
     rows = table.rows()
     tasks = [t for t in suite.tasks if table.covers(t)]
+    same = same_architecture(model_name, table.backbone)
     lines = []
     for e in experiments:
         counts = task_counts(suite, e, tasks, model_name, num_classes)
         spread = (min(counts), max(counts)) if min(counts) != max(counts) else None
         mean = sum(counts) / len(counts)
         published = rows.get(e.published)
-        same = same_architecture(model_name, table.backbone)
         lines.append(ParamsLine(e.name, mean, published, note_for(e, table), spread, same))
     return lines
 
