@@ -7,11 +7,12 @@ the same folder), found through :mod:`importlib.resources`.  Both ``petl-run`` a
 
 An experiment (``configs/experiments/<name>.yaml``) names a method and the options that make it that
 experiment (``lora.yaml`` is ``method: {name: lora, rank: 8}``), optionally with ``train:`` / ``model:``
-overrides it needs, method options to search (``search:``) and the published row it stands for
-(``published:``).  A registered method without an experiment file of its name is an experiment too,
-with its registry defaults.  :meth:`Experiment.overrides` turns one into Hydra override strings, the
-language ``petl-run`` speaks: ``petl-run experiment=NAME`` and a ``petl-bench`` sweep compose the same
-config from it.  Suites (:mod:`petl.bench.suite`) build on these.  Reading presets needs no torch.
+overrides it needs, method options to search (``search:``), the published row it stands for
+(``published:``) and its method family (``family:``, one of :data:`FAMILIES`: how leaderboards group it).
+A registered method without an experiment file of its name is an experiment too, with its registry defaults.
+:meth:`Experiment.overrides` turns one into Hydra override strings, the language ``petl-run`` speaks:
+``petl-run experiment=NAME`` and a ``petl-bench`` sweep compose the same config from it.  Suites
+(:mod:`petl.bench.suite`) build on these.  Reading presets needs no torch.
 """
 
 from __future__ import annotations
@@ -26,6 +27,17 @@ from typing import Any
 import yaml
 
 PRESET_FOLDERS = ("experiments", "suites")
+
+# Method families an experiment file names (`family:`), in the order leaderboards list them, each with what
+# its methods train.  Another name is accepted too (a plugin's own kind of method); it is listed after these.
+FAMILIES = {
+    "head": "a new head on the frozen backbone",
+    "layers": "whole pretrained layers (all, or the last blocks)",
+    "prompt": "learned tokens fed to the blocks",
+    "adapter": "small modules added to the blocks",
+    "low-rank": "low-rank or factorised weight updates",
+    "scale-shift": "per-channel scales, shifts or biases",
+}
 
 # Config groups an experiment may override.
 OVERRIDABLE_GROUPS = ("train", "model")
@@ -189,6 +201,8 @@ class Experiment:
         published: the row name of this experiment in the published tables (``LoRA``), or ``""``.
         published_note: why petl's parameter count differs from the published one, or ``""``; either
             one text for every published table or a mapping from table key (``vtab1k``, ``fgvc``) to text.
+        family: what kind of method it is (a key of :data:`FAMILIES`, or any other name), or ``""``:
+            leaderboard plots give each family one marker and colour and one learning-curve panel.
 
     """
 
@@ -199,6 +213,7 @@ class Experiment:
     search: dict[str, list[Any]] = field(default_factory=dict)
     published: str = ""
     published_note: str | dict[str, str] = ""
+    family: str = ""
 
     def fixed_keys(self) -> set[str]:
         """Dotted keys this experiment pins (``method.rank``, ``train.lr``): a suite's search leaves them alone."""
@@ -246,7 +261,7 @@ def load_experiment(name: str, benchmarks_dir: Path) -> Experiment:
         if name in _registered_methods():
             return default_experiment(name)
         raise ValueError(f"unknown experiment {name!r}; known: {', '.join(list_experiments(benchmarks_dir))}")
-    keys = {"description", "method", "search", "published", "published_note", *OVERRIDABLE_GROUPS}
+    keys = {"description", "method", "search", "published", "published_note", "family", *OVERRIDABLE_GROUPS}
     data = read_yaml_mapping(path, keys)
     method = data.get("method")
     if not isinstance(method, dict) or "name" not in method:
@@ -260,6 +275,7 @@ def load_experiment(name: str, benchmarks_dir: Path) -> Experiment:
         search=read_space(path, data.get("search")),
         published=str(data.get("published") or ""),
         published_note=_note(data.get("published_note"), path),
+        family=str(data.get("family") or ""),
     )
 
 

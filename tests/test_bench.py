@@ -7,6 +7,8 @@ through the real engine lives in test_bench_e2e.py.
 from __future__ import annotations
 
 import csv
+import html
+import itertools
 import json
 import math
 import os
@@ -20,10 +22,11 @@ from pathlib import Path
 import pytest
 
 from petl.bench import cli, sweep
-from petl.bench.plot import pareto_front
+from petl.bench.plot import Box, curve_panels, family_styles, pareto_front, place_labels
 from petl.bench.published import TABLES, ppt
 from petl.bench.report import aggregate, collect, write_report
 from petl.bench.suite import find_benchmarks_dir, format_value, load_experiment, load_suite, to_overrides
+from petl.presets import FAMILIES, preset_names
 
 BENCH = find_benchmarks_dir()
 VTAB = TABLES[0]
@@ -260,8 +263,10 @@ def test_vtab_leaderboard_means_stds_ppt_and_published_columns(vtab_results):
     assert rows["partial"]["published_vtab1k_method"] == "no published row"
 
     md = (vtab_results / "leaderboard.md").read_text()
-    header = next(line for line in md.splitlines() if line.startswith("| Experiment"))
-    assert "Published vtab1k task mean" in header and "| dtd |" in header
+    # The main table leads with what answers "which wins at what budget"; published figures sit in the details.
+    header, details = [line for line in md.splitlines() if line.startswith("| Experiment")]
+    assert header.startswith("| Experiment | Trainable M (%) | Task mean | Natural mean |") and "| dtd |" in header
+    assert "ublished" not in header and "Published vtab1k task mean" in details
     assert "69.40 ± 0.71" in md and "vpt_deep *" in md
     assert "| different backbone | – | – | – | – |" in md and "| no published row | – |" in md
     assert "**Task mean**" in md and "**Group mean**" in md and "V-PETL Bench README" in md
@@ -300,11 +305,59 @@ def test_pareto_frontier_and_png(vtab_results):
     assert (vtab_results / "pareto.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-class _TableReader(HTMLParser):
-    """Collects the text of each body row of <table id=leaderboard> and the <th> labels."""
+def test_point_names_are_placed_clear_of_each_other_and_of_every_marker():
+    # Twelve points packed 8-9 px apart (the mini board's adapters and scale-shift rows sit about that close).
+    anchors = [(300.0 + 8 * (i % 4), 200.0 + 9 * (i // 4)) for i in range(12)]
+    sizes = [(40.0 + 3 * i, 11.0) for i in range(12)]
+    bounds, radius = Box(0, 0, 600, 400), 5.0
+    frontier = [Box(250, 199, 300, 201)]  # a segment of the frontier's step line, kept clear too
+    boxes = [p.box for p in place_labels(anchors, sizes, bounds, radius, frontier)]
+    markers = [Box(x - radius, y - radius, x + radius, y + radius) for x, y in anchors]
+    assert all(b.inside(bounds) for b in boxes)
+    assert all(a.overlap(b) == 0 for a, b in itertools.combinations(boxes, 2))
+    assert all(b.overlap(m) == 0 for b in boxes for m in markers + frontier)
+    # A point with room around it keeps its name just to its right.
+    (alone,) = place_labels([(100.0, 100.0)], [(30.0, 10.0)], bounds, radius)
+    assert (alone.ha, alone.va, alone.dy) == ("left", "center", 0) and 0 < alone.dx < 10
+    # Near the right edge, the name goes to the left instead of leaving the axes.
+    (edge,) = place_labels([(590.0, 100.0)], [(30.0, 10.0)], bounds, radius)
+    assert edge.ha == "right" and edge.box.inside(bounds)
 
-    def __init__(self):
+
+def test_every_shipped_experiment_names_a_known_family():
+    """The plots' markers, colours and learning-curve panels come from `family:` in each experiment file."""
+    for name in preset_names(BENCH / "experiments"):
+        assert load_experiment(name, BENCH).family in FAMILIES, f"configs/experiments/{name}.yaml: add `family:`"
+    markers, colours = zip(*family_styles(list(FAMILIES)).values(), strict=True)
+    assert len(set(markers)) == len(set(colours)) == len(FAMILIES)
+
+
+def test_families_come_from_the_experiment_files_and_group_the_plots(tmp_path):
+    for experiment, method in (("lora", "lora"), ("fact", "fact"), ("linear", "linear"), ("my_lora", "lora")):
+        write_run(tmp_path, "mini/digits", experiment, 0, method=method, top1=70.0)
+    board = write_report(tmp_path)
+    rows = read_csv(tmp_path / "leaderboard.csv")
+    # my_lora has no experiment file: its method names its family.
+    assert {e: r["family"] for e, r in rows.items()} == {
+        "lora": "low-rank",
+        "fact": "low-rank",
+        "linear": "head",
+        "my_lora": "lora",
+    }
+    assert board.family_order == ["head", "low-rank", "lora"]
+    family_of = {row.experiment: board.family(row) for row in board.rows}
+    panels = curve_panels(["lora", "my_lora", "linear", "fact"], family_of, board.family_order)
+    assert panels == {"head": ["linear"], "low-rank": ["lora", "fact"], "lora": ["my_lora"]}
+    md = (tmp_path / "leaderboard.md").read_text()
+    assert "## Details: family" in md and "| Experiment | Family |" in md and "**Family**" in md
+
+
+class _TableReader(HTMLParser):
+    """Collects the text of each body row of one <table id=...> and its <th> labels."""
+
+    def __init__(self, table_id: str = "leaderboard"):
         super().__init__()
+        self.table_id = table_id
         self.rows: list[list[str]] = []
         self.headers: list[str] = []
         self._in_table = self._in_body = False
@@ -313,7 +366,7 @@ class _TableReader(HTMLParser):
     def handle_starttag(self, tag, attrs):
         attrs = dict(attrs)
         if tag == "table":
-            self._in_table = attrs.get("id") == "leaderboard"
+            self._in_table = attrs.get("id") == self.table_id
         elif self._in_table and tag == "tbody":
             self._in_body = True
         elif self._in_table and tag == "tr" and self._in_body:
@@ -334,7 +387,14 @@ class _TableReader(HTMLParser):
             self._cell.append(data)
 
 
-def _render_in_chromium(url: str, tmp_path: Path) -> _TableReader:
+def _read_table(dom: str, table_id: str) -> _TableReader:
+    reader = _TableReader(table_id)
+    reader.feed(dom)
+    return reader
+
+
+def _dump_dom_in_chromium(url: str, tmp_path: Path, window: tuple[int, int] = (1400, 900)) -> str:
+    """The page's DOM after its scripts ran, in headless Chromium with a ``window`` wide viewport."""
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     if chromium is None:
         pytest.skip("chromium is not installed (the README set-up installs it; CI has it)")
@@ -347,14 +407,13 @@ def _render_in_chromium(url: str, tmp_path: Path) -> _TableReader:
         "--disable-component-update",
         "--disable-sync",
         "--no-first-run",
+        "--hide-scrollbars",  # the page is laid out on the whole width asked for
+        f"--window-size={window[0]},{window[1]}",
         f"--user-data-dir={tmp_path / 'chromium-profile'}",
         "--dump-dom",
         url,
     ]
-    dom = subprocess.run(cmd, capture_output=True, text=True, timeout=90, check=True).stdout
-    reader = _TableReader()
-    reader.feed(dom)
-    return reader
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=90, check=True).stdout
 
 
 def test_html_renders_in_a_browser_and_sorts(vtab_results, tmp_path):
@@ -366,13 +425,64 @@ def test_html_renders_in_a_browser_and_sorts(vtab_results, tmp_path):
     body = re.sub(r"data:image/png;base64,[A-Za-z0-9+/=]+", "", text.split("<body>")[1])
     assert "http" not in body.lower()
     # The hash makes the page's own script sort by PPT ascending on load: this checks the JS, in a real browser.
-    reader = _render_in_chromium(page.as_uri() + "#sort=ppt:asc", tmp_path)
+    dom = _dump_dom_in_chromium(page.as_uri() + "#sort=ppt:asc", tmp_path)
+    reader = _read_table(dom, "leaderboard")
     # Written best task mean first (lora, vpt_deep, linear, ...); PPT ascending puts partial first.
     assert [row[0] for row in reader.rows] == ["partial *", "adapter_parallel *", "linear", "vpt_deep *", "lora"]
     ppt_col = next(i for i, h in enumerate(reader.headers) if h == "PPT")
     assert [row[ppt_col] for row in reader.rows] == ["0.10", "0.20", "0.53", "0.60", "0.71"]
-    assert "Published vtab1k task mean" in reader.headers
     assert len(reader.rows[0]) == len(reader.headers)
+    # The published figures and the configuration sit in the details table, one row per experiment.
+    details = _read_table(dom, "details")
+    assert "Published vtab1k task mean" in details.headers and "petl config" in details.headers
+    assert "Published vtab1k task mean" not in reader.headers and "petl config" not in reader.headers
+    assert sorted(row[0] for row in details.rows) == sorted(row[0] for row in reader.rows)
+
+
+# Appended to a copy of the page: writes where each main-table header lies, as the browser laid it out.
+_LAYOUT_PROBE = """<script>
+(function () {
+  var out = {viewport: [document.documentElement.clientWidth, window.innerHeight], headers: {}};
+  document.querySelectorAll("#leaderboard th").forEach(function (th) {
+    var r = th.getBoundingClientRect();
+    out.headers[th.getAttribute("data-key")] = [r.left, r.top, r.right, r.bottom];
+  });
+  var pre = document.createElement("pre");
+  pre.id = "layout-probe";
+  pre.textContent = JSON.stringify(out);
+  document.body.appendChild(pre);
+})();
+</script>"""
+
+
+def _header_boxes(page: Path, tmp_path: Path, width: int) -> dict[str, list[float]]:
+    # Layout depends on the viewport's width only (the page has no vh units); its height is checked by position.
+    assert "vh" not in page.read_text().split("<style>")[1].split("</style>")[0]
+    probe = tmp_path / "probe.html"
+    probe.write_text(page.read_text().replace("</body>", _LAYOUT_PROBE + "</body>"))
+    dom = _dump_dom_in_chromium(probe.as_uri(), tmp_path, (width, 900))
+    layout = json.loads(html.unescape(re.search(r'<pre id="layout-probe">(.*?)</pre>', dom).group(1)))
+    assert layout["viewport"][0] == width
+    return layout["headers"]
+
+
+COMMITTED_MINI = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "mini" / "leaderboard.html"
+
+
+@pytest.mark.parametrize("which", ["committed mini leaderboard", "19 VTAB-1k tasks with published columns"])
+def test_the_first_screen_shows_the_task_mean(which, vtab_results, tmp_path):
+    """At 1400x900 the Task mean, the group means and the parameter count are on screen, not off to the right."""
+    if which.startswith("committed"):
+        page = COMMITTED_MINI
+    else:
+        write_report(vtab_results)
+        page = vtab_results / "leaderboard.html"
+    boxes = _header_boxes(page, tmp_path, 1400)
+    for key in ["trainable", "task_mean", "group_mean", *(k for k in boxes if k.startswith("group:"))]:
+        left, top, right, bottom = boxes[key]
+        assert 0 <= left and right <= 1400 and 0 <= top and bottom <= 900, f"{key} header lies at {boxes[key]}"
+    # The config and selection texts that pushed every number off-screen are in the details table.
+    assert not {"config", "selected_on_val", "published_vtab1k_method"} & set(boxes)
 
 
 def test_commands_print_multirun_lines_writing_the_same_layout(capsys):

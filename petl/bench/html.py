@@ -1,7 +1,13 @@
 """``leaderboard.html``: one self-contained static page (no network, no external files).
 
 The tables come from the same display rows as the Markdown (:class:`petl.bench.table.Table`); this
-module renders them and knows nothing of how a leaderboard is built.  Every cell carries its sort key in
+module renders them and knows nothing of how a leaderboard is built.
+
+The page opens on the main table (experiment, parameters, means, per-task accuracy: which method wins at
+what budget), laid out to fit a 1400-pixel screen (headers wrap, spreads are set small); the legend and the
+Pareto plot follow, then the details table (family, convergence, cost, published figures, configuration
+and selection, whose long texts fold into a per-row disclosure), the learning curves and the published
+per-task tables.  Every cell carries its sort key in
 ``data-sort``, so a click on a header sorts numerically even though the cell shows ``85.12 ± 0.31``.
 Opening the page as ``leaderboard.html#sort=<column key>:<asc|desc>`` sorts on load, which makes a
 sorted view linkable (and lets the tests check the sorting in a real browser).
@@ -14,12 +20,23 @@ from html import escape
 
 from petl.bench.table import Table
 
+# An info cell longer than this many characters is shown folded (its start, a click opens it).
+LONG_TEXT = 50
+
 _STYLE = """
-body { font-family: system-ui, sans-serif; margin: 1.5em; color: #222; }
-table { border-collapse: collapse; font-size: 13px; margin: 1em 0; }
-th, td { border: 1px solid #ccc; padding: 3px 6px; text-align: right; white-space: nowrap; }
-th { background: #f0f0f0; cursor: pointer; user-select: none; position: sticky; top: 0; }
+body { font-family: system-ui, sans-serif; margin: 1em; color: #222; }
+table { border-collapse: collapse; font-size: 13px; margin: 0.5em 0 1em; }
+th, td { border: 1px solid #ccc; padding: 3px 4px; text-align: right; white-space: nowrap; }
+.std { color: #777; font-size: 85%; }
+th { background: #f0f0f0; cursor: pointer; user-select: none; white-space: normal; vertical-align: bottom; }
+#leaderboard td:first-child, #leaderboard th:first-child { position: sticky; left: 0; }
+#leaderboard td:first-child { background: #fff; }
 th.info, td.info { text-align: left; }
+td.info details[open] { white-space: normal; min-width: 24em; max-width: 40em; }
+summary { cursor: pointer; }
+details[open] > summary > span { display: none; }
+p.lead { margin: 0.3em 0; }
+img { max-width: 100%; }
 th.published { background: #fdf1dc; }
 td.published { background: #fffaf0; color: #555; font-style: italic; }
 th[data-dir="asc"]::after { content: " \\25B2"; }
@@ -63,7 +80,7 @@ document.querySelectorAll("table.sortable").forEach(function (table) {
 """
 
 
-def _table(table: Table, table_id: str) -> str:
+def _table(table: Table, table_id: str, css_class: str = "") -> str:
     head = "".join(
         f'<th class="{h.kind}" data-key="{escape(h.key)}" title="click to sort">{escape(h.label)}</th>'
         for h in table.headers
@@ -71,40 +88,63 @@ def _table(table: Table, table_id: str) -> str:
     body = "".join(
         "<tr>"
         + "".join(
-            f'<td class="{h.kind}" data-sort="{escape(str(key))}">{escape(text)}</td>'
+            f'<td class="{h.kind}" data-sort="{escape(str(key))}">{_cell_text(text, h.kind)}</td>'
             for h, (text, key) in zip(table.headers, cells, strict=True)
         )
         + "</tr>"
         for cells in table.rows
     )
+    classes = " ".join(["sortable", *css_class.split()])
     return (
-        f'<div class="wrap"><table class="sortable" id="{table_id}"><thead><tr>{head}</tr></thead>'
+        f'<div class="wrap"><table class="{classes}" id="{table_id}"><thead><tr>{head}</tr></thead>'
         f"<tbody>{body}</tbody></table></div>"
     )
 
 
-def render_html(title: str, leaderboard: Table, notes: list[str], png: bytes, extra: list[Table]) -> str:
-    """The page: leaderboard table, legend, Pareto plot (inline base64 PNG), then the extra tables.
+def render_html(
+    title: str,
+    leaderboard: Table,
+    details: Table,
+    notes: list[str],
+    figures: list[tuple[str, bytes]],
+    extra: list[Table],
+    summary: str = "",
+) -> str:
+    """The page: main table, legend, first figure, details table, further figures, then the extra tables.
 
     Args:
         title: the page title.
         leaderboard: the main table (``id="leaderboard"``, sortable on load with ``#sort=key:dir``).
+        details: the details table (``id="details"``, under ``details.title``).
         notes: legend lines, Markdown with only ``**bold**`` and ```code``` markup.
-        png: the Pareto plot.
+        figures: (heading, PNG) pairs, embedded as base64; the first (the Pareto plot) follows the legend,
+            the others follow the details table.
         extra: further tables (the published per-task figures), each under its title and source.
+        summary: a line under the title (what the page holds).
 
     """
+
+    def figure(heading: str, png: bytes) -> list[str]:
+        return [
+            f"<h2>{escape(heading)}</h2>",
+            f'<img alt="{escape(heading)}" src="data:image/png;base64,{base64.b64encode(png).decode()}">',
+        ]
+
     parts = [
         "<!DOCTYPE html>",
         '<html lang="en"><head><meta charset="utf-8">',
         f"<title>{escape(title)}</title><style>{_STYLE}</style></head><body>",
         f"<h1>{escape(title)}</h1>",
-        "<p>Click a column header to sort.</p>",
+        f'<p class="lead">{escape(summary)} Click a column header to sort; configuration, selection, convergence '
+        "and cost of each experiment are in the details table below.</p>",
         _table(leaderboard, "leaderboard"),
         "<ul>" + "".join(f"<li>{_inline_markdown(escape(n))}</li>" for n in notes) + "</ul>",
-        "<h2>Accuracy vs trainable parameters</h2>",
-        f'<img alt="Pareto plot" src="data:image/png;base64,{base64.b64encode(png).decode()}">',
     ]
+    for heading, png in figures[:1]:
+        parts += figure(heading, png)
+    parts += [f"<h2>{escape(details.title)}</h2>", _table(details, "details", "details")]
+    for heading, png in figures[1:]:
+        parts += figure(heading, png)
     for i, table in enumerate(extra):
         parts += [
             f"<h2>{escape(table.title)}</h2>",
@@ -113,6 +153,16 @@ def render_html(title: str, leaderboard: Table, notes: list[str], png: bytes, ex
         ]
     parts += [f"<script>{_SCRIPT}</script>", "</body></html>"]
     return "\n".join(parts) + "\n"
+
+
+def _cell_text(text: str, kind: str) -> str:
+    if kind == "info" and len(text) > LONG_TEXT:
+        # A long text (a configuration, the choices of a search) shows its start; a click opens the rest, so
+        # that each row stays one line high.
+        return f"<details><summary><span>{escape(text[: LONG_TEXT - 10])}…</span></summary>{escape(text)}</details>"
+    # "85.12 ± 0.31": the mean is the figure to compare; the spread is set smaller and grey (narrower columns).
+    mean, sep, spread = text.partition(" ± ")
+    return escape(mean) + (f'<span class="std"> ± {escape(spread)}</span>' if sep else "")
 
 
 def _inline_markdown(text: str) -> str:

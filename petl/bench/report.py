@@ -30,6 +30,7 @@ import yaml
 
 from petl.bench.published import TABLES, PublishedRow, PublishedTable, ppt, table_for
 from petl.bench.table import Cell, Header, Table
+from petl.presets import FAMILIES
 from petl.run.records import METRICS_FILE, RESULT_FILE, write_atomic, write_text
 
 # Groups in the order benchmarks print them; unknown groups follow alphabetically.
@@ -162,6 +163,8 @@ class Column:
         csv: the CSV fields of a value (default: ``{key: value}``, floats rounded to 4 digits).
         kind: ``measured``, ``published`` or ``info`` (styling; info columns are left-aligned).
         note: a legend line for the column, printed under the tables.
+        detail: shown in the details table rather than the main one, which keeps to what answers "which
+            experiment wins at what budget" (parameters, means, per-task accuracy) so that it fits a screen.
 
     """
 
@@ -172,6 +175,7 @@ class Column:
     csv: Callable[[Any], dict[str, Any]] | None = None
     kind: str = "measured"
     note: str = ""
+    detail: bool = False
 
     def csv_fields(self, value: Any) -> dict[str, Any]:
         """The CSV fields of ``value``."""
@@ -216,7 +220,11 @@ def compute_spent(results_dir: str | Path) -> Compute:
 
 @dataclass
 class Leaderboard:
-    """Everything a report renders: the tasks and groups found, one row per experiment, and the columns."""
+    """Everything a report renders: the tasks and groups found, one row per experiment, and the columns.
+
+    ``families`` maps an experiment to its method family (experiments without one are left out; they
+    count as a family of their own, named after their method: :meth:`family`).
+    """
 
     results_dir: Path
     tasks: list[str]
@@ -225,8 +233,22 @@ class Leaderboard:
     models: list[str]
     tables: list[PublishedTable]
     memory_kinds: list[str] = field(default_factory=list)
+    families: dict[str, str] = field(default_factory=dict)
     columns: list[Column] = field(default_factory=list)
     compute: Compute | None = None
+
+    @property
+    def family_order(self) -> list[str]:
+        """Families present, in :data:`petl.presets.FAMILIES` order, then any other alphabetically."""
+        known = list(FAMILIES)
+        present = {self.family(row) for row in self.rows}
+        return sorted(present, key=lambda f: (known.index(f) if f in known else len(known), f))
+
+    def family(self, row: ExperimentRow) -> str:
+        """The family of ``row``'s experiment; without one, the method its runs ran (a family of its own)."""
+        return self.families.get(row.experiment) or ", ".join(
+            dict.fromkeys(str(r.result.get("method")) for r in row.runs)
+        )
 
     @property
     def group_names(self) -> list[str]:
@@ -315,12 +337,8 @@ def _published_status(runs: list[RunRecord], table: PublishedTable, row_name: st
     return row
 
 
-def published_names(experiments: list[str], configs_dir: str | Path | None = None) -> dict[str, str]:
-    """Each experiment's published row name, read from its experiment file (``published:``).
-
-    An experiment without a file (a folder written by ``petl-run --multirun`` under another name) or
-    without ``published:`` has no published row; so does every experiment when no configs folder is found.
-    """
+def _experiment_files(experiments: list[str], configs_dir: str | Path | None) -> dict[str, Any]:
+    # The experiment files (petl.presets.Experiment) of those experiments that have one in the configs folder.
     from petl.bench import suite
 
     try:
@@ -328,15 +346,31 @@ def published_names(experiments: list[str], configs_dir: str | Path | None = Non
     except FileNotFoundError:
         return {}
     known = set(suite.list_experiments(folder))
-    out = {}
-    for name in experiments:
-        if name in known and (published := suite.load_experiment(name, folder).published):
-            out[name] = published
-    return out
+    return {name: suite.load_experiment(name, folder) for name in experiments if name in known}
+
+
+def published_names(experiments: list[str], configs_dir: str | Path | None = None) -> dict[str, str]:
+    """Each experiment's published row name, read from its experiment file (``published:``).
+
+    An experiment without a file (a folder written by ``petl-run --multirun`` under another name) or
+    without ``published:`` has no published row; so does every experiment when no configs folder is found.
+    """
+    return {name: e.published for name, e in _experiment_files(experiments, configs_dir).items() if e.published}
+
+
+def family_names(experiments: list[str], configs_dir: str | Path | None = None) -> dict[str, str]:
+    """Each experiment's method family, read from its experiment file (``family:``, see ``petl.presets.FAMILIES``).
+
+    An experiment without a file or without ``family:`` has none (the plots file it under ``other``).
+    """
+    return {name: e.family for name, e in _experiment_files(experiments, configs_dir).items() if e.family}
 
 
 def aggregate(
-    records: list[RunRecord], results_dir: str | Path = ".", published: Mapping[str, str] | None = None
+    records: list[RunRecord],
+    results_dir: str | Path = ".",
+    published: Mapping[str, str] | None = None,
+    families: Mapping[str, str] | None = None,
 ) -> Leaderboard:
     """One row per experiment, sorted by task mean (best first).
 
@@ -350,6 +384,8 @@ def aggregate(
         results_dir: the folder they came from (named in the report's title).
         published: experiment name -> published row name; default: read from the experiment files
             (:func:`published_names`).
+        families: experiment name -> method family; default: read from the experiment files
+            (:func:`family_names`).
     """
     groups = {r.task: task_group(r.task) for r in records}
     tasks = sorted(groups, key=lambda t: _task_order_key(t, groups))
@@ -359,6 +395,8 @@ def aggregate(
         by_experiment.setdefault(record.experiment, []).append(record)
     if published is None:
         published = published_names(list(by_experiment))
+    if families is None:
+        families = family_names(list(by_experiment))
 
     rows = []
     for name, runs in by_experiment.items():
@@ -394,7 +432,7 @@ def aggregate(
         }
     )
     memory_kinds = sorted({str(r.result["peak_memory_kind"]) for r in records if r.result.get("peak_memory_kind")})
-    board = Leaderboard(Path(results_dir), tasks, groups, rows, models, tables, memory_kinds)
+    board = Leaderboard(Path(results_dir), tasks, groups, rows, models, tables, memory_kinds, dict(families))
     board.columns = leaderboard_columns(board)
     for row in rows:
         row.values = {c.key: c.compute(row) for c in board.columns}
@@ -566,7 +604,7 @@ def _published_columns(board: Leaderboard, table: PublishedTable) -> list[Column
         pub = row.published[table.key]
         return pub.method if isinstance(pub, PublishedRow) else pub
 
-    columns = [Column(f"{prefix}_method", f"Published {table.key} row", status, _text, kind="published")]
+    columns = [Column(f"{prefix}_method", f"Published {table.key} row", status, _text, kind="published", detail=True)]
     columns += [
         Column(
             f"{prefix}_{column}",
@@ -578,7 +616,11 @@ def _published_columns(board: Leaderboard, table: PublishedTable) -> list[Column
     ]
     columns += [
         Column(
-            f"{prefix}_task_mean", f"Published {table.key} task mean", of(lambda pub: pub.task_mean), kind="published"
+            f"{prefix}_task_mean",
+            f"Published {table.key} task mean",
+            of(lambda pub: pub.task_mean),
+            kind="published",
+            detail=True,
         ),
         Column(
             f"{prefix}_group_mean",
@@ -586,6 +628,7 @@ def _published_columns(board: Leaderboard, table: PublishedTable) -> list[Column
             of(table.group_mean),
             csv=_as_csv(f"{prefix}_group_mean", 2),
             kind="published",
+            detail=True,
         ),
         Column(
             f"{prefix}_params",
@@ -593,12 +636,14 @@ def _published_columns(board: Leaderboard, table: PublishedTable) -> list[Column
             of(million),
             csv=_as_csv(f"{prefix}_params_M", 4),
             kind="published",
+            detail=True,
         ),
         Column(
             f"{prefix}_ppt",
             f"Published {table.key} PPT",
             of(lambda pub: pub.ppt if pub.ppt is not None else math.nan),
             kind="published",
+            detail=True,
         ),
         Column(f"{prefix}_source", None, lambda row: table.source),
     ]
@@ -623,11 +668,17 @@ def _result_column(
         lambda row: reduce([_field(r, key) for r in row.runs]),
         lambda v: _num(v, shown_digits),
         csv=_as_csv(key, csv_digits),
+        detail=True,
     )
 
 
 def leaderboard_columns(board: Leaderboard) -> list[Column]:
-    """Every column of the leaderboard, in display and CSV order (measured first, then published tables)."""
+    """Every column of the leaderboard, in display and CSV order (measured first, then published tables).
+
+    The main table (columns without ``detail``) reads left to right as: experiment, parameters, the means,
+    the per-task accuracies; the details table holds configuration, selection, convergence, cost and the
+    published figures.
+    """
     labels = _task_labels(board.tasks)
     several_groups = len(board.group_names) > 1
     any_selection = any("selection" in r.result for row in board.rows for r in row.runs)
@@ -645,31 +696,21 @@ def leaderboard_columns(board: Leaderboard) -> list[Column]:
             "method", None, lambda row: ", ".join(dict.fromkeys(str(r.result.get("method", "?")) for r in row.runs))
         ),
         Column(
-            "config",
-            "petl config",
-            lambda row: " | ".join(dict.fromkeys(_describe_run(r) for r in row.runs)),
+            "family",
+            "Family",
+            board.family,
             _text,
             kind="info",
+            note="**Family**: the kind of method, from the experiment file's `family:` ("
+            + "; ".join(f"{f}: {FAMILIES[f]}" if f in FAMILIES else f for f in board.family_order)
+            + "). The plots give each family one marker and colour, and one panel of learning curves.",
+            detail=True,
         ),
-    ]
-    if any_selection:
-        columns.append(
-            Column(
-                "selected_on_val",
-                "Selected on val",
-                lambda row: _selection(row, labels),
-                _text,
-                kind="info",
-                note="**Selected on val**: per task, the configuration the search chose on the validation split "
-                "(result.json's `selection` record); the task's scores are of that configuration's final runs.",
-            )
-        )
-    columns += [
         Column("runs", None, lambda row: len(row.runs)),
         Column("tasks_done", None, lambda row: f"{len(row.scores)}/{len(board.tasks)}"),
         Column(
             "trainable",
-            "Trainable M (% of total)",
+            "Trainable M (%)",
             _count_with_pct("trainable_params"),
             _show_count,
             csv=lambda v: {"trainable_M": _round(v[0] / 1e6, 6), "trainable_pct": _round(v[1])},
@@ -680,7 +721,22 @@ def leaderboard_columns(board: Leaderboard) -> list[Column]:
             _count_with_pct("trainable_params_no_head"),
             _show_count,
             csv=lambda v: {"trainable_no_head_M": _round(v[0] / 1e6, 6), "trainable_no_head_pct": _round(v[1])},
+            detail=True,
         ),
+        Column("task_mean", "Task mean", lambda row: row.task_mean),
+    ]
+    columns += [
+        Column(
+            f"group:{g}",
+            f"{g.capitalize()} mean" if several_groups else None,
+            lambda row, g=g: row.group_means.get(g, math.nan),
+            csv=_as_csv(f"group_mean_{g}"),
+        )
+        for g in board.group_names
+    ]
+    columns += [
+        Column("group_mean", "Group mean", lambda row: row.group_mean),
+        Column("ppt", "PPT", lambda row: ppt(row.task_mean, row.trainable_no_head)),
     ]
     columns += [
         Column(
@@ -696,19 +752,7 @@ def leaderboard_columns(board: Leaderboard) -> list[Column]:
         )
         for t in board.tasks
     ]
-    columns.append(Column("task_mean", "Task mean", lambda row: row.task_mean))
-    columns += [
-        Column(
-            f"group:{g}",
-            f"{g.capitalize()} mean" if several_groups else None,
-            lambda row, g=g: row.group_means.get(g, math.nan),
-            csv=_as_csv(f"group_mean_{g}"),
-        )
-        for g in board.group_names
-    ]
-    columns += [
-        Column("group_mean", "Group mean", lambda row: row.group_mean),
-        Column("ppt", "PPT", lambda row: ppt(row.task_mean, row.trainable_no_head)),
+    columns.append(
         Column(
             "val_tail_change",
             f"Val Δ last {CONVERGENCE_TAIL:.0%} ep",
@@ -723,8 +767,9 @@ def leaderboard_columns(board: Leaderboard) -> list[Column]:
             "of any one curve, the figure to read: opposite changes on two tasks cancel in the mean): from each "
             "run's own per-epoch val accuracy (metrics.jsonl), or, for a final run trained on train+val, from the "
             "search trial it was selected from (one seed); – where none was recorded.",
-        ),
-    ]
+            detail=True,
+        )
+    )
     if any(r.result.get("device") for row in board.rows for r in row.runs):
         columns.append(
             Column(
@@ -735,6 +780,7 @@ def leaderboard_columns(board: Leaderboard) -> list[Column]:
                 kind="info",
                 note="**Device**: where the reported runs trained (result.json's `device`; with several, how many "
                 "runs each). Train s/run, Images/s and Peak MB compare only between rows on the same device.",
+                detail=True,
             )
         )
     columns += [
@@ -744,6 +790,30 @@ def leaderboard_columns(board: Leaderboard) -> list[Column]:
     ]
     for table in board.tables:
         columns += _published_columns(board, table)
+    # Long texts last, where they can wrap without pushing a number off the screen.
+    columns.append(
+        Column(
+            "config",
+            "petl config",
+            lambda row: " | ".join(dict.fromkeys(_describe_run(r) for r in row.runs)),
+            _text,
+            kind="info",
+            detail=True,
+        )
+    )
+    if any_selection:
+        columns.append(
+            Column(
+                "selected_on_val",
+                "Selected on val",
+                lambda row: _selection(row, labels),
+                _text,
+                kind="info",
+                note="**Selected on val**: per task, the configuration the search chose on the validation split "
+                "(result.json's `selection` record); the task's scores are of that configuration's final runs.",
+                detail=True,
+            )
+        )
     return columns
 
 
@@ -773,11 +843,24 @@ def csv_text(board: Leaderboard) -> str:
     return buffer.getvalue()
 
 
+DETAILS_TITLE = "Details: family, convergence, cost, configuration and selection"
+
+
 def display_table(board: Leaderboard) -> Table:
-    """The main leaderboard table: every column with a label, in declaration order."""
-    shown = [c for c in board.columns if c.label is not None]
+    """The main leaderboard table: every labelled column that is not a detail, in declaration order."""
+    return _rendered(board, [c for c in board.columns if c.label is not None and not c.detail])
+
+
+def details_table(board: Leaderboard) -> Table:
+    """The details table: the experiment, then every labelled detail column (config, selection, cost, published)."""
+    experiment = next(c for c in board.columns if c.key == "experiment")
+    shown = [experiment, *(c for c in board.columns if c.label is not None and c.detail)]
+    return _rendered(board, shown, DETAILS_TITLE)
+
+
+def _rendered(board: Leaderboard, shown: list[Column], title: str = "") -> Table:
     headers = [Header(c.key, c.label, c.kind) for c in shown]
-    return Table(headers, [[c.show(row.values[c.key]) for c in shown] for row in board.rows])
+    return Table(headers, [[c.show(row.values[c.key]) for c in shown] for row in board.rows], title)
 
 
 def published_tables(board: Leaderboard) -> list[Table]:
@@ -863,15 +946,29 @@ def _md_table(table: Table) -> list[str]:
     return lines
 
 
-def markdown(board: Leaderboard) -> str:
-    """``leaderboard.md``: the main table, the legend, then the published per-task tables."""
+def _title(board: Leaderboard) -> str:
+    return f"petl leaderboard: {board.results_dir.name}"
+
+
+def _summary(board: Leaderboard) -> str:
     runs = sum(len(r.runs) for r in board.rows)
+    return f"{len(board.rows)} experiments, {len(board.tasks)} tasks, {runs} runs."
+
+
+def markdown(board: Leaderboard) -> str:
+    """``leaderboard.md``: the main table, the details table, the legend, then the published per-task tables."""
     lines = [
-        f"# petl leaderboard: {board.results_dir.name}",
+        f"# {_title(board)}",
         "",
-        f"{len(board.rows)} experiments, {len(board.tasks)} tasks, {runs} runs.",
+        _summary(board),
         "",
         *_md_table(display_table(board)),
+        "",
+        f"## {DETAILS_TITLE}",
+        "",
+        *_md_table(details_table(board)),
+        "",
+        "## Legend",
         "",
         *[f"- {n}" for n in notes(board)],
     ]
@@ -880,12 +977,17 @@ def markdown(board: Leaderboard) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _family_legend(board: Leaderboard) -> dict[str, str]:
+    # Each family present -> what its methods train (empty for a family petl.presets.FAMILIES does not know).
+    return {f: FAMILIES.get(f, "") for f in board.family_order}
+
+
 def pareto_png(board: Leaderboard) -> bytes:
-    """``pareto.png``: task-mean top-1 against trainable parameters, one marker per experiment."""
+    """``pareto.png``: task-mean top-1 against trainable parameters, one marker and colour per method family."""
     from petl.bench.plot import Point, render_pareto  # matplotlib loads only when a plot is drawn
 
-    points = [Point(r.experiment, r.trainable, r.task_mean, board.complete(r)) for r in board.rows]
-    return render_pareto(points, len(board.tasks), board.models)
+    points = [Point(r.experiment, r.trainable, r.task_mean, board.complete(r), board.family(r)) for r in board.rows]
+    return render_pareto(points, len(board.tasks), board.models, _family_legend(board))
 
 
 def learning_curves(board: Leaderboard, task: str | None = None) -> tuple[str, dict[str, list[float]]] | None:
@@ -916,14 +1018,15 @@ def learning_curves(board: Leaderboard, task: str | None = None) -> tuple[str, d
 
 
 def learning_curves_png(board: Leaderboard) -> bytes | None:
-    """``learning_curves.png``: val top-1 per epoch of each experiment on one task, or ``None`` without curves."""
+    """``learning_curves.png``: val top-1 per epoch on one task, a panel per method family; ``None`` without curves."""
     found = learning_curves(board)
     if found is None:
         return None
     from petl.bench.plot import render_curves
 
     task, curves = found
-    return render_curves(curves, task, board.models)
+    family_of = {row.experiment: board.family(row) for row in board.rows}
+    return render_curves(curves, task, board.models, family_of, _family_legend(board))
 
 
 def write_report(
@@ -953,17 +1056,31 @@ def write_report(
     records = collect(results_dir)
     if not records:
         raise FileNotFoundError(f"no result.json under {results_dir}")
-    board = aggregate(records, results_dir, published_names(sorted({r.experiment for r in records}), configs_dir))
+    experiments = sorted({r.experiment for r in records})
+    board = aggregate(
+        records, results_dir, published_names(experiments, configs_dir), family_names(experiments, configs_dir)
+    )
     board.compute = compute_spent(results_dir)
     out = Path(out_dir) if out_dir is not None else results_dir
     png = pareto_png(board)
-    title = f"petl leaderboard: {board.results_dir.name}"
-    html = render_html(title, display_table(board), notes(board), png, published_tables(board))
+    curves_png = learning_curves_png(board)
+    figures = [("Accuracy against trainable parameters", png)]
+    if curves_png is not None:
+        figures.append(("Learning curves", curves_png))
+    html = render_html(
+        _title(board),
+        display_table(board),
+        details_table(board),
+        notes(board),
+        figures,
+        published_tables(board),
+        _summary(board),
+    )
     # Two sweeps finishing together both rebuild the report; each file is renamed into place whole.
     write_text(out / "leaderboard.csv", csv_text(board))
     write_text(out / "leaderboard.md", markdown(board))
     write_atomic(out / "pareto.png", lambda tmp: tmp.write_bytes(png))
     write_text(out / "leaderboard.html", html)
-    if (curves_png := learning_curves_png(board)) is not None:
+    if curves_png is not None:
         write_atomic(out / "learning_curves.png", lambda tmp: tmp.write_bytes(curves_png))
     return board
