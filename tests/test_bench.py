@@ -352,6 +352,22 @@ def test_families_come_from_the_experiment_files_and_group_the_plots(tmp_path):
     assert "## Details: family" in md and "| Experiment | Family |" in md and "**Family**" in md
 
 
+def test_the_pareto_plot_draws_each_family_in_its_own_colour(tmp_path):
+    from matplotlib.colors import to_rgb
+    from PIL import Image
+
+    one_per_family = {"linear": "head", "full": "layers", "vpt_deep": "prompt", "convpass": "adapter"}
+    one_per_family |= {"lora": "low-rank", "ssf": "scale-shift"}
+    for i, experiment in enumerate(one_per_family):
+        write_run(tmp_path, "mini/digits", experiment, 0, top1=50.0 + 5 * i, no_head=1000.0 * 4**i)
+    board = write_report(tmp_path)
+    assert board.family_order == list(FAMILIES)
+    pixels = dict((rgb, n) for n, rgb in Image.open(tmp_path / "pareto.png").convert("RGB").getcolors(1 << 20))
+    for family, (_, colour) in family_styles(board.family_order).items():
+        rgb = tuple(round(255 * c) for c in to_rgb(colour))
+        assert pixels.get(rgb, 0) >= 20, f"{family}'s colour {colour} is missing from pareto.png"
+
+
 class _TableReader(HTMLParser):
     """Collects the text of each body row of one <table id=...> and its <th> labels."""
 

@@ -182,6 +182,21 @@ def place_labels(
 # The plots.
 
 
+def _png(fig: Figure) -> bytes:
+    """The figure as a 256-colour PNG: a third of the bytes, no visible change (the HTML embeds both plots).
+
+    Octree quantisation keeps small patches of colour (a marker, a panel's title) that median cut would merge.
+    """
+    from PIL import Image  # Pillow comes with matplotlib
+
+    drawn = io.BytesIO()
+    fig.savefig(drawn, format="png")
+    buffer = io.BytesIO()
+    image = Image.open(drawn).convert("RGB").quantize(256, method=Image.Quantize.FASTOCTREE)
+    image.save(buffer, format="png", optimize=True)
+    return buffer.getvalue()
+
+
 def render_pareto(
     points: list[Point], num_tasks: int, models: list[str], families: Mapping[str, str] | None = None
 ) -> bytes:
@@ -261,9 +276,7 @@ def render_pareto(
         )
     fig.tight_layout()
     _label_points(ax, canvas, rows, front)
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png")
-    return buffer.getvalue()
+    return _png(fig)
 
 
 def _label_points(ax, canvas: FigureCanvasAgg, rows: list[Point], frontier: list[tuple[float, float]]) -> None:
@@ -384,6 +397,4 @@ def render_curves(
         fontsize=10,
     )
     fig.tight_layout()
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png")
-    return buffer.getvalue()
+    return _png(fig)
