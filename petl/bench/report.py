@@ -361,7 +361,8 @@ def published_names(experiments: list[str], configs_dir: str | Path | None = Non
 def family_names(experiments: list[str], configs_dir: str | Path | None = None) -> dict[str, str]:
     """Each experiment's method family, read from its experiment file (``family:``, see ``petl.presets.FAMILIES``).
 
-    An experiment without a file or without ``family:`` has none (the plots file it under ``other``).
+    An experiment without a file or without ``family:`` has none: :meth:`Leaderboard.family` then names it
+    after its method.
     """
     return {name: e.family for name, e in _experiment_files(experiments, configs_dir).items() if e.family}
 
