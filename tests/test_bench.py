@@ -455,6 +455,28 @@ def test_html_renders_in_a_browser_and_sorts(vtab_results, tmp_path):
     assert sorted(row[0] for row in details.rows) == sorted(row[0] for row in reader.rows)
 
 
+def test_long_texts_fold_into_a_per_row_disclosure_and_spreads_are_set_apart():
+    from petl.bench.html import LONG_TEXT, render_html
+    from petl.bench.table import Header, Table
+
+    long = "dim=8, dropout=0.1, scale=10.0, xavier_conv=False; lr=0.01, 20 ep | lr=0.001, 20 ep"
+    main = Table(
+        [Header("experiment", "Experiment", "info"), Header("task:a", "a")], [[("x", "x"), ("81.50 ± 0.25", 81.5)]]
+    )
+    details = Table(
+        [Header("experiment", "Experiment", "info"), Header("config", "petl config", "info")],
+        [[("x", "x"), (long, long)]],
+        "Details",
+    )
+    page = render_html("t", main, details, [], [], [])
+    assert len(long) > LONG_TEXT
+    # The whole text is kept, behind a summary showing its start; a short text is shown as it is.
+    assert f"<details><summary><span>{long[: LONG_TEXT - 10]}…</span></summary>{long}</details>" in page
+    assert '<td class="info" data-sort="x">x</td>' in page
+    assert '81.50<span class="std"> ± 0.25</span>' in page
+    assert page.index('id="leaderboard"') < page.index("<h2>Details</h2>") < page.index('id="details"')
+
+
 # Appended to a copy of the page: writes where each main-table header lies, as the browser laid it out.
 _LAYOUT_PROBE = """<script>
 (function () {
