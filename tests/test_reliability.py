@@ -25,7 +25,7 @@ from safetensors.torch import save_file
 
 import petl
 from petl import data as petl_data
-from petl.run import cli, default_config, engine, lock, records, runner, train
+from petl.run import build, cli, default_config, engine, folder, lock, records, runner, train
 from petl.run.config import ConfigError
 
 TINY = tiny_run(batch_size=32)
@@ -211,15 +211,15 @@ def test_resume_with_another_model_file_is_refused(tmp_path):
 
 def test_a_moved_dataset_with_the_same_content_still_resumes():
     old = {"data.root": "/a", "data.fingerprint": "f1", "model.checkpoint_sha256": None}
-    runner._check_inputs(Path("x"), old, {**old, "data.root": "/b"})  # content decides, not the path
+    folder.check_inputs(Path("x"), old, {**old, "data.root": "/b"})  # content decides, not the path
     with pytest.raises(ConfigError, match=r"data.fingerprint: 'f1' -> 'f2'"):
-        runner._check_inputs(Path("x"), old, {**old, "data.root": "/b", "data.fingerprint": "f2"})
-    runner._check_inputs(Path("x"), None, old)  # checkpoints of older versions carry no inputs
+        folder.check_inputs(Path("x"), old, {**old, "data.root": "/b", "data.fingerprint": "f2"})
+    folder.check_inputs(Path("x"), None, old)  # checkpoints of older versions carry no inputs
 
 
 def test_output_dir_that_is_a_file_fails_before_building_anything(tmp_path, monkeypatch, capsys):
     (tmp_path / "out").write_text("not a folder")
-    monkeypatch.setattr(runner, "_create_backbone", lambda *a: pytest.fail("must fail before building the model"))
+    monkeypatch.setattr(build, "create_backbone", lambda *a: pytest.fail("must fail before building the model"))
     with pytest.raises(ConfigError, match=r"^output_dir .*/out is a file, not a folder: choose another output_dir$"):
         tiny(tmp_path / "out")
     with pytest.raises(ConfigError, match=r"output_dir .*/out/run cannot be written \(Not a directory\)"):
@@ -244,7 +244,7 @@ def _read_only_dir(tmp_path: Path) -> Path:
 
 def test_read_only_output_dir_fails_before_building_anything(tmp_path, monkeypatch, capsys):
     folder = _read_only_dir(tmp_path)
-    monkeypatch.setattr(runner, "_create_backbone", lambda *a: pytest.fail("must fail before building the model"))
+    monkeypatch.setattr(build, "create_backbone", lambda *a: pytest.fail("must fail before building the model"))
     with pytest.raises(ConfigError, match=rf"^output_dir {folder} cannot be written \((Permission denied|.*)\)"):
         tiny(folder)
     with pytest.raises(SystemExit) as caught:

@@ -151,7 +151,7 @@ def _diverged_result(run: PlannedRun, error: Exception) -> dict[str, Any]:
 def _default_fns() -> tuple[TrainFn, ComposeFn, CheckFn]:
     # Imported late: the sweep is testable with fakes, and `petl-bench report` never needs the engine.
     from petl import run
-    from petl.run.runner import check_finished
+    from petl.run.folder import check_finished
 
     return run.train, run.default_config, check_finished
 
@@ -176,7 +176,7 @@ def run_sweep(
         compose_fn: ``petl.run.default_config`` unless given.
         progress: show the sweep's progress bar (runs done / total, current run, ETA).
         check_fn: raises when a finished run's folder holds another config; with the engine's defaults
-            ``petl.run.runner.check_finished``, else none unless given.
+            ``petl.run.folder.check_finished``, else none unless given.
 
     Returns:
         The sweep's summary.
@@ -210,7 +210,7 @@ def run_sweep(
                     # Another sweep may have finished it between our first look and the lock.
                     if not run.is_done():
                         (run.run_dir / ERROR_FILE).unlink(missing_ok=True)
-                        # Runs share this process; each resets its own peak memory (petl.run.runner._run).
+                        # Runs share this process; each resets its own peak memory (petl.run.runner._train_and_record).
                         train_fn(compose_fn(list(run.overrides)))
                         summary.trained += 1
                 except Exception as error:  # one bad run must not end a day-long sweep
