@@ -35,7 +35,7 @@ from petl.bench.columns import leaderboard_columns, task_labels
 from petl.bench.curves import CONVERGENCE_TAIL, ValCurve, learning_curves, tail_change, val_curve
 from petl.bench.published import TABLES, PublishedRow, PublishedTable, table_for
 from petl.bench.results import Compute, RunRecord, collect, compute_spent, mean, task_group
-from petl.bench.table import Header, Table
+from petl.bench.table import Header, Table, markdown_lines
 from petl.run.records import write_atomic, write_text
 
 # Re-exported: the report's public names, wherever they are declared.
@@ -273,19 +273,6 @@ def notes(board: Leaderboard) -> list[str]:
     return lines
 
 
-def _md_escape(text: str) -> str:
-    return text.replace("|", "\\|")
-
-
-def _md_table(table: Table) -> list[str]:
-    lines = [
-        "| " + " | ".join(_md_escape(h.label) for h in table.headers) + " |",
-        "|" + "|".join("---" if h.kind == "info" else "---:" for h in table.headers) + "|",
-    ]
-    lines += ["| " + " | ".join(_md_escape(text) for text, _ in cells) + " |" for cells in table.rows]
-    return lines
-
-
 def markdown(board: Leaderboard) -> str:
     """``leaderboard.md``: the main table, the legend, then the published per-task tables."""
     runs = sum(len(r.runs) for r in board.rows)
@@ -294,12 +281,12 @@ def markdown(board: Leaderboard) -> str:
         "",
         f"{len(board.rows)} experiments, {len(board.tasks)} tasks, {runs} runs.",
         "",
-        *_md_table(display_table(board)),
+        *markdown_lines(display_table(board)),
         "",
         *[f"- {n}" for n in notes(board)],
     ]
     for table in published_tables(board):
-        lines += ["", f"## {table.title}", "", f"Source: {table.source}.", "", *_md_table(table)]
+        lines += ["", f"## {table.title}", "", f"Source: {table.source}.", "", *markdown_lines(table)]
     return "\n".join(lines) + "\n"
 
 
