@@ -21,7 +21,7 @@ from PIL import Image
 from petl.bench import cli, protocol, sweep
 from petl.bench import suite as suites
 from petl.bench.sweep import PlannedRun
-from petl.data.vtab import FileListDataset
+from petl.data.images import FileListDataset
 
 # Two VTAB tasks with few classes, under NOAH's folder names (kitti, not kitti_dist).
 TASKS = {"vtab/patch_camelyon": ("patch_camelyon", 2), "vtab/kitti_dist": ("kitti", 4)}
