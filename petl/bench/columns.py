@@ -51,8 +51,8 @@ def task_labels(tasks: list[str]) -> dict[str, str]:
 def _count_with_pct(total_key: str) -> Callable[[ExperimentRow], tuple[float, float]]:
     # (mean count, mean share of all parameters in %) of a result.json count field.
     def compute(row: ExperimentRow) -> tuple[float, float]:
-        counts = [float(r.result[total_key]) for r in row.runs]
-        totals = [float(r.result["total_params"]) for r in row.runs]
+        counts = [float(getattr(r.result, total_key)) for r in row.runs]
+        totals = [float(r.result.total_params) for r in row.runs]
         return mean(counts), mean([100 * p / t for p, t in zip(counts, totals, strict=True)])
 
     return compute
@@ -66,7 +66,7 @@ def _selection(row: ExperimentRow, labels: dict[str, str]) -> str:
     # result.json's "selection" record (written by a search-then-final sweep): the configuration chosen on val.
     chosen: dict[str, list[str]] = {}
     for run in row.runs:
-        selection = run.result.get("selection")
+        selection = run.result.selection
         if isinstance(selection, Mapping) and selection.get("chosen") is not None:
             # An empty choice: the experiment pins every searched key (a `pinned_trial` suite's one trial), or
             # a search whose only point is the defaults.
@@ -136,7 +136,7 @@ def _published_columns(board: Leaderboard, table: PublishedTable) -> list[Column
 
 def _devices(row: ExperimentRow) -> str:
     # "cpu", or "cpu 9, cuda 12" when the reported runs of one row trained on different devices.
-    counts = Counter(str(r.result.get("device") or "?") for r in row.runs)
+    counts = Counter(str(r.result.device or "?") for r in row.runs)
     if len(counts) == 1:
         return next(iter(counts))
     return ", ".join(f"{device} {n}" for device, n in sorted(counts.items()))
@@ -159,7 +159,7 @@ def leaderboard_columns(board: Leaderboard) -> list[Column]:
     """Every column of the leaderboard, in display and CSV order (measured first, then published tables)."""
     labels = task_labels(board.tasks)
     several_groups = len(board.group_names) > 1
-    any_selection = any("selection" in r.result for row in board.rows for r in row.runs)
+    any_selection = any(r.result.selection is not None for row in board.rows for r in row.runs)
     tail_pct = round(100 * CONVERGENCE_TAIL)
     columns = [
         Column(
@@ -170,9 +170,7 @@ def leaderboard_columns(board: Leaderboard) -> list[Column]:
             csv=lambda v: {"experiment": v[0]},
             kind="info",
         ),
-        Column(
-            "method", None, lambda row: ", ".join(dict.fromkeys(str(r.result.get("method", "?")) for r in row.runs))
-        ),
+        Column("method", None, lambda row: ", ".join(dict.fromkeys(str(r.result.method) for r in row.runs))),
         Column(
             "config",
             "petl config",
@@ -254,7 +252,7 @@ def leaderboard_columns(board: Leaderboard) -> list[Column]:
             "search trial it was selected from (one seed); – where none was recorded.",
         ),
     ]
-    if any(r.result.get("device") for row in board.rows for r in row.runs):
+    if any(r.result.device for row in board.rows for r in row.runs):
         columns.append(
             Column(
                 "device",

@@ -52,7 +52,7 @@ def val_curve(record: RunRecord) -> ValCurve | None:
     own = _read_val_history(record.path.parent)
     if own:
         return ValCurve(record.path.parent, own)
-    selection = record.result.get("selection")
+    selection = record.result.selection
     if not isinstance(selection, Mapping):
         return None
     for trial in selection.get("trials") or []:

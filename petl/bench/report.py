@@ -34,7 +34,7 @@ from petl.bench.board import (
 from petl.bench.columns import leaderboard_columns, task_labels
 from petl.bench.curves import CONVERGENCE_TAIL, ValCurve, learning_curves, tail_change, val_curve
 from petl.bench.published import TABLES, PublishedRow, PublishedTable, table_for
-from petl.bench.results import Compute, RunRecord, collect, compute_spent, mean, task_group
+from petl.bench.results import Compute, RunRecord, collect, compute_spent, mean, read_all, task_group
 from petl.bench.table import Header, Table, markdown_lines
 from petl.run.records import write_atomic, write_text
 
@@ -79,7 +79,7 @@ def _published_status(runs: list[RunRecord], table: PublishedTable, row_name: st
         return NO_PUBLISHED_ROW
     # Published figures sit beside petl's only when petl measured on the same pretrained backbone.
     covered = [r for r in runs if table.covers(r.task)] or runs
-    if any(r.result.get("model") != table.backbone or r.result.get("pretrained") is False for r in covered):
+    if any(r.result.model != table.backbone or r.result.pretrained is False for r in covered):
         return DIFFERENT_BACKBONE
     return row
 
@@ -135,7 +135,7 @@ def aggregate(
         for task in tasks:
             cell = sorted((r for r in runs if r.task == task), key=lambda r: r.seed)
             if cell:
-                top1 = [float(r.result["test_top1"]) for r in cell]
+                top1 = [float(r.result.test_top1) for r in cell]
                 std = statistics.stdev(top1) if len(top1) > 1 else math.nan
                 scores[task] = TaskScore(statistics.fmean(top1), std, tuple(r.seed for r in cell))
         group_means = {
@@ -149,20 +149,17 @@ def aggregate(
                 scores=scores,
                 task_mean=mean([s.mean for s in scores.values()]),
                 group_means=group_means,
-                trainable=mean([float(r.result["trainable_params"]) for r in runs]),
-                trainable_no_head=mean([float(r.result["trainable_params_no_head"]) for r in runs]),
+                trainable=mean([float(r.result.trainable_params) for r in runs]),
+                trainable_no_head=mean([float(r.result.trainable_params_no_head) for r in runs]),
                 published={t.key: _published_status(runs, t, published.get(name)) for t in tables},
             )
         )
     rows.sort(key=lambda r: (-r.task_mean if not math.isnan(r.task_mean) else math.inf, r.experiment))
     # A backbone trained from random init is a different model from its pretrained namesake; say so.
     models = sorted(
-        {
-            str(r.result.get("model", "?")) + (" (random init)" if r.result.get("pretrained") is False else "")
-            for r in records
-        }
+        {str(r.result.model or "?") + (" (random init)" if r.result.pretrained is False else "") for r in records}
     )
-    memory_kinds = sorted({str(r.result["peak_memory_kind"]) for r in records if r.result.get("peak_memory_kind")})
+    memory_kinds = sorted({str(r.result.peak_memory_kind) for r in records if r.result.peak_memory_kind})
     board = Leaderboard(Path(results_dir), tasks, groups, rows, models, tables, memory_kinds)
     board.columns = leaderboard_columns(board)
     for row in rows:
@@ -333,11 +330,12 @@ def write_report(
     from petl.bench.html import render_html
 
     results_dir = Path(results_dir)
-    records = collect(results_dir)
+    results = read_all(results_dir)
+    records = collect(results)
     if not records:
         raise FileNotFoundError(f"no result.json under {results_dir}")
     board = aggregate(records, results_dir, published_names(sorted({r.experiment for r in records}), configs_dir))
-    board.compute = compute_spent(results_dir)
+    board.compute = compute_spent(results)
     out = Path(out_dir) if out_dir is not None else results_dir
     png = pareto_png(board)
     title = f"petl leaderboard: {board.results_dir.name}"

@@ -5,7 +5,6 @@ Reports only read run folders, so they are safe to build while a sweep is still 
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import statistics
@@ -18,6 +17,7 @@ from typing import Any
 import yaml
 
 from petl.run.records import RESULT_FILE
+from petl.run.result import ResultError, RunResult, read_result
 
 _SEED_DIR = re.compile(r"^seed(\d+)$")
 
@@ -27,39 +27,48 @@ LONG_OPTION = 60
 
 @dataclass(frozen=True)
 class RunRecord:
-    """One finished run: its cell in the sweep and the contents of its ``result.json``."""
+    """One finished run: its cell in the sweep and its ``result.json``."""
 
     task: str
     experiment: str
     seed: int
     path: Path
-    result: dict[str, Any]
+    result: RunResult
 
 
-def collect(results_dir: str | Path) -> list[RunRecord]:
-    """Read every ``result.json`` under ``results_dir``.
+def read_all(results_dir: str | Path) -> list[tuple[Path, RunResult]]:
+    """Every readable ``result.json`` under ``results_dir``, read once; an unreadable one is skipped with a warning."""
+    found = []
+    for path in sorted(Path(results_dir).rglob(RESULT_FILE)):
+        try:
+            result = read_result(path)
+        except ResultError as error:
+            warnings.warn(f"skipping {error}", stacklevel=2)
+            continue
+        if result is not None:
+            found.append((path, result))
+    return found
+
+
+def collect(results_dir: str | Path | list[tuple[Path, RunResult]]) -> list[RunRecord]:
+    """The reported runs under ``results_dir`` (or among results :func:`read_all` read).
 
     The experiment is the folder above ``seed<k>/`` (so ``adapter_parallel`` and ``adapter_sequential``
     stay apart although both ran method ``adapter``); outside that layout the method name stands in.
     Unreadable files are skipped with a warning; a duplicate (task, experiment, seed) keeps the first.
     """
+    results = read_all(results_dir) if isinstance(results_dir, (str, Path)) else results_dir
     records: dict[tuple[str, str, int], RunRecord] = {}
-    for path in sorted(Path(results_dir).rglob(RESULT_FILE)):
-        try:
-            result = json.loads(path.read_text())
-            task, seed = str(result["dataset"]), int(result["seed"])
-        except (OSError, ValueError, KeyError, TypeError) as err:
-            warnings.warn(f"skipping {path}: {err}", stacklevel=2)
-            continue
-        if result.get("test_top1") is None:
+    for path, result in results:
+        if result.test_top1 is None:
             continue  # a selection trial (train.eval_test=false, petl.bench.protocol): scored on val only
         run_dir = path.parent
-        experiment = run_dir.parent.name if _SEED_DIR.match(run_dir.name) else str(result.get("method", "?"))
-        key = (task, experiment, seed)
+        experiment = run_dir.parent.name if _SEED_DIR.match(run_dir.name) else result.method
+        key = (result.dataset, experiment, result.seed)
         if key in records:
             warnings.warn(f"skipping {path}: {key} already read from {records[key].path}", stacklevel=2)
             continue
-        records[key] = RunRecord(task, experiment, seed, path, result)
+        records[key] = RunRecord(result.dataset, experiment, result.seed, path, result)
     return list(records.values())
 
 
@@ -94,23 +103,11 @@ class Compute:
         )
 
 
-def compute_spent(results_dir: str | Path) -> Compute:
-    """Count every finished run under ``results_dir``, selection trials included, and sum their wall times."""
-    runs = trials = 0
-    seconds = 0.0
-    for path in sorted(Path(results_dir).rglob(RESULT_FILE)):
-        try:
-            result = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue  # collect() warns about the same file
-        if not isinstance(result, Mapping):
-            continue
-        if result.get("test_top1") is None:
-            trials += 1
-        else:
-            runs += 1
-        seconds += float(result.get("wall_seconds") or result.get("train_seconds") or 0.0)
-    return Compute(runs, trials, seconds)
+def compute_spent(results: list[tuple[Path, RunResult]]) -> Compute:
+    """Count every finished run :func:`read_all` found, selection trials included, and sum their wall times."""
+    trials = sum(1 for _, result in results if result.test_top1 is None)
+    seconds = sum(float(result.wall_seconds or result.train_seconds or 0.0) for _, result in results)
+    return Compute(len(results) - trials, trials, seconds)
 
 
 def mean(values: list[float]) -> float:
@@ -138,22 +135,22 @@ def format_option(value: Any) -> str:
 
 def describe_run(record: RunRecord) -> str:
     """Method options (minus the per-task class count) and the learning rate / epochs of one run."""
-    options = {k: v for k, v in (record.result.get("method_config") or {}).items() if k != "num_classes"}
+    options = {k: v for k, v in (record.result.method_config or {}).items() if k != "num_classes"}
     text = format_option(options)
     # The resolved config sits in result.json (else config.yaml beside it); the learning rate is the one
     # recipe value experiments change (full fine-tuning), so it belongs beside the method options.
-    config = record.result.get("config")
+    config = record.result.config
     config_path = record.path.parent / "config.yaml"
     if not isinstance(config, dict) and config_path.is_file():
         config = yaml.safe_load(config_path.read_text())
     lr = (config.get("train") or {}).get("lr") if isinstance(config, dict) else None
     recipe = [] if lr is None else [f"lr={lr}"]
-    if record.result.get("epochs") is not None:
-        recipe.append(f"{record.result['epochs']} ep")
+    if record.result.epochs is not None:
+        recipe.append(f"{record.result.epochs} ep")
     return "; ".join(part for part in (text, ", ".join(recipe)) if part)
 
 
 def number(record: RunRecord, key: str) -> float:
     # Optional numbers may be missing or null in a result.json; they count as absent, not as zero.
-    value = record.result.get(key)
+    value = getattr(record.result, key)
     return math.nan if value is None else float(value)

@@ -18,33 +18,22 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import Dataset, Subset
 
-from petl.run import lock, records
+from petl.run import config, lock, records
 from petl.run.config import ConfigError
 from petl.run.errors import RunError
+from petl.run.result import ResultError, RunResult, read_result
 
 log = logging.getLogger(__name__)
 
-_NEUTRAL_KEYS = (
-    "output_dir",
-    "resume",
-    "train.progress",
-    "train.trackers",
-    "train.keep_checkpoint",
-    "train.eval_batch_size",
-    "data.root",
-    # Neutral for the order, dropout and drop-path; with augmented images (FGVC) the crops come from the global
-    # stream with 0 workers and from per-epoch worker seeds with more, so changing it mid-run changes the crops.
-    "data.num_workers",
-)
 # Keys below these take any name, so a key missing from an old record is a real difference there.
 _FREE_FORM = ("model.kwargs.",)
 
 
 def fingerprint(resolved: dict[str, Any]) -> dict[str, Any]:
-    """The part of a resolved config that decides what a run computes."""
-    flat = flatten(resolved)
-    nested = tuple(f"{key}." for key in _NEUTRAL_KEYS)
-    return {key: value for key, value in flat.items() if key not in _NEUTRAL_KEYS and not key.startswith(nested)}
+    """The part of a resolved config that decides what a run computes: every option not marked ``neutral``."""
+    neutral = config.run_neutral_keys()
+    nested = tuple(f"{key}." for key in neutral)
+    return {key: value for key, value in flatten(resolved).items() if key not in neutral and not key.startswith(nested)}
 
 
 def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -68,30 +57,42 @@ def check_same_config(out: Path, recorded: dict[str, Any], resolved: dict[str, A
     """Refuse a folder whose run was trained with another config: the one comparison petl-run and petl-bench make.
 
     Only the fingerprints count (options marked neutral never do).  A key added to petl after the run was
-    recorded is not a difference: an option is added with a default that keeps the old behaviour, so
-    committed results and checkpoints stay valid when petl grows an option.  ``model.kwargs`` is free-form
-    (any ``timm.create_model`` keyword), so a key added there is a difference.
+    recorded is not a difference while it has its default: an option is added with a default that keeps the
+    old behaviour, so committed results and checkpoints stay valid when petl grows an option.
+    ``model.kwargs`` is free-form (any ``timm.create_model`` keyword), so a key added there is a difference.
 
     Raises:
         ConfigError: naming up to three differing keys, and ``advice``.
 
     """
     old, new = fingerprint(recorded), fingerprint(resolved)
-    new = {k: v for k, v in new.items() if k in old or k.startswith(_FREE_FORM)}
+    method = (resolved.get("method") or {}).get("name")
+    added = {k for k in new.keys() - old.keys() if not k.startswith(_FREE_FORM)}
+    new = {k: v for k, v in new.items() if k not in added or v != _as_recorded(config.option_default(k, method))}
     if old != new:
         raise ConfigError(f"output_dir {out} holds a run with another config ({_difference(old, new)}); {advice}")
 
 
-def check_output_dir(out: Path, cfg: DictConfig, resolved: dict[str, Any], is_main: bool) -> dict | None:
+def _as_recorded(value: Any) -> Any:
+    # A record holds JSON/YAML values: a tuple default reads back as a list.
+    return list(value) if isinstance(value, tuple) else value
+
+
+def check_output_dir(out: Path, cfg: DictConfig, resolved: dict[str, Any], is_main: bool) -> RunResult | None:
     """Check what an earlier run left in ``out``; return its result if it finished with this config."""
     if not cfg.resume:
         if is_main:
             for name in records.RUN_FILES:
                 (out / name).unlink(missing_ok=True)
         return None
-    finished = records.read_json(out / records.RESULT_FILE)
+    finished = _read_finished(out)
     if finished is not None:
-        previous = finished["config"]
+        if finished.config is None:
+            raise ConfigError(
+                f"output_dir {out} holds a {records.RESULT_FILE} without the config it was trained with, so it "
+                "cannot be checked; choose another output_dir, or resume=false to replace it"
+            )
+        previous = finished.config
     elif (out / records.CHECKPOINT_FILE).exists():
         if not (out / records.CONFIG_FILE).exists():
             # config.yaml is written before the first checkpoint, so only a deleted file gets here (by hand, or a
@@ -109,7 +110,7 @@ def check_output_dir(out: Path, cfg: DictConfig, resolved: dict[str, Any], is_ma
     if finished is not None:
         # The dataset's content fingerprint needs the dataset built; a finished run is compared on
         # what is known without that (data.root, the model file), so a changed folder is refused.
-        check_inputs(out, finished.get("inputs"), run_inputs(cfg, None), finished=True)
+        check_inputs(out, finished.inputs, run_inputs(cfg, None), finished=True)
         if is_main and not cfg.train.keep_checkpoint:
             # Left by a kill between result.json and the checkpoint's removal.
             (out / records.CHECKPOINT_FILE).unlink(missing_ok=True)
@@ -128,13 +129,20 @@ def check_finished(cfg: DictConfig) -> None:
 
     """
     out = Path(cfg.output_dir)
-    finished = records.read_json(out / records.RESULT_FILE)
-    if finished is None or "config" not in finished:
+    finished = _read_finished(out)
+    if finished is None or finished.config is None:
         return  # nothing finished here (or a hand-made record): nothing to compare
     resolved = OmegaConf.to_container(cfg, resolve=True)
     assert isinstance(resolved, dict)
-    check_same_config(out, finished["config"], resolved, "delete it to train this config")
-    check_inputs(out, finished.get("inputs"), run_inputs(cfg, None), finished=True)
+    check_same_config(out, finished.config, resolved, "delete it to train this config")
+    check_inputs(out, finished.inputs, run_inputs(cfg, None), finished=True)
+
+
+def _read_finished(out: Path) -> RunResult | None:
+    try:
+        return read_result(out / records.RESULT_FILE)
+    except ResultError as error:
+        raise ConfigError(f"output_dir {out}: {error}; delete it to train again") from None
 
 
 def run_inputs(cfg: DictConfig, dataset: Dataset | None) -> dict[str, Any]:

@@ -42,6 +42,7 @@ from petl.run.config import ConfigError
 from petl.run.engine import NonFiniteLossError, TrainSettings, backbone_mode, build_optimizer, evaluate, fit
 from petl.run.errors import DivergedError, RunError
 from petl.run.folder import check_finished
+from petl.run.result import RunResult, write_result
 
 log = logging.getLogger(__name__)
 
@@ -99,8 +100,8 @@ def run(cfg: DictConfig, *, checked: bool = False) -> dict[str, Any]:
         finished = folder.check_output_dir(out, cfg, resolved, is_main=records.is_main_process())
         if finished is not None:
             if records.is_main_process():
-                log.info("already finished: %s", summary_line(finished))
-            return finished
+                log.info("already finished: %s", summary_line(finished.to_json()))
+            return finished.to_json()
 
         accelerator = build.make_accelerator(cfg, out)
         deterministic_before = torch.are_deterministic_algorithms_enabled()
@@ -161,14 +162,15 @@ def _train_and_record(cfg: DictConfig, resolved: dict[str, Any], out: Path, acce
     tested = time.perf_counter()
     test_top1 = _evaluate_test_once(training)
     result = _result(cfg, model, info.num_classes, progress.history, test_top1, train_seconds, training)
-    result["test_seconds"] = round(time.perf_counter() - tested, 2) if test_top1 is not None else None
+    result.test_seconds = round(time.perf_counter() - tested, 2) if test_top1 is not None else None
     peak_mb, peak_kind = records.peak_memory()
-    result.update(peak_memory_mb=round(peak_mb, 1), peak_memory_kind=peak_kind, config=resolved, inputs=inputs)
-    result["wall_seconds"] = round(time.perf_counter() - started, 2)
+    result.peak_memory_mb, result.peak_memory_kind = round(peak_mb, 1), peak_kind
+    result.config, result.inputs = resolved, inputs
+    result.wall_seconds = round(time.perf_counter() - started, 2)
     with folder.disk_errors(out, lambda: progress.saved_epoch, cfg.resume):
         _record(cfg, out, model, result, accelerator)
     build.say(accelerator, "wrote %s", out / records.RESULT_FILE)
-    return result
+    return result.to_json()
 
 
 @dataclass
@@ -226,7 +228,8 @@ def _set_up_training(
     cfg: DictConfig, model: nn.Module, datasets: dict[str, Dataset], accelerator: Accelerator
 ) -> _Setup:
     """Loaders (over cached features where the method allows), optimizer and schedule, prepared."""
-    settings = config.settings_from(cfg)
+    # The train node is a TrainSettings (TrainConfig subclasses it): the engine reads it as it is.
+    settings: TrainSettings = OmegaConf.to_object(cfg.train)
     settings = dataclasses.replace(settings, progress=settings.progress and accelerator.is_main_process)
     num_workers = cfg.data.num_workers
     cache_plan = cache.plan(model) if cfg.train.cache_features else None
@@ -352,11 +355,11 @@ def _evaluate_test_once(training: _Setup) -> float | None:
         return evaluate(full_model, training.test_loader, training.accelerator)
 
 
-def _record(cfg: DictConfig, out: Path, model: nn.Module, result: dict[str, Any], accelerator: Accelerator) -> None:
+def _record(cfg: DictConfig, out: Path, model: nn.Module, result: RunResult, accelerator: Accelerator) -> None:
     """Weights, then ``result.json`` (its presence marks the run finished), then drop the checkpoint."""
     if accelerator.is_main_process:
         records.write_atomic(out / records.WEIGHTS_FILE, lambda tmp: petl.save_trainable(model, tmp))
-        records.write_json(out / records.RESULT_FILE, result)
+        write_result(out / records.RESULT_FILE, result)
         if not cfg.train.keep_checkpoint:
             (out / records.CHECKPOINT_FILE).unlink(missing_ok=True)
     accelerator.wait_for_everyone()
@@ -375,42 +378,42 @@ def _result(
     test_top1: float | None,
     train_seconds: float,
     training: _Setup,
-) -> dict[str, Any]:
+) -> RunResult:
     accelerator, cache_plan = training.accelerator, training.cache_plan
     counts = petl.count_params(model)
     images = sum(h["images"] for h in history)
     seconds = sum(h["seconds"] for h in history)
     last = history[-1] if history else {}
     val_history = [h["val_top1"] for h in history if "val_top1" in h]
-    return {
-        "method": cfg.method.name,
-        "method_config": dataclasses.asdict(model.petl_config),
-        "dataset": cfg.data.name,
-        "split": cfg.data.split,
-        "model": cfg.model.name,
-        "pretrained": cfg.model.pretrained,
-        "seed": cfg.seed,
-        "num_classes": num_classes,
-        "trainable_params": counts.trainable,
-        "trainable_params_no_head": counts.trainable_no_head,
-        "total_params": counts.total,
-        "val_top1": last.get("val_top1"),
-        "best_val_top1": max(val_history) if val_history else None,
-        "test_top1": test_top1,
-        "final_train_loss": last.get("loss"),
-        "final_train_top1": last.get("train_top1"),
-        "epochs": cfg.train.epochs,
-        "train_seconds": round(train_seconds, 2),
-        "images_per_second": round(images / seconds, 1) if seconds else None,
-        "feature_cache": cache_plan.describe() if cache_plan else None,
-        "device": str(accelerator.device),
-        "num_processes": accelerator.num_processes,
-        "precision": accelerator.mixed_precision,
+    return RunResult(
+        method=cfg.method.name,
+        method_config=dataclasses.asdict(model.petl_config),
+        dataset=cfg.data.name,
+        split=cfg.data.split,
+        model=cfg.model.name,
+        pretrained=cfg.model.pretrained,
+        seed=cfg.seed,
+        num_classes=num_classes,
+        trainable_params=counts.trainable,
+        trainable_params_no_head=counts.trainable_no_head,
+        total_params=counts.total,
+        val_top1=last.get("val_top1"),
+        best_val_top1=max(val_history) if val_history else None,
+        test_top1=test_top1,
+        final_train_loss=last.get("loss"),
+        final_train_top1=last.get("train_top1"),
+        epochs=cfg.train.epochs,
+        train_seconds=round(train_seconds, 2),
+        images_per_second=round(images / seconds, 1) if seconds else None,
+        feature_cache=cache_plan.describe() if cache_plan else None,
+        device=str(accelerator.device),
+        num_processes=accelerator.num_processes,
+        precision=accelerator.mixed_precision,
         # What really ran: train.compile falls back to eager (with a warning) where no compiler is found.
-        "compiled": accelerator.state.dynamo_plugin.backend.value != "NO",
-        "effective_batch_size": cfg.train.batch_size * accelerator.num_processes * cfg.train.grad_accum,
-        "versions": records.versions(),
+        compiled=accelerator.state.dynamo_plugin.backend.value != "NO",
+        effective_batch_size=cfg.train.batch_size * accelerator.num_processes * cfg.train.grad_accum,
+        versions=records.versions(),
         **records.git_commit(),
-        "output_dir": str(cfg.output_dir),
-        "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    }
+        output_dir=str(cfg.output_dir),
+        finished_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    )
