@@ -128,24 +128,58 @@ def factory_kwargs(model: nn.Module) -> dict[str, Any]:
 class PetlModule(nn.Module):
     """Base class of every petl wrapper: keeps the wrapped module as ``base``.
 
-    Subclasses that can fold their update into ``base`` set ``mergeable = True`` and implement
-    :meth:`merge` and :meth:`unmerge`.
+    A wrapper that can fold its update into ``base`` implements :meth:`fold` and :meth:`unfold` (as peft's
+    ``BaseTunerLayer`` subclasses write only the merge itself); :meth:`merge` and :meth:`unmerge` keep the
+    ``merged`` state, so folding twice or unfolding an unmerged wrapper cannot happen.
     """
-
-    mergeable = False
 
     def __init__(self, base: nn.Module) -> None:
         super().__init__()
         self.base = base
-        self.merged = False
+        self._merged = False
 
+    @property
+    def merged(self) -> bool:
+        """Whether the update is folded into ``base`` (forward then costs what ``base`` costs)."""
+        return self._merged
+
+    @property
+    def mergeable(self) -> bool:
+        """Whether this wrapper can merge: it implements :meth:`fold`."""
+        return type(self).fold is not PetlModule.fold
+
+    @torch.no_grad()
     def merge(self) -> None:
-        """Fold this wrapper's update into ``base`` so that inference costs what the base costs."""
-        raise NotImplementedError(f"{type(self).__name__} cannot merge")
+        """Fold this wrapper's update into ``base`` once (a merged wrapper stays as it is)."""
+        if not self.mergeable:
+            raise NotImplementedError(f"{type(self).__name__} cannot merge")
+        if not self._merged:
+            self.fold()
+            self._merged = True
 
+    @torch.no_grad()
     def unmerge(self) -> None:
-        """Undo :meth:`merge`."""
-        raise NotImplementedError(f"{type(self).__name__} cannot unmerge")
+        """Undo :meth:`merge` (an unmerged wrapper stays as it is)."""
+        if not self.mergeable:
+            raise NotImplementedError(f"{type(self).__name__} cannot unmerge")
+        if self._merged:
+            self.unfold()
+            self._merged = False
+
+    def merged_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The forward of a merged wrapper: ``base``'s alone, its update being in the weights."""
+        # The wrapper's own module call stands in for base's: merged, this layer costs what the plain layer
+        # costs (one module call and base's forward).  Hooks registered on ``base`` itself are skipped while
+        # merged; hooks on this wrapper (the model's module at that path) still run.
+        return self.base.forward(x)
+
+    def fold(self) -> None:
+        """Add the update into ``base``'s weights (mergeable wrappers implement it)."""
+        raise NotImplementedError
+
+    def unfold(self) -> None:
+        """Take the update out of ``base``'s weights again (mergeable wrappers implement it)."""
+        raise NotImplementedError
 
 
 # Foreign wrapper types (e.g. peft's tuner layers) that have merge()/unmerge() of their own.
