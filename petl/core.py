@@ -107,6 +107,11 @@ def check_choice(field: str, value: Any, choices: tuple[str, ...]) -> None:
         raise ValueError(f"{field}={value!r} is not valid: choose one of {', '.join(choices)}")
 
 
+def first_line(text: object, default: str = "") -> str:
+    """The first non-blank line of ``text`` (an error's message, say), stripped; ``default`` when there is none."""
+    return next((line.strip() for line in str(text).splitlines() if line.strip()), default)
+
+
 def to_str_tuple(value: Any) -> tuple[str, ...]:
     """Normalise a config's sequence-of-strings field to a tuple.
 

@@ -33,11 +33,12 @@ from typing import Any
 
 from petl.bench.suite import FINAL_SPLIT, Experiment, Suite, format_value, override
 from petl.bench.sweep import PlannedRun, SweepSummary, run_dir_for, run_sweep
+from petl.data.registry import TRAIN, VAL
 from petl.run.records import RESULT_FILE, WEIGHTS_FILE
 from petl.run.result import read_result, write_result
 
 SEARCH_DIR = "search"
-SEARCH_SPLIT = "train800"  # the only split with a val split (val200) to select on
+SEARCH_SPLIT = TRAIN  # the only split with a val split (val200) to select on
 METRIC = "val_top1"
 RULE = "highest val top-1 after the last epoch; ties: first point in grid order"
 
@@ -113,7 +114,7 @@ class Cell:
         return {
             "space": self.space,
             "split": SEARCH_SPLIT,
-            "scored_on": "val200",
+            "scored_on": VAL,
             "seed": self.search_seed,
             "metric": METRIC,
             "rule": RULE,

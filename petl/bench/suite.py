@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from petl.data import TRAINING_SPLITS
+from petl.data import TRAIN_VAL, TRAINING_SPLITS
 from petl.presets import (
     SEARCH_ROOTS,
     SWEEP_OWNED,
@@ -52,7 +52,7 @@ __all__ = [
 # `seed` and `output_dir` belong to the sweep (SWEEP_OWNED).
 SUITE_GROUPS = ("train", "model", "data")
 # The split the final runs train on when a suite searches (model selection used train800 / val200).
-FINAL_SPLIT = "train800val200"
+FINAL_SPLIT = TRAIN_VAL
 # `experiments: all` in a suite: every experiment file plus every registered method no file covers.
 ALL = "all"
 

@@ -17,6 +17,7 @@ import torch
 from PIL import Image, UnidentifiedImageError
 from torch.utils.data import Dataset
 
+from petl.core import first_line
 from petl.data.registry import BadImagesError
 from petl.data.transforms import ImageSpec, pil_to_tensor
 
@@ -66,11 +67,7 @@ def decode_image(data: bytes) -> np.ndarray:
         raise ValueError("not a readable image: unknown format or damaged header") from None
     except (OSError, SyntaxError, EOFError, Image.DecompressionBombError) as error:
         # Pillow reports truncated and corrupt files as OSError, some broken headers as SyntaxError.
-        raise ValueError(f"cannot decode: {_first_line(error)}") from None
-
-
-def _first_line(error: BaseException) -> str:
-    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise ValueError(f"cannot decode: {first_line(error, type(error).__name__)}") from None
 
 
 class FileListDataset(Dataset):
@@ -119,7 +116,7 @@ class FileListDataset(Dataset):
             try:  # checked when built, but the file may have changed since
                 array = decode_image(path.read_bytes())
             except (OSError, ValueError) as error:
-                raise BadImagesError(self.name, [(path, _first_line(error))]) from None
+                raise BadImagesError(self.name, [(path, first_line(error, type(error).__name__))]) from None
         return pil_to_tensor(Image.fromarray(array), self.spec), label
 
     @property
@@ -143,7 +140,7 @@ def _decode_all(
         try:
             data = path.read_bytes()
         except OSError as error:
-            bad.setdefault(path, f"cannot read: {_first_line(error)}")
+            bad.setdefault(path, f"cannot read: {first_line(error, type(error).__name__)}")
         relative = os.path.relpath(path, folder) if folder is not None else str(path)
         digest.update(f"{Path(relative).as_posix()}\t{label}\t{len(data)}\n".encode())
         digest.update(data)

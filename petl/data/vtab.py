@@ -36,6 +36,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from petl.core import first_line
 from petl.data.images import FileListDataset, HubDataset
 from petl.data.registry import (
     SPLITS,
@@ -185,7 +186,7 @@ def _check_union(info: DatasetInfo, splits: dict[str, list[tuple[Path, int]]]) -
     is on labels: the same number of images of every class.  A mismatch is suspicious but not
     necessarily wrong, so it warns instead of refusing to run.
     """
-    parts, whole = splits["train800"] + splits["val200"], splits["train800val200"]
+    parts, whole = splits[TRAIN] + splits[VAL], splits[TRAIN_VAL]
     if sorted(parts) == sorted(whole):
         return
     part_paths, whole_paths = {path for path, _ in parts}, {path for path, _ in whole}
@@ -210,7 +211,7 @@ def _load_vtab_folder(info: DatasetInfo, folder: Path, split: str, spec: ImageSp
                 raise ValueError(
                     f"{info.name}: {folder / name}.txt lists {len(splits[name])} images, VTAB-1k expects {expected}"
                 )
-        if not splits["test"]:
+        if not splits[TEST]:
             raise ValueError(f"{info.name}: {folder / 'test.txt'} is empty")
         _check_union(info, splits)
     _check_labels(info, splits, strict)
@@ -276,8 +277,7 @@ def _unavailable(
     """The one message users see when the hub cannot provide a dataset."""
     reason = ""
     if error is not None:
-        first_line = (str(error).strip().splitlines() or [""])[0][:200]
-        reason = f" ({type(error).__name__}: {first_line})"
+        reason = f" ({type(error).__name__}: {first_line(error)[:200]})"
     hub = (
         f"the Hugging Face hub dataset {info.hub_id!r} is not reachable or not cached{reason}"
         if info.hub_id

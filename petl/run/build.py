@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 
 import petl
 from petl import data as petl_data
+from petl.core import first_line
 from petl.run import config, engine
 from petl.run.config import ConfigError
 from petl.run.errors import RunError
@@ -121,8 +122,7 @@ def create_backbone(cfg: DictConfig) -> nn.Module:
     except Exception as error:  # timm/hub raise many kinds (RuntimeError, OSError, HTTP errors...)
         if not m.pretrained:
             raise
-        text = str(error).strip()
-        first = text.splitlines()[0] if text else f"{type(error).__name__} (no weights file)"
+        first = first_line(error, f"{type(error).__name__} (no weights file)")
         raise RunError(
             f"cannot load pretrained weights of {m.name}: {first}. Give a local file with model.checkpoint=PATH, "
             "or train from random init with model.pretrained=false"

@@ -35,6 +35,7 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 import petl
 from petl import data as petl_data
 from petl import models as petl_models
+from petl.core import first_line
 from petl.run.engine import TrainSettings
 from petl.run.options import check_options, neutral_keys, option
 
@@ -326,10 +327,6 @@ def check_choice(group: str, value: str) -> None:
         raise ConfigError(unknown_choice_message(group, value))
 
 
-def _first_line(text: str) -> str:
-    return next((line.strip() for line in str(text).splitlines() if line.strip()), str(text))
-
-
 def explain(error: Exception, overrides: Sequence[str] = ()) -> str:
     """Turn a Hydra/OmegaConf composition error into one line that names the key and what is valid.
 
@@ -338,7 +335,7 @@ def explain(error: Exception, overrides: Sequence[str] = ()) -> str:
     """
     if isinstance(error, OverrideParseException):
         return (
-            f"cannot parse override {error.override!r}: {_first_line(error.message)} "
+            f"cannot parse override {error.override!r}: {first_line(error.message)} "
             "(quote values holding special characters: key='a=b')"
         )
     if isinstance(error, MissingConfigException) and error.missing_cfg_file:
@@ -346,7 +343,7 @@ def explain(error: Exception, overrides: Sequence[str] = ()) -> str:
         if group in GROUPS:
             return unknown_choice_message(group, value)
         # e.g. hydra/launcher=submitit_slurm without its plugin installed
-        return f"{_first_line(str(error))} (is the Hydra plugin that provides it installed?)"
+        return f"{first_line(str(error))} (is the Hydra plugin that provides it installed?)"
     cause = error.__cause__ if error.__cause__ is not None else error
     if isinstance(cause, (ConfigKeyError, ConfigAttributeError)):
         return unknown_key_message(cause.full_key or cause.key or "?", overrides)
@@ -358,7 +355,7 @@ def explain(error: Exception, overrides: Sequence[str] = ()) -> str:
                 "to pass a list write key=[a,b]"
             )
     full_key = getattr(cause, "full_key", None)
-    line = _first_line(getattr(cause, "msg", None) or str(cause))
+    line = first_line(getattr(cause, "msg", None) or str(cause))
     return f"{full_key}: {line}" if full_key and full_key not in line else line
 
 
