@@ -93,7 +93,7 @@ def published_names(experiments: list[str], configs_dir: str | Path | None = Non
     from petl.bench import suite
 
     try:
-        folder = suite.find_benchmarks_dir(configs_dir)
+        folder = suite.configs_dir(configs_dir)
     except FileNotFoundError:
         return {}
     known = set(suite.list_experiments(folder))
@@ -318,7 +318,7 @@ def write_report(
         results_dir: a results root holding ``<task>/<experiment>/seed<k>/result.json`` files.
         out_dir: where to write (default: ``results_dir``).
         configs_dir: the folder of experiment files that name each experiment's published row
-            (default: petl's own, see :func:`petl.bench.suite.find_benchmarks_dir`).
+            (default: petl's own, see :func:`petl.bench.suite.configs_dir`).
 
     Returns:
         The leaderboard.

@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from petl.bench.args import CONFIGS_KEYS, as_bool, configs_folder, parse_args, split_list
 from petl.bench.floors import Floor, find_floor, tokens_per_block
 from petl.bench.speed_bench import (
     FORWARD,
@@ -67,7 +68,7 @@ __all__ = [
 CUDA_DEFAULTS = {"model": "vit_base_patch16_224", "batch": 64}
 
 # The command's own keys besides SpeedSpec's fields.
-SPEED_KEYS = {f.name for f in fields(SpeedSpec)} | {"methods", "out", "inprocess", "benchmarks_dir", "options_for"}
+SPEED_KEYS = {f.name for f in fields(SpeedSpec)} | {"methods", "out", "inprocess", "options_for"} | CONFIGS_KEYS
 
 
 def plan_cases(
@@ -158,20 +159,19 @@ def make_spec(own: dict[str, str], cuda_available: bool) -> SpeedSpec:
 
 def main(args: Sequence[str]) -> int:
     """``petl-bench speed key=value ...``: measure, print the table, optionally write it to ``out=``."""
-    from petl.bench.args import as_bool, parse_args, split_list
-    from petl.bench.suite import find_benchmarks_dir, list_experiments, load_experiment
+    from petl.bench.suite import list_experiments, load_experiment
 
     own, rest = parse_args(args, SPEED_KEYS)
     if rest:
         raise SystemExit(f"petl-bench speed: unknown argument(s) {rest}; known: {', '.join(sorted(SPEED_KEYS))}")
     spec = make_spec(own, torch.cuda.is_available())
-    bench_dir = find_benchmarks_dir(own.get("benchmarks_dir"))
-    names = split_list(own["methods"]) if "methods" in own else list_experiments(bench_dir)
+    configs = configs_folder(own)
+    names = split_list(own["methods"]) if "methods" in own else list_experiments(configs)
     options_for = split_list(own["options_for"]) if "options_for" in own else []
     unknown = sorted(set(options_for) - set(names))
     if unknown:
         raise SystemExit(f"petl-bench speed: options_for names experiments not measured: {unknown}")
-    experiments = [(n, load_experiment(n, bench_dir).method) for n in names]
+    experiments = [(n, load_experiment(n, configs).method) for n in names]
     inprocess = as_bool("inprocess", own.get("inprocess", "false"))
     results = run_speed(spec, experiments, inprocess=inprocess, options_for=options_for)
     table = format_table(results, spec, machine_line(spec.device))
