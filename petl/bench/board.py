@@ -21,8 +21,11 @@ NO_PUBLISHED_ROW = "no published row"
 DIFFERENT_BACKBONE = "different backbone"
 
 
-def rounded(value: float, digits: int = 4) -> float | str:
-    return "" if value is None or math.isnan(value) else round(value, digits)
+def rounded(value: float | None, digits: int | None = 4) -> float | str:
+    """A number as the CSV holds it: rounded to ``digits`` (``None``: as it is), empty where there is none (NaN)."""
+    if value is None or math.isnan(value):
+        return ""
+    return value if digits is None else round(value, digits)
 
 
 def show_number(value: float, digits: int = 2, suffix: str = "") -> Cell:
@@ -39,9 +42,7 @@ def as_csv(key: str, digits: int | None = 4) -> Callable[[Any], dict[str, Any]]:
     # The default CSV writer of a column: one field named after the column, floats rounded (None: as
     # they are), NaN (nothing to show) written empty.
     def fields(value: Any) -> dict[str, Any]:
-        if isinstance(value, float):
-            value = "" if math.isnan(value) else (value if digits is None else round(value, digits))
-        return {key: value}
+        return {key: rounded(value, digits) if isinstance(value, float) else value}
 
     return fields
 

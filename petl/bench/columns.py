@@ -37,8 +37,8 @@ def _show_convergence(value: tuple[float, float]) -> Cell:
 def _score_cell(score: TaskScore | None) -> Cell:
     if score is None:
         return "–", ""
-    text = f"{score.mean:.2f}" if math.isnan(score.std) else f"{score.mean:.2f} ± {score.std:.2f}"
-    return text, score.mean
+    mean, std = show_number(score.mean), show_number(score.std)
+    return mean if math.isnan(score.std) else (f"{mean[0]} ± {std[0]}", score.mean)
 
 
 def task_labels(tasks: list[str]) -> dict[str, str]:
