@@ -13,14 +13,12 @@ from petl.core import (
     count_params,
     get_method,
     list_methods,
-    load_trainable,
     make_config,
     merge,
-    read_trainable_metadata,
     register_method,
-    save_trainable,
     unmerge,
 )
+from petl.io import load_trainable, read_trainable_metadata, save_trainable
 from petl.methods import *  # noqa: F403  (every apply_<name>; importing petl.methods registers the methods)
 
 __version__ = "0.1.0"

@@ -249,18 +249,18 @@ def default_experiment(method: str) -> Experiment:
     return Experiment(method, {"name": method}, description=f"{method} with its registry defaults (no experiment file)")
 
 
-def load_experiment(name: str, benchmarks_dir: Path) -> Experiment:
+def load_experiment(name: str, configs: Path) -> Experiment:
     """Read ``experiments/<name>.yaml``, or a registered method's :func:`default_experiment` if there is none.
 
     Raises:
         ValueError: an unknown experiment (listing the known ones) or a malformed file.
 
     """
-    path = benchmarks_dir / "experiments" / f"{name}.yaml"
+    path = configs / "experiments" / f"{name}.yaml"
     if not path.is_file():
         if name in _registered_methods():
             return default_experiment(name)
-        raise ValueError(f"unknown experiment {name!r}; known: {', '.join(list_experiments(benchmarks_dir))}")
+        raise ValueError(f"unknown experiment {name!r}; known: {', '.join(list_experiments(configs))}")
     keys = {"description", "method", "search", "published", "published_note", "family", *OVERRIDABLE_GROUPS}
     data = read_yaml_mapping(path, keys)
     method = data.get("method")
@@ -288,12 +288,12 @@ def _note(value: Any, path: Path) -> str | dict[str, str]:
     return value or ""
 
 
-def list_experiments(benchmarks_dir: Path) -> list[str]:
+def list_experiments(configs: Path) -> list[str]:
     """Experiment files, plus every registered method that no experiment file runs (its registry defaults)."""
-    files = preset_names(benchmarks_dir / "experiments")
+    files = preset_names(configs / "experiments")
     covered = set(files)
     for name in files:
-        method = (yaml.safe_load((benchmarks_dir / "experiments" / f"{name}.yaml").read_text()) or {}).get("method")
+        method = (yaml.safe_load((configs / "experiments" / f"{name}.yaml").read_text()) or {}).get("method")
         if isinstance(method, dict):
             covered.add(str(method.get("name")))
     return files + [m for m in _registered_methods() if m not in covered]

@@ -25,10 +25,10 @@ from petl.bench import cli, sweep
 from petl.bench.plot import Box, curve_panels, family_styles, pareto_front, place_labels
 from petl.bench.published import TABLES, ppt
 from petl.bench.report import aggregate, collect, write_report
-from petl.bench.suite import find_benchmarks_dir, format_value, load_experiment, load_suite, to_overrides
+from petl.bench.suite import configs_dir, format_value, load_experiment, load_suite, to_overrides
 from petl.presets import FAMILIES, preset_names
 
-BENCH = find_benchmarks_dir()
+BENCH = configs_dir()
 VTAB = TABLES[0]
 VTAB_ROWS = VTAB.rows()
 VTAB_TASKS = [f"vtab/{c}" for c in next(iter(VTAB_ROWS.values())).top1]
@@ -67,7 +67,7 @@ def test_malformed_experiment_names_the_bad_key(tmp_path):
     (tmp_path / "suites").mkdir()
     (tmp_path / "experiments" / "bad.yaml").write_text("method: {name: lora}\noptimizer: {lr: 1}\n")
     with pytest.raises(ValueError, match="unknown key.*optimizer"):
-        load_experiment("bad", find_benchmarks_dir(tmp_path))
+        load_experiment("bad", configs_dir(tmp_path))
 
 
 def test_format_value_quotes_what_hydra_would_misread():
@@ -702,7 +702,7 @@ def test_a_non_editable_install_carries_the_configs(tmp_path):
     assert (site / "petl" / "configs" / "suites" / "vtab1k.yaml").is_file()
     assert (site / "petl" / "configs" / "experiments" / "lora.yaml").is_file()
     # Imported from the install (not this checkout), petl-bench's loader finds the installed presets.
-    code = "from petl.bench.suite import find_benchmarks_dir, load_suite; d = find_benchmarks_dir(); "
+    code = "from petl.bench.suite import configs_dir, load_suite; d = configs_dir(); "
     code += "print(d); print(load_suite('vtab1k', d).name); "
     # ... and so does petl-run's experiment=NAME.
     code += "from petl.run.cli import expand_experiment; print(expand_experiment(['experiment=lora'])[0])"

@@ -192,9 +192,9 @@ def test_committed_results_keep_no_weights_per_the_ignore_rules():
 
 
 def test_proposed_mini_selection_suite_is_the_mini_suite_under_the_selection_protocol():
-    from petl.bench.suite import find_benchmarks_dir, load_experiment, load_suite
+    from petl.bench.suite import configs_dir, load_experiment, load_suite
 
-    configs = find_benchmarks_dir()
+    configs = configs_dir()
     mini, proposed = load_suite("mini", configs), load_suite("mini_selection", configs)
     assert proposed.tasks == mini.tasks and proposed.experiments == mini.experiments
     assert proposed.seeds == [0, 1, 2] and proposed.search_seed == 0

@@ -21,7 +21,7 @@ from PIL import Image
 from petl.bench import cli, protocol, sweep
 from petl.bench import suite as suites
 from petl.bench.sweep import PlannedRun
-from petl.data.vtab import FileListDataset
+from petl.data.images import FileListDataset
 
 # Two VTAB tasks with few classes, under NOAH's folder names (kitti, not kitti_dist).
 TASKS = {"vtab/patch_camelyon": ("patch_camelyon", 2), "vtab/kitti_dist": ("kitti", 4)}
@@ -382,7 +382,7 @@ def test_suite_file_validation(tmp_path):
 
 
 def test_shipped_suites_carry_their_protocol():
-    bench = suites.find_benchmarks_dir()
+    bench = suites.configs_dir()
     for name in ("vtab1k", "fgvc"):
         suite = suites.load_suite(name, bench)
         assert "model=vit_base_patch16_224.orig_in21k" in suite.overrides()
@@ -393,7 +393,7 @@ def test_shipped_suites_carry_their_protocol():
 def test_shipped_suites_compose_into_valid_run_configs(tmp_path):
     from petl.run import default_config
 
-    bench = suites.find_benchmarks_dir()
+    bench = suites.configs_dir()
     vtab = suites.load_suite("vtab1k", bench)
     cell = protocol.plan_cells(vtab, [suites.load_experiment("lora", bench)], ["vtab/dmlab"], [0], tmp_path)[0]
     trial = default_config(list(cell.trials[-1].run.overrides))

@@ -26,6 +26,7 @@ from petl.bench.speed import (
     plan_cases,
     run_speed,
 )
+from petl.bench.speed_bench import above_floor, where_the_rest_goes
 from petl.run import engine
 
 TINY = SpeedSpec(batch=2, steps=2, warmup=1, rounds=2, infer_steps=2)
@@ -145,6 +146,7 @@ def test_inference_turns_change_order(monkeypatch):
 
 
 def test_a_row_above_its_floor_gets_a_note(results):
+    # Which rows are noted follows from the measured times (whatever they are on this machine).
     noted = {c for c, r in results.items() if "note" in r}
     above = {
         c
@@ -152,9 +154,34 @@ def test_a_row_above_its_floor_gets_a_note(results):
         if "floor" in r and "+" not in c and r["train_ms"] > speed.NOTE_ABOVE * results[r["floor"]]["train_ms"]
     }
     assert noted == above
-    # full fine-tuning adds weight gradients and AdamW over every weight: always well above its floor.
-    assert "full" in noted and "aten::" in results["full"]["note"] and "saved for backward" in results["full"]["note"]
-    assert "where the rest goes" in format_table(results, TINY, "m")
+
+
+def test_the_note_goes_to_rows_above_their_floor_on_given_numbers():
+    # Given numbers, not timings: 1.2x and 1.15x+ are above the 1.15x threshold, 1.15x itself and below are not.
+    times = {
+        "floor": {"train_ms": 10.0},
+        "full": {"train_ms": 12.0},
+        "lora": {"train_ms": 11.5},
+        "bitfit": {"train_ms": 11.6},
+        "linear": {"train_ms": 9.0},
+    }
+    floors = {name: "floor" for name in ("full", "lora", "bitfit", "linear")}
+    assert speed.NOTE_ABOVE == 1.15
+    assert above_floor(times, floors) == ["full", "bitfit"]
+
+
+def test_a_note_names_the_grown_ops_and_the_saved_memory_and_is_printed(results):
+    # Full fine-tuning against its floor, profiled whatever the timings: the note's content, and the table's line.
+    spec = SpeedSpec(batch=2, steps=1, warmup=0, rounds=1, infer_steps=1)
+    full = speed._Bench(Case("full", {"name": "full"}), spec)
+    floor = speed._Bench(Case("floor", floor=Floor(start="")), spec)
+    note = where_the_rest_goes(full, floor)
+    assert "aten::" in note and "saved for backward" in note
+    given = {name: dict(r) for name, r in results.items()}
+    given["full"]["train_ms"] = 2 * given[given["full"]["floor"]]["train_ms"]
+    given["full"]["note"] = note
+    table = format_table(given, TINY, "m")
+    assert "where the rest goes" in table and f"- **full** (2.00×): {note}" in table
 
 
 def test_compile_row_is_planned_only_with_a_compiler(monkeypatch):

@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader
 import petl
 from petl import core
 from petl.methods.sct import SctBlock, SctConfig, select_sct_channels
-from petl.run import config, default_config, engine, runner, train
+from petl.run import build, config, default_config, engine, train
 
 TINY = tiny_run(subset=96, depth=2, epochs=1, batch_size=32)
 
@@ -42,8 +42,8 @@ def test_sct_run_records_channels_chosen_from_the_train_split(tmp_path):
     # The same choice as selecting on the run's own backbone and train split (no augmentation).
     cfg = default_config([*TINY, "method=sct"])
     set_seed(cfg.seed)
-    backbone = runner._create_backbone(cfg)
-    loader = DataLoader(runner._calibration_set(cfg, backbone), batch_size=64)
+    backbone = build.create_backbone(cfg)
+    loader = DataLoader(build.calibration_set(cfg, backbone), batch_size=64)
     assert SctConfig(channels=select_sct_channels(backbone, loader)).channels == channels
 
     # The saved weights carry the channels: they load onto a fresh backbone with the same modules.
@@ -133,7 +133,7 @@ def test_the_runner_calls_a_calibrate_hook_once_with_a_train_loader(probe, tmp_p
 
 
 def test_methods_without_a_hook_build_no_calibration_set(tmp_path, monkeypatch):
-    monkeypatch.setattr(runner, "_calibration_set", lambda *a: pytest.fail("lora has no calibrate hook"))
+    monkeypatch.setattr(build, "calibration_set", lambda *a: pytest.fail("lora has no calibrate hook"))
     assert tiny(tmp_path / "run", "method=lora", "method.rank=2")["method_config"]["rank"] == 2
 
 
@@ -143,8 +143,8 @@ def test_the_calibration_split_is_the_train_split_without_random_augmentation(tm
     # FGVC trains on random crops and flips; calibration reads the training images centre-cropped, as test.
     _fgvc_folder(tmp_path)
     cfg = default_config([*TINY[2:], "data=fgvc/cub", f"data.root={tmp_path}", "data.subset=4"])
-    backbone = runner._create_backbone(cfg)
-    calibration, datasets = runner._calibration_set(cfg, backbone), runner._datasets(cfg, backbone)
+    backbone = build.create_backbone(cfg)
+    calibration, datasets = build.calibration_set(cfg, backbone), build.datasets(cfg, backbone)
     assert len(calibration) == len(datasets["train"]) == 4
     torch.manual_seed(0)
     reads = [calibration[0][0] for _ in range(10)]

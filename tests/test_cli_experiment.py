@@ -18,7 +18,7 @@ TINY = tiny_run(epochs=1)
 
 
 def test_experiment_expands_to_the_bench_overrides_and_the_command_line_wins():
-    bench_overrides = suites.load_experiment("full", suites.find_benchmarks_dir()).overrides()
+    bench_overrides = suites.load_experiment("full", suites.configs_dir()).overrides()
     assert bench_overrides == ["method=full", "train.lr=0.0001"]  # the file sets a train value too
     expanded = cli.expand_experiment(["experiment=full", "seed=3"])
     assert expanded[: len(bench_overrides)] == bench_overrides == presets.experiment_overrides("full")

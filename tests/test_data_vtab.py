@@ -15,7 +15,7 @@ import torch
 from PIL import Image
 
 from petl import data
-from petl.data import vtab
+from petl.data import images, vtab
 
 
 def write_images(folder: Path, count: int, size: int = 6, mode: str = "RGB") -> list[str]:
@@ -159,7 +159,7 @@ def test_images_are_held_decoded_and_fingerprinted(tmp_path, monkeypatch):
     assert ds.images is not None and len(ds.images) == 8 and ds.images[0].dtype == np.uint8
     first = [ds[i][0] for i in range(len(ds))]
     # Decoding per access (above the memory limit) gives the same tensors.
-    monkeypatch.setattr(vtab, "DECODED_MEMORY_LIMIT", 10)
+    monkeypatch.setattr(images, "DECODED_MEMORY_LIMIT", 10)
     lazy = build()
     assert lazy.images is None and lazy.fingerprint == ds.fingerprint
     for index, tensor in enumerate(first):
@@ -181,7 +181,7 @@ def test_images_are_held_decoded_and_fingerprinted(tmp_path, monkeypatch):
     relabelled = data.build_dataset("vtab/dtd", "train800", image_size=8, root=str(moved), strict=False)
     assert relabelled.fingerprint not in (ds.fingerprint, changed.fingerprint)
     # Decoding per access names the file that went bad after the build.
-    monkeypatch.setattr(vtab, "DECODED_MEMORY_LIMIT", 10)
+    monkeypatch.setattr(images, "DECODED_MEMORY_LIMIT", 10)
     lazy = data.build_dataset("vtab/dtd", "train800", image_size=8, root=str(moved), strict=False)
     (moved / "dtd" / "images" / "img 0.png").write_bytes(b"")
     with pytest.raises(data.BadImagesError, match=r"1 listed image\(s\).*img 0\.png \(empty file\)"):

@@ -58,7 +58,7 @@ def test_a_registered_method_reaches_the_cli_the_contract_tests_and_a_suite(thro
         config.default_config([f"method={throwaway}", "method.gain=loud"])
 
     # The benchmark: a default experiment from the registry, listed and usable in a suite by name.
-    bench = suites.find_benchmarks_dir()
+    bench = suites.configs_dir()
     assert throwaway in suites.list_experiments(bench)
     experiment = suites.load_experiment(throwaway, bench)
     assert experiment.overrides() == [f"method={throwaway}"]

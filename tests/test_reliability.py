@@ -25,7 +25,7 @@ from safetensors.torch import save_file
 
 import petl
 from petl import data as petl_data
-from petl.run import cli, default_config, engine, lock, records, runner, train
+from petl.run import build, cli, default_config, engine, folder, lock, records, runner, train
 from petl.run.config import ConfigError
 
 TINY = tiny_run(batch_size=32)
@@ -70,7 +70,7 @@ def test_failed_load_leaves_a_carrying_model_exactly_as_it_was(tiny_vit, tmp_pat
     tensors, meta = _read(path)
     last = sorted(tensors)[-1]
     tensors[last] = torch.zeros(3, 3)  # only the last tensor in copy order is wrong
-    _rewrite(path, tensors=tensors, metadata={**meta, "sha256": petl.core._content_hash(tensors)})
+    _rewrite(path, tensors=tensors, metadata={**meta, "sha256": petl.io._content_hash(tensors)})
     model = petl.apply(tiny_vit(), "lora", num_classes=4)
     before = _state(model)
     with pytest.raises(ValueError, match=rf"{last} has shape \(3, 3\)"):
@@ -83,7 +83,7 @@ def test_failed_load_leaves_a_fresh_model_without_the_method(tiny_vit, tmp_path)
     path = _saved(tiny_vit, tmp_path)
     tensors, meta = _read(path)
     tensors.pop(sorted(tensors)[0])
-    _rewrite(path, tensors=tensors, metadata={**meta, "sha256": petl.core._content_hash(tensors)})
+    _rewrite(path, tensors=tensors, metadata={**meta, "sha256": petl.io._content_hash(tensors)})
     model = tiny_vit()
     before = _state(model)
     with pytest.raises(ValueError, match="does not match the model: missing"):
@@ -211,15 +211,15 @@ def test_resume_with_another_model_file_is_refused(tmp_path):
 
 def test_a_moved_dataset_with_the_same_content_still_resumes():
     old = {"data.root": "/a", "data.fingerprint": "f1", "model.checkpoint_sha256": None}
-    runner._check_inputs(Path("x"), old, {**old, "data.root": "/b"})  # content decides, not the path
+    folder.check_inputs(Path("x"), old, {**old, "data.root": "/b"})  # content decides, not the path
     with pytest.raises(ConfigError, match=r"data.fingerprint: 'f1' -> 'f2'"):
-        runner._check_inputs(Path("x"), old, {**old, "data.root": "/b", "data.fingerprint": "f2"})
-    runner._check_inputs(Path("x"), None, old)  # checkpoints of older versions carry no inputs
+        folder.check_inputs(Path("x"), old, {**old, "data.root": "/b", "data.fingerprint": "f2"})
+    folder.check_inputs(Path("x"), None, old)  # checkpoints of older versions carry no inputs
 
 
 def test_output_dir_that_is_a_file_fails_before_building_anything(tmp_path, monkeypatch, capsys):
     (tmp_path / "out").write_text("not a folder")
-    monkeypatch.setattr(runner, "_create_backbone", lambda *a: pytest.fail("must fail before building the model"))
+    monkeypatch.setattr(build, "create_backbone", lambda *a: pytest.fail("must fail before building the model"))
     with pytest.raises(ConfigError, match=r"^output_dir .*/out is a file, not a folder: choose another output_dir$"):
         tiny(tmp_path / "out")
     with pytest.raises(ConfigError, match=r"output_dir .*/out/run cannot be written \(Not a directory\)"):
@@ -244,7 +244,7 @@ def _read_only_dir(tmp_path: Path) -> Path:
 
 def test_read_only_output_dir_fails_before_building_anything(tmp_path, monkeypatch, capsys):
     folder = _read_only_dir(tmp_path)
-    monkeypatch.setattr(runner, "_create_backbone", lambda *a: pytest.fail("must fail before building the model"))
+    monkeypatch.setattr(build, "create_backbone", lambda *a: pytest.fail("must fail before building the model"))
     with pytest.raises(ConfigError, match=rf"^output_dir {folder} cannot be written \((Permission denied|.*)\)"):
         tiny(folder)
     with pytest.raises(SystemExit) as caught:

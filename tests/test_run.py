@@ -16,7 +16,7 @@ from conftest import tiny_run
 from safetensors.torch import load_file, save_file
 
 import petl
-from petl.run import cache, config, default_config, engine, records, runner, train
+from petl.run import build, cache, config, default_config, engine, records, runner, train
 
 TINY = tiny_run(subset=96, depth=2, batch_size=32)
 
@@ -210,12 +210,12 @@ def test_atomic_write_never_leaves_a_torn_file(tmp_path):
 
 
 def test_epoch_sampler_order_depends_on_seed_and_epoch_only():
-    sampler = runner.EpochSampler(50, seed=3)
+    sampler = build.EpochSampler(50, seed=3)
     first = list(sampler)
     sampler.set_epoch(1)
     second = list(sampler)
     assert sorted(first) == list(range(50)) and first != second
-    fresh = runner.EpochSampler(50, seed=3)
+    fresh = build.EpochSampler(50, seed=3)
     fresh.set_epoch(1)
     assert list(fresh) == second
 
@@ -225,10 +225,10 @@ def test_local_checkpoint_replaces_the_hub_download(tmp_path):
     source = timm.create_model("vit_fractal_tiny_patch4_32", depth=2, embed_dim=48, num_classes=0)
     save_file({k: v.contiguous() for k, v in source.state_dict().items()}, tmp_path / "w.safetensors")
     cfg = default_config([*TINY, "method=lora", "model.pretrained=true", f"model.checkpoint={tmp_path}/w.safetensors"])
-    model = runner._create_backbone(cfg)
+    model = build.create_backbone(cfg)
     assert torch.equal(model.blocks[1].mlp.fc2.weight, source.blocks[1].mlp.fc2.weight)
     with pytest.raises(config.ConfigError, match="model.checkpoint=.*nope.safetensors: no such file"):
-        runner._create_backbone(default_config([*TINY, "model.checkpoint=nope.safetensors"]))
+        build.create_backbone(default_config([*TINY, "model.checkpoint=nope.safetensors"]))
     # A finished run whose weights file is gone: the same usage error, not a raw FileNotFoundError.
     finished = [*TINY, "method=linear", "model.pretrained=true", f"model.checkpoint={tmp_path}/w.safetensors"]
     train(default_config([*finished, "train.epochs=1", f"output_dir={tmp_path / 'run'}"]))
@@ -250,7 +250,7 @@ def test_a_last_batch_of_one_image_is_left_out_so_batchnorm_heads_train(tmp_path
     # per channel"), so the epoch is three batches; the image left out changes with each epoch's order.
     result = tiny(tmp_path / "run", "method=mlp", "data.subset=97", "train.epochs=1")
     assert result["final_train_top1"] is not None
-    assert runner._loader(list(range(97)), 32, 0, 0, drop_last=True).__len__() == 3
+    assert build.loader(list(range(97)), 32, 0, 0, drop_last=True).__len__() == 3
 
 
 def test_augmented_training_images_are_not_cached_and_test_time_is_apart(tmp_path):
@@ -276,13 +276,13 @@ def test_the_loaders_worker_seed_of_an_epoch_does_not_depend_on_the_epochs_befor
     # must draw epoch 2's, not epoch 0's (it decides the random crops and flips when num_workers > 0).
     def base_seed(sampler, epoch):
         sampler.set_epoch(epoch)
-        loader = runner._loader(list(range(8)), 4, 0, seed=3, sampler=sampler)
+        loader = build.loader(list(range(8)), 4, 0, seed=3, sampler=sampler)
         return iter(loader)._base_seed
 
-    uninterrupted = runner.EpochSampler(8, seed=3)
+    uninterrupted = build.EpochSampler(8, seed=3)
     seeds = [base_seed(uninterrupted, e) for e in range(3)]
     assert len(set(seeds)) == 3
-    assert base_seed(runner.EpochSampler(8, seed=3), 2) == seeds[2]
+    assert base_seed(build.EpochSampler(8, seed=3), 2) == seeds[2]
 
 
 def test_every_run_resets_its_own_peak_memory(tmp_path, monkeypatch):

@@ -7,6 +7,7 @@ its own arguments without importing the CLI that dispatches to it.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 # Overrides that would silently fight the sweep's own bookkeeping: which method and task a run is,
 # its seed and its folder come from the suite and the experiment files.
@@ -53,3 +54,14 @@ def parse_args(args: Sequence[str], known: set[str]) -> tuple[dict[str, str], li
             raise SystemExit(f"petl-bench: {arg!r} is set per run by the sweep; {RESERVED[root]}")
         passthrough.append(arg)
     return own, passthrough
+
+
+# The command-line keys naming the configs folder: configs_dir=, and its older name benchmarks_dir=.
+CONFIGS_KEYS = {"configs_dir", "benchmarks_dir"}
+
+
+def configs_folder(own: dict[str, str]) -> Path:
+    """The configs folder (experiments/ and suites/) a command line names, else petl's own."""
+    from petl.presets import configs_dir
+
+    return configs_dir(own.get("configs_dir", own.get("benchmarks_dir")))

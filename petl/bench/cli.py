@@ -27,7 +27,7 @@ from pathlib import Path
 
 from petl.bench import protocol
 from petl.bench import suite as suites
-from petl.bench.args import as_bool, parse_args, split_list
+from petl.bench.args import CONFIGS_KEYS, as_bool, configs_folder, parse_args, split_list
 from petl.bench.report import write_report
 from petl.bench.sweep import SweepSummary, plan, run_sweep
 
@@ -37,28 +37,21 @@ SWEEP_KEYS = {
     "tasks",
     "seeds",
     "output_dir",
-    "configs_dir",
-    "benchmarks_dir",
     "report",
     "dry_run",
     "progress",
-}
-
-
-def configs_folder(own: dict[str, str]) -> Path:
-    """The presets folder: ``configs_dir=`` (or its older name ``benchmarks_dir=``), else petl's own."""
-    return suites.find_benchmarks_dir(own.get("configs_dir", own.get("benchmarks_dir")))
+} | CONFIGS_KEYS
 
 
 def cmd_run(args: Sequence[str]) -> int:
     """Run a suite (restricted by methods/tasks/seeds), skipping finished runs, then build the report."""
     own, overrides = parse_args(args, SWEEP_KEYS)
-    bench_dir = configs_folder(own)
-    suite = suites.load_suite(own.get("suite", "mini"), bench_dir)
+    configs = configs_folder(own)
+    suite = suites.load_suite(own.get("suite", "mini"), configs)
     names = split_list(own["methods"]) if "methods" in own else suite.experiments
     tasks = split_list(own["tasks"]) if "tasks" in own else suite.tasks
     seeds = [int(s) for s in split_list(own["seeds"])] if "seeds" in own else suite.seeds
-    experiments = [suites.load_experiment(n, bench_dir) for n in names]
+    experiments = [suites.load_experiment(n, configs) for n in names]
     output_dir = Path(own.get("output_dir", f"runs/bench/{suite.name}"))
     if suite.search:
         return run_selection(suite, experiments, tasks, seeds, output_dir, overrides, own)
@@ -135,8 +128,8 @@ def cmd_commands(args: Sequence[str]) -> int:
     reads the same folders afterwards.  Nothing is run.
     """
     own, overrides = parse_args(args, SWEEP_KEYS - {"report", "dry_run", "progress"})
-    bench_dir = configs_folder(own)
-    suite = suites.load_suite(own.get("suite", "mini"), bench_dir)
+    configs = configs_folder(own)
+    suite = suites.load_suite(own.get("suite", "mini"), configs)
     if suite.per_task:
         raise SystemExit(f"petl-bench commands: suite {suite.name} sets options per task; one multirun line cannot")
     if suite.search:
@@ -150,7 +143,7 @@ def cmd_commands(args: Sequence[str]) -> int:
     seeds = split_list(own["seeds"]) if "seeds" in own else [str(s) for s in suite.seeds]
     output_dir = own.get("output_dir", f"runs/bench/{suite.name}")
     for name in names:
-        experiment = suites.load_experiment(name, bench_dir)
+        experiment = suites.load_experiment(name, configs)
         # Hydra resolves ${data.name} and ${seed} per job, giving each job the folder petl-bench would use.
         parts = [
             "petl-run",
@@ -184,13 +177,13 @@ def cmd_report(args: Sequence[str]) -> int:
 
 def cmd_list(args: Sequence[str]) -> int:
     """Print the suites and experiments found."""
-    own, _ = parse_args(args, {"configs_dir", "benchmarks_dir"})
-    bench_dir = configs_folder(own)
-    for name in suites.list_suites(bench_dir):
-        s = suites.load_suite(name, bench_dir)
+    own, _ = parse_args(args, CONFIGS_KEYS)
+    configs = configs_folder(own)
+    for name in suites.list_suites(configs):
+        s = suites.load_suite(name, configs)
         print(f"suite {name}: {len(s.experiments)} experiments, {len(s.tasks)} tasks, seeds {s.seeds}")
-    for name in suites.list_experiments(bench_dir):
-        e = suites.load_experiment(name, bench_dir)
+    for name in suites.list_experiments(configs):
+        e = suites.load_experiment(name, configs)
         print(f"experiment {name}: {' '.join(e.overrides())}")
     return 0
 

@@ -19,10 +19,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from petl.bench import suite as suites
-from petl.bench.args import parse_args
+from petl.bench.args import CONFIGS_KEYS, configs_folder, parse_args
 from petl.bench.published import PUBLISHED_BACKBONE, TABLES, PublishedRow, PublishedTable
 
-PARAMS_KEYS = {"suite", "methods", "configs_dir", "benchmarks_dir", "model"}
+PARAMS_KEYS = {"suite", "methods", "model"} | CONFIGS_KEYS
 
 
 @dataclass(frozen=True)
@@ -166,10 +166,10 @@ def main(args: Sequence[str]) -> int:
     own, rest = parse_args(args, PARAMS_KEYS)
     if rest:
         raise SystemExit(f"petl-bench params: unknown argument(s) {rest}; known: {', '.join(sorted(PARAMS_KEYS))}")
-    bench_dir = suites.find_benchmarks_dir(own.get("configs_dir", own.get("benchmarks_dir")))
-    suite = suites.load_suite(own.get("suite", "vtab1k"), bench_dir)
+    configs = configs_folder(own)
+    suite = suites.load_suite(own.get("suite", "vtab1k"), configs)
     names = split_list(own["methods"]) if "methods" in own else suite.experiments
-    experiments = [suites.load_experiment(n, bench_dir) for n in names]
+    experiments = [suites.load_experiment(n, configs) for n in names]
     tables = [t for t in TABLES if any(t.covers(task) for task in suite.tasks)]
     if not tables:
         raise SystemExit(f"petl-bench params: suite {suite.name} has no published table to compare with")

@@ -33,10 +33,12 @@ from typing import Any
 
 from petl.bench.suite import FINAL_SPLIT, Experiment, Suite, format_value, override
 from petl.bench.sweep import PlannedRun, SweepSummary, run_dir_for, run_sweep
-from petl.run.records import RESULT_FILE, WEIGHTS_FILE, read_json, write_json
+from petl.data.registry import TRAIN, VAL
+from petl.run.records import RESULT_FILE, WEIGHTS_FILE
+from petl.run.result import read_result, write_result
 
 SEARCH_DIR = "search"
-SEARCH_SPLIT = "train800"  # the only split with a val split (val200) to select on
+SEARCH_SPLIT = TRAIN  # the only split with a val split (val200) to select on
 METRIC = "val_top1"
 RULE = "highest val top-1 after the last epoch; ties: first point in grid order"
 
@@ -93,17 +95,17 @@ class Cell:
         """The search record with the chosen point, or ``None`` while a trial has no result yet."""
         scored = []
         for trial in self.trials:
-            result = read_json(trial.run.run_dir / RESULT_FILE)
+            result = read_result(trial.run.run_dir / RESULT_FILE)
             if result is None:
                 return None
             scored.append(
                 {
                     "overrides": trial.point,
-                    METRIC: result.get(METRIC),
-                    "best_val_top1": result.get("best_val_top1"),
+                    METRIC: getattr(result, METRIC),
+                    "best_val_top1": result.best_val_top1,
                     "output_dir": trial.run.run_dir.relative_to(self.output_dir).as_posix(),
                     # Only where it happened, so the records of searches without a divergence stay as they were.
-                    **({"diverged": True} if result.get("diverged") else {}),
+                    **({"diverged": True} if result.diverged else {}),
                 }
             )
         # max() keeps the first of equal keys: ties go to the earlier grid point.  A trial without a val
@@ -112,7 +114,7 @@ class Cell:
         return {
             "space": self.space,
             "split": SEARCH_SPLIT,
-            "scored_on": "val200",
+            "scored_on": VAL,
             "seed": self.search_seed,
             "metric": METRIC,
             "rule": RULE,
@@ -226,17 +228,17 @@ def stamp_selection(run: PlannedRun, selection: dict[str, Any]) -> str | None:
 
     """
     path = run.run_dir / RESULT_FILE
-    result = read_json(path)
-    if result is None or result.get("selection") == selection:
+    result = read_result(path)
+    if result is None or result.selection == selection:
         return None
-    trained = {key: _config_value(result.get("config", {}), key) for key in selection["chosen"]}
+    trained = {key: _config_value(result.config or {}, key) for key in selection["chosen"]}
     if trained != selection["chosen"]:
         return (
             f"{run.label}: trained {trained} but the search now chooses {selection['chosen']}; "
             f"delete {run.run_dir} to train the new choice"
         )
-    result["selection"] = selection
-    write_json(path, result)
+    result.selection = selection
+    write_result(path, result)
     return None
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from petl.data import TRAINING_SPLITS
+from petl.data import TRAIN_VAL, TRAINING_SPLITS
 from petl.presets import (
     SEARCH_ROOTS,
     SWEEP_OWNED,
@@ -38,7 +38,7 @@ __all__ = [
     "FINAL_SPLIT",
     "Experiment",
     "Suite",
-    "find_benchmarks_dir",
+    "configs_dir",
     "format_value",
     "list_experiments",
     "list_suites",
@@ -52,23 +52,9 @@ __all__ = [
 # `seed` and `output_dir` belong to the sweep (SWEEP_OWNED).
 SUITE_GROUPS = ("train", "model", "data")
 # The split the final runs train on when a suite searches (model selection used train800 / val200).
-FINAL_SPLIT = "train800val200"
+FINAL_SPLIT = TRAIN_VAL
 # `experiments: all` in a suite: every experiment file plus every registered method no file covers.
 ALL = "all"
-
-
-def find_benchmarks_dir(override: str | Path | None = None) -> Path:
-    """Locate the folder holding ``experiments/`` and ``suites/`` (see :func:`petl.presets.configs_dir`).
-
-    Args:
-        override: an explicit folder (the CLI's ``configs_dir=`` or ``benchmarks_dir=``); otherwise the
-            checkout's top-level ``configs/``, else the installed package ``petl.configs``.
-
-    Raises:
-        FileNotFoundError: naming the folder that was looked for.
-
-    """
-    return configs_dir(override)
 
 
 @dataclass(frozen=True)
@@ -137,22 +123,22 @@ class Suite:
         return {k: v for k, v in space.items() if k not in per_task}
 
 
-def load_suite(name: str, benchmarks_dir: Path) -> Suite:
+def load_suite(name: str, configs: Path) -> Suite:
     """Read ``suites/<name>.yaml``.
 
     Raises:
         ValueError: an unknown suite (listing the known ones) or a malformed file.
 
     """
-    path = benchmarks_dir / "suites" / f"{name}.yaml"
+    path = configs / "suites" / f"{name}.yaml"
     if not path.is_file():
-        raise ValueError(f"unknown suite {name!r}; known: {', '.join(preset_names(benchmarks_dir / 'suites'))}")
+        raise ValueError(f"unknown suite {name!r}; known: {', '.join(preset_names(configs / 'suites'))}")
     keys = {"description", "experiments", "tasks", "seeds", "search", "search_seed", "final_split", "per_task"}
     keys |= {"pinned_trial"}
     keys |= set(SUITE_GROUPS)
     data = read_yaml_mapping(path, keys, SUITE_GROUPS)
     if data.get("experiments") == ALL:
-        data["experiments"] = list_experiments(benchmarks_dir)
+        data["experiments"] = list_experiments(configs)
     for key in ("experiments", "tasks", "seeds"):
         if not isinstance(data.get(key), list) or not data[key]:
             raise ValueError(f"{path}: `{key}` must be a non-empty list" + (" (or `all`)" * (key == "experiments")))
@@ -208,6 +194,6 @@ def _read_per_task(path: Path, raw: Any, experiments: list[Any], tasks: list[Any
     return out
 
 
-def list_suites(benchmarks_dir: Path) -> list[str]:
+def list_suites(configs: Path) -> list[str]:
     """Names of the suite files."""
-    return preset_names(benchmarks_dir / "suites")
+    return preset_names(configs / "suites")

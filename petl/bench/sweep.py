@@ -16,12 +16,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from petl.bench.suite import Experiment, Suite, format_value
 from petl.run.lock import LOCK_FILE as LOCK_FILE  # the lock is petl-run's too: one home, re-exported here
 from petl.run.lock import acquire_lock, release_lock
-from petl.run.records import RESULT_FILE, write_json
+from petl.run.records import RESULT_FILE
+from petl.run.result import RunResult, write_result
 
 ERROR_FILE = "error.log"
 
@@ -136,22 +138,16 @@ class SweepSummary:
         self.stale += other.stale
 
 
-def _diverged_result(run: PlannedRun, error: Exception) -> dict[str, Any]:
-    """The result.json of a selection trial that diverged: no scores, and why."""
-    return {
-        "method": run.experiment,
-        "dataset": run.task,
-        "seed": run.seed,
-        "val_top1": None,
-        "test_top1": None,
-        "diverged": str(error),
-    }
+def _diverged_result(run: PlannedRun, error: Exception, cfg: Any) -> RunResult:
+    """The result.json of a selection trial that diverged: no scores, why, and the config it was trained with."""
+    config = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else None
+    return RunResult(method=run.experiment, dataset=run.task, seed=run.seed, diverged=str(error), config=config)
 
 
 def _default_fns() -> tuple[TrainFn, ComposeFn, CheckFn]:
     # Imported late: the sweep is testable with fakes, and `petl-bench report` never needs the engine.
     from petl import run
-    from petl.run.runner import check_finished
+    from petl.run.folder import check_finished
 
     return run.train, run.default_config, check_finished
 
@@ -176,7 +172,7 @@ def run_sweep(
         compose_fn: ``petl.run.default_config`` unless given.
         progress: show the sweep's progress bar (runs done / total, current run, ETA).
         check_fn: raises when a finished run's folder holds another config; with the engine's defaults
-            ``petl.run.runner.check_finished``, else none unless given.
+            ``petl.run.folder.check_finished``, else none unless given.
 
     Returns:
         The sweep's summary.
@@ -206,12 +202,14 @@ def run_sweep(
             if not acquire_lock(run.run_dir):
                 summary.held_elsewhere.append(run.label)
             else:
+                cfg = None
                 try:
                     # Another sweep may have finished it between our first look and the lock.
                     if not run.is_done():
                         (run.run_dir / ERROR_FILE).unlink(missing_ok=True)
-                        # Runs share this process; each resets its own peak memory (petl.run.runner._run).
-                        train_fn(compose_fn(list(run.overrides)))
+                        cfg = compose_fn(list(run.overrides))
+                        # Runs share this process; each resets its own peak memory (petl.run.runner._train_and_record).
+                        train_fn(cfg)
                         summary.trained += 1
                 except Exception as error:  # one bad run must not end a day-long sweep
                     (run.run_dir / ERROR_FILE).write_text(traceback.format_exc())
@@ -219,7 +217,7 @@ def run_sweep(
                         # A selection trial whose loss went non-finite has its answer: this point diverges.  Its
                         # result (no val score, so it ranks last) lets the cell's finals go ahead; without it the
                         # cell would wait, resume, and diverge again on every invocation.
-                        write_json(run.run_dir / RESULT_FILE, _diverged_result(run, error))
+                        write_result(run.run_dir / RESULT_FILE, _diverged_result(run, error, cfg))
                         summary.diverged.append(f"{run.label}: {error}")
                         bar.write(f"DIVERGED {run.label}: scored last (see {run.run_dir / ERROR_FILE})")
                     else:

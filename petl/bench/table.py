@@ -1,4 +1,4 @@
-"""A rendered table as the Markdown and HTML writers receive it: headers and (text, sort key) cells.
+"""A rendered table: headers and (text, sort key) cells, and its Markdown; the HTML writer receives the same.
 
 Its own small module so that :mod:`petl.bench.html` renders tables without importing the report that
 builds them (the report imports the renderers, never the other way round).
@@ -28,3 +28,17 @@ class Table:
     rows: list[list[Cell]]
     title: str = ""
     source: str = ""
+
+
+def _md_escape(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def markdown_lines(table: Table) -> list[str]:
+    """The table as Markdown lines: info columns left-aligned, the others right-aligned."""
+    lines = [
+        "| " + " | ".join(_md_escape(h.label) for h in table.headers) + " |",
+        "|" + "|".join("---" if h.kind == "info" else "---:" for h in table.headers) + "|",
+    ]
+    lines += ["| " + " | ".join(_md_escape(text) for text, _ in cells) + " |" for cells in table.rows]
+    return lines

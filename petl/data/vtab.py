@@ -21,36 +21,34 @@ present cover exactly ``num_classes`` classes.
 
 from __future__ import annotations
 
-import hashlib
-import io
 import json
 import os
 import shutil
 import warnings
 import zipfile
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from PIL import Image, UnidentifiedImageError
 from torch.utils.data import Dataset
 
+from petl.core import first_line
+from petl.data.images import FileListDataset, HubDataset
 from petl.data.registry import (
     SPLITS,
     TEST,
     TRAIN,
     TRAIN_VAL,
     VAL,
-    BadImagesError,
     DatasetInfo,
     DatasetUnavailableError,
     register_dataset,
 )
-from petl.data.transforms import ImageSpec, pil_to_tensor
+from petl.data.transforms import ImageSpec
 
 VTAB_SIZES = {TRAIN: 800, VAL: 200, TRAIN_VAL: 1000}
 VTAB_HUB_ID = "XiN0919/VTAB-1k"
@@ -117,190 +115,6 @@ FGVC_TASKS: tuple[_Task, ...] = (
         "tanganke/stanford_cars",
     ),
 )
-
-
-# --------------------------------------------------------------------------------------------
-# Datasets over lists of files or hub rows
-# --------------------------------------------------------------------------------------------
-
-
-# Decoded images of one split are held in memory up to this many bytes (uint8 at their stored
-# size).  VTAB-1k's train/val splits (1,000 images) and FGVC's train/val splits fit far below it;
-# a split above it (e.g. a large test split of full-size photos: NABirds' ~24,600) is still fully
-# decoded and checked once when built, but then decodes each image again on every access.
-DECODED_MEMORY_LIMIT = 4 << 30
-
-# Pillow modes holding more than 8 bits per pixel in one channel.  16-bit PNG/TIFF greyscale opens
-# as I;16*, some decoders give I (int32) for the same files; all are scaled from 16 to 8 bits.
-_SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I")
-
-
-def _to_uint8(image: Image.Image) -> np.ndarray:
-    """A decoded image as uint8 ``[H, W]`` (grey) or ``[H, W, 3]`` (everything else).
-
-    ``Image.convert`` clips high-bit-depth greyscale at 255, which turns a 16-bit PNG nearly white;
-    such images are scaled to 8 bits here instead.  Float images are refused (no known range).
-    """
-    if image.mode in _SIXTEEN_BIT_MODES:
-        values = np.asarray(image).astype(np.int64)
-        if values.size and (values.min() < 0 or values.max() > 65535):
-            raise ValueError(f"mode {image.mode} with values outside the 16-bit range [0, 65535]")
-        return ((values * 255 + 32767) // 65535).astype(np.uint8)
-    if image.mode == "F":
-        raise ValueError("floating-point pixels (mode F): save it as an 8- or 16-bit image")
-    if image.mode in ("1", "L"):
-        return np.asarray(image.convert("L"))
-    return np.asarray(image.convert("RGB"))
-
-
-def decode_image(data: bytes) -> np.ndarray:
-    """Decode one image file's bytes fully (truncation shows here, not later) to a uint8 array.
-
-    Raises:
-        ValueError: the bytes are not a decodable image; the message says why in a few words.
-
-    """
-    if not data:
-        raise ValueError("empty file")
-    try:
-        with Image.open(io.BytesIO(data)) as image:
-            image.load()
-            return _to_uint8(image)
-    except UnidentifiedImageError:
-        raise ValueError("not a readable image: unknown format or damaged header") from None
-    except (OSError, SyntaxError, EOFError, Image.DecompressionBombError) as error:
-        # Pillow reports truncated and corrupt files as OSError, some broken headers as SyntaxError.
-        raise ValueError(f"cannot decode: {_first_line(error)}") from None
-
-
-def _first_line(error: BaseException) -> str:
-    return (str(error).strip().splitlines() or [type(error).__name__])[0]
-
-
-class FileListDataset(Dataset):
-    """Images listed by path, all decoded once when built and held as uint8 in memory.
-
-    Building decodes every listed file, so a corrupt, truncated, empty or unsupported image stops
-    the run before training (all bad files reported at once, by path) rather than after the last
-    epoch; and training then never decodes a JPEG again.  Measured on 1,000 generated 224 px
-    JPEGs read at 224 px (2-core machine shared with other jobs, so indicative only): one pass
-    over the split took 1.15-1.81 s decoding per access and 0.78-1.12 s from the held arrays
-    (1.5-1.8x), for a one-off 0.84 s decode, check and fingerprint at build time.  Items go
-    through the same PIL-image transform as before.
-
-    Args:
-        items: ``(absolute image path, label)`` pairs.
-        spec: output size and normalisation.
-        name: the dataset's name, for error messages.
-        folder: the task folder; the fingerprint uses paths relative to it.
-
-    Attributes:
-        fingerprint: sha256 (hex) over every item's relative path, label and file bytes, in list
-            order: two builds hold the same data exactly when their fingerprints agree.
-        images: the decoded uint8 arrays per item, or ``None`` above :data:`DECODED_MEMORY_LIMIT`.
-
-    Raises:
-        BadImagesError: naming every listed file that cannot be decoded.
-
-    """
-
-    def __init__(
-        self, items: Sequence[tuple[Path, int]], spec: ImageSpec, *, name: str = "dataset", folder: Path | None = None
-    ) -> None:
-        self.items = list(items)
-        self.spec = spec
-        self.name = name
-        self.images, self.fingerprint = _decode_all(name, self.items, folder)
-
-    def __len__(self) -> int:
-        return len(self.items)
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
-        path, label = self.items[index]
-        if self.images is not None:
-            array = self.images[index]
-        else:
-            try:  # checked when built, but the file may have changed since
-                array = decode_image(path.read_bytes())
-            except (OSError, ValueError) as error:
-                raise BadImagesError(self.name, [(path, _first_line(error))]) from None
-        return pil_to_tensor(Image.fromarray(array), self.spec), label
-
-    @property
-    def labels(self) -> list[int]:
-        """Every item's label, without decoding images."""
-        return [label for _, label in self.items]
-
-
-def _decode_all(
-    name: str, items: Sequence[tuple[Path, int]], folder: Path | None
-) -> tuple[list[np.ndarray] | None, str]:
-    """Read and decode every listed file once: the arrays (unless over the limit) and the fingerprint."""
-    digest = hashlib.sha256()
-    decoded: dict[Path, np.ndarray] = {}
-    seen: set[Path] = set()  # lists may name one file several times: decode it once
-    bad: dict[Path, str] = {}
-    held = 0
-    keep = True
-    for path, label in items:
-        data = b""
-        try:
-            data = path.read_bytes()
-        except OSError as error:
-            bad.setdefault(path, f"cannot read: {_first_line(error)}")
-        relative = os.path.relpath(path, folder) if folder is not None else str(path)
-        digest.update(f"{Path(relative).as_posix()}\t{label}\t{len(data)}\n".encode())
-        digest.update(data)
-        if path in seen or path in bad:
-            continue
-        seen.add(path)
-        try:
-            array = decode_image(data)
-        except ValueError as error:
-            bad[path] = str(error)
-            continue
-        held += array.nbytes
-        if keep and held > DECODED_MEMORY_LIMIT:
-            # Too big to hold: drop what is held and only check the rest, so memory stays bounded.
-            keep = False
-            decoded.clear()
-        if keep:
-            decoded[path] = array
-    if bad:
-        raise BadImagesError(name, sorted(bad.items()))
-    images = [decoded[path] for path, _ in items] if keep else None
-    return images, digest.hexdigest()
-
-
-class HubDataset(Dataset):
-    """Rows of a Hugging Face ``datasets.Dataset`` selected by index, transformed lazily.
-
-    Args:
-        rows: the hub split.
-        indices: which rows form this split.
-        image_column: column holding the images.
-        label_column: column holding integer labels.
-        spec: output size and normalisation.
-
-    """
-
-    def __init__(
-        self, rows: Any, indices: Sequence[int], image_column: str, label_column: str, spec: ImageSpec
-    ) -> None:
-        self.rows = rows
-        self.indices = list(indices)
-        self.image_column = image_column
-        self.label_column = label_column
-        self.spec = spec
-
-    def __len__(self) -> int:
-        return len(self.indices)
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
-        row = self.rows[self.indices[index]]
-        # The same conversion as local files (16-bit grey scaled to 8 bits, not clipped to white).
-        image = Image.fromarray(_to_uint8(row[self.image_column]))
-        return pil_to_tensor(image, self.spec), int(row[self.label_column])
 
 
 # --------------------------------------------------------------------------------------------
@@ -372,7 +186,7 @@ def _check_union(info: DatasetInfo, splits: dict[str, list[tuple[Path, int]]]) -
     is on labels: the same number of images of every class.  A mismatch is suspicious but not
     necessarily wrong, so it warns instead of refusing to run.
     """
-    parts, whole = splits["train800"] + splits["val200"], splits["train800val200"]
+    parts, whole = splits[TRAIN] + splits[VAL], splits[TRAIN_VAL]
     if sorted(parts) == sorted(whole):
         return
     part_paths, whole_paths = {path for path, _ in parts}, {path for path, _ in whole}
@@ -397,7 +211,7 @@ def _load_vtab_folder(info: DatasetInfo, folder: Path, split: str, spec: ImageSp
                 raise ValueError(
                     f"{info.name}: {folder / name}.txt lists {len(splits[name])} images, VTAB-1k expects {expected}"
                 )
-        if not splits["test"]:
+        if not splits[TEST]:
             raise ValueError(f"{info.name}: {folder / 'test.txt'} is empty")
         _check_union(info, splits)
     _check_labels(info, splits, strict)
@@ -463,8 +277,7 @@ def _unavailable(
     """The one message users see when the hub cannot provide a dataset."""
     reason = ""
     if error is not None:
-        first_line = (str(error).strip().splitlines() or [""])[0][:200]
-        reason = f" ({type(error).__name__}: {first_line})"
+        reason = f" ({type(error).__name__}: {first_line(error)[:200]})"
     hub = (
         f"the Hugging Face hub dataset {info.hub_id!r} is not reachable or not cached{reason}"
         if info.hub_id
@@ -576,42 +389,52 @@ def _fgvc_from_hub(info: DatasetInfo, task: _Task, split: str, spec: ImageSpec) 
 # --------------------------------------------------------------------------------------------
 
 
-def _register_vtab(task: _Task) -> None:
+def _vtab_dataset(
+    info: DatasetInfo, task: _Task, split: str, spec: ImageSpec, root: Path | None, strict: bool
+) -> Dataset:
+    folder = _vtab_from_hub(info, task) if root is None else _find_task_dir(info, task, root, ["train800.txt"])
+    return _load_vtab_folder(info, folder, split, spec, strict)
+
+
+def _fgvc_dataset(
+    info: DatasetInfo, task: _Task, split: str, spec: ImageSpec, root: Path | None, strict: bool
+) -> Dataset:
+    if root is None:
+        return _fgvc_from_hub(info, task, split, spec)
+    folder = _find_task_dir(info, task, root, ["train.txt", "train.json"])
+    return _load_fgvc_folder(info, folder, split, spec, strict)
+
+
+@dataclass(frozen=True)
+class _Family:
+    """A family of tasks: its name prefix, how its source is described, its tasks and how one is loaded."""
+
+    prefix: str
+    source: str
+    tasks: tuple[_Task, ...]
+    load: Callable[[DatasetInfo, _Task, str, ImageSpec, Path | None, bool], Dataset]
+
+
+FAMILIES = (
+    _Family("vtab", "VTAB-1k {}", VTAB_TASKS, _vtab_dataset),
+    _Family("fgvc", "FGVC {} (train/val/test as train800/val200/test)", FGVC_TASKS, _fgvc_dataset),
+)
+
+
+def _register(family: _Family, task: _Task) -> None:
     info = DatasetInfo(
-        name=f"vtab/{task.name}",
+        name=f"{family.prefix}/{task.name}",
         group=task.group,
         num_classes=task.num_classes,
-        source=f"VTAB-1k {task.source}",
+        source=family.source.format(task.source),
         hub_id=task.hub_id,
     )
 
     @register_dataset(info)
     def build(split: str, spec: ImageSpec, *, root: str | None, strict: bool) -> Dataset:
-        if root is not None:
-            folder = _find_task_dir(info, task, Path(root).expanduser(), ["train800.txt"])
-        else:
-            folder = _vtab_from_hub(info, task)
-        return _load_vtab_folder(info, folder, split, spec, strict)
+        return family.load(info, task, split, spec, None if root is None else Path(root).expanduser(), strict)
 
 
-def _register_fgvc(task: _Task) -> None:
-    info = DatasetInfo(
-        name=f"fgvc/{task.name}",
-        group=task.group,
-        num_classes=task.num_classes,
-        source=f"FGVC {task.source} (train/val/test as train800/val200/test)",
-        hub_id=task.hub_id,
-    )
-
-    @register_dataset(info)
-    def build(split: str, spec: ImageSpec, *, root: str | None, strict: bool) -> Dataset:
-        if root is None:
-            return _fgvc_from_hub(info, task, split, spec)
-        folder = _find_task_dir(info, task, Path(root).expanduser(), ["train.txt", "train.json"])
-        return _load_fgvc_folder(info, folder, split, spec, strict)
-
-
-for _task in VTAB_TASKS:
-    _register_vtab(_task)
-for _task in FGVC_TASKS:
-    _register_fgvc(_task)
+for _family in FAMILIES:
+    for _task in _family.tasks:
+        _register(_family, _task)

@@ -101,8 +101,6 @@ class FactLinear(core.PetlModule):
 
     """
 
-    mergeable = True
-
     def __init__(
         self,
         base: nn.Linear,
@@ -117,7 +115,7 @@ class FactLinear(core.PetlModule):
         super().__init__(base)
         self.kind, self.scale = kind, scale
         rank = shared.u.shape[0]
-        kw = {"device": base.weight.device, "dtype": base.weight.dtype}
+        kw = core.factory_kwargs(base)
         if owner:
             self.shared = shared
         else:
@@ -184,33 +182,24 @@ class FactLinear(core.PetlModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.merged:
-            # The wrapper's own module call stands in for base's: merged, this layer costs what the plain
-            # layer costs (one module call and base's forward).  Hooks registered on ``base`` itself are
-            # skipped while merged; hooks on this wrapper (the model's module at that path) still run.
-            return self.base.forward(x)
+            return self.merged_forward(x)
         return self.base(x) + self.update(x)
 
     @torch.no_grad()
-    def merge(self) -> None:
+    def fold(self) -> None:
         """Add the update into the frozen weight; forward then costs what ``base`` costs."""
-        if self.merged:
-            return
         weight = self.base.weight
         dtype = _reparam.work_dtype(weight)
         delta = self.delta_weight(dtype)
         _reparam.check_finite("the FacT update", delta)
         _reparam.write(weight, weight.to(dtype) + delta, "the FacT update into the weight")
-        self.merged = True
 
     @torch.no_grad()
-    def unmerge(self) -> None:
+    def unfold(self) -> None:
         """Subtract the update again (up to rounding)."""
-        if not self.merged:
-            return
         weight = self.base.weight
         dtype = _reparam.work_dtype(weight)
         _reparam.write(weight, weight.to(dtype) - self.delta_weight(dtype), "the FacT update out of the weight")
-        self.merged = False
 
 
 def _formula(model: nn.Module, cfg: FactConfig) -> int:

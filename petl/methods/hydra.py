@@ -94,11 +94,9 @@ class HydraLinear(core.PetlModule):
 
     """
 
-    mergeable = True
-
     def __init__(self, base: nn.Linear, dim: int, scale: float, dropout: float) -> None:
         super().__init__(base)
-        kw = {"device": base.weight.device, "dtype": base.weight.dtype}
+        kw = core.factory_kwargs(base)
         self.scale = scale
         self.parallel = _LowRank(base.in_features, base.out_features, dim, dropout, **kw)
         self.sequential = _LowRank(base.out_features, base.out_features, dim, dropout, **kw)
@@ -127,26 +125,20 @@ class HydraLinear(core.PetlModule):
         self.base.bias.copy_(bias.to(self.base.bias.dtype))
 
     @torch.no_grad()
-    def merge(self) -> None:
+    def fold(self) -> None:
         """Fold both branches into ``base`` (computed in float64, so half weights are upcast first)."""
-        if self.merged:
-            return
         a, p_w, c = self._folded()
         w0, b0 = self.base.weight.double(), self.base.bias.double()
         self._write(a @ w0 + p_w, a @ b0 + c, "merge")
-        self.merged = True
 
     @torch.no_grad()
-    def unmerge(self) -> None:
+    def unfold(self) -> None:
         """Recover the frozen weight by solving ``(I + s * S) W0 = W - s * P`` (up to rounding)."""
-        if not self.merged:
-            return
         a, p_w, c = self._folded()
         w, b = self.base.weight.double(), self.base.bias.double()
         rhs = torch.cat([w - p_w, (b - c).unsqueeze(1)], dim=1)
         solved = torch.linalg.solve(a, rhs)
         self._write(solved[:, :-1], solved[:, -1], "unmerge")
-        self.merged = False
 
     def extra_repr(self) -> str:
         return f"scale={self.scale}"

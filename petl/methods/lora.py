@@ -76,8 +76,6 @@ class LoraLinear(core.PetlModule):
 
     """
 
-    mergeable = True
-
     def __init__(
         self, base: nn.Linear, slices: dict[str, tuple[int, int]], rank: int, alpha: float, dropout: float
     ) -> None:
@@ -86,7 +84,7 @@ class LoraLinear(core.PetlModule):
         self.rank = rank
         self.scale = alpha / rank
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
-        kw = {"device": base.weight.device, "dtype": base.weight.dtype}
+        kw = core.factory_kwargs(base)
         self.lora_a = nn.ParameterDict(
             {name: nn.Parameter(torch.empty(rank, base.in_features, **kw)) for name in self.slices}
         )
@@ -133,17 +131,13 @@ class LoraLinear(core.PetlModule):
         for name, (start, end) in self.slices.items():
             weight[start:end] = new[name]
 
-    def merge(self) -> None:
+    def fold(self) -> None:
         """Add every update into its rows of the frozen weight; forward then costs what ``base`` costs."""
-        if not self.merged:
-            self._fold(+1.0)
-            self.merged = True
+        self._fold(+1.0)
 
-    def unmerge(self) -> None:
+    def unfold(self) -> None:
         """Subtract the updates again, restoring the frozen weight (up to rounding)."""
-        if self.merged:
-            self._fold(-1.0)
-            self.merged = False
+        self._fold(-1.0)
 
 
 def _slices_per_linear(block: nn.Module, targets: tuple[str, ...]) -> dict[str, dict[str, tuple[int, int]]]:

@@ -71,12 +71,10 @@ class RepAdapterLinear(core.PetlModule):
 
     """
 
-    mergeable = True
-
     def __init__(self, base: nn.Linear, bottleneck: int, groups: int, scale: float, dropout: float) -> None:
         super().__init__(base)
         width = base.in_features
-        kw = {"device": base.weight.device, "dtype": base.weight.dtype}
+        kw = core.factory_kwargs(base)
         self.groups, self.scale = groups, scale
         self.down = nn.Linear(width, bottleneck, **kw)
         # Group g maps hidden units [g*bottleneck/groups, ...) to output channels [g*width/groups, ...):
@@ -104,10 +102,7 @@ class RepAdapterLinear(core.PetlModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.merged:
-            # The wrapper's own module call stands in for base's: merged, this layer costs what the plain
-            # layer costs (one module call and base's forward).  Hooks registered on ``base`` itself are
-            # skipped while merged; hooks on this wrapper (the model's module at that path) still run.
-            return self.base.forward(x)
+            return self.merged_forward(x)
         return self.base(self.adapt(x))
 
     def _affine(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,10 +113,8 @@ class RepAdapterLinear(core.PetlModule):
         return m, c
 
     @torch.no_grad()
-    def merge(self) -> None:
+    def fold(self) -> None:
         """Fold the adapter into the Linear: ``W <- W + W M``, ``b <- b + W c``."""
-        if self.merged:
-            return
         weight, bias = self.base.weight, self.base.bias
         dtype = _reparam.work_dtype(weight)
         m, c = self._affine(dtype)
@@ -133,13 +126,10 @@ class RepAdapterLinear(core.PetlModule):
         else:
             _reparam.write(bias, bias.to(dtype) + w @ c, "the RepAdapter into the bias")
         _reparam.write(weight, w + w @ m, "the RepAdapter into the weight")
-        self.merged = True
 
     @torch.no_grad()
-    def unmerge(self) -> None:
+    def unfold(self) -> None:
         """Undo :meth:`merge`: ``W = W' (I + M)^-1`` (via the low-rank Woodbury identity), ``b = b' - W c``."""
-        if not self.merged:
-            return
         weight, bias = self.base.weight, self.base.bias
         dtype = _reparam.work_dtype(weight)
         up = self.up_dense().to(dtype)
@@ -152,7 +142,6 @@ class RepAdapterLinear(core.PetlModule):
         _reparam.write(weight, w, "the RepAdapter out of the weight")
         if bias is not None:
             _reparam.write(bias, bias.to(dtype) - w @ c, "the RepAdapter out of the bias")
-        self.merged = False
 
 
 def _formula(model: nn.Module, cfg: RepAdapterConfig) -> int:

@@ -66,12 +66,10 @@ class SsfLayer(core.PetlModule):
 
     """
 
-    mergeable = True
-
     def __init__(self, base: nn.Module, init_std: float) -> None:
         super().__init__(base)
         width = _width(base)
-        kw = {"device": base.weight.device, "dtype": base.weight.dtype}
+        kw = core.factory_kwargs(base)
         self.scale = nn.Parameter(torch.ones(width, **kw))
         self.shift = nn.Parameter(torch.zeros(width, **kw))
         if init_std > 0:
@@ -82,10 +80,7 @@ class SsfLayer(core.PetlModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.merged:
-            # The wrapper's own module call stands in for base's: merged, this layer costs what the plain
-            # layer costs (one module call and base's forward).  Hooks registered on ``base`` itself are
-            # skipped while merged; hooks on this wrapper (the model's module at that path) still run.
-            return self.base.forward(x)
+            return self.merged_forward(x)
         out = self.base(x)
         if self.channel_dim == 1:
             return out * self.scale.view(-1, 1, 1) + self.shift.view(-1, 1, 1)
@@ -98,10 +93,8 @@ class SsfLayer(core.PetlModule):
             )
 
     @torch.no_grad()
-    def merge(self) -> None:
+    def fold(self) -> None:
         """Fold the scale into the base's weight rows and scale+shift into its bias."""
-        if self.merged:
-            return
         self._check_mergeable()
         weight, bias = self.base.weight, self.base.bias
         dtype = _reparam.work_dtype(weight)
@@ -112,20 +105,16 @@ class SsfLayer(core.PetlModule):
         rows = scale.view(-1, *[1] * (weight.dim() - 1))
         _reparam.write(weight, weight.to(dtype) * rows, "SSF into the weight")
         _reparam.write(bias, bias.to(dtype) * scale + shift, "SSF into the bias")
-        self.merged = True
 
     @torch.no_grad()
-    def unmerge(self) -> None:
+    def unfold(self) -> None:
         """Undo :meth:`merge` (divide the scale back out), up to rounding."""
-        if not self.merged:
-            return
         weight, bias = self.base.weight, self.base.bias
         dtype = _reparam.work_dtype(weight)
         scale, shift = self.scale.to(dtype), self.shift.to(dtype)
         rows = scale.view(-1, *[1] * (weight.dim() - 1))
         _reparam.write(weight, weight.to(dtype) / rows, "SSF out of the weight")
         _reparam.write(bias, (bias.to(dtype) - shift) / scale, "SSF out of the bias")
-        self.merged = False
 
 
 def _sites(model: nn.Module) -> list[tuple[nn.Module, Callable[[nn.Module], None]]]:

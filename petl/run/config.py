@@ -35,7 +35,9 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 import petl
 from petl import data as petl_data
 from petl import models as petl_models
-from petl.run.engine import BACKBONE_MODES, TrainSettings
+from petl.core import first_line
+from petl.run.engine import TrainSettings
+from petl.run.options import check_options, neutral_keys, option
 
 GROUPS = ("method", "data", "model", "train")
 SPLITS = petl_data.TRAINING_SPLITS
@@ -53,6 +55,20 @@ VIT_MODULES = ("vision_transformer", "vision_transformer_hybrid", "deit", "model
 
 class ConfigError(ValueError):
     """Bad user input: an unknown choice or key, a value of the wrong type or out of range."""
+
+
+def _check_trackers(key: str, trackers: Sequence[str]) -> None:
+    for tracker in trackers:
+        if tracker not in TRACKERS:
+            raise ValueError(f"{key}: {tracker!r} is not valid: choose from {', '.join(TRACKERS)}")
+        # accelerate would only warn and log nowhere; a tracker asked for and missing is an error.
+        if not getattr(accelerate.utils, f"is_{tracker}_available", lambda: True)():
+            raise ValueError(f"{key}: {tracker} is not installed (pip install {tracker})")
+
+
+def _check_output_dir(key: str, value: str) -> None:
+    if not str(value).strip():
+        raise ValueError(f"{key} is empty: give the folder the run writes to")
 
 
 @dataclass
@@ -73,11 +89,13 @@ class DataConfig:
     """
 
     name: str = MISSING
-    split: str = petl_data.TRAIN
-    root: str | None = None
-    subset: int | None = None
+    split: str = option(petl_data.TRAIN, choices=SPLITS)
+    root: str | None = option(None, neutral=True)
+    subset: int | None = option(None, low=1)
     augment: bool | None = None
-    num_workers: int = 0
+    # Neutral for the order, dropout and drop-path; with augmented images (FGVC) the crops come from the global
+    # stream with 0 workers and from per-epoch worker seeds with more, so changing it mid-run changes the crops.
+    num_workers: int = option(0, low=0, neutral=True)
     epochs: int = petl_data.PROTOCOL_EPOCHS
 
 
@@ -98,7 +116,7 @@ class ModelConfig:
     name: str = MISSING
     pretrained: bool = True
     checkpoint: str | None = None
-    drop_path: float = 0.1
+    drop_path: float = option(0.1, low=0, high=1)
     kwargs: dict[str, Any] = field(default_factory=dict)
 
 
@@ -128,17 +146,17 @@ class TrainConfig(TrainSettings):
 
     """
 
-    epochs: int = II("data.epochs")
-    batch_size: int = 64
-    eval_batch_size: int = 256
-    grad_accum: int = 1
-    precision: str = "no"
+    epochs: int = option(II("data.epochs"), low=1)
+    batch_size: int = option(64, low=1)
+    eval_batch_size: int = option(256, low=1, neutral=True)
+    grad_accum: int = option(1, low=1)
+    precision: str = option("no", choices=PRECISIONS)
     cache_features: bool = True
     grad_checkpointing: bool = False
     compile: bool = False
     deterministic: bool = True
-    trackers: list[str] = field(default_factory=list)
-    keep_checkpoint: bool = False
+    trackers: list[str] = option(default_factory=list, check=_check_trackers, neutral=True)
+    keep_checkpoint: bool = option(False, neutral=True)
     eval_test: bool = True
 
 
@@ -162,9 +180,13 @@ class RunConfig:
     data: DataConfig = MISSING
     model: ModelConfig = MISSING
     train: TrainConfig = field(default_factory=TrainConfig)
-    seed: int = 0
-    output_dir: str = "runs/${petl.slug:${data.name}}/${petl.slug:${model.name}}/${method.name}/seed${seed}"
-    resume: bool = True
+    seed: int = option(0, low=0)
+    output_dir: str = option(
+        "runs/${petl.slug:${data.name}}/${petl.slug:${model.name}}/${method.name}/seed${seed}",
+        check=_check_output_dir,
+        neutral=True,
+    )
+    resume: bool = option(True, neutral=True)
 
 
 def _slug(value: str) -> str:
@@ -305,10 +327,6 @@ def check_choice(group: str, value: str) -> None:
         raise ConfigError(unknown_choice_message(group, value))
 
 
-def _first_line(text: str) -> str:
-    return next((line.strip() for line in str(text).splitlines() if line.strip()), str(text))
-
-
 def explain(error: Exception, overrides: Sequence[str] = ()) -> str:
     """Turn a Hydra/OmegaConf composition error into one line that names the key and what is valid.
 
@@ -317,7 +335,7 @@ def explain(error: Exception, overrides: Sequence[str] = ()) -> str:
     """
     if isinstance(error, OverrideParseException):
         return (
-            f"cannot parse override {error.override!r}: {_first_line(error.message)} "
+            f"cannot parse override {error.override!r}: {first_line(error.message)} "
             "(quote values holding special characters: key='a=b')"
         )
     if isinstance(error, MissingConfigException) and error.missing_cfg_file:
@@ -325,7 +343,7 @@ def explain(error: Exception, overrides: Sequence[str] = ()) -> str:
         if group in GROUPS:
             return unknown_choice_message(group, value)
         # e.g. hydra/launcher=submitit_slurm without its plugin installed
-        return f"{_first_line(str(error))} (is the Hydra plugin that provides it installed?)"
+        return f"{first_line(str(error))} (is the Hydra plugin that provides it installed?)"
     cause = error.__cause__ if error.__cause__ is not None else error
     if isinstance(cause, (ConfigKeyError, ConfigAttributeError)):
         return unknown_key_message(cause.full_key or cause.key or "?", overrides)
@@ -337,7 +355,7 @@ def explain(error: Exception, overrides: Sequence[str] = ()) -> str:
                 "to pass a list write key=[a,b]"
             )
     full_key = getattr(cause, "full_key", None)
-    line = _first_line(getattr(cause, "msg", None) or str(cause))
+    line = first_line(getattr(cause, "msg", None) or str(cause))
     return f"{full_key}: {line}" if full_key and full_key not in line else line
 
 
@@ -452,58 +470,58 @@ def to_config(cfg: DictConfig | Mapping[str, Any]) -> DictConfig:
     return merged
 
 
-def _range(key: str, value: float, low: float | None = None, high: float | None = None, open_low: bool = False) -> None:
-    """:func:`petl.core.check_range` (NaN/inf and bounds), raising ConfigError."""
-    try:
-        petl.core.check_range(key, value, low=low, high=high, open_low=open_low)
-    except ValueError as error:
-        raise ConfigError(str(error)) from None
-
-
 def check_values(cfg: DictConfig) -> None:
-    """Check the engine-level values of a composed config (method options are checked on the model).
+    """Check a composed config: every node against its own declared options, and the group choices.
+
+    Method options are checked on the model (:func:`check_method`).
 
     Raises:
         ConfigError: naming the field and its allowed range or choices.
 
     """
     try:
-        train, data = cfg.train, cfg.data
-        _range("train.epochs", train.epochs, low=1)
-        _range("train.lr", train.lr, low=0, open_low=True)
-        _range("train.weight_decay", train.weight_decay, low=0)
-        _range("train.warmup_frac", train.warmup_frac, low=0, high=1)
-        _range("train.label_smoothing", train.label_smoothing, low=0, high=1)
-        _range("train.grad_clip", train.grad_clip, low=0)
-        _range("train.batch_size", train.batch_size, low=1)
-        _range("train.eval_batch_size", train.eval_batch_size, low=1)
-        _range("train.grad_accum", train.grad_accum, low=1)
-        _range("model.drop_path", cfg.model.drop_path, low=0, high=1)
-        _range("data.subset", data.subset, low=1)
-        _range("data.num_workers", data.num_workers, low=0)
-        _range("seed", cfg.seed, low=0)
-        if train.precision not in PRECISIONS:
-            choices = ", ".join(PRECISIONS)
-            raise ConfigError(f"train.precision={train.precision!r} is not valid: choose one of {choices}")
-        if train.backbone_mode not in BACKBONE_MODES:
-            choices = ", ".join(BACKBONE_MODES)
-            raise ConfigError(f"train.backbone_mode={train.backbone_mode!r} is not valid: choose one of {choices}")
-        if data.split not in SPLITS:
-            raise ConfigError(f"data.split={data.split!r} is not valid: choose one of {', '.join(SPLITS)}")
-        for tracker in train.trackers:
-            if tracker not in TRACKERS:
-                raise ConfigError(f"train.trackers: {tracker!r} is not valid: choose from {', '.join(TRACKERS)}")
-            # accelerate would only warn and log nowhere; a tracker asked for and missing is an error.
-            if not getattr(accelerate.utils, f"is_{tracker}_available", lambda: True)():
-                raise ConfigError(f"train.trackers: {tracker} is not installed (pip install {tracker})")
+        schema = typing.get_type_hints(RunConfig)
+        check_options(RunConfig, cfg)
+        for group in ("data", "model", "train"):
+            check_options(schema[group], cfg[group], f"{group}.")
         check_choice("method", cfg.method.name)
-        check_choice("data", data.name)
+        check_choice("data", cfg.data.name)
         check_choice("model", cfg.model.name)
-        if not str(cfg.output_dir).strip():
-            raise ConfigError("output_dir is empty: give the folder the run writes to")
     except OmegaConfBaseException as error:
         # An interpolation that does not resolve, or a missing mandatory value.
         raise ConfigError(explain(error)) from None
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+
+
+def option_default(key: str, method: str | None = None) -> Any:
+    """The declared default of a dotted option (``train.lr``, ``method.rank`` of ``method``), or ``MISSING``.
+
+    An option added to petl after a run was recorded takes this value for that run: the run-folder rules
+    (:mod:`petl.run.folder`) compare a new option with it instead of with nothing.
+    """
+    group, _, name = key.partition(".")
+    if group == "method":
+        try:
+            node: Any = petl.get_method(method).config_cls if method else None
+        except (KeyError, ValueError):
+            node = None
+    else:
+        node = typing.get_type_hints(RunConfig).get(group) if name else RunConfig
+        name = name or group
+    if node is None or not dataclasses.is_dataclass(node):
+        return MISSING
+    found = next((f for f in dataclasses.fields(node) if f.name == name), None)
+    if found is None:
+        return MISSING
+    if found.default_factory is not dataclasses.MISSING:
+        return found.default_factory()
+    return MISSING if found.default is dataclasses.MISSING else found.default
+
+
+def run_neutral_keys() -> set[str]:
+    """The options of a run that do not change what it computes (marked ``neutral`` on their fields)."""
+    return neutral_keys(RunConfig)
 
 
 def method_options(cfg: DictConfig) -> dict[str, Any]:
@@ -520,11 +538,6 @@ def method_options(cfg: DictConfig) -> dict[str, Any]:
         if typing.get_origin(hints.get(key)) is tuple and isinstance(value, list):
             options[key] = petl.core.to_str_tuple(value)
     return options
-
-
-def settings_from(cfg: DictConfig) -> TrainSettings:
-    """The engine's settings from the ``train`` node."""
-    return TrainSettings(**{f.name: cfg.train[f.name] for f in dataclasses.fields(TrainSettings)})
 
 
 def check_method(cfg: DictConfig) -> None:

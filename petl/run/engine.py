@@ -22,10 +22,14 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from petl.core import PetlModule
+from petl.run.options import check_options, option
 
 
 class NonFiniteLossError(RuntimeError):
     """The training loss became NaN or infinite."""
+
+
+BACKBONE_MODES = ("auto", "train", "eval")
 
 
 @dataclass
@@ -50,18 +54,19 @@ class TrainSettings:
 
     """
 
-    epochs: int = 100
-    lr: float = 1e-3
-    weight_decay: float = 1e-4
-    warmup_frac: float = 0.1
-    label_smoothing: float = 0.0
-    grad_clip: float = 0.0
-    backbone_mode: str = "auto"
+    epochs: int = option(100, low=1)
+    lr: float = option(1e-3, low=0, open_low=True)
+    weight_decay: float = option(1e-4, low=0)
+    warmup_frac: float = option(0.1, low=0, high=1)
+    label_smoothing: float = option(0.0, low=0, high=1)
+    grad_clip: float = option(0.0, low=0)
+    backbone_mode: str = option("auto", choices=BACKBONE_MODES)
     weight_decay_all: bool = False
-    progress: bool = True
+    progress: bool = option(True, neutral=True)
 
-
-BACKBONE_MODES = ("auto", "train", "eval")
+    def __post_init__(self) -> None:
+        # A node validates itself: every option's range and choices, read from its field (ValueError naming it).
+        check_options(type(self), self, "train.")
 
 
 def backbone_mode(model: nn.Module, settings: TrainSettings) -> str:
@@ -70,14 +75,7 @@ def backbone_mode(model: nn.Module, settings: TrainSettings) -> str:
     ``auto`` reads the default of the method the model carries (found on any submodule, so a
     wrapped model works too); a model without a petl method trains whole, like plain fine-tuning.
 
-    Raises:
-        ValueError: ``settings.backbone_mode`` is not one of :data:`BACKBONE_MODES`.
-
     """
-    if settings.backbone_mode not in BACKBONE_MODES:
-        raise ValueError(
-            f"train.backbone_mode={settings.backbone_mode!r} is not valid: choose one of {', '.join(BACKBONE_MODES)}"
-        )
     if settings.backbone_mode != "auto":
         return settings.backbone_mode
     config = next((m.petl_config for m in model.modules() if getattr(m, "petl_config", None) is not None), None)
@@ -144,7 +142,6 @@ def build_optimizer(
     """AdamW over the trainable parameters and a per-step cosine schedule with linear warm-up."""
     if not trainable_parameters(model):
         raise ValueError("the model has no trainable parameters")
-    backbone_mode(model, settings)  # refuse a bad backbone_mode before any training starts
     optimizer = torch.optim.AdamW(param_groups(model, settings), lr=settings.lr, weight_decay=settings.weight_decay)
     total = max(1, settings.epochs * steps_per_epoch)
     warmup = int(settings.warmup_frac * total)

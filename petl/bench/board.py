@@ -1,0 +1,171 @@
+"""The leaderboard's data model: one row per experiment, its task scores, and the columns that render it.
+
+:mod:`petl.bench.columns` declares the columns, :mod:`petl.bench.report` builds a board from results
+and writes it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from petl.bench.published import PublishedRow, PublishedTable
+from petl.bench.results import Compute, RunRecord, mean
+from petl.bench.table import Cell
+from petl.presets import FAMILIES
+
+# What a published column shows for a row: the published row, or why there is none to show.
+NO_PUBLISHED_ROW = "no published row"
+DIFFERENT_BACKBONE = "different backbone"
+
+
+def rounded(value: float | None, digits: int | None = 4) -> float | str:
+    """A number as the CSV holds it: rounded to ``digits`` (``None``: as it is), empty where there is none (NaN)."""
+    if value is None or math.isnan(value):
+        return ""
+    return value if digits is None else round(value, digits)
+
+
+def show_number(value: float, digits: int = 2, suffix: str = "") -> Cell:
+    if value is None or math.isnan(value):
+        return "–", ""
+    return f"{value:.{digits}f}{suffix}", value
+
+
+def show_text(value: str) -> Cell:
+    return value, value
+
+
+def as_csv(key: str, digits: int | None = 4) -> Callable[[Any], dict[str, Any]]:
+    # The default CSV writer of a column: one field named after the column, floats rounded (None: as
+    # they are), NaN (nothing to show) written empty.
+    def fields(value: Any) -> dict[str, Any]:
+        return {key: rounded(value, digits) if isinstance(value, float) else value}
+
+    return fields
+
+
+@dataclass(frozen=True)
+class Column:
+    """One leaderboard column, declared once.
+
+    Attributes:
+        key: stable key (the HTML's sort links; the CSV field unless ``csv`` says otherwise).
+        label: the displayed header; ``None`` for a CSV-only column.
+        compute: the column's value from a row (its runs and the figures rows share).
+        show: the displayed (text, sort key) cell of a value.
+        csv: the CSV fields of a value (default: ``{key: value}``, floats rounded to 4 digits).
+        kind: ``measured``, ``published`` or ``info`` (styling; info columns are left-aligned).
+        note: a legend line for the column, printed under the tables.
+        detail: shown in the details table rather than the main one, which keeps to what answers "which
+            experiment wins at what budget" (parameters, means, per-task accuracy) so that it fits a screen.
+
+    """
+
+    key: str
+    label: str | None
+    compute: Callable[[ExperimentRow], Any]
+    show: Callable[[Any], Cell] = field(default=lambda value: show_number(value))
+    csv: Callable[[Any], dict[str, Any]] | None = None
+    kind: str = "measured"
+    note: str = ""
+    detail: bool = False
+
+    def csv_fields(self, value: Any) -> dict[str, Any]:
+        """The CSV fields of ``value``."""
+        return (self.csv or as_csv(self.key))(value)
+
+
+# Groups in the order benchmarks print them; unknown groups follow alphabetically.
+GROUP_ORDER = ("natural", "specialized", "structured", "fgvc")
+
+
+@dataclass(frozen=True)
+class TaskScore:
+    """Top-1 (%) of one experiment on one task over its seeds; ``std`` is NaN below two seeds."""
+
+    mean: float
+    std: float
+    seeds: tuple[int, ...]
+
+
+@dataclass
+class ExperimentRow:
+    """One leaderboard row: an experiment's runs, the figures several columns share, and each column's value.
+
+    Attributes:
+        experiment: the experiment name (its results folder).
+        runs: every run of the experiment.
+        scores: per task, the mean and std over seeds.
+        task_mean: unweighted mean of the per-task means (the sort key).
+        group_means: per benchmark group, the mean of its tasks' means.
+        trainable: trainable parameters, head included (mean over runs).
+        trainable_no_head: trainable parameters outside the head (mean over runs).
+        published: per published table key, the matching published row, or the reason none is shown
+            (:data:`NO_PUBLISHED_ROW`, :data:`DIFFERENT_BACKBONE`).
+        values: each column's computed value, by column key.
+
+    """
+
+    experiment: str
+    runs: list[RunRecord]
+    scores: dict[str, TaskScore]
+    task_mean: float
+    group_means: dict[str, float]
+    trainable: float
+    trainable_no_head: float
+    published: dict[str, PublishedRow | str] = field(default_factory=dict)
+    values: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def group_mean(self) -> float:
+        """Mean of the group means (what VPT, NOAH and Adapter+ report)."""
+        return mean(list(self.group_means.values()))
+
+
+@dataclass
+class Leaderboard:
+    """Everything a report renders: the tasks and groups found, one row per experiment, and the columns.
+
+    ``families`` maps an experiment to its method family (experiments without one are left out; they
+    count as a family of their own, named after their method: :meth:`family`).
+    """
+
+    results_dir: Path
+    tasks: list[str]
+    groups: dict[str, str]
+    rows: list[ExperimentRow]
+    models: list[str]
+    tables: list[PublishedTable]
+    memory_kinds: list[str] = field(default_factory=list)
+    families: dict[str, str] = field(default_factory=dict)
+    columns: list[Column] = field(default_factory=list)
+    compute: Compute | None = None
+
+    @property
+    def family_order(self) -> list[str]:
+        """Families present, in :data:`petl.presets.FAMILIES` order, then any other alphabetically."""
+        known = list(FAMILIES)
+        present = {self.family(row) for row in self.rows}
+        return sorted(present, key=lambda f: (known.index(f) if f in known else len(known), f))
+
+    def family(self, row: ExperimentRow) -> str:
+        """The family of ``row``'s experiment; without one, the method its runs ran (a family of its own)."""
+        return self.families.get(row.experiment) or ", ".join(dict.fromkeys(str(r.result.method) for r in row.runs))
+
+    @property
+    def group_names(self) -> list[str]:
+        """Groups present, in benchmark order."""
+        return order_groups(set(self.groups.values()))
+
+    def complete(self, row: ExperimentRow) -> bool:
+        """Whether ``row`` has a score on every task, each over as many seeds as the fullest cell of the board."""
+        seeds = max((len(s.seeds) for r in self.rows for s in r.scores.values()), default=0)
+        return len(row.scores) == len(self.tasks) and all(len(s.seeds) == seeds for s in row.scores.values())
+
+
+def order_groups(groups: set[str]) -> list[str]:
+    return sorted(groups, key=lambda g: (GROUP_ORDER.index(g) if g in GROUP_ORDER else len(GROUP_ORDER), g))

@@ -1,0 +1,119 @@
+"""Convergence: per-epoch val accuracy, from a run's own ``metrics.jsonl`` or its selected search trial's."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from petl.bench.board import ExperimentRow, Leaderboard
+from petl.bench.results import RunRecord, nanmean
+from petl.run.records import METRICS_FILE
+
+# Convergence is judged on the last 20 % of epochs (issue 12): the val top-1 change over that stretch.
+CONVERGENCE_TAIL = 0.2
+
+
+@dataclass(frozen=True)
+class ValCurve:
+    """Val top-1 per epoch of one training run; ``source`` is the folder whose ``metrics.jsonl`` it came from."""
+
+    source: Path
+    val_top1: tuple[float, ...]
+
+
+def _read_val_history(folder: Path) -> tuple[float, ...]:
+    path = folder / METRICS_FILE
+    if not path.is_file():
+        return ()
+    values = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue  # a line cut short by a crash: the epochs before it still count
+        if isinstance(row, Mapping) and row.get("val_top1") is not None:
+            values.append(float(row["val_top1"]))
+    return tuple(values)
+
+
+def val_curve(record: RunRecord) -> ValCurve | None:
+    """The val accuracy per epoch behind one reported run, or ``None`` where none was recorded.
+
+    A run on ``train800`` evaluated val itself, so its own ``metrics.jsonl`` is its curve.  A final run
+    of the selection protocol trains on ``train800val200`` and has no val split; its curve is the one of
+    the search trial it was chosen from (same configuration, one seed, on ``train800``), found through
+    ``result["selection"]``: the chosen trial's ``output_dir`` ends in ``search/<point>`` under the
+    experiment's folder.
+    """
+    own = _read_val_history(record.path.parent)
+    if own:
+        return ValCurve(record.path.parent, own)
+    selection = record.result.selection
+    if not isinstance(selection, Mapping):
+        return None
+    for trial in selection.get("trials") or []:
+        if trial.get("overrides") == selection.get("chosen") and trial.get("output_dir"):
+            folder = record.path.parent.parent.joinpath(*Path(trial["output_dir"]).parts[-2:])
+            history = _read_val_history(folder)
+            return ValCurve(folder, history) if history else None
+    return None
+
+
+def tail_change(values: tuple[float, ...] | list[float], tail: float = CONVERGENCE_TAIL) -> float:
+    """Val top-1 change over the last ``tail`` of the epochs: last value minus the value ``k`` epochs earlier.
+
+    ``k = max(1, round(tail * epochs))``; NaN below two epochs.  Near zero for a converged run; 200 val
+    images make one image 0.5 points.
+    """
+    if len(values) < 2:
+        return math.nan
+    k = min(len(values) - 1, max(1, round(tail * len(values))))
+    return values[-1] - values[-1 - k]
+
+
+def row_curves(row: ExperimentRow) -> dict[str, list[ValCurve]]:
+    # Per task, each distinct curve once: the seeds of one selected point share their search trial.
+    out: dict[str, dict[Path, ValCurve]] = {}
+    for run in sorted(row.runs, key=lambda r: (r.task, r.seed)):
+        if (curve := val_curve(run)) is not None:
+            out.setdefault(run.task, {}).setdefault(curve.source, curve)
+    return {task: list(curves.values()) for task, curves in out.items()}
+
+
+def convergence(row: ExperimentRow) -> tuple[float, float]:
+    # (mean over tasks of the per-task mean change, largest |change| of any curve)
+    changes = {t: [tail_change(c.val_top1) for c in cs] for t, cs in row_curves(row).items()}
+    per_task = [nanmean(v) for v in changes.values()]
+    every = [abs(v) for vs in changes.values() for v in vs if not math.isnan(v)]
+    return nanmean(per_task), max(every, default=math.nan)
+
+
+def learning_curves(board: Leaderboard, task: str | None = None) -> tuple[str, dict[str, list[float]]] | None:
+    """Val top-1 per epoch of every experiment on one task, averaged over that task's curves (seeds).
+
+    Args:
+        board: the leaderboard.
+        task: the task to show; default: the first task, in the leaderboard's order, with the most
+            experiments that recorded a curve.
+
+    Returns:
+        ``(task, {experiment: val top-1 per epoch})``, or ``None`` when no run recorded a val curve.
+
+    """
+    per_row = {row.experiment: row_curves(row) for row in board.rows}
+    if task is None:
+        counts = {t: sum(t in curves for curves in per_row.values()) for t in board.tasks}
+        task = max(board.tasks, key=lambda t: counts[t], default=None)  # max keeps the first of equal counts
+        if task is None or counts[task] == 0:
+            return None
+    out = {}
+    for experiment, curves in per_row.items():
+        if curves.get(task):
+            # Curves of one configuration have as many epochs; a shorter one (a hand-edited file) trims the rest.
+            length = min(len(c.val_top1) for c in curves[task])
+            out[experiment] = [statistics.fmean(c.val_top1[i] for c in curves[task]) for i in range(length)]
+    return (task, out) if out else None

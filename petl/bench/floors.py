@@ -1,0 +1,118 @@
+"""A method's floor: the least a training step of its model can cost, read off the model itself.
+
+The frozen backbone's forward plus a backward that reaches the method's earliest trainable tensor, with the
+method's extra tokens (prompts) added where they enter (see :mod:`petl.bench.speed`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from petl import vit
+
+
+@dataclass(frozen=True)
+class Floor:
+    """A method's lower bound: the frozen forward plus a backward that reaches its earliest trainable tensor.
+
+    Attributes:
+        start: the backbone module whose input the backward must reach: the innermost module that runs
+            the method's earliest trainable tensor, named as in the plain backbone (``blocks.0.attn.qkv``
+            for LoRA on Q/V, ``head`` for a linear probe); ``""`` for the whole model (the images).
+        extra_tokens: tokens the method adds to the sequence (prompts), most over any block.
+        extra_at: the first block that sees them.
+
+    """
+
+    start: str
+    extra_tokens: int = 0
+    extra_at: int = 0
+
+    def label(self) -> str:
+        """The floor's row name."""
+        where = f"`{self.start}` input" if self.start else "images"
+        tokens = f", +{self.extra_tokens} tokens from block {self.extra_at}" if self.extra_tokens else ""
+        return f"floor: fwd + bwd to {where}{tokens}"
+
+
+def _observe(model, images, handles: list) -> None:
+    """One no-grad eval forward of ``model`` with the given hooks in place, which are removed afterwards."""
+    try:
+        with torch.no_grad():
+            model.eval()(images)
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def tokens_per_block(model, images) -> list[int]:
+    """How many tokens enter each block (inside any wrapper, so prompts added by a wrapper count)."""
+    seen: list[int] = [0] * vit.depth(model)
+    handles = [
+        block.register_forward_pre_hook(lambda _m, args, i=i: seen.__setitem__(i, max(seen[i], args[0].shape[-2])))
+        for i, block in enumerate(vit.blocks(model))
+    ]
+    _observe(model, images, handles)
+    return seen
+
+
+def _parent(path: str) -> str:
+    return path.rsplit(".", 1)[0] if "." in path else ""
+
+
+def find_floor(model, images, plain_tokens: int, plain_modules: set[str]) -> Floor:
+    """Where ``model``'s earliest trainable tensor is used and how many tokens it adds (see :class:`Floor`).
+
+    Read off the model, not the method's name: one forward with hooks records the order modules run in;
+    each trainable parameter is placed at the innermost module that runs and holds it, and the earliest
+    of those, mapped to the plain backbone's module of the same name (or its nearest ancestor there:
+    a new adapter module maps to the block part it sits in), is where the floor's backward must reach.
+
+    Args:
+        model: the model with the method applied.
+        images: a batch to run it on.
+        plain_tokens: tokens the plain backbone feeds to each block.
+        plain_modules: module names of the plain backbone.
+
+    """
+    names = {module: name for name, module in model.named_modules()}
+    order: dict[str, int] = {}
+
+    def record(module, _args) -> None:  # a pre-hook returning a value would replace the module's input
+        order.setdefault(names[module], len(order))
+
+    _observe(model, images, [m.register_forward_pre_hook(record) for m in model.modules()])
+    places = []
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            path = _parent(name)
+            while path and path not in order:  # e.g. a ParameterDict, which never runs itself
+                path = _parent(path)
+            places.append((order[path], path))
+    start = min(places)[1] if places else ""
+    while start and start not in plain_modules:
+        start = _parent(start)
+    tokens = tokens_per_block(model, images)
+    extra = max(t - plain_tokens for t in tokens)
+    extra_at = next((i for i, t in enumerate(tokens) if t > plain_tokens), 0)
+    return Floor(start=start, extra_tokens=max(0, extra), extra_at=extra_at if extra > 0 else 0)
+
+
+def floor_hooks(model, floor: Floor) -> None:
+    """Make the frozen ``model`` run ``floor``.
+
+    Extra tokens are appended where they enter, then the input of ``floor.start`` is made to require grad,
+    so the backward reaches exactly that far (hooks run in the order they were registered).
+    """
+
+    def add_tokens(_module, args):
+        x = args[0]
+        return (torch.cat([x, x.new_zeros(x.shape[0], floor.extra_tokens, x.shape[-1])], dim=-2), *args[1:])
+
+    if floor.extra_tokens:
+        vit.block_container(model)[floor.extra_at].register_forward_pre_hook(add_tokens)
+    if floor.start:
+        start = model.get_submodule(floor.start)
+        start.register_forward_pre_hook(lambda _m, args: (args[0].detach().requires_grad_(), *args[1:]))

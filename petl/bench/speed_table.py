@@ -1,0 +1,151 @@
+"""The speed table: ratios of every row to its floor and to the references, rendered through :mod:`petl.bench.table`."""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import subprocess
+from typing import Any
+
+import torch
+
+from petl.bench.speed_bench import FORWARD, NOTE_ABOVE, PEFT_LORA, SpeedSpec
+from petl.bench.table import Header, Table, markdown_lines
+
+
+def machine_line(device: str) -> str:
+    """Where the numbers come from: CPU model (lscpu), cores, threads, torch version, GPU if used, load."""
+    cpu = platform.processor() or "unknown CPU"
+    try:
+        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+        cpu = next(line.split(":", 1)[1].strip() for line in lscpu.splitlines() if line.startswith("Model name"))
+    except (OSError, subprocess.CalledProcessError, StopIteration):
+        pass
+    threads = torch.get_num_threads()
+    parts = [f"CPU {cpu}", f"{os.cpu_count()} cores", f"torch {torch.__version__}", f"{threads} torch threads"]
+    if device == "cuda":
+        parts.append(f"GPU {torch.cuda.get_device_name()}")
+    if hasattr(os, "getloadavg"):
+        # Called after the measurements: the 15-minute load average says how much else shared the cores.
+        parts.append(f"15-min load average {os.getloadavg()[2]:.1f} at the end")
+    return ", ".join(parts)
+
+
+def _ratio(value: float | None, ref: float | None) -> str:
+    if value is None or ref is None or ref <= 0:
+        return "–"
+    return f"{value / ref:.2f}×"
+
+
+MAIN_COLUMNS = (
+    "Case", "Trainable", "Train step ms", "× floor", "× no-grad fwd", "× full FT", "× peft LoRA", "Peak MB",
+    "mem × floor", "mem × full FT", "mem × peft LoRA", "Infer ms", "infer × plain",
+)  # fmt: skip
+MERGED_COLUMNS = ("Case", "Infer ms unmerged", "Infer ms merged", "Plain backbone ms", "merged × plain")
+
+
+def _markdown(labels: tuple[str, ...], rows: list[list[str]]) -> list[str]:
+    # The case names are left-aligned, the numbers right-aligned.
+    headers = [Header(label, label, "info" if i == 0 else "measured") for i, label in enumerate(labels)]
+    return markdown_lines(Table(headers, [[(text, text) for text in row] for row in rows]))
+
+
+def format_table(results: dict[str, dict[str, Any]], spec: SpeedSpec, machine: str) -> str:
+    """The speed table as Markdown: ratios to each row's floor, the no-grad forward, full FT and peft's LoRA."""
+    forward = results.get(FORWARD, {})
+    full = results.get("full", {})
+    peft_lora = results.get(PEFT_LORA, {})
+    memory = (
+        "CUDA max_memory_allocated (absolute: weights, grads, AdamW state, activations), fresh process per row"
+        if spec.device == "cuda"
+        else "peak RSS growth over the RSS after set-up (Linux VmHWM, reset through /proc/self/clear_refs), "
+        "fresh process per row, i.e. grads + AdamW state + activations, not the weights"
+    )
+    lines = [
+        f"Backbone `{spec.model}` (random weights), training batch {spec.batch}, {spec.num_classes} classes, "
+        f"device {spec.device}. Train step = forward + loss + backward + AdamW step, median of {spec.steps} steps "
+        f"after {spec.warmup} warm-up steps, all cases taking turns over {spec.rounds} rounds (so background load "
+        "falls on all of them alike); the no-grad row times a forward without autograd at the same batch. "
+        "A floor row is the frozen backbone's forward + loss + a backward that reaches the earliest trainable "
+        "tensor of the methods that point to it (with their extra tokens), no optimizer; `× floor` compares "
+        "each row with its own floor. "
+        f"Inference: eval forward at batch {spec.infer_batch}, median of {spec.infer_steps}, cases in turns call "
+        "by call. "
+        f"Peak MB over {spec.warmup + 2} training steps: {memory}.",
+        "",
+        f"Machine: {machine}.",
+        "",
+    ]
+    plain = plain_inference(results)
+    plain_infer = plain[0] if plain else forward.get("infer_ms")
+    rows = []
+    for case, r in results.items():
+        own = results.get(r.get("floor", case), {}) if "floor" in r or case.startswith("floor:") else {}
+        rows.append(
+            [
+                case,
+                f"{r['trainable']:,}",
+                f"{r['train_ms']:.1f}",
+                *(_ratio(r["train_ms"], ref.get("train_ms")) for ref in (own, forward, full, peft_lora)),
+                f"{r['peak_mb']:.1f}",
+                *(_ratio(r["peak_mb"], ref.get("peak_mb")) for ref in (own, full, peft_lora)),
+                f"{r['infer_ms']:.2f}",
+                _ratio(r["infer_ms"], plain_infer),
+            ]
+        )
+    lines += _markdown(MAIN_COLUMNS, rows)
+    floors = [(case, r["floor"]) for case, r in results.items() if "floor" in r]
+    if floors:
+        lines += ["", "Each method's floor: " + "; ".join(f"{case} → {floor}" for case, floor in floors) + "."]
+    notes = [(case, r["note"]) for case, r in results.items() if "note" in r]
+    if notes:
+        lines += ["", f"Above {NOTE_ABOVE}× its floor, where the rest goes:", ""]
+        lines += [
+            f"- **{case}** ({results[case]['train_ms'] / results[results[case]['floor']]['train_ms']:.2f}×): {note}"
+            for case, note in notes
+        ]
+    merged = [(case, r) for case, r in results.items() if "infer_merged_ms" in r]
+    if merged:
+        lines += [
+            "",
+            "Merged inference (`petl.merge` folds the update into the frozen weights; the merged model is a plain "
+            "network again):",
+            "",
+        ]
+        lines += _markdown(
+            MERGED_COLUMNS,
+            [
+                [
+                    case,
+                    f"{r['infer_ms']:.2f}",
+                    f"{r['infer_merged_ms']:.2f}",
+                    f"{plain_infer}" if plain_infer is None else f"{plain_infer:.2f}",
+                    _ratio(r["infer_merged_ms"], plain_infer),
+                ]
+                for case, r in merged
+            ],
+        )
+        if plain:
+            median, low, high, count = plain
+            lines += [
+                "",
+                f"Plain backbone: the median of {count} identical plain networks timed in the same turns (the "
+                f"no-grad row and the floors without extra tokens), {low:.2f}–{high:.2f} ms, i.e. "
+                f"{low / median:.3f}–{high / median:.3f}× their median: what identical networks read here. "
+                "The `infer × plain` column uses the same median.",
+            ]
+    return "\n".join(lines) + "\n"
+
+
+def plain_inference(results: dict[str, dict[str, Any]]) -> tuple[float, float, float, int] | None:
+    """The plain backbone's inference time: the median, min and max over its identical copies, and their number.
+
+    The no-grad row and every floor without extra tokens run the same eval forward of the same network, each
+    model at its own place in memory.  Their spread is what an identical network reads here, so a merged model
+    (also a plain network) is compared with their median, not with one copy that may sit at either end.
+    """
+    times = sorted(r["infer_ms"] for r in results.values() if r.get("plain_copy") and "infer_ms" in r)
+    if not times:
+        return None
+    return statistics.median(times), times[0], times[-1], len(times)

@@ -1,0 +1,246 @@
+"""The parts of a run, built from its config: accelerator, backbone, method config, datasets and loaders.
+
+Each function turns what it cannot build into one line: :class:`ConfigError` for bad input,
+:class:`RunError` for what is out of reach (weights, data).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import timm
+import torch
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState, GradientState, PartialState
+from omegaconf import DictConfig, OmegaConf
+from timm.data import resolve_data_config
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, Sampler, Subset
+
+import petl
+from petl import data as petl_data
+from petl.core import first_line
+from petl.run import config, engine
+from petl.run.config import ConfigError
+from petl.run.errors import RunError
+
+log = logging.getLogger(__name__)
+
+# The subset of a split that ``data.subset`` keeps is drawn with this fixed seed, so every run
+# seed and every method sees the same examples.
+_SUBSET_SEED = 20240601
+
+
+class EpochSampler(Sampler[int]):
+    """Shuffles with an order drawn from (seed, epoch) alone.
+
+    Unlike a sampler fed by one running generator, epoch ``e``'s order does not depend on the
+    epochs before it, so a run resumed at epoch ``e`` sees exactly the batches it would have seen.
+    ``generator`` (the training DataLoader's) is reseeded from (seed, epoch) too: each epoch's
+    iterator draws its worker base seed from it, and with ``num_workers > 0`` the workers' random
+    crops and flips come from that seed, so a resumed epoch gets its own, not epoch 0's.
+    """
+
+    def __init__(self, size: int, seed: int) -> None:
+        self.size = size
+        self.seed = seed
+        self.epoch = 0
+        self.generator = torch.Generator()
+        self.set_epoch(0)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the order (and the loader's worker seeds) of epoch ``epoch``."""
+        self.epoch = epoch
+        self.generator.manual_seed(int(np.random.SeedSequence([self.seed, epoch]).generate_state(1)[0]))
+
+    def __iter__(self) -> Iterator[int]:
+        yield from np.random.default_rng([self.seed, self.epoch]).permutation(self.size).tolist()
+
+    def __len__(self) -> int:
+        return self.size
+
+
+def say(accelerator: Accelerator, message: str, *args: Any) -> None:
+    # Every process runs the training; one of them talks.
+    if accelerator.is_main_process:
+        log.info(message, *args)
+
+
+def make_accelerator(cfg: DictConfig, out: Path) -> Accelerator:
+    # One process may run many trainings (notebooks, the benchmark harness): accelerate keeps its
+    # precision and accumulation settings in process-wide singletons that refuse to change once
+    # set, so each run starts them afresh.  The distributed state (PartialState) is kept.
+    AcceleratorState._reset_state()
+    GradientState._reset_state()
+    trackers = list(cfg.train.trackers)
+    precision = cfg.train.precision
+    if precision == "fp16" and PartialState().device.type == "cpu":
+        # accelerate would accept it and silently run in fp32; say so, and record what really ran.
+        log.warning("train.precision=fp16 needs a GPU: running in full precision on the CPU (bf16 works there)")
+        precision = "no"
+    if precision == "bf16" and PartialState().device.type == "cpu" and not engine.cpu_supports_bf16():
+        # accelerate would autocast anyway, through slow emulated bf16 matmuls; result.json records "no".
+        log.warning("train.precision=bf16: this CPU has no bf16 instructions (AVX512-BF16/AMX): running in fp32")
+        precision = "no"
+    # train.compile goes through accelerate's dynamo plugin, which compiles the model in prepare().
+    dynamo = "inductor" if cfg.train.compile else None
+    missing = engine.compiler_missing(PartialState().device.type) if cfg.train.compile else None
+    if missing:
+        log.warning("train.compile: %s; running uncompiled", missing)
+        dynamo = None
+    try:
+        return Accelerator(
+            mixed_precision=precision,
+            dynamo_backend=dynamo,
+            gradient_accumulation_steps=cfg.train.grad_accum,
+            log_with=trackers or None,
+            project_dir=str(out),
+        )
+    except ValueError as error:  # e.g. bf16 on a GPU without bf16 support
+        raise ConfigError(f"train.precision={precision}: {error}") from None
+
+
+def create_backbone(cfg: DictConfig) -> nn.Module:
+    """The pretrained (or randomly initialised) timm model, before any method is applied."""
+    m = cfg.model
+    kwargs: dict[str, Any] = dict(OmegaConf.to_container(m.kwargs, resolve=True))
+    if m.checkpoint:
+        if not Path(m.checkpoint).is_file():
+            raise ConfigError(f"model.checkpoint={m.checkpoint}: no such file")
+        if not m.pretrained:
+            raise ConfigError("model.checkpoint is set but model.pretrained=false: the file would be ignored")
+        kwargs["pretrained_cfg_overlay"] = {"file": str(m.checkpoint)}
+    try:
+        return timm.create_model(m.name, pretrained=m.pretrained, drop_path_rate=m.drop_path, **kwargs)
+    except TypeError as error:
+        raise ConfigError(f"model.kwargs: {error}") from None
+    except Exception as error:  # timm/hub raise many kinds (RuntimeError, OSError, HTTP errors...)
+        if not m.pretrained:
+            raise
+        first = first_line(error, f"{type(error).__name__} (no weights file)")
+        raise RunError(
+            f"cannot load pretrained weights of {m.name}: {first}. Give a local file with model.checkpoint=PATH, "
+            "or train from random init with model.pretrained=false"
+        ) from None
+
+
+def method_config(
+    cfg: DictConfig,
+    backbone: nn.Module,
+    num_classes: int,
+    checkpoint: dict[str, Any] | None,
+    accelerator: Accelerator,
+) -> petl.MethodConfig:
+    """The method's config: from the command line, completed by the method's ``calibrate`` hook if it has one.
+
+    A resumed run takes the config its checkpoint recorded, so the weights it restores fit the
+    modules they were trained in even if calibrating again would choose differently.
+    """
+    name = cfg.method.name
+    spec = petl.get_method(name)
+    recorded = checkpoint.get("method_config") if checkpoint is not None else None
+    options = recorded if recorded is not None else {"num_classes": num_classes, **config.method_options(cfg)}
+    try:
+        method_cfg = petl.make_config(name, **options)
+    except ValueError as error:
+        raise ConfigError(f"method {name}: {error}") from None
+    if recorded is not None or spec.calibrate is None:
+        return method_cfg
+    tick = time.perf_counter()
+    dataset = calibration_set(cfg, backbone)
+    batches = loader(dataset, cfg.train.eval_batch_size, cfg.data.num_workers, cfg.seed)
+    try:
+        method_cfg = spec.calibrate(backbone.to(accelerator.device), method_cfg, batches)
+    except ValueError as error:
+        raise RunError(f"method {name}: calibrating on the train split failed: {error}") from None
+    say(accelerator, "calibrated %s on %d train images in %.1f s", name, len(dataset), time.perf_counter() - tick)
+    return method_cfg
+
+
+def apply_method(cfg: DictConfig, model: nn.Module, method_cfg: petl.MethodConfig) -> None:
+    try:
+        petl.apply(model, cfg.method.name, config=method_cfg)
+    except ValueError as error:
+        raise ConfigError(f"method {cfg.method.name}: {error}") from None
+
+
+def _subset(dataset: Dataset, size: int | None) -> Dataset:
+    if size is None or size >= len(dataset):
+        return dataset
+    keep = np.sort(np.random.default_rng(_SUBSET_SEED).permutation(len(dataset))[:size])
+    return Subset(dataset, keep.tolist())
+
+
+def _image_options(cfg: DictConfig, model: nn.Module) -> dict[str, Any]:
+    """How the backbone expects its images (timm pretrained config), and the task's augmentation setting."""
+    data_cfg = resolve_data_config({}, model=model)
+    return dict(
+        image_size=int(data_cfg["input_size"][-1]),
+        mean=data_cfg["mean"],
+        std=data_cfg["std"],
+        # The backbone's own resampling filter; FGVC's crop-and-flip protocol unless data.augment says otherwise.
+        interpolation=data_cfg["interpolation"],
+        augment=cfg.data.augment,
+    )
+
+
+def _build_split(cfg: DictConfig, split: str, image: dict[str, Any]) -> Dataset:
+    try:
+        dataset = petl_data.build_dataset(cfg.data.name, split, root=cfg.data.root, **image)
+    except (petl_data.DatasetUnavailableError, petl_data.BadImagesError) as error:
+        # Bad image files are a data fault, not a config error; the message names the dataset and every path.
+        raise RunError(str(error)) from None
+    except ValueError as error:
+        raise ConfigError(f"data {cfg.data.name}: {error}") from None
+    return _subset(dataset, cfg.data.subset)
+
+
+def datasets(cfg: DictConfig, model: nn.Module) -> dict[str, Dataset]:
+    """Train / val (when the split has one) / test, preprocessed as the backbone expects."""
+    image = _image_options(cfg, model)
+    splits = {"train": cfg.data.split}
+    if cfg.train.eval_test:
+        splits["test"] = petl_data.TEST
+    if cfg.data.split == petl_data.TRAIN:
+        splits["val"] = petl_data.VAL
+    return {role: _build_split(cfg, split, image) for role, split in splits.items()}
+
+
+def calibration_set(cfg: DictConfig, model: nn.Module) -> Dataset:
+    """The training split (the same examples) with the evaluation transform: no random crop or flip."""
+    return _build_split(cfg, cfg.data.split, {**_image_options(cfg, model), "eval_transform": True})
+
+
+def is_augmented(dataset: Dataset) -> bool:
+    """Whether ``dataset`` draws a new random crop and flip at every access (FGVC's training transform)."""
+    while isinstance(dataset, Subset):
+        dataset = dataset.dataset
+    spec = getattr(dataset, "spec", None)
+    return bool(getattr(spec, "augment", False))
+
+
+def loader(
+    dataset: Dataset,
+    batch_size: int,
+    num_workers: int,
+    seed: int,
+    sampler: Sampler | None = None,
+    drop_last: bool = False,
+) -> DataLoader:
+    # A loader of its own generator: every DataLoader iterator draws a worker base seed, and drawing
+    # it from the global RNG would shift the stream that dropout and drop-path use.  The training
+    # loader takes its EpochSampler's, which is reseeded every epoch.
+    generator = getattr(sampler, "generator", None) or torch.Generator().manual_seed(seed)
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=sampler,
+        num_workers=num_workers,
+        generator=generator,
+        drop_last=drop_last,
+    )

@@ -1,0 +1,17 @@
+"""The ways a run fails besides bad input (:class:`petl.run.config.ConfigError`): each message says why."""
+
+from __future__ import annotations
+
+
+class RunError(RuntimeError):
+    """A run could not complete (non-finite loss, unreachable data or weights); the message says why."""
+
+
+class DivergedError(RunError):
+    """The loss became NaN or infinite: this configuration diverged.
+
+    In an lr search that is an outcome, not a breakdown: the selection protocol scores such a trial last
+    (it checks ``diverged`` rather than the class, so the sweep need not import the engine).
+    """
+
+    diverged = True

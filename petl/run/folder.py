@@ -1,0 +1,252 @@
+"""The rules of a run folder, shared by petl-run and petl-bench so that the two cannot disagree about one folder.
+
+A folder holds one run: its fingerprint (the part of the resolved config that decides what the run
+computes), its inputs (the data and weights files' content), and, once finished, ``result.json``.
+:func:`check_output_dir` (petl-run, before training or resuming) and :func:`check_finished`
+(petl-bench, before counting a finished run) apply the same comparison; :func:`claim` holds the
+folder for one run at a time.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from torch.utils.data import Dataset, Subset
+
+from petl.run import config, lock, records
+from petl.run.config import ConfigError
+from petl.run.errors import RunError
+from petl.run.result import ResultError, RunResult, read_result
+
+log = logging.getLogger(__name__)
+
+# Keys below these take any name, so a key missing from an old record is a real difference there.
+_FREE_FORM = ("model.kwargs.",)
+
+
+def fingerprint(resolved: dict[str, Any]) -> dict[str, Any]:
+    """The part of a resolved config that decides what a run computes: every option not marked ``neutral``."""
+    neutral = config.run_neutral_keys()
+    nested = tuple(f"{key}." for key in neutral)
+    return {key: value for key, value in flatten(resolved).items() if key not in neutral and not key.startswith(nested)}
+
+
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested mapping as one level of dotted keys (``{"train": {"lr": 1}}`` -> ``{"train.lr": 1}``)."""
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            flat.update(flatten(value, name + "."))
+        else:
+            flat[name] = value
+    return flat
+
+
+def _difference(old: dict[str, Any], new: dict[str, Any]) -> str:
+    keys = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+    return ", ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in keys[:3]) + (" ..." if len(keys) > 3 else "")
+
+
+def check_same_config(out: Path, recorded: dict[str, Any], resolved: dict[str, Any], advice: str) -> None:
+    """Refuse a folder whose run was trained with another config: the one comparison petl-run and petl-bench make.
+
+    Only the fingerprints count (options marked neutral never do).  A key added to petl after the run was
+    recorded is not a difference while it has its default: an option is added with a default that keeps the
+    old behaviour, so committed results and checkpoints stay valid when petl grows an option.
+    ``model.kwargs`` is free-form (any ``timm.create_model`` keyword), so a key added there is a difference.
+
+    Raises:
+        ConfigError: naming up to three differing keys, and ``advice``.
+
+    """
+    old, new = fingerprint(recorded), fingerprint(resolved)
+    method = (resolved.get("method") or {}).get("name")
+    added = {k for k in new.keys() - old.keys() if not k.startswith(_FREE_FORM)}
+    new = {k: v for k, v in new.items() if k not in added or v != _as_recorded(config.option_default(k, method))}
+    if old != new:
+        raise ConfigError(f"output_dir {out} holds a run with another config ({_difference(old, new)}); {advice}")
+
+
+def _as_recorded(value: Any) -> Any:
+    # A record holds JSON/YAML values: a tuple default reads back as a list.
+    return list(value) if isinstance(value, tuple) else value
+
+
+def check_output_dir(out: Path, cfg: DictConfig, resolved: dict[str, Any], is_main: bool) -> RunResult | None:
+    """Check what an earlier run left in ``out``; return its result if it finished with this config."""
+    if not cfg.resume:
+        if is_main:
+            for name in records.RUN_FILES:
+                (out / name).unlink(missing_ok=True)
+        return None
+    finished = _read_finished(out)
+    if finished is not None:
+        if finished.config is None:
+            raise ConfigError(
+                f"output_dir {out} holds a {records.RESULT_FILE} without the config it was trained with, so it "
+                "cannot be checked; choose another output_dir, or resume=false to replace it"
+            )
+        previous = finished.config
+    elif (out / records.CHECKPOINT_FILE).exists():
+        if not (out / records.CONFIG_FILE).exists():
+            # config.yaml is written before the first checkpoint, so only a deleted file gets here (by hand, or a
+            # copy of the folder that kept only git-ignored files); without it nothing tells which config the
+            # checkpoint was trained with, and resuming could mix two.
+            raise ConfigError(
+                f"output_dir {out} holds {records.CHECKPOINT_FILE} without its {records.CONFIG_FILE}, so its config "
+                "cannot be checked; choose another output_dir, or resume=false to replace it"
+            )
+        previous = OmegaConf.to_container(OmegaConf.load(out / records.CONFIG_FILE))
+    else:
+        # Nothing finished and no epoch to resume: whatever is there gets overwritten.
+        return None
+    check_same_config(out, previous, resolved, "choose another output_dir, or resume=false to replace it")
+    if finished is not None:
+        # The dataset's content fingerprint needs the dataset built; a finished run is compared on
+        # what is known without that (data.root, the model file), so a changed folder is refused.
+        check_inputs(out, finished.inputs, run_inputs(cfg, None), finished=True)
+        if is_main and not cfg.train.keep_checkpoint:
+            # Left by a kill between result.json and the checkpoint's removal.
+            (out / records.CHECKPOINT_FILE).unlink(missing_ok=True)
+    return finished
+
+
+def check_finished(cfg: DictConfig) -> None:
+    """Refuse a finished run in ``cfg.output_dir`` that was trained with another config or other inputs.
+
+    A sweep skips a run whose ``result.json`` exists without calling :func:`petl.run.runner.run`; this is the
+    check :func:`check_output_dir` makes before such a result is returned, so an edited suite (another epoch
+    count, say) cannot have old results counted as its own.
+
+    Raises:
+        ConfigError: the folder holds a run of another config, data folder or weights file.
+
+    """
+    out = Path(cfg.output_dir)
+    finished = _read_finished(out)
+    if finished is None or finished.config is None:
+        return  # nothing finished here (or a hand-made record): nothing to compare
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    assert isinstance(resolved, dict)
+    check_same_config(out, finished.config, resolved, "delete it to train this config")
+    check_inputs(out, finished.inputs, run_inputs(cfg, None), finished=True)
+
+
+def _read_finished(out: Path) -> RunResult | None:
+    try:
+        return read_result(out / records.RESULT_FILE)
+    except ResultError as error:
+        raise ConfigError(f"output_dir {out}: {error}; delete it to train again") from None
+
+
+def run_inputs(cfg: DictConfig, dataset: Dataset | None) -> dict[str, Any]:
+    """What decides a run's result besides its config values: the data and weights files' content.
+
+    ``data.root`` may move without changing anything (it is not part of :func:`fingerprint`), so a
+    dataset's content ``fingerprint`` (datasets read from local folders carry one) is what counts
+    when there is one; without it, the resolved folder is compared instead.
+    """
+    while isinstance(dataset, Subset):
+        dataset = dataset.dataset
+    root = cfg.data.root
+    checkpoint = cfg.model.checkpoint if cfg.model.pretrained else None
+    if checkpoint and not Path(checkpoint).is_file():
+        raise ConfigError(f"model.checkpoint={checkpoint}: no such file")
+    return {
+        "data.root": str(Path(root).expanduser().resolve()) if root else None,
+        "data.fingerprint": getattr(dataset, "fingerprint", None),
+        "model.checkpoint_sha256": records.file_sha256(Path(checkpoint)) if checkpoint else None,
+    }
+
+
+def check_inputs(out: Path, old: dict[str, Any] | None, new: dict[str, Any], finished: bool = False) -> None:
+    """Refuse to resume (or to return a finished result) when the data or weights changed."""
+    if old is None:
+        return  # recorded by a petl from before inputs were recorded
+    keys = ["model.checkpoint_sha256"]
+    if finished or old.get("data.fingerprint") is None or new.get("data.fingerprint") is None:
+        keys.append("data.root")
+    if not finished:
+        keys.append("data.fingerprint")
+    changed = {k: (old.get(k), new.get(k)) for k in keys if old.get(k) != new.get(k)}
+    if changed:
+        what = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changed.items())
+        done = "a finished run" if finished else "epochs trained"
+        raise ConfigError(
+            f"output_dir {out} holds {done} on other inputs ({what}); "
+            "choose another output_dir, or resume=false to replace it"
+        )
+
+
+@contextmanager
+def claim(out: Path) -> Iterator[None]:
+    """Hold ``out`` for this run: checked writable, locked, cleared of litter; left as found on failure.
+
+    Only the main process claims (the others of a multi-GPU launch write nothing).  A folder this
+    claim created is removed again if the run fails before writing anything into it.
+    """
+    if not records.is_main_process():
+        yield
+        return
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"output_dir {out} is a file, not a folder: choose another output_dir")
+    created = [p for p in (out, *out.parents) if not p.exists()]
+    # A sweep (petl-bench) holds the folder's lock itself and trains in this very process.
+    ours = not lock.holds_lock(out)
+    try:
+        taken = lock.acquire_lock(out) if ours else True
+    except OSError as error:
+        _remove_empty(created)
+        reason = error.strerror or str(error)
+        raise ConfigError(f"output_dir {out} cannot be written ({reason}): choose another output_dir") from None
+    if not taken:
+        raise RunError(
+            f"output_dir {out} is in use by another run ({lock.describe_holder(out)}); wait for it to finish "
+            f"or choose another output_dir (delete {out / lock.LOCK_FILE} if that process is gone)"
+        )
+    for tmp in records.temporary_files(out):  # left by a kill during an atomic write
+        tmp.unlink(missing_ok=True)
+    try:
+        yield
+    finally:
+        if ours:
+            lock.release_lock(out)
+        _remove_empty(created)
+
+
+def _remove_empty(created: list[Path]) -> None:
+    """Remove the folders of ``created`` (deepest first) that are still empty."""
+    for folder in created:
+        try:
+            folder.rmdir()
+        except OSError:  # not empty (the run wrote something), or already gone
+            return
+
+
+@contextmanager
+def disk_errors(out: Path, saved_epoch: Callable[[], int], resume: bool = True) -> Iterator[None]:
+    """Turn a failed write (disk full, folder gone) into one line saying which epochs are safe."""
+    try:
+        yield
+    except OSError as error:
+        epoch = saved_epoch()
+        kept = f"the checkpoint of epoch {epoch} is kept" if epoch else "no epoch had finished"
+        reason = error.strerror or str(error)
+        # With resume=false the same command would delete the kept checkpoint and start over.
+        again = "run the same command again to resume" if resume else "run the command again with resume=true"
+        raise RunError(f"cannot write to output_dir {out} ({reason}): {kept}; free the space and {again}") from None
+
+
+def resume_checkpoint(out: Path, cfg: DictConfig, inputs: dict[str, Any]) -> dict[str, Any] | None:
+    """The checkpoint to resume from, once its data and weights are known to be this run's."""
+    checkpoint = records.load_checkpoint(out / records.CHECKPOINT_FILE) if cfg.resume else None
+    if checkpoint is not None:
+        # check_output_dir has matched its config.yaml against cfg; the inputs need the data built.
+        check_inputs(out, checkpoint.get("inputs"), inputs)
+    return checkpoint
