@@ -20,12 +20,14 @@ from petl.core import (
 )
 from petl.io import load_trainable, read_trainable_metadata, save_trainable
 from petl.methods import *  # noqa: F403  (every apply_<name>; importing petl.methods registers the methods)
+from petl.multitask import MultiTask
 
 __version__ = "0.1.0"
 
 __all__ = [
     "MethodConfig",
     "MethodSpec",
+    "MultiTask",
     "ParamCount",
     "PetlModule",
     "apply",

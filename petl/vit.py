@@ -230,3 +230,46 @@ def layer_norms(model: nn.Module) -> list[nn.LayerNorm]:
     """Every LayerNorm of the backbone, the head's left out (patch-embedding, block and final norms)."""
     in_head = {id(m) for m in head(model).modules()}
     return [m for m in model.modules() if isinstance(m, nn.LayerNorm) and id(m) not in in_head]
+
+
+# Pool types whose pooled features can leave out masked tokens (see :func:`pooled_features`).
+MASKABLE_POOLS = ("token", "avg")
+
+
+def embed_tokens(model: nn.Module, images: torch.Tensor) -> torch.Tensor:
+    """The token sequence entering the first block: patch embedding, position embedding, patch drop, pre-norm.
+
+    timm's ``forward_features`` up to its blocks, for callers that run the blocks themselves.
+    """
+    x = model.patch_embed(images)
+    x = model._pos_embed(x)
+    x = model.patch_drop(x)
+    return model.norm_pre(x)
+
+
+def pool_type(model: nn.Module) -> str:
+    """How the model pools its tokens: ``token``, ``avg``, ``max``, ``avgmax``, ``map`` (attention pool), or ``""``."""
+    return "map" if getattr(model, "attn_pool", None) is not None else str(model.global_pool)
+
+
+def pooled_features(model: nn.Module, tokens: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+    """What the head reads: the final norm, the pooling, ``fc_norm`` and head dropout applied to the blocks' output.
+
+    timm's ``norm`` then ``forward_head(pre_logits=True)``, except that ``keep`` (batch x tokens, bool), when
+    given, leaves the tokens it marks False out of an average pooling, as if they were not in the sequence.
+
+    Raises:
+        ValueError: ``keep`` with a pooling other than :data:`MASKABLE_POOLS`.
+
+    """
+    x = model.norm(tokens)
+    pool = pool_type(model)
+    if keep is None or pool == "token":
+        x = model.pool(x)
+    elif pool == "avg":
+        start = 0 if getattr(model, "pool_include_prefix", False) else num_prefix_tokens(model)
+        weight = keep[:, start:, None].to(x.dtype)
+        x = (x[:, start:] * weight).sum(dim=1) / weight.sum(dim=1)
+    else:
+        raise ValueError(f"cannot leave tokens out of the {pool!r} pooling: only {', '.join(MASKABLE_POOLS)} can")
+    return model.head_drop(model.fc_norm(x))

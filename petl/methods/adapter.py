@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from petl import core, vit
+from petl import core, multitask, vit
 
 STYLES = ("sequential", "parallel")
 # Per-style defaults from the references: Pfeiffer/V-PETL-style sequential adapters use width 8,
@@ -139,6 +139,18 @@ class ParallelAdapter(_Bottleneck):
         # custom_modules.py:L78-93: the branch reads x, the residual stream entering the MLP
         # sub-layer, and joins the sum outside the block's layer scale and drop-path.
         return vit.mlp_residual(self.base, x) + self.adapter(x)
+
+
+@multitask.register_row_hook(SequentialAdapter)
+def _sequential_rows(wrapper: SequentialAdapter) -> multitask.RowHook:
+    # The frozen MLP runs once for the mixed batch; each task's adapter reads and adds to its rows' MLP output.
+    return multitask.RowHook(wrapper.base, post=lambda x, h, _tokens: h + wrapper.adapter(h))
+
+
+@multitask.register_row_hook(ParallelAdapter)
+def _parallel_rows(wrapper: ParallelAdapter) -> multitask.RowHook:
+    # At a block, post gets the stream entering the MLP half: the input AdaptFormer's branch reads.
+    return multitask.RowHook(wrapper.base, post=lambda x, y, _tokens: y + wrapper.adapter(x))
 
 
 def _formula(model: nn.Module, cfg: AdapterConfig) -> int:

@@ -22,7 +22,7 @@ import torch
 from timm.layers import DropPath
 from torch import nn
 
-from petl import core, vit
+from petl import core, multitask, vit
 
 SCALINGS = ("channel", "learned", "none")
 # Houlsby's std as given in the paper (vit_adapter.py L53); values beyond two std are redrawn.
@@ -86,11 +86,20 @@ class AdapterPlusBlock(core.PetlModule):
         self.train(base.training)
 
     def forward(self, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-        x = self.base(x, **kwargs)
+        return self.add_branch(self.base(x, **kwargs))
+
+    def add_branch(self, x: torch.Tensor) -> torch.Tensor:
+        """The block's output ``x`` plus the scaled bottleneck branch that reads it."""
         branch = self.drop_path(self.up(self.dropout(self.act(self.down(x)))))
         if self.scaling is not None:
             branch = branch * self.scaling
         return x + branch
+
+
+@multitask.register_row_hook(AdapterPlusBlock)
+def _rows(wrapper: AdapterPlusBlock) -> multitask.RowHook:
+    # The frozen block runs once for the mixed batch; each task's branch reads and adds to its rows' output.
+    return multitask.RowHook(wrapper.base, post=lambda x, y, _tokens: wrapper.add_branch(y))
 
 
 def _formula(model: nn.Module, cfg: AdapterPlusConfig) -> int:

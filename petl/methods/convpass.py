@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from petl import core, vit
+from petl import core, multitask, vit
 
 
 @dataclass
@@ -116,6 +116,16 @@ class ConvpassParallel(core.PetlModule):
     def forward(self, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         # timm calls attention with attn_mask / is_causal keywords; the bypass does not use them.
         return self.base(x, **kwargs) + self.bypass(x)
+
+
+@multitask.register_row_hook(ConvpassParallel)
+def _rows(wrapper: ConvpassParallel) -> multitask.RowHook:
+    # The frozen attention/MLP runs once for the mixed batch; the bypass sees its rows' tokens on their grid,
+    # without the prompt slots other tasks' rows may have put in the sequence (they hold nothing for this row).
+    def post(x: torch.Tensor, y: torch.Tensor, tokens: multitask.Tokens) -> torch.Tensor:
+        return y + tokens.with_slots(wrapper.bypass(tokens.without_slots(x)))
+
+    return multitask.RowHook(wrapper.base, post=post)
 
 
 def _formula(model: nn.Module, cfg: ConvpassConfig) -> int:

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from petl import core, vit
+from petl import core, multitask, vit
 from petl.methods import _reparam
 
 TYPES = ("tt", "tk")
@@ -200,6 +200,12 @@ class FactLinear(core.PetlModule):
         weight = self.base.weight
         dtype = _reparam.work_dtype(weight)
         _reparam.write(weight, weight.to(dtype) - self.delta_weight(dtype), "the FacT update out of the weight")
+
+
+@multitask.register_row_hook(FactLinear)
+def _rows(wrapper: FactLinear) -> multitask.RowHook:
+    # The update reads the layer's input only: frozen output once for the batch, each task's update on its rows.
+    return multitask.RowHook(wrapper.base, post=lambda x, y, _tokens: y + wrapper.update(x))
 
 
 def _formula(model: nn.Module, cfg: FactConfig) -> int:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from petl import core, vit
+from petl import core, multitask, vit
 
 TARGETS = ("proj", "fc2")
 
@@ -105,8 +105,10 @@ class HydraLinear(core.PetlModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
-        if self.merged:
-            return y
+        return y if self.merged else self.add_branches(x, y)
+
+    def add_branches(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """``y`` (the frozen Linear's output for ``x``) plus both branches: parallel reads ``x``, sequential ``y``."""
         return y + self.scale * (self.parallel(x) + self.sequential(y))
 
     def _folded(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -142,6 +144,12 @@ class HydraLinear(core.PetlModule):
 
     def extra_repr(self) -> str:
         return f"scale={self.scale}"
+
+
+@multitask.register_row_hook(HydraLinear)
+def _rows(wrapper: HydraLinear) -> multitask.RowHook:
+    # Both branches read what the frozen Linear reads or writes, so the Linear runs once for the mixed batch.
+    return multitask.RowHook(wrapper.base, post=lambda x, y, _tokens: wrapper.add_branches(x, y))
 
 
 def _formula(model: nn.Module, cfg: HydraConfig) -> int:

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from petl import core, vit
+from petl import core, multitask, vit
 from petl.methods import _reparam
 
 # Which Linear of a block each target adapts, and which third of the fused qkv rows (None = all rows).
@@ -101,8 +101,10 @@ class LoraLinear(core.PetlModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
-        if self.merged:
-            return out
+        return out if self.merged else self.add_update(x, out)
+
+    def add_update(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``out`` (the frozen layer's output for ``x``) plus every target's low-rank update of its rows."""
         h = self.dropout(x)
         # In slice order (ParameterDict sorts the keys it is built from).
         a = [self.lora_a[name] for name in self.slices]
@@ -138,6 +140,12 @@ class LoraLinear(core.PetlModule):
     def unfold(self) -> None:
         """Subtract the updates again, restoring the frozen weight (up to rounding)."""
         self._fold(-1.0)
+
+
+@multitask.register_row_hook(LoraLinear)
+def _rows(wrapper: LoraLinear) -> multitask.RowHook:
+    # The frozen qkv/proj/fc runs once for the mixed batch; each task adds its update to its own rows.
+    return multitask.RowHook(wrapper.base, post=lambda x, y, _tokens: wrapper.add_update(x, y))
 
 
 def _slices_per_linear(block: nn.Module, targets: tuple[str, ...]) -> dict[str, dict[str, tuple[int, int]]]:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from petl import core, vit
+from petl import core, multitask, vit
 
 if TYPE_CHECKING:
     from peft import PeftConfig
@@ -237,7 +237,54 @@ def inject_peft(model: nn.Module, cfg: PeftBridgeConfig) -> None:
 
     # peft's layers carry merge()/unmerge() of their own; let petl.merge reach them.
     core.register_mergeable_type(BaseTunerLayer)
+    _register_row_hooks()
     inject_adapter_in_model(cfg.to_peft(), model)
+
+
+def _register_row_hooks() -> None:
+    """Let :class:`petl.MultiTask` serve peft's LoRA (DoRA included) and IA3 Linears in a mixed batch.
+
+    Registered here rather than at import, because importing peft is slow; these run the part of peft's own
+    ``forward`` that follows its base layer (peft 0.21 tuners/lora/layer.py ``Linear.forward``,
+    tuners/ia3/layer.py ``Linear.forward``) on the rows' share of the frozen output computed once for the batch.
+    Other peft tuners are refused by MultiTask with a line naming their layer.
+    """
+    from peft.tuners.ia3.layer import Linear as Ia3Linear
+    from peft.tuners.lora.layer import Linear as PeftLoraLinear
+    from peft.tuners.lora.variants import DoraLinearVariant
+
+    @multitask.register_row_hook(PeftLoraLinear)
+    def _lora_rows(layer: PeftLoraLinear) -> multitask.RowHook:
+        adapters = [name for name in layer.active_adapters if name in layer.lora_A]
+        for name in adapters:
+            variant = layer.lora_variant.get(name)
+            if variant is not None and not isinstance(variant, DoraLinearVariant):
+                raise multitask.CannotShare(f"peft's {type(variant).__name__} has no multi-task hook yet")
+
+        def post(x: Any, y: Any, _tokens: multitask.Tokens) -> Any:
+            dtype = y.dtype
+            for name in adapters:
+                x = layer._cast_input_dtype(x, layer.lora_A[name].weight.dtype)
+                if name in layer.lora_variant:  # DoRA: the magnitude rescales the frozen output it is given
+                    y = layer.lora_variant[name].forward(layer, active_adapter=name, x=x, result=y)
+                else:
+                    y = y + layer.lora_B[name](layer.lora_A[name](layer.lora_dropout[name](x))) * layer.scaling[name]
+            return y.to(dtype)
+
+        return multitask.RowHook(layer.get_base_layer(), post=post)
+
+    @multitask.register_row_hook(Ia3Linear)
+    def _ia3_rows(layer: Ia3Linear) -> multitask.RowHook:
+        def scaling() -> Any:
+            scale = 1
+            for name in layer.active_adapters:
+                if name in layer.ia3_l:
+                    scale = scale * layer.ia3_l[name].flatten()
+            return scale
+
+        if layer.is_feedforward:  # scales the frozen Linear's input: each task's rows before the shared matmul
+            return multitask.RowHook(layer.get_base_layer(), pre=lambda x, _tokens: (x * scaling()).to(x.dtype))
+        return multitask.RowHook(layer.get_base_layer(), post=lambda x, y, _tokens: (y * scaling()).to(y.dtype))
 
 
 def _is_peft_config(obj: Any) -> bool:

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from petl import core, vit
+from petl import core, multitask, vit
 from petl.methods import _reparam
 
 # The Linear that first reads the attention's input and the MLP's input.
@@ -142,6 +142,12 @@ class RepAdapterLinear(core.PetlModule):
         _reparam.write(weight, w, "the RepAdapter out of the weight")
         if bias is not None:
             _reparam.write(bias, bias.to(dtype) - w @ c, "the RepAdapter out of the bias")
+
+
+@multitask.register_row_hook(RepAdapterLinear)
+def _rows(wrapper: RepAdapterLinear) -> multitask.RowHook:
+    # Unmerged: each task adapts its own rows' input, then the frozen Linear runs once for the mixed batch.
+    return multitask.RowHook(wrapper.base, pre=lambda x, _tokens: wrapper.adapt(x))
 
 
 def _formula(model: nn.Module, cfg: RepAdapterConfig) -> int:

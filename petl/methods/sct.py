@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from petl import core, vit
+from petl import core, multitask, vit
 
 # The reference's topN=96 on ViT-B's 768 channels: one in eight.
 DEFAULT_FRACTION = 8
@@ -125,9 +125,18 @@ class SctBlock(core.PetlModule):
     def forward(self, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         # timm passes attn_mask / is_causal by keyword; they belong to the attention half.
         x = vit.attn_residual(self.base, x, **kwargs)
+        return vit.mlp_residual(self.base, self.tune_channels(x))
+
+    def tune_channels(self, x: torch.Tensor) -> torch.Tensor:
+        """The residual stream after attention with ``W x[..., idx] + b`` added to its selected channels."""
         # index_add returns a new tensor: the reference's in-place update would trip autograd here.
-        x = x.index_add(-1, self.index, self.linear(x.index_select(-1, self.index)))
-        return vit.mlp_residual(self.base, x)
+        return x.index_add(-1, self.index, self.linear(x.index_select(-1, self.index)))
+
+
+@multitask.register_row_hook(SctBlock)
+def _rows(wrapper: SctBlock) -> multitask.RowHook:
+    # Both halves of the frozen block run once for the mixed batch; each task tunes its rows' channels between.
+    return multitask.RowHook(wrapper.base, mid=lambda x, _tokens: wrapper.tune_channels(x))
 
 
 @torch.no_grad()

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from petl import core, vit
+from petl import core, multitask, vit
 from petl.methods import _reparam
 
 BLOCK_LINEARS = ("qkv", "proj", "fc1", "fc2")
@@ -81,7 +81,10 @@ class SsfLayer(core.PetlModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.merged:
             return self.merged_forward(x)
-        out = self.base(x)
+        return self.scale_shift(self.base(x))
+
+    def scale_shift(self, out: torch.Tensor) -> torch.Tensor:
+        """The base layer's output ``out`` scaled and shifted per channel."""
         if self.channel_dim == 1:
             return out * self.scale.view(-1, 1, 1) + self.shift.view(-1, 1, 1)
         return out * self.scale + self.shift
@@ -115,6 +118,12 @@ class SsfLayer(core.PetlModule):
         rows = scale.view(-1, *[1] * (weight.dim() - 1))
         _reparam.write(weight, weight.to(dtype) / rows, "SSF out of the weight")
         _reparam.write(bias, (bias.to(dtype) - shift) / scale, "SSF out of the bias")
+
+
+@multitask.register_row_hook(SsfLayer)
+def _rows(wrapper: SsfLayer) -> multitask.RowHook:
+    # The frozen layer runs once for the mixed batch; each task scales and shifts its own rows.
+    return multitask.RowHook(wrapper.base, post=lambda x, y, _tokens: wrapper.scale_shift(y))
 
 
 def _sites(model: nn.Module) -> list[tuple[nn.Module, Callable[[nn.Module], None]]]:

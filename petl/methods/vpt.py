@@ -30,7 +30,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from petl import core, vit
+from petl import core, multitask, vit
 
 POOLS = ("original", "img_pool")
 
@@ -97,8 +97,7 @@ class PromptedBlock(core.PetlModule):
         if self.prompt is not None:
             p = self.num_prefix
             rest = x[:, p + self.num_tokens :] if self.replace else x[:, p:]
-            prompts = self.dropout(self.prompt).unsqueeze(0).expand(x.shape[0], -1, -1)
-            x = torch.cat([x[:, :p], prompts.to(x.dtype), rest], dim=1)
+            x = torch.cat([x[:, :p], self.prompts(x), rest], dim=1)
         # timm blocks take attn_mask / is_causal keywords; pass whatever the caller gave.
         x = self.base(x, *args, **kwargs)
         if self.strip:
@@ -106,9 +105,30 @@ class PromptedBlock(core.PetlModule):
             x = torch.cat([x[:, :p], x[:, p + self.num_tokens :]], dim=1)
         return x
 
+    def prompts(self, x: torch.Tensor) -> torch.Tensor:
+        """This block's prompts (dropout applied) for every row of ``x``, in ``x``'s dtype."""
+        return self.dropout(self.prompt).unsqueeze(0).expand(x.shape[0], -1, -1).to(x.dtype)
+
     def no_weight_decay(self) -> set[str]:
         """Prompt tokens are exempt from weight decay by default (see petl.run.engine.param_groups)."""
         return {"prompt"} if self.prompt is not None else set()
+
+
+@multitask.register_row_hook(PromptedBlock)
+def _rows(wrapper: PromptedBlock) -> multitask.RowHook:
+    # The mixed batch carries prompt slots after the prefix (as many as its longest prompt set); a row writes its
+    # prompts into the first ones, and the slots it leaves empty are masked out of its attention and pooling.
+    # Stripping the prompts after the last block (img_pool) becomes leaving them out of the pooling.
+    def pre(x: torch.Tensor, tokens: multitask.Tokens) -> torch.Tensor:
+        p, n = tokens.prefix, wrapper.num_tokens
+        return torch.cat([x[:, :p], wrapper.prompts(x), x[:, p + n :]], dim=1)
+
+    return multitask.RowHook(
+        wrapper.base,
+        pre=pre if wrapper.prompt is not None else None,
+        prompts=wrapper.num_tokens,
+        pool_prompts=not wrapper.strip,
+    )
 
 
 def _prompt_init_bound(model: nn.Module) -> float:

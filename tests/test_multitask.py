@@ -1,0 +1,197 @@
+"""petl.MultiTask: a mixed batch over one frozen backbone gives every row its own single-task model's logits."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import make_tiny_vit, perturb_trainable
+
+import petl
+from petl import vit
+from petl.multitask import RoutedModule
+
+# Every registered method with its defaults, plus the variants that take another path through the mixed batch.
+VARIANTS = {
+    "lora_all": ("lora", {"targets": "q,k,v,proj,fc1,fc2"}),
+    "adapter_parallel": ("adapter", {"style": "parallel"}),
+    "adapter_norm": ("adapter", {"norm": True}),
+    "fact_tt": ("fact", {"type": "tt"}),
+    "bitfit_linear": ("bitfit", {"biases": "linear"}),
+    "vpt_deep": ("vpt", {"num_tokens": 5, "deep": True}),
+    "vpt_img_pool": ("vpt", {"num_tokens": 2, "deep": True, "pool": "img_pool"}),
+    "mlp_3": ("mlp", {"k": 3}),
+    "dora": ("peft", {"peft_type": "LORA", "target_modules": ("qkv",), "options": '{"r": 4, "use_dora": true}'}),
+    "peft_fc": ("peft", {"peft_type": "LORA", "target_modules": ("fc1", "fc2"), "options": '{"r": 2}'}),
+    "ia3": (
+        "peft",
+        {"peft_type": "IA3", "target_modules": ("qkv", "fc2"), "options": '{"feedforward_modules": ["fc2"]}'},
+    ),
+}
+# Cannot share: they train frozen weight matrices every row's matmul uses.
+REFUSED = {"partial": ("partial", {}), "full": ("full", {})}
+SHARED = {name: (name, {}) for name in petl.list_methods() if name not in REFUSED} | VARIANTS
+# Head-only methods: nothing before the head differs from the plain backbone.
+HEAD_ONLY = {"linear", "mlp", "mlp_3"}
+# A class-token ViT with a register token, and an average-pooled one without class token (VPT's prompts then
+# enter the pooling, so a row's unused prompt slots must be left out of it).
+BACKBONES = {
+    "token": {"reg_tokens": 1},
+    "avg": {"global_pool": "avg", "class_token": False, "fc_norm": True},
+}
+
+
+def _trained(backbone, method: str, options: dict, seed: int) -> torch.nn.Module:
+    """``method`` applied to a copy of ``backbone`` with every trained tensor (BatchNorm statistics too) perturbed."""
+    model = petl.apply(copy.deepcopy(backbone), method, num_classes=3 + seed % 4, **options)
+    perturb_trainable(model, seed=seed)
+    gen = torch.Generator().manual_seed(seed)
+    for module in model.modules():
+        if isinstance(module, torch.nn.BatchNorm1d):
+            module.running_mean.copy_(torch.randn(module.running_mean.shape, generator=gen))
+            module.running_var.uniform_(0.5, 2.0, generator=gen)
+    return model.eval()
+
+
+def _save(tmp_path, cases: dict, backbone) -> tuple[dict, dict]:
+    singles, files = {}, {}
+    for seed, (name, (method, options)) in enumerate(cases.items()):
+        singles[name] = _trained(backbone, method, options, seed)
+        files[name] = tmp_path / f"{name}.safetensors"
+        petl.save_trainable(singles[name], files[name])
+    return singles, files
+
+
+def _mixed_batch(names: list[str], per_task: int, seed: int = 0) -> tuple[list[str], torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    order = torch.randperm(per_task * len(names), generator=gen).tolist()
+    ids = [names[i % len(names)] for i in order]
+    return ids, torch.randn(len(ids), 3, 32, 32, generator=gen)
+
+
+def _check_rows(multi, singles: dict, ids: list[str], images: torch.Tensor, only: str | None = None, out=None) -> None:
+    """Each row of ``multi(images, ids)`` (or of ``out``, computed by it) against its task's single model."""
+    with torch.no_grad():
+        out = multi(images, ids) if out is None else out
+        for row, task in enumerate(ids):
+            if only is not None and task != only:
+                continue
+            expected = singles[task](images[row : row + 1])[0]
+            n = expected.shape[0]
+            torch.testing.assert_close(out[row, :n], expected, atol=2e-5, rtol=1e-4, msg=f"row {row}, task {task}")
+            assert torch.isinf(out[row, n:]).all(), "columns past a task's classes must be -inf"
+
+
+@pytest.fixture(scope="module", params=sorted(BACKBONES))
+def served(request, tmp_path_factory):
+    """Every shareable case trained (perturbed) on one backbone, and a shuffled batch of all of them served at once."""
+    backbone = make_tiny_vit(**BACKBONES[request.param])
+    singles, files = _save(tmp_path_factory.mktemp(request.param), SHARED, backbone)
+    multi = petl.MultiTask(backbone, files)
+    ids, images = _mixed_batch(sorted(SHARED), per_task=2)
+    with torch.no_grad():
+        out = multi(images, ids)
+    return backbone, singles, multi, ids, images, out
+
+
+@pytest.mark.parametrize("case", sorted(SHARED))
+def test_each_row_gets_its_own_single_task_models_logits(served, case):
+    """In a shuffled batch over every method, each row of ``case`` equals its single-task model's output."""
+    backbone, singles, multi, ids, images, out = served
+    _check_rows(multi, singles, ids, images, only=case, out=out)
+    if case not in HEAD_ONLY:  # the perturbed method acts, so a missing or misplaced hook could not pass
+        single = singles[case]
+        with torch.no_grad():
+            features = single.forward_head(single.forward_features(images[:2]), pre_logits=True)
+            plain = backbone.forward_head(backbone.forward_features(images[:2]), pre_logits=True)
+        assert (features - plain).abs().max() > 1e-3
+
+
+def test_a_mixed_batch_of_six_methods_of_different_families(tmp_path):
+    """LoRA, AdaptFormer, VPT-deep, SSF, BitFit and Convpass in one shuffled batch: every row as its own model."""
+    cases = {name: SHARED[name] for name in ("lora", "adapter_parallel", "vpt_deep", "ssf", "bitfit", "convpass")}
+    backbone = make_tiny_vit()
+    singles, files = _save(tmp_path, cases, backbone)
+    multi = petl.MultiTask(backbone, files)
+    ids, images = _mixed_batch(list(cases), per_task=3, seed=1)
+    _check_rows(multi, singles, ids, images)
+    # A batch of one task, and a batch without the prompted task (no prompt slots then), give the same rows.
+    _check_rows(multi, singles, ["ssf"] * 3, images[:3])
+    _check_rows(multi, singles, ["lora", "convpass", "bitfit"], images[:3])
+
+
+def test_frozen_layers_run_once_for_the_whole_mixed_batch(tmp_path):
+    """The frozen qkv under several tasks' LoRA/RepAdapter/FacT hooks runs once, on every row of the batch."""
+    cases = {name: SHARED[name] for name in ("lora", "repadapter", "fact", "linear")}
+    backbone = make_tiny_vit()
+    _, files = _save(tmp_path, cases, backbone)
+    multi = petl.MultiTask(backbone, files)
+    routed = vit.block_container(multi.backbone)[0].attn.qkv
+    assert isinstance(routed, RoutedModule) and sorted(routed.hooks) == [0, 1, 2]
+    calls = []
+    routed.base.register_forward_hook(lambda _m, args, _out: calls.append(args[0].shape[0]))
+    ids, images = _mixed_batch(list(cases), per_task=2)
+    with torch.no_grad():
+        multi(images, ids)
+    assert calls == [len(ids)]
+
+
+def test_tasks_share_the_backbones_frozen_tensors(tmp_path):
+    """A task costs its own tensors only: every frozen tensor of every task model is the backbone's own object."""
+    cases = {name: SHARED[name] for name in ("lora", "bitfit")}
+    backbone = make_tiny_vit()
+    _, files = _save(tmp_path, cases, backbone)
+    multi = petl.MultiTask(backbone, files)
+    frozen = {id(p) for p in backbone.parameters()}
+    for task in multi.tasks:
+        own = [n for n, p in task.named_parameters() if id(p) not in frozen]
+        # BitFit's biases and the head are the task's own; everything else is shared.
+        assert all(n.endswith("bias") or n.startswith("head") or "lora" in n for n in own)
+        assert len(own) < len(list(task.parameters()))
+    # BitFit's trained biases did not leak into the shared backbone.
+    assert all(torch.equal(a, b) for a, b in zip(backbone.parameters(), make_tiny_vit().parameters(), strict=True))
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_methods_that_train_frozen_weights_are_refused_in_one_line(tmp_path, case):
+    backbone = make_tiny_vit()
+    _, files = _save(tmp_path, {case: REFUSED[case]}, backbone)
+    with pytest.raises(ValueError, match=rf"task '{case}' \(method {case}\) cannot share the backbone") as error:
+        petl.MultiTask(backbone, files)
+    assert "\n" not in str(error.value)
+
+
+def test_a_peft_tuner_without_a_hook_is_refused_naming_it(tmp_path):
+    backbone = make_tiny_vit()
+    cases = {"loha": ("peft", {"peft_type": "LOHA", "target_modules": ("qkv",), "options": '{"r": 2}'})}
+    _, files = _save(tmp_path, cases, backbone)
+    with pytest.raises(ValueError, match=r"task 'loha' \(method peft LOHA\) .*loha.*has no multi-task hook"):
+        petl.MultiTask(backbone, files)
+
+
+def test_run_folders_task_ids_and_bad_input(tmp_path):
+    backbone = make_tiny_vit()
+    singles, files = _save(tmp_path, {"a": SHARED["lora"], "b": SHARED["vpt"]}, backbone)
+    run = tmp_path / "run_b"
+    run.mkdir()
+    files["b"].rename(run / "trainable.safetensors")
+    multi = petl.MultiTask(backbone, {"a": files["a"], "b": run})
+    images = torch.randn(3, 3, 32, 32)
+    with torch.no_grad():
+        by_name = multi(images, ["b", "a", "b"])
+        by_index = multi(images, torch.tensor([1, 0, 1]))
+    torch.testing.assert_close(by_name, by_index)
+    _check_rows(multi, singles, ["b", "a", "b"], images)
+    with pytest.raises(ValueError, match="unknown task 'c'; the tasks are a, b"):
+        multi(images, ["a", "b", "c"])
+    with pytest.raises(ValueError, match="2 task ids for 3 images"):
+        multi(images, ["a", "b"])
+    with pytest.raises(ValueError, match="task index out of range"):
+        multi(images, [0, 1, 2])
+    with pytest.raises(ValueError, match="stays in eval mode"):
+        multi.train()
+    with pytest.raises(ValueError, match="pass the plain backbone"):
+        petl.MultiTask(singles["a"], files)
+    with pytest.raises(ValueError, match="embed_dim"):
+        petl.MultiTask(make_tiny_vit(embed_dim=24), {"a": files["a"]})
