@@ -157,15 +157,35 @@ class _Router:
         return self.batch
 
 
-def _each_task(batch: _Batch, hooks: dict[int, RowHook], x: Tensor, act: Callable[[RowHook, slice], Any]) -> Tensor:
-    """``x`` with each task's rows replaced by ``act(hook, rows)``, where the task has a hook that acts (not None)."""
+def _each_task(
+    batch: _Batch, hooks: dict[int, RowHook], x: Tensor, act: Callable[[RowHook, slice], Any], own: bool = False
+) -> Tensor:
+    """``x`` with each task's rows replaced by ``act(hook, rows)``, where the task has a hook that acts (not None).
+
+    ``own``: ``x`` is a fresh result of the calling module that nothing else holds, so without autograd the rows
+    are written into it in place; otherwise (an input, which the caller still uses) the result is a new tensor.
+    Copying the whole batch at every routed module would cost about as much as a small backbone's matmuls.
+    """
+    in_place = own and not torch.is_grad_enabled()
     parts, acted = [], False
     for task, start, end in batch.groups:
         hook = hooks.get(task)
         out = None if hook is None else act(hook, slice(start, end))
-        acted |= out is not None
-        parts.append(x[start:end] if out is None else out)
-    return torch.cat(parts) if acted else x
+        if out is None:
+            parts.append(x[start:end])
+            continue
+        if end - start == x.shape[0]:  # one task's batch
+            return out
+        acted = True
+        if in_place:
+            x[start:end] = out
+        parts.append(out)
+    return torch.cat(parts) if acted and not in_place else x
+
+
+def _is_fresh(y: Tensor, x: Tensor) -> bool:
+    """Whether a module's output ``y`` is a new tensor rather than (a view of) its input ``x`` (nn.Identity's)."""
+    return y.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
 
 
 class RoutedModule(nn.Module):
@@ -190,7 +210,8 @@ class RoutedModule(nn.Module):
         batch = self._router.current()
         x = _each_task(batch, self.hooks, x, lambda h, rows: h.pre and h.pre(x[rows], batch.tokens))
         y = self.base(x, *args, **kwargs)
-        return _each_task(batch, self.hooks, y, lambda h, rows: h.post and h.post(x[rows], y[rows], batch.tokens))
+        post = lambda h, rows: h.post and h.post(x[rows], y[rows], batch.tokens)  # noqa: E731
+        return _each_task(batch, self.hooks, y, post, own=_is_fresh(y, x))
 
 
 class RoutedBlock(RoutedModule):
@@ -216,10 +237,12 @@ class RoutedBlock(RoutedModule):
         x = _each_task(batch, self.hooks, x, lambda h, rows: h.pre and h.pre(x[rows], batch.tokens))
         if not self.halves:
             return self.base(x, **kwargs)
+        # Each half ends with a residual sum, a fresh tensor this block owns.
         x = vit.attn_residual(self.base, x, **kwargs)
-        x = _each_task(batch, self.hooks, x, lambda h, rows: h.mid and h.mid(x[rows], batch.tokens))
+        x = _each_task(batch, self.hooks, x, lambda h, rows: h.mid and h.mid(x[rows], batch.tokens), own=True)
         y = vit.mlp_residual(self.base, x)
-        return _each_task(batch, self.hooks, y, lambda h, rows: h.post and h.post(x[rows], y[rows], batch.tokens))
+        post = lambda h, rows: h.post and h.post(x[rows], y[rows], batch.tokens)  # noqa: E731
+        return _each_task(batch, self.hooks, y, post, own=True)
 
 
 def _weights_file(path: str | Path) -> Path:

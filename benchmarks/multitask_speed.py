@@ -1,0 +1,161 @@
+"""Serving many tasks: a mixed batch through petl.MultiTask against one model per task, in images/s.
+
+The numbers in benchmarks/results/multitask_cpu.md come from this script:
+
+    python benchmarks/multitask_speed.py --out benchmarks/results/multitask_cpu.md
+
+For each task set (eight LoRA tasks; eight tasks of eight different methods) and each batch size (one row
+per task; eight rows per task), four ways of answering the same batch, all in eval mode without autograd:
+
+* **MultiTask**: one forward of the whole mixed batch (rows in shuffled task order);
+* **8 separate models**: each task's own single-task model (unmerged, as trained) on its rows, eight forwards;
+* **backbone 8 times**: the plain frozen backbone on each task's rows, eight forwards -- the cost of one
+  forward per task with the task modules for free (what merged LoRA-style models would approach);
+* **backbone once**: the plain backbone on the whole batch -- the floor any mixed-batch server can reach.
+
+The cases take turns call by call over ``--rounds`` rounds in one process (so a shared machine's drifting
+load falls on all alike) and the median per case is reported; ratios are against the 8 separate models.
+The backbone has random weights and the task tensors are perturbed at random: speed does not depend on them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import platform
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import timm
+import torch
+
+import petl
+import petl.models  # noqa: F401  (registers vit_fractal_tiny_patch4_32 with timm)
+
+TASKS = 8
+TASK_SETS = {
+    "8 LoRA tasks": [("lora", {})] * TASKS,
+    "8 methods": [
+        ("lora", {}),
+        ("adapter", {}),
+        ("adapter", {"style": "parallel"}),
+        ("vpt", {"num_tokens": 10}),
+        ("ssf", {}),
+        ("bitfit", {}),
+        ("fact", {}),
+        ("convpass", {}),
+    ],
+}
+CASES = ("MultiTask (mixed batch)", "8 separate models", "backbone 8 times", "backbone once")
+
+
+def _task_files(backbone: torch.nn.Module, methods: list, folder: Path) -> tuple[dict[str, Path], list]:
+    """Each task's weights file (trained tensors perturbed) and its single-task model."""
+    files, singles = {}, []
+    for i, (method, options) in enumerate(methods):
+        model = petl.apply(copy.deepcopy(backbone), method, num_classes=10, **options)
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.requires_grad:
+                    p.add_(0.01 * torch.randn_like(p))
+        files[f"task{i}"] = folder / f"task{i}.safetensors"
+        petl.save_trainable(model, files[f"task{i}"])
+        singles.append(model.eval())
+    return files, singles
+
+
+def measure(model_name: str, methods: list, batch: int, rounds: int) -> dict[str, float]:
+    """Median seconds per batch of each case (see the module doc) for one task set and batch size."""
+    torch.manual_seed(0)
+    backbone = timm.create_model(model_name, pretrained=False, num_classes=10).eval()
+    size = backbone.patch_embed.img_size
+    with tempfile.TemporaryDirectory() as folder:
+        files, singles = _task_files(backbone, methods, Path(folder))
+        multi = petl.MultiTask(backbone, files)
+    ids = [i % TASKS for i in range(batch)]
+    random.Random(0).shuffle(ids)
+    images = torch.randn(batch, 3, *size)
+    rows = [[r for r, t in enumerate(ids) if t == task] for task in range(TASKS)]
+    per_task = [images[r] for r in rows]
+    calls = {
+        CASES[0]: lambda: multi(images, ids),
+        CASES[1]: lambda: [singles[t](per_task[t]) for t in range(TASKS)],
+        CASES[2]: lambda: [backbone(per_task[t]) for t in range(TASKS)],
+        CASES[3]: lambda: backbone(images),
+    }
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    order = list(calls)
+    with torch.inference_mode():
+        for name in order:  # warm-up
+            calls[name]()
+        for r in range(rounds):
+            random.Random(r).shuffle(order)
+            for name in order:
+                start = time.perf_counter()
+                calls[name]()
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def render(results: dict, model_name: str, rounds: int, command: str, load: tuple[float, float]) -> str:
+    """The results file: one table row per task set and batch size."""
+    lines = [
+        f"# Serving 8 tasks over one frozen `{model_name}`: mixed batch vs one model per task (CPU)",
+        "",
+        f"Command: `{command}`",
+        "",
+        f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} torch threads; 1-min load average {load[0]:.1f} before and {load[1]:.1f} after "
+        "(the machine is shared with other jobs: absolute images/s are noisy, the ratios were measured in one "
+        "process with the cases taking turns call by call).",
+        "",
+        f"Backbone `{model_name}` with random weights, 10-class heads, eval mode, no autograd; median over "
+        f"{rounds} rounds. Ratios are images/s against the 8 separate models.",
+        "",
+        "| Task set | Batch (rows per task) | " + " | ".join(f"{c} img/s" for c in CASES) + " | "
+        "MultiTask × 8 separate | MultiTask × backbone 8 times | MultiTask × backbone once |",
+        "|---|---:|" + "---:|" * (len(CASES) + 3),
+    ]
+    for (task_set, batch), seconds in results.items():
+        speed = {name: batch / s for name, s in seconds.items()}
+        ratios = [speed[CASES[0]] / speed[c] for c in CASES[1:]]
+        lines.append(
+            f"| {task_set} | {batch} ({batch // TASKS}) | "
+            + " | ".join(f"{speed[c]:.0f}" for c in CASES)
+            + " | "
+            + " | ".join(f"{r:.2f}×" for r in ratios)
+            + " |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str]) -> None:
+    """Measure every task set at every batch size and print (or write) the table."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="vit_fractal_tiny_patch4_32")
+    parser.add_argument("--batches", default="8,64", help="comma-separated batch sizes (multiples of 8)")
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", type=Path, help="write the table here (else print it)")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    before = os.getloadavg()[0]
+    results = {}
+    for task_set, methods in TASK_SETS.items():
+        for batch in (int(b) for b in args.batches.split(",")):
+            results[(task_set, batch)] = measure(args.model, methods, batch, args.rounds)
+            print(task_set, batch, {k: f"{batch / v:.0f} img/s" for k, v in results[(task_set, batch)].items()})
+    command = "python benchmarks/multitask_speed.py " + " ".join(argv)
+    table = render(results, args.model, args.rounds, command.strip(), (before, os.getloadavg()[0]))
+    if args.out:
+        args.out.write_text(table)
+    print(table)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
