@@ -69,7 +69,9 @@ def _task_files(backbone: torch.nn.Module, methods: list, folder: Path) -> tuple
     return files, singles
 
 
-def measure(model_name: str, methods: list, batch: int, rounds: int) -> dict[str, float]:
+def measure(
+    model_name: str, methods: list, batch: int, rounds: int, device: str = "cpu", dtype: str = "float32"
+) -> dict[str, float]:
     """Median seconds per batch of each case (see the module doc) for one task set and batch size."""
     torch.manual_seed(0)
     backbone = timm.create_model(model_name, pretrained=False, num_classes=10).eval()
@@ -77,9 +79,12 @@ def measure(model_name: str, methods: list, batch: int, rounds: int) -> dict[str
     with tempfile.TemporaryDirectory() as folder:
         files, singles = _task_files(backbone, methods, Path(folder))
         multi = petl.MultiTask(backbone, files)
+    kw = {"device": torch.device(device), "dtype": getattr(torch, dtype)}
+    multi.to(**kw)  # the backbone too: its tensors are the MultiTask's
+    singles = [model.to(**kw) for model in singles]
     ids = [i % TASKS for i in range(batch)]
     random.Random(0).shuffle(ids)
-    images = torch.randn(batch, 3, *size)
+    images = torch.randn(batch, 3, *size).to(**kw)
     rows = [[r for r, t in enumerate(ids) if t == task] for task in range(TASKS)]
     per_task = [images[r] for r in rows]
     calls = {
@@ -96,10 +101,17 @@ def measure(model_name: str, methods: list, batch: int, rounds: int) -> dict[str
         for r in range(rounds):
             random.Random(r).shuffle(order)
             for name in order:
+                _sync(device)
                 start = time.perf_counter()
                 calls[name]()
+                _sync(device)
                 times[name].append(time.perf_counter() - start)
     return {name: statistics.median(values) for name, values in times.items()}
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
 
 
 def render(results: dict, model_name: str, rounds: int, command: str, load: tuple[float, float]) -> str:
@@ -141,6 +153,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--batches", default="8,64", help="comma-separated batch sizes (multiples of 8)")
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", help="float32 or bfloat16 (on a GPU)")
     parser.add_argument("--out", type=Path, help="write the table here (else print it)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -148,7 +162,7 @@ def main(argv: list[str]) -> None:
     results = {}
     for task_set, methods in TASK_SETS.items():
         for batch in (int(b) for b in args.batches.split(",")):
-            results[(task_set, batch)] = measure(args.model, methods, batch, args.rounds)
+            results[(task_set, batch)] = measure(args.model, methods, batch, args.rounds, args.device, args.dtype)
             print(task_set, batch, {k: f"{batch / v:.0f} img/s" for k, v in results[(task_set, batch)].items()})
     command = "python benchmarks/multitask_speed.py " + " ".join(argv)
     table = render(results, args.model, args.rounds, command.strip(), (before, os.getloadavg()[0]))
