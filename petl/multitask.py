@@ -36,7 +36,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from petl import core, vit
+from petl import vit
+from petl.io import load_trainable
 
 Tensor = torch.Tensor
 
@@ -367,7 +368,7 @@ class MultiTask(nn.Module):
     def _load(name: str, path: Path, backbone: nn.Module) -> nn.Module:
         """The task's single-task model: the backbone's frozen tensors shared, the file's tensors its own."""
         model = _shared_copy(backbone, unshared=_tensor_names(path))
-        core.load_trainable(model, path)
+        load_trainable(model, path)
         return model.eval()
 
     def _route(self, backbone: nn.Module, hooks: list[dict[str, RowHook]]) -> nn.Module:
