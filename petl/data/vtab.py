@@ -22,7 +22,6 @@ present cover exactly ``num_classes`` classes.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import warnings
 import zipfile
@@ -36,6 +35,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from petl import paths
 from petl.core import first_line
 from petl.data.images import FileListDataset, HubDataset
 from petl.data.registry import (
@@ -53,7 +53,7 @@ from petl.data.transforms import ImageSpec
 VTAB_SIZES = {TRAIN: 800, VAL: 200, TRAIN_VAL: 1000}
 VTAB_HUB_ID = "XiN0919/VTAB-1k"
 VTAB_HUB_FILE = "vtab-1k.zip"
-CACHE_ENV = "PETL_CACHE_DIR"
+CACHE_ENV = paths.CACHE_ENV
 # Seeded hold-out for hub FGVC copies that publish no validation split (VPT also holds out ~10%).
 FGVC_VAL_FRACTION = 0.1
 FGVC_VAL_SEED = 0
@@ -268,7 +268,7 @@ def _load_fgvc_folder(info: DatasetInfo, folder: Path, split: str, spec: ImageSp
 
 
 def _cache_dir() -> Path:
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "petl")
+    return paths.cache_dir()
 
 
 def _unavailable(

@@ -17,7 +17,7 @@ import timm
 import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState, GradientState, PartialState
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from timm.data import resolve_data_config
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, Sampler, Subset
@@ -108,7 +108,7 @@ def make_accelerator(cfg: DictConfig, out: Path) -> Accelerator:
 def create_backbone(cfg: DictConfig) -> nn.Module:
     """The pretrained (or randomly initialised) timm model, before any method is applied."""
     m = cfg.model
-    kwargs: dict[str, Any] = dict(OmegaConf.to_container(m.kwargs, resolve=True))
+    kwargs = config.model_kwargs(cfg)
     if m.checkpoint:
         if not Path(m.checkpoint).is_file():
             raise ConfigError(f"model.checkpoint={m.checkpoint}: no such file")
@@ -177,10 +177,14 @@ def _subset(dataset: Dataset, size: int | None) -> Dataset:
 
 
 def _image_options(cfg: DictConfig, model: nn.Module) -> dict[str, Any]:
-    """How the backbone expects its images (timm pretrained config), and the task's augmentation setting."""
+    """How the backbone expects its images, and the task's augmentation setting.
+
+    The size is the built model's own (``model.img_size`` or ``+model.kwargs.img_size`` change it), the rest
+    its timm pretrained config's.
+    """
     data_cfg = resolve_data_config({}, model=model)
     return dict(
-        image_size=int(data_cfg["input_size"][-1]),
+        image_size=config.image_size(model),
         mean=data_cfg["mean"],
         std=data_cfg["std"],
         # The backbone's own resampling filter; FGVC's crop-and-flip protocol unless data.augment says otherwise.

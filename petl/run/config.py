@@ -31,6 +31,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException, MissingConfigException, OverrideParseException
 from omegaconf import II, MISSING, DictConfig, OmegaConf, open_dict
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
+from timm.data import resolve_data_config
 
 import petl
 from petl import data as petl_data
@@ -107,6 +108,9 @@ class ModelConfig:
         name: a timm ViT name, optionally with a pretrained tag (``vit_base_patch16_224.augreg2_in21k_ft_in1k``).
         pretrained: load the tag's pretrained weights (from the hub, or a file petl ships).
         checkpoint: a local weights file to load instead of the tag's source (offline clusters).
+        img_size: the side (px) of the square images the backbone is built for; ``None`` keeps its timm default.
+            The data pipeline resizes to the built model's size whichever way it was set (this option or
+            ``+model.kwargs.img_size``); a pretrained position grid is resampled by the model's own loader.
         drop_path: stochastic-depth rate; in frozen blocks it acts only when the backbone trains in
             train mode (``train.backbone_mode``, by default the method's reference choice).
         kwargs: extra keyword arguments for ``timm.create_model`` (e.g. ``+model.kwargs.depth=2``).
@@ -116,6 +120,7 @@ class ModelConfig:
     name: str = MISSING
     pretrained: bool = True
     checkpoint: str | None = None
+    img_size: int | None = option(None, low=1)
     drop_path: float = option(0.1, low=0, high=1)
     kwargs: dict[str, Any] = field(default_factory=dict)
 
@@ -540,24 +545,65 @@ def method_options(cfg: DictConfig) -> dict[str, Any]:
     return options
 
 
+def model_kwargs(cfg: DictConfig) -> dict[str, Any]:
+    """Keyword arguments for ``timm.create_model`` besides the name: ``model.kwargs`` plus ``model.img_size``.
+
+    Raises:
+        ConfigError: ``model.img_size`` and ``model.kwargs.img_size`` both given, with different values.
+
+    """
+    kwargs = dict(OmegaConf.to_container(cfg.model.kwargs, resolve=True))
+    size = cfg.model.img_size
+    if size is not None:
+        if kwargs.get("img_size", size) != size:
+            raise ConfigError(
+                f"model.img_size={size} and model.kwargs.img_size={kwargs['img_size']} disagree: give one of them"
+            )
+        kwargs["img_size"] = size
+    return kwargs
+
+
+def image_size(model: Any) -> int:
+    """The side of the square images ``model`` takes: its patch embedding's size, else its pretrained config's.
+
+    Raises:
+        ConfigError: a size the data pipeline cannot feed (not square, not a multiple of the patch size).
+
+    """
+    patch_embed = getattr(model, "patch_embed", None)
+    size = getattr(patch_embed, "img_size", None)
+    if size is None:  # a model built for any size (timm's dynamic_img_size): its pretrained config's size
+        return int(resolve_data_config({}, model=model)["input_size"][-1])
+    height, width = (size, size) if isinstance(size, int) else size
+    if height != width:
+        raise ConfigError(f"model img_size {height}x{width} is not square: petl's images are square (model.img_size=N)")
+    patch = patch_embed.patch_size
+    patch = patch if isinstance(patch, int) else patch[0]
+    if getattr(patch_embed, "strict_img_size", False) and height % patch:
+        raise ConfigError(f"model.img_size={height} is not a multiple of the patch size {patch}: choose one that is")
+    return int(height)
+
+
 def check_method(cfg: DictConfig) -> None:
-    """Check the method options against the chosen backbone's shape (depth, width) without building it.
+    """Check the image size and the method options against the chosen backbone (depth, width) without building it.
 
     The model is instantiated on PyTorch's ``meta`` device: it has shapes but no storage, so
     even a ViT-L costs a fraction of a second and no weights are loaded.
 
     Raises:
-        ConfigError: naming the method field and its allowed range (``k`` larger than the depth...).
+        ConfigError: naming the method field and its allowed range (``k`` larger than the depth...), or the
+            image size the data pipeline cannot feed.
 
     """
     import torch
 
-    kwargs = OmegaConf.to_container(cfg.model.kwargs, resolve=True)
+    kwargs = model_kwargs(cfg)
     try:
         with torch.device("meta"):
             model = timm.create_model(cfg.model.name, pretrained=False, **kwargs)
     except TypeError as error:
         raise ConfigError(f"model.kwargs: {error}") from None
+    image_size(model)
     num_classes = petl_data.get_info(cfg.data.name).num_classes
     try:
         petl.make_config(cfg.method.name, num_classes=num_classes, **method_options(cfg)).validate(model)

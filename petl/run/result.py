@@ -70,6 +70,8 @@ class RunResult:
     peak_memory_kind: str | None = None
     config: dict[str, Any] | None = None
     inputs: dict[str, Any] | None = None
+    # SHA-256 of the local pretrained weights file the backbone loaded (rows from several machines: same weights).
+    weights_sha256: str | None = None
     wall_seconds: float | None = None
     selection: dict[str, Any] | None = None
     diverged: str | None = None

@@ -68,6 +68,15 @@ def train(cfg: DictConfig | dict[str, Any]) -> dict[str, Any]:
     return run(config.to_config(cfg))
 
 
+def _weights_sha256(cfg: DictConfig, model: nn.Module) -> str | None:
+    """SHA-256 of the local file the pretrained weights came from (``None``: no weights, or a hub download).
+
+    Rows of a leaderboard that ran on several machines show by it that they used the same weights.
+    """
+    file = getattr(model, "pretrained_cfg", {}).get("file") if cfg.model.pretrained else None
+    return records.file_sha256(Path(file)) if file and Path(file).is_file() else None
+
+
 def summary_line(result: dict[str, Any]) -> str:
     """One line for the console: method, task, accuracies, trainable parameters, time."""
     val = "-" if result["val_top1"] is None else f"{result['val_top1']:.2f}"
@@ -166,6 +175,7 @@ def _train_and_record(cfg: DictConfig, resolved: dict[str, Any], out: Path, acce
     peak_mb, peak_kind = records.peak_memory()
     result.peak_memory_mb, result.peak_memory_kind = round(peak_mb, 1), peak_kind
     result.config, result.inputs = resolved, inputs
+    result.weights_sha256 = _weights_sha256(cfg, model)
     result.wall_seconds = round(time.perf_counter() - started, 2)
     with folder.disk_errors(out, lambda: progress.saved_epoch, cfg.resume):
         _record(cfg, out, model, result, accelerator)
