@@ -6,8 +6,8 @@ Usage::
                [output_dir=runs/bench/mini] [configs_dir=...] [report=true] [dry_run=false]
                [train.epochs=5 model.drop_path=0.1 data.root=... ...]
     petl-bench report RESULTS_DIR [out=DIR] [configs_dir=DIR]
-    petl-bench speed [model=...] [batch=32] [steps=10] [warmup=3] [rounds=10] [infer_batch=1] [infer_steps=100]
-                     [device=cpu|cuda] [methods=...] [options_for=lora] [out=FILE]
+    petl-bench speed [model=...] [img_size=N] [batch=32] [steps=10] [warmup=3] [rounds=10] [infer_batch=1]
+                     [infer_steps=100] [device=cpu|cuda] [methods=...] [options_for=lora] [out=FILE]
     petl-bench params suite=vtab1k [methods=...] [model=...]   (parameter counts vs the published ones)
     petl-bench commands suite=vtab1k [hydra/launcher=submitit_slurm ...]   (prints petl-run --multirun lines)
     petl-bench list

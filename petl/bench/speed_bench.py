@@ -40,6 +40,7 @@ class SpeedSpec:
 
     Attributes:
         model: timm model name (built with random weights: speed does not depend on their values).
+        img_size: the side of the square images the model is built for; 0 keeps the model's default.
         batch: training batch size.
         steps: timed training steps per case, spread over ``rounds``.
         warmup: untimed steps per case before the first round.
@@ -52,6 +53,7 @@ class SpeedSpec:
     """
 
     model: str = "vit_fractal_tiny_patch4_32"
+    img_size: int = 0
     batch: int = 32
     steps: int = 10
     warmup: int = 3
@@ -90,7 +92,8 @@ class Case:
 
 def build_model(case: Case, spec: SpeedSpec):
     """The model of one case: plain frozen backbone, petl method, or peft LoRA."""
-    model = timm.create_model(spec.model, pretrained=False, num_classes=spec.num_classes)
+    size = {"img_size": spec.img_size} if spec.img_size else {}
+    model = timm.create_model(spec.model, pretrained=False, num_classes=spec.num_classes, **size)
     if case.peft:
         from peft import LoraConfig, inject_adapter_in_model
 

@@ -62,8 +62,9 @@ def format_table(results: dict[str, dict[str, Any]], spec: SpeedSpec, machine: s
         else "peak RSS growth over the RSS after set-up (Linux VmHWM, reset through /proc/self/clear_refs), "
         "fresh process per row, i.e. grads + AdamW state + activations, not the weights"
     )
+    size = f" at {spec.img_size} px" if spec.img_size else ""
     lines = [
-        f"Backbone `{spec.model}` (random weights), training batch {spec.batch}, {spec.num_classes} classes, "
+        f"Backbone `{spec.model}`{size} (random weights), training batch {spec.batch}, {spec.num_classes} classes, "
         f"device {spec.device}. Train step = forward + loss + backward + AdamW step, median of {spec.steps} steps "
         f"after {spec.warmup} warm-up steps, all cases taking turns over {spec.rounds} rounds (so background load "
         "falls on all of them alike); the no-grad row times a forward without autograd at the same batch. "
