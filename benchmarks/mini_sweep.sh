@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Runs, or resumes, the committed mini leaderboard (configs/suites/mini_selection.yaml).
+# Runs, or resumes, the committed mini leaderboard (configs/suites/mini_selection.yaml), or with SUITE=mini_dinov2
+# the same protocol on the DINOv2 ViT-S/14 backbone at 56 px (into benchmarks/results/mini_dinov2/runs).
 #
 # Two sweeps share one results folder, one torch thread each (on the 2-core CPU, two one-thread processes train
 # 1.04x the images of one two-thread process and overlap each other's evaluation:
@@ -17,7 +18,8 @@ set -u
 cd "$(dirname "$0")/.."
 PETL_BENCH=${PETL_BENCH:-petl-bench}
 SWEEPS=${SWEEPS:-2}
-OUT=benchmarks/results/mini/runs
+SUITE=${SUITE:-mini_selection}
+if [ "$SUITE" = mini_selection ]; then OUT=benchmarks/results/mini/runs; else OUT=benchmarks/results/$SUITE/runs; fi
 METHODS=("$@")
 if [ ${#METHODS[@]} -eq 0 ]; then
     # The nine seed experiments first (cheapest first), then issue 11's methods.
@@ -27,12 +29,12 @@ fi
 
 sweep() {
     for method in "${METHODS[@]}"; do
-        OMP_NUM_THREADS=1 "$PETL_BENCH" suite=mini_selection methods="$method" output_dir="$OUT" report=false
+        OMP_NUM_THREADS=1 "$PETL_BENCH" suite="$SUITE" methods="$method" output_dir="$OUT" report=false
     done
 }
 
 # Two passes: the second trains the finals that were waiting for another sweep's last trial.
-LOGS=runs/mini_sweep  # outside the committed results: progress bars, not results
+LOGS=runs/${SUITE/mini_selection/mini}_sweep  # outside the committed results: progress bars, not results
 mkdir -p "$LOGS"
 for pass in 1 2; do
     echo "== pass $pass: $(date -u +%FT%TZ)"
