@@ -180,6 +180,13 @@ def _write_weights(onnx_path: Path) -> dict[str, Any]:
         raise WeightsUnavailableError(
             f"{onnx_path} has SHA-256 {onnx_sha256}, not {PACKAGE} {VERSION}'s {ONNX_SHA256}: reinstall it ({PIP_HINT})"
         )
+    try:
+        import onnx  # noqa: F401  (convert reads the graph with it)
+    except ImportError:
+        raise WeightsUnavailableError(
+            f"converting {ARCH} from {PACKAGE}'s ONNX file needs the onnx package: pip install onnx "
+            "(or pip install 'petl[dinov2]')"
+        ) from None
     state = {name: tensor.to(STORED_DTYPE).contiguous() for name, tensor in convert(onnx_path).items()}
     target = weights_path()
     target.parent.mkdir(parents=True, exist_ok=True)
