@@ -222,6 +222,12 @@ def test_cuda_defaults_to_the_documented_gpu_setting():
     assert make_spec({"device": "cuda", "batch": "8"}, cuda_available=True).batch == 8
 
 
+def test_img_size_builds_the_backbone_at_that_size():
+    spec = make_spec({"img_size": "16"}, cuda_available=False)
+    assert speed._build(Case("plain"), spec).patch_embed.img_size == (16, 16)
+    assert speed._build(Case("plain"), SpeedSpec()).patch_embed.img_size == (32, 32)
+
+
 def test_speed_cli_rejects_unknown_keys():
     with pytest.raises(SystemExit, match="unknown argument"):
         cli.main(["speed", "batchsize=3"])
