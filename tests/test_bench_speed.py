@@ -26,7 +26,7 @@ from petl.bench.speed import (
     plan_cases,
     run_speed,
 )
-from petl.bench.speed_bench import above_floor, where_the_rest_goes
+from petl.bench.speed_bench import above_floor, build_model, where_the_rest_goes
 from petl.run import engine
 
 TINY = SpeedSpec(batch=2, steps=2, warmup=1, rounds=2, infer_steps=2)
@@ -224,8 +224,8 @@ def test_cuda_defaults_to_the_documented_gpu_setting():
 
 def test_img_size_builds_the_backbone_at_that_size():
     spec = make_spec({"img_size": "16"}, cuda_available=False)
-    assert speed._build(Case("plain"), spec).patch_embed.img_size == (16, 16)
-    assert speed._build(Case("plain"), SpeedSpec()).patch_embed.img_size == (32, 32)
+    assert build_model(Case("plain"), spec).patch_embed.img_size == (16, 16)
+    assert build_model(Case("plain"), SpeedSpec()).patch_embed.img_size == (32, 32)
 
 
 def test_speed_cli_rejects_unknown_keys():
