@@ -29,6 +29,7 @@ from petl.bench import cli as bench_cli
 from petl.bench import protocol, sweep
 from petl.bench import suite as suites
 from petl.bench.report import write_report
+from petl.presets import configs_dir
 from petl.run import cli, default_config, pretrain, train
 
 TINY = tiny_run(batch_size=32)
@@ -166,7 +167,7 @@ def test_4_a_truncated_result_is_named_retrained_and_the_leaderboard_rebuilt(tmp
     (tmp_path / "leaderboard.md").unlink()
     code, out, err = petl_bench(capsys, *_mini_sweep(tmp_path))
     assert code == 0 and "Traceback" not in err
-    assert f"{damaged} is damaged" in out + err
+    assert f"{damaged}: not valid JSON" in out + err
     assert len(engine.trained) == 3 and "resume=false" in engine.trained[-1]  # the damaged run, replaced
     assert (tmp_path / "leaderboard.md").is_file()
 
@@ -244,7 +245,7 @@ def test_6_dollar_signs_in_names_do_not_break_the_plots(tmp_path):
 
 def test_7_a_malformed_yaml_is_one_line_and_list_still_lists_the_rest(tmp_path, capsys):
     configs = tmp_path / "configs"
-    shutil.copytree(suites.find_benchmarks_dir(), configs)
+    shutil.copytree(configs_dir(), configs)
     (configs / "suites" / "broken.yaml").write_text("experiments: [linear\ntasks: [mini/digits]\n")
     (configs / "experiments" / "broken_exp.yaml").write_text("method:\n  name: lora\n rank: 4\n")
     code, out, err = petl_bench(capsys, "list", f"configs_dir={configs}")
