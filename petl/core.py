@@ -346,13 +346,28 @@ def apply(
     vit.check_vit(model)
     config.validate(model)
     model.requires_grad_(False)
+    # Kept referenced, so that no new module can reuse the id of one dropped meanwhile (the old head).
+    existing = {id(m): m for m in model.modules()}
     if config.num_classes is not None:
         vit.reset_head(model, config.num_classes)
     spec.inject(model, config)
+    _follow_modes(model, existing)
     vit.head(model).requires_grad_(True)
     model.petl_method = method
     model.petl_config = config
     return model
+
+
+def _follow_modes(parent: nn.Module, existing: dict[int, nn.Module]) -> None:
+    """Give every module a method added the mode of the module it wraps, else of the module it was added to.
+
+    A new module starts in train mode: on a model in eval mode, an adapter's dropout would act at inference.
+    """
+    for child in parent.children():
+        if id(child) not in existing:
+            wrapped = next((m for m in child.modules() if id(m) in existing), None)
+            child.training = (wrapped if wrapped is not None else parent).training
+        _follow_modes(child, existing)
 
 
 class ParamCount(NamedTuple):

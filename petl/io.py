@@ -99,7 +99,13 @@ def read_trainable_metadata(path: str | Path) -> dict[str, Any]:
         if key not in meta:
             raise ValueError(f"{path}: metadata field {key!r} is missing (the file was altered after saving)")
         try:
-            return parse(meta[key])
+            if len(meta[key]) > MAX_METADATA_CHARS:
+                raise ValueError(f"{len(meta[key])} characters, more than {MAX_METADATA_CHARS}")
+            value = parse(meta[key])
+            _check_bounded(value)
+            return value
+        except RecursionError:
+            raise ValueError(f"{path}: metadata field {key!r} is malformed (nested too deeply)") from None
         except ValueError as error:  # JSONDecodeError is a ValueError
             raise ValueError(f"{path}: metadata field {key!r} is malformed ({error})") from None
 
@@ -108,6 +114,24 @@ def read_trainable_metadata(path: str | Path) -> dict[str, Any]:
         raise ValueError(f"{path}: metadata field 'config' is malformed (not a JSON object)")
     field("method", str)
     return {**meta, "config": config, "embed_dim": field("embed_dim", int), "depth": field("depth", int)}
+
+
+# Bounds on what a weights file's metadata may claim, checked before anything is parsed further or built:
+# real configs are flat (SCT's channel lists are the longest, a few thousand numbers) and small-valued.
+MAX_METADATA_CHARS = 1 << 20
+MAX_METADATA_DEPTH = 4
+MAX_METADATA_INT = 1 << 31
+
+
+def _check_bounded(value: Any, depth: int = 0) -> None:
+    """Refuse metadata values nested deeper than configs are, or holding integers no option takes."""
+    if depth > MAX_METADATA_DEPTH:
+        raise ValueError(f"nested deeper than {MAX_METADATA_DEPTH} levels")
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_METADATA_INT:
+        raise ValueError(f"integer {value} out of range, at most {MAX_METADATA_INT} in size")
+    children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+    for child in children:
+        _check_bounded(child, depth + 1)
 
 
 def _read_tensors(path: str | Path) -> dict[str, torch.Tensor]:
@@ -129,19 +153,37 @@ def _read_tensors(path: str | Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _check_matches(path: str | Path, model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
-    """Refuse (before anything is copied) a file whose names, shapes or dtypes do not fit ``model``."""
+def _read_header(path: str | Path) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Name -> (shape, safetensors dtype) of every tensor in a file, read from its header alone."""
+    with _open_safetensors(path) as f:
+        return {name: (tuple(f.get_slice(name).get_shape()), f.get_slice(name).get_dtype()) for name in f.keys()}
+
+
+def _check_matches(
+    path: str | Path, model: nn.Module, header: dict[str, tuple[tuple[int, ...], str]], needs: str = "the model needs"
+) -> None:
+    """Refuse (before anything is read or copied) a file whose names, shapes or dtypes do not fit ``model``."""
     params = trainable_state(model)
-    missing, unexpected = sorted(params.keys() - tensors.keys()), sorted(tensors.keys() - params.keys())
+    missing, unexpected = sorted(params.keys() - header.keys()), sorted(header.keys() - params.keys())
     if missing or unexpected:
         raise ValueError(f"{path} does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
-    for name in sorted(tensors):
-        tensor, param = tensors[name], params[name]
-        if tensor.shape != param.shape:
-            raise ValueError(f"{path}: {name} has shape {tuple(tensor.shape)}, the model needs {tuple(param.shape)}")
+    for name in sorted(header):
+        (shape, dtype), param = header[name], params[name]
+        if shape != tuple(param.shape):
+            raise ValueError(f"{path}: {name} has shape {shape}, {needs} {tuple(param.shape)}")
         # A float file loads onto a half-precision model (copy_ casts); integers never were weights.
-        if tensor.is_floating_point() != param.is_floating_point():
-            raise ValueError(f"{path}: {name} has dtype {tensor.dtype}, the model needs {param.dtype}")
+        if dtype.startswith(("F", "BF")) != param.is_floating_point():
+            raise ValueError(f"{path}: {name} has dtype {dtype}, {needs} {param.dtype}")
+
+
+def _meta_copy(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` whose tensors live on the meta device: building a method on it allocates nothing."""
+    memo: dict[int, Any] = {}
+    for tensor in [*model.parameters(), *model.buffers()]:
+        shadow = torch.empty_like(tensor, device="meta")
+        is_param = isinstance(tensor, nn.Parameter)
+        memo[id(tensor)] = nn.Parameter(shadow, requires_grad=tensor.requires_grad) if is_param else shadow
+    return copy.deepcopy(model, memo)
 
 
 def load_trainable(model: nn.Module, path: str | Path) -> nn.Module:
@@ -170,10 +212,14 @@ def load_trainable(model: nn.Module, path: str | Path) -> nn.Module:
                 raise ValueError(f"{path} was saved with {key}={value!r}, the model has {key}={have.get(key)!r}")
     if any(getattr(m, "merged", False) for m in model.modules()):
         raise ValueError("unmerge the model before loading trainable weights")
+    # The file's own tensor shapes are checked first, against the method built on a meta-device copy of a fresh
+    # model: a config claiming a huge size (rank=2**30) allocates nothing, and a mismatch leaves the model as it was.
+    header = _read_header(path)
+    if fresh:
+        _check_matches(path, _applied(path, _meta_copy(model), meta), header, "the config recorded in it needs")
+    else:
+        _check_matches(path, model, header)
     tensors = _read_tensors(path)
-    # A fresh model is checked through a copy carrying the method, so a mismatch leaves it untouched.
-    target = _applied(path, copy.deepcopy(model), meta) if fresh else model
-    _check_matches(path, target, tensors)
     if fresh:
         _applied(path, model, meta)
     params = {**dict(model.named_parameters()), **dict(model.named_buffers())}

@@ -138,9 +138,27 @@ _Loader.add_implicit_resolver(
 )
 
 
+def read_yaml(path: Path) -> Any:
+    """A preset file's contents (YAML 1.2 floats, see :class:`_Loader`).
+
+    Raises:
+        ValueError: one line naming the file, and the line and column of a syntax error.
+
+    """
+    try:
+        return yaml.load(path.read_text(encoding="utf-8"), Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{path}: not UTF-8 text (byte {error.start}): save it as UTF-8") from None
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f":{mark.line + 1}:{mark.column + 1}" if mark is not None else ""
+        problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+        raise ValueError(f"{path}{where}: malformed YAML ({problem}): fix the file") from None
+
+
 def read_yaml_mapping(path: Path, allowed: set[str], groups: tuple[str, ...] = OVERRIDABLE_GROUPS) -> dict[str, Any]:
     """A preset file's top-level mapping, its keys checked against ``allowed`` and ``groups`` mappings."""
-    data = yaml.load(path.read_text(), Loader=_Loader) or {}  # noqa: S506 - a SafeLoader subclass
+    data = read_yaml(path) or {}
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
     unknown = sorted(set(data) - allowed)
@@ -293,7 +311,10 @@ def list_experiments(configs: Path) -> list[str]:
     files = preset_names(configs / "experiments")
     covered = set(files)
     for name in files:
-        method = (yaml.safe_load((configs / "experiments" / f"{name}.yaml").read_text()) or {}).get("method")
+        try:
+            method = (read_yaml(configs / "experiments" / f"{name}.yaml") or {}).get("method")
+        except (ValueError, AttributeError):
+            continue  # a malformed file is named when it is loaded; listing the others must not fail on it
         if isinstance(method, dict):
             covered.add(str(method.get("name")))
     return files + [m for m in _registered_methods() if m not in covered]

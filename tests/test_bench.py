@@ -197,8 +197,9 @@ def test_cli_runs_a_restricted_suite_then_reports(tmp_path, monkeypatch, capsys)
     assert cli.main([*args, f"output_dir={tmp_path}", "progress=false"]) == 0
     assert len(engine.trained) == 4  # nothing left to do
     assert "4 already done" in capsys.readouterr().out
-    with pytest.raises(SystemExit, match="methods="):
+    with pytest.raises(SystemExit) as caught:
         cli.main(["method=lora", f"output_dir={tmp_path}"])
+    assert caught.value.code == 2 and "methods=" in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------------------------- report

@@ -144,6 +144,7 @@ class Leaderboard:
     families: dict[str, str] = field(default_factory=dict)
     columns: list[Column] = field(default_factory=list)
     compute: Compute | None = None
+    skipped: list[Path] = field(default_factory=list)
 
     @property
     def family_order(self) -> list[str]:

@@ -12,6 +12,10 @@ Usage::
     petl-bench commands suite=vtab1k [hydra/launcher=submitit_slurm ...]   (prints petl-run --multirun lines)
     petl-bench list
 
+Bad input (an unknown suite or key, a malformed YAML file, a results folder without results) exits with
+status 2 and one line naming the file or value; a sweep with failed runs exits with 1; Ctrl-C with 130
+(finished runs are kept, an interrupted run resumes from its last epoch).  ``--debug`` shows the traceback.
+
 Arguments are Hydra-style ``key=value``.  Keys the sweep does not know (``train.*``, ``model.*``,
 ``data.root``...) pass through to ``petl.run.default_config`` after the suite's and experiment's own
 overrides, so the command line wins.  Suites and experiments come from petl's top-level ``configs/``
@@ -22,14 +26,22 @@ from __future__ import annotations
 
 import shlex
 import sys
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from petl.bench import protocol
 from petl.bench import suite as suites
 from petl.bench.args import CONFIGS_KEYS, as_bool, configs_folder, parse_args, split_list
 from petl.bench.report import write_report
 from petl.bench.sweep import SweepSummary, plan, run_sweep
+
+PROG = "petl-bench"
+USAGE_ERROR = 2
+RUN_ERROR = 1
+INTERRUPTED = 130
+DEBUG_FLAG = "--debug"
 
 SWEEP_KEYS = {
     "suite",
@@ -179,13 +191,25 @@ def cmd_list(args: Sequence[str]) -> int:
     """Print the suites and experiments found."""
     own, _ = parse_args(args, CONFIGS_KEYS)
     configs = configs_folder(own)
+    broken = 0
+    # One malformed file is named (on stderr) and the rest are still listed; the status then says so.
     for name in suites.list_suites(configs):
-        s = suites.load_suite(name, configs)
+        try:
+            s = suites.load_suite(name, configs)
+        except ValueError as error:
+            broken += 1
+            _error(str(error))
+            continue
         print(f"suite {name}: {len(s.experiments)} experiments, {len(s.tasks)} tasks, seeds {s.seeds}")
     for name in suites.list_experiments(configs):
-        e = suites.load_experiment(name, configs)
+        try:
+            e = suites.load_experiment(name, configs)
+        except ValueError as error:
+            broken += 1
+            _error(str(error))
+            continue
         print(f"experiment {name}: {' '.join(e.overrides())}")
-    return 0
+    return USAGE_ERROR if broken else 0
 
 
 def cmd_params(args: Sequence[str]) -> int:
@@ -202,9 +226,49 @@ def cmd_speed(args: Sequence[str]) -> int:
     return speed_main(args)
 
 
+def _error(message: str) -> None:
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+
+
+def _one_line_warning(message: Any, category: type, filename: str, lineno: int, file: Any = None, line: Any = None):
+    # A skipped result.json is worth one line naming it, not the source line that warned.
+    print(f"{PROG}: warning: {message}", file=sys.stderr if file is None else file)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``petl-bench``."""
+    """Entry point of ``petl-bench``: errors are one line and an exit status (see the module docstring)."""
     args = list(sys.argv[1:] if argv is None else argv)
+    debug = DEBUG_FLAG in args
+    args = [a for a in args if a != DEBUG_FLAG]
+    try:
+        with warnings.catch_warnings():
+            if not debug:
+                warnings.showwarning = _one_line_warning
+            return _dispatch(args)
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        _error("interrupted; run the same command again to go on (finished runs are kept, an interrupted run "
+               "resumes from its last finished epoch)")  # fmt: skip
+        raise SystemExit(INTERRUPTED) from None
+    except SystemExit as exit_:
+        if debug or not isinstance(exit_.code, str):
+            raise
+        print(exit_.code, file=sys.stderr)  # an argument error, already one line
+        raise SystemExit(USAGE_ERROR) from None
+    except (ValueError, FileNotFoundError) as error:
+        if debug:
+            raise
+        _error(str(error))
+        raise SystemExit(USAGE_ERROR) from None
+    except Exception as error:  # a fault nobody foresaw: one line, --debug for the traceback
+        if debug:
+            raise
+        _error(f"{type(error).__name__}: {error} ({DEBUG_FLAG} shows the traceback)")
+        raise SystemExit(RUN_ERROR) from None
+
+
+def _dispatch(args: list[str]) -> int:
     if args and args[0] in ("-h", "--help", "help"):
         print(__doc__)
         return 0
@@ -219,10 +283,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     if command not in commands:
         raise SystemExit(f"petl-bench: unknown command {command!r}; use {', '.join(commands)}")
-    try:
-        return commands[command](args)
-    except (ValueError, FileNotFoundError) as err:
-        raise SystemExit(f"petl-bench: {err}") from err
+    return commands[command](args)
 
 
 if __name__ == "__main__":

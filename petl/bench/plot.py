@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
+from matplotlib.text import Text
 from matplotlib.ticker import MaxNLocator
 
 
@@ -182,6 +183,12 @@ def place_labels(
 # The plots.
 
 
+def _as_text(fig: Figure) -> None:
+    """Draw every text of ``fig`` as written (names come from folders and files: no mathtext, no ``$...$``)."""
+    for text in fig.findobj(Text):
+        text.set_parse_math(False)
+
+
 def _png(fig: Figure) -> bytes:
     """The figure as a 256-colour PNG: a third of the bytes, no visible change (the HTML embeds both plots).
 
@@ -189,6 +196,7 @@ def _png(fig: Figure) -> bytes:
     """
     from PIL import Image  # Pillow comes with matplotlib
 
+    _as_text(fig)
     drawn = io.BytesIO()
     fig.savefig(drawn, format="png")
     buffer = io.BytesIO()
@@ -274,6 +282,7 @@ def render_pareto(
             title="method family",
             title_fontsize=8,
         )
+    _as_text(fig)  # before the layout measures them
     fig.tight_layout()
     _label_points(ax, canvas, rows, front)
     return _png(fig)
@@ -281,6 +290,7 @@ def render_pareto(
 
 def _label_points(ax, canvas: FigureCanvasAgg, rows: list[Point], frontier: list[tuple[float, float]]) -> None:
     # Labels are placed in pixels once the layout is final: draw once, then freeze the limits.
+    _as_text(ax.figure)
     canvas.draw()
     ax.set_xlim(ax.get_xlim())
     ax.set_ylim(ax.get_ylim())
@@ -293,7 +303,7 @@ def _label_points(ax, canvas: FigureCanvasAgg, rows: list[Point], frontier: list
     names = [p.label if p.complete else f"{p.label} *" for p in rows]
     sizes = []
     for name in names:
-        probe = ax.text(0, 0, name, fontsize=_LABEL_SIZE)
+        probe = ax.text(0, 0, name, fontsize=_LABEL_SIZE, parse_math=False)
         extent = probe.get_window_extent(renderer)
         sizes.append((extent.width, extent.height))
         probe.remove()
@@ -313,6 +323,7 @@ def _label_points(ax, canvas: FigureCanvasAgg, rows: list[Point], frontier: list
             ha=place.ha,
             va=place.va,
             fontsize=_LABEL_SIZE,
+            parse_math=False,
             alpha=1.0 if p.complete else 0.6,
             # Under the markers, so that the line to a name set away from its point ends at the marker's edge.
             zorder=2.5,
@@ -396,5 +407,6 @@ def render_curves(
         "(grey: the other families)",
         fontsize=10,
     )
+    _as_text(fig)  # before the layout measures them
     fig.tight_layout()
     return _png(fig)

@@ -95,6 +95,8 @@ class Cell:
         """The search record with the chosen point, or ``None`` while a trial has no result yet."""
         scored = []
         for trial in self.trials:
+            if not trial.run.is_done():  # not trained yet, or damaged (the next sweep trains it again)
+                return None
             result = read_result(trial.run.run_dir / RESULT_FILE)
             if result is None:
                 return None
@@ -228,6 +230,8 @@ def stamp_selection(run: PlannedRun, selection: dict[str, Any]) -> str | None:
 
     """
     path = run.run_dir / RESULT_FILE
+    if (damage := run.damage()) is not None:
+        return f"{run.label}: {damage}; the next invocation trains it again"
     result = read_result(path)
     if result is None or result.selection == selection:
         return None

@@ -35,7 +35,7 @@ from petl.bench.columns import leaderboard_columns, task_labels
 from petl.bench.curves import CONVERGENCE_TAIL, ValCurve, learning_curves, tail_change, val_curve
 from petl.bench.published import TABLES, PublishedRow, PublishedTable, table_for
 from petl.bench.results import Compute, RunRecord, collect, compute_spent, mean, read_all, task_group
-from petl.bench.table import Header, Table, markdown_lines
+from petl.bench.table import Header, Table, markdown_lines, md_escape
 from petl.presets import FAMILIES
 from petl.run.records import write_atomic, write_text
 
@@ -200,14 +200,23 @@ def csv_records(board: Leaderboard) -> list[dict[str, Any]]:
     return out
 
 
+# A spreadsheet reads a cell that starts with one of these as a formula (=HYPERLINK(...) runs on a click).
+_FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
+
+
+def _csv_cell(value: Any) -> Any:
+    """A text cell a spreadsheet shows as text: a leading formula character gets a ``'`` before it (OWASP)."""
+    return f"'{value}" if isinstance(value, str) and value.startswith(_FORMULA_START) else value
+
+
 def csv_text(board: Leaderboard) -> str:
-    """``leaderboard.csv``'s contents."""
+    """``leaderboard.csv``'s contents (text cells never start a formula; numbers are written as numbers)."""
     records = csv_records(board)
     columns = list(dict.fromkeys(k for rec in records for k in rec))
     buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=columns, lineterminator="\n")
-    writer.writeheader()
-    writer.writerows(records)
+    writer = csv.writer(buffer, lineterminator="\n")
+    writer.writerow([_csv_cell(c) for c in columns])
+    writer.writerows([[_csv_cell(rec.get(c, "")) for c in columns] for rec in records])
     return buffer.getvalue()
 
 
@@ -289,6 +298,13 @@ def notes(board: Leaderboard) -> list[str]:
     ]
     if board.compute is not None:
         lines.append(board.compute.line())
+    if board.skipped:
+        n = len(board.skipped)
+        names = ", ".join(str(p.relative_to(board.results_dir)) for p in board.skipped)
+        lines.append(
+            f"**Skipped**: {n} result.json {'files were' if n > 1 else 'file was'} skipped as damaged or incomplete "
+            f"(a field missing or malformed; each named in a warning when this report was built): {names}."
+        )
     lines += [c.note for c in board.columns if c.note]
     for table in board.tables:
         lines.append(
@@ -313,7 +329,7 @@ def _summary(board: Leaderboard) -> str:
 def markdown(board: Leaderboard) -> str:
     """``leaderboard.md``: the main table, the details table, the legend, then the published per-task tables."""
     lines = [
-        f"# {_title(board)}",
+        f"# {md_escape(_title(board))}",
         "",
         _summary(board),
         "",
@@ -325,7 +341,7 @@ def markdown(board: Leaderboard) -> str:
         "",
         "## Legend",
         "",
-        *[f"- {n}" for n in notes(board)],
+        *[f"- {md_escape(n)}" for n in notes(board)],
     ]
     for table in published_tables(board):
         lines += ["", f"## {table.title}", "", f"Source: {table.source}.", "", *markdown_lines(table)]
@@ -381,15 +397,18 @@ def write_report(
     from petl.bench.html import render_html
 
     results_dir = Path(results_dir)
-    results = read_all(results_dir)
+    skipped: list[Path] = []
+    results = read_all(results_dir, skipped)
     records = collect(results)
     if not records:
-        raise FileNotFoundError(f"no result.json under {results_dir}")
+        unusable = f" ({len(skipped)} skipped as damaged or incomplete, named above)" if skipped else ""
+        raise FileNotFoundError(f"no usable result.json under {results_dir}{unusable}")
     experiments = sorted({r.experiment for r in records})
     board = aggregate(
         records, results_dir, published_names(experiments, configs_dir), family_names(experiments, configs_dir)
     )
     board.compute = compute_spent(results)
+    board.skipped = skipped
     out = Path(out_dir) if out_dir is not None else results_dir
     png = pareto_png(board)
     curves_png = learning_curves_png(board)

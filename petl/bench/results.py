@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from petl.run.records import RESULT_FILE
+from petl.run.records import REPLACED_MARK, RESULT_FILE
 from petl.run.result import ResultError, RunResult, read_result
 
 _SEED_DIR = re.compile(r"^seed(\d+)$")
@@ -36,14 +36,70 @@ class RunRecord:
     result: RunResult
 
 
-def read_all(results_dir: str | Path) -> list[tuple[Path, RunResult]]:
-    """Every readable ``result.json`` under ``results_dir``, read once; an unreadable one is skipped with a warning."""
+def result_files(results_dir: str | Path) -> list[Path]:
+    """Every ``result.json`` under ``results_dir``, less those of runs replaced (moved aside) by ``resume=false``."""
+    root = Path(results_dir)
+    paths = sorted(root.rglob(RESULT_FILE))
+    return [p for p in paths if not any(REPLACED_MARK in part for part in p.relative_to(root).parts)]
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+# What a reported run's result.json must hold for the leaderboard: its counts, and numbers (or nothing) where the
+# columns read numbers.  A file read from disk is untrusted: one with a bad field is skipped, never half-used.
+_COUNTS = ("trainable_params", "trainable_params_no_head", "total_params")
+_OPTIONAL_NUMBERS = ("val_top1", "epochs", "train_seconds", "images_per_second", "peak_memory_mb", "wall_seconds")
+_OPTIONAL_MAPPINGS = ("method_config", "config", "selection")
+
+
+def record_problem(result: Mapping[str, Any]) -> str | None:
+    """Why a reported run's record cannot be used in a leaderboard (a field missing or malformed), or ``None``."""
+
+    def bad(key: str, what: str) -> str:
+        if result.get(key) is None:
+            return f"field {key!r} is missing"
+        return f"field {key!r} is {result[key]!r}, not {what}"
+
+    if result.get("test_top1") is not None and not _is_number(result["test_top1"]):
+        return bad("test_top1", "a number")
+    for key in _COUNTS:
+        if not _is_number(result.get(key)) or result[key] < (1 if key == "total_params" else 0):
+            return bad(key, "a positive count" if key == "total_params" else "a count")
+    for key in _OPTIONAL_NUMBERS:
+        if result.get(key) is not None and not _is_number(result[key]):
+            return bad(key, "a number")
+    for key in _OPTIONAL_MAPPINGS:
+        if result.get(key) is not None and not isinstance(result[key], Mapping):
+            return bad(key, "a mapping")
+    trials = (result.get("selection") or {}).get("trials") or []
+    if not isinstance(trials, list) or not all(isinstance(t, Mapping) for t in trials):
+        return "field 'selection' has trials that are not mappings"
+    return None
+
+
+def read_all(results_dir: str | Path, skipped: list[Path] | None = None) -> list[tuple[Path, RunResult]]:
+    """Every usable ``result.json`` under ``results_dir``, read once.
+
+    An unreadable file, or a reported run's record with a field missing or malformed, is skipped with a warning
+    naming it (and appended to ``skipped``).  Runs replaced by ``resume=false`` (``<run>.replaced-<time>/``)
+    are not read.
+    """
     found = []
-    for path in sorted(Path(results_dir).rglob(RESULT_FILE)):
+    for path in result_files(results_dir):
         try:
             result = read_result(path)
+            problem = None if result is None or result.test_top1 is None else record_problem(result.to_json())
         except ResultError as error:
-            warnings.warn(f"skipping {error}", stacklevel=2)
+            result, problem = None, str(error)
+        except (KeyError, TypeError, RecursionError) as error:  # a record without dataset or seed...
+            result, problem = None, f"{path}: not a result record ({type(error).__name__}: {error})"
+        if problem is not None:
+            name = problem if problem.startswith(str(path)) else f"{path}: {problem}"
+            warnings.warn(f"skipping {name}", stacklevel=2)
+            if skipped is not None:
+                skipped.append(path)
             continue
         if result is not None:
             found.append((path, result))
@@ -106,7 +162,8 @@ class Compute:
 def compute_spent(results: list[tuple[Path, RunResult]]) -> Compute:
     """Count every finished run :func:`read_all` found, selection trials included, and sum their wall times."""
     trials = sum(1 for _, result in results if result.test_top1 is None)
-    seconds = sum(float(result.wall_seconds or result.train_seconds or 0.0) for _, result in results)
+    spent = [result.wall_seconds or result.train_seconds or 0.0 for _, result in results]
+    seconds = sum(float(value) for value in spent if _is_number(value))  # read_all names a run with a bad number
     return Compute(len(results) - trials, trials, seconds)
 
 
@@ -142,8 +199,12 @@ def describe_run(record: RunRecord) -> str:
     config = record.result.config
     config_path = record.path.parent / "config.yaml"
     if not isinstance(config, dict) and config_path.is_file():
-        config = yaml.safe_load(config_path.read_text())
-    lr = (config.get("train") or {}).get("lr") if isinstance(config, dict) else None
+        try:
+            config = yaml.safe_load(config_path.read_text(encoding="utf-8"))
+        except (OSError, ValueError, yaml.YAMLError):
+            config = None  # only the lr is read from it: the row shows without one
+    train = config.get("train") if isinstance(config, dict) else None
+    lr = train.get("lr") if isinstance(train, dict) else None
     recipe = [] if lr is None else [f"lr={lr}"]
     if record.result.epochs is not None:
         recipe.append(f"{record.result.epochs} ep")

@@ -23,7 +23,7 @@ from petl.bench.suite import Experiment, Suite, format_value
 from petl.run.lock import LOCK_FILE as LOCK_FILE  # the lock is petl-run's too: one home, re-exported here
 from petl.run.lock import acquire_lock, release_lock
 from petl.run.records import RESULT_FILE
-from petl.run.result import RunResult, write_result
+from petl.run.result import ResultError, RunResult, read_result, write_result
 
 ERROR_FILE = "error.log"
 
@@ -50,8 +50,16 @@ class PlannedRun:
         return self.name or f"{self.task} {self.experiment} seed{self.seed}"
 
     def is_done(self) -> bool:
-        """Whether the run has already written its result."""
-        return (self.run_dir / RESULT_FILE).is_file()
+        """Whether the run has already written its result (a readable one: a damaged file is trained again)."""
+        return (self.run_dir / RESULT_FILE).is_file() and self.damage() is None
+
+    def damage(self) -> str | None:
+        """Why this run's ``result.json`` cannot be read (cut short, hand-edited), or ``None``."""
+        try:
+            read_result(self.run_dir / RESULT_FILE)
+        except (ResultError, KeyError, TypeError, RecursionError) as error:
+            return str(error) if isinstance(error, ResultError) else f"{self.run_dir / RESULT_FILE}: {error!r}"
+        return None
 
 
 def run_dir_for(output_dir: Path, task: str, experiment: str, seed: int) -> Path:
@@ -207,7 +215,13 @@ def run_sweep(
                     # Another sweep may have finished it between our first look and the lock.
                     if not run.is_done():
                         (run.run_dir / ERROR_FILE).unlink(missing_ok=True)
-                        cfg = compose_fn(list(run.overrides))
+                        overrides = list(run.overrides)
+                        if (damage := run.damage()) is not None:
+                            # resume=false moves the damaged run aside (petl.run.folder.set_aside) and trains it
+                            # anew; the output_dir override stays last.
+                            bar.write(f"petl-bench: warning: {damage}: training {run.label} again")
+                            overrides.insert(len(overrides) - 1, "resume=false")
+                        cfg = compose_fn(overrides)
                         # Runs share this process; each resets its own peak memory (petl.run.runner._train_and_record).
                         train_fn(cfg)
                         summary.trained += 1

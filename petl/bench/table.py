@@ -6,6 +6,7 @@ builds them (the report imports the renderers, never the other way round).
 
 from __future__ import annotations
 
+import html
 from dataclasses import dataclass
 
 Cell = tuple[str, float | str]  # (display text, sort key); an empty sort key sorts last either way
@@ -30,15 +31,19 @@ class Table:
     source: str = ""
 
 
-def _md_escape(text: str) -> str:
-    return text.replace("|", "\\|")
+def md_escape(text: str) -> str:
+    """Markdown cell text: names and options come from result.json files, so no HTML gets through, and no
+    newline ends a table row.
+    """
+    text = html.escape(text, quote=False).replace("|", "\\|")
+    return text.replace("\r\n", "<br>").replace("\n", "<br>").replace("\r", "<br>")
 
 
 def markdown_lines(table: Table) -> list[str]:
     """The table as Markdown lines: info columns left-aligned, the others right-aligned."""
     lines = [
-        "| " + " | ".join(_md_escape(h.label) for h in table.headers) + " |",
+        "| " + " | ".join(md_escape(h.label) for h in table.headers) + " |",
         "|" + "|".join("---" if h.kind == "info" else "---:" for h in table.headers) + "|",
     ]
-    lines += ["| " + " | ".join(_md_escape(text) for text, _ in cells) + " |" for cells in table.rows]
+    lines += ["| " + " | ".join(md_escape(text) for text, _ in cells) + " |" for cells in table.rows]
     return lines

@@ -44,6 +44,7 @@ from petl.data.registry import (
     TRAIN,
     TRAIN_VAL,
     VAL,
+    BadImagesError,
     DatasetInfo,
     DatasetUnavailableError,
     register_dataset,
@@ -137,8 +138,16 @@ def _find_task_dir(info: DatasetInfo, task: _Task, root: Path, markers: Sequence
 
 def _read_list(path: Path, base: Path) -> list[tuple[Path, int]]:
     """Parse a ``relative/path label`` file; paths may contain spaces, the label is the last field."""
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = data[: error.start].count(b"\n") + 1
+        raise ValueError(
+            f"{path}:{line}: not UTF-8 text (byte {data[error.start]:#04x}): save the list as UTF-8"
+        ) from None
     items = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
+    for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         parts = line.rsplit(maxsplit=1)
@@ -170,6 +179,23 @@ def _check_labels(info: DatasetInfo, splits: dict[str, list[tuple[Path, int]]], 
         )
 
 
+def _check_inside(info: DatasetInfo, root: Path, splits: dict[str, list[tuple[Path, int]]]) -> None:
+    """Refuse listed paths that leave ``root`` as written (``../``, absolute), before any file is read.
+
+    Judged on the path as written, not resolved: a symlink the dataset itself contains (layouts use them)
+    is followed as usual, but a list cannot send a run to read files elsewhere.
+    """
+    inside = os.path.normpath(os.path.abspath(root))
+    outside = {
+        path: f"outside data.root {root}: a split list may only name files inside it"
+        for items in splits.values()
+        for path, _ in items
+        if os.path.commonpath([inside, os.path.normpath(os.path.abspath(path))]) != inside
+    }
+    if outside:
+        raise BadImagesError(info.name, sorted(outside.items()))
+
+
 def _check_files(info: DatasetInfo, items: list[tuple[Path, int]]) -> None:
     missing = [path for path, _ in items if not path.is_file()]
     if missing:
@@ -197,7 +223,9 @@ def _check_union(info: DatasetInfo, splits: dict[str, list[tuple[Path, int]]]) -
     warnings.warn(f"{info.name}: train800val200.txt is not train800.txt plus val200.txt (it {reason})", stacklevel=4)
 
 
-def _load_vtab_folder(info: DatasetInfo, folder: Path, split: str, spec: ImageSpec, strict: bool) -> Dataset:
+def _load_vtab_folder(
+    info: DatasetInfo, folder: Path, split: str, spec: ImageSpec, strict: bool, root: Path | None = None
+) -> Dataset:
     """Read all four split lists, validate them, and return ``split``."""
     splits = {}
     for name in SPLITS:
@@ -214,17 +242,30 @@ def _load_vtab_folder(info: DatasetInfo, folder: Path, split: str, spec: ImageSp
         if not splits[TEST]:
             raise ValueError(f"{info.name}: {folder / 'test.txt'} is empty")
         _check_union(info, splits)
+    _check_inside(info, root or folder, splits)  # every listed path inside data.root
     _check_labels(info, splits, strict)
     _check_files(info, splits[split])
     return FileListDataset(splits[split], spec, name=info.name, folder=folder)
 
 
 def _read_json_split(path: Path) -> dict[str, int]:
-    with path.open() as handle:
-        data = json.load(handle)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{path}: not UTF-8 text ({error.reason} at byte {error.start}): save it as UTF-8") from None
+    except (ValueError, RecursionError) as error:
+        raise ValueError(f"{path}: malformed JSON ({error})") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected an object mapping image paths to labels")
-    return {str(k): int(v) for k, v in data.items()}
+    out = {}
+    for key, label in data.items():
+        try:
+            if isinstance(label, bool) or not isinstance(label, int | str):
+                raise ValueError
+            out[str(key)] = int(label)
+        except ValueError:
+            raise ValueError(f"{path}: label of {key!r} is {label!r}, not an integer") from None
+    return out
 
 
 def _image_base(folder: Path, relative: str) -> Path:
@@ -235,7 +276,9 @@ def _image_base(folder: Path, relative: str) -> Path:
     return folder
 
 
-def _load_fgvc_folder(info: DatasetInfo, folder: Path, split: str, spec: ImageSpec, strict: bool) -> Dataset:
+def _load_fgvc_folder(
+    info: DatasetInfo, folder: Path, split: str, spec: ImageSpec, strict: bool, root: Path | None = None
+) -> Dataset:
     native = {"train": "train", "val": "val", "test": "test"}
     splits: dict[str, list[tuple[Path, int]]] = {}
     if all((folder / f"{n}.txt").is_file() for n in native):
@@ -255,6 +298,7 @@ def _load_fgvc_folder(info: DatasetInfo, folder: Path, split: str, spec: ImageSp
         raise DatasetUnavailableError(
             f"{info.name}: {folder} needs train/val/test lists (train.txt, val.txt, test.txt or VPT's *.json)"
         )
+    _check_inside(info, root or folder, splits)  # every listed path inside data.root
     _check_labels(info, splits, strict)
     wanted = {TRAIN: ["train"], VAL: ["val"], TRAIN_VAL: ["train", "val"], TEST: ["test"]}[split]
     items = [item for n in wanted for item in splits[n]]
@@ -393,7 +437,7 @@ def _vtab_dataset(
     info: DatasetInfo, task: _Task, split: str, spec: ImageSpec, root: Path | None, strict: bool
 ) -> Dataset:
     folder = _vtab_from_hub(info, task) if root is None else _find_task_dir(info, task, root, ["train800.txt"])
-    return _load_vtab_folder(info, folder, split, spec, strict)
+    return _load_vtab_folder(info, folder, split, spec, strict, root)
 
 
 def _fgvc_dataset(
@@ -402,7 +446,7 @@ def _fgvc_dataset(
     if root is None:
         return _fgvc_from_hub(info, task, split, spec)
     folder = _find_task_dir(info, task, root, ["train.txt", "train.json"])
-    return _load_fgvc_folder(info, folder, split, spec, strict)
+    return _load_fgvc_folder(info, folder, split, spec, strict, root)
 
 
 @dataclass(frozen=True)

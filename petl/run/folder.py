@@ -10,6 +10,8 @@ folder for one run at a time.
 from __future__ import annotations
 
 import logging
+import os
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -81,9 +83,7 @@ def _as_recorded(value: Any) -> Any:
 def check_output_dir(out: Path, cfg: DictConfig, resolved: dict[str, Any], is_main: bool) -> RunResult | None:
     """Check what an earlier run left in ``out``; return its result if it finished with this config."""
     if not cfg.resume:
-        if is_main:
-            for name in records.RUN_FILES:
-                (out / name).unlink(missing_ok=True)
+        # A replacement: the earlier run stays until this one has checked its input (set_aside).
         return None
     finished = _read_finished(out)
     if finished is not None:
@@ -138,11 +138,41 @@ def check_finished(cfg: DictConfig) -> None:
     check_inputs(out, finished.inputs, run_inputs(cfg, None), finished=True)
 
 
+_REPLACE = "run again with resume=false to move that run aside and train anew, or choose another output_dir"
+
+
 def _read_finished(out: Path) -> RunResult | None:
     try:
         return read_result(out / records.RESULT_FILE)
-    except ResultError as error:
-        raise ConfigError(f"output_dir {out}: {error}; delete it to train again") from None
+    except (ResultError, RecursionError) as error:
+        raise ConfigError(f"output_dir {out}: {error}; {_REPLACE}") from None
+
+
+def set_aside(out: Path) -> None:
+    """Move the files of an earlier run in ``out`` to ``<out>.replaced-<time>`` (resume=false replaces a run).
+
+    Called once the replacing run has built its model and data, right before it writes its first file, so a
+    replacement that fails on its input deletes nothing.
+    """
+    found = [out / name for name in records.RUN_FILES if (out / name).exists()]
+    if not found:
+        return
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    aside = out.with_name(f"{out.name}{records.REPLACED_MARK}{stamp}")
+    count = 1
+    while aside.exists():
+        count += 1
+        aside = out.with_name(f"{out.name}{records.REPLACED_MARK}{stamp}-{count}")
+    try:
+        aside.mkdir()
+        for path in found:
+            os.replace(path, aside / path.name)
+    except OSError as error:
+        raise ConfigError(
+            f"resume=false: cannot move the earlier run in {out} aside to {aside} ({error.strerror or error}); "
+            "nothing was deleted: choose another output_dir"
+        ) from None
+    log.info("resume=false: the earlier run in %s (%s) moved to %s", out, ", ".join(p.name for p in found), aside)
 
 
 def run_inputs(cfg: DictConfig, dataset: Dataset | None) -> dict[str, Any]:
@@ -194,12 +224,14 @@ def claim(out: Path) -> Iterator[None]:
     if not records.is_main_process():
         yield
         return
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"output_dir {out} is a file, not a folder: choose another output_dir")
-    created = [p for p in (out, *out.parents) if not p.exists()]
-    # A sweep (petl-bench) holds the folder's lock itself and trains in this very process.
-    ours = not lock.holds_lock(out)
+    created: list[Path] = []
     try:
+        # Even a look may fail (a name longer than the file system allows): that is bad input too.
+        if out.exists() and not out.is_dir():
+            raise ConfigError(f"output_dir {out} is a file, not a folder: choose another output_dir")
+        created = [p for p in (out, *out.parents) if not p.exists()]
+        # A sweep (petl-bench) holds the folder's lock itself and trains in this very process.
+        ours = not lock.holds_lock(out)
         taken = lock.acquire_lock(out) if ours else True
     except OSError as error:
         _remove_empty(created)
@@ -245,7 +277,10 @@ def disk_errors(out: Path, saved_epoch: Callable[[], int], resume: bool = True) 
 
 def resume_checkpoint(out: Path, cfg: DictConfig, inputs: dict[str, Any]) -> dict[str, Any] | None:
     """The checkpoint to resume from, once its data and weights are known to be this run's."""
-    checkpoint = records.load_checkpoint(out / records.CHECKPOINT_FILE) if cfg.resume else None
+    try:
+        checkpoint = records.load_checkpoint(out / records.CHECKPOINT_FILE) if cfg.resume else None
+    except records.DamagedFileError as error:
+        raise ConfigError(f"{error}: {_REPLACE}") from None
     if checkpoint is not None:
         # check_output_dir has matched its config.yaml against cfg; the inputs need the data built.
         check_inputs(out, checkpoint.get("inputs"), inputs)

@@ -5,7 +5,12 @@ a small ViT trained to tell apart random IFS fractal classes (Kataoka et al.; Na
 showed ViTs pretrained this way transfer).  It uses the same engine as petl-run, then writes
 safetensors weights (without the pretraining head) and a JSON provenance record.
 
-    petl-pretrain --classes 300 --instances 100 --epochs 8 --out petl/weights
+    petl-pretrain --classes 300 --instances 100 --epochs 8                 # writes runs/pretrain/
+    petl-pretrain --classes 200 --instances 150 --epochs 7 --out petl/weights --overwrite
+
+Without ``--out`` the files go to ``runs/pretrain/`` under the current folder, never into the installed
+package; files already there are replaced only with ``--overwrite``.  Bad input exits with status 2,
+a failure with 1, Ctrl-C with 130, each as one line; ``--debug`` shows the traceback.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import argparse
 import dataclasses
 import json
 import platform
+import sys
 import time
 from pathlib import Path
 
@@ -30,6 +36,13 @@ from petl.run import records
 from petl.run.engine import TrainSettings, build_optimizer, fit
 
 ARCH = "vit_fractal_tiny_patch4_32"
+DEFAULT_OUT = Path("runs/pretrain")
+PROG = "petl-pretrain"
+
+
+def output_files(out_dir: Path) -> tuple[Path, Path]:
+    """The weights and provenance files :func:`pretrain` writes into ``out_dir``."""
+    return out_dir / f"{ARCH}.fractaldb.safetensors", out_dir / f"{ARCH}.fractaldb.json"
 
 
 def _normalised(dataset: TensorDataset) -> TensorDataset:
@@ -107,17 +120,34 @@ def pretrain(
         **records.git_commit(),
     }
     if out_dir is not None:
-        out_dir.mkdir(parents=True, exist_ok=True)
+        weights, provenance = output_files(out_dir)
         # The pretraining head is task-specific: downstream runs reset it, so it is not shipped.
         state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items() if not k.startswith("head.")}
-        save_file(state, str(out_dir / f"{ARCH}.fractaldb.safetensors"), metadata={"arch": ARCH})
-        (out_dir / f"{ARCH}.fractaldb.json").write_text(json.dumps(record, indent=2) + "\n")
+        records.write_atomic(weights, lambda tmp: save_file(state, str(tmp), metadata={"arch": ARCH}))
+        records.write_text(provenance, json.dumps(record, indent=2) + "\n")
     return record
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Command-line entry point of ``petl-pretrain``."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    """Command-line entry point of ``petl-pretrain``: errors are one line and an exit status (module docstring)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    try:
+        _main([a for a in argv if a != "--debug"])
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print(f"{PROG}: error: interrupted; nothing was written", file=sys.stderr)
+        raise SystemExit(130) from None
+    except (ValueError, OSError, RuntimeError) as error:
+        if debug:
+            raise
+        print(f"{PROG}: error: {type(error).__name__}: {error} (--debug shows the traceback)", file=sys.stderr)
+        raise SystemExit(1) from None
+
+
+def _main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     parser.add_argument("--classes", type=int, default=300, help="number of fractal classes")
     parser.add_argument("--instances", type=int, default=100, help="training images per class")
     parser.add_argument("--epochs", type=int, default=8)
@@ -128,12 +158,29 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--label-smoothing", type=float, default=0.1)
     parser.add_argument("--precision", default="no", choices=["no", "bf16", "fp16"])
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=models.WEIGHTS_DIR, help="output folder")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=DEFAULT_OUT,
+        help=f"output folder (default: {DEFAULT_OUT} under the current folder; the shipped default backbone in "
+        f"{models.WEIGHTS_DIR} changes only with --out pointing there and --overwrite)",
+    )
+    parser.add_argument("--overwrite", action="store_true", help="replace weights already in --out")
     parser.add_argument("--no-progress", action="store_true", help="hide the per-epoch progress bar")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
     args = parser.parse_args(argv)
     for name in ("classes", "instances", "epochs", "batch_size"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    existing = [p for p in output_files(args.out) if p.exists()]
+    if existing and not args.overwrite:
+        # Checked before hours of training: a finished pretraining is never replaced without asking.
+        print(
+            f"{PROG}: error: {existing[0]} exists (an earlier pretraining): pass --overwrite to replace it, "
+            "or choose another --out",
+            file=sys.stderr,
+        )
+        raise SystemExit(2)
     fractal = FractalConfig(num_classes=args.classes, instances=args.instances, seed=args.seed)
     settings = TrainSettings(
         epochs=args.epochs,

@@ -10,11 +10,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pickle
 import platform
 import random
 import resource
 import subprocess
 import tempfile
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from importlib import metadata
@@ -30,6 +32,8 @@ RESULT_FILE = "result.json"
 WEIGHTS_FILE = "trainable.safetensors"
 CHECKPOINT_FILE = "checkpoint.pt"
 RUN_FILES = (CONFIG_FILE, METRICS_FILE, RESULT_FILE, WEIGHTS_FILE, CHECKPOINT_FILE)
+# resume=false moves an earlier run's files to ``<output_dir>.replaced-<time>``; reports skip such folders.
+REPLACED_MARK = ".replaced-"
 
 VERSIONED_PACKAGES = ("petl", "torch", "torchvision", "timm", "accelerate", "peft", "hydra-core", "omegaconf", "numpy")
 
@@ -109,11 +113,31 @@ def append_metrics(path: Path, row: dict[str, Any]) -> None:
         f.write(json.dumps(row) + "\n")
 
 
+class DamagedFileError(ValueError):
+    """A run file that exists but cannot be read (cut short, hand-edited, not petl's); the message names it."""
+
+
+def _first_line(error: BaseException) -> str:
+    # The first sentence: torch's zip-reader errors go on with paragraphs of advice.
+    return (str(error).strip().splitlines() or [type(error).__name__])[0].split(". ")[0][:200]
+
+
 def read_json(path: Path) -> dict[str, Any] | None:
-    """A JSON record, or ``None`` when the file does not exist."""
+    """A JSON record, or ``None`` when the file does not exist.
+
+    Raises:
+        DamagedFileError: the file is not a JSON object (cut short, not UTF-8, nested absurdly deep...).
+
+    """
     if not path.exists():
         return None
-    return json.loads(path.read_text(encoding="utf-8"))
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, RecursionError) as error:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise DamagedFileError(f"{path} is damaged ({_first_line(error)})") from None
+    if not isinstance(record, dict):
+        raise DamagedFileError(f"{path} is damaged (a JSON {type(record).__name__}, not an object)")
+    return record
 
 
 def rng_state() -> dict[str, Any]:
@@ -154,11 +178,33 @@ def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
     write_atomic(path, write)
 
 
+# What every checkpoint of save_checkpoint holds (runner._train writes it); a file without them is not one.
+CHECKPOINT_KEYS = ("epoch", "trainable", "optimizer", "scheduler", "rng", "history", "seconds")
+
+
 def load_checkpoint(path: Path) -> dict[str, Any] | None:
-    """A checkpoint written by :func:`save_checkpoint`, or ``None``; never unpickles arbitrary objects."""
+    """A checkpoint written by :func:`save_checkpoint`, or ``None``; never unpickles arbitrary objects.
+
+    Raises:
+        DamagedFileError: the file cannot be read safely or is not a petl checkpoint.
+
+    """
     if not path.exists():
         return None
-    return torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        with warnings.catch_warnings():
+            # torch warns about a foreign file's pickle protocol before refusing it: the refusal says enough.
+            warnings.simplefilter("ignore")
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        # torch's own message advises weights_only=False, which would run whatever the file holds: never.
+        raise DamagedFileError(f"{path} is damaged (it holds objects a safe load refuses to unpickle)") from None
+    except Exception as error:  # torch raises RuntimeError (zip reader), OSError, EOFError... for a cut file
+        raise DamagedFileError(f"{path} is damaged ({_first_line(error)})") from None
+    missing = [key for key in CHECKPOINT_KEYS if key not in state] if isinstance(state, dict) else ["all"]
+    if missing:
+        raise DamagedFileError(f"{path} is damaged (not a petl checkpoint: {', '.join(missing)} missing)")
+    return state
 
 
 def versions() -> dict[str, str | None]:

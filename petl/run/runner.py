@@ -150,6 +150,8 @@ def _train_and_record(cfg: DictConfig, resolved: dict[str, Any], out: Path, acce
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     progress = _Progress.start(checkpoint)
+    if not cfg.resume and accelerator.is_main_process:
+        folder.set_aside(out)  # model, data and method are built: the replacement can start
     with folder.disk_errors(out, lambda: progress.saved_epoch, cfg.resume):
         if accelerator.is_main_process:
             records.write_text(out / records.CONFIG_FILE, OmegaConf.to_yaml(resolved))
