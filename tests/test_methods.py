@@ -47,6 +47,7 @@ VARIANTS = [(name, {}) for name in petl.list_methods()] + [
     ("ssf", {"init_std": 0.1}),
     ("fact", {"type": "tt", "rank": 4, "scale": 10.0}),
     ("repadapter", {"bottleneck": 4, "groups": 4, "scale": 0.5}),
+    ("dtl", {"rank": 3, "beta": 5.0, "add_from": 0, "fusion_size": 3}),
 ]
 IDS = [name + "".join(f"-{k}={v}" for k, v in opts.items()) for name, opts in VARIANTS]
 MERGEABLE = [v for v in VARIANTS if petl.get_method(v[0]).mergeable]
@@ -196,6 +197,7 @@ PUBLISHED = [
     ("linear", {}, 0),
     ("bitfit", {}, 102_912),
     ("ssf", {}, 205_824),
+    ("dtl", {}, 36_864),
 ]
 
 

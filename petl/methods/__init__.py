@@ -10,6 +10,7 @@ from petl.methods.adapter import apply_adapter as apply_adapter
 from petl.methods.adapter_plus import apply_adapter_plus as apply_adapter_plus
 from petl.methods.bitfit import apply_bitfit as apply_bitfit
 from petl.methods.convpass import apply_convpass as apply_convpass
+from petl.methods.dtl import apply_dtl as apply_dtl
 from petl.methods.fact import apply_fact as apply_fact
 from petl.methods.full import apply_full as apply_full
 from petl.methods.hydra import apply_hydra as apply_hydra
