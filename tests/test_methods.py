@@ -48,6 +48,7 @@ VARIANTS = [(name, {}) for name in petl.list_methods()] + [
     ("fact", {"type": "tt", "rank": 4, "scale": 10.0}),
     ("repadapter", {"bottleneck": 4, "groups": 4, "scale": 0.5}),
     ("dtl", {"rank": 3, "beta": 5.0, "add_from": 0, "fusion_size": 3}),
+    ("lst", {"reduction": 4, "gate_alpha": 1.0, "gate_t": 0.5, "dropout": 0.0}),
 ]
 IDS = [name + "".join(f"-{k}={v}" for k, v in opts.items()) for name, opts in VARIANTS]
 MERGEABLE = [v for v in VARIANTS if petl.get_method(v[0]).mergeable]

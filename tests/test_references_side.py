@@ -68,3 +68,51 @@ def test_dtl_defaults_follow_the_dtl_scripts(tiny_vit):
     assert cfg.first_add(tiny_vit()) == 1  # half of 3 blocks, as 6 is half of ViT-B's 12
     side = petl.apply(tiny_vit(), "dtl").blocks[0].side
     assert all(b.abs().sum() == 0 for b in side.lora_b) and all(a.abs().sum() > 0 for a in side.lora_a)
+
+
+# --- LST ---------------------------------------------------------------------------------------
+
+
+def _side_block(block: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A pre-norm transformer layer written out (multi-head attention, GELU MLP; eval mode, no dropout)."""
+    a, m = block.attn, block.mlp
+    b, n, d = x.shape
+    h = block.norm1(x)
+    q, k, v = (h @ a.qkv.weight.T + a.qkv.bias).reshape(b, n, 3, a.num_heads, d // a.num_heads).permute(2, 0, 3, 1, 4)
+    weights = (q @ k.transpose(-2, -1) * (d // a.num_heads) ** -0.5).softmax(-1)
+    x = x + a.proj((weights @ v).transpose(1, 2).reshape(b, n, d))
+    return x + m.fc2(torch.nn.functional.gelu(m.fc1(block.norm2(x))))
+
+
+def _lst_forward(model, side, plain_blocks, images, gate_t):
+    # ylsung/Ladder-Side-Tuning@1798e82 CLIP-ViL/src/lxrt/modeling.py L796-822 (add_residual_after False):
+    # side = first_downsample(embeddings); per layer x = layer(x), side = merge(side, downsample_i(x)) with
+    # gate = sigmoid(alpha_i / T) (L709-716), side = side_layer_i(side); the output is final_upsample(side).
+    x = _embed(model, images)
+    s = x @ side.first_down.weight.T
+    for i, block in enumerate(plain_blocks):
+        x = block(x)
+        gate = torch.sigmoid(side.gates[i] / gate_t)
+        s = _side_block(side.side_blocks[i], gate * s + (1 - gate) * x @ side.ladders[i].weight.T)
+    return _head(model, s @ side.up.weight.T)
+
+
+@pytest.mark.parametrize("options", [{}, {"reg_tokens": 2}, {"class_token": False, "global_pool": "avg"}])
+def test_lst_equals_reference(tiny_vit, images, options):
+    model = petl.apply(tiny_vit(**options), "lst", num_classes=4, reduction=4, gate_alpha=0.3, gate_t=0.5)
+    perturb_trainable(model)
+    model.eval()
+    side = model.blocks[0].side
+    expected = _lst_forward(model, side, [b.base for b in model.blocks], images, 0.5)
+    torch.testing.assert_close(model(images), expected, atol=1e-5, rtol=0)
+
+
+def test_lst_defaults_and_init_follow_the_reference(tiny_vit):
+    # side_transformers/config.py: reduction 8, gate_alpha 0, gate_T 0.1; init_bert_weights L1012-1023.
+    cfg = petl.make_config("lst")
+    assert (cfg.reduction, cfg.gate_alpha, cfg.gate_t) == (8, 0.0, 0.1)
+    side = petl.apply(tiny_vit(embed_dim=96, num_heads=3), "lst").blocks[0].side
+    assert side.first_down.weight.shape == (12, 96) and side.first_down.bias is None and side.up.bias is None
+    assert torch.equal(side.gates, torch.zeros(3))
+    assert abs(float(side.ladders[0].weight.detach().std()) - 0.02) < 0.005
+    assert all(float(b.attn.qkv.bias.detach().abs().sum()) == 0 for b in side.side_blocks)
