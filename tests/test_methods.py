@@ -49,6 +49,7 @@ VARIANTS = [(name, {}) for name in petl.list_methods()] + [
     ("repadapter", {"bottleneck": 4, "groups": 4, "scale": 0.5}),
     ("dtl", {"rank": 3, "beta": 5.0, "add_from": 0, "fusion_size": 3}),
     ("lst", {"reduction": 4, "gate_alpha": 1.0, "gate_t": 0.5, "dropout": 0.0}),
+    ("hst", {"dims": [8, 12], "heads": [2, 3], "meta_tokens": 2}),
 ]
 IDS = [name + "".join(f"-{k}={v}" for k, v in opts.items()) for name, opts in VARIANTS]
 MERGEABLE = [v for v in VARIANTS if petl.get_method(v[0]).mergeable]

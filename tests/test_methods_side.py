@@ -14,7 +14,7 @@ import petl
 from petl import vit
 from petl.methods import _side
 
-SIDE = ["dtl", "lst"]
+SIDE = ["dtl", "lst", "hst"]
 
 
 def _outputs_requiring_grad(model: torch.nn.Module, images: torch.Tensor) -> list[bool]:
@@ -39,6 +39,13 @@ def test_dtl_backward_reaches_only_the_blocks_after_add_from(tiny_vit, images, a
     assert _outputs_requiring_grad(model, images) == [i > add_from for i in range(3)]
 
 
+def test_hst_backward_reaches_every_block(tiny_vit, images):
+    # HST's meta tokens and trained LayerNorms sit in the backbone (AFeng-x/HST models/vit_hsn.py L316-327,
+    # L342-348): the reference backpropagates through every block, and so does petl.
+    model = petl.apply(tiny_vit(), "hst", num_classes=4)
+    assert _outputs_requiring_grad(model, images) == [True, True, True]
+
+
 def test_lst_backward_reaches_no_backbone_block(tiny_vit, images):
     # LST's ladders only read the backbone (CLIP-ViL/src/lxrt/modeling.py L796-822): no backward through it.
     model = petl.apply(tiny_vit(), "lst", num_classes=4, reduction=4)
@@ -50,7 +57,8 @@ def test_lst_backward_reaches_no_backbone_block(tiny_vit, images):
 def test_side_parameters_live_once_under_block_zero(tiny_vit, method):
     model = petl.apply(tiny_vit(), method, num_classes=4)
     names = [n for n, p in model.named_parameters() if p.requires_grad and not n.startswith("head.")]
-    assert names and all(n.startswith("blocks.0.network.") for n in names)
+    # HST also trains the blocks' own LayerNorms (blocks.<i>.base.norm1/norm2).
+    assert names and all(n.startswith("blocks.0.network.") or ".base.norm" in n for n in names)
     sides = {id(b.side) for b in model.blocks}
     assert len(sides) == 1 and all(isinstance(b, _side.SideBlock) for b in model.blocks)
 
@@ -59,8 +67,10 @@ def test_side_parameters_live_once_under_block_zero(tiny_vit, method):
 def test_side_state_is_dropped_after_each_forward(tiny_vit, images, method):
     model = petl.apply(tiny_vit(), method, num_classes=4)
     model(images)
-    state = [v for v in vars(model.blocks[0].side).values() if isinstance(v, torch.Tensor)]
-    assert state == []
+    side = model.blocks[0].side
+    held = [v for v in vars(side).values() if isinstance(v, torch.Tensor)]
+    held += [v for v in vars(side).values() if isinstance(v, list) and any(isinstance(t, torch.Tensor) for t in v)]
+    assert held == [] and getattr(side, "output", None) is None
 
 
 @pytest.mark.parametrize("method", SIDE)

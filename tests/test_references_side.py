@@ -116,3 +116,83 @@ def test_lst_defaults_and_init_follow_the_reference(tiny_vit):
     assert torch.equal(side.gates, torch.zeros(3))
     assert abs(float(side.ladders[0].weight.detach().std()) - 0.02) < 0.005
     assert all(float(b.attn.qkv.bias.detach().abs().sum()) == 0 for b in side.side_blocks)
+
+
+# --- HST ---------------------------------------------------------------------------------------
+
+
+def _hst_side_block(block, x, meta_r, x_vit):
+    # AFeng-x/HST@ee89571 models/vit_custom_modules.py L147-162 (M_C_Attention: q from x, k and v from the
+    # meta tokens, softmax(q k^T * scale) v, proj) and L200-205 (M_Block: x + attn, + x_vit, + mlp).
+    b, n, c = x.shape
+    heads = block.heads
+    q = block.q(block.norm1(x)).reshape(b, n, heads, c // heads).permute(0, 2, 1, 3)
+    k = block.k(meta_r).reshape(b, -1, heads, c // heads).permute(0, 2, 1, 3)
+    v = block.v(meta_r).reshape(b, -1, heads, c // heads).permute(0, 2, 1, 3)
+    attn = (q @ k.transpose(-2, -1) * (c // heads) ** -0.5).softmax(dim=-1)
+    x = x + block.proj((attn @ v).transpose(1, 2).reshape(b, n, c))
+    x = x + x_vit
+    fc1, fc2 = block.mlp[0], block.mlp[2]
+    return x + fc2(torch.nn.functional.gelu(fc1(block.norm2(x))))
+
+
+def _hst_forward(model, side, head, plain_blocks, images, stage_blocks):
+    # models/vit_hsn.py L332-403: a meta token in front at every block, its output kept, the patch tokens kept
+    # as a map; metaG bridged by the stage's T_Bridge and normed by m_proj_norm; per stage: patch embedding,
+    # bilinear resize + bridge of the ViT maps, globalT = their mean, M_Blocks, m_norm; mean pool; fc_norm; head.
+    x = _embed(model, images)
+    b, prefix = images.shape[0], model.num_prefix_tokens
+    metas, maps = [], []
+    for i, block in enumerate(plain_blocks):
+        x = block(torch.cat([side.meta[i].expand(b, -1, -1), x], dim=1))
+        metas.append(x[:, :1])
+        maps.append(x[:, 1 + prefix :].transpose(1, 2).reshape(b, -1, 4, 4))
+        x = x[:, 1:]
+    stage_of = {i: s for s, blocks in enumerate(stage_blocks) for i in blocks}
+    metas = [side.meta_norms[i](side.bridges[stage_of[i]](m)) for i, m in enumerate(metas)]
+    x_m = images
+    for s, blocks in enumerate(stage_blocks):
+        embed = side.embeds[s]
+        x_m = embed.conv(x_m)
+        _, _, h, w = x_m.shape
+        x_m = embed.norm(x_m.flatten(2).transpose(1, 2))
+        for i in blocks:
+            vit_map = torch.nn.functional.interpolate(maps[i], size=(h, w), mode="bilinear", align_corners=False)
+            vit_map = side.bridges[s](vit_map.flatten(2).transpose(1, 2))
+            meta_r = torch.cat([metas[i], vit_map.mean(dim=1, keepdim=True)], dim=1)
+            x_m = _hst_side_block(side.side_blocks[i], x_m, meta_r, vit_map)
+        x_m = side.stage_norms[s](x_m)
+        if s != len(stage_blocks) - 1:
+            x_m = x_m.reshape(b, h, w, -1).permute(0, 3, 1, 2)
+    pooled = x_m.mean(dim=1)
+    pooled = (pooled - head.running_mean) / torch.sqrt(head.running_var + 1e-6)  # BatchNorm1d, eval, no affine
+    return pooled @ head.weight.T + head.bias
+
+
+@pytest.mark.parametrize("options", [{"depth": 4}, {"depth": 3, "reg_tokens": 2}])
+def test_hst_equals_reference(tiny_vit, images, options):
+    model = petl.apply(tiny_vit(**options), "hst", num_classes=4, dims=(8, 12, 16, 16), heads=(2, 2, 4, 4))
+    perturb_trainable(model)
+    model.train()
+    model(images)  # one train-mode forward moves the BatchNorm statistics away from 0 and 1
+    model.eval()
+    side = model.blocks[0].side
+    expected = _hst_forward(model, side, model.head, [b.base for b in model.blocks], images, side.stage_blocks)
+    torch.testing.assert_close(model(images), expected, atol=1e-5, rtol=0)
+
+
+def test_hst_defaults_follow_the_reference(tiny_vit):
+    # ViT_HSN defaults (vit_hsn.py L156-157): m_embed_dims 32/48/64/72, m_c_num_heads 2/4/8/12, metaG_num 1;
+    # freeze_vit (L316-327): the blocks' LayerNorms train, the other backbone weights do not.
+    cfg = petl.make_config("hst")
+    assert (cfg.dims, cfg.heads, cfg.meta_tokens) == ((32, 48, 64, 72), (2, 4, 8, 12), 1)
+    with torch.device("meta"):
+        import timm
+
+        vit_b = timm.create_model("vit_base_patch16_224", pretrained=False)
+    assert cfg.stages(vit_b) == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11]]  # block_indices 2, 5, 8, 11
+    model = petl.apply(tiny_vit(), "hst", num_classes=4)
+    trained = {n for n, p in model.named_parameters() if p.requires_grad and not n.startswith("blocks.0.network")}
+    assert {n for n in trained if not n.startswith("head.")} == {
+        f"blocks.{i}.base.{norm}.{p}" for i in range(3) for norm in ("norm1", "norm2") for p in ("weight", "bias")
+    }
