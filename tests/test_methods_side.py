@@ -81,6 +81,15 @@ def test_side_methods_refuse_gradient_checkpointing_with_a_clear_error(tiny_vit,
         model(images).sum().backward()
 
 
+def test_hst_rejects_bad_options(tiny_vit):
+    for options, field in [({"dims": [8, 12], "heads": [3]}, "dims"), ({"dims": [8], "heads": [3]}, "dims"),
+                           ({"dims": ["a"], "heads": [1]}, "dims"), ({"meta_tokens": 0}, "meta_tokens")]:  # fmt: skip
+        with pytest.raises(ValueError, match=field):
+            petl.apply(tiny_vit(), "hst", num_classes=4, **options)
+    with pytest.raises(ValueError, match="num_classes"):
+        petl.apply(tiny_vit(num_classes=0), "hst")
+
+
 def test_dtl_rejects_bad_options(tiny_vit):
     for options, field in [({"rank": 0}, "rank"), ({"add_from": 3}, "add_from"), ({"fusion_size": 2}, "fusion_size")]:
         with pytest.raises(ValueError, match=field):

@@ -185,7 +185,7 @@ def test_hst_defaults_follow_the_reference(tiny_vit):
     # ViT_HSN defaults (vit_hsn.py L156-157): m_embed_dims 32/48/64/72, m_c_num_heads 2/4/8/12, metaG_num 1;
     # freeze_vit (L316-327): the blocks' LayerNorms train, the other backbone weights do not.
     cfg = petl.make_config("hst")
-    assert (cfg.dims, cfg.heads, cfg.meta_tokens) == ((32, 48, 64, 72), (2, 4, 8, 12), 1)
+    assert (cfg.widths, cfg.head_counts, cfg.meta_tokens) == ((32, 48, 64, 72), (2, 4, 8, 12), 1)
     with torch.device("meta"):
         import timm
 

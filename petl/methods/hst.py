@@ -51,24 +51,34 @@ class HstConfig(core.MethodConfig):
     """Options of HST.
 
     Attributes:
-        dims: width of each side stage (``m_embed_dims``, 32, 48, 64, 72).
-        heads: attention heads of each stage's side blocks (``m_c_num_heads``, 2, 4, 8, 12).
+        dims: width of each side stage (``m_embed_dims``, 32, 48, 64, 72); integers, kept as strings so that
+            the CLI schema stays plain (``method.dims=[16,24]`` or ``dims=(16, 24)`` both work).
+        heads: attention heads of each stage's side blocks (``m_c_num_heads``, 2, 4, 8, 12), likewise.
         meta_tokens: meta tokens in front of every ViT block (``metaG_num``, 1).
 
     """
 
-    dims: tuple[int, ...] = (32, 48, 64, 72)
-    heads: tuple[int, ...] = (2, 4, 8, 12)
+    dims: tuple[str, ...] = ("32", "48", "64", "72")
+    heads: tuple[str, ...] = ("2", "4", "8", "12")
     meta_tokens: int = 1
 
     def __post_init__(self) -> None:
-        self.dims = tuple(int(d) for d in self.dims)
-        self.heads = tuple(int(h) for h in self.heads)
+        self.dims, self.heads = core.to_str_tuple(self.dims), core.to_str_tuple(self.heads)
+
+    @property
+    def widths(self) -> tuple[int, ...]:
+        """``dims`` as integers."""
+        return _ints("dims", self.dims)
+
+    @property
+    def head_counts(self) -> tuple[int, ...]:
+        """``heads`` as integers."""
+        return _ints("heads", self.heads)
 
     def stages(self, model: nn.Module) -> list[list[int]]:
         """The ViT blocks feeding each stage: contiguous, as even as possible (3 per stage on 12 blocks)."""
         depth = vit.depth(model)
-        count = min(len(self.dims), depth)
+        count = min(len(self.widths), depth)
         bounds = [round(i * depth / count) for i in range(count + 1)]
         return [list(range(bounds[i], bounds[i + 1])) for i in range(count)]
 
@@ -76,13 +86,21 @@ class HstConfig(core.MethodConfig):
         super().validate(model)
         if not self.dims or len(self.dims) != len(self.heads):
             raise ValueError(f"dims={list(self.dims)} and heads={list(self.heads)} must name the same stages")
-        for dim, heads in zip(self.dims, self.heads, strict=True):
+        for dim, heads in zip(self.widths, self.head_counts, strict=True):
+            core.check_range("dims", dim, low=1)
             core.check_range("heads", heads, low=1)
             if dim % heads:
                 raise ValueError(f"dims: a stage of width {dim} cannot split into {heads} heads")
         core.check_range("meta_tokens", self.meta_tokens, low=1)
         if not (self.num_classes or vit.num_classes(model)):
             raise ValueError("HST classifies from its side network with a head of its own: give num_classes")
+
+
+def _ints(field: str, values: tuple[str, ...]) -> tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in values)
+    except ValueError:
+        raise ValueError(f"{field}={list(values)}: give whole numbers, one per stage") from None
 
 
 def _init(module: nn.Module) -> None:
@@ -167,7 +185,7 @@ class HstSide(_side.SideNetwork):
         super().__init__(depth)
         kw = core.factory_kwargs(model)
         self.stage_blocks = cfg.stages(model)
-        dims, heads = cfg.dims[: len(self.stage_blocks)], cfg.heads[: len(self.stage_blocks)]
+        dims, heads = cfg.widths[: len(self.stage_blocks)], cfg.head_counts[: len(self.stage_blocks)]
         self.num_meta, self.num_prefix, self.grid = cfg.meta_tokens, vit.num_prefix_tokens(model), vit.grid_size(model)
         self.stage_of = [s for s, blocks in enumerate(self.stage_blocks) for _ in blocks]
         mlp_ratio = vit.linear(vit.blocks(model)[0], "fc1").out_features / d
@@ -274,7 +292,7 @@ class HstHead(nn.Module):
 def _formula(model: nn.Module, cfg: HstConfig) -> int:
     d, depth = vit.embed_dim(model), vit.depth(model)
     stages = cfg.stages(model)
-    dims = cfg.dims[: len(stages)]
+    dims = cfg.widths[: len(stages)]
     in_chans = vit.patch_proj(model).in_channels
     ratio = vit.linear(vit.blocks(model)[0], "fc1").out_features / d
     total = depth * cfg.meta_tokens * d + depth * 2 * 2 * d  # meta tokens, the blocks' LayerNorms
