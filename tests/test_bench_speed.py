@@ -232,3 +232,35 @@ def test_speed_cli_rejects_unknown_keys(capsys):
     with pytest.raises(SystemExit) as caught:
         cli.main(["speed", "batchsize=3"])
     assert caught.value.code == 2 and "unknown argument" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["dtl", "lst"])
+def test_side_tuning_methods_get_their_own_floor(name):
+    # A side network's floor is its own model with the frozen blocks run without autograd, not a backward
+    # into the backbone: find_floor is not asked (it would point at block 0, where the side network starts).
+    spec = SpeedSpec(model=TINY.model)
+    cases, floor_of = plan_cases(spec, [(name, {"name": name})], log=lambda _: None)
+    floor = next(c for c in cases if c.floor is not None)
+    assert floor.floor == Floor("", side=name) and floor.method == {"name": name}
+    assert floor_of[name] == floor.name == f"floor: no-grad fwd + {name} side network"
+
+
+def test_side_floor_runs_no_block_with_autograd_and_trains_the_side_network():
+    from petl.bench.speed import _Bench
+
+    bench = _Bench(Case("floor", {"name": "dtl", "add_from": 2}, floor=Floor("", side="dtl")), TINY)
+    outputs = []
+    for block in petl.vit.blocks(bench.model):
+        block.register_forward_hook(lambda _m, _a, out: outputs.append(out.requires_grad))
+    before = [p.detach().clone() for p in bench.params]
+    bench.step()
+    assert outputs == [False] * DEPTH and torch.is_grad_enabled()
+    assert any(not torch.equal(p, q) for p, q in zip(bench.params, before, strict=True))
+
+
+def test_lst_peak_memory_is_below_loras():
+    # LST's backward never enters the backbone, LoRA's reaches block 0 (fresh processes, as the tool measures).
+    spec = SpeedSpec(batch=8, warmup=1)
+    lst_mb = measure_memory_in_subprocess(Case("lst", {"name": "lst"}), spec)["peak_mb"]
+    lora_mb = measure_memory_in_subprocess(Case("lora", dict(LORA[1])), spec)["peak_mb"]
+    assert lst_mb < lora_mb

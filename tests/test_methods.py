@@ -47,6 +47,9 @@ VARIANTS = [(name, {}) for name in petl.list_methods()] + [
     ("ssf", {"init_std": 0.1}),
     ("fact", {"type": "tt", "rank": 4, "scale": 10.0}),
     ("repadapter", {"bottleneck": 4, "groups": 4, "scale": 0.5}),
+    ("dtl", {"rank": 3, "beta": 5.0, "add_from": 0, "fusion_size": 3}),
+    ("lst", {"reduction": 4, "gate_alpha": 1.0, "gate_t": 0.5, "dropout": 0.0}),
+    ("hst", {"dims": [8, 12], "heads": [2, 3], "meta_tokens": 2}),
 ]
 IDS = [name + "".join(f"-{k}={v}" for k, v in opts.items()) for name, opts in VARIANTS]
 MERGEABLE = [v for v in VARIANTS if petl.get_method(v[0]).mergeable]
@@ -196,6 +199,7 @@ PUBLISHED = [
     ("linear", {}, 0),
     ("bitfit", {}, 102_912),
     ("ssf", {}, 205_824),
+    ("dtl", {}, 36_864),
 ]
 
 

@@ -23,15 +23,20 @@ class Floor:
             for LoRA on Q/V, ``head`` for a linear probe); ``""`` for the whole model (the images).
         extra_tokens: tokens the method adds to the sequence (prompts), most over any block.
         extra_at: the first block that sees them.
+        side: for a side-tuning method (its config's ``side_network``), the experiment whose side network
+            the floor runs: the frozen blocks without autograd, the side network as the method runs it.
 
     """
 
     start: str
     extra_tokens: int = 0
     extra_at: int = 0
+    side: str = ""
 
     def label(self) -> str:
         """The floor's row name."""
+        if self.side:
+            return f"floor: no-grad fwd + {self.side} side network"
         where = f"`{self.start}` input" if self.start else "images"
         tokens = f", +{self.extra_tokens} tokens from block {self.extra_at}" if self.extra_tokens else ""
         return f"floor: fwd + bwd to {where}{tokens}"
@@ -116,3 +121,17 @@ def floor_hooks(model, floor: Floor) -> None:
     if floor.start:
         start = model.get_submodule(floor.start)
         start.register_forward_pre_hook(lambda _m, args: (args[0].detach().requires_grad_(), *args[1:]))
+    if floor.side:
+        # The method's own model, each frozen block run without autograd: what is left is the side network.
+        modes: list[bool] = []
+
+        def no_grad(_module, _args) -> None:
+            modes.append(torch.is_grad_enabled())
+            torch.set_grad_enabled(False)
+
+        def restore(_module, _args, _out) -> None:  # a forward hook returning a value would replace the output
+            torch.set_grad_enabled(modes.pop())
+
+        for block in vit.blocks(model):
+            block.register_forward_pre_hook(no_grad)
+            block.register_forward_hook(restore)

@@ -91,9 +91,15 @@ def plan_cases(
     plain_modules = {name for name, _ in plain.named_modules()}
     floors: dict[str, Floor] = {}
     for name, method in experiments:
-        floors[name] = find_floor(build_model(Case(name, dict(method)), cpu), probe, plain_tokens, plain_modules)
+        model = build_model(Case(name, dict(method)), cpu)
+        if getattr(model.petl_config, "side_network", False):
+            floors[name] = Floor(start="", side=name)
+        else:
+            floors[name] = find_floor(model, probe, plain_tokens, plain_modules)
     floor_rows = {f.label(): f for f in floors.values()}
-    cases = [Case(FORWARD), *(Case(label, floor=f) for label, f in floor_rows.items())]
+    methods = dict(experiments)
+    cases = [Case(FORWARD)]
+    cases += [Case(label, dict(methods[f.side]) if f.side else {}, floor=f) for label, f in floor_rows.items()]
     cases += [Case(name, dict(method)) for name, method in experiments]
     missing = engine.compiler_missing(spec.device)
     for name, method in experiments:
@@ -141,7 +147,7 @@ def run_speed(
     for name, floor in floor_of.items():
         results[name]["floor"] = floor
     for case in cases:
-        if case.name == FORWARD or (case.floor is not None and not case.floor.extra_tokens):
+        if case.name == FORWARD or (case.floor is not None and not case.floor.extra_tokens and not case.floor.side):
             # Its inference is the frozen backbone's plain forward: one more identical copy of the network.
             results[case.name]["plain_copy"] = True
     return results

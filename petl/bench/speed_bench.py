@@ -123,7 +123,7 @@ class _Bench:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         if case.floor is not None:
             floor_hooks(self.model, case.floor)
-        # The no-grad forward and the floors train nothing: no optimizer.
+        # The no-grad forward and the floors train nothing (a side floor its side network only): no optimizer.
         self.optimizer = torch.optim.AdamW(self.params, lr=1e-3) if self.params else None
         self.loss_fn = torch.nn.CrossEntropyLoss()
         self.merged = None
@@ -149,7 +149,7 @@ class _Bench:
             with torch.no_grad():
                 self.model(self.images)
             return
-        floor_at_images = self.case.floor is not None and not self.case.floor.start
+        floor_at_images = self.case.floor is not None and not self.case.floor.start and not self.case.floor.side
         images = self.images.detach().requires_grad_() if floor_at_images else self.images
         with self.autocast():
             loss = self.loss_fn(self.step_model(images), self.labels)

@@ -1,0 +1,80 @@
+"""What the side-tuning methods (DTL, LST) share: a side network that runs beside the frozen blocks.
+
+A side network keeps state across blocks (DTL's running sum of low-rank features, LST's side stream),
+yet timm's forward runs ``model.blocks`` itself, block by block.  So every block is wrapped in a
+:class:`SideBlock` that calls the one side network with its own index: ``side.step(i, block, x)`` runs
+the frozen block and whatever the side network does around it, and returns what the next block reads.
+The side network's parameters are registered once, under block 0's wrapper (so saving, counting and
+``.to()`` see them once); the other wrappers hold an unregistered reference to the same module.
+
+The state lives on the side network between block 0 and the last block of one forward and is dropped
+at the last block, so a finished forward holds no graph.  timm's gradient checkpointing re-runs blocks
+in the backward, which would run the side steps out of order: a block called out of order raises.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from petl import core, vit
+
+
+class SideNetwork(nn.Module):
+    """Base class of a side network: :meth:`step` runs frozen block ``index`` and the side network's part there."""
+
+    def __init__(self, depth: int) -> None:
+        super().__init__()
+        self.depth = depth
+        self._next = 0
+
+    def check_order(self, index: int) -> None:
+        """Raise unless block ``index`` is the one due (block 0 always starts a new forward)."""
+        if index != 0 and index != self._next:
+            raise RuntimeError(
+                f"side network: block {index} ran after block {self._next - 1}; side-tuning methods need the "
+                "blocks in order in one forward (gradient checkpointing re-runs them: turn it off)"
+            )
+        self._next = (index + 1) % self.depth
+
+    def step(self, index: int, block: nn.Module, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        """Run block ``index`` (frozen, kept as the wrapper's ``base``) on ``x``; return what the next block reads."""
+        raise NotImplementedError
+
+
+class SideBlock(core.PetlModule):
+    """A frozen block that hands its forward to the side network's :meth:`SideNetwork.step`.
+
+    Args:
+        base: the timm block; it stays frozen and is kept as ``base``.
+        side: the side network every block of the model shares.
+        index: this block's position.
+
+    """
+
+    def __init__(self, base: nn.Module, side: SideNetwork, index: int) -> None:
+        super().__init__(base)
+        self.index = index
+        if index == 0:
+            self.network = side
+        else:
+            # A plain list is not registered: the parameters belong to block 0's wrapper alone.
+            self._shared = [side]
+
+    @property
+    def side(self) -> SideNetwork:
+        """The side network (registered under block 0, shared by reference elsewhere)."""
+        return self.network if self.index == 0 else self._shared[0]
+
+    def forward(self, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        self.side.check_order(self.index)
+        return self.side.step(self.index, self.base, x, **kwargs)
+
+
+def install(model: nn.Module, side: SideNetwork) -> None:
+    """Wrap every block of ``model`` in a :class:`SideBlock` sharing ``side``."""
+    container = vit.block_container(model)
+    for i in range(len(container)):
+        vit.set_block(model, i, SideBlock(container[i], side, i))

@@ -1,0 +1,144 @@
+"""DTL, disentangled transfer learning (Fu et al., AAAI 2024): a compact side network of low-rank maps.
+
+Before every block, a rank-``rank`` map ``B A x`` of the block's input is added to a running sum ``r``
+(the "compact side network", CSN); from block ``add_from`` on, after each block, ``swish(r, beta)``
+(``r * sigmoid(beta * r)``) is added back into the residual stream.  Only the blocks after ``add_from``
+see trainable features, so the backward stops there: the first ``add_from + 1`` blocks run as a
+frozen feature extractor.  ``fusion_size`` > 0 is DTL+: the added features of the patch tokens first
+pass a depthwise ``fusion_size`` x ``fusion_size`` convolution on their image grid (the class and
+register tokens pass unchanged).  B starts at zero, so the model is unchanged at init.
+
+Follows heekhero/DTL@bf6c51e models/vision_transformer.py: ``LoRALinear`` L47-68 (A kaiming-uniform,
+B zero, no bias, ``x A^T B^T``), ``swish`` L44-45, the CSN and the depthwise fusion conv (no bias,
+``padding='same'``, ``groups=embed_dim``) L359-367, the forward L424-444; defaults from train_vit_vtab.py
+L74-78 and train_scripts/vit/vtab/*/train_dtl.sh (r 2, beta 100, LoRA before blocks 0-11, added after
+blocks 6-11, fusion_size 0 for DTL, 3 for DTL+).  V-PETL Bench's ``vision_transformer_dtl.py`` is a copy of
+its VPT-Shallow model and its ``train_model_dtl.py`` a copy of its SCT script: it has no DTL code.
+
+Deliberate differences: DTL's model averages the patch tokens and then applies the final norm
+(vision_transformer.py L446-448); petl keeps the backbone's own norm and pooling, as for every method, so
+rows compare on the same head.  ``add_from`` is 6 on ViT-B's 12 blocks, half the depth elsewhere.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from petl import core, vit
+from petl.methods import _side
+
+
+@dataclass
+class DtlConfig(core.MethodConfig):
+    """Options of DTL.
+
+    Attributes:
+        rank: rank r of each block's low-rank map (``--r``, 2).
+        beta: the swish's sharpness, ``r * sigmoid(beta * r)`` (``--beta``, 100).
+        add_from: the first block after which the side features are added (``--add_after_blocks 6-11``);
+            ``None`` picks half the depth (6 on ViT-B).
+        fusion_size: kernel of the depthwise conv on the added patch features; 0 is DTL (no conv), 3 is
+            DTL+ (``--fusion_size``).
+
+    """
+
+    # The frozen blocks before add_from see no trainable tensor: a speed floor of its own (petl.bench.speed).
+    side_network: ClassVar[bool] = True
+
+    rank: int = 2
+    beta: float = 100.0
+    add_from: int | None = None
+    fusion_size: int = 0
+
+    def first_add(self, model: nn.Module) -> int:
+        """The block after which the side features are first added on ``model``."""
+        return vit.depth(model) // 2 if self.add_from is None else self.add_from
+
+    def validate(self, model: nn.Module) -> None:
+        super().validate(model)
+        core.check_range("rank", self.rank, low=1)
+        core.check_nonzero("beta", self.beta, "the swish gate")
+        core.check_range("add_from", self.first_add(model), low=0, high=vit.depth(model) - 1)
+        core.check_range("fusion_size", self.fusion_size, low=0)
+        if self.fusion_size and self.fusion_size % 2 == 0:
+            raise ValueError(f"fusion_size={self.fusion_size} must be odd (or 0): the conv keeps the token grid")
+
+
+class DtlSide(_side.SideNetwork):
+    """DTL's compact side network: per block a low-rank map, and the optional depthwise fusion conv.
+
+    Args:
+        model: the ViT it runs beside (width, depth, token grid).
+        cfg: the method's options.
+
+    """
+
+    def __init__(self, model: nn.Module, cfg: DtlConfig) -> None:
+        depth, d = vit.depth(model), vit.embed_dim(model)
+        super().__init__(depth)
+        kw = core.factory_kwargs(model)
+        self.beta, self.add_from = cfg.beta, cfg.first_add(model)
+        self.grid, self.num_prefix = vit.grid_size(model), vit.num_prefix_tokens(model)
+        self.lora_a = nn.ParameterList([nn.Parameter(torch.empty(cfg.rank, d, **kw)) for _ in range(depth)])
+        self.lora_b = nn.ParameterList([nn.Parameter(torch.zeros(d, cfg.rank, **kw)) for _ in range(depth)])
+        for a in self.lora_a:
+            nn.init.kaiming_uniform_(a, a=math.sqrt(5))
+        k = cfg.fusion_size
+        self.fusion = (
+            nn.Conv2d(d, d, k, padding="same", groups=d, bias=False, **kw) if k else nn.Identity()
+        )  # PyTorch's default conv init, as the reference (built after its init_weights)
+        self._sum: torch.Tensor | None = None
+
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """The depthwise conv over the patch tokens' grid; prefix tokens pass unchanged."""
+        if isinstance(self.fusion, nn.Identity):
+            return features
+        b, n, d = features.shape
+        (rows, cols), p = self.grid, self.num_prefix
+        if n - p != rows * cols:
+            raise ValueError(f"DTL+ expects {p} prefix + {rows}x{cols} patch tokens, got {n} tokens")
+        patches = features[:, p:].transpose(1, 2).reshape(b, d, rows, cols)
+        patches = self.fusion(patches).reshape(b, d, rows * cols).transpose(1, 2)
+        return torch.cat([features[:, :p], patches], dim=1)
+
+    def step(self, index: int, block: nn.Module, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        low_rank = x @ self.lora_a[index].t() @ self.lora_b[index].t()
+        self._sum = low_rank if index == 0 else self._sum + low_rank
+        x = block(x, **kwargs)
+        if index >= self.add_from:
+            x = x + self.fuse(self._sum * torch.sigmoid(self.beta * self._sum))
+        if index == self.depth - 1:
+            self._sum = None  # no graph kept between forwards
+        return x
+
+
+def _formula(model: nn.Module, cfg: DtlConfig) -> int:
+    d = vit.embed_dim(model)
+    # A (r x d) and B (d x r) per block, and the depthwise conv's d * k * k weights (no bias).
+    return vit.depth(model) * 2 * cfg.rank * d + d * cfg.fusion_size**2
+
+
+@core.register_method("dtl", DtlConfig, trainable_formula=_formula, zero_init=True)
+def inject_dtl(model: nn.Module, cfg: DtlConfig) -> None:
+    """DTL: a low-rank side network summed over the blocks and added back after the later ones."""
+    _side.install(model, DtlSide(model, cfg))
+
+
+def apply_dtl(model: nn.Module, **options: Any) -> nn.Module:
+    """Add DTL's side network to ``model`` and freeze everything else but the head.
+
+    Args:
+        model: a timm VisionTransformer.
+        **options: fields of :class:`DtlConfig` (``rank``, ``beta``, ``add_from``, ``fusion_size``,
+            ``num_classes``).
+
+    Returns:
+        The same model, modified in place.
+
+    """
+    return core.apply(model, "dtl", **options)

@@ -1,0 +1,152 @@
+"""LST, ladder side-tuning (Sung et al., NeurIPS 2022): a narrow transformer beside the frozen one.
+
+The side network is a copy of the backbone's architecture at ``1 / reduction`` of its width: it starts
+from a linear down-projection of the tokens entering the first block, and after every frozen block it
+mixes in a down-projection of that block's output (a "ladder") through a learned gate,
+``side = g * side + (1 - g) * down_i(x_i)`` with ``g = sigmoid(alpha_i / T)``, before its own block
+``i``.  The last side output, projected back up to the backbone's width, replaces the backbone's output:
+the backbone's final norm, pooling and the head read it.  Nothing trainable feeds the backbone, so no
+gradient flows through it: it runs as a frozen feature extractor.
+
+Follows ylsung/Ladder-Side-Tuning@1798e82, the vision-and-language version (its ViT-sized encoder):
+CLIP-ViL/src/lxrt/modeling.py L645-707 (``construct_side_network``: side layers of the backbone's layer
+type with hidden and intermediate sizes divided by ``reduction_factor`` and the same head count; bias-free
+first down-projection, per-layer down-projections and final up-projection; learnable gates at
+``gate_alpha``), L709-720 (``merge_backbone_to_side``: ``sigmoid(alpha / gate_T)`` mixing), L796-822 (the
+visualbert-style forward: first downsample of the embeddings, then per layer ladder-then-side-layer,
+``add_residual_after`` False, the final upsample replacing the output), L1012-1023 (``init_bert_weights``:
+Linear weights normal(0, 0.02), zero biases, LayerNorm 1/0); defaults from
+CLIP-ViL/src/lxrt/side_transformers/config.py (reduction 8, gate "learnable", alpha 0, T 0.1, every layer).
+V-PETL Bench publishes an LST row (2.38M) but has no LST code.
+
+Deliberate differences: the side blocks are the backbone's own pre-norm timm blocks (LST builds them from
+the backbone's layer class, a post-norm BERT layer there); their dropout acts where timm's does (after
+the attention, the MLP activation and the MLP), BERT's after the attention and the output.  The LM
+version initialises the side network from a pruned copy of the backbone (``fisher-v2``); the
+vision-language version, followed here, draws it at random.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from timm.models.vision_transformer import Block
+from torch import nn
+
+from petl import core, vit
+from petl.methods import _side
+
+
+@dataclass
+class LstConfig(core.MethodConfig):
+    """Options of LST.
+
+    Attributes:
+        reduction: the side network's width is the backbone's divided by this (``reduction_factor``, 8).
+        gate_alpha: initial gate logit of every ladder (``gate_alpha``, 0: the gate starts at 0.5).
+        gate_t: gate temperature, ``g = sigmoid(alpha / gate_t)`` (``gate_T``, 0.1).
+        dropout: dropout inside the side blocks (BERT's 0.1).
+
+    """
+
+    # The backbone is a frozen feature extractor: a speed floor of its own (petl.bench.speed).
+    side_network: ClassVar[bool] = True
+
+    reduction: int = 8
+    gate_alpha: float = 0.0
+    gate_t: float = 0.1
+    dropout: float = 0.1
+
+    def validate(self, model: nn.Module) -> None:
+        super().validate(model)
+        d, heads = vit.embed_dim(model), vit.attn(vit.blocks(model)[0]).num_heads
+        core.check_range("reduction", self.reduction, low=1, high=d)
+        if d % self.reduction or (d // self.reduction) % heads:
+            raise ValueError(
+                f"reduction={self.reduction}: the side width {d}/{self.reduction} must be a whole number "
+                f"divisible by the backbone's {heads} attention heads"
+            )
+        core.check_range("gate_t", self.gate_t, low=0, open_low=True)
+        core.check_dropout("dropout", self.dropout)
+
+
+def _mlp_ratio(model: nn.Module) -> float:
+    return vit.linear(vit.blocks(model)[0], "fc1").out_features / vit.embed_dim(model)
+
+
+class LstSide(_side.SideNetwork):
+    """LST's side network: the first down-projection, one ladder + gate + side block per block, the up-projection.
+
+    Args:
+        model: the ViT it runs beside (width, depth, heads, MLP ratio).
+        cfg: the method's options.
+
+    """
+
+    def __init__(self, model: nn.Module, cfg: LstConfig) -> None:
+        depth, d = vit.depth(model), vit.embed_dim(model)
+        super().__init__(depth)
+        kw = core.factory_kwargs(model)
+        width, heads = d // cfg.reduction, vit.attn(vit.blocks(model)[0]).num_heads
+        self.gate_t = cfg.gate_t
+        self.first_down = nn.Linear(d, width, bias=False, **kw)
+        self.ladders = nn.ModuleList([nn.Linear(d, width, bias=False, **kw) for _ in range(depth)])
+        self.gates = nn.Parameter(torch.full((depth,), cfg.gate_alpha, **kw))
+        self.side_blocks = nn.ModuleList(
+            [
+                Block(width, heads, mlp_ratio=_mlp_ratio(model), qkv_bias=True, proj_drop=cfg.dropout,
+                      attn_drop=cfg.dropout).to(**kw)
+                for _ in range(depth)
+            ]
+        )  # fmt: skip
+        self.up = nn.Linear(width, d, bias=False, **kw)
+        for module in self.modules():
+            if isinstance(module, nn.Linear):  # BERT's init_bert_weights
+                nn.init.normal_(module.weight, std=0.02)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+        self._side: torch.Tensor | None = None
+
+    def step(self, index: int, block: nn.Module, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        side = self.first_down(x) if index == 0 else self._side
+        x = block(x, **kwargs)
+        gate = torch.sigmoid(self.gates[index] / self.gate_t)
+        side = self.side_blocks[index](gate * side + (1 - gate) * self.ladders[index](x))
+        if index < self.depth - 1:
+            self._side = side
+            return x
+        self._side = None  # no graph kept between forwards
+        return self.up(side)
+
+
+def _formula(model: nn.Module, cfg: LstConfig) -> int:
+    depth, d = vit.depth(model), vit.embed_dim(model)
+    s = d // cfg.reduction
+    hidden = int(s * _mlp_ratio(model))
+    # Side block: two LayerNorms, qkv and proj with biases, fc1 and fc2 with biases.
+    side_block = 2 * 2 * s + (3 * s * s + 3 * s) + (s * s + s) + (s * hidden + hidden) + (hidden * s + s)
+    # Bias-free first down-projection, one ladder per block and the up-projection; one gate per block.
+    return depth * side_block + (depth + 1) * d * s + s * d + depth
+
+
+@core.register_method("lst", LstConfig, trainable_formula=_formula)
+def inject_lst(model: nn.Module, cfg: LstConfig) -> None:
+    """LST: a 1/reduction-wide side transformer fed by ladders from every frozen block."""
+    _side.install(model, LstSide(model, cfg))
+
+
+def apply_lst(model: nn.Module, **options: Any) -> nn.Module:
+    """Add LST's ladder side network to ``model`` and freeze everything else but the head.
+
+    Args:
+        model: a timm VisionTransformer.
+        **options: fields of :class:`LstConfig` (``reduction``, ``gate_alpha``, ``gate_t``, ``dropout``,
+            ``num_classes``).
+
+    Returns:
+        The same model, modified in place.
+
+    """
+    return core.apply(model, "lst", **options)
