@@ -12,6 +12,7 @@ from petl.methods.bitfit import apply_bitfit as apply_bitfit
 from petl.methods.convpass import apply_convpass as apply_convpass
 from petl.methods.fact import apply_fact as apply_fact
 from petl.methods.full import apply_full as apply_full
+from petl.methods.gps import apply_gps as apply_gps
 from petl.methods.hydra import apply_hydra as apply_hydra
 from petl.methods.linear import apply_linear as apply_linear
 from petl.methods.ln import apply_ln as apply_ln

@@ -1,0 +1,167 @@
+"""GPS (and the rest of issue 23's methods) against small re-implementations of their references.
+
+Each reference function below is written from reading the reference code (file:line in the method modules)
+and run on the very tensors petl's modules hold.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import timm
+import torch
+import torch.nn.functional as F
+from conftest import perturb_trainable
+
+import petl
+from petl import vit
+from petl.methods.gps import GpsConfig, GpsLinear, gps_gradients, select_gps, selected_weights, supcon_loss
+
+
+@pytest.fixture(scope="module")
+def vit_base():
+    with torch.device("meta"):
+        return timm.create_model("vit_base_patch16_224", pretrained=False)
+
+
+# --- GPS ---------------------------------------------------------------------------------------
+
+
+def _reference_supcon(features: torch.Tensor, labels: torch.Tensor, temperature: float = 0.07) -> torch.Tensor:
+    # FightingFighting/GPS@72e0c31 utils/loss_utils.py L17-97, contrast_mode "all", base_temperature 0.07.
+    features = F.normalize(features, dim=2)
+    batch, count = features.shape[:2]
+    mask = torch.eq(labels.view(-1, 1), labels.view(1, -1)).float()
+    contrast = torch.cat(torch.unbind(features, dim=1), dim=0)
+    logits = torch.div(contrast @ contrast.T, temperature)
+    logits = logits - logits.max(dim=1, keepdim=True)[0].detach()
+    mask = mask.repeat(count, count)
+    logits_mask = torch.scatter(torch.ones_like(mask), 1, torch.arange(batch * count).view(-1, 1), 0)
+    mask = mask * logits_mask
+    log_prob = logits - torch.log((torch.exp(logits) * logits_mask).sum(1, keepdim=True))
+    mean_log_prob_pos = (mask * log_prob).sum(1) / mask.sum(1)
+    return (-(temperature / 0.07) * mean_log_prob_pos).view(count, batch).mean()
+
+
+def test_gps_supcon_equals_the_reference():
+    gen = torch.Generator().manual_seed(0)
+    features, labels = torch.randn(6, 2, 16, generator=gen), torch.tensor([0, 1, 0, 2, 1, 0])
+    torch.testing.assert_close(supcon_loss(features, labels), _reference_supcon(features, labels))
+
+
+def _reference_mask(grad: np.ndarray, times_para: int) -> np.ndarray:
+    # utils/pruning.py L14-28: per row, the argsort of |grad| picks the top times_para entries; 1 = frozen.
+    mask = np.ones_like(grad)
+    for ind in range(times_para):
+        max_index = np.abs(grad).argsort(1)[:, -(ind + 1)]
+        one_hot = ~np.eye(max(grad.shape))[max_index][:, : grad.shape[1]].astype(bool)
+        mask = (mask.astype(int) & one_hot.astype(int)).astype(np.float32)
+    return mask
+
+
+@pytest.mark.parametrize("per_row", [1, 2])
+def test_gps_selection_is_the_references_top_gradient_entries_per_row(tiny_vit, per_row):
+    gen = torch.Generator().manual_seed(0)
+    loader = [(torch.randn(6, 3, 32, 32, generator=gen), torch.tensor([0, 1] * 3)) for _ in range(2)]
+    torch.manual_seed(0)
+    grads = gps_gradients(tiny_vit(), loader)
+    torch.manual_seed(0)
+    selection = select_gps(tiny_vit(), loader, per_row=per_row)
+    for text, grad in zip(selection, grads, strict=True):
+        chosen = np.zeros(grad.shape, dtype=bool)
+        columns = np.array([int(c) for c in text.split(",")]).reshape(grad.shape[0], per_row)
+        np.put_along_axis(chosen, columns, True, axis=1)
+        assert (chosen == (_reference_mask(grad.double().numpy(), per_row) == 0)).all()
+
+
+def test_gps_gradients_leave_the_backbone_as_they_found_it(tiny_vit):
+    model = tiny_vit().eval()
+    model.blocks[0].attn.qkv.weight.requires_grad_(False)
+    before = {n: t.clone() for n, t in model.state_dict().items()}
+    gps_gradients(model, [(torch.randn(4, 3, 32, 32), torch.tensor([0, 1, 0, 1]))])
+    assert not model.training and not model.blocks[0].attn.qkv.weight.requires_grad
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(t, model.state_dict()[n]) for n, t in before.items())
+
+
+def _gps_reference_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The dense weights GPS's in-place training would hold: each selected entry W[r, c] += delta[r, k]."""
+    out = {}
+    for name, module in model.named_modules():
+        if isinstance(module, GpsLinear):
+            weight = module.base.weight.detach().clone().flatten(1)
+            for r in range(weight.shape[0]):
+                for k in range(module.index.shape[1]):
+                    weight[r, module.index[r, k]] += module.delta[r, k].detach()
+            out[name] = weight.view_as(module.base.weight)
+    return out
+
+
+def test_gps_forward_equals_the_reference_on_identical_weights(tiny_vit, images):
+    model = petl.apply_gps(tiny_vit(), per_row=2, num_classes=4)
+    perturb_trainable(model)
+    reference = tiny_vit()
+    reference.reset_classifier(4)
+    reference.load_state_dict({n.replace(".base.", "."): t for n, t in model.state_dict().items()}, strict=False)
+    with torch.no_grad():
+        for name, weight in _gps_reference_weights(model).items():
+            reference.get_submodule(name.replace(".base", "")).weight.copy_(weight)
+    torch.testing.assert_close(model.eval()(images), reference.eval()(images))
+
+
+def test_gps_adam_step_equals_the_references_masked_gradient_step(tiny_vit, images):
+    # utils/cuda.py L20-30: the reference zeroes the gradient of every unselected entry, then Adam steps
+    # (weight decay 0 in every GPS script); petl's sparse delta must end at the same weights.
+    model = petl.apply_gps(tiny_vit(), per_row=2, num_classes=4)
+    reference = tiny_vit()
+    reference.reset_classifier(4)
+    reference.load_state_dict({n.replace(".base.", "."): t for n, t in model.state_dict().items()}, strict=False)
+    masks = {name.replace(".base", ""): torch.ones_like(w) for name, w in _gps_reference_weights(model).items()}
+    for name, module in model.named_modules():
+        if isinstance(module, GpsLinear):
+            masks[name].flatten(1).scatter_(1, module.index, 0.0)
+    target = torch.tensor([0, 3])
+    ours = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    theirs = torch.optim.Adam(reference.parameters(), lr=1e-2)
+    for _ in range(2):
+        ours.zero_grad()
+        F.cross_entropy(model.train()(images), target).backward()
+        ours.step()
+        theirs.zero_grad()
+        F.cross_entropy(reference.train()(images), target).backward()
+        for name, param in reference.named_parameters():
+            frozen = "norm" in name or "pos_embed" in name or "cls_token" in name
+            if frozen:
+                param.grad.zero_()
+            elif name.endswith(".weight") and name[: -len(".weight")] in masks:
+                param.grad.masked_fill_(masks[name[: -len(".weight")]] == 1, 0.0)
+        theirs.step()
+    torch.testing.assert_close(model.eval()(images), reference.eval()(images))
+    for name, weight in _gps_reference_weights(model).items():
+        torch.testing.assert_close(weight, reference.get_submodule(name.replace(".base", "")).weight)
+
+
+def test_gps_vit_base_count(vit_base):
+    # 12 x (2304 + 768 + 3072 + 768) rows + 768 patch-embedding rows, one entry each, and as many biases.
+    count = petl.get_method("gps").trainable_formula(vit_base, GpsConfig())
+    assert count == 2 * (12 * 6912 + 768) == 167_424
+    model = petl.apply(copy.deepcopy(vit_base), "gps", num_classes=100)
+    assert petl.count_params(model).trainable_no_head == count
+
+
+def test_gps_rejects_a_selection_that_does_not_fit(tiny_vit):
+    good = GpsConfig(per_row=1)
+    n = len(selected_weights(tiny_vit()))
+    with pytest.raises(ValueError, match="selection lists 2 weights"):
+        petl.apply_gps(tiny_vit(), selection=["0", "1"])
+    rows = [w.shape[0] for w in selected_weights(tiny_vit())]
+    bad = [",".join(["0"] * r) for r in rows]
+    bad[1] = ",".join(["999"] * rows[1])
+    with pytest.raises(ValueError, match=r"selection\[1\] has a column outside"):
+        petl.apply_gps(tiny_vit(), selection=bad)
+    with pytest.raises(ValueError, match="per_row"):
+        petl.apply_gps(tiny_vit(), per_row=0)
+    assert len(good.columns_for(tiny_vit())) == n
+    assert isinstance(vit.patch_proj(petl.apply_gps(tiny_vit())), GpsLinear)
