@@ -47,6 +47,14 @@ VARIANTS = [(name, {}) for name in petl.list_methods()] + [
     ("ssf", {"init_std": 0.1}),
     ("fact", {"type": "tt", "rank": 4, "scale": 10.0}),
     ("repadapter", {"bottleneck": 4, "groups": 4, "scale": 0.5}),
+    # init=reference: start as the references' code really runs (petl.methods._init); not unchanged at init.
+    ("adapter", {"init": "reference"}),
+    ("adapter", {"style": "parallel", "dim": 4, "init": "reference"}),
+    ("lora", {"init": "reference"}),
+    ("convpass", {"dim": 3, "init": "reference"}),
+    ("fact", {"init": "reference"}),
+    ("fact", {"type": "tt", "rank": 4, "init": "reference"}),
+    ("gps", {"per_row": 2}),
 ]
 IDS = [name + "".join(f"-{k}={v}" for k, v in opts.items()) for name, opts in VARIANTS]
 MERGEABLE = [v for v in VARIANTS if petl.get_method(v[0]).mergeable]
@@ -67,7 +75,7 @@ def test_zero_init_flag_matches_behaviour(tiny_vit, images, method, options):
     # Without num_classes the head is kept, so the whole output can be compared.
     model = petl.apply(tiny_vit(), method, **options).eval()
     unchanged = torch.allclose(model(images), reference, atol=1e-6)
-    assert unchanged == petl.get_method(method).zero_init
+    assert unchanged == (petl.get_method(method).zero_init and model.petl_config.keeps_zero_init)
 
 
 @pytest.mark.parametrize(("method", "options"), VARIANTS, ids=IDS)
@@ -388,7 +396,7 @@ def test_adapter_options_act_in_both_styles(tiny_vit, images):
 def test_adapter_up_starts_at_zero_down_does_not(tiny_vit):
     wrapper = vit.mlp(vit.blocks(petl.apply_adapter(tiny_vit()))[0])
     assert wrapper.up.weight.abs().sum() == 0 and wrapper.up.bias.abs().sum() == 0
-    # petl's sequential init keeps nn.Linear's random down weight and bias (V-PETL zeroes both).
+    # petl's sequential init keeps nn.Linear's random down weight and bias (init=reference: V-PETL's trunc_normal).
     assert wrapper.down.weight.abs().sum() > 0 and wrapper.down.bias.abs().sum() > 0
 
 

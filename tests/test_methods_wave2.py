@@ -165,3 +165,70 @@ def test_gps_rejects_a_selection_that_does_not_fit(tiny_vit):
         petl.apply_gps(tiny_vit(), per_row=0)
     assert len(good.columns_for(tiny_vit())) == n
     assert isinstance(vit.patch_proj(petl.apply_gps(tiny_vit())), GpsLinear)
+
+
+# --- init=reference: as the references' code really starts ----------------------------------------
+
+
+def _reference_redrawn(model: torch.nn.Module, method: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(tensors the reference's init_weights re-draws with trunc_normal(0.02), biases it zeroes) for ``method``."""
+    from petl.methods.adapter import ParallelAdapter, SequentialAdapter
+    from petl.methods.convpass import ConvpassParallel
+    from petl.methods.fact import FactLinear
+    from petl.methods.lora import LoraLinear
+
+    weights, biases = [], []
+    for m in model.modules():
+        if isinstance(m, (SequentialAdapter, ParallelAdapter, ConvpassParallel)):
+            weights += [m.down.weight, m.up.weight]
+            biases += [m.down.bias, m.up.bias]
+        elif isinstance(m, LoraLinear):
+            weights += [*m.lora_a.values(), *m.lora_b.values()]
+        elif isinstance(m, FactLinear):
+            weights += [m.shared.u, m.shared.v] if "shared" in m._modules else []
+            weights += [m.cores] if m.cores is not None else []
+    return weights, biases
+
+
+@pytest.mark.parametrize(
+    ("method", "options"),
+    [
+        # V-PETL Bench: vision_transformer_adapter.py L200-214 then init_weights (L385, L484-489).
+        ("adapter", {"dim": 64}),
+        # vision_transformer_adaptformer.py L218-230 then init_weights (L407).
+        ("adapter", {"style": "parallel", "dim": 64}),
+        # vision_transformer_lora.py L100-108 then init_weights (L287, L364-369).
+        ("lora", {"rank": 16, "targets": ["q", "v"]}),
+        # PETL_Vision model/convpass.py L10-20, model/fact.py L16-39, then timm 0.9.12's init_weights.
+        ("convpass", {"dim": 16}),
+        ("fact", {"type": "tt", "rank": 16}),
+    ],
+)
+def test_init_reference_redraws_what_the_references_init_weights_redraws(tiny_vit, method, options):
+    torch.manual_seed(0)
+    model = petl.apply(tiny_vit(embed_dim=96), method, init="reference", **options)
+    weights, biases = _reference_redrawn(model, method)
+    assert weights
+    values = torch.cat([w.detach().flatten() for w in weights])
+    assert values.std().item() == pytest.approx(0.02, rel=0.1) and values.abs().max() < 0.02 * 6
+    assert all(b.abs().sum() == 0 for b in biases)
+    zero = petl.apply(tiny_vit(embed_dim=96), method, **options)
+    assert torch.cat([w.detach().flatten() for w in _reference_redrawn(zero, method)[0]]).abs().min() == 0
+
+
+def test_init_reference_leaves_what_the_references_keep(tiny_vit):
+    from petl.methods.convpass import ConvpassParallel
+    from petl.methods.fact import FactLinear
+
+    # timm's init_weights re-draws nn.Linear only: Convpass's conv keeps its identity init, FacT's P its own.
+    conv = next(
+        m for m in petl.apply_convpass(tiny_vit(), init="reference").modules() if isinstance(m, ConvpassParallel)
+    )
+    assert torch.equal(conv.conv.weight[:, :, 1, 1], torch.eye(conv.conv.weight.shape[0]))
+    torch.manual_seed(1)
+    ours = [m.p for m in petl.apply_fact(tiny_vit(), init="reference").modules() if isinstance(m, FactLinear)]
+    torch.manual_seed(1)
+    theirs = [m.p for m in petl.apply_fact(tiny_vit()).modules() if isinstance(m, FactLinear)]
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
+    with pytest.raises(ValueError, match="init='random'"):
+        petl.apply_lora(tiny_vit(), init="random")
