@@ -39,7 +39,7 @@ def test_public_names_exist():
         ["linear", "mlp", "partial", "full", "lora", "adapter", "vpt", "peft"]
         + ["hydra", "adapter_plus", "sct", "convpass"]  # issue 11
         + ["bitfit", "ln", "ssf", "fact", "repadapter"]
-        + ["gps"]  # issue 23
+        + ["gps", "noah"]  # issue 23
     )
 
 

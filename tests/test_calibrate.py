@@ -61,11 +61,13 @@ def test_sct_with_channels_given_keeps_them(tmp_path):
 
 
 CALIBRATED = [name for name in petl.list_methods() if petl.get_method(name).calibrate is not None]
+# A budget that keeps the test fast, for methods whose calibration trains (NOAH's search).
+BUDGET = {"noah": ("method.search_epochs=1", "method.search_generations=1", "method.population=3")}
 
 
 @pytest.mark.parametrize("method", CALIBRATED)
 def test_a_resumed_run_keeps_the_calibration_of_its_first_session(tmp_path, monkeypatch, method):
-    args = (f"method={method}", "train.epochs=2")
+    args = (f"method={method}", "train.epochs=2", *BUDGET.get(method, ()))
     whole = tiny(tmp_path / "whole", *args)
 
     original = engine.train_one_epoch

@@ -55,6 +55,8 @@ VARIANTS = [(name, {}) for name in petl.list_methods()] + [
     ("fact", {"init": "reference"}),
     ("fact", {"type": "tt", "rank": 4, "init": "reference"}),
     ("gps", {"per_row": 2}),
+    # Blocks without prompts between prompted ones: NOAH keeps the earlier prompts in the sequence.
+    ("noah", {"prompt": [2, 0, 3], "lora": [0, 2, 1], "adapter": [3, 0, 0], "dropout": 0.0}),
 ]
 IDS = [name + "".join(f"-{k}={v}" for k, v in opts.items()) for name, opts in VARIANTS]
 MERGEABLE = [v for v in VARIANTS if petl.get_method(v[0]).mergeable]

@@ -232,3 +232,120 @@ def test_init_reference_leaves_what_the_references_keep(tiny_vit):
     assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
     with pytest.raises(ValueError, match="init='random'"):
         petl.apply_lora(tiny_vit(), init="random")
+
+
+# --- NOAH --------------------------------------------------------------------------------------
+
+
+def _noah_reference(model: torch.nn.Module, images: torch.Tensor, widths) -> torch.Tensor:
+    # ZhangYuanhan-AI/NOAH@e9c55f3 model/supernet_vision_transformer_timm.py: forward_features L625-648 (model-level
+    # prompts + their position embedding appended after the patches; final norm; class token), Block.forward
+    # L354-366 (own prompts replace the previous block's last `sample_last_prompt_tuning_dim` tokens, or are
+    # appended when that is 0; L605: block 0's is its own width), Attention.forward L272-297 (LoRA on q, k, v,
+    # no scaling), adapter_super.py L62-74 (h + up(QuickGELU(down(h)))); eval mode, so no dropout.
+    from petl.methods.noah import NoahBlock
+
+    prompt, lora, adapter = widths
+    blocks = [b for b in model.blocks if isinstance(b, NoahBlock)]
+    x = model.patch_embed(images)
+    x = torch.cat([model.cls_token.expand(x.shape[0], -1, -1), x], dim=1) + model.pos_embed
+    if prompt[0] != 0:  # model-level prompts: random here, to show block 0 replaces them at once
+        x = torch.cat([x, torch.randn(x.shape[0], prompt[0], x.shape[2])], dim=1)
+    for i, wrapper in enumerate(blocks):
+        blk = wrapper.base
+        last = prompt[i - 1] if i > 0 else prompt[0]
+        if prompt[i] != 0:
+            own = wrapper.prompt[: prompt[i]].expand(x.shape[0], -1, -1)
+            x = torch.cat([x, own], dim=1) if last == 0 else torch.cat([x[:, :-last], own], dim=1)
+        h = blk.norm1(x)
+        b, n, c = h.shape
+        heads = blk.attn.num_heads
+        qkv_linear = vit.unwrap(blk.attn.qkv)
+        qkv = F.linear(h, qkv_linear.weight, qkv_linear.bias)
+        if lora[i]:
+            delta = F.linear(F.linear(h, blk.attn.qkv.lora_a), blk.attn.qkv.lora_b)
+            qkv = qkv + delta
+        q, k, v = qkv.reshape(b, n, 3, heads, c // heads).permute(2, 0, 3, 1, 4)
+        attn = (q @ k.transpose(-2, -1) * (c // heads) ** -0.5).softmax(-1)
+        x = x + blk.attn.proj((attn @ v).transpose(1, 2).reshape(b, n, c))
+        m = blk.mlp(blk.norm2(x))
+        if adapter[i]:
+            z = F.linear(m, wrapper.down.weight, wrapper.down.bias)
+            m = m + F.linear(z * torch.sigmoid(1.702 * z), wrapper.up.weight, wrapper.up.bias)
+        x = x + m
+    return model.head(model.norm(x)[:, 0])
+
+
+@pytest.mark.parametrize(
+    "widths",
+    [
+        ((10, 5, 10), (10, 1, 5), (5, 10, 10)),  # every module in every block, as NOAH's VTAB subnets
+        ((2, 0, 3), (0, 2, 1), (3, 0, 0)),  # a block without prompts: the earlier ones stay, the next appends
+        ((0, 4, 4), (1, 0, 0), (0, 0, 2)),
+    ],
+)
+def test_noah_forward_equals_the_reference_on_identical_weights(tiny_vit, images, widths):
+    prompt, lora, adapter = widths
+    model = petl.apply_noah(tiny_vit(), prompt=prompt, lora=lora, adapter=adapter, num_classes=4)
+    perturb_trainable(model)
+    model.eval()
+    torch.testing.assert_close(model(images), _noah_reference(model, images, widths))
+
+
+def test_noah_init_is_a_slice_of_the_supernets(tiny_vit):
+    # L317-319: prompts xavier over [1, 100, d]; adapter_super.py L38-45: xavier weights over the 100-wide
+    # Linears, normal(1e-6) biases; L224-228: LoRA A kaiming-uniform, B zero.
+    from petl.methods.noah import NoahBlock
+
+    torch.manual_seed(0)
+    d = 96
+    model = petl.apply_noah(tiny_vit(embed_dim=d), prompt=[100] * 3, lora=[100] * 3, adapter=[100] * 3)
+    block = next(b for b in model.blocks if isinstance(b, NoahBlock))
+    assert (
+        block.prompt.abs().max() <= (6 / (101 * d)) ** 0.5 and block.prompt.abs().max() > 0.9 * (6 / (101 * d)) ** 0.5
+    )
+    bound = (6 / (d + 100)) ** 0.5
+    assert 0.9 * bound < block.down.weight.abs().max() <= bound and block.up.bias.abs().max() < 1e-5
+    qkv = block.base.attn.qkv
+    assert qkv.lora_b.abs().sum() == 0 and 0 < qkv.lora_a.abs().max() <= 1 / d**0.5
+
+
+def test_noah_published_subnet_count(vit_base):
+    # experiments/NOAH/subnet/VTAB/ViT-B_prompt_cifar100.yaml (RETRAIN): 12 x (prompt d, LoRA 4d per rank,
+    # adapter 2da + a + d) on d = 768.
+    options = {
+        "prompt": [10, 5, 10, 1, 5, 1, 10, 1, 10, 5, 1, 10],
+        "lora": [10, 1, 5, 5, 1, 10, 1, 1, 1, 10, 1, 1],
+        "adapter": [5, 10, 10, 10, 5, 1, 1, 1, 10, 10, 10, 1],
+    }
+    count = petl.get_method("noah").trainable_formula(vit_base, petl.make_config("noah", **options))
+    assert count == 69 * 768 + 47 * 4 * 768 + sum(2 * 768 * a + a + 768 for a in options["adapter"]) == 320_330
+    assert (
+        petl.count_params(petl.apply(copy.deepcopy(vit_base), "noah", num_classes=100, **options)).trainable_no_head
+        == count
+    )
+
+
+def test_noah_search_returns_a_legal_subnet_and_leaves_the_backbone(tiny_vit):
+    from petl.methods import noah_search
+    from petl.methods.noah import NoahConfig, subnet_params
+
+    backbone = tiny_vit()
+    before = {n: t.clone() for n, t in backbone.state_dict().items()}
+    gen = torch.Generator().manual_seed(0)
+    loader = [(torch.randn(4, 3, 32, 32, generator=gen), torch.tensor([0, 1, 2, 3])) for _ in range(5)]
+    cfg = NoahConfig(num_classes=4, search_epochs=1, search_generations=1, population=4, max_params=4000)
+    prompt, lora, adapter = noah_search.search(backbone, cfg, loader, seed=0)
+    assert len(prompt) == len(lora) == len(adapter) == 3
+    assert subnet_params(48, prompt, lora, adapter) <= 4000
+    assert all(set(w) <= {0, *noah_search.SEARCH_WIDTHS} for w in (prompt, lora, adapter))
+    assert all(torch.equal(t, backbone.state_dict()[n]) for n, t in before.items())
+    assert noah_search.depth_choices(12) == (3, 6, 9, 12)
+    with pytest.raises(ValueError, match="max_params=1"):
+        noah_search.search(backbone, replace_cfg(cfg, max_params=1), loader, seed=0)
+
+
+def replace_cfg(cfg, **changes):
+    import dataclasses
+
+    return dataclasses.replace(cfg, **changes)

@@ -18,6 +18,7 @@ from petl.methods.linear import apply_linear as apply_linear
 from petl.methods.ln import apply_ln as apply_ln
 from petl.methods.lora import apply_lora as apply_lora
 from petl.methods.mlp import apply_mlp as apply_mlp
+from petl.methods.noah import apply_noah as apply_noah
 from petl.methods.partial import apply_partial as apply_partial
 from petl.methods.peft_bridge import apply_peft as apply_peft
 from petl.methods.repadapter import apply_repadapter as apply_repadapter
