@@ -135,8 +135,6 @@ class GpsLinear(core.PetlModule):
 
     """
 
-    mergeable = True
-
     def __init__(self, base: nn.Module, columns: torch.Tensor) -> None:
         super().__init__(base)
         kw = core.factory_kwargs(base)
@@ -153,7 +151,7 @@ class GpsLinear(core.PetlModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.merged:
-            return self.base(x)
+            return self.merged_forward(x)
         weight = self.base.weight + self.delta_weight()
         if isinstance(self.base, nn.Conv2d):
             return self.base._conv_forward(x, weight, self.base.bias)
@@ -167,17 +165,13 @@ class GpsLinear(core.PetlModule):
             raise ValueError("cannot merge GPS into the weight: the update is not finite")
         weight.copy_(new.to(weight.dtype))
 
-    def merge(self) -> None:
+    def fold(self) -> None:
         """Add the sparse update into the frozen weight; forward then costs what ``base`` costs."""
-        if not self.merged:
-            self._fold(+1.0)
-            self.merged = True
+        self._fold(+1.0)
 
-    def unmerge(self) -> None:
+    def unfold(self) -> None:
         """Subtract the update again, restoring the frozen weight (up to rounding)."""
-        if self.merged:
-            self._fold(-1.0)
-            self.merged = False
+        self._fold(-1.0)
 
 
 def _layer_scales(model: nn.Module) -> list[nn.Parameter]:
