@@ -37,6 +37,11 @@ class MethodConfig:
     num_classes: int | None = None
     backbone_mode: ClassVar[str] = "train"
 
+    @property
+    def keeps_zero_init(self) -> bool:
+        """Whether this config starts as its method's ``zero_init`` says (``init=reference`` options do not)."""
+        return True
+
     def validate(self, model: nn.Module) -> None:
         """Raise ValueError naming the field and its allowed range if a value is off for ``model``.
 
@@ -230,7 +235,8 @@ def register_method(
         config_cls: its config dataclass (the schema of its options).
         trainable_formula: closed-form count of the trainable parameters outside the head,
             given a ViT (before injection) and a config; the contract tests check it.
-        zero_init: the method leaves the model's outputs unchanged at init.
+        zero_init: the method leaves the model's outputs unchanged at init (for every config whose
+            :attr:`MethodConfig.keeps_zero_init` holds).
         mergeable: the method's wrappers can merge into the frozen weights.
         calibrate: optional ``calibrate(backbone, cfg, loader) -> cfg`` that completes the config from
             the task's training images (``loader`` yields ``(images, labels)`` batches without

@@ -40,6 +40,7 @@ def test_public_names_exist():
         + ["hydra", "adapter_plus", "sct", "convpass"]  # issue 11
         + ["bitfit", "ln", "ssf", "fact", "repadapter"]
         + ["dtl", "lst", "hst"]  # issue 23, side tuning
+        + ["gps", "noah"]  # issue 23
     )
 
 

@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader
 
 import petl
 from petl import core
+from petl.methods.gps import GpsConfig, GpsLinear
 from petl.methods.sct import SctBlock, SctConfig, select_sct_channels
 from petl.run import build, config, default_config, engine, train
 
@@ -59,8 +60,14 @@ def test_sct_with_channels_given_keeps_them(tmp_path):
     assert tuple(result["method_config"]["channels"]) == ("1,7", "3,40")
 
 
-def test_a_resumed_run_keeps_the_channels_of_its_first_session(tmp_path, monkeypatch):
-    args = ("method=sct", "train.epochs=2")
+CALIBRATED = [name for name in petl.list_methods() if petl.get_method(name).calibrate is not None]
+# A budget that keeps the test fast, for methods whose calibration trains (NOAH's search).
+BUDGET = {"noah": ("method.search_epochs=1", "method.search_generations=1", "method.population=3")}
+
+
+@pytest.mark.parametrize("method", CALIBRATED)
+def test_a_resumed_run_keeps_the_calibration_of_its_first_session(tmp_path, monkeypatch, method):
+    args = (f"method={method}", "train.epochs=2", *BUDGET.get(method, ()))
     whole = tiny(tmp_path / "whole", *args)
 
     original = engine.train_one_epoch
@@ -78,13 +85,26 @@ def test_a_resumed_run_keeps_the_channels_of_its_first_session(tmp_path, monkeyp
             tiny(tmp_path / "killed", *args)
     assert (tmp_path / "killed" / "checkpoint.pt").exists()
 
-    # Calibrating again would choose other channels: the resume must take the checkpoint's.
-    spec = core.get_method("sct")
+    # Calibrating again could choose otherwise: the resume must take the checkpoint's choice.
+    spec = core.get_method(method)
     other = dataclasses.replace(spec, calibrate=lambda m, cfg, loader: pytest.fail("a resume must not recalibrate"))
-    monkeypatch.setitem(core._REGISTRY, "sct", other)
+    monkeypatch.setitem(core._REGISTRY, method, other)
     resumed = tiny(tmp_path / "killed", *args)
     assert resumed["method_config"] == whole["method_config"]
     assert resumed["test_top1"] == whole["test_top1"] and resumed["final_train_loss"] == whole["final_train_loss"]
+
+
+def test_gps_run_records_the_selection_in_the_result_and_the_weights(tmp_path):
+    result = tiny(tmp_path / "run", "method=gps")
+    selection = tuple(result["method_config"]["selection"])
+    backbone = timm.create_model("vit_fractal_tiny_patch4_32", depth=2, embed_dim=48)
+    placeholder = tuple(",".join(map(str, c.flatten().tolist())) for c in GpsConfig().columns_for(backbone))
+    assert len(selection) == 1 + 4 * 2 and selection != placeholder
+    weights = tmp_path / "run" / "trainable.safetensors"
+    assert tuple(petl.read_trainable_metadata(weights)["config"]["selection"]) == selection
+    fresh = petl.load_trainable(backbone, weights)
+    index = [m.index for m in fresh.modules() if isinstance(m, GpsLinear)]
+    assert [",".join(map(str, i.flatten().tolist())) for i in index] == list(selection)
 
 
 NAME = "throwaway_calibrated"

@@ -67,7 +67,7 @@ def test_overrides_are_applied_and_type_checked():
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["method=lorax"], r"unknown method 'lorax'; choose one of: adapter, .*lora, .*mlp, partial"),
+        (["method=lorax"], r"unknown method 'lorax'; choose one of: adapter, .*lora, .*mlp, noah, partial"),
         (["data=vtab/cifar1000"], r"unknown dataset 'vtab/cifar1000'; choose one of: .*vtab/cifar100"),
         (["model=vit_base_patch16_224.nope"], r"unknown model 'vit_base_patch16_224.nope'; did you mean: vit_base"),
         (["train=fastest"], r"unknown train recipe 'fastest'; choose one of: smoke, vtab1k"),

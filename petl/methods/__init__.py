@@ -13,6 +13,7 @@ from petl.methods.convpass import apply_convpass as apply_convpass
 from petl.methods.dtl import apply_dtl as apply_dtl
 from petl.methods.fact import apply_fact as apply_fact
 from petl.methods.full import apply_full as apply_full
+from petl.methods.gps import apply_gps as apply_gps
 from petl.methods.hst import apply_hst as apply_hst
 from petl.methods.hydra import apply_hydra as apply_hydra
 from petl.methods.linear import apply_linear as apply_linear
@@ -20,6 +21,7 @@ from petl.methods.ln import apply_ln as apply_ln
 from petl.methods.lora import apply_lora as apply_lora
 from petl.methods.lst import apply_lst as apply_lst
 from petl.methods.mlp import apply_mlp as apply_mlp
+from petl.methods.noah import apply_noah as apply_noah
 from petl.methods.partial import apply_partial as apply_partial
 from petl.methods.peft_bridge import apply_peft as apply_peft
 from petl.methods.repadapter import apply_repadapter as apply_repadapter

@@ -12,10 +12,13 @@ An adapter maps x -> scale * up(dropout(act(down(norm(x))))) through a narrow ``
   Learning-Benchmark@c188fad ImageClassification/models/vision_transformer_adapter.py:L196-265):
   h = mlp(norm2(x)), out = h + up(gelu(down(h))), then drop-path and the residual.  V-PETL applies
   it after the block's layer scale, petl before (inside the MLP): the same where the block has no
-  layer scale, as in ViT-B/16.  Deliberate difference: V-PETL zeroes the down weight too
-  (vision_transformer_adapter.py:L210-214), which leaves every gradient but the up bias's at zero
-  forever, so its adapter trains only that bias; petl zeroes only ``up`` (the model is still
-  unchanged at init) and keeps nn.Linear's random ``down``, so the whole adapter learns.
+  layer scale, as in ViT-B/16.  V-PETL writes zeros into both projections (vision_transformer_adapter.py
+  L210-214), but its constructor then calls ``init_weights`` (L385), which re-draws every nn.Linear,
+  the adapter's included, with trunc_normal(std 0.02) and zero biases: V-PETL's adapter really starts
+  with both projections random, and the model changed.  petl's default (``init=zero``) zeroes ``up``
+  only (the model is unchanged at init, as the adapter papers intend) and keeps nn.Linear's random
+  ``down``, so the whole adapter learns; ``init=reference`` starts both as V-PETL's code runs (its
+  AdaptFormer file does the same re-draw, vision_transformer_adaptformer.py L227-230 then L407).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import torch
 from torch import nn
 
 from petl import core, multitask, vit
+from petl.methods import _init
 
 STYLES = ("sequential", "parallel")
 # Per-style defaults from the references: Pfeiffer/V-PETL-style sequential adapters use width 8,
@@ -48,6 +52,9 @@ class AdapterConfig(core.MethodConfig):
         scale: factor on the adapter's output; ``None`` picks 1 for sequential, 0.1 for parallel.
         norm: a trainable LayerNorm on the adapter's input (AdaptFormer's layernorm option
             ``in``; off by default, as in AdaptFormer's image runs).
+        init: ``zero`` (petl's default: the model is unchanged at init) or ``reference``: both
+            projections trunc_normal(std 0.02), zero biases, as V-PETL Bench's model constructors leave
+            them (see :mod:`petl.methods._init`).
 
     """
 
@@ -59,6 +66,12 @@ class AdapterConfig(core.MethodConfig):
     dropout: float | None = None
     scale: float | None = None
     norm: bool = False
+    init: str = "zero"
+
+    @property
+    def keeps_zero_init(self) -> bool:
+        """``init=reference`` starts as the reference's code runs, not unchanged."""
+        return self.init == "zero"
 
     @property
     def bottleneck(self) -> int:
@@ -80,6 +93,7 @@ class AdapterConfig(core.MethodConfig):
         core.check_choice("style", self.style, STYLES)
         core.check_range("dim", self.bottleneck, low=1)
         core.check_dropout("dropout", self.dropout_p)
+        _init.check(self.init)
         if self.style == "parallel":
             for block in vit.blocks(model):
                 vit.check_pre_norm_block(block)
@@ -105,6 +119,8 @@ class _Bottleneck(core.PetlModule):
         nn.init.zeros_(self.up.bias)
         if zero_down_bias:
             nn.init.zeros_(self.down.bias)
+        if cfg.init == "reference":
+            _init.redraw(self.down, self.up)
 
     def adapter(self, x: torch.Tensor) -> torch.Tensor:
         """The bottleneck branch scale * up(dropout(act(down(norm(x)))))."""

@@ -4,7 +4,9 @@ The bypass reads what the attention (or MLP) reads, the normalised tokens, and a
 ``scale * up(drop(act(conv3x3(act(down(x))))))``: the patch tokens are laid back on their image grid
 for a 3x3 convolution in the bottleneck, so the branch sees spatial neighbours that a token-wise
 adapter cannot.  The class and register tokens each pass through the same convolution as a 1x1
-image (only its centre tap acts).  ``up`` starts at zero, so the model is unchanged at init.
+image (only its centre tap acts).  ``up`` starts at zero, so the model is unchanged at init
+(``init=zero``; PETL_Vision's ViT re-draws down and up with timm's ``init_weights`` after building them,
+so its Convpass really starts random: ``init=reference``, see :mod:`petl.methods._init`).
 
 Follows OSU-MLB/PETL_Vision@245d262 model/convpass.py L5-55 (``ConvPass``: down, QuickGELU, 3x3
 conv initialised to zero plus the identity at the centre tap, QuickGELU, dropout 0.1, up, times
@@ -25,6 +27,7 @@ import torch
 from torch import nn
 
 from petl import core, multitask, vit
+from petl.methods import _init
 
 
 @dataclass
@@ -36,6 +39,9 @@ class ConvpassConfig(core.MethodConfig):
         scale: factor on the bypass output (``convpass_scaler``, 10).
         xavier_conv: draw the 3x3 conv from xavier-uniform instead of starting it at the identity.
         dropout: dropout before the up projection (train mode only; the reference fixes 0.1).
+        init: ``zero`` (petl's default: the model is unchanged at init) or ``reference``: down and up
+            trunc_normal(std 0.02), zero biases, as PETL_Vision's ViT leaves them (timm 0.9.12's
+            ``init_weights``; the conv keeps its init; see :mod:`petl.methods._init`).
 
     """
 
@@ -43,9 +49,16 @@ class ConvpassConfig(core.MethodConfig):
     scale: float = 10.0
     xavier_conv: bool = False
     dropout: float = 0.1
+    init: str = "zero"
+
+    @property
+    def keeps_zero_init(self) -> bool:
+        """``init=reference`` starts as the reference's code runs, not unchanged."""
+        return self.init == "zero"
 
     def validate(self, model: nn.Module) -> None:
         super().validate(model)
+        _init.check(self.init)
         core.check_range("dim", self.dim, low=1)
         core.check_nonzero("scale", self.scale, "the bypass")
         core.check_dropout("dropout", self.dropout)
@@ -94,6 +107,8 @@ class ConvpassParallel(core.PetlModule):
             nn.init.zeros_(self.down.bias)
             nn.init.zeros_(self.up.weight)
             nn.init.zeros_(self.up.bias)
+        if cfg.init == "reference":
+            _init.redraw(self.down, self.up)
         # New modules start in train mode; follow the wrapped layer so an eval model stays in eval.
         self.train(base.training)
 

@@ -3,7 +3,9 @@
 Follows PETL_Vision's FacT (OSU-MLB/PETL_Vision@245d262 model/fact.py:L7-118, applied in
 model/attention.py:L55-56, L90-91 and model/mlp.py:L52-53, L64-65).  Every block's qkv, proj, fc1
 and fc2 get an update ``scale * V @ core @ U`` where ``U`` (dim -> rank) and ``V`` (rank -> dim)
-are shared by all blocks and ``V`` starts at zero, so the model is unchanged at init:
+are shared by all blocks and ``V`` starts at zero, so the model is unchanged at init (``init=zero``;
+PETL_Vision's ViT re-draws U, V and the tensor-train cores with timm's ``init_weights`` after building
+them, so its FacT really starts random: ``init=reference``, see :mod:`petl.methods._init`):
 
 - ``tt`` (tensor-train): each block has its own cores - rank x rank for each of q, k, v and proj,
   4rank x rank for fc1 and rank x 4rank for fc2 (fact.py:L15-34).
@@ -33,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from petl import core, multitask, vit
-from petl.methods import _reparam
+from petl.methods import _init, _reparam
 
 TYPES = ("tt", "tk")
 # Per-block columns of the Tucker mixing matrix P, in the reference's order (fact.py:L84-116).
@@ -51,6 +53,10 @@ class FactConfig(core.MethodConfig):
         rank: the factorisation rank (PETL_Vision's ``fact_dim``).
         scale: factor on every update (``fact_scaler``).
         dropout: dropout on the rank-sized hidden (train mode only).
+        init: ``zero`` (petl's default: the model is unchanged at init) or ``reference``: U, V and the
+            tensor-train cores (nn.Linear weights in the reference) trunc_normal(std 0.02), as PETL_Vision's
+            ViT leaves them (timm 0.9.12's ``init_weights``; the Tucker core and P keep their init; see
+            :mod:`petl.methods._init`).
 
     """
 
@@ -58,9 +64,16 @@ class FactConfig(core.MethodConfig):
     rank: int = 8
     scale: float = 1.0
     dropout: float = 0.1
+    init: str = "zero"
+
+    @property
+    def keeps_zero_init(self) -> bool:
+        """``init=reference`` starts as the reference's code runs, not unchanged."""
+        return self.init == "zero"
 
     def validate(self, model: nn.Module) -> None:
         super().validate(model)
+        _init.check(self.init)
         core.check_choice("type", self.type, TYPES)
         core.check_range("rank", self.rank, low=1)
         core.check_dropout("dropout", self.dropout)
@@ -232,6 +245,9 @@ def inject_fact(model: nn.Module, cfg: FactConfig) -> None:
             wrapper = FactLinear(vit.linear(block, name), name, shared, owner, tucker, p_bound, cfg.scale, cfg.dropout)
             vit.set_linear(block, name, wrapper)
             owner = False
+    if cfg.init == "reference":
+        cores = [m.cores for m in model.modules() if isinstance(m, FactLinear) and m.cores is not None]
+        _init.redraw(shared.u, shared.v, *cores)
 
 
 def apply_fact(model: nn.Module, **options: Any) -> nn.Module:

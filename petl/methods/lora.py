@@ -3,7 +3,10 @@
 Targets are ``q``, ``k``, ``v`` (row slices of timm's fused ``attn.qkv`` Linear, so adapting Q
 and V leaves the K rows untouched), ``proj``, ``fc1`` and ``fc2``.  B starts at zero, so the
 model is unchanged at init, while A starts random, so B receives a gradient on the first step
-(zeroing both would leave the branch without any gradient forever).
+(zeroing both would leave the branch without any gradient forever).  V-PETL Bench's LoRA
+(vision_transformer_lora.py L100-108) is re-drawn by its constructor's ``init_weights`` (L287,
+trunc_normal std 0.02 for every nn.Linear, L364-369), so there A and B both start random:
+``init=reference`` starts that way (see :mod:`petl.methods._init`).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from petl import core, multitask, vit
-from petl.methods import _reparam
+from petl.methods import _init, _reparam
 
 # Which Linear of a block each target adapts, and which third of the fused qkv rows (None = all rows).
 TARGETS: dict[str, tuple[str, int | None]] = {
@@ -39,6 +42,9 @@ class LoraConfig(core.MethodConfig):
         alpha: the update is scaled by ``alpha / rank``, so changing the rank keeps its magnitude.
         dropout: dropout on the LoRA branch's input (train mode only).
         targets: which projections to adapt; any of q, k, v, proj, fc1, fc2.
+        init: ``zero`` (petl's default: the model is unchanged at init) or ``reference``: A and B
+            trunc_normal(std 0.02), as V-PETL Bench's model constructor leaves them (see
+            :mod:`petl.methods._init`).
 
     """
 
@@ -46,6 +52,12 @@ class LoraConfig(core.MethodConfig):
     alpha: float = 8.0
     dropout: float = 0.0
     targets: tuple[str, ...] = ("q", "v")
+    init: str = "zero"
+
+    @property
+    def keeps_zero_init(self) -> bool:
+        """``init=reference`` starts as the reference's code runs, not unchanged."""
+        return self.init == "zero"
 
     def __post_init__(self) -> None:
         self.targets = core.to_str_tuple(self.targets)
@@ -56,6 +68,7 @@ class LoraConfig(core.MethodConfig):
         if self.alpha <= 0:
             raise ValueError(f"alpha={self.alpha} is out of range: allowed (0, inf)")
         core.check_dropout("dropout", self.dropout)
+        _init.check(self.init)
         if not self.targets:
             raise ValueError(f"targets is empty: choose one or more of {', '.join(TARGETS)}")
         for target in self.targets:
@@ -73,11 +86,18 @@ class LoraLinear(core.PetlModule):
         rank: inner dimension of every update.
         alpha: the updates are scaled by ``alpha / rank``.
         dropout: dropout on the branch input.
+        init: ``zero`` (B zero, A kaiming-uniform) or ``reference`` (both trunc_normal std 0.02).
 
     """
 
     def __init__(
-        self, base: nn.Linear, slices: dict[str, tuple[int, int]], rank: int, alpha: float, dropout: float
+        self,
+        base: nn.Linear,
+        slices: dict[str, tuple[int, int]],
+        rank: int,
+        alpha: float,
+        dropout: float,
+        init: str = "zero",
     ) -> None:
         super().__init__(base)
         self.slices = dict(sorted(slices.items(), key=lambda item: item[1][0]))
@@ -94,6 +114,8 @@ class LoraLinear(core.PetlModule):
         for a in self.lora_a.values():
             # The same init nn.Linear gives its weight, as in the LoRA paper's reference code.
             nn.init.kaiming_uniform_(a, a=math.sqrt(5))
+        if init == "reference":
+            _init.redraw(*self.lora_a.values(), *self.lora_b.values())
 
     def delta_weight(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The update ``scale * B @ A`` that target ``name`` adds to its rows of ``base.weight`` (in ``dtype``)."""
@@ -178,7 +200,7 @@ def inject_lora(model: nn.Module, cfg: LoraConfig) -> None:
     """LoRA: low-rank updates on q/k/v slices of the fused qkv, proj, fc1 and/or fc2."""
     for block in vit.blocks(model):
         for linear_name, slices in _slices_per_linear(block, cfg.targets).items():
-            wrapper = LoraLinear(vit.linear(block, linear_name), slices, cfg.rank, cfg.alpha, cfg.dropout)
+            wrapper = LoraLinear(vit.linear(block, linear_name), slices, cfg.rank, cfg.alpha, cfg.dropout, cfg.init)
             vit.set_linear(block, linear_name, wrapper)
 
 

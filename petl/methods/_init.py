@@ -1,0 +1,46 @@
+"""``init=zero|reference``: start a method as petl does, or as its reference's code really runs.
+
+V-PETL Bench's model constructors call their own ``init_weights`` after building the method
+(synbol/Parameter-Efficient-Transfer-Learning-Benchmark@c188fad ImageClassification/models/
+vision_transformer_adapter.py L385, _lora.py L287, _adaptformer.py L407), and its ``init_weights_vit_timm``
+(e.g. vision_transformer_lora.py L364-369) re-draws every ``nn.Linear`` with trunc_normal(std 0.02) and a zero
+bias, the method's Linears included: the zero inits those files write just before (adapter L210-214, LoRA
+L105-108, AdaptFormer L227-230) never reach training.  PETL_Vision does the same through timm's own
+``init_weights`` (OSU-MLB/PETL_Vision@245d262 model/vision_transformer.py L207-208, under the timm 0.9.12 its
+env_setup.sh pins): its adapter, Convpass and FacT Linears start random, not as model/utils.py's
+``init_weight`` intends; convolutions and bare Parameters are left as they were.
+
+``zero`` (petl's default) keeps the zero-initialised half each method's paper describes, so the model is
+unchanged at init and the update grows from the pretrained function; ``reference`` re-draws the same tensors
+the references' ``init_weights`` re-draws, for reproduction presets.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from petl import core
+
+INITS = ("zero", "reference")
+STD = 0.02  # init_weights_vit_timm's trunc_normal std
+
+
+def check(value: str) -> None:
+    """Raise a ValueError naming ``init`` unless ``value`` is one of :data:`INITS`."""
+    core.check_choice("init", value, INITS)
+
+
+@torch.no_grad()
+def redraw(*modules: nn.Module | nn.Parameter) -> None:
+    """Re-draw as ``init_weights_vit_timm`` does: weights trunc_normal(std 0.02), biases zero.
+
+    A bare tensor stands for the weight of a reference's nn.Linear.
+    """
+    for module in modules:
+        if isinstance(module, nn.Linear):
+            nn.init.trunc_normal_(module.weight, std=STD)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        else:
+            nn.init.trunc_normal_(module, std=STD)

@@ -1,0 +1,320 @@
+"""GPS, gradient-based parameter selection: per row of every weight, tune the entries the task's gradient picks.
+
+Zhang et al., CVPR 2024, "Gradient-based Parameter Selection for Efficient Fine-Tuning".  Before training,
+the task's training images are run through the pretrained backbone with a supervised contrastive loss and the
+gradient of every weight matrix is accumulated over one pass; in each output row (each neuron) the ``per_row``
+input connections with the largest absolute gradient are selected.  Training then updates only those entries,
+every bias of the patch embedding and the blocks' Linears (and layer-scale gammas, where present), and the head.
+
+Follows FightingFighting/GPS@72e0c31 (the authors' code; V-PETL Bench's ``vision_transformer_GPS.py`` and
+``train_model_GPS.py`` are copies of its VPT-shallow model (L259) and SCT trainer, and ``run_vit_GPS.sh`` runs
+``train_model_adapter.py``, so its published row comes from the authors' code):
+
+* selection: ``train_gps.py`` L483-489 and L572-627 (``calculate_gradient``: ``model.train()``, no
+  ``zero_grad`` between batches, so the gradient is summed over the whole training loader; two augmented views
+  per image; ``SupConLoss`` of ``utils/loss_utils.py`` L6-97 with temperature 0.07 on the pooled pre-head feature
+  of ``models/vision_transformer.py`` L549-557); the views are ``data/transforms_factory.py`` L80-110
+  (random resized crop, horizontal flip, colour jitter 0.4/0.4/0.4/0.1 with p 0.8, grayscale p 0.2);
+* what trains: ``utils/pruning.py`` L5-40 (``prune_by_percentile_gradient_perCell``: parameters named
+  ``norm``, ``pos_embed``, ``cls_token`` frozen; ``head``, ``bias``, ``gamma`` trained whole; every other weight,
+  the patch-embedding convolution flattened to ``[out, in*kh*kw]``, keeps the top-``times_para`` entries of
+  each row by absolute gradient);
+* training: ``utils/cuda.py`` L20-30 zeroes the gradient of every unselected entry before Adam's step, with
+  weight decay 0 in every script (``train_scripts/vit/vtab/*/train_gps.sh``), so unselected entries never move.
+
+petl trains the selected entries as a sparse update ``delta`` added to the frozen weight (``W + scatter(delta)``)
+rather than masking the gradient of a trainable ``W``: with Adam and no weight decay both update exactly the same
+entries by the same amounts (Adam is elementwise), and the backbone stays frozen, so saving, counting and merging
+work as for every other method.  ``GpsLinear.merge`` folds ``delta`` into the weight.
+
+The selection runs through SCT's ``calibrate`` hook: ``petl-run`` calls :func:`calibrate_gps` on the pretrained
+backbone with the training split (without augmentation: the two views are drawn from those images here) before
+injecting, and the chosen columns are recorded in ``result.json``'s ``method_config``, the checkpoint and
+``trainable.safetensors``; a resumed run reuses them.  From Python, call
+``cfg = calibrate_gps(backbone, GpsConfig(), loader)`` first.  Without ``selection`` the method uses a
+deterministic, data-free placeholder (the first ``per_row`` columns of every row) so that it can be built and
+tested anywhere; that is NOT the paper's selection.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from timm.data import resolve_data_config
+from torch import nn
+from torchvision.transforms import v2
+
+from petl import core, vit
+
+# The weights GPS selects entries of, per block, after the patch embedding (utils/pruning.py L14-20).
+BLOCK_WEIGHTS = ("qkv", "proj", "fc1", "fc2")
+# SupConLoss defaults (utils/loss_utils.py L9-10) and the views of transforms_contrastaug_train (L80-110).
+TEMPERATURE = 0.07
+
+
+@dataclass
+class GpsConfig(core.MethodConfig):
+    """Options of GPS.
+
+    Attributes:
+        per_row: entries selected in each row of each weight (GPS's ``--times_para``; 1 in its VTAB-1k scripts
+            but patch_camelyon's 2).
+        selection: per selected weight (the patch embedding, then each block's qkv, proj, fc1, fc2), the
+            chosen input columns, ``per_row`` per output row, row after row, as one comma-separated string
+            (``"3,17,40,..."``); filled by :func:`calibrate_gps`.  Empty means the data-free placeholder.
+
+    """
+
+    per_row: int = 1
+    selection: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        self.selection = _normalise_selection(self.selection)
+
+    def validate(self, model: nn.Module) -> None:
+        super().validate(model)
+        weights = selected_weights(model)
+        core.check_range("per_row", self.per_row, low=1, high=min(w.shape[1] for w in weights))
+        if not self.selection:
+            return
+        if len(self.selection) != len(weights):
+            found, needed = len(self.selection), len(weights)
+            raise ValueError(f"selection lists {found} weights; GPS selects in {needed} on this model")
+        for i, (text, weight) in enumerate(zip(self.selection, weights, strict=True)):
+            try:
+                columns = [int(c) for c in text.split(",")]
+            except ValueError as error:
+                raise ValueError(f"selection[{i}] must be comma-separated column indices ({error})") from None
+            rows, width = weight.shape
+            if len(columns) != rows * self.per_row:
+                raise ValueError(f"selection[{i}] holds {len(columns)} columns; {rows} rows x per_row={self.per_row}")
+            if min(columns) < 0 or max(columns) >= width:
+                raise ValueError(f"selection[{i}] has a column outside [0, {width - 1}]")
+
+    def columns_for(self, model: nn.Module) -> list[torch.Tensor]:
+        """Per selected weight, the ``[rows, per_row]`` column indices: ``selection`` or the placeholder."""
+        weights = selected_weights(model)
+        if not self.selection:
+            return [torch.arange(self.per_row).expand(w.shape[0], -1).clone() for w in weights]
+        return [
+            torch.tensor([int(c) for c in text.split(",")]).view(w.shape[0], self.per_row)
+            for text, w in zip(self.selection, weights, strict=True)
+        ]
+
+
+def _normalise_selection(value: Any) -> tuple[str, ...]:
+    """Per-weight column lists as strings, lists of ints, or one ``;``-separated string -> ``("i,j,...", ...)``."""
+    parts = [p for p in value.split(";") if p.strip()] if isinstance(value, str) else list(value)
+    return tuple(p.replace(" ", "") if isinstance(p, str) else ",".join(str(int(c)) for c in p) for p in parts)
+
+
+def _selected_modules(model: nn.Module) -> list[tuple[nn.Module, Any]]:
+    """(module, setter) of every layer GPS selects in, in ``selection`` order."""
+    found = [(vit.patch_proj(model), lambda m: vit.set_patch_proj(model, m))]
+    for block in vit.blocks(model):
+        for name in BLOCK_WEIGHTS:
+            found.append((vit.linear(block, name), lambda m, b=block, n=name: vit.set_linear(b, n, m)))
+    return found
+
+
+def selected_weights(model: nn.Module) -> list[torch.Tensor]:
+    """The weights GPS selects entries of, each viewed as ``[rows, columns]`` (a convolution flattened)."""
+    return [vit.unwrap(m).weight.flatten(1) for m, _ in _selected_modules(model)]
+
+
+class GpsLinear(core.PetlModule):
+    """A frozen Linear or Conv2d whose weight gets a trainable sparse update; its bias trains whole.
+
+    Args:
+        base: the layer; its weight stays frozen, its bias (if any) trains, as GPS trains every bias.
+        columns: ``[rows, k]`` input-column indices (of the weight flattened to 2-D) whose entries train.
+
+    """
+
+    def __init__(self, base: nn.Module, columns: torch.Tensor) -> None:
+        super().__init__(base)
+        kw = core.factory_kwargs(base)
+        self.register_buffer("index", columns.to(device=kw["device"], dtype=torch.long), persistent=False)
+        self.delta = nn.Parameter(torch.zeros(columns.shape, **kw))
+        if base.bias is not None:
+            base.bias.requires_grad_(True)
+
+    def delta_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The dense update: ``delta`` scattered into a zero tensor shaped like the weight (in ``dtype``)."""
+        weight = self.base.weight
+        flat = torch.zeros(weight.shape[0], weight[0].numel(), device=weight.device, dtype=dtype or weight.dtype)
+        return flat.scatter(1, self.index, self.delta.to(flat.dtype)).view(weight.shape)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.merged:
+            return self.merged_forward(x)
+        weight = self.base.weight + self.delta_weight()
+        if isinstance(self.base, nn.Conv2d):
+            return self.base._conv_forward(x, weight, self.base.bias)
+        return F.linear(x, weight, self.base.bias)
+
+    @torch.no_grad()
+    def _fold(self, sign: float) -> None:
+        weight = self.base.weight
+        new = weight.float() + sign * self.delta_weight(torch.float32)
+        if not torch.isfinite(new).all():
+            raise ValueError("cannot merge GPS into the weight: the update is not finite")
+        weight.copy_(new.to(weight.dtype))
+
+    def fold(self) -> None:
+        """Add the sparse update into the frozen weight; forward then costs what ``base`` costs."""
+        self._fold(+1.0)
+
+    def unfold(self) -> None:
+        """Subtract the update again, restoring the frozen weight (up to rounding)."""
+        self._fold(-1.0)
+
+
+def _layer_scales(model: nn.Module) -> list[nn.Parameter]:
+    """Layer-scale gammas of the blocks (none in a plain ViT); GPS trains every ``gamma`` whole."""
+    return [p for block in vit.blocks(model) for ls in (block.ls1, block.ls2) for n, p in ls.named_parameters()]
+
+
+def _formula(model: nn.Module, cfg: GpsConfig) -> int:
+    selected = sum(w.shape[0] * cfg.per_row for w in selected_weights(model))
+    biases = sum(vit.unwrap(m).bias.numel() for m, _ in _selected_modules(model) if vit.unwrap(m).bias is not None)
+    return selected + biases + sum(p.numel() for p in _layer_scales(model))
+
+
+def inject_gps(model: nn.Module, cfg: GpsConfig) -> None:
+    """GPS: a sparse update on the selected entries of every weight, plus every bias."""
+    columns = cfg.columns_for(model)
+    for (module, install), index in zip(_selected_modules(model), columns, strict=True):
+        install(GpsLinear(module, index))
+    for gamma in _layer_scales(model):
+        gamma.requires_grad_(True)
+
+
+# --- the selection -----------------------------------------------------------------------------
+
+
+def supcon_loss(features: torch.Tensor, labels: torch.Tensor, temperature: float = TEMPERATURE) -> torch.Tensor:
+    """Supervised contrastive loss (Khosla et al. 2020) as GPS computes it (utils/loss_utils.py L17-97).
+
+    Args:
+        features: ``[batch, views, dim]``; L2-normalised here.
+        labels: ``[batch]`` class labels; samples of one class are each other's positives.
+        temperature: softmax temperature (GPS: 0.07, with base temperature equal to it).
+
+    """
+    batch, views = features.shape[:2]
+    features = F.normalize(features, dim=2)
+    anchors = torch.cat(features.unbind(dim=1), dim=0)  # contrast_mode "all": every view is an anchor
+    logits = anchors @ anchors.T / temperature
+    logits = logits - logits.max(dim=1, keepdim=True).values.detach()
+    positive = (labels.view(-1, 1) == labels.view(1, -1)).float().repeat(views, views)
+    not_self = 1.0 - torch.eye(batch * views, device=features.device, dtype=positive.dtype)
+    positive = positive * not_self
+    log_prob = logits - torch.log((logits.exp() * not_self).sum(dim=1, keepdim=True))
+    mean_log_prob_pos = (positive * log_prob).sum(dim=1) / positive.sum(dim=1)
+    return -mean_log_prob_pos.mean()
+
+
+def _contrast_views(model: nn.Module, size: tuple[int, int]) -> v2.Transform:
+    """One random view of a normalised ``size`` image: GPS's contrastive augmentation on un-normalised pixels.
+
+    The mean and std are the backbone's (timm's pretrained config), so the colour jitter acts on pixels.
+    """
+    data = resolve_data_config({}, model=model)
+    mean, std = torch.tensor(data["mean"]).view(3, 1, 1), torch.tensor(data["std"]).view(3, 1, 1)
+    return v2.Compose(
+        [
+            v2.Lambda(lambda x: (x * std.to(x) + mean.to(x)).clamp(0, 1)),
+            v2.RandomResizedCrop(size, antialias=True),
+            v2.RandomHorizontalFlip(),
+            v2.RandomApply([v2.ColorJitter(0.4, 0.4, 0.4, 0.1)], p=0.8),
+            v2.RandomGrayscale(p=0.2),
+            v2.Lambda(lambda x: (x - mean.to(x)) / std.to(x)),
+        ]
+    )
+
+
+def gps_gradients(model: nn.Module, loader: Iterable, max_batches: int | None = None) -> list[torch.Tensor]:
+    """GPS's selection gradient: the SupCon loss's gradient of every selected weight, summed over ``loader``.
+
+    Args:
+        model: the pretrained backbone, before GPS is applied (it is left as it was).
+        loader: yields ``(images, labels)`` batches of the training set, without augmentation.
+        max_batches: stop after this many batches (``None``: the whole loader, as GPS does).
+
+    Returns:
+        Per selected weight (see :func:`selected_weights`), the summed gradient viewed as ``[rows, columns]``.
+
+    """
+    weights = [vit.unwrap(m).weight for m, _ in _selected_modules(model)]
+    flags, was_training = [w.requires_grad for w in weights], model.training
+    device = weights[0].device
+    total: list[torch.Tensor] | None = None
+    try:
+        model.train()  # calculate_gradient: model.train(), so dropout and drop-path act as in training
+        for w in weights:
+            w.requires_grad_(True)
+        for step, (images, labels) in enumerate(loader):
+            if max_batches is not None and step >= max_batches:
+                break
+            images, labels = images.to(device), torch.as_tensor(labels).to(device)
+            view = _contrast_views(model, tuple(images.shape[-2:]))
+            both = torch.cat([torch.stack([view(x) for x in images]) for _ in range(2)])
+            pooled = model.forward_head(model.forward_features(both), pre_logits=True)
+            loss = supcon_loss(torch.stack(pooled.chunk(2), dim=1), labels)
+            grads = torch.autograd.grad(loss, weights, allow_unused=True)
+            grads = [torch.zeros_like(w) if g is None else g for g, w in zip(grads, weights, strict=True)]
+            total = grads if total is None else [t + g for t, g in zip(total, grads, strict=True)]
+    finally:
+        for w, flag in zip(weights, flags, strict=True):
+            w.requires_grad_(flag)
+        model.train(was_training)
+    if total is None:
+        raise ValueError("GPS's selection got no batches from the loader")
+    return [g.flatten(1) for g in total]
+
+
+def select_gps(model: nn.Module, loader: Iterable, per_row: int = 1, max_batches: int | None = None) -> tuple[str, ...]:
+    """Pick GPS's entries from the task's training data (run before :func:`apply_gps`).
+
+    Returns:
+        The ``selection`` option: per selected weight, the ``per_row`` columns of each row with the largest
+        absolute summed gradient, in ascending order within a row.
+
+    """
+    selection = []
+    for grad in gps_gradients(model, loader, max_batches):
+        columns = grad.abs().topk(per_row, dim=1).indices.sort(dim=1).values
+        selection.append(",".join(str(c) for c in columns.flatten().tolist()))
+    return tuple(selection)
+
+
+def calibrate_gps(model: nn.Module, cfg: GpsConfig, loader: Iterable, max_batches: int | None = None) -> GpsConfig:
+    """``cfg`` with ``selection`` chosen on ``loader`` by :func:`select_gps` (unchanged if already set)."""
+    if cfg.selection:
+        return cfg
+    return replace(cfg, selection=select_gps(model, loader, cfg.per_row, max_batches))
+
+
+core.register_method(
+    "gps", GpsConfig, trainable_formula=_formula, zero_init=True, mergeable=True, calibrate=calibrate_gps
+)(inject_gps)
+
+
+def apply_gps(model: nn.Module, **options: Any) -> nn.Module:
+    """Add GPS to ``model`` and freeze everything else but the head.
+
+    Args:
+        model: a timm VisionTransformer.
+        **options: fields of :class:`GpsConfig` (``per_row``, ``selection``, ``num_classes``); pass
+            ``selection=select_gps(model, train_loader)`` for the paper's data-driven choice.
+
+    Returns:
+        The same model, modified in place.
+
+    """
+    return core.apply(model, "gps", **options)

@@ -1,0 +1,280 @@
+"""NOAH, neural prompt search: per block, a searched mix of visual prompts, LoRA on qkv and an adapter.
+
+Zhang, Zhou and Liu, 2022, "Neural Prompt Search".  Every block ``i`` may get ``prompt[i]`` prompt tokens,
+a rank-``lora[i]`` LoRA update of the whole fused qkv and a width-``adapter[i]`` adapter after the MLP; 0
+switches a module off in that block.  The widths come from a one-shot search (:mod:`petl.methods.noah_search`):
+a supernet holding every module at ``supernet_dim`` is trained with a random subnet per step, then an
+evolutionary search picks the subnet with the best held-out accuracy under a parameter limit, and that subnet
+is retrained from scratch on the pretrained backbone.  NOAH's published per-task VTAB-1k subnets are presets in
+``configs/suites/vtab1k_vpetl.yaml``.
+
+Follows ZhangYuanhan-AI/NOAH@e9c55f3 (V-PETL Bench's ``vision_transformer_noah.py`` is a copy of its VPT-shallow
+model, L259, and ``run_vit_noah.sh`` runs its adapter trainer, so its NOAH row is NOAH's own):
+
+* block: model/supernet_vision_transformer_timm.py L354-366: own prompts (dropout 0.1) appended at the END of the
+  sequence, replacing the previous block's prompts when that block had some (L360-363; when a block has none the
+  earlier prompts stay in the sequence and the next prompted block appends after them, which petl keeps);
+  ``x + attn(norm1(x))``; ``x + adapter(drop_path(mlp(norm2(x))))``;
+* LoRA: L221-228 and L272-281: ``qkv += B A dropout(x)`` for q, k and v, no scaling, A kaiming-uniform, B zero,
+  input dropout 0.1 (``--drop_rate_LoRA``, supernet_train_prompt.py L207);
+* adapter: model/module/adapter_super.py L12-74: ``h + up(dropout(QuickGELU(down(h))))``, xavier-uniform weights
+  and normal(std 1e-6) biases (so NOAH is not the identity at init), dropout 0.1;
+* init as slices of the supernet's ``supernet_dim``-wide modules (L317-319: prompts xavier over the whole
+  ``[1, supernet_dim, dim]`` tensor; the retrain configs keep SUPERNET widths 100,
+  experiments/NOAH/subnet/VTAB/*.yaml);
+* the model-level prompts of L449-455 and L635-640 are appended before the first block and replaced by block 0's
+  own at once (L605: block 0's "previous" width is its own), so they never reach the output; petl leaves them out,
+  and from NOAH's own count (``get_sampled_params_numel``, L609-623, which also counts their 100-row position
+  embedding), which is why petl's counts are lower (configs/experiments/noah.yaml);
+* the head reads the class token after the final norm (L642-646); petl removes the prompts after the last block,
+  so an average-pooling backbone averages its patch tokens only.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from petl import core, vit
+
+# NOAH's VTAB-1k search space (experiments/NOAH/supernet/supernet-B_prompt_VTAB.yaml): widths per module,
+# and how many leading blocks (a quarter, half, three quarters or all of ViT-B's 12) carry each module.
+SEARCH_WIDTHS = (1, 5, 10)
+DEPTH_FRACTIONS = (0.25, 0.5, 0.75, 1.0)
+# The placeholder subnet without a search: the middle width in every block.
+PLACEHOLDER_WIDTH = 5
+
+
+def _widths(value: Any) -> str:
+    """Per-block widths (a list of ints, or a comma-separated string) as the canonical ``"10,5,1"``."""
+    if isinstance(value, str):
+        value = [v for v in value.replace(" ", "").split(",") if v]
+    try:
+        return ",".join(str(int(v)) for v in value)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"NOAH widths must be integers, one per block ({error})") from None
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(v) for v in text.split(",")) if text else ()
+
+
+@dataclass
+class NoahConfig(core.MethodConfig):
+    """Options of NOAH.
+
+    Attributes:
+        prompt: per block, the prompt tokens it adds (0: none), as ``"10,5,1,..."`` (a list of ints is
+            accepted too).
+        lora: per block, the rank of its LoRA update of qkv (0: none), written as ``prompt``.
+        adapter: per block, the width of its adapter after the MLP (0: none), written as ``prompt``.
+            Given one of the three, an empty other is off in every block.  With all three empty the
+            subnet is searched on the task by ``petl-run`` (:func:`calibrate_noah`); :func:`petl.apply` alone
+            uses a data-free placeholder, width 5 for every module in every block, which is NOT a searched subnet.
+        supernet_dim: width of the supernet every module is a slice of; its init scales follow it (NOAH: 100).
+        dropout: dropout on the prompts, the LoRA input and inside the adapter (NOAH: 0.1 each).
+        search_epochs: supernet training epochs of the search (NOAH: 500 on train800).
+        search_generations: evolution generations (NOAH's VTAB script: 15).
+        population: candidates per generation (NOAH: 50).
+        max_params: the search keeps subnets with at most this many trainable parameters (NOAH's default
+            limit 0.64M, here on petl's count: see configs/experiments/noah.yaml).
+
+    """
+
+    prompt: str = ""
+    lora: str = ""
+    adapter: str = ""
+    supernet_dim: int = 100
+    dropout: float = 0.1
+    search_epochs: int = 500
+    search_generations: int = 15
+    population: int = 50
+    max_params: int = 640_000
+
+    def __post_init__(self) -> None:
+        self.prompt, self.lora, self.adapter = _widths(self.prompt), _widths(self.lora), _widths(self.adapter)
+
+    @property
+    def searched(self) -> bool:
+        """Whether the per-block widths are given (rather than to be searched)."""
+        return bool(self.prompt or self.lora or self.adapter)
+
+    def widths(self, model: nn.Module) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+        """(prompt, lora, adapter) per block: the options, or the placeholder."""
+        depth = vit.depth(model)
+        if self.searched:  # a module left empty is off in every block
+            return tuple(_ints(w) or (0,) * depth for w in (self.prompt, self.lora, self.adapter))
+        return ((PLACEHOLDER_WIDTH,) * depth,) * 3
+
+    def validate(self, model: nn.Module) -> None:
+        super().validate(model)
+        depth = vit.depth(model)
+        core.check_range("supernet_dim", self.supernet_dim, low=1)
+        core.check_dropout("dropout", self.dropout)
+        for name in ("search_epochs", "search_generations", "population", "max_params"):
+            core.check_range(name, getattr(self, name), low=1)
+        if not self.searched:
+            return
+        for name, widths in zip(("prompt", "lora", "adapter"), self.widths(model), strict=True):
+            if len(widths) != depth:
+                raise ValueError(f"{name} lists {len(widths)} blocks; the model has {depth}: give one width per block")
+            if min(widths) < 0 or max(widths) > self.supernet_dim:
+                raise ValueError(f"{name}={list(widths)}: widths must lie in [0, supernet_dim={self.supernet_dim}]")
+        for block in vit.blocks(model):
+            vit.check_pre_norm_block(block)
+
+
+class QuickGELU(nn.Module):
+    """x * sigmoid(1.702 x), NOAH's adapter activation (adapter_super.py L8-10)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.sigmoid(1.702 * x)
+
+
+class NoahQkv(core.PetlModule):
+    """The fused qkv Linear plus ``B[:, :r] A[:r] dropout(x)`` (no scaling), r the active rank."""
+
+    def __init__(self, base: nn.Linear, rank: int, dropout: float) -> None:
+        super().__init__(base)
+        kw = core.factory_kwargs(base)
+        self.rank = rank
+        self.lora_a = nn.Parameter(torch.empty(rank, base.in_features, **kw))
+        self.lora_b = nn.Parameter(torch.zeros(base.out_features, rank, **kw))
+        nn.init.kaiming_uniform_(self.lora_a, a=math.sqrt(5))
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.base(x)
+        if self.rank == 0:
+            return out
+        return out + F.linear(F.linear(self.dropout(x), self.lora_a[: self.rank]), self.lora_b[:, : self.rank])
+
+
+class NoahBlock(core.PetlModule):
+    """A frozen pre-norm block with NOAH's prompts, adapter and (through :class:`NoahQkv`) LoRA.
+
+    The active widths (``prompt_len``, ``adapter_dim``, the qkv wrapper's ``rank``) may be smaller than the
+    tensors, which the search's supernet uses; a retrained subnet's tensors are exactly its widths.
+
+    Args:
+        base: the timm Block; it stays frozen and is kept as ``base``.
+        d: the token width.
+        prompt: prompt tokens, adapter width and LoRA rank of this block (tensor sizes).
+        supernet_dim: the supernet width whose slices the inits are.
+        dropout: NOAH's dropout on prompts, LoRA input and adapter.
+
+    """
+
+    def __init__(
+        self, base: nn.Module, d: int, prompt: int, adapter: int, lora: int, supernet_dim: int, dropout: float
+    ) -> None:
+        vit.check_pre_norm_block(base)
+        super().__init__(base)
+        kw = core.factory_kwargs(base)
+        self.prompt_len, self.adapter_dim = prompt, adapter
+        # Set by wire(): how many trailing prompt tokens this block replaces, and strips after itself.
+        self.replace, self.strip = 0, 0
+        self.drop_prompt, self.drop_adapter = nn.Dropout(dropout), nn.Dropout(dropout)
+        self.prompt = None
+        if prompt > 0:
+            # xavier-uniform over NOAH's [1, supernet_dim, d] tensor: fan_in supernet_dim*d, fan_out d.
+            bound = math.sqrt(6.0 / ((supernet_dim + 1) * d))
+            self.prompt = nn.Parameter(torch.empty(prompt, d, **kw).uniform_(-bound, bound))
+        self.down = self.up = None
+        if adapter > 0:
+            bound = math.sqrt(6.0 / (d + supernet_dim))  # xavier over the [supernet_dim, d] / [d, supernet_dim] Linears
+            self.down = nn.Linear(d, adapter, **kw)
+            self.up = nn.Linear(adapter, d, **kw)
+            with torch.no_grad():
+                for linear in (self.down, self.up):
+                    linear.weight.uniform_(-bound, bound)
+                    linear.bias.normal_(std=1e-6)
+        self.act = QuickGELU()
+        if lora > 0:
+            vit.set_linear(base, "qkv", NoahQkv(vit.linear(base, "qkv"), lora, dropout))
+
+    def adapter(self, h: torch.Tensor) -> torch.Tensor:
+        """NOAH's adapter: ``h + up(dropout(QuickGELU(down(h))))`` at the active width."""
+        if self.adapter_dim == 0:
+            return h
+        a = self.adapter_dim
+        z = self.drop_adapter(self.act(F.linear(h, self.down.weight[:a], self.down.bias[:a])))
+        return h + F.linear(z, self.up.weight[:, :a], self.up.bias)
+
+    def forward(self, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        if self.prompt_len > 0:
+            prompts = self.drop_prompt(self.prompt[: self.prompt_len]).to(x.dtype).expand(x.shape[0], -1, -1)
+            x = torch.cat([x[:, : x.shape[1] - self.replace], prompts], dim=1)
+        x = vit.attn_residual(self.base, x, **kwargs)
+        b = self.base
+        x = x + self.adapter(b.drop_path2(b.ls2(b.mlp(b.norm2(x)))))
+        return x[:, : x.shape[1] - self.strip] if self.strip else x
+
+
+def wire(blocks: list[NoahBlock]) -> None:
+    """Set each block's ``replace`` and the last block's ``strip`` from the active prompt lengths (L354-363)."""
+    carried, previous = 0, 0
+    for block in blocks:
+        block.strip = 0
+        block.replace = previous if block.prompt_len > 0 else 0
+        if block.prompt_len > 0:
+            carried += block.prompt_len - block.replace
+        previous = block.prompt_len
+    blocks[-1].strip = carried
+
+
+def noah_blocks(model: nn.Module) -> list[NoahBlock]:
+    """The model's NOAH blocks, in order."""
+    return [b for b in vit.block_container(model) if isinstance(b, NoahBlock)]
+
+
+def subnet_params(dim: int, prompt: Iterable[int], lora: Iterable[int], adapter: Iterable[int]) -> int:
+    """Trainable parameters of a subnet on blocks of width ``dim`` (the closed form of NOAH's modules)."""
+    total = sum(p * dim for p in prompt) + sum(r * 4 * dim for r in lora)
+    return total + sum(2 * dim * a + a + dim for a in adapter if a > 0)
+
+
+def _formula(model: nn.Module, cfg: NoahConfig) -> int:
+    return subnet_params(vit.embed_dim(model), *cfg.widths(model))
+
+
+def calibrate_noah(model: nn.Module, cfg: NoahConfig, loader: Iterable) -> NoahConfig:
+    """``cfg`` with the subnet searched on ``loader`` (:func:`petl.methods.noah_search.search`); unchanged if given."""
+    if cfg.searched:
+        return cfg
+    from petl.methods import noah_search
+
+    prompt, lora, adapter = noah_search.search(model, cfg, loader)
+    return replace(cfg, prompt=_widths(prompt), lora=_widths(lora), adapter=_widths(adapter))
+
+
+def inject_noah(model: nn.Module, cfg: NoahConfig) -> None:
+    """NOAH: per block, prompts, LoRA on qkv and an adapter of the searched widths."""
+    container, d = vit.block_container(model), vit.embed_dim(model)
+    for i, (p, r, a) in enumerate(zip(*cfg.widths(model), strict=True)):
+        vit.set_block(model, i, NoahBlock(container[i], d, p, a, r, cfg.supernet_dim, cfg.dropout))
+    wire(noah_blocks(model))
+
+
+core.register_method("noah", NoahConfig, trainable_formula=_formula, calibrate=calibrate_noah)(inject_noah)
+
+
+def apply_noah(model: nn.Module, **options: Any) -> nn.Module:
+    """Add NOAH's modules to ``model`` and freeze everything else but the head.
+
+    Args:
+        model: a timm VisionTransformer.
+        **options: fields of :class:`NoahConfig` (``prompt``, ``lora``, ``adapter``: one width per block;
+            ``supernet_dim``, ``dropout``, the search budget, ``num_classes``).
+
+    Returns:
+        The same model, modified in place.
+
+    """
+    return core.apply(model, "noah", **options)

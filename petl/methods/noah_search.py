@@ -1,0 +1,224 @@
+"""NOAH's one-shot search: train a supernet of every module at full width, then evolve subnets on held-out data.
+
+Follows ZhangYuanhan-AI/NOAH@e9c55f3:
+
+* supernet training (supernet_train_prompt.py with ``--mode super``; supernet_engine_prompt.py L13-49 and
+  L74-83): every step samples a subnet, per module a depth from the depth choices (its first ``depth`` blocks
+  carry it) and a width per carrying block from the width choices, and trains the shared weights on that subnet;
+  AdamW lr 5e-4, weight decay 1e-4, cosine schedule after a warm-up of 10 of its 500 epochs
+  (configs/NOAH/VTAB/supernet/slurm_train_vtab.sh; supernet_train_prompt.py L74-108);
+* evolution (evolution.py L29-329, defaults L336-345): a population of random subnets under the parameter limit,
+  each scored by top-1 on held-out data; per generation the best 10 are kept, 25 mutations (per module with
+  probability 0.2: with probability 0.4 a new depth, new widths for added blocks) and 25 crossovers (per module,
+  the widths of one of two parents) are added and the population is refilled at random; the best subnet wins.
+  NOAH trains the supernet on train800 and scores candidates on val200 (lib/datasets.py L21-31); petl's
+  calibrate hook gets the run's training split, so every fifth image of it is held out for scoring and the rest
+  trains the supernet.
+
+The search runs on a copy of the backbone; the model it was given is left as it was.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import random
+import time
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import petl
+from petl import vit
+from petl.methods.noah import DEPTH_FRACTIONS, SEARCH_WIDTHS, NoahConfig, noah_blocks, subnet_params, wire
+
+log = logging.getLogger(__name__)
+
+MODULES = ("prompt", "lora", "adapter")
+HELD_OUT_EVERY = 5  # every fifth image scores candidates: NOAH's 200 of 1,000
+SELECT, MUTATIONS, CROSSOVERS = 10, 25, 25  # evolution.py L337-343
+MUTATE_P, DEPTH_P = 0.2, 0.4
+LR, WEIGHT_DECAY, WARMUP_FRACTION, MIN_LR = 5e-4, 1e-4, 10 / 500, 1e-5
+
+Subnet = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
+
+
+def depth_choices(depth: int) -> tuple[int, ...]:
+    """Carried-block counts: a quarter, half, three quarters and all blocks (NOAH's 3, 6, 9, 12 on ViT-B)."""
+    return tuple(sorted({max(1, round(f * depth)) for f in DEPTH_FRACTIONS}))
+
+
+def random_subnet(depth: int, rng: random.Random) -> Subnet:
+    """One subnet as NOAH samples it: per module a depth, then a random width per carrying block."""
+    out = []
+    for _ in MODULES:
+        carried = rng.choice(depth_choices(depth))
+        out.append(tuple(rng.choice(SEARCH_WIDTHS) for _ in range(carried)) + (0,) * (depth - carried))
+    return tuple(out)
+
+
+def _carried(widths: tuple[int, ...]) -> int:
+    return next((i for i, w in enumerate(widths) if w == 0), len(widths))
+
+
+def mutate(subnet: Subnet, rng: random.Random) -> Subnet:
+    """evolution.py L178-240: per module with probability 0.2, maybe a new depth; new blocks get random widths."""
+    out = []
+    for widths in subnet:
+        if rng.random() < MUTATE_P:
+            depth, current = len(widths), _carried(widths)
+            new = rng.choice(depth_choices(depth)) if rng.random() < DEPTH_P else current
+            if new > current:
+                widths = widths[:current] + tuple(rng.choice(SEARCH_WIDTHS) for _ in range(new - current))
+            else:
+                widths = widths[:new]
+            widths = widths + (0,) * (depth - len(widths))
+        out.append(widths)
+    return tuple(out)
+
+
+def crossover(a: Subnet, b: Subnet, rng: random.Random) -> Subnet:
+    """evolution.py L261-270: per module, the widths of one parent or the other."""
+    return tuple(rng.choice([x, y]) for x, y in zip(a, b, strict=True))
+
+
+def set_subnet(model: nn.Module, subnet: Subnet) -> None:
+    """Make the supernet run ``subnet``: set every block's active widths, then the prompt wiring."""
+    blocks = noah_blocks(model)
+    for block, p, r, a in zip(blocks, *subnet, strict=True):
+        block.prompt_len, block.adapter_dim = p, a
+        vit.linear(block.base, "qkv").rank = r
+    wire(blocks)
+
+
+def _split(loader: Iterable) -> tuple[list, list]:
+    """Every fifth image of every batch is held out for scoring; the rest trains the supernet."""
+    train, held_out, seen = [], [], 0
+    for images, labels in loader:
+        labels = torch.as_tensor(labels)
+        keep = (seen + torch.arange(len(labels))) % HELD_OUT_EVERY != HELD_OUT_EVERY - 1
+        seen += len(labels)
+        if keep.any():
+            train.append((images[keep], labels[keep]))
+        if (~keep).any():
+            held_out.append((images[~keep], labels[~keep]))
+    if not held_out:
+        raise ValueError(f"NOAH's search needs at least {HELD_OUT_EVERY} training images (a fifth is held out)")
+    return train, held_out
+
+
+@torch.no_grad()
+def _accuracy(model: nn.Module, batches: list, device: torch.device) -> float:
+    model.eval()
+    correct = total = 0
+    for images, labels in batches:
+        labels = torch.as_tensor(labels).to(device)
+        correct += (model(images.to(device)).argmax(-1) == labels).sum().item()
+        total += len(labels)
+    return 100.0 * correct / total
+
+
+def train_supernet(model: nn.Module, batches: list, epochs: int, rng: random.Random, device: torch.device) -> None:
+    """Train the supernet's shared weights, one random subnet per step (supernet_engine_prompt.py L74-126)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY)
+    steps = epochs * len(batches)
+    warmup = max(1, round(WARMUP_FRACTION * steps))
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, steps - warmup)
+        return MIN_LR / LR + (1 - MIN_LR / LR) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    depth = vit.depth(model)
+    model.train()
+    for _ in range(epochs):
+        for images, labels in batches:
+            set_subnet(model, random_subnet(depth, rng))
+            loss = F.cross_entropy(model(images.to(device)), torch.as_tensor(labels).to(device))
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            schedule.step()
+
+
+def evolve(
+    model: nn.Module, held_out: list, cfg: NoahConfig, rng: random.Random, device: torch.device
+) -> tuple[Subnet, float, int]:
+    """NOAH's evolutionary search (evolution.py L284-329); returns the best subnet, its accuracy, evaluations."""
+    depth, dim = vit.depth(model), vit.embed_dim(model)
+    scores: dict[Subnet, float] = {}
+
+    def legal(subnet: Subnet) -> bool:
+        if subnet in scores or subnet_params(dim, *subnet) > cfg.max_params:
+            return False
+        set_subnet(model, subnet)
+        scores[subnet] = _accuracy(model, held_out, device)
+        return True
+
+    def collect(make, wanted: int) -> list[Subnet]:
+        found, tries = [], wanted * 10
+        while len(found) < wanted and tries > 0:
+            tries -= 1
+            subnet = make()
+            if legal(subnet):
+                found.append(subnet)
+        return found
+
+    population = collect(lambda: random_subnet(depth, rng), cfg.population)
+    if not population:
+        raise ValueError(f"no NOAH subnet fits max_params={cfg.max_params} on this backbone")
+    for _ in range(cfg.search_generations):
+        top = sorted(scores, key=scores.get, reverse=True)[:SELECT]
+        population = collect(lambda top=top: mutate(rng.choice(top), rng), MUTATIONS)
+        population += collect(lambda top=top: crossover(rng.choice(top), rng.choice(top), rng), CROSSOVERS)
+        population += collect(lambda: random_subnet(depth, rng), max(0, cfg.population - len(population)))
+    best = max(scores, key=scores.get)
+    return best, scores[best], len(scores)
+
+
+def search(backbone: nn.Module, cfg: NoahConfig, loader: Iterable, seed: int | None = None) -> Subnet:
+    """Search NOAH's subnet for the task of ``loader`` on a copy of ``backbone``.
+
+    Args:
+        backbone: the pretrained backbone, before NOAH is applied (left unchanged).
+        cfg: the method's config (num_classes, supernet_dim, dropout and the search budget).
+        loader: the task's training batches ``(images, labels)``, without augmentation.
+        seed: seeds the subnet sampling; ``None`` draws it from torch's generator (seeded by the run).
+
+    Returns:
+        The (prompt, lora, adapter) per-block widths of the best subnet.
+
+    """
+    started = time.perf_counter()
+    rng = random.Random(int(torch.randint(0, 2**31 - 1, ()).item()) if seed is None else seed)
+    device = next(backbone.parameters()).device
+    depth, width = vit.depth(backbone), cfg.supernet_dim
+    supernet = petl.apply(
+        copy.deepcopy(backbone),
+        "noah",
+        num_classes=cfg.num_classes,
+        supernet_dim=width,
+        dropout=cfg.dropout,
+        prompt=(width,) * depth,
+        lora=(width,) * depth,
+        adapter=(width,) * depth,
+    )
+    train, held_out = _split(loader)
+    train_supernet(supernet, train, cfg.search_epochs, rng, device)
+    trained = time.perf_counter()
+    best, accuracy, evaluated = evolve(supernet, held_out, cfg, rng, device)
+    log.info(
+        "NOAH search: supernet %d epochs in %.1f s, %d subnets scored in %.1f s; best held-out top-1 %.2f",
+        cfg.search_epochs,
+        trained - started,
+        evaluated,
+        time.perf_counter() - trained,
+        accuracy,
+    )
+    return best
