@@ -70,6 +70,13 @@ class RunResult:
     peak_memory_kind: str | None = None
     config: dict[str, Any] | None = None
     inputs: dict[str, Any] | None = None
+    # The weights file the backbone came from (then pretrained is false: not the tag's published weights).
+    checkpoint: str | None = None
+    checkpoint_sha256: str | None = None
+    # The data: class names in label order, how val was held out of train (if it was), whether test exists.
+    class_names: list[str] | None = None
+    val_from_train: str | None = None
+    has_test_split: bool | None = None
     wall_seconds: float | None = None
     selection: dict[str, Any] | None = None
     diverged: str | None = None
