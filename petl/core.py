@@ -10,6 +10,7 @@ merging, saving and counting find them by ``isinstance``, never by parameter-nam
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar, NamedTuple
@@ -48,6 +49,11 @@ class MethodConfig:
         Every float field is checked for NaN/inf here, so a method's own checks (``alpha <= 0``,
         which NaN passes) never see one.
         """
+        if self.num_classes is not None and (
+            isinstance(self.num_classes, bool) or not isinstance(self.num_classes, numbers.Integral)
+        ):
+            # 2.5 or "3" would otherwise reach torch as a layer size and fail there with its own message.
+            raise ValueError(f"num_classes={self.num_classes!r} is not a whole number: give an int, e.g. num_classes=3")
         for f in fields(self):
             value = getattr(self, f.name)
             if isinstance(value, float):
@@ -404,12 +410,18 @@ def _mergeables(model: nn.Module) -> list[nn.Module]:
 
 
 @torch.no_grad()
-def merge(model: nn.Module) -> nn.Module:
+def merge(model: nn.Module, unload: bool = False) -> nn.Module:
     """Fold every mergeable wrapper's update into its frozen base weight (in place).
 
     All or nothing: a wrapper that refuses (a non-finite update, a layer without the bias a shift needs)
     raises after the wrappers merged before it are unmerged again, so the model is never half merged.
+    With ``unload=True`` each wrapper is then replaced by its base module, which leaves a plain timm
+    model (:func:`petl.unload.unload`; methods whose modules cannot fold are refused first).
     """
+    if unload:
+        from petl.unload import unload as unload_model
+
+        return unload_model(model)
     done: list[nn.Module] = []
     try:
         for module in _mergeables(model):

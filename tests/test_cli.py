@@ -190,6 +190,7 @@ def test_subprocess_two_epoch_run(tmp_path):
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
         "config.yaml",
         "metrics.jsonl",
+        "model.json",
         "result.json",
         "trainable.safetensors",
     ]

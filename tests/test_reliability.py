@@ -16,10 +16,12 @@ import time
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 import timm
 import torch
 from conftest import tiny_run
+from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -32,7 +34,10 @@ TINY = tiny_run(batch_size=32)
 
 
 def tiny(out: Path, *overrides: str) -> dict:
-    return train(default_config([*TINY, f"output_dir={out}", *overrides]))
+    # An override choosing another dataset replaces TINY's (Hydra takes one choice per group).
+    other_data = any(o.startswith("data=") for o in overrides)
+    base = [o for o in TINY if not (other_data and o.startswith("data="))]
+    return train(default_config([*base, f"output_dir={out}", *overrides]))
 
 
 # --- trainable-weights files (items 3, 4, 8) --------------------------------------------------------
@@ -182,16 +187,33 @@ def _killed_after_one_epoch(out: Path, *overrides: str) -> None:
     assert torch.load(out / "checkpoint.pt", weights_only=True)["epoch"] == 1
 
 
+def _image_folder(root: Path, seed: int) -> Path:
+    """A two-class ``data=folder`` tree (train/ and test/) of random PNGs; another seed, other images."""
+    rng = np.random.default_rng(seed)
+    for split in ("train", "test"):
+        for name in ("a", "b"):
+            (root / split / name).mkdir(parents=True)
+            for index in range(4):
+                pixels = rng.integers(0, 256, (16, 16, 3), dtype=np.uint8)
+                Image.fromarray(pixels).save(root / split / name / f"{index}.png")
+    return root
+
+
 def test_resume_with_another_data_root_is_refused(tmp_path):
-    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
-    _killed_after_one_epoch(tmp_path / "run", f"data.root={tmp_path}/a")
-    with pytest.raises(ConfigError, match=r"holds epochs trained on other inputs \(data.root: .*/a' -> .*/b'\)"):
-        tiny(tmp_path / "run", f"data.root={tmp_path}/b")
+    # mini tasks read no folder (a root is refused there): the run reads a folder of its own.
+    def on(folder: str) -> list[str]:
+        return ["data=folder", f"data.root={tmp_path}/{folder}"]
+
+    _image_folder(tmp_path / "a", seed=0), _image_folder(tmp_path / "b", seed=1)
+    _killed_after_one_epoch(tmp_path / "run", *on("a"))
+    # Resuming compares the images themselves (a moved folder with the same images would resume).
+    with pytest.raises(ConfigError, match=r"holds epochs trained on other inputs \(data.fingerprint: '"):
+        tiny(tmp_path / "run", *on("b"))
     assert torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)["epoch"] == 1  # kept
-    result = tiny(tmp_path / "run", f"data.root={tmp_path}/a")  # the same inputs resume
+    result = tiny(tmp_path / "run", *on("a"))  # the same inputs resume
     assert result["inputs"]["data.root"] == str(tmp_path / "a")
     with pytest.raises(ConfigError, match=r"holds a finished run on other inputs \(data.root"):
-        tiny(tmp_path / "run", f"data.root={tmp_path}/b")
+        tiny(tmp_path / "run", *on("b"))
 
 
 def test_resume_with_another_model_file_is_refused(tmp_path):
@@ -393,6 +415,7 @@ def test_a_kill_around_the_result_write_leaves_nothing_behind(tmp_path, when):
     assert sorted(p.name for p in run.iterdir()) == [
         "config.yaml",
         "metrics.jsonl",
+        "model.json",
         "result.json",
         "trainable.safetensors",
     ]

@@ -53,6 +53,7 @@ def test_two_epoch_run_writes_a_complete_record(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == [
         "config.yaml",
         "metrics.jsonl",
+        "model.json",
         "result.json",
         "trainable.safetensors",
     ]

@@ -38,6 +38,7 @@ from petl.bench.results import Compute, RunRecord, collect, compute_spent, mean,
 from petl.bench.table import Header, Table, markdown_lines, md_escape
 from petl.presets import FAMILIES
 from petl.run.records import write_atomic, write_text
+from petl.run.result import RunResult
 
 # Re-exported: the report's public names, wherever they are declared.
 __all__ = [
@@ -95,6 +96,13 @@ def _experiment_files(experiments: list[str], configs_dir: str | Path | None) ->
         return {}
     known = set(suite.list_experiments(folder))
     return {name: suite.load_experiment(name, folder) for name in experiments if name in known}
+
+
+def _weights_note(result: RunResult) -> str:
+    """How a backbone's weights differ from its pretrained namesake's: a local file, or a random init."""
+    if result.pretrained is not False:
+        return ""
+    return f" (weights from {result.checkpoint})" if result.checkpoint else " (random init)"
 
 
 def published_names(experiments: list[str], configs_dir: str | Path | None = None) -> dict[str, str]:
@@ -174,9 +182,7 @@ def aggregate(
         )
     rows.sort(key=lambda r: (-r.task_mean if not math.isnan(r.task_mean) else math.inf, r.experiment))
     # A backbone trained from random init is a different model from its pretrained namesake; say so.
-    models = sorted(
-        {str(r.result.model or "?") + (" (random init)" if r.result.pretrained is False else "") for r in records}
-    )
+    models = sorted({str(r.result.model or "?") + _weights_note(r.result) for r in records})
     memory_kinds = sorted({str(r.result.peak_memory_kind) for r in records if r.result.peak_memory_kind})
     board = Leaderboard(Path(results_dir), tasks, groups, rows, models, tables, memory_kinds, dict(families))
     board.columns = leaderboard_columns(board)

@@ -6,11 +6,12 @@ Usage::
     data.list_datasets()                       # every registered name
     data.get_info("vtab/dtd").num_classes       # 47
     ds = data.build_dataset("mini/digits", "train800", image_size=32)
+    data.describe_dataset("folder", root="my_images").class_names   # your own images (petl/data/README.md)
 
 Importing this package registers every dataset (the modules below register on import).
 """
 
-from petl.data import mini, vtab  # noqa: F401  (importing registers their datasets)
+from petl.data import folder, hf, mini, vtab  # noqa: F401  (importing registers their datasets)
 from petl.data.registry import (
     GROUPS,
     PROTOCOL_EPOCHS,
@@ -24,6 +25,7 @@ from petl.data.registry import (
     DatasetInfo,
     DatasetUnavailableError,
     build_dataset,
+    describe_dataset,
     get_info,
     list_datasets,
     register_dataset,
@@ -46,6 +48,7 @@ __all__ = [
     "DatasetUnavailableError",
     "ImageSpec",
     "build_dataset",
+    "describe_dataset",
     "get_info",
     "list_datasets",
     "register_dataset",

@@ -97,7 +97,10 @@ def _mini_task(name: str, group: str, num_classes: int, source: str) -> Callable
     the task's cached native-resolution :class:`RawSplits`; its ``cache_clear()`` forgets them
     (e.g. after pointing a source at another folder).
     """
-    info = DatasetInfo(name=f"mini/{name}", group=group, num_classes=num_classes, source=source, epochs=EPOCHS)
+    # root="none": generated or packaged data; a root given to it is refused rather than ignored.
+    info = DatasetInfo(
+        name=f"mini/{name}", group=group, num_classes=num_classes, source=source, epochs=EPOCHS, root="none"
+    )
 
     def decorate(make_raw: Callable[[], RawSplits]) -> Callable[[], RawSplits]:
         @functools.lru_cache(maxsize=1)
@@ -109,7 +112,7 @@ def _mini_task(name: str, group: str, num_classes: int, source: str) -> Callable
 
         @register_dataset(info)
         def build(split: str, spec: ImageSpec, *, root: str | None, strict: bool) -> Dataset:
-            # root and strict concern on-disk layouts; generated tasks have neither.
+            # strict concerns on-disk layouts; generated tasks have none (a root is refused by the registry).
             images, labels = cached().split(split)
             return LabeledTensorDataset(array_to_tensors(images, spec), torch.from_numpy(labels))
 

@@ -22,6 +22,7 @@ present cover exactly ``num_classes`` classes.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import warnings
 import zipfile
@@ -37,6 +38,7 @@ from torch.utils.data import Dataset
 
 from petl import paths
 from petl.core import first_line
+from petl.data import hub as hub_access
 from petl.data.images import FileListDataset, HubDataset
 from petl.data.registry import (
     SPLITS,
@@ -351,7 +353,8 @@ def _vtab_from_hub(info: DatasetInfo, task: _Task) -> Path:
     try:
         from huggingface_hub import hf_hub_download
 
-        archive = hf_hub_download(repo_id=VTAB_HUB_ID, filename=VTAB_HUB_FILE, repo_type="dataset")
+        with hub_access.offline_unless_reachable():  # offline: fail at once, not after half a minute of retries
+            archive = hf_hub_download(repo_id=VTAB_HUB_ID, filename=VTAB_HUB_FILE, repo_type="dataset")
     except Exception as error:  # network, offline and cache errors come in many types
         raise _unavailable(info, task, _VTAB_LAYOUT, error) from None
     with zipfile.ZipFile(archive) as bundle:
@@ -398,7 +401,8 @@ def _fgvc_from_hub(info: DatasetInfo, task: _Task, split: str, spec: ImageSpec) 
     try:
         import datasets
 
-        hub = datasets.load_dataset(info.hub_id)
+        with hub_access.offline_unless_reachable():  # offline: fail at once, not after half a minute of retries
+            hub = datasets.load_dataset(info.hub_id)
     except Exception as error:  # network, offline and cache errors come in many types
         raise _unavailable(info, task, _FGVC_LAYOUT, error) from None
     if "train" not in hub or "test" not in hub:

@@ -25,7 +25,8 @@ from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 import petl
 from petl import data as petl_data
 from petl.core import first_line
-from petl.run import config, engine
+from petl.data import hub
+from petl.run import config, engine, load
 from petl.run.config import ConfigError
 from petl.run.errors import RunError
 
@@ -116,12 +117,24 @@ def create_backbone(cfg: DictConfig) -> nn.Module:
             raise ConfigError("model.checkpoint is set but model.pretrained=false: the file would be ignored")
         kwargs["pretrained_cfg_overlay"] = {"file": str(m.checkpoint)}
     try:
-        return timm.create_model(m.name, pretrained=m.pretrained, drop_path_rate=m.drop_path, **kwargs)
+        # Offline, hub weights fail at once (a cached copy still loads) instead of after half a minute of retries.
+        with hub.offline_unless_reachable():
+            return timm.create_model(m.name, pretrained=m.pretrained, drop_path_rate=m.drop_path, **kwargs)
     except TypeError as error:
         raise ConfigError(f"model.kwargs: {error}") from None
     except Exception as error:  # timm/hub raise many kinds (RuntimeError, OSError, HTTP errors...)
         if not m.pretrained:
             raise
+        if m.checkpoint:
+            kwargs.pop("pretrained_cfg_overlay")
+            try:
+                why = load.checkpoint_mismatch(m.name, kwargs, m.checkpoint)
+            except Exception as reading:  # not a weights file at all
+                why = f"cannot read it ({first_line(reading, repr(reading))})"
+            raise ConfigError(
+                f"model.checkpoint={m.checkpoint} does not fit model={m.name}: {why or first_line(error, 'error')}; "
+                "give the weights of this architecture, or the model= they belong to"
+            ) from None
         first = first_line(error, f"{type(error).__name__} (no weights file)")
         raise RunError(
             f"cannot load pretrained weights of {m.name}: {first}. Give a local file with model.checkpoint=PATH, "
@@ -195,7 +208,8 @@ def _image_options(cfg: DictConfig, model: nn.Module) -> dict[str, Any]:
 
 def _build_split(cfg: DictConfig, split: str, image: dict[str, Any]) -> Dataset:
     try:
-        dataset = petl_data.build_dataset(cfg.data.name, split, root=cfg.data.root, **image)
+        options = config.data_options(cfg)
+        dataset = petl_data.build_dataset(cfg.data.name, split, root=cfg.data.root, options=options, **image)
     except (petl_data.DatasetUnavailableError, petl_data.BadImagesError) as error:
         # Bad image files are a data fault, not a config error; the message names the dataset and every path.
         raise RunError(str(error)) from None
@@ -208,11 +222,21 @@ def datasets(cfg: DictConfig, model: nn.Module) -> dict[str, Dataset]:
     """Train / val (when the split has one) / test, preprocessed as the backbone expects."""
     image = _image_options(cfg, model)
     splits = {"train": cfg.data.split}
-    if cfg.train.eval_test:
+    if cfg.train.eval_test and petl_data.TEST in config.data_info(cfg).splits:
         splits["test"] = petl_data.TEST
     if cfg.data.split == petl_data.TRAIN:
         splits["val"] = petl_data.VAL
     return {role: _build_split(cfg, split, image) for role, split in splits.items()}
+
+
+def eval_spec(cfg: DictConfig, model: nn.Module, info: petl_data.DatasetInfo) -> petl_data.ImageSpec:
+    """The preprocessing the run evaluated with: the backbone's size, mean/std, interpolation; the task's crop."""
+    image = _image_options(cfg, model)
+    crop = info.group == "fgvc" if image["augment"] is None else bool(image["augment"])
+    return petl_data.ImageSpec(
+        image_size=image["image_size"], mean=tuple(image["mean"]), std=tuple(image["std"]),
+        interpolation=image["interpolation"], crop=crop,
+    )  # fmt: skip
 
 
 def calibration_set(cfg: DictConfig, model: nn.Module) -> Dataset:

@@ -77,9 +77,12 @@ class DataConfig:
     """Which dataset to train on, and how to load it.
 
     Attributes:
-        name: a name from :func:`petl.data.list_datasets`.
+        name: a name from :func:`petl.data.list_datasets`; ``folder`` and ``hf`` are your own images.
         split: ``train800`` (train on 800, select on val200) or ``train800val200`` (final run on all 1000).
         root: folder holding the dataset in the field's layout; ``None`` uses the dataset's default source.
+            Refused by datasets that read none (mini), required by ``folder`` and ``hf``.
+        image_column: ``hf`` only: the column holding the images (default: the first Image feature).
+        label_column: ``hf`` only: the column holding the labels (default: the first ClassLabel feature).
         subset: keep this many examples of every split (a fixed random choice, for quick checks); ``None`` keeps all.
         augment: VPT's FGVC protocol (resize to 256/224 of the input size, random crop and flip for
             training, centre crop for evaluation); ``None`` = on for fgvc/* tasks, off otherwise.
@@ -93,6 +96,8 @@ class DataConfig:
     split: str = option(petl_data.TRAIN, choices=SPLITS)
     root: str | None = option(None, neutral=True)
     subset: int | None = option(None, low=1)
+    image_column: str | None = None
+    label_column: str | None = None
     augment: bool | None = None
     # Neutral for the order, dropout and drop-path; with augmented images (FGVC) the crops come from the global
     # stream with 0 workers and from per-epoch worker seeds with more, so changing it mid-run changes the crops.
@@ -245,6 +250,7 @@ def method_node(name: str) -> type:
 _registered = False
 _registered_models: set[str] = set()
 _registered_methods: set[str] = set()
+_registered_datasets: set[str] = set()
 
 
 def register_configs() -> None:
@@ -260,16 +266,19 @@ def register_configs() -> None:
         if name not in _registered_methods:
             store.store(group="method", name=name, node=method_node(name))
             _registered_methods.add(name)
+    # Datasets too: a user's register_dataset after the first composition still joins the ``data`` group.
+    for name in petl_data.list_datasets():
+        if name not in _registered_datasets:
+            # Hydra reads "data=mini/digits" as option "digits" of the nested group "data/mini".
+            folder, _, leaf = name.rpartition("/")
+            node = DataConfig(name=name, epochs=petl_data.get_info(name).epochs)
+            store.store(group=f"data/{folder}" if folder else "data", name=leaf, node=node)
+            _registered_datasets.add(name)
     if _registered:
         return
     if not OmegaConf.has_resolver("petl.slug"):
         OmegaConf.register_new_resolver("petl.slug", _slug)
     store.store(name="petl_schema", node=RunConfig)
-    for name in petl_data.list_datasets():
-        # Hydra reads "data=mini/digits" as option "digits" of the nested group "data/mini".
-        folder, _, leaf = name.rpartition("/")
-        node = DataConfig(name=name, epochs=petl_data.get_info(name).epochs)
-        store.store(group=f"data/{folder}" if folder else "data", name=leaf, node=node)
     register_model(petl_models.DEFAULT_MODEL)
     _registered = True
 
@@ -529,6 +538,27 @@ def run_neutral_keys() -> set[str]:
     return neutral_keys(RunConfig)
 
 
+def data_options(cfg: DictConfig) -> dict[str, Any]:
+    """The dataset's own options (``data.image_column``...) that are set."""
+    return {key: cfg.data[key] for key in ("image_column", "label_column") if cfg.data[key] is not None}
+
+
+def data_info(cfg: DictConfig) -> petl_data.DatasetInfo:
+    """The dataset's description with ``data.root`` and its options: class count and names, splits.
+
+    Raises:
+        ConfigError: a root where the dataset reads none, none where it needs one, a root that does not
+            exist or cannot be used, an option the dataset does not read.
+
+    """
+    try:
+        return petl_data.describe_dataset(cfg.data.name, root=cfg.data.root, **data_options(cfg))
+    except ValueError as error:
+        message = str(error)
+        named = message.startswith(cfg.data.name)
+        raise ConfigError(message if named else f"data {cfg.data.name}: {message}") from None
+
+
 def method_options(cfg: DictConfig) -> dict[str, Any]:
     """The method node as keyword options for :func:`petl.core.make_config`.
 
@@ -604,7 +634,7 @@ def check_method(cfg: DictConfig) -> None:
     except TypeError as error:
         raise ConfigError(f"model.kwargs: {error}") from None
     image_size(model)
-    num_classes = petl_data.get_info(cfg.data.name).num_classes
+    num_classes = data_info(cfg).num_classes
     try:
         petl.make_config(cfg.method.name, num_classes=num_classes, **method_options(cfg)).validate(model)
     except ValueError as error:

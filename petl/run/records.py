@@ -30,8 +30,9 @@ CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"
 RESULT_FILE = "result.json"
 WEIGHTS_FILE = "trainable.safetensors"
+MODEL_FILE = "model.json"  # what using the weights needs (petl.run.load)
 CHECKPOINT_FILE = "checkpoint.pt"
-RUN_FILES = (CONFIG_FILE, METRICS_FILE, RESULT_FILE, WEIGHTS_FILE, CHECKPOINT_FILE)
+RUN_FILES = (CONFIG_FILE, METRICS_FILE, RESULT_FILE, WEIGHTS_FILE, MODEL_FILE, CHECKPOINT_FILE)
 # resume=false moves an earlier run's files to ``<output_dir>.replaced-<time>``; reports skip such folders.
 REPLACED_MARK = ".replaced-"
 

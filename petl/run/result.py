@@ -72,6 +72,13 @@ class RunResult:
     inputs: dict[str, Any] | None = None
     # SHA-256 of the local pretrained weights file the backbone loaded (rows from several machines: same weights).
     weights_sha256: str | None = None
+    # The weights file the backbone came from (then pretrained is false: not the tag's published weights).
+    checkpoint: str | None = None
+    checkpoint_sha256: str | None = None
+    # The data: class names in label order, how val was held out of train (if it was), whether test exists.
+    class_names: list[str] | None = None
+    val_from_train: str | None = None
+    has_test_split: bool | None = None
     wall_seconds: float | None = None
     selection: dict[str, Any] | None = None
     diverged: str | None = None

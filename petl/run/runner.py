@@ -37,7 +37,7 @@ from torch.utils.data import DataLoader, Dataset
 import petl
 from petl import data as petl_data
 from petl.core import trainable_state
-from petl.run import build, cache, config, engine, folder, records
+from petl.run import build, cache, config, engine, folder, load, records
 from petl.run.config import ConfigError
 from petl.run.engine import NonFiniteLossError, TrainSettings, backbone_mode, build_optimizer, evaluate, fit
 from petl.run.errors import DivergedError, RunError
@@ -135,7 +135,9 @@ def _train_and_record(cfg: DictConfig, resolved: dict[str, Any], out: Path, acce
     """The protocol: build, check the resume, train, evaluate test once, record."""
     started = time.perf_counter()
     set_seed(cfg.seed)
-    info = petl_data.get_info(cfg.data.name)
+    info = config.data_info(cfg)
+    if cfg.train.eval_test and petl_data.TEST not in info.splits:
+        build.say(accelerator, "%s has no test split: this run reports no test accuracy", cfg.data.root)
     model = build.create_backbone(cfg)
     datasets = build.datasets(cfg, model)
     inputs = folder.run_inputs(cfg, datasets["train"])
@@ -178,9 +180,16 @@ def _train_and_record(cfg: DictConfig, resolved: dict[str, Any], out: Path, acce
     result.peak_memory_mb, result.peak_memory_kind = round(peak_mb, 1), peak_kind
     result.config, result.inputs = resolved, inputs
     result.weights_sha256 = _weights_sha256(cfg, model)
+    result.checkpoint_sha256 = inputs["model.checkpoint_sha256"]
+    result.class_names = list(info.class_names or (str(i) for i in range(info.num_classes)))
+    result.val_from_train, result.has_test_split = info.val_from_train, petl_data.TEST in info.splits
     result.wall_seconds = round(time.perf_counter() - started, 2)
+    card = load.model_card(
+        model_cfg=resolved["model"], seed=cfg.seed, model=model, spec=build.eval_spec(cfg, model, info),
+        class_names=result.class_names, dataset=cfg.data.name, checkpoint_sha256=result.checkpoint_sha256,
+    )  # fmt: skip
     with folder.disk_errors(out, lambda: progress.saved_epoch, cfg.resume):
-        _record(cfg, out, model, result, accelerator)
+        _record(cfg, out, model, result, accelerator, card)
     build.say(accelerator, "wrote %s", out / records.RESULT_FILE)
     return result.to_json()
 
@@ -367,10 +376,13 @@ def _evaluate_test_once(training: _Setup) -> float | None:
         return evaluate(full_model, training.test_loader, training.accelerator)
 
 
-def _record(cfg: DictConfig, out: Path, model: nn.Module, result: RunResult, accelerator: Accelerator) -> None:
-    """Weights, then ``result.json`` (its presence marks the run finished), then drop the checkpoint."""
+def _record(
+    cfg: DictConfig, out: Path, model: nn.Module, result: RunResult, accelerator: Accelerator, card: dict[str, Any]
+) -> None:
+    """Weights and model.json, then ``result.json`` (its presence marks the run finished), then drop the checkpoint."""
     if accelerator.is_main_process:
         records.write_atomic(out / records.WEIGHTS_FILE, lambda tmp: petl.save_trainable(model, tmp))
+        records.write_json(out / records.MODEL_FILE, card)
         write_result(out / records.RESULT_FILE, result)
         if not cfg.train.keep_checkpoint:
             (out / records.CHECKPOINT_FILE).unlink(missing_ok=True)
@@ -403,7 +415,9 @@ def _result(
         dataset=cfg.data.name,
         split=cfg.data.split,
         model=cfg.model.name,
-        pretrained=cfg.model.pretrained,
+        # false also where the weights came from a local file (model.checkpoint): not the tag's published ones.
+        pretrained=bool(cfg.model.pretrained and not cfg.model.checkpoint),
+        checkpoint=cfg.model.checkpoint if cfg.model.pretrained else None,
         seed=cfg.seed,
         num_classes=num_classes,
         trainable_params=counts.trainable,

@@ -1,0 +1,159 @@
+"""Your own images: ``data=folder``, one sub-folder per class, the layout torchvision's ``ImageFolder`` reads.
+
+    PATH/train/<class>/*.png     required
+    PATH/val/<class>/*           optional: without it, a seeded, stratified 20% of train/ is held out
+    PATH/test/<class>/*          optional: without it, a run has no test number (and says so)
+
+Class names are the sub-folder names of ``train/`` in sorted order (label ``i`` is the ``i``-th name),
+as ``ImageFolder`` and Hugging Face's ``imagefolder`` number them.  ``val/`` and ``test/`` may lack a
+class, never add one.  Files count as images by their extension (torchvision's list); every image is
+then decoded once when a split is built (:class:`~petl.data.vtab.FileListDataset`): bad files are
+reported together, by path, before any training, and the split carries a content fingerprint so a
+resumed run refuses changed data.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+from torch.utils.data import Dataset
+
+from petl.data.images import FileListDataset
+from petl.data.registry import TEST, TRAIN, TRAIN_VAL, VAL, DatasetInfo, register_dataset
+from petl.data.transforms import ImageSpec
+
+# torchvision.datasets.folder.IMG_EXTENSIONS (written out: petl.data does not import torchvision).
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+# Held out of train/ as val200 when the data has no validation split: per class, with a fixed seed.
+VAL_FRACTION = 0.2
+VAL_SEED = 0
+HOLDOUT = f"{VAL_FRACTION:.0%} of each class of the training images, seed {VAL_SEED}"
+
+FOLDER_INFO = DatasetInfo(
+    name="folder",
+    group="natural",
+    num_classes=0,
+    source="your own images: PATH/train/<class>/*, optional PATH/val/<class>/*, PATH/test/<class>/*",
+    root="required",
+)
+
+
+def stratified_holdout(labels: list[int], fraction: float = VAL_FRACTION, seed: int = VAL_SEED) -> list[bool]:
+    """Which items to hold out: ``fraction`` of every class (at least one of a class with two or more), seeded.
+
+    Args:
+        labels: every item's label, in item order.
+        fraction: share of each class to hold out.
+        seed: seeds the choice, so every run and method holds out the same items.
+
+    Returns:
+        ``True`` for the held-out items, in item order.
+
+    """
+    rng = np.random.default_rng(seed)
+    held = [False] * len(labels)
+    by_class: dict[int, list[int]] = {}
+    for index, label in enumerate(labels):
+        by_class.setdefault(label, []).append(index)
+    for label in sorted(by_class):
+        members = by_class[label]
+        count = min(len(members) - 1, max(1, round(len(members) * fraction)))
+        for index in rng.permutation(members)[:count]:
+            held[int(index)] = True
+    return held
+
+
+def _images(folder: Path) -> list[Path]:
+    return sorted(
+        p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS and not _hidden(p, folder)
+    )
+
+
+def _hidden(path: Path, top: Path) -> bool:
+    # .DS_Store, .ipynb_checkpoints/...: never images of a class.
+    return any(part.startswith(".") for part in path.relative_to(top).parts)
+
+
+def _classes(split_dir: Path) -> list[str]:
+    return sorted(p.name for p in split_dir.iterdir() if p.is_dir() and not p.name.startswith("."))
+
+
+@lru_cache(maxsize=8)
+def _scan(root: Path) -> tuple[tuple[str, ...], dict[str, list[tuple[Path, int]]]]:
+    """Class names and ``(path, label)`` items of every split folder present; ValueError names what is wrong."""
+    if not root.is_dir():
+        raise ValueError(f"folder: root={root} does not exist or is not a folder")
+    train_dir = root / "train"
+    if not train_dir.is_dir():
+        raise ValueError(f"folder: {root} has no train/ folder: put the images in {root}/train/<class name>/")
+    names = _classes(train_dir)
+    if len(names) < 2:
+        raise ValueError(f"folder: {train_dir} needs one sub-folder per class (at least 2), found {len(names)}")
+    label = {name: index for index, name in enumerate(names)}
+    splits: dict[str, list[tuple[Path, int]]] = {}
+    for split in ("train", "val", "test"):
+        split_dir = root / split
+        if not split_dir.is_dir():
+            continue
+        present = _classes(split_dir)
+        extra = [name for name in present if name not in label]
+        if extra:
+            raise ValueError(f"folder: {split_dir} has classes that train/ lacks: {', '.join(extra[:5])}")
+        items = []
+        for name in present if split != "train" else names:
+            files = _images(split_dir / name)
+            if not files and split == "train":
+                raise ValueError(
+                    f"folder: {split_dir / name} holds no images ({', '.join(IMAGE_EXTENSIONS)}): add some or remove it"
+                )
+            items += [(path, label[name]) for path in files]
+        if not items:
+            raise ValueError(f"folder: {split_dir} holds no images in class sub-folders")
+        splits[split] = items
+    return tuple(names), splits
+
+
+def describe_folder(root: str) -> DatasetInfo:
+    """The folder's classes and splits, read from its sub-folder names (no image is decoded)."""
+    names, splits = _scan(Path(root).expanduser().resolve())
+    return _info(names, splits)
+
+
+def _info(names: tuple[str, ...], splits: dict[str, list]) -> DatasetInfo:
+    has_val, has_test = "val" in splits, "test" in splits
+    return DatasetInfo(
+        name=FOLDER_INFO.name,
+        group=FOLDER_INFO.group,
+        num_classes=len(names),
+        source=FOLDER_INFO.source,
+        root="required",
+        class_names=names,
+        splits=(TRAIN, VAL, TRAIN_VAL, TEST) if has_test else (TRAIN, VAL, TRAIN_VAL),
+        val_from_train=None if has_val else HOLDOUT,
+    )
+
+
+def split_items(splits: dict[str, list], split: str) -> list:
+    """The items of a petl split name, holding val out of train when there is no val of its own."""
+    train = splits["train"]
+    if split == TEST:
+        if "test" not in splits:
+            raise ValueError("no test split: add a test/ folder (or a test split) to evaluate on")
+        return splits["test"]
+    if "val" in splits:
+        return {TRAIN: train, VAL: splits["val"], TRAIN_VAL: train + splits["val"]}[split]
+    if split == TRAIN_VAL:
+        return train
+    held = stratified_holdout([item[1] for item in train])
+    return [item for item, out in zip(train, held, strict=True) if out == (split == VAL)]
+
+
+@register_dataset(FOLDER_INFO, describe=describe_folder)
+def build_folder(split: str, spec: ImageSpec, *, root: str | None, strict: bool) -> Dataset:
+    """One split of an image folder (``strict`` has no sizes to check here)."""
+    folder = Path(str(root)).expanduser().resolve()
+    _scan.cache_clear()  # a build reads the folder as it is now (a describe may have cached an older listing)
+    _, splits = _scan(folder)
+    return FileListDataset(split_items(splits, split), spec, name=f"folder {folder}", folder=folder)

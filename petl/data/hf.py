@@ -1,0 +1,219 @@
+"""A Hugging Face ``datasets`` dataset of your own: ``data=hf data.root=PATH``.
+
+``root`` is a dataset written by ``save_to_disk`` (a ``DatasetDict`` or a single ``Dataset``, read with
+``datasets.load_from_disk``), any other folder (read as an ``imagefolder``), or a hub id
+``owner/name`` where the hub is reachable.  Splits answer to petl's names: ``train`` -> train800,
+``validation`` / ``val`` / ``valid`` -> val200 (without one, the same seeded stratified hold-out as
+``data=folder``), ``test`` -> test (optional).  ``image_column`` / ``label_column`` name the columns;
+by default the first ``Image`` and ``ClassLabel`` features (else ``image`` / ``label``).  Labels are a
+``ClassLabel`` (its names are the class names), integers ``0..K-1``, or strings (sorted, as folder
+names are).  Every image is decoded once when a split is built, so bad images are reported together
+before training, and the split has a content fingerprint, as local folders do.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import torch
+from PIL import Image
+from torch.utils.data import Dataset
+
+from petl.data import hub
+from petl.data.folder import HOLDOUT, split_items
+from petl.data.images import DECODED_MEMORY_LIMIT, decode_image
+from petl.data.registry import TEST, TRAIN, TRAIN_VAL, VAL, BadImagesError, DatasetInfo, register_dataset
+from petl.data.transforms import ImageSpec, pil_to_tensor
+
+VAL_NAMES = ("validation", "val", "valid")
+OPTIONS = ("image_column", "label_column")
+
+HF_INFO = DatasetInfo(
+    name="hf",
+    group="natural",
+    num_classes=0,
+    source="a Hugging Face datasets dataset: save_to_disk folder, imagefolder folder, or hub id",
+    root="required",
+    options=OPTIONS,
+)
+
+
+def _load(root: str) -> Any:
+    """The ``DatasetDict`` at ``root``: saved to disk, an imagefolder, or a hub id."""
+    import datasets
+
+    path = Path(root).expanduser()
+    if path.is_dir():
+        if (path / "dataset_dict.json").is_file() or (path / "state.json").is_file():
+            loaded = datasets.load_from_disk(str(path))
+        else:
+            loaded = datasets.load_dataset("imagefolder", data_dir=str(path))
+    elif path.exists():
+        raise ValueError(f"hf: root={root} is a file: give a dataset folder (save_to_disk) or a hub id")
+    else:
+        if not hub.looks_like_id(root):
+            raise ValueError(f"hf: root={root} does not exist (and is not a hub id owner/name)")
+        try:
+            with hub.offline_unless_reachable():
+                loaded = datasets.load_dataset(root)
+        except Exception as error:  # network, missing repo and format errors come in many types
+            reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+            raise ValueError(
+                f"hf: cannot load hub dataset {root!r} ({reason}): give a local copy, data.root=PATH (save_to_disk)"
+            ) from None
+    if isinstance(loaded, datasets.Dataset):
+        loaded = datasets.DatasetDict({"train": loaded})
+    return loaded
+
+
+def _column(features: Any, wanted: str | None, kind: str, fallbacks: Sequence[str], option: str) -> str:
+    if wanted is not None:
+        if wanted not in features:
+            raise ValueError(f"hf: {option}={wanted!r} is not a column; the columns are {', '.join(features)}")
+        return wanted
+    for column, feature in features.items():
+        if type(feature).__name__ == kind:
+            return column
+    for column in fallbacks:
+        if column in features:
+            return column
+    raise ValueError(f"hf: no {kind} column among {', '.join(features)}: name it with data.{option}=COLUMN")
+
+
+@lru_cache(maxsize=4)
+def _open(root: str, image_column: str | None, label_column: str | None) -> tuple[Any, str, str, tuple[str, ...]]:
+    """The loaded dataset, its image and label columns and the class names; ValueError on what cannot be used."""
+    dataset = _load(root)
+    if "train" not in dataset:
+        raise ValueError(f"hf: {root} has splits {', '.join(dataset)}, and no train split")
+    unknown = [name for name in dataset if name not in ("train", "test", *VAL_NAMES)]
+    if unknown:
+        raise ValueError(f"hf: {root} has splits petl cannot place: {', '.join(unknown)} (use train, validation, test)")
+    features = dataset["train"].features
+    image = _column(features, image_column, "Image", ("image", "img"), "image_column")
+    label = _column(features, label_column, "ClassLabel", ("label", "labels", "target"), "label_column")
+    if type(features[label]).__name__ == "ClassLabel":
+        names = tuple(features[label].names)
+    else:
+        values = sorted({v for split in dataset.values() for v in split.unique(label)})
+        if all(isinstance(v, int) for v in values):
+            if values != list(range(len(values))):
+                raise ValueError(f"hf: integer labels in {label!r} must be 0..K-1, found {values[:5]}...")
+            names = tuple(str(v) for v in values)
+        else:
+            names = tuple(str(v) for v in values)
+    if len(names) < 2:
+        raise ValueError(f"hf: column {label!r} holds {len(names)} class(es); a classifier needs at least 2")
+    return dataset, image, label, names
+
+
+def describe_hf(root: str, image_column: str | None = None, label_column: str | None = None) -> DatasetInfo:
+    """The dataset's classes and splits, read from its features (no image is decoded)."""
+    dataset, _, _, names = _open(root, image_column, label_column)
+    has_val = any(name in dataset for name in VAL_NAMES)
+    return DatasetInfo(
+        name=HF_INFO.name,
+        group=HF_INFO.group,
+        num_classes=len(names),
+        source=f"Hugging Face dataset {root}",
+        root="required",
+        options=OPTIONS,
+        class_names=names,
+        splits=(TRAIN, VAL, TRAIN_VAL, TEST) if "test" in dataset else (TRAIN, VAL, TRAIN_VAL),
+        val_from_train=None if has_val else HOLDOUT,
+    )
+
+
+class RowsDataset(Dataset):
+    """Rows of ``datasets`` splits, every image decoded once when built (checked, fingerprinted, held).
+
+    Args:
+        rows: ``(split dataset, row index, label)`` per item; the split's image column holds
+            undecoded images (``{"bytes", "path"}``).
+        image_column: that column's name.
+        spec: output size and normalisation.
+        name: for error messages.
+
+    Attributes:
+        fingerprint: sha256 over every item's split, row, label and image bytes, in item order.
+
+    Raises:
+        BadImagesError: naming every row whose image cannot be decoded.
+
+    """
+
+    def __init__(self, rows: list[tuple[Any, str, int, int]], image_column: str, spec: ImageSpec, name: str) -> None:
+        self.rows, self.image_column, self.spec, self.name = rows, image_column, spec, name
+        digest = hashlib.sha256()
+        bad: list[tuple[Path, str]] = []
+        held: list[Any] | None = []
+        size = 0
+        for split, split_name, row, label in rows:
+            data = self._bytes(split, row)
+            digest.update(f"{split_name}\t{row}\t{label}\t{len(data)}\n".encode())
+            digest.update(data)
+            try:
+                array = decode_image(data)
+            except ValueError as error:
+                bad.append((Path(f"{split_name}[{row}]"), str(error)))
+                continue
+            size += array.nbytes
+            if held is not None and size > DECODED_MEMORY_LIMIT:
+                held = None  # too big to hold: checked now, decoded again on each access
+            elif held is not None:
+                held.append(array)
+        if bad:
+            raise BadImagesError(name, bad)
+        self.images, self.fingerprint = held, digest.hexdigest()
+
+    def _bytes(self, split: Any, row: int) -> bytes:
+        value = split[row][self.image_column]
+        if value is None:
+            return b""
+        if value.get("bytes"):
+            return value["bytes"]
+        path = value.get("path")
+        return Path(path).read_bytes() if path and Path(path).is_file() else b""
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        split, _, row, label = self.rows[index]
+        array = self.images[index] if self.images is not None else decode_image(self._bytes(split, row))
+        return pil_to_tensor(Image.fromarray(array), self.spec), label
+
+    @property
+    def labels(self) -> list[int]:
+        """Every item's label, without decoding images."""
+        return [row[3] for row in self.rows]
+
+
+@register_dataset(HF_INFO, describe=describe_hf)
+def build_hf(
+    split: str,
+    spec: ImageSpec,
+    *,
+    root: str | None,
+    strict: bool,
+    image_column: str | None = None,
+    label_column: str | None = None,
+) -> Dataset:
+    """One split of a ``datasets`` dataset (``strict`` has no sizes to check here)."""
+    import datasets
+
+    dataset, image, label, names = _open(str(root), image_column, label_column)
+    index = {name: i for i, name in enumerate(names)}
+    items: dict[str, list[tuple[Any, str, int, int]]] = {}
+    for split_name in dataset:
+        part = dataset[split_name].cast_column(image, datasets.Image(decode=False))
+        labels = part[label]
+        if type(part.features[label]).__name__ != "ClassLabel":
+            labels = [index[str(v)] for v in labels]
+        role = "val" if split_name in VAL_NAMES else split_name
+        items[role] = [(part, split_name, row, int(value)) for row, value in enumerate(labels)]
+    return RowsDataset(split_items(items, split), image, spec, name=f"hf {root}")

@@ -1,0 +1,363 @@
+"""petl-predict: a trained run's labels for new images, or its accuracy on a labelled split.
+
+    petl-predict RUN_DIR photo.png more_photos/ list.txt            # top-5 labels per image, on screen
+    petl-predict RUN_DIR photos/ out=preds.csv top_k=3 --merge       # also as CSV; LoRA & co. merged first
+    petl-predict RUN_DIR data=folder data.root=PATH split=test confusion=confusion.png
+
+Images are files, folders (searched recursively for image files) or list files (``.txt``: one path
+per line, relative to the list's folder).  They are decoded, preprocessed as the run evaluated
+(``model.json``), and classified in batches with a progress bar.  With ``data=`` the images and
+labels come from a dataset instead (``petl-run``'s ``data`` options), and the accuracy, the
+confusion matrix (on screen; as a PNG with ``confusion=PATH``) and, with ``out=``, every image's
+prediction are reported.  Several run folders may be given: each predicts with its own model
+(their rows carry the run's folder).
+
+Exit status: 2 for bad input (a run folder without weights, a missing image, an unreadable image,
+an unknown option), 1 when the prediction cannot complete, 130 on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import sys
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+from tqdm import tqdm
+
+import petl
+from petl import data as petl_data
+from petl.data.folder import IMAGE_EXTENSIONS
+from petl.data.images import decode_image
+from petl.run.load import MODEL_FILE, WEIGHTS_FILE, LoadedRun, RunFolderError, load_run
+
+PROG = "petl-predict"
+USAGE_ERROR, RUN_ERROR = 2, 1
+# key=value options and their types; data.* as petl-run reads them.
+OPTIONS = {
+    "out": str,
+    "top_k": int,
+    "batch_size": int,
+    "split": str,
+    "confusion": str,
+    "data": str,
+    "data.root": str,
+    "data.image_column": str,
+    "data.label_column": str,
+}
+SPLIT_ALIASES = {"train": petl_data.TRAIN, "val": petl_data.VAL, "validation": petl_data.VAL, "test": petl_data.TEST}
+
+
+class UsageError(ValueError):
+    """Bad input: the message is one line naming the file or value and what to do."""
+
+
+@dataclass
+class Prediction:
+    """One image's top-k labels and probabilities (and its true label when known)."""
+
+    run: str
+    source: str
+    labels: list[str]
+    probabilities: list[float]
+    truth: str | None = None
+
+
+def _is_run(path: Path) -> bool:
+    return path.is_dir() and ((path / WEIGHTS_FILE).is_file() or (path / MODEL_FILE).is_file())
+
+
+def image_paths(items: Sequence[str]) -> list[Path]:
+    """Every image an item names: a file, the image files under a folder, or the lines of a ``.txt`` list.
+
+    Raises:
+        UsageError: an item that does not exist, a folder without images, a listed file that is missing.
+
+    """
+    paths: list[Path] = []
+    for item in items:
+        path = Path(item).expanduser()
+        if path.is_dir():
+            found = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS)
+            if not found:
+                raise UsageError(f"{path} holds no image files ({', '.join(IMAGE_EXTENSIONS)})")
+            paths += found
+        elif path.suffix.lower() == ".txt" and path.is_file():
+            lines = [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+            listed = [p if p.is_absolute() else path.parent / p for p in map(Path, lines)]
+            missing = [str(p) for p in listed if not p.is_file()]
+            if missing:
+                raise UsageError(f"{path} lists {len(missing)} missing file(s), e.g. {missing[0]}")
+            paths += listed
+        elif path.is_file():
+            paths.append(path)
+        else:
+            raise UsageError(f"{item}: no such file or folder")
+    return paths
+
+
+def _batches(paths: list[Path], size: int) -> Iterator[list[Path]]:
+    for start in range(0, len(paths), size):
+        yield paths[start : start + size]
+
+
+def _top_k(logits: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
+    probabilities = logits.float().softmax(-1)
+    values, indices = probabilities.topk(min(k, probabilities.shape[-1]), dim=-1)
+    return values.cpu().numpy(), indices.cpu().numpy()
+
+
+def predict_images(
+    run: LoadedRun, paths: list[Path], top_k: int = 5, batch_size: int = 64, progress: bool = True
+) -> tuple[list[Prediction], list[tuple[Path, str]]]:
+    """Classify image files with one run; unreadable images are returned apart, by path, with the reason."""
+    device = next(run.model.parameters()).device
+    predictions: list[Prediction] = []
+    bad: list[tuple[Path, str]] = []
+    bar = tqdm(total=len(paths), desc=f"predict {run.run_dir.name}", unit="img", disable=not progress, leave=False)
+    for batch in _batches(paths, batch_size):
+        tensors, kept = [], []
+        for path in batch:
+            try:
+                array = decode_image(path.read_bytes())
+            except (OSError, ValueError) as error:
+                bad.append((path, str(error).splitlines()[0] if str(error) else type(error).__name__))
+                continue
+            tensors.append(run.preprocess(Image.fromarray(array)))
+            kept.append(path)
+        if tensors:
+            with torch.inference_mode():
+                logits = run.model(torch.stack(tensors).to(device))
+            values, indices = _top_k(logits, top_k)
+            for path, probs, labels in zip(kept, values, indices, strict=True):
+                names = [run.class_names[int(i)] for i in labels]
+                predictions.append(Prediction(str(run.run_dir), str(path), names, [float(p) for p in probs]))
+        bar.update(len(batch))
+    bar.close()
+    return predictions, bad
+
+
+def evaluate_split(
+    run: LoadedRun, dataset: torch.utils.data.Dataset, batch_size: int = 64, progress: bool = True
+) -> tuple[np.ndarray, list[int], list[int]]:
+    """Confusion matrix (rows: true class, columns: predicted) and the true and predicted labels of a split."""
+    device = next(run.model.parameters()).device
+    loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size)
+    truth: list[int] = []
+    predicted: list[int] = []
+    with torch.inference_mode():
+        for images, labels in tqdm(loader, desc=f"evaluate {run.run_dir.name}", disable=not progress, leave=False):
+            predicted += run.model(images.to(device)).argmax(-1).cpu().tolist()
+            truth += [int(label) for label in labels]
+    count = len(run.class_names)
+    matrix = np.zeros((count, count), dtype=np.int64)
+    np.add.at(matrix, (np.array(truth, dtype=np.int64), np.array(predicted, dtype=np.int64)), 1)
+    return matrix, truth, predicted
+
+
+def _eval_dataset(run: LoadedRun, options: dict) -> tuple[torch.utils.data.Dataset, str]:
+    name = options["data"]
+    split = SPLIT_ALIASES.get(options.get("split", "test"), options.get("split", "test"))
+    if split not in petl_data.SPLITS:
+        raise UsageError(f"split={options['split']}: choose one of test, val, train")
+    extra = {k.split(".", 1)[1]: v for k, v in options.items() if k in ("data.image_column", "data.label_column")}
+    try:
+        info = petl_data.describe_dataset(name, root=options.get("data.root"), **extra)
+        if info.class_names is not None and list(info.class_names) != run.class_names:
+            raise UsageError(
+                f"{options.get('data.root')} has classes {', '.join(info.class_names)}; "
+                f"the run was trained on {', '.join(run.class_names)}"
+            )
+        if info.num_classes != len(run.class_names):
+            raise UsageError(f"{name} has {info.num_classes} classes, the run has {len(run.class_names)}")
+        spec = run.spec
+        dataset = petl_data.build_dataset(
+            name, split, image_size=spec.image_size, mean=spec.mean, std=spec.std, interpolation=spec.interpolation,
+            augment=spec.crop, root=options.get("data.root"), options=extra,
+        )  # fmt: skip
+    except petl_data.BadImagesError as error:
+        raise UsageError(str(error)) from None
+    except petl_data.DatasetUnavailableError as error:
+        raise RuntimeError(str(error)) from None
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    return dataset, split
+
+
+def _print_table(predictions: list[Prediction], several_runs: bool) -> None:
+    for p in predictions:
+        ranked = "  ".join(f"{label} {prob:.1%}" for label, prob in zip(p.labels, p.probabilities, strict=True))
+        run = f"{p.run}  " if several_runs else ""
+        print(f"{run}{p.source}  {ranked}")
+
+
+def write_csv(path: Path, predictions: list[Prediction], several_runs: bool) -> None:
+    """One row per image (and run): path, then label_1, prob_1, ... label_k, prob_k."""
+    k = max((len(p.labels) for p in predictions), default=0)
+    header = (["run"] if several_runs else []) + ["path"]
+    header += [f"{kind}_{i}" for i in range(1, k + 1) for kind in ("label", "prob")]
+    with path.open("w", newline="", encoding="utf-8") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(header)
+        for p in predictions:
+            probabilities = (f"{q:.6f}" for q in p.probabilities)
+            cells = [cell for pair in zip(p.labels, probabilities, strict=True) for cell in pair]
+            writer.writerow(([p.run] if several_runs else []) + [p.source] + cells)
+
+
+def _print_confusion(matrix: np.ndarray, names: list[str]) -> None:
+    if len(names) > 20:
+        return  # unreadable on a terminal: the PNG (confusion=PATH) shows it
+    width = max(6, *(len(n) for n in names))
+    print("confusion (rows: true class, columns: predicted)")
+    print(" " * width + " " + " ".join(f"{n[:width]:>{width}}" for n in names))
+    for name, row in zip(names, matrix, strict=True):
+        print(f"{name:>{width}} " + " ".join(f"{int(v):>{width}}" for v in row))
+
+
+def save_confusion_png(path: Path, matrix: np.ndarray, names: list[str], title: str) -> None:
+    """The confusion matrix as a PNG heat map (rows: true class, columns: predicted)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    size = max(4.0, 0.45 * len(names) + 2)
+    fig, ax = plt.subplots(figsize=(size, size))
+    ax.imshow(matrix, cmap="Blues")
+    ax.set_xticks(range(len(names)), names, rotation=90)
+    ax.set_yticks(range(len(names)), names)
+    ax.set_xlabel("predicted")
+    ax.set_ylabel("true class")
+    ax.set_title(title)
+    if len(names) <= 20:
+        for (row, col), value in np.ndenumerate(matrix):
+            ax.text(col, row, str(value), ha="center", va="center", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def _parse(argv: Sequence[str]) -> tuple[list[Path], list[str], dict, argparse.Namespace]:
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        usage=f"{PROG} RUN_DIR [RUN_DIR ...] (IMAGES... | data=NAME data.root=PATH [split=test]) [key=value ...]",
+        epilog="options (key=value): out=preds.csv, top_k=5, batch_size=64, split=test, confusion=PATH, "
+        "data=folder|hf|..., data.root=PATH, data.image_column=, data.label_column=",
+    )
+    parser.add_argument("items", nargs="+", help="run folders, then images, folders of images or .txt lists")
+    parser.add_argument("--merge", action="store_true", help="fold mergeable methods (LoRA...) in first")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar and no table")
+    args = parser.parse_args(list(argv))
+    options: dict = {}
+    positional: list[str] = []
+    for item in args.items:
+        key, eq, value = item.partition("=")
+        if eq and not Path(item).exists():
+            if key not in OPTIONS:
+                raise UsageError(f"unknown option {key!r}; valid: {', '.join(OPTIONS)}")
+            try:
+                options[key] = OPTIONS[key](value)
+            except ValueError:
+                raise UsageError(f"{key}={value!r}: expected {OPTIONS[key].__name__}") from None
+        else:
+            positional.append(item)
+    runs = []
+    for item in positional:
+        if not _is_run(Path(item)):
+            break
+        runs.append(Path(item))
+    if not runs:
+        first = positional[0] if positional else "(none)"
+        raise UsageError(f"{first} is not a run folder (no {WEIGHTS_FILE}): give a petl-run output_dir first")
+    images = positional[len(runs) :]
+    if "data" in options and images:
+        raise UsageError("give images or data=..., not both")
+    if "data" not in options and not images:
+        raise UsageError("no images given: name image files, folders or .txt lists (or data=NAME data.root=PATH)")
+    for key in ("top_k", "batch_size"):
+        if key in options and options[key] < 1:
+            raise UsageError(f"{key}={options[key]}: must be at least 1")
+    return runs, images, options, args
+
+
+def _load(folder: Path, merge: bool) -> LoadedRun:
+    run = load_run(folder)
+    if merge:
+        spec = petl.get_method(run.card["method"])
+        if spec.mergeable:
+            petl.merge(run.model)
+        else:
+            print(f"{PROG}: note: method {spec.name} is not mergeable: predicting unmerged", file=sys.stderr)
+    if torch.cuda.is_available():
+        run.model.cuda()
+    return run
+
+
+def run_cli(argv: Sequence[str]) -> int:
+    """Predict or evaluate as the command line says; returns the exit status."""
+    runs, items, options, args = _parse(argv)
+    progress = not args.quiet and sys.stderr.isatty()
+    paths = image_paths(items) if items else []
+    several = len(runs) > 1
+    predictions: list[Prediction] = []
+    bad: list[tuple[Path, str]] = []
+    for folder in runs:
+        try:
+            run = _load(folder, args.merge)
+        except (RunFolderError, ValueError) as error:  # ValueError: weights that do not fit (load_trainable)
+            raise UsageError(str(error)) from None
+        if "data" in options:
+            dataset, split = _eval_dataset(run, options)
+            matrix, truth, predicted = evaluate_split(run, dataset, options.get("batch_size", 64), progress)
+            accuracy = 100.0 * float(np.trace(matrix)) / max(1, int(matrix.sum()))
+            print(f"{folder}: top-1 {accuracy:.2f}% on {int(matrix.sum())} images of {options['data']} {split}")
+            if not args.quiet:
+                _print_confusion(matrix, run.class_names)
+            if "confusion" in options:
+                target = Path(options["confusion"])
+                if several:
+                    target = target.with_name(f"{target.stem}_{folder.name}{target.suffix}")
+                save_confusion_png(target, matrix, run.class_names, f"{folder.name}: {split}, top-1 {accuracy:.1f}%")
+                print(f"wrote {target}")
+            continue
+        found, unreadable = predict_images(run, paths, options.get("top_k", 5), options.get("batch_size", 64), progress)
+        predictions += found
+        bad += [item for item in unreadable if item not in bad]
+    if predictions:
+        if not args.quiet:
+            _print_table(predictions, several)
+        if "out" in options:
+            write_csv(Path(options["out"]), predictions, several)
+            print(f"wrote {options['out']} ({len(predictions)} rows)")
+    if bad:
+        listing = "; ".join(f"{path} ({reason})" for path, reason in bad)
+        raise UsageError(f"{len(bad)} image(s) cannot be read, the others were predicted: {listing}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Entry point of ``petl-predict``."""
+    try:
+        status = run_cli(sys.argv[1:] if argv is None else argv)
+    except UsageError as error:
+        print(f"{PROG}: error: {error}", file=sys.stderr)
+        raise SystemExit(USAGE_ERROR) from None
+    except (RuntimeError, OSError) as error:
+        print(f"{PROG}: error: {error}", file=sys.stderr)
+        raise SystemExit(RUN_ERROR) from None
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        raise SystemExit(130) from None
+    raise SystemExit(status)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""Unloading: a merged petl model back to the plain timm model it came from (peft's ``merge_and_unload``).
+
+Every mergeable wrapper folds its update into its ``base`` and is replaced by that ``base``; what is
+left is the timm architecture with other weights, whose ``state_dict`` loads into
+``timm.create_model(name, num_classes=...)``.  Methods that add modules which cannot fold (adapters
+with a non-linearity, prompts, an MLP head) cannot give a plain model and are refused in one line,
+before anything changes.  Methods that add no module at all (linear, partial, full, bitfit, ln) are
+plain already: unloading only drops petl's marks.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from petl import core
+
+
+def _base_of(module: nn.Module) -> nn.Module | None:
+    """The module a mergeable wrapper stands for (petl's ``base``, peft's ``get_base_layer()``), else None."""
+    if isinstance(module, core.PetlModule):
+        return module.base if module.mergeable else None
+    if core._FOREIGN_MERGEABLE and isinstance(module, tuple(core._FOREIGN_MERGEABLE)):
+        return module.get_base_layer()
+    return None
+
+
+def _check_unloadable(model: nn.Module) -> None:
+    method = getattr(model, "petl_method", None)
+    for name, module in model.named_modules():
+        if isinstance(module, core.PetlModule) and not module.mergeable:
+            raise ValueError(
+                f"method {method!r} cannot be unloaded into a plain timm model: its {type(module).__name__} "
+                f"at {name} does not fold into the backbone (use the petl model, e.g. petl.load_run)"
+            )
+    head = getattr(model, "head", None)
+    if head is not None and type(head) not in (nn.Linear, nn.Identity):
+        raise ValueError(
+            f"method {method!r} cannot be unloaded into a plain timm model: its head is a {type(head).__name__}, "
+            "timm's is a Linear (use the petl model, e.g. petl.load_run)"
+        )
+
+
+@torch.no_grad()
+def unload(model: nn.Module) -> nn.Module:
+    """Merge every mergeable wrapper and replace it by its base module (in place): a plain timm model.
+
+    Args:
+        model: a model prepared by :func:`petl.apply` (trained, merged or not).
+
+    Returns:
+        The same model object, now without petl wrappers or marks (``petl_method``, ``petl_config``).
+
+    Raises:
+        ValueError: the method adds modules that cannot fold into the backbone (nothing is changed).
+
+    """
+    _check_unloadable(model)
+    if any(_base_of(m) is not None for m in model.modules()):
+        core.merge(model)
+    # Outermost first: a replaced wrapper's inner modules are gone with it.
+    for name, module in list(model.named_modules()):
+        base = _base_of(module)
+        if base is None or not name:
+            continue
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        if getattr(parent, child, None) is module:
+            setattr(parent, child, base)
+    for mark in ("petl_method", "petl_config"):
+        if hasattr(model, mark):
+            delattr(model, mark)
+    return model
