@@ -31,14 +31,15 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException, MissingConfigException, OverrideParseException
 from omegaconf import II, MISSING, DictConfig, OmegaConf, open_dict
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
-from timm.data import resolve_data_config
 
 import petl
 from petl import data as petl_data
 from petl import models as petl_models
 from petl.core import first_line
 from petl.run.engine import TrainSettings
+from petl.run.errors import ConfigError
 from petl.run.options import check_options, neutral_keys, option
+from petl.run.readers import data_info, data_options, image_size, method_options, model_kwargs  # noqa: F401 (re-exported)
 
 GROUPS = ("method", "data", "model", "train")
 SPLITS = petl_data.TRAINING_SPLITS
@@ -52,10 +53,6 @@ RUNNER_FIELDS = ("num_classes",)
 # timm modules whose models are (subclasses of) timm's VisionTransformer, the family petl supports;
 # "models" is the module name timm records for petl's own petl/models.py.
 VIT_MODULES = ("vision_transformer", "vision_transformer_hybrid", "deit", "models")
-
-
-class ConfigError(ValueError):
-    """Bad user input: an unknown choice or key, a value of the wrong type or out of range."""
 
 
 def _check_trackers(key: str, trackers: Sequence[str]) -> None:
@@ -536,82 +533,6 @@ def option_default(key: str, method: str | None = None) -> Any:
 def run_neutral_keys() -> set[str]:
     """The options of a run that do not change what it computes (marked ``neutral`` on their fields)."""
     return neutral_keys(RunConfig)
-
-
-def data_options(cfg: DictConfig) -> dict[str, Any]:
-    """The dataset's own options (``data.image_column``...) that are set."""
-    return {key: cfg.data[key] for key in ("image_column", "label_column") if cfg.data[key] is not None}
-
-
-def data_info(cfg: DictConfig) -> petl_data.DatasetInfo:
-    """The dataset's description with ``data.root`` and its options: class count and names, splits.
-
-    Raises:
-        ConfigError: a root where the dataset reads none, none where it needs one, a root that does not
-            exist or cannot be used, an option the dataset does not read.
-
-    """
-    try:
-        return petl_data.describe_dataset(cfg.data.name, root=cfg.data.root, **data_options(cfg))
-    except ValueError as error:
-        message = str(error)
-        named = message.startswith(cfg.data.name)
-        raise ConfigError(message if named else f"data {cfg.data.name}: {message}") from None
-
-
-def method_options(cfg: DictConfig) -> dict[str, Any]:
-    """The method node as keyword options for :func:`petl.core.make_config`.
-
-    Lists (the command line's form of a ``tuple[str, ...]`` field, see :func:`_cli_type`) go back
-    to tuples through :func:`petl.core.to_str_tuple`, the one normaliser the configs use too.
-    """
-    options = OmegaConf.to_container(cfg.method, resolve=True)
-    assert isinstance(options, dict)
-    name = options.pop("name")
-    hints = typing.get_type_hints(petl.get_method(name).config_cls)
-    for key, value in options.items():
-        if typing.get_origin(hints.get(key)) is tuple and isinstance(value, list):
-            options[key] = petl.core.to_str_tuple(value)
-    return options
-
-
-def model_kwargs(cfg: DictConfig) -> dict[str, Any]:
-    """Keyword arguments for ``timm.create_model`` besides the name: ``model.kwargs`` plus ``model.img_size``.
-
-    Raises:
-        ConfigError: ``model.img_size`` and ``model.kwargs.img_size`` both given, with different values.
-
-    """
-    kwargs = dict(OmegaConf.to_container(cfg.model.kwargs, resolve=True))
-    size = cfg.model.img_size
-    if size is not None:
-        if kwargs.get("img_size", size) != size:
-            raise ConfigError(
-                f"model.img_size={size} and model.kwargs.img_size={kwargs['img_size']} disagree: give one of them"
-            )
-        kwargs["img_size"] = size
-    return kwargs
-
-
-def image_size(model: Any) -> int:
-    """The side of the square images ``model`` takes: its patch embedding's size, else its pretrained config's.
-
-    Raises:
-        ConfigError: a size the data pipeline cannot feed (not square, not a multiple of the patch size).
-
-    """
-    patch_embed = getattr(model, "patch_embed", None)
-    size = getattr(patch_embed, "img_size", None)
-    if size is None:  # a model built for any size (timm's dynamic_img_size): its pretrained config's size
-        return int(resolve_data_config({}, model=model)["input_size"][-1])
-    height, width = (size, size) if isinstance(size, int) else size
-    if height != width:
-        raise ConfigError(f"model img_size {height}x{width} is not square: petl's images are square (model.img_size=N)")
-    patch = patch_embed.patch_size
-    patch = patch if isinstance(patch, int) else patch[0]
-    if getattr(patch_embed, "strict_img_size", False) and height % patch:
-        raise ConfigError(f"model.img_size={height} is not a multiple of the patch size {patch}: choose one that is")
-    return int(height)
 
 
 def check_method(cfg: DictConfig) -> None:

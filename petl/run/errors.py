@@ -1,6 +1,10 @@
-"""The ways a run fails besides bad input (:class:`petl.run.config.ConfigError`): each message says why."""
+"""The ways a run fails: bad input (:class:`ConfigError`) and runs that cannot complete; each message says why."""
 
 from __future__ import annotations
+
+
+class ConfigError(ValueError):
+    """Bad user input: an unknown choice or key, a value of the wrong type or out of range."""
 
 
 class RunError(RuntimeError):
