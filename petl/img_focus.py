@@ -32,7 +32,6 @@ version, the ONNX file's SHA-256, the conversion and the weights' SHA-256; a cac
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -44,7 +43,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from petl.paths import cache_dir
+from petl.paths import cache_dir, file_sha256
 
 log = logging.getLogger(__name__)
 
@@ -105,15 +104,6 @@ def weights_path() -> Path:
 def provenance_path() -> Path:
     """The provenance record beside the weights."""
     return weights_path().with_suffix(".json")
-
-
-def file_sha256(path: Path) -> str:
-    """SHA-256 of a file's bytes."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(2**20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def find_onnx() -> Path:

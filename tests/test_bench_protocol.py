@@ -407,9 +407,10 @@ def test_shipped_suites_compose_into_valid_run_configs(tmp_path):
     cfg = default_config(list(run.overrides))
     assert (cfg.train.lr, cfg.train.weight_decay, cfg.method.num_tokens) == (0.009, 0.1, 100)
     assert cfg.data.split == "train800val200" and not cfg.method.deep
-    for name in ("vtab1k_vpetl", "fgvc_vpetl"):
+    wave1 = {"lora", "adapter_sequential", "adapter_parallel", "vpt_shallow"}
+    for name, per_task in (("vtab1k_vpetl", wave1 | {"gps", "noah"}), ("fgvc_vpetl", wave1)):
         preset = suites.load_suite(name, bench)
-        assert set(preset.per_task) == {"lora", "adapter_sequential", "adapter_parallel", "vpt_shallow"}
+        assert set(preset.per_task) == per_task
         assert all(set(by_task) == set(preset.tasks) for by_task in preset.per_task.values())
 
 

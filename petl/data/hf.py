@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +27,7 @@ from petl.data.folder import HOLDOUT, split_items
 from petl.data.images import DECODED_MEMORY_LIMIT, decode_image
 from petl.data.registry import TEST, TRAIN, TRAIN_VAL, VAL, BadImagesError, DatasetInfo, register_dataset
 from petl.data.transforms import ImageSpec, pil_to_tensor
+from petl.data.vtab import find_column
 
 VAL_NAMES = ("validation", "val", "valid")
 OPTIONS = ("image_column", "label_column")
@@ -75,16 +75,14 @@ def _column(features: Any, wanted: str | None, kind: str, fallbacks: Sequence[st
         if wanted not in features:
             raise ValueError(f"hf: {option}={wanted!r} is not a column; the columns are {', '.join(features)}")
         return wanted
-    for column, feature in features.items():
-        if type(feature).__name__ == kind:
-            return column
-    for column in fallbacks:
-        if column in features:
-            return column
-    raise ValueError(f"hf: no {kind} column among {', '.join(features)}: name it with data.{option}=COLUMN")
+    try:
+        return find_column(features, kind, fallbacks)
+    except ValueError:
+        raise ValueError(
+            f"hf: no {kind} column among {', '.join(features)}: name it with data.{option}=COLUMN"
+        ) from None
 
 
-@lru_cache(maxsize=4)
 def _open(root: str, image_column: str | None, label_column: str | None) -> tuple[Any, str, str, tuple[str, ...]]:
     """The loaded dataset, its image and label columns and the class names; ValueError on what cannot be used."""
     dataset = _load(root)

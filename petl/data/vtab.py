@@ -385,7 +385,8 @@ def _vtab_from_hub(info: DatasetInfo, task: _Task) -> Path:
     return destination
 
 
-def _find_column(features: Any, kind: str, fallbacks: Sequence[str]) -> str:
+def find_column(features: Any, kind: str, fallbacks: Sequence[str]) -> str:
+    """The first column of a ``datasets`` feature type ``kind`` (``Image``, ``ClassLabel``), else of a fallback name."""
     for column, feature in features.items():
         if type(feature).__name__ == kind:
             return column
@@ -411,8 +412,8 @@ def _fgvc_from_hub(info: DatasetInfo, task: _Task, split: str, spec: ImageSpec) 
         )
     train = hub["train"]
     test = hub["test"]
-    image_column = _find_column(train.features, "Image", ("image", "img"))
-    label_column = _find_column(train.features, "ClassLabel", ("label", "labels", "target"))
+    image_column = find_column(train.features, "Image", ("image", "img"))
+    label_column = find_column(train.features, "ClassLabel", ("label", "labels", "target"))
     val_name = next((n for n in ("validation", "val", "valid") if n in hub), None)
     if val_name is not None:
         pools = {"train": (train, range(len(train))), "val": (hub[val_name], range(len(hub[val_name])))}

@@ -7,7 +7,6 @@ never a torn one.  ``result.json`` is written last, so its presence means the ru
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import pickle
@@ -25,6 +24,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from petl.paths import file_sha256  # noqa: F401 (re-exported: run folders record checkpoint hashes)
 
 CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"
@@ -51,15 +52,6 @@ def is_main_process() -> bool:
 def temporary_files(folder: Path) -> list[Path]:
     """Temporary files of :func:`atomic_path` left in ``folder`` by a process killed mid-write."""
     return sorted(p for name in RUN_FILES for p in folder.glob(f".{name}.*.tmp"))
-
-
-def file_sha256(path: Path) -> str:
-    """SHA-256 of a file's bytes (read in 1 MiB blocks)."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(2**20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 @contextmanager
