@@ -234,7 +234,7 @@ def test_speed_cli_rejects_unknown_keys(capsys):
     assert caught.value.code == 2 and "unknown argument" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("name", ["dtl", "lst"])
+@pytest.mark.parametrize("name", ["dtl", "lst", "last"])
 def test_side_tuning_methods_get_their_own_floor(name):
     # A side network's floor is its own model with the frozen blocks run without autograd, not a backward
     # into the backbone: find_floor is not asked (it would point at block 0, where the side network starts).

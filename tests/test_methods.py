@@ -50,6 +50,7 @@ VARIANTS = [(name, {}) for name in petl.list_methods()] + [
     ("dtl", {"rank": 3, "beta": 5.0, "add_from": 0, "fusion_size": 3}),
     ("lst", {"reduction": 4, "gate_alpha": 1.0, "gate_t": 0.5, "dropout": 0.0}),
     ("hst", {"dims": [8, 12], "heads": [2, 3], "meta_tokens": 2}),
+    ("last", {"rank": 3, "gap": 3, "layers": 2}),
     # init=reference: start as the references' code really runs (petl.methods._init); not unchanged at init.
     ("adapter", {"init": "reference"}),
     ("adapter", {"style": "parallel", "dim": 4, "init": "reference"}),

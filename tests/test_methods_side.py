@@ -14,7 +14,7 @@ import petl
 from petl import vit
 from petl.methods import _side
 
-SIDE = ["dtl", "lst", "hst"]
+SIDE = ["dtl", "lst", "hst", "last"]
 
 
 def _outputs_requiring_grad(model: torch.nn.Module, images: torch.Tensor) -> list[bool]:

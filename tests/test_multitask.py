@@ -34,8 +34,8 @@ REFUSED = {"partial": ("partial", {}), "full": ("full", {})}
 # No multi-task hook yet (issue 23): GPS trains the shared layers' biases and weight entries, NOAH appends
 # prompts after the patches (a row hook would need per-task sequence lengths).
 REFUSED |= {"gps": ("gps", {}), "noah": ("noah", {})}
-# No multi-task hook yet (issue 23): DTL, LST and HST run one side network beside the blocks (petl.methods._side).
-REFUSED |= {"dtl": ("dtl", {}), "lst": ("lst", {}), "hst": ("hst", {})}
+# No multi-task hook yet (issue 23): DTL, LST, HST and LAST run one side network beside the blocks (petl.methods._side).
+REFUSED |= {"dtl": ("dtl", {}), "lst": ("lst", {}), "hst": ("hst", {}), "last": ("last", {})}
 SHARED = {name: (name, {}) for name in petl.list_methods() if name not in REFUSED} | VARIANTS
 # Head-only methods: nothing before the head differs from the plain backbone.
 HEAD_ONLY = {"linear", "mlp", "mlp_3"}

@@ -16,6 +16,7 @@ from petl.methods.full import apply_full as apply_full
 from petl.methods.gps import apply_gps as apply_gps
 from petl.methods.hst import apply_hst as apply_hst
 from petl.methods.hydra import apply_hydra as apply_hydra
+from petl.methods.last import apply_last as apply_last
 from petl.methods.linear import apply_linear as apply_linear
 from petl.methods.ln import apply_ln as apply_ln
 from petl.methods.lora import apply_lora as apply_lora
