@@ -41,7 +41,7 @@ def test_public_names_exist():
         + ["bitfit", "ln", "ssf", "fact", "repadapter"]
         + ["dtl", "lst", "hst"]  # issue 23, side tuning
         + ["gps", "noah"]  # issue 23
-        + ["last"]  # issue 23
+        + ["last", "snf"]  # issue 23
     )
 
 

@@ -619,8 +619,8 @@ def test_params_vtab1k_matches_every_published_row(capsys):
     # Every experiment with a published row matches it, except those whose file says why: VPT-Deep (per-task
     # prompt lengths), FacT (per-task ranks), RepAdapter (biases left out of the count), Hydra (head counted),
     # LST and HST (V-PETL has no code for them; petl counts the authors' designs); GPS (a published count no count
-    # of the reference's selection reproduces), NOAH (a searched subnet).
-    explained = {"vpt_deep", "fact", "repadapter", "hydra", "lst", "hst", "gps", "noah"}
+    # of the reference's selection reproduces), NOAH (a searched subnet), SNF (the code's default flow length).
+    explained = {"vpt_deep", "fact", "repadapter", "hydra", "lst", "hst", "gps", "noah", "snf"}
     assert explained | {"bitfit", "ssf", "sct"} <= set(status)
     for name, line in status.items():
         experiment = load_experiment(name, BENCH)

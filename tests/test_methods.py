@@ -51,6 +51,7 @@ VARIANTS = [(name, {}) for name in petl.list_methods()] + [
     ("lst", {"reduction": 4, "gate_alpha": 1.0, "gate_t": 0.5, "dropout": 0.0}),
     ("hst", {"dims": [8, 12], "heads": [2, 3], "meta_tokens": 2}),
     ("last", {"rank": 3, "gap": 3, "layers": 2}),
+    ("snf", {"flow_length": 0}),
     # init=reference: start as the references' code really runs (petl.methods._init); not unchanged at init.
     ("adapter", {"init": "reference"}),
     ("adapter", {"style": "parallel", "dim": 4, "init": "reference"}),

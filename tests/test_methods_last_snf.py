@@ -28,12 +28,13 @@ def _head(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return model.forward_head(model.norm(x))
 
 
-def _outputs_requiring_grad(model: torch.nn.Module, images: torch.Tensor) -> list[bool]:
-    """Per original block, whether its output takes part in the backward of a training forward."""
+def _outputs_requiring_grad(model: torch.nn.Module, images: torch.Tensor, wrappers: bool = False) -> list[bool]:
+    """Per original block (or per wrapper, for wrappers that run their block's parts), whether its output takes
+    part in the backward of a training forward."""
     seen: list[bool] = []
     handles = [
         block.register_forward_hook(lambda _m, _args, out: seen.append(out.requires_grad))
-        for block in vit.blocks(model)
+        for block in (model.blocks if wrappers else vit.blocks(model))
     ]
     model.train()
     F.cross_entropy(model(images), torch.zeros(images.shape[0], dtype=torch.long)).backward()
@@ -122,3 +123,84 @@ def test_last_rejects_bad_options(tiny_vit):
     for options, field in [({"rank": 0}, "rank"), ({"gap": 2}, "gap"), ({"gap": 4}, "gap"), ({"layers": 0}, "layers")]:
         with pytest.raises(ValueError, match=field):
             petl.apply(tiny_vit(), "last", **options)
+
+
+# --- SNF ---------------------------------------------------------------------------------------
+
+
+def _flow(flow: torch.nn.Module, z: torch.Tensor) -> torch.Tensor:
+    # Wang-Yaoming/SNF@a6f85b1 flow.py L21-30: AffineTransform (L38-41, mu + exp(logsigma) * x), then each
+    # PlanarFlow (L61-64, z + scale * tanh(F.linear(z, weight (1 x d), bias (1)))) in order.
+    z = flow.mu + torch.exp(flow.log_sigma) * z
+    for planar in flow.planar:
+        z = z + planar.scale[None] * torch.tanh(F.linear(z, planar.weight[None], planar.bias))
+    return z
+
+
+def _snf_forward(model, images):
+    # snf.py L11-18: x = flow(x) + attention(ln_1(x)); x = flow2(x) + mlp(ln_2(x)), timm's layer scale and drop
+    # path in place (an identity here) as on every timm block.
+    x = _embed(model, images)
+    for wrapper in model.blocks:
+        b = wrapper.base
+        x = _flow(wrapper.flow_attn, x) + b.ls1(b.attn(b.norm1(x)))
+        x = _flow(wrapper.flow_mlp, x) + b.ls2(b.mlp(b.norm2(x)))
+    return _head(model, x)
+
+
+@pytest.mark.parametrize(
+    ("options", "flow_length"),
+    [({}, 16), ({"reg_tokens": 2, "init_values": 0.5}, 3), ({"class_token": False, "global_pool": "avg"}, 0)],
+)
+def test_snf_equals_reference(tiny_vit, images, options, flow_length):
+    model = petl.apply(tiny_vit(**options), "snf", num_classes=4, flow_length=flow_length)
+    perturb_trainable(model)
+    model.eval()
+    torch.testing.assert_close(model(images), _snf_forward(model, images), atol=1e-5, rtol=0)
+
+
+def test_snf_init_is_the_references(tiny_vit):
+    # flow.py L35-36 (mu, logsigma zero) and L55-59 (weight, scale, bias uniform(-0.01, 0.01)).
+    flow = petl.apply(tiny_vit(), "snf").blocks[1].flow_mlp
+    assert not flow.mu.any() and not flow.log_sigma.any()
+    planar = list(flow.planar)
+    assert len(planar) == 16 and all(p.weight.shape == p.scale.shape == (48,) and p.bias.shape == (1,) for p in planar)
+    for values in (torch.stack([p.weight for p in planar]), torch.stack([p.scale for p in planar])):
+        assert values.abs().max() <= 0.01 and values.std() > 0.003
+    assert torch.cat([p.bias for p in planar]).abs().max() <= 0.01
+
+
+def test_snf_counts_the_reference_default_on_vit_b():
+    # 24 flows of 2 x 768 + 16 x (2 x 768 + 1); flow_length 0 leaves the affine maps: 36,864, the paper's 0.036M.
+    assert petl.count_params(petl.apply(_vit_b(), "snf")).trainable_no_head == 24 * (2 * 768 + 16 * 1537) == 627_072
+    assert petl.count_params(petl.apply(_vit_b(), "snf", flow_length=0)).trainable_no_head == 36_864
+
+
+def test_snf_backward_reaches_every_block(tiny_vit, images):
+    # The flows sit in every block's residual stream: the backward runs through the whole backbone.
+    model = petl.apply(tiny_vit(), "snf", num_classes=4)
+    assert _outputs_requiring_grad(model, images, wrappers=True) == [True, True, True]
+
+
+def test_snf_rejects_bad_options(tiny_vit):
+    with pytest.raises(ValueError, match="flow_length"):
+        petl.apply(tiny_vit(), "snf", flow_length=-1)
+
+
+def test_snf_rows_in_a_multitask_batch_equal_their_own_model(tiny_vit, tmp_path):
+    # The row hook swaps each half's identity shortcut for the task's flow (pre keeps the block input for mid):
+    # a batch of SNF rows only, and one mixed with VPT-deep rows (prompt slots), give each row its own logits.
+    backbone, files, singles = tiny_vit(), {}, {}
+    for seed, (name, options) in enumerate([("snf", {"flow_length": 2}), ("vpt", {"deep": True, "num_tokens": 2})]):
+        singles[name] = petl.apply(tiny_vit(), name, num_classes=3, **options)
+        perturb_trainable(singles[name], seed=seed)
+        singles[name].eval()
+        files[name] = tmp_path / f"{name}.safetensors"
+        petl.save_trainable(singles[name], files[name])
+    multi = petl.MultiTask(backbone, files)
+    images = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(5))
+    for ids in (["snf"] * 4, ["vpt", "snf", "snf", "vpt"]):
+        with torch.no_grad():
+            out = multi(images, ids)
+            for row, task in enumerate(ids):
+                torch.testing.assert_close(out[row], singles[task](images[row : row + 1])[0], atol=2e-5, rtol=1e-4)

@@ -27,6 +27,7 @@ from petl.methods.partial import apply_partial as apply_partial
 from petl.methods.peft_bridge import apply_peft as apply_peft
 from petl.methods.repadapter import apply_repadapter as apply_repadapter
 from petl.methods.sct import apply_sct as apply_sct
+from petl.methods.snf import apply_snf as apply_snf
 from petl.methods.ssf import apply_ssf as apply_ssf
 from petl.methods.vpt import apply_vpt as apply_vpt
 
