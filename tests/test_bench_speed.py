@@ -258,9 +258,10 @@ def test_side_floor_runs_no_block_with_autograd_and_trains_the_side_network():
     assert any(not torch.equal(p, q) for p, q in zip(bench.params, before, strict=True))
 
 
-def test_lst_peak_memory_is_below_loras():
-    # LST's backward never enters the backbone, LoRA's reaches block 0 (fresh processes, as the tool measures).
+def test_lst_and_last_peak_memory_is_below_loras():
+    # LST's and LAST's backward never enters the backbone, LoRA's reaches block 0 (fresh processes, as the tool
+    # measures).
     spec = SpeedSpec(batch=8, warmup=1)
-    lst_mb = measure_memory_in_subprocess(Case("lst", {"name": "lst"}), spec)["peak_mb"]
     lora_mb = measure_memory_in_subprocess(Case("lora", dict(LORA[1])), spec)["peak_mb"]
-    assert lst_mb < lora_mb
+    for name in ("lst", "last"):
+        assert measure_memory_in_subprocess(Case(name, {"name": name}), spec)["peak_mb"] < lora_mb, name
