@@ -28,16 +28,17 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from timm.layers import LayerScale
 from torch import nn
 
 from petl import vit
-from petl.io import load_trainable
+from petl.core import apply, trainable_state
+from petl.io import _meta_copy, load_trainable, read_trainable_metadata
 
 Tensor = torch.Tensor
 
@@ -73,7 +74,8 @@ class Tokens:
 class RowHook:
     """What one task's wrapper does to that task's rows while the frozen module it wraps runs for the whole batch.
 
-    Each callable gets one task's rows (a contiguous slice of the batch) and the batch's :class:`Tokens`.
+    Each callable gets one task's rows (a contiguous slice of the batch) and the batch's :class:`Tokens`, and
+    may return ``None`` to leave the rows as they are (a side network only reading them, as LST's ladders).
 
     Attributes:
         wrapped: the frozen module the wrapper wraps (its ``base``); searched for further hooks, never run.
@@ -81,7 +83,11 @@ class RowHook:
         post: ``post(x, y, tokens) -> y``: the rows' output ``y`` given their input ``x``.  At a block, ``x``
             is the stream entering the MLP half (after the attention residual) and ``y`` the block's output.
         mid: ``mid(x, tokens) -> x`` (blocks only): the stream between the attention and MLP halves.
-        prompts: prompt tokens the task writes into the slots (VPT), 0 for none.
+        branch: ``branch(h, tokens) -> h`` (blocks only): the MLP half's branch ``h`` (after layer scale and
+            drop path) before its residual sum, as an adapter after the MLP sees it (NOAH).
+        prompts: prompt slots the task uses (VPT's prompts, HST's meta tokens, NOAH's tail), 0 for none.
+        visible: (blocks only) how many of the task's slots this block's tokens attend; ``None``: all its
+            ``prompts`` (a task whose prompt count changes from block to block, as NOAH's, says it per block).
         pool_prompts: whether the pooling sees the task's prompts (VPT's ``original`` pool) or not (``img_pool``).
 
     """
@@ -90,7 +96,9 @@ class RowHook:
     pre: Callable[[Tensor, Tokens], Tensor] | None = None
     post: Callable[[Tensor, Tensor, Tokens], Tensor] | None = None
     mid: Callable[[Tensor, Tokens], Tensor] | None = None
+    branch: Callable[[Tensor, Tokens], Tensor] | None = None
     prompts: int = 0
+    visible: int | None = None
     pool_prompts: bool = True
 
 
@@ -126,17 +134,25 @@ def _registered_hook(module: nn.Module) -> RowHook | None:
 def _own_parameter_hook(module: nn.Module, frozen: nn.Module, path: str, own: list[str]) -> RowHook:
     """The hook of a backbone module some of whose parameters the task trained itself (BitFit, LN tuning).
 
-    A trained LayerNorm is cheap (no matmul): the task's rows are normalised with its own affine.  A Linear or
+    A trained LayerNorm or layer scale is cheap (no matmul): the task's rows go through its own module.  A Linear or
     Conv2d may have its own bias (added as a delta on the shared output); a trained weight matrix would need
     its own matmul per task, which is exactly what cannot be shared.
     """
     where = f"{path}.{own[0]}" if path else own[0]
-    if isinstance(module, nn.LayerNorm):
+    if isinstance(module, (nn.LayerNorm, LayerScale)):
         return RowHook(frozen, post=lambda x, y, _tokens: module(x))
     if isinstance(module, (nn.Linear, nn.Conv2d)) and own == ["bias"] and frozen.bias is not None:
         shape = (-1, 1, 1) if isinstance(module, nn.Conv2d) else (-1,)
         return RowHook(frozen, post=lambda x, y, _tokens: y + (module.bias - frozen.bias).view(shape))
     raise CannotShare(f"it trains {where}, a frozen weight every row's computation shares; serve it as its own model")
+
+
+def _around(wrapper: RowHook, inner: RowHook) -> RowHook:
+    """A wrapper's hook over a wrapped module that has its own parameters: ``inner.post`` first, then the wrapper's."""
+    if wrapper.post is None:
+        return replace(wrapper, post=inner.post)
+    outer = wrapper.post
+    return replace(wrapper, post=lambda x, y, tokens: outer(x, inner.post(x, y, tokens), tokens))
 
 
 @dataclass
@@ -204,8 +220,8 @@ class RoutedModule(nn.Module):
         self.base = base
         self.hooks, self._router = hooks, router
         for task, hook in hooks.items():
-            if hook.mid is not None:
-                raise CannotShare(f"task {task}: a hook between attention and MLP belongs on a block, not here")
+            if hook.mid or hook.branch or hook.visible is not None:
+                raise CannotShare(f"task {task}: a hook inside a block's halves belongs on a block, not here")
 
     def forward(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
         batch = self._router.current()
@@ -218,15 +234,17 @@ class RoutedModule(nn.Module):
 class RoutedBlock(RoutedModule):
     """A frozen transformer block run once for the whole batch; tasks hook before it, between its halves, after it.
 
-    With a ``mid`` or ``post`` hook the block runs as its two residual halves (timm's pre-norm ``Block``), so
-    that ``mid`` can act on the stream between them and ``post`` can read it.
+    With a ``mid``, ``branch`` or ``post`` hook the block runs as its two residual halves (timm's pre-norm
+    ``Block``), so that ``mid`` can act on the stream between them, ``branch`` on the MLP's branch before its
+    residual sum, and ``post`` can read the stream entering the MLP half.
     """
 
     def __init__(self, base: nn.Module, hooks: dict[int, RowHook], router: _Router) -> None:
         nn.Module.__init__(self)
         self.base = base
         self.hooks, self._router = hooks, router
-        self.halves = any(h.mid is not None or h.post is not None for h in hooks.values())
+        self.halves = any(h.mid or h.branch or h.post for h in hooks.values())
+        self.branches = any(h.branch for h in hooks.values())
         if self.halves:
             try:
                 vit.check_pre_norm_block(base)
@@ -241,7 +259,13 @@ class RoutedBlock(RoutedModule):
         # Each half ends with a residual sum, a fresh tensor this block owns.
         x = vit.attn_residual(self.base, x, **kwargs)
         x = _each_task(batch, self.hooks, x, lambda h, rows: h.mid and h.mid(x[rows], batch.tokens), own=True)
-        y = vit.mlp_residual(self.base, x)
+        if self.branches:
+            h = vit.mlp_branch(self.base, x)
+            branch = lambda hook, rows: hook.branch and hook.branch(h[rows], batch.tokens)  # noqa: E731
+            h = _each_task(batch, self.hooks, h, branch, own=_is_fresh(h, x))
+            y = x + h
+        else:
+            y = vit.mlp_residual(self.base, x)
         post = lambda h, rows: h.post and h.post(x[rows], y[rows], batch.tokens)  # noqa: E731
         return _each_task(batch, self.hooks, y, post, own=True)
 
@@ -254,12 +278,23 @@ def _weights_file(path: str | Path) -> Path:
     return path / WEIGHTS_FILE if path.is_dir() else path
 
 
-def _tensor_names(path: Path) -> set[str]:
+def _trained_backbone_tensors(backbone: nn.Module, path: Path) -> set[str]:
+    """The names of the backbone's tensors that the method in ``path`` trains, wherever it moves them.
+
+    BitFit's biases keep their backbone names in the file, but GPS trains the biases of the layers it wraps
+    (``blocks.0.attn.qkv.base.bias``) and HST the LayerNorms of the blocks it wraps: the method is built on a
+    meta-device copy of the backbone (nothing allocated) and its trained tensors are matched to the backbone's
+    by identity, so that loading never writes into a tensor the tasks share.
+    """
+    meta = read_trainable_metadata(path)
+    shadow = _meta_copy(backbone)
+    names = {id(t): n for n, t in [*shadow.named_parameters(), *shadow.named_buffers()]}
     try:
-        with safe_open(str(path), framework="pt") as f:
-            return set(f.keys())
-    except Exception as error:  # load_trainable reports unreadable files itself, naming them
-        raise ValueError(f"{path} is not a readable safetensors file ({error})") from None
+        applied = apply(shadow, meta["method"], **meta["config"])
+    except (ValueError, TypeError) as error:  # as load_trainable words it
+        raise ValueError(f"{path}: cannot apply its method {meta['method']!r}: {error}") from None
+    objects = {**dict(applied.named_parameters()), **dict(applied.named_buffers())}
+    return {names[id(objects[n])] for n in trainable_state(applied) if id(objects.get(n)) in names}
 
 
 def _shared_copy(backbone: nn.Module, unshared: set[str] = frozenset()) -> nn.Module:
@@ -307,12 +342,23 @@ def _task_sites(model: nn.Module, backbone: nn.Module) -> dict[str, RowHook]:
             raise CannotShare(f"its {kind} at {path or 'the root'} has no multi-task hook yet")
         own = [n for n, p in module.named_parameters(recurse=False) if p is not getattr(plain, n, None)]
         if own:
-            add(path, _own_parameter_hook(module, plain, path, own))
+            hook = _own_parameter_hook(module, plain, path, own)
+            wrapper = sites.get(path)
+            if wrapper is not None and wrapper.wrapped is module:  # GPS: a wrapper over a layer with its own bias
+                sites[path] = _around(wrapper, hook)
+            else:
+                add(path, hook)
         for name, child in module.named_children():
             walk(child, f"{path}.{name}" if path else name)
 
     walk(model, "")
     return sites
+
+
+def _block_paths(backbone: nn.Module) -> list[str]:
+    """The module paths of the backbone's blocks, in order."""
+    paths = {id(m): path for path, m in backbone.named_modules()}
+    return [paths[id(b)] for b in vit.block_container(backbone)]
 
 
 class MultiTask(nn.Module):
@@ -354,6 +400,12 @@ class MultiTask(nn.Module):
         self.num_classes = {name: vit.num_classes(m) for name, m in zip(self.names, models, strict=True)}
         self.prompts = [max((h.prompts for h in sites.values()), default=0) for sites in hooks]
         self.pool_prompts = [all(h.pool_prompts for h in sites.values()) for sites in hooks]
+        # Per task, per block: how many of its slots the block's tokens attend (all, unless a block hook says).
+        blocks = _block_paths(backbone)
+        self.visible = [
+            [n if sites.get(b) is None or sites[b].visible is None else sites[b].visible for b in blocks]
+            for sites, n in zip(hooks, self.prompts, strict=True)
+        ]
         self._router = _Router()
         self.backbone = self._route(backbone, hooks)
         if any(self.prompts) and vit.pool_type(backbone) not in vit.MASKABLE_POOLS:
@@ -367,7 +419,7 @@ class MultiTask(nn.Module):
     @staticmethod
     def _load(name: str, path: Path, backbone: nn.Module) -> nn.Module:
         """The task's single-task model: the backbone's frozen tensors shared, the file's tensors its own."""
-        model = _shared_copy(backbone, unshared=_tensor_names(path))
+        model = _shared_copy(backbone, unshared=_trained_backbone_tensors(backbone, path))
         load_trainable(model, path)
         return model.eval()
 
@@ -378,8 +430,7 @@ class MultiTask(nn.Module):
         for task, sites in enumerate(hooks):
             for path, hook in sites.items():
                 by_path.setdefault(path, {})[task] = hook
-        block_ids = {id(b) for b in vit.block_container(backbone)}
-        blocks = {path for path, m in backbone.named_modules() if id(m) in block_ids}
+        blocks = set(_block_paths(backbone))
         # Innermost first: a block is routed around its already-routed Linears.
         for path in sorted(by_path, key=lambda p: p.count("."), reverse=True):
             parent_path, _, name = path.rpartition(".")
@@ -415,6 +466,15 @@ class MultiTask(nn.Module):
             raise ValueError(f"task index out of range: there are {len(self.names)} tasks")
         return index
 
+    @staticmethod
+    def _slot_mask(x: Tensor, groups: list[tuple[int, int, int]], tokens: Tokens, used: list[int]) -> Tensor:
+        """Rows x tokens, True except at each row's slots past ``used[task]`` (its task's slots in use)."""
+        mask = torch.ones(x.shape[:2], dtype=torch.bool, device=x.device)
+        slot = torch.arange(tokens.slots, device=x.device)
+        for task, first, end in groups:
+            mask[first:end, tokens.prefix : tokens.prefix + tokens.slots] = slot < used[task]
+        return mask
+
     def forward(self, images: Tensor, task_ids: Sequence[str] | Sequence[int] | Tensor) -> Tensor:
         """Each image's logits from its own task.
 
@@ -440,19 +500,20 @@ class MultiTask(nn.Module):
         self._router.batch = _Batch(groups, tokens)
         try:
             x = vit.embed_tokens(self.backbone, images[order.to(images.device)])
-            attend = pool = None
+            pool = None
             if tokens.slots:
                 x = tokens.with_slots(x)
-                # Each row attends (and pools) only the slots its own task fills.
-                attend = torch.ones(x.shape[:2], dtype=torch.bool, device=x.device)
-                pool = attend.clone()
-                slot = torch.arange(tokens.slots, device=x.device)
-                for task, first, end in groups:
-                    used = slot < self.prompts[task]
-                    attend[first:end, prefix : prefix + tokens.slots] = used
-                    pool[first:end, prefix : prefix + tokens.slots] = used & self.pool_prompts[task]
-            for block in vit.block_container(self.backbone):
-                x = block(x) if attend is None else block(x, attn_mask=attend[:, None, None, :])
+                # Each row pools (and, per block, attends) only the slots its own task fills.
+                pool = self._slot_mask(x, groups, tokens, [n if p else 0 for n, p in zip(self.prompts, self.pool_prompts)])
+            masks: dict[tuple[int, ...], Tensor] = {}
+            for i, block in enumerate(vit.block_container(self.backbone)):
+                if not tokens.slots:
+                    x = block(x)
+                    continue
+                visible = tuple(self.visible[task][i] for task, _, _ in groups)
+                if visible not in masks:
+                    masks[visible] = self._slot_mask(x, groups, tokens, [v[i] for v in self.visible])[:, None, None]
+                x = block(x, attn_mask=masks[visible])
             features = vit.pooled_features(self.backbone, x, pool)
         finally:
             self._router.batch = None

@@ -166,7 +166,12 @@ def attn_residual(block: nn.Module, x: torch.Tensor, **kwargs: Any) -> torch.Ten
 
 def mlp_residual(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """The second half of a pre-norm timm block: ``x + mlp(norm2(x))`` (see :func:`attn_residual`)."""
-    return x + block.drop_path2(block.ls2(block.mlp(block.norm2(x))))
+    return x + mlp_branch(block, x)
+
+
+def mlp_branch(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The branch of :func:`mlp_residual` before its residual sum (layer scale and drop path included)."""
+    return block.drop_path2(block.ls2(block.mlp(block.norm2(x))))
 
 
 def mlp_norm(block: nn.Module) -> nn.Module:

@@ -29,13 +29,19 @@ VARIANTS = {
         {"peft_type": "IA3", "target_modules": ("qkv", "fc2"), "options": '{"feedforward_modules": ["fc2"]}'},
     ),
 }
+# Side networks and NOAH's per-block choices: DTL+ (its conv over the grid must not see other tasks' prompt
+# slots), GPS with two entries per row, NOAH with prompts that come, stay and are replaced from block to block
+# (slots attended change per block), LoRA and adapters in some blocks only.
+VARIANTS |= {
+    "dtl_plus": ("dtl", {"fusion_size": 3, "add_from": 0}),
+    "gps_2": ("gps", {"per_row": 2}),
+    "noah_mixed": ("noah", {"prompt": "2,0,3", "lora": "0,2,1", "adapter": "3,0,2"}),
+    "hst_2": ("hst", {"dims": ("8", "16"), "heads": ("2", "4"), "meta_tokens": 2}),
+}
 # Cannot share: they train frozen weight matrices every row's matmul uses.
 REFUSED = {"partial": ("partial", {}), "full": ("full", {})}
-# No multi-task hook yet (issue 23): GPS trains the shared layers' biases and weight entries, NOAH appends
-# prompts after the patches (a row hook would need per-task sequence lengths).
-REFUSED |= {"gps": ("gps", {}), "noah": ("noah", {})}
-# No multi-task hook yet (issue 23): DTL, LST, HST and LAST run one side network beside the blocks (petl.methods._side).
-REFUSED |= {"dtl": ("dtl", {}), "lst": ("lst", {}), "hst": ("hst", {}), "last": ("last", {})}
+# No multi-task hook yet: LAST's side network (issue 23, its branch adds its own) is refused in one line.
+REFUSED |= {"last": ("last", {})}
 SHARED = {name: (name, {}) for name in petl.list_methods() if name not in REFUSED} | VARIANTS
 # Head-only methods: nothing before the head differs from the plain backbone.
 HEAD_ONLY = {"linear", "mlp", "mlp_3"}
@@ -113,9 +119,11 @@ def test_each_row_gets_its_own_single_task_models_logits(served, case):
         assert (features - plain).abs().max() > 1e-3
 
 
-def test_a_mixed_batch_of_six_methods_of_different_families(tmp_path):
-    """LoRA, AdaptFormer, VPT-deep, SSF, BitFit and Convpass in one shuffled batch: every row as its own model."""
-    cases = {name: SHARED[name] for name in ("lora", "adapter_parallel", "vpt_deep", "ssf", "bitfit", "convpass")}
+def test_a_mixed_batch_of_methods_of_different_families(tmp_path):
+    """LoRA, AdaptFormer, VPT-deep, SSF, BitFit, Convpass and the side networks of LST and HST in one shuffled
+    batch: every row as its own model."""
+    names = ("lora", "adapter_parallel", "vpt_deep", "ssf", "bitfit", "convpass", "lst", "hst")
+    cases = {name: SHARED[name] for name in names}
     backbone = make_tiny_vit()
     singles, files = _save(tmp_path, cases, backbone)
     multi = petl.MultiTask(backbone, files)

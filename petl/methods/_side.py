@@ -8,7 +8,11 @@ The side network's parameters are registered once, under block 0's wrapper (so s
 ``.to()`` see them once); the other wrappers hold an unregistered reference to the same module.
 
 The state lives on the side network between block 0 and the last block of one forward and is dropped
-at the last block, so a finished forward holds no graph.  timm's gradient checkpointing re-runs blocks
+at the last block, so a finished forward holds no graph.
+
+In a :class:`petl.MultiTask` mixed batch the frozen blocks run once for every row, and each task's side
+network runs on its own rows only: the block wrapper's row hook is :meth:`SideNetwork.row_hook`, which each
+side network writes from the same pieces as its :meth:`SideNetwork.step`.  timm's gradient checkpointing re-runs blocks
 in the backward, which would run the side steps out of order: a block called out of order raises.
 """
 
@@ -19,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from petl import core, vit
+from petl import core, multitask, vit
 
 
 class SideNetwork(nn.Module):
@@ -42,6 +46,14 @@ class SideNetwork(nn.Module):
     def step(self, index: int, block: nn.Module, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         """Run block ``index`` (frozen, kept as the wrapper's ``base``) on ``x``; return what the next block reads."""
         raise NotImplementedError
+
+    def row_hook(self, index: int, block: nn.Module) -> multitask.RowHook:
+        """What :meth:`step` does around frozen block ``index``, as a :class:`petl.MultiTask` row hook.
+
+        The hook sees the batch's prompt slots (other tasks' prompts) in the token sequence: a side network
+        that mixes tokens (attention, a convolution over the grid) reads its rows without them.
+        """
+        raise multitask.CannotShare(f"{type(self).__name__} has no multi-task hook yet")
 
 
 class SideBlock(core.PetlModule):
@@ -71,6 +83,12 @@ class SideBlock(core.PetlModule):
     def forward(self, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         self.side.check_order(self.index)
         return self.side.step(self.index, self.base, x, **kwargs)
+
+
+@multitask.register_row_hook(SideBlock)
+def _rows(wrapper: SideBlock) -> multitask.RowHook:
+    # The frozen block runs once for the whole batch; each task's side network acts on its own rows.
+    return wrapper.side.row_hook(wrapper.index, wrapper.base)
 
 
 def install(model: nn.Module, side: SideNetwork) -> None:

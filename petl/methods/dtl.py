@@ -29,7 +29,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from petl import core, vit
+from petl import core, multitask, vit
 from petl.methods import _side
 
 
@@ -107,14 +107,36 @@ class DtlSide(_side.SideNetwork):
         return torch.cat([features[:, :p], patches], dim=1)
 
     def step(self, index: int, block: nn.Module, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        self.accumulate(index, x)
+        y = block(x, **kwargs)
+        added = self.added(index)
+        return y if added is None else y + added
+
+    def accumulate(self, index: int, x: torch.Tensor) -> None:
+        """Add block ``index``'s low-rank map of its input ``x`` to the running sum."""
         low_rank = x @ self.lora_a[index].t() @ self.lora_b[index].t()
         self._sum = low_rank if index == 0 else self._sum + low_rank
-        x = block(x, **kwargs)
+
+    def added(self, index: int) -> torch.Tensor | None:
+        """What is added to block ``index``'s output: ``fuse(swish(sum))`` from ``add_from`` on, else ``None``."""
+        added = None
         if index >= self.add_from:
-            x = x + self.fuse(self._sum * torch.sigmoid(self.beta * self._sum))
+            added = self.fuse(self._sum * torch.sigmoid(self.beta * self._sum))
         if index == self.depth - 1:
             self._sum = None  # no graph kept between forwards
-        return x
+        return added
+
+    def row_hook(self, index: int, block: nn.Module) -> multitask.RowHook:
+        """The frozen block once for the batch; the task's running sum and additions on its rows (no slots)."""
+
+        def pre(x: torch.Tensor, tokens: multitask.Tokens) -> None:
+            self.accumulate(index, tokens.without_slots(x))
+
+        def post(x: torch.Tensor, y: torch.Tensor, tokens: multitask.Tokens) -> torch.Tensor | None:
+            added = self.added(index)
+            return None if added is None else y + tokens.with_slots(added)
+
+        return multitask.RowHook(block, pre=pre, post=post if index >= self.add_from else None)
 
 
 def _formula(model: nn.Module, cfg: DtlConfig) -> int:

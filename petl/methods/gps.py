@@ -48,7 +48,7 @@ from timm.data import resolve_data_config
 from torch import nn
 from torchvision.transforms import v2
 
-from petl import core, vit
+from petl import core, multitask, vit
 
 # The weights GPS selects entries of, per block, after the patch embedding (utils/pruning.py L14-20).
 BLOCK_WEIGHTS = ("qkv", "proj", "fc1", "fc2")
@@ -149,6 +149,17 @@ class GpsLinear(core.PetlModule):
         flat = torch.zeros(weight.shape[0], weight[0].numel(), device=weight.device, dtype=dtype or weight.dtype)
         return flat.scatter(1, self.index, self.delta.to(flat.dtype)).view(weight.shape)
 
+    def delta_output(self, x: torch.Tensor) -> torch.Tensor:
+        """The sparse update's part of the output, ``scatter(delta) x``, without the frozen weight's.
+
+        A Linear's rows read only their ``per_row`` selected inputs (a gather, no dense matmul); the patch
+        embedding's convolution runs with the dense update.
+        """
+        if isinstance(self.base, nn.Conv2d):
+            return self.base._conv_forward(x, self.delta_weight(x.dtype), None)
+        picked = x[..., self.index.flatten()].unflatten(-1, self.index.shape)  # [..., rows, per_row]
+        return (picked * self.delta.to(x.dtype)).sum(dim=-1)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.merged:
             return self.merged_forward(x)
@@ -172,6 +183,13 @@ class GpsLinear(core.PetlModule):
     def unfold(self) -> None:
         """Subtract the update again, restoring the frozen weight (up to rounding)."""
         self._fold(-1.0)
+
+
+@multitask.register_row_hook(GpsLinear)
+def _rows(wrapper: GpsLinear) -> multitask.RowHook:
+    # The frozen layer once for the batch, then each task's sparse update on its rows; its own trained bias is
+    # a module parameter of the wrapped layer, which MultiTask adds as a bias delta before this hook.
+    return multitask.RowHook(wrapper.base, post=lambda x, y, _tokens: y + wrapper.delta_output(x))
 
 
 def _layer_scales(model: nn.Module) -> list[nn.Parameter]:

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from timm.layers import trunc_normal_
 from torch import nn
 
-from petl import core, vit
+from petl import core, multitask, vit
 from petl.methods import _side
 
 
@@ -211,18 +211,44 @@ class HstSide(_side.SideNetwork):
         self.output: torch.Tensor | None = None
 
     def step(self, index: int, block: nn.Module, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        m, p = self.num_meta, self.num_prefix
+        x = block(torch.cat([self.meta_tokens(index, x), x], dim=1), **kwargs)
+        self.record(index, x[:, :m], x[:, m + p :])
+        return x[:, m:]
+
+    def meta_tokens(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        """Block ``index``'s meta tokens for every row of ``x``, in its dtype."""
+        return self.meta[index].expand(x.shape[0], -1, -1).to(x.dtype)
+
+    def record(self, index: int, meta: torch.Tensor, patches: torch.Tensor) -> None:
+        """Keep block ``index``'s output meta tokens and patch tokens; after the last block, run the side network."""
         if index == 0:
             self._metas, self._features = [], []
-        m, p = self.num_meta, self.num_prefix
-        x = block(torch.cat([self.meta[index].expand(x.shape[0], -1, -1).to(x.dtype), x], dim=1), **kwargs)
-        self._metas.append(x[:, :m])
-        b, _, d = x.shape
-        self._features.append(x[:, m + p :].transpose(1, 2).reshape(b, d, *self.grid))
-        x = x[:, m:]
+        self._metas.append(meta)
+        b, _, d = patches.shape
+        self._features.append(patches.transpose(1, 2).reshape(b, d, *self.grid))
         if index == self.depth - 1:
             self.output = self.side_forward()
             self._image, self._metas, self._features = None, [], []
-        return x
+
+    def keep_image(self, images: torch.Tensor) -> None:
+        """Hold the images for the side network's stem (the patch projection hands them over)."""
+        self._image = images
+
+    def row_hook(self, index: int, block: nn.Module) -> multitask.RowHook:
+        """The meta tokens as prompts in the batch's slots (replaced at every block, never pooled); the side
+        network reads the task's rows of each block's output."""
+        m = self.num_meta
+
+        def pre(x: torch.Tensor, tokens: multitask.Tokens) -> torch.Tensor:
+            p = tokens.prefix
+            return torch.cat([x[:, :p], self.meta_tokens(index, x), x[:, p + m :]], dim=1)
+
+        def post(x: torch.Tensor, y: torch.Tensor, tokens: multitask.Tokens) -> None:
+            p = tokens.prefix
+            self.record(index, y[:, p : p + m], y[:, p + tokens.slots :])
+
+        return multitask.RowHook(block, pre=pre, post=post, prompts=m, pool_prompts=False)
 
     def side_forward(self) -> torch.Tensor:
         """The hierarchical side network on the stored image, meta tokens and ViT features: pooled features."""
@@ -253,8 +279,14 @@ class HstPatchProj(core.PetlModule):
         self._shared = [side]  # registered under block 0
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        self._shared[0]._image = images
+        self._shared[0].keep_image(images)
         return self.base(images)
+
+
+@multitask.register_row_hook(HstPatchProj)
+def _rows(wrapper: HstPatchProj) -> multitask.RowHook:
+    # The projection runs once for the batch; each task's side network keeps its own rows' images.
+    return multitask.RowHook(wrapper.base, pre=lambda images, _tokens: wrapper._shared[0].keep_image(images))
 
 
 class HstHead(nn.Module):

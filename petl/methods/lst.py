@@ -35,7 +35,7 @@ import torch
 from timm.models.vision_transformer import Block
 from torch import nn
 
-from petl import core, vit
+from petl import core, multitask, vit
 from petl.methods import _side
 
 
@@ -110,15 +110,42 @@ class LstSide(_side.SideNetwork):
         self._side: torch.Tensor | None = None
 
     def step(self, index: int, block: nn.Module, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-        side = self.first_down(x) if index == 0 else self._side
+        if index == 0:
+            self.begin(x)
         x = block(x, **kwargs)
+        output = self.climb(index, x)
+        return x if output is None else output
+
+    def begin(self, x: torch.Tensor) -> None:
+        """Start the side stream from the tokens entering the first block."""
+        self._side = self.first_down(x)
+
+    def climb(self, index: int, x: torch.Tensor) -> torch.Tensor | None:
+        """Side block ``index`` on the gated mix of the side stream and block ``index``'s output ``x``.
+
+        Returns:
+            After the last block, the side output projected up (it replaces the backbone's); else ``None``.
+
+        """
         gate = torch.sigmoid(self.gates[index] / self.gate_t)
-        side = self.side_blocks[index](gate * side + (1 - gate) * self.ladders[index](x))
+        side = self.side_blocks[index](gate * self._side + (1 - gate) * self.ladders[index](x))
         if index < self.depth - 1:
             self._side = side
-            return x
+            return None
         self._side = None  # no graph kept between forwards
         return self.up(side)
+
+    def row_hook(self, index: int, block: nn.Module) -> multitask.RowHook:
+        """The frozen block once for the batch; the task's side stream on its rows, without the prompt slots."""
+
+        def begin(x: torch.Tensor, tokens: multitask.Tokens) -> None:
+            self.begin(tokens.without_slots(x))
+
+        def post(x: torch.Tensor, y: torch.Tensor, tokens: multitask.Tokens) -> torch.Tensor | None:
+            output = self.climb(index, tokens.without_slots(y))
+            return None if output is None else tokens.with_slots(output)
+
+        return multitask.RowHook(block, pre=begin if index == 0 else None, post=post)
 
 
 def _formula(model: nn.Module, cfg: LstConfig) -> int:

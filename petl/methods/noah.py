@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from petl import core, vit
+from petl import core, multitask, vit
 
 # NOAH's VTAB-1k search space (experiments/NOAH/supernet/supernet-B_prompt_VTAB.yaml): widths per module,
 # and how many leading blocks (a quarter, half, three quarters or all of ViT-B's 12) carry each module.
@@ -151,9 +151,18 @@ class NoahQkv(core.PetlModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
-        if self.rank == 0:
-            return out
-        return out + F.linear(F.linear(self.dropout(x), self.lora_a[: self.rank]), self.lora_b[:, : self.rank])
+        return out if self.rank == 0 else out + self.update(x)
+
+    def update(self, x: torch.Tensor) -> torch.Tensor:
+        """The LoRA update ``B[:, :r] A[:r] dropout(x)`` alone."""
+        return F.linear(F.linear(self.dropout(x), self.lora_a[: self.rank]), self.lora_b[:, : self.rank])
+
+
+@multitask.register_row_hook(NoahQkv)
+def _qkv_rows(wrapper: NoahQkv) -> multitask.RowHook:
+    # The frozen qkv once for the batch, each task's update on its rows.
+    post = (lambda x, y, _tokens: y + wrapper.update(x)) if wrapper.rank else None
+    return multitask.RowHook(wrapper.base, post=post)
 
 
 class NoahBlock(core.PetlModule):
@@ -178,8 +187,9 @@ class NoahBlock(core.PetlModule):
         super().__init__(base)
         kw = core.factory_kwargs(base)
         self.prompt_len, self.adapter_dim = prompt, adapter
-        # Set by wire(): how many trailing prompt tokens this block replaces, and strips after itself.
-        self.replace, self.strip = 0, 0
+        # Set by wire(): how many trailing prompt tokens this block replaces, and strips after itself; where its
+        # prompts start among the trailing ones, and how many trail the sequence it attends.
+        self.replace, self.strip, self.start, self.tail = 0, 0, 0, 0
         self.drop_prompt, self.drop_adapter = nn.Dropout(dropout), nn.Dropout(dropout)
         self.prompt = None
         if prompt > 0:
@@ -207,10 +217,13 @@ class NoahBlock(core.PetlModule):
         z = self.drop_adapter(self.act(F.linear(h, self.down.weight[:a], self.down.bias[:a])))
         return h + F.linear(z, self.up.weight[:, :a], self.up.bias)
 
+    def prompts(self, x: torch.Tensor) -> torch.Tensor:
+        """This block's active prompts (dropout applied) for every row of ``x``, in its dtype."""
+        return self.drop_prompt(self.prompt[: self.prompt_len]).to(x.dtype).expand(x.shape[0], -1, -1)
+
     def forward(self, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         if self.prompt_len > 0:
-            prompts = self.drop_prompt(self.prompt[: self.prompt_len]).to(x.dtype).expand(x.shape[0], -1, -1)
-            x = torch.cat([x[:, : x.shape[1] - self.replace], prompts], dim=1)
+            x = torch.cat([x[:, : x.shape[1] - self.replace], self.prompts(x)], dim=1)
         x = vit.attn_residual(self.base, x, **kwargs)
         b = self.base
         x = x + self.adapter(b.drop_path2(b.ls2(b.mlp(b.norm2(x)))))
@@ -218,15 +231,40 @@ class NoahBlock(core.PetlModule):
 
 
 def wire(blocks: list[NoahBlock]) -> None:
-    """Set each block's ``replace`` and the last block's ``strip`` from the active prompt lengths (L354-363)."""
+    """Set each block's ``replace`` and the last block's ``strip`` from the active prompt lengths (L354-363).
+
+    Also each block's ``start`` (where its prompts go among the trailing prompt tokens) and ``tail`` (how many
+    trail the sequence it runs on), which a :class:`petl.MultiTask` mixed batch lays out in its prompt slots.
+    """
     carried, previous = 0, 0
     for block in blocks:
         block.strip = 0
         block.replace = previous if block.prompt_len > 0 else 0
+        block.start = carried - block.replace
         if block.prompt_len > 0:
             carried += block.prompt_len - block.replace
+        block.tail = carried
         previous = block.prompt_len
     blocks[-1].strip = carried
+
+
+@multitask.register_row_hook(NoahBlock)
+def _block_rows(wrapper: NoahBlock) -> multitask.RowHook:
+    # NOAH's trailing prompts live in the batch's prompt slots (a token is attended wherever it sits in the
+    # sequence): the block writes its prompts at ``start``, its tokens attend the first ``tail`` slots, and the
+    # pooling never sees them (stripped after the last block).  The adapter acts on the MLP's branch.
+    def pre(x: torch.Tensor, tokens: multitask.Tokens) -> torch.Tensor:
+        first = tokens.prefix + wrapper.start
+        return torch.cat([x[:, :first], wrapper.prompts(x), x[:, first + wrapper.prompt_len :]], dim=1)
+
+    return multitask.RowHook(
+        wrapper.base,
+        pre=pre if wrapper.prompt_len > 0 else None,
+        branch=(lambda h, _tokens: wrapper.adapter(h)) if wrapper.adapter_dim > 0 else None,
+        prompts=wrapper.tail,
+        visible=wrapper.tail,
+        pool_prompts=False,
+    )
 
 
 def noah_blocks(model: nn.Module) -> list[NoahBlock]:
