@@ -154,17 +154,21 @@ def test_frozen_layers_run_once_for_the_whole_mixed_batch(tmp_path):
 
 def test_tasks_share_the_backbones_frozen_tensors(tmp_path):
     """A task costs its own tensors only: every frozen tensor of every task model is the backbone's own object."""
-    cases = {name: SHARED[name] for name in ("lora", "bitfit")}
+    # GPS trains the biases of the layers it wraps, HST the LayerNorms of the blocks it wraps: in the file they
+    # are named under the wrapper (blocks.0.attn.qkv.base.bias), yet they must not be loaded into the backbone.
+    cases = {name: SHARED[name] for name in ("lora", "bitfit", "gps", "hst")}
     backbone = make_tiny_vit()
     _, files = _save(tmp_path, cases, backbone)
     multi = petl.MultiTask(backbone, files)
     frozen = {id(p) for p in backbone.parameters()}
-    for task in multi.tasks:
+    for task in multi.tasks[:2]:
         own = [n for n, p in task.named_parameters() if id(p) not in frozen]
         # BitFit's biases and the head are the task's own; everything else is shared.
         assert all(n.endswith("bias") or n.startswith("head") or "lora" in n for n in own)
         assert len(own) < len(list(task.parameters()))
-    # BitFit's trained biases did not leak into the shared backbone.
+    gps = dict(multi.tasks[2].named_parameters())
+    assert id(gps["blocks.0.attn.qkv.base.bias"]) not in frozen and id(gps["blocks.0.attn.qkv.base.weight"]) in frozen
+    # The trained biases and LayerNorms did not leak into the shared backbone.
     assert all(torch.equal(a, b) for a, b in zip(backbone.parameters(), make_tiny_vit().parameters(), strict=True))
 
 
