@@ -106,6 +106,17 @@ class CannotShare(ValueError):
     """A task's model holds something the mixed batch cannot share (the message says what)."""
 
 
+class TaskRefused(ValueError):
+    """:class:`MultiTask` refuses a task: ``task`` names it, the one-line message says why.
+
+    A caller serving many runs (``petl-predict``) can serve the others together and this one on its own.
+    """
+
+    def __init__(self, task: str, message: str) -> None:
+        super().__init__(message)
+        self.task = task
+
+
 # (wrapper class, hook factory), found by isinstance; methods register theirs next to the wrapper.
 _ROW_HOOKS: list[tuple[type, Callable[[Any], RowHook]]] = []
 
@@ -392,7 +403,7 @@ class MultiTask(nn.Module):
                 sites = _task_sites(model, backbone)
             except CannotShare as error:
                 method = _method_name(model)
-                raise ValueError(f"task {name!r} (method {method}) cannot share the backbone: {error}") from None
+                raise TaskRefused(name, f"task {name!r} (method {method}) cannot share the backbone: {error}") from None
             models.append(model)
             hooks.append(sites)
         # The task models own the trained tensors (so .to() moves them); their frozen tensors are the backbone's.
@@ -410,9 +421,10 @@ class MultiTask(nn.Module):
         self.backbone = self._route(backbone, hooks)
         if any(self.prompts) and vit.pool_type(backbone) not in vit.MASKABLE_POOLS:
             task = self.names[next(i for i, n in enumerate(self.prompts) if n)]
-            raise ValueError(
+            raise TaskRefused(
+                task,
                 f"task {task!r} adds prompt tokens, which a mixed batch cannot leave out of the backbone's "
-                f"{vit.pool_type(backbone)!r} pooling yet (only {', '.join(vit.MASKABLE_POOLS)})"
+                f"{vit.pool_type(backbone)!r} pooling yet (only {', '.join(vit.MASKABLE_POOLS)})",
             )
         self.eval()
 
@@ -440,7 +452,7 @@ class MultiTask(nn.Module):
                 module = kind(getattr(parent, name), by_path[path], self._router)
             except CannotShare as error:
                 task = self.names[min(by_path[path])]
-                raise ValueError(f"task {task!r} cannot share the backbone at {path}: {error}") from None
+                raise TaskRefused(task, f"task {task!r} cannot share the backbone at {path}: {error}") from None
             setattr(parent, name, module)
         return routed
 
@@ -504,7 +516,8 @@ class MultiTask(nn.Module):
             if tokens.slots:
                 x = tokens.with_slots(x)
                 # Each row pools (and, per block, attends) only the slots its own task fills.
-                pool = self._slot_mask(x, groups, tokens, [n if p else 0 for n, p in zip(self.prompts, self.pool_prompts)])
+                pooled = [n if p else 0 for n, p in zip(self.prompts, self.pool_prompts, strict=True)]
+                pool = self._slot_mask(x, groups, tokens, pooled)
             masks: dict[tuple[int, ...], Tensor] = {}
             for i, block in enumerate(vit.block_container(self.backbone)):
                 if not tokens.slots:

@@ -236,8 +236,11 @@ class HstSide(_side.SideNetwork):
         self._image = images
 
     def row_hook(self, index: int, block: nn.Module) -> multitask.RowHook:
-        """The meta tokens as prompts in the batch's slots (replaced at every block, never pooled); the side
-        network reads the task's rows of each block's output."""
+        """The meta tokens as prompts in the batch's slots (rewritten at every block, never pooled).
+
+        The side network reads the task's rows of each block's output: meta tokens from the slots, patch
+        tokens after them.
+        """
         m = self.num_meta
 
         def pre(x: torch.Tensor, tokens: multitask.Tokens) -> torch.Tensor:
