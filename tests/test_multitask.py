@@ -3,14 +3,21 @@
 from __future__ import annotations
 
 import copy
+import csv
+import json
 
+import numpy as np
 import pytest
 import torch
 from conftest import make_tiny_vit, perturb_trainable
+from PIL import Image
 
 import petl
 from petl import vit
+from petl.data.transforms import ImageSpec
 from petl.multitask import RoutedModule
+from petl.run import load
+from petl.run import predict as predict_cli
 
 # Every registered method with its defaults, plus the variants that take another path through the mixed batch.
 VARIANTS = {
@@ -214,3 +221,70 @@ def test_run_folders_task_ids_and_bad_input(tmp_path):
         petl.MultiTask(singles["a"], files)
     with pytest.raises(ValueError, match="embed_dim"):
         petl.MultiTask(make_tiny_vit(embed_dim=24), {"a": files["a"]})
+
+
+def _run_folder(folder, method: str, options: dict, seed: int, classes: int = 3, width: int = 48) -> None:
+    """A finished run folder (model.json + trainable.safetensors) of ``method`` on the tiny default backbone."""
+    model_cfg = {"name": "vit_fractal_tiny_patch4_32", "pretrained": False, "kwargs": {"depth": 2, "embed_dim": width}}
+    model = petl.apply(load.create_backbone({**model_cfg, "seed": 0}), method, num_classes=classes, **options)
+    perturb_trainable(model, seed=seed)
+    folder.mkdir()
+    petl.save_trainable(model, folder / load.WEIGHTS_FILE)
+    spec = ImageSpec(image_size=32, mean=(0.5,) * 3, std=(0.25,) * 3, interpolation="bilinear", crop=False)
+    names = [f"{folder.name}_{i}" for i in range(classes)]
+    card = load.model_card(
+        model_cfg=model_cfg, seed=0, model=model, spec=spec, class_names=names, dataset="folder", checkpoint_sha256=None
+    )
+    (folder / load.MODEL_FILE).write_text(json.dumps(card))
+
+
+def _predict(argv: list[str]) -> list[dict]:
+    with pytest.raises(SystemExit) as stop:
+        predict_cli.main([*argv, "--quiet"])
+    assert stop.value.code == 0
+    with open(argv[-1].split("=", 1)[1], newline="") as handle:
+        return list(csv.DictReader(handle))
+
+
+def test_petl_predict_serves_runs_on_one_backbone_together(tmp_path, monkeypatch, capsys):
+    """Runs on one backbone go through one MultiTask pass; the others (a method that cannot share, another
+    backbone) predict alone, with a note; every run's rows are what it predicts on its own."""
+    runs = {"lora": ("lora", {}), "vpt": ("vpt", {"num_tokens": 3}), "lst": ("lst", {}), "full": ("full", {})}
+    for seed, (name, (method, options)) in enumerate(runs.items()):
+        _run_folder(tmp_path / name, method, options, seed, classes=2 + seed)
+    _run_folder(tmp_path / "narrow", "lora", {}, 9, width=24)
+    images = tmp_path / "images"
+    images.mkdir()
+    gen = np.random.default_rng(0)
+    for i in range(5):
+        Image.fromarray(gen.integers(0, 255, (40, 36, 3), dtype=np.uint8)).save(images / f"{i}.png")
+    served = []
+    together = predict_cli.predict_together
+    monkeypatch.setattr(
+        predict_cli, "predict_together", lambda multi, *a, **k: served.append(multi) or together(multi, *a, **k)
+    )
+    folders = [str(tmp_path / name) for name in (*runs, "narrow")]
+    with pytest.raises(SystemExit) as stop:
+        predict_cli.main([*folders, str(images), f"out={tmp_path / 'all.csv'}", "batch_size=7"])
+    assert stop.value.code == 0
+    notes = capsys.readouterr().err
+    assert "task '" + folders[3] + "' (method full) cannot share the backbone" in notes
+    assert f"{folders[4]} was trained on another backbone or preprocessing" in notes
+    assert len(served) == 1 and served[0].names == folders[:3]
+    with open(tmp_path / "all.csv", newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    assert [row["run"] for row in rows] == [f for f in folders for _ in range(5)]  # in the order given
+    for folder in folders:
+        alone = _predict([folder, str(images), f"out={tmp_path / 'one.csv'}"])
+        mine = [row for row in rows if row["run"] == folder]
+        assert [r["path"] for r in mine] == [r["path"] for r in alone]
+        for row, expected in zip(mine, alone, strict=True):
+            labels = sorted(k for k in expected if k.startswith("label"))
+            assert [row[k] for k in labels] == [expected[k] for k in labels]
+            for k in (k for k in expected if k.startswith("prob")):
+                assert float(row[k]) == pytest.approx(float(expected[k]), abs=2e-6)
+    # --merge: each run its own merged model, said in one line.
+    with pytest.raises(SystemExit):
+        predict_cli.main([folders[0], folders[2], str(images), "--merge"])
+    assert "--merge: each run predicts with its own merged model" in capsys.readouterr().err
+    assert len(served) == 1

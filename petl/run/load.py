@@ -250,7 +250,22 @@ def load_run(run_dir: str | Path) -> LoadedRun:
     folder = Path(run_dir)
     card = read_card(folder)
     model = create_backbone(card["backbone"])
-    petl.load_trainable(model, folder / card.get("weights", WEIGHTS_FILE))
+    petl.load_trainable(model, weights_file(folder, card))
+    return loaded(folder, card, model)
+
+
+def weights_file(folder: Path, card: dict[str, Any]) -> Path:
+    """The trained tensors a run folder's record names."""
+    return folder / card.get("weights", WEIGHTS_FILE)
+
+
+def loaded(folder: Path, card: dict[str, Any], model: nn.Module) -> LoadedRun:
+    """The :class:`LoadedRun` of ``model`` (built from ``card``), once its frozen tensors are checked against it.
+
+    Raises:
+        RunFolderError: the rebuilt backbone's frozen tensors differ from those the run trained on.
+
+    """
     recorded = card["backbone"].get("frozen_sha256")
     if recorded is not None and frozen_sha256(model) != recorded:
         raise RunFolderError(

@@ -9,8 +9,12 @@ per line, relative to the list's folder).  They are decoded, preprocessed as the
 (``model.json``), and classified in batches with a progress bar.  With ``data=`` the images and
 labels come from a dataset instead (``petl-run``'s ``data`` options), and the accuracy, the
 confusion matrix (on screen; as a PNG with ``confusion=PATH``) and, with ``out=``, every image's
-prediction are reported.  Several run folders may be given: each predicts with its own model
-(their rows carry the run's folder).
+prediction are reported.  Several run folders may be given (their rows carry the run's folder):
+runs trained on one backbone (same timm name, pretrained weights or checkpoint, and preprocessing in
+``model.json``) are served together by ``petl.MultiTask`` in one pass over the images, each image
+decoded once and its rows for every run in the same batches; ``batch_size`` then counts image x run
+rows.  A run on another backbone, a run whose method cannot share one (Partial-k, full fine-tuning),
+``--merge``, and ``data=`` evaluation predict with each run's own model, with a note saying so.
 
 Exit status: 2 for bad input (a run folder without weights, a missing image, an unreadable image,
 an unknown option), 1 when the prediction cannot complete, 130 on Ctrl-C.
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import json
 import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -34,7 +39,18 @@ import petl
 from petl import data as petl_data
 from petl.data.folder import IMAGE_EXTENSIONS
 from petl.data.images import decode_image
-from petl.run.load import MODEL_FILE, WEIGHTS_FILE, LoadedRun, RunFolderError, load_run
+from petl.multitask import MultiTask, TaskRefused
+from petl.run.load import (
+    MODEL_FILE,
+    WEIGHTS_FILE,
+    LoadedRun,
+    RunFolderError,
+    create_backbone,
+    load_run,
+    loaded,
+    read_card,
+    weights_file,
+)
 
 PROG = "petl-predict"
 USAGE_ERROR, RUN_ERROR = 2, 1
@@ -112,6 +128,29 @@ def _top_k(logits: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
     return values.cpu().numpy(), indices.cpu().numpy()
 
 
+def _decode(run: LoadedRun, batch: list[Path], bad: list[tuple[Path, str]]) -> tuple[list[torch.Tensor], list[Path]]:
+    """The readable images of ``batch`` preprocessed as ``run`` evaluated; the others appended to ``bad``."""
+    tensors, kept = [], []
+    for path in batch:
+        try:
+            array = decode_image(path.read_bytes())
+        except (OSError, ValueError) as error:
+            bad.append((path, str(error).splitlines()[0] if str(error) else type(error).__name__))
+            continue
+        tensors.append(run.preprocess(Image.fromarray(array)))
+        kept.append(path)
+    return tensors, kept
+
+
+def _predictions(run: LoadedRun, kept: list[Path], logits: torch.Tensor, top_k: int) -> list[Prediction]:
+    values, indices = _top_k(logits, top_k)
+    found = []
+    for path, probs, labels in zip(kept, values, indices, strict=True):
+        names = [run.class_names[int(i)] for i in labels]
+        found.append(Prediction(str(run.run_dir), str(path), names, [float(p) for p in probs]))
+    return found
+
+
 def predict_images(
     run: LoadedRun, paths: list[Path], top_k: int = 5, batch_size: int = 64, progress: bool = True
 ) -> tuple[list[Prediction], list[tuple[Path, str]]]:
@@ -121,25 +160,87 @@ def predict_images(
     bad: list[tuple[Path, str]] = []
     bar = tqdm(total=len(paths), desc=f"predict {run.run_dir.name}", unit="img", disable=not progress, leave=False)
     for batch in _batches(paths, batch_size):
-        tensors, kept = [], []
-        for path in batch:
-            try:
-                array = decode_image(path.read_bytes())
-            except (OSError, ValueError) as error:
-                bad.append((path, str(error).splitlines()[0] if str(error) else type(error).__name__))
-                continue
-            tensors.append(run.preprocess(Image.fromarray(array)))
-            kept.append(path)
+        tensors, kept = _decode(run, batch, bad)
         if tensors:
             with torch.inference_mode():
                 logits = run.model(torch.stack(tensors).to(device))
-            values, indices = _top_k(logits, top_k)
-            for path, probs, labels in zip(kept, values, indices, strict=True):
-                names = [run.class_names[int(i)] for i in labels]
-                predictions.append(Prediction(str(run.run_dir), str(path), names, [float(p) for p in probs]))
+            predictions += _predictions(run, kept, logits, top_k)
         bar.update(len(batch))
     bar.close()
     return predictions, bad
+
+
+def predict_together(
+    served: MultiTask,
+    runs: list[LoadedRun],
+    paths: list[Path],
+    top_k: int = 5,
+    batch_size: int = 64,
+    progress: bool = True,
+) -> tuple[list[Prediction], list[tuple[Path, str]]]:
+    """Classify image files with several runs served by one :class:`petl.MultiTask`, in one pass over the images.
+
+    Each image is decoded once; a batch holds one row per image and run (``batch_size`` rows at most, at
+    least one image).  Predictions come run by run, as :func:`predict_images` gives them for each run.
+    """
+    device = next(served.parameters()).device
+    found: list[list[Prediction]] = [[] for _ in runs]
+    bad: list[tuple[Path, str]] = []
+    bar = tqdm(total=len(paths), desc=f"predict {len(runs)} runs", unit="img", disable=not progress, leave=False)
+    for batch in _batches(paths, max(1, batch_size // len(runs))):
+        tensors, kept = _decode(runs[0], batch, bad)  # one preprocessing: the runs share it
+        if tensors:
+            images = torch.stack(tensors).to(device)
+            tasks = torch.arange(len(runs)).repeat(len(kept))  # image 0 for every run, then image 1...
+            with torch.inference_mode():
+                logits = served(images.repeat_interleave(len(runs), dim=0), tasks)
+            for task, run in enumerate(runs):
+                found[task] += _predictions(run, kept, logits[task :: len(runs), : len(run.class_names)], top_k)
+        bar.update(len(batch))
+    bar.close()
+    return [p for run in found for p in run], bad
+
+
+def _backbone_key(card: dict) -> str:
+    """What runs must share to be served by one backbone: its record (bar the hash) and the preprocessing."""
+    backbone = {key: value for key, value in card["backbone"].items() if key != "frozen_sha256"}
+    if backbone.get("pretrained") or backbone.get("checkpoint"):
+        backbone.pop("seed", None)  # the seed only drew a random init
+    return json.dumps([backbone, card["preprocess"]], sort_keys=True)
+
+
+def serve_together(folders: list[Path], quiet: bool = False) -> tuple[MultiTask | None, list[LoadedRun], list[Path]]:
+    """Runs trained on one backbone, loaded as one :class:`petl.MultiTask` over a single copy of it.
+
+    Args:
+        folders: run folders whose ``model.json`` name the same backbone and preprocessing.
+        quiet: no note on stderr for a run that cannot share.
+
+    Returns:
+        The MultiTask (``None`` when fewer than two runs can share), the served runs (their ``model`` is
+        the task's model inside it), and the folders it refused (a note on stderr says why).
+
+    """
+    cards = {folder: read_card(folder) for folder in folders}
+    backbone = create_backbone(cards[folders[0]]["backbone"])
+    tasks = {str(folder): weights_file(folder, cards[folder]) for folder in folders}
+    refused: list[Path] = []
+    while len(tasks) > 1:
+        try:
+            served = MultiTask(backbone, tasks)
+        except TaskRefused as error:
+            if not quiet:
+                print(f"{PROG}: note: {error}; predicting {error.task} with its own model", file=sys.stderr)
+            refused.append(Path(error.task))
+            del tasks[error.task]
+            continue
+        runs = [
+            loaded(Path(name), cards[Path(name)], model) for name, model in zip(served.names, served.tasks, strict=True)
+        ]
+        if torch.cuda.is_available():
+            served.cuda()
+        return served, runs, refused
+    return None, [], folders
 
 
 def evaluate_split(
@@ -301,15 +402,58 @@ def _load(folder: Path, merge: bool) -> LoadedRun:
     return run
 
 
+def _groups(runs: list[Path], merge: bool, quiet: bool) -> list[list[Path]]:
+    """The runs grouped by the backbone they share (in the order given); with ``merge``, each run alone."""
+    if merge:
+        if not quiet:
+            print(f"{PROG}: note: --merge: each run predicts with its own merged model, not together", file=sys.stderr)
+        return [[run] for run in runs]
+    groups: dict[str, list[Path]] = {}
+    for run in runs:
+        try:
+            key = _backbone_key(read_card(run))
+        except RunFolderError as error:
+            raise UsageError(str(error)) from None
+        groups.setdefault(key, []).append(run)
+    if len(groups) > 1 and not quiet:
+        for group in groups.values():
+            if len(group) == 1:
+                print(
+                    f"{PROG}: note: {group[0]} was trained on another backbone or preprocessing than the other "
+                    "runs: predicting it with its own model",
+                    file=sys.stderr,
+                )
+    return list(groups.values())
+
+
 def run_cli(argv: Sequence[str]) -> int:
     """Predict or evaluate as the command line says; returns the exit status."""
     runs, items, options, args = _parse(argv)
     progress = not args.quiet and sys.stderr.isatty()
     paths = image_paths(items) if items else []
     several = len(runs) > 1
-    predictions: list[Prediction] = []
     bad: list[tuple[Path, str]] = []
-    for folder in runs:
+    by_run: dict[Path, list[Prediction]] = {}
+    alone = runs
+    if items and len(runs) > 1:
+        alone = []
+        for group in _groups(runs, args.merge, args.quiet):
+            if len(group) == 1:
+                alone += group
+                continue
+            try:
+                served, together, refused = serve_together(group, args.quiet)
+            except (RunFolderError, ValueError) as error:
+                raise UsageError(str(error)) from None
+            alone += refused
+            if served is not None:
+                found, unreadable = predict_together(
+                    served, together, paths, options.get("top_k", 5), options.get("batch_size", 64), progress
+                )
+                for prediction in found:
+                    by_run.setdefault(Path(prediction.run), []).append(prediction)
+                bad += [item for item in unreadable if item not in bad]
+    for folder in alone:
         try:
             run = _load(folder, args.merge)
         except (RunFolderError, ValueError) as error:  # ValueError: weights that do not fit (load_trainable)
@@ -329,8 +473,9 @@ def run_cli(argv: Sequence[str]) -> int:
                 print(f"wrote {target}")
             continue
         found, unreadable = predict_images(run, paths, options.get("top_k", 5), options.get("batch_size", 64), progress)
-        predictions += found
+        by_run[folder] = found
         bad += [item for item in unreadable if item not in bad]
+    predictions = [p for folder in runs for p in by_run.get(folder, [])]  # in the order the runs were given
     if predictions:
         if not args.quiet:
             _print_table(predictions, several)
