@@ -12,11 +12,15 @@ form one contiguous slice.  Every module a task's method wraps (or whose own par
 BitFit and LN tuning do) is replaced, in one routed copy of the backbone, by a module that runs the
 frozen module **once over the whole batch** and then lets each task's :class:`RowHook` act on its own
 slice: before it (RepAdapter's input adapter, IA3's input scale), after it (LoRA's ``B A x``, FacT,
-Hydra, SSF's scale and shift, a bias delta, a bottleneck adapter's branch), or, for a block, between
-its attention and MLP halves (SCT).  Modules no task touches run as they are.  VPT's prompts live in
+Hydra, GPS's sparse update, SSF's scale and shift, a bias delta, a bottleneck adapter's branch), or, for
+a block, between its attention and MLP halves (SCT) or on its MLP branch (NOAH's adapter).  A side
+network (DTL, LST, HST) hooks every block: it reads its own rows of the shared blocks' inputs and outputs
+and runs on those rows alone.  Modules no task touches run as they are.  VPT's prompts live in
 slots right after the class/register tokens, as many as the batch's longest prompt set; each row
 writes its own prompts there, and an attention mask keeps every row from attending slots it does not
 use (and an average pooling from counting them), so a row sees exactly the tokens its own model would.
+HST's meta tokens and NOAH's trailing prompts use the same slots (attention does not depend on where a
+token sits); a task whose prompts change from block to block (NOAH) gives each block's count.
 
 A method opts in next to its wrapper: ``@register_row_hook(MyWrapper)`` on a function that says what
 the wrapper does to its rows (see ``petl/methods/lora.py``).  A task whose model holds a module no

@@ -3,6 +3,7 @@
     petl-predict RUN_DIR photo.png more_photos/ list.txt            # top-5 labels per image, on screen
     petl-predict RUN_DIR photos/ out=preds.csv top_k=3 --merge       # also as CSV; LoRA & co. merged first
     petl-predict RUN_DIR data=folder data.root=PATH split=test confusion=confusion.png
+    petl-predict RUN_A RUN_B RUN_C photos/ out=preds.csv          # several runs: one pass if one backbone
 
 Images are files, folders (searched recursively for image files) or list files (``.txt``: one path
 per line, relative to the list's folder).  They are decoded, preprocessed as the run evaluated
@@ -13,8 +14,9 @@ prediction are reported.  Several run folders may be given (their rows carry the
 runs trained on one backbone (same timm name, pretrained weights or checkpoint, and preprocessing in
 ``model.json``) are served together by ``petl.MultiTask`` in one pass over the images, each image
 decoded once and its rows for every run in the same batches; ``batch_size`` then counts image x run
-rows.  A run on another backbone, a run whose method cannot share one (Partial-k, full fine-tuning),
-``--merge``, and ``data=`` evaluation predict with each run's own model, with a note saying so.
+rows.  A run on another backbone, or whose method cannot share one (Partial-k, full fine-tuning),
+predicts with its own model after a one-line note; with ``--merge`` (a note says so) or ``data=``
+every run uses its own model.
 
 Exit status: 2 for bad input (a run folder without weights, a missing image, an unreadable image,
 an unknown option), 1 when the prediction cannot complete, 130 on Ctrl-C.
