@@ -179,6 +179,16 @@ def test_tasks_share_the_backbones_frozen_tensors(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(backbone.parameters(), make_tiny_vit().parameters(), strict=True))
 
 
+def test_layer_scale_gammas_trained_by_gps_act_on_their_own_rows(tmp_path):
+    """GPS trains layer-scale gammas whole (a backbone with layer scale): each task's rows use its own."""
+    backbone = make_tiny_vit(init_values=0.5)
+    cases = {"gps": SHARED["gps"], "gps_2": SHARED["gps_2"], "lora": SHARED["lora"]}
+    singles, files = _save(tmp_path, cases, backbone)
+    multi = petl.MultiTask(backbone, files)
+    ids, images = _mixed_batch(list(cases), per_task=2)
+    _check_rows(multi, singles, ids, images)
+
+
 @pytest.mark.parametrize("case", sorted(REFUSED))
 def test_methods_that_train_frozen_weights_are_refused_in_one_line(tmp_path, case):
     backbone = make_tiny_vit()
