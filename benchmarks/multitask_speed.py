@@ -4,7 +4,8 @@ The numbers in benchmarks/results/multitask_cpu.md come from this script:
 
     python benchmarks/multitask_speed.py --out benchmarks/results/multitask_cpu.md
 
-For each task set (eight LoRA tasks; eight tasks of eight different methods) and each batch size (one row
+For each task set (eight LoRA tasks; eight tasks of eight different methods; eight tasks mixing DTL, DTL+,
+LST, HST, GPS, NOAH, LoRA and VPT) and each batch size (one row
 per task; eight rows per task), four ways of answering the same batch, all in eval mode without autograd:
 
 * **MultiTask**: one forward of the whole mixed batch (rows in shuffled task order);
@@ -49,6 +50,17 @@ TASK_SETS = {
         ("bitfit", {}),
         ("fact", {}),
         ("convpass", {}),
+    ],
+    # Side networks (their own network per task on its rows), GPS's sparse updates, NOAH's per-block prompts.
+    "8 methods, side networks & co.": [
+        ("dtl", {}),
+        ("dtl", {"fusion_size": 3}),
+        ("lst", {}),
+        ("hst", {}),
+        ("gps", {}),
+        ("noah", {}),
+        ("lora", {}),
+        ("vpt", {"num_tokens": 10}),
     ],
 }
 CASES = ("MultiTask (mixed batch)", "8 separate models", "backbone 8 times", "backbone once")
