@@ -1,6 +1,8 @@
 """What NOAH's one-shot search costs next to training its subnet, on mini/digits with the default backbone.
 
     OMP_NUM_THREADS=2 python benchmarks/noah_search_cost.py [rounds]
+    OMP_NUM_THREADS=2 python benchmarks/noah_search_cost.py search EPOCHS GENERATIONS POPULATION
+
 
 Times, in one process: one supernet epoch (a random subnet per step, :func:`petl.methods.noah_search.
 train_supernet`) on the four fifths of train800 the search trains on, scoring one candidate subnet on the held-out
@@ -8,6 +10,11 @@ fifth, and one ordinary training epoch of a NOAH subnet on all of train800 (Adam
 cost of a search at a given budget is then ``epochs x supernet epoch + scored candidates x scoring``; NOAH's own
 budget is 500 supernet epochs and 15 generations of 50 candidates (up to 800 scored).  The result is a ratio to
 a training epoch, so a loaded machine shifts it less than the seconds; the load average is printed beside it.
+
+``search`` runs the whole one-shot search once, as ``petl-run``'s calibrate hook does (the same split, supernet
+training and evolution, seed 0), at the budget given, and prints each phase's wall and CPU seconds, the subnets
+scored, the chosen subnet and the cost of NOAH's own budget extrapolated from the per-epoch and per-subnet CPU
+seconds measured (results: benchmarks/results/noah_search_cpu.md).
 """
 
 from __future__ import annotations
@@ -23,19 +30,64 @@ from torch.utils.data import DataLoader
 
 import petl
 from petl.methods import noah_search
-from petl.methods.noah import NoahConfig
-from petl.run import default_config, runner
+from petl.methods.noah import NoahConfig, subnet_params
+from petl.run import build, default_config
 
 BATCH = 64
 
 
+def one_search(epochs: int, generations: int, population: int) -> None:
+    """Run NOAH's search once on mini/digits at this budget; print its phases' cost and the subnet chosen."""
+    cfg = default_config(["data=mini/digits", "method=noah", f"train.batch_size={BATCH}", "train.progress=false"])
+    torch.manual_seed(0)
+    backbone = build.create_backbone(cfg)
+    loader = DataLoader(build.calibration_set(cfg, backbone), batch_size=BATCH)
+    noah = NoahConfig(num_classes=10, search_epochs=epochs, search_generations=generations, population=population)
+    print(f"load average at start {' '.join(f'{x:.1f}' for x in os.getloadavg())} on {os.cpu_count()} cores")
+    rng, device, depth, width = random.Random(0), torch.device("cpu"), petl.vit.depth(backbone), noah.supernet_dim
+    clock = [(time.perf_counter(), time.process_time())]
+    supernet = petl.apply(
+        backbone, "noah", num_classes=10, prompt=[width] * depth, lora=[width] * depth, adapter=[width] * depth
+    )
+    train, held_out = noah_search._split(loader)
+    noah_search.train_supernet(supernet, train, epochs, rng, device)
+    clock.append((time.perf_counter(), time.process_time()))
+    best, accuracy, scored = noah_search.evolve(supernet, held_out, noah, rng, device)
+    clock.append((time.perf_counter(), time.process_time()))
+    (wall_0, cpu_0), (wall_1, cpu_1), (wall_2, cpu_2) = clock
+    print(f"load average at end {' '.join(f'{x:.1f}' for x in os.getloadavg())}; threads {torch.get_num_threads()}")
+    print(
+        f"supernet: {epochs} epochs on {sum(len(y) for _, y in train)} images: {wall_1 - wall_0:.0f} s wall, "
+        f"{cpu_1 - cpu_0:.0f} s CPU"
+    )
+    print(
+        f"evolution: {generations} generations, population {population}: {scored} subnets scored on "
+        f"{sum(len(y) for _, y in held_out)} images: {wall_2 - wall_1:.0f} s wall, {cpu_2 - cpu_1:.0f} s CPU"
+    )
+    print(
+        f"chosen subnet (held-out top-1 {accuracy:.2f}), {subnet_params(petl.vit.embed_dim(backbone), *best)} "
+        "trainable parameters without the head:"
+    )
+    for name, widths in zip(noah_search.MODULES, best, strict=True):
+        print(f"  {name}: {','.join(map(str, widths))}")
+    per_epoch, per_subnet = (cpu_1 - cpu_0) / epochs, (cpu_2 - cpu_1) / scored
+    full = 500 * per_epoch + 800 * per_subnet
+    print(
+        f"extrapolated to NOAH's budget (500 epochs, up to 800 scored): {full / 3600:.1f} CPU hours "
+        f"({500 * per_epoch / 3600:.1f} supernet + {800 * per_subnet / 3600:.1f} evolution)"
+    )
+
+
 def main(argv: list[str]) -> None:
     """Print seconds per supernet epoch, per scored candidate and per training epoch, and the search's cost."""
+    if argv[:1] == ["search"]:
+        one_search(*(int(a) for a in argv[1:4]))
+        return
     rounds = int(argv[0]) if argv and argv[0].isdigit() else 2
     cfg = default_config(["data=mini/digits", "method=noah", f"train.batch_size={BATCH}", "train.progress=false"])
     torch.manual_seed(0)
-    backbone = runner._create_backbone(cfg)
-    dataset = runner._calibration_set(cfg, backbone)  # train800, centre-cropped: what the calibrate hook gets
+    backbone = build.create_backbone(cfg)
+    dataset = build.calibration_set(cfg, backbone)  # train800, centre-cropped: what the calibrate hook gets
     loader = DataLoader(dataset, batch_size=BATCH)
     noah = NoahConfig(num_classes=10)
     train, held_out = noah_search._split(loader)
@@ -43,7 +95,7 @@ def main(argv: list[str]) -> None:
     supernet = petl.apply(
         backbone, "noah", num_classes=10, prompt=[width] * depth, lora=[width] * depth, adapter=[width] * depth
     )
-    subnet = petl.apply(runner._create_backbone(cfg), "noah", num_classes=10)  # the placeholder subnet
+    subnet = petl.apply(build.create_backbone(cfg), "noah", num_classes=10)  # the placeholder subnet
     optimizer = torch.optim.AdamW([p for p in subnet.parameters() if p.requires_grad], lr=1e-3)
     everything = train + held_out
     rng = random.Random(0)

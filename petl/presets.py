@@ -37,6 +37,9 @@ FAMILIES = {
     "adapter": "small modules added to the blocks",
     "low-rank": "low-rank or factorised weight updates",
     "scale-shift": "per-channel scales, shifts or biases",
+    "sparse": "a selected subset of the pretrained weights",
+    "side": "a side network beside the frozen backbone",
+    "search": "a per-task searched mix of modules",
 }
 
 # Config groups an experiment may override.

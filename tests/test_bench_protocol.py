@@ -414,6 +414,35 @@ def test_shipped_suites_compose_into_valid_run_configs(tmp_path):
         assert all(set(by_task) == set(preset.tasks) for by_task in preset.per_task.values())
 
 
+def test_the_vpetl_presets_start_lora_and_the_adapters_as_vpetl_runs_them(tmp_path):
+    """V-PETL re-draws its methods' Linears at construction: its preset rows build with init=reference."""
+    import torch
+
+    import petl
+    from petl.run import default_config
+    from tests.conftest import make_tiny_vit
+
+    bench = suites.configs_dir()
+    images = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    for suite_name, task in (("vtab1k_vpetl", "vtab/dmlab"), ("fgvc_vpetl", "fgvc/cub"), ("vtab1k", "vtab/dmlab")):
+        suite = suites.load_suite(suite_name, bench)
+        for name in ("lora", "adapter_sequential", "adapter_parallel"):
+            exp = suites.load_experiment(name, bench)
+            run = sweep.plan([exp], [task], [0], tmp_path, suite.overrides(), (), suite)[0]
+            method = dict(default_config(list(run.overrides)).method)
+            reference = suite_name.endswith("_vpetl")
+            assert method["init"] == ("reference" if reference else "zero"), (suite_name, name)
+            # The row builds (on a tiny ViT): the reference's start is not the backbone's function, petl's is.
+            options = {k: method[k] for k in ("init", "rank", "style", "dim") if k in method}
+            backbone = make_tiny_vit()
+            model = petl.apply(make_tiny_vit(), method["name"], num_classes=5, **options)
+            model.head.load_state_dict(backbone.head.state_dict())
+            unchanged = torch.allclose(model(images), backbone(images), atol=1e-6)
+            assert unchanged != reference, (suite_name, name)
+            zeros = [n for n, p in model.named_parameters() if p.requires_grad and p.dim() > 1 and not p.any()]
+            assert bool(zeros) != reference, (suite_name, name, zeros)
+
+
 def test_planned_run_label():
     run = PlannedRun("t", "e", 0, Path("x"), ())
     assert run.label == "t e seed0" and PlannedRun("t", "e", 0, Path("x"), (), "named").label == "named"

@@ -32,10 +32,14 @@ class Point:
     family: str = ""
 
 
-# Okabe and Ito's colour-blind-safe palette (less its yellow, too pale on white), then greys; each family
-# gets the next (marker, colour) pair, so two families never share a colour while there are fewer than 9.
-_COLOURS = ("#0072B2", "#D55E00", "#009E73", "#CC79A7", "#E69F00", "#56B4E9", "#000000", "#999999")
-_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "<", ">", "h", "p")
+# Okabe and Ito's colour-blind-safe palette less its yellow (too pale on white) and its black (the text's colour:
+# the 256-colour PNG merges it with the antialiased text, so no black marker pixel survives), then Paul Tol's
+# wine, indigo and olive, then grey; each family gets the next (marker, colour) pair, so two families never
+# share a colour while there are at most 10.
+_COLOURS = ("#0072B2", "#D55E00", "#009E73", "#CC79A7", "#E69F00", "#56B4E9")
+_COLOURS += ("#882255", "#332288", "#999933", "#999999")
+# Filled shapes first: a thin star leaves few pixels of its colour.
+_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "h", "<", ">", "p", "*")
 _LABEL_SIZE = 8  # points
 _MARKER_AREA, _RING_AREA = 55, 150  # scatter sizes (points squared) of a point and of a frontier point's ring
 

@@ -31,6 +31,27 @@ def check(value: str) -> None:
     core.check_choice("init", value, INITS)
 
 
+class InitOption:
+    """What a method config with an ``init: str = "zero"`` field shares: its validation and its contract.
+
+    Listed before :class:`petl.core.MethodConfig` among the config's bases.  The field itself stays in each
+    config (``init: str = "zero"``, documented there), so it keeps its place among the config's options (the
+    CLI, ``--help`` and the schema list them in field order); a plain class adds no dataclass field.
+    """
+
+    init: str
+
+    @property
+    def keeps_zero_init(self) -> bool:
+        """``init=reference`` starts as the reference's code runs, not unchanged."""
+        return self.init == "zero"
+
+    def validate(self, model: nn.Module) -> None:
+        """The base config's checks, then ``init``'s."""
+        super().validate(model)
+        check(self.init)
+
+
 @torch.no_grad()
 def redraw(*modules: nn.Module | nn.Parameter) -> None:
     """Re-draw as ``init_weights_vit_timm`` does: weights trunc_normal(std 0.02), biases zero.

@@ -41,7 +41,7 @@ DEFAULT_SCALE = {"sequential": 1.0, "parallel": 0.1}
 
 
 @dataclass
-class AdapterConfig(core.MethodConfig):
+class AdapterConfig(_init.InitOption, core.MethodConfig):
     """Options of the bottleneck adapter.
 
     Attributes:
@@ -69,11 +69,6 @@ class AdapterConfig(core.MethodConfig):
     init: str = "zero"
 
     @property
-    def keeps_zero_init(self) -> bool:
-        """``init=reference`` starts as the reference's code runs, not unchanged."""
-        return self.init == "zero"
-
-    @property
     def bottleneck(self) -> int:
         """The bottleneck width in use (``dim`` or the style's default)."""
         return DEFAULT_DIM.get(self.style, 8) if self.dim is None else self.dim
@@ -93,7 +88,6 @@ class AdapterConfig(core.MethodConfig):
         core.check_choice("style", self.style, STYLES)
         core.check_range("dim", self.bottleneck, low=1)
         core.check_dropout("dropout", self.dropout_p)
-        _init.check(self.init)
         if self.style == "parallel":
             for block in vit.blocks(model):
                 vit.check_pre_norm_block(block)

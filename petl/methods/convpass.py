@@ -31,7 +31,7 @@ from petl.methods import _init
 
 
 @dataclass
-class ConvpassConfig(core.MethodConfig):
+class ConvpassConfig(_init.InitOption, core.MethodConfig):
     """Options of Convpass.
 
     Attributes:
@@ -51,14 +51,8 @@ class ConvpassConfig(core.MethodConfig):
     dropout: float = 0.1
     init: str = "zero"
 
-    @property
-    def keeps_zero_init(self) -> bool:
-        """``init=reference`` starts as the reference's code runs, not unchanged."""
-        return self.init == "zero"
-
     def validate(self, model: nn.Module) -> None:
         super().validate(model)
-        _init.check(self.init)
         core.check_range("dim", self.dim, low=1)
         core.check_nonzero("scale", self.scale, "the bypass")
         core.check_dropout("dropout", self.dropout)

@@ -45,7 +45,7 @@ LINEARS = tuple(TK_COLUMNS)
 
 
 @dataclass
-class FactConfig(core.MethodConfig):
+class FactConfig(_init.InitOption, core.MethodConfig):
     """Options of FacT.
 
     Attributes:
@@ -66,14 +66,8 @@ class FactConfig(core.MethodConfig):
     dropout: float = 0.1
     init: str = "zero"
 
-    @property
-    def keeps_zero_init(self) -> bool:
-        """``init=reference`` starts as the reference's code runs, not unchanged."""
-        return self.init == "zero"
-
     def validate(self, model: nn.Module) -> None:
         super().validate(model)
-        _init.check(self.init)
         core.check_choice("type", self.type, TYPES)
         core.check_range("rank", self.rank, low=1)
         core.check_dropout("dropout", self.dropout)

@@ -34,7 +34,7 @@ TARGETS: dict[str, tuple[str, int | None]] = {
 
 
 @dataclass
-class LoraConfig(core.MethodConfig):
+class LoraConfig(_init.InitOption, core.MethodConfig):
     """Options of LoRA.
 
     Attributes:
@@ -54,11 +54,6 @@ class LoraConfig(core.MethodConfig):
     targets: tuple[str, ...] = ("q", "v")
     init: str = "zero"
 
-    @property
-    def keeps_zero_init(self) -> bool:
-        """``init=reference`` starts as the reference's code runs, not unchanged."""
-        return self.init == "zero"
-
     def __post_init__(self) -> None:
         self.targets = core.to_str_tuple(self.targets)
 
@@ -68,7 +63,6 @@ class LoraConfig(core.MethodConfig):
         if self.alpha <= 0:
             raise ValueError(f"alpha={self.alpha} is out of range: allowed (0, inf)")
         core.check_dropout("dropout", self.dropout)
-        _init.check(self.init)
         if not self.targets:
             raise ValueError(f"targets is empty: choose one or more of {', '.join(TARGETS)}")
         for target in self.targets:
