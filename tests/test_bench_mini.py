@@ -348,3 +348,36 @@ def test_report_command_takes_the_suite_and_prints_progress_and_ranking(tmp_path
     with pytest.raises(SystemExit) as caught:
         cli.main(["report", str(tmp_path), "suite=no_such_suite"])
     assert caught.value.code == 2 and "unknown suite 'no_such_suite'" in capsys.readouterr().err
+
+
+def test_copy_finished_runs_takes_finished_runs_only_and_overwrites_nothing(tmp_path):
+    import shutil
+    import subprocess
+
+    if shutil.which("bash") is None:
+        pytest.skip("no bash")
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    cell = src / "mini/digits/lora"
+    _write(cell / "search/train.lr=0.01", _result("mini/digits", "lora", 0, None), [1.0, 2.0])
+    (cell / "search/train.lr=0.01/config.yaml").write_text("x: 1\n")
+    (cell / "search/train.lr=0.01/trainable.safetensors").write_bytes(b"weights")
+    (cell / "search/train.lr=0.001").mkdir()  # still training: no result.json yet
+    (cell / "search/train.lr=0.001/metrics.jsonl").write_text('{"epoch": 1}\n')
+    _write(cell / "seed0", _result("mini/digits", "lora", 0, 80.0, selection={"chosen": {}}))
+    _write(cell / "seed1", _result("mini/digits", "lora", 1, 80.0))  # trained, selection not stamped yet
+    script = REPO / "benchmarks" / "copy_finished_runs.sh"
+
+    def copy() -> str:
+        done = subprocess.run(["bash", script, src, dst], capture_output=True, text=True, check=True)
+        return done.stdout + done.stderr
+
+    assert "copied 2 finished runs, 0 already" in copy() and "1 final runs left out" in copy()
+    copied = sorted(str(p.relative_to(dst)) for p in dst.rglob("*") if p.is_file())
+    assert copied == [
+        "mini/digits/lora/search/train.lr=0.01/config.yaml",
+        "mini/digits/lora/search/train.lr=0.01/metrics.jsonl",
+        "mini/digits/lora/search/train.lr=0.01/result.json",
+        "mini/digits/lora/seed0/result.json",
+    ]
+    (dst / "mini/digits/lora/seed0/result.json").write_text("{}")  # a copy that differs is named, never replaced
+    assert "differs, left alone: " in copy() and (dst / "mini/digits/lora/seed0/result.json").read_text() == "{}"
