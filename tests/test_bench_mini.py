@@ -348,7 +348,7 @@ def test_report_command_takes_the_suite_and_prints_progress_and_ranking(tmp_path
     assert cli.main(["report", str(tmp_path), f"out={tmp_path / 'out'}", "suite=mini_dinov2"]) == 0
     out = capsys.readouterr().out
     assert (
-        "**Progress** of suite `mini_dinov2` (20 experiments x 7 tasks x 3 seeds = 420 final runs): 1 finished." in out
+        "**Progress** of suite `mini_dinov2` (27 experiments x 7 tasks x 3 seeds = 567 final runs): 1 finished." in out
     )
     assert "Rank correlation with the published vtab1k ordering**: not computed: 0 complete row(s)" in out
     assert (tmp_path / "out" / "leaderboard.md").read_text().startswith("# petl leaderboard: suite mini_dinov2\n")
