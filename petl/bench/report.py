@@ -395,7 +395,7 @@ def progress(board: Leaderboard) -> str:
             f"{', '.join(partial)}."
         )
     if missing:
-        parts.append(f"Not started ({len(missing)}, no row yet): {', '.join(missing)}.")
+        parts.append(f"No final run yet ({len(missing)}; searching or not started): {', '.join(missing)}.")
     return " ".join(parts)
 
 
