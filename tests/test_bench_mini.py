@@ -98,14 +98,14 @@ def test_committed_convergence_table_rebuilds_from_the_committed_runs(monkeypatc
     assert _load_script("mini_convergence", monkeypatch).render() == (MINI / "convergence.md").read_text()
 
 
-@pytest.mark.parametrize("suite", ["mini_selection", "mini_dinov2"])
+@pytest.mark.parametrize("suite", ["mini_selection", "mini_dinov2", "mini_dinov2_low"])
 def test_committed_lr_edge_table_rebuilds_from_the_committed_runs(monkeypatch, suite):
-    """lr_edge.md (lr 3e-2 against the grid's top) is what benchmarks/mini_lr_edge.py renders from committed runs."""
+    """The lr-edge tables (an lr past the grid's edge against it) rebuild from the committed runs."""
     script = _load_script("mini_lr_edge", monkeypatch)
     probe = script.PROBES[suite]
-    if not (probe.folder / "lr_edge.md").is_file():
-        pytest.skip(f"no lr_edge.md committed in {probe.folder.relative_to(REPO)} yet")
-    assert script.render(probe) == (probe.folder / "lr_edge.md").read_text()
+    if not (probe.folder / probe.table).is_file():
+        pytest.skip(f"no {probe.table} committed in {probe.folder.relative_to(REPO)} yet")
+    assert script.render(probe) == (probe.folder / probe.table).read_text()
 
 
 # ---------------------------------------------------------------------------------------- convergence
