@@ -19,7 +19,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from petl.run import runner
+from petl.run import config, runner
 
 RESULTS = Path(__file__).resolve().parent / "results" / "mini"
 EPOCHS = 40
@@ -70,7 +70,7 @@ def render() -> str:
 
 def main() -> int:
     for case in CASES:
-        cfg = OmegaConf.load(trial_dir(*case) / "config.yaml")
+        cfg = config.to_config(OmegaConf.load(trial_dir(*case) / "config.yaml"))  # typed, as the runner reads it
         cfg.train.epochs = EPOCHS
         cfg.train.progress = sys.stderr.isatty()
         cfg.output_dir = str(longer_dir(*case))

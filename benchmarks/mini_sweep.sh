@@ -22,9 +22,10 @@ SUITE=${SUITE:-mini_selection}
 if [ "$SUITE" = mini_selection ]; then OUT=benchmarks/results/mini/runs; else OUT=benchmarks/results/$SUITE/runs; fi
 METHODS=("$@")
 if [ ${#METHODS[@]} -eq 0 ]; then
-    # The nine seed experiments first (cheapest first), then issue 11's methods.
+    # The nine seed experiments first (cheapest first), then issue 11's methods, then the wave-2 ones
+    # (side-tuning DTL, LST, HST, LAST; GPS; NOAH; SNF), which joined the suites later.
     METHODS=(linear mlp partial lora adapter_parallel adapter_sequential vpt_deep full vpt_shallow
-        bitfit ln ssf fact repadapter hydra adapter_plus sct convpass dora ia3)
+        bitfit ln ssf fact repadapter hydra adapter_plus sct convpass dora ia3 dtl lst hst gps noah last snf)
 fi
 
 sweep() {

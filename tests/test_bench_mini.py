@@ -5,7 +5,9 @@ from __future__ import annotations
 import csv
 import importlib.util
 import json
+import math
 import re
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -17,6 +19,10 @@ from petl.bench.report import tail_change, write_report
 REPO = Path(__file__).resolve().parents[1]
 MINI = REPO / "benchmarks" / "results" / "mini"
 RUNS = MINI / "runs"
+# The same protocol on the real backbone (DINOv2 ViT-S/14 at 56 px), built with its suite's plan.
+DINOV2 = REPO / "benchmarks" / "results" / "mini_dinov2"
+# Every committed leaderboard: its folder, and the suite its README's report command names (None: none).
+LEADERBOARDS = [(MINI, None), (DINOV2, "mini_dinov2")]
 
 
 def _result(task: str, method: str, seed: int, top1: float | None, **extra) -> dict:
@@ -52,6 +58,7 @@ def _load_script(name: str, monkeypatch) -> ModuleType:
     monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
     spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, name, module)  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
@@ -69,20 +76,21 @@ def _without_images(html: str) -> str:
     return re.sub(r"data:image/png;base64,[A-Za-z0-9+/=]+", "data:image/png;base64,", html)
 
 
-def test_committed_mini_reports_rebuild_from_the_committed_results(tmp_path):
-    """`petl-bench report benchmarks/results/mini/runs out=...` gives back the committed leaderboard, byte for byte."""
-    if not any(RUNS.rglob("result.json")):
-        pytest.skip(
-            "no result.json committed under benchmarks/results/mini/runs yet: the committed leaderboard is the "
-            "old 4-epoch, fixed-lr table, which cannot be rebuilt (issue 12; the next mini sweep commits its runs)"
-        )
-    write_report(RUNS, tmp_path)
+@pytest.mark.parametrize(("folder", "suite"), LEADERBOARDS, ids=[f.name for f, _ in LEADERBOARDS])
+def test_committed_reports_rebuild_from_the_committed_results(tmp_path, folder, suite):
+    """`petl-bench report <folder>/runs out=<folder> [suite=...]` gives back the committed leaderboard exactly."""
+    runs = folder / "runs"
+    if not any(runs.rglob("result.json")):
+        pytest.skip(f"no result.json committed under {runs.relative_to(REPO)} yet")
+    write_report(runs, tmp_path, plan=report.plan_of(suite) if suite else None)
     for name in ("leaderboard.md", "leaderboard.csv"):
-        assert (tmp_path / name).read_text() == (MINI / name).read_text(), f"{name} differs from the committed one"
-    rebuilt, committed = (tmp_path / "leaderboard.html").read_text(), (MINI / "leaderboard.html").read_text()
+        assert (tmp_path / name).read_text() == (folder / name).read_text(), f"{name} differs from the committed one"
+    rebuilt, committed = (tmp_path / "leaderboard.html").read_text(), (folder / "leaderboard.html").read_text()
     assert _without_images(rebuilt) == _without_images(committed)
+    for name in ("pareto.png", "learning_curves.png"):
+        assert (tmp_path / name).is_file() == (folder / name).is_file(), f"{name}: committed iff the report writes it"
     # Weights never travel with committed results (.gitignore keeps them out; a stray copy fails here).
-    assert not [p for p in RUNS.rglob("*") if p.suffix in {".safetensors", ".pt"}]
+    assert not [p for p in runs.rglob("*") if p.suffix in {".safetensors", ".pt"}]
 
 
 def test_committed_convergence_table_rebuilds_from_the_committed_runs(monkeypatch):
@@ -90,9 +98,14 @@ def test_committed_convergence_table_rebuilds_from_the_committed_runs(monkeypatc
     assert _load_script("mini_convergence", monkeypatch).render() == (MINI / "convergence.md").read_text()
 
 
-def test_committed_lr_edge_table_rebuilds_from_the_committed_runs(monkeypatch):
-    """lr_edge.md (lr 3e-2 against the grid's top) is what benchmarks/mini_lr_edge.py renders from committed runs."""
-    assert _load_script("mini_lr_edge", monkeypatch).render() == (MINI / "lr_edge.md").read_text()
+@pytest.mark.parametrize("suite", ["mini_selection", "mini_dinov2", "mini_dinov2_low"])
+def test_committed_lr_edge_table_rebuilds_from_the_committed_runs(monkeypatch, suite):
+    """The lr-edge tables (an lr past the grid's edge against it) rebuild from the committed runs."""
+    script = _load_script("mini_lr_edge", monkeypatch)
+    probe = script.PROBES[suite]
+    if not (probe.folder / probe.table).is_file():
+        pytest.skip(f"no {probe.table} committed in {probe.folder.relative_to(REPO)} yet")
+    assert script.render(probe) == (probe.folder / probe.table).read_text()
 
 
 # ---------------------------------------------------------------------------------------- convergence
@@ -243,3 +256,134 @@ def test_the_mini_tasks_are_the_data_the_committed_results_trained_on(monkeypatc
     assert set(recorded) == set(module.TASKS)
     for task, digest in recorded.items():
         assert module.fingerprint(task) == digest, f"mini/{task} is not the data the committed results used"
+
+
+# ---------------------------------------------------------------------------------------- the real backbone
+
+
+def test_committed_real_backbone_runs_all_loaded_the_same_weights():
+    """Every committed DINOv2 run ran the suite's backbone at its resolution, on one float16 file."""
+    from test_backbones import WEIGHTS_SHA256
+
+    results = [json.loads(p.read_text()) for p in (DINOV2 / "runs").rglob("result.json")]
+    if not results:
+        pytest.skip("no real-backbone run committed yet")
+    assert {r["model"] for r in results} == {"vit_small_patch14_dinov2_imgfocus"}
+    assert {r["weights_sha256"] for r in results} == {WEIGHTS_SHA256}
+    assert {r["config"]["model"]["img_size"] for r in results} == {56}
+
+
+# ---------------------------------------------------------------------------------------- suite plan, ranking
+
+
+def test_a_plan_marks_missing_tasks_seeds_and_experiments(tmp_path):
+    plan = report.Plan("s", ("linear", "lora", "vpt_deep"), ("mini/digits", "mini/mnist", "mini/clevr_count"), (0, 1))
+    for task, top1 in (("mini/digits", 70.0), ("mini/mnist", 90.0), ("mini/clevr_count", 30.0)):
+        for seed in (0, 1):
+            _write(tmp_path / f"{task}/linear/seed{seed}", _result(task, "linear", seed, top1))
+    for seed in (0, 1):  # lora: two tasks only, one of them with one seed; its mean beats linear's
+        _write(tmp_path / f"mini/digits/lora/seed{seed}", _result("mini/digits", "lora", seed, 95.0))
+    _write(tmp_path / "mini/mnist/lora/seed0", _result("mini/mnist", "lora", 0, 99.0))
+
+    board = write_report(tmp_path, plan=plan)
+    assert [r.experiment for r in board.rows] == ["linear", "lora"]  # complete rows first
+    assert [board.complete(r) for r in board.rows] == [True, False]
+    md = (tmp_path / "leaderboard.md").read_text()
+    assert md.startswith("# petl leaderboard: suite s\n") and "| lora * |" in md
+    assert "**Progress** of suite `s` (3 experiments x 3 tasks x 2 seeds = 18 final runs): 9 finished." in md
+    assert "Complete rows (1): linear." in md and "lora (3 of 6)" in md
+    assert "No final run yet (1; searching or not started): vpt_deep." in md
+
+    # A task no run has reached yet still gets its column, shown "–" in every row.
+    (tmp_path / "mini/clevr_count/linear/seed0/result.json").unlink()
+    (tmp_path / "mini/clevr_count/linear/seed1/result.json").unlink()
+    board = write_report(tmp_path, plan=plan)
+    assert "mini/clevr_count" in board.tasks and not any(board.complete(r) for r in board.rows)
+    assert "Complete rows (0): none yet." in (tmp_path / "leaderboard.md").read_text()
+
+
+def test_rank_correlation_is_spearmans_rho_over_the_shared_methods():
+    from petl.bench.published import rank_correlation
+
+    measured = {"a": 1.0, "b": 2.0, "c": 3.0, "d": 4.0, "only_here": 9.0, "nan": math.nan}
+    published = {"a": 2.0, "b": 1.0, "c": 4.0, "d": 3.0, "only_there": 0.0, "nan": 5.0}
+    found = rank_correlation(measured, published)
+    assert found.methods == ("d", "c", "b", "a")  # measured order, best first
+    assert found.rho == pytest.approx(1 - 6 * 4 / (4 * 15))  # sum of squared rank differences 4, n = 4
+    assert rank_correlation({"a": 1, "b": 2, "c": 3}, {"a": 30, "b": 20, "c": 10}).rho == pytest.approx(-1.0)
+    # ties get their average rank: ranks (1.5, 1.5, 3) against (1, 2, 3)
+    assert rank_correlation({"a": 1, "b": 1, "c": 3}, {"a": 1, "b": 2, "c": 3}).rho == pytest.approx(math.sqrt(3) / 2)
+    assert math.isnan(rank_correlation({"a": 1, "b": 2}, {"a": 1, "b": 2}).rho)  # two methods: no coefficient
+    assert math.isnan(rank_correlation({"a": 1, "b": 1, "c": 1}, {"a": 1, "b": 2, "c": 3}).rho)  # one side all tied
+
+
+def test_the_report_ranks_complete_rows_against_the_published_vtab_ordering(tmp_path):
+    # Published VTAB-1k task means: Linear probing 52.94 < VPT-Deep 69.43 < LoRA 72.25 (< RepAdapter 73.84).
+    plan = report.Plan("s", ("linear", "lora", "vpt_deep", "repadapter", "mlp"), ("mini/digits",), (0,))
+    for experiment, top1 in (("linear", 50.0), ("lora", 60.0), ("vpt_deep", 70.0), ("mlp", 99.0)):
+        _write(tmp_path / f"mini/digits/{experiment}/seed0", _result("mini/digits", experiment, 0, top1))
+    _write(tmp_path / "mini/mnist/repadapter/seed0", _result("mini/mnist", "repadapter", 0, 1.0))  # not complete
+
+    board = write_report(tmp_path, plan=plan)
+    found = report.published_ranking(board)
+    assert found.methods == ("vpt_deep", "lora", "linear")  # mlp has no published row, repadapter is incomplete
+    assert found.rho == pytest.approx(0.5)  # ranks (3, 2, 1) against (2, 3, 1): 1 - 6 * 2 / 24
+    md = (tmp_path / "leaderboard.md").read_text()
+    assert "**Rank correlation with the published vtab1k ordering**: Spearman's rho = +0.50 between" in md
+    assert "(supervised)" in md and "it compares the methods' orderings, not their accuracies." in md
+
+    (tmp_path / "mini/digits/vpt_deep/seed0/result.json").unlink()
+    write_report(tmp_path, plan=plan)
+    assert (
+        "not computed: 2 complete row(s) name a published row (lora, linear); it needs 3"
+        in (tmp_path / "leaderboard.md").read_text()
+    )
+
+
+def test_report_command_takes_the_suite_and_prints_progress_and_ranking(tmp_path, capsys):
+    from petl.bench import cli
+
+    _write(tmp_path / "mini/digits/linear/seed0", _result("mini/digits", "linear", 0, 70.0))
+    assert cli.main(["report", str(tmp_path), f"out={tmp_path / 'out'}", "suite=mini_dinov2"]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "**Progress** of suite `mini_dinov2` (27 experiments x 7 tasks x 3 seeds = 567 final runs): 1 finished." in out
+    )
+    assert "Rank correlation with the published vtab1k ordering**: not computed: 0 complete row(s)" in out
+    assert (tmp_path / "out" / "leaderboard.md").read_text().startswith("# petl leaderboard: suite mini_dinov2\n")
+    with pytest.raises(SystemExit) as caught:
+        cli.main(["report", str(tmp_path), "suite=no_such_suite"])
+    assert caught.value.code == 2 and "unknown suite 'no_such_suite'" in capsys.readouterr().err
+
+
+def test_copy_finished_runs_takes_finished_runs_only_and_overwrites_nothing(tmp_path):
+    import shutil
+    import subprocess
+
+    if shutil.which("bash") is None:
+        pytest.skip("no bash")
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    cell = src / "mini/digits/lora"
+    _write(cell / "search/train.lr=0.01", _result("mini/digits", "lora", 0, None), [1.0, 2.0])
+    (cell / "search/train.lr=0.01/config.yaml").write_text("x: 1\n")
+    (cell / "search/train.lr=0.01/trainable.safetensors").write_bytes(b"weights")
+    (cell / "search/train.lr=0.001").mkdir()  # still training: no result.json yet
+    (cell / "search/train.lr=0.001/metrics.jsonl").write_text('{"epoch": 1}\n')
+    _write(cell / "seed0", _result("mini/digits", "lora", 0, 80.0, selection={"chosen": {}}))
+    _write(cell / "seed1", _result("mini/digits", "lora", 1, 80.0))  # trained, selection not stamped yet
+    script = REPO / "benchmarks" / "copy_finished_runs.sh"
+
+    def copy() -> str:
+        done = subprocess.run(["bash", script, src, dst], capture_output=True, text=True, check=True)
+        return done.stdout + done.stderr
+
+    assert "copied 2 finished runs, 0 already" in copy() and "1 final runs left out" in copy()
+    copied = sorted(str(p.relative_to(dst)) for p in dst.rglob("*") if p.is_file())
+    assert copied == [
+        "mini/digits/lora/search/train.lr=0.01/config.yaml",
+        "mini/digits/lora/search/train.lr=0.01/metrics.jsonl",
+        "mini/digits/lora/search/train.lr=0.01/result.json",
+        "mini/digits/lora/seed0/result.json",
+    ]
+    (dst / "mini/digits/lora/seed0/result.json").write_text("{}")  # a copy that differs is named, never replaced
+    assert "differs, left alone: " in copy() and (dst / "mini/digits/lora/seed0/result.json").read_text() == "{}"

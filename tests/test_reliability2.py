@@ -240,6 +240,27 @@ def test_6_dollar_signs_in_names_do_not_break_the_plots(tmp_path):
     assert "cost_$5_vs_$10" in (tmp_path / "leaderboard.md").read_text()
 
 
+def test_6_tick_labels_keep_their_mathtext_while_names_are_text():
+    # A log axis's tick labels are matplotlib's own mathtext ("$\\mathdefault{10^{3}}$"): drawn as text they
+    # showed those characters under the Pareto plot.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    from petl.bench.plot import _as_text
+
+    fig = Figure()
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    ax.set_xscale("log")
+    ax.plot([1e3, 1e5], [1, 2])
+    name = ax.annotate("cost_$5_vs_$10", (1e4, 1.5))
+    _as_text(fig)
+    fig.canvas.draw()
+    labels = [t for t in ax.xaxis.get_ticklabels() if t.get_text()]
+    assert labels and all(t.get_parse_math() for t in labels) and "mathdefault" in labels[0].get_text()
+    assert not name.get_parse_math()
+
+
 # --- 7. a malformed YAML is named with its line and column; list lists the rest ---------------------------------
 
 

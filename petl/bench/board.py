@@ -126,12 +126,32 @@ class ExperimentRow:
         return mean(list(self.group_means.values()))
 
 
+@dataclass(frozen=True)
+class Plan:
+    """What a suite sets out to run: the leaderboard it will be once every final run has finished.
+
+    Attributes:
+        suite: the suite's name.
+        experiments: its experiments (one row each once they have run).
+        tasks: its tasks (one column each, shown "–" until a run of it finishes).
+        seeds: the seeds of its reported runs (a cell is complete with all of them).
+
+    """
+
+    suite: str
+    experiments: tuple[str, ...]
+    tasks: tuple[str, ...]
+    seeds: tuple[int, ...]
+
+
 @dataclass
 class Leaderboard:
     """Everything a report renders: the tasks and groups found, one row per experiment, and the columns.
 
     ``families`` maps an experiment to its method family (experiments without one are left out; they
-    count as a family of their own, named after their method: :meth:`family`).
+    count as a family of their own, named after their method: :meth:`family`); ``published_names`` to the
+    published row it stands for (``published:`` in its experiment file).  ``plan``, when the report was
+    asked about a suite, is what that suite sets out to run: rows and cells are complete against it.
     """
 
     results_dir: Path
@@ -145,6 +165,8 @@ class Leaderboard:
     columns: list[Column] = field(default_factory=list)
     compute: Compute | None = None
     skipped: list[Path] = field(default_factory=list)
+    published_names: dict[str, str] = field(default_factory=dict)
+    plan: Plan | None = None
 
     @property
     def family_order(self) -> list[str]:
@@ -163,7 +185,13 @@ class Leaderboard:
         return order_groups(set(self.groups.values()))
 
     def complete(self, row: ExperimentRow) -> bool:
-        """Whether ``row`` has a score on every task, each over as many seeds as the fullest cell of the board."""
+        """Whether ``row`` has a score on every task, each over every seed.
+
+        Every seed: the plan's, when there is one; otherwise as many as the fullest cell of the board.
+        """
+        if self.plan is not None:
+            seeds = set(self.plan.seeds)
+            return all(t in row.scores and seeds <= set(row.scores[t].seeds) for t in self.plan.tasks)
         seeds = max((len(s.seeds) for r in self.rows for s in r.scores.values()), default=0)
         return len(row.scores) == len(self.tasks) and all(len(s.seeds) == seeds for s in row.scores.values())
 

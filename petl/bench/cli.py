@@ -5,7 +5,7 @@ Usage::
     petl-bench [run] suite=mini [methods=linear,lora] [tasks=mini/digits] [seeds=0,1]
                [output_dir=runs/bench/mini] [configs_dir=...] [report=true] [dry_run=false]
                [train.epochs=5 model.drop_path=0.1 data.root=... ...]
-    petl-bench report RESULTS_DIR [out=DIR] [configs_dir=DIR]
+    petl-bench report RESULTS_DIR [out=DIR] [configs_dir=DIR] [suite=NAME]
     petl-bench speed [model=...] [img_size=N] [batch=32] [steps=10] [warmup=3] [rounds=10] [infer_batch=1]
                      [infer_steps=100] [device=cpu|cuda] [methods=...] [options_for=lora] [out=FILE]
     petl-bench params suite=vtab1k [methods=...] [model=...]   (parameter counts vs the published ones)
@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from petl.bench import protocol
+from petl.bench import protocol, report
 from petl.bench import suite as suites
 from petl.bench.args import CONFIGS_KEYS, as_bool, configs_folder, parse_args, split_list
 from petl.bench.report import write_report
@@ -78,10 +78,10 @@ def cmd_run(args: Sequence[str]) -> int:
             print(("done  " if run.is_done() else "todo  ") + run.label + "  " + " ".join(run.overrides))
         return 0
     summary = run_sweep(runs, progress=as_bool("progress", own.get("progress", "true")))
-    return _finish(summary, output_dir, own, any(r.is_done() for r in runs))
+    return _finish(summary, output_dir, own, any(r.is_done() for r in runs), suite)
 
 
-def _finish(summary: SweepSummary, output_dir: Path, own: dict[str, str], any_done: bool) -> int:
+def _finish(summary: SweepSummary, output_dir: Path, own: dict[str, str], any_done: bool, suite: suites.Suite) -> int:
     print(f"petl-bench: {summary.line()}")
     for line in summary.held_elsewhere:
         print(f"  held by another sweep: {line}")
@@ -92,7 +92,9 @@ def _finish(summary: SweepSummary, output_dir: Path, own: dict[str, str], any_do
     for line in summary.waiting:
         print(f"  waiting: {line}")
     if as_bool("report", own.get("report", "true")) and any_done:
-        write_report(output_dir, configs_dir=configs_folder(own))
+        # The whole suite's plan, even when methods=/tasks=/seeds= ran part of it: the rest shows as not run yet.
+        plan = report.Plan(suite.name, tuple(suite.experiments), tuple(suite.tasks), tuple(suite.seeds))
+        write_report(output_dir, configs_dir=configs_folder(own), plan=plan)
         print(f"petl-bench: leaderboard written to {output_dir}/leaderboard.{{md,csv,html}} and pareto.png")
     return 1 if summary.failed else 0
 
@@ -129,7 +131,7 @@ def run_selection(
         return 0
     summary = protocol.run_protocol(cells, progress=as_bool("progress", own.get("progress", "true")))
     finals_done = any(any((output_dir / c.task / c.experiment.name).glob("seed*/result.json")) for c in cells)
-    return _finish(summary, output_dir, own, finals_done)
+    return _finish(summary, output_dir, own, finals_done, suite)
 
 
 def cmd_commands(args: Sequence[str]) -> int:
@@ -175,15 +177,21 @@ def cmd_commands(args: Sequence[str]) -> int:
 def cmd_report(args: Sequence[str]) -> int:
     """Build the leaderboard of a results folder."""
     positional = [a for a in args if "=" not in a]
-    own, rest = parse_args([a for a in args if "=" in a], {"out", "configs_dir"})
+    own, rest = parse_args([a for a in args if "=" in a], {"out", "configs_dir", "suite"})
     if len(positional) != 1 or rest:
-        raise SystemExit("usage: petl-bench report RESULTS_DIR [out=DIR] [configs_dir=DIR]")
+        raise SystemExit("usage: petl-bench report RESULTS_DIR [out=DIR] [configs_dir=DIR] [suite=NAME]")
     out = own.get("out", positional[0])
-    board = write_report(positional[0], out, own.get("configs_dir"))
+    # suite=NAME: the suite the runs came from, so that the report marks what it has not run yet.
+    plan = report.plan_of(own["suite"], own.get("configs_dir")) if "suite" in own else None
+    board = write_report(positional[0], out, own.get("configs_dir"), plan)
     print(
         f"petl-bench: {len(board.rows)} experiments x {len(board.tasks)} tasks -> "
         f"{out}/leaderboard.{{md,csv,html}}, {out}/pareto.png"
     )
+    if plan is not None:
+        print(f"petl-bench: {report.progress(board)}")
+    if board.published_names:
+        print(f"petl-bench: {report.ranking_line(board)}")
     return 0
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import itertools
 import math
+import textwrap
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -188,9 +189,19 @@ def place_labels(
 
 
 def _as_text(fig: Figure) -> None:
-    """Draw every text of ``fig`` as written (names come from folders and files: no mathtext, no ``$...$``)."""
+    """Draw every text of ``fig`` as written (names come from folders and files: no mathtext, no ``$...$``).
+
+    Tick labels excepted: matplotlib writes them itself, a log axis's as mathtext (`10^3` in math mode).
+    """
+    ticks = {
+        id(label)
+        for ax in fig.axes
+        for axis in (ax.xaxis, ax.yaxis)
+        for tick in (*axis.get_major_ticks(), *axis.get_minor_ticks())
+        for label in (tick.label1, tick.label2)
+    }
     for text in fig.findobj(Text):
-        text.set_parse_math(False)
+        text.set_parse_math(id(text) in ticks)
 
 
 def _png(fig: Figure) -> bytes:
@@ -406,11 +417,11 @@ def render_curves(
             axes[k - cols].xaxis.set_tick_params(labelbottom=True)
     fig.supxlabel("epoch", fontsize=10)
     fig.supylabel("val top-1 (%)", fontsize=10)
-    fig.suptitle(
-        f"val accuracy per epoch on {task}, {', '.join(models)}: one panel per method family "
-        "(grey: the other families)",
-        fontsize=10,
+    title = (
+        f"val accuracy per epoch on {task}, {', '.join(models)}: one panel per method family (grey: the other families)"
     )
+    # About 46 characters fit above one panel at this size: a board with one or two families wraps its title.
+    fig.suptitle(textwrap.fill(title, width=46 * cols), fontsize=10)
     _as_text(fig)  # before the layout measures them
     fig.tight_layout()
     return _png(fig)

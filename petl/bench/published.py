@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import csv
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -162,6 +163,46 @@ def _load(path: Path) -> dict[str, PublishedRow]:
             ppt_value = None if ppt_text == "-" else float(ppt_text)
             rows[method] = PublishedRow(method, top1, task_mean, params, ppt_value, params_digits(params_text))
     return rows
+
+
+# Fewer shared methods give no ordering worth a coefficient (with two, Spearman's rho can only be +1 or -1).
+MIN_RANKED = 3
+
+
+@dataclass(frozen=True)
+class RankCorrelation:
+    """How alike two orderings of the same methods are.
+
+    Attributes:
+        rho: Spearman's rank correlation (ties get their average rank); NaN below :data:`MIN_RANKED` methods,
+            or when one side ranks every method equal.
+        methods: the methods compared (those both sides have), in the measured order, best first.
+
+    """
+
+    rho: float
+    methods: tuple[str, ...]
+
+
+def rank_correlation(measured: Mapping[str, float], published: Mapping[str, float]) -> RankCorrelation:
+    """Spearman's rank correlation between two scores of the methods both mappings hold (NaN scores left out).
+
+    Args:
+        measured: method -> score measured here (e.g. a leaderboard row's task mean).
+        published: method -> published score, under the same method names.
+
+    Returns:
+        The coefficient and the methods it was computed over.
+
+    """
+    from scipy.stats import spearmanr  # scipy comes with scikit-learn; loaded only when a ranking is asked for
+
+    shared = [m for m in measured if m in published and not math.isnan(measured[m]) and not math.isnan(published[m])]
+    shared.sort(key=lambda m: -measured[m])
+    ours, theirs = [measured[m] for m in shared], [published[m] for m in shared]
+    if len(shared) < MIN_RANKED or len(set(ours)) == 1 or len(set(theirs)) == 1:
+        return RankCorrelation(math.nan, tuple(shared))
+    return RankCorrelation(float(spearmanr(ours, theirs).statistic), tuple(shared))
 
 
 def table_for(task: str) -> PublishedTable | None:

@@ -27,13 +27,22 @@ from petl.bench.board import (
     Column,
     ExperimentRow,
     Leaderboard,
+    Plan,
     TaskScore,
     order_groups,
     show_number,
 )
 from petl.bench.columns import leaderboard_columns, task_labels
 from petl.bench.curves import CONVERGENCE_TAIL, ValCurve, learning_curves, tail_change, val_curve
-from petl.bench.published import TABLES, PublishedRow, PublishedTable, table_for
+from petl.bench.published import (
+    MIN_RANKED,
+    TABLES,
+    PublishedRow,
+    PublishedTable,
+    RankCorrelation,
+    rank_correlation,
+    table_for,
+)
 from petl.bench.results import Compute, RunRecord, collect, compute_spent, mean, read_all, task_group
 from petl.bench.table import Header, Table, markdown_lines, md_escape
 from petl.presets import FAMILIES
@@ -47,6 +56,7 @@ __all__ = [
     "Compute",
     "ExperimentRow",
     "Leaderboard",
+    "Plan",
     "RunRecord",
     "TaskScore",
     "ValCurve",
@@ -57,6 +67,9 @@ __all__ = [
     "learning_curves",
     "leaderboard_columns",
     "markdown",
+    "plan_of",
+    "progress",
+    "published_ranking",
     "tail_change",
     "task_group",
     "val_curve",
@@ -128,6 +141,7 @@ def aggregate(
     results_dir: str | Path = ".",
     published: Mapping[str, str] | None = None,
     families: Mapping[str, str] | None = None,
+    plan: Plan | None = None,
 ) -> Leaderboard:
     """One row per experiment, sorted by task mean (best first).
 
@@ -143,8 +157,12 @@ def aggregate(
             (:func:`published_names`).
         families: experiment name -> method family; default: read from the experiment files
             (:func:`family_names`).
+        plan: what the suite the runs came from sets out to run (:func:`plan_of`): its tasks get a column
+            even before any of their runs finish, rows are complete only with all its tasks and seeds, and
+            the legend says how far it got (:func:`progress`).
     """
     groups = {r.task: task_group(r.task) for r in records}
+    groups.update({t: task_group(t) for t in (plan.tasks if plan else ()) if t not in groups})
     tasks = sorted(groups, key=lambda t: _task_order_key(t, groups))
     tables = [t for t in TABLES if any(t.covers(task) for task in tasks)]
     by_experiment: dict[str, list[RunRecord]] = {}
@@ -180,11 +198,19 @@ def aggregate(
                 published={t.key: _published_status(runs, t, published.get(name)) for t in tables},
             )
         )
-    rows.sort(key=lambda r: (-r.task_mean if not math.isnan(r.task_mean) else math.inf, r.experiment))
     # A backbone trained from random init is a different model from its pretrained namesake; say so.
     models = sorted({str(r.result.model or "?") + _weights_note(r.result) for r in records})
     memory_kinds = sorted({str(r.result.peak_memory_kind) for r in records if r.result.peak_memory_kind})
     board = Leaderboard(Path(results_dir), tasks, groups, rows, models, tables, memory_kinds, dict(families))
+    board.published_names, board.plan = dict(published), plan
+    # Complete rows first: a mean over fewer tasks or seeds is not ranked among them.
+    rows.sort(
+        key=lambda r: (
+            not board.complete(r),
+            -r.task_mean if not math.isnan(r.task_mean) else math.inf,
+            r.experiment,
+        )
+    )
     board.columns = leaderboard_columns(board)
     for row in rows:
         row.values = {c.key: c.compute(row) for c in board.columns}
@@ -302,6 +328,8 @@ def notes(board: Leaderboard) -> list[str]:
         "`*` after an experiment: it has not run on every task, or with every seed, yet, so its means cover "
         "fewer tasks or seeds.",
     ]
+    if board.plan is not None:
+        lines.append(progress(board))
     if board.compute is not None:
         lines.append(board.compute.line())
     if board.skipped:
@@ -312,6 +340,8 @@ def notes(board: Leaderboard) -> list[str]:
             f"(a field missing or malformed; each named in a warning when this report was built): {names}."
         )
     lines += [c.note for c in board.columns if c.note]
+    if board.published_names:
+        lines.append(ranking_line(board))
     for table in board.tables:
         lines.append(
             f"**Published {table.key}** columns: {table.title}; source: {table.source}. Figures published by "
@@ -323,7 +353,98 @@ def notes(board: Leaderboard) -> list[str]:
     return lines
 
 
+def plan_of(suite_name: str, configs_dir: str | Path | None = None) -> Plan:
+    """What suite ``suite_name`` sets out to run (its experiments, tasks and seeds), for :func:`aggregate`.
+
+    Raises:
+        ValueError: an unknown suite or a malformed suite file.
+
+    """
+    from petl.bench import suite
+
+    found = suite.load_suite(suite_name, suite.configs_dir(configs_dir))
+    return Plan(found.name, tuple(found.experiments), tuple(found.tasks), tuple(found.seeds))
+
+
+def progress(board: Leaderboard) -> str:
+    """How far the board's suite got: its complete rows, the rows short of a task or seed, those not started.
+
+    Empty without a plan.
+    """
+    plan = board.plan
+    if plan is None:
+        return ""
+    rows = {row.experiment: row for row in board.rows}
+    total = len(plan.tasks) * len(plan.seeds)
+
+    def runs_done(row: ExperimentRow) -> int:
+        return sum(len(set(row.scores[t].seeds) & set(plan.seeds)) for t in plan.tasks if t in row.scores)
+
+    complete = [e for e in plan.experiments if e in rows and board.complete(rows[e])]
+    partial = [f"{e} ({runs_done(rows[e])} of {total})" for e in plan.experiments if e in rows and e not in complete]
+    missing = [e for e in plan.experiments if e not in rows]
+    done = sum(runs_done(rows[e]) for e in plan.experiments if e in rows)
+    parts = [
+        f"**Progress** of suite `{plan.suite}` ({len(plan.experiments)} experiments x {len(plan.tasks)} tasks x "
+        f"{len(plan.seeds)} seeds = {len(plan.experiments) * total} final runs): {done} finished.",
+        f"Complete rows ({len(complete)}): {', '.join(complete) or 'none yet'}.",
+    ]
+    if partial:
+        parts.append(
+            f"Short of a task or seed, marked `*` and ranked after the complete rows, final runs finished: "
+            f"{', '.join(partial)}."
+        )
+    if missing:
+        parts.append(f"No final run yet ({len(missing)}; searching or not started): {', '.join(missing)}.")
+    return " ".join(parts)
+
+
+# The published ordering the leaderboard's is compared with: V-PETL's VTAB-1k table (19 tasks, 224 px).
+RANKED_TABLE = next(t for t in TABLES if t.key == "vtab1k")
+
+
+def published_ranking(board: Leaderboard, table: PublishedTable = RANKED_TABLE) -> RankCorrelation:
+    """Spearman's rho between the task means of the board's complete rows and their published rows' task means.
+
+    Only complete rows count (a mean over fewer tasks or seeds is not ranked), and only those whose
+    experiment file names a row of ``table`` (``published:``).  The methods are named by experiment.
+    """
+    rows = table.rows()
+    pairs = {}
+    for row in board.rows:
+        pub = rows.get(board.published_names.get(row.experiment, ""))
+        if pub is not None and board.complete(row):
+            pairs[row.experiment] = (row.task_mean, pub.task_mean)
+    return rank_correlation({e: m for e, (m, _) in pairs.items()}, {e: p for e, (_, p) in pairs.items()})
+
+
+def ranking_line(board: Leaderboard, table: PublishedTable = RANKED_TABLE) -> str:
+    """The legend's line on :func:`published_ranking`, with its caveat."""
+    found = published_ranking(board, table)
+    methods = ", ".join(found.methods) or "none"
+    head = f"**Rank correlation with the published {table.key} ordering**: "
+    if math.isnan(found.rho):
+        body = (
+            f"not computed: {len(found.methods)} complete row(s) name a published row ({methods}); "
+            f"it needs {MIN_RANKED} that do not all tie."
+        )
+    else:
+        body = (
+            f"Spearman's rho = {found.rho:+.2f} between the task means of the {len(found.methods)} complete rows "
+            f"that name a published row ({methods}) and those rows' published task means."
+        )
+    return (
+        head
+        + body
+        + f" Published: {table.title}; source: {table.source} (supervised), on its own tasks at 224 px; measured "
+        f"here: {', '.join(board.models)} on these {len(board.tasks)} tasks. Other backbone, tasks and recipe: "
+        "it compares the methods' orderings, not their accuracies."
+    )
+
+
 def _title(board: Leaderboard) -> str:
+    if board.plan is not None:
+        return f"petl leaderboard: suite {board.plan.suite}"
     return f"petl leaderboard: {board.results_dir.name}"
 
 
@@ -380,7 +501,10 @@ def learning_curves_png(board: Leaderboard) -> bytes | None:
 
 
 def write_report(
-    results_dir: str | Path, out_dir: str | Path | None = None, configs_dir: str | Path | None = None
+    results_dir: str | Path,
+    out_dir: str | Path | None = None,
+    configs_dir: str | Path | None = None,
+    plan: Plan | None = None,
 ) -> Leaderboard:
     """Build the leaderboard of ``results_dir`` and write md, csv, html and pareto.png into ``out_dir``.
 
@@ -392,6 +516,8 @@ def write_report(
         out_dir: where to write (default: ``results_dir``).
         configs_dir: the folder of experiment files that name each experiment's published row
             (default: petl's own, see :func:`petl.bench.suite.configs_dir`).
+        plan: what the suite the runs came from sets out to run (:func:`plan_of`); default: none, and a row
+            counts as complete with the tasks and seeds the board's fullest cells have.
 
     Returns:
         The leaderboard.
@@ -411,7 +537,11 @@ def write_report(
         raise FileNotFoundError(f"no usable result.json under {results_dir}{unusable}")
     experiments = sorted({r.experiment for r in records})
     board = aggregate(
-        records, results_dir, published_names(experiments, configs_dir), family_names(experiments, configs_dir)
+        records,
+        results_dir,
+        published_names(experiments, configs_dir),
+        family_names(experiments, configs_dir),
+        plan,
     )
     board.compute = compute_spent(results)
     board.skipped = skipped
