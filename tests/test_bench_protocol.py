@@ -420,7 +420,7 @@ def test_the_vpetl_presets_start_lora_and_the_adapters_as_vpetl_runs_them(tmp_pa
 
     import petl
     from petl.run import default_config
-    from tests.conftest import make_tiny_vit
+    from conftest import make_tiny_vit
 
     bench = suites.configs_dir()
     images = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
