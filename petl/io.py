@@ -176,7 +176,7 @@ def _check_matches(
             raise ValueError(f"{path}: {name} has dtype {dtype}, {needs} {param.dtype}")
 
 
-def _meta_copy(model: nn.Module) -> nn.Module:
+def meta_copy(model: nn.Module) -> nn.Module:
     """A copy of ``model`` whose tensors live on the meta device: building a method on it allocates nothing."""
     memo: dict[int, Any] = {}
     for tensor in [*model.parameters(), *model.buffers()]:
@@ -216,7 +216,7 @@ def load_trainable(model: nn.Module, path: str | Path) -> nn.Module:
     # model: a config claiming a huge size (rank=2**30) allocates nothing, and a mismatch leaves the model as it was.
     header = _read_header(path)
     if fresh:
-        _check_matches(path, _applied(path, _meta_copy(model), meta), header, "the config recorded in it needs")
+        _check_matches(path, _applied(path, meta_copy(model), meta), header, "the config recorded in it needs")
     else:
         _check_matches(path, model, header)
     tensors = _read_tensors(path)

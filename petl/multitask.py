@@ -42,7 +42,7 @@ from torch import nn
 
 from petl import vit
 from petl.core import apply, trainable_state
-from petl.io import _meta_copy, load_trainable, read_trainable_metadata
+from petl.io import load_trainable, meta_copy, read_trainable_metadata
 
 Tensor = torch.Tensor
 
@@ -302,7 +302,7 @@ def _trained_backbone_tensors(backbone: nn.Module, path: Path) -> set[str]:
     by identity, so that loading never writes into a tensor the tasks share.
     """
     meta = read_trainable_metadata(path)
-    shadow = _meta_copy(backbone)
+    shadow = meta_copy(backbone)
     names = {id(t): n for n, t in [*shadow.named_parameters(), *shadow.named_buffers()]}
     try:
         applied = apply(shadow, meta["method"], **meta["config"])

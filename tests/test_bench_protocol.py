@@ -417,10 +417,10 @@ def test_shipped_suites_compose_into_valid_run_configs(tmp_path):
 def test_the_vpetl_presets_start_lora_and_the_adapters_as_vpetl_runs_them(tmp_path):
     """V-PETL re-draws its methods' Linears at construction: its preset rows build with init=reference."""
     import torch
+    from conftest import make_tiny_vit
 
     import petl
     from petl.run import default_config
-    from conftest import make_tiny_vit
 
     bench = suites.configs_dir()
     images = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))

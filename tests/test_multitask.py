@@ -38,17 +38,16 @@ VARIANTS = {
 }
 # Side networks and NOAH's per-block choices: DTL+ (its conv over the grid must not see other tasks' prompt
 # slots), GPS with two entries per row, NOAH with prompts that come, stay and are replaced from block to block
-# (slots attended change per block), LoRA and adapters in some blocks only.
+# (slots attended change per block), LoRA and adapters in some blocks only, LAST with two LSA layers per group.
 VARIANTS |= {
     "dtl_plus": ("dtl", {"fusion_size": 3, "add_from": 0}),
     "gps_2": ("gps", {"per_row": 2}),
     "noah_mixed": ("noah", {"prompt": "2,0,3", "lora": "0,2,1", "adapter": "3,0,2"}),
     "hst_2": ("hst", {"dims": ("8", "16"), "heads": ("2", "4"), "meta_tokens": 2}),
+    "last_gap_3": ("last", {"gap": 3, "layers": 2}),
 }
 # Cannot share: they train frozen weight matrices every row's matmul uses.
 REFUSED = {"partial": ("partial", {}), "full": ("full", {})}
-# No multi-task hook yet: LAST's side network (issue 23, its branch adds its own) is refused in one line.
-REFUSED |= {"last": ("last", {})}
 SHARED = {name: (name, {}) for name in petl.list_methods() if name not in REFUSED} | VARIANTS
 # Head-only methods: nothing before the head differs from the plain backbone.
 HEAD_ONLY = {"linear", "mlp", "mlp_3"}
@@ -127,9 +126,9 @@ def test_each_row_gets_its_own_single_task_models_logits(served, case):
 
 
 def test_a_mixed_batch_of_methods_of_different_families(tmp_path):
-    """LoRA, AdaptFormer, VPT-deep, SSF, BitFit, Convpass and the side networks of LST and HST in one shuffled
+    """LoRA, AdaptFormer, VPT-deep, SSF, BitFit, Convpass and the side networks of LST, HST and LAST in one shuffled
     batch: every row as its own model."""
-    names = ("lora", "adapter_parallel", "vpt_deep", "ssf", "bitfit", "convpass", "lst", "hst")
+    names = ("lora", "adapter_parallel", "vpt_deep", "ssf", "bitfit", "convpass", "lst", "hst", "last")
     cases = {name: SHARED[name] for name in names}
     backbone = make_tiny_vit()
     singles, files = _save(tmp_path, cases, backbone)

@@ -1,4 +1,4 @@
-"""What the side-tuning methods (DTL, LST) share: a side network that runs beside the frozen blocks.
+"""What the side-tuning methods (DTL, LST, HST, LAST) share: a side network that runs beside the frozen blocks.
 
 A side network keeps state across blocks (DTL's running sum of low-rank features, LST's side stream),
 yet timm's forward runs ``model.blocks`` itself, block by block.  So every block is wrapped in a

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from petl import core, vit
+from petl import core, multitask, vit
 from petl.methods import _side
 
 
@@ -112,17 +112,42 @@ class LastSide(_side.SideNetwork):
 
     def step(self, index: int, block: nn.Module, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         if index == 0:
-            self._u, self._z_sum = self.lsa[0](x), x
-        x = block(x, **kwargs)
+            self.begin(x)
+        y = block(x, **kwargs)
+        out = self.after(index, y)
+        return y if out is None else out
+
+    def begin(self, x: torch.Tensor) -> None:
+        """Start a forward on the embedded tokens ``z_0``: ``u_0 = F_0(z_0)``."""
+        self._u, self._z_sum = self.lsa[0](x), x
+
+    def after(self, index: int, y: torch.Tensor) -> torch.Tensor | None:
+        """Read block ``index``'s output ``y``; the corrected side output after the last block, else ``None``."""
         if (index + 1) % self.gap:
-            return x
-        u = self.lsa[(index + 1) // self.gap](self._u + x)
+            return None
+        u = self.lsa[(index + 1) // self.gap](self._u + y)
         if index < self.depth - 1:
-            self._u, self._z_sum = u, self._z_sum + x
-            return x
+            self._u, self._z_sum = u, self._z_sum + y
+            return None
         out = u - self._z_sum  # the paper's bias correction: u_m - (z_0 + ... + z_{m-1})
         self._u = self._z_sum = None  # no graph kept between forwards
         return out
+
+    def row_hook(self, index: int, block: nn.Module) -> multitask.RowHook:
+        """The frozen block once for the batch; the task's side stream on its rows, without the prompt slots.
+
+        The LSA blocks attend over the tokens, so they read a row's own tokens only; after the last block the
+        rows take the side output (with zero-filled slots, which no task's pooling or head reads).
+        """
+
+        def begin(x: torch.Tensor, tokens: multitask.Tokens) -> None:
+            self.begin(tokens.without_slots(x))
+
+        def post(x: torch.Tensor, y: torch.Tensor, tokens: multitask.Tokens) -> torch.Tensor | None:
+            out = self.after(index, tokens.without_slots(y))
+            return None if out is None else tokens.with_slots(out)
+
+        return multitask.RowHook(block, pre=begin if index == 0 else None, post=post)
 
 
 def _formula(model: nn.Module, cfg: LastConfig) -> int:
