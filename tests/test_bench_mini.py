@@ -22,7 +22,7 @@ RUNS = MINI / "runs"
 # The same protocol on the real backbone (DINOv2 ViT-S/14 at 56 px), built with its suite's plan.
 DINOV2 = REPO / "benchmarks" / "results" / "mini_dinov2"
 # Every committed leaderboard: its folder, and the suite its README's report command names (None: none).
-LEADERBOARDS = [(MINI, None), (DINOV2, "mini_dinov2")]
+LEADERBOARDS = [(MINI, "mini_selection"), (DINOV2, "mini_dinov2")]
 
 
 def _result(task: str, method: str, seed: int, top1: float | None, **extra) -> dict:
