@@ -13,10 +13,10 @@ BitFit and LN tuning do) is replaced, in one routed copy of the backbone, by a m
 frozen module **once over the whole batch** and then lets each task's :class:`RowHook` act on its own
 slice: before it (RepAdapter's input adapter, IA3's input scale), after it (LoRA's ``B A x``, FacT,
 Hydra, GPS's sparse update, SSF's scale and shift, a bias delta, a bottleneck adapter's branch), or, for
-a block, between its attention and MLP halves (SCT) or on its MLP branch (NOAH's adapter).  A side
-network (DTL, LST, HST) hooks every block: it reads its own rows of the shared blocks' inputs and outputs
-and runs on those rows alone.  Modules no task touches run as they are.  VPT's prompts live in
-slots right after the class/register tokens, as many as the batch's longest prompt set; each row
+a block, between its attention and MLP halves (SCT, SNF's shortcut flows) or on its MLP branch (NOAH's
+adapter).  A side network (DTL, LST, HST, LAST) hooks every block: it reads its own rows of the shared
+blocks' inputs and outputs and runs on those rows alone.  Modules no task touches run as they are.  VPT's
+prompts live in slots right after the class/register tokens, as many as the batch's longest prompt set; each row
 writes its own prompts there, and an attention mask keeps every row from attending slots it does not
 use (and an average pooling from counting them), so a row sees exactly the tokens its own model would.
 HST's meta tokens and NOAH's trailing prompts use the same slots (attention does not depend on where a
@@ -24,8 +24,9 @@ token sits); a task whose prompts change from block to block (NOAH) gives each b
 
 A method opts in next to its wrapper: ``@register_row_hook(MyWrapper)`` on a function that says what
 the wrapper does to its rows (see ``petl/methods/lora.py``).  A task whose model holds a module no
-hook covers, or trains a frozen weight matrix that every row's matmul shares (Partial-k, full
-fine-tuning), is refused with one line naming its method.  Inference only: the tasks are in eval mode.
+hook covers (a peft tuner other than LoRA, DoRA or IA3), or trains a frozen weight matrix that every
+row's matmul shares (Partial-k, full fine-tuning), is refused with one line naming its method.
+Inference only: the tasks are in eval mode.
 """
 
 from __future__ import annotations
