@@ -27,10 +27,10 @@ rather than masking the gradient of a trainable ``W``: with Adam and no weight d
 entries by the same amounts (Adam is elementwise), and the backbone stays frozen, so saving, counting and merging
 work as for every other method.  ``GpsLinear.merge`` folds ``delta`` into the weight.
 
-The selection runs through SCT's ``calibrate`` hook: ``petl-run`` calls :func:`calibrate_gps` on the pretrained
-backbone with the training split (without augmentation: the two views are drawn from those images here) before
-injecting, and the chosen columns are recorded in ``result.json``'s ``method_config``, the checkpoint and
-``trainable.safetensors``; a resumed run reuses them.  From Python, call
+The selection runs through the registry's ``calibrate`` hook (as SCT's and NOAH's): ``petl-run`` calls
+:func:`calibrate_gps` on the pretrained backbone with the training split (without augmentation: the two views are
+drawn from those images here) before injecting, and the chosen columns are recorded in ``result.json``'s
+``method_config``, the checkpoint and ``trainable.safetensors``; a resumed run reuses them.  From Python, call
 ``cfg = calibrate_gps(backbone, GpsConfig(), loader)`` first.  Without ``selection`` the method uses a
 deterministic, data-free placeholder (the first ``per_row`` columns of every row) so that it can be built and
 tested anywhere; that is NOT the paper's selection.
