@@ -18,6 +18,7 @@ in the backward, which would run the side steps out of order: a block called out
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -54,6 +55,25 @@ class SideNetwork(nn.Module):
         that mixes tokens (attention, a convolution over the grid) reads its rows without them.
         """
         raise multitask.CannotShare(f"{type(self).__name__} has no multi-task hook yet")
+
+    def stream_row_hook(
+        self, index: int, block: nn.Module, after: Callable[[int, torch.Tensor], torch.Tensor | None]
+    ) -> multitask.RowHook:
+        """The row hook of a side stream (LST, LAST): it starts on block 0's input and may replace a block's output.
+
+        ``self.begin(x)`` reads block 0's input rows and ``after(index, y)`` each block's output rows, both
+        without the prompt slots (the stream mixes tokens); what ``after`` returns replaces the rows' output,
+        with zero-filled slots, which no task's pooling or head reads.
+        """
+
+        def begin(x: torch.Tensor, tokens: multitask.Tokens) -> None:
+            self.begin(tokens.without_slots(x))
+
+        def post(x: torch.Tensor, y: torch.Tensor, tokens: multitask.Tokens) -> torch.Tensor | None:
+            out = after(index, tokens.without_slots(y))
+            return None if out is None else tokens.with_slots(out)
+
+        return multitask.RowHook(block, pre=begin if index == 0 else None, post=post)
 
 
 class SideBlock(core.PetlModule):

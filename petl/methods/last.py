@@ -134,20 +134,8 @@ class LastSide(_side.SideNetwork):
         return out
 
     def row_hook(self, index: int, block: nn.Module) -> multitask.RowHook:
-        """The frozen block once for the batch; the task's side stream on its rows, without the prompt slots.
-
-        The LSA blocks attend over the tokens, so they read a row's own tokens only; after the last block the
-        rows take the side output (with zero-filled slots, which no task's pooling or head reads).
-        """
-
-        def begin(x: torch.Tensor, tokens: multitask.Tokens) -> None:
-            self.begin(tokens.without_slots(x))
-
-        def post(x: torch.Tensor, y: torch.Tensor, tokens: multitask.Tokens) -> torch.Tensor | None:
-            out = self.after(index, tokens.without_slots(y))
-            return None if out is None else tokens.with_slots(out)
-
-        return multitask.RowHook(block, pre=begin if index == 0 else None, post=post)
+        """The frozen block once for the batch; the task's side stream on its rows, without the prompt slots."""
+        return self.stream_row_hook(index, block, self.after)
 
 
 def _formula(model: nn.Module, cfg: LastConfig) -> int:

@@ -137,15 +137,7 @@ class LstSide(_side.SideNetwork):
 
     def row_hook(self, index: int, block: nn.Module) -> multitask.RowHook:
         """The frozen block once for the batch; the task's side stream on its rows, without the prompt slots."""
-
-        def begin(x: torch.Tensor, tokens: multitask.Tokens) -> None:
-            self.begin(tokens.without_slots(x))
-
-        def post(x: torch.Tensor, y: torch.Tensor, tokens: multitask.Tokens) -> torch.Tensor | None:
-            output = self.climb(index, tokens.without_slots(y))
-            return None if output is None else tokens.with_slots(output)
-
-        return multitask.RowHook(block, pre=begin if index == 0 else None, post=post)
+        return self.stream_row_hook(index, block, self.climb)
 
 
 def _formula(model: nn.Module, cfg: LstConfig) -> int:
