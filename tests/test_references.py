@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 
 import pytest
 import torch
@@ -290,3 +291,18 @@ def test_no_weight_decay_on_biases_norms_prompts_and_position_embeddings(tiny_vi
     assert len(everything["params"]) == sum(p.requires_grad for p in model.parameters())
     optimizer, _ = engine.build_optimizer(model, engine.TrainSettings(), steps_per_epoch=1)
     assert [g["weight_decay"] for g in optimizer.param_groups] == [1e-4, 0.0]
+
+
+@pytest.mark.parametrize(("method", "tokens"), [("noah", "prompt"), ("hst", "meta")])
+def test_noah_prompts_and_hst_meta_tokens_are_decayed_as_their_references(tiny_vit, method, tokens):
+    # Both references build their optimizer with timm's create_optimizer, which exempts 1-D tensors and the model's
+    # no_weight_decay() = {pos_embed, cls_token, dist_token} only (NOAH model/supernet_vision_transformer_timm.py
+    # L542-543; HST models/vit_hsn.py L289-291, optim_factory.py L51): their 2-D/3-D tokens decay, unlike VPT's.
+    options = {"prompt": [2, 2, 2], "lora": [2, 2, 2], "adapter": [2, 2, 2]} if method == "noah" else {}
+    model = petl.apply(tiny_vit(), method, num_classes=4, **options)
+    decayed, exempt = engine.param_groups(model, engine.TrainSettings(weight_decay=0.05))
+    names = {id(p): n for n, p in model.named_parameters()}
+    decayed_names = {names[id(p)] for p in decayed["params"]}
+    token_names = {n for n in names.values() if re.search(rf"\.{tokens}(\.\d+)?$", n)}
+    assert token_names and token_names <= decayed_names
+    assert all(p.ndim > 1 for p in decayed["params"]) and all(p.ndim <= 1 for p in exempt["params"])
