@@ -159,6 +159,42 @@ def test_snf_equals_reference(tiny_vit, images, options, flow_length):
     torch.testing.assert_close(model(images), _snf_forward(model, images), atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_snf_fused_flows_give_autograds_values_and_gradients(dtype):
+    # PlanarFlows recovers each flow's input from its tanh values in the backward; the gradients must be those
+    # of autograd through the flows written out (_flow), to float rounding, for the tokens and every tensor.
+    from petl.methods.snf import ShortcutFlow
+
+    torch.manual_seed(0)
+    flow = ShortcutFlow(12, 5, dtype=dtype)
+    with torch.no_grad():
+        for t in flow.parameters():
+            t.normal_(0, 0.3)  # far from the near-identity init, so every term counts
+    z = torch.randn(2, 7, 12, dtype=dtype, requires_grad=True)
+    if dtype == torch.float64:
+        assert torch.autograd.gradcheck(flow, (z,))
+    tensors = [z, *flow.parameters()]
+    target = torch.randn(2, 7, 12, dtype=dtype)
+    got = torch.autograd.grad((flow(z) * target).sum(), tensors)
+    want = torch.autograd.grad((_flow(flow, z) * target).sum(), tensors)
+    torch.testing.assert_close(flow(z), _flow(flow, z))
+    with torch.no_grad():  # inference runs the flows one by one
+        torch.testing.assert_close(flow(z), _flow(flow, z))
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w)
+
+
+def test_snf_flows_run_in_float32_under_bf16_autocast():
+    from petl.methods.snf import ShortcutFlow
+
+    flow, z = ShortcutFlow(8, 3), torch.randn(3, 8, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = flow(z)
+    assert out.dtype == torch.float32
+    out.sum().backward()
+    assert z.grad is not None and all(t.grad is not None and t.grad.dtype == torch.float32 for t in flow.parameters())
+
+
 def test_snf_init_is_the_references(tiny_vit):
     # flow.py L35-36 (mu, logsigma zero) and L55-59 (weight, scale, bias uniform(-0.01, 0.01)).
     flow = petl.apply(tiny_vit(), "snf").blocks[1].flow_mlp
