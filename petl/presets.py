@@ -224,6 +224,9 @@ class Experiment:
             one text for every published table or a mapping from table key (``vtab1k``, ``fgvc``) to text.
         family: what kind of method it is (a key of :data:`FAMILIES`, or any other name), or ``""``:
             leaderboard plots give each family one marker and colour and one learning-curve panel.
+        calibrate_once: under ``petl-bench``, the method's ``calibrate`` hook runs in the task's first run
+            only and the task's other runs reuse its choice (:mod:`petl.bench.calibration`); only for a
+            method that has the hook.
 
     """
 
@@ -235,6 +238,7 @@ class Experiment:
     published: str = ""
     published_note: str | dict[str, str] = ""
     family: str = ""
+    calibrate_once: bool = False
 
     def fixed_keys(self) -> set[str]:
         """Dotted keys this experiment pins (``method.rank``, ``train.lr``): a suite's search leaves them alone."""
@@ -265,6 +269,13 @@ def _registered_methods() -> list[str]:
     return petl.list_methods()
 
 
+def _has_calibrate_hook(method: str) -> bool | None:
+    # None for an unknown method: the run names it, with the known ones.
+    import petl
+
+    return petl.get_method(method).calibrate is not None if method in petl.list_methods() else None
+
+
 def default_experiment(method: str) -> Experiment:
     """The benchmark experiment of a registered method that has no experiment file: its config defaults."""
     return Experiment(method, {"name": method}, description=f"{method} with its registry defaults (no experiment file)")
@@ -282,11 +293,17 @@ def load_experiment(name: str, configs: Path) -> Experiment:
         if name in _registered_methods():
             return default_experiment(name)
         raise ValueError(f"unknown experiment {name!r}; known: {', '.join(list_experiments(configs))}")
-    keys = {"description", "method", "search", "published", "published_note", "family", *OVERRIDABLE_GROUPS}
-    data = read_yaml_mapping(path, keys)
+    keys = {"description", "method", "search", "published", "published_note", "family", "calibrate_once"}
+    data = read_yaml_mapping(path, keys | {*OVERRIDABLE_GROUPS})
     method = data.get("method")
     if not isinstance(method, dict) or "name" not in method:
         raise ValueError(f"{path}: `method` must be a mapping with a `name`")
+    calibrate_once = data.get("calibrate_once", False)
+    if not isinstance(calibrate_once, bool):
+        raise ValueError(f"{path}: `calibrate_once` must be true or false, got {calibrate_once!r}")
+    if calibrate_once and _has_calibrate_hook(str(method["name"])) is False:
+        # A value without effect is a bug: only a method with a calibrate hook has something to reuse.
+        raise ValueError(f"{path}: `calibrate_once`: method {method['name']} has no calibrate hook; remove the key")
     groups = {g: data[g] for g in OVERRIDABLE_GROUPS if data.get(g)}
     return Experiment(
         name,
@@ -297,6 +314,7 @@ def load_experiment(name: str, configs: Path) -> Experiment:
         published=str(data.get("published") or ""),
         published_note=_note(data.get("published_note"), path),
         family=str(data.get("family") or ""),
+        calibrate_once=calibrate_once,
     )
 
 

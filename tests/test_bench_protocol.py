@@ -475,3 +475,138 @@ def test_a_final_run_of_another_point_is_not_relabelled(tmp_path):
     summary = protocol.run_protocol(cells, progress=False, **_fake_trainer({}, trained))
     assert len(summary.failed) == 1 and "delete" in summary.failed[0]
     assert json.loads(final.read_text())["selection"]["chosen"] == {"train.lr": 1e-3}
+
+
+# ---------------------------------------------------------------------------------------------
+# calibrate_once: one calibration per task (NOAH's search), reused by the task's other runs
+# ---------------------------------------------------------------------------------------------
+
+
+def _calibrating_trainer(trained: list, calibrated: list[str]):
+    """The fake trainer, with a method whose ``widths`` option a calibration fills when it is not given."""
+    fakes = _fake_trainer({1e-3: 60.0, 1e-2: 70.0}, trained)
+
+    def train(cfg):
+        fakes["train_fn"](cfg)
+        widths = cfg.get("method.widths")
+        if widths is None:
+            calibrated.append(Path(cfg["output_dir"]).relative_to(cfg["+root"]).as_posix())
+            widths = f"{len(calibrated)},0"
+        out = Path(cfg["output_dir"]) / "result.json"
+        record = json.loads(out.read_text())
+        record["method_config"] = {"num_classes": 10, "widths": widths, "dropout": 0.1}
+        record["config"]["method"] = {"name": "m", "widths": "", "dropout": 0.1}
+        out.write_text(json.dumps(record))
+
+    return {"train_fn": train, "compose_fn": fakes["compose_fn"]}
+
+
+def test_calibrate_once_calibrates_in_the_first_trial_and_the_task_reuses_it(tmp_path):
+    suite = _suite(search={"train.lr": [1e-3, 1e-2]})
+    once = suites.Experiment("e", {"name": "noah"}, calibrate_once=True)
+    cells = protocol.plan_cells(suite, [once], ["mini/digits", "mini/mnist"], [0, 1], tmp_path, [f"+root={tmp_path}"])
+    trained: list = []
+    calibrated: list[str] = []
+    fakes = _calibrating_trainer(trained, calibrated)
+    # A run whose calibrating run comes later in the sweep waits for it instead of calibrating itself.
+    trials = [t.run for cell in cells for t in reversed(cell.trials)]
+    summary = sweep.run_sweep(trials, progress=False, **fakes)
+    assert summary.trained == 4 and not summary.waiting and not summary.failed
+    summary = protocol.run_protocol(cells, progress=False, **fakes)
+    assert summary.trained == 4 and not summary.failed  # the four finals
+    assert calibrated == ["mini/digits/e/search/train.lr=0.001", "mini/mnist/e/search/train.lr=0.001"]
+    for task, widths in (("mini/digits", "1,0"), ("mini/mnist", "2,0")):
+        runs = [t for t in trained if f"/{task}/" in t["output_dir"]]
+        assert len(runs) == 4 and [t.get("method.widths") for t in runs[1:]] == [widths] * 3
+        final = json.loads((tmp_path / task / "e/seed1/result.json").read_text())
+        assert final["method_config"]["widths"] == widths and final["selection"]["chosen"] == {"train.lr": 1e-2}
+    # Finished runs are checked with the reused options: nothing is stale on the next invocation.
+    again = protocol.run_protocol(cells, progress=False, check_fn=lambda cfg: None, **fakes)
+    assert again.trained == 0 and again.already_done == 8 and not again.failed
+
+
+def test_calibrate_once_waits_while_the_calibrating_run_is_held_elsewhere(tmp_path):
+    suite = _suite(search={"train.lr": [1e-3, 1e-2]})
+    once = suites.Experiment("e", {"name": "noah"}, calibrate_once=True)
+    cells = protocol.plan_cells(suite, [once], ["mini/digits"], [0], tmp_path, [f"+root={tmp_path}"])
+    held = cells[0].trials[0].run
+    held.run_dir.mkdir(parents=True)
+    (held.run_dir / sweep.LOCK_FILE).write_text(json.dumps({"host": "elsewhere", "pid": 1}))
+    trained: list = []
+    summary = protocol.run_protocol(cells, progress=False, **_calibrating_trainer(trained, []))
+    assert trained == [] and summary.held_elsewhere == [held.label]
+    assert any("waits for the calibration" in w for w in summary.waiting)
+    assert any("search incomplete" in w for w in summary.waiting)
+
+
+def test_calibrate_once_without_a_search_reuses_the_first_seed(tmp_path):
+    once = suites.Experiment("e", {"name": "noah"}, calibrate_once=True)
+    extra = [f"+root={tmp_path}", "data.split=train800"]
+    runs = sweep.plan([once], ["mini/digits"], [0, 1, 2], tmp_path, extra_overrides=extra)
+    assert [r.calibrated_by for r in runs] == [None, runs[0].run_dir, runs[0].run_dir]
+    trained: list = []
+    calibrated: list[str] = []
+    summary = sweep.run_sweep(runs[::-1], progress=False, **_calibrating_trainer(trained, calibrated))
+    assert summary.trained == 3 and calibrated == ["mini/digits/e/seed0"]
+    assert [t.get("method.widths") for t in trained] == [None, "1,0", "1,0"]
+    # Under a searching suite without trials (every searched key pinned), the first seed's final calibrates.
+    pinned = suites.Experiment("p", {"name": "noah"}, {"train": {"lr": 1e-4}}, calibrate_once=True)
+    cell = protocol.plan_cells(_suite(search={"train.lr": [1e-3]}), [pinned], ["mini/digits"], [0, 1], tmp_path)[0]
+    finals = cell.finals({})
+    assert cell.trials == [] and [r.calibrated_by for r in finals] == [None, finals[0].run_dir]
+
+
+def test_calibrated_options_are_those_the_calibration_changed(tmp_path):
+    from petl.bench.calibration import calibrated_options, calibration_overrides
+
+    given = {"method": {"name": "sct", "channels": [], "top_n": None}}
+    chosen = {"num_classes": 10, "channels": ["1,2", "3,4"], "top_n": None}
+    assert calibrated_options(given, chosen) == {"channels": ["1,2", "3,4"]}
+    kept = {"method": {"name": "sct", "channels": ["1,2"]}}
+    assert calibrated_options(kept, {"num_classes": 10, "channels": ("1,2",)}) == {}
+    assert calibration_overrides(tmp_path) is None  # no result yet
+    (tmp_path / "result.json").write_text(json.dumps({"method": "sct", "dataset": "d", "seed": 0}))
+    with pytest.raises(ValueError, match="records no method_config to reuse"):
+        calibration_overrides(tmp_path)
+
+
+def test_calibrate_once_needs_a_calibrate_hook_and_multirun_lines_refuse_it(tmp_path, capsys):
+    (tmp_path / "experiments").mkdir()
+    (tmp_path / "experiments" / "bad.yaml").write_text("calibrate_once: true\nmethod: {name: lora}\n")
+    with pytest.raises(ValueError, match="method lora has no calibrate hook"):
+        suites.load_experiment("bad", tmp_path)
+    (tmp_path / "experiments" / "odd.yaml").write_text("calibrate_once: yes please\nmethod: {name: noah}\n")
+    with pytest.raises(ValueError, match="must be true or false"):
+        suites.load_experiment("odd", tmp_path)
+    assert suites.load_experiment("noah", suites.configs_dir()).calibrate_once
+    # petl-run --multirun lines cannot hand one seed's calibration to the next.
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["commands", "suite=mini", "methods=noah"])
+    assert exit_.value.code == cli.USAGE_ERROR
+    assert "noah calibrate once per task" in capsys.readouterr().err
+    assert cli.main(["commands", "suite=mini", "methods=noah", "seeds=0"]) == 0
+    assert "method.search_epochs=50" in capsys.readouterr().out  # the suite's own NOAH budget
+
+
+def test_per_experiment_settings_apply_to_one_experiment_and_pin_their_keys(tmp_path):
+    suite = _suite(search={"train.lr": [1e-3, 1e-2]}, per_experiment={"e": {"method.search_epochs": 100}})
+    exp, other = suites.Experiment("e", {"name": "noah"}), suites.Experiment("o", {"name": "noah"})
+    assert suite.task_overrides("e", "mini/digits") == ["method.search_epochs=100"]
+    assert suite.task_overrides("o", "mini/digits") == []
+    pinned = _suite(search={"method.search_epochs": [1, 2]}, per_experiment={"e": {"method.search_epochs": 5}})
+    assert pinned.space_for(exp) == {} and pinned.space_for(other) == {"method.search_epochs": [1, 2]}
+    (tmp_path / "suites").mkdir()
+    base = "experiments: [noah]\ntasks: [mini/digits]\nseeds: [0]\n"
+    for extra, message in {
+        "per_experiment: {lora: {train.lr: 0.1}}\n": "'lora' is not one of the suite's experiments",
+        "per_experiment: {noah: {lr: 0.1}}\n": "'lr' is not an option key",
+        "per_experiment: [noah]\n": "must map experiments to option overrides",
+    }.items():
+        (tmp_path / "suites" / "bad.yaml").write_text(base + extra)
+        with pytest.raises(ValueError, match=message):
+            suites.load_suite("bad", tmp_path)
+    # The shipped mini suites scale NOAH's supernet epochs to their own (5x, as NOAH's 500 to 100).
+    bench = suites.configs_dir()
+    for name, epochs in (("mini_selection", 100), ("mini", 50), ("mini_dinov2", 50)):
+        assert suites.load_suite(name, bench).per_experiment == {"noah": {"method.search_epochs": epochs}}
+    assert not suites.load_suite("vtab1k", bench).per_experiment  # NOAH's own 500 on VTAB-1k

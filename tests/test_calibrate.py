@@ -170,3 +170,24 @@ def test_the_calibration_split_is_the_train_split_without_random_augmentation(tm
     reads = [calibration[0][0] for _ in range(10)]
     assert all(torch.equal(x, datasets["test"][0][0]) for x in reads)  # the one image, centre-cropped
     assert any(not torch.equal(datasets["train"][0][0], reads[0]) for _ in range(10))  # training is augmented
+
+
+@pytest.mark.parametrize("method", CALIBRATED)
+def test_a_calibration_reused_as_overrides_rebuilds_the_same_method(tmp_path, monkeypatch, method):
+    """calibrate_once: another run of the task takes the first run's choice as overrides, through Hydra."""
+    from petl.bench.calibration import calibration_overrides
+
+    args = (f"method={method}", *BUDGET.get(method, ()))
+    first = tiny(tmp_path / "first", *args)
+    reused = calibration_overrides(tmp_path / "first")
+    assert reused and all(o.startswith("method.") for o in reused)
+    spec = core.get_method(method)
+
+    def given(model, cfg, loader):
+        # The options are given: the hook must keep them as they are (NOAH's, SCT's and GPS's do).
+        assert spec.calibrate(model, cfg, loader) == cfg
+        return cfg
+
+    monkeypatch.setitem(core._REGISTRY, method, dataclasses.replace(spec, calibrate=given))
+    second = tiny(tmp_path / "second", *args, *reused, "seed=1")
+    assert second["method_config"] == first["method_config"]

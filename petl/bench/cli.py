@@ -156,14 +156,23 @@ def cmd_commands(args: Sequence[str]) -> int:
     tasks = split_list(own["tasks"]) if "tasks" in own else suite.tasks
     seeds = split_list(own["seeds"]) if "seeds" in own else [str(s) for s in suite.seeds]
     output_dir = own.get("output_dir", f"runs/bench/{suite.name}")
-    for name in names:
-        experiment = suites.load_experiment(name, configs)
+    experiments = [suites.load_experiment(name, configs) for name in names]
+    once = [e.name for e in experiments if e.calibrate_once]
+    if once and len(seeds) > 1:
+        # Each multirun job would calibrate on its own; petl-bench reuses the first seed's calibration.
+        raise SystemExit(
+            f"petl-bench commands: {', '.join(once)} calibrate once per task and reuse it for every seed, which "
+            f"--multirun cannot express; run them with `petl-bench suite={suite.name} methods=...`, or give one seed"
+        )
+    for experiment in experiments:
+        name = experiment.name
         # Hydra resolves ${data.name} and ${seed} per job, giving each job the folder petl-bench would use.
         parts = [
             "petl-run",
             "--multirun",
             *suite.overrides(),
             *experiment.overrides(),
+            *suite.experiment_overrides(name),
             f"data={','.join(tasks)}",
             *([f"data.split={suite.final_split}"] if suite.final_split else []),
             f"seed={','.join(seeds)}",

@@ -85,9 +85,11 @@ def suite_backbone(suite: suites.Suite) -> str:
 
 
 def method_for_task(suite: suites.Suite, experiment: suites.Experiment, task: str) -> dict:
-    """The experiment's method options with the suite's ``per_task`` ``method.*`` settings for ``task``."""
+    """The experiment's method options with the suite's ``per_experiment`` and ``per_task`` ``method.*`` settings."""
     method = dict(experiment.method)
-    for key, value in suite.per_task.get(experiment.name, {}).get(task, {}).items():
+    per_task = suite.per_task.get(experiment.name, {}).get(task, {})
+    settings = {**suite.per_experiment.get(experiment.name, {}), **per_task}
+    for key, value in settings.items():
         if key.startswith("method."):
             method[key.removeprefix("method.")] = value
     return method

@@ -16,6 +16,10 @@ Per task and experiment (a *cell*):
    after the last epoch.  Each final ``result.json`` gets ``result["selection"]``: the space, every
    trial's overrides and val accuracy, and ``chosen``.
 
+An experiment with ``calibrate_once`` (NOAH's subnet search) calibrates in its first trial only: the other
+trials and the finals reuse that choice (:mod:`petl.bench.calibration`), so the finals retrain what was chosen
+on train800, as NOAH's scripts do.
+
 Everything is resumable the way a plain sweep is: finished trials and finals are skipped, a cell whose
 search is incomplete (a trial failed, or another sweep still holds one) waits for the next invocation.
 Trials keep ``result.json``, ``metrics.jsonl`` and ``config.yaml`` but not their weights: the final run
@@ -85,6 +89,7 @@ class Cell:
     seeds: list[int]
     output_dir: Path
     search_seed: int
+    calibrated_by: Path | None = None  # calibrate_once: the first trial's folder, whose choice every other run reuses
 
     @property
     def label(self) -> str:
@@ -127,6 +132,9 @@ class Cell:
     def finals(self, chosen: dict[str, Any]) -> list[PlannedRun]:
         """The reported runs of the chosen point: one per seed, on the final split."""
         runs = []
+        source = self.calibrated_by
+        if source is None and self.experiment.calibrate_once:  # no trial: the first seed's final calibrates
+            source = run_dir_for(self.output_dir, self.task, self.experiment.name, self.seeds[0])
         for seed in self.seeds:
             run_dir = run_dir_for(self.output_dir, self.task, self.experiment.name, seed)
             overrides = (
@@ -137,7 +145,9 @@ class Cell:
                 *self.extra,  # the user's, after the protocol's own (plan_cells refused any clash)
                 f"output_dir={format_value(str(run_dir))}",
             )
-            runs.append(PlannedRun(self.task, self.experiment.name, seed, run_dir, overrides))
+            calibrated_by = source if source != run_dir else None
+            run = PlannedRun(self.task, self.experiment.name, seed, run_dir, overrides, calibrated_by=calibrated_by)
+            runs.append(run)
         return runs
 
 
@@ -195,7 +205,10 @@ def plan_cells(
                     f"output_dir={format_value(str(run_dir))}",
                 )
                 label = f"{task} {exp.name} search {point_name(point)}"
-                run = PlannedRun(task, exp.name, suite.search_seed, run_dir, overrides, label, score_divergence=True)
+                # calibrate_once: the first trial calibrates; the other trials and the finals reuse its choice.
+                source = trials[0].run.run_dir if exp.calibrate_once and trials else None
+                search_seed = suite.search_seed
+                run = PlannedRun(task, exp.name, search_seed, run_dir, overrides, label, True, calibrated_by=source)
                 trials.append(Trial(point, run))
             cells.append(
                 Cell(
@@ -209,6 +222,7 @@ def plan_cells(
                     list(seeds),
                     output_dir,
                     suite.search_seed,
+                    trials[0].run.run_dir if exp.calibrate_once and trials else None,
                 )
             )
     return cells

@@ -75,6 +75,9 @@ class Suite:
             ``data.split``'s default, train800.
         per_task: ``{experiment: {task: {"train.lr": 0.005, ...}}}``: settings a reference published per
             task (a "reproduce V-PETL" preset); they pin their keys out of a search.
+        per_experiment: ``{experiment: {"method.search_epochs": 100, ...}}``: one experiment's settings in
+            this suite only (NOAH's search budget scaled to the suite's epochs), after the experiment's own
+            and before ``per_task``; they too pin their keys out of a search.
         pinned_trial: an experiment that pins every searched key (full fine-tuning's ``train.lr``) still
             gets its one trial on train800 / val200: nothing to select, but its val curve shows whether the
             schedule converged, at one more run per task.  Off: such a cell goes straight to its finals.
@@ -92,10 +95,16 @@ class Suite:
     final_split: str | None = None
     per_task: dict[str, dict[str, dict[str, Any]]] = field(default_factory=dict)
     pinned_trial: bool = False
+    per_experiment: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def experiment_overrides(self, experiment: str) -> list[str]:
+        """This suite's own settings of one experiment (``per_experiment``), as Hydra overrides."""
+        return [override(k, v) for k, v in self.per_experiment.get(experiment, {}).items()]
 
     def task_overrides(self, experiment: str, task: str) -> list[str]:
-        """The per-task settings of one experiment on one task, as Hydra overrides."""
-        return [override(k, v) for k, v in self.per_task.get(experiment, {}).get(task, {}).items()]
+        """The suite's settings of one experiment on one task (``per_experiment``, then ``per_task``)."""
+        per_task = [override(k, v) for k, v in self.per_task.get(experiment, {}).get(task, {}).items()]
+        return self.experiment_overrides(experiment) + per_task
 
     def overrides(self) -> list[str]:
         """Hydra overrides of the suite's protocol (backbone, epochs, augmentation...)."""
@@ -117,6 +126,7 @@ class Suite:
         if not self.search:
             return {}
         per_task = set(self.per_task.get(experiment.name, {}).get(task, {}))
+        per_task |= set(self.per_experiment.get(experiment.name, {}))
         space = {k: v for k, v in self.search.items() if k not in experiment.fixed_keys() | per_task}
         space.update(experiment.search)
         # A reference's published per-task value pins its key out of the experiment's own search too.
@@ -134,7 +144,7 @@ def load_suite(name: str, configs: Path) -> Suite:
     if not path.is_file():
         raise ValueError(f"unknown suite {name!r}; known: {', '.join(preset_names(configs / 'suites'))}")
     keys = {"description", "experiments", "tasks", "seeds", "search", "search_seed", "final_split", "per_task"}
-    keys |= {"pinned_trial"}
+    keys |= {"pinned_trial", "per_experiment"}
     keys |= set(SUITE_GROUPS)
     data = read_yaml_mapping(path, keys, SUITE_GROUPS)
     if data.get("experiments") == ALL:
@@ -160,6 +170,7 @@ def load_suite(name: str, configs: Path) -> Suite:
     if pinned_trial and not search:
         raise ValueError(f"{path}: `pinned_trial` needs a `search:` space (without one, nothing is pinned out of it)")
     per_task = _read_per_task(path, data.get("per_task") or {}, data["experiments"], data["tasks"])
+    per_experiment = _read_per_experiment(path, data.get("per_experiment") or {}, data["experiments"])
     return Suite(
         name,
         [str(e) for e in data["experiments"]],
@@ -172,6 +183,7 @@ def load_suite(name: str, configs: Path) -> Suite:
         final_split=final_split,
         per_task=per_task,
         pinned_trial=pinned_trial,
+        per_experiment=per_experiment,
     )
 
 
@@ -186,12 +198,27 @@ def _read_per_task(path: Path, raw: Any, experiments: list[Any], tasks: list[Any
         for task, values in by_task.items():
             if str(task) not in map(str, tasks) or not isinstance(values, dict):
                 raise ValueError(f"{path}: per_task.{experiment}: {task!r} is not one of the suite's tasks")
-            for key in values:
-                if "." not in str(key) or str(key).split(".")[0] not in SEARCH_ROOTS or key in SWEEP_OWNED:
-                    where = f"per_task.{experiment}.{task}"
-                    raise ValueError(f"{path}: {where}: {key!r} is not an option key like train.lr")
-            out.setdefault(str(experiment), {})[str(task)] = {str(k): v for k, v in values.items()}
+            out.setdefault(str(experiment), {})[str(task)] = _options(path, f"per_task.{experiment}.{task}", values)
     return out
+
+
+def _read_per_experiment(path: Path, raw: Any, experiments: list[Any]) -> dict[str, dict[str, Any]]:
+    """Check ``per_experiment: {experiment: {option.key: value}}`` against the suite's experiments."""
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: `per_experiment` must map experiments to option overrides")
+    out = {}
+    for experiment, values in raw.items():
+        if str(experiment) not in map(str, experiments) or not isinstance(values, dict):
+            raise ValueError(f"{path}: per_experiment: {experiment!r} is not one of the suite's experiments")
+        out[str(experiment)] = _options(path, f"per_experiment.{experiment}", values)
+    return out
+
+
+def _options(path: Path, where: str, values: dict) -> dict[str, Any]:
+    for key in values:
+        if "." not in str(key) or str(key).split(".")[0] not in SEARCH_ROOTS or key in SWEEP_OWNED:
+            raise ValueError(f"{path}: {where}: {key!r} is not an option key like train.lr")
+    return {str(k): v for k, v in values.items()}
 
 
 def list_suites(configs: Path) -> list[str]:

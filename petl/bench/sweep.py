@@ -19,6 +19,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
+from petl.bench.calibration import calibration_overrides
 from petl.bench.suite import Experiment, Suite, format_value
 from petl.run.lock import LOCK_FILE as LOCK_FILE  # the lock is petl-run's too: one home, re-exported here
 from petl.run.lock import acquire_lock, release_lock
@@ -43,6 +44,7 @@ class PlannedRun:
     overrides: tuple[str, ...]
     name: str = ""
     score_divergence: bool = False
+    calibrated_by: Path | None = None  # the run whose calibrate hook chose this run's options (calibrate_once)
 
     @property
     def label(self) -> str:
@@ -52,6 +54,21 @@ class PlannedRun:
     def is_done(self) -> bool:
         """Whether the run has already written its result (a readable one: a damaged file is trained again)."""
         return (self.run_dir / RESULT_FILE).is_file() and self.damage() is None
+
+    def full_overrides(self) -> list[str] | None:
+        """``overrides`` with the options ``calibrated_by``'s run chose; ``None`` while that run has no result.
+
+        Raises:
+            ValueError: that run's result records no options to reuse.
+
+        """
+        if self.calibrated_by is None:
+            return list(self.overrides)
+        chosen = calibration_overrides(self.calibrated_by)
+        if chosen is None:
+            return None
+        # Before output_dir, which stays last so no override can send two runs into one folder.
+        return [*self.overrides[:-1], *chosen, self.overrides[-1]]
 
     def damage(self) -> str | None:
         """Why this run's ``result.json`` cannot be read (cut short, hand-edited), or ``None``."""
@@ -97,6 +114,8 @@ def plan(
         for task in tasks:
             for exp in experiments:
                 run_dir = run_dir_for(output_dir, task, exp.name, seed)
+                # calibrate_once: the first seed's run calibrates, the task's other runs reuse its choice.
+                source = run_dir_for(output_dir, task, exp.name, seeds[0]) if exp.calibrate_once else None
                 overrides = (
                     *base_overrides,
                     *exp.overrides(),
@@ -108,7 +127,8 @@ def plan(
                     # Last, so no override can send two runs into one folder.
                     f"output_dir={format_value(str(run_dir))}",
                 )
-                runs.append(PlannedRun(task, exp.name, seed, run_dir, overrides))
+                calibrated_by = source if source != run_dir else None
+                runs.append(PlannedRun(task, exp.name, seed, run_dir, overrides, calibrated_by=calibrated_by))
     return runs
 
 
@@ -127,7 +147,7 @@ class SweepSummary:
 
     def line(self) -> str:
         """One-line summary for the console."""
-        waiting = f", {len(self.waiting)} cells waiting for their search" if self.waiting else ""
+        waiting = f", {len(self.waiting)} waiting for a search or a calibration" if self.waiting else ""
         diverged = f", {len(self.diverged)} trials diverged (scored last)" if self.diverged else ""
         return (
             f"{self.total} runs: {self.already_done} already done, {self.trained} trained, "
@@ -172,7 +192,9 @@ def run_sweep(
     A run that raises is logged to ``<run_dir>/error.log`` and the sweep goes on; the caller decides
     the exit status from :attr:`SweepSummary.failed`.  A finished run is checked against its planned
     config (``check_fn``); one trained with another config (an edited suite) is reported as failed and
-    listed in ``stale``, never counted as this config's result.
+    listed in ``stale``, never counted as this config's result.  A run with ``calibrated_by`` trains with
+    the options that run's calibration chose, once it has finished (later in this sweep, or in the next one:
+    until then the run is listed in ``waiting``).
 
     Args:
         runs: from :func:`plan`.
@@ -198,48 +220,69 @@ def run_sweep(
     for run in runs:
         if check_fn is not None and id(run) not in pending_ids:
             try:
-                check_fn(compose_fn(list(run.overrides)))
+                overrides = run.full_overrides()
+                if overrides is not None:  # None: its calibrating run is gone, nothing to compare with
+                    check_fn(compose_fn(overrides))
             except Exception as error:  # a ConfigError naming the difference
                 summary.stale.append(run.label)
                 summary.failed.append(f"{run.label}: {error}")
     # Starting the bar at the runs already done keeps its ETA based on this session's pace only.
     bar = tqdm(total=len(runs), initial=summary.already_done, desc="sweep", unit="run", disable=not progress)
-    try:
-        for run in pending:
-            bar.set_postfix_str(run.label)
-            if not acquire_lock(run.run_dir):
-                summary.held_elsewhere.append(run.label)
+
+    def train(run: PlannedRun, overrides: list[str]) -> None:
+        bar.set_postfix_str(run.label)
+        if not acquire_lock(run.run_dir):
+            summary.held_elsewhere.append(run.label)
+            return
+        cfg = None
+        try:
+            # Another sweep may have finished it between our first look and the lock.
+            if not run.is_done():
+                (run.run_dir / ERROR_FILE).unlink(missing_ok=True)
+                if (damage := run.damage()) is not None:
+                    # resume=false moves the damaged run aside (petl.run.folder.set_aside) and trains it
+                    # anew; the output_dir override stays last.
+                    bar.write(f"petl-bench: warning: {damage}: training {run.label} again")
+                    overrides.insert(len(overrides) - 1, "resume=false")
+                cfg = compose_fn(overrides)
+                # Runs share this process; each resets its own peak memory (petl.run.runner._train_and_record).
+                train_fn(cfg)
+                summary.trained += 1
+        except Exception as error:  # one bad run must not end a day-long sweep
+            (run.run_dir / ERROR_FILE).write_text(traceback.format_exc())
+            if run.score_divergence and getattr(error, "diverged", False):
+                # A selection trial whose loss went non-finite has its answer: this point diverges.  Its
+                # result (no val score, so it ranks last) lets the cell's finals go ahead; without it the
+                # cell would wait, resume, and diverge again on every invocation.
+                write_result(run.run_dir / RESULT_FILE, _diverged_result(run, error, cfg))
+                summary.diverged.append(f"{run.label}: {error}")
+                bar.write(f"DIVERGED {run.label}: scored last (see {run.run_dir / ERROR_FILE})")
             else:
-                cfg = None
-                try:
-                    # Another sweep may have finished it between our first look and the lock.
-                    if not run.is_done():
-                        (run.run_dir / ERROR_FILE).unlink(missing_ok=True)
-                        overrides = list(run.overrides)
-                        if (damage := run.damage()) is not None:
-                            # resume=false moves the damaged run aside (petl.run.folder.set_aside) and trains it
-                            # anew; the output_dir override stays last.
-                            bar.write(f"petl-bench: warning: {damage}: training {run.label} again")
-                            overrides.insert(len(overrides) - 1, "resume=false")
-                        cfg = compose_fn(overrides)
-                        # Runs share this process; each resets its own peak memory (petl.run.runner._train_and_record).
-                        train_fn(cfg)
-                        summary.trained += 1
-                except Exception as error:  # one bad run must not end a day-long sweep
-                    (run.run_dir / ERROR_FILE).write_text(traceback.format_exc())
-                    if run.score_divergence and getattr(error, "diverged", False):
-                        # A selection trial whose loss went non-finite has its answer: this point diverges.  Its
-                        # result (no val score, so it ranks last) lets the cell's finals go ahead; without it the
-                        # cell would wait, resume, and diverge again on every invocation.
-                        write_result(run.run_dir / RESULT_FILE, _diverged_result(run, error, cfg))
-                        summary.diverged.append(f"{run.label}: {error}")
-                        bar.write(f"DIVERGED {run.label}: scored last (see {run.run_dir / ERROR_FILE})")
-                    else:
-                        summary.failed.append(f"{run.label}: see {run.run_dir / ERROR_FILE}")
-                        bar.write(f"FAILED {run.label} (see {run.run_dir / ERROR_FILE})")
-                finally:
-                    release_lock(run.run_dir)
-            bar.update(1)
+                summary.failed.append(f"{run.label}: see {run.run_dir / ERROR_FILE}")
+                bar.write(f"FAILED {run.label} (see {run.run_dir / ERROR_FILE})")
+        finally:
+            release_lock(run.run_dir)
+
+    def try_run(run: PlannedRun) -> bool:
+        """Train ``run`` unless it waits for its calibrating run; whether it was taken care of."""
+        try:
+            overrides = run.full_overrides()
+        except (ValueError, ResultError) as error:
+            summary.failed.append(f"{run.label}: cannot reuse the calibration: {error}")
+        else:
+            if overrides is None:
+                return False
+            train(run, overrides)
+        bar.update(1)
+        return True
+
+    try:
+        # A run whose calibrating run is not finished yet goes last: by then this sweep may have trained it.
+        later = [run for run in pending if not try_run(run)]
+        for run in later:
+            if not try_run(run):
+                summary.waiting.append(f"{run.label}: waits for the calibration in {run.calibrated_by}")
+                bar.update(1)
     finally:
         bar.close()
     return summary
