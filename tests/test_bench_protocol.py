@@ -586,6 +586,10 @@ def test_calibrate_once_needs_a_calibrate_hook_and_multirun_lines_refuse_it(tmp_
     assert "noah calibrate once per task" in capsys.readouterr().err
     assert cli.main(["commands", "suite=mini", "methods=noah", "seeds=0"]) == 0
     assert "method.search_epochs=50" in capsys.readouterr().out  # the suite's own NOAH budget
+    args = ["suite=mini_selection", "methods=noah", "tasks=mini/digits", "dry_run=true", f"output_dir={tmp_path}"]
+    assert cli.main(args) == 0
+    second_trial = capsys.readouterr().out.splitlines()[2]
+    assert "train.lr=0.01" in second_trial and "(+ the calibration of" in second_trial
 
 
 def test_per_experiment_settings_apply_to_one_experiment_and_pin_their_keys(tmp_path):

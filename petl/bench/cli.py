@@ -35,7 +35,8 @@ from petl.bench import protocol, report
 from petl.bench import suite as suites
 from petl.bench.args import CONFIGS_KEYS, as_bool, configs_folder, parse_args, split_list
 from petl.bench.report import write_report
-from petl.bench.sweep import SweepSummary, plan, run_sweep
+from petl.bench.sweep import PlannedRun, SweepSummary, plan, run_sweep
+from petl.run.result import ResultError
 
 PROG = "petl-bench"
 USAGE_ERROR = 2
@@ -75,10 +76,22 @@ def cmd_run(args: Sequence[str]) -> int:
     )
     if as_bool("dry_run", own.get("dry_run", "false")):
         for run in runs:
-            print(("done  " if run.is_done() else "todo  ") + run.label + "  " + " ".join(run.overrides))
+            print(_dry_run_line(run))
         return 0
     summary = run_sweep(runs, progress=as_bool("progress", own.get("progress", "true")))
     return _finish(summary, output_dir, own, any(r.is_done() for r in runs), suite)
+
+
+def _dry_run_line(run: PlannedRun) -> str:
+    """``done`` / ``todo``, the run and its overrides (with the calibration it reuses, once that run has one)."""
+    try:
+        overrides = run.full_overrides()
+    except (ValueError, ResultError) as error:
+        overrides, note = None, f"  (cannot reuse the calibration: {error})"
+    else:
+        note = f"  (+ the calibration of {run.calibrated_by}, not run yet)" if overrides is None else ""
+    state = "done  " if run.is_done() else "todo  "
+    return state + run.label + "  " + " ".join(overrides or run.overrides) + note
 
 
 def _finish(summary: SweepSummary, output_dir: Path, own: dict[str, str], any_done: bool, suite: suites.Suite) -> int:
@@ -120,14 +133,13 @@ def run_selection(
     if as_bool("dry_run", own.get("dry_run", "false")):
         for cell in cells:
             for trial in cell.trials:
-                state = "done  " if trial.run.is_done() else "todo  "
-                print(state + trial.run.label + "  " + " ".join(trial.run.overrides))
+                print(_dry_run_line(trial.run))
             selection = cell.selection()
             if selection is None:
                 print(f"later {cell.label}: {len(seeds)} final runs once its search is complete")
                 continue
             for run in cell.finals(selection["chosen"]):
-                print(("done  " if run.is_done() else "todo  ") + run.label + "  " + " ".join(run.overrides))
+                print(_dry_run_line(run))
         return 0
     summary = protocol.run_protocol(cells, progress=as_bool("progress", own.get("progress", "true")))
     finals_done = any(any((output_dir / c.task / c.experiment.name).glob("seed*/result.json")) for c in cells)
