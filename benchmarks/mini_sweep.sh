@@ -23,9 +23,10 @@ if [ "$SUITE" = mini_selection ]; then OUT=benchmarks/results/mini/runs; else OU
 METHODS=("$@")
 if [ ${#METHODS[@]} -eq 0 ]; then
     # The nine seed experiments first (cheapest first), then issue 11's methods, then the wave-2 ones
-    # (side-tuning DTL, LST, HST, LAST; GPS; NOAH; SNF), which joined the suites later.
+    # (side-tuning DTL, LST, HST, LAST; GPS; SNF; NOAH, whose one search per task costs more than its training),
+    # which joined the suites later.
     METHODS=(linear mlp partial lora adapter_parallel adapter_sequential vpt_deep full vpt_shallow
-        bitfit ln ssf fact repadapter hydra adapter_plus sct convpass dora ia3 dtl lst hst gps noah last snf)
+        bitfit ln ssf fact repadapter hydra adapter_plus sct convpass dora ia3 dtl lst hst gps last snf noah)
 fi
 
 sweep() {
