@@ -125,12 +125,13 @@ class Suite:
         """
         if not self.search:
             return {}
-        per_task = set(self.per_task.get(experiment.name, {}).get(task, {}))
-        per_task |= set(self.per_experiment.get(experiment.name, {}))
-        space = {k: v for k, v in self.search.items() if k not in experiment.fixed_keys() | per_task}
+        pinned = set(self.per_task.get(experiment.name, {}).get(task, {}))
+        pinned |= set(self.per_experiment.get(experiment.name, {}))
+        space = {k: v for k, v in self.search.items() if k not in experiment.fixed_keys() | pinned}
         space.update(experiment.search)
-        # A reference's published per-task value pins its key out of the experiment's own search too.
-        return {k: v for k, v in space.items() if k not in per_task}
+        # A reference's published per-task value (or the suite's own setting) pins its key out of the
+        # experiment's own search too.
+        return {k: v for k, v in space.items() if k not in pinned}
 
 
 def load_suite(name: str, configs: Path) -> Suite:
