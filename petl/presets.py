@@ -294,7 +294,7 @@ def load_experiment(name: str, configs: Path) -> Experiment:
             return default_experiment(name)
         raise ValueError(f"unknown experiment {name!r}; known: {', '.join(list_experiments(configs))}")
     keys = {"description", "method", "search", "published", "published_note", "family", "calibrate_once"}
-    data = read_yaml_mapping(path, keys | {*OVERRIDABLE_GROUPS})
+    data = read_yaml_mapping(path, {*keys, *OVERRIDABLE_GROUPS})
     method = data.get("method")
     if not isinstance(method, dict) or "name" not in method:
         raise ValueError(f"{path}: `method` must be a mapping with a `name`")

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from petl.bench.suite import FINAL_SPLIT, Experiment, Suite, format_value, override
-from petl.bench.sweep import PlannedRun, SweepSummary, run_dir_for, run_sweep
+from petl.bench.sweep import PlannedRun, SweepSummary, reused_from, run_dir_for, run_sweep
 from petl.data.registry import TRAIN, VAL
 from petl.run.records import RESULT_FILE, WEIGHTS_FILE
 from petl.run.result import read_result, write_result
@@ -89,7 +89,7 @@ class Cell:
     seeds: list[int]
     output_dir: Path
     search_seed: int
-    calibrated_by: Path | None = None  # calibrate_once: the first trial's folder, whose choice every other run reuses
+    calibrated_by: Path | None = None  # calibrate_once: the run whose choice the cell's other runs reuse
 
     @property
     def label(self) -> str:
@@ -132,9 +132,6 @@ class Cell:
     def finals(self, chosen: dict[str, Any]) -> list[PlannedRun]:
         """The reported runs of the chosen point: one per seed, on the final split."""
         runs = []
-        source = self.calibrated_by
-        if source is None and self.experiment.calibrate_once:  # no trial: the first seed's final calibrates
-            source = run_dir_for(self.output_dir, self.task, self.experiment.name, self.seeds[0])
         for seed in self.seeds:
             run_dir = run_dir_for(self.output_dir, self.task, self.experiment.name, seed)
             overrides = (
@@ -145,9 +142,8 @@ class Cell:
                 *self.extra,  # the user's, after the protocol's own (plan_cells refused any clash)
                 f"output_dir={format_value(str(run_dir))}",
             )
-            calibrated_by = source if source != run_dir else None
-            run = PlannedRun(self.task, self.experiment.name, seed, run_dir, overrides, calibrated_by=calibrated_by)
-            runs.append(run)
+            source = reused_from(self.calibrated_by, run_dir)
+            runs.append(PlannedRun(self.task, self.experiment.name, seed, run_dir, overrides, calibrated_by=source))
         return runs
 
 
@@ -189,12 +185,18 @@ def plan_cells(
             if len(set(names)) < len(names):
                 # Folder names replace unsafe characters: two points must not share one trial folder.
                 raise ValueError(f"{exp.name}: search points {names} share a folder name; use distinct values")
-            trials = []
             # A cell whose experiment pins every searched key has nothing to select: it goes straight to its
             # finals, or, under `pinned_trial`, first trains its one point (grid({}) == [{}], folder "defaults")
             # for the val curve.
-            for point in grid(space) if space or suite.pinned_trial else []:
-                run_dir = output_dir / task / exp.name / SEARCH_DIR / point_name(point)
+            points = grid(space) if space or suite.pinned_trial else []
+            trial_dirs = [output_dir / task / exp.name / SEARCH_DIR / point_name(p) for p in points]
+            # calibrate_once: the first trial calibrates (without trials, the first seed's final); the task's
+            # other runs reuse its choice.
+            calibrating = None
+            if exp.calibrate_once:
+                calibrating = trial_dirs[0] if trial_dirs else run_dir_for(output_dir, task, exp.name, seeds[0])
+            trials = []
+            for point, run_dir in zip(points, trial_dirs, strict=True):
                 overrides = (
                     *base,
                     *point_overrides(point),
@@ -205,10 +207,8 @@ def plan_cells(
                     f"output_dir={format_value(str(run_dir))}",
                 )
                 label = f"{task} {exp.name} search {point_name(point)}"
-                # calibrate_once: the first trial calibrates; the other trials and the finals reuse its choice.
-                source = trials[0].run.run_dir if exp.calibrate_once and trials else None
-                search_seed = suite.search_seed
-                run = PlannedRun(task, exp.name, search_seed, run_dir, overrides, label, True, calibrated_by=source)
+                source = reused_from(calibrating, run_dir)
+                run = PlannedRun(task, exp.name, suite.search_seed, run_dir, overrides, label, True, source)
                 trials.append(Trial(point, run))
             cells.append(
                 Cell(
@@ -222,7 +222,7 @@ def plan_cells(
                     list(seeds),
                     output_dir,
                     suite.search_seed,
-                    trials[0].run.run_dir if exp.calibrate_once and trials else None,
+                    calibrating,
                 )
             )
     return cells

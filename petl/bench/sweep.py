@@ -79,6 +79,11 @@ class PlannedRun:
         return None
 
 
+def reused_from(calibrating: Path | None, run_dir: Path) -> Path | None:
+    """The ``calibrated_by`` of the run in ``run_dir``: the calibrating run's folder, unless it is that run."""
+    return calibrating if calibrating != run_dir else None
+
+
 def run_dir_for(output_dir: Path, task: str, experiment: str, seed: int) -> Path:
     """The folder one run owns: ``<output_dir>/<task>/<experiment>/seed<k>``."""
     return output_dir / task / experiment / f"seed{seed}"
@@ -115,7 +120,7 @@ def plan(
             for exp in experiments:
                 run_dir = run_dir_for(output_dir, task, exp.name, seed)
                 # calibrate_once: the first seed's run calibrates, the task's other runs reuse its choice.
-                source = run_dir_for(output_dir, task, exp.name, seeds[0]) if exp.calibrate_once else None
+                calibrating = run_dir_for(output_dir, task, exp.name, seeds[0]) if exp.calibrate_once else None
                 overrides = (
                     *base_overrides,
                     *exp.overrides(),
@@ -127,8 +132,8 @@ def plan(
                     # Last, so no override can send two runs into one folder.
                     f"output_dir={format_value(str(run_dir))}",
                 )
-                calibrated_by = source if source != run_dir else None
-                runs.append(PlannedRun(task, exp.name, seed, run_dir, overrides, calibrated_by=calibrated_by))
+                source = reused_from(calibrating, run_dir)
+                runs.append(PlannedRun(task, exp.name, seed, run_dir, overrides, calibrated_by=source))
     return runs
 
 
