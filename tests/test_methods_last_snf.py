@@ -130,10 +130,13 @@ def test_last_rejects_bad_options(tiny_vit):
 
 def _flow(flow: torch.nn.Module, z: torch.Tensor) -> torch.Tensor:
     # Wang-Yaoming/SNF@a6f85b1 flow.py L21-30: AffineTransform (L38-41, mu + exp(logsigma) * x), then each
-    # PlanarFlow (L61-64, z + scale * tanh(F.linear(z, weight (1 x d), bias (1)))) in order.
+    # PlanarFlow (L61-64, z + scale * tanh(F.linear(z, weight (1 x d), bias (1)))) in order; petl stacks flow k's
+    # tensors as row k.
     z = flow.mu + torch.exp(flow.log_sigma) * z
-    for planar in flow.planar:
-        z = z + planar.scale[None] * torch.tanh(F.linear(z, planar.weight[None], planar.bias))
+    planar = flow.planar  # an Identity for flow_length 0
+    rows = [] if isinstance(planar, torch.nn.Identity) else zip(planar.weight, planar.scale, planar.bias, strict=True)
+    for weight, scale, bias in rows:
+        z = z + scale[None] * torch.tanh(F.linear(z, weight[None], bias[None]))
     return z
 
 
@@ -159,14 +162,16 @@ def test_snf_equals_reference(tiny_vit, images, options, flow_length):
     torch.testing.assert_close(model(images), _snf_forward(model, images), atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("length", [1, 16])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_snf_fused_flows_give_autograds_values_and_gradients(dtype):
-    # PlanarFlows recovers each flow's input from its tanh values in the backward; the gradients must be those
-    # of autograd through the flows written out (_flow), to float rounding, for the tokens and every tensor.
+def test_snf_fused_flows_give_autograds_values_and_gradients(dtype, length):
+    # PlanarFlows computes the flows from the chain's input by matrix products and walks the recurrence back by
+    # hand; values and gradients must be those of autograd through the flows written out (_flow), to float
+    # rounding, for the tokens and every tensor, also without autograd.
     from petl.methods.snf import ShortcutFlow
 
     torch.manual_seed(0)
-    flow = ShortcutFlow(12, 5, dtype=dtype)
+    flow = ShortcutFlow(12, length, dtype=dtype)
     with torch.no_grad():
         for t in flow.parameters():
             t.normal_(0, 0.3)  # far from the near-identity init, so every term counts
@@ -178,7 +183,7 @@ def test_snf_fused_flows_give_autograds_values_and_gradients(dtype):
     got = torch.autograd.grad((flow(z) * target).sum(), tensors)
     want = torch.autograd.grad((_flow(flow, z) * target).sum(), tensors)
     torch.testing.assert_close(flow(z), _flow(flow, z))
-    with torch.no_grad():  # inference runs the flows one by one
+    with torch.no_grad():
         torch.testing.assert_close(flow(z), _flow(flow, z))
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w)
@@ -199,11 +204,11 @@ def test_snf_init_is_the_references(tiny_vit):
     # flow.py L35-36 (mu, logsigma zero) and L55-59 (weight, scale, bias uniform(-0.01, 0.01)).
     flow = petl.apply(tiny_vit(), "snf").blocks[1].flow_mlp
     assert not flow.mu.any() and not flow.log_sigma.any()
-    planar = list(flow.planar)
-    assert len(planar) == 16 and all(p.weight.shape == p.scale.shape == (48,) and p.bias.shape == (1,) for p in planar)
-    for values in (torch.stack([p.weight for p in planar]), torch.stack([p.scale for p in planar])):
+    planar = flow.planar
+    assert planar.weight.shape == planar.scale.shape == (16, 48) and planar.bias.shape == (16,)
+    for values in (planar.weight, planar.scale):
         assert values.abs().max() <= 0.01 and values.std() > 0.003
-    assert torch.cat([p.bias for p in planar]).abs().max() <= 0.01
+    assert planar.bias.abs().max() <= 0.01 and planar.bias.std() > 0.003
 
 
 def test_snf_counts_the_reference_default_on_vit_b():

@@ -20,13 +20,14 @@ path.  Deliberate differences: flows on every block (the reference stops after t
 the flows' width is the backbone's (the reference's ``flow_dim`` 768); the log-Jacobian the reference computes
 and discards is not computed.
 
-Speed: the planar flows run as one autograd function (:class:`PlanarFlows`) with a hand-written backward that
-keeps only the chain's output and each flow's ``tanh`` (one value per token) and walks the chain back by
-subtracting each flow's update, instead of autograd's copy of the tokens after every flow: the same values and
-gradients (to float rounding, tested against autograd), in about a third of the time of the flows written as
-16 modules and a fraction of their memory (``benchmarks/results/speed_cpu.md``).  It computes in the tokens'
-dtype with autocast off, so a model under bf16 autocast trains its flows in float32.  Without autograd
-(inference) the flows run one by one, which starts sooner on small batches.
+Speed: a shortcut's planar flows are stored stacked (:class:`PlanarChain`, the reference's modules as rows) and
+run as one autograd function (:class:`PlanarFlows`) that computes every flow's pre-activation from the chain's
+input with two matrix products and a ``K x K`` mixing matrix, so the part that must go flow by flow works on
+``K`` values per token instead of the ``d``-wide tokens; its backward walks that recurrence back by hand and
+keeps the input and one tanh value per token and flow, where autograd would keep a copy of the tokens after
+every flow.  The same values and gradients as the flows one by one (to float rounding, tested against autograd
+through the flows written out), at a fraction of their time and memory (``benchmarks/results/speed_cpu.md``).
+It computes in the tokens' dtype with autocast off, so a model under bf16 autocast trains its flows in float32.
 """
 
 from __future__ import annotations
@@ -63,31 +64,16 @@ class SnfConfig(core.MethodConfig):
             vit.check_pre_norm_block(block)
 
 
-class PlanarFlow(nn.Module):
-    """One planar flow ``z + scale * tanh(z . weight + bias)``; its tensors start uniform(-0.01, 0.01) (the reference).
-
-    Args:
-        width: the token width d.
-        kw: device and dtype of the new tensors.
-
-    """
-
-    def __init__(self, width: int, **kw: Any) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(width, **kw).uniform_(-0.01, 0.01))
-        self.scale = nn.Parameter(torch.empty(width, **kw).uniform_(-0.01, 0.01))
-        self.bias = nn.Parameter(torch.empty(1, **kw).uniform_(-0.01, 0.01))
-
-    def forward(self, z: torch.Tensor) -> torch.Tensor:
-        return z + self.scale * torch.tanh(z @ self.weight.unsqueeze(-1) + self.bias)
-
-
 class PlanarFlows(torch.autograd.Function):
     """``K`` planar flows in order, ``z <- z + scale[k] * tanh(z . weight[k] + bias[k])``, in a fused autograd node.
 
-    Autograd would keep the tokens after every flow for the backward (``K`` copies of the token tensor per
-    shortcut).  The flows are invertible given their ``tanh`` values, so this keeps the output and the ``K``
-    tanh values per token only, and recovers each flow's input in the backward as ``z - scale[k] * tanh_k``.
+    Flow ``k`` only adds ``scale[j] * tanh_j`` for each earlier flow ``j`` to the chain's input ``z0``, so its
+    pre-activation is ``z0 . weight[k] + bias[k] + sum_{j<k} tanh_j * (scale[j] . weight[k])``: one matrix
+    product ``z0 @ weight.T`` and a ``K x K`` mixing matrix ``scale @ weight.T`` give every pre-activation, and the
+    loop over the flows runs on ``K`` values per token instead of the ``d``-wide tokens; the output is
+    ``z0 + tanh @ scale``.  The backward walks the same recurrence back.  The values are the flows' in order, to
+    float rounding (tested against autograd through the flows written out), and autograd would instead keep a copy
+    of the tokens after every flow: this keeps the input and the ``K`` tanh values per token.
     """
 
     @staticmethod
@@ -98,41 +84,67 @@ class PlanarFlows(torch.autograd.Function):
         with torch.autocast(z.device.type, enabled=False):
             shape, param_dtype = z.shape, weight.dtype
             weight, scale, bias = (t.to(z.dtype) for t in (weight, scale, bias))
-            out = z.reshape(-1, shape[-1]).clone()
-            tanh = out.new_empty(len(weight), len(out))
+            z = z.reshape(-1, shape[-1])
+            pre = torch.addmm(bias[:, None], weight, z.T)  # (K, N): z0 . weight[k] + bias[k]
+            mix = scale @ weight.T  # (K, K): scale[j] . weight[k]
+            tanh = torch.empty_like(pre)
             for k in range(len(weight)):
-                torch.tanh(torch.addmv(bias[k].expand(len(out)), out, weight[k]), out=tanh[k])
-                out.addr_(tanh[k], scale[k])
-        ctx.save_for_backward(out, tanh, weight, scale)
+                torch.tanh(torch.addmv(pre[k], tanh[:k].T, mix[:k, k]), out=tanh[k])
+            out = torch.addmm(z, tanh.T, scale)
+        ctx.save_for_backward(z, tanh, weight, scale, mix)
         ctx.shape, ctx.param_dtype = shape, param_dtype
         return out.view(shape)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Walk the flows back from the output, recovering each one's input from its tanh values."""
-        out, tanh, weight, scale = ctx.saved_tensors
+        """Walk the recurrence back from the last flow, then through the two matrix products."""
+        z, tanh, weight, scale, mix = ctx.saved_tensors
         with torch.autocast(grad.device.type, enabled=False):
-            z, g = out.clone(), grad.reshape(out.shape).to(out.dtype).clone()
-            grad_weight, grad_scale = torch.empty_like(weight), torch.empty_like(scale)
-            grad_bias = weight.new_empty(len(weight))
+            grad = grad.reshape(z.shape).to(z.dtype)
+            grad_tanh = scale @ grad.T  # (K, N), the output's share; earlier flows gain the later ones' below
+            grad_pre = torch.empty_like(tanh)
             for k in reversed(range(len(weight))):
-                z.addr_(tanh[k], scale[k], alpha=-1)  # flow k's input
-                grad_scale[k] = tanh[k] @ g
-                grad_pre = (g @ scale[k]) * (1 - tanh[k] * tanh[k])  # d loss / d (z . weight[k] + bias[k])
-                grad_bias[k] = grad_pre.sum()
-                grad_weight[k] = grad_pre @ z
-                g.addr_(grad_pre, weight[k])
+                torch.mul(grad_tanh[k], 1 - tanh[k] * tanh[k], out=grad_pre[k])
+                grad_tanh[:k].addr_(mix[:k, k], grad_pre[k])
+            grad_mix = (tanh @ grad_pre.T).triu_(1)  # only mix[j, k] with j < k was used
+            grad_z = torch.addmm(grad, grad_pre.T, weight)
+            grad_weight = torch.addmm(grad_pre @ z, grad_mix.T, scale)
+            grad_scale = torch.addmm(tanh @ grad, grad_mix, weight)
+            grad_bias = grad_pre.sum(1)
         dtype = ctx.param_dtype
-        return g.view(ctx.shape), grad_weight.to(dtype), grad_scale.to(dtype), grad_bias.to(dtype)
+        return grad_z.view(ctx.shape), grad_weight.to(dtype), grad_scale.to(dtype), grad_bias.to(dtype)
 
 
-class ShortcutFlow(nn.Module):
-    """A normalizing flow of tokens: ``mu + exp(log_sigma) * z``, then ``length`` planar flows.
+class PlanarChain(nn.Module):
+    """``length`` planar flows in order; flow ``k`` is row ``k`` of ``weight``, ``scale`` and ``bias``.
+
+    The reference's ``PlanarFlow`` modules stacked (their tensors drawn uniform(-0.01, 0.01) as there), so the
+    chain runs as one :class:`PlanarFlows` and the optimizer sees three tensors instead of three per flow.
 
     Args:
         width: the token width d.
-        length: the number of planar flows.
+        length: the number of planar flows (at least 1).
+        kw: device and dtype of the new tensors.
+
+    """
+
+    def __init__(self, width: int, length: int, **kw: Any) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(length, width, **kw).uniform_(-0.01, 0.01))
+        self.scale = nn.Parameter(torch.empty(length, width, **kw).uniform_(-0.01, 0.01))
+        self.bias = nn.Parameter(torch.empty(length, **kw).uniform_(-0.01, 0.01))
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        return PlanarFlows.apply(z, self.weight, self.scale, self.bias)
+
+
+class ShortcutFlow(nn.Module):
+    """A normalizing flow of tokens: ``mu + exp(log_sigma) * z`` (both start at zero), then ``length`` planar flows.
+
+    Args:
+        width: the token width d.
+        length: the number of planar flows (0: the affine map alone).
         kw: device and dtype of the new tensors.
 
     """
@@ -141,15 +153,10 @@ class ShortcutFlow(nn.Module):
         super().__init__()
         self.mu = nn.Parameter(torch.zeros(width, **kw))
         self.log_sigma = nn.Parameter(torch.zeros(width, **kw))
-        self.planar = nn.Sequential(*[PlanarFlow(width, **kw) for _ in range(length)])
+        self.planar = PlanarChain(width, length, **kw) if length else nn.Identity()
 
     def forward(self, z: torch.Tensor) -> torch.Tensor:
-        z = self.mu + self.log_sigma.exp() * z
-        if not len(self.planar) or not torch.is_grad_enabled():
-            return self.planar(z)  # no backward to prepare: the flows one by one start sooner on small batches
-        flows = list(self.planar)
-        weight, scale = torch.stack([f.weight for f in flows]), torch.stack([f.scale for f in flows])
-        return PlanarFlows.apply(z, weight, scale, torch.cat([f.bias for f in flows]))
+        return self.planar(self.mu + self.log_sigma.exp() * z)
 
 
 class SnfBlock(core.PetlModule):
