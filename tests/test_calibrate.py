@@ -143,10 +143,14 @@ def probe() -> Iterator[list]:
 
 
 def test_the_runner_calls_a_calibrate_hook_once_with_a_train_loader(probe, tmp_path):
-    result = tiny(tmp_path / "run", f"method={NAME}", "train.epochs=2")
+    run = tmp_path / "run"
+    result = tiny(run, f"method={NAME}", "train.epochs=2", "train.batch_size=16", "train.eval_batch_size=64")
     assert len(probe) == 1
     _model, cfg, loader = probe[0]
     assert isinstance(loader, DataLoader) and cfg.num_classes == 10
+    # Training-size batches: GPS's contrastive gradient and NOAH's supernet steps depend on the batch, as in their
+    # references; eval_batch_size stays a setting that changes no result.
+    assert loader.batch_size == 16
     assert len(loader.dataset) == 96  # data.subset of the train split
     assert result["method_config"]["seen_images"] == 96
     assert petl.read_trainable_metadata(tmp_path / "run" / "trainable.safetensors")["config"]["seen_images"] == 96

@@ -29,11 +29,12 @@ work as for every other method.  ``GpsLinear.merge`` folds ``delta`` into the we
 
 The selection runs through the registry's ``calibrate`` hook (as SCT's and NOAH's): ``petl-run`` calls
 :func:`calibrate_gps` on the pretrained backbone with the training split (without augmentation: the two views are
-drawn from those images here) before injecting, and the chosen columns are recorded in ``result.json``'s
-``method_config``, the checkpoint and ``trainable.safetensors``; a resumed run reuses them.  From Python, call
-``cfg = calibrate_gps(backbone, GpsConfig(), loader)`` first.  Without ``selection`` the method uses a
-deterministic, data-free placeholder (the first ``per_row`` columns of every row) so that it can be built and
-tested anywhere; that is NOT the paper's selection.
+drawn from those images here) in batches of the run's training batch size, as the reference's ``loader_grad``
+(``--batch-size``, train_gps.py L133-136; the contrastive loss compares the images of a batch) before injecting, and
+the chosen columns are recorded in ``result.json``'s ``method_config``, the checkpoint and ``trainable.safetensors``;
+a resumed run reuses them. From Python, call ``cfg = calibrate_gps(backbone, GpsConfig(), loader)`` first. Without
+``selection`` the method uses a deterministic, data-free placeholder (the first ``per_row`` columns of every row) so
+that it can be built and tested anywhere; that is NOT the paper's selection.
 """
 
 from __future__ import annotations

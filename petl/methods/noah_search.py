@@ -12,8 +12,9 @@ Follows ZhangYuanhan-AI/NOAH@e9c55f3:
   probability 0.2: with probability 0.4 a new depth, new widths for added blocks) and 25 crossovers (per module,
   the widths of one of two parents) are added and the population is refilled at random; the best subnet wins.
   NOAH trains the supernet on train800 and scores candidates on val200 (lib/datasets.py L21-31); petl's
-  calibrate hook gets the run's training split, so every fifth image of it is held out for scoring and the rest
-  trains the supernet.
+  calibrate hook gets the run's training split in batches of the run's training batch size (NOAH's scripts use
+  ``--batch-size=64`` for the supernet and the retraining alike), so every fifth image of each batch is held out
+  for scoring and the rest trains the supernet.
 
 The search runs on a copy of the backbone; the model it was given is left as it was.
 """

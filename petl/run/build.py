@@ -166,7 +166,10 @@ def method_config(
         return method_cfg
     tick = time.perf_counter()
     dataset = calibration_set(cfg, backbone)
-    batches = loader(dataset, cfg.train.eval_batch_size, cfg.data.num_workers, cfg.seed)
+    # The training batch size: GPS sums its contrastive gradient over training-size batches (the reference's
+    # loader_grad, train_gps.py L133-136) and NOAH's supernet trains on them (its --batch-size); SCT's sums do
+    # not depend on it.
+    batches = loader(dataset, cfg.train.batch_size, cfg.data.num_workers, cfg.seed)
     try:
         method_cfg = spec.calibrate(backbone.to(accelerator.device), method_cfg, batches)
     except ValueError as error:

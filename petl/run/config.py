@@ -135,7 +135,8 @@ class TrainConfig(TrainSettings):
     the engine's defaults, the field's VTAB-1k recipe, so that the two never drift apart.
 
     Attributes:
-        batch_size: training images per step and process (effective batch: x processes x grad_accum).
+        batch_size: training images per step and process (effective batch: x processes x grad_accum); also the
+            batch of a method's calibrate hook (GPS's selection gradient, NOAH's supernet steps).
         eval_batch_size: images per step when evaluating.
         grad_accum: micro-batches accumulated per optimizer step.
         precision: accelerate mixed precision: ``no``, ``bf16`` or ``fp16``.
