@@ -13,8 +13,8 @@ Follows ZhangYuanhan-AI/NOAH@e9c55f3:
   the widths of one of two parents) are added and the population is refilled at random; the best subnet wins.
   NOAH trains the supernet on train800 and scores candidates on val200 (lib/datasets.py L21-31); petl's
   calibrate hook gets the run's training split in batches of the run's training batch size (NOAH's scripts use
-  ``--batch-size=64`` for the supernet and the retraining alike), so every fifth image of each batch is held out
-  for scoring and the rest trains the supernet.
+  ``--batch-size=64`` for the supernet and the retraining alike); every fifth image of the split, counted across
+  batches, is held out for scoring, so a supernet step trains on about four fifths of a batch.
 
 The search runs on a copy of the backbone; the model it was given is left as it was.
 """
@@ -96,7 +96,7 @@ def set_subnet(model: nn.Module, subnet: Subnet) -> None:
 
 
 def _split(loader: Iterable) -> tuple[list, list]:
-    """Every fifth image of every batch is held out for scoring; the rest trains the supernet."""
+    """Every fifth image of the split (counted across batches) is held out for scoring; the rest trains the supernet."""
     train, held_out, seen = [], [], 0
     for images, labels in loader:
         labels = torch.as_tensor(labels)
