@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar, NamedTuple
 
@@ -219,8 +219,9 @@ class MethodSpec:
     zero_init: bool
     mergeable: bool
     # Optional data-driven step before injection (e.g. choosing channels from the task's images):
-    # ``calibrate(backbone, cfg, loader) -> cfg``.  petl-run calls it; Python users call it themselves.
-    calibrate: Callable[[nn.Module, MethodConfig, Iterable], MethodConfig] | None = None
+    # ``calibrate(backbone, cfg, loader, *, progress=True) -> cfg``.  petl-run calls it; Python users call it
+    # themselves.
+    calibrate: Callable[..., MethodConfig] | None = None
 
 
 _REGISTRY: dict[str, MethodSpec] = {}
@@ -232,7 +233,7 @@ def register_method(
     trainable_formula: Callable[[nn.Module, MethodConfig], int],
     zero_init: bool = False,
     mergeable: bool = False,
-    calibrate: Callable[[nn.Module, MethodConfig, Iterable], MethodConfig] | None = None,
+    calibrate: Callable[..., MethodConfig] | None = None,
 ) -> Callable:
     """Decorator registering ``inject(model, cfg)`` as method ``name``.
 
@@ -244,10 +245,11 @@ def register_method(
         zero_init: the method leaves the model's outputs unchanged at init (for every config whose
             :attr:`MethodConfig.keeps_zero_init` holds).
         mergeable: the method's wrappers can merge into the frozen weights.
-        calibrate: optional ``calibrate(backbone, cfg, loader) -> cfg`` that completes the config from
-            the task's training images (``loader`` yields ``(images, labels)`` batches without
-            augmentation) on the frozen backbone before injection.  ``petl-run`` calls it once per run
-            and records the returned config; :func:`apply` does not, so Python users call it first.
+        calibrate: optional ``calibrate(backbone, cfg, loader, *, progress=True) -> cfg`` that completes the
+            config from the task's training images (``loader`` yields ``(images, labels)`` batches without
+            augmentation) on the frozen backbone before injection; ``progress`` says whether it may show
+            progress bars (``petl-run`` passes ``train.progress``).  ``petl-run`` calls it once per run and
+            records the returned config; :func:`apply` does not, so Python users call it first.
 
     """
 

@@ -66,6 +66,24 @@ BUDGET = {"noah": ("method.search_epochs=1", "method.search_generations=1", "met
 
 
 @pytest.mark.parametrize("method", CALIBRATED)
+def test_a_calibration_shows_progress_bars_only_when_asked(tiny_vit, capsys, method):
+    """NOAH's search runs for an hour on a CPU: its bars show, unless train.progress=false hides them."""
+    budget = {key.removeprefix("method."): int(v) for key, v in (o.split("=") for o in BUDGET.get(method, ()))}
+    cfg = petl.make_config(method, num_classes=4, **budget)
+    gen = torch.Generator().manual_seed(0)
+    loader = [(torch.randn(4, 3, 32, 32, generator=gen), torch.tensor([0, 1, 2, 3])) for _ in range(3)]
+    spec = petl.get_method(method)
+    capsys.readouterr()
+    torch.manual_seed(0)  # NOAH draws its search's seed from torch's generator
+    quiet = spec.calibrate(tiny_vit(), cfg, loader, progress=False)
+    assert capsys.readouterr().err == ""
+    torch.manual_seed(0)
+    shown = spec.calibrate(tiny_vit(), cfg, loader, progress=True)
+    assert method.upper() in capsys.readouterr().err
+    assert quiet == shown  # the bars change nothing chosen
+
+
+@pytest.mark.parametrize("method", CALIBRATED)
 def test_a_resumed_run_keeps_the_calibration_of_its_first_session(tmp_path, monkeypatch, method):
     args = (f"method={method}", "train.epochs=2", *BUDGET.get(method, ()))
     whole = tiny(tmp_path / "whole", *args)
@@ -87,7 +105,7 @@ def test_a_resumed_run_keeps_the_calibration_of_its_first_session(tmp_path, monk
 
     # Calibrating again could choose otherwise: the resume must take the checkpoint's choice.
     spec = core.get_method(method)
-    other = dataclasses.replace(spec, calibrate=lambda m, cfg, loader: pytest.fail("a resume must not recalibrate"))
+    other = dataclasses.replace(spec, calibrate=lambda *args, **kwargs: pytest.fail("a resume must not recalibrate"))
     monkeypatch.setitem(core._REGISTRY, method, other)
     resumed = tiny(tmp_path / "killed", *args)
     assert resumed["method_config"] == whole["method_config"]
@@ -122,8 +140,8 @@ def probe() -> Iterator[list]:
     """Register a method with a calibrate hook that records its calls; remove it afterwards."""
     calls: list = []
 
-    def calibrate(model: nn.Module, cfg: ProbeConfig, loader) -> ProbeConfig:
-        calls.append((model, cfg, loader))
+    def calibrate(model: nn.Module, cfg: ProbeConfig, loader, *, progress: bool) -> ProbeConfig:
+        calls.append((model, cfg, loader, progress))
         assert getattr(model, "petl_method", None) is None  # the backbone, before injection
         images = [x for x, _ in loader]
         assert all(isinstance(x, torch.Tensor) and x.shape[1:] == (3, 32, 32) for x in images)
@@ -146,8 +164,9 @@ def test_the_runner_calls_a_calibrate_hook_once_with_a_train_loader(probe, tmp_p
     run = tmp_path / "run"
     result = tiny(run, f"method={NAME}", "train.epochs=2", "train.batch_size=16", "train.eval_batch_size=64")
     assert len(probe) == 1
-    _model, cfg, loader = probe[0]
+    _model, cfg, loader, progress = probe[0]
     assert isinstance(loader, DataLoader) and cfg.num_classes == 10
+    assert progress is False  # train.progress=false (tiny runs): no calibration bars either
     # Training-size batches: GPS's contrastive gradient and NOAH's supernet steps depend on the batch, as in their
     # references; eval_batch_size stays a setting that changes no result.
     assert loader.batch_size == 16
@@ -187,9 +206,9 @@ def test_a_calibration_reused_as_overrides_rebuilds_the_same_method(tmp_path, mo
     assert reused and all(o.startswith("method.") for o in reused)
     spec = core.get_method(method)
 
-    def given(model, cfg, loader):
+    def given(model, cfg, loader, *, progress):
         # The options are given: the hook must keep them as they are (NOAH's, SCT's and GPS's do).
-        assert spec.calibrate(model, cfg, loader) == cfg
+        assert spec.calibrate(model, cfg, loader, progress=progress) == cfg
         return cfg
 
     monkeypatch.setitem(core._REGISTRY, method, dataclasses.replace(spec, calibrate=given))

@@ -48,6 +48,7 @@ import torch.nn.functional as F
 from timm.data import resolve_data_config
 from torch import nn
 from torchvision.transforms import v2
+from tqdm.auto import tqdm
 
 from petl import core, multitask, vit
 
@@ -312,11 +313,14 @@ def select_gps(model: nn.Module, loader: Iterable, per_row: int = 1, max_batches
     return tuple(selection)
 
 
-def calibrate_gps(model: nn.Module, cfg: GpsConfig, loader: Iterable, max_batches: int | None = None) -> GpsConfig:
+def calibrate_gps(
+    model: nn.Module, cfg: GpsConfig, loader: Iterable, max_batches: int | None = None, *, progress: bool = True
+) -> GpsConfig:
     """``cfg`` with ``selection`` chosen on ``loader`` by :func:`select_gps` (unchanged if already set)."""
     if cfg.selection:
         return cfg
-    return replace(cfg, selection=select_gps(model, loader, cfg.per_row, max_batches))
+    batches = tqdm(loader, desc="GPS selection", unit="batch", leave=False, disable=not progress)
+    return replace(cfg, selection=select_gps(model, batches, cfg.per_row, max_batches))
 
 
 core.register_method(

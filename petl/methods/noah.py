@@ -282,13 +282,13 @@ def _formula(model: nn.Module, cfg: NoahConfig) -> int:
     return subnet_params(vit.embed_dim(model), *cfg.widths(model))
 
 
-def calibrate_noah(model: nn.Module, cfg: NoahConfig, loader: Iterable) -> NoahConfig:
+def calibrate_noah(model: nn.Module, cfg: NoahConfig, loader: Iterable, *, progress: bool = True) -> NoahConfig:
     """``cfg`` with the subnet searched on ``loader`` (:func:`petl.methods.noah_search.search`); unchanged if given."""
     if cfg.searched:
         return cfg
     from petl.methods import noah_search
 
-    prompt, lora, adapter = noah_search.search(model, cfg, loader)
+    prompt, lora, adapter = noah_search.search(model, cfg, loader, progress=progress)
     return replace(cfg, prompt=_widths(prompt), lora=_widths(lora), adapter=_widths(adapter))
 
 

@@ -31,6 +31,7 @@ from collections.abc import Iterable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from tqdm.auto import tqdm
 
 import petl
 from petl import vit
@@ -122,7 +123,9 @@ def _accuracy(model: nn.Module, batches: list, device: torch.device) -> float:
     return 100.0 * correct / total
 
 
-def train_supernet(model: nn.Module, batches: list, epochs: int, rng: random.Random, device: torch.device) -> None:
+def train_supernet(
+    model: nn.Module, batches: list, epochs: int, rng: random.Random, device: torch.device, progress: bool = True
+) -> None:
     """Train the supernet's shared weights, one random subnet per step (supernet_engine_prompt.py L74-126)."""
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY)
@@ -138,7 +141,8 @@ def train_supernet(model: nn.Module, batches: list, epochs: int, rng: random.Ran
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
     depth = vit.depth(model)
     model.train()
-    for _ in range(epochs):
+    bar = tqdm(range(epochs), desc="NOAH supernet", unit="epoch", leave=False, disable=not progress)
+    for _ in bar:
         for images, labels in batches:
             set_subnet(model, random_subnet(depth, rng))
             loss = F.cross_entropy(model(images.to(device)), torch.as_tensor(labels).to(device))
@@ -146,10 +150,11 @@ def train_supernet(model: nn.Module, batches: list, epochs: int, rng: random.Ran
             loss.backward()
             optimizer.step()
             schedule.step()
+        bar.set_postfix(loss=f"{loss.item():.3f}")
 
 
 def evolve(
-    model: nn.Module, held_out: list, cfg: NoahConfig, rng: random.Random, device: torch.device
+    model: nn.Module, held_out: list, cfg: NoahConfig, rng: random.Random, device: torch.device, progress: bool = True
 ) -> tuple[Subnet, float, int]:
     """NOAH's evolutionary search (evolution.py L284-329); returns the best subnet, its accuracy, evaluations."""
     depth, dim = vit.depth(model), vit.embed_dim(model)
@@ -171,19 +176,28 @@ def evolve(
                 found.append(subnet)
         return found
 
+    # One step for the first population, then one per generation.
+    bar = tqdm(total=cfg.search_generations + 1, desc="NOAH evolution", unit="gen", leave=False, disable=not progress)
     population = collect(lambda: random_subnet(depth, rng), cfg.population)
     if not population:
+        bar.close()
         raise ValueError(f"no NOAH subnet fits max_params={cfg.max_params} on this backbone")
+    bar.update()
     for _ in range(cfg.search_generations):
         top = sorted(scores, key=scores.get, reverse=True)[:SELECT]
         population = collect(lambda top=top: mutate(rng.choice(top), rng), MUTATIONS)
         population += collect(lambda top=top: crossover(rng.choice(top), rng.choice(top), rng), CROSSOVERS)
         population += collect(lambda: random_subnet(depth, rng), max(0, cfg.population - len(population)))
+        bar.set_postfix(best=f"{max(scores.values()):.1f}", scored=len(scores))
+        bar.update()
+    bar.close()
     best = max(scores, key=scores.get)
     return best, scores[best], len(scores)
 
 
-def search(backbone: nn.Module, cfg: NoahConfig, loader: Iterable, seed: int | None = None) -> Subnet:
+def search(
+    backbone: nn.Module, cfg: NoahConfig, loader: Iterable, seed: int | None = None, progress: bool = True
+) -> Subnet:
     """Search NOAH's subnet for the task of ``loader`` on a copy of ``backbone``.
 
     Args:
@@ -191,6 +205,7 @@ def search(backbone: nn.Module, cfg: NoahConfig, loader: Iterable, seed: int | N
         cfg: the method's config (num_classes, supernet_dim, dropout and the search budget).
         loader: the task's training batches ``(images, labels)``, without augmentation.
         seed: seeds the subnet sampling; ``None`` draws it from torch's generator (seeded by the run).
+        progress: show progress bars over the supernet's epochs and the evolution's generations.
 
     Returns:
         The (prompt, lora, adapter) per-block widths of the best subnet.
@@ -211,9 +226,9 @@ def search(backbone: nn.Module, cfg: NoahConfig, loader: Iterable, seed: int | N
         adapter=(width,) * depth,
     )
     train, held_out = _split(loader)
-    train_supernet(supernet, train, cfg.search_epochs, rng, device)
+    train_supernet(supernet, train, cfg.search_epochs, rng, device, progress)
     trained = time.perf_counter()
-    best, accuracy, evaluated = evolve(supernet, held_out, cfg, rng, device)
+    best, accuracy, evaluated = evolve(supernet, held_out, cfg, rng, device, progress)
     log.info(
         "NOAH search: supernet %d epochs in %.1f s, %d subnets scored in %.1f s; best held-out top-1 %.2f",
         cfg.search_epochs,

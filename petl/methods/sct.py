@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
 from petl import core, multitask, vit
 
@@ -192,11 +193,14 @@ def select_sct_channels(
     return tuple(selected)
 
 
-def calibrate_sct(model: nn.Module, cfg: SctConfig, loader: Iterable, max_batches: int | None = None) -> SctConfig:
+def calibrate_sct(
+    model: nn.Module, cfg: SctConfig, loader: Iterable, max_batches: int | None = None, *, progress: bool = True
+) -> SctConfig:
     """``cfg`` with ``channels`` selected on ``loader`` by :func:`select_sct_channels` (unchanged if already set)."""
     if cfg.channels:
         return cfg
-    return replace(cfg, channels=select_sct_channels(model, loader, cfg.top_n, max_batches))
+    batches = tqdm(loader, desc="SCT selection", unit="batch", leave=False, disable=not progress)
+    return replace(cfg, channels=select_sct_channels(model, batches, cfg.top_n, max_batches))
 
 
 def _formula(model: nn.Module, cfg: SctConfig) -> int:

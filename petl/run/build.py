@@ -171,7 +171,8 @@ def method_config(
     # not depend on it.
     batches = loader(dataset, cfg.train.batch_size, cfg.data.num_workers, cfg.seed)
     try:
-        method_cfg = spec.calibrate(backbone.to(accelerator.device), method_cfg, batches)
+        progress = cfg.train.progress and accelerator.is_main_process
+        method_cfg = spec.calibrate(backbone.to(accelerator.device), method_cfg, batches, progress=progress)
     except ValueError as error:
         raise RunError(f"method {name}: calibrating on the train split failed: {error}") from None
     say(accelerator, "calibrated %s on %d train images in %.1f s", name, len(dataset), time.perf_counter() - tick)
