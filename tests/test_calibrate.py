@@ -67,7 +67,7 @@ BUDGET = {"noah": ("method.search_epochs=1", "method.search_generations=1", "met
 
 @pytest.mark.parametrize("method", CALIBRATED)
 def test_a_calibration_shows_progress_bars_only_when_asked(tiny_vit, capsys, method):
-    """NOAH's search runs for an hour on a CPU: its bars show, unless train.progress=false hides them."""
+    """NOAH's search takes about 40 CPU minutes a mini task: its bars show, unless train.progress=false hides them."""
     budget = {key.removeprefix("method."): int(v) for key, v in (o.split("=") for o in BUDGET.get(method, ()))}
     cfg = petl.make_config(method, num_classes=4, **budget)
     gen = torch.Generator().manual_seed(0)
