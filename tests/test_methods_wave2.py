@@ -7,6 +7,7 @@ and run on the very tensors petl's modules hold.
 from __future__ import annotations
 
 import copy
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -326,9 +327,11 @@ def test_noah_published_subnet_count(vit_base):
     )
 
 
-def test_noah_search_returns_a_legal_subnet_and_leaves_the_backbone(tiny_vit):
+def test_noah_search_returns_a_legal_subnet_and_leaves_the_backbone(tiny_vit, tmp_path, monkeypatch):
     from petl.methods import noah_search
     from petl.methods.noah import NoahConfig, subnet_params
+
+    monkeypatch.setenv("PETL_CACHE_DIR", str(tmp_path))  # the failing search below leaves its progress file
 
     backbone = tiny_vit()
     before = {n: t.clone() for n, t in backbone.state_dict().items()}
@@ -343,6 +346,75 @@ def test_noah_search_returns_a_legal_subnet_and_leaves_the_backbone(tiny_vit):
     assert noah_search.depth_choices(12) == (3, 6, 9, 12)
     with pytest.raises(ValueError, match="max_params=1"):
         noah_search.search(backbone, replace_cfg(cfg, max_params=1), loader, seed=0)
+
+
+@pytest.mark.parametrize("killed_after", [2, 4], ids=["in-the-supernet", "in-the-evolution"])
+def test_a_killed_noah_search_resumes_and_chooses_the_same_subnet(tiny_vit, tmp_path, monkeypatch, killed_after):
+    from petl.methods import noah_search
+    from petl.methods.noah import NoahConfig
+
+    monkeypatch.setenv("PETL_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(noah_search, "SAVE_EVERY_SECONDS", 0.0)  # save after every epoch and generation
+    gen = torch.Generator().manual_seed(0)
+    loader = [(torch.randn(4, 3, 32, 32, generator=gen), torch.tensor([0, 1, 2, 3])) for _ in range(5)]
+    cfg = NoahConfig(num_classes=4, search_epochs=3, search_generations=3, population=4, max_params=4000)
+    steps = []
+
+    def counted_loss(*args, **kwargs):
+        steps.append(1)
+        return F.cross_entropy(*args, **kwargs)
+
+    monkeypatch.setattr(noah_search, "F", SimpleNamespace(cross_entropy=counted_loss))  # counts supernet steps
+    finish, finished = noah_search.SearchCheckpoint.finish, []
+
+    def keep_then_finish(checkpoint):
+        finished.append(dict(checkpoint.state))
+        finish(checkpoint)
+
+    monkeypatch.setattr(noah_search.SearchCheckpoint, "finish", keep_then_finish)
+    torch.manual_seed(0)
+    whole = noah_search.search(tiny_vit(), cfg, loader, progress=False)
+    assert not list(tmp_path.rglob("*.pt"))  # the progress file is removed when the search ends
+    per_epoch = len(steps) // 3
+
+    save, saves = noah_search.SearchCheckpoint.save, []
+
+    def save_then_die(checkpoint, **state):
+        save(checkpoint, **state)
+        saves.append(sorted(state))
+        if len(saves) == killed_after:  # 3 supernet epochs, then the first population and 3 generations
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(noah_search.SearchCheckpoint, "save", save_then_die)
+    torch.manual_seed(0)
+    with pytest.raises(KeyboardInterrupt):
+        noah_search.search(tiny_vit(), cfg, loader, progress=False)
+    assert len(list(tmp_path.rglob("*.pt"))) == 1
+    monkeypatch.setattr(noah_search.SearchCheckpoint, "save", save)
+    steps.clear()
+    torch.manual_seed(0)
+    assert noah_search.search(tiny_vit(), cfg, loader, progress=False) == whole
+    assert not list(tmp_path.rglob("*.pt"))
+    assert len(steps) == per_epoch * (3 - min(killed_after, 3))  # it went on from the saved epoch
+    # The same supernet to the last bit (dropout's draws restored) and the same subnets scored.
+    first, again = finished
+    assert first["supernet"].keys() == again["supernet"].keys()
+    assert all(torch.equal(first["supernet"][name], again["supernet"][name]) for name in first["supernet"])
+    assert first["scores"] == again["scores"]
+
+
+def test_a_noah_search_goes_on_when_it_cannot_save_its_progress(tiny_vit, tmp_path, monkeypatch, caplog):
+    from petl.methods import noah_search
+    from petl.methods.noah import NoahConfig
+
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("PETL_CACHE_DIR", str(tmp_path / "a-file" / "cache"))  # no folder can be made there
+    monkeypatch.setattr(noah_search, "SAVE_EVERY_SECONDS", 0.0)
+    gen = torch.Generator().manual_seed(0)
+    loader = [(torch.randn(4, 3, 32, 32, generator=gen), torch.tensor([0, 1, 2, 3])) for _ in range(5)]
+    cfg = NoahConfig(num_classes=4, search_epochs=2, search_generations=1, population=4, max_params=4000)
+    assert len(noah_search.search(tiny_vit(), cfg, loader, seed=0, progress=False)) == 3
+    assert "cannot save its progress" in caplog.text
 
 
 def replace_cfg(cfg, **changes):

@@ -16,17 +16,27 @@ Follows ZhangYuanhan-AI/NOAH@e9c55f3:
   ``--batch-size=64`` for the supernet and the retraining alike); every fifth image of the split, counted across
   batches, is held out for scoring, so a supernet step trains on about four fifths of a batch.
 
-The search runs on a copy of the backbone; the model it was given is left as it was.
+The search runs on a copy of the backbone; the model it was given is left as it was.  It saves its progress
+(the supernet, optimizer, schedule and random states after an epoch or a generation, at most once a minute) in
+petl's cache folder under a key of everything it depends on, so a search killed part-way (a session ending in the
+middle of NOAH's 500 epochs) resumes where it stopped and chooses what it would have chosen; the file is removed
+when the search ends.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
+import hashlib
 import logging
 import math
+import os
 import random
+import tempfile
 import time
 from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -34,7 +44,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 import petl
-from petl import vit
+from petl import paths, vit
 from petl.methods.noah import DEPTH_FRACTIONS, SEARCH_WIDTHS, NoahConfig, noah_blocks, subnet_params, wire
 
 log = logging.getLogger(__name__)
@@ -45,7 +55,82 @@ SELECT, MUTATIONS, CROSSOVERS = 10, 25, 25  # evolution.py L337-343
 MUTATE_P, DEPTH_P = 0.2, 0.4
 LR, WEIGHT_DECAY, WARMUP_FRACTION, MIN_LR = 5e-4, 1e-4, 10 / 500, 1e-5
 
+SAVE_EVERY_SECONDS = 60.0  # a killed search loses at most about this much work (and the epoch under way)
+
 Subnet = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
+
+
+class SearchCheckpoint:
+    """A search's progress in a file, saved as it goes so that a killed search resumes; removed when it ends.
+
+    Args:
+        path: the file; ``None`` keeps nothing.
+
+    """
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self.state: dict[str, Any] = {}
+        if path is not None and path.exists():
+            try:
+                self.state = torch.load(path, weights_only=True)
+            except Exception as error:  # a file cut short or written by another version: search from the start
+                log.warning("NOAH search: cannot read %s (%s); searching from the start", path, error)
+        self._last_save = time.perf_counter()
+
+    def due(self) -> bool:
+        """Whether enough time has passed since the last save to save again."""
+        return self.path is not None and time.perf_counter() - self._last_save >= SAVE_EVERY_SECONDS
+
+    def save(self, **state: Any) -> None:
+        """Add ``state`` to what is saved and write it atomically (a kill mid-write keeps the last file)."""
+        if self.path is None:
+            return
+        self.state.update(state)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    torch.save(self.state, f)
+                os.replace(tmp, self.path)
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+        except OSError as error:  # a read-only or full cache folder: search on without saving
+            log.warning(
+                "NOAH search: cannot save its progress to %s (%s); a killed search starts over", self.path, error
+            )
+            self.path = None
+        self._last_save = time.perf_counter()
+
+    def finish(self) -> None:
+        """The search ended: its progress is no longer needed."""
+        if self.path is not None:
+            self.path.unlink(missing_ok=True)
+
+
+def checkpoint_path(backbone: nn.Module, cfg: NoahConfig, seed: int, batches: list) -> Path:
+    """Where a search saves its progress: keyed by the backbone's weights, the config, the seed and the data."""
+    digest = hashlib.sha256(repr((dataclasses.asdict(cfg), seed)).encode())
+    tensors = [*backbone.state_dict().values(), *(t for batch in batches for t in batch)]
+    for tensor in tensors:
+        digest.update(tensor.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+    return paths.cache_dir() / "noah_search" / f"{digest.hexdigest()[:32]}.pt"
+
+
+def _random_states(device: torch.device) -> dict[str, torch.Tensor]:
+    # The supernet's dropout draws from torch's generator (the subnets from the search's own ``rng``).
+    states = {"torch_rng": torch.get_rng_state()}
+    if device.type == "cuda":
+        states["cuda_rng"] = torch.cuda.get_rng_state(device)
+    return states
+
+
+def _set_random_states(state: dict[str, Any], device: torch.device) -> None:
+    torch.set_rng_state(state["torch_rng"])
+    if "cuda_rng" in state and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda_rng"], device)
 
 
 def depth_choices(depth: int) -> tuple[int, ...]:
@@ -124,10 +209,18 @@ def _accuracy(model: nn.Module, batches: list, device: torch.device) -> float:
 
 
 def train_supernet(
-    model: nn.Module, batches: list, epochs: int, rng: random.Random, device: torch.device, progress: bool = True
+    model: nn.Module,
+    batches: list,
+    epochs: int,
+    rng: random.Random,
+    device: torch.device,
+    progress: bool = True,
+    checkpoint: SearchCheckpoint | None = None,
 ) -> None:
     """Train the supernet's shared weights, one random subnet per step (supernet_engine_prompt.py L74-126)."""
-    params = [p for p in model.parameters() if p.requires_grad]
+    checkpoint = checkpoint or SearchCheckpoint(None)
+    named = {name: p for name, p in model.named_parameters() if p.requires_grad}
+    params = list(named.values())
     optimizer = torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY)
     steps = epochs * len(batches)
     warmup = max(1, round(WARMUP_FRACTION * steps))
@@ -139,10 +232,27 @@ def train_supernet(
         return MIN_LR / LR + (1 - MIN_LR / LR) * 0.5 * (1 + math.cos(math.pi * progress))
 
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    start = checkpoint.state.get("epoch", 0)
+    if start:
+        with torch.no_grad():
+            for name, tensor in checkpoint.state["supernet"].items():
+                named[name].copy_(tensor)
+        optimizer.load_state_dict(checkpoint.state["optimizer"])
+        schedule.load_state_dict(checkpoint.state["schedule"])
+        rng.setstate(checkpoint.state["rng"])
+        _set_random_states(checkpoint.state, device)
     depth = vit.depth(model)
     model.train()
-    bar = tqdm(range(epochs), desc="NOAH supernet", unit="epoch", leave=False, disable=not progress)
-    for _ in bar:
+    bar = tqdm(
+        range(start, epochs),
+        initial=start,
+        total=epochs,
+        desc="NOAH supernet",
+        unit="epoch",
+        leave=False,
+        disable=not progress,
+    )
+    for epoch in bar:
         for images, labels in batches:
             set_subnet(model, random_subnet(depth, rng))
             loss = F.cross_entropy(model(images.to(device)), torch.as_tensor(labels).to(device))
@@ -151,14 +261,34 @@ def train_supernet(
             optimizer.step()
             schedule.step()
         bar.set_postfix(loss=f"{loss.item():.3f}")
+        if checkpoint.due() or epoch + 1 == epochs:
+            checkpoint.save(
+                epoch=epoch + 1,
+                supernet={name: p.detach().clone() for name, p in named.items()},
+                optimizer=optimizer.state_dict(),
+                schedule=schedule.state_dict(),
+                rng=rng.getstate(),
+                **_random_states(device),
+            )
 
 
 def evolve(
-    model: nn.Module, held_out: list, cfg: NoahConfig, rng: random.Random, device: torch.device, progress: bool = True
+    model: nn.Module,
+    held_out: list,
+    cfg: NoahConfig,
+    rng: random.Random,
+    device: torch.device,
+    progress: bool = True,
+    checkpoint: SearchCheckpoint | None = None,
 ) -> tuple[Subnet, float, int]:
     """NOAH's evolutionary search (evolution.py L284-329); returns the best subnet, its accuracy, evaluations."""
+    checkpoint = checkpoint or SearchCheckpoint(None)
     depth, dim = vit.depth(model), vit.embed_dim(model)
-    scores: dict[Subnet, float] = {}
+    scores: dict[Subnet, float] = dict(checkpoint.state.get("scores", []))
+    # Steps: the first population, then one per generation.
+    done = checkpoint.state.get("steps", 0)
+    if done:
+        rng.setstate(checkpoint.state["rng"])
 
     def legal(subnet: Subnet) -> bool:
         if subnet in scores or subnet_params(dim, *subnet) > cfg.max_params:
@@ -176,20 +306,25 @@ def evolve(
                 found.append(subnet)
         return found
 
-    # One step for the first population, then one per generation.
-    bar = tqdm(total=cfg.search_generations + 1, desc="NOAH evolution", unit="gen", leave=False, disable=not progress)
-    population = collect(lambda: random_subnet(depth, rng), cfg.population)
-    if not population:
-        bar.close()
-        raise ValueError(f"no NOAH subnet fits max_params={cfg.max_params} on this backbone")
-    bar.update()
-    for _ in range(cfg.search_generations):
+    def step_done(step: int) -> None:
+        bar.set_postfix(best=f"{max(scores.values()):.1f}", scored=len(scores))
+        bar.update()
+        if checkpoint.due():
+            checkpoint.save(steps=step + 1, scores=list(scores.items()), rng=rng.getstate())
+
+    total = cfg.search_generations + 1
+    bar = tqdm(total=total, initial=done, desc="NOAH evolution", unit="gen", leave=False, disable=not progress)
+    if not done:
+        if not collect(lambda: random_subnet(depth, rng), cfg.population):
+            bar.close()
+            raise ValueError(f"no NOAH subnet fits max_params={cfg.max_params} on this backbone")
+        step_done(0)
+    for step in range(max(done, 1), total):
         top = sorted(scores, key=scores.get, reverse=True)[:SELECT]
         population = collect(lambda top=top: mutate(rng.choice(top), rng), MUTATIONS)
         population += collect(lambda top=top: crossover(rng.choice(top), rng.choice(top), rng), CROSSOVERS)
-        population += collect(lambda: random_subnet(depth, rng), max(0, cfg.population - len(population)))
-        bar.set_postfix(best=f"{max(scores.values()):.1f}", scored=len(scores))
-        bar.update()
+        collect(lambda: random_subnet(depth, rng), max(0, cfg.population - len(population)))
+        step_done(step)
     bar.close()
     best = max(scores, key=scores.get)
     return best, scores[best], len(scores)
@@ -212,7 +347,8 @@ def search(
 
     """
     started = time.perf_counter()
-    rng = random.Random(int(torch.randint(0, 2**31 - 1, ()).item()) if seed is None else seed)
+    seed = int(torch.randint(0, 2**31 - 1, ()).item()) if seed is None else seed
+    rng = random.Random(seed)
     device = next(backbone.parameters()).device
     depth, width = vit.depth(backbone), cfg.supernet_dim
     supernet = petl.apply(
@@ -226,9 +362,13 @@ def search(
         adapter=(width,) * depth,
     )
     train, held_out = _split(loader)
-    train_supernet(supernet, train, cfg.search_epochs, rng, device, progress)
+    checkpoint = SearchCheckpoint(checkpoint_path(backbone, cfg, seed, train + held_out))
+    if checkpoint.state:
+        log.info("NOAH search: resuming from %s", checkpoint.path)
+    train_supernet(supernet, train, cfg.search_epochs, rng, device, progress, checkpoint)
     trained = time.perf_counter()
-    best, accuracy, evaluated = evolve(supernet, held_out, cfg, rng, device, progress)
+    best, accuracy, evaluated = evolve(supernet, held_out, cfg, rng, device, progress, checkpoint)
+    checkpoint.finish()
     log.info(
         "NOAH search: supernet %d epochs in %.1f s, %d subnets scored in %.1f s; best held-out top-1 %.2f",
         cfg.search_epochs,
