@@ -7,6 +7,7 @@ offline ``mini/digits`` task, so a run takes about a second on one CPU thread.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -112,7 +113,11 @@ def test_killed_run_resumes_to_the_uninterrupted_result(tmp_path, monkeypatch):
         tiny(killed, *args)
     assert (killed / "checkpoint.pt").exists()
     config_file.write_text(kept)
+    wall_before = torch.load(killed / "checkpoint.pt", weights_only=True)["wall_seconds"]
+    tick = time.perf_counter()
     resumed = tiny(killed, *args)
+    # wall_seconds sums the sessions: the killed one up to its checkpoint, then the whole resumed one.
+    assert 0 < wall_before < resumed["wall_seconds"] <= wall_before + time.perf_counter() - tick
     for key in ("val_top1", "test_top1", "best_val_top1", "final_train_loss"):
         assert resumed[key] == whole[key], key
     a, b = load_file(tmp_path / "whole" / "trainable.safetensors"), load_file(killed / "trainable.safetensors")

@@ -151,7 +151,7 @@ def _train_and_record(cfg: DictConfig, resolved: dict[str, Any], out: Path, acce
     records.reset_peak_rss()
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    progress = _Progress.start(checkpoint)
+    progress = _Progress.start(checkpoint, started)
     if not cfg.resume and accelerator.is_main_process:
         folder.set_aside(out)  # model, data and method are built: the replacement can start
     with folder.disk_errors(out, lambda: progress.saved_epoch, cfg.resume):
@@ -183,7 +183,7 @@ def _train_and_record(cfg: DictConfig, resolved: dict[str, Any], out: Path, acce
     result.checkpoint_sha256 = inputs["model.checkpoint_sha256"]
     result.class_names = list(info.class_names or (str(i) for i in range(info.num_classes)))
     result.val_from_train, result.has_test_split = info.val_from_train, petl_data.TEST in info.splits
-    result.wall_seconds = round(time.perf_counter() - started, 2)
+    result.wall_seconds = round(progress.wall_seconds(), 2)
     card = load.model_card(
         model_cfg=resolved["model"], seed=cfg.seed, model=model, spec=build.eval_spec(cfg, model, info),
         class_names=result.class_names, dataset=cfg.data.name, checkpoint_sha256=result.checkpoint_sha256,
@@ -203,16 +203,29 @@ class _Progress:
     seconds_before: float = 0.0
     saved_epoch: int = 0
     session_start: float = 0.0
+    # Wall time, everything included (building, calibrating, testing), of the sessions before and of this one.
+    wall_before: float = 0.0
+    process_start: float = field(default_factory=time.perf_counter)
 
     @classmethod
-    def start(cls, checkpoint: dict[str, Any] | None) -> _Progress:
+    def start(cls, checkpoint: dict[str, Any] | None, process_start: float) -> _Progress:
         if checkpoint is None:
-            return cls()
-        epoch = checkpoint["epoch"]
-        return cls(epoch, checkpoint["history"], checkpoint["seconds"], saved_epoch=epoch)
+            return cls(process_start=process_start)
+        epoch, wall_before = checkpoint["epoch"], checkpoint.get("wall_seconds", 0.0)  # older checkpoints: none
+        return cls(
+            epoch,
+            checkpoint["history"],
+            checkpoint["seconds"],
+            saved_epoch=epoch,
+            wall_before=wall_before,
+            process_start=process_start,
+        )
 
     def seconds(self) -> float:
         return self.seconds_before + time.perf_counter() - self.session_start
+
+    def wall_seconds(self) -> float:
+        return self.wall_before + time.perf_counter() - self.process_start
 
 
 @dataclass
@@ -325,6 +338,7 @@ def _fit_epochs(cfg: DictConfig, out: Path, training: _Setup, progress: _Progres
                 "scaler": accelerator.scaler.state_dict() if accelerator.scaler is not None else None,
                 "history": progress.history,
                 "seconds": progress.seconds(),
+                "wall_seconds": progress.wall_seconds(),
                 "inputs": inputs,
                 # What the method's calibrate hook chose: a resume must rebuild the same modules.
                 "method_config": dataclasses.asdict(model.petl_config),
