@@ -30,9 +30,7 @@ import dataclasses
 import hashlib
 import logging
 import math
-import os
 import random
-import tempfile
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -87,16 +85,13 @@ class SearchCheckpoint:
         if self.path is None:
             return
         self.state.update(state)
+
+        def write(tmp: Path) -> None:
+            with open(tmp, "wb") as f:  # a file object: a full disk raises OSError, not torch's C++ error
+                torch.save(self.state, f)
+
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)
-            try:
-                with os.fdopen(fd, "wb") as f:
-                    torch.save(self.state, f)
-                os.replace(tmp, self.path)
-            finally:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
+            paths.write_atomic(self.path, write)
         except OSError as error:  # a read-only or full cache folder: search on without saving
             log.warning(
                 "NOAH search: cannot save its progress to %s (%s); a killed search starts over", self.path, error

@@ -14,10 +14,7 @@ import platform
 import random
 import resource
 import subprocess
-import tempfile
 import warnings
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -25,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from petl.paths import file_sha256  # noqa: F401 (re-exported: run folders record checkpoint hashes)
+from petl.paths import atomic_path, file_sha256, write_atomic  # noqa: F401 (re-exported for the run's writers)
 
 CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"
@@ -50,32 +47,8 @@ def is_main_process() -> bool:
 
 
 def temporary_files(folder: Path) -> list[Path]:
-    """Temporary files of :func:`atomic_path` left in ``folder`` by a process killed mid-write."""
+    """Temporary files of :func:`petl.paths.atomic_path` left in ``folder`` by a process killed mid-write."""
     return sorted(p for name in RUN_FILES for p in folder.glob(f".{name}.*.tmp"))
-
-
-@contextmanager
-def atomic_path(path: Path) -> Iterator[Path]:
-    """Yield a temporary path beside ``path``; rename it onto ``path`` only if the block succeeds."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        yield Path(tmp)
-        # mkstemp creates the file private (0600); give it the permissions a plain open() would.
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
-def write_atomic(path: Path, write: Callable[[Path], None]) -> None:
-    """Call ``write(tmp)`` and move the result onto ``path`` atomically."""
-    with atomic_path(path) as tmp:
-        write(tmp)
 
 
 def write_text(path: Path, text: str) -> None:
