@@ -31,9 +31,8 @@ import petl
 from petl.core import trainable_state
 from petl.data import hub
 from petl.data.transforms import ImageSpec, pil_to_tensor
+from petl.run.records import MODEL_FILE, WEIGHTS_FILE
 
-MODEL_FILE = "model.json"
-WEIGHTS_FILE = "trainable.safetensors"
 FORMAT = "petl-model-1"
 
 

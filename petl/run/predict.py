@@ -43,8 +43,6 @@ from petl.data.folder import IMAGE_EXTENSIONS
 from petl.data.images import decode_image
 from petl.multitask import MultiTask, TaskRefused
 from petl.run.load import (
-    MODEL_FILE,
-    WEIGHTS_FILE,
     LoadedRun,
     RunFolderError,
     create_backbone,
@@ -53,6 +51,7 @@ from petl.run.load import (
     read_card,
     weights_file,
 )
+from petl.run.records import MODEL_FILE, WEIGHTS_FILE
 
 PROG = "petl-predict"
 USAGE_ERROR, RUN_ERROR = 2, 1
