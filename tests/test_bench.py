@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import html
+import io
 import itertools
 import json
 import math
@@ -731,3 +732,24 @@ def test_a_non_editable_install_carries_the_configs(tmp_path):
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == [str(site / "petl" / "configs"), "vtab1k", "method=lora"]
+
+
+def test_a_cell_with_a_seed_that_did_not_learn_is_marked_and_named(tmp_path):
+    for seed in (0, 1, 2):
+        write_run(tmp_path, "mini/mnist", "lora", seed, top1=93.0 if seed == 1 else 9.0)
+        write_run(tmp_path, "mini/mnist", "linear", seed, top1=86.0)
+        stuck = seed != 1
+        losses = [2.4, 2.33, 2.307] if stuck else [2.4, 1.0, 0.3]  # seeds 0 and 2 end at chance, ln 10 = 2.303
+        folder = tmp_path / "mini/mnist/lora" / f"seed{seed}"
+        metrics = "".join(json.dumps({"epoch": i + 1, "loss": v}) + "\n" for i, v in enumerate(losses))
+        (folder / "metrics.jsonl").write_text(metrics)
+        record = json.loads((folder / "result.json").read_text())
+        (folder / "result.json").write_text(json.dumps({**record, "final_train_loss": losses[-1]}))
+    write_report(tmp_path)
+    page = (tmp_path / "leaderboard.md").read_text()
+    assert "37.00 ± 48.50 †2 |" in page and "86.00 ± 0.00 |" in page
+    assert "1 cells: lora mnist (seed 0, 2)" in page
+    rows = {r["experiment"]: r for r in csv.DictReader(io.StringIO((tmp_path / "leaderboard.csv").read_text()))}
+    assert (
+        rows["lora"]["mini/mnist_not_learned_seeds"] == "0 2" and rows["linear"]["mini/mnist_not_learned_seeds"] == ""
+    )

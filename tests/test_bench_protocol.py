@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import warnings
 from collections import Counter
 from pathlib import Path
@@ -18,7 +19,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from petl.bench import cli, protocol, sweep
+from petl.bench import cli, protocol, results, sweep
 from petl.bench import suite as suites
 from petl.bench.sweep import PlannedRun
 from petl.data.images import FileListDataset
@@ -614,3 +615,76 @@ def test_per_experiment_settings_apply_to_one_experiment_and_pin_their_keys(tmp_
     for name, epochs in (("mini_selection", 100), ("mini", 50), ("mini_dinov2", 50)):
         assert suites.load_suite(name, bench).per_experiment == {"noah": {"method.search_epochs": epochs}}
     assert not suites.load_suite("vtab1k", bench).per_experiment  # NOAH's own 500 on VTAB-1k
+
+
+def _stuck_trainer(val_by_lr: dict[float, float], stuck: set[tuple[float, str]], trained: list):
+    """:func:`_fake_trainer` whose runs at (lr, seed) in ``stuck`` end at chance (ln 10) on 10 classes."""
+    fakes = _fake_trainer(val_by_lr, trained)
+
+    def train(cfg):
+        result = fakes["train_fn"](cfg)
+        lr, seed = float(cfg["train.lr"]), cfg["seed"]
+        loss = math.log(10) if (lr, seed) in stuck else 0.5
+        result.update(
+            num_classes=10, final_train_loss=loss, trainable_params=2, trainable_params_no_head=1, total_params=9
+        )
+        (Path(cfg["output_dir"]) / "result.json").write_text(json.dumps(result))
+        return result
+
+    return {"train_fn": train, "compose_fn": fakes["compose_fn"]}
+
+
+def test_require_learning_sets_a_point_aside_whose_finals_did_not_learn(tmp_path):
+    suite = _suite(search={"train.lr": [1e-3, 1e-2]}, require_learning=True)
+    cells = protocol.plan_cells(suite, [suites.Experiment("e", {"name": "lora"})], ["mini/digits"], [0, 1], tmp_path)
+    trained: list = []
+    fakes = _stuck_trainer({1e-3: 60.0, 1e-2: 70.0}, {(1e-2, "1")}, trained)
+    first = protocol.run_protocol(cells, progress=False, **fakes)
+    assert first.trained == 4 and not first.set_aside  # val chose 1e-2; its seed 1 ended at chance
+    cell = tmp_path / "mini/digits/e"
+    second = protocol.run_protocol(cells, progress=False, **fakes)
+    assert len(second.set_aside) == 2 and second.trained == 2
+    assert sorted(p.name for p in (cell / "unstable" / "train.lr=0.01").iterdir()) == ["seed0", "seed1"]
+    assert [t["train.lr"] for t in trained[4:]] == ["0.001", "0.001"]
+    selection = json.loads((cell / "seed0" / "result.json").read_text())["selection"]
+    assert selection["chosen"] == {"train.lr": 1e-3} and selection["learning"]["best_val"] == {"train.lr": 1e-2}
+    assert selection["learning"]["unstable"] == ["train.lr=0.01"]
+    # The set-aside finals are kept but never reported; a third invocation has nothing to do.
+    assert {(r.experiment, r.seed) for r in results.collect(tmp_path)} == {("e", 0), ("e", 1)}
+    assert len(results.set_aside_files(tmp_path)) == 2
+    third = protocol.run_protocol(cells, progress=False, **fakes)
+    assert third.trained == 0 and not third.set_aside and not third.failed
+
+
+def test_require_learning_passes_over_a_trial_that_did_not_learn_but_keeps_a_method_that_never_learns(tmp_path):
+    suite = _suite(search={"train.lr": [1e-3, 1e-2]}, require_learning=True)
+    exp = suites.Experiment("e", {"name": "lora"})
+    cells = protocol.plan_cells(suite, [exp], ["mini/digits"], [0], tmp_path)
+    trained: list = []
+    # The 1e-2 trial has the better val score but ended at chance: 1e-3 is chosen at once.
+    summary = protocol.run_protocol(
+        cells, progress=False, **_stuck_trainer({1e-3: 60.0, 1e-2: 70.0}, {(1e-2, "0")}, trained)
+    )
+    assert [t["train.lr"] for t in trained] == ["0.001", "0.01", "0.001"] and not summary.set_aside
+    selection = json.loads((tmp_path / "mini/digits/e/seed0/result.json").read_text())["selection"]
+    assert selection["learning"]["not_learned"] == ["train.lr=0.01"]
+    # Nothing learns anywhere: the finals stay (the report marks them), none is moved, nothing retrains.
+    never = protocol.plan_cells(suite, [suites.Experiment("f", {"name": "lora"})], ["mini/digits"], [0], tmp_path)
+    everything = {(1e-3, "0"), (1e-2, "0")}
+    fakes = _stuck_trainer({1e-3: 60.0, 1e-2: 70.0}, everything, trained)
+    protocol.run_protocol(never, progress=False, **fakes)
+    again = protocol.run_protocol(never, progress=False, **fakes)
+    assert again.trained == 0 and not again.set_aside
+    assert "learning" not in json.loads((tmp_path / "mini/digits/f/seed0/result.json").read_text())["selection"]
+    # Without the suite's option the plain rule holds: the 1e-2 trial is chosen.
+    plain = protocol.plan_cells(
+        _suite(search={"train.lr": [1e-3, 1e-2]}),
+        [suites.Experiment("g", {"name": "lora"})],
+        ["mini/digits"],
+        [0],
+        tmp_path,
+    )
+    protocol.run_protocol(plain, progress=False, **_stuck_trainer({1e-3: 60.0, 1e-2: 70.0}, {(1e-2, "0")}, trained))
+    assert json.loads((tmp_path / "mini/digits/g/seed0/result.json").read_text())["selection"]["chosen"] == {
+        "train.lr": 1e-2
+    }

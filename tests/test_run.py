@@ -298,3 +298,14 @@ def test_every_run_resets_its_own_peak_memory(tmp_path, monkeypatch):
     tiny(tmp_path / "a", "method=linear", "train.epochs=1")
     tiny(tmp_path / "b", "method=linear", "train.epochs=1")
     assert len(resets) == 2
+
+
+def test_a_run_that_cannot_learn_is_marked_in_its_record(tmp_path):
+    # Full fine-tuning at lr 30 blows the loss up on a tiny task: finite, but never below the first epoch's.
+    stuck = tiny(tmp_path / "stuck", "method=full", "train.lr=30.0", "train.epochs=3")
+    assert "not below the first epoch's" in stuck["not_learned"]
+    on_disk = json.loads((tmp_path / "stuck" / "result.json").read_text())
+    assert on_disk["not_learned"] == stuck["not_learned"]
+    learned = tiny(tmp_path / "fine", "method=lora", "method.rank=2")
+    assert "not_learned" not in json.loads((tmp_path / "fine" / "result.json").read_text())
+    assert learned.get("not_learned") is None

@@ -85,11 +85,15 @@ GROUP_ORDER = ("natural", "specialized", "structured", "fgvc")
 
 @dataclass(frozen=True)
 class TaskScore:
-    """Top-1 (%) of one experiment on one task over its seeds; ``std`` is NaN below two seeds."""
+    """Top-1 (%) of one experiment on one task over its seeds; ``std`` is NaN below two seeds.
+
+    The mean keeps the seeds that did not learn (``not_learned``): a cell never drops a seed; it is marked.
+    """
 
     mean: float
     std: float
     seeds: tuple[int, ...]
+    not_learned: tuple[int, ...] = ()  # the seeds whose training did not learn (petl.run.learning)
 
 
 @dataclass

@@ -102,6 +102,8 @@ def _finish(summary: SweepSummary, output_dir: Path, own: dict[str, str], any_do
         print(f"  failed: {line}")
     for line in summary.diverged:
         print(f"  diverged (scored last in its search): {line}")
+    for line in summary.set_aside:
+        print(f"  set aside: {line}")
     for line in summary.waiting:
         print(f"  waiting: {line}")
     if as_bool("report", own.get("report", "true")) and any_done:

@@ -39,7 +39,8 @@ def _score_cell(score: TaskScore | None) -> Cell:
     if score is None:
         return "–", ""
     mean, std = show_number(score.mean), show_number(score.std)
-    return mean if math.isnan(score.std) else (f"{mean[0]} ± {std[0]}", score.mean)
+    text = mean[0] if math.isnan(score.std) else f"{mean[0]} ± {std[0]}"
+    return (f"{text} †{len(score.not_learned)}" if score.not_learned else text), score.mean
 
 
 def task_labels(tasks: list[str]) -> dict[str, str]:
@@ -240,6 +241,7 @@ def leaderboard_columns(board: Leaderboard) -> list[Column]:
                 f"{t}_top1_mean": rounded(score.mean) if score else "",
                 f"{t}_top1_std": rounded(score.std) if score else "",
                 f"{t}_seeds": " ".join(map(str, score.seeds)) if score else "",
+                f"{t}_not_learned_seeds": " ".join(map(str, score.not_learned)) if score else "",
             },
         )
         for t in board.tasks

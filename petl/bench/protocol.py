@@ -20,6 +20,15 @@ An experiment with ``calibrate_once`` (NOAH's subnet search) calibrates in its f
 trials and the finals reuse that choice (:mod:`petl.bench.calibration`), so the finals retrain what was chosen
 on train800, as NOAH's scripts do.
 
+A suite with ``require_learning`` also passes over grid points at which training did not learn
+(:mod:`petl.run.learning`: final train loss at chance, not below its first epoch's, or not finite), judged on
+training losses only: a trial that did not learn ranks after every trial that did; and a point whose final
+runs include one that did not learn is *unstable* for the cell: those finals move, whole and kept, to
+``<task>/<experiment>/unstable/<point>/seed<k>/`` (reports do not read them) and the best remaining point's
+finals train in their place.  A point is set aside only while another point whose trial learned remains, so a
+method that learns at no point keeps its finals (the report marks them).  Where this changes the choice, the
+selection record says so under ``learning``.
+
 Everything is resumable the way a plain sweep is: finished trials and finals are skipped, a cell whose
 search is incomplete (a trial failed, or another sweep still holds one) waits for the next invocation.
 Trials keep ``result.json``, ``metrics.jsonl`` and ``config.yaml`` but not their weights: the final run
@@ -29,6 +38,7 @@ retrains the chosen point, and a full fine-tuning trial's weights on ViT-B would
 from __future__ import annotations
 
 import itertools
+import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -38,13 +48,19 @@ from typing import Any
 from petl.bench.suite import FINAL_SPLIT, Experiment, Suite, format_value, override
 from petl.bench.sweep import PlannedRun, SweepSummary, reused_from, run_dir_for, run_sweep
 from petl.data.registry import TRAIN, VAL
+from petl.run.learning import run_not_learned
 from petl.run.records import RESULT_FILE, WEIGHTS_FILE
-from petl.run.result import read_result, write_result
+from petl.run.result import ResultError, RunResult, read_result, write_result
 
 SEARCH_DIR = "search"
+UNSTABLE_DIR = "unstable"  # finals set aside by require_learning, one folder per point
 SEARCH_SPLIT = TRAIN  # the only split with a val split (val200) to select on
 METRIC = "val_top1"
 RULE = "highest val top-1 after the last epoch; ties: first point in grid order"
+LEARNING_RULE = (
+    "require_learning: points whose trial did not learn rank last; a point whose finals did not learn is set "
+    "aside (unstable/) while another point whose trial learned remains"
+)
 
 # Options the protocol sets itself; a command-line override of one would silently undo the protocol.
 _PROTOCOL_KEYS = ("data.split", "train.eval_test")
@@ -90,15 +106,26 @@ class Cell:
     output_dir: Path
     search_seed: int
     calibrated_by: Path | None = None  # calibrate_once: the run whose choice the cell's other runs reuse
+    require_learning: bool = False
 
     @property
     def label(self) -> str:
         """Short name for progress lines."""
         return f"{self.task} {self.experiment.name}"
 
+    @property
+    def folder(self) -> Path:
+        """``<output_dir>/<task>/<experiment>``: the cell's trials, finals and set-aside finals."""
+        return self.output_dir / self.task / self.experiment.name
+
+    def unstable_points(self) -> set[str]:
+        """Folder names of the points whose finals ``require_learning`` set aside (``unstable/<point>/``)."""
+        root = self.folder / UNSTABLE_DIR
+        return {p.name for p in root.iterdir() if p.is_dir()} if root.is_dir() else set()
+
     def selection(self) -> dict[str, Any] | None:
         """The search record with the chosen point, or ``None`` while a trial has no result yet."""
-        scored = []
+        scored, learned = [], []
         for trial in self.trials:
             if not trial.run.is_done():  # not trained yet, or damaged (the next sweep trains it again)
                 return None
@@ -115,10 +142,15 @@ class Cell:
                     **({"diverged": True} if result.diverged else {}),
                 }
             )
+            learned.append(run_not_learned(trial.run.run_dir, result) is None)
+
+        def score(entry: dict[str, Any]) -> float:
+            return -1.0 if entry[METRIC] is None else entry[METRIC]
+
         # max() keeps the first of equal keys: ties go to the earlier grid point.  A trial without a val
         # score (one that diverged, see sweep.run_sweep) ranks last.
-        best = max(scored, key=lambda t: -1.0 if t[METRIC] is None else t[METRIC]) if scored else None
-        return {
+        best = max(scored, key=score) if scored else None
+        record = {
             "space": self.space,
             "split": SEARCH_SPLIT,
             "scored_on": VAL,
@@ -128,6 +160,76 @@ class Cell:
             "trials": scored,
             "chosen": best["overrides"] if best else {},
         }
+        if self.require_learning and best is not None:
+            unstable = self.unstable_points()
+            usable = [t for t, ok in zip(scored, learned, strict=True) if ok and _name(t) not in unstable]
+            choice = max(usable, key=score) if usable else best
+            if choice is not best:
+                # Only where the rule changed the choice, so the records of other cells stay as they were.
+                record["chosen"] = choice["overrides"]
+                record["learning"] = {
+                    "rule": LEARNING_RULE,
+                    "best_val": best["overrides"],
+                    "not_learned": [_name(t) for t, ok in zip(scored, learned, strict=True) if not ok],
+                    "unstable": sorted(unstable),
+                }
+        return record
+
+    def _trials_learned(self) -> dict[str, bool]:
+        # Point folder name -> whether its trial finished and learned.
+        verdicts = {}
+        for trial in self.trials:
+            result = _read(trial.run.run_dir)
+            learned = result is not None and run_not_learned(trial.run.run_dir, result) is None
+            verdicts[point_name(trial.point)] = learned
+        return verdicts
+
+    def set_aside_unstable(self) -> list[str]:
+        """Under ``require_learning``, move the finished finals of points at which training did not learn.
+
+        A final's point is the one its config trained.  Its finals move to ``unstable/<point>/seed<k>/`` when
+        that point's trial or one of its finals did not learn (or the point was set aside before), and only
+        while another point whose trial learned remains.  Nothing is deleted; a folder already at the target
+        is left where it is.
+
+        Returns:
+            One line per run moved, or that could not be.
+
+        """
+        if not self.require_learning:
+            return []
+        trials = self._trials_learned()
+        unstable = self.unstable_points()
+        by_point: dict[str, list[Path]] = {}
+        stuck: set[str] = set()
+        for seed in self.seeds:
+            run_dir = run_dir_for(self.output_dir, self.task, self.experiment.name, seed)
+            result = _read(run_dir)
+            if result is None:
+                continue  # not finished (or another sweep is training it): the next invocation looks again
+            name = point_name({k: _config_value(result.config or {}, k) for k in self.space})
+            by_point.setdefault(name, []).append(run_dir)
+            if run_not_learned(run_dir, result):
+                stuck.add(name)
+        lines = []
+        for name, run_dirs in by_point.items():
+            if not (name in stuck or not trials.get(name, True) or name in unstable):
+                continue
+            if not any(ok and other != name and other not in unstable for other, ok in trials.items()):
+                continue  # no point left that learned: the finals stay, and the report marks them
+            for run_dir in run_dirs:
+                target = self.folder / UNSTABLE_DIR / name / run_dir.name
+                if target.exists():
+                    lines.append(f"{self.label}: {run_dir} trained unstable point {name}, but {target} exists")
+                    continue
+                target.parent.mkdir(parents=True, exist_ok=True)
+                try:
+                    os.rename(run_dir, target)  # atomic: a sweep beside this one sees the run here or there
+                except OSError as error:
+                    lines.append(f"{self.label}: could not set aside {run_dir}: {error}")
+                    continue
+                lines.append(f"{self.label}: {name} did not learn; {run_dir.name} set aside in {target.parent}")
+        return lines
 
     def finals(self, chosen: dict[str, Any]) -> list[PlannedRun]:
         """The reported runs of the chosen point: one per seed, on the final split."""
@@ -223,9 +325,22 @@ def plan_cells(
                     output_dir,
                     suite.search_seed,
                     calibrating,
+                    suite.require_learning,
                 )
             )
     return cells
+
+
+def _name(entry: dict[str, Any]) -> str:
+    return point_name(entry["overrides"])
+
+
+def _read(run_dir: Path) -> RunResult | None:
+    # A finished run's record; None while it has none, or a damaged one (the sweep trains that again).
+    try:
+        return read_result(run_dir / RESULT_FILE) if (run_dir / RESULT_FILE).is_file() else None
+    except (ResultError, KeyError, TypeError, RecursionError):
+        return None
 
 
 def _config_value(config: dict[str, Any], key: str) -> Any:
@@ -287,6 +402,7 @@ def run_protocol(cells: Sequence[Cell], progress: bool = True, **sweep_fns: Any)
         if any(t.run.label in stale for t in cell.trials):
             summary.waiting.append(f"{cell.label}: a trial holds another config's result, final runs wait")
             continue
+        summary.set_aside += cell.set_aside_unstable()
         selection = cell.selection()
         if selection is None:
             summary.waiting.append(f"{cell.label}: search incomplete, final runs wait for the next invocation")

@@ -43,11 +43,20 @@ from petl.bench.published import (
     rank_correlation,
     table_for,
 )
-from petl.bench.results import Compute, RunRecord, collect, compute_spent, mean, read_all, task_group
+from petl.bench.results import (
+    Compute,
+    RunRecord,
+    collect,
+    compute_spent,
+    mean,
+    read_all,
+    set_aside_files,
+    task_group,
+)
 from petl.bench.table import Header, Table, markdown_lines, md_escape
 from petl.presets import FAMILIES
 from petl.run.records import write_atomic, write_text
-from petl.run.result import RunResult
+from petl.run.result import RunResult, read_result
 
 # Re-exported: the report's public names, wherever they are declared.
 __all__ = [
@@ -181,7 +190,8 @@ def aggregate(
             if cell:
                 top1 = [float(r.result.test_top1) for r in cell]
                 std = statistics.stdev(top1) if len(top1) > 1 else math.nan
-                scores[task] = TaskScore(statistics.fmean(top1), std, tuple(r.seed for r in cell))
+                stuck = tuple(r.seed for r in cell if r.not_learned)
+                scores[task] = TaskScore(statistics.fmean(top1), std, tuple(r.seed for r in cell), stuck)
         group_means = {
             g: mean([s.mean for t, s in scores.items() if groups[t] == g])
             for g in order_groups({groups[t] for t in scores})
@@ -328,6 +338,7 @@ def notes(board: Leaderboard) -> list[str]:
         "`*` after an experiment: it has not run on every task, or with every seed, yet, so its means cover "
         "fewer tasks or seeds.",
     ]
+    lines += [line for line in (not_learned_line(board), set_aside_line(board)) if line]
     if board.plan is not None:
         lines.append(progress(board))
     if board.compute is not None:
@@ -351,6 +362,46 @@ def notes(board: Leaderboard) -> list[str]:
             "row of this table (`published:`)."
         )
     return lines
+
+
+def not_learned_line(board: Leaderboard) -> str:
+    """The legend's line on the cells with a seed that did not learn (``""`` when every run learned)."""
+    labels = task_labels(board.tasks)
+    cells = [
+        f"{row.experiment} {labels[task]} (seed {', '.join(map(str, score.not_learned))})"
+        for row in board.rows
+        for task, score in row.scores.items()
+        if score.not_learned
+    ]
+    if not cells:
+        return ""
+    return (
+        f"**† k**: k of the cell's seeds did not learn (final train loss not finite, not below its first "
+        f"epoch's, or at chance, ln(classes): `petl.run.learning`); the cell's mean and ± include them, so a "
+        f"finding must not rest on such a cell. {len(cells)} cells: {'; '.join(cells)}."
+    )
+
+
+def set_aside_line(board: Leaderboard) -> str:
+    """The legend's line on the finals ``require_learning`` set aside (``""`` when there are none)."""
+    paths = set_aside_files(board.results_dir)
+    if not paths:
+        return ""
+    cells: dict[str, list[str]] = {}
+    seconds = 0.0
+    for path in paths:
+        # <task...>/<experiment>/unstable/<point>/seed<k>/result.json
+        run, point, experiment = path.parent, path.parent.parent.name, path.parents[3].name
+        task = path.parents[4].relative_to(board.results_dir).as_posix()
+        cells.setdefault(f"{experiment} {task.rsplit('/', 1)[-1]} at {point}", []).append(run.name)
+        result = read_result(path)
+        seconds += float(result.wall_seconds or 0.0) if result else 0.0
+    listed = "; ".join(f"{cell} ({', '.join(runs)})" for cell, runs in sorted(cells.items()))
+    return (
+        f"**Set aside**: {len(paths)} final runs trained at a point where training did not learn, moved into "
+        f"an `unstable` folder beside the cell's seed folders by the suite's `require_learning` rule and replaced by the "
+        f"next point's finals; not in the table, {seconds / 3600:.2f} h of run time: {listed}."
+    )
 
 
 def plan_of(suite_name: str, configs_dir: str | Path | None = None) -> Plan:

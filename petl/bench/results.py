@@ -16,6 +16,8 @@ from typing import Any
 
 import yaml
 
+from petl.bench.protocol import UNSTABLE_DIR
+from petl.run.learning import run_not_learned
 from petl.run.records import REPLACED_MARK, RESULT_FILE
 from petl.run.result import ResultError, RunResult, read_result
 
@@ -34,13 +36,28 @@ class RunRecord:
     seed: int
     path: Path
     result: RunResult
+    not_learned: str | None = None  # why its training did not learn (petl.run.learning), if it did not
 
 
 def result_files(results_dir: str | Path) -> list[Path]:
-    """Every ``result.json`` under ``results_dir``, less those of runs replaced (moved aside) by ``resume=false``."""
+    """Every ``result.json`` under ``results_dir``, less those of runs moved aside.
+
+    Moved aside: runs replaced by ``resume=false`` (``<run>.replaced-<time>/``), and the finals a suite's
+    ``require_learning`` set aside at a point where training did not learn (``unstable/<point>/seed<k>/``,
+    :mod:`petl.bench.protocol`).
+    """
     root = Path(results_dir)
     paths = sorted(root.rglob(RESULT_FILE))
-    return [p for p in paths if not any(REPLACED_MARK in part for part in p.relative_to(root).parts)]
+    return [p for p in paths if not any(_moved_aside(part) for part in p.relative_to(root).parts)]
+
+
+def set_aside_files(results_dir: str | Path) -> list[Path]:
+    """The ``result.json`` of every final that ``require_learning`` set aside under ``results_dir``."""
+    return sorted(p for p in Path(results_dir).rglob(f"{UNSTABLE_DIR}/*/*/{RESULT_FILE}"))
+
+
+def _moved_aside(part: str) -> bool:
+    return REPLACED_MARK in part or part == UNSTABLE_DIR
 
 
 def _is_number(value: Any) -> bool:
@@ -124,7 +141,8 @@ def collect(results_dir: str | Path | list[tuple[Path, RunResult]]) -> list[RunR
         if key in records:
             warnings.warn(f"skipping {path}: {key} already read from {records[key].path}", stacklevel=2)
             continue
-        records[key] = RunRecord(result.dataset, experiment, result.seed, path, result)
+        verdict = run_not_learned(run_dir, result)
+        records[key] = RunRecord(result.dataset, experiment, result.seed, path, result, verdict)
     return list(records.values())
 
 

@@ -81,6 +81,10 @@ class Suite:
         pinned_trial: an experiment that pins every searched key (full fine-tuning's ``train.lr``) still
             gets its one trial on train800 / val200: nothing to select, but its val curve shows whether the
             schedule converged, at one more run per task.  Off: such a cell goes straight to its finals.
+        require_learning: selection passes over grid points at which training did not learn
+            (:mod:`petl.run.learning`): a trial that did not learn ranks after every trial that did, and a
+            point whose final runs include one that did not learn is set aside for the cell (its finals move to
+            ``unstable/<point>/``) while the next point's finals train (:mod:`petl.bench.protocol`).
 
     """
 
@@ -96,6 +100,7 @@ class Suite:
     per_task: dict[str, dict[str, dict[str, Any]]] = field(default_factory=dict)
     pinned_trial: bool = False
     per_experiment: dict[str, dict[str, Any]] = field(default_factory=dict)
+    require_learning: bool = False
 
     def experiment_overrides(self, experiment: str) -> list[str]:
         """This suite's own settings of one experiment (``per_experiment``), as Hydra overrides."""
@@ -145,7 +150,7 @@ def load_suite(name: str, configs: Path) -> Suite:
     if not path.is_file():
         raise ValueError(f"unknown suite {name!r}; known: {', '.join(preset_names(configs / 'suites'))}")
     keys = {"description", "experiments", "tasks", "seeds", "search", "search_seed", "final_split", "per_task"}
-    keys |= {"pinned_trial", "per_experiment"}
+    keys |= {"pinned_trial", "per_experiment", "require_learning"}
     keys |= set(SUITE_GROUPS)
     data = read_yaml_mapping(path, keys, SUITE_GROUPS)
     if data.get("experiments") == ALL:
@@ -170,6 +175,11 @@ def load_suite(name: str, configs: Path) -> Suite:
         raise ValueError(f"{path}: `pinned_trial` must be true or false, got {pinned_trial!r}")
     if pinned_trial and not search:
         raise ValueError(f"{path}: `pinned_trial` needs a `search:` space (without one, nothing is pinned out of it)")
+    require_learning = data.get("require_learning", False)
+    if not isinstance(require_learning, bool):
+        raise ValueError(f"{path}: `require_learning` must be true or false, got {require_learning!r}")
+    if require_learning and not search:
+        raise ValueError(f"{path}: `require_learning` needs a `search:` space (it acts on the selection)")
     per_task = _read_per_task(path, data.get("per_task") or {}, data["experiments"], data["tasks"])
     per_experiment = _read_per_experiment(path, data.get("per_experiment") or {}, data["experiments"])
     return Suite(
@@ -185,6 +195,7 @@ def load_suite(name: str, configs: Path) -> Suite:
         per_task=per_task,
         pinned_trial=pinned_trial,
         per_experiment=per_experiment,
+        require_learning=require_learning,
     )
 
 

@@ -149,14 +149,16 @@ class SweepSummary:
     waiting: list[str] = field(default_factory=list)
     diverged: list[str] = field(default_factory=list)
     stale: list[str] = field(default_factory=list)
+    set_aside: list[str] = field(default_factory=list)  # finals moved to unstable/ (protocol.require_learning)
 
     def line(self) -> str:
         """One-line summary for the console."""
         waiting = f", {len(self.waiting)} waiting for a search or a calibration" if self.waiting else ""
         diverged = f", {len(self.diverged)} trials diverged (scored last)" if self.diverged else ""
+        aside = f", {len(self.set_aside)} finals set aside (did not learn)" if self.set_aside else ""
         return (
             f"{self.total} runs: {self.already_done} already done, {self.trained} trained, "
-            f"{len(self.held_elsewhere)} held by another sweep, {len(self.failed)} failed{diverged}{waiting}"
+            f"{len(self.held_elsewhere)} held by another sweep, {len(self.failed)} failed{diverged}{aside}{waiting}"
         )
 
     def merge(self, other: SweepSummary) -> None:
@@ -169,6 +171,7 @@ class SweepSummary:
         self.waiting += other.waiting
         self.diverged += other.diverged
         self.stale += other.stale
+        self.set_aside += other.set_aside
 
 
 def _diverged_result(run: PlannedRun, error: Exception, cfg: Any) -> RunResult:

@@ -19,7 +19,7 @@ from petl.run.records import write_json
 
 RESULT_VERSION = 1
 # Present only where they apply, so that the records of runs without them stay as they were.
-_ONLY_WHEN_SET = ("selection", "diverged", "extra")
+_ONLY_WHEN_SET = ("selection", "diverged", "not_learned", "extra")
 
 
 class ResultError(ValueError):
@@ -82,6 +82,8 @@ class RunResult:
     wall_seconds: float | None = None
     selection: dict[str, Any] | None = None
     diverged: str | None = None
+    # Why training ended where it began (petl.run.learning), for a run that did not learn.
+    not_learned: str | None = None
     version: int = RESULT_VERSION
     extra: dict[str, Any] = field(default_factory=dict)
 

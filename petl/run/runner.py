@@ -37,7 +37,7 @@ from torch.utils.data import DataLoader, Dataset
 import petl
 from petl import data as petl_data
 from petl.core import trainable_state
-from petl.run import build, cache, config, engine, folder, load, records
+from petl.run import build, cache, config, engine, folder, learning, load, records
 from petl.run.config import ConfigError
 from petl.run.engine import NonFiniteLossError, TrainSettings, backbone_mode, build_optimizer, evaluate, fit
 from petl.run.errors import DivergedError, RunError
@@ -442,6 +442,7 @@ def _result(
         test_top1=test_top1,
         final_train_loss=last.get("loss"),
         final_train_top1=last.get("train_top1"),
+        not_learned=learning.not_learned([h.get("loss") for h in history], num_classes),
         epochs=cfg.train.epochs,
         train_seconds=round(train_seconds, 2),
         images_per_second=round(images / seconds, 1) if seconds else None,

@@ -1,0 +1,37 @@
+"""Whether a run learned (petl.run.learning): the rule, and its reading of records that predate it."""
+
+from __future__ import annotations
+
+import json
+import math
+
+from petl.run.learning import CHANCE_TOLERANCE, not_learned, run_not_learned
+from petl.run.result import RunResult
+
+
+def test_the_three_ways_a_run_does_not_learn():
+    assert not_learned([2.6, 1.2, 0.4], 10) is None
+    assert not_learned([2.6, math.nan], 10) == "final train loss is nan"
+    assert "not below the first epoch's" in not_learned([2.4, 2.5], 10)
+    # LoRA's mnist seed 2 on DINOv2 (committed) ended at 2.286, ln 10 = 2.303.
+    assert "at chance" in not_learned([2.6, 2.286], 10)
+    # BitFit's dsprites_ori seed 1 learned a little (test 14.4 % on 16 classes): 1.9 % below ln 16.
+    assert not_learned([3.146, 2.656], 16) is None
+    edge = math.log(16) * (1 - CHANCE_TOLERANCE)
+    assert not_learned([3.1, edge + 1e-6], 16) and not_learned([3.1, edge - 1e-3], 16) is None
+    # A new MLP head starts far above chance and may end above it, having learned.
+    assert not_learned([8.52, 2.959], 8) is None
+    assert not_learned([], 10) is None and not_learned([2.0], 10) is None  # one epoch: only chance and nan
+
+
+def test_a_record_without_a_verdict_is_judged_from_its_metrics(tmp_path):
+    losses = [2.6, 2.4, 2.307]
+    (tmp_path / "metrics.jsonl").write_text(
+        "".join(json.dumps({"epoch": i + 1, "loss": v}) + "\n" for i, v in enumerate(losses))
+    )
+    old = RunResult(method="lora", dataset="mini/mnist", seed=0, num_classes=10, final_train_loss=2.307)
+    assert "at chance" in run_not_learned(tmp_path, old)
+    marked = RunResult(method="lora", dataset="mini/mnist", seed=0, not_learned="written at training time")
+    assert run_not_learned(tmp_path, marked) == "written at training time"
+    diverged = RunResult(method="lora", dataset="mini/mnist", seed=0, diverged="loss became nan")
+    assert run_not_learned(tmp_path, diverged).startswith("diverged")
