@@ -399,8 +399,8 @@ def set_aside_line(board: Leaderboard) -> str:
     listed = "; ".join(f"{cell} ({', '.join(runs)})" for cell, runs in sorted(cells.items()))
     return (
         f"**Set aside**: {len(paths)} final runs trained at a point where training did not learn, moved into "
-        f"an `unstable` folder beside the cell's seed folders by the suite's `require_learning` rule and replaced by the "
-        f"next point's finals; not in the table, {seconds / 3600:.2f} h of run time: {listed}."
+        "an `unstable` folder beside the cell's seed folders by the suite's `require_learning` rule and replaced "
+        f"by the next point's finals; not in the table, {seconds / 3600:.2f} h of run time: {listed}."
     )
 
 
