@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import csv
-import json
 
 import numpy as np
 import pytest
@@ -244,7 +243,7 @@ def _run_folder(folder, method: str, options: dict, seed: int, classes: int = 3,
     card = load.model_card(
         model_cfg=model_cfg, seed=0, model=model, spec=spec, class_names=names, dataset="folder", checkpoint_sha256=None
     )
-    (folder / load.MODEL_FILE).write_text(json.dumps(card))
+    load.write_card(folder, card)
 
 
 def _predict(argv: list[str]) -> list[dict]:

@@ -140,7 +140,11 @@ def test_a_folder_trains_predicts_evaluates_and_exports_on_a_tiny_backbone(tmp_p
     root = make_folder(tmp_path / "images")
     run_dir = _train_tiny(tmp_path, ["data=folder", f"data.root={root}"])
     card = json.loads((run_dir / "model.json").read_text())
-    assert card["class_names"] == list(CLASSES) and card["backbone"]["kwargs"] == {"depth": 1, "embed_dim": 48}
+    assert card["class_names"] == list(CLASSES) and card["backbone"]["kwargs"] == {
+        "depth": 1,
+        "embed_dim": 48,
+        "img_size": 32,
+    }
     capsys.readouterr()
     out = tmp_path / "preds.csv"
     assert _exit_code(predict_cli.main, [str(run_dir), str(root / "test"), f"out={out}", "top_k=2", "--merge"]) == 0
