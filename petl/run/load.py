@@ -320,6 +320,54 @@ def create_backbone(backbone: dict[str, Any]) -> nn.Module:
         return timm.create_model(backbone["name"], pretrained=bool(backbone["pretrained"]), **kwargs)
 
 
+def backbone_difference(first: dict[str, Any], other: dict[str, Any]) -> str | None:
+    """The first field in which two cards' ``backbone`` records differ (``None``: the same backbone).
+
+    The seed counts only for a random init; the frozen tensors' hash decides the rest.
+    """
+    keys = ["name", "pretrained", "checkpoint_sha256", "kwargs", "frozen_sha256"]
+    if not first.get("pretrained"):
+        keys.append("seed")
+    for key in keys:
+        a, b = first.get(key), other.get(key)
+        if key == "kwargs":
+            for arg in sorted({*a, *b}):
+                if a.get(arg) != b.get(arg):
+                    return f"backbone.kwargs.{arg} {a.get(arg)} against {b.get(arg)}"
+        elif a != b:
+            return f"backbone.{key} {a} against {b}"
+    return None
+
+
+def backbone_mismatch(card: dict[str, Any], backbone: nn.Module) -> str | None:
+    """How a plain timm backbone differs from the one a run's card records: architecture or image size.
+
+    Returns:
+        One phrase (``trained on vit_x at 48 px, this backbone is vit_x at 32 px``), or ``None``.  The frozen
+        tensors themselves are compared once the run is loaded on it (:func:`frozen_mismatch`).
+
+    """
+    recorded = card["backbone"]
+    name, size = recorded["name"].split(".", 1)[0], recorded["kwargs"].get("img_size")
+    have_name = (getattr(backbone, "pretrained_cfg", None) or {}).get("architecture") or name
+    have_size = getattr(getattr(backbone, "patch_embed", None), "img_size", None)
+    have_size = have_size[0] if isinstance(have_size, (tuple, list)) else have_size
+    if have_name != name or (size is not None and have_size is not None and have_size != size):
+        return f"trained on {name} at {size} px, this backbone is {have_name} at {have_size} px"
+    return None
+
+
+def frozen_mismatch(card: dict[str, Any], model: nn.Module) -> str | None:
+    """Why ``model`` (a run's method loaded on some backbone) is not on the backbone it trained on; ``None``: it is."""
+    recorded = card["backbone"].get("frozen_sha256")
+    if recorded is not None and frozen_sha256(model) != recorded:
+        return (
+            f"the backbone's frozen tensors differ from those {card['backbone']['name']} had in training "
+            "(other pretrained weights, checkpoint or random init)"
+        )
+    return None
+
+
 def checkpoint_mismatch(model_name: str, kwargs: dict[str, Any], path: str | Path, shown: int = 3) -> str | None:
     """Why a weights file does not fit a timm architecture: its first missing, unexpected and mis-shaped keys.
 
@@ -417,12 +465,9 @@ def loaded(folder: Path, card: dict[str, Any], model: nn.Module) -> LoadedRun:
         RunFolderError: the rebuilt backbone's frozen tensors differ from those the run trained on.
 
     """
-    recorded = card["backbone"].get("frozen_sha256")
-    if recorded is not None and frozen_sha256(model) != recorded:
-        raise RunFolderError(
-            f"{folder}: the backbone {card['backbone']['name']} built now differs from the one this run trained "
-            "(its pretrained weights or timm's random init changed): predictions would not be the run's"
-        )
+    mismatch = frozen_mismatch(card, model)
+    if mismatch is not None:
+        raise RunFolderError(f"{folder}: {mismatch}: predictions would not be the run's")
     if vit.num_classes(model) != card["num_classes"]:
         raise RunFolderError(
             f"{folder}: {card['weights']} holds a head of {vit.num_classes(model)} classes, {MODEL_FILE} says "
