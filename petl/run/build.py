@@ -7,6 +7,7 @@ Each function turns what it cannot build into one line: :class:`ConfigError` for
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -72,6 +73,29 @@ def say(accelerator: Accelerator, message: str, *args: Any) -> None:
         log.info(message, *args)
 
 
+def check_process_group(formed: int) -> None:
+    """Refuse a launch whose environment says several processes when no process group formed.
+
+    ``accelerate launch --multi_gpu --num_processes 2`` (or torchrun) on a machine without GPUs sets RANK and
+    WORLD_SIZE in every process, yet accelerate (without ``ACCELERATE_USE_CPU=1``) picks no backend and leaves
+    each process alone: each would train the whole run by itself into the same output_dir.
+
+    Args:
+        formed: the number of processes accelerate's state holds.
+
+    Raises:
+        ConfigError: WORLD_SIZE > 1 and accelerate's state has one process.
+
+    """
+    launched = os.environ.get("WORLD_SIZE", "1")
+    if launched.isdigit() and int(launched) > 1 and formed == 1:
+        raise ConfigError(
+            f"RANK/WORLD_SIZE say {launched} processes but accelerate formed no process group, so each would train "
+            "alone into the same output_dir: on CPUs launch with ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu "
+            "--num_processes N -m petl.run ..., or run petl-run as one process"
+        )
+
+
 def make_accelerator(cfg: DictConfig, out: Path) -> Accelerator:
     # One process may run many trainings (notebooks, the benchmark harness): accelerate keeps its
     # precision and accumulation settings in process-wide singletons that refuse to change once
@@ -95,7 +119,7 @@ def make_accelerator(cfg: DictConfig, out: Path) -> Accelerator:
         log.warning("train.compile: %s; running uncompiled", missing)
         dynamo = None
     try:
-        return Accelerator(
+        accelerator = Accelerator(
             mixed_precision=precision,
             dynamo_backend=dynamo,
             gradient_accumulation_steps=cfg.train.grad_accum,
@@ -104,6 +128,8 @@ def make_accelerator(cfg: DictConfig, out: Path) -> Accelerator:
         )
     except ValueError as error:  # e.g. bf16 on a GPU without bf16 support
         raise ConfigError(f"train.precision={precision}: {error}") from None
+    check_process_group(accelerator.num_processes)
+    return accelerator
 
 
 def create_backbone(cfg: DictConfig) -> nn.Module:

@@ -1,17 +1,25 @@
-"""petl-export: a trained run as a plain timm model file, for stacks that know nothing of petl.
+"""petl-export: a trained run as a plain timm model, for stacks that know nothing of petl.
 
-    petl-export RUN_DIR out=model.safetensors    # timm.create_model(name, num_classes=K, checkpoint_path=...)
+    petl-export RUN_DIR out=exported             # a folder: timm.create_model("local-dir:exported", pretrained=True)
+    petl-export RUN_DIR out=model.safetensors    # timm.create_model(name, num_classes=K, checkpoint_path=..., **kwargs)
     petl-export RUN_DIR out=model.onnx           # ONNX (torch.onnx.export), checked with onnxruntime
 
 The run's method is merged into the backbone and its wrappers removed (``petl.merge(model,
-unload=True)``), so what is written is the timm architecture with other weights.  The file's metadata
-holds what using it needs: the timm model name, the class names and the preprocessing (input size,
-mean/std, interpolation, crop), as JSON strings (safetensors metadata; ONNX ``metadata_props``).  An
-ONNX file is checked against the merged model's logits with onnxruntime where it is installed.
+unload=True)``), so what is written is the timm architecture with other weights, named as timm itself
+names it (petl's own backbones translated by :data:`petl.models.TIMM_NATIVE`), so that it loads where
+petl is not installed.  A folder (``out=`` without a suffix) is timm's own format for a model with its
+configuration, the one ``huggingface_hub`` uploads: ``config.json`` (``architecture``, ``model_args``
+with ``img_size``, ``num_classes``, ``pretrained_cfg`` with the preprocessing and ``label_names``) and
+``model.safetensors``.  A single file's metadata holds the same: the timm name and arguments, the class
+names and the preprocessing (input size, mean/std, interpolation, crop), as JSON strings (safetensors
+metadata; ONNX ``metadata_props``).  An ONNX file is checked against the merged model's logits with
+onnxruntime where it is installed.  ``out=`` inside the run folder is refused: an export never replaces
+the run's own files.
 Methods whose modules cannot fold into the backbone (adapters, prompts, an MLP head) are refused
 in one line: use ``petl-predict`` / ``petl.load_run`` for them.
 
-Exit status: 2 for bad input (no weights, a method that cannot be unloaded, an unknown format),
+Exit status: 2 for bad input (no weights, a method that cannot be unloaded, an unknown format, out= inside
+the run folder),
 1 when the export fails.
 """
 
@@ -30,13 +38,16 @@ import torch
 from torch import nn
 
 import petl
+from petl.data.transforms import CROP_RATIO
+from petl.models import timm_native
 from petl.run import records
 from petl.run.load import LoadedRun, RunFolderError, load_run
 
 PROG = "petl-export"
 USAGE_ERROR, RUN_ERROR = 2, 1
 FORMAT = "petl-export-1"
-FORMATS = (".safetensors", ".onnx")
+FORMATS = (".safetensors", ".onnx", "")  # "": a timm folder
+CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"  # timm's names in a local-dir/hub folder
 ONNX_OPSET = 17
 # Largest |difference| of logits accepted between onnxruntime and torch (fp32 kernels differ in rounding).
 ONNX_TOLERANCE = 1e-3
@@ -45,10 +56,11 @@ ONNX_TOLERANCE = 1e-3
 def metadata(run: LoadedRun) -> dict[str, str]:
     """What a consumer of the exported file needs, as string values (both formats take only strings)."""
     card = run.card
+    architecture, kwargs = timm_native(card["backbone"]["name"], card["backbone"]["kwargs"])
     return {
         "format": FORMAT,
-        "timm_model": card["backbone"]["name"],
-        "timm_kwargs": json.dumps(card["backbone"].get("kwargs") or {}),
+        "timm_model": architecture,
+        "timm_kwargs": json.dumps(kwargs),
         "num_classes": str(len(run.class_names)),
         "class_names": json.dumps(run.class_names),
         "preprocess": json.dumps(card["preprocess"]),
@@ -70,6 +82,39 @@ def save_safetensors(model: nn.Module, path: Path, meta: dict[str, str]) -> None
         tmp.write_bytes(data)
 
     records.write_atomic(path, write)
+
+
+def timm_config(run: LoadedRun) -> dict[str, Any]:
+    """The ``config.json`` of a timm folder (``local-dir:`` / hub): architecture, arguments, preprocessing, classes."""
+    card, spec = run.card, run.spec
+    architecture, kwargs = timm_native(card["backbone"]["name"], card["backbone"]["kwargs"])
+    return {
+        "architecture": architecture,
+        "num_classes": len(run.class_names),
+        "model_args": {**kwargs, "num_classes": len(run.class_names)},
+        "pretrained_cfg": {
+            "input_size": [3, spec.image_size, spec.image_size],
+            "fixed_input_size": True,
+            "interpolation": spec.interpolation,
+            "mean": list(spec.mean),
+            "std": list(spec.std),
+            # petl's evaluation geometry in timm's words: the shorter side to size * 256 / 224 and a centre crop,
+            # or the image squashed to the square.
+            "crop_pct": 1 / CROP_RATIO if spec.crop else 1.0,
+            "crop_mode": "center" if spec.crop else "squash",
+            "first_conv": "patch_embed.proj",
+            "classifier": "head",
+            "label_names": list(run.class_names),
+        },
+        "petl": {"format": FORMAT, "method": f"{card['method']} (merged)", "dataset": card.get("dataset")},
+    }
+
+
+def save_timm_folder(model: nn.Module, folder: Path, config: dict[str, Any]) -> None:
+    """``model.safetensors`` and ``config.json`` into ``folder`` (each written atomically)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    save_safetensors(model, folder / WEIGHTS_FILE, {"format": "pt"})
+    records.write_json(folder / CONFIG_FILE, config)
 
 
 def save_onnx(model: nn.Module, path: Path, meta: dict[str, str], image_size: int) -> float | None:
@@ -129,25 +174,31 @@ def _onnx_gap(path: Path, model: nn.Module, example: torch.Tensor) -> float | No
 
 
 def export(run_dir: str | Path, out: str | Path) -> float | None:
-    """Write a run's merged plain model to ``out`` (``.safetensors`` or ``.onnx``).
+    """Write a run's merged plain model to ``out`` (a timm folder, ``.safetensors`` or ``.onnx``).
 
     Returns:
         For ONNX, onnxruntime's largest logit difference from torch (``None`` without onnxruntime).
 
     Raises:
-        ValueError: an unknown format, a method that cannot be unloaded, a run folder that cannot load.
+        ValueError: an unknown format, ``out`` inside the run folder, a method that cannot be unloaded, a run
+            folder that cannot load.
         RuntimeError: the ONNX check failed.
 
     """
     out = Path(out)
     if out.suffix.lower() not in FORMATS:
-        raise ValueError(f"out={out}: choose a .safetensors or .onnx file name")
+        raise ValueError(f"out={out}: choose a folder (no suffix), a .safetensors or a .onnx file name")
+    if out.resolve().is_relative_to(Path(run_dir).resolve()):
+        raise ValueError(f"out={out} is inside the run folder {run_dir}: export elsewhere (the run's files stay)")
     run = load_run(run_dir)
     model = plain_model(run)
     meta = metadata(run)
     if out.suffix.lower() == ".onnx":
         return save_onnx(model, out, meta, run.spec.image_size)
-    save_safetensors(model, out, meta)
+    if out.suffix:
+        save_safetensors(model, out, meta)
+    else:
+        save_timm_folder(model, out, timm_config(run))
     return None
 
 
@@ -157,11 +208,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("run_dir", help="a finished petl-run output_dir")
-    parser.add_argument("out", help="out=model.safetensors or out=model.onnx")
+    parser.add_argument("out", help="out=FOLDER (timm's local-dir format), out=model.safetensors or out=model.onnx")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     key, eq, target = args.out.partition("=")
     if not eq or key != "out" or not target:
-        print(f"{PROG}: error: expected out=FILE.safetensors|FILE.onnx, got {args.out!r}", file=sys.stderr)
+        print(f"{PROG}: error: expected out=FOLDER|FILE.safetensors|FILE.onnx, got {args.out!r}", file=sys.stderr)
         raise SystemExit(USAGE_ERROR)
     try:
         gap = export(args.run_dir, target)

@@ -1,11 +1,18 @@
 """Everything needed to use a trained run, and :func:`load_run`, which uses it.
 
-A finished run's folder holds ``model.json`` beside ``trainable.safetensors``: the backbone (timm
-name with its pretrained tag, whether its pretrained weights or a local checkpoint were loaded, the
-seed that drew a random init), the preprocessing (input size, mean/std, interpolation, crop), the
-method, and the class names.  It also holds a SHA-256 of the frozen backbone's tensors, so a backbone
-rebuilt later (hub weights that changed, another timm version drawing another random init) is
-refused instead of silently giving other predictions.
+A finished run's folder holds ``model.json`` (the run card) beside ``trainable.safetensors``: the
+backbone (timm name with its pretrained tag, every ``timm.create_model`` argument the run gave it,
+``img_size`` included, whether its pretrained weights or a local checkpoint were loaded, the checkpoint
+as an absolute path with its SHA-256, the seed that drew a random init), the preprocessing (input size,
+mean/std, interpolation, crop), the method, the class names, and SHA-256s of the trained weights file
+and of the frozen backbone's tensors.  Loading checks each: a weights file that is not the run's, a
+backbone rebuilt otherwise (hub weights that changed, another timm version drawing another random
+init), a checkpoint file that changed, a head of another class count, a ``weights`` naming a file
+outside the run folder are refused in one line instead of silently giving other predictions.
+
+:func:`write_card` is the card's one writer and :func:`read_card` its one reader.  A card of the first
+format (``petl-model-1``: no weights hash, no ``img_size``) still loads, with one line saying what
+could not be checked; one of a newer format than this petl knows is refused, saying so.
 
     run = petl.load_run("runs/folder/.../seed0")
     logits = run.model(run.preprocess(PIL.Image.open("cat.png"))[None])
@@ -17,6 +24,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,12 +37,44 @@ from PIL import Image
 from torch import nn
 
 import petl
+from petl import vit
 from petl.core import trainable_state
 from petl.data import hub
 from petl.data.transforms import ImageSpec, pil_to_tensor
-from petl.run.records import MODEL_FILE, WEIGHTS_FILE
+from petl.paths import file_sha256
+from petl.run.records import MODEL_FILE, WEIGHTS_FILE, write_json
 
-FORMAT = "petl-model-1"
+log = logging.getLogger(__name__)
+
+VERSION = 2  # of the card's format; read_card reads this one and every older one
+FORMAT = f"petl-model-{VERSION}"
+_FORMAT_PATTERN = re.compile(r"petl-model-(\d+)")
+
+# Every field a card must hold, with its JSON type ("int" never a bool); fields of later versions after.
+_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "backbone": dict,
+    "backbone.name": str,
+    "backbone.pretrained": bool,
+    "backbone.kwargs": dict,
+    "method": str,
+    "method_config": dict,
+    "weights": str,
+    "preprocess": dict,
+    "preprocess.input_size": int,
+    "preprocess.mean": list,
+    "preprocess.std": list,
+    "preprocess.interpolation": str,
+    "preprocess.crop": bool,
+    "num_classes": int,
+    "class_names": list,
+}
+_OPTIONAL: dict[str, type | tuple[type, ...]] = {
+    "backbone.checkpoint": (str, type(None)),
+    "backbone.checkpoint_sha256": (str, type(None)),
+    "backbone.seed": int,
+    "backbone.frozen_sha256": (str, type(None)),
+}
+_FIELDS_SINCE = {2: {"weights_sha256": str, "backbone.kwargs.img_size": int}}
 
 
 class RunFolderError(ValueError):
@@ -75,15 +116,22 @@ def model_card(
         dataset: the dataset name it was trained on.
         checkpoint_sha256: SHA-256 of ``model_cfg["checkpoint"]``, if one was loaded.
 
+    Returns:
+        The card without ``weights_sha256``, which :func:`write_card` adds once the weights are on disk.
+
     """
+    checkpoint = model_cfg.get("checkpoint")
     return {
         "format": FORMAT,
         "backbone": {
             "name": model_cfg["name"],
             "pretrained": bool(model_cfg["pretrained"]),
-            "checkpoint": model_cfg.get("checkpoint"),
+            # Absolute: a run is loaded from other working folders than the one it was trained in.
+            "checkpoint": str(Path(checkpoint).resolve()) if checkpoint else None,
             "checkpoint_sha256": checkpoint_sha256,
-            "kwargs": dict(model_cfg.get("kwargs") or {}),
+            # Every create_model argument, the built size included (model.img_size or kwargs.img_size or the
+            # default): the position grid's shape depends on it.
+            "kwargs": {**dict(model_cfg.get("kwargs") or {}), "img_size": int(spec.image_size)},
             "seed": seed,
             "frozen_sha256": frozen_sha256(model),
         },
@@ -101,6 +149,17 @@ def model_card(
         "class_names": list(class_names),
         "dataset": dataset,
     }
+
+
+def write_card(folder: Path, card: dict[str, Any]) -> None:
+    """Write a run's ``model.json`` (atomically), with the SHA-256 of the weights file already written beside it.
+
+    Args:
+        folder: the run folder; its ``card["weights"]`` file must be written first.
+        card: a record of :func:`model_card`.
+
+    """
+    write_json(folder / MODEL_FILE, {**card, "weights_sha256": file_sha256(folder / card["weights"])})
 
 
 @dataclass
@@ -128,29 +187,104 @@ class LoadedRun:
 
 
 def read_card(run_dir: str | Path) -> dict[str, Any]:
-    """A run folder's ``model.json``, checked to exist beside the weights.
+    """A run folder's ``model.json``, checked: its format, every field and its type, ``weights`` inside the folder.
+
+    A card of an older format is brought to the current one in memory (the file is left as it is): a
+    ``petl-model-1`` card's ``kwargs.img_size`` is its preprocessing's input size (the size its backbone was
+    built at); it records no weights hash, which one logged line says.
 
     Raises:
-        RunFolderError: the folder, its weights or its model.json is missing (one line naming it).
+        RunFolderError: the folder, its weights or its model.json is missing, or the card is damaged, of a
+            newer format, or names weights outside the folder (one line naming the file or field).
 
     """
     folder = Path(run_dir)
     if not folder.is_dir():
         raise RunFolderError(f"{folder}: no such run folder")
-    if not (folder / WEIGHTS_FILE).is_file():
-        raise RunFolderError(f"{folder} holds no {WEIGHTS_FILE}: not a finished petl-run folder")
     card_path = folder / MODEL_FILE
     if not card_path.is_file():
+        if not (folder / WEIGHTS_FILE).is_file():
+            raise RunFolderError(f"{folder} holds no {WEIGHTS_FILE}: not a finished petl-run folder")
         raise RunFolderError(
             f"{folder} holds no {MODEL_FILE} (written by petl-run from this version on): train it again to use it"
         )
     try:
         card = json.loads(card_path.read_text(encoding="utf-8"))
-    except ValueError as error:
-        raise RunFolderError(f"{card_path} is not valid JSON ({error})") from None
-    if not isinstance(card, dict) or card.get("format") != FORMAT:
-        raise RunFolderError(f"{card_path} is not a petl model record (format {FORMAT})")
+    except (ValueError, RecursionError) as error:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise RunFolderError(f"{card_path} is not valid JSON ({error}): restore the run's model.json") from None
+    found = _FORMAT_PATTERN.fullmatch(str(card.get("format"))) if isinstance(card, dict) else None
+    if found is None:
+        raise RunFolderError(f"{card_path} is not a petl model record (its format is not petl-model-N)")
+    version = int(found.group(1))
+    if version > VERSION:
+        raise RunFolderError(
+            f"{card_path} was written by a newer petl (format {card['format']}; this petl reads up to {FORMAT}): "
+            "upgrade petl to load it"
+        )
+    if version == 1:
+        card = _upgraded_from_1(card, card_path)
+    _check_fields(card, card_path, version)
+    if len(card["class_names"]) != card["num_classes"]:
+        raise RunFolderError(
+            f"{card_path}: class_names has {len(card['class_names'])} names for num_classes={card['num_classes']}: "
+            "restore the run's model.json"
+        )
+    weights = Path(card["weights"])
+    inside = folder.resolve()
+    if weights.is_absolute() or not (inside / weights).resolve().is_relative_to(inside):
+        raise RunFolderError(
+            f"{card_path}: weights={card['weights']} names a file outside the run folder; petl opens only the "
+            f"run's own ({WEIGHTS_FILE}): restore the run's model.json"
+        )
+    if not (folder / weights).is_file():
+        raise RunFolderError(f"{folder} holds no {weights}: not a finished petl-run folder")
     return card
+
+
+# Run folders whose old card was already noted (predict reads a card more than once).
+_NOTED: set[Path] = set()
+
+
+def _upgraded_from_1(card: dict[str, Any], card_path: Path) -> dict[str, Any]:
+    """A ``petl-model-1`` card in the current format (in memory), and one logged line on what it cannot check."""
+    card = json.loads(json.dumps(card))  # a copy
+    backbone, preprocess = card.get("backbone"), card.get("preprocess")
+    if isinstance(backbone, dict) and isinstance(backbone.get("kwargs"), dict) and isinstance(preprocess, dict):
+        # Its evaluation size was the built backbone's size: the one argument version 1 could leave out.
+        backbone["kwargs"].setdefault("img_size", preprocess.get("input_size"))
+    if card_path.resolve() not in _NOTED:
+        _NOTED.add(card_path.resolve())
+        log.warning(
+            "%s is a petl-model-1 card: it records no hash of %s, so that file is not checked to be this run's "
+            "(train the run again for a card that does)",
+            card_path,
+            card.get("weights", WEIGHTS_FILE),
+        )
+    card["weights_sha256"] = None
+    return card
+
+
+def _check_fields(card: dict[str, Any], card_path: Path, version: int) -> None:
+    """Refuse a card with a field missing or of another type (one line naming it)."""
+    required = dict(_FIELDS)
+    for since, fields in _FIELDS_SINCE.items():
+        if version >= since:
+            required.update(fields)
+    for name, kind in [*required.items(), *_OPTIONAL.items()]:
+        value, present = card, True
+        for key in name.split("."):
+            present = isinstance(value, dict) and key in value
+            value = value[key] if present else None
+        if not present:
+            if name in required:
+                raise RunFolderError(f"{card_path}: field {name} is missing: restore the run's model.json")
+            continue
+        kinds = kind if isinstance(kind, tuple) else (kind,)
+        if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+            wanted = " or ".join("null" if k is type(None) else k.__name__ for k in kinds)
+            raise RunFolderError(
+                f"{card_path}: field {name} is {json.dumps(value)[:60]}, not a {wanted}: restore the run's model.json"
+            )
 
 
 def spec_of(card: dict[str, Any]) -> ImageSpec:
@@ -172,12 +306,66 @@ def create_backbone(backbone: dict[str, Any]) -> nn.Module:
     if checkpoint:
         if not Path(checkpoint).is_file():
             raise RunFolderError(f"the backbone's weights file {checkpoint} is gone: put it back to load this run")
+        recorded = backbone.get("checkpoint_sha256")
+        if recorded and file_sha256(Path(checkpoint)) != recorded:
+            raise RunFolderError(
+                f"the backbone's weights file {checkpoint} changed since the run (its sha256 is not "
+                "backbone.checkpoint_sha256): put back the file the run was trained with"
+            )
         kwargs["pretrained_cfg_overlay"] = {"file": str(checkpoint)}
     # The same generator state petl-run had when it built the backbone (a random init is drawn from it),
     # without disturbing the caller's.
     with torch.random.fork_rng(devices=[]), hub.offline_unless_reachable():
         torch.manual_seed(int(backbone.get("seed", 0)))
         return timm.create_model(backbone["name"], pretrained=bool(backbone["pretrained"]), **kwargs)
+
+
+def backbone_difference(first: dict[str, Any], other: dict[str, Any]) -> str | None:
+    """The first field in which two cards' ``backbone`` records differ (``None``: the same backbone).
+
+    The seed counts only for a random init; the frozen tensors' hash decides the rest.
+    """
+    keys = ["name", "pretrained", "checkpoint_sha256", "kwargs", "frozen_sha256"]
+    if not first.get("pretrained"):
+        keys.append("seed")
+    for key in keys:
+        a, b = first.get(key), other.get(key)
+        if key == "kwargs":
+            for arg in sorted({*a, *b}):
+                if a.get(arg) != b.get(arg):
+                    return f"backbone.kwargs.{arg} {a.get(arg)} against {b.get(arg)}"
+        elif a != b:
+            return f"backbone.{key} {a} against {b}"
+    return None
+
+
+def backbone_mismatch(card: dict[str, Any], backbone: nn.Module) -> str | None:
+    """How a plain timm backbone differs from the one a run's card records: architecture or image size.
+
+    Returns:
+        One phrase (``trained on vit_x at 48 px, this backbone is vit_x at 32 px``), or ``None``.  The frozen
+        tensors themselves are compared once the run is loaded on it (:func:`frozen_mismatch`).
+
+    """
+    recorded = card["backbone"]
+    name, size = recorded["name"].split(".", 1)[0], recorded["kwargs"].get("img_size")
+    have_name = (getattr(backbone, "pretrained_cfg", None) or {}).get("architecture") or name
+    have_size = getattr(getattr(backbone, "patch_embed", None), "img_size", None)
+    have_size = have_size[0] if isinstance(have_size, (tuple, list)) else have_size
+    if have_name != name or (size is not None and have_size is not None and have_size != size):
+        return f"trained on {name} at {size} px, this backbone is {have_name} at {have_size} px"
+    return None
+
+
+def frozen_mismatch(card: dict[str, Any], model: nn.Module) -> str | None:
+    """Why ``model`` (a run's method loaded on some backbone) is not on the backbone it trained on; ``None``: it is."""
+    recorded = card["backbone"].get("frozen_sha256")
+    if recorded is not None and frozen_sha256(model) != recorded:
+        return (
+            f"the backbone's frozen tensors differ from those {card['backbone']['name']} had in training "
+            "(other pretrained weights, checkpoint or random init)"
+        )
+    return None
 
 
 def checkpoint_mismatch(model_name: str, kwargs: dict[str, Any], path: str | Path, shown: int = 3) -> str | None:
@@ -254,8 +442,20 @@ def load_run(run_dir: str | Path) -> LoadedRun:
 
 
 def weights_file(folder: Path, card: dict[str, Any]) -> Path:
-    """The trained tensors a run folder's record names."""
-    return folder / card.get("weights", WEIGHTS_FILE)
+    """The trained tensors a run folder's card names (read by :func:`read_card`), checked to be the run's own.
+
+    Raises:
+        RunFolderError: the file's SHA-256 is not the card's ``weights_sha256`` (another run's weights, or changed).
+
+    """
+    path = folder / card["weights"]
+    recorded = card.get("weights_sha256")
+    if recorded is not None and file_sha256(path) != recorded:
+        raise RunFolderError(
+            f"{path} is not the weights this run wrote (its sha256 is not {MODEL_FILE}'s weights_sha256): "
+            "put back the run's own file"
+        )
+    return path
 
 
 def loaded(folder: Path, card: dict[str, Any], model: nn.Module) -> LoadedRun:
@@ -265,12 +465,14 @@ def loaded(folder: Path, card: dict[str, Any], model: nn.Module) -> LoadedRun:
         RunFolderError: the rebuilt backbone's frozen tensors differ from those the run trained on.
 
     """
-    recorded = card["backbone"].get("frozen_sha256")
-    if recorded is not None and frozen_sha256(model) != recorded:
+    mismatch = frozen_mismatch(card, model)
+    if mismatch is not None:
+        raise RunFolderError(f"{folder}: {mismatch}: predictions would not be the run's")
+    if vit.num_classes(model) != card["num_classes"]:
         raise RunFolderError(
-            f"{folder}: the backbone {card['backbone']['name']} built now differs from the one this run trained "
-            "(its pretrained weights or timm's random init changed): predictions would not be the run's"
+            f"{folder}: {card['weights']} holds a head of {vit.num_classes(model)} classes, {MODEL_FILE} says "
+            f"num_classes={card['num_classes']}: put back the run's own files"
         )
     model.eval()
-    names = [str(name) for name in card.get("class_names") or range(card["num_classes"])]
+    names = [str(name) for name in card["class_names"]]
     return LoadedRun(model=model, spec=spec_of(card), class_names=names, card=card, run_dir=folder)

@@ -396,7 +396,7 @@ def _record(
     """Weights and model.json, then ``result.json`` (its presence marks the run finished), then drop the checkpoint."""
     if accelerator.is_main_process:
         records.write_atomic(out / records.WEIGHTS_FILE, lambda tmp: petl.save_trainable(model, tmp))
-        records.write_json(out / records.MODEL_FILE, card)
+        load.write_card(out, card)
         write_result(out / records.RESULT_FILE, result)
         if not cfg.train.keep_checkpoint:
             (out / records.CHECKPOINT_FILE).unlink(missing_ok=True)
