@@ -421,3 +421,33 @@ def replace_cfg(cfg, **changes):
     import dataclasses
 
     return dataclasses.replace(cfg, **changes)
+
+
+# --- prompt dropout: one mask per image -------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("method", "options"),
+    [
+        # NOAH model/supernet_vision_transformer_timm.py L357-359: expand to the batch, then drop_prompt.
+        ("noah", {"prompt": [4, 4, 4], "lora": [0, 0, 0], "adapter": [0, 0, 0]}),
+        # KMnP/vpt src/models/vit_prompt/vit.py L82 (shallow) and L114-115 (deep): prompt_dropout(... .expand(B)).
+        ("vpt", {"num_tokens": 4}),
+        ("vpt", {"num_tokens": 4, "deep": True}),
+    ],
+    ids=["noah", "vpt_shallow", "vpt_deep"],
+)
+def test_prompt_dropout_draws_a_mask_per_image(tiny_vit, method, options):
+    model = petl.apply(tiny_vit(), method, dropout=0.5, **options).train()
+    seen = []
+    first = model.blocks[0].base
+    first.norm1.register_forward_pre_hook(lambda _module, args: seen.append(args[0]))
+    image = torch.randn(1, 3, 32, 32, generator=torch.Generator().manual_seed(2))
+    torch.manual_seed(0)
+    model(image.expand(2, -1, -1, -1))
+    tokens = seen[0]  # block 0's input: the two rows differ only where the prompt dropout acted
+    differs = (tokens[0] != tokens[1]).any(dim=-1)
+    prompts = torch.zeros_like(differs)
+    where = slice(-4, None) if method == "noah" else slice(1, 5)  # NOAH appends after the patches, VPT after cls
+    prompts[where] = True
+    assert differs[where].all() and not differs[~prompts].any()

@@ -11,8 +11,9 @@ is retrained from scratch on the pretrained backbone.  NOAH's published per-task
 Follows ZhangYuanhan-AI/NOAH@e9c55f3 (V-PETL Bench's ``vision_transformer_noah.py`` is a copy of its VPT-shallow
 model, L259, and ``run_vit_noah.sh`` runs its adapter trainer, so its NOAH row is NOAH's own):
 
-* block: model/supernet_vision_transformer_timm.py L354-366: own prompts (dropout 0.1) appended at the END of the
-  sequence, replacing the previous block's prompts when that block had some (L360-363; when a block has none the
+* block: model/supernet_vision_transformer_timm.py L354-366: own prompts (dropout 0.1, a mask per image: L357-359
+  expand them to the batch first) appended at the END of the sequence, replacing the previous block's prompts
+  when that block had some (L360-363; when a block has none the
   earlier prompts stay in the sequence and the next prompted block appends after them, which petl keeps);
   ``x + attn(norm1(x))``; ``x + adapter(drop_path(mlp(norm2(x))))``;
 * LoRA: L221-228 and L272-281: ``qkv += B A dropout(x)`` for q, k and v, no scaling, A kaiming-uniform, B zero,
@@ -218,8 +219,11 @@ class NoahBlock(core.PetlModule):
         return h + F.linear(z, self.up.weight[:, :a], self.up.bias)
 
     def prompts(self, x: torch.Tensor) -> torch.Tensor:
-        """This block's active prompts (dropout applied) for every row of ``x``, in its dtype."""
-        return self.drop_prompt(self.prompt[: self.prompt_len]).to(x.dtype).expand(x.shape[0], -1, -1)
+        """This block's active prompts for every row of ``x``, in its dtype, dropout drawn per row.
+
+        Expanded to the batch before the dropout, so each image gets its own mask (L357-359).
+        """
+        return self.drop_prompt(self.prompt[: self.prompt_len].to(x.dtype).expand(x.shape[0], -1, -1))
 
     def forward(self, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         if self.prompt_len > 0:
