@@ -108,7 +108,8 @@ def test_lst_equals_reference(tiny_vit, images, options):
 
 
 def test_lst_defaults_and_init_follow_the_reference(tiny_vit):
-    # side_transformers/config.py: reduction 8, gate_alpha 0, gate_T 0.1; init_bert_weights L1012-1023.
+    # side_transformers/config.py: gate_alpha 0, gate_T 0.1; init_bert_weights L1012-1023.  Reduction 8 reproduces
+    # V-PETL's 2.38M (LST's own: 16 by default, 4 in its script; test_lst_reduction_is_cited_as_the_code_reads_it).
     cfg = petl.make_config("lst")
     assert (cfg.reduction, cfg.gate_alpha, cfg.gate_t) == (8, 0.0, 0.1)
     side = petl.apply(tiny_vit(embed_dim=96, num_heads=3), "lst").blocks[0].side
@@ -116,6 +117,22 @@ def test_lst_defaults_and_init_follow_the_reference(tiny_vit):
     assert torch.equal(side.gates, torch.zeros(3))
     assert abs(float(side.ladders[0].weight.detach().std()) - 0.02) < 0.005
     assert all(float(b.attn.qkv.bias.detach().abs().sum()) == 0 for b in side.side_blocks)
+
+
+def test_lst_reduction_is_cited_as_the_code_reads_it():
+    # ylsung/Ladder-Side-Tuning@1798e82: side_transformers/config.py L2 is task_reduction_factor = 8, unread by the
+    # side network; its width comes from args.reduction_factor (entry.py L102, modeling.py L648-649), default 16
+    # (param.py L225), 4 in scripts/side_transformers.sh L3.
+    from pathlib import Path
+
+    from petl.methods import lst
+
+    experiment = (Path(__file__).parents[1] / "configs" / "experiments" / "lst.yaml").read_text()
+    for text in (lst.__doc__, experiment):
+        flat = " ".join(text.replace("#", " ").split())
+        assert "config.py: reduction 8" not in flat and "config.py (reduction 8" not in flat
+        for cited in ("entry.py L102", "param.py L225", "side_transformers.sh L3", "task_reduction_factor"):
+            assert cited in flat, cited
 
 
 # --- HST ---------------------------------------------------------------------------------------
