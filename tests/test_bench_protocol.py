@@ -442,6 +442,12 @@ def test_the_vpetl_presets_start_lora_and_the_adapters_as_vpetl_runs_them(tmp_pa
             assert unchanged != reference, (suite_name, name)
             zeros = [n for n, p in model.named_parameters() if p.requires_grad and p.dim() > 1 and not p.any()]
             assert bool(zeros) != reference, (suite_name, name, zeros)
+    # NOAH's constructor re-draws the same way (supernet_vision_transformer_timm.py L462): its preset rows too.
+    noah = suites.load_experiment("noah", bench)
+    for suite_name, init in (("vtab1k_vpetl", "reference"), ("vtab1k", "zero")):
+        suite = suites.load_suite(suite_name, bench)
+        run = sweep.plan([noah], ["vtab/dmlab"], [0], tmp_path, suite.overrides(), (), suite)[0]
+        assert default_config(list(run.overrides)).method.init == init, suite_name
 
 
 def test_planned_run_label():

@@ -177,6 +177,7 @@ def _reference_redrawn(model: torch.nn.Module, method: str) -> tuple[list[torch.
     from petl.methods.convpass import ConvpassParallel
     from petl.methods.fact import FactLinear
     from petl.methods.lora import LoraLinear
+    from petl.methods.noah import NoahBlock, NoahQkv
 
     weights, biases = [], []
     for m in model.modules():
@@ -188,6 +189,11 @@ def _reference_redrawn(model: torch.nn.Module, method: str) -> tuple[list[torch.
         elif isinstance(m, FactLinear):
             weights += [m.shared.u, m.shared.v] if "shared" in m._modules else []
             weights += [m.cores] if m.cores is not None else []
+        elif isinstance(m, NoahQkv):
+            weights += [m.lora_a, m.lora_b]
+        elif isinstance(m, NoahBlock) and m.down is not None:
+            weights += [m.down.weight, m.up.weight]
+            biases += [m.down.bias, m.up.bias]
     return weights, biases
 
 
@@ -203,6 +209,9 @@ def _reference_redrawn(model: torch.nn.Module, method: str) -> tuple[list[torch.
         # PETL_Vision model/convpass.py L10-20, model/fact.py L16-39, then timm 0.9.12's init_weights.
         ("convpass", {"dim": 16}),
         ("fact", {"type": "tt", "rank": 16}),
+        # NOAH supernet_vision_transformer_timm.py L224-228 (LoRA_a, LoRA_b nn.Linear) and adapter_super.py
+        # L32-45 (ln1, ln2), then init_weights (L462, L520-531, _init_vit_weights L664-688).
+        ("noah", {"prompt": [10, 5, 0], "lora": [10, 1, 5], "adapter": [5, 10, 10]}),
     ],
 )
 def test_init_reference_redraws_what_the_references_init_weights_redraws(tiny_vit, method, options):
@@ -309,6 +318,25 @@ def test_noah_init_is_a_slice_of_the_supernets(tiny_vit):
     assert 0.9 * bound < block.down.weight.abs().max() <= bound and block.up.bias.abs().max() < 1e-5
     qkv = block.base.attn.qkv
     assert qkv.lora_b.abs().sum() == 0 and 0 < qkv.lora_a.abs().max() <= 1 / d**0.5
+
+
+def test_noah_init_reference_starts_as_noahs_code_runs(tiny_vit, images):
+    # init_weights (L462) re-draws nn.Linear only: LoRA B is no longer zero, the prompts keep their xavier init;
+    # the supernet of the search is built the same way (one constructor for both in NOAH).
+    from petl.methods.noah import NoahBlock
+
+    d, widths = 96, {"prompt": [100] * 3, "lora": [100] * 3, "adapter": [100] * 3}
+    torch.manual_seed(0)
+    block = next(b for b in petl.apply_noah(tiny_vit(embed_dim=d), init="reference", **widths).blocks)
+    assert isinstance(block, NoahBlock)
+    bound = (6 / (101 * d)) ** 0.5
+    assert 0.9 * bound < block.prompt.abs().max() <= bound
+    lora_b = block.base.attn.qkv.lora_b
+    assert lora_b.abs().min() > 0 and float(lora_b.detach().std()) == pytest.approx(0.02, rel=0.05)
+    assert block.up.bias.abs().sum() == 0 and block.down.bias.abs().sum() == 0
+    assert petl.make_config("noah").init == "zero"
+    with pytest.raises(ValueError, match="init='xavier'"):
+        petl.apply_noah(tiny_vit(), init="xavier", **{k: [1] * 3 for k in widths})
 
 
 def test_noah_published_subnet_count(vit_base):
@@ -421,3 +449,33 @@ def replace_cfg(cfg, **changes):
     import dataclasses
 
     return dataclasses.replace(cfg, **changes)
+
+
+# --- prompt dropout: one mask per image -------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("method", "options"),
+    [
+        # NOAH model/supernet_vision_transformer_timm.py L357-359: expand to the batch, then drop_prompt.
+        ("noah", {"prompt": [4, 4, 4], "lora": [0, 0, 0], "adapter": [0, 0, 0]}),
+        # KMnP/vpt src/models/vit_prompt/vit.py L82 (shallow) and L114-115 (deep): prompt_dropout(... .expand(B)).
+        ("vpt", {"num_tokens": 4}),
+        ("vpt", {"num_tokens": 4, "deep": True}),
+    ],
+    ids=["noah", "vpt_shallow", "vpt_deep"],
+)
+def test_prompt_dropout_draws_a_mask_per_image(tiny_vit, method, options):
+    model = petl.apply(tiny_vit(), method, dropout=0.5, **options).train()
+    seen = []
+    first = model.blocks[0].base
+    first.norm1.register_forward_pre_hook(lambda _module, args: seen.append(args[0]))
+    image = torch.randn(1, 3, 32, 32, generator=torch.Generator().manual_seed(2))
+    torch.manual_seed(0)
+    model(image.expand(2, -1, -1, -1))
+    tokens = seen[0]  # block 0's input: the two rows differ only where the prompt dropout acted
+    differs = (tokens[0] != tokens[1]).any(dim=-1)
+    prompts = torch.zeros_like(differs)
+    where = slice(-4, None) if method == "noah" else slice(1, 5)  # NOAH appends after the patches, VPT after cls
+    prompts[where] = True
+    assert differs[where].all() and not differs[~prompts].any()

@@ -108,7 +108,8 @@ def test_lst_equals_reference(tiny_vit, images, options):
 
 
 def test_lst_defaults_and_init_follow_the_reference(tiny_vit):
-    # side_transformers/config.py: reduction 8, gate_alpha 0, gate_T 0.1; init_bert_weights L1012-1023.
+    # side_transformers/config.py: gate_alpha 0, gate_T 0.1; init_bert_weights L1012-1023.  Reduction 8 reproduces
+    # V-PETL's 2.38M (LST's own: 16 by default, 4 in its script; test_lst_reduction_is_cited_as_the_code_reads_it).
     cfg = petl.make_config("lst")
     assert (cfg.reduction, cfg.gate_alpha, cfg.gate_t) == (8, 0.0, 0.1)
     side = petl.apply(tiny_vit(embed_dim=96, num_heads=3), "lst").blocks[0].side
@@ -118,22 +119,44 @@ def test_lst_defaults_and_init_follow_the_reference(tiny_vit):
     assert all(float(b.attn.qkv.bias.detach().abs().sum()) == 0 for b in side.side_blocks)
 
 
+def test_lst_reduction_is_cited_as_the_code_reads_it():
+    # ylsung/Ladder-Side-Tuning@1798e82: side_transformers/config.py L2 is task_reduction_factor = 8, unread by the
+    # side network; its width comes from args.reduction_factor (entry.py L102, modeling.py L648-649), default 16
+    # (param.py L225), 4 in scripts/side_transformers.sh L3.
+    from pathlib import Path
+
+    from petl.methods import lst
+
+    experiment = (Path(__file__).parents[1] / "configs" / "experiments" / "lst.yaml").read_text()
+    for text in (lst.__doc__, experiment):
+        flat = " ".join(text.replace("#", " ").split())
+        assert "config.py: reduction 8" not in flat and "config.py (reduction 8" not in flat
+        for cited in ("entry.py L102", "param.py L225", "side_transformers.sh L3", "task_reduction_factor"):
+            assert cited in flat, cited
+
+
 # --- HST ---------------------------------------------------------------------------------------
+
+
+def _layer_norm(norm: torch.nn.LayerNorm, x: torch.Tensor, eps: float) -> torch.Tensor:
+    """``norm``'s affine parameters at the reference's ``eps`` (not ``norm``'s own)."""
+    return torch.nn.functional.layer_norm(x, x.shape[-1:], norm.weight, norm.bias, eps)
 
 
 def _hst_side_block(block, x, meta_r, x_vit):
     # AFeng-x/HST@ee89571 models/vit_custom_modules.py L147-162 (M_C_Attention: q from x, k and v from the
-    # meta tokens, softmax(q k^T * scale) v, proj) and L200-205 (M_Block: x + attn, + x_vit, + mlp).
+    # meta tokens, softmax(q k^T * scale) v, proj) and L200-205 (M_Block: x + attn, + x_vit, + mlp); its norms
+    # are ViT_HSN's norm_layer, LayerNorm eps 1e-6 (vit_hsn.py L188, L233).
     b, n, c = x.shape
     heads = block.heads
-    q = block.q(block.norm1(x)).reshape(b, n, heads, c // heads).permute(0, 2, 1, 3)
+    q = block.q(_layer_norm(block.norm1, x, 1e-6)).reshape(b, n, heads, c // heads).permute(0, 2, 1, 3)
     k = block.k(meta_r).reshape(b, -1, heads, c // heads).permute(0, 2, 1, 3)
     v = block.v(meta_r).reshape(b, -1, heads, c // heads).permute(0, 2, 1, 3)
     attn = (q @ k.transpose(-2, -1) * (c // heads) ** -0.5).softmax(dim=-1)
     x = x + block.proj((attn @ v).transpose(1, 2).reshape(b, n, c))
     x = x + x_vit
     fc1, fc2 = block.mlp[0], block.mlp[2]
-    return x + fc2(torch.nn.functional.gelu(fc1(block.norm2(x))))
+    return x + fc2(torch.nn.functional.gelu(fc1(_layer_norm(block.norm2, x, 1e-6))))
 
 
 def _hst_forward(model, side, head, plain_blocks, images, stage_blocks):
@@ -149,19 +172,21 @@ def _hst_forward(model, side, head, plain_blocks, images, stage_blocks):
         maps.append(x[:, 1 + prefix :].transpose(1, 2).reshape(b, -1, 4, 4))
         x = x[:, 1:]
     stage_of = {i: s for s, blocks in enumerate(stage_blocks) for i in blocks}
-    metas = [side.meta_norms[i](side.bridges[stage_of[i]](m)) for i, m in enumerate(metas)]
+    # m_proj_norm (L249-255) and the patch embeddings' norms (vit_custom_modules.py L219, L254): nn.LayerNorm,
+    # eps 1e-5; the stage norms m_norm (L235): norm_layer, eps 1e-6.
+    metas = [_layer_norm(side.meta_norms[i], side.bridges[stage_of[i]](m), 1e-5) for i, m in enumerate(metas)]
     x_m = images
     for s, blocks in enumerate(stage_blocks):
         embed = side.embeds[s]
         x_m = embed.conv(x_m)
         _, _, h, w = x_m.shape
-        x_m = embed.norm(x_m.flatten(2).transpose(1, 2))
+        x_m = _layer_norm(embed.norm, x_m.flatten(2).transpose(1, 2), 1e-5)
         for i in blocks:
             vit_map = torch.nn.functional.interpolate(maps[i], size=(h, w), mode="bilinear", align_corners=False)
             vit_map = side.bridges[s](vit_map.flatten(2).transpose(1, 2))
             meta_r = torch.cat([metas[i], vit_map.mean(dim=1, keepdim=True)], dim=1)
             x_m = _hst_side_block(side.side_blocks[i], x_m, meta_r, vit_map)
-        x_m = side.stage_norms[s](x_m)
+        x_m = _layer_norm(side.stage_norms[s], x_m, 1e-6)
         if s != len(stage_blocks) - 1:
             x_m = x_m.reshape(b, h, w, -1).permute(0, 3, 1, 2)
     pooled = x_m.mean(dim=1)
@@ -171,14 +196,28 @@ def _hst_forward(model, side, head, plain_blocks, images, stage_blocks):
 
 @pytest.mark.parametrize("options", [{"depth": 4}, {"depth": 3, "reg_tokens": 2}])
 def test_hst_equals_reference(tiny_vit, images, options):
+    # In float64, so that a LayerNorm eps of 1e-5 where the reference has 1e-6 (a 1e-6 change in the logits)
+    # fails the comparison.
     model = petl.apply(tiny_vit(**options), "hst", num_classes=4, dims=(8, 12, 16, 16), heads=(2, 2, 4, 4))
+    model, images = model.double(), images.double()
     perturb_trainable(model)
     model.train()
     model(images)  # one train-mode forward moves the BatchNorm statistics away from 0 and 1
     model.eval()
     side = model.blocks[0].side
     expected = _hst_forward(model, side, model.head, [b.base for b in model.blocks], images, side.stage_blocks)
-    torch.testing.assert_close(model(images), expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(model(images), expected, atol=1e-12, rtol=0)
+
+
+def test_hst_layer_norm_eps_follows_the_reference(tiny_vit):
+    # norm_layer = partial(nn.LayerNorm, eps=1e-6) (vit_hsn.py L188) for the side blocks (L230-234) and the stage
+    # norms (L235); plain nn.LayerNorm (eps 1e-5) for m_proj_norm (L249-255) and the patch embeddings'
+    # norms (vit_custom_modules.py L219, L254).
+    side = petl.apply(tiny_vit(), "hst", num_classes=4, dims=(8, 12, 16), heads=(2, 2, 4)).blocks[0].side
+    assert {m.eps for b in side.side_blocks for m in (b.norm1, b.norm2)} == {1e-6}
+    assert {m.eps for m in side.stage_norms} == {1e-6}
+    assert {m.eps for m in side.meta_norms} == {1e-5}
+    assert {e.norm.eps for e in side.embeds} == {1e-5}
 
 
 def test_hst_defaults_follow_the_reference(tiny_vit):

@@ -8,7 +8,9 @@ bias, the method's Linears included: the zero inits those files write just befor
 L105-108, AdaptFormer L227-230) never reach training.  PETL_Vision does the same through timm's own
 ``init_weights`` (OSU-MLB/PETL_Vision@245d262 model/vision_transformer.py L207-208, under the timm 0.9.12 its
 env_setup.sh pins): its adapter, Convpass and FacT Linears start random, not as model/utils.py's
-``init_weight`` intends; convolutions and bare Parameters are left as they were.
+``init_weight`` intends; convolutions and bare Parameters are left as they were.  NOAH's model does the same
+(ZhangYuanhan-AI/NOAH@e9c55f3 model/supernet_vision_transformer_timm.py L462, ``_init_vit_weights`` L664-688):
+its LoRA A and B and its adapters' projections start trunc_normal, its prompts (bare Parameters) xavier.
 
 ``zero`` (petl's default) keeps the zero-initialised half each method's paper describes, so the model is
 unchanged at init and the update grows from the pretrained function; ``reference`` re-draws the same tensors

@@ -24,11 +24,20 @@ stage norm; mean pool) and ``forward`` L398-403; models/vit_custom_modules.py: `
 L208-244 (3x3 stride-2 conv + LayerNorm), ``Head`` L247-280 (3x3 stride-2 conv, BatchNorm, ReLU, 2x2
 stride-2 conv, LayerNorm) and their inits (Linear trunc-normal 0.02 and zero bias, LayerNorm 1/0, conv
 normal with std sqrt(2 / fan_out) and zero bias); defaults from ``ViT_HSN`` and
-train_scripts/vit/vtab/*/train_s4.sh.  V-PETL Bench publishes an HST row (0.78M) but has no HST code.
+train_scripts/vit/vtab/*/train_s4.sh; LayerNorm eps 1e-6 in the side blocks and stage norms, 1e-5 in the
+meta-token and patch-embedding norms, as there (``SIDE_EPS``).  V-PETL Bench publishes an HST row (0.78M) but
+has no HST code.
 
 Deliberate differences: the stages split the blocks evenly (the reference's ``block_indices`` 2, 5, 8, 11
 on twelve blocks); a backbone with fewer blocks than stages uses its first ``depth`` stages.  The class
-token and register tokens are the prefix tokens left out of the feature map (the reference drops one).
+token and register tokens are the prefix tokens left out of the feature map (the reference drops one).  The
+side blocks have no drop path (the reference's ``M_Block`` drops its two branches with ``DropPath`` at
+``linspace(0, drop_path_rate)`` over the side blocks, vit_hsn.py L222, L233 and vit_custom_modules.py L178, L201-203:
+``--drop-path`` is 0.1 in 12 of its 19 VTAB-1k scripts, 0.2 in one, 0 in six); petl's ``model.drop_path`` acts
+on the backbone's blocks only.  The reference's constructor ends with ``init_weights`` (L270-271, L279,
+``init_weights_vit_timm`` L406-413), which re-draws every ``nn.Linear`` of the side network trunc-normal(0.02)
+with zero biases, the same draw its modules' own inits make and :func:`_init` makes here; its convolutions,
+norms and meta tokens it leaves alone.
 """
 
 from __future__ import annotations
@@ -44,6 +53,12 @@ from torch import nn
 
 from petl import core, multitask, vit
 from petl.methods import _side
+
+# ViT_HSN's norm_layer, partial(nn.LayerNorm, eps=1e-6) (vit_hsn.py L188), builds the side blocks' norm1/norm2
+# (L230-234, vit_custom_modules.py L170, L179) and the stage norms m_norm (L235).  The per-block meta-token norms
+# m_proj_norm (L249-255) and the patch embeddings' norms (vit_custom_modules.py L219, L254) are plain
+# nn.LayerNorm, eps 1e-5, and stay so here.
+SIDE_EPS = 1e-6
 
 
 @dataclass
@@ -125,9 +140,9 @@ class _CrossBlock(nn.Module):
     def __init__(self, dim: int, heads: int, mlp_ratio: float) -> None:
         super().__init__()
         self.heads = heads
-        self.norm1 = nn.LayerNorm(dim)
+        self.norm1 = nn.LayerNorm(dim, eps=SIDE_EPS)
         self.q, self.k, self.v, self.proj = (nn.Linear(dim, dim) for _ in range(4))
-        self.norm2 = nn.LayerNorm(dim)
+        self.norm2 = nn.LayerNorm(dim, eps=SIDE_EPS)
         hidden = int(dim * mlp_ratio)
         self.mlp = nn.Sequential(nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim))
 
@@ -199,7 +214,7 @@ class HstSide(_side.SideNetwork):
         self.side_blocks = nn.ModuleList(
             [_CrossBlock(dims[s], heads[s], mlp_ratio) for s in self.stage_of]
         )  # one per ViT block
-        self.stage_norms = nn.ModuleList([nn.LayerNorm(dim) for dim in dims])
+        self.stage_norms = nn.ModuleList([nn.LayerNorm(dim, eps=SIDE_EPS) for dim in dims])
         self.apply(_init)
         for meta in self.meta:
             nn.init.xavier_uniform_(meta)

@@ -15,9 +15,15 @@ first down-projection, per-layer down-projections and final up-projection; learn
 ``gate_alpha``), L709-720 (``merge_backbone_to_side``: ``sigmoid(alpha / gate_T)`` mixing), L796-822 (the
 visualbert-style forward: first downsample of the embeddings, then per layer ladder-then-side-layer,
 ``add_residual_after`` False, the final upsample replacing the output), L1012-1023 (``init_bert_weights``:
-Linear weights normal(0, 0.02), zero biases, LayerNorm 1/0); defaults from
-CLIP-ViL/src/lxrt/side_transformers/config.py (reduction 8, gate "learnable", alpha 0, T 0.1, every layer).
-V-PETL Bench publishes an LST row (2.38M) but has no LST code.
+Linear weights normal(0, 0.02), zero biases, LayerNorm 1/0; the constructors apply it after the side network is
+built, L1167 and L1334, and petl draws the same); defaults from CLIP-ViL/src/lxrt/side_transformers/config.py
+(gate "learnable", alpha 0, T 0.1, every layer).  The side network's width is ``hidden_size //
+side_config.reduction_factor`` (modeling.py L648-649), set from ``args.reduction_factor`` (CLIP-ViL/src/lxrt/
+entry.py L102), whose default is 16 (CLIP-ViL/src/param.py L225) and which the shipped script sets to 4
+(CLIP-ViL/scripts/side_transformers.sh L3, ``--reduction_factor ${r}``); config.py's 8 is
+``task_reduction_factor`` (L2), which the side network does not read.  petl's default 8 is what reproduces
+V-PETL Bench's published 2.38M trainable parameters (configs/experiments/lst.yaml).  V-PETL Bench publishes an
+LST row but has no LST code.
 
 Deliberate differences: the side blocks are the backbone's own pre-norm timm blocks (LST builds them from
 the backbone's layer class, a post-norm BERT layer there); their dropout acts where timm's does (after
@@ -44,7 +50,8 @@ class LstConfig(core.MethodConfig):
     """Options of LST.
 
     Attributes:
-        reduction: the side network's width is the backbone's divided by this (``reduction_factor``, 8).
+        reduction: the side network's width is the backbone's divided by this (``--reduction_factor``: 16 by
+            default, 4 in LST's script; 8 gives V-PETL Bench's published 2.38M).
         gate_alpha: initial gate logit of every ladder (``gate_alpha``, 0: the gate starts at 0.5).
         gate_t: gate temperature, ``g = sigmoid(alpha / gate_t)`` (``gate_T``, 0.1).
         dropout: dropout inside the side blocks (BERT's 0.1).

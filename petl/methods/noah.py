@@ -11,17 +11,24 @@ is retrained from scratch on the pretrained backbone.  NOAH's published per-task
 Follows ZhangYuanhan-AI/NOAH@e9c55f3 (V-PETL Bench's ``vision_transformer_noah.py`` is a copy of its VPT-shallow
 model, L259, and ``run_vit_noah.sh`` runs its adapter trainer, so its NOAH row is NOAH's own):
 
-* block: model/supernet_vision_transformer_timm.py L354-366: own prompts (dropout 0.1) appended at the END of the
-  sequence, replacing the previous block's prompts when that block had some (L360-363; when a block has none the
+* block: model/supernet_vision_transformer_timm.py L354-366: own prompts (dropout 0.1, a mask per image: L357-359
+  expand them to the batch first) appended at the END of the sequence, replacing the previous block's prompts
+  when that block had some (L360-363; when a block has none the
   earlier prompts stay in the sequence and the next prompted block appends after them, which petl keeps);
   ``x + attn(norm1(x))``; ``x + adapter(drop_path(mlp(norm2(x))))``;
-* LoRA: L221-228 and L272-281: ``qkv += B A dropout(x)`` for q, k and v, no scaling, A kaiming-uniform, B zero,
-  input dropout 0.1 (``--drop_rate_LoRA``, supernet_train_prompt.py L207);
-* adapter: model/module/adapter_super.py L12-74: ``h + up(dropout(QuickGELU(down(h))))``, xavier-uniform weights
-  and normal(std 1e-6) biases (so NOAH is not the identity at init), dropout 0.1;
-* init as slices of the supernet's ``supernet_dim``-wide modules (L317-319: prompts xavier over the whole
-  ``[1, supernet_dim, dim]`` tensor; the retrain configs keep SUPERNET widths 100,
-  experiments/NOAH/subnet/VTAB/*.yaml);
+* LoRA: L221-228 and L272-281: ``qkv += B A dropout(x)`` for q, k and v, no scaling, input dropout 0.1
+  (``--drop_rate_LoRA``, supernet_train_prompt.py L207);
+* adapter: model/module/adapter_super.py L12-74: ``h + up(dropout(QuickGELU(down(h))))``, dropout 0.1;
+* init: what NOAH's modules write, as slices of the supernet's ``supernet_dim``-wide modules (L317-319: prompts
+  xavier over the whole ``[1, supernet_dim, dim]`` tensor; L224-228: LoRA A kaiming-uniform, B zero;
+  adapter_super.py L38-45: adapters xavier-uniform, biases normal(std 1e-6), so NOAH is not the identity at init;
+  the retrain configs keep SUPERNET widths 100, experiments/NOAH/subnet/VTAB/*.yaml).  That is NOT how NOAH's code
+  starts training: the model's constructor then calls ``init_weights`` (L462, L520-531), whose
+  ``_init_vit_weights`` (L664-688) re-draws every nn.Linear, LoRA A and B and both adapter projections included,
+  trunc_normal(std 0.02) with zero biases, so LoRA B starts non-zero; only the prompts (bare Parameters) keep
+  theirs.  ``init=reference`` reproduces that draw (:mod:`petl.methods._init`), for the reproduction preset
+  (configs/suites/vtab1k_vpetl.yaml); petl's default ``init=zero`` keeps the module inits, LoRA B zero, as for
+  LoRA and the adapters;
 * the model-level prompts of L449-455 and L635-640 are appended before the first block and replaced by block 0's
   own at once (L605: block 0's "previous" width is its own), so they never reach the output; petl leaves them out,
   and from NOAH's own count (``get_sampled_params_numel``, L609-623, which also counts their 100-row position
@@ -42,6 +49,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from petl import core, multitask, vit
+from petl.methods import _init
 
 # NOAH's VTAB-1k search space (experiments/NOAH/supernet/supernet-B_prompt_VTAB.yaml): widths per module,
 # and how many leading blocks (a quarter, half, three quarters or all of ViT-B's 12) carry each module.
@@ -66,7 +74,7 @@ def _ints(text: str) -> tuple[int, ...]:
 
 
 @dataclass
-class NoahConfig(core.MethodConfig):
+class NoahConfig(_init.InitOption, core.MethodConfig):
     """Options of NOAH.
 
     Attributes:
@@ -79,6 +87,12 @@ class NoahConfig(core.MethodConfig):
             uses a data-free placeholder, width 5 for every module in every block, which is NOT a searched subnet.
         supernet_dim: width of the supernet every module is a slice of; its init scales follow it (NOAH: 100).
         dropout: dropout on the prompts, the LoRA input and inside the adapter (NOAH: 0.1 each).
+        init: ``zero`` (petl's default) starts the modules as NOAH's module code writes them: LoRA A
+            kaiming-uniform and B zero, adapters xavier-uniform with normal(std 1e-6) biases, prompts
+            xavier-uniform.  ``reference`` starts them as NOAH's code really runs: its constructor then calls
+            ``init_weights`` (L462), which re-draws every nn.Linear, LoRA A and B and both adapter projections,
+            trunc_normal(std 0.02) with zero biases (L520-531, ``_init_vit_weights`` L664-688); the prompts,
+            bare Parameters, keep their xavier init (see :mod:`petl.methods._init`).
         search_epochs: supernet training epochs of the search (NOAH: 500 on train800).
         search_generations: evolution generations (NOAH's VTAB script: 15).
         population: candidates per generation (NOAH: 50).
@@ -92,6 +106,7 @@ class NoahConfig(core.MethodConfig):
     adapter: str = ""
     supernet_dim: int = 100
     dropout: float = 0.1
+    init: str = "zero"
     search_epochs: int = 500
     search_generations: int = 15
     population: int = 50
@@ -140,13 +155,15 @@ class QuickGELU(nn.Module):
 class NoahQkv(core.PetlModule):
     """The fused qkv Linear plus ``B[:, :r] A[:r] dropout(x)`` (no scaling), r the active rank."""
 
-    def __init__(self, base: nn.Linear, rank: int, dropout: float) -> None:
+    def __init__(self, base: nn.Linear, rank: int, dropout: float, init: str = "zero") -> None:
         super().__init__(base)
         kw = core.factory_kwargs(base)
         self.rank = rank
         self.lora_a = nn.Parameter(torch.empty(rank, base.in_features, **kw))
         self.lora_b = nn.Parameter(torch.zeros(base.out_features, rank, **kw))
         nn.init.kaiming_uniform_(self.lora_a, a=math.sqrt(5))
+        if init == "reference":  # LoRA_a and LoRA_b are nn.Linears there, re-drawn by init_weights (L462)
+            _init.redraw(self.lora_a, self.lora_b)
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -177,11 +194,20 @@ class NoahBlock(core.PetlModule):
         prompt: prompt tokens, adapter width and LoRA rank of this block (tensor sizes).
         supernet_dim: the supernet width whose slices the inits are.
         dropout: NOAH's dropout on prompts, LoRA input and adapter.
+        init: ``zero`` or ``reference`` (:class:`NoahConfig`).
 
     """
 
     def __init__(
-        self, base: nn.Module, d: int, prompt: int, adapter: int, lora: int, supernet_dim: int, dropout: float
+        self,
+        base: nn.Module,
+        d: int,
+        prompt: int,
+        adapter: int,
+        lora: int,
+        supernet_dim: int,
+        dropout: float,
+        init: str = "zero",
     ) -> None:
         vit.check_pre_norm_block(base)
         super().__init__(base)
@@ -205,9 +231,11 @@ class NoahBlock(core.PetlModule):
                 for linear in (self.down, self.up):
                     linear.weight.uniform_(-bound, bound)
                     linear.bias.normal_(std=1e-6)
+            if init == "reference":
+                _init.redraw(self.down, self.up)
         self.act = QuickGELU()
         if lora > 0:
-            vit.set_linear(base, "qkv", NoahQkv(vit.linear(base, "qkv"), lora, dropout))
+            vit.set_linear(base, "qkv", NoahQkv(vit.linear(base, "qkv"), lora, dropout, init))
 
     def adapter(self, h: torch.Tensor) -> torch.Tensor:
         """NOAH's adapter: ``h + up(dropout(QuickGELU(down(h))))`` at the active width."""
@@ -218,8 +246,11 @@ class NoahBlock(core.PetlModule):
         return h + F.linear(z, self.up.weight[:, :a], self.up.bias)
 
     def prompts(self, x: torch.Tensor) -> torch.Tensor:
-        """This block's active prompts (dropout applied) for every row of ``x``, in its dtype."""
-        return self.drop_prompt(self.prompt[: self.prompt_len]).to(x.dtype).expand(x.shape[0], -1, -1)
+        """This block's active prompts for every row of ``x``, in its dtype, dropout drawn per row.
+
+        Expanded to the batch before the dropout, so each image gets its own mask (L357-359).
+        """
+        return self.drop_prompt(self.prompt[: self.prompt_len].to(x.dtype).expand(x.shape[0], -1, -1))
 
     def forward(self, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         if self.prompt_len > 0:
@@ -296,7 +327,7 @@ def inject_noah(model: nn.Module, cfg: NoahConfig) -> None:
     """NOAH: per block, prompts, LoRA on qkv and an adapter of the searched widths."""
     container, d = vit.block_container(model), vit.embed_dim(model)
     for i, (p, r, a) in enumerate(zip(*cfg.widths(model), strict=True)):
-        vit.set_block(model, i, NoahBlock(container[i], d, p, a, r, cfg.supernet_dim, cfg.dropout))
+        vit.set_block(model, i, NoahBlock(container[i], d, p, a, r, cfg.supernet_dim, cfg.dropout, cfg.init))
     wire(noah_blocks(model))
 
 

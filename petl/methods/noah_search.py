@@ -332,7 +332,7 @@ def search(
 
     Args:
         backbone: the pretrained backbone, before NOAH is applied (left unchanged).
-        cfg: the method's config (num_classes, supernet_dim, dropout and the search budget).
+        cfg: the method's config (num_classes, supernet_dim, dropout, init and the search budget).
         loader: the task's training batches ``(images, labels)``, without augmentation.
         seed: seeds the subnet sampling; ``None`` draws it from torch's generator (seeded by the run).
         progress: show progress bars over the supernet's epochs and the evolution's generations.
@@ -352,6 +352,7 @@ def search(
         num_classes=cfg.num_classes,
         supernet_dim=width,
         dropout=cfg.dropout,
+        init=cfg.init,  # NOAH's supernet is built by the same constructor, init_weights included
         prompt=(width,) * depth,
         lora=(width,) * depth,
         adapter=(width,) * depth,

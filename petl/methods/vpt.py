@@ -4,7 +4,8 @@ Follows KMnP/vpt@4410440.  Shallow VPT inserts one set of prompts after the clas
 tokens before the first block and carries their outputs through the network
 (src/models/vit_prompt/vit.py:L75-84); deep VPT replaces the previous layer's prompt outputs by
 fresh prompts before every block (vit.py:L109-124).  Prompts start uniform in +-sqrt(6 / (3 p^2 + d))
-(vit.py:L55-62); prompt dropout defaults to VPT's 0.0 (src/configs/config.py:L74).
+(vit.py:L55-62); prompt dropout defaults to VPT's 0.0 (src/configs/config.py:L74) and, when set, draws a
+mask per image, the prompts being expanded to the batch first (vit.py:L82, L114-115).
 
 What the pooling sees is ``pool``: VPT's default ``original`` keeps the prompts in the sequence
 through the final norm and pooling, so an average-pooled backbone averages prompts and patches
@@ -106,8 +107,11 @@ class PromptedBlock(core.PetlModule):
         return x
 
     def prompts(self, x: torch.Tensor) -> torch.Tensor:
-        """This block's prompts (dropout applied) for every row of ``x``, in ``x``'s dtype."""
-        return self.dropout(self.prompt).unsqueeze(0).expand(x.shape[0], -1, -1).to(x.dtype)
+        """This block's prompts for every row of ``x``, in ``x``'s dtype, dropout drawn per row.
+
+        Expanded to the batch before the dropout, so each image gets its own mask (vit.py:L82, L114-115).
+        """
+        return self.dropout(self.prompt.unsqueeze(0).expand(x.shape[0], -1, -1).to(x.dtype))
 
     def no_weight_decay(self) -> set[str]:
         """Prompt tokens are exempt from weight decay by default (see petl.run.engine.param_groups)."""
