@@ -180,6 +180,8 @@ class NoahBlock(core.PetlModule):
 
     """
 
+    prompt_place = "end"  # NOAH's prompts trail the sequence (see petl.timm_api)
+
     def __init__(
         self, base: nn.Module, d: int, prompt: int, adapter: int, lora: int, supernet_dim: int, dropout: float
     ) -> None:
