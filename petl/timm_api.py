@@ -167,3 +167,48 @@ def uninstall(model: nn.Module) -> None:
 
 def _wrappers(model: nn.Module) -> list[core.PetlModule]:
     return [m for m in model.modules() if isinstance(m, core.PetlModule)]
+
+
+def support(model: nn.Module) -> dict[str, str]:
+    """What timm's model methods do on ``model`` (from :func:`petl.apply`), one short cell each.
+
+    The registry-wide tests (tests/test_timm_api.py, tests/test_train_options.py) check every cell's claim on
+    every experiment: a rebuilt or plain head at ``n`` classes, the same gradients or a refusal, intermediates of
+    the plain model's shapes, finite bf16 logits within bf16 precision of fp32.
+    """
+    head = vit.head(model)
+    wrappers = _wrappers(model)
+    refusal = next((m for m in wrappers if m.no_grad_checkpointing), None)
+    prompts = any(m.prompt_place for m in wrappers)
+    own_head = isinstance(head, core.PetlHead)
+    return {
+        "reset_classifier(n)": f"rebuilds `{type(head).__name__}`" if own_head else "timm's Linear",
+        "set_grad_checkpointing": f"refused (`{type(refusal).__name__}`)" if refusal else "same gradients",
+        "forward_intermediates": "prompts left out" if prompts else "timm's",
+        "autocast bf16": "yes",
+    }
+
+
+def support_table() -> str:
+    """The Markdown table of :func:`support` for every experiment of the registry (``petl.presets``), on a tiny ViT.
+
+    The README holds its output between ``<!-- works-with -->`` markers; tests/test_timm_api.py checks that it is
+    current, and prints the table to paste when it is not.
+    """
+    from timm.models.vision_transformer import VisionTransformer
+
+    import petl
+    from petl.presets import configs_dir, list_experiments, load_experiment
+
+    configs = configs_dir()
+    rows = []
+    for name in list_experiments(configs):
+        options = dict(load_experiment(name, configs).method)
+        method = options.pop("name")
+        tiny = VisionTransformer(img_size=32, patch_size=8, embed_dim=48, depth=3, num_heads=3, num_classes=4)
+        rows.append((name, method, support(petl.apply(tiny, method, **options))))
+    columns = list(rows[0][2])
+    lines = ["| experiment | method | " + " | ".join(f"`{c}`" for c in columns) + " |"]
+    lines.append("| --- " * (len(columns) + 2) + "|")
+    lines += [f"| `{name}` | `{method}` | " + " | ".join(cells.values()) + " |" for name, method, cells in rows]
+    return "\n".join(lines) + "\n"

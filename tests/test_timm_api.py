@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import copy
 import io
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,7 +18,7 @@ import torch.nn.functional as F
 from conftest import make_tiny_vit, perturb_trainable
 
 import petl
-from petl import core, vit
+from petl import core, timm_api, vit
 from petl.bench.suite import configs_dir
 from petl.presets import list_experiments, load_experiment
 
@@ -167,3 +169,11 @@ def test_apply_on_a_checkpointing_model_refuses_a_side_network():
     model.set_grad_checkpointing(True)
     with pytest.raises(ValueError, match="method 'lst' cannot use it"):
         petl.apply(model, "lst", num_classes=4)
+
+
+def test_readme_works_with_table_is_generated_from_the_registry():
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    match = re.search(r"<!-- works-with -->\n(.*?)<!-- /works-with -->", readme, flags=re.S)
+    assert match, "README.md: the works-with table's markers are missing"
+    table = timm_api.support_table()
+    assert match.group(1) == table, f"README.md's works-with table is stale; paste:\n{table}"
