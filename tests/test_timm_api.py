@@ -3,6 +3,7 @@
 Each test runs the same check on the plain timm model and on every experiment of the registry
 (``configs/experiments`` plus the methods no experiment file runs), and asserts the petl model behaves
 as the plain one does, or refuses in one line naming its method.  Test bodies never name a method.
+Gradient checkpointing's registry-wide test is tests/test_train_options.py's.
 """
 
 from __future__ import annotations
@@ -19,8 +20,7 @@ from conftest import make_tiny_vit, perturb_trainable
 
 import petl
 from petl import core, timm_api, vit
-from petl.bench.suite import configs_dir
-from petl.presets import list_experiments, load_experiment
+from petl.presets import configs_dir, list_experiments, load_experiment
 
 CONFIGS = configs_dir()
 EXPERIMENTS = list_experiments(CONFIGS)
@@ -49,7 +49,7 @@ def _grads(model: torch.nn.Module, images: torch.Tensor, seed: int = 0) -> dict[
 
 
 @pytest.mark.parametrize("name", EXPERIMENTS)
-def test_reset_classifier_keeps_the_method(images, tmp_path, name):
+def test_reset_classifier_keeps_the_method_or_refuses(images, tmp_path, name):
     plain = make_tiny_vit()
     plain.reset_classifier(7)
     model = _applied(name)
@@ -67,21 +67,16 @@ def test_reset_classifier_keeps_the_method(images, tmp_path, name):
     path = tmp_path / "trained.safetensors"
     petl.save_trainable(model, path)
     assert torch.equal(petl.load_trainable(make_tiny_vit(), path).eval()(images), model.eval()(images))
-
-
-@pytest.mark.parametrize("name", EXPERIMENTS)
-def test_reset_classifier_to_no_classes(images, name):
-    plain = make_tiny_vit()
+    # No classes: timm's pooled features, or a one-line refusal where the method's own head would go.
     plain.reset_classifier(0)
-    model = _applied(name)
     if isinstance(vit.head(model), core.PetlHead):
         with pytest.raises(ValueError, match=f"method '{model.petl_method}'.*its own") as refused:
             model.reset_classifier(0)
         assert "\n" not in str(refused.value)
-        assert model.eval()(images).shape == (2, 4)  # refused before anything changed
+        assert model(images).shape == (2, 7)  # refused before anything changed
     else:
         model.reset_classifier(0)
-        assert model.eval()(images).shape == plain(images).shape
+        assert model(images).shape == plain(images).shape
 
 
 def test_overrides_follow_copies_and_pickles(images):
@@ -145,9 +140,10 @@ def test_autocast_bf16_on_cpu(images, name):
         full = model(images)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             half = model(images)
-    # bf16 keeps 8 bits of mantissa; three tiny blocks stay well within a few of its steps.
+    # bf16 keeps 8 bits of mantissa (steps of 2**-8 relative); the worst experiment measured 3.2 steps of the
+    # largest logit on the tiny ViT, the bound is 8.
     assert torch.isfinite(half).all()
-    torch.testing.assert_close(half.float(), full, atol=0.05 * full.abs().max().item(), rtol=0.05)
+    torch.testing.assert_close(half.float(), full, atol=8 * 2**-8 * full.abs().max().item(), rtol=0)
     model.train()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss = F.cross_entropy(model(images).float(), torch.tensor([0, 1]))
