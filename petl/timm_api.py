@@ -1,9 +1,9 @@
 """timm's model methods keep their meaning on a model that carries a petl method.
 
 People keep using a model from :func:`petl.apply` as a timm model: they change its head, checkpoint its gradients,
-pull intermediate feature maps.  timm's own methods know nothing of petl's modules, so :func:`install` gives the
-model three of its own (instance attributes that stand in front of the class's; ``functools.partial`` objects, so
-that they deep-copy and pickle with the model):
+pull intermediate feature maps, build timm's optimizer.  timm's own methods know nothing of petl's modules, so
+:func:`install` gives the model four of its own (instance attributes that stand in front of the class's;
+``functools.partial`` objects, so that they deep-copy and pickle with the model):
 
 * ``reset_classifier(n)``: a method's own head (a :class:`petl.core.PetlHead`: Mlp-k's MLP, HST's head) is rebuilt
   for ``n`` classes as :func:`petl.apply` builds it, instead of timm's plain Linear that would drop the method;
@@ -13,6 +13,8 @@ that they deep-copy and pickle with the model):
   (:attr:`petl.core.PetlModule.no_grad_checkpointing`: the side networks), rather than failing in the backward.
 * ``forward_intermediates``: prompt tokens (:attr:`petl.core.PetlModule.prompt_place`: VPT, NOAH) are left out of
   the intermediate feature maps, which then have the plain model's shapes; the final features are timm's.
+* ``no_weight_decay()``: timm's names plus those petl's wrappers exempt (VPT's prompts), so that timm's optimizer
+  factory exempts what petl's does.
 
 Everything else is timm's own method, called on the model.
 """
@@ -136,11 +138,26 @@ def forward_intermediates(
     return tokens if intermediates_only else (final, tokens)
 
 
+def no_weight_decay(model: nn.Module) -> set[str]:
+    """The ``no_weight_decay`` of timm, plus what petl's modules exempt (VPT's prompts), named from the model's root.
+
+    timm's optimizer factory (``create_optimizer_v2``) reads it, so it exempts what petl's own optimizer
+    (:func:`petl.run.engine.no_weight_decay_names`) exempts.
+    """
+    names = set(type(model).no_weight_decay(model))
+    for prefix, module in model.named_modules():
+        listed = getattr(module, "no_weight_decay", None)
+        if prefix and isinstance(module, core.PetlModule) and callable(listed):
+            names |= {f"{prefix}.{n}" for n in listed()}
+    return names
+
+
 # The timm methods a petl model answers itself, by name.
 OVERRIDES: dict[str, Callable[..., Any]] = {
     "reset_classifier": reset_classifier,
     "set_grad_checkpointing": set_grad_checkpointing,
     "forward_intermediates": forward_intermediates,
+    "no_weight_decay": no_weight_decay,
 }
 
 

@@ -17,10 +17,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import make_tiny_vit, perturb_trainable
+from timm.optim import param_groups_weight_decay
 
 import petl
 from petl import core, timm_api, vit
 from petl.presets import configs_dir, list_experiments, load_experiment
+from petl.run import engine
 
 CONFIGS = configs_dir()
 EXPERIMENTS = list_experiments(CONFIGS)
@@ -79,6 +81,21 @@ def test_reset_classifier_keeps_the_method_or_refuses(images, tmp_path, name):
         assert model(images).shape == plain(images).shape
 
 
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_timms_optimizer_exempts_from_weight_decay_what_petls_does(name):
+    model = _applied(name)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    exempt_timm = {
+        n
+        for group in param_groups_weight_decay(model, 0.05, no_weight_decay_list=model.no_weight_decay())
+        if group["weight_decay"] == 0.0
+        for n, p in model.named_parameters()
+        if any(p is q for q in group["params"])
+    }
+    assert exempt_timm == trainable & engine.no_weight_decay_names(model)
+    assert set(make_tiny_vit().no_weight_decay()) <= model.no_weight_decay()
+
+
 def test_overrides_follow_copies_and_pickles(images):
     model = _applied("mlp")
     copied = copy.deepcopy(model)
@@ -95,7 +112,7 @@ def test_overrides_follow_copies_and_pickles(images):
 
 def test_unload_gives_back_timms_methods():
     model = petl.unload(petl.merge(_applied("lora")))
-    assert not {"reset_classifier", "set_grad_checkpointing", "forward_intermediates"} & set(vars(model))
+    assert not set(timm_api.OVERRIDES) & set(vars(model))
 
 
 # ------------------------------------------------------------------------------------ forward_intermediates
