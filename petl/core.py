@@ -149,6 +149,13 @@ class PetlModule(nn.Module):
     ``merged`` state, so folding twice or unfolding an unmerged wrapper cannot happen.
     """
 
+    # Where the prompt tokens this wrapper adds to the token sequence sit: "front" (right after the class and
+    # register tokens) or "end"; "" when it adds none.  timm's forward_intermediates strips them (petl.timm_api).
+    prompt_place: ClassVar[str] = ""
+    # Why this wrapper cannot run under timm's gradient checkpointing; "" when it can (petl.timm_api refuses
+    # set_grad_checkpointing(True) with this reason).
+    no_grad_checkpointing: ClassVar[str] = ""
+
     def __init__(self, base: nn.Module) -> None:
         super().__init__()
         self.base = base
@@ -195,6 +202,18 @@ class PetlModule(nn.Module):
 
     def unfold(self) -> None:
         """Take the update out of ``base``'s weights again (mergeable wrappers implement it)."""
+        raise NotImplementedError
+
+
+class PetlHead(nn.Module):
+    """Base class of a classifier a method installs in place of timm's Linear head (Mlp-k's MLP, HST's head).
+
+    timm's ``reset_classifier(n)`` would put a plain Linear in its place and silently drop the method; on a
+    model from :func:`apply` it calls :meth:`for_classes` instead (:mod:`petl.timm_api`).
+    """
+
+    def for_classes(self, num_classes: int) -> nn.Module:
+        """A fresh head of this method for ``num_classes`` (>= 1) classes, as :func:`apply` would build it."""
         raise NotImplementedError
 
 
@@ -369,6 +388,10 @@ def apply(
     vit.head(model).requires_grad_(True)
     model.petl_method = method
     model.petl_config = config
+    # Imported here: petl.timm_api builds on this module's classes.
+    from petl import timm_api
+
+    timm_api.install(model)
     return model
 
 

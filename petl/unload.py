@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from petl import core
+from petl import core, timm_api
 
 
 def _base_of(module: nn.Module) -> nn.Module | None:
@@ -70,4 +70,5 @@ def unload(model: nn.Module) -> nn.Module:
     for mark in ("petl_method", "petl_config"):
         if hasattr(model, mark):
             delattr(model, mark)
+    timm_api.uninstall(model)
     return model

@@ -13,7 +13,8 @@ at the last block, so a finished forward holds no graph.
 In a :class:`petl.MultiTask` mixed batch the frozen blocks run once for every row, and each task's side
 network runs on its own rows only: the block wrapper's row hook is :meth:`SideNetwork.row_hook`, which each
 side network writes from the same pieces as its :meth:`SideNetwork.step`.  timm's gradient checkpointing re-runs blocks
-in the backward, which would run the side steps out of order: a block called out of order raises.
+in the backward, which would run the side steps out of order: ``set_grad_checkpointing(True)`` is refused
+(:attr:`SideBlock.no_grad_checkpointing`), and a block called out of order raises.
 """
 
 from __future__ import annotations
@@ -85,6 +86,11 @@ class SideBlock(core.PetlModule):
         index: this block's position.
 
     """
+
+    no_grad_checkpointing = (
+        "its side network carries state from block to block in one forward, and checkpointing re-runs "
+        "the blocks in the backward"
+    )
 
     def __init__(self, base: nn.Module, side: SideNetwork, index: int) -> None:
         super().__init__(base)

@@ -307,7 +307,7 @@ def _rows(wrapper: HstPatchProj) -> multitask.RowHook:
     return multitask.RowHook(wrapper.base, pre=lambda images, _tokens: wrapper._shared[0].keep_image(images))
 
 
-class HstHead(nn.Module):
+class HstHead(core.PetlHead):
     """HST's classifier: BatchNorm without affine parameters (``fc_norm``), then a Linear on the side network.
 
     timm calls the head on the backbone's pooled features; HST classifies the side network's instead, so
@@ -337,6 +337,11 @@ class HstHead(nn.Module):
             raise RuntimeError("HST's head reads the side network's output: run the whole model")
         features = F.batch_norm(features, self.running_mean, self.running_var, training=self.training, eps=1e-6)
         return F.linear(features, self.weight, self.bias)
+
+    def for_classes(self, num_classes: int) -> HstHead:
+        """A fresh head on the same side network for ``num_classes`` classes (``reset_classifier``)."""
+        kw = {"device": self.weight.device, "dtype": self.weight.dtype}
+        return HstHead(self._shared[0], self.weight.shape[1], num_classes, kw)
 
 
 def _formula(model: nn.Module, cfg: HstConfig) -> int:

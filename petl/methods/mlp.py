@@ -57,7 +57,7 @@ class MlpConfig(core.MethodConfig):
             raise ValueError("mlp needs num_classes: the model has no classifier head to take the class count from")
 
 
-class MlpHead(nn.Sequential):
+class MlpHead(nn.Sequential, core.PetlHead):
     """VPT's MLP head: ``k - 1`` hidden (Linear, ReLU, BatchNorm1d, Dropout) layers, then a Linear."""
 
     def __init__(self, in_features: int, num_classes: int, k: int) -> None:
@@ -70,6 +70,11 @@ class MlpHead(nn.Sequential):
         vpt_head_init(last)
         layers.append(last)
         super().__init__(*layers)
+
+    def for_classes(self, num_classes: int) -> MlpHead:
+        """A fresh head with this one's width and ``k`` for ``num_classes`` classes (``reset_classifier``)."""
+        linears = [m for m in self if isinstance(m, nn.Linear)]
+        return MlpHead(linears[0].in_features, num_classes, len(linears))
 
 
 def _formula(model: nn.Module, cfg: MlpConfig) -> int:

@@ -198,6 +198,8 @@ class NoahBlock(core.PetlModule):
 
     """
 
+    prompt_place = "end"  # NOAH's prompts trail the sequence (see petl.timm_api)
+
     def __init__(
         self,
         base: nn.Module,

@@ -131,7 +131,8 @@ class SctBlock(core.PetlModule):
     def tune_channels(self, x: torch.Tensor) -> torch.Tensor:
         """The residual stream after attention with ``W x[..., idx] + b`` added to its selected channels."""
         # index_add returns a new tensor: the reference's in-place update would trip autograd here.
-        return x.index_add(-1, self.index, self.linear(x.index_select(-1, self.index)))
+        # Under autocast the Linear's output is in the autocast dtype, the residual stream in the model's.
+        return x.index_add(-1, self.index, self.linear(x.index_select(-1, self.index)).to(x.dtype))
 
 
 @multitask.register_row_hook(SctBlock)

@@ -18,8 +18,8 @@ dropout in train mode (vit.py:L89-100): :attr:`VptConfig.backbone_mode` is ``eva
 
 Each affected block is wrapped on its own, not the block container, so timm's forward still runs
 ``model.blocks`` itself, including through ``checkpoint_seq`` when gradient checkpointing is on.
-timm's ``forward_intermediates`` also runs the wrapped blocks, but the intermediate outputs of
-blocks before the last one then still hold the prompts among the patch tokens.
+timm's ``forward_intermediates`` also runs the wrapped blocks; :mod:`petl.timm_api` leaves the
+prompts out of the intermediates it returns (:attr:`PromptedBlock.prompt_place`).
 """
 
 from __future__ import annotations
@@ -77,6 +77,8 @@ class PromptedBlock(core.PetlModule):
         dropout: dropout on ``prompt``.
 
     """
+
+    prompt_place = "front"  # after the class and register tokens (see petl.timm_api)
 
     def __init__(
         self,

@@ -1,0 +1,231 @@
+"""timm's model methods keep their meaning on a model that carries a petl method.
+
+People keep using a model from :func:`petl.apply` as a timm model: they change its head, checkpoint its gradients,
+pull intermediate feature maps, build timm's optimizer.  timm's own methods know nothing of petl's modules, so
+:func:`install` gives the model four of its own (instance attributes that stand in front of the class's;
+``functools.partial`` objects, so that they deep-copy and pickle with the model):
+
+* ``reset_classifier(n)``: a method's own head (a :class:`petl.core.PetlHead`: Mlp-k's MLP, HST's head) is rebuilt
+  for ``n`` classes as :func:`petl.apply` builds it, instead of timm's plain Linear that would drop the method;
+  ``n = 0`` (timm's "no classifier") is refused for such a head.  The recorded config follows the new class count,
+  so :func:`petl.save_trainable` / :func:`petl.load_trainable` still round-trip.
+* ``set_grad_checkpointing(True)``: refused in one line when a wrapper cannot run under it
+  (:attr:`petl.core.PetlModule.no_grad_checkpointing`: the side networks), rather than failing in the backward.
+* ``forward_intermediates``: prompt tokens (:attr:`petl.core.PetlModule.prompt_place`: VPT, NOAH) are left out of
+  the intermediate feature maps, which then have the plain model's shapes; the final features are timm's.
+* ``no_weight_decay()``: timm's names plus those petl's wrappers exempt (VPT's prompts), so that timm's optimizer
+  factory exempts what petl's does.
+
+Everything else is timm's own method, called on the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from petl import core, vit
+
+
+def reset_classifier(model: nn.Module, num_classes: int, global_pool: str | None = None) -> None:
+    """The ``reset_classifier`` of timm, keeping the method's own head (rebuilt for ``num_classes``) where it has one.
+
+    Args:
+        model: a model from :func:`petl.apply`.
+        num_classes: classes of the new head.
+        global_pool: timm's pooling option, passed on.
+
+    Raises:
+        ValueError: ``num_classes=0`` on a method whose head is its own (it has no 0-class form).
+
+    """
+    old = vit.head(model)
+    method = getattr(model, "petl_method", None)
+    if isinstance(old, core.PetlHead) and num_classes < 1:
+        raise ValueError(
+            f"reset_classifier({num_classes}): method {method!r} classifies with its own {type(old).__name__}, which "
+            "cannot be removed; for features call forward_features or forward_head(x, pre_logits=True)"
+        )
+    type(model).reset_classifier(model, num_classes, global_pool)
+    if isinstance(old, core.PetlHead):
+        head = old.for_classes(num_classes)
+        head.to(**core.factory_kwargs(model))
+        head.train(old.training)
+        vit.set_head(model, head)
+    # The head trains for every method (as petl.apply leaves it), and the config records its classes.
+    vit.head(model).requires_grad_(True)
+    if dataclasses.is_dataclass(getattr(model, "petl_config", None)):
+        model.petl_config = dataclasses.replace(model.petl_config, num_classes=num_classes)
+
+
+def set_grad_checkpointing(model: nn.Module, enable: bool = True) -> None:
+    """The ``set_grad_checkpointing`` of timm, refused in one line when a petl wrapper of the model cannot run under it.
+
+    Raises:
+        ValueError: ``enable`` on a model with a wrapper that names why it cannot be checkpointed.
+
+    """
+    if enable:
+        reason = next((m.no_grad_checkpointing for m in _wrappers(model) if m.no_grad_checkpointing), "")
+        if reason:
+            method = getattr(model, "petl_method", None)
+            raise ValueError(f"gradient checkpointing: method {method!r} cannot use it: {reason}; leave it off")
+    type(model).set_grad_checkpointing(model, enable)
+
+
+def forward_intermediates(
+    model: nn.Module,
+    x: torch.Tensor,
+    indices: int | list[int] | None = None,
+    return_prefix_tokens: bool = False,
+    norm: bool = False,
+    stop_early: bool = False,
+    output_fmt: str = "NCHW",
+    intermediates_only: bool = False,
+    output_dict: bool = False,
+    **kwargs: Any,
+) -> Any:
+    """The ``forward_intermediates`` of timm, with the method's prompt tokens left out of the intermediates.
+
+    Takes and returns what timm's does (see its docstring): each intermediate holds the patch tokens only (NCHW
+    maps of the plain model's shape, or NLC), with the class and register tokens beside them when
+    ``return_prefix_tokens`` is set.  The final features are timm's (prompts included where the pooling sees
+    them, as ``forward_features`` returns them).
+    """
+    places = {m.prompt_place for m in _wrappers(model) if m.prompt_place}
+    timm_forward = type(model).forward_intermediates
+    if not places:
+        options = {"output_dict": True} if output_dict else {}
+        return timm_forward(
+            model,
+            x,
+            indices,
+            return_prefix_tokens,
+            norm,
+            stop_early,
+            output_fmt,
+            intermediates_only,
+            **options,
+            **kwargs,
+        )
+    if output_fmt not in ("NCHW", "NLC"):
+        raise ValueError(f"forward_intermediates: output_fmt={output_fmt!r}: choose NCHW or NLC")
+    final, found = timm_forward(model, x, indices, True, norm, stop_early, "NLC", False, **kwargs)
+    if vit.num_prefix_tokens(model):
+        tokens, prefixes = [t for t, _ in found], [p for _, p in found]
+    else:
+        tokens, prefixes = found, None
+    rows, cols = model.patch_embed.dynamic_feat_size(x.shape[-2:])
+    patches = rows * cols
+    # The prompts sit in front of the patch tokens (VPT) or behind them (NOAH); the patch tokens keep their order.
+    tokens = [t[:, t.shape[1] - patches :] if "front" in places else t[:, :patches] for t in tokens]
+    if output_fmt == "NCHW":
+        tokens = [t.reshape(t.shape[0], rows, cols, -1).permute(0, 3, 1, 2).contiguous() for t in tokens]
+    if output_dict:
+        out: dict[str, Any] = {"image_intermediates": tokens}
+        if prefixes is not None and return_prefix_tokens:
+            out["image_intermediates_prefix"] = prefixes
+        if not intermediates_only:
+            out["image_features"] = final
+        return out
+    if prefixes is not None and return_prefix_tokens:
+        tokens = list(zip(tokens, prefixes, strict=True))
+    return tokens if intermediates_only else (final, tokens)
+
+
+def no_weight_decay(model: nn.Module) -> set[str]:
+    """The ``no_weight_decay`` of timm, plus what petl's modules exempt (VPT's prompts), named from the model's root.
+
+    timm's optimizer factory (``create_optimizer_v2``) reads it, so it exempts what petl's own optimizer
+    (:func:`petl.run.engine.no_weight_decay_names`) exempts.
+    """
+    names = set(type(model).no_weight_decay(model))
+    for prefix, module in model.named_modules():
+        listed = getattr(module, "no_weight_decay", None)
+        if prefix and isinstance(module, core.PetlModule) and callable(listed):
+            names |= {f"{prefix}.{n}" for n in listed()}
+    return names
+
+
+# The timm methods a petl model answers itself, by name.
+OVERRIDES: dict[str, Callable[..., Any]] = {
+    "reset_classifier": reset_classifier,
+    "set_grad_checkpointing": set_grad_checkpointing,
+    "forward_intermediates": forward_intermediates,
+    "no_weight_decay": no_weight_decay,
+}
+
+
+def install(model: nn.Module) -> None:
+    """Give ``model`` (just prepared by :func:`petl.apply`) the methods of :data:`OVERRIDES` that its class has.
+
+    Raises:
+        ValueError: gradient checkpointing is already on and the method cannot run under it.
+
+    """
+    for name, function in OVERRIDES.items():
+        if hasattr(type(model), name):
+            setattr(model, name, functools.partial(function, model))
+    if getattr(model, "grad_checkpointing", False):
+        model.set_grad_checkpointing(True)
+
+
+def uninstall(model: nn.Module) -> None:
+    """Remove what :func:`install` added: the model answers with its class's methods again (a plain timm model)."""
+    for name in OVERRIDES:
+        if isinstance(model.__dict__.get(name), functools.partial):
+            delattr(model, name)
+
+
+def _wrappers(model: nn.Module) -> list[core.PetlModule]:
+    return [m for m in model.modules() if isinstance(m, core.PetlModule)]
+
+
+def support(model: nn.Module) -> dict[str, str]:
+    """What timm's model methods do on ``model`` (from :func:`petl.apply`), one short cell each.
+
+    The registry-wide tests (tests/test_timm_api.py, tests/test_train_options.py) check every cell's claim on
+    every experiment: a rebuilt or plain head at ``n`` classes, the same gradients or a refusal, intermediates of
+    the plain model's shapes, finite bf16 logits within bf16 precision of fp32.
+    """
+    head = vit.head(model)
+    wrappers = _wrappers(model)
+    refusal = next((m for m in wrappers if m.no_grad_checkpointing), None)
+    prompts = any(m.prompt_place for m in wrappers)
+    own_head = isinstance(head, core.PetlHead)
+    return {
+        "reset_classifier(n)": f"rebuilds `{type(head).__name__}`" if own_head else "timm's Linear",
+        "set_grad_checkpointing": f"refused (`{type(refusal).__name__}`)" if refusal else "same gradients",
+        "forward_intermediates": "prompts left out" if prompts else "timm's",
+        "autocast bf16": "yes",
+    }
+
+
+def support_table() -> str:
+    """The Markdown table of :func:`support` for every experiment of the registry (``petl.presets``), on a tiny ViT.
+
+    The README holds its output between ``<!-- works-with -->`` markers; tests/test_timm_api.py checks that it is
+    current, and prints the table to paste when it is not.
+    """
+    from timm.models.vision_transformer import VisionTransformer
+
+    import petl
+    from petl.presets import configs_dir, list_experiments, load_experiment
+
+    configs = configs_dir()
+    rows = []
+    for name in list_experiments(configs):
+        options = dict(load_experiment(name, configs).method)
+        method = options.pop("name")
+        tiny = VisionTransformer(img_size=32, patch_size=8, embed_dim=48, depth=3, num_heads=3, num_classes=4)
+        rows.append((name, method, support(petl.apply(tiny, method, **options))))
+    columns = list(rows[0][2])
+    lines = ["| experiment | method | " + " | ".join(f"`{c}`" for c in columns) + " |"]
+    lines.append("| --- " * (len(columns) + 2) + "|")
+    lines += [f"| `{name}` | `{method}` | " + " | ".join(cells.values()) + " |" for name, method, cells in rows]
+    return "\n".join(lines) + "\n"
