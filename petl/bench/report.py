@@ -48,6 +48,7 @@ from petl.bench.table import Header, Table, markdown_lines, md_escape
 from petl.presets import FAMILIES
 from petl.run.records import write_atomic, write_text
 from petl.run.result import RunResult
+from petl.text import csv_cell
 
 # Re-exported: the report's public names, wherever they are declared.
 __all__ = [
@@ -232,23 +233,14 @@ def csv_records(board: Leaderboard) -> list[dict[str, Any]]:
     return out
 
 
-# A spreadsheet reads a cell that starts with one of these as a formula (=HYPERLINK(...) runs on a click).
-_FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
-
-
-def _csv_cell(value: Any) -> Any:
-    """A text cell a spreadsheet shows as text: a leading formula character gets a ``'`` before it (OWASP)."""
-    return f"'{value}" if isinstance(value, str) and value.startswith(_FORMULA_START) else value
-
-
 def csv_text(board: Leaderboard) -> str:
     """``leaderboard.csv``'s contents (text cells never start a formula; numbers are written as numbers)."""
     records = csv_records(board)
     columns = list(dict.fromkeys(k for rec in records for k in rec))
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")
-    writer.writerow([_csv_cell(c) for c in columns])
-    writer.writerows([[_csv_cell(rec.get(c, "")) for c in columns] for rec in records])
+    writer.writerow([csv_cell(c) for c in columns])
+    writer.writerows([[csv_cell(rec.get(c, "")) for c in columns] for rec in records])
     return buffer.getvalue()
 
 

@@ -1,0 +1,231 @@
+"""Faults and bad input, third pass (issue 36): predictions, own data, caches, searches and reports.
+
+Each test is one case of the issue, named after it; each goes through a public entry point (petl-predict's,
+petl-run's, petl-bench's and petl-export's mains, the dataset builders, the cache).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import resource
+import shutil
+import signal
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import tiny_run
+from PIL import Image
+
+from petl import data as petl_data
+from petl.run import cli
+from petl.run import predict as predict_cli
+
+# The tiny random-init backbone of the fast tests, without tiny_run's data choice.
+TINY_MODEL = [o for o in tiny_run(depth=1) if not o.startswith("data")]
+# Class names a spreadsheet would run as formulas, and one matplotlib would read as mathtext.
+CLASSES = ("=HYPERLINK(x)", "cost_$5_vs_$10", "plain")
+LATIN1 = os.fsdecode(b"caf\xe9.png")  # a file name that is not UTF-8 (a Latin-1 e-acute)
+
+
+def _exit_code(main: Callable, argv: list[str]) -> int:
+    try:
+        main(argv)
+    except SystemExit as stop:
+        return int(stop.code or 0)
+    return 0
+
+
+def make_folder(root: Path, train: int = 4, test: int = 2, seed: int = 0, classes=CLASSES) -> Path:
+    """``root/{train,test}/<class>/*.png``: noisy patches of one colour per class."""
+    rng = np.random.default_rng(seed)
+    for split, count in (("train", train), ("test", test)):
+        for index, name in enumerate(classes):
+            folder = root / split / name
+            folder.mkdir(parents=True, exist_ok=True)
+            for item in range(count):
+                pixels = np.clip(60 * index + rng.normal(0, 20, (24, 24, 3)), 0, 255).astype(np.uint8)
+                Image.fromarray(pixels).save(folder / f"{item:03d}.png")
+    return root
+
+
+def train_folder(root: Path, out: Path, *overrides: str) -> Path:
+    argv = ["method=lora", "data=folder", f"data.root={root}", *TINY_MODEL, "train.epochs=1", "train.batch_size=4"]
+    cli.main([*argv, f"output_dir={out}", *overrides])
+    return out
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> tuple[Path, Path]:
+    """A folder run (its images, its run folder) over the formula and dollar class names."""
+    base = tmp_path_factory.mktemp("own")
+    root = make_folder(base / "images")
+    return root, train_folder(root, base / "run")
+
+
+def _rows(path: Path) -> list[list[str]]:
+    with open(path, newline="", encoding="utf-8") as handle:
+        return list(csv.reader(handle))
+
+
+# --- Data lost or wrong results reported
+
+
+def test_predict_out_on_a_full_disk_keeps_the_earlier_complete_file(trained, tmp_path):
+    root, run = trained
+    out = tmp_path / "preds.csv"
+    argv = [str(run), str(root / "test"), f"out={out}", "--quiet"]
+    assert _exit_code(predict_cli.main, argv) == 0
+    before = out.read_bytes()
+    assert len(_rows(out)) == 1 + 2 * len(CLASSES)
+    # A disk with room for half the file: writes past it fail with EFBIG, as ENOSPC would.
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (len(before) // 2, hard))
+    try:
+        code = _exit_code(predict_cli.main, argv)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, previous)
+    assert code == 1
+    assert out.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["preds.csv"]  # no temporary file left
+
+
+def test_two_runs_both_named_seed0_write_two_confusion_matrices(trained, tmp_path, capsys):
+    root, run = trained
+    runs = [tmp_path / "a" / "seed0", tmp_path / "b" / "seed0"]
+    for copy in runs:
+        shutil.copytree(run, copy)
+    target = tmp_path / "cm.png"
+    argv = [*map(str, runs), "data=folder", f"data.root={root}", "split=test", f"confusion={target}", "--quiet"]
+    capsys.readouterr()
+    assert _exit_code(predict_cli.main, argv) == 0
+    wrote = [line for line in capsys.readouterr().out.splitlines() if line.startswith("wrote")]
+    assert len(set(wrote)) == 2
+    assert sorted(p.name for p in tmp_path.glob("cm_*.png")) == ["cm_a_seed0.png", "cm_b_seed0.png"]
+
+
+# --- A traceback where one line belongs: petl-predict
+
+
+def test_predict_a_txt_list_naming_a_latin1_file(trained, tmp_path):
+    root, run = trained
+    shutil.copy(root / "test" / "plain" / "000.png", tmp_path / LATIN1)
+    listing = tmp_path / "list.txt"
+    listing.write_bytes(b"caf\xe9.png\n")
+    out = tmp_path / "preds.csv"
+    assert _exit_code(predict_cli.main, [str(run), str(listing), f"out={out}", "--quiet"]) == 0
+    rows = _rows(out)
+    assert len(rows) == 2 and rows[1][0].endswith("caf\\xe9.png")
+
+
+def test_predict_an_image_whose_file_name_is_not_utf8(trained, tmp_path, capsys):
+    root, run = trained
+    images = tmp_path / "images"
+    images.mkdir()
+    shutil.copy(root / "test" / "plain" / "000.png", images / LATIN1)
+    shutil.copy(root / "test" / "plain" / "001.png", images / "ok.png")
+    out = tmp_path / "preds.csv"
+    assert _exit_code(predict_cli.main, [str(run), str(images), f"out={out}"]) == 0
+    assert len(_rows(out)) == 3
+    assert "caf\\xe9.png" in capsys.readouterr().out
+
+
+def test_predict_confusion_with_a_class_named_cost_dollar5_vs_dollar10(trained, tmp_path):
+    root, run = trained
+    target = tmp_path / "cm.png"
+    argv = [str(run), "data=folder", f"data.root={root}", "split=test", f"confusion={target}", "--quiet"]
+    assert _exit_code(predict_cli.main, argv) == 0
+    assert Image.open(target).size[0] > 0
+
+
+def test_predict_a_flag_before_a_key_value(trained, tmp_path):
+    root, run = trained
+    out = tmp_path / "preds.csv"
+    assert _exit_code(predict_cli.main, [str(run), str(root / "test"), "--quiet", f"out={out}"]) == 0
+    assert out.is_file()
+
+
+# --- Injection and leftovers
+
+
+def test_preds_csv_cells_never_start_a_formula(trained, tmp_path):
+    root, run = trained
+    out = tmp_path / "preds.csv"
+    assert _exit_code(predict_cli.main, [str(run), str(root / "test"), f"out={out}", "top_k=3", "--quiet"]) == 0
+    cells = [cell for row in _rows(out)[1:] for cell in row]
+    assert "'=HYPERLINK(x)" in cells
+    assert not [cell for cell in cells if cell[:1] in ("=", "+", "-", "@")]
+
+
+# --- Issue 35, item 6: out='s suffix decides the format; one exit code per kind of failure
+
+
+def test_predict_out_suffix_decides_the_format(trained, tmp_path):
+    root, run = trained
+    base = [str(run), str(root / "test"), "top_k=2", "--quiet"]
+    assert _exit_code(predict_cli.main, [*base, f"out={tmp_path / 'p.json'}"]) == 0
+    assert _exit_code(predict_cli.main, [*base, f"out={tmp_path / 'p.jsonl'}"]) == 0
+    assert _exit_code(predict_cli.main, [*base, f"out={tmp_path / 'p.csv'}"]) == 0
+    listed = json.loads((tmp_path / "p.json").read_text())
+    lines = [json.loads(line) for line in (tmp_path / "p.jsonl").read_text().splitlines()]
+    assert listed == lines and len(listed) == 2 * len(CLASSES)
+    assert set(listed[0]) == {"path", "labels", "probabilities"} and len(listed[0]["labels"]) == 2
+    assert [row[0] for row in _rows(tmp_path / "p.csv")[1:]] == [record["path"] for record in listed]
+
+
+def test_predict_an_unknown_out_suffix_is_refused_before_anything_runs(trained, tmp_path, capsys):
+    root, run = trained
+    capsys.readouterr()
+    assert _exit_code(predict_cli.main, [str(run), str(root / "test"), f"out={tmp_path / 'p.txt'}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and ".csv, .json, .jsonl" in err
+    assert not (tmp_path / "p.txt").exists()
+
+
+# --- Data: a Hugging Face split without labels, a label column with a None
+
+
+def _saved_hf(root: Path, train_labels: list, test_labels: list | None, class_label: bool = True) -> Path:
+    datasets = pytest.importorskip("datasets")
+    rng = np.random.default_rng(2)
+    kind = datasets.ClassLabel(names=["a", "b"]) if class_label else datasets.Value("string")
+    features = datasets.Features({"image": datasets.Image(), "label": kind})
+
+    def split(labels: list) -> datasets.Dataset:
+        pictures = [Image.fromarray(rng.integers(0, 255, (16, 16, 3), dtype=np.uint8)) for _ in labels]
+        return datasets.Dataset.from_dict({"image": pictures, "label": labels}, features=features)
+
+    splits = {"train": split(train_labels)}
+    if test_labels is not None:
+        splits["test"] = split(test_labels)
+    datasets.DatasetDict(splits).save_to_disk(str(root))
+    return root
+
+
+def test_a_hf_test_split_whose_labels_are_all_minus_1_is_not_reported_as_0_percent(tmp_path):
+    root = _saved_hf(tmp_path / "saved", [0, 1] * 4, [-1] * 4)
+    out = tmp_path / "run"
+    argv = ["method=lora", "data=hf", f"data.root={root}", *TINY_MODEL, "train.epochs=1", f"output_dir={out}"]
+    cli.main(argv)
+    result = json.loads((out / "result.json").read_text())
+    assert result["test_top1"] is None
+
+
+def test_a_hf_split_with_some_rows_labelled_minus_1_is_refused_naming_a_row(tmp_path):
+    root = _saved_hf(tmp_path / "saved", [0, 1] * 4, [0, -1, 1, 1])
+    with pytest.raises(ValueError, match=r"test split has 1 row\(s\) without a label .* e\.g\. row 1"):
+        petl_data.describe_dataset("hf", root=str(root))
+
+
+def test_a_string_label_column_holding_one_none_is_one_line(tmp_path, capsys):
+    root = _saved_hf(tmp_path / "saved", ["a", "b", "a", None, "b", "a"], None, class_label=False)
+    argv = ["method=lora", "data=hf", f"data.root={root}", *TINY_MODEL, f"output_dir={tmp_path / 'run'}"]
+    capsys.readouterr()
+    assert _exit_code(cli.main, argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "train split has 1 row(s) without a label" in err and "row 3" in err
