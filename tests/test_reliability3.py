@@ -43,7 +43,7 @@ def make_folder(root: Path, train: int = 4, test: int = 2, seed: int = 0, classe
     """``root/{train,test}/<class>/*.png``: noisy patches of one colour per class."""
     rng = np.random.default_rng(seed)
     for split, count in (("train", train), ("test", test)):
-        for index, name in enumerate(classes):
+        for index, name in enumerate(classes if count else ()):
             folder = root / split / name
             folder.mkdir(parents=True, exist_ok=True)
             for item in range(count):
@@ -229,3 +229,100 @@ def test_a_string_label_column_holding_one_none_is_one_line(tmp_path, capsys):
     assert _exit_code(cli.main, argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "train split has 1 row(s) without a label" in err and "row 3" in err
+
+
+# --- Own data: names that are not UTF-8, one image per class, images edited after a finished run
+
+
+def test_a_class_folder_whose_name_is_not_utf8_is_named_in_one_line(tmp_path, capsys):
+    root = make_folder(tmp_path / "images", test=0, classes=("a", "b"))
+    os.rename(root / "train" / "b", root / "train" / os.fsdecode(b"caf\xe9"))
+    capsys.readouterr()
+    code = _exit_code(cli.main, ["method=lora", "data=folder", f"data.root={root}", *TINY_MODEL, "train.epochs=1",
+                                 f"output_dir={tmp_path / 'run'}"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1
+    assert "train/caf\\xe9" in err and "UTF-8" in err
+
+
+def test_an_image_whose_file_name_is_not_utf8_trains(tmp_path):
+    root = make_folder(tmp_path / "images", test=0, classes=("a", "b"))
+    os.rename(root / "train" / "a" / "000.png", root / "train" / "a" / LATIN1)
+    out = train_folder(root, tmp_path / "run")
+    assert (out / "result.json").is_file()
+
+
+def test_one_image_per_class_is_refused_rather_than_trained_without_val(tmp_path, capsys):
+    root = make_folder(tmp_path / "images", train=1, test=0, classes=("a", "b"))
+    capsys.readouterr()
+    code = _exit_code(cli.main, ["method=lora", "data=folder", f"data.root={root}", *TINY_MODEL, "train.epochs=1",
+                                 f"output_dir={tmp_path / 'run'}"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "val/" in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_finished_folder_run_whose_train_images_were_edited_is_refused(tmp_path, capsys):
+    root = make_folder(tmp_path / "images", test=0, classes=("a", "b"))
+    out = train_folder(root, tmp_path / "run")
+    Image.new("RGB", (24, 24), (255, 255, 255)).save(root / "train" / "a" / "000.png")
+    capsys.readouterr()
+    code = _exit_code(cli.main, ["method=lora", "data=folder", f"data.root={root}", *TINY_MODEL, "train.epochs=1",
+                                 "train.batch_size=4", f"output_dir={out}"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2 and "data.fingerprint" in err and "already finished" not in err
+
+
+# --- Reports: a cell's seeds must be seeds of one run
+
+REPO = Path(__file__).resolve().parents[1]
+CELL = REPO / "benchmarks" / "results" / "mini_dinov2" / "runs" / "mini" / "digits" / "lora"
+
+
+def _cell_copy(tmp_path: Path) -> Path:
+    """The committed DINOv2 digits/lora cell (seeds 0-2: GPU and CPU runs, two torch versions) in a folder."""
+    target = tmp_path / "results" / "mini" / "digits" / "lora"
+    for seed in (0, 1, 2):
+        (target / f"seed{seed}").mkdir(parents=True)
+        shutil.copy(CELL / f"seed{seed}" / "result.json", target / f"seed{seed}" / "result.json")
+    return target
+
+
+def _edit(path: Path, change: Callable[[dict], None]) -> None:
+    record = json.loads(path.read_text())
+    change(record)
+    path.write_text(json.dumps(record))
+
+
+@pytest.mark.parametrize(
+    "change, named",
+    [
+        (lambda r: r["config"]["model"].update(name="vit_tiny_patch16_224"), "model.name"),
+        (lambda r: r["config"]["train"].update(epochs=r["config"]["train"]["epochs"] + 5), "train.epochs"),
+    ],
+    ids=["another_backbone", "another_epoch_count"],
+)
+def test_bench_report_refuses_a_cell_whose_seeds_ran_on_different_backbones_or_epoch_counts(
+    tmp_path, capsys, change, named
+):
+    from petl.bench import cli as bench_cli
+
+    cell = _cell_copy(tmp_path)
+    _edit(cell / "seed1" / "result.json", change)
+    capsys.readouterr()
+    code = _exit_code(bench_cli.main, ["report", str(tmp_path / "results")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1
+    assert "seed1" in err and named in err and "not another seed" in err
+    assert not (tmp_path / "results" / "leaderboard.md").exists()
+
+
+def test_bench_report_counts_seeds_of_one_run_under_other_torch_versions_as_seeds(tmp_path):
+    from petl.bench.report import write_report
+
+    cell = _cell_copy(tmp_path)
+    # The committed DINOv2 runs: GPU under torch 2.11 / timm 1.0.29, CPU under torch 2.14.1 / timm 1.0.31.
+    _edit(cell / "seed1" / "result.json", lambda r: r["versions"].update(torch="2.11.0+cu130", timm="1.0.29"))
+    _edit(cell / "seed1" / "result.json", lambda r: r.update(device="cuda"))
+    board = write_report(tmp_path / "results")
+    assert board.rows[0].scores["mini/digits"].seeds == (0, 1, 2)
