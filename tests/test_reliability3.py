@@ -33,10 +33,9 @@ LATIN1 = os.fsdecode(b"caf\xe9.png")  # a file name that is not UTF-8 (a Latin-1
 
 def _exit_code(main: Callable, argv: list[str]) -> int:
     try:
-        main(argv)
+        return int(main(argv) or 0)  # petl-bench's main returns its status; the others exit with it
     except SystemExit as stop:
         return int(stop.code or 0)
-    return 0
 
 
 def make_folder(root: Path, train: int = 4, test: int = 2, seed: int = 0, classes=CLASSES) -> Path:
@@ -326,3 +325,34 @@ def test_bench_report_counts_seeds_of_one_run_under_other_torch_versions_as_seed
     _edit(cell / "seed1" / "result.json", lambda r: r.update(device="cuda"))
     board = write_report(tmp_path / "results")
     assert board.rows[0].scores["mini/digits"].seeds == (0, 1, 2)
+
+
+def _petl_bench(capsys, *args: str) -> tuple[int, str]:
+    from petl.bench import cli as bench_cli
+
+    capsys.readouterr()
+    code = _exit_code(bench_cli.main, list(args))
+    captured = capsys.readouterr()
+    return code, captured.out + captured.err
+
+
+def test_two_suites_side_by_side_in_one_folder_neither_counts_the_others_run(tmp_path, capsys):
+    from petl.bench import sweep
+
+    suite = ["suite=mini", "methods=linear", "tasks=mini/digits", "seeds=0", f"output_dir={tmp_path}"]
+    small = ["progress=false", "data.subset=64", "train.progress=false"]
+    assert _petl_bench(capsys, *suite, *small, "train.epochs=1")[0] == 0
+    board = (tmp_path / "leaderboard.md").read_bytes()
+    run = tmp_path / "mini" / "digits" / "linear" / "seed0"
+    result = (run / "result.json").read_bytes()
+    # The first suite is still training that run (its config.yaml, its live lock): the second waits for nothing.
+    (run / "result.json").unlink()
+    (run / sweep.LOCK_FILE).write_text(json.dumps({"host": os.uname().nodename, "pid": os.getppid()}))
+    code, said = _petl_bench(capsys, *suite, *small, "train.epochs=2")
+    assert code == 1 and "train.epochs: 1 -> 2" in said and "held by another sweep" in said, said
+    # Alone afterwards: its folder holds the first suite's run, which is not this suite's result.
+    (run / sweep.LOCK_FILE).unlink()
+    (run / "result.json").write_bytes(result)
+    code, said = _petl_bench(capsys, *suite, *small, "train.epochs=2")
+    assert code == 1 and "train.epochs: 1 -> 2" in said and "leaderboard not written" in said
+    assert (tmp_path / "leaderboard.md").read_bytes() == board

@@ -104,7 +104,13 @@ def _finish(summary: SweepSummary, output_dir: Path, own: dict[str, str], any_do
         print(f"  diverged (scored last in its search): {line}")
     for line in summary.waiting:
         print(f"  waiting: {line}")
-    if as_bool("report", own.get("report", "true")) and any_done:
+    if summary.stale:
+        # Runs of another config stand in this suite's folders: a leaderboard would show them as this suite's.
+        print(
+            f"petl-bench: leaderboard not written: {len(summary.stale)} run folder(s) hold another config (above)",
+            file=sys.stderr,
+        )
+    elif as_bool("report", own.get("report", "true")) and any_done:
         # The whole suite's plan, even when methods=/tasks=/seeds= ran part of it: the rest shows as not run yet.
         plan = report.Plan(suite.name, tuple(suite.experiments), tuple(suite.tasks), tuple(suite.seeds))
         write_report(output_dir, configs_dir=configs_folder(own), plan=plan)

@@ -151,6 +151,9 @@ def check_output_dir(out: Path, cfg: DictConfig, resolved: dict[str, Any], is_ma
 def check_finished(cfg: DictConfig) -> None:
     """Refuse a finished run in ``cfg.output_dir`` that was trained with another config or other inputs.
 
+    A run still being trained there (its ``config.yaml`` without ``result.json``: another sweep holds the folder)
+    is compared on its config.
+
     A sweep skips a run whose ``result.json`` exists without calling :func:`petl.run.runner.run`; this is the
     check :func:`check_output_dir` makes before such a result is returned, so an edited suite (another epoch
     count, say) cannot have old results counted as its own.
@@ -161,10 +164,16 @@ def check_finished(cfg: DictConfig) -> None:
     """
     out = Path(cfg.output_dir)
     finished = _read_finished(out)
-    if finished is None or finished.config is None:
-        return  # nothing finished here (or a hand-made record): nothing to compare
     resolved = OmegaConf.to_container(cfg, resolve=True)
     assert isinstance(resolved, dict)
+    if finished is None and (out / records.CONFIG_FILE).is_file():
+        # Being trained (by another sweep into the same folder: petl-bench asks while the folder is held).
+        recorded = OmegaConf.to_container(OmegaConf.load(out / records.CONFIG_FILE))
+        assert isinstance(recorded, dict)
+        check_same_config(out, recorded, resolved, "another sweep is training it: give this suite its own folder")
+        return
+    if finished is None or finished.config is None:
+        return  # nothing finished here (or a hand-made record): nothing to compare
     check_same_config(out, finished.config, resolved, "delete it to train this config")
     check_inputs(out, finished.inputs, finished_inputs(cfg, finished), finished=True)
 
