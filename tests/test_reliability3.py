@@ -356,3 +356,44 @@ def test_two_suites_side_by_side_in_one_folder_neither_counts_the_others_run(tmp
     code, said = _petl_bench(capsys, *suite, *small, "train.epochs=2")
     assert code == 1 and "train.epochs: 1 -> 2" in said and "leaderboard not written" in said
     assert (tmp_path / "leaderboard.md").read_bytes() == board
+
+
+# --- NOAH's search progress: keyed by everything the search depends on, read only when whole
+
+
+def _noah_setup():
+    import torch
+
+    from petl.methods.noah import NoahConfig
+
+    gen = torch.Generator().manual_seed(0)
+    loader = [(torch.randn(4, 3, 32, 32, generator=gen), torch.tensor([0, 1, 2, 3])) for _ in range(5)]
+    return NoahConfig(num_classes=4, search_epochs=1, search_generations=1, population=4, max_params=4000), loader
+
+
+def test_a_noah_search_with_drop_path_0_does_not_resume_a_drop_path_half_search(tiny_vit):
+    from petl.methods import noah_search
+
+    cfg, loader = _noah_setup()
+    batches = list(loader)
+    paths = {rate: noah_search.checkpoint_path(tiny_vit(drop_path_rate=rate), cfg, 0, batches) for rate in (0.0, 0.5)}
+    assert paths[0.0] != paths[0.5]
+    assert noah_search.checkpoint_path(tiny_vit(drop_path_rate=0.5), cfg, 0, batches) == paths[0.5]
+
+
+def test_a_noah_progress_file_holding_epoch_1_and_no_supernet_is_searched_anew(tiny_vit, tmp_path, monkeypatch):
+    import torch
+
+    from petl.methods import noah_search
+
+    monkeypatch.setenv("PETL_CACHE_DIR", str(tmp_path))
+    cfg, loader = _noah_setup()
+    torch.manual_seed(0)
+    whole = noah_search.search(tiny_vit(), cfg, loader, seed=0, progress=False)
+    backbone = tiny_vit()
+    train, held = noah_search._split(loader)
+    path = noah_search.checkpoint_path(backbone, cfg, 0, train + held)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"epoch": 1, "scores": []}, path)
+    torch.manual_seed(0)
+    assert noah_search.search(backbone, cfg, loader, seed=0, progress=False) == whole
