@@ -488,3 +488,15 @@ def test_every_petl_command_uses_the_one_set_of_exit_statuses():
         # No status of its own: each comes from petl.run.errors.
         assert not re.search(r"SystemExit\(\d+\)", source), module.__name__
         assert not re.search(r"^\w*(ERROR|INTERRUPTED)\w* *(, *\w+)* *= *\d", source, re.M), module.__name__
+
+
+# --- Tried beyond the issue
+
+
+def test_predict_out_inside_a_run_folder_is_refused(trained, capsys):
+    root, run = trained
+    card = (run / "model.json").read_bytes()
+    capsys.readouterr()
+    assert _exit_code(predict_cli.main, [str(run), str(root / "test"), f"out={run / 'model.json'}", "--quiet"]) == 2
+    assert "inside a run folder" in capsys.readouterr().err
+    assert (run / "model.json").read_bytes() == card

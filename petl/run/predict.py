@@ -434,6 +434,10 @@ def _parse(argv: Sequence[str]) -> tuple[list[Path], list[str], dict, argparse.N
         first = positional[0] if positional else "(none)"
         raise UsageError(f"{first} is not a run folder (no {WEIGHTS_FILE}): give a petl-run output_dir first")
     images = positional[len(runs) :]
+    for key in ("out", "confusion"):
+        if key in options and any(Path(options[key]).resolve().is_relative_to(run.resolve()) for run in runs):
+            # model.json, result.json...: a run's own files are never replaced by what it predicted.
+            raise UsageError(f"{key}={options[key]} is inside a run folder: write it elsewhere")
     if "data" in options and images:
         raise UsageError("give images or data=..., not both")
     if "data" not in options and not images:
