@@ -74,7 +74,7 @@ def _rows(path: Path) -> list[list[str]]:
 # --- Data lost or wrong results reported
 
 
-def test_predict_out_on_a_full_disk_keeps_the_earlier_complete_file(trained, tmp_path):
+def test_predict_out_on_a_full_disk_keeps_the_earlier_complete_file(trained, tmp_path, capsys):
     root, run = trained
     out = tmp_path / "preds.csv"
     argv = [str(run), str(root / "test"), f"out={out}", "--quiet"]
@@ -91,6 +91,7 @@ def test_predict_out_on_a_full_disk_keeps_the_earlier_complete_file(trained, tmp
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
         signal.signal(signal.SIGXFSZ, previous)
     assert code == 1
+    assert "preds.csv (File too large): the earlier file is kept as it was" in capsys.readouterr().err
     assert out.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["preds.csv"]  # no temporary file left
 
@@ -185,6 +186,9 @@ def test_predict_an_unknown_out_suffix_is_refused_before_anything_runs(trained, 
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and ".csv, .json, .jsonl" in err
     assert not (tmp_path / "p.txt").exists()
+    # The confusion matrix is a PNG: another suffix would be a PNG under a misleading name.
+    argv = [str(run), "data=folder", f"data.root={root}", f"confusion={tmp_path / 'cm.jpg'}"]
+    assert _exit_code(predict_cli.main, argv) == 2 and "name a .png file" in capsys.readouterr().err
 
 
 # --- Data: a Hugging Face split without labels, a label column with a None

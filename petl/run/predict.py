@@ -36,7 +36,7 @@ import io
 import json
 import os
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -353,7 +353,16 @@ def write_predictions(path: Path, predictions: list[Prediction], several_runs: b
     if writer is None:
         raise UsageError(f"out={shown(path)}: choose a {', '.join(WRITERS)} file name (the suffix sets the format)")
     data = writer(predictions, several_runs).encode("utf-8")
-    write_atomic(path, lambda tmp: tmp.write_bytes(data))
+    _write_or_say(path, lambda tmp: tmp.write_bytes(data))
+
+
+def _write_or_say(path: Path, write: Callable[[Path], None]) -> None:
+    """:func:`petl.paths.write_atomic`; a failure (full disk, read-only folder) names ``path``, which is unchanged."""
+    try:
+        write_atomic(path, write)
+    except OSError as error:
+        kept = "the earlier file is kept as it was" if path.exists() else "nothing was written"
+        raise RuntimeError(f"cannot write {shown(path)} ({error.strerror or error}): {kept}") from None
 
 
 def write_csv(path: Path, predictions: list[Prediction], several_runs: bool) -> None:
@@ -394,8 +403,10 @@ def save_confusion_png(path: Path, matrix: np.ndarray, names: list[str], title: 
     for text in fig.findobj(matplotlib.text.Text):
         text.set_parse_math(False)  # class names are text: "cost_$5_vs_$10" is not mathtext
     fig.tight_layout()
-    write_atomic(path, lambda tmp: fig.savefig(tmp, format="png"))
-    plt.close(fig)
+    try:
+        _write_or_say(path, lambda tmp: fig.savefig(tmp, format="png"))
+    finally:
+        plt.close(fig)
 
 
 def _parse(argv: Sequence[str]) -> tuple[list[Path], list[str], dict, argparse.Namespace]:
@@ -447,6 +458,8 @@ def _parse(argv: Sequence[str]) -> tuple[list[Path], list[str], dict, argparse.N
             raise UsageError(f"{key}={options[key]}: must be at least 1")
     if "out" in options and Path(options["out"]).suffix.lower() not in WRITERS:
         raise UsageError(f"out={options['out']}: choose a {', '.join(WRITERS)} file name (the suffix sets the format)")
+    if "confusion" in options and Path(options["confusion"]).suffix.lower() != ".png":
+        raise UsageError(f"confusion={options['confusion']}: the matrix is drawn as a PNG: name a .png file")
     return runs, images, options, args
 
 
