@@ -258,7 +258,7 @@ def _data_fingerprint(name: str, split: str, root: str | None, options: tuple) -
         dataset = petl_data.build_dataset(name, split, image_size=32, root=root, options=dict(options))
     except petl_data.DatasetUnavailableError as error:
         raise RunError(f"the data of a finished run cannot be checked: {error}") from None
-    except petl_data.BadImagesError as error:
+    except ValueError as error:  # bad images, a folder gone or changed shape: the user's data
         raise ConfigError(f"the data of a finished run cannot be checked: {error}") from None
     return getattr(dataset, "fingerprint", None)
 
