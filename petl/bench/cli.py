@@ -36,12 +36,10 @@ from petl.bench import suite as suites
 from petl.bench.args import CONFIGS_KEYS, as_bool, configs_folder, parse_args, split_list
 from petl.bench.report import write_report
 from petl.bench.sweep import PlannedRun, SweepSummary, plan, run_sweep
+from petl.run.errors import INTERRUPTED, RUN_ERROR, USAGE_ERROR
 from petl.run.result import ResultError
 
 PROG = "petl-bench"
-USAGE_ERROR = 2
-RUN_ERROR = 1
-INTERRUPTED = 130
 DEBUG_FLAG = "--debug"
 
 SWEEP_KEYS = {
@@ -106,7 +104,13 @@ def _finish(summary: SweepSummary, output_dir: Path, own: dict[str, str], any_do
         print(f"  set aside: {line}")
     for line in summary.waiting:
         print(f"  waiting: {line}")
-    if as_bool("report", own.get("report", "true")) and any_done:
+    if summary.stale:
+        # Runs of another config stand in this suite's folders: a leaderboard would show them as this suite's.
+        print(
+            f"petl-bench: leaderboard not written: {len(summary.stale)} run folder(s) hold another config (above)",
+            file=sys.stderr,
+        )
+    elif as_bool("report", own.get("report", "true")) and any_done:
         # The whole suite's plan, even when methods=/tasks=/seeds= ran part of it: the rest shows as not run yet.
         plan = report.Plan(suite.name, tuple(suite.experiments), tuple(suite.tasks), tuple(suite.seeds))
         write_report(output_dir, configs_dir=configs_folder(own), plan=plan)

@@ -57,6 +57,7 @@ from petl.bench.table import Header, Table, markdown_lines, md_escape
 from petl.presets import FAMILIES
 from petl.run.records import write_atomic, write_text
 from petl.run.result import RunResult, read_result
+from petl.text import csv_cell
 
 # Re-exported: the report's public names, wherever they are declared.
 __all__ = [
@@ -145,6 +146,33 @@ def family_names(experiments: list[str], configs_dir: str | Path | None = None) 
     return {name: e.family for name, e in _experiment_files(experiments, configs_dir).items() if e.family}
 
 
+class MixedCellError(ValueError):
+    """A leaderboard cell whose seeds are not seeds of one run (another backbone, epoch count, dataset...)."""
+
+
+def check_cell(cell: list[RunRecord]) -> None:
+    """Refuse a cell (one task, one experiment) whose runs differ in more than their seed.
+
+    Two suites run into one folder, or a suite edited between sweeps, can leave a cell whose "seeds" ran on
+    different backbones or epoch counts; their mean and spread would read as seed noise.  The comparison is
+    :func:`petl.run.folder.seed_difference`, the one that decides whether a folder holds a given run.
+
+    Raises:
+        MixedCellError: naming the cell, the two runs and up to three differences.
+
+    """
+    from petl.run.folder import seed_difference
+
+    first = cell[0]
+    for other in cell[1:]:
+        difference = seed_difference(first.result, other.result)
+        if difference:
+            raise MixedCellError(
+                f"{first.task} {first.experiment}: {other.path} is not another seed of {first.path} "
+                f"({difference}); report the two suites' folders apart, or move one run aside"
+            )
+
+
 def aggregate(
     records: list[RunRecord],
     results_dir: str | Path = ".",
@@ -154,7 +182,8 @@ def aggregate(
 ) -> Leaderboard:
     """One row per experiment, sorted by task mean (best first).
 
-    Per task: mean and sample standard deviation over seeds.  Task mean: the unweighted mean of the
+    Per task: mean and sample standard deviation over seeds (runs that differ in more than the seed are refused,
+    :func:`check_cell`).  Task mean: the unweighted mean of the
     per-task means (V-PETL's ``task_mean``).  Group mean: the mean of the group averages (what VPT,
     NOAH and Adapter+ report).  PPT uses the task mean and the trainable parameters outside the head,
     as V-PETL does (it counts linear probing as 0M).
@@ -188,6 +217,7 @@ def aggregate(
         for task in tasks:
             cell = sorted((r for r in runs if r.task == task), key=lambda r: r.seed)
             if cell:
+                check_cell(cell)
                 top1 = [float(r.result.test_top1) for r in cell]
                 std = statistics.stdev(top1) if len(top1) > 1 else math.nan
                 stuck = tuple(r.seed for r in cell if r.not_learned)
@@ -242,23 +272,14 @@ def csv_records(board: Leaderboard) -> list[dict[str, Any]]:
     return out
 
 
-# A spreadsheet reads a cell that starts with one of these as a formula (=HYPERLINK(...) runs on a click).
-_FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
-
-
-def _csv_cell(value: Any) -> Any:
-    """A text cell a spreadsheet shows as text: a leading formula character gets a ``'`` before it (OWASP)."""
-    return f"'{value}" if isinstance(value, str) and value.startswith(_FORMULA_START) else value
-
-
 def csv_text(board: Leaderboard) -> str:
     """``leaderboard.csv``'s contents (text cells never start a formula; numbers are written as numbers)."""
     records = csv_records(board)
     columns = list(dict.fromkeys(k for rec in records for k in rec))
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")
-    writer.writerow([_csv_cell(c) for c in columns])
-    writer.writerows([[_csv_cell(rec.get(c, "")) for c in columns] for rec in records])
+    writer.writerow([csv_cell(c) for c in columns])
+    writer.writerows([[csv_cell(rec.get(c, "")) for c in columns] for rec in records])
     return buffer.getvalue()
 
 

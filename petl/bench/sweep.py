@@ -241,6 +241,12 @@ def run_sweep(
         bar.set_postfix_str(run.label)
         if not acquire_lock(run.run_dir):
             summary.held_elsewhere.append(run.label)
+            if check_fn is not None:
+                try:  # another sweep trains it: with this config, or it is not this suite's result
+                    check_fn(compose_fn(overrides))
+                except Exception as error:  # a ConfigError naming the difference
+                    summary.stale.append(run.label)
+                    summary.failed.append(f"{run.label}: {error}")
             return
         cfg = None
         try:

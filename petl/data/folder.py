@@ -23,6 +23,7 @@ from torch.utils.data import Dataset
 from petl.data.images import FileListDataset
 from petl.data.registry import TEST, TRAIN, TRAIN_VAL, VAL, DatasetInfo, register_dataset
 from petl.data.transforms import ImageSpec
+from petl.text import shown
 
 # torchvision.datasets.folder.IMG_EXTENSIONS (written out: petl.data does not import torchvision).
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
@@ -77,7 +78,12 @@ def _hidden(path: Path, top: Path) -> bool:
 
 
 def _classes(split_dir: Path) -> list[str]:
-    return sorted(p.name for p in split_dir.iterdir() if p.is_dir() and not p.name.startswith("."))
+    names = sorted(p.name for p in split_dir.iterdir() if p.is_dir() and not p.name.startswith("."))
+    for name in names:
+        if shown(name) != name:
+            # A class name is recorded (result.json, model.json) and printed: it must be text.
+            raise ValueError(f"folder: class folder {shown(split_dir / name)} has a name that is not UTF-8: rename it")
+    return names
 
 
 @lru_cache(maxsize=8)
@@ -112,6 +118,11 @@ def _scan(root: Path) -> tuple[tuple[str, ...], dict[str, list[tuple[Path, int]]
         if not items:
             raise ValueError(f"folder: {split_dir} holds no images in class sub-folders")
         splits[split] = items
+    if "val" not in splits and not any(stratified_holdout([label for _, label in splits["train"]])):
+        raise ValueError(
+            f"folder: {train_dir} has one image per class, so none can be held out for validation: "
+            f"add a {root / 'val'}/<class name>/ folder or more training images"
+        )
     return tuple(names), splits
 
 

@@ -7,13 +7,17 @@
 ``data=folder``), ``test`` -> test (optional).  ``image_column`` / ``label_column`` name the columns;
 by default the first ``Image`` and ``ClassLabel`` features (else ``image`` / ``label``).  Labels are a
 ``ClassLabel`` (its names are the class names), integers ``0..K-1``, or strings (sorted, as folder
-names are).  Every image is decoded once when a split is built, so bad images are reported together
+names are).  ``-1`` (``ClassLabel``'s "no label") or an empty label marks a row unlabelled: a split
+with no label at all (the unlabelled test split several hub datasets ship) is left out with a warning,
+so the run reports no test accuracy rather than 0 %; a split with some unlabelled rows is refused,
+naming the split and a row.  Every image is decoded once when a split is built, so bad images are reported together
 before training, and the split has a content fingerprint, as local folders do.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -29,7 +33,11 @@ from petl.data.registry import TEST, TRAIN, TRAIN_VAL, VAL, BadImagesError, Data
 from petl.data.transforms import ImageSpec, pil_to_tensor
 from petl.data.vtab import find_column
 
+log = logging.getLogger(__name__)
+
 VAL_NAMES = ("validation", "val", "valid")
+# ClassLabel's label of an unlabelled row (datasets' docs: "-1 for missing labels").
+NO_LABEL = -1
 OPTIONS = ("image_column", "label_column")
 
 HF_INFO = DatasetInfo(
@@ -94,6 +102,7 @@ def _open(root: str, image_column: str | None, label_column: str | None) -> tupl
     features = dataset["train"].features
     image = _column(features, image_column, "Image", ("image", "img"), "image_column")
     label = _column(features, label_column, "ClassLabel", ("label", "labels", "target"), "label_column")
+    dataset = _labelled(root, dataset, label)
     if type(features[label]).__name__ == "ClassLabel":
         names = tuple(features[label].names)
     else:
@@ -107,6 +116,30 @@ def _open(root: str, image_column: str | None, label_column: str | None) -> tupl
     if len(names) < 2:
         raise ValueError(f"hf: column {label!r} holds {len(names)} class(es); a classifier needs at least 2")
     return dataset, image, label, names
+
+
+def _unlabelled(value: Any) -> bool:
+    return value is None or value == NO_LABEL or value == ""
+
+
+def _labelled(root: str, dataset: Any, label: str) -> Any:
+    """``dataset`` without its splits that hold no label at all (said once); ValueError on a partly labelled one."""
+    import datasets
+
+    kept = {}
+    for name, split in dataset.items():
+        values = split[label]
+        missing = [row for row, value in enumerate(values) if _unlabelled(value)]
+        if not missing:
+            kept[name] = split
+        elif len(missing) == len(values) and name != "train":
+            log.warning("hf: %s's %s split has no labels (all %r or empty): left out", root, name, NO_LABEL)
+        else:
+            raise ValueError(
+                f"hf: {root}'s {name} split has {len(missing)} row(s) without a label ({label!r} is None, "
+                f"empty or {NO_LABEL}), e.g. row {missing[0]}: label them or remove them"
+            )
+    return datasets.DatasetDict(kept)
 
 
 def describe_hf(root: str, image_column: str | None = None, label_column: str | None = None) -> DatasetInfo:

@@ -142,7 +142,8 @@ def _decode_all(
         except OSError as error:
             bad.setdefault(path, f"cannot read: {first_line(error, type(error).__name__)}")
         relative = os.path.relpath(path, folder) if folder is not None else str(path)
-        digest.update(f"{Path(relative).as_posix()}\t{label}\t{len(data)}\n".encode())
+        # surrogateescape: a file name that is not UTF-8 hashes as its bytes (UTF-8 names as before).
+        digest.update(f"{Path(relative).as_posix()}\t{label}\t{len(data)}\n".encode("utf-8", "surrogateescape"))
         digest.update(data)
         if path in seen or path in bad:
             continue

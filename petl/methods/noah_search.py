@@ -72,8 +72,12 @@ class SearchCheckpoint:
         if path is not None and path.exists():
             try:
                 self.state = torch.load(path, weights_only=True)
+                missing = _missing(self.state)
+                if missing:
+                    raise ValueError(f"it lacks {', '.join(missing)}")
             except Exception as error:  # a file cut short or written by another version: search from the start
                 log.warning("NOAH search: cannot read %s (%s); searching from the start", path, error)
+                self.state = {}
         self._last_save = time.perf_counter()
 
     def due(self) -> bool:
@@ -105,9 +109,24 @@ class SearchCheckpoint:
             self.path.unlink(missing_ok=True)
 
 
+# What each stage's progress needs to go on (train_supernet's and evolve's saves).
+_SAVED = {"epoch": ("supernet", "optimizer", "schedule", "rng", "torch_rng"), "steps": ("scores", "rng")}
+
+
+def _missing(state: Any) -> list[str]:
+    """The entries a saved progress lacks for the stage it says it reached (all of them if it is no mapping)."""
+    if not isinstance(state, dict):
+        return ["everything (not a mapping)"]
+    return [key for stage, needed in _SAVED.items() if state.get(stage) for key in needed if key not in state]
+
+
 def checkpoint_path(backbone: nn.Module, cfg: NoahConfig, seed: int, batches: list) -> Path:
-    """Where a search saves its progress: keyed by the backbone's weights, the config, the seed and the data."""
-    digest = hashlib.sha256(repr((dataclasses.asdict(cfg), seed)).encode())
+    """Where a search saves its progress: keyed by the backbone, the config, the seed and the data.
+
+    The backbone counts by its weights and by its modules as printed (``repr``): drop-path and dropout rates,
+    norms and widths are no tensors, and a search with another ``model.drop_path`` trains another supernet.
+    """
+    digest = hashlib.sha256(repr((dataclasses.asdict(cfg), seed, repr(backbone))).encode())
     tensors = [*backbone.state_dict().values(), *(t for batch in batches for t in batch)]
     for tensor in tensors:
         digest.update(tensor.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())

@@ -240,9 +240,12 @@ def _build_split(cfg: DictConfig, split: str, image: dict[str, Any]) -> Dataset:
     try:
         options = config.data_options(cfg)
         dataset = petl_data.build_dataset(cfg.data.name, split, root=cfg.data.root, options=options, **image)
-    except (petl_data.DatasetUnavailableError, petl_data.BadImagesError) as error:
-        # Bad image files are a data fault, not a config error; the message names the dataset and every path.
+    except petl_data.DatasetUnavailableError as error:
         raise RunError(str(error)) from None
+    except petl_data.BadImagesError as error:
+        # Image files the user gave that cannot be read: bad input, exit 2 as in petl-predict; the message names
+        # the dataset and every path.
+        raise ConfigError(str(error)) from None
     except ValueError as error:
         raise ConfigError(f"data {cfg.data.name}: {error}") from None
     return _subset(dataset, cfg.data.subset)

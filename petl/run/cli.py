@@ -48,10 +48,9 @@ from omegaconf import DictConfig
 from petl import presets
 from petl.run import config, records, runner
 from petl.run.config import ConfigError
+from petl.run.errors import INTERRUPTED, RUN_ERROR, USAGE_ERROR
 
 PROG = "petl-run"
-USAGE_ERROR = 2
-RUN_ERROR = 1
 
 # Sweeps larger than this are checked on their first jobs only; every job still checks itself.
 MAX_CHECKED_JOBS = 64
@@ -263,7 +262,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             if resumes
             else "interrupted; run it again with resume=true to resume from the last finished epoch"
         )
-        raise SystemExit(130) from None
+        raise SystemExit(INTERRUPTED) from None
     if _failed_jobs:
         _error(f"{len(_failed_jobs)} job(s) of the sweep failed (see above)")
         raise SystemExit(RUN_ERROR)

@@ -18,9 +18,9 @@ the run's own files.
 Methods whose modules cannot fold into the backbone (adapters, prompts, an MLP head) are refused
 in one line: use ``petl-predict`` / ``petl.load_run`` for them.
 
-Exit status: 2 for bad input (no weights, a method that cannot be unloaded, an unknown format, out= inside
-the run folder),
-1 when the export fails.
+Exit status (as every petl command): 2 for bad input (no weights, a method that cannot be unloaded, an
+unknown format, out= inside the run folder), 1 when the export fails, 130 on Ctrl-C (nothing half-written is
+left).
 """
 
 from __future__ import annotations
@@ -41,10 +41,10 @@ import petl
 from petl.data.transforms import CROP_RATIO
 from petl.models import timm_native
 from petl.run import records
+from petl.run.errors import INTERRUPTED, RUN_ERROR, USAGE_ERROR
 from petl.run.load import LoadedRun, RunFolderError, load_run
 
 PROG = "petl-export"
-USAGE_ERROR, RUN_ERROR = 2, 1
 FORMAT = "petl-export-1"
 FORMATS = (".safetensors", ".onnx", "")  # "": a timm folder
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"  # timm's names in a local-dir/hub folder
@@ -222,6 +222,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     except (RuntimeError, OSError) as error:
         print(f"{PROG}: error: {error}", file=sys.stderr)
         raise SystemExit(RUN_ERROR) from None
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted; {target} was not written", file=sys.stderr)
+        raise SystemExit(INTERRUPTED) from None
     checked = f" (onnxruntime matches torch within {gap:.1e})" if gap is not None else ""
     print(f"wrote {target}{checked}")
 

@@ -9,6 +9,7 @@ folder for one run at a time.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -20,6 +21,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import Dataset, Subset
 
+from petl import data as petl_data
 from petl.run import config, lock, records
 from petl.run.config import ConfigError
 from petl.run.errors import RunError
@@ -67,12 +69,42 @@ def check_same_config(out: Path, recorded: dict[str, Any], resolved: dict[str, A
         ConfigError: naming up to three differing keys, and ``advice``.
 
     """
+    difference = config_difference(recorded, resolved)
+    if difference:
+        raise ConfigError(f"output_dir {out} holds a run with another config ({difference}); {advice}")
+
+
+def config_difference(recorded: dict[str, Any], resolved: dict[str, Any]) -> str:
+    """Up to three keys whose values make ``resolved`` train another run than ``recorded`` did; "" if none.
+
+    The one comparison of run identity (see :func:`check_same_config` for what counts).
+    """
     old, new = fingerprint(recorded), fingerprint(resolved)
     method = (resolved.get("method") or {}).get("name")
     added = {k for k in new.keys() - old.keys() if not k.startswith(_FREE_FORM)}
     new = {k: v for k, v in new.items() if k not in added or v != _as_recorded(config.option_default(k, method))}
-    if old != new:
-        raise ConfigError(f"output_dir {out} holds a run with another config ({_difference(old, new)}); {advice}")
+    return "" if old == new else _difference(old, new)
+
+
+# What a run's inputs record about the data and weights files' content (run_inputs); paths may move.
+_CONTENT_INPUTS = ("data.fingerprint", "model.checkpoint_sha256")
+
+
+def seed_difference(first: RunResult, other: RunResult) -> str:
+    """What, besides the seed, makes ``other`` another run than ``first``: config or data/weights content; "" if none.
+
+    Two seeds of one leaderboard cell must differ in nothing else (not the backbone, epochs, data...).
+    Results without a recorded config (hand-made records) are not compared.
+    """
+    if first.config is None or other.config is None:
+        return ""
+    a, b = {**first.config, "seed": None}, {**other.config, "seed": None}
+    difference = config_difference(a, b) or config_difference(b, a)
+    if difference:
+        return difference
+    old, new = first.inputs or {}, other.inputs or {}
+    changed = [k for k in _CONTENT_INPUTS if k in old and k in new and old[k] != new[k]]
+    return ", ".join(f"{k}: {old[k]!r} -> {new[k]!r}" for k in changed)
 
 
 def _as_recorded(value: Any) -> Any:
@@ -108,9 +140,8 @@ def check_output_dir(out: Path, cfg: DictConfig, resolved: dict[str, Any], is_ma
         return None
     check_same_config(out, previous, resolved, "choose another output_dir, or resume=false to replace it")
     if finished is not None:
-        # The dataset's content fingerprint needs the dataset built; a finished run is compared on
-        # what is known without that (data.root, the model file), so a changed folder is refused.
-        check_inputs(out, finished.inputs, run_inputs(cfg, None), finished=True)
+        _data_fingerprint.cache_clear()  # one run: the data as it is now (a sweep's checks share the cache)
+        check_inputs(out, finished.inputs, finished_inputs(cfg, finished), finished=True)
         if is_main and not cfg.train.keep_checkpoint:
             # Left by a kill between result.json and the checkpoint's removal.
             (out / records.CHECKPOINT_FILE).unlink(missing_ok=True)
@@ -119,6 +150,9 @@ def check_output_dir(out: Path, cfg: DictConfig, resolved: dict[str, Any], is_ma
 
 def check_finished(cfg: DictConfig) -> None:
     """Refuse a finished run in ``cfg.output_dir`` that was trained with another config or other inputs.
+
+    A run still being trained there (its ``config.yaml`` without ``result.json``: another sweep holds the folder)
+    is compared on its config.
 
     A sweep skips a run whose ``result.json`` exists without calling :func:`petl.run.runner.run`; this is the
     check :func:`check_output_dir` makes before such a result is returned, so an edited suite (another epoch
@@ -130,12 +164,18 @@ def check_finished(cfg: DictConfig) -> None:
     """
     out = Path(cfg.output_dir)
     finished = _read_finished(out)
-    if finished is None or finished.config is None:
-        return  # nothing finished here (or a hand-made record): nothing to compare
     resolved = OmegaConf.to_container(cfg, resolve=True)
     assert isinstance(resolved, dict)
+    if finished is None and (out / records.CONFIG_FILE).is_file():
+        # Being trained (by another sweep into the same folder: petl-bench asks while the folder is held).
+        recorded = OmegaConf.to_container(OmegaConf.load(out / records.CONFIG_FILE))
+        assert isinstance(recorded, dict)
+        check_same_config(out, recorded, resolved, "another sweep is training it: give this suite its own folder")
+        return
+    if finished is None or finished.config is None:
+        return  # nothing finished here (or a hand-made record): nothing to compare
     check_same_config(out, finished.config, resolved, "delete it to train this config")
-    check_inputs(out, finished.inputs, run_inputs(cfg, None), finished=True)
+    check_inputs(out, finished.inputs, finished_inputs(cfg, finished), finished=True)
 
 
 _REPLACE = "run again with resume=false to move that run aside and train anew, or choose another output_dir"
@@ -195,6 +235,34 @@ def run_inputs(cfg: DictConfig, dataset: Dataset | None) -> dict[str, Any]:
     }
 
 
+def finished_inputs(cfg: DictConfig, finished: RunResult) -> dict[str, Any]:
+    """The inputs a finished run is compared on: :func:`run_inputs`, with the data's content fingerprint if it has one.
+
+    A finished run's images may have been edited since (a folder run, say): the same check as a resume,
+    not a cheaper one.  The training split is built (its images decoded once) only when the run recorded a
+    content fingerprint, so generated data (the mini tasks) costs nothing; within one process (a sweep
+    checking many finished runs of one task) a split's fingerprint is computed once.
+    """
+    inputs = run_inputs(cfg, None)
+    if (finished.inputs or {}).get("data.fingerprint") is not None:
+        inputs["data.fingerprint"] = _data_fingerprint(
+            cfg.data.name, cfg.data.split, cfg.data.root, tuple(sorted(config.data_options(cfg).items()))
+        )
+    return inputs
+
+
+@functools.lru_cache(maxsize=64)
+def _data_fingerprint(name: str, split: str, root: str | None, options: tuple) -> str | None:
+    # The fingerprint hashes file bytes and labels, not the transform: any image size builds the same one.
+    try:
+        dataset = petl_data.build_dataset(name, split, image_size=32, root=root, options=dict(options))
+    except petl_data.DatasetUnavailableError as error:
+        raise RunError(f"the data of a finished run cannot be checked: {error}") from None
+    except ValueError as error:  # bad images, a folder gone or changed shape: the user's data
+        raise ConfigError(f"the data of a finished run cannot be checked: {error}") from None
+    return getattr(dataset, "fingerprint", None)
+
+
 def check_inputs(out: Path, old: dict[str, Any] | None, new: dict[str, Any], finished: bool = False) -> None:
     """Refuse to resume (or to return a finished result) when the data or weights changed."""
     if old is None:
@@ -202,7 +270,7 @@ def check_inputs(out: Path, old: dict[str, Any] | None, new: dict[str, Any], fin
     keys = ["model.checkpoint_sha256"]
     if finished or old.get("data.fingerprint") is None or new.get("data.fingerprint") is None:
         keys.append("data.root")
-    if not finished:
+    if not finished or new.get("data.fingerprint") is not None:
         keys.append("data.fingerprint")
     changed = {k: (old.get(k), new.get(k)) for k in keys if old.get(k) != new.get(k)}
     if changed:

@@ -1,4 +1,4 @@
-"""petl-predict: a trained run's labels for new images, or its accuracy on a labelled split.
+r"""petl-predict: a trained run's labels for new images, or its accuracy on a labelled split.
 
     petl-predict RUN_DIR photo.png more_photos/ list.txt            # top-5 labels per image, on screen
     petl-predict RUN_DIR photos/ out=preds.csv top_k=3 --merge       # also as CSV; LoRA & co. merged first
@@ -18,17 +18,25 @@ rows.  A run on another backbone, or whose method cannot share one (Partial-k, f
 predicts with its own model after a one-line note; with ``--merge`` (a note says so) or ``data=``
 every run uses its own model.
 
-Exit status: 2 for bad input (a run folder without weights, a missing image, an unreadable image,
-an unknown option), 1 when the prediction cannot complete, 130 on Ctrl-C.
+``out=`` writes every prediction, in the format its suffix names: ``.csv`` (text cells that would start
+a spreadsheet formula get a ``'``), ``.json`` (one list) or ``.jsonl`` (one object per line); the file is
+written whole or not at all (a full disk leaves an earlier file as it was).  File names that are not
+UTF-8 are written with their undecodable bytes as ``\xNN`` (:mod:`petl.text`).
+
+Exit status (as every petl command): 2 for bad input (a run folder without weights, a missing image, an
+unreadable image, an unknown option or ``out=`` suffix), 1 when the prediction cannot complete (a full
+disk...), 130 on Ctrl-C.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import io
 import json
+import os
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,6 +50,8 @@ from petl import data as petl_data
 from petl.data.folder import IMAGE_EXTENSIONS
 from petl.data.images import decode_image
 from petl.multitask import MultiTask, TaskRefused
+from petl.paths import write_atomic
+from petl.run.errors import INTERRUPTED, RUN_ERROR, USAGE_ERROR
 from petl.run.load import (
     LoadedRun,
     RunFolderError,
@@ -52,9 +62,9 @@ from petl.run.load import (
     weights_file,
 )
 from petl.run.records import MODEL_FILE, WEIGHTS_FILE
+from petl.text import csv_cell, read_names, shown
 
 PROG = "petl-predict"
-USAGE_ERROR, RUN_ERROR = 2, 1
 # key=value options and their types; data.* as petl-run reads them.
 OPTIONS = {
     "out": str,
@@ -102,19 +112,18 @@ def image_paths(items: Sequence[str]) -> list[Path]:
         if path.is_dir():
             found = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS)
             if not found:
-                raise UsageError(f"{path} holds no image files ({', '.join(IMAGE_EXTENSIONS)})")
+                raise UsageError(f"{shown(path)} holds no image files ({', '.join(IMAGE_EXTENSIONS)})")
             paths += found
         elif path.suffix.lower() == ".txt" and path.is_file():
-            lines = [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-            listed = [p if p.is_absolute() else path.parent / p for p in map(Path, lines)]
-            missing = [str(p) for p in listed if not p.is_file()]
+            listed = [p if p.is_absolute() else path.parent / p for p in map(Path, read_names(path))]
+            missing = [shown(p) for p in listed if not p.is_file()]
             if missing:
-                raise UsageError(f"{path} lists {len(missing)} missing file(s), e.g. {missing[0]}")
+                raise UsageError(f"{shown(path)} lists {len(missing)} missing file(s), e.g. {missing[0]}")
             paths += listed
         elif path.is_file():
             paths.append(path)
         else:
-            raise UsageError(f"{item}: no such file or folder")
+            raise UsageError(f"{shown(item)}: no such file or folder")
     return paths
 
 
@@ -148,7 +157,7 @@ def _predictions(run: LoadedRun, kept: list[Path], logits: torch.Tensor, top_k: 
     found = []
     for path, probs, labels in zip(kept, values, indices, strict=True):
         names = [run.class_names[int(i)] for i in labels]
-        found.append(Prediction(str(run.run_dir), str(path), names, [float(p) for p in probs]))
+        found.append(Prediction(shown(run.run_dir), shown(path), names, [float(p) for p in probs]))
     return found
 
 
@@ -295,21 +304,71 @@ def _print_table(predictions: list[Prediction], several_runs: bool) -> None:
     for p in predictions:
         ranked = "  ".join(f"{label} {prob:.1%}" for label, prob in zip(p.labels, p.probabilities, strict=True))
         run = f"{p.run}  " if several_runs else ""
-        print(f"{run}{p.source}  {ranked}")
+        print(shown(f"{run}{p.source}  {ranked}"))
 
 
-def write_csv(path: Path, predictions: list[Prediction], several_runs: bool) -> None:
-    """One row per image (and run): path, then label_1, prob_1, ... label_k, prob_k."""
+def csv_text(predictions: list[Prediction], several_runs: bool) -> str:
+    """One row per image (and run): path, then label_1, prob_1, ... label_k, prob_k; no cell starts a formula."""
     k = max((len(p.labels) for p in predictions), default=0)
     header = (["run"] if several_runs else []) + ["path"]
     header += [f"{kind}_{i}" for i in range(1, k + 1) for kind in ("label", "prob")]
-    with path.open("w", newline="", encoding="utf-8") as handle:
-        writer = csv.writer(handle)
-        writer.writerow(header)
-        for p in predictions:
-            probabilities = (f"{q:.6f}" for q in p.probabilities)
-            cells = [cell for pair in zip(p.labels, probabilities, strict=True) for cell in pair]
-            writer.writerow(([p.run] if several_runs else []) + [p.source] + cells)
+    buffer = io.StringIO()
+    writer = csv.writer(buffer)
+    writer.writerow(header)
+    for p in predictions:
+        probabilities = (f"{q:.6f}" for q in p.probabilities)
+        cells = [cell for pair in zip(p.labels, probabilities, strict=True) for cell in pair]
+        writer.writerow([csv_cell(shown(cell)) for cell in ([p.run] if several_runs else []) + [p.source] + cells])
+    return buffer.getvalue()
+
+
+def _record(p: Prediction, several_runs: bool) -> dict:
+    record = {"run": p.run} if several_runs else {}
+    record.update(path=p.source, labels=[shown(label) for label in p.labels], probabilities=p.probabilities)
+    return record
+
+
+def json_text(predictions: list[Prediction], several_runs: bool) -> str:
+    """Every prediction as one JSON list of ``{path, labels, probabilities}`` (and ``run`` with several runs)."""
+    return json.dumps([_record(p, several_runs) for p in predictions], indent=1) + "\n"
+
+
+def jsonl_text(predictions: list[Prediction], several_runs: bool) -> str:
+    """One JSON object per line, as :func:`json_text` writes them."""
+    return "".join(json.dumps(_record(p, several_runs)) + "\n" for p in predictions)
+
+
+# out='s suffix decides the format.
+WRITERS = {".csv": csv_text, ".json": json_text, ".jsonl": jsonl_text}
+
+
+def write_predictions(path: Path, predictions: list[Prediction], several_runs: bool) -> None:
+    """Write ``predictions`` in the format ``path``'s suffix names, atomically (all of it, or the old file kept).
+
+    Raises:
+        UsageError: a suffix that is not one of :data:`WRITERS`.
+
+    """
+    writer = WRITERS.get(path.suffix.lower())
+    if writer is None:
+        raise UsageError(f"out={shown(path)}: choose a {', '.join(WRITERS)} file name (the suffix sets the format)")
+    data = writer(predictions, several_runs).encode("utf-8")
+    _write_or_say(path, lambda tmp: tmp.write_bytes(data))
+
+
+def _write_or_say(path: Path, write: Callable[[Path], None]) -> None:
+    """:func:`petl.paths.write_atomic`; a failure (full disk, read-only folder) names ``path``, which is unchanged."""
+    try:
+        write_atomic(path, write)
+    except OSError as error:
+        kept = "the earlier file is kept as it was" if path.exists() else "nothing was written"
+        raise RuntimeError(f"cannot write {shown(path)} ({error.strerror or error}): {kept}") from None
+
+
+def write_csv(path: Path, predictions: list[Prediction], several_runs: bool) -> None:
+    """``predictions`` as CSV (:func:`csv_text`), written atomically."""
+    data = csv_text(predictions, several_runs).encode("utf-8")
+    write_atomic(path, lambda tmp: tmp.write_bytes(data))
 
 
 def _print_confusion(matrix: np.ndarray, names: list[str]) -> None:
@@ -329,6 +388,7 @@ def save_confusion_png(path: Path, matrix: np.ndarray, names: list[str], title: 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    names = [shown(name) for name in names]
     size = max(4.0, 0.45 * len(names) + 2)
     fig, ax = plt.subplots(figsize=(size, size))
     ax.imshow(matrix, cmap="Blues")
@@ -340,9 +400,13 @@ def save_confusion_png(path: Path, matrix: np.ndarray, names: list[str], title: 
     if len(names) <= 20:
         for (row, col), value in np.ndenumerate(matrix):
             ax.text(col, row, str(value), ha="center", va="center", fontsize=8)
+    for text in fig.findobj(matplotlib.text.Text):
+        text.set_parse_math(False)  # class names are text: "cost_$5_vs_$10" is not mathtext
     fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    try:
+        _write_or_say(path, lambda tmp: fig.savefig(tmp, format="png"))
+    finally:
+        plt.close(fig)
 
 
 def _parse(argv: Sequence[str]) -> tuple[list[Path], list[str], dict, argparse.Namespace]:
@@ -357,7 +421,8 @@ def _parse(argv: Sequence[str]) -> tuple[list[Path], list[str], dict, argparse.N
     parser.add_argument("items", nargs="+", help="run folders, then images, folders of images or .txt lists")
     parser.add_argument("--merge", action="store_true", help="fold mergeable methods (LoRA...) in first")
     parser.add_argument("--quiet", action="store_true", help="no progress bar and no table")
-    args = parser.parse_args(list(argv))
+    # Intermixed: flags may come anywhere (RUN IMAGES --quiet out=preds.csv).
+    args = parser.parse_intermixed_args(list(argv))
     options: dict = {}
     positional: list[str] = []
     for item in args.items:
@@ -380,6 +445,10 @@ def _parse(argv: Sequence[str]) -> tuple[list[Path], list[str], dict, argparse.N
         first = positional[0] if positional else "(none)"
         raise UsageError(f"{first} is not a run folder (no {WEIGHTS_FILE}): give a petl-run output_dir first")
     images = positional[len(runs) :]
+    for key in ("out", "confusion"):
+        if key in options and any(Path(options[key]).resolve().is_relative_to(run.resolve()) for run in runs):
+            # model.json, result.json...: a run's own files are never replaced by what it predicted.
+            raise UsageError(f"{key}={options[key]} is inside a run folder: write it elsewhere")
     if "data" in options and images:
         raise UsageError("give images or data=..., not both")
     if "data" not in options and not images:
@@ -387,6 +456,10 @@ def _parse(argv: Sequence[str]) -> tuple[list[Path], list[str], dict, argparse.N
     for key in ("top_k", "batch_size"):
         if key in options and options[key] < 1:
             raise UsageError(f"{key}={options[key]}: must be at least 1")
+    if "out" in options and Path(options["out"]).suffix.lower() not in WRITERS:
+        raise UsageError(f"out={options['out']}: choose a {', '.join(WRITERS)} file name (the suffix sets the format)")
+    if "confusion" in options and Path(options["confusion"]).suffix.lower() != ".png":
+        raise UsageError(f"confusion={options['confusion']}: the matrix is drawn as a PNG: name a .png file")
     return runs, images, options, args
 
 
@@ -427,6 +500,21 @@ def _groups(runs: list[Path], merge: bool, quiet: bool) -> list[list[Path]]:
     return list(groups.values())
 
 
+def run_labels(runs: list[Path]) -> dict[Path, str]:
+    """A distinct file-name part per run: its folder name, or its path from the folder the runs share.
+
+    Two runs both named ``seed0`` (``a/lora/seed0``, ``b/lora/seed0``) get ``a_lora_seed0`` and ``b_lora_seed0``,
+    so files written per run never replace one another.
+    """
+    names = [run.name for run in runs]
+    if len(set(names)) == len(names):
+        return dict(zip(runs, names, strict=True))
+    resolved = [run.resolve() for run in runs]
+    common = Path(os.path.commonpath(resolved))
+    labels = ["_".join(run.relative_to(common).parts) or run.name for run in resolved]
+    return dict(zip(runs, labels, strict=True))
+
+
 def run_cli(argv: Sequence[str]) -> int:
     """Predict or evaluate as the command line says; returns the exit status."""
     runs, items, options, args = _parse(argv)
@@ -436,6 +524,7 @@ def run_cli(argv: Sequence[str]) -> int:
     bad: list[tuple[Path, str]] = []
     by_run: dict[Path, list[Prediction]] = {}
     alone = runs
+    labels = run_labels(runs)
     if items and len(runs) > 1:
         alone = []
         for group in _groups(runs, args.merge, args.quiet):
@@ -469,9 +558,9 @@ def run_cli(argv: Sequence[str]) -> int:
             if "confusion" in options:
                 target = Path(options["confusion"])
                 if several:
-                    target = target.with_name(f"{target.stem}_{folder.name}{target.suffix}")
+                    target = target.with_name(f"{target.stem}_{labels[folder]}{target.suffix}")
                 save_confusion_png(target, matrix, run.class_names, f"{folder.name}: {split}, top-1 {accuracy:.1f}%")
-                print(f"wrote {target}")
+                print(f"wrote {shown(target)}")
             continue
         found, unreadable = predict_images(run, paths, options.get("top_k", 5), options.get("batch_size", 64), progress)
         by_run[folder] = found
@@ -481,10 +570,10 @@ def run_cli(argv: Sequence[str]) -> int:
         if not args.quiet:
             _print_table(predictions, several)
         if "out" in options:
-            write_csv(Path(options["out"]), predictions, several)
-            print(f"wrote {options['out']} ({len(predictions)} rows)")
+            write_predictions(Path(options["out"]), predictions, several)
+            print(f"wrote {shown(options['out'])} ({len(predictions)} rows)")
     if bad:
-        listing = "; ".join(f"{path} ({reason})" for path, reason in bad)
+        listing = "; ".join(f"{shown(path)} ({reason})" for path, reason in bad)
         raise UsageError(f"{len(bad)} image(s) cannot be read, the others were predicted: {listing}")
     return 0
 
@@ -494,14 +583,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         status = run_cli(sys.argv[1:] if argv is None else argv)
     except UsageError as error:
-        print(f"{PROG}: error: {error}", file=sys.stderr)
+        print(f"{PROG}: error: {shown(error)}", file=sys.stderr)
         raise SystemExit(USAGE_ERROR) from None
     except (RuntimeError, OSError) as error:
-        print(f"{PROG}: error: {error}", file=sys.stderr)
+        print(f"{PROG}: error: {shown(error)}", file=sys.stderr)
         raise SystemExit(RUN_ERROR) from None
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
-        raise SystemExit(130) from None
+        raise SystemExit(INTERRUPTED) from None
     raise SystemExit(status)
 
 

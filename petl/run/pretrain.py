@@ -34,6 +34,7 @@ from petl import models
 from petl.data.fractaldb import FractalConfig, generate, search_systems, to_model_input
 from petl.run import records
 from petl.run.engine import TrainSettings, build_optimizer, fit
+from petl.run.errors import INTERRUPTED, RUN_ERROR, USAGE_ERROR
 
 ARCH = "vit_fractal_tiny_patch4_32"
 DEFAULT_OUT = Path("runs/pretrain")
@@ -138,12 +139,12 @@ def main(argv: list[str] | None = None) -> None:
         if debug:
             raise
         print(f"{PROG}: error: interrupted; nothing was written", file=sys.stderr)
-        raise SystemExit(130) from None
+        raise SystemExit(INTERRUPTED) from None
     except (ValueError, OSError, RuntimeError) as error:
         if debug:
             raise
         print(f"{PROG}: error: {type(error).__name__}: {error} (--debug shows the traceback)", file=sys.stderr)
-        raise SystemExit(1) from None
+        raise SystemExit(RUN_ERROR) from None
 
 
 def _main(argv: list[str]) -> None:
@@ -180,7 +181,7 @@ def _main(argv: list[str]) -> None:
             "or choose another --out",
             file=sys.stderr,
         )
-        raise SystemExit(2)
+        raise SystemExit(USAGE_ERROR)
     fractal = FractalConfig(num_classes=args.classes, instances=args.instances, seed=args.seed)
     settings = TrainSettings(
         epochs=args.epochs,

@@ -1,0 +1,50 @@
+r"""One policy for outside text that petl reads and writes: file names in any encoding, cells a spreadsheet runs.
+
+File names are bytes.  Python gives a name that is not UTF-8 as a ``str`` holding lone surrogates
+(``surrogateescape``, PEP 383), which opens the file again but cannot be encoded as UTF-8: printed, written to
+a CSV or JSON file or put in a message, it raises ``UnicodeEncodeError``.  So every name petl shows or writes
+goes through :func:`shown` (its undecodable bytes as ``\xNN``), and every list of names petl reads goes
+through :func:`read_names` (its undecodable bytes kept, so the named file still opens).  Text cells written
+for spreadsheets go through :func:`csv_cell`.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+
+def shown(name: object) -> str:
+    r"""A file name (or any text that holds one) as UTF-8-safe text: bytes that are not UTF-8 become ``\xNN``.
+
+    Args:
+        name: a path, or text (an error message...) that may hold one as Python decoded it from the file system.
+
+    Returns:
+        The same text where it was valid UTF-8; each undecodable byte written as ``\xNN``.
+
+    """
+    text = os.fspath(name) if isinstance(name, os.PathLike) else str(name)
+    try:
+        return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    except UnicodeEncodeError:  # a lone surrogate no file name gave (from JSON text, say)
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def read_names(path: Path) -> list[str]:
+    """The non-blank lines of a list of file names, read as the file system reads names.
+
+    UTF-8, with any other byte kept as it is (a Latin-1 ``é`` in the list names the Latin-1 file on disk).
+    """
+    text = path.read_bytes().decode("utf-8", "surrogateescape")
+    return [line.strip() for line in text.splitlines() if line.strip()]
+
+
+# A spreadsheet reads a cell that starts with one of these as a formula (=HYPERLINK(...) runs on a click).
+FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
+
+
+def csv_cell(value: Any) -> Any:
+    """A text cell a spreadsheet shows as text: a leading formula character gets a ``'`` before it (OWASP)."""
+    return f"'{value}" if isinstance(value, str) and value.startswith(FORMULA_START) else value
