@@ -7,6 +7,8 @@ offline ``mini/digits`` task, so a run takes about a second on one CPU thread.
 from __future__ import annotations
 
 import json
+import logging
+import re
 import time
 from pathlib import Path
 
@@ -309,3 +311,11 @@ def test_a_run_that_cannot_learn_is_marked_in_its_record(tmp_path):
     learned = tiny(tmp_path / "fine", "method=lora", "method.rank=2")
     assert "not_learned" not in json.loads((tmp_path / "fine" / "result.json").read_text())
     assert learned.get("not_learned") is None
+
+
+def test_a_run_says_its_schedule_and_resolution_when_it_starts(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="petl.run.build")
+    tiny(tmp_path / "run", "method=lora", "method.rank=2")
+    assert re.search(
+        r"training lora on mini/digits \(\d+ images\) at 32 px: 2 epochs, batch 32, lr 0\.001", caplog.text
+    )
