@@ -313,7 +313,9 @@ def test_a_run_that_cannot_learn_is_marked_in_its_record(tmp_path):
     assert learned.get("not_learned") is None
 
 
-def test_a_run_says_its_schedule_and_resolution_when_it_starts(tmp_path, caplog):
+def test_a_run_says_its_schedule_and_resolution_when_it_starts(tmp_path, caplog, monkeypatch):
+    # A logging dictConfig from an earlier test in this process (Hydra's) may have disabled the logger.
+    monkeypatch.setattr(logging.getLogger("petl.run.build"), "disabled", False)
     caplog.set_level(logging.INFO, logger="petl.run.build")
     tiny(tmp_path / "run", "method=lora", "method.rank=2")
     assert re.search(
