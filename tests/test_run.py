@@ -7,7 +7,6 @@ offline ``mini/digits`` task, so a run takes about a second on one CPU thread.
 from __future__ import annotations
 
 import json
-import logging
 import re
 import time
 from pathlib import Path
@@ -313,11 +312,9 @@ def test_a_run_that_cannot_learn_is_marked_in_its_record(tmp_path):
     assert learned.get("not_learned") is None
 
 
-def test_a_run_says_its_schedule_and_resolution_when_it_starts(tmp_path, caplog, monkeypatch):
-    # A logging dictConfig from an earlier test in this process (Hydra's) may have disabled the logger.
-    monkeypatch.setattr(logging.getLogger("petl.run.build"), "disabled", False)
-    caplog.set_level(logging.INFO, logger="petl.run.build")
+def test_a_run_says_its_schedule_and_resolution_when_it_starts(tmp_path, capsys):
     tiny(tmp_path / "run", "method=lora", "method.rank=2")
+    out = capsys.readouterr().out
     assert re.search(
-        r"training lora on mini/digits \(\d+ images\) at 32 px: 2 epochs, batch 32, lr 0\.001", caplog.text
+        r"^training lora on mini/digits \(\d+ images\) at 32 px: 2 epochs, batch 32, lr 0\.001$", out, re.M
     )

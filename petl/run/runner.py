@@ -140,12 +140,15 @@ def _train_and_record(cfg: DictConfig, resolved: dict[str, Any], out: Path, acce
         build.say(accelerator, "%s has no test split: this run reports no test accuracy", cfg.data.root)
     model = build.create_backbone(cfg)
     datasets = build.datasets(cfg, model)
-    # The schedule and resolution said up front: a folder run's 100 epochs or the default 32 px are not obvious.
-    build.say(
-        accelerator, "training %s on %s (%d images) at %d px: %d epochs, batch %d, lr %g",
-        cfg.method.name, cfg.data.name, len(datasets["train"]), build.eval_spec(cfg, model, info).image_size,
-        cfg.train.epochs, cfg.train.batch_size, cfg.train.lr,
-    )  # fmt: skip
+    # The schedule and resolution said up front (a folder run's 100 epochs or the default 32 px are not obvious),
+    # on stdout beside the closing summary line: stderr stays for warnings and the one-line errors.
+    if accelerator.is_main_process:
+        size = build.eval_spec(cfg, model, info).image_size
+        print(
+            f"training {cfg.method.name} on {cfg.data.name} ({len(datasets['train'])} images) at {size} px: "
+            f"{cfg.train.epochs} epochs, batch {cfg.train.batch_size}, lr {cfg.train.lr:g}",
+            flush=True,
+        )
     inputs = folder.run_inputs(cfg, datasets["train"])
     checkpoint = folder.resume_checkpoint(out, cfg, inputs)
     method_cfg = build.method_config(cfg, model, info.num_classes, checkpoint, accelerator)
