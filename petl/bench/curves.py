@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 from collections.abc import Mapping
@@ -11,7 +10,7 @@ from pathlib import Path
 
 from petl.bench.board import ExperimentRow, Leaderboard
 from petl.bench.results import RunRecord, nanmean
-from petl.run.records import METRICS_FILE
+from petl.run.records import read_metrics
 
 # Convergence is judged on the last 20 % of epochs (issue 12): the val top-1 change over that stretch.
 CONVERGENCE_TAIL = 0.2
@@ -26,18 +25,7 @@ class ValCurve:
 
 
 def _read_val_history(folder: Path) -> tuple[float, ...]:
-    path = folder / METRICS_FILE
-    if not path.is_file():
-        return ()
-    values = []
-    for line in path.read_text().splitlines():
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue  # a line cut short by a crash: the epochs before it still count
-        if isinstance(row, Mapping) and row.get("val_top1") is not None:
-            values.append(float(row["val_top1"]))
-    return tuple(values)
+    return tuple(float(row["val_top1"]) for row in read_metrics(folder) if row.get("val_top1") is not None)
 
 
 def val_curve(record: RunRecord) -> ValCurve | None:

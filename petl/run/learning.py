@@ -18,13 +18,12 @@ ln 16 = 2.77, test 14.4 % against chance 6.25 %); 1 % separates them.  Runs that
 
 from __future__ import annotations
 
-import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from petl.run.records import METRICS_FILE
+from petl.run.records import read_metrics
 
 CHANCE_TOLERANCE = 0.01  # relative distance to ln(classes) that counts as "at chance"
 
@@ -57,16 +56,9 @@ def not_learned(losses: Sequence[float | None], num_classes: int | None) -> str 
 
 def epoch_losses(run_dir: Path) -> list[float | None]:
     """The training loss of each epoch in ``run_dir/metrics.jsonl`` (empty when the file is missing)."""
-    path = run_dir / METRICS_FILE
-    if not path.is_file():
-        return []
     losses: list[float | None] = []
-    for line in path.read_text().splitlines():
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue  # a line cut short by a crash: the epochs before it still count
-        if isinstance(row, Mapping) and "epoch" in row:
+    for row in read_metrics(run_dir):
+        if "epoch" in row:
             loss = row.get("loss")
             losses.append(float(loss) if isinstance(loss, int | float) and not isinstance(loss, bool) else None)
     return losses

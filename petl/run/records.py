@@ -79,6 +79,25 @@ def append_metrics(path: Path, row: dict[str, Any]) -> None:
         f.write(json.dumps(row) + "\n")
 
 
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """The per-epoch rows of ``run_dir/metrics.jsonl`` (none when it is missing), as reports read them.
+
+    A line cut short by a crash, or one that is not a JSON object, is skipped: the epochs before it still count.
+    """
+    path = run_dir / METRICS_FILE
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
+
+
 class DamagedFileError(ValueError):
     """A run file that exists but cannot be read (cut short, hand-edited, not petl's); the message names it."""
 
