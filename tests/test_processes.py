@@ -14,6 +14,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 import torch
 from conftest import tiny_run
 from safetensors.torch import load_file
@@ -64,9 +65,12 @@ _DRIVER = """
 """
 
 
-def test_two_cpu_processes_train_one_run_with_ddp(tmp_path):
+# bf16: make_accelerator asks accelerate's PartialState about the device before the Accelerator exists; that
+# state must be the CPU one ACCELERATE_USE_CPU asks for, or no process group forms.
+@pytest.mark.parametrize("precision", ["no", "bf16"])
+def test_two_cpu_processes_train_one_run_with_ddp(tmp_path, precision):
     (tmp_path / "driver.py").write_text(textwrap.dedent(_DRIVER))
-    overrides = [*tiny_run(epochs=2, batch_size=16), "method=lora", "output_dir=out"]
+    overrides = [*tiny_run(epochs=2, batch_size=16), "method=lora", "output_dir=out", f"train.precision={precision}"]
     done = _launch("driver.py", *overrides, cwd=tmp_path, ACCELERATE_USE_CPU="1")
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads((tmp_path / "out" / "result.json").read_text())

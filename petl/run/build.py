@@ -18,6 +18,7 @@ import timm
 import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState, GradientState, PartialState
+from accelerate.utils import parse_flag_from_env
 from omegaconf import DictConfig
 from timm.data import resolve_data_config
 from torch import nn
@@ -104,17 +105,21 @@ def make_accelerator(cfg: DictConfig, out: Path) -> Accelerator:
     GradientState._reset_state()
     trackers = list(cfg.train.trackers)
     precision = cfg.train.precision
-    if precision == "fp16" and PartialState().device.type == "cpu":
+    # Asked before the Accelerator exists, the shared state must be the one the Accelerator would make: a bare
+    # PartialState() ignores ACCELERATE_USE_CPU (AcceleratorState reads it), and a CPU launch of several
+    # processes then forms no process group.
+    device_type = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU")).device.type
+    if precision == "fp16" and device_type == "cpu":
         # accelerate would accept it and silently run in fp32; say so, and record what really ran.
         log.warning("train.precision=fp16 needs a GPU: running in full precision on the CPU (bf16 works there)")
         precision = "no"
-    if precision == "bf16" and PartialState().device.type == "cpu" and not engine.cpu_supports_bf16():
+    if precision == "bf16" and device_type == "cpu" and not engine.cpu_supports_bf16():
         # accelerate would autocast anyway, through slow emulated bf16 matmuls; result.json records "no".
         log.warning("train.precision=bf16: this CPU has no bf16 instructions (AVX512-BF16/AMX): running in fp32")
         precision = "no"
     # train.compile goes through accelerate's dynamo plugin, which compiles the model in prepare().
     dynamo = "inductor" if cfg.train.compile else None
-    missing = engine.compiler_missing(PartialState().device.type) if cfg.train.compile else None
+    missing = engine.compiler_missing(device_type) if cfg.train.compile else None
     if missing:
         log.warning("train.compile: %s; running uncompiled", missing)
         dynamo = None
