@@ -15,6 +15,13 @@ pull intermediate feature maps, build timm's optimizer.  timm's own methods know
   the intermediate feature maps, which then have the plain model's shapes; the final features are timm's.
 * ``no_weight_decay()``: timm's names plus those petl's wrappers exempt (VPT's prompts), so that timm's optimizer
   factory exempts what petl's does.
+* ``forward_head(x, pre_logits=True)``: what the method's own head computes before its last Linear (Mlp-k's hidden
+  layers, HST's normed side-network features), as timm's own MLP heads return it, not the backbone's features.
+* ``prune_intermediate_layers``: timm's, refused in one line before anything changes where the method's head
+  cannot follow (``prune_head=True`` would remove a head of its own; HST's head reads every block).
+
+``torch.jit.script`` of a model with petl wrappers is refused in one line (``__prepare_scriptable__``): they use
+Python that TorchScript cannot compile; ``torch.jit.trace`` and ``torch.compile`` give the same logits.
 
 Everything else is timm's own method, called on the model.
 """
@@ -27,6 +34,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from timm.models._features import feature_take_indices
 from torch import nn
 
 from petl import core, vit
@@ -152,13 +160,67 @@ def no_weight_decay(model: nn.Module) -> set[str]:
     return names
 
 
+def forward_head(model: nn.Module, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+    """The ``forward_head`` of timm; with ``pre_logits``, the method's own head's features before its last Linear.
+
+    timm documents ``pre_logits`` as the features the classifier's last layer reads (its MLP heads return their
+    hidden layers' output).  A petl head (:class:`petl.core.PetlHead`) takes ``pre_logits`` as timm's heads do.
+    """
+    head = vit.head(model)
+    if pre_logits and isinstance(head, core.PetlHead):
+        return head(type(model).forward_head(model, x, pre_logits=True), pre_logits=True)
+    return type(model).forward_head(model, x, pre_logits)
+
+
+def prune_intermediate_layers(
+    model: nn.Module, indices: int | list[int] = 1, prune_norm: bool = False, prune_head: bool = True
+) -> list[int]:
+    """The ``prune_intermediate_layers`` of timm, refused in one line where the method's head cannot follow.
+
+    Raises:
+        ValueError: ``prune_head`` on a method whose head is its own (``reset_classifier(0)`` refuses it), or
+            blocks pruned under a head that reads every block (HST's); nothing is changed.
+
+    """
+    head, method = vit.head(model), getattr(model, "petl_method", None)
+    if prune_head and isinstance(head, core.PetlHead):
+        raise ValueError(
+            f"prune_intermediate_layers: method {method!r} classifies with its own {type(head).__name__}, which "
+            "prune_head=True would remove: pass prune_head=False to keep it"
+        )
+    _, max_index = feature_take_indices(len(vit.block_container(model)), indices)
+    reason = getattr(head, "needs_every_block", "")
+    if reason and max_index + 1 < len(vit.block_container(model)):
+        raise ValueError(f"prune_intermediate_layers: method {method!r} cannot drop blocks: {reason}")
+    return type(model).prune_intermediate_layers(model, indices, prune_norm, prune_head)
+
+
+def refuse_script(model: nn.Module) -> nn.Module:
+    """``torch.jit.script``'s hook (``__prepare_scriptable__``): a model with petl wrappers is refused in one line.
+
+    Raises:
+        TypeError: always; the model has a petl wrapper (TorchScript cannot compile their Python).
+
+    """
+    wrapper = _wrappers(model)[0]
+    raise TypeError(
+        f"torch.jit.script: method {getattr(model, 'petl_method', None)!r} wraps modules in "
+        f"{type(wrapper).__name__}, which TorchScript cannot compile: use torch.jit.trace or torch.compile "
+        "(same logits)"
+    )
+
+
 # The timm methods a petl model answers itself, by name.
 OVERRIDES: dict[str, Callable[..., Any]] = {
     "reset_classifier": reset_classifier,
     "set_grad_checkpointing": set_grad_checkpointing,
     "forward_intermediates": forward_intermediates,
     "no_weight_decay": no_weight_decay,
+    "forward_head": forward_head,
+    "prune_intermediate_layers": prune_intermediate_layers,
 }
+# Hooks of torch's that a model with petl wrappers answers (torch.jit.script reads it from the instance).
+HOOKS: dict[str, Callable[..., Any]] = {"__prepare_scriptable__": refuse_script}
 
 
 def install(model: nn.Module) -> None:
@@ -171,13 +233,16 @@ def install(model: nn.Module) -> None:
     for name, function in OVERRIDES.items():
         if hasattr(type(model), name):
             setattr(model, name, functools.partial(function, model))
+    if _wrappers(model):
+        for name, function in HOOKS.items():
+            setattr(model, name, functools.partial(function, model))
     if getattr(model, "grad_checkpointing", False):
         model.set_grad_checkpointing(True)
 
 
 def uninstall(model: nn.Module) -> None:
     """Remove what :func:`install` added: the model answers with its class's methods again (a plain timm model)."""
-    for name in OVERRIDES:
+    for name in [*OVERRIDES, *HOOKS]:
         if isinstance(model.__dict__.get(name), functools.partial):
             delattr(model, name)
 
