@@ -18,7 +18,8 @@ pull intermediate feature maps, build timm's optimizer.  timm's own methods know
 * ``forward_head(x, pre_logits=True)``: what the method's own head computes before its last Linear (Mlp-k's hidden
   layers, HST's normed side-network features), as timm's own MLP heads return it, not the backbone's features.
 * ``prune_intermediate_layers``: timm's, refused in one line before anything changes where the method's head
-  cannot follow (``prune_head=True`` would remove a head of its own; HST's head reads every block).
+  cannot follow (``prune_head=True`` would remove a head of its own; HST's head reads every block; NOAH's last
+  block removes its prompts).
 
 ``torch.jit.script`` of a model with petl wrappers is refused in one line (``__prepare_scriptable__``): they use
 Python that TorchScript cannot compile; ``torch.jit.trace`` and ``torch.compile`` give the same logits.
@@ -179,7 +180,8 @@ def prune_intermediate_layers(
 
     Raises:
         ValueError: ``prune_head`` on a method whose head is its own (``reset_classifier(0)`` refuses it), or
-            blocks pruned under a head that reads every block (HST's); nothing is changed.
+            blocks dropped under a head that reads every block (HST's) or that remove the prompts (NOAH's last
+            block); nothing is changed.
 
     """
     head, method = vit.head(model), getattr(model, "petl_method", None)
@@ -188,9 +190,14 @@ def prune_intermediate_layers(
             f"prune_intermediate_layers: method {method!r} classifies with its own {type(head).__name__}, which "
             "prune_head=True would remove: pass prune_head=False to keep it"
         )
-    _, max_index = feature_take_indices(len(vit.block_container(model)), indices)
-    reason = getattr(head, "needs_every_block", "")
-    if reason and max_index + 1 < len(vit.block_container(model)):
+    blocks = vit.block_container(model)
+    _, max_index = feature_take_indices(len(blocks), indices)
+    dropped = [m for block in list(blocks)[max_index + 1 :] for m in block.modules()]
+    # A block that removes the prompts after itself (NOAH's last, VPT's with pool=img_pool) cannot be dropped: the
+    # kept blocks would pass the prompts on into the features.
+    strips = any(isinstance(m, core.PetlModule) and m.prompt_place and getattr(m, "strip", 0) for m in dropped)
+    reason = getattr(head, "needs_every_block", "") or (strips and "its last block removes the prompt tokens")
+    if reason and dropped:
         raise ValueError(f"prune_intermediate_layers: method {method!r} cannot drop blocks: {reason}")
     return type(model).prune_intermediate_layers(model, indices, prune_norm, prune_head)
 
@@ -271,8 +278,9 @@ def support(model: nn.Module) -> dict[str, str]:
     refusal = next((m for m in wrappers if m.no_grad_checkpointing), None)
     prompts = any(m.prompt_place for m in wrappers)
     own_head = isinstance(head, core.PetlHead)
-    if getattr(head, "needs_every_block", ""):
-        prune = f"refused (`{type(head).__name__}`)"
+    stripper = next((m for m in wrappers if m.prompt_place and getattr(m, "strip", 0)), None)
+    if getattr(head, "needs_every_block", "") or stripper:
+        prune = f"refused (`{type(stripper or head).__name__}`)"
     else:
         prune = "`prune_head=False` only" if own_head else "timm's"
     unfolded = next((m for m in wrappers if not m.mergeable), head if own_head else None)
@@ -327,8 +335,10 @@ cell is checked on every experiment against the plain timm model by `tests/test_
   hidden features (Mlp-k's hidden layers, HST's normed side-network features), as timm's MLP heads do.
 - `set_grad_checkpointing`: the same loss and gradients as without it, or refused in one line when switched on.
 - `forward_intermediates`: the plain model's shapes; VPT's and NOAH's prompt tokens are left out.
-- `prune_intermediate_layers`: timm's (the kept blocks give the same intermediates); a method's own head
-  refuses `prune_head=True` (as `reset_classifier(0)`), HST's head refuses dropping blocks (it reads them all).
+- `prune_intermediate_layers`: timm's (the kept blocks give the same intermediates, the pruned model's output
+  the unpruned features' or logits' shape); a method's own head refuses `prune_head=True` (as
+  `reset_classifier(0)`); refused: no block can be dropped (HST's head reads every block, NOAH's last block
+  removes its prompts), in one line before anything changes.
 - `autocast`: `torch.autocast("cpu", torch.bfloat16)` gives finite logits within bf16 precision of fp32 and
   finite gradients; the CUDA fp16 and bf16 variants of the same test skip on a machine without a GPU (they have
   not run here).
