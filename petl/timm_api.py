@@ -15,6 +15,14 @@ pull intermediate feature maps, build timm's optimizer.  timm's own methods know
   the intermediate feature maps, which then have the plain model's shapes; the final features are timm's.
 * ``no_weight_decay()``: timm's names plus those petl's wrappers exempt (VPT's prompts), so that timm's optimizer
   factory exempts what petl's does.
+* ``forward_head(x, pre_logits=True)``: what the method's own head computes before its last Linear (Mlp-k's hidden
+  layers, HST's normed side-network features), as timm's own MLP heads return it, not the backbone's features.
+* ``prune_intermediate_layers``: timm's, refused in one line before anything changes where the method's head
+  cannot follow (``prune_head=True`` would remove a head of its own; HST's head reads every block; NOAH's last
+  block removes its prompts).
+
+``torch.jit.script`` of a model with petl wrappers is refused in one line (``__prepare_scriptable__``): they use
+Python that TorchScript cannot compile; ``torch.jit.trace`` and ``torch.compile`` give the same logits.
 
 Everything else is timm's own method, called on the model.
 """
@@ -27,6 +35,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from timm.models._features import feature_take_indices
 from torch import nn
 
 from petl import core, vit
@@ -152,13 +161,73 @@ def no_weight_decay(model: nn.Module) -> set[str]:
     return names
 
 
+def forward_head(model: nn.Module, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+    """The ``forward_head`` of timm; with ``pre_logits``, the method's own head's features before its last Linear.
+
+    timm documents ``pre_logits`` as the features the classifier's last layer reads (its MLP heads return their
+    hidden layers' output).  A petl head (:class:`petl.core.PetlHead`) takes ``pre_logits`` as timm's heads do.
+    """
+    head = vit.head(model)
+    if pre_logits and isinstance(head, core.PetlHead):
+        return head(type(model).forward_head(model, x, pre_logits=True), pre_logits=True)
+    return type(model).forward_head(model, x, pre_logits)
+
+
+def prune_intermediate_layers(
+    model: nn.Module, indices: int | list[int] = 1, prune_norm: bool = False, prune_head: bool = True
+) -> list[int]:
+    """The ``prune_intermediate_layers`` of timm, refused in one line where the method's head cannot follow.
+
+    Raises:
+        ValueError: ``prune_head`` on a method whose head is its own (``reset_classifier(0)`` refuses it), or
+            blocks dropped under a head that reads every block (HST's) or that remove the prompts (NOAH's last
+            block); nothing is changed.
+
+    """
+    head, method = vit.head(model), getattr(model, "petl_method", None)
+    if prune_head and isinstance(head, core.PetlHead):
+        raise ValueError(
+            f"prune_intermediate_layers: method {method!r} classifies with its own {type(head).__name__}, which "
+            "prune_head=True would remove: pass prune_head=False to keep it"
+        )
+    blocks = vit.block_container(model)
+    _, max_index = feature_take_indices(len(blocks), indices)
+    dropped = [m for block in list(blocks)[max_index + 1 :] for m in block.modules()]
+    # A block that removes the prompts after itself (NOAH's last, VPT's with pool=img_pool) cannot be dropped: the
+    # kept blocks would pass the prompts on into the features.
+    strips = any(isinstance(m, core.PetlModule) and m.prompt_place and getattr(m, "strip", 0) for m in dropped)
+    reason = getattr(head, "needs_every_block", "") or (strips and "its last block removes the prompt tokens")
+    if reason and dropped:
+        raise ValueError(f"prune_intermediate_layers: method {method!r} cannot drop blocks: {reason}")
+    return type(model).prune_intermediate_layers(model, indices, prune_norm, prune_head)
+
+
+def refuse_script(model: nn.Module) -> nn.Module:
+    """``torch.jit.script``'s hook (``__prepare_scriptable__``): a model with petl wrappers is refused in one line.
+
+    Raises:
+        TypeError: always; the model has a petl wrapper (TorchScript cannot compile their Python).
+
+    """
+    wrapper = type(_unscriptable(model)[0])
+    raise TypeError(
+        f"torch.jit.script: method {getattr(model, 'petl_method', None)!r} wraps modules in "
+        f"{wrapper.__module__}.{wrapper.__name__}, which TorchScript cannot compile: use torch.jit.trace or "
+        "torch.compile (same logits)"
+    )
+
+
 # The timm methods a petl model answers itself, by name.
 OVERRIDES: dict[str, Callable[..., Any]] = {
     "reset_classifier": reset_classifier,
     "set_grad_checkpointing": set_grad_checkpointing,
     "forward_intermediates": forward_intermediates,
     "no_weight_decay": no_weight_decay,
+    "forward_head": forward_head,
+    "prune_intermediate_layers": prune_intermediate_layers,
 }
+# Hooks of torch's that a model with petl wrappers answers (torch.jit.script reads it from the instance).
+HOOKS: dict[str, Callable[..., Any]] = {"__prepare_scriptable__": refuse_script}
 
 
 def install(model: nn.Module) -> None:
@@ -171,13 +240,16 @@ def install(model: nn.Module) -> None:
     for name, function in OVERRIDES.items():
         if hasattr(type(model), name):
             setattr(model, name, functools.partial(function, model))
+    if _unscriptable(model):
+        for name, function in HOOKS.items():
+            setattr(model, name, functools.partial(function, model))
     if getattr(model, "grad_checkpointing", False):
         model.set_grad_checkpointing(True)
 
 
 def uninstall(model: nn.Module) -> None:
     """Remove what :func:`install` added: the model answers with its class's methods again (a plain timm model)."""
-    for name in OVERRIDES:
+    for name in [*OVERRIDES, *HOOKS]:
         if isinstance(model.__dict__.get(name), functools.partial):
             delattr(model, name)
 
@@ -186,31 +258,50 @@ def _wrappers(model: nn.Module) -> list[core.PetlModule]:
     return [m for m in model.modules() if isinstance(m, core.PetlModule)]
 
 
+def _unscriptable(model: nn.Module) -> list[nn.Module]:
+    """The modules TorchScript cannot compile: petl's wrappers and the foreign ones petl merges (peft's layers)."""
+    foreign = tuple(core._FOREIGN_MERGEABLE)
+    return [m for m in model.modules() if isinstance(m, core.PetlModule) or (foreign and isinstance(m, foreign))]
+
+
 def support(model: nn.Module) -> dict[str, str]:
-    """What timm's model methods do on ``model`` (from :func:`petl.apply`), one short cell each.
+    """What timm's model methods and torch's tools do on ``model`` (from :func:`petl.apply`), one short cell each.
 
     The registry-wide tests (tests/test_timm_api.py, tests/test_train_options.py) check every cell's claim on
-    every experiment: a rebuilt or plain head at ``n`` classes, the same gradients or a refusal, intermediates of
-    the plain model's shapes, finite bf16 logits within bf16 precision of fp32.
+    every experiment against the plain timm model: a rebuilt or plain head at ``n`` classes, pre-logits that the
+    last Linear turns into the logits, the same gradients or a refusal, intermediates of the plain model's shapes,
+    timm's pruning or a refusal, bf16 logits within bf16 precision of fp32, compiled and traced logits equal to
+    the eager ones, a merged plain timm model with the same logits that ONNX exports, or a refusal.
     """
     head = vit.head(model)
     wrappers = _wrappers(model)
     refusal = next((m for m in wrappers if m.no_grad_checkpointing), None)
     prompts = any(m.prompt_place for m in wrappers)
     own_head = isinstance(head, core.PetlHead)
+    stripper = next((m for m in wrappers if m.prompt_place and getattr(m, "strip", 0)), None)
+    if getattr(head, "needs_every_block", "") or stripper:
+        prune = f"refused (`{type(stripper or head).__name__}`)"
+    else:
+        prune = "`prune_head=False` only" if own_head else "timm's"
+    unfolded = next((m for m in wrappers if not m.mergeable), head if own_head else None)
     return {
         "reset_classifier(n)": f"rebuilds `{type(head).__name__}`" if own_head else "timm's Linear",
+        "forward_head(pre_logits)": "the head's hidden features" if own_head else "timm's",
         "set_grad_checkpointing": f"refused (`{type(refusal).__name__}`)" if refusal else "same gradients",
         "forward_intermediates": "prompts left out" if prompts else "timm's",
-        "autocast bf16": "yes",
+        "prune_intermediate_layers": prune,
+        "autocast": "yes",
+        "torch.compile": "same logits",
+        "torchscript": "trace; script refused" if _unscriptable(model) else "trace, script",
+        "export (merged)": f"refused (`{type(unfolded).__name__}`)" if unfolded else "timm folder, ONNX",
     }
 
 
 def support_table() -> str:
     """The Markdown table of :func:`support` for every experiment of the registry (``petl.presets``), on a tiny ViT.
 
-    The README holds its output between ``<!-- works-with -->`` markers; tests/test_timm_api.py checks that it is
-    current, and prints the table to paste when it is not.
+    docs/works_with.md (:func:`works_with_page`) and the README (between ``<!-- works-with -->`` markers) hold it;
+    tests/test_timm_api.py checks both are current; ``python -m petl.timm_api`` rewrites them.
     """
     from timm.models.vision_transformer import VisionTransformer
 
@@ -229,3 +320,62 @@ def support_table() -> str:
     lines.append("| --- " * (len(columns) + 2) + "|")
     lines += [f"| `{name}` | `{method}` | " + " | ".join(cells.values()) + " |" for name, method, cells in rows]
     return "\n".join(lines) + "\n"
+
+
+WORKS_WITH_INTRO = """\
+# Works with
+
+What timm's model methods and torch's tools do on a model from `petl.apply`, for every experiment of the
+registry (`configs/experiments`).  Generated by `python -m petl.timm_api` from `petl.timm_api.support`; every
+cell is checked on every experiment against the plain timm model by `tests/test_timm_api.py` and
+`tests/test_train_options.py`, which also check that this page is current.
+
+- `reset_classifier(n)`: the method's own head rebuilt at `n` classes as `petl.apply` builds it, or timm's Linear.
+- `forward_head(pre_logits)`: with `pre_logits=True`, what the last Linear reads: a method's own head returns its
+  hidden features (Mlp-k's hidden layers, HST's normed side-network features), as timm's MLP heads do.
+- `set_grad_checkpointing`: the same loss and gradients as without it, or refused in one line when switched on.
+- `forward_intermediates`: the plain model's shapes; VPT's and NOAH's prompt tokens are left out.
+- `prune_intermediate_layers`: timm's (the kept blocks give the same intermediates, the pruned model's output
+  the unpruned features' or logits' shape); a method's own head refuses `prune_head=True` (as
+  `reset_classifier(0)`); refused: no block can be dropped (HST's head reads every block, NOAH's last block
+  removes its prompts), in one line before anything changes.
+- `autocast`: `torch.autocast("cpu", torch.bfloat16)` gives finite logits within bf16 precision of fp32 and
+  finite gradients; the CUDA fp16 and bf16 variants of the same test skip on a machine without a GPU (they have
+  not run here).
+- `torch.compile`: the same logits and gradients as eager (inductor); this check is marked slow (a minute or
+  more per experiment on two CPU cores) and runs with `pytest --runslow`.
+- `torchscript`: `torch.jit.trace` gives the same logits on other images; `torch.jit.script` works on models
+  without petl wrappers and is refused in one line on the others (`use torch.jit.trace or torch.compile`).
+- `export (merged)`: `petl.merge(model, unload=True)` gives a plain timm model with the same logits, which
+  `petl-export` writes as timm's folder, safetensors or ONNX (`torch.onnx.export` checked); methods whose modules
+  cannot fold into the backbone are refused in one line (serve them with `petl-predict` / `petl.load_run`).
+
+"""
+
+
+def works_with_page() -> str:
+    """docs/works_with.md: :data:`WORKS_WITH_INTRO` and :func:`support_table`."""
+    return WORKS_WITH_INTRO + support_table()
+
+
+def main() -> None:
+    """Rewrite docs/works_with.md and the README's works-with table in the checkout petl is imported from."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    (root / "docs").mkdir(exist_ok=True)
+    (root / "docs" / "works_with.md").write_text(works_with_page())
+    readme = root / "README.md"
+    text = re.sub(
+        r"(<!-- works-with -->\n).*?(<!-- /works-with -->)",
+        lambda m: m.group(1) + support_table() + m.group(2),
+        readme.read_text(),
+        flags=re.S,
+    )
+    readme.write_text(text)
+    print(f"wrote {root / 'docs' / 'works_with.md'} and the table in {readme}")
+
+
+if __name__ == "__main__":
+    main()

@@ -53,3 +53,21 @@ def tiny_run(*, subset: int = 64, depth: int = 1, epochs: int = 2, batch_size: i
     if batch_size is not None:
         overrides.append(f"train.batch_size={batch_size}")
     return [*overrides, "train.progress=false"]
+
+
+# pytest's documented pattern for slow tests: marked @pytest.mark.slow, they run with --runslow only.
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--runslow", action="store_true", default=False, help="also run the tests marked slow")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "slow: takes minutes on two CPU cores; runs with --runslow")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--runslow"):
+        return
+    skip = pytest.mark.skip(reason="slow: run with --runslow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)

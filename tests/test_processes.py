@@ -19,6 +19,8 @@ import torch
 from conftest import tiny_run
 from safetensors.torch import load_file
 
+from petl.run import build
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -84,3 +86,34 @@ def test_two_cpu_processes_train_one_run_with_ddp(tmp_path, precision):
         torch.testing.assert_close(ranks[0][name], ranks[1][name], rtol=0, atol=0)
     saved = load_file(tmp_path / "out" / "trainable.safetensors")
     assert set(saved) == set(ranks[0])
+
+
+def test_accelerate_cpu_launch_of_several_processes_says_it_runs_one(tmp_path):
+    # accelerate's --cpu takes its simple launcher, which starts one process whatever --num_processes asks.
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2"]
+    launch += "--num_machines 1 --mixed_precision no --dynamo_backend no --main_process_port 29514".split()
+    done = subprocess.run(
+        [*launch, "-m", "petl.run", *tiny_run(epochs=1), "output_dir=out"],
+        cwd=tmp_path,
+        env=_env(),  # with --cpu, accelerate reads no config file of this machine's user
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    said = (done.stdout + done.stderr).splitlines()
+    note = "accelerate launch --cpu started one process whatever --num_processes says: training as one process"
+    assert sum(note in line for line in said) == 1, done.stderr[-3000:]
+    assert json.loads((tmp_path / "out" / "result.json").read_text())["num_processes"] == 1
+
+
+def test_a_single_process_run_says_nothing_of_processes(monkeypatch):
+    for name in ("ACCELERATE_USE_CPU", "MASTER_ADDR", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    assert build.single_cpu_launch(1) == ""
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "True")  # accelerate launch --cpu of one process sets no MASTER_ADDR
+    assert build.single_cpu_launch(1) == ""
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    assert build.single_cpu_launch(1).startswith("accelerate launch --cpu started one process")
+    monkeypatch.setenv("WORLD_SIZE", "2")  # a torchrun-style launch: check_process_group's case, not this one
+    assert build.single_cpu_launch(1) == ""

@@ -3,7 +3,8 @@
 Each test runs the same check on the plain timm model and on every experiment of the registry
 (``configs/experiments`` plus the methods no experiment file runs), and asserts the petl model behaves
 as the plain one does, or refuses in one line naming its method.  Test bodies never name a method.
-Gradient checkpointing's registry-wide test is tests/test_train_options.py's.
+Gradient checkpointing's registry-wide test is tests/test_train_options.py's.  Each test also checks that its
+column of the works-with table (``petl.timm_api.support``, docs/works_with.md) says what the model did.
 """
 
 from __future__ import annotations
@@ -115,6 +116,36 @@ def test_unload_gives_back_timms_methods():
     assert not set(timm_api.OVERRIDES) & set(vars(model))
 
 
+# ----------------------------------------------------------------------------------------------- forward_head
+
+
+def _last_linear(head: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weight and bias of a head's last Linear: its last two parameters (timm's Linear, Mlp-k's, HST's)."""
+    weight, bias = list(head.parameters())[-2:]
+    assert weight.dim() == 2 and bias.shape == weight.shape[:1]
+    return weight, bias
+
+
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_forward_head_pre_logits_are_what_the_last_linear_reads(images, name):
+    # timm's meaning, on the plain model: the pre-logits are the features the classifier's last Linear maps to
+    # the logits.
+    plain = make_tiny_vit(num_classes=4)
+    pooled = plain.forward_head(plain.forward_features(images), pre_logits=True)
+    torch.testing.assert_close(F.linear(pooled, *_last_linear(plain.head)), plain(images))
+    model = _applied(name).eval()
+    weight, bias = _last_linear(vit.head(model))
+    with torch.no_grad():
+        pre = model.forward_head(model.forward_features(images), pre_logits=True)
+        logits = model.forward_head(model.forward_features(images))
+    assert pre.shape == (2, weight.shape[1])
+    torch.testing.assert_close(F.linear(pre, weight, bias), logits)
+    own_head = isinstance(vit.head(model), core.PetlHead)
+    assert timm_api.support(model)["forward_head(pre_logits)"] == (
+        "the head's hidden features" if own_head else "timm's"
+    )
+
+
 # ------------------------------------------------------------------------------------ forward_intermediates
 
 
@@ -145,6 +176,37 @@ def test_forward_intermediates_match_the_plain_model(images, name):
     final, (last,) = model.forward_intermediates(images, indices=1, norm=True, output_fmt="NLC")
     torch.testing.assert_close(final, features)
     torch.testing.assert_close(last, features[:, features.shape[1] - last.shape[1] :])
+
+
+# ----------------------------------------------------------------------------------- prune_intermediate_layers
+
+
+@pytest.mark.parametrize("prune_head", [True, False])
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_prune_intermediate_layers_as_timm_or_refused(images, name, prune_head):
+    plain = make_tiny_vit(num_classes=4)
+    model = _applied(name).eval()
+    with torch.no_grad():
+        before = model.forward_intermediates(images, indices=[0, 1], intermediates_only=True)
+        # timm's pruned model returns the unpruned features (prune_head, pooling off) or logits, of the kept blocks.
+        want = model.forward_features(images).shape if prune_head else model(images).shape
+        plain_want = plain.forward_features(images).shape if prune_head else plain(images).shape
+    cell = timm_api.support(model)["prune_intermediate_layers"]
+    assert (cell == "timm's") == (not isinstance(vit.head(model), core.PetlHead)) or cell.startswith("refused")
+    if cell.startswith("refused") or (prune_head and cell == "`prune_head=False` only"):
+        # The method cannot follow: one line naming the method, and nothing changed.
+        with pytest.raises(ValueError, match=f"prune_intermediate_layers: method '{model.petl_method}'") as error:
+            model.prune_intermediate_layers([0, 1], prune_head=prune_head)
+        assert "\n" not in str(error.value) and len(model.blocks) == 3 and model(images).shape == (2, 4)
+        return
+    kept = plain.prune_intermediate_layers([0, 1], prune_head=prune_head)
+    assert model.prune_intermediate_layers([0, 1], prune_head=prune_head) == kept
+    assert len(model.blocks) == len(plain.blocks) == 2
+    with torch.no_grad():
+        after = model.forward_intermediates(images, indices=kept, intermediates_only=True)
+        assert plain(images).shape == plain_want and model(images).shape == want
+    for got, wanted in zip(after, before, strict=True):
+        torch.testing.assert_close(got, wanted)
 
 
 # -------------------------------------------------------------------------------------------------- autocast
@@ -190,9 +252,74 @@ def test_apply_on_a_checkpointing_model_refuses_a_side_network():
         petl.apply(model, "lst", num_classes=4)
 
 
-def test_readme_works_with_table_is_generated_from_the_registry():
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+# --------------------------------------------------------------------------------- compile, torchscript, export
+
+
+@pytest.mark.slow  # inductor compiles each experiment's forward and backward: a minute or more on two CPU cores
+@pytest.mark.skipif(engine.compiler_missing("cpu") is not None, reason="torch.compile on CPU needs a C++ compiler")
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_compile_gives_the_same_logits_and_gradients(images, name):
+    model = _applied(name)
+    compiled = torch.compile(copy.deepcopy(model))
+    with torch.no_grad():
+        torch.testing.assert_close(compiled.eval()(images), model.eval()(images), rtol=1e-4, atol=1e-5)
+    want, got = _grads(model.train(), images), _grads(compiled.train(), images)
+    assert got.keys() == {f"_orig_mod.{n}" for n in want}
+    for key, grad in want.items():
+        torch.testing.assert_close(got[f"_orig_mod.{key}"], grad, rtol=1e-3, atol=1e-5)
+    assert timm_api.support(model)["torch.compile"] == "same logits"
+
+
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_torchscript_traces_the_same_logits_and_scripts_or_refuses(images, name):
+    model, other = _applied(name).eval(), 2 * images.flip(0)
+    with torch.no_grad():
+        traced = torch.jit.trace(model, images, check_trace=False)
+        torch.testing.assert_close(traced(other), model(other))
+    cell = timm_api.support(model)["torchscript"]
+    if cell == "trace, script":
+        scripted = torch.jit.script(model)
+        with torch.no_grad():
+            torch.testing.assert_close(scripted(other), model(other))
+        assert not any(isinstance(m, core.PetlModule) for m in model.modules())
+        return
+    assert cell == "trace; script refused"
+    with pytest.raises(TypeError, match=f"torch.jit.script: method '{model.petl_method}' wraps .*trace") as error:
+        torch.jit.script(model)
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_merged_export_is_plain_timm_with_the_same_logits_or_refused(images, tmp_path, name):
+    model = _applied(name).eval()
+    with torch.no_grad():
+        want = model(images)
+    cell = timm_api.support(model)["export (merged)"]
+    if cell.startswith("refused"):
+        with pytest.raises(ValueError, match=f"method '{model.petl_method}' cannot be unloaded") as error:
+            petl.merge(model, unload=True)
+        assert "\n" not in str(error.value)
+        return
+    assert cell == "timm folder, ONNX"
+    plain = petl.merge(model, unload=True)
+    assert type(plain) is type(make_tiny_vit()) and not set(timm_api.OVERRIDES) & set(vars(plain))
+    assert not any(isinstance(m, core.PetlModule) for m in plain.modules())
+    fresh = make_tiny_vit(num_classes=4)
+    fresh.load_state_dict(plain.state_dict())  # what timm.create_model loads from the exported weights
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(images), want, rtol=1e-4, atol=1e-5)
+    # petl-export's ONNX path (the TorchScript exporter, as petl.run.export.save_onnx calls it).
+    torch.onnx.export(fresh, (images,), str(tmp_path / "model.onnx"), dynamo=False, opset_version=17)
+    assert (tmp_path / "model.onnx").stat().st_size > 0
+
+
+def test_works_with_table_is_generated_from_the_registry():
+    root = Path(__file__).resolve().parents[1]
+    readme = (root / "README.md").read_text()
     match = re.search(r"<!-- works-with -->\n(.*?)<!-- /works-with -->", readme, flags=re.S)
     assert match, "README.md: the works-with table's markers are missing"
-    table = timm_api.support_table()
-    assert match.group(1) == table, f"README.md's works-with table is stale; paste:\n{table}"
+    rewrite = "stale: run python -m petl.timm_api (it rewrites docs/works_with.md and the README's table)"
+    assert match.group(1) == timm_api.support_table(), f"README.md's works-with table is {rewrite}"
+    assert (root / "docs" / "works_with.md").read_text() == timm_api.works_with_page(), (
+        f"docs/works_with.md is {rewrite}"
+    )

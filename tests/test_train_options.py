@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_tiny_vit
+from conftest import make_tiny_vit, perturb_trainable
 
 import petl
-from petl import core, vit
+from petl import core, timm_api, vit
+from petl.presets import configs_dir, list_experiments, load_experiment
 from petl.run import default_config, engine, train
 
 TINY = [
@@ -29,8 +30,14 @@ TINY = [
     "train.progress=false",
 ]
 
-# Every registered method with its defaults, plus deep VPT (a wrapper on every block).
-METHODS = [(name, {}) for name in petl.list_methods()] + [("vpt", {"deep": True, "num_tokens": 3})]
+# Every experiment of the registry (configs/experiments plus the methods no experiment file runs), with its options.
+CONFIGS = configs_dir()
+EXPERIMENTS = list_experiments(CONFIGS)
+
+
+def _experiment(name: str) -> tuple[str, dict]:
+    method = dict(load_experiment(name, CONFIGS).method)
+    return method.pop("name"), method
 
 
 def _run(out: Path, *overrides: str) -> dict:
@@ -45,18 +52,23 @@ def _loss_and_grads(model: torch.nn.Module, images: torch.Tensor) -> tuple[float
     return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize(("name", "options"), METHODS, ids=[f"{n}{'-deep' if o else ''}" for n, o in METHODS])
-def test_grad_checkpointing_gives_the_same_loss_and_gradients(name, options, images):
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_grad_checkpointing_gives_the_same_loss_and_gradients(experiment, images):
+    name, options = _experiment(experiment)
     plain = petl.apply(make_tiny_vit(), name, num_classes=5, **options)
+    perturb_trainable(plain)  # zero-initialised branches act, so their gradients are not trivially equal
     ckpt = petl.apply(make_tiny_vit(), name, num_classes=5, **options)
     ckpt.load_state_dict(plain.state_dict())
+    cell = timm_api.support(ckpt)["set_grad_checkpointing"]
     if any(isinstance(m, core.PetlModule) and m.no_grad_checkpointing for m in ckpt.modules()):
         # A side network reads the blocks in order in one forward; a re-run block would feed it twice: refused when
         # switched on, in one line naming the method and why.
         with pytest.raises(ValueError, match=f"method '{name}' cannot use it: .+") as refused:
             engine.enable_grad_checkpointing(ckpt)
         assert "\n" not in str(refused.value) and not ckpt.grad_checkpointing
+        assert cell.startswith("refused")
         return
+    assert cell == "same gradients"
     engine.enable_grad_checkpointing(ckpt)
     # Count forwards of the first block as the model runs it (a method's wrapper, if it replaced the block;
     # pre-hooks: the recomputation stops early, before post-hooks): a checkpointed block that something

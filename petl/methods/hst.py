@@ -322,6 +322,9 @@ class HstHead(core.PetlHead):
 
     """
 
+    # Why timm's prune_intermediate_layers may not drop blocks under this head (petl.timm_api refuses it).
+    needs_every_block = "its head classifies the side network's output, which reads every block"
+
     def __init__(self, side: HstSide, width: int, num_classes: int, kw: dict[str, Any]) -> None:
         super().__init__()
         self._shared = [side]
@@ -330,13 +333,14 @@ class HstHead(core.PetlHead):
         self.register_buffer("running_mean", torch.zeros(width, **kw))
         self.register_buffer("running_var", torch.ones(width, **kw))
 
-    def forward(self, _pooled: torch.Tensor) -> torch.Tensor:
+    def forward(self, _pooled: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        """The logits, or with ``pre_logits`` the normed side-network features the Linear reads (timm's pre-logits)."""
         side = self._shared[0]
         features, side.output = side.output, None
         if features is None:
             raise RuntimeError("HST's head reads the side network's output: run the whole model")
         features = F.batch_norm(features, self.running_mean, self.running_var, training=self.training, eps=1e-6)
-        return F.linear(features, self.weight, self.bias)
+        return features if pre_logits else F.linear(features, self.weight, self.bias)
 
     def for_classes(self, num_classes: int) -> HstHead:
         """A fresh head on the same side network for ``num_classes`` classes (``reset_classifier``)."""

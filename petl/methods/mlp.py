@@ -70,6 +70,14 @@ class MlpHead(nn.Sequential, core.PetlHead):
         vpt_head_init(last)
         layers.append(last)
         super().__init__(*layers)
+        self.num_layers = len(layers)  # an attribute, which TorchScript reads (it has no len() of a module)
+
+    def forward(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        """The logits, or with ``pre_logits`` the hidden layers' output the last Linear reads (as timm's MLP heads)."""
+        for index, layer in enumerate(self):
+            if index < self.num_layers - 1 or not pre_logits:
+                x = layer(x)
+        return x
 
     def for_classes(self, num_classes: int) -> MlpHead:
         """A fresh head with this one's width and ``k`` for ``num_classes`` classes (``reset_classifier``)."""

@@ -97,6 +97,25 @@ def check_process_group(formed: int) -> None:
         )
 
 
+def single_cpu_launch(formed: int) -> str:
+    """The line to say when ``accelerate launch --cpu --num_processes N`` (N > 1) started one process; else "".
+
+    accelerate's ``--cpu`` takes its simple launcher, which starts one process whatever ``--num_processes`` says; it
+    sets MASTER_ADDR only when several processes were asked for, and no WORLD_SIZE (torchrun's launchers set it).
+
+    Args:
+        formed: the number of processes accelerate's state holds.
+
+    """
+    asked = parse_flag_from_env("ACCELERATE_USE_CPU") and "MASTER_ADDR" in os.environ
+    if not asked or "WORLD_SIZE" in os.environ or formed != 1:
+        return ""
+    return (
+        "accelerate launch --cpu started one process whatever --num_processes says: training as one process; for "
+        "several on CPUs launch with ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes N -m petl.run"
+    )
+
+
 def make_accelerator(cfg: DictConfig, out: Path) -> Accelerator:
     # One process may run many trainings (notebooks, the benchmark harness): accelerate keeps its
     # precision and accumulation settings in process-wide singletons that refuse to change once
@@ -134,6 +153,8 @@ def make_accelerator(cfg: DictConfig, out: Path) -> Accelerator:
     except ValueError as error:  # e.g. bf16 on a GPU without bf16 support
         raise ConfigError(f"train.precision={precision}: {error}") from None
     check_process_group(accelerator.num_processes)
+    if note := single_cpu_launch(accelerator.num_processes):
+        log.warning(note)
     return accelerator
 
 
