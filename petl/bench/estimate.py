@@ -21,6 +21,8 @@ estimate with the measured time.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
 import statistics
@@ -73,7 +75,7 @@ class ExperimentCost:
     trial_seconds: float
     final_seconds: float
     epochs: int
-    probe: Probe
+    probe: Probe | None  # None: every run of the experiment has finished, nothing was measured
 
     @property
     def seconds(self) -> float:
@@ -89,6 +91,7 @@ class Estimate:
     sizes: dict[str, int]
     device: str
     fixed_seconds: float = 0.0
+    measure_seconds: float = 0.0  # what measuring took
     measured_at: str = field(default_factory=lambda: time.strftime("%Y-%m-%d %H:%M:%S"))
 
     @property
@@ -113,6 +116,9 @@ class Estimate:
         ]
         for e in self.experiments:
             p = e.probe
+            if p is None:
+                out.append(f"  {e.experiment}: every run finished")
+                continue
             out.append(
                 f"  {e.experiment}: {e.trials} trials x {duration(e.trial_seconds)} + {e.finals} finals x "
                 f"{duration(e.final_seconds)} ({e.epochs} epochs; measured: build {p.build_seconds:.1f} s, "
@@ -120,7 +126,8 @@ class Estimate:
             )
         out.append(
             f"estimated wall time on this machine ({self.device}): {duration(self.seconds)} "
-            f"(with {self.fixed_seconds:.1f} s per run for its records and checks, measured on one tiny run)"
+            f"(with {self.fixed_seconds:.1f} s per run for its records and checks; measuring took "
+            f"{duration(self.measure_seconds)})"
         )
         return out
 
@@ -130,6 +137,7 @@ class Estimate:
             "measured_at": self.measured_at,
             "device": self.device,
             "fixed_seconds_per_run": round(self.fixed_seconds, 2),
+            "measure_seconds": round(self.measure_seconds, 1),
             "seconds": round(self.seconds, 1),
             "runs": self.runs,
             "sizes": self.sizes,
@@ -164,21 +172,25 @@ def estimate(cells: Sequence[Cell], data: OwnData, compose: Callable[[list[str]]
     """
     if compose is None:
         from petl.run import default_config as compose
-    costs, device, fixed = [], "cpu", None
+    costs, device, fixed, tick = [], "cpu", None, time.perf_counter()
     for cell in cells:
         trials = [t.run for t in cell.trials]
         finals = cell.finals({})  # the folders do not depend on the point chosen
         todo_trials = sum(not r.is_done() for r in trials)
         todo_finals = sum(not r.is_done() for r in finals)
         cfg = compose(list((trials or finals)[0].overrides))
+        epochs = int(cfg.train.epochs)
+        if not todo_trials + todo_finals:  # finished: nothing to measure
+            costs.append(ExperimentCost(cell.experiment.name, 0, 0, 0.0, 0.0, epochs, None))
+            continue
         probe, device = measure(cfg, data)
         if fixed is None:
             fixed = fixed_seconds(list(finals[0].overrides), probe, data, compose)
-        epochs = int(cfg.train.epochs)
         trial = fixed + run_seconds(probe, data, epochs, final=False)
         final = fixed + run_seconds(probe, data, epochs, final=True)
         costs.append(ExperimentCost(cell.experiment.name, todo_trials, todo_finals, trial, final, epochs, probe))
-    return Estimate(costs, dict(data.sizes), device, fixed_seconds=fixed or 0.0)
+    spent = time.perf_counter() - tick
+    return Estimate(costs, dict(data.sizes), device, fixed_seconds=fixed or 0.0, measure_seconds=spent)
 
 
 def run_seconds(probe: Probe, data: OwnData, epochs: int, final: bool, subset: int | None = None) -> float:
@@ -227,7 +239,8 @@ def fixed_seconds(overrides: list[str], probe: Probe, data: OwnData, compose: Ca
         extra = ["train.epochs=1", f"data.subset={PROBE_IMAGES}", "train.progress=false", f"output_dir={run_dir}"]
         run = PlannedRun("probe", "probe", 0, run_dir, (*overrides[:-1], *extra))
         tick = time.perf_counter()
-        summary = run_sweep([run], compose_fn=compose, progress=False)
+        with contextlib.redirect_stdout(io.StringIO()):  # its "training ..." line is not one of the user's runs
+            summary = run_sweep([run], compose_fn=compose, progress=False)
         whole = time.perf_counter() - tick
         if summary.failed:
             error = (run_dir / ERROR_FILE).read_text().strip().splitlines()[-1:]
