@@ -94,8 +94,7 @@ def test_an_edited_folder_is_kept_apart_from_its_old_runs(tmp_path, monkeypatch,
     make_folder(tmp_path / "other", train=1, test=0, seed=5)
     victim.write_bytes(next((tmp_path / "other/train" / CLASSES[1]).glob("*.png")).read_bytes())
     assert bench(*args) == USAGE_ERROR
-    printed = capsys.readouterr().out
-    assert "pass --yes to train without asking" in printed
+    assert "pass --yes to train without asking" in capsys.readouterr().err
     folders = sorted((tmp_path / "runs/bench/choose").iterdir())
     assert len(folders) == 2 and old in folders
     new = next(f for f in folders if f != old)
@@ -129,3 +128,24 @@ def test_budget_reads_suffixed_counts(given, params, seconds):
 def test_budget_refuses_what_is_not_a_positive_number(bad):
     with pytest.raises(ValueError, match=f"budget.params={bad}: expected a positive number"):
         choice.Budget.parse({"budget.params": bad})
+
+
+def test_a_datasets_dataset_is_a_task_too_and_dry_run_stops_after_the_cost(tmp_path, capsys):
+    datasets = pytest.importorskip("datasets")
+    make_folder(tmp_path / "photos", train=4, test=2)
+    features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=list(CLASSES))})
+
+    def split(name: str) -> datasets.Dataset:
+        files = sorted((tmp_path / "photos" / name).glob("*/*.png"))
+        labels = [CLASSES.index(f.parent.name) for f in files]
+        return datasets.Dataset.from_dict({"image": [str(f) for f in files], "label": labels}, features=features)
+
+    saved = tmp_path / "saved"
+    datasets.DatasetDict({"train": split("train"), "test": split("test")}).save_to_disk(str(saved))
+    out = tmp_path / "out"
+    args = ["suite=choose", "data=hf", f"data.root={saved}", "methods=lora", "seeds=0", f"output_dir={out}", *TINY]
+    assert bench(*args, "dry_run=true") == 0
+    printed = capsys.readouterr().out
+    assert "data hf " in printed and "3 classes, 12 training images" in printed and "6 test images" in printed
+    assert "= 3 runs still to train" in printed and "estimated wall time on this machine" in printed
+    assert not any(out.rglob("result.json")) and not (out / ESTIMATE_FILE).exists()

@@ -3,7 +3,8 @@
 The steps, in order: read the data (every image decoded once: classes, split sizes, fingerprint,
 :mod:`petl.bench.own_data`); plan the suite's cells on it (:mod:`petl.bench.protocol`, as for a registered
 task); measure what the remaining runs will cost here (:mod:`petl.bench.estimate`) and ask before training
-(``--yes`` answers for a script: without it, input that is not a terminal stops here with exit 2); run the
+(``--yes`` answers for a script: without it, input that is not a terminal stops here with exit 2 and one line
+saying so); run the
 protocol; write the leaderboard, then ``choice.md`` with the answer within ``budget.params=`` /
 ``budget.train_seconds=`` and the estimate against the real time (:mod:`petl.bench.choice`).
 """
@@ -22,7 +23,6 @@ from petl.bench import choice, own_data, protocol, report
 from petl.bench import estimate as costs
 from petl.bench.args import as_bool
 from petl.bench.suite import Experiment, Suite
-from petl.run.errors import USAGE_ERROR
 
 YES_FLAG = "--yes"
 # The run command's own keys for own data: the dataset, and the budget the answer keeps to.
@@ -32,12 +32,16 @@ Finish = Callable[..., int]
 
 
 def confirm(yes: bool) -> bool:
-    """Whether to train: ``--yes``, else the user's answer at a terminal; ``False`` for input that is not one."""
+    """Whether to train: ``--yes``, else the user's answer at a terminal.
+
+    Raises:
+        SystemExit: input that is not a terminal, without ``--yes`` (one line: what to pass; exit 2).
+
+    """
     if yes:
         return True
     if not sys.stdin.isatty():
-        print(f"petl-bench: not started: input is not a terminal; pass {YES_FLAG} to train without asking")
-        return False
+        raise SystemExit(f"petl-bench: not started: input is not a terminal; pass {YES_FLAG} to train without asking")
     return input("train now? [y/N] ").strip().lower() in ("y", "yes")
 
 
@@ -77,7 +81,8 @@ def run_on_own_data(
     if as_bool("dry_run", own.get("dry_run", "false")):
         return 0
     if estimate.runs and not confirm(yes):
-        return USAGE_ERROR
+        print("petl-bench: not started")
+        return 0
     if estimate.runs:
         estimate.write(output_dir)
     tick = time.perf_counter()
