@@ -121,7 +121,8 @@ class Estimate:
                 continue
             out.append(
                 f"  {e.experiment}: {e.trials} trials x {duration(e.trial_seconds)} + {e.finals} finals x "
-                f"{duration(e.final_seconds)} ({e.epochs} epochs; measured: build {p.build_seconds:.1f} s, "
+                f"{duration(e.final_seconds)} ({e.epochs} epoch{'s' * (e.epochs != 1)}; measured: build "
+                f"{p.build_seconds:.1f} s, "
                 f"{1000 * p.step_seconds:.2f} ms per training image at batch {p.batch}, {p.image_size} px)"
             )
         out.append(
