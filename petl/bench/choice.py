@@ -102,7 +102,8 @@ def choose(board: Leaderboard, budget: Budget, data: dict[str, Any] | None = Non
     task = board.tasks[0]
     complete = [r for r in board.rows if board.complete(r) and task in r.scores]
     within = [r for r in complete if budget.over(r) is None]
-    within.sort(key=lambda r: -r.scores[task].mean)
+    # Equal accuracy: the row that trains fewer parameters first.
+    within.sort(key=lambda r: (-r.scores[task].mean, r.trainable))
     over = [f"{r.experiment} ({budget.over(r)})" for r in complete if budget.over(r) is not None]
     where = f" on {data['task']} {data['root']} (fingerprint {data['fingerprint'][:12]})" if data else f" on {task}"
     head = f"**Which method for this data**{where}, {budget.describe()}: "
@@ -127,6 +128,8 @@ def choose(board: Leaderboard, budget: Budget, data: dict[str, Any] | None = Non
         )
         if math.isnan(spread):
             text += "and with one seed the seeds' spread is unknown (seeds=0,1,2 measures it)"
+        elif gap == 0:
+            text += f"a tie: either will do ({best.experiment} trains fewer parameters)"
         elif spread == 0:
             text += "and the seeds did not spread at all"
         elif gap > 2 * spread:
