@@ -268,7 +268,10 @@ def measure(cfg: Any, data: OwnData, steps: int = TIMED_STEPS) -> tuple[Probe, s
     batch = max(1, min(int(cfg.train.batch_size), data.sizes[TRAIN]))
     images = torch.randn(batch, 3, size, size, device=device)
     labels = torch.randint(0, len(data.classes), (batch,), device=device)
-    plan = cache.plan(model) if cfg.train.cache_features and not cfg.data.augment else None
+    settings = OmegaConf.to_object(cfg.train)
+    # The run caches the frozen front under the same conditions (petl.run.runner._set_up_training).
+    cached = cfg.train.cache_features and not cfg.data.augment and engine.backbone_mode(model, settings) != "train"
+    plan = cache.plan(model) if cached else None
     trainee: torch.nn.Module = model
     front_seconds = 0.0
     if plan is not None:
@@ -276,7 +279,6 @@ def measure(cfg: Any, data: OwnData, steps: int = TIMED_STEPS) -> tuple[Probe, s
         model.eval()
         front_seconds = _median(lambda: trainee.front(images), steps, device) / batch
         images = trainee.front(images)
-    settings = OmegaConf.to_object(cfg.train)
     optimizer, _ = engine.build_optimizer(trainee, settings, steps_per_epoch=1)
     loss_fn = torch.nn.CrossEntropyLoss(label_smoothing=settings.label_smoothing)
 
