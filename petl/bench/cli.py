@@ -5,6 +5,8 @@ Usage::
     petl-bench [run] suite=mini [methods=linear,lora] [tasks=mini/digits] [seeds=0,1]
                [output_dir=runs/bench/mini] [configs_dir=...] [report=true] [dry_run=false]
                [train.epochs=5 model.drop_path=0.1 data.root=... ...]
+    petl-bench [run] suite=choose data=folder|hf data.root=PATH [model=...] [budget.params=1M]
+               [budget.train_seconds=600] [--yes]   (your own images: cost first, then which method; docs/choose.md)
     petl-bench report RESULTS_DIR [out=DIR] [configs_dir=DIR] [suite=NAME]
     petl-bench speed [model=...] [img_size=N] [batch=32] [steps=10] [warmup=3] [rounds=10] [infer_batch=1]
                      [infer_steps=100] [device=cpu|cuda] [methods=...] [options_for=lora] [out=FILE]
@@ -34,6 +36,7 @@ from typing import Any
 from petl.bench import protocol, report
 from petl.bench import suite as suites
 from petl.bench.args import CONFIGS_KEYS, as_bool, configs_folder, parse_args, split_list
+from petl.bench.own_run import OWN_DATA_KEYS, YES_FLAG, run_on_own_data
 from petl.bench.report import write_report
 from petl.bench.sweep import PlannedRun, SweepSummary, plan, run_sweep
 from petl.run.errors import INTERRUPTED, RUN_ERROR, USAGE_ERROR
@@ -56,13 +59,16 @@ SWEEP_KEYS = {
 
 def cmd_run(args: Sequence[str]) -> int:
     """Run a suite (restricted by methods/tasks/seeds), skipping finished runs, then build the report."""
-    own, overrides = parse_args(args, SWEEP_KEYS)
+    yes = YES_FLAG in args
+    own, overrides = parse_args([a for a in args if a != YES_FLAG], SWEEP_KEYS | OWN_DATA_KEYS)
     configs = configs_folder(own)
     suite = suites.load_suite(own.get("suite", "mini"), configs)
     names = split_list(own["methods"]) if "methods" in own else suite.experiments
     tasks = split_list(own["tasks"]) if "tasks" in own else suite.tasks
     seeds = [int(s) for s in split_list(own["seeds"])] if "seeds" in own else suite.seeds
     experiments = [suites.load_experiment(n, configs) for n in names]
+    if "data" in own:  # your own images as the task (petl.bench.own_run): cost first, then the answer
+        return run_on_own_data(suite, experiments, seeds, own, overrides, yes, _finish)
     output_dir = Path(own.get("output_dir", f"runs/bench/{suite.name}"))
     if suite.search:
         return run_selection(suite, experiments, tasks, seeds, output_dir, overrides, own)

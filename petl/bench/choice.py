@@ -1,0 +1,188 @@
+"""The answer to "which method for my data": one paragraph read off the leaderboard of a results folder.
+
+Among the leaderboard's complete rows (every seed finished) within the user's budget (``budget.params=``:
+trainable parameters, head included, what a task stores; ``budget.train_seconds=``: the final runs' mean
+training time as recorded, on the machine that trained them), the best test top-1 mean is named with the
+runner-up, the gap between them and the seeds' spread (the two rows' standard deviations pooled), and the
+commands that use the chosen run (its lowest seed's folder: chosen before looking at the seeds' test numbers).
+``choice.md`` in the results folder holds the paragraph and the cost before the run against the real one.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from petl.bench.board import ExperimentRow, Leaderboard
+from petl.bench.estimate import duration
+
+CHOICE_FILE = "choice.md"
+BUDGET_KEYS = ("budget.params", "budget.train_seconds")
+_SUFFIXES = {"k": 1e3, "m": 1e6, "g": 1e9}
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What the user can afford per task: trainable parameters and training seconds (``None``: no limit)."""
+
+    params: float | None = None
+    train_seconds: float | None = None
+
+    @classmethod
+    def parse(cls, own: dict[str, str]) -> Budget:
+        """``budget.params=300k`` / ``1.5M`` / ``2e6`` and ``budget.train_seconds=600`` from the command line.
+
+        Raises:
+            ValueError: a value that is not a positive number, naming it.
+
+        """
+        values = {}
+        for key in BUDGET_KEYS:
+            if key not in own:
+                continue
+            text = own[key].strip()
+            scale = _SUFFIXES.get(text[-1:].lower(), 1.0)
+            try:
+                value = float(text[:-1] if scale != 1.0 else text) * scale
+            except ValueError:
+                value = math.nan
+            if not value > 0 or math.isinf(value):
+                raise ValueError(f"{key}={own[key]}: expected a positive number (parameters may end in k, M or G)")
+            values[key.split(".", 1)[1]] = value
+        return cls(**values)
+
+    def describe(self) -> str:
+        """The budget in words."""
+        parts = []
+        if self.params is not None:
+            parts.append(f"at most {_params(self.params)} trainable parameters")
+        if self.train_seconds is not None:
+            parts.append(f"at most {self.train_seconds:g} s of training per run")
+        return " and ".join(parts) or "no budget given (budget.params=, budget.train_seconds=)"
+
+    def over(self, row: ExperimentRow) -> str | None:
+        """Why ``row`` is over the budget, or ``None``."""
+        if self.params is not None and row.trainable > self.params:
+            return f"{_params(row.trainable)} parameters"
+        seconds = train_seconds(row)
+        if self.train_seconds is not None and seconds > self.train_seconds:
+            return f"{seconds:.0f} s of training"
+        return None
+
+
+def _params(count: float) -> str:
+    return f"{count / 1e6:.2f} M" if count >= 1e5 else f"{count / 1e3:.1f} k"
+
+
+def train_seconds(row: ExperimentRow) -> float:
+    """The row's final runs' mean training time (seconds, as recorded)."""
+    seconds = [float(r.result.train_seconds) for r in row.runs if r.result.train_seconds is not None]
+    return sum(seconds) / len(seconds) if seconds else math.nan
+
+
+def chosen_run(row: ExperimentRow) -> Path:
+    """The folder of the row's run to use: its lowest seed's (picked without looking at test numbers)."""
+    return min(row.runs, key=lambda r: r.seed).path.parent
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The answer: the best row within the budget, the runner-up, and the paragraph saying so."""
+
+    best: ExperimentRow | None
+    runner_up: ExperimentRow | None
+    run_dir: Path | None
+    paragraph: str
+
+
+def choose(board: Leaderboard, budget: Budget, data: dict[str, Any] | None = None) -> Choice:
+    """The best complete row within ``budget`` on the board's (one) task, and the paragraph naming it."""
+    task = board.tasks[0]
+    complete = [r for r in board.rows if board.complete(r) and task in r.scores]
+    within = [r for r in complete if budget.over(r) is None]
+    # Equal accuracy: the row that trains fewer parameters first.
+    within.sort(key=lambda r: (-r.scores[task].mean, r.trainable))
+    over = [f"{r.experiment} ({budget.over(r)})" for r in complete if budget.over(r) is not None]
+    where = f" on {data['task']} {data['root']} (fingerprint {data['fingerprint'][:12]})" if data else f" on {task}"
+    head = f"**Which method for this data**{where}, {budget.describe()}: "
+    if not within:
+        why = "no row is complete yet" if not complete else "every complete row is over it: " + ", ".join(over)
+        return Choice(None, None, None, head + f"nothing to choose, {why}.")
+    best = within[0]
+    runner = within[1] if len(within) > 1 else None
+    b = best.scores[task]
+    text = head + (
+        f"**{best.experiment}** reaches {b.mean:.2f} % test top-1 (mean of {len(b.seeds)} seed(s)"
+        f"{_std(b.std)}) with {_params(best.trainable)} trainable parameters and {train_seconds(best):.0f} s of "
+        "training per run"
+    )
+    if runner is not None:
+        r = runner.scores[task]
+        gap = b.mean - r.mean
+        spread = math.sqrt((b.std**2 + r.std**2) / 2)
+        text += (
+            f"; the runner-up, **{runner.experiment}**, reaches {r.mean:.2f} %{_std(r.std)} with "
+            f"{_params(runner.trainable)} parameters: {gap:.2f} points apart, "
+        )
+        if math.isnan(spread):
+            text += "and with one seed the seeds' spread is unknown (seeds=0,1,2 measures it)"
+        elif gap == 0:
+            text += f"a tie: either will do ({best.experiment} trains fewer parameters)"
+        elif spread == 0:
+            text += "and the seeds did not spread at all"
+        elif gap > 2 * spread:
+            text += f"{gap / spread:.1f} times the seeds' spread (pooled std {spread:.2f}): a clear difference"
+        else:
+            cheaper = min((best, runner), key=lambda row: row.trainable).experiment
+            text += (
+                f"{gap / spread:.1f} times the seeds' spread (pooled std {spread:.2f}): within the noise, "
+                f"either will do ({cheaper} trains fewer parameters)"
+            )
+    else:
+        text += "; no other row fits the budget"
+    if over:
+        text += f". Over the budget: {', '.join(over)}"
+    run = chosen_run(best)
+    text += f". Use it: `petl-predict {run} IMAGES`"
+    if exportable(run):
+        text += f", `petl-export {run} out=exported` (a plain timm model)"
+    text += f", or `petl-serve {run}` (an HTTP endpoint)."
+    return Choice(best, runner, run, text)
+
+
+def _std(std: float) -> str:
+    return "" if math.isnan(std) else f", std {std:.2f}"
+
+
+def exportable(run_dir: Path) -> bool:
+    """Whether ``petl-export`` can write the run as a plain timm model (its method folds into the backbone)."""
+    import petl
+
+    try:
+        petl.unload(petl.load_run(run_dir).model)
+    except ValueError:
+        return False
+    return True
+
+
+def cost_lines(estimate: dict[str, Any] | None, measured_seconds: float | None) -> list[str]:
+    """The cost said before the run against the time the run took."""
+    if estimate is None:
+        return ["**Cost**: no estimate recorded (the runs were trained before `petl-bench` estimated them)."]
+    said = f"**Cost**: estimated {duration(estimate['seconds'])} for {estimate['runs']} runs before training "
+    said += f"({estimate['measured_at']}, {estimate['device']})"
+    if measured_seconds is None:
+        return [said + "; the real time is recorded once the sweep that estimated it ends."]
+    ratio = measured_seconds / estimate["seconds"] if estimate["seconds"] > 0 else math.nan
+    return [said + f"; they took {duration(measured_seconds)} ({ratio:.2f}x the estimate)."]
+
+
+def write_choice(output_dir: Path, choice: Choice, estimate: dict[str, Any] | None, measured: float | None) -> Path:
+    """``choice.md``: the paragraph and the cost, beside the leaderboard."""
+    path = Path(output_dir) / CHOICE_FILE
+    lines = ["# Which method for this data", "", choice.paragraph, "", *cost_lines(estimate, measured), ""]
+    lines += ["The leaderboard: `leaderboard.md` (also `.csv`, `.html`, `pareto.png`) in this folder.", ""]
+    path.write_text("\n".join(lines))
+    return path

@@ -1,0 +1,311 @@
+"""What a suite on your own data will cost, before it trains: runs, images, and wall time measured here.
+
+For each experiment the backbone is built and the method applied (timed), then a few training steps
+(forward, cross-entropy, backward, AdamW step) and evaluation forwards are timed on a batch of random images
+of the run's size and batch.  Where the run would cache the frozen front of the backbone
+(:mod:`petl.run.cache`), the front is timed once per image and the steps on the cached tensors, as the run
+trains.  A run's time is then
+
+    fixed + build + decode (its splits' images, at the rate measured while fingerprinting the data)
+    + epochs x (train images x step time per image + val images x eval time per image)   [trials]
+    + train images x front time + test images x eval time                                 [finals]
+
+summed over the runs not finished yet.  ``fixed`` is what a run costs besides those (the run folder's
+checks and records, the accelerator, a checkpoint per epoch, the model card): one real run of the first
+experiment, one epoch on :data:`PROBE_IMAGES` images of each split, is timed whole and what the terms above
+account for is taken off.  What it leaves out: calibration hooks (SCT, GPS, NOAH's search), mixed precision
+(steps are timed in fp32 on the device the run would use), and a machine's load changing between the
+estimate and the runs.  ``benchmarks/choose_estimate.py`` compares the
+estimate with the measured time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import math
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from petl.bench.own_data import OwnData
+from petl.bench.protocol import Cell
+from petl.data import TEST, TRAIN, TRAIN_VAL, VAL
+
+ESTIMATE_FILE = "estimate.json"
+WARMUP_STEPS = 1
+TIMED_STEPS = 3
+# Images per split of the one real run that measures a run's fixed cost.
+PROBE_IMAGES = 4
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One experiment's measured costs on this machine.
+
+    Attributes:
+        build_seconds: building the backbone (pretrained weights loaded) and applying the method.
+        step_seconds: per training image (one step, over the batch, divided by the batch).
+        eval_seconds: per evaluated image (a no-grad forward of what trains).
+        front_seconds: per image, the cached front's one forward (0 where the run caches nothing).
+        batch: the batch the steps were timed at.
+        image_size: the input size.
+
+    """
+
+    build_seconds: float
+    step_seconds: float
+    eval_seconds: float
+    front_seconds: float
+    batch: int
+    image_size: int
+
+
+@dataclass
+class ExperimentCost:
+    """One experiment's runs still to train and their estimated seconds."""
+
+    experiment: str
+    trials: int
+    finals: int
+    trial_seconds: float
+    final_seconds: float
+    epochs: int
+    probe: Probe | None  # None: every run of the experiment has finished, nothing was measured
+
+    @property
+    def seconds(self) -> float:
+        """Estimated wall time of this experiment's remaining runs."""
+        return self.trials * self.trial_seconds + self.finals * self.final_seconds
+
+
+@dataclass
+class Estimate:
+    """The cost of what a sweep will run: per experiment, and in total."""
+
+    experiments: list[ExperimentCost]
+    sizes: dict[str, int]
+    device: str
+    fixed_seconds: float = 0.0
+    measure_seconds: float = 0.0  # what measuring took
+    measured_at: str = field(default_factory=lambda: time.strftime("%Y-%m-%d %H:%M:%S"))
+
+    @property
+    def seconds(self) -> float:
+        """Estimated wall time of every remaining run."""
+        return sum(e.seconds for e in self.experiments)
+
+    @property
+    def runs(self) -> int:
+        """Runs still to train."""
+        return sum(e.trials + e.finals for e in self.experiments)
+
+    def lines(self) -> list[str]:
+        """What will run and what it costs, for the console."""
+        trials = sum(e.trials for e in self.experiments)
+        finals = sum(e.finals for e in self.experiments)
+        s = self.sizes
+        out = [
+            f"cost: {len(self.experiments)} experiments: {trials} selection trials ({s[TRAIN]} train / {s[VAL]} val "
+            f"images each) + {finals} final runs ({s[TRAIN_VAL]} train / {s[TEST]} test images each) = "
+            f"{self.runs} runs still to train"
+        ]
+        for e in self.experiments:
+            p = e.probe
+            if p is None:
+                out.append(f"  {e.experiment}: every run finished")
+                continue
+            out.append(
+                f"  {e.experiment}: {e.trials} trials x {duration(e.trial_seconds)} + {e.finals} finals x "
+                f"{duration(e.final_seconds)} ({e.epochs} epoch{'s' * (e.epochs != 1)}; measured: build "
+                f"{p.build_seconds:.1f} s, "
+                f"{1000 * p.step_seconds:.2f} ms per training image at batch {p.batch}, {p.image_size} px)"
+            )
+        out.append(
+            f"estimated wall time on this machine ({self.device}): {duration(self.seconds)} "
+            f"(with {self.fixed_seconds:.1f} s per run for its records and checks; measuring took "
+            f"{duration(self.measure_seconds)})"
+        )
+        return out
+
+    def write(self, output_dir: Path) -> None:
+        """``estimate.json``: the estimate, kept for the report's comparison with the real time."""
+        record = {
+            "measured_at": self.measured_at,
+            "device": self.device,
+            "fixed_seconds_per_run": round(self.fixed_seconds, 2),
+            "measure_seconds": round(self.measure_seconds, 1),
+            "seconds": round(self.seconds, 1),
+            "runs": self.runs,
+            "sizes": self.sizes,
+            "experiments": [{**asdict(e), "seconds": round(e.seconds, 1)} for e in self.experiments],
+        }
+        output_dir.mkdir(parents=True, exist_ok=True)
+        (output_dir / ESTIMATE_FILE).write_text(json.dumps(record, indent=2) + "\n")
+
+
+def read_estimate(output_dir: Path) -> dict[str, Any] | None:
+    """The ``estimate.json`` of a results folder, or ``None``."""
+    path = Path(output_dir) / ESTIMATE_FILE
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def estimate(cells: Sequence[Cell], data: OwnData, compose: Callable[[list[str]], Any] | None = None) -> Estimate:
+    """Measure each experiment here and add up the cost of the cells' runs not finished yet.
+
+    Args:
+        cells: a searching suite's cells on the user's data (:func:`petl.bench.protocol.plan_cells`).
+        data: the data (split sizes, decode time per image).
+        compose: overrides -> run config (``petl.run.default_config`` unless given).
+
+    """
+    if compose is None:
+        from petl.run import default_config as compose
+    costs, device, fixed, tick = [], "cpu", None, time.perf_counter()
+    for cell in cells:
+        trials = [t.run for t in cell.trials]
+        finals = cell.finals({})  # the folders do not depend on the point chosen
+        todo_trials = sum(not r.is_done() for r in trials)
+        todo_finals = sum(not r.is_done() for r in finals)
+        cfg = compose(list((trials or finals)[0].overrides))
+        epochs = int(cfg.train.epochs)
+        if not todo_trials + todo_finals:  # finished: nothing to measure
+            costs.append(ExperimentCost(cell.experiment.name, 0, 0, 0.0, 0.0, epochs, None))
+            continue
+        probe, device = measure(cfg, data)
+        if fixed is None:
+            fixed = fixed_seconds(list(finals[0].overrides), probe, data, compose)
+        trial = fixed + run_seconds(probe, data, epochs, final=False)
+        final = fixed + run_seconds(probe, data, epochs, final=True)
+        costs.append(ExperimentCost(cell.experiment.name, todo_trials, todo_finals, trial, final, epochs, probe))
+    spent = time.perf_counter() - tick
+    return Estimate(costs, dict(data.sizes), device, fixed_seconds=fixed or 0.0, measure_seconds=spent)
+
+
+def run_seconds(probe: Probe, data: OwnData, epochs: int, final: bool, subset: int | None = None) -> float:
+    """A run's modelled seconds (all but the fixed cost): a trial (train800, val each epoch) or a final run.
+
+    ``subset`` cuts every split to that many images after decoding, as ``data.subset`` does.
+    """
+    s = {k: min(v, subset or v) for k, v in data.sizes.items()}
+    if final:
+        decoded = data.sizes[TRAIN_VAL] + data.sizes[TEST]  # a split is decoded whole, then cut
+        train, val, test = s[TRAIN_VAL], 0, s[TEST]
+    else:
+        decoded = data.sizes[TRAIN] + data.sizes[VAL]
+        train, val, test = s[TRAIN], s[VAL], 0
+    return (
+        probe.build_seconds
+        + data.decode_seconds * decoded
+        + (train + val + test) * probe.front_seconds
+        + epochs * (train * probe.step_seconds + val * probe.eval_seconds)
+        + test * probe.eval_seconds
+    )
+
+
+def fixed_seconds(overrides: list[str], probe: Probe, data: OwnData, compose: Callable[[list[str]], Any]) -> float:
+    """What a run costs besides the modelled terms: one tiny real final run timed whole, less its modelled seconds.
+
+    It goes through the sweep (:func:`petl.bench.sweep.run_sweep`: the folder's checks, its lock, the config
+    composed), as every run will.
+
+    Args:
+        overrides: a final run's overrides (``output_dir=`` last, replaced by a temporary folder).
+        probe: that experiment's measurements (:func:`measure`).
+        data: the data (decode time per image).
+        compose: overrides -> run config.
+
+    Raises:
+        ValueError: the tiny run failed (its error log is named): the real runs would fail the same way.
+
+    """
+    import tempfile
+
+    from petl.bench.sweep import ERROR_FILE, PlannedRun, run_sweep
+
+    with tempfile.TemporaryDirectory(prefix="petl-estimate-") as folder:
+        run_dir = Path(folder) / "run"
+        extra = ["train.epochs=1", f"data.subset={PROBE_IMAGES}", "train.progress=false", f"output_dir={run_dir}"]
+        run = PlannedRun("probe", "probe", 0, run_dir, (*overrides[:-1], *extra))
+        tick = time.perf_counter()
+        with contextlib.redirect_stdout(io.StringIO()):  # its "training ..." line is not one of the user's runs
+            summary = run_sweep([run], compose_fn=compose, progress=False)
+        whole = time.perf_counter() - tick
+        if summary.failed:
+            error = (run_dir / ERROR_FILE).read_text().strip().splitlines()[-1:]
+            raise ValueError(f"a one-epoch run to measure the cost failed: {' '.join(error) or summary.failed[0]}")
+    return max(0.0, whole - run_seconds(probe, data, 1, final=True, subset=PROBE_IMAGES))
+
+
+def measure(cfg: Any, data: OwnData, steps: int = TIMED_STEPS) -> tuple[Probe, str]:
+    """Build one run's model and time its training steps and evaluation forwards on random images."""
+    import torch
+    from omegaconf import OmegaConf
+
+    import petl
+    from petl.run import build, cache, engine, readers
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    tick = time.perf_counter()
+    model = build.create_backbone(cfg)
+    method_cfg = petl.make_config(cfg.method.name, num_classes=len(data.classes), **readers.method_options(cfg))
+    build.apply_method(cfg, model, method_cfg)
+    model.to(device)
+    build_seconds = time.perf_counter() - tick
+    size = readers.image_size(model)
+    batch = max(1, min(int(cfg.train.batch_size), data.sizes[TRAIN]))
+    images = torch.randn(batch, 3, size, size, device=device)
+    labels = torch.randint(0, len(data.classes), (batch,), device=device)
+    settings = OmegaConf.to_object(cfg.train)
+    # The run caches the frozen front under the same conditions (petl.run.runner._set_up_training).
+    cached = cfg.train.cache_features and not cfg.data.augment and engine.backbone_mode(model, settings) != "train"
+    plan = cache.plan(model) if cached else None
+    trainee: torch.nn.Module = model
+    front_seconds = 0.0
+    if plan is not None:
+        trainee = cache.CachedTail(model, plan)
+        model.eval()
+        front_seconds = _median(lambda: trainee.front(images), steps, device) / batch
+        images = trainee.front(images)
+    optimizer, _ = engine.build_optimizer(trainee, settings, steps_per_epoch=1)
+    loss_fn = torch.nn.CrossEntropyLoss(label_smoothing=settings.label_smoothing)
+
+    def step() -> None:
+        loss = loss_fn(trainee(images), labels)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    engine.set_train_mode(trainee, engine.backbone_mode(model, settings))
+    step_seconds = _median(step, steps, device) / batch
+    trainee.eval()
+    with torch.no_grad():
+        eval_seconds = _median(lambda: trainee(images), steps, device) / batch
+    return Probe(build_seconds, step_seconds, eval_seconds, front_seconds, batch, size), device
+
+
+def _median(fn: Callable[[], Any], steps: int, device: str) -> float:
+    """Median seconds of ``steps`` calls after :data:`WARMUP_STEPS` untimed ones."""
+    import torch
+
+    times = []
+    for index in range(WARMUP_STEPS + steps):
+        tick = time.perf_counter()
+        fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        if index >= WARMUP_STEPS:
+            times.append(time.perf_counter() - tick)
+    return statistics.median(times) if times else math.nan

@@ -1,0 +1,147 @@
+"""Your own images as a suite's task: ``petl-bench suite=choose data=folder data.root=PATH`` (or ``data=hf``).
+
+The data becomes the suite's one task, named after the dataset (``folder``, ``hf``), under the suite's own
+selection protocol (:mod:`petl.bench.protocol`): every grid point trains on ``train800`` (the training images
+less a held-out ``val200``: the data's own validation split, else a seeded, stratified 20 % of each class) and
+is scored on ``val200``; the chosen point trains on ``train800val200`` once per seed and the test split is read
+once, after the last epoch.  A comparison needs a test split (its numbers rank the methods): data without one
+is refused before anything trains, naming the folder to add.
+
+**The data's version.**  Before planning, every image is decoded once and the splits' content fingerprints
+(sha256 over each item's path, label and bytes, :class:`petl.data.images.FileListDataset`) are combined into
+one.  Runs go to ``runs/bench/<suite>/<task>-<first 12 hex digits>/`` unless ``output_dir=`` is given, so an
+edited folder gets a folder of its own and the old runs stay as they were; ``data.json`` in the results
+folder records the fingerprint, and an ``output_dir=`` holding runs of another version is refused in one
+line.  Every finished run also records its training split's fingerprint (``inputs`` in ``result.json``),
+which the sweep checks before it counts the run (:func:`petl.run.folder.check_finished`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from petl import data as petl_data
+from petl.data import TEST, TRAIN, TRAIN_VAL, VAL
+
+DATA_FILE = "data.json"
+# How many hex digits of the fingerprint name a results folder: 48 bits, no collision among a user's versions.
+SHORT = 12
+
+
+@dataclass(frozen=True)
+class OwnData:
+    """The user's data as a suite task: what it is, its version, and what reading it cost.
+
+    Attributes:
+        task: the dataset name (``folder``, ``hf``): the task's column and folder in the results.
+        root: ``data.root`` as given.
+        options: the dataset's own options that are set (``image_column``...).
+        fingerprint: sha256 over the fingerprints of ``train800val200`` and ``test``.
+        classes: the class names in label order.
+        sizes: images per split (``train800``, ``val200``, ``train800val200``, ``test``).
+        val_from_train: how val200 is held out of the training images, or ``None`` (the data has its own).
+        decode_seconds: seconds per image to read, decode and check one image (measured here, for the estimate).
+
+    """
+
+    task: str
+    root: str
+    options: dict[str, Any]
+    fingerprint: str
+    classes: list[str]
+    sizes: dict[str, int]
+    val_from_train: str | None
+    decode_seconds: float
+
+    @property
+    def short(self) -> str:
+        """The fingerprint's first digits, as the default results folder shows them."""
+        return self.fingerprint[:SHORT]
+
+    def default_output_dir(self, suite: str) -> Path:
+        """``runs/bench/<suite>/<task>-<short fingerprint>``: one folder per version of the data."""
+        return Path("runs/bench") / suite / f"{self.task}-{self.short}"
+
+    def line(self) -> str:
+        """One line saying what the data is."""
+        held = f"val200 = {self.val_from_train}" if self.val_from_train else "val200 = its own validation split"
+        return (
+            f"data {self.task} {self.root}: {len(self.classes)} classes, {self.sizes[TRAIN_VAL]} training images "
+            f"({held}), {self.sizes[TEST]} test images; fingerprint {self.short}"
+        )
+
+
+def is_own_data(name: str) -> bool:
+    """Whether dataset ``name`` reads the user's own files (``root`` required): ``folder``, ``hf``."""
+    return petl_data.get_info(name).root == "required"
+
+
+def read_own_data(cfg: Any) -> OwnData:
+    """Read the data a composed run config names: its classes, split sizes and fingerprint.
+
+    Every image is decoded once here (as each run will do again), so bad files are named before the
+    estimate, let alone training.
+
+    Raises:
+        ValueError: not a dataset of the user's own files, no test split, or data the dataset refuses.
+
+    """
+    from petl.run import readers  # petl.run imports torch and timm: only a sweep on own data needs it here
+
+    name = str(cfg.data.name)
+    if not is_own_data(name):
+        raise ValueError(f"data={name}: a registered task; give tasks={name} instead (data= names your own images)")
+    info = readers.data_info(cfg)
+    options = readers.data_options(cfg)
+    if TEST not in info.splits:
+        raise ValueError(
+            f"data {name} {cfg.data.root}: no test split, so no number could rank the methods on images none of "
+            f"them was selected or trained on; add a test split ({Path(str(cfg.data.root)) / 'test'}/<class>/ for "
+            "data=folder, a `test` split for data=hf), e.g. a fifth of each class's images"
+        )
+    sizes, digests, decoded, tick = {}, {}, 0, time.perf_counter()
+    for split in (TRAIN, VAL, TRAIN_VAL, TEST):
+        dataset = petl_data.build_dataset(name, split, image_size=32, root=cfg.data.root, options=options)
+        sizes[split] = min(len(dataset), cfg.data.subset or len(dataset))  # type: ignore[arg-type]
+        digests[split] = getattr(dataset, "fingerprint", None) or ""
+        decoded += len(dataset)  # type: ignore[arg-type]
+    seconds = (time.perf_counter() - tick) / max(1, decoded)
+    whole = hashlib.sha256(f"{digests[TRAIN_VAL]}:{digests[TEST]}".encode()).hexdigest()
+    classes = list(info.class_names or ())
+    return OwnData(name, str(cfg.data.root), options, whole, classes, sizes, info.val_from_train, seconds)
+
+
+def claim_output_dir(output_dir: Path, data: OwnData) -> None:
+    """Record the data's version in ``output_dir/data.json``; refuse a folder holding runs of another version.
+
+    Raises:
+        ValueError: ``output_dir`` holds runs of another version of the data (one line, naming both).
+
+    """
+    path = output_dir / DATA_FILE
+    if path.is_file():
+        try:
+            recorded = json.loads(path.read_text()).get("fingerprint")
+        except (json.JSONDecodeError, AttributeError):
+            raise ValueError(f"{path}: not a data record; move it aside, or choose another output_dir") from None
+        if recorded != data.fingerprint:
+            raise ValueError(
+                f"output_dir {output_dir} holds runs on another version of {data.root} (fingerprint "
+                f"{str(recorded)[:SHORT]}, now {data.short}): leave output_dir= out to keep each version in a "
+                "folder of its own, or choose another output_dir"
+            )
+        return
+    output_dir.mkdir(parents=True, exist_ok=True)
+    record = {k: v for k, v in asdict(data).items() if k != "decode_seconds"}
+    path.write_text(json.dumps(record, indent=2) + "\n")
+
+
+def read_record(output_dir: Path) -> dict[str, Any] | None:
+    """The ``data.json`` of a results folder of own data, or ``None``."""
+    path = Path(output_dir) / DATA_FILE
+    return json.loads(path.read_text()) if path.is_file() else None

@@ -1,0 +1,127 @@
+"""``petl-bench suite=choose data=folder data.root=PATH``: a searching suite on your own data, cost first.
+
+The steps, in order: read the data (every image decoded once: classes, split sizes, fingerprint,
+:mod:`petl.bench.own_data`); plan the suite's cells on it (:mod:`petl.bench.protocol`, as for a registered
+task); measure what the remaining runs will cost here (:mod:`petl.bench.estimate`) and ask before training
+(``--yes`` answers for a script: without it, input that is not a terminal stops here with exit 2 and one line
+saying so); run the
+protocol; write the leaderboard, then ``choice.md`` with the answer within ``budget.params=`` /
+``budget.train_seconds=`` and the estimate against the real time (:mod:`petl.bench.choice`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from petl.bench import choice, own_data, protocol, report
+from petl.bench import estimate as costs
+from petl.bench.args import as_bool
+from petl.bench.suite import Experiment, Suite
+
+YES_FLAG = "--yes"
+# The run command's own keys for own data: the dataset, and the budget the answer keeps to.
+OWN_DATA_KEYS = {"data", *choice.BUDGET_KEYS}
+
+Finish = Callable[..., int]
+
+
+def confirm(yes: bool) -> bool:
+    """Whether to train: ``--yes``, else the user's answer at a terminal.
+
+    Raises:
+        SystemExit: input that is not a terminal, without ``--yes`` (one line: what to pass; exit 2).
+
+    """
+    if yes:
+        return True
+    if not sys.stdin.isatty():
+        raise SystemExit(f"petl-bench: not started: input is not a terminal; pass {YES_FLAG} to train without asking")
+    return input("train now? [y/N] ").strip().lower() in ("y", "yes")
+
+
+def run_on_own_data(
+    suite: Suite,
+    experiments: list[Experiment],
+    seeds: list[int],
+    own: dict[str, str],
+    overrides: list[str],
+    yes: bool,
+    finish: Finish,
+) -> int:
+    """Run ``suite`` on the data ``data=`` names (its options among ``overrides``); the exit status."""
+    from petl.run import default_config
+
+    if "tasks" in own:
+        raise ValueError(f"tasks={own['tasks']} and data={own['data']}: give one (data= makes your data the task)")
+    if not suite.search:
+        raise ValueError(f"suite {suite.name} does not select on val; run your data with a searching suite (choose)")
+    budget = choice.Budget.parse(own)
+    cfg = default_config([*suite.overrides(), f"data={own['data']}", *overrides])
+    data = own_data.read_own_data(cfg)
+    print(f"petl-bench: {data.line()}")
+    output_dir = Path(own.get("output_dir") or data.default_output_dir(suite.name))
+    own_data.claim_output_dir(output_dir, data)
+    suite = dataclasses.replace(suite, experiments=[e.name for e in experiments], tasks=[data.task], seeds=seeds)
+    cells = protocol.plan_cells(suite, experiments, [data.task], seeds, output_dir, overrides)
+    trials = sum(len(c.trials) for c in cells)
+    print(
+        f"petl-bench: suite {suite.name} on your data: {len(experiments)} experiments: {trials} selection trials "
+        f"(seed {suite.search_seed}) + {len(seeds)} final runs each (seeds {', '.join(map(str, seeds))}) into "
+        f"{output_dir}"
+    )
+    estimate = costs.estimate(cells, data)
+    for line in estimate.lines():
+        print(f"petl-bench: {line}")
+    if as_bool("dry_run", own.get("dry_run", "false")):
+        return 0
+    if estimate.runs and not confirm(yes):
+        print("petl-bench: not started")
+        return 0
+    if estimate.runs:
+        estimate.write(output_dir)
+    tick = time.perf_counter()
+    summary = protocol.run_protocol(cells, progress=as_bool("progress", own.get("progress", "true")))
+    if estimate.runs:
+        _record_measured(output_dir, time.perf_counter() - tick)
+    finals_done = any(output_dir.glob(f"{data.task}/*/seed*/result.json"))
+    status = finish(summary, output_dir, own, finals_done, suite)
+    if (output_dir / "leaderboard.csv").is_file() and finals_done and not summary.stale:
+        plan = report.Plan(suite.name, tuple(suite.experiments), tuple(suite.tasks), tuple(suite.seeds))
+        answer = answer_for(output_dir, budget, plan)
+        print(f"petl-bench: {answer.paragraph}")
+        print(f"petl-bench: written to {output_dir / choice.CHOICE_FILE}")
+    return status
+
+
+def _record_measured(output_dir: Path, seconds: float) -> None:
+    path = output_dir / costs.ESTIMATE_FILE
+    record = json.loads(path.read_text())
+    record["measured_seconds"] = round(seconds, 1)
+    path.write_text(json.dumps(record, indent=2) + "\n")
+
+
+def answer_for(output_dir: Path, budget: choice.Budget, plan: Any = None, configs_dir: Any = None) -> choice.Choice:
+    """The answer for a results folder of own data (its leaderboard rebuilt from its runs), written to choice.md.
+
+    ``plan`` (:class:`petl.bench.report.Plan`): the suite's experiments, task and seeds, so a row short of a
+    seed is not complete; ``None`` counts the board's fullest cells.
+    """
+    records = report.collect(output_dir)
+    experiments = sorted({r.experiment for r in records})
+    board = report.aggregate(
+        records,
+        output_dir,
+        report.published_names(experiments, configs_dir),
+        report.family_names(experiments, configs_dir),
+        plan,
+    )
+    answer = choice.choose(board, budget, own_data.read_record(output_dir))
+    estimate = costs.read_estimate(output_dir)
+    choice.write_choice(output_dir, answer, estimate, (estimate or {}).get("measured_seconds"))
+    return answer

@@ -1,0 +1,151 @@
+"""Which method for my data: ``petl-bench suite=choose data=folder data.root=PATH`` end to end (issue 37).
+
+A generated image folder becomes the suite's task: the cost is said before training, the leaderboard and the
+answer paragraph are written, the named run predicts, and an edited folder never mixes with the old runs.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import re
+from pathlib import Path
+
+import pytest
+from conftest import tiny_run
+from test_own_data import CLASSES, make_folder
+
+import petl
+from petl.bench import choice, cli, own_data
+from petl.bench.estimate import ESTIMATE_FILE
+from petl.run.errors import USAGE_ERROR
+
+# The tiny random-init backbone of the fast tests at its own 32 px (the suite's 224 px would be DINOv2's), one epoch.
+TINY = [o for o in tiny_run(depth=1, epochs=1) if not o.startswith("data")] + ["model.img_size=32", "progress=false"]
+
+
+def bench(*args: str) -> int:
+    """``petl-bench`` in this process; its exit status."""
+    try:
+        return cli.main(list(args))
+    except SystemExit as stop:
+        return int(stop.code or 0)
+
+
+def test_choose_runs_the_suite_on_a_folder_and_names_a_run_that_predicts(tmp_path, capsys):
+    photos = make_folder(tmp_path / "photos", train=8, test=3)
+    out = tmp_path / "out"
+    status = bench(
+        "suite=choose", "data=folder", f"data.root={photos}", "methods=linear,lora,full", f"output_dir={out}",
+        "budget.params=10k", *TINY, "--yes",
+    )  # fmt: skip
+    printed = capsys.readouterr().out
+    assert status == 0, printed
+    # The cost came first: runs, images per run, and a measured wall time.
+    assert re.search(r"cost: 3 experiments: 4 selection trials \(\d+ train / \d+ val images each\) \+ 6 final", printed)
+    assert "estimated wall time on this machine" in printed
+    estimate = json.loads((out / ESTIMATE_FILE).read_text())
+    assert estimate["runs"] == 10 and estimate["seconds"] > 0 and estimate["measured_seconds"] > 0
+
+    with (out / "leaderboard.csv").open() as f:
+        rows = {row["experiment"]: row for row in csv.DictReader(f)}
+    assert set(rows) == {"linear", "lora", "full"}
+    for name in ("leaderboard.md", "leaderboard.html", "pareto.png", own_data.DATA_FILE):
+        assert (out / name).is_file()
+    # Full fine-tuning trains every weight of the tiny ViT (over 10k): the best within budget is linear or lora.
+    within = {k: float(v["folder_top1_mean"]) for k, v in rows.items() if float(v["trainable_M"]) * 1e6 <= 10e3}
+    assert set(within) == {"linear", "lora"}
+    best = max(within, key=lambda k: (within[k], -list(within).index(k)))
+    paragraph = (out / choice.CHOICE_FILE).read_text()
+    assert "at most 10.0 k trainable parameters" in paragraph and "Over the budget: full" in paragraph
+    named = re.search(r"\*\*(\w+)\*\* reaches ([\d.]+) %", paragraph)
+    assert named is not None and float(named.group(2)) == pytest.approx(max(within.values()), abs=0.01)
+    assert named.group(1) in within and within[named.group(1)] == within[best]
+    assert "runner-up" in paragraph and "seeds' spread" in paragraph and "**Cost**: estimated" in paragraph
+
+    run_dir = Path(re.search(r"`petl-predict (\S+) IMAGES`", paragraph).group(1))
+    assert run_dir == out / "folder" / named.group(1) / "seed0"
+    loaded = petl.load_run(run_dir)
+    image = next((photos / "test" / CLASSES[0]).glob("*.png"))
+    from PIL import Image
+
+    logits = loaded.model(loaded.preprocess(Image.open(image).convert("RGB")).unsqueeze(0))
+    assert logits.shape == (1, len(CLASSES)) and loaded.class_names == list(CLASSES)
+
+    # Everything done: the same command trains nothing, estimates nothing to train, and answers again.
+    assert bench(*["suite=choose", "data=folder", f"data.root={photos}", "methods=linear,lora,full",
+                   f"output_dir={out}", *TINY]) == 0  # fmt: skip
+    again = capsys.readouterr().out
+    assert "= 0 runs still to train" in again and "10 already done, 0 trained" in again
+
+
+def test_an_edited_folder_is_kept_apart_from_its_old_runs(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    photos = make_folder(tmp_path / "photos", train=6, test=2)
+    args = ["suite=choose", "data=folder", f"data.root={photos}", "methods=linear", "seeds=0", *TINY]
+    assert bench(*args, "--yes") == 0
+    (old,) = (tmp_path / "runs/bench/choose").iterdir()
+    result = old / "folder/linear/seed0/result.json"
+    before = result.read_bytes()
+    capsys.readouterr()
+
+    # One image changes: another version of the data, so another folder; pytest's stdin is not a terminal.
+    victim = next((photos / "train" / CLASSES[1]).glob("*.png"))
+    make_folder(tmp_path / "other", train=1, test=0, seed=5)
+    victim.write_bytes(next((tmp_path / "other/train" / CLASSES[1]).glob("*.png")).read_bytes())
+    assert bench(*args) == USAGE_ERROR
+    assert "pass --yes to train without asking" in capsys.readouterr().err
+    folders = sorted((tmp_path / "runs/bench/choose").iterdir())
+    assert len(folders) == 2 and old in folders
+    new = next(f for f in folders if f != old)
+    assert json.loads((new / own_data.DATA_FILE).read_text())["fingerprint"][:12] == new.name.split("-")[-1]
+    assert not any(new.rglob("result.json")) and result.read_bytes() == before
+
+    # Pointing output_dir at the old runs is refused in one line, naming both versions.
+    assert bench(*args, f"output_dir={old}", "--yes") == USAGE_ERROR
+    error = capsys.readouterr().err.strip()
+    assert "holds runs on another version" in error and old.name.split("-")[-1] in error
+    assert len(error.splitlines()) == 1
+    assert result.read_bytes() == before
+
+
+def test_a_folder_without_a_test_split_is_refused_before_training(tmp_path, capsys):
+    photos = make_folder(tmp_path / "photos", train=4, test=0)
+    assert bench("suite=choose", "data=folder", f"data.root={photos}", f"output_dir={tmp_path}/out", *TINY) == 2
+    assert "no test split" in capsys.readouterr().err and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("given", "params", "seconds"),
+    [({"budget.params": "300k"}, 3e5, None), ({"budget.params": "1.5M", "budget.train_seconds": "60"}, 1.5e6, 60.0)],
+)
+def test_budget_reads_suffixed_counts(given, params, seconds):
+    budget = choice.Budget.parse(given)
+    assert budget.params == params and budget.train_seconds == seconds
+
+
+@pytest.mark.parametrize("bad", ["-1", "0", "lots", "1x"])
+def test_budget_refuses_what_is_not_a_positive_number(bad):
+    with pytest.raises(ValueError, match=f"budget.params={bad}: expected a positive number"):
+        choice.Budget.parse({"budget.params": bad})
+
+
+def test_a_datasets_dataset_is_a_task_too_and_dry_run_stops_after_the_cost(tmp_path, capsys):
+    datasets = pytest.importorskip("datasets")
+    make_folder(tmp_path / "photos", train=4, test=2)
+    features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=list(CLASSES))})
+
+    def split(name: str) -> datasets.Dataset:
+        files = sorted((tmp_path / "photos" / name).glob("*/*.png"))
+        labels = [CLASSES.index(f.parent.name) for f in files]
+        return datasets.Dataset.from_dict({"image": [str(f) for f in files], "label": labels}, features=features)
+
+    saved = tmp_path / "saved"
+    datasets.DatasetDict({"train": split("train"), "test": split("test")}).save_to_disk(str(saved))
+    out = tmp_path / "out"
+    args = ["suite=choose", "data=hf", f"data.root={saved}", "methods=lora", "seeds=0", f"output_dir={out}", *TINY]
+    assert bench(*args, "dry_run=true") == 0
+    printed = capsys.readouterr().out
+    assert "data hf " in printed and "3 classes, 12 training images" in printed and "6 test images" in printed
+    assert "= 3 runs still to train" in printed and "estimated wall time on this machine" in printed
+    assert not any(out.rglob("result.json")) and not (out / ESTIMATE_FILE).exists()
