@@ -209,8 +209,8 @@ def support(model: nn.Module) -> dict[str, str]:
 def support_table() -> str:
     """The Markdown table of :func:`support` for every experiment of the registry (``petl.presets``), on a tiny ViT.
 
-    The README holds its output between ``<!-- works-with -->`` markers; tests/test_timm_api.py checks that it is
-    current, and prints the table to paste when it is not.
+    docs/works-with.md holds its output between ``<!-- works-with -->`` markers (docs/gen.py writes it);
+    tests/test_timm_api.py checks that it is current, and prints the table to paste when it is not.
     """
     from timm.models.vision_transformer import VisionTransformer
 
