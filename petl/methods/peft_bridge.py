@@ -226,7 +226,7 @@ def _formula(model: nn.Module, cfg: PeftBridgeConfig) -> int:
     return counter(model, peft_config)
 
 
-# Named presets: keyword options for ``petl.apply(model, "peft", **PRESETS[name])`` (README, "peft presets").
+# Named presets: keyword options for ``petl.apply(model, "peft", **PRESETS[name])`` (docs/methods.md, "peft presets").
 PRESETS: dict[str, dict[str, Any]] = {
     # DoRA (Liu et al., 2024): LoRA's low-rank direction plus a trained per-row magnitude, rank 8.  peft
     # adapts whole Linears, so this is one rank-8 update of the fused qkv (q, k and v together), not petl's
