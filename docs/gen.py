@@ -264,7 +264,12 @@ def cli_page() -> str:
         module, function = target.split(":")
         code = f"import sys; sys.argv[0] = {script!r}; from {module} import {function} as main; sys.exit(main())"
         running[script] = subprocess.Popen(
-            [sys.executable, "-c", code, "--help"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+            [sys.executable, "-c", code, "--help"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            cwd=ROOT,
         )
     out = [
         "# Command-line reference",
