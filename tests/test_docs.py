@@ -74,6 +74,8 @@ def test_mkdocs_build_strict(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     own_data = (tmp_path / "site" / "own-data" / "index.html").read_text()
     assert "petl-export" in own_data and "--8&lt;--" not in own_data  # the README's section was included
+    install = (tmp_path / "site" / "install" / "index.html").read_text()
+    assert "apt-get failed" in install and "--8&lt;--" not in install
 
 
 def test_readme_is_a_five_minute_read():
