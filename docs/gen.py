@@ -8,8 +8,9 @@ What it writes, and from what:
   ``trainable_formula``'s source, file and line, and what it counts on ViT-B/16 and on petl's default backbone),
   and its presets (the experiment files of ``configs/experiments`` naming it, and the suites listing those);
 * the table of methods in ``docs/methods.md`` and the method pages in ``mkdocs.yml``'s nav (between markers);
-* ``docs/cli.md``: each console script of ``pyproject.toml``'s ``[project.scripts]`` run as a subprocess with
-  ``--help`` (so the page follows whatever parser the command has);
+* ``docs/cli.md``: each console script of ``pyproject.toml``'s ``[project.scripts]`` run with ``--help`` through
+  its entry point, in a separate interpreter (a forked child each), so the page follows whatever parser the
+  command has;
 * the works-with table in ``docs/works-with.md`` (``petl.timm_api.support_table()``, between markers).
 
 A script beside the pages rather than a module of the package: it is a developer's tool that needs the checkout
@@ -256,21 +257,64 @@ def console_scripts() -> dict[str, str]:
     return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
 
 
+def print_helps(scripts: list[str]) -> None:
+    """Print, as JSON, ``{script: [exit status, output]}`` of each console script run with ``--help``.
+
+    Runs in a fresh interpreter (:func:`cli_page` starts it): petl is imported once, then each script's entry point
+    runs in a forked child of its own, with its output captured at the file-descriptor level, so the scripts share
+    the cost of importing torch and timm but nothing else.
+    """
+    import json
+
+    import petl  # noqa: F401  (imported once, before the forks share it)
+
+    targets = console_scripts()
+    found = {}
+    for script in scripts:
+        module, function = targets[script].split(":")
+        read, write = os.pipe()
+        child = os.fork()
+        if child == 0:
+            os.close(read)
+            os.dup2(write, 1)
+            os.dup2(write, 2)
+            code = 1
+            try:
+                sys.argv = [script, "--help"]
+                main = getattr(__import__(module, fromlist=[function]), function)
+                main()
+                code = 0
+            except SystemExit as stop:
+                code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        os.close(write)
+        with os.fdopen(read, errors="replace") as pipe:
+            text = pipe.read()
+        _, status = os.waitpid(child, 0)
+        found[script] = [os.waitstatus_to_exitcode(status), text]
+    print(json.dumps(found))
+
+
 def cli_page() -> str:
-    """Every console script's ``--help``, each run in its own process (all at once: each imports torch)."""
+    """Every console script's ``--help``, run in a separate interpreter (so it follows whatever parser it has)."""
+    import json
+
     env = {**os.environ, "COLUMNS": "100", "PYTHONPATH": str(ROOT), "NO_COLOR": "1"}
-    running = {}
-    for script, target in console_scripts().items():
-        module, function = target.split(":")
-        code = f"import sys; sys.argv[0] = {script!r}; from {module} import {function} as main; sys.exit(main())"
-        running[script] = subprocess.Popen(
-            [sys.executable, "-c", code, "--help"],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=env,
-            cwd=ROOT,
-        )
+    scripts = list(console_scripts())
+    done = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve()), "--print-helps", *scripts],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=600,
+    )
+    if done.returncode != 0:
+        raise SystemExit(f"docs/gen.py --print-helps failed:\n{done.stderr[-3000:]}")
+    helps = json.loads(done.stdout.splitlines()[-1])
     out = [
         "# Command-line reference",
         "",
@@ -280,10 +324,10 @@ def cli_page() -> str:
         "[your own data](own-data.md), [benchmarks](benchmarks.md).",
         "",
     ]
-    for script, process in running.items():
-        text, _ = process.communicate(timeout=600)
-        if process.returncode != 0:
-            raise SystemExit(f"{script} --help exited with {process.returncode}:\n{text}")
+    for script in scripts:
+        status, text = helps[script]
+        if status != 0:
+            raise SystemExit(f"{script} --help exited with {status}:\n{text}")
         text = text.replace(str(ROOT), "<checkout>").rstrip()
         out += [f"## `{script}`", "", "```text", f"$ {script} --help", text, "```", ""]
     return "\n".join(out).rstrip() + "\n"
@@ -326,7 +370,11 @@ def pages(cli: bool = True) -> dict[Path, str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="write nothing; exit 1 naming every stale page")
+    parser.add_argument("--print-helps", nargs="+", metavar="SCRIPT", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.print_helps:
+        print_helps(args.print_helps)
+        return 0
     new = pages()
     stale = [path for path, text in new.items() if not path.is_file() or path.read_text() != text]
     orphans = sorted(set((DOCS / "methods").glob("*.md")) - set(new))

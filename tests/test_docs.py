@@ -37,7 +37,7 @@ def test_a_method_page_for_every_registered_method_and_no_other():
 
 
 def test_cli_reference_is_current():
-    # Each console script's --help, run as a subprocess (so this follows whatever parser the command has).
+    # Each console script's --help, run outside this process (so this follows whatever parser the command has).
     stale = _stale({ROOT / "docs" / "cli.md": _gen().cli_page()})
     assert stale == [], "docs/cli.md is stale; run python docs/gen.py"
 
