@@ -7,7 +7,7 @@ petl-bench speed's harness (median over steps, the three cases taking turns over
 batch / median step time.  The 1-minute load average is printed before and after each resolution: on a shared
 machine the numbers are only as good as the load beside them; rerun on a quiet one.
 
-``--main-job``: instead, the README's main-job decision as a ratio measured in one process: a LoRA step at the
+``--main-job``: instead, the main-job decision (docs/data.md) as a ratio measured in one process: a LoRA step at the
 main job's batch (64) on the FractalDB ViT (32 px) and on DINOv2 ViT-S/14 at 56 px, the two taking turns step by
 step, so background load falls on both alike.  The DINOv2 main job's time is about the FractalDB main job's times
 this ratio (both are dominated by these steps).

@@ -19,6 +19,24 @@ An adapter maps x -> scale * up(dropout(act(down(norm(x))))) through a narrow ``
   only (the model is unchanged at init, as the adapter papers intend) and keeps nn.Linear's random
   ``down``, so the whole adapter learns; ``init=reference`` starts both as V-PETL's code runs (its
   AdaptFormer file does the same re-draw, vision_transformer_adaptformer.py L227-230 then L407).
+
+Trains:
+    bottleneck adapters: sequential after the MLP (V-PETL's Houlsby placement) or parallel on the residual stream
+    beside the MLP sub-layer (AdaptFormer).  ``style=sequential|parallel``; ``dim``, ``dropout`` and ``scale`` default
+    per style (8 / 64, 0 / 0.1, 1 / 0.1).
+
+Reference:
+    - parallel: ShoufaChen/AdaptFormer@6967d67 models/custom_modules.py L70, L76-94; models/adapter.py L43-48, L55-58;
+      main_image.py L185-191
+    - sequential: synbol/Parameter-Efficient-Transfer-Learning-Benchmark@c188fad
+      ImageClassification/models/vision_transformer_adapter.py L196-265
+
+Differences:
+    - V-PETL adds its sequential adapter after the block's layer scale, petl before it (identical on backbones
+      without layer scale, such as ViT-B/16).
+    - ``init=zero`` (default) zeroes ``up`` only, so the model is unchanged at init; V-PETL's constructor re-draws both
+      projections trunc_normal(0.02) (vision_transformer_adapter.py L385; AdaptFormer file L227-230 then L407):
+      ``init=reference`` starts that way, and the V-PETL presets use it.
 """
 
 from __future__ import annotations

@@ -11,6 +11,17 @@ Follows visinf/adapter_plus@191c4ab adapter_plus/vit_adapter.py L19-102 (``Adapt
 L95) and L269-273 (``forward_post``); defaults from conf/adapter/adapter_plus.yaml (config post,
 scaling channel) over conf/adapter/base_adapter.yaml (dim 8, GELU, no norm, bias, houlsby init,
 dropout 0, drop_path 0.1).
+
+Trains:
+    a bottleneck after each block, scaled per channel (Adapter+).
+
+Reference:
+    - visinf/adapter_plus@191c4ab adapter_plus/vit_adapter.py L19-102, L269-273; conf/adapter/adapter_plus.yaml,
+      conf/adapter/base_adapter.yaml
+
+Differences:
+    - None beyond petl's shared choices: the reference's rebuilt blocks come after timm's ``init_weights``, so it
+      starts as petl does (no ``init=reference`` needed).
 """
 
 from __future__ import annotations

@@ -9,6 +9,19 @@ ImageClassification/train/train_model_bitfit.py:L164-171), as does PETL_Vision
 tensors' entries, V-PETL's 0.10M.  ``biases="linear"`` trains only the blocks' Linear biases
 (qkv, proj, fc1, fc2), 82,944 on ViT-B/16.  Biases are found as modules' ``bias`` parameters,
 never by matching parameter names.
+
+Trains:
+    biases only: ``biases=all`` = every backbone bias (patch embedding, Linear, LayerNorm, final norm; V-PETL's
+    BitFit), ``biases=linear`` = the blocks' qkv/proj/fc1/fc2 biases.
+
+Reference:
+    - synbol/Parameter-Efficient-Transfer-Learning-Benchmark@c188fad
+      ImageClassification/train/train_model_bitfit.py L164-171
+    - OSU-MLB/PETL_Vision@245d262 experiment/build_model.py L30-31
+
+Differences:
+    - Biases are found as modules' ``bias`` parameters, never by matching parameter names (the references match
+      "bias" in the name).
 """
 
 from __future__ import annotations

@@ -16,6 +16,19 @@ after": beside attention and MLP, reading norm1/norm2 outputs); defaults from ma
 (bottleneck 8, conv identity init, scaler 10) and experiment/config/method/convpass.yml.  The
 reference adds the bypass inside the block's drop path with a mask of its own; petl adds it inside
 the attention/MLP output, so one drop-path mask covers both (identical at inference).
+
+Trains:
+    a 3x3 convolutional bypass on the patch grid beside each attention and MLP.
+
+Reference:
+    - OSU-MLB/PETL_Vision@245d262 model/convpass.py L5-55, model/block.py L98-104, L140-146, main.py L104-111,
+      experiment/config/method/convpass.yml
+
+Differences:
+    - The bypass is added inside the attention/MLP output, so one drop-path mask covers both (the reference adds it
+      inside the block's drop path with a mask of its own; identical at inference).
+    - ``init=zero`` (default) starts ``up`` at zero; PETL_Vision's ViT re-draws down and up with timm's ``init_weights``
+      (model/vision_transformer.py L207-208), so its Convpass really starts random: ``init=reference``.
 """
 
 from __future__ import annotations

@@ -18,6 +18,24 @@ its VPT-Shallow model and its ``train_model_dtl.py`` a copy of its SCT script: i
 Deliberate differences: DTL's model averages the patch tokens and then applies the final norm
 (vision_transformer.py L446-448); petl keeps the backbone's own norm and pooling, as for every method, so
 rows compare on the same head.  ``add_from`` is 6 on ViT-B's 12 blocks, half the depth elsewhere.
+
+Trains:
+    DTL: a rank-2 side network summed over the blocks, ``swish`` of it added back after the later blocks; only
+    those are backpropagated.  ``fusion_size=3`` is DTL+.
+
+Reference:
+    - heekhero/DTL@bf6c51e models/vision_transformer.py L44-68, L359-367, L424-444; train_vit_vtab.py L74-78;
+      train_scripts/vit/vtab/*/train_dtl.sh
+
+Differences:
+    - petl keeps the backbone's final norm and pooling; DTL averages the patch tokens, then norms:
+      petl: timm's ``forward_head`` runs against ``models/vision_transformer.py`` L446-448.
+    - ``add_from`` is half the depth on any backbone (6 on ViT-B, as DTL's scripts); the reference's fusion hard-codes
+      ViT-B's 14x14 grid: ``DtlConfig.first_add`` against ``train_scripts/vit/vtab/*/train_dtl.sh``
+      (``--add_after_blocks 6-11``), ``models/vision_transformer.py`` L437-438.
+    - re-draw: none.  ``init_weights`` runs before the low-rank maps and the fusion conv are built, so A
+      kaiming-uniform, B zero and the conv's PyTorch default reach training, as in petl:
+      ``DtlSide.__init__`` against ``models/vision_transformer.py`` L357, L362-367.
 """
 
 from __future__ import annotations

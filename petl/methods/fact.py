@@ -22,6 +22,19 @@ the input, so ``merge`` adds them to the frozen weights.
 
 The shared factors are registered once, on block 0's qkv wrapper; the other wrappers reach them
 through an unregistered reference, so every parameter has exactly one name in the state dict.
+
+Trains:
+    FacT: qkv/proj/fc1/fc2 updates factorised across all blocks (shared U, V; Tucker core ``type=tk`` or
+    per-block tensor-train cores ``type=tt``); mergeable.
+
+Reference:
+    - OSU-MLB/PETL_Vision@245d262 model/fact.py L7-118; model/attention.py L55-56, L90-91; model/mlp.py L52-53,
+      L64-65; main.py L132-138
+
+Differences:
+    - ``init=zero`` (default) starts ``V`` at zero; PETL_Vision's ViT re-draws U, V and the tensor-train cores with
+      timm's ``init_weights`` (model/vision_transformer.py L207-208), so its FacT really starts random:
+      ``init=reference``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,11 @@
-"""Full fine-tuning: every parameter trains (the reference the parameter-efficient methods chase)."""
+"""Full fine-tuning: every parameter trains (the reference the parameter-efficient methods chase).
+
+Trains:
+    everything.
+
+Reference:
+    - the baseline of every reference (V-PETL Bench, PETL_Vision: every parameter trainable)
+"""
 
 from __future__ import annotations
 

@@ -35,6 +35,30 @@ the chosen columns are recorded in ``result.json``'s ``method_config``, the chec
 a resumed run reuses them. From Python, call ``cfg = calibrate_gps(backbone, GpsConfig(), loader)`` first. Without
 ``selection`` the method uses a deterministic, data-free placeholder (the first ``per_row`` columns of every row) so
 that it can be built and tested anywhere; that is NOT the paper's selection.
+
+Trains:
+    GPS: in every row of the patch embedding and each block's qkv/proj/fc1/fc2 weight the ``per_row`` entries
+    with the largest gradient (a sparse update added to the frozen weight), every bias of those layers, layer-scale
+    gammas; mergeable.
+
+    ``selection`` empty: ``petl-run`` selects the entries before training from the supervised-contrastive gradient of
+    the train split summed over batches of the run's training batch size (as the reference), two augmented views per
+    image, and records them in ``result.json``; from Python call ``cfg = petl.methods.gps.calibrate_gps(backbone, cfg,
+    loader)`` first, as ``petl.apply`` alone uses the first ``per_row`` columns, a data-free placeholder.
+
+Reference:
+    - FightingFighting/GPS@72e0c31 train_gps.py L133-136, L483-489, L572-627; utils/loss_utils.py L6-97;
+      utils/pruning.py L5-40; utils/cuda.py L20-30; data/transforms_factory.py L80-110
+
+Differences:
+    - The selected entries train as a sparse update added to the frozen weight, not as a gradient mask on the whole
+      weight: the same Adam steps at weight decay 0 (tested), so its experiment pins weight decay 0:
+      ``GpsLinear`` against ``utils/cuda.py`` L20-30.
+    - The selection's two contrastive views are drawn from the run's preprocessed training images (un-normalised,
+      cropped, re-normalised), not from the decoded image files: ``_contrast_views`` against
+      ``data/transforms_factory.py`` L80-110.
+    - re-draw: not applicable, GPS adds no module (it trains entries of the pretrained weights): ``utils/pruning.py``
+      L5-40.
 """
 
 from __future__ import annotations

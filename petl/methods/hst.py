@@ -38,6 +38,32 @@ on the backbone's blocks only.  The reference's constructor ends with ``init_wei
 ``init_weights_vit_timm`` L406-413), which re-draws every ``nn.Linear`` of the side network trunc-normal(0.02)
 with zero biases, the same draw its modules' own inits make and :func:`_init` makes here; its convolutions,
 norms and meta tokens it leaves alone.
+
+Trains:
+    HST: a meta token per block, the blocks' LayerNorms, and a 4-stage side pyramid reading the image and the
+    blocks; HST's own head (BatchNorm + Linear on the side network).
+
+Reference:
+    - AFeng-x/HST@ee89571 models/vit_hsn.py L152-271, L316-348, L332-403; models/vit_custom_modules.py L96-280;
+      train_scripts/vit/vtab/*/train_s4.sh
+
+Differences:
+    - Stages split the blocks evenly (3, 3, 3, 3 on ViT-B, as ``block_indices`` 2/5/8/11); a backbone of fewer
+      than four blocks uses its first stages: ``HstConfig.stages`` against ``models/vit_hsn.py`` L157,
+      L247-256, L372-376.
+    - Every prefix token (class, registers) is left out of the feature maps; the reference drops one:
+      ``HstSide.step`` against ``models/vit_hsn.py`` L347.
+    - Side blocks have no drop path; the reference's ``M_Block`` drops its branches at ``linspace(0, --drop-path)``
+      (0.1 in 12 of its 19 VTAB-1k scripts, 0.2 in one, 0 in six); petl's ``model.drop_path`` acts on the backbone's
+      blocks only: ``_CrossBlock`` against ``models/vit_hsn.py`` L222, L233;
+      ``models/vit_custom_modules.py`` L178, L201-203.
+    - re-draw: yes, ``init_weights`` re-draws every Linear trunc_normal(0.02) with zero bias, the draw its modules
+      already make and petl's ``_init`` makes (convs, norms and meta tokens untouched); no difference.  LayerNorm eps
+      as there: 1e-6 in the side blocks and stage norms, 1e-5 in the meta-token and patch-embedding norms:
+      ``SIDE_EPS``, ``_init`` against ``models/vit_hsn.py`` L188, L230-235, L249-255, L270-279,
+      L406-413; ``models/vit_custom_modules.py`` L219, L254.
+    - The fresh head is PyTorch's default Linear, where HST's ``init_weights`` (``models/vit_hsn.py`` L268-271)
+      draws it trunc_normal(0.02).
 """
 
 from __future__ import annotations

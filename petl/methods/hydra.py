@@ -13,6 +13,17 @@ both branches on both Linears); defaults from vtab1k/train.py L60-62 (dim 2) and
 ImageClassification/models/vision_transformer_hydra.py is a copy of its VPT-shallow model, so the
 Hydra authors' repository is the reference here.  (Its ``set_hydraWeight`` L118 folds the attention
 branches into ``mlp.fc2``'s weight, a slip; petl merges each Linear with its own weight.)
+
+Trains:
+    a parallel (reads the input) and a sequential (reads the output) low-rank branch per target Linear;
+    mergeable.
+
+Reference:
+    - extremebird/Hydra@4138457 vtab1k/hydra.py L8-94; vtab1k/train.py L60-62; configs/hydra_both/cifar.yaml
+
+Differences:
+    - Each Linear merges with its own weight: the reference's ``set_hydraWeight`` (L118) folds the attention
+      branches into ``mlp.fc2``'s weight, a slip.
 """
 
 from __future__ import annotations

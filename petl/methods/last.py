@@ -18,6 +18,21 @@ and the bias correction ``u_m - sum_{i<m} z_i``.  What petl chose where the text
 bias-free projections, PyTorch's default init for q/k/v and a zero ``up`` (unchanged at init), and ``F_0`` on
 ``z_0`` (``m + 1`` blocks).  At rank 16, gap 1, one layer, that design counts 658,944 on ViT-B/16, the published
 0.66M; the 12-block variant without ``F_0`` would count 608,256 (0.61M).
+
+Trains:
+    LAST: a side network of low-rank (r-wide, one head, no FFN) self-attention blocks, one on the embedded
+    tokens and one after every ``gap`` blocks, fed with the previous side output plus the group's output; the
+    bias-corrected side output (minus the earlier groups' outputs it carried along) replaces the backbone's; no
+    backward through the backbone.  Implemented from the paper, no reference code found.
+
+Reference:
+    - Tang et al., arXiv 2402.04009 (the paper; neither the authors nor V-PETL publish LAST code)
+
+Differences:
+    - re-draw: not applicable, there is no reference code.  Where the paper's text could not be read here, petl
+      chose: one attention head, bias-free projections, a zero-initialised up-projection (so the model starts as the
+      backbone), PyTorch's default init elsewhere, and an LSA block ``F_0`` on the embedded tokens besides one per
+      group: 13 blocks at rank 16 count the published 0.66M exactly (12 would count 0.61M): ``LowRankSelfAttention``.
 """
 
 from __future__ import annotations

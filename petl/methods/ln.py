@@ -5,6 +5,17 @@ and norm2 and the final norm (OSU-MLB/PETL_Vision@245d262 experiment/build_model
 V-PETL's ImageClassification/train/train_model_lntune.py:L163-169 does the same).  petl finds the
 LayerNorms by type (:func:`petl.vit.layer_norms`), not by name.  On ViT-B/16 that is
 25 norms x 2 x 768 = 38,400 parameters.
+
+Trains:
+    the weight and bias of every backbone LayerNorm.
+
+Reference:
+    - OSU-MLB/PETL_Vision@245d262 experiment/build_model.py L33-34
+    - synbol/Parameter-Efficient-Transfer-Learning-Benchmark@c188fad
+      ImageClassification/train/train_model_lntune.py L163-169
+
+Differences:
+    - LayerNorms are found by type (``petl.vit.layer_norms``), not by the name "norm".
 """
 
 from __future__ import annotations

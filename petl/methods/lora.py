@@ -7,6 +7,19 @@ model is unchanged at init, while A starts random, so B receives a gradient on t
 (vision_transformer_lora.py L100-108) is re-drawn by its constructor's ``init_weights`` (L287,
 trunc_normal std 0.02 for every nn.Linear, L364-369), so there A and B both start random:
 ``init=reference`` starts that way (see :mod:`petl.methods._init`).
+
+Trains:
+    low-rank updates on the q/k/v slices of timm's fused ``qkv`` (Q and V by default), ``proj``, ``fc1``
+    and/or ``fc2``; mergeable.
+
+Reference:
+    - synbol/Parameter-Efficient-Transfer-Learning-Benchmark@c188fad
+      ImageClassification/models/vision_transformer_lora.py L100-108, L287, L364-369
+
+Differences:
+    - ``init=zero`` (default) starts B at zero, so the model is unchanged at init; V-PETL's constructor re-draws A
+      and B trunc_normal(0.02) (``init_weights``, L287), so there both start random: ``init=reference``, which the
+      V-PETL presets use.
 """
 
 from __future__ import annotations

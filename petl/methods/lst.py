@@ -30,6 +30,26 @@ the backbone's layer class, a post-norm BERT layer there); their dropout acts wh
 the attention, the MLP activation and the MLP), BERT's after the attention and the output.  The LM
 version initialises the side network from a pruned copy of the backbone (``fisher-v2``); the
 vision-language version, followed here, draws it at random.
+
+Trains:
+    LST: a 1/8-wide side transformer fed by gated ladders from every frozen block; its output replaces the
+    backbone's; no backward through the backbone.
+
+Reference:
+    - ylsung/Ladder-Side-Tuning@1798e82 CLIP-ViL/src/lxrt/modeling.py L645-720, L796-822, L1012-1023;
+      CLIP-ViL/src/lxrt/side_transformers/config.py
+
+Differences:
+    - Side layers are timm's pre-norm blocks (dropout where timm puts it); LST's are the backbone's layer type,
+      post-norm BERT layers: ``LstSide.__init__`` against ``CLIP-ViL/src/lxrt/modeling.py`` L427-439,
+      L664-668.
+    - ``reduction`` 8, which reproduces V-PETL's published 2.38M; LST's side width is ``hidden //
+      args.reduction_factor``, 16 by default and 4 in its script (config.py's 8 is the unread
+      ``task_reduction_factor``, L2): ``LstConfig.reduction`` against ``CLIP-ViL/src/lxrt/entry.py`` L102,
+      ``modeling.py`` L648-649, ``CLIP-ViL/src/param.py`` L225, ``CLIP-ViL/scripts/side_transformers.sh`` L3.
+    - re-draw: yes, ``init_bert_weights`` (Linear normal(0.02), zero bias, LayerNorm 1/0) after the side network is
+      built; petl draws the same, so no difference: ``LstSide.__init__`` against
+      ``CLIP-ViL/src/lxrt/modeling.py`` L1012-1023, L1167, L1334.
 """
 
 from __future__ import annotations

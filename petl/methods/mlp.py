@@ -6,6 +6,15 @@ hidden layers is Linear -> ReLU -> BatchNorm1d -> Dropout(0.1) with a kaiming-no
 weight, and the last Linear starts as VPT's last layer (:func:`vpt_head_init`: kaiming-normal fan-out, bias
 -log(99)).  ``k`` counts Linear layers, i.e. VPT's
 ``MODEL.MLP_NUM`` is ``k - 1``.
+
+Trains:
+    VPT's MLP head: k-1 hidden Linear-ReLU-BatchNorm1d-Dropout(0.1) layers, then a Linear.
+
+Reference:
+    - KMnP/vpt@4410440 src/models/mlp.py L15-65; src/models/vit_models.py L159-165
+
+Differences:
+    - None: the head keeps VPT's init (kaiming-normal fan-out, last bias -log 99), the only petl head that does.
 """
 
 from __future__ import annotations

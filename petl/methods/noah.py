@@ -35,6 +35,48 @@ model, L259, and ``run_vit_noah.sh`` runs its adapter trainer, so its NOAH row i
   embedding), which is why petl's counts are lower (configs/experiments/noah.yaml);
 * the head reads the class token after the final norm (L642-646); petl removes the prompts after the last block,
   so an average-pooling backbone averages its patch tokens only.
+
+Trains:
+    NOAH: per block prompts appended after the patches (replacing the previous block's), a LoRA update of the
+    whole qkv (no scaling) and an adapter after the MLP (QuickGELU); not unchanged at init (xavier adapter, as NOAH's
+    adapter code writes; LoRA B starts at zero as its LoRA code writes, but NOAH's constructor then re-draws LoRA A and
+    B and the adapters trunc_normal(0.02), which ``init=reference`` reproduces).
+
+    ``prompt``, ``lora``, ``adapter`` all empty: ``petl-run`` searches them on the train split before training, NOAH's
+    one-shot supernet + evolution in ``petl.methods.noah_search``, and records them in ``result.json``; ``petl-bench``
+    searches once per task, as NOAH's scripts do, and the task's other trials and seeds retrain that subnet
+    (``calibrate_once`` in ``configs/experiments/noah.yaml``); from Python call
+    ``petl.methods.noah.calibrate_noah(backbone, cfg, loader)`` first, as ``petl.apply`` alone uses width 5
+    everywhere, a data-free placeholder.  NOAH's 19 published VTAB-1k subnets are per-task presets in
+    ``configs/suites/vtab1k_vpetl.yaml``.  A search killed part-way resumes where it stopped, choosing the same subnet
+    (its progress, saved at most once a minute, lies in ``noah_search/`` of petl's cache folder until the search ends).
+    Search cost on one mini task: ``benchmarks/results/noah_search_cpu.md`` (measured on one thread at 10 supernet
+    epochs and 60 scored subnets, 3.7 CPU minutes; NOAH's budget extrapolated to about 2.3 CPU hours, the mini
+    leaderboard's 100 supernet epochs to about 0.7 a task).
+
+Reference:
+    - ZhangYuanhan-AI/NOAH@e9c55f3 model/supernet_vision_transformer_timm.py L221-228, L272-281, L354-366,
+      L449-462, L520-531, L605-646, L664-688; model/module/adapter_super.py L12-74; lib/datasets.py L21-31
+
+Differences:
+    - The model-level prompts, replaced by block 0's before they act, are left out (and from the count):
+      ``inject_noah`` against ``model/supernet_vision_transformer_timm.py`` L449-455, L605,
+      L635-640.
+    - Prompts are removed after the last block, so an average-pooling backbone pools patches only (on a class-token
+      backbone the logits are the same): ``wire`` against
+      ``model/supernet_vision_transformer_timm.py`` L642-646.
+    - The search holds out every fifth training image; NOAH trains the supernet on train800 and scores on val200:
+      ``petl.methods.noah_search.HELD_OUT_EVERY`` against ``lib/datasets.py`` L21-31.
+    - re-draw: yes, ``init_weights`` re-draws LoRA A and B and both adapter projections trunc_normal(0.02) with zero
+      biases (prompts keep xavier), so LoRA B starts non-zero.  ``init=zero`` (default) keeps the module inits, as for
+      LoRA and the adapters; ``init=reference`` reproduces the re-draw (supernet included) and the ``vtab1k_vpetl``
+      NOAH rows use it: ``NoahConfig.init``, ``NoahQkv.__init__``, ``NoahBlock.__init__`` against
+      ``model/supernet_vision_transformer_timm.py`` L224-228, L462, L520-531, L664-688;
+      ``model/module/adapter_super.py`` L38-45.
+    - The fresh head is PyTorch's default Linear, where NOAH's ``reset_classifier``
+      (``model/supernet_vision_transformer_timm.py`` L551-555) draws it trunc_normal(0.02).
+    - Prompt dropout is drawn per image, as NOAH expands the prompts to the batch before the dropout (L357-359;
+      tested).
 """
 
 from __future__ import annotations

@@ -2,6 +2,16 @@
 
 Blocks are chosen by their index in the block list; a name test such as ``'blocks.1' in name``
 would also catch ``blocks.10`` and ``blocks.11``.
+
+Trains:
+    the last k blocks (by index), the final norm, the head.
+
+Reference:
+    - KMnP/vpt@4410440 (Partial-k is one of VPT's baselines)
+
+Differences:
+    - VPT keeps even Partial-k's trained blocks in eval mode; petl trains them in train mode (the frozen part
+      follows ``backbone_mode``, ``eval`` by default as VPT's).
 """
 
 from __future__ import annotations

@@ -4,6 +4,15 @@ peft is imported only when this method is used, because importing it pulls in tr
 would slow down ``import petl`` for everyone else.  The petl config keeps the peft config as
 plain fields plus a JSON string of extra keyword arguments, so the CLI can build a schema from it
 and ``save_trainable`` can record it.
+
+Trains:
+    any Hugging Face peft tuner that ``peft.inject_adapter_in_model`` supports (``peft_type``,
+    ``target_modules``, ``options``: a JSON object of the peft config's other arguments; empty: peft's defaults, rank 8
+    for LoRA).  Named presets: DoRA and IA3 (``petl.methods.peft_bridge.PRESETS``, experiment files ``dora`` and
+    ``ia3``), counted in closed form.
+
+Reference:
+    - huggingface/peft ``inject_adapter_in_model`` (the tuner's own code is the reference)
 """
 
 from __future__ import annotations
@@ -217,7 +226,7 @@ def _formula(model: nn.Module, cfg: PeftBridgeConfig) -> int:
     return counter(model, peft_config)
 
 
-# Named presets: keyword options for ``petl.apply(model, "peft", **PRESETS[name])`` (README, "peft presets").
+# Named presets: keyword options for ``petl.apply(model, "peft", **PRESETS[name])`` (docs/methods.md, "peft presets").
 PRESETS: dict[str, dict[str, Any]] = {
     # DoRA (Liu et al., 2024): LoRA's low-rank direction plus a trained per-row magnitude, rank 8.  peft
     # adapts whole Linears, so this is one rank-8 update of the fused qkv (q, k and v together), not petl's

@@ -14,6 +14,17 @@ The attention's first (and only) reader of its input is the fused qkv Linear, an
 fc1, so petl wraps those two Linears: ``base(adapter(x))``.  The adapter is affine, so ``merge``
 folds it into the Linear (``W <- W (I + s M)``, ``b <- b + s W c``) and merged inference is the
 plain backbone.
+
+Trains:
+    RepAdapter: a group-wise adapter on each block's attention and MLP input; merged into qkv and fc1.
+
+Reference:
+    - OSU-MLB/PETL_Vision@245d262 model/repadapter.py L5-27; model/block.py L112-113, L154-155; main.py L141-149;
+      model/utils.py L13-17
+
+Differences:
+    - None: PETL_Vision's RepAdapter is made of Conv1d, which timm's ``init_weights`` re-draw leaves alone, so it
+      starts as petl does.
 """
 
 from __future__ import annotations

@@ -23,6 +23,21 @@ L21-110 (``getSalientChannels``: hook the input of ``blocks.i.norm2``, drop the 
 class the L2 norm over samples and tokens, mean over classes, top-N) and scripts/run_model_sct.sh
 (topN 96, tuning_mode sct_attn).  The reference's ``scale`` option is unused by its forward
 (commented out at L298-302), so petl has none.
+
+Trains:
+    a Linear on the selected residual channels after each attention.
+
+    ``channels`` empty: ``petl-run`` selects them on the train split, without augmentation, before training and
+    records them in ``result.json``; from Python call ``cfg = petl.methods.sct.calibrate_sct(backbone, cfg, loader)``
+    first, as ``petl.apply`` alone uses the first ``top_n``, a data-free placeholder.
+
+Reference:
+    - synbol/Parameter-Efficient-Transfer-Learning-Benchmark@c188fad
+      ImageClassification/models/vision_transformer_sct.py L272-307, L340-346;
+      ImageClassification/train/train_model_sct.py L21-110; scripts/run_model_sct.sh
+
+Differences:
+    - No ``scale`` option: the reference's is unused by its forward (commented out at L298-302).
 """
 
 from __future__ import annotations

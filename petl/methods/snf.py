@@ -28,6 +28,29 @@ keeps the input and one tanh value per token and flow, where autograd would keep
 every flow.  The same values and gradients as the flows one by one (to float rounding, tested against autograd
 through the flows written out), at a fraction of their time and memory (``benchmarks/results/speed_cpu.md``).
 It computes in the tokens' dtype with autocast off, so a model under bf16 autocast trains its flows in float32.
+
+Trains:
+    SNF: both residual shortcuts of every block become a normalizing flow of the tokens (a per-channel affine
+    map ``mu + exp(log_sigma) * x``, then ``flow_length`` planar flows ``z + u * tanh(z . w + b)``); planar flows drawn
+    uniform(-0.01, 0.01) as in the reference, so not unchanged at init (``flow_length=0`` is); not mergeable (tanh).
+
+    A shortcut's 16 planar flows are stored stacked and train as one autograd node with a hand-written backward (the
+    same values and gradients, tested; 1.15x LoRA's step and 1.21x its memory in ``speed_cpu.md``, against 3.5x and
+    6.4x for the flows as 16 autograd modules).  627,072 on ViT-B/16 at the code's default; V-PETL publishes 0.25M,
+    the paper 0.036M (the affine maps alone count 36,864; ``configs/experiments/snf.yaml`` says why no flow length
+    gives 0.25M).
+
+Reference:
+    - Wang-Yaoming/SNF@a6f85b1 flow.py L7-64; snf.py L11-18, L47-57
+
+Differences:
+    - Flows on every block (the reference stops after 12, all of ViT-B's), as wide as the backbone (the
+      reference's ``flow_dim`` 768): ``inject_snf`` against ``snf.py`` L47, L53.
+    - The log-Jacobian, computed and discarded there, is not computed; timm's ``norm1``/``attn``/``norm2``/``mlp``
+      run with their layer scale and drop path (the bound forward reads CLIP's ``ln_1``/``attention``):
+      ``ShortcutFlow``, ``SnfBlock.forward`` against ``flow.py`` L16-30, ``snf.py`` L11-18.
+    - re-draw: none.  ``set_snf`` patches a built model and the repository ships no constructor or training script
+      after it (``snf.py`` L47-57).
 """
 
 from __future__ import annotations

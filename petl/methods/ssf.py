@@ -12,6 +12,19 @@ unchanged at init; ``init_std=0`` starts at the exact identity.
 
 Each scale/shift follows an affine layer (Linear, Conv2d or LayerNorm), so ``merge`` folds it in:
 ``W <- s * W`` (row-wise) and ``b <- s * b + t``; merged inference runs the plain layer.
+
+Trains:
+    a per-channel scale and shift after the patch projection, every norm, qkv, proj, fc1, fc2 and the final
+    norm; mergeable.  ``init_std=0`` starts at the exact identity.
+
+Reference:
+    - OSU-MLB/PETL_Vision@245d262 model/ssf.py L4-11; model/patch_embed.py L61-64, L93-96; model/block.py L78-80,
+      L93-94, L134-135; model/attention.py L40-42, L50-51, L88-89; model/mlp.py L40-42, L50-51, L62-63;
+      model/vision_transformer.py L159-160, L246-247
+
+Differences:
+    - The last scale/shift sits after every final LayerNorm (``norm``, or ``fc_norm`` in average-pooling ViTs,
+      where ``norm`` is an Identity the shift could not be folded into).
 """
 
 from __future__ import annotations

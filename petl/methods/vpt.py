@@ -20,6 +20,21 @@ Each affected block is wrapped on its own, not the block container, so timm's fo
 ``model.blocks`` itself, including through ``checkpoint_seq`` when gradient checkpointing is on.
 timm's ``forward_intermediates`` also runs the wrapped blocks; :mod:`petl.timm_api` leaves the
 prompts out of the intermediates it returns (:attr:`PromptedBlock.prompt_place`).
+
+Trains:
+    prompt tokens (``deep=false``: one set before the first block; ``deep=true``: fresh prompts before every
+    block).
+
+Reference:
+    - KMnP/vpt@4410440 src/models/vit_prompt/vit.py L55-62, L75-84, L89-100, L109-124; src/configs/config.py L74;
+      src/models/vit_prompt/vit_mae.py L122-128
+
+Differences:
+    - None in the forward: prompts are inserted as KMnP/vpt does and, by VPT's default ``pool=original``, kept in
+      the tokens an average-pooling backbone averages (``pool=img_pool`` averages the patches only; on a class-token
+      backbone both give the same logits).
+    - Prompt dropout is drawn per image, as VPT expands the prompts to the batch before the dropout (vit.py L82,
+      L114-115; tested): inert at its default ``dropout=0``, which every VPT experiment of petl runs.
 """
 
 from __future__ import annotations

@@ -21,8 +21,9 @@ class DivergedError(RunError):
     diverged = True
 
 
-# Exit statuses, the same in every petl-* command (README, "Bad input"): bad input (a value, a file, an image
-# the user gave), a run or prediction that could not complete (a full disk, a failed job), Ctrl-C.
+# Exit statuses, the same in every petl-* command (docs/reliability.md, "Bad input and failures"): bad input (a
+# value, a file, an image the user gave), a run or prediction that could not complete (a full disk, a failed job),
+# Ctrl-C.
 USAGE_ERROR = 2
 RUN_ERROR = 1
 INTERRUPTED = 130
