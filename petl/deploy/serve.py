@@ -149,13 +149,16 @@ def preprocess(data: bytes, spec: ImageSpec, max_pixels: int = MAX_PIXELS) -> to
         ValueError: not an image, truncated, damaged, or too large (one phrase saying which).
 
     """
+    limit = f"over the {max_pixels / 1e6:g} MP limit"
     try:
         with Image.open(io.BytesIO(data)) as header:  # reads the header only: the size, before any decoding
             width, height = header.size
-    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError):
+    except Image.DecompressionBombError:  # over twice Pillow's own limit
+        raise ValueError(f"more than {2 * Image.MAX_IMAGE_PIXELS / 1e6:.0f} MP is {limit}") from None
+    except (OSError, SyntaxError, ValueError):
         width = height = 0  # decode_image below says what is wrong, in its words
     if width * height > max_pixels:
-        raise ValueError(f"{width} x {height} pixels is over the {max_pixels / 1e6:g} MP limit")
+        raise ValueError(f"{width} x {height} pixels is {limit}")
     return pil_to_tensor(Image.fromarray(decode_image(data)), spec)
 
 
