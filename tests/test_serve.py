@@ -483,3 +483,15 @@ def test_the_page_shows_the_tasks_and_each_tasks_top_5_in_chromium(server, image
         status, body = _call(server + f"/v1/tasks/{answer['task']}/predict", (images / "3.png").read_bytes())
         assert answer["labels"] == body["predictions"][0]["labels"]  # the page shows what the API answers
     assert sorted(a["task"] for a in shown["answers"]) == ["lora", "lst", "vpt"]
+
+
+def test_without_the_extra_one_line_says_which_pip_install_brings_it(runs, monkeypatch, capsys):
+    import petl.deploy
+
+    monkeypatch.setitem(sys.modules, "fastapi", None)  # an import of it raises ImportError
+    monkeypatch.delitem(sys.modules, "petl.deploy.serve")
+    monkeypatch.delattr(petl.deploy, "serve")
+    with pytest.raises(SystemExit) as stop:
+        serve_cli.main([str(runs["lora"])])
+    assert stop.value.code == 1
+    assert capsys.readouterr().err == "petl-serve: error: petl-serve needs fastapi: " + serve_cli.PIP_HINT + "\n"
