@@ -141,6 +141,12 @@ def run_cli(argv: Sequence[str]) -> int:
     names = ", ".join(f"{t.name} ({t.method})" for t in tasks)
     print(f"{PROG}: {len(tasks)} task(s) over {tasks[0].backbone}: {names}", file=sys.stderr)
     print(f"{PROG}: http://{options['host']}:{options['port']}/ (API docs at /docs)", file=sys.stderr)
+    if options["host"] not in ("127.0.0.1", "localhost", "::1") and serve.token_from_environment() is None:
+        print(
+            f"{PROG}: note: host={options['host']} takes requests from other machines and {serve.TOKEN_VARIABLE} "
+            "is not set: anyone who reaches this port can use the tasks",
+            file=sys.stderr,
+        )
     config = uvicorn.Config(
         app, host=options["host"], port=options["port"], access_log=not args.quiet, log_level="info"
     )
