@@ -337,7 +337,8 @@ def render(rows: list[dict], args: argparse.Namespace, load_before: tuple, load_
         "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
-        for setup, name in (("one", "1 server"), ("separate", f"{row['tasks']} servers")):
+        plural = "s" if row["tasks"] > 1 else " (the same set-up: the noise)"
+        for setup, name in (("one", "1 server"), ("separate", f"{row['tasks']} server{plural}")):
             r = row[setup]
             lines.append(
                 f"| {row['backbone']} | {row['tasks']} | {name} | {r['rps']:.1f} | {r['p50']:.0f} | {r['p99']:.0f} | "
