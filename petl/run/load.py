@@ -323,9 +323,12 @@ def create_backbone(backbone: dict[str, Any]) -> nn.Module:
 def backbone_difference(first: dict[str, Any], other: dict[str, Any]) -> str | None:
     """The first field in which two cards' ``backbone`` records differ (``None``: the same backbone).
 
-    The seed counts only for a random init; the frozen tensors' hash decides the rest.
+    The seed counts only for a random init.  The frozen tensors' hashes are not compared: each is taken over the
+    run's model with its method applied, whose wrappers rename the layers they wrap (LoRA's ``qkv.base.weight``),
+    so runs of two methods on one backbone record different hashes.  Each run's hash is checked against the
+    backbone once it is built (:func:`frozen_mismatch`).
     """
-    keys = ["name", "pretrained", "checkpoint_sha256", "kwargs", "frozen_sha256"]
+    keys = ["name", "pretrained", "checkpoint_sha256", "kwargs"]
     if not first.get("pretrained"):
         keys.append("seed")
     for key in keys:

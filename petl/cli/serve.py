@@ -1,0 +1,177 @@
+"""petl-serve: trained runs over HTTP, many tasks over one backbone, batches formed across tasks.
+
+    petl-serve runs/cars runs/pets runs/dtd                  # http://127.0.0.1:8000/ (docs: /docs)
+    petl-serve runs/sweep/ port=9000 max_batch=64            # every run folder under a folder
+    petl-serve task.cars=runs/cars/lora/seed0 runs/dtd host=0.0.0.0
+    PETL_SERVE_TOKEN=secret petl-serve runs/cars             # /v1/... and /metrics need the bearer token
+
+A RUN is a run folder (``model.json`` beside ``trainable.safetensors``) or a folder holding run folders
+(searched recursively).  A task is named by its folder (by its path below the folders the runs share when two
+folders have one name); ``task.NAME=RUN`` names it.  Every run must have trained on one backbone and with a
+method that shares it (``petl.MultiTask``); a run that fails ``petl.load_run``'s checks is refused at start,
+naming it.  See :mod:`petl.deploy.serve` for the routes.
+
+Options (key=value, anywhere): host=127.0.0.1 port=8000 max_batch=32 max_wait_ms=5 max_queue=256
+max_upload_mb=20.  Flags: --quiet (no request log).  Exit status: 2 bad input (an option, a run folder),
+1 the server could not run (FastAPI missing, the port taken), 130 Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+PROG = "petl-serve"
+OPTIONS = {
+    "host": str,
+    "port": int,
+    "max_batch": int,
+    "max_wait_ms": float,
+    "max_queue": int,
+    "max_upload_mb": float,
+}
+DEFAULTS = {"host": "127.0.0.1", "port": 8000}
+TASK_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+PIP_HINT = "pip install 'petl[serve]' (FastAPI, uvicorn, python-multipart)"
+# The exit statuses every petl command uses (petl.run.errors), without importing torch to print a usage error.
+USAGE_ERROR, RUN_ERROR, INTERRUPTED = 2, 1, 130
+
+
+class UsageError(ValueError):
+    """Bad input: the message is one line naming the value and what to do."""
+
+
+def _is_run(path: Path) -> bool:
+    return path.is_dir() and (path / "model.json").is_file()
+
+
+def find_runs(items: Sequence[str]) -> dict[str, Path]:
+    """Task name -> run folder for every RUN and ``task.NAME=RUN`` argument, in the order given.
+
+    Raises:
+        UsageError: a path that is not there or holds no run folder, a task named twice, a name a URL cannot hold.
+
+    """
+    from petl.run.predict import run_labels
+
+    named: dict[str, Path] = {}
+    unnamed: list[Path] = []
+    for item in items:
+        key, eq, value = item.partition("=")
+        path = Path(value if eq else item).expanduser()
+        if not path.is_dir():
+            raise UsageError(f"{item}: no such run folder")
+        found = [path] if _is_run(path) else sorted({p.parent for p in path.rglob("model.json") if _is_run(p.parent)})
+        if not found:
+            raise UsageError(f"{path} holds no run folder (no model.json): give petl-run output folders")
+        if not eq:
+            unnamed += found
+        elif len(found) > 1:
+            raise UsageError(f"{item}: {path} holds {len(found)} runs; task.NAME= names one run folder")
+        else:
+            named[key.removeprefix("task.")] = found[0]
+    runs = dict(named)
+    for folder, name in run_labels(unnamed).items():
+        if name in runs:
+            raise UsageError(f"two runs are named {name!r} ({runs[name]}, {folder}): name one with task.NAME=RUN")
+        runs[name] = folder
+    for name in runs:
+        if not TASK_NAME.fullmatch(name):
+            raise UsageError(
+                f"task name {name!r} cannot be part of a URL: name it with task.NAME=RUN (A-Z a-z 0-9 _ . -)"
+            )
+    return runs
+
+
+def parse(argv: Sequence[str]) -> tuple[dict[str, Path], dict, argparse.Namespace]:
+    """The runs, the ``key=value`` options (typed, checked) and the flags of a command line."""
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        usage=f"{PROG} RUN [RUN ...] [task.NAME=RUN ...] [key=value ...] [--quiet]",
+    )
+    parser.add_argument("items", nargs="+", help="run folders, folders of run folders, task.NAME=RUN, key=value")
+    parser.add_argument("--quiet", action="store_true", help="no request log")
+    args = parser.parse_intermixed_args(list(argv))
+    options: dict = dict(DEFAULTS)
+    runs: list[str] = []
+    for item in args.items:
+        key, eq, value = item.partition("=")
+        if not eq or key.startswith("task."):
+            runs.append(item)
+            continue
+        if key not in OPTIONS:
+            raise UsageError(f"unknown option {key!r}; valid: {', '.join(OPTIONS)}, task.NAME=RUN")
+        try:
+            options[key] = OPTIONS[key](value)
+        except ValueError:
+            raise UsageError(f"{key}={value!r}: expected {OPTIONS[key].__name__}") from None
+    for key in ("max_batch", "max_queue"):
+        if key in options and options[key] < 1:
+            raise UsageError(f"{key}={options[key]}: must be at least 1")
+    for key in ("max_wait_ms", "max_upload_mb"):
+        if key in options and not options[key] >= 0:
+            raise UsageError(f"{key}={options[key]}: must be 0 or more")
+    if not 0 <= options["port"] <= 65535:
+        raise UsageError(f"port={options['port']}: must be 0 to 65535")
+    if not runs:
+        raise UsageError("no run folder given: petl-serve RUN [RUN ...]")
+    return find_runs(runs), options, args
+
+
+def run_cli(argv: Sequence[str]) -> int:
+    """Load the runs and serve them until interrupted; returns the exit status."""
+    runs, options, args = parse(argv)
+    try:
+        import uvicorn
+
+        from petl.deploy import serve
+    except ImportError as error:
+        raise RuntimeError(f"petl-serve needs {error.name}: {PIP_HINT}") from None
+    try:
+        served, tasks = serve.load_tasks(runs)
+    except ValueError as error:  # RunFolderError, TaskRefused, disagreeing backbones: each names the run
+        raise UsageError(str(error).splitlines()[0]) from None
+    batching = {k: options[k] for k in ("max_batch", "max_wait_ms", "max_queue", "max_upload_mb") if k in options}
+    app = serve.create_app(served, tasks, serve.ServeOptions(**batching, token=serve.token_from_environment()))
+    names = ", ".join(f"{t.name} ({t.method})" for t in tasks)
+    print(f"{PROG}: {len(tasks)} task(s) over {tasks[0].backbone}: {names}", file=sys.stderr)
+    print(f"{PROG}: http://{options['host']}:{options['port']}/ (API docs at /docs)", file=sys.stderr)
+    if options["host"] not in ("127.0.0.1", "localhost", "::1") and serve.token_from_environment() is None:
+        print(
+            f"{PROG}: note: host={options['host']} takes requests from other machines and {serve.TOKEN_VARIABLE} "
+            "is not set: anyone who reaches this port can use the tasks",
+            file=sys.stderr,
+        )
+    config = uvicorn.Config(
+        app, host=options["host"], port=options["port"], access_log=not args.quiet, log_level="info"
+    )
+    server = uvicorn.Server(config)
+    server.run()
+    if not server.started:  # uvicorn logged why (the port is taken...)
+        raise RuntimeError(f"could not serve on {options['host']}:{options['port']}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Entry point of ``petl-serve``."""
+    try:
+        status = run_cli(sys.argv[1:] if argv is None else argv)
+    except UsageError as error:
+        print(f"{PROG}: error: {error}", file=sys.stderr)
+        raise SystemExit(USAGE_ERROR) from None
+    except (RuntimeError, OSError) as error:
+        print(f"{PROG}: error: {error}", file=sys.stderr)
+        raise SystemExit(RUN_ERROR) from None
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        raise SystemExit(INTERRUPTED) from None
+    raise SystemExit(status)
+
+
+if __name__ == "__main__":
+    main()

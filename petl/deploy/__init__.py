@@ -1,0 +1,1 @@
+"""Serving trained runs: ``petl-serve`` (:mod:`petl.deploy.serve`) and its dynamic batcher."""

@@ -1,0 +1,140 @@
+"""A dynamic batcher across tasks: rows from concurrent requests, whatever their task, run as one mixed batch.
+
+A request puts its images (rows, each with its task) in one bounded queue and awaits their logits.  One
+worker takes the rows in arrival order: it waits until ``max_batch`` rows are queued or the oldest row has
+waited ``max_wait_s``, whichever comes first, then runs them as one batch in its own thread (the event loop
+keeps accepting requests meanwhile, and rows arriving during a forward pass form the next batch).  A full
+queue refuses new rows (:class:`QueueFull`) instead of growing without end.
+
+Forward passes run one at a time, in one thread: :class:`petl.MultiTask` routes the batch it is running
+through state it holds, so two concurrent forwards would mix their rows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from petl.deploy.metrics import ServeMetrics
+
+Tensor = torch.Tensor
+
+
+class QueueFull(RuntimeError):
+    """The queue has no room for a request's rows: the caller answers 503."""
+
+
+@dataclass
+class _Row:
+    image: Tensor
+    task: int
+    future: asyncio.Future
+    queued: float  # time.perf_counter() when queued
+
+
+class Batcher:
+    """Queues rows of any task and runs them in mixed batches through ``forward``.
+
+    Args:
+        forward: ``forward(images, task_index) -> logits``: a stacked batch (N x 3 x H x W) and one task
+            index per row (N); called in the batcher's own thread, one call at a time.
+        max_batch: the most rows in one batch.
+        max_wait_s: the longest the oldest queued row waits for more rows before its batch runs.
+        max_queue: the most rows waiting at once; beyond it :meth:`submit` raises :class:`QueueFull`.
+        metrics: where batch sizes, queue waits and forward times are counted.
+
+    """
+
+    def __init__(
+        self,
+        forward: Callable[[Tensor, Tensor], Tensor],
+        max_batch: int,
+        max_wait_s: float,
+        max_queue: int,
+        metrics: ServeMetrics,
+    ) -> None:
+        self.forward = forward
+        self.max_batch, self.max_wait_s, self.max_queue = max_batch, max_wait_s, max_queue
+        self.metrics = metrics
+        self._rows: deque[_Row] = deque()
+        self._arrived: asyncio.Event | None = None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="petl-serve-forward")
+
+    async def submit(self, images: Sequence[Tensor], task: int) -> list[Tensor]:
+        """Queue ``images`` (preprocessed, each 3 x H x W) for ``task``; their logits, in order, once run.
+
+        Raises:
+            QueueFull: fewer than ``len(images)`` places are left in the queue.
+
+        """
+        if self._arrived is None:
+            raise RuntimeError("the batcher's worker is not running: await Batcher.run() first")
+        if len(self._rows) + len(images) > self.max_queue:
+            raise QueueFull(f"the queue is full ({len(self._rows)} images waiting, max_queue={self.max_queue})")
+        loop = asyncio.get_running_loop()
+        now = time.perf_counter()
+        rows = [_Row(image, task, loop.create_future(), now) for image in images]
+        self._rows.extend(rows)
+        self.metrics.queued.set(len(self._rows))
+        self._arrived.set()
+        return list(await asyncio.gather(*(row.future for row in rows)))
+
+    async def run(self) -> None:
+        """The worker: forms batches and runs them until cancelled."""
+        self._arrived = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                batch = await self._next_batch()
+                if batch:
+                    await self._run_batch(loop, batch)
+        finally:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+
+    async def _next_batch(self) -> list[_Row]:
+        """The next rows to run: up to ``max_batch``, once that many wait or the oldest has waited ``max_wait_s``."""
+        while not self._rows:
+            self._arrived.clear()
+            await self._arrived.wait()
+        deadline = self._rows[0].queued + self.max_wait_s
+        while len(self._rows) < self.max_batch:
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                break
+            self._arrived.clear()
+            try:
+                await asyncio.wait_for(self._arrived.wait(), left)
+            except asyncio.TimeoutError:
+                break
+        batch = [self._rows.popleft() for _ in range(min(self.max_batch, len(self._rows)))]
+        self.metrics.queued.set(len(self._rows))
+        return [row for row in batch if not row.future.done()]  # a request that went away (client closed)
+
+    async def _run_batch(self, loop: asyncio.AbstractEventLoop, batch: list[_Row]) -> None:
+        started = time.perf_counter()
+        images = [row.image for row in batch]
+        tasks = torch.tensor([row.task for row in batch], dtype=torch.long)
+        try:
+            logits = await loop.run_in_executor(self._executor, self._forward, images, tasks)
+        except Exception as error:  # noqa: BLE001  (each waiting request answers it; the worker goes on)
+            for row in batch:
+                if not row.future.done():
+                    row.future.set_exception(error)
+            return
+        self.metrics.inference.observe(time.perf_counter() - started)
+        self.metrics.batch_rows.observe(len(batch))
+        self.metrics.batch_tasks.observe(len(set(tasks.tolist())))
+        for row, row_logits in zip(batch, logits, strict=True):
+            self.metrics.queue_wait.observe(started - row.queued)
+            if not row.future.done():
+                row.future.set_result(row_logits)
+
+    def _forward(self, images: list[Tensor], tasks: Tensor) -> Tensor:
+        with torch.inference_mode():
+            return self.forward(torch.stack(images), tasks).float().cpu()
