@@ -6,7 +6,7 @@ import timm
 import torch
 
 from petl.data.fractaldb import FractalConfig, fill_rate, generate, render, search_systems
-from petl.run import pretrain
+from petl.train import pretrain
 
 TINY = FractalConfig(num_classes=4, instances=6, seed=3)
 

@@ -15,9 +15,10 @@ from PIL import Image
 import petl
 from petl import vit
 from petl.data.transforms import ImageSpec
-from petl.multitask import RoutedModule, TaskRefused
-from petl.run import load
-from petl.run import predict as predict_cli
+from petl.deploy import predict as predict_cli
+from petl.deploy.multitask import TaskRefused
+from petl.deploy.routing import RoutedModule
+from petl.store import load
 
 # Every registered method with its defaults, plus the variants that take another path through the mixed batch.
 VARIANTS = {

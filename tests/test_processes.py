@@ -51,7 +51,8 @@ _DRIVER = """
     import sys
     import torch
     from petl.core import trainable_state
-    from petl.run import cli, runner
+    from petl.cli import run as cli
+    from petl.train import runner
 
     record = runner._record
 

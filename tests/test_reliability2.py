@@ -24,13 +24,15 @@ from test_data_vtab import SMALL, make_vtab_task
 
 import petl
 from petl import data as petl_data
-from petl import models
-from petl.bench import cli as bench_cli
+from petl.backbones import models
 from petl.bench import protocol, sweep
 from petl.bench import suite as suites
 from petl.bench.report import write_report
+from petl.cli import bench as bench_cli
+from petl.cli import run as cli
 from petl.presets import configs_dir
-from petl.run import cli, default_config, pretrain, train
+from petl.run import default_config, train
+from petl.train import pretrain
 
 TINY = tiny_run(batch_size=32)
 RUN_FILES = ("result.json", "trainable.safetensors", "config.yaml", "metrics.jsonl")

@@ -21,8 +21,9 @@ from timm.optim import param_groups_weight_decay
 
 import petl
 from petl import core, timm_api, vit
+from petl.bench.timm_support import support_table
 from petl.presets import configs_dir, list_experiments, load_experiment
-from petl.run import engine
+from petl.train import engine
 
 CONFIGS = configs_dir()
 EXPERIMENTS = list_experiments(CONFIGS)
@@ -194,5 +195,5 @@ def test_readme_works_with_table_is_generated_from_the_registry():
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     match = re.search(r"<!-- works-with -->\n(.*?)<!-- /works-with -->", readme, flags=re.S)
     assert match, "README.md: the works-with table's markers are missing"
-    table = timm_api.support_table()
+    table = support_table()
     assert match.group(1) == table, f"README.md's works-with table is stale; paste:\n{table}"

@@ -15,7 +15,8 @@ from conftest import make_tiny_vit
 
 import petl
 from petl import core, vit
-from petl.run import default_config, engine, train
+from petl.run import default_config, train
+from petl.train import engine
 
 TINY = [
     "data=mini/digits",

@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from petl.core import PetlModule
-from petl.run.options import check_options, option
+from petl.train.options import check_options, option
 
 
 class NonFiniteLossError(RuntimeError):

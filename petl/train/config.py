@@ -32,14 +32,14 @@ from hydra.errors import HydraException, MissingConfigException, OverrideParseEx
 from omegaconf import II, MISSING, DictConfig, OmegaConf, open_dict
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
-import petl
+import petl.methods  # noqa: F401  (importing the methods registers them)
 from petl import data as petl_data
-from petl import models as petl_models
-from petl.core import first_line
-from petl.run.engine import TrainSettings
-from petl.run.errors import ConfigError
-from petl.run.options import check_options, neutral_keys, option
-from petl.run.readers import data_info, data_options, image_size, method_options, model_kwargs  # noqa: F401 (re-exported)
+from petl.backbones import models as petl_models
+from petl.core import first_line, get_method, list_methods, make_config
+from petl.errors import ConfigError
+from petl.train.engine import TrainSettings
+from petl.train.options import check_options, neutral_keys, option
+from petl.train.readers import data_info, data_options, image_size, method_options, model_kwargs  # noqa: F401 (re-exported)
 
 GROUPS = ("method", "data", "model", "train")
 SPLITS = petl_data.TRAINING_SPLITS
@@ -51,7 +51,7 @@ RUNNER_FIELDS = ("num_classes",)
 
 
 # timm modules whose models are (subclasses of) timm's VisionTransformer, the family petl supports;
-# "models" is the module name timm records for petl's own petl/models.py.
+# "models" is the module name timm records for petl's own petl/backbones/models.py.
 VIT_MODULES = ("vision_transformer", "vision_transformer_hybrid", "deit", "models")
 
 
@@ -230,7 +230,7 @@ def _cli_type(hint: Any) -> Any:
 
 def method_node(name: str) -> type:
     """A dataclass with method ``name``'s options plus a ``name`` field: its node in the ``method`` group."""
-    spec = petl.get_method(name)
+    spec = get_method(name)
     hints = typing.get_type_hints(spec.config_cls)
     node_fields: list[tuple[str, Any, Any]] = [("name", str, field(default=name))]
     for f in dataclasses.fields(spec.config_cls):
@@ -260,7 +260,7 @@ def register_configs() -> None:
     """
     global _registered
     store = ConfigStore.instance()
-    for name in petl.list_methods():
+    for name in list_methods():
         if name not in _registered_methods:
             store.store(group="method", name=name, node=method_node(name))
             _registered_methods.add(name)
@@ -307,7 +307,7 @@ def register_models_in(overrides: Iterable[str]) -> None:
 def group_choices(group: str) -> list[str]:
     """Valid options of a config group."""
     if group == "method":
-        return petl.list_methods()
+        return list_methods()
     if group == "data":
         return petl_data.list_datasets()
     if group == "model":
@@ -327,7 +327,7 @@ def unknown_choice_message(group: str, value: str) -> str:
         hint = f"did you mean: {', '.join(close)}? " if close else ""
         return (
             f"unknown model {value!r}; {hint}choose a timm ViT, e.g. {petl_models.DEFAULT_MODEL}, "
-            'vit_base_patch16_224.augreg2_in21k_ft_in1k (all: python -c "import petl.run.config as c; '
+            'vit_base_patch16_224.augreg2_in21k_ft_in1k (all: python -c "import petl.train.config as c; '
             'print(*c.list_models())")'
         )
     return f"unknown {noun} {value!r}; choose one of: {', '.join(choices)}"
@@ -510,12 +510,12 @@ def option_default(key: str, method: str | None = None) -> Any:
     """The declared default of a dotted option (``train.lr``, ``method.rank`` of ``method``), or ``MISSING``.
 
     An option added to petl after a run was recorded takes this value for that run: the run-folder rules
-    (:mod:`petl.run.folder`) compare a new option with it instead of with nothing.
+    (:mod:`petl.train.output_dir`) compare a new option with it instead of with nothing.
     """
     group, _, name = key.partition(".")
     if group == "method":
         try:
-            node: Any = petl.get_method(method).config_cls if method else None
+            node: Any = get_method(method).config_cls if method else None
         except (KeyError, ValueError):
             node = None
     else:
@@ -558,6 +558,6 @@ def check_method(cfg: DictConfig) -> None:
     image_size(model)
     num_classes = data_info(cfg).num_classes
     try:
-        petl.make_config(cfg.method.name, num_classes=num_classes, **method_options(cfg)).validate(model)
+        make_config(cfg.method.name, num_classes=num_classes, **method_options(cfg)).validate(model)
     except ValueError as error:
         raise ConfigError(f"method {cfg.method.name}: {error}") from None

@@ -31,13 +31,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from petl.bench import protocol, report
+from petl.bench import notes, protocol, report
 from petl.bench import suite as suites
 from petl.bench.args import CONFIGS_KEYS, as_bool, configs_folder, parse_args, split_list
 from petl.bench.report import write_report
 from petl.bench.sweep import PlannedRun, SweepSummary, plan, run_sweep
-from petl.run.errors import INTERRUPTED, RUN_ERROR, USAGE_ERROR
-from petl.run.result import ResultError
+from petl.errors import INTERRUPTED, RUN_ERROR, USAGE_ERROR
+from petl.store.result import ResultError
 
 PROG = "petl-bench"
 DEBUG_FLAG = "--debug"
@@ -218,7 +218,7 @@ def cmd_report(args: Sequence[str]) -> int:
     if plan is not None:
         print(f"petl-bench: {report.progress(board)}")
     if board.published_names:
-        print(f"petl-bench: {report.ranking_line(board)}")
+        print(f"petl-bench: {notes.ranking_line(board)}")
     return 0
 
 

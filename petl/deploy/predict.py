@@ -45,14 +45,17 @@ import torch
 from PIL import Image
 from tqdm import tqdm
 
-import petl
+import petl.methods  # noqa: F401  (importing the methods registers them)
 from petl import data as petl_data
+from petl import surgery
+from petl.core import get_method
 from petl.data.folder import IMAGE_EXTENSIONS
 from petl.data.images import decode_image
-from petl.multitask import MultiTask, TaskRefused
+from petl.deploy.multitask import MultiTask, TaskRefused
+from petl.errors import INTERRUPTED, RUN_ERROR, USAGE_ERROR
 from petl.paths import write_atomic
-from petl.run.errors import INTERRUPTED, RUN_ERROR, USAGE_ERROR
-from petl.run.load import (
+from petl.store.files import MODEL_FILE, WEIGHTS_FILE
+from petl.store.load import (
     LoadedRun,
     RunFolderError,
     create_backbone,
@@ -61,7 +64,6 @@ from petl.run.load import (
     read_card,
     weights_file,
 )
-from petl.run.records import MODEL_FILE, WEIGHTS_FILE
 from petl.text import csv_cell, read_names, shown
 
 PROG = "petl-predict"
@@ -466,9 +468,9 @@ def _parse(argv: Sequence[str]) -> tuple[list[Path], list[str], dict, argparse.N
 def _load(folder: Path, merge: bool) -> LoadedRun:
     run = load_run(folder)
     if merge:
-        spec = petl.get_method(run.card["method"])
+        spec = get_method(run.card["method"])
         if spec.mergeable:
-            petl.merge(run.model)
+            surgery.merge(run.model)
         else:
             print(f"{PROG}: note: method {spec.name} is not mergeable: predicting unmerged", file=sys.stderr)
     if torch.cuda.is_available():

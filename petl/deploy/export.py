@@ -6,7 +6,7 @@
 
 The run's method is merged into the backbone and its wrappers removed (``petl.merge(model,
 unload=True)``), so what is written is the timm architecture with other weights, named as timm itself
-names it (petl's own backbones translated by :data:`petl.models.TIMM_NATIVE`), so that it loads where
+names it (petl's own backbones translated by :data:`petl.backbones.models.TIMM_NATIVE`), so that it loads where
 petl is not installed.  A folder (``out=`` without a suffix) is timm's own format for a model with its
 configuration, the one ``huggingface_hub`` uploads: ``config.json`` (``architecture``, ``model_args``
 with ``img_size``, ``num_classes``, ``pretrained_cfg`` with the preprocessing and ``label_names``) and
@@ -37,12 +37,13 @@ import safetensors.torch
 import torch
 from torch import nn
 
-import petl
+import petl.methods  # noqa: F401  (importing the methods registers them)
+from petl.backbones.models import timm_native
 from petl.data.transforms import CROP_RATIO
-from petl.models import timm_native
-from petl.run import records
-from petl.run.errors import INTERRUPTED, RUN_ERROR, USAGE_ERROR
-from petl.run.load import LoadedRun, RunFolderError, load_run
+from petl.errors import INTERRUPTED, RUN_ERROR, USAGE_ERROR
+from petl.store import files as records
+from petl.store.load import LoadedRun, RunFolderError, load_run
+from petl.surgery import merge
 
 PROG = "petl-export"
 FORMAT = "petl-export-1"
@@ -70,7 +71,7 @@ def metadata(run: LoadedRun) -> dict[str, str]:
 
 def plain_model(run: LoadedRun) -> nn.Module:
     """The run's model merged and unloaded into a plain timm model (in place), in eval mode."""
-    return petl.merge(run.model, unload=True).eval()
+    return merge(run.model, unload=True).eval()
 
 
 def save_safetensors(model: nn.Module, path: Path, meta: dict[str, str]) -> None:

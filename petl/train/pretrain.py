@@ -30,11 +30,11 @@ from accelerate.utils import set_seed
 from safetensors.torch import save_file
 from torch.utils.data import DataLoader, TensorDataset
 
-from petl import models
+from petl.backbones import models
 from petl.data.fractaldb import FractalConfig, generate, search_systems, to_model_input
-from petl.run import records
-from petl.run.engine import TrainSettings, build_optimizer, fit
-from petl.run.errors import INTERRUPTED, RUN_ERROR, USAGE_ERROR
+from petl.errors import INTERRUPTED, RUN_ERROR, USAGE_ERROR
+from petl.store import files as records
+from petl.train.engine import TrainSettings, build_optimizer, fit
 
 ARCH = "vit_fractal_tiny_patch4_32"
 DEFAULT_OUT = Path("runs/pretrain")

@@ -1,0 +1,1 @@
+"""Using trained runs: predict, export, MultiTask; a run is read through ``petl.store``."""
