@@ -21,7 +21,7 @@ from test_run_card import TINY, _run_folder
 
 import petl
 from petl.backbones import models
-from petl.deploy import export as export_cli
+from petl.cli import export as export_cli
 from petl.store import load
 
 

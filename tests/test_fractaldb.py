@@ -5,6 +5,7 @@ import pytest
 import timm
 import torch
 
+from petl.cli import pretrain as pretrain_cli
 from petl.data.fractaldb import FractalConfig, fill_rate, generate, render, search_systems
 from petl.train import pretrain
 
@@ -66,4 +67,4 @@ def test_short_pretraining_writes_loadable_weights_and_provenance(tmp_path):
 
 def test_cli_rejects_bad_sizes(capsys):
     with pytest.raises(SystemExit):
-        pretrain.main(["--classes", "0"])
+        pretrain_cli.main(["--classes", "0"])

@@ -23,9 +23,9 @@ from safetensors import safe_open
 from test_export import run_without_petl
 
 import petl
+from petl.cli import export as export_cli
+from petl.cli import predict as predict_cli
 from petl.cli import run as cli
-from petl.deploy import export as export_cli
-from petl.deploy import predict as predict_cli
 from petl.train import config
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -22,8 +22,8 @@ from conftest import tiny_run
 from PIL import Image
 
 from petl import data as petl_data
+from petl.cli import predict as predict_cli
 from petl.cli import run as cli
-from petl.deploy import predict as predict_cli
 
 # The tiny random-init backbone of the fast tests, without tiny_run's data choice.
 TINY_MODEL = [o for o in tiny_run(depth=1) if not o.startswith("data")]
@@ -459,12 +459,12 @@ def test_a_killed_dinov2_cache_build_leaves_no_temporary_file_behind(tmp_path, m
 
 
 def test_petl_export_ctrl_c_is_one_line_and_exit_130(trained, tmp_path, monkeypatch, capsys):
-    from petl.deploy import export as export_cli
+    from petl.cli import export as export_cli
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(export_cli, "export", interrupted)
+    monkeypatch.setattr("petl.deploy.export.export", interrupted)
     capsys.readouterr()
     assert _exit_code(export_cli.main, [str(trained[1]), f"out={tmp_path / 'm.safetensors'}"]) == 130
     err = capsys.readouterr().err
@@ -484,8 +484,8 @@ def test_an_unreadable_image_exits_2_in_petl_run_as_in_petl_predict(tmp_path, ca
 def test_every_petl_command_uses_the_one_set_of_exit_statuses():
     from petl import errors
     from petl.cli import bench as bench_cli
-    from petl.deploy import export as export_cli
-    from petl.train import pretrain
+    from petl.cli import export as export_cli
+    from petl.cli import pretrain
 
     assert (errors.USAGE_ERROR, errors.RUN_ERROR, errors.INTERRUPTED) == (2, 1, 130)
     for module in (cli, predict_cli, export_cli, bench_cli, pretrain):

@@ -19,9 +19,9 @@ from conftest import perturb_trainable, tiny_run
 from PIL import Image
 
 import petl
+from petl.cli import predict as predict_cli
 from petl.cli import run as cli
 from petl.data.transforms import ImageSpec
-from petl.deploy import predict as predict_cli
 from petl.store import load
 
 TINY = {"name": "vit_fractal_tiny_patch4_32", "pretrained": False, "kwargs": {"depth": 1, "embed_dim": 48}}

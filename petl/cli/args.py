@@ -12,10 +12,15 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 # What an override key may look like (Hydra's grammar: +key, ++key, ~key, dotted paths).
 _KEY_PREFIXES = ("++", "+", "~")
+
+
+class CommandLineError(ValueError):
+    """A word of the command line the command does not take: one line naming it (exit status 2)."""
 
 
 @dataclass(frozen=True)
@@ -63,27 +68,31 @@ def parse(made: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Namesp
     return made.parse_intermixed_args(list(argv))
 
 
-def split_items(words: Sequence[str], keys: Sequence[Key], prog: str) -> tuple[list[str], dict[str, Any]]:
+def split_items(
+    words: Sequence[str], keys: Sequence[Key], prog: str, paths_first: bool = False
+) -> tuple[list[str], dict[str, Any]]:
     """Split words into positionals and the command's own ``key=value`` options (typed, unknown keys refused).
 
+    With ``paths_first`` a word naming an existing file (``a=b.jpg``) is a positional, not an option.
+
     Raises:
-        SystemExit: an unknown key or a value of the wrong type, in one line naming it (exit status 2).
+        CommandLineError: an unknown key or a value of the wrong type, in one line naming it.
 
     """
     known = {key.name: key for key in keys}
     positional, options = [], {}
     for word in words:
-        if not is_override(word):
+        if not is_override(word) or (paths_first and Path(word).exists()):
             positional.append(word)
             continue
         name, _, value = word.partition("=")
         if name not in known:
             choices = ", ".join(sorted(known)) or "none"
-            raise SystemExit(f"{prog}: unknown option {name}= (this command takes: {choices}; see {prog} --help)")
+            raise CommandLineError(f"unknown option {name!r}; valid: {choices} (see {prog} --help)")
         try:
             options[name] = known[name].type(value)
         except ValueError:
-            raise SystemExit(f"{prog}: {name}={value}: expected {known[name].type.__name__}") from None
+            raise CommandLineError(f"{name}={value!r}: expected {known[name].type.__name__}") from None
     return positional, options
 
 

@@ -24,241 +24,15 @@ folder (installed as ``petl.configs``); ``configs_dir=DIR`` (formerly ``benchmar
 
 from __future__ import annotations
 
-import shlex
 import sys
 import warnings
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
-from petl.bench import notes, protocol, report
-from petl.bench import suite as suites
-from petl.bench.args import CONFIGS_KEYS, as_bool, configs_folder, parse_args, split_list
-from petl.bench.report import write_report
-from petl.bench.sweep import PlannedRun, SweepSummary, plan, run_sweep
 from petl.errors import INTERRUPTED, RUN_ERROR, USAGE_ERROR
-from petl.store.result import ResultError
 
 PROG = "petl-bench"
 DEBUG_FLAG = "--debug"
-
-SWEEP_KEYS = {
-    "suite",
-    "methods",
-    "tasks",
-    "seeds",
-    "output_dir",
-    "report",
-    "dry_run",
-    "progress",
-} | CONFIGS_KEYS
-
-
-def cmd_run(args: Sequence[str]) -> int:
-    """Run a suite (restricted by methods/tasks/seeds), skipping finished runs, then build the report."""
-    own, overrides = parse_args(args, SWEEP_KEYS)
-    configs = configs_folder(own)
-    suite = suites.load_suite(own.get("suite", "mini"), configs)
-    names = split_list(own["methods"]) if "methods" in own else suite.experiments
-    tasks = split_list(own["tasks"]) if "tasks" in own else suite.tasks
-    seeds = [int(s) for s in split_list(own["seeds"])] if "seeds" in own else suite.seeds
-    experiments = [suites.load_experiment(n, configs) for n in names]
-    output_dir = Path(own.get("output_dir", f"runs/bench/{suite.name}"))
-    if suite.search:
-        return run_selection(suite, experiments, tasks, seeds, output_dir, overrides, own)
-    runs = plan(experiments, tasks, seeds, output_dir, suite.overrides(), overrides, suite)
-    done = sum(r.is_done() for r in runs)
-    print(
-        f"petl-bench: suite {suite.name}: {len(experiments)} experiments x {len(tasks)} tasks x {len(seeds)} seeds "
-        f"= {len(runs)} runs into {output_dir} ({done} already done)"
-    )
-    if as_bool("dry_run", own.get("dry_run", "false")):
-        for run in runs:
-            print(_dry_run_line(run))
-        return 0
-    summary = run_sweep(runs, progress=as_bool("progress", own.get("progress", "true")))
-    return _finish(summary, output_dir, own, any(r.is_done() for r in runs), suite)
-
-
-def _dry_run_line(run: PlannedRun) -> str:
-    """``done`` / ``todo``, the run and its overrides (with the calibration it reuses, once that run has one)."""
-    try:
-        overrides = run.full_overrides()
-    except (ValueError, ResultError) as error:
-        overrides, note = None, f"  (cannot reuse the calibration: {error})"
-    else:
-        note = f"  (+ the calibration of {run.calibrated_by}, not run yet)" if overrides is None else ""
-    state = "done  " if run.is_done() else "todo  "
-    return state + run.label + "  " + " ".join(overrides or run.overrides) + note
-
-
-def _finish(summary: SweepSummary, output_dir: Path, own: dict[str, str], any_done: bool, suite: suites.Suite) -> int:
-    print(f"petl-bench: {summary.line()}")
-    for line in summary.held_elsewhere:
-        print(f"  held by another sweep: {line}")
-    for line in summary.failed:
-        print(f"  failed: {line}")
-    for line in summary.diverged:
-        print(f"  diverged (scored last in its search): {line}")
-    for line in summary.set_aside:
-        print(f"  set aside: {line}")
-    for line in summary.waiting:
-        print(f"  waiting: {line}")
-    if summary.stale:
-        # Runs of another config stand in this suite's folders: a leaderboard would show them as this suite's.
-        print(
-            f"petl-bench: leaderboard not written: {len(summary.stale)} run folder(s) hold another config (above)",
-            file=sys.stderr,
-        )
-    elif as_bool("report", own.get("report", "true")) and any_done:
-        # The whole suite's plan, even when methods=/tasks=/seeds= ran part of it: the rest shows as not run yet.
-        plan = report.Plan(suite.name, tuple(suite.experiments), tuple(suite.tasks), tuple(suite.seeds))
-        write_report(output_dir, configs_dir=configs_folder(own), plan=plan)
-        print(f"petl-bench: leaderboard written to {output_dir}/leaderboard.{{md,csv,html}} and pareto.png")
-    return 1 if summary.failed else 0
-
-
-def run_selection(
-    suite: suites.Suite,
-    experiments: list[suites.Experiment],
-    tasks: list[str],
-    seeds: list[int],
-    output_dir: Path,
-    overrides: list[str],
-    own: dict[str, str],
-) -> int:
-    """Run a searching suite: selection on val, then the final runs (see :mod:`petl.bench.protocol`)."""
-    cells = protocol.plan_cells(suite, experiments, tasks, seeds, output_dir, overrides)
-    trials = [t.run for cell in cells for t in cell.trials]
-    print(
-        f"petl-bench: suite {suite.name}: {len(experiments)} experiments x {len(tasks)} tasks: {len(trials)} "
-        f"selection trials on {protocol.SEARCH_SPLIT} (seed {suite.search_seed}, scored on val200), then "
-        f"{len(seeds)} final runs per cell on {suite.final_split} into {output_dir} "
-        f"({sum(r.is_done() for r in trials)} trials already done)"
-    )
-    if as_bool("dry_run", own.get("dry_run", "false")):
-        for cell in cells:
-            for trial in cell.trials:
-                print(_dry_run_line(trial.run))
-            selection = cell.selection()
-            if selection is None:
-                print(f"later {cell.label}: {len(seeds)} final runs once its search is complete")
-                continue
-            for run in cell.finals(selection["chosen"]):
-                print(_dry_run_line(run))
-        return 0
-    summary = protocol.run_protocol(cells, progress=as_bool("progress", own.get("progress", "true")))
-    finals_done = any(any((output_dir / c.task / c.experiment.name).glob("seed*/result.json")) for c in cells)
-    return _finish(summary, output_dir, own, finals_done, suite)
-
-
-def cmd_commands(args: Sequence[str]) -> int:
-    """Print one ``petl-run --multirun`` command per experiment that writes the suite's results layout.
-
-    Extra arguments (``hydra/launcher=submitit_slurm``, ``hydra.launcher.partition=gpu``, ``train.*``...)
-    are appended to every command, so a cluster launcher spreads the runs and ``petl-bench report``
-    reads the same folders afterwards.  Nothing is run.
-    """
-    own, overrides = parse_args(args, SWEEP_KEYS - {"report", "dry_run", "progress"})
-    configs = configs_folder(own)
-    suite = suites.load_suite(own.get("suite", "mini"), configs)
-    if suite.per_task:
-        raise SystemExit(f"petl-bench commands: suite {suite.name} sets options per task; one multirun line cannot")
-    if suite.search:
-        # One multirun line per experiment cannot pick a configuration on val before the final runs.
-        raise SystemExit(
-            f"petl-bench commands: suite {suite.name} selects on val before its final runs, which petl-run "
-            "--multirun cannot express; start `petl-bench suite=...` on each node (per-run locks share the work)"
-        )
-    names = split_list(own["methods"]) if "methods" in own else suite.experiments
-    tasks = split_list(own["tasks"]) if "tasks" in own else suite.tasks
-    seeds = split_list(own["seeds"]) if "seeds" in own else [str(s) for s in suite.seeds]
-    output_dir = own.get("output_dir", f"runs/bench/{suite.name}")
-    experiments = [suites.load_experiment(name, configs) for name in names]
-    once = [e.name for e in experiments if e.calibrate_once]
-    if once and len(seeds) > 1:
-        # Each multirun job would calibrate on its own; petl-bench reuses the first seed's calibration.
-        raise SystemExit(
-            f"petl-bench commands: {', '.join(once)} calibrate once per task and reuse it for every seed, which "
-            f"--multirun cannot express; run them with `petl-bench suite={suite.name} methods=...`, or give one seed"
-        )
-    for experiment in experiments:
-        name = experiment.name
-        # Hydra resolves ${data.name} and ${seed} per job, giving each job the folder petl-bench would use.
-        parts = [
-            "petl-run",
-            "--multirun",
-            *suite.overrides(),
-            *experiment.overrides(),
-            *suite.experiment_overrides(name),
-            f"data={','.join(tasks)}",
-            *([f"data.split={suite.final_split}"] if suite.final_split else []),
-            f"seed={','.join(seeds)}",
-            *overrides,
-            f"output_dir={output_dir}/${{data.name}}/{name}/seed${{seed}}",
-        ]
-        print(" ".join(shlex.quote(p) for p in parts))
-    return 0
-
-
-def cmd_report(args: Sequence[str]) -> int:
-    """Build the leaderboard of a results folder."""
-    positional = [a for a in args if "=" not in a]
-    own, rest = parse_args([a for a in args if "=" in a], {"out", "configs_dir", "suite"})
-    if len(positional) != 1 or rest:
-        raise SystemExit("usage: petl-bench report RESULTS_DIR [out=DIR] [configs_dir=DIR] [suite=NAME]")
-    out = own.get("out", positional[0])
-    # suite=NAME: the suite the runs came from, so that the report marks what it has not run yet.
-    plan = report.plan_of(own["suite"], own.get("configs_dir")) if "suite" in own else None
-    board = write_report(positional[0], out, own.get("configs_dir"), plan)
-    print(
-        f"petl-bench: {len(board.rows)} experiments x {len(board.tasks)} tasks -> "
-        f"{out}/leaderboard.{{md,csv,html}}, {out}/pareto.png"
-    )
-    if plan is not None:
-        print(f"petl-bench: {report.progress(board)}")
-    if board.published_names:
-        print(f"petl-bench: {notes.ranking_line(board)}")
-    return 0
-
-
-def cmd_list(args: Sequence[str]) -> int:
-    """Print the suites and experiments found."""
-    own, _ = parse_args(args, CONFIGS_KEYS)
-    configs = configs_folder(own)
-    broken = 0
-    # One malformed file is named (on stderr) and the rest are still listed; the status then says so.
-    for name in suites.list_suites(configs):
-        try:
-            s = suites.load_suite(name, configs)
-        except ValueError as error:
-            broken += 1
-            _error(str(error))
-            continue
-        print(f"suite {name}: {len(s.experiments)} experiments, {len(s.tasks)} tasks, seeds {s.seeds}")
-    for name in suites.list_experiments(configs):
-        try:
-            e = suites.load_experiment(name, configs)
-        except ValueError as error:
-            broken += 1
-            _error(str(error))
-            continue
-        print(f"experiment {name}: {' '.join(e.overrides())}")
-    return USAGE_ERROR if broken else 0
-
-
-def cmd_params(args: Sequence[str]) -> int:
-    """Compare each experiment's parameter count with its published row (see :mod:`petl.bench.params`)."""
-    from petl.bench.params import main as params_main
-
-    return params_main(args)
-
-
-def cmd_speed(args: Sequence[str]) -> int:
-    """Time the methods (see :mod:`petl.bench.speed`, imported on use: no other command builds models)."""
-    from petl.bench.speed import main as speed_main
-
-    return speed_main(args)
 
 
 def _error(message: str) -> None:
@@ -308,6 +82,9 @@ def _dispatch(args: list[str]) -> int:
         print(__doc__)
         return 0
     command = args.pop(0) if args and "=" not in args[0] else "run"
+    # Imported after --help: the commands load the sweep, the report and (for a run) torch.
+    from petl.bench.commands import cmd_commands, cmd_list, cmd_params, cmd_report, cmd_run, cmd_speed
+
     commands = {
         "run": cmd_run,
         "report": cmd_report,
