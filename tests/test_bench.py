@@ -43,7 +43,7 @@ def test_suites_list_existing_experiments_and_the_expected_tasks():
     mini = load_suite("mini", BENCH)
     assert len(mini.tasks) == 7 and all(t.startswith("mini/") for t in mini.tasks)
     assert mini.seeds == [0, 1, 2]
-    # The mini tasks' epoch count has one home, petl.train.config.SUITE_EPOCHS, not the suite file too.
+    # The mini tasks' epoch count has one home, petl.data.mini.EPOCHS, not the suite file too.
     assert not any(o.startswith("train.epochs=") for o in mini.overrides())
     assert load_suite("vtab1k", BENCH).tasks == VTAB_TASKS
     assert len(load_suite("fgvc", BENCH).tasks) == 5

@@ -41,8 +41,7 @@ from petl.train.engine import TrainSettings
 from petl.train.options import check_options, neutral_keys, option
 from petl.train.readers import data_info, data_options, image_size, method_options, model_kwargs  # noqa: F401 (re-exported)
 
-GROUPS = ("method", "data", "model", "train")
-SPLITS = petl_data.TRAINING_SPLITS
+CONFIG_GROUPS = ("method", "data", "model", "train")
 PRECISIONS = ("no", "bf16", "fp16")
 TRACKERS = tuple(LOGGER_TYPE_TO_CLASS)
 
@@ -90,7 +89,7 @@ class DataConfig:
     """
 
     name: str = MISSING
-    split: str = option(petl_data.TRAIN, choices=SPLITS)
+    split: str = option(petl_data.TRAIN, choices=petl_data.TRAINING_SPLITS)
     root: str | None = option(None, neutral=True)
     subset: int | None = option(None, low=1)
     image_column: str | None = None
@@ -333,7 +332,7 @@ def unknown_choice_message(group: str, value: str) -> str:
     return f"unknown {noun} {value!r}; choose one of: {', '.join(choices)}"
 
 
-def check_choice(group: str, value: str) -> None:
+def check_group_choice(group: str, value: str) -> None:
     """Raise :class:`ConfigError` unless ``value`` is an option of ``group``."""
     if value not in group_choices(group):
         raise ConfigError(unknown_choice_message(group, value))
@@ -352,7 +351,7 @@ def explain(error: Exception, overrides: Sequence[str] = ()) -> str:
         )
     if isinstance(error, MissingConfigException) and error.missing_cfg_file:
         group, _, value = error.missing_cfg_file.partition("/")
-        if group in GROUPS:
+        if group in CONFIG_GROUPS:
             return unknown_choice_message(group, value)
         # e.g. hydra/launcher=submitit_slurm without its plugin installed
         return f"{first_line(str(error))} (is the Hydra plugin that provides it installed?)"
@@ -384,7 +383,7 @@ def unknown_key_message(key: str, overrides: Sequence[str] = ()) -> str:
     """One line naming an unknown config key and the valid keys beside it."""
     parent = key.rpartition(".")[0]
     # Compose again with only the group choices so the listing shows the nodes actually selected.
-    chosen = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") in GROUPS]
+    chosen = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") in CONFIG_GROUPS]
     try:
         base = compose_config(chosen)
         node = OmegaConf.select(base, parent) if parent else base
@@ -440,8 +439,8 @@ def _compose_checked(overrides: Iterable[str]) -> DictConfig:
     overrides = list(overrides)
     for override in overrides:
         key, eq, value = override.partition("=")
-        if eq and key in GROUPS and "," not in value and "(" not in value:
-            check_choice(key, value.strip())
+        if eq and key in CONFIG_GROUPS and "," not in value and "(" not in value:
+            check_group_choice(key, value.strip())
     try:
         return compose_config(overrides)
     except (HydraException, OmegaConfBaseException) as error:
@@ -496,9 +495,9 @@ def check_values(cfg: DictConfig) -> None:
         check_options(RunConfig, cfg)
         for group in ("data", "model", "train"):
             check_options(schema[group], cfg[group], f"{group}.")
-        check_choice("method", cfg.method.name)
-        check_choice("data", cfg.data.name)
-        check_choice("model", cfg.model.name)
+        check_group_choice("method", cfg.method.name)
+        check_group_choice("data", cfg.data.name)
+        check_group_choice("model", cfg.model.name)
     except OmegaConfBaseException as error:
         # An interpolation that does not resolve, or a missing mandatory value.
         raise ConfigError(explain(error)) from None
