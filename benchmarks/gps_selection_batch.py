@@ -25,7 +25,7 @@ from omegaconf import OmegaConf
 
 import petl
 from petl.methods.gps import calibrate_gps
-from petl.run import build
+from petl.train import build
 
 RUNS = Path(__file__).resolve().parent / "results" / "mini" / "runs" / "mini"
 TASKS = ("fashion_mnist", "mnist", "digits", "textures", "dsprites_loc", "dsprites_ori", "clevr_count")

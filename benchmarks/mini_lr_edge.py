@@ -22,7 +22,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from petl.run import config, runner
+from petl.train import config, runner
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # lr as the trial folders spell it -> as the table prints it.

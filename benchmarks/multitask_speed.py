@@ -36,7 +36,7 @@ import timm
 import torch
 
 import petl
-import petl.models  # noqa: F401  (registers vit_fractal_tiny_patch4_32 with timm)
+import petl.backbones.models  # noqa: F401  (registers vit_fractal_tiny_patch4_32 with timm)
 
 TASKS = 8
 TASK_SETS = {

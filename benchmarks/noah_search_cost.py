@@ -31,7 +31,8 @@ from torch.utils.data import DataLoader
 import petl
 from petl.methods import noah_search
 from petl.methods.noah import NoahConfig, subnet_params
-from petl.run import build, default_config
+from petl.run import default_config
+from petl.train import build
 
 BATCH = 64
 

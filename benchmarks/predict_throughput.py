@@ -5,7 +5,7 @@
 For each backbone (petl's default 32 px FractalDB ViT with its weights, and ViT-B/16 at 224 px with
 random weights: speed does not depend on the values), LoRA rank 8 on q and v is applied and given
 non-zero updates; a deep copy is merged.  Both then classify the same generated PNG files through
-``petl-predict``'s own path (:func:`petl.run.predict.predict_images`: decode, preprocess, batched
+``petl-predict``'s own path (:func:`petl.deploy.predict.predict_images`: decode, preprocess, batched
 forward, top-5), alternating merged and unmerged ``--repeats`` times; the median images/s of each and
 their ratio are printed as a Markdown table, with the load average before and after (the machine may
 be shared: the ratio, taken under the same load, is the number to read).
@@ -28,8 +28,8 @@ from PIL import Image
 
 import petl
 from petl.data.transforms import ImageSpec
-from petl.run.load import LoadedRun
-from petl.run.predict import predict_images
+from petl.deploy.predict import predict_images
+from petl.store.load import LoadedRun
 
 # (timm name, load its pretrained weights, batch size, images per pass as a multiple of --images / 4)
 BACKBONES = (

@@ -50,7 +50,7 @@ from PIL import Image
 
 import petl
 from petl.data.transforms import ImageSpec
-from petl.run import load
+from petl.store import load
 
 ROOT = Path(__file__).resolve().parents[1]
 METHODS = [

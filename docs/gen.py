@@ -11,7 +11,7 @@ What it writes, and from what:
 * ``docs/cli.md``: each console script of ``pyproject.toml``'s ``[project.scripts]`` run with ``--help`` through
   its entry point, in a separate interpreter (a forked child each), so the page follows whatever parser the
   command has;
-* the works-with table in ``docs/works-with.md`` (``petl.timm_api.support_table()``, between markers).
+* the works-with table in ``docs/works-with.md`` (``petl.bench.timm_support.support_table()``, between markers).
 
 A script beside the pages rather than a module of the package: it is a developer's tool that needs the checkout
 (``configs/``, ``pyproject.toml``, ``docs/``), not something an installed petl runs.  tests/test_docs.py runs it
@@ -127,7 +127,7 @@ class Counter:
         import timm
         import torch
 
-        import petl  # noqa: F401  (registers petl's backbones with timm)
+        import petl.backbones  # noqa: F401  (registers petl's backbones with timm)
 
         with torch.device("meta"):
             self.models = {k: timm.create_model(v, pretrained=False) for k, v in COUNT_BACKBONES.items()}
@@ -350,14 +350,14 @@ def nav_block() -> str:
 def pages(cli: bool = True) -> dict[Path, str]:
     """Every generated file: path -> its full new text (``cli=False``: all but the command-line reference)."""
     import petl
-    from petl import timm_api
+    from petl.bench import timm_support
 
     counter = Counter()
     presets = experiments()
     out = {DOCS / "methods" / f"{name}.md": method_page(name, counter, presets) for name in petl.list_methods()}
     regions = {  # file -> (begin marker, end marker, what goes between)
         DOCS / "methods.md": ("<!-- methods-table -->", "<!-- /methods-table -->", methods_table(counter)),
-        DOCS / "works-with.md": ("<!-- works-with -->", "<!-- /works-with -->", timm_api.support_table()),
+        DOCS / "works-with.md": ("<!-- works-with -->", "<!-- /works-with -->", timm_support.support_table()),
         ROOT / "mkdocs.yml": ("      # methods:begin", "      # methods:end", nav_block()),
     }
     for path, (begin, end, body) in regions.items():

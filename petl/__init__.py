@@ -1,64 +1,82 @@
-"""petl: parameter-efficient transfer learning for timm Vision Transformers."""
+"""petl: parameter-efficient transfer learning for timm Vision Transformers.
 
-from typing import TYPE_CHECKING
+``import petl`` is cheap: every public name loads on first use (PEP 562), so a command's ``--help`` does not
+wait for torch and timm.  The first use of any name also registers petl's backbones with timm
+(:mod:`petl.backbones`), as ``import petl`` did before; ``import petl.backbones`` does that alone.
+"""
 
-from petl import (
-    methods,
-    models,  # noqa: F401  (registers petl's timm models)
-)
-from petl.core import (
-    MethodConfig,
-    MethodSpec,
-    ParamCount,
-    PetlModule,
-    apply,
-    count_params,
-    get_method,
-    list_methods,
-    make_config,
-    merge,
-    register_method,
-    unmerge,
-)
-from petl.io import load_trainable, read_trainable_metadata, save_trainable
-from petl.methods import *  # noqa: F403  (every apply_<name>; importing petl.methods registers the methods)
-from petl.multitask import MultiTask
-from petl.unload import unload
+from __future__ import annotations
 
-if TYPE_CHECKING:
-    from petl.run.load import LoadedRun, load_run
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
+# Public name -> the module that defines it.
+_HOMES = {
+    "MethodConfig": "petl.core",
+    "MethodSpec": "petl.core",
+    "ParamCount": "petl.core",
+    "PetlModule": "petl.core",
+    "count_params": "petl.core",
+    "get_method": "petl.core",
+    "list_methods": "petl.core",
+    "make_config": "petl.core",
+    "register_method": "petl.core",
+    "unmerge": "petl.core",
+    "apply": "petl.surgery",
+    "merge": "petl.surgery",
+    "unload": "petl.unloading",
+    "load_trainable": "petl.io",
+    "read_trainable_metadata": "petl.io",
+    "save_trainable": "petl.io",
+    "MultiTask": "petl.deploy.multitask",
+    "LoadedRun": "petl.store.load",
+    "load_run": "petl.store.load",
+}
 
-def __getattr__(name: str):  # noqa: ANN202
-    # load_run needs the data package and timm's creation path: loaded on first use, not with `import petl`.
-    if name in ("load_run", "LoadedRun"):
-        from petl.run import load
+if TYPE_CHECKING:
+    from petl.core import (
+        MethodConfig,
+        MethodSpec,
+        ParamCount,
+        PetlModule,
+        count_params,
+        get_method,
+        list_methods,
+        make_config,
+        register_method,
+        unmerge,
+    )
+    from petl.deploy.multitask import MultiTask
+    from petl.io import load_trainable, read_trainable_metadata, save_trainable
+    from petl.store.load import LoadedRun, load_run
+    from petl.surgery import apply, merge
+    from petl.unloading import unload
 
-        return getattr(load, name)
-    raise AttributeError(f"module 'petl' has no attribute {name!r}")
+
+def _methods() -> Any:
+    # Importing the methods registers them; importing the backbones registers petl's timm models.
+    importlib.import_module("petl.backbones")
+    return importlib.import_module("petl.methods")
 
 
-__all__ = [
-    "LoadedRun",
-    "MethodConfig",
-    "MethodSpec",
-    "MultiTask",
-    "ParamCount",
-    "PetlModule",
-    "apply",
-    "count_params",
-    "get_method",
-    "list_methods",
-    "load_run",
-    "load_trainable",
-    "make_config",
-    "merge",
-    "read_trainable_metadata",
-    "register_method",
-    "save_trainable",
-    "unload",
-    "unmerge",
-    *methods.__all__,
-]
+def __getattr__(name: str) -> Any:
+    if name in _HOMES:
+        _methods()
+        value = getattr(importlib.import_module(_HOMES[name]), name)
+    elif name.startswith("apply_"):
+        value = getattr(_methods(), name)
+    elif name == "__all__":
+        value = sorted([*_HOMES, *_methods().__all__])
+    elif name in ("methods", "backbones"):
+        value = importlib.import_module(f"petl.{name}")
+        _methods()
+    else:
+        raise AttributeError(f"module 'petl' has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_HOMES])

@@ -9,6 +9,7 @@ merging, saving and counting find them by ``isinstance``, never by parameter-nam
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 from collections.abc import Callable
@@ -74,7 +75,7 @@ def check_range(
     """Raise a ValueError naming ``field`` when ``value`` is NaN, infinite, or outside its bounds.
 
     The one range check of petl: method configs call it directly, the run config
-    (:mod:`petl.run.config`) wraps it to raise its ConfigError.
+    (:mod:`petl.train.config`) wraps it to raise its ConfigError.
 
     Args:
         field: the option's name as the user typed it (``rank``, ``train.lr``).
@@ -281,6 +282,15 @@ def register_method(
     return decorate
 
 
+def register_calibration(name: str, calibrate: Callable[..., MethodConfig]) -> None:
+    """Give the registered method ``name`` its ``calibrate`` step (see :func:`register_method`).
+
+    For a method whose calibration lives in a module that builds on the method's own (NOAH's search imports
+    its wrappers), so that the method file need not import it back.
+    """
+    _REGISTRY[name] = dataclasses.replace(get_method(name), calibrate=calibrate)
+
+
 def list_methods() -> list[str]:
     """Names of all registered methods, sorted."""
     return sorted(_REGISTRY)
@@ -313,6 +323,11 @@ def register_foreign_config(is_one: Callable[[Any], bool], convert: Callable[...
     _FOREIGN_CONFIGS.append((is_one, convert))
 
 
+def foreign_converter(method: Any) -> Callable[..., MethodConfig] | None:
+    """The converter :func:`register_foreign_config` registered for ``method``'s kind, else None."""
+    return next((convert for is_one, convert in _FOREIGN_CONFIGS if is_one(method)), None)
+
+
 def method_for_config(config: MethodConfig) -> str:
     """The registered method whose config class ``config`` is (as peft dispatches on a config's type).
 
@@ -327,84 +342,6 @@ def method_for_config(config: MethodConfig) -> str:
         found = f"methods {', '.join(sorted(names))} all take" if names else "no registered method takes"
         raise ValueError(f"{found} a {type(config).__name__}: pass the method name: apply(model, name, cfg)")
     return names[0]
-
-
-def apply(
-    model: nn.Module, method: str | MethodConfig | Any, config: MethodConfig | None = None, **options: Any
-) -> nn.Module:
-    """Inject a method into a timm ViT in place, freeze what it does not train, and return the model.
-
-    The method is named (``apply(model, "lora", rank=4)``) or given by its config
-    (``apply(model, LoraConfig(rank=4))``).  The classifier head is reset to ``num_classes``
-    (when given) and trains for every method.
-
-    Args:
-        model: a timm VisionTransformer.
-        method: a name from :func:`list_methods`, a method's config object, or a registered foreign config
-            (a ``peft.PeftConfig``, which goes through the ``peft`` bridge).
-        config: a ready config for a named method; otherwise one is built from ``options``.
-        **options: the method's config fields, e.g. ``rank=4``.
-
-    Returns:
-        The same model, modified.
-
-    Raises:
-        ValueError: unknown method or option, a value out of range, an unsupported model,
-            or a model that already carries a petl method.
-
-    """
-    foreign = next((convert for is_one, convert in _FOREIGN_CONFIGS if is_one(method)), None)
-    if foreign is not None:
-        # e.g. apply(model, peft.LoraConfig(...), num_classes=10): converted, then applied as any petl config.
-        others = sorted(set(options) - {"num_classes"})
-        if config is not None or others:
-            raise ValueError(
-                f"with a {type(method).__name__}, pass only num_classes; got {', '.join(others) or 'config'}"
-            )
-        method, options = foreign(method, num_classes=options.get("num_classes")), {}
-    if isinstance(method, MethodConfig):
-        if config is not None:
-            raise ValueError("pass the config once: apply(model, config) or apply(model, name, config)")
-        method, config = method_for_config(method), method
-    spec = get_method(method)
-    if config is None:
-        config = make_config(method, **options)
-    elif options:
-        raise ValueError("pass either a config or keyword options, not both")
-    if not isinstance(config, spec.config_cls):
-        raise ValueError(f"method {method!r} takes a {spec.config_cls.__name__}, got {type(config).__name__}")
-    # Checked first: a wrapped model would otherwise fail the ViT check with a misleading message.
-    if getattr(model, "petl_method", None) is not None:
-        raise ValueError(f"this model already carries petl method {model.petl_method!r}; start from a fresh model")
-    vit.check_vit(model)
-    config.validate(model)
-    model.requires_grad_(False)
-    # Kept referenced, so that no new module can reuse the id of one dropped meanwhile (the old head).
-    existing = {id(m): m for m in model.modules()}
-    if config.num_classes is not None:
-        vit.reset_head(model, config.num_classes)
-    spec.inject(model, config)
-    _follow_modes(model, existing)
-    vit.head(model).requires_grad_(True)
-    model.petl_method = method
-    model.petl_config = config
-    # Imported here: petl.timm_api builds on this module's classes.
-    from petl import timm_api
-
-    timm_api.install(model)
-    return model
-
-
-def _follow_modes(parent: nn.Module, existing: dict[int, nn.Module]) -> None:
-    """Give every module a method added the mode of the module it wraps, else of the module it was added to.
-
-    A new module starts in train mode: on a model in eval mode, an adapter's dropout would act at inference.
-    """
-    for child in parent.children():
-        if id(child) not in existing:
-            wrapped = next((m for m in child.modules() if id(m) in existing), None)
-            child.training = (wrapped if wrapped is not None else parent).training
-        _follow_modes(child, existing)
 
 
 class ParamCount(NamedTuple):
@@ -435,18 +372,12 @@ def _mergeables(model: nn.Module) -> list[nn.Module]:
 
 
 @torch.no_grad()
-def merge(model: nn.Module, unload: bool = False) -> nn.Module:
-    """Fold every mergeable wrapper's update into its frozen base weight (in place).
+def merge_updates(model: nn.Module) -> nn.Module:
+    """Fold every mergeable wrapper's update into its frozen base weight (in place); see :func:`petl.merge`.
 
     All or nothing: a wrapper that refuses (a non-finite update, a layer without the bias a shift needs)
     raises after the wrappers merged before it are unmerged again, so the model is never half merged.
-    With ``unload=True`` each wrapper is then replaced by its base module, which leaves a plain timm
-    model (:func:`petl.unload.unload`; methods whose modules cannot fold are refused first).
     """
-    if unload:
-        from petl.unload import unload as unload_model
-
-        return unload_model(model)
     done: list[nn.Module] = []
     try:
         for module in _mergeables(model):

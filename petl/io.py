@@ -22,7 +22,8 @@ from safetensors import safe_open
 from torch import nn
 
 from petl import vit
-from petl.core import apply, trainable_state
+from petl.core import trainable_state
+from petl.surgery import apply
 
 FORMAT = "petl-trainable-1"
 

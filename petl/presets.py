@@ -49,7 +49,7 @@ SWEEP_OWNED = ("data.name", "data.split", "seed", "output_dir")
 # The roots a search space may vary: any option of these groups.
 SEARCH_ROOTS = ("train", "model", "method", "data")
 
-# Config nodes that take any key (see petl.run.config.ModelConfig.kwargs).
+# Config nodes that take any key (see petl.train.config.ModelConfig.kwargs).
 _FREE_FORM_NODES = ("model.kwargs",)
 
 _SAFE_BARE = re.compile(r"^[A-Za-z_][A-Za-z0-9_./-]*$")
@@ -263,17 +263,19 @@ def preset_names(folder: Path) -> list[str]:
 
 
 def _registered_methods() -> list[str]:
-    # Imported late: reading suites for a report must not need torch.
-    import petl
+    # Imported late: reading suites for a report must not need torch.  Importing the methods registers them.
+    import petl.methods  # noqa: F401
+    from petl.core import list_methods
 
-    return petl.list_methods()
+    return list_methods()
 
 
 def _has_calibrate_hook(method: str) -> bool | None:
     # None for an unknown method: the run names it, with the known ones.
-    import petl
+    import petl.methods  # noqa: F401
+    from petl.core import get_method, list_methods
 
-    return petl.get_method(method).calibrate is not None if method in petl.list_methods() else None
+    return get_method(method).calibrate is not None if method in list_methods() else None
 
 
 def default_experiment(method: str) -> Experiment:

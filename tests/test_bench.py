@@ -22,11 +22,12 @@ from pathlib import Path
 
 import pytest
 
-from petl.bench import cli, sweep
+from petl.bench import sweep
 from petl.bench.plot import Box, curve_panels, family_styles, pareto_front, place_labels
 from petl.bench.published import TABLES, ppt
 from petl.bench.report import aggregate, collect, write_report
 from petl.bench.suite import configs_dir, format_value, load_experiment, load_suite, to_overrides
+from petl.cli import bench as cli
 from petl.presets import FAMILIES, preset_names
 
 BENCH = configs_dir()
@@ -42,7 +43,7 @@ def test_suites_list_existing_experiments_and_the_expected_tasks():
     mini = load_suite("mini", BENCH)
     assert len(mini.tasks) == 7 and all(t.startswith("mini/") for t in mini.tasks)
     assert mini.seeds == [0, 1, 2]
-    # The mini tasks' epoch count has one home, petl.run.config.SUITE_EPOCHS, not the suite file too.
+    # The mini tasks' epoch count has one home, petl.data.mini.EPOCHS, not the suite file too.
     assert not any(o.startswith("train.epochs=") for o in mini.overrides())
     assert load_suite("vtab1k", BENCH).tasks == VTAB_TASKS
     assert len(load_suite("fgvc", BENCH).tasks) == 5
@@ -725,7 +726,7 @@ def test_a_non_editable_install_carries_the_configs(tmp_path):
     code = "from petl.bench.suite import configs_dir, load_suite; d = configs_dir(); "
     code += "print(d); print(load_suite('vtab1k', d).name); "
     # ... and so does petl-run's experiment=NAME.
-    code += "from petl.run.cli import expand_experiment; print(expand_experiment(['experiment=lora'])[0])"
+    code += "from petl.cli.run import expand_experiment; print(expand_experiment(['experiment=lora'])[0])"
     env = {**os.environ, "PYTHONPATH": str(site)}
     out = subprocess.run(
         [sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300

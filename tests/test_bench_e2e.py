@@ -7,9 +7,10 @@ import json
 
 import pytest
 
-from petl.bench import cli, sweep
+from petl.bench import sweep
+from petl.cli import bench as cli
 
-pytest.importorskip("petl.run.runner", reason="petl.run.train has not landed")
+pytest.importorskip("petl.train.runner", reason="petl.run.train has not landed")
 
 
 def test_petl_bench_trains_reports_and_resumes(tmp_path, capsys):

@@ -341,7 +341,7 @@ def test_the_report_ranks_complete_rows_against_the_published_vtab_ordering(tmp_
 
 
 def test_report_command_takes_the_suite_and_prints_progress_and_ranking(tmp_path, capsys):
-    from petl.bench import cli
+    from petl.cli import bench as cli
 
     _write(tmp_path / "mini/digits/linear/seed0", _result("mini/digits", "linear", 0, 70.0))
     assert cli.main(["report", str(tmp_path), f"out={tmp_path / 'out'}", "suite=mini_dinov2"]) == 0

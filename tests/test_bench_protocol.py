@@ -19,9 +19,11 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from petl.bench import cli, protocol, results, sweep
+from petl.bench import collect as results
+from petl.bench import protocol, sweep
 from petl.bench import suite as suites
 from petl.bench.sweep import PlannedRun
+from petl.cli import bench as cli
 from petl.data.images import FileListDataset
 
 # Two VTAB tasks with few classes, under NOAH's folder names (kitti, not kitti_dist).
@@ -262,7 +264,7 @@ def test_a_pinned_experiment_gets_one_trial_for_its_val_curve_under_pinned_trial
 
 
 def test_a_diverged_trial_is_scored_last_and_the_finals_go_ahead(tmp_path):
-    from petl.run.runner import DivergedError
+    from petl.train.runner import DivergedError
 
     suite = _suite(search={"train.lr": [1e-1, 1e-3]})
     cells = protocol.plan_cells(suite, [suites.Experiment("e", {"name": "lora"})], ["mini/digits"], [0], tmp_path)
@@ -314,8 +316,8 @@ def test_check_finished_compares_the_config_a_run_was_trained_with(tmp_path):
     from conftest import tiny_run
 
     from petl.run import default_config, train
-    from petl.run.config import ConfigError
-    from petl.run.runner import check_finished
+    from petl.train.config import ConfigError
+    from petl.train.runner import check_finished
 
     overrides = [*tiny_run(subset=32, epochs=1), "method=linear", f"output_dir={tmp_path}"]
     train(default_config(overrides))

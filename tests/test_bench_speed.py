@@ -11,7 +11,7 @@ import timm
 import torch
 
 import petl
-from petl.bench import cli, speed
+from petl.bench import speed
 from petl.bench.speed import (
     FORWARD,
     OPTIONS,
@@ -27,7 +27,8 @@ from petl.bench.speed import (
     run_speed,
 )
 from petl.bench.speed_bench import above_floor, build_model, where_the_rest_goes
-from petl.run import engine
+from petl.cli import bench as cli
+from petl.train import engine
 
 TINY = SpeedSpec(batch=2, steps=2, warmup=1, rounds=2, infer_steps=2)
 LORA = ("lora", {"name": "lora", "rank": 8})

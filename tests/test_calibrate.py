@@ -24,7 +24,8 @@ import petl
 from petl import core
 from petl.methods.gps import GpsConfig, GpsLinear
 from petl.methods.sct import SctBlock, SctConfig, select_sct_channels
-from petl.run import build, config, default_config, engine, train
+from petl.run import default_config, train
+from petl.train import build, config, engine
 
 TINY = tiny_run(subset=96, depth=2, epochs=1, batch_size=32)
 

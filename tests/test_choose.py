@@ -16,9 +16,10 @@ from conftest import tiny_run
 from test_own_data import CLASSES, make_folder
 
 import petl
-from petl.bench import choice, cli, own_data
+from petl.bench import choice, own_data
 from petl.bench.estimate import ESTIMATE_FILE
-from petl.run.errors import USAGE_ERROR
+from petl.cli import bench as bench_cli
+from petl.errors import USAGE_ERROR
 
 # The tiny random-init backbone of the fast tests at its own 32 px (the suite's 224 px would be DINOv2's), one epoch.
 TINY = [o for o in tiny_run(depth=1, epochs=1) if not o.startswith("data")] + ["model.img_size=32", "progress=false"]
@@ -27,7 +28,7 @@ TINY = [o for o in tiny_run(depth=1, epochs=1) if not o.startswith("data")] + ["
 def bench(*args: str) -> int:
     """``petl-bench`` in this process; its exit status."""
     try:
-        return cli.main(list(args))
+        return bench_cli.main(list(args))
     except SystemExit as stop:
         return int(stop.code or 0)
 

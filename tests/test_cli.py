@@ -14,9 +14,11 @@ from conftest import tiny_run
 from omegaconf import OmegaConf
 
 import petl
-from petl.run import cli, config, default_config
-from petl.run.config import ConfigError
-from petl.run.engine import TrainSettings
+from petl.cli import run as cli
+from petl.run import default_config
+from petl.train import config
+from petl.train.config import ConfigError
+from petl.train.engine import TrainSettings
 
 TINY = tiny_run()
 

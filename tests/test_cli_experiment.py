@@ -12,7 +12,8 @@ from conftest import tiny_run
 
 from petl import presets
 from petl.bench import suite as suites
-from petl.run import cli, default_config
+from petl.cli import run as cli
+from petl.run import default_config
 
 TINY = tiny_run(epochs=1)
 

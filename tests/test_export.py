@@ -1,7 +1,7 @@
 """petl-export writes a model that plain timm loads, in a Python where petl cannot be imported.
 
 The exported folder is timm's own ``local-dir:`` format (config.json + model.safetensors); petl's own
-backbones are written under their timm-native names (petl.models.TIMM_NATIVE), which must build the
+backbones are written under their timm-native names (petl.backbones.models.TIMM_NATIVE), which must build the
 same tensors and give the same logits as petl's registrations.
 """
 
@@ -20,9 +20,9 @@ import torch
 from test_run_card import TINY, _run_folder
 
 import petl
-from petl import models
-from petl.run import export as export_cli
-from petl.run import load
+from petl.backbones import models
+from petl.cli import export as export_cli
+from petl.store import load
 
 
 @pytest.mark.parametrize("name", sorted(models.TIMM_NATIVE))

@@ -16,7 +16,7 @@ from torch import nn
 import petl
 from petl import core
 from petl.bench import suite as suites
-from petl.run import config
+from petl.train import config
 
 NAME = "throwaway_scale"
 

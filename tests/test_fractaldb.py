@@ -5,8 +5,9 @@ import pytest
 import timm
 import torch
 
+from petl.cli import pretrain as pretrain_cli
 from petl.data.fractaldb import FractalConfig, fill_rate, generate, render, search_systems
-from petl.run import pretrain
+from petl.train import pretrain
 
 TINY = FractalConfig(num_classes=4, instances=6, seed=3)
 
@@ -66,4 +67,4 @@ def test_short_pretraining_writes_loadable_weights_and_provenance(tmp_path):
 
 def test_cli_rejects_bad_sizes(capsys):
     with pytest.raises(SystemExit):
-        pretrain.main(["--classes", "0"])
+        pretrain_cli.main(["--classes", "0"])

@@ -1,12 +1,12 @@
-"""Whether a run learned (petl.run.learning): the rule, and its reading of records that predate it."""
+"""Whether a run learned (petl.train.learning): the rule, and its reading of records that predate it."""
 
 from __future__ import annotations
 
 import json
 import math
 
-from petl.run.learning import CHANCE_TOLERANCE, not_learned, run_not_learned
-from petl.run.result import RunResult
+from petl.store.result import RunResult
+from petl.train.learning import CHANCE_TOLERANCE, not_learned, run_not_learned
 
 
 def test_the_three_ways_a_run_does_not_learn():

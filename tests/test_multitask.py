@@ -14,10 +14,12 @@ from PIL import Image
 
 import petl
 from petl import vit
+from petl.cli import predict as predict_cli
 from petl.data.transforms import ImageSpec
-from petl.multitask import RoutedModule, TaskRefused
-from petl.run import load
-from petl.run import predict as predict_cli
+from petl.deploy import predict as predict_api
+from petl.deploy.multitask import TaskRefused
+from petl.deploy.routing import RoutedModule
+from petl.store import load
 
 # Every registered method with its defaults, plus the variants that take another path through the mixed batch.
 VARIANTS = {
@@ -268,7 +270,7 @@ def test_petl_predict_serves_runs_on_one_backbone_together(tmp_path, monkeypatch
     for i in range(5):
         Image.fromarray(gen.integers(0, 255, (40, 36, 3), dtype=np.uint8)).save(images / f"{i}.png")
     served = []
-    together = predict_cli.predict_together
+    together = predict_api.predict_together
     monkeypatch.setattr(
         predict_cli, "predict_together", lambda multi, *a, **k: served.append(multi) or together(multi, *a, **k)
     )

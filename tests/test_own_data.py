@@ -23,9 +23,10 @@ from safetensors import safe_open
 from test_export import run_without_petl
 
 import petl
-from petl.run import cli, config
-from petl.run import export as export_cli
-from petl.run import predict as predict_cli
+from petl.cli import export as export_cli
+from petl.cli import predict as predict_cli
+from petl.cli import run as cli
+from petl.train import config
 
 ROOT = Path(__file__).resolve().parents[1]
 CLASSES = ("dark_red", "mid_green", "pale_blue")
@@ -279,7 +280,7 @@ def test_a_local_checkpoint_is_recorded_with_its_sha256_and_pretrained_false(tmp
     argv = ["method=linear", "data=mini/digits", "data.subset=32", *model, f"model.checkpoint={checkpoint}"]
     cli.main([*argv, "train.epochs=1", f"output_dir={output}"])
     result = json.loads((output / "result.json").read_text())
-    from petl.run import records
+    from petl.store import files as records
 
     assert result["pretrained"] is False and result["checkpoint"] == str(checkpoint)
     assert result["checkpoint_sha256"] == records.file_sha256(checkpoint)

@@ -19,7 +19,7 @@ import torch
 from conftest import tiny_run
 from safetensors.torch import load_file
 
-from petl.run import build
+from petl.train import build
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -53,7 +53,8 @@ _DRIVER = """
     import sys
     import torch
     from petl.core import trainable_state
-    from petl.run import cli, runner
+    from petl.cli import run as cli
+    from petl.train import runner
 
     record = runner._record
 

@@ -22,7 +22,7 @@ import petl
 from petl import vit
 from petl.methods.adapter import ParallelAdapter, SequentialAdapter
 from petl.methods.vpt import PromptedBlock
-from petl.run import engine
+from petl.train import engine
 
 
 def _attn(block: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -27,8 +27,13 @@ from safetensors.torch import save_file
 
 import petl
 from petl import data as petl_data
-from petl.run import build, cli, default_config, engine, folder, lock, records, runner, train
-from petl.run.config import ConfigError
+from petl.cli import run as cli
+from petl.run import default_config, train
+from petl.store import files as records
+from petl.store import lock
+from petl.train import build, engine, runner
+from petl.train import output_dir as folder
+from petl.train.config import ConfigError
 
 TINY = tiny_run(batch_size=32)
 
@@ -359,7 +364,8 @@ def test_an_offline_error_leaves_no_empty_output_dir(tmp_path, monkeypatch, caps
 
 _DIE_WHILE_WRITING = """
 import os, signal, sys
-from petl.run import cli, records
+from petl.cli import run as cli
+from petl.store import files as records
 
 when = sys.argv.pop(1)
 real = records.write_text
@@ -381,7 +387,8 @@ cli.main(sys.argv[1:])
 
 _SLOW_EPOCHS = """
 import sys, time
-from petl.run import cli, engine
+from petl.cli import run as cli
+from petl.train import engine
 
 real = engine.train_one_epoch
 

@@ -24,13 +24,16 @@ from test_data_vtab import SMALL, make_vtab_task
 
 import petl
 from petl import data as petl_data
-from petl import models
-from petl.bench import cli as bench_cli
+from petl.backbones import models
 from petl.bench import protocol, sweep
 from petl.bench import suite as suites
 from petl.bench.report import write_report
+from petl.cli import bench as bench_cli
+from petl.cli import pretrain as pretrain_cli
+from petl.cli import run as cli
 from petl.presets import configs_dir
-from petl.run import cli, default_config, pretrain, train
+from petl.run import default_config, train
+from petl.train import pretrain
 
 TINY = tiny_run(batch_size=32)
 RUN_FILES = ("result.json", "trainable.safetensors", "config.yaml", "metrics.jsonl")
@@ -102,7 +105,7 @@ def test_2_pretrain_writes_to_an_output_folder_not_into_the_package(tmp_path, mo
     shipped = {p.name: p.read_bytes() for p in models.WEIGHTS_DIR.iterdir() if p.is_file()}
     monkeypatch.chdir(tmp_path)
     args = ["--classes", "2", "--instances", "4", "--epochs", "1", "--batch-size", "4", "--no-progress"]
-    pretrain.main(args)
+    pretrain_cli.main(args)
     assert {p.name: p.read_bytes() for p in models.WEIGHTS_DIR.iterdir() if p.is_file()} == shipped
     written = sorted(p.relative_to(tmp_path).as_posix() for p in (tmp_path / "runs").rglob("*") if p.is_file())
     assert written == [
@@ -112,12 +115,12 @@ def test_2_pretrain_writes_to_an_output_folder_not_into_the_package(tmp_path, mo
     # A second run into the same folder replaces nothing unless asked.
     monkeypatch.setattr(pretrain, "pretrain", lambda *a, **k: pytest.fail("must be refused before training"))
     with pytest.raises(SystemExit) as caught:
-        pretrain.main(args)
+        pretrain_cli.main(args)
     err = capsys.readouterr().err
     assert caught.value.code == 2 and err.count("\n") == 1
     assert "runs/pretrain" in err and "--overwrite" in err
     with pytest.raises(SystemExit) as caught:
-        pretrain.main(["--help"])
+        pretrain_cli.main(["--help"])
     assert "runs/pretrain" in capsys.readouterr().out
 
 
@@ -308,7 +311,7 @@ def test_petl_pretrain_ctrl_c_and_debug(tmp_path, monkeypatch, capsys):
 
     monkeypatch.setattr(pretrain, "pretrain", interrupted)
     with pytest.raises(SystemExit) as caught:
-        pretrain.main(["--out", str(tmp_path)])
+        pretrain_cli.main(["--out", str(tmp_path)])
     assert caught.value.code == 130 and capsys.readouterr().err.count("\n") == 1
 
     def broken(*args, **kwargs):
@@ -316,11 +319,11 @@ def test_petl_pretrain_ctrl_c_and_debug(tmp_path, monkeypatch, capsys):
 
     monkeypatch.setattr(pretrain, "pretrain", broken)
     with pytest.raises(SystemExit) as caught:
-        pretrain.main(["--out", str(tmp_path)])
+        pretrain_cli.main(["--out", str(tmp_path)])
     err = capsys.readouterr().err
     assert caught.value.code == 1 and err.count("\n") == 1 and "No space left on device" in err
     with pytest.raises(OSError):
-        pretrain.main(["--out", str(tmp_path), "--debug"])
+        pretrain_cli.main(["--out", str(tmp_path), "--debug"])
 
 
 # --- 9. a damaged checkpoint.pt: one line naming it ---------------------------------------------------------------

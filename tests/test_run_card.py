@@ -19,9 +19,10 @@ from conftest import perturb_trainable, tiny_run
 from PIL import Image
 
 import petl
+from petl.cli import predict as predict_cli
+from petl.cli import run as cli
 from petl.data.transforms import ImageSpec
-from petl.run import cli, load
-from petl.run import predict as predict_cli
+from petl.store import load
 
 TINY = {"name": "vit_fractal_tiny_patch4_32", "pretrained": False, "kwargs": {"depth": 1, "embed_dim": 48}}
 
@@ -149,7 +150,7 @@ def test_a_first_format_card_still_loads_and_says_what_it_cannot_check(tmp_path,
     expected = petl.load_run(run)
     _edit_card(run, _as_first_format)
     images = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
-    with caplog.at_level(logging.WARNING, logger="petl.run.load"):
+    with caplog.at_level(logging.WARNING, logger="petl.store.load"):
         old = petl.load_run(run)
         petl.load_run(run)  # said once per card
     notes = [r.getMessage() for r in caplog.records]

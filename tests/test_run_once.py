@@ -7,7 +7,8 @@ from conftest import tiny_run
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
-from petl.run import cli, config
+from petl.cli import run as cli
+from petl.train import config
 
 TINY = tiny_run(epochs=1)
 

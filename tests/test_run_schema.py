@@ -8,8 +8,11 @@ import pytest
 from conftest import tiny_run
 from omegaconf import OmegaConf
 
-from petl.run import cli, config, default_config, folder, runner, train
-from petl.run.options import option
+from petl.cli import run as cli
+from petl.run import default_config, train
+from petl.train import config, runner
+from petl.train import output_dir as folder
+from petl.train.options import option
 
 TINY = tiny_run(subset=32, depth=1, epochs=1, batch_size=32)
 
@@ -95,7 +98,7 @@ def test_neutral_options_are_read_off_the_fields():
 
 
 def test_train_settings_validate_themselves():
-    from petl.run.engine import TrainSettings
+    from petl.train.engine import TrainSettings
 
     with pytest.raises(ValueError, match=r"train.warmup_frac=1.5 is out of range"):
         TrainSettings(warmup_frac=1.5)

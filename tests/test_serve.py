@@ -30,12 +30,12 @@ from PIL import Image
 
 pytest.importorskip("fastapi", reason="petl-serve's extra is not installed: pip install 'petl[serve]'")
 
+from petl.cli import predict as predict_cli  # noqa: E402
+from petl.cli import run as run_cli  # noqa: E402
 from petl.cli import serve as serve_cli  # noqa: E402
 from petl.deploy import serve  # noqa: E402
 from petl.deploy.batcher import Batcher, QueueFull  # noqa: E402
 from petl.deploy.metrics import ServeMetrics  # noqa: E402
-from petl.run import cli as run_cli  # noqa: E402
-from petl.run import predict as predict_cli  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "test-token-1234"

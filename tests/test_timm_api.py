@@ -22,8 +22,9 @@ from timm.optim import param_groups_weight_decay
 
 import petl
 from petl import core, timm_api, vit
+from petl.bench.timm_support import support_table
 from petl.presets import configs_dir, list_experiments, load_experiment
-from petl.run import engine
+from petl.train import engine
 
 CONFIGS = configs_dir()
 EXPERIMENTS = list_experiments(CONFIGS)
@@ -308,7 +309,7 @@ def test_merged_export_is_plain_timm_with_the_same_logits_or_refused(images, tmp
     fresh.load_state_dict(plain.state_dict())  # what timm.create_model loads from the exported weights
     with torch.no_grad():
         torch.testing.assert_close(fresh(images), want, rtol=1e-4, atol=1e-5)
-    # petl-export's ONNX path (the TorchScript exporter, as petl.run.export.save_onnx calls it).
+    # petl-export's ONNX path (the TorchScript exporter, as petl.deploy.export.save_onnx calls it).
     torch.onnx.export(fresh, (images,), str(tmp_path / "model.onnx"), dynamo=False, opset_version=17)
     assert (tmp_path / "model.onnx").stat().st_size > 0
 
@@ -317,5 +318,5 @@ def test_docs_works_with_table_is_generated_from_the_registry():
     page = (Path(__file__).resolve().parents[1] / "docs" / "works-with.md").read_text()
     match = re.search(r"<!-- works-with -->\n(.*?)<!-- /works-with -->", page, flags=re.S)
     assert match, "docs/works-with.md: the works-with table's markers are missing"
-    table = timm_api.support_table()
+    table = support_table()
     assert match.group(1) == table, f"docs/works-with.md's table is stale: run python docs/gen.py, or paste:\n{table}"

@@ -16,7 +16,8 @@ from conftest import make_tiny_vit, perturb_trainable
 import petl
 from petl import core, timm_api, vit
 from petl.presets import configs_dir, list_experiments, load_experiment
-from petl.run import default_config, engine, train
+from petl.run import default_config, train
+from petl.train import engine
 
 TINY = [
     "data=mini/digits",

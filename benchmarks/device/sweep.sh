@@ -30,7 +30,7 @@ sweep() {
     while [ $SECONDS -lt $end ]; do
         for m in "${METHODS[@]}"; do
             [ $SECONDS -lt $end ] || break
-            OMP_NUM_THREADS=1 python3 -m petl.bench.cli suite=mini_dinov2 methods="$m" output_dir=$OUTDIR report=false
+            OMP_NUM_THREADS=1 python3 -m petl.cli.bench suite=mini_dinov2 methods="$m" output_dir=$OUTDIR report=false
         done
     done
 }
@@ -39,7 +39,7 @@ for i in $(seq 1 "$SWEEPS"); do
     sleep 3  # let each sweep lock its run before the next one looks
 done
 while [ $SECONDS -lt $end ]; do sleep 5; done
-pkill -TERM -f petl.bench.cli; sleep 5; pkill -KILL -f petl.bench.cli; wait
+pkill -TERM -f petl.cli.bench; sleep 5; pkill -KILL -f petl.cli.bench; wait
 (cd $OUTDIR && find . -newer /tmp/start_marker -type f ! -name '*.safetensors' ! -name checkpoint.pt \
     ! -name .petl.lock ! -name model.json > /tmp/newfiles && wc -l < /tmp/newfiles && tar czf "$OUT/runs.tgz" -T /tmp/newfiles)
 tar czf "$OUT/logs.tgz" -C /tmp logs

@@ -1,6 +1,6 @@
 """Benchmark harness: suites of experiments run through ``petl.run.train``, leaderboards, speed tables.
 
-``petl-bench`` (``petl.bench.cli``) is the command line; the pieces are importable for notebooks:
+``petl-bench`` (``petl.cli.bench``) is the command line; the pieces are importable for notebooks:
 :func:`petl.bench.report.write_report` builds a leaderboard from any results folder.
 """
 

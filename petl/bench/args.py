@@ -1,6 +1,6 @@
 """``key=value`` argument helpers shared by the ``petl-bench`` commands.
 
-They live apart from :mod:`petl.bench.cli` so that a command module (``speed``, ``params``) can parse
+They live apart from :mod:`petl.cli.bench` so that a command module (``speed``, ``params``) can parse
 its own arguments without importing the CLI that dispatches to it.
 """
 

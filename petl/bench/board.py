@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from petl.bench.collect import Compute, RunRecord, mean
 from petl.bench.published import PublishedRow, PublishedTable
-from petl.bench.results import Compute, RunRecord, mean
 from petl.bench.table import Cell
 from petl.presets import FAMILIES
 
@@ -93,7 +93,7 @@ class TaskScore:
     mean: float
     std: float
     seeds: tuple[int, ...]
-    not_learned: tuple[int, ...] = ()  # the seeds whose training did not learn (petl.run.learning)
+    not_learned: tuple[int, ...] = ()  # the seeds whose training did not learn (petl.train.learning)
 
 
 @dataclass

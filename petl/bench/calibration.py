@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from petl.presets import override
-from petl.run.records import RESULT_FILE
-from petl.run.result import read_result
+from petl.store.files import RESULT_FILE
+from petl.store.result import read_result
 
 # Filled by the run itself from the data, never by a calibration.
 _NOT_CALIBRATED = {"name", "num_classes"}

@@ -21,9 +21,9 @@ from petl.bench.board import (
     show_number,
     show_text,
 )
+from petl.bench.collect import describe_run, format_option, mean, nanmax, nanmean, number
 from petl.bench.curves import CONVERGENCE_TAIL, convergence
 from petl.bench.published import PublishedRow, PublishedTable, ppt
-from petl.bench.results import describe_run, format_option, mean, nanmax, nanmean, number
 from petl.bench.table import Cell
 from petl.presets import FAMILIES
 

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from petl.bench.board import ExperimentRow, Leaderboard
-from petl.bench.results import RunRecord, nanmean
-from petl.run.records import read_metrics
+from petl.bench.collect import RunRecord, nanmean
+from petl.store.files import read_metrics
 
 # Convergence is judged on the last 20 % of epochs (issue 12): the val top-1 change over that stretch.
 CONVERGENCE_TAIL = 0.2

@@ -3,7 +3,7 @@
 For each experiment the backbone is built and the method applied (timed), then a few training steps
 (forward, cross-entropy, backward, AdamW step) and evaluation forwards are timed on a batch of random images
 of the run's size and batch.  Where the run would cache the frozen front of the backbone
-(:mod:`petl.run.cache`), the front is timed once per image and the steps on the cached tensors, as the run
+(:mod:`petl.train.cache`), the front is timed once per image and the steps on the cached tensors, as the run
 trains.  A run's time is then
 
     fixed + build + decode (its splits' images, at the rate measured while fingerprinting the data)
@@ -255,7 +255,7 @@ def measure(cfg: Any, data: OwnData, steps: int = TIMED_STEPS) -> tuple[Probe, s
     from omegaconf import OmegaConf
 
     import petl
-    from petl.run import build, cache, engine, readers
+    from petl.train import build, cache, engine, readers
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     tick = time.perf_counter()
@@ -269,7 +269,7 @@ def measure(cfg: Any, data: OwnData, steps: int = TIMED_STEPS) -> tuple[Probe, s
     images = torch.randn(batch, 3, size, size, device=device)
     labels = torch.randint(0, len(data.classes), (batch,), device=device)
     settings = OmegaConf.to_object(cfg.train)
-    # The run caches the frozen front under the same conditions (petl.run.runner._set_up_training).
+    # The run caches the frozen front under the same conditions (petl.train.runner._set_up_training).
     cached = cfg.train.cache_features and not cfg.data.augment and engine.backbone_mode(model, settings) != "train"
     plan = cache.plan(model) if cached else None
     trainee: torch.nn.Module = model

@@ -13,7 +13,7 @@ one.  Runs go to ``runs/bench/<suite>/<task>-<first 12 hex digits>/`` unless ``o
 edited folder gets a folder of its own and the old runs stay as they were; ``data.json`` in the results
 folder records the fingerprint, and an ``output_dir=`` holding runs of another version is refused in one
 line.  Every finished run also records its training split's fingerprint (``inputs`` in ``result.json``),
-which the sweep checks before it counts the run (:func:`petl.run.folder.check_finished`).
+which the sweep checks before it counts the run (:func:`petl.train.output_dir.check_finished`).
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def read_own_data(cfg: Any) -> OwnData:
         ValueError: not a dataset of the user's own files, no test split, or data the dataset refuses.
 
     """
-    from petl.run import readers  # petl.run imports torch and timm: only a sweep on own data needs it here
+    from petl.train import readers  # petl.train imports torch and timm: only a sweep on own data needs it here
 
     name = str(cfg.data.name)
     if not is_own_data(name):

@@ -63,14 +63,16 @@ def count_without_head(model_name: str, method: dict, num_classes: int) -> int:
     import timm
     import torch
 
-    import petl
+    import petl.methods  # noqa: F401  (importing the methods registers them)
+    from petl.core import count_params
+    from petl.surgery import apply
 
     options = {k: v for k, v in method.items() if k != "name"}
     # Meta tensors have shapes but no storage: a ViT-B/16 costs nothing and no weights are fetched.
     with torch.device("meta"):
         model = timm.create_model(model_name, pretrained=False, num_classes=num_classes)
-        petl.apply(model, method["name"], num_classes=num_classes, **options)
-    return petl.count_params(model).trainable_no_head
+        apply(model, method["name"], num_classes=num_classes, **options)
+    return count_params(model).trainable_no_head
 
 
 def note_for(experiment: suites.Experiment, table: PublishedTable) -> str:

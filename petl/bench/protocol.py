@@ -21,7 +21,7 @@ trials and the finals reuse that choice (:mod:`petl.bench.calibration`), so the 
 on train800, as NOAH's scripts do.
 
 A suite with ``require_learning`` also passes over grid points at which training did not learn
-(:mod:`petl.run.learning`: final train loss at chance, not below its first epoch's, or not finite), judged on
+(:mod:`petl.train.learning`: final train loss at chance, not below its first epoch's, or not finite), judged on
 training losses only: a trial that did not learn ranks after every trial that did; and a point whose final
 runs include one that did not learn is *unstable* for the cell: those finals move, whole and kept, to
 ``<task>/<experiment>/unstable/<point>/seed<k>/`` (reports do not read them) and the best remaining point's
@@ -48,9 +48,9 @@ from typing import Any
 from petl.bench.suite import FINAL_SPLIT, Experiment, Suite, format_value, override
 from petl.bench.sweep import PlannedRun, SweepSummary, reused_from, run_dir_for, run_sweep
 from petl.data.registry import TRAIN, VAL
-from petl.run.learning import run_not_learned
-from petl.run.records import RESULT_FILE, WEIGHTS_FILE
-from petl.run.result import ResultError, RunResult, read_result, write_result
+from petl.store.files import RESULT_FILE, WEIGHTS_FILE
+from petl.store.result import ResultError, RunResult, read_result, write_result
+from petl.train.learning import run_not_learned
 
 SEARCH_DIR = "search"
 UNSTABLE_DIR = "unstable"  # finals set aside by require_learning, one folder per point

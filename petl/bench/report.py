@@ -32,31 +32,28 @@ from petl.bench.board import (
     order_groups,
     show_number,
 )
-from petl.bench.columns import leaderboard_columns, task_labels
-from petl.bench.curves import CONVERGENCE_TAIL, ValCurve, learning_curves, tail_change, val_curve
-from petl.bench.published import (
-    MIN_RANKED,
-    TABLES,
-    PublishedRow,
-    PublishedTable,
-    RankCorrelation,
-    rank_correlation,
-    table_for,
-)
-from petl.bench.results import (
+from petl.bench.collect import (
     Compute,
     RunRecord,
     collect,
     compute_spent,
     mean,
     read_all,
-    set_aside_files,
     task_group,
+)
+from petl.bench.columns import leaderboard_columns, task_labels
+from petl.bench.curves import CONVERGENCE_TAIL, ValCurve, learning_curves, tail_change, val_curve
+from petl.bench.notes import notes, progress, published_ranking
+from petl.bench.published import (
+    TABLES,
+    PublishedRow,
+    PublishedTable,
+    table_for,
 )
 from petl.bench.table import Header, Table, markdown_lines, md_escape
 from petl.presets import FAMILIES
-from petl.run.records import write_atomic, write_text
-from petl.run.result import RunResult, read_result
+from petl.store.files import write_atomic, write_text
+from petl.store.result import RunResult
 from petl.text import csv_cell
 
 # Re-exported: the report's public names, wherever they are declared.
@@ -155,13 +152,13 @@ def check_cell(cell: list[RunRecord]) -> None:
 
     Two suites run into one folder, or a suite edited between sweeps, can leave a cell whose "seeds" ran on
     different backbones or epoch counts; their mean and spread would read as seed noise.  The comparison is
-    :func:`petl.run.folder.seed_difference`, the one that decides whether a folder holds a given run.
+    :func:`petl.train.output_dir.seed_difference`, the one that decides whether a folder holds a given run.
 
     Raises:
         MixedCellError: naming the cell, the two runs and up to three differences.
 
     """
-    from petl.run.folder import seed_difference
+    from petl.train.output_dir import seed_difference
 
     first = cell[0]
     for other in cell[1:]:
@@ -340,91 +337,6 @@ def published_tables(board: Leaderboard) -> list[Table]:
     return out
 
 
-def notes(board: Leaderboard) -> list[str]:
-    """The legend every rendering carries: what each summary column means and where published figures come from."""
-    members = {g: [t.rsplit("/", 1)[-1] for t in board.tasks if board.groups[t] == g] for g in board.group_names}
-    group_text = "; ".join(f"{g}: {', '.join(names)}" for g, names in members.items())
-    lines = [
-        f"Measured by petl on {', '.join(board.models)}; top-1 test accuracy (%) as mean ± sample standard "
-        "deviation over seeds (no ± with one seed).",
-        f"**Task mean** = unweighted mean over the {len(board.tasks)} tasks of the per-task means (V-PETL's "
-        "`task_mean`). **Group mean** = mean of the group averages (as VPT, NOAH and Adapter+ report), "
-        f"groups — {group_text}.",
-        "**PPT** = M·exp(−log10(P/C + 1)), M = task mean as a fraction, P = trainable parameters without the "
-        "head (mean over runs), C = 10^7 (V-PETL Bench).",
-        "Trainable counts are means over runs (the head's size follows each task's classes); % is of all "
-        "parameters. Train s/run and Images/s are means over runs (as the engine ran them, feature caching "
-        "included, the test pass not); Peak MB is the maximum over runs"
-        + (f" ({', '.join(board.memory_kinds)})." if board.memory_kinds else "."),
-        "`*` after an experiment: it has not run on every task, or with every seed, yet, so its means cover "
-        "fewer tasks or seeds.",
-    ]
-    lines += [line for line in (not_learned_line(board), set_aside_line(board)) if line]
-    if board.plan is not None:
-        lines.append(progress(board))
-    if board.compute is not None:
-        lines.append(board.compute.line())
-    if board.skipped:
-        n = len(board.skipped)
-        names = ", ".join(str(p.relative_to(board.results_dir)) for p in board.skipped)
-        lines.append(
-            f"**Skipped**: {n} result.json {'files were' if n > 1 else 'file was'} skipped as damaged or incomplete "
-            f"(a field missing or malformed; each named in a warning when this report was built): {names}."
-        )
-    lines += [c.note for c in board.columns if c.note]
-    if board.published_names:
-        lines.append(ranking_line(board))
-    for table in board.tables:
-        lines.append(
-            f"**Published {table.key}** columns: {table.title}; source: {table.source}. Figures published by "
-            "others, not measured by petl; they are never mixed into the measured columns. They are shown only "
-            f"beside experiments run on the published backbone (`{table.backbone}`, pretrained): otherwise the "
-            f'row column says "{DIFFERENT_BACKBONE}"; "{NO_PUBLISHED_ROW}" means the experiment file names no '
-            "row of this table (`published:`)."
-        )
-    return lines
-
-
-def not_learned_line(board: Leaderboard) -> str:
-    """The legend's line on the cells with a seed that did not learn (``""`` when every run learned)."""
-    labels = task_labels(board.tasks)
-    cells = [
-        f"{row.experiment} {labels[task]} (seed {', '.join(map(str, score.not_learned))})"
-        for row in board.rows
-        for task, score in row.scores.items()
-        if score.not_learned
-    ]
-    if not cells:
-        return ""
-    return (
-        f"**† k**: k of the cell's seeds did not learn (final train loss not finite, not below its first "
-        f"epoch's, or at chance, ln(classes): `petl.run.learning`); the cell's mean and ± include them, so a "
-        f"finding must not rest on such a cell. {len(cells)} cells: {'; '.join(cells)}."
-    )
-
-
-def set_aside_line(board: Leaderboard) -> str:
-    """The legend's line on the finals ``require_learning`` set aside (``""`` when there are none)."""
-    paths = set_aside_files(board.results_dir)
-    if not paths:
-        return ""
-    cells: dict[str, list[str]] = {}
-    seconds = 0.0
-    for path in paths:
-        # <task...>/<experiment>/unstable/<point>/seed<k>/result.json
-        run, point, experiment = path.parent, path.parent.parent.name, path.parents[3].name
-        task = path.parents[4].relative_to(board.results_dir).as_posix()
-        cells.setdefault(f"{experiment} {task.rsplit('/', 1)[-1]} at {point}", []).append(run.name)
-        result = read_result(path)
-        seconds += float(result.wall_seconds or 0.0) if result else 0.0
-    listed = "; ".join(f"{cell} ({', '.join(runs)})" for cell, runs in sorted(cells.items()))
-    return (
-        f"**Set aside**: {len(paths)} final runs trained at a point where training did not learn, moved into "
-        "an `unstable` folder beside the cell's seed folders by the suite's `require_learning` rule and replaced "
-        f"by the next point's finals; not in the table, {seconds / 3600:.2f} h of run time: {listed}."
-    )
-
-
 def plan_of(suite_name: str, configs_dir: str | Path | None = None) -> Plan:
     """What suite ``suite_name`` sets out to run (its experiments, tasks and seeds), for :func:`aggregate`.
 
@@ -436,82 +348,6 @@ def plan_of(suite_name: str, configs_dir: str | Path | None = None) -> Plan:
 
     found = suite.load_suite(suite_name, suite.configs_dir(configs_dir))
     return Plan(found.name, tuple(found.experiments), tuple(found.tasks), tuple(found.seeds))
-
-
-def progress(board: Leaderboard) -> str:
-    """How far the board's suite got: its complete rows, the rows short of a task or seed, those not started.
-
-    Empty without a plan.
-    """
-    plan = board.plan
-    if plan is None:
-        return ""
-    rows = {row.experiment: row for row in board.rows}
-    total = len(plan.tasks) * len(plan.seeds)
-
-    def runs_done(row: ExperimentRow) -> int:
-        return sum(len(set(row.scores[t].seeds) & set(plan.seeds)) for t in plan.tasks if t in row.scores)
-
-    complete = [e for e in plan.experiments if e in rows and board.complete(rows[e])]
-    partial = [f"{e} ({runs_done(rows[e])} of {total})" for e in plan.experiments if e in rows and e not in complete]
-    missing = [e for e in plan.experiments if e not in rows]
-    done = sum(runs_done(rows[e]) for e in plan.experiments if e in rows)
-    parts = [
-        f"**Progress** of suite `{plan.suite}` ({len(plan.experiments)} experiments x {len(plan.tasks)} tasks x "
-        f"{len(plan.seeds)} seeds = {len(plan.experiments) * total} final runs): {done} finished.",
-        f"Complete rows ({len(complete)}): {', '.join(complete) or 'none yet'}.",
-    ]
-    if partial:
-        parts.append(
-            f"Short of a task or seed, marked `*` and ranked after the complete rows, final runs finished: "
-            f"{', '.join(partial)}."
-        )
-    if missing:
-        parts.append(f"No final run yet ({len(missing)}; searching or not started): {', '.join(missing)}.")
-    return " ".join(parts)
-
-
-# The published ordering the leaderboard's is compared with: V-PETL's VTAB-1k table (19 tasks, 224 px).
-RANKED_TABLE = next(t for t in TABLES if t.key == "vtab1k")
-
-
-def published_ranking(board: Leaderboard, table: PublishedTable = RANKED_TABLE) -> RankCorrelation:
-    """Spearman's rho between the task means of the board's complete rows and their published rows' task means.
-
-    Only complete rows count (a mean over fewer tasks or seeds is not ranked), and only those whose
-    experiment file names a row of ``table`` (``published:``).  The methods are named by experiment.
-    """
-    rows = table.rows()
-    pairs = {}
-    for row in board.rows:
-        pub = rows.get(board.published_names.get(row.experiment, ""))
-        if pub is not None and board.complete(row):
-            pairs[row.experiment] = (row.task_mean, pub.task_mean)
-    return rank_correlation({e: m for e, (m, _) in pairs.items()}, {e: p for e, (_, p) in pairs.items()})
-
-
-def ranking_line(board: Leaderboard, table: PublishedTable = RANKED_TABLE) -> str:
-    """The legend's line on :func:`published_ranking`, with its caveat."""
-    found = published_ranking(board, table)
-    methods = ", ".join(found.methods) or "none"
-    head = f"**Rank correlation with the published {table.key} ordering**: "
-    if math.isnan(found.rho):
-        body = (
-            f"not computed: {len(found.methods)} complete row(s) name a published row ({methods}); "
-            f"it needs {MIN_RANKED} that do not all tie."
-        )
-    else:
-        body = (
-            f"Spearman's rho = {found.rho:+.2f} between the task means of the {len(found.methods)} complete rows "
-            f"that name a published row ({methods}) and those rows' published task means."
-        )
-    return (
-        head
-        + body
-        + f" Published: {table.title}; source: {table.source} (supervised), on its own tasks at 224 px; measured "
-        f"here: {', '.join(board.models)} on these {len(board.tasks)} tasks. Other backbone, tasks and recipe: "
-        "it compares the methods' orderings, not their accuracies."
-    )
 
 
 def _title(board: Leaderboard) -> str:

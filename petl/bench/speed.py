@@ -56,7 +56,7 @@ from petl.bench.speed_bench import (
     measure_times,
 )
 from petl.bench.speed_table import format_table, machine_line, plain_inference
-from petl.run import engine
+from petl.train import engine
 
 __all__ = [
     "FORWARD", "NOTE_ABOVE", "OPTIONS", "PEFT_LORA", "Case", "Floor", "SpeedSpec", "_Bench", "find_floor",

@@ -21,10 +21,12 @@ import timm
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-import petl
+import petl.methods  # noqa: F401  (importing the methods registers them)
 from petl.bench.floors import Floor, floor_hooks
 from petl.bench.rss import current_rss_mb, peak_rss_mb, reset_peak_rss
-from petl.run import engine
+from petl.core import get_method
+from petl.surgery import apply, merge
+from petl.train import engine
 
 FORWARD = "frozen forward (no grad)"
 PEFT_LORA = "peft LoRA r=8 on fused qkv"
@@ -102,7 +104,7 @@ def build_model(case: Case, spec: SpeedSpec):
         model.get_classifier().requires_grad_(True)
     elif case.method:
         options = {k: v for k, v in case.method.items() if k != "name"}
-        petl.apply(model, case.method["name"], num_classes=spec.num_classes, **options)
+        apply(model, case.method["name"], num_classes=spec.num_classes, **options)
     else:
         model.requires_grad_(False)
     return model.to(torch.device(spec.device))
@@ -262,9 +264,9 @@ def measure_times(
         for _ in range(spec.warmup):
             bench.train_step()
             bench.infer()
-        if case.method and not case.options and petl.get_method(case.method["name"]).mergeable:
+        if case.method and not case.options and get_method(case.method["name"]).mergeable:
             # Merged after the warm-up steps, so the folded update is not zero.
-            bench.merged = petl.merge(copy.deepcopy(bench.model))
+            bench.merged = merge(copy.deepcopy(bench.model))
             for _ in range(spec.warmup):
                 bench.infer(bench.merged)
     laps: dict[tuple[str, str], list[float]] = {}

@@ -82,7 +82,7 @@ class Suite:
             gets its one trial on train800 / val200: nothing to select, but its val curve shows whether the
             schedule converged, at one more run per task.  Off: such a cell goes straight to its finals.
         require_learning: selection passes over grid points at which training did not learn
-            (:mod:`petl.run.learning`): a trial that did not learn ranks after every trial that did, and a
+            (:mod:`petl.train.learning`): a trial that did not learn ranks after every trial that did, and a
             point whose final runs include one that did not learn is set aside for the cell (its finals move to
             ``unstable/<point>/``) while the next point's finals train (:mod:`petl.bench.protocol`).
 

@@ -21,10 +21,10 @@ from tqdm.auto import tqdm
 
 from petl.bench.calibration import calibration_overrides
 from petl.bench.suite import Experiment, Suite, format_value
-from petl.run.lock import LOCK_FILE as LOCK_FILE  # the lock is petl-run's too: one home, re-exported here
-from petl.run.lock import acquire_lock, release_lock
-from petl.run.records import RESULT_FILE
-from petl.run.result import ResultError, RunResult, read_result, write_result
+from petl.store.files import RESULT_FILE
+from petl.store.lock import LOCK_FILE as LOCK_FILE  # the lock is petl-run's too: one home, re-exported here
+from petl.store.lock import acquire_lock, release_lock
+from petl.store.result import ResultError, RunResult, read_result, write_result
 
 ERROR_FILE = "error.log"
 
@@ -182,10 +182,11 @@ def _diverged_result(run: PlannedRun, error: Exception, cfg: Any) -> RunResult:
 
 def _default_fns() -> tuple[TrainFn, ComposeFn, CheckFn]:
     # Imported late: the sweep is testable with fakes, and `petl-bench report` never needs the engine.
-    from petl import run
-    from petl.run.folder import check_finished
+    from petl.train.config import default_config
+    from petl.train.output_dir import check_finished
+    from petl.train.runner import train
 
-    return run.train, run.default_config, check_finished
+    return train, default_config, check_finished
 
 
 def run_sweep(
@@ -210,7 +211,7 @@ def run_sweep(
         compose_fn: ``petl.run.default_config`` unless given.
         progress: show the sweep's progress bar (runs done / total, current run, ETA).
         check_fn: raises when a finished run's folder holds another config; with the engine's defaults
-            ``petl.run.folder.check_finished``, else none unless given.
+            ``petl.train.output_dir.check_finished``, else none unless given.
 
     Returns:
         The sweep's summary.
@@ -254,12 +255,12 @@ def run_sweep(
             if not run.is_done():
                 (run.run_dir / ERROR_FILE).unlink(missing_ok=True)
                 if (damage := run.damage()) is not None:
-                    # resume=false moves the damaged run aside (petl.run.folder.set_aside) and trains it
+                    # resume=false moves the damaged run aside (petl.train.output_dir.set_aside) and trains it
                     # anew; the output_dir override stays last.
                     bar.write(f"petl-bench: warning: {damage}: training {run.label} again")
                     overrides.insert(len(overrides) - 1, "resume=false")
                 cfg = compose_fn(overrides)
-                # Runs share this process; each resets its own peak memory (petl.run.runner._train_and_record).
+                # Runs share this process; each resets its own peak memory (petl.train.runner._train_and_record).
                 train_fn(cfg)
                 summary.trained += 1
         except Exception as error:  # one bad run must not end a day-long sweep

@@ -1,1 +1,1 @@
-"""The ``petl-*`` commands' thin shells: argument parsing and exit statuses, the work done elsewhere."""
+"""The ``petl-*`` commands: each a thin shell over an API function, parsed by one grammar (:mod:`petl.cli.args`)."""

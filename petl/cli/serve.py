@@ -36,7 +36,7 @@ OPTIONS = {
 DEFAULTS = {"host": "127.0.0.1", "port": 8000}
 TASK_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 PIP_HINT = "pip install 'petl[serve]' (FastAPI, uvicorn, python-multipart)"
-# The exit statuses every petl command uses (petl.run.errors), without importing torch to print a usage error.
+# The exit statuses every petl command uses (petl.errors), without importing torch to print a usage error.
 USAGE_ERROR, RUN_ERROR, INTERRUPTED = 2, 1, 130
 
 
@@ -55,7 +55,7 @@ def find_runs(items: Sequence[str]) -> dict[str, Path]:
         UsageError: a path that is not there or holds no run folder, a task named twice, a name a URL cannot hold.
 
     """
-    from petl.run.predict import run_labels
+    from petl.deploy.predict import run_labels
 
     named: dict[str, Path] = {}
     unnamed: list[Path] = []

@@ -464,7 +464,7 @@ class _Family:
     load: Callable[[DatasetInfo, _Task, str, ImageSpec, Path | None, bool], Dataset]
 
 
-FAMILIES = (
+BENCHMARKS = (
     _Family("vtab", "VTAB-1k {}", VTAB_TASKS, _vtab_dataset),
     _Family("fgvc", "FGVC {} (train/val/test as train800/val200/test)", FGVC_TASKS, _fgvc_dataset),
 )
@@ -484,6 +484,6 @@ def _register(family: _Family, task: _Task) -> None:
         return family.load(info, task, split, spec, None if root is None else Path(root).expanduser(), strict)
 
 
-for _family in FAMILIES:
+for _family in BENCHMARKS:
     for _task in _family.tasks:
         _register(_family, _task)

@@ -1,1 +1,1 @@
-"""Serving trained runs: ``petl-serve`` (:mod:`petl.deploy.serve`) and its dynamic batcher."""
+"""Using trained runs: predict, export, MultiTask and petl-serve; a run is read through ``petl.store``."""

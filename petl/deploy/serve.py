@@ -46,7 +46,7 @@ from petl.data.images import decode_image
 from petl.data.transforms import ImageSpec, pil_to_tensor
 from petl.deploy.batcher import Batcher, QueueFull
 from petl.deploy.metrics import ServeMetrics
-from petl.run.load import read_card, spec_of
+from petl.store.load import read_card, spec_of
 from petl.text import shown
 
 log = logging.getLogger("petl.serve")

@@ -6,6 +6,7 @@ form (``from petl.methods.x import apply_x as apply_x``): the API (``petl.apply`
 benchmark all read the registry.
 """
 
+from petl.methods import noah_search  # noqa: F401,E402  (registers NOAH's calibration: its subnet search)
 from petl.methods.adapter import apply_adapter as apply_adapter
 from petl.methods.adapter_plus import apply_adapter_plus as apply_adapter_plus
 from petl.methods.bitfit import apply_bitfit as apply_bitfit

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from petl import core, multitask, vit
+from petl import core, rows, vit
 
 
 class SideNetwork(nn.Module):
@@ -49,17 +49,17 @@ class SideNetwork(nn.Module):
         """Run block ``index`` (frozen, kept as the wrapper's ``base``) on ``x``; return what the next block reads."""
         raise NotImplementedError
 
-    def row_hook(self, index: int, block: nn.Module) -> multitask.RowHook:
+    def row_hook(self, index: int, block: nn.Module) -> rows.RowHook:
         """What :meth:`step` does around frozen block ``index``, as a :class:`petl.MultiTask` row hook.
 
         The hook sees the batch's prompt slots (other tasks' prompts) in the token sequence: a side network
         that mixes tokens (attention, a convolution over the grid) reads its rows without them.
         """
-        raise multitask.CannotShare(f"{type(self).__name__} has no multi-task hook yet")
+        raise rows.CannotShare(f"{type(self).__name__} has no multi-task hook yet")
 
     def stream_row_hook(
         self, index: int, block: nn.Module, after: Callable[[int, torch.Tensor], torch.Tensor | None]
-    ) -> multitask.RowHook:
+    ) -> rows.RowHook:
         """The row hook of a side stream (LST, LAST): it starts on block 0's input and may replace a block's output.
 
         ``self.begin(x)`` reads block 0's input rows and ``after(index, y)`` each block's output rows, both
@@ -67,14 +67,14 @@ class SideNetwork(nn.Module):
         with zero-filled slots, which no task's pooling or head reads.
         """
 
-        def begin(x: torch.Tensor, tokens: multitask.Tokens) -> None:
+        def begin(x: torch.Tensor, tokens: rows.Tokens) -> None:
             self.begin(tokens.without_slots(x))
 
-        def post(x: torch.Tensor, y: torch.Tensor, tokens: multitask.Tokens) -> torch.Tensor | None:
+        def post(x: torch.Tensor, y: torch.Tensor, tokens: rows.Tokens) -> torch.Tensor | None:
             out = after(index, tokens.without_slots(y))
             return None if out is None else tokens.with_slots(out)
 
-        return multitask.RowHook(block, pre=begin if index == 0 else None, post=post)
+        return rows.RowHook(block, pre=begin if index == 0 else None, post=post)
 
 
 class SideBlock(core.PetlModule):
@@ -111,8 +111,8 @@ class SideBlock(core.PetlModule):
         return self.side.step(self.index, self.base, x, **kwargs)
 
 
-@multitask.register_row_hook(SideBlock)
-def _rows(wrapper: SideBlock) -> multitask.RowHook:
+@rows.register_row_hook(SideBlock)
+def _rows(wrapper: SideBlock) -> rows.RowHook:
     # The frozen block runs once for the whole batch; each task's side network acts on its own rows.
     return wrapper.side.row_hook(wrapper.index, wrapper.base)
 

@@ -47,7 +47,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from petl import core, multitask, vit
+from petl import core, rows, surgery, vit
 from petl.methods import _init
 
 STYLES = ("sequential", "parallel")
@@ -169,16 +169,16 @@ class ParallelAdapter(_Bottleneck):
         return vit.mlp_residual(self.base, x) + self.adapter(x)
 
 
-@multitask.register_row_hook(SequentialAdapter)
-def _sequential_rows(wrapper: SequentialAdapter) -> multitask.RowHook:
+@rows.register_row_hook(SequentialAdapter)
+def _sequential_rows(wrapper: SequentialAdapter) -> rows.RowHook:
     # The frozen MLP runs once for the mixed batch; each task's adapter reads and adds to its rows' MLP output.
-    return multitask.RowHook(wrapper.base, post=lambda x, h, _tokens: h + wrapper.adapter(h))
+    return rows.RowHook(wrapper.base, post=lambda x, h, _tokens: h + wrapper.adapter(h))
 
 
-@multitask.register_row_hook(ParallelAdapter)
-def _parallel_rows(wrapper: ParallelAdapter) -> multitask.RowHook:
+@rows.register_row_hook(ParallelAdapter)
+def _parallel_rows(wrapper: ParallelAdapter) -> rows.RowHook:
     # At a block, post gets the stream entering the MLP half: the input AdaptFormer's branch reads.
-    return multitask.RowHook(wrapper.base, post=lambda x, y, _tokens: y + wrapper.adapter(x))
+    return rows.RowHook(wrapper.base, post=lambda x, y, _tokens: y + wrapper.adapter(x))
 
 
 def _formula(model: nn.Module, cfg: AdapterConfig) -> int:
@@ -210,4 +210,4 @@ def apply_adapter(model: nn.Module, **options: Any) -> nn.Module:
         The same model, modified in place.
 
     """
-    return core.apply(model, "adapter", **options)
+    return surgery.apply(model, "adapter", **options)

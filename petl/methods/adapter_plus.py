@@ -33,7 +33,7 @@ import torch
 from timm.layers import DropPath
 from torch import nn
 
-from petl import core, multitask, vit
+from petl import core, rows, surgery, vit
 
 SCALINGS = ("channel", "learned", "none")
 # Houlsby's std as given in the paper (vit_adapter.py L53); values beyond two std are redrawn.
@@ -107,10 +107,10 @@ class AdapterPlusBlock(core.PetlModule):
         return x + branch
 
 
-@multitask.register_row_hook(AdapterPlusBlock)
-def _rows(wrapper: AdapterPlusBlock) -> multitask.RowHook:
+@rows.register_row_hook(AdapterPlusBlock)
+def _rows(wrapper: AdapterPlusBlock) -> rows.RowHook:
     # The frozen block runs once for the mixed batch; each task's branch reads and adds to its rows' output.
-    return multitask.RowHook(wrapper.base, post=lambda x, y, _tokens: wrapper.add_branch(y))
+    return rows.RowHook(wrapper.base, post=lambda x, y, _tokens: wrapper.add_branch(y))
 
 
 def _formula(model: nn.Module, cfg: AdapterPlusConfig) -> int:
@@ -140,4 +140,4 @@ def apply_adapter_plus(model: nn.Module, **options: Any) -> nn.Module:
         The same model, modified in place.
 
     """
-    return core.apply(model, "adapter_plus", **options)
+    return surgery.apply(model, "adapter_plus", **options)

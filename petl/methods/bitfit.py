@@ -31,7 +31,7 @@ from typing import Any
 
 from torch import nn
 
-from petl import core, vit
+from petl import core, surgery, vit
 
 SCOPES = ("all", "linear")
 LINEARS = ("qkv", "proj", "fc1", "fc2")
@@ -87,4 +87,4 @@ def apply_bitfit(model: nn.Module, **options: Any) -> nn.Module:
         The same model, modified in place.
 
     """
-    return core.apply(model, "bitfit", **options)
+    return surgery.apply(model, "bitfit", **options)

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from petl import core, multitask, vit
+from petl import core, rows, surgery, vit
 from petl.methods import _init
 
 
@@ -140,14 +140,14 @@ class ConvpassParallel(core.PetlModule):
         return self.base(x, **kwargs) + self.bypass(x)
 
 
-@multitask.register_row_hook(ConvpassParallel)
-def _rows(wrapper: ConvpassParallel) -> multitask.RowHook:
+@rows.register_row_hook(ConvpassParallel)
+def _rows(wrapper: ConvpassParallel) -> rows.RowHook:
     # The frozen attention/MLP runs once for the mixed batch; the bypass sees its rows' tokens on their grid,
     # without the prompt slots other tasks' rows may have put in the sequence (they hold nothing for this row).
-    def post(x: torch.Tensor, y: torch.Tensor, tokens: multitask.Tokens) -> torch.Tensor:
+    def post(x: torch.Tensor, y: torch.Tensor, tokens: rows.Tokens) -> torch.Tensor:
         return y + tokens.with_slots(wrapper.bypass(tokens.without_slots(x)))
 
-    return multitask.RowHook(wrapper.base, post=post)
+    return rows.RowHook(wrapper.base, post=post)
 
 
 def _formula(model: nn.Module, cfg: ConvpassConfig) -> int:
@@ -177,4 +177,4 @@ def apply_convpass(model: nn.Module, **options: Any) -> nn.Module:
         The same model, modified in place.
 
     """
-    return core.apply(model, "convpass", **options)
+    return surgery.apply(model, "convpass", **options)

@@ -47,7 +47,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from petl import core, multitask, vit
+from petl import core, rows, surgery, vit
 from petl.methods import _side
 
 
@@ -144,17 +144,17 @@ class DtlSide(_side.SideNetwork):
             self._sum = None  # no graph kept between forwards
         return added
 
-    def row_hook(self, index: int, block: nn.Module) -> multitask.RowHook:
+    def row_hook(self, index: int, block: nn.Module) -> rows.RowHook:
         """The frozen block once for the batch; the task's running sum and additions on its rows (no slots)."""
 
-        def pre(x: torch.Tensor, tokens: multitask.Tokens) -> None:
+        def pre(x: torch.Tensor, tokens: rows.Tokens) -> None:
             self.accumulate(index, tokens.without_slots(x))
 
-        def post(x: torch.Tensor, y: torch.Tensor, tokens: multitask.Tokens) -> torch.Tensor | None:
+        def post(x: torch.Tensor, y: torch.Tensor, tokens: rows.Tokens) -> torch.Tensor | None:
             added = self.added(index)
             return None if added is None else y + tokens.with_slots(added)
 
-        return multitask.RowHook(block, pre=pre, post=post if index >= self.add_from else None)
+        return rows.RowHook(block, pre=pre, post=post if index >= self.add_from else None)
 
 
 def _formula(model: nn.Module, cfg: DtlConfig) -> int:
@@ -181,4 +181,4 @@ def apply_dtl(model: nn.Module, **options: Any) -> nn.Module:
         The same model, modified in place.
 
     """
-    return core.apply(model, "dtl", **options)
+    return surgery.apply(model, "dtl", **options)

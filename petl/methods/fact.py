@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from petl import core, multitask, vit
+from petl import core, rows, surgery, vit
 from petl.methods import _init, _reparam
 
 TYPES = ("tt", "tk")
@@ -222,10 +222,10 @@ class FactLinear(core.PetlModule):
         _reparam.write(weight, weight.to(dtype) - self.delta_weight(dtype), "the FacT update out of the weight")
 
 
-@multitask.register_row_hook(FactLinear)
-def _rows(wrapper: FactLinear) -> multitask.RowHook:
+@rows.register_row_hook(FactLinear)
+def _rows(wrapper: FactLinear) -> rows.RowHook:
     # The update reads the layer's input only: frozen output once for the batch, each task's update on its rows.
-    return multitask.RowHook(wrapper.base, post=lambda x, y, _tokens: y + wrapper.update(x))
+    return rows.RowHook(wrapper.base, post=lambda x, y, _tokens: y + wrapper.update(x))
 
 
 def _formula(model: nn.Module, cfg: FactConfig) -> int:
@@ -269,4 +269,4 @@ def apply_fact(model: nn.Module, **options: Any) -> nn.Module:
         The same model, modified in place.
 
     """
-    return core.apply(model, "fact", **options)
+    return surgery.apply(model, "fact", **options)

@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 
 from torch import nn
 
-from petl import core, vit
+from petl import core, surgery, vit
 
 
 @dataclass
@@ -47,4 +47,4 @@ def apply_full(model: nn.Module, **options: Any) -> nn.Module:
         The same model, modified in place.
 
     """
-    return core.apply(model, "full", **options)
+    return surgery.apply(model, "full", **options)

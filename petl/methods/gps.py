@@ -74,9 +74,9 @@ from torch import nn
 from torchvision.transforms import v2
 from tqdm.auto import tqdm
 
-from petl import core, multitask, vit
-
 # The weights GPS selects entries of, per block, after the patch embedding (utils/pruning.py L14-20).
+from petl import core, rows, surgery, vit
+
 BLOCK_WEIGHTS = ("qkv", "proj", "fc1", "fc2")
 # SupConLoss defaults (utils/loss_utils.py L9-10) and the views of transforms_contrastaug_train (L80-110).
 TEMPERATURE = 0.07
@@ -211,11 +211,11 @@ class GpsLinear(core.PetlModule):
         self._fold(-1.0)
 
 
-@multitask.register_row_hook(GpsLinear)
-def _rows(wrapper: GpsLinear) -> multitask.RowHook:
+@rows.register_row_hook(GpsLinear)
+def _rows(wrapper: GpsLinear) -> rows.RowHook:
     # The frozen layer once for the batch, then each task's sparse update on its rows; its own trained bias is
     # a module parameter of the wrapped layer, which MultiTask adds as a bias delta before this hook.
-    return multitask.RowHook(wrapper.base, post=lambda x, y, _tokens: y + wrapper.delta_output(x))
+    return rows.RowHook(wrapper.base, post=lambda x, y, _tokens: y + wrapper.delta_output(x))
 
 
 def _layer_scales(model: nn.Module) -> list[nn.Parameter]:
@@ -364,4 +364,4 @@ def apply_gps(model: nn.Module, **options: Any) -> nn.Module:
         The same model, modified in place.
 
     """
-    return core.apply(model, "gps", **options)
+    return surgery.apply(model, "gps", **options)

@@ -77,7 +77,7 @@ import torch.nn.functional as F
 from timm.layers import trunc_normal_
 from torch import nn
 
-from petl import core, multitask, vit
+from petl import core, rows, surgery, vit
 from petl.methods import _side
 
 # ViT_HSN's norm_layer, partial(nn.LayerNorm, eps=1e-6) (vit_hsn.py L188), builds the side blocks' norm1/norm2
@@ -276,7 +276,7 @@ class HstSide(_side.SideNetwork):
         """Hold the images for the side network's stem (the patch projection hands them over)."""
         self._image = images
 
-    def row_hook(self, index: int, block: nn.Module) -> multitask.RowHook:
+    def row_hook(self, index: int, block: nn.Module) -> rows.RowHook:
         """The meta tokens as prompts in the batch's slots (rewritten at every block, never pooled).
 
         The side network reads the task's rows of each block's output: meta tokens from the slots, patch
@@ -284,15 +284,15 @@ class HstSide(_side.SideNetwork):
         """
         m = self.num_meta
 
-        def pre(x: torch.Tensor, tokens: multitask.Tokens) -> torch.Tensor:
+        def pre(x: torch.Tensor, tokens: rows.Tokens) -> torch.Tensor:
             p = tokens.prefix
             return torch.cat([x[:, :p], self.meta_tokens(index, x), x[:, p + m :]], dim=1)
 
-        def post(x: torch.Tensor, y: torch.Tensor, tokens: multitask.Tokens) -> None:
+        def post(x: torch.Tensor, y: torch.Tensor, tokens: rows.Tokens) -> None:
             p = tokens.prefix
             self.record(index, y[:, p : p + m], y[:, p + tokens.slots :])
 
-        return multitask.RowHook(block, pre=pre, post=post, prompts=m, pool_prompts=False)
+        return rows.RowHook(block, pre=pre, post=post, prompts=m, pool_prompts=False)
 
     def side_forward(self) -> torch.Tensor:
         """The hierarchical side network on the stored image, meta tokens and ViT features: pooled features."""
@@ -327,10 +327,10 @@ class HstPatchProj(core.PetlModule):
         return self.base(images)
 
 
-@multitask.register_row_hook(HstPatchProj)
-def _rows(wrapper: HstPatchProj) -> multitask.RowHook:
+@rows.register_row_hook(HstPatchProj)
+def _rows(wrapper: HstPatchProj) -> rows.RowHook:
     # The projection runs once for the batch; each task's side network keeps its own rows' images.
-    return multitask.RowHook(wrapper.base, pre=lambda images, _tokens: wrapper._shared[0].keep_image(images))
+    return rows.RowHook(wrapper.base, pre=lambda images, _tokens: wrapper._shared[0].keep_image(images))
 
 
 class HstHead(core.PetlHead):
@@ -414,4 +414,4 @@ def apply_hst(model: nn.Module, **options: Any) -> nn.Module:
         The same model, modified in place.
 
     """
-    return core.apply(model, "hst", **options)
+    return surgery.apply(model, "hst", **options)

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from petl import core, multitask, vit
+from petl import core, rows, surgery, vit
 
 TARGETS = ("proj", "fc2")
 
@@ -157,10 +157,10 @@ class HydraLinear(core.PetlModule):
         return f"scale={self.scale}"
 
 
-@multitask.register_row_hook(HydraLinear)
-def _rows(wrapper: HydraLinear) -> multitask.RowHook:
+@rows.register_row_hook(HydraLinear)
+def _rows(wrapper: HydraLinear) -> rows.RowHook:
     # Both branches read what the frozen Linear reads or writes, so the Linear runs once for the mixed batch.
-    return multitask.RowHook(wrapper.base, post=lambda x, y, _tokens: wrapper.add_branches(x, y))
+    return rows.RowHook(wrapper.base, post=lambda x, y, _tokens: wrapper.add_branches(x, y))
 
 
 def _formula(model: nn.Module, cfg: HydraConfig) -> int:
@@ -195,4 +195,4 @@ def apply_hydra(model: nn.Module, **options: Any) -> nn.Module:
         The same model, modified in place.
 
     """
-    return core.apply(model, "hydra", **options)
+    return surgery.apply(model, "hydra", **options)

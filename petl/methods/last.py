@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from petl import core, multitask, vit
+from petl import core, rows, surgery, vit
 from petl.methods import _side
 
 
@@ -148,7 +148,7 @@ class LastSide(_side.SideNetwork):
         self._u = self._z_sum = None  # no graph kept between forwards
         return out
 
-    def row_hook(self, index: int, block: nn.Module) -> multitask.RowHook:
+    def row_hook(self, index: int, block: nn.Module) -> rows.RowHook:
         """The frozen block once for the batch; the task's side stream on its rows, without the prompt slots."""
         return self.stream_row_hook(index, block, self.after)
 
@@ -176,4 +176,4 @@ def apply_last(model: nn.Module, **options: Any) -> nn.Module:
         The same model, modified in place.
 
     """
-    return core.apply(model, "last", **options)
+    return surgery.apply(model, "last", **options)

@@ -31,7 +31,7 @@ from typing import Any, ClassVar
 
 from torch import nn
 
-from petl import core
+from petl import core, surgery
 
 
 @dataclass
@@ -50,7 +50,7 @@ def _formula(model: nn.Module, cfg: LinearConfig) -> int:
 @core.register_method("linear", LinearConfig, trainable_formula=_formula, zero_init=True, mergeable=False)
 def inject_linear(model: nn.Module, cfg: LinearConfig) -> None:
     """Linear probe: train only the classifier head."""
-    # Nothing to inject: core.apply already froze the backbone and unfroze (and, given num_classes, reset) the head.
+    # Nothing to inject: petl.apply already froze the backbone and unfroze (and, given num_classes, reset) the head.
 
 
 def apply_linear(model: nn.Module, **options: Any) -> nn.Module:
@@ -64,4 +64,4 @@ def apply_linear(model: nn.Module, **options: Any) -> nn.Module:
         The same model, modified in place.
 
     """
-    return core.apply(model, "linear", **options)
+    return surgery.apply(model, "linear", **options)

@@ -25,7 +25,7 @@ from typing import Any
 
 from torch import nn
 
-from petl import core, vit
+from petl import core, surgery, vit
 
 
 @dataclass
@@ -61,4 +61,4 @@ def apply_ln(model: nn.Module, **options: Any) -> nn.Module:
         The same model, modified in place.
 
     """
-    return core.apply(model, "ln", **options)
+    return surgery.apply(model, "ln", **options)

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from petl import core, multitask, vit
+from petl import core, rows, surgery, vit
 from petl.methods import _init, _reparam
 
 # Which Linear of a block each target adapts, and which third of the fused qkv rows (None = all rows).
@@ -171,10 +171,10 @@ class LoraLinear(core.PetlModule):
         self._fold(-1.0)
 
 
-@multitask.register_row_hook(LoraLinear)
-def _rows(wrapper: LoraLinear) -> multitask.RowHook:
+@rows.register_row_hook(LoraLinear)
+def _rows(wrapper: LoraLinear) -> rows.RowHook:
     # The frozen qkv/proj/fc runs once for the mixed batch; each task adds its update to its own rows.
-    return multitask.RowHook(wrapper.base, post=lambda x, y, _tokens: wrapper.add_update(x, y))
+    return rows.RowHook(wrapper.base, post=lambda x, y, _tokens: wrapper.add_update(x, y))
 
 
 def _slices_per_linear(block: nn.Module, targets: tuple[str, ...]) -> dict[str, dict[str, tuple[int, int]]]:
@@ -223,4 +223,4 @@ def apply_lora(model: nn.Module, **options: Any) -> nn.Module:
         The same model, modified in place.
 
     """
-    return core.apply(model, "lora", **options)
+    return surgery.apply(model, "lora", **options)

@@ -61,7 +61,7 @@ import torch
 from timm.models.vision_transformer import Block
 from torch import nn
 
-from petl import core, multitask, vit
+from petl import core, rows, surgery, vit
 from petl.methods import _side
 
 
@@ -162,7 +162,7 @@ class LstSide(_side.SideNetwork):
         self._side = None  # no graph kept between forwards
         return self.up(side)
 
-    def row_hook(self, index: int, block: nn.Module) -> multitask.RowHook:
+    def row_hook(self, index: int, block: nn.Module) -> rows.RowHook:
         """The frozen block once for the batch; the task's side stream on its rows, without the prompt slots."""
         return self.stream_row_hook(index, block, self.climb)
 
@@ -195,4 +195,4 @@ def apply_lst(model: nn.Module, **options: Any) -> nn.Module:
         The same model, modified in place.
 
     """
-    return core.apply(model, "lst", **options)
+    return surgery.apply(model, "lst", **options)

@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from petl import core, vit
+from petl import core, surgery, vit
 
 # VPT's MLP default dropout (src/models/mlp.py:L20), which vit_models.py's head keeps.
 HIDDEN_DROPOUT = 0.1
@@ -102,7 +102,7 @@ def _formula(model: nn.Module, cfg: MlpConfig) -> int:
 @core.register_method("mlp", MlpConfig, trainable_formula=_formula, zero_init=False, mergeable=False)
 def inject_mlp(model: nn.Module, cfg: MlpConfig) -> None:
     """Mlp-k: replace the head with VPT's k-layer MLP head; the backbone stays frozen."""
-    # core.apply has already reset the head when num_classes was given, so the model knows its classes.
+    # petl.apply has already reset the head when num_classes was given, so the model knows its classes.
     head = MlpHead(vit.head_in_features(model), vit.num_classes(model), cfg.k)
     head.to(**core.factory_kwargs(model))
     head.train(model.training)
@@ -121,4 +121,4 @@ def apply_mlp(model: nn.Module, **options: Any) -> nn.Module:
         The same model, modified in place.
 
     """
-    return core.apply(model, "mlp", **options)
+    return surgery.apply(model, "mlp", **options)

@@ -83,14 +83,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from petl import core, multitask, vit
+from petl import core, rows, surgery, vit
 from petl.methods import _init
 
 # NOAH's VTAB-1k search space (experiments/NOAH/supernet/supernet-B_prompt_VTAB.yaml): widths per module,
@@ -101,7 +101,7 @@ DEPTH_FRACTIONS = (0.25, 0.5, 0.75, 1.0)
 PLACEHOLDER_WIDTH = 5
 
 
-def _widths(value: Any) -> str:
+def widths_text(value: Any) -> str:
     """Per-block widths (a list of ints, or a comma-separated string) as the canonical ``"10,5,1"``."""
     if isinstance(value, str):
         value = [v for v in value.replace(" ", "").split(",") if v]
@@ -125,8 +125,9 @@ class NoahConfig(_init.InitOption, core.MethodConfig):
         lora: per block, the rank of its LoRA update of qkv (0: none), written as ``prompt``.
         adapter: per block, the width of its adapter after the MLP (0: none), written as ``prompt``.
             Given one of the three, an empty other is off in every block.  With all three empty the
-            subnet is searched on the task by ``petl-run`` (:func:`calibrate_noah`); :func:`petl.apply` alone
-            uses a data-free placeholder, width 5 for every module in every block, which is NOT a searched subnet.
+            subnet is searched on the task by ``petl-run`` (:func:`petl.methods.noah_search.calibrate_noah`);
+            :func:`petl.apply` alone uses a data-free placeholder, width 5 for every module in every block, which
+            is NOT a searched subnet.
         supernet_dim: width of the supernet every module is a slice of; its init scales follow it (NOAH: 100).
         dropout: dropout on the prompts, the LoRA input and inside the adapter (NOAH: 0.1 each).
         init: ``zero`` (petl's default) starts the modules as NOAH's module code writes them: LoRA A
@@ -155,7 +156,11 @@ class NoahConfig(_init.InitOption, core.MethodConfig):
     max_params: int = 640_000
 
     def __post_init__(self) -> None:
-        self.prompt, self.lora, self.adapter = _widths(self.prompt), _widths(self.lora), _widths(self.adapter)
+        self.prompt, self.lora, self.adapter = (
+            widths_text(self.prompt),
+            widths_text(self.lora),
+            widths_text(self.adapter),
+        )
 
     @property
     def searched(self) -> bool:
@@ -217,11 +222,11 @@ class NoahQkv(core.PetlModule):
         return F.linear(F.linear(self.dropout(x), self.lora_a[: self.rank]), self.lora_b[:, : self.rank])
 
 
-@multitask.register_row_hook(NoahQkv)
-def _qkv_rows(wrapper: NoahQkv) -> multitask.RowHook:
+@rows.register_row_hook(NoahQkv)
+def _qkv_rows(wrapper: NoahQkv) -> rows.RowHook:
     # The frozen qkv once for the batch, each task's update on its rows.
     post = (lambda x, y, _tokens: y + wrapper.update(x)) if wrapper.rank else None
-    return multitask.RowHook(wrapper.base, post=post)
+    return rows.RowHook(wrapper.base, post=post)
 
 
 class NoahBlock(core.PetlModule):
@@ -323,16 +328,16 @@ def wire(blocks: list[NoahBlock]) -> None:
     blocks[-1].strip = carried
 
 
-@multitask.register_row_hook(NoahBlock)
-def _block_rows(wrapper: NoahBlock) -> multitask.RowHook:
+@rows.register_row_hook(NoahBlock)
+def _block_rows(wrapper: NoahBlock) -> rows.RowHook:
     # NOAH's trailing prompts live in the batch's prompt slots (a token is attended wherever it sits in the
     # sequence): the block writes its prompts at ``start``, its tokens attend the first ``tail`` slots, and the
     # pooling never sees them (stripped after the last block).  The adapter acts on the MLP's branch.
-    def pre(x: torch.Tensor, tokens: multitask.Tokens) -> torch.Tensor:
+    def pre(x: torch.Tensor, tokens: rows.Tokens) -> torch.Tensor:
         first = tokens.prefix + wrapper.start
         return torch.cat([x[:, :first], wrapper.prompts(x), x[:, first + wrapper.prompt_len :]], dim=1)
 
-    return multitask.RowHook(
+    return rows.RowHook(
         wrapper.base,
         pre=pre if wrapper.prompt_len > 0 else None,
         branch=(lambda h, _tokens: wrapper.adapter(h)) if wrapper.adapter_dim > 0 else None,
@@ -357,16 +362,6 @@ def _formula(model: nn.Module, cfg: NoahConfig) -> int:
     return subnet_params(vit.embed_dim(model), *cfg.widths(model))
 
 
-def calibrate_noah(model: nn.Module, cfg: NoahConfig, loader: Iterable, *, progress: bool = True) -> NoahConfig:
-    """``cfg`` with the subnet searched on ``loader`` (:func:`petl.methods.noah_search.search`); unchanged if given."""
-    if cfg.searched:
-        return cfg
-    from petl.methods import noah_search
-
-    prompt, lora, adapter = noah_search.search(model, cfg, loader, progress=progress)
-    return replace(cfg, prompt=_widths(prompt), lora=_widths(lora), adapter=_widths(adapter))
-
-
 def inject_noah(model: nn.Module, cfg: NoahConfig) -> None:
     """NOAH: per block, prompts, LoRA on qkv and an adapter of the searched widths."""
     container, d = vit.block_container(model), vit.embed_dim(model)
@@ -375,7 +370,8 @@ def inject_noah(model: nn.Module, cfg: NoahConfig) -> None:
     wire(noah_blocks(model))
 
 
-core.register_method("noah", NoahConfig, trainable_formula=_formula, calibrate=calibrate_noah)(inject_noah)
+# Its calibration, the subnet search, registers itself from petl.methods.noah_search (which builds on this file).
+core.register_method("noah", NoahConfig, trainable_formula=_formula)(inject_noah)
 
 
 def apply_noah(model: nn.Module, **options: Any) -> nn.Module:
@@ -390,4 +386,4 @@ def apply_noah(model: nn.Module, **options: Any) -> nn.Module:
         The same model, modified in place.
 
     """
-    return core.apply(model, "noah", **options)
+    return surgery.apply(model, "noah", **options)

@@ -41,9 +41,16 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
-import petl
-from petl import paths, vit
-from petl.methods.noah import DEPTH_FRACTIONS, SEARCH_WIDTHS, NoahConfig, noah_blocks, subnet_params, wire
+from petl import core, paths, surgery, vit
+from petl.methods.noah import (
+    DEPTH_FRACTIONS,
+    SEARCH_WIDTHS,
+    NoahConfig,
+    noah_blocks,
+    subnet_params,
+    widths_text,
+    wire,
+)
 
 log = logging.getLogger(__name__)
 
@@ -365,7 +372,7 @@ def search(
     rng = random.Random(seed)
     device = next(backbone.parameters()).device
     depth, width = vit.depth(backbone), cfg.supernet_dim
-    supernet = petl.apply(
+    supernet = surgery.apply(
         copy.deepcopy(backbone),
         "noah",
         num_classes=cfg.num_classes,
@@ -393,3 +400,14 @@ def search(
         accuracy,
     )
     return best
+
+
+def calibrate_noah(model: nn.Module, cfg: NoahConfig, loader: Iterable, *, progress: bool = True) -> NoahConfig:
+    """``cfg`` with the subnet searched on ``loader`` (:func:`search`); unchanged if given."""
+    if cfg.searched:
+        return cfg
+    prompt, lora, adapter = search(model, cfg, loader, progress=progress)
+    return dataclasses.replace(cfg, prompt=widths_text(prompt), lora=widths_text(lora), adapter=widths_text(adapter))
+
+
+core.register_calibration("noah", calibrate_noah)

@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 
 from torch import nn
 
-from petl import core, vit
+from petl import core, surgery, vit
 
 
 @dataclass
@@ -74,4 +74,4 @@ def apply_partial(model: nn.Module, **options: Any) -> nn.Module:
         ValueError: ``k`` outside 1..depth.
 
     """
-    return core.apply(model, "partial", **options)
+    return surgery.apply(model, "partial", **options)

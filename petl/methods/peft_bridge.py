@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from petl import core, multitask, vit
+from petl import core, rows, surgery, vit
 
 if TYPE_CHECKING:
     from peft import PeftConfig
@@ -262,15 +262,15 @@ def _register_row_hooks() -> None:
     from peft.tuners.lora.layer import Linear as PeftLoraLinear
     from peft.tuners.lora.variants import DoraLinearVariant
 
-    @multitask.register_row_hook(PeftLoraLinear)
-    def _lora_rows(layer: PeftLoraLinear) -> multitask.RowHook:
+    @rows.register_row_hook(PeftLoraLinear)
+    def _lora_rows(layer: PeftLoraLinear) -> rows.RowHook:
         adapters = [name for name in layer.active_adapters if name in layer.lora_A]
         for name in adapters:
             variant = layer.lora_variant.get(name)
             if variant is not None and not isinstance(variant, DoraLinearVariant):
-                raise multitask.CannotShare(f"peft's {type(variant).__name__} has no multi-task hook yet")
+                raise rows.CannotShare(f"peft's {type(variant).__name__} has no multi-task hook yet")
 
-        def post(x: Any, y: Any, _tokens: multitask.Tokens) -> Any:
+        def post(x: Any, y: Any, _tokens: rows.Tokens) -> Any:
             dtype = y.dtype
             for name in adapters:
                 x = layer._cast_input_dtype(x, layer.lora_A[name].weight.dtype)
@@ -280,10 +280,10 @@ def _register_row_hooks() -> None:
                     y = y + layer.lora_B[name](layer.lora_A[name](layer.lora_dropout[name](x))) * layer.scaling[name]
             return y.to(dtype)
 
-        return multitask.RowHook(layer.get_base_layer(), post=post)
+        return rows.RowHook(layer.get_base_layer(), post=post)
 
-    @multitask.register_row_hook(Ia3Linear)
-    def _ia3_rows(layer: Ia3Linear) -> multitask.RowHook:
+    @rows.register_row_hook(Ia3Linear)
+    def _ia3_rows(layer: Ia3Linear) -> rows.RowHook:
         def scaling() -> Any:
             scale = 1
             for name in layer.active_adapters:
@@ -292,8 +292,8 @@ def _register_row_hooks() -> None:
             return scale
 
         if layer.is_feedforward:  # scales the frozen Linear's input: each task's rows before the shared matmul
-            return multitask.RowHook(layer.get_base_layer(), pre=lambda x, _tokens: (x * scaling()).to(x.dtype))
-        return multitask.RowHook(layer.get_base_layer(), post=lambda x, y, _tokens: (y * scaling()).to(y.dtype))
+            return rows.RowHook(layer.get_base_layer(), pre=lambda x, _tokens: (x * scaling()).to(x.dtype))
+        return rows.RowHook(layer.get_base_layer(), post=lambda x, y, _tokens: (y * scaling()).to(y.dtype))
 
 
 def _is_peft_config(obj: Any) -> bool:
@@ -320,5 +320,5 @@ def apply_peft(model: nn.Module, peft_config: PeftConfig | None = None, **option
 
     """
     if peft_config is None:
-        return core.apply(model, "peft", **options)
-    return core.apply(model, peft_config, **options)
+        return surgery.apply(model, "peft", **options)
+    return surgery.apply(model, peft_config, **options)

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from petl import core, multitask, vit
+from petl import core, rows, surgery, vit
 from petl.methods import _reparam
 
 # The Linear that first reads the attention's input and the MLP's input.
@@ -155,10 +155,10 @@ class RepAdapterLinear(core.PetlModule):
             _reparam.write(bias, bias.to(dtype) - w @ c, "the RepAdapter out of the bias")
 
 
-@multitask.register_row_hook(RepAdapterLinear)
-def _rows(wrapper: RepAdapterLinear) -> multitask.RowHook:
+@rows.register_row_hook(RepAdapterLinear)
+def _rows(wrapper: RepAdapterLinear) -> rows.RowHook:
     # Unmerged: each task adapts its own rows' input, then the frozen Linear runs once for the mixed batch.
-    return multitask.RowHook(wrapper.base, pre=lambda x, _tokens: wrapper.adapt(x))
+    return rows.RowHook(wrapper.base, pre=lambda x, _tokens: wrapper.adapt(x))
 
 
 def _formula(model: nn.Module, cfg: RepAdapterConfig) -> int:
@@ -188,4 +188,4 @@ def apply_repadapter(model: nn.Module, **options: Any) -> nn.Module:
         The same model, modified in place.
 
     """
-    return core.apply(model, "repadapter", **options)
+    return surgery.apply(model, "repadapter", **options)

@@ -50,9 +50,9 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from petl import core, multitask, vit
-
 # The reference's topN=96 on ViT-B's 768 channels: one in eight.
+from petl import core, rows, surgery, vit
+
 DEFAULT_FRACTION = 8
 
 
@@ -150,10 +150,10 @@ class SctBlock(core.PetlModule):
         return x.index_add(-1, self.index, self.linear(x.index_select(-1, self.index)).to(x.dtype))
 
 
-@multitask.register_row_hook(SctBlock)
-def _rows(wrapper: SctBlock) -> multitask.RowHook:
+@rows.register_row_hook(SctBlock)
+def _rows(wrapper: SctBlock) -> rows.RowHook:
     # Both halves of the frozen block run once for the mixed batch; each task tunes its rows' channels between.
-    return multitask.RowHook(wrapper.base, mid=lambda x, _tokens: wrapper.tune_channels(x))
+    return rows.RowHook(wrapper.base, mid=lambda x, _tokens: wrapper.tune_channels(x))
 
 
 @torch.no_grad()
@@ -243,4 +243,4 @@ def apply_sct(model: nn.Module, **options: Any) -> nn.Module:
         The same model, modified in place.
 
     """
-    return core.apply(model, "sct", **options)
+    return surgery.apply(model, "sct", **options)

@@ -61,7 +61,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from petl import core, multitask, vit
+from petl import core, rows, surgery, vit
 
 
 @dataclass
@@ -204,21 +204,21 @@ class SnfBlock(core.PetlModule):
         return self.flow_mlp(x) + block.drop_path2(block.ls2(block.mlp(block.norm2(x))))
 
 
-@multitask.register_row_hook(SnfBlock)
-def _rows(wrapper: SnfBlock) -> multitask.RowHook:
+@rows.register_row_hook(SnfBlock)
+def _rows(wrapper: SnfBlock) -> rows.RowHook:
     # The frozen block runs once for the mixed batch as its two residual halves, x + attn and h + mlp; each task
     # swaps the identity shortcut in its rows for its flow.  pre keeps the rows' block input for mid (each task's
     # rows are one contiguous group, served pre -> mid -> post in one forward).
     held: dict[str, torch.Tensor] = {}
 
-    def pre(x: torch.Tensor, _tokens: multitask.Tokens) -> None:
+    def pre(x: torch.Tensor, _tokens: rows.Tokens) -> None:
         held["x"] = x
 
-    def mid(h: torch.Tensor, _tokens: multitask.Tokens) -> torch.Tensor:
+    def mid(h: torch.Tensor, _tokens: rows.Tokens) -> torch.Tensor:
         x = held.pop("x")
         return wrapper.flow_attn(x) + (h - x)
 
-    return multitask.RowHook(wrapper.base, pre=pre, mid=mid, post=lambda h, y, _tokens: wrapper.flow_mlp(h) + (y - h))
+    return rows.RowHook(wrapper.base, pre=pre, mid=mid, post=lambda h, y, _tokens: wrapper.flow_mlp(h) + (y - h))
 
 
 def _formula(model: nn.Module, cfg: SnfConfig) -> int:
@@ -246,4 +246,4 @@ def apply_snf(model: nn.Module, **options: Any) -> nn.Module:
         The same model, modified in place.
 
     """
-    return core.apply(model, "snf", **options)
+    return surgery.apply(model, "snf", **options)

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from petl import core, multitask, vit
+from petl import core, rows, surgery, vit
 from petl.methods import _reparam
 
 BLOCK_LINEARS = ("qkv", "proj", "fc1", "fc2")
@@ -133,10 +133,10 @@ class SsfLayer(core.PetlModule):
         _reparam.write(bias, (bias.to(dtype) - shift) / scale, "SSF out of the bias")
 
 
-@multitask.register_row_hook(SsfLayer)
-def _rows(wrapper: SsfLayer) -> multitask.RowHook:
+@rows.register_row_hook(SsfLayer)
+def _rows(wrapper: SsfLayer) -> rows.RowHook:
     # The frozen layer runs once for the mixed batch; each task scales and shifts its own rows.
-    return multitask.RowHook(wrapper.base, post=lambda x, y, _tokens: wrapper.scale_shift(y))
+    return rows.RowHook(wrapper.base, post=lambda x, y, _tokens: wrapper.scale_shift(y))
 
 
 def _sites(model: nn.Module) -> list[tuple[nn.Module, Callable[[nn.Module], None]]]:
@@ -181,4 +181,4 @@ def apply_ssf(model: nn.Module, **options: Any) -> nn.Module:
         The same model, modified in place.
 
     """
-    return core.apply(model, "ssf", **options)
+    return surgery.apply(model, "ssf", **options)

@@ -46,7 +46,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from petl import core, multitask, vit
+from petl import core, rows, surgery, vit
 
 POOLS = ("original", "img_pool")
 
@@ -131,20 +131,20 @@ class PromptedBlock(core.PetlModule):
         return self.dropout(self.prompt.unsqueeze(0).expand(x.shape[0], -1, -1).to(x.dtype))
 
     def no_weight_decay(self) -> set[str]:
-        """Prompt tokens are exempt from weight decay by default (see petl.run.engine.param_groups)."""
+        """Prompt tokens are exempt from weight decay by default (see petl.train.engine.param_groups)."""
         return {"prompt"} if self.prompt is not None else set()
 
 
-@multitask.register_row_hook(PromptedBlock)
-def _rows(wrapper: PromptedBlock) -> multitask.RowHook:
+@rows.register_row_hook(PromptedBlock)
+def _rows(wrapper: PromptedBlock) -> rows.RowHook:
     # The mixed batch carries prompt slots after the prefix (as many as its longest prompt set); a row writes its
     # prompts into the first ones, and the slots it leaves empty are masked out of its attention and pooling.
     # Stripping the prompts after the last block (img_pool) becomes leaving them out of the pooling.
-    def pre(x: torch.Tensor, tokens: multitask.Tokens) -> torch.Tensor:
+    def pre(x: torch.Tensor, tokens: rows.Tokens) -> torch.Tensor:
         p, n = tokens.prefix, wrapper.num_tokens
         return torch.cat([x[:, :p], wrapper.prompts(x), x[:, p + n :]], dim=1)
 
-    return multitask.RowHook(
+    return rows.RowHook(
         wrapper.base,
         pre=pre if wrapper.prompt is not None else None,
         prompts=wrapper.num_tokens,
@@ -200,4 +200,4 @@ def apply_vpt(model: nn.Module, **options: Any) -> nn.Module:
         The same model, modified in place.
 
     """
-    return core.apply(model, "vpt", **options)
+    return surgery.apply(model, "vpt", **options)

@@ -1,5 +1,5 @@
 """``python -m petl.run`` (and ``accelerate launch -m petl.run``) is ``petl-run``."""
 
-from petl.run.cli import main
+from petl.cli.run import main
 
 main()

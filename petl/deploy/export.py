@@ -1,35 +1,12 @@
-"""petl-export: a trained run as a plain timm model, for stacks that know nothing of petl.
+"""Exporting a trained run as a plain timm model (``petl-export``'s API: :func:`export`).
 
-    petl-export RUN_DIR out=exported             # a folder: timm.create_model("local-dir:exported", pretrained=True)
-    petl-export RUN_DIR out=model.safetensors    # timm.create_model(name, num_classes=K, checkpoint_path=..., **kwargs)
-    petl-export RUN_DIR out=model.onnx           # ONNX (torch.onnx.export), checked with onnxruntime
-
-The run's method is merged into the backbone and its wrappers removed (``petl.merge(model,
-unload=True)``), so what is written is the timm architecture with other weights, named as timm itself
-names it (petl's own backbones translated by :data:`petl.models.TIMM_NATIVE`), so that it loads where
-petl is not installed.  A folder (``out=`` without a suffix) is timm's own format for a model with its
-configuration, the one ``huggingface_hub`` uploads: ``config.json`` (``architecture``, ``model_args``
-with ``img_size``, ``num_classes``, ``pretrained_cfg`` with the preprocessing and ``label_names``) and
-``model.safetensors``.  A single file's metadata holds the same: the timm name and arguments, the class
-names and the preprocessing (input size, mean/std, interpolation, crop), as JSON strings (safetensors
-metadata; ONNX ``metadata_props``).  An ONNX file is checked against the merged model's logits with
-onnxruntime where it is installed.  ``out=`` inside the run folder is refused: an export never replaces
-the run's own files.
-Methods whose modules cannot fold into the backbone (adapters, prompts, an MLP head) are refused
-in one line: use ``petl-predict`` / ``petl.load_run`` for them.
-
-Exit status (as every petl command): 2 for bad input (no weights, a method that cannot be unloaded, an
-unknown format, out= inside the run folder), 1 when the export fails, 130 on Ctrl-C (nothing half-written is
-left).
+The command line, its options and exit statuses are :mod:`petl.cli.export`'s.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 import warnings
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,12 +14,12 @@ import safetensors.torch
 import torch
 from torch import nn
 
-import petl
+import petl.methods  # noqa: F401  (importing the methods registers them)
+from petl.backbones.models import timm_native
 from petl.data.transforms import CROP_RATIO
-from petl.models import timm_native
-from petl.run import records
-from petl.run.errors import INTERRUPTED, RUN_ERROR, USAGE_ERROR
-from petl.run.load import LoadedRun, RunFolderError, load_run
+from petl.store import files as records
+from petl.store.load import LoadedRun, load_run
+from petl.surgery import merge
 
 PROG = "petl-export"
 FORMAT = "petl-export-1"
@@ -70,7 +47,7 @@ def metadata(run: LoadedRun) -> dict[str, str]:
 
 def plain_model(run: LoadedRun) -> nn.Module:
     """The run's model merged and unloaded into a plain timm model (in place), in eval mode."""
-    return petl.merge(run.model, unload=True).eval()
+    return merge(run.model, unload=True).eval()
 
 
 def save_safetensors(model: nn.Module, path: Path, meta: dict[str, str]) -> None:
@@ -200,34 +177,3 @@ def export(run_dir: str | Path, out: str | Path) -> float | None:
     else:
         save_timm_folder(model, out, timm_config(run))
     return None
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-    """Entry point of ``petl-export``."""
-    parser = argparse.ArgumentParser(
-        prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("run_dir", help="a finished petl-run output_dir")
-    parser.add_argument("out", help="out=FOLDER (timm's local-dir format), out=model.safetensors or out=model.onnx")
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    key, eq, target = args.out.partition("=")
-    if not eq or key != "out" or not target:
-        print(f"{PROG}: error: expected out=FOLDER|FILE.safetensors|FILE.onnx, got {args.out!r}", file=sys.stderr)
-        raise SystemExit(USAGE_ERROR)
-    try:
-        gap = export(args.run_dir, target)
-    except (RunFolderError, ValueError, FileNotFoundError) as error:
-        print(f"{PROG}: error: {error}", file=sys.stderr)
-        raise SystemExit(USAGE_ERROR) from None
-    except (RuntimeError, OSError) as error:
-        print(f"{PROG}: error: {error}", file=sys.stderr)
-        raise SystemExit(RUN_ERROR) from None
-    except KeyboardInterrupt:
-        print(f"{PROG}: interrupted; {target} was not written", file=sys.stderr)
-        raise SystemExit(INTERRUPTED) from None
-    checked = f" (onnxruntime matches torch within {gap:.1e})" if gap is not None else ""
-    print(f"wrote {target}{checked}")
-
-
-if __name__ == "__main__":
-    main()

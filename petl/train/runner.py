@@ -7,10 +7,10 @@ on all 1,000 examples and has no val split.
 Files in ``output_dir``: ``config.yaml`` (resolved, at start), ``metrics.jsonl`` (one line per
 epoch), ``checkpoint.pt`` (each epoch, removed at the end unless ``train.keep_checkpoint``),
 ``trainable.safetensors`` and finally ``result.json``, whose presence marks a finished run.  While a
-run goes on, ``.petl.lock`` (:mod:`petl.run.lock`) keeps a second run out of the folder.
+run goes on, ``.petl.lock`` (:mod:`petl.store.lock`) keeps a second run out of the folder.
 
-:func:`run` claims the folder and checks what an earlier run left there (:mod:`petl.run.folder`);
-:func:`_train_and_record` reads top-down: build the model and the data (:mod:`petl.run.build`),
+:func:`run` claims the folder and checks what an earlier run left there (:mod:`petl.train.output_dir`);
+:func:`_train_and_record` reads top-down: build the model and the data (:mod:`petl.train.build`),
 check a resume against the data and weights files, set up the loaders (over cached features where
 the method allows) and optimizer, restore the checkpoint, fit the epochs, evaluate test once, record.
 """
@@ -34,15 +34,19 @@ from omegaconf.errors import OmegaConfBaseException
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-import petl
+import petl.methods  # noqa: F401  (importing the methods registers them)
 from petl import data as petl_data
-from petl.core import trainable_state
-from petl.run import build, cache, config, engine, folder, learning, load, records
-from petl.run.config import ConfigError
-from petl.run.engine import NonFiniteLossError, TrainSettings, backbone_mode, build_optimizer, evaluate, fit
-from petl.run.errors import DivergedError, RunError
-from petl.run.folder import check_finished
-from petl.run.result import RunResult, write_result
+from petl.core import count_params, trainable_state
+from petl.errors import DivergedError, RunError
+from petl.io import save_trainable
+from petl.store import files as records
+from petl.store import load
+from petl.store.result import RunResult, write_result
+from petl.train import build, cache, config, engine, learning
+from petl.train import output_dir as folder
+from petl.train.config import ConfigError
+from petl.train.engine import NonFiniteLossError, TrainSettings, backbone_mode, build_optimizer, evaluate, fit
+from petl.train.output_dir import check_finished
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +97,7 @@ def run(cfg: DictConfig, *, checked: bool = False) -> dict[str, Any]:
 
     Args:
         cfg: a composed run config.
-        checked: ``cfg`` comes from :func:`petl.run.config.default_config` unchanged (petl-run's
+        checked: ``cfg`` comes from :func:`petl.train.config.default_config` unchanged (petl-run's
             own path), so its values are not checked a second time.
 
     """
@@ -165,7 +169,7 @@ def _train_and_record(cfg: DictConfig, resolved: dict[str, Any], out: Path, acce
         folder.set_aside(out)  # model, data and method are built: the replacement can start
     with folder.disk_errors(out, lambda: progress.saved_epoch, cfg.resume):
         if accelerator.is_main_process:
-            records.write_text(out / records.CONFIG_FILE, OmegaConf.to_yaml(resolved))
+            records.write_config(out, resolved)
     training = _set_up_training(cfg, model, datasets, accelerator)
     if checkpoint is not None:
         training.restore(checkpoint)
@@ -404,7 +408,7 @@ def _record(
 ) -> None:
     """Weights and model.json, then ``result.json`` (its presence marks the run finished), then drop the checkpoint."""
     if accelerator.is_main_process:
-        records.write_atomic(out / records.WEIGHTS_FILE, lambda tmp: petl.save_trainable(model, tmp))
+        records.write_atomic(out / records.WEIGHTS_FILE, lambda tmp: save_trainable(model, tmp))
         load.write_card(out, card)
         write_result(out / records.RESULT_FILE, result)
         if not cfg.train.keep_checkpoint:
@@ -427,7 +431,7 @@ def _result(
     training: _Setup,
 ) -> RunResult:
     accelerator, cache_plan = training.accelerator, training.cache_plan
-    counts = petl.count_params(model)
+    counts = count_params(model)
     images = sum(h["images"] for h in history)
     seconds = sum(h["seconds"] for h in history)
     last = history[-1] if history else {}

@@ -1,49 +1,31 @@
-"""``petl-bench``: run a benchmark suite, build its leaderboard, or time the methods.
+"""The ``petl-bench`` commands (run, report, list, commands, speed, params): :mod:`petl.cli.bench` dispatches here.
 
-Usage::
-
-    petl-bench [run] suite=mini [methods=linear,lora] [tasks=mini/digits] [seeds=0,1]
-               [output_dir=runs/bench/mini] [configs_dir=...] [report=true] [dry_run=false]
-               [train.epochs=5 model.drop_path=0.1 data.root=... ...]
-    petl-bench [run] suite=choose data=folder|hf data.root=PATH [model=...] [budget.params=1M]
-               [budget.train_seconds=600] [--yes]   (your own images: cost first, then which method; docs/choose.md)
-    petl-bench report RESULTS_DIR [out=DIR] [configs_dir=DIR] [suite=NAME]
-    petl-bench speed [model=...] [img_size=N] [batch=32] [steps=10] [warmup=3] [rounds=10] [infer_batch=1]
-                     [infer_steps=100] [device=cpu|cuda] [methods=...] [options_for=lora] [out=FILE]
-    petl-bench params suite=vtab1k [methods=...] [model=...]   (parameter counts vs the published ones)
-    petl-bench commands suite=vtab1k [hydra/launcher=submitit_slurm ...]   (prints petl-run --multirun lines)
-    petl-bench list
-
-Bad input (an unknown suite or key, a malformed YAML file, a results folder without results) exits with
-status 2 and one line naming the file or value; a sweep with failed runs exits with 1; Ctrl-C with 130
-(finished runs are kept, an interrupted run resumes from its last epoch).  ``--debug`` shows the traceback.
-
-Arguments are Hydra-style ``key=value``.  Keys the sweep does not know (``train.*``, ``model.*``,
-``data.root``...) pass through to ``petl.run.default_config`` after the suite's and experiment's own
-overrides, so the command line wins.  Suites and experiments come from petl's top-level ``configs/``
-folder (installed as ``petl.configs``); ``configs_dir=DIR`` (formerly ``benchmarks_dir=``) points at another.
+Each takes the command's words (``key=value``) and returns an exit status; errors are raised, and the shell words
+them in one line.
 """
 
 from __future__ import annotations
 
 import shlex
 import sys
-import warnings
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
-from petl.bench import protocol, report
+from petl.bench import notes, protocol, report
 from petl.bench import suite as suites
 from petl.bench.args import CONFIGS_KEYS, as_bool, configs_folder, parse_args, split_list
 from petl.bench.own_run import OWN_DATA_KEYS, YES_FLAG, run_on_own_data
 from petl.bench.report import write_report
 from petl.bench.sweep import PlannedRun, SweepSummary, plan, run_sweep
-from petl.run.errors import INTERRUPTED, RUN_ERROR, USAGE_ERROR
-from petl.run.result import ResultError
+from petl.errors import USAGE_ERROR
+from petl.store.result import ResultError
 
 PROG = "petl-bench"
-DEBUG_FLAG = "--debug"
+
+
+def _error(message: str) -> None:
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+
 
 SWEEP_KEYS = {
     "suite",
@@ -224,8 +206,22 @@ def cmd_report(args: Sequence[str]) -> int:
     if plan is not None:
         print(f"petl-bench: {report.progress(board)}")
     if board.published_names:
-        print(f"petl-bench: {report.ranking_line(board)}")
+        print(f"petl-bench: {notes.ranking_line(board)}")
     return 0
+
+
+def suite_backbone(suite: suites.Suite) -> tuple[str, int | str]:
+    """The timm backbone a suite trains and its input resolution (``model.img_size``, else the model's own)."""
+    import timm.models
+
+    from petl.backbones.models import DEFAULT_MODEL
+
+    model = suite.groups.get("model", {})
+    name = model.get("name", DEFAULT_MODEL)
+    if model.get("img_size"):
+        return name, model["img_size"]
+    pretrained = timm.models.get_pretrained_cfg(name)
+    return name, pretrained.input_size[-1] if pretrained else "its default"
 
 
 def cmd_list(args: Sequence[str]) -> int:
@@ -241,7 +237,11 @@ def cmd_list(args: Sequence[str]) -> int:
             broken += 1
             _error(str(error))
             continue
-        print(f"suite {name}: {len(s.experiments)} experiments, {len(s.tasks)} tasks, seeds {s.seeds}")
+        backbone, size = suite_backbone(s)
+        print(
+            f"suite {name}: {len(s.experiments)} experiments, {len(s.tasks)} tasks, seeds {s.seeds}, "
+            f"backbone {backbone} at {size} px"
+        )
     for name in suites.list_experiments(configs):
         try:
             e = suites.load_experiment(name, configs)
@@ -265,67 +265,3 @@ def cmd_speed(args: Sequence[str]) -> int:
     from petl.bench.speed import main as speed_main
 
     return speed_main(args)
-
-
-def _error(message: str) -> None:
-    print(f"{PROG}: error: {message}", file=sys.stderr)
-
-
-def _one_line_warning(message: Any, category: type, filename: str, lineno: int, file: Any = None, line: Any = None):
-    # A skipped result.json is worth one line naming it, not the source line that warned.
-    print(f"{PROG}: warning: {message}", file=sys.stderr if file is None else file)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``petl-bench``: errors are one line and an exit status (see the module docstring)."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    debug = DEBUG_FLAG in args
-    args = [a for a in args if a != DEBUG_FLAG]
-    try:
-        with warnings.catch_warnings():
-            if not debug:
-                warnings.showwarning = _one_line_warning
-            return _dispatch(args)
-    except KeyboardInterrupt:
-        if debug:
-            raise
-        _error("interrupted; run the same command again to go on (finished runs are kept, an interrupted run "
-               "resumes from its last finished epoch)")  # fmt: skip
-        raise SystemExit(INTERRUPTED) from None
-    except SystemExit as exit_:
-        if debug or not isinstance(exit_.code, str):
-            raise
-        print(exit_.code, file=sys.stderr)  # an argument error, already one line
-        raise SystemExit(USAGE_ERROR) from None
-    except (ValueError, FileNotFoundError) as error:
-        if debug:
-            raise
-        _error(str(error))
-        raise SystemExit(USAGE_ERROR) from None
-    except Exception as error:  # a fault nobody foresaw: one line, --debug for the traceback
-        if debug:
-            raise
-        _error(f"{type(error).__name__}: {error} ({DEBUG_FLAG} shows the traceback)")
-        raise SystemExit(RUN_ERROR) from None
-
-
-def _dispatch(args: list[str]) -> int:
-    if args and args[0] in ("-h", "--help", "help"):
-        print(__doc__)
-        return 0
-    command = args.pop(0) if args and "=" not in args[0] else "run"
-    commands = {
-        "run": cmd_run,
-        "report": cmd_report,
-        "list": cmd_list,
-        "commands": cmd_commands,
-        "speed": cmd_speed,
-        "params": cmd_params,
-    }
-    if command not in commands:
-        raise SystemExit(f"petl-bench: unknown command {command!r}; use {', '.join(commands)}")
-    return commands[command](args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -36,13 +36,14 @@ import torch
 from PIL import Image
 from torch import nn
 
-import petl
+import petl.methods  # noqa: F401  (importing the methods registers them)
 from petl import vit
 from petl.core import trainable_state
 from petl.data import hub
 from petl.data.transforms import ImageSpec, pil_to_tensor
+from petl.io import load_trainable
 from petl.paths import file_sha256
-from petl.run.records import MODEL_FILE, WEIGHTS_FILE, write_json
+from petl.store.files import MODEL_FILE, WEIGHTS_FILE, write_json
 
 log = logging.getLogger(__name__)
 
@@ -440,7 +441,7 @@ def load_run(run_dir: str | Path) -> LoadedRun:
     folder = Path(run_dir)
     card = read_card(folder)
     model = create_backbone(card["backbone"])
-    petl.load_trainable(model, weights_file(folder, card))
+    load_trainable(model, weights_file(folder, card))
     return loaded(folder, card, model)
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from petl.run.records import write_json
+from petl.store.files import write_json
 
 RESULT_VERSION = 1
 # Present only where they apply, so that the records of runs without them stay as they were.
@@ -82,7 +82,7 @@ class RunResult:
     wall_seconds: float | None = None
     selection: dict[str, Any] | None = None
     diverged: str | None = None
-    # Why training ended where it began (petl.run.learning), for a run that did not learn.
+    # Why training ended where it began (petl.train.learning), for a run that did not learn.
     not_learned: str | None = None
     version: int = RESULT_VERSION
     extra: dict[str, Any] = field(default_factory=dict)

@@ -22,10 +22,12 @@ from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import Dataset, Subset
 
 from petl import data as petl_data
-from petl.run import config, lock, records
-from petl.run.config import ConfigError
-from petl.run.errors import RunError
-from petl.run.result import ResultError, RunResult, read_result
+from petl.errors import RunError
+from petl.store import files as records
+from petl.store import lock
+from petl.store.result import ResultError, RunResult, read_result
+from petl.train import config
+from petl.train.config import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +136,7 @@ def check_output_dir(out: Path, cfg: DictConfig, resolved: dict[str, Any], is_ma
                 f"output_dir {out} holds {records.CHECKPOINT_FILE} without its {records.CONFIG_FILE}, so its config "
                 "cannot be checked; choose another output_dir, or resume=false to replace it"
             )
-        previous = OmegaConf.to_container(OmegaConf.load(out / records.CONFIG_FILE))
+        previous = records.read_config(out)
     else:
         # Nothing finished and no epoch to resume: whatever is there gets overwritten.
         return None
@@ -154,7 +156,7 @@ def check_finished(cfg: DictConfig) -> None:
     A run still being trained there (its ``config.yaml`` without ``result.json``: another sweep holds the folder)
     is compared on its config.
 
-    A sweep skips a run whose ``result.json`` exists without calling :func:`petl.run.runner.run`; this is the
+    A sweep skips a run whose ``result.json`` exists without calling :func:`petl.train.runner.run`; this is the
     check :func:`check_output_dir` makes before such a result is returned, so an edited suite (another epoch
     count, say) cannot have old results counted as its own.
 
@@ -168,7 +170,7 @@ def check_finished(cfg: DictConfig) -> None:
     assert isinstance(resolved, dict)
     if finished is None and (out / records.CONFIG_FILE).is_file():
         # Being trained (by another sweep into the same folder: petl-bench asks while the folder is held).
-        recorded = OmegaConf.to_container(OmegaConf.load(out / records.CONFIG_FILE))
+        recorded = records.read_config(out)
         assert isinstance(recorded, dict)
         check_same_config(out, recorded, resolved, "another sweep is training it: give this suite its own folder")
         return

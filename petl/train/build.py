@@ -24,13 +24,15 @@ from timm.data import resolve_data_config
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 
-import petl
+import petl.methods  # noqa: F401  (importing the methods registers them)
 from petl import data as petl_data
-from petl.core import first_line
+from petl.core import MethodConfig, first_line, get_method, make_config
 from petl.data import hub
-from petl.run import config, engine, load
-from petl.run.config import ConfigError
-from petl.run.errors import RunError
+from petl.errors import RunError
+from petl.store import load
+from petl.surgery import apply
+from petl.train import config, engine
+from petl.train.config import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -200,18 +202,18 @@ def method_config(
     num_classes: int,
     checkpoint: dict[str, Any] | None,
     accelerator: Accelerator,
-) -> petl.MethodConfig:
+) -> MethodConfig:
     """The method's config: from the command line, completed by the method's ``calibrate`` hook if it has one.
 
     A resumed run takes the config its checkpoint recorded, so the weights it restores fit the
     modules they were trained in even if calibrating again would choose differently.
     """
     name = cfg.method.name
-    spec = petl.get_method(name)
+    spec = get_method(name)
     recorded = checkpoint.get("method_config") if checkpoint is not None else None
     options = recorded if recorded is not None else {"num_classes": num_classes, **config.method_options(cfg)}
     try:
-        method_cfg = petl.make_config(name, **options)
+        method_cfg = make_config(name, **options)
     except ValueError as error:
         raise ConfigError(f"method {name}: {error}") from None
     if recorded is not None or spec.calibrate is None:
@@ -231,9 +233,9 @@ def method_config(
     return method_cfg
 
 
-def apply_method(cfg: DictConfig, model: nn.Module, method_cfg: petl.MethodConfig) -> None:
+def apply_method(cfg: DictConfig, model: nn.Module, method_cfg: MethodConfig) -> None:
     try:
-        petl.apply(model, cfg.method.name, config=method_cfg)
+        apply(model, cfg.method.name, config=method_cfg)
     except ValueError as error:
         raise ConfigError(f"method {cfg.method.name}: {error}") from None
 

@@ -22,7 +22,8 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from petl.core import PetlModule
-from petl.run.options import check_options, option
+from petl.data.registry import PROTOCOL_EPOCHS
+from petl.train.options import check_options, option
 
 
 class NonFiniteLossError(RuntimeError):
@@ -54,7 +55,7 @@ class TrainSettings:
 
     """
 
-    epochs: int = option(100, low=1)
+    epochs: int = option(PROTOCOL_EPOCHS, low=1)
     lr: float = option(1e-3, low=0, open_low=True)
     weight_decay: float = option(1e-4, low=0)
     warmup_frac: float = option(0.1, low=0, high=1)

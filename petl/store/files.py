@@ -28,7 +28,7 @@ CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"
 RESULT_FILE = "result.json"
 WEIGHTS_FILE = "trainable.safetensors"
-MODEL_FILE = "model.json"  # what using the weights needs (petl.run.load)
+MODEL_FILE = "model.json"  # what using the weights needs (petl.store.load)
 CHECKPOINT_FILE = "checkpoint.pt"
 RUN_FILES = (CONFIG_FILE, METRICS_FILE, RESULT_FILE, WEIGHTS_FILE, MODEL_FILE, CHECKPOINT_FILE)
 # resume=false moves an earlier run's files to ``<output_dir>.replaced-<time>``; reports skip such folders.
@@ -66,6 +66,20 @@ def write_text(path: Path, text: str) -> None:
 def write_json(path: Path, record: dict[str, Any]) -> None:
     """Write a JSON record atomically."""
     write_text(path, json.dumps(record, indent=2, sort_keys=False, default=str) + "\n")
+
+
+def write_config(folder: Path, config: dict[str, Any]) -> None:
+    """Write a run's resolved config as ``config.yaml`` in ``folder`` (atomically)."""
+    from omegaconf import OmegaConf
+
+    write_text(folder / CONFIG_FILE, OmegaConf.to_yaml(config))
+
+
+def read_config(folder: Path) -> dict[str, Any]:
+    """The config a run recorded in ``folder``'s ``config.yaml``, as plain containers."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(OmegaConf.load(folder / CONFIG_FILE))
 
 
 def write_metrics(path: Path, history: list[dict[str, Any]]) -> None:

@@ -1,0 +1,29 @@
+"""The "works with timm" table (docs/works-with.md): what timm's model methods do on each experiment's model."""
+
+from __future__ import annotations
+
+from timm.models.vision_transformer import VisionTransformer
+
+from petl.presets import configs_dir, list_experiments, load_experiment
+from petl.surgery import apply
+from petl.timm_api import support
+
+
+def support_table() -> str:
+    """The Markdown table of :func:`petl.timm_api.support` for every experiment (``petl.presets``), on a tiny ViT.
+
+    docs/works-with.md holds its output between ``<!-- works-with -->`` markers (docs/gen.py writes it);
+    tests/test_timm_api.py checks that it is current, and prints the table to paste when it is not.
+    """
+    configs = configs_dir()
+    rows = []
+    for name in list_experiments(configs):
+        options = dict(load_experiment(name, configs).method)
+        method = options.pop("name")
+        tiny = VisionTransformer(img_size=32, patch_size=8, embed_dim=48, depth=3, num_heads=3, num_classes=4)
+        rows.append((name, method, support(apply(tiny, method, **options))))
+    columns = list(rows[0][2])
+    lines = ["| experiment | method | " + " | ".join(f"`{c}`" for c in columns) + " |"]
+    lines.append("| --- " * (len(columns) + 2) + "|")
+    lines += [f"| `{name}` | `{method}` | " + " | ".join(cells.values()) + " |" for name, method, cells in rows]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,122 @@
+"""The one command-line grammar of the ``petl-*`` commands: ``key=value`` overrides as Hydra has them, flags anywhere.
+
+Every command parses with :func:`parse` (argparse's ``parse_intermixed_args``, so ``RUN IMAGES --quiet out=p.csv``
+and ``--quiet RUN out=p.csv IMAGES`` mean the same), then splits its words into positionals and ``key=value``
+pairs with :func:`split_items`.  A command declares its keys once (:class:`Key`), and :func:`keys_epilog` prints
+them under ``--help``, so the help lists exactly what the command accepts.  Nothing here imports torch or timm:
+``--help`` answers before anything heavy loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# What an override key may look like (Hydra's grammar: +key, ++key, ~key, dotted paths).
+_KEY_PREFIXES = ("++", "+", "~")
+
+
+class CommandLineError(ValueError):
+    """A word of the command line the command does not take: one line naming it (exit status 2)."""
+
+
+@dataclass(frozen=True)
+class Key:
+    """One ``key=value`` option a command accepts: its name, its type and a one-line help."""
+
+    name: str
+    help: str
+    type: type = str
+    default: Any = None
+
+
+def is_override(word: str) -> bool:
+    """Whether ``word`` is a ``key=value`` override (a path such as ``a=b.jpg`` only if its key looks like a key)."""
+    key, sep, _ = word.partition("=")
+    key = key.removeprefix("++").removeprefix("+").removeprefix("~")
+    return bool(sep) and bool(key) and all(part.isidentifier() for part in key.split("."))
+
+
+def parser(prog: str, description: str, usage: str | None = None, keys: Sequence[Key] = ()) -> argparse.ArgumentParser:
+    """An argparse parser for one command: flags are added by the caller, ``words`` takes the rest."""
+    made = argparse.ArgumentParser(
+        prog=prog,
+        description=description,
+        usage=usage,
+        epilog=keys_epilog(keys) if keys else None,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    return made
+
+
+def keys_epilog(keys: Sequence[Key]) -> str:
+    """The ``key=value`` options of a command as the help's last section."""
+    width = max(len(key.name) for key in keys) + len("=VALUE")
+    lines = ["key=value options (anywhere on the line):"]
+    for key in keys:
+        default = f" (default: {key.default})" if key.default is not None else ""
+        lines.append(f"  {key.name + '=VALUE':<{width}}  {key.help}{default}")
+    return "\n".join(lines)
+
+
+def parse(made: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Namespace:
+    """Parse ``argv`` with flags anywhere among the words (``words``: every positional and ``key=value``)."""
+    made.add_argument("words", nargs="*", help=argparse.SUPPRESS)
+    return made.parse_intermixed_args(list(argv))
+
+
+def split_items(
+    words: Sequence[str], keys: Sequence[Key], prog: str, paths_first: bool = False
+) -> tuple[list[str], dict[str, Any]]:
+    """Split words into positionals and the command's own ``key=value`` options (typed, unknown keys refused).
+
+    With ``paths_first`` a word naming an existing file (``a=b.jpg``) is a positional, not an option.
+
+    Raises:
+        CommandLineError: an unknown key or a value of the wrong type, in one line naming it.
+
+    """
+    known = {key.name: key for key in keys}
+    positional, options = [], {}
+    for word in words:
+        if not is_override(word) or (paths_first and Path(word).exists()):
+            positional.append(word)
+            continue
+        name, _, value = word.partition("=")
+        if name not in known:
+            choices = ", ".join(sorted(known)) or "none"
+            raise CommandLineError(f"unknown option {name!r}; valid: {choices} (see {prog} --help)")
+        try:
+            options[name] = known[name].type(value)
+        except ValueError:
+            raise CommandLineError(f"{name}={value!r}: expected {known[name].type.__name__}") from None
+    return positional, options
+
+
+def hydra_parser(prog: str) -> argparse.ArgumentParser:
+    """``petl-run``'s flags: the ones Hydra's app runner reads (``hydra.main``), on a public argparse parser.
+
+    Hydra has no public API for its own command-line parser; these are its flags, so that a command line is
+    known (and every job of a sweep checked) before Hydra starts.  ``tests/test_cli.py`` checks them against the
+    help Hydra prints.
+    """
+    made = argparse.ArgumentParser(prog=prog, add_help=False)
+    made.add_argument("--help", "-h", action="store_true")
+    made.add_argument("--hydra-help", action="store_true")
+    made.add_argument("--version", action="store_true")
+    made.add_argument("--cfg", "-c", choices=["job", "hydra", "all"])
+    made.add_argument("--resolve", action="store_true")
+    made.add_argument("--package", "-p")
+    made.add_argument("--run", "-r", action="store_true")
+    made.add_argument("--multirun", "-m", action="store_true")
+    made.add_argument("--shell-completion", "-sc", action="store_true")
+    made.add_argument("--config-path", "-cp")
+    made.add_argument("--config-name", "-cn")
+    made.add_argument("--config-dir", "-cd")
+    made.add_argument("--experimental-rerun")
+    made.add_argument("--info", "-i", const="all", nargs="?")
+    made.add_argument("overrides", nargs="*")
+    return made

@@ -1,0 +1,104 @@
+"""``petl-bench``: run a benchmark suite, build its leaderboard, or time the methods.
+
+Usage::
+
+    petl-bench [run] suite=mini [methods=linear,lora] [tasks=mini/digits] [seeds=0,1]
+               [output_dir=runs/bench/mini] [configs_dir=...] [report=true] [dry_run=false]
+               [train.epochs=5 model.drop_path=0.1 data.root=... ...]
+    petl-bench [run] suite=choose data=folder|hf data.root=PATH [model=...] [budget.params=1M]
+               [budget.train_seconds=600] [--yes]   (your own images: cost first, then which method; docs/choose.md)
+    petl-bench report RESULTS_DIR [out=DIR] [configs_dir=DIR] [suite=NAME]
+    petl-bench speed [model=...] [img_size=N] [batch=32] [steps=10] [warmup=3] [rounds=10] [infer_batch=1]
+                     [infer_steps=100] [device=cpu|cuda] [methods=...] [options_for=lora] [out=FILE]
+    petl-bench params suite=vtab1k [methods=...] [model=...]   (parameter counts vs the published ones)
+    petl-bench commands suite=vtab1k [hydra/launcher=submitit_slurm ...]   (prints petl-run --multirun lines)
+    petl-bench list
+
+Bad input (an unknown suite or key, a malformed YAML file, a results folder without results) exits with
+status 2 and one line naming the file or value; a sweep with failed runs exits with 1; Ctrl-C with 130
+(finished runs are kept, an interrupted run resumes from its last epoch).  ``--debug`` shows the traceback.
+
+Arguments are Hydra-style ``key=value``.  Keys the sweep does not know (``train.*``, ``model.*``,
+``data.root``...) pass through to ``petl.run.default_config`` after the suite's and experiment's own
+overrides, so the command line wins.  Suites and experiments come from petl's top-level ``configs/``
+folder (installed as ``petl.configs``); ``configs_dir=DIR`` (formerly ``benchmarks_dir=``) points at another.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+from petl.errors import INTERRUPTED, RUN_ERROR, USAGE_ERROR
+
+PROG = "petl-bench"
+DEBUG_FLAG = "--debug"
+
+
+def _error(message: str) -> None:
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+
+
+def _one_line_warning(message: Any, category: type, filename: str, lineno: int, file: Any = None, line: Any = None):
+    # A skipped result.json is worth one line naming it, not the source line that warned.
+    print(f"{PROG}: warning: {message}", file=sys.stderr if file is None else file)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``petl-bench``: errors are one line and an exit status (see the module docstring)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    debug = DEBUG_FLAG in args
+    args = [a for a in args if a != DEBUG_FLAG]
+    try:
+        with warnings.catch_warnings():
+            if not debug:
+                warnings.showwarning = _one_line_warning
+            return _dispatch(args)
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        _error("interrupted; run the same command again to go on (finished runs are kept, an interrupted run "
+               "resumes from its last finished epoch)")  # fmt: skip
+        raise SystemExit(INTERRUPTED) from None
+    except SystemExit as exit_:
+        if debug or not isinstance(exit_.code, str):
+            raise
+        print(exit_.code, file=sys.stderr)  # an argument error, already one line
+        raise SystemExit(USAGE_ERROR) from None
+    except (ValueError, FileNotFoundError) as error:
+        if debug:
+            raise
+        _error(str(error))
+        raise SystemExit(USAGE_ERROR) from None
+    except Exception as error:  # a fault nobody foresaw: one line, --debug for the traceback
+        if debug:
+            raise
+        _error(f"{type(error).__name__}: {error} ({DEBUG_FLAG} shows the traceback)")
+        raise SystemExit(RUN_ERROR) from None
+
+
+def _dispatch(args: list[str]) -> int:
+    if args and args[0] in ("-h", "--help", "help"):
+        print(__doc__)
+        return 0
+    command = args.pop(0) if args and "=" not in args[0] else "run"
+    # Imported after --help: the commands load the sweep, the report and (for a run) torch.
+    from petl.bench.commands import cmd_commands, cmd_list, cmd_params, cmd_report, cmd_run, cmd_speed
+
+    commands = {
+        "run": cmd_run,
+        "report": cmd_report,
+        "list": cmd_list,
+        "commands": cmd_commands,
+        "speed": cmd_speed,
+        "params": cmd_params,
+    }
+    if command not in commands:
+        raise SystemExit(f"petl-bench: unknown command {command!r}; use {', '.join(commands)}")
+    return commands[command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""petl-export: a trained run as a plain timm model, for stacks that know nothing of petl.
+
+    petl-export RUN_DIR out=exported             # a folder: timm.create_model("local-dir:exported", pretrained=True)
+    petl-export RUN_DIR out=model.safetensors    # timm.create_model(name, num_classes=K, checkpoint_path=..., **kwargs)
+    petl-export RUN_DIR out=model.onnx           # ONNX (torch.onnx.export), checked with onnxruntime
+
+The run's method is merged into the backbone and its wrappers removed (``petl.merge(model,
+unload=True)``), so what is written is the timm architecture with other weights, named as timm itself
+names it (petl's own backbones translated by :data:`petl.backbones.models.TIMM_NATIVE`), so that it loads where
+petl is not installed.  A folder (``out=`` without a suffix) is timm's own format for a model with its
+configuration, the one ``huggingface_hub`` uploads: ``config.json`` (``architecture``, ``model_args``
+with ``img_size``, ``num_classes``, ``pretrained_cfg`` with the preprocessing and ``label_names``) and
+``model.safetensors``.  A single file's metadata holds the same: the timm name and arguments, the class
+names and the preprocessing (input size, mean/std, interpolation, crop), as JSON strings (safetensors
+metadata; ONNX ``metadata_props``).  An ONNX file is checked against the merged model's logits with
+onnxruntime where it is installed.  ``out=`` inside the run folder is refused: an export never replaces
+the run's own files.
+Methods whose modules cannot fold into the backbone (adapters, prompts, an MLP head) are refused
+in one line: use ``petl-predict`` / ``petl.load_run`` for them.
+
+Exit status (as every petl command): 2 for bad input (no weights, a method that cannot be unloaded, an
+unknown format, out= inside the run folder), 1 when the export fails, 130 on Ctrl-C (nothing half-written is
+left).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+from petl.cli.args import CommandLineError, Key, parse, parser, split_items
+from petl.errors import INTERRUPTED, RUN_ERROR, USAGE_ERROR
+
+PROG = "petl-export"
+KEYS = (Key("out", "FOLDER (timm's local-dir format), FILE.safetensors or FILE.onnx (required)"),)
+USAGE = f"{PROG} RUN_DIR out=FOLDER|FILE.safetensors|FILE.onnx"
+
+
+def build_parser():  # noqa: ANN201  (argparse is imported by petl.cli.args)
+    """The command's parser; ``--help`` lists :data:`KEYS`."""
+    return parser(PROG, __doc__, USAGE, KEYS)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Entry point of ``petl-export``: parse (``--help`` answers here), then export (torch loads here)."""
+    args = parse(build_parser(), sys.argv[1:] if argv is None else argv)
+    try:
+        positional, options = split_items(args.words, KEYS, PROG)
+        if len(positional) != 1 or not options.get("out"):
+            raise CommandLineError(
+                f"expected RUN_DIR out=FOLDER|FILE.safetensors|FILE.onnx, got {' '.join(args.words)!r}"
+            )
+    except CommandLineError as error:
+        print(f"{PROG}: error: {error}", file=sys.stderr)
+        raise SystemExit(USAGE_ERROR) from None
+    target = options["out"]
+    from petl.deploy.export import export
+    from petl.store.load import RunFolderError
+
+    try:
+        gap = export(positional[0], target)
+    except (RunFolderError, ValueError, FileNotFoundError) as error:
+        print(f"{PROG}: error: {error}", file=sys.stderr)
+        raise SystemExit(USAGE_ERROR) from None
+    except (RuntimeError, OSError) as error:
+        print(f"{PROG}: error: {error}", file=sys.stderr)
+        raise SystemExit(RUN_ERROR) from None
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted; {target} was not written", file=sys.stderr)
+        raise SystemExit(INTERRUPTED) from None
+    checked = f" (onnxruntime matches torch within {gap:.1e})" if gap is not None else ""
+    print(f"wrote {target}{checked}")
+
+
+if __name__ == "__main__":
+    main()

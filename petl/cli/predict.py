@@ -1,0 +1,89 @@
+r"""petl-predict: a trained run's labels for new images, or its accuracy on a labelled split.
+
+    petl-predict RUN_DIR photo.png more_photos/ list.txt            # top-5 labels per image, on screen
+    petl-predict RUN_DIR photos/ out=preds.csv top_k=3 --merge       # also as CSV; LoRA & co. merged first
+    petl-predict RUN_DIR data=folder data.root=PATH split=test confusion=confusion.png
+    petl-predict RUN_A RUN_B RUN_C photos/ out=preds.csv          # several runs: one pass if one backbone
+
+Images are files, folders (searched recursively for image files) or list files (``.txt``: one path
+per line, relative to the list's folder).  They are decoded, preprocessed as the run evaluated
+(``model.json``), and classified in batches with a progress bar.  With ``data=`` the images and
+labels come from a dataset instead (``petl-run``'s ``data`` options), and the accuracy, the
+confusion matrix (on screen; as a PNG with ``confusion=PATH``) and, with ``out=``, every image's
+prediction are reported.  Several run folders may be given (their rows carry the run's folder):
+runs trained on one backbone (same timm name, pretrained weights or checkpoint, and preprocessing in
+``model.json``) are served together by ``petl.MultiTask`` in one pass over the images, each image
+decoded once and its rows for every run in the same batches; ``batch_size`` then counts image x run
+rows.  A run on another backbone, or whose method cannot share one (Partial-k, full fine-tuning),
+predicts with its own model after a one-line note; with ``--merge`` (a note says so) or ``data=``
+every run uses its own model.
+
+``out=`` writes every prediction, in the format its suffix names: ``.csv`` (text cells that would start
+a spreadsheet formula get a ``'``), ``.json`` (one list) or ``.jsonl`` (one object per line); the file is
+written whole or not at all (a full disk leaves an earlier file as it was).  File names that are not
+UTF-8 are written with their undecodable bytes as ``\xNN`` (:mod:`petl.text`).
+
+Exit status (as every petl command): 2 for bad input (a run folder without weights, a missing image, an
+unreadable image, an unknown option or ``out=`` suffix), 1 when the prediction cannot complete (a full
+disk...), 130 on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+from petl.cli.args import CommandLineError, Key, parse, parser, split_items
+from petl.errors import INTERRUPTED, RUN_ERROR, USAGE_ERROR
+
+PROG = "petl-predict"
+# The key=value options and their types; data.* as petl-run reads them.
+KEYS = (
+    Key("out", "write every prediction to a .csv, .json or .jsonl file"),
+    Key("top_k", "labels per image", int, 5),
+    Key("batch_size", "images per batch (image x run rows when runs are served together)", int, 64),
+    Key("split", "with data=: the split to evaluate", str, "test"),
+    Key("confusion", "with data=: draw the confusion matrix into this .png"),
+    Key("data", "evaluate on a dataset (folder, hf, ...) instead of images"),
+    Key("data.root", "with data=: its folder"),
+    Key("data.image_column", "with data=hf: the image column"),
+    Key("data.label_column", "with data=hf: the label column"),
+)
+USAGE = f"{PROG} RUN_DIR [RUN_DIR ...] (IMAGES... | data=NAME data.root=PATH [split=test]) [key=value ...] [flags]"
+
+
+def build_parser():  # noqa: ANN201  (argparse is imported by petl.cli.args)
+    """The command's parser: its flags; ``--help`` lists them and :data:`KEYS`."""
+    made = parser(PROG, __doc__, USAGE, KEYS)
+    made.add_argument("--merge", action="store_true", help="fold mergeable methods (LoRA...) in first")
+    made.add_argument("--quiet", action="store_true", help="no progress bar and no table")
+    return made
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Entry point of ``petl-predict``: parse (``--help`` answers here), then predict (torch loads here)."""
+    args = parse(build_parser(), sys.argv[1:] if argv is None else argv)
+    from petl.text import shown
+
+    try:
+        positional, options = split_items(args.words, KEYS, PROG, paths_first=True)
+        from petl.deploy.predict import UsageError, run_command
+
+        try:
+            status = run_command(positional, options, merge=args.merge, quiet=args.quiet)
+        except UsageError as error:
+            raise CommandLineError(str(error)) from None
+    except CommandLineError as error:
+        print(f"{PROG}: error: {shown(error)}", file=sys.stderr)
+        raise SystemExit(USAGE_ERROR) from None
+    except (RuntimeError, OSError) as error:
+        print(f"{PROG}: error: {shown(error)}", file=sys.stderr)
+        raise SystemExit(RUN_ERROR) from None
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        raise SystemExit(INTERRUPTED) from None
+    raise SystemExit(status)
+
+
+if __name__ == "__main__":
+    main()
