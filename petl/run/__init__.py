@@ -1,10 +1,11 @@
-"""Running methods: the training engine, the ``petl-run`` command line and its Python twin.
+"""The public face of training: ``petl-run``'s Python twin, and ``python -m petl.run``.
 
     from petl.run import default_config, train
     result = train(default_config(["method=lora", "method.rank=4", "train.epochs=5"]))
 
-The two names load on first use, so ``import petl.train.engine`` (the pretraining script) does not
-pull in Hydra and the dataset registry.
+The code lives in :mod:`petl.train` (``train`` in :mod:`petl.train.runner`, ``default_config`` in
+:mod:`petl.train.config`) and the command in :mod:`petl.cli.run`; this package keeps the documented names and
+``accelerate launch -m petl.run``.  The two names load on first use.
 """
 
 from __future__ import annotations
