@@ -189,9 +189,9 @@ def _wrappers(model: nn.Module) -> list[core.PetlModule]:
 def support(model: nn.Module) -> dict[str, str]:
     """What timm's model methods do on ``model`` (from :func:`petl.apply`), one short cell each.
 
-    The registry-wide tests (tests/test_timm_api.py, tests/test_train_options.py) check every cell's claim on
-    every experiment: a rebuilt or plain head at ``n`` classes, the same gradients or a refusal, intermediates of
-    the plain model's shapes, finite bf16 logits within bf16 precision of fp32.
+    The registry-wide tests (tests/methods/test_timm_api.py, tests/training/test_train_options.py) check every
+    cell's claim on every experiment: a rebuilt or plain head at ``n`` classes, the same gradients or a refusal,
+    intermediates of the plain model's shapes, finite bf16 logits within bf16 precision of fp32.
     """
     head = vit.head(model)
     wrappers = _wrappers(model)
@@ -209,8 +209,8 @@ def support(model: nn.Module) -> dict[str, str]:
 def support_table() -> str:
     """The Markdown table of :func:`support` for every experiment of the registry (``petl.presets``), on a tiny ViT.
 
-    The README holds its output between ``<!-- works-with -->`` markers; tests/test_timm_api.py checks that it is
-    current, and prints the table to paste when it is not.
+    The README holds its output between ``<!-- works-with -->`` markers; tests/methods/test_timm_api.py checks that
+    it is current, and prints the table to paste when it is not.
     """
     from timm.models.vision_transformer import VisionTransformer
 

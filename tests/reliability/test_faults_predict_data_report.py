@@ -279,7 +279,7 @@ def test_a_finished_folder_run_whose_train_images_were_edited_is_refused(tmp_pat
 
 # --- Reports: a cell's seeds must be seeds of one run
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CELL = REPO / "benchmarks" / "results" / "mini_dinov2" / "runs" / "mini" / "digits" / "lora"
 
 

@@ -1,6 +1,6 @@
 """Side-tuning methods (DTL, LST): which blocks the backward reaches, and the side network's bookkeeping.
 
-The registry-parametrized contract tests (tests/test_methods.py) cover them like every method; these
+The registry-parametrized contract tests (tests/methods/test_method_contracts.py) cover them like every method; these
 tests check what makes them side-tuning: the frozen blocks whose outputs need no gradient.
 """
 

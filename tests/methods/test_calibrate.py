@@ -2,7 +2,7 @@
 
 SCT is the method that has one (it picks its salient channels from the task's images); the
 throwaway method below checks the runner's side of the contract without SCT's details.  Runs use
-the two-block, width-48 random ViT on 96 images of ``mini/digits`` as tests/test_run.py does.
+the two-block, width-48 random ViT on 96 images of ``mini/digits`` as tests/training/test_engine.py does.
 """
 
 from __future__ import annotations

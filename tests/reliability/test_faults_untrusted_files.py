@@ -19,8 +19,8 @@ import torch
 from conftest import perturb_trainable, tiny_run
 from safetensors import safe_open
 from safetensors.torch import save_file
-from test_bench import FakeEngine, fake_result, write_run
-from test_data_vtab import SMALL, make_vtab_task
+from test_harness import FakeEngine, fake_result, write_run
+from test_vtab_fgvc_folders import SMALL, make_vtab_task
 
 import petl
 from petl import data as petl_data

@@ -16,7 +16,7 @@ import pytest
 from petl.bench import report
 from petl.bench.report import tail_change, write_report
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 MINI = REPO / "benchmarks" / "results" / "mini"
 RUNS = MINI / "runs"
 # The same protocol on the real backbone (DINOv2 ViT-S/14 at 56 px), built with its suite's plan.

@@ -11,7 +11,6 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-import timm
 import torch
 import torch.nn.functional as F
 from conftest import perturb_trainable
@@ -19,13 +18,6 @@ from conftest import perturb_trainable
 import petl
 from petl import vit
 from petl.methods.gps import GpsConfig, GpsLinear, gps_gradients, select_gps, selected_weights, supcon_loss
-
-
-@pytest.fixture(scope="module")
-def vit_base():
-    with torch.device("meta"):
-        return timm.create_model("vit_base_patch16_224", pretrained=False)
-
 
 # --- GPS ---------------------------------------------------------------------------------------
 

@@ -27,7 +27,7 @@ from petl.run import cli, config
 from petl.run import export as export_cli
 from petl.run import predict as predict_cli
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CLASSES = ("dark_red", "mid_green", "pale_blue")
 COLOURS = {"dark_red": (120, 10, 10), "mid_green": (30, 160, 40), "pale_blue": (150, 190, 250)}
 ENTRY_POINTS: dict[str, Callable] = {

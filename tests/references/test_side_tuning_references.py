@@ -1,4 +1,4 @@
-"""Side-tuning methods against re-implementations of their references' forwards (as tests/test_references.py).
+"""Side-tuning methods against re-implementations of their references' forwards (as test_reference_forwards.py).
 
 Written from reading the reference code (files and lines cited per test), on the same weights as petl's
 modules, sharing no code with petl's methods.  The pooling and head are the backbone's own (timm's
@@ -127,7 +127,7 @@ def test_lst_reduction_is_cited_as_the_code_reads_it():
 
     from petl.methods import lst
 
-    experiment = (Path(__file__).parents[1] / "configs" / "experiments" / "lst.yaml").read_text()
+    experiment = (Path(__file__).parents[2] / "configs" / "experiments" / "lst.yaml").read_text()
     for text in (lst.__doc__, experiment):
         flat = " ".join(text.replace("#", " ").split())
         assert "config.py: reduction 8" not in flat and "config.py (reduction 8" not in flat

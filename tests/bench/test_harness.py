@@ -1,7 +1,7 @@
 """Benchmark harness: suite loading, the sweep's layout and resumability, and the leaderboard report.
 
 Training is faked (a function writing result.json), so these tests take seconds; the end-to-end test
-through the real engine lives in test_bench_e2e.py.
+through the real engine lives in test_bench_end_to_end.py.
 """
 
 from __future__ import annotations
@@ -518,9 +518,9 @@ def _header_boxes(page: Path, tmp_path: Path, width: int) -> dict[str, list[floa
 
 
 COMMITTED = {
-    "committed mini leaderboard": Path(__file__).resolve().parents[1] / "benchmarks/results/mini/leaderboard.html",
+    "committed mini leaderboard": Path(__file__).resolve().parents[2] / "benchmarks/results/mini/leaderboard.html",
     "committed real-backbone leaderboard": (
-        Path(__file__).resolve().parents[1] / "benchmarks/results/mini_dinov2/leaderboard.html"
+        Path(__file__).resolve().parents[2] / "benchmarks/results/mini_dinov2/leaderboard.html"
     ),
 }
 
@@ -699,7 +699,7 @@ def test_params_applies_per_task_method_options_and_spares_another_backbone(tmp_
 
 
 def test_configs_are_found_in_a_checkout_and_the_package_list_is_complete():
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     assert BENCH == root / "configs"
     import tomllib
 
@@ -709,7 +709,7 @@ def test_configs_are_found_in_a_checkout_and_the_package_list_is_complete():
 
 
 def test_a_non_editable_install_carries_the_configs(tmp_path):
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     source = tmp_path / "src"
     # A copy of what a source distribution holds, so the build leaves nothing in the checkout.
     for name in ("petl", "configs"):

@@ -47,7 +47,7 @@ def throwaway() -> Iterator[str]:
 
 
 def test_a_registered_method_reaches_the_cli_the_contract_tests_and_a_suite(throwaway, tmp_path):
-    # The contract tests in tests/test_methods.py are parametrised over this list.
+    # The contract tests in tests/methods/test_method_contracts.py are parametrised over this list.
     assert throwaway in petl.list_methods()
 
     # The CLI's `method` group has it, with its options type-checked from the dataclass.

@@ -148,7 +148,7 @@ def test_cli_run_failure_exits_1(tmp_path, monkeypatch, capsys):
 
 
 def test_cli_bad_images_stop_the_run_before_training_with_one_line(tmp_path, capsys):
-    from test_data_vtab import FULL, make_vtab_task
+    from test_vtab_fgvc_folders import FULL, make_vtab_task
 
     make_vtab_task(tmp_path / "root" / "dtd", FULL, num_classes=47)
     (tmp_path / "root" / "dtd" / "images" / "img 7.png").write_bytes(b"")  # listed in test.txt only

@@ -13,7 +13,6 @@ import math
 from pathlib import Path
 
 import pytest
-import timm
 import torch
 import torch.nn.functional as F
 from conftest import perturb_trainable
@@ -34,12 +33,6 @@ def _published_params(row: str) -> str:
             if record[0] == row:
                 return record[-2]
     raise KeyError(row)
-
-
-@pytest.fixture(scope="module")
-def vit_base():
-    with torch.device("meta"):
-        return timm.create_model("vit_base_patch16_224", pretrained=False)
 
 
 @pytest.mark.parametrize(

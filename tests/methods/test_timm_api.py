@@ -3,7 +3,7 @@
 Each test runs the same check on the plain timm model and on every experiment of the registry
 (``configs/experiments`` plus the methods no experiment file runs), and asserts the petl model behaves
 as the plain one does, or refuses in one line naming its method.  Test bodies never name a method.
-Gradient checkpointing's registry-wide test is tests/test_train_options.py's.
+Gradient checkpointing's registry-wide test is tests/training/test_train_options.py's.
 """
 
 from __future__ import annotations
@@ -179,7 +179,7 @@ def test_autocast(images, name, device, dtype):
     assert [n for n, p in trainable.items() if p.grad is None or not torch.isfinite(p.grad).all()] == []
 
 
-# Same gradients or refused when switched on, for every method: tests/test_train_options.py
+# Same gradients or refused when switched on, for every method: tests/training/test_train_options.py
 # (test_grad_checkpointing_gives_the_same_loss_and_gradients).
 
 
@@ -191,7 +191,7 @@ def test_apply_on_a_checkpointing_model_refuses_a_side_network():
 
 
 def test_readme_works_with_table_is_generated_from_the_registry():
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     match = re.search(r"<!-- works-with -->\n(.*?)<!-- /works-with -->", readme, flags=re.S)
     assert match, "README.md: the works-with table's markers are missing"
     table = timm_api.support_table()

@@ -9,19 +9,12 @@ from __future__ import annotations
 import copy
 
 import pytest
-import timm
 import torch
 import torch.nn.functional as F
 from conftest import perturb_trainable
 
 import petl
 from petl.methods.hydra import HydraLinear
-
-
-@pytest.fixture(scope="module")
-def vit_base():
-    with torch.device("meta"):
-        return timm.create_model("vit_base_patch16_224", pretrained=False)
 
 
 def _formula(vit_base, method, **options) -> int:

@@ -1,6 +1,6 @@
 """LAST and SNF: their forwards against independent re-implementations, counts, and what they skip in the backward.
 
-The registry-parametrized contract tests (tests/test_methods.py) cover them like every method.  The
+The registry-parametrized contract tests (tests/methods/test_method_contracts.py) cover them like every method.  The
 re-implementations below are written from the paper (LAST, no reference code) and from the reference code
 (SNF: Wang-Yaoming/SNF@a6f85b1), on the same weights as petl's modules, sharing no code with petl's methods.
 """

@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 
 import pytest
-import timm
 import torch
 import torch.nn.functional as F
 from conftest import perturb_trainable
@@ -195,14 +194,6 @@ def test_count_matches_formula(tiny_vit, method, options, backbone):
     assert counts.trainable == expected + sum(p.numel() for p in vit.head(model).parameters())
 
 
-@pytest.fixture(scope="module")
-def vit_base():
-    # Built on the meta device: the architecture (and so every count) is that of the real
-    # vit_base_patch16_224, but no 86M random weights are drawn, which takes seconds on a busy CPU.
-    with torch.device("meta"):
-        return timm.create_model("vit_base_patch16_224", pretrained=False)
-
-
 PUBLISHED = [
     ("lora", {"rank": 8, "targets": ["q", "v"]}, 294_912),
     ("adapter", {"style": "sequential", "dim": 8}, 156_768),
@@ -378,7 +369,7 @@ def test_sequential_adapter_sits_after_the_mlp(tiny_vit):
 
 
 def test_parallel_adapter_wraps_the_block_with_adaptformer_init(tiny_vit):
-    # The forward itself is checked against a re-implementation of AdaptFormer's in test_references.py.
+    # The forward itself is checked against a re-implementation of AdaptFormer's in test_reference_forwards.py.
     model = petl.apply_adapter(tiny_vit(), style="parallel")
     wrapper = model.blocks[0]
     assert isinstance(wrapper, ParallelAdapter) and wrapper.base is vit.blocks(model)[0]
