@@ -411,11 +411,12 @@ def set_aside_line(board: Leaderboard) -> str:
     cells: dict[str, list[str]] = {}
     seconds = 0.0
     for path in paths:
-        # <task...>/<experiment>/unstable/<point>/seed<k>/result.json
+        # <task folder>/<experiment>/unstable/<point>/seed<k>/result.json; the task is the record's (a folder
+        # name is mini-digits, or mini/digits in results written before the one-level layout).
         run, point, experiment = path.parent, path.parent.parent.name, path.parents[3].name
-        task = path.parents[4].relative_to(board.results_dir).as_posix()
-        cells.setdefault(f"{experiment} {task.rsplit('/', 1)[-1]} at {point}", []).append(run.name)
         result = read_result(path)
+        task = result.dataset if result else path.parents[4].relative_to(board.results_dir).as_posix()
+        cells.setdefault(f"{experiment} {task.rsplit('/', 1)[-1]} at {point}", []).append(run.name)
         seconds += float(result.wall_seconds or 0.0) if result else 0.0
     listed = "; ".join(f"{cell} ({', '.join(runs)})" for cell, runs in sorted(cells.items()))
     return (

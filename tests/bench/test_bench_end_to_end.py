@@ -26,11 +26,11 @@ def test_petl_bench_trains_reports_and_resumes(tmp_path, capsys):
     ]
     assert cli.main(args) == 0
     for experiment, method in (("linear", "linear"), ("lora", "lora")):
-        run_dir = tmp_path / "mini" / "digits" / experiment / "seed0"
+        run_dir = tmp_path / "mini-digits" / experiment / "seed0"
         result = json.loads((run_dir / "result.json").read_text())
         assert result["method"] == method and result["dataset"] == "mini/digits" and result["seed"] == 0
         assert (run_dir / "trainable.safetensors").is_file() and not (run_dir / sweep.LOCK_FILE).exists()
-    lora = json.loads((tmp_path / "mini/digits/lora/seed0/result.json").read_text())
+    lora = json.loads((tmp_path / "mini-digits/lora/seed0/result.json").read_text())
     assert lora["method_config"]["rank"] == 8 and lora["epochs"] == 1
 
     with (tmp_path / "leaderboard.csv").open() as f:

@@ -17,7 +17,7 @@ from petl.bench import report
 from petl.bench.report import tail_change, write_report
 
 REPO = Path(__file__).resolve().parents[2]
-MINI = REPO / "benchmarks" / "results" / "mini"
+MINI = REPO / "benchmarks" / "results" / "mini_selection"
 RUNS = MINI / "runs"
 # The same protocol on the real backbone (DINOv2 ViT-S/14 at 56 px), built with its suite's plan.
 DINOV2 = REPO / "benchmarks" / "results" / "mini_dinov2"
@@ -193,7 +193,7 @@ def test_committed_results_keep_no_weights_per_the_ignore_rules():
 
     if shutil.which("git") is None or not (REPO / ".git").exists():
         pytest.skip("not a git checkout")
-    folder = "benchmarks/results/mini/runs/mini/digits/lora/seed0"
+    folder = "benchmarks/results/mini_selection/runs/mini-digits/lora/seed0"
     paths = [f"{folder}/{name}" for name in ("result.json", "metrics.jsonl", "trainable.safetensors", "checkpoint.pt")]
     ignored = subprocess.run(
         ["git", "check-ignore", *paths], cwd=REPO, capture_output=True, text=True, check=False
@@ -371,19 +371,23 @@ def test_copy_finished_runs_takes_finished_runs_only_and_overwrites_nothing(tmp_
     (cell / "search/train.lr=0.001/metrics.jsonl").write_text('{"epoch": 1}\n')
     _write(cell / "seed0", _result("mini/digits", "lora", 0, 80.0, selection={"chosen": {}}))
     _write(cell / "seed1", _result("mini/digits", "lora", 1, 80.0))  # trained, selection not stamped yet
+    # src/mini/digits/... is the layout before one folder level per task (a sweep started earlier); both go to
+    # the one-level layout petl-bench writes today.
+    _write(src / "mini-mnist/linear/seed0", _result("mini/mnist", "linear", 0, 70.0))
     script = REPO / "benchmarks" / "copy_finished_runs.sh"
 
     def copy() -> str:
         done = subprocess.run(["bash", script, src, dst], capture_output=True, text=True, check=True)
         return done.stdout + done.stderr
 
-    assert "copied 2 finished runs, 0 already" in copy() and "1 final runs left out" in copy()
+    assert "copied 3 finished runs, 0 already" in copy() and "1 final runs left out" in copy()
     copied = sorted(str(p.relative_to(dst)) for p in dst.rglob("*") if p.is_file())
     assert copied == [
-        "mini/digits/lora/search/train.lr=0.01/config.yaml",
-        "mini/digits/lora/search/train.lr=0.01/metrics.jsonl",
-        "mini/digits/lora/search/train.lr=0.01/result.json",
-        "mini/digits/lora/seed0/result.json",
+        "mini-digits/lora/search/train.lr=0.01/config.yaml",
+        "mini-digits/lora/search/train.lr=0.01/metrics.jsonl",
+        "mini-digits/lora/search/train.lr=0.01/result.json",
+        "mini-digits/lora/seed0/result.json",
+        "mini-mnist/linear/seed0/result.json",
     ]
-    (dst / "mini/digits/lora/seed0/result.json").write_text("{}")  # a copy that differs is named, never replaced
-    assert "differs, left alone: " in copy() and (dst / "mini/digits/lora/seed0/result.json").read_text() == "{}"
+    (dst / "mini-digits/lora/seed0/result.json").write_text("{}")  # a copy that differs is named, never replaced
+    assert "differs, left alone: " in copy() and (dst / "mini-digits/lora/seed0/result.json").read_text() == "{}"

@@ -134,7 +134,7 @@ def fake_result(
 
 
 def write_run(root: Path, task: str, experiment: str, seed: int, **kwargs) -> None:
-    folder = root / task / experiment / f"seed{seed}"
+    folder = sweep.run_dir_for(root, task, experiment, seed)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "result.json").write_text(json.dumps(fake_result(task, kwargs.pop("method", experiment), seed, **kwargs)))
 
@@ -145,7 +145,7 @@ def test_sweep_layout_overrides_and_resume(tmp_path):
     runs = sweep.plan(experiments, tasks, [0, 1], tmp_path, ["train.epochs=3"], ["train.lr=0.5"])
     assert len(runs) == 8
     lora = next(r for r in runs if r.experiment == "lora" and r.task == "mini/mnist" and r.seed == 1)
-    assert lora.run_dir == tmp_path / "mini" / "mnist" / "lora" / "seed1"
+    assert lora.run_dir == tmp_path / "mini-mnist" / "lora" / "seed1"
     # Suite first, experiment next, the user's overrides after them, the run's folder last.
     assert lora.overrides[0] == "train.epochs=3" and lora.overrides[-2] == "train.lr=0.5"
     assert lora.overrides[-1] == f"output_dir={format_value(str(lora.run_dir))}"
@@ -292,7 +292,7 @@ def test_mini_leaderboard_has_no_published_column(tmp_path):
 def test_experiment_comes_from_the_folder_and_config_from_the_result(tmp_path):
     write_run(tmp_path, "mini/digits", "adapter_parallel", 0, method="adapter", top1=70.0)
     write_run(tmp_path, "mini/digits", "adapter_sequential", 0, method="adapter", top1=71.0)
-    result = tmp_path / "mini/digits/adapter_parallel/seed0/result.json"
+    result = tmp_path / "mini-digits/adapter_parallel/seed0/result.json"
     data = json.loads(result.read_text())
     data["method_config"] = {"num_classes": 10, "style": "parallel", "dim": 8}
     result.write_text(json.dumps(data))
@@ -518,7 +518,9 @@ def _header_boxes(page: Path, tmp_path: Path, width: int) -> dict[str, list[floa
 
 
 COMMITTED = {
-    "committed mini leaderboard": Path(__file__).resolve().parents[2] / "benchmarks/results/mini/leaderboard.html",
+    "committed mini leaderboard": (
+        Path(__file__).resolve().parents[2] / "benchmarks/results/mini_selection/leaderboard.html"
+    ),
     "committed real-backbone leaderboard": (
         Path(__file__).resolve().parents[2] / "benchmarks/results/mini_dinov2/leaderboard.html"
     ),
@@ -546,7 +548,25 @@ def test_commands_print_multirun_lines_writing_the_same_layout(capsys):
     (line,) = capsys.readouterr().out.strip().splitlines()
     assert line.startswith("petl-run --multirun ") and "method=adapter method.style=parallel method.dim=8" in line
     assert "seed=0,1" in line and "hydra/launcher=joblib" in line and "data=mini/fashion_mnist,mini/mnist," in line
-    assert line.endswith("'output_dir=runs/bench/mini/${data.name}/adapter_parallel/seed${seed}'")
+    assert line.endswith("'output_dir=runs/bench/mini/${petl.slug:${data.name}}/adapter_parallel/seed${seed}'")
+    # Each job's folder resolves as petl-bench's own would: runs/bench/mini/mini-digits/adapter_parallel/seed1.
+    from omegaconf import OmegaConf
+
+    from petl.run.config import register_configs
+
+    register_configs()  # petl-run's resolvers, petl.slug among them
+    folder = line.split("output_dir=")[1].strip("'")
+    job = OmegaConf.create({"data": {"name": "mini/digits"}, "seed": 1, "output_dir": folder})
+    assert Path(job.output_dir) == sweep.run_dir_for(Path("runs/bench/mini"), "mini/digits", "adapter_parallel", 1)
+
+
+def test_every_registered_task_has_its_own_one_level_folder():
+    from petl.data import list_datasets
+
+    tasks = list_datasets()
+    folders = {sweep.task_folder(t) for t in tasks}
+    assert len(folders) == len(tasks) and not [f for f in folders if "/" in f]
+    assert sweep.task_folder("mini/digits") == "mini-digits"
 
 
 def test_adding_a_column_is_one_declaration(tmp_path, monkeypatch):
@@ -740,7 +760,7 @@ def test_a_cell_with_a_seed_that_did_not_learn_is_marked_and_named(tmp_path):
         write_run(tmp_path, "mini/mnist", "linear", seed, top1=86.0)
         stuck = seed != 1
         losses = [2.4, 2.33, 2.307] if stuck else [2.4, 1.0, 0.3]  # seeds 0 and 2 end at chance, ln 10 = 2.303
-        folder = tmp_path / "mini/mnist/lora" / f"seed{seed}"
+        folder = tmp_path / "mini-mnist/lora" / f"seed{seed}"
         metrics = "".join(json.dumps({"epoch": i + 1, "loss": v}) + "\n" for i, v in enumerate(losses))
         (folder / "metrics.jsonl").write_text(metrics)
         record = json.loads((folder / "result.json").read_text())

@@ -235,7 +235,7 @@ def test_ties_go_to_the_first_grid_point_and_finals_use_the_choice(tmp_path):
     assert all(t["data.split"] == "train800" and t["seed"] == "0" for t in trials)
     assert [f["train.lr"] for f in finals] == ["0.01", "0.01"]  # 70.0 twice: the earlier point wins
     assert [(f["data.split"], f["seed"]) for f in finals] == [("train800val200", "0"), ("train800val200", "1")]
-    result = json.loads((tmp_path / "mini/digits/e/seed1/result.json").read_text())
+    result = json.loads((tmp_path / "mini-digits/e/seed1/result.json").read_text())
     assert result["selection"]["chosen"] == {"train.lr": 1e-2}
     assert [t["val_top1"] for t in result["selection"]["trials"]] == [60.0, 70.0, 70.0]
 
@@ -248,7 +248,7 @@ def test_a_pinned_experiment_gets_one_trial_for_its_val_curve_under_pinned_trial
     suite = _suite(search={"train.lr": [1e-3, 1e-2]}, pinned_trial=True)
     cells = protocol.plan_cells(suite, [full, lora], ["mini/digits"], [0], tmp_path)
     assert [t.run.run_dir.relative_to(tmp_path).as_posix() for t in cells[0].trials] == [
-        "mini/digits/full/search/defaults"
+        "mini-digits/full/search/defaults"
     ]
     assert len(cells[1].trials) == 2  # a searched experiment is unchanged
     trained: list = []
@@ -256,9 +256,9 @@ def test_a_pinned_experiment_gets_one_trial_for_its_val_curve_under_pinned_trial
     assert summary.trained == 5 and not summary.failed
     trial = next(t for t in trained if t["output_dir"].endswith("full/search/defaults"))
     assert trial["data.split"] == "train800" and trial["train.eval_test"] == "false"
-    result = json.loads((tmp_path / "mini/digits/full/seed0/result.json").read_text())
+    result = json.loads((tmp_path / "mini-digits/full/seed0/result.json").read_text())
     assert result["selection"]["chosen"] == {} and result["selection"]["space"] == {}
-    assert result["selection"]["trials"][0]["output_dir"] == "mini/digits/full/search/defaults"
+    assert result["selection"]["trials"][0]["output_dir"] == "mini-digits/full/search/defaults"
 
 
 def test_a_diverged_trial_is_scored_last_and_the_finals_go_ahead(tmp_path):
@@ -277,7 +277,7 @@ def test_a_diverged_trial_is_scored_last_and_the_finals_go_ahead(tmp_path):
 
     summary = protocol.run_protocol(cells, progress=False, train_fn=train, compose_fn=fakes["compose_fn"])
     assert not summary.failed and not summary.waiting and len(summary.diverged) == 1
-    result = json.loads((tmp_path / "mini/digits/e/seed0/result.json").read_text())
+    result = json.loads((tmp_path / "mini-digits/e/seed0/result.json").read_text())
     assert result["selection"]["chosen"] == {"train.lr": 1e-3}
     assert result["selection"]["trials"][0]["diverged"] is True and "diverged" not in result["selection"]["trials"][1]
     # The next invocation trains nothing: the diverged trial has its result.
@@ -339,7 +339,7 @@ def test_finals_wait_for_a_complete_search(tmp_path):
     trained: list = []
     summary = protocol.run_protocol(cells, progress=False, **_fake_trainer({1e-3: 1.0}, trained))
     assert len(trained) == 1 and len(summary.held_elsewhere) == 1 and len(summary.waiting) == 1
-    assert not (tmp_path / "mini/digits/e/seed0").exists()
+    assert not (tmp_path / "mini-digits/e/seed0").exists()
 
 
 def test_command_line_cannot_override_what_the_protocol_sets(tmp_path):
@@ -474,7 +474,7 @@ def test_a_final_run_of_another_point_is_not_relabelled(tmp_path):
     cells = protocol.plan_cells(suite, [suites.Experiment("e", {"name": "lora"})], ["mini/digits"], [0], tmp_path)
     trained: list = []
     protocol.run_protocol(cells, progress=False, **_fake_trainer({1e-3: 60.0, 1e-2: 50.0}, trained))
-    final = tmp_path / "mini/digits/e/seed0/result.json"
+    final = tmp_path / "mini-digits/e/seed0/result.json"
     assert json.loads(final.read_text())["selection"]["chosen"] == {"train.lr": 1e-3}
     # The trials change afterwards (say, more epochs): the finished final trained 1e-3, the search now says 1e-2.
     trial = cells[0].trials[1].run.run_dir / "result.json"
@@ -521,7 +521,7 @@ def test_calibrate_once_calibrates_in_the_first_trial_and_the_task_reuses_it(tmp
     assert summary.trained == 4 and not summary.waiting and not summary.failed
     summary = protocol.run_protocol(cells, progress=False, **fakes)
     assert summary.trained == 4 and not summary.failed  # the four finals
-    assert calibrated == ["mini/digits/e/search/train.lr=0.001", "mini/mnist/e/search/train.lr=0.001"]
+    assert calibrated == ["mini-digits/e/search/train.lr=0.001", "mini-mnist/e/search/train.lr=0.001"]
     for task, widths in (("mini/digits", "1,0"), ("mini/mnist", "2,0")):
         runs = [t for t in trained if f"/{task}/" in t["output_dir"]]
         assert len(runs) == 4 and [t.get("method.widths") for t in runs[1:]] == [widths] * 3
@@ -554,7 +554,7 @@ def test_calibrate_once_without_a_search_reuses_the_first_seed(tmp_path):
     trained: list = []
     calibrated: list[str] = []
     summary = sweep.run_sweep(runs[::-1], progress=False, **_calibrating_trainer(trained, calibrated))
-    assert summary.trained == 3 and calibrated == ["mini/digits/e/seed0"]
+    assert summary.trained == 3 and calibrated == ["mini-digits/e/seed0"]
     assert [t.get("method.widths") for t in trained] == [None, "1,0", "1,0"]
     # Under a searching suite without trials (every searched key pinned), the first seed's final calibrates.
     pinned = suites.Experiment("p", {"name": "noah"}, {"train": {"lr": 1e-4}}, calibrate_once=True)
@@ -647,7 +647,7 @@ def test_require_learning_sets_a_point_aside_whose_finals_did_not_learn(tmp_path
     fakes = _stuck_trainer({1e-3: 60.0, 1e-2: 70.0}, {(1e-2, "1")}, trained)
     first = protocol.run_protocol(cells, progress=False, **fakes)
     assert first.trained == 4 and not first.set_aside  # val chose 1e-2; its seed 1 ended at chance
-    cell = tmp_path / "mini/digits/e"
+    cell = tmp_path / "mini-digits/e"
     second = protocol.run_protocol(cells, progress=False, **fakes)
     assert len(second.set_aside) == 2 and second.trained == 2
     assert sorted(p.name for p in (cell / "unstable" / "train.lr=0.01").iterdir()) == ["seed0", "seed1"]
@@ -672,7 +672,7 @@ def test_require_learning_passes_over_a_trial_that_did_not_learn_but_keeps_a_met
         cells, progress=False, **_stuck_trainer({1e-3: 60.0, 1e-2: 70.0}, {(1e-2, "0")}, trained)
     )
     assert [t["train.lr"] for t in trained] == ["0.001", "0.01", "0.001"] and not summary.set_aside
-    selection = json.loads((tmp_path / "mini/digits/e/seed0/result.json").read_text())["selection"]
+    selection = json.loads((tmp_path / "mini-digits/e/seed0/result.json").read_text())["selection"]
     assert selection["learning"]["not_learned"] == ["train.lr=0.01"]
     # Nothing learns anywhere: the finals stay (the report marks them), none is moved, nothing retrains.
     never = protocol.plan_cells(suite, [suites.Experiment("f", {"name": "lora"})], ["mini/digits"], [0], tmp_path)
@@ -681,7 +681,7 @@ def test_require_learning_passes_over_a_trial_that_did_not_learn_but_keeps_a_met
     protocol.run_protocol(never, progress=False, **fakes)
     again = protocol.run_protocol(never, progress=False, **fakes)
     assert again.trained == 0 and not again.set_aside
-    assert "learning" not in json.loads((tmp_path / "mini/digits/f/seed0/result.json").read_text())["selection"]
+    assert "learning" not in json.loads((tmp_path / "mini-digits/f/seed0/result.json").read_text())["selection"]
     # Without the suite's option the plain rule holds: the 1e-2 trial is chosen.
     plain = protocol.plan_cells(
         _suite(search={"train.lr": [1e-3, 1e-2]}),
@@ -691,6 +691,6 @@ def test_require_learning_passes_over_a_trial_that_did_not_learn_but_keeps_a_met
         tmp_path,
     )
     protocol.run_protocol(plain, progress=False, **_stuck_trainer({1e-3: 60.0, 1e-2: 70.0}, {(1e-2, "0")}, trained))
-    assert json.loads((tmp_path / "mini/digits/g/seed0/result.json").read_text())["selection"]["chosen"] == {
+    assert json.loads((tmp_path / "mini-digits/g/seed0/result.json").read_text())["selection"]["chosen"] == {
         "train.lr": 1e-2
     }

@@ -280,12 +280,12 @@ def test_a_finished_folder_run_whose_train_images_were_edited_is_refused(tmp_pat
 # --- Reports: a cell's seeds must be seeds of one run
 
 REPO = Path(__file__).resolve().parents[2]
-CELL = REPO / "benchmarks" / "results" / "mini_dinov2" / "runs" / "mini" / "digits" / "lora"
+CELL = REPO / "benchmarks" / "results" / "mini_dinov2" / "runs" / "mini-digits" / "lora"
 
 
 def _cell_copy(tmp_path: Path) -> Path:
     """The committed DINOv2 digits/lora cell (seeds 0-2: GPU and CPU runs, two torch versions) in a folder."""
-    target = tmp_path / "results" / "mini" / "digits" / "lora"
+    target = tmp_path / "results" / "mini-digits" / "lora"
     for seed in (0, 1, 2):
         (target / f"seed{seed}").mkdir(parents=True)
         shutil.copy(CELL / f"seed{seed}" / "result.json", target / f"seed{seed}" / "result.json")
@@ -348,7 +348,7 @@ def test_two_suites_side_by_side_in_one_folder_neither_counts_the_others_run(tmp
     small = ["progress=false", "data.subset=64", "train.progress=false"]
     assert _petl_bench(capsys, *suite, *small, "train.epochs=1")[0] == 0
     board = (tmp_path / "leaderboard.md").read_bytes()
-    run = tmp_path / "mini" / "digits" / "linear" / "seed0"
+    run = tmp_path / "mini-digits" / "linear" / "seed0"
     result = (run / "result.json").read_bytes()
     # The first suite is still training that run (its config.yaml, its live lock): the second waits for nothing.
     (run / "result.json").unlink()

@@ -162,7 +162,7 @@ def test_4_a_truncated_result_is_named_retrained_and_the_leaderboard_rebuilt(tmp
     engine = FakeEngine()
     monkeypatch.setattr(sweep, "_default_fns", lambda: (engine.train, engine.compose, None))
     assert petl_bench(capsys, *_mini_sweep(tmp_path))[0] == 0
-    damaged = tmp_path / "mini/digits/linear/seed1/result.json"
+    damaged = tmp_path / "mini-digits/linear/seed1/result.json"
     damaged.write_text(damaged.read_text()[:60])
     (tmp_path / "leaderboard.md").unlink()
     code, out, err = petl_bench(capsys, *_mini_sweep(tmp_path))
@@ -213,7 +213,7 @@ def test_5_a_result_with_a_bad_field_is_skipped_named_and_counted(tmp_path, caps
         "train_seconds": ("bitfit", lambda r: r.update(train_seconds="n/a")),
     }
     for experiment, change in bad.values():
-        path = tmp_path / "mini/digits" / experiment / "seed0" / "result.json"
+        path = tmp_path / "mini-digits" / experiment / "seed0" / "result.json"
         path.parent.mkdir(parents=True)
         result = fake_result("mini/digits", experiment, 0, 55.0)
         change(result)
@@ -221,7 +221,7 @@ def test_5_a_result_with_a_bad_field_is_skipped_named_and_counted(tmp_path, caps
     code, out, err = petl_bench(capsys, "report", str(tmp_path))
     assert code == 0 and "Traceback" not in err
     for field, (experiment, _) in bad.items():
-        assert f"{tmp_path}/mini/digits/{experiment}/seed0/result.json" in err and field in err
+        assert f"{tmp_path}/mini-digits/{experiment}/seed0/result.json" in err and field in err
     rows = list(csv.DictReader(io.StringIO((tmp_path / "leaderboard.csv").read_text())))
     assert [r["experiment"] for r in rows] == ["lora", "linear"]
     assert "4 result.json files were skipped" in (tmp_path / "leaderboard.md").read_text()
@@ -233,7 +233,7 @@ def test_5_a_result_with_a_bad_field_is_skipped_named_and_counted(tmp_path, caps
 def test_6_dollar_signs_in_names_do_not_break_the_plots(tmp_path):
     write_run(tmp_path, "mini/digits", "cost_$5_vs_$10", 0, top1=50.0)
     write_run(tmp_path, "mini/digits", "lora", 0, top1=60.0)
-    (tmp_path / "mini/digits/cost_$5_vs_$10/seed0/metrics.jsonl").write_text('{"val_top1": 40}\n{"val_top1": 45}\n')
+    (tmp_path / "mini-digits/cost_$5_vs_$10/seed0/metrics.jsonl").write_text('{"val_top1": 40}\n{"val_top1": 45}\n')
     write_report(tmp_path)
     for name in ("leaderboard.md", "leaderboard.csv", "leaderboard.html", "pareto.png", "learning_curves.png"):
         assert (tmp_path / name).is_file()
@@ -469,7 +469,7 @@ def test_14_csv_and_markdown_cells_are_inert(tmp_path):
     names = ["=HYPERLINK(x)", "-2+3", "@SUM(A1)", "+1"]
     for i, name in enumerate(names):
         write_run(tmp_path, "mini/digits", name, 0, top1=50.0 + i, method="lora")
-    path = tmp_path / "mini/digits/<script>x/seed0/result.json"
+    path = tmp_path / "mini-digits/<script>x/seed0/result.json"
     path.parent.mkdir(parents=True)
     result = fake_result("mini/digits", "lora", 0, 40.0)
     result["method_config"] = {"num_classes": 10, "note": "<svg onload=alert(1)>\nsecond line"}
