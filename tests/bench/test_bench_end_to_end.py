@@ -12,6 +12,7 @@ from petl.bench import cli, sweep
 pytest.importorskip("petl.run.runner", reason="petl.run.train has not landed")
 
 
+@pytest.mark.slow
 def test_petl_bench_trains_reports_and_resumes(tmp_path, capsys):
     args = [
         "suite=mini",

@@ -76,6 +76,7 @@ def _without_images(html: str) -> str:
     return re.sub(r"data:image/png;base64,[A-Za-z0-9+/=]+", "data:image/png;base64,", html)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("folder", "suite"), LEADERBOARDS, ids=[f.name for f, _ in LEADERBOARDS])
 def test_committed_reports_rebuild_from_the_committed_results(tmp_path, folder, suite):
     """`petl-bench report <folder>/runs out=<folder> [suite=...]` gives back the committed leaderboard exactly."""
@@ -124,6 +125,7 @@ def test_tail_change_is_the_change_over_the_last_fifth_of_the_epochs():
     assert tail_change([50.0]) != tail_change([50.0])  # NaN: one epoch says nothing
 
 
+@pytest.mark.slow
 def test_convergence_column_reads_own_curves_and_the_selected_trials_curve(tmp_path):
     # linear ran on train800 with val: its own metrics.jsonl, two seeds -> the task's mean change.
     _write(tmp_path / "mini/digits/linear/seed0", _result("mini/digits", "linear", 0, 70.0), [50, 60, 64, 65, 66])
@@ -218,6 +220,7 @@ def test_proposed_mini_selection_suite_is_the_mini_suite_under_the_selection_pro
         load_experiment(name, configs)
 
 
+@pytest.mark.slow
 def test_device_column_names_where_each_row_trained(tmp_path):
     for seed in (0, 1):
         _write(tmp_path / f"mini/digits/linear/seed{seed}", _result("mini/digits", "linear", seed, 70.0, device="cpu"))
@@ -249,6 +252,7 @@ def test_a_long_calibrated_option_is_shown_by_its_length(tmp_path):
     assert rows["lora"]["config"].startswith("targets=[q,v]")
 
 
+@pytest.mark.slow
 def test_the_mini_tasks_are_the_data_the_committed_results_trained_on(monkeypatch):
     """Every task hashes as recorded beside the results (fingerprints.txt), so a changed source is caught."""
     module = _load_script("mini_fingerprints", monkeypatch)

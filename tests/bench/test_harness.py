@@ -445,6 +445,7 @@ def _dump_dom_in_chromium(url: str, tmp_path: Path, window: tuple[int, int] = (1
     return subprocess.run(cmd, capture_output=True, text=True, timeout=90, check=True).stdout
 
 
+@pytest.mark.slow
 def test_html_renders_in_a_browser_and_sorts(vtab_results, tmp_path):
     write_report(vtab_results)
     page = vtab_results / "leaderboard.html"
@@ -527,6 +528,7 @@ COMMITTED = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", [*COMMITTED, "19 VTAB-1k tasks with published columns"])
 def test_the_first_screen_shows_the_task_mean(which, vtab_results, tmp_path):
     """At 1400x900 the Task mean, the group means and the parameter count are on screen, not off to the right."""
@@ -588,6 +590,7 @@ def test_adding_a_column_is_one_declaration(tmp_path, monkeypatch):
     assert 'data-key="seed_count"' in (tmp_path / "leaderboard.html").read_text()
 
 
+@pytest.mark.slow
 def test_selected_configuration_column_shows_only_when_runs_record_a_selection(tmp_path):
     write_run(tmp_path, "mini/digits", "linear", 0, top1=80.0, no_head=0.0)
     write_report(tmp_path)
@@ -645,6 +648,7 @@ def test_published_precision():
     assert VTAB_ROWS["Linear probing"].params_match(0)
 
 
+@pytest.mark.slow
 def test_params_vtab1k_matches_every_published_row(capsys):
     assert cli.main(["params", "suite=vtab1k"]) == 0
     out = capsys.readouterr().out
@@ -694,6 +698,7 @@ def test_params_fails_on_a_count_that_differs_unless_the_file_says_why(tmp_path,
     assert "differs (explained)" in out and "note: rank 4 on purpose" in out
 
 
+@pytest.mark.slow
 def test_params_applies_per_task_method_options_and_spares_another_backbone(tmp_path, capsys):
     bench = _fake_configs(tmp_path)
     suite = "experiments: [lora4]\ntasks: [vtab/dtd, vtab/cifar100]\nseeds: [0]\n"
@@ -728,6 +733,7 @@ def test_configs_are_found_in_a_checkout_and_the_package_list_is_complete():
     assert listed == on_disk | {"petl.configs"}
 
 
+@pytest.mark.slow
 def test_a_non_editable_install_carries_the_configs(tmp_path):
     root = Path(__file__).resolve().parents[2]
     source = tmp_path / "src"

@@ -66,6 +66,7 @@ def write_bench(folder: Path) -> None:
     )
 
 
+@pytest.mark.slow
 def test_search_on_val_then_final_on_1000_images_test_once(tmp_path, monkeypatch, capsys):
     data_root, bench, out = tmp_path / "vtab-1k", tmp_path / "bench", tmp_path / "runs"
     for k, (folder, classes) in enumerate(TASKS.values()):
@@ -310,6 +311,7 @@ def test_a_finished_trial_of_another_config_is_not_reused(tmp_path):
     assert summary.waiting and "another config" in summary.waiting[0]
 
 
+@pytest.mark.slow
 def test_check_finished_compares_the_config_a_run_was_trained_with(tmp_path):
     from conftest import tiny_run
 
@@ -391,6 +393,7 @@ def test_shipped_suites_carry_their_protocol():
     assert not suites.load_suite("mini", bench).search  # re-run under the protocol by issue 12
 
 
+@pytest.mark.slow
 def test_shipped_suites_compose_into_valid_run_configs(tmp_path):
     from petl.run import default_config
 
@@ -415,6 +418,7 @@ def test_shipped_suites_compose_into_valid_run_configs(tmp_path):
         assert all(set(by_task) == set(preset.tasks) for by_task in preset.per_task.values())
 
 
+@pytest.mark.slow
 def test_the_vpetl_presets_start_lora_and_the_adapters_as_vpetl_runs_them(tmp_path):
     """V-PETL re-draws its methods' Linears at construction: its preset rows build with init=reference."""
     import torch

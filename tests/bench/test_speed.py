@@ -50,6 +50,7 @@ def _model(name: str, **options) -> torch.nn.Module:
     return petl.apply(model, name, num_classes=10, **options)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("name", "options", "floor"),
     [
@@ -80,6 +81,7 @@ def test_floor_backward_stops_at_the_earliest_trainable_tensor():
     assert sorted(reached) == [4, 5]
 
 
+@pytest.mark.slow
 def test_rows_and_references(results):
     rows = list(results)
     assert rows[0] == FORWARD and rows[-1] == PEFT_LORA
@@ -99,6 +101,7 @@ def test_rows_and_references(results):
     assert ["lora + grad checkpointing", "lora + bf16 autocast"] == [r for r in rows if r.startswith("lora +")]
 
 
+@pytest.mark.slow
 def test_table_has_ratios_to_each_reference(results):
     table = format_table(results, TINY, "test machine")
     main_table = table.split("Each method's floor")[0]
@@ -112,6 +115,7 @@ def test_table_has_ratios_to_each_reference(results):
     assert "Merged inference" in table and "Machine: test machine" in table
 
 
+@pytest.mark.slow
 def test_merged_inference_is_compared_with_the_median_of_the_plain_copies(results):
     # The plain copies: the no-grad row and the floors that add no tokens; the prompt floor runs a longer sequence.
     copies = {c for c, r in results.items() if r.get("plain_copy")}
@@ -126,6 +130,7 @@ def test_merged_inference_is_compared_with_the_median_of_the_plain_copies(result
     assert "median of 3 identical plain networks" in table
 
 
+@pytest.mark.slow
 def test_inference_turns_change_order(monkeypatch):
     # Record the order of the timed inference calls: every turn must not start with the same case.
     seen: list[str] = []
@@ -145,6 +150,7 @@ def test_inference_turns_change_order(monkeypatch):
     assert len({t[0] for t in turns}) > 1
 
 
+@pytest.mark.slow
 def test_a_row_above_its_floor_gets_a_note(results):
     # Which rows are noted follows from the measured times (whatever they are on this machine).
     noted = {c for c, r in results.items() if "note" in r}
@@ -170,6 +176,7 @@ def test_the_note_goes_to_rows_above_their_floor_on_given_numbers():
     assert above_floor(times, floors) == ["full", "bitfit"]
 
 
+@pytest.mark.slow
 def test_a_note_names_the_grown_ops_and_the_saved_memory_and_is_printed(results):
     # Full fine-tuning against its floor, profiled whatever the timings: the note's content, and the table's line.
     spec = SpeedSpec(batch=2, steps=1, warmup=0, rounds=1, infer_steps=1)
@@ -184,6 +191,7 @@ def test_a_note_names_the_grown_ops_and_the_saved_memory_and_is_printed(results)
     assert "where the rest goes" in table and f"- **full** (2.00×): {note}" in table
 
 
+@pytest.mark.slow
 def test_compile_row_is_planned_only_with_a_compiler(monkeypatch):
     cases, floor_of = plan_cases(TINY, [LORA], options_for=["lora"], log=lambda _: None)
     names = [c.name for c in cases]
@@ -196,6 +204,7 @@ def test_compile_row_is_planned_only_with_a_compiler(monkeypatch):
     assert "lora + torch.compile" not in [c.name for c in cases]
 
 
+@pytest.mark.slow
 def test_lora_uses_no_more_memory_than_peft():
     # The same number of weights and FLOPs as peft's whole-qkv LoRA; petl adds its updates in place into
     # the qkv output instead of rebuilding it with torch.cat (measured in fresh processes).
@@ -205,6 +214,7 @@ def test_lora_uses_no_more_memory_than_peft():
     assert petl_mb <= 1.02 * peft_mb
 
 
+@pytest.mark.slow
 def test_cpu_peak_counts_what_full_fine_tuning_allocates():
     # Gradients plus two AdamW moments for ~2.7M float32 weights are ~32 MB; the no-grad forward allocates none
     # of them (only forward temporaries, ~17 MB here).
@@ -228,6 +238,7 @@ def test_img_size_builds_the_backbone_at_that_size():
     assert build_model(Case("plain"), SpeedSpec()).patch_embed.img_size == (32, 32)
 
 
+@pytest.mark.slow
 def test_speed_cli_rejects_unknown_keys(capsys):
     with pytest.raises(SystemExit) as caught:
         cli.main(["speed", "batchsize=3"])
@@ -258,6 +269,7 @@ def test_side_floor_runs_no_block_with_autograd_and_trains_the_side_network():
     assert any(not torch.equal(p, q) for p, q in zip(bench.params, before, strict=True))
 
 
+@pytest.mark.slow
 def test_lst_and_last_peak_memory_is_below_loras():
     # LST's and LAST's backward never enters the backbone, LoRA's reaches block 0 (fresh processes, as the tool
     # measures).

@@ -12,6 +12,7 @@ from petl.run import cli, config
 TINY = tiny_run(epochs=1)
 
 
+@pytest.mark.slow
 def test_a_single_run_is_composed_and_checked_once(tmp_path, monkeypatch):
     calls = {"compose": 0, "check_values": 0, "check_method": 0}
     for name in calls:

@@ -34,6 +34,7 @@ def test_experiment_expands_to_the_bench_overrides_and_the_command_line_wins():
     assert cli.expand_experiment(["method=lora", "seed=1"]) == ["method=lora", "seed=1"]
 
 
+@pytest.mark.slow
 def test_cli_runs_an_experiment(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     cli.main([*TINY, "experiment=vpt_deep", "method.num_tokens=2"])
@@ -45,6 +46,7 @@ def test_cli_runs_an_experiment(tmp_path, monkeypatch, capsys):
     assert "vpt on mini/digits" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_cli_multirun_sweeps_an_experiment(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     cli.main(["--multirun", *TINY, "experiment=linear", "seed=0,1", f"hydra.sweep.dir={tmp_path}/sweep"])
@@ -71,6 +73,7 @@ def test_cli_refuses_bad_experiment_use_with_one_line(args, message, capsys):
     assert re.search(message, err), err
 
 
+@pytest.mark.slow
 def test_help_mentions_experiments(capsys):
     with pytest.raises(SystemExit) as caught:
         cli.main(["--help"])
@@ -78,6 +81,7 @@ def test_help_mentions_experiments(capsys):
     assert "experiment=NAME" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_the_run_layer_does_not_import_the_bench():
     code = (
         "import sys; from petl.run import cli; cli.expand_experiment(['experiment=vpt_deep']); "

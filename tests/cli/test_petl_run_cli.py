@@ -98,6 +98,7 @@ def test_bad_input_gives_one_line_naming_what_is_valid(overrides, message):
     assert "\n" not in str(caught.value)
 
 
+@pytest.mark.slow
 def test_cli_error_exits_2_with_one_line_and_checks_every_sweep_job(capsys):
     with pytest.raises(SystemExit) as caught:
         cli.main(["--multirun", "method=lora,partial", "method.k=2"])
@@ -107,6 +108,7 @@ def test_cli_error_exits_2_with_one_line_and_checks_every_sweep_job(capsys):
     assert "\n" not in err
 
 
+@pytest.mark.slow
 def test_cli_refuses_nan_with_one_line_and_exit_2(capsys):
     with pytest.raises(SystemExit) as caught:
         cli.main(["method=lora", "method.alpha=nan"])
@@ -132,6 +134,7 @@ def test_cli_multirun_sweeps_methods_and_seeds(tmp_path, capsys):
     assert capsys.readouterr().out.count("-> ") == 4
 
 
+@pytest.mark.slow
 def test_cli_run_failure_exits_1(tmp_path, monkeypatch, capsys):
     # A dataset that cannot be reached fails the run (not the input): status 1, one line, no traceback.
     from petl import data
@@ -147,6 +150,7 @@ def test_cli_run_failure_exits_1(tmp_path, monkeypatch, capsys):
     assert not (tmp_path / "result.json").exists()
 
 
+@pytest.mark.slow
 def test_cli_bad_images_stop_the_run_before_training_with_one_line(tmp_path, capsys):
     from test_vtab_fgvc_folders import FULL, make_vtab_task
 
@@ -171,6 +175,7 @@ def _petl_run(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_subprocess_bad_value_exits_2_without_traceback(tmp_path):
     proc = _petl_run("method=lora", "method.rank=0", cwd=tmp_path)
     assert proc.returncode == 2
@@ -181,6 +186,7 @@ def test_subprocess_bad_value_exits_2_without_traceback(tmp_path):
     assert list(tmp_path.iterdir()) == []  # nothing written for a run that never started
 
 
+@pytest.mark.slow
 def test_subprocess_two_epoch_run(tmp_path):
     proc = _petl_run(*TINY, "method=adapter", "output_dir=out", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr

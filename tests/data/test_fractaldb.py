@@ -64,6 +64,7 @@ def test_short_pretraining_writes_loadable_weights_and_provenance(tmp_path):
     assert not torch.equal(trained[key], dict(fresh.named_parameters())[key])
 
 
+@pytest.mark.slow
 def test_cli_rejects_bad_sizes(capsys):
     with pytest.raises(SystemExit):
         pretrain.main(["--classes", "0"])

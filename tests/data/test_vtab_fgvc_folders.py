@@ -255,6 +255,7 @@ def test_vtab_from_cached_extraction(monkeypatch, tmp_path):
     assert len(data.build_dataset("vtab/eurosat", "val200", image_size=8)) == 200
 
 
+@pytest.mark.slow
 def test_offline_hub_error_in_a_fresh_process(tmp_path):
     """With the documented offline switches and an empty cache, both hub paths fail clearly."""
     script = textwrap.dedent(

@@ -52,6 +52,7 @@ def run_without_petl(script: str, cwd: Path) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_an_exported_folder_loads_in_timm_without_petl(tmp_path):
     model_cfg = {**TINY, "kwargs": {**TINY["kwargs"], "img_size": 48}}
     run_dir = _run_folder(tmp_path / "run", model_cfg=model_cfg)
@@ -77,11 +78,13 @@ def test_an_exported_folder_loads_in_timm_without_petl(tmp_path):
     torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_the_stub_really_keeps_petl_out(tmp_path):
     done = run_without_petl("import timm\nimport petl\n", tmp_path)
     assert done.returncode != 0 and "petl is not installed here" in done.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", ["trainable.safetensors", "model.onnx", "sub/model.safetensors", "."])
 def test_out_inside_the_run_folder_is_refused(tmp_path, capsys, target):
     run_dir = _run_folder(tmp_path / "run")

@@ -255,6 +255,7 @@ def _predict(argv: list[str]) -> list[dict]:
         return list(csv.DictReader(handle))
 
 
+@pytest.mark.slow
 def test_petl_predict_serves_runs_on_one_backbone_together(tmp_path, monkeypatch, capsys):
     """Runs on one backbone go through one MultiTask pass; the others (a method that cannot share, another
     backbone) predict alone, with a note; every run's rows are what it predicts on its own."""

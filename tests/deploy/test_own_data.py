@@ -84,6 +84,7 @@ def _top1_accuracy(rows: list[dict]) -> float:
     return sum(hits) / len(hits)
 
 
+@pytest.mark.slow
 def test_the_readme_own_data_commands_run_start_to_finish(tmp_path, monkeypatch):
     section = _own_data_section()
     commands = [line for block in re.findall(r"```bash\n(.*?)```", section, flags=re.S) for line in block.splitlines()]
@@ -143,6 +144,7 @@ def _export_and_compare(run_dir: Path, tmp_path: Path) -> None:
     torch.testing.assert_close(merged, unmerged, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_a_folder_trains_predicts_evaluates_and_exports_on_a_tiny_backbone(tmp_path, capsys):
     root = make_folder(tmp_path / "images")
     run_dir = _train_tiny(tmp_path, ["data=folder", f"data.root={root}"])
@@ -166,6 +168,7 @@ def test_a_folder_trains_predicts_evaluates_and_exports_on_a_tiny_backbone(tmp_p
     _export_and_compare(run_dir, tmp_path)
 
 
+@pytest.mark.slow
 def test_a_datasets_dataset_saved_to_disk_does_the_same(tmp_path, capsys):
     datasets = pytest.importorskip("datasets")
     rng = np.random.default_rng(1)
@@ -192,6 +195,7 @@ def test_a_datasets_dataset_saved_to_disk_does_the_same(tmp_path, capsys):
         config.default_config(["data=hf", f"data.root={root}", "data.image_column=photo"])
 
 
+@pytest.mark.slow
 def test_a_folder_without_test_trains_without_a_test_number(tmp_path):
     root = make_folder(tmp_path / "images", test=0)
     assert not (root / "test").exists()
@@ -272,6 +276,7 @@ def _tiny_checkpoint(path: Path, **overrides) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_a_local_checkpoint_is_recorded_with_its_sha256_and_pretrained_false(tmp_path):
     checkpoint = _tiny_checkpoint(tmp_path / "weights.safetensors")
     model = [o for o in TINY_MODEL if o != "model.pretrained=false"]
@@ -309,6 +314,7 @@ def test_offline_the_hub_fails_at_once(monkeypatch):
         hub.reachable.cache_clear()
 
 
+@pytest.mark.slow
 def test_the_register_dataset_example_of_the_data_readme_trains(tmp_path):
     from hydra.core.config_store import ConfigStore
 

@@ -128,6 +128,7 @@ def test_check_range_bounds_and_non_finite():
         core.check_dropout("x", float("nan"))
 
 
+@pytest.mark.slow
 def test_apply_dispatches_on_the_config_type(tiny_vit, images):
     from petl.methods.lora import LoraConfig
 

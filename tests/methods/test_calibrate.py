@@ -33,6 +33,7 @@ def tiny(out, *overrides: str) -> dict:
     return train(default_config([*TINY, f"output_dir={out}", *overrides]))
 
 
+@pytest.mark.slow
 def test_sct_run_records_channels_chosen_from_the_train_split(tmp_path):
     result = tiny(tmp_path / "run", "method=sct")
     channels = tuple(result["method_config"]["channels"])
@@ -55,6 +56,7 @@ def test_sct_run_records_channels_chosen_from_the_train_split(tmp_path):
     assert [tuple(b.index.tolist()) for b in blocks] == list(SctConfig(channels=channels).channel_indices())
 
 
+@pytest.mark.slow
 def test_sct_with_channels_given_keeps_them(tmp_path):
     result = tiny(tmp_path / "run", "method=sct", "method.top_n=2", "method.channels=['1,7','3,40']")
     assert tuple(result["method_config"]["channels"]) == ("1,7", "3,40")
@@ -83,6 +85,7 @@ def test_a_calibration_shows_progress_bars_only_when_asked(tiny_vit, capsys, met
     assert quiet == shown  # the bars change nothing chosen
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", CALIBRATED)
 def test_a_resumed_run_keeps_the_calibration_of_its_first_session(tmp_path, monkeypatch, method):
     args = (f"method={method}", "train.epochs=2", *BUDGET.get(method, ()))
@@ -112,6 +115,7 @@ def test_a_resumed_run_keeps_the_calibration_of_its_first_session(tmp_path, monk
     assert resumed["test_top1"] == whole["test_top1"] and resumed["final_train_loss"] == whole["final_train_loss"]
 
 
+@pytest.mark.slow
 def test_gps_run_records_the_selection_in_the_result_and_the_weights(tmp_path):
     result = tiny(tmp_path / "run", "method=gps")
     selection = tuple(result["method_config"]["selection"])
@@ -160,6 +164,7 @@ def probe() -> Iterator[list]:
         config._registered_methods.discard(NAME)
 
 
+@pytest.mark.slow
 def test_the_runner_calls_a_calibrate_hook_once_with_a_train_loader(probe, tmp_path):
     run = tmp_path / "run"
     result = tiny(run, f"method={NAME}", "train.epochs=2", "train.batch_size=16", "train.eval_batch_size=64")
@@ -175,6 +180,7 @@ def test_the_runner_calls_a_calibrate_hook_once_with_a_train_loader(probe, tmp_p
     assert petl.read_trainable_metadata(tmp_path / "run" / "trainable.safetensors")["config"]["seen_images"] == 96
 
 
+@pytest.mark.slow
 def test_methods_without_a_hook_build_no_calibration_set(tmp_path, monkeypatch):
     monkeypatch.setattr(build, "calibration_set", lambda *a: pytest.fail("lora has no calibrate hook"))
     assert tiny(tmp_path / "run", "method=lora", "method.rank=2")["method_config"]["rank"] == 2
@@ -195,6 +201,7 @@ def test_the_calibration_split_is_the_train_split_without_random_augmentation(tm
     assert any(not torch.equal(datasets["train"][0][0], reads[0]) for _ in range(10))  # training is augmented
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", CALIBRATED)
 def test_a_calibration_reused_as_overrides_rebuilds_the_same_method(tmp_path, monkeypatch, method):
     """calibrate_once: another run of the task takes the first run's choice as overrides, through Hydra."""

@@ -74,6 +74,7 @@ def _rows(path: Path) -> list[list[str]]:
 # --- Data lost or wrong results reported
 
 
+@pytest.mark.slow
 def test_predict_out_on_a_full_disk_keeps_the_earlier_complete_file(trained, tmp_path, capsys):
     root, run = trained
     out = tmp_path / "preds.csv"
@@ -96,6 +97,7 @@ def test_predict_out_on_a_full_disk_keeps_the_earlier_complete_file(trained, tmp
     assert sorted(p.name for p in tmp_path.iterdir()) == ["preds.csv"]  # no temporary file left
 
 
+@pytest.mark.slow
 def test_two_runs_both_named_seed0_write_two_confusion_matrices(trained, tmp_path, capsys):
     root, run = trained
     runs = [tmp_path / "a" / "seed0", tmp_path / "b" / "seed0"]
@@ -113,6 +115,7 @@ def test_two_runs_both_named_seed0_write_two_confusion_matrices(trained, tmp_pat
 # --- A traceback where one line belongs: petl-predict
 
 
+@pytest.mark.slow
 def test_predict_a_txt_list_naming_a_latin1_file(trained, tmp_path):
     root, run = trained
     shutil.copy(root / "test" / "plain" / "000.png", tmp_path / LATIN1)
@@ -124,6 +127,7 @@ def test_predict_a_txt_list_naming_a_latin1_file(trained, tmp_path):
     assert len(rows) == 2 and rows[1][0].endswith("caf\\xe9.png")
 
 
+@pytest.mark.slow
 def test_predict_an_image_whose_file_name_is_not_utf8(trained, tmp_path, capsys):
     root, run = trained
     images = tmp_path / "images"
@@ -136,6 +140,7 @@ def test_predict_an_image_whose_file_name_is_not_utf8(trained, tmp_path, capsys)
     assert "caf\\xe9.png" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_predict_confusion_with_a_class_named_cost_dollar5_vs_dollar10(trained, tmp_path):
     root, run = trained
     target = tmp_path / "cm.png"
@@ -144,6 +149,7 @@ def test_predict_confusion_with_a_class_named_cost_dollar5_vs_dollar10(trained, 
     assert Image.open(target).size[0] > 0
 
 
+@pytest.mark.slow
 def test_predict_a_flag_before_a_key_value(trained, tmp_path):
     root, run = trained
     out = tmp_path / "preds.csv"
@@ -154,6 +160,7 @@ def test_predict_a_flag_before_a_key_value(trained, tmp_path):
 # --- Injection and leftovers
 
 
+@pytest.mark.slow
 def test_preds_csv_cells_never_start_a_formula(trained, tmp_path):
     root, run = trained
     out = tmp_path / "preds.csv"
@@ -166,6 +173,7 @@ def test_preds_csv_cells_never_start_a_formula(trained, tmp_path):
 # --- Issue 35, item 6: out='s suffix decides the format; one exit code per kind of failure
 
 
+@pytest.mark.slow
 def test_predict_out_suffix_decides_the_format(trained, tmp_path):
     root, run = trained
     base = [str(run), str(root / "test"), "top_k=2", "--quiet"]
@@ -179,6 +187,7 @@ def test_predict_out_suffix_decides_the_format(trained, tmp_path):
     assert [row[0] for row in _rows(tmp_path / "p.csv")[1:]] == [record["path"] for record in listed]
 
 
+@pytest.mark.slow
 def test_predict_an_unknown_out_suffix_is_refused_before_anything_runs(trained, tmp_path, capsys):
     root, run = trained
     capsys.readouterr()
@@ -249,6 +258,7 @@ def test_a_class_folder_whose_name_is_not_utf8_is_named_in_one_line(tmp_path, ca
     assert "train/caf\\xe9" in err and "UTF-8" in err
 
 
+@pytest.mark.slow
 def test_an_image_whose_file_name_is_not_utf8_trains(tmp_path):
     root = make_folder(tmp_path / "images", test=0, classes=("a", "b"))
     os.rename(root / "train" / "a" / "000.png", root / "train" / "a" / LATIN1)
@@ -266,6 +276,7 @@ def test_one_image_per_class_is_refused_rather_than_trained_without_val(tmp_path
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_a_finished_folder_run_whose_train_images_were_edited_is_refused(tmp_path, capsys):
     root = make_folder(tmp_path / "images", test=0, classes=("a", "b"))
     out = train_folder(root, tmp_path / "run")
@@ -458,6 +469,7 @@ def test_a_killed_dinov2_cache_build_leaves_no_temporary_file_behind(tmp_path, m
 # --- Exit statuses: one per kind of failure, the same in every petl-* command (issue 35, item 6)
 
 
+@pytest.mark.slow
 def test_petl_export_ctrl_c_is_one_line_and_exit_130(trained, tmp_path, monkeypatch, capsys):
     from petl.run import export as export_cli
 
@@ -497,6 +509,7 @@ def test_every_petl_command_uses_the_one_set_of_exit_statuses():
 # --- Tried beyond the issue
 
 
+@pytest.mark.slow
 def test_predict_out_inside_a_run_folder_is_refused(trained, capsys):
     root, run = trained
     card = (run / "model.json").read_bytes()

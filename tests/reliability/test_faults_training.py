@@ -199,6 +199,7 @@ def _image_folder(root: Path, seed: int) -> Path:
     return root
 
 
+@pytest.mark.slow
 def test_resume_with_another_data_root_is_refused(tmp_path):
     # mini tasks read no folder (a root is refused there): the run reads a folder of its own.
     def on(folder: str) -> list[str]:
@@ -216,6 +217,7 @@ def test_resume_with_another_data_root_is_refused(tmp_path):
         tiny(tmp_path / "run", *on("b"))
 
 
+@pytest.mark.slow
 def test_resume_with_another_model_file_is_refused(tmp_path):
     def weights(seed: int) -> Path:
         torch.manual_seed(seed)
@@ -239,6 +241,7 @@ def test_a_moved_dataset_with_the_same_content_still_resumes():
     folder.check_inputs(Path("x"), None, old)  # checkpoints of older versions carry no inputs
 
 
+@pytest.mark.slow
 def test_output_dir_that_is_a_file_fails_before_building_anything(tmp_path, monkeypatch, capsys):
     (tmp_path / "out").write_text("not a folder")
     monkeypatch.setattr(build, "create_backbone", lambda *a: pytest.fail("must fail before building the model"))
@@ -264,6 +267,7 @@ def _read_only_dir(tmp_path: Path) -> Path:
     return Path("/sys/kernel")
 
 
+@pytest.mark.slow
 def test_read_only_output_dir_fails_before_building_anything(tmp_path, monkeypatch, capsys):
     folder = _read_only_dir(tmp_path)
     monkeypatch.setattr(build, "create_backbone", lambda *a: pytest.fail("must fail before building the model"))
@@ -275,6 +279,7 @@ def test_read_only_output_dir_fails_before_building_anything(tmp_path, monkeypat
     assert caught.value.code == cli.USAGE_ERROR and err.count("\n") == 1 and "cannot be written" in err
 
 
+@pytest.mark.slow
 def test_disk_full_stops_with_one_line_and_keeps_the_checkpoint(tmp_path, monkeypatch):
     real = records.save_checkpoint
 
@@ -306,6 +311,7 @@ def small_disk(tmp_path):
     subprocess.run(["umount", str(mount)], check=True)
 
 
+@pytest.mark.slow
 def test_a_really_full_disk_keeps_the_checkpoint(small_disk, monkeypatch):
     real = records.append_metrics
 
@@ -325,6 +331,7 @@ def test_a_really_full_disk_keeps_the_checkpoint(small_disk, monkeypatch):
     assert not records.temporary_files(small_disk / "run")
 
 
+@pytest.mark.slow
 def test_unforeseen_faults_are_one_line_and_debug_shows_the_traceback(tmp_path, monkeypatch, capsys):
     def broken(*args, **kwargs):
         raise OSError("image file is truncated (/data/x.jpg)")
@@ -339,6 +346,7 @@ def test_unforeseen_faults_are_one_line_and_debug_shows_the_traceback(tmp_path, 
         cli.main([*TINY, f"output_dir={tmp_path}", "--debug"])
 
 
+@pytest.mark.slow
 def test_an_offline_error_leaves_no_empty_output_dir(tmp_path, monkeypatch, capsys):
     def unreachable(*args, **kwargs):
         raise petl_data.DatasetUnavailableError("mini/digits is not cached here; set data.root")
@@ -403,6 +411,7 @@ def _petl_run(*args: str, cwd: Path, script: str | None = None, wait: bool = Tru
     return proc
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("when", ["during", "after"])
 def test_a_kill_around_the_result_write_leaves_nothing_behind(tmp_path, when):
     proc = _petl_run(when, *TINY, "method=linear", "output_dir=run", cwd=tmp_path, script=_DIE_WHILE_WRITING)
@@ -421,6 +430,7 @@ def test_a_kill_around_the_result_write_leaves_nothing_behind(tmp_path, when):
     ]
 
 
+@pytest.mark.slow
 def test_two_runs_into_one_output_dir_and_a_stale_lock(tmp_path, capsys):
     args = (*TINY, "method=linear", "train.epochs=30", "train.cache_features=false", "output_dir=run")
     first = _petl_run(*args, cwd=tmp_path, script=_SLOW_EPOCHS, wait=False)

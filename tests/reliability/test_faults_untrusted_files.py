@@ -69,6 +69,7 @@ def snapshot(folder: Path) -> dict[str, bytes]:
 # --- 1. a replacement run deletes nothing before its input is valid, and moves the old run aside ------
 
 
+@pytest.mark.slow
 def test_1_a_replacement_run_keeps_the_finished_run_until_it_can_start(tmp_path, capsys, monkeypatch):
     run = tmp_path / "run"
     tiny(run, "method=linear")
@@ -98,6 +99,7 @@ def test_1_a_replacement_run_keeps_the_finished_run_until_it_can_start(tmp_path,
 # --- 2. petl-pretrain never writes into the installed package ---------------------------------------------
 
 
+@pytest.mark.slow
 def test_2_pretrain_writes_to_an_output_folder_not_into_the_package(tmp_path, monkeypatch, capsys):
     shipped = {p.name: p.read_bytes() for p in models.WEIGHTS_DIR.iterdir() if p.is_file()}
     monkeypatch.chdir(tmp_path)
@@ -293,6 +295,7 @@ def test_8_ctrl_c_on_petl_bench_is_one_line(tmp_path, monkeypatch, capsys):
 # --- exit codes and --debug are petl-run's in petl-bench and petl-pretrain too ----------------------------------------
 
 
+@pytest.mark.slow
 def test_petl_bench_bad_input_exits_2_and_debug_shows_the_traceback(capsys):
     code, out, err = petl_bench(capsys, "suite=nope")
     assert code == 2 and err.count("\n") == 1 and err.startswith("petl-bench: error: unknown suite 'nope'")
@@ -302,6 +305,7 @@ def test_petl_bench_bad_input_exits_2_and_debug_shows_the_traceback(capsys):
     assert code == 2 and err.count("\n") == 1 and "/nonexistent/results" in err
 
 
+@pytest.mark.slow
 def test_petl_pretrain_ctrl_c_and_debug(tmp_path, monkeypatch, capsys):
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
@@ -326,6 +330,7 @@ def test_petl_pretrain_ctrl_c_and_debug(tmp_path, monkeypatch, capsys):
 # --- 9. a damaged checkpoint.pt: one line naming it ---------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", ["truncate", "garbage", "pickle"])
 def test_9_a_damaged_checkpoint_is_named_in_one_line(tmp_path, capsys, damage):
     run = tmp_path / "run"
@@ -351,6 +356,7 @@ def test_9_a_damaged_checkpoint_is_named_in_one_line(tmp_path, capsys, damage):
 # --- 10. a damaged result.json, or a diverged trial's record, in an output_dir --------------------------------------
 
 
+@pytest.mark.slow
 def test_10_a_damaged_result_in_an_output_dir_is_named(tmp_path, capsys):
     run = tmp_path / "run"
     tiny(run, "method=linear")
@@ -456,6 +462,7 @@ def test_12_a_malformed_fgvc_json_is_named(tmp_path, train, message):
 # --- 13. an output_dir name too long for the file system is bad input
 
 
+@pytest.mark.slow
 def test_13_a_too_long_output_dir_exits_2(tmp_path, capsys):
     code, err = petl_run(capsys, f"output_dir={tmp_path}/{'x' * 300}/run")
     assert code == 2 and err.count("\n") == 1 and "cannot be written (File name too long)" in err

@@ -54,6 +54,7 @@ def _image(path: Path) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_a_run_at_another_resolution_loads_and_predicts(tmp_path, capsys):
     run_dir = tmp_path / "run48"
     cli.main([*tiny_run(), "model.img_size=48", f"output_dir={run_dir}"])
@@ -68,6 +69,7 @@ def test_a_run_at_another_resolution_loads_and_predicts(tmp_path, capsys):
     assert stop.value.code == 0, capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_relative_checkpoint_is_recorded_absolute_and_loads_from_elsewhere(tmp_path, monkeypatch):
     import safetensors.torch
     import timm

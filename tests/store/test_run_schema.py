@@ -38,6 +38,7 @@ def with_train_options(monkeypatch):
     config.register_configs()  # the original schema back in Hydra's store
 
 
+@pytest.mark.slow
 def test_a_new_training_option_is_validated_fingerprinted_and_in_help(with_train_options, capsys):
     with_train_options(throwaway_scale=option(1.0, low=0, high=2), throwaway_label=option("", neutral=True))
     cfg = default_config(["train.throwaway_scale=1.5"])
@@ -60,6 +61,7 @@ def test_a_new_training_option_is_validated_fingerprinted_and_in_help(with_train
     assert "throwaway_scale: 1.0" in out and "throwaway_label" in out
 
 
+@pytest.mark.slow
 def test_a_run_from_before_a_new_option_is_finished_for_petl_run_and_petl_bench(
     tmp_path, with_train_options, monkeypatch
 ):

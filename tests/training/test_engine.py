@@ -49,6 +49,7 @@ def tiny(out: Path, *overrides: str) -> dict:
     return train(default_config([*TINY, f"output_dir={out}", *overrides]))
 
 
+@pytest.mark.slow
 def test_two_epoch_run_writes_a_complete_record(tmp_path):
     result = tiny(tmp_path / "run", "method=lora", "method.rank=2")
     out = tmp_path / "run"
@@ -93,6 +94,7 @@ def _crash_in_epoch(monkeypatch, epoch: int) -> None:
     monkeypatch.setattr(engine, "train_one_epoch", dying)
 
 
+@pytest.mark.slow
 def test_killed_run_resumes_to_the_uninterrupted_result(tmp_path, monkeypatch):
     args = ("method=lora", "train.epochs=3", "method.dropout=0.1", "model.drop_path=0.2")
     whole = tiny(tmp_path / "whole", *args)
@@ -129,6 +131,7 @@ def test_killed_run_resumes_to_the_uninterrupted_result(tmp_path, monkeypatch):
     assert not (killed / "checkpoint.pt").exists()
 
 
+@pytest.mark.slow
 def test_finished_run_is_returned_and_a_changed_config_is_refused(tmp_path, monkeypatch):
     first = tiny(tmp_path, "method=linear")
     monkeypatch.setattr(runner, "fit", lambda *a, **k: pytest.fail("a finished run must not train again"))
@@ -140,6 +143,7 @@ def test_finished_run_is_returned_and_a_changed_config_is_refused(tmp_path, monk
     assert replaced["config"]["train"]["lr"] == 0.01
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("method", "described"), [("linear", "pre-logits features"), ("partial", "tokens entering block 1")]
 )
@@ -170,6 +174,7 @@ def test_cache_plan_is_read_off_the_model(tiny_vit):
     assert cache.plan(model) == cache.CachePlan(start=1, features=False)
 
 
+@pytest.mark.slow
 def test_non_finite_loss_stops_with_the_last_good_checkpoint(tmp_path, monkeypatch):
     calls = {"n": 0}
 
@@ -186,6 +191,7 @@ def test_non_finite_loss_stops_with_the_last_good_checkpoint(tmp_path, monkeypat
     assert not (tmp_path / "result.json").exists()
 
 
+@pytest.mark.slow
 def test_nested_dict_config_is_completed_and_checked(tmp_path):
     cfg = {
         "method": {"name": "mlp"},
@@ -227,6 +233,7 @@ def test_epoch_sampler_order_depends_on_seed_and_epoch_only():
     assert list(fresh) == second
 
 
+@pytest.mark.slow
 def test_local_checkpoint_replaces_the_hub_download(tmp_path):
     # Offline clusters: model.checkpoint points timm's own pretrained loader at a local file.
     source = timm.create_model("vit_fractal_tiny_patch4_32", depth=2, embed_dim=48, num_classes=0)
@@ -244,6 +251,7 @@ def test_local_checkpoint_replaces_the_hub_download(tmp_path):
         train(default_config([*finished, "train.epochs=1", f"output_dir={tmp_path / 'run'}"]))
 
 
+@pytest.mark.slow
 def test_backbone_mode_train_turns_the_feature_cache_off(tmp_path):
     # A cached front runs once, in eval mode; with train.backbone_mode=train its drop-path must act.
     run = tiny(tmp_path, "method=linear", "train.backbone_mode=train", "train.epochs=1")
@@ -252,6 +260,7 @@ def test_backbone_mode_train_turns_the_feature_cache_off(tmp_path):
         tiny(tmp_path / "bad", "method=linear", "train.backbone_mode=frozen")
 
 
+@pytest.mark.slow
 def test_a_last_batch_of_one_image_is_left_out_so_batchnorm_heads_train(tmp_path):
     # 97 = 3 x 32 + 1: Mlp-k's BatchNorm1d cannot train on that last single image ("Expected more than 1 value
     # per channel"), so the epoch is three batches; the image left out changes with each epoch's order.
@@ -260,6 +269,7 @@ def test_a_last_batch_of_one_image_is_left_out_so_batchnorm_heads_train(tmp_path
     assert build.loader(list(range(97)), 32, 0, 0, drop_last=True).__len__() == 3
 
 
+@pytest.mark.slow
 def test_augmented_training_images_are_not_cached_and_test_time_is_apart(tmp_path):
     # An FGVC folder (CUB layout), whose training split is cropped and flipped anew at every access.
     from PIL import Image
@@ -292,6 +302,7 @@ def test_the_loaders_worker_seed_of_an_epoch_does_not_depend_on_the_epochs_befor
     assert base_seed(build.EpochSampler(8, seed=3), 2) == seeds[2]
 
 
+@pytest.mark.slow
 def test_every_run_resets_its_own_peak_memory(tmp_path, monkeypatch):
     # In-process runs (a sweep, Hydra's --multirun, a notebook) would otherwise report the peak of all before them.
     resets: list[int] = []
@@ -312,6 +323,7 @@ def test_a_run_that_cannot_learn_is_marked_in_its_record(tmp_path):
     assert learned.get("not_learned") is None
 
 
+@pytest.mark.slow
 def test_a_run_says_its_schedule_and_resolution_when_it_starts(tmp_path, capsys):
     tiny(tmp_path / "run", "method=lora", "method.rank=2")
     out = capsys.readouterr().out

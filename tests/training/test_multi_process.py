@@ -34,6 +34,7 @@ def _launch(*args: str, cwd: Path, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run([*launch, *args], cwd=cwd, env=_env(**env), capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow
 def test_a_launch_of_several_processes_without_a_process_group_is_refused(tmp_path):
     done = _launch("-m", "petl.run", *tiny_run(), "output_dir=out", cwd=tmp_path)
     assert done.returncode != 0
@@ -67,6 +68,7 @@ _DRIVER = """
 
 # bf16: make_accelerator asks accelerate's PartialState about the device before the Accelerator exists; that
 # state must be the CPU one ACCELERATE_USE_CPU asks for, or no process group forms.
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["no", "bf16"])
 def test_two_cpu_processes_train_one_run_with_ddp(tmp_path, precision):
     (tmp_path / "driver.py").write_text(textwrap.dedent(_DRIVER))

@@ -73,6 +73,7 @@ def test_grad_checkpointing_gives_the_same_loss_and_gradients(name, options, ima
     assert len(calls) == (2 if first_block_trains else 1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["lora", "partial"])  # uncached, and cached tail (CachedTail)
 def test_grad_checkpointing_run_matches_the_plain_run(tmp_path, method):
     plain = _run(tmp_path / "plain", f"method={method}")
@@ -81,6 +82,7 @@ def test_grad_checkpointing_run_matches_the_plain_run(tmp_path, method):
     assert ckpt["final_train_loss"] == pytest.approx(plain["final_train_loss"], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_bf16_autocasts_where_the_cpu_supports_it(tmp_path, monkeypatch):
     monkeypatch.setattr(engine, "cpu_supports_bf16", lambda: True)
     fp32 = _run(tmp_path / "fp32", "method=lora")
@@ -91,6 +93,7 @@ def test_bf16_autocasts_where_the_cpu_supports_it(tmp_path, monkeypatch):
     assert bf16["final_train_loss"] == pytest.approx(fp32["final_train_loss"], rel=2e-2)
 
 
+@pytest.mark.slow
 def test_bf16_falls_back_with_a_warning_where_the_cpu_lacks_it(tmp_path, monkeypatch, caplog):
     monkeypatch.setattr(engine, "cpu_supports_bf16", lambda: False)
     with caplog.at_level(logging.WARNING):
@@ -98,6 +101,7 @@ def test_bf16_falls_back_with_a_warning_where_the_cpu_lacks_it(tmp_path, monkeyp
     assert result["precision"] == "no" and "no bf16 instructions" in caplog.text
 
 
+@pytest.mark.slow
 def test_compile_falls_back_with_a_warning_without_a_compiler(tmp_path, monkeypatch, caplog):
     monkeypatch.setattr(engine, "compiler_missing", lambda device: "no C++ compiler (test)")
     plain = _run(tmp_path / "plain", "method=linear")
@@ -107,6 +111,7 @@ def test_compile_falls_back_with_a_warning_without_a_compiler(tmp_path, monkeypa
     assert result["compiled"] is False
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(engine.compiler_missing("cpu") is not None, reason="torch.compile on CPU needs a C++ compiler")
 def test_compile_run_gives_the_same_loss(tmp_path):
     # The cheapest real compile: a linear probe trains only the head on cached features.
