@@ -161,7 +161,7 @@ def test_sweep_layout_overrides_and_resume(tmp_path):
     summary = sweep.run_sweep(runs, again.train, again.compose, progress=False)
     assert (summary.trained, summary.already_done, len(again.trained)) == (3, 5, 3)
     assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("result.json")) == sorted(
-        f"{t}/{e}/seed{s}/result.json" for t in tasks for e in ("linear", "lora") for s in (0, 1)
+        f"{sweep.task_folder(t)}/{e}/seed{s}/result.json" for t in tasks for e in ("linear", "lora") for s in (0, 1)
     )
 
 
@@ -598,7 +598,7 @@ def test_selected_configuration_column_shows_only_when_runs_record_a_selection(t
     for task, lr in (("mini/digits", 0.01), ("mini/mnist", 0.001)):
         for seed in (0, 1):
             write_run(tmp_path, task, "lora", seed, method="lora", top1=90.0)
-            path = tmp_path / task / "lora" / f"seed{seed}" / "result.json"
+            path = sweep.run_dir_for(tmp_path, task, "lora", seed) / "result.json"
             result = json.loads(path.read_text())
             result["selection"] = {"space": {"lr": [0.01, 0.001]}, "chosen": {"lr": lr, "wd": 0.0001}}
             path.write_text(json.dumps(result))

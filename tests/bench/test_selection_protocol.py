@@ -96,7 +96,7 @@ def test_search_on_val_then_final_on_1000_images_test_once(tmp_path, monkeypatch
     experiments = {"lora4": "lora"}
     for task, (folder, _) in TASKS.items():
         for name, method in experiments.items():
-            cell = out / task / name
+            cell = out / sweep.task_folder(task) / name
             trials = {}
             for trial_dir in sorted((cell / "search").iterdir()):
                 result = json.loads((trial_dir / "result.json").read_text())
@@ -132,7 +132,7 @@ def test_search_on_val_then_final_on_1000_images_test_once(tmp_path, monkeypatch
     with (out / "leaderboard.csv").open() as f:
         board = {row["experiment"]: row for row in csv.DictReader(f)}
     assert set(board) == set(experiments)
-    final = json.loads((out / "vtab/kitti_dist/lora4/seed0/result.json").read_text())
+    final = json.loads((out / "vtab-kitti_dist/lora4/seed0/result.json").read_text())
     assert float(board["lora4"]["vtab/kitti_dist_top1_mean"]) == pytest.approx(final["test_top1"])
 
     # NOAH writes train800val200 as its own image copies: that layout is no reason for a warning.
@@ -527,9 +527,9 @@ def test_calibrate_once_calibrates_in_the_first_trial_and_the_task_reuses_it(tmp
     assert summary.trained == 4 and not summary.failed  # the four finals
     assert calibrated == ["mini-digits/e/search/train.lr=0.001", "mini-mnist/e/search/train.lr=0.001"]
     for task, widths in (("mini/digits", "1,0"), ("mini/mnist", "2,0")):
-        runs = [t for t in trained if f"/{task}/" in t["output_dir"]]
+        runs = [t for t in trained if f"/{sweep.task_folder(task)}/" in t["output_dir"]]
         assert len(runs) == 4 and [t.get("method.widths") for t in runs[1:]] == [widths] * 3
-        final = json.loads((tmp_path / task / "e/seed1/result.json").read_text())
+        final = json.loads((tmp_path / sweep.task_folder(task) / "e/seed1/result.json").read_text())
         assert final["method_config"]["widths"] == widths and final["selection"]["chosen"] == {"train.lr": 1e-2}
     # Finished runs are checked with the reused options: nothing is stale on the next invocation.
     again = protocol.run_protocol(cells, progress=False, check_fn=lambda cfg: None, **fakes)
