@@ -117,6 +117,7 @@ def test_cli_refuses_nan_with_one_line_and_exit_2(capsys):
     assert err == "petl-run: error: method lora: alpha=nan is not a finite number"
 
 
+@pytest.mark.slow
 def test_cli_multirun_sweeps_methods_and_seeds(tmp_path, capsys):
     cli.main(
         [

@@ -48,6 +48,7 @@ def test_generation_is_fast():
     assert time.perf_counter() - start < 10, "200 images should take well under 10 s"
 
 
+@pytest.mark.slow
 def test_short_pretraining_writes_loadable_weights_and_provenance(tmp_path):
     settings = pretrain.TrainSettings(epochs=2, lr=1e-3, progress=False)
     record = pretrain.pretrain(TINY, settings, batch_size=8, val_instances=2, out_dir=tmp_path)

@@ -112,6 +112,7 @@ def served(request, tmp_path_factory):
     return backbone, singles, multi, ids, images, out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(SHARED))
 def test_each_row_gets_its_own_single_task_models_logits(served, case):
     """In a shuffled batch over every method, each row of ``case`` equals its single-task model's output."""
@@ -125,6 +126,7 @@ def test_each_row_gets_its_own_single_task_models_logits(served, case):
         assert (features - plain).abs().max() > 1e-3
 
 
+@pytest.mark.slow
 def test_a_mixed_batch_of_methods_of_different_families(tmp_path):
     """LoRA, AdaptFormer, VPT-deep, SSF, BitFit, Convpass and the side networks of LST, HST and LAST in one shuffled
     batch: every row as its own model."""

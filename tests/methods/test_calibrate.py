@@ -67,6 +67,7 @@ CALIBRATED = [name for name in petl.list_methods() if petl.get_method(name).cali
 BUDGET = {"noah": ("method.search_epochs=1", "method.search_generations=1", "method.population=3")}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", CALIBRATED)
 def test_a_calibration_shows_progress_bars_only_when_asked(tiny_vit, capsys, method):
     """NOAH's search takes about 40 CPU minutes a mini task: its bars show, unless train.progress=false hides them."""

@@ -84,6 +84,7 @@ def test_zero_init_flag_matches_behaviour(tiny_vit, images, method, options):
     assert unchanged == (petl.get_method(method).zero_init and model.petl_config.keeps_zero_init)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("method", "options"), VARIANTS, ids=IDS)
 def test_training_touches_exactly_the_trainable_tensors(tiny_vit, method, options):
     model = petl.apply(tiny_vit(), method, num_classes=4, **options).train()
