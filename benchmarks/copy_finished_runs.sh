@@ -5,6 +5,9 @@
 # a final run (seed<k>/ beside a search/ folder) is finished only once the sweep has stamped the selection into
 # its result.json, after all the finals of that invocation (petl/bench/protocol.py): until then it is left out.
 # Nothing in DST is overwritten: a run already there is skipped, one whose files differ from SRC's is named.
+# DST gets the layout petl-bench writes, one folder per task (<family>-<task>/<experiment>/...: mini-digits/lora/...);
+# a SRC in the layout before it (<family>/<task>/<experiment>/...: mini/digits/lora/..., a sweep started earlier)
+# is copied into that layout too.
 #
 #   benchmarks/copy_finished_runs.sh SRC_RUNS DST_RUNS
 #
@@ -16,6 +19,7 @@ if [ $# -ne 2 ] || [ ! -d "$1" ]; then
     exit 2
 fi
 src=$1 dst=$2
+one_level() { sed -E 's#^(mini|vtab|fgvc)/([^/]+)/#\1-\2/#' <<< "$1"; }  # mini/digits/lora/seed0 -> mini-digits/lora/seed0
 new=0 kept=0 differ=0
 waiting=0
 while IFS= read -r run; do
@@ -24,19 +28,20 @@ while IFS= read -r run; do
         waiting=$((waiting + 1))
         continue
     fi
-    if [ -e "$dst/$run/result.json" ]; then
+    to=$(one_level "$run")
+    if [ -e "$dst/$to/result.json" ]; then
         for name in result.json metrics.jsonl config.yaml; do
-            if [ -f "$src/$run/$name" ] && ! cmp -s "$src/$run/$name" "$dst/$run/$name"; then
-                echo "differs, left alone: $dst/$run/$name" >&2
+            if [ -f "$src/$run/$name" ] && ! cmp -s "$src/$run/$name" "$dst/$to/$name"; then
+                echo "differs, left alone: $dst/$to/$name" >&2
                 differ=$((differ + 1))
             fi
         done
         kept=$((kept + 1))
         continue
     fi
-    mkdir -p "$dst/$run"
+    mkdir -p "$dst/$to"
     for name in metrics.jsonl config.yaml result.json; do  # result.json last: a copy cut short is not a finished run
-        if [ -f "$src/$run/$name" ]; then cp "$src/$run/$name" "$dst/$run/$name"; fi
+        if [ -f "$src/$run/$name" ]; then cp "$src/$run/$name" "$dst/$to/$name"; fi
     done
     new=$((new + 1))
 done < <(cd "$src" && find . -name result.json -printf '%h\n' | sed 's#^\./##' | sort)

@@ -9,7 +9,7 @@ reproduce the committed one) and at 64, and prints the share of rows whose selec
 same share between the task's committed finals (seeds 0, 1, 2: other seeds, and train800val200 instead of train800).
 
     PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/gps_selection_batch.py \
-        > benchmarks/results/mini/gps_selection_batch.md
+        > benchmarks/results/mini_selection/gps_selection_batch.md
 
 About 20 s a task on one thread.
 """
@@ -24,10 +24,11 @@ from accelerate.utils import set_seed
 from omegaconf import OmegaConf
 
 import petl
+from petl.bench.sweep import task_folder
 from petl.methods.gps import calibrate_gps
 from petl.train import build
 
-RUNS = Path(__file__).resolve().parent / "results" / "mini" / "runs" / "mini"
+RUNS = Path(__file__).resolve().parent / "results" / "mini_selection" / "runs"
 TASKS = ("fashion_mnist", "mnist", "digits", "textures", "dsprites_loc", "dsprites_ori", "clevr_count")
 
 
@@ -58,7 +59,7 @@ def main() -> None:
     print("| Task | 256 reproduces the committed | 64 vs 256 | finals seed 0 vs 1 | finals seed 0 vs 2 |")
     print("|---|---|---|---|---|")
     for task in TASKS:
-        folder = RUNS / task / "gps"
+        folder = RUNS / task_folder(f"mini/{task}") / "gps"
         trial = json.loads((folder / "search" / "train.lr=0.01" / "result.json").read_text())
         training_batch = trial["config"]["train"]["batch_size"]
         at_eval, at_train = selection_at(trial, 256), selection_at(trial, training_batch)

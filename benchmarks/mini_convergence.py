@@ -3,12 +3,12 @@
 Each case is a committed selection trial of ``configs/suites/mini_selection.yaml`` (train800, seed 0, scored on
 val200) whose val accuracy still rose over its last epochs.  The same config is trained again with twice the
 epochs (so a whole cosine schedule twice as long, not the old one continued) into
-``benchmarks/results/mini/convergence/``, and the table compares the two end points.  If the longer schedule
+``benchmarks/results/mini_selection/convergence/``, and the table compares the two end points.  If the longer schedule
 ends within the noise of 200 val images, 20 epochs is enough for that case.
 
     PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/mini_convergence.py   # resumable; prints the table
 
-Writes ``benchmarks/results/mini/convergence.md``.
+Writes ``benchmarks/results/mini_selection/convergence.md``.
 """
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from petl.bench.sweep import task_folder
 from petl.train import config, runner
 
-RESULTS = Path(__file__).resolve().parent / "results" / "mini"
+RESULTS = Path(__file__).resolve().parent / "results" / "mini_selection"
 EPOCHS = 40
 # (task, experiment, lr): the trials whose val top-1 rose most over epochs 9-12 -> 17-20, one or two per method.
 CASES = [
@@ -40,7 +41,7 @@ def val_curve(run: Path) -> list[float]:
 
 def trial_dir(task: str, experiment: str, lr: str) -> Path:
     """The committed 20-epoch selection trial of a case."""
-    return RESULTS / "runs" / "mini" / task / experiment / "search" / f"train.lr={lr}"
+    return RESULTS / "runs" / task_folder(f"mini/{task}") / experiment / "search" / f"train.lr={lr}"
 
 
 def longer_dir(task: str, experiment: str, lr: str) -> Path:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from petl.bench.sweep import task_folder
 from petl.train import config, runner
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -55,7 +56,7 @@ class Probe:
 
     def trial_dir(self, task: str, experiment: str, lr: str) -> Path:
         """A committed selection trial."""
-        return self.folder / "runs" / "mini" / task / experiment / "search" / f"train.lr={lr}"
+        return self.folder / "runs" / task_folder(f"mini/{task}") / experiment / "search" / f"train.lr={lr}"
 
     def probe_dir(self, task: str, experiment: str) -> Path:
         """Where the case's lr 3e-2 trial goes."""
@@ -65,7 +66,7 @@ class Probe:
 PROBES = {
     # One or two per family: head only, LoRA, both adapters, deep prompts, biases; on two tasks.
     "mini_selection": Probe(
-        RESULTS / "mini",
+        RESULTS / "mini_selection",
         "the mini suite's",
         20,
         tuple(

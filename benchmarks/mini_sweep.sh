@@ -13,13 +13,13 @@
 #   benchmarks/mini_sweep.sh [METHOD ...]      (default: every experiment of the suite)
 #
 # SWEEPS=N runs N sweeps side by side instead of two (on a GPU machine with 16 cores, 12 to 15 kept an H100 busy;
-# benchmarks/results/mini/README.md); PETL_BENCH names the command (default petl-bench).
+# benchmarks/results/mini_selection/README.md); PETL_BENCH names the command (default petl-bench).
 set -u
 cd "$(dirname "$0")/.."
 PETL_BENCH=${PETL_BENCH:-petl-bench}
 SWEEPS=${SWEEPS:-2}
 SUITE=${SUITE:-mini_selection}
-if [ "$SUITE" = mini_selection ]; then OUT=benchmarks/results/mini/runs; else OUT=benchmarks/results/$SUITE/runs; fi
+OUT=benchmarks/results/$SUITE/runs  # one folder per leaderboard, named as its suite
 METHODS=("$@")
 if [ ${#METHODS[@]} -eq 0 ]; then
     # The nine seed experiments first (cheapest first), then issue 11's methods, then the wave-2 ones

@@ -14,7 +14,7 @@ What it writes, and from what:
 * the works-with table in ``docs/works-with.md`` (``petl.bench.timm_support.support_table()``, between markers).
 
 A script beside the pages rather than a module of the package: it is a developer's tool that needs the checkout
-(``configs/``, ``pyproject.toml``, ``docs/``), not something an installed petl runs.  tests/test_docs.py runs it
+(``configs/``, ``pyproject.toml``, ``docs/``), not something an installed petl runs.  tests/docs/test_docs.py runs it
 with ``--check`` and fails on a stale page.
 """
 

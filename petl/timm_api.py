@@ -267,7 +267,8 @@ def _unscriptable(model: nn.Module) -> list[nn.Module]:
 def support(model: nn.Module) -> dict[str, str]:
     """What timm's model methods and torch's tools do on ``model`` (from :func:`petl.apply`), one short cell each.
 
-    The registry-wide tests (tests/test_timm_api.py, tests/test_train_options.py) check every cell's claim on
+    The registry-wide tests (tests/methods/test_timm_api.py,
+    tests/training/test_train_options.py) check every cell's claim on
     every experiment against the plain timm model: a rebuilt or plain head at ``n`` classes, pre-logits that the
     last Linear turns into the logits, the same gradients or a refusal, intermediates of the plain model's shapes,
     timm's pruning or a refusal, bf16 logits within bf16 precision of fp32, compiled and traced logits equal to

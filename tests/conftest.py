@@ -1,10 +1,16 @@
-"""Shared fixtures: tiny random-weight timm ViTs that build in milliseconds."""
+"""Fixtures and helpers shared by every test folder: tiny random-weight timm ViTs, a meta-device ViT-B.
+
+This is the only conftest.py under tests/: the test folders are not packages, so pytest imports every
+conftest.py as the module ``conftest``, and tests import the helpers below with ``from conftest import ...``;
+a second conftest.py in a sub-folder would replace this module for every test collected after it.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
 import pytest
+import timm
 import torch
 from timm.models.vision_transformer import VisionTransformer
 
@@ -28,6 +34,16 @@ def tiny_vit() -> Callable[..., VisionTransformer]:
 def images() -> torch.Tensor:
     """A fixed batch of two random 32x32 RGB images."""
     return torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+
+
+@pytest.fixture(scope="module")
+def vit_base() -> VisionTransformer:
+    """The architecture of the real vit_base_patch16_224 on the meta device, for every count and formula.
+
+    No 86M random weights are drawn (that takes seconds on a busy CPU); a test that applies a method deep-copies it.
+    """
+    with torch.device("meta"):
+        return timm.create_model("vit_base_patch16_224", pretrained=False)
 
 
 def perturb_trainable(model: torch.nn.Module, seed: int = 3) -> None:

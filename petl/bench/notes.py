@@ -81,7 +81,7 @@ def not_learned_line(board: Leaderboard) -> str:
     if not cells:
         return ""
     # The module is petl.train.learning now; the text stays as the committed leaderboards have it (they rebuild
-    # byte for byte in tests/test_bench_mini.py) until they are regenerated.
+    # byte for byte in tests/bench/test_committed_leaderboards.py) until they are regenerated.
     return (
         f"**† k**: k of the cell's seeds did not learn (final train loss not finite, not below its first "
         f"epoch's, or at chance, ln(classes): `petl.train.learning`); the cell's mean and ± include them, so a "
@@ -97,11 +97,12 @@ def set_aside_line(board: Leaderboard) -> str:
     cells: dict[str, list[str]] = {}
     seconds = 0.0
     for path in paths:
-        # <task...>/<experiment>/unstable/<point>/seed<k>/result.json
+        # <task folder>/<experiment>/unstable/<point>/seed<k>/result.json; the task is the record's (a folder
+        # name is mini-digits, or mini/digits in results written before the one-level layout).
         run, point, experiment = path.parent, path.parent.parent.name, path.parents[3].name
-        task = path.parents[4].relative_to(board.results_dir).as_posix()
-        cells.setdefault(f"{experiment} {task.rsplit('/', 1)[-1]} at {point}", []).append(run.name)
         result = read_result(path)
+        task = result.dataset if result else path.parents[4].relative_to(board.results_dir).as_posix()
+        cells.setdefault(f"{experiment} {task.rsplit('/', 1)[-1]} at {point}", []).append(run.name)
         seconds += float(result.wall_seconds or 0.0) if result else 0.0
     listed = "; ".join(f"{cell} ({', '.join(runs)})" for cell, runs in sorted(cells.items()))
     return (

@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from petl.bench.suite import FINAL_SPLIT, Experiment, Suite, format_value, override
-from petl.bench.sweep import PlannedRun, SweepSummary, reused_from, run_dir_for, run_sweep
+from petl.bench.sweep import PlannedRun, SweepSummary, reused_from, run_dir_for, run_sweep, task_folder
 from petl.data.registry import TRAIN, VAL
 from petl.store.files import RESULT_FILE, WEIGHTS_FILE
 from petl.store.result import ResultError, RunResult, read_result, write_result
@@ -115,8 +115,8 @@ class Cell:
 
     @property
     def folder(self) -> Path:
-        """``<output_dir>/<task>/<experiment>``: the cell's trials, finals and set-aside finals."""
-        return self.output_dir / self.task / self.experiment.name
+        """``<output_dir>/<task folder>/<experiment>``: the cell's trials, finals and set-aside finals."""
+        return self.output_dir / task_folder(self.task) / self.experiment.name
 
     def unstable_points(self) -> set[str]:
         """Folder names of the points whose finals ``require_learning`` set aside (``unstable/<point>/``)."""
@@ -291,7 +291,7 @@ def plan_cells(
             # finals, or, under `pinned_trial`, first trains its one point (grid({}) == [{}], folder "defaults")
             # for the val curve.
             points = grid(space) if space or suite.pinned_trial else []
-            trial_dirs = [output_dir / task / exp.name / SEARCH_DIR / point_name(p) for p in points]
+            trial_dirs = [output_dir / task_folder(task) / exp.name / SEARCH_DIR / point_name(p) for p in points]
             # calibrate_once: the first trial calibrates (without trials, the first seed's final); the task's
             # other runs reuse its choice.
             calibrating = None

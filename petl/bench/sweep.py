@@ -1,8 +1,8 @@
 """Run a suite's experiments × tasks × seeds in-process through ``petl.run.train``.
 
-Each run owns ``<output_dir>/<task>/<experiment>/seed<k>/``.  A run whose ``result.json`` exists is
-done and skipped, so an interrupted sweep resumes by running the same command again.  A run being
-trained holds a lock file in its folder, so a second sweep on the same folder (another terminal,
+Each run owns ``<output_dir>/<task folder>/<experiment>/seed<k>/`` (:func:`task_folder`).  A run whose
+``result.json`` exists is done and skipped, so an interrupted sweep resumes by running the same command again.
+A run being trained holds a lock file in its folder, so a second sweep on the same folder (another terminal,
 another node on a shared filesystem) trains something else instead of writing into the same files.
 This is bookkeeping, not a scheduler: spreading runs over GPUs or SLURM is Hydra's launchers' job
 (see benchmarks/README.md).
@@ -84,9 +84,20 @@ def reused_from(calibrating: Path | None, run_dir: Path) -> Path | None:
     return calibrating if calibrating != run_dir else None
 
 
+def task_folder(task: str) -> str:
+    """The folder of a task's runs in a results folder: its registry name with ``/`` as ``-`` (``mini-digits``).
+
+    One level per task, so ``ls runs/`` lists a suite's tasks and ``runs/<task>/<experiment>/`` sits directly
+    under it; the family prefix keeps ``vtab/...``, ``fgvc/...`` and ``mini/...`` names apart; and it is the
+    folder name petl-run's default ``output_dir`` gives a task (its ``petl.slug`` resolver), so a run reads the
+    same wherever it was started.
+    """
+    return task.replace("/", "-")
+
+
 def run_dir_for(output_dir: Path, task: str, experiment: str, seed: int) -> Path:
-    """The folder one run owns: ``<output_dir>/<task>/<experiment>/seed<k>``."""
-    return output_dir / task / experiment / f"seed{seed}"
+    """The folder one run owns: ``<output_dir>/<task folder>/<experiment>/seed<k>``."""
+    return output_dir / task_folder(task) / experiment / f"seed{seed}"
 
 
 def plan(

@@ -13,7 +13,7 @@ def support_table() -> str:
     """The Markdown table of :func:`petl.timm_api.support` for every experiment (``petl.presets``), on a tiny ViT.
 
     docs/works-with.md holds its output between ``<!-- works-with -->`` markers (docs/gen.py writes it);
-    tests/test_timm_api.py checks that it is current, and prints the table to paste when it is not.
+    tests/methods/test_timm_api.py checks that it is current, and prints the table to paste when it is not.
     """
     configs = configs_dir()
     rows = []

@@ -100,8 +100,8 @@ def hydra_parser(prog: str) -> argparse.ArgumentParser:
     """``petl-run``'s flags: the ones Hydra's app runner reads (``hydra.main``), on a public argparse parser.
 
     Hydra has no public API for its own command-line parser; these are its flags, so that a command line is
-    known (and every job of a sweep checked) before Hydra starts.  ``tests/test_cli.py`` checks them against the
-    help Hydra prints.
+    known (and every job of a sweep checked) before Hydra starts.  ``tests/cli/test_petl_run_cli.py`` checks them
+    against the help Hydra prints.
     """
     made = argparse.ArgumentParser(prog=prog, add_help=False)
     made.add_argument("--help", "-h", action="store_true")

@@ -1,0 +1,72 @@
+import json
+
+import numpy as np
+import pytest
+import timm
+import torch
+
+from petl.cli import pretrain as pretrain_cli
+from petl.data.fractaldb import FractalConfig, fill_rate, generate, render, search_systems
+from petl.train import pretrain
+
+TINY = FractalConfig(num_classes=4, instances=6, seed=3)
+
+
+def test_systems_pass_the_fill_filter_and_are_seeded():
+    systems = search_systems(TINY)
+    assert len(systems) == 4
+    rng = np.random.default_rng(0)
+    for system in systems:
+        assert fill_rate(render(system, TINY.image_size, rng)) >= TINY.fill_threshold
+    again = search_systems(TINY)
+    assert all(np.array_equal(a, b) for a, b in zip(systems, again, strict=True))
+
+
+def test_generate_is_deterministic_and_labelled():
+    first, second = generate(TINY), generate(TINY)
+    images, labels = first.tensors
+    assert images.shape == (24, 1, 32, 32) and images.dtype == torch.uint8
+    assert labels.tolist() == [c for c in range(4) for _ in range(6)]
+    assert torch.equal(images, second.tensors[0])
+    other_seed = generate(TINY, seed=99).tensors[0]
+    assert not torch.equal(images, other_seed)
+    # Every image shows something, and instances of one class differ (perturbation and flips).
+    assert (images.flatten(1) > 0).any(1).all()
+    assert not torch.equal(images[0], images[1])
+
+
+def test_divergent_system_renders_blank():
+    exploding = np.array([[10.0, 0.0, 0.0, 10.0, 0.0, 0.0]])
+    image = render(exploding, 32, np.random.default_rng(0), steps=400)
+    assert fill_rate(image) == 0.0
+
+
+def test_generation_is_fast():
+    import time
+
+    start = time.perf_counter()
+    generate(FractalConfig(num_classes=10, instances=20, seed=1))
+    assert time.perf_counter() - start < 10, "200 images should take well under 10 s"
+
+
+@pytest.mark.slow
+def test_short_pretraining_writes_loadable_weights_and_provenance(tmp_path):
+    settings = pretrain.TrainSettings(epochs=2, lr=1e-3, progress=False)
+    record = pretrain.pretrain(TINY, settings, batch_size=8, val_instances=2, out_dir=tmp_path)
+    weights = tmp_path / f"{pretrain.ARCH}.fractaldb.safetensors"
+    provenance = json.loads((tmp_path / f"{pretrain.ARCH}.fractaldb.json").read_text())
+    assert provenance["images_seen"] == record["images_seen"] == 2 * 24
+    assert {"fractal_config", "final_val_top1", "wall_seconds", "versions", "seed"} <= set(provenance)
+    model = timm.create_model(
+        f"{pretrain.ARCH}.fractaldb", pretrained=True, pretrained_cfg_overlay={"file": str(weights)}, num_classes=3
+    )
+    fresh = timm.create_model(pretrain.ARCH, num_classes=3)
+    trained = dict(model.named_parameters())
+    key = "blocks.0.attn.qkv.weight"
+    assert not torch.equal(trained[key], dict(fresh.named_parameters())[key])
+
+
+@pytest.mark.slow
+def test_cli_rejects_bad_sizes(capsys):
+    with pytest.raises(SystemExit):
+        pretrain_cli.main(["--classes", "0"])

@@ -1,0 +1,98 @@
+"""petl-export writes a model that plain timm loads, in a Python where petl cannot be imported.
+
+The exported folder is timm's own ``local-dir:`` format (config.json + model.safetensors); petl's own
+backbones are written under their timm-native names (petl.backbones.models.TIMM_NATIVE), which must build the
+same tensors and give the same logits as petl's registrations.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import timm
+import torch
+from test_run_card import TINY, _run_folder
+
+import petl
+from petl.backbones import models
+from petl.cli import export as export_cli
+from petl.store import load
+
+
+@pytest.mark.parametrize("name", sorted(models.TIMM_NATIVE))
+def test_each_petl_backbone_has_a_timm_native_twin(name):
+    kwargs = {"img_size": 56, "depth": 2} if "dinov2" in name else {"depth": 2, "embed_dim": 48}
+    torch.manual_seed(0)
+    ours = timm.create_model(name, pretrained=False, num_classes=3, **kwargs).eval()
+    native, args = models.timm_native(name, kwargs)
+    assert native.split(".")[0] not in models.TIMM_NATIVE and native in timm.list_models(pretrained=False)
+    theirs = timm.create_model(native, pretrained=False, num_classes=3, **args).eval()
+    theirs.load_state_dict(ours.state_dict(), strict=True)
+    size = ours.patch_embed.img_size[0]
+    images = torch.randn(2, 3, size, size, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(images), ours(images))
+
+
+def run_without_petl(script: str, cwd: Path) -> subprocess.CompletedProcess:
+    """Run ``script`` in a fresh interpreter where ``import petl`` fails (a stub shadows the installed package)."""
+    stub = cwd / "no_petl"
+    (stub / "petl").mkdir(parents=True, exist_ok=True)
+    (stub / "petl" / "__init__.py").write_text("raise ImportError('petl is not installed here')\n")
+    check = "\nimport sys\nassert 'petl' not in sys.modules and not timm.is_model('vit_fractal_tiny_patch4_32')\n"
+    env = {**os.environ, "PYTHONPATH": str(stub)}
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script) + check], cwd=cwd, env=env, capture_output=True, text=True
+    )
+
+
+@pytest.mark.slow
+def test_an_exported_folder_loads_in_timm_without_petl(tmp_path):
+    model_cfg = {**TINY, "kwargs": {**TINY["kwargs"], "img_size": 48}}
+    run_dir = _run_folder(tmp_path / "run", model_cfg=model_cfg)
+    export_cli.main([str(run_dir), f"out={tmp_path / 'exported'}"])
+    config = json.loads((tmp_path / "exported" / "config.json").read_text())
+    assert config["architecture"] == "vit_tiny_patch16_224" and config["num_classes"] == 3
+    assert config["model_args"]["img_size"] == 48 and config["pretrained_cfg"]["label_names"] == ["c0", "c1", "c2"]
+    images = torch.randn(3, 3, 48, 48, generator=torch.Generator().manual_seed(0))
+    torch.save(images, tmp_path / "images.pt")
+    script = """
+        import timm, torch
+        model = timm.create_model("local-dir:exported", pretrained=True).eval()
+        with torch.no_grad():
+            torch.save(model(torch.load("images.pt")), "logits.pt")
+        data = timm.data.resolve_data_config(model=model)
+        print(data["input_size"], data["crop_mode"], model.pretrained_cfg["label_names"])
+    """
+    done = run_without_petl(script, tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "(3, 48, 48) squash ['c0', 'c1', 'c2']"
+    with torch.no_grad():
+        expected = petl.load_run(run_dir).model(images)
+    torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_the_stub_really_keeps_petl_out(tmp_path):
+    done = run_without_petl("import timm\nimport petl\n", tmp_path)
+    assert done.returncode != 0 and "petl is not installed here" in done.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target", ["trainable.safetensors", "model.onnx", "sub/model.safetensors", "."])
+def test_out_inside_the_run_folder_is_refused(tmp_path, capsys, target):
+    run_dir = _run_folder(tmp_path / "run")
+    before = {p.name: p.read_bytes() for p in run_dir.iterdir()}
+    with pytest.raises(SystemExit) as stop:
+        export_cli.main([str(run_dir), f"out={run_dir / target}"])
+    assert stop.value.code == 2
+    assert "is inside the run folder" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in run_dir.iterdir()} == before
+    petl.load_run(run_dir)
+    assert load.WEIGHTS_FILE in before

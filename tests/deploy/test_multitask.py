@@ -1,0 +1,339 @@
+"""petl.MultiTask: a mixed batch over one frozen backbone gives every row its own single-task model's logits."""
+
+from __future__ import annotations
+
+import copy
+import csv
+
+import numpy as np
+import pytest
+import timm
+import torch
+from conftest import make_tiny_vit, perturb_trainable
+from PIL import Image
+
+import petl
+from petl import vit
+from petl.cli import predict as predict_cli
+from petl.data.transforms import ImageSpec
+from petl.deploy import predict as predict_api
+from petl.deploy.multitask import TaskRefused
+from petl.deploy.routing import RoutedModule
+from petl.store import load
+
+# Every registered method with its defaults, plus the variants that take another path through the mixed batch.
+VARIANTS = {
+    "lora_all": ("lora", {"targets": "q,k,v,proj,fc1,fc2"}),
+    "adapter_parallel": ("adapter", {"style": "parallel"}),
+    "adapter_norm": ("adapter", {"norm": True}),
+    "fact_tt": ("fact", {"type": "tt"}),
+    "bitfit_linear": ("bitfit", {"biases": "linear"}),
+    "vpt_deep": ("vpt", {"num_tokens": 5, "deep": True}),
+    "vpt_img_pool": ("vpt", {"num_tokens": 2, "deep": True, "pool": "img_pool"}),
+    "mlp_3": ("mlp", {"k": 3}),
+    "dora": ("peft", {"peft_type": "LORA", "target_modules": ("qkv",), "options": '{"r": 4, "use_dora": true}'}),
+    "peft_fc": ("peft", {"peft_type": "LORA", "target_modules": ("fc1", "fc2"), "options": '{"r": 2}'}),
+    "ia3": (
+        "peft",
+        {"peft_type": "IA3", "target_modules": ("qkv", "fc2"), "options": '{"feedforward_modules": ["fc2"]}'},
+    ),
+}
+# Side networks and NOAH's per-block choices: DTL+ (its conv over the grid must not see other tasks' prompt
+# slots), GPS with two entries per row, NOAH with prompts that come, stay and are replaced from block to block
+# (slots attended change per block), LoRA and adapters in some blocks only, LAST with two LSA layers per group.
+VARIANTS |= {
+    "dtl_plus": ("dtl", {"fusion_size": 3, "add_from": 0}),
+    "gps_2": ("gps", {"per_row": 2}),
+    "noah_mixed": ("noah", {"prompt": "2,0,3", "lora": "0,2,1", "adapter": "3,0,2"}),
+    "hst_2": ("hst", {"dims": ("8", "16"), "heads": ("2", "4"), "meta_tokens": 2}),
+    "last_gap_3": ("last", {"gap": 3, "layers": 2}),
+}
+# Cannot share: they train frozen weight matrices every row's matmul uses.
+REFUSED = {"partial": ("partial", {}), "full": ("full", {})}
+SHARED = {name: (name, {}) for name in petl.list_methods() if name not in REFUSED} | VARIANTS
+# Head-only methods: nothing before the head differs from the plain backbone.
+HEAD_ONLY = {"linear", "mlp", "mlp_3"}
+# A class-token ViT with a register token, and an average-pooled one without class token (VPT's prompts then
+# enter the pooling, so a row's unused prompt slots must be left out of it).
+BACKBONES = {
+    "token": {"reg_tokens": 1},
+    "avg": {"global_pool": "avg", "class_token": False, "fc_norm": True},
+}
+
+
+def _trained(backbone, method: str, options: dict, seed: int) -> torch.nn.Module:
+    """``method`` applied to a copy of ``backbone`` with every trained tensor (BatchNorm statistics too) perturbed."""
+    model = petl.apply(copy.deepcopy(backbone), method, num_classes=3 + seed % 4, **options)
+    perturb_trainable(model, seed=seed)
+    gen = torch.Generator().manual_seed(seed)
+    for module in model.modules():
+        if isinstance(module, torch.nn.BatchNorm1d):
+            module.running_mean.copy_(torch.randn(module.running_mean.shape, generator=gen))
+            module.running_var.uniform_(0.5, 2.0, generator=gen)
+    return model.eval()
+
+
+def _save(tmp_path, cases: dict, backbone) -> tuple[dict, dict]:
+    singles, files = {}, {}
+    for seed, (name, (method, options)) in enumerate(cases.items()):
+        singles[name] = _trained(backbone, method, options, seed)
+        files[name] = tmp_path / f"{name}.safetensors"
+        petl.save_trainable(singles[name], files[name])
+    return singles, files
+
+
+def _mixed_batch(names: list[str], per_task: int, seed: int = 0) -> tuple[list[str], torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    order = torch.randperm(per_task * len(names), generator=gen).tolist()
+    ids = [names[i % len(names)] for i in order]
+    return ids, torch.randn(len(ids), 3, 32, 32, generator=gen)
+
+
+def _check_rows(multi, singles: dict, ids: list[str], images: torch.Tensor, only: str | None = None, out=None) -> None:
+    """Each row of ``multi(images, ids)`` (or of ``out``, computed by it) against its task's single model."""
+    with torch.no_grad():
+        out = multi(images, ids) if out is None else out
+        for row, task in enumerate(ids):
+            if only is not None and task != only:
+                continue
+            expected = singles[task](images[row : row + 1])[0]
+            n = expected.shape[0]
+            torch.testing.assert_close(out[row, :n], expected, atol=2e-5, rtol=1e-4, msg=f"row {row}, task {task}")
+            assert torch.isinf(out[row, n:]).all(), "columns past a task's classes must be -inf"
+
+
+@pytest.fixture(scope="module", params=sorted(BACKBONES))
+def served(request, tmp_path_factory):
+    """Every shareable case trained (perturbed) on one backbone, and a shuffled batch of all of them served at once."""
+    backbone = make_tiny_vit(**BACKBONES[request.param])
+    singles, files = _save(tmp_path_factory.mktemp(request.param), SHARED, backbone)
+    multi = petl.MultiTask(backbone, files)
+    ids, images = _mixed_batch(sorted(SHARED), per_task=2)
+    with torch.no_grad():
+        out = multi(images, ids)
+    return backbone, singles, multi, ids, images, out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(SHARED))
+def test_each_row_gets_its_own_single_task_models_logits(served, case):
+    """In a shuffled batch over every method, each row of ``case`` equals its single-task model's output."""
+    backbone, singles, multi, ids, images, out = served
+    _check_rows(multi, singles, ids, images, only=case, out=out)
+    if case not in HEAD_ONLY:  # the perturbed method acts, so a missing or misplaced hook could not pass
+        single = singles[case]
+        with torch.no_grad():
+            features = single.forward_head(single.forward_features(images[:2]), pre_logits=True)
+            plain = backbone.forward_head(backbone.forward_features(images[:2]), pre_logits=True)
+        assert (features - plain).abs().max() > 1e-3
+
+
+@pytest.mark.slow
+def test_a_mixed_batch_of_methods_of_different_families(tmp_path):
+    """LoRA, AdaptFormer, VPT-deep, SSF, BitFit, Convpass and the side networks of LST, HST and LAST in one shuffled
+    batch: every row as its own model."""
+    names = ("lora", "adapter_parallel", "vpt_deep", "ssf", "bitfit", "convpass", "lst", "hst", "last")
+    cases = {name: SHARED[name] for name in names}
+    backbone = make_tiny_vit()
+    singles, files = _save(tmp_path, cases, backbone)
+    multi = petl.MultiTask(backbone, files)
+    ids, images = _mixed_batch(list(cases), per_task=3, seed=1)
+    _check_rows(multi, singles, ids, images)
+    # With autograd on, rows are gathered into new tensors instead of written in place: the same logits.
+    _check_rows(multi, singles, ids, images, out=multi(images, ids).detach())
+    # A batch of one task, and a batch without the prompted task (no prompt slots then), give the same rows.
+    _check_rows(multi, singles, ["ssf"] * 3, images[:3])
+    _check_rows(multi, singles, ["lora", "convpass", "bitfit"], images[:3])
+
+
+def test_frozen_layers_run_once_for_the_whole_mixed_batch(tmp_path):
+    """The frozen qkv under several tasks' LoRA/RepAdapter/FacT hooks runs once, on every row of the batch."""
+    cases = {name: SHARED[name] for name in ("lora", "repadapter", "fact", "linear")}
+    backbone = make_tiny_vit()
+    _, files = _save(tmp_path, cases, backbone)
+    multi = petl.MultiTask(backbone, files)
+    routed = vit.block_container(multi.backbone)[0].attn.qkv
+    assert isinstance(routed, RoutedModule) and sorted(routed.hooks) == [0, 1, 2]
+    calls = []
+    routed.base.register_forward_hook(lambda _m, args, _out: calls.append(args[0].shape[0]))
+    ids, images = _mixed_batch(list(cases), per_task=2)
+    with torch.no_grad():
+        multi(images, ids)
+    assert calls == [len(ids)]
+
+
+def test_tasks_share_the_backbones_frozen_tensors(tmp_path):
+    """A task costs its own tensors only: every frozen tensor of every task model is the backbone's own object."""
+    # GPS trains the biases of the layers it wraps, HST the LayerNorms of the blocks it wraps: in the file they
+    # are named under the wrapper (blocks.0.attn.qkv.base.bias), yet they must not be loaded into the backbone.
+    cases = {name: SHARED[name] for name in ("lora", "bitfit", "gps", "hst")}
+    backbone = make_tiny_vit()
+    _, files = _save(tmp_path, cases, backbone)
+    multi = petl.MultiTask(backbone, files)
+    frozen = {id(p) for p in backbone.parameters()}
+    for task in multi.tasks[:2]:
+        own = [n for n, p in task.named_parameters() if id(p) not in frozen]
+        # BitFit's biases and the head are the task's own; everything else is shared.
+        assert all(n.endswith("bias") or n.startswith("head") or "lora" in n for n in own)
+        assert len(own) < len(list(task.parameters()))
+    gps = dict(multi.tasks[2].named_parameters())
+    assert id(gps["blocks.0.attn.qkv.base.bias"]) not in frozen and id(gps["blocks.0.attn.qkv.base.weight"]) in frozen
+    # The trained biases and LayerNorms did not leak into the shared backbone.
+    assert all(torch.equal(a, b) for a, b in zip(backbone.parameters(), make_tiny_vit().parameters(), strict=True))
+
+
+def test_layer_scale_gammas_trained_by_gps_act_on_their_own_rows(tmp_path):
+    """GPS trains layer-scale gammas whole (a backbone with layer scale): each task's rows use its own."""
+    backbone = make_tiny_vit(init_values=0.5)
+    cases = {"gps": SHARED["gps"], "gps_2": SHARED["gps_2"], "lora": SHARED["lora"]}
+    singles, files = _save(tmp_path, cases, backbone)
+    multi = petl.MultiTask(backbone, files)
+    ids, images = _mixed_batch(list(cases), per_task=2)
+    _check_rows(multi, singles, ids, images)
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_methods_that_train_frozen_weights_are_refused_in_one_line(tmp_path, case):
+    backbone = make_tiny_vit()
+    _, files = _save(tmp_path, {case: REFUSED[case]}, backbone)
+    with pytest.raises(ValueError, match=rf"task '{case}' \(method {case}\) cannot share the backbone") as error:
+        petl.MultiTask(backbone, files)
+    assert "\n" not in str(error.value)
+
+
+def test_a_peft_tuner_without_a_hook_is_refused_naming_it(tmp_path):
+    backbone = make_tiny_vit()
+    cases = {"loha": ("peft", {"peft_type": "LOHA", "target_modules": ("qkv",), "options": '{"r": 2}'})}
+    _, files = _save(tmp_path, cases, backbone)
+    with pytest.raises(ValueError, match=r"task 'loha' \(method peft LOHA\) .*loha.*has no multi-task hook"):
+        petl.MultiTask(backbone, files)
+
+
+def test_run_folders_task_ids_and_bad_input(tmp_path):
+    backbone = make_tiny_vit()
+    singles, files = _save(tmp_path, {"a": SHARED["lora"], "b": SHARED["vpt"]}, backbone)
+    run = tmp_path / "run_b"
+    run.mkdir()
+    files["b"].rename(run / "trainable.safetensors")
+    multi = petl.MultiTask(backbone, {"a": files["a"], "b": run})
+    images = torch.randn(3, 3, 32, 32)
+    with torch.no_grad():
+        by_name = multi(images, ["b", "a", "b"])
+        by_index = multi(images, torch.tensor([1, 0, 1]))
+    torch.testing.assert_close(by_name, by_index)
+    _check_rows(multi, singles, ["b", "a", "b"], images)
+    with pytest.raises(ValueError, match="unknown task 'c'; the tasks are a, b"):
+        multi(images, ["a", "b", "c"])
+    with pytest.raises(ValueError, match="2 task ids for 3 images"):
+        multi(images, ["a", "b"])
+    with pytest.raises(ValueError, match="task index out of range"):
+        multi(images, [0, 1, 2])
+    with pytest.raises(ValueError, match="stays in eval mode"):
+        multi.train()
+    with pytest.raises(ValueError, match="pass the plain backbone"):
+        petl.MultiTask(singles["a"], files)
+    with pytest.raises(ValueError, match="embed_dim"):
+        petl.MultiTask(make_tiny_vit(embed_dim=24), {"a": files["a"]})
+
+
+def _run_folder(folder, method: str, options: dict, seed: int, classes: int = 3, width: int = 48) -> None:
+    """A finished run folder (model.json + trainable.safetensors) of ``method`` on the tiny default backbone."""
+    model_cfg = {"name": "vit_fractal_tiny_patch4_32", "pretrained": False, "kwargs": {"depth": 2, "embed_dim": width}}
+    model = petl.apply(load.create_backbone({**model_cfg, "seed": 0}), method, num_classes=classes, **options)
+    perturb_trainable(model, seed=seed)
+    folder.mkdir()
+    petl.save_trainable(model, folder / load.WEIGHTS_FILE)
+    spec = ImageSpec(image_size=32, mean=(0.5,) * 3, std=(0.25,) * 3, interpolation="bilinear", crop=False)
+    names = [f"{folder.name}_{i}" for i in range(classes)]
+    card = load.model_card(
+        model_cfg=model_cfg, seed=0, model=model, spec=spec, class_names=names, dataset="folder", checkpoint_sha256=None
+    )
+    load.write_card(folder, card)
+
+
+def _predict(argv: list[str]) -> list[dict]:
+    with pytest.raises(SystemExit) as stop:
+        predict_cli.main([*argv, "--quiet"])
+    assert stop.value.code == 0
+    with open(argv[-1].split("=", 1)[1], newline="") as handle:
+        return list(csv.DictReader(handle))
+
+
+@pytest.mark.slow
+def test_petl_predict_serves_runs_on_one_backbone_together(tmp_path, monkeypatch, capsys):
+    """Runs on one backbone go through one MultiTask pass; the others (a method that cannot share, another
+    backbone) predict alone, with a note; every run's rows are what it predicts on its own."""
+    runs = {"lora": ("lora", {}), "vpt": ("vpt", {"num_tokens": 3}), "lst": ("lst", {}), "full": ("full", {})}
+    for seed, (name, (method, options)) in enumerate(runs.items()):
+        _run_folder(tmp_path / name, method, options, seed, classes=2 + seed)
+    _run_folder(tmp_path / "narrow", "lora", {}, 9, width=24)
+    images = tmp_path / "images"
+    images.mkdir()
+    gen = np.random.default_rng(0)
+    for i in range(5):
+        Image.fromarray(gen.integers(0, 255, (40, 36, 3), dtype=np.uint8)).save(images / f"{i}.png")
+    served = []
+    together = predict_api.predict_together
+    monkeypatch.setattr(
+        predict_cli, "predict_together", lambda multi, *a, **k: served.append(multi) or together(multi, *a, **k)
+    )
+    folders = [str(tmp_path / name) for name in (*runs, "narrow")]
+    with pytest.raises(SystemExit) as stop:
+        predict_cli.main([*folders, str(images), f"out={tmp_path / 'all.csv'}", "batch_size=7"])
+    assert stop.value.code == 0
+    notes = capsys.readouterr().err
+    assert "task '" + folders[3] + "' (method full) cannot share the backbone" in notes
+    assert f"{folders[4]} was trained on another backbone or preprocessing" in notes
+    assert len(served) == 1 and served[0].names == folders[:3]
+    with open(tmp_path / "all.csv", newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    assert [row["run"] for row in rows] == [f for f in folders for _ in range(5)]  # in the order given
+    for folder in folders:
+        alone = _predict([folder, str(images), f"out={tmp_path / 'one.csv'}"])
+        mine = [row for row in rows if row["run"] == folder]
+        assert [r["path"] for r in mine] == [r["path"] for r in alone]
+        for row, expected in zip(mine, alone, strict=True):
+            labels = sorted(k for k in expected if k.startswith("label"))
+            assert [row[k] for k in labels] == [expected[k] for k in labels]
+            for k in (k for k in expected if k.startswith("prob")):
+                assert float(row[k]) == pytest.approx(float(expected[k]), abs=2e-6)
+    # --merge: each run its own merged model, said in one line.
+    with pytest.raises(SystemExit):
+        predict_cli.main([folders[0], folders[2], str(images), "--merge"])
+    assert "--merge: each run predicts with its own merged model" in capsys.readouterr().err
+    assert len(served) == 1
+
+
+def test_a_run_is_refused_over_a_backbone_it_was_not_trained_on(tmp_path):
+    """The card's backbone (name, resolution, frozen tensors) must be the one served over; from_runs builds it."""
+    from test_run_card import TINY
+    from test_run_card import _run_folder as run_folder
+
+    at_32, other_32 = run_folder(tmp_path / "a", seed=1), run_folder(tmp_path / "b", seed=2)
+    at_48 = run_folder(tmp_path / "c", model_cfg={**TINY, "kwargs": {**TINY["kwargs"], "img_size": 48}})
+    served = petl.MultiTask.from_runs([at_32, other_32])
+    images = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        for task, folder in enumerate([at_32, other_32]):
+            expected = petl.load_run(folder).model(images)
+            torch.testing.assert_close(served(images, [task] * 4), expected, atol=1e-5, rtol=1e-5)
+    other = rf"run {tmp_path / 'c'} was trained on another backbone than run .*backbone.kwargs.img_size 32 against 48"
+    with pytest.raises(ValueError, match=other):
+        petl.MultiTask.from_runs([at_32, at_48])
+    backbone = load.create_backbone({**TINY, "kwargs": {**TINY["kwargs"], "img_size": 32}, "seed": 0})
+    name = "vit_fractal_tiny_patch4_32"
+    refused = (
+        f"task 'c' cannot be served over this backbone: trained on {name} at 48 px, this backbone is {name} at 32 px"
+    )
+    with pytest.raises(TaskRefused, match=refused):
+        petl.MultiTask(backbone, {"a": at_32, "c": at_48})
+    # Another random init of the same architecture: the frozen tensors differ.
+    redrawn = load.create_backbone({**TINY, "seed": 1})
+    with pytest.raises(TaskRefused, match="task 'a' cannot be served over this backbone: the backbone's frozen"):
+        petl.MultiTask(redrawn, {"a": at_32})
+    # Another architecture of the same shapes.
+    native = timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=4, depth=1, embed_dim=48)
+    with pytest.raises(
+        TaskRefused, match=f"trained on {name} at 32 px, this backbone is vit_tiny_patch16_224 at 32 px"
+    ):
+        petl.MultiTask(native, {"a": at_32})

@@ -1,0 +1,233 @@
+"""The public API: defaults, error messages, unsupported models, counting, config schemas."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+
+import pytest
+import torch
+from timm.models.resnet import BasicBlock, ResNet
+from torch import nn
+
+import petl
+from petl import core, vit
+
+EXPORTS = [
+    "apply",
+    "apply_lora",
+    "apply_adapter",
+    "apply_vpt",
+    "apply_linear",
+    "apply_mlp",
+    "apply_partial",
+    "apply_full",
+    "apply_peft",
+    "list_methods",
+    "count_params",
+    "merge",
+    "unmerge",
+    "save_trainable",
+    "load_trainable",
+]
+
+
+def test_public_names_exist():
+    assert [name for name in EXPORTS if not hasattr(petl, name)] == []
+    assert set(EXPORTS) <= set(petl.__all__)
+    assert petl.list_methods() == sorted(
+        ["linear", "mlp", "partial", "full", "lora", "adapter", "vpt", "peft"]
+        + ["hydra", "adapter_plus", "sct", "convpass"]  # issue 11
+        + ["bitfit", "ln", "ssf", "fact", "repadapter"]
+        + ["dtl", "lst", "hst"]  # issue 23, side tuning
+        + ["gps", "noah"]  # issue 23
+        + ["last", "snf"]  # issue 23
+    )
+
+
+def test_apply_lora_without_arguments_keeps_the_head(tiny_vit, images):
+    model = tiny_vit()
+    head = model.head
+    assert petl.apply_lora(model) is model
+    assert model.head is head and model.head.weight.requires_grad
+    assert model.petl_method == "lora" and model.petl_config.rank == 8
+    assert model(images).shape == (2, 5)
+
+
+@pytest.mark.parametrize("method", petl.list_methods())
+def test_apply_resets_head_and_records_config(tiny_vit, method):
+    model = petl.apply(tiny_vit(), method, num_classes=7)
+    assert model.petl_method == method
+    assert isinstance(model.petl_config, petl.get_method(method).config_cls)
+    assert model.petl_config.num_classes == 7
+    assert all(p.requires_grad for p in vit.head(model).parameters())
+
+
+def test_unknown_method_lists_the_valid_ones(tiny_vit):
+    with pytest.raises(ValueError) as err:
+        petl.apply(tiny_vit(), "lorax")
+    assert all(name in str(err.value) for name in petl.list_methods())
+
+
+def test_unknown_option_names_it_and_the_valid_fields(tiny_vit):
+    with pytest.raises(ValueError, match=r"ranks.*valid:.*rank"):
+        petl.apply_lora(tiny_vit(), ranks=4)
+
+
+@pytest.mark.parametrize(
+    ("method", "options", "pattern"),
+    [
+        ("lora", {"rank": 0}, "rank=0"),
+        ("lora", {"alpha": 0.0}, "alpha"),
+        ("lora", {"dropout": 1.5}, "dropout"),
+        ("lora", {"targets": ("q", "x")}, r"targets='x'.*q, k, v, proj, fc1, fc2"),
+        ("lora", {"targets": ()}, "targets"),
+        ("adapter", {"style": "diagonal"}, r"style.*sequential, parallel"),
+        ("adapter", {"dim": 0}, "dim=0"),
+        ("partial", {"k": 9}, r"k=9.*\[1, 3\]"),
+        ("mlp", {"k": 0}, "k=0"),
+        ("vpt", {"num_tokens": -1}, "num_tokens"),
+        ("linear", {"num_classes": 0}, "num_classes"),
+    ],
+)
+def test_out_of_range_values_name_the_field(tiny_vit, method, options, pattern):
+    model = tiny_vit()
+    with pytest.raises(ValueError, match=pattern):
+        petl.apply(model, method, **options)
+    # Validation runs before anything is changed.
+    assert getattr(model, "petl_method", None) is None
+    assert all(p.requires_grad for p in model.parameters())
+
+
+@pytest.mark.parametrize(
+    ("method", "options"),
+    [
+        ("lora", {"alpha": float("nan")}),  # alpha <= 0 alone lets NaN through
+        ("lora", {"alpha": float("inf")}),
+        ("lora", {"dropout": float("nan")}),
+        ("adapter", {"scale": float("nan")}),
+        ("vpt", {"dropout": float("-inf")}),
+    ],
+)
+def test_non_finite_floats_are_refused_by_every_method(tiny_vit, method, options):
+    model = tiny_vit()
+    ((key, value),) = options.items()
+    with pytest.raises(ValueError, match=rf"^{key}={value} is not a finite number"):
+        petl.apply(model, method, **options)
+    assert getattr(model, "petl_method", None) is None
+
+
+def test_check_range_bounds_and_non_finite():
+    core.check_range("x", 0.5, low=0, high=1)
+    core.check_range("x", None, low=0)  # unset optional options pass
+    with pytest.raises(ValueError, match=r"x=0 is out of range: allowed \(0, inf\]"):
+        core.check_range("x", 0, low=0, open_low=True)
+    with pytest.raises(ValueError, match=r"x=1.0 is out of range: allowed \[0, 1\)"):
+        core.check_dropout("x", 1.0)
+    with pytest.raises(ValueError, match=r"x=nan is not a finite number: allowed \[0, 1\)"):
+        core.check_dropout("x", float("nan"))
+
+
+@pytest.mark.slow
+def test_apply_dispatches_on_the_config_type(tiny_vit, images):
+    from petl.methods.lora import LoraConfig
+
+    model = petl.apply(tiny_vit(), LoraConfig(rank=4, num_classes=3))
+    assert model.petl_method == "lora" and model.petl_config.rank == 4
+    assert model(images).shape == (2, 3)
+    classes = [petl.get_method(m).config_cls for m in petl.list_methods()]
+    for method in petl.list_methods():
+        config = petl.get_method(method).config_cls()
+        if classes.count(type(config)) == 1:
+            assert petl.apply(tiny_vit(), config).petl_method == method
+        else:  # presets sharing one config class need their name
+            with pytest.raises(ValueError, match="pass the method name"):
+                petl.apply(tiny_vit(), config)
+    with pytest.raises(ValueError, match="once"):
+        petl.apply(tiny_vit(), LoraConfig(), LoraConfig())
+    with pytest.raises(ValueError, match="no registered method takes a MethodConfig"):
+        petl.apply(tiny_vit(), core.MethodConfig())
+
+
+def test_config_or_options_not_both(tiny_vit):
+    with pytest.raises(ValueError, match="either"):
+        petl.apply(tiny_vit(), "lora", config=core.make_config("lora"), rank=2)
+    with pytest.raises(ValueError, match="LoraConfig"):
+        petl.apply(tiny_vit(), "lora", config=core.make_config("vpt"))
+
+
+def test_applying_twice_is_refused(tiny_vit):
+    model = petl.apply_lora(tiny_vit())
+    with pytest.raises(ValueError, match="already carries"):
+        petl.apply_adapter(model)
+
+
+def test_resnet_is_unsupported():
+    resnet = ResNet(BasicBlock, [1, 1, 1, 1], num_classes=3)
+    with pytest.raises(ValueError, match="VisionTransformer"):
+        petl.apply_lora(resnet)
+
+
+class _SplitQKV(nn.Module):
+    """Attention with separate q, k, v projections, as some ViT variants have."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(dim, dim), nn.Linear(dim, dim), nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.v(x)
+
+
+def test_vit_without_fused_qkv_is_unsupported(tiny_vit):
+    model = tiny_vit()
+    for block in model.blocks:
+        block.attn = _SplitQKV(48)
+    with pytest.raises(ValueError, match="fused attn.qkv"):
+        petl.apply(model, "linear")
+
+
+def test_count_params(tiny_vit):
+    model = petl.apply_linear(tiny_vit(), num_classes=4)
+    counts = petl.count_params(model)
+    total = sum(p.numel() for p in model.parameters())
+    assert counts == petl.ParamCount(trainable=48 * 4 + 4, trainable_no_head=0, total=total)
+    assert petl.count_params(petl.apply_full(tiny_vit(), num_classes=4)).trainable == total
+
+
+def test_merge_needs_a_mergeable_method(tiny_vit):
+    with pytest.raises(ValueError, match="nothing to merge"):
+        petl.merge(petl.apply_vpt(tiny_vit()))
+
+
+# The CLI builds Hydra/OmegaConf schemas from the config dataclasses, so field types stay plain.
+PLAIN_TYPES = {int, float, str, bool, int | None, float | None, str | None, tuple[str, ...]}
+
+
+@pytest.mark.parametrize("method", petl.list_methods())
+def test_config_fields_have_plain_types_and_defaults(method):
+    config_cls = petl.get_method(method).config_cls
+    hints = typing.get_type_hints(config_cls)
+    for field in dataclasses.fields(config_cls):
+        assert hints[field.name] in PLAIN_TYPES, (field.name, hints[field.name])
+        assert field.default is not dataclasses.MISSING, field.name
+    config_cls()  # every field has a default
+
+
+@pytest.mark.parametrize("method", petl.list_methods())
+def test_configs_accept_lists_for_tuples(method):
+    config_cls = petl.get_method(method).config_cls
+    hints = typing.get_type_hints(config_cls)
+    for field in dataclasses.fields(config_cls):
+        if hints[field.name] == tuple[str, ...]:
+            as_list = config_cls(**{field.name: list(field.default)})
+            assert getattr(as_list, field.name) == field.default
+
+
+def test_comma_separated_targets():
+    assert core.make_config("lora", targets="q, k,v").targets == ("q", "k", "v")
+
+
+def test_save_needs_an_applied_model(tiny_vit, tmp_path):
+    with pytest.raises(ValueError, match="petl.apply"):
+        petl.save_trainable(tiny_vit(), tmp_path / "x.safetensors")

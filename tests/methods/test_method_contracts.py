@@ -1,0 +1,494 @@
+"""Contract tests every registered method meets, parametrized over the registry.
+
+Test bodies never name a method: what a method promises comes from its MethodSpec flags
+(zero_init, mergeable) and its trainable_formula.  Method-specific behaviour (VPT token layout,
+Partial-k block choice, LoRA row slices, adapter placement, the peft bridge) has its own tests
+further down.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import perturb_trainable
+from peft import LoraConfig
+from peft.tuners.tuners_utils import BaseTunerLayer
+from safetensors import safe_open
+
+import petl
+from petl import core, vit
+from petl.methods.adapter import ParallelAdapter, SequentialAdapter
+from petl.methods.lora import LoraLinear
+from petl.methods.vpt import PromptedBlock
+
+# Every registered method with its defaults, plus variants that exercise other code paths.
+VARIANTS = [(name, {}) for name in petl.list_methods()] + [
+    ("adapter", {"style": "parallel", "dim": 4}),
+    ("vpt", {"deep": True, "num_tokens": 3}),
+    ("lora", {"targets": ["q", "k", "v", "proj", "fc1", "fc2"], "rank": 2, "alpha": 4.0}),
+    ("partial", {"k": 2}),
+    ("mlp", {"k": 1}),
+    ("peft", {"target_modules": ["qkv", "fc2"], "options": '{"r": 4, "lora_alpha": 8}'}),
+    (
+        "peft",
+        {"peft_type": "LORA", "target_modules": ["qkv"], "options": '{"r": 8, "lora_alpha": 8, "use_dora": true}'},
+    ),
+    ("peft", {"peft_type": "IA3", "target_modules": ["qkv", "fc2"], "options": '{"feedforward_modules": ["fc2"]}'}),
+    ("sct", {"top_n": 3, "channels": [[0, 5, 9], [47, 1, 2], [10, 20, 30]]}),
+    ("adapter_plus", {"dim": 3, "scaling": "learned", "dropout": 0.1, "drop_path": 0.0}),
+    ("adapter_plus", {"scaling": "none"}),
+    ("convpass", {"dim": 3, "scale": 0.5, "xavier_conv": True, "dropout": 0.0}),
+    ("hydra", {"dim": 3, "scale": 0.5, "dropout": 0.0, "targets": ["fc2"]}),
+    ("bitfit", {"biases": "linear"}),
+    ("ssf", {"init_std": 0.1}),
+    ("fact", {"type": "tt", "rank": 4, "scale": 10.0}),
+    ("repadapter", {"bottleneck": 4, "groups": 4, "scale": 0.5}),
+    ("dtl", {"rank": 3, "beta": 5.0, "add_from": 0, "fusion_size": 3}),
+    ("lst", {"reduction": 4, "gate_alpha": 1.0, "gate_t": 0.5, "dropout": 0.0}),
+    ("hst", {"dims": [8, 12], "heads": [2, 3], "meta_tokens": 2}),
+    ("last", {"rank": 3, "gap": 3, "layers": 2}),
+    ("snf", {"flow_length": 0}),
+    # init=reference: start as the references' code really runs (petl.methods._init); not unchanged at init.
+    ("adapter", {"init": "reference"}),
+    ("adapter", {"style": "parallel", "dim": 4, "init": "reference"}),
+    ("lora", {"init": "reference"}),
+    ("convpass", {"dim": 3, "init": "reference"}),
+    ("fact", {"init": "reference"}),
+    ("fact", {"type": "tt", "rank": 4, "init": "reference"}),
+    ("gps", {"per_row": 2}),
+    # Blocks without prompts between prompted ones: NOAH keeps the earlier prompts in the sequence.
+    ("noah", {"prompt": [2, 0, 3], "lora": [0, 2, 1], "adapter": [3, 0, 0], "dropout": 0.0}),
+]
+IDS = [name + "".join(f"-{k}={v}" for k, v in opts.items()) for name, opts in VARIANTS]
+MERGEABLE = [v for v in VARIANTS if petl.get_method(v[0]).mergeable]
+MERGEABLE_IDS = [i for i, v in zip(IDS, VARIANTS, strict=True) if v in MERGEABLE]
+
+# Backbones the formula and layout checks run on: class token + token pooling, average pooling
+# without a class token, and register tokens.
+BACKBONES = {
+    "token": {},
+    "avg-no-cls": {"class_token": False, "global_pool": "avg"},
+    "reg-tokens": {"reg_tokens": 2},
+}
+
+
+@pytest.mark.parametrize(("method", "options"), VARIANTS, ids=IDS)
+def test_zero_init_flag_matches_behaviour(tiny_vit, images, method, options):
+    reference = tiny_vit()(images)
+    # Without num_classes the head is kept, so the whole output can be compared.
+    model = petl.apply(tiny_vit(), method, **options).eval()
+    unchanged = torch.allclose(model(images), reference, atol=1e-6)
+    assert unchanged == (petl.get_method(method).zero_init and model.petl_config.keeps_zero_init)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("method", "options"), VARIANTS, ids=IDS)
+def test_training_touches_exactly_the_trainable_tensors(tiny_vit, method, options):
+    model = petl.apply(tiny_vit(), method, num_classes=4, **options).train()
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable
+    before = {n: t.clone() for n, t in model.state_dict().items()}
+    got_grad = dict.fromkeys(trainable, False)
+    optimizer = torch.optim.AdamW(trainable.values(), lr=1e-2)
+    gen = torch.Generator().manual_seed(0)
+    # Zero-initialised halves (LoRA B, adapter up) let their partner learn only from step 2.
+    for _ in range(3):
+        x, y = torch.randn(4, 3, 32, 32, generator=gen), torch.randint(0, 4, (4,), generator=gen)
+        optimizer.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        for n, p in trainable.items():
+            got_grad[n] |= p.grad is not None and bool(p.grad.abs().sum() > 0)
+        optimizer.step()
+    assert [n for n, seen in got_grad.items() if not seen] == []
+    after = model.state_dict()
+    assert [n for n in trainable if torch.equal(after[n], before[n])] == []
+    # Besides the parameters, only the learnt buffers (BatchNorm statistics of a trained head) move.
+    learnt = set(core.trainable_state(model))
+    assert [n for n in before if n not in learnt and not torch.equal(after[n], before[n])] == []
+
+
+@pytest.mark.parametrize(("method", "options"), VARIANTS, ids=IDS)
+def test_inserted_modules_are_wrappers(tiny_vit, method, options):
+    model = tiny_vit()
+    original = {id(m) for m in model.modules()}
+    petl.apply(model, method, **options)
+    head = {id(m) for m in vit.head(model).modules()}
+    wrapper_paths = [n for n, m in model.named_modules() if isinstance(m, (core.PetlModule, BaseTunerLayer)) and n]
+    for name, module in model.named_modules():
+        if id(module) in original or id(module) in head:
+            continue
+        assert any(name == w or name.startswith(w + ".") for w in wrapper_paths), name
+
+
+@pytest.mark.parametrize(("method", "options"), MERGEABLE, ids=MERGEABLE_IDS)
+def test_merge_unmerge_equivalence(tiny_vit, images, method, options):
+    model = petl.apply(tiny_vit(), method, num_classes=4, **options)
+    perturb_trainable(model)
+    frozen = {n: t.clone() for n, t in model.state_dict().items() if n not in core.trainable_state(model)}
+    unmerged = model(images)
+    petl.merge(model)
+    assert (model(images) - unmerged).abs().max() < 1e-5
+    petl.unmerge(model)
+    assert (model(images) - unmerged).abs().max() < 1e-5
+    restored = model.state_dict()
+    for name, tensor in frozen.items():
+        torch.testing.assert_close(restored[name], tensor, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize(("method", "options"), VARIANTS, ids=IDS)
+def test_save_load_round_trip_onto_fresh_backbone(tiny_vit, images, tmp_path, method, options):
+    model = petl.apply(tiny_vit(), method, num_classes=4, **options)
+    perturb_trainable(model)
+    path = tmp_path / "trained.safetensors"
+    petl.save_trainable(model, path)
+    with safe_open(str(path), framework="pt") as f:
+        assert set(f.keys()) == set(core.trainable_state(model))
+    fresh = petl.load_trainable(tiny_vit(), path)
+    assert fresh.petl_method == method
+    assert torch.equal(fresh.eval()(images), model.eval()(images))
+
+
+@pytest.mark.parametrize(("method", "options"), VARIANTS, ids=IDS)
+def test_load_rejects_another_method_depth_or_width(tiny_vit, tmp_path, method, options):
+    path = tmp_path / "trained.safetensors"
+    petl.save_trainable(petl.apply(tiny_vit(), method, num_classes=4, **options), path)
+    other = next(name for name in petl.list_methods() if name != method)
+    with pytest.raises(ValueError, match="method"):
+        petl.load_trainable(petl.apply(tiny_vit(), other, num_classes=4), path)
+    with pytest.raises(ValueError, match="depth=3.*depth=4"):
+        petl.load_trainable(tiny_vit(depth=4), path)
+    with pytest.raises(ValueError, match="embed_dim=48.*embed_dim=60"):
+        petl.load_trainable(tiny_vit(embed_dim=60), path)
+
+
+# (method, option, value saved, value of the model loaded into)
+OPTION_MISMATCHES = [
+    ("lora", "rank", 2, 4),
+    ("lora", "targets", ("q",), ("q", "v")),
+    ("adapter", "dim", 4, 8),
+    ("vpt", "num_tokens", 2, 3),
+    ("partial", "k", 1, 2),
+    ("mlp", "k", 2, 3),
+    ("peft", "options", '{"r": 2}', '{"r": 4}'),
+]
+
+
+@pytest.mark.parametrize(("method", "option", "saved", "loaded"), OPTION_MISMATCHES)
+def test_load_rejects_other_options(tiny_vit, tmp_path, method, option, saved, loaded):
+    path = tmp_path / "trained.safetensors"
+    petl.save_trainable(petl.apply(tiny_vit(), method, num_classes=4, **{option: saved}), path)
+    with pytest.raises(ValueError, match=option):
+        petl.load_trainable(petl.apply(tiny_vit(), method, num_classes=4, **{option: loaded}), path)
+
+
+@pytest.mark.parametrize("backbone", BACKBONES)
+@pytest.mark.parametrize(("method", "options"), VARIANTS, ids=IDS)
+def test_count_matches_formula(tiny_vit, method, options, backbone):
+    spec = petl.get_method(method)
+    expected = spec.trainable_formula(tiny_vit(**BACKBONES[backbone]), petl.make_config(method, **options))
+    model = petl.apply(tiny_vit(**BACKBONES[backbone]), method, num_classes=4, **options)
+    counts = petl.count_params(model)
+    assert counts.trainable_no_head == expected
+    assert counts.trainable == expected + sum(p.numel() for p in vit.head(model).parameters())
+
+
+PUBLISHED = [
+    ("lora", {"rank": 8, "targets": ["q", "v"]}, 294_912),
+    ("adapter", {"style": "sequential", "dim": 8}, 156_768),
+    ("vpt", {"num_tokens": 10, "deep": True}, 92_160),
+    ("vpt", {"num_tokens": 10, "deep": False}, 7_680),
+    ("linear", {}, 0),
+    ("bitfit", {}, 102_912),
+    ("ssf", {}, 205_824),
+    ("dtl", {}, 36_864),
+]
+
+
+@pytest.mark.parametrize(("method", "options", "published"), PUBLISHED)
+def test_vit_base_counts_match_published(vit_base, method, options, published):
+    assert petl.get_method(method).trainable_formula(vit_base, petl.make_config(method, **options)) == published
+    model = petl.apply(copy.deepcopy(vit_base), method, num_classes=100, **options)
+    assert petl.count_params(model).trainable_no_head == published
+
+
+# --- VPT ---------------------------------------------------------------------------------------
+
+
+def _block_inputs(model: torch.nn.Module) -> list[torch.Tensor]:
+    """Record what each original block receives on the next forward."""
+    seen: list[torch.Tensor] = []
+    for block in vit.blocks(model):
+        block.register_forward_pre_hook(lambda _m, args: seen.append(args[0]))
+    return seen
+
+
+@pytest.mark.parametrize("pool", ["original", "img_pool"])
+@pytest.mark.parametrize("deep", [False, True], ids=["shallow", "deep"])
+@pytest.mark.parametrize("backbone", BACKBONES)
+def test_vpt_token_layout(tiny_vit, images, backbone, deep, pool):
+    n = 3
+    reference = tiny_vit(**BACKBONES[backbone])
+    ref_inputs = _block_inputs(reference)
+    ref_features = reference.forward_features(images)
+    model = petl.apply_vpt(tiny_vit(**BACKBONES[backbone]), num_tokens=n, deep=deep, dropout=0.0, pool=pool)
+    inputs = _block_inputs(model)
+    features = model.forward_features(images)
+    p = vit.num_prefix_tokens(model)
+    # Prompts sit right after the class/register tokens; the other tokens are untouched.
+    assert torch.equal(torch.cat([inputs[0][:, :p], inputs[0][:, p + n :]], dim=1), ref_inputs[0])
+    assert all(x.shape[1] == ref_inputs[0].shape[1] + n for x in inputs)
+    prompts = [b.prompt for b in model.blocks if isinstance(b, PromptedBlock) and b.prompt is not None]
+    assert len(prompts) == (vit.depth(model) if deep else 1)
+    # Deep VPT feeds each prompted block its own fresh prompts; shallow carries block 0's outputs.
+    prompted = [i for i, b in enumerate(model.blocks) if isinstance(b, PromptedBlock) and b.prompt is not None]
+    for i, prompt in zip(prompted, prompts, strict=True):
+        assert torch.equal(inputs[i][:, p : p + n], prompt.expand(images.shape[0], -1, -1))
+    # img_pool removes the prompts before the final norm and pooling; VPT's original keeps them.
+    if pool == "img_pool":
+        assert features.shape == ref_features.shape
+    else:
+        assert features.shape[1] == ref_features.shape[1] + n
+    assert model(images).shape == (2, 5)
+
+
+def test_vpt_prompt_dropout_only_in_train_mode(tiny_vit, images):
+    model = petl.apply_vpt(tiny_vit(), num_tokens=4, dropout=0.5)
+    assert torch.equal(model.eval()(images), model(images))
+    model.train()
+    assert not torch.equal(model(images), model(images))
+
+
+def test_vpt_with_gradient_checkpointing(tiny_vit, images):
+    plain = petl.apply_vpt(tiny_vit(), num_tokens=3, deep=True, dropout=0.0, num_classes=4).train()
+    ckpt = petl.apply_vpt(tiny_vit(), num_tokens=3, deep=True, dropout=0.0, num_classes=4).train()
+    ckpt.set_grad_checkpointing(True)
+    plain(images).sum().backward()
+    ckpt(images).sum().backward()
+    for (name, a), (_, b) in zip(plain.named_parameters(), ckpt.named_parameters(), strict=True):
+        if a.requires_grad:
+            assert b.grad is not None and b.grad.abs().sum() > 0, name
+            torch.testing.assert_close(a.grad, b.grad)
+
+
+def test_vpt_rejects_bad_options(tiny_vit):
+    with pytest.raises(ValueError, match="num_tokens"):
+        petl.apply_vpt(tiny_vit(), num_tokens=0)
+    with pytest.raises(ValueError, match="dropout"):
+        petl.apply_vpt(tiny_vit(), dropout=1.0)
+    with pytest.raises(ValueError, match="pool"):
+        petl.apply_vpt(tiny_vit(), pool="prompt_pool")
+
+
+# --- Partial-k ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_partial_trains_blocks_by_index(tiny_vit, k):
+    model = petl.apply_partial(tiny_vit(depth=12, embed_dim=12), k=k, num_classes=4)
+    trained = [i for i, block in enumerate(model.blocks) if all(p.requires_grad for p in block.parameters())]
+    frozen = [i for i, block in enumerate(model.blocks) if not any(p.requires_grad for p in block.parameters())]
+    assert trained == list(range(12 - k, 12))
+    assert frozen == list(range(12 - k))  # blocks.1 stays frozen although "blocks.1" prefixes blocks.10/11
+    assert all(p.requires_grad for norm in vit.final_norms(model) for p in norm.parameters())
+    assert not model.patch_embed.proj.weight.requires_grad
+
+
+@pytest.mark.parametrize("k", [0, 4])
+def test_partial_rejects_k_outside_depth(tiny_vit, k):
+    with pytest.raises(ValueError, match=rf"k={k}.*\[1, 3\]"):
+        petl.apply_partial(tiny_vit(), k=k)
+
+
+# --- LoRA --------------------------------------------------------------------------------------
+
+
+def test_lora_merge_touches_only_adapted_rows(tiny_vit, images):
+    model = petl.apply_lora(tiny_vit(), targets=("q", "v"))
+    perturb_trainable(model)
+    qkv = vit.linear(vit.blocks(model)[0], "qkv")
+    assert isinstance(qkv, LoraLinear)
+    d = vit.embed_dim(model)
+    before = qkv.base.weight.clone()
+    petl.merge(model)
+    changed = (qkv.base.weight != before).any(dim=1)
+    assert changed[:d].all() and not changed[d : 2 * d].any() and changed[2 * d :].all()
+    tokens = torch.randn(2, 5, d)
+    assert torch.equal(qkv(tokens), qkv.base(tokens))  # merged forward is the plain Linear
+    petl.unmerge(model)
+    torch.testing.assert_close(qkv.base.weight, before, atol=1e-6, rtol=0)
+
+
+def test_merge_refuses_non_finite_updates_and_leaves_the_model_unmerged(tiny_vit):
+    model = petl.apply_lora(tiny_vit())
+    perturb_trainable(model)
+    # The last block's update is bad: the blocks merged before it must be unmerged again.
+    with torch.no_grad():
+        vit.linear(vit.blocks(model)[-1], "qkv").lora_b["v"][0, 0] = float("inf")
+    before = {n: t.clone() for n, t in model.state_dict().items()}
+    with pytest.raises(ValueError, match="non-finite"):
+        petl.merge(model)
+    assert not any(getattr(m, "merged", False) for m in model.modules())
+    after = model.state_dict()
+    for name, tensor in before.items():
+        torch.testing.assert_close(after[name], tensor, atol=1e-6, rtol=0)
+
+
+def test_lora_merge_of_half_weights_rounds_once(tiny_vit):
+    model = petl.apply_lora(tiny_vit()).to(torch.bfloat16)
+    perturb_trainable(model)
+    qkv = vit.linear(vit.blocks(model)[0], "qkv")
+    d = vit.embed_dim(model)
+    weight = qkv.base.weight.float()
+    expected = weight[:d] + qkv.scale * (qkv.lora_b["q"].float() @ qkv.lora_a["q"].float())
+    petl.merge(model)
+    # Computed in float32 and rounded to bfloat16 once; a bfloat16 update would be rounded before the add.
+    assert torch.equal(qkv.base.weight[:d], expected.to(torch.bfloat16))
+
+
+def test_lora_init_and_scale(tiny_vit):
+    model = petl.apply_lora(tiny_vit(), rank=4, alpha=16.0)
+    qkv = vit.linear(vit.blocks(model)[0], "qkv")
+    assert qkv.scale == 4.0
+    assert all(b.abs().sum() == 0 for b in qkv.lora_b.values())
+    assert all(a.abs().sum() > 0 for a in qkv.lora_a.values())
+
+
+# --- Adapter -----------------------------------------------------------------------------------
+
+
+def test_sequential_adapter_sits_after_the_mlp(tiny_vit):
+    model = petl.apply_adapter(tiny_vit(), dim=4)
+    wrapper = vit.mlp(vit.blocks(model)[0])
+    assert isinstance(wrapper, SequentialAdapter)
+    perturb_trainable(model)
+    x = torch.randn(2, 5, 48)
+    h = wrapper.base(x)
+    torch.testing.assert_close(wrapper(x), h + wrapper.up(F.gelu(wrapper.down(h))))
+
+
+def test_parallel_adapter_wraps_the_block_with_adaptformer_init(tiny_vit):
+    # The forward itself is checked against a re-implementation of AdaptFormer's in test_reference_forwards.py.
+    model = petl.apply_adapter(tiny_vit(), style="parallel")
+    wrapper = model.blocks[0]
+    assert isinstance(wrapper, ParallelAdapter) and wrapper.base is vit.blocks(model)[0]
+    assert wrapper.down.out_features == 64 and wrapper.scale == 0.1
+    assert isinstance(wrapper.dropout, torch.nn.Dropout) and wrapper.dropout.p == 0.1
+    assert isinstance(wrapper.norm, torch.nn.Identity)
+    assert wrapper.down.bias.abs().sum() == 0 and wrapper.down.weight.abs().sum() > 0
+    assert wrapper.up.weight.abs().sum() == 0 and wrapper.up.bias.abs().sum() == 0
+
+
+def test_adapter_options_act_in_both_styles(tiny_vit, images):
+    for style in ("sequential", "parallel"):
+        model = petl.apply_adapter(tiny_vit(), style=style, dim=4, norm=True, dropout=0.5, scale=2.0)
+        wrapper = next(m for m in model.modules() if isinstance(m, (ParallelAdapter, SequentialAdapter)))
+        assert isinstance(wrapper.norm, torch.nn.LayerNorm) and wrapper.scale == 2.0
+        perturb_trainable(model)
+        model.train()
+        assert not torch.equal(model(images), model(images))  # the bottleneck dropout acts
+        d = vit.embed_dim(model)
+        assert petl.count_params(model).trainable_no_head == vit.depth(model) * (2 * d * 4 + 4 + d + 2 * d)
+
+
+def test_adapter_up_starts_at_zero_down_does_not(tiny_vit):
+    wrapper = vit.mlp(vit.blocks(petl.apply_adapter(tiny_vit()))[0])
+    assert wrapper.up.weight.abs().sum() == 0 and wrapper.up.bias.abs().sum() == 0
+    # petl's sequential init keeps nn.Linear's random down weight and bias (init=reference: V-PETL's trunc_normal).
+    assert wrapper.down.weight.abs().sum() > 0 and wrapper.down.bias.abs().sum() > 0
+
+
+# --- Mlp-k -------------------------------------------------------------------------------------
+
+
+def test_mlp_head_is_the_head(tiny_vit, images):
+    model = petl.apply_mlp(tiny_vit(), k=3, num_classes=7)
+    linears = [m for m in vit.head(model).modules() if isinstance(m, torch.nn.Linear)]
+    assert [(m.in_features, m.out_features) for m in linears] == [(48, 48), (48, 48), (48, 7)]
+    assert model(images).shape == (2, 7)
+    assert petl.count_params(model).trainable_no_head == 0
+    # Without num_classes the current head's class count is kept.
+    assert petl.apply_mlp(tiny_vit())(images).shape == (2, 5)
+    with pytest.raises(ValueError, match="num_classes"):
+        petl.apply_mlp(tiny_vit(num_classes=0))
+
+
+def test_mlp_head_batchnorm_statistics_are_saved_and_loaded(tiny_vit, images, tmp_path):
+    model = petl.apply_mlp(tiny_vit(), k=2, num_classes=3).train()
+    model(torch.randn(8, 3, 32, 32))  # moves the head's BatchNorm running statistics
+    path = tmp_path / "mlp.safetensors"
+    petl.save_trainable(model, path)
+    with safe_open(str(path), framework="pt") as f:
+        assert "head.2.running_mean" in f.keys()
+    fresh = petl.load_trainable(tiny_vit(), path)
+    assert torch.equal(fresh.eval()(images), model.eval()(images))
+
+
+# --- peft bridge -------------------------------------------------------------------------------
+
+
+def test_peft_accepts_a_ready_config_and_round_trips(tiny_vit, images, tmp_path):
+    model = petl.apply_peft(
+        tiny_vit(), peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["qkv"]), num_classes=3
+    )
+    d = vit.embed_dim(model)
+    assert petl.count_params(model).trainable_no_head == 3 * 4 * (d + 3 * d)
+    assert model.petl_config.target_modules == ("qkv",)
+    perturb_trainable(model)
+    path = tmp_path / "peft.safetensors"
+    petl.save_trainable(model, path)
+    fresh = petl.load_trainable(tiny_vit(), path)
+    assert torch.equal(fresh.eval()(images), model.eval()(images))
+    with pytest.raises(ValueError, match="num_classes"):
+        petl.apply_peft(tiny_vit(), peft_config=LoraConfig(target_modules=["qkv"]), rank=2)
+
+
+def test_petl_apply_takes_a_peft_config_object(tiny_vit):
+    model = petl.apply(tiny_vit(), LoraConfig(r=4, target_modules=["qkv"]), num_classes=3)
+    assert model.petl_method == "peft" and model.petl_config.num_classes == 3
+    assert petl.count_params(model).trainable_no_head == 3 * 4 * (vit.embed_dim(model) * 4)
+    assert (
+        model.petl_config
+        == petl.apply_peft(tiny_vit(), LoraConfig(r=4, target_modules=["qkv"]), num_classes=3).petl_config
+    )
+    with pytest.raises(ValueError, match="pass only num_classes; got rank"):
+        petl.apply(tiny_vit(), LoraConfig(target_modules=["qkv"]), rank=2)
+
+
+def test_peft_other_tuner_counts_by_injecting(tiny_vit):
+    options = {"peft_type": "IA3", "target_modules": ["qkv", "fc2"], "options": '{"feedforward_modules": ["fc2"]}'}
+    expected = petl.get_method("peft").trainable_formula(tiny_vit(), petl.make_config("peft", **options))
+    model = petl.apply(tiny_vit(), "peft", num_classes=4, **options)
+    assert petl.count_params(model).trainable_no_head == expected > 0
+
+
+def test_peft_count_covers_a_target_that_also_names_a_conv(tiny_vit):
+    # `proj` names each block's attn.proj (Linear) and patch_embed.proj (Conv2d): peft adapts both.
+    model = petl.apply(tiny_vit(), "peft", target_modules=["proj"], options='{"r": 2}', num_classes=3)
+    expected = petl.get_method("peft").trainable_formula(tiny_vit(), model.petl_config)
+    assert petl.count_params(model).trainable_no_head == expected
+    assert any("patch_embed.proj.lora_A" in name for name, _ in model.named_parameters())
+
+
+def test_peft_rejects_bad_options(tiny_vit):
+    with pytest.raises(ValueError, match="peft_type.*LORA"):
+        petl.apply_peft(tiny_vit(), peft_type="NOPE")
+    with pytest.raises(ValueError, match="options"):
+        petl.apply_peft(tiny_vit(), options="{r: 8")
+    with pytest.raises(ValueError, match="options"):
+        petl.apply_peft(tiny_vit(), options='{"no_such_field": 1}')
+    model = tiny_vit()
+    with pytest.raises(ValueError, match="target_modules"):
+        petl.apply_peft(model, target_modules=["query"])
+    assert all(p.requires_grad for p in model.parameters())  # refused before anything changed
+
+
+@pytest.mark.parametrize(("method", "options"), VARIANTS, ids=IDS)
+def test_new_tensors_follow_the_model_dtype(tiny_vit, images, method, options):
+    # dtype stands in for device here: both come from the model, so a CPU-only run still catches
+    # a method that builds its tensors with the defaults instead of beside the frozen weights.
+    model = petl.apply(tiny_vit().double(), method, num_classes=4, **options)
+    assert {p.dtype for p in model.parameters()} == {torch.float64}
+    assert model(images.double()).dtype == torch.float64

@@ -1,0 +1,484 @@
+"""Faults and bad input (issue 10): no silent loss, no half-loaded model, one clear line for every fault.
+
+The trainable-weights files are checked in-process; the run folder's lock and the kills use real
+``petl-run`` subprocesses and SIGKILL.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import timm
+import torch
+from conftest import tiny_run
+from PIL import Image
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+import petl
+from petl import data as petl_data
+from petl.cli import run as cli
+from petl.run import default_config, train
+from petl.store import files as records
+from petl.store import lock
+from petl.train import build, engine, runner
+from petl.train import output_dir as folder
+from petl.train.config import ConfigError
+
+TINY = tiny_run(batch_size=32)
+
+
+def tiny(out: Path, *overrides: str) -> dict:
+    # An override choosing another dataset replaces TINY's (Hydra takes one choice per group).
+    other_data = any(o.startswith("data=") for o in overrides)
+    base = [o for o in TINY if not (other_data and o.startswith("data="))]
+    return train(default_config([*base, f"output_dir={out}", *overrides]))
+
+
+# --- trainable-weights files (items 3, 4, 8) --------------------------------------------------------
+
+
+def _saved(tiny_vit, tmp_path: Path, method: str = "lora", **options) -> Path:
+    path = tmp_path / "w.safetensors"
+    model = petl.apply(tiny_vit(seed=1), method, num_classes=4, **options)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(1.0)  # trained values differ from a fresh init
+    petl.save_trainable(model, path)
+    return path
+
+
+def _rewrite(path: Path, tensors=None, metadata=None) -> None:
+    """Rewrite a safetensors file with other tensors or metadata (what tampering or a bug would do)."""
+    with safe_open(str(path), framework="pt") as f:
+        old_meta, old = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    save_file(old if tensors is None else tensors, str(path), metadata=old_meta if metadata is None else metadata)
+
+
+def _read(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    with safe_open(str(path), framework="pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+
+
+def _state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_failed_load_leaves_a_carrying_model_exactly_as_it_was(tiny_vit, tmp_path):
+    path = _saved(tiny_vit, tmp_path)
+    tensors, meta = _read(path)
+    last = sorted(tensors)[-1]
+    tensors[last] = torch.zeros(3, 3)  # only the last tensor in copy order is wrong
+    _rewrite(path, tensors=tensors, metadata={**meta, "sha256": petl.io._content_hash(tensors)})
+    model = petl.apply(tiny_vit(), "lora", num_classes=4)
+    before = _state(model)
+    with pytest.raises(ValueError, match=rf"{last} has shape \(3, 3\)"):
+        petl.load_trainable(model, path)
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_failed_load_leaves_a_fresh_model_without_the_method(tiny_vit, tmp_path):
+    path = _saved(tiny_vit, tmp_path)
+    tensors, meta = _read(path)
+    tensors.pop(sorted(tensors)[0])
+    _rewrite(path, tensors=tensors, metadata={**meta, "sha256": petl.io._content_hash(tensors)})
+    model = tiny_vit()
+    before = _state(model)
+    with pytest.raises(ValueError, match="does not match the model: missing"):
+        petl.load_trainable(model, path)
+    assert getattr(model, "petl_method", None) is None
+    assert _state(model).keys() == before.keys() and all(torch.equal(before[k], v) for k, v in _state(model).items())
+    assert all(p.requires_grad for p in model.parameters())  # not frozen either
+
+
+def test_good_file_still_loads_onto_a_fresh_model(tiny_vit, tmp_path):
+    path = _saved(tiny_vit, tmp_path, "adapter")
+    model = petl.load_trainable(tiny_vit(), path)
+    with safe_open(str(path), framework="pt") as f:
+        assert all(torch.equal(dict(model.named_parameters())[k], f.get_tensor(k)) for k in f.keys())
+
+
+def test_a_flipped_byte_is_refused_naming_the_file(tiny_vit, tmp_path):
+    path = _saved(tiny_vit, tmp_path)
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0x40  # inside the last tensor's bytes: safetensors itself cannot notice
+    path.write_bytes(bytes(data))
+    model = petl.apply(tiny_vit(), "lora", num_classes=4)
+    before = _state(model)
+    with pytest.raises(ValueError, match=rf"{path} is corrupt: its tensors do not match the content hash"):
+        petl.load_trainable(model, path)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_a_file_without_a_hash_loads_with_a_warning(tiny_vit, tmp_path):
+    path = _saved(tiny_vit, tmp_path)
+    with safe_open(str(path), framework="pt") as f:
+        meta = {k: v for k, v in f.metadata().items() if k != "sha256"}
+    _rewrite(path, metadata=meta)
+    with pytest.warns(UserWarning, match="has no content hash"):
+        model = petl.load_trainable(tiny_vit(), path)
+    assert model.petl_method == "lora"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        (tmp_path / "hashed").mkdir()
+        petl.load_trainable(tiny_vit(), _saved(tiny_vit, tmp_path / "hashed"))  # hashed files load silently
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("depth", None, r"metadata field 'depth' is missing"),
+        ("config", "{not json", r"metadata field 'config' is malformed \(Expecting property name"),
+        ("embed_dim", "wide", r"metadata field 'embed_dim' is malformed"),
+        ("config", "[1, 2]", r"metadata field 'config' is malformed \(not a JSON object\)"),
+    ],
+)
+def test_tampered_metadata_names_the_file_and_the_field(tiny_vit, tmp_path, field, value, message):
+    path = _saved(tiny_vit, tmp_path)
+    with safe_open(str(path), framework="pt") as f:
+        meta = dict(f.metadata())
+    meta.pop(field) if value is None else meta.update({field: value})
+    _rewrite(path, metadata=meta)
+    for read in (petl.read_trainable_metadata, lambda p: petl.load_trainable(tiny_vit(), p)):
+        with pytest.raises(ValueError, match=rf"^{path}: {message}"):
+            read(path)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "zero", "garbage"])
+def test_a_corrupt_safetensors_file_is_named(tiny_vit, tmp_path, damage):
+    path = _saved(tiny_vit, tmp_path)
+    data = path.read_bytes()
+    path.write_bytes({"truncate": data[: len(data) - 40], "zero": b"", "garbage": b"\x07" * 64}[damage])
+    model = tiny_vit()
+    with pytest.raises(ValueError, match=rf"^{path} is not a readable safetensors file"):
+        petl.load_trainable(model, path)
+    assert getattr(model, "petl_method", None) is None
+
+
+# --- the run folder (items 1, 2, 4, 9) -------------------------------------------------------------
+
+
+def _crash_in_epoch(monkeypatch, epoch: int) -> None:
+    """Make training die at the start of ``epoch`` (1-based), after the epochs before it are saved."""
+    original = engine.train_one_epoch
+    calls = {"n": 0}
+
+    def dying(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == epoch:
+            raise KeyboardInterrupt("killed")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "train_one_epoch", dying)
+
+
+def _killed_after_one_epoch(out: Path, *overrides: str) -> None:
+    with pytest.MonkeyPatch.context() as patch:
+        _crash_in_epoch(patch, 2)
+        with pytest.raises(KeyboardInterrupt):
+            tiny(out, *overrides)
+    assert torch.load(out / "checkpoint.pt", weights_only=True)["epoch"] == 1
+
+
+def _image_folder(root: Path, seed: int) -> Path:
+    """A two-class ``data=folder`` tree (train/ and test/) of random PNGs; another seed, other images."""
+    rng = np.random.default_rng(seed)
+    for split in ("train", "test"):
+        for name in ("a", "b"):
+            (root / split / name).mkdir(parents=True)
+            for index in range(4):
+                pixels = rng.integers(0, 256, (16, 16, 3), dtype=np.uint8)
+                Image.fromarray(pixels).save(root / split / name / f"{index}.png")
+    return root
+
+
+@pytest.mark.slow
+def test_resume_with_another_data_root_is_refused(tmp_path):
+    # mini tasks read no folder (a root is refused there): the run reads a folder of its own.
+    def on(folder: str) -> list[str]:
+        return ["data=folder", f"data.root={tmp_path}/{folder}"]
+
+    _image_folder(tmp_path / "a", seed=0), _image_folder(tmp_path / "b", seed=1)
+    _killed_after_one_epoch(tmp_path / "run", *on("a"))
+    # Resuming compares the images themselves (a moved folder with the same images would resume).
+    with pytest.raises(ConfigError, match=r"holds epochs trained on other inputs \(data.fingerprint: '"):
+        tiny(tmp_path / "run", *on("b"))
+    assert torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)["epoch"] == 1  # kept
+    result = tiny(tmp_path / "run", *on("a"))  # the same inputs resume
+    assert result["inputs"]["data.root"] == str(tmp_path / "a")
+    with pytest.raises(ConfigError, match=r"holds a finished run on other inputs \(data.root"):
+        tiny(tmp_path / "run", *on("b"))
+
+
+@pytest.mark.slow
+def test_resume_with_another_model_file_is_refused(tmp_path):
+    def weights(seed: int) -> Path:
+        torch.manual_seed(seed)
+        source = timm.create_model("vit_fractal_tiny_patch4_32", depth=1, embed_dim=48, num_classes=0)
+        path = tmp_path / "w.safetensors"
+        save_file({k: v.contiguous() for k, v in source.state_dict().items()}, path)
+        return path
+
+    pretrained = ("model.pretrained=true", f"model.checkpoint={weights(0)}")
+    _killed_after_one_epoch(tmp_path / "run", *pretrained)
+    weights(1)  # the same path, other weights
+    with pytest.raises(ConfigError, match=r"other inputs \(model.checkpoint_sha256: '[0-9a-f]{64}' -> '[0-9a-f]{64}'"):
+        tiny(tmp_path / "run", *pretrained)
+
+
+def test_a_moved_dataset_with_the_same_content_still_resumes():
+    old = {"data.root": "/a", "data.fingerprint": "f1", "model.checkpoint_sha256": None}
+    folder.check_inputs(Path("x"), old, {**old, "data.root": "/b"})  # content decides, not the path
+    with pytest.raises(ConfigError, match=r"data.fingerprint: 'f1' -> 'f2'"):
+        folder.check_inputs(Path("x"), old, {**old, "data.root": "/b", "data.fingerprint": "f2"})
+    folder.check_inputs(Path("x"), None, old)  # checkpoints of older versions carry no inputs
+
+
+@pytest.mark.slow
+def test_output_dir_that_is_a_file_fails_before_building_anything(tmp_path, monkeypatch, capsys):
+    (tmp_path / "out").write_text("not a folder")
+    monkeypatch.setattr(build, "create_backbone", lambda *a: pytest.fail("must fail before building the model"))
+    with pytest.raises(ConfigError, match=r"^output_dir .*/out is a file, not a folder: choose another output_dir$"):
+        tiny(tmp_path / "out")
+    with pytest.raises(ConfigError, match=r"output_dir .*/out/run cannot be written \(Not a directory\)"):
+        tiny(tmp_path / "out" / "run")
+    with pytest.raises(SystemExit) as caught:
+        cli.main([*TINY, f"output_dir={tmp_path}/out"])
+    err = capsys.readouterr().err
+    assert caught.value.code == cli.USAGE_ERROR and err.count("\n") == 1 and "Traceback" not in err
+
+
+def _read_only_dir(tmp_path: Path) -> Path:
+    if os.geteuid() != 0:
+        folder = tmp_path / "ro"
+        folder.mkdir()
+        folder.chmod(0o555)
+        return folder
+    # root ignores permission bits; sysfs refuses new files even to root.
+    if not Path("/sys/kernel").is_dir():
+        pytest.skip("needs a folder root cannot write")
+    return Path("/sys/kernel")
+
+
+@pytest.mark.slow
+def test_read_only_output_dir_fails_before_building_anything(tmp_path, monkeypatch, capsys):
+    folder = _read_only_dir(tmp_path)
+    monkeypatch.setattr(build, "create_backbone", lambda *a: pytest.fail("must fail before building the model"))
+    with pytest.raises(ConfigError, match=rf"^output_dir {folder} cannot be written \((Permission denied|.*)\)"):
+        tiny(folder)
+    with pytest.raises(SystemExit) as caught:
+        cli.main([*TINY, f"output_dir={folder}"])
+    err = capsys.readouterr().err
+    assert caught.value.code == cli.USAGE_ERROR and err.count("\n") == 1 and "cannot be written" in err
+
+
+@pytest.mark.slow
+def test_disk_full_stops_with_one_line_and_keeps_the_checkpoint(tmp_path, monkeypatch):
+    real = records.save_checkpoint
+
+    def full_after_one(path, state):
+        if state["epoch"] > 1:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real(path, state)
+
+    monkeypatch.setattr(records, "save_checkpoint", full_after_one)
+    message = (
+        r"^cannot write to output_dir .* \(No space left on device\): the checkpoint of epoch 1 is kept; "
+        r"free the space and run the same command again to resume$"
+    )
+    with pytest.raises(runner.RunError, match=message):
+        tiny(tmp_path / "run", "train.epochs=3")
+    assert torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)["epoch"] == 1
+    monkeypatch.undo()
+    assert tiny(tmp_path / "run", "train.epochs=3")["epochs"] == 3  # space freed: resumes
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 4 MiB tmpfs: a real file system that can be filled (needs the right to mount)."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=True)
+
+
+@pytest.mark.slow
+def test_a_really_full_disk_keeps_the_checkpoint(small_disk, monkeypatch):
+    real = records.append_metrics
+
+    def fill_after_first_epoch(path, row):
+        real(path, row)
+        with open(small_disk / "filler", "wb") as f:  # take every byte that is left
+            try:
+                while True:
+                    f.write(b"\0" * 65536)
+            except OSError:
+                pass
+
+    monkeypatch.setattr(records, "append_metrics", fill_after_first_epoch)
+    with pytest.raises(runner.RunError, match=r"\(No space left on device\): the checkpoint of epoch 1 is kept"):
+        tiny(small_disk / "run", "train.epochs=3")
+    assert torch.load(small_disk / "run" / "checkpoint.pt", weights_only=True)["epoch"] == 1
+    assert not records.temporary_files(small_disk / "run")
+
+
+@pytest.mark.slow
+def test_unforeseen_faults_are_one_line_and_debug_shows_the_traceback(tmp_path, monkeypatch, capsys):
+    def broken(*args, **kwargs):
+        raise OSError("image file is truncated (/data/x.jpg)")
+
+    monkeypatch.setattr(engine, "train_one_epoch", broken)
+    with pytest.raises(SystemExit) as caught:
+        cli.main([*TINY, f"output_dir={tmp_path}"])
+    err = capsys.readouterr().err
+    assert caught.value.code == cli.RUN_ERROR and err.count("\n") == 1
+    assert err.startswith("petl-run: error: OSError: image file is truncated (/data/x.jpg) (--debug shows")
+    with pytest.raises(OSError, match="truncated"):
+        cli.main([*TINY, f"output_dir={tmp_path}", "--debug"])
+
+
+@pytest.mark.slow
+def test_an_offline_error_leaves_no_empty_output_dir(tmp_path, monkeypatch, capsys):
+    def unreachable(*args, **kwargs):
+        raise petl_data.DatasetUnavailableError("mini/digits is not cached here; set data.root")
+
+    monkeypatch.setattr(petl_data, "build_dataset", unreachable)
+    with pytest.raises(SystemExit):
+        cli.main([*TINY, f"output_dir={tmp_path}/new/run"])
+    with pytest.raises(runner.RunError):
+        tiny(tmp_path / "new" / "run")
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "old").mkdir()
+    with pytest.raises(runner.RunError):
+        tiny(tmp_path / "old")
+    assert (tmp_path / "old").is_dir()  # a folder that was there stays
+
+
+# --- real processes, killed (items 1, 9) -------------------------------------------------------------
+
+_DIE_WHILE_WRITING = """
+import os, signal, sys
+from petl.cli import run as cli
+from petl.store import files as records
+
+when = sys.argv.pop(1)
+real = records.write_text
+
+def write_text(path, text):
+    if path.name == "result.json" and when == "during":
+        def torn(tmp):
+            tmp.write_text(text[:20])
+            os.kill(os.getpid(), signal.SIGKILL)
+        records.write_atomic(path, torn)
+    real(path, text)
+    if path.name == "result.json" and when == "after":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+records.write_text = write_text
+cli.main(sys.argv[1:])
+"""
+
+
+_SLOW_EPOCHS = """
+import sys, time
+from petl.cli import run as cli
+from petl.train import engine
+
+real = engine.train_one_epoch
+
+def slow(*args, **kwargs):
+    time.sleep(0.5)
+    return real(*args, **kwargs)
+
+engine.train_one_epoch = slow
+cli.main(sys.argv[1:])
+"""
+
+
+def _petl_run(*args: str, cwd: Path, script: str | None = None, wait: bool = True):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-c", script, *args] if script else [sys.executable, "-m", "petl.run", *args]
+    proc = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if wait:
+        proc.communicate(timeout=300)
+    return proc
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("when", ["during", "after"])
+def test_a_kill_around_the_result_write_leaves_nothing_behind(tmp_path, when):
+    proc = _petl_run(when, *TINY, "method=linear", "output_dir=run", cwd=tmp_path, script=_DIE_WHILE_WRITING)
+    assert proc.returncode == -signal.SIGKILL
+    run = tmp_path / "run"
+    assert (run / "checkpoint.pt").exists() and (run / lock.LOCK_FILE).exists()  # litter of the kill
+    assert bool(records.temporary_files(run)) == (when == "during")
+    result = tiny(run, "method=linear")
+    assert result["epochs"] == 2
+    assert sorted(p.name for p in run.iterdir()) == [
+        "config.yaml",
+        "metrics.jsonl",
+        "model.json",
+        "result.json",
+        "trainable.safetensors",
+    ]
+
+
+@pytest.mark.slow
+def test_two_runs_into_one_output_dir_and_a_stale_lock(tmp_path, capsys):
+    args = (*TINY, "method=linear", "train.epochs=30", "train.cache_features=false", "output_dir=run")
+    first = _petl_run(*args, cwd=tmp_path, script=_SLOW_EPOCHS, wait=False)
+    run = tmp_path / "run"
+    try:
+        deadline = time.monotonic() + 240
+        while not (run / "checkpoint.pt").exists():
+            assert first.poll() is None, first.communicate()
+            assert time.monotonic() < deadline, "the first run did not start"
+            time.sleep(0.2)
+        # A second run into the same folder: refused, naming the holder, while the first goes on.
+        with pytest.raises(SystemExit) as caught:
+            cli.main([*args[:-1], f"output_dir={run}"])
+        err = capsys.readouterr().err
+        assert caught.value.code == cli.RUN_ERROR and err.count("\n") == 1
+        assert f"is in use by another run (pid {first.pid} on host" in err
+        assert first.poll() is None
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.communicate(timeout=60)
+    assert first.returncode == -signal.SIGKILL
+    epoch = torch.load(run / "checkpoint.pt", weights_only=True)["epoch"]
+    holder = json.loads((run / lock.LOCK_FILE).read_text())
+    assert holder["pid"] == first.pid  # stale: its owner is dead
+    # The lock of a dead process does not stand in the way of the resume.
+    resumed = train(default_config([*args[:-1], f"output_dir={run}"]))
+    assert resumed["epochs"] == 30 and not (run / lock.LOCK_FILE).exists()
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == 30 and epoch >= 1
+
+
+def test_a_slower_claimant_of_a_stale_lock_leaves_the_winners_lock_alone(tmp_path, monkeypatch):
+    # Two claimants judged the same dead holder stale; the first has already replaced the lock with its own
+    # live one when the second takes over.  The second must fail and leave the live lock in place.
+    dead = {"host": lock.socket.gethostname(), "pid": 2**22 + 12345, "since": 0.0}
+    live = {"host": lock.socket.gethostname(), "pid": os.getppid(), "since": 1.0}
+    (tmp_path / lock.LOCK_FILE).write_text(json.dumps(live))
+    monkeypatch.setattr(lock, "read_holder", lambda folder: dead)  # the second claimant's (old) look
+    assert not lock.acquire_lock(tmp_path)
+    assert json.loads((tmp_path / lock.LOCK_FILE).read_text()) == live
+    assert sorted(p.name for p in tmp_path.iterdir()) == [lock.LOCK_FILE]
+    # A lock that really is the dead holder's is taken over.
+    (tmp_path / lock.LOCK_FILE).write_text(json.dumps(dead))
+    assert lock.acquire_lock(tmp_path)
+    assert json.loads((tmp_path / lock.LOCK_FILE).read_text())["pid"] == os.getpid()

@@ -1,0 +1,169 @@
+"""The run card (model.json) rebuilds the model anywhere and is checked on every load.
+
+A run trained at another resolution loads, predicts and exports; a relative backbone checkpoint is
+recorded absolute; another run's weights, a card naming weights outside its folder, a damaged or newer
+card and a head of another class count are each refused in one line; a card of the first format
+(written before this one) still loads, with one line saying what could not be checked.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import perturb_trainable, tiny_run
+from PIL import Image
+
+import petl
+from petl.cli import predict as predict_cli
+from petl.cli import run as cli
+from petl.data.transforms import ImageSpec
+from petl.store import load
+
+TINY = {"name": "vit_fractal_tiny_patch4_32", "pretrained": False, "kwargs": {"depth": 1, "embed_dim": 48}}
+
+
+def _run_folder(folder: Path, seed: int = 0, classes: int = 3, model_cfg: dict | None = None) -> Path:
+    """A finished run folder (LoRA on the tiny backbone) written as petl-run writes it, without training."""
+    model_cfg = model_cfg or TINY
+    model = petl.apply(load.create_backbone({**model_cfg, "seed": 0}), "lora", num_classes=classes)
+    perturb_trainable(model, seed=seed)
+    folder.mkdir(parents=True)
+    petl.save_trainable(model, folder / load.WEIGHTS_FILE)
+    size = model.patch_embed.img_size[0]
+    spec = ImageSpec(image_size=size, mean=(0.5,) * 3, std=(0.25,) * 3, interpolation="bilinear", crop=False)
+    card = load.model_card(
+        model_cfg=model_cfg, seed=0, model=model, spec=spec, class_names=[f"c{i}" for i in range(classes)],
+        dataset="folder", checkpoint_sha256=None,
+    )  # fmt: skip
+    load.write_card(folder, card)
+    return folder
+
+
+def _edit_card(folder: Path, edit) -> None:
+    card = json.loads((folder / load.MODEL_FILE).read_text())
+    edit(card)
+    (folder / load.MODEL_FILE).write_text(json.dumps(card))
+
+
+def _image(path: Path) -> Path:
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (40, 36, 3), dtype=np.uint8)).save(path)
+    return path
+
+
+@pytest.mark.slow
+def test_a_run_at_another_resolution_loads_and_predicts(tmp_path, capsys):
+    run_dir = tmp_path / "run48"
+    cli.main([*tiny_run(), "model.img_size=48", f"output_dir={run_dir}"])
+    card = json.loads((run_dir / load.MODEL_FILE).read_text())
+    assert card["format"] == "petl-model-2" and card["backbone"]["kwargs"]["img_size"] == 48
+    assert card["weights_sha256"] == load.file_sha256(run_dir / load.WEIGHTS_FILE)
+    run = petl.load_run(run_dir)
+    assert run.spec.image_size == 48 and run.model.patch_embed.img_size == (48, 48)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stop:
+        predict_cli.main([str(run_dir), str(_image(tmp_path / "a.png")), "--quiet"])
+    assert stop.value.code == 0, capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_relative_checkpoint_is_recorded_absolute_and_loads_from_elsewhere(tmp_path, monkeypatch):
+    import safetensors.torch
+    import timm
+
+    (tmp_path / "work" / "ckpt").mkdir(parents=True)
+    backbone = timm.create_model(TINY["name"], pretrained=False, num_classes=0, **TINY["kwargs"])
+    safetensors.torch.save_file(backbone.state_dict(), tmp_path / "work" / "ckpt" / "w.safetensors")
+    monkeypatch.chdir(tmp_path / "work")
+    overrides = [o for o in tiny_run() if o != "model.pretrained=false"]
+    cli.main([*overrides, "model.checkpoint=ckpt/w.safetensors", "output_dir=run"])
+    card = json.loads(Path("run/model.json").read_text())
+    assert card["backbone"]["checkpoint"] == str(tmp_path / "work" / "ckpt" / "w.safetensors")
+    monkeypatch.chdir(tmp_path)
+    petl.load_run(tmp_path / "work" / "run")
+    # The checkpoint changed since: refused, naming it.
+    safetensors.torch.save_file(
+        {k: v + 1 for k, v in backbone.state_dict().items()}, tmp_path / "work" / "ckpt" / "w.safetensors"
+    )
+    with pytest.raises(load.RunFolderError, match=r"w.safetensors changed since the run"):
+        petl.load_run(tmp_path / "work" / "run")
+
+
+def test_another_runs_weights_of_the_same_shape_are_refused(tmp_path):
+    one, two = _run_folder(tmp_path / "one", seed=1), _run_folder(tmp_path / "two", seed=2)
+    (one / load.WEIGHTS_FILE).write_bytes((two / load.WEIGHTS_FILE).read_bytes())
+    with pytest.raises(load.RunFolderError, match=r"trainable.safetensors is not the weights this run wrote"):
+        petl.load_run(one)
+
+
+def test_a_card_naming_weights_outside_its_folder_is_not_opened(tmp_path, monkeypatch):
+    run = _run_folder(tmp_path / "run")
+    other = _run_folder(tmp_path / "other", seed=4)
+    opened = []
+    monkeypatch.setattr(petl, "load_trainable", lambda model, path: opened.append(path))
+    for outside in ("../other/trainable.safetensors", str(other / load.WEIGHTS_FILE)):
+        _edit_card(run, lambda card, w=outside: card.update(weights=w))
+        with pytest.raises(load.RunFolderError, match="names a file outside the run folder"):
+            petl.load_run(run)
+    assert opened == []
+
+
+def test_a_head_of_another_class_count_is_refused(tmp_path):
+    run = _run_folder(tmp_path / "run", classes=3)
+    _edit_card(run, lambda card: card.update(num_classes=5, class_names=[f"c{i}" for i in range(5)]))
+    with pytest.raises(load.RunFolderError, match="holds a head of 3 classes, model.json says num_classes=5"):
+        petl.load_run(run)
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda card: card.pop("weights_sha256"), "field weights_sha256 is missing"),
+        (lambda card: card["backbone"].pop("name"), "field backbone.name is missing"),
+        (lambda card: card.update(num_classes="3"), 'field num_classes is "3", not a int'),
+        (lambda card: card["preprocess"].update(input_size=True), "field preprocess.input_size is true, not a int"),
+        (lambda card: card.update(backbone=[]), "field backbone is"),
+        (lambda card: card.update(class_names=["a"]), "class_names has 1 names for num_classes=3"),
+        (lambda card: card.update(format="petl-model-3"), "was written by a newer petl .*upgrade petl"),
+        (lambda card: card.update(format="something"), "not a petl model record"),
+    ],
+)
+def test_a_damaged_or_newer_card_is_refused_in_one_line(tmp_path, edit, message):
+    run = _run_folder(tmp_path / "run")
+    _edit_card(run, edit)
+    with pytest.raises(load.RunFolderError, match=message) as error:
+        petl.load_run(run)
+    assert "\n" not in str(error.value) and str(run / load.MODEL_FILE) in str(error.value)
+
+
+def _as_first_format(card: dict) -> None:
+    """What petl wrote before this format: no weights hash, no img_size unless the run gave it in kwargs."""
+    card["format"] = "petl-model-1"
+    card.pop("weights_sha256")
+    card["backbone"]["kwargs"].pop("img_size")
+
+
+def test_a_first_format_card_still_loads_and_says_what_it_cannot_check(tmp_path, caplog):
+    run = _run_folder(tmp_path / "run")
+    expected = petl.load_run(run)
+    _edit_card(run, _as_first_format)
+    images = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    with caplog.at_level(logging.WARNING, logger="petl.store.load"):
+        old = petl.load_run(run)
+        petl.load_run(run)  # said once per card
+    notes = [r.getMessage() for r in caplog.records]
+    assert len(notes) == 1 and "petl-model-1 card: it records no hash of trainable.safetensors" in notes[0]
+    with torch.no_grad():
+        torch.testing.assert_close(old.model(images), expected.model(images))
+
+
+def test_a_first_format_card_of_a_run_at_another_resolution_loads(tmp_path):
+    model_cfg = {**TINY, "kwargs": {**TINY["kwargs"], "img_size": 48}}
+    run = _run_folder(tmp_path / "run", model_cfg=model_cfg)
+    _edit_card(run, _as_first_format)
+    _edit_card(run, lambda card: card["preprocess"].update(input_size=48))
+    assert petl.load_run(run).model.patch_embed.img_size == (48, 48)

@@ -1,0 +1,334 @@
+"""The training engine through the Python API: records, determinism, resume, caching, failures.
+
+Every run here uses a two-block, width-48 ViT from random init on 96 examples per split of the
+offline ``mini/digits`` task, so a run takes about a second on one CPU thread.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+
+import pytest
+import timm
+import torch
+from conftest import tiny_run
+from safetensors.torch import load_file, save_file
+
+import petl
+from petl.run import default_config, train
+from petl.store import files as records
+from petl.train import build, cache, config, engine, runner
+
+TINY = tiny_run(subset=96, depth=2, batch_size=32)
+
+RESULT_KEYS = {
+    "method",
+    "method_config",
+    "dataset",
+    "model",
+    "seed",
+    "num_classes",
+    "trainable_params",
+    "trainable_params_no_head",
+    "total_params",
+    "val_top1",
+    "test_top1",
+    "epochs",
+    "train_seconds",
+    "images_per_second",
+    "peak_memory_mb",
+    "peak_memory_kind",
+    "versions",
+    "git_commit",
+    "config",
+}
+
+
+def tiny(out: Path, *overrides: str) -> dict:
+    return train(default_config([*TINY, f"output_dir={out}", *overrides]))
+
+
+@pytest.mark.slow
+def test_two_epoch_run_writes_a_complete_record(tmp_path):
+    result = tiny(tmp_path / "run", "method=lora", "method.rank=2")
+    out = tmp_path / "run"
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.yaml",
+        "metrics.jsonl",
+        "model.json",
+        "result.json",
+        "trainable.safetensors",
+    ]
+    on_disk = json.loads((out / "result.json").read_text())
+    assert RESULT_KEYS <= on_disk.keys()
+    assert on_disk["test_top1"] == result["test_top1"] and 0 <= result["test_top1"] <= 100
+    assert result["method"] == "lora" and result["method_config"]["rank"] == 2
+    assert result["dataset"] == "mini/digits" and result["num_classes"] == 10 and result["epochs"] == 2
+    assert result["trainable_params"] > result["trainable_params_no_head"] > 0
+    assert result["peak_memory_kind"] == "process_max_rss" and result["peak_memory_mb"] > 0
+    assert result["versions"]["torch"] == torch.__version__
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [row["epoch"] for row in lines] == [1, 2] and all("val_top1" in row for row in lines)
+    assert result["val_top1"] == lines[-1]["val_top1"]
+    assert "lora" in (out / "config.yaml").read_text()
+    # The saved weights restore onto a fresh backbone.
+    fresh = timm.create_model("vit_fractal_tiny_patch4_32", depth=2, embed_dim=48)
+    petl.load_trainable(fresh, out / "trainable.safetensors")
+    assert fresh.petl_method == "lora"
+
+
+def _crash_in_epoch(monkeypatch, epoch: int) -> None:
+    """Make training die part-way through ``epoch`` (1-based), after some real optimizer steps."""
+    original = engine.train_one_epoch
+    calls = {"n": 0}
+
+    def dying(model, loader, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == epoch:
+            first_batch = [next(iter(loader))]
+            original(model, first_batch, *args, **kwargs)
+            raise KeyboardInterrupt("killed")
+        return original(model, loader, *args, **kwargs)
+
+    monkeypatch.setattr(engine, "train_one_epoch", dying)
+
+
+@pytest.mark.slow
+def test_killed_run_resumes_to_the_uninterrupted_result(tmp_path, monkeypatch):
+    args = ("method=lora", "train.epochs=3", "method.dropout=0.1", "model.drop_path=0.2")
+    whole = tiny(tmp_path / "whole", *args)
+    again = tiny(tmp_path / "again", *args)
+    assert again["test_top1"] == whole["test_top1"] and again["val_top1"] == whole["val_top1"]  # determinism
+
+    with monkeypatch.context() as patch:
+        _crash_in_epoch(patch, 2)
+        with pytest.raises(KeyboardInterrupt):
+            tiny(tmp_path / "killed", *args)
+    killed = tmp_path / "killed"
+    assert not (killed / "result.json").exists() and not (killed / "trainable.safetensors").exists()
+    assert (killed / "checkpoint.pt").exists() and len((killed / "metrics.jsonl").read_text().splitlines()) == 1
+
+    config_file = killed / "config.yaml"
+    kept = config_file.read_text()
+    config_file.unlink()  # without it the checkpoint's config cannot be checked: refused, not resumed blindly
+    with pytest.raises(config.ConfigError, match="checkpoint.pt without its config.yaml"):
+        tiny(killed, *args)
+    assert (killed / "checkpoint.pt").exists()
+    config_file.write_text(kept)
+    wall_before = torch.load(killed / "checkpoint.pt", weights_only=True)["wall_seconds"]
+    tick = time.perf_counter()
+    resumed = tiny(killed, *args)
+    # wall_seconds sums the sessions: the killed one up to its checkpoint, then the whole resumed one.
+    assert 0 < wall_before < resumed["wall_seconds"] <= wall_before + time.perf_counter() - tick + 0.01  # rounding
+    for key in ("val_top1", "test_top1", "best_val_top1", "final_train_loss"):
+        assert resumed[key] == whole[key], key
+    a, b = load_file(tmp_path / "whole" / "trainable.safetensors"), load_file(killed / "trainable.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert [json.loads(x)["loss"] for x in (killed / "metrics.jsonl").read_text().splitlines()] == [
+        json.loads(x)["loss"] for x in (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert not (killed / "checkpoint.pt").exists()
+
+
+@pytest.mark.slow
+def test_finished_run_is_returned_and_a_changed_config_is_refused(tmp_path, monkeypatch):
+    first = tiny(tmp_path, "method=linear")
+    monkeypatch.setattr(runner, "fit", lambda *a, **k: pytest.fail("a finished run must not train again"))
+    assert tiny(tmp_path, "method=linear", "train.progress=true")["test_top1"] == first["test_top1"]
+    with pytest.raises(config.ConfigError, match=r"another config \(train.lr: 0.001 -> 0.01\)"):
+        tiny(tmp_path, "method=linear", "train.lr=0.01")
+    monkeypatch.undo()
+    replaced = tiny(tmp_path, "method=linear", "train.lr=0.01", "resume=false")
+    assert replaced["config"]["train"]["lr"] == 0.01
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("method", "described"), [("linear", "pre-logits features"), ("partial", "tokens entering block 1")]
+)
+def test_feature_cache_gives_the_uncached_result(tmp_path, method, described):
+    cached = tiny(tmp_path / "cached", f"method={method}", "train.epochs=3")
+    plain = tiny(tmp_path / "plain", f"method={method}", "train.epochs=3", "train.cache_features=false")
+    assert cached["feature_cache"] == described and plain["feature_cache"] is None
+    assert cached["test_top1"] == plain["test_top1"] and cached["val_top1"] == plain["val_top1"]
+    a, b = (
+        load_file(tmp_path / "cached" / "trainable.safetensors"),
+        load_file(tmp_path / "plain" / "trainable.safetensors"),
+    )
+    assert all(torch.allclose(a[k], b[k], rtol=0, atol=1e-6) for k in a)
+
+
+def test_cache_plan_is_read_off_the_model(tiny_vit):
+    def planned(method, **options):
+        return cache.plan(petl.apply(tiny_vit(), method, num_classes=4, **options))
+
+    assert planned("linear") == cache.CachePlan(start=None, features=True)
+    assert planned("partial", k=1) == cache.CachePlan(start=2, features=False)
+    assert planned("lora") is None and planned("full") is None and planned("vpt") is None
+    model = petl.apply(tiny_vit(), "linear", num_classes=4)
+    model.pos_embed.requires_grad_(True)  # a trainable stem leaves nothing frozen in front
+    assert cache.plan(model) is None
+    model = petl.apply(tiny_vit(), "linear", num_classes=4)
+    model.blocks[1].register_forward_hook(lambda *a: None)  # something acts inside the trunk
+    assert cache.plan(model) == cache.CachePlan(start=1, features=False)
+
+
+@pytest.mark.slow
+def test_non_finite_loss_stops_with_the_last_good_checkpoint(tmp_path, monkeypatch):
+    calls = {"n": 0}
+
+    class PoisonedLoss(torch.nn.CrossEntropyLoss):
+        def forward(self, logits, labels):
+            calls["n"] += 1
+            loss = super().forward(logits, labels)
+            return loss * float("nan") if calls["n"] > 3 else loss  # epoch 1 has 3 batches
+
+    monkeypatch.setattr(engine.nn, "CrossEntropyLoss", PoisonedLoss)
+    with pytest.raises(runner.RunError, match=r"loss became nan at epoch 2/2.*checkpoint of epoch 1 is kept"):
+        tiny(tmp_path, "method=adapter")
+    assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["epoch"] == 1
+    assert not (tmp_path / "result.json").exists()
+
+
+@pytest.mark.slow
+def test_nested_dict_config_is_completed_and_checked(tmp_path):
+    cfg = {
+        "method": {"name": "mlp"},
+        "data": {"name": "mini/digits", "subset": 64},
+        "model": {"name": "vit_fractal_tiny_patch4_32", "pretrained": False, "kwargs": {"depth": 1, "embed_dim": 48}},
+        "train": {"epochs": 1, "progress": False},
+        "output_dir": str(tmp_path),
+    }
+    result = train(cfg)
+    assert result["method"] == "mlp" and result["config"]["train"]["lr"] == 1e-3 and result["epochs"] == 1
+    with pytest.raises(config.ConfigError, match="unknown config key 'train.lrate'"):
+        train({**cfg, "train": {"lrate": 1.0}})
+    with pytest.raises(config.ConfigError, match=r"train.batch_size=0 is out of range: allowed \[1, inf\]"):
+        train({**cfg, "train": {"batch_size": 0}})
+
+
+def test_atomic_write_never_leaves_a_torn_file(tmp_path):
+    target = tmp_path / "result.json"
+    records.write_json(target, {"test_top1": 1.0})
+
+    def failing(tmp: Path) -> None:
+        tmp.write_text('{"test_top1": 2.')  # half a record, then the process "dies"
+        raise OSError("disk full")
+
+    with pytest.raises(OSError):
+        records.write_atomic(target, failing)
+    assert json.loads(target.read_text()) == {"test_top1": 1.0}
+    assert [p.name for p in tmp_path.iterdir()] == ["result.json"]
+
+
+def test_epoch_sampler_order_depends_on_seed_and_epoch_only():
+    sampler = build.EpochSampler(50, seed=3)
+    first = list(sampler)
+    sampler.set_epoch(1)
+    second = list(sampler)
+    assert sorted(first) == list(range(50)) and first != second
+    fresh = build.EpochSampler(50, seed=3)
+    fresh.set_epoch(1)
+    assert list(fresh) == second
+
+
+@pytest.mark.slow
+def test_local_checkpoint_replaces_the_hub_download(tmp_path):
+    # Offline clusters: model.checkpoint points timm's own pretrained loader at a local file.
+    source = timm.create_model("vit_fractal_tiny_patch4_32", depth=2, embed_dim=48, num_classes=0)
+    save_file({k: v.contiguous() for k, v in source.state_dict().items()}, tmp_path / "w.safetensors")
+    cfg = default_config([*TINY, "method=lora", "model.pretrained=true", f"model.checkpoint={tmp_path}/w.safetensors"])
+    model = build.create_backbone(cfg)
+    assert torch.equal(model.blocks[1].mlp.fc2.weight, source.blocks[1].mlp.fc2.weight)
+    with pytest.raises(config.ConfigError, match="model.checkpoint=.*nope.safetensors: no such file"):
+        build.create_backbone(default_config([*TINY, "model.checkpoint=nope.safetensors"]))
+    # A finished run whose weights file is gone: the same usage error, not a raw FileNotFoundError.
+    finished = [*TINY, "method=linear", "model.pretrained=true", f"model.checkpoint={tmp_path}/w.safetensors"]
+    train(default_config([*finished, "train.epochs=1", f"output_dir={tmp_path / 'run'}"]))
+    (tmp_path / "w.safetensors").unlink()
+    with pytest.raises(config.ConfigError, match="no such file"):
+        train(default_config([*finished, "train.epochs=1", f"output_dir={tmp_path / 'run'}"]))
+
+
+@pytest.mark.slow
+def test_backbone_mode_train_turns_the_feature_cache_off(tmp_path):
+    # A cached front runs once, in eval mode; with train.backbone_mode=train its drop-path must act.
+    run = tiny(tmp_path, "method=linear", "train.backbone_mode=train", "train.epochs=1")
+    assert run["feature_cache"] is None and run["config"]["train"]["backbone_mode"] == "train"
+    with pytest.raises(config.ConfigError, match="train.backbone_mode"):
+        tiny(tmp_path / "bad", "method=linear", "train.backbone_mode=frozen")
+
+
+@pytest.mark.slow
+def test_a_last_batch_of_one_image_is_left_out_so_batchnorm_heads_train(tmp_path):
+    # 97 = 3 x 32 + 1: Mlp-k's BatchNorm1d cannot train on that last single image ("Expected more than 1 value
+    # per channel"), so the epoch is three batches; the image left out changes with each epoch's order.
+    result = tiny(tmp_path / "run", "method=mlp", "data.subset=97", "train.epochs=1")
+    assert result["final_train_top1"] is not None
+    assert build.loader(list(range(97)), 32, 0, 0, drop_last=True).__len__() == 3
+
+
+@pytest.mark.slow
+def test_augmented_training_images_are_not_cached_and_test_time_is_apart(tmp_path):
+    # An FGVC folder (CUB layout), whose training split is cropped and flipped anew at every access.
+    from PIL import Image
+
+    folder = tmp_path / "data" / "CUB_200_2011"
+    (folder / "images").mkdir(parents=True)
+    Image.new("RGB", (40, 30), (200, 10, 10)).save(folder / "images" / "a.png")
+    for split in ("train", "val", "test"):
+        (folder / f"{split}.txt").write_text("".join(f"images/a.png {c}\n" for c in range(200)))
+    base = [o for o in TINY if not o.startswith(("data=", "data.subset"))]
+    common = [*base, "data=fgvc/cub", f"data.root={tmp_path / 'data'}", "method=linear", "train.epochs=1"]
+    augmented = train(default_config([*common, f"output_dir={tmp_path / 'a'}"]))
+    plain = train(default_config([*common, "data.augment=false", f"output_dir={tmp_path / 'b'}"]))
+    assert augmented["feature_cache"] is None and plain["feature_cache"] is not None
+    for result in (augmented, plain):
+        assert result["test_seconds"] > 0 and result["train_seconds"] < result["wall_seconds"]
+
+
+def test_the_loaders_worker_seed_of_an_epoch_does_not_depend_on_the_epochs_before():
+    # Each epoch's iterator draws its worker base seed from the loader's generator: a run resumed at epoch 2
+    # must draw epoch 2's, not epoch 0's (it decides the random crops and flips when num_workers > 0).
+    def base_seed(sampler, epoch):
+        sampler.set_epoch(epoch)
+        loader = build.loader(list(range(8)), 4, 0, seed=3, sampler=sampler)
+        return iter(loader)._base_seed
+
+    uninterrupted = build.EpochSampler(8, seed=3)
+    seeds = [base_seed(uninterrupted, e) for e in range(3)]
+    assert len(set(seeds)) == 3
+    assert base_seed(build.EpochSampler(8, seed=3), 2) == seeds[2]
+
+
+@pytest.mark.slow
+def test_every_run_resets_its_own_peak_memory(tmp_path, monkeypatch):
+    # In-process runs (a sweep, Hydra's --multirun, a notebook) would otherwise report the peak of all before them.
+    resets: list[int] = []
+    monkeypatch.setattr(records, "reset_peak_rss", lambda: resets.append(1) or True)
+    tiny(tmp_path / "a", "method=linear", "train.epochs=1")
+    tiny(tmp_path / "b", "method=linear", "train.epochs=1")
+    assert len(resets) == 2
+
+
+def test_a_run_that_cannot_learn_is_marked_in_its_record(tmp_path):
+    # Full fine-tuning at lr 30 blows the loss up on a tiny task: finite, but never below the first epoch's.
+    stuck = tiny(tmp_path / "stuck", "method=full", "train.lr=30.0", "train.epochs=3")
+    assert "not below the first epoch's" in stuck["not_learned"]
+    on_disk = json.loads((tmp_path / "stuck" / "result.json").read_text())
+    assert on_disk["not_learned"] == stuck["not_learned"]
+    learned = tiny(tmp_path / "fine", "method=lora", "method.rank=2")
+    assert "not_learned" not in json.loads((tmp_path / "fine" / "result.json").read_text())
+    assert learned.get("not_learned") is None
+
+
+@pytest.mark.slow
+def test_a_run_says_its_schedule_and_resolution_when_it_starts(tmp_path, capsys):
+    tiny(tmp_path / "run", "method=lora", "method.rank=2")
+    out = capsys.readouterr().out
+    assert re.search(
+        r"^training lora on mini/digits \(\d+ images\) at 32 px: 2 epochs, batch 32, lr 0\.001$", out, re.M
+    )

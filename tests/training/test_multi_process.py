@@ -1,0 +1,122 @@
+"""Several processes, one run: a launch without a process group is refused; real DDP on CPU makes one run.
+
+``accelerate launch --multi_gpu --num_processes 2`` on a machine without GPUs sets RANK and WORLD_SIZE in
+two processes that form no group: each would train alone into the same folder.  With
+``ACCELERATE_USE_CPU=1`` the two processes form a gloo group and train one run together.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import tiny_run
+from safetensors.torch import load_file
+
+from petl.train import build
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "RANK", "WORLD_SIZE", "LOCAL_"))}
+    # No GPU: on a GPU machine LOCAL_RANK would make accelerate wait for a NCCL group of two.
+    return {**env, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT), **extra}
+
+
+def _launch(*args: str, cwd: Path, **env: str) -> subprocess.CompletedProcess:
+    """Two processes on this machine's CPUs, as ``accelerate launch --multi_gpu --num_processes 2`` starts them."""
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29513"]
+    return subprocess.run([*launch, *args], cwd=cwd, env=_env(**env), capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.slow
+def test_a_launch_of_several_processes_without_a_process_group_is_refused(tmp_path):
+    done = _launch("-m", "petl.run", *tiny_run(), "output_dir=out", cwd=tmp_path)
+    assert done.returncode != 0
+    refusal = (
+        "petl-run: error: RANK/WORLD_SIZE say 2 processes but accelerate formed no process group, so each would "
+        "train alone into the same output_dir: on CPUs launch with ACCELERATE_USE_CPU=1 accelerate launch "
+        "--multi_gpu --num_processes N -m petl.run ..., or run petl-run as one process"
+    )
+    assert done.stderr.splitlines().count(refusal) == 1, done.stderr[-3000:]  # said by rank 0 only
+    assert not (tmp_path / "out").exists()
+
+
+# Each rank runs petl-run's entry point; _record is wrapped to keep every rank's trained tensors as well.
+_DRIVER = """
+    import sys
+    import torch
+    from petl.core import trainable_state
+    from petl.cli import run as cli
+    from petl.train import runner
+
+    record = runner._record
+
+    def kept(cfg, out, model, result, accelerator, card):
+        state = {k: v.detach().cpu().clone() for k, v in trainable_state(accelerator.unwrap_model(model)).items()}
+        torch.save(state, f"rank{accelerator.process_index}.pt")
+        record(cfg, out, model, result, accelerator, card)
+
+    runner._record = kept
+    cli.main(sys.argv[1:])
+"""
+
+
+# bf16: make_accelerator asks accelerate's PartialState about the device before the Accelerator exists; that
+# state must be the CPU one ACCELERATE_USE_CPU asks for, or no process group forms.
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["no", "bf16"])
+def test_two_cpu_processes_train_one_run_with_ddp(tmp_path, precision):
+    (tmp_path / "driver.py").write_text(textwrap.dedent(_DRIVER))
+    overrides = [*tiny_run(epochs=2, batch_size=16), "method=lora", "output_dir=out", f"train.precision={precision}"]
+    done = _launch("driver.py", *overrides, cwd=tmp_path, ACCELERATE_USE_CPU="1")
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((tmp_path / "out" / "result.json").read_text())
+    assert result["epochs"] == 2 and result["num_processes"] == 2
+    lines = (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["epoch"] for line in lines] == [1, 2]
+    assert [p.name for p in tmp_path.iterdir() if p.is_dir()] == ["out"]
+    ranks = [torch.load(tmp_path / f"rank{i}.pt") for i in range(2)]
+    assert ranks[0].keys() == ranks[1].keys() and ranks[0]
+    for name in ranks[0]:
+        torch.testing.assert_close(ranks[0][name], ranks[1][name], rtol=0, atol=0)
+    saved = load_file(tmp_path / "out" / "trainable.safetensors")
+    assert set(saved) == set(ranks[0])
+
+
+def test_accelerate_cpu_launch_of_several_processes_says_it_runs_one(tmp_path):
+    # accelerate's --cpu takes its simple launcher, which starts one process whatever --num_processes asks.
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2"]
+    launch += "--num_machines 1 --mixed_precision no --dynamo_backend no --main_process_port 29514".split()
+    done = subprocess.run(
+        [*launch, "-m", "petl.run", *tiny_run(epochs=1), "output_dir=out"],
+        cwd=tmp_path,
+        env=_env(),  # with --cpu, accelerate reads no config file of this machine's user
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    said = (done.stdout + done.stderr).splitlines()
+    note = "accelerate launch --cpu started one process whatever --num_processes says: training as one process"
+    assert sum(note in line for line in said) == 1, done.stderr[-3000:]
+    assert json.loads((tmp_path / "out" / "result.json").read_text())["num_processes"] == 1
+
+
+def test_a_single_process_run_says_nothing_of_processes(monkeypatch):
+    for name in ("ACCELERATE_USE_CPU", "MASTER_ADDR", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    assert build.single_cpu_launch(1) == ""
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "True")  # accelerate launch --cpu of one process sets no MASTER_ADDR
+    assert build.single_cpu_launch(1) == ""
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    assert build.single_cpu_launch(1).startswith("accelerate launch --cpu started one process")
+    monkeypatch.setenv("WORLD_SIZE", "2")  # a torchrun-style launch: check_process_group's case, not this one
+    assert build.single_cpu_launch(1) == ""
