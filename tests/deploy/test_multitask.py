@@ -123,7 +123,8 @@ def test_each_row_gets_its_own_single_task_models_logits(served, case):
     if case not in HEAD_ONLY:  # the perturbed method acts, so a missing or misplaced hook could not pass
         single = singles[case]
         with torch.no_grad():
-            features = single.forward_head(single.forward_features(images[:2]), pre_logits=True)
+            # timm's pooled backbone features (a method's own head has pre-logits of its own: HST's side network's).
+            features = type(single).forward_head(single, single.forward_features(images[:2]), pre_logits=True)
             plain = backbone.forward_head(backbone.forward_features(images[:2]), pre_logits=True)
         assert (features - plain).abs().max() > 1e-3
 

@@ -264,7 +264,9 @@ def test_compile_gives_the_same_logits_and_gradients(images, name):
     compiled = torch.compile(copy.deepcopy(model))
     with torch.no_grad():
         torch.testing.assert_close(compiled.eval()(images), model.eval()(images), rtol=1e-4, atol=1e-5)
-    want, got = _grads(model.train(), images), _grads(compiled.train(), images)
+    # Gradients in eval mode: inductor draws dropout masks from its own generator, not eager's, and BatchNorm over a
+    # batch of two (Mlp-k's, HST's) would turn its kernel-fusion rounding into large differences.
+    want, got = _grads(model.eval(), images), _grads(compiled.eval(), images)
     assert got.keys() == {f"_orig_mod.{n}" for n in want}
     for key, grad in want.items():
         torch.testing.assert_close(got[f"_orig_mod.{key}"], grad, rtol=1e-3, atol=1e-5)
