@@ -138,6 +138,7 @@ def test_merge_unmerge_equivalence(tiny_vit, images, method, options):
         torch.testing.assert_close(restored[name], tensor, atol=1e-6, rtol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("method", "options"), VARIANTS, ids=IDS)
 def test_save_load_round_trip_onto_fresh_backbone(tiny_vit, images, tmp_path, method, options):
     model = petl.apply(tiny_vit(), method, num_classes=4, **options)
@@ -151,6 +152,7 @@ def test_save_load_round_trip_onto_fresh_backbone(tiny_vit, images, tmp_path, me
     assert torch.equal(fresh.eval()(images), model.eval()(images))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("method", "options"), VARIANTS, ids=IDS)
 def test_load_rejects_another_method_depth_or_width(tiny_vit, tmp_path, method, options):
     path = tmp_path / "trained.safetensors"
