@@ -21,6 +21,9 @@ from petl.bench.estimate import ESTIMATE_FILE
 from petl.cli import bench as bench_cli
 from petl.errors import USAGE_ERROR
 
+# Whole sweeps on a generated folder: the inner loop (pytest -m "not slow") leaves the module out.
+pytestmark = pytest.mark.slow
+
 # The tiny random-init backbone of the fast tests at its own 32 px (the suite's 224 px would be DINOv2's), one epoch.
 TINY = [o for o in tiny_run(depth=1, epochs=1) if not o.startswith("data")] + ["model.img_size=32", "progress=false"]
 

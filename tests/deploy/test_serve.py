@@ -37,6 +37,9 @@ from petl.deploy import serve  # noqa: E402
 from petl.deploy.batcher import Batcher, QueueFull  # noqa: E402
 from petl.deploy.metrics import ServeMetrics  # noqa: E402
 
+# Trains three runs and starts servers and Chromium: the inner loop (pytest -m "not slow") leaves the module out.
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "test-token-1234"
 # Three method families: low-rank updates of the frozen Linears, prompt tokens, a side network on every block.
