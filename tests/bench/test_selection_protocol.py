@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from petl.bench import collect as results
 from petl.bench import protocol, sweep
 from petl.bench import suite as suites
+from petl.bench.collect import collect, set_aside_files
 from petl.bench.sweep import PlannedRun
 from petl.cli import bench as cli
 from petl.data.images import FileListDataset
@@ -662,8 +662,8 @@ def test_require_learning_sets_a_point_aside_whose_finals_did_not_learn(tmp_path
     assert selection["chosen"] == {"train.lr": 1e-3} and selection["learning"]["best_val"] == {"train.lr": 1e-2}
     assert selection["learning"]["unstable"] == ["train.lr=0.01"]
     # The set-aside finals are kept but never reported; a third invocation has nothing to do.
-    assert {(r.experiment, r.seed) for r in results.collect(tmp_path)} == {("e", 0), ("e", 1)}
-    assert len(results.set_aside_files(tmp_path)) == 2
+    assert {(r.experiment, r.seed) for r in collect(tmp_path)} == {("e", 0), ("e", 1)}
+    assert len(set_aside_files(tmp_path)) == 2
     third = protocol.run_protocol(cells, progress=False, **fakes)
     assert third.trained == 0 and not third.set_aside and not third.failed
 
