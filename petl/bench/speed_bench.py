@@ -21,6 +21,7 @@ import timm
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+import petl.backbones  # noqa: F401  (registers petl's backbones with timm)
 import petl.methods  # noqa: F401  (importing the methods registers them)
 from petl.bench.floors import Floor, floor_hooks
 from petl.bench.rss import current_rss_mb, peak_rss_mb, reset_peak_rss

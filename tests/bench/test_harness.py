@@ -554,7 +554,8 @@ def test_commands_print_multirun_lines_writing_the_same_layout(capsys):
     assert line.endswith("'output_dir=runs/bench/mini/${petl.slug:${data.name}}/adapter_parallel/seed${seed}'")
     # Each job's folder resolves as petl-bench's own would: runs/bench/mini/mini-digits/adapter_parallel/seed1.
     from omegaconf import OmegaConf
-    from petl.run.config import register_configs
+
+    from petl.train.config import register_configs
 
     register_configs()  # petl-run's resolvers, its slug resolver among them
     folder = line.split("output_dir=")[1].strip("'")
