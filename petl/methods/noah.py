@@ -46,7 +46,7 @@ Trains:
     one-shot supernet + evolution in ``petl.methods.noah_search``, and records them in ``result.json``; ``petl-bench``
     searches once per task, as NOAH's scripts do, and the task's other trials and seeds retrain that subnet
     (``calibrate_once`` in ``configs/experiments/noah.yaml``); from Python call
-    ``petl.methods.noah.calibrate_noah(backbone, cfg, loader)`` first, as ``petl.apply`` alone uses width 5
+    ``petl.methods.noah_search.calibrate_noah(backbone, cfg, loader)`` first, as ``petl.apply`` alone uses width 5
     everywhere, a data-free placeholder.  NOAH's 19 published VTAB-1k subnets are per-task presets in
     ``configs/suites/vtab1k_vpetl.yaml``.  A search killed part-way resumes where it stopped, choosing the same subnet
     (its progress, saved at most once a minute, lies in ``noah_search/`` of petl's cache folder until the search ends).

@@ -276,7 +276,7 @@ def test_petl_predict_serves_runs_on_one_backbone_together(tmp_path, monkeypatch
     served = []
     together = predict_api.predict_together
     monkeypatch.setattr(
-        predict_cli, "predict_together", lambda multi, *a, **k: served.append(multi) or together(multi, *a, **k)
+        predict_api, "predict_together", lambda multi, *a, **k: served.append(multi) or together(multi, *a, **k)
     )
     folders = [str(tmp_path / name) for name in (*runs, "narrow")]
     with pytest.raises(SystemExit) as stop:
