@@ -13,6 +13,7 @@ telling this module about it.
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -23,7 +24,7 @@ from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-from petl import vit
+from petl import timm_api, vit
 from petl.core import PetlModule
 
 log = logging.getLogger(__name__)
@@ -62,6 +63,16 @@ def _untouched(module: nn.Module) -> bool:
     return not any(p.requires_grad for p in module.parameters())
 
 
+def _replaced(model: nn.Module, name: str) -> bool:
+    """Whether ``model`` answers ``name`` with something else than its class's method, as far as the cache goes.
+
+    petl's own ``forward_head`` (:func:`petl.timm_api.forward_head`) is the class's for everything the cached path
+    replays: it only changes ``pre_logits=True`` under a method's own head, and calls the class's first.
+    """
+    own = vars(model).get(name)
+    return own is not None and not (isinstance(own, functools.partial) and own.func is timm_api.forward_head)
+
+
 def plan(model: nn.Module) -> CachePlan | None:
     """The cache plan for ``model``, or ``None`` when nothing in front of the trained part is frozen.
 
@@ -69,7 +80,7 @@ def plan(model: nn.Module) -> CachePlan | None:
     ``forward_features``/``forward_head`` from the point it cuts in, which is only exact when the
     model runs those very methods (not a subclass's or a patched copy).
     """
-    overridden = any(name in vars(model) for name in ("forward", "forward_features", "forward_head"))
+    overridden = any(_replaced(model, name) for name in ("forward", "forward_features", "forward_head"))
     if type(model) is not VisionTransformer or overridden or model._forward_hooks or model._forward_pre_hooks:
         return None
     # The stem: patch embedding, cls/register tokens, position embedding, norm_pre (and dropouts).
