@@ -110,14 +110,17 @@ def experiments() -> dict[str, dict]:
 
 
 @functools.cache
-def suites() -> dict[str, Any]:
-    """Every suite file of ``configs/suites``: name -> what its ``experiments`` key lists."""
-    return {p.stem: read_yaml(p).get("experiments") for p in sorted((ROOT / "configs" / "suites").glob("*.yaml"))}
+def suites() -> dict[str, list[str]]:
+    """Every suite of ``configs/suites``: name -> its experiments (``all`` and a named list resolved, in order)."""
+    from petl.bench.suite import list_suites, load_suite
+
+    configs = ROOT / "configs"
+    return {name: load_suite(name, configs).experiments for name in list_suites(configs)}
 
 
 def suites_listing(experiment: str) -> list[str]:
-    """The suites that run ``experiment`` (by name in their list, or ``all``)."""
-    return [name for name, listed in suites().items() if listed == "all" or experiment in (listed or ())]
+    """The suites that run ``experiment``."""
+    return [name for name, listed in suites().items() if experiment in listed]
 
 
 class Counter:

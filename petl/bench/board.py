@@ -15,6 +15,7 @@ from typing import Any
 from petl.bench.collect import Compute, RunRecord, mean
 from petl.bench.published import PublishedRow, PublishedTable
 from petl.bench.table import Cell
+from petl.data import GROUPS
 from petl.presets import FAMILIES
 
 # What a published column shows for a row: the published row, or why there is none to show.
@@ -77,10 +78,6 @@ class Column:
     def csv_fields(self, value: Any) -> dict[str, Any]:
         """The CSV fields of ``value``."""
         return (self.csv or as_csv(self.key))(value)
-
-
-# Groups in the order benchmarks print them; unknown groups follow alphabetically.
-GROUP_ORDER = ("natural", "specialized", "structured", "fgvc")
 
 
 @dataclass(frozen=True)
@@ -201,4 +198,5 @@ class Leaderboard:
 
 
 def order_groups(groups: set[str]) -> list[str]:
-    return sorted(groups, key=lambda g: (GROUP_ORDER.index(g) if g in GROUP_ORDER else len(GROUP_ORDER), g))
+    """Task groups in :data:`petl.data.GROUPS`' order; unknown groups follow alphabetically."""
+    return sorted(groups, key=lambda g: (GROUPS.index(g) if g in GROUPS else len(GROUPS), g))

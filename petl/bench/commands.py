@@ -226,9 +226,16 @@ def suite_backbone(suite: suites.Suite) -> tuple[str, int | str]:
 
 
 def cmd_list(args: Sequence[str]) -> int:
-    """Print the suites and experiments found."""
-    own, _ = parse_args(args, CONFIGS_KEYS)
+    """Print the suites and experiments found; with ``suite=NAME``, that suite's experiments, one a line, in its order.
+
+    The one-a-line form is for scripts (``benchmarks/mini_sweep.sh`` takes its methods from it) and reads no
+    experiment file, so it needs no torch.
+    """
+    own, _ = parse_args(args, CONFIGS_KEYS | {"suite"})
     configs = configs_folder(own)
+    if "suite" in own:
+        print("\n".join(suites.load_suite(own["suite"], configs).experiments))
+        return 0
     broken = 0
     # One malformed file is named (on stderr) and the rest are still listed; the status then says so.
     for name in suites.list_suites(configs):

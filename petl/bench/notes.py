@@ -80,8 +80,6 @@ def not_learned_line(board: Leaderboard) -> str:
     ]
     if not cells:
         return ""
-    # The module is petl.train.learning now; the text stays as the committed leaderboards have it (they rebuild
-    # byte for byte in tests/bench/test_committed_leaderboards.py) until they are regenerated.
     return (
         f"**† k**: k of the cell's seeds did not learn (final train loss not finite, not below its first "
         f"epoch's, or at chance, ln(classes): `petl.train.learning`); the cell's mean and ± include them, so a "

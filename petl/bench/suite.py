@@ -3,10 +3,12 @@
 Experiments (a method and its options, ``configs/experiments/``) are read by :mod:`petl.presets`, which
 ``petl-run experiment=NAME`` uses too; their names are re-exported here for petl.bench's modules.
 
-A suite is a whole protocol: experiments, tasks, the final runs' seeds and split, the ``train:`` /
-``model:`` / ``data:`` overrides (backbone, recipe, augmentation) and, optionally, the ``search:`` space
-selected on val (see :mod:`petl.bench.protocol`).  Everything becomes Hydra override strings, the same
-language ``petl-run`` speaks, so a sweep run here and a ``petl-run`` command compose identical configs.
+A suite is a whole protocol: experiments (a list, ``all``, or the name of a list in
+``configs/experiment_lists.yaml``, where a list several suites run is stated once), tasks, the final runs' seeds
+and split, the ``train:`` / ``model:`` / ``data:`` overrides (backbone, recipe, augmentation) and, optionally,
+the ``search:`` space selected on val (see :mod:`petl.bench.protocol`).  Everything becomes Hydra override
+strings, the same language ``petl-run`` speaks, so a sweep run here and a ``petl-run`` command compose identical
+configs.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from petl.presets import (
     override,
     preset_names,
     read_space,
+    read_yaml,
     read_yaml_mapping,
     to_overrides,
 )
@@ -39,6 +42,7 @@ __all__ = [
     "Experiment",
     "Suite",
     "configs_dir",
+    "experiment_lists",
     "format_value",
     "list_experiments",
     "list_suites",
@@ -55,6 +59,8 @@ SUITE_GROUPS = ("train", "model", "data")
 FINAL_SPLIT = TRAIN_VAL
 # `experiments: all` in a suite: every experiment file plus every registered method no file covers.
 ALL = "all"
+# `experiments: <name>` in a suite: a list of this file (beside suites/), the one home of a list several suites run.
+EXPERIMENT_LISTS = "experiment_lists.yaml"
 
 
 @dataclass(frozen=True)
@@ -155,9 +161,12 @@ def load_suite(name: str, configs: Path) -> Suite:
     data = read_yaml_mapping(path, keys, SUITE_GROUPS)
     if data.get("experiments") == ALL:
         data["experiments"] = list_experiments(configs)
+    elif isinstance(data.get("experiments"), str):
+        data["experiments"] = _named_list(path, data["experiments"], configs)
     for key in ("experiments", "tasks", "seeds"):
         if not isinstance(data.get(key), list) or not data[key]:
-            raise ValueError(f"{path}: `{key}` must be a non-empty list" + (" (or `all`)" * (key == "experiments")))
+            or_name = f" (or `all`, or a list's name in {EXPERIMENT_LISTS})" * (key == "experiments")
+            raise ValueError(f"{path}: `{key}` must be a non-empty list{or_name}")
     groups = {g: data[g] for g in SUITE_GROUPS if data.get(g)}
     owned = sorted(set(SWEEP_OWNED) & {k for g, v in groups.items() for k in flatten(g, v)})
     if owned:
@@ -197,6 +206,34 @@ def load_suite(name: str, configs: Path) -> Suite:
         per_experiment=per_experiment,
         require_learning=require_learning,
     )
+
+
+def experiment_lists(configs: Path) -> dict[str, list[str]]:
+    """The named experiment lists of ``configs/experiment_lists.yaml`` (none when the file is absent).
+
+    Raises:
+        ValueError: a malformed file (naming it): each name must map to a non-empty list of experiment names.
+
+    """
+    path = configs / EXPERIMENT_LISTS
+    if not path.is_file():
+        return {}
+    data = read_yaml(path) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping of list names to experiment lists, got {type(data).__name__}")
+    for name, listed in data.items():
+        if name == ALL or not isinstance(listed, list) or not listed or not all(isinstance(e, str) for e in listed):
+            reason = "`all` means every experiment" if name == ALL else "must be a non-empty list of experiment names"
+            raise ValueError(f"{path}: {name!r}: {reason}")
+    return {str(name): list(listed) for name, listed in data.items()}
+
+
+def _named_list(path: Path, name: str, configs: Path) -> list[str]:
+    lists = experiment_lists(configs)
+    if name not in lists:
+        known = ", ".join([ALL, *lists])
+        raise ValueError(f"{path}: experiments: {name!r} is not a list of {configs / EXPERIMENT_LISTS}; known: {known}")
+    return lists[name]
 
 
 def _read_per_task(path: Path, raw: Any, experiments: list[Any], tasks: list[Any]) -> dict[str, dict[str, dict]]:

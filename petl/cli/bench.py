@@ -12,7 +12,7 @@ Usage::
                      [infer_steps=100] [device=cpu|cuda] [methods=...] [options_for=lora] [out=FILE]
     petl-bench params suite=vtab1k [methods=...] [model=...]   (parameter counts vs the published ones)
     petl-bench commands suite=vtab1k [hydra/launcher=submitit_slurm ...]   (prints petl-run --multirun lines)
-    petl-bench list
+    petl-bench list [suite=NAME]   (suites and experiments; with suite=: its experiments, one a line, in order)
 
 Bad input (an unknown suite or key, a malformed YAML file, a results folder without results) exits with
 status 2 and one line naming the file or value; a sweep with failed runs exits with 1; Ctrl-C with 130

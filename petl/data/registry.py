@@ -23,6 +23,7 @@ from petl.data.transforms import IMAGENET_MEAN, IMAGENET_STD, ImageSpec
 TRAIN, VAL, TRAIN_VAL, TEST = "train800", "val200", "train800val200", "test"
 SPLITS: tuple[str, ...] = (TRAIN, VAL, TRAIN_VAL, TEST)
 TRAINING_SPLITS: tuple[str, ...] = (TRAIN, TRAIN_VAL)
+# Task groups (DatasetInfo.group): VTAB-1k's three, then FGVC; leaderboards print groups in this order.
 GROUPS: tuple[str, ...] = ("natural", "specialized", "structured", "fgvc")
 # Training epochs of the field's VTAB-1k / FGVC protocol; a dataset may set fewer (DatasetInfo.epochs).
 PROTOCOL_EPOCHS = 100
