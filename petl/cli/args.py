@@ -3,23 +3,29 @@
 Every command parses with :func:`parse` (argparse's ``parse_intermixed_args``, so ``RUN IMAGES --quiet out=p.csv``
 and ``--quiet RUN out=p.csv IMAGES`` mean the same), then splits its words into positionals and ``key=value``
 pairs with :func:`split_items`.  A command declares its keys once (:class:`Key`), and :func:`keys_epilog` prints
-them under ``--help``, so the help lists exactly what the command accepts.  Nothing here imports torch or timm:
-``--help`` answers before anything heavy loads.
+them under ``--help``, so the help lists exactly what the command accepts.  :func:`exit_statuses` turns what the
+command's body raises into one line and the exit status every command documents.  Nothing here imports torch or
+timm: ``--help`` answers before anything heavy loads.
 """
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+import sys
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from petl.errors import INTERRUPTED, RUN_ERROR, USAGE_ERROR, UsageError
+from petl.text import shown
 
 # What an override key may look like (Hydra's grammar: +key, ++key, ~key, dotted paths).
 _KEY_PREFIXES = ("++", "+", "~")
 
 
-class CommandLineError(ValueError):
+class CommandLineError(UsageError):
     """A word of the command line the command does not take: one line naming it (exit status 2)."""
 
 
@@ -94,6 +100,56 @@ def split_items(
         except ValueError:
             raise CommandLineError(f"{name}={value!r}: expected {known[name].type.__name__}") from None
     return positional, options
+
+
+@contextmanager
+def exit_statuses(
+    prog: str,
+    usage: tuple[type[Exception], ...] = (),
+    failure: tuple[type[Exception], ...] = (RuntimeError, OSError),
+    interrupted: str = "interrupted",
+    debug: bool | None = None,
+    quiet: bool = False,
+) -> Iterator[None]:
+    """Turn what a command's body raises into one line on stderr and the exit status of :mod:`petl.errors`.
+
+    Bad input (:class:`petl.errors.UsageError`, so :class:`CommandLineError`, and the ``usage`` types) exits with
+    2, the ``failure`` types with 1, both printing ``PROG: error: MESSAGE``; Ctrl-C exits with 130, printing
+    ``PROG: INTERRUPTED``.  Bad input is tried first: a ``usage`` type may subclass a ``failure`` one.
+
+    Args:
+        prog: the command's name, the first word of each line.
+        usage: more exception types that are bad input.
+        failure: the exception types of a run that could not complete.
+        interrupted: what follows ``PROG: `` on Ctrl-C.
+        debug: ``None`` for a command without ``--debug``; ``False``: a failure's line names its type and says
+            that ``--debug`` shows the traceback; ``True``: every exception goes on, traceback and all.
+        quiet: print nothing (every process of a multi-GPU launch but the first).
+
+    """
+
+    def stop(status: int, line: str) -> SystemExit:
+        if not quiet:
+            print(f"{prog}: {line}", file=sys.stderr)
+        return SystemExit(status)
+
+    try:
+        yield
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        raise stop(INTERRUPTED, interrupted) from None
+    except (UsageError, *usage) as error:
+        if debug:
+            raise
+        raise stop(USAGE_ERROR, f"error: {shown(error)}") from None
+    except failure as error:
+        if debug:
+            raise
+        message = shown(error)
+        if debug is not None:  # a fault nobody foresaw: its type, and where the traceback is
+            message = f"{type(error).__name__}: {message} (--debug shows the traceback)"
+        raise stop(RUN_ERROR, f"error: {message}") from None
 
 
 def hydra_parser(prog: str) -> argparse.ArgumentParser:

@@ -46,8 +46,8 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from petl import presets
-from petl.cli.args import hydra_parser
-from petl.errors import INTERRUPTED, RUN_ERROR, USAGE_ERROR
+from petl.cli.args import exit_statuses, hydra_parser
+from petl.errors import RUN_ERROR, USAGE_ERROR
 from petl.store import files as records
 from petl.train import config, runner
 from petl.train.config import ConfigError
@@ -228,40 +228,31 @@ def main(argv: Sequence[str] | None = None) -> None:
     flags = list(argv)
     for override in args.overrides:
         flags.remove(override)
-    try:
+    # Only one process of a multi-GPU launch speaks, or every error would print once per GPU.
+    quiet = not records.is_main_process()
+    with exit_statuses(PROG, usage=(ConfigError,), failure=(), quiet=quiet):
         overrides = expand_experiment(args.overrides)
-    except ConfigError as error:
-        _error(str(error))
-        raise SystemExit(USAGE_ERROR) from None
-    argv, args.overrides = [*flags, *overrides], overrides
-    config.register_configs()
-    config.register_models_in(args.overrides)
-    # These only print, so nothing needs checking.
-    informational = any(
-        getattr(args, flag, None) for flag in ("help", "hydra_help", "shell_completion", "info", "version")
-    )
-    checked: list[DictConfig] = []
-    if not informational:
-        try:
-            checked = check_command_line(args.overrides, multirun=args.multirun)
-        except ConfigError as error:
-            _error(str(error))
-            raise SystemExit(USAGE_ERROR) from None
+        argv, args.overrides = [*flags, *overrides], overrides
+        config.register_configs()
+        config.register_models_in(args.overrides)
+        # These only print, so nothing needs checking.
+        informational = any(
+            getattr(args, flag, None) for flag in ("help", "hydra_help", "shell_completion", "info", "version")
+        )
+        checked: list[DictConfig] = [] if informational else check_command_line(args.overrides, args.multirun)
     _failed_jobs.clear()
-    try:
+    resumes = not checked or checked[0].resume  # resume=false would delete the kept epochs
+    interrupted = "error: interrupted; " + (
+        "the same command resumes from the last finished epoch"
+        if resumes
+        else "run it again with resume=true to resume from the last finished epoch"
+    )
+    with exit_statuses(PROG, failure=(), interrupted=interrupted, quiet=quiet):
         if checked and not _needs_hydra(args):
             _configure_logging()
             _task(checked[0], checked=True)
         else:
             _run_hydra(argv)
-    except KeyboardInterrupt:
-        resumes = not checked or checked[0].resume  # resume=false would delete the kept epochs
-        _error(
-            "interrupted; the same command resumes from the last finished epoch"
-            if resumes
-            else "interrupted; run it again with resume=true to resume from the last finished epoch"
-        )
-        raise SystemExit(INTERRUPTED) from None
     if _failed_jobs:
         _error(f"{len(_failed_jobs)} job(s) of the sweep failed (see above)")
         raise SystemExit(RUN_ERROR)

@@ -24,6 +24,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from petl.cli.args import exit_statuses
+from petl.errors import UsageError
+
 PROG = "petl-serve"
 OPTIONS = {
     "host": str,
@@ -36,12 +39,6 @@ OPTIONS = {
 DEFAULTS = {"host": "127.0.0.1", "port": 8000}
 TASK_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 PIP_HINT = "pip install 'petl[serve]' (FastAPI, uvicorn, python-multipart)"
-# The exit statuses every petl command uses (petl.errors), without importing torch to print a usage error.
-USAGE_ERROR, RUN_ERROR, INTERRUPTED = 2, 1, 130
-
-
-class UsageError(ValueError):
-    """Bad input: the message is one line naming the value and what to do."""
 
 
 def _is_run(path: Path) -> bool:
@@ -159,17 +156,8 @@ def run_cli(argv: Sequence[str]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of ``petl-serve``."""
-    try:
+    with exit_statuses(PROG):
         status = run_cli(sys.argv[1:] if argv is None else argv)
-    except UsageError as error:
-        print(f"{PROG}: error: {error}", file=sys.stderr)
-        raise SystemExit(USAGE_ERROR) from None
-    except (RuntimeError, OSError) as error:
-        print(f"{PROG}: error: {error}", file=sys.stderr)
-        raise SystemExit(RUN_ERROR) from None
-    except KeyboardInterrupt:
-        print(f"{PROG}: interrupted", file=sys.stderr)
-        raise SystemExit(INTERRUPTED) from None
     raise SystemExit(status)
 
 
