@@ -75,11 +75,21 @@ def parse(made: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Namesp
 
 
 def split_items(
-    words: Sequence[str], keys: Sequence[Key], prog: str, paths_first: bool = False
+    words: Sequence[str],
+    keys: Sequence[Key],
+    prog: str,
+    paths_first: bool = False,
+    prefixes: Sequence[str] = (),
 ) -> tuple[list[str], dict[str, Any]]:
     """Split words into positionals and the command's own ``key=value`` options (typed, unknown keys refused).
 
-    With ``paths_first`` a word naming an existing file (``a=b.jpg``) is a positional, not an option.
+    Args:
+        words: the command line's words but its flags (:func:`parse`'s ``words``).
+        keys: the options the command takes.
+        prog: the command's name, for the message of an unknown key.
+        paths_first: a word naming an existing file (``a=b.jpg``) is a positional, not an option.
+        prefixes: key prefixes whose rest is free-form (``task.`` of ``task.NAME=RUN``): such words are positionals,
+            left whole for the command to read.
 
     Raises:
         CommandLineError: an unknown key or a value of the wrong type, in one line naming it.
@@ -88,12 +98,12 @@ def split_items(
     known = {key.name: key for key in keys}
     positional, options = [], {}
     for word in words:
-        if not is_override(word) or (paths_first and Path(word).exists()):
+        if not is_override(word) or (paths_first and Path(word).exists()) or word.startswith(tuple(prefixes)):
             positional.append(word)
             continue
         name, _, value = word.partition("=")
         if name not in known:
-            choices = ", ".join(sorted(known)) or "none"
+            choices = ", ".join([*sorted(known), *(f"{prefix}NAME" for prefix in prefixes)]) or "none"
             raise CommandLineError(f"unknown option {name!r}; valid: {choices} (see {prog} --help)")
         try:
             options[name] = known[name].type(value)

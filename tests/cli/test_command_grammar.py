@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from petl.cli import args as grammar
-from petl.cli import bench, export, predict, pretrain
+from petl.cli import bench, export, predict, pretrain, serve
 from petl.cli import run as run_cli
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,6 +39,21 @@ def test_petl_export_takes_out_before_or_after_the_run():
         assert positional == ["RUN"] and options == {"out": "model.onnx"}
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["runs/a", "--quiet", "port=9000", "task.pets=runs/b"],
+        ["--quiet", "task.pets=runs/b", "port=9000", "runs/a"],
+        ["port=9000", "runs/a", "task.pets=runs/b", "--quiet"],
+    ],
+)
+def test_petl_serve_takes_flags_key_values_and_task_names_in_any_order(argv):
+    parsed = grammar.parse(serve.build_parser(), argv)
+    positional, options = grammar.split_items(parsed.words, serve.KEYS, serve.PROG, prefixes=(serve.TASK_PREFIX,))
+    assert parsed.quiet and options == {"port": 9000}
+    assert sorted(positional) == ["runs/a", "task.pets=runs/b"]
+
+
 def test_an_unknown_key_or_a_wrong_type_is_one_line_naming_it():
     with pytest.raises(grammar.CommandLineError, match="unknown option 'outt'"):
         _words(predict, ["RUN", "a.png", "outt=x.csv"])
@@ -52,7 +67,16 @@ def test_petl_export_refuses_a_missing_out_with_status_2(capsys):
     assert exit_.value.code == 2 and "expected RUN_DIR out=" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("module", [predict, export], ids=lambda m: m.PROG)
+@pytest.mark.parametrize("module", [predict, export, serve], ids=lambda m: m.PROG)
+def test_an_unknown_key_exits_2_with_one_line(module, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        module.main(["RUN", "colour=red"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1
+    assert err.startswith(f"{module.PROG}: error: unknown option 'colour'")
+
+
+@pytest.mark.parametrize("module", [predict, export, serve], ids=lambda m: m.PROG)
 def test_help_lists_every_key_and_flag_the_command_takes(module, capsys):
     with pytest.raises(SystemExit) as exit_:
         module.main(["--help"])
@@ -98,10 +122,10 @@ def test_petl_bench_help_answers_before_the_commands_load():
     assert bench.PROG == "petl-bench"
 
 
-@pytest.mark.parametrize("module", ["petl.cli.predict", "petl.cli.export", "petl.cli.pretrain"])
+@pytest.mark.parametrize("module", ["petl.cli.predict", "petl.cli.export", "petl.cli.pretrain", "petl.cli.serve"])
 def test_help_imports_neither_torch_nor_timm(module):
     code = f"import sys; sys.argv = ['x', '--help']\nfrom {module} import main\ntry:\n    main()\nexcept SystemExit:\n"
-    code += "    pass\nprint([m for m in sys.modules if m in ('torch', 'timm')])"
+    code += "    pass\nprint([m for m in sys.modules if m in ('torch', 'timm', 'fastapi')])"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert out.strip().endswith("[]")
 
