@@ -170,19 +170,23 @@ def hydra_parser(prog: str) -> argparse.ArgumentParser:
     against the help Hydra prints.
     """
     made = argparse.ArgumentParser(prog=prog, add_help=False)
-    made.add_argument("--help", "-h", action="store_true")
-    made.add_argument("--hydra-help", action="store_true")
-    made.add_argument("--version", action="store_true")
-    made.add_argument("--cfg", "-c", choices=["job", "hydra", "all"])
-    made.add_argument("--resolve", action="store_true")
-    made.add_argument("--package", "-p")
-    made.add_argument("--run", "-r", action="store_true")
-    made.add_argument("--multirun", "-m", action="store_true")
-    made.add_argument("--shell-completion", "-sc", action="store_true")
-    made.add_argument("--config-path", "-cp")
-    made.add_argument("--config-name", "-cn")
-    made.add_argument("--config-dir", "-cd")
-    made.add_argument("--experimental-rerun")
-    made.add_argument("--info", "-i", const="all", nargs="?")
-    made.add_argument("overrides", nargs="*")
+    made.add_argument("--help", "-h", action="store_true", help="this help (with overrides: Hydra's, composed)")
+    made.add_argument("--hydra-help", action="store_true", help="Hydra's own help (launchers, sweepers, plugins)")
+    made.add_argument("--version", action="store_true", help="Hydra's version")
+    made.add_argument(
+        "--cfg", "-c", choices=["job", "hydra", "all"], help="print the config (job, hydra or all) instead of running"
+    )
+    made.add_argument("--resolve", action="store_true", help="with --cfg: resolve interpolations (${...})")
+    made.add_argument("--package", "-p", help="with --cfg: print this package of the config only")
+    made.add_argument("--run", "-r", action="store_true", help="run one job (the default)")
+    made.add_argument("--multirun", "-m", action="store_true", help="a sweep: one job per combination (a=1,2 b=x,y)")
+    made.add_argument("--shell-completion", "-sc", action="store_true", help="install shell completion (Hydra's)")
+    made.add_argument("--config-path", "-cp", help="another primary config folder")
+    made.add_argument("--config-name", "-cn", help="another primary config file name")
+    made.add_argument("--config-dir", "-cd", help="one more folder to search for configs")
+    made.add_argument("--experimental-rerun", help="rerun a job from its config pickle (Hydra's)")
+    made.add_argument(
+        "--info", "-i", const="all", nargs="?", help="Hydra's information: all, config, defaults, searchpath..."
+    )
+    made.add_argument("overrides", nargs="*", help="key=value overrides (method=lora train.lr=0.01)")
     return made

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from petl.cli import args as grammar
-from petl.cli import bench, export, predict, pretrain, serve
+from petl.cli import bench, export, predict, pretrain, run_help, serve
 from petl.cli import run as run_cli
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -134,3 +134,34 @@ def test_import_petl_loads_nothing_heavy_until_a_name_is_used():
     code = "import sys, petl; print('torch' in sys.modules); petl.apply; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "True"]
+
+
+def test_petl_run_help_imports_neither_torch_nor_timm_nor_hydra():
+    code = "import sys\nfrom petl.cli.run import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+    code += "print([m for m in sys.modules if m.split('.')[0] in ('torch', 'timm', 'hydra', 'omegaconf')])"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert "== Configuration groups ==" in out and out.strip().endswith("[]")
+
+
+@pytest.mark.slow
+def test_petl_run_help_lists_the_groups_and_config_hydras_own_help_lists():
+    # Hydra's app help composes the registered schema (torch): in a fresh process, so `model` holds the default only.
+    code = "from petl.cli.run import hydra_help; print(hydra_help())"
+    hydra = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    fast = run_help.fast_help(run_cli.PROG, run_cli.__doc__)
+    for title in (run_help.GROUPS_TITLE, run_help.CONFIG_TITLE):
+        stale = "petl/cli/run_choices.py is stale: run python docs/gen.py"
+        assert run_help.sections(fast)[title] == run_help.sections(hydra)[title], stale
+    assert "method: " in run_help.sections(fast)[run_help.GROUPS_TITLE]
+    # Every flag petl-run reads, and the examples of its docstring.
+    flags = {o for a in grammar.hydra_parser(run_cli.PROG)._actions for o in a.option_strings} | {"--debug"}
+    assert flags <= set(re.findall(r"--?[\w-]+", run_help.sections(fast)["Flags"]))
+    assert "petl-run --multirun method=lora,adapter,vpt seed=0,1,2" in fast
+
+
+def test_petl_run_help_with_an_override_is_hydras_composed_one(monkeypatch):
+    # Only a bare --help is petl-run's own; with overrides Hydra composes them (a method's options), as before.
+    calls = []
+    monkeypatch.setattr(run_cli, "_run_hydra", calls.append)
+    run_cli.main(["method=vpt", "--help"])
+    assert calls == [["--help", "method=vpt"]]
