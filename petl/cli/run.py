@@ -260,7 +260,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         from petl.cli.run_help import fast_help
 
         print(fast_help(PROG, __doc__))
-        raise SystemExit(0)
+        raise SystemExit  # status 0, as argparse after --help
     from petl.store.files import is_main_process
     from petl.train import config
 
