@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 
+class UsageError(ValueError):
+    """Bad input to a command (a file, a folder, an option): the message is one line naming it and what to do."""
+
+
 class ConfigError(ValueError):
     """Bad user input: an unknown choice or key, a value of the wrong type or out of range."""
 

@@ -3,23 +3,29 @@
 Every command parses with :func:`parse` (argparse's ``parse_intermixed_args``, so ``RUN IMAGES --quiet out=p.csv``
 and ``--quiet RUN out=p.csv IMAGES`` mean the same), then splits its words into positionals and ``key=value``
 pairs with :func:`split_items`.  A command declares its keys once (:class:`Key`), and :func:`keys_epilog` prints
-them under ``--help``, so the help lists exactly what the command accepts.  Nothing here imports torch or timm:
-``--help`` answers before anything heavy loads.
+them under ``--help``, so the help lists exactly what the command accepts.  :func:`exit_statuses` turns what the
+command's body raises into one line and the exit status every command documents.  Nothing here imports torch or
+timm: ``--help`` answers before anything heavy loads.
 """
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+import sys
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from petl.errors import INTERRUPTED, RUN_ERROR, USAGE_ERROR, UsageError
+from petl.text import shown
 
 # What an override key may look like (Hydra's grammar: +key, ++key, ~key, dotted paths).
 _KEY_PREFIXES = ("++", "+", "~")
 
 
-class CommandLineError(ValueError):
+class CommandLineError(UsageError):
     """A word of the command line the command does not take: one line naming it (exit status 2)."""
 
 
@@ -69,11 +75,21 @@ def parse(made: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Namesp
 
 
 def split_items(
-    words: Sequence[str], keys: Sequence[Key], prog: str, paths_first: bool = False
+    words: Sequence[str],
+    keys: Sequence[Key],
+    prog: str,
+    paths_first: bool = False,
+    prefixes: Sequence[str] = (),
 ) -> tuple[list[str], dict[str, Any]]:
     """Split words into positionals and the command's own ``key=value`` options (typed, unknown keys refused).
 
-    With ``paths_first`` a word naming an existing file (``a=b.jpg``) is a positional, not an option.
+    Args:
+        words: the command line's words but its flags (:func:`parse`'s ``words``).
+        keys: the options the command takes.
+        prog: the command's name, for the message of an unknown key.
+        paths_first: a word naming an existing file (``a=b.jpg``) is a positional, not an option.
+        prefixes: key prefixes whose rest is free-form (``task.`` of ``task.NAME=RUN``): such words are positionals,
+            left whole for the command to read.
 
     Raises:
         CommandLineError: an unknown key or a value of the wrong type, in one line naming it.
@@ -82,18 +98,68 @@ def split_items(
     known = {key.name: key for key in keys}
     positional, options = [], {}
     for word in words:
-        if not is_override(word) or (paths_first and Path(word).exists()):
+        if not is_override(word) or (paths_first and Path(word).exists()) or word.startswith(tuple(prefixes)):
             positional.append(word)
             continue
         name, _, value = word.partition("=")
         if name not in known:
-            choices = ", ".join(sorted(known)) or "none"
+            choices = ", ".join([*sorted(known), *(f"{prefix}NAME" for prefix in prefixes)]) or "none"
             raise CommandLineError(f"unknown option {name!r}; valid: {choices} (see {prog} --help)")
         try:
             options[name] = known[name].type(value)
         except ValueError:
             raise CommandLineError(f"{name}={value!r}: expected {known[name].type.__name__}") from None
     return positional, options
+
+
+@contextmanager
+def exit_statuses(
+    prog: str,
+    usage: tuple[type[Exception], ...] = (),
+    failure: tuple[type[Exception], ...] = (RuntimeError, OSError),
+    interrupted: str = "interrupted",
+    debug: bool | None = None,
+    quiet: bool = False,
+) -> Iterator[None]:
+    """Turn what a command's body raises into one line on stderr and the exit status of :mod:`petl.errors`.
+
+    Bad input (:class:`petl.errors.UsageError`, so :class:`CommandLineError`, and the ``usage`` types) exits with
+    2, the ``failure`` types with 1, both printing ``PROG: error: MESSAGE``; Ctrl-C exits with 130, printing
+    ``PROG: INTERRUPTED``.  Bad input is tried first: a ``usage`` type may subclass a ``failure`` one.
+
+    Args:
+        prog: the command's name, the first word of each line.
+        usage: more exception types that are bad input.
+        failure: the exception types of a run that could not complete.
+        interrupted: what follows ``PROG: `` on Ctrl-C.
+        debug: ``None`` for a command without ``--debug``; ``False``: a failure's line names its type and says
+            that ``--debug`` shows the traceback; ``True``: every exception goes on, traceback and all.
+        quiet: print nothing (every process of a multi-GPU launch but the first).
+
+    """
+
+    def stop(status: int, line: str) -> SystemExit:
+        if not quiet:
+            print(f"{prog}: {line}", file=sys.stderr)
+        return SystemExit(status)
+
+    try:
+        yield
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        raise stop(INTERRUPTED, interrupted) from None
+    except (UsageError, *usage) as error:
+        if debug:
+            raise
+        raise stop(USAGE_ERROR, f"error: {shown(error)}") from None
+    except failure as error:
+        if debug:
+            raise
+        message = shown(error)
+        if debug is not None:  # a fault nobody foresaw: its type, and where the traceback is
+            message = f"{type(error).__name__}: {message} (--debug shows the traceback)"
+        raise stop(RUN_ERROR, f"error: {message}") from None
 
 
 def hydra_parser(prog: str) -> argparse.ArgumentParser:
@@ -104,19 +170,23 @@ def hydra_parser(prog: str) -> argparse.ArgumentParser:
     against the help Hydra prints.
     """
     made = argparse.ArgumentParser(prog=prog, add_help=False)
-    made.add_argument("--help", "-h", action="store_true")
-    made.add_argument("--hydra-help", action="store_true")
-    made.add_argument("--version", action="store_true")
-    made.add_argument("--cfg", "-c", choices=["job", "hydra", "all"])
-    made.add_argument("--resolve", action="store_true")
-    made.add_argument("--package", "-p")
-    made.add_argument("--run", "-r", action="store_true")
-    made.add_argument("--multirun", "-m", action="store_true")
-    made.add_argument("--shell-completion", "-sc", action="store_true")
-    made.add_argument("--config-path", "-cp")
-    made.add_argument("--config-name", "-cn")
-    made.add_argument("--config-dir", "-cd")
-    made.add_argument("--experimental-rerun")
-    made.add_argument("--info", "-i", const="all", nargs="?")
-    made.add_argument("overrides", nargs="*")
+    made.add_argument("--help", "-h", action="store_true", help="this help (with overrides: Hydra's, composed)")
+    made.add_argument("--hydra-help", action="store_true", help="Hydra's own help (launchers, sweepers, plugins)")
+    made.add_argument("--version", action="store_true", help="Hydra's version")
+    made.add_argument(
+        "--cfg", "-c", choices=["job", "hydra", "all"], help="print the config (job, hydra or all) instead of running"
+    )
+    made.add_argument("--resolve", action="store_true", help="with --cfg: resolve interpolations (${...})")
+    made.add_argument("--package", "-p", help="with --cfg: print this package of the config only")
+    made.add_argument("--run", "-r", action="store_true", help="run one job (the default)")
+    made.add_argument("--multirun", "-m", action="store_true", help="a sweep: one job per combination (a=1,2 b=x,y)")
+    made.add_argument("--shell-completion", "-sc", action="store_true", help="install shell completion (Hydra's)")
+    made.add_argument("--config-path", "-cp", help="another primary config folder")
+    made.add_argument("--config-name", "-cn", help="another primary config file name")
+    made.add_argument("--config-dir", "-cd", help="one more folder to search for configs")
+    made.add_argument("--experimental-rerun", help="rerun a job from its config pickle (Hydra's)")
+    made.add_argument(
+        "--info", "-i", const="all", nargs="?", help="Hydra's information: all, config, defaults, searchpath..."
+    )
+    made.add_argument("overrides", nargs="*", help="key=value overrides (method=lora train.lr=0.01)")
     return made

@@ -31,14 +31,11 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from petl.errors import INTERRUPTED, RUN_ERROR, USAGE_ERROR
+from petl.cli.args import exit_statuses
+from petl.errors import USAGE_ERROR
 
 PROG = "petl-bench"
 DEBUG_FLAG = "--debug"
-
-
-def _error(message: str) -> None:
-    print(f"{PROG}: error: {message}", file=sys.stderr)
 
 
 def _one_line_warning(message: Any, category: type, filename: str, lineno: int, file: Any = None, line: Any = None):
@@ -51,32 +48,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     debug = DEBUG_FLAG in args
     args = [a for a in args if a != DEBUG_FLAG]
-    try:
-        with warnings.catch_warnings():
-            if not debug:
-                warnings.showwarning = _one_line_warning
-            return _dispatch(args)
-    except KeyboardInterrupt:
-        if debug:
-            raise
-        _error("interrupted; run the same command again to go on (finished runs are kept, an interrupted run "
-               "resumes from its last finished epoch)")  # fmt: skip
-        raise SystemExit(INTERRUPTED) from None
-    except SystemExit as exit_:
-        if debug or not isinstance(exit_.code, str):
-            raise
-        print(exit_.code, file=sys.stderr)  # an argument error, already one line
-        raise SystemExit(USAGE_ERROR) from None
-    except (ValueError, FileNotFoundError) as error:
-        if debug:
-            raise
-        _error(str(error))
-        raise SystemExit(USAGE_ERROR) from None
-    except Exception as error:  # a fault nobody foresaw: one line, --debug for the traceback
-        if debug:
-            raise
-        _error(f"{type(error).__name__}: {error} ({DEBUG_FLAG} shows the traceback)")
-        raise SystemExit(RUN_ERROR) from None
+    interrupted = (
+        "error: interrupted; run the same command again to go on (finished runs are kept, an interrupted run "
+        "resumes from its last finished epoch)"
+    )
+    usage = (ValueError, FileNotFoundError)
+    with exit_statuses(PROG, usage=usage, failure=(Exception,), interrupted=interrupted, debug=debug):
+        try:
+            with warnings.catch_warnings():
+                if not debug:
+                    warnings.showwarning = _one_line_warning
+                return _dispatch(args)
+        except SystemExit as exit_:
+            if debug or not isinstance(exit_.code, str):
+                raise
+            print(exit_.code, file=sys.stderr)  # an argument error, already one line
+            raise SystemExit(USAGE_ERROR) from None
 
 
 def _dispatch(args: list[str]) -> int:

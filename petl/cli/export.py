@@ -28,8 +28,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from petl.cli.args import CommandLineError, Key, parse, parser, split_items
-from petl.errors import INTERRUPTED, RUN_ERROR, USAGE_ERROR
+from petl.cli.args import CommandLineError, Key, exit_statuses, parse, parser, split_items
 
 PROG = "petl-export"
 KEYS = (Key("out", "FOLDER (timm's local-dir format), FILE.safetensors or FILE.onnx (required)"),)
@@ -44,30 +43,22 @@ def build_parser():  # noqa: ANN201  (argparse is imported by petl.cli.args)
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of ``petl-export``: parse (``--help`` answers here), then export (torch loads here)."""
     args = parse(build_parser(), sys.argv[1:] if argv is None else argv)
-    try:
+    with exit_statuses(PROG, failure=()):
         positional, options = split_items(args.words, KEYS, PROG)
         if len(positional) != 1 or not options.get("out"):
             raise CommandLineError(
                 f"expected RUN_DIR out=FOLDER|FILE.safetensors|FILE.onnx, got {' '.join(args.words)!r}"
             )
-    except CommandLineError as error:
-        print(f"{PROG}: error: {error}", file=sys.stderr)
-        raise SystemExit(USAGE_ERROR) from None
     target = options["out"]
     from petl.deploy.export import export
     from petl.store.load import RunFolderError
 
-    try:
+    with exit_statuses(
+        PROG,
+        usage=(RunFolderError, ValueError, FileNotFoundError),
+        interrupted=f"interrupted; {target} was not written",
+    ):
         gap = export(positional[0], target)
-    except (RunFolderError, ValueError, FileNotFoundError) as error:
-        print(f"{PROG}: error: {error}", file=sys.stderr)
-        raise SystemExit(USAGE_ERROR) from None
-    except (RuntimeError, OSError) as error:
-        print(f"{PROG}: error: {error}", file=sys.stderr)
-        raise SystemExit(RUN_ERROR) from None
-    except KeyboardInterrupt:
-        print(f"{PROG}: interrupted; {target} was not written", file=sys.stderr)
-        raise SystemExit(INTERRUPTED) from None
     checked = f" (onnxruntime matches torch within {gap:.1e})" if gap is not None else ""
     print(f"wrote {target}{checked}")
 

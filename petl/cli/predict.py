@@ -33,8 +33,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from petl.cli.args import CommandLineError, Key, parse, parser, split_items
-from petl.errors import INTERRUPTED, RUN_ERROR, USAGE_ERROR
+from petl.cli.args import Key, exit_statuses, parse, parser, split_items
 
 PROG = "petl-predict"
 # The key=value options and their types; data.* as petl-run reads them.
@@ -63,25 +62,11 @@ def build_parser():  # noqa: ANN201  (argparse is imported by petl.cli.args)
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of ``petl-predict``: parse (``--help`` answers here), then predict (torch loads here)."""
     args = parse(build_parser(), sys.argv[1:] if argv is None else argv)
-    from petl.text import shown
-
-    try:
+    with exit_statuses(PROG):
         positional, options = split_items(args.words, KEYS, PROG, paths_first=True)
-        from petl.deploy.predict import UsageError, run_command
+        from petl.deploy.predict import run_command
 
-        try:
-            status = run_command(positional, options, merge=args.merge, quiet=args.quiet)
-        except UsageError as error:
-            raise CommandLineError(str(error)) from None
-    except CommandLineError as error:
-        print(f"{PROG}: error: {shown(error)}", file=sys.stderr)
-        raise SystemExit(USAGE_ERROR) from None
-    except (RuntimeError, OSError) as error:
-        print(f"{PROG}: error: {shown(error)}", file=sys.stderr)
-        raise SystemExit(RUN_ERROR) from None
-    except KeyboardInterrupt:
-        print(f"{PROG}: interrupted", file=sys.stderr)
-        raise SystemExit(INTERRUPTED) from None
+        status = run_command(positional, options, merge=args.merge, quiet=args.quiet)
     raise SystemExit(status)
 
 

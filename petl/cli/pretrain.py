@@ -20,7 +20,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from petl.errors import INTERRUPTED, RUN_ERROR, USAGE_ERROR
+from petl.cli.args import exit_statuses
+from petl.errors import USAGE_ERROR
 
 PROG = "petl-pretrain"
 DEFAULT_OUT = Path("runs/pretrain")
@@ -30,18 +31,9 @@ def main(argv: list[str] | None = None) -> None:
     """Command-line entry point of ``petl-pretrain``: errors are one line and an exit status (module docstring)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
-    try:
+    failure = (ValueError, OSError, RuntimeError)
+    with exit_statuses(PROG, failure=failure, interrupted="error: interrupted; nothing was written", debug=debug):
         _main([a for a in argv if a != "--debug"])
-    except KeyboardInterrupt:
-        if debug:
-            raise
-        print(f"{PROG}: error: interrupted; nothing was written", file=sys.stderr)
-        raise SystemExit(INTERRUPTED) from None
-    except (ValueError, OSError, RuntimeError) as error:
-        if debug:
-            raise
-        print(f"{PROG}: error: {type(error).__name__}: {error} (--debug shows the traceback)", file=sys.stderr)
-        raise SystemExit(RUN_ERROR) from None
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -27,30 +27,27 @@ Hydra's own options, go through Hydra's app runner.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import io
 import itertools
 import logging.config
 import os
 import sys
 from collections.abc import Sequence
 from importlib import resources
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import hydra
 import yaml
-from hydra.core.global_hydra import GlobalHydra
-from hydra.core.hydra_config import HydraConfig
-from hydra.core.override_parser.overrides_parser import OverridesParser
-from hydra.errors import HydraException
-from hydra.types import RunMode
-from omegaconf import DictConfig
 
 from petl import presets
-from petl.cli.args import hydra_parser
-from petl.errors import INTERRUPTED, RUN_ERROR, USAGE_ERROR
-from petl.store import files as records
-from petl.train import config, runner
-from petl.train.config import ConfigError
+from petl.cli.args import exit_statuses, hydra_parser
+from petl.errors import RUN_ERROR, USAGE_ERROR, ConfigError
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
+# Hydra, torch and timm are imported where they are used, so that ``petl-run --help`` answers without them.
 
 PROG = "petl-run"
 
@@ -69,8 +66,10 @@ _debug = False
 
 
 def _error(message: str) -> None:
+    from petl.store.files import is_main_process
+
     # Only one process of a multi-GPU launch speaks, or every error would print once per GPU.
-    if records.is_main_process():
+    if is_main_process():
         print(f"{PROG}: error: {message}", file=sys.stderr)
 
 
@@ -80,6 +79,8 @@ def _job_overrides(overrides: list[str], multirun: bool) -> list[list[str]]:
     Expanded as Hydra's basic sweeper does (the cartesian product of the sweeps, a later override
     of a key replacing an earlier one), through the public ``Override`` API.
     """
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
     if not multirun:
         return [overrides]
     final: dict[str, list[str]] = {}
@@ -109,6 +110,8 @@ def expand_experiment(overrides: Sequence[str]) -> list[str]:
             beside it, or more than one experiment.
 
     """
+    from petl.train import config
+
     chosen = [o for o in overrides if _key(o) == EXPERIMENT_KEY]
     if not chosen:
         return list(overrides)
@@ -142,6 +145,10 @@ def check_command_line(overrides: Sequence[str], multirun: bool = False) -> list
         ConfigError: the first problem found, as one line (naming the job of a sweep).
 
     """
+    from hydra.errors import HydraException
+
+    from petl.train import config
+
     try:
         jobs = _job_overrides(list(overrides), multirun)
     except HydraException as error:
@@ -164,6 +171,12 @@ def _task(cfg: DictConfig, checked: bool = False) -> dict[str, Any] | None:
         checked: ``cfg`` is the one :func:`check_command_line` composed and checked.
 
     """
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    from petl.store.files import is_main_process
+    from petl.train import runner
+
     hydra_cfg = HydraConfig.get() if HydraConfig.initialized() else None
     multirun = hydra_cfg is not None and hydra_cfg.mode == RunMode.MULTIRUN
     # Hydra's basic launcher runs a sweep's jobs in this process; others (submitit...) elsewhere.
@@ -187,14 +200,32 @@ def _task(cfg: DictConfig, checked: bool = False) -> dict[str, Any] | None:
             # A remote job must fail visibly to its launcher (the line above is in its log).
             raise RuntimeError(message) from None
         raise SystemExit(status) from None
-    if records.is_main_process():
+    if is_main_process():
         print(runner.summary_line(result) + f"  -> {cfg.output_dir}", flush=True)
     return result
 
 
-@hydra.main(version_base="1.3", config_path="pkg://petl.conf", config_name="config")
-def _hydra_main(cfg: DictConfig) -> dict[str, Any] | None:
-    return _task(cfg)
+def _hydra_main() -> None:
+    """Hydra's app runner over :func:`_task`; it reads the command line from ``sys.argv``."""
+    import hydra
+
+    hydra.main(version_base="1.3", config_path="pkg://petl.conf", config_name="config")(_task)()
+
+
+def hydra_help() -> str:
+    """Hydra's own app help of the default config, as ``petl-run --help`` printed it before it had its own.
+
+    :mod:`petl.cli.run_choices` is generated from it, and the tests compare :mod:`petl.cli.run_help` with it.
+    Registers the config schema, so it loads torch and timm; run it in a fresh process for the default ``model``
+    group (models are registered as the command lines of a process name them).
+    """
+    from petl.train import config
+
+    config.register_configs()
+    shown = io.StringIO()
+    with contextlib.redirect_stdout(shown), contextlib.suppress(SystemExit):
+        _run_hydra(["--help"])
+    return shown.getvalue()
 
 
 def _needs_hydra(args: argparse.Namespace) -> bool:
@@ -225,49 +256,50 @@ def main(argv: Sequence[str] | None = None) -> None:
     argv = [arg for arg in argv if arg != DEBUG_FLAG]
     # Flags anywhere: parsed intermixed, then handed to Hydra's app runner flags first (its parser wants them so).
     args = hydra_parser(PROG).parse_intermixed_args(argv)
+    if args.help and not args.overrides:
+        from petl.cli.run_help import fast_help
+
+        print(fast_help(PROG, __doc__))
+        raise SystemExit  # status 0, as argparse after --help
+    from petl.store.files import is_main_process
+    from petl.train import config
+
     flags = list(argv)
     for override in args.overrides:
         flags.remove(override)
-    try:
+    # Only one process of a multi-GPU launch speaks, or every error would print once per GPU.
+    quiet = not is_main_process()
+    with exit_statuses(PROG, usage=(ConfigError,), failure=(), quiet=quiet):
         overrides = expand_experiment(args.overrides)
-    except ConfigError as error:
-        _error(str(error))
-        raise SystemExit(USAGE_ERROR) from None
-    argv, args.overrides = [*flags, *overrides], overrides
-    config.register_configs()
-    config.register_models_in(args.overrides)
-    # These only print, so nothing needs checking.
-    informational = any(
-        getattr(args, flag, None) for flag in ("help", "hydra_help", "shell_completion", "info", "version")
-    )
-    checked: list[DictConfig] = []
-    if not informational:
-        try:
-            checked = check_command_line(args.overrides, multirun=args.multirun)
-        except ConfigError as error:
-            _error(str(error))
-            raise SystemExit(USAGE_ERROR) from None
+        argv, args.overrides = [*flags, *overrides], overrides
+        config.register_configs()
+        config.register_models_in(args.overrides)
+        # These only print, so nothing needs checking.
+        informational = any(
+            getattr(args, flag, None) for flag in ("help", "hydra_help", "shell_completion", "info", "version")
+        )
+        checked: list[DictConfig] = [] if informational else check_command_line(args.overrides, args.multirun)
     _failed_jobs.clear()
-    try:
+    resumes = not checked or checked[0].resume  # resume=false would delete the kept epochs
+    interrupted = "error: interrupted; " + (
+        "the same command resumes from the last finished epoch"
+        if resumes
+        else "run it again with resume=true to resume from the last finished epoch"
+    )
+    with exit_statuses(PROG, failure=(), interrupted=interrupted, quiet=quiet):
         if checked and not _needs_hydra(args):
             _configure_logging()
             _task(checked[0], checked=True)
         else:
             _run_hydra(argv)
-    except KeyboardInterrupt:
-        resumes = not checked or checked[0].resume  # resume=false would delete the kept epochs
-        _error(
-            "interrupted; the same command resumes from the last finished epoch"
-            if resumes
-            else "interrupted; run it again with resume=true to resume from the last finished epoch"
-        )
-        raise SystemExit(INTERRUPTED) from None
     if _failed_jobs:
         _error(f"{len(_failed_jobs)} job(s) of the sweep failed (see above)")
         raise SystemExit(RUN_ERROR)
 
 
 def _run_hydra(argv: list[str]) -> None:
+    from hydra.core.global_hydra import GlobalHydra
+
     saved_argv = sys.argv
     # hydra.main reads the command line from sys.argv.
     sys.argv = [saved_argv[0] if saved_argv else PROG, *argv]

@@ -11,8 +11,8 @@ folders have one name); ``task.NAME=RUN`` names it.  Every run must have trained
 method that shares it (``petl.MultiTask``); a run that fails ``petl.load_run``'s checks is refused at start,
 naming it.  See :mod:`petl.deploy.serve` for the routes.
 
-Options (key=value, anywhere): host=127.0.0.1 port=8000 max_batch=32 max_wait_ms=5 max_queue=256
-max_upload_mb=20.  Flags: --quiet (no request log).  Exit status: 2 bad input (an option, a run folder),
+Options (key=value, anywhere, listed below; the batching ones default to :class:`petl.deploy.serve.ServeOptions`'s:
+max_batch=32 max_wait_ms=5 max_queue=256 max_upload_mb=20).  Exit status: 2 bad input (an option, a run folder),
 1 the server could not run (FastAPI missing, the port taken), 130 Ctrl-C.
 """
 
@@ -24,24 +24,22 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from petl.cli.args import Key, exit_statuses, parse, parser, split_items
+from petl.errors import UsageError
+
 PROG = "petl-serve"
-OPTIONS = {
-    "host": str,
-    "port": int,
-    "max_batch": int,
-    "max_wait_ms": float,
-    "max_queue": int,
-    "max_upload_mb": float,
-}
-DEFAULTS = {"host": "127.0.0.1", "port": 8000}
+TASK_PREFIX = "task."
+KEYS = (
+    Key("host", "the address to listen on (0.0.0.0: every interface; set PETL_SERVE_TOKEN then)", str, "127.0.0.1"),
+    Key("port", "the port to listen on", int, 8000),
+    Key("max_batch", "the most images in one mixed batch", int),
+    Key("max_wait_ms", "how long the oldest queued image waits for others before its batch runs", float),
+    Key("max_queue", "the most images waiting at once (and in one request); beyond it requests get 503", int),
+    Key("max_upload_mb", "the largest request body, in MB; larger ones get 413", float),
+)
+USAGE = f"{PROG} RUN [RUN ...] [{TASK_PREFIX}NAME=RUN ...] [key=value ...] [--quiet]"
 TASK_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 PIP_HINT = "pip install 'petl[serve]' (FastAPI, uvicorn, python-multipart)"
-# The exit statuses every petl command uses (petl.errors), without importing torch to print a usage error.
-USAGE_ERROR, RUN_ERROR, INTERRUPTED = 2, 1, 130
-
-
-class UsageError(ValueError):
-    """Bad input: the message is one line naming the value and what to do."""
 
 
 def _is_run(path: Path) -> bool:
@@ -72,7 +70,7 @@ def find_runs(items: Sequence[str]) -> dict[str, Path]:
         elif len(found) > 1:
             raise UsageError(f"{item}: {path} holds {len(found)} runs; task.NAME= names one run folder")
         else:
-            named[key.removeprefix("task.")] = found[0]
+            named[key.removeprefix(TASK_PREFIX)] = found[0]
     runs = dict(named)
     for folder, name in run_labels(unnamed).items():
         if name in runs:
@@ -86,30 +84,18 @@ def find_runs(items: Sequence[str]) -> dict[str, Path]:
     return runs
 
 
-def parse(argv: Sequence[str]) -> tuple[dict[str, Path], dict, argparse.Namespace]:
+def build_parser():  # noqa: ANN201  (argparse is imported by petl.cli.args)
+    """The command's parser: its flag; ``--help`` lists it and :data:`KEYS`."""
+    made = parser(PROG, __doc__, USAGE, KEYS)
+    made.add_argument("--quiet", action="store_true", help="no request log")
+    return made
+
+
+def read_command_line(argv: Sequence[str]) -> tuple[dict[str, Path], dict, argparse.Namespace]:
     """The runs, the ``key=value`` options (typed, checked) and the flags of a command line."""
-    parser = argparse.ArgumentParser(
-        prog=PROG,
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        usage=f"{PROG} RUN [RUN ...] [task.NAME=RUN ...] [key=value ...] [--quiet]",
-    )
-    parser.add_argument("items", nargs="+", help="run folders, folders of run folders, task.NAME=RUN, key=value")
-    parser.add_argument("--quiet", action="store_true", help="no request log")
-    args = parser.parse_intermixed_args(list(argv))
-    options: dict = dict(DEFAULTS)
-    runs: list[str] = []
-    for item in args.items:
-        key, eq, value = item.partition("=")
-        if not eq or key.startswith("task."):
-            runs.append(item)
-            continue
-        if key not in OPTIONS:
-            raise UsageError(f"unknown option {key!r}; valid: {', '.join(OPTIONS)}, task.NAME=RUN")
-        try:
-            options[key] = OPTIONS[key](value)
-        except ValueError:
-            raise UsageError(f"{key}={value!r}: expected {OPTIONS[key].__name__}") from None
+    args = parse(build_parser(), argv)
+    runs, given = split_items(args.words, KEYS, PROG, prefixes=(TASK_PREFIX,))
+    options = {key.name: key.default for key in KEYS if key.default is not None} | given
     for key in ("max_batch", "max_queue"):
         if key in options and options[key] < 1:
             raise UsageError(f"{key}={options[key]}: must be at least 1")
@@ -125,7 +111,7 @@ def parse(argv: Sequence[str]) -> tuple[dict[str, Path], dict, argparse.Namespac
 
 def run_cli(argv: Sequence[str]) -> int:
     """Load the runs and serve them until interrupted; returns the exit status."""
-    runs, options, args = parse(argv)
+    runs, options, args = read_command_line(argv)
     try:
         import uvicorn
 
@@ -159,17 +145,8 @@ def run_cli(argv: Sequence[str]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of ``petl-serve``."""
-    try:
+    with exit_statuses(PROG):
         status = run_cli(sys.argv[1:] if argv is None else argv)
-    except UsageError as error:
-        print(f"{PROG}: error: {error}", file=sys.stderr)
-        raise SystemExit(USAGE_ERROR) from None
-    except (RuntimeError, OSError) as error:
-        print(f"{PROG}: error: {error}", file=sys.stderr)
-        raise SystemExit(RUN_ERROR) from None
-    except KeyboardInterrupt:
-        print(f"{PROG}: interrupted", file=sys.stderr)
-        raise SystemExit(INTERRUPTED) from None
     raise SystemExit(status)
 
 

@@ -17,7 +17,7 @@ from torch import nn
 import petl.methods  # noqa: F401  (importing the methods registers them)
 from petl.backbones.models import timm_native
 from petl.data.transforms import CROP_RATIO
-from petl.store import files as records
+from petl.store import files
 from petl.store.load import LoadedRun, load_run
 from petl.surgery import merge
 
@@ -58,7 +58,7 @@ def save_safetensors(model: nn.Module, path: Path, meta: dict[str, str]) -> None
     def write(tmp: Path) -> None:
         tmp.write_bytes(data)
 
-    records.write_atomic(path, write)
+    files.write_atomic(path, write)
 
 
 def timm_config(run: LoadedRun) -> dict[str, Any]:
@@ -91,7 +91,7 @@ def save_timm_folder(model: nn.Module, folder: Path, config: dict[str, Any]) -> 
     """``model.safetensors`` and ``config.json`` into ``folder`` (each written atomically)."""
     folder.mkdir(parents=True, exist_ok=True)
     save_safetensors(model, folder / WEIGHTS_FILE, {"format": "pt"})
-    records.write_json(folder / CONFIG_FILE, config)
+    files.write_json(folder / CONFIG_FILE, config)
 
 
 def save_onnx(model: nn.Module, path: Path, meta: dict[str, str], image_size: int) -> float | None:
@@ -118,7 +118,7 @@ def save_onnx(model: nn.Module, path: Path, meta: dict[str, str], image_size: in
         result["gap"] = gap
 
     result: dict[str, Any] = {}
-    records.write_atomic(path, write)
+    files.write_atomic(path, write)
     return result.get("gap")
 
 

@@ -26,6 +26,7 @@ from petl.core import get_method
 from petl.data.folder import IMAGE_EXTENSIONS
 from petl.data.images import decode_image
 from petl.deploy.multitask import MultiTask, TaskRefused
+from petl.errors import UsageError
 from petl.paths import write_atomic
 from petl.store.files import MODEL_FILE, WEIGHTS_FILE
 from petl.store.load import (
@@ -41,10 +42,6 @@ from petl.text import csv_cell, read_names, shown
 
 PROG = "petl-predict"
 SPLIT_ALIASES = {"train": petl_data.TRAIN, "val": petl_data.VAL, "validation": petl_data.VAL, "test": petl_data.TEST}
-
-
-class UsageError(ValueError):
-    """Bad input: the message is one line naming the file or value and what to do."""
 
 
 @dataclass

@@ -23,8 +23,7 @@ from torch.utils.data import Dataset, Subset
 
 from petl import data as petl_data
 from petl.errors import RunError
-from petl.store import files as records
-from petl.store import lock
+from petl.store import files, lock
 from petl.store.result import ResultError, RunResult, read_result
 from petl.train import config
 from petl.train.config import ConfigError
@@ -123,20 +122,20 @@ def check_output_dir(out: Path, cfg: DictConfig, resolved: dict[str, Any], is_ma
     if finished is not None:
         if finished.config is None:
             raise ConfigError(
-                f"output_dir {out} holds a {records.RESULT_FILE} without the config it was trained with, so it "
+                f"output_dir {out} holds a {files.RESULT_FILE} without the config it was trained with, so it "
                 "cannot be checked; choose another output_dir, or resume=false to replace it"
             )
         previous = finished.config
-    elif (out / records.CHECKPOINT_FILE).exists():
-        if not (out / records.CONFIG_FILE).exists():
+    elif (out / files.CHECKPOINT_FILE).exists():
+        if not (out / files.CONFIG_FILE).exists():
             # config.yaml is written before the first checkpoint, so only a deleted file gets here (by hand, or a
             # copy of the folder that kept only git-ignored files); without it nothing tells which config the
             # checkpoint was trained with, and resuming could mix two.
             raise ConfigError(
-                f"output_dir {out} holds {records.CHECKPOINT_FILE} without its {records.CONFIG_FILE}, so its config "
+                f"output_dir {out} holds {files.CHECKPOINT_FILE} without its {files.CONFIG_FILE}, so its config "
                 "cannot be checked; choose another output_dir, or resume=false to replace it"
             )
-        previous = records.read_config(out)
+        previous = files.read_config(out)
     else:
         # Nothing finished and no epoch to resume: whatever is there gets overwritten.
         return None
@@ -146,7 +145,7 @@ def check_output_dir(out: Path, cfg: DictConfig, resolved: dict[str, Any], is_ma
         check_inputs(out, finished.inputs, finished_inputs(cfg, finished), finished=True)
         if is_main and not cfg.train.keep_checkpoint:
             # Left by a kill between result.json and the checkpoint's removal.
-            (out / records.CHECKPOINT_FILE).unlink(missing_ok=True)
+            (out / files.CHECKPOINT_FILE).unlink(missing_ok=True)
     return finished
 
 
@@ -168,9 +167,9 @@ def check_finished(cfg: DictConfig) -> None:
     finished = _read_finished(out)
     resolved = OmegaConf.to_container(cfg, resolve=True)
     assert isinstance(resolved, dict)
-    if finished is None and (out / records.CONFIG_FILE).is_file():
+    if finished is None and (out / files.CONFIG_FILE).is_file():
         # Being trained (by another sweep into the same folder: petl-bench asks while the folder is held).
-        recorded = records.read_config(out)
+        recorded = files.read_config(out)
         assert isinstance(recorded, dict)
         check_same_config(out, recorded, resolved, "another sweep is training it: give this suite its own folder")
         return
@@ -185,7 +184,7 @@ _REPLACE = "run again with resume=false to move that run aside and train anew, o
 
 def _read_finished(out: Path) -> RunResult | None:
     try:
-        return read_result(out / records.RESULT_FILE)
+        return read_result(out / files.RESULT_FILE)
     except (ResultError, RecursionError) as error:
         raise ConfigError(f"output_dir {out}: {error}; {_REPLACE}") from None
 
@@ -196,15 +195,15 @@ def set_aside(out: Path) -> None:
     Called once the replacing run has built its model and data, right before it writes its first file, so a
     replacement that fails on its input deletes nothing.
     """
-    found = [out / name for name in records.RUN_FILES if (out / name).exists()]
+    found = [out / name for name in files.RUN_FILES if (out / name).exists()]
     if not found:
         return
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    aside = out.with_name(f"{out.name}{records.REPLACED_MARK}{stamp}")
+    aside = out.with_name(f"{out.name}{files.REPLACED_MARK}{stamp}")
     count = 1
     while aside.exists():
         count += 1
-        aside = out.with_name(f"{out.name}{records.REPLACED_MARK}{stamp}-{count}")
+        aside = out.with_name(f"{out.name}{files.REPLACED_MARK}{stamp}-{count}")
     try:
         aside.mkdir()
         for path in found:
@@ -233,7 +232,7 @@ def run_inputs(cfg: DictConfig, dataset: Dataset | None) -> dict[str, Any]:
     return {
         "data.root": str(Path(root).expanduser().resolve()) if root else None,
         "data.fingerprint": getattr(dataset, "fingerprint", None),
-        "model.checkpoint_sha256": records.file_sha256(Path(checkpoint)) if checkpoint else None,
+        "model.checkpoint_sha256": files.file_sha256(Path(checkpoint)) if checkpoint else None,
     }
 
 
@@ -291,7 +290,7 @@ def claim(out: Path) -> Iterator[None]:
     Only the main process claims (the others of a multi-GPU launch write nothing).  A folder this
     claim created is removed again if the run fails before writing anything into it.
     """
-    if not records.is_main_process():
+    if not files.is_main_process():
         yield
         return
     created: list[Path] = []
@@ -312,7 +311,7 @@ def claim(out: Path) -> Iterator[None]:
             f"output_dir {out} is in use by another run ({lock.describe_holder(out)}); wait for it to finish "
             f"or choose another output_dir (delete {out / lock.LOCK_FILE} if that process is gone)"
         )
-    for tmp in records.temporary_files(out):  # left by a kill during an atomic write
+    for tmp in files.temporary_files(out):  # left by a kill during an atomic write
         tmp.unlink(missing_ok=True)
     try:
         yield
@@ -348,8 +347,8 @@ def disk_errors(out: Path, saved_epoch: Callable[[], int], resume: bool = True) 
 def resume_checkpoint(out: Path, cfg: DictConfig, inputs: dict[str, Any]) -> dict[str, Any] | None:
     """The checkpoint to resume from, once its data and weights are known to be this run's."""
     try:
-        checkpoint = records.load_checkpoint(out / records.CHECKPOINT_FILE) if cfg.resume else None
-    except records.DamagedFileError as error:
+        checkpoint = files.load_checkpoint(out / files.CHECKPOINT_FILE) if cfg.resume else None
+    except files.DamagedFileError as error:
         raise ConfigError(f"{error}: {_REPLACE}") from None
     if checkpoint is not None:
         # check_output_dir has matched its config.yaml against cfg; the inputs need the data built.

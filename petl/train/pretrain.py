@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from petl.backbones import models
 from petl.data.fractaldb import FractalConfig, generate, search_systems, to_model_input
-from petl.store import files as records
+from petl.store import files
 from petl.train.engine import TrainSettings, build_optimizer, fit
 
 ARCH = "vit_fractal_tiny_patch4_32"
@@ -102,13 +102,13 @@ def pretrain(
         "wall_seconds": round(time.time() - start, 1),
         "machine": f"{platform.machine()} {platform.processor() or ''} {torch.get_num_threads()} threads".strip(),
         # The same version and commit lookup as every petl-run record (git_commit, git_dirty).
-        "versions": records.versions(),
-        **records.git_commit(),
+        "versions": files.versions(),
+        **files.git_commit(),
     }
     if out_dir is not None:
         weights, provenance = output_files(out_dir)
         # The pretraining head is task-specific: downstream runs reset it, so it is not shipped.
         state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items() if not k.startswith("head.")}
-        records.write_atomic(weights, lambda tmp: save_file(state, str(tmp), metadata={"arch": ARCH}))
-        records.write_text(provenance, json.dumps(record, indent=2) + "\n")
+        files.write_atomic(weights, lambda tmp: save_file(state, str(tmp), metadata={"arch": ARCH}))
+        files.write_text(provenance, json.dumps(record, indent=2) + "\n")
     return record

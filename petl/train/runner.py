@@ -39,8 +39,7 @@ from petl import data as petl_data
 from petl.core import count_params, trainable_state
 from petl.errors import DivergedError, RunError
 from petl.io import save_trainable
-from petl.store import files as records
-from petl.store import load
+from petl.store import files, load
 from petl.store.result import RunResult, write_result
 from petl.train import build, cache, config, engine, learning
 from petl.train import output_dir as folder
@@ -78,7 +77,7 @@ def _weights_sha256(cfg: DictConfig, model: nn.Module) -> str | None:
     Rows of a leaderboard that ran on several machines show by it that they used the same weights.
     """
     file = getattr(model, "pretrained_cfg", {}).get("file") if cfg.model.pretrained else None
-    return records.file_sha256(Path(file)) if file and Path(file).is_file() else None
+    return files.file_sha256(Path(file)) if file and Path(file).is_file() else None
 
 
 def summary_line(result: dict[str, Any]) -> str:
@@ -110,9 +109,9 @@ def run(cfg: DictConfig, *, checked: bool = False) -> dict[str, Any]:
     assert isinstance(resolved, dict)
     out = Path(cfg.output_dir)
     with folder.claim(out):
-        finished = folder.check_output_dir(out, cfg, resolved, is_main=records.is_main_process())
+        finished = folder.check_output_dir(out, cfg, resolved, is_main=files.is_main_process())
         if finished is not None:
-            if records.is_main_process():
+            if files.is_main_process():
                 log.info("already finished: %s", summary_line(finished.to_json()))
             return finished.to_json()
 
@@ -161,7 +160,7 @@ def _train_and_record(cfg: DictConfig, resolved: dict[str, Any], out: Path, acce
         engine.enable_grad_checkpointing(model)
     model.to(accelerator.device)
     # Every run's peak is its own, also when runs share a process (Hydra's in-process --multirun, a notebook).
-    records.reset_peak_rss()
+    files.reset_peak_rss()
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     progress = _Progress.start(checkpoint, started)
@@ -169,14 +168,14 @@ def _train_and_record(cfg: DictConfig, resolved: dict[str, Any], out: Path, acce
         folder.set_aside(out)  # model, data and method are built: the replacement can start
     with folder.disk_errors(out, lambda: progress.saved_epoch, cfg.resume):
         if accelerator.is_main_process:
-            records.write_config(out, resolved)
+            files.write_config(out, resolved)
     training = _set_up_training(cfg, model, datasets, accelerator)
     if checkpoint is not None:
         training.restore(checkpoint)
         build.say(accelerator, "resuming %s from epoch %d/%d", out, progress.start_epoch, cfg.train.epochs)
     with folder.disk_errors(out, lambda: progress.saved_epoch, cfg.resume):
         if accelerator.is_main_process:
-            records.write_metrics(out / records.METRICS_FILE, progress.history)
+            files.write_metrics(out / files.METRICS_FILE, progress.history)
     if cfg.train.trackers:
         accelerator.init_trackers("petl", config=_scalars(folder.flatten(resolved)))
     # Training time counts the cache once: a resumed session's caching was paid by the first session.
@@ -189,7 +188,7 @@ def _train_and_record(cfg: DictConfig, resolved: dict[str, Any], out: Path, acce
     test_top1 = _evaluate_test_once(training)
     result = _result(cfg, model, info.num_classes, progress.history, test_top1, train_seconds, training)
     result.test_seconds = round(time.perf_counter() - tested, 2) if test_top1 is not None else None
-    peak_mb, peak_kind = records.peak_memory()
+    peak_mb, peak_kind = files.peak_memory()
     result.peak_memory_mb, result.peak_memory_kind = round(peak_mb, 1), peak_kind
     result.config, result.inputs = resolved, inputs
     result.weights_sha256 = _weights_sha256(cfg, model)
@@ -203,7 +202,7 @@ def _train_and_record(cfg: DictConfig, resolved: dict[str, Any], out: Path, acce
     )  # fmt: skip
     with folder.disk_errors(out, lambda: progress.saved_epoch, cfg.resume):
         _record(cfg, out, model, result, accelerator, card)
-    build.say(accelerator, "wrote %s", out / records.RESULT_FILE)
+    build.say(accelerator, "wrote %s", out / files.RESULT_FILE)
     return result.to_json()
 
 
@@ -268,7 +267,7 @@ class _Setup:
         self.scheduler.load_state_dict(checkpoint["scheduler"])
         if checkpoint.get("scaler") is not None and self.accelerator.scaler is not None:
             self.accelerator.scaler.load_state_dict(checkpoint["scaler"])
-        records.set_rng_state(checkpoint["rng"])
+        files.set_rng_state(checkpoint["rng"])
 
 
 def _set_up_training(
@@ -346,7 +345,7 @@ def _fit_epochs(cfg: DictConfig, out: Path, training: _Setup, progress: _Progres
                 "trainable": {k: v.cpu() for k, v in trainable_state(model).items()},
                 "optimizer": optimizer.state_dict(),
                 "scheduler": scheduler.state_dict(),
-                "rng": records.rng_state(),
+                "rng": files.rng_state(),
                 # fp16's loss scale: restarted at its initial value, a resumed run would skip other steps.
                 "scaler": accelerator.scaler.state_dict() if accelerator.scaler is not None else None,
                 "history": progress.history,
@@ -359,9 +358,9 @@ def _fit_epochs(cfg: DictConfig, out: Path, training: _Setup, progress: _Progres
             # Checkpoint first, then the metrics line: a crash in between leaves a line too few,
             # and a resume rewrites metrics.jsonl from the checkpoint's history anyway.
             with folder.disk_errors(out, lambda: progress.saved_epoch, cfg.resume):
-                records.save_checkpoint(out / records.CHECKPOINT_FILE, state)
+                files.save_checkpoint(out / files.CHECKPOINT_FILE, state)
                 progress.saved_epoch = epoch + 1
-                records.append_metrics(out / records.METRICS_FILE, metrics)
+                files.append_metrics(out / files.METRICS_FILE, metrics)
         accelerator.wait_for_everyone()
         val = f"  val {metrics['val_top1']:.2f}" if "val_top1" in metrics else ""
         build.say(
@@ -408,11 +407,11 @@ def _record(
 ) -> None:
     """Weights and model.json, then ``result.json`` (its presence marks the run finished), then drop the checkpoint."""
     if accelerator.is_main_process:
-        records.write_atomic(out / records.WEIGHTS_FILE, lambda tmp: save_trainable(model, tmp))
+        files.write_atomic(out / files.WEIGHTS_FILE, lambda tmp: save_trainable(model, tmp))
         load.write_card(out, card)
-        write_result(out / records.RESULT_FILE, result)
+        write_result(out / files.RESULT_FILE, result)
         if not cfg.train.keep_checkpoint:
-            (out / records.CHECKPOINT_FILE).unlink(missing_ok=True)
+            (out / files.CHECKPOINT_FILE).unlink(missing_ok=True)
     accelerator.wait_for_everyone()
 
 
@@ -466,8 +465,8 @@ def _result(
         # What really ran: train.compile falls back to eager (with a warning) where no compiler is found.
         compiled=accelerator.state.dynamo_plugin.backend.value != "NO",
         effective_batch_size=cfg.train.batch_size * accelerator.num_processes * cfg.train.grad_accum,
-        versions=records.versions(),
-        **records.git_commit(),
+        versions=files.versions(),
+        **files.git_commit(),
         output_dir=str(cfg.output_dir),
         finished_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     )

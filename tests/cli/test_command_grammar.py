@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from petl.cli import args as grammar
-from petl.cli import bench, export, predict, pretrain
+from petl.cli import bench, export, predict, pretrain, run_help, serve
 from petl.cli import run as run_cli
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,6 +39,21 @@ def test_petl_export_takes_out_before_or_after_the_run():
         assert positional == ["RUN"] and options == {"out": "model.onnx"}
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["runs/a", "--quiet", "port=9000", "task.pets=runs/b"],
+        ["--quiet", "task.pets=runs/b", "port=9000", "runs/a"],
+        ["port=9000", "runs/a", "task.pets=runs/b", "--quiet"],
+    ],
+)
+def test_petl_serve_takes_flags_key_values_and_task_names_in_any_order(argv):
+    parsed = grammar.parse(serve.build_parser(), argv)
+    positional, options = grammar.split_items(parsed.words, serve.KEYS, serve.PROG, prefixes=(serve.TASK_PREFIX,))
+    assert parsed.quiet and options == {"port": 9000}
+    assert sorted(positional) == ["runs/a", "task.pets=runs/b"]
+
+
 def test_an_unknown_key_or_a_wrong_type_is_one_line_naming_it():
     with pytest.raises(grammar.CommandLineError, match="unknown option 'outt'"):
         _words(predict, ["RUN", "a.png", "outt=x.csv"])
@@ -52,7 +67,16 @@ def test_petl_export_refuses_a_missing_out_with_status_2(capsys):
     assert exit_.value.code == 2 and "expected RUN_DIR out=" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("module", [predict, export], ids=lambda m: m.PROG)
+@pytest.mark.parametrize("module", [predict, export, serve], ids=lambda m: m.PROG)
+def test_an_unknown_key_exits_2_with_one_line(module, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        module.main(["RUN", "colour=red"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1
+    assert err.startswith(f"{module.PROG}: error: unknown option 'colour'")
+
+
+@pytest.mark.parametrize("module", [predict, export, serve], ids=lambda m: m.PROG)
 def test_help_lists_every_key_and_flag_the_command_takes(module, capsys):
     with pytest.raises(SystemExit) as exit_:
         module.main(["--help"])
@@ -98,10 +122,10 @@ def test_petl_bench_help_answers_before_the_commands_load():
     assert bench.PROG == "petl-bench"
 
 
-@pytest.mark.parametrize("module", ["petl.cli.predict", "petl.cli.export", "petl.cli.pretrain"])
+@pytest.mark.parametrize("module", ["petl.cli.predict", "petl.cli.export", "petl.cli.pretrain", "petl.cli.serve"])
 def test_help_imports_neither_torch_nor_timm(module):
     code = f"import sys; sys.argv = ['x', '--help']\nfrom {module} import main\ntry:\n    main()\nexcept SystemExit:\n"
-    code += "    pass\nprint([m for m in sys.modules if m in ('torch', 'timm')])"
+    code += "    pass\nprint([m for m in sys.modules if m in ('torch', 'timm', 'fastapi')])"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert out.strip().endswith("[]")
 
@@ -110,3 +134,34 @@ def test_import_petl_loads_nothing_heavy_until_a_name_is_used():
     code = "import sys, petl; print('torch' in sys.modules); petl.apply; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "True"]
+
+
+def test_petl_run_help_imports_neither_torch_nor_timm_nor_hydra():
+    code = "import sys\nfrom petl.cli.run import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+    code += "print([m for m in sys.modules if m.split('.')[0] in ('torch', 'timm', 'hydra', 'omegaconf')])"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert "== Configuration groups ==" in out and out.strip().endswith("[]")
+
+
+@pytest.mark.slow
+def test_petl_run_help_lists_the_groups_and_config_hydras_own_help_lists():
+    # Hydra's app help composes the registered schema (torch): in a fresh process, so `model` holds the default only.
+    code = "from petl.cli.run import hydra_help; print(hydra_help())"
+    hydra = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    fast = run_help.fast_help(run_cli.PROG, run_cli.__doc__)
+    for title in (run_help.GROUPS_TITLE, run_help.CONFIG_TITLE):
+        stale = "petl/cli/run_choices.py is stale: run python docs/gen.py"
+        assert run_help.sections(fast)[title] == run_help.sections(hydra)[title], stale
+    assert "method: " in run_help.sections(fast)[run_help.GROUPS_TITLE]
+    # Every flag petl-run reads, and the examples of its docstring.
+    flags = {o for a in grammar.hydra_parser(run_cli.PROG)._actions for o in a.option_strings} | {"--debug"}
+    assert flags <= set(re.findall(r"--?[\w-]+", run_help.sections(fast)["Flags"]))
+    assert "petl-run --multirun method=lora,adapter,vpt seed=0,1,2" in fast
+
+
+def test_petl_run_help_with_an_override_is_hydras_composed_one(monkeypatch):
+    # Only a bare --help is petl-run's own; with overrides Hydra composes them (a method's options), as before.
+    calls = []
+    monkeypatch.setattr(run_cli, "_run_hydra", calls.append)
+    run_cli.main(["method=vpt", "--help"])
+    assert calls == [["--help", "method=vpt"]]

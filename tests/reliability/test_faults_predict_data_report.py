@@ -498,9 +498,10 @@ def test_every_petl_command_uses_the_one_set_of_exit_statuses():
     from petl.cli import bench as bench_cli
     from petl.cli import export as export_cli
     from petl.cli import pretrain
+    from petl.cli import serve as serve_cli
 
     assert (errors.USAGE_ERROR, errors.RUN_ERROR, errors.INTERRUPTED) == (2, 1, 130)
-    for module in (cli, predict_cli, export_cli, bench_cli, pretrain):
+    for module in (cli, predict_cli, export_cli, bench_cli, pretrain, serve_cli):
         source = Path(module.__file__).read_text()
         # No status of its own: each comes from petl.errors.
         assert not re.search(r"SystemExit\(\d+\)", source), module.__name__
