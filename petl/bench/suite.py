@@ -4,7 +4,8 @@ Experiments (a method and its options, ``configs/experiments/``) are read by :mo
 ``petl-run experiment=NAME`` uses too; their names are re-exported here for petl.bench's modules.
 
 A suite is a whole protocol: experiments (a list, ``all``, or the name of a list in
-``configs/experiment_lists.yaml``, where a list several suites run is stated once), tasks, the final runs' seeds
+``configs/experiment_lists.yaml``, where a list several suites run is stated once), tasks (a list, or the name of
+a list in ``configs/task_lists.yaml``, likewise), the final runs' seeds
 and split, the ``train:`` / ``model:`` / ``data:`` overrides (backbone, recipe, augmentation) and, optionally,
 the ``search:`` space selected on val (see :mod:`petl.bench.protocol`).  Everything becomes Hydra override
 strings, the same language ``petl-run`` speaks, so a sweep run here and a ``petl-run`` command compose identical
@@ -49,6 +50,7 @@ __all__ = [
     "load_experiment",
     "load_suite",
     "override",
+    "task_lists",
     "to_overrides",
 ]
 
@@ -61,6 +63,8 @@ FINAL_SPLIT = TRAIN_VAL
 ALL = "all"
 # `experiments: <name>` in a suite: a list of this file (beside suites/), the one home of a list several suites run.
 EXPERIMENT_LISTS = "experiment_lists.yaml"
+# `tasks: <name>` in a suite: a list of this file, the one home of a task list several suites run.
+TASK_LISTS = "task_lists.yaml"
 
 
 @dataclass(frozen=True)
@@ -162,11 +166,14 @@ def load_suite(name: str, configs: Path) -> Suite:
     if data.get("experiments") == ALL:
         data["experiments"] = list_experiments(configs)
     elif isinstance(data.get("experiments"), str):
-        data["experiments"] = _named_list(path, data["experiments"], configs)
+        data["experiments"] = _named_list(path, "experiments", data["experiments"], experiment_lists(configs))
+    if isinstance(data.get("tasks"), str):
+        data["tasks"] = _named_list(path, "tasks", data["tasks"], task_lists(configs))
+    or_names = {"experiments": f" (or `all`, or a list's name in {EXPERIMENT_LISTS})"}
+    or_names["tasks"] = f" (or a list's name in {TASK_LISTS})"
     for key in ("experiments", "tasks", "seeds"):
         if not isinstance(data.get(key), list) or not data[key]:
-            or_name = f" (or `all`, or a list's name in {EXPERIMENT_LISTS})" * (key == "experiments")
-            raise ValueError(f"{path}: `{key}` must be a non-empty list{or_name}")
+            raise ValueError(f"{path}: `{key}` must be a non-empty list{or_names.get(key, '')}")
     groups = {g: data[g] for g in SUITE_GROUPS if data.get(g)}
     owned = sorted(set(SWEEP_OWNED) & {k for g, v in groups.items() for k in flatten(g, v)})
     if owned:
@@ -215,24 +222,38 @@ def experiment_lists(configs: Path) -> dict[str, list[str]]:
         ValueError: a malformed file (naming it): each name must map to a non-empty list of experiment names.
 
     """
-    path = configs / EXPERIMENT_LISTS
+    return _read_lists(configs / EXPERIMENT_LISTS, "experiment")
+
+
+def task_lists(configs: Path) -> dict[str, list[str]]:
+    """The named task lists of ``configs/task_lists.yaml`` (none when the file is absent).
+
+    Raises:
+        ValueError: a malformed file (naming it): each name must map to a non-empty list of task names.
+
+    """
+    return _read_lists(configs / TASK_LISTS, "task")
+
+
+def _read_lists(path: Path, what: str) -> dict[str, list[str]]:
     if not path.is_file():
         return {}
     data = read_yaml(path) or {}
     if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a mapping of list names to experiment lists, got {type(data).__name__}")
+        raise ValueError(f"{path}: expected a mapping of list names to {what} lists, got {type(data).__name__}")
     for name, listed in data.items():
-        if name == ALL or not isinstance(listed, list) or not listed or not all(isinstance(e, str) for e in listed):
-            reason = "`all` means every experiment" if name == ALL else "must be a non-empty list of experiment names"
+        reserved = name == ALL and what == "experiment"  # `experiments: all` means every experiment
+        if reserved or not isinstance(listed, list) or not listed or not all(isinstance(e, str) for e in listed):
+            reason = "`all` means every experiment" if reserved else f"must be a non-empty list of {what} names"
             raise ValueError(f"{path}: {name!r}: {reason}")
     return {str(name): list(listed) for name, listed in data.items()}
 
 
-def _named_list(path: Path, name: str, configs: Path) -> list[str]:
-    lists = experiment_lists(configs)
+def _named_list(path: Path, key: str, name: str, lists: dict[str, list[str]]) -> list[str]:
     if name not in lists:
-        known = ", ".join([ALL, *lists])
-        raise ValueError(f"{path}: experiments: {name!r} is not a list of {configs / EXPERIMENT_LISTS}; known: {known}")
+        home = EXPERIMENT_LISTS if key == "experiments" else TASK_LISTS
+        known = ", ".join([ALL, *lists] if key == "experiments" else lists) or "none"
+        raise ValueError(f"{path}: {key}: {name!r} is not a list of {path.parent.parent / home}; known: {known}")
     return lists[name]
 
 

@@ -1,6 +1,6 @@
-"""One home for an experiment list several suites run: ``configs/experiment_lists.yaml`` (issue 39).
+"""One home for a list several suites run: ``configs/experiment_lists.yaml``, ``configs/task_lists.yaml`` (issue 39).
 
-A suite names a list (``experiments: leaderboard``) instead of spelling it out again, and
+A suite names a list (``experiments: leaderboard``, ``tasks: mini``) instead of spelling it out again, and
 ``benchmarks/mini_sweep.sh`` takes its methods from the suite (``petl-bench list suite=NAME``), keeping only
 its own cheapest-first order.
 """
@@ -15,7 +15,15 @@ from pathlib import Path
 
 import pytest
 
-from petl.bench.suite import EXPERIMENT_LISTS, configs_dir, experiment_lists, list_suites, load_suite
+from petl.bench.suite import (
+    EXPERIMENT_LISTS,
+    TASK_LISTS,
+    configs_dir,
+    experiment_lists,
+    list_suites,
+    load_suite,
+    task_lists,
+)
 from petl.cli import bench as cli
 from petl.presets import read_yaml
 
@@ -26,9 +34,9 @@ SWEEP_SCRIPT = ROOT / "benchmarks" / "mini_sweep.sh"
 SWEPT_SUITES = ("mini_selection", "mini_dinov2")
 
 
-def spelled_out_lists() -> dict[str, list[str]]:
-    """Suite name -> its ``experiments:`` as written in the file, for the suites that write a list."""
-    raw = {name: read_yaml(CONFIGS / "suites" / f"{name}.yaml").get("experiments") for name in list_suites(CONFIGS)}
+def spelled_out_lists(key: str = "experiments") -> dict[str, list[str]]:
+    """Suite name -> its ``experiments:`` (or ``key``) as written in the file, for the suites that write a list."""
+    raw = {name: read_yaml(CONFIGS / "suites" / f"{name}.yaml").get(key) for name in list_suites(CONFIGS)}
     return {name: listed for name, listed in raw.items() if isinstance(listed, list)}
 
 
@@ -56,6 +64,43 @@ def test_no_suite_spells_out_a_named_list_or_another_suites_list():
         assert not same, f"configs/suites/{suite}.yaml lists {same[0]!r} again: write `experiments: {same[0]}`"
     shared = [(a, b) for a in spelled for b in spelled if a < b and set(spelled[a]) == set(spelled[b])]
     assert not shared, f"{shared}: suites sharing a list name it in configs/{EXPERIMENT_LISTS}"
+
+
+# The task lists as the suites stated them before they named one (their order is the leaderboards' column order).
+MINI = ["mini/fashion_mnist", "mini/mnist", "mini/digits", "mini/textures"]
+MINI += ["mini/dsprites_loc", "mini/dsprites_ori", "mini/clevr_count"]
+FGVC = ["fgvc/cub", "fgvc/nabirds", "fgvc/flowers", "fgvc/dogs", "fgvc/cars"]
+VTAB_NATURAL = ["cifar100", "caltech101", "dtd", "flowers102", "pets", "svhn", "sun397"]
+VTAB_SPECIALIZED = ["patch_camelyon", "eurosat", "resisc45", "retinopathy"]
+VTAB_STRUCTURED = ["clevr_count", "clevr_dist", "dmlab", "kitti_dist", "dsprites_loc", "dsprites_ori"]
+VTAB_STRUCTURED += ["smallnorb_azi", "smallnorb_ele"]
+VTAB = [f"vtab/{task}" for task in VTAB_NATURAL + VTAB_SPECIALIZED + VTAB_STRUCTURED]
+TASKS_BY_SUITE = {"mini": MINI, "mini_selection": MINI, "mini_dinov2": MINI, "vtab1k": VTAB, "vtab1k_vpetl": VTAB}
+TASKS_BY_SUITE |= {"fgvc": FGVC, "fgvc_vpetl": FGVC}
+
+
+@pytest.mark.parametrize("suite", sorted(TASKS_BY_SUITE))
+def test_suites_name_their_task_list_and_keep_its_order(suite):
+    assert isinstance(read_yaml(CONFIGS / "suites" / f"{suite}.yaml")["tasks"], str), suite
+    assert load_suite(suite, CONFIGS).tasks == TASKS_BY_SUITE[suite]
+
+
+def test_no_suite_spells_out_a_named_task_list():
+    named = {name: set(listed) for name, listed in task_lists(CONFIGS).items()}
+    for suite, listed in spelled_out_lists("tasks").items():
+        same = [name for name, members in named.items() if set(listed) == members]
+        assert not same, f"configs/suites/{suite}.yaml lists {same[0]!r} again: write `tasks: {same[0]}`"
+
+
+def test_a_suite_naming_an_unknown_task_list_is_one_line(tmp_path):
+    (tmp_path / "experiments").mkdir()
+    (tmp_path / "suites").mkdir()
+    (tmp_path / TASK_LISTS).write_text("few: [mini/digits]\n")
+    (tmp_path / "suites" / "s.yaml").write_text("experiments: [lora]\ntasks: many\nseeds: [0]\n")
+    with pytest.raises(ValueError, match=r"s\.yaml: tasks: 'many' is not a list of .*task_lists\.yaml; known: few$"):
+        load_suite("s", tmp_path)
+    (tmp_path / "suites" / "s.yaml").write_text("experiments: [lora]\ntasks: few\nseeds: [0]\n")
+    assert load_suite("s", tmp_path).tasks == ["mini/digits"]
 
 
 def test_the_sweep_order_names_exactly_the_swept_suites_experiments():

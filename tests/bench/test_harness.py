@@ -748,6 +748,7 @@ def test_a_non_editable_install_carries_the_configs(tmp_path):
     subprocess.run([*pip, str(site), str(source)], check=True, timeout=600, capture_output=True)
     assert (site / "petl" / "configs" / "suites" / "vtab1k.yaml").is_file()
     assert (site / "petl" / "configs" / "experiment_lists.yaml").is_file()  # vtab1k.yaml names its `leaderboard`
+    assert (site / "petl" / "configs" / "task_lists.yaml").is_file()  # and its `tasks: vtab1k`
     assert (site / "petl" / "configs" / "experiments" / "lora.yaml").is_file()
     # Imported from the install (not this checkout), petl-bench's loader finds the installed presets.
     code = "from petl.bench.suite import configs_dir, load_suite; d = configs_dir(); "
