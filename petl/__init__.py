@@ -61,6 +61,11 @@ def _methods() -> Any:
     return importlib.import_module("petl.methods")
 
 
+# Documented submodules a user reaches as attributes of ``import petl`` (``from petl import presets`` asks
+# this module's ``__getattr__`` first, so they load nothing beyond themselves).
+_LIGHT_SUBMODULES = ("run", "presets")
+
+
 def __getattr__(name: str) -> Any:
     if name in _HOMES:
         _methods()
@@ -72,6 +77,8 @@ def __getattr__(name: str) -> Any:
     elif name in ("methods", "backbones"):
         value = importlib.import_module(f"petl.{name}")
         _methods()
+    elif name in _LIGHT_SUBMODULES:  # ``import petl`` then ``petl.run.train(...)``, as the docs write it
+        value = importlib.import_module(f"petl.{name}")
     else:
         raise AttributeError(f"module 'petl' has no attribute {name!r}")
     globals()[name] = value

@@ -168,11 +168,11 @@ def estimate(cells: Sequence[Cell], data: OwnData, compose: Callable[[list[str]]
     Args:
         cells: a searching suite's cells on the user's data (:func:`petl.bench.protocol.plan_cells`).
         data: the data (split sizes, decode time per image).
-        compose: overrides -> run config (``petl.run.default_config`` unless given).
+        compose: overrides -> run config (``petl.train.config.default_config`` unless given).
 
     """
     if compose is None:
-        from petl.run import default_config as compose
+        from petl.train.config import default_config as compose
     costs, device, fixed, tick = [], "cpu", None, time.perf_counter()
     for cell in cells:
         trials = [t.run for t in cell.trials]

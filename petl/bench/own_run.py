@@ -55,7 +55,7 @@ def run_on_own_data(
     finish: Finish,
 ) -> int:
     """Run ``suite`` on the data ``data=`` names (its options among ``overrides``); the exit status."""
-    from petl.run import default_config
+    from petl.train.config import default_config
 
     if "tasks" in own:
         raise ValueError(f"tasks={own['tasks']} and data={own['data']}: give one (data= makes your data the task)")

@@ -41,11 +41,13 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from PIL import Image
 from starlette.datastructures import UploadFile
 
-import petl
+from petl import __version__
+from petl.core import count_params
 from petl.data.images import decode_image
 from petl.data.transforms import ImageSpec, pil_to_tensor
 from petl.deploy.batcher import Batcher, QueueFull
 from petl.deploy.metrics import ServeMetrics
+from petl.deploy.multitask import MultiTask
 from petl.store.load import read_card, spec_of
 from petl.text import shown
 
@@ -109,7 +111,7 @@ class Task:
         }
 
 
-def load_tasks(runs: Mapping[str, str | Path]) -> tuple[petl.MultiTask, list[Task]]:
+def load_tasks(runs: Mapping[str, str | Path]) -> tuple[MultiTask, list[Task]]:
     """Every run (task name -> run folder) loaded into one MultiTask over the backbone their cards record.
 
     Raises:
@@ -117,7 +119,7 @@ def load_tasks(runs: Mapping[str, str | Path]) -> tuple[petl.MultiTask, list[Tas
             others, or whose method cannot share the backbone (the message names it).
 
     """
-    served = petl.MultiTask.from_runs({name: Path(folder) for name, folder in runs.items()})
+    served = MultiTask.from_runs({name: Path(folder) for name, folder in runs.items()})
     if torch.cuda.is_available():
         served.cuda()
     tasks = []
@@ -131,7 +133,7 @@ def load_tasks(runs: Mapping[str, str | Path]) -> tuple[petl.MultiTask, list[Tas
                 method=card["method"],
                 class_names=[str(c) for c in card["class_names"]],
                 spec=spec_of(card),
-                trainable_parameters=petl.count_params(served.tasks[index]).trainable,
+                trainable_parameters=count_params(served.tasks[index]).trainable,
                 backbone=card["backbone"]["name"],
             )
         )
@@ -287,7 +289,7 @@ _IMAGE_BODY = {
 }
 
 
-def create_app(served: petl.MultiTask, tasks: list[Task], options: ServeOptions) -> FastAPI:
+def create_app(served: MultiTask, tasks: list[Task], options: ServeOptions) -> FastAPI:
     """The FastAPI application serving ``tasks`` (loaded by :func:`load_tasks`) through one batcher."""
     metrics = ServeMetrics()
     by_name = {task.name: task for task in tasks}
@@ -314,7 +316,7 @@ def create_app(served: petl.MultiTask, tasks: list[Task], options: ServeOptions)
         title="petl-serve",
         description="Trained petl runs over one shared frozen backbone; images of concurrent requests are "
         "batched together across tasks.",
-        version=petl.__version__,
+        version=__version__,
         lifespan=lifespan,
     )
     bearer = HTTPBearer(auto_error=False, description=f"the token in {TOKEN_VARIABLE} (when the server has one)")

@@ -36,6 +36,7 @@ import torch
 from PIL import Image
 from torch import nn
 
+import petl.backbones  # noqa: F401  (registers petl's timm models, which a run's card may name)
 import petl.methods  # noqa: F401  (importing the methods registers them)
 from petl import vit
 from petl.core import trainable_state
