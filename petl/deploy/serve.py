@@ -41,7 +41,6 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from PIL import Image
 from starlette.datastructures import UploadFile
 
-from petl import __version__
 from petl.core import count_params
 from petl.data.images import decode_image
 from petl.data.transforms import ImageSpec, pil_to_tensor
@@ -50,6 +49,7 @@ from petl.deploy.metrics import ServeMetrics
 from petl.deploy.multitask import MultiTask
 from petl.store.load import read_card, spec_of
 from petl.text import shown
+from petl.version import __version__
 
 log = logging.getLogger("petl.serve")
 
