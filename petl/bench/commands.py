@@ -1,4 +1,4 @@
-"""The ``petl-bench`` commands (run, report, list, commands, speed, params): :mod:`petl.cli.bench` dispatches here.
+"""The ``petl-bench`` commands (run, report, compare, list, commands, speed, params): see :mod:`petl.cli.bench`.
 
 Each takes the command's words (``key=value``) and returns an exit status; errors are raised, and the shell words
 them in one line.
@@ -208,6 +208,33 @@ def cmd_report(args: Sequence[str]) -> int:
         print(f"petl-bench: {report.progress(board)}")
     if board.published_names:
         print(f"petl-bench: {notes.ranking_line(board)}")
+    return 0
+
+
+def cmd_compare(args: Sequence[str]) -> int:
+    """Compare the orderings of two results folders' leaderboards (see :mod:`petl.bench.compare`)."""
+    from petl.bench import compare
+    from petl.store.files import write_text
+
+    usage = "usage: petl-bench compare RESULTS_A RESULTS_B [suites=NAME_A,NAME_B] [out=FILE] [configs_dir=DIR]"
+    positional = [a for a in args if "=" not in a]
+    own, rest = parse_args([a for a in args if "=" in a], {"suites", "out", "configs_dir"})
+    if len(positional) != 2 or rest:
+        raise SystemExit(usage)
+    names = split_list(own["suites"]) if "suites" in own else [None, None]
+    if len(names) != 2:
+        raise SystemExit(f"suites={own['suites']}: name two suites, one per results folder, as suites=A,B")
+    configs = own.get("configs_dir")
+    boards = tuple(
+        report.build_board(folder, configs, report.plan_of(name, configs) if name else None)
+        for folder, name in zip(positional, names, strict=True)
+    )
+    page = compare.markdown(compare.compare(*boards), boards)
+    if "out" in own:
+        write_text(Path(own["out"]), page)
+        print(f"petl-bench: {own['out']}")
+    else:
+        print(page, end="")
     return 0
 
 

@@ -68,6 +68,7 @@ __all__ = [
     "TaskScore",
     "ValCurve",
     "aggregate",
+    "build_board",
     "collect",
     "compute_spent",
     "csv_text",
@@ -408,34 +409,24 @@ def learning_curves_png(board: Leaderboard) -> bytes | None:
     return render_curves(curves, task, board.models, family_of, _family_legend(board))
 
 
-def write_report(
+def build_board(
     results_dir: str | Path,
-    out_dir: str | Path | None = None,
     configs_dir: str | Path | None = None,
     plan: Plan | None = None,
 ) -> Leaderboard:
-    """Build the leaderboard of ``results_dir`` and write md, csv, html and pareto.png into ``out_dir``.
-
-    ``learning_curves.png`` (val top-1 per epoch on one task, :func:`learning_curves`) is written too
-    when the runs recorded per-epoch val accuracy.
+    """The leaderboard of ``results_dir``, built from its runs' result.json files (written nowhere).
 
     Args:
         results_dir: a results root holding ``<task>/<experiment>/seed<k>/result.json`` files.
-        out_dir: where to write (default: ``results_dir``).
-        configs_dir: the folder of experiment files that name each experiment's published row
+        configs_dir: the folder of experiment files that name each experiment's published row and family
             (default: petl's own, see :func:`petl.bench.suite.configs_dir`).
         plan: what the suite the runs came from sets out to run (:func:`plan_of`); default: none, and a row
             counts as complete with the tasks and seeds the board's fullest cells have.
 
-    Returns:
-        The leaderboard.
-
     Raises:
-        FileNotFoundError: no result.json under ``results_dir``.
+        FileNotFoundError: no usable result.json under ``results_dir``.
 
     """
-    from petl.bench.html import render_html
-
     results_dir = Path(results_dir)
     skipped: list[Path] = []
     results = read_all(results_dir, skipped)
@@ -453,7 +444,37 @@ def write_report(
     )
     board.compute = compute_spent(results)
     board.skipped = skipped
-    out = Path(out_dir) if out_dir is not None else results_dir
+    return board
+
+
+def write_report(
+    results_dir: str | Path,
+    out_dir: str | Path | None = None,
+    configs_dir: str | Path | None = None,
+    plan: Plan | None = None,
+) -> Leaderboard:
+    """Build the leaderboard of ``results_dir`` (:func:`build_board`) and write md, csv, html and pareto.png.
+
+    ``learning_curves.png`` (val top-1 per epoch on one task, :func:`learning_curves`) is written too
+    when the runs recorded per-epoch val accuracy.
+
+    Args:
+        results_dir: a results root holding ``<task>/<experiment>/seed<k>/result.json`` files.
+        out_dir: where to write (default: ``results_dir``).
+        configs_dir: the folder of experiment files (see :func:`build_board`).
+        plan: what the suite the runs came from sets out to run (see :func:`build_board`).
+
+    Returns:
+        The leaderboard.
+
+    Raises:
+        FileNotFoundError: no result.json under ``results_dir``.
+
+    """
+    from petl.bench.html import render_html
+
+    board = build_board(results_dir, configs_dir, plan)
+    out = Path(out_dir) if out_dir is not None else Path(results_dir)
     png = pareto_png(board)
     curves_png = learning_curves_png(board)
     figures = [("Accuracy against trainable parameters", png)]

@@ -8,6 +8,7 @@ Usage::
     petl-bench [run] suite=choose data=folder|hf data.root=PATH [model=...] [budget.params=1M]
                [budget.train_seconds=600] [--yes]   (your own images: cost first, then which method; docs/choose.md)
     petl-bench report RESULTS_DIR [out=DIR] [configs_dir=DIR] [suite=NAME]
+    petl-bench compare RESULTS_A RESULTS_B [suites=NAME_A,NAME_B] [out=FILE]   (two leaderboards' orderings)
     petl-bench speed [model=...] [img_size=N] [batch=32] [steps=10] [warmup=3] [rounds=10] [infer_batch=1]
                      [infer_steps=100] [device=cpu|cuda] [methods=...] [options_for=lora] [out=FILE]
     petl-bench params suite=vtab1k [methods=...] [model=...]   (parameter counts vs the published ones)
@@ -72,11 +73,20 @@ def _dispatch(args: list[str]) -> int:
         return 0
     command = args.pop(0) if args and "=" not in args[0] else "run"
     # Imported after --help: the commands load the sweep, the report and (for a run) torch.
-    from petl.bench.commands import cmd_commands, cmd_list, cmd_params, cmd_report, cmd_run, cmd_speed
+    from petl.bench.commands import (
+        cmd_commands,
+        cmd_compare,
+        cmd_list,
+        cmd_params,
+        cmd_report,
+        cmd_run,
+        cmd_speed,
+    )
 
     commands = {
         "run": cmd_run,
         "report": cmd_report,
+        "compare": cmd_compare,
         "list": cmd_list,
         "commands": cmd_commands,
         "speed": cmd_speed,

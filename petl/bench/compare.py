@@ -1,0 +1,100 @@
+"""Two leaderboards' orderings side by side (``petl-bench compare``): one protocol on two backbones, say.
+
+Each board is built from its runs (:func:`petl.bench.report.build_board`), never from a written leaderboard, and
+only complete rows count: a row short of a task or seed has a mean over other tasks, which ranks nothing.  An
+experiment's rank is its place among its own board's complete rows; Spearman's rho is computed over the
+experiments complete on both boards (their task means, :func:`petl.bench.published.rank_correlation`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from petl.bench.board import Leaderboard
+from petl.bench.published import MIN_RANKED, RankCorrelation, rank_correlation
+
+
+@dataclass(frozen=True)
+class Placing:
+    """Where one experiment stands on one board: its rank among the complete rows (1 = best) and task mean."""
+
+    rank: int
+    task_mean: float
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Two boards' complete rows, matched by experiment name.
+
+    Attributes:
+        labels: how each board is named in the output (its suite, else its folder).
+        complete: per board, experiment -> its :class:`Placing`, for every complete row.
+        correlation: Spearman's rho over the experiments complete on both boards (in the second board's order).
+
+    """
+
+    labels: tuple[str, str]
+    complete: tuple[dict[str, Placing], dict[str, Placing]]
+    correlation: RankCorrelation
+
+    @property
+    def shared(self) -> tuple[str, ...]:
+        """The experiments complete on both boards, best first on the second."""
+        return self.correlation.methods
+
+
+def label(board: Leaderboard) -> str:
+    """A board's name: ``suite NAME`` when it was built with a suite's plan, else its folder."""
+    return f"suite {board.plan.suite}" if board.plan is not None else str(board.results_dir)
+
+
+def placings(board: Leaderboard) -> dict[str, Placing]:
+    """Experiment -> rank and task mean, for the board's complete rows (already sorted best first)."""
+    complete = [row for row in board.rows if board.complete(row)]
+    return {row.experiment: Placing(rank, row.task_mean) for rank, row in enumerate(complete, start=1)}
+
+
+def compare(first: Leaderboard, second: Leaderboard) -> Comparison:
+    """Match the complete rows of two boards by experiment and rank-correlate their task means."""
+    a, b = placings(first), placings(second)
+    correlation = rank_correlation({e: p.task_mean for e, p in b.items()}, {e: p.task_mean for e, p in a.items()})
+    return Comparison((label(first), label(second)), (a, b), correlation)
+
+
+def markdown(comparison: Comparison, boards: tuple[Leaderboard, Leaderboard]) -> str:
+    """The comparison as a Markdown page: the coefficient, then one line per shared experiment."""
+    (name_a, name_b), (a, b) = comparison.labels, comparison.complete
+    rho, shared = comparison.correlation.rho, comparison.shared
+    if math.isnan(rho):
+        verdict = f"not computed: {len(shared)} experiment(s) are complete on both; it needs {MIN_RANKED}."
+    else:
+        verdict = f"Spearman's rho = {rho:+.2f} over the {len(shared)} experiments complete on both boards."
+    lines = [
+        f"# {name_a} against {name_b}",
+        "",
+        "Built from the runs by `petl-bench compare` (petl/bench/compare.py): each board's complete rows (every "
+        "task, every seed) ranked by task mean; a rank is the place among that board's own complete rows.",
+        "",
+        *(
+            f"- **{name}**: {len(places)} complete rows; measured on {', '.join(board.models)}."
+            for name, places, board in ((name_a, a, boards[0]), (name_b, b, boards[1]))
+        ),
+        "",
+        f"**Rank correlation of the task means**: {verdict}",
+        "",
+        f"| Experiment | Rank, {name_a} (of {len(a)}) | Task mean | Rank, {name_b} (of {len(b)}) | Task mean | "
+        "Places moved up |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for experiment in shared:
+        first, second = a[experiment], b[experiment]
+        lines.append(
+            f"| {experiment} | {first.rank} | {first.task_mean:.2f} | {second.rank} | "
+            f"{second.task_mean:.2f} | {first.rank - second.rank:+d} |"
+        )
+    for name, own, other in ((name_a, a, b), (name_b, b, a)):
+        alone = [e for e in own if e not in other]
+        if alone:
+            lines += ["", f"Complete only on {name} ({len(alone)}, not compared): {', '.join(alone)}."]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,98 @@
+"""`petl-bench compare`: two leaderboards' orderings, from their runs, over the rows complete on both."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from petl.bench import compare, report
+
+REPO = Path(__file__).resolve().parents[2]
+COMMITTED = REPO / "benchmarks" / "results" / "mini_dinov2" / "vs_fractaldb.md"
+TASKS = ("mini/digits", "mini/clevr_count")
+
+
+def _write(root: Path, task: str, method: str, seed: int, top1: float) -> None:
+    folder = root / task / method / f"seed{seed}"
+    folder.mkdir(parents=True)
+    result = {
+        "method": method,
+        "method_config": {"num_classes": 10},
+        "dataset": task,
+        "model": "vit_fractal_tiny_patch4_32.fractaldb",
+        "seed": seed,
+        "num_classes": 10,
+        "trainable_params": 1100.0,
+        "trainable_params_no_head": 1000.0,
+        "total_params": 100_000.0,
+        "test_top1": top1,
+        "epochs": 5,
+        "train_seconds": 2.0,
+        "images_per_second": 100.0,
+    }
+    (folder / "result.json").write_text(json.dumps(result))
+
+
+def _board(root: Path, means: dict[str, float], partial: tuple[str, ...] = ()) -> report.Leaderboard:
+    """A board of one seed per cell: ``means`` complete on both tasks, ``partial`` on the first task only."""
+    for method, top1 in means.items():
+        for task in TASKS:
+            _write(root, task, method, 0, top1)
+    for method in partial:
+        _write(root, TASKS[0], method, 0, 99.0)
+    experiments = (*means, *partial)
+    return report.build_board(root, plan=report.Plan(root.name, experiments, TASKS, (0,)))
+
+
+def test_ranks_are_places_among_each_boards_complete_rows_and_rho_is_over_the_shared_ones(tmp_path):
+    first = _board(tmp_path / "a", {"lora": 60.0, "linear": 50.0, "full": 70.0, "bitfit": 40.0})
+    # On the second board bitfit is partial (its high first-task score must not rank it) and mlp is new.
+    second = _board(tmp_path / "b", {"lora": 80.0, "linear": 85.0, "full": 90.0, "mlp": 10.0}, partial=("bitfit",))
+    found = compare.compare(first, second)
+
+    assert found.shared == ("full", "linear", "lora")  # the second board's order, best first
+    assert found.complete[0]["lora"] == compare.Placing(2, 60.0)  # full 1, lora 2, linear 3, bitfit 4
+    assert found.complete[1]["linear"].rank == 2 and "bitfit" not in found.complete[1]
+    # ranks (1, 2, 3) on the second against (1, 3, 2) on the first: 1 - 6 * 2 / 24
+    assert found.correlation.rho == pytest.approx(0.5)
+
+    page = compare.markdown(found, (first, second))
+    assert "Spearman's rho = +0.50 over the 3 experiments complete on both boards." in page
+    assert "| linear | 3 | 50.00 | 2 | 85.00 | +1 |" in page and "| lora | 2 | 60.00 | 3 | 80.00 | -1 |" in page
+    assert "Complete only on suite a (1, not compared): bitfit." in page
+    assert "Complete only on suite b (1, not compared): mlp." in page
+
+
+def test_too_few_shared_rows_give_no_coefficient(tmp_path):
+    first = _board(tmp_path / "a", {"lora": 60.0, "linear": 50.0})
+    second = _board(tmp_path / "b", {"lora": 70.0, "linear": 80.0})
+    page = compare.markdown(compare.compare(first, second), (first, second))
+    assert "not computed: 2 experiment(s) are complete on both; it needs 3." in page
+
+
+def test_the_command_writes_the_page_and_refuses_a_third_folder(tmp_path, capsys):
+    from petl.cli import bench as cli
+
+    for name in ("a", "b"):
+        _board(tmp_path / name, {"lora": 60.0, "linear": 50.0, "full": 70.0})
+    out = tmp_path / "page.md"
+    assert cli.main(["compare", str(tmp_path / "a"), str(tmp_path / "b"), f"out={out}"]) == 0
+    assert "Spearman's rho = +1.00 over the 3 experiments" in out.read_text()
+    for bad in (["compare", str(tmp_path / "a")], ["compare", str(tmp_path / "a"), str(tmp_path / "b"), "suites=x"]):
+        with pytest.raises(SystemExit) as caught:
+            cli.main(bad)
+        assert caught.value.code == 2
+    assert "suites=x: name two suites" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_the_committed_comparison_rebuilds_from_the_committed_runs(tmp_path):
+    """vs_fractaldb.md is what `petl-bench compare` (the command in benchmarks/results/README.md) writes today."""
+    results = REPO / "benchmarks" / "results"
+    boards = (
+        report.build_board(results / "mini_selection" / "runs", plan=report.plan_of("mini_selection")),
+        report.build_board(results / "mini_dinov2" / "runs", plan=report.plan_of("mini_dinov2")),
+    )
+    assert compare.markdown(compare.compare(*boards), boards) == COMMITTED.read_text()
