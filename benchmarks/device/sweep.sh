@@ -8,6 +8,12 @@
 #
 #   METHODS_LIST="lora bitfit" DEADLINE=525 SWEEPS=15 bash benchmarks/device/sweep.sh     (on the device machine)
 #
+# A sweep stops early once a pass leaves nothing of its methods to train (`petl-bench ... dry_run=true` lists no
+# `todo` run and no cell still searching), and the call moves on when every sweep has.  SPEED_UNTIL=N (seconds
+# from the start) then spends what is left before N on `petl-bench speed device=cuda options_for=lora`
+# (issue 38's speed_cuda.md, ViT-B/16 at 224, batch 64; SPEED_ARGS adds keys, e.g. "rounds=3"), written to
+# $OUT/speed_cuda.md if it finishes in time.
+#
 # Measured on an H200 (2026-11-26): 15 sweeps finished 247 runs in 525 s; .device/done.tgz, if present, holds
 # finished runs not yet committed (a tar.gz of their folders, in the one-level layout: mini-digits/lora/seed0/...),
 # unpacked first so that they are skipped.
@@ -30,20 +36,34 @@ if [ -f .device/done.tgz ]; then tar xzf .device/done.tgz -C "$OUTDIR"; fi
 sleep 1 && touch /tmp/start_marker  # every file newer than this is this call's
 mkdir -p /tmp/logs
 end=$((SECONDS + DEADLINE))
+left() {  # runs of METHODS not finished yet: `todo` ones, and `later` cells whose search is still running
+    for m in "${METHODS[@]}"; do
+        python3 -m petl.cli.bench suite=mini_dinov2 methods="$m" output_dir=$OUTDIR dry_run=true
+    done | grep -c "^todo\|^later"
+}
 sweep() {
     while [ $SECONDS -lt $end ]; do
         for m in "${METHODS[@]}"; do
             [ $SECONDS -lt $end ] || break
             OMP_NUM_THREADS=1 python3 -m petl.cli.bench suite=mini_dinov2 methods="$m" output_dir=$OUTDIR report=false
         done
+        [ "$(left)" -gt 0 ] || break
     done
 }
 for i in $(seq 1 "$SWEEPS"); do
     sweep >> "/tmp/logs/$i.log" 2>&1 &
     sleep 3  # let each sweep lock its run before the next one looks
 done
-while [ $SECONDS -lt $end ]; do sleep 5; done
+while [ $SECONDS -lt $end ] && [ -n "$(jobs -r)" ]; do sleep 5; done
+echo "sweeps ended at ${SECONDS} s; runs left: $(left)"
 pkill -TERM -f petl.cli.bench; sleep 5; pkill -KILL -f petl.cli.bench; wait
 (cd $OUTDIR && find . -newer /tmp/start_marker -type f ! -name '*.safetensors' ! -name checkpoint.pt \
     ! -name .petl.lock ! -name model.json > /tmp/newfiles && wc -l < /tmp/newfiles && tar czf "$OUT/runs.tgz" -T /tmp/newfiles)
 tar czf "$OUT/logs.tgz" -C /tmp logs
+if [ -n "${SPEED_UNTIL:-}" ] && [ $((SPEED_UNTIL - SECONDS)) -gt 60 ]; then
+    echo "speed: $((SPEED_UNTIL - SECONDS)) s left for petl-bench speed"
+    timeout $((SPEED_UNTIL - SECONDS)) python3 -m petl.cli.bench speed device=cuda options_for=lora ${SPEED_ARGS:-} \
+        out="$OUT/speed_cuda.md" > /tmp/logs/speed.log 2>&1
+    echo "speed: exit $? at ${SECONDS} s"; tail -5 /tmp/logs/speed.log
+    tar czf "$OUT/logs.tgz" -C /tmp logs
+fi
