@@ -25,7 +25,8 @@ A suite with ``require_learning`` also passes over grid points at which training
 training losses only: a trial that did not learn ranks after every trial that did; and a point whose final
 runs include one that did not learn is *unstable* for the cell: those finals move, whole and kept, to
 ``<task>/<experiment>/unstable/<point>/seed<k>/`` (reports do not read them) and the best remaining point's
-finals train in their place.  A point is set aside only while another point whose trial learned remains, so a
+finals train in their place, in the same invocation (a final still training in another sweep is judged when it
+has finished, by the invocation that finds it).  A point is set aside only while another point whose trial learned remains, so a
 method that learns at no point keeps its finals (the report marks them).  Where this changes the choice, the
 selection record says so under ``learning``.
 
@@ -392,8 +393,8 @@ def run_protocol(cells: Sequence[Cell], progress: bool = True, **sweep_fns: Any)
     """
     trials = [t.run for cell in cells for t in cell.trials]
     summary = run_sweep(trials, progress=progress, **sweep_fns) if trials else SweepSummary()
-    finals, chosen = [], []
     stale = set(summary.stale)
+    ready = []
     for cell in cells:
         for trial in cell.trials:
             # The final run retrains the chosen point: a trial's weights are never used again.
@@ -403,15 +404,29 @@ def run_protocol(cells: Sequence[Cell], progress: bool = True, **sweep_fns: Any)
             summary.waiting.append(f"{cell.label}: a trial holds another config's result, final runs wait")
             continue
         summary.set_aside += cell.set_aside_unstable()
-        selection = cell.selection()
-        if selection is None:
-            summary.waiting.append(f"{cell.label}: search incomplete, final runs wait for the next invocation")
-            continue
-        runs = cell.finals(selection["chosen"])
-        finals += runs
-        chosen += [(run, selection) for run in runs]
-    summary.merge(run_sweep(finals, progress=progress, **sweep_fns))
-    for run, selection in chosen:
-        if run.is_done() and (problem := stamp_selection(run, selection)):
-            summary.failed.append(problem)
+        ready.append(cell)
+    # Under require_learning a final that did not learn sets its point aside, and the next point's finals train
+    # in this invocation, not the next one: a sweep that goes on to other methods leaves no cell resting on a run
+    # at chance.  Each round sets one more point aside, so the rounds end.
+    while ready:
+        finals, chosen, picked = [], [], []
+        for cell in ready:
+            selection = cell.selection()
+            if selection is None:
+                summary.waiting.append(f"{cell.label}: search incomplete, final runs wait for the next invocation")
+                continue
+            runs = cell.finals(selection["chosen"])
+            finals += runs
+            chosen += [(run, selection) for run in runs]
+            picked.append((cell, selection["chosen"]))
+        summary.merge(run_sweep(finals, progress=progress, **sweep_fns))
+        for run, selection in chosen:
+            if run.is_done() and (problem := stamp_selection(run, selection)):
+                summary.failed.append(problem)
+        ready = []
+        for cell, point in picked:
+            moved = cell.set_aside_unstable()
+            summary.set_aside += moved
+            if moved and (selection := cell.selection()) is not None and selection["chosen"] != point:
+                ready.append(cell)
     return summary

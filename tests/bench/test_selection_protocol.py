@@ -651,11 +651,11 @@ def test_require_learning_sets_a_point_aside_whose_finals_did_not_learn(tmp_path
     cells = protocol.plan_cells(suite, [suites.Experiment("e", {"name": "lora"})], ["mini/digits"], [0, 1], tmp_path)
     trained: list = []
     fakes = _stuck_trainer({1e-3: 60.0, 1e-2: 70.0}, {(1e-2, "1")}, trained)
+    # Val chose 1e-2; its seed 1 ended at chance, so in the same invocation both its finals are set aside and
+    # 1e-3's finals train (a sweep going on to other methods must not leave the cell at chance).
     first = protocol.run_protocol(cells, progress=False, **fakes)
-    assert first.trained == 4 and not first.set_aside  # val chose 1e-2; its seed 1 ended at chance
+    assert first.trained == 6 and len(first.set_aside) == 2
     cell = tmp_path / "mini-digits/e"
-    second = protocol.run_protocol(cells, progress=False, **fakes)
-    assert len(second.set_aside) == 2 and second.trained == 2
     assert sorted(p.name for p in (cell / "unstable" / "train.lr=0.01").iterdir()) == ["seed0", "seed1"]
     assert [t["train.lr"] for t in trained[4:]] == ["0.001", "0.001"]
     selection = json.loads((cell / "seed0" / "result.json").read_text())["selection"]
@@ -664,8 +664,20 @@ def test_require_learning_sets_a_point_aside_whose_finals_did_not_learn(tmp_path
     # The set-aside finals are kept but never reported; a third invocation has nothing to do.
     assert {(r.experiment, r.seed) for r in collect(tmp_path)} == {("e", 0), ("e", 1)}
     assert len(set_aside_files(tmp_path)) == 2
-    third = protocol.run_protocol(cells, progress=False, **fakes)
-    assert third.trained == 0 and not third.set_aside and not third.failed
+    second = protocol.run_protocol(cells, progress=False, **fakes)
+    assert second.trained == 0 and not second.set_aside and not second.failed
+
+
+def test_require_learning_stops_when_the_next_points_finals_do_not_learn_either(tmp_path):
+    suite = _suite(search={"train.lr": [1e-3, 1e-2]}, require_learning=True)
+    cells = protocol.plan_cells(suite, [suites.Experiment("e", {"name": "lora"})], ["mini/digits"], [0, 1], tmp_path)
+    trained: list = []
+    fakes = _stuck_trainer({1e-3: 60.0, 1e-2: 70.0}, {(1e-2, "1"), (1e-3, "1")}, trained)
+    summary = protocol.run_protocol(cells, progress=False, **fakes)
+    # 1e-2's finals are set aside; 1e-3's seed 1 fails too, and with no other point left its finals stay.
+    assert summary.trained == 6 and len(summary.set_aside) == 2 and not summary.failed
+    assert [t["train.lr"] for t in trained[4:]] == ["0.001", "0.001"]
+    assert protocol.run_protocol(cells, progress=False, **fakes).trained == 0
 
 
 def test_require_learning_passes_over_a_trial_that_did_not_learn_but_keeps_a_method_that_never_learns(tmp_path):
