@@ -26,9 +26,9 @@ training losses only: a trial that did not learn ranks after every trial that di
 runs include one that did not learn is *unstable* for the cell: those finals move, whole and kept, to
 ``<task>/<experiment>/unstable/<point>/seed<k>/`` (reports do not read them) and the best remaining point's
 finals train in their place, in the same invocation (a final still training in another sweep is judged when it
-has finished, by the invocation that finds it).  A point is set aside only while another point whose trial learned remains, so a
-method that learns at no point keeps its finals (the report marks them).  Where this changes the choice, the
-selection record says so under ``learning``.
+has finished, by the invocation that finds it).  A point is set aside only while another point whose trial
+learned remains, so a method that learns at no point keeps its finals (the report marks them).  Where this
+changes the choice, the selection record says so under ``learning``.
 
 Everything is resumable the way a plain sweep is: finished trials and finals are skipped, a cell whose
 search is incomplete (a trial failed, or another sweep still holds one) waits for the next invocation.
