@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
+from test_committed_leaderboards import _result as result_record
+from test_committed_leaderboards import _write as write_run
 
 from petl.bench import compare, report
 
@@ -15,24 +16,7 @@ TASKS = ("mini/digits", "mini/clevr_count")
 
 
 def _write(root: Path, task: str, method: str, seed: int, top1: float) -> None:
-    folder = root / task / method / f"seed{seed}"
-    folder.mkdir(parents=True)
-    result = {
-        "method": method,
-        "method_config": {"num_classes": 10},
-        "dataset": task,
-        "model": "vit_fractal_tiny_patch4_32.fractaldb",
-        "seed": seed,
-        "num_classes": 10,
-        "trainable_params": 1100.0,
-        "trainable_params_no_head": 1000.0,
-        "total_params": 100_000.0,
-        "test_top1": top1,
-        "epochs": 5,
-        "train_seconds": 2.0,
-        "images_per_second": 100.0,
-    }
-    (folder / "result.json").write_text(json.dumps(result))
+    write_run(root / task / method / f"seed{seed}", result_record(task, method, seed, top1))
 
 
 def _board(root: Path, means: dict[str, float], partial: tuple[str, ...] = ()) -> report.Leaderboard:
