@@ -229,7 +229,7 @@ def cmd_compare(args: Sequence[str]) -> int:
         report.build_board(folder, configs, report.plan_of(name, configs) if name else None)
         for folder, name in zip(positional, names, strict=True)
     )
-    page = compare.markdown(compare.compare(*boards), boards)
+    page = compare.markdown(compare.compare(*boards))
     if "out" in own:
         write_text(Path(own["out"]), page)
         print(f"petl-bench: {own['out']}")

@@ -29,12 +29,14 @@ class Comparison:
 
     Attributes:
         labels: how each board is named in the output (its suite, else its folder).
+        models: per board, the backbones its runs trained.
         complete: per board, experiment -> its :class:`Placing`, for every complete row.
         correlation: Spearman's rho over the experiments complete on both boards (in the second board's order).
 
     """
 
     labels: tuple[str, str]
+    models: tuple[list[str], list[str]]
     complete: tuple[dict[str, Placing], dict[str, Placing]]
     correlation: RankCorrelation
 
@@ -59,10 +61,10 @@ def compare(first: Leaderboard, second: Leaderboard) -> Comparison:
     """Match the complete rows of two boards by experiment and rank-correlate their task means."""
     a, b = placings(first), placings(second)
     correlation = rank_correlation({e: p.task_mean for e, p in b.items()}, {e: p.task_mean for e, p in a.items()})
-    return Comparison((label(first), label(second)), (a, b), correlation)
+    return Comparison((label(first), label(second)), (first.models, second.models), (a, b), correlation)
 
 
-def markdown(comparison: Comparison, boards: tuple[Leaderboard, Leaderboard]) -> str:
+def markdown(comparison: Comparison) -> str:
     """The comparison as a Markdown page: the coefficient, then one line per shared experiment."""
     (name_a, name_b), (a, b) = comparison.labels, comparison.complete
     rho, shared = comparison.correlation.rho, comparison.shared
@@ -77,8 +79,8 @@ def markdown(comparison: Comparison, boards: tuple[Leaderboard, Leaderboard]) ->
         "task, every seed) ranked by task mean; a rank is the place among that board's own complete rows.",
         "",
         *(
-            f"- **{name}**: {len(places)} complete rows; measured on {', '.join(board.models)}."
-            for name, places, board in ((name_a, a, boards[0]), (name_b, b, boards[1]))
+            f"- **{name}**: {len(places)} complete rows; measured on {', '.join(models)}."
+            for name, places, models in zip(comparison.labels, comparison.complete, comparison.models, strict=True)
         ),
         "",
         f"**Rank correlation of the task means**: {verdict}",

@@ -42,7 +42,7 @@ def test_ranks_are_places_among_each_boards_complete_rows_and_rho_is_over_the_sh
     # ranks (1, 2, 3) on the second against (1, 3, 2) on the first: 1 - 6 * 2 / 24
     assert found.correlation.rho == pytest.approx(0.5)
 
-    page = compare.markdown(found, (first, second))
+    page = compare.markdown(found)
     assert "Spearman's rho = +0.50 over the 3 experiments complete on both boards." in page
     assert "| linear | 3 | 50.00 | 2 | 85.00 | +1 |" in page and "| lora | 2 | 60.00 | 3 | 80.00 | -1 |" in page
     assert "Complete only on suite a (1, not compared): bitfit." in page
@@ -52,7 +52,7 @@ def test_ranks_are_places_among_each_boards_complete_rows_and_rho_is_over_the_sh
 def test_too_few_shared_rows_give_no_coefficient(tmp_path):
     first = _board(tmp_path / "a", {"lora": 60.0, "linear": 50.0})
     second = _board(tmp_path / "b", {"lora": 70.0, "linear": 80.0})
-    page = compare.markdown(compare.compare(first, second), (first, second))
+    page = compare.markdown(compare.compare(first, second))
     assert "not computed: 2 experiment(s) are complete on both; it needs 3." in page
 
 
@@ -79,4 +79,4 @@ def test_the_committed_comparison_rebuilds_from_the_committed_runs(tmp_path):
         report.build_board(results / "mini_selection" / "runs", plan=report.plan_of("mini_selection")),
         report.build_board(results / "mini_dinov2" / "runs", plan=report.plan_of("mini_dinov2")),
     )
-    assert compare.markdown(compare.compare(*boards), boards) == COMMITTED.read_text()
+    assert compare.markdown(compare.compare(*boards)) == COMMITTED.read_text()
