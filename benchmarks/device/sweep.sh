@@ -3,7 +3,9 @@
 # SWEEPS processes (one torch thread each) loop over METHODS, each pass skipping finished runs, until DEADLINE
 # seconds have passed; then every sweep is stopped (a run cut short leaves no result.json and trains again
 # elsewhere) and the files of the runs that finished are packed into $OUT/runs.tgz, with the sweeps' logs and
-# the data fingerprints (compare with benchmarks/results/mini_selection/fingerprints.txt).  Back here:
+# the data fingerprints (compare with benchmarks/results/mini_selection/fingerprints.txt).  The two archives are
+# also re-packed every 60 s, so a call the device's time limit cuts off still brings back what had finished.
+# Back here:
 #   tar xzf <files_at>/runs.tgz -C /tmp/gpu && benchmarks/copy_finished_runs.sh /tmp/gpu benchmarks/results/mini_dinov2/runs
 #
 #   METHODS_LIST="lora bitfit" DEADLINE=525 SWEEPS=15 bash benchmarks/device/sweep.sh     (on the device machine)
@@ -54,16 +56,25 @@ for i in $(seq 1 "$SWEEPS"); do
     sweep >> "/tmp/logs/$i.log" 2>&1 &
     sleep 3  # let each sweep lock its run before the next one looks
 done
-while [ $SECONDS -lt $end ] && [ -n "$(jobs -r)" ]; do sleep 5; done
+pack() {  # this call's files so far into $OUT/runs.tgz (replaced whole), so that a call cut off by the device's
+    # time limit still brings back what finished; copy_finished_runs.sh takes only runs with a result.json
+    (cd $OUTDIR && find . -newer /tmp/start_marker -type f ! -name '*.safetensors' ! -name checkpoint.pt \
+        ! -name .petl.lock ! -name model.json > /tmp/newfiles && tar czf /tmp/runs.tgz -T /tmp/newfiles \
+        && mv /tmp/runs.tgz "$OUT/runs.tgz" && wc -l < /tmp/newfiles)
+    tar czf /tmp/logs.tgz -C /tmp logs && mv /tmp/logs.tgz "$OUT/logs.tgz"
+}
+last_pack=$SECONDS
+while [ $SECONDS -lt $end ] && [ -n "$(jobs -r)" ]; do
+    sleep 5
+    if [ $((SECONDS - last_pack)) -ge 60 ]; then pack > /dev/null; last_pack=$SECONDS; fi
+done
 echo "sweeps ended at ${SECONDS} s; runs left: $(left)"
 pkill -TERM -f petl.cli.bench; sleep 5; pkill -KILL -f petl.cli.bench; wait
-(cd $OUTDIR && find . -newer /tmp/start_marker -type f ! -name '*.safetensors' ! -name checkpoint.pt \
-    ! -name .petl.lock ! -name model.json > /tmp/newfiles && wc -l < /tmp/newfiles && tar czf "$OUT/runs.tgz" -T /tmp/newfiles)
-tar czf "$OUT/logs.tgz" -C /tmp logs
+pack
 if [ -n "${SPEED_UNTIL:-}" ] && [ $((SPEED_UNTIL - SECONDS)) -gt 60 ]; then
     echo "speed: $((SPEED_UNTIL - SECONDS)) s left for petl-bench speed"
     timeout $((SPEED_UNTIL - SECONDS)) python3 -m petl.cli.bench speed device=cuda options_for=lora ${SPEED_ARGS:-} \
         out="$OUT/speed_cuda.md" > /tmp/logs/speed.log 2>&1
     echo "speed: exit $? at ${SECONDS} s"; tail -5 /tmp/logs/speed.log
-    tar czf "$OUT/logs.tgz" -C /tmp logs
+    pack > /dev/null
 fi
