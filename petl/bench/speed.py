@@ -5,10 +5,12 @@ For every experiment and two references, on one backbone and batch:
 * **train step**: forward + cross-entropy + backward + AdamW step, median of ``steps`` timed steps after
   ``warmup`` untimed ones (the first steps allocate optimizer state and warm caches).  All cases live in
   one process and take turns over ``rounds`` rounds, so a shared machine's drifting load falls on all alike;
-* **peak memory**, in a fresh subprocess per case: on CUDA, ``torch.cuda.max_memory_allocated`` (absolute:
-  weights, gradients, optimizer state, activations); on CPU, the growth of the resident set's high-water
-  mark (Linux VmHWM, reset after set-up) over the RSS after set-up, so it counts gradients, AdamW state
-  and activations but not the frozen weights.  tracemalloc cannot see torch's allocator, hence RSS;
+* **peak memory**: on CUDA, ``torch.cuda.max_memory_allocated`` (absolute: weights, gradients, optimizer
+  state, activations), in this process, the allocator's peak reset per case once the previous case's tensors
+  are freed; on CPU, in a fresh subprocess per case, the growth of the resident set's high-water mark (Linux
+  VmHWM, reset after set-up) over the RSS after set-up, so it counts gradients, AdamW state and activations
+  but not the frozen weights.  tracemalloc cannot see torch's allocator, hence RSS, and an RSS high-water
+  mark cannot be lowered again, hence a process per case;
 * **inference**: eval-mode forward latency at ``infer_batch``, median of ``infer_steps``, also in turns.
 
 References: the frozen backbone's no-grad forward, full fine-tuning, and peft's LoRA on the whole fused
@@ -137,10 +139,13 @@ def run_speed(
 
     """
     cases, floor_of = plan_cases(spec, experiments, options_for, log)
+    # A fresh process per case costs seconds of start-up (about 15 s a case on a GPU machine); only the
+    # CPU's RSS high-water mark needs it, the CUDA allocator's peak resets in place.
+    measure = measure_memory if inprocess or spec.device == "cuda" else measure_memory_in_subprocess
     results: dict[str, dict[str, Any]] = {}
     for case in cases:
         log(f"speed: memory of {case.name}")
-        results[case.name] = (measure_memory if inprocess else measure_memory_in_subprocess)(case, spec)
+        results[case.name] = measure(case, spec)
     method_floors = {c.name: floor_of[c.name] for c in cases if c.name in floor_of and not c.options}
     for name, times in measure_times(cases, spec, log, method_floors).items():
         results[name].update(times)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import json
 import random
 import statistics
@@ -212,6 +213,9 @@ def measure_memory(case: Case, spec: SpeedSpec) -> dict[str, Any]:
     that of 2 compiled steps over the RSS after set-up (it includes what the compiled code keeps
     resident, not the compiler's passing peak).
     """
+    if spec.device == "cuda":  # in one process for every case: free the previous case's tensors first
+        gc.collect()
+        torch.cuda.empty_cache()
     bench = _Bench(case, spec)
     before = current_rss_mb()
     steps = spec.warmup + 2

@@ -57,7 +57,8 @@ def format_table(results: dict[str, dict[str, Any]], spec: SpeedSpec, machine: s
     full = results.get("full", {})
     peft_lora = results.get(PEFT_LORA, {})
     memory = (
-        "CUDA max_memory_allocated (absolute: weights, grads, AdamW state, activations), fresh process per row"
+        "CUDA max_memory_allocated (absolute: weights, grads, AdamW state, activations), reset per row in one "
+        "process after the previous row's tensors are freed"
         if spec.device == "cuda"
         else "peak RSS growth over the RSS after set-up (Linux VmHWM, reset through /proc/self/clear_refs), "
         "fresh process per row, i.e. grads + AdamW state + activations, not the weights"
