@@ -120,8 +120,9 @@ class NoahConfig(_init.InitOption, core.MethodConfig):
     """Options of NOAH.
 
     Attributes:
-        prompt: per block, the prompt tokens it adds (0: none), as ``"10,5,1,..."`` (a list of ints is
-            accepted too).
+        prompt: per block, the prompt tokens it adds (0: none), as ``"10,5,1,..."`` (from Python a list of
+            ints is accepted too; on the command line quote the string, ``'method.prompt="10,5,1,..."'``, as
+            Hydra reads a bare ``10,5,1`` as a sweep and ``[10,5,1]`` as a list).
         lora: per block, the rank of its LoRA update of qkv (0: none), written as ``prompt``.
         adapter: per block, the width of its adapter after the MLP (0: none), written as ``prompt``.
             Given one of the three, an empty other is off in every block.  With all three empty the
