@@ -5,12 +5,13 @@ For every experiment and two references, on one backbone and batch:
 * **train step**: forward + cross-entropy + backward + AdamW step, median of ``steps`` timed steps after
   ``warmup`` untimed ones (the first steps allocate optimizer state and warm caches).  All cases live in
   one process and take turns over ``rounds`` rounds, so a shared machine's drifting load falls on all alike;
-* **peak memory**: on CUDA, ``torch.cuda.max_memory_allocated`` (absolute: weights, gradients, optimizer
-  state, activations), in this process, the allocator's peak reset per case once the previous case's tensors
-  are freed; on CPU, in a fresh subprocess per case, the growth of the resident set's high-water mark (Linux
-  VmHWM, reset after set-up) over the RSS after set-up, so it counts gradients, AdamW state and activations
-  but not the frozen weights.  tracemalloc cannot see torch's allocator, hence RSS, and an RSS high-water
-  mark cannot be lowered again, hence a process per case;
+* **peak memory**: on CUDA, ``torch.cuda.max_memory_allocated`` (weights, gradients, optimizer state,
+  activations), in this process, the allocator's peak reset per case once the previous case's tensors are
+  freed, less what was still allocated before the case was built; on CPU, in a fresh subprocess per case,
+  the growth of the resident set's high-water mark (Linux VmHWM, reset after set-up) over the RSS after
+  set-up, so it counts gradients, AdamW state and activations but not the frozen weights.  tracemalloc
+  cannot see torch's allocator, hence RSS, and an RSS high-water mark cannot be lowered again, hence a
+  process per case;
 * **inference**: eval-mode forward latency at ``infer_batch``, median of ``infer_steps``, also in turns.
 
 References: the frozen backbone's no-grad forward, full fine-tuning, and peft's LoRA on the whole fused

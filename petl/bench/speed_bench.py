@@ -220,11 +220,16 @@ def measure_memory(case: Case, spec: SpeedSpec) -> dict[str, Any]:
     The peak covers ``warmup`` + 2 steps: the first step allocates the gradients and AdamW's state,
     later ones only repeat it.  A compiled case compiles in its warm-up steps first, so its peak is
     that of 2 compiled steps over the RSS after set-up (it includes what the compiled code keeps
-    resident, not the compiler's passing peak).
+    resident, not the compiler's passing peak).  On CUDA the peak is the allocator's, less what was
+    allocated before the case was built.
     """
-    if spec.device == "cuda":  # in one process for every case: free the previous case's tensors first
+    cuda = spec.device == "cuda"
+    if cuda:  # every case in one process: free what earlier cases left (the compiler's caches may hold a model)
+        torch.compiler.reset()
         gc.collect()
         torch.cuda.empty_cache()
+    # Whatever is still allocated (cuBLAS's workspace, anything a cache kept) is not this case's.
+    elsewhere = torch.cuda.memory_allocated() if cuda else 0
     bench = _Bench(case, spec)
     before = current_rss_mb()
     steps = spec.warmup + 2
@@ -232,13 +237,13 @@ def measure_memory(case: Case, spec: SpeedSpec) -> dict[str, Any]:
         for _ in range(spec.warmup):
             bench.step()
         steps = 2
-    if spec.device == "cuda":
+    if cuda:
         torch.cuda.reset_peak_memory_stats()
     # From here the high-water mark belongs to the steps alone (Linux); the weights are already resident.
     reset_peak_rss()
     for _ in range(steps):
         bench.step()
-    peak = torch.cuda.max_memory_allocated() / 2**20 if spec.device == "cuda" else max(0.0, peak_rss_mb() - before)
+    peak = (torch.cuda.max_memory_allocated() - elsewhere) / 2**20 if cuda else max(0.0, peak_rss_mb() - before)
     return {"trainable": sum(p.numel() for p in bench.params), "peak_mb": peak}
 
 

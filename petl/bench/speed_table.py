@@ -57,8 +57,8 @@ def format_table(results: dict[str, dict[str, Any]], spec: SpeedSpec, machine: s
     full = results.get("full", {})
     peft_lora = results.get(PEFT_LORA, {})
     memory = (
-        "CUDA max_memory_allocated (absolute: weights, grads, AdamW state, activations), reset per row in one "
-        "process after the previous row's tensors are freed"
+        "CUDA max_memory_allocated (weights, grads, AdamW state, activations), reset per row in one process, "
+        "less what was still allocated before the row's model was built"
         if spec.device == "cuda"
         else "peak RSS growth over the RSS after set-up (Linux VmHWM, reset through /proc/self/clear_refs), "
         "fresh process per row, i.e. grads + AdamW state + activations, not the weights"
