@@ -224,10 +224,11 @@ def measure_memory(case: Case, spec: SpeedSpec) -> dict[str, Any]:
     allocated before the case was built.
     """
     cuda = spec.device == "cuda"
-    if cuda:  # every case in one process: free what earlier cases left (the compiler's caches may hold a model)
+    if cuda:
+        # Every case runs in this process: free what earlier ones left (the compiler's caches may hold a model)
+        # now, before the count starts, not mid-step, where a late free would hide part of this case's peak.
         torch.compiler.reset()
         gc.collect()
-        torch.cuda.empty_cache()
     # Whatever is still allocated (cuBLAS's workspace, anything a cache kept) is not this case's.
     elsewhere = torch.cuda.memory_allocated() if cuda else 0
     bench = _Bench(case, spec)
