@@ -45,7 +45,12 @@ def one_search(epochs: int, generations: int, population: int) -> None:
     loader = DataLoader(build.calibration_set(cfg, backbone), batch_size=BATCH)
     noah = NoahConfig(num_classes=10, search_epochs=epochs, search_generations=generations, population=population)
     print(f"load average at start {' '.join(f'{x:.1f}' for x in os.getloadavg())} on {os.cpu_count()} cores")
-    rng, device, depth, width = random.Random(0), torch.device("cpu"), petl.vit.depth(backbone), noah.supernet_dim
+    rng, device, depth, width = (
+        random.Random(0),
+        torch.device("cpu"),
+        petl.backbone_of(backbone).depth(),
+        noah.supernet_dim,
+    )
     clock = [(time.perf_counter(), time.process_time())]
     supernet = petl.apply(
         backbone, "noah", num_classes=10, prompt=[width] * depth, lora=[width] * depth, adapter=[width] * depth
@@ -66,7 +71,7 @@ def one_search(epochs: int, generations: int, population: int) -> None:
         f"{sum(len(y) for _, y in held_out)} images: {wall_2 - wall_1:.0f} s wall, {cpu_2 - cpu_1:.0f} s CPU"
     )
     print(
-        f"chosen subnet (held-out top-1 {accuracy:.2f}), {subnet_params(petl.vit.embed_dim(backbone), *best)} "
+        f"chosen subnet (held-out top-1 {accuracy:.2f}), {subnet_params(petl.backbone_of(backbone).width(), *best)} "
         "trainable parameters without the head:"
     )
     for name, widths in zip(noah_search.MODULES, best, strict=True):
@@ -92,7 +97,7 @@ def main(argv: list[str]) -> None:
     loader = DataLoader(dataset, batch_size=BATCH)
     noah = NoahConfig(num_classes=10)
     train, held_out = noah_search._split(loader)
-    width, depth = noah.supernet_dim, petl.vit.depth(backbone)
+    width, depth = noah.supernet_dim, petl.backbone_of(backbone).depth()
     supernet = petl.apply(
         backbone, "noah", num_classes=10, prompt=[width] * depth, lora=[width] * depth, adapter=[width] * depth
     )

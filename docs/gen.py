@@ -13,7 +13,8 @@ What it writes, and from what:
   command has;
 * ``petl/cli/run_choices.py``: the config groups and default config of Hydra's own ``petl-run`` help, which
   ``petl-run --help`` prints without loading torch;
-* the works-with table in ``docs/works-with.md`` (``petl.bench.timm_support.support_table()``, between markers).
+* the works-with table in ``docs/works-with.md`` (``petl.bench.timm_support.support_table()``, between markers),
+  and the table of which backbone kinds each method supports there (each method's registered ``backbones``).
 
 A script beside the pages rather than a module of the package: it is a developer's tool that needs the checkout
 (``configs/``, ``pyproject.toml``, ``docs/``), not something an installed petl runs.  tests/docs/test_docs.py runs it
@@ -256,6 +257,22 @@ def methods_table(counter: Counter) -> str:
     return "\n".join(lines) + "\n"
 
 
+def backbones_table() -> str:
+    """Method x backbone kind: what each method declares it supports (``register_method(..., backbones=...)``)."""
+    import petl
+
+    kinds = petl.list_backbones()
+    lines = ["| method | " + " | ".join(f"`{kind}`" for kind in kinds) + " |", "| --- " * (len(kinds) + 1) + "|"]
+    for name in petl.list_methods():
+        supported = petl.get_method(name).backbones
+        lines.append(
+            f"| [`{name}`](methods/{name}.md) | "
+            + " | ".join("yes" if k in supported else "refused" for k in kinds)
+            + " |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def console_scripts() -> dict[str, str]:
     import tomllib  # Python 3.11+, as the tests that read pyproject.toml
 
@@ -399,6 +416,7 @@ def pages(cli: bool = True) -> dict[Path, str]:
     regions = {  # file -> (begin marker, end marker, what goes between)
         DOCS / "methods.md": ("<!-- methods-table -->", "<!-- /methods-table -->", methods_table(counter)),
         DOCS / "works-with.md": ("<!-- works-with -->", "<!-- /works-with -->", timm_support.support_table()),
+        DOCS / "backbones.md": ("<!-- backbones -->", "<!-- /backbones -->", backbones_table()),
         ROOT / "mkdocs.yml": ("      # methods:begin", "      # methods:end", nav_block()),
     }
     for path, (begin, end, body) in regions.items():

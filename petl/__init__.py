@@ -14,6 +14,10 @@ from petl.version import __version__
 
 # Public name -> the module that defines it.
 _HOMES = {
+    "Backbone": "petl.model.backbone",
+    "backbone_of": "petl.model.backbone",
+    "list_backbones": "petl.model.backbone",
+    "register_backbone": "petl.model.backbone",
     "MethodConfig": "petl.core",
     "MethodSpec": "petl.core",
     "ParamCount": "petl.core",
@@ -50,6 +54,7 @@ if TYPE_CHECKING:
     )
     from petl.deploy.multitask import MultiTask
     from petl.io import load_trainable, read_trainable_metadata, save_trainable
+    from petl.model.backbone import Backbone, backbone_of, list_backbones, register_backbone
     from petl.store.load import LoadedRun, load_run
     from petl.surgery import apply, merge
     from petl.unloading import unload

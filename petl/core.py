@@ -19,7 +19,7 @@ from typing import Any, ClassVar, NamedTuple
 import torch
 from torch import nn
 
-from petl import vit
+from petl.model.backbone import backbone_of
 
 
 @dataclass
@@ -238,6 +238,8 @@ class MethodSpec:
     trainable_formula: Callable[[nn.Module, MethodConfig], int]
     zero_init: bool
     mergeable: bool
+    # The backbone kinds (:attr:`petl.Backbone.kind`) the method's idea fits; petl.apply refuses the others.
+    backbones: tuple[str, ...] = ("vit",)
     # Optional data-driven step before injection (e.g. choosing channels from the task's images):
     # ``calibrate(backbone, cfg, loader, *, progress=True) -> cfg``.  petl-run calls it; Python users call it
     # themselves.
@@ -254,6 +256,7 @@ def register_method(
     zero_init: bool = False,
     mergeable: bool = False,
     calibrate: Callable[..., MethodConfig] | None = None,
+    backbones: tuple[str, ...] = ("vit",),
 ) -> Callable:
     """Decorator registering ``inject(model, cfg)`` as method ``name``.
 
@@ -270,13 +273,25 @@ def register_method(
             augmentation) on the frozen backbone before injection; ``progress`` says whether it may show
             progress bars (``petl-run`` passes ``train.progress``).  ``petl-run`` calls it once per run and
             records the returned config; :func:`apply` does not, so Python users call it first.
+        backbones: the backbone kinds (:attr:`petl.Backbone.kind`, :func:`petl.list_backbones`) the method
+            supports, from what its idea needs (a flat token sequence, prefix tokens, one width, the block's
+            residual halves); :func:`apply` refuses a model of another kind in one line.
 
     """
 
     def decorate(inject: Callable[[nn.Module, MethodConfig], None]) -> Callable:
         if name in _REGISTRY:
             raise ValueError(f"method {name!r} is registered twice")
-        _REGISTRY[name] = MethodSpec(name, config_cls, inject, trainable_formula, zero_init, mergeable, calibrate)
+        _REGISTRY[name] = MethodSpec(
+            name,
+            config_cls,
+            inject,
+            trainable_formula,
+            zero_init,
+            mergeable,
+            calibrate=calibrate,
+            backbones=tuple(backbones),
+        )
         return inject
 
     return decorate
@@ -354,7 +369,7 @@ class ParamCount(NamedTuple):
 
 def count_params(model: nn.Module) -> ParamCount:
     """Count trainable parameters (with and without the classifier head) and all parameters."""
-    head_ids = {id(p) for p in vit.head(model).parameters()} if hasattr(model, "head") else set()
+    head_ids = {id(p) for p in backbone_of(model).head().parameters()} if hasattr(model, "head") else set()
     trainable = [p for p in model.parameters() if p.requires_grad]
     return ParamCount(
         trainable=sum(p.numel() for p in trainable),

@@ -21,21 +21,22 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from petl import vit
 from petl.core import trainable_state
+from petl.model.backbone import backbone_of
 from petl.surgery import apply
 
 FORMAT = "petl-trainable-1"
 
 
 def _describe(model: nn.Module) -> dict[str, str]:
+    bb = backbone_of(model)
     config = model.petl_config
     return {
         "format": FORMAT,
         "method": model.petl_method,
         "config": json.dumps(dataclasses.asdict(config), sort_keys=True),
-        "embed_dim": str(vit.embed_dim(model)),
-        "depth": str(vit.depth(model)),
+        "embed_dim": str(bb.width()),
+        "depth": str(bb.depth()),
     }
 
 
@@ -196,9 +197,10 @@ def load_trainable(model: nn.Module, path: str | Path) -> nn.Module:
     is changed: on an error the model is exactly as it was (a fresh one gets no method applied).
     Files are read with safetensors, so nothing is ever unpickled.
     """
+    bb = backbone_of(model)
     meta = read_trainable_metadata(path)
     for key in ("embed_dim", "depth"):
-        have = vit.embed_dim(model) if key == "embed_dim" else vit.depth(model)
+        have = bb.width() if key == "embed_dim" else bb.depth()
         if have != meta[key]:
             raise ValueError(f"{path} was saved for a backbone with {key}={meta[key]}, this one has {key}={have}")
     fresh = getattr(model, "petl_method", None) is None

@@ -11,8 +11,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from petl import timm_api, vit
+from petl import timm_api
 from petl.core import MethodConfig, foreign_converter, get_method, make_config, merge_updates, method_for_config
+from petl.model.backbone import backbone_of
 from petl.unloading import unload as unload_model
 
 
@@ -36,8 +37,8 @@ def apply(
         The same model, modified.
 
     Raises:
-        ValueError: unknown method or option, a value out of range, an unsupported model,
-            or a model that already carries a petl method.
+        ValueError: unknown method or option, a value out of range, an unsupported model, a backbone the method
+            does not declare (:attr:`MethodSpec.backbones`), or a model that already carries a petl method.
 
     """
     foreign = foreign_converter(method)
@@ -63,16 +64,22 @@ def apply(
     # Checked first: a wrapped model would otherwise fail the ViT check with a misleading message.
     if getattr(model, "petl_method", None) is not None:
         raise ValueError(f"this model already carries petl method {model.petl_method!r}; start from a fresh model")
-    vit.check_vit(model)
+    bb = backbone_of(model)
+    bb.check()
+    if bb.kind not in spec.backbones:
+        raise ValueError(
+            f"method {method!r} does not support the {bb.kind} backbone ({type(model).__name__}): "
+            f"it supports {', '.join(spec.backbones)}"
+        )
     config.validate(model)
     model.requires_grad_(False)
     # Kept referenced, so that no new module can reuse the id of one dropped meanwhile (the old head).
     existing = {id(m): m for m in model.modules()}
     if config.num_classes is not None:
-        vit.reset_head(model, config.num_classes)
+        bb.reset_head(config.num_classes)
     spec.inject(model, config)
     _follow_modes(model, existing)
-    vit.head(model).requires_grad_(True)
+    bb.head().requires_grad_(True)
     model.petl_method = method
     model.petl_config = config
     timm_api.install(model)

@@ -38,7 +38,8 @@ import torch
 from timm.models._features import feature_take_indices
 from torch import nn
 
-from petl import core, vit
+from petl import core
+from petl.model.backbone import backbone_of
 
 
 def reset_classifier(model: nn.Module, num_classes: int, global_pool: str | None = None) -> None:
@@ -53,7 +54,8 @@ def reset_classifier(model: nn.Module, num_classes: int, global_pool: str | None
         ValueError: ``num_classes=0`` on a method whose head is its own (it has no 0-class form).
 
     """
-    old = vit.head(model)
+    bb = backbone_of(model)
+    old = bb.head()
     method = getattr(model, "petl_method", None)
     if isinstance(old, core.PetlHead) and num_classes < 1:
         raise ValueError(
@@ -65,9 +67,9 @@ def reset_classifier(model: nn.Module, num_classes: int, global_pool: str | None
         head = old.for_classes(num_classes)
         head.to(**core.factory_kwargs(model))
         head.train(old.training)
-        vit.set_head(model, head)
+        bb.set_head(head)
     # The head trains for every method (as petl.apply leaves it), and the config records its classes.
-    vit.head(model).requires_grad_(True)
+    bb.head().requires_grad_(True)
     if dataclasses.is_dataclass(getattr(model, "petl_config", None)):
         model.petl_config = dataclasses.replace(model.petl_config, num_classes=num_classes)
 
@@ -125,11 +127,11 @@ def forward_intermediates(
     if output_fmt not in ("NCHW", "NLC"):
         raise ValueError(f"forward_intermediates: output_fmt={output_fmt!r}: choose NCHW or NLC")
     final, found = timm_forward(model, x, indices, True, norm, stop_early, "NLC", False, **kwargs)
-    if vit.num_prefix_tokens(model):
+    if backbone_of(model).num_prefix_tokens():
         tokens, prefixes = [t for t, _ in found], [p for _, p in found]
     else:
         tokens, prefixes = found, None
-    rows, cols = model.patch_embed.dynamic_feat_size(x.shape[-2:])
+    rows, cols = backbone_of(model).feature_grid(x)
     patches = rows * cols
     # The prompts sit in front of the patch tokens (VPT) or behind them (NOAH); the patch tokens keep their order.
     tokens = [t[:, t.shape[1] - patches :] if "front" in places else t[:, :patches] for t in tokens]
@@ -167,7 +169,7 @@ def forward_head(model: nn.Module, x: torch.Tensor, pre_logits: bool = False) ->
     timm documents ``pre_logits`` as the features the classifier's last layer reads (its MLP heads return their
     hidden layers' output).  A petl head (:class:`petl.core.PetlHead`) takes ``pre_logits`` as timm's heads do.
     """
-    head = vit.head(model)
+    head = backbone_of(model).head()
     if pre_logits and isinstance(head, core.PetlHead):
         return head(type(model).forward_head(model, x, pre_logits=True), pre_logits=True)
     return type(model).forward_head(model, x, pre_logits)
@@ -184,13 +186,14 @@ def prune_intermediate_layers(
             block); nothing is changed.
 
     """
-    head, method = vit.head(model), getattr(model, "petl_method", None)
+    bb = backbone_of(model)
+    head, method = bb.head(), getattr(model, "petl_method", None)
     if prune_head and isinstance(head, core.PetlHead):
         raise ValueError(
             f"prune_intermediate_layers: method {method!r} classifies with its own {type(head).__name__}, which "
             "prune_head=True would remove: pass prune_head=False to keep it"
         )
-    blocks = vit.block_container(model)
+    blocks = bb.block_container()
     _, max_index = feature_take_indices(len(blocks), indices)
     dropped = [m for block in list(blocks)[max_index + 1 :] for m in block.modules()]
     # A block that removes the prompts after itself (NOAH's last, VPT's with pool=img_pool) cannot be dropped: the
@@ -274,7 +277,7 @@ def support(model: nn.Module) -> dict[str, str]:
     timm's pruning or a refusal, bf16 logits within bf16 precision of fp32, compiled and traced logits equal to
     the eager ones, a merged plain timm model with the same logits that ONNX exports, or a refusal.
     """
-    head = vit.head(model)
+    head = backbone_of(model).head()
     wrappers = _wrappers(model)
     refusal = next((m for m in wrappers if m.no_grad_checkpointing), None)
     prompts = any(m.prompt_place for m in wrappers)

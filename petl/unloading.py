@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from petl import core, timm_api
+from petl.model.backbone import backbone_of
 
 
 def _base_of(module: nn.Module) -> nn.Module | None:
@@ -33,11 +34,12 @@ def _check_unloadable(model: nn.Module) -> None:
                 f"method {method!r} cannot be unloaded into a plain timm model: its {type(module).__name__} "
                 f"at {name} does not fold into the backbone (use the petl model, e.g. petl.load_run)"
             )
-    head = getattr(model, "head", None)
-    if head is not None and type(head) not in (nn.Linear, nn.Identity):
+    bb = backbone_of(model)
+    head, plain = bb.head(), bb.plain_head_types()
+    if type(head) not in plain:
         raise ValueError(
             f"method {method!r} cannot be unloaded into a plain timm model: its head is a {type(head).__name__}, "
-            "timm's is a Linear (use the petl model, e.g. petl.load_run)"
+            f"timm's is a {plain[0].__name__} (use the petl model, e.g. petl.load_run)"
         )
 
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from petl import vit
+from petl.model.backbone import backbone_of
 
 
 @dataclass(frozen=True)
@@ -54,10 +54,11 @@ def _observe(model, images, handles: list) -> None:
 
 def tokens_per_block(model, images) -> list[int]:
     """How many tokens enter each block (inside any wrapper, so prompts added by a wrapper count)."""
-    seen: list[int] = [0] * vit.depth(model)
+    bb = backbone_of(model)
+    seen: list[int] = [0] * bb.depth()
     handles = [
         block.register_forward_pre_hook(lambda _m, args, i=i: seen.__setitem__(i, max(seen[i], args[0].shape[-2])))
-        for i, block in enumerate(vit.blocks(model))
+        for i, block in enumerate(bb.block_list())
     ]
     _observe(model, images, handles)
     return seen
@@ -111,13 +112,14 @@ def floor_hooks(model, floor: Floor) -> None:
     Extra tokens are appended where they enter, then the input of ``floor.start`` is made to require grad,
     so the backward reaches exactly that far (hooks run in the order they were registered).
     """
+    bb = backbone_of(model)
 
     def add_tokens(_module, args):
         x = args[0]
         return (torch.cat([x, x.new_zeros(x.shape[0], floor.extra_tokens, x.shape[-1])], dim=-2), *args[1:])
 
     if floor.extra_tokens:
-        vit.block_container(model)[floor.extra_at].register_forward_pre_hook(add_tokens)
+        bb.block_container()[floor.extra_at].register_forward_pre_hook(add_tokens)
     if floor.start:
         start = model.get_submodule(floor.start)
         start.register_forward_pre_hook(lambda _m, args: (args[0].detach().requires_grad_(), *args[1:]))
@@ -132,6 +134,6 @@ def floor_hooks(model, floor: Floor) -> None:
         def restore(_module, _args, _out) -> None:  # a forward hook returning a value would replace the output
             torch.set_grad_enabled(modes.pop())
 
-        for block in vit.blocks(model):
+        for block in bb.block_list():
             block.register_forward_pre_hook(no_grad)
             block.register_forward_hook(restore)

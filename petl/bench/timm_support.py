@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from timm.models.vision_transformer import VisionTransformer
+import timm
 
 from petl.presets import configs_dir, list_experiments, load_experiment
 from petl.surgery import apply
@@ -20,7 +20,9 @@ def support_table() -> str:
     for name in list_experiments(configs):
         options = dict(load_experiment(name, configs).method)
         method = options.pop("name")
-        tiny = VisionTransformer(img_size=32, patch_size=8, embed_dim=48, depth=3, num_heads=3, num_classes=4)
+        tiny = timm.create_model(
+            "vit_tiny_patch16_224", img_size=32, patch_size=8, embed_dim=48, depth=3, num_heads=3, num_classes=4
+        )
         rows.append((name, method, support(apply(tiny, method, **options))))
     columns = list(rows[0][2])
     lines = ["| experiment | method | " + " | ".join(f"`{c}`" for c in columns) + " |"]

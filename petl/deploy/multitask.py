@@ -43,10 +43,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from petl import vit
 from petl.core import trainable_state
 from petl.deploy.routing import Batch, RoutedBlock, RoutedModule, Router, method_name, task_sites
 from petl.io import load_trainable, meta_copy, read_trainable_metadata
+from petl.model.backbone import backbone_of
 from petl.rows import CannotShare, RowHook, Tokens
 from petl.store import files, load
 from petl.surgery import apply
@@ -106,7 +106,7 @@ def _shared_copy(backbone: nn.Module, unshared: set[str] = frozenset()) -> nn.Mo
 def _block_paths(backbone: nn.Module) -> list[str]:
     """The module paths of the backbone's blocks, in order."""
     paths = {id(m): path for path, m in backbone.named_modules()}
-    return [paths[id(b)] for b in vit.block_container(backbone)]
+    return [paths[id(b)] for b in backbone_of(backbone).block_container()]
 
 
 class MultiTask(nn.Module):
@@ -130,7 +130,8 @@ class MultiTask(nn.Module):
         super().__init__()
         if getattr(backbone, "petl_method", None) is not None:
             raise ValueError(f"pass the plain backbone: this one carries petl method {backbone.petl_method!r}")
-        vit.check_vit(backbone)
+        bb = backbone_of(backbone)
+        bb.check()
         if not tasks:
             raise ValueError("MultiTask needs at least one task")
         backbone.requires_grad_(False).eval()
@@ -151,7 +152,7 @@ class MultiTask(nn.Module):
             hooks.append(sites)
         # The task models own the trained tensors (so .to() moves them); their frozen tensors are the backbone's.
         self.tasks = nn.ModuleList(models)
-        self.num_classes = {name: vit.num_classes(m) for name, m in zip(self.names, models, strict=True)}
+        self.num_classes = {name: backbone_of(m).num_classes() for name, m in zip(self.names, models, strict=True)}
         self.prompts = [max((h.prompts for h in sites.values()), default=0) for sites in hooks]
         self.pool_prompts = [all(h.pool_prompts for h in sites.values()) for sites in hooks]
         # Per task, per block: how many of its slots the block's tokens attend (all, unless a block hook says).
@@ -162,12 +163,12 @@ class MultiTask(nn.Module):
         ]
         self._router = Router()
         self.backbone = self._route(backbone, hooks)
-        if any(self.prompts) and vit.pool_type(backbone) not in vit.MASKABLE_POOLS:
+        if any(self.prompts) and bb.pool_type() not in bb.maskable_pools:
             task = self.names[next(i for i, n in enumerate(self.prompts) if n)]
             raise TaskRefused(
                 task,
                 f"task {task!r} adds prompt tokens, which a mixed batch cannot leave out of the backbone's "
-                f"{vit.pool_type(backbone)!r} pooling yet (only {', '.join(vit.MASKABLE_POOLS)})",
+                f"{bb.pool_type()!r} pooling yet (only {', '.join(bb.maskable_pools)})",
             )
         self.eval()
 
@@ -208,8 +209,10 @@ class MultiTask(nn.Module):
         if mismatch is None:
             model = cls._load(name, load.weights_file(folder, card), backbone)
             mismatch = load.frozen_mismatch(card, model)
-            if mismatch is None and vit.num_classes(model) != card["num_classes"]:
-                mismatch = f"its weights hold {vit.num_classes(model)} classes, its card {card['num_classes']}"
+            if mismatch is None and backbone_of(model).num_classes() != card["num_classes"]:
+                mismatch = (
+                    f"its weights hold {backbone_of(model).num_classes()} classes, its card {card['num_classes']}"
+                )
         if mismatch is not None:
             raise TaskRefused(name, f"task {name!r} cannot be served over this backbone: {mismatch}")
         return model
@@ -293,11 +296,12 @@ class MultiTask(nn.Module):
             if count:
                 groups.append((task, start, start + count))
                 start += count
-        prefix = vit.num_prefix_tokens(self.backbone)
+        bb = backbone_of(self.backbone)
+        prefix = bb.num_prefix_tokens()
         tokens = Tokens(prefix, max((self.prompts[t] for t, _, _ in groups), default=0))
         self._router.batch = Batch(groups, tokens)
         try:
-            x = vit.embed_tokens(self.backbone, images[order.to(images.device)])
+            x = bb.embed_tokens(images[order.to(images.device)])
             pool = None
             if tokens.slots:
                 x = tokens.with_slots(x)
@@ -305,21 +309,21 @@ class MultiTask(nn.Module):
                 pooled = [n if p else 0 for n, p in zip(self.prompts, self.pool_prompts, strict=True)]
                 pool = self._slot_mask(x, groups, tokens, pooled)
             masks: dict[tuple[int, ...], Tensor] = {}
-            for i, block in enumerate(vit.block_container(self.backbone)):
+            for i, block in enumerate(bb.block_container()):
                 if not tokens.slots:
                     x = block(x)
                     continue
                 visible = tuple(self.visible[task][i] for task, _, _ in groups)
                 if visible not in masks:
                     masks[visible] = self._slot_mask(x, groups, tokens, [v[i] for v in self.visible])[:, None, None]
-                x = block(x, attn_mask=masks[visible])
-            features = vit.pooled_features(self.backbone, x, pool)
+                x = bb.run_block(block, x, attn_mask=masks[visible])
+            features = bb.pooled_features(x, pool)
         finally:
             self._router.batch = None
         width = max(self.num_classes.values()) or features.shape[-1]
         parts = []
         for task, first, end in groups:
-            logits = vit.head(self.tasks[task])(features[first:end])
+            logits = backbone_of(self.tasks[task]).head()(features[first:end])
             parts.append(nn.functional.pad(logits, (0, width - logits.shape[-1]), value=float("-inf")))
         out = torch.empty(images.shape[0], width, dtype=features.dtype, device=features.device)
         if parts:

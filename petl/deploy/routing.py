@@ -14,7 +14,7 @@ import torch
 from timm.layers import LayerScale
 from torch import nn
 
-from petl import vit
+from petl.model.backbone import backbone_of, block_family
 from petl.rows import CannotShare, RowHook, Tokens, registered_hook
 
 Tensor = torch.Tensor
@@ -136,7 +136,7 @@ class RoutedBlock(RoutedModule):
         self.branches = any(h.branch for h in hooks.values())
         if self.halves:
             try:
-                vit.check_pre_norm_block(base)
+                self.family = block_family(base)
             except ValueError as error:
                 raise CannotShare(str(error)) from None
 
@@ -146,15 +146,15 @@ class RoutedBlock(RoutedModule):
         if not self.halves:
             return self.base(x, **kwargs)
         # Each half ends with a residual sum, a fresh tensor this block owns.
-        x = vit.attn_residual(self.base, x, **kwargs)
+        x = self.family.attn_residual(self.base, x, **kwargs)
         x = _each_task(batch, self.hooks, x, lambda h, rows: h.mid and h.mid(x[rows], batch.tokens), own=True)
         if self.branches:
-            h = vit.mlp_branch(self.base, x)
+            h = self.family.mlp_branch(self.base, x)
             branch = lambda hook, rows: hook.branch and hook.branch(h[rows], batch.tokens)  # noqa: E731
             h = _each_task(batch, self.hooks, h, branch, own=_is_fresh(h, x))
             y = x + h
         else:
-            y = vit.mlp_residual(self.base, x)
+            y = self.family.mlp_residual(self.base, x)
         post = lambda h, rows: h.post and h.post(x[rows], y[rows], batch.tokens)  # noqa: E731
         return _each_task(batch, self.hooks, y, post, own=True)
 
@@ -175,7 +175,7 @@ def task_sites(model: nn.Module, backbone: nn.Module) -> dict[str, RowHook]:
     that path, or has with another type, is a wrapper without a hook.  The head is the task's own.
     """
     frozen = dict(backbone.named_modules())
-    head = vit.head(model)
+    head = backbone_of(model).head()
     sites: dict[str, RowHook] = {}
 
     def add(path: str, hook: RowHook) -> None:

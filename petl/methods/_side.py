@@ -25,7 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from petl import core, rows, vit
+from petl import core, rows
+from petl.model.backbone import backbone_of
 
 
 class SideNetwork(nn.Module):
@@ -119,6 +120,7 @@ def _rows(wrapper: SideBlock) -> rows.RowHook:
 
 def install(model: nn.Module, side: SideNetwork) -> None:
     """Wrap every block of ``model`` in a :class:`SideBlock` sharing ``side``."""
-    container = vit.block_container(model)
+    bb = backbone_of(model)
+    container = bb.block_container()
     for i in range(len(container)):
-        vit.set_block(model, i, SideBlock(container[i], side, i))
+        bb.set_block(i, SideBlock(container[i], side, i))

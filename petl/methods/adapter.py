@@ -47,8 +47,9 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from petl import core, rows, surgery, vit
+from petl import core, rows, surgery
 from petl.methods import _init
+from petl.model.backbone import backbone_of, block_family
 
 STYLES = ("sequential", "parallel")
 # Per-style defaults from the references: Pfeiffer/V-PETL-style sequential adapters use width 8,
@@ -107,8 +108,8 @@ class AdapterConfig(_init.InitOption, core.MethodConfig):
         core.check_range("dim", self.bottleneck, low=1)
         core.check_dropout("dropout", self.dropout_p)
         if self.style == "parallel":
-            for block in vit.blocks(model):
-                vit.check_pre_norm_block(block)
+            for block in backbone_of(model).block_list():
+                block_family(block)
 
 
 class _Bottleneck(core.PetlModule):
@@ -160,13 +161,14 @@ class ParallelAdapter(_Bottleneck):
     def __init__(self, base: nn.Module, width: int, cfg: AdapterConfig) -> None:
         # AdaptFormer's "lora" init zeroes the down bias as well (models/adapter.py:L43-48).
         super().__init__(base, width, cfg, nn.ReLU(), zero_down_bias=True)
+        self.family = block_family(base)
 
     def forward(self, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         # timm blocks take attn_mask / is_causal keywords; pass whatever the caller gave.
-        x = vit.attn_residual(self.base, x, **kwargs)
+        x = self.family.attn_residual(self.base, x, **kwargs)
         # custom_modules.py:L78-93: the branch reads x, the residual stream entering the MLP
         # sub-layer, and joins the sum outside the block's layer scale and drop-path.
-        return vit.mlp_residual(self.base, x) + self.adapter(x)
+        return self.family.mlp_residual(self.base, x) + self.adapter(x)
 
 
 @rows.register_row_hook(SequentialAdapter)
@@ -182,20 +184,29 @@ def _parallel_rows(wrapper: ParallelAdapter) -> rows.RowHook:
 
 
 def _formula(model: nn.Module, cfg: AdapterConfig) -> int:
-    d, r = vit.embed_dim(model), cfg.bottleneck
+    bb = backbone_of(model)
+    d, r = bb.width(), cfg.bottleneck
     # down: d*r + r, up: r*d + d, and the optional input LayerNorm 2*d, per block.
-    return vit.depth(model) * (2 * d * r + r + d + (2 * d if cfg.norm else 0))
+    return bb.depth() * (2 * d * r + r + d + (2 * d if cfg.norm else 0))
 
 
-@core.register_method("adapter", AdapterConfig, trainable_formula=_formula, zero_init=True, mergeable=False)
+# The backbones adapter's idea fits: bottlenecks on the MLP output (sequential) or beside the block's MLP half
+# (parallel): any pre-norm block whose halves its family knows.
+BACKBONES = ("vit",)
+
+
+@core.register_method(
+    "adapter", AdapterConfig, trainable_formula=_formula, zero_init=True, mergeable=False, backbones=BACKBONES
+)
 def inject_adapter(model: nn.Module, cfg: AdapterConfig) -> None:
     """Bottleneck adapter in every block (sequential after the MLP, or parallel/AdaptFormer)."""
-    width, kw = vit.embed_dim(model), core.factory_kwargs(model)
-    for i, block in enumerate(vit.blocks(model)):
+    bb = backbone_of(model)
+    width, kw = bb.width(), core.factory_kwargs(model)
+    for i, block in enumerate(bb.block_list()):
         if cfg.style == "parallel":
-            vit.set_block(model, i, ParallelAdapter(block, width, cfg).to(**kw))
+            bb.set_block(i, ParallelAdapter(block, width, cfg).to(**kw))
         else:
-            vit.set_mlp(block, SequentialAdapter(vit.mlp(block), width, cfg).to(**kw))
+            bb.set_feed_forward(block, SequentialAdapter(bb.feed_forward(block), width, cfg).to(**kw))
 
 
 def apply_adapter(model: nn.Module, **options: Any) -> nn.Module:

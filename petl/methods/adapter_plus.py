@@ -33,7 +33,8 @@ import torch
 from timm.layers import DropPath
 from torch import nn
 
-from petl import core, rows, surgery, vit
+from petl import core, rows, surgery
+from petl.model.backbone import backbone_of
 
 SCALINGS = ("channel", "learned", "none")
 # Houlsby's std as given in the paper (vit_adapter.py L53); values beyond two std are redrawn.
@@ -114,18 +115,24 @@ def _rows(wrapper: AdapterPlusBlock) -> rows.RowHook:
 
 
 def _formula(model: nn.Module, cfg: AdapterPlusConfig) -> int:
-    d, r = vit.embed_dim(model), cfg.dim
+    bb = backbone_of(model)
+    d, r = bb.width(), cfg.dim
     scales = {"channel": d, "learned": 1, "none": 0}[cfg.scaling]
     # down d*r + r, up r*d + d, plus the scales, per block.
-    return vit.depth(model) * (2 * d * r + r + d + scales)
+    return bb.depth() * (2 * d * r + r + d + scales)
 
 
-@core.register_method("adapter_plus", AdapterPlusConfig, trainable_formula=_formula)
+# The backbones adapter_plus's idea fits: a channel-scaled adapter after each block's MLP half, one width per block.
+BACKBONES = ("vit",)
+
+
+@core.register_method("adapter_plus", AdapterPlusConfig, trainable_formula=_formula, backbones=BACKBONES)
 def inject_adapter_plus(model: nn.Module, cfg: AdapterPlusConfig) -> None:
     """Adapter+: a bottleneck adapter after every block with a learned per-channel scale."""
-    width = vit.embed_dim(model)
-    for i in range(vit.depth(model)):
-        vit.set_block(model, i, AdapterPlusBlock(vit.block_container(model)[i], width, cfg))
+    bb = backbone_of(model)
+    width = bb.width()
+    for i in range(bb.depth()):
+        bb.set_block(i, AdapterPlusBlock(bb.block_container()[i], width, cfg))
 
 
 def apply_adapter_plus(model: nn.Module, **options: Any) -> nn.Module:

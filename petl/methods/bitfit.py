@@ -31,7 +31,8 @@ from typing import Any
 
 from torch import nn
 
-from petl import core, surgery, vit
+from petl import core, surgery
+from petl.model.backbone import backbone_of
 
 SCOPES = ("all", "linear")
 LINEARS = ("qkv", "proj", "fc1", "fc2")
@@ -57,10 +58,11 @@ class BitFitConfig(core.MethodConfig):
 
 
 def _biases(model: nn.Module, scope: str) -> list[nn.Parameter]:
+    bb = backbone_of(model)
     if scope == "linear":
-        modules = [vit.linear(block, name) for block in vit.blocks(model) for name in LINEARS]
+        modules = [bb.linear(block, name) for block in bb.block_list() for name in LINEARS]
     else:
-        in_head = {id(m) for m in vit.head(model).modules()}
+        in_head = {id(m) for m in bb.head().modules()}
         modules = [m for m in model.modules() if id(m) not in in_head]
     return [m.bias for m in modules if isinstance(getattr(m, "bias", None), nn.Parameter)]
 
@@ -69,7 +71,13 @@ def _formula(model: nn.Module, cfg: BitFitConfig) -> int:
     return sum(b.numel() for b in _biases(model, cfg.biases))
 
 
-@core.register_method("bitfit", BitFitConfig, trainable_formula=_formula, zero_init=True, mergeable=False)
+# The backbones bitfit's idea fits: the biases of the blocks' Linears: any family whose Linears the backbone names.
+BACKBONES = ("vit",)
+
+
+@core.register_method(
+    "bitfit", BitFitConfig, trainable_formula=_formula, zero_init=True, mergeable=False, backbones=BACKBONES
+)
 def inject_bitfit(model: nn.Module, cfg: BitFitConfig) -> None:
     """BitFit: train the backbone's biases (all of them, or the blocks' Linear biases)."""
     for bias in _biases(model, cfg.biases):

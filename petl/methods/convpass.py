@@ -39,8 +39,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from petl import core, rows, surgery, vit
+from petl import core, rows, surgery
 from petl.methods import _init
+from petl.model.backbone import backbone_of
 
 
 @dataclass
@@ -151,18 +152,29 @@ def _rows(wrapper: ConvpassParallel) -> rows.RowHook:
 
 
 def _formula(model: nn.Module, cfg: ConvpassConfig) -> int:
-    d, r = vit.embed_dim(model), cfg.dim
+    bb = backbone_of(model)
+    d, r = bb.width(), cfg.dim
     # down d*r + r, conv r*r*9 + r, up r*d + d; one bypass beside attention and one beside the MLP.
-    return vit.depth(model) * 2 * (2 * d * r + 2 * r + 9 * r * r + d)
+    return bb.depth() * 2 * (2 * d * r + 2 * r + 9 * r * r + d)
 
 
-@core.register_method("convpass", ConvpassConfig, trainable_formula=_formula, zero_init=True)
+# The backbones convpass's idea fits: a 3x3 convolution over the patch grid of a flat token sequence (prefix tokens
+# set apart), one width.
+BACKBONES = ("vit",)
+
+
+@core.register_method("convpass", ConvpassConfig, trainable_formula=_formula, zero_init=True, backbones=BACKBONES)
 def inject_convpass(model: nn.Module, cfg: ConvpassConfig) -> None:
     """Convpass: a 3x3 convolutional bypass beside every attention and MLP."""
-    width, grid, prefix = vit.embed_dim(model), vit.grid_size(model), vit.num_prefix_tokens(model)
-    for block in vit.blocks(model):
-        vit.set_attn(block, ConvpassParallel(vit.attn(block), width, grid, prefix, cfg))
-        vit.set_mlp(block, ConvpassParallel(vit.mlp(block), width, grid, prefix, cfg))
+    bb = backbone_of(model)
+    width, grid, prefix = (
+        bb.width(),
+        bb.grid_size(),
+        bb.num_prefix_tokens(),
+    )
+    for block in bb.block_list():
+        bb.set_attention(block, ConvpassParallel(bb.attention(block), width, grid, prefix, cfg))
+        bb.set_feed_forward(block, ConvpassParallel(bb.feed_forward(block), width, grid, prefix, cfg))
 
 
 def apply_convpass(model: nn.Module, **options: Any) -> nn.Module:

@@ -47,8 +47,9 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from petl import core, rows, surgery, vit
+from petl import core, rows, surgery
 from petl.methods import _side
+from petl.model.backbone import backbone_of
 
 
 @dataclass
@@ -75,13 +76,13 @@ class DtlConfig(core.MethodConfig):
 
     def first_add(self, model: nn.Module) -> int:
         """The block after which the side features are first added on ``model``."""
-        return vit.depth(model) // 2 if self.add_from is None else self.add_from
+        return backbone_of(model).depth() // 2 if self.add_from is None else self.add_from
 
     def validate(self, model: nn.Module) -> None:
         super().validate(model)
         core.check_range("rank", self.rank, low=1)
         core.check_nonzero("beta", self.beta, "the swish gate")
-        core.check_range("add_from", self.first_add(model), low=0, high=vit.depth(model) - 1)
+        core.check_range("add_from", self.first_add(model), low=0, high=backbone_of(model).depth() - 1)
         core.check_range("fusion_size", self.fusion_size, low=0)
         if self.fusion_size and self.fusion_size % 2 == 0:
             raise ValueError(f"fusion_size={self.fusion_size} must be odd (or 0): the conv keeps the token grid")
@@ -97,11 +98,12 @@ class DtlSide(_side.SideNetwork):
     """
 
     def __init__(self, model: nn.Module, cfg: DtlConfig) -> None:
-        depth, d = vit.depth(model), vit.embed_dim(model)
+        bb = backbone_of(model)
+        depth, d = bb.depth(), bb.width()
         super().__init__(depth)
         kw = core.factory_kwargs(model)
         self.beta, self.add_from = cfg.beta, cfg.first_add(model)
-        self.grid, self.num_prefix = vit.grid_size(model), vit.num_prefix_tokens(model)
+        self.grid, self.num_prefix = bb.grid_size(), bb.num_prefix_tokens()
         self.lora_a = nn.ParameterList([nn.Parameter(torch.empty(cfg.rank, d, **kw)) for _ in range(depth)])
         self.lora_b = nn.ParameterList([nn.Parameter(torch.zeros(d, cfg.rank, **kw)) for _ in range(depth)])
         for a in self.lora_a:
@@ -158,12 +160,18 @@ class DtlSide(_side.SideNetwork):
 
 
 def _formula(model: nn.Module, cfg: DtlConfig) -> int:
-    d = vit.embed_dim(model)
+    bb = backbone_of(model)
+    d = bb.width()
     # A (r x d) and B (d x r) per block, and the depthwise conv's d * k * k weights (no bias).
-    return vit.depth(model) * 2 * cfg.rank * d + d * cfg.fusion_size**2
+    return bb.depth() * 2 * cfg.rank * d + d * cfg.fusion_size**2
 
 
-@core.register_method("dtl", DtlConfig, trainable_formula=_formula, zero_init=True)
+# The backbones dtl's idea fits: a low-rank side path over a flat token sequence with one width, fused by convolution
+# over the patch grid.
+BACKBONES = ("vit",)
+
+
+@core.register_method("dtl", DtlConfig, trainable_formula=_formula, zero_init=True, backbones=BACKBONES)
 def inject_dtl(model: nn.Module, cfg: DtlConfig) -> None:
     """DTL: a low-rank side network summed over the blocks and added back after the later ones."""
     _side.install(model, DtlSide(model, cfg))

@@ -47,8 +47,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from petl import core, rows, surgery, vit
+from petl import core, rows, surgery
 from petl.methods import _init, _reparam
+from petl.model.backbone import backbone_of
 
 TYPES = ("tt", "tk")
 # Per-block columns of the Tucker mixing matrix P, in the reference's order (fact.py:L84-116).
@@ -80,14 +81,15 @@ class FactConfig(_init.InitOption, core.MethodConfig):
     init: str = "zero"
 
     def validate(self, model: nn.Module) -> None:
+        bb = backbone_of(model)
         super().validate(model)
         core.check_choice("type", self.type, TYPES)
         core.check_range("rank", self.rank, low=1)
         core.check_dropout("dropout", self.dropout)
         core.check_nonzero("scale", self.scale, "the factorised update")
-        d = vit.embed_dim(model)
-        for block in vit.blocks(model):
-            fc1 = vit.linear(block, "fc1")
+        d = bb.width()
+        for block in bb.block_list():
+            fc1 = bb.linear(block, "fc1")
             if fc1.out_features != 4 * d:
                 raise ValueError(f"FacT needs an MLP of width 4 x embed dim ({4 * d}); this one has {fc1.out_features}")
 
@@ -229,7 +231,8 @@ def _rows(wrapper: FactLinear) -> rows.RowHook:
 
 
 def _formula(model: nn.Module, cfg: FactConfig) -> int:
-    d, r, depth = vit.embed_dim(model), cfg.rank, vit.depth(model)
+    bb = backbone_of(model)
+    d, r, depth = bb.width(), cfg.rank, bb.depth()
     shared = 2 * d * r  # U and V
     if cfg.type == "tt":
         # Per block: q, k, v, proj cores r*r each, fc1 and fc2 cores 4r*r each = 12 r^2.
@@ -238,19 +241,26 @@ def _formula(model: nn.Module, cfg: FactConfig) -> int:
     return shared + r**3 + depth * TK_PER_BLOCK * r
 
 
-@core.register_method("fact", FactConfig, trainable_formula=_formula, zero_init=True, mergeable=True)
+# The backbones fact's idea fits: factors shared across every block's Linears, which needs one width for all blocks.
+BACKBONES = ("vit",)
+
+
+@core.register_method(
+    "fact", FactConfig, trainable_formula=_formula, zero_init=True, mergeable=True, backbones=BACKBONES
+)
 def inject_fact(model: nn.Module, cfg: FactConfig) -> None:
     """FacT: qkv/proj/fc1/fc2 updates factorised across all blocks (tensor-train or Tucker); mergeable."""
+    bb = backbone_of(model)
     kw = core.factory_kwargs(model)
     tucker = cfg.type == "tk"
-    shared = FactorsShared(vit.embed_dim(model), cfg.rank, tucker, kw)
+    shared = FactorsShared(bb.width(), cfg.rank, tucker, kw)
     # xavier-uniform over the whole rank x (12 * depth) P, as the reference initialises it.
-    p_bound = math.sqrt(6.0 / (cfg.rank + TK_PER_BLOCK * vit.depth(model)))
+    p_bound = math.sqrt(6.0 / (cfg.rank + TK_PER_BLOCK * bb.depth()))
     owner = True
-    for block in vit.blocks(model):
+    for block in bb.block_list():
         for name in LINEARS:
-            wrapper = FactLinear(vit.linear(block, name), name, shared, owner, tucker, p_bound, cfg.scale, cfg.dropout)
-            vit.set_linear(block, name, wrapper)
+            wrapper = FactLinear(bb.linear(block, name), name, shared, owner, tucker, p_bound, cfg.scale, cfg.dropout)
+            bb.set_linear(block, name, wrapper)
             owner = False
     if cfg.init == "reference":
         cores = [m.cores for m in model.modules() if isinstance(m, FactLinear) and m.cores is not None]

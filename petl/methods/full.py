@@ -14,7 +14,8 @@ from typing import Any, ClassVar
 
 from torch import nn
 
-from petl import core, surgery, vit
+from petl import core, surgery
+from petl.model.backbone import backbone_of
 
 
 @dataclass
@@ -26,11 +27,17 @@ class FullConfig(core.MethodConfig):
 
 
 def _formula(model: nn.Module, cfg: FullConfig) -> int:
-    head_ids = {id(p) for p in vit.head(model).parameters()}
+    head_ids = {id(p) for p in backbone_of(model).head().parameters()}
     return sum(p.numel() for p in model.parameters() if id(p) not in head_ids)
 
 
-@core.register_method("full", FullConfig, trainable_formula=_formula, zero_init=True, mergeable=False)
+# The backbones full's idea fits: every parameter trains: any backbone.
+BACKBONES = ("vit",)
+
+
+@core.register_method(
+    "full", FullConfig, trainable_formula=_formula, zero_init=True, mergeable=False, backbones=BACKBONES
+)
 def inject_full(model: nn.Module, cfg: FullConfig) -> None:
     """Full fine-tuning: every parameter trains."""
     model.requires_grad_(True)

@@ -75,7 +75,8 @@ from torchvision.transforms import v2
 from tqdm.auto import tqdm
 
 # The weights GPS selects entries of, per block, after the patch embedding (utils/pruning.py L14-20).
-from petl import core, rows, surgery, vit
+from petl import core, rows, surgery
+from petl.model.backbone import backbone_of, unwrap
 
 BLOCK_WEIGHTS = ("qkv", "proj", "fc1", "fc2")
 # SupConLoss defaults (utils/loss_utils.py L9-10) and the views of transforms_contrastaug_train (L80-110).
@@ -140,16 +141,22 @@ def _normalise_selection(value: Any) -> tuple[str, ...]:
 
 def _selected_modules(model: nn.Module) -> list[tuple[nn.Module, Any]]:
     """(module, setter) of every layer GPS selects in, in ``selection`` order."""
-    found = [(vit.patch_proj(model), lambda m: vit.set_patch_proj(model, m))]
-    for block in vit.blocks(model):
+    bb = backbone_of(model)
+    found = [(bb.patch_proj(), lambda m: bb.set_patch_proj(m))]
+    for block in bb.block_list():
         for name in BLOCK_WEIGHTS:
-            found.append((vit.linear(block, name), lambda m, b=block, n=name: vit.set_linear(b, n, m)))
+            found.append(
+                (
+                    bb.linear(block, name),
+                    lambda m, b=block, n=name: bb.set_linear(b, n, m),
+                )
+            )
     return found
 
 
 def selected_weights(model: nn.Module) -> list[torch.Tensor]:
     """The weights GPS selects entries of, each viewed as ``[rows, columns]`` (a convolution flattened)."""
-    return [vit.unwrap(m).weight.flatten(1) for m, _ in _selected_modules(model)]
+    return [unwrap(m).weight.flatten(1) for m, _ in _selected_modules(model)]
 
 
 class GpsLinear(core.PetlModule):
@@ -220,12 +227,13 @@ def _rows(wrapper: GpsLinear) -> rows.RowHook:
 
 def _layer_scales(model: nn.Module) -> list[nn.Parameter]:
     """Layer-scale gammas of the blocks (none in a plain ViT); GPS trains every ``gamma`` whole."""
-    return [p for block in vit.blocks(model) for ls in (block.ls1, block.ls2) for n, p in ls.named_parameters()]
+    bb = backbone_of(model)
+    return [p for block in bb.block_list() for ls in bb.layer_scales(block) for n, p in ls.named_parameters()]
 
 
 def _formula(model: nn.Module, cfg: GpsConfig) -> int:
     selected = sum(w.shape[0] * cfg.per_row for w in selected_weights(model))
-    biases = sum(vit.unwrap(m).bias.numel() for m, _ in _selected_modules(model) if vit.unwrap(m).bias is not None)
+    biases = sum(unwrap(m).bias.numel() for m, _ in _selected_modules(model) if unwrap(m).bias is not None)
     return selected + biases + sum(p.numel() for p in _layer_scales(model))
 
 
@@ -294,7 +302,7 @@ def gps_gradients(model: nn.Module, loader: Iterable, max_batches: int | None = 
         Per selected weight (see :func:`selected_weights`), the summed gradient viewed as ``[rows, columns]``.
 
     """
-    weights = [vit.unwrap(m).weight for m, _ in _selected_modules(model)]
+    weights = [unwrap(m).weight for m, _ in _selected_modules(model)]
     flags, was_training = [w.requires_grad for w in weights], model.training
     device = weights[0].device
     total: list[torch.Tensor] | None = None
@@ -347,8 +355,19 @@ def calibrate_gps(
     return replace(cfg, selection=select_gps(model, batches, cfg.per_row, max_batches))
 
 
+# The backbones gps's idea fits: a per-row sparse update on the patch projection and every block's Linears, plus layer
+# scales.
+BACKBONES = ("vit",)
+
+
 core.register_method(
-    "gps", GpsConfig, trainable_formula=_formula, zero_init=True, mergeable=True, calibrate=calibrate_gps
+    "gps",
+    GpsConfig,
+    trainable_formula=_formula,
+    zero_init=True,
+    mergeable=True,
+    calibrate=calibrate_gps,
+    backbones=BACKBONES,
 )(inject_gps)
 
 

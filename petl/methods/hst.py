@@ -77,8 +77,9 @@ import torch.nn.functional as F
 from timm.layers import trunc_normal_
 from torch import nn
 
-from petl import core, rows, surgery, vit
+from petl import core, rows, surgery
 from petl.methods import _side
+from petl.model.backbone import backbone_of
 
 # ViT_HSN's norm_layer, partial(nn.LayerNorm, eps=1e-6) (vit_hsn.py L188), builds the side blocks' norm1/norm2
 # (L230-234, vit_custom_modules.py L170, L179) and the stage norms m_norm (L235).  The per-block meta-token norms
@@ -118,7 +119,7 @@ class HstConfig(core.MethodConfig):
 
     def stages(self, model: nn.Module) -> list[list[int]]:
         """The ViT blocks feeding each stage: contiguous, as even as possible (3 per stage on 12 blocks)."""
-        depth = vit.depth(model)
+        depth = backbone_of(model).depth()
         count = min(len(self.widths), depth)
         bounds = [round(i * depth / count) for i in range(count + 1)]
         return [list(range(bounds[i], bounds[i + 1])) for i in range(count)]
@@ -133,7 +134,7 @@ class HstConfig(core.MethodConfig):
             if dim % heads:
                 raise ValueError(f"dims: a stage of width {dim} cannot split into {heads} heads")
         core.check_range("meta_tokens", self.meta_tokens, low=1)
-        if not (self.num_classes or vit.num_classes(model)):
+        if not (self.num_classes or backbone_of(model).num_classes()):
             raise ValueError("HST classifies from its side network with a head of its own: give num_classes")
 
 
@@ -222,15 +223,20 @@ class HstSide(_side.SideNetwork):
     """
 
     def __init__(self, model: nn.Module, cfg: HstConfig) -> None:
-        depth, d = vit.depth(model), vit.embed_dim(model)
+        bb = backbone_of(model)
+        depth, d = bb.depth(), bb.width()
         super().__init__(depth)
         kw = core.factory_kwargs(model)
         self.stage_blocks = cfg.stages(model)
         dims, heads = cfg.widths[: len(self.stage_blocks)], cfg.head_counts[: len(self.stage_blocks)]
-        self.num_meta, self.num_prefix, self.grid = cfg.meta_tokens, vit.num_prefix_tokens(model), vit.grid_size(model)
+        self.num_meta, self.num_prefix, self.grid = (
+            cfg.meta_tokens,
+            bb.num_prefix_tokens(),
+            bb.grid_size(),
+        )
         self.stage_of = [s for s, blocks in enumerate(self.stage_blocks) for _ in blocks]
-        mlp_ratio = vit.linear(vit.blocks(model)[0], "fc1").out_features / d
-        in_chans = vit.patch_proj(model).in_channels
+        mlp_ratio = bb.linear(bb.block_list()[0], "fc1").out_features / d
+        in_chans = bb.patch_proj().in_channels
         self.meta = nn.ParameterList([nn.Parameter(torch.empty(1, cfg.meta_tokens, d)) for _ in range(depth)])
         self.embeds = nn.ModuleList(
             [_Stem(dims[0], in_chans)] + [_Downsample(dims[s - 1], dims[s]) for s in range(1, len(dims))]
@@ -375,11 +381,12 @@ class HstHead(core.PetlHead):
 
 
 def _formula(model: nn.Module, cfg: HstConfig) -> int:
-    d, depth = vit.embed_dim(model), vit.depth(model)
+    bb = backbone_of(model)
+    d, depth = bb.width(), bb.depth()
     stages = cfg.stages(model)
     dims = cfg.widths[: len(stages)]
-    in_chans = vit.patch_proj(model).in_channels
-    ratio = vit.linear(vit.blocks(model)[0], "fc1").out_features / d
+    in_chans = bb.patch_proj().in_channels
+    ratio = bb.linear(bb.block_list()[0], "fc1").out_features / d
     total = depth * cfg.meta_tokens * d + depth * 2 * 2 * d  # meta tokens, the blocks' LayerNorms
     total += in_chans * dims[0] * 9 + 2 * dims[0] + dims[0] * dims[0] * 4 + dims[0]  # stem convs + BatchNorm
     total += sum(dims[s - 1] * dims[s] * 9 + dims[s] for s in range(1, len(dims)))  # stride-2 convs
@@ -391,16 +398,21 @@ def _formula(model: nn.Module, cfg: HstConfig) -> int:
     return total
 
 
-@core.register_method("hst", HstConfig, trainable_formula=_formula)
+# The backbones hst's idea fits: a side network over the patch grid with meta tokens, reading every block of one width.
+BACKBONES = ("vit",)
+
+
+@core.register_method("hst", HstConfig, trainable_formula=_formula, backbones=BACKBONES)
 def inject_hst(model: nn.Module, cfg: HstConfig) -> None:
     """HST: meta tokens in every block, trained LayerNorms, and a hierarchical side network that classifies."""
+    bb = backbone_of(model)
     side = HstSide(model, cfg)
     _side.install(model, side)
-    for block in vit.blocks(model):
+    for block in bb.block_list():
         for name in ("norm1", "norm2"):
-            vit.block_norm(block, name).requires_grad_(True)
-    vit.set_patch_proj(model, HstPatchProj(vit.patch_proj(model), side))
-    vit.set_head(model, HstHead(side, side.width, vit.num_classes(model), core.factory_kwargs(model)))
+            bb.block_norm(block, name).requires_grad_(True)
+    bb.set_patch_proj(HstPatchProj(bb.patch_proj(), side))
+    bb.set_head(HstHead(side, side.width, bb.num_classes(), core.factory_kwargs(model)))
 
 
 def apply_hst(model: nn.Module, **options: Any) -> nn.Module:

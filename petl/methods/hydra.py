@@ -34,7 +34,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from petl import core, rows, surgery, vit
+from petl import core, rows, surgery
+from petl.model.backbone import backbone_of
 
 TARGETS = ("proj", "fc2")
 
@@ -165,23 +166,32 @@ def _rows(wrapper: HydraLinear) -> rows.RowHook:
 
 def _formula(model: nn.Module, cfg: HydraConfig) -> int:
     # Per adapted Linear (in -> out): parallel in*r + r + r*out + out, sequential out*r + r + r*out + out.
+    bb = backbone_of(model)
     total = 0
     r = cfg.dim
-    for block in vit.blocks(model):
+    for block in bb.block_list():
         for name in cfg.targets:
-            linear = vit.linear(block, name)
+            linear = bb.linear(block, name)
             n_in, n_out = linear.in_features, linear.out_features
             total += r * (n_in + 3 * n_out) + 2 * r + 2 * n_out
     return total
 
 
-@core.register_method("hydra", HydraConfig, trainable_formula=_formula, zero_init=True, mergeable=True)
+# The backbones hydra's idea fits: parallel and sequential low-rank branches on the attention projection and MLP
+# Linears.
+BACKBONES = ("vit",)
+
+
+@core.register_method(
+    "hydra", HydraConfig, trainable_formula=_formula, zero_init=True, mergeable=True, backbones=BACKBONES
+)
 def inject_hydra(model: nn.Module, cfg: HydraConfig) -> None:
     """Hydra: parallel + sequential low-rank branches on attn.proj and mlp.fc2; mergeable."""
-    for block in vit.blocks(model):
+    bb = backbone_of(model)
+    for block in bb.block_list():
         for name in cfg.targets:
-            wrapper = HydraLinear(vit.linear(block, name), cfg.dim, cfg.scale, cfg.dropout)
-            vit.set_linear(block, name, wrapper)
+            wrapper = HydraLinear(bb.linear(block, name), cfg.dim, cfg.scale, cfg.dropout)
+            bb.set_linear(block, name, wrapper)
 
 
 def apply_hydra(model: nn.Module, **options: Any) -> nn.Module:

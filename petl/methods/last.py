@@ -44,8 +44,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from petl import core, rows, surgery, vit
+from petl import core, rows, surgery
 from petl.methods import _side
+from petl.model.backbone import backbone_of
 
 
 @dataclass
@@ -68,7 +69,7 @@ class LastConfig(core.MethodConfig):
 
     def validate(self, model: nn.Module) -> None:
         super().validate(model)
-        depth = vit.depth(model)
+        depth = backbone_of(model).depth()
         core.check_range("rank", self.rank, low=1)
         core.check_range("gap", self.gap, low=1, high=depth)
         core.check_range("layers", self.layers, low=1)
@@ -112,7 +113,8 @@ class LastSide(_side.SideNetwork):
     """
 
     def __init__(self, model: nn.Module, cfg: LastConfig) -> None:
-        depth, d = vit.depth(model), vit.embed_dim(model)
+        bb = backbone_of(model)
+        depth, d = bb.depth(), bb.width()
         super().__init__(depth)
         kw = core.factory_kwargs(model)
         self.gap = cfg.gap
@@ -154,12 +156,17 @@ class LastSide(_side.SideNetwork):
 
 
 def _formula(model: nn.Module, cfg: LastConfig) -> int:
-    d = vit.embed_dim(model)
+    bb = backbone_of(model)
+    d = bb.width()
     # Per LSA layer: a LayerNorm (2d), bias-free q, k, v (3 d r) and up (r d); (depth / gap + 1) blocks of them.
-    return (vit.depth(model) // cfg.gap + 1) * cfg.layers * (4 * d * cfg.rank + 2 * d)
+    return (bb.depth() // cfg.gap + 1) * cfg.layers * (4 * d * cfg.rank + 2 * d)
 
 
-@core.register_method("last", LastConfig, trainable_formula=_formula, zero_init=True)
+# The backbones last's idea fits: a side network over the blocks' outputs at one width.
+BACKBONES = ("vit",)
+
+
+@core.register_method("last", LastConfig, trainable_formula=_formula, zero_init=True, backbones=BACKBONES)
 def inject_last(model: nn.Module, cfg: LastConfig) -> None:
     """LAST: a side network of low-rank self-attention blocks reading every group's output."""
     _side.install(model, LastSide(model, cfg))

@@ -47,7 +47,13 @@ def _formula(model: nn.Module, cfg: LinearConfig) -> int:
     return 0
 
 
-@core.register_method("linear", LinearConfig, trainable_formula=_formula, zero_init=True, mergeable=False)
+# The backbones linear's idea fits: only the head trains: any backbone.
+BACKBONES = ("vit",)
+
+
+@core.register_method(
+    "linear", LinearConfig, trainable_formula=_formula, zero_init=True, mergeable=False, backbones=BACKBONES
+)
 def inject_linear(model: nn.Module, cfg: LinearConfig) -> None:
     """Linear probe: train only the classifier head."""
     # Nothing to inject: petl.apply already froze the backbone and unfroze (and, given num_classes, reset) the head.

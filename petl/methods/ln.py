@@ -3,7 +3,7 @@
 Follows PETL_Vision's "ln" method, which trains every parameter named "norm" - the blocks' norm1
 and norm2 and the final norm (OSU-MLB/PETL_Vision@245d262 experiment/build_model.py:L33-34;
 V-PETL's ImageClassification/train/train_model_lntune.py:L163-169 does the same).  petl finds the
-LayerNorms by type (:func:`petl.vit.layer_norms`), not by name.  On ViT-B/16 that is
+LayerNorms by type (:meth:`petl.Backbone.layer_norms`), not by name.  On ViT-B/16 that is
 25 norms x 2 x 768 = 38,400 parameters.
 
 Trains:
@@ -15,7 +15,7 @@ Reference:
       ImageClassification/train/train_model_lntune.py L163-169
 
 Differences:
-    - LayerNorms are found by type (``petl.vit.layer_norms``), not by the name "norm".
+    - LayerNorms are found by type (``petl.Backbone.layer_norms``), not by the name "norm".
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from typing import Any
 
 from torch import nn
 
-from petl import core, surgery, vit
+from petl import core, surgery
+from petl.model.backbone import backbone_of
 
 
 @dataclass
@@ -34,19 +35,23 @@ class LnConfig(core.MethodConfig):
 
     def validate(self, model: nn.Module) -> None:
         super().validate(model)
-        if not any(True for norm in vit.layer_norms(model) for _ in norm.parameters()):
+        if not any(True for norm in backbone_of(model).layer_norms() for _ in norm.parameters()):
             raise ValueError("ln: this model has no LayerNorm with affine parameters to train")
 
 
 def _formula(model: nn.Module, cfg: LnConfig) -> int:
     # weight and bias of each affine LayerNorm: 2 x its width.
-    return sum(p.numel() for norm in vit.layer_norms(model) for p in norm.parameters())
+    return sum(p.numel() for norm in backbone_of(model).layer_norms() for p in norm.parameters())
 
 
-@core.register_method("ln", LnConfig, trainable_formula=_formula, zero_init=True, mergeable=False)
+# The backbones ln's idea fits: the LayerNorms train: any backbone.
+BACKBONES = ("vit",)
+
+
+@core.register_method("ln", LnConfig, trainable_formula=_formula, zero_init=True, mergeable=False, backbones=BACKBONES)
 def inject_ln(model: nn.Module, cfg: LnConfig) -> None:
     """LN tuning: train the weight and bias of every LayerNorm of the backbone."""
-    for norm in vit.layer_norms(model):
+    for norm in backbone_of(model).layer_norms():
         norm.requires_grad_(True)
 
 

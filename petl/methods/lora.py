@@ -32,14 +32,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from petl import core, rows, surgery, vit
+from petl import core, rows, surgery
 from petl.methods import _init, _reparam
+from petl.model.backbone import QKV_INDEX, Backbone, backbone_of
 
 # Which Linear of a block each target adapts, and which third of the fused qkv rows (None = all rows).
 TARGETS: dict[str, tuple[str, int | None]] = {
-    "q": ("qkv", vit.QKV_INDEX["q"]),
-    "k": ("qkv", vit.QKV_INDEX["k"]),
-    "v": ("qkv", vit.QKV_INDEX["v"]),
+    "q": ("qkv", QKV_INDEX["q"]),
+    "k": ("qkv", QKV_INDEX["k"]),
+    "v": ("qkv", QKV_INDEX["v"]),
     "proj": ("proj", None),
     "fc1": ("fc1", None),
     "fc2": ("fc2", None),
@@ -177,12 +178,14 @@ def _rows(wrapper: LoraLinear) -> rows.RowHook:
     return rows.RowHook(wrapper.base, post=lambda x, y, _tokens: wrapper.add_update(x, y))
 
 
-def _slices_per_linear(block: nn.Module, targets: tuple[str, ...]) -> dict[str, dict[str, tuple[int, int]]]:
+def _slices_per_linear(
+    bb: Backbone, block: nn.Module, targets: tuple[str, ...]
+) -> dict[str, dict[str, tuple[int, int]]]:
     """Linear name -> {target: (first row, end row)} for one block."""
     grouped: dict[str, dict[str, tuple[int, int]]] = {}
     for target in targets:
         linear_name, third = TARGETS[target]
-        out_features = vit.linear(block, linear_name).out_features
+        out_features = bb.linear(block, linear_name).out_features
         if third is None:
             rows = (0, out_features)
         else:
@@ -194,21 +197,29 @@ def _slices_per_linear(block: nn.Module, targets: tuple[str, ...]) -> dict[str, 
 
 def _formula(model: nn.Module, cfg: LoraConfig) -> int:
     # r * (in + out_slice) per adapted slice: A is r x in, B is out_slice x r.
+    bb = backbone_of(model)
     total = 0
-    for block in vit.blocks(model):
-        for linear_name, slices in _slices_per_linear(block, cfg.targets).items():
-            in_features = vit.linear(block, linear_name).in_features
+    for block in bb.block_list():
+        for linear_name, slices in _slices_per_linear(bb, block, cfg.targets).items():
+            in_features = bb.linear(block, linear_name).in_features
             total += sum(cfg.rank * (in_features + end - start) for start, end in slices.values())
     return total
 
 
-@core.register_method("lora", LoraConfig, trainable_formula=_formula, zero_init=True, mergeable=True)
+# The backbones lora's idea fits: low-rank updates on the fused qkv slices and the other Linears of each block.
+BACKBONES = ("vit",)
+
+
+@core.register_method(
+    "lora", LoraConfig, trainable_formula=_formula, zero_init=True, mergeable=True, backbones=BACKBONES
+)
 def inject_lora(model: nn.Module, cfg: LoraConfig) -> None:
     """LoRA: low-rank updates on q/k/v slices of the fused qkv, proj, fc1 and/or fc2."""
-    for block in vit.blocks(model):
-        for linear_name, slices in _slices_per_linear(block, cfg.targets).items():
-            wrapper = LoraLinear(vit.linear(block, linear_name), slices, cfg.rank, cfg.alpha, cfg.dropout, cfg.init)
-            vit.set_linear(block, linear_name, wrapper)
+    bb = backbone_of(model)
+    for block in bb.block_list():
+        for linear_name, slices in _slices_per_linear(bb, block, cfg.targets).items():
+            wrapper = LoraLinear(bb.linear(block, linear_name), slices, cfg.rank, cfg.alpha, cfg.dropout, cfg.init)
+            bb.set_linear(block, linear_name, wrapper)
 
 
 def apply_lora(model: nn.Module, **options: Any) -> nn.Module:

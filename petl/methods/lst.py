@@ -61,8 +61,9 @@ import torch
 from timm.models.vision_transformer import Block
 from torch import nn
 
-from petl import core, rows, surgery, vit
+from petl import core, rows, surgery
 from petl.methods import _side
+from petl.model.backbone import backbone_of
 
 
 @dataclass
@@ -87,8 +88,9 @@ class LstConfig(core.MethodConfig):
     dropout: float = 0.1
 
     def validate(self, model: nn.Module) -> None:
+        bb = backbone_of(model)
         super().validate(model)
-        d, heads = vit.embed_dim(model), vit.attn(vit.blocks(model)[0]).num_heads
+        d, heads = bb.width(), bb.num_heads(bb.block_list()[0])
         core.check_range("reduction", self.reduction, low=1, high=d)
         if d % self.reduction or (d // self.reduction) % heads:
             raise ValueError(
@@ -100,7 +102,8 @@ class LstConfig(core.MethodConfig):
 
 
 def _mlp_ratio(model: nn.Module) -> float:
-    return vit.linear(vit.blocks(model)[0], "fc1").out_features / vit.embed_dim(model)
+    bb = backbone_of(model)
+    return bb.linear(bb.block_list()[0], "fc1").out_features / bb.width()
 
 
 class LstSide(_side.SideNetwork):
@@ -113,10 +116,11 @@ class LstSide(_side.SideNetwork):
     """
 
     def __init__(self, model: nn.Module, cfg: LstConfig) -> None:
-        depth, d = vit.depth(model), vit.embed_dim(model)
+        bb = backbone_of(model)
+        depth, d = bb.depth(), bb.width()
         super().__init__(depth)
         kw = core.factory_kwargs(model)
-        width, heads = d // cfg.reduction, vit.attn(vit.blocks(model)[0]).num_heads
+        width, heads = d // cfg.reduction, bb.num_heads(bb.block_list()[0])
         self.gate_t = cfg.gate_t
         self.first_down = nn.Linear(d, width, bias=False, **kw)
         self.ladders = nn.ModuleList([nn.Linear(d, width, bias=False, **kw) for _ in range(depth)])
@@ -168,7 +172,8 @@ class LstSide(_side.SideNetwork):
 
 
 def _formula(model: nn.Module, cfg: LstConfig) -> int:
-    depth, d = vit.depth(model), vit.embed_dim(model)
+    bb = backbone_of(model)
+    depth, d = bb.depth(), bb.width()
     s = d // cfg.reduction
     hidden = int(s * _mlp_ratio(model))
     # Side block: two LayerNorms, qkv and proj with biases, fc1 and fc2 with biases.
@@ -177,7 +182,12 @@ def _formula(model: nn.Module, cfg: LstConfig) -> int:
     return depth * side_block + (depth + 1) * d * s + s * d + depth
 
 
-@core.register_method("lst", LstConfig, trainable_formula=_formula)
+# The backbones lst's idea fits: a ladder side network of timm ViT blocks at a reduced width, one width and head count
+# for all blocks.
+BACKBONES = ("vit",)
+
+
+@core.register_method("lst", LstConfig, trainable_formula=_formula, backbones=BACKBONES)
 def inject_lst(model: nn.Module, cfg: LstConfig) -> None:
     """LST: a 1/reduction-wide side transformer fed by ladders from every frozen block."""
     _side.install(model, LstSide(model, cfg))

@@ -26,7 +26,8 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from petl import core, surgery, vit
+from petl import core, surgery
+from petl.model.backbone import backbone_of
 
 # VPT's MLP default dropout (src/models/mlp.py:L20), which vit_models.py's head keeps.
 HIDDEN_DROPOUT = 0.1
@@ -62,7 +63,7 @@ class MlpConfig(core.MethodConfig):
     def validate(self, model: nn.Module) -> None:
         super().validate(model)
         core.check_range("k", self.k, low=1)
-        if self.num_classes is None and vit.num_classes(model) < 1:
+        if self.num_classes is None and backbone_of(model).num_classes() < 1:
             raise ValueError("mlp needs num_classes: the model has no classifier head to take the class count from")
 
 
@@ -99,14 +100,21 @@ def _formula(model: nn.Module, cfg: MlpConfig) -> int:
     return 0
 
 
-@core.register_method("mlp", MlpConfig, trainable_formula=_formula, zero_init=False, mergeable=False)
+# The backbones mlp's idea fits: a new MLP head on the pooled features: any backbone.
+BACKBONES = ("vit",)
+
+
+@core.register_method(
+    "mlp", MlpConfig, trainable_formula=_formula, zero_init=False, mergeable=False, backbones=BACKBONES
+)
 def inject_mlp(model: nn.Module, cfg: MlpConfig) -> None:
     """Mlp-k: replace the head with VPT's k-layer MLP head; the backbone stays frozen."""
+    bb = backbone_of(model)
     # petl.apply has already reset the head when num_classes was given, so the model knows its classes.
-    head = MlpHead(vit.head_in_features(model), vit.num_classes(model), cfg.k)
+    head = MlpHead(bb.head_in_features(), bb.num_classes(), cfg.k)
     head.to(**core.factory_kwargs(model))
     head.train(model.training)
-    vit.set_head(model, head)
+    bb.set_head(head)
 
 
 def apply_mlp(model: nn.Module, **options: Any) -> nn.Module:

@@ -90,8 +90,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from petl import core, rows, surgery, vit
+from petl import core, rows, surgery
 from petl.methods import _init
+from petl.model.backbone import backbone_of, block_family
 
 # NOAH's VTAB-1k search space (experiments/NOAH/supernet/supernet-B_prompt_VTAB.yaml): widths per module,
 # and how many leading blocks (a quarter, half, three quarters or all of ViT-B's 12) carry each module.
@@ -170,14 +171,15 @@ class NoahConfig(_init.InitOption, core.MethodConfig):
 
     def widths(self, model: nn.Module) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
         """(prompt, lora, adapter) per block: the options, or the placeholder."""
-        depth = vit.depth(model)
+        depth = backbone_of(model).depth()
         if self.searched:  # a module left empty is off in every block
             return tuple(_ints(w) or (0,) * depth for w in (self.prompt, self.lora, self.adapter))
         return ((PLACEHOLDER_WIDTH,) * depth,) * 3
 
     def validate(self, model: nn.Module) -> None:
+        bb = backbone_of(model)
         super().validate(model)
-        depth = vit.depth(model)
+        depth = bb.depth()
         core.check_range("supernet_dim", self.supernet_dim, low=1)
         core.check_dropout("dropout", self.dropout)
         for name in ("search_epochs", "search_generations", "population", "max_params"):
@@ -189,8 +191,8 @@ class NoahConfig(_init.InitOption, core.MethodConfig):
                 raise ValueError(f"{name} lists {len(widths)} blocks; the model has {depth}: give one width per block")
             if min(widths) < 0 or max(widths) > self.supernet_dim:
                 raise ValueError(f"{name}={list(widths)}: widths must lie in [0, supernet_dim={self.supernet_dim}]")
-        for block in vit.blocks(model):
-            vit.check_pre_norm_block(block)
+        for block in bb.block_list():
+            block_family(block)
 
 
 class QuickGELU(nn.Module):
@@ -259,8 +261,9 @@ class NoahBlock(core.PetlModule):
         dropout: float,
         init: str = "zero",
     ) -> None:
-        vit.check_pre_norm_block(base)
+        family = block_family(base)
         super().__init__(base)
+        self.family = family
         kw = core.factory_kwargs(base)
         self.prompt_len, self.adapter_dim = prompt, adapter
         # Set by wire(): how many trailing prompt tokens this block replaces, and strips after itself; where its
@@ -285,7 +288,7 @@ class NoahBlock(core.PetlModule):
                 _init.redraw(self.down, self.up)
         self.act = QuickGELU()
         if lora > 0:
-            vit.set_linear(base, "qkv", NoahQkv(vit.linear(base, "qkv"), lora, dropout, init))
+            family.set_linear(base, "qkv", NoahQkv(family.linear(base, "qkv"), lora, dropout, init))
 
     def adapter(self, h: torch.Tensor) -> torch.Tensor:
         """NOAH's adapter: ``h + up(dropout(QuickGELU(down(h))))`` at the active width."""
@@ -305,9 +308,8 @@ class NoahBlock(core.PetlModule):
     def forward(self, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         if self.prompt_len > 0:
             x = torch.cat([x[:, : x.shape[1] - self.replace], self.prompts(x)], dim=1)
-        x = vit.attn_residual(self.base, x, **kwargs)
-        b = self.base
-        x = x + self.adapter(b.drop_path2(b.ls2(b.mlp(b.norm2(x)))))
+        x = self.family.attn_residual(self.base, x, **kwargs)
+        x = x + self.adapter(self.family.mlp_branch(self.base, x))
         return x[:, : x.shape[1] - self.strip] if self.strip else x
 
 
@@ -350,7 +352,7 @@ def _block_rows(wrapper: NoahBlock) -> rows.RowHook:
 
 def noah_blocks(model: nn.Module) -> list[NoahBlock]:
     """The model's NOAH blocks, in order."""
-    return [b for b in vit.block_container(model) if isinstance(b, NoahBlock)]
+    return [b for b in backbone_of(model).block_container() if isinstance(b, NoahBlock)]
 
 
 def subnet_params(dim: int, prompt: Iterable[int], lora: Iterable[int], adapter: Iterable[int]) -> int:
@@ -360,19 +362,25 @@ def subnet_params(dim: int, prompt: Iterable[int], lora: Iterable[int], adapter:
 
 
 def _formula(model: nn.Module, cfg: NoahConfig) -> int:
-    return subnet_params(vit.embed_dim(model), *cfg.widths(model))
+    return subnet_params(backbone_of(model).width(), *cfg.widths(model))
 
 
 def inject_noah(model: nn.Module, cfg: NoahConfig) -> None:
     """NOAH: per block, prompts, LoRA on qkv and an adapter of the searched widths."""
-    container, d = vit.block_container(model), vit.embed_dim(model)
+    bb = backbone_of(model)
+    container, d = bb.block_container(), bb.width()
     for i, (p, r, a) in enumerate(zip(*cfg.widths(model), strict=True)):
-        vit.set_block(model, i, NoahBlock(container[i], d, p, a, r, cfg.supernet_dim, cfg.dropout, cfg.init))
+        bb.set_block(i, NoahBlock(container[i], d, p, a, r, cfg.supernet_dim, cfg.dropout, cfg.init))
     wire(noah_blocks(model))
 
 
+# The backbones noah's idea fits: prompt tokens appended to a flat token sequence, adapters and LoRA on pre-norm
+# blocks of one width.
+BACKBONES = ("vit",)
+
+
 # Its calibration, the subnet search, registers itself from petl.methods.noah_search (which builds on this file).
-core.register_method("noah", NoahConfig, trainable_formula=_formula)(inject_noah)
+core.register_method("noah", NoahConfig, trainable_formula=_formula, backbones=BACKBONES)(inject_noah)
 
 
 def apply_noah(model: nn.Module, **options: Any) -> nn.Module:

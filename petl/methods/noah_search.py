@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
-from petl import core, paths, surgery, vit
+from petl import core, paths, surgery
 from petl.methods.noah import (
     DEPTH_FRACTIONS,
     SEARCH_WIDTHS,
@@ -51,6 +51,7 @@ from petl.methods.noah import (
     widths_text,
     wire,
 )
+from petl.model.backbone import backbone_of
 
 log = logging.getLogger(__name__)
 
@@ -198,7 +199,7 @@ def set_subnet(model: nn.Module, subnet: Subnet) -> None:
     blocks = noah_blocks(model)
     for block, p, r, a in zip(blocks, *subnet, strict=True):
         block.prompt_len, block.adapter_dim = p, a
-        vit.linear(block.base, "qkv").rank = r
+        block.family.linear(block.base, "qkv").rank = r
     wire(blocks)
 
 
@@ -262,7 +263,7 @@ def train_supernet(
         schedule.load_state_dict(checkpoint.state["schedule"])
         rng.setstate(checkpoint.state["rng"])
         _set_random_states(checkpoint.state, device)
-    depth = vit.depth(model)
+    depth = backbone_of(model).depth()
     model.train()
     bar = tqdm(
         range(start, epochs),
@@ -303,8 +304,9 @@ def evolve(
     checkpoint: SearchCheckpoint | None = None,
 ) -> tuple[Subnet, float, int]:
     """NOAH's evolutionary search (evolution.py L284-329); returns the best subnet, its accuracy, evaluations."""
+    bb = backbone_of(model)
     checkpoint = checkpoint or SearchCheckpoint(None)
-    depth, dim = vit.depth(model), vit.embed_dim(model)
+    depth, dim = bb.depth(), bb.width()
     scores: dict[Subnet, float] = dict(checkpoint.state.get("scores", []))
     # Steps: the first population, then one per generation.
     done = checkpoint.state.get("steps", 0)
@@ -371,7 +373,7 @@ def search(
     seed = int(torch.randint(0, 2**31 - 1, ()).item()) if seed is None else seed
     rng = random.Random(seed)
     device = next(backbone.parameters()).device
-    depth, width = vit.depth(backbone), cfg.supernet_dim
+    depth, width = backbone_of(backbone).depth(), cfg.supernet_dim
     supernet = surgery.apply(
         copy.deepcopy(backbone),
         "noah",

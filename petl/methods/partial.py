@@ -21,7 +21,8 @@ from typing import Any, ClassVar
 
 from torch import nn
 
-from petl import core, surgery, vit
+from petl import core, surgery
+from petl.model.backbone import backbone_of
 
 
 @dataclass
@@ -41,19 +42,26 @@ class PartialConfig(core.MethodConfig):
 
     def validate(self, model: nn.Module) -> None:
         super().validate(model)
-        core.check_range("k", self.k, low=1, high=vit.depth(model))
+        core.check_range("k", self.k, low=1, high=backbone_of(model).depth())
 
 
 def _trained_modules(model: nn.Module, k: int) -> list[nn.Module]:
-    blocks = vit.blocks(model)
-    return blocks[len(blocks) - k :] + vit.final_norms(model)
+    bb = backbone_of(model)
+    blocks = bb.block_list()
+    return blocks[len(blocks) - k :] + bb.final_norms()
 
 
 def _formula(model: nn.Module, cfg: PartialConfig) -> int:
     return sum(p.numel() for m in _trained_modules(model, cfg.k) for p in m.parameters())
 
 
-@core.register_method("partial", PartialConfig, trainable_formula=_formula, zero_init=True, mergeable=False)
+# The backbones partial's idea fits: the last k blocks and the final norms train.
+BACKBONES = ("vit",)
+
+
+@core.register_method(
+    "partial", PartialConfig, trainable_formula=_formula, zero_init=True, mergeable=False, backbones=BACKBONES
+)
 def inject_partial(model: nn.Module, cfg: PartialConfig) -> None:
     """Partial-k: train the last k blocks, the final norms and the head."""
     for module in _trained_modules(model, cfg.k):

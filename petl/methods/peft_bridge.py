@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from petl import core, rows, surgery, vit
+from petl import core, rows, surgery
+from petl.model.backbone import backbone_of
 
 if TYPE_CHECKING:
     from peft import PeftConfig
@@ -160,7 +161,7 @@ def _count_by_injecting(model: nn.Module, cfg: PeftBridgeConfig) -> int:
     trial = copy.deepcopy(model)
     trial.requires_grad_(False)
     inject_adapter_in_model(cfg.to_peft(), trial)
-    head_ids = {id(p) for p in vit.head(trial).parameters()}
+    head_ids = {id(p) for p in backbone_of(trial).head().parameters()}
     return sum(p.numel() for p in trial.parameters() if p.requires_grad and id(p) not in head_ids)
 
 
@@ -168,7 +169,7 @@ def _targets(model: nn.Module, peft_config: PeftConfig) -> list[tuple[str, nn.Mo
     """The modules outside the head that peft's own matcher says ``target_modules`` names."""
     from peft.tuners.tuners_utils import check_target_module_exists
 
-    head_ids = {id(m) for m in vit.head(model).modules()}
+    head_ids = {id(m) for m in backbone_of(model).head().modules()}
     return [
         (name, module)
         for name, module in model.named_modules()
@@ -238,7 +239,13 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-@core.register_method("peft", PeftBridgeConfig, trainable_formula=_formula, zero_init=True, mergeable=True)
+# The backbones peft's idea fits: peft's tuners on the Linears the backbone names.
+BACKBONES = ("vit",)
+
+
+@core.register_method(
+    "peft", PeftBridgeConfig, trainable_formula=_formula, zero_init=True, mergeable=True, backbones=BACKBONES
+)
 def inject_peft(model: nn.Module, cfg: PeftBridgeConfig) -> None:
     """Hugging Face peft tuners (LoRA by default) injected in place with peft.inject_adapter_in_model."""
     from peft import inject_adapter_in_model

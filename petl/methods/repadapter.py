@@ -35,8 +35,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from petl import core, rows, surgery, vit
+from petl import core, rows, surgery
 from petl.methods import _reparam
+from petl.model.backbone import backbone_of
 
 # The Linear that first reads the attention's input and the MLP's input.
 TARGETS = ("qkv", "fc1")
@@ -65,7 +66,7 @@ class RepAdapterConfig(core.MethodConfig):
         core.check_range("groups", self.groups, low=1)
         core.check_dropout("dropout", self.dropout)
         core.check_nonzero("scale", self.scale, "the adapters")
-        width = vit.embed_dim(model)
+        width = backbone_of(model).width()
         if self.bottleneck % self.groups or width % self.groups:
             raise ValueError(f"groups={self.groups} must divide bottleneck={self.bottleneck} and the embed dim {width}")
 
@@ -162,18 +163,26 @@ def _rows(wrapper: RepAdapterLinear) -> rows.RowHook:
 
 
 def _formula(model: nn.Module, cfg: RepAdapterConfig) -> int:
-    d, r, g = vit.embed_dim(model), cfg.bottleneck, cfg.groups
+    bb = backbone_of(model)
+    d, r, g = bb.width(), cfg.bottleneck, cfg.groups
     # A: d*r + r; grouped B: d * (r/g) + d; two adapters (attention, MLP) per block.
-    return vit.depth(model) * 2 * (d * r + r + d * (r // g) + d)
+    return bb.depth() * 2 * (d * r + r + d * (r // g) + d)
 
 
-@core.register_method("repadapter", RepAdapterConfig, trainable_formula=_formula, zero_init=True, mergeable=True)
+# The backbones repadapter's idea fits: re-parameterisable adapters in front of the attention and MLP Linears.
+BACKBONES = ("vit",)
+
+
+@core.register_method(
+    "repadapter", RepAdapterConfig, trainable_formula=_formula, zero_init=True, mergeable=True, backbones=BACKBONES
+)
 def inject_repadapter(model: nn.Module, cfg: RepAdapterConfig) -> None:
     """RepAdapter: group-wise adapters before attention and the MLP, merged into qkv and fc1."""
-    for block in vit.blocks(model):
+    bb = backbone_of(model)
+    for block in bb.block_list():
         for name in TARGETS:
-            wrapper = RepAdapterLinear(vit.linear(block, name), cfg.bottleneck, cfg.groups, cfg.scale, cfg.dropout)
-            vit.set_linear(block, name, wrapper)
+            wrapper = RepAdapterLinear(bb.linear(block, name), cfg.bottleneck, cfg.groups, cfg.scale, cfg.dropout)
+            bb.set_linear(block, name, wrapper)
 
 
 def apply_repadapter(model: nn.Module, **options: Any) -> nn.Module:

@@ -51,7 +51,8 @@ from torch import nn
 from tqdm.auto import tqdm
 
 # The reference's topN=96 on ViT-B's 768 channels: one in eight.
-from petl import core, rows, surgery, vit
+from petl import core, rows, surgery
+from petl.model.backbone import backbone_of, block_family
 
 DEFAULT_FRACTION = 8
 
@@ -78,7 +79,7 @@ class SctConfig(core.MethodConfig):
 
     def width(self, model: nn.Module) -> int:
         """The number of tuned channels per block on ``model``."""
-        return vit.embed_dim(model) // DEFAULT_FRACTION if self.top_n is None else self.top_n
+        return backbone_of(model).width() // DEFAULT_FRACTION if self.top_n is None else self.top_n
 
     def channel_indices(self) -> tuple[tuple[int, ...], ...]:
         """``channels`` parsed into one tuple of ints per block."""
@@ -88,11 +89,12 @@ class SctConfig(core.MethodConfig):
         """The channel indices per block: ``channels`` or the placeholder."""
         if self.channels:
             return self.channel_indices()
-        return tuple(tuple(range(self.width(model))) for _ in range(vit.depth(model)))
+        return tuple(tuple(range(self.width(model))) for _ in range(backbone_of(model).depth()))
 
     def validate(self, model: nn.Module) -> None:
+        bb = backbone_of(model)
         super().validate(model)
-        d, depth = vit.embed_dim(model), vit.depth(model)
+        d, depth = bb.width(), bb.depth()
         core.check_range("top_n", self.width(model), low=1, high=d)
         if not self.channels:
             return
@@ -130,8 +132,9 @@ class SctBlock(core.PetlModule):
     """
 
     def __init__(self, base: nn.Module, channels: tuple[int, ...]) -> None:
-        vit.check_pre_norm_block(base)
+        family = block_family(base)
         super().__init__(base)
+        self.family = family
         kw = core.factory_kwargs(base)
         self.register_buffer("index", torch.tensor(channels, dtype=torch.long, device=kw["device"]), persistent=False)
         self.linear = nn.Linear(len(channels), len(channels), **kw)
@@ -140,8 +143,8 @@ class SctBlock(core.PetlModule):
 
     def forward(self, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         # timm passes attn_mask / is_causal by keyword; they belong to the attention half.
-        x = vit.attn_residual(self.base, x, **kwargs)
-        return vit.mlp_residual(self.base, self.tune_channels(x))
+        x = self.family.attn_residual(self.base, x, **kwargs)
+        return self.family.mlp_residual(self.base, self.tune_channels(x))
 
     def tune_channels(self, x: torch.Tensor) -> torch.Tensor:
         """The residual stream after attention with ``W x[..., idx] + b`` added to its selected channels."""
@@ -172,9 +175,10 @@ def select_sct_channels(
         Per block, the ``top_n`` channel indices in ascending order: the ``channels`` option.
 
     """
+    bb = backbone_of(model)
     n = SctConfig(top_n=top_n).width(model)
-    prefix, was_training = vit.num_prefix_tokens(model), model.training
-    sums: list[dict[int, torch.Tensor]] = [{} for _ in range(vit.depth(model))]
+    prefix, was_training = bb.num_prefix_tokens(), model.training
+    sums: list[dict[int, torch.Tensor]] = [{} for _ in range(bb.depth())]
     labels: torch.Tensor | None = None
 
     def record(i: int) -> Any:
@@ -187,7 +191,7 @@ def select_sct_channels(
 
         return hook
 
-    handles = [vit.mlp_norm(block).register_forward_pre_hook(record(i)) for i, block in enumerate(vit.blocks(model))]
+    handles = [bb.mlp_norm(block).register_forward_pre_hook(record(i)) for i, block in enumerate(bb.block_list())]
     try:
         model.eval()
         device = next(model.parameters()).device
@@ -221,14 +225,20 @@ def calibrate_sct(
 
 def _formula(model: nn.Module, cfg: SctConfig) -> int:
     n = cfg.width(model)
-    return vit.depth(model) * (n * n + n)
+    return backbone_of(model).depth() * (n * n + n)
 
 
-@core.register_method("sct", SctConfig, trainable_formula=_formula, calibrate=calibrate_sct)
+# The backbones sct's idea fits: salient channels of the residual stream between the halves of pre-norm blocks of one
+# width.
+BACKBONES = ("vit",)
+
+
+@core.register_method("sct", SctConfig, trainable_formula=_formula, calibrate=calibrate_sct, backbones=BACKBONES)
 def inject_sct(model: nn.Module, cfg: SctConfig) -> None:
     """SCT: a Linear on the top_n salient residual channels after each block's attention."""
+    bb = backbone_of(model)
     for i, channels in enumerate(cfg.channels_for(model)):
-        vit.set_block(model, i, SctBlock(vit.block_container(model)[i], channels))
+        bb.set_block(i, SctBlock(bb.block_container()[i], channels))
 
 
 def apply_sct(model: nn.Module, **options: Any) -> nn.Module:

@@ -61,7 +61,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from petl import core, rows, surgery, vit
+from petl import core, rows, surgery
+from petl.model.backbone import backbone_of, block_family
 
 
 @dataclass
@@ -83,8 +84,8 @@ class SnfConfig(core.MethodConfig):
     def validate(self, model: nn.Module) -> None:
         super().validate(model)
         core.check_range("flow_length", self.flow_length, low=0)
-        for block in vit.blocks(model):
-            vit.check_pre_norm_block(block)
+        for block in backbone_of(model).block_list():
+            block_family(block)
 
 
 class PlanarFlows(torch.autograd.Function):
@@ -193,15 +194,17 @@ class SnfBlock(core.PetlModule):
     """
 
     def __init__(self, base: nn.Module, width: int, cfg: SnfConfig) -> None:
+        family = block_family(base)
         super().__init__(base)
+        self.family = family
         kw = core.factory_kwargs(base)
         self.flow_attn = ShortcutFlow(width, cfg.flow_length, **kw)
         self.flow_mlp = ShortcutFlow(width, cfg.flow_length, **kw)
 
     def forward(self, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-        block = self.base
-        x = self.flow_attn(x) + block.drop_path1(block.ls1(block.attn(block.norm1(x), **kwargs)))
-        return self.flow_mlp(x) + block.drop_path2(block.ls2(block.mlp(block.norm2(x))))
+        block, family = self.base, self.family
+        x = self.flow_attn(x) + family.attn_branch(block, x, **kwargs)
+        return self.flow_mlp(x) + family.mlp_branch(block, x)
 
 
 @rows.register_row_hook(SnfBlock)
@@ -222,17 +225,23 @@ def _rows(wrapper: SnfBlock) -> rows.RowHook:
 
 
 def _formula(model: nn.Module, cfg: SnfConfig) -> int:
-    d = vit.embed_dim(model)
+    bb = backbone_of(model)
+    d = bb.width()
     # Per flow: mu and log_sigma (2d), and per planar flow w, u (2d) and b (1); two flows per block.
-    return vit.depth(model) * 2 * (2 * d + cfg.flow_length * (2 * d + 1))
+    return bb.depth() * 2 * (2 * d + cfg.flow_length * (2 * d + 1))
 
 
-@core.register_method("snf", SnfConfig, trainable_formula=_formula, zero_init=True)
+# The backbones snf's idea fits: normalizing flows on both residual shortcuts of pre-norm blocks of one width.
+BACKBONES = ("vit",)
+
+
+@core.register_method("snf", SnfConfig, trainable_formula=_formula, zero_init=True, backbones=BACKBONES)
 def inject_snf(model: nn.Module, cfg: SnfConfig) -> None:
     """SNF: a normalizing flow on both shortcuts of every block."""
-    container, width = vit.block_container(model), vit.embed_dim(model)
+    bb = backbone_of(model)
+    container, width = bb.block_container(), bb.width()
     for i in range(len(container)):
-        vit.set_block(model, i, SnfBlock(container[i], width, cfg))
+        bb.set_block(i, SnfBlock(container[i], width, cfg))
 
 
 def apply_snf(model: nn.Module, **options: Any) -> nn.Module:

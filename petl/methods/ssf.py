@@ -36,8 +36,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from petl import core, rows, surgery, vit
+from petl import core, rows, surgery
 from petl.methods import _reparam
+from petl.model.backbone import backbone_of
 
 BLOCK_LINEARS = ("qkv", "proj", "fc1", "fc2")
 
@@ -141,20 +142,24 @@ def _rows(wrapper: SsfLayer) -> rows.RowHook:
 
 def _sites(model: nn.Module) -> list[tuple[nn.Module, Callable[[nn.Module], None]]]:
     """Every layer SSF follows, with the function that installs its wrapper, in forward order."""
-    sites: list[tuple[nn.Module, Callable[[nn.Module], None]]] = [
-        (vit.patch_proj(model), lambda m: vit.set_patch_proj(model, m))
-    ]
-    if isinstance(vit.patch_norm(model), nn.LayerNorm):
-        sites.append((vit.patch_norm(model), lambda m: vit.set_patch_norm(model, m)))
-    for block in vit.blocks(model):
+    bb = backbone_of(model)
+    sites: list[tuple[nn.Module, Callable[[nn.Module], None]]] = [(bb.patch_proj(), lambda m: bb.set_patch_proj(m))]
+    if isinstance(bb.patch_norm(), nn.LayerNorm):
+        sites.append((bb.patch_norm(), lambda m: bb.set_patch_norm(m)))
+    for block in bb.block_list():
         for norm_name, linear_names in (("norm1", ("qkv", "proj")), ("norm2", ("fc1", "fc2"))):
-            norm = vit.block_norm(block, norm_name)
-            sites.append((norm, lambda m, b=block, n=norm_name: vit.set_block_norm(b, n, m)))
+            norm = bb.block_norm(block, norm_name)
+            sites.append((norm, lambda m, b=block, n=norm_name: bb.set_block_norm(b, n, m)))
             for name in linear_names:
-                sites.append((vit.linear(block, name), lambda m, b=block, n=name: vit.set_linear(b, n, m)))
-    for name, norm in vit.named_final_norms(model):
+                sites.append(
+                    (
+                        bb.linear(block, name),
+                        lambda m, b=block, n=name: bb.set_linear(b, n, m),
+                    )
+                )
+    for name, norm in bb.named_final_norms():
         if isinstance(norm, nn.LayerNorm):
-            sites.append((norm, lambda m, n=name: vit.set_final_norm(model, n, m)))
+            sites.append((norm, lambda m, n=name: bb.set_final_norm(n, m)))
     return sites
 
 
@@ -163,7 +168,13 @@ def _formula(model: nn.Module, cfg: SsfConfig) -> int:
     return sum(2 * _width(module) for module, _ in _sites(model))
 
 
-@core.register_method("ssf", SsfConfig, trainable_formula=_formula, zero_init=False, mergeable=True)
+# The backbones ssf's idea fits: scale and shift after the patch projection, the norms and the Linears.
+BACKBONES = ("vit",)
+
+
+@core.register_method(
+    "ssf", SsfConfig, trainable_formula=_formula, zero_init=False, mergeable=True, backbones=BACKBONES
+)
 def inject_ssf(model: nn.Module, cfg: SsfConfig) -> None:
     """SSF: per-channel scale and shift after every norm, Linear and the patch projection; mergeable."""
     for module, install in _sites(model):

@@ -46,7 +46,8 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from petl import core, rows, surgery, vit
+from petl import core, rows, surgery
+from petl.model.backbone import backbone_of
 
 POOLS = ("original", "img_pool")
 
@@ -154,38 +155,47 @@ def _rows(wrapper: PromptedBlock) -> rows.RowHook:
 
 def _prompt_init_bound(model: nn.Module) -> float:
     # VPT's Xavier-uniform bound for a patch-sized fan-in (3 * patch_h * patch_w) and fan-out dim.
-    patch_h, patch_w = vit.patch_size(model)
-    return math.sqrt(6.0 / (3 * patch_h * patch_w + vit.embed_dim(model)))
+    bb = backbone_of(model)
+    patch_h, patch_w = bb.patch_size()
+    return math.sqrt(6.0 / (3 * patch_h * patch_w + bb.width()))
 
 
 def _formula(model: nn.Module, cfg: VptConfig) -> int:
-    prompt_sets = vit.depth(model) if cfg.deep else 1
-    return prompt_sets * cfg.num_tokens * vit.embed_dim(model)
+    bb = backbone_of(model)
+    prompt_sets = bb.depth() if cfg.deep else 1
+    return prompt_sets * cfg.num_tokens * bb.width()
 
 
-@core.register_method("vpt", VptConfig, trainable_formula=_formula, zero_init=False, mergeable=False)
+# The backbones vpt's idea fits: prompt tokens inserted after the prefix tokens of a flat token sequence.
+BACKBONES = ("vit",)
+
+
+@core.register_method(
+    "vpt", VptConfig, trainable_formula=_formula, zero_init=False, mergeable=False, backbones=BACKBONES
+)
 def inject_vpt(model: nn.Module, cfg: VptConfig) -> None:
     """Visual Prompt Tuning: learnable prompt tokens, shallow (first block) or deep (every block)."""
-    depth, bound = vit.depth(model), _prompt_init_bound(model)
+    bb = backbone_of(model)
+    depth, bound = bb.depth(), _prompt_init_bound(model)
     kw = core.factory_kwargs(model)
-    container = vit.block_container(model)
+    container = bb.block_container()
     for i in range(depth):
         has_prompt = i == 0 or cfg.deep
         strip = i == depth - 1 and cfg.pool == "img_pool"
         if not (has_prompt or strip):
             # Shallow VPT's later blocks just carry the prompt outputs along; they stay unwrapped.
             continue
-        prompt = torch.empty(cfg.num_tokens, vit.embed_dim(model), **kw).uniform_(-bound, bound) if has_prompt else None
+        prompt = torch.empty(cfg.num_tokens, bb.width(), **kw).uniform_(-bound, bound) if has_prompt else None
         wrapper = PromptedBlock(
             container[i],
-            num_prefix=vit.num_prefix_tokens(model),
+            num_prefix=bb.num_prefix_tokens(),
             num_tokens=cfg.num_tokens,
             prompt=prompt,
             replace=i > 0,
             strip=strip,
             dropout=cfg.dropout,
         )
-        vit.set_block(model, i, wrapper)
+        bb.set_block(i, wrapper)
 
 
 def apply_vpt(model: nn.Module, **options: Any) -> nn.Module:

@@ -38,11 +38,11 @@ from torch import nn
 
 import petl.backbones  # noqa: F401  (registers petl's timm models, which a run's card may name)
 import petl.methods  # noqa: F401  (importing the methods registers them)
-from petl import vit
 from petl.core import trainable_state
 from petl.data import hub
 from petl.data.transforms import ImageSpec, pil_to_tensor
 from petl.io import load_trainable
+from petl.model.backbone import backbone_of
 from petl.paths import file_sha256
 from petl.store.files import MODEL_FILE, WEIGHTS_FILE, write_json
 
@@ -470,12 +470,13 @@ def loaded(folder: Path, card: dict[str, Any], model: nn.Module) -> LoadedRun:
         RunFolderError: the rebuilt backbone's frozen tensors differ from those the run trained on.
 
     """
+    bb = backbone_of(model)
     mismatch = frozen_mismatch(card, model)
     if mismatch is not None:
         raise RunFolderError(f"{folder}: {mismatch}: predictions would not be the run's")
-    if vit.num_classes(model) != card["num_classes"]:
+    if bb.num_classes() != card["num_classes"]:
         raise RunFolderError(
-            f"{folder}: {card['weights']} holds a head of {vit.num_classes(model)} classes, {MODEL_FILE} says "
+            f"{folder}: {card['weights']} holds a head of {bb.num_classes()} classes, {MODEL_FILE} says "
             f"num_classes={card['num_classes']}: put back the run's own files"
         )
     model.eval()

@@ -19,18 +19,14 @@ from dataclasses import dataclass
 
 import torch
 from accelerate import Accelerator
-from timm.models import checkpoint_seq
-from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-from petl import timm_api, vit
+from petl import timm_api
 from petl.core import PetlModule
+from petl.model.backbone import backbone_of, family_of
 
 log = logging.getLogger(__name__)
-
-# Modules of a timm VisionTransformer that run after the blocks (their order: norm, pool, fc_norm, head).
-_AFTER_BLOCKS = ("blocks", "norm", "fc_norm", "attn_pool", "head_drop", "head")
 
 # Above this size (CPU memory) the cache would cost more than it saves; the run goes uncached.
 MAX_CACHE_BYTES = 8 * 2**30
@@ -76,23 +72,24 @@ def _replaced(model: nn.Module, name: str) -> bool:
 def plan(model: nn.Module) -> CachePlan | None:
     """The cache plan for ``model``, or ``None`` when nothing in front of the trained part is frozen.
 
-    Only plain timm ``VisionTransformer`` forwards are cached: the cached path replays timm's
-    ``forward_features``/``forward_head`` from the point it cuts in, which is only exact when the
-    model runs those very methods (not a subclass's or a patched copy).
+    Only models that run their family's own forward are cached (:meth:`Backbone.is_plain`): the cached path
+    replays that forward from the point it cuts in, which is only exact when the model runs those very methods
+    (not a subclass's or a patched copy).
     """
+    if family_of(model) is None:
+        return None
+    bb = backbone_of(model)
     overridden = any(_replaced(model, name) for name in ("forward", "forward_features", "forward_head"))
-    if type(model) is not VisionTransformer or overridden or model._forward_hooks or model._forward_pre_hooks:
+    if not bb.is_plain() or overridden or model._forward_hooks or model._forward_pre_hooks:
         return None
     # The stem: patch embedding, cls/register tokens, position embedding, norm_pre (and dropouts).
-    stem_params = list(model.parameters(recurse=False))
-    stem_modules = [module for name, module in model.named_children() if name not in _AFTER_BLOCKS]
+    stem_params, stem_modules = bb.stem()
     if any(p.requires_grad for p in stem_params) or not all(_untouched(m) for m in stem_modules):
         return None
-    start = next((i for i, block in enumerate(model.blocks) if not _untouched(block)), vit.depth(model))
+    start = next((i for i, block in enumerate(bb.block_container()) if not _untouched(block)), bb.depth())
     if start == 0:
         return None
-    after = [getattr(model, n) for n in ("norm", "fc_norm", "attn_pool") if getattr(model, n, None) is not None]
-    if start == vit.depth(model) and all(_untouched(m) for m in after):
+    if start == bb.depth() and all(_untouched(m) for m in bb.after_blocks()):
         return CachePlan(start=None, features=True)
     return CachePlan(start=start, features=False)
 
@@ -108,30 +105,27 @@ class CachedTail(nn.Module):
     ``set_train_mode`` see the same modules as on the full model; the forward skips the front.
     """
 
-    def __init__(self, model: VisionTransformer, cache_plan: CachePlan) -> None:
+    def __init__(self, model: nn.Module, cache_plan: CachePlan) -> None:
         super().__init__()
         self.model = model
         self.plan = cache_plan
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Logits from cached tensors (the rest of timm's forward from the cut point on)."""
-        model = self.model
+        """Logits from cached tensors (the rest of the model's forward from the cut point on)."""
+        bb = backbone_of(self.model)
         if self.plan.features:
             # forward_head(pre_logits=True) ends with head_drop, which has no parameters and so
             # stays in eval mode (identity) on the uncached path too: only the head is left.
-            return vit.head(model)(x)
-        tail = model.blocks[self.plan.start :]
-        # Honour train.grad_checkpointing as timm's forward_features does on the uncached path.
-        x = checkpoint_seq(tail, x) if getattr(model, "grad_checkpointing", False) else tail(x)
-        return model.forward_head(model.norm(x))
+            return bb.head()(x)
+        return bb.forward_from(x, self.plan.start)
 
     @torch.no_grad()
     def front(self, images: torch.Tensor) -> torch.Tensor:
         """What the cache holds for a batch of images (run with the model in eval mode)."""
-        model = self.model
+        bb = backbone_of(self.model)
         if self.plan.features:
-            return model.forward_head(model.forward_features(images), pre_logits=True)
-        cut = model.blocks[self.plan.start] if self.plan.start < vit.depth(model) else model.norm
+            return bb.pre_logits(images)
+        cut = bb.block_input_module(self.plan.start)
         captured: list[torch.Tensor] = []
 
         def grab(_module: nn.Module, args: tuple) -> None:
@@ -140,7 +134,7 @@ class CachedTail(nn.Module):
 
         handle = cut.register_forward_pre_hook(grab)
         try:
-            model.forward_features(images)
+            self.model.forward_features(images)
         except _Captured:
             pass
         finally:
@@ -148,15 +142,15 @@ class CachedTail(nn.Module):
         return captured[0]
 
 
-def _estimate_bytes(model: VisionTransformer, cache_plan: CachePlan, num_items: int) -> int:
+def _estimate_bytes(model: nn.Module, cache_plan: CachePlan, num_items: int) -> int:
+    bb = backbone_of(model)
     if cache_plan.features:
-        return num_items * model.num_features * 4
-    grid = model.patch_embed.num_patches if hasattr(model.patch_embed, "num_patches") else 0
-    tokens = grid + vit.num_prefix_tokens(model)
-    return num_items * tokens * vit.embed_dim(model) * 4
+        return num_items * bb.num_features() * 4
+    widths = bb.widths()
+    return num_items * bb.num_tokens() * widths[min(cache_plan.start, len(widths) - 1)] * 4
 
 
-def fits(model: VisionTransformer, cache_plan: CachePlan, sizes: list[int]) -> bool:
+def fits(model: nn.Module, cache_plan: CachePlan, sizes: list[int]) -> bool:
     """Whether caching splits of these sizes stays under :data:`MAX_CACHE_BYTES`."""
     return _estimate_bytes(model, cache_plan, sum(sizes)) <= MAX_CACHE_BYTES
 

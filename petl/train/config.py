@@ -37,6 +37,7 @@ from petl import data as petl_data
 from petl.backbones import models as petl_models
 from petl.core import first_line, get_method, list_methods, make_config
 from petl.errors import ConfigError
+from petl.model.backbone import timm_modules
 from petl.train.engine import TrainSettings
 from petl.train.options import check_options, neutral_keys, option
 from petl.train.readers import data_info, data_options, image_size, method_options, model_kwargs  # noqa: F401 (re-exported)
@@ -47,11 +48,6 @@ TRACKERS = tuple(LOGGER_TYPE_TO_CLASS)
 
 # Method fields the runner fills in itself (from the dataset), so they are not command-line options.
 RUNNER_FIELDS = ("num_classes",)
-
-
-# timm modules whose models are (subclasses of) timm's VisionTransformer, the family petl supports;
-# "models" is the module name timm records for petl's own petl/backbones/models.py.
-VIT_MODULES = ("vision_transformer", "vision_transformer_hybrid", "deit", "models")
 
 
 def _check_trackers(key: str, trackers: Sequence[str]) -> None:
@@ -202,11 +198,12 @@ def _slug(value: str) -> str:
 
 
 def list_models() -> list[str]:
-    """The timm ViT names the ``model`` group accepts: architectures and architecture.tag names."""
-    return sorted(
-        set(timm.list_models(module=list(VIT_MODULES), pretrained=True))
-        | set(timm.list_models(module=list(VIT_MODULES)))
-    )
+    """The timm model names the ``model`` group accepts: architectures and architecture.tag names.
+
+    Those of the timm modules whose models a registered backbone family takes (``timm_modules``).
+    """
+    modules = timm_modules()
+    return sorted(set(timm.list_models(module=modules, pretrained=True)) | set(timm.list_models(module=modules)))
 
 
 def _cli_type(hint: Any) -> Any:

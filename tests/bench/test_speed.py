@@ -262,7 +262,7 @@ def test_side_floor_runs_no_block_with_autograd_and_trains_the_side_network():
 
     bench = _Bench(Case("floor", {"name": "dtl", "add_from": 2}, floor=Floor("", side="dtl")), TINY)
     outputs = []
-    for block in petl.vit.blocks(bench.model):
+    for block in petl.backbone_of(bench.model).block_list():
         block.register_forward_hook(lambda _m, _a, out: outputs.append(out.requires_grad))
     before = [p.detach().clone() for p in bench.params]
     bench.step()

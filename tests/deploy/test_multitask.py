@@ -13,12 +13,12 @@ from conftest import make_tiny_vit, perturb_trainable
 from PIL import Image
 
 import petl
-from petl import vit
 from petl.cli import predict as predict_cli
 from petl.data.transforms import ImageSpec
 from petl.deploy import predict as predict_api
 from petl.deploy.multitask import TaskRefused
 from petl.deploy.routing import RoutedModule
+from petl.model.backbone import backbone_of
 from petl.store import load
 
 # Every registered method with its defaults, plus the variants that take another path through the mixed batch.
@@ -153,7 +153,7 @@ def test_frozen_layers_run_once_for_the_whole_mixed_batch(tmp_path):
     backbone = make_tiny_vit()
     _, files = _save(tmp_path, cases, backbone)
     multi = petl.MultiTask(backbone, files)
-    routed = vit.block_container(multi.backbone)[0].attn.qkv
+    routed = backbone_of(multi.backbone).block_container()[0].attn.qkv
     assert isinstance(routed, RoutedModule) and sorted(routed.hooks) == [0, 1, 2]
     calls = []
     routed.base.register_forward_hook(lambda _m, args, _out: calls.append(args[0].shape[0]))

@@ -11,7 +11,8 @@ from timm.models.resnet import BasicBlock, ResNet
 from torch import nn
 
 import petl
-from petl import core, vit
+from petl import core
+from petl.model.backbone import backbone_of
 
 EXPORTS = [
     "apply",
@@ -60,7 +61,7 @@ def test_apply_resets_head_and_records_config(tiny_vit, method):
     assert model.petl_method == method
     assert isinstance(model.petl_config, petl.get_method(method).config_cls)
     assert model.petl_config.num_classes == 7
-    assert all(p.requires_grad for p in vit.head(model).parameters())
+    assert all(p.requires_grad for p in backbone_of(model).head().parameters())
 
 
 def test_unknown_method_lists_the_valid_ones(tiny_vit):

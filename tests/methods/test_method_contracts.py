@@ -19,10 +19,12 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 from safetensors import safe_open
 
 import petl
-from petl import core, vit
+from petl import core
 from petl.methods.adapter import ParallelAdapter, SequentialAdapter
 from petl.methods.lora import LoraLinear
 from petl.methods.vpt import PromptedBlock
+from petl.model.backbone import backbone_of
+from petl.model.backbone.vit import ViT
 
 # Every registered method with its defaults, plus variants that exercise other code paths.
 VARIANTS = [(name, {}) for name in petl.list_methods()] + [
@@ -115,7 +117,7 @@ def test_inserted_modules_are_wrappers(tiny_vit, method, options):
     model = tiny_vit()
     original = {id(m) for m in model.modules()}
     petl.apply(model, method, **options)
-    head = {id(m) for m in vit.head(model).modules()}
+    head = {id(m) for m in backbone_of(model).head().modules()}
     wrapper_paths = [n for n, m in model.named_modules() if isinstance(m, (core.PetlModule, BaseTunerLayer)) and n]
     for name, module in model.named_modules():
         if id(module) in original or id(module) in head:
@@ -194,7 +196,7 @@ def test_count_matches_formula(tiny_vit, method, options, backbone):
     model = petl.apply(tiny_vit(**BACKBONES[backbone]), method, num_classes=4, **options)
     counts = petl.count_params(model)
     assert counts.trainable_no_head == expected
-    assert counts.trainable == expected + sum(p.numel() for p in vit.head(model).parameters())
+    assert counts.trainable == expected + sum(p.numel() for p in backbone_of(model).head().parameters())
 
 
 PUBLISHED = [
@@ -222,7 +224,7 @@ def test_vit_base_counts_match_published(vit_base, method, options, published):
 def _block_inputs(model: torch.nn.Module) -> list[torch.Tensor]:
     """Record what each original block receives on the next forward."""
     seen: list[torch.Tensor] = []
-    for block in vit.blocks(model):
+    for block in backbone_of(model).block_list():
         block.register_forward_pre_hook(lambda _m, args: seen.append(args[0]))
     return seen
 
@@ -238,12 +240,12 @@ def test_vpt_token_layout(tiny_vit, images, backbone, deep, pool):
     model = petl.apply_vpt(tiny_vit(**BACKBONES[backbone]), num_tokens=n, deep=deep, dropout=0.0, pool=pool)
     inputs = _block_inputs(model)
     features = model.forward_features(images)
-    p = vit.num_prefix_tokens(model)
+    p = backbone_of(model).num_prefix_tokens()
     # Prompts sit right after the class/register tokens; the other tokens are untouched.
     assert torch.equal(torch.cat([inputs[0][:, :p], inputs[0][:, p + n :]], dim=1), ref_inputs[0])
     assert all(x.shape[1] == ref_inputs[0].shape[1] + n for x in inputs)
     prompts = [b.prompt for b in model.blocks if isinstance(b, PromptedBlock) and b.prompt is not None]
-    assert len(prompts) == (vit.depth(model) if deep else 1)
+    assert len(prompts) == (backbone_of(model).depth() if deep else 1)
     # Deep VPT feeds each prompted block its own fresh prompts; shallow carries block 0's outputs.
     prompted = [i for i, b in enumerate(model.blocks) if isinstance(b, PromptedBlock) and b.prompt is not None]
     for i, prompt in zip(prompted, prompts, strict=True):
@@ -294,7 +296,7 @@ def test_partial_trains_blocks_by_index(tiny_vit, k):
     frozen = [i for i, block in enumerate(model.blocks) if not any(p.requires_grad for p in block.parameters())]
     assert trained == list(range(12 - k, 12))
     assert frozen == list(range(12 - k))  # blocks.1 stays frozen although "blocks.1" prefixes blocks.10/11
-    assert all(p.requires_grad for norm in vit.final_norms(model) for p in norm.parameters())
+    assert all(p.requires_grad for norm in backbone_of(model).final_norms() for p in norm.parameters())
     assert not model.patch_embed.proj.weight.requires_grad
 
 
@@ -310,9 +312,9 @@ def test_partial_rejects_k_outside_depth(tiny_vit, k):
 def test_lora_merge_touches_only_adapted_rows(tiny_vit, images):
     model = petl.apply_lora(tiny_vit(), targets=("q", "v"))
     perturb_trainable(model)
-    qkv = vit.linear(vit.blocks(model)[0], "qkv")
+    qkv = ViT.linear(backbone_of(model).block_list()[0], "qkv")
     assert isinstance(qkv, LoraLinear)
-    d = vit.embed_dim(model)
+    d = backbone_of(model).width()
     before = qkv.base.weight.clone()
     petl.merge(model)
     changed = (qkv.base.weight != before).any(dim=1)
@@ -328,7 +330,7 @@ def test_merge_refuses_non_finite_updates_and_leaves_the_model_unmerged(tiny_vit
     perturb_trainable(model)
     # The last block's update is bad: the blocks merged before it must be unmerged again.
     with torch.no_grad():
-        vit.linear(vit.blocks(model)[-1], "qkv").lora_b["v"][0, 0] = float("inf")
+        ViT.linear(backbone_of(model).block_list()[-1], "qkv").lora_b["v"][0, 0] = float("inf")
     before = {n: t.clone() for n, t in model.state_dict().items()}
     with pytest.raises(ValueError, match="non-finite"):
         petl.merge(model)
@@ -341,8 +343,8 @@ def test_merge_refuses_non_finite_updates_and_leaves_the_model_unmerged(tiny_vit
 def test_lora_merge_of_half_weights_rounds_once(tiny_vit):
     model = petl.apply_lora(tiny_vit()).to(torch.bfloat16)
     perturb_trainable(model)
-    qkv = vit.linear(vit.blocks(model)[0], "qkv")
-    d = vit.embed_dim(model)
+    qkv = ViT.linear(backbone_of(model).block_list()[0], "qkv")
+    d = backbone_of(model).width()
     weight = qkv.base.weight.float()
     expected = weight[:d] + qkv.scale * (qkv.lora_b["q"].float() @ qkv.lora_a["q"].float())
     petl.merge(model)
@@ -352,7 +354,7 @@ def test_lora_merge_of_half_weights_rounds_once(tiny_vit):
 
 def test_lora_init_and_scale(tiny_vit):
     model = petl.apply_lora(tiny_vit(), rank=4, alpha=16.0)
-    qkv = vit.linear(vit.blocks(model)[0], "qkv")
+    qkv = ViT.linear(backbone_of(model).block_list()[0], "qkv")
     assert qkv.scale == 4.0
     assert all(b.abs().sum() == 0 for b in qkv.lora_b.values())
     assert all(a.abs().sum() > 0 for a in qkv.lora_a.values())
@@ -363,7 +365,7 @@ def test_lora_init_and_scale(tiny_vit):
 
 def test_sequential_adapter_sits_after_the_mlp(tiny_vit):
     model = petl.apply_adapter(tiny_vit(), dim=4)
-    wrapper = vit.mlp(vit.blocks(model)[0])
+    wrapper = ViT.feed_forward(backbone_of(model).block_list()[0])
     assert isinstance(wrapper, SequentialAdapter)
     perturb_trainable(model)
     x = torch.randn(2, 5, 48)
@@ -375,7 +377,7 @@ def test_parallel_adapter_wraps_the_block_with_adaptformer_init(tiny_vit):
     # The forward itself is checked against a re-implementation of AdaptFormer's in test_reference_forwards.py.
     model = petl.apply_adapter(tiny_vit(), style="parallel")
     wrapper = model.blocks[0]
-    assert isinstance(wrapper, ParallelAdapter) and wrapper.base is vit.blocks(model)[0]
+    assert isinstance(wrapper, ParallelAdapter) and wrapper.base is backbone_of(model).block_list()[0]
     assert wrapper.down.out_features == 64 and wrapper.scale == 0.1
     assert isinstance(wrapper.dropout, torch.nn.Dropout) and wrapper.dropout.p == 0.1
     assert isinstance(wrapper.norm, torch.nn.Identity)
@@ -391,12 +393,12 @@ def test_adapter_options_act_in_both_styles(tiny_vit, images):
         perturb_trainable(model)
         model.train()
         assert not torch.equal(model(images), model(images))  # the bottleneck dropout acts
-        d = vit.embed_dim(model)
-        assert petl.count_params(model).trainable_no_head == vit.depth(model) * (2 * d * 4 + 4 + d + 2 * d)
+        d = backbone_of(model).width()
+        assert petl.count_params(model).trainable_no_head == backbone_of(model).depth() * (2 * d * 4 + 4 + d + 2 * d)
 
 
 def test_adapter_up_starts_at_zero_down_does_not(tiny_vit):
-    wrapper = vit.mlp(vit.blocks(petl.apply_adapter(tiny_vit()))[0])
+    wrapper = ViT.feed_forward(backbone_of(petl.apply_adapter(tiny_vit())).block_list()[0])
     assert wrapper.up.weight.abs().sum() == 0 and wrapper.up.bias.abs().sum() == 0
     # petl's sequential init keeps nn.Linear's random down weight and bias (init=reference: V-PETL's trunc_normal).
     assert wrapper.down.weight.abs().sum() > 0 and wrapper.down.bias.abs().sum() > 0
@@ -407,7 +409,7 @@ def test_adapter_up_starts_at_zero_down_does_not(tiny_vit):
 
 def test_mlp_head_is_the_head(tiny_vit, images):
     model = petl.apply_mlp(tiny_vit(), k=3, num_classes=7)
-    linears = [m for m in vit.head(model).modules() if isinstance(m, torch.nn.Linear)]
+    linears = [m for m in backbone_of(model).head().modules() if isinstance(m, torch.nn.Linear)]
     assert [(m.in_features, m.out_features) for m in linears] == [(48, 48), (48, 48), (48, 7)]
     assert model(images).shape == (2, 7)
     assert petl.count_params(model).trainable_no_head == 0
@@ -435,7 +437,7 @@ def test_peft_accepts_a_ready_config_and_round_trips(tiny_vit, images, tmp_path)
     model = petl.apply_peft(
         tiny_vit(), peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["qkv"]), num_classes=3
     )
-    d = vit.embed_dim(model)
+    d = backbone_of(model).width()
     assert petl.count_params(model).trainable_no_head == 3 * 4 * (d + 3 * d)
     assert model.petl_config.target_modules == ("qkv",)
     perturb_trainable(model)
@@ -450,7 +452,7 @@ def test_peft_accepts_a_ready_config_and_round_trips(tiny_vit, images, tmp_path)
 def test_petl_apply_takes_a_peft_config_object(tiny_vit):
     model = petl.apply(tiny_vit(), LoraConfig(r=4, target_modules=["qkv"]), num_classes=3)
     assert model.petl_method == "peft" and model.petl_config.num_classes == 3
-    assert petl.count_params(model).trainable_no_head == 3 * 4 * (vit.embed_dim(model) * 4)
+    assert petl.count_params(model).trainable_no_head == 3 * 4 * (backbone_of(model).width() * 4)
     assert (
         model.petl_config
         == petl.apply_peft(tiny_vit(), LoraConfig(r=4, target_modules=["qkv"]), num_classes=3).petl_config

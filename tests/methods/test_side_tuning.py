@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 import petl
-from petl import vit
 from petl.methods import _side
+from petl.model.backbone import backbone_of
 
 SIDE = ["dtl", "lst", "hst", "last"]
 
@@ -22,7 +22,7 @@ def _outputs_requiring_grad(model: torch.nn.Module, images: torch.Tensor) -> lis
     seen: list[bool] = []
     handles = [
         block.register_forward_hook(lambda _m, _args, out: seen.append(out.requires_grad))
-        for block in vit.blocks(model)
+        for block in backbone_of(model).block_list()
     ]
     model.train()
     F.cross_entropy(model(images), torch.zeros(images.shape[0], dtype=torch.long)).backward()

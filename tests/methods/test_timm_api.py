@@ -21,8 +21,9 @@ from conftest import make_tiny_vit, perturb_trainable
 from timm.optim import param_groups_weight_decay
 
 import petl
-from petl import core, timm_api, vit
+from petl import core, timm_api
 from petl.bench.timm_support import support_table
+from petl.model.backbone import backbone_of
 from petl.presets import configs_dir, list_experiments, load_experiment
 from petl.train import engine
 
@@ -60,7 +61,7 @@ def test_reset_classifier_keeps_the_method_or_refuses(images, tmp_path, name):
     model.reset_classifier(7)
     built = _applied(name, num_classes=7)
     # The head has the structure petl.apply builds at 7 classes, and everything trains as there.
-    assert type(vit.head(model)) is type(vit.head(built))
+    assert type(backbone_of(model).head()) is type(backbone_of(built).head())
     shapes = {n: (p.shape, p.requires_grad) for n, p in model.named_parameters()}
     assert shapes == {n: (p.shape, p.requires_grad) for n, p in built.named_parameters()}
     assert model.eval()(images).shape == plain(images).shape
@@ -73,7 +74,7 @@ def test_reset_classifier_keeps_the_method_or_refuses(images, tmp_path, name):
     assert torch.equal(petl.load_trainable(make_tiny_vit(), path).eval()(images), model.eval()(images))
     # No classes: timm's pooled features, or a one-line refusal where the method's own head would go.
     plain.reset_classifier(0)
-    if isinstance(vit.head(model), core.PetlHead):
+    if isinstance(backbone_of(model).head(), core.PetlHead):
         with pytest.raises(ValueError, match=f"method '{model.petl_method}'.*its own") as refused:
             model.reset_classifier(0)
         assert "\n" not in str(refused.value)
@@ -108,7 +109,7 @@ def test_overrides_follow_copies_and_pickles(images):
     buffer.seek(0)
     loaded = torch.load(buffer, weights_only=False)
     loaded.reset_classifier(6)
-    assert type(vit.head(loaded)) is type(vit.head(model)) and loaded.eval()(images).shape == (2, 6)
+    assert type(backbone_of(loaded).head()) is type(backbone_of(model).head()) and loaded.eval()(images).shape == (2, 6)
     assert model.eval()(images).shape == (2, 4)
 
 
@@ -135,13 +136,13 @@ def test_forward_head_pre_logits_are_what_the_last_linear_reads(images, name):
     pooled = plain.forward_head(plain.forward_features(images), pre_logits=True)
     torch.testing.assert_close(F.linear(pooled, *_last_linear(plain.head)), plain(images))
     model = _applied(name).eval()
-    weight, bias = _last_linear(vit.head(model))
+    weight, bias = _last_linear(backbone_of(model).head())
     with torch.no_grad():
         pre = model.forward_head(model.forward_features(images), pre_logits=True)
         logits = model.forward_head(model.forward_features(images))
     assert pre.shape == (2, weight.shape[1])
     torch.testing.assert_close(F.linear(pre, weight, bias), logits)
-    own_head = isinstance(vit.head(model), core.PetlHead)
+    own_head = isinstance(backbone_of(model).head(), core.PetlHead)
     assert timm_api.support(model)["forward_head(pre_logits)"] == (
         "the head's hidden features" if own_head else "timm's"
     )
@@ -193,7 +194,9 @@ def test_prune_intermediate_layers_as_timm_or_refused(images, name, prune_head):
         want = model.forward_features(images).shape if prune_head else model(images).shape
         plain_want = plain.forward_features(images).shape if prune_head else plain(images).shape
     cell = timm_api.support(model)["prune_intermediate_layers"]
-    assert (cell == "timm's") == (not isinstance(vit.head(model), core.PetlHead)) or cell.startswith("refused")
+    assert (cell == "timm's") == (not isinstance(backbone_of(model).head(), core.PetlHead)) or cell.startswith(
+        "refused"
+    )
     if cell.startswith("refused") or (prune_head and cell == "`prune_head=False` only"):
         # The method cannot follow: one line naming the method, and nothing changed.
         with pytest.raises(ValueError, match=f"prune_intermediate_layers: method '{model.petl_method}'") as error:

@@ -19,10 +19,11 @@ from conftest import perturb_trainable
 from torch import nn
 
 import petl
-from petl import vit
 from petl.methods.fact import FactLinear
 from petl.methods.repadapter import RepAdapterLinear
 from petl.methods.ssf import SsfLayer
+from petl.model.backbone import backbone_of
+from petl.model.backbone.vit import ViT
 
 PUBLISHED_CSV = Path(petl.__file__).parent / "bench" / "published" / "vtab1k_vitb16_in21k_vpetl.csv"
 
@@ -81,9 +82,9 @@ def test_bitfit_refuses_a_model_without_such_biases(tiny_vit):
     with pytest.raises(ValueError, match="biases"):
         petl.apply_bitfit(tiny_vit(qkv_bias=False, proj_bias=False), biases="nope")
     model = tiny_vit()
-    for block in vit.blocks(model):
+    for block in backbone_of(model).block_list():
         for name in ("qkv", "proj", "fc1", "fc2"):
-            vit.linear(block, name).bias = None
+            ViT.linear(block, name).bias = None
     with pytest.raises(ValueError, match="no such bias"):
         petl.apply_bitfit(model, biases="linear")
 
@@ -172,7 +173,7 @@ def test_ssf_merged_layers_run_the_plain_layer(tiny_vit, images):
     perturb_trainable(model)
     before = model(images)
     petl.merge(model)
-    layer = vit.linear(vit.blocks(model)[0], "qkv")
+    layer = ViT.linear(backbone_of(model).block_list()[0], "qkv")
     tokens = torch.randn(2, 5, 48)
     assert torch.equal(layer(tokens), layer.base(tokens))
     torch.testing.assert_close(model(images), before, atol=1e-5, rtol=1e-5)
@@ -184,11 +185,11 @@ def test_ssf_merge_refuses_what_it_cannot_fold(tiny_vit):
         petl.merge(model)
     model = petl.apply_ssf(tiny_vit())
     with torch.no_grad():
-        vit.linear(vit.blocks(model)[1], "fc1").scale[0] = float("inf")
-    weight = vit.linear(vit.blocks(model)[1], "fc1").base.weight.clone()
+        ViT.linear(backbone_of(model).block_list()[1], "fc1").scale[0] = float("inf")
+    weight = ViT.linear(backbone_of(model).block_list()[1], "fc1").base.weight.clone()
     with pytest.raises(ValueError, match="non-finite"):
         petl.merge(model)
-    assert torch.equal(vit.linear(vit.blocks(model)[1], "fc1").base.weight, weight)
+    assert torch.equal(ViT.linear(backbone_of(model).block_list()[1], "fc1").base.weight, weight)
 
 
 # --- FacT --------------------------------------------------------------------------------------
@@ -224,7 +225,9 @@ def _reference_fact(x: torch.Tensor, mode: str, i: int, ref: dict, kind: str, sc
 
 
 def _reference_tensors(model: nn.Module, kind: str) -> dict:
-    wrappers = [[vit.linear(block, name) for name in ("qkv", "proj", "fc1", "fc2")] for block in vit.blocks(model)]
+    wrappers = [
+        [ViT.linear(block, name) for name in ("qkv", "proj", "fc1", "fc2")] for block in backbone_of(model).block_list()
+    ]
     shared = wrappers[0][0].factors
     ref = {"u": shared.u.detach(), "v": shared.v.detach()}
     if kind == "tt":
@@ -245,9 +248,9 @@ def test_fact_matches_the_reference_forward(tiny_vit, kind):
     if kind == "tk":
         assert ref["p"].shape == (4, 12 * 3) and ref["c"].shape == (4, 4, 4)
     gen = torch.Generator().manual_seed(5)
-    for i, block in enumerate(vit.blocks(model)):
+    for i, block in enumerate(backbone_of(model).block_list()):
         for name, mode in (("qkv", "attn_qkv"), ("proj", "attn_proj"), ("fc1", "mlp_1"), ("fc2", "mlp_2")):
-            layer = vit.linear(block, name)
+            layer = ViT.linear(block, name)
             x = torch.randn(2, 5, layer.base.in_features, generator=gen)
             expected = layer.base(x) + _reference_fact(x, mode, i, ref, kind, scale)
             torch.testing.assert_close(layer(x), expected, atol=1e-5, rtol=1e-5)
@@ -255,7 +258,9 @@ def test_fact_matches_the_reference_forward(tiny_vit, kind):
 
 def test_fact_shares_u_and_v_across_blocks_with_one_name_each(tiny_vit):
     model = petl.apply_fact(tiny_vit(), type="tk", rank=4)
-    layers = [vit.linear(block, name) for block in vit.blocks(model) for name in ("qkv", "proj", "fc1", "fc2")]
+    layers = [
+        ViT.linear(block, name) for block in backbone_of(model).block_list() for name in ("qkv", "proj", "fc1", "fc2")
+    ]
     assert all(isinstance(layer, FactLinear) and layer.factors is layers[0].factors for layer in layers)
     names = [n for n in model.state_dict() if n.endswith((".u", ".v", ".c"))]
     assert names == ["blocks.0.attn.qkv.shared.u", "blocks.0.attn.qkv.shared.v", "blocks.0.attn.qkv.shared.c"]
@@ -297,7 +302,7 @@ def test_repadapter_matches_the_reference_block(tiny_vit):
     plain = tiny_vit()
     x = torch.randn(2, 5, 48)
     for block, ref_block in zip(model.blocks, plain.blocks, strict=True):
-        qkv, fc1 = vit.linear(block, "qkv"), vit.linear(block, "fc1")
+        qkv, fc1 = ViT.linear(block, "qkv"), ViT.linear(block, "fc1")
         # block.py:L112-113 and L154-155: the adapter acts on the norm output, before attn / mlp.
         h = x + ref_block.attn(_reference_repadapter(ref_block.norm1(x), qkv, groups, scale))
         expected = h + ref_block.mlp(_reference_repadapter(ref_block.norm2(h), fc1, groups, scale))
@@ -306,7 +311,7 @@ def test_repadapter_matches_the_reference_block(tiny_vit):
 
 
 def test_repadapter_init_is_lora_xavier(tiny_vit):
-    layer = vit.linear(vit.blocks(petl.apply_repadapter(tiny_vit()))[0], "fc1")
+    layer = ViT.linear(backbone_of(petl.apply_repadapter(tiny_vit())).block_list()[0], "fc1")
     assert layer.up_weight.abs().sum() == 0 and layer.up_bias.abs().sum() == 0 and layer.down.bias.abs().sum() == 0
     bound = math.sqrt(6 / (48 + 8))
     assert 0 < layer.down.weight.abs().max() <= bound
@@ -315,7 +320,7 @@ def test_repadapter_init_is_lora_xavier(tiny_vit):
 def test_repadapter_merge_runs_the_plain_linear_and_unmerges(tiny_vit, images):
     model = petl.apply_repadapter(tiny_vit(), scale=2.0)
     perturb_trainable(model)
-    layer = vit.linear(vit.blocks(model)[2], "qkv")
+    layer = ViT.linear(backbone_of(model).block_list()[2], "qkv")
     weight, bias = layer.base.weight.clone(), layer.base.bias.clone()
     before = model(images)
     petl.merge(model)
@@ -366,6 +371,6 @@ def test_new_dropout_follows_the_model_mode(tiny_vit, images, method):
 def test_fact_deepcopy_shares_factors_within_the_copy(tiny_vit):
     model = petl.apply_fact(tiny_vit())
     clone = copy.deepcopy(model)
-    owner = vit.linear(vit.blocks(clone)[0], "qkv")
-    assert vit.linear(vit.blocks(clone)[2], "fc2").factors is owner.factors
-    assert owner.factors is not vit.linear(vit.blocks(model)[0], "qkv").factors
+    owner = ViT.linear(backbone_of(clone).block_list()[0], "qkv")
+    assert ViT.linear(backbone_of(clone).block_list()[2], "fc2").factors is owner.factors
+    assert owner.factors is not ViT.linear(backbone_of(model).block_list()[0], "qkv").factors

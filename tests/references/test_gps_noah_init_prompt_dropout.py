@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from conftest import perturb_trainable
 
 import petl
-from petl import vit
 from petl.methods.gps import GpsConfig, GpsLinear, gps_gradients, select_gps, selected_weights, supcon_loss
+from petl.model.backbone import backbone_of, unwrap
 
 # --- GPS ---------------------------------------------------------------------------------------
 
@@ -157,7 +157,7 @@ def test_gps_rejects_a_selection_that_does_not_fit(tiny_vit):
     with pytest.raises(ValueError, match="per_row"):
         petl.apply_gps(tiny_vit(), per_row=0)
     assert len(good.columns_for(tiny_vit())) == n
-    assert isinstance(vit.patch_proj(petl.apply_gps(tiny_vit())), GpsLinear)
+    assert isinstance(backbone_of(petl.apply_gps(tiny_vit())).patch_proj(), GpsLinear)
 
 
 # --- init=reference: as the references' code really starts ----------------------------------------
@@ -262,7 +262,7 @@ def _noah_reference(model: torch.nn.Module, images: torch.Tensor, widths) -> tor
         h = blk.norm1(x)
         b, n, c = h.shape
         heads = blk.attn.num_heads
-        qkv_linear = vit.unwrap(blk.attn.qkv)
+        qkv_linear = unwrap(blk.attn.qkv)
         qkv = F.linear(h, qkv_linear.weight, qkv_linear.bias)
         if lora[i]:
             delta = F.linear(F.linear(h, blk.attn.qkv.lora_a), blk.attn.qkv.lora_b)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from conftest import perturb_trainable
 
 import petl
-from petl import vit
+from petl.model.backbone import backbone_of
 
 
 def _embed(model: torch.nn.Module, images: torch.Tensor) -> torch.Tensor:
@@ -34,7 +34,7 @@ def _outputs_requiring_grad(model: torch.nn.Module, images: torch.Tensor, wrappe
     seen: list[bool] = []
     handles = [
         block.register_forward_hook(lambda _m, _args, out: seen.append(out.requires_grad))
-        for block in (model.blocks if wrappers else vit.blocks(model))
+        for block in (model.blocks if wrappers else backbone_of(model).block_list())
     ]
     model.train()
     F.cross_entropy(model(images), torch.zeros(images.shape[0], dtype=torch.long)).backward()

@@ -19,9 +19,9 @@ from conftest import perturb_trainable
 from timm.layers import DropPath
 
 import petl
-from petl import vit
 from petl.methods.adapter import ParallelAdapter, SequentialAdapter
 from petl.methods.vpt import PromptedBlock
+from petl.model.backbone import backbone_of, unwrap
 from petl.train import engine
 
 
@@ -36,7 +36,7 @@ def _attn(block: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def _mlp(block: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    m = vit.unwrap(block.mlp)
+    m = unwrap(block.mlp)
     return m.fc2(F.gelu(m.fc1(x)))
 
 
@@ -128,7 +128,7 @@ def _vpt_forward(model: torch.nn.Module, images: torch.Tensor, n: int, deep: boo
     x = _embed(model, images)
     b = x.shape[0]
     x = torch.cat([x[:, :1], prompts[0].expand(b, -1, -1), x[:, 1:]], dim=1)
-    for i, block in enumerate(vit.blocks(model)):
+    for i, block in enumerate(backbone_of(model).block_list()):
         if deep and i > 0:
             x = torch.cat([x[:, :1], prompts[i].expand(b, -1, -1), x[:, 1 + n :]], dim=1)
         x = x + _attn(block, block.norm1(x))
@@ -178,7 +178,7 @@ def _vpt_mlp_head(head: torch.nn.Sequential, x: torch.Tensor) -> torch.Tensor:
 
 def test_mlp_head_equals_vpts_mlp(tiny_vit):
     model = petl.apply_mlp(tiny_vit(), k=3, num_classes=7)
-    head = vit.head(model)
+    head = backbone_of(model).head()
     perturb_trainable(model)
     features = torch.randn(16, 48, generator=torch.Generator().manual_seed(2))
     for mode in (True, False):
@@ -194,7 +194,7 @@ def test_vpt_head_init_on_mlp_k(tiny_vit):
     # src/models/mlp.py:L38-57 and vit_models.py:L159-165 (special_bias=True): kaiming-normal
     # (fan-out) weights, last bias -log((1 - 0.01) / 0.01).
     bias = -math.log(99)
-    mlp_head = vit.head(petl.apply_mlp(tiny_vit(embed_dim=192, num_heads=3), k=2, num_classes=200))
+    mlp_head = backbone_of(petl.apply_mlp(tiny_vit(embed_dim=192, num_heads=3), k=2, num_classes=200)).head()
     hidden, last = (m for m in mlp_head if isinstance(m, torch.nn.Linear))
     torch.testing.assert_close(last.bias, torch.full_like(last.bias, bias))
     assert last.weight.std().item() == pytest.approx(math.sqrt(2 / 200), rel=0.1)
@@ -204,18 +204,18 @@ def test_vpt_head_init_on_mlp_k(tiny_vit):
 def test_linear_head_is_the_reset_head_every_method_gets(tiny_vit):
     # V-PETL's reset_classifier (vision_transformer_adapter.py:L424-429): a plain nn.Linear, default init.
     torch.manual_seed(5)
-    linear_head = vit.head(petl.apply_linear(tiny_vit(), num_classes=7))
+    linear_head = backbone_of(petl.apply_linear(tiny_vit(), num_classes=7)).head()
     torch.manual_seed(5)
     model = tiny_vit()
     model.reset_classifier(7)
-    torch.testing.assert_close(linear_head.state_dict(), vit.head(model).state_dict())
+    torch.testing.assert_close(linear_head.state_dict(), backbone_of(model).head().state_dict())
     torch.manual_seed(5)
-    lora_head = vit.head(petl.apply_lora(tiny_vit(), num_classes=7))
+    lora_head = backbone_of(petl.apply_lora(tiny_vit(), num_classes=7)).head()
     torch.testing.assert_close(linear_head.state_dict(), lora_head.state_dict())
     # A kept head (no num_classes) is left as it is.
     model = tiny_vit()
-    before = vit.head(model).bias.clone()
-    assert torch.equal(vit.head(petl.apply_linear(model)).bias, before)
+    before = backbone_of(model).head().bias.clone()
+    assert torch.equal(backbone_of(petl.apply_linear(model)).head().bias, before)
 
 
 # --- Train mode (train.backbone_mode) ----------------------------------------------------------
@@ -260,7 +260,7 @@ def test_backbone_mode_defaults_follow_the_references(tiny_vit, images, method, 
 def test_backbone_mode_eval_still_trains_what_learns(tiny_vit):
     model = petl.apply_vpt(tiny_vit(drop_path_rate=0.5), num_tokens=2, dropout=0.3, num_classes=4)
     engine.set_train_mode(model, "eval")
-    assert model.blocks[0].dropout.training and vit.head(model).training
+    assert model.blocks[0].dropout.training and backbone_of(model).head().training
     assert not model.blocks[0].base.training
 
 
@@ -285,7 +285,7 @@ def test_no_weight_decay_on_biases_norms_prompts_and_position_embeddings(tiny_vi
     names = {n for n, p in model.named_parameters() if id(p) in ids}
     prompts = {f"blocks.{i}.prompt" for i in range(3)}
     assert names == prompts | {"pos_embed", "head.bias", "blocks.1.base.norm1.weight", "blocks.1.base.norm1.bias"}
-    assert [id(p) for p in decayed["params"]] == [id(vit.head(model).weight)]
+    assert [id(p) for p in decayed["params"]] == [id(backbone_of(model).head().weight)]
     # Asked for, every tensor decays.
     (everything,) = engine.param_groups(model, engine.TrainSettings(weight_decay_all=True))
     assert len(everything["params"]) == sum(p.requires_grad for p in model.parameters())

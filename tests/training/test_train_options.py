@@ -14,7 +14,8 @@ import torch
 from conftest import make_tiny_vit, perturb_trainable
 
 import petl
-from petl import core, timm_api, vit
+from petl import core, timm_api
+from petl.model.backbone import backbone_of
 from petl.presets import configs_dir, list_experiments, load_experiment
 from petl.run import default_config, train
 from petl.train import engine
@@ -75,7 +76,7 @@ def test_grad_checkpointing_gives_the_same_loss_and_gradients(experiment, images
     # pre-hooks: the recomputation stops early, before post-hooks): a checkpointed block that something
     # below it trains runs again in the backward.
     calls = []
-    vit.block_container(ckpt)[0].register_forward_pre_hook(lambda *_: calls.append(1))
+    backbone_of(ckpt).block_container()[0].register_forward_pre_hook(lambda *_: calls.append(1))
     loss, grads = _loss_and_grads(plain, images)
     loss_ckpt, grads_ckpt = _loss_and_grads(ckpt, images)
     assert loss_ckpt == pytest.approx(loss, rel=1e-6)

@@ -1,0 +1,17 @@
+"""The backbone interface (:class:`Backbone`) and its implementations, chosen by model class.
+
+Methods, training, I/O and MultiTask reach the model through ``backbone_of(model)``; only the implementations
+(one module per model family, as timm keeps one file per family) know a family's internals.  Importing this
+package registers the families petl supports.
+"""
+
+from petl.model.backbone import vit as vit  # noqa: F401  (registers the ViT family)
+from petl.model.backbone.base import QKV_INDEX as QKV_INDEX
+from petl.model.backbone.base import Backbone as Backbone
+from petl.model.backbone.base import backbone_of as backbone_of
+from petl.model.backbone.base import block_family as block_family
+from petl.model.backbone.base import family_of as family_of
+from petl.model.backbone.base import list_backbones as list_backbones
+from petl.model.backbone.base import register_backbone as register_backbone
+from petl.model.backbone.base import timm_modules as timm_modules
+from petl.model.backbone.base import unwrap as unwrap

@@ -1,0 +1,373 @@
+"""The interface every backbone family implements, and the registry that picks one by model class.
+
+A :class:`Backbone` wraps one model and answers what petl needs to know about it: its blocks in order with each
+block's width and stage, its token layout, where attention and the MLP branch sit in a block and how to replace
+one of their Linears, its final norms and head, and how the blocks' input and output are taken.  Code outside the
+implementations asks ``backbone_of(model)`` and never reads the model's attributes itself, so that a second family
+(Swin: a width per stage, attention inside windows, patch merging between stages) is a second implementation, not
+a branch in every caller.  timm chooses per model class the same way (``group_matcher``, ``forward_intermediates``
+per family); peft keeps a per-model ``target_module_mapping``.
+
+What a block does (its two residual halves, its Linears, its norms) does not depend on the model it sits in, so
+the block-level operations are static methods: a wrapper keeps its family's class (``type(backbone)``) and calls
+them in its forward without holding the whole model.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+# Row slice of a fused qkv Linear's output for each of Q, K, V, as a multiple of the block width: timm's fused
+# attentions (ViT's Attention, Swin's WindowAttention) lay the rows out as Q = [0, d), K = [d, 2d), V = [2d, 3d).
+QKV_INDEX = {"q": 0, "k": 1, "v": 2}
+
+# Model class -> the Backbone class of its family (subclasses found through the MRO).
+_FAMILIES: dict[type, type[Backbone]] = {}
+# Block class -> the Backbone class that knows its halves (exact classes: a subclass may run another forward).
+_BLOCK_FAMILIES: dict[type, type[Backbone]] = {}
+
+
+def unwrap(module: nn.Module) -> nn.Module:
+    """Return the original module under any petl wrappers (each keeps it as ``base``)."""
+    while hasattr(module, "base") and isinstance(module.base, nn.Module):
+        module = module.base
+    return module
+
+
+class Backbone:
+    """One model seen through its family: the blocks, their widths and stages, the tokens, the head.
+
+    Subclasses set :attr:`kind` and implement every method; :func:`register_backbone` ties them to model classes.
+
+    Attributes:
+        kind: the family's short name, as methods declare it (``vit``).
+        supported: what the family covers, for the one-line refusal of a model it cannot take.
+        layout: how tokens run through the blocks: ``sequence`` (one flat sequence, prefix tokens first, as in a
+            ViT) or ``windows`` (a grid attended in local windows, as in Swin).
+        block_types: the block classes whose parts and residual halves the static methods below know.
+        timm_modules: the timm modules whose models the family takes (what ``petl-run model=`` lists).
+        linear_names: the Linears of a block :meth:`linear` can reach (attention first, then the MLP).
+        maskable_pools: poolings :meth:`pooled_features` can restrict to some tokens.
+        model: the model itself.
+
+    """
+
+    kind: ClassVar[str] = ""
+    supported: ClassVar[str] = ""
+    layout: ClassVar[str] = "sequence"
+    block_types: ClassVar[tuple[type, ...]] = ()
+    timm_modules: ClassVar[tuple[str, ...]] = ()
+    linear_names: ClassVar[tuple[str, ...]] = ()
+    maskable_pools: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    # -- the blocks ------------------------------------------------------------------------------------------
+
+    def check(self) -> None:
+        """Raise a ValueError naming what is supported unless the model has everything this family needs."""
+        raise NotImplementedError
+
+    def block_container(self) -> nn.Module:
+        """The container of blocks as the model runs it (wrappers included), indexable in block order."""
+        raise NotImplementedError
+
+    def set_block(self, index: int, module: nn.Module) -> None:
+        """Replace the block at ``index`` in the running container (see :meth:`block_container`)."""
+        raise NotImplementedError
+
+    def block_list(self) -> list[nn.Module]:
+        """The blocks, original (unwrapped) modules, in order."""
+        return [unwrap(b) for b in self.block_container()]
+
+    def depth(self) -> int:
+        """Number of blocks."""
+        return len(self.block_container())
+
+    def widths(self) -> list[int]:
+        """Token width of each block, in order."""
+        raise NotImplementedError
+
+    def stages(self) -> list[int]:
+        """Stage of each block, in order (0 for every block of a single-stage model)."""
+        raise NotImplementedError
+
+    def width(self) -> int:
+        """The one token width of every block.
+
+        Raises:
+            ValueError: the width changes between blocks (a staged model); ask :meth:`widths` there.
+
+        """
+        widths = set(self.widths())
+        if len(widths) != 1:
+            raise ValueError(f"{type(self.model).__name__} has several block widths {sorted(widths)}: no single width")
+        return widths.pop()
+
+    # -- the tokens ------------------------------------------------------------------------------------------
+
+    def num_prefix_tokens(self) -> int:
+        """Tokens (class, registers) in front of the patch tokens; 0 where there are none."""
+        raise NotImplementedError
+
+    def grid_size(self) -> tuple[int, int]:
+        """Patch-token grid (rows, columns) entering the first block, at the model's image size."""
+        raise NotImplementedError
+
+    def feature_grid(self, images: torch.Tensor) -> tuple[int, int]:
+        """Patch-token grid (rows, columns) of the first block's input for ``images`` of any size."""
+        raise NotImplementedError
+
+    def patch_size(self) -> tuple[int, int]:
+        """Patch size (h, w) of the patch embedding."""
+        raise NotImplementedError
+
+    def embed_tokens(self, images: torch.Tensor) -> torch.Tensor:
+        """The tokens entering the first block (patch and position embedding and whatever runs before the blocks)."""
+        raise NotImplementedError
+
+    def run_block(self, block: nn.Module, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Run one block of the container on ``x``; ``attn_mask`` (where given) limits which tokens each attends."""
+        raise NotImplementedError
+
+    def patch_proj(self) -> nn.Module:
+        """The patch embedding's projection (a Conv2d whose output channels are the first block's width)."""
+        raise NotImplementedError
+
+    def set_patch_proj(self, module: nn.Module) -> None:
+        """Replace the patch embedding's projection."""
+        raise NotImplementedError
+
+    def patch_norm(self) -> nn.Module:
+        """The norm after the patch projection (``nn.Identity`` where there is none)."""
+        raise NotImplementedError
+
+    def set_patch_norm(self, module: nn.Module) -> None:
+        """Replace the norm after the patch projection."""
+        raise NotImplementedError
+
+    # -- after the blocks ------------------------------------------------------------------------------------
+
+    def head(self) -> nn.Module:
+        """The classifier head module (``nn.Identity`` when the model has no classes)."""
+        raise NotImplementedError
+
+    def set_head(self, module: nn.Module) -> None:
+        """Install ``module`` as the classifier on the pooled features."""
+        raise NotImplementedError
+
+    def reset_head(self, num_classes: int) -> None:
+        """Replace the classifier with a fresh one for ``num_classes`` classes, keeping the pooling."""
+        raise NotImplementedError
+
+    def plain_head_types(self) -> tuple[type, ...]:
+        """The head types the family's plain model can hold (what unloading may leave behind)."""
+        raise NotImplementedError
+
+    def num_classes(self) -> int:
+        """Output classes of the current head (0 when there is none)."""
+        raise NotImplementedError
+
+    def head_in_features(self) -> int:
+        """Width of the pooled features the head receives."""
+        raise NotImplementedError
+
+    def named_final_norms(self) -> list[tuple[str, nn.Module]]:
+        """(name, module) of the norms after the last block, those that exist (see :meth:`set_final_norm`)."""
+        raise NotImplementedError
+
+    def final_norms(self) -> list[nn.Module]:
+        """The norms after the last block, those that exist."""
+        return [m for _, m in self.named_final_norms()]
+
+    def set_final_norm(self, name: str, module: nn.Module) -> None:
+        """Replace a final norm named by :meth:`named_final_norms`."""
+        raise NotImplementedError
+
+    def layer_norms(self) -> list[nn.LayerNorm]:
+        """Every LayerNorm of the backbone, the head's left out."""
+        in_head = {id(m) for m in self.head().modules()}
+        return [m for m in self.model.modules() if isinstance(m, nn.LayerNorm) and id(m) not in in_head]
+
+    def pool_type(self) -> str:
+        """How the model pools its tokens for the head (timm's ``global_pool`` names)."""
+        raise NotImplementedError
+
+    def pooled_features(self, tokens: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """What the head reads, from the last block's output; ``keep`` (batch x tokens, bool) leaves tokens out."""
+        raise NotImplementedError
+
+    # -- taking the blocks' input and output (feature caching, intermediates) --------------------------------
+
+    def is_plain(self) -> bool:
+        """Whether the model runs its family's own forward (no subclass, nothing patched), so that replaying it from
+        a block on (:meth:`forward_from`) gives the very logits of the model's forward.
+        """
+        raise NotImplementedError
+
+    def stem(self) -> tuple[list[nn.Parameter], list[nn.Module]]:
+        """The parameters and modules that run before the first block."""
+        raise NotImplementedError
+
+    def after_blocks(self) -> list[nn.Module]:
+        """The modules with parameters between the last block and the head (final norms, attention pooling)."""
+        raise NotImplementedError
+
+    def block_input_module(self, index: int) -> nn.Module:
+        """The module whose input is the tokens entering block ``index`` (``depth()``: those leaving the last)."""
+        raise NotImplementedError
+
+    def forward_from(self, x: torch.Tensor, start: int) -> torch.Tensor:
+        """The model's logits from the tokens entering block ``start`` on (gradient checkpointing honoured)."""
+        raise NotImplementedError
+
+    def pre_logits(self, images: torch.Tensor) -> torch.Tensor:
+        """The pooled features the head reads, for ``images``."""
+        raise NotImplementedError
+
+    def num_tokens(self) -> int:
+        """Tokens entering the first block per image at the model's image size (prefix tokens included)."""
+        raise NotImplementedError
+
+    def num_features(self) -> int:
+        """Width of the pooled features (what :meth:`pre_logits` returns per image)."""
+        raise NotImplementedError
+
+    # -- inside one block (static: a block's parts do not depend on the model around it) --------------------
+
+    @staticmethod
+    def linear(block: nn.Module, name: str) -> nn.Module:
+        """A named Linear of a block (one of :attr:`linear_names`)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def set_linear(block: nn.Module, name: str, module: nn.Module) -> None:
+        """Replace a named Linear of a block (see :meth:`linear`)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def attention(block: nn.Module) -> nn.Module:
+        """The attention sub-module of a block."""
+        raise NotImplementedError
+
+    @staticmethod
+    def set_attention(block: nn.Module, module: nn.Module) -> None:
+        """Replace the attention of a block."""
+        raise NotImplementedError
+
+    @staticmethod
+    def num_heads(block: nn.Module) -> int:
+        """Attention heads of a block."""
+        raise NotImplementedError
+
+    @staticmethod
+    def feed_forward(block: nn.Module) -> nn.Module:
+        """The MLP (feed-forward) sub-module of a block."""
+        raise NotImplementedError
+
+    @staticmethod
+    def set_feed_forward(block: nn.Module, module: nn.Module) -> None:
+        """Replace the MLP of a block."""
+        raise NotImplementedError
+
+    @staticmethod
+    def block_norm(block: nn.Module, name: str) -> nn.Module:
+        """A block's pre-norm: ``norm1`` (before attention) or ``norm2`` (before the MLP)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def set_block_norm(block: nn.Module, name: str, module: nn.Module) -> None:
+        """Replace a block's pre-norm (see :meth:`block_norm`)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def layer_scales(block: nn.Module) -> list[nn.Module]:
+        """The block's layer-scale modules (identities where it has none)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def attn_branch(block: nn.Module, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        """The attention half's branch before its residual sum (norm, attention, layer scale, drop path)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def mlp_branch(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """The MLP half's branch before its residual sum (norm, MLP, layer scale, drop path)."""
+        raise NotImplementedError
+
+    @classmethod
+    def attn_residual(cls, block: nn.Module, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        """The first half of a block, ``x + attn_branch(x)``: methods acting between the halves run them."""
+        return x + cls.attn_branch(block, x, **kwargs)
+
+    @classmethod
+    def mlp_residual(cls, block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """The second half of a block, ``x + mlp_branch(x)``."""
+        return x + cls.mlp_branch(block, x)
+
+    @staticmethod
+    def mlp_norm(block: nn.Module) -> nn.Module:
+        """The norm in front of a block's MLP (its input is the residual stream after attention)."""
+        raise NotImplementedError
+
+
+def register_backbone(*model_classes: type) -> Any:
+    """Class decorator: the decorated :class:`Backbone` subclass serves ``model_classes`` and their subclasses."""
+
+    def decorate(family: type[Backbone]) -> type[Backbone]:
+        for cls in model_classes:
+            if cls in _FAMILIES:
+                raise ValueError(f"{cls.__name__} already has backbone {_FAMILIES[cls].kind!r}")
+            _FAMILIES[cls] = family
+        for cls in family.block_types:
+            _BLOCK_FAMILIES[cls] = family
+        return family
+
+    return decorate
+
+
+def list_backbones() -> list[str]:
+    """The kinds of every registered backbone family, sorted."""
+    return sorted({family.kind for family in _FAMILIES.values()})
+
+
+def timm_modules() -> list[str]:
+    """The timm modules of every registered family's models, sorted."""
+    return sorted({module for family in _FAMILIES.values() for module in family.timm_modules})
+
+
+def family_of(model: nn.Module) -> type[Backbone] | None:
+    """The registered Backbone class for ``model``'s class (nearest in its MRO), else None."""
+    return next((_FAMILIES[cls] for cls in type(model).__mro__ if cls in _FAMILIES), None)
+
+
+def backbone_of(model: nn.Module) -> Backbone:
+    """``model`` seen through its family's :class:`Backbone`.
+
+    Raises:
+        ValueError: no registered family takes ``model``'s class (the message lists what is supported).
+
+    """
+    family = family_of(model)
+    if family is None:
+        supported = "; ".join(sorted({f.supported for f in _FAMILIES.values()}))
+        raise ValueError(f"petl supports {supported}; got {type(model).__name__}, which no backbone family takes")
+    return family(model)
+
+
+def block_family(block: nn.Module) -> type[Backbone]:
+    """The Backbone class that knows ``block``'s parts and residual halves, for wrappers that run the halves.
+
+    Raises:
+        ValueError: ``block`` is not exactly one of the registered block classes.
+
+    """
+    family = _BLOCK_FAMILIES.get(type(block))
+    if family is None:
+        known = ", ".join(f"{cls.__module__}.{cls.__name__}" for cls in _BLOCK_FAMILIES)
+        raise ValueError(f"this method needs a pre-norm block it knows ({known}); got {type(block).__name__}")
+    return family

@@ -1,0 +1,309 @@
+"""timm's VisionTransformer as a :class:`~petl.model.backbone.base.Backbone`: the one module that knows its internals.
+
+One width for every block, one stage, a flat token sequence with the class and register tokens in front, and
+pre-norm blocks whose attention and MLP are residual halves.  timm's ``Attention`` computes Q, K and V with one
+Linear whose output rows are laid out as Q = [0, d), K = [d, 2d), V = [2d, 3d).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from timm.models import checkpoint_seq
+from timm.models.vision_transformer import Block, VisionTransformer
+from torch import nn
+
+from petl.model.backbone.base import Backbone, register_backbone, unwrap
+
+
+@register_backbone(VisionTransformer)
+class ViT(Backbone):
+    """A timm VisionTransformer (ViT, DeiT, with or without class token, register tokens, token or avg pooling)."""
+
+    kind = "vit"
+    supported = (
+        "a timm VisionTransformer (ViT, DeiT, with or without class token, register tokens, "
+        "token or avg pooling) whose blocks have a fused attn.qkv Linear"
+    )
+    layout = "sequence"
+    # timm's pre-norm Block: x + drop_path1(ls1(attn(norm1(x)))), then the same with the MLP.
+    block_types = (Block,)
+    # Modules whose models are (subclasses of) VisionTransformer; "models" is the module name timm records for
+    # petl's own petl/backbones/models.py.
+    timm_modules = ("vision_transformer", "vision_transformer_hybrid", "deit", "models")
+    linear_names = ("qkv", "proj", "fc1", "fc2")
+    # Pool types whose pooled features can leave out masked tokens (see pooled_features).
+    maskable_pools = ("token", "avg")
+
+    def check(self) -> None:
+        """Raise a ValueError naming what is supported unless the model is a usable timm ViT.
+
+        Raises:
+            ValueError: if the model lacks ``blocks``, ``embed_dim`` or a fused ``attn.qkv`` Linear.
+
+        """
+        model, name = self.model, type(self.model).__name__
+        blocks = getattr(model, "blocks", None)
+        if not isinstance(blocks, nn.Sequential) or len(blocks) == 0 or not hasattr(model, "embed_dim"):
+            raise ValueError(f"petl supports {self.supported}; got {name}, which has no timm ViT blocks.")
+        for i, block in enumerate(blocks):
+            inner = unwrap(block)
+            qkv = getattr(getattr(inner, "attn", None), "qkv", None)
+            if not isinstance(qkv, nn.Linear) or qkv.out_features != 3 * qkv.in_features:
+                raise ValueError(f"petl supports {self.supported}; block {i} of {name} has no fused attn.qkv Linear.")
+            if not hasattr(inner, "mlp"):
+                raise ValueError(f"petl supports {self.supported}; block {i} of {name} has no mlp.")
+        if not hasattr(model, "reset_classifier") or not hasattr(model, "head"):
+            raise ValueError(f"petl supports {self.supported}; {name} has no timm classifier head.")
+
+    # -- the blocks ------------------------------------------------------------------------------------------
+
+    def block_container(self) -> nn.Sequential:
+        """The ``nn.Sequential`` of blocks as the model runs it (wrappers included).
+
+        timm's forward runs this container itself (plainly or through ``checkpoint_seq``), so methods
+        that must act between blocks wrap single entries instead of replacing the container.
+        """
+        return self.model.blocks
+
+    def set_block(self, index: int, module: nn.Module) -> None:
+        """Replace the block at ``index`` in the running container."""
+        self.model.blocks[index] = module
+
+    def widths(self) -> list[int]:
+        """Every block has the model's ``embed_dim``."""
+        return [int(self.model.embed_dim)] * len(self.model.blocks)
+
+    def stages(self) -> list[int]:
+        """One stage."""
+        return [0] * len(self.model.blocks)
+
+    def width(self) -> int:
+        """The model's ``embed_dim``."""
+        return int(self.model.embed_dim)
+
+    # -- the tokens ------------------------------------------------------------------------------------------
+
+    def num_prefix_tokens(self) -> int:
+        """Class plus register tokens that precede the patch tokens."""
+        model = self.model
+        return int(getattr(model, "num_prefix_tokens", 1 if getattr(model, "cls_token", None) is not None else 0))
+
+    def grid_size(self) -> tuple[int, int]:
+        """Patch-token grid (rows, columns) of the patch embedding at the model's image size."""
+        rows, cols = self.model.patch_embed.grid_size
+        return int(rows), int(cols)
+
+    def feature_grid(self, images: torch.Tensor) -> tuple[int, int]:
+        """The patch embedding's grid for ``images`` of any size (timm's ``dynamic_feat_size``)."""
+        rows, cols = self.model.patch_embed.dynamic_feat_size(images.shape[-2:])
+        return int(rows), int(cols)
+
+    def patch_size(self) -> tuple[int, int]:
+        """Patch size (h, w) of the patch embedding."""
+        size = self.model.patch_embed.patch_size
+        return (size, size) if isinstance(size, int) else tuple(size)
+
+    def embed_tokens(self, images: torch.Tensor) -> torch.Tensor:
+        """Patch embedding, position embedding, patch drop, pre-norm: timm's ``forward_features`` up to its blocks."""
+        model = self.model
+        x = model.patch_embed(images)
+        x = model._pos_embed(x)
+        x = model.patch_drop(x)
+        return model.norm_pre(x)
+
+    def run_block(self, block: nn.Module, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Timm's blocks take the mask as ``attn_mask``."""
+        return block(x) if attn_mask is None else block(x, attn_mask=attn_mask)
+
+    def patch_proj(self) -> nn.Module:
+        """The patch embedding's projection (a Conv2d whose output channels are the embedding width)."""
+        return self.model.patch_embed.proj
+
+    def set_patch_proj(self, module: nn.Module) -> None:
+        """Replace the patch embedding's projection."""
+        self.model.patch_embed.proj = module
+
+    def patch_norm(self) -> nn.Module:
+        """The norm after the patch projection (``nn.Identity`` in most ViTs)."""
+        return self.model.patch_embed.norm
+
+    def set_patch_norm(self, module: nn.Module) -> None:
+        """Replace the norm after the patch projection."""
+        self.model.patch_embed.norm = module
+
+    # -- after the blocks ------------------------------------------------------------------------------------
+
+    def head(self) -> nn.Module:
+        """The classifier head module (``nn.Identity`` when the model has no classes)."""
+        return self.model.head
+
+    def set_head(self, module: nn.Module) -> None:
+        """Timm's ``forward_head`` calls ``head`` on the pooled features."""
+        self.model.head = module
+
+    def reset_head(self, num_classes: int) -> None:
+        """Timm's ``reset_classifier``."""
+        self.model.reset_classifier(num_classes)
+
+    def plain_head_types(self) -> tuple[type, ...]:
+        """Timm's ViT head is a Linear, or an Identity without classes."""
+        return (nn.Linear, nn.Identity)
+
+    def num_classes(self) -> int:
+        """Output classes of the current head (0 when the head is ``nn.Identity``)."""
+        return int(getattr(self.model, "num_classes", 0))
+
+    def head_in_features(self) -> int:
+        """Width of the pooled features the head receives."""
+        return int(getattr(self.model, "head_hidden_size", self.model.embed_dim))
+
+    def named_final_norms(self) -> list[tuple[str, nn.Module]]:
+        """``norm`` and ``fc_norm``, those that exist."""
+        return [(n, m) for n in ("norm", "fc_norm") if isinstance(m := getattr(self.model, n, None), nn.Module)]
+
+    def set_final_norm(self, name: str, module: nn.Module) -> None:
+        """Replace ``norm`` or ``fc_norm``."""
+        setattr(self.model, name, module)
+
+    def pool_type(self) -> str:
+        """``token``, ``avg``, ``max``, ``avgmax``, ``map`` (attention pool), or ``""``."""
+        return "map" if getattr(self.model, "attn_pool", None) is not None else str(self.model.global_pool)
+
+    def pooled_features(self, tokens: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """The final norm, the pooling, ``fc_norm`` and head dropout applied to the blocks' output.
+
+        timm's ``norm`` then ``forward_head(pre_logits=True)``, except that ``keep`` (batch x tokens, bool), when
+        given, leaves the tokens it marks False out of an average pooling, as if they were not in the sequence.
+
+        Raises:
+            ValueError: ``keep`` with a pooling other than :attr:`maskable_pools`.
+
+        """
+        model = self.model
+        x = model.norm(tokens)
+        pool = self.pool_type()
+        if keep is None or pool == "token":
+            x = model.pool(x)
+        elif pool == "avg":
+            start = 0 if getattr(model, "pool_include_prefix", False) else self.num_prefix_tokens()
+            weight = keep[:, start:, None].to(x.dtype)
+            x = (x[:, start:] * weight).sum(dim=1) / weight.sum(dim=1)
+        else:
+            raise ValueError(
+                f"cannot leave tokens out of the {pool!r} pooling: only {', '.join(self.maskable_pools)} can"
+            )
+        return model.head_drop(model.fc_norm(x))
+
+    # -- taking the blocks' input and output -----------------------------------------------------------------
+
+    def is_plain(self) -> bool:
+        """Exactly timm's VisionTransformer (a subclass may run another forward)."""
+        return type(self.model) is VisionTransformer
+
+    def stem(self) -> tuple[list[nn.Parameter], list[nn.Module]]:
+        """The model's own parameters (class, register and position embeddings) and its children before ``blocks``."""
+        after = ("blocks", "norm", "fc_norm", "attn_pool", "head_drop", "head")
+        modules = [module for name, module in self.model.named_children() if name not in after]
+        return list(self.model.parameters(recurse=False)), modules
+
+    def after_blocks(self) -> list[nn.Module]:
+        """``norm``, ``fc_norm``, ``attn_pool``, those that exist."""
+        model = self.model
+        return [getattr(model, n) for n in ("norm", "fc_norm", "attn_pool") if getattr(model, n, None) is not None]
+
+    def block_input_module(self, index: int) -> nn.Module:
+        """Block ``index``, or the final ``norm`` after the last."""
+        return self.model.blocks[index] if index < len(self.model.blocks) else self.model.norm
+
+    def forward_from(self, x: torch.Tensor, start: int) -> torch.Tensor:
+        """The rest of timm's ``forward_features`` and ``forward_head`` from block ``start`` on."""
+        model = self.model
+        tail = model.blocks[start:]
+        # Honour gradient checkpointing as timm's forward_features does.
+        x = checkpoint_seq(tail, x) if getattr(model, "grad_checkpointing", False) else tail(x)
+        return model.forward_head(model.norm(x))
+
+    def pre_logits(self, images: torch.Tensor) -> torch.Tensor:
+        """Timm's ``forward_head(forward_features(images), pre_logits=True)``."""
+        return self.model.forward_head(self.model.forward_features(images), pre_logits=True)
+
+    def num_tokens(self) -> int:
+        """Patch tokens (where the patch embedding knows them) plus prefix tokens."""
+        patch_embed = self.model.patch_embed
+        grid = patch_embed.num_patches if hasattr(patch_embed, "num_patches") else 0
+        return grid + self.num_prefix_tokens()
+
+    def num_features(self) -> int:
+        """Timm's ``num_features``."""
+        return int(self.model.num_features)
+
+    # -- inside one block ------------------------------------------------------------------------------------
+
+    @staticmethod
+    def linear(block: nn.Module, name: str) -> nn.Module:
+        """``qkv``, ``proj`` (attention) or ``fc1``, ``fc2`` (MLP)."""
+        owner = block.attn if name in ("qkv", "proj") else block.mlp
+        return getattr(owner, name)
+
+    @staticmethod
+    def set_linear(block: nn.Module, name: str, module: nn.Module) -> None:
+        """Replace ``qkv``, ``proj``, ``fc1`` or ``fc2``."""
+        owner = block.attn if name in ("qkv", "proj") else block.mlp
+        setattr(owner, name, module)
+
+    @staticmethod
+    def attention(block: nn.Module) -> nn.Module:
+        """Its input is the block's first norm output."""
+        return block.attn
+
+    @staticmethod
+    def set_attention(block: nn.Module, module: nn.Module) -> None:
+        """Timm calls the attention with ``attn_mask`` keywords."""
+        block.attn = module
+
+    @staticmethod
+    def num_heads(block: nn.Module) -> int:
+        """Timm's ``Attention.num_heads``."""
+        return int(block.attn.num_heads)
+
+    @staticmethod
+    def feed_forward(block: nn.Module) -> nn.Module:
+        """Its input is the block's second norm output."""
+        return block.mlp
+
+    @staticmethod
+    def set_feed_forward(block: nn.Module, module: nn.Module) -> None:
+        """Replace the MLP of a block."""
+        block.mlp = module
+
+    @staticmethod
+    def block_norm(block: nn.Module, name: str) -> nn.Module:
+        """``norm1`` or ``norm2``."""
+        return getattr(block, name)
+
+    @staticmethod
+    def set_block_norm(block: nn.Module, name: str, module: nn.Module) -> None:
+        """Replace ``norm1`` or ``norm2``."""
+        setattr(block, name, module)
+
+    @staticmethod
+    def layer_scales(block: nn.Module) -> list[nn.Module]:
+        """``ls1`` and ``ls2`` (``nn.Identity`` in a ViT without layer scale)."""
+        return [block.ls1, block.ls2]
+
+    @staticmethod
+    def attn_branch(block: nn.Module, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        """``drop_path1(ls1(attn(norm1(x))))``."""
+        return block.drop_path1(block.ls1(block.attn(block.norm1(x), **kwargs)))
+
+    @staticmethod
+    def mlp_branch(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """``drop_path2(ls2(mlp(norm2(x))))``."""
+        return block.drop_path2(block.ls2(block.mlp(block.norm2(x))))
+
+    @staticmethod
+    def mlp_norm(block: nn.Module) -> nn.Module:
+        """``norm2``."""
+        return block.norm2

@@ -1,0 +1,108 @@
+"""Only the backbone implementations know a model family's internals (issue 53).
+
+Every other module of the package reaches the model through ``petl.backbone_of(model)``: this test reads their
+source (as tests/bench/test_harness.py reads the package list) and fails on a direct access to what a family keeps
+inside, so that a second family (Swin) is a second implementation, not a branch in every caller.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+import timm
+import torch
+from timm.models.vision_transformer import VisionTransformer
+
+import petl
+from petl.model.backbone import base
+from petl.model.backbone.vit import ViT
+
+PACKAGE = Path(petl.__file__).parent
+# The implementations, and the timm models petl registers (they define a ViT; they do not reach into one).
+ALLOWED = (PACKAGE / "model" / "backbone", PACKAGE / "backbones")
+# A model's attributes that only its family's Backbone may read.
+INTERNALS = {"blocks", "ls1", "ls2", "_pos_embed", "attn", "mlp"}
+FAMILY_CLASSES = {"VisionTransformer"}
+
+
+def _modules() -> list[Path]:
+    return sorted(p for p in PACKAGE.rglob("*.py") if not any(p.is_relative_to(a) for a in ALLOWED))
+
+
+def _violations(path: Path) -> list[str]:
+    return _violations_in(path.read_text(), path)
+
+
+def _violations_in(source: str, path: Path) -> list[str]:
+    found = []
+    for node in ast.walk(ast.parse(source, str(path))):
+        where = f"{path.relative_to(PACKAGE.parent)}:{getattr(node, 'lineno', 0)}"
+        # A module's own attributes (self.mlp of a side network) are its own; anything else's are the model's.
+        if isinstance(node, ast.Attribute) and node.attr in INTERNALS:
+            if not (isinstance(node.value, ast.Name) and node.value.id == "self"):
+                found.append(f"{where}: .{node.attr}")
+        if (
+            isinstance(node, ast.Attribute | ast.Name)
+            and getattr(node, "attr", getattr(node, "id", "")) in FAMILY_CLASSES
+        ):
+            found.append(f"{where}: {ast.unparse(node)}")
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names = {alias.name for alias in node.names}
+            if (
+                names & FAMILY_CLASSES
+                or node.module.startswith("petl.model.backbone.")
+                or (node.module == "petl.model.backbone" and names & {"vit", "base"})
+            ):
+                found.append(f"{where}: from {node.module} import {', '.join(sorted(names))}")
+    return found
+
+
+def test_no_module_reaches_past_the_backbone():
+    modules = _modules()
+    assert len(modules) > 100, "the walk found too few modules"
+    found = [v for path in modules for v in _violations(path)]
+    assert not found, "reach the model through petl.backbone_of(model):\n" + "\n".join(found)
+
+
+def test_the_check_catches_a_direct_access():
+    sample = PACKAGE / "_boundary_sample.py"  # read in place of a module, never written
+    source = "from timm.models.vision_transformer import VisionTransformer\nx = (model.blocks, b.ls1, self.mlp)\n"
+    found = [v.split(": ", 1)[1] for v in _violations_in(source, sample)]
+    assert sorted(found) == [".blocks", ".ls1", "from timm.models.vision_transformer import VisionTransformer"]
+
+
+def test_backbone_is_chosen_by_model_class(tiny_vit):
+    assert isinstance(petl.backbone_of(tiny_vit()), ViT)
+    assert petl.list_backbones() == ["vit"]
+    deit = timm.create_model("deit_tiny_distilled_patch16_224", img_size=32, patch_size=8, num_classes=3)
+    assert petl.backbone_of(deit).kind == "vit"  # a subclass of VisionTransformer, found through its MRO
+
+
+def test_a_backbone_a_method_does_not_declare_is_refused(tiny_vit, monkeypatch):
+    class OtherViT(VisionTransformer):
+        pass
+
+    class Other(ViT):
+        kind = "other"
+
+    monkeypatch.setitem(base._FAMILIES, OtherViT, Other)
+    model = OtherViT(img_size=32, patch_size=8, embed_dim=48, depth=2, num_heads=3, num_classes=3)
+    with pytest.raises(ValueError, match=r"^method 'lora' does not support the other backbone \(OtherViT\)") as error:
+        petl.apply(model, "lora")
+    assert "\n" not in str(error.value)
+    assert not any(p.requires_grad is False for p in model.parameters())  # refused before anything changed
+
+
+def test_interface_matches_the_vit(tiny_vit):
+    model = tiny_vit().eval()
+    bb = petl.backbone_of(model)
+    assert bb.depth() == len(bb.block_list()) and bb.widths() == [bb.width()] * bb.depth()
+    assert bb.stages() == [0] * bb.depth() and bb.layout == "sequence"
+    images = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        x = bb.embed_tokens(images)
+        for block in bb.block_container():
+            x = bb.run_block(block, x)
+        assert torch.equal(bb.head()(bb.pooled_features(x)), model(images))
