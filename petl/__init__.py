@@ -18,46 +18,38 @@ _HOMES = {
     "backbone_of": "petl.model.backbone",
     "list_backbones": "petl.model.backbone",
     "register_backbone": "petl.model.backbone",
-    "MethodConfig": "petl.core",
-    "MethodSpec": "petl.core",
-    "ParamCount": "petl.core",
-    "PetlModule": "petl.core",
-    "count_params": "petl.core",
-    "get_method": "petl.core",
-    "list_methods": "petl.core",
-    "make_config": "petl.core",
-    "register_method": "petl.core",
-    "unmerge": "petl.core",
-    "apply": "petl.surgery",
-    "merge": "petl.surgery",
-    "unload": "petl.unloading",
-    "load_trainable": "petl.io",
-    "read_trainable_metadata": "petl.io",
-    "save_trainable": "petl.io",
+    "MethodConfig": "petl.model.registry",
+    "MethodSpec": "petl.model.registry",
+    "ParamCount": "petl.model.params",
+    "PetlModule": "petl.model.wrappers",
+    "count_params": "petl.model.params",
+    "get_method": "petl.model.registry",
+    "list_methods": "petl.model.registry",
+    "make_config": "petl.model.registry",
+    "register_method": "petl.model.registry",
+    "unmerge": "petl.model.merging",
+    "apply": "petl.model.surgery",
+    "merge": "petl.model.surgery",
+    "unload": "petl.model.unloading",
+    "load_trainable": "petl.model.io",
+    "read_trainable_metadata": "petl.model.io",
+    "save_trainable": "petl.model.io",
     "MultiTask": "petl.deploy.multitask",
     "LoadedRun": "petl.store.load",
     "load_run": "petl.store.load",
 }
 
 if TYPE_CHECKING:
-    from petl.core import (
-        MethodConfig,
-        MethodSpec,
-        ParamCount,
-        PetlModule,
-        count_params,
-        get_method,
-        list_methods,
-        make_config,
-        register_method,
-        unmerge,
-    )
     from petl.deploy.multitask import MultiTask
-    from petl.io import load_trainable, read_trainable_metadata, save_trainable
     from petl.model.backbone import Backbone, backbone_of, list_backbones, register_backbone
+    from petl.model.io import load_trainable, read_trainable_metadata, save_trainable
+    from petl.model.merging import unmerge
+    from petl.model.params import ParamCount, count_params
+    from petl.model.registry import MethodConfig, MethodSpec, get_method, list_methods, make_config, register_method
+    from petl.model.surgery import apply, merge
+    from petl.model.unloading import unload
+    from petl.model.wrappers import PetlModule
     from petl.store.load import LoadedRun, load_run
-    from petl.surgery import apply, merge
-    from petl.unloading import unload
 
 
 def _methods() -> Any:

@@ -265,7 +265,7 @@ def preset_names(folder: Path) -> list[str]:
 def _registered_methods() -> list[str]:
     # Imported late: reading suites for a report must not need torch.  Importing the methods registers them.
     import petl.methods  # noqa: F401
-    from petl.core import list_methods
+    from petl.model.registry import list_methods
 
     return list_methods()
 
@@ -273,7 +273,7 @@ def _registered_methods() -> list[str]:
 def _has_calibrate_hook(method: str) -> bool | None:
     # None for an unknown method: the run names it, with the known ones.
     import petl.methods  # noqa: F401
-    from petl.core import get_method, list_methods
+    from petl.model.registry import get_method, list_methods
 
     return get_method(method).calibrate is not None if method in list_methods() else None
 

@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from petl.paths import CACHE_ENV, atomic_path, cache_dir, file_sha256, remove_stale_temporaries, write_atomic
+from petl.utils.paths import CACHE_ENV, atomic_path, cache_dir, file_sha256, remove_stale_temporaries, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -163,7 +163,7 @@ def _write_weights(onnx_path: Path) -> dict[str, Any]:
     """Convert, write the weights and then their provenance into the cache, each atomically; return the provenance.
 
     Temporary files that an interrupted build left (kill -9) are removed first, never one a live build writes
-    (:func:`petl.paths.remove_stale_temporaries`).  A cache that cannot be written (a full disk, a read-only
+    (:func:`petl.utils.paths.remove_stale_temporaries`).  A cache that cannot be written (a full disk, a read-only
     folder) is one line naming it.
     """
     try:

@@ -17,8 +17,8 @@ from petl.bench.args import CONFIGS_KEYS, as_bool, configs_folder, parse_args, s
 from petl.bench.own_run import OWN_DATA_KEYS, YES_FLAG, run_on_own_data
 from petl.bench.report import write_report
 from petl.bench.sweep import PlannedRun, SweepSummary, plan, run_sweep
-from petl.errors import USAGE_ERROR
 from petl.store.result import ResultError
+from petl.utils.errors import USAGE_ERROR
 
 PROG = "petl-bench"
 

@@ -64,8 +64,8 @@ def count_without_head(model_name: str, method: dict, num_classes: int) -> int:
     import torch
 
     import petl.methods  # noqa: F401  (importing the methods registers them)
-    from petl.core import count_params
-    from petl.surgery import apply
+    from petl.model.params import count_params
+    from petl.model.surgery import apply
 
     options = {k: v for k, v in method.items() if k != "name"}
     # Meta tensors have shapes but no storage: a ViT-B/16 costs nothing and no weights are fetched.

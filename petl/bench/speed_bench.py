@@ -28,8 +28,8 @@ import petl.backbones  # noqa: F401  (registers petl's backbones with timm)
 import petl.methods  # noqa: F401  (importing the methods registers them)
 from petl.bench.floors import Floor, floor_hooks
 from petl.bench.rss import current_rss_mb, peak_rss_mb, reset_peak_rss
-from petl.core import get_method
-from petl.surgery import apply, merge
+from petl.model.registry import get_method
+from petl.model.surgery import apply, merge
 from petl.train import engine
 
 FORWARD = "frozen forward (no grad)"

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import timm
 
+from petl.model.surgery import apply
+from petl.model.timm_api import support
 from petl.presets import configs_dir, list_experiments, load_experiment
-from petl.surgery import apply
-from petl.timm_api import support
 
 
 def support_table() -> str:
-    """The Markdown table of :func:`petl.timm_api.support` for every experiment (``petl.presets``), on a tiny ViT.
+    """The Markdown table of :func:`petl.model.timm_api.support` for every experiment (``petl.presets``), on a tiny ViT.
 
     docs/works-with.md holds its output between ``<!-- works-with -->`` markers (docs/gen.py writes it);
     tests/methods/test_timm_api.py checks that it is current, and prints the table to paste when it is not.

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from petl.errors import INTERRUPTED, RUN_ERROR, USAGE_ERROR, UsageError
-from petl.text import shown
+from petl.utils.errors import INTERRUPTED, RUN_ERROR, USAGE_ERROR, UsageError
+from petl.utils.text import shown
 
 # What an override key may look like (Hydra's grammar: +key, ++key, ~key, dotted paths).
 _KEY_PREFIXES = ("++", "+", "~")
@@ -121,9 +121,9 @@ def exit_statuses(
     debug: bool | None = None,
     quiet: bool = False,
 ) -> Iterator[None]:
-    """Turn what a command's body raises into one line on stderr and the exit status of :mod:`petl.errors`.
+    """Turn what a command's body raises into one line on stderr and the exit status of :mod:`petl.utils.errors`.
 
-    Bad input (:class:`petl.errors.UsageError`, so :class:`CommandLineError`, and the ``usage`` types) exits with
+    Bad input (:class:`petl.utils.errors.UsageError`, so :class:`CommandLineError`, and the ``usage`` types) exits with
     2, the ``failure`` types with 1, both printing ``PROG: error: MESSAGE``; Ctrl-C exits with 130, printing
     ``PROG: INTERRUPTED``.  Bad input is tried first: a ``usage`` type may subclass a ``failure`` one.
 

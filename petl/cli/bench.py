@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from petl.cli.args import exit_statuses
-from petl.errors import USAGE_ERROR
+from petl.utils.errors import USAGE_ERROR
 
 PROG = "petl-bench"
 DEBUG_FLAG = "--debug"

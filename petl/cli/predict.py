@@ -21,7 +21,7 @@ every run uses its own model.
 ``out=`` writes every prediction, in the format its suffix names: ``.csv`` (text cells that would start
 a spreadsheet formula get a ``'``), ``.json`` (one list) or ``.jsonl`` (one object per line); the file is
 written whole or not at all (a full disk leaves an earlier file as it was).  File names that are not
-UTF-8 are written with their undecodable bytes as ``\xNN`` (:mod:`petl.text`).
+UTF-8 are written with their undecodable bytes as ``\xNN`` (:mod:`petl.utils.text`).
 
 Exit status (as every petl command): 2 for bad input (a run folder without weights, a missing image, an
 unreadable image, an unknown option or ``out=`` suffix), 1 when the prediction cannot complete (a full

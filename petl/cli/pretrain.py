@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from petl.cli.args import exit_statuses
-from petl.errors import USAGE_ERROR
+from petl.utils.errors import USAGE_ERROR
 
 PROG = "petl-pretrain"
 DEFAULT_OUT = Path("runs/pretrain")

@@ -42,7 +42,7 @@ import yaml
 
 from petl import presets
 from petl.cli.args import exit_statuses, hydra_parser
-from petl.errors import RUN_ERROR, USAGE_ERROR, ConfigError
+from petl.utils.errors import RUN_ERROR, USAGE_ERROR, ConfigError
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig

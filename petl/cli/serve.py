@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from petl.cli.args import Key, exit_statuses, parse, parser, split_items
-from petl.errors import UsageError
+from petl.utils.errors import UsageError
 
 PROG = "petl-serve"
 TASK_PREFIX = "task."

@@ -23,7 +23,7 @@ from torch.utils.data import Dataset
 from petl.data.images import FileListDataset
 from petl.data.registry import TEST, TRAIN, TRAIN_VAL, VAL, DatasetInfo, register_dataset
 from petl.data.transforms import ImageSpec
-from petl.text import shown
+from petl.utils.text import shown
 
 # torchvision.datasets.folder.IMG_EXTENSIONS (written out: petl.data does not import torchvision).
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")

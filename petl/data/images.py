@@ -17,9 +17,9 @@ import torch
 from PIL import Image, UnidentifiedImageError
 from torch.utils.data import Dataset
 
-from petl.core import first_line
 from petl.data.registry import BadImagesError
 from petl.data.transforms import ImageSpec, pil_to_tensor
+from petl.utils.text import first_line
 
 # Decoded images of one split are held in memory up to this many bytes (uint8 at their stored
 # size).  VTAB-1k's train/val splits (1,000 images) and FGVC's train/val splits fit far below it;

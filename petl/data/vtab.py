@@ -36,8 +36,6 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from petl import paths
-from petl.core import first_line
 from petl.data import hub as hub_access
 from petl.data.images import FileListDataset, HubDataset
 from petl.data.registry import (
@@ -52,6 +50,8 @@ from petl.data.registry import (
     register_dataset,
 )
 from petl.data.transforms import ImageSpec
+from petl.utils import paths
+from petl.utils.text import first_line
 
 VTAB_SIZES = {TRAIN: 800, VAL: 200, TRAIN_VAL: 1000}
 VTAB_HUB_ID = "XiN0919/VTAB-1k"

@@ -17,9 +17,9 @@ from torch import nn
 import petl.methods  # noqa: F401  (importing the methods registers them)
 from petl.backbones.models import timm_native
 from petl.data.transforms import CROP_RATIO
+from petl.model.surgery import merge
 from petl.store import files
 from petl.store.load import LoadedRun, load_run
-from petl.surgery import merge
 
 PROG = "petl-export"
 FORMAT = "petl-export-1"

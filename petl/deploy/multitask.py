@@ -43,13 +43,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from petl.core import trainable_state
 from petl.deploy.routing import Batch, RoutedBlock, RoutedModule, Router, method_name, task_sites
-from petl.io import load_trainable, meta_copy, read_trainable_metadata
 from petl.model.backbone import backbone_of
-from petl.rows import CannotShare, RowHook, Tokens
+from petl.model.io import load_trainable, meta_copy, read_trainable_metadata
+from petl.model.params import trainable_state
+from petl.model.rows import CannotShare, RowHook, Tokens
+from petl.model.surgery import apply
 from petl.store import files, load
-from petl.surgery import apply
 
 Tensor = torch.Tensor
 

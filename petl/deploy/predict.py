@@ -21,13 +21,11 @@ from tqdm import tqdm
 
 import petl.methods  # noqa: F401  (importing the methods registers them)
 from petl import data as petl_data
-from petl import surgery
-from petl.core import get_method
 from petl.data.folder import IMAGE_EXTENSIONS
 from petl.data.images import decode_image
 from petl.deploy.multitask import MultiTask, TaskRefused
-from petl.errors import UsageError
-from petl.paths import write_atomic
+from petl.model import surgery
+from petl.model.registry import get_method
 from petl.store.files import MODEL_FILE, WEIGHTS_FILE
 from petl.store.load import (
     LoadedRun,
@@ -38,7 +36,9 @@ from petl.store.load import (
     read_card,
     weights_file,
 )
-from petl.text import csv_cell, read_names, shown
+from petl.utils.errors import UsageError
+from petl.utils.paths import write_atomic
+from petl.utils.text import csv_cell, read_names, shown
 
 PROG = "petl-predict"
 SPLIT_ALIASES = {"train": petl_data.TRAIN, "val": petl_data.VAL, "validation": petl_data.VAL, "test": petl_data.TEST}
@@ -317,7 +317,7 @@ def write_predictions(path: Path, predictions: list[Prediction], several_runs: b
 
 
 def _write_or_say(path: Path, write: Callable[[Path], None]) -> None:
-    """:func:`petl.paths.write_atomic`; a failure (full disk, read-only folder) names ``path``, which is unchanged."""
+    """``write_atomic``; a failure (full disk, read-only folder) names ``path``, which is unchanged."""
     try:
         write_atomic(path, write)
     except OSError as error:

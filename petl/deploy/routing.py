@@ -1,7 +1,7 @@
 """Routing one mixed batch through a shared frozen backbone: each task's hooks act on its own rows only.
 
 :class:`RoutedModule` and :class:`RoutedBlock` stand in for the backbone's modules that some task wraps or trains;
-:func:`task_sites` finds, for one task's model, the hook at each such place (:mod:`petl.rows`).
+:func:`task_sites` finds, for one task's model, the hook at each such place (:mod:`petl.model.rows`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from timm.layers import LayerScale
 from torch import nn
 
 from petl.model.backbone import backbone_of, block_family
-from petl.rows import CannotShare, RowHook, Tokens, registered_hook
+from petl.model.rows import CannotShare, RowHook, Tokens, registered_hook
 
 Tensor = torch.Tensor
 

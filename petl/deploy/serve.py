@@ -41,14 +41,14 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from PIL import Image
 from starlette.datastructures import UploadFile
 
-from petl.core import count_params
 from petl.data.images import decode_image
 from petl.data.transforms import ImageSpec, pil_to_tensor
 from petl.deploy.batcher import Batcher, QueueFull
 from petl.deploy.metrics import ServeMetrics
 from petl.deploy.multitask import MultiTask
+from petl.model.params import count_params
 from petl.store.load import read_card, spec_of
-from petl.text import shown
+from petl.utils.text import shown
 from petl.version import __version__
 
 log = logging.getLogger("petl.serve")

@@ -1,4 +1,4 @@
-"""The methods: importing a method file registers it with :mod:`petl.core`.
+"""The methods: importing a method file registers it with :mod:`petl.model.registry`.
 
 Adding a method is one file here plus one import line below, written in the explicit re-export
 form (``from petl.methods.x import apply_x as apply_x``): the API (``petl.apply``, and

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from petl import core
+from petl.utils.checks import check_choice
 
 INITS = ("zero", "reference")
 STD = 0.02  # init_weights_vit_timm's trunc_normal std
@@ -30,13 +30,13 @@ STD = 0.02  # init_weights_vit_timm's trunc_normal std
 
 def check(value: str) -> None:
     """Raise a ValueError naming ``init`` unless ``value`` is one of :data:`INITS`."""
-    core.check_choice("init", value, INITS)
+    check_choice("init", value, INITS)
 
 
 class InitOption:
     """What a method config with an ``init: str = "zero"`` field shares: its validation and its contract.
 
-    Listed before :class:`petl.core.MethodConfig` among the config's bases.  The field itself stays in each
+    Listed before :class:`petl.model.registry.MethodConfig` among the config's bases.  The field itself stays in each
     config (``init: str = "zero"``, documented there), so it keeps its place among the config's options (the
     CLI, ``--help`` and the schema list them in field order); a plain class adds no dataclass field.
     """

@@ -25,8 +25,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from petl import core, rows
+from petl.model import rows
 from petl.model.backbone import backbone_of
+from petl.model.wrappers import PetlModule
 
 
 class SideNetwork(nn.Module):
@@ -78,7 +79,7 @@ class SideNetwork(nn.Module):
         return rows.RowHook(block, pre=begin if index == 0 else None, post=post)
 
 
-class SideBlock(core.PetlModule):
+class SideBlock(PetlModule):
     """A frozen block that hands its forward to the side network's :meth:`SideNetwork.step`.
 
     Args:

@@ -47,9 +47,12 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from petl import core, rows, surgery
 from petl.methods import _init
+from petl.model import rows, surgery
 from petl.model.backbone import backbone_of, block_family
+from petl.model.registry import MethodConfig, register_method
+from petl.model.wrappers import PetlModule, factory_kwargs
+from petl.utils.checks import check_choice, check_dropout, check_range
 
 STYLES = ("sequential", "parallel")
 # Per-style defaults from the references: Pfeiffer/V-PETL-style sequential adapters use width 8,
@@ -60,7 +63,7 @@ DEFAULT_SCALE = {"sequential": 1.0, "parallel": 0.1}
 
 
 @dataclass
-class AdapterConfig(_init.InitOption, core.MethodConfig):
+class AdapterConfig(_init.InitOption, MethodConfig):
     """Options of the bottleneck adapter.
 
     Attributes:
@@ -104,15 +107,15 @@ class AdapterConfig(_init.InitOption, core.MethodConfig):
 
     def validate(self, model: nn.Module) -> None:
         super().validate(model)
-        core.check_choice("style", self.style, STYLES)
-        core.check_range("dim", self.bottleneck, low=1)
-        core.check_dropout("dropout", self.dropout_p)
+        check_choice("style", self.style, STYLES)
+        check_range("dim", self.bottleneck, low=1)
+        check_dropout("dropout", self.dropout_p)
         if self.style == "parallel":
             for block in backbone_of(model).block_list():
                 block_family(block)
 
 
-class _Bottleneck(core.PetlModule):
+class _Bottleneck(PetlModule):
     """What both styles share: ``base`` (the wrapped MLP or block) plus norm/down/act/dropout/up.
 
     ``up`` starts at zero, so the model is unchanged at init; ``down``'s weight keeps nn.Linear's
@@ -195,13 +198,13 @@ def _formula(model: nn.Module, cfg: AdapterConfig) -> int:
 BACKBONES = ("vit",)
 
 
-@core.register_method(
+@register_method(
     "adapter", AdapterConfig, trainable_formula=_formula, zero_init=True, mergeable=False, backbones=BACKBONES
 )
 def inject_adapter(model: nn.Module, cfg: AdapterConfig) -> None:
     """Bottleneck adapter in every block (sequential after the MLP, or parallel/AdaptFormer)."""
     bb = backbone_of(model)
-    width, kw = bb.width(), core.factory_kwargs(model)
+    width, kw = bb.width(), factory_kwargs(model)
     for i, block in enumerate(bb.block_list()):
         if cfg.style == "parallel":
             bb.set_block(i, ParallelAdapter(block, width, cfg).to(**kw))

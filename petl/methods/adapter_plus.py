@@ -33,8 +33,11 @@ import torch
 from timm.layers import DropPath
 from torch import nn
 
-from petl import core, rows, surgery
+from petl.model import rows, surgery
 from petl.model.backbone import backbone_of
+from petl.model.registry import MethodConfig, register_method
+from petl.model.wrappers import PetlModule, factory_kwargs
+from petl.utils.checks import check_choice, check_dropout, check_range
 
 SCALINGS = ("channel", "learned", "none")
 # Houlsby's std as given in the paper (vit_adapter.py L53); values beyond two std are redrawn.
@@ -42,7 +45,7 @@ INIT_STD = 0.01
 
 
 @dataclass
-class AdapterPlusConfig(core.MethodConfig):
+class AdapterPlusConfig(MethodConfig):
     """Options of Adapter+.
 
     Attributes:
@@ -61,13 +64,13 @@ class AdapterPlusConfig(core.MethodConfig):
 
     def validate(self, model: nn.Module) -> None:
         super().validate(model)
-        core.check_range("dim", self.dim, low=1)
-        core.check_choice("scaling", self.scaling, SCALINGS)
-        core.check_dropout("dropout", self.dropout)
-        core.check_dropout("drop_path", self.drop_path)
+        check_range("dim", self.dim, low=1)
+        check_choice("scaling", self.scaling, SCALINGS)
+        check_dropout("dropout", self.dropout)
+        check_dropout("drop_path", self.drop_path)
 
 
-class AdapterPlusBlock(core.PetlModule):
+class AdapterPlusBlock(PetlModule):
     """A frozen block followed by the Adapter+ bottleneck: ``x + s * up(act(down(x)))`` on its output.
 
     Args:
@@ -79,7 +82,7 @@ class AdapterPlusBlock(core.PetlModule):
 
     def __init__(self, base: nn.Module, width: int, cfg: AdapterPlusConfig) -> None:
         super().__init__(base)
-        kw = core.factory_kwargs(base)
+        kw = factory_kwargs(base)
         self.down = nn.Linear(width, cfg.dim, **kw)
         self.act = nn.GELU()
         self.dropout = nn.Dropout(cfg.dropout) if cfg.dropout > 0 else nn.Identity()
@@ -126,7 +129,7 @@ def _formula(model: nn.Module, cfg: AdapterPlusConfig) -> int:
 BACKBONES = ("vit",)
 
 
-@core.register_method("adapter_plus", AdapterPlusConfig, trainable_formula=_formula, backbones=BACKBONES)
+@register_method("adapter_plus", AdapterPlusConfig, trainable_formula=_formula, backbones=BACKBONES)
 def inject_adapter_plus(model: nn.Module, cfg: AdapterPlusConfig) -> None:
     """Adapter+: a bottleneck adapter after every block with a learned per-channel scale."""
     bb = backbone_of(model)

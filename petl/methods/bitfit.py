@@ -31,15 +31,17 @@ from typing import Any
 
 from torch import nn
 
-from petl import core, surgery
+from petl.model import surgery
 from petl.model.backbone import backbone_of
+from petl.model.registry import MethodConfig, register_method
+from petl.utils.checks import check_choice
 
 SCOPES = ("all", "linear")
 LINEARS = ("qkv", "proj", "fc1", "fc2")
 
 
 @dataclass
-class BitFitConfig(core.MethodConfig):
+class BitFitConfig(MethodConfig):
     """Options of BitFit.
 
     Attributes:
@@ -52,7 +54,7 @@ class BitFitConfig(core.MethodConfig):
 
     def validate(self, model: nn.Module) -> None:
         super().validate(model)
-        core.check_choice("biases", self.biases, SCOPES)
+        check_choice("biases", self.biases, SCOPES)
         if not _biases(model, self.biases):
             raise ValueError(f"biases={self.biases!r}: this model has no such bias to train")
 
@@ -75,7 +77,7 @@ def _formula(model: nn.Module, cfg: BitFitConfig) -> int:
 BACKBONES = ("vit",)
 
 
-@core.register_method(
+@register_method(
     "bitfit", BitFitConfig, trainable_formula=_formula, zero_init=True, mergeable=False, backbones=BACKBONES
 )
 def inject_bitfit(model: nn.Module, cfg: BitFitConfig) -> None:

@@ -39,13 +39,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from petl import core, rows, surgery
 from petl.methods import _init
+from petl.model import rows, surgery
 from petl.model.backbone import backbone_of
+from petl.model.registry import MethodConfig, register_method
+from petl.model.wrappers import PetlModule, factory_kwargs
+from petl.utils.checks import check_dropout, check_nonzero, check_range
 
 
 @dataclass
-class ConvpassConfig(_init.InitOption, core.MethodConfig):
+class ConvpassConfig(_init.InitOption, MethodConfig):
     """Options of Convpass.
 
     Attributes:
@@ -67,9 +70,9 @@ class ConvpassConfig(_init.InitOption, core.MethodConfig):
 
     def validate(self, model: nn.Module) -> None:
         super().validate(model)
-        core.check_range("dim", self.dim, low=1)
-        core.check_nonzero("scale", self.scale, "the bypass")
-        core.check_dropout("dropout", self.dropout)
+        check_range("dim", self.dim, low=1)
+        check_nonzero("scale", self.scale, "the bypass")
+        check_dropout("dropout", self.dropout)
 
 
 class _QuickGELU(nn.Module):
@@ -79,7 +82,7 @@ class _QuickGELU(nn.Module):
         return x * torch.sigmoid(1.702 * x)
 
 
-class ConvpassParallel(core.PetlModule):
+class ConvpassParallel(PetlModule):
     """A frozen attention or MLP plus the convolutional bypass reading the same (normalised) tokens.
 
     Args:
@@ -95,7 +98,7 @@ class ConvpassParallel(core.PetlModule):
         self, base: nn.Module, width: int, grid: tuple[int, int], num_prefix: int, cfg: ConvpassConfig
     ) -> None:
         super().__init__(base)
-        kw = core.factory_kwargs(base)
+        kw = factory_kwargs(base)
         r = cfg.dim
         self.grid, self.num_prefix, self.scale = grid, num_prefix, cfg.scale
         self.down = nn.Linear(width, r, **kw)
@@ -163,7 +166,7 @@ def _formula(model: nn.Module, cfg: ConvpassConfig) -> int:
 BACKBONES = ("vit",)
 
 
-@core.register_method("convpass", ConvpassConfig, trainable_formula=_formula, zero_init=True, backbones=BACKBONES)
+@register_method("convpass", ConvpassConfig, trainable_formula=_formula, zero_init=True, backbones=BACKBONES)
 def inject_convpass(model: nn.Module, cfg: ConvpassConfig) -> None:
     """Convpass: a 3x3 convolutional bypass beside every attention and MLP."""
     bb = backbone_of(model)

@@ -47,13 +47,16 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from petl import core, rows, surgery
 from petl.methods import _side
+from petl.model import rows, surgery
 from petl.model.backbone import backbone_of
+from petl.model.registry import MethodConfig, register_method
+from petl.model.wrappers import factory_kwargs
+from petl.utils.checks import check_nonzero, check_range
 
 
 @dataclass
-class DtlConfig(core.MethodConfig):
+class DtlConfig(MethodConfig):
     """Options of DTL.
 
     Attributes:
@@ -80,10 +83,10 @@ class DtlConfig(core.MethodConfig):
 
     def validate(self, model: nn.Module) -> None:
         super().validate(model)
-        core.check_range("rank", self.rank, low=1)
-        core.check_nonzero("beta", self.beta, "the swish gate")
-        core.check_range("add_from", self.first_add(model), low=0, high=backbone_of(model).depth() - 1)
-        core.check_range("fusion_size", self.fusion_size, low=0)
+        check_range("rank", self.rank, low=1)
+        check_nonzero("beta", self.beta, "the swish gate")
+        check_range("add_from", self.first_add(model), low=0, high=backbone_of(model).depth() - 1)
+        check_range("fusion_size", self.fusion_size, low=0)
         if self.fusion_size and self.fusion_size % 2 == 0:
             raise ValueError(f"fusion_size={self.fusion_size} must be odd (or 0): the conv keeps the token grid")
 
@@ -101,7 +104,7 @@ class DtlSide(_side.SideNetwork):
         bb = backbone_of(model)
         depth, d = bb.depth(), bb.width()
         super().__init__(depth)
-        kw = core.factory_kwargs(model)
+        kw = factory_kwargs(model)
         self.beta, self.add_from = cfg.beta, cfg.first_add(model)
         self.grid, self.num_prefix = bb.grid_size(), bb.num_prefix_tokens()
         self.lora_a = nn.ParameterList([nn.Parameter(torch.empty(cfg.rank, d, **kw)) for _ in range(depth)])
@@ -171,7 +174,7 @@ def _formula(model: nn.Module, cfg: DtlConfig) -> int:
 BACKBONES = ("vit",)
 
 
-@core.register_method("dtl", DtlConfig, trainable_formula=_formula, zero_init=True, backbones=BACKBONES)
+@register_method("dtl", DtlConfig, trainable_formula=_formula, zero_init=True, backbones=BACKBONES)
 def inject_dtl(model: nn.Module, cfg: DtlConfig) -> None:
     """DTL: a low-rank side network summed over the blocks and added back after the later ones."""
     _side.install(model, DtlSide(model, cfg))

@@ -47,9 +47,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from petl import core, rows, surgery
 from petl.methods import _init, _reparam
+from petl.model import rows, surgery
 from petl.model.backbone import backbone_of
+from petl.model.registry import MethodConfig, register_method
+from petl.model.wrappers import PetlModule, factory_kwargs
+from petl.utils.checks import check_choice, check_dropout, check_nonzero, check_range
 
 TYPES = ("tt", "tk")
 # Per-block columns of the Tucker mixing matrix P, in the reference's order (fact.py:L84-116).
@@ -59,7 +62,7 @@ LINEARS = tuple(TK_COLUMNS)
 
 
 @dataclass
-class FactConfig(_init.InitOption, core.MethodConfig):
+class FactConfig(_init.InitOption, MethodConfig):
     """Options of FacT.
 
     Attributes:
@@ -83,10 +86,10 @@ class FactConfig(_init.InitOption, core.MethodConfig):
     def validate(self, model: nn.Module) -> None:
         bb = backbone_of(model)
         super().validate(model)
-        core.check_choice("type", self.type, TYPES)
-        core.check_range("rank", self.rank, low=1)
-        core.check_dropout("dropout", self.dropout)
-        core.check_nonzero("scale", self.scale, "the factorised update")
+        check_choice("type", self.type, TYPES)
+        check_range("rank", self.rank, low=1)
+        check_dropout("dropout", self.dropout)
+        check_nonzero("scale", self.scale, "the factorised update")
         d = bb.width()
         for block in bb.block_list():
             fc1 = bb.linear(block, "fc1")
@@ -108,7 +111,7 @@ class FactorsShared(nn.Module):
             nn.init.xavier_uniform_(self.c)
 
 
-class FactLinear(core.PetlModule):
+class FactLinear(PetlModule):
     """A frozen Linear (qkv, proj, fc1 or fc2) plus its FacT update.
 
     Args:
@@ -137,7 +140,7 @@ class FactLinear(core.PetlModule):
         super().__init__(base)
         self.kind, self.scale = kind, scale
         rank = shared.u.shape[0]
-        kw = core.factory_kwargs(base)
+        kw = factory_kwargs(base)
         if owner:
             self.shared = shared
         else:
@@ -245,13 +248,11 @@ def _formula(model: nn.Module, cfg: FactConfig) -> int:
 BACKBONES = ("vit",)
 
 
-@core.register_method(
-    "fact", FactConfig, trainable_formula=_formula, zero_init=True, mergeable=True, backbones=BACKBONES
-)
+@register_method("fact", FactConfig, trainable_formula=_formula, zero_init=True, mergeable=True, backbones=BACKBONES)
 def inject_fact(model: nn.Module, cfg: FactConfig) -> None:
     """FacT: qkv/proj/fc1/fc2 updates factorised across all blocks (tensor-train or Tucker); mergeable."""
     bb = backbone_of(model)
-    kw = core.factory_kwargs(model)
+    kw = factory_kwargs(model)
     tucker = cfg.type == "tk"
     shared = FactorsShared(bb.width(), cfg.rank, tucker, kw)
     # xavier-uniform over the whole rank x (12 * depth) P, as the reference initialises it.

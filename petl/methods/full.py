@@ -14,12 +14,13 @@ from typing import Any, ClassVar
 
 from torch import nn
 
-from petl import core, surgery
+from petl.model import surgery
 from petl.model.backbone import backbone_of
+from petl.model.registry import MethodConfig, register_method
 
 
 @dataclass
-class FullConfig(core.MethodConfig):
+class FullConfig(MethodConfig):
     """Full fine-tuning has no options beyond ``num_classes``."""
 
     # Everything trains, so everything is in train mode (VPT's end2end, src/models/vit_models.py:L36-38).
@@ -35,9 +36,7 @@ def _formula(model: nn.Module, cfg: FullConfig) -> int:
 BACKBONES = ("vit",)
 
 
-@core.register_method(
-    "full", FullConfig, trainable_formula=_formula, zero_init=True, mergeable=False, backbones=BACKBONES
-)
+@register_method("full", FullConfig, trainable_formula=_formula, zero_init=True, mergeable=False, backbones=BACKBONES)
 def inject_full(model: nn.Module, cfg: FullConfig) -> None:
     """Full fine-tuning: every parameter trains."""
     model.requires_grad_(True)

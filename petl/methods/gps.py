@@ -75,8 +75,11 @@ from torchvision.transforms import v2
 from tqdm.auto import tqdm
 
 # The weights GPS selects entries of, per block, after the patch embedding (utils/pruning.py L14-20).
-from petl import core, rows, surgery
+from petl.model import rows, surgery
 from petl.model.backbone import backbone_of, unwrap
+from petl.model.registry import MethodConfig, register_method
+from petl.model.wrappers import PetlModule, factory_kwargs
+from petl.utils.checks import check_range
 
 BLOCK_WEIGHTS = ("qkv", "proj", "fc1", "fc2")
 # SupConLoss defaults (utils/loss_utils.py L9-10) and the views of transforms_contrastaug_train (L80-110).
@@ -84,7 +87,7 @@ TEMPERATURE = 0.07
 
 
 @dataclass
-class GpsConfig(core.MethodConfig):
+class GpsConfig(MethodConfig):
     """Options of GPS.
 
     Attributes:
@@ -105,7 +108,7 @@ class GpsConfig(core.MethodConfig):
     def validate(self, model: nn.Module) -> None:
         super().validate(model)
         weights = selected_weights(model)
-        core.check_range("per_row", self.per_row, low=1, high=min(w.shape[1] for w in weights))
+        check_range("per_row", self.per_row, low=1, high=min(w.shape[1] for w in weights))
         if not self.selection:
             return
         if len(self.selection) != len(weights):
@@ -159,7 +162,7 @@ def selected_weights(model: nn.Module) -> list[torch.Tensor]:
     return [unwrap(m).weight.flatten(1) for m, _ in _selected_modules(model)]
 
 
-class GpsLinear(core.PetlModule):
+class GpsLinear(PetlModule):
     """A frozen Linear or Conv2d whose weight gets a trainable sparse update; its bias trains whole.
 
     Args:
@@ -170,7 +173,7 @@ class GpsLinear(core.PetlModule):
 
     def __init__(self, base: nn.Module, columns: torch.Tensor) -> None:
         super().__init__(base)
-        kw = core.factory_kwargs(base)
+        kw = factory_kwargs(base)
         self.register_buffer("index", columns.to(device=kw["device"], dtype=torch.long), persistent=False)
         self.delta = nn.Parameter(torch.zeros(columns.shape, **kw))
         if base.bias is not None:
@@ -360,7 +363,7 @@ def calibrate_gps(
 BACKBONES = ("vit",)
 
 
-core.register_method(
+register_method(
     "gps",
     GpsConfig,
     trainable_formula=_formula,

@@ -77,9 +77,12 @@ import torch.nn.functional as F
 from timm.layers import trunc_normal_
 from torch import nn
 
-from petl import core, rows, surgery
 from petl.methods import _side
+from petl.model import rows, surgery
 from petl.model.backbone import backbone_of
+from petl.model.registry import MethodConfig, register_method
+from petl.model.wrappers import PetlHead, PetlModule, factory_kwargs
+from petl.utils.checks import check_range, to_str_tuple
 
 # ViT_HSN's norm_layer, partial(nn.LayerNorm, eps=1e-6) (vit_hsn.py L188), builds the side blocks' norm1/norm2
 # (L230-234, vit_custom_modules.py L170, L179) and the stage norms m_norm (L235).  The per-block meta-token norms
@@ -89,7 +92,7 @@ SIDE_EPS = 1e-6
 
 
 @dataclass
-class HstConfig(core.MethodConfig):
+class HstConfig(MethodConfig):
     """Options of HST.
 
     Attributes:
@@ -105,7 +108,7 @@ class HstConfig(core.MethodConfig):
     meta_tokens: int = 1
 
     def __post_init__(self) -> None:
-        self.dims, self.heads = core.to_str_tuple(self.dims), core.to_str_tuple(self.heads)
+        self.dims, self.heads = to_str_tuple(self.dims), to_str_tuple(self.heads)
 
     @property
     def widths(self) -> tuple[int, ...]:
@@ -129,11 +132,11 @@ class HstConfig(core.MethodConfig):
         if not self.dims or len(self.dims) != len(self.heads):
             raise ValueError(f"dims={list(self.dims)} and heads={list(self.heads)} must name the same stages")
         for dim, heads in zip(self.widths, self.head_counts, strict=True):
-            core.check_range("dims", dim, low=1)
-            core.check_range("heads", heads, low=1)
+            check_range("dims", dim, low=1)
+            check_range("heads", heads, low=1)
             if dim % heads:
                 raise ValueError(f"dims: a stage of width {dim} cannot split into {heads} heads")
-        core.check_range("meta_tokens", self.meta_tokens, low=1)
+        check_range("meta_tokens", self.meta_tokens, low=1)
         if not (self.num_classes or backbone_of(model).num_classes()):
             raise ValueError("HST classifies from its side network with a head of its own: give num_classes")
 
@@ -226,7 +229,7 @@ class HstSide(_side.SideNetwork):
         bb = backbone_of(model)
         depth, d = bb.depth(), bb.width()
         super().__init__(depth)
-        kw = core.factory_kwargs(model)
+        kw = factory_kwargs(model)
         self.stage_blocks = cfg.stages(model)
         dims, heads = cfg.widths[: len(self.stage_blocks)], cfg.head_counts[: len(self.stage_blocks)]
         self.num_meta, self.num_prefix, self.grid = (
@@ -321,7 +324,7 @@ class HstSide(_side.SideNetwork):
         return tokens.mean(dim=1)
 
 
-class HstPatchProj(core.PetlModule):
+class HstPatchProj(PetlModule):
     """The frozen patch projection, handing the image to HST's side network on the way."""
 
     def __init__(self, base: nn.Module, side: HstSide) -> None:
@@ -339,7 +342,7 @@ def _rows(wrapper: HstPatchProj) -> rows.RowHook:
     return rows.RowHook(wrapper.base, pre=lambda images, _tokens: wrapper._shared[0].keep_image(images))
 
 
-class HstHead(core.PetlHead):
+class HstHead(PetlHead):
     """HST's classifier: BatchNorm without affine parameters (``fc_norm``), then a Linear on the side network.
 
     timm calls the head on the backbone's pooled features; HST classifies the side network's instead, so
@@ -354,7 +357,7 @@ class HstHead(core.PetlHead):
 
     """
 
-    # Why timm's prune_intermediate_layers may not drop blocks under this head (petl.timm_api refuses it).
+    # Why timm's prune_intermediate_layers may not drop blocks under this head (petl.model.timm_api refuses it).
     needs_every_block = "its head classifies the side network's output, which reads every block"
 
     def __init__(self, side: HstSide, width: int, num_classes: int, kw: dict[str, Any]) -> None:
@@ -402,7 +405,7 @@ def _formula(model: nn.Module, cfg: HstConfig) -> int:
 BACKBONES = ("vit",)
 
 
-@core.register_method("hst", HstConfig, trainable_formula=_formula, backbones=BACKBONES)
+@register_method("hst", HstConfig, trainable_formula=_formula, backbones=BACKBONES)
 def inject_hst(model: nn.Module, cfg: HstConfig) -> None:
     """HST: meta tokens in every block, trained LayerNorms, and a hierarchical side network that classifies."""
     bb = backbone_of(model)
@@ -412,7 +415,7 @@ def inject_hst(model: nn.Module, cfg: HstConfig) -> None:
         for name in ("norm1", "norm2"):
             bb.block_norm(block, name).requires_grad_(True)
     bb.set_patch_proj(HstPatchProj(bb.patch_proj(), side))
-    bb.set_head(HstHead(side, side.width, bb.num_classes(), core.factory_kwargs(model)))
+    bb.set_head(HstHead(side, side.width, bb.num_classes(), factory_kwargs(model)))
 
 
 def apply_hst(model: nn.Module, **options: Any) -> nn.Module:

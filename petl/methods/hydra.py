@@ -34,14 +34,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from petl import core, rows, surgery
+from petl.model import rows, surgery
 from petl.model.backbone import backbone_of
+from petl.model.registry import MethodConfig, register_method
+from petl.model.wrappers import PetlModule, factory_kwargs
+from petl.utils.checks import check_choice, check_dropout, check_nonzero, check_range, to_str_tuple
 
 TARGETS = ("proj", "fc2")
 
 
 @dataclass
-class HydraConfig(core.MethodConfig):
+class HydraConfig(MethodConfig):
     """Options of Hydra.
 
     Attributes:
@@ -58,17 +61,17 @@ class HydraConfig(core.MethodConfig):
     targets: tuple[str, ...] = TARGETS
 
     def __post_init__(self) -> None:
-        self.targets = core.to_str_tuple(self.targets)
+        self.targets = to_str_tuple(self.targets)
 
     def validate(self, model: nn.Module) -> None:
         super().validate(model)
-        core.check_range("dim", self.dim, low=1)
-        core.check_nonzero("scale", self.scale, "both branches")
-        core.check_dropout("dropout", self.dropout)
+        check_range("dim", self.dim, low=1)
+        check_nonzero("scale", self.scale, "both branches")
+        check_dropout("dropout", self.dropout)
         if not self.targets:
             raise ValueError(f"targets is empty: choose one or both of {', '.join(TARGETS)}")
         for target in self.targets:
-            core.check_choice("targets", target, TARGETS)
+            check_choice("targets", target, TARGETS)
         if len(set(self.targets)) != len(self.targets):
             raise ValueError(f"targets={list(self.targets)} names a Linear twice")
 
@@ -95,7 +98,7 @@ class _LowRank(nn.Module):
         return up_w @ self.down.weight.double(), up_w @ self.down.bias.double() + up_b
 
 
-class HydraLinear(core.PetlModule):
+class HydraLinear(PetlModule):
     """A frozen Linear with Hydra's parallel (reads its input) and sequential (reads its output) branches.
 
     Args:
@@ -108,7 +111,7 @@ class HydraLinear(core.PetlModule):
 
     def __init__(self, base: nn.Linear, dim: int, scale: float, dropout: float) -> None:
         super().__init__(base)
-        kw = core.factory_kwargs(base)
+        kw = factory_kwargs(base)
         self.scale = scale
         self.parallel = _LowRank(base.in_features, base.out_features, dim, dropout, **kw)
         self.sequential = _LowRank(base.out_features, base.out_features, dim, dropout, **kw)
@@ -182,9 +185,7 @@ def _formula(model: nn.Module, cfg: HydraConfig) -> int:
 BACKBONES = ("vit",)
 
 
-@core.register_method(
-    "hydra", HydraConfig, trainable_formula=_formula, zero_init=True, mergeable=True, backbones=BACKBONES
-)
+@register_method("hydra", HydraConfig, trainable_formula=_formula, zero_init=True, mergeable=True, backbones=BACKBONES)
 def inject_hydra(model: nn.Module, cfg: HydraConfig) -> None:
     """Hydra: parallel + sequential low-rank branches on attn.proj and mlp.fc2; mergeable."""
     bb = backbone_of(model)

@@ -44,13 +44,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from petl import core, rows, surgery
 from petl.methods import _side
+from petl.model import rows, surgery
 from petl.model.backbone import backbone_of
+from petl.model.registry import MethodConfig, register_method
+from petl.model.wrappers import factory_kwargs
+from petl.utils.checks import check_range
 
 
 @dataclass
-class LastConfig(core.MethodConfig):
+class LastConfig(MethodConfig):
     """Options of LAST.
 
     Attributes:
@@ -70,9 +73,9 @@ class LastConfig(core.MethodConfig):
     def validate(self, model: nn.Module) -> None:
         super().validate(model)
         depth = backbone_of(model).depth()
-        core.check_range("rank", self.rank, low=1)
-        core.check_range("gap", self.gap, low=1, high=depth)
-        core.check_range("layers", self.layers, low=1)
+        check_range("rank", self.rank, low=1)
+        check_range("gap", self.gap, low=1, high=depth)
+        check_range("layers", self.layers, low=1)
         if depth % self.gap:
             raise ValueError(f"gap={self.gap} must divide the backbone's {depth} blocks into whole groups")
 
@@ -116,7 +119,7 @@ class LastSide(_side.SideNetwork):
         bb = backbone_of(model)
         depth, d = bb.depth(), bb.width()
         super().__init__(depth)
-        kw = core.factory_kwargs(model)
+        kw = factory_kwargs(model)
         self.gap = cfg.gap
         self.lsa = nn.ModuleList(
             [
@@ -166,7 +169,7 @@ def _formula(model: nn.Module, cfg: LastConfig) -> int:
 BACKBONES = ("vit",)
 
 
-@core.register_method("last", LastConfig, trainable_formula=_formula, zero_init=True, backbones=BACKBONES)
+@register_method("last", LastConfig, trainable_formula=_formula, zero_init=True, backbones=BACKBONES)
 def inject_last(model: nn.Module, cfg: LastConfig) -> None:
     """LAST: a side network of low-rank self-attention blocks reading every group's output."""
     _side.install(model, LastSide(model, cfg))

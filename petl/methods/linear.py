@@ -31,11 +31,12 @@ from typing import Any, ClassVar
 
 from torch import nn
 
-from petl import core, surgery
+from petl.model import surgery
+from petl.model.registry import MethodConfig, register_method
 
 
 @dataclass
-class LinearConfig(core.MethodConfig):
+class LinearConfig(MethodConfig):
     """Linear probing has no options beyond ``num_classes``."""
 
     # VPT runs its frozen encoder in eval mode (src/models/vit_models.py:L33-35, L173-174).
@@ -51,7 +52,7 @@ def _formula(model: nn.Module, cfg: LinearConfig) -> int:
 BACKBONES = ("vit",)
 
 
-@core.register_method(
+@register_method(
     "linear", LinearConfig, trainable_formula=_formula, zero_init=True, mergeable=False, backbones=BACKBONES
 )
 def inject_linear(model: nn.Module, cfg: LinearConfig) -> None:

@@ -25,12 +25,13 @@ from typing import Any
 
 from torch import nn
 
-from petl import core, surgery
+from petl.model import surgery
 from petl.model.backbone import backbone_of
+from petl.model.registry import MethodConfig, register_method
 
 
 @dataclass
-class LnConfig(core.MethodConfig):
+class LnConfig(MethodConfig):
     """Options of LN tuning (none beyond ``num_classes``)."""
 
     def validate(self, model: nn.Module) -> None:
@@ -48,7 +49,7 @@ def _formula(model: nn.Module, cfg: LnConfig) -> int:
 BACKBONES = ("vit",)
 
 
-@core.register_method("ln", LnConfig, trainable_formula=_formula, zero_init=True, mergeable=False, backbones=BACKBONES)
+@register_method("ln", LnConfig, trainable_formula=_formula, zero_init=True, mergeable=False, backbones=BACKBONES)
 def inject_ln(model: nn.Module, cfg: LnConfig) -> None:
     """LN tuning: train the weight and bias of every LayerNorm of the backbone."""
     for norm in backbone_of(model).layer_norms():

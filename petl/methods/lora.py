@@ -32,9 +32,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from petl import core, rows, surgery
 from petl.methods import _init, _reparam
+from petl.model import rows, surgery
 from petl.model.backbone import QKV_INDEX, Backbone, backbone_of
+from petl.model.registry import MethodConfig, register_method
+from petl.model.wrappers import PetlModule, factory_kwargs
+from petl.utils.checks import check_choice, check_dropout, check_range, to_str_tuple
 
 # Which Linear of a block each target adapts, and which third of the fused qkv rows (None = all rows).
 TARGETS: dict[str, tuple[str, int | None]] = {
@@ -48,7 +51,7 @@ TARGETS: dict[str, tuple[str, int | None]] = {
 
 
 @dataclass
-class LoraConfig(_init.InitOption, core.MethodConfig):
+class LoraConfig(_init.InitOption, MethodConfig):
     """Options of LoRA.
 
     Attributes:
@@ -69,23 +72,23 @@ class LoraConfig(_init.InitOption, core.MethodConfig):
     init: str = "zero"
 
     def __post_init__(self) -> None:
-        self.targets = core.to_str_tuple(self.targets)
+        self.targets = to_str_tuple(self.targets)
 
     def validate(self, model: nn.Module) -> None:
         super().validate(model)
-        core.check_range("rank", self.rank, low=1)
+        check_range("rank", self.rank, low=1)
         if self.alpha <= 0:
             raise ValueError(f"alpha={self.alpha} is out of range: allowed (0, inf)")
-        core.check_dropout("dropout", self.dropout)
+        check_dropout("dropout", self.dropout)
         if not self.targets:
             raise ValueError(f"targets is empty: choose one or more of {', '.join(TARGETS)}")
         for target in self.targets:
-            core.check_choice("targets", target, tuple(TARGETS))
+            check_choice("targets", target, tuple(TARGETS))
         if len(set(self.targets)) != len(self.targets):
             raise ValueError(f"targets={list(self.targets)} names a projection twice")
 
 
-class LoraLinear(core.PetlModule):
+class LoraLinear(PetlModule):
     """A frozen Linear plus one low-rank update per adapted block of output rows.
 
     Args:
@@ -112,7 +115,7 @@ class LoraLinear(core.PetlModule):
         self.rank = rank
         self.scale = alpha / rank
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
-        kw = core.factory_kwargs(base)
+        kw = factory_kwargs(base)
         self.lora_a = nn.ParameterDict(
             {name: nn.Parameter(torch.empty(rank, base.in_features, **kw)) for name in self.slices}
         )
@@ -210,9 +213,7 @@ def _formula(model: nn.Module, cfg: LoraConfig) -> int:
 BACKBONES = ("vit",)
 
 
-@core.register_method(
-    "lora", LoraConfig, trainable_formula=_formula, zero_init=True, mergeable=True, backbones=BACKBONES
-)
+@register_method("lora", LoraConfig, trainable_formula=_formula, zero_init=True, mergeable=True, backbones=BACKBONES)
 def inject_lora(model: nn.Module, cfg: LoraConfig) -> None:
     """LoRA: low-rank updates on q/k/v slices of the fused qkv, proj, fc1 and/or fc2."""
     bb = backbone_of(model)

@@ -61,13 +61,16 @@ import torch
 from timm.models.vision_transformer import Block
 from torch import nn
 
-from petl import core, rows, surgery
 from petl.methods import _side
+from petl.model import rows, surgery
 from petl.model.backbone import backbone_of
+from petl.model.registry import MethodConfig, register_method
+from petl.model.wrappers import factory_kwargs
+from petl.utils.checks import check_dropout, check_range
 
 
 @dataclass
-class LstConfig(core.MethodConfig):
+class LstConfig(MethodConfig):
     """Options of LST.
 
     Attributes:
@@ -91,14 +94,14 @@ class LstConfig(core.MethodConfig):
         bb = backbone_of(model)
         super().validate(model)
         d, heads = bb.width(), bb.num_heads(bb.block_list()[0])
-        core.check_range("reduction", self.reduction, low=1, high=d)
+        check_range("reduction", self.reduction, low=1, high=d)
         if d % self.reduction or (d // self.reduction) % heads:
             raise ValueError(
                 f"reduction={self.reduction}: the side width {d}/{self.reduction} must be a whole number "
                 f"divisible by the backbone's {heads} attention heads"
             )
-        core.check_range("gate_t", self.gate_t, low=0, open_low=True)
-        core.check_dropout("dropout", self.dropout)
+        check_range("gate_t", self.gate_t, low=0, open_low=True)
+        check_dropout("dropout", self.dropout)
 
 
 def _mlp_ratio(model: nn.Module) -> float:
@@ -119,7 +122,7 @@ class LstSide(_side.SideNetwork):
         bb = backbone_of(model)
         depth, d = bb.depth(), bb.width()
         super().__init__(depth)
-        kw = core.factory_kwargs(model)
+        kw = factory_kwargs(model)
         width, heads = d // cfg.reduction, bb.num_heads(bb.block_list()[0])
         self.gate_t = cfg.gate_t
         self.first_down = nn.Linear(d, width, bias=False, **kw)
@@ -187,7 +190,7 @@ def _formula(model: nn.Module, cfg: LstConfig) -> int:
 BACKBONES = ("vit",)
 
 
-@core.register_method("lst", LstConfig, trainable_formula=_formula, backbones=BACKBONES)
+@register_method("lst", LstConfig, trainable_formula=_formula, backbones=BACKBONES)
 def inject_lst(model: nn.Module, cfg: LstConfig) -> None:
     """LST: a 1/reduction-wide side transformer fed by ladders from every frozen block."""
     _side.install(model, LstSide(model, cfg))

@@ -26,8 +26,11 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from petl import core, surgery
+from petl.model import surgery
 from petl.model.backbone import backbone_of
+from petl.model.registry import MethodConfig, register_method
+from petl.model.wrappers import PetlHead, factory_kwargs
+from petl.utils.checks import check_range
 
 # VPT's MLP default dropout (src/models/mlp.py:L20), which vit_models.py's head keeps.
 HIDDEN_DROPOUT = 0.1
@@ -47,7 +50,7 @@ def vpt_head_init(layer: nn.Linear) -> None:
 
 
 @dataclass
-class MlpConfig(core.MethodConfig):
+class MlpConfig(MethodConfig):
     """Options of Mlp-k.
 
     Attributes:
@@ -62,12 +65,12 @@ class MlpConfig(core.MethodConfig):
 
     def validate(self, model: nn.Module) -> None:
         super().validate(model)
-        core.check_range("k", self.k, low=1)
+        check_range("k", self.k, low=1)
         if self.num_classes is None and backbone_of(model).num_classes() < 1:
             raise ValueError("mlp needs num_classes: the model has no classifier head to take the class count from")
 
 
-class MlpHead(nn.Sequential, core.PetlHead):
+class MlpHead(nn.Sequential, PetlHead):
     """VPT's MLP head: ``k - 1`` hidden (Linear, ReLU, BatchNorm1d, Dropout) layers, then a Linear."""
 
     def __init__(self, in_features: int, num_classes: int, k: int) -> None:
@@ -104,15 +107,13 @@ def _formula(model: nn.Module, cfg: MlpConfig) -> int:
 BACKBONES = ("vit",)
 
 
-@core.register_method(
-    "mlp", MlpConfig, trainable_formula=_formula, zero_init=False, mergeable=False, backbones=BACKBONES
-)
+@register_method("mlp", MlpConfig, trainable_formula=_formula, zero_init=False, mergeable=False, backbones=BACKBONES)
 def inject_mlp(model: nn.Module, cfg: MlpConfig) -> None:
     """Mlp-k: replace the head with VPT's k-layer MLP head; the backbone stays frozen."""
     bb = backbone_of(model)
     # petl.apply has already reset the head when num_classes was given, so the model knows its classes.
     head = MlpHead(bb.head_in_features(), bb.num_classes(), cfg.k)
-    head.to(**core.factory_kwargs(model))
+    head.to(**factory_kwargs(model))
     head.train(model.training)
     bb.set_head(head)
 

@@ -90,9 +90,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from petl import core, rows, surgery
 from petl.methods import _init
+from petl.model import rows, surgery
 from petl.model.backbone import backbone_of, block_family
+from petl.model.registry import MethodConfig, register_method
+from petl.model.wrappers import PetlModule, factory_kwargs
+from petl.utils.checks import check_dropout, check_range
 
 # NOAH's VTAB-1k search space (experiments/NOAH/supernet/supernet-B_prompt_VTAB.yaml): widths per module,
 # and how many leading blocks (a quarter, half, three quarters or all of ViT-B's 12) carry each module.
@@ -117,7 +120,7 @@ def _ints(text: str) -> tuple[int, ...]:
 
 
 @dataclass
-class NoahConfig(_init.InitOption, core.MethodConfig):
+class NoahConfig(_init.InitOption, MethodConfig):
     """Options of NOAH.
 
     Attributes:
@@ -180,10 +183,10 @@ class NoahConfig(_init.InitOption, core.MethodConfig):
         bb = backbone_of(model)
         super().validate(model)
         depth = bb.depth()
-        core.check_range("supernet_dim", self.supernet_dim, low=1)
-        core.check_dropout("dropout", self.dropout)
+        check_range("supernet_dim", self.supernet_dim, low=1)
+        check_dropout("dropout", self.dropout)
         for name in ("search_epochs", "search_generations", "population", "max_params"):
-            core.check_range(name, getattr(self, name), low=1)
+            check_range(name, getattr(self, name), low=1)
         if not self.searched:
             return
         for name, widths in zip(("prompt", "lora", "adapter"), self.widths(model), strict=True):
@@ -202,12 +205,12 @@ class QuickGELU(nn.Module):
         return x * torch.sigmoid(1.702 * x)
 
 
-class NoahQkv(core.PetlModule):
+class NoahQkv(PetlModule):
     """The fused qkv Linear plus ``B[:, :r] A[:r] dropout(x)`` (no scaling), r the active rank."""
 
     def __init__(self, base: nn.Linear, rank: int, dropout: float, init: str = "zero") -> None:
         super().__init__(base)
-        kw = core.factory_kwargs(base)
+        kw = factory_kwargs(base)
         self.rank = rank
         self.lora_a = nn.Parameter(torch.empty(rank, base.in_features, **kw))
         self.lora_b = nn.Parameter(torch.zeros(base.out_features, rank, **kw))
@@ -232,7 +235,7 @@ def _qkv_rows(wrapper: NoahQkv) -> rows.RowHook:
     return rows.RowHook(wrapper.base, post=post)
 
 
-class NoahBlock(core.PetlModule):
+class NoahBlock(PetlModule):
     """A frozen pre-norm block with NOAH's prompts, adapter and (through :class:`NoahQkv`) LoRA.
 
     The active widths (``prompt_len``, ``adapter_dim``, the qkv wrapper's ``rank``) may be smaller than the
@@ -248,7 +251,7 @@ class NoahBlock(core.PetlModule):
 
     """
 
-    prompt_place = "end"  # NOAH's prompts trail the sequence (see petl.timm_api)
+    prompt_place = "end"  # NOAH's prompts trail the sequence (see petl.model.timm_api)
 
     def __init__(
         self,
@@ -264,7 +267,7 @@ class NoahBlock(core.PetlModule):
         family = block_family(base)
         super().__init__(base)
         self.family = family
-        kw = core.factory_kwargs(base)
+        kw = factory_kwargs(base)
         self.prompt_len, self.adapter_dim = prompt, adapter
         # Set by wire(): how many trailing prompt tokens this block replaces, and strips after itself; where its
         # prompts start among the trailing ones, and how many trail the sequence it attends.
@@ -380,7 +383,7 @@ BACKBONES = ("vit",)
 
 
 # Its calibration, the subnet search, registers itself from petl.methods.noah_search (which builds on this file).
-core.register_method("noah", NoahConfig, trainable_formula=_formula, backbones=BACKBONES)(inject_noah)
+register_method("noah", NoahConfig, trainable_formula=_formula, backbones=BACKBONES)(inject_noah)
 
 
 def apply_noah(model: nn.Module, **options: Any) -> nn.Module:

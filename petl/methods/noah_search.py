@@ -41,7 +41,6 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
-from petl import core, paths, surgery
 from petl.methods.noah import (
     DEPTH_FRACTIONS,
     SEARCH_WIDTHS,
@@ -51,7 +50,10 @@ from petl.methods.noah import (
     widths_text,
     wire,
 )
+from petl.model import surgery
 from petl.model.backbone import backbone_of
+from petl.model.registry import register_calibration
+from petl.utils import paths
 
 log = logging.getLogger(__name__)
 
@@ -412,4 +414,4 @@ def calibrate_noah(model: nn.Module, cfg: NoahConfig, loader: Iterable, *, progr
     return dataclasses.replace(cfg, prompt=widths_text(prompt), lora=widths_text(lora), adapter=widths_text(adapter))
 
 
-core.register_calibration("noah", calibrate_noah)
+register_calibration("noah", calibrate_noah)

@@ -21,12 +21,14 @@ from typing import Any, ClassVar
 
 from torch import nn
 
-from petl import core, surgery
+from petl.model import surgery
 from petl.model.backbone import backbone_of
+from petl.model.registry import MethodConfig, register_method
+from petl.utils.checks import check_range
 
 
 @dataclass
-class PartialConfig(core.MethodConfig):
+class PartialConfig(MethodConfig):
     """Options of Partial-k.
 
     Attributes:
@@ -42,7 +44,7 @@ class PartialConfig(core.MethodConfig):
 
     def validate(self, model: nn.Module) -> None:
         super().validate(model)
-        core.check_range("k", self.k, low=1, high=backbone_of(model).depth())
+        check_range("k", self.k, low=1, high=backbone_of(model).depth())
 
 
 def _trained_modules(model: nn.Module, k: int) -> list[nn.Module]:
@@ -59,7 +61,7 @@ def _formula(model: nn.Module, cfg: PartialConfig) -> int:
 BACKBONES = ("vit",)
 
 
-@core.register_method(
+@register_method(
     "partial", PartialConfig, trainable_formula=_formula, zero_init=True, mergeable=False, backbones=BACKBONES
 )
 def inject_partial(model: nn.Module, cfg: PartialConfig) -> None:

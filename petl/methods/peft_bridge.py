@@ -27,8 +27,11 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from petl import core, rows, surgery
+from petl.model import rows, surgery
 from petl.model.backbone import backbone_of
+from petl.model.merging import register_mergeable_type
+from petl.model.registry import MethodConfig, register_foreign_config, register_method
+from petl.utils.checks import check_choice, to_str_tuple
 
 if TYPE_CHECKING:
     from peft import PeftConfig
@@ -40,7 +43,7 @@ _PLAIN_LORA_OPTIONS = {"r", "lora_alpha", "lora_dropout", "init_lora_weights", "
 
 
 @dataclass
-class PeftBridgeConfig(core.MethodConfig):
+class PeftBridgeConfig(MethodConfig):
     """Options of the peft bridge.
 
     Attributes:
@@ -57,7 +60,7 @@ class PeftBridgeConfig(core.MethodConfig):
     options: str = "{}"
 
     def __post_init__(self) -> None:
-        self.target_modules = core.to_str_tuple(self.target_modules)
+        self.target_modules = to_str_tuple(self.target_modules)
         self.peft_type = str(self.peft_type).upper()
 
     def extra_options(self) -> dict[str, Any]:
@@ -77,7 +80,7 @@ class PeftBridgeConfig(core.MethodConfig):
 
         # Only tuners that peft can inject into an arbitrary nn.Module in place qualify.
         supported = tuple(sorted(str(t.value) for t in PEFT_TYPE_TO_TUNER_MAPPING))
-        core.check_choice("peft_type", self.peft_type, supported)
+        check_choice("peft_type", self.peft_type, supported)
         kwargs: dict[str, Any] = {"target_modules": list(self.target_modules) or None, **self.extra_options()}
         try:
             return PEFT_TYPE_TO_CONFIG_MAPPING[PeftType(self.peft_type)](**kwargs)
@@ -243,7 +246,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 BACKBONES = ("vit",)
 
 
-@core.register_method(
+@register_method(
     "peft", PeftBridgeConfig, trainable_formula=_formula, zero_init=True, mergeable=True, backbones=BACKBONES
 )
 def inject_peft(model: nn.Module, cfg: PeftBridgeConfig) -> None:
@@ -252,7 +255,7 @@ def inject_peft(model: nn.Module, cfg: PeftBridgeConfig) -> None:
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     # peft's layers carry merge()/unmerge() of their own; let petl.merge reach them.
-    core.register_mergeable_type(BaseTunerLayer)
+    register_mergeable_type(BaseTunerLayer)
     _register_row_hooks()
     inject_adapter_in_model(cfg.to_peft(), model)
 
@@ -309,7 +312,7 @@ def _is_peft_config(obj: Any) -> bool:
 
 
 # petl.apply(model, peft.LoraConfig(...)) goes through this bridge.
-core.register_foreign_config(_is_peft_config, config_from_peft)
+register_foreign_config(_is_peft_config, config_from_peft)
 
 
 def apply_peft(model: nn.Module, peft_config: PeftConfig | None = None, **options: Any) -> nn.Module:

@@ -35,16 +35,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from petl import core, rows, surgery
 from petl.methods import _reparam
+from petl.model import rows, surgery
 from petl.model.backbone import backbone_of
+from petl.model.registry import MethodConfig, register_method
+from petl.model.wrappers import PetlModule, factory_kwargs
+from petl.utils.checks import check_dropout, check_nonzero, check_range
 
 # The Linear that first reads the attention's input and the MLP's input.
 TARGETS = ("qkv", "fc1")
 
 
 @dataclass
-class RepAdapterConfig(core.MethodConfig):
+class RepAdapterConfig(MethodConfig):
     """Options of RepAdapter.
 
     Attributes:
@@ -62,16 +65,16 @@ class RepAdapterConfig(core.MethodConfig):
 
     def validate(self, model: nn.Module) -> None:
         super().validate(model)
-        core.check_range("bottleneck", self.bottleneck, low=1)
-        core.check_range("groups", self.groups, low=1)
-        core.check_dropout("dropout", self.dropout)
-        core.check_nonzero("scale", self.scale, "the adapters")
+        check_range("bottleneck", self.bottleneck, low=1)
+        check_range("groups", self.groups, low=1)
+        check_dropout("dropout", self.dropout)
+        check_nonzero("scale", self.scale, "the adapters")
         width = backbone_of(model).width()
         if self.bottleneck % self.groups or width % self.groups:
             raise ValueError(f"groups={self.groups} must divide bottleneck={self.bottleneck} and the embed dim {width}")
 
 
-class RepAdapterLinear(core.PetlModule):
+class RepAdapterLinear(PetlModule):
     """A frozen Linear whose input first passes through a re-parameterisable adapter.
 
     Args:
@@ -86,7 +89,7 @@ class RepAdapterLinear(core.PetlModule):
     def __init__(self, base: nn.Linear, bottleneck: int, groups: int, scale: float, dropout: float) -> None:
         super().__init__(base)
         width = base.in_features
-        kw = core.factory_kwargs(base)
+        kw = factory_kwargs(base)
         self.groups, self.scale = groups, scale
         self.down = nn.Linear(width, bottleneck, **kw)
         # Group g maps hidden units [g*bottleneck/groups, ...) to output channels [g*width/groups, ...):
@@ -173,7 +176,7 @@ def _formula(model: nn.Module, cfg: RepAdapterConfig) -> int:
 BACKBONES = ("vit",)
 
 
-@core.register_method(
+@register_method(
     "repadapter", RepAdapterConfig, trainable_formula=_formula, zero_init=True, mergeable=True, backbones=BACKBONES
 )
 def inject_repadapter(model: nn.Module, cfg: RepAdapterConfig) -> None:

@@ -51,14 +51,17 @@ from torch import nn
 from tqdm.auto import tqdm
 
 # The reference's topN=96 on ViT-B's 768 channels: one in eight.
-from petl import core, rows, surgery
+from petl.model import rows, surgery
 from petl.model.backbone import backbone_of, block_family
+from petl.model.registry import MethodConfig, register_method
+from petl.model.wrappers import PetlModule, factory_kwargs
+from petl.utils.checks import check_range
 
 DEFAULT_FRACTION = 8
 
 
 @dataclass
-class SctConfig(core.MethodConfig):
+class SctConfig(MethodConfig):
     """Options of SCT.
 
     Attributes:
@@ -95,7 +98,7 @@ class SctConfig(core.MethodConfig):
         bb = backbone_of(model)
         super().validate(model)
         d, depth = bb.width(), bb.depth()
-        core.check_range("top_n", self.width(model), low=1, high=d)
+        check_range("top_n", self.width(model), low=1, high=d)
         if not self.channels:
             return
         if len(self.channels) != depth:
@@ -122,7 +125,7 @@ def _normalise_channels(value: Any) -> tuple[str, ...]:
     return tuple(out)
 
 
-class SctBlock(core.PetlModule):
+class SctBlock(PetlModule):
     """A frozen pre-norm block whose residual stream gets ``x[..., idx] += W x[..., idx] + b`` after attention.
 
     Args:
@@ -135,7 +138,7 @@ class SctBlock(core.PetlModule):
         family = block_family(base)
         super().__init__(base)
         self.family = family
-        kw = core.factory_kwargs(base)
+        kw = factory_kwargs(base)
         self.register_buffer("index", torch.tensor(channels, dtype=torch.long, device=kw["device"]), persistent=False)
         self.linear = nn.Linear(len(channels), len(channels), **kw)
         nn.init.trunc_normal_(self.linear.weight, std=0.02)
@@ -233,7 +236,7 @@ def _formula(model: nn.Module, cfg: SctConfig) -> int:
 BACKBONES = ("vit",)
 
 
-@core.register_method("sct", SctConfig, trainable_formula=_formula, calibrate=calibrate_sct, backbones=BACKBONES)
+@register_method("sct", SctConfig, trainable_formula=_formula, calibrate=calibrate_sct, backbones=BACKBONES)
 def inject_sct(model: nn.Module, cfg: SctConfig) -> None:
     """SCT: a Linear on the top_n salient residual channels after each block's attention."""
     bb = backbone_of(model)

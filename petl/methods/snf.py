@@ -61,12 +61,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from petl import core, rows, surgery
+from petl.model import rows, surgery
 from petl.model.backbone import backbone_of, block_family
+from petl.model.registry import MethodConfig, register_method
+from petl.model.wrappers import PetlModule, factory_kwargs
+from petl.utils.checks import check_range
 
 
 @dataclass
-class SnfConfig(core.MethodConfig):
+class SnfConfig(MethodConfig):
     """Options of SNF.
 
     Attributes:
@@ -83,7 +86,7 @@ class SnfConfig(core.MethodConfig):
 
     def validate(self, model: nn.Module) -> None:
         super().validate(model)
-        core.check_range("flow_length", self.flow_length, low=0)
+        check_range("flow_length", self.flow_length, low=0)
         for block in backbone_of(model).block_list():
             block_family(block)
 
@@ -183,7 +186,7 @@ class ShortcutFlow(nn.Module):
         return self.planar(self.mu + self.log_sigma.exp() * z)
 
 
-class SnfBlock(core.PetlModule):
+class SnfBlock(PetlModule):
     """A frozen pre-norm timm block whose two shortcuts are normalizing flows.
 
     Args:
@@ -197,7 +200,7 @@ class SnfBlock(core.PetlModule):
         family = block_family(base)
         super().__init__(base)
         self.family = family
-        kw = core.factory_kwargs(base)
+        kw = factory_kwargs(base)
         self.flow_attn = ShortcutFlow(width, cfg.flow_length, **kw)
         self.flow_mlp = ShortcutFlow(width, cfg.flow_length, **kw)
 
@@ -235,7 +238,7 @@ def _formula(model: nn.Module, cfg: SnfConfig) -> int:
 BACKBONES = ("vit",)
 
 
-@core.register_method("snf", SnfConfig, trainable_formula=_formula, zero_init=True, backbones=BACKBONES)
+@register_method("snf", SnfConfig, trainable_formula=_formula, zero_init=True, backbones=BACKBONES)
 def inject_snf(model: nn.Module, cfg: SnfConfig) -> None:
     """SNF: a normalizing flow on both shortcuts of every block."""
     bb = backbone_of(model)

@@ -36,15 +36,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from petl import core, rows, surgery
 from petl.methods import _reparam
+from petl.model import rows, surgery
 from petl.model.backbone import backbone_of
+from petl.model.registry import MethodConfig, register_method
+from petl.model.wrappers import PetlModule, factory_kwargs
+from petl.utils.checks import check_range
 
 BLOCK_LINEARS = ("qkv", "proj", "fc1", "fc2")
 
 
 @dataclass
-class SsfConfig(core.MethodConfig):
+class SsfConfig(MethodConfig):
     """Options of SSF.
 
     Attributes:
@@ -57,7 +60,7 @@ class SsfConfig(core.MethodConfig):
 
     def validate(self, model: nn.Module) -> None:
         super().validate(model)
-        core.check_range("init_std", self.init_std, low=0)
+        check_range("init_std", self.init_std, low=0)
 
 
 def _width(module: nn.Module) -> int:
@@ -71,7 +74,7 @@ def _width(module: nn.Module) -> int:
     raise ValueError(f"SSF follows a Linear, Conv2d or LayerNorm, not {type(module).__name__}")
 
 
-class SsfLayer(core.PetlModule):
+class SsfLayer(PetlModule):
     """An affine layer followed by a learnable per-channel scale and shift.
 
     Args:
@@ -83,7 +86,7 @@ class SsfLayer(core.PetlModule):
     def __init__(self, base: nn.Module, init_std: float) -> None:
         super().__init__(base)
         width = _width(base)
-        kw = core.factory_kwargs(base)
+        kw = factory_kwargs(base)
         self.scale = nn.Parameter(torch.ones(width, **kw))
         self.shift = nn.Parameter(torch.zeros(width, **kw))
         if init_std > 0:
@@ -172,9 +175,7 @@ def _formula(model: nn.Module, cfg: SsfConfig) -> int:
 BACKBONES = ("vit",)
 
 
-@core.register_method(
-    "ssf", SsfConfig, trainable_formula=_formula, zero_init=False, mergeable=True, backbones=BACKBONES
-)
+@register_method("ssf", SsfConfig, trainable_formula=_formula, zero_init=False, mergeable=True, backbones=BACKBONES)
 def inject_ssf(model: nn.Module, cfg: SsfConfig) -> None:
     """SSF: per-channel scale and shift after every norm, Linear and the patch projection; mergeable."""
     for module, install in _sites(model):

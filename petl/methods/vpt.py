@@ -18,7 +18,7 @@ dropout in train mode (vit.py:L89-100): :attr:`VptConfig.backbone_mode` is ``eva
 
 Each affected block is wrapped on its own, not the block container, so timm's forward still runs
 ``model.blocks`` itself, including through ``checkpoint_seq`` when gradient checkpointing is on.
-timm's ``forward_intermediates`` also runs the wrapped blocks; :mod:`petl.timm_api` leaves the
+timm's ``forward_intermediates`` also runs the wrapped blocks; :mod:`petl.model.timm_api` leaves the
 prompts out of the intermediates it returns (:attr:`PromptedBlock.prompt_place`).
 
 Trains:
@@ -46,14 +46,17 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from petl import core, rows, surgery
+from petl.model import rows, surgery
 from petl.model.backbone import backbone_of
+from petl.model.registry import MethodConfig, register_method
+from petl.model.wrappers import PetlModule, factory_kwargs
+from petl.utils.checks import check_choice, check_dropout, check_range
 
 POOLS = ("original", "img_pool")
 
 
 @dataclass
-class VptConfig(core.MethodConfig):
+class VptConfig(MethodConfig):
     """Options of VPT.
 
     Attributes:
@@ -75,12 +78,12 @@ class VptConfig(core.MethodConfig):
 
     def validate(self, model: nn.Module) -> None:
         super().validate(model)
-        core.check_range("num_tokens", self.num_tokens, low=1)
-        core.check_dropout("dropout", self.dropout)
-        core.check_choice("pool", self.pool, POOLS)
+        check_range("num_tokens", self.num_tokens, low=1)
+        check_dropout("dropout", self.dropout)
+        check_choice("pool", self.pool, POOLS)
 
 
-class PromptedBlock(core.PetlModule):
+class PromptedBlock(PetlModule):
     """A block that adds prompts to its input and/or strips them from its output.
 
     Args:
@@ -94,7 +97,7 @@ class PromptedBlock(core.PetlModule):
 
     """
 
-    prompt_place = "front"  # after the class and register tokens (see petl.timm_api)
+    prompt_place = "front"  # after the class and register tokens (see petl.model.timm_api)
 
     def __init__(
         self,
@@ -170,14 +173,12 @@ def _formula(model: nn.Module, cfg: VptConfig) -> int:
 BACKBONES = ("vit",)
 
 
-@core.register_method(
-    "vpt", VptConfig, trainable_formula=_formula, zero_init=False, mergeable=False, backbones=BACKBONES
-)
+@register_method("vpt", VptConfig, trainable_formula=_formula, zero_init=False, mergeable=False, backbones=BACKBONES)
 def inject_vpt(model: nn.Module, cfg: VptConfig) -> None:
     """Visual Prompt Tuning: learnable prompt tokens, shallow (first block) or deep (every block)."""
     bb = backbone_of(model)
     depth, bound = bb.depth(), _prompt_init_bound(model)
-    kw = core.factory_kwargs(model)
+    kw = factory_kwargs(model)
     container = bb.block_container()
     for i in range(depth):
         has_prompt = i == 0 or cfg.deep

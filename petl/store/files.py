@@ -22,7 +22,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from petl.paths import atomic_path, file_sha256, write_atomic  # noqa: F401 (re-exported for the run's writers)
+from petl.utils.paths import atomic_path, file_sha256, write_atomic  # noqa: F401 (re-exported for the run's writers)
+from petl.utils.text import first_line
 
 CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"
@@ -47,7 +48,7 @@ def is_main_process() -> bool:
 
 
 def temporary_files(folder: Path) -> list[Path]:
-    """Temporary files of :func:`petl.paths.atomic_path` left in ``folder`` by a process killed mid-write."""
+    """Temporary files of :func:`petl.utils.paths.atomic_path` left in ``folder`` by a process killed mid-write."""
     return sorted(p for name in RUN_FILES for p in folder.glob(f".{name}.*.tmp"))
 
 
@@ -116,9 +117,9 @@ class DamagedFileError(ValueError):
     """A run file that exists but cannot be read (cut short, hand-edited, not petl's); the message names it."""
 
 
-def _first_line(error: BaseException) -> str:
-    # The first sentence: torch's zip-reader errors go on with paragraphs of advice.
-    return (str(error).strip().splitlines() or [type(error).__name__])[0].split(". ")[0][:200]
+def _first_sentence(error: BaseException) -> str:
+    # torch's zip-reader errors go on with paragraphs of advice.
+    return first_line(error, type(error).__name__).split(". ")[0][:200]
 
 
 def read_json(path: Path) -> dict[str, Any] | None:
@@ -133,7 +134,7 @@ def read_json(path: Path) -> dict[str, Any] | None:
     try:
         record = json.loads(path.read_text(encoding="utf-8"))
     except (ValueError, RecursionError) as error:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise DamagedFileError(f"{path} is damaged ({_first_line(error)})") from None
+        raise DamagedFileError(f"{path} is damaged ({_first_sentence(error)})") from None
     if not isinstance(record, dict):
         raise DamagedFileError(f"{path} is damaged (a JSON {type(record).__name__}, not an object)")
     return record
@@ -199,7 +200,7 @@ def load_checkpoint(path: Path) -> dict[str, Any] | None:
         # torch's own message advises weights_only=False, which would run whatever the file holds: never.
         raise DamagedFileError(f"{path} is damaged (it holds objects a safe load refuses to unpickle)") from None
     except Exception as error:  # torch raises RuntimeError (zip reader), OSError, EOFError... for a cut file
-        raise DamagedFileError(f"{path} is damaged ({_first_line(error)})") from None
+        raise DamagedFileError(f"{path} is damaged ({_first_sentence(error)})") from None
     missing = [key for key in CHECKPOINT_KEYS if key not in state] if isinstance(state, dict) else ["all"]
     if missing:
         raise DamagedFileError(f"{path} is damaged (not a petl checkpoint: {', '.join(missing)} missing)")

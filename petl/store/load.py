@@ -38,13 +38,13 @@ from torch import nn
 
 import petl.backbones  # noqa: F401  (registers petl's timm models, which a run's card may name)
 import petl.methods  # noqa: F401  (importing the methods registers them)
-from petl.core import trainable_state
 from petl.data import hub
 from petl.data.transforms import ImageSpec, pil_to_tensor
-from petl.io import load_trainable
 from petl.model.backbone import backbone_of
-from petl.paths import file_sha256
+from petl.model.io import load_trainable
+from petl.model.params import trainable_state
 from petl.store.files import MODEL_FILE, WEIGHTS_FILE, write_json
+from petl.utils.paths import file_sha256
 
 log = logging.getLogger(__name__)
 

@@ -26,13 +26,14 @@ from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 
 import petl.methods  # noqa: F401  (importing the methods registers them)
 from petl import data as petl_data
-from petl.core import MethodConfig, first_line, get_method, make_config
 from petl.data import hub
-from petl.errors import RunError
+from petl.model.registry import MethodConfig, get_method, make_config
+from petl.model.surgery import apply
 from petl.store import load
-from petl.surgery import apply
 from petl.train import config, engine
 from petl.train.config import ConfigError
+from petl.utils.errors import RunError
+from petl.utils.text import first_line
 
 log = logging.getLogger(__name__)
 

@@ -22,9 +22,9 @@ from accelerate import Accelerator
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-from petl import timm_api
-from petl.core import PetlModule
+from petl.model import timm_api
 from petl.model.backbone import backbone_of, family_of
+from petl.model.wrappers import PetlModule
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ def _untouched(module: nn.Module) -> bool:
 def _replaced(model: nn.Module, name: str) -> bool:
     """Whether ``model`` answers ``name`` with something else than its class's method, as far as the cache goes.
 
-    petl's own ``forward_head`` (:func:`petl.timm_api.forward_head`) is the class's for everything the cached path
+    petl's own ``forward_head`` (:func:`petl.model.timm_api.forward_head`) is the class's for everything the cached path
     replays: it only changes ``pre_logits=True`` under a method's own head, and calls the class's first.
     """
     own = vars(model).get(name)

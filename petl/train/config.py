@@ -35,12 +35,13 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 import petl.methods  # noqa: F401  (importing the methods registers them)
 from petl import data as petl_data
 from petl.backbones import models as petl_models
-from petl.core import first_line, get_method, list_methods, make_config
-from petl.errors import ConfigError
 from petl.model.backbone import timm_modules
+from petl.model.registry import get_method, list_methods, make_config
 from petl.train.engine import TrainSettings
 from petl.train.options import check_options, neutral_keys, option
 from petl.train.readers import data_info, data_options, image_size, method_options, model_kwargs  # noqa: F401 (re-exported)
+from petl.utils.errors import ConfigError
+from petl.utils.text import first_line
 
 CONFIG_GROUPS = ("method", "data", "model", "train")
 PRECISIONS = ("no", "bf16", "fp16")

@@ -3,7 +3,7 @@
 It knows nothing of methods: it trains whatever parameters require grad and reports top-1 accuracy.
 Whether the frozen backbone's dropout and drop-path act during training is the one setting
 ``backbone_mode``: ``auto`` takes the default the method's config declares
-(:attr:`petl.core.MethodConfig.backbone_mode`, written down per method after its reference).
+(:attr:`petl.model.registry.MethodConfig.backbone_mode`, written down per method after its reference).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from torch import nn
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from petl.core import PetlModule
 from petl.data.registry import PROTOCOL_EPOCHS
+from petl.model.wrappers import PetlModule
 from petl.train.options import check_options, option
 
 
@@ -47,7 +47,7 @@ class TrainSettings:
         backbone_mode: how the frozen backbone runs while training: ``train`` (dropout and
             drop-path act everywhere, as V-PETL, NOAH and PETL_Vision train), ``eval`` (only what
             learns is in train mode, as the VPT repo keeps its frozen encoder), or ``auto`` (the
-            method's own default, :attr:`petl.core.MethodConfig.backbone_mode`).
+            method's own default, :attr:`petl.model.registry.MethodConfig.backbone_mode`).
         weight_decay_all: decay every trainable tensor; by default biases, norms (every 1-D
             tensor), prompt tokens and position embeddings are exempt, as in timm's
             ``param_groups_weight_decay`` and the models' ``no_weight_decay()``.

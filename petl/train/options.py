@@ -13,7 +13,7 @@ import typing
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from petl.core import check_choice, check_range
+from petl.utils.checks import check_choice, check_range
 
 NEUTRAL = "neutral"
 
@@ -34,7 +34,7 @@ def option(
     Args:
         default: the default value (may be an OmegaConf interpolation such as ``II("data.epochs")``).
         default_factory: instead of ``default``, for mutable defaults.
-        low: lower bound (:func:`petl.core.check_range`); NaN and infinity are refused too.
+        low: lower bound (:func:`petl.utils.checks.check_range`); NaN and infinity are refused too.
         high: upper bound.
         open_low: the lower bound itself is not allowed.
         choices: the valid values (of each element, for a list option).

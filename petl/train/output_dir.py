@@ -22,11 +22,11 @@ from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import Dataset, Subset
 
 from petl import data as petl_data
-from petl.errors import RunError
 from petl.store import files, lock
 from petl.store.result import ResultError, RunResult, read_result
 from petl.train import config
 from petl.train.config import ConfigError
+from petl.utils.errors import RunError
 
 log = logging.getLogger(__name__)
 

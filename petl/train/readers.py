@@ -12,10 +12,10 @@ from omegaconf import DictConfig, OmegaConf
 from timm.data import resolve_data_config
 
 import petl.methods  # noqa: F401  (importing the methods registers them)
-from petl import core
 from petl import data as petl_data
-from petl.core import get_method
-from petl.errors import ConfigError
+from petl.model.registry import get_method
+from petl.utils.checks import to_str_tuple
+from petl.utils.errors import ConfigError
 
 __all__ = ["data_info", "data_options", "image_size", "method_options", "model_kwargs"]
 
@@ -42,10 +42,10 @@ def data_info(cfg: DictConfig) -> petl_data.DatasetInfo:
 
 
 def method_options(cfg: DictConfig) -> dict[str, Any]:
-    """The method node as keyword options for :func:`petl.core.make_config`.
+    """The method node as keyword options for :func:`petl.model.registry.make_config`.
 
     Lists (the command line's form of a ``tuple[str, ...]`` field, see :func:`_cli_type`) go back
-    to tuples through :func:`petl.core.to_str_tuple`, the one normaliser the configs use too.
+    to tuples through :func:`petl.utils.checks.to_str_tuple`, the one normaliser the configs use too.
     """
     options = OmegaConf.to_container(cfg.method, resolve=True)
     assert isinstance(options, dict)
@@ -53,7 +53,7 @@ def method_options(cfg: DictConfig) -> dict[str, Any]:
     hints = typing.get_type_hints(get_method(name).config_cls)
     for key, value in options.items():
         if typing.get_origin(hints.get(key)) is tuple and isinstance(value, list):
-            options[key] = core.to_str_tuple(value)
+            options[key] = to_str_tuple(value)
     return options
 
 

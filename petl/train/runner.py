@@ -36,9 +36,8 @@ from torch.utils.data import DataLoader, Dataset
 
 import petl.methods  # noqa: F401  (importing the methods registers them)
 from petl import data as petl_data
-from petl.core import count_params, trainable_state
-from petl.errors import DivergedError, RunError
-from petl.io import save_trainable
+from petl.model.io import save_trainable
+from petl.model.params import count_params, trainable_state
 from petl.store import files, load
 from petl.store.result import RunResult, write_result
 from petl.train import build, cache, config, engine, learning
@@ -46,6 +45,7 @@ from petl.train import output_dir as folder
 from petl.train.config import ConfigError
 from petl.train.engine import NonFiniteLossError, TrainSettings, backbone_mode, build_optimizer, evaluate, fit
 from petl.train.output_dir import check_finished
+from petl.utils.errors import DivergedError, RunError
 
 log = logging.getLogger(__name__)
 

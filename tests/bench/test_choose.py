@@ -19,7 +19,7 @@ import petl
 from petl.bench import choice, own_data
 from petl.bench.estimate import ESTIMATE_FILE
 from petl.cli import bench as bench_cli
-from petl.errors import USAGE_ERROR
+from petl.utils.errors import USAGE_ERROR
 
 # Whole sweeps on a generated folder: the inner loop (pytest -m "not slow") leaves the module out.
 pytestmark = pytest.mark.slow

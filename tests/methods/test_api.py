@@ -11,8 +11,9 @@ from timm.models.resnet import BasicBlock, ResNet
 from torch import nn
 
 import petl
-from petl import core
 from petl.model.backbone import backbone_of
+from petl.model.registry import MethodConfig, make_config
+from petl.utils.checks import check_dropout, check_range
 
 EXPORTS = [
     "apply",
@@ -119,14 +120,14 @@ def test_non_finite_floats_are_refused_by_every_method(tiny_vit, method, options
 
 
 def test_check_range_bounds_and_non_finite():
-    core.check_range("x", 0.5, low=0, high=1)
-    core.check_range("x", None, low=0)  # unset optional options pass
+    check_range("x", 0.5, low=0, high=1)
+    check_range("x", None, low=0)  # unset optional options pass
     with pytest.raises(ValueError, match=r"x=0 is out of range: allowed \(0, inf\]"):
-        core.check_range("x", 0, low=0, open_low=True)
+        check_range("x", 0, low=0, open_low=True)
     with pytest.raises(ValueError, match=r"x=1.0 is out of range: allowed \[0, 1\)"):
-        core.check_dropout("x", 1.0)
+        check_dropout("x", 1.0)
     with pytest.raises(ValueError, match=r"x=nan is not a finite number: allowed \[0, 1\)"):
-        core.check_dropout("x", float("nan"))
+        check_dropout("x", float("nan"))
 
 
 @pytest.mark.slow
@@ -147,14 +148,14 @@ def test_apply_dispatches_on_the_config_type(tiny_vit, images):
     with pytest.raises(ValueError, match="once"):
         petl.apply(tiny_vit(), LoraConfig(), LoraConfig())
     with pytest.raises(ValueError, match="no registered method takes a MethodConfig"):
-        petl.apply(tiny_vit(), core.MethodConfig())
+        petl.apply(tiny_vit(), MethodConfig())
 
 
 def test_config_or_options_not_both(tiny_vit):
     with pytest.raises(ValueError, match="either"):
-        petl.apply(tiny_vit(), "lora", config=core.make_config("lora"), rank=2)
+        petl.apply(tiny_vit(), "lora", config=make_config("lora"), rank=2)
     with pytest.raises(ValueError, match="LoraConfig"):
-        petl.apply(tiny_vit(), "lora", config=core.make_config("vpt"))
+        petl.apply(tiny_vit(), "lora", config=make_config("vpt"))
 
 
 def test_applying_twice_is_refused(tiny_vit):
@@ -226,7 +227,7 @@ def test_configs_accept_lists_for_tuples(method):
 
 
 def test_comma_separated_targets():
-    assert core.make_config("lora", targets="q, k,v").targets == ("q", "k", "v")
+    assert make_config("lora", targets="q, k,v").targets == ("q", "k", "v")
 
 
 def test_save_needs_an_applied_model(tiny_vit, tmp_path):

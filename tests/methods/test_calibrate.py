@@ -21,9 +21,9 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 import petl
-from petl import core
 from petl.methods.gps import GpsConfig, GpsLinear
 from petl.methods.sct import SctBlock, SctConfig, select_sct_channels
+from petl.model.registry import _REGISTRY, MethodConfig, get_method, register_method
 from petl.run import default_config, train
 from petl.train import build, config, engine
 
@@ -109,9 +109,9 @@ def test_a_resumed_run_keeps_the_calibration_of_its_first_session(tmp_path, monk
     assert (tmp_path / "killed" / "checkpoint.pt").exists()
 
     # Calibrating again could choose otherwise: the resume must take the checkpoint's choice.
-    spec = core.get_method(method)
+    spec = get_method(method)
     other = dataclasses.replace(spec, calibrate=lambda *args, **kwargs: pytest.fail("a resume must not recalibrate"))
-    monkeypatch.setitem(core._REGISTRY, method, other)
+    monkeypatch.setitem(_REGISTRY, method, other)
     resumed = tiny(tmp_path / "killed", *args)
     assert resumed["method_config"] == whole["method_config"]
     assert resumed["test_top1"] == whole["test_top1"] and resumed["final_train_loss"] == whole["final_train_loss"]
@@ -135,7 +135,7 @@ NAME = "throwaway_calibrated"
 
 
 @dataclass
-class ProbeConfig(core.MethodConfig):
+class ProbeConfig(MethodConfig):
     """A method whose one option is filled by its calibrate hook."""
 
     seen_images: int = 0
@@ -157,11 +157,11 @@ def probe() -> Iterator[list]:
         """Nothing to add: the head trains."""
 
     config.register_configs()
-    core.register_method(NAME, ProbeConfig, trainable_formula=lambda model, cfg: 0, calibrate=calibrate)(inject)
+    register_method(NAME, ProbeConfig, trainable_formula=lambda model, cfg: 0, calibrate=calibrate)(inject)
     try:
         yield calls
     finally:
-        core._REGISTRY.pop(NAME, None)
+        _REGISTRY.pop(NAME, None)
         ConfigStore.instance().repo["method"].pop(f"{NAME}.yaml", None)
         config._registered_methods.discard(NAME)
 
@@ -213,13 +213,13 @@ def test_a_calibration_reused_as_overrides_rebuilds_the_same_method(tmp_path, mo
     first = tiny(tmp_path / "first", *args)
     reused = calibration_overrides(tmp_path / "first")
     assert reused and all(o.startswith("method.") for o in reused)
-    spec = core.get_method(method)
+    spec = get_method(method)
 
     def given(model, cfg, loader, *, progress):
         # The options are given: the hook must keep them as they are (NOAH's, SCT's and GPS's do).
         assert spec.calibrate(model, cfg, loader, progress=progress) == cfg
         return cfg
 
-    monkeypatch.setitem(core._REGISTRY, method, dataclasses.replace(spec, calibrate=given))
+    monkeypatch.setitem(_REGISTRY, method, dataclasses.replace(spec, calibrate=given))
     second = tiny(tmp_path / "second", *args, *reused, "seed=1")
     assert second["method_config"] == first["method_config"]

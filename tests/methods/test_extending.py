@@ -1,7 +1,7 @@
 """Adding a method is one file: registering it is enough for the CLI, the contract tests and the benchmark.
 
 The test registers a throwaway method the way a file in petl/methods/ does (a config dataclass and
-``core.register_method``), finds it everywhere a method must appear, and removes it again.
+``register_method``), finds it everywhere a method must appear, and removes it again.
 """
 
 from __future__ import annotations
@@ -14,15 +14,15 @@ from hydra.core.config_store import ConfigStore
 from torch import nn
 
 import petl
-from petl import core
 from petl.bench import suite as suites
+from petl.model.registry import _REGISTRY, MethodConfig, register_method
 from petl.train import config
 
 NAME = "throwaway_scale"
 
 
 @dataclass
-class ThrowawayConfig(core.MethodConfig):
+class ThrowawayConfig(MethodConfig):
     """A method with one option, as a new method file would declare it."""
 
     gain: float = 2.0
@@ -37,11 +37,11 @@ def throwaway() -> Iterator[str]:
 
     # The CLI's groups are built once per process; build them first, as a CLI or test run before would have.
     config.register_configs()
-    core.register_method(NAME, ThrowawayConfig, trainable_formula=lambda model, cfg: 0)(inject)
+    register_method(NAME, ThrowawayConfig, trainable_formula=lambda model, cfg: 0)(inject)
     try:
         yield NAME
     finally:
-        core._REGISTRY.pop(NAME, None)
+        _REGISTRY.pop(NAME, None)
         ConfigStore.instance().repo["method"].pop(f"{NAME}.yaml", None)
         config._registered_methods.discard(NAME)
 

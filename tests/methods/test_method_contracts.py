@@ -19,12 +19,13 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 from safetensors import safe_open
 
 import petl
-from petl import core
 from petl.methods.adapter import ParallelAdapter, SequentialAdapter
 from petl.methods.lora import LoraLinear
 from petl.methods.vpt import PromptedBlock
 from petl.model.backbone import backbone_of
 from petl.model.backbone.vit import ViT
+from petl.model.params import trainable_state
+from petl.model.wrappers import PetlModule
 
 # Every registered method with its defaults, plus variants that exercise other code paths.
 VARIANTS = [(name, {}) for name in petl.list_methods()] + [
@@ -108,7 +109,7 @@ def test_training_touches_exactly_the_trainable_tensors(tiny_vit, method, option
     after = model.state_dict()
     assert [n for n in trainable if torch.equal(after[n], before[n])] == []
     # Besides the parameters, only the learnt buffers (BatchNorm statistics of a trained head) move.
-    learnt = set(core.trainable_state(model))
+    learnt = set(trainable_state(model))
     assert [n for n in before if n not in learnt and not torch.equal(after[n], before[n])] == []
 
 
@@ -118,7 +119,7 @@ def test_inserted_modules_are_wrappers(tiny_vit, method, options):
     original = {id(m) for m in model.modules()}
     petl.apply(model, method, **options)
     head = {id(m) for m in backbone_of(model).head().modules()}
-    wrapper_paths = [n for n, m in model.named_modules() if isinstance(m, (core.PetlModule, BaseTunerLayer)) and n]
+    wrapper_paths = [n for n, m in model.named_modules() if isinstance(m, (PetlModule, BaseTunerLayer)) and n]
     for name, module in model.named_modules():
         if id(module) in original or id(module) in head:
             continue
@@ -129,7 +130,7 @@ def test_inserted_modules_are_wrappers(tiny_vit, method, options):
 def test_merge_unmerge_equivalence(tiny_vit, images, method, options):
     model = petl.apply(tiny_vit(), method, num_classes=4, **options)
     perturb_trainable(model)
-    frozen = {n: t.clone() for n, t in model.state_dict().items() if n not in core.trainable_state(model)}
+    frozen = {n: t.clone() for n, t in model.state_dict().items() if n not in trainable_state(model)}
     unmerged = model(images)
     petl.merge(model)
     assert (model(images) - unmerged).abs().max() < 1e-5
@@ -148,7 +149,7 @@ def test_save_load_round_trip_onto_fresh_backbone(tiny_vit, images, tmp_path, me
     path = tmp_path / "trained.safetensors"
     petl.save_trainable(model, path)
     with safe_open(str(path), framework="pt") as f:
-        assert set(f.keys()) == set(core.trainable_state(model))
+        assert set(f.keys()) == set(trainable_state(model))
     fresh = petl.load_trainable(tiny_vit(), path)
     assert fresh.petl_method == method
     assert torch.equal(fresh.eval()(images), model.eval()(images))

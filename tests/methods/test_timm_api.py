@@ -4,7 +4,7 @@ Each test runs the same check on the plain timm model and on every experiment of
 (``configs/experiments`` plus the methods no experiment file runs), and asserts the petl model behaves
 as the plain one does, or refuses in one line naming its method.  Test bodies never name a method.
 Gradient checkpointing's registry-wide test is tests/training/test_train_options.py's.  Each test also checks that its
-column of the works-with table (``petl.timm_api.support``, docs/works-with.md) says what the model did.
+column of the works-with table (``petl.model.timm_api.support``, docs/works-with.md) says what the model did.
 """
 
 from __future__ import annotations
@@ -21,9 +21,10 @@ from conftest import make_tiny_vit, perturb_trainable
 from timm.optim import param_groups_weight_decay
 
 import petl
-from petl import core, timm_api
 from petl.bench.timm_support import support_table
+from petl.model import timm_api
 from petl.model.backbone import backbone_of
+from petl.model.wrappers import PetlHead, PetlModule
 from petl.presets import configs_dir, list_experiments, load_experiment
 from petl.train import engine
 
@@ -74,7 +75,7 @@ def test_reset_classifier_keeps_the_method_or_refuses(images, tmp_path, name):
     assert torch.equal(petl.load_trainable(make_tiny_vit(), path).eval()(images), model.eval()(images))
     # No classes: timm's pooled features, or a one-line refusal where the method's own head would go.
     plain.reset_classifier(0)
-    if isinstance(backbone_of(model).head(), core.PetlHead):
+    if isinstance(backbone_of(model).head(), PetlHead):
         with pytest.raises(ValueError, match=f"method '{model.petl_method}'.*its own") as refused:
             model.reset_classifier(0)
         assert "\n" not in str(refused.value)
@@ -142,7 +143,7 @@ def test_forward_head_pre_logits_are_what_the_last_linear_reads(images, name):
         logits = model.forward_head(model.forward_features(images))
     assert pre.shape == (2, weight.shape[1])
     torch.testing.assert_close(F.linear(pre, weight, bias), logits)
-    own_head = isinstance(backbone_of(model).head(), core.PetlHead)
+    own_head = isinstance(backbone_of(model).head(), PetlHead)
     assert timm_api.support(model)["forward_head(pre_logits)"] == (
         "the head's hidden features" if own_head else "timm's"
     )
@@ -194,9 +195,7 @@ def test_prune_intermediate_layers_as_timm_or_refused(images, name, prune_head):
         want = model.forward_features(images).shape if prune_head else model(images).shape
         plain_want = plain.forward_features(images).shape if prune_head else plain(images).shape
     cell = timm_api.support(model)["prune_intermediate_layers"]
-    assert (cell == "timm's") == (not isinstance(backbone_of(model).head(), core.PetlHead)) or cell.startswith(
-        "refused"
-    )
+    assert (cell == "timm's") == (not isinstance(backbone_of(model).head(), PetlHead)) or cell.startswith("refused")
     if cell.startswith("refused") or (prune_head and cell == "`prune_head=False` only"):
         # The method cannot follow: one line naming the method, and nothing changed.
         with pytest.raises(ValueError, match=f"prune_intermediate_layers: method '{model.petl_method}'") as error:
@@ -287,7 +286,7 @@ def test_torchscript_traces_the_same_logits_and_scripts_or_refuses(images, name)
         scripted = torch.jit.script(model)
         with torch.no_grad():
             torch.testing.assert_close(scripted(other), model(other))
-        assert not any(isinstance(m, core.PetlModule) for m in model.modules())
+        assert not any(isinstance(m, PetlModule) for m in model.modules())
         return
     assert cell == "trace; script refused"
     with pytest.raises(TypeError, match=f"torch.jit.script: method '{model.petl_method}' wraps .*trace") as error:
@@ -309,7 +308,7 @@ def test_merged_export_is_plain_timm_with_the_same_logits_or_refused(images, tmp
     assert cell == "timm folder, ONNX"
     plain = petl.merge(model, unload=True)
     assert type(plain) is type(make_tiny_vit()) and not set(timm_api.OVERRIDES) & set(vars(plain))
-    assert not any(isinstance(m, core.PetlModule) for m in plain.modules())
+    assert not any(isinstance(m, PetlModule) for m in plain.modules())
     fresh = make_tiny_vit(num_classes=4)
     fresh.load_state_dict(plain.state_dict())  # what timm.create_model loads from the exported weights
     with torch.no_grad():

@@ -494,16 +494,16 @@ def test_an_unreadable_image_exits_2_in_petl_run_as_in_petl_predict(tmp_path, ca
 
 
 def test_every_petl_command_uses_the_one_set_of_exit_statuses():
-    from petl import errors
     from petl.cli import bench as bench_cli
     from petl.cli import export as export_cli
     from petl.cli import pretrain
     from petl.cli import serve as serve_cli
+    from petl.utils import errors
 
     assert (errors.USAGE_ERROR, errors.RUN_ERROR, errors.INTERRUPTED) == (2, 1, 130)
     for module in (cli, predict_cli, export_cli, bench_cli, pretrain, serve_cli):
         source = Path(module.__file__).read_text()
-        # No status of its own: each comes from petl.errors.
+        # No status of its own: each comes from petl.utils.errors.
         assert not re.search(r"SystemExit\(\d+\)", source), module.__name__
         assert not re.search(r"^\w*(ERROR|INTERRUPTED)\w* *(, *\w+)* *= *\d", source, re.M), module.__name__
 

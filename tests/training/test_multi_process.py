@@ -53,7 +53,7 @@ def test_a_launch_of_several_processes_without_a_process_group_is_refused(tmp_pa
 _DRIVER = """
     import sys
     import torch
-    from petl.core import trainable_state
+    from petl.model.params import trainable_state
     from petl.cli import run as cli
     from petl.train import runner
 

@@ -14,8 +14,9 @@ import torch
 from conftest import make_tiny_vit, perturb_trainable
 
 import petl
-from petl import core, timm_api
+from petl.model import timm_api
 from petl.model.backbone import backbone_of
+from petl.model.wrappers import PetlModule
 from petl.presets import configs_dir, list_experiments, load_experiment
 from petl.run import default_config, train
 from petl.train import engine
@@ -62,7 +63,7 @@ def test_grad_checkpointing_gives_the_same_loss_and_gradients(experiment, images
     ckpt = petl.apply(make_tiny_vit(), name, num_classes=5, **options)
     ckpt.load_state_dict(plain.state_dict())
     cell = timm_api.support(ckpt)["set_grad_checkpointing"]
-    if any(isinstance(m, core.PetlModule) and m.no_grad_checkpointing for m in ckpt.modules()):
+    if any(isinstance(m, PetlModule) and m.no_grad_checkpointing for m in ckpt.modules()):
         # A side network reads the blocks in order in one forward; a re-run block would feed it twice: refused when
         # switched on, in one line naming the method and why.
         with pytest.raises(ValueError, match=f"method '{name}' cannot use it: .+") as refused:

@@ -5,13 +5,13 @@ pull intermediate feature maps, build timm's optimizer.  timm's own methods know
 :func:`install` gives the model four of its own (instance attributes that stand in front of the class's;
 ``functools.partial`` objects, so that they deep-copy and pickle with the model):
 
-* ``reset_classifier(n)``: a method's own head (a :class:`petl.core.PetlHead`: Mlp-k's MLP, HST's head) is rebuilt
-  for ``n`` classes as :func:`petl.apply` builds it, instead of timm's plain Linear that would drop the method;
-  ``n = 0`` (timm's "no classifier") is refused for such a head.  The recorded config follows the new class count,
-  so :func:`petl.save_trainable` / :func:`petl.load_trainable` still round-trip.
+* ``reset_classifier(n)``: a method's own head (a :class:`~petl.model.wrappers.PetlHead`: Mlp-k's MLP, HST's
+  head) is rebuilt for ``n`` classes as :func:`petl.apply` builds it, instead of timm's plain Linear that would
+  drop the method; ``n = 0`` (timm's "no classifier") is refused for such a head.  The recorded config follows the new
+  class count, so :func:`petl.save_trainable` / :func:`petl.load_trainable` still round-trip.
 * ``set_grad_checkpointing(True)``: refused in one line when a wrapper cannot run under it
-  (:attr:`petl.core.PetlModule.no_grad_checkpointing`: the side networks), rather than failing in the backward.
-* ``forward_intermediates``: prompt tokens (:attr:`petl.core.PetlModule.prompt_place`: VPT, NOAH) are left out of
+  (:attr:`petl.PetlModule.no_grad_checkpointing`: the side networks), rather than failing in the backward.
+* ``forward_intermediates``: prompt tokens (:attr:`petl.PetlModule.prompt_place`: VPT, NOAH) are left out of
   the intermediate feature maps, which then have the plain model's shapes; the final features are timm's.
 * ``no_weight_decay()``: timm's names plus those petl's wrappers exempt (VPT's prompts), so that timm's optimizer
   factory exempts what petl's does.
@@ -38,8 +38,9 @@ import torch
 from timm.models._features import feature_take_indices
 from torch import nn
 
-from petl import core
 from petl.model.backbone import backbone_of
+from petl.model.merging import _FOREIGN_MERGEABLE
+from petl.model.wrappers import PetlHead, PetlModule, factory_kwargs
 
 
 def reset_classifier(model: nn.Module, num_classes: int, global_pool: str | None = None) -> None:
@@ -57,15 +58,15 @@ def reset_classifier(model: nn.Module, num_classes: int, global_pool: str | None
     bb = backbone_of(model)
     old = bb.head()
     method = getattr(model, "petl_method", None)
-    if isinstance(old, core.PetlHead) and num_classes < 1:
+    if isinstance(old, PetlHead) and num_classes < 1:
         raise ValueError(
             f"reset_classifier({num_classes}): method {method!r} classifies with its own {type(old).__name__}, which "
             "cannot be removed; for features call forward_features or forward_head(x, pre_logits=True)"
         )
     type(model).reset_classifier(model, num_classes, global_pool)
-    if isinstance(old, core.PetlHead):
+    if isinstance(old, PetlHead):
         head = old.for_classes(num_classes)
-        head.to(**core.factory_kwargs(model))
+        head.to(**factory_kwargs(model))
         head.train(old.training)
         bb.set_head(head)
     # The head trains for every method (as petl.apply leaves it), and the config records its classes.
@@ -158,7 +159,7 @@ def no_weight_decay(model: nn.Module) -> set[str]:
     names = set(type(model).no_weight_decay(model))
     for prefix, module in model.named_modules():
         listed = getattr(module, "no_weight_decay", None)
-        if prefix and isinstance(module, core.PetlModule) and callable(listed):
+        if prefix and isinstance(module, PetlModule) and callable(listed):
             names |= {f"{prefix}.{n}" for n in listed()}
     return names
 
@@ -167,10 +168,11 @@ def forward_head(model: nn.Module, x: torch.Tensor, pre_logits: bool = False) ->
     """The ``forward_head`` of timm; with ``pre_logits``, the method's own head's features before its last Linear.
 
     timm documents ``pre_logits`` as the features the classifier's last layer reads (its MLP heads return their
-    hidden layers' output).  A petl head (:class:`petl.core.PetlHead`) takes ``pre_logits`` as timm's heads do.
+    hidden layers' output).  A petl head (:class:`~petl.model.wrappers.PetlHead`) takes ``pre_logits`` as timm's
+    heads do.
     """
     head = backbone_of(model).head()
-    if pre_logits and isinstance(head, core.PetlHead):
+    if pre_logits and isinstance(head, PetlHead):
         return head(type(model).forward_head(model, x, pre_logits=True), pre_logits=True)
     return type(model).forward_head(model, x, pre_logits)
 
@@ -188,7 +190,7 @@ def prune_intermediate_layers(
     """
     bb = backbone_of(model)
     head, method = bb.head(), getattr(model, "petl_method", None)
-    if prune_head and isinstance(head, core.PetlHead):
+    if prune_head and isinstance(head, PetlHead):
         raise ValueError(
             f"prune_intermediate_layers: method {method!r} classifies with its own {type(head).__name__}, which "
             "prune_head=True would remove: pass prune_head=False to keep it"
@@ -198,7 +200,7 @@ def prune_intermediate_layers(
     dropped = [m for block in list(blocks)[max_index + 1 :] for m in block.modules()]
     # A block that removes the prompts after itself (NOAH's last, VPT's with pool=img_pool) cannot be dropped: the
     # kept blocks would pass the prompts on into the features.
-    strips = any(isinstance(m, core.PetlModule) and m.prompt_place and getattr(m, "strip", 0) for m in dropped)
+    strips = any(isinstance(m, PetlModule) and m.prompt_place and getattr(m, "strip", 0) for m in dropped)
     reason = getattr(head, "needs_every_block", "") or (strips and "its last block removes the prompt tokens")
     if reason and dropped:
         raise ValueError(f"prune_intermediate_layers: method {method!r} cannot drop blocks: {reason}")
@@ -257,14 +259,14 @@ def uninstall(model: nn.Module) -> None:
             delattr(model, name)
 
 
-def _wrappers(model: nn.Module) -> list[core.PetlModule]:
-    return [m for m in model.modules() if isinstance(m, core.PetlModule)]
+def _wrappers(model: nn.Module) -> list[PetlModule]:
+    return [m for m in model.modules() if isinstance(m, PetlModule)]
 
 
 def _unscriptable(model: nn.Module) -> list[nn.Module]:
     """The modules TorchScript cannot compile: petl's wrappers and the foreign ones petl merges (peft's layers)."""
-    foreign = tuple(core._FOREIGN_MERGEABLE)
-    return [m for m in model.modules() if isinstance(m, core.PetlModule) or (foreign and isinstance(m, foreign))]
+    foreign = tuple(_FOREIGN_MERGEABLE)
+    return [m for m in model.modules() if isinstance(m, PetlModule) or (foreign and isinstance(m, foreign))]
 
 
 def support(model: nn.Module) -> dict[str, str]:
@@ -281,7 +283,7 @@ def support(model: nn.Module) -> dict[str, str]:
     wrappers = _wrappers(model)
     refusal = next((m for m in wrappers if m.no_grad_checkpointing), None)
     prompts = any(m.prompt_place for m in wrappers)
-    own_head = isinstance(head, core.PetlHead)
+    own_head = isinstance(head, PetlHead)
     stripper = next((m for m in wrappers if m.prompt_place and getattr(m, "strip", 0)), None)
     if getattr(head, "needs_every_block", "") or stripper:
         prune = f"refused (`{type(stripper or head).__name__}`)"

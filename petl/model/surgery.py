@@ -1,7 +1,7 @@
 """Method surgery on a model: :func:`apply` a registered method, :func:`merge` it back into the base weights.
 
-Above :mod:`petl.core` (the registry and the wrapper base) and :mod:`petl.timm_api` (what a petl model keeps of
-timm's API), so that neither needs to reach up for the other.
+Above :mod:`petl.model.registry` (the method registry), :mod:`petl.model.merging` and :mod:`petl.model.timm_api`
+(what a petl model keeps of timm's API), so that none of them needs to reach up for the others.
 """
 
 from __future__ import annotations
@@ -11,10 +11,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from petl import timm_api
-from petl.core import MethodConfig, foreign_converter, get_method, make_config, merge_updates, method_for_config
+from petl.model import timm_api
 from petl.model.backbone import backbone_of
-from petl.unloading import unload as unload_model
+from petl.model.merging import merge_updates
+from petl.model.registry import MethodConfig, foreign_converter, get_method, make_config, method_for_config
+from petl.model.unloading import unload as unload_model
 
 
 def apply(

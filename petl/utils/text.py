@@ -48,3 +48,8 @@ FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
 def csv_cell(value: Any) -> Any:
     """A text cell a spreadsheet shows as text: a leading formula character gets a ``'`` before it (OWASP)."""
     return f"'{value}" if isinstance(value, str) and value.startswith(FORMULA_START) else value
+
+
+def first_line(text: object, default: str = "") -> str:
+    """The first non-blank line of ``text`` (an error's message, say), stripped; ``default`` when there is none."""
+    return next((line.strip() for line in str(text).splitlines() if line.strip()), default)

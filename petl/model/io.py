@@ -21,9 +21,9 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from petl.core import trainable_state
 from petl.model.backbone import backbone_of
-from petl.surgery import apply
+from petl.model.params import trainable_state
+from petl.model.surgery import apply
 
 FORMAT = "petl-trainable-1"
 

@@ -13,15 +13,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from petl import core, timm_api
+from petl.model import timm_api
 from petl.model.backbone import backbone_of
+from petl.model.merging import _FOREIGN_MERGEABLE, merge_updates
+from petl.model.wrappers import PetlModule
 
 
 def _base_of(module: nn.Module) -> nn.Module | None:
     """The module a mergeable wrapper stands for (petl's ``base``, peft's ``get_base_layer()``), else None."""
-    if isinstance(module, core.PetlModule):
+    if isinstance(module, PetlModule):
         return module.base if module.mergeable else None
-    if core._FOREIGN_MERGEABLE and isinstance(module, tuple(core._FOREIGN_MERGEABLE)):
+    if _FOREIGN_MERGEABLE and isinstance(module, tuple(_FOREIGN_MERGEABLE)):
         return module.get_base_layer()
     return None
 
@@ -29,7 +31,7 @@ def _base_of(module: nn.Module) -> nn.Module | None:
 def _check_unloadable(model: nn.Module) -> None:
     method = getattr(model, "petl_method", None)
     for name, module in model.named_modules():
-        if isinstance(module, core.PetlModule) and not module.mergeable:
+        if isinstance(module, PetlModule) and not module.mergeable:
             raise ValueError(
                 f"method {method!r} cannot be unloaded into a plain timm model: its {type(module).__name__} "
                 f"at {name} does not fold into the backbone (use the petl model, e.g. petl.load_run)"
@@ -59,7 +61,7 @@ def unload(model: nn.Module) -> nn.Module:
     """
     _check_unloadable(model)
     if any(_base_of(m) is not None for m in model.modules()):
-        core.merge_updates(model)
+        merge_updates(model)
     # Outermost first: a replaced wrapper's inner modules are gone with it.
     for name, module in list(model.named_modules()):
         base = _base_of(module)

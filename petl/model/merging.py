@@ -1,0 +1,57 @@
+"""Folding every wrapper's update into the frozen weights of a model, and out again (all or nothing).
+
+petl's wrappers are found by ``isinstance`` (:class:`petl.model.wrappers.PetlModule`); foreign wrapper types with
+``merge()``/``unmerge()`` of their own (peft's tuner layers) register here.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from petl.model.wrappers import PetlModule
+
+# Foreign wrapper types (e.g. peft's tuner layers) that have merge()/unmerge() of their own.
+_FOREIGN_MERGEABLE: list[type] = []
+
+
+def register_mergeable_type(cls: type) -> None:
+    """Let :func:`merge` / :func:`unmerge` also call ``merge()`` / ``unmerge()`` on instances of ``cls``."""
+    if cls not in _FOREIGN_MERGEABLE:
+        _FOREIGN_MERGEABLE.append(cls)
+
+
+def _mergeables(model: nn.Module) -> list[nn.Module]:
+    found = [m for m in model.modules() if isinstance(m, PetlModule) and m.mergeable]
+    found += [m for m in model.modules() if _FOREIGN_MERGEABLE and isinstance(m, tuple(_FOREIGN_MERGEABLE))]
+    if not found:
+        raise ValueError(f"nothing to merge: method {getattr(model, 'petl_method', None)!r} adds no mergeable layer")
+    return found
+
+
+@torch.no_grad()
+def merge_updates(model: nn.Module) -> nn.Module:
+    """Fold every mergeable wrapper's update into its frozen base weight (in place); see :func:`petl.merge`.
+
+    All or nothing: a wrapper that refuses (a non-finite update, a layer without the bias a shift needs)
+    raises after the wrappers merged before it are unmerged again, so the model is never half merged.
+    """
+    done: list[nn.Module] = []
+    try:
+        for module in _mergeables(model):
+            if not getattr(module, "merged", False):
+                module.merge()
+                done.append(module)
+    except Exception:
+        for module in reversed(done):
+            module.unmerge()
+        raise
+    return model
+
+
+@torch.no_grad()
+def unmerge(model: nn.Module) -> nn.Module:
+    """Undo :func:`merge` (in place)."""
+    for module in _mergeables(model):
+        module.unmerge()
+    return model

@@ -1,0 +1,44 @@
+"""Counting a model's parameters, and the trained tensors a method's weights file holds."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from petl.model.backbone import backbone_of
+
+
+class ParamCount(NamedTuple):
+    """Parameter counts of a model."""
+
+    trainable: int
+    trainable_no_head: int
+    total: int
+
+
+def count_params(model: nn.Module) -> ParamCount:
+    """Count trainable parameters (with and without the classifier head) and all parameters."""
+    head_ids = {id(p) for p in backbone_of(model).head().parameters()} if hasattr(model, "head") else set()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return ParamCount(
+        trainable=sum(p.numel() for p in trainable),
+        trainable_no_head=sum(p.numel() for p in trainable if id(p) not in head_ids),
+        total=sum(p.numel() for p in model.parameters()),
+    )
+
+
+def trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The trained tensors by name (what :func:`save_trainable` writes).
+
+    Besides the parameters that require grad, the buffers of modules whose own parameters all
+    train: the running statistics of a trained BatchNorm (Mlp-k's head) are learnt state too.
+    """
+    state = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+    for prefix, module in model.named_modules():
+        own = list(module.parameters(recurse=False))
+        if own and all(p.requires_grad for p in own):
+            for name, buffer in module.named_buffers(recurse=False):
+                state[f"{prefix}.{name}" if prefix else name] = buffer.detach()
+    return state

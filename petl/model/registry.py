@@ -1,0 +1,190 @@
+"""The method registry: a method is a config dataclass (subclass of :class:`MethodConfig`) plus an ``inject``
+function registered with :func:`register_method`; configs of other libraries register a converter.
+
+:func:`petl.apply` (:mod:`petl.model.surgery`) does the parts every method shares (check the model, freeze it,
+reset the head, record the config) so that a method file only adds its own modules.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar
+
+from torch import nn
+
+from petl.utils.checks import check_range
+
+
+@dataclass
+class MethodConfig:
+    """Options shared by every method.
+
+    Attributes:
+        num_classes: reset the classifier head to this many classes; ``None`` keeps the head.
+        backbone_mode: (class-level, not an option) how the frozen backbone runs while this
+            method trains, as its reference trains it: ``train`` (dropout and drop-path act
+            everywhere; V-PETL, NOAH and PETL_Vision call ``model.train()``) or ``eval`` (only
+            what learns is in train mode; the VPT repo's frozen encoder).  ``train.backbone_mode``
+            overrides it per run.
+
+    """
+
+    num_classes: int | None = None
+    backbone_mode: ClassVar[str] = "train"
+
+    @property
+    def keeps_zero_init(self) -> bool:
+        """Whether this config starts as its method's ``zero_init`` says (``init=reference`` options do not)."""
+        return True
+
+    def validate(self, model: nn.Module) -> None:
+        """Raise ValueError naming the field and its allowed range if a value is off for ``model``.
+
+        Every float field is checked for NaN/inf here, so a method's own checks (``alpha <= 0``,
+        which NaN passes) never see one.
+        """
+        if self.num_classes is not None and (
+            isinstance(self.num_classes, bool) or not isinstance(self.num_classes, numbers.Integral)
+        ):
+            # 2.5 or "3" would otherwise reach torch as a layer size and fail there with its own message.
+            raise ValueError(f"num_classes={self.num_classes!r} is not a whole number: give an int, e.g. num_classes=3")
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, float):
+                check_range(f.name, value)
+        if self.num_classes is not None:
+            check_range("num_classes", self.num_classes, low=1)
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """A registered method."""
+
+    name: str
+    config_cls: type[MethodConfig]
+    inject: Callable[[nn.Module, MethodConfig], None]
+    trainable_formula: Callable[[nn.Module, MethodConfig], int]
+    zero_init: bool
+    mergeable: bool
+    # The backbone kinds (:attr:`petl.Backbone.kind`) the method's idea fits; petl.apply refuses the others.
+    backbones: tuple[str, ...] = ("vit",)
+    # Optional data-driven step before injection (e.g. choosing channels from the task's images):
+    # ``calibrate(backbone, cfg, loader, *, progress=True) -> cfg``.  petl-run calls it; Python users call it
+    # themselves.
+    calibrate: Callable[..., MethodConfig] | None = None
+
+
+_REGISTRY: dict[str, MethodSpec] = {}
+
+
+def register_method(
+    name: str,
+    config_cls: type[MethodConfig],
+    trainable_formula: Callable[[nn.Module, MethodConfig], int],
+    zero_init: bool = False,
+    mergeable: bool = False,
+    calibrate: Callable[..., MethodConfig] | None = None,
+    backbones: tuple[str, ...] = ("vit",),
+) -> Callable:
+    """Decorator registering ``inject(model, cfg)`` as method ``name``.
+
+    Args:
+        name: the method name used by :func:`apply`, the CLI and the benchmark.
+        config_cls: its config dataclass (the schema of its options).
+        trainable_formula: closed-form count of the trainable parameters outside the head,
+            given a ViT (before injection) and a config; the contract tests check it.
+        zero_init: the method leaves the model's outputs unchanged at init (for every config whose
+            :attr:`MethodConfig.keeps_zero_init` holds).
+        mergeable: the method's wrappers can merge into the frozen weights.
+        calibrate: optional ``calibrate(backbone, cfg, loader, *, progress=True) -> cfg`` that completes the
+            config from the task's training images (``loader`` yields ``(images, labels)`` batches without
+            augmentation) on the frozen backbone before injection; ``progress`` says whether it may show
+            progress bars (``petl-run`` passes ``train.progress``).  ``petl-run`` calls it once per run and
+            records the returned config; :func:`apply` does not, so Python users call it first.
+        backbones: the backbone kinds (:attr:`petl.Backbone.kind`, :func:`petl.list_backbones`) the method
+            supports, from what its idea needs (a flat token sequence, prefix tokens, one width, the block's
+            residual halves); :func:`apply` refuses a model of another kind in one line.
+
+    """
+
+    def decorate(inject: Callable[[nn.Module, MethodConfig], None]) -> Callable:
+        if name in _REGISTRY:
+            raise ValueError(f"method {name!r} is registered twice")
+        _REGISTRY[name] = MethodSpec(
+            name,
+            config_cls,
+            inject,
+            trainable_formula,
+            zero_init,
+            mergeable,
+            calibrate=calibrate,
+            backbones=tuple(backbones),
+        )
+        return inject
+
+    return decorate
+
+
+def register_calibration(name: str, calibrate: Callable[..., MethodConfig]) -> None:
+    """Give the registered method ``name`` its ``calibrate`` step (see :func:`register_method`).
+
+    For a method whose calibration lives in a module that builds on the method's own (NOAH's search imports
+    its wrappers), so that the method file need not import it back.
+    """
+    _REGISTRY[name] = dataclasses.replace(get_method(name), calibrate=calibrate)
+
+
+def list_methods() -> list[str]:
+    """Names of all registered methods, sorted."""
+    return sorted(_REGISTRY)
+
+
+def get_method(name: str) -> MethodSpec:
+    """The registered method ``name``; a ValueError lists the valid names otherwise."""
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown method {name!r}; choose one of: {', '.join(list_methods())}")
+    return _REGISTRY[name]
+
+
+def make_config(name: str, **options: Any) -> MethodConfig:
+    """Build method ``name``'s config from keyword options, rejecting unknown keys by name."""
+    spec = get_method(name)
+    valid = [f.name for f in fields(spec.config_cls)]
+    unknown = sorted(set(options) - set(valid))
+    if unknown:
+        raise ValueError(f"unknown option(s) {', '.join(unknown)} for method {name!r}; valid: {', '.join(valid)}")
+    return spec.config_cls(**options)
+
+
+# Config objects of other libraries that ``apply`` accepts: (recogniser, converter to a petl method config).
+# peft_bridge registers peft's configs; a recogniser rather than a class, so nobody imports peft to check.
+_FOREIGN_CONFIGS: list[tuple[Callable[[Any], bool], Callable[..., MethodConfig]]] = []
+
+
+def register_foreign_config(is_one: Callable[[Any], bool], convert: Callable[..., MethodConfig]) -> None:
+    """Let :func:`apply` take objects ``is_one`` accepts; ``convert(obj, num_classes=...)`` returns a petl config."""
+    _FOREIGN_CONFIGS.append((is_one, convert))
+
+
+def foreign_converter(method: Any) -> Callable[..., MethodConfig] | None:
+    """The converter :func:`register_foreign_config` registered for ``method``'s kind, else None."""
+    return next((convert for is_one, convert in _FOREIGN_CONFIGS if is_one(method)), None)
+
+
+def method_for_config(config: MethodConfig) -> str:
+    """The registered method whose config class ``config`` is (as peft dispatches on a config's type).
+
+    Raises:
+        ValueError: no method, or several methods, take this config class; then pass the name.
+
+    """
+    names = [spec.name for spec in _REGISTRY.values() if type(config) is spec.config_cls]
+    if not names:  # a user's subclass of a method's config
+        names = [spec.name for spec in _REGISTRY.values() if isinstance(config, spec.config_cls)]
+    if len(names) != 1:
+        found = f"methods {', '.join(sorted(names))} all take" if names else "no registered method takes"
+        raise ValueError(f"{found} a {type(config).__name__}: pass the method name: apply(model, name, cfg)")
+    return names[0]

@@ -1,0 +1,94 @@
+"""The base classes of petl's wrappers: :class:`PetlModule` keeps the wrapped layer as ``base`` (peft's model), and
+:class:`PetlHead` is a classifier a method installs in place of timm's.
+
+Merging, saving and counting find wrappers by ``isinstance``, never by parameter-name substrings.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+
+def factory_kwargs(model: nn.Module) -> dict[str, Any]:
+    """``device`` and ``dtype`` of ``model``'s first parameter, for building modules that live beside it."""
+    first = next(model.parameters())
+    return {"device": first.device, "dtype": first.dtype}
+
+
+class PetlModule(nn.Module):
+    """Base class of every petl wrapper: keeps the wrapped module as ``base``.
+
+    A wrapper that can fold its update into ``base`` implements :meth:`fold` and :meth:`unfold` (as peft's
+    ``BaseTunerLayer`` subclasses write only the merge itself); :meth:`merge` and :meth:`unmerge` keep the
+    ``merged`` state, so folding twice or unfolding an unmerged wrapper cannot happen.
+    """
+
+    # Where the prompt tokens this wrapper adds to the token sequence sit: "front" (right after the class and
+    # register tokens) or "end"; "" when it adds none.  timm's forward_intermediates strips them (petl.model.timm_api).
+    prompt_place: ClassVar[str] = ""
+    # Why this wrapper cannot run under timm's gradient checkpointing; "" when it can (petl.model.timm_api refuses
+    # set_grad_checkpointing(True) with this reason).
+    no_grad_checkpointing: ClassVar[str] = ""
+
+    def __init__(self, base: nn.Module) -> None:
+        super().__init__()
+        self.base = base
+        self._merged = False
+
+    @property
+    def merged(self) -> bool:
+        """Whether the update is folded into ``base`` (forward then costs what ``base`` costs)."""
+        return self._merged
+
+    @property
+    def mergeable(self) -> bool:
+        """Whether this wrapper can merge: it implements :meth:`fold`."""
+        return type(self).fold is not PetlModule.fold
+
+    @torch.no_grad()
+    def merge(self) -> None:
+        """Fold this wrapper's update into ``base`` once (a merged wrapper stays as it is)."""
+        if not self.mergeable:
+            raise NotImplementedError(f"{type(self).__name__} cannot merge")
+        if not self._merged:
+            self.fold()
+            self._merged = True
+
+    @torch.no_grad()
+    def unmerge(self) -> None:
+        """Undo :meth:`merge` (an unmerged wrapper stays as it is)."""
+        if not self.mergeable:
+            raise NotImplementedError(f"{type(self).__name__} cannot unmerge")
+        if self._merged:
+            self.unfold()
+            self._merged = False
+
+    def merged_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The forward of a merged wrapper: ``base``'s alone, its update being in the weights."""
+        # The wrapper's own module call stands in for base's: merged, this layer costs what the plain layer
+        # costs (one module call and base's forward).  Hooks registered on ``base`` itself are skipped while
+        # merged; hooks on this wrapper (the model's module at that path) still run.
+        return self.base.forward(x)
+
+    def fold(self) -> None:
+        """Add the update into ``base``'s weights (mergeable wrappers implement it)."""
+        raise NotImplementedError
+
+    def unfold(self) -> None:
+        """Take the update out of ``base``'s weights again (mergeable wrappers implement it)."""
+        raise NotImplementedError
+
+
+class PetlHead(nn.Module):
+    """Base class of a classifier a method installs in place of timm's Linear head (Mlp-k's MLP, HST's head).
+
+    timm's ``reset_classifier(n)`` would put a plain Linear in its place and silently drop the method; on a
+    model from :func:`apply` it calls :meth:`for_classes` instead (:mod:`petl.model.timm_api`).
+    """
+
+    def for_classes(self, num_classes: int) -> nn.Module:
+        """A fresh head of this method for ``num_classes`` (>= 1) classes, as :func:`apply` would build it."""
+        raise NotImplementedError
