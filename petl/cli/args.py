@@ -39,6 +39,19 @@ class Key:
     default: Any = None
 
 
+def boolean(value: str) -> bool:
+    """A ``key=value`` option's truth value, as Hydra reads one (``true``/``false``, any case).
+
+    Raises:
+        ValueError: anything else (``overwrite=yes``): :func:`split_items` names the option.
+
+    """
+    lowered = value.lower()
+    if lowered not in ("true", "false"):
+        raise ValueError(value)
+    return lowered == "true"
+
+
 def is_override(word: str) -> bool:
     """Whether ``word`` is a ``key=value`` override (a path such as ``a=b.jpg`` only if its key looks like a key)."""
     key, sep, _ = word.partition("=")

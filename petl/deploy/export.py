@@ -26,6 +26,8 @@ FORMAT = "petl-export-1"
 FORMATS = (".safetensors", ".onnx", "")  # "": a timm folder
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"  # timm's names in a local-dir/hub folder
 ONNX_OPSET = 17
+# Files only a petl-run folder holds: ``out=`` in a folder holding one would write into a run.
+RUN_MARKERS = (files.MODEL_FILE, files.WEIGHTS_FILE, files.RESULT_FILE, files.CHECKPOINT_FILE)
 # Largest |difference| of logits accepted between onnxruntime and torch (fp32 kernels differ in rounding).
 ONNX_TOLERANCE = 1e-3
 
@@ -150,23 +152,63 @@ def _onnx_gap(path: Path, model: nn.Module, example: torch.Tensor) -> float | No
     return float(abs(logits - expected).max())
 
 
-def export(run_dir: str | Path, out: str | Path) -> float | None:
-    """Write a run's merged plain model to ``out`` (a timm folder, ``.safetensors`` or ``.onnx``).
+def check_target(run_dir: str | Path, out: str | Path, overwrite: bool = False) -> None:
+    """Refuse an ``out`` that would replace files the export did not write, before anything is loaded.
 
-    Returns:
-        For ONNX, onnxruntime's largest logit difference from torch (``None`` without onnxruntime).
+    ``out`` inside a run folder (this run's or any other: a folder above it holds ``model.json``) is refused
+    even with ``overwrite``: a run's files are replaced by a run, never by an export.  An existing file, or a
+    folder already holding ``config.json`` or ``model.safetensors``, is replaced only with ``overwrite``.
 
     Raises:
-        ValueError: an unknown format, ``out`` inside the run folder, a method that cannot be unloaded, a run
-            folder that cannot load.
-        RuntimeError: the ONNX check failed.
+        ValueError: an unknown format, ``out`` inside a run folder, files in the way (one line naming them).
 
     """
     out = Path(out)
     if out.suffix.lower() not in FORMATS:
         raise ValueError(f"out={out}: choose a folder (no suffix), a .safetensors or a .onnx file name")
-    if out.resolve().is_relative_to(Path(run_dir).resolve()):
+    target = out.resolve()
+    if target.is_relative_to(Path(run_dir).resolve()):
         raise ValueError(f"out={out} is inside the run folder {run_dir}: export elsewhere (the run's files stay)")
+    for folder in [target, *target.parents]:
+        marker = next((name for name in RUN_MARKERS if (folder / name).is_file()), None)
+        if marker is not None:
+            raise ValueError(
+                f"out={out} is inside the run folder {folder} (it holds {marker}): export elsewhere "
+                "(a run's files are never replaced by an export)"
+            )
+    if out.suffix:
+        if out.is_dir():
+            raise ValueError(f"out={out} is a folder: name a new {out.suffix} file")
+        in_the_way = [out] if out.exists() else []
+    elif out.exists() and not out.is_dir():
+        raise ValueError(f"out={out} is a file: name a folder (no suffix) or a .safetensors or .onnx file")
+    else:
+        in_the_way = [out / name for name in (CONFIG_FILE, WEIGHTS_FILE) if (out / name).exists()]
+    if in_the_way and not overwrite:
+        listed = ", ".join(str(path) for path in in_the_way)
+        raise ValueError(f"{listed} already exists: export elsewhere, or add overwrite=true to replace it")
+
+
+def export(run_dir: str | Path, out: str | Path, overwrite: bool = False) -> float | None:
+    """Write a run's merged plain model to ``out`` (a timm folder, ``.safetensors`` or ``.onnx``).
+
+    Args:
+        run_dir: the run folder.
+        out: a folder (timm's ``local-dir`` format), a ``.safetensors`` or a ``.onnx`` file name.
+        overwrite: replace an existing file (or a folder's ``config.json`` / ``model.safetensors``); without it
+            they are refused (:func:`check_target`).
+
+    Returns:
+        For ONNX, onnxruntime's largest logit difference from torch (``None`` without onnxruntime).
+
+    Raises:
+        ValueError: an unknown format, ``out`` inside a run folder, files in the way without ``overwrite``, a
+            method that cannot be unloaded, a run folder that cannot load.
+        RuntimeError: the ONNX check failed.
+
+    """
+    out = Path(out)
+    check_target(run_dir, out, overwrite)
     run = load_run(run_dir)
     model = plain_model(run)
     meta = metadata(run)
