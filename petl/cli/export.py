@@ -19,9 +19,9 @@ export never replaces a run's files.  An existing file, or a folder already hold
 Methods whose modules cannot fold into the backbone (adapters, prompts, an MLP head) are refused
 in one line: use ``petl-predict`` / ``petl.load_run`` for them.
 
-Exit status (as every petl command): 2 for bad input (no weights, a method that cannot be unloaded, an
-unknown format, out= inside a run folder, files in the way without overwrite=true), 1 when the export fails, 130 on Ctrl-C (nothing half-written is
-left).
+Exit status (as every petl command): 2 for bad input (no weights, a model.json petl cannot build, a method that
+cannot be unloaded, an unknown format, out= inside a run folder, files in the way without overwrite=true), 1 when
+the export fails, 130 on Ctrl-C (nothing half-written is left).
 """
 
 from __future__ import annotations

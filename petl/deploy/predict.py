@@ -192,7 +192,7 @@ def serve_together(folders: list[Path], quiet: bool = False) -> tuple[MultiTask 
 
     """
     cards = {folder: read_card(folder) for folder in folders}
-    backbone = create_backbone(cards[folders[0]]["backbone"])
+    backbone = create_backbone(cards[folders[0]]["backbone"], folders[0] / MODEL_FILE)
     tasks = {str(folder): weights_file(folder, cards[folder]) for folder in folders}
     refused: list[Path] = []
     while len(tasks) > 1:
