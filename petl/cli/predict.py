@@ -33,7 +33,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from petl.cli.args import Key, exit_statuses, parse, parser, split_items
+from petl.cli.args import CommandLineError, Key, exit_statuses, parse, parser, split_items
 
 PROG = "petl-predict"
 # The key=value options and their types; data.* as petl-run reads them.
@@ -55,7 +55,7 @@ def build_parser():  # noqa: ANN201  (argparse is imported by petl.cli.args)
     """The command's parser: its flags; ``--help`` lists them and :data:`KEYS`."""
     made = parser(PROG, __doc__, USAGE, KEYS)
     made.add_argument("--merge", action="store_true", help="fold mergeable methods (LoRA...) in first")
-    made.add_argument("--quiet", action="store_true", help="no progress bar and no table")
+    made.add_argument("--quiet", action="store_true", help="no progress bar and no table (needs out= or data=)")
     return made
 
 
@@ -64,6 +64,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parse(build_parser(), sys.argv[1:] if argv is None else argv)
     with exit_statuses(PROG):
         positional, options = split_items(args.words, KEYS, PROG, paths_first=True)
+        if args.quiet and "out" not in options and "data" not in options:
+            # No table and no file: the predictions would go nowhere.
+            raise CommandLineError("--quiet without out= shows and writes nothing: add out=FILE.csv or drop --quiet")
         from petl.deploy.predict import run_command
 
         status = run_command(positional, options, merge=args.merge, quiet=args.quiet)

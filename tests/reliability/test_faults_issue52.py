@@ -86,3 +86,61 @@ def test_a_card_petl_cannot_build_is_one_line_naming_model_json_and_the_key(tmp_
         assert error.startswith(f"{prog}: error: {run_dir / 'model.json'}: ") and error.count("\n") == 1, error
         assert all(message in error for message in messages), error
     assert not (tmp_path / "exported").exists()
+
+
+def test_quiet_without_out_is_refused_before_anything_loads(tmp_path, capsys):
+    """Issue 52: petl-predict RUN IMG --quiet without out= printed nothing and exited 0."""
+    (tmp_path / "run").mkdir()  # never read: the command line is refused first
+    code, error = _main(predict_cli.main, [str(tmp_path / "run"), str(tmp_path / "a.png"), "--quiet"], capsys)
+    assert code == 2
+    assert error == (
+        "petl-predict: error: --quiet without out= shows and writes nothing: add out=FILE.csv or drop --quiet\n"
+    )
+
+
+def test_a_hidden_class_folder_with_images_is_named_in_a_warning(tmp_path, caplog):
+    """Issue 52: a class folder named .purple was dropped silently.  Decision: names starting with '.' are not
+    classes (.git, .ipynb_checkpoints; Hugging Face's imagefolder skips them too); one holding images is named."""
+    from petl.data.folder import describe_folder
+
+    for name in ("red", "blue", ".purple"):
+        (tmp_path / "train" / name).mkdir(parents=True)
+        for i in range(3):
+            _image(tmp_path / "train" / name / f"{i}.png")
+    (tmp_path / "train" / ".git").mkdir()  # no images: no word about it
+    with caplog.at_level("WARNING", logger="petl.data.folder"):
+        info = describe_folder(str(tmp_path))
+    assert info.num_classes == 2
+    warned = [record.getMessage() for record in caplog.records]
+    assert len(warned) == 1 and "skipped .purple in " in warned[0] and ".git" not in warned[0], warned
+    assert "rename them to use them" in warned[0]
+
+
+def test_serve_options_are_finite_and_in_range():
+    """Issue 52: max_wait_ms=inf hung every request, max_upload_mb=inf made every predict a 500."""
+    serve = pytest.importorskip("petl.deploy.serve", reason="petl-serve's extra is not installed")
+    for name, value in [("max_wait_ms", float("inf")), ("max_upload_mb", float("inf")), ("max_image_mp", 0.0),
+                        ("max_batch", 0), ("max_connections", True), ("shutdown_timeout_s", float("nan"))]:  # fmt: skip
+        with pytest.raises(ValueError, match=f"^{name}=.*: must be a number from "):
+            serve.ServeOptions(**{name: value})
+    serve.ServeOptions()  # the defaults are in range
+
+
+@pytest.mark.slow
+def test_a_taken_port_exits_1_naming_it(tmp_path, capsys):
+    """Issue 52: a port in use exited 3 (uvicorn's start-up failure), documented 1: petl's status for a server
+    that could not run is 1, with one line naming the address."""
+    pytest.importorskip("fastapi", reason="petl-serve's extra is not installed")
+    import socket
+
+    run_dir = _run_folder(tmp_path / "run")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code, error = _main(serve_cli.main, [str(run_dir), f"port={port}", "--quiet"], capsys)
+    assert code == 1
+    assert error.splitlines()[-1] == (
+        f"petl-serve: error: cannot listen on 127.0.0.1:{port}: the port is in use: stop what holds it, or choose "
+        "another port="
+    )
