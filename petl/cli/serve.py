@@ -11,8 +11,8 @@ folders have one name); ``task.NAME=RUN`` names it.  Every run must have trained
 method that shares it (``petl.MultiTask``); a run that fails ``petl.load_run``'s checks is refused at start,
 naming it.  See :mod:`petl.deploy.serve` for the routes.
 
-Options (key=value, anywhere, listed below; all but host and port default to
-:class:`petl.deploy.serve.ServeOptions`'s; a value that is not a finite number in its range is refused).  Exit
+Options (key=value, anywhere, listed below with their defaults, which are those of the Python API's
+petl.deploy.serve.ServeOptions; a value that is not a finite number in its range is refused).  Exit
 status: 2 bad input (an option, a run folder, a task named twice), 1 the server could not run (FastAPI missing,
 the port taken), 130 Ctrl-C.
 """
@@ -35,16 +35,16 @@ TASK_PREFIX = "task."
 KEYS = (
     Key("host", "the address to listen on (0.0.0.0: every interface; set PETL_SERVE_TOKEN then)", str, "127.0.0.1"),
     Key("port", "the port to listen on", int, 8000),
-    Key("max_batch", "the most images in one mixed batch", int),
-    Key("max_wait_ms", "how long the oldest queued image waits for others before its batch runs", float),
-    Key("max_queue", "the most images waiting at once (and in one request); beyond it requests get 503", int),
-    Key("max_upload_mb", "the largest request body, in MB; larger ones get 413", float),
-    Key("max_image_mp", "the most pixels in one image, in millions (read before decoding); more get 413", float),
-    Key("max_request_mp", "the most pixels in one request's images, in millions; more get 413", float),
-    Key("header_timeout_s", "a connection whose request headers take longer is closed", float),
-    Key("body_timeout_s", "a request whose body takes longer after its headers gets 408", float),
-    Key("max_connections", "the most connections and requests at once; beyond it requests get 503", int),
-    Key("shutdown_timeout_s", "how long SIGTERM or Ctrl-C waits for requests in flight", float),
+    Key("max_batch", "the most images in one mixed batch", int, 32),
+    Key("max_wait_ms", "how long the oldest queued image waits for others before its batch runs", float, 5.0),
+    Key("max_queue", "the most images waiting at once (and in one request); beyond it requests get 503", int, 256),
+    Key("max_upload_mb", "the largest request body, in MB; larger ones get 413", float, 20.0),
+    Key("max_image_mp", "the most pixels in one image, in millions (read before decoding); more get 413", float, 16.0),
+    Key("max_request_mp", "the most pixels in one request's images, in millions; more get 413", float, 64.0),
+    Key("header_timeout_s", "a connection whose request headers take longer is closed", float, 10.0),
+    Key("body_timeout_s", "a request whose body takes longer after its headers gets 408", float, 60.0),
+    Key("max_connections", "the most connections and requests at once; beyond it requests get 503", int, 128),
+    Key("shutdown_timeout_s", "how long SIGTERM or Ctrl-C waits for requests in flight", float, 10.0),
 )
 SERVE_OPTIONS = tuple(key.name for key in KEYS if key.name not in ("host", "port"))
 USAGE = f"{PROG} RUN [RUN ...] [{TASK_PREFIX}NAME=RUN ...] [key=value ...] [--quiet]"

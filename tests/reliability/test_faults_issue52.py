@@ -124,6 +124,9 @@ def test_serve_options_are_finite_and_in_range():
         with pytest.raises(ValueError, match=f"^{name}=.*: must be a number from "):
             serve.ServeOptions(**{name: value})
     serve.ServeOptions()  # the defaults are in range
+    # petl-serve --help lists the defaults without importing FastAPI: they are ServeOptions' own.
+    listed = {key.name: key.default for key in serve_cli.KEYS if key.name in serve_cli.SERVE_OPTIONS}
+    assert listed == {name: getattr(serve.ServeOptions(), name) for name in serve.OPTION_RANGES}
 
 
 @pytest.mark.slow
