@@ -69,7 +69,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _dispatch(args: list[str]) -> int:
     if args and args[0] in ("-h", "--help", "help"):
-        print(__doc__)
+        from petl.cli.args import plain
+
+        print(plain(__doc__))
         return 0
     command = args.pop(0) if args and "=" not in args[0] else "run"
     # Imported after --help: the commands load the sweep, the report and (for a run) torch.
