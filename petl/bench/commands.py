@@ -212,18 +212,31 @@ def cmd_report(args: Sequence[str]) -> int:
 
 
 def cmd_compare(args: Sequence[str]) -> int:
-    """Compare the orderings of two results folders' leaderboards (see :mod:`petl.bench.compare`)."""
+    """Compare the orderings of two results folders' leaderboards (see :mod:`petl.bench.compare`).
+
+    ``out=FILE`` that exists is refused unless ``overwrite=true``: the page never replaces a file silently (a
+    folder's own ``leaderboard.md``, say).
+    """
     from petl.bench import compare
     from petl.store.files import write_text
 
-    usage = "usage: petl-bench compare RESULTS_A RESULTS_B [suites=NAME_A,NAME_B] [out=FILE] [configs_dir=DIR]"
+    usage = (
+        "usage: petl-bench compare RESULTS_A RESULTS_B [suites=NAME_A,NAME_B] [out=FILE [overwrite=true]] "
+        "[configs_dir=DIR]"
+    )
     positional = [a for a in args if "=" not in a]
-    own, rest = parse_args([a for a in args if "=" in a], {"suites", "out", "configs_dir"})
+    own, rest = parse_args([a for a in args if "=" in a], {"suites", "out", "overwrite", "configs_dir"})
     if len(positional) != 2 or rest:
         raise SystemExit(usage)
     names = split_list(own["suites"]) if "suites" in own else [None, None]
     if len(names) != 2:
         raise SystemExit(f"suites={own['suites']}: name two suites, one per results folder, as suites=A,B")
+    overwrite = as_bool("overwrite", own.get("overwrite", "false"))
+    if "overwrite" in own and "out" not in own:
+        raise SystemExit("petl-bench compare: overwrite= acts on out=FILE; give out= too, or leave overwrite= out")
+    if "out" in own and Path(own["out"]).exists() and not overwrite:
+        raise ValueError(f"{own['out']} exists; choose another out=, or pass overwrite=true to replace it")
+    compare.check_same_data(*positional)
     configs = own.get("configs_dir")
     boards = tuple(
         report.build_board(folder, configs, report.plan_of(name, configs) if name else None)

@@ -8,7 +8,7 @@ Usage::
     petl-bench [run] suite=choose data=folder|hf data.root=PATH [model=...] [budget.params=1M]
                [budget.train_seconds=600] [--yes]   (your own images: cost first, then which method; docs/choose.md)
     petl-bench report RESULTS_DIR [out=DIR] [configs_dir=DIR] [suite=NAME]
-    petl-bench compare RESULTS_A RESULTS_B [suites=NAME_A,NAME_B] [out=FILE]   (two leaderboards' orderings)
+    petl-bench compare RESULTS_A RESULTS_B [suites=NAME_A,NAME_B] [out=FILE [overwrite=true]]  (two boards' orderings)
     petl-bench speed [model=...] [img_size=N] [batch=32] [steps=10] [warmup=3] [rounds=10] [infer_batch=1]
                      [infer_steps=100] [device=cpu|cuda] [methods=...] [options_for=lora] [out=FILE]
     petl-bench params suite=vtab1k [methods=...] [model=...]   (parameter counts vs the published ones)
