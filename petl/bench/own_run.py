@@ -23,6 +23,8 @@ from petl.bench import choice, own_data, protocol, report
 from petl.bench import estimate as costs
 from petl.bench.args import as_bool
 from petl.bench.suite import Experiment, Suite
+from petl.errors import RUN_ERROR
+from petl.store.lock import acquire_lock, describe_holder, release_lock
 
 YES_FLAG = "--yes"
 # The run command's own keys for own data: the dataset, and the budget the answer keeps to.
@@ -66,6 +68,32 @@ def run_on_own_data(
     data = own_data.read_own_data(cfg)
     print(f"petl-bench: {data.line()}")
     output_dir = Path(own.get("output_dir") or data.default_output_dir(suite.name))
+    if not acquire_lock(output_dir):
+        # Not bad input, and nothing here is broken: one line and the status of a run that could not complete.
+        print(
+            f"petl-bench: error: another choose is running on {output_dir} ({describe_holder(output_dir)}); "
+            "run the same command again once it has ended (finished runs are kept)",
+            file=sys.stderr,
+        )
+        return RUN_ERROR
+    try:
+        return _run_locked(suite, experiments, seeds, own, overrides, yes, finish, budget, data, output_dir)
+    finally:
+        release_lock(output_dir)
+
+
+def _run_locked(
+    suite: Suite,
+    experiments: list[Experiment],
+    seeds: list[int],
+    own: dict[str, str],
+    overrides: list[str],
+    yes: bool,
+    finish: Finish,
+    budget: choice.Budget,
+    data: own_data.OwnData,
+    output_dir: Path,
+) -> int:
     own_data.claim_output_dir(output_dir, data)
     suite = dataclasses.replace(suite, experiments=[e.name for e in experiments], tasks=[data.task], seeds=seeds)
     cells = protocol.plan_cells(suite, experiments, [data.task], seeds, output_dir, overrides)

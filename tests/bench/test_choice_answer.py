@@ -35,3 +35,27 @@ def test_no_answer_still_names_what_failed(tmp_path):
     answer = choice.choose(report.build_board(tmp_path, plan=plan), choice.Budget())
     assert answer.best is None and "nothing to choose" in answer.paragraph
     assert "lora (1 of 2 seed(s) finished), full (no finished run)" in answer.paragraph
+
+
+def test_a_second_choose_on_the_same_folder_stops_naming_the_first(tmp_path, capsys):
+    import json
+    import os
+    import socket
+
+    from test_own_data import make_folder
+
+    from petl.cli import bench as bench_cli
+    from petl.store.lock import LOCK_FILE
+
+    photos = make_folder(tmp_path / "photos", train=4, test=2)
+    out = tmp_path / "out"
+    out.mkdir()
+    # The first choose: a live process on this host (pytest's parent) holds the folder.
+    holder = {"host": socket.gethostname(), "pid": os.getppid(), "since": 0}
+    (out / LOCK_FILE).write_text(json.dumps(holder))
+    args = ["suite=choose", "data=folder", f"data.root={photos}", "methods=linear", f"output_dir={out}", "--yes"]
+    assert bench_cli.main(args) == 1
+    err = capsys.readouterr().err
+    assert f"another choose is running on {out} (pid {os.getppid()} on host" in err and err.count("\n") == 1
+    assert "delete" not in err and not (out / "data.json").exists()
+    assert json.loads((out / LOCK_FILE).read_text()) == holder  # the first one's lock is left alone
