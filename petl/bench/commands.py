@@ -103,6 +103,8 @@ def _finish(summary: SweepSummary, output_dir: Path, own: dict[str, str], any_do
         plan = report.Plan(suite.name, tuple(suite.experiments), tuple(suite.tasks), tuple(suite.seeds))
         write_report(output_dir, configs_dir=configs_folder(own), plan=plan)
         print(f"petl-bench: leaderboard written to {output_dir}/leaderboard.{{md,csv,html}} and pareto.png")
+    if (idle := summary.idle_line()) is not None:
+        print(f"petl-bench: {idle}")
     return 1 if summary.failed else 0
 
 

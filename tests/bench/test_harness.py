@@ -174,10 +174,13 @@ def test_a_run_held_by_another_live_sweep_is_left_alone(tmp_path):
     engine = FakeEngine()
     summary = sweep.run_sweep([run], engine.train, engine.compose, progress=False)
     assert summary.held_elsewhere == [run.label] and not engine.trained and not run.is_done()
+    # It says last that it trained nothing, and exits 0: sweeps side by side share a folder's runs.
+    assert summary.idle_line().startswith("trained nothing: 1 run(s) are being trained by another sweep")
     # A lock left by a dead process is stale and taken over.
     (run.run_dir / sweep.LOCK_FILE).write_text(json.dumps({"host": os.uname().nodename, "pid": 2**22 + 12345}))
     summary = sweep.run_sweep([run], engine.train, engine.compose, progress=False)
     assert summary.trained == 1 and run.is_done() and not (run.run_dir / sweep.LOCK_FILE).exists()
+    assert summary.idle_line() is None
 
 
 def test_a_failing_run_is_logged_and_the_sweep_goes_on(tmp_path):
@@ -782,3 +785,13 @@ def test_a_cell_with_a_seed_that_did_not_learn_is_marked_and_named(tmp_path):
     assert (
         rows["lora"]["mini/mnist_not_learned_seeds"] == "0 2" and rows["linear"]["mini/mnist_not_learned_seeds"] == ""
     )
+
+
+def test_a_sweep_that_trained_nothing_because_of_another_says_so_last(tmp_path, capsys):
+    from petl.bench import commands, suite
+
+    summary = sweep.SweepSummary(total=2, already_done=1, held_elsewhere=["mini/digits linear seed0"])
+    mini = suite.load_suite("mini", BENCH)
+    assert commands._finish(summary, tmp_path, {"report": "false"}, True, mini) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("petl-bench: trained nothing: 1 run(s) are being trained by another sweep")
