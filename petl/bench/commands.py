@@ -13,8 +13,16 @@ from pathlib import Path
 
 from petl.bench import notes, protocol, report
 from petl.bench import suite as suites
-from petl.bench.args import CONFIGS_KEYS, as_bool, configs_folder, parse_args, split_list
-from petl.bench.own_run import OWN_DATA_KEYS, YES_FLAG, run_on_own_data
+from petl.bench.args import (
+    CONFIGS_KEYS,
+    as_bool,
+    check_run_keys,
+    configs_folder,
+    flags_as_keys,
+    parse_args,
+    split_list,
+)
+from petl.bench.own_run import OWN_DATA_KEYS, run_on_own_data
 from petl.bench.report import write_report
 from petl.bench.sweep import PlannedRun, SweepSummary, plan, run_sweep
 from petl.errors import USAGE_ERROR
@@ -41,8 +49,9 @@ SWEEP_KEYS = {
 
 def cmd_run(args: Sequence[str]) -> int:
     """Run a suite (restricted by methods/tasks/seeds), skipping finished runs, then build the report."""
-    yes = YES_FLAG in args
-    own, overrides = parse_args([a for a in args if a != YES_FLAG], SWEEP_KEYS | OWN_DATA_KEYS)
+    own, overrides = parse_args(flags_as_keys(args), SWEEP_KEYS | OWN_DATA_KEYS)
+    check_run_keys(overrides, SWEEP_KEYS | OWN_DATA_KEYS)
+    yes = as_bool("yes", own.get("yes", "false"))
     configs = configs_folder(own)
     suite = suites.load_suite(own.get("suite", "mini"), configs)
     names = split_list(own["methods"]) if "methods" in own else suite.experiments
@@ -150,6 +159,7 @@ def cmd_commands(args: Sequence[str]) -> int:
     reads the same folders afterwards.  Nothing is run.
     """
     own, overrides = parse_args(args, SWEEP_KEYS - {"report", "dry_run", "progress"})
+    check_run_keys(overrides, SWEEP_KEYS - {"report", "dry_run", "progress"})
     configs = configs_folder(own)
     suite = suites.load_suite(own.get("suite", "mini"), configs)
     if suite.per_task:

@@ -28,7 +28,7 @@ from petl.store.lock import acquire_lock, describe_holder, release_lock
 
 YES_FLAG = "--yes"
 # The run command's own keys for own data: the dataset, and the budget the answer keeps to.
-OWN_DATA_KEYS = {"data", *choice.BUDGET_KEYS}
+OWN_DATA_KEYS = {"data", "yes", *choice.BUDGET_KEYS}
 
 Finish = Callable[..., int]
 

@@ -3,7 +3,7 @@
 Usage::
 
     petl-bench [run] suite=mini [methods=linear,lora] [tasks=mini/digits] [seeds=0,1]
-               [output_dir=runs/bench/mini] [configs_dir=...] [report=true] [dry_run=false]
+               [output_dir=runs/bench/mini] [configs_dir=...] [report=true] [dry_run=true | --dry-run]
                [train.epochs=5 model.drop_path=0.1 data.root=... ...]
     petl-bench [run] suite=choose data=folder|hf data.root=PATH [model=...] [budget.params=1M]
                [budget.train_seconds=600] [--yes]   (your own images: cost first, then which method; docs/choose.md)
@@ -19,7 +19,9 @@ Bad input (an unknown suite or key, a malformed YAML file, a results folder with
 status 2 and one line naming the file or value; a sweep with failed runs exits with 1; Ctrl-C with 130
 (finished runs are kept, an interrupted run resumes from its last epoch).  ``--debug`` shows the traceback.
 
-Arguments are Hydra-style ``key=value``.  Keys the sweep does not know (``train.*``, ``model.*``,
+Arguments are Hydra-style ``key=value``; a yes/no key may be written as a flag (``--dry-run`` is
+``dry_run=true``, ``--yes`` is ``yes=true``), and a key that is neither petl-bench's nor a run config's is
+refused before anything runs, listing both.  Keys the sweep does not know (``train.*``, ``model.*``,
 ``data.root``...) pass through to ``petl.run.default_config`` after the suite's and experiment's own
 overrides, so the command line wins.  Suites and experiments come from petl's top-level ``configs/``
 folder (installed as ``petl.configs``); ``configs_dir=DIR`` (formerly ``benchmarks_dir=``) points at another.

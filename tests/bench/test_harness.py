@@ -795,3 +795,30 @@ def test_a_sweep_that_trained_nothing_because_of_another_says_so_last(tmp_path, 
     assert commands._finish(summary, tmp_path, {"report": "false"}, True, mini) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert last.startswith("petl-bench: trained nothing: 1 run(s) are being trained by another sweep")
+
+
+def test_an_unknown_key_lists_petl_benchs_own_keys_before_any_run(tmp_path, monkeypatch, capsys):
+    from petl.cli import bench as cli
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as caught:
+        cli.main(["suite=mini", "dryrun=true"])
+    err = capsys.readouterr().err
+    assert caught.value.code == 2 and err.count("\n") == 1 and "unknown key 'dryrun'" in err
+    for own in ("dry_run", "suite", "budget.params", "--dry-run", "train.*"):
+        assert own in err
+    assert not (tmp_path / "runs").exists()  # nothing ran (it once failed every run of the suite, one by one)
+    with pytest.raises(SystemExit) as caught:
+        cli.main(["suite=mini", "--dryrun"])
+    assert caught.value.code == 2 and "unknown flag '--dryrun'" in capsys.readouterr().err
+
+
+def test_flags_and_key_values_are_one_grammar(tmp_path, capsys):
+    from petl.cli import bench as cli
+
+    words = ["suite=mini", "methods=linear", "tasks=mini/digits", "seeds=0", f"output_dir={tmp_path}"]
+    assert cli.main([*words, "--dry-run"]) == 0
+    by_flag = capsys.readouterr().out
+    assert cli.main([*words, "dry_run=true"]) == 0
+    assert capsys.readouterr().out == by_flag and "todo  mini/digits linear seed0" in by_flag
+    assert not any(tmp_path.rglob("result.json"))
