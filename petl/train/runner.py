@@ -319,6 +319,9 @@ def _set_up_training(
     # scheduler once per process per call, which adds up to this count under DDP too).
     steps_per_epoch = math.ceil(len(train_loader) / cfg.train.grad_accum)
     optimizer, scheduler = build_optimizer(trainee, settings, steps_per_epoch)
+    few = learning.few_steps(steps_per_epoch * cfg.train.epochs, len(train_set), cfg.train.batch_size, cfg.train.epochs)
+    if few is not None and accelerator.is_main_process:
+        log.warning(few)
     trainee, optimizer, train_loader, scheduler = accelerator.prepare(trainee, optimizer, train_loader, scheduler)
     test_loader = accelerator.prepare(test_loader) if test_loader is not None else None
     eval_loaders = {name: accelerator.prepare(loader) for name, loader in eval_loaders.items()}
