@@ -111,7 +111,7 @@ def _run_locked(
             f"{output_dir}: {len(stale)} finished run(s) hold another config ({stale[0]}); leave output_dir= out "
             "to give this setup a folder of its own, or choose another output_dir"
         )
-    estimate = costs.estimate(cells, data)
+    estimate = costs.estimate(cells, data, say=lambda line: print(f"petl-bench: {line}", flush=True))
     for line in estimate.lines():
         print(f"petl-bench: {line}")
     if as_bool("dry_run", own.get("dry_run", "false")):

@@ -47,7 +47,9 @@ def test_choose_runs_the_suite_on_a_folder_and_names_a_run_that_predicts(tmp_pat
     assert status == 0, printed
     # The cost came first: runs, images per run, and a measured wall time.
     assert re.search(r"cost: 3 experiments: 4 selection trials \(\d+ train / \d+ val images each\) \+ 6 final", printed)
-    assert "estimated wall time on this machine" in printed
+    assert "estimated wall time on this machine" in printed and "by the timed steps' spread" in printed
+    # Each measurement is said as it starts: the estimate is not silent while it builds the models.
+    assert "petl-bench: measuring linear (1/3)" in printed and "petl-bench: measuring full (3/3)" in printed
     estimate = json.loads((out / ESTIMATE_FILE).read_text())
     assert estimate["runs"] == 10 and estimate["seconds"] > 0 and estimate["measured_seconds"] > 0
 
