@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import logging
 import math
 import statistics
 import time
@@ -294,8 +295,13 @@ def _probe_run(overrides: list[str], epochs: int, compose: Callable[[list[str]],
         extra = [f"train.epochs={epochs}", f"data.subset={PROBE_IMAGES}", "train.progress=false"]
         run = PlannedRun("probe", "probe", 0, run_dir, (*overrides[:-1], *extra, f"output_dir={run_dir}"))
         tick = time.perf_counter()
-        with contextlib.redirect_stdout(io.StringIO()):  # its "training ..." line is not one of the user's runs
-            summary = run_sweep([run], compose_fn=compose, progress=False)
+        # Its "training ..." line and its warnings (a 4-image run takes few steps) are not about the user's runs.
+        logging.disable(logging.WARNING)
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):
+                summary = run_sweep([run], compose_fn=compose, progress=False)
+        finally:
+            logging.disable(logging.NOTSET)
         whole = time.perf_counter() - tick
         if summary.failed:
             error = (run_dir / ERROR_FILE).read_text().strip().splitlines()[-1:]

@@ -47,13 +47,18 @@ def test_a_run_of_few_optimizer_steps_is_warned_naming_what_to_change():
     assert few_steps(FEW_STEPS, 48, 16, 17) is None
 
 
-def test_a_run_says_so_before_training(tmp_path, caplog):
+def test_a_run_says_so_before_training(tmp_path, caplog, monkeypatch):
     import logging
 
     from conftest import tiny_run
 
     from petl.run import default_config, train
+    from petl.train import runner
+
+    monkeypatch.setattr(runner, "_SAID", set())  # what earlier tests in this process said
 
     with caplog.at_level(logging.WARNING):
-        train(default_config([*tiny_run(subset=20, epochs=1), f"output_dir={tmp_path / 'run'}"]))
-    assert "this run takes only 1 optimizer steps (20 training images in batches of 64, 1 epochs)" in caplog.text
+        for name in ("a", "b"):  # a sweep of two such runs in one process: said once
+            train(default_config([*tiny_run(subset=20, epochs=1), f"output_dir={tmp_path / name}"]))
+    said = "this run takes only 1 optimizer steps (20 training images in batches of 64, 1 epochs)"
+    assert caplog.text.count(said) == 1
