@@ -148,8 +148,10 @@ def stale_runs(cells: list[protocol.Cell]) -> list[str]:
     for run in runs:
         if run.is_done():
             try:
-                check_finished(default_config(list(run.overrides)))
-            except ValueError as error:  # a ConfigError naming up to three keys
+                overrides = run.full_overrides()
+                if overrides is not None:  # None: its calibrating run is gone, nothing to compare with
+                    check_finished(default_config(overrides))
+            except ValueError as error:  # a ConfigError naming up to three keys, or a calibration unreadable
                 stale.append(str(error))
     return stale
 
