@@ -5,6 +5,8 @@ trainable parameters, head included, what a task stores; ``budget.train_seconds=
 training time as recorded, on the machine that trained them), the best test top-1 mean is named with the
 runner-up, the gap between them and the seeds' spread (the two rows' standard deviations pooled), and the
 commands that use the chosen run (its lowest seed's folder: chosen before looking at the seeds' test numbers).
+The methods the answer could not weigh are named next to it: rows short of a seed (a failed or unfinished run)
+and the suite's experiments with no finished run at all.
 ``choice.md`` in the results folder holds the paragraph and the cost before the run against the real one.
 """
 
@@ -107,9 +109,10 @@ def choose(board: Leaderboard, budget: Budget, data: dict[str, Any] | None = Non
     over = [f"{r.experiment} ({budget.over(r)})" for r in complete if budget.over(r) is not None]
     where = f" on {data['task']} {data['root']} (fingerprint {data['fingerprint'][:12]})" if data else f" on {task}"
     head = f"**Which method for this data**{where}, {budget.describe()}: "
+    left_out = _left_out(board, complete)
     if not within:
         why = "no row is complete yet" if not complete else "every complete row is over it: " + ", ".join(over)
-        return Choice(None, None, None, head + f"nothing to choose, {why}.")
+        return Choice(None, None, None, head + f"nothing to choose, {why}{left_out}.")
     best = within[0]
     runner = within[1] if len(within) > 1 else None
     b = best.scores[task]
@@ -144,12 +147,32 @@ def choose(board: Leaderboard, budget: Budget, data: dict[str, Any] | None = Non
         text += "; no other row fits the budget"
     if over:
         text += f". Over the budget: {', '.join(over)}"
+    text += left_out
     run = chosen_run(best)
     text += f". Use it: `petl-predict {run} IMAGES`"
     if exportable(run):
         text += f", `petl-export {run} out=exported` (a plain timm model)"
     text += f", or `petl-serve {run}` (an HTTP endpoint)."
     return Choice(best, runner, run, text)
+
+
+def _left_out(board: Leaderboard, complete: list[ExperimentRow]) -> str:
+    """``. Not weighed (...): a (2 of 3 seeds), b (no finished run)`` for what the answer could not compare."""
+    planned = board.plan.experiments if board.plan is not None else ()
+    found = {row.experiment: row for row in board.rows}
+    missing = []
+    for row in board.rows:
+        if row not in complete:
+            seeds = {seed for score in row.scores.values() for seed in score.seeds}
+            wanted = f" of {len(board.plan.seeds)}" if board.plan is not None else ""
+            missing.append(f"{row.experiment} ({len(seeds)}{wanted} seed(s) finished)")
+    missing += [f"{name} (no finished run)" for name in planned if name not in found]
+    if not missing:
+        return ""
+    return (
+        f". Not weighed, since a run failed or has not finished (its error.log says which): {', '.join(missing)}; "
+        "run the same command again to finish them"
+    )
 
 
 def _std(std: float) -> str:

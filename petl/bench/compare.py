@@ -4,12 +4,17 @@ Each board is built from its runs (:func:`petl.bench.report.build_board`), never
 only complete rows count: a row short of a task or seed has a mean over other tasks, which ranks nothing.  An
 experiment's rank is its place among its own board's complete rows; Spearman's rho is computed over the
 experiments complete on both boards (their task means, :func:`petl.bench.published.rank_correlation`).
+
+Own images (``suite=choose data=folder``) are one task named after the dataset (``folder``) in every results
+folder: two folders of different images would line up as one task.  Their ``data.json`` fingerprints
+(:mod:`petl.bench.own_data`) must therefore agree, else the comparison is refused (:func:`check_same_data`).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 from petl.bench.board import Leaderboard
 from petl.bench.published import MIN_RANKED, RankCorrelation, rank_correlation
@@ -44,6 +49,30 @@ class Comparison:
     def shared(self) -> tuple[str, ...]:
         """The experiments complete on both boards, best first on the second."""
         return self.correlation.methods
+
+
+def check_same_data(first: str | Path, second: str | Path) -> None:
+    """Refuse two results folders of own data whose images differ (their ``data.json`` fingerprints).
+
+    Raises:
+        ValueError: one line naming both folders and their data.
+
+    """
+    from petl.bench.own_data import SHORT, read_record
+
+    records = [read_record(Path(folder)) for folder in (first, second)]
+    if records == [None, None]:
+        return  # registered tasks: the task name is the data's identity
+    ids = [(r or {}).get("fingerprint") for r in records]
+    if ids[0] != ids[1]:
+        said = [
+            f"{r['task']} {r['root']} (fingerprint {str(r.get('fingerprint'))[:SHORT]})" if r else "registered tasks"
+            for r in records
+        ]
+        raise ValueError(
+            f"{first} holds runs on {said[0]} and {second} on {said[1]}: different data, so one task's ranks would "
+            "compare nothing; compare folders of the same images"
+        )
 
 
 def label(board: Leaderboard) -> str:

