@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from petl.bench import notes, protocol, report
+from petl.bench import notes, protocol, ranking, report
 from petl.bench import suite as suites
 from petl.bench.args import CONFIGS_KEYS, as_bool, configs_folder, parse_args, split_list
 from petl.bench.own_run import OWN_DATA_KEYS, YES_FLAG, run_on_own_data
@@ -102,7 +102,10 @@ def _finish(summary: SweepSummary, output_dir: Path, own: dict[str, str], any_do
         # The whole suite's plan, even when methods=/tasks=/seeds= ran part of it: the rest shows as not run yet.
         plan = report.Plan(suite.name, tuple(suite.experiments), tuple(suite.tasks), tuple(suite.seeds))
         write_report(output_dir, configs_dir=configs_folder(own), plan=plan)
-        print(f"petl-bench: leaderboard written to {output_dir}/leaderboard.{{md,csv,html}} and pareto.png")
+        print(
+            f"petl-bench: leaderboard written to {output_dir}/leaderboard.{{md,csv,html}}, pareto.png and "
+            "critical_difference.png (when two complete rows can be compared)"
+        )
     return 1 if summary.failed else 0
 
 
@@ -203,10 +206,11 @@ def cmd_report(args: Sequence[str]) -> int:
     print(
         f"petl-bench: {len(board.rows)} experiments x {len(board.tasks)} tasks -> "
         f"{out}/leaderboard.{{md,csv,html}}, {out}/pareto.png"
+        + (f", {out}/{notes.CD_FILE}" if isinstance(board.ranking, ranking.Ranking) else "")
     )
     if plan is not None:
         print(f"petl-bench: {report.progress(board)}")
-    if board.published_names:
+    if board.published_names and notes.benchmark_tasks(board):
         print(f"petl-bench: {notes.ranking_line(board)}")
     return 0
 
