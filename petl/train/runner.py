@@ -134,6 +134,20 @@ def run(cfg: DictConfig, *, checked: bool = False) -> dict[str, Any]:
                 accelerator.end_training()
 
 
+def split_meaning(info: petl_data.DatasetInfo, split: str, images: int) -> str | None:
+    """What a split of the user's own data holds (``None`` for a benchmark's, whose name says it).
+
+    The protocol's split names come from VTAB-1k (800 training and 200 validation images); on a folder or a saved
+    dataset ``train800`` is the training images less the held-out val200, whatever their number.
+    """
+    if info.root != "required":
+        return None
+    if split == petl_data.TRAIN_VAL:
+        return f"{split}: every training image (val200 included): {images} images"
+    held = info.val_from_train or "the data's own validation split"
+    return f"{split}: the training images less val200 ({held}): {images} images"
+
+
 def method_label(cfg: DictConfig) -> str:
     """The method as configured: its name and the options that differ from its defaults (``adapter (style=parallel,
     dim=8)``), so that two experiments of one method read apart in a sweep's log.
@@ -213,6 +227,7 @@ def _train_and_record(cfg: DictConfig, resolved: dict[str, Any], out: Path, acce
     result.checkpoint_sha256 = inputs["model.checkpoint_sha256"]
     result.class_names = list(info.class_names or (str(i) for i in range(info.num_classes)))
     result.val_from_train, result.has_test_split = info.val_from_train, petl_data.TEST in info.splits
+    result.split_meaning = split_meaning(info, cfg.data.split, len(datasets["train"]))
     result.wall_seconds = round(progress.wall_seconds(), 2)
     card = load.model_card(
         model_cfg=resolved["model"], seed=cfg.seed, model=model, spec=build.eval_spec(cfg, model, info),

@@ -204,3 +204,20 @@ def test_the_committed_comparison_sections_rebuild_from_the_committed_runs(suite
         assert f"- {md_escape(line)}" in committed
     assert "\n".join(markdown_lines(report.rank_table(board))) in committed
     assert (folder / "critical_difference.png").is_file()
+
+
+def test_a_folder_runs_split_says_what_it_holds():
+    from petl import data as petl_data
+    from petl.data.folder import FOLDER_INFO
+    from petl.store.result import RunResult
+    from petl.train.runner import split_meaning
+
+    held = split_meaning(FOLDER_INFO, petl_data.TRAIN, 30)
+    assert held == "train800: the training images less val200 (the data's own validation split): 30 images"
+    holdout = FOLDER_INFO.__class__(**{**FOLDER_INFO.__dict__, "val_from_train": "20% of each class, seed 0"})
+    assert "less val200 (20% of each class, seed 0): 30 images" in split_meaning(holdout, petl_data.TRAIN, 30)
+    assert split_meaning(FOLDER_INFO, petl_data.TRAIN_VAL, 36).startswith("train800val200: every training image")
+    assert split_meaning(petl_data.get_info("mini/digits"), petl_data.TRAIN, 800) is None  # the name says it
+    record = RunResult("lora", "folder", 0, split="train800", split_meaning=held)
+    assert RunResult.from_json(record.to_json()).split_meaning == held
+    assert "split_meaning" not in RunResult("lora", "mini/digits", 0).to_json()  # benchmark records unchanged
