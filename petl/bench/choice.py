@@ -145,9 +145,9 @@ def _verdict(found: Ranking | str, best: ExperimentRow, runner: ExperimentRow) -
     if not isinstance(found, Ranking):
         return f"no test tells them apart or not ({found})"
     a, b = best.experiment, runner.experiment
-    blocks = plural(len(found.blocks), found.block) + " as blocks"
-    if found.block == "seed":
-        blocks += " (one task, so each seed is a block)"
+    blocks = f"each of the {plural(len(found.blocks), found.block)} a block" + (
+        " (one task)" if found.block == "seed" else ""
+    )
     k = plural(len(found.methods), "row")
     if found.differ(a, b):
         friedman = "" if math.isnan(found.p_value) else f" after Friedman's test over the {k} (p = {found.p_value:.2g})"
@@ -195,6 +195,10 @@ def write_choice(output_dir: Path, choice: Choice, estimate: dict[str, Any] | No
     """``choice.md``: the paragraph and the cost, beside the leaderboard."""
     path = Path(output_dir) / CHOICE_FILE
     lines = ["# Which method for this data", "", choice.paragraph, "", *cost_lines(estimate, measured), ""]
-    lines += ["The leaderboard: `leaderboard.md` (also `.csv`, `.html`, `pareto.png`) in this folder.", ""]
+    lines += [
+        "The leaderboard: `leaderboard.md` (also `.csv`, `.html`, `pareto.png`, `critical_difference.png`) in this "
+        "folder; its section *Which differences are real* gives the rank test in full.",
+        "",
+    ]
     path.write_text("\n".join(lines))
     return path

@@ -194,8 +194,9 @@ def progress(board: Leaderboard) -> str:
     missing = [e for e in plan.experiments if e not in rows]
     done = sum(runs_done(rows[e]) for e in plan.experiments if e in rows)
     parts = [
-        f"**Progress** of suite `{plan.suite}` ({len(plan.experiments)} experiments x {len(plan.tasks)} tasks x "
-        f"{len(plan.seeds)} seeds = {len(plan.experiments) * total} final runs): {done} finished.",
+        f"**Progress** of suite `{plan.suite}` ({plural(len(plan.experiments), 'experiment')} x "
+        f"{plural(len(plan.tasks), 'task')} x {plural(len(plan.seeds), 'seed')} = {len(plan.experiments) * total} "
+        f"final runs): {done} finished.",
         f"Complete rows ({len(complete)}): {', '.join(complete) or 'none yet'}.",
     ]
     if partial:

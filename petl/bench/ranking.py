@@ -253,7 +253,7 @@ def critical_difference_png(ranking: Ranking, title: str) -> bytes:
     fig = Figure(figsize=(10, 1.2 + 0.2 * len(methods)))
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
-    scikit_posthocs.critical_difference_diagram(
+    drawn = scikit_posthocs.critical_difference_diagram(
         pd.Series(ranking.mean_rank),
         pd.DataFrame(shown, index=methods, columns=methods),
         ax=ax,
@@ -261,6 +261,11 @@ def critical_difference_png(ranking: Ranking, title: str) -> bytes:
         label_fmt_left="{label} ({rank:.1f})",
         label_fmt_right="({rank:.1f}) {label}",
     )
+    # Each bar is a line through its methods' ranks in the order of a set, which changes with the process's string
+    # hashing; drawn left to right, the same bar gives the same pixels in every process.
+    for lines in drawn["crossbars"]:
+        for line in lines:
+            line.set_xdata(sorted(line.get_xdata()))
     ax.set_title(title, fontsize=9, pad=24)
     fig.tight_layout()
     return _png(fig)

@@ -67,7 +67,9 @@ def test_choose_runs_the_suite_on_a_folder_and_names_a_run_that_predicts(tmp_pat
     assert named.group(1) in within and within[named.group(1)] == within[best]
     assert "runner-up" in paragraph and "**Cost**: estimated" in paragraph
     # The rank test decides, with the seeds as blocks (one task): issue 50.
-    assert re.search(r"(cannot be told apart|differ) on this data \(.*2 seeds as blocks \(one task", paragraph)
+    assert re.search(
+        r"(cannot be told apart|differ) on this data \(.*each of the 2 seeds a block \(one task\)", paragraph
+    )
     # A folder is no benchmark task (issue 52): no published ordering, no benchmark groups, one task in the singular.
     board_md = (out / "leaderboard.md").read_text()
     assert "Rank correlation with the published" not in board_md and "groups —" not in board_md

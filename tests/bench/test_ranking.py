@@ -157,14 +157,14 @@ def test_choose_says_when_the_best_two_cannot_be_told_apart_and_names_the_smalle
     assert answer.best.experiment == "lora" and answer.runner_up.experiment == "linear"
     text = answer.paragraph
     assert "**lora** and **linear** cannot be told apart on this data" in text
-    assert "3 seeds as blocks (one task, so each seed is a block)" in text and "p = " in text
+    assert "each of the 3 seeds a block (one task)" in text and "p = " in text
     assert "is the smaller" in text and "seeds' spread" not in text
 
 
 def test_choose_says_when_the_best_two_differ(tmp_path):
     board = _choose_board(tmp_path, {"lora": 85.0, "linear": 80.0}, seeds=6)
     text = choice.choose(board, choice.Budget()).paragraph
-    assert "**lora** and **linear** differ on this data (Nemenyi's test, 6 seeds as blocks" in text
+    assert "**lora** and **linear** differ on this data (Nemenyi's test, each of the 6 seeds a block (one task)" in text
 
 
 def test_a_users_folder_board_names_no_groups_no_published_order_and_counts_one_task(tmp_path):
@@ -221,3 +221,26 @@ def test_a_folder_runs_split_says_what_it_holds():
     record = RunResult("lora", "folder", 0, split="train800", split_meaning=held)
     assert RunResult.from_json(record.to_json()).split_meaning == held
     assert "split_meaning" not in RunResult("lora", "mini/digits", 0).to_json()  # benchmark records unchanged
+
+
+def test_the_diagram_is_the_same_bytes_in_every_process():
+    """Same scores, same PNG: no date or version in it, and no drawing order taken from a set's hashing."""
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import sys; from petl.bench import ranking; "
+        f"found = ranking.rank_scores({NAMES!r}, {[[40.0, 30.0, 20.0, 10.0]] * 10!r}); "
+        "sys.stdout.buffer.write(ranking.critical_difference_png(found, 'four methods'))"
+    )
+    drawn = [
+        subprocess.run(
+            [sys.executable, "-c", script],
+            capture_output=True,
+            check=True,
+            env={**os.environ, "PYTHONHASHSEED": seed},
+        ).stdout
+        for seed in ("1", "2")
+    ]
+    assert drawn[0].startswith(b"\x89PNG") and drawn[0] == drawn[1]
