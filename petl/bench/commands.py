@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from petl.bench import notes, protocol, report
+from petl.bench import notes, protocol, ranking, report
 from petl.bench import suite as suites
 from petl.bench.args import (
     CONFIGS_KEYS,
@@ -66,8 +66,9 @@ def cmd_run(args: Sequence[str]) -> int:
     runs = plan(experiments, tasks, seeds, output_dir, suite.overrides(), overrides, suite)
     done = sum(r.is_done() for r in runs)
     print(
-        f"petl-bench: suite {suite.name}: {len(experiments)} experiments x {len(tasks)} tasks x {len(seeds)} seeds "
-        f"= {len(runs)} runs into {output_dir} ({done} already done)"
+        f"petl-bench: suite {suite.name}: {ranking.plural(len(experiments), 'experiment')} x "
+        f"{ranking.plural(len(tasks), 'task')} x {ranking.plural(len(seeds), 'seed')} = {len(runs)} runs "
+        f"into {output_dir} ({done} already done)"
     )
     if as_bool("dry_run", own.get("dry_run", "false")):
         for run in runs:
@@ -111,7 +112,10 @@ def _finish(summary: SweepSummary, output_dir: Path, own: dict[str, str], any_do
         # The whole suite's plan, even when methods=/tasks=/seeds= ran part of it: the rest shows as not run yet.
         plan = report.Plan(suite.name, tuple(suite.experiments), tuple(suite.tasks), tuple(suite.seeds))
         write_report(output_dir, configs_dir=configs_folder(own), plan=plan)
-        print(f"petl-bench: leaderboard written to {output_dir}/leaderboard.{{md,csv,html}} and pareto.png")
+        print(
+            f"petl-bench: leaderboard written to {output_dir}/leaderboard.{{md,csv,html}}, pareto.png and "
+            "critical_difference.png (when two complete rows can be compared)"
+        )
     if (idle := summary.idle_line()) is not None:
         print(f"petl-bench: {idle}")
     return 1 if summary.failed else 0
@@ -130,7 +134,8 @@ def run_selection(
     cells = protocol.plan_cells(suite, experiments, tasks, seeds, output_dir, overrides)
     trials = [t.run for cell in cells for t in cell.trials]
     print(
-        f"petl-bench: suite {suite.name}: {len(experiments)} experiments x {len(tasks)} tasks: {len(trials)} "
+        f"petl-bench: suite {suite.name}: {ranking.plural(len(experiments), 'experiment')} x "
+        f"{ranking.plural(len(tasks), 'task')}: {len(trials)} "
         f"selection trials on {protocol.SEARCH_SPLIT} (seed {suite.search_seed}, scored on val200), then "
         f"{len(seeds)} final runs per cell on {suite.final_split} into {output_dir} "
         f"({sum(r.is_done() for r in trials)} trials already done)"
@@ -213,12 +218,13 @@ def cmd_report(args: Sequence[str]) -> int:
     plan = report.plan_of(own["suite"], own.get("configs_dir")) if "suite" in own else None
     board = write_report(positional[0], out, own.get("configs_dir"), plan)
     print(
-        f"petl-bench: {len(board.rows)} experiments x {len(board.tasks)} tasks -> "
+        f"petl-bench: {ranking.plural(len(board.rows), 'experiment')} x {ranking.plural(len(board.tasks), 'task')} -> "
         f"{out}/leaderboard.{{md,csv,html}}, {out}/pareto.png"
+        + (f", {out}/{notes.CD_FILE}" if isinstance(board.ranking, ranking.Ranking) else "")
     )
     if plan is not None:
         print(f"petl-bench: {report.progress(board)}")
-    if board.published_names:
+    if board.published_names and notes.benchmark_tasks(board):
         print(f"petl-bench: {notes.ranking_line(board)}")
     return 0
 

@@ -3,7 +3,8 @@
 Each board is built from its runs (:func:`petl.bench.report.build_board`), never from a written leaderboard, and
 only complete rows count: a row short of a task or seed has a mean over other tasks, which ranks nothing.  An
 experiment's rank is its place among its own board's complete rows; Spearman's rho is computed over the
-experiments complete on both boards (their task means, :func:`petl.bench.published.rank_correlation`).
+experiments complete on both boards (their task means, :func:`petl.bench.published.rank_correlation`), with a
+95 % bootstrap interval over those experiments (seeded: the same runs give the same page).
 
 Own images (``suite=choose data=folder``) are one task named after the dataset (``folder``) in every results
 folder: two folders of different images would line up as one task.  Their ``data.json`` fingerprints
@@ -100,7 +101,10 @@ def markdown(comparison: Comparison) -> str:
     if math.isnan(rho):
         verdict = f"not computed: {len(shared)} experiment(s) are complete on both; it needs {MIN_RANKED}."
     else:
-        verdict = f"Spearman's rho = {rho:+.2f} over the {len(shared)} experiments complete on both boards."
+        verdict = (
+            f"Spearman's rho = {comparison.correlation.describe()} over the {len(shared)} experiments complete on "
+            "both boards."
+        )
     lines = [
         f"# {name_a} against {name_b}",
         "",

@@ -36,7 +36,7 @@ from torch.utils.data import DataLoader, Dataset
 
 import petl.methods  # noqa: F401  (importing the methods registers them)
 from petl import data as petl_data
-from petl.core import count_params, trainable_state
+from petl.core import count_params, get_method, trainable_state
 from petl.errors import DivergedError, RunError
 from petl.io import save_trainable
 from petl.store import files, load
@@ -136,6 +136,38 @@ def run(cfg: DictConfig, *, checked: bool = False) -> dict[str, Any]:
                 accelerator.end_training()
 
 
+def split_meaning(info: petl_data.DatasetInfo, split: str, images: int) -> str | None:
+    """What a split of the user's own data holds (``None`` for a benchmark's, whose name says it).
+
+    The protocol's split names come from VTAB-1k (800 training and 200 validation images); on a folder or a saved
+    dataset ``train800`` is the training images less the held-out val200, whatever their number.
+    """
+    if info.root != "required":
+        return None
+    if split == petl_data.TRAIN_VAL:
+        return f"{split}: every training image (val200 included): {images} images"
+    held = info.val_from_train or "the data's own validation split"
+    return f"{split}: the training images less val200 ({held}): {images} images"
+
+
+def method_label(cfg: DictConfig) -> str:
+    """The method as configured: its name and the options that differ from its defaults (``adapter (style=parallel,
+    dim=8)``), so that two experiments of one method read apart in a sweep's log.
+    """
+    name = cfg.method.name
+    defaults = {}
+    for f in dataclasses.fields(get_method(name).config_cls):
+        if f.default is not dataclasses.MISSING:
+            defaults[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            defaults[f.name] = f.default_factory()
+    changed = {k: v for k, v in config.method_options(cfg).items() if k in defaults and v != defaults[k]}
+    if not changed:
+        return name
+    shown = (f"{k}={','.join(map(str, v)) if isinstance(v, tuple | list) else v}" for k, v in changed.items())
+    return f"{name} ({', '.join(shown)})"
+
+
 def _train_and_record(cfg: DictConfig, resolved: dict[str, Any], out: Path, accelerator: Accelerator) -> dict[str, Any]:
     """The protocol: build, check the resume, train, evaluate test once, record."""
     started = time.perf_counter()
@@ -150,7 +182,7 @@ def _train_and_record(cfg: DictConfig, resolved: dict[str, Any], out: Path, acce
     if accelerator.is_main_process:
         size = build.eval_spec(cfg, model, info).image_size
         print(
-            f"training {cfg.method.name} on {cfg.data.name} ({len(datasets['train'])} images) at {size} px: "
+            f"training {method_label(cfg)} on {cfg.data.name} ({len(datasets['train'])} images) at {size} px: "
             f"{cfg.train.epochs} epochs, batch {cfg.train.batch_size}, lr {cfg.train.lr:g}",
             flush=True,
         )
@@ -197,6 +229,7 @@ def _train_and_record(cfg: DictConfig, resolved: dict[str, Any], out: Path, acce
     result.checkpoint_sha256 = inputs["model.checkpoint_sha256"]
     result.class_names = list(info.class_names or (str(i) for i in range(info.num_classes)))
     result.val_from_train, result.has_test_split = info.val_from_train, petl_data.TEST in info.splits
+    result.split_meaning = split_meaning(info, cfg.data.split, len(datasets["train"]))
     result.wall_seconds = round(progress.wall_seconds(), 2)
     card = load.model_card(
         model_cfg=resolved["model"], seed=cfg.seed, model=model, spec=build.eval_spec(cfg, model, info),

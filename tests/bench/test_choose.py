@@ -67,7 +67,17 @@ def test_choose_runs_the_suite_on_a_folder_and_names_a_run_that_predicts(tmp_pat
     named = re.search(r"\*\*(\w+)\*\* reaches ([\d.]+) %", paragraph)
     assert named is not None and float(named.group(2)) == pytest.approx(max(within.values()), abs=0.01)
     assert named.group(1) in within and within[named.group(1)] == within[best]
-    assert "runner-up" in paragraph and "seeds' spread" in paragraph and "**Cost**: estimated" in paragraph
+    assert "runner-up" in paragraph and "**Cost**: estimated" in paragraph
+    # The rank test decides, with the seeds as blocks (one task): issue 50.
+    assert re.search(
+        r"(cannot be told apart|differ) on this data \(.*each of the 2 seeds a block \(one task\)", paragraph
+    )
+    # A folder is no benchmark task (issue 52): no published ordering, no benchmark groups, one task in the singular.
+    board_md = (out / "leaderboard.md").read_text()
+    assert "Rank correlation with the published" not in board_md and "groups —" not in board_md
+    assert "1 task," in board_md and "1 tasks" not in board_md
+    record = json.loads((out / "folder" / named.group(1) / "seed0" / "result.json").read_text())
+    assert record["split"] == "train800val200" and record["split_meaning"].startswith("train800val200: every")
 
     run_dir = Path(re.search(r"`petl-predict (\S+) IMAGES`", paragraph).group(1))
     assert run_dir == out / "folder" / named.group(1) / "seed0"

@@ -270,7 +270,7 @@ def test_vtab_leaderboard_means_stds_ppt_and_published_columns(vtab_results):
 
     md = (vtab_results / "leaderboard.md").read_text()
     # The main table leads with what answers "which wins at what budget"; published figures sit in the details.
-    header, details = [line for line in md.splitlines() if line.startswith("| Experiment")]
+    header, details, *_ranks = [line for line in md.splitlines() if line.startswith("| Experiment")]
     assert header.startswith("| Experiment | Trainable M (%) | Task mean | Natural mean |") and "| dtd |" in header
     assert "ublished" not in header and "Published vtab1k task mean" in details
     assert "69.40 ± 0.71" in md and "vpt_deep *" in md
@@ -779,8 +779,8 @@ def test_a_cell_with_a_seed_that_did_not_learn_is_marked_and_named(tmp_path):
         (folder / "result.json").write_text(json.dumps({**record, "final_train_loss": losses[-1]}))
     write_report(tmp_path)
     page = (tmp_path / "leaderboard.md").read_text()
-    assert "37.00 ± 48.50 †2 |" in page and "86.00 ± 0.00 |" in page
-    assert "1 cells: lora mnist (seed 0, 2)" in page
+    assert "37.00 ± 48.50 †2 ‡ |" in page and "86.00 ± 0.00 |" in page
+    assert "1 cell: lora mnist (seed 0, 2)" in page
     rows = {r["experiment"]: r for r in csv.DictReader(io.StringIO((tmp_path / "leaderboard.csv").read_text()))}
     assert (
         rows["lora"]["mini/mnist_not_learned_seeds"] == "0 2" and rows["linear"]["mini/mnist_not_learned_seeds"] == ""
