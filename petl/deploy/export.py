@@ -26,8 +26,6 @@ FORMAT = "petl-export-1"
 FORMATS = (".safetensors", ".onnx", "")  # "": a timm folder
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"  # timm's names in a local-dir/hub folder
 ONNX_OPSET = 17
-# Files only a petl-run folder holds: ``out=`` in a folder holding one would write into a run.
-RUN_MARKERS = (files.MODEL_FILE, files.WEIGHTS_FILE, files.RESULT_FILE, files.CHECKPOINT_FILE)
 # Largest |difference| of logits accepted between onnxruntime and torch (fp32 kernels differ in rounding).
 ONNX_TOLERANCE = 1e-3
 
@@ -169,13 +167,13 @@ def check_target(run_dir: str | Path, out: str | Path, overwrite: bool = False) 
     target = out.resolve()
     if target.is_relative_to(Path(run_dir).resolve()):
         raise ValueError(f"out={out} is inside the run folder {run_dir}: export elsewhere (the run's files stay)")
-    for folder in [target, *target.parents]:
-        marker = next((name for name in RUN_MARKERS if (folder / name).is_file()), None)
-        if marker is not None:
-            raise ValueError(
-                f"out={out} is inside the run folder {folder} (it holds {marker}): export elsewhere "
-                "(a run's files are never replaced by an export)"
-            )
+    inside = files.enclosing_run(target)
+    if inside is not None:
+        folder, marker = inside
+        raise ValueError(
+            f"out={out} is inside the run folder {folder} (it holds {marker}): export elsewhere "
+            "(a run's files are never replaced by an export)"
+        )
     if out.suffix:
         if out.is_dir():
             raise ValueError(f"out={out} is a folder: name a new {out.suffix} file")

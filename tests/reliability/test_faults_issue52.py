@@ -98,6 +98,58 @@ def test_quiet_without_out_is_refused_before_anything_loads(tmp_path, capsys):
     )
 
 
+def _labelled_folder(root: Path, classes: int = 3) -> Path:
+    """``root/{train,test}/c<i>/*.png``: the class names of :func:`_run_folder`'s runs."""
+    for split in ("train", "test"):
+        for index in range(classes):
+            (root / split / f"c{index}").mkdir(parents=True)
+            for item in range(2):
+                _image(root / split / f"c{index}" / f"{item}.png")
+    return root
+
+
+def test_predict_writes_over_nothing_it_did_not_write_without_overwrite(tmp_path, capsys):
+    """Issue 52: petl-predict out=notes.csv replaced the user's file; out=/confusion= in another run's folder
+    replaced that run's files (only the runs given were checked)."""
+    run_dir, other = _run_folder(tmp_path / "run"), _run_folder(tmp_path / "other", seed=1)
+    (other / "result.json").write_text("{}")
+    image = _image(tmp_path / "a.png")
+    data = _labelled_folder(tmp_path / "images")
+    evaluate = ["data=folder", f"data.root={data}"]
+    mine = {name: tmp_path / name for name in ("notes.csv", "cm.png", "cm_run.png")}
+    for path in mine.values():
+        path.write_text(f"the user's own {path.name}")
+    others = {p.name: p.read_bytes() for p in other.iterdir()}
+
+    def refused(argv: list[str], message: str, runs: tuple[Path, ...] = (run_dir,)) -> None:
+        code, error = _main(predict_cli.main, [*map(str, runs), *argv], capsys)
+        assert code == 2 and message in error and error.count("\n") == 1, error
+
+    refused([str(image), f"out={mine['notes.csv']}"], f"{mine['notes.csv']} already exists: write elsewhere, or add")
+    refused([*evaluate, f"confusion={mine['cm.png']}"], "cm.png already exists")
+    # Several runs: each matrix goes to cm_<run>.png, each checked.
+    refused([*evaluate, f"confusion={mine['cm.png']}"], "cm_run.png already exists", (run_dir, other))
+    for target in (other / "preds.csv", other / "sub" / "p.csv", run_dir / "p.json"):
+        refused([str(image), f"out={target}", "overwrite=true"], "is inside the run folder")
+    refused([*evaluate, f"confusion={other / 'cm.png'}", "overwrite=true"], f"inside the run folder {other}")
+    refused([str(image), f"out={tmp_path / 'p.csv'}", "overwrite=yes"], "overwrite='yes': expected boolean")
+    # Options that act only on one side of data= are refused rather than ignored.
+    refused([*evaluate, f"out={tmp_path / 'p.csv'}"], "with data= it would write nothing: drop out=")
+    refused([str(image), f"confusion={tmp_path / 'new.png'}"], "confusion= acts only with data=")
+    assert {name: path.read_text() for name, path in mine.items()} == {n: f"the user's own {n}" for n in mine}
+    assert {p.name: p.read_bytes() for p in other.iterdir()} == others
+    assert not list(tmp_path.glob("p.*")) and not (tmp_path / "new.png").exists()
+    # Asked for, the files are replaced.
+    argv = [str(run_dir), str(image), f"out={mine['notes.csv']}", "overwrite=true", "--quiet"]
+    code, error = _main(predict_cli.main, argv, capsys)
+    assert code == 0, error
+    assert mine["notes.csv"].read_text().startswith("path,")
+    argv = [str(run_dir), *evaluate, f"confusion={mine['cm.png']}", "overwrite=true", "--quiet"]
+    code, error = _main(predict_cli.main, argv, capsys)
+    assert code == 0, error
+    assert Image.open(mine["cm.png"]).format == "PNG"
+
+
 def test_a_hidden_class_folder_with_images_is_named_in_a_warning(tmp_path, caplog):
     """Issue 52: a class folder named .purple was dropped silently.  Decision: names starting with '.' are not
     classes (.git, .ipynb_checkpoints; Hugging Face's imagefolder skips them too); one holding images is named."""

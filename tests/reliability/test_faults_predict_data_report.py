@@ -87,7 +87,7 @@ def test_predict_out_on_a_full_disk_keeps_the_earlier_complete_file(trained, tmp
     previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     resource.setrlimit(resource.RLIMIT_FSIZE, (len(before) // 2, hard))
     try:
-        code = _exit_code(predict_cli.main, argv)
+        code = _exit_code(predict_cli.main, [*argv, "overwrite=true"])
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
         signal.signal(signal.SIGXFSZ, previous)
@@ -517,7 +517,7 @@ def test_predict_out_inside_a_run_folder_is_refused(trained, capsys):
     card = (run / "model.json").read_bytes()
     capsys.readouterr()
     assert _exit_code(predict_cli.main, [str(run), str(root / "test"), f"out={run / 'model.json'}", "--quiet"]) == 2
-    assert "inside a run folder" in capsys.readouterr().err
+    assert f"is inside the run folder {run}" in capsys.readouterr().err
     assert (run / "model.json").read_bytes() == card
 
 
