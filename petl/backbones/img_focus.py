@@ -250,6 +250,11 @@ def weights_file() -> Path:
 
     """
     weights = weights_path()
+    # On every call, not only on a rebuild: a build killed (kill -9) and rerun within STALE_SECONDS leaves its
+    # temporary file younger than that, the rerun's build completes, and no later call would build again.
+    for path in (weights, provenance_path()):
+        for stale in remove_stale_temporaries(path):
+            log.info("removed %s, left by an interrupted conversion", stale)
     problem = _cache_problem(weights, provenance_path())
     if problem is not None:
         onnx_path = find_onnx()

@@ -32,6 +32,54 @@ def as_bool(key: str, value: str) -> bool:
     raise SystemExit(f"petl-bench: {key}={value}: expected true or false")
 
 
+# Every yes/no key of petl-bench may also be written as a flag: `--dry-run` is `dry_run=true`, `--yes` is `yes=true`.
+FLAGS = {"--yes": "yes", "--dry-run": "dry_run"}
+
+
+def flags_as_keys(args: Sequence[str]) -> list[str]:
+    """``--dry-run`` / ``--yes`` anywhere on the line as ``dry_run=true`` / ``yes=true``; another flag exits.
+
+    Raises:
+        SystemExit: a flag petl-bench does not take (one line listing those it does).
+
+    """
+    out = []
+    for arg in args:
+        if arg.startswith("--"):
+            if arg not in FLAGS:
+                raise SystemExit(f"petl-bench: unknown flag {arg!r}; petl-bench takes {', '.join(FLAGS)} and --debug")
+            arg = f"{FLAGS[arg]}=true"
+        out.append(arg)
+    return out
+
+
+def check_run_keys(overrides: Sequence[str], own: set[str]) -> None:
+    """Refuse a pass-through key that no run config has, listing petl-bench's own keys (a typo of one, say).
+
+    A key petl-bench does not take goes to every run's config; one whose first part is not a config key
+    (``dryrun=true``) would fail every run of the sweep, one by one, naming petl-run's keys only.
+
+    Raises:
+        SystemExit: one line naming the key, petl-bench's keys and the run config's top-level keys.
+
+    """
+    from petl.train.config import compose_config
+
+    roots = None
+    for arg in overrides:
+        key = arg.partition("=")[0].lstrip("+~")
+        root = key.split(".")[0].split("/")[0]
+        if root == "hydra":  # a launcher or sweeper of petl-bench commands' lines
+            continue
+        roots = roots or [str(k) for k in compose_config([])]
+        if root not in roots:
+            passed = ", ".join(f"{r}.*" if r in ("method", "data", "model", "train") else r for r in roots)
+            raise SystemExit(
+                f"petl-bench: unknown key {key!r}; petl-bench takes {', '.join(sorted(own))} (and "
+                f"{', '.join(FLAGS)}), and passes the run config's keys on to every run: {passed}"
+            )
+
+
 def parse_args(args: Sequence[str], known: set[str]) -> tuple[dict[str, str], list[str]]:
     """Split ``key=value`` arguments into the command's own keys and pass-through overrides.
 

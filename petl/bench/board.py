@@ -84,13 +84,16 @@ class Column:
 class TaskScore:
     """Top-1 (%) of one experiment on one task over its seeds; ``std`` is NaN below two seeds.
 
-    The mean keeps the seeds that did not learn (``not_learned``): a cell never drops a seed; it is marked.
+    The mean keeps the seeds that did not learn (``not_learned``) and the seeds far from the others
+    (``far_seeds``, :func:`petl.bench.ranking.far_seeds`): a cell never drops a seed; it is marked.
     """
 
     mean: float
     std: float
     seeds: tuple[int, ...]
     not_learned: tuple[int, ...] = ()  # the seeds whose training did not learn (petl.train.learning)
+    far_seeds: tuple[int, ...] = ()
+    tail_change: float = math.nan  # val top-1 change over the last epochs of the cell's curves (petl.bench.curves)
 
 
 @dataclass
@@ -149,6 +152,8 @@ class Plan:
 class Leaderboard:
     """Everything a report renders: the tasks and groups found, one row per experiment, and the columns.
 
+    ``saturated`` names the tasks every complete row has saturated (not ranked), ``ranking`` is the rank test of
+    the complete rows (:func:`petl.bench.ranking.rank_test`: a ``Ranking``, or the reason none was run).
     ``families`` maps an experiment to its method family (experiments without one are left out; they
     count as a family of their own, named after their method: :meth:`family`); ``published_names`` to the
     published row it stands for (``published:`` in its experiment file).  ``plan``, when the report was
@@ -168,6 +173,8 @@ class Leaderboard:
     skipped: list[Path] = field(default_factory=list)
     published_names: dict[str, str] = field(default_factory=dict)
     plan: Plan | None = None
+    saturated: list[str] = field(default_factory=list)
+    ranking: Any = None  # petl.bench.ranking.Ranking, or why no test ran
 
     @property
     def family_order(self) -> list[str]:

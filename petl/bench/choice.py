@@ -3,8 +3,11 @@
 Among the leaderboard's complete rows (every seed finished) within the user's budget (``budget.params=``:
 trainable parameters, head included, what a task stores; ``budget.train_seconds=``: the final runs' mean
 training time as recorded, on the machine that trained them), the best test top-1 mean is named with the
-runner-up, the gap between them and the seeds' spread (the two rows' standard deviations pooled), and the
-commands that use the chosen run (its lowest seed's folder: chosen before looking at the seeds' test numbers).
+runner-up, the gap between them and whether the rank test tells them apart (:func:`petl.bench.ranking.rank_test`
+over the rows within the budget: Friedman's test, then Nemenyi's; with the one task of a user's data, each seed
+is a block), and the commands that use the chosen run (its lowest seed's folder: chosen before looking at the
+seeds' test numbers).  The methods the answer could not weigh are named next to it: rows short of a seed (a
+failed or unfinished run) and the suite's experiments with no finished run at all.
 ``choice.md`` in the results folder holds the paragraph and the cost before the run against the real one.
 """
 
@@ -17,6 +20,7 @@ from typing import Any
 
 from petl.bench.board import ExperimentRow, Leaderboard
 from petl.bench.estimate import duration
+from petl.bench.ranking import Ranking, plural, rank_test
 
 CHOICE_FILE = "choice.md"
 BUDGET_KEYS = ("budget.params", "budget.train_seconds")
@@ -107,9 +111,10 @@ def choose(board: Leaderboard, budget: Budget, data: dict[str, Any] | None = Non
     over = [f"{r.experiment} ({budget.over(r)})" for r in complete if budget.over(r) is not None]
     where = f" on {data['task']} {data['root']} (fingerprint {data['fingerprint'][:12]})" if data else f" on {task}"
     head = f"**Which method for this data**{where}, {budget.describe()}: "
+    left_out = _left_out(board, complete)
     if not within:
         why = "no row is complete yet" if not complete else "every complete row is over it: " + ", ".join(over)
-        return Choice(None, None, None, head + f"nothing to choose, {why}.")
+        return Choice(None, None, None, head + f"nothing to choose, {why}{left_out}.")
     best = within[0]
     runner = within[1] if len(within) > 1 else None
     b = best.scores[task]
@@ -120,36 +125,65 @@ def choose(board: Leaderboard, budget: Budget, data: dict[str, Any] | None = Non
     )
     if runner is not None:
         r = runner.scores[task]
-        gap = b.mean - r.mean
-        spread = math.sqrt((b.std**2 + r.std**2) / 2)
         text += (
             f"; the runner-up, **{runner.experiment}**, reaches {r.mean:.2f} %{_std(r.std)} with "
-            f"{_params(runner.trainable)} parameters: {gap:.2f} points apart, "
+            f"{_params(runner.trainable)} parameters, {b.mean - r.mean:.2f} points apart: "
         )
-        if math.isnan(spread):
-            text += "and with one seed the seeds' spread is unknown (seeds=0,1,2 measures it)"
-        elif gap == 0:
-            text += f"a tie: either will do ({best.experiment} trains fewer parameters)"
-        elif spread == 0:
-            text += "and the seeds did not spread at all"
-        elif gap > 2 * spread:
-            text += f"{gap / spread:.1f} times the seeds' spread (pooled std {spread:.2f}): a clear difference"
-        else:
-            cheaper = min((best, runner), key=lambda row: row.trainable).experiment
-            text += (
-                f"{gap / spread:.1f} times the seeds' spread (pooled std {spread:.2f}): within the noise, "
-                f"either will do ({cheaper} trains fewer parameters)"
-            )
+        text += _verdict(rank_test(board, within), best, runner)
     else:
         text += "; no other row fits the budget"
     if over:
         text += f". Over the budget: {', '.join(over)}"
+    text += left_out
     run = chosen_run(best)
     text += f". Use it: `petl-predict {run} IMAGES`"
     if exportable(run):
         text += f", `petl-export {run} out=exported` (a plain timm model)"
     text += f", or `petl-serve {run}` (an HTTP endpoint)."
     return Choice(best, runner, run, text)
+
+
+def _left_out(board: Leaderboard, complete: list[ExperimentRow]) -> str:
+    """``. Not weighed (...): a (2 of 3 seeds), b (no finished run)`` for what the answer could not compare."""
+    planned = board.plan.experiments if board.plan is not None else ()
+    found = {row.experiment: row for row in board.rows}
+    missing = []
+    for row in board.rows:
+        if row not in complete:
+            seeds = {seed for score in row.scores.values() for seed in score.seeds}
+            wanted = f" of {len(board.plan.seeds)}" if board.plan is not None else ""
+            missing.append(f"{row.experiment} ({len(seeds)}{wanted} seed(s) finished)")
+    missing += [f"{name} (no finished run)" for name in planned if name not in found]
+    if not missing:
+        return ""
+    return (
+        f". Not weighed, since a run failed or has not finished (its error.log says which): {', '.join(missing)}; "
+        "run the same command again to finish them"
+    )
+
+
+def _verdict(found: Ranking | str, best: ExperimentRow, runner: ExperimentRow) -> str:
+    """Whether the rank test tells the best row from the runner-up, with its p value and blocks."""
+    if not isinstance(found, Ranking):
+        return f"no test tells them apart or not ({found})"
+    a, b = best.experiment, runner.experiment
+    blocks = f"each of the {plural(len(found.blocks), found.block)} a block" + (
+        " (one task)" if found.block == "seed" else ""
+    )
+    k = plural(len(found.methods), "row")
+    if found.differ(a, b):
+        friedman = "" if math.isnan(found.p_value) else f" after Friedman's test over the {k} (p = {found.p_value:.2g})"
+        return (
+            f"**{a}** and **{b}** differ on this data (Nemenyi's test{friedman}, {blocks}: "
+            f"p = {found.p_values[a][b]:.2g} < {found.alpha:g})"
+        )
+    if not found.omnibus_rejects:
+        test = f"Friedman's test over the {k} within the budget, {blocks}, does not reject that they rank alike: "
+        test += f"p = {found.p_value:.2g}"
+    else:
+        test = f"Nemenyi's test after Friedman's, {blocks}: p = {found.p_values[a][b]:.2g}"
+    smaller = min((best, runner), key=lambda row: row.trainable).experiment
+    return f"**{a}** and **{b}** cannot be told apart on this data ({test}); {smaller} is the smaller"
 
 
 def _std(std: float) -> str:
@@ -183,6 +217,10 @@ def write_choice(output_dir: Path, choice: Choice, estimate: dict[str, Any] | No
     """``choice.md``: the paragraph and the cost, beside the leaderboard."""
     path = Path(output_dir) / CHOICE_FILE
     lines = ["# Which method for this data", "", choice.paragraph, "", *cost_lines(estimate, measured), ""]
-    lines += ["The leaderboard: `leaderboard.md` (also `.csv`, `.html`, `pareto.png`) in this folder.", ""]
+    lines += [
+        "The leaderboard: `leaderboard.md` (also `.csv`, `.html`, `pareto.png`, `critical_difference.png`) in this "
+        "folder; its section *Which differences are real* gives the rank test in full.",
+        "",
+    ]
     path.write_text("\n".join(lines))
     return path

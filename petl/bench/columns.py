@@ -24,6 +24,7 @@ from petl.bench.board import (
 from petl.bench.collect import describe_run, format_option, mean, nanmax, nanmean, number
 from petl.bench.curves import CONVERGENCE_TAIL, convergence
 from petl.bench.published import PublishedRow, PublishedTable, ppt
+from petl.bench.ranking import RISING_POINTS, Ranking
 from petl.bench.table import Cell
 from petl.presets import FAMILIES
 
@@ -35,12 +36,40 @@ def _show_convergence(value: tuple[float, float]) -> Cell:
     return f"{mean:+.2f} (max {worst:.2f})", mean
 
 
+# The cell marks, each one rule (petl.bench.ranking): a seed far from the others, still learning at its last epochs.
+FAR_SEED_MARK = "‡"
+RISING_MARK = "↑"
+SATURATED_MARK = "(saturated)"
+
+
+def still_learning(score: TaskScore) -> bool:
+    """Whether the cell's val curve still rose by :data:`petl.bench.ranking.RISING_POINTS` at its last epochs."""
+    return score.tail_change >= RISING_POINTS
+
+
 def _score_cell(score: TaskScore | None) -> Cell:
     if score is None:
         return "–", ""
     mean, std = show_number(score.mean), show_number(score.std)
     text = mean[0] if math.isnan(score.std) else f"{mean[0]} ± {std[0]}"
-    return (f"{text} †{len(score.not_learned)}" if score.not_learned else text), score.mean
+    marks = [f"†{len(score.not_learned)}"] if score.not_learned else []
+    marks += [FAR_SEED_MARK] if score.far_seeds else []
+    marks += [RISING_MARK] if still_learning(score) else []
+    return " ".join([text, *marks]), score.mean
+
+
+def _ranked(board: Leaderboard, key: str) -> Callable[[ExperimentRow], Any]:
+    # A figure of the rank test for one row: its mean rank, interval ends or group letters; empty when unranked.
+    def value(row: ExperimentRow) -> Any:
+        found = board.ranking
+        if not isinstance(found, Ranking) or row.experiment not in found.mean_rank:
+            return math.nan if key != "groups" else ""
+        if key == "groups":
+            return found.letters(row.experiment)
+        low, high = found.interval[row.experiment]
+        return {"mean_rank": found.mean_rank[row.experiment], "low": low, "high": high}[key]
+
+    return value
 
 
 def task_labels(tasks: list[str]) -> dict[str, str]:
@@ -234,7 +263,7 @@ def leaderboard_columns(board: Leaderboard) -> list[Column]:
     columns += [
         Column(
             f"task:{t}",
-            labels[t],
+            f"{labels[t]} {SATURATED_MARK}" if t in board.saturated else labels[t],
             lambda row, t=t: row.scores.get(t),
             _score_cell,
             csv=lambda score, t=t: {
@@ -242,9 +271,19 @@ def leaderboard_columns(board: Leaderboard) -> list[Column]:
                 f"{t}_top1_std": rounded(score.std) if score else "",
                 f"{t}_seeds": " ".join(map(str, score.seeds)) if score else "",
                 f"{t}_not_learned_seeds": " ".join(map(str, score.not_learned)) if score else "",
+                f"{t}_far_seeds": " ".join(map(str, score.far_seeds)) if score else "",
+                f"{t}_val_tail_change": rounded(score.tail_change) if score else "",
+                f"{t}_saturated": int(t in board.saturated),
             },
         )
         for t in board.tasks
+    ]
+    # The rank test's figures for the CSV (the Markdown and HTML pages give them a section of their own).
+    columns += [
+        Column("mean_rank", None, _ranked(board, "mean_rank")),
+        Column("mean_rank_low", None, _ranked(board, "low")),
+        Column("mean_rank_high", None, _ranked(board, "high")),
+        Column("rank_groups", None, _ranked(board, "groups")),
     ]
     columns.append(
         Column(

@@ -11,10 +11,18 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from petl.bench import notes, protocol, report
+from petl.bench import notes, protocol, ranking, report
 from petl.bench import suite as suites
-from petl.bench.args import CONFIGS_KEYS, as_bool, configs_folder, parse_args, split_list
-from petl.bench.own_run import OWN_DATA_KEYS, YES_FLAG, run_on_own_data
+from petl.bench.args import (
+    CONFIGS_KEYS,
+    as_bool,
+    check_run_keys,
+    configs_folder,
+    flags_as_keys,
+    parse_args,
+    split_list,
+)
+from petl.bench.own_run import OWN_DATA_KEYS, run_on_own_data
 from petl.bench.report import write_report
 from petl.bench.sweep import PlannedRun, SweepSummary, plan, run_sweep
 from petl.store.result import ResultError
@@ -41,8 +49,9 @@ SWEEP_KEYS = {
 
 def cmd_run(args: Sequence[str]) -> int:
     """Run a suite (restricted by methods/tasks/seeds), skipping finished runs, then build the report."""
-    yes = YES_FLAG in args
-    own, overrides = parse_args([a for a in args if a != YES_FLAG], SWEEP_KEYS | OWN_DATA_KEYS)
+    own, overrides = parse_args(flags_as_keys(args), SWEEP_KEYS | OWN_DATA_KEYS)
+    check_run_keys(overrides, SWEEP_KEYS | OWN_DATA_KEYS)
+    yes = as_bool("yes", own.get("yes", "false"))
     configs = configs_folder(own)
     suite = suites.load_suite(own.get("suite", "mini"), configs)
     names = split_list(own["methods"]) if "methods" in own else suite.experiments
@@ -57,8 +66,9 @@ def cmd_run(args: Sequence[str]) -> int:
     runs = plan(experiments, tasks, seeds, output_dir, suite.overrides(), overrides, suite)
     done = sum(r.is_done() for r in runs)
     print(
-        f"petl-bench: suite {suite.name}: {len(experiments)} experiments x {len(tasks)} tasks x {len(seeds)} seeds "
-        f"= {len(runs)} runs into {output_dir} ({done} already done)"
+        f"petl-bench: suite {suite.name}: {ranking.plural(len(experiments), 'experiment')} x "
+        f"{ranking.plural(len(tasks), 'task')} x {ranking.plural(len(seeds), 'seed')} = {len(runs)} runs "
+        f"into {output_dir} ({done} already done)"
     )
     if as_bool("dry_run", own.get("dry_run", "false")):
         for run in runs:
@@ -102,7 +112,12 @@ def _finish(summary: SweepSummary, output_dir: Path, own: dict[str, str], any_do
         # The whole suite's plan, even when methods=/tasks=/seeds= ran part of it: the rest shows as not run yet.
         plan = report.Plan(suite.name, tuple(suite.experiments), tuple(suite.tasks), tuple(suite.seeds))
         write_report(output_dir, configs_dir=configs_folder(own), plan=plan)
-        print(f"petl-bench: leaderboard written to {output_dir}/leaderboard.{{md,csv,html}} and pareto.png")
+        print(
+            f"petl-bench: leaderboard written to {output_dir}/leaderboard.{{md,csv,html}}, pareto.png and "
+            "critical_difference.png (when two complete rows can be compared)"
+        )
+    if (idle := summary.idle_line()) is not None:
+        print(f"petl-bench: {idle}")
     return 1 if summary.failed else 0
 
 
@@ -119,7 +134,8 @@ def run_selection(
     cells = protocol.plan_cells(suite, experiments, tasks, seeds, output_dir, overrides)
     trials = [t.run for cell in cells for t in cell.trials]
     print(
-        f"petl-bench: suite {suite.name}: {len(experiments)} experiments x {len(tasks)} tasks: {len(trials)} "
+        f"petl-bench: suite {suite.name}: {ranking.plural(len(experiments), 'experiment')} x "
+        f"{ranking.plural(len(tasks), 'task')}: {len(trials)} "
         f"selection trials on {protocol.SEARCH_SPLIT} (seed {suite.search_seed}, scored on val200), then "
         f"{len(seeds)} final runs per cell on {suite.final_split} into {output_dir} "
         f"({sum(r.is_done() for r in trials)} trials already done)"
@@ -148,6 +164,7 @@ def cmd_commands(args: Sequence[str]) -> int:
     reads the same folders afterwards.  Nothing is run.
     """
     own, overrides = parse_args(args, SWEEP_KEYS - {"report", "dry_run", "progress"})
+    check_run_keys(overrides, SWEEP_KEYS - {"report", "dry_run", "progress"})
     configs = configs_folder(own)
     suite = suites.load_suite(own.get("suite", "mini"), configs)
     if suite.per_task:
@@ -201,29 +218,43 @@ def cmd_report(args: Sequence[str]) -> int:
     plan = report.plan_of(own["suite"], own.get("configs_dir")) if "suite" in own else None
     board = write_report(positional[0], out, own.get("configs_dir"), plan)
     print(
-        f"petl-bench: {len(board.rows)} experiments x {len(board.tasks)} tasks -> "
+        f"petl-bench: {ranking.plural(len(board.rows), 'experiment')} x {ranking.plural(len(board.tasks), 'task')} -> "
         f"{out}/leaderboard.{{md,csv,html}}, {out}/pareto.png"
+        + (f", {out}/{notes.CD_FILE}" if isinstance(board.ranking, ranking.Ranking) else "")
     )
     if plan is not None:
         print(f"petl-bench: {report.progress(board)}")
-    if board.published_names:
+    if board.published_names and notes.benchmark_tasks(board):
         print(f"petl-bench: {notes.ranking_line(board)}")
     return 0
 
 
 def cmd_compare(args: Sequence[str]) -> int:
-    """Compare the orderings of two results folders' leaderboards (see :mod:`petl.bench.compare`)."""
+    """Compare the orderings of two results folders' leaderboards (see :mod:`petl.bench.compare`).
+
+    ``out=FILE`` that exists is refused unless ``overwrite=true``: the page never replaces a file silently (a
+    folder's own ``leaderboard.md``, say).
+    """
     from petl.bench import compare
     from petl.store.files import write_text
 
-    usage = "usage: petl-bench compare RESULTS_A RESULTS_B [suites=NAME_A,NAME_B] [out=FILE] [configs_dir=DIR]"
+    usage = (
+        "usage: petl-bench compare RESULTS_A RESULTS_B [suites=NAME_A,NAME_B] [out=FILE [overwrite=true]] "
+        "[configs_dir=DIR]"
+    )
     positional = [a for a in args if "=" not in a]
-    own, rest = parse_args([a for a in args if "=" in a], {"suites", "out", "configs_dir"})
+    own, rest = parse_args([a for a in args if "=" in a], {"suites", "out", "overwrite", "configs_dir"})
     if len(positional) != 2 or rest:
         raise SystemExit(usage)
     names = split_list(own["suites"]) if "suites" in own else [None, None]
     if len(names) != 2:
         raise SystemExit(f"suites={own['suites']}: name two suites, one per results folder, as suites=A,B")
+    overwrite = as_bool("overwrite", own.get("overwrite", "false"))
+    if "overwrite" in own and "out" not in own:
+        raise SystemExit("petl-bench compare: overwrite= acts on out=FILE; give out= too, or leave overwrite= out")
+    if "out" in own and Path(own["out"]).exists() and not overwrite:
+        raise ValueError(f"{own['out']} exists; choose another out=, or pass overwrite=true to replace it")
+    compare.check_same_data(*positional)
     configs = own.get("configs_dir")
     boards = tuple(
         report.build_board(folder, configs, report.plan_of(name, configs) if name else None)

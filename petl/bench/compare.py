@@ -3,13 +3,19 @@
 Each board is built from its runs (:func:`petl.bench.report.build_board`), never from a written leaderboard, and
 only complete rows count: a row short of a task or seed has a mean over other tasks, which ranks nothing.  An
 experiment's rank is its place among its own board's complete rows; Spearman's rho is computed over the
-experiments complete on both boards (their task means, :func:`petl.bench.published.rank_correlation`).
+experiments complete on both boards (their task means, :func:`petl.bench.published.rank_correlation`), with a
+95 % bootstrap interval over those experiments (seeded: the same runs give the same page).
+
+Own images (``suite=choose data=folder``) are one task named after the dataset (``folder``) in every results
+folder: two folders of different images would line up as one task.  Their ``data.json`` fingerprints
+(:mod:`petl.bench.own_data`) must therefore agree, else the comparison is refused (:func:`check_same_data`).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 from petl.bench.board import Leaderboard
 from petl.bench.published import MIN_RANKED, RankCorrelation, rank_correlation
@@ -46,6 +52,30 @@ class Comparison:
         return self.correlation.methods
 
 
+def check_same_data(first: str | Path, second: str | Path) -> None:
+    """Refuse two results folders of own data whose images differ (their ``data.json`` fingerprints).
+
+    Raises:
+        ValueError: one line naming both folders and their data.
+
+    """
+    from petl.bench.own_data import SHORT, read_record
+
+    records = [read_record(Path(folder)) for folder in (first, second)]
+    if records == [None, None]:
+        return  # registered tasks: the task name is the data's identity
+    ids = [(r or {}).get("fingerprint") for r in records]
+    if ids[0] != ids[1]:
+        said = [
+            f"{r['task']} {r['root']} (fingerprint {str(r.get('fingerprint'))[:SHORT]})" if r else "registered tasks"
+            for r in records
+        ]
+        raise ValueError(
+            f"{first} holds runs on {said[0]} and {second} on {said[1]}: different data, so one task's ranks would "
+            "compare nothing; compare folders of the same images"
+        )
+
+
 def label(board: Leaderboard) -> str:
     """A board's name: ``suite NAME`` when it was built with a suite's plan, else its folder."""
     return f"suite {board.plan.suite}" if board.plan is not None else str(board.results_dir)
@@ -71,7 +101,10 @@ def markdown(comparison: Comparison) -> str:
     if math.isnan(rho):
         verdict = f"not computed: {len(shared)} experiment(s) are complete on both; it needs {MIN_RANKED}."
     else:
-        verdict = f"Spearman's rho = {rho:+.2f} over the {len(shared)} experiments complete on both boards."
+        verdict = (
+            f"Spearman's rho = {comparison.correlation.describe()} over the {len(shared)} experiments complete on "
+            "both boards."
+        )
     lines = [
         f"# {name_a} against {name_b}",
         "",

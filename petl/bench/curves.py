@@ -64,9 +64,13 @@ def tail_change(values: tuple[float, ...] | list[float], tail: float = CONVERGEN
 
 
 def row_curves(row: ExperimentRow) -> dict[str, list[ValCurve]]:
+    return run_curves(row.runs)
+
+
+def run_curves(runs: list[RunRecord]) -> dict[str, list[ValCurve]]:
     # Per task, each distinct curve once: the seeds of one selected point share their search trial.
     out: dict[str, dict[Path, ValCurve]] = {}
-    for run in sorted(row.runs, key=lambda r: (r.task, r.seed)):
+    for run in sorted(runs, key=lambda r: (r.task, r.seed)):
         if (curve := val_curve(run)) is not None:
             out.setdefault(run.task, {}).setdefault(curve.source, curve)
     return {task: list(curves.values()) for task, curves in out.items()}

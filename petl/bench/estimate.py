@@ -6,17 +6,22 @@ of the run's size and batch.  Where the run would cache the frozen front of the 
 (:mod:`petl.train.cache`), the front is timed once per image and the steps on the cached tensors, as the run
 trains.  A run's time is then
 
-    fixed + build + decode (its splits' images, at the rate measured while fingerprinting the data)
+    fixed + epochs x per_epoch
+    + build + decode (its splits' images, at the rate measured while fingerprinting the data)
     + epochs x (train images x step time per image + val images x eval time per image)   [trials]
     + train images x front time + test images x eval time                                 [finals]
 
-summed over the runs not finished yet.  ``fixed`` is what a run costs besides those (the run folder's
-checks and records, the accelerator, a checkpoint per epoch, the model card): one real run of the first
-experiment, one epoch on :data:`PROBE_IMAGES` images of each split, is timed whole and what the terms above
-account for is taken off.  What it leaves out: calibration hooks (SCT, GPS, NOAH's search), mixed precision
-(steps are timed in fp32 on the device the run would use), and a machine's load changing between the
-estimate and the runs.  ``benchmarks/choose_estimate.py`` compares the
-estimate with the measured time.
+summed over the runs not finished yet.  ``fixed`` and ``per_epoch`` are what a run costs besides the terms
+above (the run folder's checks and records, the accelerator, the loaders started each epoch, a checkpoint per
+epoch, the model card): two real runs of the first experiment on :data:`PROBE_IMAGES` images of each split,
+of one and of two epochs, are timed whole and what the terms above account for is taken off; their
+difference is the cost of one more epoch.  On small data these can dominate (one run's per-epoch costs counted
+once, an estimate fell short by half and more), so the console line says how much of the total they are.  The
+range said with it comes from the measurements' own spread: the slowest and fastest of the timed steps.
+What it leaves out: calibration hooks (SCT, GPS, NOAH's search), mixed precision (steps are timed in fp32 on
+the device the run would use), a selection trial's per-epoch val pass beyond its images, and a machine's load
+changing between the estimate and the runs.  Each measurement is said as it starts (building a backbone
+takes seconds to minutes).  ``benchmarks/choose_estimate.py`` compares the estimate with the measured time.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import logging
 import math
 import statistics
 import time
@@ -54,6 +60,7 @@ class Probe:
         front_seconds: per image, the cached front's one forward (0 where the run caches nothing).
         batch: the batch the steps were timed at.
         image_size: the input size.
+        spread: the slowest of the timed training steps over the fastest: how far one step's time varied here.
 
     """
 
@@ -63,6 +70,7 @@ class Probe:
     front_seconds: float
     batch: int
     image_size: int
+    spread: float = 1.0  # the slowest timed training step over the fastest (>= 1)
 
 
 @dataclass
@@ -91,6 +99,7 @@ class Estimate:
     sizes: dict[str, int]
     device: str
     fixed_seconds: float = 0.0
+    per_epoch_seconds: float = 0.0
     measure_seconds: float = 0.0  # what measuring took
     measured_at: str = field(default_factory=lambda: time.strftime("%Y-%m-%d %H:%M:%S"))
 
@@ -125,12 +134,28 @@ class Estimate:
                 f"{p.build_seconds:.1f} s, "
                 f"{1000 * p.step_seconds:.2f} ms per training image at batch {p.batch}, {p.image_size} px)"
             )
+        low, high = self.range()
+        overhead = sum(
+            (e.trials + e.finals) * (self.fixed_seconds + e.epochs * self.per_epoch_seconds) for e in self.experiments
+        )
+        share = 100 * overhead / self.seconds if self.seconds > 0 else 0.0
         out.append(
-            f"estimated wall time on this machine ({self.device}): {duration(self.seconds)} "
-            f"(with {self.fixed_seconds:.1f} s per run for its records and checks; measuring took "
-            f"{duration(self.measure_seconds)})"
+            f"estimated wall time on this machine ({self.device}): {duration(self.seconds)}, between "
+            f"{duration(low)} and {duration(high)} by the timed steps' spread; {share:.0f} % of it is each run's "
+            f"records, checks and loaders ({self.fixed_seconds:.1f} s per run + {self.per_epoch_seconds:.1f} s per "
+            f"epoch, timed on a tiny real run); measuring took {duration(self.measure_seconds)}"
         )
         return out
+
+    def range(self) -> tuple[float, float]:
+        """The total with every experiment's modelled terms at its fastest and at its slowest timed step."""
+        low = high = 0.0
+        for e in self.experiments:
+            spread = e.probe.spread if e.probe is not None else 1.0
+            overhead = (e.trials + e.finals) * (self.fixed_seconds + e.epochs * self.per_epoch_seconds)
+            low += overhead + (e.seconds - overhead) / spread
+            high += overhead + (e.seconds - overhead) * spread
+        return low, high
 
     def write(self, output_dir: Path) -> None:
         """``estimate.json``: the estimate, kept for the report's comparison with the real time."""
@@ -138,6 +163,8 @@ class Estimate:
             "measured_at": self.measured_at,
             "device": self.device,
             "fixed_seconds_per_run": round(self.fixed_seconds, 2),
+            "fixed_seconds_per_epoch": round(self.per_epoch_seconds, 2),
+            "range_seconds": [round(x, 1) for x in self.range()],
             "measure_seconds": round(self.measure_seconds, 1),
             "seconds": round(self.seconds, 1),
             "runs": self.runs,
@@ -162,19 +189,26 @@ def duration(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h"
 
 
-def estimate(cells: Sequence[Cell], data: OwnData, compose: Callable[[list[str]], Any] | None = None) -> Estimate:
+def estimate(
+    cells: Sequence[Cell],
+    data: OwnData,
+    compose: Callable[[list[str]], Any] | None = None,
+    say: Callable[[str], None] = lambda line: None,
+) -> Estimate:
     """Measure each experiment here and add up the cost of the cells' runs not finished yet.
 
     Args:
         cells: a searching suite's cells on the user's data (:func:`petl.bench.protocol.plan_cells`).
         data: the data (split sizes, decode time per image).
         compose: overrides -> run config (``petl.train.config.default_config`` unless given).
+        say: told a line as each measurement starts (the console's progress: a backbone takes a while to build).
 
     """
     if compose is None:
         from petl.train.config import default_config as compose
     costs, device, fixed, tick = [], "cpu", None, time.perf_counter()
-    for cell in cells:
+    per_epoch = 0.0
+    for index, cell in enumerate(cells, start=1):
         trials = [t.run for t in cell.trials]
         finals = cell.finals({})  # the folders do not depend on the point chosen
         todo_trials = sum(not r.is_done() for r in trials)
@@ -184,14 +218,18 @@ def estimate(cells: Sequence[Cell], data: OwnData, compose: Callable[[list[str]]
         if not todo_trials + todo_finals:  # finished: nothing to measure
             costs.append(ExperimentCost(cell.experiment.name, 0, 0, 0.0, 0.0, epochs, None))
             continue
+        say(f"measuring {cell.experiment.name} ({index}/{len(cells)}): building it, timing {TIMED_STEPS} steps")
         probe, device = measure(cfg, data)
         if fixed is None:
-            fixed = fixed_seconds(list(finals[0].overrides), probe, data, compose)
-        trial = fixed + run_seconds(probe, data, epochs, final=False)
-        final = fixed + run_seconds(probe, data, epochs, final=True)
+            say(f"timing two tiny real runs (1 and 2 epochs on {PROBE_IMAGES} images) for each run's own costs")
+            fixed, per_epoch = fixed_seconds(list(finals[0].overrides), probe, data, compose)
+        trial = fixed + epochs * per_epoch + run_seconds(probe, data, epochs, final=False)
+        final = fixed + epochs * per_epoch + run_seconds(probe, data, epochs, final=True)
         costs.append(ExperimentCost(cell.experiment.name, todo_trials, todo_finals, trial, final, epochs, probe))
     spent = time.perf_counter() - tick
-    return Estimate(costs, dict(data.sizes), device, fixed_seconds=fixed or 0.0, measure_seconds=spent)
+    return Estimate(
+        costs, dict(data.sizes), device, fixed_seconds=fixed or 0.0, per_epoch_seconds=per_epoch, measure_seconds=spent
+    )
 
 
 def run_seconds(probe: Probe, data: OwnData, epochs: int, final: bool, subset: int | None = None) -> float:
@@ -215,11 +253,15 @@ def run_seconds(probe: Probe, data: OwnData, epochs: int, final: bool, subset: i
     )
 
 
-def fixed_seconds(overrides: list[str], probe: Probe, data: OwnData, compose: Callable[[list[str]], Any]) -> float:
-    """What a run costs besides the modelled terms: one tiny real final run timed whole, less its modelled seconds.
+def fixed_seconds(
+    overrides: list[str], probe: Probe, data: OwnData, compose: Callable[[list[str]], Any]
+) -> tuple[float, float]:
+    """What a run costs besides the modelled terms: per run and per epoch, from two tiny real final runs.
 
-    It goes through the sweep (:func:`petl.bench.sweep.run_sweep`: the folder's checks, its lock, the config
-    composed), as every run will.
+    Runs of one and of two epochs are timed whole, less their modelled seconds; the difference is one more
+    epoch's cost (its loaders started, its checkpoint written), the rest the run's own.  They go through the
+    sweep (:func:`petl.bench.sweep.run_sweep`: the folder's checks, its lock, the config composed), as every
+    run will.
 
     Args:
         overrides: a final run's overrides (``output_dir=`` last, replaced by a temporary folder).
@@ -227,26 +269,44 @@ def fixed_seconds(overrides: list[str], probe: Probe, data: OwnData, compose: Ca
         data: the data (decode time per image).
         compose: overrides -> run config.
 
+    Returns:
+        Seconds per run and seconds per epoch (each at least 0).
+
     Raises:
-        ValueError: the tiny run failed (its error log is named): the real runs would fail the same way.
+        ValueError: a tiny run failed (its error log is named): the real runs would fail the same way.
 
     """
+    one, two = (
+        _probe_run(overrides, epochs, compose) - run_seconds(probe, data, epochs, final=True, subset=PROBE_IMAGES)
+        for epochs in (1, 2)
+    )
+    per_epoch = max(0.0, two - one)
+    return max(0.0, one - per_epoch), per_epoch
+
+
+def _probe_run(overrides: list[str], epochs: int, compose: Callable[[list[str]], Any]) -> float:
+    """Seconds of one real final run of ``epochs`` epochs on :data:`PROBE_IMAGES` images, in a temporary folder."""
     import tempfile
 
     from petl.bench.sweep import ERROR_FILE, PlannedRun, run_sweep
 
     with tempfile.TemporaryDirectory(prefix="petl-estimate-") as folder:
         run_dir = Path(folder) / "run"
-        extra = ["train.epochs=1", f"data.subset={PROBE_IMAGES}", "train.progress=false", f"output_dir={run_dir}"]
-        run = PlannedRun("probe", "probe", 0, run_dir, (*overrides[:-1], *extra))
+        extra = [f"train.epochs={epochs}", f"data.subset={PROBE_IMAGES}", "train.progress=false"]
+        run = PlannedRun("probe", "probe", 0, run_dir, (*overrides[:-1], *extra, f"output_dir={run_dir}"))
         tick = time.perf_counter()
-        with contextlib.redirect_stdout(io.StringIO()):  # its "training ..." line is not one of the user's runs
-            summary = run_sweep([run], compose_fn=compose, progress=False)
+        # Its "training ..." line and its warnings (a 4-image run takes few steps) are not about the user's runs.
+        logging.disable(logging.WARNING)
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):
+                summary = run_sweep([run], compose_fn=compose, progress=False)
+        finally:
+            logging.disable(logging.NOTSET)
         whole = time.perf_counter() - tick
         if summary.failed:
             error = (run_dir / ERROR_FILE).read_text().strip().splitlines()[-1:]
             raise ValueError(f"a one-epoch run to measure the cost failed: {' '.join(error) or summary.failed[0]}")
-    return max(0.0, whole - run_seconds(probe, data, 1, final=True, subset=PROBE_IMAGES))
+    return whole
 
 
 def measure(cfg: Any, data: OwnData, steps: int = TIMED_STEPS) -> tuple[Probe, str]:
@@ -289,15 +349,23 @@ def measure(cfg: Any, data: OwnData, steps: int = TIMED_STEPS) -> tuple[Probe, s
         optimizer.zero_grad(set_to_none=True)
 
     engine.set_train_mode(trainee, engine.backbone_mode(model, settings))
-    step_seconds = _median(step, steps, device) / batch
+    step_times = _times(step, steps, device)
+    step_seconds = statistics.median(step_times) / batch
     trainee.eval()
     with torch.no_grad():
         eval_seconds = _median(lambda: trainee(images), steps, device) / batch
-    return Probe(build_seconds, step_seconds, eval_seconds, front_seconds, batch, size), device
+    spread = max(step_times) / max(1e-9, min(step_times))
+    return Probe(build_seconds, step_seconds, eval_seconds, front_seconds, batch, size, spread), device
 
 
 def _median(fn: Callable[[], Any], steps: int, device: str) -> float:
     """Median seconds of ``steps`` calls after :data:`WARMUP_STEPS` untimed ones."""
+    times = _times(fn, steps, device)
+    return statistics.median(times) if times else math.nan
+
+
+def _times(fn: Callable[[], Any], steps: int, device: str) -> list[float]:
+    """Seconds of each of ``steps`` calls after :data:`WARMUP_STEPS` untimed ones."""
     import torch
 
     times = []
@@ -308,4 +376,4 @@ def _median(fn: Callable[[], Any], steps: int, device: str) -> float:
             torch.cuda.synchronize()
         if index >= WARMUP_STEPS:
             times.append(time.perf_counter() - tick)
-    return statistics.median(times) if times else math.nan
+    return times

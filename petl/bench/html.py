@@ -16,6 +16,7 @@ sorted view linkable (and lets the tests check the sorting in a real browser).
 from __future__ import annotations
 
 import base64
+from dataclasses import dataclass
 from html import escape
 
 from petl.bench.table import Table
@@ -101,6 +102,16 @@ def _table(table: Table, table_id: str, css_class: str = "") -> str:
     )
 
 
+@dataclass(frozen=True)
+class Section:
+    """A section of its own under the legend: a heading, Markdown-lite lines, a table and a figure (each optional)."""
+
+    title: str
+    lines: list[str]
+    table: Table | None = None
+    png: bytes | None = None
+
+
 def render_html(
     title: str,
     leaderboard: Table,
@@ -109,6 +120,7 @@ def render_html(
     figures: list[tuple[str, bytes]],
     extra: list[Table],
     summary: str = "",
+    section: Section | None = None,
 ) -> str:
     """The page: main table, legend, first figure, details table, further figures, then the extra tables.
 
@@ -121,6 +133,7 @@ def render_html(
             the others follow the details table.
         extra: further tables (the published per-task figures), each under its title and source.
         summary: a line under the title (what the page holds).
+        section: a section after the first figure (the rank test: its sentences, table and diagram).
 
     """
 
@@ -142,6 +155,16 @@ def render_html(
     ]
     for heading, png in figures[:1]:
         parts += figure(heading, png)
+    if section is not None:
+        parts += [
+            f"<h2>{escape(section.title)}</h2>",
+            "<ul>" + "".join(f"<li>{_inline_markdown(escape(n))}</li>" for n in section.lines) + "</ul>",
+        ]
+        if section.table is not None:
+            parts.append(_table(section.table, "ranks"))
+        if section.png is not None:
+            encoded = base64.b64encode(section.png).decode()
+            parts.append(f'<img alt="{escape(section.title)}" src="data:image/png;base64,{encoded}">')
     parts += [f"<h2>{escape(details.title)}</h2>", _table(details, "details", "details")]
     for heading, png in figures[1:]:
         parts += figure(heading, png)

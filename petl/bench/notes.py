@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+from petl.bench import ranking
 from petl.bench.board import (
     DIFFERENT_BACKBONE,
     NO_PUBLISHED_ROW,
@@ -13,7 +14,8 @@ from petl.bench.board import (
 from petl.bench.collect import (
     set_aside_files,
 )
-from petl.bench.columns import task_labels
+from petl.bench.columns import FAR_SEED_MARK, RISING_MARK, SATURATED_MARK, still_learning, task_labels
+from petl.bench.curves import CONVERGENCE_TAIL
 from petl.bench.published import (
     MIN_RANKED,
     TABLES,
@@ -21,6 +23,7 @@ from petl.bench.published import (
     RankCorrelation,
     rank_correlation,
 )
+from petl.bench.ranking import plural
 from petl.store.result import read_result
 
 
@@ -28,12 +31,18 @@ def notes(board: Leaderboard) -> list[str]:
     """The legend every rendering carries: what each summary column means and where published figures come from."""
     members = {g: [t.rsplit("/", 1)[-1] for t in board.tasks if board.groups[t] == g] for g in board.group_names}
     group_text = "; ".join(f"{g}: {', '.join(names)}" for g, names in members.items())
+    # A user's own data (a folder, a saved dataset) belongs to no benchmark group: its registry entry's group is a
+    # default, not a finding.
+    groups = (
+        f" **Group mean** = mean of the group averages (as VPT, NOAH and Adapter+ report), groups — {group_text}."
+        if benchmark_tasks(board)
+        else ""
+    )
     lines = [
         f"Measured by petl on {', '.join(board.models)}; top-1 test accuracy (%) as mean ± sample standard "
         "deviation over seeds (no ± with one seed).",
-        f"**Task mean** = unweighted mean over the {len(board.tasks)} tasks of the per-task means (V-PETL's "
-        "`task_mean`). **Group mean** = mean of the group averages (as VPT, NOAH and Adapter+ report), "
-        f"groups — {group_text}.",
+        f"**Task mean** = unweighted mean over the {plural(len(board.tasks), 'task')} of the per-task means "
+        f"(V-PETL's `task_mean`).{groups}",
         "**PPT** = M·exp(−log10(P/C + 1)), M = task mean as a fraction, P = trainable parameters without the "
         "head (mean over runs), C = 10^7 (V-PETL Bench).",
         "Trainable counts are means over runs (the head's size follows each task's classes); % is of all "
@@ -43,7 +52,7 @@ def notes(board: Leaderboard) -> list[str]:
         "`*` after an experiment: it has not run on every task, or with every seed, yet, so its means cover "
         "fewer tasks or seeds.",
     ]
-    lines += [line for line in (not_learned_line(board), set_aside_line(board)) if line]
+    lines += [line for line in (not_learned_line(board), *flag_lines(board), set_aside_line(board)) if line]
     if board.plan is not None:
         lines.append(progress(board))
     if board.compute is not None:
@@ -56,7 +65,7 @@ def notes(board: Leaderboard) -> list[str]:
             f"(a field missing or malformed; each named in a warning when this report was built): {names}."
         )
     lines += [c.note for c in board.columns if c.note]
-    if board.published_names:
+    if board.published_names and benchmark_tasks(board):
         lines.append(ranking_line(board))
     for table in board.tables:
         lines.append(
@@ -65,6 +74,62 @@ def notes(board: Leaderboard) -> list[str]:
             f"beside experiments run on the published backbone (`{table.backbone}`, pretrained): otherwise the "
             f'row column says "{DIFFERENT_BACKBONE}"; "{NO_PUBLISHED_ROW}" means the experiment file names no '
             "row of this table (`published:`)."
+        )
+    return lines
+
+
+def benchmark_tasks(board: Leaderboard) -> bool:
+    """Whether every task of the board is a benchmark's (registered by petl), none a user's own data.
+
+    Only then is the board's order compared with a published one, and its tasks' groups named.
+    """
+    from petl.bench.own_data import is_own_data
+
+    def own(task: str) -> bool:
+        try:
+            return is_own_data(task)
+        except (KeyError, ValueError):
+            return False  # a task this process does not know: a plugin's benchmark, not a folder
+
+    return not any(own(t) for t in board.tasks)
+
+
+def flag_lines(board: Leaderboard) -> list[str]:
+    """The legend's lines on the cells marked ‡ (a seed far from the others) and ↑ (still learning), and on the
+    saturated tasks; each states its rule and counts what it marks.
+    """
+    labels = task_labels(board.tasks)
+    far = [
+        f"{row.experiment} {labels[t]} (seed {', '.join(map(str, s.far_seeds))}: "
+        + ", ".join(f"{v:.1f}" for _, v in sorted(ranking.seed_scores(row, t).items()))
+        + ")"
+        for row in board.rows
+        for t, s in row.scores.items()
+        if s.far_seeds
+    ]
+    rising = [
+        f"{row.experiment} {labels[t]} ({s.tail_change:+.1f})"
+        for row in board.rows
+        for t, s in row.scores.items()
+        if still_learning(s)
+    ]
+    tail = f"{CONVERGENCE_TAIL:.0%}"
+    lines = [
+        f"**{FAR_SEED_MARK}**: a seed lies more than {ranking.FAR_SEED_POINTS:g} points of test top-1 from the median "
+        "of the cell's seeds (with three seeds: from the middle one), so the cell's mean stands between two "
+        f"outcomes; the mean keeps every seed. {plural(len(far), 'cell')}" + (f": {'; '.join(far)}." if far else "."),
+        f"**{RISING_MARK}**: still learning, the val top-1 of the trial the cell was selected from rose by "
+        f"{ranking.RISING_POINTS:g} points or more over the last {tail} of its epochs (the details table's Val Δ; "
+        f"about twice the noise of two val200 accuracies): a longer schedule may move the cell. "
+        f"{plural(len(rising), 'cell')}" + (f": {'; '.join(rising)}." if rising else "."),
+    ]
+    if board.saturated:
+        names = ", ".join(labels[t] for t in board.saturated)
+        lines.append(
+            f"**{SATURATED_MARK}**: every complete row scores within {ranking.SATURATED_POINTS:g} points of 100 % "
+            f"on {names}; the methods differ there by a few test images, so the rank test leaves "
+            f"{'it' if len(board.saturated) == 1 else 'them'} out. The table and the means keep "
+            f"{'it' if len(board.saturated) == 1 else 'them'}."
         )
     return lines
 
@@ -83,7 +148,7 @@ def not_learned_line(board: Leaderboard) -> str:
     return (
         f"**† k**: k of the cell's seeds did not learn (final train loss not finite, not below its first "
         f"epoch's, or at chance, ln(classes): `petl.train.learning`); the cell's mean and ± include them, so a "
-        f"finding must not rest on such a cell. {len(cells)} cells: {'; '.join(cells)}."
+        f"finding must not rest on such a cell. {plural(len(cells), 'cell')}: {'; '.join(cells)}."
     )
 
 
@@ -129,8 +194,9 @@ def progress(board: Leaderboard) -> str:
     missing = [e for e in plan.experiments if e not in rows]
     done = sum(runs_done(rows[e]) for e in plan.experiments if e in rows)
     parts = [
-        f"**Progress** of suite `{plan.suite}` ({len(plan.experiments)} experiments x {len(plan.tasks)} tasks x "
-        f"{len(plan.seeds)} seeds = {len(plan.experiments) * total} final runs): {done} finished.",
+        f"**Progress** of suite `{plan.suite}` ({plural(len(plan.experiments), 'experiment')} x "
+        f"{plural(len(plan.tasks), 'task')} x {plural(len(plan.seeds), 'seed')} = {len(plan.experiments) * total} "
+        f"final runs): {done} finished.",
         f"Complete rows ({len(complete)}): {', '.join(complete) or 'none yet'}.",
     ]
     if partial:
@@ -174,13 +240,72 @@ def ranking_line(board: Leaderboard, table: PublishedTable = RANKED_TABLE) -> st
         )
     else:
         body = (
-            f"Spearman's rho = {found.rho:+.2f} between the task means of the {len(found.methods)} complete rows "
+            f"Spearman's rho = {found.describe()} between the task means of the {len(found.methods)} complete rows "
             f"that name a published row ({methods}) and those rows' published task means."
         )
     return (
         head
         + body
         + f" Published: {table.title}; source: {table.source} (supervised), on its own tasks at 224 px; measured "
-        f"here: {', '.join(board.models)} on these {len(board.tasks)} tasks. Other backbone, tasks and recipe: "
-        "it compares the methods' orderings, not their accuracies."
+        f"here: {', '.join(board.models)} on these {plural(len(board.tasks), 'task')}. Other backbone, tasks and "
+        "recipe: it compares the methods' orderings, not their accuracies."
     )
+
+
+COMPARISON_TITLE = "Which differences are real"
+CD_FILE = "critical_difference.png"
+
+
+def comparison_lines(board: Leaderboard) -> list[str]:
+    """The comparison section's sentences: the blocks, Friedman's test, Nemenyi's, the groups (Markdown)."""
+    found = board.ranking
+    if not isinstance(found, ranking.Ranking):
+        return [f"Not tested: {found}." if found else "Not tested."]
+    labels = task_labels(board.tasks)
+    k, n = len(found.methods), len(found.blocks)
+    if found.block == "task":
+        left = ", ".join(labels[t] for t in found.left_out_tasks)
+        block = (
+            f"**Blocks**: the {plural(n, 'task')} ({', '.join(labels[t] for t in found.blocks)}), each cell the mean "
+            "of its seeds" + (f"; {left} left out as saturated" if left else "") + ". A claim that one method beats "
+            "another is a claim across tasks, and the seeds of one task share its data: as blocks they would count "
+            "one task once per seed."
+        )
+    else:
+        block = (
+            f"**Blocks**: the {plural(n, 'seed')} of the one task (task × seed). With one task the seeds are the only "
+            "blocks there are, so what follows is about this data, not about data like it."
+        )
+    lines = [
+        block + f" Ranked: the {plural(k, 'complete row')} (rank 1 = the best accuracy in a block, ties share "
+        "their mean rank).",
+    ]
+    if math.isnan(found.p_value):
+        lines.append("**Friedman's test** needs three methods; with two, Nemenyi's test below decides alone.")
+    else:
+        verdict = (
+            "the methods do not all rank alike"
+            if found.omnibus_rejects
+            else "it does not reject that every method ranks alike, so no pair below is declared different"
+        )
+        lines.append(
+            f"**Friedman's test** (`scipy.stats.friedmanchisquare`) over {k} methods and {plural(n, 'block')}: "
+            f"chi-square = {found.statistic:.2f}, p = {found.p_value:.2g}: at α = {found.alpha:g}, {verdict}."
+        )
+    pairs = [(a, b) for i, a in enumerate(found.methods) for b in found.methods[i + 1 :]]
+    differ = sum(found.differ(a, b) for a, b in pairs)
+    lines.append(
+        f"**Nemenyi's post-hoc test** (`scikit_posthocs.posthoc_nemenyi_friedman`, family-wise α = {found.alpha:g}; "
+        f"Demšar, JMLR 2006): two methods differ when their mean ranks lie more than {found.critical_difference:.2f} "
+        f"apart (the critical difference); {differ} of the {len(pairs)} pairs do."
+    )
+    groups = "; ".join(f"{ranking.letter(i)}: {', '.join(g)}" for i, g in enumerate(found.groups))
+    lines.append(
+        f"**Groups** (methods no two of which can be told apart, in mean-rank order; the bars of `{CD_FILE}`): "
+        f"{groups}. Two methods that share a letter cannot be told apart at this level."
+    )
+    lines.append(
+        f"**Mean rank interval**: 95 % percentile bootstrap over the blocks (`scipy.stats.bootstrap`, "
+        f"{ranking.RESAMPLES} resamples, seed {ranking.BOOTSTRAP_SEED})."
+    )
+    return lines

@@ -9,11 +9,17 @@ is refused before anything trains, naming the folder to add.
 
 **The data's version.**  Before planning, every image is decoded once and the splits' content fingerprints
 (sha256 over each item's path, label and bytes, :class:`petl.data.images.FileListDataset`) are combined into
-one.  Runs go to ``runs/bench/<suite>/<task>-<first 12 hex digits>/`` unless ``output_dir=`` is given, so an
-edited folder gets a folder of its own and the old runs stay as they were; ``data.json`` in the results
+one.  Runs go to ``runs/bench/<suite>/<task>-<first 12 hex digits>-<setup>/`` unless ``output_dir=`` is given,
+so an edited folder gets a folder of its own and the old runs stay as they were; ``data.json`` in the results
 folder records the fingerprint, and an ``output_dir=`` holding runs of another version is refused in one
-line.  Every finished run also records its training split's fingerprint (``inputs`` in ``result.json``),
-which the sweep checks before it counts the run (:func:`petl.train.output_dir.check_finished`).
+line.  ``<setup>`` is 8 hex digits of what else makes a run another run (:func:`run_setup`: the backbone, its
+image size, the epochs, every option but the method's, the data's name and place, the seed and the folder), so
+the same images under another backbone or epoch count (the docs' tiny-model example, then the README's
+command) get folders of their own too; ``data.json`` records it, and an ``output_dir=`` of another setup is
+refused in one line naming what differs.  Every finished run also records its training split's fingerprint
+(``inputs`` in ``result.json``), which is checked before the run is counted
+(:func:`petl.train.output_dir.check_finished`): a folder holding finished runs of another config is refused
+before anything trains, a dry run included, saying what the real run would otherwise fail.
 """
 
 from __future__ import annotations
@@ -63,9 +69,9 @@ class OwnData:
         """The fingerprint's first digits, as the default results folder shows them."""
         return self.fingerprint[:SHORT]
 
-    def default_output_dir(self, suite: str) -> Path:
-        """``runs/bench/<suite>/<task>-<short fingerprint>``: one folder per version of the data."""
-        return Path("runs/bench") / suite / f"{self.task}-{self.short}"
+    def default_output_dir(self, suite: str, setup: dict[str, Any]) -> Path:
+        """``runs/bench/<suite>/<task>-<short fingerprint>-<setup key>``: one folder per data version and setup."""
+        return Path("runs/bench") / suite / f"{self.task}-{self.short}-{setup_key(setup)}"
 
     def line(self) -> str:
         """One line saying what the data is."""
@@ -116,17 +122,49 @@ def read_own_data(cfg: Any) -> OwnData:
     return OwnData(name, str(cfg.data.root), options, whole, classes, sizes, info.val_from_train, seconds)
 
 
-def claim_output_dir(output_dir: Path, data: OwnData) -> None:
-    """Record the data's version in ``output_dir/data.json``; refuse a folder holding runs of another version.
+# What does not make a run of the suite another run: the method's options and the search's keys vary per experiment
+# and trial inside one folder, the data is keyed by its fingerprint, seeds and folders are the sweep's.
+_NOT_SETUP = ("method.", "data.root", "data.name", "seed", "output_dir")
+
+
+def run_setup(cfg: Any, defaults: Any) -> dict[str, Any]:
+    """What makes a suite's run on this data another run: the options ``cfg`` sets away from petl's ``defaults``.
+
+    Args:
+        cfg: the suite's config on the data (its overrides and the command line's), before any experiment.
+        defaults: petl's own config on the same data (no overrides): an option petl adds later, at its default,
+            changes no folder name.
+
+    Returns:
+        Dotted key -> value, less :data:`_NOT_SETUP`, sorted.
+
+    """
+    from omegaconf import OmegaConf
+
+    from petl.train.output_dir import fingerprint
+
+    chosen, base = (fingerprint(OmegaConf.to_container(c, resolve=True)) for c in (cfg, defaults))  # type: ignore[arg-type]
+    return {k: v for k, v in sorted(chosen.items()) if not k.startswith(_NOT_SETUP) and (k not in base or base[k] != v)}
+
+
+def setup_key(setup: dict[str, Any]) -> str:
+    """8 hex digits of a :func:`run_setup`: the last part of the default results folder's name."""
+    return hashlib.sha256(json.dumps(setup, sort_keys=True, default=str).encode()).hexdigest()[:8]
+
+
+def claim_output_dir(output_dir: Path, data: OwnData, setup: dict[str, Any] | None = None) -> None:
+    """Record the data's version and the setup in ``output_dir/data.json``; refuse a folder of another one.
 
     Raises:
-        ValueError: ``output_dir`` holds runs of another version of the data (one line, naming both).
+        ValueError: ``output_dir`` holds runs of another version of the data, or of another setup (one line,
+            naming both versions, or up to three keys that differ).
 
     """
     path = output_dir / DATA_FILE
     if path.is_file():
         try:
-            recorded = json.loads(path.read_text()).get("fingerprint")
+            record = json.loads(path.read_text())
+            recorded = record.get("fingerprint")
         except (json.JSONDecodeError, AttributeError):
             raise ValueError(f"{path}: not a data record; move it aside, or choose another output_dir") from None
         if recorded != data.fingerprint:
@@ -135,9 +173,19 @@ def claim_output_dir(output_dir: Path, data: OwnData) -> None:
                 f"{str(recorded)[:SHORT]}, now {data.short}): leave output_dir= out to keep each version in a "
                 "folder of its own, or choose another output_dir"
             )
+        old = record.get("setup")
+        if setup is not None and isinstance(old, dict) and old != setup:
+            keys = sorted(k for k in set(old) | set(setup) if old.get(k) != setup.get(k))
+            said = ", ".join(f"{k}: {old.get(k)!r} -> {setup.get(k)!r}" for k in keys[:3])
+            raise ValueError(
+                f"output_dir {output_dir} holds runs of another setup ({said}{' ...' * (len(keys) > 3)}): leave "
+                "output_dir= out to keep each setup in a folder of its own, or choose another output_dir"
+            )
         return
     output_dir.mkdir(parents=True, exist_ok=True)
     record = {k: v for k, v in asdict(data).items() if k != "decode_seconds"}
+    if setup is not None:
+        record["setup"] = setup
     path.write_text(json.dumps(record, indent=2) + "\n")
 
 

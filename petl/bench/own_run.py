@@ -23,10 +23,12 @@ from petl.bench import choice, own_data, protocol, report
 from petl.bench import estimate as costs
 from petl.bench.args import as_bool
 from petl.bench.suite import Experiment, Suite
+from petl.store.lock import acquire_lock, describe_holder, release_lock
+from petl.utils.errors import RUN_ERROR
 
 YES_FLAG = "--yes"
 # The run command's own keys for own data: the dataset, and the budget the answer keeps to.
-OWN_DATA_KEYS = {"data", *choice.BUDGET_KEYS}
+OWN_DATA_KEYS = {"data", "yes", *choice.BUDGET_KEYS}
 
 Finish = Callable[..., int]
 
@@ -65,8 +67,35 @@ def run_on_own_data(
     cfg = default_config([*suite.overrides(), f"data={own['data']}", *overrides])
     data = own_data.read_own_data(cfg)
     print(f"petl-bench: {data.line()}")
-    output_dir = Path(own.get("output_dir") or data.default_output_dir(suite.name))
-    own_data.claim_output_dir(output_dir, data)
+    setup = own_data.run_setup(cfg, default_config([f"data={own['data']}", *data_options(overrides)]))
+    output_dir = Path(own.get("output_dir") or data.default_output_dir(suite.name, setup))
+    if not acquire_lock(output_dir):
+        # Not bad input, and nothing here is broken: one line and the status of a run that could not complete.
+        print(
+            f"petl-bench: error: another choose is running on {output_dir} ({describe_holder(output_dir)}); "
+            "run the same command again once it has ended (finished runs are kept)",
+            file=sys.stderr,
+        )
+        return RUN_ERROR
+    try:
+        own_data.claim_output_dir(output_dir, data, setup)
+        return _run_locked(suite, experiments, seeds, own, overrides, yes, finish, budget, data, output_dir)
+    finally:
+        release_lock(output_dir)
+
+
+def _run_locked(
+    suite: Suite,
+    experiments: list[Experiment],
+    seeds: list[int],
+    own: dict[str, str],
+    overrides: list[str],
+    yes: bool,
+    finish: Finish,
+    budget: choice.Budget,
+    data: own_data.OwnData,
+    output_dir: Path,
+) -> int:
     suite = dataclasses.replace(suite, experiments=[e.name for e in experiments], tasks=[data.task], seeds=seeds)
     cells = protocol.plan_cells(suite, experiments, [data.task], seeds, output_dir, overrides)
     trials = sum(len(c.trials) for c in cells)
@@ -75,7 +104,14 @@ def run_on_own_data(
         f"(seed {suite.search_seed}) + {len(seeds)} final runs each (seeds {', '.join(map(str, seeds))}) into "
         f"{output_dir}"
     )
-    estimate = costs.estimate(cells, data)
+    stale = stale_runs(cells)
+    if stale:
+        # What the real run would do: fail each of them, after training the rest.  Said before, dry run or not.
+        raise ValueError(
+            f"{output_dir}: {len(stale)} finished run(s) hold another config ({stale[0]}); leave output_dir= out "
+            "to give this setup a folder of its own, or choose another output_dir"
+        )
+    estimate = costs.estimate(cells, data, say=lambda line: print(f"petl-bench: {line}", flush=True))
     for line in estimate.lines():
         print(f"petl-bench: {line}")
     if as_bool("dry_run", own.get("dry_run", "false")):
@@ -97,6 +133,36 @@ def run_on_own_data(
         print(f"petl-bench: {answer.paragraph}")
         print(f"petl-bench: written to {output_dir / choice.CHOICE_FILE}")
     return status
+
+
+def stale_runs(cells: list[protocol.Cell]) -> list[str]:
+    """The finished runs of ``cells`` trained with another config than the one planned now, with the difference."""
+    from petl.train.config import default_config
+    from petl.train.output_dir import check_finished
+
+    runs = [t.run for cell in cells for t in cell.trials]
+    for cell in cells:
+        if (selection := cell.selection()) is not None:
+            runs += cell.finals(selection["chosen"])
+    stale = []
+    for run in runs:
+        if run.is_done():
+            try:
+                overrides = run.full_overrides()
+                if overrides is not None:  # None: its calibrating run is gone, nothing to compare with
+                    check_finished(default_config(overrides))
+            except ValueError as error:  # a ConfigError naming up to three keys, or a calibration unreadable
+                stale.append(str(error))
+    return stale
+
+
+def data_options(overrides: list[str]) -> list[str]:
+    """The command line's options naming the data (its place, a dataset's columns): its defaults need them too.
+
+    Other ``data.*`` options (``data.subset``, ``data.augment``) are part of the setup, so they stay out.
+    """
+    naming = ("data.root=", "data.image_column=", "data.label_column=")
+    return [o for o in overrides if o.lstrip("+~").startswith(naming)]
 
 
 def _record_measured(output_dir: Path, seconds: float) -> None:

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import csv
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 from petl.data import get_info
 
@@ -165,6 +166,11 @@ def _load(path: Path) -> dict[str, PublishedRow]:
     return rows
 
 
+# Bootstrap intervals: resamples and the generator's seed, fixed so that the same runs give the same report.
+RESAMPLES = 2000
+BOOTSTRAP_SEED = 0
+CONFIDENCE = 0.95
+
 # Fewer shared methods give no ordering worth a coefficient (with two, Spearman's rho can only be +1 or -1).
 MIN_RANKED = 3
 
@@ -177,11 +183,20 @@ class RankCorrelation:
         rho: Spearman's rank correlation (ties get their average rank); NaN below :data:`MIN_RANKED` methods,
             or when one side ranks every method equal.
         methods: the methods compared (those both sides have), in the measured order, best first.
+        interval: the 95 % percentile bootstrap interval of ``rho`` (:func:`rank_interval`).
 
     """
 
     rho: float
     methods: tuple[str, ...]
+    interval: tuple[float, float] = (math.nan, math.nan)
+
+    def describe(self) -> str:
+        """``+0.34 (95 % bootstrap interval -0.13 to +0.70)``."""
+        low, high = self.interval
+        if math.isnan(low):
+            return f"{self.rho:+.2f}"
+        return f"{self.rho:+.2f} (95 % bootstrap interval {low:+.2f} to {high:+.2f}, {RESAMPLES} resamples of the rows)"
 
 
 def rank_correlation(measured: Mapping[str, float], published: Mapping[str, float]) -> RankCorrelation:
@@ -202,7 +217,42 @@ def rank_correlation(measured: Mapping[str, float], published: Mapping[str, floa
     ours, theirs = [measured[m] for m in shared], [published[m] for m in shared]
     if len(shared) < MIN_RANKED or len(set(ours)) == 1 or len(set(theirs)) == 1:
         return RankCorrelation(math.nan, tuple(shared))
-    return RankCorrelation(float(spearmanr(ours, theirs).statistic), tuple(shared))
+    return RankCorrelation(float(spearmanr(ours, theirs).statistic), tuple(shared), rank_interval(ours, theirs))
+
+
+def rank_interval(measured: Sequence[float], published: Sequence[float]) -> tuple[float, float]:
+    """The 95 % percentile bootstrap interval of Spearman's rho, the methods resampled in pairs (seeded).
+
+    NaN below four methods; resamples that repeat one method only are left out of the percentiles.
+    """
+    import warnings
+
+    import numpy as np
+    from scipy import stats
+
+    if len(measured) < 4:
+        return math.nan, math.nan
+
+    def rho(x: Any, y: Any) -> float:
+        if len(set(x)) == 1 or len(set(y)) == 1:
+            return math.nan  # a resample of one method repeated ranks nothing
+        return float(stats.spearmanr(x, y).statistic)
+
+    with warnings.catch_warnings(), np.errstate(invalid="ignore"):
+        warnings.simplefilter("ignore", stats.DegenerateDataWarning)
+        found = stats.bootstrap(
+            (np.asarray(measured), np.asarray(published)),
+            rho,
+            paired=True,
+            vectorized=False,
+            n_resamples=RESAMPLES,
+            method="percentile",
+            rng=np.random.default_rng(BOOTSTRAP_SEED),
+        )
+    # Percentiles of the resamples that rank something (scipy's own interval turns NaN at one such resample).
+    tail = 100 * (1 - CONFIDENCE) / 2
+    low, high = np.nanpercentile(found.bootstrap_distribution, [tail, 100 - tail])
+    return float(low), float(high)
 
 
 def table_for(task: str) -> PublishedTable | None:

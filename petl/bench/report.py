@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from petl.bench import ranking
 from petl.bench.board import (
     DIFFERENT_BACKBONE,
     NO_PUBLISHED_ROW,
@@ -38,18 +39,20 @@ from petl.bench.collect import (
     collect,
     compute_spent,
     mean,
+    nanmean,
     read_all,
     task_group,
 )
 from petl.bench.columns import leaderboard_columns, task_labels
-from petl.bench.curves import CONVERGENCE_TAIL, ValCurve, learning_curves, tail_change, val_curve
-from petl.bench.notes import notes, progress, published_ranking
+from petl.bench.curves import CONVERGENCE_TAIL, ValCurve, learning_curves, run_curves, tail_change, val_curve
+from petl.bench.notes import CD_FILE, COMPARISON_TITLE, comparison_lines, notes, progress, published_ranking
 from petl.bench.published import (
     TABLES,
     PublishedRow,
     PublishedTable,
     table_for,
 )
+from petl.bench.ranking import plural
 from petl.bench.table import Header, Table, markdown_lines, md_escape
 from petl.presets import FAMILIES
 from petl.store.files import write_atomic, write_text
@@ -212,6 +215,7 @@ def aggregate(
     rows = []
     for name, runs in by_experiment.items():
         scores = {}
+        curves = run_curves(runs)
         for task in tasks:
             cell = sorted((r for r in runs if r.task == task), key=lambda r: r.seed)
             if cell:
@@ -219,7 +223,10 @@ def aggregate(
                 top1 = [float(r.result.test_top1) for r in cell]
                 std = statistics.stdev(top1) if len(top1) > 1 else math.nan
                 stuck = tuple(r.seed for r in cell if r.not_learned)
-                scores[task] = TaskScore(statistics.fmean(top1), std, tuple(r.seed for r in cell), stuck)
+                far = ranking.far_seeds({r.seed: float(r.result.test_top1) for r in cell})
+                change = nanmean([tail_change(c.val_top1) for c in curves.get(task, [])])
+                seeds = tuple(r.seed for r in cell)
+                scores[task] = TaskScore(statistics.fmean(top1), std, seeds, stuck, far, change)
         group_means = {
             g: mean([s.mean for t, s in scores.items() if groups[t] == g])
             for g in order_groups({groups[t] for t in scores})
@@ -249,6 +256,8 @@ def aggregate(
             r.experiment,
         )
     )
+    board.saturated = ranking.saturated_tasks(board)
+    board.ranking = ranking.rank_test(board)
     board.columns = leaderboard_columns(board)
     for row in rows:
         row.values = {c.key: c.compute(row) for c in board.columns}
@@ -338,6 +347,44 @@ def published_tables(board: Leaderboard) -> list[Table]:
     return out
 
 
+def rank_table(board: Leaderboard) -> Table | None:
+    """The rank test's table: each ranked experiment's mean rank, its interval and its groups (``None``: no test)."""
+    found = board.ranking
+    if not isinstance(found, ranking.Ranking):
+        return None
+    headers = [
+        Header("experiment", "Experiment", "info"),
+        Header("mean_rank", "Mean rank", "measured"),
+        Header("mean_rank_interval", "95 % interval", "measured"),
+        Header("rank_groups", "Groups", "info"),
+        Header("task_mean", "Task mean", "measured"),
+    ]
+    means = {row.experiment: row.task_mean for row in board.rows}
+    rows = []
+    for name in found.methods:
+        low, high = found.interval[name]
+        rows.append(
+            [
+                (name, name),
+                show_number(found.mean_rank[name]),
+                (f"{low:.2f} – {high:.2f}", low),
+                (found.letters(name), found.letters(name)),
+                show_number(means[name]),
+            ]
+        )
+    return Table(headers, rows, COMPARISON_TITLE)
+
+
+def critical_difference_png(board: Leaderboard) -> bytes | None:
+    """``critical_difference.png`` (:func:`petl.bench.ranking.critical_difference_png`); ``None`` without a test."""
+    found = board.ranking
+    if not isinstance(found, ranking.Ranking):
+        return None
+    title = f"Mean rank over {plural(len(found.blocks), found.block)} ({', '.join(board.models)}): a bar joins "
+    title += f"methods Nemenyi's test cannot tell apart (α = {found.alpha:g})"
+    return ranking.critical_difference_png(found, title)
+
+
 def plan_of(suite_name: str, configs_dir: str | Path | None = None) -> Plan:
     """What suite ``suite_name`` sets out to run (its experiments, tasks and seeds), for :func:`aggregate`.
 
@@ -359,11 +406,11 @@ def _title(board: Leaderboard) -> str:
 
 def _summary(board: Leaderboard) -> str:
     runs = sum(len(r.runs) for r in board.rows)
-    return f"{len(board.rows)} experiments, {len(board.tasks)} tasks, {runs} runs."
+    return f"{plural(len(board.rows), 'experiment')}, {plural(len(board.tasks), 'task')}, {plural(runs, 'run')}."
 
 
 def markdown(board: Leaderboard) -> str:
-    """``leaderboard.md``: the main table, the details table, the legend, then the published per-task tables."""
+    """``leaderboard.md``: the main table, the details table, the legend, the comparison, the published tables."""
     lines = [
         f"# {md_escape(_title(board))}",
         "",
@@ -378,7 +425,14 @@ def markdown(board: Leaderboard) -> str:
         "## Legend",
         "",
         *[f"- {md_escape(n)}" for n in notes(board)],
+        "",
+        f"## {COMPARISON_TITLE}",
+        "",
+        *[f"- {md_escape(n)}" for n in comparison_lines(board)],
     ]
+    table = rank_table(board)
+    if table is not None:
+        lines += ["", *markdown_lines(table), "", f"![critical-difference diagram]({CD_FILE})"]
     for table in published_tables(board):
         lines += ["", f"## {table.title}", "", f"Source: {table.source}.", "", *markdown_lines(table)]
     return "\n".join(lines) + "\n"
@@ -455,6 +509,9 @@ def write_report(
 ) -> Leaderboard:
     """Build the leaderboard of ``results_dir`` (:func:`build_board`) and write md, csv, html and pareto.png.
 
+    ``critical_difference.png`` (the rank test's diagram, :func:`critical_difference_png`) is written when the
+    board has two complete rows to compare over two blocks.
+
     ``learning_curves.png`` (val top-1 per epoch on one task, :func:`learning_curves`) is written too
     when the runs recorded per-epoch val accuracy.
 
@@ -471,7 +528,7 @@ def write_report(
         FileNotFoundError: no result.json under ``results_dir``.
 
     """
-    from petl.bench.html import render_html
+    from petl.bench.html import Section, render_html
 
     board = build_board(results_dir, configs_dir, plan)
     out = Path(out_dir) if out_dir is not None else Path(results_dir)
@@ -480,6 +537,7 @@ def write_report(
     figures = [("Accuracy against trainable parameters", png)]
     if curves_png is not None:
         figures.append(("Learning curves", curves_png))
+    cd_png = critical_difference_png(board)
     html = render_html(
         _title(board),
         display_table(board),
@@ -488,6 +546,7 @@ def write_report(
         figures,
         published_tables(board),
         _summary(board),
+        Section(COMPARISON_TITLE, comparison_lines(board), rank_table(board), cd_png),
     )
     # Two sweeps finishing together both rebuild the report; each file is renamed into place whole.
     write_text(out / "leaderboard.csv", csv_text(board))
@@ -496,4 +555,6 @@ def write_report(
     write_text(out / "leaderboard.html", html)
     if curves_png is not None:
         write_atomic(out / "learning_curves.png", lambda tmp: tmp.write_bytes(curves_png))
+    if cd_png is not None:
+        write_atomic(out / CD_FILE, lambda tmp: tmp.write_bytes(cd_png))
     return board

@@ -172,6 +172,19 @@ class SweepSummary:
             f"{len(self.held_elsewhere)} held by another sweep, {len(self.failed)} failed{diverged}{aside}{waiting}"
         )
 
+    def idle_line(self) -> str | None:
+        """The closing line of a sweep that trained nothing because other sweeps hold its runs, else ``None``.
+
+        Sweeps side by side on one folder share its runs (the per-run locks), so this is no failure (exit 0),
+        but a sweep that only found runs held by others says so last, not in the middle of its summary.
+        """
+        if self.trained or not self.held_elsewhere:
+            return None
+        return (
+            f"trained nothing: {len(self.held_elsewhere)} run(s) are being trained by another sweep (above) and the "
+            "rest were done or failed; run the same command again once it has ended to see them all"
+        )
+
     def merge(self, other: SweepSummary) -> None:
         """Add another sweep's counts and lists to this one."""
         self.total += other.total

@@ -11,6 +11,7 @@ timm: ``--help`` answers before anything heavy loads.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -39,6 +40,19 @@ class Key:
     default: Any = None
 
 
+def boolean(value: str) -> bool:
+    """A ``key=value`` option's truth value, as Hydra reads one (``true``/``false``, any case).
+
+    Raises:
+        ValueError: anything else (``overwrite=yes``): :func:`split_items` names the option.
+
+    """
+    lowered = value.lower()
+    if lowered not in ("true", "false"):
+        raise ValueError(value)
+    return lowered == "true"
+
+
 def is_override(word: str) -> bool:
     """Whether ``word`` is a ``key=value`` override (a path such as ``a=b.jpg`` only if its key looks like a key)."""
     key, sep, _ = word.partition("=")
@@ -46,11 +60,28 @@ def is_override(word: str) -> bool:
     return bool(sep) and bool(key) and all(part.isidentifier() for part in key.split("."))
 
 
+# Docstring markup a terminal would show raw: Sphinx roles (:mod:`x`, :class:`~a.B`), ``literals``, `code`, **bold**.
+_ROLE = re.compile(r":[a-z]+:`~?([^`]+)`")
+_LITERAL = re.compile(r"``([^`]+)``|`([^`]+)`")
+_BOLD = re.compile(r"\*\*([^*]+)\*\*")
+
+
+def plain(text: str) -> str:
+    """Help text as plain text: docstring markup (RST roles, double backquotes, Markdown code and bold) taken off.
+
+    Every ``--help`` of the petl-* commands goes through here (:func:`parser`, ``petl-bench``'s and ``petl-run``'s
+    own help), so a module docstring can keep its markup for the API docs.  ``Usage::`` loses its second colon.
+    """
+    text = _ROLE.sub(r"\1", text)
+    text = _LITERAL.sub(lambda m: m.group(1) or m.group(2), text)
+    return _BOLD.sub(r"\1", text).replace("::\n", ":\n")
+
+
 def parser(prog: str, description: str, usage: str | None = None, keys: Sequence[Key] = ()) -> argparse.ArgumentParser:
     """An argparse parser for one command: flags are added by the caller, ``words`` takes the rest."""
     made = argparse.ArgumentParser(
         prog=prog,
-        description=description,
+        description=plain(description),
         usage=usage,
         epilog=keys_epilog(keys) if keys else None,
         formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -3,12 +3,12 @@
 Usage::
 
     petl-bench [run] suite=mini [methods=linear,lora] [tasks=mini/digits] [seeds=0,1]
-               [output_dir=runs/bench/mini] [configs_dir=...] [report=true] [dry_run=false]
+               [output_dir=runs/bench/mini] [configs_dir=...] [report=true] [dry_run=true | --dry-run]
                [train.epochs=5 model.drop_path=0.1 data.root=... ...]
     petl-bench [run] suite=choose data=folder|hf data.root=PATH [model=...] [budget.params=1M]
                [budget.train_seconds=600] [--yes]   (your own images: cost first, then which method; docs/choose.md)
     petl-bench report RESULTS_DIR [out=DIR] [configs_dir=DIR] [suite=NAME]
-    petl-bench compare RESULTS_A RESULTS_B [suites=NAME_A,NAME_B] [out=FILE]   (two leaderboards' orderings)
+    petl-bench compare RESULTS_A RESULTS_B [suites=NAME_A,NAME_B] [out=FILE [overwrite=true]]  (two boards' orderings)
     petl-bench speed [model=...] [img_size=N] [batch=32] [steps=10] [warmup=3] [rounds=10] [infer_batch=1]
                      [infer_steps=100] [device=cpu|cuda] [methods=...] [options_for=lora] [out=FILE]
     petl-bench params suite=vtab1k [methods=...] [model=...]   (parameter counts vs the published ones)
@@ -19,7 +19,9 @@ Bad input (an unknown suite or key, a malformed YAML file, a results folder with
 status 2 and one line naming the file or value; a sweep with failed runs exits with 1; Ctrl-C with 130
 (finished runs are kept, an interrupted run resumes from its last epoch).  ``--debug`` shows the traceback.
 
-Arguments are Hydra-style ``key=value``.  Keys the sweep does not know (``train.*``, ``model.*``,
+Arguments are Hydra-style ``key=value``; a yes/no key may be written as a flag (``--dry-run`` is
+``dry_run=true``, ``--yes`` is ``yes=true``), and a key that is neither petl-bench's nor a run config's is
+refused before anything runs, listing both.  Keys the sweep does not know (``train.*``, ``model.*``,
 ``data.root``...) pass through to ``petl.run.default_config`` after the suite's and experiment's own
 overrides, so the command line wins.  Suites and experiments come from petl's top-level ``configs/``
 folder (installed as ``petl.configs``); ``configs_dir=DIR`` (formerly ``benchmarks_dir=``) points at another.
@@ -69,7 +71,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _dispatch(args: list[str]) -> int:
     if args and args[0] in ("-h", "--help", "help"):
-        print(__doc__)
+        from petl.cli.args import plain
+
+        print(plain(__doc__))
         return 0
     command = args.pop(0) if args and "=" not in args[0] else "run"
     # Imported after --help: the commands load the sweep, the report and (for a run) torch.

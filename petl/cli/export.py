@@ -13,14 +13,15 @@ with ``img_size``, ``num_classes``, ``pretrained_cfg`` with the preprocessing an
 ``model.safetensors``.  A single file's metadata holds the same: the timm name and arguments, the class
 names and the preprocessing (input size, mean/std, interpolation, crop), as JSON strings (safetensors
 metadata; ONNX ``metadata_props``).  An ONNX file is checked against the merged model's logits with
-onnxruntime where it is installed.  ``out=`` inside the run folder is refused: an export never replaces
-the run's own files.
+onnxruntime where it is installed.  ``out=`` inside a run folder (this run's or another's) is refused: an
+export never replaces a run's files.  An existing file, or a folder already holding ``config.json`` or
+``model.safetensors``, is refused in one line naming it; ``overwrite=true`` replaces it.
 Methods whose modules cannot fold into the backbone (adapters, prompts, an MLP head) are refused
 in one line: use ``petl-predict`` / ``petl.load_run`` for them.
 
-Exit status (as every petl command): 2 for bad input (no weights, a method that cannot be unloaded, an
-unknown format, out= inside the run folder), 1 when the export fails, 130 on Ctrl-C (nothing half-written is
-left).
+Exit status (as every petl command): 2 for bad input (no weights, a model.json petl cannot build, a method that
+cannot be unloaded, an unknown format, out= inside a run folder, files in the way without overwrite=true), 1 when
+the export fails, 130 on Ctrl-C (nothing half-written is left).
 """
 
 from __future__ import annotations
@@ -28,11 +29,14 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from petl.cli.args import CommandLineError, Key, exit_statuses, parse, parser, split_items
+from petl.cli.args import CommandLineError, Key, boolean, exit_statuses, parse, parser, split_items
 
 PROG = "petl-export"
-KEYS = (Key("out", "FOLDER (timm's local-dir format), FILE.safetensors or FILE.onnx (required)"),)
-USAGE = f"{PROG} RUN_DIR out=FOLDER|FILE.safetensors|FILE.onnx"
+KEYS = (
+    Key("out", "FOLDER (timm's local-dir format), FILE.safetensors or FILE.onnx (required)"),
+    Key("overwrite", "true: replace an existing out= file (or the folder's config.json, model.safetensors)", boolean),
+)
+USAGE = f"{PROG} RUN_DIR out=FOLDER|FILE.safetensors|FILE.onnx [overwrite=true]"
 
 
 def build_parser():  # noqa: ANN201  (argparse is imported by petl.cli.args)
@@ -58,7 +62,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         usage=(RunFolderError, ValueError, FileNotFoundError),
         interrupted=f"interrupted; {target} was not written",
     ):
-        gap = export(positional[0], target)
+        gap = export(positional[0], target, overwrite=options.get("overwrite", False))
     checked = f" (onnxruntime matches torch within {gap:.1e})" if gap is not None else ""
     print(f"wrote {target}{checked}")
 

@@ -5,27 +5,30 @@ r"""petl-predict: a trained run's labels for new images, or its accuracy on a la
     petl-predict RUN_DIR data=folder data.root=PATH split=test confusion=confusion.png
     petl-predict RUN_A RUN_B RUN_C photos/ out=preds.csv          # several runs: one pass if one backbone
 
-Images are files, folders (searched recursively for image files) or list files (``.txt``: one path
-per line, relative to the list's folder).  They are decoded, preprocessed as the run evaluated
-(``model.json``), and classified in batches with a progress bar.  With ``data=`` the images and
-labels come from a dataset instead (``petl-run``'s ``data`` options), and the accuracy, the
-confusion matrix (on screen; as a PNG with ``confusion=PATH``) and, with ``out=``, every image's
-prediction are reported.  Several run folders may be given (their rows carry the run's folder):
+Images are files, folders (searched recursively for image files) or list files (``.txt``: one path per
+line, relative to the list's folder).  They are decoded, preprocessed as the run evaluated
+(``model.json``), and classified in batches with a progress bar.  With ``data=`` the images and labels
+come from a dataset instead (``petl-run``'s ``data`` options), and the accuracy and the confusion matrix
+(on screen; as a PNG with ``confusion=PATH``) are reported; the options marked "with data=" are refused
+without it, and ``out=`` with it.  Several run folders may be given (their rows carry the run's folder):
 runs trained on one backbone (same timm name, pretrained weights or checkpoint, and preprocessing in
 ``model.json``) are served together by ``petl.MultiTask`` in one pass over the images, each image
 decoded once and its rows for every run in the same batches; ``batch_size`` then counts image x run
 rows.  A run on another backbone, or whose method cannot share one (Partial-k, full fine-tuning),
-predicts with its own model after a one-line note; with ``--merge`` (a note says so) or ``data=``
-every run uses its own model.
+predicts with its own model after a one-line note; with ``--merge`` (a note says so) or ``data=`` every
+run uses its own model.
 
 ``out=`` writes every prediction, in the format its suffix names: ``.csv`` (text cells that would start
 a spreadsheet formula get a ``'``), ``.json`` (one list) or ``.jsonl`` (one object per line); the file is
 written whole or not at all (a full disk leaves an earlier file as it was).  File names that are not
-UTF-8 are written with their undecodable bytes as ``\xNN`` (:mod:`petl.utils.text`).
+UTF-8 are written with their undecodable bytes as ``\xNN`` (:mod:`petl.utils.text`).  An existing ``out=`` or
+``confusion=`` file is refused in one line naming it; ``overwrite=true`` replaces it.  Either inside a run
+folder (one holding ``model.json``, ``trainable.safetensors``, ``result.json`` or ``checkpoint.pt``) is
+refused even with ``overwrite=true``: a run's files are never replaced by a prediction.
 
 Exit status (as every petl command): 2 for bad input (a run folder without weights, a missing image, an
-unreadable image, an unknown option or ``out=`` suffix), 1 when the prediction cannot complete (a full
-disk...), 130 on Ctrl-C.
+unreadable image, an unknown option or ``out=`` suffix, out= or confusion= inside a run folder, a file in the
+way without overwrite=true), 1 when the prediction cannot complete (a full disk...), 130 on Ctrl-C.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from petl.cli.args import Key, exit_statuses, parse, parser, split_items
+from petl.cli.args import CommandLineError, Key, boolean, exit_statuses, parse, parser, split_items
 
 PROG = "petl-predict"
 # The key=value options and their types; data.* as petl-run reads them.
@@ -47,6 +50,7 @@ KEYS = (
     Key("data.root", "with data=: its folder"),
     Key("data.image_column", "with data=hf: the image column"),
     Key("data.label_column", "with data=hf: the label column"),
+    Key("overwrite", "true: replace an existing out= or confusion= file", boolean),
 )
 USAGE = f"{PROG} RUN_DIR [RUN_DIR ...] (IMAGES... | data=NAME data.root=PATH [split=test]) [key=value ...] [flags]"
 
@@ -55,7 +59,7 @@ def build_parser():  # noqa: ANN201  (argparse is imported by petl.cli.args)
     """The command's parser: its flags; ``--help`` lists them and :data:`KEYS`."""
     made = parser(PROG, __doc__, USAGE, KEYS)
     made.add_argument("--merge", action="store_true", help="fold mergeable methods (LoRA...) in first")
-    made.add_argument("--quiet", action="store_true", help="no progress bar and no table")
+    made.add_argument("--quiet", action="store_true", help="no progress bar and no table (needs out= or data=)")
     return made
 
 
@@ -64,6 +68,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parse(build_parser(), sys.argv[1:] if argv is None else argv)
     with exit_statuses(PROG):
         positional, options = split_items(args.words, KEYS, PROG, paths_first=True)
+        if args.quiet and "out" not in options and "data" not in options:
+            # No table and no file: the predictions would go nowhere.
+            raise CommandLineError("--quiet without out= shows and writes nothing: add out=FILE.csv or drop --quiet")
+        if "data" in options and "out" in options:
+            raise CommandLineError(
+                "out= writes the predictions for images; with data= it would write nothing: drop out="
+            )
+        idle = [key.name for key in KEYS if key.help.startswith("with data") and key.name in options]
+        if idle and "data" not in options:
+            raise CommandLineError(f"{idle[0]}= acts only with data=: add data=NAME data.root=PATH, or drop {idle[0]}=")
         from petl.deploy.predict import run_command
 
         status = run_command(positional, options, merge=args.merge, quiet=args.quiet)

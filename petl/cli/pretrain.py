@@ -20,7 +20,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from petl.cli.args import exit_statuses
+from petl.cli.args import exit_statuses, plain
 from petl.utils.errors import USAGE_ERROR
 
 PROG = "petl-pretrain"
@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The command's parser: every option is a flag (``--epochs 8``) or, as in every petl command, ``epochs=8``."""
     parser = argparse.ArgumentParser(
         prog=PROG,
-        description=__doc__,
+        description=plain(__doc__),
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Each --name VALUE may also be written name=VALUE (--batch-size 64 as batch_size=64), anywhere.",
     )

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from petl import presets
-from petl.cli.args import exit_statuses, hydra_parser
+from petl.cli.args import exit_statuses, hydra_parser, plain
 from petl.utils.errors import RUN_ERROR, USAGE_ERROR, ConfigError
 
 if TYPE_CHECKING:
@@ -259,7 +259,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.help and not args.overrides:
         from petl.cli.run_help import fast_help
 
-        print(fast_help(PROG, __doc__))
+        print(plain(fast_help(PROG, __doc__)))
         raise SystemExit  # status 0, as argparse after --help
     from petl.store.files import is_main_process
     from petl.train import config

@@ -1,6 +1,6 @@
 """petl-serve: trained runs over HTTP, many tasks over one backbone, batches formed across tasks.
 
-    petl-serve runs/cars runs/pets runs/dtd                  # http://127.0.0.1:8000/ (docs: /docs)
+    petl-serve runs/cars runs/pets runs/dtd                  # http://127.0.0.1:8000/ (API: /openapi.json)
     petl-serve runs/sweep/ port=9000 max_batch=64            # every run folder under a folder
     petl-serve task.cars=runs/cars/lora/seed0 runs/dtd host=0.0.0.0
     PETL_SERVE_TOKEN=secret petl-serve runs/cars             # /v1/... and /metrics need the bearer token
@@ -11,15 +11,18 @@ folders have one name); ``task.NAME=RUN`` names it.  Every run must have trained
 method that shares it (``petl.MultiTask``); a run that fails ``petl.load_run``'s checks is refused at start,
 naming it.  See :mod:`petl.deploy.serve` for the routes.
 
-Options (key=value, anywhere, listed below; the batching ones default to :class:`petl.deploy.serve.ServeOptions`'s:
-max_batch=32 max_wait_ms=5 max_queue=256 max_upload_mb=20).  Exit status: 2 bad input (an option, a run folder),
-1 the server could not run (FastAPI missing, the port taken), 130 Ctrl-C.
+Options (key=value, anywhere, listed below with their defaults, which are those of the Python API's
+petl.deploy.serve.ServeOptions; a value that is not a finite number in its range is refused).  Exit
+status: 2 bad input (an option, a run folder, a task named twice), 1 the server could not run (FastAPI missing,
+the port taken), 130 Ctrl-C.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import re
+import socket
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -32,11 +35,18 @@ TASK_PREFIX = "task."
 KEYS = (
     Key("host", "the address to listen on (0.0.0.0: every interface; set PETL_SERVE_TOKEN then)", str, "127.0.0.1"),
     Key("port", "the port to listen on", int, 8000),
-    Key("max_batch", "the most images in one mixed batch", int),
-    Key("max_wait_ms", "how long the oldest queued image waits for others before its batch runs", float),
-    Key("max_queue", "the most images waiting at once (and in one request); beyond it requests get 503", int),
-    Key("max_upload_mb", "the largest request body, in MB; larger ones get 413", float),
+    Key("max_batch", "the most images in one mixed batch", int, 32),
+    Key("max_wait_ms", "how long the oldest queued image waits for others before its batch runs", float, 5.0),
+    Key("max_queue", "the most images waiting at once (and in one request); beyond it requests get 503", int, 256),
+    Key("max_upload_mb", "the largest request body, in MB; larger ones get 413", float, 20.0),
+    Key("max_image_mp", "the most pixels in one image, in millions (read before decoding); more get 413", float, 16.0),
+    Key("max_request_mp", "the most pixels in one request's images, in millions; more get 413", float, 64.0),
+    Key("header_timeout_s", "a connection whose request headers take longer is closed", float, 10.0),
+    Key("body_timeout_s", "a request whose body takes longer after its headers gets 408", float, 60.0),
+    Key("max_connections", "the most connections and requests at once; beyond it requests get 503", int, 128),
+    Key("shutdown_timeout_s", "how long SIGTERM or Ctrl-C waits for requests in flight", float, 10.0),
 )
+SERVE_OPTIONS = tuple(key.name for key in KEYS if key.name not in ("host", "port"))
 USAGE = f"{PROG} RUN [RUN ...] [{TASK_PREFIX}NAME=RUN ...] [key=value ...] [--quiet]"
 TASK_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 PIP_HINT = "pip install 'petl[serve]' (FastAPI, uvicorn, python-multipart)"
@@ -65,12 +75,15 @@ def find_runs(items: Sequence[str]) -> dict[str, Path]:
         found = [path] if _is_run(path) else sorted({p.parent for p in path.rglob("model.json") if _is_run(p.parent)})
         if not found:
             raise UsageError(f"{path} holds no run folder (no model.json): give petl-run output folders")
+        name = key.removeprefix(TASK_PREFIX)
         if not eq:
             unnamed += found
         elif len(found) > 1:
             raise UsageError(f"{item}: {path} holds {len(found)} runs; task.NAME= names one run folder")
+        elif name in named:
+            raise UsageError(f"task {name!r} is named twice ({named[name]}, {found[0]}): give each task one name")
         else:
-            named[key.removeprefix(TASK_PREFIX)] = found[0]
+            named[name] = found[0]
     runs = dict(named)
     for folder, name in run_labels(unnamed).items():
         if name in runs:
@@ -96,12 +109,6 @@ def read_command_line(argv: Sequence[str]) -> tuple[dict[str, Path], dict, argpa
     args = parse(build_parser(), argv)
     runs, given = split_items(args.words, KEYS, PROG, prefixes=(TASK_PREFIX,))
     options = {key.name: key.default for key in KEYS if key.default is not None} | given
-    for key in ("max_batch", "max_queue"):
-        if key in options and options[key] < 1:
-            raise UsageError(f"{key}={options[key]}: must be at least 1")
-    for key in ("max_wait_ms", "max_upload_mb"):
-        if key in options and not options[key] >= 0:
-            raise UsageError(f"{key}={options[key]}: must be 0 or more")
     if not 0 <= options["port"] <= 65535:
         raise UsageError(f"port={options['port']}: must be 0 to 65535")
     if not runs:
@@ -119,28 +126,67 @@ def run_cli(argv: Sequence[str]) -> int:
     except ImportError as error:
         raise RuntimeError(f"petl-serve needs {error.name}: {PIP_HINT}") from None
     try:
+        serve_options = serve.ServeOptions(
+            **{k: options[k] for k in SERVE_OPTIONS if k in options}, token=serve.token_from_environment()
+        )
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    try:
         served, tasks = serve.load_tasks(runs)
     except ValueError as error:  # RunFolderError, TaskRefused, disagreeing backbones: each names the run
         raise UsageError(str(error).splitlines()[0]) from None
-    batching = {k: options[k] for k in ("max_batch", "max_wait_ms", "max_queue", "max_upload_mb") if k in options}
-    app = serve.create_app(served, tasks, serve.ServeOptions(**batching, token=serve.token_from_environment()))
+    app = serve.create_app(served, tasks, serve_options)
+    listening = bind(options["host"], options["port"])
+    port = listening.getsockname()[1]
     names = ", ".join(f"{t.name} ({t.method})" for t in tasks)
     print(f"{PROG}: {len(tasks)} task(s) over {tasks[0].backbone}: {names}", file=sys.stderr)
-    print(f"{PROG}: http://{options['host']}:{options['port']}/ (API docs at /docs)", file=sys.stderr)
+    print(f"{PROG}: http://{options['host']}:{port}/ (the API: /openapi.json)", file=sys.stderr)
     if options["host"] not in ("127.0.0.1", "localhost", "::1") and serve.token_from_environment() is None:
         print(
             f"{PROG}: note: host={options['host']} takes requests from other machines and {serve.TOKEN_VARIABLE} "
             "is not set: anyone who reaches this port can use the tasks",
             file=sys.stderr,
         )
-    config = uvicorn.Config(
-        app, host=options["host"], port=options["port"], access_log=not args.quiet, log_level="info"
-    )
-    server = uvicorn.Server(config)
-    server.run()
-    if not server.started:  # uvicorn logged why (the port is taken...)
-        raise RuntimeError(f"could not serve on {options['host']}:{options['port']}")
+    server = uvicorn.Server(serve.server_config(app, options["host"], port, serve_options, not args.quiet))
+    try:
+        server.run(sockets=[listening])
+    except SystemExit as stop:  # uvicorn exits 3 when it cannot start: petl's status for that is 1
+        if stop.code:
+            raise RuntimeError(f"could not serve on {options['host']}:{port} (uvicorn said why above)") from None
+        raise
+    finally:
+        listening.close()
+    if not server.started:
+        raise RuntimeError(f"could not serve on {options['host']}:{port} (uvicorn said why above)")
     return 0
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket on ``host:port`` (port 0: one the system picks), bound before uvicorn starts.
+
+    Raises:
+        RuntimeError: the port is taken or the address is not this machine's (one line naming them; exit 1).
+
+    """
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        listening = socket.socket(family, kind, proto)
+    except OSError as error:
+        raise RuntimeError(f"host={host}: {error.strerror or error}") from None
+    try:
+        listening.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
+        listening.bind(address)
+        listening.listen()
+    except OSError as error:
+        listening.close()
+        why = (
+            "the port is in use: stop what holds it, or choose another port="
+            if error.errno == errno.EADDRINUSE
+            else (error.strerror or str(error))
+        )
+        raise RuntimeError(f"cannot listen on {host}:{port}: {why}") from None
+    listening.set_inheritable(True)
+    return listening
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -5,15 +5,17 @@
     PATH/test/<class>/*          optional: without it, a run has no test number (and says so)
 
 Class names are the sub-folder names of ``train/`` in sorted order (label ``i`` is the ``i``-th name),
-as ``ImageFolder`` and Hugging Face's ``imagefolder`` number them.  ``val/`` and ``test/`` may lack a
-class, never add one.  Files count as images by their extension (torchvision's list); every image is
-then decoded once when a split is built (:class:`~petl.data.vtab.FileListDataset`): bad files are
-reported together, by path, before any training, and the split carries a content fingerprint so a
-resumed run refuses changed data.
+as ``ImageFolder`` and Hugging Face's ``imagefolder`` number them.  Names starting with ``.`` are skipped
+(``.git``, ``.ipynb_checkpoints``), as ``imagefolder`` skips them; one holding images is named in a warning.
+``val/`` and ``test/`` may lack a class, never add one.  Files count as images by their extension
+(torchvision's list); every image is then decoded once when a split is built
+(:class:`~petl.data.vtab.FileListDataset`): bad files are reported together, by path, before any training,
+and the split carries a content fingerprint so a resumed run refuses changed data.
 """
 
 from __future__ import annotations
 
+import logging
 from functools import lru_cache
 from pathlib import Path
 
@@ -24,6 +26,8 @@ from petl.data.images import FileListDataset
 from petl.data.registry import TEST, TRAIN, TRAIN_VAL, VAL, DatasetInfo, register_dataset
 from petl.data.transforms import ImageSpec
 from petl.utils.text import shown
+
+log = logging.getLogger(__name__)
 
 # torchvision.datasets.folder.IMG_EXTENSIONS (written out: petl.data does not import torchvision).
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
@@ -78,6 +82,15 @@ def _hidden(path: Path, top: Path) -> bool:
 
 
 def _classes(split_dir: Path) -> list[str]:
+    # A folder whose name starts with "." is not a class (.git, .ipynb_checkpoints, as Hugging Face's imagefolder
+    # skips them); one holding images is named in a warning, so that a class is never dropped without a word.
+    hidden = sorted(p.name for p in split_dir.iterdir() if p.is_dir() and p.name.startswith(".") and _images(p))
+    if hidden:
+        log.warning(
+            "folder: skipped %s in %s: folders whose name starts with '.' are not classes; rename them to use them",
+            ", ".join(shown(name) for name in hidden),
+            shown(split_dir),
+        )
     names = sorted(p.name for p in split_dir.iterdir() if p.is_dir() and not p.name.startswith("."))
     for name in names:
         if shown(name) != name:
@@ -103,7 +116,7 @@ def _scan(root: Path) -> tuple[tuple[str, ...], dict[str, list[tuple[Path, int]]
         split_dir = root / split
         if not split_dir.is_dir():
             continue
-        present = _classes(split_dir)
+        present = names if split == "train" else _classes(split_dir)
         extra = [name for name in present if name not in label]
         if extra:
             raise ValueError(f"folder: {split_dir} has classes that train/ lacks: {', '.join(extra[:5])}")

@@ -150,23 +150,63 @@ def _onnx_gap(path: Path, model: nn.Module, example: torch.Tensor) -> float | No
     return float(abs(logits - expected).max())
 
 
-def export(run_dir: str | Path, out: str | Path) -> float | None:
-    """Write a run's merged plain model to ``out`` (a timm folder, ``.safetensors`` or ``.onnx``).
+def check_target(run_dir: str | Path, out: str | Path, overwrite: bool = False) -> None:
+    """Refuse an ``out`` that would replace files the export did not write, before anything is loaded.
 
-    Returns:
-        For ONNX, onnxruntime's largest logit difference from torch (``None`` without onnxruntime).
+    ``out`` inside a run folder (this run's or any other: a folder above it holds ``model.json``) is refused
+    even with ``overwrite``: a run's files are replaced by a run, never by an export.  An existing file, or a
+    folder already holding ``config.json`` or ``model.safetensors``, is replaced only with ``overwrite``.
 
     Raises:
-        ValueError: an unknown format, ``out`` inside the run folder, a method that cannot be unloaded, a run
-            folder that cannot load.
-        RuntimeError: the ONNX check failed.
+        ValueError: an unknown format, ``out`` inside a run folder, files in the way (one line naming them).
 
     """
     out = Path(out)
     if out.suffix.lower() not in FORMATS:
         raise ValueError(f"out={out}: choose a folder (no suffix), a .safetensors or a .onnx file name")
-    if out.resolve().is_relative_to(Path(run_dir).resolve()):
+    target = out.resolve()
+    if target.is_relative_to(Path(run_dir).resolve()):
         raise ValueError(f"out={out} is inside the run folder {run_dir}: export elsewhere (the run's files stay)")
+    inside = files.enclosing_run(target)
+    if inside is not None:
+        folder, marker = inside
+        raise ValueError(
+            f"out={out} is inside the run folder {folder} (it holds {marker}): export elsewhere "
+            "(a run's files are never replaced by an export)"
+        )
+    if out.suffix:
+        if out.is_dir():
+            raise ValueError(f"out={out} is a folder: name a new {out.suffix} file")
+        in_the_way = [out] if out.exists() else []
+    elif out.exists() and not out.is_dir():
+        raise ValueError(f"out={out} is a file: name a folder (no suffix) or a .safetensors or .onnx file")
+    else:
+        in_the_way = [out / name for name in (CONFIG_FILE, WEIGHTS_FILE) if (out / name).exists()]
+    if in_the_way and not overwrite:
+        listed = ", ".join(str(path) for path in in_the_way)
+        raise ValueError(f"{listed} already exists: export elsewhere, or add overwrite=true to replace it")
+
+
+def export(run_dir: str | Path, out: str | Path, overwrite: bool = False) -> float | None:
+    """Write a run's merged plain model to ``out`` (a timm folder, ``.safetensors`` or ``.onnx``).
+
+    Args:
+        run_dir: the run folder.
+        out: a folder (timm's ``local-dir`` format), a ``.safetensors`` or a ``.onnx`` file name.
+        overwrite: replace an existing file (or a folder's ``config.json`` / ``model.safetensors``); without it
+            they are refused (:func:`check_target`).
+
+    Returns:
+        For ONNX, onnxruntime's largest logit difference from torch (``None`` without onnxruntime).
+
+    Raises:
+        ValueError: an unknown format, ``out`` inside a run folder, files in the way without ``overwrite``, a
+            method that cannot be unloaded, a run folder that cannot load.
+        RuntimeError: the ONNX check failed.
+
+    """
+    out = Path(out)
+    check_target(run_dir, out, overwrite)
     run = load_run(run_dir)
     model = plain_model(run)
     meta = metadata(run)

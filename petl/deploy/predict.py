@@ -26,7 +26,7 @@ from petl.data.images import decode_image
 from petl.deploy.multitask import MultiTask, TaskRefused
 from petl.model import surgery
 from petl.model.registry import get_method
-from petl.store.files import MODEL_FILE, WEIGHTS_FILE
+from petl.store.files import MODEL_FILE, WEIGHTS_FILE, enclosing_run
 from petl.store.load import (
     LoadedRun,
     RunFolderError,
@@ -192,7 +192,7 @@ def serve_together(folders: list[Path], quiet: bool = False) -> tuple[MultiTask 
 
     """
     cards = {folder: read_card(folder) for folder in folders}
-    backbone = create_backbone(cards[folders[0]]["backbone"])
+    backbone = create_backbone(cards[folders[0]]["backbone"], folders[0] / MODEL_FILE)
     tasks = {str(folder): weights_file(folder, cards[folder]) for folder in folders}
     refused: list[Path] = []
     while len(tasks) > 1:
@@ -380,10 +380,6 @@ def _check(positional: list[str], options: dict) -> tuple[list[Path], list[str]]
         first = positional[0] if positional else "(none)"
         raise UsageError(f"{first} is not a run folder (no {WEIGHTS_FILE}): give a petl-run output_dir first")
     images = positional[len(runs) :]
-    for key in ("out", "confusion"):
-        if key in options and any(Path(options[key]).resolve().is_relative_to(run.resolve()) for run in runs):
-            # model.json, result.json...: a run's own files are never replaced by what it predicted.
-            raise UsageError(f"{key}={options[key]} is inside a run folder: write it elsewhere")
     if "data" in options and images:
         raise UsageError("give images or data=..., not both")
     if "data" not in options and not images:
@@ -395,7 +391,47 @@ def _check(positional: list[str], options: dict) -> tuple[list[Path], list[str]]
         raise UsageError(f"out={options['out']}: choose a {', '.join(WRITERS)} file name (the suffix sets the format)")
     if "confusion" in options and Path(options["confusion"]).suffix.lower() != ".png":
         raise UsageError(f"confusion={options['confusion']}: the matrix is drawn as a PNG: name a .png file")
+    check_targets(runs, options)
     return runs, images
+
+
+def confusion_files(target: Path, runs: list[Path]) -> dict[Path, Path]:
+    """The PNG each run's confusion matrix goes to: ``target``, or with several runs ``<stem>_<run label>.png``."""
+    if len(runs) == 1:
+        return {runs[0]: target}
+    labels = run_labels(runs)
+    return {run: target.with_name(f"{target.stem}_{labels[run]}{target.suffix}") for run in runs}
+
+
+def check_targets(runs: list[Path], options: dict) -> None:
+    """Refuse to write over files the command did not write, before anything is loaded.
+
+    A file inside a run folder (any run's: a folder above it holds ``model.json``, ``result.json``...) is refused
+    even with ``overwrite=true``: a run's files are replaced by a run, never by a prediction.  An existing file
+    is replaced only with ``overwrite=true``.
+
+    Raises:
+        UsageError: ``out=`` or ``confusion=`` inside a run folder, a folder, or files in the way (one line).
+
+    """
+    written = [("out", Path(options["out"]))] if "out" in options else []
+    if "confusion" in options:
+        written += [("confusion", path) for path in confusion_files(Path(options["confusion"]), runs).values()]
+    for key, path in written:
+        inside = enclosing_run(path)
+        if inside is not None:
+            folder, marker = inside
+            raise UsageError(
+                f"{key}={shown(options[key])} is inside the run folder {shown(folder)} (it holds {marker}): write it "
+                "elsewhere (a run's files are never replaced by a prediction)"
+            )
+        if path.is_dir():
+            raise UsageError(f"{key}={shown(options[key])} is a folder: name a new {path.suffix} file")
+    in_the_way = [shown(path) for _, path in written if path.exists()]
+    if in_the_way and not options.get("overwrite", False):
+        raise UsageError(
+            f"{', '.join(in_the_way)} already exists: write elsewhere, or add overwrite=true to replace it"
+        )
 
 
 def _load(folder: Path, merge: bool) -> LoadedRun:
@@ -470,7 +506,6 @@ def run_command(positional: list[str], options: dict, merge: bool = False, quiet
     bad: list[tuple[Path, str]] = []
     by_run: dict[Path, list[Prediction]] = {}
     alone = runs
-    labels = run_labels(runs)
     if items and len(runs) > 1:
         alone = []
         for group in _groups(runs, merge, quiet):
@@ -502,9 +537,7 @@ def run_command(positional: list[str], options: dict, merge: bool = False, quiet
             if not quiet:
                 _print_confusion(matrix, run.class_names)
             if "confusion" in options:
-                target = Path(options["confusion"])
-                if several:
-                    target = target.with_name(f"{target.stem}_{labels[folder]}{target.suffix}")
+                target = confusion_files(Path(options["confusion"]), runs)[folder]
                 save_confusion_png(target, matrix, run.class_names, f"{folder.name}: {split}, top-1 {accuracy:.1f}%")
                 print(f"wrote {shown(target)}")
             continue

@@ -5,7 +5,7 @@ Every run is loaded into one :class:`petl.MultiTask` (:meth:`~petl.MultiTask.fro
 frozen tensors' hash, the head's class count).  Requests go through one :class:`~petl.deploy.batcher.Batcher`,
 which runs the images of concurrent requests, whatever their task, as one mixed batch.
 
-Routes (FastAPI; ``/docs`` shows them with their schemas):
+Routes (FastAPI; ``/openapi.json`` describes them; no ``/docs`` page, which would load Swagger UI from a CDN):
 
 * ``POST /v1/tasks/{task}/predict?top_k=5``: one image as the raw body, or several as multipart file fields;
   each image's top-k class names and probabilities, as ``petl-predict`` gives them.
@@ -13,9 +13,13 @@ Routes (FastAPI; ``/docs`` shows them with their schemas):
 * ``GET /health``, ``GET /metrics`` (Prometheus text), ``GET /`` (a page to try the tasks on an image).
 
 With the environment variable ``PETL_SERVE_TOKEN`` set, ``/v1/...`` and ``/metrics`` answer only requests
-carrying ``Authorization: Bearer <token>``; ``/health``, the page and the OpenAPI docs hold no task data and
+carrying ``Authorization: Bearer <token>``; ``/health``, the page and ``/openapi.json`` hold no task data and
 stay open (the page asks for the token itself).  Every error is JSON ``{"detail": "one line"}`` saying what
 to do; a request never takes the server down.
+
+What one client can hold is bounded (:class:`ServeOptions`): the body's bytes, each image's and each request's
+pixels (checked from the headers, before decoding), the images decoded at once, the time to send the request
+headers and the body, the connections open at once, and the time a shutdown waits for requests in flight.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import asyncio
 import hmac
 import io
 import logging
+import math
 import os
 import time
 from collections.abc import AsyncIterator, Mapping
@@ -33,6 +38,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+import h11
 import torch
 from fastapi import Depends, FastAPI, HTTPException, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -40,6 +46,8 @@ from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from PIL import Image
 from starlette.datastructures import UploadFile
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from petl.data.images import decode_image
 from petl.data.transforms import ImageSpec, pil_to_tensor
@@ -54,11 +62,25 @@ from petl.version import __version__
 log = logging.getLogger("petl.serve")
 
 TOKEN_VARIABLE = "PETL_SERVE_TOKEN"
-# Images larger than this are refused before they are decoded: a small file can hold a huge image (a
-# "decompression bomb": a 100 kB PNG of 20,000 x 20,000 pixels decodes to 400 MB).  Pillow only warns below
-# twice its own limit (89 MP); 50 MP is above any camera photo a classifier at a few hundred pixels needs.
-MAX_PIXELS = 50_000_000
 PREDICT_ROUTE = "/v1/tasks/{task}/predict"
+# Images decoded at once, whatever the number of requests: a decoded image costs about 10 bytes per pixel on its
+# way to the model's few hundred pixels (the file's pixels, an RGB copy, the resized one), so this and
+# max_image_mp bound the decoding memory (2 x 16 MP: about 0.3 GB).
+DECODE_SLOTS = 2
+# Each option's allowed range (inclusive): a value outside it, or not finite, is refused naming the option.
+# Pillow itself refuses images over twice its Image.MAX_IMAGE_PIXELS (89 MP) before decoding them.
+OPTION_RANGES: dict[str, tuple[float, float]] = {
+    "max_batch": (1, 4096),
+    "max_wait_ms": (0, 10_000),
+    "max_queue": (1, 100_000),
+    "max_upload_mb": (0.01, 1024),
+    "max_image_mp": (0.001, 178),
+    "max_request_mp": (0.001, 10_000),
+    "header_timeout_s": (0.1, 3600),
+    "body_timeout_s": (0.1, 3600),
+    "max_connections": (1, 100_000),
+    "shutdown_timeout_s": (0, 3600),
+}
 
 
 @dataclass(frozen=True)
@@ -70,7 +92,17 @@ class ServeOptions:
         max_wait_ms: how long the oldest queued image waits for others before its batch runs.
         max_queue: the most images waiting at once (and in one request); beyond it requests get 503.
         max_upload_mb: the largest request body, in MB (2**20 bytes); larger ones get 413.
+        max_image_mp: the most pixels in one image, in millions (its header is read before it is decoded); 413.
+        max_request_mp: the most pixels in all the images of one request, in millions; 413.
+        header_timeout_s: a connection whose request headers have not all arrived this long after it opened (or
+            after its last answer) is closed.
+        body_timeout_s: a request whose body has not all arrived this long after its headers gets 408.
+        max_connections: the most connections (and requests) at once; requests beyond it get 503.
+        shutdown_timeout_s: how long a shutdown (SIGTERM, Ctrl-C) waits for requests in flight before ending them.
         token: the bearer token every data route needs (``None``: no token).
+
+    Raises:
+        ValueError: a value that is not a finite number in :data:`OPTION_RANGES` (one line naming the option).
 
     """
 
@@ -78,7 +110,21 @@ class ServeOptions:
     max_wait_ms: float = 5.0
     max_queue: int = 256
     max_upload_mb: float = 20.0
+    max_image_mp: float = 16.0
+    max_request_mp: float = 64.0
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 60.0
+    max_connections: int = 128
+    shutdown_timeout_s: float = 10.0
     token: str | None = None
+
+    def __post_init__(self) -> None:
+        for name, (low, high) in OPTION_RANGES.items():
+            value = getattr(self, name)
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if not number or not math.isfinite(value) or not low <= value <= high:
+                shown_value = f"{value:g}" if number else repr(value)
+                raise ValueError(f"{name}={shown_value}: must be a number from {low:g} to {high:g}")
 
     @property
     def max_upload_bytes(self) -> int:
@@ -144,24 +190,67 @@ class BadImage(ValueError):
     """An uploaded image that cannot be used; the message names it and says why."""
 
 
-def preprocess(data: bytes, spec: ImageSpec, max_pixels: int = MAX_PIXELS) -> torch.Tensor:
-    """One uploaded file's bytes as a model input, checked: a decodable image of at most ``max_pixels`` pixels.
+class TooManyPixels(ValueError):
+    """An image, or a request's images, over the pixel limits; the message names the limit (413)."""
+
+
+def pixel_count(data: bytes) -> int | None:
+    """An image file's pixels from its header alone, before any decoding (``None``: not a readable header).
 
     Raises:
-        ValueError: not an image, truncated, damaged, or too large (one phrase saying which).
+        TooManyPixels: over twice Pillow's own limit (Pillow refuses to open it).
 
     """
-    limit = f"over the {max_pixels / 1e6:g} MP limit"
     try:
-        with Image.open(io.BytesIO(data)) as header:  # reads the header only: the size, before any decoding
+        with Image.open(io.BytesIO(data)) as header:
             width, height = header.size
-    except Image.DecompressionBombError:  # over twice Pillow's own limit
-        raise ValueError(f"more than {2 * Image.MAX_IMAGE_PIXELS / 1e6:.0f} MP is {limit}") from None
+    except Image.DecompressionBombError:
+        raise TooManyPixels(f"more than {2 * Image.MAX_IMAGE_PIXELS / 1e6:.0f} MP") from None
     except (OSError, SyntaxError, ValueError):
-        width = height = 0  # decode_image below says what is wrong, in its words
-    if width * height > max_pixels:
-        raise ValueError(f"{width} x {height} pixels is {limit}")
+        return None  # decode_image says what is wrong, in its words
+    return width * height
+
+
+def preprocess(data: bytes, spec: ImageSpec) -> torch.Tensor:
+    """One uploaded file's bytes (its size already checked: :func:`check_pixels`) as a model input.
+
+    Raises:
+        ValueError: not an image, truncated or damaged (one phrase saying which).
+
+    """
     return pil_to_tensor(Image.fromarray(decode_image(data)), spec)
+
+
+def _which(number: int, name: str) -> str:
+    return f"image {number}" + (f" ({shown(name)})" if name else "")
+
+
+def check_pixels(uploads: list[tuple[str, bytes]], options: ServeOptions) -> None:
+    """Refuse a request whose images, read from their headers only, exceed max_image_mp or max_request_mp.
+
+    Raises:
+        TooManyPixels: the first image over ``max_image_mp``, or the request's total over ``max_request_mp``.
+
+    """
+    total = 0
+    for number, (name, data) in enumerate(uploads, 1):
+        try:
+            pixels = pixel_count(data) or 0
+        except TooManyPixels as error:
+            pixels, size = math.inf, str(error)
+        else:
+            size = f"{pixels / 1e6:.3g} MP"
+        if pixels > options.max_image_mp * 1e6:
+            raise TooManyPixels(
+                f"{_which(number, name)}: {size}, over max_image_mp={options.max_image_mp:g}: send it smaller "
+                "(the model reads a few hundred pixels), or start petl-serve with a larger max_image_mp"
+            )
+        total += pixels
+    if total > options.max_request_mp * 1e6:
+        raise TooManyPixels(
+            f"the request's {len(uploads)} images hold {total / 1e6:.3g} MP, over max_request_mp="
+            f"{options.max_request_mp:g}: split it, or send smaller images"
+        )
 
 
 def _preprocess_all(uploads: list[tuple[str, bytes]], spec: ImageSpec) -> list[torch.Tensor]:
@@ -170,8 +259,9 @@ def _preprocess_all(uploads: list[tuple[str, bytes]], spec: ImageSpec) -> list[t
         try:
             tensors.append(preprocess(data, spec))
         except ValueError as error:
-            which = f"image {number}" + (f" ({shown(name)})" if name else "")
-            raise BadImage(f"{which}: {error}: send a complete PNG, JPEG, WebP, BMP, GIF or TIFF image") from None
+            raise BadImage(
+                f"{_which(number, name)}: {error}: send a complete PNG, JPEG, WebP, BMP, GIF or TIFF image"
+            ) from None
     return tensors
 
 
@@ -211,9 +301,14 @@ async def _uploads(request: Request, body: bytes, options: ServeOptions) -> list
     async def replay() -> dict[str, Any]:
         return {"type": "http.request", "body": body, "more_body": False}
 
-    form = await Request(request.scope, replay).form(
-        max_files=options.max_queue, max_fields=options.max_queue, max_part_size=options.max_upload_bytes
-    )
+    try:
+        form = await Request(request.scope, replay).form(
+            max_files=options.max_queue, max_fields=options.max_queue, max_part_size=options.max_upload_bytes
+        )
+    except StarletteHTTPException as error:  # starlette answers 400 to more parts than max_files/max_fields
+        if "Too many" not in str(error.detail):
+            raise
+        raise _too_many(f"more than {options.max_queue}", options.max_queue) from None
     uploads = []
     try:
         for field, value in form.multi_items():
@@ -225,6 +320,101 @@ async def _uploads(request: Request, body: bytes, options: ServeOptions) -> list
     if not uploads:
         raise HTTPException(400, "the multipart request holds no file: send each image as a file field")
     return uploads
+
+
+def _too_many(count: int | str, max_queue: int) -> HTTPException:
+    return HTTPException(413, f"{count} images in one request, over max_queue={max_queue}: split it")
+
+
+class _BodyDeadline:
+    """ASGI middleware: a request whose body has not all arrived ``seconds`` after its headers gets 408.
+
+    uvicorn bounds neither how long a body takes nor how long one chunk of it does; a client sending a few
+    bytes a minute would hold its connection (and a shutdown) for ever.  Only the body's reads are timed:
+    a wait for the client's disconnect after the body is complete is not.
+    """
+
+    def __init__(self, app: Any, seconds: float) -> None:
+        self.app, self.seconds = app, seconds
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.seconds
+        complete = False
+
+        async def timed_receive() -> dict:
+            nonlocal complete
+            if complete:
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
+            except TimeoutError:
+                raise HTTPException(
+                    408,
+                    f"the request body did not all arrive within body_timeout_s={self.seconds:g}: send it again "
+                    "(on a slow link, send smaller images)",
+                    headers={"Connection": "close"},
+                ) from None
+            complete = message["type"] != "http.request" or not message.get("more_body", False)
+            return message
+
+        await self.app(scope, timed_receive, send)
+
+
+def header_deadline_protocol(seconds: float) -> type[H11Protocol]:
+    """The h11 protocol of uvicorn, closing a connection whose request headers are not all in after ``seconds``.
+
+    The clock starts when the connection opens and again after each answer; uvicorn itself times only idle
+    keep-alive connections, so a client sending half a request's headers would hold its connection for ever.
+    """
+
+    class HeaderDeadline(H11Protocol):
+        def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._arm()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _disarm(self) -> None:
+            timer = getattr(self, "_header_timer", None)
+            if timer is not None:
+                timer.cancel()
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._header_timer = self.loop.call_later(seconds, self._header_deadline)
+
+        def _header_deadline(self) -> None:
+            # IDLE: the client has not finished a request's headers since the timer was set.
+            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+                self.transport.close()
+
+    return HeaderDeadline
+
+
+def server_config(app: FastAPI, host: str, port: int, options: ServeOptions, access_log: bool = True) -> Any:
+    """The uvicorn configuration of :func:`create_app`'s app with the options' connection limits and deadlines."""
+    import uvicorn
+
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        http=header_deadline_protocol(options.header_timeout_s),
+        limit_concurrency=options.max_connections,
+        timeout_graceful_shutdown=math.ceil(options.shutdown_timeout_s),
+        access_log=access_log,
+        log_level="info",
+    )
 
 
 def _top_k(logits: torch.Tensor, task: Task, k: int) -> dict[str, Any]:
@@ -312,13 +502,18 @@ def create_app(served: MultiTask, tasks: list[Task], options: ServeOptions) -> F
         finally:
             worker.cancel()
 
+    # No /docs or /redoc: FastAPI's pages load Swagger UI and ReDoc from a CDN, blank without the internet and a
+    # third-party script in the page.  /openapi.json stays, for any OpenAPI viewer or client generator.
     app = FastAPI(
         title="petl-serve",
         description="Trained petl runs over one shared frozen backbone; images of concurrent requests are "
         "batched together across tasks.",
         version=__version__,
         lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
     )
+    decoding = asyncio.Semaphore(DECODE_SLOTS)
     bearer = HTTPBearer(auto_error=False, description=f"the token in {TOKEN_VARIABLE} (when the server has one)")
 
     def check_token(credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:  # noqa: B008
@@ -374,11 +569,13 @@ def create_app(served: MultiTask, tasks: list[Task], options: ServeOptions) -> F
             raise HTTPException(404, f"unknown task {task!r}: the tasks are {listed} (GET /v1/tasks lists them)")
         uploads = await _uploads(request, await read_body(request, options.max_upload_bytes), options)
         if len(uploads) > options.max_queue:
-            raise HTTPException(
-                413, f"{len(uploads)} images in one request, over max_queue={options.max_queue}: split it"
-            )
+            raise _too_many(len(uploads), options.max_queue)
         try:
-            images = await asyncio.to_thread(_preprocess_all, uploads, found.spec)
+            check_pixels(uploads, options)
+            async with decoding:
+                images = await asyncio.to_thread(_preprocess_all, uploads, found.spec)
+        except TooManyPixels as error:
+            raise HTTPException(413, str(error)) from None
         except BadImage as error:
             raise HTTPException(400, str(error)) from None
         try:
@@ -392,6 +589,7 @@ def create_app(served: MultiTask, tasks: list[Task], options: ServeOptions) -> F
         ]
         return {"task": found.name, "predictions": predictions}
 
+    app.add_middleware(_BodyDeadline, seconds=options.body_timeout_s)
     app.add_middleware(_CountRequests, metrics=metrics)
     return app
 

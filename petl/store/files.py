@@ -32,6 +32,8 @@ WEIGHTS_FILE = "trainable.safetensors"
 MODEL_FILE = "model.json"  # what using the weights needs (petl.store.load)
 CHECKPOINT_FILE = "checkpoint.pt"
 RUN_FILES = (CONFIG_FILE, METRICS_FILE, RESULT_FILE, WEIGHTS_FILE, MODEL_FILE, CHECKPOINT_FILE)
+# Files only a petl-run folder holds: a command writing into a folder holding one would write into a run.
+RUN_MARKERS = (MODEL_FILE, WEIGHTS_FILE, RESULT_FILE, CHECKPOINT_FILE)
 # resume=false moves an earlier run's files to ``<output_dir>.replaced-<time>``; reports skip such folders.
 REPLACED_MARK = ".replaced-"
 
@@ -45,6 +47,21 @@ def is_main_process() -> bool:
     ``torchrun`` export RANK to every process).
     """
     return os.environ.get("RANK", "0") == "0"
+
+
+def enclosing_run(path: Path) -> tuple[Path, str] | None:
+    """The run folder ``path`` is in or is (the nearest folder above it holding a :data:`RUN_MARKERS` file).
+
+    Returns:
+        That folder and the marker file it holds, or ``None`` when no folder above ``path`` is a run's.
+
+    """
+    target = Path(path).resolve()
+    for folder in [target, *target.parents]:
+        marker = next((name for name in RUN_MARKERS if (folder / name).is_file()), None)
+        if marker is not None:
+            return folder, marker
+    return None
 
 
 def temporary_files(folder: Path) -> list[Path]:

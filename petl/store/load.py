@@ -41,8 +41,9 @@ import petl.methods  # noqa: F401  (importing the methods registers them)
 from petl.data import hub
 from petl.data.transforms import ImageSpec, pil_to_tensor
 from petl.model.backbone import backbone_of
-from petl.model.io import load_trainable
+from petl.model.io import load_trainable, read_trainable_metadata
 from petl.model.params import trainable_state
+from petl.model.registry import get_method
 from petl.store.files import MODEL_FILE, WEIGHTS_FILE, write_json
 from petl.utils.paths import file_sha256
 
@@ -77,6 +78,9 @@ _OPTIONAL: dict[str, type | tuple[type, ...]] = {
     "backbone.frozen_sha256": (str, type(None)),
 }
 _FIELDS_SINCE = {2: {"weights_sha256": str, "backbone.kwargs.img_size": int}}
+# timm.create_model's arguments that name a file or a place to load weights from.  A card never steers file
+# loading: the one file it may name is backbone.checkpoint, checked by its SHA-256 (create_backbone).
+FILE_KWARGS = frozenset({"pretrained_cfg", "pretrained_cfg_overlay", "checkpoint_path", "cache_dir"})
 
 
 class RunFolderError(ValueError):
@@ -231,6 +235,16 @@ def read_card(run_dir: str | Path) -> dict[str, Any]:
             f"{card_path}: class_names has {len(card['class_names'])} names for num_classes={card['num_classes']}: "
             "restore the run's model.json"
         )
+    steering = sorted(FILE_KWARGS & set(card["backbone"]["kwargs"]))
+    if steering:
+        raise RunFolderError(
+            f"{card_path}: backbone.kwargs.{steering[0]} would make timm load a file the card names; petl loads "
+            "only backbone.checkpoint, checked by its SHA-256: restore the run's model.json"
+        )
+    try:
+        get_method(card["method"])
+    except ValueError as error:
+        raise RunFolderError(f"{card_path}: method: {error}: restore the run's model.json") from None
     weights = Path(card["weights"])
     inside = folder.resolve()
     if weights.is_absolute() or not (inside / weights).resolve().is_relative_to(inside):
@@ -240,6 +254,14 @@ def read_card(run_dir: str | Path) -> dict[str, Any]:
         )
     if not (folder / weights).is_file():
         raise RunFolderError(f"{folder} holds no {weights}: not a finished petl-run folder")
+    try:
+        trained = read_trainable_metadata(folder / weights)["method"]
+    except ValueError:  # a damaged weights file: its hash (weights_file) and load_trainable name what is wrong
+        trained = card["method"]
+    if trained != card["method"]:
+        raise RunFolderError(
+            f"{card_path}: method is {card['method']!r}, {weights} holds {trained!r}: restore the run's model.json"
+        )
     return card
 
 
@@ -301,9 +323,26 @@ def spec_of(card: dict[str, Any]) -> ImageSpec:
     )
 
 
-def create_backbone(backbone: dict[str, Any]) -> nn.Module:
-    """The frozen timm backbone a model record names, built as petl-run built it (weights or seeded init)."""
+def create_backbone(backbone: dict[str, Any], card_path: str | Path = MODEL_FILE) -> nn.Module:
+    """The frozen timm backbone a model record names, built as petl-run built it (weights or seeded init).
+
+    Args:
+        backbone: the card's ``backbone`` record (read by :func:`read_card`).
+        card_path: the card it came from, named in the errors.
+
+    Raises:
+        RunFolderError: a name timm does not know, ``kwargs`` it cannot build the model with, a checkpoint that
+            is gone or changed (one line naming ``card_path`` and the field).
+
+    """
+    name = backbone["name"]
+    if not timm.is_model(name):
+        raise RunFolderError(
+            f"{card_path}: backbone.name {name!r} is not a model timm {timm.__version__} knows: install the "
+            "timm (and petl) the run was trained with, or restore the run's model.json"
+        )
     kwargs = dict(backbone.get("kwargs") or {})
+    given = json.dumps(kwargs)[:200]
     checkpoint = backbone.get("checkpoint")
     if checkpoint:
         if not Path(checkpoint).is_file():
@@ -319,7 +358,13 @@ def create_backbone(backbone: dict[str, Any]) -> nn.Module:
     # without disturbing the caller's.
     with torch.random.fork_rng(devices=[]), hub.offline_unless_reachable():
         torch.manual_seed(int(backbone.get("seed", 0)))
-        return timm.create_model(backbone["name"], pretrained=bool(backbone["pretrained"]), **kwargs)
+        try:
+            return timm.create_model(name, pretrained=bool(backbone["pretrained"]), **kwargs)
+        except (TypeError, ValueError, AssertionError) as error:  # an argument the architecture does not take
+            why = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise RunFolderError(
+                f"{card_path}: backbone.kwargs {given} cannot build {name} ({why}): restore the run's model.json"
+            ) from None
 
 
 def backbone_difference(first: dict[str, Any], other: dict[str, Any]) -> str | None:
@@ -441,7 +486,7 @@ def load_run(run_dir: str | Path) -> LoadedRun:
     """
     folder = Path(run_dir)
     card = read_card(folder)
-    model = create_backbone(card["backbone"])
+    model = create_backbone(card["backbone"], folder / MODEL_FILE)
     load_trainable(model, weights_file(folder, card))
     return loaded(folder, card, model)
 

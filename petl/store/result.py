@@ -19,7 +19,7 @@ from petl.store.files import write_json
 
 RESULT_VERSION = 1
 # Present only where they apply, so that the records of runs without them stay as they were.
-_ONLY_WHEN_SET = ("selection", "diverged", "not_learned", "extra")
+_ONLY_WHEN_SET = ("selection", "diverged", "not_learned", "split_meaning", "extra")
 
 
 class ResultError(ValueError):
@@ -78,6 +78,8 @@ class RunResult:
     # The data: class names in label order, how val was held out of train (if it was), whether test exists.
     class_names: list[str] | None = None
     val_from_train: str | None = None
+    # What ``split`` holds where its name says less: a user's own data, whose train800 is not 800 images.
+    split_meaning: str | None = None
     has_test_split: bool | None = None
     wall_seconds: float | None = None
     selection: dict[str, Any] | None = None

@@ -202,18 +202,26 @@ def train_one_epoch(
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
-        n = labels.numel()
-        loss_sum += loss.item() * n
-        correct += float((logits.argmax(-1) == labels).sum())
+        hits = (logits.argmax(-1) == labels).float()
+        if accelerator.num_processes > 1:
+            # Each process's sampler pads its last batch with repeated images so that every process steps
+            # together; gather_for_metrics drops that padding, so each real image counts once (on every process).
+            per_image = nn.functional.cross_entropy(
+                logits.detach().float(), labels, reduction="none", label_smoothing=settings.label_smoothing
+            )
+            per_image, hits = accelerator.gather_for_metrics((per_image, hits))
+            batch_loss = float(per_image.sum())
+        else:
+            batch_loss = loss.item() * labels.numel()
+        n = hits.numel()
+        loss_sum += batch_loss
+        correct += float(hits.sum())
         seen += n
         rate = seen / max(1e-9, time.perf_counter() - start)
         bar.set_postfix(loss=f"{loss_sum / seen:.3f}", acc=f"{100 * correct / seen:.1f}", img_s=f"{rate:.0f}")
     seconds = time.perf_counter() - start
     if accelerator.num_processes > 1:
-        # Each process saw its own shard: report the whole epoch (summed images, pooled loss and
-        # accuracy, the slowest process's time), identically on every process.
-        totals = torch.tensor([loss_sum, correct, seen], dtype=torch.float64, device=accelerator.device)
-        loss_sum, correct, seen = accelerator.reduce(totals, reduction="sum").tolist()
+        # The counts above are already the whole epoch's (gathered per batch); the time is the slowest process's.
         seconds = float(accelerator.gather(torch.tensor([seconds], device=accelerator.device)).max())
     return {
         "loss": loss_sum / max(1, seen),

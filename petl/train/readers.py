@@ -14,6 +14,7 @@ from timm.data import resolve_data_config
 import petl.methods  # noqa: F401  (importing the methods registers them)
 from petl import data as petl_data
 from petl.model.registry import get_method
+from petl.store.load import FILE_KWARGS
 from petl.utils.checks import to_str_tuple
 from petl.utils.errors import ConfigError
 
@@ -61,10 +62,18 @@ def model_kwargs(cfg: DictConfig) -> dict[str, Any]:
     """Keyword arguments for ``timm.create_model`` besides the name: ``model.kwargs`` plus ``model.img_size``.
 
     Raises:
-        ConfigError: ``model.img_size`` and ``model.kwargs.img_size`` both given, with different values.
+        ConfigError: ``model.img_size`` and ``model.kwargs.img_size`` both given, with different values; a
+            kwarg that makes timm load a file (``checkpoint_path``...), which the run's ``model.json`` could
+            not carry (:func:`petl.store.load.read_card` refuses it).
 
     """
     kwargs = dict(OmegaConf.to_container(cfg.model.kwargs, resolve=True))
+    steering = sorted(FILE_KWARGS & set(kwargs))
+    if steering:
+        raise ConfigError(
+            f"model.kwargs.{steering[0]} would make timm load a file petl does not check (the run could not be "
+            "loaded): give the weights as model.checkpoint=PATH, checked by its SHA-256"
+        )
     size = cfg.model.img_size
     if size is not None:
         if kwargs.get("img_size", size) != size:

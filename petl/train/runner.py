@@ -38,6 +38,7 @@ import petl.methods  # noqa: F401  (importing the methods registers them)
 from petl import data as petl_data
 from petl.model.io import save_trainable
 from petl.model.params import count_params, trainable_state
+from petl.model.registry import get_method
 from petl.store import files, load
 from petl.store.result import RunResult, write_result
 from petl.train import build, cache, config, engine, learning
@@ -48,6 +49,8 @@ from petl.train.output_dir import check_finished
 from petl.utils.errors import DivergedError, RunError
 
 log = logging.getLogger(__name__)
+# Warnings about a run's setup already said in this process (a sweep trains many runs in one process).
+_SAID: set[str] = set()
 
 __all__ = ["ConfigError", "DivergedError", "RunError", "check_finished", "run", "summary_line", "train"]
 
@@ -134,6 +137,38 @@ def run(cfg: DictConfig, *, checked: bool = False) -> dict[str, Any]:
                 accelerator.end_training()
 
 
+def split_meaning(info: petl_data.DatasetInfo, split: str, images: int) -> str | None:
+    """What a split of the user's own data holds (``None`` for a benchmark's, whose name says it).
+
+    The protocol's split names come from VTAB-1k (800 training and 200 validation images); on a folder or a saved
+    dataset ``train800`` is the training images less the held-out val200, whatever their number.
+    """
+    if info.root != "required":
+        return None
+    if split == petl_data.TRAIN_VAL:
+        return f"{split}: every training image (val200 included): {images} images"
+    held = info.val_from_train or "the data's own validation split"
+    return f"{split}: the training images less val200 ({held}): {images} images"
+
+
+def method_label(cfg: DictConfig) -> str:
+    """The method as configured: its name and the options that differ from its defaults (``adapter (style=parallel,
+    dim=8)``), so that two experiments of one method read apart in a sweep's log.
+    """
+    name = cfg.method.name
+    defaults = {}
+    for f in dataclasses.fields(get_method(name).config_cls):
+        if f.default is not dataclasses.MISSING:
+            defaults[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            defaults[f.name] = f.default_factory()
+    changed = {k: v for k, v in config.method_options(cfg).items() if k in defaults and v != defaults[k]}
+    if not changed:
+        return name
+    shown = (f"{k}={','.join(map(str, v)) if isinstance(v, tuple | list) else v}" for k, v in changed.items())
+    return f"{name} ({', '.join(shown)})"
+
+
 def _train_and_record(cfg: DictConfig, resolved: dict[str, Any], out: Path, accelerator: Accelerator) -> dict[str, Any]:
     """The protocol: build, check the resume, train, evaluate test once, record."""
     started = time.perf_counter()
@@ -148,7 +183,7 @@ def _train_and_record(cfg: DictConfig, resolved: dict[str, Any], out: Path, acce
     if accelerator.is_main_process:
         size = build.eval_spec(cfg, model, info).image_size
         print(
-            f"training {cfg.method.name} on {cfg.data.name} ({len(datasets['train'])} images) at {size} px: "
+            f"training {method_label(cfg)} on {cfg.data.name} ({len(datasets['train'])} images) at {size} px: "
             f"{cfg.train.epochs} epochs, batch {cfg.train.batch_size}, lr {cfg.train.lr:g}",
             flush=True,
         )
@@ -195,6 +230,7 @@ def _train_and_record(cfg: DictConfig, resolved: dict[str, Any], out: Path, acce
     result.checkpoint_sha256 = inputs["model.checkpoint_sha256"]
     result.class_names = list(info.class_names or (str(i) for i in range(info.num_classes)))
     result.val_from_train, result.has_test_split = info.val_from_train, petl_data.TEST in info.splits
+    result.split_meaning = split_meaning(info, cfg.data.split, len(datasets["train"]))
     result.wall_seconds = round(progress.wall_seconds(), 2)
     card = load.model_card(
         model_cfg=resolved["model"], seed=cfg.seed, model=model, spec=build.eval_spec(cfg, model, info),
@@ -319,6 +355,10 @@ def _set_up_training(
     # scheduler once per process per call, which adds up to this count under DDP too).
     steps_per_epoch = math.ceil(len(train_loader) / cfg.train.grad_accum)
     optimizer, scheduler = build_optimizer(trainee, settings, steps_per_epoch)
+    few = learning.few_steps(steps_per_epoch * cfg.train.epochs, len(train_set), cfg.train.batch_size, cfg.train.epochs)
+    if few is not None and accelerator.is_main_process and few not in _SAID:
+        _SAID.add(few)  # once per process: a sweep of such runs says it once, not once a run
+        log.warning(few)
     trainee, optimizer, train_loader, scheduler = accelerator.prepare(trainee, optimizer, train_loader, scheduler)
     test_loader = accelerator.prepare(test_loader) if test_loader is not None else None
     eval_loaders = {name: accelerator.prepare(loader) for name, loader in eval_loaders.items()}

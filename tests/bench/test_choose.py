@@ -47,7 +47,9 @@ def test_choose_runs_the_suite_on_a_folder_and_names_a_run_that_predicts(tmp_pat
     assert status == 0, printed
     # The cost came first: runs, images per run, and a measured wall time.
     assert re.search(r"cost: 3 experiments: 4 selection trials \(\d+ train / \d+ val images each\) \+ 6 final", printed)
-    assert "estimated wall time on this machine" in printed
+    assert "estimated wall time on this machine" in printed and "by the timed steps' spread" in printed
+    # Each measurement is said as it starts: the estimate is not silent while it builds the models.
+    assert "petl-bench: measuring linear (1/3)" in printed and "petl-bench: measuring full (3/3)" in printed
     estimate = json.loads((out / ESTIMATE_FILE).read_text())
     assert estimate["runs"] == 10 and estimate["seconds"] > 0 and estimate["measured_seconds"] > 0
 
@@ -65,7 +67,17 @@ def test_choose_runs_the_suite_on_a_folder_and_names_a_run_that_predicts(tmp_pat
     named = re.search(r"\*\*(\w+)\*\* reaches ([\d.]+) %", paragraph)
     assert named is not None and float(named.group(2)) == pytest.approx(max(within.values()), abs=0.01)
     assert named.group(1) in within and within[named.group(1)] == within[best]
-    assert "runner-up" in paragraph and "seeds' spread" in paragraph and "**Cost**: estimated" in paragraph
+    assert "runner-up" in paragraph and "**Cost**: estimated" in paragraph
+    # The rank test decides, with the seeds as blocks (one task): issue 50.
+    assert re.search(
+        r"(cannot be told apart|differ) on this data \(.*each of the 2 seeds a block \(one task\)", paragraph
+    )
+    # A folder is no benchmark task (issue 52): no published ordering, no benchmark groups, one task in the singular.
+    board_md = (out / "leaderboard.md").read_text()
+    assert "Rank correlation with the published" not in board_md and "groups —" not in board_md
+    assert "1 task," in board_md and "1 tasks" not in board_md
+    record = json.loads((out / "folder" / named.group(1) / "seed0" / "result.json").read_text())
+    assert record["split"] == "train800val200" and record["split_meaning"].startswith("train800val200: every")
 
     run_dir = Path(re.search(r"`petl-predict (\S+) IMAGES`", paragraph).group(1))
     assert run_dir == out / "folder" / named.group(1) / "seed0"
@@ -102,13 +114,13 @@ def test_an_edited_folder_is_kept_apart_from_its_old_runs(tmp_path, monkeypatch,
     folders = sorted((tmp_path / "runs/bench/choose").iterdir())
     assert len(folders) == 2 and old in folders
     new = next(f for f in folders if f != old)
-    assert json.loads((new / own_data.DATA_FILE).read_text())["fingerprint"][:12] == new.name.split("-")[-1]
+    assert json.loads((new / own_data.DATA_FILE).read_text())["fingerprint"][:12] == new.name.split("-")[1]
     assert not any(new.rglob("result.json")) and result.read_bytes() == before
 
     # Pointing output_dir at the old runs is refused in one line, naming both versions.
     assert bench(*args, f"output_dir={old}", "--yes") == USAGE_ERROR
     error = capsys.readouterr().err.strip()
-    assert "holds runs on another version" in error and old.name.split("-")[-1] in error
+    assert "holds runs on another version" in error and old.name.split("-")[1] in error
     assert len(error.splitlines()) == 1
     assert result.read_bytes() == before
 
@@ -153,3 +165,32 @@ def test_a_datasets_dataset_is_a_task_too_and_dry_run_stops_after_the_cost(tmp_p
     assert "data hf " in printed and "3 classes, 12 training images" in printed and "6 test images" in printed
     assert "= 3 runs still to train" in printed and "estimated wall time on this machine" in printed
     assert not any(out.rglob("result.json")) and not (out / ESTIMATE_FILE).exists()
+
+
+def test_another_setup_on_the_same_images_gets_its_own_folder_and_a_dry_run_says_so(tmp_path, monkeypatch, capsys):
+    """The docs' tiny-model example, then another setup on the same folder: it trains, never fails old runs."""
+    monkeypatch.chdir(tmp_path)
+    photos = make_folder(tmp_path / "photos", train=6, test=2)
+    args = ["suite=choose", "data=folder", f"data.root={photos}", "methods=linear", "seeds=0", *TINY]
+    assert bench(*args, "--yes") == 0
+    (first,) = (tmp_path / "runs/bench/choose").iterdir()
+    capsys.readouterr()
+
+    # Two epochs instead of one: another folder, and the dry run counts the runs the real run will train.
+    assert bench(*args, "train.epochs=2", "--dry-run") == 0
+    printed = capsys.readouterr().out
+    assert re.search(r"= [1-9]\d* runs still to train", printed) and str(first) not in printed, printed
+    folders = sorted((tmp_path / "runs/bench/choose").iterdir())
+    assert len(folders) == 2 and first.name.split("-")[1] == folders[1 - folders.index(first)].name.split("-")[1]
+
+    # Pointed at the first folder, it is refused in one line naming what differs, before anything trains.
+    assert bench(*args, "train.epochs=2", f"output_dir={first}", "--dry-run") == USAGE_ERROR
+    error = capsys.readouterr().err.strip()
+    assert "holds runs of another setup (train.epochs: 1 -> 2)" in error and len(error.splitlines()) == 1
+    # A folder whose record predates the setup key: its finished runs are checked, and the dry run says so too.
+    record = json.loads((first / own_data.DATA_FILE).read_text())
+    del record["setup"]
+    (first / own_data.DATA_FILE).write_text(json.dumps(record))
+    assert bench(*args, "train.epochs=2", f"output_dir={first}", "--dry-run") == USAGE_ERROR
+    error = capsys.readouterr().err.strip()
+    assert "finished run(s) hold another config" in error and "train.epochs: 1 -> 2" in error

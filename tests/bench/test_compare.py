@@ -80,3 +80,40 @@ def test_the_committed_comparison_rebuilds_from_the_committed_runs(tmp_path):
         report.build_board(results / "mini_dinov2" / "runs", plan=report.plan_of("mini_dinov2")),
     )
     assert compare.markdown(compare.compare(*boards)) == COMMITTED.read_text()
+
+
+def test_the_command_refuses_to_replace_a_file_unless_told(tmp_path, capsys):
+    from petl.cli import bench as cli
+
+    for name in ("a", "b"):
+        _board(tmp_path / name, {"lora": 60.0, "linear": 50.0, "full": 70.0})
+    board = tmp_path / "a" / "leaderboard.md"
+    board.write_text("the folder's own leaderboard\n")
+    command = ["compare", str(tmp_path / "a"), str(tmp_path / "b"), f"out={board}"]
+    with pytest.raises(SystemExit) as caught:
+        cli.main(command)
+    assert caught.value.code == 2 and board.read_text() == "the folder's own leaderboard\n"
+    err = capsys.readouterr().err
+    assert f"{board} exists; choose another out=, or pass overwrite=true" in err and err.count("\n") == 1
+    assert cli.main([*command, "overwrite=true"]) == 0
+    assert "Spearman's rho" in board.read_text()
+
+
+def test_two_folders_of_different_own_images_are_refused(tmp_path, capsys):
+    import json
+
+    from petl.cli import bench as cli
+
+    for name, fingerprint in (("a", "1" * 64), ("b", "2" * 64), ("c", "1" * 64)):
+        _board(tmp_path / name, {"lora": 60.0, "linear": 50.0, "full": 70.0})
+        record = {"task": "folder", "root": f"/data/{name}", "fingerprint": fingerprint}
+        (tmp_path / name / "data.json").write_text(json.dumps(record))
+    with pytest.raises(SystemExit) as caught:
+        cli.main(["compare", str(tmp_path / "a"), str(tmp_path / "b")])
+    err = capsys.readouterr().err
+    assert caught.value.code == 2 and "different data" in err and "/data/a (fingerprint 111111111111)" in err
+    # The same images in two folders (another backbone, say) compare.
+    assert cli.main(["compare", str(tmp_path / "a"), str(tmp_path / "c")]) == 0
+    (tmp_path / "c" / "data.json").unlink()  # registered tasks against own images: refused too
+    with pytest.raises(SystemExit):
+        cli.main(["compare", str(tmp_path / "a"), str(tmp_path / "c")])

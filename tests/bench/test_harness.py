@@ -174,10 +174,13 @@ def test_a_run_held_by_another_live_sweep_is_left_alone(tmp_path):
     engine = FakeEngine()
     summary = sweep.run_sweep([run], engine.train, engine.compose, progress=False)
     assert summary.held_elsewhere == [run.label] and not engine.trained and not run.is_done()
+    # It says last that it trained nothing, and exits 0: sweeps side by side share a folder's runs.
+    assert summary.idle_line().startswith("trained nothing: 1 run(s) are being trained by another sweep")
     # A lock left by a dead process is stale and taken over.
     (run.run_dir / sweep.LOCK_FILE).write_text(json.dumps({"host": os.uname().nodename, "pid": 2**22 + 12345}))
     summary = sweep.run_sweep([run], engine.train, engine.compose, progress=False)
     assert summary.trained == 1 and run.is_done() and not (run.run_dir / sweep.LOCK_FILE).exists()
+    assert summary.idle_line() is None
 
 
 def test_a_failing_run_is_logged_and_the_sweep_goes_on(tmp_path):
@@ -267,7 +270,7 @@ def test_vtab_leaderboard_means_stds_ppt_and_published_columns(vtab_results):
 
     md = (vtab_results / "leaderboard.md").read_text()
     # The main table leads with what answers "which wins at what budget"; published figures sit in the details.
-    header, details = [line for line in md.splitlines() if line.startswith("| Experiment")]
+    header, details, *_ranks = [line for line in md.splitlines() if line.startswith("| Experiment")]
     assert header.startswith("| Experiment | Trainable M (%) | Task mean | Natural mean |") and "| dtd |" in header
     assert "ublished" not in header and "Published vtab1k task mean" in details
     assert "69.40 ± 0.71" in md and "vpt_deep *" in md
@@ -776,9 +779,46 @@ def test_a_cell_with_a_seed_that_did_not_learn_is_marked_and_named(tmp_path):
         (folder / "result.json").write_text(json.dumps({**record, "final_train_loss": losses[-1]}))
     write_report(tmp_path)
     page = (tmp_path / "leaderboard.md").read_text()
-    assert "37.00 ± 48.50 †2 |" in page and "86.00 ± 0.00 |" in page
-    assert "1 cells: lora mnist (seed 0, 2)" in page
+    assert "37.00 ± 48.50 †2 ‡ |" in page and "86.00 ± 0.00 |" in page
+    assert "1 cell: lora mnist (seed 0, 2)" in page
     rows = {r["experiment"]: r for r in csv.DictReader(io.StringIO((tmp_path / "leaderboard.csv").read_text()))}
     assert (
         rows["lora"]["mini/mnist_not_learned_seeds"] == "0 2" and rows["linear"]["mini/mnist_not_learned_seeds"] == ""
     )
+
+
+def test_a_sweep_that_trained_nothing_because_of_another_says_so_last(tmp_path, capsys):
+    from petl.bench import commands, suite
+
+    summary = sweep.SweepSummary(total=2, already_done=1, held_elsewhere=["mini/digits linear seed0"])
+    mini = suite.load_suite("mini", BENCH)
+    assert commands._finish(summary, tmp_path, {"report": "false"}, True, mini) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("petl-bench: trained nothing: 1 run(s) are being trained by another sweep")
+
+
+def test_an_unknown_key_lists_petl_benchs_own_keys_before_any_run(tmp_path, monkeypatch, capsys):
+    from petl.cli import bench as cli
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as caught:
+        cli.main(["suite=mini", "dryrun=true"])
+    err = capsys.readouterr().err
+    assert caught.value.code == 2 and err.count("\n") == 1 and "unknown key 'dryrun'" in err
+    for own in ("dry_run", "suite", "budget.params", "--dry-run", "train.*"):
+        assert own in err
+    assert not (tmp_path / "runs").exists()  # nothing ran (it once failed every run of the suite, one by one)
+    with pytest.raises(SystemExit) as caught:
+        cli.main(["suite=mini", "--dryrun"])
+    assert caught.value.code == 2 and "unknown flag '--dryrun'" in capsys.readouterr().err
+
+
+def test_flags_and_key_values_are_one_grammar(tmp_path, capsys):
+    from petl.cli import bench as cli
+
+    words = ["suite=mini", "methods=linear", "tasks=mini/digits", "seeds=0", f"output_dir={tmp_path}"]
+    assert cli.main([*words, "--dry-run"]) == 0
+    by_flag = capsys.readouterr().out
+    assert cli.main([*words, "dry_run=true"]) == 0
+    assert capsys.readouterr().out == by_flag and "todo  mini/digits linear seed0" in by_flag
+    assert not any(tmp_path.rglob("result.json"))

@@ -165,3 +165,21 @@ def test_petl_run_help_with_an_override_is_hydras_composed_one(monkeypatch):
     monkeypatch.setattr(run_cli, "_run_hydra", calls.append)
     run_cli.main(["method=vpt", "--help"])
     assert calls == [["--help", "method=vpt"]]
+
+
+# Docstring markup that a terminal shows raw: Sphinx roles, RST literals, Markdown code and bold.
+MARKUP = re.compile(r":(mod|class|func|data|meth|attr):`|``|`[^`\s][^`]*`|\*\*[^*\s][^*]*\*\*")
+
+
+@pytest.mark.parametrize("module", [run_cli, pretrain, bench, predict, export, serve], ids=lambda m: m.PROG)
+def test_every_help_is_plain_text(module, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        raise SystemExit(module.main(["--help"]))
+    text = capsys.readouterr().out
+    assert exit_.value.code in (0, None) and module.PROG in text
+    assert not MARKUP.search(text), MARKUP.search(text)
+
+
+def test_plain_takes_docstring_markup_off():
+    text = "``petl-bench`` :class:`~petl.bench.board.Leaderboard` :mod:`petl.cli` `x=1` **bold** Usage::\n"
+    assert grammar.plain(text) == "petl-bench petl.bench.board.Leaderboard petl.cli x=1 bold Usage:\n"

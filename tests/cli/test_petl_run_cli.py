@@ -16,6 +16,7 @@ from omegaconf import OmegaConf
 import petl
 from petl.cli import run as cli
 from petl.run import default_config
+from petl.store.load import FILE_KWARGS
 from petl.train import config
 from petl.train.config import ConfigError
 from petl.train.engine import TrainSettings
@@ -98,6 +99,29 @@ def test_bad_input_gives_one_line_naming_what_is_valid(overrides, message):
     with pytest.raises(ConfigError, match=message) as caught:
         default_config(overrides)
     assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("key", sorted(FILE_KWARGS))
+def test_file_loading_model_kwargs_are_refused_before_training(tmp_path, key):
+    """Issue 52: +model.kwargs.checkpoint_path=... trained, then the run folder was refused on load."""
+    message = rf"^model.kwargs.{key} would make timm load a file .* model.checkpoint=PATH"
+    with pytest.raises(ConfigError, match=message) as caught:
+        default_config([f"+model.kwargs.{key}={tmp_path / 'weights.pth'}", f"output_dir={tmp_path / 'run'}"])
+    assert "\n" not in str(caught.value)
+    with pytest.raises(ConfigError, match=message):  # the Python API's path (petl.train) too
+        config.to_config({"method": "lora", "model": {"kwargs": {key: str(tmp_path / "weights.pth")}}})
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_cli_refuses_a_file_loading_model_kwarg_with_exit_2_and_writes_nothing(tmp_path, capsys):
+    with pytest.raises(SystemExit) as caught:
+        cli.main(["+model.kwargs.checkpoint_path=w.pth", f"output_dir={tmp_path / 'run'}"])
+    assert caught.value.code == cli.USAGE_ERROR == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("petl-run: error: model.kwargs.checkpoint_path would make timm load a file")
+    assert "\n" not in err
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.slow

@@ -96,3 +96,40 @@ def test_out_inside_the_run_folder_is_refused(tmp_path, capsys, target):
     assert {p.name: p.read_bytes() for p in run_dir.iterdir()} == before
     petl.load_run(run_dir)
     assert load.WEIGHTS_FILE in before
+
+
+@pytest.mark.slow
+def test_out_replaces_nothing_it_did_not_write_without_overwrite(tmp_path, capsys):
+    """Issue 52: out= an existing folder replaced the user's config.json and model.safetensors; out= another run's
+    trainable.safetensors replaced that run's weights (then refused as tampered)."""
+    run_dir, other = _run_folder(tmp_path / "run"), _run_folder(tmp_path / "other", seed=1)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (mine / name).write_text(f"the user's own {name}")
+    (tmp_path / "model.onnx").write_text("the user's own onnx")
+
+    def refused(argv: list[str], message: str) -> None:
+        with pytest.raises(SystemExit) as stop:
+            export_cli.main([str(run_dir), *argv])
+        error = capsys.readouterr().err
+        assert stop.value.code == 2 and message in error and error.count("\n") == 1, error
+
+    others = {p.name: p.read_bytes() for p in other.iterdir()}
+    refused([f"out={mine}"], f"{mine / 'config.json'}, {mine / 'model.safetensors'} already exists")
+    refused([f"out={tmp_path / 'model.onnx'}"], "add overwrite=true to replace it")
+    for target in (other / "trainable.safetensors", other, other / "sub" / "x.onnx"):
+        refused([f"out={target}", "overwrite=true"], f"is inside the run folder {other}")
+    refused([f"out={mine}", "overwrite=yes"], "overwrite='yes': expected boolean")
+    assert {p.name: p.read_text() for p in mine.iterdir()} == {
+        "config.json": "the user's own config.json",
+        "model.safetensors": "the user's own model.safetensors",
+    }
+    assert (tmp_path / "model.onnx").read_text() == "the user's own onnx"
+    assert {p.name: p.read_bytes() for p in other.iterdir()} == others
+    petl.load_run(other)
+    # Asked for, the folder's two files are replaced; a new folder or file needs no overwrite=.
+    export_cli.main([str(run_dir), f"out={mine}", "overwrite=true"])
+    assert json.loads((mine / "config.json").read_text())["petl"]["format"] == "petl-export-1"
+    export_cli.main([str(run_dir), f"out={tmp_path / 'new.safetensors'}"])
+    assert (tmp_path / "new.safetensors").is_file()

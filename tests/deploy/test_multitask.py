@@ -289,8 +289,8 @@ def test_petl_predict_serves_runs_on_one_backbone_together(tmp_path, monkeypatch
     with open(tmp_path / "all.csv", newline="") as handle:
         rows = list(csv.DictReader(handle))
     assert [row["run"] for row in rows] == [f for f in folders for _ in range(5)]  # in the order given
-    for folder in folders:
-        alone = _predict([folder, str(images), f"out={tmp_path / 'one.csv'}"])
+    for index, folder in enumerate(folders):
+        alone = _predict([folder, str(images), f"out={tmp_path / f'one{index}.csv'}"])
         mine = [row for row in rows if row["run"] == folder]
         assert [r["path"] for r in mine] == [r["path"] for r in alone]
         for row, expected in zip(mine, alone, strict=True):

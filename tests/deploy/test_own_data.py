@@ -108,7 +108,9 @@ def test_the_readme_own_data_commands_run_start_to_finish(tmp_path, monkeypatch)
     with open("preds.csv", newline="") as handle:
         rows = list(csv.DictReader(handle))
     assert len(rows) == 3 * 4 and {row["label_1"] for row in rows} <= set(CLASSES)
-    assert _top1_accuracy(rows) > 1 / 3  # held-out images, above chance
+    # It learns: the command takes enough optimizer steps (30 epochs of 24 images in batches of 16: 60) to tell
+    # the colours apart on held-out images; 5 steps (its old batch 64, 5 epochs) ended near chance.
+    assert _top1_accuracy(rows) >= 0.9, _top1_accuracy(rows)
     assert Path("confusion.png").stat().st_size > 0 and Path("model.onnx").stat().st_size > 0
     assert Path("exported/config.json").is_file() and Path("exported/model.safetensors").is_file()
     # The README's Python: load_run here; the exported folder in an interpreter where petl cannot be imported,

@@ -101,10 +101,18 @@ def _wait_for(base: str, process: subprocess.Popen, seconds: float = 180) -> Non
 
 @pytest.fixture(scope="module")
 def server(runs):
-    """``petl-serve`` on the three runs, on a free loopback port, with a token, a 1 MB upload limit and a 200 ms
-    batching window (so that concurrent requests surely share batches)."""
+    """``petl-serve`` on the three runs, on a free loopback port, with a token, a 1 MB upload limit, a 200 ms
+    batching window (so that concurrent requests surely share batches) and a 6,000-pixel request limit (more than
+    any request of the tests below but one sends)."""
     port = _free_port()
-    argv = [*map(str, runs.values()), f"port={port}", "max_upload_mb=1", "max_wait_ms=200", "--quiet"]
+    argv = [
+        *map(str, runs.values()),
+        f"port={port}",
+        "max_upload_mb=1",
+        "max_wait_ms=200",
+        "max_request_mp=0.006",
+        "--quiet",
+    ]
     process = subprocess.Popen(
         [sys.executable, "-m", "petl.cli.serve", *argv],
         env=_environment(PETL_SERVE_TOKEN=TOKEN),
@@ -239,13 +247,16 @@ def test_bad_input_gets_one_json_line_and_the_server_goes_on(server, images):
     url = server + "/v1/tasks/lora/predict"
     before = _call(url, good)
     assert before[0] == 200
-    bomb, huge_bomb = _bomb_png(10_000), _bomb_png(20_000)  # under and over twice Pillow's own limit (89 MP)
-    assert len(bomb) < len(huge_bomb) < 200_000
+    # Issue 52: a 143 kB 7000 x 7000 PNG was decoded whole (about 600 MB each).  Under, above and far above twice
+    # Pillow's own limit (89 MP): each refused from its header, before decoding, naming the limit.
+    photo, bomb, huge_bomb = _bomb_png(7_000), _bomb_png(10_000), _bomb_png(20_000)
+    assert len(photo) < len(bomb) < len(huge_bomb) < 200_000
     cases = {
         "not an image": (url, b"this is a text file, not a picture", TOKEN, 400, "image 1: not a readable image"),
         "truncated": (url, good[: len(good) // 2], TOKEN, 400, "image 1: cannot decode"),
-        "decompression bomb": (url, bomb, TOKEN, 400, "image 1: 10000 x 10000 pixels is over the 50 MP limit"),
-        "huge bomb": (url, huge_bomb, TOKEN, 400, "image 1: more than 179 MP is over the 50 MP limit"),
+        "7000 x 7000": (url, photo, TOKEN, 413, "image 1: 49 MP, over max_image_mp=16: send it smaller"),
+        "decompression bomb": (url, bomb, TOKEN, 413, "image 1: 100 MP, over max_image_mp=16"),
+        "huge bomb": (url, huge_bomb, TOKEN, 413, "image 1: more than 179 MP, over max_image_mp=16"),
         "empty": (url, b"", TOKEN, 400, "no image in the request"),
         "unknown task": (server + "/v1/tasks/cars/predict", good, TOKEN, 404, "unknown task 'cars': the tasks are"),
         "wrong token": (url, good, "not-the-token", 401, "missing or wrong bearer token"),
@@ -259,9 +270,100 @@ def test_bad_input_gets_one_json_line_and_the_server_goes_on(server, images):
         assert message in answer["detail"] and "\n" not in answer["detail"], f"{case}: {answer}"
     status, answer = _declared_too_large(server)
     assert status == 413 and "over max_upload_mb=1:" in answer["detail"], answer
+    # More images than max_queue (starlette's own refusal of too many parts said 400), more pixels than
+    # max_request_mp: 413, each naming its limit.
+    for fields, message in [
+        ([("image", "x.png", b"x")] * 300, "more than 256 images in one request, over max_queue=256: split it"),
+        ([("image", "3.png", (images / "3.png").read_bytes())] * 3, "images hold 0.0075 MP, over max_request_mp=0.006"),
+    ]:
+        status, answer = _multipart(url, fields)
+        assert status == 413 and message in answer["detail"], answer
     # Health needs no token; the server still answers, and the same image gets the same answer.
     assert _call(server + "/health", token=None) == (200, {"status": "ok", "tasks": 3})
     assert _call(url, good) == before
+
+
+def _multipart(url: str, fields: list[tuple[str, str, bytes]]) -> tuple[int, dict]:
+    boundary = "petl-test-boundary"
+    body = b"".join(
+        f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"; filename="{filename}"\r\n'
+        "Content-Type: application/octet-stream\r\n\r\n".encode()
+        + data
+        + b"\r\n"
+        for name, filename, data in fields
+    )
+    body += f"--{boundary}--\r\n".encode()
+    return _call(url, body, headers={"Content-Type": f"multipart/form-data; boundary={boundary}"})
+
+
+def test_the_api_docs_need_no_internet(server):
+    """Issue 52: /docs was blank offline (Swagger UI from a CDN): no such page; /openapi.json describes the API."""
+    for path in ("/docs", "/redoc"):
+        status, answer = _call(server + path, token=None)
+        assert status == 404 and "cdn" not in json.dumps(answer).lower()
+    status, schema = _call(server + "/openapi.json", token=None)
+    assert status == 200 and serve.PREDICT_ROUTE in schema["paths"]
+    assert "cdn" not in json.dumps(schema).lower() and "/docs" not in json.dumps(schema)
+
+
+def _stalled(port: int, request: bytes) -> socket.socket:
+    """A connection that sends ``request`` (half of one) and then nothing."""
+    connection = socket.create_connection(("127.0.0.1", port), timeout=60)
+    connection.sendall(request)
+    return connection
+
+
+def _answer(connection: socket.socket) -> bytes:
+    """All the server sends until it closes the connection (b"": closed without a word)."""
+    received = b""
+    try:
+        while chunk := connection.recv(4096):
+            received += chunk
+    except ConnectionResetError:
+        pass
+    connection.close()
+    return received
+
+
+def test_stalled_clients_are_cut_off_and_a_shutdown_ends_by_itself(runs):
+    """Issue 52: 200 half-sent requests were all still open after 63 s, and one stalled upload kept SIGTERM from
+    stopping the server.  Now: half-sent headers are closed (header_timeout_s), a half-sent body gets 408
+    (body_timeout_s), connections beyond max_connections get 503, and SIGTERM ends a stalled upload
+    (shutdown_timeout_s).  Every wait below is bounded; none is measured."""
+    port = _free_port()
+    options = ["header_timeout_s=3", "body_timeout_s=3", "max_connections=8", "shutdown_timeout_s=1", "--quiet"]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "petl.cli.serve", str(runs["lora"]), f"port={port}", *options],
+        env=_environment(),
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+    )
+    base = f"http://127.0.0.1:{port}"
+    half_headers = b"POST /v1/tasks/lora/predict HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+    half_body = half_headers + b"Content-Length: 5000\r\n\r\n" + b"x" * 100
+    try:
+        _wait_for(base, process)
+        held = [_stalled(port, half_headers) for _ in range(8)]
+        # The 9th connection is over max_connections: uvicorn answers 503 at once.
+        assert _answer(_stalled(port, b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")).startswith(b"HTTP/1.1 503 ")
+        assert all(_answer(connection) == b"" for connection in held)  # closed once header_timeout_s passed
+        answers = [_answer(_stalled(port, half_body)) for _ in range(3)]
+        for answer in answers:
+            assert answer.startswith(b"HTTP/1.1 408 "), answer
+            assert b"did not all arrive within body_timeout_s=3" in answer
+        with urllib.request.urlopen(base + "/health", timeout=30) as still:
+            assert still.status == 200
+        stalled = _stalled(port, half_body)
+        time.sleep(0.5)  # not a measurement: lets the server take the request before the signal
+        process.terminate()
+        process.wait(timeout=120)
+        stalled.close()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=30)
+    assert process.returncode is not None
 
 
 def test_a_run_folder_that_fails_the_checks_is_refused_at_start_naming_it(runs, tmp_path, capsys):
@@ -279,7 +381,14 @@ def test_a_run_folder_that_fails_the_checks_is_refused_at_start_naming_it(runs, 
     for argv, message in [
         ([str(tmp_path / "nowhere")], "no such run folder"),
         ([str(tmp_path / "empty")], "holds no run folder"),
-        ([str(runs["lora"]), "max_batch=0"], "max_batch=0: must be at least 1"),
+        ([str(runs["lora"]), "max_batch=0"], "max_batch=0: must be a number from 1 to 4096"),
+        # Issue 52: max_wait_ms=inf was taken (requests never came back), max_upload_mb=inf made every predict a 500.
+        ([str(runs["lora"]), "max_wait_ms=inf"], "max_wait_ms=inf: must be a number from 0 to 10000"),
+        ([str(runs["lora"]), "max_upload_mb=inf"], "max_upload_mb=inf: must be a number from 0.01 to 1024"),
+        ([str(runs["lora"]), "max_image_mp=nan"], "max_image_mp=nan: must be a number from 0.001 to 178"),
+        ([str(runs["lora"]), "body_timeout_s=0"], "body_timeout_s=0: must be a number from 0.1 to 3600"),
+        # Issue 52: task.ok=A task.ok=B served only B.
+        ([f"task.ok={runs['lora']}", f"task.ok={runs['vpt']}"], "task 'ok' is named twice"),
         ([str(runs["lora"]), "colour=red"], "unknown option 'colour'"),
         ([str(runs["lora"]), f"task.lora={runs['vpt']}"], "two runs are named 'lora'"),
         ([f"task.a/b={runs['lora']}"], "cannot be part of a URL"),

@@ -84,3 +84,21 @@ def test_readme_is_a_five_minute_read():
     assert readme.index("## Your own data") < len(readme) / 3
     for link in re.findall(r"\]\((docs/[^)#]+)", readme):
         assert (ROOT / link).exists(), f"README.md links to {link}, which does not exist"
+
+
+def test_a_readme_section_a_page_names_exists():
+    """Pages name README sections in words (`the README's "Your own data"`): a renamed section must not leave them."""
+    headings = [
+        line.lstrip("#").strip() for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("## ")
+    ]
+    for page in sorted((ROOT / "docs").glob("*.md")):
+        for named in re.findall(r"README(?:'s|,) \"([^\"]+)\"", page.read_text()):
+            assert any(h.startswith(named) for h in headings), f"{page.name}: no README section {named!r}"
+
+
+def test_the_built_site_is_ignored_and_contributing_says_how_to_build_it():
+    ignored = subprocess.run(["git", "check-ignore", "-q", "site/index.html"], cwd=ROOT, check=False)
+    assert ignored.returncode == 0, "site/ (what mkdocs build writes) must be in .gitignore"
+    contributing = (ROOT / "docs" / "contributing.md").read_text()
+    assert '--8<-- "docs/install.md:docs-build"' in contributing
+    assert "[start:docs-build]" in (ROOT / "docs" / "install.md").read_text()

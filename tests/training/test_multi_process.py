@@ -120,3 +120,16 @@ def test_a_single_process_run_says_nothing_of_processes(monkeypatch):
     assert build.single_cpu_launch(1).startswith("accelerate launch --cpu started one process")
     monkeypatch.setenv("WORLD_SIZE", "2")  # a torchrun-style launch: check_process_group's case, not this one
     assert build.single_cpu_launch(1) == ""
+
+
+@pytest.mark.slow
+def test_two_cpu_processes_count_each_training_image_once(tmp_path):
+    # 20 images in batches of 64: each process's sampler pads its one batch with repeated images (so both step
+    # together); the record counts the 20 real ones, not the padding (it once said 128 per epoch).
+    overrides = [*tiny_run(subset=20, epochs=1, batch_size=64), "method=linear", "output_dir=out"]
+    done = _launch("-m", "petl.run", *overrides, cwd=tmp_path, ACCELERATE_USE_CPU="1")
+    assert done.returncode == 0, done.stderr[-3000:]
+    (epoch,) = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert epoch["images"] == 20, epoch
+    correct = epoch["train_top1"] * 20 / 100  # the accuracy is over the same 20: a whole number of them right
+    assert abs(correct - round(correct)) < 1e-6, epoch

@@ -1,0 +1,271 @@
+"""Which differences on a leaderboard are real: a rank test across blocks, and the flags on cells not to lean on.
+
+The test is Demšar's (JMLR 7, 2006) for comparing several methods over several data sets: Friedman's test
+(:func:`scipy.stats.friedmanchisquare`) on the methods' ranks within each block, then Nemenyi's post-hoc test of
+every pair (:func:`scikit_posthocs.posthoc_nemenyi_friedman`), drawn as a critical-difference diagram
+(:func:`scikit_posthocs.critical_difference_diagram`).  Only complete rows (every task, every seed) take part.
+
+**The block.**  With two or more tasks the block is the task, its cell the mean of the seeds: a claim that one
+method beats another is a claim across tasks, and the seeds of one task share its data, so counting them as
+blocks would count one task three times.  With one task (a user's folder) the seeds are the only blocks there
+are (task x seed): a claim about this data, not about other data.
+
+**The flags.**  A cell with a seed far from the others (:data:`FAR_SEED_POINTS`), a cell whose selected trial was
+still rising at its last epochs (:data:`RISING_POINTS`), and a task every row has saturated
+(:data:`SATURATED_POINTS`), which is left out of the ranks (every method ties there up to a few test images)
+and kept in the table.
+
+scipy and scikit-posthocs (with pandas) load inside the functions: ``petl-bench --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import string
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from petl.bench.board import ExperimentRow, Leaderboard
+from petl.bench.published import BOOTSTRAP_SEED, CONFIDENCE, RESAMPLES
+
+ALPHA = 0.05
+
+# A seed more than this many points of test top-1 from its cell's median (with three seeds: from the middle
+# one) is "far from the others".  On the committed boards the seeds of a cell usually lie within 2 points
+# of each other; 10 points is five times that, and far beyond what two seeds of a run that learned the same
+# thing differ by, so a flagged cell's mean stands between two outcomes rather than around one.
+FAR_SEED_POINTS = 10.0
+# A cell is "still learning" when the val top-1 of the trial it was selected from rose by at least this many
+# points over the last 20 % of its epochs (the details table's Val Δ).  On val200 one image is 0.5 points and
+# one accuracy near 60 % has a binomial standard deviation of about 3.5 points, so the difference of two
+# epochs' accuracies has about 5: 10 points is twice that, a rise noise alone rarely makes.
+RISING_POINTS = 10.0
+# A task is saturated when every complete row's mean is within this many points of 100 %: the methods then
+# differ by a few test images there, and their order on it says nothing.
+SATURATED_POINTS = 2.0
+
+
+def seed_scores(row: ExperimentRow, task: str) -> dict[int, float]:
+    """Test top-1 of each seed of ``row`` on ``task``."""
+    return {r.seed: float(r.result.test_top1) for r in row.runs if r.task == task}
+
+
+def far_seeds(scores: Mapping[int, float], points: float = FAR_SEED_POINTS) -> tuple[int, ...]:
+    """The seeds more than ``points`` from the median of the cell's seeds (none below three seeds)."""
+    if len(scores) < 3:
+        return ()
+    middle = statistics.median(scores.values())
+    return tuple(sorted(seed for seed, value in scores.items() if abs(value - middle) > points))
+
+
+def saturated_tasks(board: Leaderboard, points: float = SATURATED_POINTS) -> list[str]:
+    """The tasks on which every complete row's mean is within ``points`` of 100 % (none without complete rows)."""
+    complete = [row for row in board.rows if board.complete(row)]
+    if not complete:
+        return []
+    return [t for t in board.tasks if all(t in r.scores and r.scores[t].mean >= 100.0 - points for r in complete)]
+
+
+def plural(count: int, noun: str) -> str:
+    """``1 task``, ``2 tasks``."""
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
+
+
+@dataclass(frozen=True)
+class Ranking:
+    """The rank test of a board's complete rows.
+
+    Attributes:
+        block: ``task`` (a cell per task, the mean of its seeds) or ``seed`` (one task, a block per seed).
+        blocks: the blocks' names.
+        left_out_tasks: saturated tasks, not ranked.
+        methods: the ranked experiments, best mean rank first.
+        mean_rank: per experiment, its mean rank over the blocks (1 = best in a block, ties averaged).
+        interval: per experiment, the 95 % percentile bootstrap interval of its mean rank (blocks resampled).
+        statistic: Friedman's chi-square; NaN with two methods (the test needs three).
+        p_value: Friedman's p; NaN with two methods.
+        p_values: Nemenyi's p of every pair, ``p_values[a][b]``.
+        critical_difference: the mean-rank difference Nemenyi's test needs at :data:`ALPHA`.
+        groups: maximal runs of methods (in mean-rank order) no two of which differ, best first.
+
+    """
+
+    block: str
+    blocks: tuple[str, ...]
+    left_out_tasks: tuple[str, ...]
+    methods: tuple[str, ...]
+    mean_rank: dict[str, float]
+    interval: dict[str, tuple[float, float]]
+    statistic: float
+    p_value: float
+    p_values: dict[str, dict[str, float]]
+    critical_difference: float
+    groups: tuple[tuple[str, ...], ...] = field(default=())
+    alpha: float = ALPHA
+
+    @property
+    def omnibus_rejects(self) -> bool:
+        """Whether Friedman's test rejects that every method ranks alike (with two methods: not run, so yes)."""
+        return math.isnan(self.p_value) or self.p_value < self.alpha
+
+    def differ(self, a: str, b: str) -> bool:
+        """Whether ``a`` and ``b`` differ at :attr:`alpha`: Friedman rejects, then Nemenyi does for the pair."""
+        return self.omnibus_rejects and self.p_values[a][b] < self.alpha
+
+    def letters(self, method: str) -> str:
+        """The groups ``method`` belongs to, as letters (``a`` is the group of the best mean rank)."""
+        return "".join(letter(i) for i, group in enumerate(self.groups) if method in group)
+
+
+def letter(index: int) -> str:
+    """The name of group ``index``: ``a``, ``b``, ... (``g26`` past ``z``)."""
+    letters = string.ascii_lowercase
+    return letters[index] if index < len(letters) else f"g{index}"
+
+
+def rank_test(board: Leaderboard, rows: Sequence[ExperimentRow] | None = None, alpha: float = ALPHA) -> Ranking | str:
+    """Rank ``rows`` (default: the board's complete rows) across blocks; or why no test was run.
+
+    The blocks are the board's tasks less the saturated ones (:func:`saturated_tasks`) when two or more
+    remain, else the seeds of the one task (those every row ran).
+    """
+    import numpy as np
+
+    rows = [r for r in (rows if rows is not None else board.rows) if board.complete(r)]
+    if len(rows) < 2:
+        return f"{plural(len(rows), 'complete row')}: a comparison needs two"
+    left_out = saturated_tasks(board)
+    # The tasks every ranked row ran (a plan's; a task only an incomplete row reached is no block).
+    tasks = [t for t in board.tasks if t not in left_out and all(t in r.scores for r in rows)]
+    if len(tasks) >= 2:
+        block, blocks = "task", tuple(tasks)
+        values = np.array([[r.scores[t].mean for r in rows] for t in tasks])
+    else:
+        task = (tasks or board.tasks)[0]
+        left_out = [t for t in left_out if t != task]
+        seeds = sorted(set.intersection(*(set(seed_scores(r, task)) for r in rows)))
+        block, blocks = "seed", tuple(f"seed {s}" for s in seeds)
+        values = np.array([[seed_scores(r, task)[s] for r in rows] for s in seeds])
+    if len(blocks) < 2:
+        return f"{plural(len(blocks), block)} to rank over: a comparison needs two (seeds=0,1,2 gives three)"
+    return rank_scores([r.experiment for r in rows], values, block, blocks, tuple(left_out), alpha)
+
+
+def rank_scores(
+    names: Sequence[str],
+    values: Any,
+    block: str = "task",
+    blocks: Sequence[str] | None = None,
+    left_out: tuple[str, ...] = (),
+    alpha: float = ALPHA,
+) -> Ranking:
+    """The rank test of a table of scores: ``values[i][j]`` is method ``names[j]``'s score in block ``i``.
+
+    Args:
+        names: the methods, one per column.
+        values: blocks x methods, higher is better.
+        block: what a block is (``task`` or ``seed``), for the sentences that describe the test.
+        blocks: the blocks' names (default: ``1``, ``2``, ...).
+        left_out: tasks left out of the blocks (saturated), for those sentences.
+        alpha: the level of every test.
+
+    """
+    import numpy as np
+    import scikit_posthocs
+    from scipy import stats
+
+    names = list(names)
+    values = np.asarray(values, dtype=float)
+    blocks = tuple(blocks) if blocks is not None else tuple(str(i + 1) for i in range(len(values)))
+    # Rank 1 = the best accuracy in a block; ties share their mean rank.
+    ranks = stats.rankdata(-values, axis=1)
+    means = ranks.mean(axis=0)
+    boot = stats.bootstrap(
+        (ranks,),
+        np.mean,
+        axis=0,
+        n_resamples=RESAMPLES,
+        confidence_level=CONFIDENCE,
+        method="percentile",
+        rng=np.random.default_rng(BOOTSTRAP_SEED),
+    )
+    k, n = len(names), len(blocks)
+    statistic = p_value = math.nan
+    if k >= 3:
+        with np.errstate(divide="ignore", invalid="ignore"):  # every block tied: no statistic
+            found = stats.friedmanchisquare(*values.T)
+        statistic, p_value = float(found.statistic), float(found.pvalue)
+    nemenyi = scikit_posthocs.posthoc_nemenyi_friedman(values).to_numpy()
+    p_values = {a: {b: float(nemenyi[i, j]) for j, b in enumerate(names)} for i, a in enumerate(names)}
+    # Nemenyi's critical difference (Demšar 2006, eq. 5): q_alpha is the studentized range over sqrt(2).
+    q = stats.studentized_range.ppf(1 - alpha, k, np.inf) / math.sqrt(2)
+    order = sorted(range(k), key=lambda i: (means[i], names[i]))
+    ranking = Ranking(
+        block=block,
+        blocks=blocks,
+        left_out_tasks=left_out,
+        methods=tuple(names[i] for i in order),
+        mean_rank={names[i]: float(means[i]) for i in order},
+        interval={
+            names[i]: (float(boot.confidence_interval.low[i]), float(boot.confidence_interval.high[i])) for i in order
+        },
+        statistic=statistic,
+        p_value=p_value,
+        p_values=p_values,
+        critical_difference=float(q * math.sqrt(k * (k + 1) / (6 * n))),
+        alpha=alpha,
+    )
+    return _with_groups(ranking)
+
+
+def _with_groups(ranking: Ranking) -> Ranking:
+    # The groups a critical-difference diagram draws as bars: from each method, the longest run of methods after
+    # it (in mean-rank order) no two of which differ; a run inside another is not a group of its own.
+    methods = ranking.methods
+    runs: list[tuple[str, ...]] = []
+    for i in range(len(methods)):
+        j = i
+        while j + 1 < len(methods) and not any(ranking.differ(m, methods[j + 1]) for m in methods[i : j + 1]):
+            j += 1
+        run = methods[i : j + 1]
+        if not any(set(run) <= set(kept) for kept in runs):
+            runs.append(run)
+    return Ranking(**{**ranking.__dict__, "groups": tuple(runs)})
+
+
+def critical_difference_png(ranking: Ranking, title: str) -> bytes:
+    """``critical_difference.png``: the methods on their mean-rank axis, a bar joining those that do not differ.
+
+    Drawn by :func:`scikit_posthocs.critical_difference_diagram` on a matplotlib Figure (Agg, no pyplot state),
+    from the same p values the report prints (all 1 where Friedman's test does not reject).
+    """
+    import pandas as pd
+    import scikit_posthocs
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    from petl.bench.plot import _png
+
+    methods = list(ranking.methods)
+    shown = [[ranking.p_values[a][b] if ranking.omnibus_rejects else 1.0 for b in methods] for a in methods]
+    fig = Figure(figsize=(10, 1.2 + 0.2 * len(methods)))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    drawn = scikit_posthocs.critical_difference_diagram(
+        pd.Series(ranking.mean_rank),
+        pd.DataFrame(shown, index=methods, columns=methods),
+        ax=ax,
+        alpha=ranking.alpha,
+        label_fmt_left="{label} ({rank:.1f})",
+        label_fmt_right="({rank:.1f}) {label}",
+    )
+    # Each bar is a line through its methods' ranks in the order of a set, which changes with the process's string
+    # hashing; drawn left to right, the same bar gives the same pixels in every process.
+    for lines in drawn["crossbars"]:
+        for line in lines:
+            line.set_xdata(sorted(line.get_xdata()))
+    ax.set_title(title, fontsize=9, pad=24)
+    fig.tight_layout()
+    return _png(fig)

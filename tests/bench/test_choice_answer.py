@@ -1,0 +1,61 @@
+"""The answer of ``suite=choose`` read off a board, without training (tests/bench/test_choose.py trains; slow)."""
+
+from __future__ import annotations
+
+from test_committed_leaderboards import _result as result_record
+from test_committed_leaderboards import _write as write_run
+
+from petl.bench import choice, report
+
+
+def test_the_answer_names_the_methods_that_failed_or_did_not_finish(tmp_path, monkeypatch):
+    monkeypatch.setattr(choice, "exportable", lambda run: False)  # fake runs: no model to load
+    for method, seeds, top1 in (("lora", (0, 1), 70.0), ("linear", (0, 1), 60.0), ("full", (0,), 95.0)):
+        for seed in seeds:
+            write_run(tmp_path / "folder" / method / f"seed{seed}", result_record("folder", method, seed, top1))
+    plan = report.Plan("choose", ("lora", "linear", "full", "vpt"), ("folder",), (0, 1))
+    answer = choice.choose(report.build_board(tmp_path, plan=plan), choice.Budget())
+    assert answer.best is not None and answer.best.experiment == "lora"
+    assert "Not weighed, since a run failed or has not finished" in answer.paragraph
+    assert "full (1 of 2 seed(s) finished)" in answer.paragraph and "vpt (no finished run)" in answer.paragraph
+
+
+def test_nothing_left_out_says_nothing_more(tmp_path, monkeypatch):
+    monkeypatch.setattr(choice, "exportable", lambda run: False)
+    for method in ("lora", "linear"):
+        write_run(tmp_path / "folder" / method / "seed0", result_record("folder", method, 0, 50.0))
+    plan = report.Plan("choose", ("lora", "linear"), ("folder",), (0,))
+    answer = choice.choose(report.build_board(tmp_path, plan=plan), choice.Budget())
+    assert "Not weighed" not in answer.paragraph
+
+
+def test_no_answer_still_names_what_failed(tmp_path):
+    write_run(tmp_path / "folder" / "lora" / "seed0", result_record("folder", "lora", 0, 50.0))
+    plan = report.Plan("choose", ("lora", "full"), ("folder",), (0, 1))
+    answer = choice.choose(report.build_board(tmp_path, plan=plan), choice.Budget())
+    assert answer.best is None and "nothing to choose" in answer.paragraph
+    assert "lora (1 of 2 seed(s) finished), full (no finished run)" in answer.paragraph
+
+
+def test_a_second_choose_on_the_same_folder_stops_naming_the_first(tmp_path, capsys):
+    import json
+    import os
+    import socket
+
+    from test_own_data import make_folder
+
+    from petl.cli import bench as bench_cli
+    from petl.store.lock import LOCK_FILE
+
+    photos = make_folder(tmp_path / "photos", train=4, test=2)
+    out = tmp_path / "out"
+    out.mkdir()
+    # The first choose: a live process on this host (pytest's parent) holds the folder.
+    holder = {"host": socket.gethostname(), "pid": os.getppid(), "since": 0}
+    (out / LOCK_FILE).write_text(json.dumps(holder))
+    args = ["suite=choose", "data=folder", f"data.root={photos}", "methods=linear", f"output_dir={out}", "--yes"]
+    assert bench_cli.main(args) == 1
+    err = capsys.readouterr().err
+    assert f"another choose is running on {out} (pid {os.getppid()} on host" in err and err.count("\n") == 1
+    assert "delete" not in err and not (out / "data.json").exists()
+    assert json.loads((out / LOCK_FILE).read_text()) == holder  # the first one's lock is left alone

@@ -1,0 +1,35 @@
+"""The cost said before ``suite=choose`` trains: its terms, its range and its overhead share, without training."""
+
+from __future__ import annotations
+
+import pytest
+
+from petl.bench import estimate as costs
+from petl.bench.own_data import OwnData
+from petl.data import TEST, TRAIN, TRAIN_VAL, VAL
+
+DATA = OwnData("folder", "photos", {}, "0" * 64, ["a", "b"], {TRAIN: 8, VAL: 2, TRAIN_VAL: 10, TEST: 4}, None, 0.0)
+
+
+def _probe(spread: float = 1.0, step: float = 0.0) -> costs.Probe:
+    return costs.Probe(0.0, step, 0.0, 0.0, batch=4, image_size=32, spread=spread)
+
+
+def test_two_probe_runs_split_the_overhead_into_per_run_and_per_epoch(monkeypatch):
+    # 1 epoch took 10 s, 2 epochs 13 s, and the modelled terms are nil: 3 s per epoch, 7 s per run.
+    monkeypatch.setattr(costs, "_probe_run", lambda overrides, epochs, compose: {1: 10.0, 2: 13.0}[epochs])
+    assert costs.fixed_seconds(["output_dir=x"], _probe(), DATA, compose=None) == (7.0, 3.0)
+    # Noise that makes the second run faster is no negative epoch.
+    monkeypatch.setattr(costs, "_probe_run", lambda overrides, epochs, compose: {1: 10.0, 2: 9.0}[epochs])
+    assert costs.fixed_seconds(["output_dir=x"], _probe(), DATA, compose=None) == (10.0, 0.0)
+
+
+def test_the_estimate_says_its_range_and_how_much_is_overhead():
+    # 2 trials + 2 finals of 5 epochs: per run 7 + 5 x 3 = 22 s of overhead, plus 10 s modelled.
+    cost = costs.ExperimentCost("lora", 2, 2, 32.0, 32.0, 5, _probe(spread=2.0))
+    found = costs.Estimate([cost], DATA.sizes, "cpu", fixed_seconds=7.0, per_epoch_seconds=3.0)
+    assert found.seconds == 128.0
+    assert found.range() == pytest.approx((4 * 22 + 4 * 10 / 2, 4 * 22 + 4 * 10 * 2))
+    line = found.lines()[-1]
+    assert "2 min, between 108 s and 3 min by the timed steps' spread" in line and "69 % of it" in line
+    assert "7.0 s per run + 3.0 s per epoch" in line

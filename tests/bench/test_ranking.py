@@ -1,0 +1,246 @@
+"""Which differences on a leaderboard are real (issue 50): the rank test, the cell flags, the rank correlation's
+interval, and the choose answer that rests on the test."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_committed_leaderboards import _result, _write
+
+from petl.bench import choice, ranking, report
+from petl.bench.published import rank_correlation, rank_interval
+
+pytest.importorskip("scikit_posthocs")
+
+# 5 blocks (tasks) x 4 methods, written by hand: A wins most blocks, D loses most, one tie (block 4: B = C).
+NAMES = ["A", "B", "C", "D"]
+TABLE = [
+    [90.0, 85.0, 80.0, 70.0],
+    [88.0, 86.0, 75.0, 72.0],
+    [70.0, 72.0, 65.0, 60.0],
+    [95.0, 90.0, 90.0, 85.0],
+    [60.0, 55.0, 58.0, 40.0],
+]
+
+
+def test_friedman_nemenyi_and_the_critical_difference_match_the_libraries_and_the_formulas():
+    from scikit_posthocs import posthoc_nemenyi_friedman
+    from scipy.stats import friedmanchisquare
+
+    found = ranking.rank_scores(NAMES, TABLE)
+    # Mean ranks by hand: A 1,1,2,1,1 -> 1.2; B 2,2,1,2.5,3 -> 2.1; C 3,3,3,2.5,2 -> 2.7; D 4 everywhere.
+    assert found.mean_rank == pytest.approx({"A": 1.2, "B": 2.1, "C": 2.7, "D": 4.0})
+    assert found.methods == ("A", "B", "C", "D")
+    expected = friedmanchisquare(*np.array(TABLE).T)
+    assert found.statistic == pytest.approx(expected.statistic) and found.p_value == pytest.approx(expected.pvalue)
+    # Friedman's statistic by its formula, corrected for the one tie (scipy divides by 1 - sum(t^3 - t)/(n k (k^2-1))).
+    n, k, ranks = 5, 4, np.array([1.2, 2.1, 2.7, 4.0])
+    plain = 12 * n / (k * (k + 1)) * np.sum((ranks - (k + 1) / 2) ** 2)
+    assert found.statistic == pytest.approx(plain / (1 - (2**3 - 2) / (n * k * (k * k - 1))))
+    p = posthoc_nemenyi_friedman(np.array(TABLE)).to_numpy()
+    for i, a in enumerate(NAMES):
+        for j, b in enumerate(NAMES):
+            assert found.p_values[a][b] == pytest.approx(p[i, j])
+    # Demšar (2006) Table 5a: q_0.05 = 2.569 for four methods; CD = q sqrt(k (k + 1) / (6 N)).
+    assert found.critical_difference == pytest.approx(2.569 * math.sqrt(4 * 5 / (6 * 5)), abs=1e-3)
+    # A and D lie 2.8 mean ranks apart (> CD 2.10): the one pair that differs.
+    assert [(a, b) for a in NAMES for b in NAMES if a < b and found.differ(a, b)] == [("A", "D")]
+    assert found.groups == (("A", "B", "C"), ("B", "C", "D"))
+    assert [found.letters(m) for m in NAMES] == ["a", "ab", "ab", "b"]
+
+
+def test_the_mean_rank_interval_is_a_seeded_bootstrap_over_the_blocks():
+    first, again = ranking.rank_scores(NAMES, TABLE), ranking.rank_scores(NAMES, TABLE)
+    assert first.interval == again.interval  # the same scores give the same report
+    low, high = first.interval["B"]
+    assert 1.0 <= low <= first.mean_rank["B"] <= high <= 3.0
+    assert first.interval["D"] == (4.0, 4.0)  # last in every block: every resample says so
+
+
+def test_a_friedman_test_that_does_not_reject_makes_one_group():
+    # Every method wins one block and loses another: no order across blocks.
+    found = ranking.rank_scores(["A", "B", "C"], [[3, 2, 1], [1, 3, 2], [2, 1, 3], [3, 1, 2]])
+    assert not found.omnibus_rejects and found.p_value > 0.05
+    assert found.groups == (found.methods,) and not found.differ("A", "B")
+
+
+def test_a_consistent_order_over_enough_blocks_separates_the_ends():
+    values = [[40.0, 30.0, 20.0, 10.0]] * 10  # ten blocks, one order: mean ranks 1, 2, 3, 4
+    found = ranking.rank_scores(NAMES, values)
+    # CD = 2.569 sqrt(20 / 60) = 1.48: neighbours cannot be told apart, two places apart can.
+    assert found.groups == (("A", "B"), ("B", "C"), ("C", "D"))
+    assert found.differ("A", "C") and not found.differ("A", "B")
+
+
+def test_far_seeds_is_a_seed_more_than_ten_points_from_the_cells_median():
+    assert ranking.far_seeds({0: 93.2, 1: 63.8, 2: 94.3}) == (1,)  # DoRA on mnist (DINOv2)
+    assert ranking.far_seeds({0: 80.3, 1: 55.7, 2: 22.7}) == (0, 2)  # SSF on dsprites_loc: no two agree
+    assert ranking.far_seeds({0: 72.8, 1: 62.0, 2: 68.3}) == ()  # a wide spread, no seed 10 points out
+    assert ranking.far_seeds({0: 10.0, 1: 90.0}) == ()  # two seeds: no median to stand apart from
+
+
+def _board_run(root: Path, task: str, method: str, seed: int, top1: float, val: list[float] | None = None) -> None:
+    _write(root / task / method / f"seed{seed}", _result(task, method, seed, top1), val)
+
+
+def test_the_report_flags_cells_leaves_a_saturated_task_out_and_draws_the_diagram(tmp_path):
+    tasks = ("mini/digits", "mini/mnist", "mini/clevr_count", "mini/textures")
+    scores = {"lora": (90.0, 95.0, 70.0, 99.5), "linear": (80.0, 85.0, 40.0, 99.0), "mlp": (85.0, 90.0, 50.0, 100.0)}
+    for method, per_task in scores.items():
+        for task, top1 in zip(tasks, per_task, strict=True):
+            for seed in (0, 1, 2):
+                far = method == "mlp" and task == "mini/mnist" and seed == 2
+                rising = [50.0, 60.0, 70.0, 80.0, 92.0] if method == "lora" and task == "mini/clevr_count" else None
+                _board_run(tmp_path, task, method, seed, 60.0 if far else top1 + seed * 0.1, rising)
+    board = report.write_report(tmp_path)
+    assert board.saturated == ["mini/textures"]
+    found = board.ranking
+    assert found.block == "task" and found.left_out_tasks == ("mini/textures",) and len(found.blocks) == 3
+    assert found.methods == ("lora", "mlp", "linear")
+    md = (tmp_path / "leaderboard.md").read_text()
+    assert "| textures (saturated) |" in md
+    assert "‡" in md and "1 cell: mlp mnist (seed 2: 90.0, 90.1, 60.0)." in md
+    assert "1 cell: lora clevr_count (+12.0)." in md  # 92 - 80 over the last 20 % of 5 epochs
+    assert "## Which differences are real" in md and "**Friedman's test**" in md and "critical_difference.png" in md
+    rows = {r["experiment"]: r for r in _csv(tmp_path / "leaderboard.csv")}
+    assert float(rows["lora"]["mean_rank"]) == 1.0 and rows["lora"]["rank_groups"] == "a"
+    assert rows["mlp"]["mini/mnist_far_seeds"] == "2" and rows["lora"]["mini/textures_saturated"] == "1"
+    png = (tmp_path / "critical_difference.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and b"tEXt" not in png  # no metadata (a date, a version) in the bytes
+    assert 'alt="Which differences are real"' in (tmp_path / "leaderboard.html").read_text()
+
+
+def _csv(path: Path) -> list[dict[str, str]]:
+    import csv
+
+    with path.open() as f:
+        return list(csv.DictReader(f))
+
+
+def test_one_task_ranks_over_its_seeds_and_a_lone_row_is_not_tested(tmp_path):
+    for method, top1 in (("lora", 80.0), ("linear", 70.0), ("mlp", 75.0)):
+        for seed in (0, 1, 2):
+            _board_run(tmp_path, "mini/digits", method, seed, top1 + seed)
+    board = report.build_board(tmp_path)
+    assert board.ranking.block == "seed" and board.ranking.blocks == ("seed 0", "seed 1", "seed 2")
+    lone = tmp_path / "lone"
+    _board_run(lone, "mini/digits", "lora", 0, 80.0)
+    assert report.build_board(lone).ranking == "1 complete row: a comparison needs two"
+
+
+def test_the_rank_correlation_carries_a_seeded_bootstrap_interval():
+    measured = {m: float(i) for i, m in enumerate("abcdefgh")}
+    published = {m: float(v) for m, v in zip("abcdefgh", [1, 0, 3, 2, 5, 4, 7, 6], strict=True)}
+    found = rank_correlation(measured, published)
+    low, high = found.interval
+    assert low <= found.rho <= high and found.interval == rank_interval(
+        [measured[m] for m in found.methods], [published[m] for m in found.methods]
+    )
+    assert "95 % bootstrap interval" in found.describe()
+    assert math.isnan(rank_correlation({"a": 1, "b": 2, "c": 3}, {"a": 1, "b": 3, "c": 2}).interval[0])
+
+
+def _choose_board(root: Path, means: dict[str, float], seeds: int) -> report.Leaderboard:
+    for method, top1 in means.items():
+        for seed in range(seeds):
+            # The seeds move every method alike (seed s is a harder or easier draw), keeping the order per seed.
+            _board_run(root, "mini/digits", method, seed, top1 + 3.0 * seed)
+    return report.build_board(root)
+
+
+def test_choose_says_when_the_best_two_cannot_be_told_apart_and_names_the_smaller(tmp_path):
+    board = _choose_board(tmp_path, {"lora": 81.0, "linear": 80.0, "mlp": 70.0}, seeds=3)
+    answer = choice.choose(board, choice.Budget())
+    assert answer.best.experiment == "lora" and answer.runner_up.experiment == "linear"
+    text = answer.paragraph
+    assert "**lora** and **linear** cannot be told apart on this data" in text
+    assert "each of the 3 seeds a block (one task)" in text and "p = " in text
+    assert "is the smaller" in text and "seeds' spread" not in text
+
+
+def test_choose_says_when_the_best_two_differ(tmp_path):
+    board = _choose_board(tmp_path, {"lora": 85.0, "linear": 80.0}, seeds=6)
+    text = choice.choose(board, choice.Budget()).paragraph
+    assert "**lora** and **linear** differ on this data (Nemenyi's test, each of the 6 seeds a block (one task)" in text
+
+
+def test_a_users_folder_board_names_no_groups_no_published_order_and_counts_one_task(tmp_path):
+    for method, top1 in (("lora", 80.0), ("linear", 70.0), ("vpt_deep", 75.0)):
+        _board_run(tmp_path, "folder", method, 0, top1)
+    board = report.write_report(tmp_path)
+    md = (tmp_path / "leaderboard.md").read_text()
+    assert "1 task, 3 runs." in md and "over the 1 task of" in md and "1 tasks" not in md
+    assert "groups —" not in md and "Rank correlation with the published" not in md
+    mini = tmp_path / "mini"
+    for method, top1 in (("lora", 80.0), ("linear", 70.0), ("vpt_deep", 75.0)):
+        _board_run(mini, "mini/digits", method, 0, top1)
+    report.write_report(mini)
+    text = (mini / "leaderboard.md").read_text()
+    assert "groups — natural: digits" in text and "Rank correlation with the published vtab1k" in text
+    assert board.ranking is not None
+
+
+def test_the_training_log_names_the_method_as_configured():
+    from petl.train import config, runner
+
+    cfg = config.compose_config(["method=adapter", "method.style=parallel", "method.dim=8", "data=mini/digits"])
+    assert runner.method_label(cfg) == "adapter (style=parallel, dim=8)"
+    assert runner.method_label(config.compose_config(["method=lora", "data=mini/digits"])) == "lora"
+
+
+@pytest.mark.parametrize("suite", ["mini_dinov2", "mini_selection"])
+def test_the_committed_comparison_sections_rebuild_from_the_committed_runs(suite):
+    """Each committed board's comparison section (test, groups, mean ranks) is what its runs give today."""
+    from petl.bench.notes import comparison_lines
+    from petl.bench.table import markdown_lines, md_escape
+
+    folder = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / suite
+    board = report.build_board(folder / "runs", plan=report.plan_of(suite))
+    committed = (folder / "leaderboard.md").read_text()
+    for line in comparison_lines(board):
+        assert f"- {md_escape(line)}" in committed
+    assert "\n".join(markdown_lines(report.rank_table(board))) in committed
+    assert (folder / "critical_difference.png").is_file()
+
+
+def test_a_folder_runs_split_says_what_it_holds():
+    from petl import data as petl_data
+    from petl.data.folder import FOLDER_INFO
+    from petl.store.result import RunResult
+    from petl.train.runner import split_meaning
+
+    held = split_meaning(FOLDER_INFO, petl_data.TRAIN, 30)
+    assert held == "train800: the training images less val200 (the data's own validation split): 30 images"
+    holdout = FOLDER_INFO.__class__(**{**FOLDER_INFO.__dict__, "val_from_train": "20% of each class, seed 0"})
+    assert "less val200 (20% of each class, seed 0): 30 images" in split_meaning(holdout, petl_data.TRAIN, 30)
+    assert split_meaning(FOLDER_INFO, petl_data.TRAIN_VAL, 36).startswith("train800val200: every training image")
+    assert split_meaning(petl_data.get_info("mini/digits"), petl_data.TRAIN, 800) is None  # the name says it
+    record = RunResult("lora", "folder", 0, split="train800", split_meaning=held)
+    assert RunResult.from_json(record.to_json()).split_meaning == held
+    assert "split_meaning" not in RunResult("lora", "mini/digits", 0).to_json()  # benchmark records unchanged
+
+
+def test_the_diagram_is_the_same_bytes_in_every_process():
+    """Same scores, same PNG: no date or version in it, and no drawing order taken from a set's hashing."""
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import sys; from petl.bench import ranking; "
+        f"found = ranking.rank_scores({NAMES!r}, {[[40.0, 30.0, 20.0, 10.0]] * 10!r}); "
+        "sys.stdout.buffer.write(ranking.critical_difference_png(found, 'four methods'))"
+    )
+    drawn = [
+        subprocess.run(
+            [sys.executable, "-c", script],
+            capture_output=True,
+            check=True,
+            env={**os.environ, "PYTHONHASHSEED": seed},
+        ).stdout
+        for seed in ("1", "2")
+    ]
+    assert drawn[0].startswith(b"\x89PNG") and drawn[0] == drawn[1]
