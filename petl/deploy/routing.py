@@ -46,11 +46,14 @@ def _own_parameter_hook(module: nn.Module, frozen: nn.Module, path: str, own: li
 
 
 def _around(wrapper: RowHook, inner: RowHook) -> RowHook:
-    """A wrapper's hook over a wrapped module that has its own parameters: ``inner.post`` first, then the wrapper's."""
+    """A wrapper's hook over a wrapped module that has its own parameters: ``inner.post`` first, then the wrapper's.
+
+    The composition has no batched form (neither hook's alone does what both do): it acts on its own rows.
+    """
     if wrapper.post is None:
-        return replace(wrapper, post=inner.post)
+        return replace(wrapper, post=inner.post, batched=None)
     outer = wrapper.post
-    return replace(wrapper, post=lambda x, y, tokens: outer(x, inner.post(x, y, tokens), tokens))
+    return replace(wrapper, post=lambda x, y, tokens: outer(x, inner.post(x, y, tokens), tokens), batched=None)
 
 
 @dataclass
