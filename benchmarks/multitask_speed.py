@@ -63,6 +63,8 @@ TASK_SETS = {
         ("vpt", {"num_tokens": 10}),
     ],
 }
+# Short names for --sets.
+SET_KEYS = {"lora": "8 LoRA tasks", "methods": "8 methods", "side": "8 methods, side networks & co."}
 CASES = ("MultiTask (mixed batch)", "8 separate models", "backbone 8 times", "backbone once")
 
 
@@ -126,20 +128,39 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def render(results: dict, model_name: str, rounds: int, command: str, load: tuple[float, float]) -> str:
-    """The results file: one table row per task set and batch size."""
+def device_words(device: str, dtype: str) -> str:
+    """The device and arithmetic the table measured, for its title: ``CPU``, ``NVIDIA H100 80GB HBM3, bfloat16``."""
+    name = torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else device.upper()
+    if device.startswith("cuda") and dtype == "float32":
+        dtype += ", TF32 matmuls" if torch.backends.cuda.matmul.allow_tf32 else ", TF32 off"
+    return name if dtype == "float32" and not device.startswith("cuda") else f"{name}, {dtype}"
+
+
+def render(
+    results: dict,
+    model_name: str,
+    rounds: int,
+    command: str,
+    load: tuple[float, float],
+    device: str = "cpu",
+    dtype: str = "float32",
+    missing: list[str] | None = None,
+) -> str:
+    """The results file: one table row per task set and batch size (``missing``: rows the deadline cut off)."""
+    gpu = f", GPU {torch.cuda.get_device_name(torch.device(device))}" if device.startswith("cuda") else ""
     lines = [
-        f"# Serving 8 tasks over one frozen `{model_name}`: mixed batch vs one model per task (CPU)",
+        f"# Serving 8 tasks over one frozen `{model_name}`: mixed batch vs one model per task "
+        f"({device_words(device, dtype)})",
         "",
         f"Command: `{command}`",
         "",
         f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-        f"{torch.get_num_threads()} torch threads; 1-min load average {load[0]:.1f} before and {load[1]:.1f} after "
-        "(the machine is shared with other jobs: absolute images/s are noisy, the ratios were measured in one "
-        "process with the cases taking turns call by call).",
+        f"{torch.get_num_threads()} torch threads{gpu}; 1-min load average {load[0]:.1f} before and {load[1]:.1f} "
+        "after (the machine may be shared with other jobs: absolute images/s are noisy, the ratios were measured "
+        "in one process with the cases taking turns call by call).",
         "",
-        f"Backbone `{model_name}` with random weights, 10-class heads, eval mode, no autograd; median over "
-        f"{rounds} rounds. Ratios are images/s against the 8 separate models.",
+        f"Backbone `{model_name}` with random weights, 10-class heads, eval mode, no autograd, {dtype} on "
+        f"{device}; median over {rounds} rounds. Ratios are images/s against the 8 separate models.",
         "",
         "| Task set | Batch (rows per task) | " + " | ".join(f"{c} img/s" for c in CASES) + " | "
         "MultiTask × 8 separate | MultiTask × backbone 8 times | MultiTask × backbone once |",
@@ -155,6 +176,8 @@ def render(results: dict, model_name: str, rounds: int, command: str, load: tupl
             + " | ".join(f"{r:.2f}×" for r in ratios)
             + " |"
         )
+    if missing:
+        lines += ["", f"Not measured: the --deadline had passed before {'; '.join(missing)}."]
     return "\n".join(lines) + "\n"
 
 
@@ -167,17 +190,29 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", help="float32 or bfloat16 (on a GPU)")
+    parser.add_argument("--sets", default=",".join(SET_KEYS), help=f"task sets, of {','.join(SET_KEYS)}")
+    parser.add_argument(
+        "--deadline", type=float, help="seconds: start no task set and batch after this; the table says what is left"
+    )
     parser.add_argument("--out", type=Path, help="write the table here (else print it)")
     args = parser.parse_args(argv)
+    unknown = set(args.sets.split(",")) - set(SET_KEYS)
+    if unknown:
+        parser.error(f"--sets {args.sets}: unknown {', '.join(sorted(unknown))}; choose among {', '.join(SET_KEYS)}")
     torch.set_num_threads(args.threads)
-    before = os.getloadavg()[0]
-    results = {}
-    for task_set, methods in TASK_SETS.items():
+    started, before = time.monotonic(), os.getloadavg()[0]
+    results, missing = {}, []
+    for task_set in (SET_KEYS[key] for key in args.sets.split(",")):
         for batch in (int(b) for b in args.batches.split(",")):
+            if args.deadline is not None and time.monotonic() - started > args.deadline:
+                missing.append(f"{task_set} at batch {batch}")
+                continue
+            methods = TASK_SETS[task_set]
             results[(task_set, batch)] = measure(args.model, methods, batch, args.rounds, args.device, args.dtype)
             print(task_set, batch, {k: f"{batch / v:.0f} img/s" for k, v in results[(task_set, batch)].items()})
     command = "python benchmarks/multitask_speed.py " + " ".join(argv)
-    table = render(results, args.model, args.rounds, command.strip(), (before, os.getloadavg()[0]))
+    load = (before, os.getloadavg()[0])
+    table = render(results, args.model, args.rounds, command.strip(), load, args.device, args.dtype, missing)
     if args.out:
         args.out.write_text(table)
     print(table)

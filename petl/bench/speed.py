@@ -26,7 +26,12 @@ before/after the blocks, and how many tokens each block sees), never off its nam
 step (``torch.profiler``) and the bytes autograd saved for the backward (saved-tensor hooks).
 
 **Options** (``options_for=`` experiments): the same step with gradient checkpointing (timm's), with
-``torch.compile``, and under bf16 autocast, as extra rows.
+``torch.compile``, and under bf16 autocast, as extra rows (``options=bf16`` keeps only some of them); with a
+bf16 row, peft's LoRA gets one too, the reference of the bf16 rows.
+
+**Precision** is a column: on a GPU the fp32 rows run their matmuls on TF32 tensor cores (``tf32=true``, the
+default: what a petl-run training does with its default precision), ``tf32=false`` times strict fp32; on a CPU
+every row without bf16 is fp32.
 
 On a GPU (``device=cuda``) the documented setting is ViT-B/16 at 224 px, batch 64: those are the defaults
 there when ``model``/``batch`` are not given.
@@ -54,9 +59,11 @@ from petl.bench.speed_bench import (
     SpeedSpec,
     _Bench,
     build_model,
+    cuda_matmul_precision,
     measure_memory,
     measure_memory_in_subprocess,
     measure_times,
+    precision_label,
 )
 from petl.bench.speed_table import format_table, machine_line, plain_inference
 from petl.train import engine
@@ -71,7 +78,8 @@ __all__ = [
 CUDA_DEFAULTS = {"model": "vit_base_patch16_224", "batch": 64}
 
 # The command's own keys besides SpeedSpec's fields.
-SPEED_KEYS = {f.name for f in fields(SpeedSpec)} | {"methods", "out", "inprocess", "options_for"} | CONFIGS_KEYS
+SPEED_KEYS = {f.name for f in fields(SpeedSpec)} | {"methods", "out", "inprocess", "options_for", "options"}
+SPEED_KEYS |= CONFIGS_KEYS
 
 
 def plan_cases(
@@ -79,13 +87,15 @@ def plan_cases(
     experiments: Sequence[tuple[str, dict[str, Any]]],
     options_for: Sequence[str] = (),
     log: Callable[[str], None] = print,
+    options: Sequence[str] | None = None,
 ) -> tuple[list[Case], dict[str, str]]:
     """The rows in table order, and each method row's floor row.
 
     Floors are found on each method's model (:func:`find_floor`); methods with the same floor share
-    its row.  ``options_for`` experiments get one extra row per training option (:data:`OPTIONS`)
-    whose compiler is available.
+    its row.  ``options_for`` experiments get one extra row per training option (:data:`OPTIONS`, or the
+    keys of it in ``options``) whose compiler is available; with a bf16 row, peft's LoRA gets one too.
     """
+    chosen = list(OPTIONS) if options is None else list(options)
     cpu = SpeedSpec(**{**asdict(spec), "device": "cpu"})
     plain = build_model(Case("plain"), cpu)
     h, w = plain.patch_embed.img_size
@@ -109,11 +119,15 @@ def plan_cases(
         if name not in options_for:
             continue
         for option, suffix in OPTIONS.items():
+            if option not in chosen:
+                continue
             if option == "compile" and missing:
                 log(f"speed: no {name} {suffix} row: {missing}")
                 continue
             cases.append(Case(f"{name} {suffix}", dict(method), options=(option,)))
     cases.append(Case(PEFT_LORA, peft=True))
+    if "bf16" in chosen and any(c.options == ("bf16",) for c in cases):
+        cases.append(Case(f"{PEFT_LORA} {OPTIONS['bf16']}", peft=True, options=("bf16",)))
     of = {name: floors[name].label() for name, _ in experiments}
     of.update({c.name: of[n] for c in cases if c.options for n, _ in experiments if c.name.startswith(n + " + ")})
     return cases, of
@@ -125,6 +139,7 @@ def run_speed(
     inprocess: bool = False,
     log: Callable[[str], None] = print,
     options_for: Sequence[str] = (),
+    options: Sequence[str] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Measure the no-grad forward, the floors, each experiment (and its options) and peft's LoRA.
 
@@ -134,22 +149,24 @@ def run_speed(
         inprocess: measure memory in this process too (fast, for tests; CPU peaks are then not clean).
         log: progress messages.
         options_for: experiments that also get a row per training option.
+        options: which training options (keys of :data:`OPTIONS`); all of them unless given.
 
     Returns:
         Results by case name, in table order; method rows name their floor row under ``floor``.
 
     """
-    cases, floor_of = plan_cases(spec, experiments, options_for, log)
+    cases, floor_of = plan_cases(spec, experiments, options_for, log, options)
     # A fresh process per case costs seconds of start-up (about 15 s a case on a GPU machine); only the
     # CPU's RSS high-water mark needs it, the CUDA allocator's peak resets in place.
     measure = measure_memory if inprocess or spec.device == "cuda" else measure_memory_in_subprocess
     results: dict[str, dict[str, Any]] = {}
-    for case in cases:
-        log(f"speed: memory of {case.name}")
-        results[case.name] = measure(case, spec)
-    method_floors = {c.name: floor_of[c.name] for c in cases if c.name in floor_of and not c.options}
-    for name, times in measure_times(cases, spec, log, method_floors).items():
-        results[name].update(times)
+    with cuda_matmul_precision(spec):
+        for case in cases:
+            log(f"speed: memory of {case.name}")
+            results[case.name] = {**measure(case, spec), "precision": precision_label(case, spec)}
+        method_floors = {c.name: floor_of[c.name] for c in cases if c.name in floor_of and not c.options}
+        for name, times in measure_times(cases, spec, log, method_floors).items():
+            results[name].update(times)
     for name, floor in floor_of.items():
         results[name]["floor"] = floor
     for case in cases:
@@ -161,7 +178,11 @@ def run_speed(
 
 def make_spec(own: dict[str, str], cuda_available: bool) -> SpeedSpec:
     """The spec from command-line values: the GPU when there is one, and there :data:`CUDA_DEFAULTS`."""
-    settings: dict[str, Any] = {f.name: type(f.default)(own[f.name]) for f in fields(SpeedSpec) if f.name in own}
+    settings: dict[str, Any] = {
+        f.name: as_bool(f.name, own[f.name]) if isinstance(f.default, bool) else type(f.default)(own[f.name])
+        for f in fields(SpeedSpec)
+        if f.name in own
+    }
     settings.setdefault("device", "cuda" if cuda_available else "cpu")
     if settings["device"] == "cuda":
         for key, value in CUDA_DEFAULTS.items():
@@ -183,9 +204,12 @@ def main(args: Sequence[str]) -> int:
     unknown = sorted(set(options_for) - set(names))
     if unknown:
         raise SystemExit(f"petl-bench speed: options_for names experiments not measured: {unknown}")
+    options = split_list(own["options"]) if "options" in own else None
+    if options is not None and set(options) - set(OPTIONS):
+        raise SystemExit(f"petl-bench speed: options={own['options']}: choose among {', '.join(OPTIONS)}")
     experiments = [(n, load_experiment(n, configs).method) for n in names]
     inprocess = as_bool("inprocess", own.get("inprocess", "false"))
-    results = run_speed(spec, experiments, inprocess=inprocess, options_for=options_for)
+    results = run_speed(spec, experiments, inprocess=inprocess, options_for=options_for, options=options)
     table = format_table(results, spec, machine_line(spec.device))
     print(table)
     if "out" in own:

@@ -15,7 +15,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -55,6 +55,8 @@ class SpeedSpec:
         infer_steps: timed inference forwards per case, the cases taking turns call by call.
         device: ``cpu`` or ``cuda``.
         num_classes: classifier size.
+        tf32: on CUDA, fp32 matmuls and convolutions run on TF32 tensor cores, as in a petl-run training with its
+            default precision; false times strict fp32 (``train.precision=no``).  A CPU has no TF32.
 
     """
 
@@ -68,6 +70,28 @@ class SpeedSpec:
     infer_steps: int = 100
     device: str = "cpu"
     num_classes: int = 10
+    tf32: bool = True
+
+
+def precision_label(case: Case, spec: SpeedSpec) -> str:
+    """The arithmetic a row's training step ran in: ``bf16 autocast``, ``TF32`` (fp32 on TF32 cores) or ``fp32``."""
+    if "bf16" in case.options:
+        return "bf16 autocast"
+    return "TF32" if spec.device == "cuda" and spec.tf32 else "fp32"
+
+
+@contextlib.contextmanager
+def cuda_matmul_precision(spec: SpeedSpec) -> Iterator[None]:
+    """CUDA's TF32 switches set as ``spec.tf32`` says for a whole measurement, and put back after (CPU: nothing)."""
+    if spec.device != "cuda":
+        yield
+        return
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = spec.tf32
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from petl.bench.speed_bench import FORWARD, NOTE_ABOVE, PEFT_LORA, SpeedSpec
+from petl.bench.speed_bench import FORWARD, NOTE_ABOVE, OPTIONS, PEFT_LORA, SpeedSpec
 from petl.bench.table import Header, Table, markdown_lines
 
 
@@ -32,6 +32,28 @@ def machine_line(device: str) -> str:
     return ", ".join(parts)
 
 
+def _precision_note(spec: SpeedSpec) -> str:
+    if spec.device != "cuda":
+        return "`fp32` rows in fp32; `bf16 autocast` rows under torch.autocast(bfloat16)."
+    fp32 = (
+        "`TF32` rows keep fp32 tensors and run CUDA matmuls and convolutions on TF32 tensor cores (tf32=true: what a "
+        "petl-run training does with its default precision)"
+        if spec.tf32
+        else "`fp32` rows are strict fp32, TF32 off (tf32=false: petl-run's train.precision=no)"
+    )
+    return (
+        f"{fp32}; `bf16 autocast` rows under torch.autocast(bfloat16), with TF32 {'on' if spec.tf32 else 'off'} for "
+        "what autocast leaves in fp32 (petl-run's default on a GPU with native bf16). Their `× full FT` and "
+        "`× peft LoRA` compare with the reference's own bf16 row where there is one; `× floor` with the fp32 floor."
+    )
+
+
+def _reference(results: dict[str, dict[str, Any]], name: str, row: dict[str, Any]) -> dict[str, Any]:
+    """Reference ``name``'s row in ``row``'s precision where the table has one (a bf16 row's bf16 peft LoRA)."""
+    same = results.get(f"{name} {OPTIONS['bf16']}") if row.get("precision") == "bf16 autocast" else None
+    return same or results.get(name, {})
+
+
 def _ratio(value: float | None, ref: float | None) -> str:
     if value is None or ref is None or ref <= 0:
         return "–"
@@ -39,8 +61,8 @@ def _ratio(value: float | None, ref: float | None) -> str:
 
 
 MAIN_COLUMNS = (
-    "Case", "Trainable", "Train step ms", "× floor", "× no-grad fwd", "× full FT", "× peft LoRA", "Peak MB",
-    "mem × floor", "mem × full FT", "mem × peft LoRA", "Infer ms", "infer × plain",
+    "Case", "Precision", "Trainable", "Train step ms", "× floor", "× no-grad fwd", "× full FT", "× peft LoRA",
+    "Peak MB", "mem × floor", "mem × full FT", "mem × peft LoRA", "Infer ms", "infer × plain",
 )  # fmt: skip
 MERGED_COLUMNS = ("Case", "Infer ms unmerged", "Infer ms merged", "Plain backbone ms", "merged × plain")
 
@@ -54,8 +76,6 @@ def _markdown(labels: tuple[str, ...], rows: list[list[str]]) -> list[str]:
 def format_table(results: dict[str, dict[str, Any]], spec: SpeedSpec, machine: str) -> str:
     """The speed table as Markdown: ratios to each row's floor, the no-grad forward, full FT and peft's LoRA."""
     forward = results.get(FORWARD, {})
-    full = results.get("full", {})
-    peft_lora = results.get(PEFT_LORA, {})
     memory = (
         "CUDA max_memory_allocated (weights, grads, AdamW state, activations), reset per row in one process, "
         "less what was still allocated before the row's model was built"
@@ -76,7 +96,8 @@ def format_table(results: dict[str, dict[str, Any]], spec: SpeedSpec, machine: s
         "each row with its own floor. "
         f"Inference: eval forward at batch {spec.infer_batch}, median of {spec.infer_steps}, cases in turns call "
         "by call. "
-        f"Peak MB over {spec.warmup + 2} training steps: {memory}.",
+        f"Peak MB over {spec.warmup + 2} training steps: {memory}. "
+        f"Precision: {_precision_note(spec)}",
         "",
         f"Machine: {machine}.",
         "",
@@ -86,9 +107,11 @@ def format_table(results: dict[str, dict[str, Any]], spec: SpeedSpec, machine: s
     rows = []
     for case, r in results.items():
         own = results.get(r.get("floor", case), {}) if "floor" in r or case.startswith("floor:") else {}
+        full, peft_lora = (_reference(results, name, r) for name in ("full", PEFT_LORA))
         rows.append(
             [
                 case,
+                r.get("precision", "–"),
                 f"{r['trainable']:,}",
                 f"{r['train_ms']:.1f}",
                 *(_ratio(r["train_ms"], ref.get("train_ms")) for ref in (own, forward, full, peft_lora)),

@@ -55,7 +55,7 @@ train:
   batch_size: 64
   eval_batch_size: 256
   grad_accum: 1
-  precision: 'no'
+  precision: auto
   cache_features: true
   grad_checkpointing: false
   compile: false

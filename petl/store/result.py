@@ -59,6 +59,10 @@ class RunResult:
     num_processes: int | None = None
     precision: str | None = None
     compiled: bool | None = None
+    # CUDA matmuls and convolutions on TF32 tensor cores (never on a CPU); null in records written before petl
+    # recorded it, which ran with torch's default (TF32 matmuls off).  A field added, not changed: older readers
+    # keep it in ``extra``, so the version stays.
+    tf32: bool | None = None
     effective_batch_size: int | None = None
     versions: dict[str, str | None] | None = None
     git_commit: str | None = None

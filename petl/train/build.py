@@ -118,6 +118,53 @@ def single_cpu_launch(formed: int) -> str:
     )
 
 
+def run_device_type() -> str:
+    """The device type accelerate will train on in this process (``cuda``, ``cpu``...).
+
+    Asked before the Accelerator exists, the shared state must be the one the Accelerator would make: a bare
+    PartialState() ignores ACCELERATE_USE_CPU (AcceleratorState reads it), and a CPU launch of several
+    processes then forms no process group.
+    """
+    return PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU")).device.type
+
+
+def cuda_has_native_bf16() -> bool:
+    """Whether the CUDA GPU computes bf16 natively (Ampere and later), not through torch's emulation."""
+    try:
+        return torch.cuda.is_bf16_supported(including_emulation=False)
+    except TypeError:  # a torch without the argument did not count emulation
+        return torch.cuda.is_bf16_supported()
+
+
+def auto_precision(device_type: str, native_bf16: bool) -> str:
+    """What ``train.precision=auto`` means on a device: bf16 autocast on a CUDA GPU with native bf16, else ``no``.
+
+    GPUs without native bf16 (before Ampere) have no TF32 either, so fp32 is all that is left there; on the CPU
+    ``no`` keeps every result bit-identical to the runs made before ``auto`` was the default.
+    """
+    return "bf16" if device_type == "cuda" and native_bf16 else "no"
+
+
+def resolve_precision(cfg: DictConfig) -> None:
+    """Replace ``train.precision=auto`` in ``cfg`` by its meaning on this machine, before the run is fingerprinted.
+
+    The run folder's config.yaml then records what ran, so a CPU run of the default config has the fingerprint of
+    one made with ``train.precision=no`` (its committed results stay this config's), and a GPU run's differs.
+    """
+    if cfg.train.precision == "auto":
+        device_type = run_device_type()
+        cfg.train.precision = auto_precision(device_type, device_type == "cuda" and cuda_has_native_bf16())
+
+
+def uses_tf32(precision: str, device_type: str) -> bool:
+    """Whether a run lets CUDA run fp32 matmuls and convolutions on TF32 tensor cores.
+
+    Everywhere but ``no`` (strict fp32) on a GPU: with ``tf32`` that is the point, and under bf16/fp16 autocast it
+    covers what autocast leaves in fp32, as timm's train.py does.  A CPU has no TF32.
+    """
+    return device_type == "cuda" and precision != "no"
+
+
 def make_accelerator(cfg: DictConfig, out: Path) -> Accelerator:
     # One process may run many trainings (notebooks, the benchmark harness): accelerate keeps its
     # precision and accumulation settings in process-wide singletons that refuse to change once
@@ -126,18 +173,19 @@ def make_accelerator(cfg: DictConfig, out: Path) -> Accelerator:
     GradientState._reset_state()
     trackers = list(cfg.train.trackers)
     precision = cfg.train.precision
-    # Asked before the Accelerator exists, the shared state must be the one the Accelerator would make: a bare
-    # PartialState() ignores ACCELERATE_USE_CPU (AcceleratorState reads it), and a CPU launch of several
-    # processes then forms no process group.
-    device_type = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU")).device.type
-    if precision == "fp16" and device_type == "cpu":
-        # accelerate would accept it and silently run in fp32; say so, and record what really ran.
-        log.warning("train.precision=fp16 needs a GPU: running in full precision on the CPU (bf16 works there)")
+    device_type = run_device_type()
+    if precision == "auto":  # a config that did not go through petl.train.runner.run (resolve_precision)
+        precision = auto_precision(device_type, device_type == "cuda" and cuda_has_native_bf16())
+    if precision in ("fp16", "tf32") and device_type != "cuda":
+        # accelerate would accept fp16 and silently run in fp32; say so, and record what really ran.
+        log.warning("train.precision=%s needs a CUDA GPU: running in full precision (bf16 works on CPUs)", precision)
         precision = "no"
     if precision == "bf16" and device_type == "cpu" and not engine.cpu_supports_bf16():
         # accelerate would autocast anyway, through slow emulated bf16 matmuls; result.json records "no".
         log.warning("train.precision=bf16: this CPU has no bf16 instructions (AVX512-BF16/AMX): running in fp32")
         precision = "no"
+    # tf32 is fp32 to accelerate: the TF32 switch is torch's, set by the runner (uses_tf32).
+    mixed_precision = "no" if precision == "tf32" else precision
     # train.compile goes through accelerate's dynamo plugin, which compiles the model in prepare().
     dynamo = "inductor" if cfg.train.compile else None
     missing = engine.compiler_missing(device_type) if cfg.train.compile else None
@@ -146,7 +194,7 @@ def make_accelerator(cfg: DictConfig, out: Path) -> Accelerator:
         dynamo = None
     try:
         accelerator = Accelerator(
-            mixed_precision=precision,
+            mixed_precision=mixed_precision,
             dynamo_backend=dynamo,
             gradient_accumulation_steps=cfg.train.grad_accum,
             log_with=trackers or None,

@@ -42,7 +42,9 @@ from petl.train.options import check_options, neutral_keys, option
 from petl.train.readers import data_info, data_options, image_size, method_options, model_kwargs  # noqa: F401 (re-exported)
 
 CONFIG_GROUPS = ("method", "data", "model", "train")
-PRECISIONS = ("no", "bf16", "fp16")
+# "auto" is resolved per machine before a run is fingerprinted (petl.train.build.resolve_precision); the others
+# are what runs, save for the fallbacks make_accelerator logs (fp16 or tf32 without a GPU, bf16 without support).
+PRECISIONS = ("auto", "no", "tf32", "bf16", "fp16")
 TRACKERS = tuple(LOGGER_TYPE_TO_CLASS)
 
 # Method fields the runner fills in itself (from the dataset), so they are not command-line options.
@@ -138,14 +140,19 @@ class TrainConfig(TrainSettings):
             batch of a method's calibrate hook (GPS's selection gradient, NOAH's supernet steps).
         eval_batch_size: images per step when evaluating.
         grad_accum: micro-batches accumulated per optimizer step.
-        precision: accelerate mixed precision: ``no``, ``bf16`` or ``fp16``.
+        precision: ``auto`` (bf16 autocast on a CUDA GPU with native bf16, else ``no``; the run's config.yaml and
+            result.json record what it became on the machine that ran), ``no`` (fp32, with TF32 matmuls off also on
+            a GPU: strict fp32, as every petl run before ``auto``), ``tf32`` (fp32 tensors, CUDA matmuls and
+            convolutions on TF32 tensor cores), or accelerate's mixed precision ``bf16`` / ``fp16`` (TF32 on for the
+            fp32 matmuls autocast leaves, as in timm's train.py).
         cache_features: train on cached activations of the frozen part of the backbone, when there is one.
         grad_checkpointing: recompute each block's activations during the backward instead of keeping them
             (timm's ``set_grad_checkpointing``, applied by the runner): less memory, one more forward per block.
         compile: compile the model with ``torch.compile`` (accelerate's dynamo backend, set up by the runner);
             on CPU it needs a C++ compiler and is skipped with a warning without one.
         deterministic: use deterministic algorithms where torch has them (CPU runs repeat exactly; on CUDA also
-            a fixed cuBLAS workspace and no cuDNN autotuning); false turns them off for the run.
+            a fixed cuBLAS workspace and no cuDNN autotuning); false turns them off for the run, and on CUDA turns
+            cuDNN's autotuner (``cudnn.benchmark``) on, as timm's train.py does.
         trackers: experiment trackers through accelerate (``tensorboard``, ``wandb``...); none by default.
         keep_checkpoint: keep the last per-epoch checkpoint after the run has finished.
         eval_test: evaluate the test split once after the last epoch; ``false`` for the selection trials of
@@ -157,7 +164,7 @@ class TrainConfig(TrainSettings):
     batch_size: int = option(64, low=1)
     eval_batch_size: int = option(256, low=1, neutral=True)
     grad_accum: int = option(1, low=1)
-    precision: str = option("no", choices=PRECISIONS)
+    precision: str = option("auto", choices=PRECISIONS)
     cache_features: bool = True
     grad_checkpointing: bool = False
     compile: bool = False

@@ -163,6 +163,9 @@ def check_finished(cfg: DictConfig) -> None:
         ConfigError: the folder holds a run of another config, data folder or weights file.
 
     """
+    from petl.train.build import resolve_precision  # late: the build module imports the data and model stack
+
+    resolve_precision(cfg)  # train.precision=auto as petl.train.runner.run records it on this machine
     out = Path(cfg.output_dir)
     finished = _read_finished(out)
     resolved = OmegaConf.to_container(cfg, resolve=True)

@@ -104,6 +104,7 @@ def run(cfg: DictConfig, *, checked: bool = False) -> dict[str, Any]:
     """
     if not checked:
         config.check_values(cfg)
+    build.resolve_precision(cfg)
     try:
         resolved = OmegaConf.to_container(cfg, resolve=True)
     except OmegaConfBaseException as error:
@@ -119,19 +120,35 @@ def run(cfg: DictConfig, *, checked: bool = False) -> dict[str, Any]:
 
         accelerator = build.make_accelerator(cfg, out)
         deterministic_before = torch.are_deterministic_algorithms_enabled()
-        benchmark_before = torch.backends.cudnn.benchmark
+        # Process-wide switches, put back after the run (one process may run many: notebooks, petl-bench).
+        cuda_before = (
+            torch.backends.cudnn.benchmark,
+            torch.backends.cuda.matmul.allow_tf32,
+            torch.backends.cudnn.allow_tf32,
+        )
         # warn_only: an op without a deterministic kernel warns instead of stopping the run.
         torch.use_deterministic_algorithms(cfg.train.deterministic, warn_only=True)
-        if cfg.train.deterministic and accelerator.device.type == "cuda":
-            # cuBLAS repeats its results only with a fixed workspace, read when cuBLAS starts (torch's
-            # reproducibility notes); set here, it acts unless this process already ran a CUDA matmul.
-            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-            torch.backends.cudnn.benchmark = False
+        if accelerator.device.type == "cuda":
+            # cuDNN's autotuner (timm's train.py turns it on) times several kernels on the first batch and keeps
+            # the fastest, which may differ from one run to the next: a deterministic run goes without it.
+            torch.backends.cudnn.benchmark = not cfg.train.deterministic
+            # TF32 rounds the inputs of a matmul to 10 mantissa bits, the same way every time: deterministic
+            # runs keep it; train.precision=no is the one setting in strict fp32 (see build.uses_tf32).
+            tf32 = build.uses_tf32(cfg.train.precision, "cuda")
+            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32
+            if cfg.train.deterministic:
+                # cuBLAS repeats its results only with a fixed workspace, read when cuBLAS starts (torch's
+                # reproducibility notes); set here, it acts unless this process already ran a CUDA matmul.
+                os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         try:
             return _train_and_record(cfg, resolved, out, accelerator)
         finally:
             torch.use_deterministic_algorithms(deterministic_before)
-            torch.backends.cudnn.benchmark = benchmark_before
+            (
+                torch.backends.cudnn.benchmark,
+                torch.backends.cuda.matmul.allow_tf32,
+                torch.backends.cudnn.allow_tf32,
+            ) = cuda_before
             if cfg.train.trackers:
                 accelerator.end_training()
 
@@ -501,6 +518,8 @@ def _result(
         device=str(accelerator.device),
         num_processes=accelerator.num_processes,
         precision=accelerator.mixed_precision,
+        # Read off torch's switch as the run left it (the runner sets it on CUDA): fp32 matmuls ran in TF32.
+        tf32=accelerator.device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32,
         # What really ran: train.compile falls back to eager (with a warning) where no compiler is found.
         compiled=accelerator.state.dynamo_plugin.backend.value != "NO",
         effective_batch_size=cfg.train.batch_size * accelerator.num_processes * cfg.train.grad_accum,

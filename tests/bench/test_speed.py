@@ -11,7 +11,7 @@ import timm
 import torch
 
 import petl
-from petl.bench import speed
+from petl.bench import speed, speed_bench
 from petl.bench.speed import (
     FORWARD,
     OPTIONS,
@@ -85,7 +85,7 @@ def test_floor_backward_stops_at_the_earliest_trainable_tensor():
 @pytest.mark.slow
 def test_rows_and_references(results):
     rows = list(results)
-    assert rows[0] == FORWARD and rows[-1] == PEFT_LORA
+    assert rows[0] == FORWARD and rows[-2:] == [PEFT_LORA, f"{PEFT_LORA} {OPTIONS['bf16']}"]
     floors = [r for r in rows if r.startswith("floor:")]
     assert floors == [
         "floor: fwd + bwd to images",
@@ -107,12 +107,19 @@ def test_table_has_ratios_to_each_reference(results):
     table = format_table(results, TINY, "test machine")
     main_table = table.split("Each method's floor")[0]
     rows = {line.split("|")[1].strip(): line.split("|") for line in main_table.splitlines() if line.startswith("| ")}
-    assert rows[FORWARD][5].strip() == "1.00×"  # the no-grad forward against itself
-    assert rows["full"][6].strip() == "1.00×" and rows[PEFT_LORA][7].strip() == "1.00×"
+    assert rows[FORWARD][6].strip() == "1.00×"  # the no-grad forward against itself
+    assert rows["full"][7].strip() == "1.00×" and rows[PEFT_LORA][8].strip() == "1.00×"
     ratio = results["lora"]["train_ms"] / results["full"]["train_ms"]
-    assert rows["lora"][6].strip() == f"{ratio:.2f}×"
+    assert rows["lora"][7].strip() == f"{ratio:.2f}×"
     own = results["lora"]["train_ms"] / results[results["lora"]["floor"]]["train_ms"]
-    assert rows["lora"][4].strip() == f"{own:.2f}×"
+    assert rows["lora"][5].strip() == f"{own:.2f}×"
+    # Precision is a column; a bf16 row is compared with peft's LoRA in bf16, the other rows with it in fp32.
+    assert rows["lora"][2].strip() == "fp32" and rows["lora + bf16 autocast"][2].strip() == "bf16 autocast"
+    peft_bf16 = f"{PEFT_LORA} {OPTIONS['bf16']}"
+    assert rows[peft_bf16][2].strip() == "bf16 autocast" and rows[peft_bf16][8].strip() == "1.00×"
+    bf16_ratio = results["lora + bf16 autocast"]["train_ms"] / results[peft_bf16]["train_ms"]
+    assert rows["lora + bf16 autocast"][8].strip() == f"{bf16_ratio:.2f}×"
+    assert "Precision: `fp32` rows in fp32" in table
     assert "Merged inference" in table and "Machine: test machine" in table
 
 
@@ -231,6 +238,47 @@ def test_cuda_defaults_to_the_documented_gpu_setting():
     spec = make_spec({}, cuda_available=True)
     assert (spec.device, spec.model, spec.batch) == ("cuda", "vit_base_patch16_224", 64)
     assert make_spec({"device": "cuda", "batch": "8"}, cuda_available=True).batch == 8
+
+
+def test_tf32_is_a_setting_and_names_the_fp32_rows_on_a_gpu():
+    assert make_spec({}, cuda_available=True).tf32 is True
+    assert make_spec({"tf32": "false"}, cuda_available=True).tf32 is False
+    with pytest.raises(SystemExit, match="tf32=maybe"):
+        make_spec({"tf32": "maybe"}, cuda_available=True)
+    cuda, strict = SpeedSpec(device="cuda"), SpeedSpec(device="cuda", tf32=False)
+    labels = [speed_bench.precision_label(Case("lora"), s) for s in (cuda, strict, SpeedSpec())]
+    assert labels == ["TF32", "fp32", "fp32"]
+    assert speed_bench.precision_label(Case("lora", options=("bf16",)), cuda) == "bf16 autocast"
+    assert "`TF32` rows" in format_table({}, cuda, "m") and "strict fp32" in format_table({}, strict, "m")
+
+
+@pytest.mark.parametrize("tf32", [True, False])
+def test_a_cuda_measurement_sets_the_tf32_switches_and_puts_them_back(tf32):
+    # torch's switches exist without a GPU; a CPU measurement leaves them alone.
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    with speed_bench.cuda_matmul_precision(SpeedSpec(device="cuda", tf32=tf32)):
+        assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == (tf32, tf32)
+    with speed_bench.cuda_matmul_precision(SpeedSpec(tf32=not before[0])):
+        assert torch.backends.cuda.matmul.allow_tf32 == before[0]
+    assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == before
+
+
+@pytest.mark.slow
+def test_options_keeps_only_the_named_training_options():
+    cases, floor_of = plan_cases(TINY, [LORA], options_for=["lora"], log=lambda _: None, options=["bf16"])
+    extra = [c.name for c in cases if c.options]
+    assert extra == ["lora + bf16 autocast", f"{PEFT_LORA} + bf16 autocast"]
+    assert floor_of["lora + bf16 autocast"] == floor_of["lora"]
+    cases, _ = plan_cases(TINY, [LORA], options_for=["lora"], log=lambda _: None, options=["grad_ckpt"])
+    assert [c.name for c in cases if c.options] == ["lora + grad checkpointing"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_cuda_speed_run_times_tf32_and_bf16_rows():
+    spec = SpeedSpec(device="cuda", batch=2, steps=2, warmup=1, rounds=1, infer_steps=2)
+    results = run_speed(spec, [LORA], log=lambda _: None, options_for=["lora"], options=["bf16"])
+    assert results["lora"]["precision"] == "TF32" and results["lora + bf16 autocast"]["precision"] == "bf16 autocast"
+    assert all(r["train_ms"] > 0 and r["peak_mb"] > 0 for name, r in results.items() if name != FORWARD)
 
 
 def test_img_size_builds_the_backbone_at_that_size():

@@ -29,7 +29,7 @@ def test_defaults_are_the_vtab1k_recipe():
     assert OmegaConf.get_type(cfg) is config.RunConfig
     train = cfg.train
     assert (train.lr, train.weight_decay, train.batch_size, train.warmup_frac) == (1e-3, 1e-4, 64, 0.1)
-    assert train.label_smoothing == 0 and train.precision == "no" and train.cache_features and not train.trackers
+    assert train.label_smoothing == 0 and train.precision == "auto" and train.cache_features and not train.trackers
     assert cfg.model.drop_path == 0.1 and cfg.data.split == "train800" and cfg.seed == 0
     # The engine's defaults and the CLI's are one source.
     assert all(train[f.name] == f.default for f in dataclasses.fields(TrainSettings) if f.name != "epochs")
@@ -85,7 +85,7 @@ def test_overrides_are_applied_and_type_checked():
         (["method.alpha=nan"], r"method lora: alpha=nan is not a finite number$"),
         (["method=adapter", "method.scale=-inf"], r"method adapter: scale=-inf is not a finite number"),
         (["method=partial", "method.k=7"], r"method partial: k=7 is out of range: allowed \[1, 6\]"),
-        (["train.precision=fp8"], r"train.precision='fp8' is not valid: choose one of no, bf16, fp16"),
+        (["train.precision=fp8"], r"train.precision='fp8' is not valid: choose one of auto, no, tf32, bf16, fp16"),
         (["data.split=test"], r"data.split='test' is not valid: choose one of train800, train800val200"),
         (["seed=1,2"], r"^Ambiguous value for argument 'seed=1,2': to sweep over the values add --multirun"),
         (["+method.rank=3"], r"^Could not append to config. An item is already at 'method.rank'.$"),

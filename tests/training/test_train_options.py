@@ -10,14 +10,17 @@ import logging
 from pathlib import Path
 
 import pytest
+import safetensors.torch
 import torch
 from conftest import make_tiny_vit, perturb_trainable
 
 import petl
 from petl import core, timm_api, vit
+from petl.errors import ConfigError
 from petl.presets import configs_dir, list_experiments, load_experiment
 from petl.run import default_config, train
-from petl.train import engine
+from petl.train import build, engine, runner
+from petl.train.output_dir import check_finished
 
 TINY = [
     "data=mini/digits",
@@ -96,7 +99,7 @@ def test_grad_checkpointing_run_matches_the_plain_run(tmp_path, method):
 
 
 @pytest.mark.slow
-def test_bf16_autocasts_where_the_cpu_supports_it(tmp_path, monkeypatch):
+def test_bf16_autocasts_where_the_cpu_supports_it(tmp_path, monkeypatch, train_on_cpu):
     monkeypatch.setattr(engine, "cpu_supports_bf16", lambda: True)
     fp32 = _run(tmp_path / "fp32", "method=lora")
     bf16 = _run(tmp_path / "bf16", "method=lora", "train.precision=bf16")
@@ -107,7 +110,7 @@ def test_bf16_autocasts_where_the_cpu_supports_it(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_bf16_falls_back_with_a_warning_where_the_cpu_lacks_it(tmp_path, monkeypatch, caplog):
+def test_bf16_falls_back_with_a_warning_where_the_cpu_lacks_it(tmp_path, monkeypatch, train_on_cpu, caplog):
     monkeypatch.setattr(engine, "cpu_supports_bf16", lambda: False)
     with caplog.at_level(logging.WARNING):
         result = _run(tmp_path / "run", "method=lora", "train.precision=bf16")
@@ -126,10 +129,115 @@ def test_compile_falls_back_with_a_warning_without_a_compiler(tmp_path, monkeypa
 
 @pytest.mark.slow
 @pytest.mark.skipif(engine.compiler_missing("cpu") is not None, reason="torch.compile on CPU needs a C++ compiler")
-def test_compile_run_gives_the_same_loss(tmp_path):
+def test_compile_run_gives_the_same_loss(tmp_path, train_on_cpu):
     # The cheapest real compile: a linear probe trains only the head on cached features.
     plain = _run(tmp_path / "plain", "method=linear")
     compiled = _run(tmp_path / "compiled", "method=linear", "train.compile=true")
     assert compiled["final_train_loss"] == pytest.approx(plain["final_train_loss"], rel=1e-4)
     assert compiled["test_top1"] == plain["test_top1"]
     assert compiled["compiled"] is True and plain["compiled"] is False
+
+
+# --- precision: auto, tf32, and what the record says ----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("device", "native_bf16", "expected"),
+    [("cuda", True, "bf16"), ("cuda", False, "no"), ("cpu", True, "no"), ("cpu", False, "no"), ("mps", True, "no")],
+)
+def test_auto_precision_is_bf16_on_a_gpu_with_native_bf16_and_fp32_elsewhere(device, native_bf16, expected):
+    assert build.auto_precision(device, native_bf16) == expected
+
+
+def test_tf32_is_on_for_every_cuda_precision_but_strict_fp32_and_never_on_a_cpu():
+    assert [build.uses_tf32(p, "cuda") for p in ("no", "tf32", "bf16", "fp16")] == [False, True, True, True]
+    assert not any(build.uses_tf32(p, "cpu") for p in ("no", "tf32", "bf16", "fp16"))
+
+
+@pytest.mark.slow
+def test_the_default_precision_on_a_cpu_is_bit_identical_to_fp32(tmp_path, train_on_cpu):
+    default = _run(tmp_path / "auto", "method=lora")
+    fp32 = _run(tmp_path / "no", "method=lora", "train.precision=no")
+    for key in ("final_train_loss", "val_top1", "best_val_top1", "test_top1"):
+        assert default[key] == fp32[key], key
+    trained = [safetensors.torch.load_file(tmp_path / name / "trainable.safetensors") for name in ("auto", "no")]
+    assert trained[0].keys() == trained[1].keys()
+    assert all(torch.equal(trained[0][k], trained[1][k]) for k in trained[0])
+    # What ran is recorded: auto became "no" here, in config.yaml's fingerprint too, and no TF32.
+    assert default["precision"] == "no" and default["tf32"] is False
+    assert default["config"]["train"]["precision"] == "no"
+    # So the folder of a train.precision=no run holds the default config's run: returned, not trained again...
+    again = _run(tmp_path / "no", "method=lora")
+    assert again["finished_at"] == fp32["finished_at"] and again["train_seconds"] == fp32["train_seconds"]
+    check_finished(default_config([*TINY, f"output_dir={tmp_path / 'no'}", "method=lora"]))
+    # ...and not a bf16 one's.
+    with pytest.raises(ConfigError, match="train.precision: 'no' -> 'bf16'"):
+        check_finished(default_config([*TINY, f"output_dir={tmp_path / 'no'}", "method=lora", "train.precision=bf16"]))
+
+
+@pytest.mark.slow
+def test_tf32_without_a_gpu_runs_in_fp32_with_a_warning(tmp_path, train_on_cpu, caplog):
+    plain = _run(tmp_path / "plain", "method=linear", "train.precision=no")
+    with caplog.at_level(logging.WARNING):
+        result = _run(tmp_path / "run", "method=linear", "train.precision=tf32")
+    assert "train.precision=tf32 needs a CUDA GPU" in caplog.text
+    assert result["precision"] == "no" and result["tf32"] is False
+    assert result["final_train_loss"] == plain["final_train_loss"]
+
+
+# --- on a CUDA GPU (skipped without one) -------------------------------------------------------------------
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _cuda_switches() -> tuple[bool, bool, bool]:
+    return torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark
+
+
+def _run_seeing_switches(monkeypatch, out: Path, *overrides: str) -> tuple[dict, tuple[bool, bool, bool]]:
+    """A run, and torch's TF32 / cuDNN-autotuner switches as they were while it trained."""
+    seen = []
+    train_and_record = runner._train_and_record
+
+    def spy(*args, **kwargs):
+        seen.append(_cuda_switches())
+        return train_and_record(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "_train_and_record", spy)
+    return _run(out, *overrides), seen[0]
+
+
+@needs_cuda
+def test_a_default_run_on_cuda_autocasts_bf16_with_tf32_and_puts_the_switches_back(tmp_path, monkeypatch):
+    before = _cuda_switches()
+    result, during = _run_seeing_switches(monkeypatch, tmp_path / "run", "method=lora")
+    expected = "bf16" if build.cuda_has_native_bf16() else "no"
+    assert result["device"].startswith("cuda")
+    assert result["precision"] == expected and result["config"]["train"]["precision"] == expected
+    assert result["tf32"] is (expected == "bf16") and during[:2] == (expected == "bf16",) * 2
+    assert during[2] is False  # deterministic by default: no cuDNN autotuning
+    assert _cuda_switches() == before
+    assert result["test_top1"] is not None and torch.isfinite(torch.tensor(result["final_train_loss"]))
+
+
+@needs_cuda
+def test_strict_fp32_on_cuda_turns_tf32_off_and_tf32_turns_it_on(tmp_path, monkeypatch):
+    strict, during_strict = _run_seeing_switches(monkeypatch, tmp_path / "no", "method=lora", "train.precision=no")
+    tf32, during_tf32 = _run_seeing_switches(monkeypatch, tmp_path / "tf32", "method=lora", "train.precision=tf32")
+    assert strict["precision"] == "no" and strict["tf32"] is False and during_strict[:2] == (False, False)
+    assert tf32["precision"] == "no" and tf32["tf32"] is True and during_tf32[:2] == (True, True)
+    assert tf32["config"]["train"]["precision"] == "tf32"
+
+
+@needs_cuda
+def test_a_nondeterministic_cuda_run_lets_cudnn_autotune(tmp_path, monkeypatch):
+    _, during = _run_seeing_switches(monkeypatch, tmp_path / "run", "method=linear", "train.deterministic=false")
+    assert during[2] is True
+
+
+@needs_cuda
+@pytest.mark.slow
+def test_a_compiled_run_on_cuda_compiles_under_the_default_precision(tmp_path):
+    result = _run(tmp_path / "run", "method=lora", "train.compile=true")
+    assert result["compiled"] is True and result["precision"] == ("bf16" if build.cuda_has_native_bf16() else "no")
+    assert result["test_top1"] is not None and torch.isfinite(torch.tensor(result["final_train_loss"]))

@@ -1,0 +1,114 @@
+#!/usr/bin/env bash
+# The CUDA tables (issue 49) in one call of the lent GPU machine, within BUDGET seconds (480 by default):
+#   speed_cuda.md      petl-bench speed device=cuda (ViT-B/16 at 224, batch 64, random weights), in two parts:
+#                      LoRA against peft's LoRA (TF32 and bf16 autocast rows, and torch.compile), then the seed
+#                      methods (linear ... full) with a bf16 row each;
+#   multitask_cuda.md  benchmarks/multitask_speed.py: 8 LoRA tasks and the 8-method set on ViT-B/16, bf16, batch 64,
+#                      against the plain backbone;
+#   serve_cuda.md      benchmarks/serve_load.py: petl-serve on loopback (default backbone, 1 and 4 tasks).
+# Each part ends by its own deadline (seconds from the start: SPEED_LORA_END, SPEED_METHODS_END, MULTITASK_END,
+# SERVE_END); a part that finishes early leaves its time to the next.  multitask_speed.py and serve_load.py start
+# nothing new after their deadline and write the rows they measured, saying which are missing; a speed part cut
+# off by `timeout` writes nothing, so its table says so, and the other speed part stands alone.  Every part's exit
+# status and seconds go to gpu_tables.log.
+#
+# Here, once: PYTHONPATH=. python benchmarks/device/make_kit.py wheels    (.device/whl/, about 5 MB: hydra-core,
+# omegaconf, antlr4, mlxtend, and petl-serve's fastapi/uvicorn/python-multipart stack for CPython 3.12)
+# The device call (the `run` tool; the machine has torch, timm, peft, accelerate, no network):
+#   run(command="bash benchmarks/device/gpu_tables.sh", carry=[".device"], timeout_s=540)
+# then copy the files under files_at to benchmarks/results/ (they name the command, machine and GPU themselves).
+# Without $OUT the tables go to /tmp/petl_gpu_tables (never into the checkout: committed tables stay as they are).
+#
+# `bash benchmarks/device/gpu_tables.sh --cpu` runs the same parts on the CPU with tiny settings (the tiny FractalDB
+# ViT, a few steps, one round: about a minute on two quiet cores, BUDGET=300 s by default for busy ones) and the
+# python on PATH, installing nothing: the script's logic,
+# tested by tests/bench/test_gpu_tables.py.  Its numbers mean nothing.
+#
+# What the new defaults (issue 49: train.precision=auto, TF32) would save a DINOv2 sweep row: see README.md here.
+set -u
+MODE=gpu
+[ "${1:-}" = "--cpu" ] && MODE=cpu
+OUT=${OUT:-/tmp/petl_gpu_tables}
+mkdir -p "$OUT"
+LOG="$OUT/gpu_tables.log"
+: > "$LOG"
+if [ "$MODE" = gpu ]; then
+    BUDGET=${BUDGET:-480}
+    PYTHON=${PYTHON:-python3}
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        .device/whl/*.whl || { echo "no kit: run make_kit.py wheels here and carry .device" | tee -a "$LOG"; exit 3; }
+    export PYTHONPATH=/tmp/site:$PWD
+    nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee -a "$LOG"
+    "$PYTHON" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'" || exit 5
+    SPEED_COMMON="device=cuda"
+    METHODS=linear,lora,adapter_sequential,adapter_parallel,vpt_shallow,vpt_deep,partial,mlp,full
+    LORA_OPTIONS=bf16,compile
+    MULTITASK="--model vit_base_patch16_224 --batches 64 --rounds 5 --device cuda --dtype bfloat16"
+    SERVE="--backbones default --tasks 1,4 --rounds 3"
+else
+    BUDGET=${BUDGET:-300}
+    PYTHON=${PYTHON:-python3}
+    export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+    SPEED_COMMON="device=cpu batch=2 steps=1 warmup=1 rounds=1 infer_steps=2 inprocess=true"
+    METHODS=linear
+    LORA_OPTIONS=bf16
+    MULTITASK="--model vit_fractal_tiny_patch4_32 --batches 8 --rounds 1 --threads 1 --device cpu --dtype float32"
+    SERVE="--backbones default --tasks 1 --rounds 1 --requests 8 --clients 2"
+fi
+export PYTHONUNBUFFERED=1
+# Deadlines, in seconds from the start, as shares of BUDGET.
+SPEED_LORA_END=${SPEED_LORA_END:-$((BUDGET * 25 / 100))}
+SPEED_METHODS_END=${SPEED_METHODS_END:-$((BUDGET * 60 / 100))}
+MULTITASK_END=${MULTITASK_END:-$((BUDGET * 80 / 100))}
+SERVE_END=${SERVE_END:-$((BUDGET * 98 / 100))}
+START=$SECONDS
+
+left() { echo $(($1 - (SECONDS - START))); }
+
+part() {  # part NAME END COMMAND...: run COMMAND under `timeout` until END (s from the start); log status, seconds
+    local name=$1 end=$2 began=$SECONDS status
+    shift 2
+    local budget
+    budget=$(left "$end")
+    if [ "$budget" -lt 5 ]; then
+        echo "$name: skipped, no time left before its deadline (${end} s)" | tee -a "$LOG"
+        return 124
+    fi
+    timeout --kill-after=15 "$budget" "$@" > "$OUT/$name.out" 2>&1
+    status=$?
+    echo "$name: exit $status after $((SECONDS - began)) s (deadline $end s, at $((SECONDS - START)) s)" | tee -a "$LOG"
+    tail -3 "$OUT/$name.out"
+    return $status
+}
+
+# 1. speed: LoRA against peft's LoRA, then the seed methods.  Each part writes its own table.
+part speed_lora "$SPEED_LORA_END" "$PYTHON" -m petl.cli.bench speed $SPEED_COMMON methods=lora options_for=lora \
+    options=$LORA_OPTIONS out="$OUT/speed_cuda_lora.md"
+part speed_methods "$SPEED_METHODS_END" "$PYTHON" -m petl.cli.bench speed $SPEED_COMMON methods=$METHODS \
+    options_for=$METHODS options=bf16 out="$OUT/speed_cuda_methods.md"
+{
+    echo "# petl speed, two runs (benchmarks/device/gpu_tables.sh)"
+    echo
+    echo "Two \`petl-bench speed\` runs: LoRA against peft's LoRA with its options, then the seed methods with a bf16"
+    echo "row each. Precision is a column: \`TF32\` rows are what petl-run's fp32 matmuls are on a GPU, \`bf16"
+    echo "autocast\` rows what its default precision (\`train.precision=auto\`) is on a GPU with native bf16."
+    for piece in lora methods; do
+        echo
+        if [ -f "$OUT/speed_cuda_$piece.md" ]; then
+            sed 's/^# /## /' "$OUT/speed_cuda_$piece.md"
+        else
+            echo "## speed_$piece: not finished by its deadline (gpu_tables.log)"
+        fi
+    done
+} > "$OUT/speed_cuda.md"
+
+# 2. Serving many tasks from one backbone, bf16.
+part multitask "$MULTITASK_END" "$PYTHON" benchmarks/multitask_speed.py $MULTITASK --sets lora,methods \
+    --deadline $(($(left "$MULTITASK_END") * 6 / 10)) --out "$OUT/multitask_cuda.md"
+
+# 3. petl-serve under load on loopback.
+part serve "$SERVE_END" "$PYTHON" benchmarks/serve_load.py $SERVE \
+    --deadline $(($(left "$SERVE_END") * 6 / 10)) --out "$OUT/serve_cuda.md"
+
+echo "done at $((SECONDS - START)) s of $BUDGET" | tee -a "$LOG"
+ls "$OUT"

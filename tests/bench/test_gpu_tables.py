@@ -1,0 +1,79 @@
+"""benchmarks/device/gpu_tables.sh, the CUDA tables' one device call, run here in its --cpu mode (tiny settings).
+
+Its numbers mean nothing on a CPU: these tests check the script's logic (every part, the deadlines, the tables it
+assembles) and the benchmark scripts' titles, which name the device they ran on.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "benchmarks" / "device" / "gpu_tables.sh"
+
+
+def _tables(out: Path, **env: str) -> subprocess.CompletedProcess:
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
+    env = {**os.environ, "OUT": str(out), "PATH": path, "PYTHON": sys.executable, **env}
+    return subprocess.run(["bash", str(SCRIPT), "--cpu"], cwd=REPO, env=env, capture_output=True, text=True)
+
+
+def _script(name: str):
+    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_part_past_its_deadline_is_skipped_and_the_speed_table_says_so(tmp_path):
+    ends = dict.fromkeys(("SPEED_LORA_END", "SPEED_METHODS_END", "MULTITASK_END", "SERVE_END"), "0")
+    done = _tables(tmp_path, **ends)
+    assert done.returncode == 0, done.stderr
+    log = (tmp_path / "gpu_tables.log").read_text()
+    for part in ("speed_lora", "speed_methods", "multitask", "serve"):
+        assert f"{part}: skipped, no time left before its deadline (0 s)" in log
+    speed = (tmp_path / "speed_cuda.md").read_text()
+    assert "## speed_lora: not finished by its deadline" in speed and "## speed_methods: not finished" in speed
+
+
+@pytest.mark.slow
+def test_the_cpu_mode_makes_every_table(tmp_path):
+    done = _tables(tmp_path, BUDGET="900")
+    assert done.returncode == 0, done.stderr
+    log = (tmp_path / "gpu_tables.log").read_text()
+    assert all(f"{part}: exit 0" in log for part in ("speed_lora", "speed_methods", "multitask", "serve")), log
+    speed = (tmp_path / "speed_cuda.md").read_text()
+    assert speed.count("## petl speed: vit_fractal_tiny_patch4_32 on cpu") == 2 and "| Precision |" in speed
+    assert "| lora + bf16 autocast | bf16 autocast |" in speed and "| linear | fp32 |" in speed
+    multitask = (tmp_path / "multitask_cuda.md").read_text()
+    assert multitask.startswith("# Serving 8 tasks") and "per task (CPU)" in multitask.splitlines()[0]
+    assert "| 8 LoRA tasks | 8 (1) |" in multitask and "| 8 methods | 8 (1) |" in multitask
+    serve = (tmp_path / "serve_cuda.md").read_text()
+    # petl-serve serves on the GPU wherever torch sees one, whatever the script's mode.
+    where = f"(GPU {torch.cuda.get_device_name()}, fp32)" if torch.cuda.is_available() else "(CPU)"
+    assert serve.splitlines()[0].endswith(f"servers {where}") and "| 1 server |" in serve
+
+
+def test_the_multitask_title_names_the_device_and_what_it_left_out():
+    multitask = _script("multitask_speed")
+    assert multitask.device_words("cpu", "float32") == "CPU"
+    assert multitask.device_words("cpu", "bfloat16") == "CPU, bfloat16"
+    seconds = dict.fromkeys(multitask.CASES, 0.1)
+    table = multitask.render(
+        {("8 LoRA tasks", 8): seconds}, "m", 1, "cmd", (0.0, 0.0), missing=["8 methods at batch 8"]
+    )
+    assert table.splitlines()[0].endswith("per task (CPU)")
+    assert "Not measured: the --deadline had passed before 8 methods at batch 8." in table
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_cuda_multitask_title_names_the_gpu():
+    multitask = _script("multitask_speed")
+    assert multitask.device_words("cuda", "bfloat16") == f"{torch.cuda.get_device_name()}, bfloat16"
