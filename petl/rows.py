@@ -7,7 +7,7 @@ methods, so that a method file never imports the deploy layer.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +45,82 @@ class Tokens:
 
 
 @dataclass(frozen=True)
+class Batched:
+    """A hook's batched form: one op over every row of the mixed batch, each row with its own task's tensors.
+
+    Serving many adapters the way Punica (BGMV), S-LoRA and vLLM do: the frozen layer once, then one batched per-row
+    update, not a loop over tasks.  The tensors of every task whose hook at a module has the same ``key`` (and
+    tensor shapes) are stacked once, when :class:`petl.MultiTask` is built, with one more entry, ``neutral``, for
+    the rows of the batch's other tasks; ``post`` then gets each row's entry index.
+
+    Attributes:
+        key: hooks at one module stack when their keys (and the shapes and dtypes of their tensors) are equal;
+            ``post`` itself is part of it, plus whatever else ``post`` needs to be the same (an activation).
+        tensors: this task's tensors, computed once (inference only: a task's tensors do not change).
+        neutral: tensors of the same shapes with which ``post`` leaves a row as it is (zeros for an additive
+            update, a scale of one); they must give exactly the row back.
+        post: ``post(x, y, stack, entry) -> y`` over the whole batch, as :attr:`RowHook.post` over one task's rows:
+            ``stack`` holds each of ``tensors`` stacked on a new first dimension, ``entry`` (one per row, a long
+            tensor on the batch's device) each row's index into it.
+        pre: ``pre(x, tokens, stack, entry) -> x``: the same for :attr:`RowHook.pre` (a form has one of the two).
+
+    """
+
+    key: Hashable
+    tensors: tuple[Tensor, ...]
+    neutral: tuple[Tensor, ...]
+    post: Callable[[Tensor, Tensor, tuple[Tensor, ...], Tensor], Tensor] | None = None
+    pre: Callable[[Tensor, Tokens, tuple[Tensor, ...], Tensor], Tensor] | None = None
+
+
+def rows_matmul(x: Tensor, weight: Tensor, add: Tensor | None = None) -> Tensor:
+    """``x`` (rows x ... x in) times the transpose of each row's own ``weight`` (rows x out x in), plus ``add``.
+
+    One batched matmul (``bmm``, or ``baddbmm`` adding into ``add``, of ``x``'s rows x ... x out shape), as Punica's
+    BGMV: each row's weight is gathered by the caller (``stack[entry]``).
+    """
+    flat = x.reshape(x.shape[0], -1, x.shape[-1])
+    if add is None:
+        out = torch.bmm(flat, weight.transpose(1, 2))
+    else:
+        out = torch.baddbmm(add.reshape(x.shape[0], -1, weight.shape[1]), flat, weight.transpose(1, 2))
+    return out.view(*x.shape[:-1], weight.shape[1])
+
+
+def rows_vector(vector: Tensor, like: Tensor, channel_dim: int = -1) -> Tensor:
+    """Each row's own vector (rows x channels), shaped to broadcast over ``like`` (rows first, channels at
+    ``channel_dim``: -1, or 1 for NCHW).
+    """
+    shape = [vector.shape[0]] + [1] * (like.dim() - 1)
+    shape[channel_dim] = vector.shape[1]
+    return vector.view(shape)
+
+
+def _affine_channels_last(x: Tensor, y: Tensor, stack: tuple[Tensor, ...], entry: Tensor) -> Tensor:
+    scale, shift = (t[entry] for t in stack)
+    return torch.addcmul(rows_vector(shift, y), y, rows_vector(scale, y))
+
+
+def _affine_channels_first(x: Tensor, y: Tensor, stack: tuple[Tensor, ...], entry: Tensor) -> Tensor:
+    scale, shift = (t[entry] for t in stack)
+    return torch.addcmul(rows_vector(shift, y, 1), y, rows_vector(scale, y, 1))
+
+
+def affine(scale: Tensor, shift: Tensor, channel_dim: int = -1) -> Batched:
+    """The batched form of ``y * scale + shift`` per channel (SSF; a trained bias's delta with a scale of one).
+
+    Args:
+        scale: one value per channel.
+        shift: one value per channel.
+        channel_dim: where ``y``'s channels are: -1, or 1 for a convolution's NCHW output.
+
+    """
+    post = _affine_channels_first if channel_dim == 1 else _affine_channels_last
+    neutral = (torch.ones_like(scale), torch.zeros_like(shift))
+    return Batched(post, (scale.detach(), shift.detach()), neutral, post=post)
+
+
+@dataclass(frozen=True)
 class RowHook:
     """What one task's wrapper does to that task's rows while the frozen module it wraps runs for the whole batch.
 
@@ -63,6 +139,7 @@ class RowHook:
         visible: (blocks only) how many of the task's slots this block's tokens attend; ``None``: all its
             ``prompts`` (a task whose prompt count changes from block to block, as NOAH's, says it per block).
         pool_prompts: whether the pooling sees the task's prompts (VPT's ``original`` pool) or not (``img_pool``).
+        batched: the batched form of ``post`` or ``pre`` (:class:`Batched`), if the method offers one.
 
     """
 
@@ -74,6 +151,7 @@ class RowHook:
     prompts: int = 0
     visible: int | None = None
     pool_prompts: bool = True
+    batched: Batched | None = None
 
 
 class CannotShare(ValueError):

@@ -26,10 +26,20 @@ use (and an average pooling from counting them), so a row sees exactly the token
 HST's meta tokens and NOAH's trailing prompts use the same slots (attention does not depend on where a
 token sits); a task whose prompts change from block to block (NOAH) gives each block's count.
 
+Tasks whose hooks at a module have the same batched form (:class:`petl.rows.Batched`: LoRA's A and B of
+one total rank, SSF's scale and shift with BitFit's bias deltas, a bottleneck adapter of one width, VPT prompts of
+one count) do not loop: their tensors are stacked once, when the MultiTask is built, and when two or more of
+them are in a batch, one batched op updates every row with its own task's entry (each row's LoRA A and B
+gathered, then two ``bmm``, as Punica's BGMV and S-LoRA serve many adapters; one ``addcmul`` for every row's
+scale and shift), the rows of other tasks taking a neutral entry that leaves them exactly as they are.  Linear
+heads are stacked the same way (one batched matmul for every row's logits).  A hook without a batched form, or
+one task's form alone in the batch, acts on its own rows as above.
+
 A method opts in next to its wrapper: ``@register_row_hook(MyWrapper)`` on a function that says what
-the wrapper does to its rows (see ``petl/methods/lora.py``).  A task whose model holds a module no
-hook covers (a peft tuner other than LoRA, DoRA or IA3), or trains a frozen weight matrix that every
-row's matmul shares (Partial-k, full fine-tuning), is refused with one line naming its method.
+the wrapper does to its rows, and optionally its batched form (see ``petl/methods/lora.py``).  A task
+whose model holds a module no hook covers (a peft tuner other than LoRA, DoRA or IA3), or trains a frozen
+weight matrix that every row's matmul shares (Partial-k, full fine-tuning), is refused with one line naming
+its method.
 Inference only: the tasks are in eval mode.
 """
 
@@ -47,7 +57,7 @@ from petl import vit
 from petl.core import trainable_state
 from petl.deploy.routing import Batch, RoutedBlock, RoutedModule, Router, method_name, task_sites
 from petl.io import load_trainable, meta_copy, read_trainable_metadata
-from petl.rows import CannotShare, RowHook, Tokens
+from petl.rows import CannotShare, RowHook, Tokens, rows_matmul
 from petl.store import files, load
 from petl.surgery import apply
 
@@ -160,8 +170,9 @@ class MultiTask(nn.Module):
             [n if sites.get(b) is None or sites[b].visible is None else sites[b].visible for b in blocks]
             for sites, n in zip(hooks, self.prompts, strict=True)
         ]
-        self._router = Router()
+        self._router = Router(len(self.names))
         self.backbone = self._route(backbone, hooks)
+        self._stack_heads([vit.head(m) for m in models])
         if any(self.prompts) and vit.pool_type(backbone) not in vit.MASKABLE_POOLS:
             task = self.names[next(i for i, n in enumerate(self.prompts) if n)]
             raise TaskRefused(
@@ -242,6 +253,23 @@ class MultiTask(nn.Module):
             setattr(parent, name, module)
         return routed
 
+    def _stack_heads(self, heads: list[nn.Module]) -> None:
+        """Every task's Linear head in one stack (tasks x classes x width; rows past a task's classes zero, their
+        biases -inf), so that a mixed batch's logits are one batched matmul; no stack unless every head is a Linear.
+        """
+        self.stacked_heads = all(type(head) is nn.Linear for head in heads)
+        if not self.stacked_heads:
+            return
+        width = max(head.out_features for head in heads)
+        weight = torch.zeros(len(heads), width, heads[0].in_features, dtype=heads[0].weight.dtype)
+        bias = torch.full((len(heads), width), float("-inf"), dtype=heads[0].weight.dtype)
+        with torch.no_grad():
+            for task, head in enumerate(heads):
+                weight[task, : head.out_features] = head.weight
+                bias[task, : head.out_features] = 0.0 if head.bias is None else head.bias
+        self.register_buffer("head_weight", weight, persistent=False)
+        self.register_buffer("head_bias", bias, persistent=False)
+
     def train(self, mode: bool = True) -> MultiTask:
         """Only eval mode: a MultiTask serves trained tasks (train each task with ``petl-run``)."""
         if mode:
@@ -287,6 +315,7 @@ class MultiTask(nn.Module):
         """
         index = self.task_index(task_ids, images.shape[0])
         order = torch.argsort(index, stable=True)
+        rows = index[order].to(images.device)
         counts = torch.bincount(index, minlength=len(self.names)).tolist()
         groups, start = [], 0
         for task, count in enumerate(counts):
@@ -295,7 +324,7 @@ class MultiTask(nn.Module):
                 start += count
         prefix = vit.num_prefix_tokens(self.backbone)
         tokens = Tokens(prefix, max((self.prompts[t] for t, _, _ in groups), default=0))
-        self._router.batch = Batch(groups, tokens)
+        self._router.batch = Batch(groups, tokens, rows=rows)
         try:
             x = vit.embed_tokens(self.backbone, images[order.to(images.device)])
             pool = None
@@ -316,12 +345,16 @@ class MultiTask(nn.Module):
             features = vit.pooled_features(self.backbone, x, pool)
         finally:
             self._router.batch = None
-        width = max(self.num_classes.values()) or features.shape[-1]
-        parts = []
-        for task, first, end in groups:
-            logits = vit.head(self.tasks[task])(features[first:end])
-            parts.append(nn.functional.pad(logits, (0, width - logits.shape[-1]), value=float("-inf")))
-        out = torch.empty(images.shape[0], width, dtype=features.dtype, device=features.device)
-        if parts:
-            out[order.to(out.device)] = torch.cat(parts)
+        if self.stacked_heads and len(groups) >= 2:
+            # Each row's own head gathered from the stack: one batched matmul for the mixed batch.
+            sorted_logits = rows_matmul(features, self.head_weight[rows], add=self.head_bias[rows])
+        else:
+            width = max(self.num_classes.values()) or features.shape[-1]
+            parts = []
+            for task, first, end in groups:
+                logits = vit.head(self.tasks[task])(features[first:end])
+                parts.append(nn.functional.pad(logits, (0, width - logits.shape[-1]), value=float("-inf")))
+            sorted_logits = torch.cat(parts) if parts else features.new_empty(0, width)
+        out = torch.empty_like(sorted_logits)
+        out[order.to(out.device)] = sorted_logits
         return out

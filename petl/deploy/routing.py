@@ -2,12 +2,16 @@
 
 :class:`RoutedModule` and :class:`RoutedBlock` stand in for the backbone's modules that some task wraps or trains;
 :func:`task_sites` finds, for one task's model, the hook at each such place (:mod:`petl.rows`).
+
+Hooks that offer a batched form (:class:`petl.rows.Batched`) with the same key are stacked once (:class:`Stack`)
+and, when two or more of their tasks are in a batch, act on the whole batch in one op, each row with its own
+task's entry; the other hooks act task by task on their rows.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -15,7 +19,7 @@ from timm.layers import LayerScale
 from torch import nn
 
 from petl import vit
-from petl.rows import CannotShare, RowHook, Tokens, registered_hook
+from petl.rows import Batched, CannotShare, RowHook, Tokens, affine, registered_hook
 
 Tensor = torch.Tensor
 
@@ -31,31 +35,56 @@ def _own_parameter_hook(module: nn.Module, frozen: nn.Module, path: str, own: li
     if isinstance(module, (nn.LayerNorm, LayerScale)):
         return RowHook(frozen, post=lambda x, y, _tokens: module(x))
     if isinstance(module, (nn.Linear, nn.Conv2d)) and own == ["bias"] and frozen.bias is not None:
-        shape = (-1, 1, 1) if isinstance(module, nn.Conv2d) else (-1,)
-        return RowHook(frozen, post=lambda x, y, _tokens: y + (module.bias - frozen.bias).view(shape))
+        channel_dim = 1 if isinstance(module, nn.Conv2d) else -1
+        shape = (-1, 1, 1) if channel_dim == 1 else (-1,)
+        with torch.no_grad():
+            delta = module.bias - frozen.bias
+        # Batched as a scale of one and a shift: it stacks with SSF's scale and shift at the same layer.
+        batched = affine(torch.ones_like(delta), delta, channel_dim)
+        return RowHook(frozen, post=lambda x, y, _tokens: y + (module.bias - frozen.bias).view(shape), batched=batched)
     raise CannotShare(f"it trains {where}, a frozen weight every row's computation shares; serve it as its own model")
 
 
 def _around(wrapper: RowHook, inner: RowHook) -> RowHook:
-    """A wrapper's hook over a wrapped module that has its own parameters: ``inner.post`` first, then the wrapper's."""
+    """A wrapper's hook over a wrapped module that has its own parameters: ``inner.post`` first, then the wrapper's.
+
+    The composition has no batched form (neither hook's alone does what both do): it acts on its own rows.
+    """
     if wrapper.post is None:
-        return replace(wrapper, post=inner.post)
+        return replace(wrapper, post=inner.post, batched=None)
     outer = wrapper.post
-    return replace(wrapper, post=lambda x, y, tokens: outer(x, inner.post(x, y, tokens), tokens))
+    return replace(wrapper, post=lambda x, y, tokens: outer(x, inner.post(x, y, tokens), tokens), batched=None)
 
 
 @dataclass
 class Batch:
-    """The current forward's rows: (task index, first row, end row) per task present, and the token layout."""
+    """The current forward's rows: (task index, first row, end row) per task present, and the token layout.
+
+    ``rows``: each row's task index (a long tensor on the batch's device), for batched hooks; ``entries``
+    caches, per set of stacked tasks, each row's entry index into their stack (one lookup per batch).
+    """
 
     groups: list[tuple[int, int, int]]
     tokens: Tokens
+    rows: Tensor | None = None
+    entries: dict[tuple[int, ...], Tensor] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.present = frozenset(task for task, _, _ in self.groups)
 
 
 class Router:
-    """Holds the batch being served, for every routed module of one :class:`MultiTask` (set only inside forward)."""
+    """Holds the batch being served, for every routed module of one :class:`MultiTask` (set only inside forward).
+
+    Args:
+        tasks: how many tasks the MultiTask serves (the size of a stack's task-to-entry table).
+
+    """
 
     batch: Batch | None = None
+
+    def __init__(self, tasks: int = 0) -> None:
+        self.tasks = tasks
 
     def current(self) -> Batch:
         if self.batch is None:
@@ -94,6 +123,54 @@ def _is_fresh(y: Tensor, x: Tensor) -> bool:
     return y.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
 
 
+class Stack(nn.Module):
+    """The tensors of the hooks at one module that share a :class:`Batched` key, stacked once: one op per batch.
+
+    Each tensor of the key's tasks, and the neutral entry last (for the rows of every other task), is stacked on a
+    new first dimension into a buffer (not saved: a MultiTask is built from its task files; moved by ``.to()``).
+
+    Args:
+        forms: task index -> that task's batched form (all with the same key).
+        router: the owning MultiTask's router.
+
+    """
+
+    def __init__(self, forms: dict[int, Batched], router: Router) -> None:
+        super().__init__()
+        first = next(iter(forms.values()))
+        self.pre, self.post, self.tasks = first.pre, first.post, tuple(sorted(forms))
+        self.stacked = [f"stacked_{i}" for i in range(len(first.tensors))]
+        for i, name in enumerate(self.stacked):
+            column = [forms[task].tensors[i] for task in self.tasks] + [first.neutral[i]]
+            self.register_buffer(name, torch.stack(column), persistent=False)
+        # Task index -> entry: its own for the stacked tasks, the neutral one (the last) for every other task.
+        entry = torch.full((max(router.tasks, max(self.tasks) + 1),), len(self.tasks), dtype=torch.long)
+        entry[list(self.tasks)] = torch.arange(len(self.tasks))
+        self.register_buffer("entry", entry, persistent=False)
+
+    def serves(self, batch: Batch) -> bool:
+        """Whether two or more of its tasks are in ``batch`` (one task alone acts on its own rows, as before)."""
+        return len(batch.present.intersection(self.tasks)) >= 2
+
+    def stack_and_entries(self, batch: Batch) -> tuple[tuple[Tensor, ...], Tensor]:
+        """The stacked tensors, and each row's entry into them (looked up once per batch and set of tasks)."""
+        entries = batch.entries.get(self.tasks)
+        if entries is None:
+            entries = batch.entries[self.tasks] = self.entry[batch.rows]
+        return tuple(getattr(self, name) for name in self.stacked), entries
+
+
+def _stacks(hooks: dict[int, RowHook], router: Router) -> nn.ModuleList:
+    """One :class:`Stack` per batched key at a module that two or more tasks' hooks share."""
+    by_key: dict[Any, dict[int, Batched]] = {}
+    for task, hook in hooks.items():
+        form = hook.batched
+        if form is not None:
+            shapes = tuple((t.shape, t.dtype, t.device) for t in form.tensors)
+            by_key.setdefault((form.key, shapes), {})[task] = form
+    return nn.ModuleList(Stack(forms, router) for forms in by_key.values() if len(forms) >= 2)
+
+
 class RoutedModule(nn.Module):
     """A frozen module run once for the whole batch, with each task's pre/post hook on its own rows.
 
@@ -108,16 +185,36 @@ class RoutedModule(nn.Module):
         super().__init__()
         self.base = base
         self.hooks, self._router = hooks, router
+        self.stacks = _stacks(hooks, router)
         for task, hook in hooks.items():
             if hook.mid or hook.branch or hook.visible is not None:
                 raise CannotShare(f"task {task}: a hook inside a block's halves belongs on a block, not here")
 
     def forward(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
         batch = self._router.current()
-        x = _each_task(batch, self.hooks, x, lambda h, rows: h.pre and h.pre(x[rows], batch.tokens))
+        x = self._pre(batch, x)
         y = self.base(x, *args, **kwargs)
+        return self._post(batch, x, y, own=_is_fresh(y, x))
+
+    def _pre(self, batch: Batch, x: Tensor) -> Tensor:
+        """``x`` with every task's pre hook applied to its rows: stacked hooks in one op each, the rest per task."""
+        hooks = self.hooks
+        for stack in self.stacks:
+            if stack.pre is not None and stack.serves(batch):
+                # Every row at once; rows of tasks outside the stack get its neutral entry and stay as they are.
+                x = stack.pre(x, batch.tokens, *stack.stack_and_entries(batch))
+                hooks = {task: hook for task, hook in hooks.items() if task not in stack.tasks}
+        return _each_task(batch, hooks, x, lambda h, rows: h.pre and h.pre(x[rows], batch.tokens))
+
+    def _post(self, batch: Batch, x: Tensor, y: Tensor, own: bool) -> Tensor:
+        """``y`` with every task's post hook applied to its rows: stacked hooks in one op each, the rest per task."""
+        hooks = self.hooks
+        for stack in self.stacks:
+            if stack.post is not None and stack.serves(batch):
+                y, own = stack.post(x, y, *stack.stack_and_entries(batch)), True
+                hooks = {task: hook for task, hook in hooks.items() if task not in stack.tasks}
         post = lambda h, rows: h.post and h.post(x[rows], y[rows], batch.tokens)  # noqa: E731
-        return _each_task(batch, self.hooks, y, post, own=_is_fresh(y, x))
+        return _each_task(batch, hooks, y, post, own=own)
 
 
 class RoutedBlock(RoutedModule):
@@ -132,6 +229,7 @@ class RoutedBlock(RoutedModule):
         nn.Module.__init__(self)
         self.base = base
         self.hooks, self._router = hooks, router
+        self.stacks = _stacks(hooks, router)
         self.halves = any(h.mid or h.branch or h.post for h in hooks.values())
         self.branches = any(h.branch for h in hooks.values())
         if self.halves:
@@ -142,7 +240,7 @@ class RoutedBlock(RoutedModule):
 
     def forward(self, x: Tensor, **kwargs: Any) -> Tensor:
         batch = self._router.current()
-        x = _each_task(batch, self.hooks, x, lambda h, rows: h.pre and h.pre(x[rows], batch.tokens))
+        x = self._pre(batch, x)
         if not self.halves:
             return self.base(x, **kwargs)
         # Each half ends with a residual sum, a fresh tensor this block owns.
@@ -155,8 +253,7 @@ class RoutedBlock(RoutedModule):
             y = x + h
         else:
             y = vit.mlp_residual(self.base, x)
-        post = lambda h, rows: h.post and h.post(x[rows], y[rows], batch.tokens)  # noqa: E731
-        return _each_task(batch, self.hooks, y, post, own=True)
+        return self._post(batch, x, y, own=True)
 
 
 def method_name(model: nn.Module) -> str:

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from petl import core, rows, surgery, vit
@@ -169,16 +170,53 @@ class ParallelAdapter(_Bottleneck):
         return vit.mlp_residual(self.base, x) + self.adapter(x)
 
 
+def _batched(wrapper: _Bottleneck, reads_output: bool) -> rows.Batched:
+    """The bottleneck of every row at once: each row's down and up weights gathered, two bmm (eval: no dropout).
+
+    ``reads_output``: the branch reads the wrapped module's output (sequential) or its input (parallel).  The scale
+    is folded into ``up``; the neutral entry (all zeros: the down projection gives 0, act(0) is 0 for GELU and
+    ReLU, and so is the up projection) adds exactly nothing.
+    """
+    norm = wrapper.norm
+    eps = norm.eps if isinstance(norm, nn.LayerNorm) else None
+    act = wrapper.act
+
+    def post(x: torch.Tensor, y: torch.Tensor, stack: tuple[torch.Tensor, ...], entry: torch.Tensor) -> torch.Tensor:
+        down_w, down_b, up_w, up_b, *norm_wb = (t[entry] for t in stack)
+        h = y if reads_output else x
+        if norm_wb:
+            h = F.layer_norm(h, h.shape[-1:], eps=eps)
+            h = torch.addcmul(rows.rows_vector(norm_wb[1], h), h, rows.rows_vector(norm_wb[0], h))
+        z = act(rows.rows_matmul(h, down_w, add=rows.rows_vector(down_b, h)))
+        return rows.rows_matmul(z, up_w, add=y + rows.rows_vector(up_b, y))
+
+    with torch.no_grad():
+        tensors = [
+            wrapper.down.weight,
+            wrapper.down.bias,
+            wrapper.scale * wrapper.up.weight,
+            wrapper.scale * wrapper.up.bias,
+        ]
+        if eps is not None:
+            tensors += [norm.weight, norm.bias]
+        tensors = [t.detach() for t in tensors]
+    neutral = tuple(torch.zeros_like(t) for t in tensors)
+    key = ("bottleneck", reads_output, repr(act), eps)
+    return rows.Batched(key, tuple(tensors), neutral, post=post)
+
+
 @rows.register_row_hook(SequentialAdapter)
 def _sequential_rows(wrapper: SequentialAdapter) -> rows.RowHook:
     # The frozen MLP runs once for the mixed batch; each task's adapter reads and adds to its rows' MLP output.
-    return rows.RowHook(wrapper.base, post=lambda x, h, _tokens: h + wrapper.adapter(h))
+    post = lambda x, h, _tokens: h + wrapper.adapter(h)  # noqa: E731
+    return rows.RowHook(wrapper.base, post=post, batched=_batched(wrapper, reads_output=True))
 
 
 @rows.register_row_hook(ParallelAdapter)
 def _parallel_rows(wrapper: ParallelAdapter) -> rows.RowHook:
     # At a block, post gets the stream entering the MLP half: the input AdaptFormer's branch reads.
-    return rows.RowHook(wrapper.base, post=lambda x, y, _tokens: y + wrapper.adapter(x))
+    post = lambda x, y, _tokens: y + wrapper.adapter(x)  # noqa: E731
+    return rows.RowHook(wrapper.base, post=post, batched=_batched(wrapper, reads_output=False))
 
 
 def _formula(model: nn.Module, cfg: AdapterConfig) -> int:

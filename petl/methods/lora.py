@@ -128,25 +128,59 @@ class LoraLinear(core.PetlModule):
         """The update ``scale * B @ A`` that target ``name`` adds to its rows of ``base.weight`` (in ``dtype``)."""
         return self.scale * (self.lora_b[name].to(dtype) @ self.lora_a[name].to(dtype))
 
+    def stacked_a(self) -> torch.Tensor:
+        """Every target's A, one under the other (targets x rank rows): all ranks' inputs in one matmul."""
+        a = [self.lora_a[name] for name in self.slices]
+        return a[0] if len(a) == 1 else torch.cat(a)
+
+    def stacked_b(self) -> torch.Tensor:
+        """Every target's B at its own rows and columns of an (out_features x targets*rank) matrix, zeros elsewhere.
+
+        One op: ``torch.block_diag`` with a zero-column block for each run of rows no target updates (the K
+        rows between Q and V), so ``stacked_a`` and ``stacked_b`` give every target's update in two matmuls.
+        """
+        blocks, row = [], 0
+        for name, (start, end) in self.slices.items():
+            b = self.lora_b[name]
+            if start > row:
+                blocks.append(b.new_empty(start - row, 0))
+            blocks.append(b)
+            row = end
+        if row < self.base.out_features:
+            blocks.append(b.new_empty(self.base.out_features - row, 0))
+        return blocks[0] if len(blocks) == 1 else torch.block_diag(*blocks)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.merged:
+            return self.base(x)
+        device = x.device.type
+        if torch.is_autocast_enabled(device) and x.is_floating_point():
+            # Cast the input once for both matmuls: autocast would cast it (and its gradient back) once per
+            # matmul, an activation-sized copy each time.
+            x = x.to(torch.get_autocast_dtype(device))
         out = self.base(x)
-        return out if self.merged else self.add_update(x, out)
+        if torch.is_grad_enabled():
+            return self.add_update(x, out)
+        # Without autograd, each target's update goes straight into its rows of the fresh base output (one addmm_
+        # each, the scale as alpha): no stacked B to build, as few kernels as peft's two matmuls, mul and add.
+        z = F.linear(self.dropout(x), self.stacked_a())
+        flat, z = out.view(-1, out.shape[-1]), z.view(-1, z.shape[-1])
+        for i, (name, (start, end)) in enumerate(self.slices.items()):
+            b = self.lora_b[name].to(out.dtype)
+            flat[:, start:end].addmm_(z[:, i * self.rank : (i + 1) * self.rank], b.t(), alpha=self.scale)
+        return out
 
     def add_update(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """``out`` (the frozen layer's output for ``x``) plus every target's low-rank update of its rows."""
-        h = self.dropout(x)
-        # In slice order (ParameterDict sorts the keys it is built from).
-        a = [self.lora_a[name] for name in self.slices]
-        # All A's in one matmul (h is read once), then all B's in one addmm that adds straight into the base
-        # output: B is stacked into an (out_features x n*rank) matrix, each target's B in its own rows and
-        # columns and zeros elsewhere, with the scale folded in.  No slice of the output is copied (the old
-        # torch.cat rebuilt the whole qkv output) or updated in place (autograd copies the whole gradient
-        # once per in-place slice update), and the stacked matrices are tiny next to the activations.
-        z = F.linear(h, a[0] if len(a) == 1 else torch.cat(a))
-        out_features = out.shape[-1]
-        b = [F.pad(self.lora_b[name], (0, 0, start, out_features - end)) for name, (start, end) in self.slices.items()]
-        b = (b[0] if len(b) == 1 else torch.cat(b, dim=1)) * self.scale
-        return torch.addmm(out.reshape(-1, out_features), z.reshape(-1, z.shape[-1]), b.t()).view(out.shape)
+        # What the math needs, as peft's ``base(x) + lora_B(lora_A(x)) * scaling``: all A's in one matmul (the
+        # input read once), all B's in one addmm that adds straight into the base output with the scale as its
+        # alpha.  No slice of the output is copied or updated in place (autograd would clone the whole gradient
+        # once per in-place slice update), and the only per-call ops on the tiny A and B are one cat and one
+        # block_diag (each B in its own rows and columns), not a pad per target.
+        z = F.linear(self.dropout(x), self.stacked_a())
+        flat = out.reshape(-1, out.shape[-1])
+        update = torch.addmm(flat, z.reshape(-1, z.shape[-1]), self.stacked_b().t(), alpha=self.scale)
+        return update.view(out.shape)
 
     @torch.no_grad()
     def _fold(self, sign: float) -> None:
@@ -171,10 +205,23 @@ class LoraLinear(core.PetlModule):
         self._fold(-1.0)
 
 
+def _rows_update(
+    x: torch.Tensor, y: torch.Tensor, stack: tuple[torch.Tensor, ...], entry: torch.Tensor
+) -> torch.Tensor:
+    """Every row's own update added to the frozen output: each row's stacked A and B gathered, two bmm (BGMV)."""
+    a, b = stack
+    return rows.rows_matmul(rows.rows_matmul(x, a[entry]), b[entry], add=y)
+
+
 @rows.register_row_hook(LoraLinear)
 def _rows(wrapper: LoraLinear) -> rows.RowHook:
-    # The frozen qkv/proj/fc runs once for the mixed batch; each task adds its update to its own rows.
-    return rows.RowHook(wrapper.base, post=lambda x, y, _tokens: wrapper.add_update(x, y))
+    # The frozen qkv/proj/fc runs once for the mixed batch; each task adds its update to its own rows.  Batched,
+    # tasks whose stacked A and B have the same shapes (the same total rank: the targets may differ, B places
+    # them) stack, the scale folded into B.
+    with torch.no_grad():
+        a, b = wrapper.stacked_a(), wrapper.scale * wrapper.stacked_b()
+    batched = rows.Batched(_rows_update, (a, b), (torch.zeros_like(a), torch.zeros_like(b)), post=_rows_update)
+    return rows.RowHook(wrapper.base, post=lambda x, y, _tokens: wrapper.add_update(x, y), batched=batched)
 
 
 def _slices_per_linear(block: nn.Module, targets: tuple[str, ...]) -> dict[str, dict[str, tuple[int, int]]]:

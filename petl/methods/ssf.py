@@ -136,7 +136,8 @@ class SsfLayer(core.PetlModule):
 @rows.register_row_hook(SsfLayer)
 def _rows(wrapper: SsfLayer) -> rows.RowHook:
     # The frozen layer runs once for the mixed batch; each task scales and shifts its own rows.
-    return rows.RowHook(wrapper.base, post=lambda x, y, _tokens: wrapper.scale_shift(y))
+    batched = rows.affine(wrapper.scale, wrapper.shift, wrapper.channel_dim)
+    return rows.RowHook(wrapper.base, post=lambda x, y, _tokens: wrapper.scale_shift(y), batched=batched)
 
 
 def _sites(model: nn.Module) -> list[tuple[nn.Module, Callable[[nn.Module], None]]]:

@@ -144,12 +144,29 @@ def _rows(wrapper: PromptedBlock) -> rows.RowHook:
         p, n = tokens.prefix, wrapper.num_tokens
         return torch.cat([x[:, :p], wrapper.prompts(x), x[:, p + n :]], dim=1)
 
+    batched = None
+    if wrapper.prompt is not None:
+        # Every row's prompts at once: each row's own (or, for a row of another task, what its slots hold).
+        prompt = wrapper.prompt.detach()
+        use, keep = torch.ones(1, dtype=torch.bool), torch.zeros(1, dtype=torch.bool)
+        batched = rows.Batched(_rows_prompts, (prompt, use), (torch.zeros_like(prompt), keep), pre=_rows_prompts)
     return rows.RowHook(
         wrapper.base,
         pre=pre if wrapper.prompt is not None else None,
         prompts=wrapper.num_tokens,
         pool_prompts=not wrapper.strip,
+        batched=batched,
     )
+
+
+def _rows_prompts(
+    x: torch.Tensor, tokens: rows.Tokens, stack: tuple[torch.Tensor, ...], entry: torch.Tensor
+) -> torch.Tensor:
+    """Each row's prompts written into its first slots (eval: no dropout); rows of other tasks keep theirs."""
+    prompt, use = (t[entry] for t in stack)
+    p, n = tokens.prefix, prompt.shape[1]
+    slots = torch.where(use.view(-1, 1, 1), prompt.to(x.dtype), x[:, p : p + n])
+    return torch.cat([x[:, :p], slots, x[:, p + n :]], dim=1)
 
 
 def _prompt_init_bound(model: nn.Module) -> float:

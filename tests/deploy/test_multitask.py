@@ -338,3 +338,92 @@ def test_a_run_is_refused_over_a_backbone_it_was_not_trained_on(tmp_path):
         TaskRefused, match=f"trained on {name} at 32 px, this backbone is vit_tiny_patch16_224 at 32 px"
     ):
         petl.MultiTask(native, {"a": at_32})
+
+
+# Tasks whose hooks stack (petl.rows.Batched): two LoRA layouts of the same total rank (one stack: B places each
+# target), another rank (a stack of its own once two tasks use it), SSF with BitFit's bias deltas (one affine
+# stack), both adapter styles, with and without their LayerNorm, VPT-deep with two prompt counts, and a task
+# without a batched form (FacT, served task by task beside them).  Every head is a Linear of its own width.
+BATCHED = {
+    "lora_qv": ("lora", {}),
+    "lora_qk": ("lora", {"targets": "q,k"}),
+    "lora_r4": ("lora", {"rank": 4}),
+    "lora_r4_fc": ("lora", {"rank": 4, "targets": "fc1"}),
+    "ssf": ("ssf", {}),
+    "bitfit": ("bitfit", {"biases": "linear"}),
+    "adapter": ("adapter", {}),
+    "adapter_2": ("adapter", {"scale": 0.5}),
+    "adapter_norm": ("adapter", {"norm": True}),
+    "adapter_norm_2": ("adapter", {"norm": True}),
+    "adapter_parallel": ("adapter", {"style": "parallel"}),
+    "adapter_parallel_2": ("adapter", {"style": "parallel", "scale": 0.3}),
+    "vpt_5": ("vpt", {"num_tokens": 5, "deep": True}),
+    "vpt_5_2": ("vpt", {"num_tokens": 5, "deep": True}),
+    "vpt_2": ("vpt", {"num_tokens": 2, "deep": True}),
+    "fact": ("fact", {}),
+}
+
+
+def _without_stacks(multi) -> None:
+    """Turn every stack off: each task's hooks act on its own rows (the loop the stacks replace)."""
+    multi.stacked_heads = False
+    for module in multi.backbone.modules():
+        if hasattr(module, "stacks"):
+            module.stacks = torch.nn.ModuleList()
+
+
+@pytest.fixture(scope="module")
+def stacked(tmp_path_factory):
+    backbone = make_tiny_vit()
+    singles, files = _save(tmp_path_factory.mktemp("batched"), BATCHED, backbone)
+    return singles, files, petl.MultiTask(backbone, files), backbone
+
+
+def test_hooks_with_the_same_batched_form_stack_once(stacked):
+    """Stacks hold the tasks whose forms match; a task alone with its form (or without one) has none."""
+    _, _, multi, _ = stacked
+    block = vit.block_container(multi.backbone)[0]
+    inner = block.base
+
+    def stacks(module) -> list[tuple[str, ...]]:
+        return [tuple(multi.names[t] for t in stack.tasks) for stack in module.stacks]
+
+    # Q+V and Q+K stack (A 16 x in, B 3*width x 16 each); rank 4 is alone at qkv, as its fc1 twin at fc1.
+    assert stacks(inner.attn.qkv) == [("lora_qv", "lora_qk"), ("ssf", "bitfit")]
+    assert stacks(inner.mlp.base.fc1) == [("ssf", "bitfit")]
+    assert stacks(inner.mlp) == [("adapter", "adapter_2"), ("adapter_norm", "adapter_norm_2")]
+    assert sorted(stacks(block)) == [("adapter_parallel", "adapter_parallel_2"), ("vpt_5", "vpt_5_2")]
+    assert multi.stacked_heads
+
+
+def test_stacked_hooks_give_each_row_its_own_models_logits(stacked, monkeypatch):
+    """Mixed batches in any order, two tasks, one task: the rows are each task's own model's, and the stacks ran."""
+    from petl.deploy.routing import Stack
+
+    singles, _, multi, _ = stacked
+    ran = []
+    lookup = Stack.stack_and_entries
+    monkeypatch.setattr(Stack, "stack_and_entries", lambda self, batch: ran.append(self.tasks) or lookup(self, batch))
+    for seed in range(2):
+        ids, images = _mixed_batch(list(BATCHED), per_task=2, seed=seed)
+        _check_rows(multi, singles, ids, images)
+    assert ran
+    # With autograd on (no rows written in place) and with two tasks of one stack, in both orders.
+    _check_rows(multi, singles, ids, images, out=multi(images, ids).detach())
+    _check_rows(multi, singles, ["lora_qk", "lora_qv", "lora_qk"], images[:3])
+    _check_rows(multi, singles, ["adapter_norm_2", "vpt_5", "adapter_norm", "vpt_5_2"], images[:4])
+    # One task of a stack alone in a batch (or with tasks outside it) acts on its own rows: the stack stays off.
+    ran.clear()
+    _check_rows(multi, singles, ["lora_qv"] * 3, images[:3])
+    _check_rows(multi, singles, ["lora_r4", "fact", "lora_r4_fc"], images[:3])
+    assert not ran
+
+
+def test_stacked_hooks_give_what_the_task_by_task_loop_gives(stacked):
+    """The batched path and the per-task loop it replaces agree on every row (float rounding apart)."""
+    _, files, multi, backbone = stacked
+    ids, images = _mixed_batch(list(BATCHED), per_task=3, seed=5)
+    looped = petl.MultiTask(backbone, files)
+    _without_stacks(looped)
+    with torch.no_grad():
+        torch.testing.assert_close(multi(images, ids), looped(images, ids), atol=1e-5, rtol=1e-5)
