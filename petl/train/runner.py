@@ -39,6 +39,7 @@ from petl import data as petl_data
 from petl.core import count_params, get_method, trainable_state
 from petl.errors import DivergedError, RunError
 from petl.io import save_trainable
+from petl.precision import uses_tf32
 from petl.store import files, load
 from petl.store.result import RunResult, write_result
 from petl.train import build, cache, config, engine, learning
@@ -133,8 +134,8 @@ def run(cfg: DictConfig, *, checked: bool = False) -> dict[str, Any]:
             # the fastest, which may differ from one run to the next: a deterministic run goes without it.
             torch.backends.cudnn.benchmark = not cfg.train.deterministic
             # TF32 rounds the inputs of a matmul to 10 mantissa bits, the same way every time: deterministic
-            # runs keep it; train.precision=no is the one setting in strict fp32 (see build.uses_tf32).
-            tf32 = build.uses_tf32(cfg.train.precision, "cuda")
+            # runs keep it; train.precision=no is the one setting in strict fp32 (see petl.precision.uses_tf32).
+            tf32 = uses_tf32(cfg.train.precision, "cuda")
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32
             if cfg.train.deterministic:
                 # cuBLAS repeats its results only with a fixed workspace, read when cuBLAS starts (torch's
