@@ -9,7 +9,8 @@ For each backbone (the default ``vit_fractal_tiny_patch4_32.fractaldb`` at 32 px
 task count N (1, 4, 16; the tasks cycle through LoRA, a bottleneck adapter, VPT, SSF, BitFit, FacT, Convpass, LST),
 run folders are written (``model.json`` + ``trainable.safetensors``, the trained tensors perturbed at random:
 speed does not depend on them), then two set-ups serve them, each ``petl-serve`` a process of its own with
-one torch thread:
+one torch thread, in ``--precision`` (petl-serve's ``precision=``; default ``auto``: bf16 autocast with TF32 on a
+CUDA GPU with native bf16, strict fp32 on a CPU; the table's title names what each server's ``/health`` reported):
 
 * **one server**: ``petl-serve`` with all N runs (one backbone, batches mixed across tasks);
 * **N servers**: N ``petl-serve`` processes of one run each (each its own backbone, batches of one task).
@@ -31,6 +32,7 @@ import argparse
 import copy
 import http.client
 import io
+import json
 import os
 import platform
 import random
@@ -51,6 +53,7 @@ from PIL import Image
 import petl
 from petl.data.transforms import ImageSpec
 from petl.store import load
+from petl.utils.precision import describe
 
 ROOT = Path(__file__).resolve().parents[1]
 METHODS = [
@@ -126,10 +129,12 @@ def _free_port() -> int:
 class Server:
     """One ``petl-serve`` process on a free loopback port."""
 
-    def __init__(self, runs: list[Path], max_batch: int, max_wait_ms: float) -> None:
+    def __init__(self, runs: list[Path], max_batch: int, max_wait_ms: float, precision: str) -> None:
         self.port = _free_port()
         self.tasks = [run.name for run in runs]
+        self.served_in: tuple[str, str] | None = None  # (device, precision), as its /health says
         argv = [*map(str, runs), f"port={self.port}", f"max_batch={max_batch}", f"max_wait_ms={max_wait_ms}"]
+        argv.append(f"precision={precision}")
         # The checkout first, then whatever the caller's path held (a device machine's carried wheels).
         path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
@@ -148,7 +153,10 @@ class Server:
             if self.process.poll() is not None:
                 raise RuntimeError(f"petl-serve exited with {self.process.returncode}: {self.process.stderr.read()}")
             try:
-                if self.get("/health")[0] == 200:
+                status, answer = self.get("/health")
+                if status == 200:
+                    health = json.loads(answer)
+                    self.served_in = health["device"], health["precision"]
                     return
             except OSError:
                 time.sleep(0.5)
@@ -285,12 +293,13 @@ def bench_backbone(key: str, counts: list[int], args: argparse.Namespace, folder
     runs = write_runs(model_cfg, spec, max(counts), folder / key)
     images = sample_images()
     print(f"[{label}] starting {len(counts)} + {max(counts)} servers", file=sys.stderr, flush=True)
-    together = {count: Server(runs[:count], args.max_batch, args.max_wait_ms) for count in counts}
-    alone = [Server([run], args.max_batch, args.max_wait_ms) for run in runs]
+    together = {count: Server(runs[:count], args.max_batch, args.max_wait_ms, args.precision) for count in counts}
+    alone = [Server([run], args.max_batch, args.max_wait_ms, args.precision) for run in runs]
     rows = []
     try:
         for server in [*together.values(), *alone]:
             server.wait()
+            args.served_in.add(server.served_in)
         for count in counts:
             if time.monotonic() > args.stop_at:
                 args.missing.append(f"{label} with {count} tasks")
@@ -321,11 +330,16 @@ def bench_backbone(key: str, counts: list[int], args: argparse.Namespace, folder
 
 def render(rows: list[dict], args: argparse.Namespace, load_before: tuple, load_after: tuple, seconds: float) -> str:
     command = "python benchmarks/serve_load.py " + " ".join(sys.argv[1:])
-    # petl-serve moves the model to the GPU when torch sees one (petl.deploy.serve), in fp32.
+    # petl-serve moves the model to the GPU when torch sees one (petl.deploy.serve); each server's /health said
+    # the device and precision it served in (precision=auto: bf16 autocast with TF32 on a GPU with native bf16).
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    served = "; ".join(
+        f"{describe(precision, device)}{f' on GPU {gpu}' if device == 'cuda' else ' on the CPU'}"
+        for device, precision in sorted(args.served_in)
+    )
     lines = [
         "# petl-serve under load: one server with N tasks against N single-task servers "
-        f"({f'GPU {gpu}, fp32' if gpu else 'CPU'})",
+        f"({served or 'no server started'}, precision={args.precision})",
         "",
         f"Command: `{command.strip()}` ({seconds / 60:.0f} min)",
         "",
@@ -382,6 +396,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-batch", type=int, default=32)
     parser.add_argument("--max-wait-ms", type=float, default=5.0)
+    parser.add_argument(
+        "--precision", default="auto", help="petl-serve's precision= (auto: bf16 and TF32 on a GPU, fp32 on a CPU)"
+    )
     parser.add_argument("--out", type=Path, help="write the markdown table here")
     parser.add_argument("--deadline", type=float, help="seconds: start no task count after this; the table says")
     args = parser.parse_args()
@@ -393,6 +410,7 @@ def main() -> None:
     load_before, started = os.getloadavg(), time.monotonic()
     args.stop_at = started + args.deadline if args.deadline is not None else float("inf")
     args.missing = []
+    args.served_in = set()
     rows = []
     with tempfile.TemporaryDirectory() as folder:
         for key in chosen:

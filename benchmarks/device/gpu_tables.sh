@@ -5,7 +5,9 @@
 #                      methods (linear ... full) with a bf16 row each;
 #   multitask_cuda.md  benchmarks/multitask_speed.py: 8 LoRA tasks and the 8-method set on ViT-B/16, bf16, batch 64,
 #                      against the plain backbone;
-#   serve_cuda.md      benchmarks/serve_load.py: petl-serve on loopback (default backbone, 1 and 4 tasks).
+#   serve_cuda.md      benchmarks/serve_load.py: petl-serve on loopback (default backbone, 1 and 4 tasks) in its
+#                      default precision=auto: bf16 autocast with TF32 on the GPU (the table's title names the
+#                      precision each server's /health reported).
 # Each part ends by its own deadline (seconds from the start: SPEED_LORA_END, SPEED_METHODS_END, MULTITASK_END,
 # SERVE_END); a part that finishes early leaves its time to the next.  multitask_speed.py and serve_load.py start
 # nothing new after their deadline and write the rows they measured, saying which are missing; a speed part cut
@@ -44,7 +46,7 @@ if [ "$MODE" = gpu ]; then
     METHODS=linear,lora,adapter_sequential,adapter_parallel,vpt_shallow,vpt_deep,partial,mlp,full
     LORA_OPTIONS=bf16,compile
     MULTITASK="--model vit_base_patch16_224 --batches 64 --rounds 5 --device cuda --dtype bfloat16"
-    SERVE="--backbones default --tasks 1,4 --rounds 3"
+    SERVE="--backbones default --tasks 1,4 --rounds 3 --precision auto"
 else
     BUDGET=${BUDGET:-300}
     PYTHON=${PYTHON:-python3}
@@ -53,7 +55,7 @@ else
     METHODS=linear
     LORA_OPTIONS=bf16
     MULTITASK="--model vit_fractal_tiny_patch4_32 --batches 8 --rounds 1 --threads 1 --device cpu --dtype float32"
-    SERVE="--backbones default --tasks 1 --rounds 1 --requests 8 --clients 2"
+    SERVE="--backbones default --tasks 1 --rounds 1 --requests 8 --clients 2 --precision auto"
 fi
 export PYTHONUNBUFFERED=1
 # Deadlines, in seconds from the start, as shares of BUDGET.

@@ -18,6 +18,10 @@ rows.  A run on another backbone, or whose method cannot share one (Partial-k, f
 predicts with its own model after a one-line note; with ``--merge`` (a note says so) or ``data=`` every
 run uses its own model.
 
+``precision`` means what petl-run's ``train.precision`` does: the forward runs under it (bf16 autocast, TF32) on a
+GPU, the weights stay fp32 (``--merge`` merges in fp32) and probabilities are computed in fp32; on a CPU ``auto``
+predicts exactly as strict fp32.  A line on stderr says the device and precision (not with ``--quiet``).
+
 ``out=`` writes every prediction, in the format its suffix names: ``.csv`` (text cells that would start
 a spreadsheet formula get a ``'``), ``.json`` (one list) or ``.jsonl`` (one object per line); the file is
 written whole or not at all (a full disk leaves an earlier file as it was).  File names that are not
@@ -28,7 +32,8 @@ refused even with ``overwrite=true``: a run's files are never replaced by a pred
 
 Exit status (as every petl command): 2 for bad input (a run folder without weights, a missing image, an
 unreadable image, an unknown option or ``out=`` suffix, out= or confusion= inside a run folder, a file in the
-way without overwrite=true), 1 when the prediction cannot complete (a full disk...), 130 on Ctrl-C.
+way without overwrite=true, a precision not listed), 1 when the prediction cannot complete (a full disk...), 130
+on Ctrl-C.
 """
 
 from __future__ import annotations
@@ -51,6 +56,12 @@ KEYS = (
     Key("data.image_column", "with data=hf: the image column"),
     Key("data.label_column", "with data=hf: the label column"),
     Key("overwrite", "true: replace an existing out= or confusion= file", boolean),
+    Key(
+        "precision",
+        "auto (bf16 autocast and TF32 on a CUDA GPU with native bf16, fp32 elsewhere), no (strict fp32), tf32, bf16",
+        str,
+        "auto",
+    ),
 )
 USAGE = f"{PROG} RUN_DIR [RUN_DIR ...] (IMAGES... | data=NAME data.root=PATH [split=test]) [key=value ...] [flags]"
 

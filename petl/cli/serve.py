@@ -12,7 +12,9 @@ method that shares it (``petl.MultiTask``); a run that fails ``petl.load_run``'s
 naming it.  See :mod:`petl.deploy.serve` for the routes.
 
 Options (key=value, anywhere, listed below with their defaults, which are those of the Python API's
-petl.deploy.serve.ServeOptions; a value that is not a finite number in its range is refused).  Exit
+petl.deploy.serve.ServeOptions; a value that is not a finite number in its range, or a precision not
+listed, is refused).  ``precision`` means what petl-run's ``train.precision`` does: the forward runs under it (bf16
+autocast, TF32) on a GPU, the weights stay fp32, and a CPU under ``auto`` answers exactly as strict fp32.  Exit
 status: 2 bad input (an option, a run folder, a task named twice), 1 the server could not run (FastAPI missing,
 the port taken), 130 Ctrl-C.
 """
@@ -45,6 +47,12 @@ KEYS = (
     Key("body_timeout_s", "a request whose body takes longer after its headers gets 408", float, 60.0),
     Key("max_connections", "the most connections and requests at once; beyond it requests get 503", int, 128),
     Key("shutdown_timeout_s", "how long SIGTERM or Ctrl-C waits for requests in flight", float, 10.0),
+    Key(
+        "precision",
+        "auto (bf16 autocast and TF32 on a CUDA GPU with native bf16, fp32 elsewhere), no (strict fp32), tf32, bf16",
+        str,
+        "auto",
+    ),
 )
 SERVE_OPTIONS = tuple(key.name for key in KEYS if key.name not in ("host", "port"))
 USAGE = f"{PROG} RUN [RUN ...] [{TASK_PREFIX}NAME=RUN ...] [key=value ...] [--quiet]"
@@ -140,6 +148,8 @@ def run_cli(argv: Sequence[str]) -> int:
     port = listening.getsockname()[1]
     names = ", ".join(f"{t.name} ({t.method})" for t in tasks)
     print(f"{PROG}: {len(tasks)} task(s) over {tasks[0].backbone}: {names}", file=sys.stderr)
+    precision = serve.describe(app.state.precision, app.state.device)
+    print(f"{PROG}: serving on {app.state.device} in {precision} (precision={options['precision']})", file=sys.stderr)
     print(f"{PROG}: http://{options['host']}:{port}/ (the API: /openapi.json)", file=sys.stderr)
     if options["host"] not in ("127.0.0.1", "localhost", "::1") and serve.token_from_environment() is None:
         print(

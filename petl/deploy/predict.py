@@ -38,6 +38,7 @@ from petl.store.load import (
 )
 from petl.utils.errors import UsageError
 from petl.utils.paths import write_atomic
+from petl.utils.precision import describe, inference, inference_precision
 from petl.utils.text import csv_cell, read_names, shown
 
 PROG = "petl-predict"
@@ -122,17 +123,27 @@ def _predictions(run: LoadedRun, kept: list[Path], logits: torch.Tensor, top_k: 
 
 
 def predict_images(
-    run: LoadedRun, paths: list[Path], top_k: int = 5, batch_size: int = 64, progress: bool = True
+    run: LoadedRun,
+    paths: list[Path],
+    top_k: int = 5,
+    batch_size: int = 64,
+    progress: bool = True,
+    precision: str = "auto",
 ) -> tuple[list[Prediction], list[tuple[Path, str]]]:
-    """Classify image files with one run; unreadable images are returned apart, by path, with the reason."""
+    """Classify image files with one run; unreadable images are returned apart, by path, with the reason.
+
+    ``precision`` is the forward's (:func:`petl.utils.precision.inference_precision`): under ``auto``, bf16 autocast and
+    TF32 on a CUDA GPU with native bf16, strict fp32 elsewhere; probabilities are computed in fp32.
+    """
     device = next(run.model.parameters()).device
+    precision = inference_precision(precision, device.type)
     predictions: list[Prediction] = []
     bad: list[tuple[Path, str]] = []
     bar = tqdm(total=len(paths), desc=f"predict {run.run_dir.name}", unit="img", disable=not progress, leave=False)
     for batch in _batches(paths, batch_size):
         tensors, kept = _decode(run, batch, bad)
         if tensors:
-            with torch.inference_mode():
+            with torch.inference_mode(), inference(precision, device.type):
                 logits = run.model(torch.stack(tensors).to(device))
             predictions += _predictions(run, kept, logits, top_k)
         bar.update(len(batch))
@@ -147,13 +158,16 @@ def predict_together(
     top_k: int = 5,
     batch_size: int = 64,
     progress: bool = True,
+    precision: str = "auto",
 ) -> tuple[list[Prediction], list[tuple[Path, str]]]:
     """Classify image files with several runs served by one :class:`petl.MultiTask`, in one pass over the images.
 
     Each image is decoded once; a batch holds one row per image and run (``batch_size`` rows at most, at
-    least one image).  Predictions come run by run, as :func:`predict_images` gives them for each run.
+    least one image).  Predictions come run by run, as :func:`predict_images` gives them for each run, in
+    ``precision`` as there.
     """
     device = next(served.parameters()).device
+    precision = inference_precision(precision, device.type)
     found: list[list[Prediction]] = [[] for _ in runs]
     bad: list[tuple[Path, str]] = []
     bar = tqdm(total=len(paths), desc=f"predict {len(runs)} runs", unit="img", disable=not progress, leave=False)
@@ -162,7 +176,7 @@ def predict_together(
         if tensors:
             images = torch.stack(tensors).to(device)
             tasks = torch.arange(len(runs)).repeat(len(kept))  # image 0 for every run, then image 1...
-            with torch.inference_mode():
+            with torch.inference_mode(), inference(precision, device.type):
                 logits = served(images.repeat_interleave(len(runs), dim=0), tasks)
             for task, run in enumerate(runs):
                 found[task] += _predictions(run, kept, logits[task :: len(runs), : len(run.class_names)], top_k)
@@ -214,14 +228,22 @@ def serve_together(folders: list[Path], quiet: bool = False) -> tuple[MultiTask 
 
 
 def evaluate_split(
-    run: LoadedRun, dataset: torch.utils.data.Dataset, batch_size: int = 64, progress: bool = True
+    run: LoadedRun,
+    dataset: torch.utils.data.Dataset,
+    batch_size: int = 64,
+    progress: bool = True,
+    precision: str = "auto",
 ) -> tuple[np.ndarray, list[int], list[int]]:
-    """Confusion matrix (rows: true class, columns: predicted) and the true and predicted labels of a split."""
+    """Confusion matrix (rows: true class, columns: predicted) and the true and predicted labels of a split.
+
+    The forward runs in ``precision``, as :func:`predict_images`'s does.
+    """
     device = next(run.model.parameters()).device
+    precision = inference_precision(precision, device.type)
     loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size)
     truth: list[int] = []
     predicted: list[int] = []
-    with torch.inference_mode():
+    with torch.inference_mode(), inference(precision, device.type):
         for images, labels in tqdm(loader, desc=f"evaluate {run.run_dir.name}", disable=not progress, leave=False):
             predicted += run.model(images.to(device)).argmax(-1).cpu().tolist()
             truth += [int(label) for label in labels]
@@ -500,6 +522,11 @@ def run_command(positional: list[str], options: dict, merge: bool = False, quiet
 
     """
     runs, items = _check(positional, options)
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"  # where _load and serve_together put the model
+    try:
+        precision = inference_precision(options.get("precision", "auto"), device_type)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
     progress = not quiet and sys.stderr.isatty()
     paths = image_paths(items) if items else []
     several = len(runs) > 1
@@ -519,7 +546,7 @@ def run_command(positional: list[str], options: dict, merge: bool = False, quiet
             alone += refused
             if served is not None:
                 found, unreadable = predict_together(
-                    served, together, paths, options.get("top_k", 5), options.get("batch_size", 64), progress
+                    served, together, paths, options.get("top_k", 5), options.get("batch_size", 64), progress, precision
                 )
                 for prediction in found:
                     by_run.setdefault(Path(prediction.run), []).append(prediction)
@@ -531,7 +558,7 @@ def run_command(positional: list[str], options: dict, merge: bool = False, quiet
             raise UsageError(str(error)) from None
         if "data" in options:
             dataset, split = _eval_dataset(run, options)
-            matrix, truth, predicted = evaluate_split(run, dataset, options.get("batch_size", 64), progress)
+            matrix, truth, predicted = evaluate_split(run, dataset, options.get("batch_size", 64), progress, precision)
             accuracy = 100.0 * float(np.trace(matrix)) / max(1, int(matrix.sum()))
             print(f"{folder}: top-1 {accuracy:.2f}% on {int(matrix.sum())} images of {options['data']} {split}")
             if not quiet:
@@ -541,10 +568,14 @@ def run_command(positional: list[str], options: dict, merge: bool = False, quiet
                 save_confusion_png(target, matrix, run.class_names, f"{folder.name}: {split}, top-1 {accuracy:.1f}%")
                 print(f"wrote {shown(target)}")
             continue
-        found, unreadable = predict_images(run, paths, options.get("top_k", 5), options.get("batch_size", 64), progress)
+        found, unreadable = predict_images(
+            run, paths, options.get("top_k", 5), options.get("batch_size", 64), progress, precision
+        )
         by_run[folder] = found
         bad += [item for item in unreadable if item not in bad]
     predictions = [p for folder in runs for p in by_run.get(folder, [])]  # in the order the runs were given
+    if not quiet and (predictions or "data" in options):
+        print(f"{PROG}: predicted on {device_type} in {describe(precision, device_type)}", file=sys.stderr)
     if predictions:
         if not quiet:
             _print_table(predictions, several)

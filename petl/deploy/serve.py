@@ -10,7 +10,8 @@ Routes (FastAPI; ``/openapi.json`` describes them; no ``/docs`` page, which woul
 * ``POST /v1/tasks/{task}/predict?top_k=5``: one image as the raw body, or several as multipart file fields;
   each image's top-k class names and probabilities, as ``petl-predict`` gives them.
 * ``GET /v1/tasks``: each task's method, classes, trainable parameters, backbone and input size.
-* ``GET /health``, ``GET /metrics`` (Prometheus text), ``GET /`` (a page to try the tasks on an image).
+* ``GET /health`` (with the device and the precision served in), ``GET /metrics`` (Prometheus text), ``GET /``
+  (a page to try the tasks on an image).
 
 With the environment variable ``PETL_SERVE_TOKEN`` set, ``/v1/...`` and ``/metrics`` answer only requests
 carrying ``Authorization: Bearer <token>``; ``/health``, the page and ``/openapi.json`` hold no task data and
@@ -56,6 +57,7 @@ from petl.deploy.metrics import ServeMetrics
 from petl.deploy.multitask import MultiTask
 from petl.model.params import count_params
 from petl.store.load import read_card, spec_of
+from petl.utils.precision import INFERENCE_PRECISIONS, describe, inference, inference_precision
 from petl.utils.text import shown
 from petl.version import __version__
 
@@ -100,9 +102,13 @@ class ServeOptions:
         max_connections: the most connections (and requests) at once; requests beyond it get 503.
         shutdown_timeout_s: how long a shutdown (SIGTERM, Ctrl-C) waits for requests in flight before ending them.
         token: the bearer token every data route needs (``None``: no token).
+        precision: the forward's precision, as ``train.precision`` (:mod:`petl.utils.precision`): ``auto`` (bf16
+            autocast on a CUDA GPU with native bf16, fp32 elsewhere), ``no`` (strict fp32), ``tf32``, ``bf16``.
+            Set when the app is made, for every request; the weights stay fp32 and probabilities are fp32.
 
     Raises:
-        ValueError: a value that is not a finite number in :data:`OPTION_RANGES` (one line naming the option).
+        ValueError: a value that is not a finite number in :data:`OPTION_RANGES`, or a precision not in
+            :data:`petl.utils.precision.INFERENCE_PRECISIONS` (one line naming the option).
 
     """
 
@@ -117,8 +123,11 @@ class ServeOptions:
     max_connections: int = 128
     shutdown_timeout_s: float = 10.0
     token: str | None = None
+    precision: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.precision not in INFERENCE_PRECISIONS:
+            raise ValueError(f"precision={self.precision!r}: must be one of {', '.join(INFERENCE_PRECISIONS)}")
         for name, (low, high) in OPTION_RANGES.items():
             value = getattr(self, name)
             number = isinstance(value, (int, float)) and not isinstance(value, bool)
@@ -484,8 +493,15 @@ def create_app(served: MultiTask, tasks: list[Task], options: ServeOptions) -> F
     metrics = ServeMetrics()
     by_name = {task.name: task for task in tasks}
     device = next(served.parameters()).device
+    # Fixed here for every request: bf16 autocast and TF32 on a GPU under auto, strict fp32 on a CPU.
+    precision = inference_precision(options.precision, device.type)
+
+    def forward(images: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        with inference(precision, device.type):
+            return served(images.to(device), rows)
+
     batcher = Batcher(
-        lambda images, rows: served(images.to(device), rows),
+        forward,
         options.max_batch,
         options.max_wait_ms / 1000,
         options.max_queue,
@@ -507,7 +523,7 @@ def create_app(served: MultiTask, tasks: list[Task], options: ServeOptions) -> F
     app = FastAPI(
         title="petl-serve",
         description="Trained petl runs over one shared frozen backbone; images of concurrent requests are "
-        "batched together across tasks.",
+        f"batched together across tasks; served on {device.type} in {describe(precision, device.type)}.",
         version=__version__,
         lifespan=lifespan,
         docs_url=None,
@@ -546,8 +562,8 @@ def create_app(served: MultiTask, tasks: list[Task], options: ServeOptions) -> F
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        """Liveness: answers without a token."""
-        return {"status": "ok", "tasks": len(tasks)}
+        """Liveness, the device and the precision served in (``no``: fp32; ``tf32``; ``bf16``): no token needed."""
+        return {"status": "ok", "tasks": len(tasks), "device": device.type, "precision": precision}
 
     @app.get("/v1/tasks", dependencies=guarded)
     async def list_tasks() -> dict[str, Any]:
@@ -591,6 +607,7 @@ def create_app(served: MultiTask, tasks: list[Task], options: ServeOptions) -> F
 
     app.add_middleware(_BodyDeadline, seconds=options.body_timeout_s)
     app.add_middleware(_CountRequests, metrics=metrics)
+    app.state.device, app.state.precision = device.type, precision
     return app
 
 

@@ -33,6 +33,7 @@ from petl.store import load
 from petl.train import config, engine
 from petl.train.config import ConfigError
 from petl.utils.errors import RunError
+from petl.utils.precision import auto_precision, cpu_supports_bf16, cuda_has_native_bf16
 from petl.utils.text import first_line
 
 log = logging.getLogger(__name__)
@@ -129,23 +130,6 @@ def run_device_type() -> str:
     return PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU")).device.type
 
 
-def cuda_has_native_bf16() -> bool:
-    """Whether the CUDA GPU computes bf16 natively (Ampere and later), not through torch's emulation."""
-    try:
-        return torch.cuda.is_bf16_supported(including_emulation=False)
-    except TypeError:  # a torch without the argument did not count emulation
-        return torch.cuda.is_bf16_supported()
-
-
-def auto_precision(device_type: str, native_bf16: bool) -> str:
-    """What ``train.precision=auto`` means on a device: bf16 autocast on a CUDA GPU with native bf16, else ``no``.
-
-    GPUs without native bf16 (before Ampere) have no TF32 either, so fp32 is all that is left there; on the CPU
-    ``no`` keeps every result bit-identical to the runs made before ``auto`` was the default.
-    """
-    return "bf16" if device_type == "cuda" and native_bf16 else "no"
-
-
 def resolve_precision(cfg: DictConfig) -> None:
     """Replace ``train.precision=auto`` in ``cfg`` by its meaning on this machine, before the run is fingerprinted.
 
@@ -155,15 +139,6 @@ def resolve_precision(cfg: DictConfig) -> None:
     if cfg.train.precision == "auto":
         device_type = run_device_type()
         cfg.train.precision = auto_precision(device_type, device_type == "cuda" and cuda_has_native_bf16())
-
-
-def uses_tf32(precision: str, device_type: str) -> bool:
-    """Whether a run lets CUDA run fp32 matmuls and convolutions on TF32 tensor cores.
-
-    Everywhere but ``no`` (strict fp32) on a GPU: with ``tf32`` that is the point, and under bf16/fp16 autocast it
-    covers what autocast leaves in fp32, as timm's train.py does.  A CPU has no TF32.
-    """
-    return device_type == "cuda" and precision != "no"
 
 
 def make_accelerator(cfg: DictConfig, out: Path) -> Accelerator:
@@ -181,11 +156,11 @@ def make_accelerator(cfg: DictConfig, out: Path) -> Accelerator:
         # accelerate would accept fp16 and silently run in fp32; say so, and record what really ran.
         log.warning("train.precision=%s needs a CUDA GPU: running in full precision (bf16 works on CPUs)", precision)
         precision = "no"
-    if precision == "bf16" and device_type == "cpu" and not engine.cpu_supports_bf16():
+    if precision == "bf16" and device_type == "cpu" and not cpu_supports_bf16():
         # accelerate would autocast anyway, through slow emulated bf16 matmuls; result.json records "no".
         log.warning("train.precision=bf16: this CPU has no bf16 instructions (AVX512-BF16/AMX): running in fp32")
         precision = "no"
-    # tf32 is fp32 to accelerate: the TF32 switch is torch's, set by the runner (uses_tf32).
+    # tf32 is fp32 to accelerate: the TF32 switch is torch's, set by the runner (petl.utils.precision.uses_tf32).
     mixed_precision = "no" if precision == "tf32" else precision
     # train.compile goes through accelerate's dynamo plugin, which compiles the model in prepare().
     dynamo = "inductor" if cfg.train.compile else None

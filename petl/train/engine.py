@@ -299,13 +299,6 @@ def enable_grad_checkpointing(model: nn.Module) -> None:
     model.set_grad_checkpointing(True)
 
 
-def cpu_supports_bf16() -> bool:
-    """Whether this CPU has bf16 instructions (AVX512-BF16 or AMX); without them bf16 matmuls are emulated."""
-    cpu = getattr(torch, "cpu", None)
-    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
-    return any(bool(getattr(cpu, name, lambda: False)()) for name in checks)
-
-
 def compiler_missing(device_type: str) -> str | None:
     """Why ``torch.compile`` cannot run on ``device_type``, or None when it can.
 

@@ -47,6 +47,7 @@ from petl.train.config import ConfigError
 from petl.train.engine import NonFiniteLossError, TrainSettings, backbone_mode, build_optimizer, evaluate, fit
 from petl.train.output_dir import check_finished
 from petl.utils.errors import DivergedError, RunError
+from petl.utils.precision import uses_tf32
 
 log = logging.getLogger(__name__)
 # Warnings about a run's setup already said in this process (a sweep trains many runs in one process).
@@ -134,8 +135,8 @@ def run(cfg: DictConfig, *, checked: bool = False) -> dict[str, Any]:
             # the fastest, which may differ from one run to the next: a deterministic run goes without it.
             torch.backends.cudnn.benchmark = not cfg.train.deterministic
             # TF32 rounds the inputs of a matmul to 10 mantissa bits, the same way every time: deterministic
-            # runs keep it; train.precision=no is the one setting in strict fp32 (see build.uses_tf32).
-            tf32 = build.uses_tf32(cfg.train.precision, "cuda")
+            # runs keep it; train.precision=no is the one setting in strict fp32 (see petl.utils.precision.uses_tf32).
+            tf32 = uses_tf32(cfg.train.precision, "cuda")
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32
             if cfg.train.deterministic:
                 # cuBLAS repeats its results only with a fixed workspace, read when cuBLAS starts (torch's

@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from petl.utils import precision
+
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "benchmarks" / "device" / "gpu_tables.sh"
 
@@ -56,8 +58,12 @@ def test_the_cpu_mode_makes_every_table(tmp_path):
     assert multitask.startswith("# Serving 8 tasks") and "per task (CPU)" in multitask.splitlines()[0]
     assert "| 8 LoRA tasks | 8 (1) |" in multitask and "| 8 methods | 8 (1) |" in multitask
     serve = (tmp_path / "serve_cuda.md").read_text()
-    # petl-serve serves on the GPU wherever torch sees one, whatever the script's mode.
-    where = f"(GPU {torch.cuda.get_device_name()}, fp32)" if torch.cuda.is_available() else "(CPU)"
+    # petl-serve serves on the GPU wherever torch sees one, whatever the script's mode, in its default precision.
+    if torch.cuda.is_available():
+        served = precision.auto_precision("cuda", precision.cuda_has_native_bf16())
+        where = f"({precision.describe(served, 'cuda')} on GPU {torch.cuda.get_device_name()}, precision=auto)"
+    else:
+        where = "(fp32 on the CPU, precision=auto)"
     assert serve.splitlines()[0].endswith(f"servers {where}") and "| 1 server |" in serve
 
 

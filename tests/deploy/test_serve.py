@@ -279,7 +279,11 @@ def test_bad_input_gets_one_json_line_and_the_server_goes_on(server, images):
         status, answer = _multipart(url, fields)
         assert status == 413 and message in answer["detail"], answer
     # Health needs no token; the server still answers, and the same image gets the same answer.
-    assert _call(server + "/health", token=None) == (200, {"status": "ok", "tasks": 3})
+    # On a CPU, the default precision (auto) is strict fp32; on a GPU test_inference_precision checks it.
+    status, health = _call(server + "/health", token=None)
+    assert status == 200 and health["status"] == "ok" and health["tasks"] == 3
+    if not torch.cuda.is_available():
+        assert health["device"] == "cpu" and health["precision"] == "no"
     assert _call(url, good) == before
 
 

@@ -22,6 +22,7 @@ from petl.presets import configs_dir, list_experiments, load_experiment
 from petl.run import default_config, train
 from petl.train import build, engine, runner
 from petl.train.output_dir import check_finished
+from petl.utils import precision
 from petl.utils.errors import ConfigError
 
 TINY = [
@@ -102,7 +103,7 @@ def test_grad_checkpointing_run_matches_the_plain_run(tmp_path, method):
 
 @pytest.mark.slow
 def test_bf16_autocasts_where_the_cpu_supports_it(tmp_path, monkeypatch, train_on_cpu):
-    monkeypatch.setattr(engine, "cpu_supports_bf16", lambda: True)
+    monkeypatch.setattr(build, "cpu_supports_bf16", lambda: True)
     fp32 = _run(tmp_path / "fp32", "method=lora")
     bf16 = _run(tmp_path / "bf16", "method=lora", "train.precision=bf16")
     assert fp32["precision"] == "no" and bf16["precision"] == "bf16"
@@ -113,7 +114,7 @@ def test_bf16_autocasts_where_the_cpu_supports_it(tmp_path, monkeypatch, train_o
 
 @pytest.mark.slow
 def test_bf16_falls_back_with_a_warning_where_the_cpu_lacks_it(tmp_path, monkeypatch, train_on_cpu, caplog):
-    monkeypatch.setattr(engine, "cpu_supports_bf16", lambda: False)
+    monkeypatch.setattr(build, "cpu_supports_bf16", lambda: False)
     with caplog.at_level(logging.WARNING):
         result = _run(tmp_path / "run", "method=lora", "train.precision=bf16")
     assert result["precision"] == "no" and "no bf16 instructions" in caplog.text
@@ -148,12 +149,12 @@ def test_compile_run_gives_the_same_loss(tmp_path, train_on_cpu):
     [("cuda", True, "bf16"), ("cuda", False, "no"), ("cpu", True, "no"), ("cpu", False, "no"), ("mps", True, "no")],
 )
 def test_auto_precision_is_bf16_on_a_gpu_with_native_bf16_and_fp32_elsewhere(device, native_bf16, expected):
-    assert build.auto_precision(device, native_bf16) == expected
+    assert precision.auto_precision(device, native_bf16) == expected
 
 
 def test_tf32_is_on_for_every_cuda_precision_but_strict_fp32_and_never_on_a_cpu():
-    assert [build.uses_tf32(p, "cuda") for p in ("no", "tf32", "bf16", "fp16")] == [False, True, True, True]
-    assert not any(build.uses_tf32(p, "cpu") for p in ("no", "tf32", "bf16", "fp16"))
+    assert [precision.uses_tf32(p, "cuda") for p in ("no", "tf32", "bf16", "fp16")] == [False, True, True, True]
+    assert not any(precision.uses_tf32(p, "cpu") for p in ("no", "tf32", "bf16", "fp16"))
 
 
 @pytest.mark.slow
@@ -213,7 +214,7 @@ def _run_seeing_switches(monkeypatch, out: Path, *overrides: str) -> tuple[dict,
 def test_a_default_run_on_cuda_autocasts_bf16_with_tf32_and_puts_the_switches_back(tmp_path, monkeypatch):
     before = _cuda_switches()
     result, during = _run_seeing_switches(monkeypatch, tmp_path / "run", "method=lora")
-    expected = "bf16" if build.cuda_has_native_bf16() else "no"
+    expected = "bf16" if precision.cuda_has_native_bf16() else "no"
     assert result["device"].startswith("cuda")
     assert result["precision"] == expected and result["config"]["train"]["precision"] == expected
     assert result["tf32"] is (expected == "bf16") and during[:2] == (expected == "bf16",) * 2
@@ -241,5 +242,5 @@ def test_a_nondeterministic_cuda_run_lets_cudnn_autotune(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_a_compiled_run_on_cuda_compiles_under_the_default_precision(tmp_path):
     result = _run(tmp_path / "run", "method=lora", "train.compile=true")
-    assert result["compiled"] is True and result["precision"] == ("bf16" if build.cuda_has_native_bf16() else "no")
+    assert result["compiled"] is True and result["precision"] == ("bf16" if precision.cuda_has_native_bf16() else "no")
     assert result["test_top1"] is not None and torch.isfinite(torch.tensor(result["final_train_loss"]))
