@@ -66,8 +66,9 @@ def test_a_run_at_another_resolution_loads_and_predicts(tmp_path, capsys):
     assert run.spec.image_size == 48 and run.model.patch_embed.img_size == (48, 48)
     capsys.readouterr()
     with pytest.raises(SystemExit) as stop:
-        predict_cli.main([str(run_dir), str(_image(tmp_path / "a.png")), "--quiet"])
+        predict_cli.main([str(run_dir), str(_image(tmp_path / "a.png")), f"out={tmp_path / 'preds.csv'}", "--quiet"])
     assert stop.value.code == 0, capsys.readouterr().err
+    assert (tmp_path / "preds.csv").read_text().count("\n") == 2  # the header and the one image
 
 
 @pytest.mark.slow

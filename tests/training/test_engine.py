@@ -333,5 +333,5 @@ def test_a_run_says_its_schedule_and_resolution_when_it_starts(tmp_path, capsys)
     tiny(tmp_path / "run", "method=lora", "method.rank=2")
     out = capsys.readouterr().out
     assert re.search(
-        r"^training lora on mini/digits \(\d+ images\) at 32 px: 2 epochs, batch 32, lr 0\.001$", out, re.M
+        r"^training lora \(rank=2\) on mini/digits \(\d+ images\) at 32 px: 2 epochs, batch 32, lr 0\.001$", out, re.M
     )
