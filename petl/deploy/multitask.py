@@ -209,7 +209,7 @@ class MultiTask(nn.Module):
                     f"run {name} was trained on another backbone than run {first} ({difference}): "
                     "serve it with a MultiTask of its own"
                 )
-        return cls(load.create_backbone(cards[first]["backbone"]), tasks)
+        return cls(load.create_backbone(cards[first]["backbone"], Path(tasks[first]) / load.MODEL_FILE), tasks)
 
     @classmethod
     def _load_run(cls, name: str, folder: Path, card: dict[str, Any], backbone: nn.Module) -> nn.Module:
