@@ -92,8 +92,8 @@ part speed_methods "$SPEED_METHODS_END" "$PYTHON" -m petl.cli.bench speed $SPEED
     echo "# petl speed, two runs (benchmarks/device/gpu_tables.sh)"
     echo
     echo "Two \`petl-bench speed\` runs: LoRA against peft's LoRA with its options, then the seed methods with a bf16"
-    echo "row each. Precision is a column: \`TF32\` rows are what petl-run's fp32 matmuls are on a GPU, \`bf16"
-    echo "autocast\` rows what its default precision (\`train.precision=auto\`) is on a GPU with native bf16."
+    echo "row each. Precision is a column: \`TF32\` rows are petl-run's \`train.precision=tf32\` (fp32 tensors, TF32"
+    echo "matmuls), \`bf16 autocast\` rows its default (\`train.precision=auto\`) on a GPU with native bf16."
     for piece in lora methods; do
         echo
         if [ -f "$OUT/speed_cuda_$piece.md" ]; then
