@@ -33,7 +33,7 @@ from petl.store import load
 from petl.train import config, engine
 from petl.train.config import ConfigError
 from petl.utils.errors import RunError
-from petl.utils.precision import auto_precision, cpu_supports_bf16, cuda_has_native_bf16
+from petl.utils.precision import auto_precision, cpu_supports_bf16
 from petl.utils.text import first_line
 
 log = logging.getLogger(__name__)
@@ -137,8 +137,7 @@ def resolve_precision(cfg: DictConfig) -> None:
     one made with ``train.precision=no`` (its committed results stay this config's), and a GPU run's differs.
     """
     if cfg.train.precision == "auto":
-        device_type = run_device_type()
-        cfg.train.precision = auto_precision(device_type, device_type == "cuda" and cuda_has_native_bf16())
+        cfg.train.precision = auto_precision(run_device_type())
 
 
 def make_accelerator(cfg: DictConfig, out: Path) -> Accelerator:
@@ -151,7 +150,7 @@ def make_accelerator(cfg: DictConfig, out: Path) -> Accelerator:
     precision = cfg.train.precision
     device_type = run_device_type()
     if precision == "auto":  # a config that did not go through petl.train.runner.run (resolve_precision)
-        precision = auto_precision(device_type, device_type == "cuda" and cuda_has_native_bf16())
+        precision = auto_precision(device_type)
     if precision in ("fp16", "tf32") and device_type != "cuda":
         # accelerate would accept fp16 and silently run in fp32; say so, and record what really ran.
         log.warning("train.precision=%s needs a CUDA GPU: running in full precision (bf16 works on CPUs)", precision)

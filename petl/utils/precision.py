@@ -34,13 +34,16 @@ def cpu_supports_bf16() -> bool:
     return any(bool(getattr(cpu, name, lambda: False)()) for name in checks)
 
 
-def auto_precision(device_type: str, native_bf16: bool) -> str:
+def auto_precision(device_type: str, native_bf16: bool | None = None) -> str:
     """What ``precision=auto`` means on a device: bf16 autocast on a CUDA GPU with native bf16, else ``no``.
 
     GPUs without native bf16 (before Ampere) have no TF32 either, so fp32 is all that is left there; on the CPU
-    ``no`` keeps every result bit-identical to the runs made before ``auto`` was the default.
+    ``no`` keeps every result bit-identical to the runs made before ``auto`` was the default.  ``native_bf16``:
+    whether the GPU has it; ``None`` asks this machine's GPU (:func:`cuda_has_native_bf16`).
     """
-    return "bf16" if device_type == "cuda" and native_bf16 else "no"
+    if device_type != "cuda":
+        return "no"
+    return "bf16" if (cuda_has_native_bf16() if native_bf16 is None else native_bf16) else "no"
 
 
 def uses_tf32(precision: str, device_type: str) -> bool:
@@ -65,7 +68,7 @@ def inference_precision(precision: str, device_type: str) -> str:
     if precision not in INFERENCE_PRECISIONS:
         raise ValueError(f"precision={precision!r}: must be one of {', '.join(INFERENCE_PRECISIONS)}")
     if precision == "auto":
-        return auto_precision(device_type, device_type == "cuda" and cuda_has_native_bf16())
+        return auto_precision(device_type)
     if precision == "tf32" and device_type != "cuda":
         log.warning("precision=tf32 needs a CUDA GPU: running in fp32")
         return "no"
@@ -92,14 +95,13 @@ def inference(precision: str, device_type: str) -> Iterator[None]:
 
     The TF32 switches are process-wide; they are put back on leaving, so a library caller's own settings survive.
     """
-    if device_type != "cuda":
-        with torch.autocast(device_type, dtype=torch.bfloat16, enabled=precision == "bf16"):
-            yield
-        return
-    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = uses_tf32(precision, device_type)
+    cuda = device_type == "cuda"
+    if cuda:
+        before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = uses_tf32(precision, device_type)
     try:
         with torch.autocast(device_type, dtype=torch.bfloat16, enabled=precision == "bf16"):
             yield
     finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+        if cuda:
+            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before

@@ -60,7 +60,7 @@ def test_the_cpu_mode_makes_every_table(tmp_path):
     serve = (tmp_path / "serve_cuda.md").read_text()
     # petl-serve serves on the GPU wherever torch sees one, whatever the script's mode, in its default precision.
     if torch.cuda.is_available():
-        served = precision.auto_precision("cuda", precision.cuda_has_native_bf16())
+        served = precision.auto_precision("cuda")
         where = f"({precision.describe(served, 'cuda')} on GPU {torch.cuda.get_device_name()}, precision=auto)"
     else:
         where = "(fp32 on the CPU, precision=auto)"
