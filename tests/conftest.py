@@ -7,12 +7,18 @@ a second conftest.py in a sub-folder would replace this module for every test co
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import pytest
 import timm
 import torch
 from timm.models.vision_transformer import VisionTransformer
+
+# On a GPU machine, runs that compare for exact equality (resume, determinism) need cuBLAS's fixed workspace, which
+# cuBLAS reads once, at its first matmul in the process: set before any test runs one (torch's reproducibility notes).
+# The runner sets it too, too late in a test process that already ran a CUDA matmul.  No effect without CUDA.
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 # Three blocks of width 48 on 32x32 images in 8x8 patches: 16 patch tokens, about 95k parameters.
 TINY_VIT = dict(img_size=32, patch_size=8, embed_dim=48, depth=3, num_heads=3, num_classes=5)
@@ -97,10 +103,15 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "exhaustive: minutes per case on two CPU cores; runs with --exhaustive only")
 
 
+# @pytest.mark.cuda (registered in pyproject.toml) marks a test of what petl does on a CUDA GPU: skipped without
+# one, and `pytest -m cuda` selects them on a GPU machine (benchmarks/device/gpu_tests.sh runs them first).
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if config.getoption("--exhaustive"):
-        return
-    skip = pytest.mark.skip(reason="exhaustive: run with --exhaustive")
+    no_gpu = not torch.cuda.is_available()  # asks the driver for a device count; makes no CUDA context
+    skip_cuda = pytest.mark.skip(reason="needs a CUDA GPU")
+    exhaustive = config.getoption("--exhaustive")
+    skip_exhaustive = pytest.mark.skip(reason="exhaustive: run with --exhaustive")
     for item in items:
-        if "exhaustive" in item.keywords:
-            item.add_marker(skip)
+        if no_gpu and item.get_closest_marker("cuda") is not None:
+            item.add_marker(skip_cuda)
+        if not exhaustive and "exhaustive" in item.keywords:
+            item.add_marker(skip_exhaustive)

@@ -253,9 +253,13 @@ def git_commit() -> dict[str, Any]:
     return {"git_commit": commit, "git_dirty": bool(dirty) if dirty is not None else None}
 
 
-def peak_memory() -> tuple[float, str]:
-    """Peak memory in MiB and what it measures: CUDA max allocated on GPU, else the process's max RSS."""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+def peak_memory(device_type: str) -> tuple[float, str]:
+    """Peak memory in MiB of a run on ``device_type``, and what it measures.
+
+    CUDA's max allocated on a GPU, else the process's max RSS: also for a CPU run on a machine with a GPU, where
+    the CUDA allocator's peak (zero, or an earlier GPU run's in the same process) is not the run's.
+    """
+    if device_type == "cuda":
         return torch.cuda.max_memory_allocated() / 2**20, "cuda_max_allocated"
     return peak_rss_mb(), "process_max_rss"
 

@@ -214,7 +214,7 @@ def _train_and_record(cfg: DictConfig, resolved: dict[str, Any], out: Path, acce
     model.to(accelerator.device)
     # Every run's peak is its own, also when runs share a process (Hydra's in-process --multirun, a notebook).
     files.reset_peak_rss()
-    if torch.cuda.is_available():
+    if accelerator.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     progress = _Progress.start(checkpoint, started)
     if not cfg.resume and accelerator.is_main_process:
@@ -241,7 +241,7 @@ def _train_and_record(cfg: DictConfig, resolved: dict[str, Any], out: Path, acce
     test_top1 = _evaluate_test_once(training)
     result = _result(cfg, model, info.num_classes, progress.history, test_top1, train_seconds, training)
     result.test_seconds = round(time.perf_counter() - tested, 2) if test_top1 is not None else None
-    peak_mb, peak_kind = files.peak_memory()
+    peak_mb, peak_kind = files.peak_memory(accelerator.device.type)
     result.peak_memory_mb, result.peak_memory_kind = round(peak_mb, 1), peak_kind
     result.config, result.inputs = resolved, inputs
     result.weights_sha256 = _weights_sha256(cfg, model)

@@ -79,7 +79,7 @@ def test_the_multitask_title_names_the_device_and_what_it_left_out():
     assert "Not measured: the --deadline had passed before 8 methods at batch 8." in table
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.cuda
 def test_a_cuda_multitask_title_names_the_gpu():
     multitask = _script("multitask_speed")
     assert multitask.device_words("cuda", "bfloat16") == f"{torch.cuda.get_device_name()}, bfloat16"

@@ -273,7 +273,7 @@ def test_options_keeps_only_the_named_training_options():
     assert [c.name for c in cases if c.options] == ["lora + grad checkpointing"]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.cuda
 def test_a_cuda_speed_run_times_tf32_and_bf16_rows():
     spec = SpeedSpec(device="cuda", batch=2, steps=2, warmup=1, rounds=1, infer_steps=2)
     results = run_speed(spec, [LORA], log=lambda _: None, options_for=["lora"], options=["bf16"])

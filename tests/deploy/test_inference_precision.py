@@ -23,7 +23,7 @@ from petl.deploy import predict
 from petl.store.load import load_run
 from petl.utils import precision
 
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+CUDA = pytest.mark.cuda  # skipped without a CUDA GPU (tests/conftest.py)
 # bf16 keeps 8 mantissa bits: the tiny model's logits (order 1) move by a few 1e-3 under autocast.
 BF16_TOLERANCE = 5e-2
 

@@ -46,6 +46,9 @@ TOKEN = "test-token-1234"
 METHODS = {"lora": ["method=lora"], "vpt": ["method=vpt", "method.num_tokens=3"], "lst": ["method=lst"]}
 # A mixed batch is a differently shaped float32 computation than one run's own batch: equal to this tolerance.
 TOLERANCE = 1e-5
+# Both sides in strict fp32 on every device: on a GPU the default (auto) is bf16 autocast, whose rounding changes
+# with the batch's shape; test_inference_precision.py compares auto with strict fp32 there.
+STRICT = "precision=no"
 
 
 @pytest.fixture(scope="session")
@@ -111,6 +114,7 @@ def server(runs):
         "max_upload_mb=1",
         "max_wait_ms=200",
         "max_request_mp=0.006",
+        STRICT,
         "--quiet",
     ]
     process = subprocess.Popen(
@@ -147,7 +151,7 @@ def _predict_alone(run: Path, images: Path, tmp_path: Path, top_k: int) -> dict[
     """petl-predict's answer for one run: image file name -> {label: probability}."""
     out = tmp_path / f"{run.name}.csv"
     with pytest.raises(SystemExit) as stop:
-        predict_cli.main([str(run), str(images), f"out={out}", f"top_k={top_k}", "--quiet"])
+        predict_cli.main([str(run), str(images), f"out={out}", f"top_k={top_k}", STRICT, "--quiet"])
     assert stop.value.code == 0
     with open(out, newline="") as handle:
         return {
@@ -278,12 +282,11 @@ def test_bad_input_gets_one_json_line_and_the_server_goes_on(server, images):
     ]:
         status, answer = _multipart(url, fields)
         assert status == 413 and message in answer["detail"], answer
-    # Health needs no token; the server still answers, and the same image gets the same answer.
-    # On a CPU, the default precision (auto) is strict fp32; on a GPU test_inference_precision checks it.
+    # Health needs no token; the server still answers, and the same image gets the same answer.  It names the
+    # device and the precision it serves in (the default's meaning per device: test_inference_precision.py).
     status, health = _call(server + "/health", token=None)
     assert status == 200 and health["status"] == "ok" and health["tasks"] == 3
-    if not torch.cuda.is_available():
-        assert health["device"] == "cpu" and health["precision"] == "no"
+    assert health["device"] == ("cuda" if torch.cuda.is_available() else "cpu") and health["precision"] == "no"
     assert _call(url, good) == before
 
 

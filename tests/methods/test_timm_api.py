@@ -215,7 +215,7 @@ def test_prune_intermediate_layers_as_timm_or_refused(images, name, prune_head):
 # -------------------------------------------------------------------------------------------------- autocast
 
 
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+CUDA = pytest.mark.cuda  # skipped without a CUDA GPU (tests/conftest.py)
 AUTOCASTS = [
     pytest.param("cpu", torch.bfloat16, id="cpu-bf16"),
     pytest.param("cuda", torch.float16, id="cuda-fp16", marks=CUDA),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -30,9 +31,17 @@ def _env(**extra: str) -> dict[str, str]:
     return {**env, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT), **extra}
 
 
+def _free_port() -> int:
+    # A port of its own per launch: tests run side by side (pytest-xdist) would otherwise meet on one fixed port.
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def _launch(*args: str, cwd: Path, **env: str) -> subprocess.CompletedProcess:
     """Two processes on this machine's CPUs, as ``accelerate launch --multi_gpu --num_processes 2`` starts them."""
-    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29513"]
+    port = str(_free_port())
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port]
     return subprocess.run([*launch, *args], cwd=cwd, env=_env(**env), capture_output=True, text=True, timeout=600)
 
 
@@ -94,7 +103,8 @@ def test_two_cpu_processes_train_one_run_with_ddp(tmp_path, precision):
 def test_accelerate_cpu_launch_of_several_processes_says_it_runs_one(tmp_path):
     # accelerate's --cpu takes its simple launcher, which starts one process whatever --num_processes asks.
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2"]
-    launch += "--num_machines 1 --mixed_precision no --dynamo_backend no --main_process_port 29514".split()
+    launch += "--num_machines 1 --mixed_precision no --dynamo_backend no --main_process_port".split()
+    launch.append(str(_free_port()))
     done = subprocess.run(
         [*launch, "-m", "petl.run", *tiny_run(epochs=1), "output_dir=out"],
         cwd=tmp_path,

@@ -121,7 +121,8 @@ def test_bf16_falls_back_with_a_warning_where_the_cpu_lacks_it(tmp_path, monkeyp
 
 
 @pytest.mark.slow
-def test_compile_falls_back_with_a_warning_without_a_compiler(tmp_path, monkeypatch, caplog):
+def test_compile_falls_back_with_a_warning_without_a_compiler(tmp_path, monkeypatch, caplog, train_on_cpu):
+    # What the CPU does without a C++ compiler (inductor's CPU code needs one; compiler_missing never refuses CUDA).
     monkeypatch.setattr(engine, "compiler_missing", lambda device: "no C++ compiler (test)")
     plain = _run(tmp_path / "plain", "method=linear")
     with caplog.at_level(logging.WARNING):
@@ -188,9 +189,7 @@ def test_tf32_without_a_gpu_runs_in_fp32_with_a_warning(tmp_path, train_on_cpu, 
     assert result["final_train_loss"] == plain["final_train_loss"]
 
 
-# --- on a CUDA GPU (skipped without one) -------------------------------------------------------------------
-
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+# --- on a CUDA GPU (marked cuda: skipped without one) -------------------------------------------------------
 
 
 def _cuda_switches() -> tuple[bool, bool, bool]:
@@ -210,7 +209,7 @@ def _run_seeing_switches(monkeypatch, out: Path, *overrides: str) -> tuple[dict,
     return _run(out, *overrides), seen[0]
 
 
-@needs_cuda
+@pytest.mark.cuda
 def test_a_default_run_on_cuda_autocasts_bf16_with_tf32_and_puts_the_switches_back(tmp_path, monkeypatch):
     before = _cuda_switches()
     result, during = _run_seeing_switches(monkeypatch, tmp_path / "run", "method=lora")
@@ -223,7 +222,7 @@ def test_a_default_run_on_cuda_autocasts_bf16_with_tf32_and_puts_the_switches_ba
     assert result["test_top1"] is not None and torch.isfinite(torch.tensor(result["final_train_loss"]))
 
 
-@needs_cuda
+@pytest.mark.cuda
 def test_strict_fp32_on_cuda_turns_tf32_off_and_tf32_turns_it_on(tmp_path, monkeypatch):
     strict, during_strict = _run_seeing_switches(monkeypatch, tmp_path / "no", "method=lora", "train.precision=no")
     tf32, during_tf32 = _run_seeing_switches(monkeypatch, tmp_path / "tf32", "method=lora", "train.precision=tf32")
@@ -232,13 +231,13 @@ def test_strict_fp32_on_cuda_turns_tf32_off_and_tf32_turns_it_on(tmp_path, monke
     assert tf32["config"]["train"]["precision"] == "tf32"
 
 
-@needs_cuda
+@pytest.mark.cuda
 def test_a_nondeterministic_cuda_run_lets_cudnn_autotune(tmp_path, monkeypatch):
     _, during = _run_seeing_switches(monkeypatch, tmp_path / "run", "method=linear", "train.deterministic=false")
     assert during[2] is True
 
 
-@needs_cuda
+@pytest.mark.cuda
 @pytest.mark.slow
 def test_a_compiled_run_on_cuda_compiles_under_the_default_precision(tmp_path):
     result = _run(tmp_path / "run", "method=lora", "train.compile=true")

@@ -1,0 +1,139 @@
+#!/usr/bin/env bash
+# The suite on the lent GPU machine (issue 49: the suite passes on a GPU machine), in one call of at most BUDGET
+# seconds (480 by default), telling what it found even when cut off.  Three pytest phases, each to its deadline
+# (seconds from the start: CUDA_END, GPU_END, REST_END, as shares of BUDGET; a phase that ends early leaves its time
+# to the next):
+#   cuda  the tests marked cuda (`pytest -m cuda`: petl on the GPU itself), one process, first;
+#   gpu   the other tests of the folders whose code picks the GPU where there is one (training, serving,
+#         predicting, the speed bench, timm autocast), under pytest-xdist: WORKERS processes (8), THREADS torch
+#         threads each (2; 16 cores), one test file per worker (DIST=loadfile: a file's fixtures are built once);
+#   rest  every other test, the same way, with what time is left.
+# Every test's line is written to $OUT/gpu_tests.log as it ends (-v), each phase's slowest 30 follow it
+# (--durations=30); pytest-timeout (carried in the kit) fails a test that runs past TEST_TIMEOUT seconds (180), and a
+# phase past its deadline gets SIGINT, on which pytest still prints what failed and writes its JUnit XML.  $OUT holds
+# three files (the device tool brings back at most 8): gpu_tests.log; summary.txt (per phase: exit status, seconds,
+# pytest's count line, every test that failed or errored, the slowest tests); junit.tar.gz (one JUnit XML a phase).
+#
+# Here, once: PYTHONPATH=. python benchmarks/device/make_kit.py wheels    (.device/whl/: what the machine lacks)
+# The device call (the `run` tool; the machine has torch, timm, peft, accelerate, pytest and pytest-xdist):
+#   run(command="bash benchmarks/device/gpu_tests.sh", carry=[".device"], timeout_s=560)
+# Without $OUT the files go to /tmp/petl_gpu_tests.
+#
+# `bash benchmarks/device/gpu_tests.sh --cpu` runs the same phases here, on a handful of tiny tests (CUDA_TESTS,
+# GPU_TESTS and REST_TESTS, pytest arguments, choose them), one process, with the python on PATH (or $PYTHON),
+# installing nothing: the script's logic, tested by tests/bench/test_gpu_tests.py.
+set -u
+MODE=gpu
+[ "${1:-}" = "--cpu" ] && MODE=cpu
+OUT=${OUT:-/tmp/petl_gpu_tests}
+mkdir -p "$OUT"
+LOG="$OUT/gpu_tests.log"
+SUMMARY="$OUT/summary.txt"
+WORK=$(mktemp -d)  # each phase's own output and JUnit XML; packed into $OUT/junit.tar.gz at the end
+: > "$LOG"
+: > "$SUMMARY"
+PYTHON=${PYTHON:-python3}
+# The folders and files whose code runs on the GPU where there is one (the first GPU run's selection).
+GPU_FILES="tests/training tests/deploy tests/methods/test_lora_ops.py tests/methods/test_timm_api.py"
+GPU_FILES="$GPU_FILES tests/bench/test_speed.py tests/bench/test_gpu_tables.py"
+if [ "$MODE" = gpu ]; then
+    BUDGET=${BUDGET:-480}
+    WORKERS=${WORKERS:-8}
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        .device/whl/*.whl || { echo "no kit: run make_kit.py wheels here and carry .device" | tee -a "$LOG"; exit 3; }
+    export PYTHONPATH=/tmp/site:$PWD
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >> "$LOG" 2>&1
+    "$PYTHON" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'" >> "$LOG" 2>&1 || exit 5
+    CUDA_TESTS=${CUDA_TESTS:-tests}
+    GPU_TESTS=${GPU_TESTS:-$GPU_FILES}
+    REST_TESTS=${REST_TESTS:-tests $(for f in $GPU_FILES; do printf -- '--ignore=%s ' "$f"; done)}
+else
+    BUDGET=${BUDGET:-300}  # a pytest process starts in seconds on two quiet cores, in 30 on busy ones
+    WORKERS=${WORKERS:-0}
+    export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+    CUDA_TESTS=${CUDA_TESTS:-tests/deploy/test_inference_precision.py}
+    GPU_TESTS=${GPU_TESTS:-tests/training/test_learning.py -k three_ways}
+    REST_TESTS=${REST_TESTS:-tests/training/test_engine.py -k epoch_sampler}
+fi
+THREADS=${THREADS:-2}
+DIST=${DIST:-loadfile}
+TEST_TIMEOUT=${TEST_TIMEOUT:-180}
+export PYTHONUNBUFFERED=1
+CUDA_END=${CUDA_END:-$((BUDGET * 35 / 100))}
+GPU_END=${GPU_END:-$((BUDGET * 80 / 100))}
+REST_END=${REST_END:-$((BUDGET * 97 / 100))}
+START=$SECONDS
+
+left() { echo $(($1 - (SECONDS - START))); }
+
+{
+    echo "gpu_tests.sh --$MODE, commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown), budget $BUDGET s"
+    "$PYTHON" - <<'EOF'
+import importlib.metadata as m
+names = ("torch", "timm", "peft", "accelerate", "pytest", "pytest-xdist", "pytest-timeout")
+found = []
+for name in names:
+    try:
+        found.append(f"{name} {m.version(name)}")
+    except m.PackageNotFoundError:
+        found.append(f"{name} missing")
+print(", ".join(found))
+EOF
+} 2>&1 | tee -a "$SUMMARY" >> "$LOG"
+TIMEOUT_ARGS=()
+if [ "$TEST_TIMEOUT" != 0 ] && "$PYTHON" -c "import pytest_timeout" 2> /dev/null; then
+    TIMEOUT_ARGS=(--timeout "$TEST_TIMEOUT")
+else
+    echo "no per-test timeout (TEST_TIMEOUT=$TEST_TIMEOUT, or pytest-timeout missing): only the phases' deadlines" \
+        | tee -a "$SUMMARY" >> "$LOG"
+fi
+XDIST=no
+"$PYTHON" -c "import xdist" 2> /dev/null && XDIST=yes
+
+phase() {  # phase NAME END MARKERS PYTEST-ARGS...: pytest until END (s from the start); log status and seconds
+    local name=$1 end=$2 markers=$3 budget began status
+    shift 3
+    budget=$(left "$end")
+    if [ "$budget" -lt 10 ]; then
+        echo "$name: skipped, no time left before its deadline ($end s)" | tee -a "$SUMMARY" >> "$LOG"
+        return
+    fi
+    local parallel=() threads=()
+    if [ "$name" != cuda ] && [ "$WORKERS" -gt 0 ] && [ "$XDIST" = yes ]; then
+        parallel=(-n "$WORKERS" --dist "$DIST")
+        threads=(env "OMP_NUM_THREADS=$THREADS" "MKL_NUM_THREADS=$THREADS")
+    fi
+    # -v -v: pyproject's addopts say -q; the net is one line per test.  -ra: the reasons of what did not pass,
+    # not the captured output of what did.
+    local command=("$PYTHON" -m pytest -p no:cacheprovider -p no:benchmark -v -v -ra --durations=30
+        "${TIMEOUT_ARGS[@]}" "${parallel[@]}" --junitxml "$WORK/$name.xml" -m "$markers" "$@")
+    echo "== $name: ${command[*]} (deadline $end s, $budget s left)" >> "$LOG"
+    began=$SECONDS
+    # SIGINT at the deadline: pytest stops, lists what failed so far and writes its XML; killed 30 s later if not.
+    "${threads[@]}" timeout -s INT -k 30 "$budget" "${command[@]}" 2>&1 | tee "$WORK/$name.out" >> "$LOG"
+    status=${PIPESTATUS[0]}
+    local said="exit $status"
+    [ "$status" = 124 ] && said="cut off at its deadline"
+    [ "$status" = 137 ] && said="killed 30 s after its deadline"
+    {
+        echo "$name: $said after $((SECONDS - began)) s (deadline $end s, at $((SECONDS - START)) s)"
+        grep -E '^=+ .*[0-9.]+s( \([0-9:]+\))? =+$' "$WORK/$name.out" | tail -1
+        # Failed or errored as each test ended (-v), whether or not pytest got to its summary.
+        grep -E '(FAILED|ERROR)' "$WORK/$name.out" | grep -oE '[^ ]+::[^ ]+' | sort -u | sed 's/^/  not passed: /'
+        grep -E '^(FAILED|ERROR) ' "$WORK/$name.out" | sed 's/^/  /'
+        # Where SIGINT found a phase run in one process: the test that was running.
+        grep -B1 'to show a full traceback on KeyboardInterrupt' "$WORK/$name.out" | head -1 | sed 's/^/  cut off in: /'
+        sed -n '/slowest .*durations/,/^=/p' "$WORK/$name.out" | grep -E '^[0-9.]+s ' | awk '$1 + 0 >= 1' \
+            | head -10 | sed 's/^/  slow: /'
+    } >> "$SUMMARY"
+}
+
+phase cuda "$CUDA_END" cuda $CUDA_TESTS
+phase gpu "$GPU_END" "not cuda" $GPU_TESTS
+phase rest "$REST_END" "not cuda" $REST_TESTS
+
+echo "done at $((SECONDS - START)) s of $BUDGET" | tee -a "$SUMMARY" >> "$LOG"
+XML=$(cd "$WORK" && ls -- *.xml 2> /dev/null)
+[ -n "$XML" ] && tar -czf "$OUT/junit.tar.gz" -C "$WORK" $XML
+rm -r "$WORK"
+cat "$SUMMARY"

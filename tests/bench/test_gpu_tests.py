@@ -1,0 +1,119 @@
+"""benchmarks/device/gpu_tests.sh, the suite's one device call, run here in its --cpu mode on tests written for it.
+
+The script's logic: the cuda-marked tests first, the phases' deadlines, what it says of a failure, of a phase cut
+off (SIGINT: pytest still lists what failed and writes its XML) and of a test past its time, in three files.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "benchmarks" / "device" / "gpu_tests.sh"
+
+QUICK = """
+import pytest
+
+
+def test_passes():
+    assert True
+
+
+def test_fails():
+    assert 1 == 2, "meant to fail"
+
+
+@pytest.mark.cuda
+def test_on_the_gpu():
+    pytest.skip("stands for a test marked cuda")
+"""
+
+HANGS = """
+import time
+
+
+def test_passes_first():
+    assert True
+
+
+def test_hangs():
+    time.sleep(600)
+"""
+
+
+def _tests(out: Path, **env: str) -> subprocess.CompletedProcess:
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
+    env = {**os.environ, "OUT": str(out), "PATH": path, "PYTHON": sys.executable, **env}
+    return subprocess.run(["bash", str(SCRIPT), "--cpu"], cwd=REPO, env=env, capture_output=True, text=True)
+
+
+def _files(tmp_path: Path) -> tuple[Path, Path]:
+    (tmp_path / "quick").mkdir()
+    (tmp_path / "quick" / "test_quick.py").write_text(QUICK)
+    (tmp_path / "hangs").mkdir()
+    (tmp_path / "hangs" / "test_hangs.py").write_text(HANGS)
+    return tmp_path / "quick" / "test_quick.py", tmp_path / "hangs" / "test_hangs.py"
+
+
+def _xml(out: Path) -> dict[str, str]:
+    with tarfile.open(out / "junit.tar.gz") as archive:
+        return {Path(m.name).stem: archive.extractfile(m).read().decode() for m in archive.getmembers() if m.isfile()}
+
+
+def test_a_phase_past_its_deadline_is_skipped_and_said(tmp_path):
+    done = _tests(tmp_path / "out", CUDA_END="0", GPU_END="0", REST_END="0")
+    assert done.returncode == 0, done.stderr
+    summary = (tmp_path / "out" / "summary.txt").read_text()
+    for phase in ("cuda", "gpu", "rest"):
+        assert f"{phase}: skipped, no time left before its deadline (0 s)" in summary
+    assert summary.startswith("gpu_tests.sh --cpu, commit ") and "torch " in summary
+    # Nothing ran: the log and the summary, no JUnit archive.
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["gpu_tests.log", "summary.txt"]
+
+
+@pytest.mark.slow
+def test_cuda_tests_run_first_and_every_failure_and_cut_off_is_said(tmp_path):
+    quick, hangs = _files(tmp_path)
+    out = tmp_path / "out"
+    done = _tests(out, CUDA_TESTS=str(quick), GPU_TESTS=str(quick), REST_END="0", TEST_TIMEOUT="0")
+    assert done.returncode == 0, done.stderr
+    log, summary = (out / "gpu_tests.log").read_text(), (out / "summary.txt").read_text()
+    # The cuda phase ran the cuda-marked test alone, before the others; each test's line is in the log.
+    assert log.index("== cuda:") < log.index("test_quick.py::test_on_the_gpu SKIPPED") < log.index("== gpu:")
+    gpu = log[log.index("== gpu:") :]
+    assert "test_quick.py::test_passes PASSED" in gpu and "test_quick.py::test_fails FAILED" in gpu
+    assert "test_on_the_gpu" not in gpu
+    assert "cuda: exit 0 after" in summary and "gpu: exit 1 after" in summary
+    assert "1 failed, 1 passed" in summary and "not passed: " in summary and "test_quick.py::test_fails" in summary
+    assert "AssertionError: meant to fail" in summary and "slowest 30 durations" in log
+    assert "rest: skipped, no time left before its deadline (0 s)" in summary
+    assert set(_xml(out)) == {"cuda", "gpu"} and 'failures="1"' in _xml(out)["gpu"]
+    assert sorted(p.name for p in out.iterdir()) == ["gpu_tests.log", "junit.tar.gz", "summary.txt"]
+
+    # A phase that reaches its deadline is interrupted: what it did is still said, and its XML written.
+    out = tmp_path / "cut"
+    done = _tests(out, CUDA_END="0", GPU_END="0", REST_END="25", REST_TESTS=str(hangs), TEST_TIMEOUT="0")
+    assert done.returncode == 0, done.stderr
+    summary = (out / "summary.txt").read_text()
+    assert "rest: cut off at its deadline after" in summary, summary
+    assert "cut off in: " in summary and "test_hangs.py:" in summary and "1 passed" in summary
+    assert 'tests="1"' in _xml(out)["rest"] and "test_passes_first" in _xml(out)["rest"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("pytest_timeout") is None, reason="pytest-timeout is not installed")
+def test_a_test_past_its_time_fails_naming_the_timeout(tmp_path):
+    _, hangs = _files(tmp_path)
+    out = tmp_path / "out"
+    done = _tests(out, CUDA_END="0", GPU_TESTS=str(hangs), REST_END="0", TEST_TIMEOUT="3")
+    assert done.returncode == 0, done.stderr
+    summary = (out / "summary.txt").read_text()
+    assert "gpu: exit 1 after" in summary and "test_hangs.py::test_hangs" in summary
+    assert "Timeout" in summary and "1 failed, 1 passed" in summary
