@@ -121,8 +121,9 @@ phase() {  # phase NAME END MARKERS PYTEST-ARGS...: pytest until END (s from the
         # Failed or errored as each test ended (-v), whether or not pytest got to its summary.
         grep -E '(FAILED|ERROR)' "$WORK/$name.out" | grep -oE '[^ ]+::[^ ]+' | sort -u | sed 's/^/  not passed: /'
         grep -E '^(FAILED|ERROR) ' "$WORK/$name.out" | sed 's/^/  /'
-        # Where SIGINT found a phase run in one process: the test that was running.
-        grep -B1 'to show a full traceback on KeyboardInterrupt' "$WORK/$name.out" | head -1 | sed 's/^/  cut off in: /'
+        # Where SIGINT found a phase run in one process: the test that was running (under xdist, the controller).
+        grep -B1 'to show a full traceback on KeyboardInterrupt' "$WORK/$name.out" | head -1 | grep 'test_' \
+            | sed 's/^/  cut off in: /'
         sed -n '/slowest .*durations/,/^=/p' "$WORK/$name.out" | grep -E '^[0-9.]+s ' | awk '$1 + 0 >= 1' \
             | head -10 | sed 's/^/  slow: /'
     } >> "$SUMMARY"

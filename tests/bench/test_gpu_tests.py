@@ -117,3 +117,16 @@ def test_a_test_past_its_time_fails_naming_the_timeout(tmp_path):
     summary = (out / "summary.txt").read_text()
     assert "gpu: exit 1 after" in summary and "test_hangs.py::test_hangs" in summary
     assert "Timeout" in summary and "1 failed, 1 passed" in summary
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("xdist") is None, reason="pytest-xdist is not installed")
+def test_the_phases_after_the_first_run_under_xdist(tmp_path):
+    quick, _ = _files(tmp_path)
+    out = tmp_path / "out"
+    done = _tests(out, CUDA_TESTS=str(quick), GPU_TESTS=str(quick), REST_END="0", WORKERS="2")
+    assert done.returncode == 0, done.stderr
+    log, summary = (out / "gpu_tests.log").read_text(), (out / "summary.txt").read_text()
+    assert "-n 2 --dist loadfile" in log and "[gw" in log[log.index("== gpu:") :]
+    assert "-n 2" not in log[log.index("== cuda:") : log.index("== gpu:")]  # the cuda tests run in one process
+    assert "gpu: exit 1 after" in summary and "not passed: " in summary and "test_quick.py::test_fails" in summary
