@@ -42,6 +42,9 @@ if [ "$MODE" = gpu ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
         .device/whl/*.whl || { echo "no kit: run make_kit.py wheels here and carry .device" | tee -a "$LOG"; exit 3; }
     export PYTHONPATH=/tmp/site:$PWD
+    # The machine reaches no hub: said up front, as HF_HUB_OFFLINE=1, instead of each test process (and each
+    # server or worker it starts) finding out from a DNS lookup and a connection that may take seconds to fail.
+    export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1}
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >> "$LOG" 2>&1
     "$PYTHON" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'" >> "$LOG" 2>&1 || exit 5
     CUDA_TESTS=${CUDA_TESTS:-tests}
