@@ -1,7 +1,8 @@
 """The speed benchmark on the tiny backbone: a few steps, in-process, to check the table's shape, floors and references.
 
-Only the CPU path runs here (no GPU in the test environment); ``device=cuda`` shares every code path but the
-memory reading (``torch.cuda.max_memory_allocated``) and the clock's synchronisation.
+The tests measure on the CPU wherever they run (SpeedSpec's device); ``device=cuda`` shares every code path but the
+memory reading (``torch.cuda.max_memory_allocated``), the clock's synchronisation and the TF32 switches, which the
+test marked cuda runs on a GPU.
 """
 
 from __future__ import annotations
