@@ -133,6 +133,10 @@ class Backbone:
         """Patch size (h, w) of the patch embedding."""
         raise NotImplementedError
 
+    def tokens_in(self, x: torch.Tensor) -> int:
+        """Tokens per image in ``x``, a block's input (prompts a method added included)."""
+        raise NotImplementedError
+
     def embed_tokens(self, images: torch.Tensor) -> torch.Tensor:
         """The tokens entering the first block (patch and position embedding and whatever runs before the blocks)."""
         raise NotImplementedError

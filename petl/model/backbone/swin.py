@@ -109,6 +109,10 @@ class Swin(Backbone):
         size = self.model.patch_embed.patch_size
         return (size, size) if isinstance(size, int) else tuple(size)
 
+    def tokens_in(self, x: torch.Tensor) -> int:
+        """An NHWC grid: rows times columns."""
+        return int(x.shape[1] * x.shape[2])
+
     def embed_tokens(self, images: torch.Tensor) -> torch.Tensor:
         """The patch embedding (with its norm): an NHWC grid, what the first stage receives."""
         return self.model.patch_embed(images)
