@@ -105,6 +105,10 @@ class ViT(Backbone):
         size = self.model.patch_embed.patch_size
         return (size, size) if isinstance(size, int) else tuple(size)
 
+    def tokens_in(self, x: torch.Tensor) -> int:
+        """A flat sequence (batch, tokens, width)."""
+        return int(x.shape[-2])
+
     def embed_tokens(self, images: torch.Tensor) -> torch.Tensor:
         """Patch embedding, position embedding, patch drop, pre-norm: timm's ``forward_features`` up to its blocks."""
         model = self.model
@@ -252,6 +256,12 @@ class ViT(Backbone):
         """Replace ``qkv``, ``proj``, ``fc1`` or ``fc2``."""
         owner = block.attn if name in ("qkv", "proj") else block.mlp
         setattr(owner, name, module)
+
+    @staticmethod
+    def linear_biases(block: nn.Module, name: str) -> list[nn.Parameter]:
+        """The Linear's own bias, where it has one."""
+        bias = getattr(ViT.linear(block, name), "bias", None)
+        return [bias] if isinstance(bias, nn.Parameter) else []
 
     @staticmethod
     def attention(block: nn.Module) -> nn.Module:
