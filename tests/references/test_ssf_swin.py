@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import perturb_trainable
+from conftest import make_tiny_swin, perturb_trainable
 from timm.models.swin_transformer import SwinTransformer
 from torch import nn
 
@@ -41,8 +41,7 @@ TINY_SWIN = dict(
 
 
 def make_swin(seed: int = 0) -> SwinTransformer:
-    torch.manual_seed(seed)
-    return SwinTransformer(**TINY_SWIN).eval()
+    return make_tiny_swin(seed, **TINY_SWIN)
 
 
 # --- SSF's Swin forward, on a timm model's weights -----------------------------------------------------------------
