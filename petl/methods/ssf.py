@@ -16,7 +16,7 @@ L528-531), each block's norm1 and norm2 (L331-333, L342-344, L374-375), qkv and 
 attention (L212-214, L225-227, L253-255), fc1 and fc2 (L111-126) and the final norm (L620-621, L681-684).  None
 sits at patch merging: SSF's PatchMerging declares a scale/shift after its norm (L396-398, L420-422), but the stage
 passes it the list of per-block modes (L477, built at L619), so its ``tuning_mode == 'ssf'`` is False and the
-released code, the one its Swin results come from, never builds it; petl follows the code as it runs
+released code (what its train_scripts/swin/*/train_ssf.sh run) never builds it; petl follows the code as it runs
 (tests/references/test_ssf_swin.py checks the sites and the logits against a re-implementation of that file).
 Swin V2 is refused: SSF has no V2 code, and V2's attention reads its ``qkv`` weight directly (with separate q and
 v biases) instead of calling the Linear a scale/shift would follow.
@@ -25,8 +25,8 @@ Each scale/shift follows an affine layer (Linear, Conv2d or LayerNorm), so ``mer
 ``W <- s * W`` (row-wise) and ``b <- s * b + t``; merged inference runs the plain layer.
 
 Trains:
-    a per-channel scale and shift after the patch projection, every norm, qkv, proj, fc1, fc2 and the final
-    norm; mergeable.  ``init_std=0`` starts at the exact identity.
+    a per-channel scale and shift after the patch projection and its norm, each block's norms, qkv, proj, fc1
+    and fc2, and the final norm; mergeable.  ``init_std=0`` starts at the exact identity.
 
 Reference:
     - OSU-MLB/PETL_Vision@245d262 model/ssf.py L4-11; model/patch_embed.py L61-64, L93-96; model/block.py L78-80,
@@ -202,7 +202,7 @@ def apply_ssf(model: nn.Module, **options: Any) -> nn.Module:
     """Add SSF scale/shift layers to ``model`` and freeze everything else but the head.
 
     Args:
-        model: a timm VisionTransformer.
+        model: a timm VisionTransformer or SwinTransformer (v1).
         **options: fields of :class:`SsfConfig` (``init_std``, ``num_classes``).
 
     Returns:
