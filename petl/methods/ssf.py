@@ -18,8 +18,6 @@ sits at patch merging: SSF's PatchMerging declares a scale/shift after its norm 
 passes it the list of per-block modes (L477, built at L619), so its ``tuning_mode == 'ssf'`` is False and the
 released code (what its train_scripts/swin/*/train_ssf.sh run) never builds it; petl follows the code as it runs
 (tests/references/test_ssf_swin.py checks the sites and the logits against a re-implementation of that file).
-Swin V2 is refused: SSF has no V2 code, and V2's attention reads its ``qkv`` weight directly (with separate q and
-v biases) instead of calling the Linear a scale/shift would follow.
 
 Each scale/shift follows an affine layer (Linear, Conv2d or LayerNorm), so ``merge`` folds it in:
 ``W <- s * W`` (row-wise) and ``b <- s * b + t``; merged inference runs the plain layer.
@@ -191,7 +189,16 @@ def _formula(model: nn.Module, cfg: SsfConfig) -> int:
 BACKBONES = ("vit", "swin")
 
 
-@register_method("ssf", SsfConfig, trainable_formula=_formula, zero_init=False, mergeable=True, backbones=BACKBONES)
+@register_method(
+    "ssf",
+    SsfConfig,
+    trainable_formula=_formula,
+    zero_init=False,
+    mergeable=True,
+    backbones=BACKBONES,
+    refusal="SSF's code has no SwinV2, and a SwinV2's attention reads its qkv weight directly (its Q and V biases "
+    "beside it) instead of calling the Linear a scale and shift would follow",
+)
 def inject_ssf(model: nn.Module, cfg: SsfConfig) -> None:
     """SSF: per-channel scale and shift after every norm, Linear and the patch projection; mergeable."""
     for module, install in _sites(model):

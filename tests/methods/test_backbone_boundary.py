@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import timm
 import torch
-from conftest import make_tiny_swin, make_tiny_swinv2
+from conftest import TINY_MODELS, make_tiny_swin, make_tiny_swinv2
 from timm.models.vision_transformer import VisionTransformer
 
 import petl
@@ -143,3 +143,17 @@ def test_interface_matches_the_swin(make, images):
         torch.testing.assert_close(bb.mlp_residual(block, bb.attn_residual(block, grid)), block(grid))
         keep = torch.ones(2, 16, dtype=torch.bool)
         torch.testing.assert_close(bb.pooled_features(x, keep), bb.pooled_features(x))
+
+
+@pytest.mark.parametrize("kind", ["swin", "swinv2"])
+@pytest.mark.parametrize("method", petl.list_methods())
+def test_a_method_refuses_a_backbone_it_does_not_declare_in_one_line(kind, method):
+    spec = petl.get_method(method)
+    if kind in spec.backbones:
+        pytest.skip(f"{method} supports {kind}")
+    model = TINY_MODELS[kind]()
+    with pytest.raises(ValueError, match=rf"^method '{method}' does not support the {kind} backbone") as error:
+        petl.apply(model, method)
+    assert "\n" not in str(error.value)
+    # The reason, where the method gives one, is the refusal's end.
+    assert str(error.value).endswith(spec.refusal)

@@ -248,6 +248,11 @@ class Backbone:
         """Width of the pooled features (what :meth:`pre_logits` returns per image)."""
         raise NotImplementedError
 
+    def adopt_wrapped_linears(self) -> None:
+        """Make the model call the wrappers another library (peft) put around its Linears in place of
+        :meth:`set_linear`; nothing to do where the model always calls its Linears.
+        """
+
     # -- inside one block (static: a block's parts do not depend on the model around it) --------------------
 
     @staticmethod

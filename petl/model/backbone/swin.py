@@ -347,6 +347,12 @@ class SwinV2(Swin):
         """The model classes whose own forward :meth:`forward_from` replays."""
         return (SwinTransformerV2,)
 
+    def adopt_wrapped_linears(self) -> None:
+        """Let every block whose ``qkv`` is wrapped call it (see :meth:`set_linear`)."""
+        for block in self.block_list():
+            if type(block.attn.qkv) is not nn.Linear:
+                block.attn.qkv_bias_separate = True
+
     @staticmethod
     def set_linear(block: nn.Module, name: str, module: nn.Module) -> None:
         """Replace ``qkv``, ``proj``, ``fc1`` or ``fc2``.
