@@ -71,6 +71,18 @@ class Batch:
 
     def __post_init__(self) -> None:
         self.present = frozenset(task for task, _, _ in self.groups)
+        self.size = self.groups[-1][2] if self.groups else 0
+
+    def per_image(self, t: Tensor) -> Tensor:
+        """``t`` with one leading row per image, so that each task's rows are its images' (a view where it can be).
+
+        A windowed attention (Swin's) runs its Linears on images*windows x tokens x C; window partitioning keeps
+        each image's windows together, in image order, so they fold into images x (windows*tokens) x C.  Every
+        other module already has one row per image.
+        """
+        if t.shape[0] == self.size or self.size == 0 or t.shape[0] % self.size:
+            return t
+        return t.reshape(self.size, -1, *t.shape[2:])
 
 
 class Router:
@@ -192,9 +204,9 @@ class RoutedModule(nn.Module):
 
     def forward(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
         batch = self._router.current()
-        x = self._pre(batch, x)
+        x = self._pre(batch, batch.per_image(x)).reshape(x.shape)
         y = self.base(x, *args, **kwargs)
-        return self._post(batch, x, y, own=_is_fresh(y, x))
+        return self._post(batch, batch.per_image(x), batch.per_image(y), own=_is_fresh(y, x)).reshape(y.shape)
 
     def _pre(self, batch: Batch, x: Tensor) -> Tensor:
         """``x`` with every task's pre hook applied to its rows: stacked hooks in one op each, the rest per task."""

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import timm
 import torch
-from conftest import make_tiny_vit, perturb_trainable
+from conftest import make_tiny_swin, make_tiny_vit, perturb_trainable
 from PIL import Image
 
 import petl
@@ -145,6 +145,36 @@ def test_a_mixed_batch_of_methods_of_different_families(tmp_path):
     # A batch of one task, and a batch without the prompted task (no prompt slots then), give the same rows.
     _check_rows(multi, singles, ["ssf"] * 3, images[:3])
     _check_rows(multi, singles, ["lora", "convpass", "bitfit"], images[:3])
+
+
+# On a Swin: SSF and BitFit's scales and shifts (stacked) on the Linears inside the windowed attention, which see
+# images*windows rows; BitFit's all-biases variant trains the patch mergings' norms too; LoRA; a parallel adapter
+# (the block's halves).
+SWIN_CASES = {
+    "ssf": ("ssf", {}),
+    "ssf_2": ("ssf", {"init_std": 0.1}),
+    "bitfit_linear": ("bitfit", {"biases": "linear"}),
+    "bitfit": ("bitfit", {}),
+    "lora": ("lora", {}),
+    "adapter_parallel": ("adapter", {"style": "parallel"}),
+}
+
+
+@pytest.mark.slow
+def test_a_mixed_batch_over_a_swin(tmp_path):
+    """Every row as its own model on a Swin, with the stacks and without them, and in a batch of one task."""
+    backbone = make_tiny_swin()
+    singles, files = _save(tmp_path, SWIN_CASES, backbone)
+    multi = petl.MultiTask(backbone, files)
+    bb = backbone_of(multi.backbone)
+    qkv = bb.linear(bb.block_list()[0], "qkv")
+    stacked = [tuple(multi.names[t] for t in stack.tasks) for stack in qkv.stacks]
+    assert stacked == [("ssf", "ssf_2", "bitfit_linear", "bitfit")]
+    ids, images = _mixed_batch(list(SWIN_CASES), per_task=2, seed=2)
+    _check_rows(multi, singles, ids, images)
+    _check_rows(multi, singles, ["ssf_2"] * 3, images[:3])
+    _without_stacks(multi)
+    _check_rows(multi, singles, ids, images)
 
 
 def test_frozen_layers_run_once_for_the_whole_mixed_batch(tmp_path):
