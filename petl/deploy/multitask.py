@@ -24,9 +24,7 @@ prompts live in slots right after the class/register tokens, as many as the batc
 writes its own prompts there, and an attention mask keeps every row from attending slots it does not
 use (and an average pooling from counting them), so a row sees exactly the tokens its own model would.
 HST's meta tokens and NOAH's trailing prompts use the same slots (attention does not depend on where a
-token sits); a task whose prompts change from block to block (NOAH) gives each block's count.  Inside a
-Swin's windowed attention a module sees each image's windows as rows of their own; they fold back into one row
-per image (``Batch.per_image``), so a task's rows are still its images'.
+token sits); a task whose prompts change from block to block (NOAH) gives each block's count.
 
 Tasks whose hooks at a module have the same batched form (:class:`petl.model.rows.Batched`: LoRA's A and B of
 one total rank, SSF's scale and shift with BitFit's bias deltas, a bottleneck adapter of one width, VPT prompts of
@@ -256,6 +254,7 @@ class MultiTask(nn.Module):
                 task = self.names[min(by_path[path])]
                 raise TaskRefused(task, f"task {task!r} cannot share the backbone at {path}: {error}") from None
             setattr(parent, name, module)
+        backbone_of(routed).adopt_wrapped_linears()
         return routed
 
     def _stack_heads(self, heads: list[nn.Module]) -> None:
@@ -341,9 +340,7 @@ class MultiTask(nn.Module):
                 pool = self._slot_mask(x, groups, tokens, pooled)
             masks: dict[tuple[int, ...], Tensor] = {}
             for i, block in enumerate(bb.block_container()):
-                entry = bb.block_input_module(i)
-                if entry is not block:  # a staged backbone's patch merging, in front of its stage's first block
-                    x = entry(x)
+                x = bb.before_block(i, x)
                 if not tokens.slots:
                     x = block(x)
                     continue

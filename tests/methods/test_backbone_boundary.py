@@ -126,8 +126,7 @@ def test_interface_matches_the_swin(make, images):
         # The blocks one by one (each stage's patch merging in front of its first), then the pooled features.
         x = bb.embed_tokens(images)
         for i, block in enumerate(bb.block_container()):
-            cut = bb.block_input_module(i)
-            x = bb.run_block(block, x if cut is block else cut(x))
+            x = bb.run_block(block, bb.before_block(i, x))
             # Each block is its two residual halves, as the methods that act between them run it.
             assert x.shape[-1] == bb.widths()[i]
         torch.testing.assert_close(bb.head()(bb.pooled_features(x)), logits)
