@@ -10,17 +10,29 @@ the last one after every final LayerNorm (``norm``, or ``fc_norm`` in average-po
 scale ~ N(1, 0.02), shift ~ N(0, 0.02) (model/ssf.py:L4-11), so the model is *not* exactly
 unchanged at init; ``init_std=0`` starts at the exact identity.
 
+On Swin the placement follows SSF's own Swin code (dongzelian/SSF@e94e0e7 models/swin_transformer.py), the
+same sites stage by stage, each of its stage's width: after the patch projection and the patch norm (L512-517,
+L528-531), each block's norm1 and norm2 (L331-333, L342-344, L374-375), qkv and proj inside the windowed
+attention (L212-214, L225-227, L253-255), fc1 and fc2 (L111-126) and the final norm (L620-621, L681-684).  None
+sits at patch merging: SSF's PatchMerging declares a scale/shift after its norm (L396-398, L420-422), but the stage
+passes it the list of per-block modes (L477, built at L619), so its ``tuning_mode == 'ssf'`` is False and the
+released code (what its train_scripts/swin/*/train_ssf.sh run) never builds it; petl follows the code as it runs
+(tests/references/test_ssf_swin.py checks the sites and the logits against a re-implementation of that file).
+
 Each scale/shift follows an affine layer (Linear, Conv2d or LayerNorm), so ``merge`` folds it in:
 ``W <- s * W`` (row-wise) and ``b <- s * b + t``; merged inference runs the plain layer.
 
 Trains:
-    a per-channel scale and shift after the patch projection, every norm, qkv, proj, fc1, fc2 and the final
-    norm; mergeable.  ``init_std=0`` starts at the exact identity.
+    a per-channel scale and shift after the patch projection and its norm, each block's norms, qkv, proj, fc1
+    and fc2, and the final norm; mergeable.  ``init_std=0`` starts at the exact identity.
 
 Reference:
     - OSU-MLB/PETL_Vision@245d262 model/ssf.py L4-11; model/patch_embed.py L61-64, L93-96; model/block.py L78-80,
       L93-94, L134-135; model/attention.py L40-42, L50-51, L88-89; model/mlp.py L40-42, L50-51, L62-63;
       model/vision_transformer.py L159-160, L246-247
+    - Swin: dongzelian/SSF@e94e0e7 models/swin_transformer.py L512-517, L528-531 (patch embedding); L331-333,
+      L342-344, L374-375 (norm1, norm2); L212-214, L225-227, L253-255 (qkv, proj); L111-126 (fc1, fc2); L620-621,
+      L681-684 (final norm); L396-398, L420-422 with L477, L619 (patch merging: declared, never built)
 
 Differences:
     - The last scale/shift sits after every final LayerNorm (``norm``, or ``fc_norm`` in average-pooling ViTs,
@@ -172,11 +184,21 @@ def _formula(model: nn.Module, cfg: SsfConfig) -> int:
     return sum(2 * _width(module) for module, _ in _sites(model))
 
 
-# The backbones ssf's idea fits: scale and shift after the patch projection, the norms and the Linears.
-BACKBONES = ("vit",)
+# The backbones ssf's idea fits: scale and shift after the patch projection, the norms and the Linears, each of its
+# block's width (Swin: its stage's).
+BACKBONES = ("vit", "swin")
 
 
-@register_method("ssf", SsfConfig, trainable_formula=_formula, zero_init=False, mergeable=True, backbones=BACKBONES)
+@register_method(
+    "ssf",
+    SsfConfig,
+    trainable_formula=_formula,
+    zero_init=False,
+    mergeable=True,
+    backbones=BACKBONES,
+    refusal="SSF's code has no SwinV2, and a SwinV2's attention reads its qkv weight directly (its Q and V biases "
+    "beside it) instead of calling the Linear a scale and shift would follow",
+)
 def inject_ssf(model: nn.Module, cfg: SsfConfig) -> None:
     """SSF: per-channel scale and shift after every norm, Linear and the patch projection; mergeable."""
     for module, install in _sites(model):
@@ -187,7 +209,7 @@ def apply_ssf(model: nn.Module, **options: Any) -> nn.Module:
     """Add SSF scale/shift layers to ``model`` and freeze everything else but the head.
 
     Args:
-        model: a timm VisionTransformer.
+        model: a timm VisionTransformer or SwinTransformer (v1).
         **options: fields of :class:`SsfConfig` (``init_std``, ``num_classes``).
 
     Returns:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import timm
 import torch
-from conftest import TINY_MODELS, make_tiny_vit, perturb_trainable
+from conftest import TINY_MODELS, make_tiny_swin, make_tiny_vit, perturb_trainable
 from PIL import Image
 
 import petl
@@ -145,6 +145,27 @@ def test_a_mixed_batch_of_methods_of_different_families(tmp_path):
     # A batch of one task, and a batch without the prompted task (no prompt slots then), give the same rows.
     _check_rows(multi, singles, ["ssf"] * 3, images[:3])
     _check_rows(multi, singles, ["lora", "convpass", "bitfit"], images[:3])
+
+
+# On a Swin, tasks whose scales and shifts stack at the Linears inside the window attention: two SSFs and BitFit's
+# bias deltas (a scale of one).
+SWIN_STACKED = {"ssf": ("ssf", {}), "ssf_2": ("ssf", {"init_std": 0.1}), "bitfit": ("bitfit", {"biases": "linear"})}
+
+
+@pytest.mark.slow
+def test_ssf_and_bitfit_stack_inside_a_swins_window_attention(tmp_path):
+    """One affine stack at qkv over the images' windows: the rows as their own models, stacked or task by task."""
+    backbone = make_tiny_swin()
+    singles, files = _save(tmp_path, SWIN_STACKED, backbone)
+    multi = petl.MultiTask(backbone, files)
+    bb = backbone_of(multi.backbone)
+    qkv = bb.linear(bb.block_list()[0], "qkv")
+    assert [tuple(multi.names[t] for t in stack.tasks) for stack in qkv.stacks] == [("ssf", "ssf_2", "bitfit")]
+    ids, images = _mixed_batch(list(SWIN_STACKED), per_task=2, seed=2)
+    _check_rows(multi, singles, ids, images)
+    _check_rows(multi, singles, ["ssf_2"] * 3, images[:3])
+    _without_stacks(multi)
+    _check_rows(multi, singles, ids, images)
 
 
 def test_frozen_layers_run_once_for_the_whole_mixed_batch(tmp_path):
