@@ -48,8 +48,9 @@ from torch import nn
 
 from petl.model import rows, surgery
 from petl.model.backbone import backbone_of
+from petl.model.prompts import PromptedBlock
 from petl.model.registry import MethodConfig, register_method
-from petl.model.wrappers import PetlModule, factory_kwargs
+from petl.model.wrappers import factory_kwargs
 from petl.utils.checks import check_choice, check_dropout, check_range
 
 POOLS = ("original", "img_pool")
@@ -81,62 +82,6 @@ class VptConfig(MethodConfig):
         check_range("num_tokens", self.num_tokens, low=1)
         check_dropout("dropout", self.dropout)
         check_choice("pool", self.pool, POOLS)
-
-
-class PromptedBlock(PetlModule):
-    """A block that adds prompts to its input and/or strips them from its output.
-
-    Args:
-        base: the timm block.
-        num_prefix: class plus register tokens; prompts go right after them.
-        num_tokens: how many prompts the sequence carries.
-        prompt: this block's prompts (``num_tokens`` x dim), or ``None`` to keep what arrives.
-        replace: the input already carries prompts (from the previous block) that ``prompt`` replaces.
-        strip: remove the prompts from the output (last block).
-        dropout: dropout on ``prompt``.
-
-    """
-
-    prompt_place = "front"  # after the class and register tokens (see petl.model.timm_api)
-
-    def __init__(
-        self,
-        base: nn.Module,
-        num_prefix: int,
-        num_tokens: int,
-        prompt: torch.Tensor | None,
-        replace: bool,
-        strip: bool,
-        dropout: float,
-    ) -> None:
-        super().__init__(base)
-        self.num_prefix, self.num_tokens = num_prefix, num_tokens
-        self.replace, self.strip = replace, strip
-        self.prompt = None if prompt is None else nn.Parameter(prompt)
-        self.dropout = nn.Dropout(dropout)
-
-    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if self.prompt is not None:
-            p = self.num_prefix
-            rest = x[:, p + self.num_tokens :] if self.replace else x[:, p:]
-            x = torch.cat([x[:, :p], self.prompts(x), rest], dim=1)
-        # timm blocks take attn_mask / is_causal keywords; pass whatever the caller gave.
-        x = self.base(x, *args, **kwargs)
-        if self.strip:
-            p = self.num_prefix
-            x = torch.cat([x[:, :p], x[:, p + self.num_tokens :]], dim=1)
-        return x
-
-    def prompts(self, x: torch.Tensor) -> torch.Tensor:
-        """This block's prompts for every row of ``x``, in ``x``'s dtype, dropout drawn per row.
-
-        Expanded to the batch before the dropout, so each image gets its own mask (vit.py:L82, L114-115).
-        """
-        return self.dropout(self.prompt.unsqueeze(0).expand(x.shape[0], -1, -1).to(x.dtype))
-
-    def no_weight_decay(self) -> set[str]:
-        """Prompt tokens are exempt from weight decay by default (see petl.train.engine.param_groups)."""
-        return {"prompt"} if self.prompt is not None else set()
 
 
 @rows.register_row_hook(PromptedBlock)
@@ -174,46 +119,35 @@ def _rows_prompts(
 
 
 def _prompt_init_bound(model: nn.Module) -> float:
-    # VPT's Xavier-uniform bound for a patch-sized fan-in (3 * patch_h * patch_w) and fan-out dim.
+    # VPT's Xavier-uniform bound for a patch-sized fan-in (3 * patch_h * patch_w) and the first block's width as
+    # fan-out, for every block's prompts (vit.py:L55-62; a Swin's later, wider stages too: swin_transformer.py:L92).
     bb = backbone_of(model)
     patch_h, patch_w = bb.patch_size()
-    return math.sqrt(6.0 / (3 * patch_h * patch_w + bb.width()))
+    return math.sqrt(6.0 / (3 * patch_h * patch_w + bb.widths()[0]))
 
 
 def _formula(model: nn.Module, cfg: VptConfig) -> int:
-    bb = backbone_of(model)
-    prompt_sets = bb.depth() if cfg.deep else 1
-    return prompt_sets * cfg.num_tokens * bb.width()
+    # One set of prompts of the first block's width (shallow), or one per block of that block's width (deep).
+    widths = backbone_of(model).widths()
+    return cfg.num_tokens * (sum(widths) if cfg.deep else widths[0])
 
 
-# The backbones vpt's idea fits: prompt tokens inserted after the prefix tokens of a flat token sequence.
-BACKBONES = ("vit",)
+# The backbones vpt's idea fits: prompt tokens beside the patch tokens of a ViT's flat sequence or of a Swin's
+# windows (KMnP/vpt prompts both).  Not SwinV2: its post-norm cosine-attention block has no prompted reference.
+BACKBONES = ("vit", "swin")
 
 
 @register_method("vpt", VptConfig, trainable_formula=_formula, zero_init=False, mergeable=False, backbones=BACKBONES)
 def inject_vpt(model: nn.Module, cfg: VptConfig) -> None:
     """Visual Prompt Tuning: learnable prompt tokens, shallow (first block) or deep (every block)."""
     bb = backbone_of(model)
-    depth, bound = bb.depth(), _prompt_init_bound(model)
-    kw = factory_kwargs(model)
-    container = bb.block_container()
-    for i in range(depth):
-        has_prompt = i == 0 or cfg.deep
-        strip = i == depth - 1 and cfg.pool == "img_pool"
-        if not (has_prompt or strip):
-            # Shallow VPT's later blocks just carry the prompt outputs along; they stay unwrapped.
-            continue
-        prompt = torch.empty(cfg.num_tokens, bb.width(), **kw).uniform_(-bound, bound) if has_prompt else None
-        wrapper = PromptedBlock(
-            container[i],
-            num_prefix=bb.num_prefix_tokens(),
-            num_tokens=cfg.num_tokens,
-            prompt=prompt,
-            replace=i > 0,
-            strip=strip,
-            dropout=cfg.dropout,
-        )
-        bb.set_block(i, wrapper)
+    bound, kw = _prompt_init_bound(model), factory_kwargs(model)
+    prompts = [
+        torch.empty(cfg.num_tokens, width, **kw).uniform_(-bound, bound) if i == 0 or cfg.deep else None
+        for i, width in enumerate(bb.widths())
+    ]
+    # The backbone knows where prompts sit in its tokens and how they cross its blocks (and a Swin's stages).
+    bb.insert_prompts(prompts, dropout=cfg.dropout, strip=cfg.pool == "img_pool")
 
 
 def apply_vpt(model: nn.Module, **options: Any) -> nn.Module:
