@@ -19,15 +19,43 @@ dropout in train mode (vit.py:L89-100): :attr:`VptConfig.backbone_mode` is ``eva
 Each affected block is wrapped on its own, not the block container, so timm's forward still runs
 ``model.blocks`` itself, including through ``checkpoint_seq`` when gradient checkpointing is on.
 timm's ``forward_intermediates`` also runs the wrapped blocks; :mod:`petl.model.timm_api` leaves the
-prompts out of the intermediates it returns (:attr:`PromptedBlock.prompt_place`).
+prompts out of the intermediates it returns (:attr:`PromptedBlock.prompt_place`).  Where the prompts go
+is the backbone's (:meth:`petl.model.backbone.Backbone.insert_prompts`): after the prefix tokens of a
+ViT's sequence, or into a Swin's windows.
+
+On a Swin, VPT follows KMnP/vpt's own Swin code (src/models/vit_prompt/swin_transformer.py, "P" below;
+its backbone src/models/vit_backbones/swin_transformer.py, "S"), in
+:mod:`petl.model.backbone.swin_prompts`.  What the hierarchy changes:
+
+- Prompts across windows.  A Swin attends inside windows, so each block copies an image's prompts into
+  every one of its windows, in front of the window's tokens (P L398-407); the relative-position bias and
+  the shifted-window mask get zero rows and columns for them (P L476-508), so a prompt attends to its
+  whole window and every token to the prompts; a prompt's outputs are averaged over the windows (P
+  L411-419).  Both residual halves then act on prompts and tokens alike (P L438-443).
+- Merging.  Between stages the PatchMerging concatenates 2x2 neighbours; the prompts are tiled 4x along
+  the channels in their place and go through its norm and reduction (P L303-343), so shallow prompts
+  reach every stage at its width.
+- Per-stage widths.  Deep VPT has one prompt set per block, each of its stage's width embed_dim * 2^s
+  (P L132-157; S L428-452: the first block's are the shallow ones, every later block replaces the prompt
+  outputs, across a merging too); the count is ``num_tokens * sum(block widths)``.  Every stage's prompts
+  start uniform with the same bound, from the patch size and embed_dim (P L91-92).
+- Pooling.  The final norm and the average pool see the prompts with the grid (P L262-264), as
+  ``pool=original`` does on a ViT; ``forward_features`` then returns one row of prompts and grid tokens
+  (B, 1, n + H*W, C) that timm's head averages.  ``pool=img_pool`` (VPT's ViT option; its Swin code has
+  none) removes them after the last block.  ``forward_intermediates`` gives each stage's grid (timm's
+  shapes); pruning a prompted Swin is refused; SwinV2 (post-norm, cosine attention) is not supported: VPT
+  has no prompted SwinV2 to follow.  While training the frozen Swin stays in eval mode, as on a ViT (P
+  L229-241).
 
 Trains:
     prompt tokens (``deep=false``: one set before the first block; ``deep=true``: fresh prompts before every
-    block).
+    block, of that block's width on a Swin).
 
 Reference:
     - KMnP/vpt@4410440 src/models/vit_prompt/vit.py L55-62, L75-84, L89-100, L109-124; src/configs/config.py L74;
       src/models/vit_prompt/vit_mae.py L122-128
+    - Swin: KMnP/vpt@4410440 src/models/vit_prompt/swin_transformer.py L91-92, L126-173, L243-265, L303-343,
+      L367-445, L459-522; src/models/vit_backbones/swin_transformer.py L417-456
 
 Differences:
     - None in the forward: prompts are inserted as KMnP/vpt does and, by VPT's default ``pool=original``, kept in
@@ -35,6 +63,18 @@ Differences:
       backbone both give the same logits).
     - Prompt dropout is drawn per image, as VPT expands the prompts to the batch before the dropout (vit.py L82,
       L114-115; tested): inert at its default ``dropout=0``, which every VPT experiment of petl runs.
+    - Swin, batches: VPT's block copies the prompts into the windows window-major (vit_prompt/swin_transformer.py
+      L404-406) while the windows are image-major (vit_backbones/swin_transformer.py L45), and averages them back
+      the same way (L418-419), so with several images and windows one image's carried prompts meet and average
+      other images' windows.  petl keeps each image's prompts to its own windows: equal to the reference run
+      image by image (tested), and to the reference on a batch where that mix-up is inert (deep prompts, one
+      window in the last stage; tested).
+    - Swin, prompt dropout: VPT's Swin drops the deep prompts before expanding them to the batch
+      (vit_prompt/swin_transformer.py L255: one mask for every image), the first ones after (L169-170); petl
+      draws every mask per image.  Inert at the default ``dropout=0``.
+    - Swin: each block is timm's (its padding of a grid the window does not divide, its fused attention); the
+      reference's Swin asserts a divisible grid.  Its deep prompts are written for four stages
+      (vit_prompt/swin_transformer.py L132-157); petl gives any number of stages one prompt set per block.
 """
 
 from __future__ import annotations
