@@ -57,7 +57,7 @@ def tokens_per_block(model, images) -> list[int]:
     bb = backbone_of(model)
     seen: list[int] = [0] * bb.depth()
     handles = [
-        block.register_forward_pre_hook(lambda _m, args, i=i: seen.__setitem__(i, max(seen[i], args[0].shape[-2])))
+        block.register_forward_pre_hook(lambda _m, args, i=i: seen.__setitem__(i, max(seen[i], bb.tokens_in(args[0]))))
         for i, block in enumerate(bb.block_list())
     ]
     _observe(model, images, handles)

@@ -28,6 +28,7 @@ import petl.backbones  # noqa: F401  (registers petl's backbones with timm)
 import petl.methods  # noqa: F401  (importing the methods registers them)
 from petl.bench.floors import Floor, floor_hooks
 from petl.bench.rss import current_rss_mb, peak_rss_mb, reset_peak_rss
+from petl.model.backbone import backbone_of
 from petl.model.registry import get_method
 from petl.model.surgery import apply, merge
 from petl.train import engine
@@ -136,6 +137,7 @@ def build_model(case: Case, spec: SpeedSpec):
 
         # peft marks only its own adapters trainable; the head trains too, as it does for every petl method.
         model = inject_adapter_in_model(LoraConfig(r=8, target_modules=["qkv"]), model)
+        backbone_of(model).adopt_wrapped_linears()  # a SwinV2 then calls peft's layer (see petl.Backbone)
         model.get_classifier().requires_grad_(True)
     elif case.method:
         options = {k: v for k, v in case.method.items() if k != "name"}

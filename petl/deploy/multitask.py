@@ -254,6 +254,7 @@ class MultiTask(nn.Module):
                 task = self.names[min(by_path[path])]
                 raise TaskRefused(task, f"task {task!r} cannot share the backbone at {path}: {error}") from None
             setattr(parent, name, module)
+        backbone_of(routed).adopt_wrapped_linears()
         return routed
 
     def _stack_heads(self, heads: list[nn.Module]) -> None:
@@ -339,6 +340,7 @@ class MultiTask(nn.Module):
                 pool = self._slot_mask(x, groups, tokens, pooled)
             masks: dict[tuple[int, ...], Tensor] = {}
             for i, block in enumerate(bb.block_container()):
+                x = bb.before_block(i, x)
                 if not tokens.slots:
                     x = block(x)
                     continue

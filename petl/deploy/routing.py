@@ -68,9 +68,28 @@ class Batch:
     tokens: Tokens
     rows: Tensor | None = None
     entries: dict[tuple[int, ...], Tensor] = field(default_factory=dict)
+    repeated: dict[int, Batch] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.present = frozenset(task for task, _, _ in self.groups)
+
+    def rows_of(self, x: Tensor) -> Batch:
+        """The batch as ``x``'s rows see it: each image ``k`` consecutive rows where ``x`` has ``k`` per image.
+
+        A Swin's window attention sees each image as its windows, one after the other (timm's
+        ``window_partition`` keeps the image first), so its qkv and proj get ``windows x images`` rows.
+        """
+        images = self.groups[-1][2] if self.groups else 0
+        if not images or x.shape[0] == images:
+            return self
+        k, rest = divmod(x.shape[0], images)
+        if rest:
+            raise RuntimeError(f"a routed module got {x.shape[0]} rows for {images} images")
+        if k not in self.repeated:
+            groups = [(task, start * k, end * k) for task, start, end in self.groups]
+            rows = None if self.rows is None else self.rows.repeat_interleave(k)
+            self.repeated[k] = Batch(groups, self.tokens, rows=rows)
+        return self.repeated[k]
 
 
 class Router:
@@ -191,7 +210,7 @@ class RoutedModule(nn.Module):
                 raise CannotShare(f"task {task}: a hook inside a block's halves belongs on a block, not here")
 
     def forward(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-        batch = self._router.current()
+        batch = self._router.current().rows_of(x)
         x = self._pre(batch, x)
         y = self.base(x, *args, **kwargs)
         return self._post(batch, x, y, own=_is_fresh(y, x))

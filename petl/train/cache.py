@@ -86,7 +86,12 @@ def plan(model: nn.Module) -> CachePlan | None:
     stem_params, stem_modules = bb.stem()
     if any(p.requires_grad for p in stem_params) or not all(_untouched(m) for m in stem_modules):
         return None
-    start = next((i for i, block in enumerate(bb.block_container()) if not _untouched(block)), bb.depth())
+    # A block's cut point is the module in front of it (itself, or a Swin's patch merging): both must be untouched.
+    blocks = bb.block_container()
+    start = next(
+        (i for i, block in enumerate(blocks) if not (_untouched(block) and _untouched(bb.block_input_module(i)))),
+        bb.depth(),
+    )
     if start == 0:
         return None
     if start == bb.depth() and all(_untouched(m) for m in bb.after_blocks()):

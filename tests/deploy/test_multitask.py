@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import timm
 import torch
-from conftest import make_tiny_vit, perturb_trainable
+from conftest import TINY_MODELS, make_tiny_vit, perturb_trainable
 from PIL import Image
 
 import petl
@@ -427,3 +427,18 @@ def test_stacked_hooks_give_what_the_task_by_task_loop_gives(stacked):
     _without_stacks(looped)
     with torch.no_grad():
         torch.testing.assert_close(multi(images, ids), looped(images, ids), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["swin", "swinv2"])
+def test_a_mixed_batch_on_a_swin_gives_each_row_its_own_tasks_logits(tmp_path, kind):
+    # Every method and variant that supports the kind and shares a backbone, two LoRAs among them so that their
+    # updates stack: the window attention's qkv and proj see each image as its windows' rows.
+    cases = {n: c for n, c in SHARED.items() if kind in petl.get_method(c[0]).backbones}
+    cases["lora_2"] = ("lora", {"rank": 8})
+    if kind == "swinv2":  # its q/v biases sit beside qkv, a frozen weight of every row: BitFit refuses to share
+        cases = {n: c for n, c in cases.items() if c[0] != "bitfit"}
+    backbone = TINY_MODELS[kind]()
+    singles, files = _save(tmp_path, cases, backbone)
+    multi = petl.MultiTask(backbone, files)
+    ids, images = _mixed_batch(sorted(cases), per_task=2)
+    _check_rows(multi, singles, ids, images)

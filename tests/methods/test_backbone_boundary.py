@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import timm
 import torch
-from conftest import make_tiny_swin, make_tiny_swinv2
+from conftest import TINY_MODELS, make_tiny_swin, make_tiny_swinv2
 from timm.models.vision_transformer import VisionTransformer
 
 import petl
@@ -126,8 +126,7 @@ def test_interface_matches_the_swin(make, images):
         # The blocks one by one (each stage's patch merging in front of its first), then the pooled features.
         x = bb.embed_tokens(images)
         for i, block in enumerate(bb.block_container()):
-            cut = bb.block_input_module(i)
-            x = bb.run_block(block, x if cut is block else cut(x))
+            x = bb.run_block(block, bb.before_block(i, x))
             # Each block is its two residual halves, as the methods that act between them run it.
             assert x.shape[-1] == bb.widths()[i]
         torch.testing.assert_close(bb.head()(bb.pooled_features(x)), logits)
@@ -143,3 +142,17 @@ def test_interface_matches_the_swin(make, images):
         torch.testing.assert_close(bb.mlp_residual(block, bb.attn_residual(block, grid)), block(grid))
         keep = torch.ones(2, 16, dtype=torch.bool)
         torch.testing.assert_close(bb.pooled_features(x, keep), bb.pooled_features(x))
+
+
+@pytest.mark.parametrize("kind", ["swin", "swinv2"])
+@pytest.mark.parametrize("method", petl.list_methods())
+def test_a_method_refuses_a_backbone_it_does_not_declare_in_one_line(kind, method):
+    spec = petl.get_method(method)
+    if kind in spec.backbones:
+        pytest.skip(f"{method} supports {kind}")
+    model = TINY_MODELS[kind]()
+    with pytest.raises(ValueError, match=rf"^method '{method}' does not support the {kind} backbone") as error:
+        petl.apply(model, method)
+    assert "\n" not in str(error.value)
+    # The reason, where the method gives one, is the refusal's end.
+    assert str(error.value).endswith(spec.refusal)

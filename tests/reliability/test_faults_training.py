@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import timm
 import torch
-from conftest import tiny_run
+from conftest import make_tiny_swin, tiny_run
 from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import save_file
@@ -481,3 +481,21 @@ def test_a_slower_claimant_of_a_stale_lock_leaves_the_winners_lock_alone(tmp_pat
     (tmp_path / lock.LOCK_FILE).write_text(json.dumps(dead))
     assert lock.acquire_lock(tmp_path)
     assert json.loads((tmp_path / lock.LOCK_FILE).read_text())["pid"] == os.getpid()
+
+
+def test_a_version_1_file_still_loads(tiny_vit, tmp_path, images):
+    # Version 1 recorded one embed_dim for every block and no widths; version 2 adds the per-block widths.
+    path = _saved(tiny_vit, tmp_path)
+    _, meta = _read(path)
+    assert json.loads(meta.pop("widths")) == [48, 48, 48] and meta["format"] == "petl-trainable-2"
+    _rewrite(path, metadata={**meta, "format": "petl-trainable-1"})
+    assert petl.read_trainable_metadata(path)["widths"] == [48, 48, 48]
+    assert petl.load_trainable(tiny_vit(), path).petl_method == "lora"
+
+
+def test_a_swin_file_names_the_widths_it_was_saved_for(tmp_path):
+    path = tmp_path / "swin.safetensors"
+    petl.save_trainable(petl.apply(make_tiny_swin(), "lora", num_classes=4), path)
+    # The same embed_dim and depth, stages of other depths: the per-block widths differ.
+    with pytest.raises(ValueError, match=r"widths=\[16, 16, 32, 32\], this one has widths=\[16, 32, 32, 32\]"):
+        petl.load_trainable(make_tiny_swin(depths=(1, 3)), path)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import timm
 import torch
-from conftest import tiny_run
+from conftest import TINY_MODELS, tiny_run
 from safetensors.torch import load_file, save_file
 
 import petl
@@ -335,3 +335,20 @@ def test_a_run_says_its_schedule_and_resolution_when_it_starts(tmp_path, capsys)
     assert re.search(
         r"^training lora \(rank=2\) on mini/digits \(\d+ images\) at 32 px: 2 epochs, batch 32, lr 0\.001$", out, re.M
     )
+
+
+@pytest.mark.parametrize("kind", ["swin", "swinv2"])
+def test_cache_on_a_swin_cuts_in_front_of_the_patch_merging(images, kind):
+    # Partial-2 trains the second stage (blocks 2 and 3): the cut is taken in front of its patch merging.
+    model = petl.apply(TINY_MODELS[kind](), "partial", k=2, num_classes=4).eval()
+    plan = cache.plan(model)
+    assert plan == cache.CachePlan(start=2, features=False)
+    tail = cache.CachedTail(model, plan)
+    torch.testing.assert_close(tail(tail.front(images)), model(images))
+    # Partial-1 trains block 3 only; a trained patch merging in front of block 2 moves the cut in front of it.
+    model = petl.apply(TINY_MODELS[kind](), "partial", k=1, num_classes=4).eval()
+    assert cache.plan(model) == cache.CachePlan(start=3, features=False)
+    model.layers[1].downsample.norm.weight.requires_grad_(True)
+    assert cache.plan(model) == cache.CachePlan(start=2, features=False)
+    tail = cache.CachedTail(model, cache.plan(model))
+    torch.testing.assert_close(tail(tail.front(images)), model(images))

@@ -133,9 +133,17 @@ class Backbone:
         """Patch size (h, w) of the patch embedding."""
         raise NotImplementedError
 
+    def tokens_in(self, x: torch.Tensor) -> int:
+        """Tokens per image in ``x``, a block's input (prompts a method added included)."""
+        raise NotImplementedError
+
     def embed_tokens(self, images: torch.Tensor) -> torch.Tensor:
         """The tokens entering the first block (patch and position embedding and whatever runs before the blocks)."""
         raise NotImplementedError
+
+    def before_block(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        """What runs between block ``index - 1`` and block ``index`` (nothing in a ViT; a Swin's patch merging)."""
+        return x
 
     def run_block(self, block: nn.Module, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Run one block of the container on ``x``; ``attn_mask`` (where given) limits which tokens each attends."""
@@ -247,6 +255,11 @@ class Backbone:
     def num_features(self) -> int:
         """Width of the pooled features (what :meth:`pre_logits` returns per image)."""
         raise NotImplementedError
+
+    def adopt_wrapped_linears(self) -> None:
+        """Make the model call the wrappers another library (peft) put around its Linears in place of
+        :meth:`set_linear`; nothing to do where the model always calls its Linears.
+        """
 
     # -- prompt tokens ---------------------------------------------------------------------------------------
 

@@ -110,12 +110,21 @@ class Swin(Backbone):
         size = self.model.patch_embed.patch_size
         return (size, size) if isinstance(size, int) else tuple(size)
 
+    def tokens_in(self, x: torch.Tensor) -> int:
+        """An NHWC grid: rows times columns."""
+        return int(x.shape[1] * x.shape[2])
+
     def embed_tokens(self, images: torch.Tensor) -> torch.Tensor:
         """The patch embedding (with its norm): an NHWC grid, what the first stage receives."""
         return self.model.patch_embed(images)
 
+    def before_block(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        """The PatchMerging of the stage block ``index`` opens (``x`` itself inside a stage, or in the first)."""
+        stage, j = self._places()[index]
+        return self.model.layers[stage].downsample(x) if j == 0 else x
+
     def run_block(self, block: nn.Module, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Run one block on an NHWC grid; a PatchMerging in front of it is not run here (see :meth:`forward_from`).
+        """Run one block on an NHWC grid (:meth:`before_block` runs the PatchMerging in front of a stage).
 
         Raises:
             ValueError: an ``attn_mask``: a Swin block builds its own (shifted-window) mask.
@@ -357,6 +366,12 @@ class SwinV2(Swin):
     def model_types() -> tuple[type, ...]:
         """The model classes whose own forward :meth:`forward_from` replays."""
         return (SwinTransformerV2,)
+
+    def adopt_wrapped_linears(self) -> None:
+        """Let every block whose ``qkv`` is wrapped call it (see :meth:`set_linear`)."""
+        for block in self.block_list():
+            if type(block.attn.qkv) is not nn.Linear:
+                block.attn.qkv_bias_separate = True
 
     @staticmethod
     def set_linear(block: nn.Module, name: str, module: nn.Module) -> None:

@@ -106,6 +106,10 @@ class ViT(Backbone):
         size = self.model.patch_embed.patch_size
         return (size, size) if isinstance(size, int) else tuple(size)
 
+    def tokens_in(self, x: torch.Tensor) -> int:
+        """A flat sequence (batch, tokens, width)."""
+        return int(x.shape[-2])
+
     def embed_tokens(self, images: torch.Tensor) -> torch.Tensor:
         """Patch embedding, position embedding, patch drop, pre-norm: timm's ``forward_features`` up to its blocks."""
         model = self.model
