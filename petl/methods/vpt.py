@@ -45,7 +45,8 @@ its backbone src/models/vit_backbones/swin_transformer.py, "S"), in
   none) removes them after the last block.  ``forward_intermediates`` gives each stage's grid (timm's
   shapes); pruning a prompted Swin is refused; SwinV2 (post-norm, cosine attention) is not supported: VPT
   has no prompted SwinV2 to follow.  While training the frozen Swin stays in eval mode, as on a ViT (P
-  L229-241).
+  L229-241).  :class:`petl.MultiTask` refuses VPT on a Swin in one line: a mixed batch would need each row's
+  prompts in its own windows only, which no row hook does yet.
 
 Trains:
     prompt tokens (``deep=false``: one set before the first block; ``deep=true``: fresh prompts before every

@@ -117,6 +117,15 @@ def test_vpt_on_swin_refuses_pruning_and_swinv2(images):
         petl.apply_vpt(timm.create_model("swinv2_tiny_window8_256", pretrained=False, pretrained_cfg=None).eval())
 
 
+def test_multitask_refuses_vpt_on_swin_in_one_line(tmp_path):
+    # A mixed batch would need each row's prompts in its own windows and masked out of the others': no row hook.
+    path = tmp_path / "vpt.safetensors"
+    petl.save_trainable(petl.apply_vpt(make_tiny_swin(), num_tokens=2, num_classes=4), path)
+    with pytest.raises(ValueError, match=r"task 'vpt' \(method vpt\) cannot share .*PromptedSwinBlock") as error:
+        petl.MultiTask(make_tiny_swin(), {"vpt": path})
+    assert "\n" not in str(error.value)
+
+
 @pytest.fixture(scope="module")
 def swin_tiny() -> torch.nn.Module:
     with torch.device("meta"):
