@@ -21,14 +21,14 @@ from petl.model.unloading import unload as unload_model
 def apply(
     model: nn.Module, method: str | MethodConfig | Any, config: MethodConfig | None = None, **options: Any
 ) -> nn.Module:
-    """Inject a method into a timm ViT in place, freeze what it does not train, and return the model.
+    """Inject a method into a timm model in place, freeze what it does not train, and return the model.
 
     The method is named (``apply(model, "lora", rank=4)``) or given by its config
     (``apply(model, LoraConfig(rank=4))``).  The classifier head is reset to ``num_classes``
     (when given) and trains for every method.
 
     Args:
-        model: a timm VisionTransformer.
+        model: a timm model of a registered backbone kind (:func:`petl.list_backbones`: ViT, Swin, SwinV2).
         method: a name from :func:`list_methods`, a method's config object, or a registered foreign config
             (a ``peft.PeftConfig``, which goes through the ``peft`` bridge).
         config: a ready config for a named method; otherwise one is built from ``options``.
