@@ -174,11 +174,24 @@ def _formula(model: nn.Module, cfg: VptConfig) -> int:
 
 
 # The backbones vpt's idea fits: prompt tokens beside the patch tokens of a ViT's flat sequence or of a Swin's
-# windows (KMnP/vpt prompts both).  Not SwinV2: its post-norm cosine-attention block has no prompted reference.
+# windows (KMnP/vpt prompts both).
 BACKBONES = ("vit", "swin")
+# Why not on the other backbone kinds (the refusal says it, and so does the docs page).
+REFUSAL = (
+    "KMnP/vpt prompts a ViT and a Swin (v1); a SwinV2's post-norm blocks with cosine attention and a "
+    "continuous position bias have no prompted reference to follow"
+)
 
 
-@register_method("vpt", VptConfig, trainable_formula=_formula, zero_init=False, mergeable=False, backbones=BACKBONES)
+@register_method(
+    "vpt",
+    VptConfig,
+    trainable_formula=_formula,
+    zero_init=False,
+    mergeable=False,
+    backbones=BACKBONES,
+    refusal=REFUSAL,
+)
 def inject_vpt(model: nn.Module, cfg: VptConfig) -> None:
     """Visual Prompt Tuning: learnable prompt tokens, shallow (first block) or deep (every block)."""
     bb = backbone_of(model)
