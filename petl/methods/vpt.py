@@ -19,15 +19,44 @@ dropout in train mode (vit.py:L89-100): :attr:`VptConfig.backbone_mode` is ``eva
 Each affected block is wrapped on its own, not the block container, so timm's forward still runs
 ``model.blocks`` itself, including through ``checkpoint_seq`` when gradient checkpointing is on.
 timm's ``forward_intermediates`` also runs the wrapped blocks; :mod:`petl.model.timm_api` leaves the
-prompts out of the intermediates it returns (:attr:`PromptedBlock.prompt_place`).
+prompts out of the intermediates it returns (:attr:`PromptedBlock.prompt_place`).  Where the prompts go
+is the backbone's (:meth:`petl.model.backbone.Backbone.insert_prompts`): after the prefix tokens of a
+ViT's sequence, or into a Swin's windows.
+
+On a Swin, VPT follows KMnP/vpt's own Swin code (src/models/vit_prompt/swin_transformer.py, "P" below;
+its backbone src/models/vit_backbones/swin_transformer.py, "S"), in
+:mod:`petl.model.backbone.swin_prompts`.  What the hierarchy changes:
+
+- Prompts across windows.  A Swin attends inside windows, so each block copies an image's prompts into
+  every one of its windows, in front of the window's tokens (P L398-407); the relative-position bias and
+  the shifted-window mask get zero rows and columns for them (P L476-508), so a prompt attends to its
+  whole window and every token to the prompts; a prompt's outputs are averaged over the windows (P
+  L411-419).  Both residual halves then act on prompts and tokens alike (P L438-443).
+- Merging.  Between stages the PatchMerging concatenates 2x2 neighbours; the prompts are tiled 4x along
+  the channels in their place and go through its norm and reduction (P L303-343), so shallow prompts
+  reach every stage at its width.
+- Per-stage widths.  Deep VPT has one prompt set per block, each of its stage's width embed_dim * 2^s
+  (P L132-157; S L428-452: the first block's are the shallow ones, every later block replaces the prompt
+  outputs, across a merging too); the count is ``num_tokens * sum(block widths)``.  Every stage's prompts
+  start uniform with the same bound, from the patch size and embed_dim (P L91-92).
+- Pooling.  The final norm and the average pool see the prompts with the grid (P L262-264), as
+  ``pool=original`` does on a ViT; ``forward_features`` then returns one row of prompts and grid tokens
+  (B, 1, n + H*W, C) that timm's head averages.  ``pool=img_pool`` (VPT's ViT option; its Swin code has
+  none) removes them after the last block.  ``forward_intermediates`` gives each stage's grid (timm's
+  shapes); pruning a prompted Swin is refused; SwinV2 (post-norm, cosine attention) is not supported: VPT
+  has no prompted SwinV2 to follow.  While training the frozen Swin stays in eval mode, as on a ViT (P
+  L229-241).  :class:`petl.MultiTask` refuses VPT on a Swin in one line: a mixed batch would need each row's
+  prompts in its own windows only, which no row hook does yet.
 
 Trains:
     prompt tokens (``deep=false``: one set before the first block; ``deep=true``: fresh prompts before every
-    block).
+    block, of that block's width on a Swin).
 
 Reference:
     - KMnP/vpt@4410440 src/models/vit_prompt/vit.py L55-62, L75-84, L89-100, L109-124; src/configs/config.py L74;
       src/models/vit_prompt/vit_mae.py L122-128
+    - Swin: KMnP/vpt@4410440 src/models/vit_prompt/swin_transformer.py L91-92, L126-173, L243-265, L303-343,
+      L367-445, L459-522; src/models/vit_backbones/swin_transformer.py L417-456
 
 Differences:
     - None in the forward: prompts are inserted as KMnP/vpt does and, by VPT's default ``pool=original``, kept in
@@ -35,6 +64,18 @@ Differences:
       backbone both give the same logits).
     - Prompt dropout is drawn per image, as VPT expands the prompts to the batch before the dropout (vit.py L82,
       L114-115; tested): inert at its default ``dropout=0``, which every VPT experiment of petl runs.
+    - Swin, batches: VPT's block copies the prompts into the windows window-major (vit_prompt/swin_transformer.py
+      L404-406) while the windows are image-major (vit_backbones/swin_transformer.py L45), and averages them back
+      the same way (L418-419), so with several images and windows one image's carried prompts meet and average
+      other images' windows.  petl keeps each image's prompts to its own windows: equal to the reference run
+      image by image (tested), and to the reference on a batch where that mix-up is inert (deep prompts, one
+      window in the last stage; tested).
+    - Swin, prompt dropout: VPT's Swin drops the deep prompts before expanding them to the batch
+      (vit_prompt/swin_transformer.py L255: one mask for every image), the first ones after (L169-170); petl
+      draws every mask per image.  Inert at the default ``dropout=0``.
+    - Swin: each block is timm's (its padding of a grid the window does not divide, its fused attention); the
+      reference's Swin asserts a divisible grid.  Its deep prompts are written for four stages
+      (vit_prompt/swin_transformer.py L132-157); petl gives any number of stages one prompt set per block.
 """
 
 from __future__ import annotations
@@ -48,8 +89,9 @@ from torch import nn
 
 from petl.model import rows, surgery
 from petl.model.backbone import backbone_of
+from petl.model.prompts import PromptedBlock
 from petl.model.registry import MethodConfig, register_method
-from petl.model.wrappers import PetlModule, factory_kwargs
+from petl.model.wrappers import factory_kwargs
 from petl.utils.checks import check_choice, check_dropout, check_range
 
 POOLS = ("original", "img_pool")
@@ -81,62 +123,6 @@ class VptConfig(MethodConfig):
         check_range("num_tokens", self.num_tokens, low=1)
         check_dropout("dropout", self.dropout)
         check_choice("pool", self.pool, POOLS)
-
-
-class PromptedBlock(PetlModule):
-    """A block that adds prompts to its input and/or strips them from its output.
-
-    Args:
-        base: the timm block.
-        num_prefix: class plus register tokens; prompts go right after them.
-        num_tokens: how many prompts the sequence carries.
-        prompt: this block's prompts (``num_tokens`` x dim), or ``None`` to keep what arrives.
-        replace: the input already carries prompts (from the previous block) that ``prompt`` replaces.
-        strip: remove the prompts from the output (last block).
-        dropout: dropout on ``prompt``.
-
-    """
-
-    prompt_place = "front"  # after the class and register tokens (see petl.model.timm_api)
-
-    def __init__(
-        self,
-        base: nn.Module,
-        num_prefix: int,
-        num_tokens: int,
-        prompt: torch.Tensor | None,
-        replace: bool,
-        strip: bool,
-        dropout: float,
-    ) -> None:
-        super().__init__(base)
-        self.num_prefix, self.num_tokens = num_prefix, num_tokens
-        self.replace, self.strip = replace, strip
-        self.prompt = None if prompt is None else nn.Parameter(prompt)
-        self.dropout = nn.Dropout(dropout)
-
-    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if self.prompt is not None:
-            p = self.num_prefix
-            rest = x[:, p + self.num_tokens :] if self.replace else x[:, p:]
-            x = torch.cat([x[:, :p], self.prompts(x), rest], dim=1)
-        # timm blocks take attn_mask / is_causal keywords; pass whatever the caller gave.
-        x = self.base(x, *args, **kwargs)
-        if self.strip:
-            p = self.num_prefix
-            x = torch.cat([x[:, :p], x[:, p + self.num_tokens :]], dim=1)
-        return x
-
-    def prompts(self, x: torch.Tensor) -> torch.Tensor:
-        """This block's prompts for every row of ``x``, in ``x``'s dtype, dropout drawn per row.
-
-        Expanded to the batch before the dropout, so each image gets its own mask (vit.py:L82, L114-115).
-        """
-        return self.dropout(self.prompt.unsqueeze(0).expand(x.shape[0], -1, -1).to(x.dtype))
-
-    def no_weight_decay(self) -> set[str]:
-        """Prompt tokens are exempt from weight decay by default (see petl.train.engine.param_groups)."""
-        return {"prompt"} if self.prompt is not None else set()
 
 
 @rows.register_row_hook(PromptedBlock)
@@ -174,46 +160,48 @@ def _rows_prompts(
 
 
 def _prompt_init_bound(model: nn.Module) -> float:
-    # VPT's Xavier-uniform bound for a patch-sized fan-in (3 * patch_h * patch_w) and fan-out dim.
+    # VPT's Xavier-uniform bound for a patch-sized fan-in (3 * patch_h * patch_w) and the first block's width as
+    # fan-out, for every block's prompts (vit.py:L55-62; a Swin's later, wider stages too: swin_transformer.py:L92).
     bb = backbone_of(model)
     patch_h, patch_w = bb.patch_size()
-    return math.sqrt(6.0 / (3 * patch_h * patch_w + bb.width()))
+    return math.sqrt(6.0 / (3 * patch_h * patch_w + bb.widths()[0]))
 
 
 def _formula(model: nn.Module, cfg: VptConfig) -> int:
-    bb = backbone_of(model)
-    prompt_sets = bb.depth() if cfg.deep else 1
-    return prompt_sets * cfg.num_tokens * bb.width()
+    # One set of prompts of the first block's width (shallow), or one per block of that block's width (deep).
+    widths = backbone_of(model).widths()
+    return cfg.num_tokens * (sum(widths) if cfg.deep else widths[0])
 
 
-# The backbones vpt's idea fits: prompt tokens inserted after the prefix tokens of a flat token sequence.
-BACKBONES = ("vit",)
+# The backbones vpt's idea fits: prompt tokens beside the patch tokens of a ViT's flat sequence or of a Swin's
+# windows (KMnP/vpt prompts both).
+BACKBONES = ("vit", "swin")
+# Why not on the other backbone kinds (the refusal says it, and so does the docs page).
+REFUSAL = (
+    "KMnP/vpt prompts a ViT and a Swin (v1); a SwinV2's post-norm blocks with cosine attention and a "
+    "continuous position bias have no prompted reference to follow"
+)
 
 
-@register_method("vpt", VptConfig, trainable_formula=_formula, zero_init=False, mergeable=False, backbones=BACKBONES)
+@register_method(
+    "vpt",
+    VptConfig,
+    trainable_formula=_formula,
+    zero_init=False,
+    mergeable=False,
+    backbones=BACKBONES,
+    refusal=REFUSAL,
+)
 def inject_vpt(model: nn.Module, cfg: VptConfig) -> None:
     """Visual Prompt Tuning: learnable prompt tokens, shallow (first block) or deep (every block)."""
     bb = backbone_of(model)
-    depth, bound = bb.depth(), _prompt_init_bound(model)
-    kw = factory_kwargs(model)
-    container = bb.block_container()
-    for i in range(depth):
-        has_prompt = i == 0 or cfg.deep
-        strip = i == depth - 1 and cfg.pool == "img_pool"
-        if not (has_prompt or strip):
-            # Shallow VPT's later blocks just carry the prompt outputs along; they stay unwrapped.
-            continue
-        prompt = torch.empty(cfg.num_tokens, bb.width(), **kw).uniform_(-bound, bound) if has_prompt else None
-        wrapper = PromptedBlock(
-            container[i],
-            num_prefix=bb.num_prefix_tokens(),
-            num_tokens=cfg.num_tokens,
-            prompt=prompt,
-            replace=i > 0,
-            strip=strip,
-            dropout=cfg.dropout,
-        )
-        bb.set_block(i, wrapper)
+    bound, kw = _prompt_init_bound(model), factory_kwargs(model)
+    prompts = [
+        torch.empty(cfg.num_tokens, width, **kw).uniform_(-bound, bound) if i == 0 or cfg.deep else None
+        for i, width in enumerate(bb.widths())
+    ]
+    # The backbone knows where prompts sit in its tokens and how they cross its blocks (and a Swin's stages).
+    bb.insert_prompts(prompts, dropout=cfg.dropout, strip=cfg.pool == "img_pool")
 
 
 def apply_vpt(model: nn.Module, **options: Any) -> nn.Module:

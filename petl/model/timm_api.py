@@ -128,6 +128,14 @@ def forward_intermediates(
             **options,
             **kwargs,
         )
+    if "beside" in places:
+        # Prompts beside a Swin's grid (VPT): its backbone takes each stage's grid; the ViT-only options go on as
+        # keywords, which a Swin refuses as timm's own method does.
+        vit_only = {"return_prefix_tokens": True} if return_prefix_tokens else {}
+        vit_only |= {"output_dict": True} if output_dict else {}
+        return backbone_of(model).prompted_intermediates(
+            x, indices, norm, stop_early, output_fmt, intermediates_only, **vit_only, **kwargs
+        )
     if output_fmt not in ("NCHW", "NLC"):
         raise ValueError(f"forward_intermediates: output_fmt={output_fmt!r}: choose NCHW or NLC")
     final, found = timm_forward(model, x, indices, True, norm, stop_early, "NLC", False, **kwargs)
@@ -188,7 +196,8 @@ def prune_intermediate_layers(
     Raises:
         ValueError: ``prune_head`` on a method whose head is its own (``reset_classifier(0)`` refuses it), or
             blocks dropped under a head that reads every block (HST's) or that remove the prompts (NOAH's last
-            block); nothing is changed.
+            block), or any pruning of a Swin whose prompts run beside its grid into the final norm (VPT's);
+            nothing is changed.
 
     """
     bb = backbone_of(model)
@@ -205,8 +214,14 @@ def prune_intermediate_layers(
     # A block that removes the prompts after itself (NOAH's last, VPT's with pool=img_pool) cannot be dropped: the
     # kept blocks would pass the prompts on into the features.
     strips = any(isinstance(m, PetlModule) and m.prompt_place and getattr(m, "strip", 0) for m in dropped)
-    reason = getattr(head, "needs_every_block", "") or (strips and "its last block removes the prompt tokens")
-    if reason and dropped:
+    # Prompts beside a Swin's grid run through every stage into the final norm, which pruning would drop.
+    beside = any(m.prompt_place == "beside" for m in _wrappers(model)) and (dropped or prune_norm)
+    reason = (
+        getattr(head, "needs_every_block", "")
+        or (strips and "its last block removes the prompt tokens")
+        or (beside and "its prompts run beside the grid through every stage into the final norm")
+    )
+    if reason and (dropped or beside):
         raise ValueError(f"prune_intermediate_layers: method {method!r} cannot drop blocks: {reason}")
     return type(model).prune_intermediate_layers(model, indices, prune_norm, prune_head)
 
@@ -288,7 +303,9 @@ def support(model: nn.Module) -> dict[str, str]:
     refusal = next((m for m in wrappers if m.no_grad_checkpointing), None)
     prompts = any(m.prompt_place for m in wrappers)
     own_head = isinstance(head, PetlHead)
-    stripper = next((m for m in wrappers if m.prompt_place and getattr(m, "strip", 0)), None)
+    stripper = next(
+        (m for m in wrappers if (m.prompt_place and getattr(m, "strip", 0)) or m.prompt_place == "beside"), None
+    )
     if getattr(head, "needs_every_block", "") or stripper:
         prune = f"refused (`{type(stripper or head).__name__}`)"
     else:

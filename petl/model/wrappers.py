@@ -27,7 +27,8 @@ class PetlModule(nn.Module):
     """
 
     # Where the prompt tokens this wrapper adds to the token sequence sit: "front" (right after the class and
-    # register tokens) or "end"; "" when it adds none.  timm's forward_intermediates strips them (petl.model.timm_api).
+    # register tokens), "end", or "beside" (next to a Swin's grid, petl.model.backbone.swin_prompts); "" when it
+    # adds none.  timm's forward_intermediates strips them (petl.model.timm_api).
     prompt_place: ClassVar[str] = ""
     # Why this wrapper cannot run under timm's gradient checkpointing; "" when it can (petl.model.timm_api refuses
     # set_grad_checkpointing(True) with this reason).

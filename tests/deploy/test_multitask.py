@@ -459,6 +459,8 @@ def test_a_mixed_batch_on_a_swin_gives_each_row_its_own_tasks_logits(tmp_path, k
     # updates stack: the window attention's qkv and proj see each image as its windows' rows.
     cases = {n: c for n, c in SHARED.items() if kind in petl.get_method(c[0]).backbones}
     cases["lora_2"] = ("lora", {"rank": 8})
+    # VPT's prompts beside a Swin's grid have no row hook yet: refused in one line (tests/methods/test_vpt_swin.py).
+    cases = {n: c for n, c in cases.items() if c[0] != "vpt"}
     if kind == "swinv2":  # its q/v biases sit beside qkv, a frozen weight of every row: BitFit refuses to share
         cases = {n: c for n, c in cases.items() if c[0] != "bitfit"}
     backbone = TINY_MODELS[kind]()

@@ -261,6 +261,23 @@ class Backbone:
         :meth:`set_linear`; nothing to do where the model always calls its Linears.
         """
 
+    # -- prompt tokens ---------------------------------------------------------------------------------------
+
+    def insert_prompts(self, prompts: list[torch.Tensor | None], dropout: float, strip: bool) -> None:
+        """Wrap the model so that prompt tokens (VPT's) run through its blocks beside the image tokens.
+
+        Where the prompts sit and how they cross the blocks is the family's: after the prefix tokens of a flat
+        sequence (ViT), or copied into every window and merged between stages (Swin).
+
+        Args:
+            prompts: per block, its prompts (tokens x the block's width, trainable) that replace the ones arriving,
+                or ``None`` to carry the previous block's prompt outputs; the first block's are not ``None``.
+            dropout: dropout on the prompts (train mode), drawn per image.
+            strip: the last block removes the prompts, so the final norm and pooling see the image tokens only.
+
+        """
+        raise NotImplementedError(f"the {self.kind} backbone cannot take prompt tokens")
+
     # -- inside one block (static: a block's parts do not depend on the model around it) --------------------
 
     @staticmethod

@@ -22,6 +22,7 @@ from timm.models.swin_transformer_v2 import SwinTransformerV2, SwinTransformerV2
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from petl.model.backbone import swin_prompts
 from petl.model.backbone.base import Backbone, register_backbone, unwrap
 
 
@@ -264,6 +265,16 @@ class Swin(Backbone):
     def num_features(self) -> int:
         """Timm's ``num_features`` (the last stage's width)."""
         return int(self.model.num_features)
+
+    # -- prompt tokens ---------------------------------------------------------------------------------------
+
+    def insert_prompts(self, prompts: list[torch.Tensor | None], dropout: float, strip: bool) -> None:
+        """Prompts copied into every window, merged between stages (:mod:`petl.model.backbone.swin_prompts`)."""
+        swin_prompts.insert_prompts(self.model, prompts, dropout, strip)
+
+    def prompted_intermediates(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        """Timm's ``forward_intermediates`` on the prompted model: each stage's grid, the prompts left out."""
+        return swin_prompts.forward_intermediates(self.model, x, *args, **kwargs)
 
     # -- inside one block ------------------------------------------------------------------------------------
 

@@ -15,6 +15,7 @@ from timm.models.vision_transformer import Block, VisionTransformer
 from torch import nn
 
 from petl.model.backbone.base import Backbone, register_backbone, unwrap
+from petl.model.prompts import PromptedBlock
 
 
 @register_backbone(VisionTransformer)
@@ -242,6 +243,30 @@ class ViT(Backbone):
     def num_features(self) -> int:
         """Timm's ``num_features``."""
         return int(self.model.num_features)
+
+    # -- prompt tokens ---------------------------------------------------------------------------------------
+
+    def insert_prompts(self, prompts: list[torch.Tensor | None], dropout: float, strip: bool) -> None:
+        """Prompts right after the class and register tokens (:class:`petl.model.prompts.PromptedBlock`).
+
+        Blocks without prompts of their own carry the previous prompt outputs along and stay unwrapped, but for
+        the last with ``strip``.
+        """
+        depth = self.depth()
+        for i, prompt in enumerate(prompts):
+            last_strip = strip and i == depth - 1
+            if prompt is None and not last_strip:
+                continue
+            wrapper = PromptedBlock(
+                self.block_container()[i],
+                num_prefix=self.num_prefix_tokens(),
+                num_tokens=prompts[0].shape[0],
+                prompt=prompt,
+                replace=i > 0,
+                strip=last_strip,
+                dropout=dropout,
+            )
+            self.set_block(i, wrapper)
 
     # -- inside one block ------------------------------------------------------------------------------------
 

@@ -1,0 +1,220 @@
+"""VPT's prompt tokens through a timm Swin, as KMnP/vpt@4410440 prompts its Swin.
+
+All line numbers below are of ``src/models/vit_prompt/swin_transformer.py`` there.  A Swin's blocks see an NHWC
+grid, which has no room for extra tokens, so between the wrapped modules the tokens travel as a pair
+``(grid, prompts)``: the grid as timm's blocks keep it (B, H, W, C) and the prompts (B, n, C) beside it.  timm's
+stages run their blocks in an ``nn.Sequential`` (or ``checkpoint_seq``), which passes the pair on unchanged.
+
+* A block (:class:`PromptedSwinBlock`) normalises grid and prompts with its ``norm1``, copies each image's prompts
+  into every window of that image, in front of the window's tokens (L398-407), and runs the window attention with
+  the relative-position bias and the shifted-window mask zero-padded for the prompt rows and columns (L476-508): a
+  prompt attends to every token of its window and every token attends to the prompts.  Each prompt's outputs are
+  averaged over the windows (L411-419), then both residual halves act on prompts and grid alike (L438-443).
+* A block with prompts of its own (the first; every block with ``deep``) puts them in place of the ones that
+  arrive (L162-173; deep: src/models/vit_backbones/swin_transformer.py L428-452).
+* A PatchMerging (:class:`PromptedPatchMerging`) tiles the prompts four times along the channels, where it
+  concatenates four neighbours, and its norm and reduction act on them as on the merged tokens (L303-343).
+* The final norm (:class:`PromptedFinalNorm`) sees prompts and grid, and the head's average pool averages both
+  (L262-264): the pair becomes one row of n + H*W tokens, prompts first, which timm's ``ClassifierHead`` averages.
+  With ``strip`` the last block removes the prompts instead and the norm and pool see the grid alone.
+
+Where timm differs from the reference's Swin backbone the block follows timm (its padding of a grid that windows
+do not divide, its dynamic mask): the prompted block is timm's block with prompts added.  One deliberate
+difference from the reference: VPT's block expands the prompts window-major (``expand(num_windows, B, ...)``,
+L404-406) while the windows are image-major (src/models/vit_backbones/swin_transformer.py L45), and averages them
+back the same way (L418-419), so with more than one image and window an image's prompts meet, and average over,
+other images' windows; here each image's prompts join and average its own windows only (a batch of one gives the
+reference's numbers, tests/references/test_vpt_swin_reference.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from timm.models._features import feature_take_indices
+from timm.models.swin_transformer import window_partition, window_reverse
+from torch import nn
+
+from petl.model.wrappers import PetlModule
+
+# Tokens between prompted modules: the NHWC grid and the prompts (B, n, C) beside it.
+Pair = tuple[torch.Tensor, torch.Tensor]
+
+
+class PromptedSwinBlock(PetlModule):
+    """A timm SwinTransformerBlock that runs prompt tokens beside its grid.
+
+    Args:
+        base: the timm block.
+        prompt: this block's prompts (``num_tokens`` x width), or ``None`` to carry the prompts that arrive.
+        strip: return the grid alone (the last block, when the pooling must not see the prompts).
+        dropout: dropout on ``prompt``, drawn per image.
+
+    """
+
+    # The prompts travel beside the grid, not in it (petl.model.timm_api takes the grid for the intermediates).
+    prompt_place = "beside"
+
+    def __init__(self, base: nn.Module, prompt: torch.Tensor | None, strip: bool, dropout: float) -> None:
+        super().__init__(base)
+        self.strip = strip
+        self.prompt = None if prompt is None else nn.Parameter(prompt)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor | Pair) -> torch.Tensor | Pair:
+        grid, prompts = (x, None) if isinstance(x, torch.Tensor) else x
+        if self.prompt is not None:
+            # Expanded to the batch before the dropout, so each image gets its own mask (L169-170).
+            prompts = self.dropout(self.prompt.unsqueeze(0).expand(grid.shape[0], -1, -1).to(grid.dtype))
+        if prompts is None:
+            raise ValueError("a PromptedSwinBlock without prompts of its own takes (grid, prompts) from the one before")
+        grid, prompts = prompted_block(self.base, grid, prompts)
+        return grid if self.strip else (grid, prompts)
+
+    def no_weight_decay(self) -> set[str]:
+        """Prompt tokens are exempt from weight decay by default (see petl.train.engine.param_groups)."""
+        return {"prompt"} if self.prompt is not None else set()
+
+
+class PromptedPatchMerging(PetlModule):
+    """A timm PatchMerging that also merges the prompts: each tiled 4x along the channels, then norm and reduction."""
+
+    def forward(self, x: torch.Tensor | Pair) -> torch.Tensor | Pair:
+        if isinstance(x, torch.Tensor):
+            return self.base(x)
+        grid, prompts = x
+        # L307-308 (prompt_upsampling is None for prepend, L296-301), L339-342.
+        tiled = torch.cat([prompts] * 4, dim=-1)
+        return self.base(grid), self.base.reduction(self.base.norm(tiled))
+
+
+class PromptedFinalNorm(PetlModule):
+    """The norm after the last stage, over prompts and grid: one row of n + H*W tokens for the head to average."""
+
+    def forward(self, x: torch.Tensor | Pair) -> torch.Tensor:
+        if isinstance(x, torch.Tensor):
+            return self.base(x)
+        grid, prompts = x
+        # L262-264: norm over every token, prompts included, then the average pool over all of them.
+        tokens = torch.cat([prompts, grid.flatten(1, 2)], dim=1)
+        return self.base(tokens).unsqueeze(1)
+
+
+def prompted_block(block: nn.Module, grid: torch.Tensor, prompts: torch.Tensor) -> Pair:
+    """One timm SwinTransformerBlock on ``grid`` (B, H, W, C) with ``prompts`` (B, n, C) in every window (L367-445)."""
+    b, h, w, c = grid.shape
+    n = prompts.shape[1]
+    attn_grid, attn_prompts = _windowed_attention(block, block.norm1(grid), block.norm1(prompts))
+    # Both residual halves run on prompts and grid as one sequence (L438-443), so DropPath draws once per image.
+    x = torch.cat([prompts, grid.reshape(b, -1, c)], dim=1)
+    x = x + block.drop_path1(torch.cat([attn_prompts, attn_grid.reshape(b, -1, c)], dim=1))
+    x = x + block.drop_path2(block.mlp(block.norm2(x)))
+    return x[:, n:].reshape(b, h, w, c), x[:, :n]
+
+
+def _windowed_attention(block: nn.Module, grid: torch.Tensor, prompts: torch.Tensor) -> Pair:
+    """The windowed attention of timm's ``SwinTransformerBlock._attn``, each image's prompts in its windows."""
+    b, h, w, c = grid.shape
+    n = prompts.shape[1]
+    (win_h, win_w), (shift_h, shift_w) = block.window_size, block.shift_size
+    shifted = torch.roll(grid, shifts=(-shift_h, -shift_w), dims=(1, 2)) if shift_h or shift_w else grid
+    shifted = F.pad(shifted, (0, 0, 0, (win_w - w % win_w) % win_w, 0, (win_h - h % win_h) % win_h))
+    _, hp, wp, _ = shifted.shape
+    windows = window_partition(shifted, block.window_size).view(-1, win_h * win_w, c)
+    num_windows = windows.shape[0] // b
+    # window_partition lists the windows image by image, so image i's prompts repeat for its num_windows windows.
+    windows = torch.cat([prompts.repeat_interleave(num_windows, dim=0), windows], dim=1)
+    mask = block.get_attn_mask(shifted) if getattr(block, "dynamic_mask", False) else block.attn_mask
+    out = prompted_window_attention(block.attn, windows, mask, n)
+    # Each prompt's outputs averaged over its image's windows (L411-419).
+    attn_prompts = out[:, :n].reshape(b, num_windows, n, c).mean(dim=1)
+    out = window_reverse(out[:, n:].reshape(-1, win_h, win_w, c), block.window_size, hp, wp)[:, :h, :w]
+    if shift_h or shift_w:
+        out = torch.roll(out, shifts=(shift_h, shift_w), dims=(1, 2))
+    return out, attn_prompts
+
+
+def prompted_window_attention(
+    attn: nn.Module, x: torch.Tensor, mask: torch.Tensor | None, num_prompts: int
+) -> torch.Tensor:
+    """The ``WindowAttention`` of timm on windows whose first ``num_prompts`` tokens are prompts (L459-522).
+
+    The relative-position bias and the shifted-window mask know the window's tokens only; both are zero for every
+    pair that involves a prompt (L480-491, L499-508).
+    """
+    rows, tokens, _ = x.shape
+    q, k, v = attn.qkv(x).reshape(rows, tokens, 3, attn.num_heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
+    pad = (num_prompts, 0, num_prompts, 0)
+    bias = F.pad(attn._get_rel_pos_bias(), pad)  # 1, heads, tokens, tokens
+    if mask is not None:
+        windows = mask.shape[0]
+        mask = F.pad(mask, pad).view(1, windows, 1, tokens, tokens)
+        bias = (bias.unsqueeze(1) + mask).expand(rows // windows, -1, -1, -1, -1).reshape(rows, -1, tokens, tokens)
+    dropout = attn.attn_drop.p if attn.training else 0.0
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias.to(q.dtype), dropout_p=dropout, scale=attn.scale)
+    return attn.proj_drop(attn.proj(out.transpose(1, 2).reshape(rows, tokens, -1)))
+
+
+def insert_prompts(model: nn.Module, prompts: list[torch.Tensor | None], dropout: float, strip: bool) -> None:
+    """Wrap a timm Swin's blocks, patch mergings and final norm so that prompts run beside the grid.
+
+    Args:
+        model: a timm SwinTransformer.
+        prompts: per block, in order over the stages, its prompts (tokens x the block's width) or ``None`` (carry
+            the prompts that arrive); the first block needs prompts.
+        dropout: dropout on the prompts.
+        strip: the last block removes the prompts (the final norm and pooling see the grid alone).
+
+    """
+    places = [(stage, j) for stage in model.layers for j in range(len(stage.blocks))]
+    for i, ((stage, j), prompt) in enumerate(zip(places, prompts, strict=True)):
+        stage.blocks[j] = PromptedSwinBlock(stage.blocks[j], prompt, strip and i == len(places) - 1, dropout)
+    for stage in list(model.layers)[1:]:
+        if not isinstance(stage.downsample, nn.Identity):
+            stage.downsample = PromptedPatchMerging(stage.downsample)
+    if not strip:
+        model.norm = PromptedFinalNorm(model.norm)
+
+
+def forward_intermediates(
+    model: nn.Module,
+    x: torch.Tensor,
+    indices: int | list[int] | None = None,
+    norm: bool = False,
+    stop_early: bool = False,
+    output_fmt: str = "NCHW",
+    intermediates_only: bool = False,
+    **kwargs: Any,
+) -> Any:
+    """The ``SwinTransformer.forward_intermediates`` of timm on a prompted Swin: each stage's grid, prompts left out.
+
+    The stages run as timm runs them; an intermediate is the grid of a stage's output (NCHW, the plain model's
+    shapes), and the final features are ``forward_features``' (prompts included where the pooling sees them).
+    """
+    if output_fmt != "NCHW":
+        raise ValueError(f"forward_intermediates: output_fmt={output_fmt!r}: a Swin gives NCHW only")
+    if kwargs:
+        raise TypeError(f"forward_intermediates: a Swin takes no {', '.join(sorted(kwargs))}")
+    take, max_index = feature_take_indices(len(model.layers), indices)
+    stages = model.layers if not stop_early else model.layers[: max_index + 1]
+    intermediates, x, i = [], model.patch_embed(x), 0
+    last = len(model.layers) - 1
+    for i, stage in enumerate(stages):
+        x = stage(x)
+        if i in take:
+            grid = x if isinstance(x, torch.Tensor) else x[0]
+            # timm's norm=True applies the final norm to the last stage's map: the grid's tokens, not the prompts.
+            grid = _plain(model.norm)(grid) if norm and i == last else grid
+            intermediates.append(grid.permute(0, 3, 1, 2).contiguous())
+    if intermediates_only:
+        return intermediates
+    # As timm: the final norm only after the last stage (there with the prompts, as forward_features gives them).
+    if i == last:
+        return model.norm(x), intermediates
+    return (x if isinstance(x, torch.Tensor) else x[0]), intermediates
+
+
+def _plain(norm: nn.Module) -> nn.Module:
+    return norm.base if isinstance(norm, PromptedFinalNorm) else norm

@@ -1,0 +1,143 @@
+"""VPT on a Swin: the prompts' layout through stages, timm's methods on the prompted model, the published count.
+
+The registry-wide contracts (not unchanged at init, trainable count, save/load, dtype) run on the tiny Swin in
+tests/methods/test_method_contracts.py; the forward against KMnP/vpt's own Swin code is in
+tests/references/test_vpt_swin_reference.py.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import timm
+import torch
+from conftest import make_tiny_swin
+
+import petl
+from petl.model.backbone.swin_prompts import PromptedFinalNorm, PromptedPatchMerging, PromptedSwinBlock
+
+
+def _prompted(**options) -> torch.nn.Module:
+    return petl.apply_vpt(make_tiny_swin(), num_tokens=3, **options).eval()
+
+
+@pytest.mark.parametrize("pool", ["original", "img_pool"])
+@pytest.mark.parametrize("deep", [False, True], ids=["shallow", "deep"])
+def test_vpt_on_swin_layout(images, deep, pool):
+    model = _prompted(deep=deep, pool=pool)
+    blocks = [b for stage in model.layers for b in stage.blocks]
+    assert all(isinstance(b, PromptedSwinBlock) for b in blocks)
+    # One prompt set of the first stage's width (shallow), or one per block of its stage's width (deep).
+    assert [tuple(b.prompt.shape) for b in blocks if b.prompt is not None] == (
+        [(3, 16), (3, 16), (3, 32), (3, 32)] if deep else [(3, 16)]
+    )
+    assert isinstance(model.layers[1].downsample, PromptedPatchMerging)
+    assert isinstance(model.norm, PromptedFinalNorm) == (pool == "original")
+    # The final norm and pool see prompts and grid (VPT's Swin) or the grid alone (img_pool).
+    features = model.forward_features(images)
+    assert features.shape == ((2, 1, 3 + 16, 32) if pool == "original" else (2, 4, 4, 32))
+    assert model(images).shape == (2, 5)
+
+
+def test_vpt_on_swin_prompts_reach_every_stage(images):
+    # Shallow prompts are carried through the merging into the next stage: changing them changes the last stage.
+    model = _prompted()
+    before = model.forward_intermediates(images)[1]
+    with torch.no_grad():
+        model.layers[0].blocks[0].prompt.mul_(-1)
+    after = model.forward_intermediates(images)[1]
+    assert not torch.allclose(before[-1], after[-1])
+
+
+@pytest.mark.parametrize("pool", ["original", "img_pool"])
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"indices": 1}, {"norm": True}, {"indices": [0], "stop_early": True}, {"intermediates_only": True}],
+    ids=["all", "last", "norm", "stop-early", "only"],
+)
+def test_vpt_on_swin_intermediates_have_timms_shapes(images, options, pool):
+    plain = make_tiny_swin().forward_intermediates(images, **options)
+    got = _prompted(deep=True, pool=pool).forward_intermediates(images, **options)
+    if options.get("intermediates_only"):
+        plain, got = (None, plain), (None, got)
+    assert [t.shape for t in got[1]] == [t.shape for t in plain[1]]
+    if not options.get("intermediates_only"):
+        final = _prompted(deep=True, pool=pool).forward_features(images)
+        expected = final.shape if not options.get("stop_early") else plain[0].shape
+        assert got[0].shape == expected
+
+
+def test_vpt_on_swin_intermediates_equal_the_grid_the_stages_pass(images):
+    model = _prompted()
+    final, found = model.forward_intermediates(images, norm=True)
+    torch.testing.assert_close(final, model.forward_features(images))
+    x = model.patch_embed(images)
+    for stage, taken in zip(model.layers[:-1], found[:-1], strict=True):
+        x = stage(x)
+        torch.testing.assert_close(taken, x[0].permute(0, 3, 1, 2))
+    # norm=True: the final norm on the last stage's grid, as timm applies it.
+    last = model.layers[-1](x)[0]
+    torch.testing.assert_close(found[-1], model.norm.base(last).permute(0, 3, 1, 2))
+    with pytest.raises(TypeError, match="return_prefix_tokens"):
+        model.forward_intermediates(images, return_prefix_tokens=True)
+
+
+def test_vpt_on_swin_with_gradient_checkpointing(images):
+    plain = petl.apply_vpt(make_tiny_swin(), num_tokens=3, deep=True, num_classes=4).train()
+    ckpt = petl.apply_vpt(make_tiny_swin(), num_tokens=3, deep=True, num_classes=4).train()
+    ckpt.set_grad_checkpointing(True)
+    plain(images).sum().backward()
+    ckpt(images).sum().backward()
+    for (name, a), (_, b) in zip(plain.named_parameters(), ckpt.named_parameters(), strict=True):
+        if a.requires_grad:
+            assert b.grad is not None and b.grad.abs().sum() > 0, name
+            torch.testing.assert_close(a.grad, b.grad)
+
+
+def test_vpt_on_swin_prompt_dropout_per_image_in_train_mode_only(images):
+    model = petl.apply_vpt(make_tiny_swin(), num_tokens=4, dropout=0.5)
+    assert torch.equal(model.eval()(images), model(images))
+    model.train()
+    assert not torch.equal(model(images), model(images))
+    # Two copies of one image get their own dropout masks.
+    twins = images[:1].expand(2, -1, -1, -1)
+    out = model(twins)
+    assert not torch.allclose(out[0], out[1])
+
+
+def test_vpt_on_swin_refuses_pruning_and_swinv2(images):
+    model = _prompted()
+    with pytest.raises(ValueError, match="beside the grid"):
+        model.prune_intermediate_layers(indices=[0])
+    with pytest.raises(ValueError, match="beside the grid"):
+        model.prune_intermediate_layers(indices=1, prune_norm=True)
+    assert model(images).shape == (2, 5)
+    with pytest.raises(ValueError, match="swinv2.*no prompted reference"):
+        petl.apply_vpt(timm.create_model("swinv2_tiny_window8_256", pretrained=False, pretrained_cfg=None).eval())
+
+
+def test_multitask_refuses_vpt_on_swin_in_one_line(tmp_path):
+    # A mixed batch would need each row's prompts in its own windows and masked out of the others': no row hook.
+    path = tmp_path / "vpt.safetensors"
+    petl.save_trainable(petl.apply_vpt(make_tiny_swin(), num_tokens=2, num_classes=4), path)
+    with pytest.raises(ValueError, match=r"task 'vpt' \(method vpt\) cannot share .*PromptedSwinBlock") as error:
+        petl.MultiTask(make_tiny_swin(), {"vpt": path})
+    assert "\n" not in str(error.value)
+
+
+@pytest.fixture(scope="module")
+def swin_tiny() -> torch.nn.Module:
+    with torch.device("meta"):
+        return timm.create_model("swin_tiny_patch4_window7_224", pretrained=False)
+
+
+@pytest.mark.parametrize("deep", [False, True], ids=["shallow", "deep"])
+def test_vpt_on_swin_tiny_counts_the_references_tensors(swin_tiny, deep):
+    # KMnP/vpt@4410440 src/models/vit_prompt/swin_transformer.py L128-157 on swin_tiny (embed_dim 96, depths
+    # 2, 2, 6, 2): prompt_embeddings (1, 10, 96), and for deep deep_prompt_embeddings_0 (1, 10, 96), _1 (2, 10, 192),
+    # _2 (6, 10, 384), _3 (2, 10, 768).
+    shapes = [(1, 10, 96)] + ([(1, 10, 96), (2, 10, 192), (6, 10, 384), (2, 10, 768)] if deep else [])
+    expected = sum(a * b * c for a, b, c in shapes)
+    model = petl.apply_vpt(copy.deepcopy(swin_tiny), num_tokens=10, deep=deep)
+    assert petl.count_params(model).trainable_no_head == expected == (44_160 if deep else 960)
