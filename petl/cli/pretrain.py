@@ -63,6 +63,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--precision", default="no", choices=["no", "bf16", "fp16"])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--weights-dtype",
+        default="float32",
+        choices=["float32", "float16"],
+        help="type of the written weights (float16: half the file; loading casts them back)",
+    )
+    parser.add_argument(
         "--out",
         type=Path,
         default=DEFAULT_OUT,
@@ -131,6 +137,7 @@ def _main(argv: list[str]) -> None:
         seed=args.seed,
         arch=args.model,
         command=shlex.join([PROG, *argv]),
+        weights_dtype=args.weights_dtype,
     )
     print(
         f"pretrained {args.model} on {args.classes} fractal classes: {record['images_seen']} images seen, "

@@ -54,6 +54,7 @@ def pretrain(
     seed: int = 0,
     arch: str = ARCH,
     command: str | None = None,
+    weights_dtype: str = "float32",
 ) -> dict:
     """Pretrain ``arch`` on generated fractals and (optionally) write weights + provenance.
 
@@ -71,6 +72,8 @@ def pretrain(
         seed: seed of the model init and data order.
         arch: the timm architecture to pretrain (it must take 32 px images).
         command: the command line to record in the provenance.
+        weights_dtype: the floating-point type of the written weights (``float32`` or ``float16``, half the
+            size; the model casts them back to its own type as it loads them).
 
     Returns:
         The provenance record.
@@ -105,6 +108,7 @@ def pretrain(
         "precision": precision,
         "seed": seed,
     }
+    dtype = {"float32": torch.float32, "float16": torch.float16}[weights_dtype]
     partial = partial_file(out_dir, arch) if out_dir is not None else None
     done: list[dict] = []
     seconds_before = 0.0
@@ -161,11 +165,16 @@ def pretrain(
         "versions": files.versions(),
         **files.git_commit(),
         **({"command": command} if command else {}),
+        "weights_dtype": weights_dtype,
     }
     if out_dir is not None:
         weights, provenance = output_files(out_dir, arch)
         # The pretraining head is task-specific: downstream runs reset it, so it is not shipped.
-        state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items() if not k.startswith("head.")}
+        state = {
+            k: (v.to(dtype) if v.is_floating_point() else v).detach().cpu().contiguous()
+            for k, v in model.state_dict().items()
+            if not k.startswith("head.")
+        }
         files.write_atomic(weights, lambda tmp: save_file(state, str(tmp), metadata={"arch": arch}))
         record["weights_sha256"] = files.file_sha256(weights)
         files.write_text(provenance, json.dumps(record, indent=2) + "\n")
