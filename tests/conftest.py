@@ -1,4 +1,4 @@
-"""Fixtures and helpers shared by every test folder: tiny random-weight timm ViTs, a meta-device ViT-B.
+"""Fixtures and helpers shared by every test folder: tiny random-weight timm ViTs and Swins, a meta-device ViT-B.
 
 This is the only conftest.py under tests/: the test folders are not packages, so pytest imports every
 conftest.py as the module ``conftest``, and tests import the helpers below with ``from conftest import ...``;
@@ -12,6 +12,8 @@ from collections.abc import Callable
 import pytest
 import timm
 import torch
+from timm.models.swin_transformer import SwinTransformer
+from timm.models.swin_transformer_v2 import SwinTransformerV2
 from timm.models.vision_transformer import VisionTransformer
 
 # Three blocks of width 48 on 32x32 images in 8x8 patches: 16 patch tokens, about 95k parameters.
@@ -22,6 +24,40 @@ def make_tiny_vit(seed: int = 0, **overrides) -> VisionTransformer:
     """A tiny ViT in eval mode; the same seed and overrides give the same weights."""
     torch.manual_seed(seed)
     return VisionTransformer(**{**TINY_VIT, **overrides}).eval()
+
+
+# Two stages of two blocks (widths 16 and 32) on 32x32 images in 4x4 patches: an 8x8 grid in 4x4 windows, so the
+# first stage's second block shifts its windows and the second stage (4x4 after patch merging) has one window.
+TINY_SWIN = dict(img_size=32, patch_size=4, embed_dim=16, depths=(2, 2), num_heads=(2, 4), window_size=4, num_classes=5)
+
+
+def make_tiny_swin(seed: int = 0, **overrides) -> SwinTransformer:
+    """A tiny Swin (v1) in eval mode, about 36k parameters; the same seed and overrides give the same weights."""
+    torch.manual_seed(seed)
+    return SwinTransformer(**{**TINY_SWIN, **overrides}).eval()
+
+
+def make_tiny_swinv2(seed: int = 0, **overrides) -> SwinTransformerV2:
+    """A tiny SwinV2 of the same shape as :func:`make_tiny_swin`, about 47k parameters.
+
+    timm starts a SwinV2's post-norms at zero weight (its res-post-norm init), which makes every random block the
+    identity: here they get random weights around one, so that the blocks act and a method that changes them shows.
+    """
+    torch.manual_seed(seed)
+    model = SwinTransformerV2(**{**TINY_SWIN, **overrides}).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("norm1.weight", "norm2.weight")):
+                param.normal_(1.0, 0.1)
+    return model
+
+
+# A tiny model of every backbone kind petl registers, by kind: tests parametrized over the backbones use these.
+TINY_MODELS: dict[str, Callable[..., torch.nn.Module]] = {
+    "vit": make_tiny_vit,
+    "swin": make_tiny_swin,
+    "swinv2": make_tiny_swinv2,
+}
 
 
 @pytest.fixture

@@ -225,15 +225,14 @@ def _parallel_rows(wrapper: ParallelAdapter) -> rows.RowHook:
 
 
 def _formula(model: nn.Module, cfg: AdapterConfig) -> int:
-    bb = backbone_of(model)
-    d, r = bb.width(), cfg.bottleneck
-    # down: d*r + r, up: r*d + d, and the optional input LayerNorm 2*d, per block.
-    return bb.depth() * (2 * d * r + r + d + (2 * d if cfg.norm else 0))
+    r = cfg.bottleneck
+    # down: d*r + r, up: r*d + d, and the optional input LayerNorm 2*d, per block of width d.
+    return sum(2 * d * r + r + d + (2 * d if cfg.norm else 0) for d in backbone_of(model).widths())
 
 
 # The backbones adapter's idea fits: bottlenecks on the MLP output (sequential) or beside the block's MLP half
-# (parallel): any pre-norm block whose halves its family knows.
-BACKBONES = ("vit",)
+# (parallel): any block whose residual halves its family knows (pre-norm ViT and Swin, post-norm SwinV2).
+BACKBONES = ("vit", "swin", "swinv2")
 
 
 @register_method(
@@ -242,8 +241,8 @@ BACKBONES = ("vit",)
 def inject_adapter(model: nn.Module, cfg: AdapterConfig) -> None:
     """Bottleneck adapter in every block (sequential after the MLP, or parallel/AdaptFormer)."""
     bb = backbone_of(model)
-    width, kw = bb.width(), factory_kwargs(model)
-    for i, block in enumerate(bb.block_list()):
+    kw = factory_kwargs(model)
+    for i, (block, width) in enumerate(zip(bb.block_list(), bb.widths(), strict=True)):
         if cfg.style == "parallel":
             bb.set_block(i, ParallelAdapter(block, width, cfg).to(**kw))
         else:

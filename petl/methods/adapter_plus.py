@@ -118,23 +118,22 @@ def _rows(wrapper: AdapterPlusBlock) -> rows.RowHook:
 
 
 def _formula(model: nn.Module, cfg: AdapterPlusConfig) -> int:
-    bb = backbone_of(model)
-    d, r = bb.width(), cfg.dim
-    scales = {"channel": d, "learned": 1, "none": 0}[cfg.scaling]
-    # down d*r + r, up r*d + d, plus the scales, per block.
-    return bb.depth() * (2 * d * r + r + d + scales)
+    r = cfg.dim
+    # down d*r + r, up r*d + d, plus the scales, per block of width d.
+    return sum(
+        2 * d * r + r + d + {"channel": d, "learned": 1, "none": 0}[cfg.scaling] for d in backbone_of(model).widths()
+    )
 
 
 # The backbones adapter_plus's idea fits: a channel-scaled adapter after each block's MLP half, one width per block.
-BACKBONES = ("vit",)
+BACKBONES = ("vit", "swin", "swinv2")
 
 
 @register_method("adapter_plus", AdapterPlusConfig, trainable_formula=_formula, backbones=BACKBONES)
 def inject_adapter_plus(model: nn.Module, cfg: AdapterPlusConfig) -> None:
     """Adapter+: a bottleneck adapter after every block with a learned per-channel scale."""
     bb = backbone_of(model)
-    width = bb.width()
-    for i in range(bb.depth()):
+    for i, width in enumerate(bb.widths()):
         bb.set_block(i, AdapterPlusBlock(bb.block_container()[i], width, cfg))
 
 

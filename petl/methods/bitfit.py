@@ -61,20 +61,23 @@ class BitFitConfig(MethodConfig):
 
 def _biases(model: nn.Module, scope: str) -> list[nn.Parameter]:
     bb = backbone_of(model)
-    if scope == "linear":
-        modules = [bb.linear(block, name) for block in bb.block_list() for name in LINEARS]
-    else:
+    blocks = bb.block_list()
+    # The blocks' Linear biases as the backbone keeps them (a SwinV2's Q and V biases sit beside its qkv Linear).
+    found = [bias for block in blocks for name in LINEARS for bias in bb.linear_biases(block, name)]
+    if scope == "all":
         in_head = {id(m) for m in bb.head().modules()}
         modules = [m for m in model.modules() if id(m) not in in_head]
-    return [m.bias for m in modules if isinstance(getattr(m, "bias", None), nn.Parameter)]
+        found += [m.bias for m in modules if isinstance(getattr(m, "bias", None), nn.Parameter)]
+    return list({id(bias): bias for bias in found}.values())
 
 
 def _formula(model: nn.Module, cfg: BitFitConfig) -> int:
     return sum(b.numel() for b in _biases(model, cfg.biases))
 
 
-# The backbones bitfit's idea fits: the biases of the blocks' Linears: any family whose Linears the backbone names.
-BACKBONES = ("vit",)
+# The backbones bitfit's idea fits: the biases of the blocks' Linears (and every other bias): any family whose
+# Linears and their biases the backbone names.
+BACKBONES = ("vit", "swin", "swinv2")
 
 
 @register_method(

@@ -164,9 +164,16 @@ def _formula(model: nn.Module, cfg: ConvpassConfig) -> int:
 # The backbones convpass's idea fits: a 3x3 convolution over the patch grid of a flat token sequence (prefix tokens
 # set apart), one width.
 BACKBONES = ("vit",)
+# Why not on the other backbone kinds (the refusal says it, and so does the docs page).
+REFUSAL = (
+    "its bypass reshapes the attention's input to the patch grid, and a Swin attention sees shifted "
+    "windows: the 3x3 convolution would stop at every window border"
+)
 
 
-@register_method("convpass", ConvpassConfig, trainable_formula=_formula, zero_init=True, backbones=BACKBONES)
+@register_method(
+    "convpass", ConvpassConfig, trainable_formula=_formula, zero_init=True, backbones=BACKBONES, refusal=REFUSAL
+)
 def inject_convpass(model: nn.Module, cfg: ConvpassConfig) -> None:
     """Convpass: a 3x3 convolutional bypass beside every attention and MLP."""
     bb = backbone_of(model)

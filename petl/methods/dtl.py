@@ -172,9 +172,14 @@ def _formula(model: nn.Module, cfg: DtlConfig) -> int:
 # The backbones dtl's idea fits: a low-rank side path over a flat token sequence with one width, fused by convolution
 # over the patch grid.
 BACKBONES = ("vit",)
+# Why not on the other backbone kinds (the refusal says it, and so does the docs page).
+REFUSAL = (
+    "its side path is one running sum of every block's low-rank map at one width, fused over one patch "
+    "grid, and a Swin's width and grid change per stage"
+)
 
 
-@register_method("dtl", DtlConfig, trainable_formula=_formula, zero_init=True, backbones=BACKBONES)
+@register_method("dtl", DtlConfig, trainable_formula=_formula, zero_init=True, backbones=BACKBONES, refusal=REFUSAL)
 def inject_dtl(model: nn.Module, cfg: DtlConfig) -> None:
     """DTL: a low-rank side network summed over the blocks and added back after the later ones."""
     _side.install(model, DtlSide(model, cfg))

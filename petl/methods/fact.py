@@ -246,9 +246,16 @@ def _formula(model: nn.Module, cfg: FactConfig) -> int:
 
 # The backbones fact's idea fits: factors shared across every block's Linears, which needs one width for all blocks.
 BACKBONES = ("vit",)
+# Why not on the other backbone kinds (the refusal says it, and so does the docs page).
+REFUSAL = (
+    "FacT factorises every block's weights as one tensor whose factors U and V have the one embed width, "
+    "and a Swin's width changes per stage"
+)
 
 
-@register_method("fact", FactConfig, trainable_formula=_formula, zero_init=True, mergeable=True, backbones=BACKBONES)
+@register_method(
+    "fact", FactConfig, trainable_formula=_formula, zero_init=True, mergeable=True, backbones=BACKBONES, refusal=REFUSAL
+)
 def inject_fact(model: nn.Module, cfg: FactConfig) -> None:
     """FacT: qkv/proj/fc1/fc2 updates factorised across all blocks (tensor-train or Tucker); mergeable."""
     bb = backbone_of(model)

@@ -361,6 +361,11 @@ def calibrate_gps(
 # The backbones gps's idea fits: a per-row sparse update on the patch projection and every block's Linears, plus layer
 # scales.
 BACKBONES = ("vit",)
+# Why not on the other backbone kinds (the refusal says it, and so does the docs page).
+REFUSAL = (
+    "its selection covers the patch projection and the blocks' Linears only: a Swin's patch-merging "
+    "reductions between stages would silently stay out"
+)
 
 
 register_method(
@@ -371,6 +376,7 @@ register_method(
     mergeable=True,
     calibrate=calibrate_gps,
     backbones=BACKBONES,
+    refusal=REFUSAL,
 )(inject_gps)
 
 

@@ -403,9 +403,14 @@ def _formula(model: nn.Module, cfg: HstConfig) -> int:
 
 # The backbones hst's idea fits: a side network over the patch grid with meta tokens, reading every block of one width.
 BACKBONES = ("vit",)
+# Why not on the other backbone kinds (the refusal says it, and so does the docs page).
+REFUSAL = (
+    "its side network reads every block's tokens of one width through meta tokens in one flat sequence, "
+    "and a Swin has stages of other widths and windowed grids"
+)
 
 
-@register_method("hst", HstConfig, trainable_formula=_formula, backbones=BACKBONES)
+@register_method("hst", HstConfig, trainable_formula=_formula, backbones=BACKBONES, refusal=REFUSAL)
 def inject_hst(model: nn.Module, cfg: HstConfig) -> None:
     """HST: meta tokens in every block, trained LayerNorms, and a hierarchical side network that classifies."""
     bb = backbone_of(model)

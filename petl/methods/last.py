@@ -167,9 +167,14 @@ def _formula(model: nn.Module, cfg: LastConfig) -> int:
 
 # The backbones last's idea fits: a side network over the blocks' outputs at one width.
 BACKBONES = ("vit",)
+# Why not on the other backbone kinds (the refusal says it, and so does the docs page).
+REFUSAL = (
+    "its low-rank attention side network runs over the blocks' outputs at one width and one token count, "
+    "and a Swin's change per stage"
+)
 
 
-@register_method("last", LastConfig, trainable_formula=_formula, zero_init=True, backbones=BACKBONES)
+@register_method("last", LastConfig, trainable_formula=_formula, zero_init=True, backbones=BACKBONES, refusal=REFUSAL)
 def inject_last(model: nn.Module, cfg: LastConfig) -> None:
     """LAST: a side network of low-rank self-attention blocks reading every group's output."""
     _side.install(model, LastSide(model, cfg))

@@ -188,9 +188,14 @@ def _formula(model: nn.Module, cfg: LstConfig) -> int:
 # The backbones lst's idea fits: a ladder side network of timm ViT blocks at a reduced width, one width and head count
 # for all blocks.
 BACKBONES = ("vit",)
+# Why not on the other backbone kinds (the refusal says it, and so does the docs page).
+REFUSAL = (
+    "its ladder side network takes every block's tokens at one reduced width and one token count, and a "
+    "Swin's change per stage"
+)
 
 
-@register_method("lst", LstConfig, trainable_formula=_formula, backbones=BACKBONES)
+@register_method("lst", LstConfig, trainable_formula=_formula, backbones=BACKBONES, refusal=REFUSAL)
 def inject_lst(model: nn.Module, cfg: LstConfig) -> None:
     """LST: a 1/reduction-wide side transformer fed by ladders from every frozen block."""
     _side.install(model, LstSide(model, cfg))

@@ -380,10 +380,12 @@ def inject_noah(model: nn.Module, cfg: NoahConfig) -> None:
 # The backbones noah's idea fits: prompt tokens appended to a flat token sequence, adapters and LoRA on pre-norm
 # blocks of one width.
 BACKBONES = ("vit",)
+# Why not on the other backbone kinds (the refusal says it, and so does the docs page).
+REFUSAL = "its prompts are appended to one flat token sequence (VPT's layout), and a Swin attends in windows of a grid"
 
 
 # Its calibration, the subnet search, registers itself from petl.methods.noah_search (which builds on this file).
-register_method("noah", NoahConfig, trainable_formula=_formula, backbones=BACKBONES)(inject_noah)
+register_method("noah", NoahConfig, trainable_formula=_formula, backbones=BACKBONES, refusal=REFUSAL)(inject_noah)
 
 
 def apply_noah(model: nn.Module, **options: Any) -> nn.Module:

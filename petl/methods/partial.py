@@ -57,8 +57,9 @@ def _formula(model: nn.Module, cfg: PartialConfig) -> int:
     return sum(p.numel() for m in _trained_modules(model, cfg.k) for p in m.parameters())
 
 
-# The backbones partial's idea fits: the last k blocks and the final norms train.
-BACKBONES = ("vit",)
+# The backbones partial's idea fits: the last k blocks and the final norms train: any backbone (on a Swin the
+# patch merging between stages is not a block and stays frozen).
+BACKBONES = ("vit", "swin", "swinv2")
 
 
 @register_method(

@@ -243,7 +243,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 
 # The backbones peft's idea fits: peft's tuners on the Linears the backbone names.
-BACKBONES = ("vit",)
+BACKBONES = ("vit", "swin", "swinv2")
 
 
 @register_method(
@@ -258,6 +258,7 @@ def inject_peft(model: nn.Module, cfg: PeftBridgeConfig) -> None:
     register_mergeable_type(BaseTunerLayer)
     _register_row_hooks()
     inject_adapter_in_model(cfg.to_peft(), model)
+    backbone_of(model).adopt_wrapped_linears()
 
 
 def _register_row_hooks() -> None:

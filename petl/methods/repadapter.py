@@ -69,9 +69,11 @@ class RepAdapterConfig(MethodConfig):
         check_range("groups", self.groups, low=1)
         check_dropout("dropout", self.dropout)
         check_nonzero("scale", self.scale, "the adapters")
-        width = backbone_of(model).width()
-        if self.bottleneck % self.groups or width % self.groups:
-            raise ValueError(f"groups={self.groups} must divide bottleneck={self.bottleneck} and the embed dim {width}")
+        for width in sorted(set(backbone_of(model).widths())):
+            if self.bottleneck % self.groups or width % self.groups:
+                raise ValueError(
+                    f"groups={self.groups} must divide bottleneck={self.bottleneck} and the block width {width}"
+                )
 
 
 class RepAdapterLinear(PetlModule):
@@ -166,18 +168,24 @@ def _rows(wrapper: RepAdapterLinear) -> rows.RowHook:
 
 
 def _formula(model: nn.Module, cfg: RepAdapterConfig) -> int:
-    bb = backbone_of(model)
-    d, r, g = bb.width(), cfg.bottleneck, cfg.groups
-    # A: d*r + r; grouped B: d * (r/g) + d; two adapters (attention, MLP) per block.
-    return bb.depth() * 2 * (d * r + r + d * (r // g) + d)
+    r, g = cfg.bottleneck, cfg.groups
+    # A: d*r + r; grouped B: d * (r/g) + d; two adapters (attention, MLP) per block of width d.
+    return sum(2 * (d * r + r + d * (r // g) + d) for d in backbone_of(model).widths())
 
 
 # The backbones repadapter's idea fits: re-parameterisable adapters in front of the attention and MLP Linears.
-BACKBONES = ("vit",)
+BACKBONES = ("vit", "swin")
 
 
 @register_method(
-    "repadapter", RepAdapterConfig, trainable_formula=_formula, zero_init=True, mergeable=True, backbones=BACKBONES
+    "repadapter",
+    RepAdapterConfig,
+    trainable_formula=_formula,
+    zero_init=True,
+    mergeable=True,
+    backbones=BACKBONES,
+    refusal="its merge folds the adapter's shift into the qkv bias, and a SwinV2's qkv Linear has none (its Q and V "
+    "biases sit beside it)",
 )
 def inject_repadapter(model: nn.Module, cfg: RepAdapterConfig) -> None:
     """RepAdapter: group-wise adapters before attention and the MLP, merged into qkv and fc1."""

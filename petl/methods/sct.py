@@ -234,9 +234,16 @@ def _formula(model: nn.Module, cfg: SctConfig) -> int:
 # The backbones sct's idea fits: salient channels of the residual stream between the halves of pre-norm blocks of one
 # width.
 BACKBONES = ("vit",)
+# Why not on the other backbone kinds (the refusal says it, and so does the docs page).
+REFUSAL = (
+    "its salient channels are chosen and tuned in one flat token stream of one width (top_n = width // "
+    "8), and a Swin's width and tokens change per stage"
+)
 
 
-@register_method("sct", SctConfig, trainable_formula=_formula, calibrate=calibrate_sct, backbones=BACKBONES)
+@register_method(
+    "sct", SctConfig, trainable_formula=_formula, calibrate=calibrate_sct, backbones=BACKBONES, refusal=REFUSAL
+)
 def inject_sct(model: nn.Module, cfg: SctConfig) -> None:
     """SCT: a Linear on the top_n salient residual channels after each block's attention."""
     bb = backbone_of(model)

@@ -236,9 +236,13 @@ def _formula(model: nn.Module, cfg: SnfConfig) -> int:
 
 # The backbones snf's idea fits: normalizing flows on both residual shortcuts of pre-norm blocks of one width.
 BACKBONES = ("vit",)
+# Why not on the other backbone kinds (the refusal says it, and so does the docs page).
+REFUSAL = (
+    "its normalizing flows on the residual shortcuts are built for one width, and a Swin's width changes per stage"
+)
 
 
-@register_method("snf", SnfConfig, trainable_formula=_formula, zero_init=True, backbones=BACKBONES)
+@register_method("snf", SnfConfig, trainable_formula=_formula, zero_init=True, backbones=BACKBONES, refusal=REFUSAL)
 def inject_snf(model: nn.Module, cfg: SnfConfig) -> None:
     """SNF: a normalizing flow on both shortcuts of every block."""
     bb = backbone_of(model)

@@ -25,7 +25,10 @@ from petl.model.backbone import backbone_of
 from petl.model.params import trainable_state
 from petl.model.surgery import apply
 
-FORMAT = "petl-trainable-1"
+# Version 2 adds ``widths`` (each block's width: a Swin's change per stage); version 1 files, which record one
+# ``embed_dim`` for every block, are still read.
+FORMAT = "petl-trainable-2"
+FORMATS = ("petl-trainable-1", FORMAT)
 
 
 def _describe(model: nn.Module) -> dict[str, str]:
@@ -35,8 +38,9 @@ def _describe(model: nn.Module) -> dict[str, str]:
         "format": FORMAT,
         "method": model.petl_method,
         "config": json.dumps(dataclasses.asdict(config), sort_keys=True),
-        "embed_dim": str(bb.width()),
+        "embed_dim": str(bb.widths()[0]),
         "depth": str(bb.depth()),
+        "widths": json.dumps(bb.widths()),
     }
 
 
@@ -94,7 +98,7 @@ def read_trainable_metadata(path: str | Path) -> dict[str, Any]:
     """
     with _open_safetensors(path) as f:
         meta = f.metadata() or {}
-    if meta.get("format") != FORMAT:
+    if meta.get("format") not in FORMATS:
         raise ValueError(f"{path} is not a petl trainable-weights file (format {meta.get('format')!r})")
 
     def field(key: str, parse: Callable[[str], Any]) -> Any:
@@ -115,7 +119,11 @@ def read_trainable_metadata(path: str | Path) -> dict[str, Any]:
     if not isinstance(config, dict):
         raise ValueError(f"{path}: metadata field 'config' is malformed (not a JSON object)")
     field("method", str)
-    return {**meta, "config": config, "embed_dim": field("embed_dim", int), "depth": field("depth", int)}
+    embed_dim, depth = field("embed_dim", int), field("depth", int)
+    widths = field("widths", json.loads) if meta["format"] != FORMATS[0] else [embed_dim] * depth
+    if not isinstance(widths, list) or len(widths) != depth or not all(isinstance(w, int) for w in widths):
+        raise ValueError(f"{path}: metadata field 'widths' is malformed (not {depth} whole numbers)")
+    return {**meta, "config": config, "embed_dim": embed_dim, "depth": depth, "widths": widths}
 
 
 # Bounds on what a weights file's metadata may claim, checked before anything is parsed further or built:
@@ -199,8 +207,7 @@ def load_trainable(model: nn.Module, path: str | Path) -> nn.Module:
     """
     bb = backbone_of(model)
     meta = read_trainable_metadata(path)
-    for key in ("embed_dim", "depth"):
-        have = bb.width() if key == "embed_dim" else bb.depth()
+    for key, have in (("embed_dim", bb.widths()[0]), ("depth", bb.depth()), ("widths", bb.widths())):
         if have != meta[key]:
             raise ValueError(f"{path} was saved for a backbone with {key}={meta[key]}, this one has {key}={have}")
     fresh = getattr(model, "petl_method", None) is None

@@ -75,6 +75,8 @@ class MethodSpec:
     # ``calibrate(backbone, cfg, loader, *, progress=True) -> cfg``.  petl-run calls it; Python users call it
     # themselves.
     calibrate: Callable[..., MethodConfig] | None = None
+    # Why the idea does not fit the backbone kinds left out of ``backbones`` (the refusal's second half).
+    refusal: str = ""
 
 
 _REGISTRY: dict[str, MethodSpec] = {}
@@ -88,6 +90,7 @@ def register_method(
     mergeable: bool = False,
     calibrate: Callable[..., MethodConfig] | None = None,
     backbones: tuple[str, ...] = ("vit",),
+    refusal: str = "",
 ) -> Callable:
     """Decorator registering ``inject(model, cfg)`` as method ``name``.
 
@@ -107,6 +110,8 @@ def register_method(
         backbones: the backbone kinds (:attr:`petl.Backbone.kind`, :func:`petl.list_backbones`) the method
             supports, from what its idea needs (a flat token sequence, prefix tokens, one width, the block's
             residual halves); :func:`apply` refuses a model of another kind in one line.
+        refusal: why the idea does not fit the other kinds, in a few words; the refusal and the method's docs
+            page say it.
 
     """
 
@@ -122,6 +127,7 @@ def register_method(
             mergeable,
             calibrate=calibrate,
             backbones=tuple(backbones),
+            refusal=refusal,
         )
         return inject
 

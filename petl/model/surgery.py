@@ -68,9 +68,10 @@ def apply(
     bb = backbone_of(model)
     bb.check()
     if bb.kind not in spec.backbones:
+        why = f": {spec.refusal}" if spec.refusal else ""
         raise ValueError(
             f"method {method!r} does not support the {bb.kind} backbone ({type(model).__name__}): "
-            f"it supports {', '.join(spec.backbones)}"
+            f"it supports {', '.join(spec.backbones)}{why}"
         )
     config.validate(model)
     model.requires_grad_(False)

@@ -112,16 +112,19 @@ def forward_intermediates(
     places = {m.prompt_place for m in _wrappers(model) if m.prompt_place}
     timm_forward = type(model).forward_intermediates
     if not places:
+        # By keyword, and the ViT-only options only where given: a Swin's forward_intermediates has neither
+        # return_prefix_tokens nor output_dict, and takes its other arguments in another order.
         options = {"output_dict": True} if output_dict else {}
+        if return_prefix_tokens:
+            options["return_prefix_tokens"] = True
         return timm_forward(
             model,
             x,
-            indices,
-            return_prefix_tokens,
-            norm,
-            stop_early,
-            output_fmt,
-            intermediates_only,
+            indices=indices,
+            norm=norm,
+            stop_early=stop_early,
+            output_fmt=output_fmt,
+            intermediates_only=intermediates_only,
             **options,
             **kwargs,
         )
@@ -195,9 +198,10 @@ def prune_intermediate_layers(
             f"prune_intermediate_layers: method {method!r} classifies with its own {type(head).__name__}, which "
             "prune_head=True would remove: pass prune_head=False to keep it"
         )
-    blocks = bb.block_container()
-    _, max_index = feature_take_indices(len(blocks), indices)
-    dropped = [m for block in list(blocks)[max_index + 1 :] for m in block.modules()]
+    # timm counts the taps (a ViT's blocks, a Swin's stages); the blocks after the last kept tap are dropped.
+    taps = bb.feature_taps()
+    _, max_index = feature_take_indices(len(taps), indices)
+    dropped = [m for block in list(bb.block_container())[taps[max_index] + 1 :] for m in block.modules()]
     # A block that removes the prompts after itself (NOAH's last, VPT's with pool=img_pool) cannot be dropped: the
     # kept blocks would pass the prompts on into the features.
     strips = any(isinstance(m, PetlModule) and m.prompt_place and getattr(m, "strip", 0) for m in dropped)

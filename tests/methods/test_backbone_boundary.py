@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import timm
 import torch
+from conftest import TINY_MODELS, make_tiny_swin, make_tiny_swinv2
 from timm.models.vision_transformer import VisionTransformer
 
 import petl
@@ -23,8 +24,8 @@ PACKAGE = Path(petl.__file__).parent
 # The implementations, and the timm models petl registers (they define a ViT; they do not reach into one).
 ALLOWED = (PACKAGE / "model" / "backbone", PACKAGE / "backbones")
 # A model's attributes that only its family's Backbone may read.
-INTERNALS = {"blocks", "ls1", "ls2", "_pos_embed", "attn", "mlp"}
-FAMILY_CLASSES = {"VisionTransformer"}
+INTERNALS = {"blocks", "ls1", "ls2", "_pos_embed", "attn", "mlp", "downsample", "_attn"}
+FAMILY_CLASSES = {"VisionTransformer", "SwinTransformer", "SwinTransformerV2"}
 # Modules whose ``.blocks`` are a rank test's blocks (petl/bench/ranking.py's Ranking, scipy's word), not a model's.
 RANK_TEST_BLOCKS = {"petl/bench/choice.py", "petl/bench/notes.py", "petl/bench/report.py"}
 
@@ -78,7 +79,7 @@ def test_the_check_catches_a_direct_access():
 
 def test_backbone_is_chosen_by_model_class(tiny_vit):
     assert isinstance(petl.backbone_of(tiny_vit()), ViT)
-    assert petl.list_backbones() == ["vit"]
+    assert petl.list_backbones() == ["swin", "swinv2", "vit"]
     deit = timm.create_model("deit_tiny_distilled_patch16_224", img_size=32, patch_size=8, num_classes=3)
     assert petl.backbone_of(deit).kind == "vit"  # a subclass of VisionTransformer, found through its MRO
 
@@ -109,3 +110,50 @@ def test_interface_matches_the_vit(tiny_vit):
         for block in bb.block_container():
             x = bb.run_block(block, x)
         assert torch.equal(bb.head()(bb.pooled_features(x)), model(images))
+
+
+@pytest.mark.parametrize("make", [make_tiny_swin, make_tiny_swinv2], ids=["swin", "swinv2"])
+def test_interface_matches_the_swin(make, images):
+    model = make()
+    bb = petl.backbone_of(model)
+    assert bb.kind == ("swin" if make is make_tiny_swin else "swinv2") and bb.layout == "windows"
+    assert bb.widths() == [16, 16, 32, 32] and bb.stages() == [0, 0, 1, 1] and bb.feature_taps() == [1, 3]
+    assert bb.num_prefix_tokens() == 0 and bb.grid_size() == (8, 8)
+    with pytest.raises(ValueError, match="several block widths"):
+        bb.width()
+    logits = model(images)
+    with torch.no_grad():
+        # The blocks one by one (each stage's patch merging in front of its first), then the pooled features.
+        x = bb.embed_tokens(images)
+        for i, block in enumerate(bb.block_container()):
+            cut = bb.block_input_module(i)
+            x = bb.run_block(block, x if cut is block else cut(x))
+            # Each block is its two residual halves, as the methods that act between them run it.
+            assert x.shape[-1] == bb.widths()[i]
+        torch.testing.assert_close(bb.head()(bb.pooled_features(x)), logits)
+        # The logits again from every cut point, as the feature cache replays them.
+        for start in range(bb.depth()):
+            seen: list[torch.Tensor] = []
+            record = seen.append
+            handle = bb.block_input_module(start).register_forward_pre_hook(lambda _m, args, r=record: r(args[0]))
+            model(images)
+            handle.remove()
+            torch.testing.assert_close(bb.forward_from(seen[0], start), logits)
+        block, grid = bb.block_list()[0], torch.randn(2, 8, 8, 16)
+        torch.testing.assert_close(bb.mlp_residual(block, bb.attn_residual(block, grid)), block(grid))
+        keep = torch.ones(2, 16, dtype=torch.bool)
+        torch.testing.assert_close(bb.pooled_features(x, keep), bb.pooled_features(x))
+
+
+@pytest.mark.parametrize("kind", ["swin", "swinv2"])
+@pytest.mark.parametrize("method", petl.list_methods())
+def test_a_method_refuses_a_backbone_it_does_not_declare_in_one_line(kind, method):
+    spec = petl.get_method(method)
+    if kind in spec.backbones:
+        pytest.skip(f"{method} supports {kind}")
+    model = TINY_MODELS[kind]()
+    with pytest.raises(ValueError, match=rf"^method '{method}' does not support the {kind} backbone") as error:
+        petl.apply(model, method)
+    assert "\n" not in str(error.value)
+    # The reason, where the method gives one, is the refusal's end.
+    assert str(error.value).endswith(spec.refusal)

@@ -13,7 +13,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import perturb_trainable
+from conftest import TINY_MODELS, perturb_trainable
 from peft import LoraConfig
 from peft.tuners.tuners_utils import BaseTunerLayer
 from safetensors import safe_open
@@ -69,6 +69,20 @@ IDS = [name + "".join(f"-{k}={v}" for k, v in opts.items()) for name, opts in VA
 MERGEABLE = [v for v in VARIANTS if petl.get_method(v[0]).mergeable]
 MERGEABLE_IDS = [i for i, v in zip(IDS, VARIANTS, strict=True) if v in MERGEABLE]
 
+
+def _on_every_backbone(variants: list[tuple[str, dict]]) -> tuple[list[tuple[str, str, dict]], list[str]]:
+    """(kind, method, options) for every variant on every backbone kind its method declares, and their ids."""
+    cases = [
+        (kind, name, opts) for kind in TINY_MODELS for name, opts in variants if kind in petl.get_method(name).backbones
+    ]
+    ids = [f"{kind}-{IDS[VARIANTS.index((name, opts))]}" for kind, name, opts in cases]
+    return cases, ids
+
+
+# The contract tests run each variant on a tiny model of every backbone kind its method supports.
+CASES, CASE_IDS = _on_every_backbone(VARIANTS)
+MERGEABLE_CASES, MERGEABLE_CASE_IDS = _on_every_backbone(MERGEABLE)
+
 # Backbones the formula and layout checks run on: class token + token pooling, average pooling
 # without a class token, and register tokens.
 BACKBONES = {
@@ -76,21 +90,23 @@ BACKBONES = {
     "avg-no-cls": {"class_token": False, "global_pool": "avg"},
     "reg-tokens": {"reg_tokens": 2},
 }
+# The formula is also checked on a Swin of three stages of other depths (widths 16, 32, 64; an odd depth).
+SWIN_FORMULA = {"depths": (1, 2, 1), "num_heads": (2, 2, 4), "img_size": 64, "window_size": 4}
 
 
-@pytest.mark.parametrize(("method", "options"), VARIANTS, ids=IDS)
-def test_zero_init_flag_matches_behaviour(tiny_vit, images, method, options):
-    reference = tiny_vit()(images)
+@pytest.mark.parametrize(("kind", "method", "options"), CASES, ids=CASE_IDS)
+def test_zero_init_flag_matches_behaviour(images, kind, method, options):
+    reference = TINY_MODELS[kind]()(images)
     # Without num_classes the head is kept, so the whole output can be compared.
-    model = petl.apply(tiny_vit(), method, **options).eval()
+    model = petl.apply(TINY_MODELS[kind](), method, **options).eval()
     unchanged = torch.allclose(model(images), reference, atol=1e-6)
     assert unchanged == (petl.get_method(method).zero_init and model.petl_config.keeps_zero_init)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("method", "options"), VARIANTS, ids=IDS)
-def test_training_touches_exactly_the_trainable_tensors(tiny_vit, method, options):
-    model = petl.apply(tiny_vit(), method, num_classes=4, **options).train()
+@pytest.mark.parametrize(("kind", "method", "options"), CASES, ids=CASE_IDS)
+def test_training_touches_exactly_the_trainable_tensors(kind, method, options):
+    model = petl.apply(TINY_MODELS[kind](), method, num_classes=4, **options).train()
     trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
     assert trainable
     before = {n: t.clone() for n, t in model.state_dict().items()}
@@ -113,9 +129,9 @@ def test_training_touches_exactly_the_trainable_tensors(tiny_vit, method, option
     assert [n for n in before if n not in learnt and not torch.equal(after[n], before[n])] == []
 
 
-@pytest.mark.parametrize(("method", "options"), VARIANTS, ids=IDS)
-def test_inserted_modules_are_wrappers(tiny_vit, method, options):
-    model = tiny_vit()
+@pytest.mark.parametrize(("kind", "method", "options"), CASES, ids=CASE_IDS)
+def test_inserted_modules_are_wrappers(kind, method, options):
+    model = TINY_MODELS[kind]()
     original = {id(m) for m in model.modules()}
     petl.apply(model, method, **options)
     head = {id(m) for m in backbone_of(model).head().modules()}
@@ -126,9 +142,9 @@ def test_inserted_modules_are_wrappers(tiny_vit, method, options):
         assert any(name == w or name.startswith(w + ".") for w in wrapper_paths), name
 
 
-@pytest.mark.parametrize(("method", "options"), MERGEABLE, ids=MERGEABLE_IDS)
-def test_merge_unmerge_equivalence(tiny_vit, images, method, options):
-    model = petl.apply(tiny_vit(), method, num_classes=4, **options)
+@pytest.mark.parametrize(("kind", "method", "options"), MERGEABLE_CASES, ids=MERGEABLE_CASE_IDS)
+def test_merge_unmerge_equivalence(images, kind, method, options):
+    model = petl.apply(TINY_MODELS[kind](), method, num_classes=4, **options)
     perturb_trainable(model)
     frozen = {n: t.clone() for n, t in model.state_dict().items() if n not in trainable_state(model)}
     unmerged = model(images)
@@ -142,15 +158,15 @@ def test_merge_unmerge_equivalence(tiny_vit, images, method, options):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("method", "options"), VARIANTS, ids=IDS)
-def test_save_load_round_trip_onto_fresh_backbone(tiny_vit, images, tmp_path, method, options):
-    model = petl.apply(tiny_vit(), method, num_classes=4, **options)
+@pytest.mark.parametrize(("kind", "method", "options"), CASES, ids=CASE_IDS)
+def test_save_load_round_trip_onto_fresh_backbone(images, tmp_path, kind, method, options):
+    model = petl.apply(TINY_MODELS[kind](), method, num_classes=4, **options)
     perturb_trainable(model)
     path = tmp_path / "trained.safetensors"
     petl.save_trainable(model, path)
     with safe_open(str(path), framework="pt") as f:
         assert set(f.keys()) == set(trainable_state(model))
-    fresh = petl.load_trainable(tiny_vit(), path)
+    fresh = petl.load_trainable(TINY_MODELS[kind](), path)
     assert fresh.petl_method == method
     assert torch.equal(fresh.eval()(images), model.eval()(images))
 
@@ -198,6 +214,18 @@ def test_count_matches_formula(tiny_vit, method, options, backbone):
     counts = petl.count_params(model)
     assert counts.trainable_no_head == expected
     assert counts.trainable == expected + sum(p.numel() for p in backbone_of(model).head().parameters())
+
+
+@pytest.mark.parametrize(
+    ("kind", "method", "options"),
+    [c for c in CASES if c[0] != "vit"],
+    ids=[i for c, i in zip(CASES, CASE_IDS, strict=True) if c[0] != "vit"],
+)
+def test_count_matches_formula_on_a_staged_backbone(kind, method, options):
+    spec = petl.get_method(method)
+    expected = spec.trainable_formula(TINY_MODELS[kind](**SWIN_FORMULA), petl.make_config(method, **options))
+    model = petl.apply(TINY_MODELS[kind](**SWIN_FORMULA), method, num_classes=4, **options)
+    assert petl.count_params(model).trainable_no_head == expected
 
 
 PUBLISHED = [
@@ -490,10 +518,10 @@ def test_peft_rejects_bad_options(tiny_vit):
     assert all(p.requires_grad for p in model.parameters())  # refused before anything changed
 
 
-@pytest.mark.parametrize(("method", "options"), VARIANTS, ids=IDS)
-def test_new_tensors_follow_the_model_dtype(tiny_vit, images, method, options):
+@pytest.mark.parametrize(("kind", "method", "options"), CASES, ids=CASE_IDS)
+def test_new_tensors_follow_the_model_dtype(images, kind, method, options):
     # dtype stands in for device here: both come from the model, so a CPU-only run still catches
     # a method that builds its tensors with the defaults instead of beside the frozen weights.
-    model = petl.apply(tiny_vit().double(), method, num_classes=4, **options)
+    model = petl.apply(TINY_MODELS[kind]().double(), method, num_classes=4, **options)
     assert {p.dtype for p in model.parameters()} == {torch.float64}
     assert model(images.double()).dtype == torch.float64

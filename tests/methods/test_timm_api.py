@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import make_tiny_vit, perturb_trainable
+from conftest import TINY_MODELS, make_tiny_vit, perturb_trainable
 from timm.optim import param_groups_weight_decay
 
 import petl
@@ -324,3 +324,56 @@ def test_docs_works_with_table_is_generated_from_the_registry():
     assert match, "docs/works-with.md: the works-with table's markers are missing"
     table = support_table()
     assert match.group(1) == table, f"docs/works-with.md's table is stale: run python docs/gen.py, or paste:\n{table}"
+
+
+# ------------------------------------------------------------------------------------ on a staged backbone
+
+# Every experiment whose method supports Swin or SwinV2, on the tiny model of that kind.
+STAGED = [
+    (kind, name)
+    for kind in ("swin", "swinv2")
+    for name in EXPERIMENTS
+    if kind in petl.get_method(_method(name)[0]).backbones
+]
+
+
+def _applied_on(kind: str, name: str) -> torch.nn.Module:
+    method, options = _method(name)
+    model = petl.apply(TINY_MODELS[kind](), method, num_classes=4, **options)
+    perturb_trainable(model)
+    return model.eval()
+
+
+@pytest.mark.parametrize(("kind", "name"), STAGED)
+def test_forward_intermediates_on_a_staged_backbone_are_timms(images, kind, name):
+    plain, model = TINY_MODELS[kind](num_classes=4), _applied_on(kind, name)
+    for options in ({}, {"indices": [0], "norm": True}, {"indices": 1, "stop_early": True}):
+        want = plain.forward_intermediates(images, intermediates_only=True, **options)
+        got = model.forward_intermediates(images, intermediates_only=True, **options)
+        assert [t.shape for t in got] == [t.shape for t in want] == [t.shape for t in want]
+    final, stages = model.forward_intermediates(images)
+    assert [t.shape for t in stages] == [(2, 16, 8, 8), (2, 32, 4, 4)]  # NCHW per stage, as timm's
+    torch.testing.assert_close(final, model.forward_features(images))
+    # Pruned to the first stage as timm prunes, the kept stage's map is unchanged (where the head lets it prune).
+    if timm_api.support(model)["prune_intermediate_layers"] != "timm's":
+        return
+    kept = model.prune_intermediate_layers([0], prune_head=True)
+    assert kept == plain.prune_intermediate_layers([0], prune_head=True)
+    torch.testing.assert_close(model.forward_intermediates(images, intermediates_only=True)[0], stages[0])
+
+
+@pytest.mark.parametrize(("kind", "name"), STAGED)
+def test_merged_export_on_a_staged_backbone_is_plain_timm_or_refused(images, kind, name):
+    model = _applied_on(kind, name)
+    with torch.no_grad():
+        want = model(images)
+    if timm_api.support(model)["export (merged)"].startswith("refused"):
+        with pytest.raises(ValueError, match=f"method '{model.petl_method}' cannot be unloaded"):
+            petl.merge(model, unload=True)
+        return
+    plain = petl.merge(model, unload=True)
+    assert not any(isinstance(m, PetlModule) for m in plain.modules())
+    fresh = TINY_MODELS[kind](num_classes=4)
+    fresh.load_state_dict(plain.state_dict())  # what timm.create_model loads from the exported weights
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(images), want, rtol=1e-4, atol=1e-5)

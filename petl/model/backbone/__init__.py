@@ -5,6 +5,7 @@ Methods, training, I/O and MultiTask reach the model through ``backbone_of(model
 package registers the families petl supports.
 """
 
+from petl.model.backbone import swin as swin  # noqa: F401  (registers Swin and SwinV2)
 from petl.model.backbone import vit as vit  # noqa: F401  (registers the ViT family)
 from petl.model.backbone.base import QKV_INDEX as QKV_INDEX
 from petl.model.backbone.base import Backbone as Backbone

@@ -72,8 +72,11 @@ class Backbone:
         """Raise a ValueError naming what is supported unless the model has everything this family needs."""
         raise NotImplementedError
 
-    def block_container(self) -> nn.Module:
-        """The container of blocks as the model runs it (wrappers included), indexable in block order."""
+    def block_container(self) -> nn.Module | list[nn.Module]:
+        """The blocks as the model runs them (wrappers included), indexable in block order.
+
+        A model with one Sequential of blocks returns it; a staged model a list over its stages' blocks.
+        """
         raise NotImplementedError
 
     def set_block(self, index: int, module: nn.Module) -> None:
@@ -95,6 +98,10 @@ class Backbone:
     def stages(self) -> list[int]:
         """Stage of each block, in order (0 for every block of a single-stage model)."""
         raise NotImplementedError
+
+    def feature_taps(self) -> list[int]:
+        """The block after which each output of timm's ``forward_intermediates`` is taken, in order."""
+        return list(range(self.depth()))
 
     def width(self) -> int:
         """The one token width of every block.
@@ -218,7 +225,11 @@ class Backbone:
         raise NotImplementedError
 
     def block_input_module(self, index: int) -> nn.Module:
-        """The module whose input is the tokens entering block ``index`` (``depth()``: those leaving the last)."""
+        """The module whose input is the tokens entering block ``index`` (``depth()``: those leaving the last).
+
+        Where a module with weights sits between blocks (Swin's patch merging), the cut in front of the block after
+        it is taken in front of that module, and :meth:`forward_from` runs it.
+        """
         raise NotImplementedError
 
     def forward_from(self, x: torch.Tensor, start: int) -> torch.Tensor:
@@ -237,6 +248,11 @@ class Backbone:
         """Width of the pooled features (what :meth:`pre_logits` returns per image)."""
         raise NotImplementedError
 
+    def adopt_wrapped_linears(self) -> None:
+        """Make the model call the wrappers another library (peft) put around its Linears in place of
+        :meth:`set_linear`; nothing to do where the model always calls its Linears.
+        """
+
     # -- inside one block (static: a block's parts do not depend on the model around it) --------------------
 
     @staticmethod
@@ -247,6 +263,11 @@ class Backbone:
     @staticmethod
     def set_linear(block: nn.Module, name: str, module: nn.Module) -> None:
         """Replace a named Linear of a block (see :meth:`linear`)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def linear_biases(block: nn.Module, name: str) -> list[nn.Parameter]:
+        """The bias terms of a named Linear's output (where the family keeps them beside the Linear, those too)."""
         raise NotImplementedError
 
     @staticmethod

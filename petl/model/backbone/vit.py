@@ -254,6 +254,12 @@ class ViT(Backbone):
         setattr(owner, name, module)
 
     @staticmethod
+    def linear_biases(block: nn.Module, name: str) -> list[nn.Parameter]:
+        """The Linear's own bias, where it has one."""
+        bias = getattr(ViT.linear(block, name), "bias", None)
+        return [bias] if isinstance(bias, nn.Parameter) else []
+
+    @staticmethod
     def attention(block: nn.Module) -> nn.Module:
         """Its input is the block's first norm output."""
         return block.attn

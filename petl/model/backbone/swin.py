@@ -1,0 +1,404 @@
+"""timm's Swin Transformer (v1 and v2) as :class:`~petl.model.backbone.base.Backbone`: the one module that knows them.
+
+A Swin runs its blocks in stages (``model.layers[s].blocks``); each stage after the first starts with a
+PatchMerging (``layers[s].downsample``) that halves the grid and doubles the width, so every block has the width
+of its stage.  Tokens stay an NHWC grid (B, H, W, C) between blocks; a block's attention partitions that grid into
+(shifted) windows and its ``WindowAttention`` sees (windows*B, window area, C).  There are no prefix tokens, and the
+head (timm's ``ClassifierHead``) averages the grid before its ``fc``.
+
+timm keeps v1 and v2 in two modules with two block classes, and petl keeps two kinds, because what differs is
+what methods build on: a v1 block is pre-norm (``x + attn(norm1(x))``) with its Q/K/V bias inside the fused
+``qkv`` Linear; a v2 block is post-norm (``x + norm1(attn(x))``, cosine attention) and adds separate ``q_bias`` and
+``v_bias`` to a bias-free ``qkv``.  A method declares the kinds whose blocks its idea fits.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from timm.models.swin_transformer import SwinTransformer, SwinTransformerBlock
+from timm.models.swin_transformer_v2 import SwinTransformerV2, SwinTransformerV2Block
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from petl.model.backbone.base import Backbone, register_backbone, unwrap
+
+
+@register_backbone(SwinTransformer)
+class Swin(Backbone):
+    """A timm SwinTransformer (Swin v1: pre-norm blocks, windowed attention with a fused qkv, patch merging)."""
+
+    kind = "swin"
+    supported = "a timm SwinTransformer (swin_*) whose blocks have a fused attn.qkv Linear"
+    layout = "windows"
+    # timm's pre-norm block: x + drop_path1(attention over windows of norm1(x)), then the same with the MLP.
+    block_types = (SwinTransformerBlock,)
+    timm_modules = ("swin_transformer",)
+    linear_names = ("qkv", "proj", "fc1", "fc2")
+    # The head averages the grid; tokens can be left out of that average (see pooled_features).
+    maskable_pools = ("avg",)
+
+    def check(self) -> None:
+        """Raise a ValueError naming what is supported unless the model is a usable timm Swin.
+
+        Raises:
+            ValueError: if the model lacks stages of blocks, a fused ``attn.qkv`` Linear or a timm head.
+
+        """
+        model, name = self.model, type(self.model).__name__
+        if not isinstance(getattr(model, "layers", None), nn.Sequential) or not self.block_container():
+            raise ValueError(f"petl supports {self.supported}; got {name}, which has no timm Swin stages.")
+        for i, block in enumerate(self.block_list()):
+            qkv = getattr(getattr(block, "attn", None), "qkv", None)
+            if not isinstance(unwrap(qkv), nn.Linear) or unwrap(qkv).out_features != 3 * block.dim:
+                raise ValueError(f"petl supports {self.supported}; block {i} of {name} has no fused attn.qkv Linear.")
+        if not hasattr(model, "reset_classifier") or not hasattr(model.head, "fc"):
+            raise ValueError(f"petl supports {self.supported}; {name} has no timm classifier head.")
+
+    # -- the blocks ------------------------------------------------------------------------------------------
+
+    def _places(self) -> list[tuple[int, int]]:
+        """(stage, index within the stage) of every block, in order."""
+        return [(s, j) for s, stage in enumerate(self.model.layers) for j in range(len(stage.blocks))]
+
+    def block_container(self) -> list[nn.Module]:
+        """The blocks as the stages run them (wrappers included), in order: a list over every stage's Sequential.
+
+        The stages run their own ``blocks`` (plainly or through ``checkpoint_seq``), so a method that acts
+        between blocks wraps single entries (:meth:`set_block`); the list itself is a view, rebuilt per call.
+        """
+        return [block for stage in self.model.layers for block in stage.blocks]
+
+    def set_block(self, index: int, module: nn.Module) -> None:
+        """Replace the block at ``index`` (counted over all stages) in its stage."""
+        stage, j = self._places()[index]
+        self.model.layers[stage].blocks[j] = module
+
+    def widths(self) -> list[int]:
+        """Each block's width: its stage's (``embed_dim * 2**stage`` in timm's models)."""
+        return [int(block.dim) for block in self.block_list()]
+
+    def stages(self) -> list[int]:
+        """The stage of each block."""
+        return [stage for stage, _ in self._places()]
+
+    def feature_taps(self) -> list[int]:
+        """Timm's ``forward_intermediates`` takes one output per stage: after each stage's last block."""
+        places = self._places()
+        return [i for i, (s, _) in enumerate(places) if i + 1 == len(places) or places[i + 1][0] != s]
+
+    # -- the tokens ------------------------------------------------------------------------------------------
+
+    def num_prefix_tokens(self) -> int:
+        """A Swin has no class or register tokens."""
+        return 0
+
+    def grid_size(self) -> tuple[int, int]:
+        """Patch-token grid (rows, columns) of the patch embedding at the model's image size."""
+        rows, cols = self.model.patch_embed.grid_size
+        return int(rows), int(cols)
+
+    def feature_grid(self, images: torch.Tensor) -> tuple[int, int]:
+        """The patch embedding's grid for ``images`` of any size (timm's ``dynamic_feat_size``)."""
+        rows, cols = self.model.patch_embed.dynamic_feat_size(images.shape[-2:])
+        return int(rows), int(cols)
+
+    def patch_size(self) -> tuple[int, int]:
+        """Patch size (h, w) of the patch embedding."""
+        size = self.model.patch_embed.patch_size
+        return (size, size) if isinstance(size, int) else tuple(size)
+
+    def embed_tokens(self, images: torch.Tensor) -> torch.Tensor:
+        """The patch embedding (with its norm): an NHWC grid, what the first stage receives."""
+        return self.model.patch_embed(images)
+
+    def run_block(self, block: nn.Module, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Run one block on an NHWC grid; a PatchMerging in front of it is not run here (see :meth:`forward_from`).
+
+        Raises:
+            ValueError: an ``attn_mask``: a Swin block builds its own (shifted-window) mask.
+
+        """
+        if attn_mask is not None:
+            raise ValueError("a Swin block builds its own window mask: it takes no attn_mask")
+        return block(x)
+
+    def patch_proj(self) -> nn.Module:
+        """The patch embedding's Conv2d."""
+        return self.model.patch_embed.proj
+
+    def set_patch_proj(self, module: nn.Module) -> None:
+        """Replace the patch embedding's projection."""
+        self.model.patch_embed.proj = module
+
+    def patch_norm(self) -> nn.Module:
+        """The LayerNorm after the patch projection."""
+        return self.model.patch_embed.norm
+
+    def set_patch_norm(self, module: nn.Module) -> None:
+        """Replace the norm after the patch projection."""
+        self.model.patch_embed.norm = module
+
+    # -- after the blocks ------------------------------------------------------------------------------------
+
+    def head(self) -> nn.Module:
+        """The classifier of timm's ``ClassifierHead`` (its ``fc``: the pooling in front of it has no weights)."""
+        return self.model.head.fc
+
+    def set_head(self, module: nn.Module) -> None:
+        """The ``ClassifierHead`` calls ``fc`` on the pooled features."""
+        self.model.head.fc = module
+
+    def reset_head(self, num_classes: int) -> None:
+        """Timm's ``reset_classifier``."""
+        self.model.reset_classifier(num_classes)
+
+    def plain_head_types(self) -> tuple[type, ...]:
+        """Timm's Swin classifier is a Linear, or an Identity without classes."""
+        return (nn.Linear, nn.Identity)
+
+    def num_classes(self) -> int:
+        """Output classes of the current head (0 when it is ``nn.Identity``)."""
+        return int(getattr(self.model, "num_classes", 0))
+
+    def head_in_features(self) -> int:
+        """Width of the pooled features the head receives."""
+        return int(self.model.head_hidden_size)
+
+    def named_final_norms(self) -> list[tuple[str, nn.Module]]:
+        """``norm``, after the last stage."""
+        return [("norm", self.model.norm)]
+
+    def set_final_norm(self, name: str, module: nn.Module) -> None:
+        """Replace ``norm``."""
+        setattr(self.model, name, module)
+
+    def pool_type(self) -> str:
+        """The ``ClassifierHead``'s pooling (``avg`` in timm's models)."""
+        return str(self.model.head.global_pool.pool_type)
+
+    def pooled_features(self, tokens: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """The final norm and the head's pooling and dropout, on the last block's NHWC output.
+
+        ``keep`` (batch x rows*columns, bool), when given, leaves the tokens it marks False out of the average.
+
+        Raises:
+            ValueError: ``keep`` with a pooling other than :attr:`maskable_pools`.
+
+        """
+        x = self.model.norm(tokens)
+        if keep is None:
+            return self.model.forward_head(x, pre_logits=True)
+        if self.pool_type() not in self.maskable_pools:
+            raise ValueError(f"cannot leave tokens out of the {self.pool_type()!r} pooling: only avg can")
+        weight = keep.reshape(x.shape[0], -1, 1).to(x.dtype)
+        x = (x.reshape(x.shape[0], -1, x.shape[-1]) * weight).sum(dim=1) / weight.sum(dim=1)
+        return self.model.head.drop(x)
+
+    # -- taking the blocks' input and output -----------------------------------------------------------------
+
+    def is_plain(self) -> bool:
+        """Exactly timm's class (a subclass may run another forward)."""
+        return type(self.model) in self.model_types()
+
+    @staticmethod
+    def model_types() -> tuple[type, ...]:
+        """The model classes whose own forward :meth:`forward_from` replays."""
+        return (SwinTransformer,)
+
+    def stem(self) -> tuple[list[nn.Parameter], list[nn.Module]]:
+        """The model's own parameters (none in timm's) and its children before ``layers`` (the patch embedding)."""
+        modules = [m for name, m in self.model.named_children() if name not in ("layers", "norm", "head")]
+        return list(self.model.parameters(recurse=False)), modules
+
+    def after_blocks(self) -> list[nn.Module]:
+        """``norm``."""
+        return [self.model.norm]
+
+    def block_input_module(self, index: int) -> nn.Module:
+        """Block ``index`` (its stage's PatchMerging where it opens a stage that has one), or ``norm`` after the last.
+
+        A cut in front of a stage's first block is taken in front of its PatchMerging, so that a method that trains
+        the merging (Partial-k, LN, BitFit) gets its gradient from the cached path too.
+        """
+        if index >= self.depth():
+            return self.model.norm
+        stage, j = self._places()[index]
+        downsample = self.model.layers[stage].downsample
+        return downsample if j == 0 and not isinstance(downsample, nn.Identity) else self.block_container()[index]
+
+    def forward_from(self, x: torch.Tensor, start: int) -> torch.Tensor:
+        """The model's logits from the tokens :meth:`block_input_module` ``(start)`` receives.
+
+        The rest of ``start``'s stage (its PatchMerging first where ``start`` opens the stage), the later stages
+        as timm runs them (gradient checkpointing honoured), the final norm and ``forward_head``.
+        """
+        model = self.model
+        stage, j = self._places()[start]
+        if j == 0:
+            x = model.layers[stage](x)
+        else:
+            x = run_blocks(model.layers[stage].blocks[j:], x, model.layers[stage].grad_checkpointing)
+        x = model.layers[stage + 1 :](x)
+        return model.forward_head(model.norm(x))
+
+    def pre_logits(self, images: torch.Tensor) -> torch.Tensor:
+        """Timm's ``forward_head(forward_features(images), pre_logits=True)``."""
+        return self.model.forward_head(self.model.forward_features(images), pre_logits=True)
+
+    def num_tokens(self) -> int:
+        """Patch tokens entering the first stage (later stages have a quarter as many per stage)."""
+        rows, cols = self.grid_size()
+        return rows * cols
+
+    def num_features(self) -> int:
+        """Timm's ``num_features`` (the last stage's width)."""
+        return int(self.model.num_features)
+
+    # -- inside one block ------------------------------------------------------------------------------------
+
+    @staticmethod
+    def linear(block: nn.Module, name: str) -> nn.Module:
+        """``qkv``, ``proj`` (window attention) or ``fc1``, ``fc2`` (MLP)."""
+        owner = block.attn if name in ("qkv", "proj") else block.mlp
+        return getattr(owner, name)
+
+    @staticmethod
+    def set_linear(block: nn.Module, name: str, module: nn.Module) -> None:
+        """Replace ``qkv``, ``proj``, ``fc1`` or ``fc2``."""
+        owner = block.attn if name in ("qkv", "proj") else block.mlp
+        setattr(owner, name, module)
+
+    @staticmethod
+    def linear_biases(block: nn.Module, name: str) -> list[nn.Parameter]:
+        """The bias of a named Linear, where it has one."""
+        bias = getattr(Swin.linear(block, name), "bias", None)
+        return [bias] if isinstance(bias, nn.Parameter) else []
+
+    @staticmethod
+    def attention(block: nn.Module) -> nn.Module:
+        """The ``WindowAttention``: its input is windows of the normed grid, (windows*B, window area, C)."""
+        return block.attn
+
+    @staticmethod
+    def set_attention(block: nn.Module, module: nn.Module) -> None:
+        """The block calls the attention as ``attn(windows, mask=...)``."""
+        block.attn = module
+
+    @staticmethod
+    def num_heads(block: nn.Module) -> int:
+        """Timm's ``WindowAttention.num_heads``."""
+        return int(block.attn.num_heads)
+
+    @staticmethod
+    def feed_forward(block: nn.Module) -> nn.Module:
+        """The MLP; its input is the block's second norm output, flattened to (B, H*W, C)."""
+        return block.mlp
+
+    @staticmethod
+    def set_feed_forward(block: nn.Module, module: nn.Module) -> None:
+        """Replace the MLP of a block."""
+        block.mlp = module
+
+    @staticmethod
+    def block_norm(block: nn.Module, name: str) -> nn.Module:
+        """``norm1`` or ``norm2``."""
+        return getattr(block, name)
+
+    @staticmethod
+    def set_block_norm(block: nn.Module, name: str, module: nn.Module) -> None:
+        """Replace ``norm1`` or ``norm2``."""
+        setattr(block, name, module)
+
+    @staticmethod
+    def layer_scales(block: nn.Module) -> list[nn.Module]:
+        """Swin blocks have no layer scale."""
+        return []
+
+    @staticmethod
+    def attn_branch(block: nn.Module, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        """``drop_path1(windowed attention(norm1(x)))`` on the NHWC grid (timm's ``_attn`` shifts and partitions)."""
+        return block.drop_path1(block._attn(block.norm1(x)))
+
+    @staticmethod
+    def mlp_branch(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """``drop_path2(mlp(norm2(x)))``: per token, so the NHWC grid needs no flattening."""
+        return block.drop_path2(block.mlp(block.norm2(x)))
+
+    @staticmethod
+    def mlp_norm(block: nn.Module) -> nn.Module:
+        """``norm2``."""
+        return block.norm2
+
+
+@register_backbone(SwinTransformerV2)
+class SwinV2(Swin):
+    """A timm SwinTransformerV2: the stages of Swin with post-norm blocks, cosine attention and q/v biases."""
+
+    kind = "swinv2"
+    supported = "a timm SwinTransformerV2 (swinv2_*) whose blocks have a fused attn.qkv Linear"
+    # timm's post-norm block: x + drop_path1(norm1(attention over windows of x)), then the same with the MLP.
+    block_types = (SwinTransformerV2Block,)
+    timm_modules = ("swin_transformer_v2",)
+
+    @staticmethod
+    def model_types() -> tuple[type, ...]:
+        """The model classes whose own forward :meth:`forward_from` replays."""
+        return (SwinTransformerV2,)
+
+    def adopt_wrapped_linears(self) -> None:
+        """Let every block whose ``qkv`` is wrapped call it (see :meth:`set_linear`)."""
+        for block in self.block_list():
+            if type(block.attn.qkv) is not nn.Linear:
+                block.attn.qkv_bias_separate = True
+
+    @staticmethod
+    def set_linear(block: nn.Module, name: str, module: nn.Module) -> None:
+        """Replace ``qkv``, ``proj``, ``fc1`` or ``fc2``.
+
+        timm's v2 attention adds its q/v biases by calling ``F.linear`` with ``qkv.weight`` itself, which would
+        bypass a wrapper; ``qkv_bias_separate`` (timm's own switch) makes it call ``qkv`` and add the biases
+        after: the same sum.
+        """
+        Swin.set_linear(block, name, module)
+        if name == "qkv":
+            block.attn.qkv_bias_separate = True
+
+    @staticmethod
+    def linear_biases(block: nn.Module, name: str) -> list[nn.Parameter]:
+        """The bias of a named Linear; for ``qkv``, the attention's ``q_bias`` and ``v_bias`` (K has none)."""
+        if name != "qkv":
+            return Swin.linear_biases(block, name)
+        return [b for b in (block.attn.q_bias, block.attn.v_bias) if isinstance(b, nn.Parameter)]
+
+    @staticmethod
+    def attn_branch(block: nn.Module, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        """``drop_path1(norm1(windowed attention(x)))``: the norm after the attention."""
+        return block.drop_path1(block.norm1(block._attn(x)))
+
+    @staticmethod
+    def mlp_branch(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """``drop_path2(norm2(mlp(x)))``: the norm after the MLP."""
+        return block.drop_path2(block.norm2(block.mlp(x)))
+
+    @staticmethod
+    def mlp_norm(block: nn.Module) -> nn.Module:
+        """A v2 block has no norm in front of its MLP (its ``norm2`` follows the MLP).
+
+        Raises:
+            ValueError: always.
+
+        """
+        raise ValueError("a SwinV2 block is post-norm: no norm sits in front of its MLP")
+
+
+def run_blocks(blocks: nn.Module, x: torch.Tensor, checkpointed: bool) -> torch.Tensor:
+    """Run some of a stage's blocks (a v1 Sequential or a v2 ModuleList) one after the other, as the stage does.
+
+    With ``checkpointed``, each block runs under activation checkpointing, as a stage with gradient checkpointing
+    on runs it (the gradients are the same either way).
+    """
+    for block in blocks:
+        x = checkpoint(block, x, use_reentrant=False) if checkpointed else block(x)
+    return x
