@@ -73,6 +73,13 @@ def test_cli_rejects_bad_sizes(capsys):
         pretrain_cli.main(["--classes", "0"])
 
 
+def test_cli_refuses_a_model_timm_does_not_know_in_one_line(capsys):
+    with pytest.raises(SystemExit) as caught:
+        pretrain_cli.main(["--model", "swin_fractal_huge"])
+    err = capsys.readouterr().err
+    assert caught.value.code == 2 and "--model swin_fractal_huge is not a timm architecture" in err
+
+
 @pytest.mark.slow
 def test_an_interrupted_pretraining_resumes_to_the_same_weights(tmp_path, monkeypatch):
     """The Swin pretrains through the same code; killed after its first epoch, the same call continues from the
