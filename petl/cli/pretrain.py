@@ -1,21 +1,24 @@
-"""petl-pretrain: formula-driven pretraining of petl's default backbone on FractalDB-style images.
+"""petl-pretrain: formula-driven pretraining of petl's backbones on FractalDB-style images.
 
-No pretrained ViT weights can be downloaded where petl must run offline, so petl makes its own:
-a small ViT trained to tell apart random IFS fractal classes (Kataoka et al.; Nakashima et al.
+No pretrained weights can be downloaded where petl must run offline, so petl makes its own:
+a small ViT (or Swin) trained to tell apart random IFS fractal classes (Kataoka et al.; Nakashima et al.
 showed ViTs pretrained this way transfer).  It uses the same engine as petl-run, then writes
 safetensors weights (without the pretraining head) and a JSON provenance record.
 
     petl-pretrain --classes 300 --instances 100 --epochs 8                 # writes runs/pretrain/
     petl-pretrain --classes 200 --instances 150 --epochs 7 --out petl/weights --overwrite
+    petl-pretrain --model swin_fractal_tiny_patch2_window4_32              # the Swin instead of the ViT
 
 Without ``--out`` the files go to ``runs/pretrain/`` under the current folder, never into the installed
-package; files already there are replaced only with ``--overwrite``.  Bad input exits with status 2,
-a failure with 1, Ctrl-C with 130, each as one line; ``--debug`` shows the traceback.
+package; files already there are replaced only with ``--overwrite``.  After each epoch a checkpoint is
+saved there: the same command run again continues from it.  Bad input exits with status 2, a failure
+with 1, Ctrl-C with 130, each as one line; ``--debug`` shows the traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -44,6 +47,11 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Each --name VALUE may also be written name=VALUE (--batch-size 64 as batch_size=64), anywhere.",
     )
+    parser.add_argument(
+        "--model",
+        default="vit_fractal_tiny_patch4_32",
+        help="timm architecture to pretrain, taking 32 px images (default: vit_fractal_tiny_patch4_32)",
+    )
     parser.add_argument("--classes", type=int, default=300, help="number of fractal classes")
     parser.add_argument("--instances", type=int, default=100, help="training images per class")
     parser.add_argument("--epochs", type=int, default=8)
@@ -54,6 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--label-smoothing", type=float, default=0.1)
     parser.add_argument("--precision", default="no", choices=["no", "bf16", "fp16"])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--weights-dtype",
+        default="float32",
+        choices=["float32", "float16"],
+        help="type of the written weights (float16: half the file; loading casts them back)",
+    )
     parser.add_argument(
         "--out",
         type=Path,
@@ -84,14 +98,18 @@ def as_flags(argv: Sequence[str], parser: argparse.ArgumentParser) -> list[str]:
 def _main(argv: list[str]) -> None:
     parser = build_parser()
     args = parser.parse_args(as_flags(argv, parser))
+    import timm
+
     from petl.data.fractaldb import FractalConfig
     from petl.train.engine import TrainSettings
-    from petl.train.pretrain import ARCH, output_files, pretrain
+    from petl.train.pretrain import output_files, pretrain
 
     for name in ("classes", "instances", "epochs", "batch_size"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
-    existing = [p for p in output_files(args.out) if p.exists()]
+    if not timm.is_model(args.model):
+        parser.error(f"--model {args.model} is not a timm architecture (petl's own: petl.backbones.models)")
+    existing = [p for p in output_files(args.out, args.model) if p.exists()]
     if existing and not args.overwrite:
         # Checked before hours of training: a finished pretraining is never replaced without asking.
         print(
@@ -110,8 +128,18 @@ def _main(argv: list[str]) -> None:
         grad_clip=1.0,
         progress=not args.no_progress,
     )
-    record = pretrain(fractal, settings, args.batch_size, precision=args.precision, out_dir=args.out, seed=args.seed)
+    record = pretrain(
+        fractal,
+        settings,
+        args.batch_size,
+        precision=args.precision,
+        out_dir=args.out,
+        seed=args.seed,
+        arch=args.model,
+        command=shlex.join([PROG, *argv]),
+        weights_dtype=args.weights_dtype,
+    )
     print(
-        f"pretrained {ARCH} on {args.classes} fractal classes: {record['images_seen']} images seen, "
+        f"pretrained {args.model} on {args.classes} fractal classes: {record['images_seen']} images seen, "
         f"val top-1 {record['final_val_top1']:.1f}% in {record['wall_seconds']:.0f} s -> {args.out}"
     )

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 import timm
 import torch
+from safetensors.torch import load_file
 
 from petl.cli import pretrain as pretrain_cli
 from petl.data.fractaldb import FractalConfig, fill_rate, generate, render, search_systems
@@ -70,3 +71,52 @@ def test_short_pretraining_writes_loadable_weights_and_provenance(tmp_path):
 def test_cli_rejects_bad_sizes(capsys):
     with pytest.raises(SystemExit):
         pretrain_cli.main(["--classes", "0"])
+
+
+def test_cli_refuses_a_model_timm_does_not_know_in_one_line(capsys):
+    with pytest.raises(SystemExit) as caught:
+        pretrain_cli.main(["--model", "swin_fractal_huge"])
+    err = capsys.readouterr().err
+    assert caught.value.code == 2 and "--model swin_fractal_huge is not a timm architecture" in err
+
+
+@pytest.mark.slow
+def test_an_interrupted_pretraining_resumes_to_the_same_weights(tmp_path, monkeypatch):
+    """The Swin pretrains through the same code; killed after its first epoch, the same call continues from the
+    checkpoint and ends with the weights of an uninterrupted pretraining."""
+    arch = "swin_fractal_tiny_patch2_window4_32"
+    settings = pretrain.TrainSettings(epochs=2, lr=1e-3, progress=False)
+    whole = pretrain.pretrain(
+        TINY, settings, batch_size=8, val_instances=2, out_dir=tmp_path / "whole", arch=arch, weights_dtype="float16"
+    )
+
+    save = pretrain.files.save_checkpoint
+
+    def save_then_stop(path, state):
+        save(path, state)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pretrain.files, "save_checkpoint", save_then_stop)
+    with pytest.raises(KeyboardInterrupt):
+        pretrain.pretrain(
+            TINY, settings, batch_size=8, val_instances=2, out_dir=tmp_path / "cut", arch=arch, weights_dtype="float16"
+        )
+    assert pretrain.partial_file(tmp_path / "cut", arch).exists()
+    monkeypatch.undo()
+    resumed = pretrain.pretrain(
+        TINY, settings, batch_size=8, val_instances=2, out_dir=tmp_path / "cut", arch=arch, weights_dtype="float16"
+    )
+
+    assert not pretrain.partial_file(tmp_path / "cut", arch).exists()
+    assert [h["loss"] for h in resumed["history"]] == [h["loss"] for h in whole["history"]]
+    assert resumed["weights_sha256"] == whole["weights_sha256"]
+    weights, _ = pretrain.output_files(tmp_path / "cut", arch)
+    assert {v.dtype for k, v in load_file(weights).items() if "index" not in k} == {torch.float16}
+    with pytest.raises(ValueError, match="another recipe"):
+        pretrain.files.save_checkpoint(
+            pretrain.partial_file(tmp_path / "cut", arch),
+            {"recipe": "{}", **dict.fromkeys(pretrain.files.CHECKPOINT_KEYS)},
+        )
+        pretrain.pretrain(
+            TINY, settings, batch_size=8, val_instances=2, out_dir=tmp_path / "cut", arch=arch, weights_dtype="float16"
+        )
