@@ -233,7 +233,7 @@ def _formula(model: nn.Module, cfg: AdapterConfig) -> int:
 
 # The backbones adapter's idea fits: bottlenecks on the MLP output (sequential) or beside the block's MLP half
 # (parallel): any pre-norm block whose halves its family knows.
-BACKBONES = ("vit",)
+BACKBONES = ("vit", "vit_relpos")
 
 
 @register_method(

@@ -74,7 +74,7 @@ def _formula(model: nn.Module, cfg: BitFitConfig) -> int:
 
 
 # The backbones bitfit's idea fits: the biases of the blocks' Linears: any family whose Linears the backbone names.
-BACKBONES = ("vit",)
+BACKBONES = ("vit", "vit_relpos")
 
 
 @register_method(

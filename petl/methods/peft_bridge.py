@@ -243,7 +243,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 
 # The backbones peft's idea fits: peft's tuners on the Linears the backbone names.
-BACKBONES = ("vit",)
+BACKBONES = ("vit", "vit_relpos")
 
 
 @register_method(

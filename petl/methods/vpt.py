@@ -187,7 +187,7 @@ def _formula(model: nn.Module, cfg: VptConfig) -> int:
 
 
 # The backbones vpt's idea fits: prompt tokens inserted after the prefix tokens of a flat token sequence.
-BACKBONES = ("vit",)
+BACKBONES = ("vit", "vit_relpos")
 
 
 @register_method("vpt", VptConfig, trainable_formula=_formula, zero_init=False, mergeable=False, backbones=BACKBONES)
@@ -197,6 +197,10 @@ def inject_vpt(model: nn.Module, cfg: VptConfig) -> None:
     depth, bound = bb.depth(), _prompt_init_bound(model)
     kw = factory_kwargs(model)
     container = bb.block_container()
+    for block in bb.block_list():
+        # Every block carries the prompts; where a block adds position terms inside attention (a relative-position
+        # bias, a rotary embedding) the prompts get none (Backbone.make_room).
+        bb.make_room(block, bb.num_prefix_tokens(), cfg.num_tokens)
     for i in range(depth):
         has_prompt = i == 0 or cfg.deep
         strip = i == depth - 1 and cfg.pool == "img_pool"

@@ -6,6 +6,7 @@ package registers the families petl supports.
 """
 
 from petl.model.backbone import vit as vit  # noqa: F401  (registers the ViT family)
+from petl.model.backbone import vit_relpos as vit_relpos  # noqa: F401
 from petl.model.backbone.base import QKV_INDEX as QKV_INDEX
 from petl.model.backbone.base import Backbone as Backbone
 from petl.model.backbone.base import backbone_of as backbone_of

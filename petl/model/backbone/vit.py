@@ -307,3 +307,7 @@ class ViT(Backbone):
     def mlp_norm(block: nn.Module) -> nn.Module:
         """``norm2``."""
         return block.norm2
+
+    @staticmethod
+    def make_room(block: nn.Module, at: int, count: int) -> None:
+        """Nothing to do: a ViT adds its (absolute) position embedding before the blocks."""
