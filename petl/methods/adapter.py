@@ -233,7 +233,7 @@ def _formula(model: nn.Module, cfg: AdapterConfig) -> int:
 
 # The backbones adapter's idea fits: bottlenecks on the MLP output (sequential) or beside the block's MLP half
 # (parallel): any pre-norm block whose halves its family knows.
-BACKBONES = ("vit", "vit_relpos")
+BACKBONES = ("vit", "vit_relpos", "beit", "eva")
 
 
 @register_method(

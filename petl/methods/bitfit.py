@@ -66,7 +66,9 @@ def _biases(model: nn.Module, scope: str) -> list[nn.Parameter]:
     else:
         in_head = {id(m) for m in bb.head().modules()}
         modules = [m for m in model.modules() if id(m) not in in_head]
-    return [m.bias for m in modules if isinstance(getattr(m, "bias", None), nn.Parameter)]
+    biases = [m.bias for m in modules if isinstance(getattr(m, "bias", None), nn.Parameter)]
+    # BEiT and EVA add their Q and V biases outside the qkv Linear (qkv has none).
+    return biases + [b for block in bb.block_list() for b in bb.loose_biases(block)]
 
 
 def _formula(model: nn.Module, cfg: BitFitConfig) -> int:
@@ -74,7 +76,7 @@ def _formula(model: nn.Module, cfg: BitFitConfig) -> int:
 
 
 # The backbones bitfit's idea fits: the biases of the blocks' Linears: any family whose Linears the backbone names.
-BACKBONES = ("vit", "vit_relpos")
+BACKBONES = ("vit", "vit_relpos", "beit", "eva")
 
 
 @register_method(

@@ -163,7 +163,7 @@ def _formula(model: nn.Module, cfg: ConvpassConfig) -> int:
 
 # The backbones convpass's idea fits: a 3x3 convolution over the patch grid of a flat token sequence (prefix tokens
 # set apart), one width.
-BACKBONES = ("vit", "vit_relpos")
+BACKBONES = ("vit", "vit_relpos", "beit", "eva")
 
 
 @register_method("convpass", ConvpassConfig, trainable_formula=_formula, zero_init=True, backbones=BACKBONES)

@@ -245,7 +245,7 @@ def _formula(model: nn.Module, cfg: FactConfig) -> int:
 
 
 # The backbones fact's idea fits: factors shared across every block's Linears, which needs one width for all blocks.
-BACKBONES = ("vit", "vit_relpos")
+BACKBONES = ("vit", "vit_relpos", "beit", "eva")
 
 
 @register_method("fact", FactConfig, trainable_formula=_formula, zero_init=True, mergeable=True, backbones=BACKBONES)

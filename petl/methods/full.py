@@ -33,7 +33,7 @@ def _formula(model: nn.Module, cfg: FullConfig) -> int:
 
 
 # The backbones full's idea fits: every parameter trains: any backbone.
-BACKBONES = ("vit", "vit_relpos")
+BACKBONES = ("vit", "vit_relpos", "beit", "eva")
 
 
 @register_method("full", FullConfig, trainable_formula=_formula, zero_init=True, mergeable=False, backbones=BACKBONES)

@@ -1,7 +1,8 @@
 """LoRA: low-rank updates ``scale * B @ A`` added to frozen Linear layers of every block.
 
 Targets are ``q``, ``k``, ``v`` (row slices of timm's fused ``attn.qkv`` Linear, so adapting Q
-and V leaves the K rows untouched), ``proj``, ``fc1`` and ``fc2``.  B starts at zero, so the
+and V leaves the K rows untouched; on EVA-02 with separate projections, ``q_proj``, ``k_proj``, ``v_proj``:
+``Backbone.qkv_rows``), ``proj``, ``fc1`` and ``fc2``.  B starts at zero, so the
 model is unchanged at init, while A starts random, so B receives a gradient on the first step
 (zeroing both would leave the branch without any gradient forever).  V-PETL Bench's LoRA
 (vision_transformer_lora.py L100-108) is re-drawn by its constructor's ``init_weights`` (L287,
@@ -248,7 +249,7 @@ def _formula(model: nn.Module, cfg: LoraConfig) -> int:
 
 
 # The backbones lora's idea fits: low-rank updates on the fused qkv slices and the other Linears of each block.
-BACKBONES = ("vit", "vit_relpos")
+BACKBONES = ("vit", "vit_relpos", "beit", "eva")
 
 
 @register_method("lora", LoraConfig, trainable_formula=_formula, zero_init=True, mergeable=True, backbones=BACKBONES)

@@ -58,7 +58,7 @@ def _formula(model: nn.Module, cfg: PartialConfig) -> int:
 
 
 # The backbones partial's idea fits: the last k blocks and the final norms train.
-BACKBONES = ("vit", "vit_relpos")
+BACKBONES = ("vit", "vit_relpos", "beit", "eva")
 
 
 @register_method(

@@ -243,7 +243,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 
 # The backbones peft's idea fits: peft's tuners on the Linears the backbone names.
-BACKBONES = ("vit", "vit_relpos")
+BACKBONES = ("vit", "vit_relpos", "beit", "eva")
 
 
 @register_method(
@@ -258,6 +258,17 @@ def inject_peft(model: nn.Module, cfg: PeftBridgeConfig) -> None:
     register_mergeable_type(BaseTunerLayer)
     _register_row_hooks()
     inject_adapter_in_model(cfg.to_peft(), model)
+    # peft replaced Linears by name; hand each block's back to its family, which routes its forward through them
+    # (BEiT and EVA otherwise read qkv.weight directly and would skip peft's layer: Backbone.set_linear).
+    bb = backbone_of(model)
+    for block in bb.block_list():
+        for name in bb.linear_names:
+            try:
+                linear = bb.linear(block, name)
+            except (AttributeError, ValueError):  # a Linear this block does not have
+                continue
+            if isinstance(linear, BaseTunerLayer):
+                bb.set_linear(block, name, linear)
 
 
 def _register_row_hooks() -> None:

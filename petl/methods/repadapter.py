@@ -182,7 +182,7 @@ def _formula(model: nn.Module, cfg: RepAdapterConfig) -> int:
 
 
 # The backbones repadapter's idea fits: re-parameterisable adapters in front of the attention and MLP Linears.
-BACKBONES = ("vit", "vit_relpos")
+BACKBONES = ("vit", "vit_relpos", "beit", "eva")
 
 
 @register_method(

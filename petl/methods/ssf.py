@@ -173,7 +173,7 @@ def _formula(model: nn.Module, cfg: SsfConfig) -> int:
 
 
 # The backbones ssf's idea fits: scale and shift after the patch projection, the norms and the Linears.
-BACKBONES = ("vit", "vit_relpos")
+BACKBONES = ("vit", "vit_relpos", "beit", "eva")
 
 
 @register_method("ssf", SsfConfig, trainable_formula=_formula, zero_init=False, mergeable=True, backbones=BACKBONES)

@@ -504,16 +504,30 @@ def test_new_tensors_follow_the_model_dtype(tiny_vit, images, method, options):
 # family's kind; the variants that name a Linear the family lacks (peft's qkv on separate q/k/v) are left out.
 
 
+# One variant per code path of the methods a family may take (all VARIANTS on every family would take minutes).
+FAMILY_VARIANTS = [(name, {}) for name in petl.list_methods()] + [
+    ("adapter", {"style": "parallel", "dim": 4}),
+    ("vpt", {"deep": True, "num_tokens": 3, "pool": "img_pool"}),
+    ("lora", {"targets": ["q", "k", "v", "proj", "fc1", "fc2"], "rank": 2, "alpha": 4.0}),
+    ("lora", {"targets": ["k", "proj", "fc2"], "rank": 2}),
+    ("bitfit", {"biases": "linear"}),
+    ("peft", {"peft_type": "LORA", "target_modules": ["qkv"], "options": '{"r": 8, "use_dora": true}'}),
+    ("peft", {"peft_type": "IA3", "target_modules": ["qkv", "fc2"], "options": '{"feedforward_modules": ["fc2"]}'}),
+]
+
+
 def _family_cases() -> tuple[list[tuple[str, str, dict]], list[tuple[str, str, dict]]]:
     """(family, method, options) that apply, and those the method refuses on the family (in one line)."""
     cases, refused = [], []
     for family in TINY_FAMILIES:
         model = make_tiny_family(family)
-        for method, options in VARIANTS:
+        for method, options in FAMILY_VARIANTS:
             if backbone_of(model).kind not in petl.get_method(method).backbones:
                 continue
+            config = petl.make_config(method, **options)
             try:
-                petl.make_config(method, **options).validate(model)
+                config.validate(model)
+                petl.get_method(method).trainable_formula(model, config)
             except ValueError:
                 refused.append((family, method, options))
                 continue
@@ -533,6 +547,14 @@ def test_family_zero_init_and_count(images, family, method, options):
     model = petl.apply(make_tiny_family(family), method, **options).eval()
     unchanged = torch.allclose(model(images), reference, atol=1e-6)
     assert unchanged == (petl.get_method(method).zero_init and model.petl_config.keeps_zero_init)
+    # What the method trains acts: moved away from its init, it changes the output.
+    in_head = {id(p) for p in backbone_of(model).head().parameters()}
+    if any(p.requires_grad and id(p) not in in_head for p in model.parameters()):
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.requires_grad and id(p) not in in_head:
+                    p.add_(0.1 * torch.randn(p.shape, generator=torch.Generator().manual_seed(3)))
+        assert not torch.allclose(model(images), reference, atol=1e-4)
     expected = petl.get_method(method).trainable_formula(make_tiny_family(family), petl.make_config(method, **options))
     counted = petl.count_params(petl.apply(make_tiny_family(family), method, num_classes=4, **options))
     assert counted.trainable_no_head == expected

@@ -325,6 +325,11 @@ class Backbone:
         return "qkv", start, start + width
 
     @staticmethod
+    def loose_biases(block: nn.Module) -> list[nn.Parameter]:
+        """Biases a block keeps outside its Linears (BEiT's and EVA's ``q_bias``, ``v_bias``); none by default."""
+        return []
+
+    @staticmethod
     def make_room(block: nn.Module, at: int, count: int) -> None:
         """Let ``block`` (unwrapped) take ``count`` extra tokens inserted at position ``at`` (after the prefix tokens)
         that have no position of their own: where the block adds position terms to the patch tokens inside

@@ -51,7 +51,11 @@ class ViT(Backbone):
             inner = unwrap(block)
             qkv = getattr(getattr(inner, "attn", None), "qkv", None)
             if not isinstance(qkv, nn.Linear) or qkv.out_features != 3 * qkv.in_features:
-                raise ValueError(f"petl supports {self.supported}; block {i} of {name} has no fused attn.qkv Linear.")
+                # e.g. the parallel blocks of vit_pwee_* (one in_proj for qkv and fc1, one residual): not taken yet.
+                raise ValueError(
+                    f"petl supports {self.supported}; block {i} of {name} ({type(inner).__name__}) has no fused "
+                    "attn.qkv Linear."
+                )
             if not hasattr(inner, "mlp"):
                 raise ValueError(f"petl supports {self.supported}; block {i} of {name} has no mlp.")
         if not hasattr(model, "reset_classifier") or not hasattr(model, "head"):

@@ -69,6 +69,8 @@ class VitRelPos(ViT):
     # ResPostRelPosBlock (the *_rpn_* models) runs its halves otherwise: refused by check().
     block_types = (RelPosBlock,)
     timm_modules = ("vision_transformer_relpos",)
+    # The keyword the blocks take the shared bias by.
+    shared_bias_arg = "shared_rel_pos"
 
     def check(self) -> None:
         """Raise a ValueError naming what is supported unless every block is a pre-norm RelPosBlock.
@@ -105,7 +107,7 @@ class VitRelPos(ViT):
         """
         if attn_mask is not None:
             raise ValueError(f"{type(self.model).__name__}'s blocks take no attention mask (a relative-position bias)")
-        return block(x, shared_rel_pos=self._shared_bias())
+        return block(x, **{self.shared_bias_arg: self._shared_bias()})
 
     def pool_type(self) -> str:
         """``avg``, ``token`` or ``""``."""
@@ -139,12 +141,9 @@ class VitRelPos(ViT):
 
     def forward_from(self, x: torch.Tensor, start: int) -> torch.Tensor:
         """The rest of timm's ``forward_features`` and ``forward_head`` from block ``start`` on."""
-        model, shared = self.model, self._shared_bias()
+        model, shared = self.model, {self.shared_bias_arg: self._shared_bias()}
         for block in model.blocks[start:]:
-            if model.grad_checkpointing:
-                x = checkpoint(block, x, shared_rel_pos=shared)
-            else:
-                x = block(x, shared_rel_pos=shared)
+            x = checkpoint(block, x, **shared) if model.grad_checkpointing else block(x, **shared)
         return model.forward_head(model.norm(x))
 
     @staticmethod
