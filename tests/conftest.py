@@ -151,3 +151,29 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_cuda)
         if not exhaustive and "exhaustive" in item.keywords:
             item.add_marker(skip_exhaustive)
+
+
+# Tiny random models of the other timm ViT families petl takes (petl/model/backbone/), at the TINY_VIT sizes:
+# name -> (timm model, overrides).  Relative-position tables and layer scales are drawn non-zero (timm starts some
+# at zero or a constant; BEiT scales its head by 1e-3), so that a bias or scale applied wrongly changes the output.
+TINY_FAMILIES = {
+    "vit_relpos": ("vit_relpos_medium_patch16_cls_224", {}),  # class token, per-block MLP bias, token pool
+    "vit_srelpos": ("vit_srelpos_small_patch16_224", {}),  # no class token, one shared bias, avg pool
+    "beit": ("beitv2_base_patch16_224", {}),  # per-block bias table, q/v biases, layer scale, avg pool
+    "eva02": ("eva02_tiny_patch14_224", {}),  # rotary embedding, fused qkv with q/v biases, packed SwiGLU
+    # EVA-02 base's layout: separate q/k/v projections, unpacked SwiGLU with a norm; no class token, avg pool.
+    "eva02_unfused": ("eva02_base_patch14_224", {"class_token": False, "global_pool": "avg"}),
+    "beit_shared": ("beit_base_patch16_224", {"use_shared_rel_pos_bias": True, "use_rel_pos_bias": False}),
+}
+
+
+def make_tiny_family(family: str, seed: int = 0, **overrides) -> torch.nn.Module:
+    """A tiny random model of ``family`` (a TINY_FAMILIES key) in eval mode; the same seed gives the same weights."""
+    name, options = TINY_FAMILIES[family]
+    torch.manual_seed(seed)
+    model = timm.create_model(name, pretrained=False, **{**TINY_VIT, **options, **overrides}).eval()
+    with torch.no_grad():
+        for param_name, param in model.named_parameters():
+            if any(key in param_name for key in ("rel_pos", "relative_position", "gamma", "q_bias", "v_bias", "head")):
+                param.normal_(0.0, 0.1)
+    return model

@@ -63,7 +63,18 @@ def _biases(model: nn.Module, scope: str) -> list[nn.Parameter]:
     bb = backbone_of(model)
     blocks = bb.block_list()
     # The blocks' Linear biases as the backbone keeps them (a SwinV2's Q and V biases sit beside its qkv Linear).
-    found = [bias for block in blocks for name in LINEARS for bias in bb.linear_biases(block, name)]
+    # A block without one of the Linears (an EVA-02 with separate q/k/v or a SwiGLU) is refused for the scope
+    # `linear`, which names them; `all` takes every bias there is.
+    found = []
+    for block in blocks:
+        for name in LINEARS:
+            try:
+                found += bb.linear_biases(block, name)
+            except ValueError:
+                if scope == "linear":
+                    raise
+    # BEiT and EVA add their Q and V biases outside the qkv Linear (qkv has none).
+    found += [bias for block in blocks for bias in bb.loose_biases(block)]
     if scope == "all":
         in_head = {id(m) for m in bb.head().modules()}
         modules = [m for m in model.modules() if id(m) not in in_head]
@@ -77,7 +88,7 @@ def _formula(model: nn.Module, cfg: BitFitConfig) -> int:
 
 # The backbones bitfit's idea fits: the biases of the blocks' Linears (and every other bias): any family whose
 # Linears and their biases the backbone names.
-BACKBONES = ("vit", "swin", "swinv2")
+BACKBONES = ("vit", "swin", "swinv2", "vit_relpos", "beit", "eva")
 
 
 @register_method(

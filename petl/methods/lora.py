@@ -1,7 +1,8 @@
 """LoRA: low-rank updates ``scale * B @ A`` added to frozen Linear layers of every block.
 
 Targets are ``q``, ``k``, ``v`` (row slices of timm's fused ``attn.qkv`` Linear, so adapting Q
-and V leaves the K rows untouched), ``proj``, ``fc1`` and ``fc2``.  B starts at zero, so the
+and V leaves the K rows untouched; on EVA-02 with separate projections, ``q_proj``, ``k_proj``, ``v_proj``:
+``Backbone.qkv_rows``), ``proj``, ``fc1`` and ``fc2``.  B starts at zero, so the
 model is unchanged at init, while A starts random, so B receives a gradient on the first step
 (zeroing both would leave the branch without any gradient forever).  V-PETL Bench's LoRA
 (vision_transformer_lora.py L100-108) is re-drawn by its constructor's ``init_weights`` (L287,
@@ -39,15 +40,9 @@ from petl.model.registry import MethodConfig, register_method
 from petl.model.wrappers import PetlModule, factory_kwargs
 from petl.utils.checks import check_choice, check_dropout, check_range, to_str_tuple
 
-# Which Linear of a block each target adapts, and which third of the fused qkv rows (None = all rows).
-TARGETS: dict[str, tuple[str, int | None]] = {
-    "q": ("qkv", QKV_INDEX["q"]),
-    "k": ("qkv", QKV_INDEX["k"]),
-    "v": ("qkv", QKV_INDEX["v"]),
-    "proj": ("proj", None),
-    "fc1": ("fc1", None),
-    "fc2": ("fc2", None),
-}
+# The targets: q, k and v are rows of the attention's input projection, which the backbone locates (thirds of
+# timm's fused qkv, or EVA's separate q_proj/k_proj/v_proj: Backbone.qkv_rows); the others are whole Linears.
+TARGETS = ("q", "k", "v", "proj", "fc1", "fc2")
 
 
 @dataclass
@@ -234,14 +229,11 @@ def _slices_per_linear(
     """Linear name -> {target: (first row, end row)} for one block."""
     grouped: dict[str, dict[str, tuple[int, int]]] = {}
     for target in targets:
-        linear_name, third = TARGETS[target]
-        out_features = bb.linear(block, linear_name).out_features
-        if third is None:
-            rows = (0, out_features)
+        if target in QKV_INDEX:
+            linear_name, start, end = bb.qkv_rows(block, target)
         else:
-            width = out_features // 3
-            rows = (third * width, (third + 1) * width)
-        grouped.setdefault(linear_name, {})[target] = rows
+            linear_name, start, end = target, 0, bb.linear(block, target).out_features
+        grouped.setdefault(linear_name, {})[target] = (start, end)
     return grouped
 
 
@@ -257,7 +249,7 @@ def _formula(model: nn.Module, cfg: LoraConfig) -> int:
 
 
 # The backbones lora's idea fits: low-rank updates on the fused qkv slices and the other Linears of each block.
-BACKBONES = ("vit", "swin", "swinv2")
+BACKBONES = ("vit", "swin", "swinv2", "vit_relpos", "beit", "eva")
 
 
 @register_method("lora", LoraConfig, trainable_formula=_formula, zero_init=True, mergeable=True, backbones=BACKBONES)

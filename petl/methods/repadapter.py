@@ -74,6 +74,15 @@ class RepAdapterConfig(MethodConfig):
                 raise ValueError(
                     f"groups={self.groups} must divide bottleneck={self.bottleneck} and the block width {width}"
                 )
+        bb = backbone_of(model)
+        for i, block in enumerate(bb.block_list()):
+            for name in TARGETS:
+                if getattr(bb.linear(block, name), "bias", None) is None:
+                    # The adapter's bias folds into the Linear's (fold below); a Linear without one cannot take it.
+                    raise ValueError(
+                        f"repadapter merges into {name}'s bias, and {name} of block {i} of {type(model).__name__} "
+                        "has none (timm's qkv_bias=False, or biases kept outside the Linear): choose another method"
+                    )
 
 
 class RepAdapterLinear(PetlModule):
@@ -174,7 +183,7 @@ def _formula(model: nn.Module, cfg: RepAdapterConfig) -> int:
 
 
 # The backbones repadapter's idea fits: re-parameterisable adapters in front of the attention and MLP Linears.
-BACKBONES = ("vit", "swin")
+BACKBONES = ("vit", "swin", "vit_relpos", "beit", "eva")
 
 
 @register_method(

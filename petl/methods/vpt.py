@@ -16,6 +16,11 @@ the final norm and pooling see exactly the tokens they would see without VPT
 the same logits.  While training, VPT keeps the frozen encoder in eval mode and only the prompt
 dropout in train mode (vit.py:L89-100): :attr:`VptConfig.backbone_mode` is ``eval``.
 
+On a backbone whose attention adds position terms to the patch tokens (the relative-position bias of BEiT and
+``vit_relpos``, EVA's rotary embedding) the prompts get none: the bias is zero-padded for them, as VPT's own Swin
+code pads it (src/models/vit_prompt/swin_transformer.py L480-508), and EVA rotates them by the identity
+(``Backbone.make_room``).
+
 Each affected block is wrapped on its own, not the block container, so timm's forward still runs
 ``model.blocks`` itself, including through ``checkpoint_seq`` when gradient checkpointing is on.
 timm's ``forward_intermediates`` also runs the wrapped blocks; :mod:`petl.model.timm_api` leaves the
@@ -175,7 +180,7 @@ def _formula(model: nn.Module, cfg: VptConfig) -> int:
 
 # The backbones vpt's idea fits: prompt tokens beside the patch tokens of a ViT's flat sequence or of a Swin's
 # windows (KMnP/vpt prompts both).
-BACKBONES = ("vit", "swin")
+BACKBONES = ("vit", "swin", "vit_relpos", "beit", "eva")
 # Why not on the other backbone kinds (the refusal says it, and so does the docs page).
 REFUSAL = (
     "KMnP/vpt prompts a ViT and a Swin (v1); a SwinV2's post-norm blocks with cosine attention and a "

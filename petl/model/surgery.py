@@ -74,6 +74,9 @@ def apply(
             f"it supports {', '.join(spec.backbones)}{why}"
         )
     config.validate(model)
+    # The formula reads every part the method will touch: a Linear the family lacks (EVA-02's separate q/k/v, its
+    # SwiGLU's two fc1) is refused here in one line, before anything changes.
+    spec.trainable_formula(model, config)
     model.requires_grad_(False)
     # Kept referenced, so that no new module can reuse the id of one dropped meanwhile (the old head).
     existing = {id(m): m for m in model.modules()}

@@ -138,8 +138,10 @@ def forward_intermediates(
         )
     if output_fmt not in ("NCHW", "NLC"):
         raise ValueError(f"forward_intermediates: output_fmt={output_fmt!r}: choose NCHW or NLC")
-    final, found = timm_forward(model, x, indices, True, norm, stop_early, "NLC", False, **kwargs)
-    if backbone_of(model).num_prefix_tokens():
+    # Prefix tokens asked for only where there are some (timm's relpos ViT fails on the ask without them).
+    prefixed = backbone_of(model).num_prefix_tokens() > 0
+    final, found = timm_forward(model, x, indices, prefixed, norm, stop_early, "NLC", False, **kwargs)
+    if prefixed:
         tokens, prefixes = [t for t, _ in found], [p for _, p in found]
     else:
         tokens, prefixes = found, None

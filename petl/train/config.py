@@ -35,7 +35,7 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 import petl.methods  # noqa: F401  (importing the methods registers them)
 from petl import data as petl_data
 from petl.backbones import models as petl_models
-from petl.model.backbone import timm_modules
+from petl.model.backbone import list_backbones, timm_modules
 from petl.model.registry import get_method, list_methods, make_config
 from petl.train.engine import TrainSettings
 from petl.train.options import check_options, neutral_keys, option
@@ -330,7 +330,9 @@ def unknown_choice_message(group: str, value: str) -> str:
         close = difflib.get_close_matches(value, choices, n=5, cutoff=0.5)
         hint = f"did you mean: {', '.join(close)}? " if close else ""
         return (
-            f"unknown model {value!r}; {hint}choose a timm ViT, e.g. {petl_models.DEFAULT_MODEL}, "
+            f"unknown model {value!r}; {hint}choose a timm model of a family petl takes "
+            f"({', '.join(list_backbones())}: timm's {', '.join(timm_modules())} modules), "
+            f"e.g. {petl_models.DEFAULT_MODEL}, "
             'vit_base_patch16_224.augreg2_in21k_ft_in1k (all: python -c "import petl.train.config as c; '
             'print(*c.list_models())")'
         )

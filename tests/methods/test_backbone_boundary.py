@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import timm
 import torch
-from conftest import TINY_MODELS, make_tiny_swin, make_tiny_swinv2
+from conftest import TINY_FAMILIES, TINY_MODELS, make_tiny_family, make_tiny_swin, make_tiny_swinv2
 from timm.models.vision_transformer import VisionTransformer
 
 import petl
@@ -79,7 +79,7 @@ def test_the_check_catches_a_direct_access():
 
 def test_backbone_is_chosen_by_model_class(tiny_vit):
     assert isinstance(petl.backbone_of(tiny_vit()), ViT)
-    assert petl.list_backbones() == ["swin", "swinv2", "vit"]
+    assert petl.list_backbones() == ["beit", "eva", "swin", "swinv2", "vit", "vit_relpos"]
     deit = timm.create_model("deit_tiny_distilled_patch16_224", img_size=32, patch_size=8, num_classes=3)
     assert petl.backbone_of(deit).kind == "vit"  # a subclass of VisionTransformer, found through its MRO
 
@@ -156,3 +156,25 @@ def test_a_method_refuses_a_backbone_it_does_not_declare_in_one_line(kind, metho
     assert "\n" not in str(error.value)
     # The reason, where the method gives one, is the refusal's end.
     assert str(error.value).endswith(spec.refusal)
+
+
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_interface_matches_each_family(family):
+    # The blocks run one by one, the pooled features and the replay from a middle block give the model's logits.
+    model = make_tiny_family(family)
+    bb = petl.backbone_of(model)
+    assert bb.depth() == len(bb.block_list()) == 3 and bb.width() == 48
+    images = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        want = model(images)
+        x = bb.embed_tokens(images)
+        assert x.shape == (2, bb.num_tokens(), 48)
+        for i, block in enumerate(bb.block_container()):
+            if i == 1:
+                torch.testing.assert_close(bb.forward_from(x, 1), want)
+            x = bb.run_block(block, x)
+        torch.testing.assert_close(bb.head()(bb.pooled_features(x)), want)
+        torch.testing.assert_close(bb.head()(bb.pre_logits(images)), want)
+        keep = torch.ones(2, x.shape[1], dtype=torch.bool)
+        if bb.pool_type() in bb.maskable_pools:
+            torch.testing.assert_close(bb.head()(bb.pooled_features(x, keep)), want)

@@ -13,7 +13,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import TINY_MODELS, perturb_trainable
+from conftest import TINY_FAMILIES, TINY_MODELS, make_tiny_family, perturb_trainable
 from peft import LoraConfig
 from peft.tuners.tuners_utils import BaseTunerLayer
 from safetensors import safe_open
@@ -525,3 +525,133 @@ def test_new_tensors_follow_the_model_dtype(images, kind, method, options):
     model = petl.apply(TINY_MODELS[kind]().double(), method, num_classes=4, **options)
     assert {p.dtype for p in model.parameters()} == {torch.float64}
     assert model(images.double()).dtype == torch.float64
+
+
+# --- the other ViT families -------------------------------------------------------------------------------------
+# The contracts above, on a tiny model of each family in TINY_FAMILIES, for every variant whose method declares the
+# family's kind; the variants that name a Linear the family lacks (peft's qkv on separate q/k/v) are left out.
+
+
+# One variant per code path of the methods a family may take (all VARIANTS on every family would take minutes).
+FAMILY_VARIANTS = [(name, {}) for name in petl.list_methods()] + [
+    ("adapter", {"style": "parallel", "dim": 4}),
+    ("vpt", {"deep": True, "num_tokens": 3, "pool": "img_pool"}),
+    ("lora", {"targets": ["q", "k", "v", "proj", "fc1", "fc2"], "rank": 2, "alpha": 4.0}),
+    ("lora", {"targets": ["k", "proj", "fc2"], "rank": 2}),
+    ("bitfit", {"biases": "linear"}),
+    ("peft", {"peft_type": "LORA", "target_modules": ["qkv"], "options": '{"r": 8, "use_dora": true}'}),
+    ("peft", {"peft_type": "IA3", "target_modules": ["qkv", "fc2"], "options": '{"feedforward_modules": ["fc2"]}'}),
+]
+
+
+def _family_cases() -> tuple[list[tuple[str, str, dict]], list[tuple[str, str, dict]]]:
+    """(family, method, options) that apply, and those the method refuses on the family (in one line)."""
+    cases, refused = [], []
+    for family in TINY_FAMILIES:
+        model = make_tiny_family(family)
+        for method, options in FAMILY_VARIANTS:
+            if backbone_of(model).kind not in petl.get_method(method).backbones:
+                continue
+            config = petl.make_config(method, **options)
+            try:
+                config.validate(model)
+                petl.get_method(method).trainable_formula(model, config)
+            except ValueError:
+                refused.append((family, method, options))
+                continue
+            cases.append((family, method, options))
+    return cases, refused
+
+
+FAMILY_CASES, FAMILY_REFUSED = _family_cases()
+FAMILY_IDS = [f"{f}-{m}" + "".join(f"-{k}={v}" for k, v in o.items()) for f, m, o in FAMILY_CASES]
+FAMILY_MERGEABLE = [c for c in FAMILY_CASES if petl.get_method(c[1]).mergeable]
+FAMILY_MERGEABLE_IDS = [i for i, c in zip(FAMILY_IDS, FAMILY_CASES, strict=True) if c in FAMILY_MERGEABLE]
+
+
+@pytest.mark.parametrize(("family", "method", "options"), FAMILY_CASES, ids=FAMILY_IDS)
+def test_family_zero_init_and_count(images, family, method, options):
+    reference = make_tiny_family(family)(images)
+    model = petl.apply(make_tiny_family(family), method, **options).eval()
+    unchanged = torch.allclose(model(images), reference, atol=1e-6)
+    assert unchanged == (petl.get_method(method).zero_init and model.petl_config.keeps_zero_init)
+    # What the method trains acts: moved away from its init, it changes the output.
+    in_head = {id(p) for p in backbone_of(model).head().parameters()}
+    if any(p.requires_grad and id(p) not in in_head for p in model.parameters()):
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.requires_grad and id(p) not in in_head:
+                    p.add_(0.1 * torch.randn(p.shape, generator=torch.Generator().manual_seed(3)))
+        assert not torch.allclose(model(images), reference, atol=1e-4)
+    expected = petl.get_method(method).trainable_formula(make_tiny_family(family), petl.make_config(method, **options))
+    counted = petl.count_params(petl.apply(make_tiny_family(family), method, num_classes=4, **options))
+    assert counted.trainable_no_head == expected
+
+
+@pytest.mark.parametrize(("family", "method", "options"), FAMILY_CASES, ids=FAMILY_IDS)
+def test_family_save_load_round_trip(images, tmp_path, family, method, options):
+    model = petl.apply(make_tiny_family(family), method, num_classes=4, **options)
+    perturb_trainable(model)
+    path = tmp_path / "trained.safetensors"
+    petl.save_trainable(model, path)
+    fresh = petl.load_trainable(make_tiny_family(family), path)
+    assert torch.equal(fresh.eval()(images), model.eval()(images))
+
+
+@pytest.mark.parametrize(("family", "method", "options"), FAMILY_MERGEABLE, ids=FAMILY_MERGEABLE_IDS)
+def test_family_merge_equals_unmerged(images, family, method, options):
+    model = petl.apply(make_tiny_family(family), method, num_classes=4, **options)
+    perturb_trainable(model)
+    unmerged = model(images)
+    try:
+        petl.merge(model)
+    except ValueError as refused:
+        # A Linear without a bias (timm's qkv_bias=False; BEiT's and EVA's q/v biases live outside qkv) cannot take
+        # SSF's shift: merging is refused in one line and leaves the model unmerged (all or nothing).
+        assert "without weight and bias" in str(refused) and "\n" not in str(refused)
+        assert not any(isinstance(m, PetlModule) and m.merged for m in model.modules())
+        assert (model(images) - unmerged).abs().max() < 1e-5
+        return
+    assert (model(images) - unmerged).abs().max() < 1e-5
+    petl.unmerge(model)
+    assert (model(images) - unmerged).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize(("family", "method", "options"), FAMILY_CASES, ids=FAMILY_IDS)
+def test_family_forward_intermediates_at_timm_shapes(images, family, method, options):
+    plain = make_tiny_family(family)
+    model = petl.apply(make_tiny_family(family), method, **options).eval()
+    for kwargs in ({}, {"output_fmt": "NLC", "indices": [0, 2]}):
+        want = plain.forward_intermediates(images, intermediates_only=True, **kwargs)
+        got = model.forward_intermediates(images, intermediates_only=True, **kwargs)
+        assert [t.shape for t in got] == [t.shape for t in want]
+
+
+@pytest.mark.parametrize(("family", "method", "options"), FAMILY_REFUSED)
+def test_family_refusals_are_one_line(family, method, options):
+    model = make_tiny_family(family)
+    with pytest.raises(ValueError) as refused:
+        petl.apply(model, method, **options)
+    assert "\n" not in str(refused.value)
+    assert not any(isinstance(m, PetlModule) for m in model.modules())
+
+
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_family_prompts_get_no_position(images, family):
+    # Room for no tokens changes nothing; with prompts, attention sees them without a position (no relative bias,
+    # no rotation), so shuffling the prompts leaves the patch tokens as they were and shuffles the prompt outputs.
+    plain = make_tiny_family(family)
+    roomy = make_tiny_family(family)
+    bb = backbone_of(roomy)
+    for block in bb.block_list():
+        bb.make_room(block, bb.num_prefix_tokens(), 0)
+    torch.testing.assert_close(roomy(images), plain(images), atol=1e-5, rtol=0)
+    n, p = 4, bb.num_prefix_tokens()
+    model = petl.apply_vpt(make_tiny_family(family), num_tokens=n, dropout=0.0)
+    prompted = next(b for b in model.modules() if isinstance(b, PromptedBlock))
+    features = model.forward_features(images)
+    with torch.no_grad():
+        prompted.prompt.copy_(prompted.prompt.flip(0))
+    shuffled = model.forward_features(images)
+    torch.testing.assert_close(shuffled[:, p + n :], features[:, p + n :], atol=1e-5, rtol=0)
+    torch.testing.assert_close(shuffled[:, p : p + n], features[:, p : p + n].flip(1), atol=1e-5, rtol=0)

@@ -5,8 +5,11 @@ Methods, training, I/O and MultiTask reach the model through ``backbone_of(model
 package registers the families petl supports.
 """
 
+from petl.model.backbone import beit as beit  # noqa: F401
+from petl.model.backbone import eva as eva  # noqa: F401
 from petl.model.backbone import swin as swin  # noqa: F401  (registers Swin and SwinV2)
 from petl.model.backbone import vit as vit  # noqa: F401  (registers the ViT family)
+from petl.model.backbone import vit_relpos as vit_relpos  # noqa: F401
 from petl.model.backbone.base import QKV_INDEX as QKV_INDEX
 from petl.model.backbone.base import Backbone as Backbone
 from petl.model.backbone.base import backbone_of as backbone_of

@@ -360,6 +360,31 @@ class Backbone:
         """The norm in front of a block's MLP (its input is the residual stream after attention)."""
         raise NotImplementedError
 
+    @classmethod
+    def qkv_rows(cls, block: nn.Module, part: str) -> tuple[str, int, int]:
+        """The Linear of a block (one of :attr:`linear_names`) that computes ``part`` (``q``, ``k`` or ``v``), and
+        the rows [start, end) of its output that are ``part``: by default thirds of a fused ``qkv``
+        (:data:`QKV_INDEX`); a family with separate projections names them.
+        """
+        width = cls.linear(block, "qkv").out_features // 3
+        start = QKV_INDEX[part] * width
+        return "qkv", start, start + width
+
+    @staticmethod
+    def loose_biases(block: nn.Module) -> list[nn.Parameter]:
+        """Biases a block keeps outside its Linears (BEiT's and EVA's ``q_bias``, ``v_bias``); none by default."""
+        return []
+
+    @staticmethod
+    def make_room(block: nn.Module, at: int, count: int) -> None:
+        """Let ``block`` (unwrapped) take ``count`` extra tokens inserted at position ``at`` (after the prefix tokens)
+        that have no position of their own: where the block adds position terms to the patch tokens inside
+        attention (a relative-position bias, a rotary embedding), the extra tokens get none (a zero bias, no
+        rotation), as VPT's own Swin code zero-pads the bias for its prompts (KMnP/vpt
+        src/models/vit_prompt/swin_transformer.py L480-508).
+        """
+        raise NotImplementedError
+
 
 def register_backbone(*model_classes: type) -> Any:
     """Class decorator: the decorated :class:`Backbone` subclass serves ``model_classes`` and their subclasses."""

@@ -52,7 +52,11 @@ class ViT(Backbone):
             inner = unwrap(block)
             qkv = getattr(getattr(inner, "attn", None), "qkv", None)
             if not isinstance(qkv, nn.Linear) or qkv.out_features != 3 * qkv.in_features:
-                raise ValueError(f"petl supports {self.supported}; block {i} of {name} has no fused attn.qkv Linear.")
+                # e.g. the parallel blocks of vit_pwee_* (one in_proj for qkv and fc1, one residual): not taken yet.
+                raise ValueError(
+                    f"petl supports {self.supported}; block {i} of {name} ({type(inner).__name__}) has no fused "
+                    "attn.qkv Linear."
+                )
             if not hasattr(inner, "mlp"):
                 raise ValueError(f"petl supports {self.supported}; block {i} of {name} has no mlp.")
         if not hasattr(model, "reset_classifier") or not hasattr(model, "head"):
@@ -252,7 +256,11 @@ class ViT(Backbone):
         Blocks without prompts of their own carry the previous prompt outputs along and stay unwrapped, but for
         the last with ``strip``.
         """
-        depth = self.depth()
+        depth, count = self.depth(), prompts[0].shape[0]
+        for block in self.block_list():
+            # Every block carries the prompts; where a block adds position terms inside attention (a relative-position
+            # bias, a rotary embedding) the prompts get none.
+            self.make_room(block, self.num_prefix_tokens(), count)
         for i, prompt in enumerate(prompts):
             last_strip = strip and i == depth - 1
             if prompt is None and not last_strip:
@@ -260,13 +268,26 @@ class ViT(Backbone):
             wrapper = PromptedBlock(
                 self.block_container()[i],
                 num_prefix=self.num_prefix_tokens(),
-                num_tokens=prompts[0].shape[0],
+                num_tokens=count,
                 prompt=prompt,
                 replace=i > 0,
                 strip=last_strip,
                 dropout=dropout,
             )
             self.set_block(i, wrapper)
+
+    def adopt_wrapped_linears(self) -> None:
+        """Hand every wrapped block Linear back through :meth:`set_linear`, which makes a family whose attention reads
+        ``qkv.weight`` itself (BEiT, EVA) call the wrapper instead; a plain ViT always calls its Linears.
+        """
+        for block in self.block_list():
+            for name in self.linear_names:
+                try:
+                    linear = self.linear(block, name)
+                except (AttributeError, ValueError):  # a Linear this block does not have
+                    continue
+                if type(linear) is not nn.Linear:
+                    self.set_linear(block, name, linear)
 
     # -- inside one block ------------------------------------------------------------------------------------
 
@@ -282,10 +303,10 @@ class ViT(Backbone):
         owner = block.attn if name in ("qkv", "proj") else block.mlp
         setattr(owner, name, module)
 
-    @staticmethod
-    def linear_biases(block: nn.Module, name: str) -> list[nn.Parameter]:
+    @classmethod
+    def linear_biases(cls, block: nn.Module, name: str) -> list[nn.Parameter]:
         """The Linear's own bias, where it has one."""
-        bias = getattr(ViT.linear(block, name), "bias", None)
+        bias = getattr(cls.linear(block, name), "bias", None)
         return [bias] if isinstance(bias, nn.Parameter) else []
 
     @staticmethod
@@ -342,3 +363,7 @@ class ViT(Backbone):
     def mlp_norm(block: nn.Module) -> nn.Module:
         """``norm2``."""
         return block.norm2
+
+    @staticmethod
+    def make_room(block: nn.Module, at: int, count: int) -> None:
+        """Nothing to do: a ViT adds its (absolute) position embedding before the blocks."""

@@ -1,0 +1,142 @@
+"""timm's Beit (BEiT, BEiT-v2) as a :class:`~petl.model.backbone.base.Backbone`.
+
+A ViT with a class token whose attention adds a relative-position bias (a table per block, or one table shared by
+every block: ``rel_pos_bias``, computed once per forward and passed to each block as ``shared_rel_pos_bias``),
+with learned class-to-patch entries.  Three things differ inside a block:
+
+* the Q and V biases are parameters of the attention (``q_bias``, ``v_bias``; K has none), and timm's forward
+  reads ``qkv.weight`` itself (``F.linear(x, qkv.weight, cat(q_bias, 0, v_bias))``) unless ``qkv_bias_separate``,
+  when it calls ``qkv`` and adds the biases after: the same sum.  A wrapper on ``qkv`` (LoRA's Q and V rows)
+  only runs if the module is called, so :meth:`Beit.set_linear` turns on that path.
+* the layer scales are bare parameters ``gamma_1``, ``gamma_2`` (``None`` without layer scale).
+* the block and its attention take ``shared_rel_pos_bias``, not ``attn_mask``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from timm.layers import Mlp
+from timm.models.beit import Attention, Block
+from timm.models.beit import Beit as TimmBeit
+from torch import nn
+
+from petl.model.backbone.base import register_backbone, unwrap
+from petl.model.backbone.vit import ViT
+from petl.model.backbone.vit_relpos import VitRelPos, pad_bias
+from petl.model.wrappers import PetlModule
+
+
+class BeitRoom(PetlModule):
+    """timm's BEiT ``Attention`` taking ``count`` extra tokens at ``at`` that get no relative-position bias.
+
+    timm computes the bias inside its forward, for exactly the class token and the patch grid; this runs the same
+    steps through the attention's own modules and parameters with the bias (own plus shared) zero-padded for the
+    extra tokens, as the VPT code's Swin pads its bias for the prompts (swin_transformer.py L480-508).
+    """
+
+    def __init__(self, base: Attention, at: int, count: int) -> None:
+        super().__init__(base)
+        self.at, self.count = at, count
+
+    def forward(self, x: torch.Tensor, shared_rel_pos_bias: torch.Tensor | None = None) -> torch.Tensor:
+        attn = self.base
+        batch, tokens, _ = x.shape
+        qkv = attn.qkv(x)
+        if attn.q_bias is not None:
+            qkv = qkv + torch.cat((attn.q_bias, attn.k_bias, attn.v_bias))
+        q, k, v = qkv.reshape(batch, tokens, 3, attn.num_heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
+        bias = attn._get_rel_pos_bias() if attn.relative_position_bias_table is not None else None
+        if shared_rel_pos_bias is not None:
+            bias = shared_rel_pos_bias if bias is None else bias + shared_rel_pos_bias
+        if bias is not None:
+            bias = pad_bias(bias, self.at, self.count).to(q.dtype)
+        x = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=bias, dropout_p=attn.attn_drop.p if attn.training else 0.0
+        )
+        return attn.proj_drop(attn.proj(x.transpose(1, 2).reshape(batch, tokens, -1)))
+
+
+@register_backbone(TimmBeit)
+class Beit(VitRelPos):
+    """A timm Beit (BEiT, BEiT-v2: per-block or shared relative-position bias, layer scale or not)."""
+
+    kind = "beit"
+    supported = "a timm Beit (BEiT, BEiT-v2) whose blocks have an Mlp (not SwiGLU)"
+    block_types = (Block,)
+    timm_modules = ("beit",)
+    shared_bias_arg = "shared_rel_pos_bias"
+
+    def check(self) -> None:
+        """Raise a ValueError naming what is supported unless every block is a BEiT Block with an ``Mlp``.
+
+        Raises:
+            ValueError: a block of another type, or a SwiGLU MLP (no ``fc1``).
+
+        """
+        name = type(self.model).__name__
+        for i, block in enumerate(self.model.blocks):
+            inner = unwrap(block)
+            if type(inner) is not Block or not isinstance(unwrap(inner.mlp), Mlp):
+                raise ValueError(f"petl supports {self.supported}; block {i} of {name} is not")
+
+    def _shared_bias(self) -> torch.Tensor | None:
+        shared = self.model.rel_pos_bias
+        return shared() if shared is not None else None
+
+    def embed_tokens(self, images: torch.Tensor) -> torch.Tensor:
+        """Patch embedding, class token, absolute position embedding (where used), dropout."""
+        model = self.model
+        x = model.patch_embed(images)
+        x = torch.cat((model.cls_token.expand(x.shape[0], -1, -1), x), dim=1)
+        if model.pos_embed is not None:
+            x = x + model.pos_embed
+        return model.pos_drop(x)
+
+    def is_plain(self) -> bool:
+        """Exactly timm's Beit."""
+        return type(self.model) is TimmBeit
+
+    # -- inside one block ------------------------------------------------------------------------------------
+
+    @staticmethod
+    def set_linear(block: nn.Module, name: str, module: nn.Module) -> None:
+        """Replace ``qkv``, ``proj``, ``fc1`` or ``fc2``; a ``qkv`` other than timm's Linear is called (see above)."""
+        ViT.set_linear(block, name, module)
+        if name == "qkv" and type(module) is not nn.Linear:
+            block.attn.qkv_bias_separate = True
+
+    @staticmethod
+    def layer_scales(block: nn.Module) -> list[nn.Module]:
+        """BEiT's layer scales are bare parameters, not modules.
+
+        Raises:
+            ValueError: always.
+
+        """
+        raise ValueError("BEiT keeps its layer scales as parameters (gamma_1, gamma_2), not modules")
+
+    @staticmethod
+    def loose_biases(block: nn.Module) -> list[nn.Parameter]:
+        """``q_bias`` and ``v_bias`` of the attention, where it has them."""
+        attn = block.attn
+        return [b for b in (attn.q_bias, attn.v_bias) if b is not None]
+
+    @staticmethod
+    def attn_branch(block: nn.Module, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        """``drop_path1(gamma_1 * attn(norm1(x), shared_rel_pos_bias=...))``."""
+        out = block.attn(block.norm1(x), **kwargs)
+        return block.drop_path1(out if block.gamma_1 is None else block.gamma_1 * out)
+
+    @staticmethod
+    def mlp_branch(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """``drop_path2(gamma_2 * mlp(norm2(x)))``."""
+        out = block.mlp(block.norm2(x))
+        return block.drop_path2(out if block.gamma_2 is None else block.gamma_2 * out)
+
+    @staticmethod
+    def make_room(block: nn.Module, at: int, count: int) -> None:
+        """The attention zero-pads its relative-position bias (own and shared) for the extra tokens."""
+        block.attn = BeitRoom(block.attn, at, count)

@@ -1,0 +1,176 @@
+"""timm's Eva (EVA, EVA-02) as a :class:`~petl.model.backbone.base.Backbone`.
+
+A ViT whose attention rotates Q and K of the patch tokens by a rotary position embedding (``rope``, computed once
+per forward and passed to every block; the prefix tokens, ``attn.num_prefix_tokens`` of them, are not rotated).
+Inside a block:
+
+* Q, K and V come from one fused ``qkv`` Linear with bare ``q_bias``, ``v_bias`` parameters (as BEiT: timm reads
+  ``qkv.weight`` itself unless ``qkv_bias_separate``, so :meth:`Eva.set_linear` turns that on for a wrapper), or,
+  with ``qkv_fused=False`` (EVA-02 base and larger), from separate ``q_proj``, ``k_proj``, ``v_proj`` Linears with
+  their own biases: :meth:`Eva.qkv_rows` names those, so LoRA's Q and V targets adapt ``q_proj`` and ``v_proj``.
+* the MLP is timm's ``Mlp`` (``fc1``, ``fc2``), a packed SwiGLU ``GluMlp`` (one ``fc1`` holding gate and value,
+  ``fc2``) or an unpacked ``SwiGLU`` (``fc1_g``, ``fc1_x``, a norm, ``fc2``): a method that needs one ``fc1`` is
+  refused on the last by :meth:`Eva.linear`.
+* the layer scales are bare parameters ``gamma_1``, ``gamma_2``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from timm.models._manipulate import checkpoint
+from timm.models.eva import Eva as TimmEva
+from timm.models.eva import EvaAttention, EvaBlock
+from torch import nn
+
+from petl.model.backbone.base import register_backbone, unwrap
+from petl.model.backbone.vit import ViT
+from petl.model.wrappers import PetlModule
+
+ATTENTION_LINEARS = ("qkv", "q_proj", "k_proj", "v_proj", "proj")
+
+
+class EvaRoom(PetlModule):
+    """timm's ``EvaAttention`` taking ``count`` extra tokens at ``at`` (after the prefix) that are not rotated.
+
+    timm rotates every token after the prefix by its row of ``rope``; the extra tokens get the identity rotation
+    (sin 0, cos 1) in front of the patch tokens' rows, so their Q and K enter attention as computed.
+    """
+
+    def __init__(self, base: EvaAttention, at: int, count: int) -> None:
+        super().__init__(base)
+        self.at, self.count = at, count
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
+        if rope is not None and self.count:
+            half = rope.shape[-1] // 2
+            rows = list(rope.shape)
+            rows[-2] = self.count
+            identity = torch.cat([rope.new_zeros(rows[:-1] + [half]), rope.new_ones(rows[:-1] + [half])], dim=-1)
+            rope = torch.cat([identity, rope], dim=-2)
+        return self.base(x, rope=rope, **kwargs)
+
+
+@register_backbone(TimmEva)
+class Eva(ViT):
+    """A timm Eva (EVA, EVA-02: rotary embedding or not, fused or separate q/k/v, GELU or SwiGLU MLP)."""
+
+    kind = "eva"
+    supported = (
+        "a timm Eva (EVA, EVA-02) with pre-norm EvaBlocks of EvaAttention, at a fixed image size, "
+        "one rotary embedding for every block"
+    )
+    block_types = (EvaBlock,)
+    timm_modules = ("eva",)
+    linear_names = ("qkv", "q_proj", "k_proj", "v_proj", "proj", "fc1", "fc1_g", "fc1_x", "fc2")
+
+    def check(self) -> None:
+        """Raise a ValueError naming what is supported unless the model is a usable timm Eva.
+
+        Raises:
+            ValueError: a post-norm block, another attention (``attn_type='rope'``), a rotary embedding per block
+                (``rope_type='mixed'``) or a dynamic image size with a rotary embedding.
+
+        """
+        model, name = self.model, type(self.model).__name__
+        if getattr(model, "rope_mixed", False) or (model.rope is not None and model.dynamic_img_size):
+            raise ValueError(f"petl supports {self.supported}; {name} has a rotary embedding per block or per size")
+        for i, block in enumerate(model.blocks):
+            inner = unwrap(block)
+            if type(inner) is not EvaBlock or not isinstance(unwrap(inner.attn), (EvaAttention, EvaRoom)):
+                raise ValueError(f"petl supports {self.supported}; block {i} of {name} is not")
+
+    def _rope(self) -> dict[str, torch.Tensor | None]:
+        # What timm's _pos_embed passes every block at the model's image size (check() refuses the other cases).
+        rope = self.model.rope
+        if rope is None:
+            return {"rope": None}
+        if hasattr(rope, "feat_shape"):
+            return {"rope": rope.get_embed()}
+        return {"rope": rope.get_embed(shape=self.model.patch_embed.grid_size)}
+
+    def embed_tokens(self, images: torch.Tensor) -> torch.Tensor:
+        """Patch embedding, prefix tokens, position embedding, patch drop, pre-norm (timm's ``_pos_embed``)."""
+        x, _ = self.model._pos_embed(self.model.patch_embed(images))
+        return self.model.norm_pre(x)
+
+    def run_block(self, block: nn.Module, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The block with the model's rotary embedding and ``attn_mask``."""
+        return block(x, attn_mask=attn_mask, **self._rope())
+
+    def is_plain(self) -> bool:
+        """Exactly timm's Eva."""
+        return type(self.model) is TimmEva
+
+    def forward_from(self, x: torch.Tensor, start: int) -> torch.Tensor:
+        """The rest of timm's ``forward_features`` and ``forward_head`` from block ``start`` on."""
+        model, rope = self.model, self._rope()
+        for block in model.blocks[start:]:
+            x = checkpoint(block, x, **rope) if model.grad_checkpointing else block(x, **rope)
+        return model.forward_head(model.norm(x))
+
+    # -- inside one block ------------------------------------------------------------------------------------
+
+    @staticmethod
+    def linear(block: nn.Module, name: str) -> nn.Module:
+        """A Linear of the attention (``qkv`` or ``q_proj``/``k_proj``/``v_proj``, ``proj``) or the MLP.
+
+        Raises:
+            ValueError: the block has no such Linear (separate q/k/v, or a SwiGLU's ``fc1_g``/``fc1_x``).
+
+        """
+        owner = block.attn if name in ATTENTION_LINEARS else block.mlp
+        module = getattr(owner, name, None)
+        if module is None:
+            have = [n for n, m in owner.named_children() if n in Eva.linear_names]
+            raise ValueError(f"this EVA block has no {name} Linear (it has {', '.join(have)})")
+        return module
+
+    @staticmethod
+    def set_linear(block: nn.Module, name: str, module: nn.Module) -> None:
+        """Replace a Linear (see :meth:`linear`); a fused ``qkv`` other than timm's Linear is called (see above)."""
+        setattr(block.attn if name in ATTENTION_LINEARS else block.mlp, name, module)
+        if name == "qkv" and type(module) is not nn.Linear:
+            block.attn.qkv_bias_separate = True
+
+    @classmethod
+    def qkv_rows(cls, block: nn.Module, part: str) -> tuple[str, int, int]:
+        """Thirds of a fused ``qkv``, or all of ``q_proj``, ``k_proj`` or ``v_proj``."""
+        if block.attn.qkv is not None:
+            return super().qkv_rows(block, part)
+        name = f"{part}_proj"
+        return name, 0, cls.linear(block, name).out_features
+
+    @staticmethod
+    def layer_scales(block: nn.Module) -> list[nn.Module]:
+        """EVA's layer scales are bare parameters, not modules.
+
+        Raises:
+            ValueError: always.
+
+        """
+        raise ValueError("EVA keeps its layer scales as parameters (gamma_1, gamma_2), not modules")
+
+    @staticmethod
+    def loose_biases(block: nn.Module) -> list[nn.Parameter]:
+        """``q_bias`` and ``v_bias`` of a fused attention, where it has them."""
+        attn = block.attn
+        return [b for b in (getattr(attn, "q_bias", None), getattr(attn, "v_bias", None)) if b is not None]
+
+    @staticmethod
+    def attn_branch(block: nn.Module, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        """``drop_path1(gamma_1 * attn(norm1(x), rope=..., attn_mask=...))``."""
+        out = block.attn(block.norm1(x), **kwargs)
+        return block.drop_path1(out if block.gamma_1 is None else block.gamma_1 * out)
+
+    @staticmethod
+    def mlp_branch(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """``drop_path2(gamma_2 * mlp(norm2(x)))``."""
+        out = block.mlp(block.norm2(x))
+        return block.drop_path2(out if block.gamma_2 is None else block.gamma_2 * out)
+
+    @staticmethod
+    def make_room(block: nn.Module, at: int, count: int) -> None:
+        """The attention gives the extra tokens the identity rotation (they sit after the unrotated prefix)."""
+        block.attn = EvaRoom(block.attn, at, count)

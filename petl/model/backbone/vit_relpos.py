@@ -1,0 +1,152 @@
+"""timm's VisionTransformerRelPos (``vit_relpos_*``, ``vit_srelpos_*``) as a
+:class:`~petl.model.backbone.base.Backbone`.
+
+A ViT without absolute position embedding: each block's attention adds a relative-position bias over the patch
+grid (``attn.rel_pos``, a table or a small MLP), or one bias shared by every block (``shared_rel_pos``, computed
+once per forward and passed to each block).  timm zero-pads the bias for a class token (``RelPosMlp``) or learns
+class-to-patch entries (``RelPosBias``).  The blocks (``RelPosBlock``) have ViT's parts under ViT's names
+(``norm1``, ``attn.qkv``, ``attn.proj``, ``ls1``, ``mlp.fc1``...), so the block-level knowledge is the ViT's;
+what differs is the model around them: a ``ModuleList`` called with the shared bias, no ``pool`` method.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from timm.models._manipulate import checkpoint
+from timm.models.vision_transformer_relpos import RelPosAttention, RelPosBlock, VisionTransformerRelPos
+from torch import nn
+
+from petl.model.backbone.base import register_backbone, unwrap
+from petl.model.backbone.vit import ViT
+from petl.model.wrappers import PetlModule
+
+
+def pad_bias(bias: torch.Tensor, at: int, count: int) -> torch.Tensor:
+    """``bias`` (..., N, N) with ``count`` zero rows and columns inserted at ``at``: no bias to or from them."""
+    if count == 0:
+        return bias
+    n = bias.shape[-1]
+    out = bias.new_zeros(*bias.shape[:-2], n + count, n + count)
+    keep = torch.cat([torch.arange(at), torch.arange(at + count, n + count)]).to(bias.device)
+    out[..., keep[:, None], keep] = bias
+    return out
+
+
+class RelPosRoom(PetlModule):
+    """timm's ``RelPosAttention`` taking ``count`` extra tokens at ``at`` that get no relative-position bias.
+
+    Runs the attention's own projections, norms and bias module; only the bias (the block's own and the shared
+    one) is zero-padded for the extra tokens, as in the VPT code's Swin (swin_transformer.py L480-508).
+    """
+
+    def __init__(self, base: RelPosAttention, at: int, count: int) -> None:
+        super().__init__(base)
+        self.at, self.count = at, count
+
+    def forward(self, x: torch.Tensor, shared_rel_pos: torch.Tensor | None = None) -> torch.Tensor:
+        attn = self.base
+        batch, tokens, channels = x.shape
+        qkv = attn.qkv(x).reshape(batch, tokens, 3, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)
+        q, k = attn.q_norm(q), attn.k_norm(k)
+        bias = attn.rel_pos.get_bias() if attn.rel_pos is not None else shared_rel_pos
+        if bias is not None:
+            bias = pad_bias(bias, self.at, self.count).to(q.dtype)
+        x = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=bias, dropout_p=attn.attn_drop.p if attn.training else 0.0
+        )
+        return attn.proj_drop(attn.proj(x.transpose(1, 2).reshape(batch, tokens, channels)))
+
+
+@register_backbone(VisionTransformerRelPos)
+class VitRelPos(ViT):
+    """A timm VisionTransformerRelPos (per-block or shared relative-position bias, class token or not)."""
+
+    kind = "vit_relpos"
+    supported = "a timm VisionTransformerRelPos (vit_relpos_*, vit_srelpos_*) with pre-norm RelPosBlocks"
+    # timm's pre-norm RelPosBlock: ViT's Block with the bias passed to its attention.  The post-norm
+    # ResPostRelPosBlock (the *_rpn_* models) runs its halves otherwise: refused by check().
+    block_types = (RelPosBlock,)
+    timm_modules = ("vision_transformer_relpos",)
+    # The keyword the blocks take the shared bias by.
+    shared_bias_arg = "shared_rel_pos"
+
+    def check(self) -> None:
+        """Raise a ValueError naming what is supported unless every block is a pre-norm RelPosBlock.
+
+        Raises:
+            ValueError: a block of another type (the post-norm ``*_rpn_*`` models).
+
+        """
+        name = type(self.model).__name__
+        for i, block in enumerate(self.model.blocks):
+            if type(unwrap(block)) is not RelPosBlock:
+                raise ValueError(
+                    f"petl supports {self.supported}; block {i} of {name} is a {type(unwrap(block)).__name__}"
+                )
+
+    def _shared_bias(self) -> torch.Tensor | None:
+        shared = self.model.shared_rel_pos
+        return shared.get_bias() if shared is not None else None
+
+    def embed_tokens(self, images: torch.Tensor) -> torch.Tensor:
+        """Patch embedding and class token: timm's ``forward_features`` up to its blocks."""
+        model = self.model
+        x = model.patch_embed(images)
+        if model.cls_token is not None:
+            x = torch.cat((model.cls_token.expand(x.shape[0], -1, -1), x), dim=1)
+        return x
+
+    def run_block(self, block: nn.Module, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The block with the model's shared bias (its attention takes no other mask).
+
+        Raises:
+            ValueError: ``attn_mask`` given.
+
+        """
+        if attn_mask is not None:
+            raise ValueError(f"{type(self.model).__name__}'s blocks take no attention mask (a relative-position bias)")
+        return block(x, **{self.shared_bias_arg: self._shared_bias()})
+
+    def pool_type(self) -> str:
+        """``avg``, ``token`` or ``""``."""
+        return str(self.model.global_pool)
+
+    def pooled_features(self, tokens: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """The final norm and timm's ``forward_head(pre_logits=True)``; ``keep`` leaves tokens out of ``avg``.
+
+        Raises:
+            ValueError: ``keep`` with a pooling other than :attr:`maskable_pools`.
+
+        """
+        model = self.model
+        x = model.norm(tokens)
+        pool = self.pool_type()
+        if keep is None or pool == "token":
+            return model.forward_head(x, pre_logits=True)
+        if pool != "avg":
+            raise ValueError(f"cannot leave tokens out of the {pool!r} pooling: only {', '.join(self.maskable_pools)}")
+        start = self.num_prefix_tokens()
+        weight = keep[:, start:, None].to(x.dtype)
+        return model.head_drop(model.fc_norm((x[:, start:] * weight).sum(dim=1) / weight.sum(dim=1)))
+
+    def is_plain(self) -> bool:
+        """Exactly timm's VisionTransformerRelPos."""
+        return type(self.model) is VisionTransformerRelPos
+
+    def after_blocks(self) -> list[nn.Module]:
+        """``norm`` and ``fc_norm``."""
+        return [self.model.norm, self.model.fc_norm]
+
+    def forward_from(self, x: torch.Tensor, start: int) -> torch.Tensor:
+        """The rest of timm's ``forward_features`` and ``forward_head`` from block ``start`` on."""
+        model, shared = self.model, {self.shared_bias_arg: self._shared_bias()}
+        for block in model.blocks[start:]:
+            x = checkpoint(block, x, **shared) if model.grad_checkpointing else block(x, **shared)
+        return model.forward_head(model.norm(x))
+
+    @staticmethod
+    def make_room(block: nn.Module, at: int, count: int) -> None:
+        """The attention zero-pads its relative-position bias (own or shared) for the extra tokens."""
+        block.attn = RelPosRoom(block.attn, at, count)
