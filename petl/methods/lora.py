@@ -235,22 +235,13 @@ class LoraLinear(PetlModule):
         self._fold(-1.0)
 
 
-def _rows_update(
-    x: torch.Tensor, y: torch.Tensor, stack: tuple[torch.Tensor, ...], entry: torch.Tensor
-) -> torch.Tensor:
-    """Every row's own update added to the frozen output: each row's stacked A and B gathered, two bmm (BGMV)."""
-    a, b = stack
-    return rows.rows_matmul(rows.rows_matmul(x, a[entry]), b[entry], add=y)
-
-
 @rows.register_row_hook(LoraLinear)
 def _rows(wrapper: LoraLinear) -> rows.RowHook:
     # The frozen qkv/proj/fc runs once for the mixed batch; each task adds its update to its own rows.  Batched,
     # tasks whose stacked A and B have the same shapes (the same total rank: the targets may differ, B places
     # them) stack, the scale folded into B.
     with torch.no_grad():
-        a, b = wrapper.stacked_a(), wrapper.scale * wrapper.stacked_b()
-    batched = rows.Batched(_rows_update, (a, b), (torch.zeros_like(a), torch.zeros_like(b)), post=_rows_update)
+        batched = rows.low_rank(wrapper.stacked_a(), wrapper.scale * wrapper.stacked_b())
     return rows.RowHook(wrapper.base, post=lambda x, y, _tokens: wrapper.add_update(x, y), batched=batched)
 
 
