@@ -432,3 +432,23 @@ def test_stacked_hooks_give_what_the_task_by_task_loop_gives(stacked):
     _without_stacks(looped)
     with torch.no_grad():
         torch.testing.assert_close(multi(images, ids), looped(images, ids), atol=1e-5, rtol=1e-5)
+
+
+def test_rows_without_prompts_share_the_blocks_without_prompt_slots(stacked, monkeypatch):
+    """Prompted tasks' rows go through the blocks in a pass of their own (slots and attention masks); the other
+    tasks' rows share a pass without them, and every row is still its own model's."""
+    singles, _, multi, _ = stacked
+    passes = []
+    features = petl.MultiTask._features
+
+    def record(self, x, groups, *rest):
+        passes.append([self.names[task] for task, _, _ in groups])
+        return features(self, x, groups, *rest)
+
+    monkeypatch.setattr(petl.MultiTask, "_features", record)
+    ids, images = _mixed_batch(["vpt_5", "lora_qv", "vpt_2", "ssf"], per_task=2, seed=3)
+    _check_rows(multi, singles, ids, images)
+    assert passes == [["lora_qv", "ssf"], ["vpt_5", "vpt_2"]]
+    passes.clear()
+    _check_rows(multi, singles, ["ssf", "lora_qv"], images[:2])
+    assert passes == [["lora_qv", "ssf"]]
