@@ -297,13 +297,43 @@ class MultiTask(nn.Module):
         return index
 
     @staticmethod
-    def _slot_mask(x: Tensor, groups: list[tuple[int, int, int]], tokens: Tokens, used: list[int]) -> Tensor:
-        """Rows x tokens, True except at each row's slots past ``used[task]`` (its task's slots in use)."""
-        mask = torch.ones(x.shape[:2], dtype=torch.bool, device=x.device)
-        slot = torch.arange(tokens.slots, device=x.device)
-        for task, first, end in groups:
-            mask[first:end, tokens.prefix : tokens.prefix + tokens.slots] = slot < used[task]
-        return mask
+    def _slot_mask(x: Tensor, tasks: Tensor, tokens: Tokens, used: list[int]) -> Tensor:
+        """Rows x tokens, True except at each row's slots past ``used[task]`` (``tasks``: each row's task, on the CPU).
+
+        Built on the CPU in a few ops for all rows (not one slice per task) and moved once.
+        """
+        mask = torch.ones(x.shape[:2], dtype=torch.bool)
+        per_row = torch.tensor(used, dtype=torch.long)[tasks]
+        mask[:, tokens.prefix : tokens.prefix + tokens.slots] = torch.arange(tokens.slots) < per_row[:, None]
+        return mask.to(x.device)
+
+    def _features(self, x: Tensor, groups: list[tuple[int, int, int]], tasks: Tensor, rows: Tensor) -> Tensor:
+        """The pooled features of embedded rows ``x`` (sorted by task: ``groups``, ``tasks`` on the CPU, ``rows`` on
+        ``x``'s device) through the routed blocks, each task's hooks on its own rows.
+        """
+        bb = backbone_of(self.backbone)
+        tokens = Tokens(bb.num_prefix_tokens(), max((self.prompts[t] for t, _, _ in groups), default=0))
+        self._router.batch = Batch(groups, tokens, rows=rows)
+        try:
+            pool = None
+            if tokens.slots:
+                x = tokens.with_slots(x)
+                # Each row pools (and, per block, attends) only the slots its own task fills.
+                pooled = [n if p else 0 for n, p in zip(self.prompts, self.pool_prompts, strict=True)]
+                pool = self._slot_mask(x, tasks, tokens, pooled)
+            masks: dict[tuple[int, ...], Tensor] = {}
+            for i, block in enumerate(bb.block_container()):
+                x = bb.before_block(i, x)  # a Swin's patch merging in front of a stage's first block
+                if not tokens.slots:
+                    x = block(x)
+                    continue
+                visible = tuple(self.visible[task][i] for task, _, _ in groups)
+                if visible not in masks:
+                    masks[visible] = self._slot_mask(x, tasks, tokens, [v[i] for v in self.visible])[:, None, None]
+                x = bb.run_block(block, x, attn_mask=masks[visible])
+            return bb.pooled_features(x, pool)
+        finally:
+            self._router.batch = None
 
     def forward(self, images: Tensor, task_ids: Sequence[str] | Sequence[int] | Tensor) -> Tensor:
         """Each image's logits from its own task.
@@ -318,39 +348,32 @@ class MultiTask(nn.Module):
 
         """
         index = self.task_index(task_ids, images.shape[0])
-        order = torch.argsort(index, stable=True)
-        rows = index[order].to(images.device)
+        # Rows sorted by task, the tasks without prompt tokens first: their rows share the blocks without slots or
+        # attention masks, and only the prompted tasks' rows carry them, in a pass of their own through the blocks.
+        prompted = [n > 0 for n in self.prompts]
+        key = index + len(self.names) * torch.tensor(prompted)[index].long() if any(prompted) else index
+        order = torch.argsort(key, stable=True)
+        tasks = index[order]
+        rows = tasks.to(images.device)
         counts = torch.bincount(index, minlength=len(self.names)).tolist()
         groups, start = [], 0
-        for task, count in enumerate(counts):
-            if count:
-                groups.append((task, start, start + count))
-                start += count
+        for task in sorted(range(len(self.names)), key=lambda t: (prompted[t], t)):
+            if counts[task]:
+                groups.append((task, start, start + counts[task]))
+                start += counts[task]
         bb = backbone_of(self.backbone)
-        prefix = bb.num_prefix_tokens()
-        tokens = Tokens(prefix, max((self.prompts[t] for t, _, _ in groups), default=0))
-        self._router.batch = Batch(groups, tokens, rows=rows)
+        self._router.batch = Batch(groups, Tokens(bb.num_prefix_tokens(), 0), rows=rows)
         try:
             x = bb.embed_tokens(images[order.to(images.device)])
-            pool = None
-            if tokens.slots:
-                x = tokens.with_slots(x)
-                # Each row pools (and, per block, attends) only the slots its own task fills.
-                pooled = [n if p else 0 for n, p in zip(self.prompts, self.pool_prompts, strict=True)]
-                pool = self._slot_mask(x, groups, tokens, pooled)
-            masks: dict[tuple[int, ...], Tensor] = {}
-            for i, block in enumerate(bb.block_container()):
-                x = bb.before_block(i, x)
-                if not tokens.slots:
-                    x = block(x)
-                    continue
-                visible = tuple(self.visible[task][i] for task, _, _ in groups)
-                if visible not in masks:
-                    masks[visible] = self._slot_mask(x, groups, tokens, [v[i] for v in self.visible])[:, None, None]
-                x = bb.run_block(block, x, attn_mask=masks[visible])
-            features = bb.pooled_features(x, pool)
         finally:
             self._router.batch = None
+        passes = [[g for g in groups if not prompted[g[0]]], [g for g in groups if prompted[g[0]]]]
+        features = []
+        for part in filter(None, passes):
+            first, end = part[0][1], part[-1][2]
+            part = [(task, start - first, stop - first) for task, start, stop in part]
+            features.append(self._features(x[first:end], part, tasks[first:end], rows[first:end]))
+        features = features[0] if len(features) == 1 else torch.cat(features)
         if self.stacked_heads and len(groups) >= 2:
             # Each row's own head gathered from the stack: one batched matmul for the mixed batch.
             sorted_logits = rows_matmul(features, self.head_weight[rows], add=self.head_bias[rows])

@@ -193,6 +193,19 @@ class FactLinear(PetlModule):
             return self.scale * F.linear(h, f.v).flatten(-2)
         return self.scale * torch.cat([F.linear(self.dropout(F.linear(xu, c)), f.v) for c in cores], dim=-1)
 
+    def low_rank(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The update as two matrices, ``update(x) = x A^T B^T`` in eval (``delta_weight`` is ``B @ A``).
+
+        A is U (fc2: this layer's core times U on each of the four input chunks), B the rest, the scale in it.
+        """
+        u, v = self.factors.u, self.factors.v
+        cores = self.block_cores()
+        if self.kind == "fc2":  # x's four chunks through U, then the r x 4r core: A = core @ blockdiag(U, U, U, U)
+            return cores[0] @ torch.block_diag(u, u, u, u), self.scale * v
+        if self.kind == "fc1":  # four dim-row chunks of the output, chunk j from core rows [j r, (j+1) r)
+            return u, self.scale * torch.cat([v @ chunk for chunk in cores[0].chunk(4, dim=0)])
+        return u, self.scale * torch.cat([v @ c for c in cores])
+
     def delta_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """The update as a weight matrix of ``base``'s shape, in ``dtype``."""
         u, v = self.factors.u.to(dtype), self.factors.v.to(dtype)
@@ -230,7 +243,19 @@ class FactLinear(PetlModule):
 @rows.register_row_hook(FactLinear)
 def _rows(wrapper: FactLinear) -> rows.RowHook:
     # The update reads the layer's input only: frozen output once for the batch, each task's update on its rows.
-    return rows.RowHook(wrapper.base, post=lambda x, y, _tokens: y + wrapper.update(x))
+    # Served (eval, no dropout), it is x -> A -> B with the factors multiplied out once: two matmuls, not the
+    # factor-by-factor chain, and it stacks with LoRA updates of the same rank.
+    with torch.no_grad():
+        a, b = wrapper.low_rank()
+    like = rows.per_device(a, b)
+
+    def post(x: torch.Tensor, y: torch.Tensor, _tokens: rows.Tokens) -> torch.Tensor:
+        a, b = like(x)
+        z = F.linear(x, a)
+        flat = torch.addmm(y.reshape(-1, y.shape[-1]), z.reshape(-1, z.shape[-1]), b.t())
+        return flat.view(y.shape)
+
+    return rows.RowHook(wrapper.base, post=post, batched=rows.low_rank(a, b))
 
 
 def _formula(model: nn.Module, cfg: FactConfig) -> int:

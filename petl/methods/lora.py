@@ -122,6 +122,10 @@ class LoraLinear(PetlModule):
             nn.init.kaiming_uniform_(a, a=math.sqrt(5))
         if init == "reference":
             _init.redraw(*self.lora_a.values(), *self.lora_b.values())
+        # The stacked A and B of forward without autograd (see _inference_stack).
+        self._stack_key: tuple | None = None
+        self._stack: tuple[torch.Tensor, torch.Tensor] = ()
+        self._stack_params: tuple[nn.Parameter, ...] = ()
 
     def delta_weight(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The update ``scale * B @ A`` that target ``name`` adds to its rows of ``base.weight`` (in ``dtype``)."""
@@ -150,7 +154,7 @@ class LoraLinear(PetlModule):
         return blocks[0] if len(blocks) == 1 else torch.block_diag(*blocks)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.merged:
+        if self._merged:
             return self.base(x)
         device = x.device.type
         if torch.is_autocast_enabled(device) and x.is_floating_point():
@@ -158,16 +162,38 @@ class LoraLinear(PetlModule):
             # matmul, an activation-sized copy each time.
             x = x.to(torch.get_autocast_dtype(device))
         out = self.base(x)
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() or torch.compiler.is_compiling() or torch.jit.is_tracing():
             return self.add_update(x, out)
-        # Without autograd, each target's update goes straight into its rows of the fresh base output (one addmm_
-        # each, the scale as alpha): no stacked B to build, as few kernels as peft's two matmuls, mul and add.
-        z = F.linear(self.dropout(x), self.stacked_a())
-        flat, z = out.view(-1, out.shape[-1]), z.view(-1, z.shape[-1])
-        for i, (name, (start, end)) in enumerate(self.slices.items()):
-            b = self.lora_b[name].to(out.dtype)
-            flat[:, start:end].addmm_(z[:, i * self.rank : (i + 1) * self.rank], b.t(), alpha=self.scale)
+        # Without autograd (inference), the update costs two kernels, peft's costs four: one matmul into every
+        # target's A and one addmm_ adding every B's rows (the scale as alpha) into the fresh base output, with
+        # the stacked A and B kept from the last call while the weights have not changed.  At batch 1 on a GPU a
+        # call is bound by the host, so each kernel and each op built in Python counts.
+        a, b_t = self._inference_stack(out.dtype)
+        z = F.linear(self.dropout(x), a)
+        out.view(-1, out.shape[-1]).addmm_(z.view(-1, z.shape[-1]), b_t, alpha=self.scale)
         return out
+
+    def _inference_stack(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``stacked_a()`` and ``stacked_b().t()`` in ``dtype``, built again only when a weight has changed.
+
+        A weight has changed when it was replaced, moved, or written in place (its version counter: optimizer
+        steps, ``load_state_dict``, in-place init).  Writes torch does not count (through ``.data``, or a fused
+        optimizer step) are seen after the next ``train()`` or ``eval()``, which drops the stack.
+        """
+        # The ParameterDicts' own dicts (in insertion order, as values()): their public lookups cost more here
+        # than the check itself.
+        params = (*self.lora_a._parameters.values(), *self.lora_b._parameters.values())
+        key = (dtype, *[(id(p), p._version, p.data_ptr()) for p in params])
+        if key != self._stack_key:
+            with torch.no_grad():
+                self._stack = (self.stacked_a().to(dtype), self.stacked_b().to(dtype).t())
+            # The parameters stay referenced with the stack, so no other tensor can take their id() meanwhile.
+            self._stack_key, self._stack_params = key, params
+        return self._stack
+
+    def train(self, mode: bool = True) -> LoraLinear:
+        self._stack_key = None
+        return super().train(mode)
 
     def add_update(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """``out`` (the frozen layer's output for ``x``) plus every target's low-rank update of its rows."""
@@ -204,22 +230,13 @@ class LoraLinear(PetlModule):
         self._fold(-1.0)
 
 
-def _rows_update(
-    x: torch.Tensor, y: torch.Tensor, stack: tuple[torch.Tensor, ...], entry: torch.Tensor
-) -> torch.Tensor:
-    """Every row's own update added to the frozen output: each row's stacked A and B gathered, two bmm (BGMV)."""
-    a, b = stack
-    return rows.rows_matmul(rows.rows_matmul(x, a[entry]), b[entry], add=y)
-
-
 @rows.register_row_hook(LoraLinear)
 def _rows(wrapper: LoraLinear) -> rows.RowHook:
     # The frozen qkv/proj/fc runs once for the mixed batch; each task adds its update to its own rows.  Batched,
     # tasks whose stacked A and B have the same shapes (the same total rank: the targets may differ, B places
     # them) stack, the scale folded into B.
     with torch.no_grad():
-        a, b = wrapper.stacked_a(), wrapper.scale * wrapper.stacked_b()
-    batched = rows.Batched(_rows_update, (a, b), (torch.zeros_like(a), torch.zeros_like(b)), post=_rows_update)
+        batched = rows.low_rank(wrapper.stacked_a(), wrapper.scale * wrapper.stacked_b())
     return rows.RowHook(wrapper.base, post=lambda x, y, _tokens: wrapper.add_update(x, y), batched=batched)
 
 

@@ -120,6 +120,36 @@ def affine(scale: Tensor, shift: Tensor, channel_dim: int = -1) -> Batched:
     return Batched(post, (scale.detach(), shift.detach()), neutral, post=post)
 
 
+def _low_rank_update(x: Tensor, y: Tensor, stack: tuple[Tensor, ...], entry: Tensor) -> Tensor:
+    """Every row's own update added to the frozen output: each row's A and B gathered, two bmm (BGMV)."""
+    a, b = stack
+    return rows_matmul(rows_matmul(x, a[entry]), b[entry], add=y)
+
+
+def low_rank(a: Tensor, b: Tensor) -> Batched:
+    """The batched form of ``y + x A^T B^T`` (LoRA's update; FacT's, its factors multiplied out), the scale in ``B``.
+
+    Updates of one rank stack whichever method made them, as S-LoRA serves adapters of many kinds.
+    """
+    a, b = a.detach(), b.detach()
+    return Batched(_low_rank_update, (a, b), (torch.zeros_like(a), torch.zeros_like(b)), post=_low_rank_update)
+
+
+def per_device(*tensors: Tensor) -> Callable[[Tensor], tuple[Tensor, ...]]:
+    """``tensors`` (computed once from a task's weights) in the device and dtype of a batch ``x``: copied once per
+    device and dtype, so that a per-task hook may use them after ``MultiTask.to()`` moved the task's own weights.
+    """
+    copies: dict[tuple[torch.device, torch.dtype], tuple[Tensor, ...]] = {}
+
+    def like(x: Tensor) -> tuple[Tensor, ...]:
+        key = (x.device, x.dtype)
+        if key not in copies:
+            copies[key] = tuple(t.detach().to(x.device, x.dtype) for t in tensors)
+        return copies[key]
+
+    return like
+
+
 @dataclass(frozen=True)
 class RowHook:
     """What one task's wrapper does to that task's rows while the frozen module it wraps runs for the whole batch.

@@ -366,8 +366,9 @@ def test_a_run_is_refused_over_a_backbone_it_was_not_trained_on(tmp_path):
 
 # Tasks whose hooks stack (petl.model.rows.Batched): two LoRA layouts of the same total rank (one stack: B places each
 # target), another rank (a stack of its own once two tasks use it), SSF with BitFit's bias deltas (one affine
-# stack), both adapter styles, with and without their LayerNorm, VPT-deep with two prompt counts, and a task
-# without a batched form (FacT, served task by task beside them).  Every head is a Linear of its own width.
+# stack), both adapter styles, with and without their LayerNorm, VPT-deep with two prompt counts, and FacT, whose
+# update at qkv is a rank-8 low-rank one as lora_r4's (one stack across the two methods) and which is alone at proj,
+# fc1 and fc2 (served task by task there).  Every head is a Linear of its own width.
 BATCHED = {
     "lora_qv": ("lora", {}),
     "lora_qk": ("lora", {"targets": "q,k"}),
@@ -412,8 +413,9 @@ def test_hooks_with_the_same_batched_form_stack_once(stacked):
     def stacks(module) -> list[tuple[str, ...]]:
         return [tuple(multi.names[t] for t in stack.tasks) for stack in module.stacks]
 
-    # Q+V and Q+K stack (A 16 x in, B 3*width x 16 each); rank 4 is alone at qkv, as its fc1 twin at fc1.
-    assert stacks(inner.attn.qkv) == [("lora_qv", "lora_qk"), ("ssf", "bitfit")]
+    # Q+V and Q+K stack (A 16 x in, B 3*width x 16 each); rank-4 Q+V (A 8 x in) with FacT's rank-8 qkv update, while
+    # the rank-4 fc1 update and FacT's fc1 update (A 4 x in, 8 x in) are each alone at fc1.
+    assert stacks(inner.attn.qkv) == [("lora_qv", "lora_qk"), ("lora_r4", "fact"), ("ssf", "bitfit")]
     assert stacks(inner.mlp.base.fc1) == [("ssf", "bitfit")]
     assert stacks(inner.mlp) == [("adapter", "adapter_2"), ("adapter_norm", "adapter_norm_2")]
     assert sorted(stacks(block)) == [("adapter_parallel", "adapter_parallel_2"), ("vpt_5", "vpt_5_2")]
@@ -439,8 +441,11 @@ def test_stacked_hooks_give_each_row_its_own_models_logits(stacked, monkeypatch)
     # One task of a stack alone in a batch (or with tasks outside it) acts on its own rows: the stack stays off.
     ran.clear()
     _check_rows(multi, singles, ["lora_qv"] * 3, images[:3])
-    _check_rows(multi, singles, ["lora_r4", "fact", "lora_r4_fc"], images[:3])
+    _check_rows(multi, singles, ["lora_r4", "lora_r4_fc"], images[:2])
     assert not ran
+    # Two methods in one stack: LoRA's and FacT's low-rank updates at qkv.
+    _check_rows(multi, singles, ["fact", "lora_r4", "fact"], images[:3])
+    assert (multi.names.index("lora_r4"), multi.names.index("fact")) in ran
 
 
 def test_stacked_hooks_give_what_the_task_by_task_loop_gives(stacked):
@@ -468,3 +473,23 @@ def test_a_mixed_batch_on_a_swin_gives_each_row_its_own_tasks_logits(tmp_path, k
     multi = petl.MultiTask(backbone, files)
     ids, images = _mixed_batch(sorted(cases), per_task=2)
     _check_rows(multi, singles, ids, images)
+
+
+def test_rows_without_prompts_share_the_blocks_without_prompt_slots(stacked, monkeypatch):
+    """Prompted tasks' rows go through the blocks in a pass of their own (slots and attention masks); the other
+    tasks' rows share a pass without them, and every row is still its own model's."""
+    singles, _, multi, _ = stacked
+    passes = []
+    features = petl.MultiTask._features
+
+    def record(self, x, groups, *rest):
+        passes.append([self.names[task] for task, _, _ in groups])
+        return features(self, x, groups, *rest)
+
+    monkeypatch.setattr(petl.MultiTask, "_features", record)
+    ids, images = _mixed_batch(["vpt_5", "lora_qv", "vpt_2", "ssf"], per_task=2, seed=3)
+    _check_rows(multi, singles, ids, images)
+    assert passes == [["lora_qv", "ssf"], ["vpt_5", "vpt_2"]]
+    passes.clear()
+    _check_rows(multi, singles, ["ssf", "lora_qv"], images[:2])
+    assert passes == [["lora_qv", "ssf"]]

@@ -96,8 +96,8 @@ def test_a_lora_call_dispatches_no_more_ops_than_peft_lora_on_the_same_linear(bf
     assert sum(_ops(_petl(QV, alpha=4.0), bf16).values()) <= peft_ops + 2 + (0 if bf16 else 1)
 
 
-def _inference_ops(layer: nn.Module, bf16: bool) -> int:
-    x = torch.randn(2, ROWS, IN)
+def _inference_ops(layer: nn.Module, bf16: bool, x: torch.Tensor | None = None) -> int:
+    x = torch.randn(2, ROWS, IN) if x is None else x
     with _CountOps() as count, torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
         layer(x)
     return sum(count.ops.values())
@@ -105,16 +105,52 @@ def _inference_ops(layer: nn.Module, bf16: bool) -> int:
 
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
 def test_unmerged_lora_inference_dispatches_no_more_ops_than_peft(bf16):
-    """Without autograd each target adds into its rows in place: the frozen addmm, the A's cat and matmul, one
-    addmm_ per target (4 + 1 targets in fp32), and under autocast the casts of x, the weight, the bias, the A's
-    and each B: at most peft's count for Q+V, fewer for one target."""
+    """Without autograd: the frozen addmm, one matmul into the stacked A's and one addmm_ of the stacked B's into
+    the output (3 ops; peft's addmm, two mm, mul and add are 5), and under autocast the casts of x, the base weight
+    and bias (peft casts x twice more, its A and its B).  The stacked A and B (in the autocast dtype) are built on
+    the first call only, which still costs at most peft's count."""
     peft_ops = _inference_ops(_peft(), bf16)
-    assert _inference_ops(_petl(QV), bf16) <= peft_ops
-    assert _inference_ops(_petl({"fc1": (0, OUT)}), bf16) < peft_ops
-    # The same numbers as with autograd.
-    layer, x = _petl(QV), torch.randn(2, ROWS, IN)
-    torch.nn.init.normal_(layer.lora_b["q"])
-    torch.nn.init.normal_(layer.lora_b["v"])
+    for slices in (QV, {"fc1": (0, OUT)}):
+        layer = _petl(slices)
+        assert _inference_ops(layer, bf16) <= peft_ops
+        assert _inference_ops(layer, bf16) == 3 + (3 if bf16 else 0) < peft_ops
+
+
+def _fast_equals_autograd(layer: LoraLinear) -> None:
+    x = torch.randn(2, ROWS, IN)
     with torch.no_grad():
         fast = layer(x)
-    torch.testing.assert_close(fast, layer(x).detach())
+    torch.testing.assert_close(fast, layer(x).detach(), rtol=0, atol=0)
+
+
+def test_unmerged_lora_inference_follows_every_change_of_the_weights():
+    """The stacked A and B kept between no-grad calls are built again whenever a weight changes: an optimizer step,
+    ``load_state_dict``, an in-place init, a dtype change, a replaced parameter; a write torch does not count
+    (through ``.data``) after ``eval()``."""
+    layer = _petl(QV)
+    torch.nn.init.normal_(layer.lora_b["q"])
+    torch.nn.init.normal_(layer.lora_b["v"])
+    _fast_equals_autograd(layer)
+    layer(torch.randn(2, ROWS, IN)).sum().backward()
+    torch.optim.AdamW(layer.parameters(), lr=0.1).step()
+    _fast_equals_autograd(layer)
+    layer.load_state_dict({k: torch.randn_like(v) for k, v in layer.state_dict().items()})
+    _fast_equals_autograd(layer)
+    with torch.no_grad():
+        layer.lora_a["v"].mul_(2)
+    _fast_equals_autograd(layer)
+    layer.lora_b["q"] = nn.Parameter(torch.randn_like(layer.lora_b["q"]))
+    _fast_equals_autograd(layer)
+    layer.lora_a["q"].data.copy_(torch.randn_like(layer.lora_a["q"]))
+    layer.eval()
+    _fast_equals_autograd(layer)
+    layer.double()
+    x = torch.randn(2, ROWS, IN, dtype=torch.float64)
+    with torch.no_grad():
+        fast = layer(x)
+    torch.testing.assert_close(fast, layer(x).detach(), rtol=0, atol=0)
+    # The fast path adds the same update as the one with autograd, and as peft's formula.
+    expected = layer.base(x).detach().clone()
+    for name, (start, end) in layer.slices.items():
+        expected[..., start:end] += x @ layer.delta_weight(name).detach().t()
+    torch.testing.assert_close(fast, expected)
