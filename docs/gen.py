@@ -217,9 +217,13 @@ def method_page(name: str, counter: Counter, presets: dict[str, dict]) -> str:
     ]
     if "Differences" in sections:
         out += ["## Deliberate differences from the reference", "", plain(sections["Differences"]), ""]
-    refused = [f"`{kind}`" for kind in petl.list_backbones() if kind not in spec.backbones]
-    if refused and spec.refusal:
-        out += ["## Backbones it refuses", "", f"{', '.join(refused)}: {spec.refusal}.", ""]
+    reasons: dict[str, list[str]] = {}
+    for kind in petl.list_backbones():
+        if kind not in spec.backbones and spec.why_refused(kind):
+            reasons.setdefault(spec.why_refused(kind), []).append(f"`{kind}`")
+    if reasons:
+        out += ["## Backbones it refuses", ""]
+        out += [f"{', '.join(kinds)}: {why}.\n" for why, kinds in reasons.items()]
     if rest.strip():
         out += ["## How it works", "", plain(rest.strip()), ""]
     out += ["## Presets", ""]
@@ -279,7 +283,7 @@ def backbones_table() -> str:
         lines.append(
             f"| [`{name}`](methods/{name}.md) | "
             + " | ".join("yes" if k in spec.backbones else "refused" for k in kinds)
-            + f" | {cell(spec.refusal)} |"
+            + f" | {cell('; '.join(dict.fromkeys(spec.why_refused(k) for k in kinds if k not in spec.backbones)))} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -179,7 +179,15 @@ REFUSAL = (
 )
 
 
-@register_method("dtl", DtlConfig, trainable_formula=_formula, zero_init=True, backbones=BACKBONES, refusal=REFUSAL)
+@register_method(
+    "dtl",
+    DtlConfig,
+    trainable_formula=_formula,
+    zero_init=True,
+    backbones=BACKBONES,
+    refusal=REFUSAL,
+    refusal_for=("swin", "swinv2"),
+)
 def inject_dtl(model: nn.Module, cfg: DtlConfig) -> None:
     """DTL: a low-rank side network summed over the blocks and added back after the later ones."""
     _side.install(model, DtlSide(model, cfg))

@@ -377,6 +377,7 @@ register_method(
     calibrate=calibrate_gps,
     backbones=BACKBONES,
     refusal=REFUSAL,
+    refusal_for=("swin", "swinv2"),
 )(inject_gps)
 
 

@@ -410,7 +410,9 @@ REFUSAL = (
 )
 
 
-@register_method("hst", HstConfig, trainable_formula=_formula, backbones=BACKBONES, refusal=REFUSAL)
+@register_method(
+    "hst", HstConfig, trainable_formula=_formula, backbones=BACKBONES, refusal=REFUSAL, refusal_for=("swin", "swinv2")
+)
 def inject_hst(model: nn.Module, cfg: HstConfig) -> None:
     """HST: meta tokens in every block, trained LayerNorms, and a hierarchical side network that classifies."""
     bb = backbone_of(model)

@@ -174,7 +174,15 @@ REFUSAL = (
 )
 
 
-@register_method("last", LastConfig, trainable_formula=_formula, zero_init=True, backbones=BACKBONES, refusal=REFUSAL)
+@register_method(
+    "last",
+    LastConfig,
+    trainable_formula=_formula,
+    zero_init=True,
+    backbones=BACKBONES,
+    refusal=REFUSAL,
+    refusal_for=("swin", "swinv2"),
+)
 def inject_last(model: nn.Module, cfg: LastConfig) -> None:
     """LAST: a side network of low-rank self-attention blocks reading every group's output."""
     _side.install(model, LastSide(model, cfg))

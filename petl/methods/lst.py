@@ -195,7 +195,9 @@ REFUSAL = (
 )
 
 
-@register_method("lst", LstConfig, trainable_formula=_formula, backbones=BACKBONES, refusal=REFUSAL)
+@register_method(
+    "lst", LstConfig, trainable_formula=_formula, backbones=BACKBONES, refusal=REFUSAL, refusal_for=("swin", "swinv2")
+)
 def inject_lst(model: nn.Module, cfg: LstConfig) -> None:
     """LST: a 1/reduction-wide side transformer fed by ladders from every frozen block."""
     _side.install(model, LstSide(model, cfg))

@@ -385,7 +385,9 @@ REFUSAL = "its prompts are appended to one flat token sequence (VPT's layout), a
 
 
 # Its calibration, the subnet search, registers itself from petl.methods.noah_search (which builds on this file).
-register_method("noah", NoahConfig, trainable_formula=_formula, backbones=BACKBONES, refusal=REFUSAL)(inject_noah)
+register_method(
+    "noah", NoahConfig, trainable_formula=_formula, backbones=BACKBONES, refusal=REFUSAL, refusal_for=("swin", "swinv2")
+)(inject_noah)
 
 
 def apply_noah(model: nn.Module, **options: Any) -> nn.Module:

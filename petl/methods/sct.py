@@ -242,7 +242,13 @@ REFUSAL = (
 
 
 @register_method(
-    "sct", SctConfig, trainable_formula=_formula, calibrate=calibrate_sct, backbones=BACKBONES, refusal=REFUSAL
+    "sct",
+    SctConfig,
+    trainable_formula=_formula,
+    calibrate=calibrate_sct,
+    backbones=BACKBONES,
+    refusal=REFUSAL,
+    refusal_for=("swin", "swinv2"),
 )
 def inject_sct(model: nn.Module, cfg: SctConfig) -> None:
     """SCT: a Linear on the top_n salient residual channels after each block's attention."""

@@ -242,7 +242,15 @@ REFUSAL = (
 )
 
 
-@register_method("snf", SnfConfig, trainable_formula=_formula, zero_init=True, backbones=BACKBONES, refusal=REFUSAL)
+@register_method(
+    "snf",
+    SnfConfig,
+    trainable_formula=_formula,
+    zero_init=True,
+    backbones=BACKBONES,
+    refusal=REFUSAL,
+    refusal_for=("swin", "swinv2"),
+)
 def inject_snf(model: nn.Module, cfg: SnfConfig) -> None:
     """SNF: a normalizing flow on both shortcuts of every block."""
     bb = backbone_of(model)

@@ -75,8 +75,16 @@ class MethodSpec:
     # ``calibrate(backbone, cfg, loader, *, progress=True) -> cfg``.  petl-run calls it; Python users call it
     # themselves.
     calibrate: Callable[..., MethodConfig] | None = None
-    # Why the idea does not fit the backbone kinds left out of ``backbones`` (the refusal's second half).
+    # Why the idea does not fit the backbone kinds left out of ``backbones`` (the refusal's second half), and which
+    # of them that reason is about (empty: every kind left out).
     refusal: str = ""
+    refusal_for: tuple[str, ...] = ()
+
+    def why_refused(self, kind: str) -> str:
+        """Why the method refuses backbone ``kind`` (one it does not declare), in a few words; empty if unsaid."""
+        if not self.refusal_for or kind in self.refusal_for:
+            return self.refusal
+        return "it has not been built and tested on this family yet"
 
 
 _REGISTRY: dict[str, MethodSpec] = {}
@@ -91,6 +99,7 @@ def register_method(
     calibrate: Callable[..., MethodConfig] | None = None,
     backbones: tuple[str, ...] = ("vit",),
     refusal: str = "",
+    refusal_for: tuple[str, ...] = (),
 ) -> Callable:
     """Decorator registering ``inject(model, cfg)`` as method ``name``.
 
@@ -112,6 +121,8 @@ def register_method(
             residual halves); :func:`apply` refuses a model of another kind in one line.
         refusal: why the idea does not fit the other kinds, in a few words; the refusal and the method's docs
             page say it.
+        refusal_for: the kinds ``refusal`` is about (empty: every kind not in ``backbones``); the others are
+            refused as not built for yet.
 
     """
 
@@ -128,6 +139,7 @@ def register_method(
             calibrate=calibrate,
             backbones=tuple(backbones),
             refusal=refusal,
+            refusal_for=tuple(refusal_for),
         )
         return inject
 

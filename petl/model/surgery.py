@@ -68,7 +68,7 @@ def apply(
     bb = backbone_of(model)
     bb.check()
     if bb.kind not in spec.backbones:
-        why = f": {spec.refusal}" if spec.refusal else ""
+        why = f": {spec.why_refused(bb.kind)}" if spec.why_refused(bb.kind) else ""
         raise ValueError(
             f"method {method!r} does not support the {bb.kind} backbone ({type(model).__name__}): "
             f"it supports {', '.join(spec.backbones)}{why}"
