@@ -28,7 +28,8 @@ def apply(
     (when given) and trains for every method.
 
     Args:
-        model: a timm model of a registered backbone kind (:func:`petl.list_backbones`: ViT, Swin, SwinV2).
+        model: a timm model of a registered backbone kind (:func:`petl.list_backbones`: ViT, relpos ViT, BEiT, EVA,
+            Swin, SwinV2).
         method: a name from :func:`list_methods`, a method's config object, or a registered foreign config
             (a ``peft.PeftConfig``, which goes through the ``peft`` bridge).
         config: a ready config for a named method; otherwise one is built from ``options``.
