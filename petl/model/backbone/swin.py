@@ -24,10 +24,11 @@ from torch.utils.checkpoint import checkpoint
 
 from petl.model.backbone import swin_prompts
 from petl.model.backbone.base import Backbone, register_backbone, unwrap
+from petl.model.backbone.timm_block import TimmBlockParts
 
 
 @register_backbone(SwinTransformer)
-class Swin(Backbone):
+class Swin(TimmBlockParts, Backbone):
     """A timm SwinTransformer (Swin v1: pre-norm blocks, windowed attention with a fused qkv, patch merging)."""
 
     kind = "swin"
@@ -277,59 +278,6 @@ class Swin(Backbone):
         return swin_prompts.forward_intermediates(self.model, x, *args, **kwargs)
 
     # -- inside one block ------------------------------------------------------------------------------------
-
-    @staticmethod
-    def linear(block: nn.Module, name: str) -> nn.Module:
-        """``qkv``, ``proj`` (window attention) or ``fc1``, ``fc2`` (MLP)."""
-        owner = block.attn if name in ("qkv", "proj") else block.mlp
-        return getattr(owner, name)
-
-    @staticmethod
-    def set_linear(block: nn.Module, name: str, module: nn.Module) -> None:
-        """Replace ``qkv``, ``proj``, ``fc1`` or ``fc2``."""
-        owner = block.attn if name in ("qkv", "proj") else block.mlp
-        setattr(owner, name, module)
-
-    @staticmethod
-    def linear_biases(block: nn.Module, name: str) -> list[nn.Parameter]:
-        """The bias of a named Linear, where it has one."""
-        bias = getattr(Swin.linear(block, name), "bias", None)
-        return [bias] if isinstance(bias, nn.Parameter) else []
-
-    @staticmethod
-    def attention(block: nn.Module) -> nn.Module:
-        """The ``WindowAttention``: its input is windows of the normed grid, (windows*B, window area, C)."""
-        return block.attn
-
-    @staticmethod
-    def set_attention(block: nn.Module, module: nn.Module) -> None:
-        """The block calls the attention as ``attn(windows, mask=...)``."""
-        block.attn = module
-
-    @staticmethod
-    def num_heads(block: nn.Module) -> int:
-        """Timm's ``WindowAttention.num_heads``."""
-        return int(block.attn.num_heads)
-
-    @staticmethod
-    def feed_forward(block: nn.Module) -> nn.Module:
-        """The MLP; its input is the block's second norm output, flattened to (B, H*W, C)."""
-        return block.mlp
-
-    @staticmethod
-    def set_feed_forward(block: nn.Module, module: nn.Module) -> None:
-        """Replace the MLP of a block."""
-        block.mlp = module
-
-    @staticmethod
-    def block_norm(block: nn.Module, name: str) -> nn.Module:
-        """``norm1`` or ``norm2``."""
-        return getattr(block, name)
-
-    @staticmethod
-    def set_block_norm(block: nn.Module, name: str, module: nn.Module) -> None:
-        """Replace ``norm1`` or ``norm2``."""
-        setattr(block, name, module)
 
     @staticmethod
     def layer_scales(block: nn.Module) -> list[nn.Module]:

@@ -15,11 +15,12 @@ from timm.models.vision_transformer import Block, VisionTransformer
 from torch import nn
 
 from petl.model.backbone.base import Backbone, register_backbone, unwrap
+from petl.model.backbone.timm_block import TimmBlockParts
 from petl.model.prompts import PromptedBlock
 
 
 @register_backbone(VisionTransformer)
-class ViT(Backbone):
+class ViT(TimmBlockParts, Backbone):
     """A timm VisionTransformer (ViT, DeiT, with or without class token, register tokens, token or avg pooling)."""
 
     kind = "vit"
@@ -290,59 +291,6 @@ class ViT(Backbone):
                     self.set_linear(block, name, linear)
 
     # -- inside one block ------------------------------------------------------------------------------------
-
-    @staticmethod
-    def linear(block: nn.Module, name: str) -> nn.Module:
-        """``qkv``, ``proj`` (attention) or ``fc1``, ``fc2`` (MLP)."""
-        owner = block.attn if name in ("qkv", "proj") else block.mlp
-        return getattr(owner, name)
-
-    @staticmethod
-    def set_linear(block: nn.Module, name: str, module: nn.Module) -> None:
-        """Replace ``qkv``, ``proj``, ``fc1`` or ``fc2``."""
-        owner = block.attn if name in ("qkv", "proj") else block.mlp
-        setattr(owner, name, module)
-
-    @classmethod
-    def linear_biases(cls, block: nn.Module, name: str) -> list[nn.Parameter]:
-        """The Linear's own bias, where it has one."""
-        bias = getattr(cls.linear(block, name), "bias", None)
-        return [bias] if isinstance(bias, nn.Parameter) else []
-
-    @staticmethod
-    def attention(block: nn.Module) -> nn.Module:
-        """Its input is the block's first norm output."""
-        return block.attn
-
-    @staticmethod
-    def set_attention(block: nn.Module, module: nn.Module) -> None:
-        """Timm calls the attention with ``attn_mask`` keywords."""
-        block.attn = module
-
-    @staticmethod
-    def num_heads(block: nn.Module) -> int:
-        """Timm's ``Attention.num_heads``."""
-        return int(block.attn.num_heads)
-
-    @staticmethod
-    def feed_forward(block: nn.Module) -> nn.Module:
-        """Its input is the block's second norm output."""
-        return block.mlp
-
-    @staticmethod
-    def set_feed_forward(block: nn.Module, module: nn.Module) -> None:
-        """Replace the MLP of a block."""
-        block.mlp = module
-
-    @staticmethod
-    def block_norm(block: nn.Module, name: str) -> nn.Module:
-        """``norm1`` or ``norm2``."""
-        return getattr(block, name)
-
-    @staticmethod
-    def set_block_norm(block: nn.Module, name: str, module: nn.Module) -> None:
-        """Replace ``norm1`` or ``norm2``."""
-        setattr(block, name, module)
 
     @staticmethod
     def layer_scales(block: nn.Module) -> list[nn.Module]:
