@@ -25,6 +25,9 @@ class Floor:
         extra_at: the first block that sees them.
         side: for a side-tuning method (its config's ``side_network``), the experiment whose side network
             the floor runs: the frozen blocks without autograd, the side network as the method runs it.
+        frozen: for prompts a grid has no room for (a Swin's, which travel beside the grid and are copied into
+            every window: zero tokens appended to the grid would not cost that), the experiment whose own model
+            the floor runs with every parameter frozen, its prompts constants.
 
     """
 
@@ -32,6 +35,7 @@ class Floor:
     extra_tokens: int = 0
     extra_at: int = 0
     side: str = ""
+    frozen: str = ""
 
     def label(self) -> str:
         """The floor's row name."""
@@ -39,7 +43,8 @@ class Floor:
             return f"floor: no-grad fwd + {self.side} side network"
         where = f"`{self.start}` input" if self.start else "images"
         tokens = f", +{self.extra_tokens} tokens from block {self.extra_at}" if self.extra_tokens else ""
-        return f"floor: fwd + bwd to {where}{tokens}"
+        own = f" ({self.frozen}'s model, frozen)" if self.frozen else ""
+        return f"floor: fwd + bwd to {where}{tokens}{own}"
 
 
 def _observe(model, images, handles: list) -> None:
@@ -53,12 +58,23 @@ def _observe(model, images, handles: list) -> None:
 
 
 def tokens_per_block(model, images) -> list[int]:
-    """How many tokens enter each block (inside any wrapper, so prompts added by a wrapper count)."""
+    """How many tokens per image each block sees: what enters it inside any wrapper (so prompts a wrapper adds
+    count) or, where more, what its wrapper returns (prompts of a wrapper that never calls the timm block's own
+    forward: NOAH's, which runs the block's halves, and a Swin's, which travel beside its grid).
+    """
     bb = backbone_of(model)
     seen: list[int] = [0] * bb.depth()
+
+    def count(i: int, x) -> None:
+        seen[i] = max(seen[i], bb.tokens_in(x))
+
     handles = [
-        block.register_forward_pre_hook(lambda _m, args, i=i: seen.__setitem__(i, max(seen[i], bb.tokens_in(args[0]))))
+        block.register_forward_pre_hook(lambda _m, args, i=i: count(i, args[0]))
         for i, block in enumerate(bb.block_list())
+    ]
+    handles += [
+        block.register_forward_hook(lambda _m, _args, out, i=i: count(i, out))
+        for i, block in enumerate(bb.block_container())
     ]
     _observe(model, images, handles)
     return seen
@@ -68,7 +84,19 @@ def _parent(path: str) -> str:
     return path.rsplit(".", 1)[0] if "." in path else ""
 
 
-def find_floor(model, images, plain_tokens: int, plain_modules: set[str]) -> Floor:
+def run_order(model, images) -> dict[str, int]:
+    """The names of ``model``'s modules whose forward runs on ``images``, each with its place in the order they run."""
+    names = {module: name for name, module in model.named_modules()}
+    order: dict[str, int] = {}
+
+    def record(module, _args) -> None:  # a pre-hook returning a value would replace the module's input
+        order.setdefault(names[module], len(order))
+
+    _observe(model, images, [m.register_forward_pre_hook(record) for m in model.modules()])
+    return order
+
+
+def find_floor(model, images, plain_tokens: list[int], plain_modules: set[str], experiment: str = "") -> Floor:
     """Where ``model``'s earliest trainable tensor is used and how many tokens it adds (see :class:`Floor`).
 
     Read off the model, not the method's name: one forward with hooks records the order modules run in;
@@ -79,17 +107,14 @@ def find_floor(model, images, plain_tokens: int, plain_modules: set[str]) -> Flo
     Args:
         model: the model with the method applied.
         images: a batch to run it on.
-        plain_tokens: tokens the plain backbone feeds to each block.
-        plain_modules: module names of the plain backbone.
+        plain_tokens: tokens the plain backbone feeds to each block (:func:`tokens_per_block` of it).
+        plain_modules: the plain backbone's modules that run in its forward (:func:`run_order` of it): an
+            EVA's, BEiT's or SwinV2's plain ``qkv`` does not (its attention reads ``qkv.weight`` itself), so a
+            method's wrapped ``qkv`` maps to the attention around it.
+        experiment: its name, which a ``frozen`` floor records.
 
     """
-    names = {module: name for name, module in model.named_modules()}
-    order: dict[str, int] = {}
-
-    def record(module, _args) -> None:  # a pre-hook returning a value would replace the module's input
-        order.setdefault(names[module], len(order))
-
-    _observe(model, images, [m.register_forward_pre_hook(record) for m in model.modules()])
+    order = run_order(model, images)
     places = []
     for name, param in model.named_parameters():
         if param.requires_grad:
@@ -100,29 +125,42 @@ def find_floor(model, images, plain_tokens: int, plain_modules: set[str]) -> Flo
     start = min(places)[1] if places else ""
     while start and start not in plain_modules:
         start = _parent(start)
-    tokens = tokens_per_block(model, images)
-    extra = max(t - plain_tokens for t in tokens)
-    extra_at = next((i for i, t in enumerate(tokens) if t > plain_tokens), 0)
+    more = [t - p for t, p in zip(tokens_per_block(model, images), plain_tokens, strict=True)]
+    extra = max(more)
+    extra_at = next((i for i, t in enumerate(more) if t > 0), 0)
+    if extra > 0 and backbone_of(model).layout != "sequence":
+        # Zero tokens appended to a grid would be more grid, not prompts in every window: the method's own model.
+        return Floor(start=start, extra_tokens=extra, extra_at=extra_at, frozen=experiment)
     return Floor(start=start, extra_tokens=max(0, extra), extra_at=extra_at if extra > 0 else 0)
 
 
 def floor_hooks(model, floor: Floor) -> None:
     """Make the frozen ``model`` run ``floor``.
 
-    Extra tokens are appended where they enter, then the input of ``floor.start`` is made to require grad,
-    so the backward reaches exactly that far (hooks run in the order they were registered).
+    Extra tokens (zeros) are inserted where they enter, after the prefix tokens, as prompts are, and every block
+    from there on makes room for them as it does for prompts (:meth:`petl.Backbone.make_room`: a zero
+    relative-position bias, no rotation); a ``frozen`` floor's model has its own prompts.  Then the input of
+    ``floor.start`` is made to require grad, so the backward reaches exactly that far (hooks run in the order they
+    were registered).
     """
     bb = backbone_of(model)
+    start = model.get_submodule(floor.start) if floor.start else None  # before make_room wraps any attention
+    at = bb.num_prefix_tokens()
 
     def add_tokens(_module, args):
         x = args[0]
-        return (torch.cat([x, x.new_zeros(x.shape[0], floor.extra_tokens, x.shape[-1])], dim=-2), *args[1:])
+        zeros = x.new_zeros(x.shape[0], floor.extra_tokens, x.shape[-1])
+        return (torch.cat([x[:, :at], zeros, x[:, at:]], dim=1), *args[1:])
 
-    if floor.extra_tokens:
+    def needing_grad(x):  # a tensor, or the (grid, prompts) pair a prompted Swin block passes on
+        return x.detach().requires_grad_() if isinstance(x, torch.Tensor) else type(x)(map(needing_grad, x))
+
+    if floor.extra_tokens and not floor.frozen:
+        for block in bb.block_list()[floor.extra_at :]:
+            bb.make_room(block, at, floor.extra_tokens)
         bb.block_container()[floor.extra_at].register_forward_pre_hook(add_tokens)
-    if floor.start:
-        start = model.get_submodule(floor.start)
-        start.register_forward_pre_hook(lambda _m, args: (args[0].detach().requires_grad_(), *args[1:]))
+    if start is not None:
+        start.register_forward_pre_hook(lambda _m, args: (needing_grad(args[0]), *args[1:]))
     if floor.side:
         # The method's own model, each frozen block run without autograd: what is left is the side network.
         modes: list[bool] = []

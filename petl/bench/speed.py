@@ -20,8 +20,10 @@ are also timed after ``petl.merge``, against the plain backbone's inference.
 
 **Floors.**  Each method's step is compared with its own lower bound (:class:`Floor`): the frozen backbone's
 forward plus a backward that reaches the earliest trainable tensor, with the method's extra tokens (prompts)
-added where they enter.  Both are read off the method's model (which parameters train, in which block or
-before/after the blocks, and how many tokens each block sees), never off its name.  A method above
+added where they enter (zeros after the prefix tokens, each block making room for them as for prompts; a Swin's
+prompts, copied into every window beside the grid, run as the method's own model with every parameter frozen).
+Both are read off the method's model (which parameters train, in which block or before/after the blocks, and how
+many tokens each block sees), never off its name.  A method above
 ``NOTE_ABOVE`` times its floor gets a note: the ops whose time grew most over the floor's in one profiled
 step (``torch.profiler``) and the bytes autograd saved for the backward (saved-tensor hooks).
 
@@ -35,6 +37,12 @@ every row without bf16 is fp32.
 
 On a GPU (``device=cuda``) the documented setting is ViT-B/16 at 224 px, batch 64: those are the defaults
 there when ``model``/``batch`` are not given.
+
+**Other backbones.**  ``model=`` takes any timm model petl has a backbone kind for (Swin, SwinV2, EVA, BEiT,
+relative-position ViT), and ``model.kwargs.KEY=VALUE`` (petl-run's ``+model.kwargs``) builds a smaller one of the
+family, e.g. the default ViT's shape; an experiment the kind refuses (``petl.apply``'s one line) is left out and
+listed with its reason, as is peft's LoRA where the model has no fused ``qkv``
+(``benchmarks/speed_backbones.sh``).
 """
 
 from __future__ import annotations
@@ -49,7 +57,7 @@ from typing import Any
 import torch
 
 from petl.bench.args import CONFIGS_KEYS, as_bool, configs_folder, parse_args, split_list
-from petl.bench.floors import Floor, find_floor, tokens_per_block
+from petl.bench.floors import Floor, find_floor, run_order, tokens_per_block
 from petl.bench.speed_bench import (
     FORWARD,
     NOTE_ABOVE,
@@ -77,9 +85,10 @@ __all__ = [
 # The documented GPU setting (used for device=cuda when model/batch are not given).
 CUDA_DEFAULTS = {"model": "vit_base_patch16_224", "batch": 64}
 
-# The command's own keys besides SpeedSpec's fields.
-SPEED_KEYS = {f.name for f in fields(SpeedSpec)} | {"methods", "out", "inprocess", "options_for", "options"}
-SPEED_KEYS |= CONFIGS_KEYS
+# The command's own keys: SpeedSpec's fields (its model_kwargs as model.kwargs.KEY=VALUE, petl-run's spelling) and more.
+SPEED_KEYS = {f.name for f in fields(SpeedSpec)} - {"model_kwargs"}
+SPEED_KEYS |= {"methods", "out", "inprocess", "options_for", "options"} | CONFIGS_KEYS
+MODEL_KWARGS = "model.kwargs."
 
 
 def plan_cases(
@@ -88,31 +97,43 @@ def plan_cases(
     options_for: Sequence[str] = (),
     log: Callable[[str], None] = print,
     options: Sequence[str] | None = None,
-) -> tuple[list[Case], dict[str, str]]:
-    """The rows in table order, and each method row's floor row.
+) -> tuple[list[Case], dict[str, str], dict[str, str]]:
+    """The rows in table order, each method row's floor row, and the rows left out with the reason.
 
     Floors are found on each method's model (:func:`find_floor`); methods with the same floor share
     its row.  ``options_for`` experiments get one extra row per training option (:data:`OPTIONS`, or the
     keys of it in ``options``) whose compiler is available; with a bf16 row, peft's LoRA gets one too.
+    An experiment ``petl.apply`` refuses on this backbone (a Swin for a ViT-only method), and peft's LoRA
+    where the backbone has no fused ``qkv``, is left out: its refusal is the reason.
     """
     chosen = list(OPTIONS) if options is None else list(options)
     cpu = SpeedSpec(**{**asdict(spec), "device": "cpu"})
     plain = build_model(Case("plain"), cpu)
     h, w = plain.patch_embed.img_size
     probe = torch.randn(1, 3, h, w)
-    plain_tokens = max(tokens_per_block(plain, probe))
-    plain_modules = {name for name, _ in plain.named_modules()}
+    plain_tokens = tokens_per_block(plain, probe)
+    plain_modules = set(run_order(plain, probe))
     floors: dict[str, Floor] = {}
+    refused: dict[str, str] = {}
     for name, method in experiments:
-        model = build_model(Case(name, dict(method)), cpu)
+        try:
+            model = build_model(Case(name, dict(method)), cpu)
+        except ValueError as error:  # petl.apply's one-line refusal (see its Raises)
+            refused[name] = str(error)
+            log(f"speed: no {name} row: {error}")
+            continue
         if getattr(model.petl_config, "side_network", False):
             floors[name] = Floor(start="", side=name)
         else:
-            floors[name] = find_floor(model, probe, plain_tokens, plain_modules)
+            floors[name] = find_floor(model, probe, plain_tokens, plain_modules, name)
+    experiments = [(name, method) for name, method in experiments if name not in refused]
     floor_rows = {f.label(): f for f in floors.values()}
     methods = dict(experiments)
     cases = [Case(FORWARD)]
-    cases += [Case(label, dict(methods[f.side]) if f.side else {}, floor=f) for label, f in floor_rows.items()]
+    cases += [
+        Case(label, dict(methods[f.side or f.frozen]) if f.side or f.frozen else {}, floor=f)
+        for label, f in floor_rows.items()
+    ]
     cases += [Case(name, dict(method)) for name, method in experiments]
     missing = engine.compiler_missing(spec.device)
     for name, method in experiments:
@@ -125,12 +146,18 @@ def plan_cases(
                 log(f"speed: no {name} {suffix} row: {missing}")
                 continue
             cases.append(Case(f"{name} {suffix}", dict(method), options=(option,)))
-    cases.append(Case(PEFT_LORA, peft=True))
-    if "bf16" in chosen and any(c.options == ("bf16",) for c in cases):
-        cases.append(Case(f"{PEFT_LORA} {OPTIONS['bf16']}", peft=True, options=("bf16",)))
+    try:
+        build_model(Case(PEFT_LORA, peft=True), cpu)
+    except ValueError as error:  # peft: target module qkv not found
+        refused[PEFT_LORA] = str(error)
+        log(f"speed: no {PEFT_LORA} row: {error}")
+    else:
+        cases.append(Case(PEFT_LORA, peft=True))
+        if "bf16" in chosen and any(c.options == ("bf16",) for c in cases):
+            cases.append(Case(f"{PEFT_LORA} {OPTIONS['bf16']}", peft=True, options=("bf16",)))
     of = {name: floors[name].label() for name, _ in experiments}
     of.update({c.name: of[n] for c in cases if c.options for n, _ in experiments if c.name.startswith(n + " + ")})
-    return cases, of
+    return cases, of, refused
 
 
 def run_speed(
@@ -152,10 +179,11 @@ def run_speed(
         options: which training options (keys of :data:`OPTIONS`); all of them unless given.
 
     Returns:
-        Results by case name, in table order; method rows name their floor row under ``floor``.
+        Results by case name, in table order; method rows name their floor row under ``floor``; an experiment
+        the backbone refuses (and peft's LoRA where it cannot be built) has only ``refused``, the reason, last.
 
     """
-    cases, floor_of = plan_cases(spec, experiments, options_for, log, options)
+    cases, floor_of, refused = plan_cases(spec, experiments, options_for, log, options)
     # A fresh process per case costs seconds of start-up (about 15 s a case on a GPU machine); only the
     # CPU's RSS high-water mark needs it, the CUDA allocator's peak resets in place.
     measure = measure_memory if inprocess or spec.device == "cuda" else measure_memory_in_subprocess
@@ -173,16 +201,43 @@ def run_speed(
         if case.name == FORWARD or (case.floor is not None and not case.floor.extra_tokens and not case.floor.side):
             # Its inference is the frozen backbone's plain forward: one more identical copy of the network.
             results[case.name]["plain_copy"] = True
+        if case.floor is not None and case.floor.frozen:
+            results[case.name]["frozen_model_of"] = case.floor.frozen
+    results.update({name: {"refused": why} for name, why in refused.items()})
     return results
 
 
-def make_spec(own: dict[str, str], cuda_available: bool) -> SpeedSpec:
+def split_model_kwargs(args: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
+    """The ``model.kwargs.KEY=VALUE`` arguments (``+model.kwargs...`` too, as petl-run writes them) and the rest.
+
+    Values are read by Hydra's override grammar, as petl-run reads them: ``[2,2]`` is a list, ``64`` an int.
+
+    Raises:
+        SystemExit: a value Hydra cannot read, or a key the command sets itself (``img_size``, ``num_classes``).
+
+    """
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    ours = [a for a in args if a.lstrip("+").startswith(MODEL_KWARGS)]
+    try:
+        parsed = OverridesParser.create().parse_overrides([a.lstrip("+") for a in ours])
+    except HydraException as error:
+        raise SystemExit(f"petl-bench speed: {error}".splitlines()[0]) from None
+    kwargs = {o.key_or_group.removeprefix(MODEL_KWARGS): o.value() for o in parsed}
+    for key in sorted(set(kwargs) & {"img_size", "num_classes"}):
+        raise SystemExit(f"petl-bench speed: {MODEL_KWARGS}{key}: give it as {key}=N, the command's own key")
+    return kwargs, [a for a in args if a not in ours]
+
+
+def make_spec(own: dict[str, str], cuda_available: bool, model_kwargs: dict[str, Any] | None = None) -> SpeedSpec:
     """The spec from command-line values: the GPU when there is one, and there :data:`CUDA_DEFAULTS`."""
     settings: dict[str, Any] = {
         f.name: as_bool(f.name, own[f.name]) if isinstance(f.default, bool) else type(f.default)(own[f.name])
         for f in fields(SpeedSpec)
         if f.name in own
     }
+    settings["model_kwargs"] = dict(model_kwargs or {})
     settings.setdefault("device", "cuda" if cuda_available else "cpu")
     if settings["device"] == "cuda":
         for key, value in CUDA_DEFAULTS.items():
@@ -195,9 +250,11 @@ def main(args: Sequence[str]) -> int:
     from petl.bench.suite import list_experiments, load_experiment
 
     own, rest = parse_args(args, SPEED_KEYS)
+    model_kwargs, rest = split_model_kwargs(rest)
     if rest:
-        raise SystemExit(f"petl-bench speed: unknown argument(s) {rest}; known: {', '.join(sorted(SPEED_KEYS))}")
-    spec = make_spec(own, torch.cuda.is_available())
+        known = ", ".join(sorted(SPEED_KEYS | {MODEL_KWARGS + "KEY"}))
+        raise SystemExit(f"petl-bench speed: unknown argument(s) {rest}; known: {known}")
+    spec = make_spec(own, torch.cuda.is_available(), model_kwargs)
     configs = configs_folder(own)
     names = split_list(own["methods"]) if "methods" in own else list_experiments(configs)
     options_for = split_list(own["options_for"]) if "options_for" in own else []
@@ -210,7 +267,7 @@ def main(args: Sequence[str]) -> int:
     experiments = [(n, load_experiment(n, configs).method) for n in names]
     inprocess = as_bool("inprocess", own.get("inprocess", "false"))
     results = run_speed(spec, experiments, inprocess=inprocess, options_for=options_for, options=options)
-    table = format_table(results, spec, machine_line(spec.device))
+    table = format_table(results, spec, machine_line(spec.device), memory_in_process=inprocess)
     print(table)
     if "out" in own:
         out = Path(own["out"])

@@ -47,6 +47,8 @@ class SpeedSpec:
 
     Attributes:
         model: timm model name (built with random weights: speed does not depend on their values).
+        model_kwargs: further ``timm.create_model`` keywords, e.g. a smaller model of the family (``depth``,
+            ``embed_dim``...): ``model.kwargs.KEY=VALUE`` on the command line, as petl-run's ``+model.kwargs``.
         img_size: the side of the square images the model is built for; 0 keeps the model's default.
         batch: training batch size.
         steps: timed training steps per case, spread over ``rounds``.
@@ -72,6 +74,7 @@ class SpeedSpec:
     device: str = "cpu"
     num_classes: int = 10
     tf32: bool = True
+    model_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 def precision_label(case: Case, spec: SpeedSpec) -> str:
@@ -122,16 +125,17 @@ class Case:
 
 
 @functools.cache
-def _random_backbone(name: str, img_size: int, num_classes: int) -> nn.Module:
+def _random_backbone(name: str, img_size: int, num_classes: int, kwargs_json: str) -> nn.Module:
     # Built once per setting and copied per case: a ViT-B's random init takes about 1.8 s here, a copy 0.2 s,
     # and a GPU run builds every case three times (floors, memory, times).  Never handed out itself.
     size = {"img_size": img_size} if img_size else {}
-    return timm.create_model(name, pretrained=False, num_classes=num_classes, **size)
+    return timm.create_model(name, pretrained=False, num_classes=num_classes, **size, **json.loads(kwargs_json))
 
 
 def build_model(case: Case, spec: SpeedSpec):
-    """The model of one case: plain frozen backbone, petl method, or peft LoRA."""
-    model = copy.deepcopy(_random_backbone(spec.model, spec.img_size, spec.num_classes))
+    """The model of one case: plain frozen backbone, petl method (frozen too in a floor), or peft LoRA."""
+    kwargs = json.dumps(spec.model_kwargs, sort_keys=True)
+    model = copy.deepcopy(_random_backbone(spec.model, spec.img_size, spec.num_classes, kwargs))
     if case.peft:
         from peft import LoraConfig, inject_adapter_in_model
 
@@ -142,6 +146,8 @@ def build_model(case: Case, spec: SpeedSpec):
     elif case.method:
         options = {k: v for k, v in case.method.items() if k != "name"}
         apply(model, case.method["name"], num_classes=spec.num_classes, **options)
+        if case.floor is not None and case.floor.frozen:
+            model.requires_grad_(False)
     else:
         model.requires_grad_(False)
     return model.to(torch.device(spec.device))

@@ -73,17 +73,31 @@ def _markdown(labels: tuple[str, ...], rows: list[list[str]]) -> list[str]:
     return markdown_lines(Table(headers, [[(text, text) for text in row] for row in rows]))
 
 
-def format_table(results: dict[str, dict[str, Any]], spec: SpeedSpec, machine: str) -> str:
-    """The speed table as Markdown: ratios to each row's floor, the no-grad forward, full FT and peft's LoRA."""
+def format_table(
+    results: dict[str, dict[str, Any]], spec: SpeedSpec, machine: str, memory_in_process: bool = False
+) -> str:
+    """The speed table as Markdown: ratios to each row's floor, the no-grad forward, full FT and peft's LoRA.
+
+    Rows with only ``refused`` (the backbone refuses the method) are listed under the table with their reason.
+    """
+    refused = {case: r["refused"] for case, r in results.items() if "refused" in r}
+    results = {case: r for case, r in results.items() if case not in refused}
     forward = results.get(FORWARD, {})
     memory = (
         "CUDA max_memory_allocated (weights, grads, AdamW state, activations), reset per row in one process, "
         "less what was still allocated before the row's model was built"
         if spec.device == "cuda"
         else "peak RSS growth over the RSS after set-up (Linux VmHWM, reset through /proc/self/clear_refs), "
-        "fresh process per row, i.e. grads + AdamW state + activations, not the weights"
+        + (
+            "all rows in one process (inprocess=true), so a row's peak may hide under an earlier row's high-water "
+            "mark: not clean"
+            if memory_in_process
+            else "fresh process per row, i.e. grads + AdamW state + activations, not the weights"
+        )
     )
     size = f" at {spec.img_size} px" if spec.img_size else ""
+    if spec.model_kwargs:
+        size += " built with " + ", ".join(f"{k}={v}" for k, v in spec.model_kwargs.items())
     lines = [
         f"Backbone `{spec.model}`{size} (random weights), training batch {spec.batch}, {spec.num_classes} classes, "
         f"device {spec.device}. Train step = forward + loss + backward + AdamW step, median of {spec.steps} steps "
@@ -94,7 +108,15 @@ def format_table(results: dict[str, dict[str, Any]], spec: SpeedSpec, machine: s
         "floor is its own model with the frozen blocks run without autograd (the side network's forward, backward "
         "and AdamW step on top of a no-grad backbone forward); `× floor` compares "
         "each row with its own floor. "
-        f"Inference: eval forward at batch {spec.infer_batch}, median of {spec.infer_steps}, cases in turns call "
+        + (
+            "A floor marked `(m's model, frozen)` runs method m's own model with every parameter frozen (its "
+            "prompts constants), the backward reaching the named input as in every floor: the cost of prompts a "
+            "Swin carries beside its grid and copies into every window, which zero tokens appended to the grid "
+            "would not have. "
+            if any("frozen_model_of" in r for r in results.values())
+            else ""
+        )
+        + f"Inference: eval forward at batch {spec.infer_batch}, median of {spec.infer_steps}, cases in turns call "
         "by call. "
         f"Peak MB over {spec.warmup + 2} training steps: {memory}. "
         f"Precision: {_precision_note(spec)}",
@@ -132,6 +154,9 @@ def format_table(results: dict[str, dict[str, Any]], spec: SpeedSpec, machine: s
             f"- **{case}** ({results[case]['train_ms'] / results[results[case]['floor']]['train_ms']:.2f}×): {note}"
             for case, note in notes
         ]
+    if refused:
+        lines += ["", "Left out, refused on this backbone:", ""]
+        lines += [f"- **{case}**: {why}" for case, why in refused.items()]
     merged = [(case, r) for case, r in results.items() if "infer_merged_ms" in r]
     if merged:
         lines += [

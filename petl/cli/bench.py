@@ -9,9 +9,9 @@ Usage::
                [budget.train_seconds=600] [--yes]   (your own images: cost first, then which method; docs/choose.md)
     petl-bench report RESULTS_DIR [out=DIR] [configs_dir=DIR] [suite=NAME]
     petl-bench compare RESULTS_A RESULTS_B [suites=NAME_A,NAME_B] [out=FILE [overwrite=true]]  (two boards' orderings)
-    petl-bench speed [model=...] [img_size=N] [batch=32] [steps=10] [warmup=3] [rounds=10] [infer_batch=1]
-                     [infer_steps=100] [device=cpu|cuda] [tf32=true] [methods=...] [options_for=lora]
-                     [options=grad_ckpt,compile,bf16] [out=FILE]
+    petl-bench speed [model=...] [model.kwargs.depth=2 ...] [img_size=N] [batch=32] [steps=10] [warmup=3]
+                     [rounds=10] [infer_batch=1] [infer_steps=100] [device=cpu|cuda] [tf32=true] [methods=...]
+                     [options_for=lora] [options=grad_ckpt,compile,bf16] [inprocess=true] [out=FILE]
     petl-bench params suite=vtab1k [methods=...] [model=...]   (parameter counts vs the published ones)
     petl-bench commands suite=vtab1k [hydra/launcher=submitit_slurm ...]   (prints petl-run --multirun lines)
     petl-bench list [suite=NAME]   (suites and experiments; with suite=: its experiments, one a line, in order)

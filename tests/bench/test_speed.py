@@ -13,6 +13,7 @@ import torch
 
 import petl
 from petl.bench import speed, speed_bench
+from petl.bench.floors import run_order
 from petl.bench.speed import (
     FORWARD,
     OPTIONS,
@@ -63,12 +64,15 @@ def _model(name: str, **options) -> torch.nn.Module:
         ("full", {}, Floor("")),
         ("vpt", {"num_tokens": 7}, Floor("blocks.0", extra_tokens=7, extra_at=0)),
         ("vpt", {"num_tokens": 3, "deep": True}, Floor("blocks.0", extra_tokens=3, extra_at=0)),
+        # NOAH's blocks run the timm block's halves, never its forward: its prompts count through the wrapper's
+        # output (the data-free placeholder subnet: 5 prompts in every block).
+        ("noah", {}, Floor("blocks.0", extra_tokens=5, extra_at=0)),
     ],
 )
 def test_floor_is_read_off_the_model(name, options, floor):
     model = _model(name, **options)
-    plain = {n for n, _ in _model("full").named_modules()}
-    assert find_floor(model, torch.randn(1, 3, 32, 32), TOKENS, plain) == floor
+    plain = set(run_order(_model("full"), torch.randn(1, 3, 32, 32)))
+    assert find_floor(model, torch.randn(1, 3, 32, 32), [TOKENS] * DEPTH, plain) == floor
 
 
 def test_floor_backward_stops_at_the_earliest_trainable_tensor():
@@ -202,14 +206,14 @@ def test_a_note_names_the_grown_ops_and_the_saved_memory_and_is_printed(results)
 
 @pytest.mark.slow
 def test_compile_row_is_planned_only_with_a_compiler(monkeypatch):
-    cases, floor_of = plan_cases(TINY, [LORA], options_for=["lora"], log=lambda _: None)
+    cases, floor_of, _ = plan_cases(TINY, [LORA], options_for=["lora"], log=lambda _: None)
     names = [c.name for c in cases]
     has_compiler = engine.compiler_missing("cpu") is None
     assert ("lora + torch.compile" in names) == has_compiler and floor_of["lora + grad checkpointing"] == floor_of[
         "lora"
     ]
     monkeypatch.setattr(engine, "compiler_missing", lambda device: "no compiler (test)")
-    cases, _ = plan_cases(TINY, [LORA], options_for=["lora"], log=lambda _: None)
+    cases, _, _ = plan_cases(TINY, [LORA], options_for=["lora"], log=lambda _: None)
     assert "lora + torch.compile" not in [c.name for c in cases]
 
 
@@ -266,11 +270,11 @@ def test_a_cuda_measurement_sets_the_tf32_switches_and_puts_them_back(tf32):
 
 @pytest.mark.slow
 def test_options_keeps_only_the_named_training_options():
-    cases, floor_of = plan_cases(TINY, [LORA], options_for=["lora"], log=lambda _: None, options=["bf16"])
+    cases, floor_of, _ = plan_cases(TINY, [LORA], options_for=["lora"], log=lambda _: None, options=["bf16"])
     extra = [c.name for c in cases if c.options]
     assert extra == ["lora + bf16 autocast", f"{PEFT_LORA} + bf16 autocast"]
     assert floor_of["lora + bf16 autocast"] == floor_of["lora"]
-    cases, _ = plan_cases(TINY, [LORA], options_for=["lora"], log=lambda _: None, options=["grad_ckpt"])
+    cases, _, _ = plan_cases(TINY, [LORA], options_for=["lora"], log=lambda _: None, options=["grad_ckpt"])
     assert [c.name for c in cases if c.options] == ["lora + grad checkpointing"]
 
 
@@ -300,7 +304,7 @@ def test_side_tuning_methods_get_their_own_floor(name):
     # A side network's floor is its own model with the frozen blocks run without autograd, not a backward
     # into the backbone: find_floor is not asked (it would point at block 0, where the side network starts).
     spec = SpeedSpec(model=TINY.model)
-    cases, floor_of = plan_cases(spec, [(name, {"name": name})], log=lambda _: None)
+    cases, floor_of, _ = plan_cases(spec, [(name, {"name": name})], log=lambda _: None)
     floor = next(c for c in cases if c.floor is not None)
     assert floor.floor == Floor("", side=name) and floor.method == {"name": name}
     assert floor_of[name] == floor.name == f"floor: no-grad fwd + {name} side network"
@@ -327,3 +331,77 @@ def test_lst_and_last_peak_memory_is_below_loras():
     lora_mb = measure_memory_in_subprocess(Case("lora", dict(LORA[1])), spec)["peak_mb"]
     for name in ("lst", "last"):
         assert measure_memory_in_subprocess(Case(name, {"name": name}), spec)["peak_mb"] < lora_mb, name
+
+
+# One tiny model of every backbone kind petl added to the ViT, given as petl-bench speed takes it (model= and
+# model.kwargs.KEY=VALUE): benchmarks/speed_backbones.sh times larger ones the same way.
+TINY_SEQUENCE = {"patch_size": 8, "embed_dim": 48, "depth": 2, "num_heads": 3}
+TINY_WINDOWS = {"patch_size": 4, "window_size": 4, "embed_dim": 16, "depths": [2, 2], "num_heads": [2, 4]}
+KINDS = {
+    "swin": ("swin_fractal_tiny_patch2_window4_32", TINY_WINDOWS),
+    "swinv2": ("swinv2_tiny_window8_256", TINY_WINDOWS),
+    "eva": ("eva02_tiny_patch14_224", TINY_SEQUENCE),
+    "beit": ("beitv2_base_patch16_224", TINY_SEQUENCE),
+    "vit_relpos": ("vit_relpos_medium_patch16_cls_224", TINY_SEQUENCE),
+}
+
+
+def _tiny_spec(kind: str) -> SpeedSpec:
+    name, kwargs = KINDS[kind]
+    return SpeedSpec(model=name, img_size=32, model_kwargs=kwargs, batch=2, steps=1, warmup=1, rounds=1, infer_steps=1)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_speed_runs_on_every_backbone_kind(kind):
+    # Every row planned, built and measured (a round, no timing asserted); a method the kind refuses is left out
+    # with petl.apply's reason, not an error.
+    spec = _tiny_spec(kind)
+    assert petl.backbone_of(build_model(Case("plain"), spec)).kind == kind
+    experiments = [("lora", {"name": "lora"}), ("vpt", {"name": "vpt", "num_tokens": 3}), ("gps", {"name": "gps"})]
+    results = run_speed(spec, experiments, inprocess=True, log=lambda _: None)
+    assert f"does not support the {kind} backbone" in results["gps"]["refused"]
+    assert ("refused" in results["vpt"]) == (kind not in petl.get_method("vpt").backbones)
+    measured = [name for name, r in results.items() if "refused" not in r]
+    assert {FORWARD, "lora", PEFT_LORA} <= set(measured)
+    assert all(results[name]["train_ms"] > 0 and results[name]["infer_ms"] > 0 for name in measured)
+    if "refused" not in results["vpt"]:
+        assert "+3 tokens from block 0" in results["vpt"]["floor"]
+    table = format_table(results, spec, "test machine")
+    assert "Left out, refused on this backbone" in table and "- **gps**: method 'gps' does not support" in table
+
+
+@pytest.mark.parametrize("kind", ["eva", "beit", "swinv2"])
+def test_a_floor_at_a_qkv_the_plain_attention_never_calls_starts_at_the_attention(kind):
+    # Their attention reads qkv.weight itself (F.linear with the q/v biases): a hook on the plain qkv would never
+    # run, and the floor's backward would reach nothing.
+    spec = _tiny_spec(kind)
+    cases, floor_of, _ = plan_cases(spec, [LORA], log=lambda _: None)
+    assert floor_of["lora"].endswith(".attn` input")
+    bench = speed._Bench(next(c for c in cases if c.name == floor_of["lora"]), spec)
+    bench.step()  # would raise: element 0 of tensors does not require grad
+
+
+def test_vpt_on_swin_gets_a_floor_with_its_prompts_in_every_window():
+    # The prompts travel beside the grid and are copied into every window: the floor is VPT's own model, frozen.
+    spec = _tiny_spec("swin")
+    model = build_model(Case("vpt", {"name": "vpt", "num_tokens": 3, "deep": True}), spec)
+    plain = build_model(Case("plain"), spec)
+    images = torch.randn(1, 3, 32, 32)
+    plain_tokens = speed.tokens_per_block(plain, images)
+    assert speed.tokens_per_block(model, images) == [t + 3 for t in plain_tokens]
+    floor = find_floor(model, images, plain_tokens, set(run_order(plain, images)), "vpt_deep")
+    assert floor == Floor("layers.0.blocks.0", extra_tokens=3, extra_at=0, frozen="vpt_deep")
+    bench = speed._Bench(Case(floor.label(), {"name": "vpt", "num_tokens": 3, "deep": True}, floor=floor), spec)
+    assert bench.params == [] and bench.optimizer is None
+    inputs = []  # block 0's input, as the floor's hook (registered first) hands it on
+    bench.model.get_submodule(floor.start).register_forward_pre_hook(lambda _m, args: inputs.append(args[0]))
+    bench.step()
+    assert inputs[0].grad is not None and inputs[0].grad.abs().sum() > 0
+
+
+def test_model_kwargs_are_read_as_petl_run_reads_them():
+    kwargs, rest = speed.split_model_kwargs(["+model.kwargs.depths=[2,2]", "model.kwargs.embed_dim=16", "batch=2"])
+    assert kwargs == {"depths": [2, 2], "embed_dim": 16} and rest == ["batch=2"]
+    assert make_spec({}, cuda_available=False, model_kwargs=kwargs).model_kwargs == kwargs
+    with pytest.raises(SystemExit, match="give it as img_size=N"):
+        speed.split_model_kwargs(["model.kwargs.img_size=64"])

@@ -111,8 +111,11 @@ class Swin(TimmBlockParts, Backbone):
         size = self.model.patch_embed.patch_size
         return (size, size) if isinstance(size, int) else tuple(size)
 
-    def tokens_in(self, x: torch.Tensor) -> int:
-        """An NHWC grid: rows times columns."""
+    def tokens_in(self, x: torch.Tensor | swin_prompts.Pair) -> int:
+        """An NHWC grid: rows times columns; with prompts beside it (a prompted block's pair), theirs added."""
+        if not isinstance(x, torch.Tensor):
+            grid, prompts = x
+            return self.tokens_in(grid) + int(prompts.shape[1])
         return int(x.shape[1] * x.shape[2])
 
     def embed_tokens(self, images: torch.Tensor) -> torch.Tensor:
