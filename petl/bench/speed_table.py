@@ -83,17 +83,20 @@ def format_table(
     refused = {case: r["refused"] for case, r in results.items() if "refused" in r}
     results = {case: r for case, r in results.items() if case not in refused}
     forward = results.get(FORWARD, {})
+    # On a CPU the peak is an RSS high-water mark, which an earlier row in the same process sets for the later ones.
+    memory_shown = spec.device == "cuda" or not memory_in_process
     memory = (
         "CUDA max_memory_allocated (weights, grads, AdamW state, activations), reset per row in one process, "
         "less what was still allocated before the row's model was built"
         if spec.device == "cuda"
         else "peak RSS growth over the RSS after set-up (Linux VmHWM, reset through /proc/self/clear_refs), "
-        + (
-            "all rows in one process (inprocess=true), so a row's peak may hide under an earlier row's high-water "
-            "mark: not clean"
-            if memory_in_process
-            else "fresh process per row, i.e. grads + AdamW state + activations, not the weights"
-        )
+        "fresh process per row, i.e. grads + AdamW state + activations, not the weights"
+    )
+    memory_line = (
+        f"Peak MB over {spec.warmup + 2} training steps: {memory}. "
+        if memory_shown
+        else "Peak MB: not shown (inprocess=true: on a CPU every row's peak would be read in one process, whose RSS "
+        "high-water mark an earlier row sets for the later ones; without inprocess each row runs in a fresh process). "
     )
     size = f" at {spec.img_size} px" if spec.img_size else ""
     if spec.model_kwargs:
@@ -117,9 +120,7 @@ def format_table(
             else ""
         )
         + f"Inference: eval forward at batch {spec.infer_batch}, median of {spec.infer_steps}, cases in turns call "
-        "by call. "
-        f"Peak MB over {spec.warmup + 2} training steps: {memory}. "
-        f"Precision: {_precision_note(spec)}",
+        "by call. " + memory_line + f"Precision: {_precision_note(spec)}",
         "",
         f"Machine: {machine}.",
         "",
@@ -137,8 +138,8 @@ def format_table(
                 f"{r['trainable']:,}",
                 f"{r['train_ms']:.1f}",
                 *(_ratio(r["train_ms"], ref.get("train_ms")) for ref in (own, forward, full, peft_lora)),
-                f"{r['peak_mb']:.1f}",
-                *(_ratio(r["peak_mb"], ref.get("peak_mb")) for ref in (own, full, peft_lora)),
+                f"{r['peak_mb']:.1f}" if memory_shown else "–",
+                *(_ratio(r["peak_mb"], ref.get("peak_mb") if memory_shown else None) for ref in (own, full, peft_lora)),
                 f"{r['infer_ms']:.2f}",
                 _ratio(r["infer_ms"], plain_infer),
             ]

@@ -366,8 +366,9 @@ def test_speed_runs_on_every_backbone_kind(kind):
     assert all(results[name]["train_ms"] > 0 and results[name]["infer_ms"] > 0 for name in measured)
     if "refused" not in results["vpt"]:
         assert "+3 tokens from block 0" in results["vpt"]["floor"]
-    table = format_table(results, spec, "test machine")
+    table = format_table(results, spec, "test machine", memory_in_process=True)
     assert "Left out, refused on this backbone" in table and "- **gps**: method 'gps' does not support" in table
+    assert "Peak MB: not shown (inprocess=true" in table
 
 
 @pytest.mark.parametrize("kind", ["eva", "beit", "swinv2"])
