@@ -34,6 +34,7 @@ run() {
     return
   fi
   echo "speed_backbones: $kind ($(date -u +%H:%M:%S) UTC), log in $OUT/$kind.log"
+  echo "Measured at commit $(git rev-parse --short HEAD)$(git diff --quiet HEAD -- petl || echo ' (petl/ changed since)'), started $(date -u '+%Y-%m-%d %H:%M') UTC." > "$OUT/$kind.when"
   # petl-bench speed writes its table once every row is measured: a file there is a finished kind.
   "$PETL_BENCH" speed "$@" "${COMMON[@]}" out="$OUT/$kind.md" > "$OUT/$kind.log" 2>&1
 }
@@ -47,8 +48,8 @@ run vit_relpos model=vit_relpos_medium_patch16_cls_224 "${VIT_SHAPE[@]}"
 {
   echo "# petl speed on the backbone kinds beside the ViT (CPU)"
   echo
-  echo "Made by \`nice -n 10 benchmarks/speed_backbones.sh\` at commit $(git rev-parse --short HEAD): one"
-  echo "\`petl-bench speed\` per backbone kind (its command heads its section), OMP_NUM_THREADS=1. Each section is"
+  echo "Made by \`nice -n 10 benchmarks/speed_backbones.sh\`: one \`petl-bench speed\` per backbone kind (its"
+  echo "command and commit head its section), OMP_NUM_THREADS=1. Each section is"
   echo "one process whose cases take turns, so its ratios (× floor above all) share the machine's load alike;"
   echo "absolute times differ between sections, measured minutes apart. The ViT's own table is"
   echo "\`speed_cpu.md\`."
@@ -58,7 +59,10 @@ run vit_relpos model=vit_relpos_medium_patch16_cls_224 "${VIT_SHAPE[@]}"
   fi
   for kind in "${KINDS[@]}"; do
     echo
-    sed '1s/^# /## /' "$OUT/$kind.md"
+    sed -n '1s/^# /## /p' "$OUT/$kind.md"
+    echo
+    cat "$OUT/$kind.when"
+    tail -n +2 "$OUT/$kind.md"
   done
 } > "$RESULT"
 echo "speed_backbones: wrote $RESULT"

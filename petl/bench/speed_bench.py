@@ -306,10 +306,12 @@ def measure_times(
     ``note`` from :func:`where_the_rest_goes`.
 
     Returns:
-        By case: ``train_ms``, ``infer_ms``, for mergeable methods ``infer_merged_ms``, and maybe ``note``.
+        By case: ``train_ms``, ``infer_ms``, for mergeable methods ``infer_merged_ms`` (or ``not_merged``, the
+        reason ``petl.merge`` refused this model), and maybe ``note``.
 
     """
     benches: dict[str, _Bench] = {}
+    not_merged: dict[str, str] = {}
     for case in cases:
         log(f"speed: building {case.name}")
         bench = benches[case.name] = _Bench(case, spec)
@@ -318,7 +320,12 @@ def measure_times(
             bench.infer()
         if case.method and not case.options and get_method(case.method["name"]).mergeable:
             # Merged after the warm-up steps, so the folded update is not zero.
-            bench.merged = merge(copy.deepcopy(bench.model))
+            try:
+                bench.merged = merge(copy.deepcopy(bench.model))
+            except ValueError as error:  # this model's layers cannot hold the update (SSF's shift without a bias)
+                log(f"speed: {case.name} not merged: {error}")
+                not_merged[case.name] = str(error)
+                continue
             for _ in range(spec.warmup):
                 bench.infer(bench.merged)
     laps: dict[tuple[str, str], list[float]] = {}
@@ -349,6 +356,8 @@ def measure_times(
     out: dict[str, dict[str, Any]] = {name: {} for name in benches}
     for (name, key), seconds in laps.items():
         out[name][key] = 1000 * statistics.median(seconds)
+    for name, why in not_merged.items():
+        out[name]["not_merged"] = why
     for name in above_floor(out, floors or {}):
         log(f"speed: profiling {name} against its floor")
         out[name]["note"] = where_the_rest_goes(benches[name], benches[floors[name]])

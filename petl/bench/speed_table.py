@@ -188,6 +188,9 @@ def format_table(
                 f"{low / median:.3f}–{high / median:.3f}× their median: what identical networks read here. "
                 "The `infer × plain` column uses the same median.",
             ]
+    unmerged = [(case, r["not_merged"]) for case, r in results.items() if "not_merged" in r]
+    if unmerged:
+        lines += ["", "Not merged (`petl.merge` refused): " + "; ".join(f"{c}: {why}" for c, why in unmerged) + "."]
     return "\n".join(lines) + "\n"
 
 

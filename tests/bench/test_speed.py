@@ -357,8 +357,13 @@ def test_speed_runs_on_every_backbone_kind(kind):
     # with petl.apply's reason, not an error.
     spec = _tiny_spec(kind)
     assert petl.backbone_of(build_model(Case("plain"), spec)).kind == kind
-    experiments = [("lora", {"name": "lora"}), ("vpt", {"name": "vpt", "num_tokens": 3}), ("gps", {"name": "gps"})]
+    experiments = [(name, {"name": name}) for name in ("lora", "ssf", "gps")] + [
+        ("vpt", {"name": "vpt", "num_tokens": 3})
+    ]
     results = run_speed(spec, experiments, inprocess=True, log=lambda _: None)
+    # SSF's shift folds into a bias; where qkv has none (BEiT, EVA) petl.merge refuses and the row says why.
+    ssf = results["ssf"]
+    assert "refused" in ssf or "infer_merged_ms" in ssf or "without weight and bias" in ssf["not_merged"]
     assert f"does not support the {kind} backbone" in results["gps"]["refused"]
     assert ("refused" in results["vpt"]) == (kind not in petl.get_method("vpt").backbones)
     measured = [name for name, r in results.items() if "refused" not in r]
@@ -369,6 +374,7 @@ def test_speed_runs_on_every_backbone_kind(kind):
     table = format_table(results, spec, "test machine", memory_in_process=True)
     assert "Left out, refused on this backbone" in table and "- **gps**: method 'gps' does not support" in table
     assert "Peak MB: not shown (inprocess=true" in table
+    assert ("Not merged (`petl.merge` refused): ssf:" in table) == ("not_merged" in ssf)
 
 
 @pytest.mark.parametrize("kind", ["eva", "beit", "swinv2"])
