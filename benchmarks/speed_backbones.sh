@@ -20,7 +20,7 @@ OUT=${1:-/tmp/petl_speed_backbones}
 RESULT=benchmarks/results/speed_backbones_cpu.md
 mkdir -p "$OUT"
 export OMP_NUM_THREADS=1
-COMMON=(device=cpu batch=16 steps=6 warmup=2 rounds=6 infer_steps=50 inprocess=true)
+COMMON=(device=cpu batch=16 steps=10 warmup=2 rounds=10 infer_steps=50 inprocess=true)
 VIT_SHAPE=(img_size=32 model.kwargs.patch_size=4 model.kwargs.embed_dim=192 model.kwargs.depth=6 model.kwargs.num_heads=3)
 SWIN_SHAPE=(img_size=32 model.kwargs.patch_size=2 model.kwargs.window_size=4 model.kwargs.embed_dim=64
   "model.kwargs.depths=[2,4,2]" "model.kwargs.num_heads=[2,4,8]")
