@@ -19,7 +19,7 @@ from timm.layers import LayerScale
 from torch import nn
 
 from petl.model.backbone import backbone_of, block_family
-from petl.model.rows import Batched, CannotShare, RowHook, Tokens, affine, registered_hook
+from petl.model.rows import Batched, CannotShare, RowHook, Tokens, affine, per_device, registered_hook
 
 Tensor = torch.Tensor
 
@@ -27,21 +27,24 @@ Tensor = torch.Tensor
 def _own_parameter_hook(module: nn.Module, frozen: nn.Module, path: str, own: list[str]) -> RowHook:
     """The hook of a backbone module some of whose parameters the task trained itself (BitFit, LN tuning).
 
-    A trained LayerNorm or layer scale is cheap (no matmul): the task's rows go through its own module.  A Linear or
-    Conv2d may have its own bias (added as a delta on the shared output); a trained weight matrix would need
-    its own matmul per task, which is exactly what cannot be shared.
+    A trained bias alone (BitFit), on a Linear, a Conv2d or a LayerNorm, is a delta added to the shared output; a
+    trained LayerNorm weight or layer scale is cheap (no matmul): the task's rows go through its own module.  A
+    trained weight matrix would need its own matmul per task, which is exactly what cannot be shared.
     """
     where = f"{path}.{own[0]}" if path else own[0]
-    if isinstance(module, (nn.LayerNorm, LayerScale)):
-        return RowHook(frozen, post=lambda x, y, _tokens: module(x))
-    if isinstance(module, (nn.Linear, nn.Conv2d)) and own == ["bias"] and frozen.bias is not None:
+    if isinstance(module, (nn.Linear, nn.Conv2d, nn.LayerNorm)) and own == ["bias"] and frozen.bias is not None:
+        # The frozen output plus the bias's change: exact for a Linear or Conv2d, and for a LayerNorm (whose
+        # weight is the frozen one) up to the rounding of one add.
         channel_dim = 1 if isinstance(module, nn.Conv2d) else -1
         shape = (-1, 1, 1) if channel_dim == 1 else (-1,)
         with torch.no_grad():
             delta = module.bias - frozen.bias
+        like = per_device(delta.view(shape))
         # Batched as a scale of one and a shift: it stacks with SSF's scale and shift at the same layer.
         batched = affine(torch.ones_like(delta), delta, channel_dim)
-        return RowHook(frozen, post=lambda x, y, _tokens: y + (module.bias - frozen.bias).view(shape), batched=batched)
+        return RowHook(frozen, post_in_place=lambda x, y, _tokens: y.add_(like(y)[0]), batched=batched)
+    if isinstance(module, (nn.LayerNorm, LayerScale)):
+        return RowHook(frozen, post=lambda x, y, _tokens: module(x))
     raise CannotShare(f"it trains {where}, a frozen weight every row's computation shares; serve it as its own model")
 
 
@@ -51,9 +54,10 @@ def _around(wrapper: RowHook, inner: RowHook) -> RowHook:
     The composition has no batched form (neither hook's alone does what both do): it acts on its own rows.
     """
     if wrapper.post is None:
-        return replace(wrapper, post=inner.post, batched=None)
-    outer = wrapper.post
-    return replace(wrapper, post=lambda x, y, tokens: outer(x, inner.post(x, y, tokens), tokens), batched=None)
+        return replace(wrapper, post=inner.post, batched=None, post_in_place=None)
+    outer, first = wrapper.post, inner.post
+    post = lambda x, y, tokens: outer(x, first(x, y, tokens), tokens)  # noqa: E731
+    return replace(wrapper, post=post, batched=None, post_in_place=None)
 
 
 @dataclass
@@ -161,8 +165,10 @@ def _is_fresh(y: Tensor, x: Tensor) -> bool:
 class Stack(nn.Module):
     """The tensors of the hooks at one module that share a :class:`Batched` key, stacked once: one op per batch.
 
-    Each tensor of the key's tasks, and the neutral entry last (for the rows of every other task), is stacked on a
-    new first dimension into a buffer (not saved: a MultiTask is built from its task files; moved by ``.to()``).
+    Each tensor of the key's tasks, and the neutral entry last (for the rows of every other task), zero-padded where
+    the form allows it (``pad``), is stacked on a new first dimension.  The stacked tensors of one dtype sit side by
+    side in one buffer (entries x their elements; not saved: a MultiTask is built from its task files; moved by
+    ``.to()``), so that a batch gathers every row's tensors in one op per dtype, not one per tensor.
 
     Args:
         forms: task index -> that task's batched form (all with the same key).
@@ -174,10 +180,23 @@ class Stack(nn.Module):
         super().__init__()
         first = next(iter(forms.values()))
         self.pre, self.post, self.tasks = first.pre, first.post, tuple(sorted(forms))
-        self.stacked = [f"stacked_{i}" for i in range(len(first.tensors))]
-        for i, name in enumerate(self.stacked):
+        columns = []
+        for i, pad in enumerate(first.pad or (None,) * len(first.tensors)):
             column = [forms[task].tensors[i] for task in self.tasks] + [first.neutral[i]]
-            self.register_buffer(name, torch.stack(column), persistent=False)
+            if pad is not None:
+                size = max(t.shape[pad] for t in column)
+                column = [_zero_pad(t, pad, size) for t in column]
+            columns.append(torch.stack(column))
+        # Per dtype, one buffer; per tensor, (dtype, first element, shape of one entry) to take its view back.
+        self.parts: list[tuple[torch.dtype, int, torch.Size]] = []
+        buffers: dict[torch.dtype, list[Tensor]] = {}
+        for column in columns:
+            group = buffers.setdefault(column.dtype, [])
+            self.parts.append((column.dtype, sum(c[0].numel() for c in group), column.shape[1:]))
+            group.append(column.flatten(1))
+        self.dtypes = list(buffers)
+        for i, group in enumerate(buffers.values()):
+            self.register_buffer(f"stacked_{i}", torch.cat(group, dim=1), persistent=False)
         # Task index -> entry: its own for the stacked tasks, the neutral one (the last) for every other task.
         entry = torch.full((max(router.tasks, max(self.tasks) + 1),), len(self.tasks), dtype=torch.long)
         entry[list(self.tasks)] = torch.arange(len(self.tasks))
@@ -187,25 +206,44 @@ class Stack(nn.Module):
         """Whether two or more of its tasks are in ``batch`` (one task alone acts on its own rows, as before)."""
         return len(batch.present.intersection(self.tasks)) >= 2
 
-    def stack_and_entries(self, batch: Batch) -> tuple[tuple[Tensor, ...], Tensor]:
-        """The stacked tensors, and each row's entry into them (looked up once per batch and set of tasks)."""
+    def rows(self, batch: Batch) -> tuple[Tensor, ...]:
+        """Each stacked tensor as every row's own (rows first): one gather per dtype (each row's entry looked up once
+        per batch and set of tasks).
+        """
         entries = batch.entries.get(self.tasks)
         if entries is None:
             entries = batch.entries[self.tasks] = self.entry[batch.rows]
-        return tuple(getattr(self, name) for name in self.stacked), entries
+        gathered = {dtype: getattr(self, f"stacked_{i}")[entries] for i, dtype in enumerate(self.dtypes)}
+        rows = len(entries)
+        return tuple(
+            gathered[dtype].narrow(1, start, shape.numel()).view(rows, *shape) for dtype, start, shape in self.parts
+        )
+
+
+def _zero_pad(t: Tensor, dim: int, size: int) -> Tensor:
+    """``t`` with zeros appended along ``dim`` up to ``size``."""
+    if t.shape[dim] == size:
+        return t
+    shape = list(t.shape)
+    shape[dim] = size - t.shape[dim]
+    return torch.cat([t, t.new_zeros(shape)], dim=dim)
 
 
 def _stacks(hooks: dict[int, RowHook], router: Router) -> nn.ModuleList:
     """One :class:`Stack` per batched key at a module that two or more tasks' hooks share.
 
     A key of one task stays unstacked: gathering each of its tensors for every row launches more kernels than
-    acting on its own rows and writing them back.
+    acting on its own rows.
     """
     by_key: dict[Any, dict[int, Batched]] = {}
     for task, hook in hooks.items():
         form = hook.batched
         if form is not None:
-            shapes = tuple((t.shape, t.dtype, t.device) for t in form.tensors)
+            pads = form.pad or (None,) * len(form.tensors)
+            shapes = tuple(
+                (tuple(n for d, n in enumerate(t.shape) if d != pad), t.dtype, t.device)
+                for t, pad in zip(form.tensors, pads, strict=True)
+            )
             by_key.setdefault((form.key, shapes), {})[task] = form
     return nn.ModuleList(Stack(forms, router) for forms in by_key.values() if len(forms) >= 2)
 
@@ -249,7 +287,7 @@ class RoutedModule(nn.Module):
         for stack in self.stacks:
             if stack.pre is not None and stack.serves(batch):
                 # Every row at once; rows of tasks outside the stack get its neutral entry and stay as they are.
-                x = stack.pre(x, batch.tokens, *stack.stack_and_entries(batch))
+                x = stack.pre(x, batch.tokens, stack.rows(batch))
                 hooks = {task: hook for task, hook in hooks.items() if task not in stack.tasks}
         return _each_task(batch, hooks, x, lambda h, rows: h.pre(_take(x, rows), batch.tokens))
 
@@ -258,8 +296,15 @@ class RoutedModule(nn.Module):
         hooks = self.post_hooks
         for stack in self.stacks:
             if stack.post is not None and stack.serves(batch):
-                y, own = stack.post(x, y, *stack.stack_and_entries(batch)), True
+                y, own = stack.post(x, y, stack.rows(batch)), True
                 hooks = {task: hook for task, hook in hooks.items() if task not in stack.tasks}
+        if own and not torch.is_grad_enabled():
+            # Serving: a hook that can acts on its rows of the fresh output itself, with no copy back.
+            for task, start, end in batch.groups:
+                hook = hooks.get(task)
+                if hook is not None and hook.post_in_place is not None:
+                    hook.post_in_place(_take(x, slice(start, end)), y.narrow(0, start, end - start), batch.tokens)
+            hooks = {task: hook for task, hook in hooks.items() if hook.post_in_place is None}
         post = lambda h, rows: h.post(_take(x, rows), _take(y, rows), batch.tokens)  # noqa: E731
         return _each_task(batch, hooks, y, post, own=own)
 

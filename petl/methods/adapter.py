@@ -41,6 +41,7 @@ Differences:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -180,14 +181,15 @@ def _batched(wrapper: _Bottleneck, reads_output: bool) -> rows.Batched:
 
     ``reads_output``: the branch reads the wrapped module's output (sequential) or its input (parallel).  The scale
     is folded into ``up``; the neutral entry (all zeros: the down projection gives 0, act(0) is 0 for GELU and
-    ReLU, and so is the up projection) adds exactly nothing.
+    ReLU, and so is the up projection) adds exactly nothing.  Bottlenecks of different widths stack, zero-padded
+    to the widest: a padded unit's column of ``up`` is zero.
     """
     norm = wrapper.norm
     eps = norm.eps if isinstance(norm, nn.LayerNorm) else None
     act = wrapper.act
 
-    def post(x: torch.Tensor, y: torch.Tensor, stack: tuple[torch.Tensor, ...], entry: torch.Tensor) -> torch.Tensor:
-        down_w, down_b, up_w, up_b, *norm_wb = (t[entry] for t in stack)
+    def post(x: torch.Tensor, y: torch.Tensor, per_row: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        down_w, down_b, up_w, up_b, *norm_wb = per_row
         h = y if reads_output else x
         if norm_wb:
             h = F.layer_norm(h, h.shape[-1:], eps=eps)
@@ -207,21 +209,42 @@ def _batched(wrapper: _Bottleneck, reads_output: bool) -> rows.Batched:
         tensors = [t.detach() for t in tensors]
     neutral = tuple(torch.zeros_like(t) for t in tensors)
     key = ("bottleneck", reads_output, repr(act), eps)
-    return rows.Batched(key, tuple(tensors), neutral, post=post)
+    pad = (0, 0, 1, None) + ((None, None) if eps is not None else ())
+    return rows.Batched(key, tuple(tensors), neutral, post=post, pad=pad)
+
+
+def _add_branch(wrapper: _Bottleneck, reads_output: bool) -> Callable[[torch.Tensor, torch.Tensor, rows.Tokens], None]:
+    """The served branch added into the rows' output in place (eval: no dropout; the scale folded into ``up``)."""
+    like = rows.per_device(wrapper.scale * wrapper.up.weight, wrapper.scale * wrapper.up.bias)
+
+    def add(x: torch.Tensor, y: torch.Tensor, _tokens: rows.Tokens) -> None:
+        up_w, up_b = like(y)
+        h = wrapper.norm(y if reads_output else x)
+        y.add_(F.linear(wrapper.act(wrapper.down(h)), up_w, up_b))
+
+    return add
 
 
 @rows.register_row_hook(SequentialAdapter)
 def _sequential_rows(wrapper: SequentialAdapter) -> rows.RowHook:
     # The frozen MLP runs once for the mixed batch; each task's adapter reads and adds to its rows' MLP output.
-    post = lambda x, h, _tokens: h + wrapper.adapter(h)  # noqa: E731
-    return rows.RowHook(wrapper.base, post=post, batched=_batched(wrapper, reads_output=True))
+    return rows.RowHook(
+        wrapper.base,
+        post=lambda x, h, _tokens: h + wrapper.adapter(h),
+        post_in_place=_add_branch(wrapper, reads_output=True),
+        batched=_batched(wrapper, reads_output=True),
+    )
 
 
 @rows.register_row_hook(ParallelAdapter)
 def _parallel_rows(wrapper: ParallelAdapter) -> rows.RowHook:
     # At a block, post gets the stream entering the MLP half: the input AdaptFormer's branch reads.
-    post = lambda x, y, _tokens: y + wrapper.adapter(x)  # noqa: E731
-    return rows.RowHook(wrapper.base, post=post, batched=_batched(wrapper, reads_output=False))
+    return rows.RowHook(
+        wrapper.base,
+        post=lambda x, y, _tokens: y + wrapper.adapter(x),
+        post_in_place=_add_branch(wrapper, reads_output=False),
+        batched=_batched(wrapper, reads_output=False),
+    )
 
 
 def _formula(model: nn.Module, cfg: AdapterConfig) -> int:

@@ -33,10 +33,12 @@ Differences:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from petl.methods import _init
@@ -144,14 +146,59 @@ class ConvpassParallel(PetlModule):
         return self.base(x, **kwargs) + self.bypass(x)
 
 
+def _served_bypass(wrapper: ConvpassParallel) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The bypass in eval, in fewer ops: each QuickGELU as one SiLU, dropout off, the scale folded into ``up``.
+
+    ``x * sigmoid(1.702 x)`` is ``silu(1.702 x) / 1.702``: the 1.702 goes into the layer before each activation
+    (``down``; the conv's bias, its weight taking the 1/1.702 of the first activation back) and the 1/1.702 of the
+    second into ``up``, with the scale.  The same function, up to rounding.  A prefix token's 1x1 convolution is
+    its centre tap, a matmul.
+    """
+    k, s = 1.702, wrapper.scale
+    conv = wrapper.conv
+    like = rows.per_device(
+        k * wrapper.down.weight,
+        k * wrapper.down.bias,
+        conv.weight,
+        k * conv.bias,
+        conv.weight[:, :, 1, 1],
+        (s / k) * wrapper.up.weight,
+        s * wrapper.up.bias,
+    )
+    rows_, cols = wrapper.grid
+    p = wrapper.num_prefix
+
+    def bypass(x: torch.Tensor) -> torch.Tensor:
+        down_w, down_b, conv_w, conv_b, centre, up_w, up_b = like(x)
+        b, r = x.shape[0], down_w.shape[0]
+        h = F.silu(F.linear(x, down_w, down_b))
+        patches = h[:, p:].reshape(b, rows_, cols, r).permute(0, 3, 1, 2)
+        patches = F.conv2d(patches, conv_w, conv_b, padding=1).permute(0, 2, 3, 1).reshape(b, rows_ * cols, r)
+        if p:
+            prefix = F.linear(h[:, :p].reshape(b * p, r), centre, conv_b).view(b, p, r)  # a view for one prefix token
+            patches = torch.cat([prefix, patches], dim=1)
+        h = F.silu(patches)
+        return F.linear(h, up_w, up_b)
+
+    return bypass
+
+
 @rows.register_row_hook(ConvpassParallel)
 def _rows(wrapper: ConvpassParallel) -> rows.RowHook:
     # The frozen attention/MLP runs once for the mixed batch; the bypass sees its rows' tokens on their grid,
     # without the prompt slots other tasks' rows may have put in the sequence (they hold nothing for this row).
-    def post(x: torch.Tensor, y: torch.Tensor, tokens: rows.Tokens) -> torch.Tensor:
-        return y + tokens.with_slots(wrapper.bypass(tokens.without_slots(x)))
+    bypass = _served_bypass(wrapper)
 
-    return rows.RowHook(wrapper.base, post=post)
+    def add(x: torch.Tensor, y: torch.Tensor, tokens: rows.Tokens) -> None:
+        out = bypass(tokens.without_slots(x))
+        if not tokens.slots:
+            y.add_(out)
+            return
+        p, n = tokens.prefix, out.shape[1]
+        y.narrow(1, 0, p).add_(out[:, :p])
+        y.narrow(1, p + tokens.slots, n - p).add_(out[:, p:])
+
+    return rows.RowHook(wrapper.base, post_in_place=add)
 
 
 def _formula(model: nn.Module, cfg: ConvpassConfig) -> int:

@@ -249,13 +249,11 @@ def _rows(wrapper: FactLinear) -> rows.RowHook:
         a, b = wrapper.low_rank()
     like = rows.per_device(a, b)
 
-    def post(x: torch.Tensor, y: torch.Tensor, _tokens: rows.Tokens) -> torch.Tensor:
-        a, b = like(x)
-        z = F.linear(x, a)
-        flat = torch.addmm(y.reshape(-1, y.shape[-1]), z.reshape(-1, z.shape[-1]), b.t())
-        return flat.view(y.shape)
+    def add(x: torch.Tensor, y: torch.Tensor, _tokens: rows.Tokens) -> None:
+        a, b = like(y)
+        rows.add_matmul_(y, F.linear(x, a), b)
 
-    return rows.RowHook(wrapper.base, post=post, batched=rows.low_rank(a, b))
+    return rows.RowHook(wrapper.base, post_in_place=add, batched=rows.low_rank(a, b))
 
 
 def _formula(model: nn.Module, cfg: FactConfig) -> int:

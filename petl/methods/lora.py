@@ -237,7 +237,16 @@ def _rows(wrapper: LoraLinear) -> rows.RowHook:
     # them) stack, the scale folded into B.
     with torch.no_grad():
         batched = rows.low_rank(wrapper.stacked_a(), wrapper.scale * wrapper.stacked_b())
-    return rows.RowHook(wrapper.base, post=lambda x, y, _tokens: wrapper.add_update(x, y), batched=batched)
+
+    def add(x: torch.Tensor, y: torch.Tensor, _tokens: rows.Tokens) -> None:
+        # Served alone on its rows: the cached inference stack, one matmul and one addmm_ into the rows (eval: no
+        # dropout), as forward without autograd.
+        a, b_t = wrapper._inference_stack(y.dtype)
+        rows.add_matmul_(y, F.linear(x, a), b_t.t(), alpha=wrapper.scale)
+
+    return rows.RowHook(
+        wrapper.base, post=lambda x, y, _tokens: wrapper.add_update(x, y), post_in_place=add, batched=batched
+    )
 
 
 def _slices_per_linear(

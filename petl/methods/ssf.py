@@ -153,7 +153,19 @@ class SsfLayer(PetlModule):
 def _rows(wrapper: SsfLayer) -> rows.RowHook:
     # The frozen layer runs once for the mixed batch; each task scales and shifts its own rows.
     batched = rows.affine(wrapper.scale, wrapper.shift, wrapper.channel_dim)
-    return rows.RowHook(wrapper.base, post=lambda x, y, _tokens: wrapper.scale_shift(y), batched=batched)
+    shape = (-1, 1, 1) if wrapper.channel_dim == 1 else (-1,)
+    like = rows.per_device(wrapper.scale.view(shape), wrapper.shift.view(shape))
+
+    def scale_shift_in_place(x: torch.Tensor, y: torch.Tensor, _tokens: rows.Tokens) -> None:
+        scale, shift = like(y)
+        torch.addcmul(shift, y, scale, out=y)  # one op, written over y itself
+
+    return rows.RowHook(
+        wrapper.base,
+        post=lambda x, y, _tokens: wrapper.scale_shift(y),
+        post_in_place=scale_shift_in_place,
+        batched=batched,
+    )
 
 
 def _sites(model: nn.Module) -> list[tuple[nn.Module, Callable[[nn.Module], None]]]:

@@ -154,11 +154,9 @@ def _rows(wrapper: PromptedBlock) -> rows.RowHook:
     )
 
 
-def _rows_prompts(
-    x: torch.Tensor, tokens: rows.Tokens, stack: tuple[torch.Tensor, ...], entry: torch.Tensor
-) -> torch.Tensor:
+def _rows_prompts(x: torch.Tensor, tokens: rows.Tokens, per_row: tuple[torch.Tensor, ...]) -> torch.Tensor:
     """Each row's prompts written into its first slots (eval: no dropout); rows of other tasks keep theirs."""
-    prompt, use = (t[entry] for t in stack)
+    prompt, use = per_row
     p, n = tokens.prefix, prompt.shape[1]
     slots = torch.where(use.view(-1, 1, 1), prompt.to(x.dtype), x[:, p : p + n])
     return torch.cat([x[:, :p], slots, x[:, p + n :]], dim=1)

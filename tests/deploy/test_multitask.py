@@ -364,11 +364,10 @@ def test_a_run_is_refused_over_a_backbone_it_was_not_trained_on(tmp_path):
         petl.MultiTask(native, {"a": at_32})
 
 
-# Tasks whose hooks stack (petl.model.rows.Batched): two LoRA layouts of the same total rank (one stack: B places each
-# target), another rank (a stack of its own once two tasks use it), SSF with BitFit's bias deltas (one affine
-# stack), both adapter styles, with and without their LayerNorm, VPT-deep with two prompt counts, and FacT, whose
-# update at qkv is a rank-8 low-rank one as lora_r4's (one stack across the two methods) and which is alone at proj,
-# fc1 and fc2 (served task by task there).  Every head is a Linear of its own width.
+# Tasks whose hooks stack (petl.model.rows.Batched): LoRA layouts and ranks, and FacT, whose update at qkv and fc1 is a
+# rank-8 low-rank one (one stack at qkv: B places each target, the lower ranks zero-padded); SSF with BitFit's bias
+# deltas (one affine stack; BitFit's LayerNorm biases too, with `all`); both adapter styles, with and without their
+# LayerNorm, of two widths (padded); VPT-deep with two prompt counts.  Every head is a Linear of its own width.
 BATCHED = {
     "lora_qv": ("lora", {}),
     "lora_qk": ("lora", {"targets": "q,k"}),
@@ -376,8 +375,10 @@ BATCHED = {
     "lora_r4_fc": ("lora", {"rank": 4, "targets": "fc1"}),
     "ssf": ("ssf", {}),
     "bitfit": ("bitfit", {"biases": "linear"}),
+    "bitfit_all": ("bitfit", {}),
     "adapter": ("adapter", {}),
     "adapter_2": ("adapter", {"scale": 0.5}),
+    "adapter_16": ("adapter", {"dim": 16}),
     "adapter_norm": ("adapter", {"norm": True}),
     "adapter_norm_2": ("adapter", {"norm": True}),
     "adapter_parallel": ("adapter", {"style": "parallel"}),
@@ -413,11 +414,13 @@ def test_hooks_with_the_same_batched_form_stack_once(stacked):
     def stacks(module) -> list[tuple[str, ...]]:
         return [tuple(multi.names[t] for t in stack.tasks) for stack in module.stacks]
 
-    # Q+V and Q+K stack (A 16 x in, B 3*width x 16 each); rank-4 Q+V (A 8 x in) with FacT's rank-8 qkv update, while
-    # the rank-4 fc1 update and FacT's fc1 update (A 4 x in, 8 x in) are each alone at fc1.
-    assert stacks(inner.attn.qkv) == [("lora_qv", "lora_qk"), ("lora_r4", "fact"), ("ssf", "bitfit")]
-    assert stacks(inner.mlp.base.fc1) == [("ssf", "bitfit")]
-    assert stacks(inner.mlp) == [("adapter", "adapter_2"), ("adapter_norm", "adapter_norm_2")]
+    # Q+V and Q+K (A 16 x in, B 3*width x 16 each), rank-4 Q+V (A 8 x in) and FacT's rank-8 update at qkv: one stack,
+    # as are the rank-4 fc1 update and FacT's fc1 update (A 4 x in, 8 x in).  BitFit's LayerNorm biases (`all`)
+    # stack with SSF's scale and shift at the norms.
+    assert stacks(inner.attn.qkv) == [("lora_qv", "lora_qk", "lora_r4", "fact"), ("ssf", "bitfit", "bitfit_all")]
+    assert stacks(inner.mlp.base.fc1) == [("lora_r4_fc", "fact"), ("ssf", "bitfit", "bitfit_all")]
+    assert stacks(inner.norm1) == [("ssf", "bitfit_all")]
+    assert stacks(inner.mlp) == [("adapter", "adapter_2", "adapter_16"), ("adapter_norm", "adapter_norm_2")]
     assert sorted(stacks(block)) == [("adapter_parallel", "adapter_parallel_2"), ("vpt_5", "vpt_5_2")]
     assert multi.stacked_heads
 
@@ -428,8 +431,8 @@ def test_stacked_hooks_give_each_row_its_own_models_logits(stacked, monkeypatch)
 
     singles, _, multi, _ = stacked
     ran = []
-    lookup = Stack.stack_and_entries
-    monkeypatch.setattr(Stack, "stack_and_entries", lambda self, batch: ran.append(self.tasks) or lookup(self, batch))
+    lookup = Stack.rows
+    monkeypatch.setattr(Stack, "rows", lambda self, batch: ran.append(self.tasks) or lookup(self, batch))
     for seed in range(2):
         ids, images = _mixed_batch(list(BATCHED), per_task=2, seed=seed)
         _check_rows(multi, singles, ids, images)
@@ -443,9 +446,13 @@ def test_stacked_hooks_give_each_row_its_own_models_logits(stacked, monkeypatch)
     _check_rows(multi, singles, ["lora_qv"] * 3, images[:3])
     _check_rows(multi, singles, ["lora_r4", "lora_r4_fc"], images[:2])
     assert not ran
-    # Two methods in one stack: LoRA's and FacT's low-rank updates at qkv.
-    _check_rows(multi, singles, ["fact", "lora_r4", "fact"], images[:3])
-    assert (multi.names.index("lora_r4"), multi.names.index("fact")) in ran
+    # Two methods and two ranks in one stack: LoRA's rank-4 and FacT's rank-8 low-rank updates at qkv and fc1; two
+    # adapter widths.
+    _check_rows(multi, singles, ["fact", "lora_r4_fc", "fact", "lora_r4"], images[:4])
+    _check_rows(multi, singles, ["adapter_16", "adapter", "adapter_16"], images[:3])
+    low_rank = {multi.names.index(n) for n in ("lora_r4", "lora_r4_fc", "fact")}
+    together = [tasks for tasks in ran if low_rank & set(tasks)]
+    assert len(together) >= 2 and all(multi.names.index("fact") in tasks for tasks in together)
 
 
 def test_stacked_hooks_give_what_the_task_by_task_loop_gives(stacked):
