@@ -173,6 +173,8 @@ class MultiTask(nn.Module):
         ]
         self._router = Router(len(self.names))
         self.backbone = self._route(backbone, hooks)
+        self._router.tables.build()
+        self.stack_tables = self._router.tables
         self._stack_heads([backbone_of(m).head() for m in models])
         if any(self.prompts) and bb.pool_type() not in bb.maskable_pools:
             task = self.names[next(i for i, n in enumerate(self.prompts) if n)]
@@ -297,15 +299,16 @@ class MultiTask(nn.Module):
         return index
 
     @staticmethod
-    def _slot_mask(x: Tensor, tasks: Tensor, tokens: Tokens, used: list[int]) -> Tensor:
+    def _slot_mask(x: Tensor, tasks: Tensor, tokens: Tokens, used: list[int], device: str | None = None) -> Tensor:
         """Rows x tokens, True except at each row's slots past ``used[task]`` (``tasks``: each row's task, on the CPU).
 
-        Built on the CPU in a few ops for all rows (not one slice per task) and moved once.
+        Built on the CPU in a few ops for all rows (not one slice per task) and moved once (to ``device``, or
+        ``x``'s).
         """
         mask = torch.ones(x.shape[:2], dtype=torch.bool)
         per_row = torch.tensor(used, dtype=torch.long)[tasks]
         mask[:, tokens.prefix : tokens.prefix + tokens.slots] = torch.arange(tokens.slots) < per_row[:, None]
-        return mask.to(x.device)
+        return mask.to(x.device if device is None else device)
 
     def _features(self, x: Tensor, groups: list[tuple[int, int, int]], tasks: Tensor, rows: Tensor) -> Tensor:
         """The pooled features of embedded rows ``x`` (sorted by task: ``groups``, ``tasks`` on the CPU, ``rows`` on
@@ -329,7 +332,11 @@ class MultiTask(nn.Module):
                     continue
                 visible = tuple(self.visible[task][i] for task, _, _ in groups)
                 if visible not in masks:
-                    masks[visible] = self._slot_mask(x, tasks, tokens, [v[i] for v in self.visible])[:, None, None]
+                    # Additive (0 or -inf, SDPA's meaning of a float mask, as timm's non-fused attention takes it
+                    # too): a bool mask would be turned into one in every block's attention, three ops each.
+                    keep = self._slot_mask(x, tasks, tokens, [v[i] for v in self.visible], device="cpu")
+                    bias = torch.zeros(keep.shape, dtype=x.dtype).masked_fill_(~keep, float("-inf"))
+                    masks[visible] = bias.to(x.device)[:, None, None]
                 x = bb.run_block(block, x, attn_mask=masks[visible])
             return bb.pooled_features(x, pool)
         finally:

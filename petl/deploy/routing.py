@@ -64,14 +64,14 @@ def _around(wrapper: RowHook, inner: RowHook) -> RowHook:
 class Batch:
     """The current forward's rows: (task index, first row, end row) per task present, and the token layout.
 
-    ``rows``: each row's task index (a long tensor on the batch's device), for batched hooks; ``entries``
-    caches, per set of stacked tasks, each row's entry index into their stack (one lookup per batch).
+    ``rows``: each row's task index (a long tensor on the batch's device), for batched hooks; ``gathered``
+    caches, per table of :class:`StackTables`, every row's entry of it (one gather per batch).
     """
 
     groups: list[tuple[int, int, int]]
     tokens: Tokens
     rows: Tensor | None = None
-    entries: dict[tuple[int, ...], Tensor] = field(default_factory=dict)
+    gathered: dict[int, Tensor] = field(default_factory=dict)
     repeated: dict[int, Batch] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -108,6 +108,7 @@ class Router:
 
     def __init__(self, tasks: int = 0) -> None:
         self.tasks = tasks
+        self.tables = StackTables(tasks)
 
     def current(self) -> Batch:
         if self.batch is None:
@@ -162,13 +163,67 @@ def _is_fresh(y: Tensor, x: Tensor) -> bool:
     return y.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
 
 
-class Stack(nn.Module):
+class StackTables(nn.Module):
+    """Every stack's tensors, per set of stacked tasks and dtype, side by side in one table (entries x elements).
+
+    A batch gathers every row's entry of a table once, at the first stack that needs it, and the stacks of every
+    module read their views of it: one gather per set of tasks and dtype for the whole forward, not one per module
+    (each is an op the host launches).  The gathered rows live until the forward ends: rows x the stacked tensors of
+    the task sets present, as large as the per-module gathers were in all.  The tables are buffers (not saved: a
+    MultiTask is built from its task files; moved by ``.to()``).
+
+    Args:
+        tasks: how many tasks the MultiTask serves (the size of each task-to-entry table).
+
+    """
+
+    def __init__(self, tasks: int) -> None:
+        super().__init__()
+        self.tasks = tasks
+        self._columns: dict[tuple[tuple[int, ...], torch.dtype], list[Tensor]] = {}
+        self._table: dict[tuple[tuple[int, ...], torch.dtype], int] = {}
+        self._entry: dict[tuple[int, ...], int] = {}
+
+    def add(self, tasks: tuple[int, ...], column: Tensor) -> tuple[int, int]:
+        """Put ``column`` (entries x elements: the stacked tasks' and the neutral one last) into the table of
+        ``tasks`` and its dtype; returns (table, first element), valid once :meth:`build` has run.
+        """
+        key = (tasks, column.dtype)
+        columns = self._columns.setdefault(key, [])
+        if key not in self._table:
+            self._table[key] = len(self._table)
+        columns.append(column)
+        return self._table[key], sum(c.shape[1] for c in columns[:-1])
+
+    def build(self) -> None:
+        """Make the tables of everything added (once every routed module is built)."""
+        for key, columns in self._columns.items():
+            self.register_buffer(f"table_{self._table[key]}", torch.cat(columns, dim=1), persistent=False)
+            tasks = key[0]
+            if tasks not in self._entry:
+                # Task index -> entry: its own for the stacked tasks, the neutral one (the last) for every other.
+                entry = torch.full((max(self.tasks, max(tasks) + 1),), len(tasks), dtype=torch.long)
+                entry[list(tasks)] = torch.arange(len(tasks))
+                self._entry[tasks] = len(self._entry)
+                self.register_buffer(f"entry_{self._entry[tasks]}", entry, persistent=False)
+        self._columns = {}
+        self._tasks = {table: key[0] for key, table in self._table.items()}
+
+    def rows(self, batch: Batch, table: int) -> Tensor:
+        """Every row's entry of ``table`` (rows x elements), gathered once per batch."""
+        gathered = batch.gathered.get(table)
+        if gathered is None:
+            entry = getattr(self, f"entry_{self._entry[self._tasks[table]]}")
+            gathered = batch.gathered[table] = getattr(self, f"table_{table}")[entry[batch.rows]]
+        return gathered
+
+
+class Stack:
     """The tensors of the hooks at one module that share a :class:`Batched` key, stacked once: one op per batch.
 
     Each tensor of the key's tasks, and the neutral entry last (for the rows of every other task), zero-padded where
-    the form allows it (``pad``), is stacked on a new first dimension.  The stacked tensors of one dtype sit side by
-    side in one buffer (entries x their elements; not saved: a MultiTask is built from its task files; moved by
-    ``.to()``), so that a batch gathers every row's tensors in one op per dtype, not one per tensor.
+    the form allows it (``pad``), is stacked on a new first dimension and put in the router's :class:`StackTables`,
+    where a batch gathers every row's entries for all the stacks of these tasks at once.
 
     Args:
         forms: task index -> that task's batched form (all with the same key).
@@ -177,47 +232,30 @@ class Stack(nn.Module):
     """
 
     def __init__(self, forms: dict[int, Batched], router: Router) -> None:
-        super().__init__()
         first = next(iter(forms.values()))
         self.pre, self.post, self.tasks = first.pre, first.post, tuple(sorted(forms))
-        columns = []
+        self.tables = router.tables
+        # Per tensor: (table, first element, shape of one entry), to take its view of the gathered rows back.
+        self.parts: list[tuple[int, int, torch.Size]] = []
         for i, pad in enumerate(first.pad or (None,) * len(first.tensors)):
             column = [forms[task].tensors[i] for task in self.tasks] + [first.neutral[i]]
             if pad is not None:
                 size = max(t.shape[pad] for t in column)
                 column = [_zero_pad(t, pad, size) for t in column]
-            columns.append(torch.stack(column))
-        # Per dtype, one buffer; per tensor, (dtype, first element, shape of one entry) to take its view back.
-        self.parts: list[tuple[torch.dtype, int, torch.Size]] = []
-        buffers: dict[torch.dtype, list[Tensor]] = {}
-        for column in columns:
-            group = buffers.setdefault(column.dtype, [])
-            self.parts.append((column.dtype, sum(c[0].numel() for c in group), column.shape[1:]))
-            group.append(column.flatten(1))
-        self.dtypes = list(buffers)
-        for i, group in enumerate(buffers.values()):
-            self.register_buffer(f"stacked_{i}", torch.cat(group, dim=1), persistent=False)
-        # Task index -> entry: its own for the stacked tasks, the neutral one (the last) for every other task.
-        entry = torch.full((max(router.tasks, max(self.tasks) + 1),), len(self.tasks), dtype=torch.long)
-        entry[list(self.tasks)] = torch.arange(len(self.tasks))
-        self.register_buffer("entry", entry, persistent=False)
+            stacked = torch.stack(column)
+            self.parts.append((*self.tables.add(self.tasks, stacked.flatten(1)), stacked.shape[1:]))
 
     def serves(self, batch: Batch) -> bool:
         """Whether two or more of its tasks are in ``batch`` (one task alone acts on its own rows, as before)."""
         return len(batch.present.intersection(self.tasks)) >= 2
 
     def rows(self, batch: Batch) -> tuple[Tensor, ...]:
-        """Each stacked tensor as every row's own (rows first): one gather per dtype (each row's entry looked up once
-        per batch and set of tasks).
-        """
-        entries = batch.entries.get(self.tasks)
-        if entries is None:
-            entries = batch.entries[self.tasks] = self.entry[batch.rows]
-        gathered = {dtype: getattr(self, f"stacked_{i}")[entries] for i, dtype in enumerate(self.dtypes)}
-        rows = len(entries)
-        return tuple(
-            gathered[dtype].narrow(1, start, shape.numel()).view(rows, *shape) for dtype, start, shape in self.parts
-        )
+        """Each stacked tensor as every row's own (rows first): views of the rows its tables gathered."""
+        out = []
+        for table, start, shape in self.parts:
+            gathered = self.tables.rows(batch, table)
+            out.append(gathered.narrow(1, start, shape.numel()).view(gathered.shape[0], *shape))
+        return tuple(out)
 
 
 def _zero_pad(t: Tensor, dim: int, size: int) -> Tensor:
@@ -229,7 +267,7 @@ def _zero_pad(t: Tensor, dim: int, size: int) -> Tensor:
     return torch.cat([t, t.new_zeros(shape)], dim=dim)
 
 
-def _stacks(hooks: dict[int, RowHook], router: Router) -> nn.ModuleList:
+def _stacks(hooks: dict[int, RowHook], router: Router) -> list[Stack]:
     """One :class:`Stack` per batched key at a module that two or more tasks' hooks share.
 
     A key of one task stays unstacked: gathering each of its tensors for every row launches more kernels than
@@ -245,7 +283,7 @@ def _stacks(hooks: dict[int, RowHook], router: Router) -> nn.ModuleList:
                 for t, pad in zip(form.tensors, pads, strict=True)
             )
             by_key.setdefault((form.key, shapes), {})[task] = form
-    return nn.ModuleList(Stack(forms, router) for forms in by_key.values() if len(forms) >= 2)
+    return [Stack(forms, router) for forms in by_key.values() if len(forms) >= 2]
 
 
 class RoutedModule(nn.Module):

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import collections
 import copy
 import csv
+import importlib.util
+from pathlib import Path
 
 import numpy as np
 import pytest
 import timm
 import torch
-from conftest import TINY_MODELS, make_tiny_swin, make_tiny_vit, perturb_trainable
+from conftest import TINY_MODELS, CountOps, make_tiny_swin, make_tiny_vit, perturb_trainable
 from PIL import Image
 
 import petl
@@ -21,6 +24,7 @@ from petl.deploy.routing import RoutedModule
 from petl.model.backbone import backbone_of
 from petl.store import load
 
+REPO = Path(__file__).resolve().parents[2]
 # Every registered method with its defaults, plus the variants that take another path through the mixed batch.
 VARIANTS = {
     "lora_all": ("lora", {"targets": "q,k,v,proj,fc1,fc2"}),
@@ -395,7 +399,7 @@ def _without_stacks(multi) -> None:
     multi.stacked_heads = False
     for module in multi.backbone.modules():
         if hasattr(module, "stacks"):
-            module.stacks = torch.nn.ModuleList()
+            module.stacks = []
 
 
 @pytest.fixture(scope="module")
@@ -500,3 +504,47 @@ def test_rows_without_prompts_share_the_blocks_without_prompt_slots(stacked, mon
     passes.clear()
     _check_rows(multi, singles, ["ssf", "lora_qv"], images[:2])
     assert passes == [["lora_qv", "ssf"]]
+
+
+def _eight_methods() -> dict[str, tuple[str, dict]]:
+    """The 8-method set of benchmarks/multitask_speed.py (one task of each family), by task name."""
+    spec = importlib.util.spec_from_file_location("multitask_speed", REPO / "benchmarks" / "multitask_speed.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    methods = script.TASK_SETS["8 methods"]
+    return {f"{method}_{i}": (method, options) for i, (method, options) in enumerate(methods)}
+
+
+# What the 8-method set may add to the plain backbone's ops, per block: LoRA's and FacT's updates at qkv in one stack
+# (bmm, baddbmm), FacT alone at proj, fc1 and fc2 (mm, addmm_ into the rows), SSF's and BitFit's scales and shifts
+# in one stack at the norms and Linears (an addcmul each), each adapter's down, activation, up and add_ into the
+# rows, Convpass's two bypasses (down, SiLU, conv, the class token's centre tap, cat, SiLU, up, add_).
+EIGHT_METHODS_OPS_PER_BLOCK = {"lora+fact": 2, "fact": 3 * 2, "ssf+bitfit": 6, "adapters": 2 * 4, "convpass": 2 * 8}
+# Per batch: sorting the rows by task, the prompted task's slots and masks, the two passes' features joined, each
+# row's head gathered, each stack table's rows gathered once, SSF and BitFit at the patch embedding and final norm.
+EIGHT_METHODS_OPS_PER_BATCH = 40
+
+
+def test_a_mixed_batch_of_eight_methods_launches_few_ops(tmp_path):
+    """On a GPU a mixed batch of small updates is bound by the host launching ops, so one forward's op count is
+    its cost: the 8-method set costs two passes of the plain backbone's ops (the prompted task's rows go through
+    the blocks on their own) plus what each family's update needs, no copy of a task's rows back into the batch
+    and no per-module gather of its stacked tensors."""
+    backbone = make_tiny_vit()
+    _, files = _save(tmp_path, _eight_methods(), backbone)
+    multi = petl.MultiTask(backbone, files)
+    ids, images = _mixed_batch(list(files), per_task=4)
+
+    def ops(forward) -> collections.Counter[str]:
+        with torch.no_grad():
+            forward()  # a first call fills the per-device copies of the tasks' served tensors
+            with CountOps() as count:
+                forward()
+        return count.ops
+
+    mixed, plain = ops(lambda: multi(images, ids)), ops(lambda: backbone(images))
+    depth = len(backbone.blocks)
+    budget = 2 * sum(plain.values()) + depth * sum(EIGHT_METHODS_OPS_PER_BLOCK.values()) + EIGHT_METHODS_OPS_PER_BATCH
+    assert sum(mixed.values()) <= budget, dict(mixed)
+    # The rows are written in place (the 2 copies build the prompt-slot masks on the CPU).
+    assert mixed["copy_"] <= 2, dict(mixed)
