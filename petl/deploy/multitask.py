@@ -26,14 +26,18 @@ use (and an average pooling from counting them), so a row sees exactly the token
 HST's meta tokens and NOAH's trailing prompts use the same slots (attention does not depend on where a
 token sits); a task whose prompts change from block to block (NOAH) gives each block's count.
 
-Tasks whose hooks at a module have the same batched form (:class:`petl.model.rows.Batched`: LoRA's A and B of
-one total rank, SSF's scale and shift with BitFit's bias deltas, a bottleneck adapter of one width, VPT prompts of
-one count) do not loop: their tensors are stacked once, when the MultiTask is built, and when two or more of
-them are in a batch, one batched op updates every row with its own task's entry (each row's LoRA A and B
-gathered, then two ``bmm``, as Punica's BGMV and S-LoRA serve many adapters; one ``addcmul`` for every row's
-scale and shift), the rows of other tasks taking a neutral entry that leaves them exactly as they are.  Linear
-heads are stacked the same way (one batched matmul for every row's logits).  A hook without a batched form, or
-one task's form alone in the batch, acts on its own rows as above.
+Tasks whose hooks at a module have the same batched form (:class:`petl.model.rows.Batched`: LoRA's and FacT's
+low-rank updates of any rank, SSF's scale and shift with BitFit's bias deltas, bottleneck adapters of one style,
+VPT prompts of one count) do not loop: their tensors are stacked once, when the MultiTask is built (smaller ranks
+and bottlenecks zero-padded), and when two or more of them are in a batch, one batched op updates every row with
+its own task's entry (each row's LoRA A and B, then two ``bmm``, as Punica's BGMV and S-LoRA serve many adapters;
+one ``addcmul`` for every row's scale and shift), the rows of other tasks taking a neutral entry that leaves them
+exactly as they are.  Every row's entries of all the stacks of one set of tasks are gathered in one op per batch
+(:class:`petl.deploy.routing.StackTables`).  Linear heads are stacked the same way (one batched matmul for every
+row's logits).  A hook without a batched form, or one task's form alone in the batch, acts on its own rows as
+above; served without autograd, a hook that can (``RowHook.post_in_place``) adds its update into its rows of the
+frozen module's fresh output in place, so a task costs its own ops and no copy of its rows back into the batch.
+On a GPU such a batch is bound by the host launching ops, which ``tests/deploy`` counts.
 
 A method opts in next to its wrapper: ``@register_row_hook(MyWrapper)`` on a function that says what
 the wrapper does to its rows, and optionally its batched form (see ``petl/methods/lora.py``).  A task

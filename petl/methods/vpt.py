@@ -50,8 +50,9 @@ its backbone src/models/vit_backbones/swin_transformer.py, "S"), in
   none) removes them after the last block.  ``forward_intermediates`` gives each stage's grid (timm's
   shapes); pruning a prompted Swin is refused; SwinV2 (post-norm, cosine attention) is not supported: VPT
   has no prompted SwinV2 to follow.  While training the frozen Swin stays in eval mode, as on a ViT (P
-  L229-241).  :class:`petl.MultiTask` refuses VPT on a Swin in one line: a mixed batch would need each row's
-  prompts in its own windows only, which no row hook does yet.
+  L229-241).  :class:`petl.MultiTask` refuses VPT on a Swin in one line: a mixed batch puts prompts in slots of
+  the token sequence, and a Swin's shared blocks see an NHWC grid with no room for them; its prompts travel beside
+  the grid through every window, average and patch merging, which the routed Swin does not carry.
 
 Trains:
     prompt tokens (``deep=false``: one set before the first block; ``deep=true``: fresh prompts before every
@@ -94,6 +95,7 @@ from torch import nn
 
 from petl.model import rows, surgery
 from petl.model.backbone import backbone_of
+from petl.model.backbone.swin_prompts import PromptedFinalNorm, PromptedPatchMerging, PromptedSwinBlock
 from petl.model.prompts import PromptedBlock
 from petl.model.registry import MethodConfig, register_method
 from petl.model.wrappers import factory_kwargs
@@ -152,6 +154,17 @@ def _rows(wrapper: PromptedBlock) -> rows.RowHook:
         pool_prompts=not wrapper.strip,
         batched=batched,
     )
+
+
+def _refuse_swin(wrapper: nn.Module) -> rows.RowHook:
+    raise rows.CannotShare(
+        "VPT's prompts on a Swin travel beside the grid (copied into every window, averaged back, tiled at each "
+        "patch merging), and a mixed batch's shared Swin blocks carry no prompts: serve it as its own model"
+    )
+
+
+for _swin_wrapper in (PromptedSwinBlock, PromptedPatchMerging, PromptedFinalNorm):
+    rows.register_row_hook(_swin_wrapper)(_refuse_swin)
 
 
 def _rows_prompts(x: torch.Tensor, tokens: rows.Tokens, per_row: tuple[torch.Tensor, ...]) -> torch.Tensor:
