@@ -32,7 +32,8 @@ VPT prompts of one count) do not loop: their tensors are stacked once, when the 
 and bottlenecks zero-padded), and when two or more of them are in a batch, one batched op updates every row with
 its own task's entry (each row's LoRA A and B, then two ``bmm``, as Punica's BGMV and S-LoRA serve many adapters;
 one ``addcmul`` for every row's scale and shift), the rows of other tasks taking a neutral entry that leaves them
-exactly as they are.  Every row's entries of all the stacks of one set of tasks are gathered in one op per batch
+exactly as they are (on a CPU only when the stacked tasks hold half the rows: see :attr:`MultiTask.launch_bound`).
+Every row's entries of all the stacks of one set of tasks are gathered in one op per batch
 (:class:`petl.deploy.routing.StackTables`).  Linear heads are stacked the same way (one batched matmul for every
 row's logits).  A hook without a batched form, or one task's form alone in the batch, acts on its own rows as
 above; served without autograd, a hook that can (``RowHook.post_in_place``) adds its update into its rows of the
@@ -133,12 +134,19 @@ class MultiTask(nn.Module):
             folder holding ``trainable.safetensors`` (checked against ``backbone`` by its ``model.json``).  Any mix
             of methods that can share (see the module doc).
 
+    Attributes:
+        launch_bound: whether launching ops is what a batch costs (a GPU: stacked hooks act whenever two of their
+            tasks are in it) or the arithmetic is (a CPU: only when their tasks hold half its rows, since their op
+            computes every row); ``None`` (the default): by the batch's device, any but the CPU.
+
     Raises:
         ValueError: a file that does not load onto ``backbone`` (the message names it), or a task that cannot
             share the backbone (the message names the task and its method), or a run trained on another backbone
             (:class:`TaskRefused`, naming the task and the difference).
 
     """
+
+    launch_bound: bool | None = None
 
     def __init__(self, backbone: nn.Module, tasks: Mapping[str, str | Path]) -> None:
         super().__init__()
@@ -280,6 +288,10 @@ class MultiTask(nn.Module):
         self.register_buffer("head_weight", weight, persistent=False)
         self.register_buffer("head_bias", bias, persistent=False)
 
+    def _launch_bound(self, x: Tensor) -> bool:
+        """:attr:`launch_bound`, or by ``x``'s device: any but the CPU."""
+        return x.device.type != "cpu" if self.launch_bound is None else self.launch_bound
+
     def train(self, mode: bool = True) -> MultiTask:
         """Only eval mode: a MultiTask serves trained tasks (train each task with ``petl-run``)."""
         if mode:
@@ -320,7 +332,7 @@ class MultiTask(nn.Module):
         """
         bb = backbone_of(self.backbone)
         tokens = Tokens(bb.num_prefix_tokens(), max((self.prompts[t] for t, _, _ in groups), default=0))
-        self._router.batch = Batch(groups, tokens, rows=rows)
+        self._router.batch = Batch(groups, tokens, rows=rows, launch_bound=self._launch_bound(x))
         try:
             pool = None
             if tokens.slots:
@@ -373,7 +385,8 @@ class MultiTask(nn.Module):
                 groups.append((task, start, start + counts[task]))
                 start += counts[task]
         bb = backbone_of(self.backbone)
-        self._router.batch = Batch(groups, Tokens(bb.num_prefix_tokens(), 0), rows=rows)
+        prefix = Tokens(bb.num_prefix_tokens(), 0)
+        self._router.batch = Batch(groups, prefix, rows=rows, launch_bound=self._launch_bound(images))
         try:
             x = bb.embed_tokens(images[order.to(images.device)])
         finally:

@@ -162,6 +162,7 @@ def test_ssf_and_bitfit_stack_inside_a_swins_window_attention(tmp_path):
     backbone = make_tiny_swin()
     singles, files = _save(tmp_path, SWIN_STACKED, backbone)
     multi = petl.MultiTask(backbone, files)
+    multi.launch_bound = True
     bb = backbone_of(multi.backbone)
     qkv = bb.linear(bb.block_list()[0], "qkv")
     assert [tuple(multi.names[t] for t in stack.tasks) for stack in qkv.stacks] == [("ssf", "ssf_2", "bitfit")]
@@ -406,7 +407,9 @@ def _without_stacks(multi) -> None:
 def stacked(tmp_path_factory):
     backbone = make_tiny_vit()
     singles, files = _save(tmp_path_factory.mktemp("batched"), BATCHED, backbone)
-    return singles, files, petl.MultiTask(backbone, files), backbone
+    multi = petl.MultiTask(backbone, files)
+    multi.launch_bound = True  # stacks act whenever two of their tasks are in a batch, as on a GPU
+    return singles, files, multi, backbone
 
 
 def test_hooks_with_the_same_batched_form_stack_once(stacked):
@@ -459,6 +462,22 @@ def test_stacked_hooks_give_each_row_its_own_models_logits(stacked, monkeypatch)
     assert len(together) >= 2 and all(multi.names.index("fact") in tasks for tasks in together)
 
 
+def test_on_a_cpu_a_stack_acts_where_its_tasks_hold_half_the_rows(stacked, monkeypatch):
+    """Its op computes every row: on a CPU (arithmetic the cost) only worth it for half the rows or more."""
+    from petl.deploy.routing import Stack
+
+    singles, _, multi, _ = stacked
+    ran = []
+    lookup = Stack.rows
+    monkeypatch.setattr(Stack, "rows", lambda self, batch: ran.append(self.tasks) or lookup(self, batch))
+    monkeypatch.setattr(multi, "launch_bound", None)  # by the device: the CPU here
+    ids, images = _mixed_batch(["lora_qv", "lora_qk", "ssf", "bitfit", "adapter"], per_task=2)
+    _check_rows(multi, singles, ids, images)
+    assert not ran  # the two LoRAs hold 4 of 10 rows, SSF and BitFit too
+    _check_rows(multi, singles, ["lora_qv", "ssf", "lora_qk", "lora_qv"], images[:4])
+    assert set(ran) == {tuple(multi.names.index(n) for n in ("lora_qv", "lora_qk", "lora_r4", "fact"))}
+
+
 def test_stacked_hooks_give_what_the_task_by_task_loop_gives(stacked):
     """The batched path and the per-task loop it replaces agree on every row (float rounding apart)."""
     _, files, multi, backbone = stacked
@@ -477,13 +496,20 @@ def test_a_mixed_batch_on_a_swin_gives_each_row_its_own_tasks_logits(tmp_path, k
     cases["lora_2"] = ("lora", {"rank": 8})
     # VPT's prompts beside a Swin's grid have no row hook yet: refused in one line (tests/methods/test_vpt_swin.py).
     cases = {n: c for n, c in cases.items() if c[0] != "vpt"}
-    if kind == "swinv2":  # its q/v biases sit beside qkv, a frozen weight of every row: BitFit refuses to share
-        cases = {n: c for n, c in cases.items() if c[0] != "bitfit"}
+    # BitFit on a SwinV2's Linears trains the q/v biases its attention adds beside qkv: a delta on the routed qkv's
+    # rows.  BitFit on all biases trains the position-bias MLP's too, whose table every row shares: refused.
+    if kind == "swinv2":
+        del cases["bitfit"]
     backbone = TINY_MODELS[kind]()
     singles, files = _save(tmp_path, cases, backbone)
     multi = petl.MultiTask(backbone, files)
     ids, images = _mixed_batch(sorted(cases), per_task=2)
     _check_rows(multi, singles, ids, images)
+    if kind == "swinv2":
+        (tmp_path / "all").mkdir()
+        _, refused = _save(tmp_path / "all", {"bitfit": SHARED["bitfit"]}, backbone)
+        with pytest.raises(TaskRefused, match=r"task 'bitfit' .* trains layers\.0\.blocks\.0\.attn\.cpb_mlp, which"):
+            petl.MultiTask(backbone, refused)
 
 
 def test_rows_without_prompts_share_the_blocks_without_prompt_slots(stacked, monkeypatch):
@@ -533,6 +559,7 @@ def test_a_mixed_batch_of_eight_methods_launches_few_ops(tmp_path):
     backbone = make_tiny_vit()
     _, files = _save(tmp_path, _eight_methods(), backbone)
     multi = petl.MultiTask(backbone, files)
+    multi.launch_bound = True  # the GPU's path: every stack of two or more tasks acts
     ids, images = _mixed_batch(list(files), per_task=4)
 
     def ops(forward) -> collections.Counter[str]:

@@ -370,6 +370,22 @@ class Backbone:
         start = QKV_INDEX[part] * width
         return "qkv", start, start + width
 
+    def batch_shared_modules(self) -> list[nn.Module]:
+        """Modules whose input is a table every image shares, not the images' rows (a SwinV2's continuous
+        position-bias MLP); none by default.  A task that trains one changes what every row of a mixed batch uses.
+        """
+        return []
+
+    @staticmethod
+    def biases_beside(module: nn.Module) -> tuple[str, dict[str, tuple[int, int]]] | None:
+        """Where ``module`` adds biases it holds itself to the output of one of its Linears: that Linear's attribute
+        name and each bias's (first, end) output rows; ``None`` where it adds none (the default).
+
+        A mixed batch serves a task that trains such biases (BitFit on a SwinV2's q/v biases) as a delta on that
+        Linear's output, as it serves a trained Linear bias.
+        """
+        return None
+
     @staticmethod
     def loose_biases(block: nn.Module) -> list[nn.Parameter]:
         """Biases a block keeps outside its Linears (BEiT's and EVA's ``q_bias``, ``v_bias``); none by default."""
