@@ -95,7 +95,6 @@ from torch import nn
 
 from petl.model import rows, surgery
 from petl.model.backbone import backbone_of
-from petl.model.backbone.swin_prompts import PromptedFinalNorm, PromptedPatchMerging, PromptedSwinBlock
 from petl.model.prompts import PromptedBlock
 from petl.model.registry import MethodConfig, register_method
 from petl.model.wrappers import factory_kwargs
@@ -154,17 +153,6 @@ def _rows(wrapper: PromptedBlock) -> rows.RowHook:
         pool_prompts=not wrapper.strip,
         batched=batched,
     )
-
-
-def _refuse_swin(wrapper: nn.Module) -> rows.RowHook:
-    raise rows.CannotShare(
-        "VPT's prompts on a Swin travel beside the grid (copied into every window, averaged back, tiled at each "
-        "patch merging), and a mixed batch's shared Swin blocks carry no prompts: serve it as its own model"
-    )
-
-
-for _swin_wrapper in (PromptedSwinBlock, PromptedPatchMerging, PromptedFinalNorm):
-    rows.register_row_hook(_swin_wrapper)(_refuse_swin)
 
 
 def _rows_prompts(x: torch.Tensor, tokens: rows.Tokens, per_row: tuple[torch.Tensor, ...]) -> torch.Tensor:
