@@ -7,7 +7,6 @@ a second conftest.py in a sub-folder would replace this module for every test co
 
 from __future__ import annotations
 
-import collections
 import os
 from collections.abc import Callable
 
@@ -17,7 +16,6 @@ import torch
 from timm.models.swin_transformer import SwinTransformer
 from timm.models.swin_transformer_v2 import SwinTransformerV2
 from timm.models.vision_transformer import VisionTransformer
-from torch.utils._python_dispatch import TorchDispatchMode
 
 # On a GPU machine, runs that compare for exact equality (resume, determinism) need cuBLAS's fixed workspace, which
 # cuBLAS reads once, at its first matmul in the process: set before any test runs one (torch's reproducibility notes).
@@ -66,32 +64,6 @@ TINY_MODELS: dict[str, Callable[..., torch.nn.Module]] = {
     "swin": make_tiny_swin,
     "swinv2": make_tiny_swinv2,
 }
-
-
-# Ops that only alias or allocate: no kernel, no arithmetic.
-FREE_OPS = {
-    "view", "_unsafe_view", "t", "transpose", "slice", "expand", "unsqueeze", "squeeze", "as_strided", "reshape",
-    "alias", "permute", "detach", "split", "split_with_sizes", "narrow", "select", "empty", "empty_like",
-    "new_empty", "new_empty_strided", "empty_strided",
-}  # fmt: skip
-
-
-class CountOps(TorchDispatchMode):
-    """Counts the aten ops dispatched inside it that compute something (:data:`FREE_OPS` left out), by name.
-
-    On a GPU a small op costs its launch on the host whatever it computes, so where the host is the bound (eager
-    inference of small updates, a LoRA step) the op count is the cost, and the one a CPU test can pin down.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: collections.Counter[str] = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-        name = func.overloadpacket.__name__
-        if name not in FREE_OPS:
-            self.ops[name] += 1
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.fixture

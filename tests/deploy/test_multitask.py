@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import timm
 import torch
-from conftest import TINY_MODELS, CountOps, make_tiny_swin, make_tiny_vit, perturb_trainable
+from conftest import TINY_MODELS, make_tiny_swin, make_tiny_vit, perturb_trainable
 from PIL import Image
 
 import petl
@@ -23,6 +23,7 @@ from petl.deploy.multitask import TaskRefused
 from petl.deploy.routing import RoutedModule
 from petl.model.backbone import backbone_of
 from petl.store import load
+from petl.utils.ops import CountOps
 
 REPO = Path(__file__).resolve().parents[2]
 # Every registered method with its defaults, plus the variants that take another path through the mixed batch.

@@ -13,11 +13,11 @@ import collections
 
 import pytest
 import torch
-from conftest import CountOps
 from peft import LoraConfig, get_peft_model
 from torch import nn
 
 from petl.methods.lora import LoraLinear
+from petl.utils.ops import CountOps
 
 IN, OUT, ROWS = 16, 48, 10
 
