@@ -164,6 +164,9 @@ TINY_FAMILIES = {
     # EVA-02 base's layout: separate q/k/v projections, unpacked SwiGLU with a norm; no class token, avg pool.
     "eva02_unfused": ("eva02_base_patch14_224", {"class_token": False, "global_pool": "avg"}),
     "beit_shared": ("beit_base_patch16_224", {"use_shared_rel_pos_bias": True, "use_rel_pos_bias": False}),
+    # Parallel blocks: one in_proj (fc1 rows at 5x the width, then q, k, v), two output Linears, one residual with
+    # a layer scale; one register token, no class token, avg pool.
+    "vit_pwee": ("vit_pwee_patch16_reg1_gap_256", {}),
 }
 
 

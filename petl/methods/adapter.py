@@ -169,10 +169,10 @@ class ParallelAdapter(_Bottleneck):
 
     def forward(self, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         # timm blocks take attn_mask / is_causal keywords; pass whatever the caller gave.
-        x = self.family.attn_residual(self.base, x, **kwargs)
         # custom_modules.py:L78-93: the branch reads x, the residual stream entering the MLP
-        # sub-layer, and joins the sum outside the block's layer scale and drop-path.
-        return self.family.mlp_residual(self.base, x) + self.adapter(x)
+        # sub-layer (a parallel block's input), and joins the sum outside the block's layer scale and drop-path.
+        x, out = self.family.mlp_input_and_output(self.base, x, **kwargs)
+        return out + self.adapter(x)
 
 
 def _batched(wrapper: _Bottleneck, reads_output: bool) -> rows.Batched:
@@ -232,7 +232,7 @@ def _formula(model: nn.Module, cfg: AdapterConfig) -> int:
 
 # The backbones adapter's idea fits: bottlenecks on the MLP output (sequential) or beside the block's MLP half
 # (parallel): any block whose residual halves its family knows (pre-norm ViT and Swin, post-norm SwinV2).
-BACKBONES = ("vit", "swin", "swinv2", "vit_relpos", "beit", "eva")
+BACKBONES = ("vit", "swin", "swinv2", "vit_relpos", "beit", "eva", "vit_parallel")
 
 
 @register_method(

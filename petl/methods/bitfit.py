@@ -37,7 +37,6 @@ from petl.model.registry import MethodConfig, register_method
 from petl.utils.checks import check_choice
 
 SCOPES = ("all", "linear")
-LINEARS = ("qkv", "proj", "fc1", "fc2")
 
 
 @dataclass
@@ -66,8 +65,9 @@ def _biases(model: nn.Module, scope: str) -> list[nn.Parameter]:
     # A block without one of the Linears (an EVA-02 with separate q/k/v or a SwiGLU) is refused for the scope
     # `linear`, which names them; `all` takes every bias there is.
     found = []
+    linears = [name for _, names in bb.norm_groups for name in names]  # qkv, proj, fc1, fc2 in a ViT block
     for block in blocks:
-        for name in LINEARS:
+        for name in linears:
             try:
                 found += bb.linear_biases(block, name)
             except ValueError:
@@ -88,7 +88,7 @@ def _formula(model: nn.Module, cfg: BitFitConfig) -> int:
 
 # The backbones bitfit's idea fits: the biases of the blocks' Linears (and every other bias): any family whose
 # Linears and their biases the backbone names.
-BACKBONES = ("vit", "swin", "swinv2", "vit_relpos", "beit", "eva")
+BACKBONES = ("vit", "swin", "swinv2", "vit_relpos", "beit", "eva", "vit_parallel")
 
 
 @register_method(

@@ -35,13 +35,14 @@ from torch import nn
 
 from petl.methods import _init, _reparam
 from petl.model import rows, surgery
-from petl.model.backbone import QKV_INDEX, Backbone, backbone_of
+from petl.model.backbone import Backbone, backbone_of
 from petl.model.registry import MethodConfig, register_method
 from petl.model.wrappers import PetlModule, factory_kwargs
 from petl.utils.checks import check_choice, check_dropout, check_range, to_str_tuple
 
 # The targets: q, k and v are rows of the attention's input projection, which the backbone locates (thirds of
-# timm's fused qkv, or EVA's separate q_proj/k_proj/v_proj: Backbone.qkv_rows); the others are whole Linears.
+# timm's fused qkv, EVA's separate q_proj/k_proj/v_proj, rows of a parallel block's in_proj:
+# Backbone.target_rows); the others are whole Linears, but fc1 in a parallel block (rows of in_proj too).
 TARGETS = ("q", "k", "v", "proj", "fc1", "fc2")
 
 
@@ -246,10 +247,7 @@ def _slices_per_linear(
     """Linear name -> {target: (first row, end row)} for one block."""
     grouped: dict[str, dict[str, tuple[int, int]]] = {}
     for target in targets:
-        if target in QKV_INDEX:
-            linear_name, start, end = bb.qkv_rows(block, target)
-        else:
-            linear_name, start, end = target, 0, bb.linear(block, target).out_features
+        linear_name, start, end = bb.target_rows(block, target)
         grouped.setdefault(linear_name, {})[target] = (start, end)
     return grouped
 
@@ -266,7 +264,7 @@ def _formula(model: nn.Module, cfg: LoraConfig) -> int:
 
 
 # The backbones lora's idea fits: low-rank updates on the fused qkv slices and the other Linears of each block.
-BACKBONES = ("vit", "swin", "swinv2", "vit_relpos", "beit", "eva")
+BACKBONES = ("vit", "swin", "swinv2", "vit_relpos", "beit", "eva", "vit_parallel")
 
 
 @register_method("lora", LoraConfig, trainable_formula=_formula, zero_init=True, mergeable=True, backbones=BACKBONES)

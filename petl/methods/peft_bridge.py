@@ -243,7 +243,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 
 # The backbones peft's idea fits: peft's tuners on the Linears the backbone names.
-BACKBONES = ("vit", "swin", "swinv2", "vit_relpos", "beit", "eva")
+BACKBONES = ("vit", "swin", "swinv2", "vit_relpos", "beit", "eva", "vit_parallel")
 
 
 @register_method(

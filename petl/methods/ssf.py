@@ -55,8 +55,6 @@ from petl.model.registry import MethodConfig, register_method
 from petl.model.wrappers import PetlModule, factory_kwargs
 from petl.utils.checks import check_range
 
-BLOCK_LINEARS = ("qkv", "proj", "fc1", "fc2")
-
 
 @dataclass
 class SsfConfig(MethodConfig):
@@ -163,7 +161,8 @@ def _sites(model: nn.Module) -> list[tuple[nn.Module, Callable[[nn.Module], None
     if isinstance(bb.patch_norm(), nn.LayerNorm):
         sites.append((bb.patch_norm(), lambda m: bb.set_patch_norm(m)))
     for block in bb.block_list():
-        for norm_name, linear_names in (("norm1", ("qkv", "proj")), ("norm2", ("fc1", "fc2"))):
+        # norm1, qkv, proj, norm2, fc1, fc2; a parallel block's one in_norm, in_proj and two output projections.
+        for norm_name, linear_names in bb.norm_groups:
             norm = bb.block_norm(block, norm_name)
             sites.append((norm, lambda m, b=block, n=norm_name: bb.set_block_norm(b, n, m)))
             for name in linear_names:
@@ -186,7 +185,7 @@ def _formula(model: nn.Module, cfg: SsfConfig) -> int:
 
 # The backbones ssf's idea fits: scale and shift after the patch projection, the norms and the Linears, each of its
 # block's width (Swin: its stage's).
-BACKBONES = ("vit", "swin", "vit_relpos", "beit", "eva")
+BACKBONES = ("vit", "swin", "vit_relpos", "beit", "eva", "vit_parallel")
 
 
 @register_method(
