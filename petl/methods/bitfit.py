@@ -7,8 +7,10 @@ every parameter whose name holds "bias"
 ImageClassification/train/train_model_bitfit.py:L164-171), as does PETL_Vision
 (OSU-MLB/PETL_Vision@245d262 experiment/build_model.py:L30-31); on ViT-B/16 that is 102,912
 tensors' entries, V-PETL's 0.10M.  ``biases="linear"`` trains only the blocks' Linear biases
-(qkv, proj, fc1, fc2), 82,944 on ViT-B/16.  Biases are found as modules' ``bias`` parameters,
-never by matching parameter names.
+(qkv, proj, fc1, fc2), 82,944 on ViT-B/16; in a parallel block (``vit_parallel``) those of ``in_proj`` (or,
+with ``qkv_bias=False``, fc1's ``mlp_bias`` beside it), ``attn_out_proj`` and ``mlp_out_proj``.  Biases are found
+as modules' ``bias`` parameters (and the ones a backbone keeps beside its Linears), never by matching parameter
+names.
 
 Trains:
     biases only: ``biases=all`` = every backbone bias (patch embedding, Linear, LayerNorm, final norm; V-PETL's

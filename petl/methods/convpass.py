@@ -169,10 +169,20 @@ REFUSAL = (
     "its bypass reshapes the attention's input to the patch grid, and a Swin attention sees shifted "
     "windows: the 3x3 convolution would stop at every window border"
 )
+REFUSALS = {
+    "vit_parallel": "its bypasses wrap the attention and the MLP modules, and a parallel block runs its attention "
+    "inline between one in_proj and two output Linears: there is no module to put them beside"
+}
 
 
 @register_method(
-    "convpass", ConvpassConfig, trainable_formula=_formula, zero_init=True, backbones=BACKBONES, refusal=REFUSAL
+    "convpass",
+    ConvpassConfig,
+    trainable_formula=_formula,
+    zero_init=True,
+    backbones=BACKBONES,
+    refusal=REFUSAL,
+    refusals=REFUSALS,
 )
 def inject_convpass(model: nn.Module, cfg: ConvpassConfig) -> None:
     """Convpass: a 3x3 convolutional bypass beside every attention and MLP."""

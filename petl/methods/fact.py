@@ -276,10 +276,21 @@ REFUSAL = (
     "FacT factorises every block's weights as one tensor whose factors U and V have the one embed width, "
     "and a Swin's width changes per stage"
 )
+REFUSALS = {
+    "vit_parallel": "its tensor has one slot per block for each of qkv, proj, fc1 (4 x the width) and fc2, and a "
+    "parallel block keeps qkv and fc1 as rows of one in_proj (vit_pwee_*'s at 5 x the width)"
+}
 
 
 @register_method(
-    "fact", FactConfig, trainable_formula=_formula, zero_init=True, mergeable=True, backbones=BACKBONES, refusal=REFUSAL
+    "fact",
+    FactConfig,
+    trainable_formula=_formula,
+    zero_init=True,
+    mergeable=True,
+    backbones=BACKBONES,
+    refusal=REFUSAL,
+    refusals=REFUSALS,
 )
 def inject_fact(model: nn.Module, cfg: FactConfig) -> None:
     """FacT: qkv/proj/fc1/fc2 updates factorised across all blocks (tensor-train or Tucker); mergeable."""

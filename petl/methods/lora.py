@@ -2,7 +2,9 @@
 
 Targets are ``q``, ``k``, ``v`` (row slices of timm's fused ``attn.qkv`` Linear, so adapting Q
 and V leaves the K rows untouched; on EVA-02 with separate projections, ``q_proj``, ``k_proj``, ``v_proj``:
-``Backbone.qkv_rows``), ``proj``, ``fc1`` and ``fc2``.  B starts at zero, so the
+``Backbone.qkv_rows``), ``proj``, ``fc1`` and ``fc2``.  In a parallel block (``vit_parallel``) ``fc1``, ``q``,
+``k`` and ``v`` are row slices of the one ``in_proj`` (one wrapper holds all of that Linear's updates), ``proj``
+is ``attn_out_proj`` and ``fc2`` is ``mlp_out_proj`` (``Backbone.target_rows``).  B starts at zero, so the
 model is unchanged at init, while A starts random, so B receives a gradient on the first step
 (zeroing both would leave the branch without any gradient forever).  V-PETL Bench's LoRA
 (vision_transformer_lora.py L100-108) is re-drawn by its constructor's ``init_weights`` (L287,

@@ -19,6 +19,11 @@ passes it the list of per-block modes (L477, built at L619), so its ``tuning_mod
 released code (what its train_scripts/swin/*/train_ssf.sh run) never builds it; petl follows the code as it runs
 (tests/references/test_ssf_swin.py checks the sites and the logits against a re-implementation of that file).
 
+On a parallel block (``vit_parallel``: one norm, one ``in_proj`` holding fc1's and qkv's rows, two output Linears)
+the sites are that block's affine layers (``Backbone.norm_groups``): ``in_norm``, ``in_proj`` (one scale and shift
+per row, fc1's and qkv's alike), ``attn_out_proj`` and ``mlp_out_proj``; where timm keeps fc1's bias beside
+``in_proj`` (``qkv_bias=False``) the shift of fc1's rows comes before that bias, not after it.
+
 Each scale/shift follows an affine layer (Linear, Conv2d or LayerNorm), so ``merge`` folds it in:
 ``W <- s * W`` (row-wise) and ``b <- s * b + t``; merged inference runs the plain layer.
 
