@@ -111,3 +111,24 @@ def test_a_refused_method_says_why_in_one_line(method):
         petl.apply(make_tiny_family("vit_pwee"), method)
     assert "\n" not in str(error.value)
     assert str(error.value).endswith(petl.get_method(method).why_refused("vit_parallel"))
+
+
+MERGED = [
+    ("lora", {"targets": ["q", "v", "fc1", "proj", "fc2"]}),
+    ("repadapter", {}),
+    ("ssf", {}),
+    ("hydra", {}),
+    ("peft", {"target_modules": ["in_proj"]}),
+]
+
+
+@pytest.mark.parametrize(("method", "options"), MERGED, ids=[m for m, _ in MERGED])
+def test_merged_methods_unload_into_plain_timm(images, method, options):
+    # RepAdapter's second adapter wraps the first: unloading goes down to the Linear under both.
+    model = petl.apply(make_tiny_family("vit_pwee"), method, num_classes=4, **options).eval()
+    perturb_trainable(model)
+    want = model(images)
+    petl.merge(model, unload=True)
+    plain = timm.create_model("vit_pwee_patch16_reg1_gap_256", pretrained=False, **{**TINY_VIT, "num_classes": 4})
+    plain.load_state_dict(model.state_dict())
+    assert (plain.eval()(images) - want).abs().max() < 1e-5
