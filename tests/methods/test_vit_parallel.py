@@ -14,6 +14,7 @@ from timm.models.vision_transformer import ParallelScalingBlock
 
 import petl
 from petl.methods.adapter import ParallelAdapter, SequentialAdapter
+from petl.methods.convpass import ConvpassBlock
 from petl.methods.repadapter import RepAdapterLinear
 from petl.model.backbone import backbone_of, unwrap
 
@@ -132,3 +133,14 @@ def test_merged_methods_unload_into_plain_timm(images, method, options):
     plain = timm.create_model("vit_pwee_patch16_reg1_gap_256", pretrained=False, **{**TINY_VIT, "num_classes": 4})
     plain.load_state_dict(model.state_dict())
     assert (plain.eval()(images) - want).abs().max() < 1e-5
+
+
+def test_convpass_bypasses_read_the_blocks_norm_and_add_inside_its_layer_scale():
+    model = petl.apply(make_tiny_family("vit_pwee"), "convpass", dropout=0.0)
+    perturb_trainable(model)
+    wrapper = backbone_of(model).block_container()[0]
+    assert isinstance(wrapper, ConvpassBlock)
+    block, x = wrapper.base, torch.randn(2, 17, WIDTH)
+    with torch.no_grad():
+        side = wrapper.attn_bypass.bypass(block.in_norm(x)) + wrapper.mlp_bypass.bypass(block.in_norm(x))
+        torch.testing.assert_close(wrapper(x), block(x) + block.ls.gamma * side)

@@ -53,6 +53,8 @@ class Backbone:
         block_types: the block classes whose parts and residual halves the static methods below know.
         timm_modules: the timm modules whose models the family takes (what ``petl-run model=`` lists).
         linear_names: the Linears of a block :meth:`linear` can reach (attention first, then the MLP).
+        sublayers_are_modules: whether a block's attention and MLP are modules that read the normalised tokens
+            (:meth:`attention`, :meth:`feed_forward`); if not, :meth:`beside_sublayers` adds beside them.
         norm_groups: each norm of a block (a :meth:`block_norm` name) with the Linears (:meth:`linear` names) that
             follow it, in forward order.
         maskable_pools: poolings :meth:`pooled_features` can restrict to some tokens.
@@ -66,6 +68,9 @@ class Backbone:
     block_types: ClassVar[tuple[type, ...]] = ()
     timm_modules: ClassVar[tuple[str, ...]] = ()
     linear_names: ClassVar[tuple[str, ...]] = ()
+    # Whether a block's attention and MLP are modules that read the normalised tokens (attention(), feed_forward());
+    # a parallel block runs them inline, and what goes beside them goes through beside_sublayers instead.
+    sublayers_are_modules: ClassVar[bool] = True
     # Each pre-norm of a block and the Linears that follow it, in forward order (what SSF and BitFit walk).
     norm_groups: ClassVar[tuple[tuple[str, tuple[str, ...]], ...]] = (
         ("norm1", ("qkv", "proj")),
@@ -375,6 +380,13 @@ class Backbone:
         """
         mid = cls.attn_residual(block, x, **kwargs)
         return mid, cls.mlp_residual(block, mid)
+
+    @staticmethod
+    def beside_sublayers(block: nn.Module, x: torch.Tensor, side: Any) -> torch.Tensor:
+        """What ``side(normalised x)``, added to the attention's and MLP's summed output, adds to the block's output
+        for ``x``, in a family whose sub-layers are not modules (:attr:`sublayers_are_modules` False).
+        """
+        raise NotImplementedError("this family's attention and MLP are modules: wrap them (attention, feed_forward)")
 
     @staticmethod
     def mlp_norm(block: nn.Module) -> nn.Module:

@@ -18,6 +18,8 @@ ask for maps onto it as follows:
 * there is one residual: the attention and the MLP both read the block's input, so the stream "entering the MLP
   half" is that input (:meth:`VitParallel.mlp_input_and_output`); methods that act between two residual halves
   cannot be built on it.
+* there is no attention or MLP module to wrap: what sits beside both (Convpass's bypasses) is added to their
+  summed output (:meth:`VitParallel.beside_sublayers`).
 * with ``qkv_bias=False`` (``vit_*_xp_*``) fc1's bias is a bare ``mlp_bias`` added after ``in_proj``
   (:meth:`VitParallel.loose_biases`).
 
@@ -55,6 +57,7 @@ class VitParallel(ViT):
     timm_modules = ("vision_transformer",)
     linear_names = ("in_proj", "attn_out_proj", "mlp_out_proj")
     norm_groups = (("in_norm", ("in_proj", "attn_out_proj", "mlp_out_proj")),)
+    sublayers_are_modules = False
 
     def check(self) -> None:
         """Raise a ValueError naming what is supported unless every block is a ParallelScalingBlock petl takes.
@@ -226,3 +229,10 @@ class VitParallel(ViT):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The MLP reads the block's input (through ``in_norm``, as the attention does): ``(x, block(x))``."""
         return x, block(x, **kwargs)
+
+    @staticmethod
+    def beside_sublayers(block: nn.Module, x: torch.Tensor, side: Any) -> torch.Tensor:
+        """``drop_path(ls(side(in_norm(x))))``: ``side`` reads what the attention and the MLP read, and adds to their
+        summed output inside the layer scale (its drop path draws a mask of its own in training).
+        """
+        return block.drop_path(block.ls(side(block.in_norm(x))))
