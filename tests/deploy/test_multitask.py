@@ -476,12 +476,13 @@ def test_a_mixed_batch_on_a_swin_gives_each_row_its_own_tasks_logits(tmp_path, k
 
 
 def test_a_mixed_batch_on_parallel_blocks_gives_each_row_its_own_tasks_logits(tmp_path):
-    # vit_pwee: LoRA's q/v/fc1 rows of in_proj, AdaptFormer reading the block's input (one residual), peft on the
-    # block's own Linear names; the variants naming qkv or fc1 Linears are refused by apply there.
+    # vit_pwee: LoRA's q/v/fc1 rows of in_proj, AdaptFormer reading the block's input (one residual), Convpass beside
+    # the inline sub-layers, peft on the block's own Linear names; the variants naming qkv or fc1 Linears are refused
+    # by apply there, and so is FacT (vit_pwee's MLP is 5x the width).
     cases = {
         n: c
         for n, c in SHARED.items()
-        if "vit_parallel" in petl.get_method(c[0]).backbones and c[0] != "peft" and c[0] != "repadapter"
+        if "vit_parallel" in petl.get_method(c[0]).backbones and c[0] not in ("peft", "repadapter", "fact")
     }
     cases |= {
         "lora_2": ("lora", {"rank": 8}),
@@ -500,7 +501,7 @@ def test_a_mixed_batch_on_parallel_blocks_gives_each_row_its_own_tasks_logits(tm
     multi = petl.MultiTask(backbone, files)
     ids, images = _mixed_batch(sorted(cases), per_task=2)
     _check_rows(multi, singles, ids, images)
-    # RepAdapter puts two wrappers (the MLP's rows, the Q/K/V rows) on one in_proj, which no row hook composes.
+    # RepAdapter (and FacT) put two wrappers (the MLP's rows, the Q/K/V rows) on one in_proj: no row hook composes.
     _, files = _save(tmp_path, {"repadapter": ("repadapter", {})}, backbone)
     with pytest.raises(TaskRefused, match=r"task 'repadapter' .*modifies blocks\.0\.in_proj twice") as error:
         petl.MultiTask(backbone, files)

@@ -544,6 +544,7 @@ FAMILY_VARIANTS = [(name, {}) for name in petl.list_methods()] + [
     ("vpt", {"deep": True, "num_tokens": 3, "pool": "img_pool"}),
     ("lora", {"targets": ["q", "k", "v", "proj", "fc1", "fc2"], "rank": 2, "alpha": 4.0}),
     ("lora", {"targets": ["k", "proj", "fc2"], "rank": 2}),
+    ("fact", {"type": "tt", "rank": 4}),
     ("bitfit", {"biases": "linear"}),
     ("peft", {"peft_type": "LORA", "target_modules": ["qkv"], "options": '{"r": 8, "use_dora": true}'}),
     ("peft", {"peft_type": "IA3", "target_modules": ["qkv", "fc2"], "options": '{"feedforward_modules": ["fc2"]}'}),

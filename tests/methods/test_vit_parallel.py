@@ -115,22 +115,23 @@ def test_a_refused_method_says_why_in_one_line(method):
 
 
 MERGED = [
-    ("lora", {"targets": ["q", "v", "fc1", "proj", "fc2"]}),
-    ("repadapter", {}),
-    ("ssf", {}),
-    ("hydra", {}),
-    ("peft", {"target_modules": ["in_proj"]}),
+    ("vit_pwee", "lora", {"targets": ["q", "v", "fc1", "proj", "fc2"]}),
+    ("vit_pwee", "repadapter", {}),
+    ("vit_pwee", "ssf", {}),
+    ("vit_pwee", "hydra", {}),
+    ("vit_pwee", "peft", {"target_modules": ["in_proj"]}),
+    ("vit_pwee_4x", "fact", {"type": "tt"}),
 ]
 
 
-@pytest.mark.parametrize(("method", "options"), MERGED, ids=[m for m, _ in MERGED])
-def test_merged_methods_unload_into_plain_timm(images, method, options):
-    # RepAdapter's second adapter wraps the first: unloading goes down to the Linear under both.
-    model = petl.apply(make_tiny_family("vit_pwee"), method, num_classes=4, **options).eval()
+@pytest.mark.parametrize(("family", "method", "options"), MERGED, ids=[m for _, m, _ in MERGED])
+def test_merged_methods_unload_into_plain_timm(images, family, method, options):
+    # RepAdapter's and FacT's second wrapper on in_proj wraps the first: unloading goes down to the Linear.
+    model = petl.apply(make_tiny_family(family), method, num_classes=4, **options).eval()
     perturb_trainable(model)
     want = model(images)
     petl.merge(model, unload=True)
-    plain = timm.create_model("vit_pwee_patch16_reg1_gap_256", pretrained=False, **{**TINY_VIT, "num_classes": 4})
+    plain = make_tiny_family(family, num_classes=4)
     plain.load_state_dict(model.state_dict())
     assert (plain.eval()(images) - want).abs().max() < 1e-5
 
@@ -144,3 +145,19 @@ def test_convpass_bypasses_read_the_blocks_norm_and_add_inside_its_layer_scale()
     with torch.no_grad():
         side = wrapper.attn_bypass.bypass(block.in_norm(x)) + wrapper.mlp_bypass.bypass(block.in_norm(x))
         torch.testing.assert_close(wrapper(x), block(x) + block.ls.gamma * side)
+
+
+@pytest.mark.parametrize("kind", ["tt", "tk"])
+def test_fact_updates_fc1_and_qkv_rows_of_in_proj_by_their_kinds(kind):
+    model = petl.apply(make_tiny_family("vit_pwee_4x"), "fact", type=kind, rank=4, dropout=0.0)
+    perturb_trainable(model)
+    outer = backbone_of(model).block_list()[1].in_proj
+    inner = outer.base
+    assert (outer.kind, outer.out_rows, inner.kind, inner.out_rows) == ("fc1", (0, 192), "qkv", (192, 336))
+    weight = unwrap(outer).weight
+    before = weight.clone()
+    petl.merge(model)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            weight - before, torch.cat([outer.delta_weight(weight.dtype), inner.delta_weight(weight.dtype)])
+        )
