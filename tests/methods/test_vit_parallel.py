@@ -161,3 +161,9 @@ def test_fact_updates_fc1_and_qkv_rows_of_in_proj_by_their_kinds(kind):
         torch.testing.assert_close(
             weight - before, torch.cat([outer.delta_weight(weight.dtype), inner.delta_weight(weight.dtype)])
         )
+
+
+def test_peft_naming_qkv_is_refused_with_the_blocks_own_linears():
+    with pytest.raises(ValueError, match=r"its blocks' Linears are in_proj, attn_out_proj, mlp_out_proj$") as error:
+        petl.apply(make_tiny_family("vit_pwee"), "peft", target_modules=["qkv"])
+    assert "\n" not in str(error.value)

@@ -474,7 +474,7 @@ def family_of(model: nn.Module) -> type[Backbone] | None:
     family = _FAMILIES[cls]
     if any(key[0] is cls for key in _BY_BLOCK):
         try:
-            first = type(family(model).block_list()[0])
+            first = type(unwrap(family(model).block_container()[0]))
         except (AttributeError, IndexError, TypeError):  # no blocks where the family keeps them: check() says so
             return family
         family = _BY_BLOCK.get((cls, first), family)
