@@ -384,9 +384,10 @@ class RoutedModule(nn.Module):
 class RoutedBlock(RoutedModule):
     """A frozen transformer block run once for the whole batch; tasks hook before it, between its halves, after it.
 
-    With a ``mid``, ``branch`` or ``post`` hook the block runs as its two residual halves (timm's pre-norm
-    ``Block``), so that ``mid`` can act on the stream between them, ``branch`` on the MLP's branch before its
-    residual sum, and ``post`` can read the stream entering the MLP half.
+    With a ``mid`` or ``branch`` hook the block runs as its two residual halves (timm's pre-norm ``Block``), so that
+    ``mid`` can act on the stream between them and ``branch`` on the MLP's branch before its residual sum; a
+    ``post`` hook reads the stream entering the MLP half (``Backbone.mlp_input_and_output``: a parallel block's
+    input, where there are no halves).
     """
 
     def __init__(self, base: nn.Module, hooks: dict[int, RowHook], router: Router) -> None:
@@ -408,6 +409,10 @@ class RoutedBlock(RoutedModule):
         x = self._pre(batch, x)
         if not self.halves:
             return self.base(x, **kwargs)
+        if not self.mid_hooks and not self.branches:
+            # Post hooks alone: they read the stream entering the MLP half (a parallel block's input) and the output.
+            x, y = self.family.mlp_input_and_output(self.base, x, **kwargs)
+            return self._post(batch, x, y, own=True)
         # Each half ends with a residual sum, a fresh tensor this block owns.
         x = self.family.attn_residual(self.base, x, **kwargs)
         x = _each_task(batch, self.mid_hooks, x, lambda h, rows: h.mid(_take(x, rows), batch.tokens), own=True)

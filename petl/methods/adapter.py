@@ -19,6 +19,13 @@ An adapter maps x -> scale * up(dropout(act(down(norm(x))))) through a narrow ``
   only (the model is unchanged at init, as the adapter papers intend) and keeps nn.Linear's random
   ``down``, so the whole adapter learns; ``init=reference`` starts both as V-PETL's code runs (its
   AdaptFormer file does the same re-draw, vision_transformer_adaptformer.py L227-230 then L407).
+* On a parallel block (``vit_parallel``: ``x + ls(attn_out_proj(...) + mlp_out_proj(...))`` with one
+  residual), "after the MLP" is after ``mlp_out_proj``, the MLP's last Linear: the sequential adapter reads
+  and adds to the MLP's output before it joins the attention's, inside the layer scale (as petl places it
+  before the layer scale on every block).  "Parallel to the MLP" reads what the MLP sub-layer reads,
+  the block's input (the stream entering the MLP's norm, which there is the attention's too), and joins
+  the one residual sum outside the layer scale and drop-path: ``block(x) + adapter(x)``, AdaptFormer's
+  placement as far as a block with one residual allows.
 
 Trains:
     bottleneck adapters: sequential after the MLP (V-PETL's Houlsby placement) or parallel on the residual stream
@@ -34,6 +41,8 @@ Reference:
 Differences:
     - V-PETL adds its sequential adapter after the block's layer scale, petl before it (identical on backbones
       without layer scale, such as ViT-B/16).
+    - On a parallel block (one residual; no reference adapts one) the sequential adapter follows ``mlp_out_proj``
+      and the parallel one reads the block's input, which is what the MLP reads there (see above).
     - ``init=zero`` (default) zeroes ``up`` only, so the model is unchanged at init; V-PETL's constructor re-draws both
       projections trunc_normal(0.02) (vision_transformer_adapter.py L385; AdaptFormer file L227-230 then L407):
       ``init=reference`` starts that way, and the V-PETL presets use it.
@@ -170,10 +179,10 @@ class ParallelAdapter(_Bottleneck):
 
     def forward(self, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         # timm blocks take attn_mask / is_causal keywords; pass whatever the caller gave.
-        x = self.family.attn_residual(self.base, x, **kwargs)
         # custom_modules.py:L78-93: the branch reads x, the residual stream entering the MLP
-        # sub-layer, and joins the sum outside the block's layer scale and drop-path.
-        return self.family.mlp_residual(self.base, x) + self.adapter(x)
+        # sub-layer (a parallel block's input), and joins the sum outside the block's layer scale and drop-path.
+        x, out = self.family.mlp_input_and_output(self.base, x, **kwargs)
+        return out + self.adapter(x)
 
 
 def _batched(wrapper: _Bottleneck, reads_output: bool) -> rows.Batched:
@@ -255,7 +264,7 @@ def _formula(model: nn.Module, cfg: AdapterConfig) -> int:
 
 # The backbones adapter's idea fits: bottlenecks on the MLP output (sequential) or beside the block's MLP half
 # (parallel): any block whose residual halves its family knows (pre-norm ViT and Swin, post-norm SwinV2).
-BACKBONES = ("vit", "swin", "swinv2", "vit_relpos", "beit", "eva")
+BACKBONES = ("vit", "swin", "swinv2", "vit_relpos", "beit", "eva", "vit_parallel")
 
 
 @register_method(

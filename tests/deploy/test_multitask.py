@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import timm
 import torch
-from conftest import TINY_MODELS, make_tiny_swin, make_tiny_vit, perturb_trainable
+from conftest import TINY_MODELS, make_tiny_family, make_tiny_swin, make_tiny_vit, perturb_trainable
 from PIL import Image
 
 import petl
@@ -511,6 +511,39 @@ def test_a_mixed_batch_on_a_swin_gives_each_row_its_own_tasks_logits(tmp_path, k
         _, refused = _save(tmp_path / "all", {"bitfit": SHARED["bitfit"]}, backbone)
         with pytest.raises(TaskRefused, match=r"task 'bitfit' .* trains layers\.0\.blocks\.0\.attn\.cpb_mlp, which"):
             petl.MultiTask(backbone, refused)
+
+
+def test_a_mixed_batch_on_parallel_blocks_gives_each_row_its_own_tasks_logits(tmp_path):
+    # vit_pwee: LoRA's q/v/fc1 rows of in_proj, AdaptFormer reading the block's input (one residual), Convpass beside
+    # the inline sub-layers, peft on the block's own Linear names; the variants naming qkv or fc1 Linears are refused
+    # by apply there, and so is FacT (vit_pwee's MLP is 5x the width).
+    cases = {
+        n: c
+        for n, c in SHARED.items()
+        if "vit_parallel" in petl.get_method(c[0]).backbones and c[0] not in ("peft", "repadapter", "fact")
+    }
+    cases |= {
+        "lora_2": ("lora", {"rank": 8}),
+        "dora_in_proj": ("peft", {"target_modules": ("in_proj",), "options": '{"r": 4, "use_dora": true}'}),
+        "ia3_parallel": (
+            "peft",
+            {
+                "peft_type": "IA3",
+                "target_modules": ("in_proj", "mlp_out_proj"),
+                "options": '{"feedforward_modules": ["mlp_out_proj"]}',
+            },
+        ),
+    }
+    backbone = make_tiny_family("vit_pwee")
+    singles, files = _save(tmp_path, cases, backbone)
+    multi = petl.MultiTask(backbone, files)
+    ids, images = _mixed_batch(sorted(cases), per_task=2)
+    _check_rows(multi, singles, ids, images)
+    # RepAdapter (and FacT) put two wrappers (the MLP's rows, the Q/K/V rows) on one in_proj: no row hook composes.
+    _, files = _save(tmp_path, {"repadapter": ("repadapter", {})}, backbone)
+    with pytest.raises(TaskRefused, match=r"task 'repadapter' .*modifies blocks\.0\.in_proj twice") as error:
+        petl.MultiTask(backbone, files)
+    assert "\n" not in str(error.value)
 
 
 def test_rows_without_prompts_share_the_blocks_without_prompt_slots(stacked, monkeypatch):
