@@ -14,6 +14,10 @@ per task; eight rows per task), four ways of answering the same batch, all in ev
   forward per task with the task modules for free (what merged LoRA-style models would approach);
 * **backbone once**: the plain backbone on the whole batch -- the floor any mixed-batch server can reach.
 
+With ``--ops`` nothing is timed: each case's aten ops in one call are counted (``petl.utils.ops.CountOps``,
+after a warm-up call; the MultiTask on the GPU's path, ``launch_bound=True``), the cost where the host launching
+kernels is the bound (a GPU serving small updates); the counts do not depend on the image size.
+
 The cases take turns call by call over ``--rounds`` rounds in one process (so a shared machine's drifting
 load falls on all alike) and the median per case is reported; ratios are against the 8 separate models.
 The backbone has random weights and the task tensors are perturbed at random: speed does not depend on them.
@@ -123,6 +127,38 @@ def measure(
     return {name: statistics.median(values) for name, values in times.items()}
 
 
+def count_ops(model_name: str, methods: list, batch: int, img_size: int | None = None) -> dict[str, int]:
+    """Each case's aten ops in one call (after a warm-up call), on the CPU; ``img_size`` overrides the model's."""
+    from petl.utils.ops import CountOps
+
+    torch.manual_seed(0)
+    kwargs = {} if img_size is None else {"img_size": img_size}
+    backbone = timm.create_model(model_name, pretrained=False, num_classes=10, **kwargs).eval()
+    size = backbone.patch_embed.img_size
+    with tempfile.TemporaryDirectory() as folder:
+        files, singles = _task_files(backbone, methods, Path(folder))
+        multi = petl.MultiTask(backbone, files)
+    multi.launch_bound = True
+    ids = [i % TASKS for i in range(batch)]
+    random.Random(0).shuffle(ids)
+    images = torch.randn(batch, 3, *size)
+    per_task = [images[[r for r, t in enumerate(ids) if t == task]] for task in range(TASKS)]
+    calls = {
+        CASES[0]: lambda: multi(images, ids),
+        CASES[1]: lambda: [singles[t](per_task[t]) for t in range(TASKS)],
+        CASES[2]: lambda: [backbone(per_task[t]) for t in range(TASKS)],
+        CASES[3]: lambda: backbone(images),
+    }
+    counts = {}
+    with torch.inference_mode():
+        for name, call in calls.items():
+            call()
+            with CountOps() as count:
+                call()
+            counts[name] = sum(count.ops.values())
+    return counts
+
+
 def _sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
@@ -195,11 +231,21 @@ def main(argv: list[str]) -> None:
         "--deadline", type=float, help="seconds: start no task set and batch after this; the table says what is left"
     )
     parser.add_argument("--out", type=Path, help="write the table here (else print it)")
+    parser.add_argument("--ops", action="store_true", help="count each case's aten ops in one call; time nothing")
+    parser.add_argument("--img-size", type=int, help="with --ops: the model's image size (the counts do not change)")
     args = parser.parse_args(argv)
     unknown = set(args.sets.split(",")) - set(SET_KEYS)
     if unknown:
         parser.error(f"--sets {args.sets}: unknown {', '.join(sorted(unknown))}; choose among {', '.join(SET_KEYS)}")
     torch.set_num_threads(args.threads)
+    if args.ops:
+        for task_set in (SET_KEYS[key] for key in args.sets.split(",")):
+            for batch in (int(b) for b in args.batches.split(",")):
+                counts = count_ops(args.model, TASK_SETS[task_set], batch, args.img_size)
+                print(
+                    f"{task_set}, batch {batch}, aten ops per call:", ", ".join(f"{k} {v}" for k, v in counts.items())
+                )
+        return
     started, before = time.monotonic(), os.getloadavg()[0]
     results, missing = {}, []
     for task_set in (SET_KEYS[key] for key in args.sets.split(",")):

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # `petl-bench speed` on every backbone kind petl supports beside the plain ViT (Swin, SwinV2, EVA-02, BEiT-v2,
-# relative-position ViT), each at a size a 2-core CPU can time, into one file: every method the kind accepts
-# against its floor, with the generated note for each row above 1.15x its floor, and the methods it refuses
+# relative-position ViT, parallel-block ViT), each at a size a 2-core CPU can time, into one file: every method
+# the kind accepts against its floor, with the generated note for each row above 1.15x its floor, and the methods it refuses
 # with the reason.  The Swin is the shipped tiny Swin's architecture; the SwinV2 is given that shape, and the
 # ViT families the default ViT's (32 px, patch 4, width 192, 6 blocks, 3 heads), through model.kwargs.
 #
@@ -24,7 +24,7 @@ COMMON=(device=cpu batch=16 steps=10 warmup=2 rounds=10 infer_steps=50 inprocess
 VIT_SHAPE=(img_size=32 model.kwargs.patch_size=4 model.kwargs.embed_dim=192 model.kwargs.depth=6 model.kwargs.num_heads=3)
 SWIN_SHAPE=(img_size=32 model.kwargs.patch_size=2 model.kwargs.window_size=4 model.kwargs.embed_dim=64
   "model.kwargs.depths=[2,4,2]" "model.kwargs.num_heads=[2,4,8]")
-KINDS=(swin swinv2 eva beit vit_relpos)
+KINDS=(swin swinv2 eva beit vit_relpos vit_parallel)
 
 run() {
   local kind=$1
@@ -44,6 +44,7 @@ run swinv2 model=swinv2_tiny_window8_256 "${SWIN_SHAPE[@]}"
 run eva model=eva02_tiny_patch14_224 "${VIT_SHAPE[@]}"
 run beit model=beitv2_base_patch16_224 "${VIT_SHAPE[@]}"
 run vit_relpos model=vit_relpos_medium_patch16_cls_224 "${VIT_SHAPE[@]}"
+run vit_parallel model=vit_pwee_patch16_reg1_gap_256 "${VIT_SHAPE[@]}"
 
 {
   echo "# petl speed on the backbone kinds beside the ViT (CPU)"

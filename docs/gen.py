@@ -271,6 +271,15 @@ def methods_table(counter: Counter) -> str:
     return "\n".join(lines) + "\n"
 
 
+def refusal_reasons(spec: Any, kinds: list[str]) -> str:
+    """Each reason the method gives for the kinds it refuses, after those kinds (``swin``, ``swinv2``: why)."""
+    reasons: dict[str, list[str]] = {}
+    for kind in kinds:
+        if kind not in spec.backbones:
+            reasons.setdefault(spec.why_refused(kind), []).append(f"`{kind}`")
+    return "; ".join(f"{', '.join(refused)}: {why}" for why, refused in reasons.items())
+
+
 def backbones_table() -> str:
     """Method x backbone kind: what each method declares it supports (``register_method(..., backbones=...)``)."""
     import petl
@@ -283,7 +292,7 @@ def backbones_table() -> str:
         lines.append(
             f"| [`{name}`](methods/{name}.md) | "
             + " | ".join("yes" if k in spec.backbones else "refused" for k in kinds)
-            + f" | {cell('; '.join(dict.fromkeys(spec.why_refused(k) for k in kinds if k not in spec.backbones)))} |"
+            + f" | {cell(refusal_reasons(spec, kinds))} |"
         )
     return "\n".join(lines) + "\n"
 

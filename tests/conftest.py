@@ -164,6 +164,11 @@ TINY_FAMILIES = {
     # EVA-02 base's layout: separate q/k/v projections, unpacked SwiGLU with a norm; no class token, avg pool.
     "eva02_unfused": ("eva02_base_patch14_224", {"class_token": False, "global_pool": "avg"}),
     "beit_shared": ("beit_base_patch16_224", {"use_shared_rel_pos_bias": True, "use_rel_pos_bias": False}),
+    # Parallel blocks: one in_proj (fc1 rows at 5x the width, then q, k, v), two output Linears, one residual with
+    # a layer scale; one register token, no class token, avg pool.
+    "vit_pwee": ("vit_pwee_patch16_reg1_gap_256", {}),
+    # The same with the vit_*_xp_* layout's in_proj: no bias (fc1's bias beside it as mlp_bias), the MLP at 4x.
+    "vit_pwee_4x": ("vit_pwee_patch16_reg1_gap_256", {"mlp_ratio": 4, "qkv_bias": False}),
 }
 
 
@@ -174,6 +179,7 @@ def make_tiny_family(family: str, seed: int = 0, **overrides) -> torch.nn.Module
     model = timm.create_model(name, pretrained=False, **{**TINY_VIT, **options, **overrides}).eval()
     with torch.no_grad():
         for param_name, param in model.named_parameters():
-            if any(key in param_name for key in ("rel_pos", "relative_position", "gamma", "q_bias", "v_bias", "head")):
+            keys = ("rel_pos", "relative_position", "gamma", "q_bias", "v_bias", "mlp_bias", "head")
+            if any(key in param_name for key in keys):
                 param.normal_(0.0, 0.1)
     return model

@@ -139,8 +139,11 @@ def build_model(case: Case, spec: SpeedSpec):
     if case.peft:
         from peft import LoraConfig, inject_adapter_in_model
 
-        # peft marks only its own adapters trainable; the head trains too, as it does for every petl method.
-        model = inject_adapter_in_model(LoraConfig(r=8, target_modules=["qkv"]), model)
+        # peft marks only its own adapters trainable; the head trains too, as it does for every petl method.  The
+        # target is the Linear computing Q (timm's fused qkv; a parallel block's in_proj, which holds fc1's rows too).
+        bb = backbone_of(model)
+        fused = bb.qkv_rows(bb.block_list()[0], "q")[0]
+        model = inject_adapter_in_model(LoraConfig(r=8, target_modules=[fused]), model)
         backbone_of(model).adopt_wrapped_linears()  # a SwinV2 then calls peft's layer (see petl.Backbone)
         model.get_classifier().requires_grad_(True)
     elif case.method:

@@ -26,14 +26,19 @@ use (and an average pooling from counting them), so a row sees exactly the token
 HST's meta tokens and NOAH's trailing prompts use the same slots (attention does not depend on where a
 token sits); a task whose prompts change from block to block (NOAH) gives each block's count.
 
-Tasks whose hooks at a module have the same batched form (:class:`petl.model.rows.Batched`: LoRA's A and B of
-one total rank, SSF's scale and shift with BitFit's bias deltas, a bottleneck adapter of one width, VPT prompts of
-one count) do not loop: their tensors are stacked once, when the MultiTask is built, and when two or more of
-them are in a batch, one batched op updates every row with its own task's entry (each row's LoRA A and B
-gathered, then two ``bmm``, as Punica's BGMV and S-LoRA serve many adapters; one ``addcmul`` for every row's
-scale and shift), the rows of other tasks taking a neutral entry that leaves them exactly as they are.  Linear
-heads are stacked the same way (one batched matmul for every row's logits).  A hook without a batched form, or
-one task's form alone in the batch, acts on its own rows as above.
+Tasks whose hooks at a module have the same batched form (:class:`petl.model.rows.Batched`: LoRA's and FacT's
+low-rank updates of any rank, SSF's scale and shift with BitFit's bias deltas, bottleneck adapters of one style,
+VPT prompts of one count) do not loop: their tensors are stacked once, when the MultiTask is built (smaller ranks
+and bottlenecks zero-padded), and when two or more of them are in a batch, one batched op updates every row with
+its own task's entry (each row's LoRA A and B, then two ``bmm``, as Punica's BGMV and S-LoRA serve many adapters;
+one ``addcmul`` for every row's scale and shift), the rows of other tasks taking a neutral entry that leaves them
+exactly as they are (on a CPU only when the stacked tasks hold half the rows: see :attr:`MultiTask.launch_bound`).
+Every row's entries of all the stacks of one set of tasks are gathered in one op per batch
+(:class:`petl.deploy.routing.StackTables`).  Linear heads are stacked the same way (one batched matmul for every
+row's logits).  A hook without a batched form, or one task's form alone in the batch, acts on its own rows as
+above; served without autograd, a hook that can (``RowHook.post_in_place``) adds its update into its rows of the
+frozen module's fresh output in place, so a task costs its own ops and no copy of its rows back into the batch.
+On a GPU such a batch is bound by the host launching ops, which ``tests/deploy`` counts.
 
 A method opts in next to its wrapper: ``@register_row_hook(MyWrapper)`` on a function that says what
 the wrapper does to its rows, and optionally its batched form (see ``petl/methods/lora.py``).  A task
@@ -129,12 +134,19 @@ class MultiTask(nn.Module):
             folder holding ``trainable.safetensors`` (checked against ``backbone`` by its ``model.json``).  Any mix
             of methods that can share (see the module doc).
 
+    Attributes:
+        launch_bound: whether launching ops is what a batch costs (a GPU: stacked hooks act whenever two of their
+            tasks are in it) or the arithmetic is (a CPU: only when their tasks hold half its rows, since their op
+            computes every row); ``None`` (the default): by the batch's device, any but the CPU.
+
     Raises:
         ValueError: a file that does not load onto ``backbone`` (the message names it), or a task that cannot
             share the backbone (the message names the task and its method), or a run trained on another backbone
             (:class:`TaskRefused`, naming the task and the difference).
 
     """
+
+    launch_bound: bool | None = None
 
     def __init__(self, backbone: nn.Module, tasks: Mapping[str, str | Path]) -> None:
         super().__init__()
@@ -173,6 +185,8 @@ class MultiTask(nn.Module):
         ]
         self._router = Router(len(self.names))
         self.backbone = self._route(backbone, hooks)
+        self._router.tables.build()
+        self.stack_tables = self._router.tables
         self._stack_heads([backbone_of(m).head() for m in models])
         if any(self.prompts) and bb.pool_type() not in bb.maskable_pools:
             task = self.names[next(i for i, n in enumerate(self.prompts) if n)]
@@ -274,6 +288,10 @@ class MultiTask(nn.Module):
         self.register_buffer("head_weight", weight, persistent=False)
         self.register_buffer("head_bias", bias, persistent=False)
 
+    def _launch_bound(self, x: Tensor) -> bool:
+        """:attr:`launch_bound`, or by ``x``'s device: any but the CPU."""
+        return x.device.type != "cpu" if self.launch_bound is None else self.launch_bound
+
     def train(self, mode: bool = True) -> MultiTask:
         """Only eval mode: a MultiTask serves trained tasks (train each task with ``petl-run``)."""
         if mode:
@@ -297,15 +315,16 @@ class MultiTask(nn.Module):
         return index
 
     @staticmethod
-    def _slot_mask(x: Tensor, tasks: Tensor, tokens: Tokens, used: list[int]) -> Tensor:
+    def _slot_mask(x: Tensor, tasks: Tensor, tokens: Tokens, used: list[int], device: str | None = None) -> Tensor:
         """Rows x tokens, True except at each row's slots past ``used[task]`` (``tasks``: each row's task, on the CPU).
 
-        Built on the CPU in a few ops for all rows (not one slice per task) and moved once.
+        Built on the CPU in a few ops for all rows (not one slice per task) and moved once (to ``device``, or
+        ``x``'s).
         """
         mask = torch.ones(x.shape[:2], dtype=torch.bool)
         per_row = torch.tensor(used, dtype=torch.long)[tasks]
         mask[:, tokens.prefix : tokens.prefix + tokens.slots] = torch.arange(tokens.slots) < per_row[:, None]
-        return mask.to(x.device)
+        return mask.to(x.device if device is None else device)
 
     def _features(self, x: Tensor, groups: list[tuple[int, int, int]], tasks: Tensor, rows: Tensor) -> Tensor:
         """The pooled features of embedded rows ``x`` (sorted by task: ``groups``, ``tasks`` on the CPU, ``rows`` on
@@ -313,7 +332,7 @@ class MultiTask(nn.Module):
         """
         bb = backbone_of(self.backbone)
         tokens = Tokens(bb.num_prefix_tokens(), max((self.prompts[t] for t, _, _ in groups), default=0))
-        self._router.batch = Batch(groups, tokens, rows=rows)
+        self._router.batch = Batch(groups, tokens, rows=rows, launch_bound=self._launch_bound(x))
         try:
             pool = None
             if tokens.slots:
@@ -329,7 +348,11 @@ class MultiTask(nn.Module):
                     continue
                 visible = tuple(self.visible[task][i] for task, _, _ in groups)
                 if visible not in masks:
-                    masks[visible] = self._slot_mask(x, tasks, tokens, [v[i] for v in self.visible])[:, None, None]
+                    # Additive (0 or -inf, SDPA's meaning of a float mask, as timm's non-fused attention takes it
+                    # too): a bool mask would be turned into one in every block's attention, three ops each.
+                    keep = self._slot_mask(x, tasks, tokens, [v[i] for v in self.visible], device="cpu")
+                    bias = torch.zeros(keep.shape, dtype=x.dtype).masked_fill_(~keep, float("-inf"))
+                    masks[visible] = bias.to(x.device)[:, None, None]
                 x = bb.run_block(block, x, attn_mask=masks[visible])
             return bb.pooled_features(x, pool)
         finally:
@@ -362,7 +385,8 @@ class MultiTask(nn.Module):
                 groups.append((task, start, start + counts[task]))
                 start += counts[task]
         bb = backbone_of(self.backbone)
-        self._router.batch = Batch(groups, Tokens(bb.num_prefix_tokens(), 0), rows=rows)
+        prefix = Tokens(bb.num_prefix_tokens(), 0)
+        self._router.batch = Batch(groups, prefix, rows=rows, launch_bound=self._launch_bound(images))
         try:
             x = bb.embed_tokens(images[order.to(images.device)])
         finally:

@@ -19,6 +19,13 @@ An adapter maps x -> scale * up(dropout(act(down(norm(x))))) through a narrow ``
   only (the model is unchanged at init, as the adapter papers intend) and keeps nn.Linear's random
   ``down``, so the whole adapter learns; ``init=reference`` starts both as V-PETL's code runs (its
   AdaptFormer file does the same re-draw, vision_transformer_adaptformer.py L227-230 then L407).
+* On a parallel block (``vit_parallel``: ``x + ls(attn_out_proj(...) + mlp_out_proj(...))`` with one
+  residual), "after the MLP" is after ``mlp_out_proj``, the MLP's last Linear: the sequential adapter reads
+  and adds to the MLP's output before it joins the attention's, inside the layer scale (as petl places it
+  before the layer scale on every block).  "Parallel to the MLP" reads what the MLP sub-layer reads,
+  the block's input (the stream entering the MLP's norm, which there is the attention's too), and joins
+  the one residual sum outside the layer scale and drop-path: ``block(x) + adapter(x)``, AdaptFormer's
+  placement as far as a block with one residual allows.
 
 Trains:
     bottleneck adapters: sequential after the MLP (V-PETL's Houlsby placement) or parallel on the residual stream
@@ -34,6 +41,8 @@ Reference:
 Differences:
     - V-PETL adds its sequential adapter after the block's layer scale, petl before it (identical on backbones
       without layer scale, such as ViT-B/16).
+    - On a parallel block (one residual; no reference adapts one) the sequential adapter follows ``mlp_out_proj``
+      and the parallel one reads the block's input, which is what the MLP reads there (see above).
     - ``init=zero`` (default) zeroes ``up`` only, so the model is unchanged at init; V-PETL's constructor re-draws both
       projections trunc_normal(0.02) (vision_transformer_adapter.py L385; AdaptFormer file L227-230 then L407):
       ``init=reference`` starts that way, and the V-PETL presets use it.
@@ -41,6 +50,7 @@ Differences:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -169,10 +179,10 @@ class ParallelAdapter(_Bottleneck):
 
     def forward(self, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         # timm blocks take attn_mask / is_causal keywords; pass whatever the caller gave.
-        x = self.family.attn_residual(self.base, x, **kwargs)
         # custom_modules.py:L78-93: the branch reads x, the residual stream entering the MLP
-        # sub-layer, and joins the sum outside the block's layer scale and drop-path.
-        return self.family.mlp_residual(self.base, x) + self.adapter(x)
+        # sub-layer (a parallel block's input), and joins the sum outside the block's layer scale and drop-path.
+        x, out = self.family.mlp_input_and_output(self.base, x, **kwargs)
+        return out + self.adapter(x)
 
 
 def _batched(wrapper: _Bottleneck, reads_output: bool) -> rows.Batched:
@@ -180,14 +190,15 @@ def _batched(wrapper: _Bottleneck, reads_output: bool) -> rows.Batched:
 
     ``reads_output``: the branch reads the wrapped module's output (sequential) or its input (parallel).  The scale
     is folded into ``up``; the neutral entry (all zeros: the down projection gives 0, act(0) is 0 for GELU and
-    ReLU, and so is the up projection) adds exactly nothing.
+    ReLU, and so is the up projection) adds exactly nothing.  Bottlenecks of different widths stack, zero-padded
+    to the widest: a padded unit's column of ``up`` is zero.
     """
     norm = wrapper.norm
     eps = norm.eps if isinstance(norm, nn.LayerNorm) else None
     act = wrapper.act
 
-    def post(x: torch.Tensor, y: torch.Tensor, stack: tuple[torch.Tensor, ...], entry: torch.Tensor) -> torch.Tensor:
-        down_w, down_b, up_w, up_b, *norm_wb = (t[entry] for t in stack)
+    def post(x: torch.Tensor, y: torch.Tensor, per_row: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        down_w, down_b, up_w, up_b, *norm_wb = per_row
         h = y if reads_output else x
         if norm_wb:
             h = F.layer_norm(h, h.shape[-1:], eps=eps)
@@ -207,21 +218,42 @@ def _batched(wrapper: _Bottleneck, reads_output: bool) -> rows.Batched:
         tensors = [t.detach() for t in tensors]
     neutral = tuple(torch.zeros_like(t) for t in tensors)
     key = ("bottleneck", reads_output, repr(act), eps)
-    return rows.Batched(key, tuple(tensors), neutral, post=post)
+    pad = (0, 0, 1, None) + ((None, None) if eps is not None else ())
+    return rows.Batched(key, tuple(tensors), neutral, post=post, pad=pad)
+
+
+def _add_branch(wrapper: _Bottleneck, reads_output: bool) -> Callable[[torch.Tensor, torch.Tensor, rows.Tokens], None]:
+    """The served branch added into the rows' output in place (eval: no dropout; the scale folded into ``up``)."""
+    like = rows.per_device(wrapper.scale * wrapper.up.weight, wrapper.scale * wrapper.up.bias)
+
+    def add(x: torch.Tensor, y: torch.Tensor, _tokens: rows.Tokens) -> None:
+        up_w, up_b = like(y)
+        h = wrapper.norm(y if reads_output else x)
+        y.add_(F.linear(wrapper.act(wrapper.down(h)), up_w, up_b))
+
+    return add
 
 
 @rows.register_row_hook(SequentialAdapter)
 def _sequential_rows(wrapper: SequentialAdapter) -> rows.RowHook:
     # The frozen MLP runs once for the mixed batch; each task's adapter reads and adds to its rows' MLP output.
-    post = lambda x, h, _tokens: h + wrapper.adapter(h)  # noqa: E731
-    return rows.RowHook(wrapper.base, post=post, batched=_batched(wrapper, reads_output=True))
+    return rows.RowHook(
+        wrapper.base,
+        post=lambda x, h, _tokens: h + wrapper.adapter(h),
+        post_in_place=_add_branch(wrapper, reads_output=True),
+        batched=_batched(wrapper, reads_output=True),
+    )
 
 
 @rows.register_row_hook(ParallelAdapter)
 def _parallel_rows(wrapper: ParallelAdapter) -> rows.RowHook:
     # At a block, post gets the stream entering the MLP half: the input AdaptFormer's branch reads.
-    post = lambda x, y, _tokens: y + wrapper.adapter(x)  # noqa: E731
-    return rows.RowHook(wrapper.base, post=post, batched=_batched(wrapper, reads_output=False))
+    return rows.RowHook(
+        wrapper.base,
+        post=lambda x, y, _tokens: y + wrapper.adapter(x),
+        post_in_place=_add_branch(wrapper, reads_output=False),
+        batched=_batched(wrapper, reads_output=False),
+    )
 
 
 def _formula(model: nn.Module, cfg: AdapterConfig) -> int:
@@ -232,7 +264,7 @@ def _formula(model: nn.Module, cfg: AdapterConfig) -> int:
 
 # The backbones adapter's idea fits: bottlenecks on the MLP output (sequential) or beside the block's MLP half
 # (parallel): any block whose residual halves its family knows (pre-norm ViT and Swin, post-norm SwinV2).
-BACKBONES = ("vit", "swin", "swinv2", "vit_relpos", "beit", "eva")
+BACKBONES = ("vit", "swin", "swinv2", "vit_relpos", "beit", "eva", "vit_parallel")
 
 
 @register_method(

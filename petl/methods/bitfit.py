@@ -7,8 +7,10 @@ every parameter whose name holds "bias"
 ImageClassification/train/train_model_bitfit.py:L164-171), as does PETL_Vision
 (OSU-MLB/PETL_Vision@245d262 experiment/build_model.py:L30-31); on ViT-B/16 that is 102,912
 tensors' entries, V-PETL's 0.10M.  ``biases="linear"`` trains only the blocks' Linear biases
-(qkv, proj, fc1, fc2), 82,944 on ViT-B/16.  Biases are found as modules' ``bias`` parameters,
-never by matching parameter names.
+(qkv, proj, fc1, fc2), 82,944 on ViT-B/16; in a parallel block (``vit_parallel``) those of ``in_proj`` (or,
+with ``qkv_bias=False``, fc1's ``mlp_bias`` beside it), ``attn_out_proj`` and ``mlp_out_proj``.  Biases are found
+as modules' ``bias`` parameters (and the ones a backbone keeps beside its Linears), never by matching parameter
+names.
 
 Trains:
     biases only: ``biases=all`` = every backbone bias (patch embedding, Linear, LayerNorm, final norm; V-PETL's
@@ -37,7 +39,6 @@ from petl.model.registry import MethodConfig, register_method
 from petl.utils.checks import check_choice
 
 SCOPES = ("all", "linear")
-LINEARS = ("qkv", "proj", "fc1", "fc2")
 
 
 @dataclass
@@ -66,8 +67,9 @@ def _biases(model: nn.Module, scope: str) -> list[nn.Parameter]:
     # A block without one of the Linears (an EVA-02 with separate q/k/v or a SwiGLU) is refused for the scope
     # `linear`, which names them; `all` takes every bias there is.
     found = []
+    linears = [name for _, names in bb.norm_groups for name in names]  # qkv, proj, fc1, fc2 in a ViT block
     for block in blocks:
-        for name in LINEARS:
+        for name in linears:
             try:
                 found += bb.linear_biases(block, name)
             except ValueError:
@@ -88,7 +90,7 @@ def _formula(model: nn.Module, cfg: BitFitConfig) -> int:
 
 # The backbones bitfit's idea fits: the biases of the blocks' Linears (and every other bias): any family whose
 # Linears and their biases the backbone names.
-BACKBONES = ("vit", "swin", "swinv2", "vit_relpos", "beit", "eva")
+BACKBONES = ("vit", "swin", "swinv2", "vit_relpos", "beit", "eva", "vit_parallel")
 
 
 @register_method(

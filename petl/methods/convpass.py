@@ -17,6 +17,11 @@ after": beside attention and MLP, reading norm1/norm2 outputs); defaults from ma
 reference adds the bypass inside the block's drop path with a mask of its own; petl adds it inside
 the attention/MLP output, so one drop-path mask covers both (identical at inference).
 
+A parallel block (``vit_parallel``) has no attention or MLP module: one norm feeds one ``in_proj``, and the
+attention's and MLP's outputs are summed into one residual.  Both bypasses read that norm's output (what the
+attention and the MLP read) and add to the summed output inside the layer scale, under a drop path of their own
+(``ConvpassBlock``, one wrapper on the block).
+
 Trains:
     a 3x3 convolutional bypass on the patch grid beside each attention and MLP.
 
@@ -26,17 +31,20 @@ Reference:
 
 Differences:
     - The bypass is added inside the attention/MLP output, so one drop-path mask covers both (the reference adds it
-      inside the block's drop path with a mask of its own; identical at inference).
+      inside the block's drop path with a mask of its own; identical at inference).  On a parallel block the two
+      bypasses get a drop path of their own, as in the reference.
     - ``init=zero`` (default) starts ``up`` at zero; PETL_Vision's ViT re-draws down and up with timm's ``init_weights``
       (model/vision_transformer.py L207-208), so its Convpass really starts random: ``init=reference``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from petl.methods import _init
@@ -82,23 +90,12 @@ class _QuickGELU(nn.Module):
         return x * torch.sigmoid(1.702 * x)
 
 
-class ConvpassParallel(PetlModule):
-    """A frozen attention or MLP plus the convolutional bypass reading the same (normalised) tokens.
-
-    Args:
-        base: the block's attention or MLP; it stays frozen and is kept as ``base``.
-        width: the token width.
-        grid: patch-token grid (rows, columns).
-        num_prefix: class and register tokens ahead of the patch tokens.
-        cfg: the method's options.
-
+class _Bypass:
+    """The bypass's layers, built as direct children of the module that mixes this in (saved files name them so),
+    and its forward.
     """
 
-    def __init__(
-        self, base: nn.Module, width: int, grid: tuple[int, int], num_prefix: int, cfg: ConvpassConfig
-    ) -> None:
-        super().__init__(base)
-        kw = factory_kwargs(base)
+    def _build(self, width: int, grid: tuple[int, int], num_prefix: int, cfg: ConvpassConfig, kw: dict) -> None:
         r = cfg.dim
         self.grid, self.num_prefix, self.scale = grid, num_prefix, cfg.scale
         self.down = nn.Linear(width, r, **kw)
@@ -120,8 +117,6 @@ class ConvpassParallel(PetlModule):
             nn.init.zeros_(self.up.bias)
         if cfg.init == "reference":
             _init.redraw(self.down, self.up)
-        # New modules start in train mode; follow the wrapped layer so an eval model stays in eval.
-        self.train(base.training)
 
     def bypass(self, x: torch.Tensor) -> torch.Tensor:
         """The convolutional bypass on tokens ``x`` (batch, tokens, width)."""
@@ -139,17 +134,136 @@ class ConvpassParallel(PetlModule):
         h = self.dropout(self.act(torch.cat([prefix, patches], dim=1)))
         return self.up(h) * self.scale
 
+
+class ConvpassParallel(_Bypass, PetlModule):
+    """A frozen attention or MLP plus the convolutional bypass reading the same (normalised) tokens.
+
+    Args:
+        base: the block's attention or MLP; it stays frozen and is kept as ``base``.
+        width: the token width.
+        grid: patch-token grid (rows, columns).
+        num_prefix: class and register tokens ahead of the patch tokens.
+        cfg: the method's options.
+
+    """
+
+    def __init__(
+        self, base: nn.Module, width: int, grid: tuple[int, int], num_prefix: int, cfg: ConvpassConfig
+    ) -> None:
+        PetlModule.__init__(self, base)
+        self._build(width, grid, num_prefix, cfg, factory_kwargs(base))
+        # New modules start in train mode; follow the wrapped layer so an eval model stays in eval.
+        self.train(base.training)
+
     def forward(self, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         # timm calls attention with attn_mask / is_causal keywords; the bypass does not use them.
         return self.base(x, **kwargs) + self.bypass(x)
+
+
+def _served_bypass(wrapper: ConvpassParallel) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The bypass in eval, in fewer ops: each QuickGELU as one SiLU, dropout off, the scale folded into ``up``.
+
+    ``x * sigmoid(1.702 x)`` is ``silu(1.702 x) / 1.702``: the 1.702 goes into the layer before each activation
+    (``down``; the conv's bias, its weight taking the 1/1.702 of the first activation back) and the 1/1.702 of the
+    second into ``up``, with the scale.  The same function, up to rounding.  A prefix token's 1x1 convolution is
+    its centre tap, a matmul.
+    """
+    k, s = 1.702, wrapper.scale
+    conv = wrapper.conv
+    like = rows.per_device(
+        k * wrapper.down.weight,
+        k * wrapper.down.bias,
+        conv.weight,
+        k * conv.bias,
+        conv.weight[:, :, 1, 1],
+        (s / k) * wrapper.up.weight,
+        s * wrapper.up.bias,
+    )
+    rows_, cols = wrapper.grid
+    p = wrapper.num_prefix
+
+    def bypass(x: torch.Tensor) -> torch.Tensor:
+        down_w, down_b, conv_w, conv_b, centre, up_w, up_b = like(x)
+        b, r = x.shape[0], down_w.shape[0]
+        h = F.silu(F.linear(x, down_w, down_b))
+        patches = h[:, p:].reshape(b, rows_, cols, r).permute(0, 3, 1, 2)
+        patches = F.conv2d(patches, conv_w, conv_b, padding=1).permute(0, 2, 3, 1).reshape(b, rows_ * cols, r)
+        if p:
+            prefix = F.linear(h[:, :p].reshape(b * p, r), centre, conv_b).view(b, p, r)  # a view for one prefix token
+            patches = torch.cat([prefix, patches], dim=1)
+        h = F.silu(patches)
+        return F.linear(h, up_w, up_b)
+
+    return bypass
+
+
+class ConvBypass(_Bypass, nn.Module):
+    """The bypass alone (one of :class:`ConvpassBlock`'s two)."""
+
+    def __init__(self, width: int, grid: tuple[int, int], num_prefix: int, cfg: ConvpassConfig, kw: dict) -> None:
+        nn.Module.__init__(self)
+        self._build(width, grid, num_prefix, cfg, kw)
+
+
+class ConvpassBlock(PetlModule):
+    """A parallel block (attention and MLP inline from one norm, one residual) with a bypass beside each.
+
+    Both bypasses read the block's normalised tokens, what its attention and its MLP read, and add to their summed
+    output inside the layer scale, under a drop path of their own as in the reference (``Backbone.beside_sublayers``).
+
+    Args:
+        base: the block; it stays frozen and is kept as ``base``.
+        family: its Backbone class (which knows its norm, layer scale and drop path).
+        width: the token width.
+        grid: patch-token grid (rows, columns).
+        num_prefix: class and register tokens ahead of the patch tokens.
+        cfg: the method's options.
+
+    """
+
+    def __init__(
+        self, base: nn.Module, family: type, width: int, grid: tuple[int, int], num_prefix: int, cfg: ConvpassConfig
+    ) -> None:
+        super().__init__(base)
+        kw = factory_kwargs(base)
+        self.family = family
+        self.attn_bypass = ConvBypass(width, grid, num_prefix, cfg, kw)
+        self.mlp_bypass = ConvBypass(width, grid, num_prefix, cfg, kw)
+        self.train(base.training)
+
+    def side(self, normed: torch.Tensor) -> torch.Tensor:
+        """Both bypasses on the block's normalised tokens, summed."""
+        return self.attn_bypass.bypass(normed) + self.mlp_bypass.bypass(normed)
+
+    def forward(self, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        return self.base(x, **kwargs) + self.family.beside_sublayers(self.base, x, self.side)
 
 
 @rows.register_row_hook(ConvpassParallel)
 def _rows(wrapper: ConvpassParallel) -> rows.RowHook:
     # The frozen attention/MLP runs once for the mixed batch; the bypass sees its rows' tokens on their grid,
     # without the prompt slots other tasks' rows may have put in the sequence (they hold nothing for this row).
+    bypass = _served_bypass(wrapper)
+
+    def add(x: torch.Tensor, y: torch.Tensor, tokens: rows.Tokens) -> None:
+        out = bypass(tokens.without_slots(x))
+        if not tokens.slots:
+            y.add_(out)
+            return
+        p, n = tokens.prefix, out.shape[1]
+        y.narrow(1, 0, p).add_(out[:, :p])
+        y.narrow(1, p + tokens.slots, n - p).add_(out[:, p:])
+
+    return rows.RowHook(wrapper.base, post_in_place=add)
+
+
+@rows.register_row_hook(ConvpassBlock)
+def _block_rows(wrapper: ConvpassBlock) -> rows.RowHook:
+    # The frozen block runs once for the mixed batch (post hooks read its input, what both bypasses normalise);
+    # the bypasses see their rows' tokens without other tasks' prompt slots, as above.
     def post(x: torch.Tensor, y: torch.Tensor, tokens: rows.Tokens) -> torch.Tensor:
-        return y + tokens.with_slots(wrapper.bypass(tokens.without_slots(x)))
+        side = lambda normed: tokens.with_slots(wrapper.side(tokens.without_slots(normed)))  # noqa: E731
+        return y + wrapper.family.beside_sublayers(wrapper.base, x, side)
 
     return rows.RowHook(wrapper.base, post=post)
 
@@ -163,7 +277,7 @@ def _formula(model: nn.Module, cfg: ConvpassConfig) -> int:
 
 # The backbones convpass's idea fits: a 3x3 convolution over the patch grid of a flat token sequence (prefix tokens
 # set apart), one width.
-BACKBONES = ("vit", "vit_relpos", "beit", "eva")
+BACKBONES = ("vit", "vit_relpos", "beit", "eva", "vit_parallel")
 # Why not on the other backbone kinds (the refusal says it, and so does the docs page).
 REFUSAL = (
     "its bypass reshapes the attention's input to the patch grid, and a Swin attention sees shifted "
@@ -172,7 +286,12 @@ REFUSAL = (
 
 
 @register_method(
-    "convpass", ConvpassConfig, trainable_formula=_formula, zero_init=True, backbones=BACKBONES, refusal=REFUSAL
+    "convpass",
+    ConvpassConfig,
+    trainable_formula=_formula,
+    zero_init=True,
+    backbones=BACKBONES,
+    refusal=REFUSAL,
 )
 def inject_convpass(model: nn.Module, cfg: ConvpassConfig) -> None:
     """Convpass: a 3x3 convolutional bypass beside every attention and MLP."""
@@ -182,9 +301,12 @@ def inject_convpass(model: nn.Module, cfg: ConvpassConfig) -> None:
         bb.grid_size(),
         bb.num_prefix_tokens(),
     )
-    for block in bb.block_list():
-        bb.set_attention(block, ConvpassParallel(bb.attention(block), width, grid, prefix, cfg))
-        bb.set_feed_forward(block, ConvpassParallel(bb.feed_forward(block), width, grid, prefix, cfg))
+    for i, block in enumerate(bb.block_list()):
+        if bb.sublayers_are_modules:
+            bb.set_attention(block, ConvpassParallel(bb.attention(block), width, grid, prefix, cfg))
+            bb.set_feed_forward(block, ConvpassParallel(bb.feed_forward(block), width, grid, prefix, cfg))
+        else:  # a parallel block: both bypasses beside its inline attention and MLP, one wrapper on the block
+            bb.set_block(i, ConvpassBlock(bb.block_container()[i], type(bb), width, grid, prefix, cfg))
 
 
 def apply_convpass(model: nn.Module, **options: Any) -> nn.Module:

@@ -20,6 +20,10 @@ reference's layout (fact.py:L69-78, L97-116).  Dropout 0.1 acts on the rank-size
 the type defaults to ``tk``, the variant behind V-PETL's "FacT" row.  The updates are linear in
 the input, so ``merge`` adds them to the frozen weights.
 
+In a parallel block (``vit_parallel``) qkv and fc1 are rows of one ``in_proj`` (fc1's first): each gets its own
+wrapper on its rows, the fc1 one around the qkv one, with the cores and P columns of its kind, so the tensor is the
+reference's.  FacT needs the MLP at 4 x the width: ``vit_pwee_*`` (5 x) is refused, ``vit_*_xp_*`` (4 x) is not.
+
 The shared factors are registered once, on block 0's qkv wrapper; the other wrappers reach them
 through an unregistered reference, so every parameter has exactly one name in the state dict.
 
@@ -49,7 +53,7 @@ from torch import nn
 
 from petl.methods import _init, _reparam
 from petl.model import rows, surgery
-from petl.model.backbone import backbone_of
+from petl.model.backbone import backbone_of, unwrap
 from petl.model.registry import MethodConfig, register_method
 from petl.model.wrappers import PetlModule, factory_kwargs
 from petl.utils.checks import check_choice, check_dropout, check_nonzero, check_range
@@ -92,9 +96,9 @@ class FactConfig(_init.InitOption, MethodConfig):
         check_nonzero("scale", self.scale, "the factorised update")
         d = bb.width()
         for block in bb.block_list():
-            fc1 = bb.linear(block, "fc1")
-            if fc1.out_features != 4 * d:
-                raise ValueError(f"FacT needs an MLP of width 4 x embed dim ({4 * d}); this one has {fc1.out_features}")
+            _, start, end = bb.target_rows(block, "fc1")
+            if end - start != 4 * d:
+                raise ValueError(f"FacT needs an MLP of width 4 x embed dim ({4 * d}); this one has {end - start}")
 
 
 class FactorsShared(nn.Module):
@@ -123,6 +127,8 @@ class FactLinear(PetlModule):
         p_bound: half-width of the uniform init of P's columns (xavier over the whole P).
         scale: factor on the update.
         dropout: dropout on the rank-sized hidden.
+        out_rows: the rows [start, end) of ``base``'s output that are ``kind`` (a parallel block's qkv or fc1 rows
+            of ``in_proj``, ``base`` then possibly the other rows' FactLinear); ``None``: all of them.
 
     """
 
@@ -136,9 +142,10 @@ class FactLinear(PetlModule):
         p_bound: float,
         scale: float,
         dropout: float,
+        out_rows: tuple[int, int] | None = None,
     ) -> None:
         super().__init__(base)
-        self.kind, self.scale = kind, scale
+        self.kind, self.scale, self.out_rows = kind, scale, out_rows
         rank = shared.u.shape[0]
         kw = factory_kwargs(base)
         if owner:
@@ -221,12 +228,24 @@ class FactLinear(PetlModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.merged:
             return self.merged_forward(x)
-        return self.base(x) + self.update(x)
+        return self.add_update(x, self.base(x))
+
+    def add_update(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """``y`` (the frozen output for ``x``) plus the update, on :attr:`out_rows` where set."""
+        if self.out_rows is None:
+            return y + self.update(x)
+        start, end = self.out_rows
+        return torch.cat([y[..., :start], y[..., start:end] + self.update(x), y[..., end:]], dim=-1)
+
+    def _weight(self) -> torch.Tensor:
+        """The frozen weight's rows the update adds to (a view: writes reach the Linear)."""
+        weight = unwrap(self.base).weight
+        return weight if self.out_rows is None else weight[self.out_rows[0] : self.out_rows[1]]
 
     @torch.no_grad()
     def fold(self) -> None:
         """Add the update into the frozen weight; forward then costs what ``base`` costs."""
-        weight = self.base.weight
+        weight = self._weight()
         dtype = _reparam.work_dtype(weight)
         delta = self.delta_weight(dtype)
         _reparam.check_finite("the FacT update", delta)
@@ -235,7 +254,7 @@ class FactLinear(PetlModule):
     @torch.no_grad()
     def unfold(self) -> None:
         """Subtract the update again (up to rounding)."""
-        weight = self.base.weight
+        weight = self._weight()
         dtype = _reparam.work_dtype(weight)
         _reparam.write(weight, weight.to(dtype) - self.delta_weight(dtype), "the FacT update out of the weight")
 
@@ -247,15 +266,17 @@ def _rows(wrapper: FactLinear) -> rows.RowHook:
     # factor-by-factor chain, and it stacks with LoRA updates of the same rank.
     with torch.no_grad():
         a, b = wrapper.low_rank()
+        if wrapper.out_rows is not None:  # B's rows at this kind's rows of the Linear's output, zeros elsewhere
+            full = b.new_zeros(unwrap(wrapper).out_features, b.shape[1])
+            full[wrapper.out_rows[0] : wrapper.out_rows[1]] = b
+            b = full
     like = rows.per_device(a, b)
 
-    def post(x: torch.Tensor, y: torch.Tensor, _tokens: rows.Tokens) -> torch.Tensor:
-        a, b = like(x)
-        z = F.linear(x, a)
-        flat = torch.addmm(y.reshape(-1, y.shape[-1]), z.reshape(-1, z.shape[-1]), b.t())
-        return flat.view(y.shape)
+    def add(x: torch.Tensor, y: torch.Tensor, _tokens: rows.Tokens) -> None:
+        a, b = like(y)
+        rows.add_matmul_(y, F.linear(x, a), b)
 
-    return rows.RowHook(wrapper.base, post=post, batched=rows.low_rank(a, b))
+    return rows.RowHook(wrapper.base, post_in_place=add, batched=rows.low_rank(a, b))
 
 
 def _formula(model: nn.Module, cfg: FactConfig) -> int:
@@ -270,7 +291,7 @@ def _formula(model: nn.Module, cfg: FactConfig) -> int:
 
 
 # The backbones fact's idea fits: factors shared across every block's Linears, which needs one width for all blocks.
-BACKBONES = ("vit", "vit_relpos", "beit", "eva")
+BACKBONES = ("vit", "vit_relpos", "beit", "eva", "vit_parallel")
 # Why not on the other backbone kinds (the refusal says it, and so does the docs page).
 REFUSAL = (
     "FacT factorises every block's weights as one tensor whose factors U and V have the one embed width, "
@@ -279,7 +300,13 @@ REFUSAL = (
 
 
 @register_method(
-    "fact", FactConfig, trainable_formula=_formula, zero_init=True, mergeable=True, backbones=BACKBONES, refusal=REFUSAL
+    "fact",
+    FactConfig,
+    trainable_formula=_formula,
+    zero_init=True,
+    mergeable=True,
+    backbones=BACKBONES,
+    refusal=REFUSAL,
 )
 def inject_fact(model: nn.Module, cfg: FactConfig) -> None:
     """FacT: qkv/proj/fc1/fc2 updates factorised across all blocks (tensor-train or Tucker); mergeable."""
@@ -291,8 +318,12 @@ def inject_fact(model: nn.Module, cfg: FactConfig) -> None:
     p_bound = math.sqrt(6.0 / (cfg.rank + TK_PER_BLOCK * bb.depth()))
     owner = True
     for block in bb.block_list():
-        for name in LINEARS:
-            wrapper = FactLinear(bb.linear(block, name), name, shared, owner, tucker, p_bound, cfg.scale, cfg.dropout)
+        for kind in LINEARS:
+            # The Linear of that name; in a parallel block qkv and fc1 are rows of in_proj (fc1's wraps qkv's).
+            name, start, end = bb.target_rows(block, kind)
+            linear = bb.linear(block, name)
+            part = None if (start, end) == (0, unwrap(linear).out_features) else (start, end)
+            wrapper = FactLinear(linear, kind, shared, owner, tucker, p_bound, cfg.scale, cfg.dropout, part)
             bb.set_linear(block, name, wrapper)
             owner = False
     if cfg.init == "reference":

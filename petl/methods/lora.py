@@ -2,7 +2,9 @@
 
 Targets are ``q``, ``k``, ``v`` (row slices of timm's fused ``attn.qkv`` Linear, so adapting Q
 and V leaves the K rows untouched; on EVA-02 with separate projections, ``q_proj``, ``k_proj``, ``v_proj``:
-``Backbone.qkv_rows``), ``proj``, ``fc1`` and ``fc2``.  B starts at zero, so the
+``Backbone.qkv_rows``), ``proj``, ``fc1`` and ``fc2``.  In a parallel block (``vit_parallel``) ``fc1``, ``q``,
+``k`` and ``v`` are row slices of the one ``in_proj`` (one wrapper holds all of that Linear's updates), ``proj``
+is ``attn_out_proj`` and ``fc2`` is ``mlp_out_proj`` (``Backbone.target_rows``).  B starts at zero, so the
 model is unchanged at init, while A starts random, so B receives a gradient on the first step
 (zeroing both would leave the branch without any gradient forever).  V-PETL Bench's LoRA
 (vision_transformer_lora.py L100-108) is re-drawn by its constructor's ``init_weights`` (L287,
@@ -35,13 +37,14 @@ from torch import nn
 
 from petl.methods import _init, _reparam
 from petl.model import rows, surgery
-from petl.model.backbone import QKV_INDEX, Backbone, backbone_of
+from petl.model.backbone import Backbone, backbone_of
 from petl.model.registry import MethodConfig, register_method
 from petl.model.wrappers import PetlModule, factory_kwargs
 from petl.utils.checks import check_choice, check_dropout, check_range, to_str_tuple
 
 # The targets: q, k and v are rows of the attention's input projection, which the backbone locates (thirds of
-# timm's fused qkv, or EVA's separate q_proj/k_proj/v_proj: Backbone.qkv_rows); the others are whole Linears.
+# timm's fused qkv, EVA's separate q_proj/k_proj/v_proj, rows of a parallel block's in_proj:
+# Backbone.target_rows); the others are whole Linears, but fc1 in a parallel block (rows of in_proj too).
 TARGETS = ("q", "k", "v", "proj", "fc1", "fc2")
 
 
@@ -237,7 +240,16 @@ def _rows(wrapper: LoraLinear) -> rows.RowHook:
     # them) stack, the scale folded into B.
     with torch.no_grad():
         batched = rows.low_rank(wrapper.stacked_a(), wrapper.scale * wrapper.stacked_b())
-    return rows.RowHook(wrapper.base, post=lambda x, y, _tokens: wrapper.add_update(x, y), batched=batched)
+
+    def add(x: torch.Tensor, y: torch.Tensor, _tokens: rows.Tokens) -> None:
+        # Served alone on its rows: the cached inference stack, one matmul and one addmm_ into the rows (eval: no
+        # dropout), as forward without autograd.
+        a, b_t = wrapper._inference_stack(y.dtype)
+        rows.add_matmul_(y, F.linear(x, a), b_t.t(), alpha=wrapper.scale)
+
+    return rows.RowHook(
+        wrapper.base, post=lambda x, y, _tokens: wrapper.add_update(x, y), post_in_place=add, batched=batched
+    )
 
 
 def _slices_per_linear(
@@ -246,10 +258,7 @@ def _slices_per_linear(
     """Linear name -> {target: (first row, end row)} for one block."""
     grouped: dict[str, dict[str, tuple[int, int]]] = {}
     for target in targets:
-        if target in QKV_INDEX:
-            linear_name, start, end = bb.qkv_rows(block, target)
-        else:
-            linear_name, start, end = target, 0, bb.linear(block, target).out_features
+        linear_name, start, end = bb.target_rows(block, target)
         grouped.setdefault(linear_name, {})[target] = (start, end)
     return grouped
 
@@ -266,7 +275,7 @@ def _formula(model: nn.Module, cfg: LoraConfig) -> int:
 
 
 # The backbones lora's idea fits: low-rank updates on the fused qkv slices and the other Linears of each block.
-BACKBONES = ("vit", "swin", "swinv2", "vit_relpos", "beit", "eva")
+BACKBONES = ("vit", "swin", "swinv2", "vit_relpos", "beit", "eva", "vit_parallel")
 
 
 @register_method("lora", LoraConfig, trainable_formula=_formula, zero_init=True, mergeable=True, backbones=BACKBONES)

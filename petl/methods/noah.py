@@ -382,11 +382,21 @@ def inject_noah(model: nn.Module, cfg: NoahConfig) -> None:
 BACKBONES = ("vit",)
 # Why not on the other backbone kinds (the refusal says it, and so does the docs page).
 REFUSAL = "its prompts are appended to one flat token sequence (VPT's layout), and a Swin attends in windows of a grid"
+REFUSALS = {
+    "vit_parallel": "its adapter follows the MLP between two residual halves and its LoRA spans a fused qkv, and a "
+    "parallel block has one residual and keeps qkv in in_proj beside fc1"
+}
 
 
 # Its calibration, the subnet search, registers itself from petl.methods.noah_search (which builds on this file).
 register_method(
-    "noah", NoahConfig, trainable_formula=_formula, backbones=BACKBONES, refusal=REFUSAL, refusal_for=("swin", "swinv2")
+    "noah",
+    NoahConfig,
+    trainable_formula=_formula,
+    backbones=BACKBONES,
+    refusal=REFUSAL,
+    refusals=REFUSALS,
+    refusal_for=("swin", "swinv2"),
 )(inject_noah)
 
 

@@ -59,7 +59,7 @@ def _formula(model: nn.Module, cfg: PartialConfig) -> int:
 
 # The backbones partial's idea fits: the last k blocks and the final norms train: any backbone (on a Swin the
 # patch merging between stages is not a block and stays frozen).
-BACKBONES = ("vit", "swin", "swinv2", "vit_relpos", "beit", "eva")
+BACKBONES = ("vit", "swin", "swinv2", "vit_relpos", "beit", "eva", "vit_parallel")
 
 
 @register_method(

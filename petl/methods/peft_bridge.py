@@ -96,9 +96,11 @@ class PeftBridgeConfig(MethodConfig):
         if peft_config.target_modules is not None and not any(
             check_target_module_exists(peft_config, name) for name, _ in model.named_modules()
         ):
+            block = backbone_of(model).block_list()[0]
+            linears = [name for name, m in block.named_modules() if isinstance(m, nn.Linear)]
             raise ValueError(
                 f"target_modules={peft_config.target_modules!r} match no module of this model; "
-                "a timm ViT block has attn.qkv, attn.proj, mlp.fc1 and mlp.fc2"
+                f"its blocks' Linears are {', '.join(linears)}"
             )
 
 
@@ -243,7 +245,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 
 # The backbones peft's idea fits: peft's tuners on the Linears the backbone names.
-BACKBONES = ("vit", "swin", "swinv2", "vit_relpos", "beit", "eva")
+BACKBONES = ("vit", "swin", "swinv2", "vit_relpos", "beit", "eva", "vit_parallel")
 
 
 @register_method(

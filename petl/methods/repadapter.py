@@ -15,6 +15,11 @@ fc1, so petl wraps those two Linears: ``base(adapter(x))``.  The adapter is affi
 folds it into the Linear (``W <- W (I + s M)``, ``b <- b + s W c``) and merged inference is the
 plain backbone.
 
+A parallel block (``vit_parallel``) has one norm and one ``in_proj`` whose rows are fc1's and then
+Q, K, V: the attention's and the MLP's inputs are one tensor there.  Each sub-layer still gets its own
+adapter, applied to its own rows of ``in_proj`` (``W_rows (x + adapter(x))``): two adapters per block
+as in the reference, each folding into its rows.
+
 Trains:
     RepAdapter: a group-wise adapter on each block's attention and MLP input; merged into qkv and fc1.
 
@@ -33,11 +38,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from petl.methods import _reparam
 from petl.model import rows, surgery
-from petl.model.backbone import backbone_of
+from petl.model.backbone import backbone_of, unwrap
 from petl.model.registry import MethodConfig, register_method
 from petl.model.wrappers import PetlModule, factory_kwargs
 from petl.utils.checks import check_dropout, check_nonzero, check_range
@@ -77,7 +83,7 @@ class RepAdapterConfig(MethodConfig):
         bb = backbone_of(model)
         for i, block in enumerate(bb.block_list()):
             for name in TARGETS:
-                if getattr(bb.linear(block, name), "bias", None) is None:
+                if getattr(bb.linear(block, bb.target_rows(block, name)[0]), "bias", None) is None:
                     # The adapter's bias folds into the Linear's (fold below); a Linear without one cannot take it.
                     raise ValueError(
                         f"repadapter merges into {name}'s bias, and {name} of block {i} of {type(model).__name__} "
@@ -86,22 +92,32 @@ class RepAdapterConfig(MethodConfig):
 
 
 class RepAdapterLinear(PetlModule):
-    """A frozen Linear whose input first passes through a re-parameterisable adapter.
+    """A frozen Linear whose input first passes through a re-parameterisable adapter (for some of its rows).
 
     Args:
-        base: the Linear (qkv or fc1); kept frozen as ``base``.
+        base: the Linear (qkv or fc1), or a RepAdapterLinear of other rows of it; kept frozen as ``base``.
         bottleneck: hidden width of the adapter.
         groups: groups of the up-projection.
         scale: factor on the adapter branch.
         dropout: dropout between the two projections.
+        out_rows: the output rows [start, end) whose input is adapted (a parallel block's fc1 or qkv rows of
+            ``in_proj``); ``None``: all of them.
 
     """
 
-    def __init__(self, base: nn.Linear, bottleneck: int, groups: int, scale: float, dropout: float) -> None:
+    def __init__(
+        self,
+        base: nn.Module,
+        bottleneck: int,
+        groups: int,
+        scale: float,
+        dropout: float,
+        out_rows: tuple[int, int] | None = None,
+    ) -> None:
         super().__init__(base)
-        width = base.in_features
+        width = unwrap(base).in_features
         kw = factory_kwargs(base)
-        self.groups, self.scale = groups, scale
+        self.groups, self.scale, self.out_rows = groups, scale, out_rows
         self.down = nn.Linear(width, bottleneck, **kw)
         # Group g maps hidden units [g*bottleneck/groups, ...) to output channels [g*width/groups, ...):
         # weight rows are output channels, columns the hidden units of the row's group.
@@ -129,7 +145,22 @@ class RepAdapterLinear(PetlModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.merged:
             return self.merged_forward(x)
-        return self.base(self.adapt(x))
+        if self.out_rows is None:
+            return self.base(self.adapt(x))
+        return self.add_rows(x, self.base(x))
+
+    def add_rows(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """``y`` (the Linear's output for ``x``) with its :attr:`out_rows` computed from the adapted input instead."""
+        start, end = self.out_rows
+        update = F.linear(self.adapt(x) - x, unwrap(self.base).weight[start:end])
+        return torch.cat([y[..., :start], y[..., start:end] + update, y[..., end:]], dim=-1)
+
+    def _weight_and_bias(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The rows of the frozen Linear's weight and bias this adapter folds into (views: writes reach the Linear)."""
+        linear = unwrap(self.base)
+        start, end = self.out_rows if self.out_rows is not None else (0, linear.out_features)
+        bias = linear.bias[start:end] if linear.bias is not None else None
+        return linear.weight[start:end], bias
 
     def _affine(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The adapter as ``x -> x + (M x + c)``: returns ``(M, c)`` (scale included) in ``dtype``."""
@@ -141,7 +172,7 @@ class RepAdapterLinear(PetlModule):
     @torch.no_grad()
     def fold(self) -> None:
         """Fold the adapter into the Linear: ``W <- W + W M``, ``b <- b + W c``."""
-        weight, bias = self.base.weight, self.base.bias
+        weight, bias = self._weight_and_bias()
         dtype = _reparam.work_dtype(weight)
         m, c = self._affine(dtype)
         _reparam.check_finite("the RepAdapter", m, c)
@@ -156,7 +187,7 @@ class RepAdapterLinear(PetlModule):
     @torch.no_grad()
     def unfold(self) -> None:
         """Undo :meth:`merge`: ``W = W' (I + M)^-1`` (via the low-rank Woodbury identity), ``b = b' - W c``."""
-        weight, bias = self.base.weight, self.base.bias
+        weight, bias = self._weight_and_bias()
         dtype = _reparam.work_dtype(weight)
         up = self.up_dense().to(dtype)
         down = self.down.weight.to(dtype)
@@ -172,7 +203,10 @@ class RepAdapterLinear(PetlModule):
 
 @rows.register_row_hook(RepAdapterLinear)
 def _rows(wrapper: RepAdapterLinear) -> rows.RowHook:
-    # Unmerged: each task adapts its own rows' input, then the frozen Linear runs once for the mixed batch.
+    # Unmerged: each task adapts its own rows' input, then the frozen Linear runs once for the mixed batch.  An
+    # adapter of some output rows recomputes those from its adapted input after the Linear.
+    if wrapper.out_rows is not None:
+        return rows.RowHook(wrapper.base, post=lambda x, y, _tokens: wrapper.add_rows(x, y))
     return rows.RowHook(wrapper.base, pre=lambda x, _tokens: wrapper.adapt(x))
 
 
@@ -183,7 +217,7 @@ def _formula(model: nn.Module, cfg: RepAdapterConfig) -> int:
 
 
 # The backbones repadapter's idea fits: re-parameterisable adapters in front of the attention and MLP Linears.
-BACKBONES = ("vit", "swin", "vit_relpos", "beit", "eva")
+BACKBONES = ("vit", "swin", "vit_relpos", "beit", "eva", "vit_parallel")
 
 
 @register_method(
@@ -200,8 +234,12 @@ def inject_repadapter(model: nn.Module, cfg: RepAdapterConfig) -> None:
     """RepAdapter: group-wise adapters before attention and the MLP, merged into qkv and fc1."""
     bb = backbone_of(model)
     for block in bb.block_list():
-        for name in TARGETS:
-            wrapper = RepAdapterLinear(bb.linear(block, name), cfg.bottleneck, cfg.groups, cfg.scale, cfg.dropout)
+        for target in TARGETS:
+            # All of qkv or fc1; in a parallel block, their rows of in_proj (the second adapter wraps the first).
+            name, start, end = bb.target_rows(block, target)
+            linear = bb.linear(block, name)
+            part = None if (start, end) == (0, unwrap(linear).out_features) else (start, end)
+            wrapper = RepAdapterLinear(linear, cfg.bottleneck, cfg.groups, cfg.scale, cfg.dropout, part)
             bb.set_linear(block, name, wrapper)
 
 

@@ -239,6 +239,10 @@ REFUSAL = (
     "its salient channels are chosen and tuned in one flat token stream of one width (top_n = width // "
     "8), and a Swin's width and tokens change per stage"
 )
+REFUSALS = {
+    "vit_parallel": "it tunes channels of the stream between the attention and MLP residuals, and a parallel block "
+    "has one residual"
+}
 
 
 @register_method(
@@ -248,6 +252,7 @@ REFUSAL = (
     calibrate=calibrate_sct,
     backbones=BACKBONES,
     refusal=REFUSAL,
+    refusals=REFUSALS,
     refusal_for=("swin", "swinv2"),
 )
 def inject_sct(model: nn.Module, cfg: SctConfig) -> None:

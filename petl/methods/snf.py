@@ -240,6 +240,10 @@ BACKBONES = ("vit",)
 REFUSAL = (
     "its normalizing flows on the residual shortcuts are built for one width, and a Swin's width changes per stage"
 )
+REFUSALS = {
+    "vit_parallel": "its two flows replace the attention's and the MLP's residual shortcuts, and a parallel block "
+    "has one"
+}
 
 
 @register_method(
@@ -249,6 +253,7 @@ REFUSAL = (
     zero_init=True,
     backbones=BACKBONES,
     refusal=REFUSAL,
+    refusals=REFUSALS,
     refusal_for=("swin", "swinv2"),
 )
 def inject_snf(model: nn.Module, cfg: SnfConfig) -> None:

@@ -19,6 +19,11 @@ passes it the list of per-block modes (L477, built at L619), so its ``tuning_mod
 released code (what its train_scripts/swin/*/train_ssf.sh run) never builds it; petl follows the code as it runs
 (tests/references/test_ssf_swin.py checks the sites and the logits against a re-implementation of that file).
 
+On a parallel block (``vit_parallel``: one norm, one ``in_proj`` holding fc1's and qkv's rows, two output Linears)
+the sites are that block's affine layers (``Backbone.norm_groups``): ``in_norm``, ``in_proj`` (one scale and shift
+per row, fc1's and qkv's alike), ``attn_out_proj`` and ``mlp_out_proj``; where timm keeps fc1's bias beside
+``in_proj`` (``qkv_bias=False``) the shift of fc1's rows comes before that bias, not after it.
+
 Each scale/shift follows an affine layer (Linear, Conv2d or LayerNorm), so ``merge`` folds it in:
 ``W <- s * W`` (row-wise) and ``b <- s * b + t``; merged inference runs the plain layer.
 
@@ -54,8 +59,6 @@ from petl.model.backbone import backbone_of
 from petl.model.registry import MethodConfig, register_method
 from petl.model.wrappers import PetlModule, factory_kwargs
 from petl.utils.checks import check_range
-
-BLOCK_LINEARS = ("qkv", "proj", "fc1", "fc2")
 
 
 @dataclass
@@ -153,7 +156,19 @@ class SsfLayer(PetlModule):
 def _rows(wrapper: SsfLayer) -> rows.RowHook:
     # The frozen layer runs once for the mixed batch; each task scales and shifts its own rows.
     batched = rows.affine(wrapper.scale, wrapper.shift, wrapper.channel_dim)
-    return rows.RowHook(wrapper.base, post=lambda x, y, _tokens: wrapper.scale_shift(y), batched=batched)
+    shape = (-1, 1, 1) if wrapper.channel_dim == 1 else (-1,)
+    like = rows.per_device(wrapper.scale.view(shape), wrapper.shift.view(shape))
+
+    def scale_shift_in_place(x: torch.Tensor, y: torch.Tensor, _tokens: rows.Tokens) -> None:
+        scale, shift = like(y)
+        torch.addcmul(shift, y, scale, out=y)  # one op, written over y itself
+
+    return rows.RowHook(
+        wrapper.base,
+        post=lambda x, y, _tokens: wrapper.scale_shift(y),
+        post_in_place=scale_shift_in_place,
+        batched=batched,
+    )
 
 
 def _sites(model: nn.Module) -> list[tuple[nn.Module, Callable[[nn.Module], None]]]:
@@ -163,7 +178,8 @@ def _sites(model: nn.Module) -> list[tuple[nn.Module, Callable[[nn.Module], None
     if isinstance(bb.patch_norm(), nn.LayerNorm):
         sites.append((bb.patch_norm(), lambda m: bb.set_patch_norm(m)))
     for block in bb.block_list():
-        for norm_name, linear_names in (("norm1", ("qkv", "proj")), ("norm2", ("fc1", "fc2"))):
+        # norm1, qkv, proj, norm2, fc1, fc2; a parallel block's one in_norm, in_proj and two output projections.
+        for norm_name, linear_names in bb.norm_groups:
             norm = bb.block_norm(block, norm_name)
             sites.append((norm, lambda m, b=block, n=norm_name: bb.set_block_norm(b, n, m)))
             for name in linear_names:
@@ -186,7 +202,7 @@ def _formula(model: nn.Module, cfg: SsfConfig) -> int:
 
 # The backbones ssf's idea fits: scale and shift after the patch projection, the norms and the Linears, each of its
 # block's width (Swin: its stage's).
-BACKBONES = ("vit", "swin", "vit_relpos", "beit", "eva")
+BACKBONES = ("vit", "swin", "vit_relpos", "beit", "eva", "vit_parallel")
 
 
 @register_method(

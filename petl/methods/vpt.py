@@ -50,8 +50,9 @@ its backbone src/models/vit_backbones/swin_transformer.py, "S"), in
   none) removes them after the last block.  ``forward_intermediates`` gives each stage's grid (timm's
   shapes); pruning a prompted Swin is refused; SwinV2 (post-norm, cosine attention) is not supported: VPT
   has no prompted SwinV2 to follow.  While training the frozen Swin stays in eval mode, as on a ViT (P
-  L229-241).  :class:`petl.MultiTask` refuses VPT on a Swin in one line: a mixed batch would need each row's
-  prompts in its own windows only, which no row hook does yet.
+  L229-241).  :class:`petl.MultiTask` refuses VPT on a Swin in one line: a mixed batch puts prompts in slots of
+  the token sequence, and a Swin's shared blocks see an NHWC grid with no room for them; its prompts travel beside
+  the grid through every window, average and patch merging, which the routed Swin does not carry.
 
 Trains:
     prompt tokens (``deep=false``: one set before the first block; ``deep=true``: fresh prompts before every
@@ -154,11 +155,9 @@ def _rows(wrapper: PromptedBlock) -> rows.RowHook:
     )
 
 
-def _rows_prompts(
-    x: torch.Tensor, tokens: rows.Tokens, stack: tuple[torch.Tensor, ...], entry: torch.Tensor
-) -> torch.Tensor:
+def _rows_prompts(x: torch.Tensor, tokens: rows.Tokens, per_row: tuple[torch.Tensor, ...]) -> torch.Tensor:
     """Each row's prompts written into its first slots (eval: no dropout); rows of other tasks keep theirs."""
-    prompt, use = (t[entry] for t in stack)
+    prompt, use = per_row
     p, n = tokens.prefix, prompt.shape[1]
     slots = torch.where(use.view(-1, 1, 1), prompt.to(x.dtype), x[:, p : p + n])
     return torch.cat([x[:, :p], slots, x[:, p + n :]], dim=1)
@@ -180,7 +179,7 @@ def _formula(model: nn.Module, cfg: VptConfig) -> int:
 
 # The backbones vpt's idea fits: prompt tokens beside the patch tokens of a ViT's flat sequence or of a Swin's
 # windows (KMnP/vpt prompts both).
-BACKBONES = ("vit", "swin", "vit_relpos", "beit", "eva")
+BACKBONES = ("vit", "swin", "vit_relpos", "beit", "eva", "vit_parallel")
 # Why not on the other backbone kinds (the refusal says it, and so does the docs page).
 REFUSAL = (
     "KMnP/vpt prompts a ViT and a Swin (v1); a SwinV2's post-norm blocks with cosine attention and a "

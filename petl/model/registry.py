@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import numbers
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 from torch import nn
@@ -79,9 +79,13 @@ class MethodSpec:
     # of them that reason is about (empty: every kind left out).
     refusal: str = ""
     refusal_for: tuple[str, ...] = ()
+    # Kind -> why the idea does not fit that kind, where it is not ``refusal``'s reason.
+    refusals: dict[str, str] = field(default_factory=dict, hash=False)
 
     def why_refused(self, kind: str) -> str:
         """Why the method refuses backbone ``kind`` (one it does not declare), in a few words; empty if unsaid."""
+        if kind in self.refusals:
+            return self.refusals[kind]
         if not self.refusal_for or kind in self.refusal_for:
             return self.refusal
         return "it has not been built and tested on this family yet"
@@ -100,6 +104,7 @@ def register_method(
     backbones: tuple[str, ...] = ("vit",),
     refusal: str = "",
     refusal_for: tuple[str, ...] = (),
+    refusals: dict[str, str] | None = None,
 ) -> Callable:
     """Decorator registering ``inject(model, cfg)`` as method ``name``.
 
@@ -123,6 +128,7 @@ def register_method(
             page say it.
         refusal_for: the kinds ``refusal`` is about (empty: every kind not in ``backbones``); the others are
             refused as not built for yet.
+        refusals: kind -> why the idea does not fit that kind, where the reason is another than ``refusal``.
 
     """
 
@@ -140,6 +146,7 @@ def register_method(
             backbones=tuple(backbones),
             refusal=refusal,
             refusal_for=tuple(refusal_for),
+            refusals=dict(refusals or {}),
         )
         return inject
 

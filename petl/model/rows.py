@@ -50,8 +50,9 @@ class Batched:
 
     Serving many adapters the way Punica (BGMV), S-LoRA and vLLM do: the frozen layer once, then one batched per-row
     update, not a loop over tasks.  The tensors of every task whose hook at a module has the same ``key`` (and
-    tensor shapes) are stacked once, when :class:`petl.MultiTask` is built, with one more entry, ``neutral``, for
-    the rows of the batch's other tasks; ``post`` then gets each row's entry index.
+    tensor shapes, but for ``pad``) are stacked once, when :class:`petl.MultiTask` is built, with one more entry,
+    ``neutral``, for the rows of the batch's other tasks; a batch then gathers each row's entry of every tensor (one
+    gather per dtype, whatever the number of tensors) and hands them to ``post`` or ``pre``.
 
     Attributes:
         key: hooks at one module stack when their keys (and the shapes and dtypes of their tensors) are equal;
@@ -59,25 +60,29 @@ class Batched:
         tensors: this task's tensors, computed once (inference only: a task's tensors do not change).
         neutral: tensors of the same shapes with which ``post`` leaves a row as it is (zeros for an additive
             update, a scale of one); they must give exactly the row back.
-        post: ``post(x, y, stack, entry) -> y`` over the whole batch, as :attr:`RowHook.post` over one task's rows:
-            ``stack`` holds each of ``tensors`` stacked on a new first dimension, ``entry`` (one per row, a long
-            tensor on the batch's device) each row's index into it.
-        pre: ``pre(x, tokens, stack, entry) -> x``: the same for :attr:`RowHook.pre` (a form has one of the two).
+        post: ``post(x, y, rows) -> y`` over the whole batch, as :attr:`RowHook.post` over one task's rows:
+            ``rows`` holds each of ``tensors`` as every row's own (rows first: row ``i`` has its task's tensor at
+            ``rows[k][i]``, the neutral one for a row of another task).
+        pre: ``pre(x, tokens, rows) -> x``: the same for :attr:`RowHook.pre` (a form has one of the two).
+        pad: per tensor, a dimension along which zeros are neutral (a low-rank update's rank: a zero row of A and
+            column of B add nothing), or ``None``: tasks whose tensors differ in size there stack, each padded with
+            zeros to the largest (S-LoRA serves adapters of many ranks in one batch).
 
     """
 
     key: Hashable
     tensors: tuple[Tensor, ...]
     neutral: tuple[Tensor, ...]
-    post: Callable[[Tensor, Tensor, tuple[Tensor, ...], Tensor], Tensor] | None = None
-    pre: Callable[[Tensor, Tokens, tuple[Tensor, ...], Tensor], Tensor] | None = None
+    post: Callable[[Tensor, Tensor, tuple[Tensor, ...]], Tensor] | None = None
+    pre: Callable[[Tensor, Tokens, tuple[Tensor, ...]], Tensor] | None = None
+    pad: tuple[int | None, ...] = ()
 
 
 def rows_matmul(x: Tensor, weight: Tensor, add: Tensor | None = None) -> Tensor:
     """``x`` (rows x ... x in) times the transpose of each row's own ``weight`` (rows x out x in), plus ``add``.
 
     One batched matmul (``bmm``, or ``baddbmm`` adding into ``add``, of ``x``'s rows x ... x out shape), as Punica's
-    BGMV: each row's weight is gathered by the caller (``stack[entry]``).
+    BGMV: each row's weight is gathered by the caller (a :class:`Batched` form's ``rows``).
     """
     flat = x.reshape(x.shape[0], -1, x.shape[-1])
     if add is None:
@@ -96,13 +101,13 @@ def rows_vector(vector: Tensor, like: Tensor, channel_dim: int = -1) -> Tensor:
     return vector.view(shape)
 
 
-def _affine_channels_last(x: Tensor, y: Tensor, stack: tuple[Tensor, ...], entry: Tensor) -> Tensor:
-    scale, shift = (t[entry] for t in stack)
+def _affine_channels_last(x: Tensor, y: Tensor, rows: tuple[Tensor, ...]) -> Tensor:
+    scale, shift = rows
     return torch.addcmul(rows_vector(shift, y), y, rows_vector(scale, y))
 
 
-def _affine_channels_first(x: Tensor, y: Tensor, stack: tuple[Tensor, ...], entry: Tensor) -> Tensor:
-    scale, shift = (t[entry] for t in stack)
+def _affine_channels_first(x: Tensor, y: Tensor, rows: tuple[Tensor, ...]) -> Tensor:
+    scale, shift = rows
     return torch.addcmul(rows_vector(shift, y, 1), y, rows_vector(scale, y, 1))
 
 
@@ -120,19 +125,26 @@ def affine(scale: Tensor, shift: Tensor, channel_dim: int = -1) -> Batched:
     return Batched(post, (scale.detach(), shift.detach()), neutral, post=post)
 
 
-def _low_rank_update(x: Tensor, y: Tensor, stack: tuple[Tensor, ...], entry: Tensor) -> Tensor:
-    """Every row's own update added to the frozen output: each row's A and B gathered, two bmm (BGMV)."""
-    a, b = stack
-    return rows_matmul(rows_matmul(x, a[entry]), b[entry], add=y)
+def _low_rank_update(x: Tensor, y: Tensor, rows: tuple[Tensor, ...]) -> Tensor:
+    """Every row's own update added to the frozen output: each row's A and B (gathered), two bmm (BGMV)."""
+    a, b = rows
+    return rows_matmul(rows_matmul(x, a), b, add=y)
 
 
 def low_rank(a: Tensor, b: Tensor) -> Batched:
     """The batched form of ``y + x A^T B^T`` (LoRA's update; FacT's, its factors multiplied out), the scale in ``B``.
 
-    Updates of one rank stack whichever method made them, as S-LoRA serves adapters of many kinds.
+    Updates stack whichever method made them and whatever their rank (zero-padded to the largest), as S-LoRA serves
+    adapters of many kinds and ranks.
     """
     a, b = a.detach(), b.detach()
-    return Batched(_low_rank_update, (a, b), (torch.zeros_like(a), torch.zeros_like(b)), post=_low_rank_update)
+    neutral = (torch.zeros_like(a), torch.zeros_like(b))
+    return Batched(_low_rank_update, (a, b), neutral, post=_low_rank_update, pad=(0, 1))
+
+
+def add_matmul_(y: Tensor, z: Tensor, weight: Tensor, alpha: float = 1.0) -> None:
+    """``y += alpha * z @ weight^T`` in place, as one ``addmm_`` over the rows of the tokens (``y`` contiguous)."""
+    y.view(-1, y.shape[-1]).addmm_(z.reshape(-1, z.shape[-1]), weight.t(), alpha=alpha)
 
 
 def per_device(*tensors: Tensor) -> Callable[[Tensor], tuple[Tensor, ...]]:
@@ -170,6 +182,10 @@ class RowHook:
             ``prompts`` (a task whose prompt count changes from block to block, as NOAH's, says it per block).
         pool_prompts: whether the pooling sees the task's prompts (VPT's ``original`` pool) or not (``img_pool``).
         batched: the batched form of ``post`` or ``pre`` (:class:`Batched`), if the method offers one.
+        post_in_place: ``post_in_place(x, y, tokens)``: what ``post`` does, done on ``y`` itself (``y += update``).
+            Used where the rows' ``y`` is the frozen module's fresh output and no autograd records (serving), so
+            that a task's update costs its own ops and no copy of its rows back into the batch; ``post``, if not
+            given, is a copy of ``y`` updated in place.
 
     """
 
@@ -182,6 +198,18 @@ class RowHook:
     visible: int | None = None
     pool_prompts: bool = True
     batched: Batched | None = None
+    post_in_place: Callable[[Tensor, Tensor, Tokens], None] | None = None
+
+    def __post_init__(self) -> None:
+        if self.post is None and self.post_in_place is not None:
+            update = self.post_in_place
+
+            def post(x: Tensor, y: Tensor, tokens: Tokens) -> Tensor:
+                y = y.clone()
+                update(x, y, tokens)
+                return y
+
+            object.__setattr__(self, "post", post)
 
 
 class CannotShare(ValueError):

@@ -29,7 +29,7 @@ def apply(
 
     Args:
         model: a timm model of a registered backbone kind (:func:`petl.list_backbones`: ViT, relpos ViT, BEiT, EVA,
-            Swin, SwinV2).
+            parallel-block ViT, Swin, SwinV2).
         method: a name from :func:`list_methods`, a method's config object, or a registered foreign config
             (a ``peft.PeftConfig``, which goes through the ``peft`` bridge).
         config: a ready config for a named method; otherwise one is built from ``options``.

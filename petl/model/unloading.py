@@ -67,6 +67,9 @@ def unload(model: nn.Module) -> nn.Module:
         base = _base_of(module)
         if base is None or not name:
             continue
+        # A wrapper may wrap another (RepAdapter's two row adapters on one in_proj): down to the plain module.
+        while _base_of(base) is not None:
+            base = _base_of(base)
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         if getattr(parent, child, None) is module:

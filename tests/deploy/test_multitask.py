@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import collections
 import copy
 import csv
+import importlib.util
+from pathlib import Path
 
 import numpy as np
 import pytest
 import timm
 import torch
-from conftest import TINY_MODELS, make_tiny_swin, make_tiny_vit, perturb_trainable
+from conftest import TINY_MODELS, make_tiny_family, make_tiny_swin, make_tiny_vit, perturb_trainable
 from PIL import Image
 
 import petl
@@ -20,7 +23,9 @@ from petl.deploy.multitask import TaskRefused
 from petl.deploy.routing import RoutedModule
 from petl.model.backbone import backbone_of
 from petl.store import load
+from petl.utils.ops import CountOps
 
+REPO = Path(__file__).resolve().parents[2]
 # Every registered method with its defaults, plus the variants that take another path through the mixed batch.
 VARIANTS = {
     "lora_all": ("lora", {"targets": "q,k,v,proj,fc1,fc2"}),
@@ -158,6 +163,7 @@ def test_ssf_and_bitfit_stack_inside_a_swins_window_attention(tmp_path):
     backbone = make_tiny_swin()
     singles, files = _save(tmp_path, SWIN_STACKED, backbone)
     multi = petl.MultiTask(backbone, files)
+    multi.launch_bound = True
     bb = backbone_of(multi.backbone)
     qkv = bb.linear(bb.block_list()[0], "qkv")
     assert [tuple(multi.names[t] for t in stack.tasks) for stack in qkv.stacks] == [("ssf", "ssf_2", "bitfit")]
@@ -364,11 +370,10 @@ def test_a_run_is_refused_over_a_backbone_it_was_not_trained_on(tmp_path):
         petl.MultiTask(native, {"a": at_32})
 
 
-# Tasks whose hooks stack (petl.model.rows.Batched): two LoRA layouts of the same total rank (one stack: B places each
-# target), another rank (a stack of its own once two tasks use it), SSF with BitFit's bias deltas (one affine
-# stack), both adapter styles, with and without their LayerNorm, VPT-deep with two prompt counts, and FacT, whose
-# update at qkv is a rank-8 low-rank one as lora_r4's (one stack across the two methods) and which is alone at proj,
-# fc1 and fc2 (served task by task there).  Every head is a Linear of its own width.
+# Tasks whose hooks stack (petl.model.rows.Batched): LoRA layouts and ranks, and FacT, whose update at qkv and fc1 is a
+# rank-8 low-rank one (one stack at qkv: B places each target, the lower ranks zero-padded); SSF with BitFit's bias
+# deltas (one affine stack; BitFit's LayerNorm biases too, with `all`); both adapter styles, with and without their
+# LayerNorm, of two widths (padded); VPT-deep with two prompt counts.  Every head is a Linear of its own width.
 BATCHED = {
     "lora_qv": ("lora", {}),
     "lora_qk": ("lora", {"targets": "q,k"}),
@@ -376,8 +381,10 @@ BATCHED = {
     "lora_r4_fc": ("lora", {"rank": 4, "targets": "fc1"}),
     "ssf": ("ssf", {}),
     "bitfit": ("bitfit", {"biases": "linear"}),
+    "bitfit_all": ("bitfit", {}),
     "adapter": ("adapter", {}),
     "adapter_2": ("adapter", {"scale": 0.5}),
+    "adapter_16": ("adapter", {"dim": 16}),
     "adapter_norm": ("adapter", {"norm": True}),
     "adapter_norm_2": ("adapter", {"norm": True}),
     "adapter_parallel": ("adapter", {"style": "parallel"}),
@@ -394,14 +401,16 @@ def _without_stacks(multi) -> None:
     multi.stacked_heads = False
     for module in multi.backbone.modules():
         if hasattr(module, "stacks"):
-            module.stacks = torch.nn.ModuleList()
+            module.stacks = []
 
 
 @pytest.fixture(scope="module")
 def stacked(tmp_path_factory):
     backbone = make_tiny_vit()
     singles, files = _save(tmp_path_factory.mktemp("batched"), BATCHED, backbone)
-    return singles, files, petl.MultiTask(backbone, files), backbone
+    multi = petl.MultiTask(backbone, files)
+    multi.launch_bound = True  # stacks act whenever two of their tasks are in a batch, as on a GPU
+    return singles, files, multi, backbone
 
 
 def test_hooks_with_the_same_batched_form_stack_once(stacked):
@@ -413,11 +422,13 @@ def test_hooks_with_the_same_batched_form_stack_once(stacked):
     def stacks(module) -> list[tuple[str, ...]]:
         return [tuple(multi.names[t] for t in stack.tasks) for stack in module.stacks]
 
-    # Q+V and Q+K stack (A 16 x in, B 3*width x 16 each); rank-4 Q+V (A 8 x in) with FacT's rank-8 qkv update, while
-    # the rank-4 fc1 update and FacT's fc1 update (A 4 x in, 8 x in) are each alone at fc1.
-    assert stacks(inner.attn.qkv) == [("lora_qv", "lora_qk"), ("lora_r4", "fact"), ("ssf", "bitfit")]
-    assert stacks(inner.mlp.base.fc1) == [("ssf", "bitfit")]
-    assert stacks(inner.mlp) == [("adapter", "adapter_2"), ("adapter_norm", "adapter_norm_2")]
+    # Q+V and Q+K (A 16 x in, B 3*width x 16 each), rank-4 Q+V (A 8 x in) and FacT's rank-8 update at qkv: one stack,
+    # as are the rank-4 fc1 update and FacT's fc1 update (A 4 x in, 8 x in).  BitFit's LayerNorm biases (`all`)
+    # stack with SSF's scale and shift at the norms.
+    assert stacks(inner.attn.qkv) == [("lora_qv", "lora_qk", "lora_r4", "fact"), ("ssf", "bitfit", "bitfit_all")]
+    assert stacks(inner.mlp.base.fc1) == [("lora_r4_fc", "fact"), ("ssf", "bitfit", "bitfit_all")]
+    assert stacks(inner.norm1) == [("ssf", "bitfit_all")]
+    assert stacks(inner.mlp) == [("adapter", "adapter_2", "adapter_16"), ("adapter_norm", "adapter_norm_2")]
     assert sorted(stacks(block)) == [("adapter_parallel", "adapter_parallel_2"), ("vpt_5", "vpt_5_2")]
     assert multi.stacked_heads
 
@@ -428,8 +439,8 @@ def test_stacked_hooks_give_each_row_its_own_models_logits(stacked, monkeypatch)
 
     singles, _, multi, _ = stacked
     ran = []
-    lookup = Stack.stack_and_entries
-    monkeypatch.setattr(Stack, "stack_and_entries", lambda self, batch: ran.append(self.tasks) or lookup(self, batch))
+    lookup = Stack.rows
+    monkeypatch.setattr(Stack, "rows", lambda self, batch: ran.append(self.tasks) or lookup(self, batch))
     for seed in range(2):
         ids, images = _mixed_batch(list(BATCHED), per_task=2, seed=seed)
         _check_rows(multi, singles, ids, images)
@@ -443,9 +454,29 @@ def test_stacked_hooks_give_each_row_its_own_models_logits(stacked, monkeypatch)
     _check_rows(multi, singles, ["lora_qv"] * 3, images[:3])
     _check_rows(multi, singles, ["lora_r4", "lora_r4_fc"], images[:2])
     assert not ran
-    # Two methods in one stack: LoRA's and FacT's low-rank updates at qkv.
-    _check_rows(multi, singles, ["fact", "lora_r4", "fact"], images[:3])
-    assert (multi.names.index("lora_r4"), multi.names.index("fact")) in ran
+    # Two methods and two ranks in one stack: LoRA's rank-4 and FacT's rank-8 low-rank updates at qkv and fc1; two
+    # adapter widths.
+    _check_rows(multi, singles, ["fact", "lora_r4_fc", "fact", "lora_r4"], images[:4])
+    _check_rows(multi, singles, ["adapter_16", "adapter", "adapter_16"], images[:3])
+    low_rank = {multi.names.index(n) for n in ("lora_r4", "lora_r4_fc", "fact")}
+    together = [tasks for tasks in ran if low_rank & set(tasks)]
+    assert len(together) >= 2 and all(multi.names.index("fact") in tasks for tasks in together)
+
+
+def test_on_a_cpu_a_stack_acts_where_its_tasks_hold_half_the_rows(stacked, monkeypatch):
+    """Its op computes every row: on a CPU (arithmetic the cost) only worth it for half the rows or more."""
+    from petl.deploy.routing import Stack
+
+    singles, _, multi, _ = stacked
+    ran = []
+    lookup = Stack.rows
+    monkeypatch.setattr(Stack, "rows", lambda self, batch: ran.append(self.tasks) or lookup(self, batch))
+    monkeypatch.setattr(multi, "launch_bound", None)  # by the device: the CPU here
+    ids, images = _mixed_batch(["lora_qv", "lora_qk", "ssf", "bitfit", "adapter"], per_task=2)
+    _check_rows(multi, singles, ids, images)
+    assert not ran  # the two LoRAs hold 4 of 10 rows, SSF and BitFit too
+    _check_rows(multi, singles, ["lora_qv", "ssf", "lora_qk", "lora_qv"], images[:4])
+    assert set(ran) == {tuple(multi.names.index(n) for n in ("lora_qv", "lora_qk", "lora_r4", "fact"))}
 
 
 def test_stacked_hooks_give_what_the_task_by_task_loop_gives(stacked):
@@ -466,13 +497,53 @@ def test_a_mixed_batch_on_a_swin_gives_each_row_its_own_tasks_logits(tmp_path, k
     cases["lora_2"] = ("lora", {"rank": 8})
     # VPT's prompts beside a Swin's grid have no row hook yet: refused in one line (tests/methods/test_vpt_swin.py).
     cases = {n: c for n, c in cases.items() if c[0] != "vpt"}
-    if kind == "swinv2":  # its q/v biases sit beside qkv, a frozen weight of every row: BitFit refuses to share
-        cases = {n: c for n, c in cases.items() if c[0] != "bitfit"}
+    # BitFit on a SwinV2's Linears trains the q/v biases its attention adds beside qkv: a delta on the routed qkv's
+    # rows.  BitFit on all biases trains the position-bias MLP's too, whose table every row shares: refused.
+    if kind == "swinv2":
+        del cases["bitfit"]
     backbone = TINY_MODELS[kind]()
     singles, files = _save(tmp_path, cases, backbone)
     multi = petl.MultiTask(backbone, files)
     ids, images = _mixed_batch(sorted(cases), per_task=2)
     _check_rows(multi, singles, ids, images)
+    if kind == "swinv2":
+        (tmp_path / "all").mkdir()
+        _, refused = _save(tmp_path / "all", {"bitfit": SHARED["bitfit"]}, backbone)
+        with pytest.raises(TaskRefused, match=r"task 'bitfit' .* trains layers\.0\.blocks\.0\.attn\.cpb_mlp, which"):
+            petl.MultiTask(backbone, refused)
+
+
+def test_a_mixed_batch_on_parallel_blocks_gives_each_row_its_own_tasks_logits(tmp_path):
+    # vit_pwee: LoRA's q/v/fc1 rows of in_proj, AdaptFormer reading the block's input (one residual), Convpass beside
+    # the inline sub-layers, peft on the block's own Linear names; the variants naming qkv or fc1 Linears are refused
+    # by apply there, and so is FacT (vit_pwee's MLP is 5x the width).
+    cases = {
+        n: c
+        for n, c in SHARED.items()
+        if "vit_parallel" in petl.get_method(c[0]).backbones and c[0] not in ("peft", "repadapter", "fact")
+    }
+    cases |= {
+        "lora_2": ("lora", {"rank": 8}),
+        "dora_in_proj": ("peft", {"target_modules": ("in_proj",), "options": '{"r": 4, "use_dora": true}'}),
+        "ia3_parallel": (
+            "peft",
+            {
+                "peft_type": "IA3",
+                "target_modules": ("in_proj", "mlp_out_proj"),
+                "options": '{"feedforward_modules": ["mlp_out_proj"]}',
+            },
+        ),
+    }
+    backbone = make_tiny_family("vit_pwee")
+    singles, files = _save(tmp_path, cases, backbone)
+    multi = petl.MultiTask(backbone, files)
+    ids, images = _mixed_batch(sorted(cases), per_task=2)
+    _check_rows(multi, singles, ids, images)
+    # RepAdapter (and FacT) put two wrappers (the MLP's rows, the Q/K/V rows) on one in_proj: no row hook composes.
+    _, files = _save(tmp_path, {"repadapter": ("repadapter", {})}, backbone)
+    with pytest.raises(TaskRefused, match=r"task 'repadapter' .*modifies blocks\.0\.in_proj twice") as error:
+        petl.MultiTask(backbone, files)
+    assert "\n" not in str(error.value)
 
 
 def test_rows_without_prompts_share_the_blocks_without_prompt_slots(stacked, monkeypatch):
@@ -493,3 +564,48 @@ def test_rows_without_prompts_share_the_blocks_without_prompt_slots(stacked, mon
     passes.clear()
     _check_rows(multi, singles, ["ssf", "lora_qv"], images[:2])
     assert passes == [["lora_qv", "ssf"]]
+
+
+def _eight_methods() -> dict[str, tuple[str, dict]]:
+    """The 8-method set of benchmarks/multitask_speed.py (one task of each family), by task name."""
+    spec = importlib.util.spec_from_file_location("multitask_speed", REPO / "benchmarks" / "multitask_speed.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    methods = script.TASK_SETS["8 methods"]
+    return {f"{method}_{i}": (method, options) for i, (method, options) in enumerate(methods)}
+
+
+# What the 8-method set may add to the plain backbone's ops, per block: LoRA's and FacT's updates at qkv in one stack
+# (bmm, baddbmm), FacT alone at proj, fc1 and fc2 (mm, addmm_ into the rows), SSF's and BitFit's scales and shifts
+# in one stack at the norms and Linears (an addcmul each), each adapter's down, activation, up and add_ into the
+# rows, Convpass's two bypasses (down, SiLU, conv, the class token's centre tap, cat, SiLU, up, add_).
+EIGHT_METHODS_OPS_PER_BLOCK = {"lora+fact": 2, "fact": 3 * 2, "ssf+bitfit": 6, "adapters": 2 * 4, "convpass": 2 * 8}
+# Per batch: sorting the rows by task, the prompted task's slots and masks, the two passes' features joined, each
+# row's head gathered, each stack table's rows gathered once, SSF and BitFit at the patch embedding and final norm.
+EIGHT_METHODS_OPS_PER_BATCH = 40
+
+
+def test_a_mixed_batch_of_eight_methods_launches_few_ops(tmp_path):
+    """On a GPU a mixed batch of small updates is bound by the host launching ops, so one forward's op count is
+    its cost: the 8-method set costs two passes of the plain backbone's ops (the prompted task's rows go through
+    the blocks on their own) plus what each family's update needs, no copy of a task's rows back into the batch
+    and no per-module gather of its stacked tensors."""
+    backbone = make_tiny_vit()
+    _, files = _save(tmp_path, _eight_methods(), backbone)
+    multi = petl.MultiTask(backbone, files)
+    multi.launch_bound = True  # the GPU's path: every stack of two or more tasks acts
+    ids, images = _mixed_batch(list(files), per_task=4)
+
+    def ops(forward) -> collections.Counter[str]:
+        with torch.no_grad():
+            forward()  # a first call fills the per-device copies of the tasks' served tensors
+            with CountOps() as count:
+                forward()
+        return count.ops
+
+    mixed, plain = ops(lambda: multi(images, ids)), ops(lambda: backbone(images))
+    depth = len(backbone.blocks)
+    budget = 2 * sum(plain.values()) + depth * sum(EIGHT_METHODS_OPS_PER_BLOCK.values()) + EIGHT_METHODS_OPS_PER_BATCH
+    assert sum(mixed.values()) <= budget, dict(mixed)
+    # The rows are written in place (the 2 copies build the prompt-slot masks on the CPU).
+    assert mixed["copy_"] <= 2, dict(mixed)

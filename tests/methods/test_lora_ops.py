@@ -15,36 +15,18 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from petl.methods.lora import LoraLinear
+from petl.utils.ops import CountOps
 
-# Ops that only alias or allocate: no kernel, no arithmetic.
-_FREE = {
-    "view", "_unsafe_view", "t", "transpose", "slice", "expand", "unsqueeze", "squeeze", "as_strided", "reshape",
-    "alias", "permute", "detach", "split", "split_with_sizes", "narrow", "select", "empty", "empty_like",
-    "new_empty", "new_empty_strided", "empty_strided",
-}  # fmt: skip
 IN, OUT, ROWS = 16, 48, 10
-
-
-class _CountOps(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: collections.Counter[str] = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-        name = func.overloadpacket.__name__
-        if name not in _FREE:
-            self.ops[name] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def _ops(layer: nn.Module, bf16: bool) -> collections.Counter[str]:
     """The ops of one forward and backward of ``layer``, the output gradient given (not counted)."""
     x = torch.randn(2, ROWS, IN, requires_grad=True).view(2, ROWS, IN)  # a view: not a leaf, as in a model
     grad = torch.ones(2, ROWS, OUT, dtype=torch.bfloat16 if bf16 else torch.float32)
-    with _CountOps() as count:
+    with CountOps() as count:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             y = layer(x)
         y.backward(grad)
@@ -98,7 +80,7 @@ def test_a_lora_call_dispatches_no_more_ops_than_peft_lora_on_the_same_linear(bf
 
 def _inference_ops(layer: nn.Module, bf16: bool, x: torch.Tensor | None = None) -> int:
     x = torch.randn(2, ROWS, IN) if x is None else x
-    with _CountOps() as count, torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+    with CountOps() as count, torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
         layer(x)
     return sum(count.ops.values())
 

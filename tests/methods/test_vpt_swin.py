@@ -118,10 +118,11 @@ def test_vpt_on_swin_refuses_pruning_and_swinv2(images):
 
 
 def test_multitask_refuses_vpt_on_swin_in_one_line(tmp_path):
-    # A mixed batch would need each row's prompts in its own windows and masked out of the others': no row hook.
+    # A mixed batch puts prompts in slots of the token sequence; a Swin's blocks see a grid with no room for them.
     path = tmp_path / "vpt.safetensors"
     petl.save_trainable(petl.apply_vpt(make_tiny_swin(), num_tokens=2, num_classes=4), path)
-    with pytest.raises(ValueError, match=r"task 'vpt' \(method vpt\) cannot share .*PromptedSwinBlock") as error:
+    refused = r"task 'vpt' \(method vpt\) cannot share .*VPT's prompts on a Swin travel beside the grid"
+    with pytest.raises(ValueError, match=refused) as error:
         petl.MultiTask(make_tiny_swin(), {"vpt": path})
     assert "\n" not in str(error.value)
 

@@ -26,6 +26,9 @@ QKV_INDEX = {"q": 0, "k": 1, "v": 2}
 
 # Model class -> the Backbone class of its family (subclasses found through the MRO).
 _FAMILIES: dict[type, type[Backbone]] = {}
+# (model class, block class) -> the Backbone class chosen over _FAMILIES[model class] when the model's blocks are of
+# that class: timm builds some families (the parallel blocks of vit_pwee_*) as a VisionTransformer with other blocks.
+_BY_BLOCK: dict[tuple[type, type], type[Backbone]] = {}
 # Block class -> the Backbone class that knows its halves (exact classes: a subclass may run another forward).
 _BLOCK_FAMILIES: dict[type, type[Backbone]] = {}
 
@@ -50,6 +53,10 @@ class Backbone:
         block_types: the block classes whose parts and residual halves the static methods below know.
         timm_modules: the timm modules whose models the family takes (what ``petl-run model=`` lists).
         linear_names: the Linears of a block :meth:`linear` can reach (attention first, then the MLP).
+        sublayers_are_modules: whether a block's attention and MLP are modules that read the normalised tokens
+            (:meth:`attention`, :meth:`feed_forward`); if not, :meth:`beside_sublayers` adds beside them.
+        norm_groups: each norm of a block (a :meth:`block_norm` name) with the Linears (:meth:`linear` names) that
+            follow it, in forward order.
         maskable_pools: poolings :meth:`pooled_features` can restrict to some tokens.
         model: the model itself.
 
@@ -61,6 +68,14 @@ class Backbone:
     block_types: ClassVar[tuple[type, ...]] = ()
     timm_modules: ClassVar[tuple[str, ...]] = ()
     linear_names: ClassVar[tuple[str, ...]] = ()
+    # Whether a block's attention and MLP are modules that read the normalised tokens (attention(), feed_forward());
+    # a parallel block runs them inline, and what goes beside them goes through beside_sublayers instead.
+    sublayers_are_modules: ClassVar[bool] = True
+    # Each pre-norm of a block and the Linears that follow it, in forward order (what SSF and BitFit walk).
+    norm_groups: ClassVar[tuple[tuple[str, tuple[str, ...]], ...]] = (
+        ("norm1", ("qkv", "proj")),
+        ("norm2", ("fc1", "fc2")),
+    )
     maskable_pools: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, model: nn.Module) -> None:
@@ -355,6 +370,24 @@ class Backbone:
         """The second half of a block, ``x + mlp_branch(x)``."""
         return x + cls.mlp_branch(block, x)
 
+    @classmethod
+    def mlp_input_and_output(
+        cls, block: nn.Module, x: torch.Tensor, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block run on ``x``: the stream entering its MLP half (``attn_residual``'s output) and the block's output.
+
+        A parallel block's MLP reads the block's input, so there that is ``x`` itself.
+        """
+        mid = cls.attn_residual(block, x, **kwargs)
+        return mid, cls.mlp_residual(block, mid)
+
+    @staticmethod
+    def beside_sublayers(block: nn.Module, x: torch.Tensor, side: Any) -> torch.Tensor:
+        """What ``side(normalised x)``, added to the attention's and MLP's summed output, adds to the block's output
+        for ``x``, in a family whose sub-layers are not modules (:attr:`sublayers_are_modules` False).
+        """
+        raise NotImplementedError("this family's attention and MLP are modules: wrap them (attention, feed_forward)")
+
     @staticmethod
     def mlp_norm(block: nn.Module) -> nn.Module:
         """The norm in front of a block's MLP (its input is the residual stream after attention)."""
@@ -369,6 +402,32 @@ class Backbone:
         width = cls.linear(block, "qkv").out_features // 3
         start = QKV_INDEX[part] * width
         return "qkv", start, start + width
+
+    def batch_shared_modules(self) -> list[nn.Module]:
+        """Modules whose input is a table every image shares, not the images' rows (a SwinV2's continuous
+        position-bias MLP); none by default.  A task that trains one changes what every row of a mixed batch uses.
+        """
+        return []
+
+    @staticmethod
+    def biases_beside(module: nn.Module) -> tuple[str, dict[str, tuple[int, int]]] | None:
+        """Where ``module`` adds biases it holds itself to the output of one of its Linears: that Linear's attribute
+        name and each bias's (first, end) output rows; ``None`` where it adds none (the default).
+
+        A mixed batch serves a task that trains such biases (BitFit on a SwinV2's q/v biases) as a delta on that
+        Linear's output, as it serves a trained Linear bias.
+        """
+        return None
+
+    @classmethod
+    def target_rows(cls, block: nn.Module, target: str) -> tuple[str, int, int]:
+        """The Linear of a block (one of :attr:`linear_names`) that computes ``target`` and the rows [start, end) of its
+        output that are ``target``: ``q``, ``k``, ``v`` as :meth:`qkv_rows` says; ``qkv``, ``proj``, ``fc1`` and ``fc2``
+        all of the Linear of that name (a parallel block keeps ``fc1`` and ``qkv`` as rows of one ``in_proj``).
+        """
+        if target in QKV_INDEX:
+            return cls.qkv_rows(block, target)
+        return target, 0, cls.linear(block, target).out_features
 
     @staticmethod
     def loose_biases(block: nn.Module) -> list[nn.Parameter]:
@@ -386,14 +445,20 @@ class Backbone:
         raise NotImplementedError
 
 
-def register_backbone(*model_classes: type) -> Any:
-    """Class decorator: the decorated :class:`Backbone` subclass serves ``model_classes`` and their subclasses."""
+def register_backbone(*model_classes: type, blocks: tuple[type, ...] = ()) -> Any:
+    """Class decorator: the decorated :class:`Backbone` subclass serves ``model_classes`` and their subclasses.
+
+    With ``blocks``, it serves them only when their first block is of one of those classes (another family is
+    registered for the model classes themselves): the model class alone does not tell the families apart.
+    """
 
     def decorate(family: type[Backbone]) -> type[Backbone]:
         for cls in model_classes:
-            if cls in _FAMILIES:
-                raise ValueError(f"{cls.__name__} already has backbone {_FAMILIES[cls].kind!r}")
-            _FAMILIES[cls] = family
+            table, key = (_BY_BLOCK, [(cls, b) for b in blocks]) if blocks else (_FAMILIES, [cls])
+            for k in key:
+                if k in table:
+                    raise ValueError(f"{k} already has backbone {table[k].kind!r}")
+                table[k] = family
         for cls in family.block_types:
             _BLOCK_FAMILIES[cls] = family
         return family
@@ -401,19 +466,35 @@ def register_backbone(*model_classes: type) -> Any:
     return decorate
 
 
+def _all_families() -> list[type[Backbone]]:
+    return [*_FAMILIES.values(), *_BY_BLOCK.values()]
+
+
 def list_backbones() -> list[str]:
     """The kinds of every registered backbone family, sorted."""
-    return sorted({family.kind for family in _FAMILIES.values()})
+    return sorted({family.kind for family in _all_families()})
 
 
 def timm_modules() -> list[str]:
     """The timm modules of every registered family's models, sorted."""
-    return sorted({module for family in _FAMILIES.values() for module in family.timm_modules})
+    return sorted({module for family in _all_families() for module in family.timm_modules})
 
 
 def family_of(model: nn.Module) -> type[Backbone] | None:
-    """The registered Backbone class for ``model``'s class (nearest in its MRO), else None."""
-    return next((_FAMILIES[cls] for cls in type(model).__mro__ if cls in _FAMILIES), None)
+    """The registered Backbone class for ``model``'s class (nearest in its MRO), else None; where a family is
+    registered for that class and the model's block class (``register_backbone(..., blocks=)``), that one.
+    """
+    cls = next((cls for cls in type(model).__mro__ if cls in _FAMILIES), None)
+    if cls is None:
+        return None
+    family = _FAMILIES[cls]
+    if any(key[0] is cls for key in _BY_BLOCK):
+        try:
+            first = type(unwrap(family(model).block_container()[0]))
+        except (AttributeError, IndexError, TypeError):  # no blocks where the family keeps them: check() says so
+            return family
+        family = _BY_BLOCK.get((cls, first), family)
+    return family
 
 
 def backbone_of(model: nn.Module) -> Backbone:
@@ -425,7 +506,7 @@ def backbone_of(model: nn.Module) -> Backbone:
     """
     family = family_of(model)
     if family is None:
-        supported = "; ".join(sorted({f.supported for f in _FAMILIES.values()}))
+        supported = "; ".join(sorted({f.supported for f in _all_families()}))
         raise ValueError(f"petl supports {supported}; got {type(model).__name__}, which no backbone family takes")
     return family(model)
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 from timm.models.swin_transformer import SwinTransformer, SwinTransformerBlock
-from timm.models.swin_transformer_v2 import SwinTransformerV2, SwinTransformerV2Block
+from timm.models.swin_transformer_v2 import SwinTransformerV2, SwinTransformerV2Block, WindowAttention
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -342,6 +342,18 @@ class SwinV2(Swin):
         if name != "qkv":
             return Swin.linear_biases(block, name)
         return [b for b in (block.attn.q_bias, block.attn.v_bias) if isinstance(b, nn.Parameter)]
+
+    def batch_shared_modules(self) -> list[nn.Module]:
+        """Each window attention's ``cpb_mlp``: it maps the relative-coordinates table to the position bias."""
+        return [block.attn.cpb_mlp for block in self.block_list()]
+
+    @staticmethod
+    def biases_beside(module: nn.Module) -> tuple[str, dict[str, tuple[int, int]]] | None:
+        """A window attention's ``q_bias`` and ``v_bias``, added to its ``qkv`` output's Q and V rows."""
+        if not isinstance(module, WindowAttention) or module.q_bias is None:
+            return None
+        width = unwrap(module.qkv).out_features // 3
+        return "qkv", {"q_bias": (0, width), "v_bias": (2 * width, 3 * width)}
 
     @staticmethod
     def attn_branch(block: nn.Module, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:

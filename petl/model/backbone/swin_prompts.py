@@ -37,6 +37,7 @@ from timm.models._features import feature_take_indices
 from timm.models.swin_transformer import window_partition, window_reverse
 from torch import nn
 
+from petl.model import rows
 from petl.model.wrappers import PetlModule
 
 # Tokens between prompted modules: the NHWC grid and the prompts (B, n, C) beside it.
@@ -100,6 +101,18 @@ class PromptedFinalNorm(PetlModule):
         # L262-264: norm over every token, prompts included, then the average pool over all of them.
         tokens = torch.cat([prompts, grid.flatten(1, 2)], dim=1)
         return self.base(tokens).unsqueeze(1)
+
+
+def _refuse_mixed_batch(wrapper: nn.Module) -> rows.RowHook:
+    # petl.MultiTask puts prompts in slots of the token sequence; a Swin's shared blocks see an NHWC grid.
+    raise rows.CannotShare(
+        "VPT's prompts on a Swin travel beside the grid (copied into every window, averaged back, tiled at each "
+        "patch merging), and a mixed batch's shared Swin blocks carry no prompts: serve it as its own model"
+    )
+
+
+for _wrapper in (PromptedSwinBlock, PromptedPatchMerging, PromptedFinalNorm):
+    rows.register_row_hook(_wrapper)(_refuse_mixed_batch)
 
 
 def prompted_block(block: nn.Module, grid: torch.Tensor, prompts: torch.Tensor) -> Pair:
