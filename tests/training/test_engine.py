@@ -351,6 +351,21 @@ def test_a_run_says_its_schedule_and_resolution_when_it_starts(tmp_path, capsys)
     )
 
 
+@pytest.mark.parametrize("kind", sorted(TINY_MODELS))
+@pytest.mark.parametrize("method", ["linear", "mlp"])
+def test_cached_features_are_what_the_head_reads_on_the_live_model(images, kind, method):
+    # The cache holds the pooled features, not a petl head's own pre-logits (Mlp-k's hidden layers): a head
+    # trained on the cache must give the live model's logits (it gave chance-level test accuracy when it did not).
+    model = petl.apply(TINY_MODELS[kind](), method, num_classes=4)
+    model.train()
+    model(images)  # BatchNorm's running statistics move away from their initial values
+    model.eval()
+    plan = cache.plan(model)
+    assert plan == cache.CachePlan(start=None, features=True)
+    tail = cache.CachedTail(model, plan)
+    torch.testing.assert_close(tail(tail.front(images)), model(images))
+
+
 @pytest.mark.parametrize("kind", ["swin", "swinv2"])
 def test_cache_on_a_swin_cuts_in_front_of_the_patch_merging(images, kind):
     # Partial-2 trains the second stage (blocks 2 and 3): the cut is taken in front of its patch merging.
