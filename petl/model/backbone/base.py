@@ -260,8 +260,14 @@ class Backbone:
         raise NotImplementedError
 
     def pre_logits(self, images: torch.Tensor) -> torch.Tensor:
-        """The pooled features the head reads, for ``images``."""
-        raise NotImplementedError
+        """Timm's ``forward_head(forward_features(images), pre_logits=True)``: the pooled features the head reads.
+
+        The class's ``forward_head``, not the instance's: on a model from ``petl.apply`` with its own head (Mlp-k)
+        the instance's returns that head's hidden features (timm's meaning of ``pre_logits``), which a feature
+        cache must not hold, since the head trains on what is cached.
+        """
+        model = self.model
+        return type(model).forward_head(model, model.forward_features(images), pre_logits=True)
 
     def num_tokens(self) -> int:
         """Tokens entering the first block per image at the model's image size (prefix tokens included)."""

@@ -235,16 +235,6 @@ class ViT(TimmBlockParts, Backbone):
         x = checkpoint_seq(tail, x) if getattr(model, "grad_checkpointing", False) else tail(x)
         return model.forward_head(model.norm(x))
 
-    def pre_logits(self, images: torch.Tensor) -> torch.Tensor:
-        """Timm's ``forward_head(forward_features(images), pre_logits=True)``: the pooled features the head reads.
-
-        The class's ``forward_head``, not the instance's: on a model from ``petl.apply`` with its own head (Mlp-k)
-        the instance's returns that head's hidden features (timm's meaning of ``pre_logits``), which a feature
-        cache must not hold, since the head trains on what is cached.
-        """
-        model = self.model
-        return type(model).forward_head(model, model.forward_features(images), pre_logits=True)
-
     def num_tokens(self) -> int:
         """Patch tokens (where the patch embedding knows them) plus prefix tokens."""
         patch_embed = self.model.patch_embed
