@@ -14,8 +14,6 @@ with learned class-to-patch entries.  Three things differ inside a block:
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 from timm.layers import Mlp
@@ -24,6 +22,7 @@ from timm.models.beit import Beit as TimmBeit
 from torch import nn
 
 from petl.model.backbone.base import register_backbone, unwrap
+from petl.model.backbone.timm_block import GammaBranches
 from petl.model.backbone.vit import ViT
 from petl.model.backbone.vit_relpos import VitRelPos, pad_bias
 from petl.model.wrappers import PetlModule
@@ -60,7 +59,7 @@ class BeitRoom(PetlModule):
 
 
 @register_backbone(TimmBeit)
-class Beit(VitRelPos):
+class Beit(GammaBranches, VitRelPos):
     """A timm Beit (BEiT, BEiT-v2: per-block or shared relative-position bias, layer scale or not)."""
 
     kind = "beit"
@@ -123,18 +122,6 @@ class Beit(VitRelPos):
         """``q_bias`` and ``v_bias`` of the attention, where it has them."""
         attn = block.attn
         return [b for b in (attn.q_bias, attn.v_bias) if b is not None]
-
-    @staticmethod
-    def attn_branch(block: nn.Module, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-        """``drop_path1(gamma_1 * attn(norm1(x), shared_rel_pos_bias=...))``."""
-        out = block.attn(block.norm1(x), **kwargs)
-        return block.drop_path1(out if block.gamma_1 is None else block.gamma_1 * out)
-
-    @staticmethod
-    def mlp_branch(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """``drop_path2(gamma_2 * mlp(norm2(x)))``."""
-        out = block.mlp(block.norm2(x))
-        return block.drop_path2(out if block.gamma_2 is None else block.gamma_2 * out)
 
     @staticmethod
     def make_room(block: nn.Module, at: int, count: int) -> None:

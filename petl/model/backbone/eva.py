@@ -25,6 +25,7 @@ from timm.models.eva import EvaAttention, EvaBlock
 from torch import nn
 
 from petl.model.backbone.base import register_backbone, unwrap
+from petl.model.backbone.timm_block import GammaBranches
 from petl.model.backbone.vit import ViT
 from petl.model.wrappers import PetlModule
 
@@ -53,7 +54,7 @@ class EvaRoom(PetlModule):
 
 
 @register_backbone(TimmEva)
-class Eva(ViT):
+class Eva(GammaBranches, ViT):
     """A timm Eva (EVA, EVA-02: rotary embedding or not, fused or separate q/k/v, GELU or SwiGLU MLP)."""
 
     kind = "eva"
@@ -157,18 +158,6 @@ class Eva(ViT):
         """``q_bias`` and ``v_bias`` of a fused attention, where it has them."""
         attn = block.attn
         return [b for b in (getattr(attn, "q_bias", None), getattr(attn, "v_bias", None)) if b is not None]
-
-    @staticmethod
-    def attn_branch(block: nn.Module, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-        """``drop_path1(gamma_1 * attn(norm1(x), rope=..., attn_mask=...))``."""
-        out = block.attn(block.norm1(x), **kwargs)
-        return block.drop_path1(out if block.gamma_1 is None else block.gamma_1 * out)
-
-    @staticmethod
-    def mlp_branch(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """``drop_path2(gamma_2 * mlp(norm2(x)))``."""
-        out = block.mlp(block.norm2(x))
-        return block.drop_path2(out if block.gamma_2 is None else block.gamma_2 * out)
 
     @staticmethod
     def make_room(block: nn.Module, at: int, count: int) -> None:

@@ -8,6 +8,9 @@ stays in each family's own module.
 
 from __future__ import annotations
 
+from typing import Any
+
+import torch
 from torch import nn
 
 # The Linears that live in the attention; the others (fc1, fc2) live in the MLP.
@@ -69,3 +72,21 @@ class TimmBlockParts:
     def set_block_norm(block: nn.Module, name: str, module: nn.Module) -> None:
         """Replace ``norm1`` or ``norm2``."""
         setattr(block, name, module)
+
+
+class GammaBranches:
+    """The residual halves of a block whose layer scales are bare parameters ``gamma_1``/``gamma_2`` (``None``
+    without layer scale), as timm's BEiT and EVA blocks keep them.
+    """
+
+    @staticmethod
+    def attn_branch(block: nn.Module, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        """``drop_path1(gamma_1 * attn(norm1(x), **kwargs))`` (the family's attention keywords passed on)."""
+        out = block.attn(block.norm1(x), **kwargs)
+        return block.drop_path1(out if block.gamma_1 is None else block.gamma_1 * out)
+
+    @staticmethod
+    def mlp_branch(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """``drop_path2(gamma_2 * mlp(norm2(x)))``."""
+        out = block.mlp(block.norm2(x))
+        return block.drop_path2(out if block.gamma_2 is None else block.gamma_2 * out)
