@@ -352,8 +352,8 @@ class Backbone:
         raise NotImplementedError
 
     @staticmethod
-    def layer_scales(block: nn.Module) -> list[nn.Module]:
-        """The block's layer-scale modules (identities where it has none)."""
+    def layer_scale_parameters(block: nn.Module) -> list[nn.Parameter]:
+        """The block's layer-scale gammas, whether a module holds them or the block itself (none without)."""
         raise NotImplementedError
 
     @staticmethod

@@ -108,16 +108,6 @@ class Beit(GammaBranches, VitRelPos):
             block.attn.qkv_bias_separate = True
 
     @staticmethod
-    def layer_scales(block: nn.Module) -> list[nn.Module]:
-        """BEiT's layer scales are bare parameters, not modules.
-
-        Raises:
-            ValueError: always.
-
-        """
-        raise ValueError("BEiT keeps its layer scales as parameters (gamma_1, gamma_2), not modules")
-
-    @staticmethod
     def loose_biases(block: nn.Module) -> list[nn.Parameter]:
         """``q_bias`` and ``v_bias`` of the attention, where it has them."""
         attn = block.attn

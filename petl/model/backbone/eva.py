@@ -144,16 +144,6 @@ class Eva(GammaBranches, ViT):
         return name, 0, cls.linear(block, name).out_features
 
     @staticmethod
-    def layer_scales(block: nn.Module) -> list[nn.Module]:
-        """EVA's layer scales are bare parameters, not modules.
-
-        Raises:
-            ValueError: always.
-
-        """
-        raise ValueError("EVA keeps its layer scales as parameters (gamma_1, gamma_2), not modules")
-
-    @staticmethod
     def loose_biases(block: nn.Module) -> list[nn.Parameter]:
         """``q_bias`` and ``v_bias`` of a fused attention, where it has them."""
         attn = block.attn

@@ -80,6 +80,11 @@ class GammaBranches:
     """
 
     @staticmethod
+    def layer_scale_parameters(block: nn.Module) -> list[nn.Parameter]:
+        """``gamma_1`` and ``gamma_2``, where the block has layer scale."""
+        return [gamma for gamma in (block.gamma_1, block.gamma_2) if gamma is not None]
+
+    @staticmethod
     def attn_branch(block: nn.Module, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         """``drop_path1(gamma_1 * attn(norm1(x), **kwargs))`` (the family's attention keywords passed on)."""
         out = block.attn(block.norm1(x), **kwargs)

@@ -289,9 +289,9 @@ class ViT(TimmBlockParts, Backbone):
     # -- inside one block ------------------------------------------------------------------------------------
 
     @staticmethod
-    def layer_scales(block: nn.Module) -> list[nn.Module]:
-        """``ls1`` and ``ls2`` (``nn.Identity`` in a ViT without layer scale)."""
-        return [block.ls1, block.ls2]
+    def layer_scale_parameters(block: nn.Module) -> list[nn.Parameter]:
+        """The parameters of ``ls1`` and ``ls2`` (none where they are ``nn.Identity``)."""
+        return [*block.ls1.parameters(), *block.ls2.parameters()]
 
     @staticmethod
     def attn_branch(block: nn.Module, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
