@@ -440,7 +440,7 @@ def inject_hst(model: nn.Module, cfg: HstConfig) -> None:
     side = HstSide(model, cfg)
     for block in bb.block_list():
         # The meta tokens have no position: no relative-position bias, no rotation (nothing to do in a ViT).
-        bb.make_room(block, 0, cfg.meta_tokens)
+        bb.make_room(block, 0)
     _side.install(model, side)
     for norm in _block_norms(model):
         norm.requires_grad_(True)

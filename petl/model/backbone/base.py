@@ -441,12 +441,14 @@ class Backbone:
         return []
 
     @staticmethod
-    def make_room(block: nn.Module, at: int, count: int) -> None:
-        """Let ``block`` (unwrapped) take ``count`` extra tokens inserted at position ``at`` (after the prefix tokens)
-        that have no position of their own: where the block adds position terms to the patch tokens inside
-        attention (a relative-position bias, a rotary embedding), the extra tokens get none (a zero bias, no
-        rotation), as VPT's own Swin code zero-pads the bias for its prompts (KMnP/vpt
-        src/models/vit_prompt/swin_transformer.py L480-508).
+    def make_room(block: nn.Module, at: int) -> None:
+        """Let ``block`` (unwrapped) take extra tokens inserted at position ``at`` (after the prefix tokens, or at the
+        end of the sequence) that have no position of their own: where the block adds position terms to the patch
+        tokens inside attention (a relative-position bias, a rotary embedding), the extra tokens get none (a zero
+        bias, no rotation), as VPT's own Swin code zero-pads the bias for its prompts (KMnP/vpt
+        src/models/vit_prompt/swin_transformer.py L480-508).  As many as the block's input holds beyond the tokens
+        the position terms cover, from none up: NOAH's prompts change in number from block to block and, in its
+        search, from step to step.
         """
         raise NotImplementedError
 

@@ -257,7 +257,7 @@ class ViT(TimmBlockParts, Backbone):
         for block in self.block_list():
             # Every block carries the prompts; where a block adds position terms inside attention (a relative-position
             # bias, a rotary embedding) the prompts get none.
-            self.make_room(block, self.num_prefix_tokens(), count)
+            self.make_room(block, self.num_prefix_tokens())
         for i, prompt in enumerate(prompts):
             last_strip = strip and i == depth - 1
             if prompt is None and not last_strip:
@@ -309,5 +309,5 @@ class ViT(TimmBlockParts, Backbone):
         return block.norm2
 
     @staticmethod
-    def make_room(block: nn.Module, at: int, count: int) -> None:
+    def make_room(block: nn.Module, at: int) -> None:
         """Nothing to do: a ViT adds its (absolute) position embedding before the blocks."""
