@@ -24,7 +24,10 @@ prompts live in slots right after the class/register tokens, as many as the batc
 writes its own prompts there, and an attention mask keeps every row from attending slots it does not
 use (and an average pooling from counting them), so a row sees exactly the tokens its own model would.
 HST's meta tokens and NOAH's trailing prompts use the same slots (attention does not depend on where a
-token sits); a task whose prompts change from block to block (NOAH) gives each block's count.
+token sits); a task whose prompts change from block to block (NOAH) gives each block's count.  Where launching
+ops is what a batch costs (a GPU: :attr:`MultiTask.launch_bound`) every row goes through the blocks in that one
+pass, a task without prompts having all its slots masked; where the arithmetic is (a CPU) the rows of tasks
+without prompts take a pass of their own, without slots or masks, and the prompted tasks' rows a second.
 
 Tasks whose hooks at a module have the same batched form (:class:`petl.model.rows.Batched`: LoRA's and FacT's
 low-rank updates of any rank, SSF's scale and shift with BitFit's bias deltas, bottleneck adapters of one style,
@@ -350,9 +353,14 @@ class MultiTask(nn.Module):
                 if visible not in masks:
                     # Additive (0 or -inf, SDPA's meaning of a float mask, as timm's non-fused attention takes it
                     # too): a bool mask would be turned into one in every block's attention, three ops each.
+                    # Its rows' storage is padded to a multiple of 8 tokens: the GPU's memory-efficient attention
+                    # (the SDPA kernel that takes a mask) would otherwise pad an unaligned mask in every block
+                    # (torch's aten/src/ATen/native/transformers/attention.cpp, preprocess_mask).
                     keep = self._slot_mask(x, tasks, tokens, [v[i] for v in self.visible], device="cpu")
-                    bias = torch.zeros(keep.shape, dtype=x.dtype).masked_fill_(~keep, float("-inf"))
-                    masks[visible] = bias.to(x.device)[:, None, None]
+                    n = keep.shape[1]
+                    bias = torch.zeros(keep.shape[0], 1, 1, -(-n // 8) * 8, dtype=x.dtype)
+                    bias[..., :n].masked_fill_(~keep[:, None, None], float("-inf"))
+                    masks[visible] = bias.to(x.device)[..., :n]
                 x = bb.run_block(block, x, attn_mask=masks[visible])
             return bb.pooled_features(x, pool)
         finally:
@@ -371,27 +379,31 @@ class MultiTask(nn.Module):
 
         """
         index = self.task_index(task_ids, images.shape[0])
-        # Rows sorted by task, the tasks without prompt tokens first: their rows share the blocks without slots or
-        # attention masks, and only the prompted tasks' rows carry them, in a pass of their own through the blocks.
-        prompted = [n > 0 for n in self.prompts]
-        key = index + len(self.names) * torch.tensor(prompted)[index].long() if any(prompted) else index
+        launch_bound = self._launch_bound(images)
+        # Rows sorted by task.  Where the arithmetic is the cost (a CPU), the tasks without prompt tokens come first
+        # and their rows share the blocks without slots or attention masks, the prompted tasks' rows carrying them in
+        # a pass of their own.  Where launching ops is (a GPU), every row goes through the blocks in one pass: the
+        # rows without prompts carry empty slots too, masked out of their attention and pooling, which costs a few
+        # tokens' arithmetic instead of launching every block's ops a second time.
+        apart = [n > 0 and not launch_bound for n in self.prompts]  # tasks whose rows take the second pass
+        key = index + len(self.names) * torch.tensor(apart)[index].long() if any(apart) else index
         order = torch.argsort(key, stable=True)
         tasks = index[order]
         rows = tasks.to(images.device)
         counts = torch.bincount(index, minlength=len(self.names)).tolist()
         groups, start = [], 0
-        for task in sorted(range(len(self.names)), key=lambda t: (prompted[t], t)):
+        for task in sorted(range(len(self.names)), key=lambda t: (apart[t], t)):
             if counts[task]:
                 groups.append((task, start, start + counts[task]))
                 start += counts[task]
         bb = backbone_of(self.backbone)
         prefix = Tokens(bb.num_prefix_tokens(), 0)
-        self._router.batch = Batch(groups, prefix, rows=rows, launch_bound=self._launch_bound(images))
+        self._router.batch = Batch(groups, prefix, rows=rows, launch_bound=launch_bound)
         try:
             x = bb.embed_tokens(images[order.to(images.device)])
         finally:
             self._router.batch = None
-        passes = [[g for g in groups if not prompted[g[0]]], [g for g in groups if prompted[g[0]]]]
+        passes = [[g for g in groups if not apart[g[0]]], [g for g in groups if apart[g[0]]]]
         features = []
         for part in filter(None, passes):
             first, end = part[0][1], part[-1][2]
