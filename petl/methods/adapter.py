@@ -223,15 +223,36 @@ def _batched(wrapper: _Bottleneck, reads_output: bool) -> rows.Batched:
 
 
 def _add_branch(wrapper: _Bottleneck, reads_output: bool) -> Callable[[torch.Tensor, torch.Tensor, rows.Tokens], None]:
-    """The served branch added into the rows' output in place (eval: no dropout; the scale folded into ``up``)."""
-    like = rows.per_device(wrapper.scale * wrapper.up.weight, wrapper.scale * wrapper.up.bias)
+    """The served branch added into the rows' output in place (eval: no dropout; the scale folded into ``up``).
 
-    def add(x: torch.Tensor, y: torch.Tensor, _tokens: rows.Tokens) -> None:
-        up_w, up_b = like(y)
-        h = wrapper.norm(y if reads_output else x)
-        y.add_(F.linear(wrapper.act(wrapper.down(h)), up_w, up_b))
+    Where the activation allows it, ``up``'s bias rides on one more hidden unit
+    (:func:`petl.model.rows.with_bias_unit`), so that ``up`` and the add into the rows are one ``addmm_``.
+    """
+    norm, act = wrapper.norm, wrapper.act
+    normed = not isinstance(norm, nn.Identity)
+    with torch.no_grad():
+        down_w, down_b = wrapper.down.weight, wrapper.down.bias
+        up_w, up_b = wrapper.scale * wrapper.up.weight, wrapper.scale * wrapper.up.bias
+        unit = rows.with_bias_unit(down_w, down_b, up_w, up_b, act)
+    if unit is not None:
+        like = rows.per_device(*unit)
 
-    return add
+        def add(x: torch.Tensor, y: torch.Tensor, _tokens: rows.Tokens) -> None:
+            down_w, down_b, up_w = like(y)
+            h = y if reads_output else x
+            if normed:
+                h = norm(h)
+            rows.add_matmul_(y, act(F.linear(h, down_w, down_b)), up_w)
+
+        return add
+    like = rows.per_device(down_w, down_b, up_w, up_b)
+
+    def add_with_bias(x: torch.Tensor, y: torch.Tensor, _tokens: rows.Tokens) -> None:
+        down_w, down_b, up_w, up_b = like(y)
+        h = norm(y if reads_output else x)
+        y.add_(F.linear(act(F.linear(h, down_w, down_b)), up_w, up_b))
+
+    return add_with_bias
 
 
 @rows.register_row_hook(SequentialAdapter)
