@@ -275,21 +275,21 @@ class MultiTask(nn.Module):
         return routed
 
     def _stack_heads(self, heads: list[nn.Module]) -> None:
-        """Every task's Linear head in one stack (tasks x classes x width; rows past a task's classes zero, their
-        biases -inf), so that a mixed batch's logits are one batched matmul; no stack unless every head is a Linear.
+        """Every task's Linear head in one stack (tasks x classes x width, the bias one more column; rows past a task's
+        classes zero, their biases -inf), so that a mixed batch's logits are one gather and one batched matmul; no
+        stack unless every head is a Linear.
         """
         self.stacked_heads = all(type(head) is nn.Linear for head in heads)
         if not self.stacked_heads:
             return
         width = max(head.out_features for head in heads)
-        weight = torch.zeros(len(heads), width, heads[0].in_features, dtype=heads[0].weight.dtype)
-        bias = torch.full((len(heads), width), float("-inf"), dtype=heads[0].weight.dtype)
+        stack = torch.zeros(len(heads), width, heads[0].in_features + 1, dtype=heads[0].weight.dtype)
+        stack[:, :, -1] = float("-inf")
         with torch.no_grad():
             for task, head in enumerate(heads):
-                weight[task, : head.out_features] = head.weight
-                bias[task, : head.out_features] = 0.0 if head.bias is None else head.bias
-        self.register_buffer("head_weight", weight, persistent=False)
-        self.register_buffer("head_bias", bias, persistent=False)
+                stack[task, : head.out_features, :-1] = head.weight
+                stack[task, : head.out_features, -1] = 0.0 if head.bias is None else head.bias
+        self.register_buffer("head_stack", stack, persistent=False)
 
     def _launch_bound(self, x: Tensor) -> bool:
         """:attr:`launch_bound`, or by ``x``'s device: any but the CPU."""
@@ -340,6 +340,7 @@ class MultiTask(nn.Module):
             pool = None
             if tokens.slots:
                 x = tokens.with_slots(x)
+            if tokens.slots and bb.pool_type() != "token":  # the class token alone: no slot to leave out
                 # Each row pools (and, per block, attends) only the slots its own task fills.
                 pooled = [n if p else 0 for n, p in zip(self.prompts, self.pool_prompts, strict=True)]
                 pool = self._slot_mask(x, tasks, tokens, pooled)
@@ -389,7 +390,7 @@ class MultiTask(nn.Module):
         key = index + len(self.names) * torch.tensor(apart)[index].long() if any(apart) else index
         order = torch.argsort(key, stable=True)
         tasks = index[order]
-        rows = tasks.to(images.device)
+        rows, order = tasks.to(images.device), order.to(images.device)
         counts = torch.bincount(index, minlength=len(self.names)).tolist()
         groups, start = [], 0
         for task in sorted(range(len(self.names)), key=lambda t: (apart[t], t)):
@@ -400,7 +401,7 @@ class MultiTask(nn.Module):
         prefix = Tokens(bb.num_prefix_tokens(), 0)
         self._router.batch = Batch(groups, prefix, rows=rows, launch_bound=launch_bound)
         try:
-            x = bb.embed_tokens(images[order.to(images.device)])
+            x = bb.embed_tokens(images[order])
         finally:
             self._router.batch = None
         passes = [[g for g in groups if not apart[g[0]]], [g for g in groups if apart[g[0]]]]
@@ -412,7 +413,8 @@ class MultiTask(nn.Module):
         features = features[0] if len(features) == 1 else torch.cat(features)
         if self.stacked_heads and len(groups) >= 2:
             # Each row's own head gathered from the stack: one batched matmul for the mixed batch.
-            sorted_logits = rows_matmul(features, self.head_weight[rows], add=self.head_bias[rows])
+            head = self.head_stack[rows]
+            sorted_logits = rows_matmul(features, head[:, :, :-1], add=head[:, :, -1])
         else:
             width = max(self.num_classes.values()) or features.shape[-1]
             parts = []
@@ -421,5 +423,5 @@ class MultiTask(nn.Module):
                 parts.append(nn.functional.pad(logits, (0, width - logits.shape[-1]), value=float("-inf")))
             sorted_logits = torch.cat(parts) if parts else features.new_empty(0, width)
         out = torch.empty_like(sorted_logits)
-        out[order.to(out.device)] = sorted_logits
+        out[order] = sorted_logits
         return out
