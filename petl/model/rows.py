@@ -143,8 +143,13 @@ def low_rank(a: Tensor, b: Tensor) -> Batched:
 
 
 def add_matmul_(y: Tensor, z: Tensor, weight: Tensor, alpha: float = 1.0) -> None:
-    """``y += alpha * z @ weight^T`` in place, as one ``addmm_`` over the rows of the tokens (``y`` contiguous)."""
-    y.view(-1, y.shape[-1]).addmm_(z.reshape(-1, z.shape[-1]), weight.t(), alpha=alpha)
+    """``y += alpha * z @ weight^T`` in place, as one ``addmm_`` over the rows of the tokens where ``y`` is
+    contiguous (a Linear's output); otherwise (a sum keeps the strides of its inputs) as a matmul and an add.
+    """
+    if y.is_contiguous():
+        y.view(-1, y.shape[-1]).addmm_(z.reshape(-1, z.shape[-1]), weight.t(), alpha=alpha)
+    else:
+        y.add_(z @ weight.t(), alpha=alpha)
 
 
 # A hidden unit held at this value carries the next layer's bias through its matmul (see with_bias_unit).
