@@ -356,29 +356,32 @@ class RoutedModule(nn.Module):
                 # Every row at once; rows of tasks outside the stack get its neutral entry and stay as they are.
                 x = stack.pre(x, batch.tokens, stack.rows(batch))
                 hooks = {task: hook for task, hook in hooks.items() if task not in stack.tasks}
+        if not hooks:
+            return x
         return _each_task(batch, hooks, x, lambda h, rows: h.pre(x[rows], batch.tokens))
 
     def _post(self, batch: Batch, x: Tensor, y: Tensor, own: bool) -> Tensor:
         """``y`` with every task's post hook applied to its rows: stacked hooks in one op each, the rest per task."""
-        hooks = self.post_hooks
+        stacked: tuple[int, ...] = ()
         for stack in self.stacks:
             if stack.post is not None and stack.serves(batch):
                 y, own = stack.post(x, y, stack.rows(batch)), True
-                hooks = {task: hook for task, hook in hooks.items() if task not in stack.tasks}
-        if own and not torch.is_grad_enabled():
-            # Serving: a hook that can acts on its rows of the fresh output itself, with no copy back.
-            rest = {}
-            for task, hook in hooks.items():
-                rows = batch.spans.get(task)
-                if rows is None:
-                    continue
-                if hook.post_in_place is None:
-                    rest[task] = hook
-                else:
-                    hook.post_in_place(x[rows], y[rows], batch.tokens)
-            hooks = rest
+                stacked += stack.tasks
+        # Serving: a hook that can acts on its rows of the fresh output itself, with no copy back.
+        in_place = own and not torch.is_grad_enabled()
+        rest = {}
+        for task, hook in self.post_hooks.items():
+            rows = batch.spans.get(task)
+            if rows is None or task in stacked:
+                continue
+            if in_place and hook.post_in_place is not None:
+                hook.post_in_place(x[rows], y[rows], batch.tokens)
+            else:
+                rest[task] = hook
+        if not rest:
+            return y
         post = lambda h, rows: h.post(x[rows], y[rows], batch.tokens)  # noqa: E731
-        return _each_task(batch, hooks, y, post, own=own)
+        return _each_task(batch, rest, y, post, own=own)
 
 
 class RoutedBlock(RoutedModule):

@@ -96,6 +96,8 @@ def rows_vector(vector: Tensor, like: Tensor, channel_dim: int = -1) -> Tensor:
     """Each row's own vector (rows x channels), shaped to broadcast over ``like`` (rows first, channels at
     ``channel_dim``: -1, or 1 for NCHW).
     """
+    if channel_dim == -1 and like.dim() == 3:  # tokens: the common case, without building a shape
+        return vector.unsqueeze(1)
     shape = [vector.shape[0]] + [1] * (like.dim() - 1)
     shape[channel_dim] = vector.shape[1]
     return vector.view(shape)
