@@ -166,7 +166,7 @@ def with_bias_unit(
     ``act(h down^T + down_b) up^T + up_b`` is then ``act(h down'^T + down_b') up'^T``: one matmul after the
     activation, which a served hook adds into its rows in place (:func:`add_matmul_`), where the bias would take an
     op of its own (the ones-column of homogeneous coordinates).  Exact: ``act`` must give the unit back (ReLU, GELU
-    and SiLU give ``2^14`` back in every float dtype; checked here), and ``2^14 * (up_b / 2^14)`` is ``up_b``, a
+    and SiLU give ``2^14`` back; checked here in float32 and bfloat16), and ``2^14 * (up_b / 2^14)`` is ``up_b``, a
     power of two.  ``None`` for an ``act`` that does not.
     """
     probe = torch.tensor([BIAS_UNIT])
