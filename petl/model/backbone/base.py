@@ -420,8 +420,9 @@ class Backbone:
         """Where ``module`` adds biases it holds itself to the output of one of its Linears: that Linear's attribute
         name and each bias's (first, end) output rows; ``None`` where it adds none (the default).
 
-        A mixed batch serves a task that trains such biases (BitFit on a SwinV2's q/v biases) as a delta on that
-        Linear's output, as it serves a trained Linear bias.
+        A mixed batch serves a task that trains such biases (BitFit on the q/v biases of a SwinV2, BEiT or EVA: see
+        :class:`~petl.model.backbone.timm_block.QvBiasesBesideQkv`) as a delta on that Linear's output, as it serves
+        a trained Linear bias.
         """
         return None
 
@@ -434,11 +435,6 @@ class Backbone:
         if target in QKV_INDEX:
             return cls.qkv_rows(block, target)
         return target, 0, cls.linear(block, target).out_features
-
-    @staticmethod
-    def loose_biases(block: nn.Module) -> list[nn.Parameter]:
-        """Biases a block keeps outside its Linears (BEiT's and EVA's ``q_bias``, ``v_bias``); none by default."""
-        return []
 
     @staticmethod
     def make_room(block: nn.Module, at: int, count: int) -> None:

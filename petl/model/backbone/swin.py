@@ -24,7 +24,7 @@ from torch.utils.checkpoint import checkpoint
 
 from petl.model.backbone import swin_prompts
 from petl.model.backbone.base import Backbone, register_backbone, unwrap
-from petl.model.backbone.timm_block import TimmBlockParts
+from petl.model.backbone.timm_block import QvBiasesBesideQkv, TimmBlockParts
 
 
 @register_backbone(SwinTransformer)
@@ -300,7 +300,7 @@ class Swin(TimmBlockParts, Backbone):
 
 
 @register_backbone(SwinTransformerV2)
-class SwinV2(Swin):
+class SwinV2(QvBiasesBesideQkv, Swin):
     """A timm SwinTransformerV2: the stages of Swin with post-norm blocks, cosine attention and q/v biases."""
 
     kind = "swinv2"
@@ -308,6 +308,7 @@ class SwinV2(Swin):
     # timm's post-norm block: x + drop_path1(norm1(attention over windows of x)), then the same with the MLP.
     block_types = (SwinTransformerV2Block,)
     timm_modules = ("swin_transformer_v2",)
+    qv_bias_attentions = (WindowAttention,)
 
     @staticmethod
     def model_types() -> tuple[type, ...]:
@@ -320,36 +321,9 @@ class SwinV2(Swin):
             if type(block.attn.qkv) is not nn.Linear:
                 block.attn.qkv_bias_separate = True
 
-    @staticmethod
-    def set_linear(block: nn.Module, name: str, module: nn.Module) -> None:
-        """Replace ``qkv``, ``proj``, ``fc1`` or ``fc2``.
-
-        timm's v2 attention adds its q/v biases by calling ``F.linear`` with ``qkv.weight`` itself, which would
-        bypass a wrapper; ``qkv_bias_separate`` (timm's own switch) makes it call ``qkv`` and add the biases
-        after: the same sum.
-        """
-        Swin.set_linear(block, name, module)
-        if name == "qkv":
-            block.attn.qkv_bias_separate = True
-
-    @staticmethod
-    def linear_biases(block: nn.Module, name: str) -> list[nn.Parameter]:
-        """The bias of a named Linear; for ``qkv``, the attention's ``q_bias`` and ``v_bias`` (K has none)."""
-        if name != "qkv":
-            return Swin.linear_biases(block, name)
-        return [b for b in (block.attn.q_bias, block.attn.v_bias) if isinstance(b, nn.Parameter)]
-
     def batch_shared_modules(self) -> list[nn.Module]:
         """Each window attention's ``cpb_mlp``: it maps the relative-coordinates table to the position bias."""
         return [block.attn.cpb_mlp for block in self.block_list()]
-
-    @staticmethod
-    def biases_beside(module: nn.Module) -> tuple[str, dict[str, tuple[int, int]]] | None:
-        """A window attention's ``q_bias`` and ``v_bias``, added to its ``qkv`` output's Q and V rows."""
-        if not isinstance(module, WindowAttention) or module.q_bias is None:
-            return None
-        width = unwrap(module.qkv).out_features // 3
-        return "qkv", {"q_bias": (0, width), "v_bias": (2 * width, 3 * width)}
 
     @staticmethod
     def attn_branch(block: nn.Module, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:

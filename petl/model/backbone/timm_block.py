@@ -8,13 +8,23 @@ stays in each family's own module.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
-# The Linears that live in the attention; the others (fc1, fc2) live in the MLP.
-ATTENTION_LINEARS = ("qkv", "proj")
+from petl.model.backbone.base import QKV_INDEX, unwrap
+
+# The Linears that live in the attention (EVA-02's separate q/k/v projections among them); the others (fc1, fc2 and
+# a SwiGLU's fc1_g, fc1_x) live in the MLP.
+ATTENTION_LINEARS = ("qkv", "q_proj", "k_proj", "v_proj", "proj")
+
+
+def linear_owner(block: nn.Module, name: str) -> nn.Module:
+    """The attention or MLP that holds (and calls) the Linear ``name``, under any wrapper put around it (a mixed
+    batch's routed attention, Convpass's): the module whose forward calls the Linear.
+    """
+    return unwrap(block.attn if name in ATTENTION_LINEARS else block.mlp)
 
 
 class TimmBlockParts:
@@ -23,14 +33,12 @@ class TimmBlockParts:
     @staticmethod
     def linear(block: nn.Module, name: str) -> nn.Module:
         """``qkv``, ``proj`` (attention) or ``fc1``, ``fc2`` (MLP)."""
-        owner = block.attn if name in ATTENTION_LINEARS else block.mlp
-        return getattr(owner, name)
+        return getattr(linear_owner(block, name), name)
 
     @staticmethod
     def set_linear(block: nn.Module, name: str, module: nn.Module) -> None:
         """Replace ``qkv``, ``proj``, ``fc1`` or ``fc2``."""
-        owner = block.attn if name in ATTENTION_LINEARS else block.mlp
-        setattr(owner, name, module)
+        setattr(linear_owner(block, name), name, module)
 
     @classmethod
     def linear_biases(cls, block: nn.Module, name: str) -> list[nn.Parameter]:
@@ -90,3 +98,41 @@ class GammaBranches:
         """``drop_path2(gamma_2 * mlp(norm2(x)))``."""
         out = block.mlp(block.norm2(x))
         return block.drop_path2(out if block.gamma_2 is None else block.gamma_2 * out)
+
+
+class QvBiasesBesideQkv:
+    """Block accessors for an attention that adds ``q_bias`` and ``v_bias`` of its own (K has none) to the output of
+    a bias-free fused ``qkv`` Linear, as timm's BEiT, EVA and SwinV2 attentions (:attr:`qv_bias_attentions`) do.
+
+    BitFit trains them as ``qkv``'s biases (:meth:`linear_biases`) and a mixed batch serves them as a delta on the
+    routed ``qkv``'s Q and V rows (:meth:`biases_beside`).  timm adds them with ``F.linear(x, qkv.weight, bias)``,
+    reading ``qkv.weight`` itself, which would bypass a wrapper in place of ``qkv``; ``qkv_bias_separate`` (timm's
+    own switch) makes the attention call ``qkv`` and add the biases after: the same sum (:meth:`set_linear`).
+    """
+
+    qv_bias_attentions: ClassVar[tuple[type, ...]] = ()
+
+    @classmethod
+    def set_linear(cls, block: nn.Module, name: str, module: nn.Module) -> None:
+        """Replace a Linear; a ``qkv`` other than timm's Linear is called (see above)."""
+        super().set_linear(block, name, module)
+        if name == "qkv" and type(module) is not nn.Linear:
+            linear_owner(block, name).qkv_bias_separate = True
+
+    @classmethod
+    def linear_biases(cls, block: nn.Module, name: str) -> list[nn.Parameter]:
+        """The Linear's own bias; for ``qkv``, the attention's ``q_bias`` and ``v_bias`` too, where it has them."""
+        biases = super().linear_biases(block, name)
+        if name == "qkv":
+            attn = linear_owner(block, name)
+            biases += [b for b in (attn.q_bias, attn.v_bias) if isinstance(b, nn.Parameter)]
+        return biases
+
+    @classmethod
+    def biases_beside(cls, module: nn.Module) -> tuple[str, dict[str, tuple[int, int]]] | None:
+        """One of :attr:`qv_bias_attentions`' ``q_bias`` and ``v_bias``, added to its ``qkv`` output's Q and V rows."""
+        if not isinstance(module, cls.qv_bias_attentions) or module.q_bias is None:
+            return None
+        width = unwrap(module.qkv).out_features // 3
+        rows = {f"{part}_bias": (QKV_INDEX[part] * width, (QKV_INDEX[part] + 1) * width) for part in ("q", "v")}
+        return "qkv", rows

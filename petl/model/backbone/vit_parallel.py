@@ -21,7 +21,7 @@ ask for maps onto it as follows:
 * there is no attention or MLP module to wrap: what sits beside both (Convpass's bypasses) is added to their
   summed output (:meth:`VitParallel.beside_sublayers`).
 * with ``qkv_bias=False`` (``vit_*_xp_*``) fc1's bias is a bare ``mlp_bias`` added after ``in_proj``
-  (:meth:`VitParallel.loose_biases`).
+  (:meth:`VitParallel.linear_biases` counts it as ``in_proj``'s).
 
 The differential-attention blocks of ``vit_dpwee_*`` and blocks with a fused ``out_proj`` are refused by
 :meth:`VitParallel.check`.
@@ -115,11 +115,6 @@ class VitParallel(ViT):
         if OUTPUT_LINEARS.get(name, name) == "in_proj":
             biases.append(block.mlp_bias)
         return [b for b in biases if isinstance(b, nn.Parameter)]
-
-    @staticmethod
-    def loose_biases(block: nn.Module) -> list[nn.Parameter]:
-        """``mlp_bias`` (fc1's bias beside ``in_proj``, where ``qkv_bias=False``)."""
-        return [block.mlp_bias] if block.mlp_bias is not None else []
 
     @classmethod
     def qkv_rows(cls, block: nn.Module, part: str) -> tuple[str, int, int]:
