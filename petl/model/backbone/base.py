@@ -278,9 +278,18 @@ class Backbone:
         raise NotImplementedError
 
     def adopt_wrapped_linears(self) -> None:
-        """Make the model call the wrappers another library (peft) put around its Linears in place of
-        :meth:`set_linear`; nothing to do where the model always calls its Linears.
+        """Hand every block Linear that another library (peft) or a mixed batch wrapped in place of
+        :meth:`set_linear` back through it, which makes a family whose attention reads ``qkv.weight`` itself
+        (BEiT, EVA, SwinV2) call the wrapper instead; a family that always calls its Linears just sets them again.
         """
+        for block in self.block_list():
+            for name in self.linear_names:
+                try:
+                    linear = self.linear(block, name)
+                except (AttributeError, ValueError):  # a Linear this block does not have
+                    continue
+                if type(linear) is not nn.Linear:
+                    self.set_linear(block, name, linear)
 
     # -- prompt tokens ---------------------------------------------------------------------------------------
 

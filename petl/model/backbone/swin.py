@@ -315,12 +315,6 @@ class SwinV2(QvBiasesBesideQkv, Swin):
         """The model classes whose own forward :meth:`forward_from` replays."""
         return (SwinTransformerV2,)
 
-    def adopt_wrapped_linears(self) -> None:
-        """Let every block whose ``qkv`` is wrapped call it (see :meth:`set_linear`)."""
-        for block in self.block_list():
-            if type(block.attn.qkv) is not nn.Linear:
-                block.attn.qkv_bias_separate = True
-
     def batch_shared_modules(self) -> list[nn.Module]:
         """Each window attention's ``cpb_mlp``: it maps the relative-coordinates table to the position bias."""
         return [block.attn.cpb_mlp for block in self.block_list()]

@@ -273,19 +273,6 @@ class ViT(TimmBlockParts, Backbone):
             )
             self.set_block(i, wrapper)
 
-    def adopt_wrapped_linears(self) -> None:
-        """Hand every wrapped block Linear back through :meth:`set_linear`, which makes a family whose attention reads
-        ``qkv.weight`` itself (BEiT, EVA) call the wrapper instead; a plain ViT always calls its Linears.
-        """
-        for block in self.block_list():
-            for name in self.linear_names:
-                try:
-                    linear = self.linear(block, name)
-                except (AttributeError, ValueError):  # a Linear this block does not have
-                    continue
-                if type(linear) is not nn.Linear:
-                    self.set_linear(block, name, linear)
-
     # -- inside one block ------------------------------------------------------------------------------------
 
     @staticmethod
