@@ -311,19 +311,31 @@ class Backbone:
     # -- inside one block (static: a block's parts do not depend on the model around it) --------------------
 
     @staticmethod
-    def linear(block: nn.Module, name: str) -> nn.Module:
-        """A named Linear of a block (one of :attr:`linear_names`)."""
+    def linear_slot(block: nn.Module, name: str) -> tuple[nn.Module, str]:
+        """Where a named Linear of a block (one of :attr:`linear_names`) sits: the module that holds and calls it,
+        and its attribute name there (what :meth:`linear` reads and :meth:`set_linear` replaces).
+        """
         raise NotImplementedError
 
-    @staticmethod
-    def set_linear(block: nn.Module, name: str, module: nn.Module) -> None:
-        """Replace a named Linear of a block (see :meth:`linear`)."""
-        raise NotImplementedError
+    @classmethod
+    def linear(cls, block: nn.Module, name: str) -> nn.Module:
+        """A named Linear of a block (see :meth:`linear_slot`)."""
+        owner, attribute = cls.linear_slot(block, name)
+        return getattr(owner, attribute)
 
-    @staticmethod
-    def linear_biases(block: nn.Module, name: str) -> list[nn.Parameter]:
-        """The bias terms of a named Linear's output (where the family keeps them beside the Linear, those too)."""
-        raise NotImplementedError
+    @classmethod
+    def set_linear(cls, block: nn.Module, name: str, module: nn.Module) -> None:
+        """Replace a named Linear of a block (see :meth:`linear_slot`)."""
+        owner, attribute = cls.linear_slot(block, name)
+        setattr(owner, attribute, module)
+
+    @classmethod
+    def linear_biases(cls, block: nn.Module, name: str) -> list[nn.Parameter]:
+        """The bias terms of a named Linear's output: its own bias, where it has one (a family that keeps some beside
+        the Linear adds those).
+        """
+        bias = getattr(unwrap(cls.linear(block, name)), "bias", None)
+        return [bias] if isinstance(bias, nn.Parameter) else []
 
     @staticmethod
     def attention(block: nn.Module) -> nn.Module:

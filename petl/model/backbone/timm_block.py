@@ -20,31 +20,15 @@ from petl.model.backbone.base import QKV_INDEX, unwrap
 ATTENTION_LINEARS = ("qkv", "q_proj", "k_proj", "v_proj", "proj")
 
 
-def linear_owner(block: nn.Module, name: str) -> nn.Module:
-    """The attention or MLP that holds (and calls) the Linear ``name``, under any wrapper put around it (a mixed
-    batch's routed attention, Convpass's): the module whose forward calls the Linear.
-    """
-    return unwrap(block.attn if name in ATTENTION_LINEARS else block.mlp)
-
-
 class TimmBlockParts:
     """:class:`~petl.model.backbone.base.Backbone`'s block-level accessors for blocks with timm's part names."""
 
     @staticmethod
-    def linear(block: nn.Module, name: str) -> nn.Module:
-        """``qkv``, ``proj`` (attention) or ``fc1``, ``fc2`` (MLP)."""
-        return getattr(linear_owner(block, name), name)
-
-    @staticmethod
-    def set_linear(block: nn.Module, name: str, module: nn.Module) -> None:
-        """Replace ``qkv``, ``proj``, ``fc1`` or ``fc2``."""
-        setattr(linear_owner(block, name), name, module)
-
-    @classmethod
-    def linear_biases(cls, block: nn.Module, name: str) -> list[nn.Parameter]:
-        """The Linear's own bias, where it has one."""
-        bias = getattr(cls.linear(block, name), "bias", None)
-        return [bias] if isinstance(bias, nn.Parameter) else []
+    def linear_slot(block: nn.Module, name: str) -> tuple[nn.Module, str]:
+        """``qkv``, ``proj`` of the attention or ``fc1``, ``fc2`` of the MLP, under any wrapper put around either (a
+        mixed batch's routed attention, Convpass's): the module whose forward calls the Linear.
+        """
+        return unwrap(block.attn if name in ATTENTION_LINEARS else block.mlp), name
 
     @staticmethod
     def attention(block: nn.Module) -> nn.Module:
@@ -117,14 +101,14 @@ class QvBiasesBesideQkv:
         """Replace a Linear; a ``qkv`` other than timm's Linear is called (see above)."""
         super().set_linear(block, name, module)
         if name == "qkv" and type(module) is not nn.Linear:
-            linear_owner(block, name).qkv_bias_separate = True
+            cls.linear_slot(block, name)[0].qkv_bias_separate = True
 
     @classmethod
     def linear_biases(cls, block: nn.Module, name: str) -> list[nn.Parameter]:
         """The Linear's own bias; for ``qkv``, the attention's ``q_bias`` and ``v_bias`` too, where it has them."""
         biases = super().linear_biases(block, name)
         if name == "qkv":
-            attn = linear_owner(block, name)
+            attn = cls.linear_slot(block, name)[0]
             biases += [b for b in (attn.q_bias, attn.v_bias) if isinstance(b, nn.Parameter)]
         return biases
 

@@ -88,8 +88,9 @@ class VitParallel(ViT):
     # -- inside one block ------------------------------------------------------------------------------------
 
     @staticmethod
-    def linear(block: nn.Module, name: str) -> nn.Module:
-        """``in_proj``, ``attn_out_proj`` (also as ``proj``) or ``mlp_out_proj`` (also as ``fc2``).
+    def linear_slot(block: nn.Module, name: str) -> tuple[nn.Module, str]:
+        """``in_proj``, ``attn_out_proj`` (also as ``proj``) or ``mlp_out_proj`` (also as ``fc2``), attributes of the
+        block; timm calls each as a module, so a wrapper put there runs.
 
         Raises:
             ValueError: ``qkv`` or ``fc1``, which are rows of ``in_proj`` (see :meth:`target_rows`), or another name.
@@ -100,21 +101,15 @@ class VitParallel(ViT):
         name = OUTPUT_LINEARS.get(name, name)
         if name not in VitParallel.linear_names:
             raise ValueError(f"a parallel block has no {name} Linear (it has {', '.join(VitParallel.linear_names)})")
-        return getattr(block, name)
-
-    @staticmethod
-    def set_linear(block: nn.Module, name: str, module: nn.Module) -> None:
-        """Replace a Linear (see :meth:`linear`); timm calls each as a module, so a wrapper runs."""
-        VitParallel.linear(block, name)  # refuses what is not one
-        setattr(block, OUTPUT_LINEARS.get(name, name), module)
+        return block, name
 
     @classmethod
     def linear_biases(cls, block: nn.Module, name: str) -> list[nn.Parameter]:
         """The Linear's bias; for ``in_proj`` also ``mlp_bias``, fc1's bias where timm keeps it beside."""
-        biases = [getattr(unwrap(cls.linear(block, name)), "bias", None)]
-        if OUTPUT_LINEARS.get(name, name) == "in_proj":
+        biases = super().linear_biases(block, name)
+        if name == "in_proj" and isinstance(block.mlp_bias, nn.Parameter):
             biases.append(block.mlp_bias)
-        return [b for b in biases if isinstance(b, nn.Parameter)]
+        return biases
 
     @classmethod
     def qkv_rows(cls, block: nn.Module, part: str) -> tuple[str, int, int]:
