@@ -102,16 +102,6 @@ class Beit(QvBiasesBesideQkv, GammaBranches, VitRelPos):
     # -- inside one block ------------------------------------------------------------------------------------
 
     @staticmethod
-    def layer_scales(block: nn.Module) -> list[nn.Module]:
-        """BEiT's layer scales are bare parameters, not modules.
-
-        Raises:
-            ValueError: always.
-
-        """
-        raise ValueError("BEiT keeps its layer scales as parameters (gamma_1, gamma_2), not modules")
-
-    @staticmethod
     def make_room(block: nn.Module, at: int, count: int) -> None:
         """The attention zero-pads its relative-position bias (own and shared) for the extra tokens."""
         block.attn = BeitRoom(block.attn, at, count)

@@ -135,16 +135,6 @@ class Eva(QvBiasesBesideQkv, GammaBranches, ViT):
         return name, 0, cls.linear(block, name).out_features
 
     @staticmethod
-    def layer_scales(block: nn.Module) -> list[nn.Module]:
-        """EVA's layer scales are bare parameters, not modules.
-
-        Raises:
-            ValueError: always.
-
-        """
-        raise ValueError("EVA keeps its layer scales as parameters (gamma_1, gamma_2), not modules")
-
-    @staticmethod
     def make_room(block: nn.Module, at: int, count: int) -> None:
         """The attention gives the extra tokens the identity rotation (they sit after the unrotated prefix)."""
         block.attn = EvaRoom(block.attn, at, count)

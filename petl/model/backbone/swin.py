@@ -24,11 +24,11 @@ from torch.utils.checkpoint import checkpoint
 
 from petl.model.backbone import swin_prompts
 from petl.model.backbone.base import Backbone, register_backbone, unwrap
-from petl.model.backbone.timm_block import QvBiasesBesideQkv, TimmBlockParts
+from petl.model.backbone.timm_block import QvBiasesBesideQkv, TimmBlockParts, TimmPatchEmbed
 
 
 @register_backbone(SwinTransformer)
-class Swin(TimmBlockParts, Backbone):
+class Swin(TimmPatchEmbed, TimmBlockParts, Backbone):
     """A timm SwinTransformer (Swin v1: pre-norm blocks, windowed attention with a fused qkv, patch merging)."""
 
     kind = "swin"
@@ -96,21 +96,6 @@ class Swin(TimmBlockParts, Backbone):
         """A Swin has no class or register tokens."""
         return 0
 
-    def grid_size(self) -> tuple[int, int]:
-        """Patch-token grid (rows, columns) of the patch embedding at the model's image size."""
-        rows, cols = self.model.patch_embed.grid_size
-        return int(rows), int(cols)
-
-    def feature_grid(self, images: torch.Tensor) -> tuple[int, int]:
-        """The patch embedding's grid for ``images`` of any size (timm's ``dynamic_feat_size``)."""
-        rows, cols = self.model.patch_embed.dynamic_feat_size(images.shape[-2:])
-        return int(rows), int(cols)
-
-    def patch_size(self) -> tuple[int, int]:
-        """Patch size (h, w) of the patch embedding."""
-        size = self.model.patch_embed.patch_size
-        return (size, size) if isinstance(size, int) else tuple(size)
-
     def tokens_in(self, x: torch.Tensor | swin_prompts.Pair) -> int:
         """An NHWC grid: rows times columns; with prompts beside it (a prompted block's pair), theirs added."""
         if not isinstance(x, torch.Tensor):
@@ -137,22 +122,6 @@ class Swin(TimmBlockParts, Backbone):
         if attn_mask is not None:
             raise ValueError("a Swin block builds its own window mask: it takes no attn_mask")
         return block(x)
-
-    def patch_proj(self) -> nn.Module:
-        """The patch embedding's Conv2d."""
-        return self.model.patch_embed.proj
-
-    def set_patch_proj(self, module: nn.Module) -> None:
-        """Replace the patch embedding's projection."""
-        self.model.patch_embed.proj = module
-
-    def patch_norm(self) -> nn.Module:
-        """The LayerNorm after the patch projection."""
-        return self.model.patch_embed.norm
-
-    def set_patch_norm(self, module: nn.Module) -> None:
-        """Replace the norm after the patch projection."""
-        self.model.patch_embed.norm = module
 
     # -- after the blocks ------------------------------------------------------------------------------------
 

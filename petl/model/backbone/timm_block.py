@@ -1,4 +1,5 @@
-"""The parts of a block as timm names them in its ViT and Swin blocks, shared by the families whose blocks do.
+"""The parts of a block as timm names them in its ViT and Swin blocks, shared by the families whose blocks do, and
+the patch embedding both keep as ``patch_embed``.
 
 timm's ``Block`` (ViT and its relpos, BEiT and EVA variants) and ``SwinTransformerBlock`` (v1 and v2) keep the
 attention as ``attn`` (with ``qkv`` and ``proj``), the MLP as ``mlp`` (``fc1``, ``fc2``) and the norms as
@@ -18,6 +19,45 @@ from petl.model.backbone.base import QKV_INDEX, unwrap
 # The Linears that live in the attention (EVA-02's separate q/k/v projections among them); the others (fc1, fc2 and
 # a SwiGLU's fc1_g, fc1_x) live in the MLP.
 ATTENTION_LINEARS = ("qkv", "q_proj", "k_proj", "v_proj", "proj")
+
+
+class TimmPatchEmbed:
+    """:class:`~petl.model.backbone.base.Backbone`'s patch-embedding accessors for a model whose ``patch_embed`` is
+    timm's ``PatchEmbed`` (a ``proj`` Conv2d, then a ``norm``), as its ViTs and Swins keep it.
+    """
+
+    model: nn.Module
+
+    def grid_size(self) -> tuple[int, int]:
+        """Patch-token grid (rows, columns) of the patch embedding at the model's image size."""
+        rows, cols = self.model.patch_embed.grid_size
+        return int(rows), int(cols)
+
+    def feature_grid(self, images: torch.Tensor) -> tuple[int, int]:
+        """The patch embedding's grid for ``images`` of any size (timm's ``dynamic_feat_size``)."""
+        rows, cols = self.model.patch_embed.dynamic_feat_size(images.shape[-2:])
+        return int(rows), int(cols)
+
+    def patch_size(self) -> tuple[int, int]:
+        """Patch size (h, w) of the patch embedding."""
+        size = self.model.patch_embed.patch_size
+        return (size, size) if isinstance(size, int) else tuple(size)
+
+    def patch_proj(self) -> nn.Module:
+        """The patch embedding's Conv2d (its output channels are the first block's width)."""
+        return self.model.patch_embed.proj
+
+    def set_patch_proj(self, module: nn.Module) -> None:
+        """Replace the patch embedding's projection."""
+        self.model.patch_embed.proj = module
+
+    def patch_norm(self) -> nn.Module:
+        """The norm after the patch projection (``nn.Identity`` in most ViTs, a LayerNorm in a Swin)."""
+        return self.model.patch_embed.norm
+
+    def set_patch_norm(self, module: nn.Module) -> None:
+        """Replace the norm after the patch projection."""
+        self.model.patch_embed.norm = module
 
 
 class TimmBlockParts:
@@ -76,6 +116,16 @@ class GammaBranches:
         """``drop_path1(gamma_1 * attn(norm1(x), **kwargs))`` (the family's attention keywords passed on)."""
         out = block.attn(block.norm1(x), **kwargs)
         return block.drop_path1(out if block.gamma_1 is None else block.gamma_1 * out)
+
+    @classmethod
+    def layer_scales(cls, block: nn.Module) -> list[nn.Module]:
+        """These layer scales are bare parameters, not modules.
+
+        Raises:
+            ValueError: always.
+
+        """
+        raise ValueError(f"a {cls.kind} block keeps its layer scales as parameters (gamma_1, gamma_2), not modules")
 
     @staticmethod
     def mlp_branch(block: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -15,12 +15,12 @@ from timm.models.vision_transformer import Block, VisionTransformer
 from torch import nn
 
 from petl.model.backbone.base import Backbone, register_backbone, unwrap
-from petl.model.backbone.timm_block import TimmBlockParts
+from petl.model.backbone.timm_block import TimmBlockParts, TimmPatchEmbed
 from petl.model.prompts import PromptedBlock
 
 
 @register_backbone(VisionTransformer)
-class ViT(TimmBlockParts, Backbone):
+class ViT(TimmPatchEmbed, TimmBlockParts, Backbone):
     """A timm VisionTransformer (ViT, DeiT, with or without class token, register tokens, token or avg pooling)."""
 
     kind = "vit"
@@ -96,21 +96,6 @@ class ViT(TimmBlockParts, Backbone):
         model = self.model
         return int(getattr(model, "num_prefix_tokens", 1 if getattr(model, "cls_token", None) is not None else 0))
 
-    def grid_size(self) -> tuple[int, int]:
-        """Patch-token grid (rows, columns) of the patch embedding at the model's image size."""
-        rows, cols = self.model.patch_embed.grid_size
-        return int(rows), int(cols)
-
-    def feature_grid(self, images: torch.Tensor) -> tuple[int, int]:
-        """The patch embedding's grid for ``images`` of any size (timm's ``dynamic_feat_size``)."""
-        rows, cols = self.model.patch_embed.dynamic_feat_size(images.shape[-2:])
-        return int(rows), int(cols)
-
-    def patch_size(self) -> tuple[int, int]:
-        """Patch size (h, w) of the patch embedding."""
-        size = self.model.patch_embed.patch_size
-        return (size, size) if isinstance(size, int) else tuple(size)
-
     def tokens_in(self, x: torch.Tensor) -> int:
         """A flat sequence (batch, tokens, width)."""
         return int(x.shape[-2])
@@ -126,22 +111,6 @@ class ViT(TimmBlockParts, Backbone):
     def run_block(self, block: nn.Module, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Timm's blocks take the mask as ``attn_mask``."""
         return block(x) if attn_mask is None else block(x, attn_mask=attn_mask)
-
-    def patch_proj(self) -> nn.Module:
-        """The patch embedding's projection (a Conv2d whose output channels are the embedding width)."""
-        return self.model.patch_embed.proj
-
-    def set_patch_proj(self, module: nn.Module) -> None:
-        """Replace the patch embedding's projection."""
-        self.model.patch_embed.proj = module
-
-    def patch_norm(self) -> nn.Module:
-        """The norm after the patch projection (``nn.Identity`` in most ViTs)."""
-        return self.model.patch_embed.norm
-
-    def set_patch_norm(self, module: nn.Module) -> None:
-        """Replace the norm after the patch projection."""
-        self.model.patch_embed.norm = module
 
     # -- after the blocks ------------------------------------------------------------------------------------
 
