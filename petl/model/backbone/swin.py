@@ -24,11 +24,11 @@ from torch.utils.checkpoint import checkpoint
 
 from petl.model.backbone import swin_prompts
 from petl.model.backbone.base import Backbone, register_backbone, unwrap
-from petl.model.backbone.timm_block import QvBiasesBesideQkv, TimmBlockParts, TimmPatchEmbed
+from petl.model.backbone.timm_block import QvBiasesBesideQkv, TimmBlockParts, TimmModelParts
 
 
 @register_backbone(SwinTransformer)
-class Swin(TimmPatchEmbed, TimmBlockParts, Backbone):
+class Swin(TimmModelParts, TimmBlockParts, Backbone):
     """A timm SwinTransformer (Swin v1: pre-norm blocks, windowed attention with a fused qkv, patch merging)."""
 
     kind = "swin"
@@ -133,18 +133,6 @@ class Swin(TimmPatchEmbed, TimmBlockParts, Backbone):
         """The ``ClassifierHead`` calls ``fc`` on the pooled features."""
         self.model.head.fc = module
 
-    def reset_head(self, num_classes: int) -> None:
-        """Timm's ``reset_classifier``."""
-        self.model.reset_classifier(num_classes)
-
-    def plain_head_types(self) -> tuple[type, ...]:
-        """Timm's Swin classifier is a Linear, or an Identity without classes."""
-        return (nn.Linear, nn.Identity)
-
-    def num_classes(self) -> int:
-        """Output classes of the current head (0 when it is ``nn.Identity``)."""
-        return int(getattr(self.model, "num_classes", 0))
-
     def head_in_features(self) -> int:
         """Width of the pooled features the head receives."""
         return int(self.model.head_hidden_size)
@@ -230,10 +218,6 @@ class Swin(TimmPatchEmbed, TimmBlockParts, Backbone):
         """Patch tokens entering the first stage (later stages have a quarter as many per stage)."""
         rows, cols = self.grid_size()
         return rows * cols
-
-    def num_features(self) -> int:
-        """Timm's ``num_features`` (the last stage's width)."""
-        return int(self.model.num_features)
 
     # -- prompt tokens ---------------------------------------------------------------------------------------
 

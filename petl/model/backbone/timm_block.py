@@ -1,5 +1,5 @@
 """The parts of a block as timm names them in its ViT and Swin blocks, shared by the families whose blocks do, and
-the patch embedding both keep as ``patch_embed``.
+the model-level parts both keep alike (``patch_embed``, the classifier's reset and class count, ``num_features``).
 
 timm's ``Block`` (ViT and its relpos, BEiT and EVA variants) and ``SwinTransformerBlock`` (v1 and v2) keep the
 attention as ``attn`` (with ``qkv`` and ``proj``), the MLP as ``mlp`` (``fc1``, ``fc2``) and the norms as
@@ -21,9 +21,9 @@ from petl.model.backbone.base import QKV_INDEX, unwrap
 ATTENTION_LINEARS = ("qkv", "q_proj", "k_proj", "v_proj", "proj")
 
 
-class TimmPatchEmbed:
-    """:class:`~petl.model.backbone.base.Backbone`'s patch-embedding accessors for a model whose ``patch_embed`` is
-    timm's ``PatchEmbed`` (a ``proj`` Conv2d, then a ``norm``), as its ViTs and Swins keep it.
+class TimmModelParts:
+    """:class:`~petl.model.backbone.base.Backbone`'s model-level accessors for timm's ViTs and Swins: a
+    ``patch_embed`` that is timm's ``PatchEmbed`` (a ``proj`` Conv2d, then a ``norm``) and timm's classifier API.
     """
 
     model: nn.Module
@@ -58,6 +58,22 @@ class TimmPatchEmbed:
     def set_patch_norm(self, module: nn.Module) -> None:
         """Replace the norm after the patch projection."""
         self.model.patch_embed.norm = module
+
+    def reset_head(self, num_classes: int) -> None:
+        """Timm's ``reset_classifier``."""
+        self.model.reset_classifier(num_classes)
+
+    def plain_head_types(self) -> tuple[type, ...]:
+        """Timm's classifier is a Linear, or an Identity without classes."""
+        return (nn.Linear, nn.Identity)
+
+    def num_classes(self) -> int:
+        """Output classes of the current head (0 when it is ``nn.Identity``)."""
+        return int(getattr(self.model, "num_classes", 0))
+
+    def num_features(self) -> int:
+        """Timm's ``num_features`` (a Swin's: the last stage's width)."""
+        return int(self.model.num_features)
 
 
 class TimmBlockParts:

@@ -15,12 +15,12 @@ from timm.models.vision_transformer import Block, VisionTransformer
 from torch import nn
 
 from petl.model.backbone.base import Backbone, register_backbone, unwrap
-from petl.model.backbone.timm_block import TimmBlockParts, TimmPatchEmbed
+from petl.model.backbone.timm_block import TimmBlockParts, TimmModelParts
 from petl.model.prompts import PromptedBlock
 
 
 @register_backbone(VisionTransformer)
-class ViT(TimmPatchEmbed, TimmBlockParts, Backbone):
+class ViT(TimmModelParts, TimmBlockParts, Backbone):
     """A timm VisionTransformer (ViT, DeiT, with or without class token, register tokens, token or avg pooling)."""
 
     kind = "vit"
@@ -122,18 +122,6 @@ class ViT(TimmPatchEmbed, TimmBlockParts, Backbone):
         """Timm's ``forward_head`` calls ``head`` on the pooled features."""
         self.model.head = module
 
-    def reset_head(self, num_classes: int) -> None:
-        """Timm's ``reset_classifier``."""
-        self.model.reset_classifier(num_classes)
-
-    def plain_head_types(self) -> tuple[type, ...]:
-        """Timm's ViT head is a Linear, or an Identity without classes."""
-        return (nn.Linear, nn.Identity)
-
-    def num_classes(self) -> int:
-        """Output classes of the current head (0 when the head is ``nn.Identity``)."""
-        return int(getattr(self.model, "num_classes", 0))
-
     def head_in_features(self) -> int:
         """Width of the pooled features the head receives."""
         return int(getattr(self.model, "head_hidden_size", self.model.embed_dim))
@@ -209,10 +197,6 @@ class ViT(TimmPatchEmbed, TimmBlockParts, Backbone):
         patch_embed = self.model.patch_embed
         grid = patch_embed.num_patches if hasattr(patch_embed, "num_patches") else 0
         return grid + self.num_prefix_tokens()
-
-    def num_features(self) -> int:
-        """Timm's ``num_features``."""
-        return int(self.model.num_features)
 
     # -- prompt tokens ---------------------------------------------------------------------------------------
 
