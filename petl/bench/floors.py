@@ -157,7 +157,7 @@ def floor_hooks(model, floor: Floor) -> None:
 
     if floor.extra_tokens and not floor.frozen:
         for block in bb.block_list()[floor.extra_at :]:
-            bb.make_room(block, at, floor.extra_tokens)
+            bb.make_room(block, at)
         bb.block_container()[floor.extra_at].register_forward_pre_hook(add_tokens)
     if start is not None:
         start.register_forward_pre_hook(lambda _m, args: (needing_grad(args[0]), *args[1:]))

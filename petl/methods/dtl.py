@@ -19,6 +19,11 @@ Deliberate differences: DTL's model averages the patch tokens and then applies t
 (vision_transformer.py L446-448); petl keeps the backbone's own norm and pooling, as for every method, so
 rows compare on the same head.  ``add_from`` is 6 on ViT-B's 12 blocks, half the depth elsewhere.
 
+On the other ViT families (``vit_relpos``, BEiT, EVA, parallel blocks) the side path reads each block's input
+and adds to its output as on the ViT: the blocks' own position terms (a relative-position bias, a rotary
+embedding) act inside the frozen blocks, which run as timm calls them.  DTL+'s convolution runs over the patch grid
+after the prefix tokens.
+
 Trains:
     DTL: a rank-2 side network summed over the blocks, ``swish`` of it added back after the later blocks; only
     those are backpropagated.  ``fusion_size=3`` is DTL+.
@@ -171,7 +176,7 @@ def _formula(model: nn.Module, cfg: DtlConfig) -> int:
 
 # The backbones dtl's idea fits: a low-rank side path over a flat token sequence with one width, fused by convolution
 # over the patch grid.
-BACKBONES = ("vit",)
+BACKBONES = ("vit", "vit_relpos", "beit", "eva", "vit_parallel")
 # Why not on the other backbone kinds (the refusal says it, and so does the docs page).
 REFUSAL = (
     "its side path is one running sum of every block's low-rank map at one width, fused over one patch "

@@ -36,6 +36,14 @@ a resumed run reuses them. From Python, call ``cfg = calibrate_gps(backbone, Gps
 ``selection`` the method uses a deterministic, data-free placeholder (the first ``per_row`` columns of every row) so
 that it can be built and tested anywhere; that is NOT the paper's selection.
 
+On the other ViT families the selected weights are every Linear of a block in the backbone's order
+(:attr:`petl.Backbone.linear_names`: an EVA-02's separate ``q_proj``, ``k_proj``, ``v_proj`` and SwiGLU ``fc1_g``,
+``fc1_x``; a parallel block's ``in_proj``, ``attn_out_proj``, ``mlp_out_proj``), and what trains whole are their
+biases, the biases a block keeps beside its Linears (BEiT's and EVA's ``q_bias``, ``v_bias``; a parallel block's
+``mlp_bias``) and the layer-scale gammas (BEiT's and EVA's ``gamma_1``, ``gamma_2``), as GPS trains every ``bias``
+and ``gamma``.  A relative-position table or MLP stays frozen, as GPS freezes ``pos_embed``.  A
+:class:`petl.MultiTask` mixed batch refuses it in one line where it trains a bare gamma or q/v bias (BEiT, EVA).
+
 Trains:
     GPS: in every row of the patch embedding and each block's qkv/proj/fc1/fc2 weight the ``per_row`` entries
     with the largest gradient (a sparse update added to the frozen weight), every bias of those layers, layer-scale
@@ -57,6 +65,9 @@ Differences:
     - The selection's two contrastive views are drawn from the run's preprocessed training images (un-normalised,
       cropped, re-normalised), not from the decoded image files: ``_contrast_views`` against
       ``data/transforms_factory.py`` L80-110.
+    - On BEiT the reference's rule by name (every parameter whose name holds ``bias`` trains whole) would also train
+      the relative-position table ``relative_position_bias_table``; petl keeps position parameters frozen on every
+      family, as the rule keeps ``pos_embed``: ``_trained_whole`` against ``utils/pruning.py`` L5-40.
     - re-draw: not applicable, GPS adds no module (it trains entries of the pretrained weights): ``utils/pruning.py``
       L5-40.
 """
@@ -74,14 +85,12 @@ from torch import nn
 from torchvision.transforms import v2
 from tqdm.auto import tqdm
 
-# The weights GPS selects entries of, per block, after the patch embedding (utils/pruning.py L14-20).
 from petl.model import rows, surgery
 from petl.model.backbone import backbone_of, unwrap
 from petl.model.registry import MethodConfig, register_method
 from petl.model.wrappers import PetlModule, factory_kwargs
 from petl.utils.checks import check_range
 
-BLOCK_WEIGHTS = ("qkv", "proj", "fc1", "fc2")
 # SupConLoss defaults (utils/loss_utils.py L9-10) and the views of transforms_contrastaug_train (L80-110).
 TEMPERATURE = 0.07
 
@@ -93,7 +102,8 @@ class GpsConfig(MethodConfig):
     Attributes:
         per_row: entries selected in each row of each weight (GPS's ``--times_para``; 1 in its VTAB-1k scripts
             but patch_camelyon's 2).
-        selection: per selected weight (the patch embedding, then each block's qkv, proj, fc1, fc2), the
+        selection: per selected weight (the patch embedding, then each block's Linears in the backbone's order: qkv,
+            proj, fc1, fc2 in a ViT; see :meth:`petl.Backbone.linear_names`), the
             chosen input columns, ``per_row`` per output row, row after row, as one comma-separated string
             (``"3,17,40,..."``); filled by :func:`calibrate_gps`.  Empty means the data-free placeholder.
 
@@ -143,17 +153,19 @@ def _normalise_selection(value: Any) -> tuple[str, ...]:
 
 
 def _selected_modules(model: nn.Module) -> list[tuple[nn.Module, Any]]:
-    """(module, setter) of every layer GPS selects in, in ``selection`` order."""
+    """(module, setter) of every layer GPS selects in, in ``selection`` order: the patch projection, then every
+    Linear of each block in the backbone's order (qkv, proj, fc1, fc2 in a ViT; in_proj, attn_out_proj, mlp_out_proj
+    in a parallel block; q_proj, k_proj, v_proj where an EVA keeps them apart).
+    """
     bb = backbone_of(model)
     found = [(bb.patch_proj(), lambda m: bb.set_patch_proj(m))]
     for block in bb.block_list():
-        for name in BLOCK_WEIGHTS:
-            found.append(
-                (
-                    bb.linear(block, name),
-                    lambda m, b=block, n=name: bb.set_linear(b, n, m),
-                )
-            )
+        for name in bb.linear_names:
+            try:
+                linear = bb.linear(block, name)
+            except ValueError:  # a name this block's layout has not (an EVA's fused or separate q/k/v, its MLP's)
+                continue
+            found.append((linear, lambda m, b=block, n=name: bb.set_linear(b, n, m)))
     return found
 
 
@@ -228,16 +240,19 @@ def _rows(wrapper: GpsLinear) -> rows.RowHook:
     return rows.RowHook(wrapper.base, post=lambda x, y, _tokens: y + wrapper.delta_output(x))
 
 
-def _layer_scales(model: nn.Module) -> list[nn.Parameter]:
-    """Layer-scale gammas of the blocks (none in a plain ViT); GPS trains every ``gamma`` whole."""
+def _trained_whole(model: nn.Module) -> list[nn.Parameter]:
+    """What GPS trains whole besides the selected layers' own biases: every layer-scale gamma (none in a plain ViT)
+    and the biases a block keeps beside its Linears (BEiT's and EVA's q/v biases, a parallel block's ``mlp_bias``),
+    as GPS trains every ``gamma`` and ``bias`` whole.
+    """
     bb = backbone_of(model)
-    return [p for block in bb.block_list() for ls in bb.layer_scales(block) for n, p in ls.named_parameters()]
+    return [p for block in bb.block_list() for p in (*bb.layer_scale_parameters(block), *bb.loose_biases(block))]
 
 
 def _formula(model: nn.Module, cfg: GpsConfig) -> int:
     selected = sum(w.shape[0] * cfg.per_row for w in selected_weights(model))
     biases = sum(unwrap(m).bias.numel() for m, _ in _selected_modules(model) if unwrap(m).bias is not None)
-    return selected + biases + sum(p.numel() for p in _layer_scales(model))
+    return selected + biases + sum(p.numel() for p in _trained_whole(model))
 
 
 def inject_gps(model: nn.Module, cfg: GpsConfig) -> None:
@@ -245,8 +260,8 @@ def inject_gps(model: nn.Module, cfg: GpsConfig) -> None:
     columns = cfg.columns_for(model)
     for (module, install), index in zip(_selected_modules(model), columns, strict=True):
         install(GpsLinear(module, index))
-    for gamma in _layer_scales(model):
-        gamma.requires_grad_(True)
+    for param in _trained_whole(model):
+        param.requires_grad_(True)
 
 
 # --- the selection -----------------------------------------------------------------------------
@@ -360,7 +375,7 @@ def calibrate_gps(
 
 # The backbones gps's idea fits: a per-row sparse update on the patch projection and every block's Linears, plus layer
 # scales.
-BACKBONES = ("vit",)
+BACKBONES = ("vit", "vit_relpos", "beit", "eva", "vit_parallel")
 # Why not on the other backbone kinds (the refusal says it, and so does the docs page).
 REFUSAL = (
     "its selection covers the patch projection and the blocks' Linears only: a Swin's patch-merging "

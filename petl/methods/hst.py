@@ -39,6 +39,14 @@ on the backbone's blocks only.  The reference's constructor ends with ``init_wei
 with zero biases, the same draw its modules' own inits make and :func:`_init` makes here; its convolutions,
 norms and meta tokens it leaves alone.
 
+On the other ViT families (``vit_relpos``, BEiT, EVA, parallel blocks) the meta tokens in front of the sequence get
+no position: the frozen attention gives them a zero relative-position bias or no rotation
+(:meth:`petl.Backbone.make_room`, as VPT's prompts).  The LayerNorms that train are the blocks' pre-norms (a
+parallel block's one ``in_norm``), and the side blocks' MLP ratio is the backbone's hidden width (what ``fc2``
+reads) over its width.  A :class:`petl.MultiTask` mixed batch refuses it in one line on ``vit_relpos``, BEiT and
+EVA (the attention that makes room for the meta tokens has no row hook); it is served on the ViT and on parallel
+blocks.
+
 Trains:
     HST: a meta token per block, the blocks' LayerNorms, and a 4-stage side pyramid reading the image and the
     blocks; HST's own head (BatchNorm + Linear on the side network).
@@ -79,7 +87,7 @@ from torch import nn
 
 from petl.methods import _side
 from petl.model import rows, surgery
-from petl.model.backbone import backbone_of
+from petl.model.backbone import backbone_of, unwrap
 from petl.model.registry import MethodConfig, register_method
 from petl.model.wrappers import PetlHead, PetlModule, factory_kwargs
 from petl.utils.checks import check_range, to_str_tuple
@@ -238,7 +246,7 @@ class HstSide(_side.SideNetwork):
             bb.grid_size(),
         )
         self.stage_of = [s for s, blocks in enumerate(self.stage_blocks) for _ in blocks]
-        mlp_ratio = bb.linear(bb.block_list()[0], "fc1").out_features / d
+        mlp_ratio = _mlp_ratio(model)
         in_chans = bb.patch_proj().in_channels
         self.meta = nn.ParameterList([nn.Parameter(torch.empty(1, cfg.meta_tokens, d)) for _ in range(depth)])
         self.embeds = nn.ModuleList(
@@ -383,14 +391,27 @@ class HstHead(PetlHead):
         return HstHead(self._shared[0], self.weight.shape[1], num_classes, kw)
 
 
+def _mlp_ratio(model: nn.Module) -> float:
+    # The backbone MLP's hidden width over the block width, which the side blocks' MLPs keep: what fc2 reads is the
+    # hidden width in every family (an EVA SwiGLU's fc1 holds gate and value rows; a parallel block has no fc1).
+    bb = backbone_of(model)
+    return unwrap(bb.linear(bb.block_list()[0], "fc2")).in_features / bb.width()
+
+
+def _block_norms(model: nn.Module) -> list[nn.Module]:
+    """The blocks' pre-norms, which HST trains: norm1 and norm2 of a ViT block, a parallel block's one in_norm."""
+    bb = backbone_of(model)
+    return [bb.block_norm(block, name) for block in bb.block_list() for name, _ in bb.norm_groups]
+
+
 def _formula(model: nn.Module, cfg: HstConfig) -> int:
     bb = backbone_of(model)
     d, depth = bb.width(), bb.depth()
     stages = cfg.stages(model)
     dims = cfg.widths[: len(stages)]
     in_chans = bb.patch_proj().in_channels
-    ratio = bb.linear(bb.block_list()[0], "fc1").out_features / d
-    total = depth * cfg.meta_tokens * d + depth * 2 * 2 * d  # meta tokens, the blocks' LayerNorms
+    ratio = _mlp_ratio(model)
+    total = depth * cfg.meta_tokens * d + sum(p.numel() for norm in _block_norms(model) for p in norm.parameters())
     total += in_chans * dims[0] * 9 + 2 * dims[0] + dims[0] * dims[0] * 4 + dims[0]  # stem convs + BatchNorm
     total += sum(dims[s - 1] * dims[s] * 9 + dims[s] for s in range(1, len(dims)))  # stride-2 convs
     total += sum(2 * dim + (d * dim + dim) + 2 * dim for dim in dims)  # embed norms, bridges, stage norms
@@ -402,7 +423,7 @@ def _formula(model: nn.Module, cfg: HstConfig) -> int:
 
 
 # The backbones hst's idea fits: a side network over the patch grid with meta tokens, reading every block of one width.
-BACKBONES = ("vit",)
+BACKBONES = ("vit", "vit_relpos", "beit", "eva", "vit_parallel")
 # Why not on the other backbone kinds (the refusal says it, and so does the docs page).
 REFUSAL = (
     "its side network reads every block's tokens of one width through meta tokens in one flat sequence, "
@@ -417,10 +438,12 @@ def inject_hst(model: nn.Module, cfg: HstConfig) -> None:
     """HST: meta tokens in every block, trained LayerNorms, and a hierarchical side network that classifies."""
     bb = backbone_of(model)
     side = HstSide(model, cfg)
-    _side.install(model, side)
     for block in bb.block_list():
-        for name in ("norm1", "norm2"):
-            bb.block_norm(block, name).requires_grad_(True)
+        # The meta tokens have no position: no relative-position bias, no rotation (nothing to do in a ViT).
+        bb.make_room(block, 0)
+    _side.install(model, side)
+    for norm in _block_norms(model):
+        norm.requires_grad_(True)
     bb.set_patch_proj(HstPatchProj(bb.patch_proj(), side))
     bb.set_head(HstHead(side, side.width, bb.num_classes(), factory_kwargs(model)))
 

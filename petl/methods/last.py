@@ -19,6 +19,10 @@ bias-free projections, PyTorch's default init for q/k/v and a zero ``up`` (uncha
 ``z_0`` (``m + 1`` blocks).  At rank 16, gap 1, one layer, that design counts 658,944 on ViT-B/16, the published
 0.66M; the 12-block variant without ``F_0`` would count 608,256 (0.61M).
 
+On the other ViT families (``vit_relpos``, BEiT, EVA, parallel blocks) the side network reads the tokens entering
+the first block and each group's output as on the ViT; its LSA layers add no position terms of their own (neither
+does the ViT's), and the frozen blocks run with their own relative-position bias or rotary embedding.
+
 Trains:
     LAST: a side network of low-rank (r-wide, one head, no FFN) self-attention blocks, one on the embedded
     tokens and one after every ``gap`` blocks, fed with the previous side output plus the group's output; the
@@ -166,7 +170,7 @@ def _formula(model: nn.Module, cfg: LastConfig) -> int:
 
 
 # The backbones last's idea fits: a side network over the blocks' outputs at one width.
-BACKBONES = ("vit",)
+BACKBONES = ("vit", "vit_relpos", "beit", "eva", "vit_parallel")
 # Why not on the other backbone kinds (the refusal says it, and so does the docs page).
 REFUSAL = (
     "its low-rank attention side network runs over the blocks' outputs at one width and one token count, "

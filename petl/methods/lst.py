@@ -31,6 +31,12 @@ the attention, the MLP activation and the MLP), BERT's after the attention and t
 version initialises the side network from a pruned copy of the backbone (``fisher-v2``); the
 vision-language version, followed here, draws it at random.
 
+On the other ViT families (``vit_relpos``, BEiT, EVA, parallel blocks) the side blocks are still timm's ViT
+``Block`` (a GELU MLP, no relative-position bias, no rotary embedding), at the backbone's MLP ratio taken from the
+hidden width its ``fc2`` reads (an EVA-02's SwiGLU: 8/3; ``vit_pwee_*``: 5): LST builds its side layers from the
+backbone's layer type, which petl replaces by the ViT block everywhere (see the differences).  The ladders read
+the frozen blocks' outputs, whatever runs inside them.
+
 Trains:
     LST: a 1/8-wide side transformer fed by gated ladders from every frozen block; its output replaces the
     backbone's; no backward through the backbone.
@@ -63,7 +69,7 @@ from torch import nn
 
 from petl.methods import _side
 from petl.model import rows, surgery
-from petl.model.backbone import backbone_of
+from petl.model.backbone import backbone_of, unwrap
 from petl.model.registry import MethodConfig, register_method
 from petl.model.wrappers import factory_kwargs
 from petl.utils.checks import check_dropout, check_range
@@ -105,8 +111,10 @@ class LstConfig(MethodConfig):
 
 
 def _mlp_ratio(model: nn.Module) -> float:
+    # The MLP's hidden width over the block width: what fc2 reads (a parallel block's mlp_out_proj, an EVA SwiGLU's
+    # fc2, whose fc1 holds gate and value rows) is the hidden width in every family.
     bb = backbone_of(model)
-    return bb.linear(bb.block_list()[0], "fc1").out_features / bb.width()
+    return unwrap(bb.linear(bb.block_list()[0], "fc2")).in_features / bb.width()
 
 
 class LstSide(_side.SideNetwork):
@@ -187,7 +195,7 @@ def _formula(model: nn.Module, cfg: LstConfig) -> int:
 
 # The backbones lst's idea fits: a ladder side network of timm ViT blocks at a reduced width, one width and head count
 # for all blocks.
-BACKBONES = ("vit",)
+BACKBONES = ("vit", "vit_relpos", "beit", "eva", "vit_parallel")
 # Why not on the other backbone kinds (the refusal says it, and so does the docs page).
 REFUSAL = (
     "its ladder side network takes every block's tokens at one reduced width and one token count, and a "

@@ -36,6 +36,13 @@ model, L259, and ``run_vit_noah.sh`` runs its adapter trainer, so its NOAH row i
 * the head reads the class token after the final norm (L642-646); petl removes the prompts after the last block,
   so an average-pooling backbone averages its patch tokens only.
 
+On ``vit_relpos``, BEiT and EVA the trailing prompts get no position: the frozen attention zero-pads its
+relative-position bias or gives them no rotation for as many tokens as trail the sequence in each block
+(:meth:`petl.Backbone.make_room` at the end of the sequence), so their number may change from block to block and,
+in the search, from step to step.  LoRA wraps the fused ``qkv`` (BEiT's and EVA's ``q_bias``/``v_bias`` are added
+after it); an EVA-02 with separate q/k/v is refused in one line unless every ``lora`` width is 0, and a
+:class:`petl.MultiTask` mixed batch refuses it on these families (the attention that makes room has no row hook).
+
 Trains:
     NOAH: per block prompts appended after the patches (replacing the previous block's), a LoRA update of the
     whole qkv (no scaling) and an adapter after the MLP (QuickGELU); not unchanged at init (xavier adapter, as NOAH's
@@ -187,6 +194,12 @@ class NoahConfig(_init.InitOption, MethodConfig):
         check_dropout("dropout", self.dropout)
         for name in ("search_epochs", "search_generations", "population", "max_params"):
             check_range(name, getattr(self, name), low=1)
+        if any(self.widths(model)[1]):
+            for block in bb.block_list():
+                try:
+                    bb.linear(block, "qkv")
+                except ValueError as error:  # an EVA-02 with separate q/k/v
+                    raise ValueError(f"NOAH's LoRA updates one fused qkv Linear, and {error}") from None
         if not self.searched:
             return
         for name, widths in zip(("prompt", "lora", "adapter"), self.widths(model), strict=True):
@@ -374,12 +387,15 @@ def inject_noah(model: nn.Module, cfg: NoahConfig) -> None:
     container, d = bb.block_container(), bb.width()
     for i, (p, r, a) in enumerate(zip(*cfg.widths(model), strict=True)):
         bb.set_block(i, NoahBlock(container[i], d, p, a, r, cfg.supernet_dim, cfg.dropout, cfg.init))
+    for block in bb.block_list():
+        # The prompts trail the sequence without a position: no relative-position bias, no rotation.
+        bb.make_room(block, bb.num_tokens())
     wire(noah_blocks(model))
 
 
 # The backbones noah's idea fits: prompt tokens appended to a flat token sequence, adapters and LoRA on pre-norm
 # blocks of one width.
-BACKBONES = ("vit",)
+BACKBONES = ("vit", "vit_relpos", "beit", "eva")
 # Why not on the other backbone kinds (the refusal says it, and so does the docs page).
 REFUSAL = "its prompts are appended to one flat token sequence (VPT's layout), and a Swin attends in windows of a grid"
 REFUSALS = {

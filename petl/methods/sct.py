@@ -24,6 +24,11 @@ class the L2 norm over samples and tokens, mean over classes, top-N) and scripts
 (topN 96, tuning_mode sct_attn).  The reference's ``scale`` option is unused by its forward
 (commented out at L298-302), so petl has none.
 
+On ``vit_relpos``, BEiT and EVA the channels are tuned on the stream between the block's two residual halves as
+the family computes them (:meth:`petl.Backbone.attn_residual`: BEiT's and EVA's ``gamma_1`` layer scale inside the
+attention half, the relative-position bias or rotary embedding passed to the attention); the salient channels are
+measured at the input of the MLP's norm, as on the ViT.  A parallel block has one residual: refused there.
+
 Trains:
     a Linear on the selected residual channels after each attention.
 
@@ -233,7 +238,7 @@ def _formula(model: nn.Module, cfg: SctConfig) -> int:
 
 # The backbones sct's idea fits: salient channels of the residual stream between the halves of pre-norm blocks of one
 # width.
-BACKBONES = ("vit",)
+BACKBONES = ("vit", "vit_relpos", "beit", "eva")
 # Why not on the other backbone kinds (the refusal says it, and so does the docs page).
 REFUSAL = (
     "its salient channels are chosen and tuned in one flat token stream of one width (top_n = width // "

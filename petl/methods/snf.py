@@ -29,6 +29,10 @@ every flow.  The same values and gradients as the flows one by one (to float rou
 through the flows written out), at a fraction of their time and memory (``benchmarks/results/speed_cpu.md``).
 It computes in the tokens' dtype with autocast off, so a model under bf16 autocast trains its flows in float32.
 
+On ``vit_relpos``, BEiT and EVA the two flows replace the shortcuts of the family's two residual halves
+(:meth:`petl.Backbone.attn_branch`, :meth:`petl.Backbone.mlp_branch`: BEiT's and EVA's ``gamma`` layer scales stay
+inside the branches).  A parallel block has one residual: refused there.
+
 Trains:
     SNF: both residual shortcuts of every block become a normalizing flow of the tokens (a per-channel affine
     map ``mu + exp(log_sigma) * x``, then ``flow_length`` planar flows ``z + u * tanh(z . w + b)``); planar flows drawn
@@ -235,7 +239,7 @@ def _formula(model: nn.Module, cfg: SnfConfig) -> int:
 
 
 # The backbones snf's idea fits: normalizing flows on both residual shortcuts of pre-norm blocks of one width.
-BACKBONES = ("vit",)
+BACKBONES = ("vit", "vit_relpos", "beit", "eva")
 # Why not on the other backbone kinds (the refusal says it, and so does the docs page).
 REFUSAL = (
     "its normalizing flows on the residual shortcuts are built for one width, and a Swin's width changes per stage"

@@ -358,15 +358,20 @@ def test_speed_runs_on_every_backbone_kind(kind):
     # with petl.apply's reason, not an error.
     spec = _tiny_spec(kind)
     assert petl.backbone_of(build_model(Case("plain"), spec)).kind == kind
+    # A method the kind refuses, where the registry has one (the first such).
+    refused = next((m for m in petl.list_methods() if kind not in petl.get_method(m).backbones), None)
     experiments = [(name, {"name": name}) for name in ("lora", "ssf", "gps")] + [
         ("vpt", {"name": "vpt", "num_tokens": 3})
     ]
+    experiments += [(refused, {"name": refused})] if refused else []
     results = run_speed(spec, experiments, inprocess=True, log=lambda _: None)
     # SSF's shift folds into a bias; where qkv has none (BEiT, EVA) petl.merge refuses and the row says why.
     ssf = results["ssf"]
     assert "refused" in ssf or "infer_merged_ms" in ssf or "without weight and bias" in ssf["not_merged"]
-    assert f"does not support the {kind} backbone" in results["gps"]["refused"]
-    assert ("refused" in results["vpt"]) == (kind not in petl.get_method("vpt").backbones)
+    for name in ("gps", "vpt"):
+        assert ("refused" in results[name]) == (kind not in petl.get_method(name).backbones), name
+    if refused:
+        assert f"does not support the {kind} backbone" in results[refused]["refused"]
     measured = [name for name, r in results.items() if "refused" not in r]
     assert {FORWARD, "lora", PEFT_LORA} <= set(measured)
     # peft's LoRA adapts a whole Linear: a parallel block's in_proj holds fc1's rows beside Q, K and V.
@@ -376,7 +381,9 @@ def test_speed_runs_on_every_backbone_kind(kind):
     if "refused" not in results["vpt"]:
         assert "+3 tokens from block 0" in results["vpt"]["floor"]
     table = format_table(results, spec, "test machine", memory_in_process=True)
-    assert "Left out, refused on this backbone" in table and "- **gps**: method 'gps' does not support" in table
+    if refused:
+        assert "Left out, refused on this backbone" in table
+        assert f"- **{refused}**: method '{refused}' does not support" in table
     assert "Peak MB: not shown (inprocess=true" in table
     assert f"peft adapts all output rows of every block's `{target[0]}` ({', '.join(target[1])})." in table
     assert ("Not merged (`petl.merge` refused): ssf:" in table) == ("not_merged" in ssf)

@@ -548,6 +548,11 @@ FAMILY_VARIANTS = [(name, {}) for name in petl.list_methods()] + [
     ("bitfit", {"biases": "linear"}),
     ("peft", {"peft_type": "LORA", "target_modules": ["qkv"], "options": '{"r": 8, "use_dora": true}'}),
     ("peft", {"peft_type": "IA3", "target_modules": ["qkv", "fc2"], "options": '{"feedforward_modules": ["fc2"]}'}),
+    # DTL+'s conv over the patch grid; HST's meta tokens and NOAH's prompts, which change in number from block to
+    # block, in the room the families' attention makes for them.
+    ("dtl", {"fusion_size": 3}),
+    ("hst", {"dims": [8, 12], "heads": [2, 3], "meta_tokens": 2}),
+    ("noah", {"prompt": [2, 0, 3], "lora": [0, 2, 1], "adapter": [3, 0, 0], "dropout": 0.0}),
     # DoRA and IA3 on a parallel block's Linears (the other families have none of these names: refused there).
     ("peft", {"target_modules": ["in_proj"], "options": '{"r": 8, "use_dora": true}'}),
     (
@@ -675,7 +680,7 @@ def test_family_prompts_get_no_position(images, family):
     roomy = make_tiny_family(family)
     bb = backbone_of(roomy)
     for block in bb.block_list():
-        bb.make_room(block, bb.num_prefix_tokens(), 0)
+        bb.make_room(block, bb.num_prefix_tokens())
     torch.testing.assert_close(roomy(images), plain(images), atol=1e-5, rtol=0)
     n, p = 4, bb.num_prefix_tokens()
     model = petl.apply_vpt(make_tiny_family(family), num_tokens=n, dropout=0.0)
@@ -686,3 +691,23 @@ def test_family_prompts_get_no_position(images, family):
     shuffled = model.forward_features(images)
     torch.testing.assert_close(shuffled[:, p + n :], features[:, p + n :], atol=1e-5, rtol=0)
     torch.testing.assert_close(shuffled[:, p : p + n], features[:, p : p + n].flip(1), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("where", ["front", "end"])
+@pytest.mark.parametrize("family", [f for f in TINY_FAMILIES if not f.startswith("vit_pwee")])
+def test_family_room_anywhere_in_the_sequence(images, family, where):
+    # HST's meta tokens go in front of the prefix, NOAH's prompts after the patches: wherever the room is made, the
+    # extra tokens get no position, so shuffling them leaves every other token as it was; without extra tokens the
+    # block is the plain one.
+    plain, model = make_tiny_family(family), make_tiny_family(family)
+    bb = backbone_of(model)
+    at = 0 if where == "front" else bb.num_tokens()
+    block = bb.block_list()[0]
+    bb.make_room(block, at)
+    x = bb.embed_tokens(images)
+    torch.testing.assert_close(bb.run_block(block, x), bb.run_block(backbone_of(plain).block_list()[0], x))
+    extra = torch.randn(x.shape[0], 3, x.shape[-1], generator=torch.Generator().manual_seed(0))
+    y = bb.run_block(block, torch.cat([x[:, :at], extra, x[:, at:]], dim=1))
+    shuffled = bb.run_block(block, torch.cat([x[:, :at], extra.flip(1), x[:, at:]], dim=1))
+    others = torch.cat([torch.arange(at), torch.arange(at + 3, x.shape[1] + 3)])
+    torch.testing.assert_close(shuffled[:, others], y[:, others], atol=1e-5, rtol=0)

@@ -373,8 +373,8 @@ class Backbone:
         raise NotImplementedError
 
     @staticmethod
-    def layer_scales(block: nn.Module) -> list[nn.Module]:
-        """The block's layer-scale modules (identities where it has none)."""
+    def layer_scale_parameters(block: nn.Module) -> list[nn.Parameter]:
+        """The block's layer-scale gammas, whether a module holds them or the block itself (none without)."""
         raise NotImplementedError
 
     @staticmethod
@@ -457,13 +457,30 @@ class Backbone:
             return cls.qkv_rows(block, target)
         return target, 0, cls.linear(block, target).out_features
 
+    @classmethod
+    def loose_biases(cls, block: nn.Module) -> list[nn.Parameter]:
+        """The biases a block adds to its Linears' outputs but keeps outside them: what :meth:`linear_biases` names
+        beyond each Linear's own bias (the q/v biases of a BEiT, EVA or SwinV2 attention, a parallel block's
+        ``mlp_bias``); none in a plain ViT.
+        """
+        found = []
+        for name in cls.linear_names:
+            try:
+                own = getattr(unwrap(cls.linear(block, name)), "bias", None)
+            except (AttributeError, ValueError):  # a Linear this block does not have
+                continue
+            found += [bias for bias in cls.linear_biases(block, name) if bias is not own]
+        return list({id(bias): bias for bias in found}.values())
+
     @staticmethod
-    def make_room(block: nn.Module, at: int, count: int) -> None:
-        """Let ``block`` (unwrapped) take ``count`` extra tokens inserted at position ``at`` (after the prefix tokens)
-        that have no position of their own: where the block adds position terms to the patch tokens inside
-        attention (a relative-position bias, a rotary embedding), the extra tokens get none (a zero bias, no
-        rotation), as VPT's own Swin code zero-pads the bias for its prompts (KMnP/vpt
-        src/models/vit_prompt/swin_transformer.py L480-508).
+    def make_room(block: nn.Module, at: int) -> None:
+        """Let ``block`` (unwrapped) take extra tokens inserted at position ``at`` (after the prefix tokens, or at the
+        end of the sequence) that have no position of their own: where the block adds position terms to the patch
+        tokens inside attention (a relative-position bias, a rotary embedding), the extra tokens get none (a zero
+        bias, no rotation), as VPT's own Swin code zero-pads the bias for its prompts (KMnP/vpt
+        src/models/vit_prompt/swin_transformer.py L480-508).  As many as the block's input holds beyond the tokens
+        the position terms cover, from none up: NOAH's prompts change in number from block to block and, in its
+        search, from step to step.
         """
         raise NotImplementedError
 

@@ -29,16 +29,17 @@ from petl.model.wrappers import PetlModule
 
 
 class BeitRoom(PetlModule):
-    """timm's BEiT ``Attention`` taking ``count`` extra tokens at ``at`` that get no relative-position bias.
+    """timm's BEiT ``Attention`` taking extra tokens at ``at`` (those beyond the bias's) that get no relative-position
+    bias.
 
     timm computes the bias inside its forward, for exactly the class token and the patch grid; this runs the same
     steps through the attention's own modules and parameters with the bias (own plus shared) zero-padded for the
     extra tokens, as the VPT code's Swin pads its bias for the prompts (swin_transformer.py L480-508).
     """
 
-    def __init__(self, base: Attention, at: int, count: int) -> None:
+    def __init__(self, base: Attention, at: int) -> None:
         super().__init__(base)
-        self.at, self.count = at, count
+        self.at = at
 
     def forward(self, x: torch.Tensor, shared_rel_pos_bias: torch.Tensor | None = None) -> torch.Tensor:
         attn = self.base
@@ -51,7 +52,7 @@ class BeitRoom(PetlModule):
         if shared_rel_pos_bias is not None:
             bias = shared_rel_pos_bias if bias is None else bias + shared_rel_pos_bias
         if bias is not None:
-            bias = pad_bias(bias, self.at, self.count).to(q.dtype)
+            bias = pad_bias(bias, self.at, tokens - bias.shape[-1]).to(q.dtype)
         x = F.scaled_dot_product_attention(
             q, k, v, attn_mask=bias, dropout_p=attn.attn_drop.p if attn.training else 0.0
         )
@@ -102,6 +103,6 @@ class Beit(QvBiasesBesideQkv, GammaBranches, VitRelPos):
     # -- inside one block ------------------------------------------------------------------------------------
 
     @staticmethod
-    def make_room(block: nn.Module, at: int, count: int) -> None:
+    def make_room(block: nn.Module, at: int) -> None:
         """The attention zero-pads its relative-position bias (own and shared) for the extra tokens."""
-        block.attn = BeitRoom(block.attn, at, count)
+        block.attn = BeitRoom(block.attn, at)

@@ -31,23 +31,27 @@ from petl.model.wrappers import PetlModule
 
 
 class EvaRoom(PetlModule):
-    """timm's ``EvaAttention`` taking ``count`` extra tokens at ``at`` (after the prefix) that are not rotated.
+    """timm's ``EvaAttention`` taking extra tokens at ``at`` (those beyond ``rope``'s rows) that are not rotated.
 
     timm rotates every token after the prefix by its row of ``rope``; the extra tokens get the identity rotation
-    (sin 0, cos 1) in front of the patch tokens' rows, so their Q and K enter attention as computed.
+    (sin 0, cos 1) at their place among the patch tokens' rows (in front of them where the extra tokens sit before
+    or right after the prefix), so their Q and K enter attention as computed.
     """
 
-    def __init__(self, base: EvaAttention, at: int, count: int) -> None:
+    def __init__(self, base: EvaAttention, at: int) -> None:
         super().__init__(base)
-        self.at, self.count = at, count
+        self.at = at
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
-        if rope is not None and self.count:
+        prefix = self.base.num_prefix_tokens
+        count = 0 if rope is None else x.shape[1] - prefix - rope.shape[-2]
+        if count:
             half = rope.shape[-1] // 2
             rows = list(rope.shape)
-            rows[-2] = self.count
+            rows[-2] = count
             identity = torch.cat([rope.new_zeros(rows[:-1] + [half]), rope.new_ones(rows[:-1] + [half])], dim=-1)
-            rope = torch.cat([identity, rope], dim=-2)
+            place = max(self.at - prefix, 0)
+            rope = torch.cat([rope[..., :place, :], identity, rope[..., place:, :]], dim=-2)
         return self.base(x, rope=rope, **kwargs)
 
 
@@ -135,6 +139,6 @@ class Eva(QvBiasesBesideQkv, GammaBranches, ViT):
         return name, 0, cls.linear(block, name).out_features
 
     @staticmethod
-    def make_room(block: nn.Module, at: int, count: int) -> None:
-        """The attention gives the extra tokens the identity rotation (they sit after the unrotated prefix)."""
-        block.attn = EvaRoom(block.attn, at, count)
+    def make_room(block: nn.Module, at: int) -> None:
+        """The attention gives the extra tokens the identity rotation."""
+        block.attn = EvaRoom(block.attn, at)

@@ -232,7 +232,7 @@ class Swin(TimmModelParts, TimmBlockParts, Backbone):
     # -- inside one block ------------------------------------------------------------------------------------
 
     @staticmethod
-    def layer_scales(block: nn.Module) -> list[nn.Module]:
+    def layer_scale_parameters(block: nn.Module) -> list[nn.Parameter]:
         """Swin blocks have no layer scale."""
         return []
 

@@ -128,20 +128,15 @@ class GammaBranches:
     """
 
     @staticmethod
+    def layer_scale_parameters(block: nn.Module) -> list[nn.Parameter]:
+        """``gamma_1`` and ``gamma_2``, where the block has layer scale."""
+        return [gamma for gamma in (block.gamma_1, block.gamma_2) if gamma is not None]
+
+    @staticmethod
     def attn_branch(block: nn.Module, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         """``drop_path1(gamma_1 * attn(norm1(x), **kwargs))`` (the family's attention keywords passed on)."""
         out = block.attn(block.norm1(x), **kwargs)
         return block.drop_path1(out if block.gamma_1 is None else block.gamma_1 * out)
-
-    @classmethod
-    def layer_scales(cls, block: nn.Module) -> list[nn.Module]:
-        """These layer scales are bare parameters, not modules.
-
-        Raises:
-            ValueError: always.
-
-        """
-        raise ValueError(f"a {cls.kind} block keeps its layer scales as parameters (gamma_1, gamma_2), not modules")
 
     @staticmethod
     def mlp_branch(block: nn.Module, x: torch.Tensor) -> torch.Tensor:

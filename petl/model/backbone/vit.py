@@ -210,7 +210,7 @@ class ViT(TimmModelParts, TimmBlockParts, Backbone):
         for block in self.block_list():
             # Every block carries the prompts; where a block adds position terms inside attention (a relative-position
             # bias, a rotary embedding) the prompts get none.
-            self.make_room(block, self.num_prefix_tokens(), count)
+            self.make_room(block, self.num_prefix_tokens())
         for i, prompt in enumerate(prompts):
             last_strip = strip and i == depth - 1
             if prompt is None and not last_strip:
@@ -229,9 +229,9 @@ class ViT(TimmModelParts, TimmBlockParts, Backbone):
     # -- inside one block ------------------------------------------------------------------------------------
 
     @staticmethod
-    def layer_scales(block: nn.Module) -> list[nn.Module]:
-        """``ls1`` and ``ls2`` (``nn.Identity`` in a ViT without layer scale)."""
-        return [block.ls1, block.ls2]
+    def layer_scale_parameters(block: nn.Module) -> list[nn.Parameter]:
+        """The parameters of ``ls1`` and ``ls2`` (none where they are ``nn.Identity``)."""
+        return [*block.ls1.parameters(), *block.ls2.parameters()]
 
     @staticmethod
     def attn_branch(block: nn.Module, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
@@ -249,5 +249,5 @@ class ViT(TimmModelParts, TimmBlockParts, Backbone):
         return block.norm2
 
     @staticmethod
-    def make_room(block: nn.Module, at: int, count: int) -> None:
+    def make_room(block: nn.Module, at: int) -> None:
         """Nothing to do: a ViT adds its (absolute) position embedding before the blocks."""

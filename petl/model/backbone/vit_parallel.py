@@ -184,9 +184,9 @@ class VitParallel(ViT):
         return block.in_norm
 
     @staticmethod
-    def layer_scales(block: nn.Module) -> list[nn.Module]:
-        """``ls``, the one layer scale on the summed outputs (``nn.Identity`` without layer scale)."""
-        return [block.ls]
+    def layer_scale_parameters(block: nn.Module) -> list[nn.Parameter]:
+        """The parameters of ``ls``, the one layer scale on the summed outputs (none where it is ``nn.Identity``)."""
+        return list(block.ls.parameters())
 
     @staticmethod
     def attn_branch(block: nn.Module, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:

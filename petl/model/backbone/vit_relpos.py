@@ -34,15 +34,16 @@ def pad_bias(bias: torch.Tensor, at: int, count: int) -> torch.Tensor:
 
 
 class RelPosRoom(PetlModule):
-    """timm's ``RelPosAttention`` taking ``count`` extra tokens at ``at`` that get no relative-position bias.
+    """timm's ``RelPosAttention`` taking extra tokens at ``at`` (those beyond the bias's) that get no relative-position
+    bias.
 
     Runs the attention's own projections, norms and bias module; only the bias (the block's own and the shared
     one) is zero-padded for the extra tokens, as in the VPT code's Swin (swin_transformer.py L480-508).
     """
 
-    def __init__(self, base: RelPosAttention, at: int, count: int) -> None:
+    def __init__(self, base: RelPosAttention, at: int) -> None:
         super().__init__(base)
-        self.at, self.count = at, count
+        self.at = at
 
     def forward(self, x: torch.Tensor, shared_rel_pos: torch.Tensor | None = None) -> torch.Tensor:
         attn = self.base
@@ -52,7 +53,7 @@ class RelPosRoom(PetlModule):
         q, k = attn.q_norm(q), attn.k_norm(k)
         bias = attn.rel_pos.get_bias() if attn.rel_pos is not None else shared_rel_pos
         if bias is not None:
-            bias = pad_bias(bias, self.at, self.count).to(q.dtype)
+            bias = pad_bias(bias, self.at, tokens - bias.shape[-1]).to(q.dtype)
         x = F.scaled_dot_product_attention(
             q, k, v, attn_mask=bias, dropout_p=attn.attn_drop.p if attn.training else 0.0
         )
@@ -147,6 +148,6 @@ class VitRelPos(ViT):
         return model.forward_head(model.norm(x))
 
     @staticmethod
-    def make_room(block: nn.Module, at: int, count: int) -> None:
+    def make_room(block: nn.Module, at: int) -> None:
         """The attention zero-pads its relative-position bias (own or shared) for the extra tokens."""
-        block.attn = RelPosRoom(block.attn, at, count)
+        block.attn = RelPosRoom(block.attn, at)
