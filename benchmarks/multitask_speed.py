@@ -14,6 +14,10 @@ per task; eight rows per task), four ways of answering the same batch, all in ev
   forward per task with the task modules for free (what merged LoRA-style models would approach);
 * **backbone once**: the plain backbone on the whole batch -- the floor any mixed-batch server can reach.
 
+With ``--launch-bound`` the MultiTask is timed on the GPU's path (``launch_bound=True``: every row in one pass,
+every stack of two tasks acting) whatever the device; on a CPU with a tiny model (``--model vit_tiny_patch16_224
+--img-size 32``, one row per task), where the arithmetic is small, it is a rough proxy of the host's cost per op.
+
 With ``--ops`` nothing is timed: each case's aten ops in one call are counted (``petl.utils.ops.CountOps``,
 after a warm-up call; the MultiTask on the GPU's path, ``launch_bound=True``), the cost where the host launching
 kernels is the bound (a GPU serving small updates); the counts do not depend on the image size.
@@ -88,15 +92,26 @@ def _task_files(backbone: torch.nn.Module, methods: list, folder: Path) -> tuple
 
 
 def measure(
-    model_name: str, methods: list, batch: int, rounds: int, device: str = "cpu", dtype: str = "float32"
+    model_name: str,
+    methods: list,
+    batch: int,
+    rounds: int,
+    device: str = "cpu",
+    dtype: str = "float32",
+    img_size: int | None = None,
+    launch_bound: bool | None = None,
 ) -> dict[str, float]:
-    """Median seconds per batch of each case (see the module doc) for one task set and batch size."""
+    """Median seconds per batch of each case (see the module doc) for one task set and batch size; ``img_size``
+    overrides the model's, ``launch_bound`` the MultiTask's choice of path by device.
+    """
     torch.manual_seed(0)
-    backbone = timm.create_model(model_name, pretrained=False, num_classes=10).eval()
+    kwargs = {} if img_size is None else {"img_size": img_size}
+    backbone = timm.create_model(model_name, pretrained=False, num_classes=10, **kwargs).eval()
     size = backbone.patch_embed.img_size
     with tempfile.TemporaryDirectory() as folder:
         files, singles = _task_files(backbone, methods, Path(folder))
         multi = petl.MultiTask(backbone, files)
+    multi.launch_bound = launch_bound
     kw = {"device": torch.device(device), "dtype": getattr(torch, dtype)}
     multi.to(**kw)  # the backbone too: its tensors are the MultiTask's
     singles = [model.to(**kw) for model in singles]
@@ -181,6 +196,7 @@ def render(
     device: str = "cpu",
     dtype: str = "float32",
     missing: list[str] | None = None,
+    launch_bound: bool = False,
 ) -> str:
     """The results file: one table row per task set and batch size (``missing``: rows the deadline cut off)."""
     gpu = f", GPU {torch.cuda.get_device_name(torch.device(device))}" if device.startswith("cuda") else ""
@@ -196,7 +212,8 @@ def render(
         "in one process with the cases taking turns call by call).",
         "",
         f"Backbone `{model_name}` with random weights, 10-class heads, eval mode, no autograd, {dtype} on "
-        f"{device}; median over {rounds} rounds. Ratios are images/s against the 8 separate models.",
+        f"{device}; median over {rounds} rounds. Ratios are images/s against the 8 separate models."
+        + (" The MultiTask on the GPU's path (`launch_bound=True`) whatever the device." if launch_bound else ""),
         "",
         "| Task set | Batch (rows per task) | " + " | ".join(f"{c} img/s" for c in CASES) + " | "
         "MultiTask × 8 separate | MultiTask × backbone 8 times | MultiTask × backbone once |",
@@ -232,7 +249,13 @@ def main(argv: list[str]) -> None:
     )
     parser.add_argument("--out", type=Path, help="write the table here (else print it)")
     parser.add_argument("--ops", action="store_true", help="count each case's aten ops in one call; time nothing")
-    parser.add_argument("--img-size", type=int, help="with --ops: the model's image size (the counts do not change)")
+    parser.add_argument("--img-size", type=int, help="the model's image size (with --ops the counts do not change)")
+    parser.add_argument(
+        "--launch-bound",
+        action="store_true",
+        help="time the MultiTask on the GPU's path (every row in one pass, every stack of two tasks acting) on any "
+        "device: on a CPU with a tiny model, a proxy of the host's cost per op",
+    )
     args = parser.parse_args(argv)
     unknown = set(args.sets.split(",")) - set(SET_KEYS)
     if unknown:
@@ -254,11 +277,16 @@ def main(argv: list[str]) -> None:
                 missing.append(f"{task_set} at batch {batch}")
                 continue
             methods = TASK_SETS[task_set]
-            results[(task_set, batch)] = measure(args.model, methods, batch, args.rounds, args.device, args.dtype)
+            launch_bound = True if args.launch_bound else None
+            results[(task_set, batch)] = measure(
+                args.model, methods, batch, args.rounds, args.device, args.dtype, args.img_size, launch_bound
+            )
             print(task_set, batch, {k: f"{batch / v:.0f} img/s" for k, v in results[(task_set, batch)].items()})
     command = "python benchmarks/multitask_speed.py " + " ".join(argv)
     load = (before, os.getloadavg()[0])
-    table = render(results, args.model, args.rounds, command.strip(), load, args.device, args.dtype, missing)
+    table = render(
+        results, args.model, args.rounds, command.strip(), load, args.device, args.dtype, missing, args.launch_bound
+    )
     if args.out:
         args.out.write_text(table)
     print(table)

@@ -24,7 +24,10 @@ prompts live in slots right after the class/register tokens, as many as the batc
 writes its own prompts there, and an attention mask keeps every row from attending slots it does not
 use (and an average pooling from counting them), so a row sees exactly the tokens its own model would.
 HST's meta tokens and NOAH's trailing prompts use the same slots (attention does not depend on where a
-token sits); a task whose prompts change from block to block (NOAH) gives each block's count.
+token sits); a task whose prompts change from block to block (NOAH) gives each block's count.  Where launching
+ops is what a batch costs (a GPU: :attr:`MultiTask.launch_bound`) every row goes through the blocks in that one
+pass, a task without prompts having all its slots masked; where the arithmetic is (a CPU) the rows of tasks
+without prompts take a pass of their own, without slots or masks, and the prompted tasks' rows a second.
 
 Tasks whose hooks at a module have the same batched form (:class:`petl.model.rows.Batched`: LoRA's and FacT's
 low-rank updates of any rank, SSF's scale and shift with BitFit's bias deltas, bottleneck adapters of one style,
@@ -272,21 +275,21 @@ class MultiTask(nn.Module):
         return routed
 
     def _stack_heads(self, heads: list[nn.Module]) -> None:
-        """Every task's Linear head in one stack (tasks x classes x width; rows past a task's classes zero, their
-        biases -inf), so that a mixed batch's logits are one batched matmul; no stack unless every head is a Linear.
+        """Every task's Linear head in one stack (tasks x classes x width, the bias one more column; rows past a task's
+        classes zero, their biases -inf), so that a mixed batch's logits are one gather and one batched matmul; no
+        stack unless every head is a Linear.
         """
         self.stacked_heads = all(type(head) is nn.Linear for head in heads)
         if not self.stacked_heads:
             return
         width = max(head.out_features for head in heads)
-        weight = torch.zeros(len(heads), width, heads[0].in_features, dtype=heads[0].weight.dtype)
-        bias = torch.full((len(heads), width), float("-inf"), dtype=heads[0].weight.dtype)
+        stack = torch.zeros(len(heads), width, heads[0].in_features + 1, dtype=heads[0].weight.dtype)
+        stack[:, :, -1] = float("-inf")
         with torch.no_grad():
             for task, head in enumerate(heads):
-                weight[task, : head.out_features] = head.weight
-                bias[task, : head.out_features] = 0.0 if head.bias is None else head.bias
-        self.register_buffer("head_weight", weight, persistent=False)
-        self.register_buffer("head_bias", bias, persistent=False)
+                stack[task, : head.out_features, :-1] = head.weight
+                stack[task, : head.out_features, -1] = 0.0 if head.bias is None else head.bias
+        self.register_buffer("head_stack", stack, persistent=False)
 
     def _launch_bound(self, x: Tensor) -> bool:
         """:attr:`launch_bound`, or by ``x``'s device: any but the CPU."""
@@ -337,6 +340,7 @@ class MultiTask(nn.Module):
             pool = None
             if tokens.slots:
                 x = tokens.with_slots(x)
+            if tokens.slots and bb.pool_type() != "token":  # the class token alone: no slot to leave out
                 # Each row pools (and, per block, attends) only the slots its own task fills.
                 pooled = [n if p else 0 for n, p in zip(self.prompts, self.pool_prompts, strict=True)]
                 pool = self._slot_mask(x, tasks, tokens, pooled)
@@ -350,9 +354,14 @@ class MultiTask(nn.Module):
                 if visible not in masks:
                     # Additive (0 or -inf, SDPA's meaning of a float mask, as timm's non-fused attention takes it
                     # too): a bool mask would be turned into one in every block's attention, three ops each.
+                    # Its rows' storage is padded to a multiple of 8 tokens: the GPU's memory-efficient attention
+                    # (the SDPA kernel that takes a mask) would otherwise pad an unaligned mask in every block
+                    # (torch's aten/src/ATen/native/transformers/attention.cpp, preprocess_mask).
                     keep = self._slot_mask(x, tasks, tokens, [v[i] for v in self.visible], device="cpu")
-                    bias = torch.zeros(keep.shape, dtype=x.dtype).masked_fill_(~keep, float("-inf"))
-                    masks[visible] = bias.to(x.device)[:, None, None]
+                    n = keep.shape[1]
+                    bias = torch.zeros(keep.shape[0], 1, 1, -(-n // 8) * 8, dtype=x.dtype)
+                    bias[..., :n].masked_fill_(~keep[:, None, None], float("-inf"))
+                    masks[visible] = bias.to(x.device)[..., :n]
                 x = bb.run_block(block, x, attn_mask=masks[visible])
             return bb.pooled_features(x, pool)
         finally:
@@ -371,27 +380,31 @@ class MultiTask(nn.Module):
 
         """
         index = self.task_index(task_ids, images.shape[0])
-        # Rows sorted by task, the tasks without prompt tokens first: their rows share the blocks without slots or
-        # attention masks, and only the prompted tasks' rows carry them, in a pass of their own through the blocks.
-        prompted = [n > 0 for n in self.prompts]
-        key = index + len(self.names) * torch.tensor(prompted)[index].long() if any(prompted) else index
+        launch_bound = self._launch_bound(images)
+        # Rows sorted by task.  Where the arithmetic is the cost (a CPU), the tasks without prompt tokens come first
+        # and their rows share the blocks without slots or attention masks, the prompted tasks' rows carrying them in
+        # a pass of their own.  Where launching ops is (a GPU), every row goes through the blocks in one pass: the
+        # rows without prompts carry empty slots too, masked out of their attention and pooling, which costs a few
+        # tokens' arithmetic instead of launching every block's ops a second time.
+        apart = [n > 0 and not launch_bound for n in self.prompts]  # tasks whose rows take the second pass
+        key = index + len(self.names) * torch.tensor(apart)[index].long() if any(apart) else index
         order = torch.argsort(key, stable=True)
         tasks = index[order]
-        rows = tasks.to(images.device)
+        rows, order = tasks.to(images.device), order.to(images.device)
         counts = torch.bincount(index, minlength=len(self.names)).tolist()
         groups, start = [], 0
-        for task in sorted(range(len(self.names)), key=lambda t: (prompted[t], t)):
+        for task in sorted(range(len(self.names)), key=lambda t: (apart[t], t)):
             if counts[task]:
                 groups.append((task, start, start + counts[task]))
                 start += counts[task]
         bb = backbone_of(self.backbone)
         prefix = Tokens(bb.num_prefix_tokens(), 0)
-        self._router.batch = Batch(groups, prefix, rows=rows, launch_bound=self._launch_bound(images))
+        self._router.batch = Batch(groups, prefix, rows=rows, launch_bound=launch_bound)
         try:
-            x = bb.embed_tokens(images[order.to(images.device)])
+            x = bb.embed_tokens(images[order])
         finally:
             self._router.batch = None
-        passes = [[g for g in groups if not prompted[g[0]]], [g for g in groups if prompted[g[0]]]]
+        passes = [[g for g in groups if not apart[g[0]]], [g for g in groups if apart[g[0]]]]
         features = []
         for part in filter(None, passes):
             first, end = part[0][1], part[-1][2]
@@ -400,7 +413,8 @@ class MultiTask(nn.Module):
         features = features[0] if len(features) == 1 else torch.cat(features)
         if self.stacked_heads and len(groups) >= 2:
             # Each row's own head gathered from the stack: one batched matmul for the mixed batch.
-            sorted_logits = rows_matmul(features, self.head_weight[rows], add=self.head_bias[rows])
+            head = self.head_stack[rows]
+            sorted_logits = rows_matmul(features, head[:, :, :-1], add=head[:, :, -1])
         else:
             width = max(self.num_classes.values()) or features.shape[-1]
             parts = []
@@ -409,5 +423,5 @@ class MultiTask(nn.Module):
                 parts.append(nn.functional.pad(logits, (0, width - logits.shape[-1]), value=float("-inf")))
             sorted_logits = torch.cat(parts) if parts else features.new_empty(0, width)
         out = torch.empty_like(sorted_logits)
-        out[order.to(out.device)] = sorted_logits
+        out[order] = sorted_logits
         return out

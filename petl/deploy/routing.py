@@ -92,11 +92,15 @@ class Batch:
     tokens: Tokens
     rows: Tensor | None = None
     launch_bound: bool = True
-    gathered: dict[int, Tensor] = field(default_factory=dict)
+    gathered: dict[int, tuple[Tensor, ...]] = field(default_factory=dict)
     repeated: dict[int, Batch] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.present = frozenset(task for task, _, _ in self.groups)
+        # Task -> its rows (a slice), looked up by every routed module for its few tasks instead of a walk over all.
+        self.spans = {task: slice(start, end) for task, start, end in self.groups}
+        self.images = self.groups[-1][2] if self.groups else 0
+        self.serving: dict[tuple[int, ...], bool] = {}  # per set of stacked tasks: Stack.serves, decided once
 
     def rows_of(self, x: Tensor) -> Batch:
         """The batch as ``x``'s rows see it: each image ``k`` consecutive rows where ``x`` has ``k`` per image.
@@ -104,7 +108,7 @@ class Batch:
         A Swin's window attention sees each image as its windows, one after the other (timm's
         ``window_partition`` keeps the image first), so its qkv and proj get ``windows x images`` rows.
         """
-        images = self.groups[-1][2] if self.groups else 0
+        images = self.images
         if not images or x.shape[0] == images:
             return self
         k, rest = divmod(x.shape[0], images)
@@ -147,22 +151,22 @@ def _each_task(
     Copying the whole batch at every routed module would cost about as much as a small backbone's matmuls.
     """
     acted = []
-    for task, start, end in batch.groups:
-        hook = hooks.get(task)
-        out = None if hook is None else act(hook, slice(start, end))
+    for task, hook in hooks.items():
+        rows = batch.spans.get(task)
+        out = None if rows is None else act(hook, rows)
         if out is not None:
-            if end - start == x.shape[0]:  # one task's batch
+            if rows.stop - rows.start == x.shape[0]:  # one task's batch
                 return out
-            acted.append((start, end, out))
+            acted.append((rows.start, rows.stop, out))
     if not acted:
         return x
     if own and not torch.is_grad_enabled():
         for start, end, out in acted:
-            x.narrow(0, start, end - start).copy_(out)
+            x[start:end].copy_(out)
         return x
     # A new tensor: each acted task's rows, and the untouched rows between them as one slice each.
     parts, row = [], 0
-    for start, end, out in acted:
+    for start, end, out in sorted(acted, key=lambda item: item[0]):
         if start > row:
             parts.append(x[row:start])
         parts.append(out)
@@ -172,20 +176,14 @@ def _each_task(
     return torch.cat(parts)
 
 
-def _take(x: Tensor, rows: slice) -> Tensor:
-    """``x[rows]`` through ``narrow``: the same view, for less host time than Python indexing (a GPU serving small
-    hooks is bound by the host).
-    """
-    return x.narrow(0, rows.start, rows.stop - rows.start)
-
-
 def _is_fresh(y: Tensor, x: Tensor) -> bool:
     """Whether a module's output ``y`` is a new tensor rather than (a view of) its input ``x`` (nn.Identity's)."""
     return y.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
 
 
 class StackTables(nn.Module):
-    """Every stack's tensors, per set of stacked tasks and dtype, side by side in one table (entries x elements).
+    """Every stack's tensors, per set of stacked tasks and dtype, side by side in one table (task index x elements:
+    a stacked task's own entry, the neutral one for every other task).
 
     A batch gathers every row's entry of a table once, at the first stack that needs it, and the stacks of every
     module read their views of it: one gather per set of tasks and dtype for the whole forward, not one per module
@@ -203,40 +201,39 @@ class StackTables(nn.Module):
         self.tasks = tasks
         self._columns: dict[tuple[tuple[int, ...], torch.dtype], list[Tensor]] = {}
         self._table: dict[tuple[tuple[int, ...], torch.dtype], int] = {}
-        self._entry: dict[tuple[int, ...], int] = {}
+        self._sizes: dict[int, list[int]] = {}
 
     def add(self, tasks: tuple[int, ...], column: Tensor) -> tuple[int, int]:
         """Put ``column`` (entries x elements: the stacked tasks' and the neutral one last) into the table of
-        ``tasks`` and its dtype; returns (table, first element), valid once :meth:`build` has run.
+        ``tasks`` and its dtype; returns (table, index of the column in it), valid once :meth:`build` has run.
         """
         key = (tasks, column.dtype)
         columns = self._columns.setdefault(key, [])
         if key not in self._table:
             self._table[key] = len(self._table)
         columns.append(column)
-        return self._table[key], sum(c.shape[1] for c in columns[:-1])
+        return self._table[key], len(columns) - 1
 
     def build(self) -> None:
-        """Make the tables of everything added (once every routed module is built)."""
-        for key, columns in self._columns.items():
-            self.register_buffer(f"table_{self._table[key]}", torch.cat(columns, dim=1), persistent=False)
-            tasks = key[0]
-            if tasks not in self._entry:
-                # Task index -> entry: its own for the stacked tasks, the neutral one (the last) for every other.
-                entry = torch.full((max(self.tasks, max(tasks) + 1),), len(tasks), dtype=torch.long)
-                entry[list(tasks)] = torch.arange(len(tasks))
-                self._entry[tasks] = len(self._entry)
-                self.register_buffer(f"entry_{self._entry[tasks]}", entry, persistent=False)
+        """Make the tables of everything added (once every routed module is built): one row per task index, its own
+        entry for a stacked task and the neutral one (the last) for every other, so that a batch gathers each row's
+        entry in one op.
+        """
+        for key, table in self._table.items():
+            tasks, columns = key[0], self._columns[key]
+            entry = torch.full((max(self.tasks, max(tasks) + 1),), len(tasks), dtype=torch.long)
+            entry[list(tasks)] = torch.arange(len(tasks))
+            self.register_buffer(f"table_{table}", torch.cat(columns, dim=1)[entry], persistent=False)
+            self._sizes[table] = [column.shape[1] for column in columns]
         self._columns = {}
-        self._tasks = {table: key[0] for key, table in self._table.items()}
 
-    def rows(self, batch: Batch, table: int) -> Tensor:
-        """Every row's entry of ``table`` (rows x elements), gathered once per batch."""
-        gathered = batch.gathered.get(table)
-        if gathered is None:
-            entry = getattr(self, f"entry_{self._entry[self._tasks[table]]}")
-            gathered = batch.gathered[table] = getattr(self, f"table_{table}")[entry[batch.rows]]
-        return gathered
+    def rows(self, batch: Batch, table: int) -> tuple[Tensor, ...]:
+        """Every row's entry of each column of ``table`` (rows x elements each), gathered once per batch."""
+        columns = batch.gathered.get(table)
+        if columns is None:
+            gathered = getattr(self, f"table_{table}")[batch.rows]
+            columns = batch.gathered[table] = gathered.split(self._sizes[table], dim=1)
+        return columns
 
 
 class Stack:
@@ -256,7 +253,7 @@ class Stack:
         first = next(iter(forms.values()))
         self.pre, self.post, self.tasks = first.pre, first.post, tuple(sorted(forms))
         self.tables = router.tables
-        # Per tensor: (table, first element, shape of one entry), to take its view of the gathered rows back.
+        # Per tensor: (table, its column there, shape of one entry), to take its view of the gathered rows back.
         self.parts: list[tuple[int, int, torch.Size]] = []
         for i, pad in enumerate(first.pad or (None,) * len(first.tensors)):
             column = [forms[task].tensors[i] for task in self.tasks] + [first.neutral[i]]
@@ -275,21 +272,17 @@ class Stack:
         their rows (the 8-method set at 8 rows per task ran at 0.61x the plain backbone stacking every pair,
         0.86x this way, on a 2-core CPU).
         """
-        present = batch.present.intersection(self.tasks)
-        if len(present) < 2:
-            return False
-        if batch.launch_bound:
-            return True
-        rows = sum(end - start for task, start, end in batch.groups if task in present)
-        return 2 * rows >= batch.groups[-1][2]
+        serves = batch.serving.get(self.tasks)
+        if serves is None:  # decided once per batch for every stack of these tasks
+            present = batch.present.intersection(self.tasks)
+            rows = sum(batch.spans[task].stop - batch.spans[task].start for task in present)
+            serves = len(present) >= 2 and (batch.launch_bound or 2 * rows >= batch.images)
+            batch.serving[self.tasks] = serves
+        return serves
 
     def rows(self, batch: Batch) -> tuple[Tensor, ...]:
         """Each stacked tensor as every row's own (rows first): views of the rows its tables gathered."""
-        out = []
-        for table, start, shape in self.parts:
-            gathered = self.tables.rows(batch, table)
-            out.append(gathered.narrow(1, start, shape.numel()).view(gathered.shape[0], *shape))
-        return tuple(out)
+        return tuple(self.tables.rows(batch, table)[column].view(-1, *shape) for table, column, shape in self.parts)
 
 
 def _zero_pad(t: Tensor, dim: int, size: int) -> Tensor:
@@ -343,13 +336,15 @@ class RoutedModule(nn.Module):
     def _kinds(self, hooks: dict[int, RowHook]) -> None:
         # Per kind, only the tasks whose hook acts there: a task without one costs no slice of its rows.
         self.pre_hooks = {task: hook for task, hook in hooks.items() if hook.pre}
+        self.any_pre = bool(self.pre_hooks) or any(stack.pre is not None for stack in self.stacks)
         self.post_hooks = {task: hook for task, hook in hooks.items() if hook.post}
         self.mid_hooks = {task: hook for task, hook in hooks.items() if hook.mid}
         self.branch_hooks = {task: hook for task, hook in hooks.items() if hook.branch}
 
     def forward(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
         batch = self._router.current().rows_of(x)
-        x = self._pre(batch, x)
+        if self.any_pre:
+            x = self._pre(batch, x)
         y = self.base(x, *args, **kwargs)
         return self._post(batch, x, y, own=_is_fresh(y, x))
 
@@ -361,24 +356,32 @@ class RoutedModule(nn.Module):
                 # Every row at once; rows of tasks outside the stack get its neutral entry and stay as they are.
                 x = stack.pre(x, batch.tokens, stack.rows(batch))
                 hooks = {task: hook for task, hook in hooks.items() if task not in stack.tasks}
-        return _each_task(batch, hooks, x, lambda h, rows: h.pre(_take(x, rows), batch.tokens))
+        if not hooks:
+            return x
+        return _each_task(batch, hooks, x, lambda h, rows: h.pre(x[rows], batch.tokens))
 
     def _post(self, batch: Batch, x: Tensor, y: Tensor, own: bool) -> Tensor:
         """``y`` with every task's post hook applied to its rows: stacked hooks in one op each, the rest per task."""
-        hooks = self.post_hooks
+        stacked: tuple[int, ...] = ()
         for stack in self.stacks:
             if stack.post is not None and stack.serves(batch):
                 y, own = stack.post(x, y, stack.rows(batch)), True
-                hooks = {task: hook for task, hook in hooks.items() if task not in stack.tasks}
-        if own and not torch.is_grad_enabled():
-            # Serving: a hook that can acts on its rows of the fresh output itself, with no copy back.
-            for task, start, end in batch.groups:
-                hook = hooks.get(task)
-                if hook is not None and hook.post_in_place is not None:
-                    hook.post_in_place(_take(x, slice(start, end)), y.narrow(0, start, end - start), batch.tokens)
-            hooks = {task: hook for task, hook in hooks.items() if hook.post_in_place is None}
-        post = lambda h, rows: h.post(_take(x, rows), _take(y, rows), batch.tokens)  # noqa: E731
-        return _each_task(batch, hooks, y, post, own=own)
+                stacked += stack.tasks
+        # Serving: a hook that can acts on its rows of the fresh output itself, with no copy back.
+        in_place = own and not torch.is_grad_enabled()
+        rest = {}
+        for task, hook in self.post_hooks.items():
+            rows = batch.spans.get(task)
+            if rows is None or task in stacked:
+                continue
+            if in_place and hook.post_in_place is not None:
+                hook.post_in_place(x[rows], y[rows], batch.tokens)
+            else:
+                rest[task] = hook
+        if not rest:
+            return y
+        post = lambda h, rows: h.post(x[rows], y[rows], batch.tokens)  # noqa: E731
+        return _each_task(batch, rest, y, post, own=own)
 
 
 class RoutedBlock(RoutedModule):
@@ -406,7 +409,8 @@ class RoutedBlock(RoutedModule):
 
     def forward(self, x: Tensor, **kwargs: Any) -> Tensor:
         batch = self._router.current()
-        x = self._pre(batch, x)
+        if self.any_pre:
+            x = self._pre(batch, x)
         if not self.halves:
             return self.base(x, **kwargs)
         if not self.mid_hooks and not self.branches:
@@ -415,10 +419,10 @@ class RoutedBlock(RoutedModule):
             return self._post(batch, x, y, own=True)
         # Each half ends with a residual sum, a fresh tensor this block owns.
         x = self.family.attn_residual(self.base, x, **kwargs)
-        x = _each_task(batch, self.mid_hooks, x, lambda h, rows: h.mid(_take(x, rows), batch.tokens), own=True)
+        x = _each_task(batch, self.mid_hooks, x, lambda h, rows: h.mid(x[rows], batch.tokens), own=True)
         if self.branches:
             h = self.family.mlp_branch(self.base, x)
-            branch = lambda hook, rows: hook.branch(_take(h, rows), batch.tokens)  # noqa: E731
+            branch = lambda hook, rows: hook.branch(h[rows], batch.tokens)  # noqa: E731
             h = _each_task(batch, self.branch_hooks, h, branch, own=_is_fresh(h, x))
             y = x + h
         else:

@@ -189,49 +189,71 @@ def _batched(wrapper: _Bottleneck, reads_output: bool) -> rows.Batched:
     """The bottleneck of every row at once: each row's down and up weights gathered, two bmm (eval: no dropout).
 
     ``reads_output``: the branch reads the wrapped module's output (sequential) or its input (parallel).  The scale
-    is folded into ``up``; the neutral entry (all zeros: the down projection gives 0, act(0) is 0 for GELU and
-    ReLU, and so is the up projection) adds exactly nothing.  Bottlenecks of different widths stack, zero-padded
-    to the widest: a padded unit's column of ``up`` is zero.
+    is folded into ``up``, and where the activation allows it ``up``'s bias rides on one more unit
+    (:func:`petl.model.rows.with_bias_unit`: the second ``bmm`` adds into the rows' output, no add of its own).  The
+    neutral entry (all zeros: the down projection gives 0, act(0) is 0 for GELU and ReLU, and so is the up
+    projection) adds exactly nothing.  Bottlenecks of different widths stack, zero-padded to the widest: a padded
+    unit's column of ``up`` is zero.
     """
     norm = wrapper.norm
     eps = norm.eps if isinstance(norm, nn.LayerNorm) else None
     act = wrapper.act
+    with torch.no_grad():
+        down_w, down_b = wrapper.down.weight, wrapper.down.bias
+        up_w, up_b = wrapper.scale * wrapper.up.weight, wrapper.scale * wrapper.up.bias
+        unit = rows.with_bias_unit(down_w, down_b, up_w, up_b, act)
+        tensors = list(unit) if unit is not None else [down_w, down_b, up_w, up_b]
+        if eps is not None:
+            tensors += [norm.weight, norm.bias]
+        tensors = [t.detach() for t in tensors]
+    count = len(tensors) - (2 if eps is not None else 0)  # the bottleneck's tensors, before the norm's
 
     def post(x: torch.Tensor, y: torch.Tensor, per_row: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        down_w, down_b, up_w, up_b, *norm_wb = per_row
+        (down_w, down_b, up_w, *up_b), norm_wb = per_row[:count], per_row[count:]
         h = y if reads_output else x
         if norm_wb:
             h = F.layer_norm(h, h.shape[-1:], eps=eps)
             h = torch.addcmul(rows.rows_vector(norm_wb[1], h), h, rows.rows_vector(norm_wb[0], h))
         z = act(rows.rows_matmul(h, down_w, add=rows.rows_vector(down_b, h)))
-        return rows.rows_matmul(z, up_w, add=y + rows.rows_vector(up_b, y))
+        return rows.rows_matmul(z, up_w, add=y + rows.rows_vector(up_b[0], y) if up_b else y)
 
-    with torch.no_grad():
-        tensors = [
-            wrapper.down.weight,
-            wrapper.down.bias,
-            wrapper.scale * wrapper.up.weight,
-            wrapper.scale * wrapper.up.bias,
-        ]
-        if eps is not None:
-            tensors += [norm.weight, norm.bias]
-        tensors = [t.detach() for t in tensors]
     neutral = tuple(torch.zeros_like(t) for t in tensors)
-    key = ("bottleneck", reads_output, repr(act), eps)
-    pad = (0, 0, 1, None) + ((None, None) if eps is not None else ())
+    key = ("bottleneck", reads_output, repr(act), eps, unit is not None)
+    pad = (0, 0, 1) + ((None,) if unit is None else ()) + ((None, None) if eps is not None else ())
     return rows.Batched(key, tuple(tensors), neutral, post=post, pad=pad)
 
 
 def _add_branch(wrapper: _Bottleneck, reads_output: bool) -> Callable[[torch.Tensor, torch.Tensor, rows.Tokens], None]:
-    """The served branch added into the rows' output in place (eval: no dropout; the scale folded into ``up``)."""
-    like = rows.per_device(wrapper.scale * wrapper.up.weight, wrapper.scale * wrapper.up.bias)
+    """The served branch added into the rows' output in place (eval: no dropout; the scale folded into ``up``).
 
-    def add(x: torch.Tensor, y: torch.Tensor, _tokens: rows.Tokens) -> None:
-        up_w, up_b = like(y)
-        h = wrapper.norm(y if reads_output else x)
-        y.add_(F.linear(wrapper.act(wrapper.down(h)), up_w, up_b))
+    Where the activation allows it, ``up``'s bias rides on one more hidden unit
+    (:func:`petl.model.rows.with_bias_unit`), so that ``up`` and the add into the rows are one ``addmm_``.
+    """
+    norm, act = wrapper.norm, wrapper.act
+    normed = not isinstance(norm, nn.Identity)
+    with torch.no_grad():
+        down_w, down_b = wrapper.down.weight, wrapper.down.bias
+        up_w, up_b = wrapper.scale * wrapper.up.weight, wrapper.scale * wrapper.up.bias
+        unit = rows.with_bias_unit(down_w, down_b, up_w, up_b, act)
+    if unit is not None:
+        like = rows.per_device(*unit)
 
-    return add
+        def add(x: torch.Tensor, y: torch.Tensor, _tokens: rows.Tokens) -> None:
+            down_w, down_b, up_w = like(y)
+            h = y if reads_output else x
+            if normed:
+                h = norm(h)
+            rows.add_matmul_(y, act(F.linear(h, down_w, down_b)), up_w)
+
+        return add
+    like = rows.per_device(down_w, down_b, up_w, up_b)
+
+    def add_with_bias(x: torch.Tensor, y: torch.Tensor, _tokens: rows.Tokens) -> None:
+        down_w, down_b, up_w, up_b = like(y)
+        h = norm(y if reads_output else x)
+        y.add_(F.linear(act(F.linear(h, down_w, down_b)), up_w, up_b))
+
+    return add_with_bias
 
 
 @rows.register_row_hook(SequentialAdapter)

@@ -160,39 +160,42 @@ class ConvpassParallel(_Bypass, PetlModule):
         return self.base(x, **kwargs) + self.bypass(x)
 
 
-def _served_bypass(wrapper: ConvpassParallel) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The bypass in eval, in fewer ops: each QuickGELU as one SiLU, dropout off, the scale folded into ``up``.
+def _served_bypass(wrapper: ConvpassParallel) -> Callable[[torch.Tensor, torch.Tensor, int], None]:
+    """The bypass in eval added into ``y`` in place, in fewer ops: each QuickGELU as one SiLU, dropout off, the scale
+    folded into ``up``.
 
     ``x * sigmoid(1.702 x)`` is ``silu(1.702 x) / 1.702``: the 1.702 goes into the layer before each activation
     (``down``; the conv's bias, its weight taking the 1/1.702 of the first activation back) and the 1/1.702 of the
-    second into ``up``, with the scale.  The same function, up to rounding.  A prefix token's 1x1 convolution is
-    its centre tap, a matmul.
+    second into ``up``, with the scale.  The same function, up to rounding.  The convolution is split in two: every
+    token through its centre tap and bias (a matmul: a prefix token's whole 1x1 convolution), then the other eight
+    taps over the patch grid, added to the patch tokens.  The tokens between the prefix and the patches (a mixed
+    batch's prompt slots, ``slots``) go through the centre tap like prefix tokens: what the bypass adds there is
+    never read, since a row of a task without prompts has its slots masked out of attention and pooling.
     """
     k, s = 1.702, wrapper.scale
     conv = wrapper.conv
-    like = rows.per_device(
-        k * wrapper.down.weight,
-        k * wrapper.down.bias,
-        conv.weight,
-        k * conv.bias,
-        conv.weight[:, :, 1, 1],
-        (s / k) * wrapper.up.weight,
-        s * wrapper.up.bias,
-    )
+    with torch.no_grad():
+        around = conv.weight.detach().clone()
+        around[:, :, 1, 1] = 0.0
+        # up's bias rides on one more unit of the centre tap's output (silu(2^14) is 2^14): up and the add into the
+        # rows are one addmm_ (petl.model.rows.with_bias_unit).
+        centre, centre_b, up_w = rows.with_bias_unit(
+            conv.weight[:, :, 1, 1], k * conv.bias, (s / k) * wrapper.up.weight, s * wrapper.up.bias, F.silu
+        )
+        like = rows.per_device(k * wrapper.down.weight, k * wrapper.down.bias, centre, centre_b, around, up_w)
     rows_, cols = wrapper.grid
     p = wrapper.num_prefix
 
-    def bypass(x: torch.Tensor) -> torch.Tensor:
-        down_w, down_b, conv_w, conv_b, centre, up_w, up_b = like(x)
+    def bypass(x: torch.Tensor, y: torch.Tensor, slots: int = 0) -> None:
+        down_w, down_b, centre, centre_b, around_w, up_w = like(x)
         b, r = x.shape[0], down_w.shape[0]
         h = F.silu(F.linear(x, down_w, down_b))
-        patches = h[:, p:].reshape(b, rows_, cols, r).permute(0, 3, 1, 2)
-        patches = F.conv2d(patches, conv_w, conv_b, padding=1).permute(0, 2, 3, 1).reshape(b, rows_ * cols, r)
-        if p:
-            prefix = F.linear(h[:, :p].reshape(b * p, r), centre, conv_b).view(b, p, r)  # a view for one prefix token
-            patches = torch.cat([prefix, patches], dim=1)
-        h = F.silu(patches)
-        return F.linear(h, up_w, up_b)
+        c = F.linear(h, centre, centre_b)
+        patches = h[:, p + slots :].reshape(b, rows_, cols, r).permute(0, 3, 1, 2)
+        around_out = F.conv2d(patches, around_w, padding=1).permute(0, 2, 3, 1).reshape(b, rows_ * cols, r)
+        # narrow, not c[...] +=: no copy back of the slice; the bias unit (the last channel) left as it is.
+        c.narrow(1, p + slots, rows_ * cols).narrow(2, 0, r).add_(around_out)
+        rows.add_matmul_(y, F.silu(c), up_w)
 
     return bypass
 
@@ -241,18 +244,13 @@ class ConvpassBlock(PetlModule):
 
 @rows.register_row_hook(ConvpassParallel)
 def _rows(wrapper: ConvpassParallel) -> rows.RowHook:
-    # The frozen attention/MLP runs once for the mixed batch; the bypass sees its rows' tokens on their grid,
-    # without the prompt slots other tasks' rows may have put in the sequence (they hold nothing for this row).
+    # The frozen attention/MLP runs once for the mixed batch; the bypass sees its rows' tokens on their grid, the
+    # prompt slots other tasks' rows may have put in the sequence passed like prefix tokens (they hold nothing for
+    # this row, and nothing this row reads).
     bypass = _served_bypass(wrapper)
 
     def add(x: torch.Tensor, y: torch.Tensor, tokens: rows.Tokens) -> None:
-        out = bypass(tokens.without_slots(x))
-        if not tokens.slots:
-            y.add_(out)
-            return
-        p, n = tokens.prefix, out.shape[1]
-        y.narrow(1, 0, p).add_(out[:, :p])
-        y.narrow(1, p + tokens.slots, n - p).add_(out[:, p:])
+        bypass(x, y, tokens.slots)
 
     return rows.RowHook(wrapper.base, post_in_place=add)
 

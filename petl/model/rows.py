@@ -96,6 +96,8 @@ def rows_vector(vector: Tensor, like: Tensor, channel_dim: int = -1) -> Tensor:
     """Each row's own vector (rows x channels), shaped to broadcast over ``like`` (rows first, channels at
     ``channel_dim``: -1, or 1 for NCHW).
     """
+    if channel_dim == -1 and like.dim() == 3:  # tokens: the common case, without building a shape
+        return vector.unsqueeze(1)
     shape = [vector.shape[0]] + [1] * (like.dim() - 1)
     shape[channel_dim] = vector.shape[1]
     return vector.view(shape)
@@ -143,8 +145,37 @@ def low_rank(a: Tensor, b: Tensor) -> Batched:
 
 
 def add_matmul_(y: Tensor, z: Tensor, weight: Tensor, alpha: float = 1.0) -> None:
-    """``y += alpha * z @ weight^T`` in place, as one ``addmm_`` over the rows of the tokens (``y`` contiguous)."""
-    y.view(-1, y.shape[-1]).addmm_(z.reshape(-1, z.shape[-1]), weight.t(), alpha=alpha)
+    """``y += alpha * z @ weight^T`` in place, as one ``addmm_`` over the rows of the tokens where ``y`` is
+    contiguous (a Linear's output); otherwise (a sum keeps the strides of its inputs) as a matmul and an add.
+    """
+    if y.is_contiguous():
+        y.view(-1, y.shape[-1]).addmm_(z.reshape(-1, z.shape[-1]), weight.t(), alpha=alpha)
+    else:
+        y.add_(z @ weight.t(), alpha=alpha)
+
+
+# A hidden unit held at this value carries the next layer's bias through its matmul (see with_bias_unit).
+BIAS_UNIT = 2.0**14
+
+
+def with_bias_unit(
+    down_w: Tensor, down_b: Tensor, up_w: Tensor, up_b: Tensor, act: Callable[[Tensor], Tensor]
+) -> tuple[Tensor, Tensor, Tensor] | None:
+    """``down`` with one more unit, always :data:`BIAS_UNIT`, and ``up`` with the column that turns it into ``up_b``.
+
+    ``act(h down^T + down_b) up^T + up_b`` is then ``act(h down'^T + down_b') up'^T``: one matmul after the
+    activation, which a served hook adds into its rows in place (:func:`add_matmul_`), where the bias would take an
+    op of its own (the ones-column of homogeneous coordinates).  Exact: ``act`` must give the unit back (ReLU, GELU
+    and SiLU give ``2^14`` back; checked here in float32 and bfloat16), and ``2^14 * (up_b / 2^14)`` is ``up_b``, a
+    power of two.  ``None`` for an ``act`` that does not.
+    """
+    probe = torch.tensor([BIAS_UNIT])
+    if not all(torch.equal(act(probe.to(dtype)), probe.to(dtype)) for dtype in (torch.float32, torch.bfloat16)):
+        return None
+    down_w = torch.cat([down_w, down_w.new_zeros(1, down_w.shape[1])])
+    down_b = torch.cat([down_b, down_b.new_full((1,), BIAS_UNIT)])
+    up_w = torch.cat([up_w, (up_b / BIAS_UNIT)[:, None]], dim=1)
+    return down_w, down_b, up_w
 
 
 def per_device(*tensors: Tensor) -> Callable[[Tensor], tuple[Tensor, ...]]:
