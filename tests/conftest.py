@@ -43,6 +43,19 @@ def make_tiny_swin(seed: int = 0, **overrides) -> SwinTransformer:
     return SwinTransformer(**{**TINY_SWIN, **overrides}).eval()
 
 
+# The Swin the reference tests run (tests/references: SSF's and VPT's Swin code on its weights): four stages on
+# 32x32 images in 2x2 patches, grids 16, 8, 4 and 2 in 4x4 windows, so stages 0 and 1 shift their odd blocks, stage 2
+# (grid = window) runs one unshifted window and stage 3 one 2x2 window (Swin's rule: a grid no larger than the window
+# is one unshifted window of its size); three patch mergings; four stages, as KMnP/vpt's deep prompts are written
+# for (src/models/vit_prompt/swin_transformer.py L132-157).
+REFERENCE_SWIN = {**TINY_SWIN, "patch_size": 2, "embed_dim": 8, "depths": (2, 2, 2, 2), "num_heads": (1, 2, 2, 4)}
+
+
+def make_reference_swin(seed: int = 0) -> SwinTransformer:
+    """The reference tests' tiny Swin (:data:`REFERENCE_SWIN`) in eval mode."""
+    return make_tiny_swin(seed, **REFERENCE_SWIN)
+
+
 def make_tiny_swinv2(seed: int = 0, **overrides) -> SwinTransformerV2:
     """A tiny SwinV2 of the same shape as :func:`make_tiny_swin`, about 47k parameters.
 

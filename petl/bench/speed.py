@@ -71,6 +71,7 @@ from petl.bench.speed_bench import (
     measure_memory,
     measure_memory_in_subprocess,
     measure_times,
+    peft_target,
     precision_label,
 )
 from petl.bench.speed_table import format_table, machine_line, plain_inference
@@ -104,7 +105,7 @@ def plan_cases(
     its row.  ``options_for`` experiments get one extra row per training option (:data:`OPTIONS`, or the
     keys of it in ``options``) whose compiler is available; with a bf16 row, peft's LoRA gets one too.
     An experiment ``petl.apply`` refuses on this backbone (a Swin for a ViT-only method), and peft's LoRA
-    where the backbone has no fused ``qkv``, is left out: its refusal is the reason.
+    where peft cannot wrap the Linear computing Q, is left out: its refusal is the reason.
     """
     chosen = list(OPTIONS) if options is None else list(options)
     cpu = SpeedSpec(**{**asdict(spec), "device": "cpu"})
@@ -203,6 +204,9 @@ def run_speed(
             results[case.name]["plain_copy"] = True
         if case.floor is not None and case.floor.frozen:
             results[case.name]["frozen_model_of"] = case.floor.frozen
+    if PEFT_LORA in results:  # what its label can only sum up: which Linear, holding which rows
+        plain = build_model(Case("plain"), SpeedSpec(**{**asdict(spec), "device": "cpu"}))
+        results[PEFT_LORA]["target"] = peft_target(plain)
     results.update({name: {"refused": why} for name, why in refused.items()})
     return results
 

@@ -34,7 +34,8 @@ from petl.model.surgery import apply, merge
 from petl.train import engine
 
 FORWARD = "frozen forward (no grad)"
-PEFT_LORA = "peft LoRA r=8 on fused qkv"
+# peft's LoRA on the block Linear that computes Q (timm's fused qkv; a parallel block's in_proj): see peft_target.
+PEFT_LORA = "peft LoRA r=8 on the Linear computing Q"
 # Training options measured as extra rows, by the suffix their rows get.
 OPTIONS = {"grad_ckpt": "+ grad checkpointing", "compile": "+ torch.compile", "bf16": "+ bf16 autocast"}
 # A method slower than this many times its floor gets a note saying where the rest goes.
@@ -107,7 +108,7 @@ class Case:
         method: petl method mapping (``name`` plus options).
         options: keys of :data:`OPTIONS` applied to the step.
         floor: set for a floor row.
-        peft: peft's LoRA on the fused qkv.
+        peft: peft's LoRA on the Linear computing Q (:func:`peft_target`).
 
     """
 
@@ -122,6 +123,24 @@ class Case:
         """Inverse of ``dataclasses.asdict`` (for the memory worker)."""
         floor = raw.get("floor")
         return cls(**{**raw, "options": tuple(raw["options"]), "floor": Floor(**floor) if floor else None})
+
+
+def peft_target(model: nn.Module) -> tuple[str, list[str]]:
+    """The block Linear peft's LoRA row adapts, by the name peft matches (the one computing Q), and which of ``fc1``,
+    ``q``, ``k``, ``v`` its output rows hold: peft adapts every row of it (timm's fused qkv: q, k and v; a parallel
+    block's in_proj: fc1's hidden rows too).
+    """
+    bb = backbone_of(model)
+    block = bb.block_list()[0]
+    name = bb.qkv_rows(block, "q")[0]
+    held = []
+    for part in ("fc1", "q", "k", "v"):
+        try:
+            if bb.target_rows(block, part)[0] == name:
+                held.append(part)
+        except ValueError:  # no such Linear (a SwiGLU MLP has no fc1)
+            continue
+    return name, held
 
 
 @functools.cache
@@ -139,11 +158,9 @@ def build_model(case: Case, spec: SpeedSpec):
     if case.peft:
         from peft import LoraConfig, inject_adapter_in_model
 
-        # peft marks only its own adapters trainable; the head trains too, as it does for every petl method.  The
-        # target is the Linear computing Q (timm's fused qkv; a parallel block's in_proj, which holds fc1's rows too).
-        bb = backbone_of(model)
-        fused = bb.qkv_rows(bb.block_list()[0], "q")[0]
-        model = inject_adapter_in_model(LoraConfig(r=8, target_modules=[fused]), model)
+        # peft marks only its own adapters trainable; the head trains too, as it does for every petl method.
+        target, _ = peft_target(model)
+        model = inject_adapter_in_model(LoraConfig(r=8, target_modules=[target]), model)
         backbone_of(model).adopt_wrapped_linears()  # a SwinV2 then calls peft's layer (see petl.Backbone)
         model.get_classifier().requires_grad_(True)
     elif case.method:

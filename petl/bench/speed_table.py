@@ -148,6 +148,9 @@ def format_table(
     floors = [(case, r["floor"]) for case, r in results.items() if "floor" in r]
     if floors:
         lines += ["", "Each method's floor: " + "; ".join(f"{case} → {floor}" for case, floor in floors) + "."]
+    if "target" in results.get(PEFT_LORA, {}):
+        linear, rows = results[PEFT_LORA]["target"]
+        lines += ["", f"{PEFT_LORA}: peft adapts all output rows of every block's `{linear}` ({', '.join(rows)})."]
     notes = [(case, r["note"]) for case, r in results.items() if "note" in r]
     if notes:
         lines += ["", f"Above {NOTE_ABOVE}× its floor, where the rest goes:", ""]

@@ -348,7 +348,7 @@ class MultiTask(nn.Module):
             for i, block in enumerate(bb.block_container()):
                 x = bb.before_block(i, x)  # a Swin's patch merging in front of a stage's first block
                 if not tokens.slots:
-                    x = block(x)
+                    x = bb.run_block(block, x)  # with what the family passes every block (EVA's rope, a shared bias)
                     continue
                 visible = tuple(self.visible[task][i] for task, _, _ in groups)
                 if visible not in masks:

@@ -63,7 +63,8 @@ class BitFitConfig(MethodConfig):
 def _biases(model: nn.Module, scope: str) -> list[nn.Parameter]:
     bb = backbone_of(model)
     blocks = bb.block_list()
-    # The blocks' Linear biases as the backbone keeps them (a SwinV2's Q and V biases sit beside its qkv Linear).
+    # The blocks' Linear biases as the backbone keeps them (the Q and V biases of a SwinV2, BEiT or EVA sit beside
+    # its qkv Linear, a parallel block's fc1 bias beside its in_proj).
     # A block without one of the Linears (an EVA-02 with separate q/k/v or a SwiGLU) is refused for the scope
     # `linear`, which names them; `all` takes every bias there is.
     found = []
@@ -75,8 +76,6 @@ def _biases(model: nn.Module, scope: str) -> list[nn.Parameter]:
             except ValueError:
                 if scope == "linear":
                     raise
-    # BEiT and EVA add their Q and V biases outside the qkv Linear (qkv has none).
-    found += [bias for block in blocks for bias in bb.loose_biases(block)]
     if scope == "all":
         in_head = {id(m) for m in bb.head().modules()}
         modules = [m for m in model.modules() if id(m) not in in_head]

@@ -343,6 +343,7 @@ KINDS = {
     "eva": ("eva02_tiny_patch14_224", TINY_SEQUENCE),
     "beit": ("beitv2_base_patch16_224", TINY_SEQUENCE),
     "vit_relpos": ("vit_relpos_medium_patch16_cls_224", TINY_SEQUENCE),
+    "vit_parallel": ("vit_pwee_patch16_reg1_gap_256", TINY_SEQUENCE),
 }
 
 
@@ -373,6 +374,9 @@ def test_speed_runs_on_every_backbone_kind(kind):
         assert f"does not support the {kind} backbone" in results[refused]["refused"]
     measured = [name for name, r in results.items() if "refused" not in r]
     assert {FORWARD, "lora", PEFT_LORA} <= set(measured)
+    # peft's LoRA adapts a whole Linear: a parallel block's in_proj holds fc1's rows beside Q, K and V.
+    target = ("in_proj", ["fc1", "q", "k", "v"]) if kind == "vit_parallel" else ("qkv", ["q", "k", "v"])
+    assert results[PEFT_LORA]["target"] == target
     assert all(results[name]["train_ms"] > 0 and results[name]["infer_ms"] > 0 for name in measured)
     if "refused" not in results["vpt"]:
         assert "+3 tokens from block 0" in results["vpt"]["floor"]
@@ -381,6 +385,7 @@ def test_speed_runs_on_every_backbone_kind(kind):
         assert "Left out, refused on this backbone" in table
         assert f"- **{refused}**: method '{refused}' does not support" in table
     assert "Peak MB: not shown (inprocess=true" in table
+    assert f"peft adapts all output rows of every block's `{target[0]}` ({', '.join(target[1])})." in table
     assert ("Not merged (`petl.merge` refused): ssf:" in table) == ("not_merged" in ssf)
 
 

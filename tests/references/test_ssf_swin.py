@@ -26,23 +26,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_tiny_swin, perturb_trainable
+from conftest import REFERENCE_SWIN, make_reference_swin, perturb_trainable
 from timm.models.swin_transformer import SwinTransformer
 from torch import nn
 
 import petl
 from petl.methods.ssf import SsfLayer
-
-# Three stages on 32x32 images in 2x2 patches: grids 16, 8 and 4 with 4x4 windows, so stages 0 and 1 shift their
-# odd blocks and stage 2 (grid = window) runs one unshifted window (L288-291); two patch mergings.
-TINY_SWIN = dict(
-    img_size=32, patch_size=2, embed_dim=8, depths=(2, 2, 2), num_heads=(1, 2, 2), window_size=4, num_classes=5
-)
-
-
-def make_swin(seed: int = 0) -> SwinTransformer:
-    return make_tiny_swin(seed, **TINY_SWIN)
-
 
 # --- SSF's Swin forward, on a timm model's weights -----------------------------------------------------------------
 
@@ -52,6 +41,10 @@ def ssf_ada(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.
     if x.shape[-1] == scale.shape[0]:
         return x * scale + shift
     return x * scale.view(1, -1, 1, 1) + shift.view(1, -1, 1, 1)
+
+
+# Swin's own window helpers (SSF's file keeps them as Swin wrote them; so does KMnP/vpt's, which
+# test_vpt_swin_reference.py cites and imports from here).
 
 
 def window_partition(x: torch.Tensor, ws: int) -> torch.Tensor:
@@ -160,7 +153,9 @@ def reference_features(plain: SwinTransformer, ssf: dict, images: torch.Tensor) 
             res = (res[0] // 2, res[1] // 2)
         for j, blk in enumerate(stage.blocks):
             # L470: odd blocks of a stage shift by half a window.
-            x = swin_block(x, res, TINY_SWIN["window_size"], blk, ssf, f"layers.{s}.blocks.{j}.", shifted=j % 2 == 1)
+            x = swin_block(
+                x, res, REFERENCE_SWIN["window_size"], blk, ssf, f"layers.{s}.blocks.{j}.", shifted=j % 2 == 1
+            )
     x = ssf_ada(plain.norm(x), *ssf["ssf_1"])  # L681-684
     return x.mean(dim=1)  # L686-687: the average over the tokens
 
@@ -193,7 +188,7 @@ def ssf_parameters(model: nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tens
     """petl's scales and shifts, under SSF's names."""
     return {
         name: (model.get_submodule(path).scale, model.get_submodule(path).shift)
-        for name, path in ssf_sites(TINY_SWIN["depths"]).items()
+        for name, path in ssf_sites(REFERENCE_SWIN["depths"]).items()
     }
 
 
@@ -203,9 +198,9 @@ def _width(module: nn.Module) -> int:
 
 def test_the_reference_is_timm_s_forward_at_the_identity(images):
     # The re-implementation itself: with scale 1 and shift 0 at every site it is timm's plain Swin.
-    plain = make_swin()
+    plain = make_reference_swin()
     identity = {}
-    for name, path in ssf_sites(TINY_SWIN["depths"]).items():
+    for name, path in ssf_sites(REFERENCE_SWIN["depths"]).items():
         width = _width(plain.get_submodule(path))
         identity[name] = (torch.ones(width), torch.zeros(width))
     with torch.no_grad():
@@ -214,18 +209,18 @@ def test_the_reference_is_timm_s_forward_at_the_identity(images):
 
 
 def test_ssf_on_swin_builds_the_sites_ssf_s_code_builds():
-    model = petl.apply_ssf(make_swin())
+    model = petl.apply_ssf(make_reference_swin())
     wrapped = {name for name, m in model.named_modules() if isinstance(m, SsfLayer)}
-    assert wrapped == set(ssf_sites(TINY_SWIN["depths"]).values())
+    assert wrapped == set(ssf_sites(REFERENCE_SWIN["depths"]).values())
     # None at patch merging: SSF's code never builds that one (the module doc says why).
     assert not any(isinstance(m, SsfLayer) for stage in model.layers for m in stage.downsample.modules())
 
 
 @pytest.mark.parametrize("merged", [False, True], ids=["unmerged", "merged"])
 def test_ssf_on_swin_matches_the_reference_forward(images, merged):
-    model = petl.apply_ssf(make_swin())
+    model = petl.apply_ssf(make_reference_swin())
     perturb_trainable(model)  # scales and shifts well away from 1 and 0, and a trained head
-    plain = make_swin()
+    plain = make_reference_swin()
     with torch.no_grad():
         features = reference_features(plain, ssf_parameters(model), images)
         logits = model.head.fc(features)
@@ -238,16 +233,16 @@ def test_ssf_on_swin_matches_the_reference_forward(images, merged):
 def test_ssf_on_swin_count_is_the_per_stage_formula():
     # Per image: the patch projection and its norm (stage 0's width), 11 channels' worth per block (norm1, qkv: 3,
     # proj, norm2, fc1: 4, fc2) at its stage's width, and the final norm (the last stage's), a scale and a shift each.
-    widths = [TINY_SWIN["embed_dim"] * 2**s for s in range(len(TINY_SWIN["depths"]))]
-    blocks = sum(depth * 11 * width for depth, width in zip(TINY_SWIN["depths"], widths, strict=True))
+    widths = [REFERENCE_SWIN["embed_dim"] * 2**s for s in range(len(REFERENCE_SWIN["depths"]))]
+    blocks = sum(depth * 11 * width for depth, width in zip(REFERENCE_SWIN["depths"], widths, strict=True))
     expected = 2 * (2 * widths[0] + blocks + widths[-1])
-    assert petl.get_method("ssf").trainable_formula(make_swin(), petl.make_config("ssf")) == expected == 2_560
-    assert petl.count_params(petl.apply_ssf(make_swin(), num_classes=3)).trainable_no_head == expected
+    assert petl.get_method("ssf").trainable_formula(make_reference_swin(), petl.make_config("ssf")) == expected == 5_440
+    assert petl.count_params(petl.apply_ssf(make_reference_swin(), num_classes=3)).trainable_no_head == expected
 
 
 def test_ssf_on_swin_at_zero_std_is_the_identity_and_keeps_timm_s_intermediates(images):
-    plain = make_swin()
-    model = petl.apply_ssf(make_swin(), init_std=0.0)
+    plain = make_reference_swin()
+    model = petl.apply_ssf(make_reference_swin(), init_std=0.0)
     assert torch.equal(model(images), plain(images))
     perturb_trainable(model)
     with torch.no_grad():
@@ -284,10 +279,10 @@ def test_the_reference_is_ssf_s_own_code(images):
     # The re-implementation against SSF's file itself (MIT, not shipped with petl), on the same weights and random
     # scales and shifts: PETL_SSF_REPO=/path/to/SSF pytest tests/references/test_ssf_swin.py
     ssf_swin = _load_ssf_swin(Path(os.environ["PETL_SSF_REPO"]))
-    plain = make_swin()
+    plain = make_reference_swin()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # its torch.meshgrid without indexing= (L192)
-        theirs = ssf_swin.SwinTransformer(tuning_mode="ssf", drop_path_rate=0.0, **TINY_SWIN).eval()
+        theirs = ssf_swin.SwinTransformer(tuning_mode="ssf", drop_path_rate=0.0, **REFERENCE_SWIN).eval()
     # Their stage s ends with the PatchMerging that timm runs at the start of stage s + 1 (L475-489).
     state = {
         re.sub(r"layers\.(\d+)\.downsample", lambda m: f"layers.{int(m.group(1)) - 1}.downsample", k).replace(
@@ -306,5 +301,5 @@ def test_the_reference_is_ssf_s_own_code(images):
                 scale.copy_(1 + 0.3 * torch.randn(scale.shape, generator=gen))
                 shift.copy_(0.3 * torch.randn(shift.shape, generator=gen))
                 ssf[name.replace("ssf_scale_", "ssf_")] = (scale, shift)
-        assert set(ssf) == set(ssf_sites(TINY_SWIN["depths"]))  # and so none at PatchMerging
+        assert set(ssf) == set(ssf_sites(REFERENCE_SWIN["depths"]))  # and so none at PatchMerging
         torch.testing.assert_close(plain.head.fc(reference_features(plain, ssf, images)), theirs(images))

@@ -3,7 +3,8 @@
 The re-implementation below follows KMnP/vpt@4410440 line by line (``P`` = src/models/vit_prompt/
 swin_transformer.py, ``S`` = src/models/vit_backbones/swin_transformer.py, the Swin backbone it subclasses) and
 shares no code with petl's or timm's Swin forward: it runs the reference's token sequences (B, L, C) with the
-prompts in front, its own window partition, shift mask and relative-position index, on the weights of a timm
+prompts in front, Swin's own window partition, shift mask and relative-position index (S L35-62, L91-102,
+L206-225: the lines SSF's Swin file keeps too, written out once in test_ssf_swin.py), on the weights of a timm
 SwinTransformer.  timm's Swin and the reference's share the architecture; the mapping: timm keeps the tokens as an
 NHWC grid between blocks (the reference a (B, H*W, C) sequence), and a timm stage opens with the PatchMerging that
 the reference's BasicLayer closes with (timm ``layers[s + 1].downsample`` is the reference's
@@ -17,63 +18,18 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import make_tiny_swin
+from conftest import make_reference_swin
+from test_ssf_swin import relative_position_index, shift_mask, window_partition, window_reverse
 from timm.models.swin_transformer import SwinTransformer
 
 import petl
 from petl.model.backbone import unwrap
 from petl.model.backbone.swin_prompts import PromptedSwinBlock
 
-# Four stages, as the reference's deep prompts are written for (P L132-157): a 16x16 grid in 4x4 windows, so
-# stage 0 has 16 windows (its second block shifted), stage 1 has 4, stage 2 one, stage 3 one 2x2 window.
-FOUR_STAGES = dict(patch_size=2, embed_dim=8, depths=(2, 2, 2, 2), num_heads=(1, 2, 2, 4))
 N = 3
 
 
-def _tiny_swin() -> SwinTransformer:
-    return make_tiny_swin(**FOUR_STAGES)
-
-
 # --- the reference, re-implemented ------------------------------------------------------------------------------
-
-
-def _window_partition(x: torch.Tensor, ws: int) -> torch.Tensor:
-    # S L35-46: image-major windows.
-    b, h, w, c = x.shape
-    x = x.view(b, h // ws, ws, w // ws, ws, c)
-    return x.permute(0, 1, 3, 2, 4, 5).contiguous().view(-1, ws, ws, c)
-
-
-def _window_reverse(windows: torch.Tensor, ws: int, h: int, w: int) -> torch.Tensor:
-    # S L49-62.
-    b = int(windows.shape[0] / (h * w / ws / ws))
-    x = windows.view(b, h // ws, w // ws, ws, ws, -1)
-    return x.permute(0, 1, 3, 2, 4, 5).contiguous().view(b, h, w, -1)
-
-
-def _relative_position_index(ws: int) -> torch.Tensor:
-    # S L91-102.
-    coords = torch.stack(torch.meshgrid([torch.arange(ws), torch.arange(ws)], indexing="ij"))
-    flat = torch.flatten(coords, 1)
-    rel = (flat[:, :, None] - flat[:, None, :]).permute(1, 2, 0).contiguous()
-    rel[:, :, 0] += ws - 1
-    rel[:, :, 1] += ws - 1
-    rel[:, :, 0] *= 2 * ws - 1
-    return rel.sum(-1)
-
-
-def _shift_mask(h: int, w: int, ws: int, shift: int) -> torch.Tensor:
-    # S L206-225.
-    img_mask = torch.zeros((1, h, w, 1))
-    slices = (slice(0, -ws), slice(-ws, -shift), slice(-shift, None))
-    cnt = 0
-    for hs in slices:
-        for wsl in slices:
-            img_mask[:, hs, wsl, :] = cnt
-            cnt += 1
-    mask_windows = _window_partition(img_mask, ws).view(-1, ws * ws)
-    mask = mask_windows.unsqueeze(1) - mask_windows.unsqueeze(2)
-    return mask.masked_fill(mask != 0, -100.0).masked_fill(mask == 0, 0.0)
 
 
 def _attention(attn: torch.nn.Module, x: torch.Tensor, mask: torch.Tensor | None, n: int, ws: int) -> torch.Tensor:
@@ -84,7 +40,7 @@ def _attention(attn: torch.nn.Module, x: torch.Tensor, mask: torch.Tensor | None
     q, k, v = qkv[0], qkv[1], qkv[2]
     q = q * (c // heads) ** -0.5
     a = q @ k.transpose(-2, -1)
-    bias = attn.relative_position_bias_table[_relative_position_index(ws).view(-1)].view(ws * ws, ws * ws, -1)
+    bias = attn.relative_position_bias_table[relative_position_index(ws).view(-1)].view(ws * ws, ws * ws, -1)
     bias = bias.permute(2, 0, 1).contiguous()
     _c, _h, _w = bias.shape
     bias = torch.cat((torch.zeros(_c, n, _w), bias), dim=1)  # L484-487
@@ -112,14 +68,14 @@ def _block(block: torch.nn.Module, x: torch.Tensor, res: int, n: int, window: in
     x = x[:, n:].view(b, res, res, c)
     if shift:
         x = torch.roll(x, shifts=(-shift, -shift), dims=(1, 2))
-    windows = _window_partition(x, window).view(-1, window * window, c)
+    windows = window_partition(x, window).view(-1, window * window, c)
     num_windows = int(windows.shape[0] / b)
     prompt = prompt.unsqueeze(0).expand(num_windows, -1, -1, -1).reshape((-1, n, c))  # L404-406: window-major
     windows = torch.cat((prompt, windows), dim=1)
-    mask = _shift_mask(res, res, window, shift) if shift else None
+    mask = shift_mask(res, res, window, shift)
     out = _attention(block.attn, windows, mask, n, window)
     prompt = out[:, :n].view(-1, b, n, c).mean(0)  # L414-419
-    x = _window_reverse(out[:, n:].view(-1, window, window, c), window, res, res)
+    x = window_reverse(out[:, n:].view(-1, window, window, c), window, res, res)
     if shift:
         x = torch.roll(x, shifts=(shift, shift), dims=(1, 2))
     x = torch.cat((prompt, x.view(b, res * res, c)), dim=1)
@@ -187,7 +143,7 @@ def swin_images() -> torch.Tensor:
 
 @pytest.mark.parametrize("deep", [False, True], ids=["shallow", "deep"])
 def test_vpt_on_swin_equals_reference_per_image(swin_images, deep):
-    model = petl.apply_vpt(_tiny_swin(), num_tokens=N, deep=deep, num_classes=4).eval()
+    model = petl.apply_vpt(make_reference_swin(), num_tokens=N, deep=deep, num_classes=4).eval()
     prompts = _prompts(model)
     assert len(prompts) == (8 if deep else 1)
     features, logits = _petl_features(model, swin_images), model(swin_images)
@@ -198,17 +154,17 @@ def test_vpt_on_swin_equals_reference_per_image(swin_images, deep):
 
 
 def test_vpt_on_swin_img_pool_leaves_prompts_out_of_the_pool(swin_images):
-    model = petl.apply_vpt(_tiny_swin(), num_tokens=N, deep=True, pool="img_pool").eval()
+    model = petl.apply_vpt(make_reference_swin(), num_tokens=N, deep=True, pool="img_pool").eval()
     expected = reference_features(model, swin_images, _prompts(model), True, pool="img_pool")
     torch.testing.assert_close(_petl_features(model, swin_images), expected)
-    original = petl.apply_vpt(_tiny_swin(), num_tokens=N, deep=True).eval()
+    original = petl.apply_vpt(make_reference_swin(), num_tokens=N, deep=True).eval()
     assert not torch.allclose(_petl_features(original, swin_images), expected)
 
 
 def test_deep_vpt_on_swin_equals_reference_on_a_batch(swin_images):
     # Deep prompts enter every block the same for each image, and the last stage is one window, so the
     # reference's window-major prompt copies (P L404-406, L418-419) change nothing here: equal on the batch.
-    model = petl.apply_vpt(_tiny_swin(), num_tokens=N, deep=True).eval()
+    model = petl.apply_vpt(make_reference_swin(), num_tokens=N, deep=True).eval()
     expected = reference_features(model, swin_images, _prompts(model), True)
     torch.testing.assert_close(_petl_features(model, swin_images), expected)
 
@@ -217,7 +173,7 @@ def test_shallow_reference_mixes_images_and_petl_does_not(swin_images):
     # The deliberate difference (petl.model.backbone.swin_prompts): the reference copies the prompts window-major
     # into image-major windows (P L404-406 against S L45) and averages them back window-major (P L418-419), so a
     # carried prompt of one image meets other images' windows.  petl keeps every image to its own windows.
-    model = petl.apply_vpt(_tiny_swin(), num_tokens=N).eval()
+    model = petl.apply_vpt(make_reference_swin(), num_tokens=N).eval()
     prompts = _prompts(model)
     batched = reference_features(model, swin_images, prompts, False)
     alone = torch.cat([reference_features(model, swin_images[k : k + 1], prompts, False) for k in range(3)])
@@ -230,7 +186,7 @@ def test_shallow_reference_mixes_images_and_petl_does_not(swin_images):
 def test_vpt_on_swin_prompt_init_and_widths():
     # P L91-92, L126-157: uniform(-v, v), v = sqrt(6 / (3 * patch_h * patch_w + embed_dim)) for every stage's
     # prompts, each stage's of its own width embed_dim * 2**s.
-    model = petl.apply_vpt(_tiny_swin(), num_tokens=40, deep=True)
+    model = petl.apply_vpt(make_reference_swin(), num_tokens=40, deep=True)
     bound = math.sqrt(6 / (3 * 2 * 2 + 8))
     prompts = _prompts(model)
     assert [tuple(p.shape) for p in prompts] == [(40, 8 * 2 ** (i // 2)) for i in range(8)]

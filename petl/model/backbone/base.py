@@ -278,9 +278,18 @@ class Backbone:
         raise NotImplementedError
 
     def adopt_wrapped_linears(self) -> None:
-        """Make the model call the wrappers another library (peft) put around its Linears in place of
-        :meth:`set_linear`; nothing to do where the model always calls its Linears.
+        """Hand every block Linear that another library (peft) or a mixed batch wrapped in place of
+        :meth:`set_linear` back through it, which makes a family whose attention reads ``qkv.weight`` itself
+        (BEiT, EVA, SwinV2) call the wrapper instead; a family that always calls its Linears just sets them again.
         """
+        for block in self.block_list():
+            for name in self.linear_names:
+                try:
+                    linear = self.linear(block, name)
+                except (AttributeError, ValueError):  # a Linear this block does not have
+                    continue
+                if type(linear) is not nn.Linear:
+                    self.set_linear(block, name, linear)
 
     # -- prompt tokens ---------------------------------------------------------------------------------------
 
@@ -302,19 +311,31 @@ class Backbone:
     # -- inside one block (static: a block's parts do not depend on the model around it) --------------------
 
     @staticmethod
-    def linear(block: nn.Module, name: str) -> nn.Module:
-        """A named Linear of a block (one of :attr:`linear_names`)."""
+    def linear_slot(block: nn.Module, name: str) -> tuple[nn.Module, str]:
+        """Where a named Linear of a block (one of :attr:`linear_names`) sits: the module that holds and calls it,
+        and its attribute name there (what :meth:`linear` reads and :meth:`set_linear` replaces).
+        """
         raise NotImplementedError
 
-    @staticmethod
-    def set_linear(block: nn.Module, name: str, module: nn.Module) -> None:
-        """Replace a named Linear of a block (see :meth:`linear`)."""
-        raise NotImplementedError
+    @classmethod
+    def linear(cls, block: nn.Module, name: str) -> nn.Module:
+        """A named Linear of a block (see :meth:`linear_slot`)."""
+        owner, attribute = cls.linear_slot(block, name)
+        return getattr(owner, attribute)
 
-    @staticmethod
-    def linear_biases(block: nn.Module, name: str) -> list[nn.Parameter]:
-        """The bias terms of a named Linear's output (where the family keeps them beside the Linear, those too)."""
-        raise NotImplementedError
+    @classmethod
+    def set_linear(cls, block: nn.Module, name: str, module: nn.Module) -> None:
+        """Replace a named Linear of a block (see :meth:`linear_slot`)."""
+        owner, attribute = cls.linear_slot(block, name)
+        setattr(owner, attribute, module)
+
+    @classmethod
+    def linear_biases(cls, block: nn.Module, name: str) -> list[nn.Parameter]:
+        """The bias terms of a named Linear's output: its own bias, where it has one (a family that keeps some beside
+        the Linear adds those).
+        """
+        bias = getattr(unwrap(cls.linear(block, name)), "bias", None)
+        return [bias] if isinstance(bias, nn.Parameter) else []
 
     @staticmethod
     def attention(block: nn.Module) -> nn.Module:
@@ -420,8 +441,9 @@ class Backbone:
         """Where ``module`` adds biases it holds itself to the output of one of its Linears: that Linear's attribute
         name and each bias's (first, end) output rows; ``None`` where it adds none (the default).
 
-        A mixed batch serves a task that trains such biases (BitFit on a SwinV2's q/v biases) as a delta on that
-        Linear's output, as it serves a trained Linear bias.
+        A mixed batch serves a task that trains such biases (BitFit on the q/v biases of a SwinV2, BEiT or EVA: see
+        :class:`~petl.model.backbone.timm_block.QvBiasesBesideQkv`) as a delta on that Linear's output, as it serves
+        a trained Linear bias.
         """
         return None
 
@@ -435,10 +457,20 @@ class Backbone:
             return cls.qkv_rows(block, target)
         return target, 0, cls.linear(block, target).out_features
 
-    @staticmethod
-    def loose_biases(block: nn.Module) -> list[nn.Parameter]:
-        """Biases a block keeps outside its Linears (BEiT's and EVA's ``q_bias``, ``v_bias``); none by default."""
-        return []
+    @classmethod
+    def loose_biases(cls, block: nn.Module) -> list[nn.Parameter]:
+        """The biases a block adds to its Linears' outputs but keeps outside them: what :meth:`linear_biases` names
+        beyond each Linear's own bias (the q/v biases of a BEiT, EVA or SwinV2 attention, a parallel block's
+        ``mlp_bias``); none in a plain ViT.
+        """
+        found = []
+        for name in cls.linear_names:
+            try:
+                own = getattr(unwrap(cls.linear(block, name)), "bias", None)
+            except (AttributeError, ValueError):  # a Linear this block does not have
+                continue
+            found += [bias for bias in cls.linear_biases(block, name) if bias is not own]
+        return list({id(bias): bias for bias in found}.values())
 
     @staticmethod
     def make_room(block: nn.Module, at: int) -> None:

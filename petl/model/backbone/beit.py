@@ -7,7 +7,8 @@ with learned class-to-patch entries.  Three things differ inside a block:
 * the Q and V biases are parameters of the attention (``q_bias``, ``v_bias``; K has none), and timm's forward
   reads ``qkv.weight`` itself (``F.linear(x, qkv.weight, cat(q_bias, 0, v_bias))``) unless ``qkv_bias_separate``,
   when it calls ``qkv`` and adds the biases after: the same sum.  A wrapper on ``qkv`` (LoRA's Q and V rows)
-  only runs if the module is called, so :meth:`Beit.set_linear` turns on that path.
+  only runs if the module is called, so ``set_linear`` turns on that path (``QvBiasesBesideQkv``, shared with EVA
+  and SwinV2).
 * the layer scales are bare parameters ``gamma_1``, ``gamma_2`` (``None`` without layer scale).
 * the block and its attention take ``shared_rel_pos_bias``, not ``attn_mask``.
 """
@@ -22,8 +23,7 @@ from timm.models.beit import Beit as TimmBeit
 from torch import nn
 
 from petl.model.backbone.base import register_backbone, unwrap
-from petl.model.backbone.timm_block import GammaBranches
-from petl.model.backbone.vit import ViT
+from petl.model.backbone.timm_block import GammaBranches, QvBiasesBesideQkv
 from petl.model.backbone.vit_relpos import VitRelPos, pad_bias
 from petl.model.wrappers import PetlModule
 
@@ -60,7 +60,7 @@ class BeitRoom(PetlModule):
 
 
 @register_backbone(TimmBeit)
-class Beit(GammaBranches, VitRelPos):
+class Beit(QvBiasesBesideQkv, GammaBranches, VitRelPos):
     """A timm Beit (BEiT, BEiT-v2: per-block or shared relative-position bias, layer scale or not)."""
 
     kind = "beit"
@@ -68,6 +68,7 @@ class Beit(GammaBranches, VitRelPos):
     block_types = (Block,)
     timm_modules = ("beit",)
     shared_bias_arg = "shared_rel_pos_bias"
+    qv_bias_attentions = (Attention,)
 
     def check(self) -> None:
         """Raise a ValueError naming what is supported unless every block is a BEiT Block with an ``Mlp``.
@@ -100,19 +101,6 @@ class Beit(GammaBranches, VitRelPos):
         return type(self.model) is TimmBeit
 
     # -- inside one block ------------------------------------------------------------------------------------
-
-    @staticmethod
-    def set_linear(block: nn.Module, name: str, module: nn.Module) -> None:
-        """Replace ``qkv``, ``proj``, ``fc1`` or ``fc2``; a ``qkv`` other than timm's Linear is called (see above)."""
-        ViT.set_linear(block, name, module)
-        if name == "qkv" and type(module) is not nn.Linear:
-            block.attn.qkv_bias_separate = True
-
-    @staticmethod
-    def loose_biases(block: nn.Module) -> list[nn.Parameter]:
-        """``q_bias`` and ``v_bias`` of the attention, where it has them."""
-        attn = block.attn
-        return [b for b in (attn.q_bias, attn.v_bias) if b is not None]
 
     @staticmethod
     def make_room(block: nn.Module, at: int) -> None:

@@ -5,7 +5,7 @@ per forward and passed to every block; the prefix tokens, ``attn.num_prefix_toke
 Inside a block:
 
 * Q, K and V come from one fused ``qkv`` Linear with bare ``q_bias``, ``v_bias`` parameters (as BEiT: timm reads
-  ``qkv.weight`` itself unless ``qkv_bias_separate``, so :meth:`Eva.set_linear` turns that on for a wrapper), or,
+  ``qkv.weight`` itself unless ``qkv_bias_separate``, so ``set_linear`` turns that on for a wrapper), or,
   with ``qkv_fused=False`` (EVA-02 base and larger), from separate ``q_proj``, ``k_proj``, ``v_proj`` Linears with
   their own biases: :meth:`Eva.qkv_rows` names those, so LoRA's Q and V targets adapt ``q_proj`` and ``v_proj``.
 * the MLP is timm's ``Mlp`` (``fc1``, ``fc2``), a packed SwiGLU ``GluMlp`` (one ``fc1`` holding gate and value,
@@ -25,11 +25,9 @@ from timm.models.eva import EvaAttention, EvaBlock
 from torch import nn
 
 from petl.model.backbone.base import register_backbone, unwrap
-from petl.model.backbone.timm_block import GammaBranches
+from petl.model.backbone.timm_block import GammaBranches, QvBiasesBesideQkv, TimmBlockParts
 from petl.model.backbone.vit import ViT
 from petl.model.wrappers import PetlModule
-
-ATTENTION_LINEARS = ("qkv", "q_proj", "k_proj", "v_proj", "proj")
 
 
 class EvaRoom(PetlModule):
@@ -58,7 +56,7 @@ class EvaRoom(PetlModule):
 
 
 @register_backbone(TimmEva)
-class Eva(GammaBranches, ViT):
+class Eva(QvBiasesBesideQkv, GammaBranches, ViT):
     """A timm Eva (EVA, EVA-02: rotary embedding or not, fused or separate q/k/v, GELU or SwiGLU MLP)."""
 
     kind = "eva"
@@ -69,6 +67,7 @@ class Eva(GammaBranches, ViT):
     block_types = (EvaBlock,)
     timm_modules = ("eva",)
     linear_names = ("qkv", "q_proj", "k_proj", "v_proj", "proj", "fc1", "fc1_g", "fc1_x", "fc2")
+    qv_bias_attentions = (EvaAttention,)
 
     def check(self) -> None:
         """Raise a ValueError naming what is supported unless the model is a usable timm Eva.
@@ -118,26 +117,18 @@ class Eva(GammaBranches, ViT):
     # -- inside one block ------------------------------------------------------------------------------------
 
     @staticmethod
-    def linear(block: nn.Module, name: str) -> nn.Module:
+    def linear_slot(block: nn.Module, name: str) -> tuple[nn.Module, str]:
         """A Linear of the attention (``qkv`` or ``q_proj``/``k_proj``/``v_proj``, ``proj``) or the MLP.
 
         Raises:
             ValueError: the block has no such Linear (separate q/k/v, or a SwiGLU's ``fc1_g``/``fc1_x``).
 
         """
-        owner = block.attn if name in ATTENTION_LINEARS else block.mlp
-        module = getattr(owner, name, None)
-        if module is None:
+        owner, name = TimmBlockParts.linear_slot(block, name)
+        if getattr(owner, name, None) is None:
             have = [n for n, m in owner.named_children() if n in Eva.linear_names]
             raise ValueError(f"this EVA block has no {name} Linear (it has {', '.join(have)})")
-        return module
-
-    @staticmethod
-    def set_linear(block: nn.Module, name: str, module: nn.Module) -> None:
-        """Replace a Linear (see :meth:`linear`); a fused ``qkv`` other than timm's Linear is called (see above)."""
-        setattr(block.attn if name in ATTENTION_LINEARS else block.mlp, name, module)
-        if name == "qkv" and type(module) is not nn.Linear:
-            block.attn.qkv_bias_separate = True
+        return owner, name
 
     @classmethod
     def qkv_rows(cls, block: nn.Module, part: str) -> tuple[str, int, int]:
@@ -146,12 +137,6 @@ class Eva(GammaBranches, ViT):
             return super().qkv_rows(block, part)
         name = f"{part}_proj"
         return name, 0, cls.linear(block, name).out_features
-
-    @staticmethod
-    def loose_biases(block: nn.Module) -> list[nn.Parameter]:
-        """``q_bias`` and ``v_bias`` of a fused attention, where it has them."""
-        attn = block.attn
-        return [b for b in (getattr(attn, "q_bias", None), getattr(attn, "v_bias", None)) if b is not None]
 
     @staticmethod
     def make_room(block: nn.Module, at: int) -> None:

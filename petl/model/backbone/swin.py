@@ -24,11 +24,11 @@ from torch.utils.checkpoint import checkpoint
 
 from petl.model.backbone import swin_prompts
 from petl.model.backbone.base import Backbone, register_backbone, unwrap
-from petl.model.backbone.timm_block import TimmBlockParts
+from petl.model.backbone.timm_block import QvBiasesBesideQkv, TimmBlockParts, TimmModelParts
 
 
 @register_backbone(SwinTransformer)
-class Swin(TimmBlockParts, Backbone):
+class Swin(TimmModelParts, TimmBlockParts, Backbone):
     """A timm SwinTransformer (Swin v1: pre-norm blocks, windowed attention with a fused qkv, patch merging)."""
 
     kind = "swin"
@@ -96,21 +96,6 @@ class Swin(TimmBlockParts, Backbone):
         """A Swin has no class or register tokens."""
         return 0
 
-    def grid_size(self) -> tuple[int, int]:
-        """Patch-token grid (rows, columns) of the patch embedding at the model's image size."""
-        rows, cols = self.model.patch_embed.grid_size
-        return int(rows), int(cols)
-
-    def feature_grid(self, images: torch.Tensor) -> tuple[int, int]:
-        """The patch embedding's grid for ``images`` of any size (timm's ``dynamic_feat_size``)."""
-        rows, cols = self.model.patch_embed.dynamic_feat_size(images.shape[-2:])
-        return int(rows), int(cols)
-
-    def patch_size(self) -> tuple[int, int]:
-        """Patch size (h, w) of the patch embedding."""
-        size = self.model.patch_embed.patch_size
-        return (size, size) if isinstance(size, int) else tuple(size)
-
     def tokens_in(self, x: torch.Tensor | swin_prompts.Pair) -> int:
         """An NHWC grid: rows times columns; with prompts beside it (a prompted block's pair), theirs added."""
         if not isinstance(x, torch.Tensor):
@@ -138,22 +123,6 @@ class Swin(TimmBlockParts, Backbone):
             raise ValueError("a Swin block builds its own window mask: it takes no attn_mask")
         return block(x)
 
-    def patch_proj(self) -> nn.Module:
-        """The patch embedding's Conv2d."""
-        return self.model.patch_embed.proj
-
-    def set_patch_proj(self, module: nn.Module) -> None:
-        """Replace the patch embedding's projection."""
-        self.model.patch_embed.proj = module
-
-    def patch_norm(self) -> nn.Module:
-        """The LayerNorm after the patch projection."""
-        return self.model.patch_embed.norm
-
-    def set_patch_norm(self, module: nn.Module) -> None:
-        """Replace the norm after the patch projection."""
-        self.model.patch_embed.norm = module
-
     # -- after the blocks ------------------------------------------------------------------------------------
 
     def head(self) -> nn.Module:
@@ -163,18 +132,6 @@ class Swin(TimmBlockParts, Backbone):
     def set_head(self, module: nn.Module) -> None:
         """The ``ClassifierHead`` calls ``fc`` on the pooled features."""
         self.model.head.fc = module
-
-    def reset_head(self, num_classes: int) -> None:
-        """Timm's ``reset_classifier``."""
-        self.model.reset_classifier(num_classes)
-
-    def plain_head_types(self) -> tuple[type, ...]:
-        """Timm's Swin classifier is a Linear, or an Identity without classes."""
-        return (nn.Linear, nn.Identity)
-
-    def num_classes(self) -> int:
-        """Output classes of the current head (0 when it is ``nn.Identity``)."""
-        return int(getattr(self.model, "num_classes", 0))
 
     def head_in_features(self) -> int:
         """Width of the pooled features the head receives."""
@@ -262,10 +219,6 @@ class Swin(TimmBlockParts, Backbone):
         rows, cols = self.grid_size()
         return rows * cols
 
-    def num_features(self) -> int:
-        """Timm's ``num_features`` (the last stage's width)."""
-        return int(self.model.num_features)
-
     # -- prompt tokens ---------------------------------------------------------------------------------------
 
     def insert_prompts(self, prompts: list[torch.Tensor | None], dropout: float, strip: bool) -> None:
@@ -300,7 +253,7 @@ class Swin(TimmBlockParts, Backbone):
 
 
 @register_backbone(SwinTransformerV2)
-class SwinV2(Swin):
+class SwinV2(QvBiasesBesideQkv, Swin):
     """A timm SwinTransformerV2: the stages of Swin with post-norm blocks, cosine attention and q/v biases."""
 
     kind = "swinv2"
@@ -308,48 +261,16 @@ class SwinV2(Swin):
     # timm's post-norm block: x + drop_path1(norm1(attention over windows of x)), then the same with the MLP.
     block_types = (SwinTransformerV2Block,)
     timm_modules = ("swin_transformer_v2",)
+    qv_bias_attentions = (WindowAttention,)
 
     @staticmethod
     def model_types() -> tuple[type, ...]:
         """The model classes whose own forward :meth:`forward_from` replays."""
         return (SwinTransformerV2,)
 
-    def adopt_wrapped_linears(self) -> None:
-        """Let every block whose ``qkv`` is wrapped call it (see :meth:`set_linear`)."""
-        for block in self.block_list():
-            if type(block.attn.qkv) is not nn.Linear:
-                block.attn.qkv_bias_separate = True
-
-    @staticmethod
-    def set_linear(block: nn.Module, name: str, module: nn.Module) -> None:
-        """Replace ``qkv``, ``proj``, ``fc1`` or ``fc2``.
-
-        timm's v2 attention adds its q/v biases by calling ``F.linear`` with ``qkv.weight`` itself, which would
-        bypass a wrapper; ``qkv_bias_separate`` (timm's own switch) makes it call ``qkv`` and add the biases
-        after: the same sum.
-        """
-        Swin.set_linear(block, name, module)
-        if name == "qkv":
-            block.attn.qkv_bias_separate = True
-
-    @staticmethod
-    def linear_biases(block: nn.Module, name: str) -> list[nn.Parameter]:
-        """The bias of a named Linear; for ``qkv``, the attention's ``q_bias`` and ``v_bias`` (K has none)."""
-        if name != "qkv":
-            return Swin.linear_biases(block, name)
-        return [b for b in (block.attn.q_bias, block.attn.v_bias) if isinstance(b, nn.Parameter)]
-
     def batch_shared_modules(self) -> list[nn.Module]:
         """Each window attention's ``cpb_mlp``: it maps the relative-coordinates table to the position bias."""
         return [block.attn.cpb_mlp for block in self.block_list()]
-
-    @staticmethod
-    def biases_beside(module: nn.Module) -> tuple[str, dict[str, tuple[int, int]]] | None:
-        """A window attention's ``q_bias`` and ``v_bias``, added to its ``qkv`` output's Q and V rows."""
-        if not isinstance(module, WindowAttention) or module.q_bias is None:
-            return None
-        width = unwrap(module.qkv).out_features // 3
-        return "qkv", {"q_bias": (0, width), "v_bias": (2 * width, 3 * width)}
 
     @staticmethod
     def attn_branch(block: nn.Module, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:

@@ -15,12 +15,12 @@ from timm.models.vision_transformer import Block, VisionTransformer
 from torch import nn
 
 from petl.model.backbone.base import Backbone, register_backbone, unwrap
-from petl.model.backbone.timm_block import TimmBlockParts
+from petl.model.backbone.timm_block import TimmBlockParts, TimmModelParts
 from petl.model.prompts import PromptedBlock
 
 
 @register_backbone(VisionTransformer)
-class ViT(TimmBlockParts, Backbone):
+class ViT(TimmModelParts, TimmBlockParts, Backbone):
     """A timm VisionTransformer (ViT, DeiT, with or without class token, register tokens, token or avg pooling)."""
 
     kind = "vit"
@@ -96,21 +96,6 @@ class ViT(TimmBlockParts, Backbone):
         model = self.model
         return int(getattr(model, "num_prefix_tokens", 1 if getattr(model, "cls_token", None) is not None else 0))
 
-    def grid_size(self) -> tuple[int, int]:
-        """Patch-token grid (rows, columns) of the patch embedding at the model's image size."""
-        rows, cols = self.model.patch_embed.grid_size
-        return int(rows), int(cols)
-
-    def feature_grid(self, images: torch.Tensor) -> tuple[int, int]:
-        """The patch embedding's grid for ``images`` of any size (timm's ``dynamic_feat_size``)."""
-        rows, cols = self.model.patch_embed.dynamic_feat_size(images.shape[-2:])
-        return int(rows), int(cols)
-
-    def patch_size(self) -> tuple[int, int]:
-        """Patch size (h, w) of the patch embedding."""
-        size = self.model.patch_embed.patch_size
-        return (size, size) if isinstance(size, int) else tuple(size)
-
     def tokens_in(self, x: torch.Tensor) -> int:
         """A flat sequence (batch, tokens, width)."""
         return int(x.shape[-2])
@@ -127,22 +112,6 @@ class ViT(TimmBlockParts, Backbone):
         """Timm's blocks take the mask as ``attn_mask``."""
         return block(x) if attn_mask is None else block(x, attn_mask=attn_mask)
 
-    def patch_proj(self) -> nn.Module:
-        """The patch embedding's projection (a Conv2d whose output channels are the embedding width)."""
-        return self.model.patch_embed.proj
-
-    def set_patch_proj(self, module: nn.Module) -> None:
-        """Replace the patch embedding's projection."""
-        self.model.patch_embed.proj = module
-
-    def patch_norm(self) -> nn.Module:
-        """The norm after the patch projection (``nn.Identity`` in most ViTs)."""
-        return self.model.patch_embed.norm
-
-    def set_patch_norm(self, module: nn.Module) -> None:
-        """Replace the norm after the patch projection."""
-        self.model.patch_embed.norm = module
-
     # -- after the blocks ------------------------------------------------------------------------------------
 
     def head(self) -> nn.Module:
@@ -152,18 +121,6 @@ class ViT(TimmBlockParts, Backbone):
     def set_head(self, module: nn.Module) -> None:
         """Timm's ``forward_head`` calls ``head`` on the pooled features."""
         self.model.head = module
-
-    def reset_head(self, num_classes: int) -> None:
-        """Timm's ``reset_classifier``."""
-        self.model.reset_classifier(num_classes)
-
-    def plain_head_types(self) -> tuple[type, ...]:
-        """Timm's ViT head is a Linear, or an Identity without classes."""
-        return (nn.Linear, nn.Identity)
-
-    def num_classes(self) -> int:
-        """Output classes of the current head (0 when the head is ``nn.Identity``)."""
-        return int(getattr(self.model, "num_classes", 0))
 
     def head_in_features(self) -> int:
         """Width of the pooled features the head receives."""
@@ -241,10 +198,6 @@ class ViT(TimmBlockParts, Backbone):
         grid = patch_embed.num_patches if hasattr(patch_embed, "num_patches") else 0
         return grid + self.num_prefix_tokens()
 
-    def num_features(self) -> int:
-        """Timm's ``num_features``."""
-        return int(self.model.num_features)
-
     # -- prompt tokens ---------------------------------------------------------------------------------------
 
     def insert_prompts(self, prompts: list[torch.Tensor | None], dropout: float, strip: bool) -> None:
@@ -272,19 +225,6 @@ class ViT(TimmBlockParts, Backbone):
                 dropout=dropout,
             )
             self.set_block(i, wrapper)
-
-    def adopt_wrapped_linears(self) -> None:
-        """Hand every wrapped block Linear back through :meth:`set_linear`, which makes a family whose attention reads
-        ``qkv.weight`` itself (BEiT, EVA) call the wrapper instead; a plain ViT always calls its Linears.
-        """
-        for block in self.block_list():
-            for name in self.linear_names:
-                try:
-                    linear = self.linear(block, name)
-                except (AttributeError, ValueError):  # a Linear this block does not have
-                    continue
-                if type(linear) is not nn.Linear:
-                    self.set_linear(block, name, linear)
 
     # -- inside one block ------------------------------------------------------------------------------------
 

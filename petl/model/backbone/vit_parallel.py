@@ -21,7 +21,7 @@ ask for maps onto it as follows:
 * there is no attention or MLP module to wrap: what sits beside both (Convpass's bypasses) is added to their
   summed output (:meth:`VitParallel.beside_sublayers`).
 * with ``qkv_bias=False`` (``vit_*_xp_*``) fc1's bias is a bare ``mlp_bias`` added after ``in_proj``
-  (:meth:`VitParallel.loose_biases`).
+  (:meth:`VitParallel.linear_biases` counts it as ``in_proj``'s).
 
 The differential-attention blocks of ``vit_dpwee_*`` and blocks with a fused ``out_proj`` are refused by
 :meth:`VitParallel.check`.
@@ -88,8 +88,9 @@ class VitParallel(ViT):
     # -- inside one block ------------------------------------------------------------------------------------
 
     @staticmethod
-    def linear(block: nn.Module, name: str) -> nn.Module:
-        """``in_proj``, ``attn_out_proj`` (also as ``proj``) or ``mlp_out_proj`` (also as ``fc2``).
+    def linear_slot(block: nn.Module, name: str) -> tuple[nn.Module, str]:
+        """``in_proj``, ``attn_out_proj`` (also as ``proj``) or ``mlp_out_proj`` (also as ``fc2``), attributes of the
+        block; timm calls each as a module, so a wrapper put there runs.
 
         Raises:
             ValueError: ``qkv`` or ``fc1``, which are rows of ``in_proj`` (see :meth:`target_rows`), or another name.
@@ -100,26 +101,15 @@ class VitParallel(ViT):
         name = OUTPUT_LINEARS.get(name, name)
         if name not in VitParallel.linear_names:
             raise ValueError(f"a parallel block has no {name} Linear (it has {', '.join(VitParallel.linear_names)})")
-        return getattr(block, name)
-
-    @staticmethod
-    def set_linear(block: nn.Module, name: str, module: nn.Module) -> None:
-        """Replace a Linear (see :meth:`linear`); timm calls each as a module, so a wrapper runs."""
-        VitParallel.linear(block, name)  # refuses what is not one
-        setattr(block, OUTPUT_LINEARS.get(name, name), module)
+        return block, name
 
     @classmethod
     def linear_biases(cls, block: nn.Module, name: str) -> list[nn.Parameter]:
         """The Linear's bias; for ``in_proj`` also ``mlp_bias``, fc1's bias where timm keeps it beside."""
-        biases = [getattr(unwrap(cls.linear(block, name)), "bias", None)]
-        if OUTPUT_LINEARS.get(name, name) == "in_proj":
+        biases = super().linear_biases(block, name)
+        if name == "in_proj" and isinstance(block.mlp_bias, nn.Parameter):
             biases.append(block.mlp_bias)
-        return [b for b in biases if isinstance(b, nn.Parameter)]
-
-    @staticmethod
-    def loose_biases(block: nn.Module) -> list[nn.Parameter]:
-        """``mlp_bias`` (fc1's bias beside ``in_proj``, where ``qkv_bias=False``)."""
-        return [block.mlp_bias] if block.mlp_bias is not None else []
+        return biases
 
     @classmethod
     def qkv_rows(cls, block: nn.Module, part: str) -> tuple[str, int, int]:
