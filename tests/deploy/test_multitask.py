@@ -508,48 +508,75 @@ def test_stacked_hooks_give_what_the_task_by_task_loop_gives(stacked):
         torch.testing.assert_close(multi(images, ids), looped(images, ids), atol=1e-5, rtol=1e-5)
 
 
-# Tiny backbones of the other families (their methods as they declare them), and the methods apply refuses on them
-# in one line before anything is served: RepAdapter where qkv has no bias of its own, FacT where the MLP is not 4x.
+# Tiny backbones of the other families (their methods as they declare them), and the cases apply refuses on them
+# in one line before anything is served: RepAdapter where qkv has no bias of its own, FacT where the MLP is not 4x,
+# and on EVA-02 with separate q/k/v every case naming qkv or fc1.
 FAMILIES = {"swin": TINY_MODELS["swin"], "swinv2": TINY_MODELS["swinv2"]}
-FAMILIES |= {family: functools.partial(make_tiny_family, family) for family in ("beit", "eva02")}
-NOT_APPLIED = {"beit": ("repadapter",), "eva02": ("repadapter", "fact")}
-# Refused by a MultiTask over BEiT and EVA, in one line: the attention wrapper that gives extra tokens no position
-# (VPT's prompts, HST's meta tokens, NOAH's prompts) has no row hook yet, and GPS trains the blocks' bare gammas
-# (BEiT) or the q/v biases beside the qkv it wraps (EVA).
-MULTITASK_REFUSED = {"beit": ("vpt", "hst", "noah", "gps"), "eva02": ("vpt", "hst", "noah", "gps")}
+FAMILIES |= {
+    family: functools.partial(make_tiny_family, family)
+    for family in ("beit", "beit_shared", "eva02", "eva02_unfused", "vit_relpos", "vit_srelpos")
+}
+NOT_APPLIED = {
+    "beit": ("repadapter",),
+    "beit_shared": ("repadapter",),
+    "eva02": ("repadapter", "fact", "fact_tt"),
+    "eva02_unfused": (
+        *("repadapter", "fact", "fact_tt", "ssf", "noah", "noah_mixed"),
+        *("peft", "dora", "lora_all", "bitfit_linear"),
+    ),
+    "vit_relpos": ("repadapter",),
+    "vit_srelpos": ("repadapter",),
+}
+# Methods refused by a MultiTask in one line: the attention wrapper that gives extra tokens no position (VPT's
+# prompts, HST's meta tokens, NOAH's prompts) has no row hook yet, and GPS trains the blocks' bare gammas (BEiT) or
+# the q/v biases beside the qkv it wraps (EVA-02 with a fused qkv).
+ROOM = ("vpt", "hst", "noah")
+MULTITASK_REFUSED = {
+    "beit": (*ROOM, "gps"),
+    "beit_shared": (*ROOM, "gps"),
+    "eva02": (*ROOM, "gps"),
+    "eva02_unfused": ROOM,
+    "vit_relpos": ROOM,
+    "vit_srelpos": ROOM,
+}
+# Cases that train a module computing a table every row shares (the position-bias MLP of a SwinV2 or a relpos
+# ViT: BitFit on all biases, peft on every fc1/fc2), refused naming it; BitFit on the Linears alone is served.
+TABLE_TRAINED = {
+    "swinv2": {"bitfit": r"layers\.0\.blocks\.0\.attn\.cpb_mlp"},
+    "vit_relpos": {case: r"blocks\.0\.attn\.rel_pos" for case in ("bitfit", "peft_fc", "ia3")},
+    "vit_srelpos": {case: r"shared_rel_pos" for case in ("bitfit", "peft_fc", "ia3")},
+}
 
 
+@pytest.mark.slow  # 5 to 30 s a family on 2 cores
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_a_mixed_batch_on_another_family_gives_each_row_its_own_tasks_logits(tmp_path, family):
     # Every method and variant that supports the family and shares a backbone, two LoRAs among them so that their
-    # updates stack: a Swin's window attention's qkv and proj see each image as its windows' rows; BEiT's and EVA's
-    # blocks take the model's relative-position bias or rotary embedding.
+    # updates stack: a Swin's window attention's qkv and proj see each image as its windows' rows; BEiT's, EVA's
+    # and the relpos ViTs' blocks take the model's relative-position bias or rotary embedding.
     backbone = FAMILIES[family]()
     kind = backbone_of(backbone).kind
     cases = {n: c for n, c in SHARED.items() if kind in petl.get_method(c[0]).backbones}
     cases["lora_2"] = ("lora", {"rank": 8})
     # VPT's prompts beside a Swin's grid have no row hook yet: refused in one line (tests/methods/test_vpt_swin.py).
+    cases = {n: c for n, c in cases.items() if n not in NOT_APPLIED.get(family, ())}
+    if kind in ("swin", "swinv2"):
+        cases = {n: c for n, c in cases.items() if c[0] != "vpt"}
     not_shared = {n: c for n, c in cases.items() if c[0] in MULTITASK_REFUSED.get(family, ())}
-    left_out = ("vpt", *NOT_APPLIED.get(family, ()))
-    cases = {n: c for n, c in cases.items() if n not in not_shared and c[0] not in left_out}
-    # BitFit on a SwinV2's, BEiT's or EVA's Linears trains the q/v biases the attention adds beside qkv: a delta on
-    # the routed qkv's rows.  BitFit on all biases trains a SwinV2's position-bias MLP's too, whose table every row
-    # shares: refused.
-    if kind == "swinv2":
-        del cases["bitfit"]
-    singles, files = _save(tmp_path, cases, backbone)
+    table_trained = {n: cases[n] for n in TABLE_TRAINED.get(family, {})}
+    served = {n: c for n, c in cases.items() if n not in not_shared and n not in table_trained}
+    singles, files = _save(tmp_path, served, backbone)
     multi = petl.MultiTask(backbone, files)
-    ids, images = _mixed_batch(sorted(cases), per_task=2)
+    ids, images = _mixed_batch(sorted(served), per_task=2)
     _check_both_paths(multi, singles, ids, images)
-    if kind == "swinv2":
-        (tmp_path / "all").mkdir()
-        _, refused = _save(tmp_path / "all", {"bitfit": SHARED["bitfit"]}, backbone)
-        with pytest.raises(TaskRefused, match=r"task 'bitfit' .* trains layers\.0\.blocks\.0\.attn\.cpb_mlp, which"):
-            petl.MultiTask(backbone, refused)
-    for name, case in not_shared.items():
+    refusals = {name: rf"task '{name}' \(method {case[0]}\b[^)]*\) cannot share" for name, case in not_shared.items()}
+    refusals |= {
+        name: rf"task '{name}' .* trains {path}, which" for name, path in TABLE_TRAINED.get(family, {}).items()
+    }
+    for name, pattern in refusals.items():
         (tmp_path / name).mkdir()
-        _, alone = _save(tmp_path / name, {name: case}, backbone)
-        with pytest.raises(TaskRefused, match=rf"task '{name}' \(method {case[0]}\) cannot share") as error:
+        _, alone = _save(tmp_path / name, {name: cases[name]}, backbone)
+        with pytest.raises(TaskRefused, match=pattern) as error:
             petl.MultiTask(backbone, alone)
         assert "\n" not in str(error.value)
 

@@ -83,6 +83,13 @@ class Beit(QvBiasesBesideQkv, GammaBranches, VitRelPos):
             if type(inner) is not Block or not isinstance(unwrap(inner.mlp), Mlp):
                 raise ValueError(f"petl supports {self.supported}; block {i} of {name} is not")
 
+    def batch_shared_modules(self) -> list[nn.Module]:
+        """The model's shared ``rel_pos_bias`` (a table every row reads; each attention's own table is a parameter
+        of the attention, not a module of its own).
+        """
+        shared = self.model.rel_pos_bias
+        return [shared] if shared is not None else []
+
     def _shared_bias(self) -> torch.Tensor | None:
         shared = self.model.rel_pos_bias
         return shared() if shared is not None else None

@@ -87,6 +87,14 @@ class VitRelPos(ViT):
                     f"petl supports {self.supported}; block {i} of {name} is a {type(unwrap(block)).__name__}"
                 )
 
+    def batch_shared_modules(self) -> list[nn.Module]:
+        """Each attention's ``rel_pos`` and the model's ``shared_rel_pos``: they compute the position bias from the
+        grid's relative coordinates (with a small MLP in timm's ``RelPosMlp``), not from the images' rows.
+        """
+        own = [block.attn.rel_pos for block in self.block_list() if block.attn.rel_pos is not None]
+        shared = self.model.shared_rel_pos
+        return own + ([shared] if shared is not None else [])
+
     def _shared_bias(self) -> torch.Tensor | None:
         shared = self.model.shared_rel_pos
         return shared.get_bias() if shared is not None else None
