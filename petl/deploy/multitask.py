@@ -345,10 +345,11 @@ class MultiTask(nn.Module):
                 pooled = [n if p else 0 for n, p in zip(self.prompts, self.pool_prompts, strict=True)]
                 pool = self._slot_mask(x, tasks, tokens, pooled)
             masks: dict[tuple[int, ...], Tensor] = {}
+            inputs = bb.block_inputs()  # once a forward, as timm's forward_features computes them
             for i, block in enumerate(bb.block_container()):
                 x = bb.before_block(i, x)  # a Swin's patch merging in front of a stage's first block
                 if not tokens.slots:
-                    x = bb.run_block(block, x)  # with what the family passes every block (EVA's rope, a shared bias)
+                    x = bb.run_block(block, x, inputs=inputs)  # with EVA's rope or a shared bias, as timm passes them
                     continue
                 visible = tuple(self.visible[task][i] for task, _, _ in groups)
                 if visible not in masks:
@@ -362,7 +363,7 @@ class MultiTask(nn.Module):
                     bias = torch.zeros(keep.shape[0], 1, 1, -(-n // 8) * 8, dtype=x.dtype)
                     bias[..., :n].masked_fill_(~keep[:, None, None], float("-inf"))
                     masks[visible] = bias.to(x.device)[..., :n]
-                x = bb.run_block(block, x, attn_mask=masks[visible])
+                x = bb.run_block(block, x, attn_mask=masks[visible], inputs=inputs)
             return bb.pooled_features(x, pool)
         finally:
             self._router.batch = None

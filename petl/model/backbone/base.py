@@ -160,8 +160,22 @@ class Backbone:
         """What runs between block ``index - 1`` and block ``index`` (nothing in a ViT; a Swin's patch merging)."""
         return x
 
-    def run_block(self, block: nn.Module, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Run one block of the container on ``x``; ``attn_mask`` (where given) limits which tokens each attends."""
+    def block_inputs(self) -> dict[str, Any]:
+        """What the model computes once per forward and passes every block besides the tokens (EVA's rotary
+        embedding, a relpos ViT's or BEiT's shared position bias): none by default.
+        """
+        return {}
+
+    def run_block(
+        self,
+        block: nn.Module,
+        x: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        inputs: dict[str, Any] | None = None,
+    ) -> torch.Tensor:
+        """Run one block of the container on ``x``; ``attn_mask`` (where given) limits which tokens each attends;
+        ``inputs`` is :meth:`block_inputs` computed once for every block of a forward (computed here where ``None``).
+        """
         raise NotImplementedError
 
     def patch_proj(self) -> nn.Module:

@@ -85,8 +85,10 @@ class Eva(QvBiasesBesideQkv, GammaBranches, ViT):
             if type(inner) is not EvaBlock or not isinstance(unwrap(inner.attn), (EvaAttention, EvaRoom)):
                 raise ValueError(f"petl supports {self.supported}; block {i} of {name} is not")
 
-    def _rope(self) -> dict[str, torch.Tensor | None]:
-        # What timm's _pos_embed passes every block at the model's image size (check() refuses the other cases).
+    def block_inputs(self) -> dict[str, Any]:
+        """The rotary embedding timm's ``_pos_embed`` passes every block at the model's image size (``check()``
+        refuses the other cases).
+        """
         rope = self.model.rope
         if rope is None:
             return {"rope": None}
@@ -99,9 +101,15 @@ class Eva(QvBiasesBesideQkv, GammaBranches, ViT):
         x, _ = self.model._pos_embed(self.model.patch_embed(images))
         return self.model.norm_pre(x)
 
-    def run_block(self, block: nn.Module, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def run_block(
+        self,
+        block: nn.Module,
+        x: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        inputs: dict[str, Any] | None = None,
+    ) -> torch.Tensor:
         """The block with the model's rotary embedding and ``attn_mask``."""
-        return block(x, attn_mask=attn_mask, **self._rope())
+        return block(x, attn_mask=attn_mask, **(self.block_inputs() if inputs is None else inputs))
 
     def is_plain(self) -> bool:
         """Exactly timm's Eva."""
@@ -109,7 +117,7 @@ class Eva(QvBiasesBesideQkv, GammaBranches, ViT):
 
     def forward_from(self, x: torch.Tensor, start: int) -> torch.Tensor:
         """The rest of timm's ``forward_features`` and ``forward_head`` from block ``start`` on."""
-        model, rope = self.model, self._rope()
+        model, rope = self.model, self.block_inputs()
         for block in model.blocks[start:]:
             x = checkpoint(block, x, **rope) if model.grad_checkpointing else block(x, **rope)
         return model.forward_head(model.norm(x))

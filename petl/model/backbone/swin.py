@@ -112,7 +112,13 @@ class Swin(TimmModelParts, TimmBlockParts, Backbone):
         stage, j = self._places()[index]
         return self.model.layers[stage].downsample(x) if j == 0 else x
 
-    def run_block(self, block: nn.Module, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def run_block(
+        self,
+        block: nn.Module,
+        x: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        inputs: dict[str, Any] | None = None,
+    ) -> torch.Tensor:
         """Run one block on an NHWC grid (:meth:`before_block` runs the PatchMerging in front of a stage).
 
         Raises:

@@ -108,8 +108,14 @@ class ViT(TimmModelParts, TimmBlockParts, Backbone):
         x = model.patch_drop(x)
         return model.norm_pre(x)
 
-    def run_block(self, block: nn.Module, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Timm's blocks take the mask as ``attn_mask``."""
+    def run_block(
+        self,
+        block: nn.Module,
+        x: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        inputs: dict[str, Any] | None = None,
+    ) -> torch.Tensor:
+        """Timm's blocks take the mask as ``attn_mask`` (and no ``inputs``: a ViT's are none)."""
         return block(x) if attn_mask is None else block(x, attn_mask=attn_mask)
 
     # -- after the blocks ------------------------------------------------------------------------------------

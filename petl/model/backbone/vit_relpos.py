@@ -11,6 +11,8 @@ what differs is the model around them: a ``ModuleList`` called with the shared b
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from timm.models._manipulate import checkpoint
@@ -95,6 +97,10 @@ class VitRelPos(ViT):
         shared = self.model.shared_rel_pos
         return own + ([shared] if shared is not None else [])
 
+    def block_inputs(self) -> dict[str, Any]:
+        """The shared bias (``None`` where each attention has its own), by the keyword the blocks take it."""
+        return {self.shared_bias_arg: self._shared_bias()}
+
     def _shared_bias(self) -> torch.Tensor | None:
         shared = self.model.shared_rel_pos
         return shared.get_bias() if shared is not None else None
@@ -107,7 +113,13 @@ class VitRelPos(ViT):
             x = torch.cat((model.cls_token.expand(x.shape[0], -1, -1), x), dim=1)
         return x
 
-    def run_block(self, block: nn.Module, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def run_block(
+        self,
+        block: nn.Module,
+        x: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        inputs: dict[str, Any] | None = None,
+    ) -> torch.Tensor:
         """The block with the model's shared bias (its attention takes no other mask).
 
         Raises:
@@ -116,7 +128,7 @@ class VitRelPos(ViT):
         """
         if attn_mask is not None:
             raise ValueError(f"{type(self.model).__name__}'s blocks take no attention mask (a relative-position bias)")
-        return block(x, **{self.shared_bias_arg: self._shared_bias()})
+        return block(x, **(self.block_inputs() if inputs is None else inputs))
 
     def pool_type(self) -> str:
         """``avg``, ``token`` or ``""``."""
@@ -150,7 +162,7 @@ class VitRelPos(ViT):
 
     def forward_from(self, x: torch.Tensor, start: int) -> torch.Tensor:
         """The rest of timm's ``forward_features`` and ``forward_head`` from block ``start`` on."""
-        model, shared = self.model, {self.shared_bias_arg: self._shared_bias()}
+        model, shared = self.model, self.block_inputs()
         for block in model.blocks[start:]:
             x = checkpoint(block, x, **shared) if model.grad_checkpointing else block(x, **shared)
         return model.forward_head(model.norm(x))
