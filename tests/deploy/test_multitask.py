@@ -558,21 +558,24 @@ def test_a_mixed_batch_on_another_family_gives_each_row_its_own_tasks_logits(tmp
     kind = backbone_of(backbone).kind
     cases = {n: c for n, c in SHARED.items() if kind in petl.get_method(c[0]).backbones}
     cases["lora_2"] = ("lora", {"rank": 8})
-    # VPT's prompts beside a Swin's grid have no row hook yet: refused in one line (tests/methods/test_vpt_swin.py).
     cases = {n: c for n, c in cases.items() if n not in NOT_APPLIED.get(family, ())}
     if kind in ("swin", "swinv2"):
+        # VPT's prompts beside a Swin's grid have no row hook yet: refused in one line (tests/methods/test_vpt_swin.py).
         cases = {n: c for n, c in cases.items() if c[0] != "vpt"}
-    not_shared = {n: c for n, c in cases.items() if c[0] in MULTITASK_REFUSED.get(family, ())}
-    table_trained = {n: cases[n] for n in TABLE_TRAINED.get(family, {})}
-    served = {n: c for n, c in cases.items() if n not in not_shared and n not in table_trained}
+    refused = MULTITASK_REFUSED.get(family, ())
+    refusals = {
+        name: rf"task '{name}' \(method {case[0]}\b[^)]*\) cannot share"
+        for name, case in cases.items()
+        if case[0] in refused
+    }
+    refusals |= {
+        name: rf"task '{name}' .* trains {path}, which" for name, path in TABLE_TRAINED.get(family, {}).items()
+    }
+    served = {n: c for n, c in cases.items() if n not in refusals}
     singles, files = _save(tmp_path, served, backbone)
     multi = petl.MultiTask(backbone, files)
     ids, images = _mixed_batch(sorted(served), per_task=2)
     _check_both_paths(multi, singles, ids, images)
-    refusals = {name: rf"task '{name}' \(method {case[0]}\b[^)]*\) cannot share" for name, case in not_shared.items()}
-    refusals |= {
-        name: rf"task '{name}' .* trains {path}, which" for name, path in TABLE_TRAINED.get(family, {}).items()
-    }
     for name, pattern in refusals.items():
         (tmp_path / name).mkdir()
         _, alone = _save(tmp_path / name, {name: cases[name]}, backbone)
