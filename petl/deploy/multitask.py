@@ -161,7 +161,7 @@ class MultiTask(nn.Module):
             raise ValueError("MultiTask needs at least one task")
         backbone.requires_grad_(False).eval()
         self.names = [str(name) for name in tasks]
-        models, hooks = [], []
+        models, hooks, rooms = [], [], False
         for name, path in tasks.items():
             card = _run_card(path)
             if card is None:  # a weights file alone: nothing records its backbone
@@ -174,7 +174,9 @@ class MultiTask(nn.Module):
                 method = method_name(model)
                 raise TaskRefused(name, f"task {name!r} (method {method}) cannot share the backbone: {error}") from None
             models.append(model)
-            hooks.append(sites)
+            # A room wrapper acts on no rows: the shared blocks get room for the batch's slots instead (_make_room).
+            hooks.append({path: hook for path, hook in sites.items() if not hook.room})
+            rooms = rooms or len(hooks[-1]) < len(sites)
         # The task models own the trained tensors (so .to() moves them); their frozen tensors are the backbone's.
         self.tasks = nn.ModuleList(models)
         self.num_classes = {name: backbone_of(m).num_classes() for name, m in zip(self.names, models, strict=True)}
@@ -188,6 +190,8 @@ class MultiTask(nn.Module):
         ]
         self._router = Router(len(self.names))
         self.backbone = self._route(backbone, hooks)
+        if rooms:
+            self._make_room(self.backbone)
         self._router.tables.build()
         self.stack_tables = self._router.tables
         self._stack_heads([backbone_of(m).head() for m in models])
@@ -273,6 +277,29 @@ class MultiTask(nn.Module):
             setattr(parent, name, module)
         backbone_of(routed).adopt_wrapped_linears()
         return routed
+
+    @staticmethod
+    def _make_room(routed: nn.Module) -> None:
+        """Room in every shared block's attention for the batch's prompt slots, right after the prefix tokens.
+
+        Where a family adds position terms inside attention (a relpos ViT's or BEiT's relative-position bias, EVA's
+        rotary embedding), each prompted task's own model leaves them out for its prompts, VPT's after the prefix
+        tokens, HST's meta tokens in front of them, NOAH's at the end (``Backbone.make_room``); a token without a
+        position is attended alike wherever it sits, so the shared blocks leave them out for the slots, which hold
+        those tokens.  (A ViT's tasks make no room: its blocks need none.)  Where a task routes the attention itself
+        (Convpass), the room goes around the frozen attention, under the routed module.
+        """
+        bb = backbone_of(routed)
+        at = bb.num_prefix_tokens()
+        for block in bb.block_list():
+            attn = bb.attention(block)
+            routed_attn = attn if isinstance(attn, RoutedModule) else None
+            if routed_attn is not None:
+                bb.set_attention(block, routed_attn.base)
+            bb.make_room(block, at)
+            if routed_attn is not None:
+                routed_attn.base = bb.attention(block)
+                bb.set_attention(block, routed_attn)
 
     def _stack_heads(self, heads: list[nn.Module]) -> None:
         """Every task's Linear head in one stack (tasks x classes x width, the bias one more column; rows past a task's

@@ -401,11 +401,15 @@ class RoutedBlock(RoutedModule):
         self._kinds(hooks)
         self.halves = any(h.mid or h.branch or h.post for h in hooks.values())
         self.branches = any(h.branch for h in hooks.values())
-        if self.halves:
-            try:
-                self.family = block_family(base)
-            except ValueError as error:
+        self.family = None
+        try:
+            self.family = block_family(base)
+        except ValueError as error:
+            if self.halves:
                 raise CannotShare(str(error)) from None
+        else:
+            # A block that passes its attention no mask (a relpos ViT's, BEiT's) runs as its halves, which do.
+            self.halves = self.halves or not self.family.blocks_take_mask
 
     def forward(self, x: Tensor, **kwargs: Any) -> Tensor:
         batch = self._router.current()

@@ -217,6 +217,11 @@ class RowHook:
             Used where the rows' ``y`` is the frozen module's fresh output and no autograd records (serving), so
             that a task's update costs its own ops and no copy of its rows back into the batch; ``post``, if not
             given, is a copy of ``y`` updated in place.
+        room: the wrapper only lets the frozen attention take the task's extra tokens without a position of their
+            own (``Backbone.make_room``: no relative-position bias, no rotation) and does nothing to the rows; the
+            MultiTask gives its shared blocks the same room at the batch's prompt slots instead (a token without a
+            position is attended alike wherever it sits, so the slots may hold what the task's own model puts at
+            the front or the end of its sequence).
 
     """
 
@@ -230,6 +235,7 @@ class RowHook:
     pool_prompts: bool = True
     batched: Batched | None = None
     post_in_place: Callable[[Tensor, Tensor, Tokens], None] | None = None
+    room: bool = False
 
     def __post_init__(self) -> None:
         if self.post is None and self.post_in_place is not None:
@@ -241,6 +247,11 @@ class RowHook:
                 return y
 
             object.__setattr__(self, "post", post)
+
+
+def room_hook(wrapper: nn.Module) -> RowHook:
+    """The hook of a family's room wrapper (``Backbone.make_room``): :attr:`RowHook.room`, nothing on the rows."""
+    return RowHook(wrapper.base, room=True)
 
 
 class CannotShare(ValueError):

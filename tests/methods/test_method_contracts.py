@@ -711,3 +711,26 @@ def test_family_room_anywhere_in_the_sequence(images, family, where):
     shuffled = bb.run_block(block, torch.cat([x[:, :at], extra.flip(1), x[:, at:]], dim=1))
     others = torch.cat([torch.arange(at), torch.arange(at + 3, x.shape[1] + 3)])
     torch.testing.assert_close(shuffled[:, others], y[:, others], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("family", [f for f in TINY_FAMILIES if not f.startswith("vit_pwee")])
+def test_family_room_takes_a_mask(images, family):
+    # A MultiTask's shared blocks mask the prompt slots a row's task does not fill: with room, a block given an
+    # additive mask over the extra tokens gives the other tokens exactly what the plain block gives without them
+    # (a relpos ViT's or BEiT's block, which passes its attention no mask, runs as its halves).
+    plain, model = make_tiny_family(family), make_tiny_family(family)
+    bb = backbone_of(model)
+    p, n = bb.num_prefix_tokens(), 3
+    block, plain_block = bb.block_list()[0], backbone_of(plain).block_list()[0]
+    x = bb.embed_tokens(images)
+    extra = torch.randn(x.shape[0], n, x.shape[-1], generator=torch.Generator().manual_seed(0))
+    with_extra = torch.cat([x[:, :p], extra, x[:, p:]], dim=1)
+    mask = torch.zeros(x.shape[0], 1, 1, with_extra.shape[1])
+    mask[..., p : p + n] = float("-inf")
+    if not bb.blocks_take_mask:
+        with pytest.raises(ValueError, match="no mask until it has room"):
+            bb.run_block(plain_block, with_extra, attn_mask=mask)
+    bb.make_room(block, p)
+    y = bb.run_block(block, with_extra, attn_mask=mask)
+    expected = bb.run_block(plain_block, x)
+    torch.testing.assert_close(torch.cat([y[:, :p], y[:, p + n :]], dim=1), expected, atol=1e-5, rtol=0)

@@ -58,6 +58,9 @@ class Backbone:
         norm_groups: each norm of a block (a :meth:`block_norm` name) with the Linears (:meth:`linear` names) that
             follow it, in forward order.
         maskable_pools: poolings :meth:`pooled_features` can restrict to some tokens.
+        blocks_take_mask: whether a block called with ``attn_mask`` passes it to its attention; where not (a relpos
+            ViT's, BEiT's), :meth:`run_block` and a mixed batch's routed block run a masked block as its two
+            residual halves, the mask going to the attention.
         model: the model itself.
 
     """
@@ -77,6 +80,7 @@ class Backbone:
         ("norm2", ("fc1", "fc2")),
     )
     maskable_pools: ClassVar[tuple[str, ...]] = ()
+    blocks_take_mask: ClassVar[bool] = True
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model

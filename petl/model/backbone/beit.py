@@ -22,9 +22,10 @@ from timm.models.beit import Attention, Block
 from timm.models.beit import Beit as TimmBeit
 from torch import nn
 
+from petl.model import rows
 from petl.model.backbone.base import register_backbone, unwrap
 from petl.model.backbone.timm_block import GammaBranches, QvBiasesBesideQkv
-from petl.model.backbone.vit_relpos import VitRelPos, pad_bias
+from petl.model.backbone.vit_relpos import VitRelPos, pad_bias, with_mask
 from petl.model.wrappers import PetlModule
 
 
@@ -34,25 +35,35 @@ class BeitRoom(PetlModule):
 
     timm computes the bias inside its forward, for exactly the class token and the patch grid; this runs the same
     steps through the attention's own modules and parameters with the bias (own plus shared) zero-padded for the
-    extra tokens, as the VPT code's Swin pads its bias for the prompts (swin_transformer.py L480-508).
+    extra tokens, as the VPT code's Swin pads its bias for the prompts (swin_transformer.py L480-508).  It also takes
+    an additive ``attn_mask`` (as :class:`~petl.model.backbone.vit_relpos.RelPosRoom`); with no extra tokens and no
+    mask it is timm's attention itself (which adds the Q/V biases in its ``F.linear``).
     """
 
     def __init__(self, base: Attention, at: int) -> None:
         super().__init__(base)
         self.at = at
 
-    def forward(self, x: torch.Tensor, shared_rel_pos_bias: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        shared_rel_pos_bias: torch.Tensor | None = None,
+        attn_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         attn = self.base
         batch, tokens, _ = x.shape
+        bias = attn._get_rel_pos_bias() if attn.relative_position_bias_table is not None else None
+        if shared_rel_pos_bias is not None:
+            bias = shared_rel_pos_bias if bias is None else bias + shared_rel_pos_bias
+        if attn_mask is None and (bias is None or bias.shape[-1] == tokens):
+            return attn(x, shared_rel_pos_bias=shared_rel_pos_bias)
         qkv = attn.qkv(x)
         if attn.q_bias is not None:
             qkv = qkv + torch.cat((attn.q_bias, attn.k_bias, attn.v_bias))
         q, k, v = qkv.reshape(batch, tokens, 3, attn.num_heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
-        bias = attn._get_rel_pos_bias() if attn.relative_position_bias_table is not None else None
-        if shared_rel_pos_bias is not None:
-            bias = shared_rel_pos_bias if bias is None else bias + shared_rel_pos_bias
         if bias is not None:
             bias = pad_bias(bias, self.at, tokens - bias.shape[-1]).to(q.dtype)
+        bias = with_mask(bias, attn_mask)
         x = F.scaled_dot_product_attention(
             q, k, v, attn_mask=bias, dropout_p=attn.attn_drop.p if attn.training else 0.0
         )
@@ -68,6 +79,7 @@ class Beit(QvBiasesBesideQkv, GammaBranches, VitRelPos):
     block_types = (Block,)
     timm_modules = ("beit",)
     shared_bias_arg = "shared_rel_pos_bias"
+    room_types = (BeitRoom,)
     qv_bias_attentions = (Attention,)
 
     def check(self) -> None:
@@ -113,3 +125,7 @@ class Beit(QvBiasesBesideQkv, GammaBranches, VitRelPos):
     def make_room(block: nn.Module, at: int) -> None:
         """The attention zero-pads its relative-position bias (own and shared) for the extra tokens."""
         block.attn = BeitRoom(block.attn, at)
+
+
+# The room acts on no rows: petl.MultiTask gives its shared blocks the same room at the batch's prompt slots.
+rows.register_row_hook(BeitRoom)(rows.room_hook)

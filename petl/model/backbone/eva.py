@@ -24,6 +24,7 @@ from timm.models.eva import Eva as TimmEva
 from timm.models.eva import EvaAttention, EvaBlock
 from torch import nn
 
+from petl.model import rows
 from petl.model.backbone.base import register_backbone, unwrap
 from petl.model.backbone.timm_block import GammaBranches, QvBiasesBesideQkv, TimmBlockParts
 from petl.model.backbone.vit import ViT
@@ -150,3 +151,7 @@ class Eva(QvBiasesBesideQkv, GammaBranches, ViT):
     def make_room(block: nn.Module, at: int) -> None:
         """The attention gives the extra tokens the identity rotation."""
         block.attn = EvaRoom(block.attn, at)
+
+
+# The room acts on no rows: petl.MultiTask gives its shared blocks the same room at the batch's prompt slots.
+rows.register_row_hook(EvaRoom)(rows.room_hook)

@@ -11,7 +11,7 @@ what differs is the model around them: a ``ModuleList`` called with the shared b
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +19,7 @@ from timm.models._manipulate import checkpoint
 from timm.models.vision_transformer_relpos import RelPosAttention, RelPosBlock, VisionTransformerRelPos
 from torch import nn
 
+from petl.model import rows
 from petl.model.backbone.base import register_backbone, unwrap
 from petl.model.backbone.vit import ViT
 from petl.model.wrappers import PetlModule
@@ -35,19 +36,31 @@ def pad_bias(bias: torch.Tensor, at: int, count: int) -> torch.Tensor:
     return out
 
 
+def with_mask(bias: torch.Tensor | None, attn_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """The additive ``attn_mask`` (0 or -inf, SDPA's float mask) added to the attention's ``bias``."""
+    if attn_mask is None:
+        return bias
+    return attn_mask if bias is None else bias + attn_mask
+
+
 class RelPosRoom(PetlModule):
     """timm's ``RelPosAttention`` taking extra tokens at ``at`` (those beyond the bias's) that get no relative-position
     bias.
 
     Runs the attention's own projections, norms and bias module; only the bias (the block's own and the shared
-    one) is zero-padded for the extra tokens, as in the VPT code's Swin (swin_transformer.py L480-508).
+    one) is zero-padded for the extra tokens, as in the VPT code's Swin (swin_transformer.py L480-508).  It also
+    takes an additive ``attn_mask``, which timm's attention does not: a mixed batch (:class:`petl.MultiTask`) keeps
+    each row from attending the prompt slots its task does not fill.  With no extra tokens and no mask it runs the ops
+    of timm's fused attention.
     """
 
     def __init__(self, base: RelPosAttention, at: int) -> None:
         super().__init__(base)
         self.at = at
 
-    def forward(self, x: torch.Tensor, shared_rel_pos: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, shared_rel_pos: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         attn = self.base
         batch, tokens, channels = x.shape
         qkv = attn.qkv(x).reshape(batch, tokens, 3, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4)
@@ -56,6 +69,7 @@ class RelPosRoom(PetlModule):
         bias = attn.rel_pos.get_bias() if attn.rel_pos is not None else shared_rel_pos
         if bias is not None:
             bias = pad_bias(bias, self.at, tokens - bias.shape[-1]).to(q.dtype)
+        bias = with_mask(bias, attn_mask)
         x = F.scaled_dot_product_attention(
             q, k, v, attn_mask=bias, dropout_p=attn.attn_drop.p if attn.training else 0.0
         )
@@ -74,6 +88,10 @@ class VitRelPos(ViT):
     timm_modules = ("vision_transformer_relpos",)
     # The keyword the blocks take the shared bias by.
     shared_bias_arg = "shared_rel_pos"
+    # timm's blocks pass their attention no mask (run_block runs a masked block as its halves).
+    blocks_take_mask = False
+    # The attention given room for extra tokens (make_room): it takes a mask.
+    room_types: ClassVar[tuple[type, ...]] = (RelPosRoom,)
 
     def check(self) -> None:
         """Raise a ValueError naming what is supported unless every block is a pre-norm RelPosBlock.
@@ -120,15 +138,25 @@ class VitRelPos(ViT):
         attn_mask: torch.Tensor | None = None,
         inputs: dict[str, Any] | None = None,
     ) -> torch.Tensor:
-        """The block with the model's shared bias (its attention takes no other mask).
+        """The block with the model's shared bias and, where given, ``attn_mask``.
+
+        timm's block passes its attention no mask: a plain block given one runs as its two residual halves, the mask
+        going to the attention, which takes one once it has room for extra tokens (:meth:`make_room`, as a
+        :class:`petl.MultiTask` gives its shared blocks for the batch's prompt slots); a wrapper around the block (a
+        MultiTask's routed block) takes the mask on itself.
 
         Raises:
-            ValueError: ``attn_mask`` given.
+            ValueError: ``attn_mask`` given to a plain block whose attention has no room.
 
         """
-        if attn_mask is not None:
-            raise ValueError(f"{type(self.model).__name__}'s blocks take no attention mask (a relative-position bias)")
-        return block(x, **(self.block_inputs() if inputs is None else inputs))
+        inputs = self.block_inputs() if inputs is None else inputs
+        if attn_mask is None:
+            return block(x, **inputs)
+        if type(block) not in self.block_types:
+            return block(x, attn_mask=attn_mask, **inputs)
+        if not isinstance(block.attn, self.room_types):
+            raise ValueError(f"{type(self.model).__name__}'s attention takes no mask until it has room for prompts")
+        return self.mlp_residual(block, self.attn_residual(block, x, attn_mask=attn_mask, **inputs))
 
     def pool_type(self) -> str:
         """``avg``, ``token`` or ``""``."""
@@ -171,3 +199,7 @@ class VitRelPos(ViT):
     def make_room(block: nn.Module, at: int) -> None:
         """The attention zero-pads its relative-position bias (own or shared) for the extra tokens."""
         block.attn = RelPosRoom(block.attn, at)
+
+
+# The room acts on no rows: petl.MultiTask gives its shared blocks the same room at the batch's prompt slots.
+rows.register_row_hook(RelPosRoom)(rows.room_hook)
