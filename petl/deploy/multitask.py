@@ -24,10 +24,13 @@ prompts live in slots right after the class/register tokens, as many as the batc
 writes its own prompts there, and an attention mask keeps every row from attending slots it does not
 use (and an average pooling from counting them), so a row sees exactly the tokens its own model would.
 HST's meta tokens and NOAH's trailing prompts use the same slots (attention does not depend on where a
-token sits); a task whose prompts change from block to block (NOAH) gives each block's count.  Where launching
-ops is what a batch costs (a GPU: :attr:`MultiTask.launch_bound`) every row goes through the blocks in that one
-pass, a task without prompts having all its slots masked; where the arithmetic is (a CPU) the rows of tasks
-without prompts take a pass of their own, without slots or masks, and the prompted tasks' rows a second.
+token sits); a task whose prompts change from block to block (NOAH) gives each block's count.  Where a
+family's attention adds position terms to the patch tokens (a relpos ViT's or BEiT's relative-position bias,
+EVA's rotary embedding), the shared blocks give the slots none, as each task's own model gives its extra tokens
+none.  Where launching ops is what a batch costs (a GPU: :attr:`MultiTask.launch_bound`) every row goes through
+the blocks in that one pass, a task without prompts having all its slots masked; where the arithmetic is (a CPU)
+the rows of tasks without prompts take a pass of their own, without slots or masks, and the prompted tasks' rows
+a second.
 
 Tasks whose hooks at a module have the same batched form (:class:`petl.model.rows.Batched`: LoRA's and FacT's
 low-rank updates of any rank, SSF's scale and shift with BitFit's bias deltas, bottleneck adapters of one style,

@@ -43,9 +43,8 @@ On the other ViT families (``vit_relpos``, BEiT, EVA, parallel blocks) the meta 
 no position: the frozen attention gives them a zero relative-position bias or no rotation
 (:meth:`petl.Backbone.make_room`, as VPT's prompts).  The LayerNorms that train are the blocks' pre-norms (a
 parallel block's one ``in_norm``), and the side blocks' MLP ratio is the backbone's hidden width (what ``fc2``
-reads) over its width.  A :class:`petl.MultiTask` mixed batch refuses it in one line on ``vit_relpos``, BEiT and
-EVA (the attention that makes room for the meta tokens has no row hook); it is served on the ViT and on parallel
-blocks.
+reads) over its width.  A :class:`petl.MultiTask` mixed batch serves it on every family here: its meta tokens sit
+in the batch's prompt slots, for which the shared blocks make the same room.
 
 Trains:
     HST: a meta token per block, the blocks' LayerNorms, and a 4-stage side pyramid reading the image and the

@@ -40,8 +40,9 @@ On ``vit_relpos``, BEiT and EVA the trailing prompts get no position: the frozen
 relative-position bias or gives them no rotation for as many tokens as trail the sequence in each block
 (:meth:`petl.Backbone.make_room` at the end of the sequence), so their number may change from block to block and,
 in the search, from step to step.  LoRA wraps the fused ``qkv`` (BEiT's and EVA's ``q_bias``/``v_bias`` are added
-after it); an EVA-02 with separate q/k/v is refused in one line unless every ``lora`` width is 0, and a
-:class:`petl.MultiTask` mixed batch refuses it on these families (the attention that makes room has no row hook).
+after it); an EVA-02 with separate q/k/v is refused in one line unless every ``lora`` width is 0.  A
+:class:`petl.MultiTask` mixed batch serves it on these families: its prompts sit in the batch's prompt slots, for
+which the shared blocks make the same room.
 
 Trains:
     NOAH: per block prompts appended after the patches (replacing the previous block's), a LoRA update of the
