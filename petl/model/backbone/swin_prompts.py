@@ -175,12 +175,12 @@ def prompted_window_attention(
     rows, tokens, _ = windows.shape
     b, n, _ = prompts.shape
     num_windows, heads = rows // b, attn.num_heads
-    qkv = attn.qkv(windows).reshape(rows, tokens, 3, heads, -1).permute(2, 0, 3, 1, 4)
-    qkv_prompts = attn.qkv(prompts).reshape(b, 1, n, 3, heads, -1).permute(3, 0, 1, 4, 2, 5)
-    # 3, B, windows, heads, n + tokens, head_dim: image i's prompts in front of each of its windows.
-    shape = (3, b, num_windows, heads, -1, qkv.shape[-1])
-    qkv = torch.cat([qkv_prompts.expand(shape[:4] + qkv_prompts.shape[-2:]), qkv.reshape(shape)], dim=4)
-    q, k, v = qkv.reshape(3, rows, heads, n + tokens, -1).unbind(0)
+    # Image i's prompts in front of each of its windows, as (rows, n + tokens, 3 * width): the layout qkv gives the
+    # windows, whose q, k, v as views are what timm's attention runs (and the CPU's fused kernel reads fastest).
+    qkv = attn.qkv(windows)
+    qkv_prompts = attn.qkv(prompts).unsqueeze(1).expand(-1, num_windows, -1, -1)
+    qkv = torch.cat([qkv_prompts, qkv.reshape(b, num_windows, tokens, -1)], dim=2)
+    q, k, v = qkv.reshape(rows, n + tokens, 3, heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
     pad = (n, 0, n, 0)
     bias = F.pad(attn._get_rel_pos_bias(), pad)  # 1, heads, n + tokens, n + tokens
     if mask is not None:
@@ -188,12 +188,12 @@ def prompted_window_attention(
         bias = (bias.unsqueeze(1) + mask).expand(b, -1, -1, -1, -1).reshape(rows, -1, n + tokens, n + tokens)
     dropout = attn.attn_drop.p if attn.training else 0.0
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias.to(q.dtype), dropout_p=dropout, scale=attn.scale)
+    out = out.transpose(1, 2).reshape(rows, n + tokens, -1)
     if not _affine_proj(attn):
-        out = attn.proj_drop(attn.proj(out.transpose(1, 2).reshape(rows, n + tokens, -1)))
+        out = attn.proj_drop(attn.proj(out))
         return out[:, n:], out[:, :n].reshape(b, num_windows, n, -1).mean(dim=1)
-    prompt_rows = out[:, :, :n].reshape(b, num_windows, heads, n, -1).mean(dim=1)
-    out = attn.proj_drop(attn.proj(out[:, :, n:].transpose(1, 2).reshape(rows, tokens, -1)))
-    return out, attn.proj_drop(attn.proj(prompt_rows.transpose(1, 2).reshape(b, n, -1)))
+    prompt_rows = out[:, :n].reshape(b, num_windows, n, -1).mean(dim=1)
+    return attn.proj_drop(attn.proj(out[:, n:])), attn.proj_drop(attn.proj(prompt_rows))
 
 
 def _affine_proj(attn: nn.Module) -> bool:
