@@ -9,7 +9,11 @@ stages run their blocks in an ``nn.Sequential`` (or ``checkpoint_seq``), which p
   into every window of that image, in front of the window's tokens (L398-407), and runs the window attention with
   the relative-position bias and the shifted-window mask zero-padded for the prompt rows and columns (L476-508): a
   prompt attends to every token of its window and every token attends to the prompts.  Each prompt's outputs are
-  averaged over the windows (L411-419), then both residual halves act on prompts and grid alike (L438-443).
+  averaged over the windows (L411-419), then both residual halves act on prompts and grid alike (L438-443).  The
+  prompts' projections run once per image, not once per window copy, with the same numbers up to float rounding
+  (:func:`prompted_window_attention`): ``qkv`` acts token by token, so every copy gets the same q, k, v, and
+  ``proj`` (an ``nn.Linear``, its dropout off) is affine, so averaging the prompt rows before it equals averaging
+  its outputs.  The attention itself stays per window: each window's prompt rows see that window's tokens.
 * A block with prompts of its own (the first; every block with ``deep``) puts them in place of the ones that
   arrive (L162-173; deep: src/models/vit_backbones/swin_transformer.py L428-452).
 * A PatchMerging (:class:`PromptedPatchMerging`) tiles the prompts four times along the channels, where it
