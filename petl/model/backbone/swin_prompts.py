@@ -179,8 +179,8 @@ def prompted_window_attention(
     rows, tokens, _ = windows.shape
     b, n, _ = prompts.shape
     num_windows, heads = rows // b, attn.num_heads
-    # Image i's prompts in front of each of its windows, as (rows, n + tokens, 3 * width): the layout qkv gives the
-    # windows, whose q, k, v as views are what timm's attention runs (and the CPU's fused kernel reads fastest).
+    # Image i's prompts' q, k, v in front of each of its windows', in the (rows, n + tokens, 3 * width) layout qkv
+    # gives, so that q, k, v are the strided views timm's own attention hands the fused kernel.
     qkv = attn.qkv(windows)
     qkv_prompts = attn.qkv(prompts).unsqueeze(1).expand(-1, num_windows, -1, -1)
     qkv = torch.cat([qkv_prompts, qkv.reshape(b, num_windows, tokens, -1)], dim=2)
