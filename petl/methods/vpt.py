@@ -36,7 +36,11 @@ its backbone src/models/vit_backbones/swin_transformer.py, "S"), in
   every one of its windows, in front of the window's tokens (P L398-407); the relative-position bias and
   the shifted-window mask get zero rows and columns for them (P L476-508), so a prompt attends to its
   whole window and every token to the prompts; a prompt's outputs are averaged over the windows (P
-  L411-419).  Both residual halves then act on prompts and tokens alike (P L438-443).
+  L411-419).  Both residual halves then act on prompts and tokens alike (P L438-443).  The copies'
+  projections are computed once per image: ``qkv`` acts token by token, so every copy of a prompt gets
+  the same q, k, v, and the average over the windows is taken before ``proj``, which an affine map
+  commutes with (where ``proj`` is an ``nn.Linear`` and its dropout is off; otherwise after it, as P does).
+  Same numbers up to float rounding, tested against the per-window computation.
 - Merging.  Between stages the PatchMerging concatenates 2x2 neighbours; the prompts are tiled 4x along
   the channels in their place and go through its norm and reduction (P L303-343), so shallow prompts
   reach every stage at its width.

@@ -12,9 +12,13 @@ import copy
 import pytest
 import timm
 import torch
+import torch.nn.functional as F
 from conftest import make_tiny_swin
+from timm.models.swin_transformer import window_partition, window_reverse
 
 import petl
+from petl.methods.lora import LoraLinear
+from petl.model.backbone import swin_prompts
 from petl.model.backbone.swin_prompts import PromptedFinalNorm, PromptedPatchMerging, PromptedSwinBlock
 
 
@@ -125,6 +129,117 @@ def test_multitask_refuses_vpt_on_swin_in_one_line(tmp_path):
     with pytest.raises(ValueError, match=refused) as error:
         petl.MultiTask(make_tiny_swin(), {"vpt": path})
     assert "\n" not in str(error.value)
+
+
+# --- the prompts' Linears once per image against the reference's once per window --------------------------------
+
+
+def _per_window_attention(block, grid, prompts):
+    # swin_prompts._windowed_attention as KMnP/vpt runs it (src/models/vit_prompt/swin_transformer.py L398-419,
+    # L459-522), each image's prompts in its own windows: the prompts copied into every window before qkv, each
+    # prompt's rows averaged over the windows after proj.
+    b, h, w, c = grid.shape
+    n, attn = prompts.shape[1], block.attn
+    (win_h, win_w), (shift_h, shift_w) = block.window_size, block.shift_size
+    shifted = F.pad(torch.roll(grid, (-shift_h, -shift_w), (1, 2)), (0, 0, 0, -w % win_w, 0, -h % win_h))
+    windows = window_partition(shifted, block.window_size).view(-1, win_h * win_w, c)
+    per_image = windows.shape[0] // b
+    x = torch.cat([prompts.repeat_interleave(per_image, dim=0), windows], dim=1)
+    rows, tokens, _ = x.shape
+    q, k, v = attn.qkv(x).reshape(rows, tokens, 3, attn.num_heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
+    pad = (n, 0, n, 0)
+    bias = F.pad(attn._get_rel_pos_bias(), pad)
+    if block.attn_mask is not None:
+        mask = F.pad(block.attn_mask, pad).view(1, per_image, 1, tokens, tokens)
+        bias = (bias.unsqueeze(1) + mask).expand(b, -1, -1, -1, -1).reshape(rows, -1, tokens, tokens)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=attn.scale)
+    out = attn.proj_drop(attn.proj(out.transpose(1, 2).reshape(rows, tokens, -1)))
+    prompts_out = out[:, :n].reshape(b, per_image, n, c).mean(dim=1)
+    out = window_reverse(out[:, n:].reshape(-1, win_h, win_w, c), block.window_size, *shifted.shape[1:3])
+    return torch.roll(out[:, :h, :w], (shift_h, shift_w), (1, 2)), prompts_out
+
+
+def _logits_and_prompt_grads(model, images, seed=0):
+    model.zero_grad()
+    torch.manual_seed(seed)
+    logits = model(images)
+    logits.square().sum().backward()
+    return logits, [b.prompt.grad.clone() for b in _blocks(model) if b.prompt is not None]
+
+
+def _blocks(model):
+    return [b for stage in model.layers for b in stage.blocks]
+
+
+def _proj_rows(model, images):
+    # The token rows the first block's proj takes in one forward (over every call).
+    seen = []
+    hook = _blocks(model)[0].base.attn.proj.register_forward_pre_hook(lambda _m, args: seen.append(args[0].shape))
+    with torch.no_grad():
+        torch.manual_seed(0)
+        model(images)
+    hook.remove()
+    return sum(shape[:-1].numel() for shape in seen)
+
+
+@pytest.mark.parametrize("mode", ["eval", "train"])
+@pytest.mark.parametrize("size", [32, 24], ids=["grid8", "grid6-padded"])
+@pytest.mark.parametrize("deep", [False, True], ids=["shallow", "deep"])
+def test_vpt_on_swin_prompt_linears_once_per_image_equal_once_per_window(monkeypatch, deep, size, mode):
+    # Grid 8 in 4x4 windows: four windows an image, the odd block shifted (its mask padded); grid 6: padded to 8 and
+    # shifted; the last stage one window.  Train mode with every dropout off (drop_path 0) takes the fast path too.
+    model = petl.apply_vpt(make_tiny_swin(img_size=size, drop_path_rate=0.0), num_tokens=5, deep=deep)
+    model.train(mode == "train")
+    assert [b.base.window_size for b in _blocks(model)] == [(4, 4)] * 2 + [((size // 4 + 1) // 2,) * 2] * 2
+    assert [b.base.shift_size for b in _blocks(model)] == [(0, 0), (2, 2), (0, 0), (0, 0)]
+    images = torch.randn(3, 3, size, size, generator=torch.Generator().manual_seed(2))
+    logits, grads = _logits_and_prompt_grads(model, images)
+    # The fast path's proj: every window's own tokens and five prompt rows per image, not five per window.
+    assert _proj_rows(model, images) == 3 * 4 * 16 + 3 * 5
+    monkeypatch.setattr(swin_prompts, "_windowed_attention", _per_window_attention)
+    assert _proj_rows(model, images) == 3 * 4 * (16 + 5)
+    expected_logits, expected_grads = _logits_and_prompt_grads(model, images)
+    torch.testing.assert_close(logits, expected_logits)
+    assert len(grads) == (4 if deep else 1)
+    for got, expected in zip(grads, expected_grads, strict=True):
+        assert got.abs().sum() > 0
+        torch.testing.assert_close(got, expected)
+
+
+def _proj_drop(model, p):
+    for block in _blocks(model):
+        block.base.attn.proj_drop = torch.nn.Dropout(p)
+
+
+def _lora_proj(model):
+    for block in _blocks(model):
+        proj = block.base.attn.proj
+        block.base.attn.proj = LoraLinear(proj, {"proj": (0, proj.out_features)}, rank=2, alpha=2.0, dropout=0.0)
+        torch.nn.init.normal_(block.base.attn.proj.lora_b["proj"])
+
+
+@pytest.mark.parametrize(
+    "change, mode",
+    [(lambda m: _proj_drop(m, 0.5), "train"), (_lora_proj, "eval")],
+    ids=["proj_drop-in-training", "lora-wrapped-proj"],
+)
+def test_vpt_on_swin_averages_after_proj_where_before_would_not_be_exact(monkeypatch, change, mode):
+    # A dropout draws a mask per prompt copy, and a wrapper is not known to be affine: proj then runs on every
+    # window's prompt rows and the average follows, as the reference does, on the same random draws.
+    model = petl.apply_vpt(make_tiny_swin(drop_path_rate=0.0), num_tokens=5, deep=True)
+    change(model)
+    model.train(mode == "train")
+    images = torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(2))
+    assert _proj_rows(model, images) == 3 * 4 * (16 + 5)
+    logits, grads = _logits_and_prompt_grads(model, images)
+    monkeypatch.setattr(swin_prompts, "_windowed_attention", _per_window_attention)
+    expected_logits, expected_grads = _logits_and_prompt_grads(model, images)
+    torch.testing.assert_close(logits, expected_logits)
+    for got, expected in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(got, expected)
+    # The dropout acts (so the path it takes matters): another draw gives other logits.
+    if mode == "train":
+        assert not torch.allclose(logits, _logits_and_prompt_grads(model, images, seed=1)[0])
 
 
 @pytest.fixture(scope="module")

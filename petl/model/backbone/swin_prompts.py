@@ -9,7 +9,11 @@ stages run their blocks in an ``nn.Sequential`` (or ``checkpoint_seq``), which p
   into every window of that image, in front of the window's tokens (L398-407), and runs the window attention with
   the relative-position bias and the shifted-window mask zero-padded for the prompt rows and columns (L476-508): a
   prompt attends to every token of its window and every token attends to the prompts.  Each prompt's outputs are
-  averaged over the windows (L411-419), then both residual halves act on prompts and grid alike (L438-443).
+  averaged over the windows (L411-419), then both residual halves act on prompts and grid alike (L438-443).  The
+  prompts' projections run once per image, not once per window copy, with the same numbers up to float rounding
+  (:func:`prompted_window_attention`): ``qkv`` acts token by token, so every copy gets the same q, k, v, and
+  ``proj`` (an ``nn.Linear``, its dropout off) is affine, so averaging the prompt rows before it equals averaging
+  its outputs.  The attention itself stays per window: each window's prompt rows see that window's tokens.
 * A block with prompts of its own (the first; every block with ``deep``) puts them in place of the ones that
   arrive (L162-173; deep: src/models/vit_backbones/swin_transformer.py L428-452).
 * A PatchMerging (:class:`PromptedPatchMerging`) tiles the prompts four times along the channels, where it
@@ -130,44 +134,77 @@ def prompted_block(block: nn.Module, grid: torch.Tensor, prompts: torch.Tensor) 
 def _windowed_attention(block: nn.Module, grid: torch.Tensor, prompts: torch.Tensor) -> Pair:
     """The windowed attention of timm's ``SwinTransformerBlock._attn``, each image's prompts in its windows."""
     b, h, w, c = grid.shape
-    n = prompts.shape[1]
     (win_h, win_w), (shift_h, shift_w) = block.window_size, block.shift_size
     shifted = torch.roll(grid, shifts=(-shift_h, -shift_w), dims=(1, 2)) if shift_h or shift_w else grid
     shifted = F.pad(shifted, (0, 0, 0, (win_w - w % win_w) % win_w, 0, (win_h - h % win_h) % win_h))
     _, hp, wp, _ = shifted.shape
     windows = window_partition(shifted, block.window_size).view(-1, win_h * win_w, c)
-    num_windows = windows.shape[0] // b
-    # window_partition lists the windows image by image, so image i's prompts repeat for its num_windows windows.
-    windows = torch.cat([prompts.repeat_interleave(num_windows, dim=0), windows], dim=1)
     mask = block.get_attn_mask(shifted) if getattr(block, "dynamic_mask", False) else block.attn_mask
-    out = prompted_window_attention(block.attn, windows, mask, n)
-    # Each prompt's outputs averaged over its image's windows (L411-419).
-    attn_prompts = out[:, :n].reshape(b, num_windows, n, c).mean(dim=1)
-    out = window_reverse(out[:, n:].reshape(-1, win_h, win_w, c), block.window_size, hp, wp)[:, :h, :w]
+    out, attn_prompts = prompted_window_attention(block.attn, windows, prompts, mask)
+    out = window_reverse(out.reshape(-1, win_h, win_w, c), block.window_size, hp, wp)[:, :h, :w]
     if shift_h or shift_w:
         out = torch.roll(out, shifts=(shift_h, shift_w), dims=(1, 2))
     return out, attn_prompts
 
 
 def prompted_window_attention(
-    attn: nn.Module, x: torch.Tensor, mask: torch.Tensor | None, num_prompts: int
-) -> torch.Tensor:
-    """The ``WindowAttention`` of timm on windows whose first ``num_prompts`` tokens are prompts (L459-522).
+    attn: nn.Module, windows: torch.Tensor, prompts: torch.Tensor, mask: torch.Tensor | None
+) -> Pair:
+    """The ``WindowAttention`` of timm on ``windows`` with each image's ``prompts`` in front of its windows (L459-522).
+
+    Args:
+        attn: timm's WindowAttention.
+        windows: (B * windows per image, window tokens, C), image by image as ``window_partition`` lists them.
+        prompts: (B, n, C), each image's prompts.
+        mask: the shifted-window mask (windows per image, window tokens, window tokens), or ``None``.
+
+    Returns:
+        The windows' outputs (as ``windows``) and each prompt's output averaged over its image's windows (B, n, C)
+        (L411-419).
 
     The relative-position bias and the shifted-window mask know the window's tokens only; both are zero for every
-    pair that involves a prompt (L480-491, L499-508).
+    pair that involves a prompt (L480-491, L499-508).  The reference copies the prompts into every window before
+    ``qkv`` and averages the prompt rows over the windows after ``proj``; two rewrites give the same numbers with
+    the prompts' Linears run once per image instead of once per window:
+
+    * ``qkv`` acts token by token, so every copy of a prompt gets the same q, k and v: they are computed once per
+      image and repeated for its windows.  (A dropout inside a wrapped ``qkv`` then draws one mask per prompt, not
+      one per copy; the reference has none there.)
+    * An average over the windows is a weighted sum whose weights sum to one, which an affine map commutes with:
+      mean(W y_i + b) = W mean(y_i) + b.  So where ``proj_drop(proj(.))`` is affine (``proj`` an ``nn.Linear``,
+      ``proj_drop`` off: p = 0 or eval) the prompt rows are averaged before ``proj``, which then runs on n rows
+      per image.  Any other ``proj`` (a wrapper, which is not known to be affine here), or a dropout that draws
+      a mask per copy, takes the reference's order: ``proj`` on every window's prompt rows, then the average.
     """
-    rows, tokens, _ = x.shape
-    q, k, v = attn.qkv(x).reshape(rows, tokens, 3, attn.num_heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
-    pad = (num_prompts, 0, num_prompts, 0)
-    bias = F.pad(attn._get_rel_pos_bias(), pad)  # 1, heads, tokens, tokens
+    rows, tokens, _ = windows.shape
+    b, n, _ = prompts.shape
+    num_windows, heads = rows // b, attn.num_heads
+    # Image i's prompts' q, k, v in front of each of its windows', in the (rows, n + tokens, 3 * width) layout qkv
+    # gives, so that q, k, v are the strided views timm's own attention hands the fused kernel.
+    qkv = attn.qkv(windows)
+    qkv_prompts = attn.qkv(prompts).unsqueeze(1).expand(-1, num_windows, -1, -1)
+    qkv = torch.cat([qkv_prompts, qkv.reshape(b, num_windows, tokens, -1)], dim=2)
+    q, k, v = qkv.reshape(rows, n + tokens, 3, heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
+    pad = (n, 0, n, 0)
+    bias = F.pad(attn._get_rel_pos_bias(), pad)  # 1, heads, n + tokens, n + tokens
     if mask is not None:
-        windows = mask.shape[0]
-        mask = F.pad(mask, pad).view(1, windows, 1, tokens, tokens)
-        bias = (bias.unsqueeze(1) + mask).expand(rows // windows, -1, -1, -1, -1).reshape(rows, -1, tokens, tokens)
+        mask = F.pad(mask, pad).view(1, num_windows, 1, n + tokens, n + tokens)
+        bias = (bias.unsqueeze(1) + mask).expand(b, -1, -1, -1, -1).reshape(rows, -1, n + tokens, n + tokens)
     dropout = attn.attn_drop.p if attn.training else 0.0
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias.to(q.dtype), dropout_p=dropout, scale=attn.scale)
-    return attn.proj_drop(attn.proj(out.transpose(1, 2).reshape(rows, tokens, -1)))
+    out = out.transpose(1, 2).reshape(rows, n + tokens, -1)
+    if not _affine_proj(attn):
+        out = attn.proj_drop(attn.proj(out))
+        return out[:, n:], out[:, :n].reshape(b, num_windows, n, -1).mean(dim=1)
+    prompt_rows = out[:, :n].reshape(b, num_windows, n, -1).mean(dim=1)
+    return attn.proj_drop(attn.proj(out[:, n:])), attn.proj_drop(attn.proj(prompt_rows))
+
+
+def _affine_proj(attn: nn.Module) -> bool:
+    """Whether ``attn.proj_drop(attn.proj(.))`` is affine, so that it commutes with an average over windows."""
+    drop = attn.proj_drop
+    off = isinstance(drop, nn.Identity) or (isinstance(drop, nn.Dropout) and (drop.p == 0 or not drop.training))
+    return off and isinstance(attn.proj, nn.Linear)
 
 
 def insert_prompts(model: nn.Module, prompts: list[torch.Tensor | None], dropout: float, strip: bool) -> None:
