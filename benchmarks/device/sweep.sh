@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
-# The DINOv2 sweep on a lent GPU machine (the `device` tool), from the kit make_kit.py writes into .device/:
+# A mini leaderboard's sweep on a lent GPU machine (the `device` tool), from the kit make_kit.py writes into .device/:
+# SUITE=mini_dinov2 (the default: the DINOv2 sweep, kit `make_kit.py`) or SUITE=mini_swin (the FractalDB Swin, whose
+# weights ship in petl/weights: kit `make_kit.py data`), into benchmarks/results/$SUITE/runs.
 # SWEEPS processes (one torch thread each) loop over METHODS, each pass skipping finished runs, until DEADLINE
 # seconds have passed; then every sweep is stopped (a run cut short leaves no result.json and trains again
 # elsewhere) and the files of the runs that finished are packed into $OUT/runs.tgz, with the sweeps' logs and
 # the data fingerprints (compare with benchmarks/results/mini_selection/fingerprints.txt).  The two archives are
 # also re-packed every 60 s, so a call the device's time limit cuts off still brings back what had finished.
 # Back here:
-#   tar xzf <files_at>/runs.tgz -C /tmp/gpu && benchmarks/copy_finished_runs.sh /tmp/gpu benchmarks/results/mini_dinov2/runs
+#   tar xzf <files_at>/runs.tgz -C /tmp/gpu && benchmarks/copy_finished_runs.sh /tmp/gpu benchmarks/results/$SUITE/runs
 #
 #   METHODS_LIST="lora bitfit" DEADLINE=525 SWEEPS=15 bash benchmarks/device/sweep.sh     (on the device machine)
+#   SUITE=mini_swin DEADLINE=525 SWEEPS=15 bash benchmarks/device/sweep.sh                (the Swin's rows left)
 #
 # A sweep stops early once a pass leaves nothing of its methods to train (`petl-bench ... dry_run=true` lists no
 # `todo` run and no cell still searching), and the call moves on when every sweep has.  SPEED_UNTIL=N (seconds
@@ -22,14 +25,17 @@
 set -u
 DEADLINE=${DEADLINE:-500}
 SWEEPS=${SWEEPS:-15}
-OUTDIR=benchmarks/results/mini_dinov2/runs
+SUITE=${SUITE:-mini_dinov2}
+OUTDIR=benchmarks/results/$SUITE/runs
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .device/whl/*.whl || exit 3
-mkdir -p /tmp/petlcache/weights && cp .device/cache/weights/*.json /tmp/petlcache/weights/ \
-    && python3 benchmarks/device/unpack_weights.py /tmp/petlcache/weights/vit_small_patch14_dinov2_imgfocus.safetensors || exit 4
+if [ "$SUITE" = mini_dinov2 ]; then  # the DINOv2 weights cache, carried compressed; the Swin's ship in petl/weights
+    mkdir -p /tmp/petlcache/weights && cp .device/cache/weights/*.json /tmp/petlcache/weights/ \
+        && python3 benchmarks/device/unpack_weights.py /tmp/petlcache/weights/vit_small_patch14_dinov2_imgfocus.safetensors || exit 4
+fi
 export PYTHONPATH=/tmp/site:$PWD PETL_CACHE_DIR=/tmp/petlcache PETL_FASHION_MNIST_DIR=$PWD/.device/fmnist PYTHONUNBUFFERED=1
 # Without METHODS_LIST: the suite's experiments in mini_sweep.sh's cheapest-first order (finished cells are skipped).
 printf '#!/bin/sh\nexec python3 -m petl.cli.bench "$@"\n' > /tmp/petl-bench && chmod +x /tmp/petl-bench
-METHODS_LIST=${METHODS_LIST:-$(PETL_BENCH=/tmp/petl-bench SUITE=mini_dinov2 bash benchmarks/mini_sweep.sh --plan)} || exit 6
+METHODS_LIST=${METHODS_LIST:-$(PETL_BENCH=/tmp/petl-bench SUITE=$SUITE bash benchmarks/mini_sweep.sh --plan)} || exit 6
 read -r -a METHODS <<< "$(echo $METHODS_LIST)"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python3 -c "import torch, timm, peft; print('torch', torch.__version__, 'timm', timm.__version__, 'peft', peft.__version__); assert torch.cuda.is_available()" || exit 5
@@ -40,14 +46,14 @@ mkdir -p /tmp/logs
 end=$((SECONDS + DEADLINE))
 left() {  # runs of METHODS not finished yet: `todo` ones, `later` cells still searching; a failed dry run counts
     for m in "${METHODS[@]}"; do
-        python3 -m petl.cli.bench suite=mini_dinov2 methods="$m" output_dir=$OUTDIR dry_run=true || echo "todo ?"
+        python3 -m petl.cli.bench suite=$SUITE methods="$m" output_dir=$OUTDIR dry_run=true || echo "todo ?"
     done | grep -c "^todo\|^later"
 }
 sweep() {
     while [ $SECONDS -lt $end ]; do
         for m in "${METHODS[@]}"; do
             [ $SECONDS -lt $end ] || break
-            OMP_NUM_THREADS=1 python3 -m petl.cli.bench suite=mini_dinov2 methods="$m" output_dir=$OUTDIR report=false
+            OMP_NUM_THREADS=1 python3 -m petl.cli.bench suite=$SUITE methods="$m" output_dir=$OUTDIR report=false
         done
         [ "$(left)" -gt 0 ] || break
     done
