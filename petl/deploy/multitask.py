@@ -30,7 +30,9 @@ EVA's rotary embedding), the shared blocks give the slots none, as each task's o
 none.  Where launching ops is what a batch costs (a GPU: :attr:`MultiTask.launch_bound`) every row goes through
 the blocks in that one pass, a task without prompts having all its slots masked; where the arithmetic is (a CPU)
 the rows of tasks without prompts take a pass of their own, without slots or masks, and the prompted tasks' rows
-a second.
+a second.  On a Swin, VPT's prompts travel beside the grid, where no slot holds them (``RowHook.beside``): the rows
+of VPT tasks take a pass per prompt count through the shared frozen Swin's plain modules, each row with its own
+task's prompts gathered at every block (:class:`PromptsBeside`, ``Backbone.features_with_prompts``).
 
 Tasks whose hooks at a module have the same batched form (:class:`petl.model.rows.Batched`: LoRA's and FacT's
 low-rank updates of any rank, SSF's scale and shift with BitFit's bias deltas, bottleneck adapters of one style,

@@ -1,4 +1,5 @@
-"""VPT on a Swin: the prompts' layout through stages, timm's methods on the prompted model, the published count.
+"""VPT on a Swin: the prompts' layout through stages, timm's methods on the prompted model, a MultiTask's mixed
+batch, the published count.
 
 The registry-wide contracts (not unchanged at init, trainable count, save/load, dtype) run on the tiny Swin in
 tests/methods/test_method_contracts.py; the forward against KMnP/vpt's own Swin code is in

@@ -29,6 +29,11 @@ L404-406) while the windows are image-major (src/models/vit_backbones/swin_trans
 back the same way (L418-419), so with more than one image and window an image's prompts meet, and average over,
 other images' windows; here each image's prompts join and average its own windows only (a batch of one gives the
 reference's numbers, tests/references/test_vpt_swin_reference.py).
+
+A mixed batch (:class:`petl.MultiTask`) has no slot for prompts that travel beside the grid: the rows of VPT tasks
+with the same prompt count run the plain Swin's modules in a pass of their own (:func:`rows_with_prompts`), each
+row with its own task's prompts, since :func:`prompted_block` takes each image's prompts; the wrappers' row hooks
+(``RowHook.beside``) give each block's own prompts and the pooling each task's.
 """
 
 from __future__ import annotations
