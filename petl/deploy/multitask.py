@@ -67,7 +67,7 @@ import torch
 from torch import nn
 
 from petl.deploy.routing import Batch, RoutedBlock, RoutedModule, Router, method_name, task_sites
-from petl.model.backbone import backbone_of
+from petl.model.backbone import Backbone, backbone_of
 from petl.model.io import load_trainable, meta_copy, read_trainable_metadata
 from petl.model.params import trainable_state
 from petl.model.rows import CannotShare, RowHook, Tokens, rows_matmul
@@ -150,7 +150,7 @@ class PromptsBeside(nn.Module):
 
     """
 
-    def __init__(self, sites: dict[int, dict[str, RowHook]], blocks: list[str], tasks: int, bb: Any) -> None:
+    def __init__(self, sites: dict[int, dict[str, RowHook]], blocks: list[str], tasks: int, bb: Backbone) -> None:
         super().__init__()
         self.at: list[bool] = []
         for i, path in enumerate(blocks):
@@ -183,8 +183,11 @@ class PromptsBeside(nn.Module):
         """
         prompts = []
         for i, at in enumerate(self.at):
-            use = getattr(self, f"use_{i}") if at else None
-            prompts.append((getattr(self, f"prompts_{i}")[rows], None if use is None else use[rows]) if at else None)
+            if not at:  # every row carries its prompts through this block
+                prompts.append(None)
+                continue
+            use = getattr(self, f"use_{i}")
+            prompts.append((getattr(self, f"prompts_{i}")[rows], None if use is None else use[rows]))
         pool = self.pool[rows] if self.pool_prompts is None else self.pool_prompts
         return backbone_of(plain).features_with_prompts(tokens, prompts, pool)
 
@@ -414,7 +417,8 @@ class MultiTask(nn.Module):
             except CannotShare as error:
                 task = self.names[min(group)]
                 raise TaskRefused(task, f"task {task!r} cannot share the backbone: {error}") from None
-        # A submodule, so that .to() moves it with the rest (its parameters are the backbone's).
+        # A submodule, so that .to() moves it with the rest: its parameters and buffers are the backbone's objects,
+        # and .to() replaces a buffer in each module that holds it.
         self.plain = _shared_copy(backbone) if besides else None
 
     def _launch_bound(self, x: Tensor) -> bool:
