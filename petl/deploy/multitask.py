@@ -30,7 +30,9 @@ EVA's rotary embedding), the shared blocks give the slots none, as each task's o
 none.  Where launching ops is what a batch costs (a GPU: :attr:`MultiTask.launch_bound`) every row goes through
 the blocks in that one pass, a task without prompts having all its slots masked; where the arithmetic is (a CPU)
 the rows of tasks without prompts take a pass of their own, without slots or masks, and the prompted tasks' rows
-a second.
+a second.  On a Swin, VPT's prompts travel beside the grid, where no slot holds them (``RowHook.beside``): the rows
+of VPT tasks take a pass per prompt count through the shared frozen Swin's plain modules, each row with its own
+task's prompts gathered at every block (:class:`PromptsBeside`, ``Backbone.features_with_prompts``).
 
 Tasks whose hooks at a module have the same batched form (:class:`petl.model.rows.Batched`: LoRA's and FacT's
 low-rank updates of any rank, SSF's scale and shift with BitFit's bias deltas, bottleneck adapters of one style,
@@ -65,7 +67,7 @@ import torch
 from torch import nn
 
 from petl.deploy.routing import Batch, RoutedBlock, RoutedModule, Router, method_name, task_sites
-from petl.model.backbone import backbone_of
+from petl.model.backbone import Backbone, backbone_of
 from petl.model.io import load_trainable, meta_copy, read_trainable_metadata
 from petl.model.params import trainable_state
 from petl.model.rows import CannotShare, RowHook, Tokens, rows_matmul
@@ -130,6 +132,66 @@ def _block_paths(backbone: nn.Module) -> list[str]:
     return [paths[id(b)] for b in backbone_of(backbone).block_container()]
 
 
+class PromptsBeside(nn.Module):
+    """The prompts of tasks whose prompts travel beside the tokens (VPT's on a Swin), all of one count, for one pass
+    of their rows through the plain backbone, each row with its own task's prompts.
+
+    Per block, every task's own prompts there are stacked once (task index x count x width; zeros, unused, for a
+    task that carries its prompts there or is not one of them), so that a pass gathers each row's in one op.
+
+    Args:
+        sites: task index -> its hooks (every one ``beside``).
+        blocks: the backbone's block paths, in order.
+        tasks: how many tasks the MultiTask serves.
+        bb: the backbone (for its pooling).
+
+    Raises:
+        CannotShare: tasks that differ in what the pooling sees, on a backbone whose pooling cannot leave tokens out.
+
+    """
+
+    def __init__(self, sites: dict[int, dict[str, RowHook]], blocks: list[str], tasks: int, bb: Backbone) -> None:
+        super().__init__()
+        self.at: list[bool] = []
+        for i, path in enumerate(blocks):
+            own = {task: s[path].own_prompts for task, s in sites.items() if path in s}
+            own = {task: p for task, p in own.items() if p is not None}
+            self.at.append(bool(own))
+            if not own:
+                continue
+            first = next(iter(own.values()))
+            table, use = first.new_zeros(tasks, *first.shape), torch.zeros(tasks, dtype=torch.bool)
+            for task, prompt in own.items():
+                table[task], use[task] = prompt, True
+            self.register_buffer(f"prompts_{i}", table, persistent=False)
+            # Every task of the pass puts its own here: no row carries, nothing to choose.
+            self.register_buffer(f"use_{i}", None if len(own) == len(sites) else use, persistent=False)
+        pools = {task: all(hook.pool_prompts for hook in s.values()) for task, s in sites.items()}
+        self.pool_prompts: bool | None = next(iter(pools.values())) if len(set(pools.values())) == 1 else None
+        if self.pool_prompts is None and bb.pool_type() not in bb.maskable_pools:
+            raise CannotShare(
+                f"its prompts' pooling differs from another task's, which the backbone's {bb.pool_type()!r} pooling "
+                f"cannot tell apart (only {', '.join(bb.maskable_pools)})"
+            )
+        pool = torch.zeros(tasks, dtype=torch.bool)
+        pool[[task for task, p in pools.items() if p]] = True
+        self.register_buffer("pool", pool, persistent=False)
+
+    def forward(self, plain: nn.Module, tokens: Tensor, rows: Tensor) -> Tensor:
+        """The pooled features of embedded ``tokens`` through ``plain`` (the plain backbone), ``rows``: each row's
+        task index (on ``tokens``' device).
+        """
+        prompts = []
+        for i, at in enumerate(self.at):
+            if not at:  # every row carries its prompts through this block
+                prompts.append(None)
+                continue
+            use = getattr(self, f"use_{i}")
+            prompts.append((getattr(self, f"prompts_{i}")[rows], None if use is None else use[rows]))
+        pool = self.pool[rows] if self.pool_prompts is None else self.pool_prompts
+        return backbone_of(plain).features_with_prompts(tokens, prompts, pool)
+
+
 class MultiTask(nn.Module):
     """Several tasks' trained PETL modules over one shared frozen ViT, serving batches of mixed tasks.
 
@@ -165,6 +227,7 @@ class MultiTask(nn.Module):
         backbone.requires_grad_(False).eval()
         self.names = [str(name) for name in tasks]
         models, hooks, rooms = [], [], False
+        besides: dict[int, dict[str, RowHook]] = {}
         for name, path in tasks.items():
             card = _run_card(path)
             if card is None:  # a weights file alone: nothing records its backbone
@@ -177,6 +240,18 @@ class MultiTask(nn.Module):
                 method = method_name(model)
                 raise TaskRefused(name, f"task {name!r} (method {method}) cannot share the backbone: {error}") from None
             models.append(model)
+            if any(hook.beside for hook in sites.values()):
+                # Prompts beside the tokens (VPT's on a Swin): the task's rows take a pass of their own (_beside).
+                besides[len(hooks)] = sites
+                routed = [path for path, hook in sites.items() if not hook.beside]
+                if routed:
+                    raise TaskRefused(
+                        name,
+                        f"task {name!r} (method {method_name(model)}) cannot share the backbone: its prompts travel "
+                        f"beside the tokens, in a pass of their own through the frozen backbone, which its hook at "
+                        f"{routed[0]} would not act in",
+                    )
+                sites = {}
             # A room wrapper acts on no rows: the shared blocks get room for the batch's slots instead (_make_room).
             hooks.append({path: hook for path, hook in sites.items() if not hook.room})
             rooms = rooms or len(hooks[-1]) < len(sites)
@@ -198,6 +273,7 @@ class MultiTask(nn.Module):
         self._router.tables.build()
         self.stack_tables = self._router.tables
         self._stack_heads([backbone_of(m).head() for m in models])
+        self._beside(backbone, besides)
         if any(self.prompts) and bb.pool_type() not in bb.maskable_pools:
             task = self.names[next(i for i, n in enumerate(self.prompts) if n)]
             raise TaskRefused(
@@ -321,6 +397,30 @@ class MultiTask(nn.Module):
                 stack[task, : head.out_features, -1] = 0.0 if head.bias is None else head.bias
         self.register_buffer("head_stack", stack, persistent=False)
 
+    def _beside(self, backbone: nn.Module, besides: dict[int, dict[str, RowHook]]) -> None:
+        """The passes of the tasks whose prompts travel beside the tokens (VPT on a Swin), one per prompt count,
+        through a copy of the plain backbone whose modules are its frozen ones (nothing routed: no other task's hook
+        acts there).
+        """
+        self.beside_pass = [-1] * len(self.names)  # each task's pass among self.beside, -1 for the routed ones
+        by_count: dict[int, dict[int, dict[str, RowHook]]] = {}
+        for task, sites in besides.items():
+            by_count.setdefault(max(hook.prompts for hook in sites.values()), {})[task] = sites
+        blocks = _block_paths(backbone)
+        self.beside = nn.ModuleList()
+        for count in sorted(by_count):
+            group = by_count[count]
+            for task in group:
+                self.beside_pass[task] = len(self.beside)
+            try:
+                self.beside.append(PromptsBeside(group, blocks, len(self.names), backbone_of(backbone)))
+            except CannotShare as error:
+                task = self.names[min(group)]
+                raise TaskRefused(task, f"task {task!r} cannot share the backbone: {error}") from None
+        # A submodule, so that .to() moves it with the rest: its parameters and buffers are the backbone's objects,
+        # and .to() replaces a buffer in each module that holds it.
+        self.plain = _shared_copy(backbone) if besides else None
+
     def _launch_bound(self, x: Tensor) -> bool:
         """:attr:`launch_bound`, or by ``x``'s device: any but the CPU."""
         return x.device.type != "cpu" if self.launch_bound is None else self.launch_bound
@@ -417,14 +517,19 @@ class MultiTask(nn.Module):
         # a pass of their own.  Where launching ops is (a GPU), every row goes through the blocks in one pass: the
         # rows without prompts carry empty slots too, masked out of their attention and pooling, which costs a few
         # tokens' arithmetic instead of launching every block's ops a second time.
-        apart = [n > 0 and not launch_bound for n in self.prompts]  # tasks whose rows take the second pass
-        key = index + len(self.names) * torch.tensor(apart)[index].long() if any(apart) else index
+        # The rows of tasks whose prompts travel beside the tokens (VPT on a Swin) take a pass per prompt count after
+        # those: through the plain backbone, each row with its own prompts (PromptsBeside).
+        passes = [
+            2 + beside if beside >= 0 else int(n > 0 and not launch_bound)
+            for n, beside in zip(self.prompts, self.beside_pass, strict=True)
+        ]
+        key = index + len(self.names) * torch.tensor(passes)[index] if any(passes) else index
         order = torch.argsort(key, stable=True)
         tasks = index[order]
         rows, order = tasks.to(images.device), order.to(images.device)
         counts = torch.bincount(index, minlength=len(self.names)).tolist()
         groups, start = [], 0
-        for task in sorted(range(len(self.names)), key=lambda t: (apart[t], t)):
+        for task in sorted(range(len(self.names)), key=lambda t: (passes[t], t)):
             if counts[task]:
                 groups.append((task, start, start + counts[task]))
                 start += counts[task]
@@ -435,10 +540,15 @@ class MultiTask(nn.Module):
             x = bb.embed_tokens(images[order])
         finally:
             self._router.batch = None
-        passes = [[g for g in groups if not apart[g[0]]], [g for g in groups if apart[g[0]]]]
+        parts: dict[int, list[tuple[int, int, int]]] = {}
+        for group in groups:
+            parts.setdefault(passes[group[0]], []).append(group)
         features = []
-        for part in filter(None, passes):
+        for kind, part in parts.items():
             first, end = part[0][1], part[-1][2]
+            if kind >= 2:
+                features.append(self.beside[kind - 2](self.plain, x[first:end], rows[first:end]))
+                continue
             part = [(task, start - first, stop - first) for task, start, stop in part]
             features.append(self._features(x[first:end], part, tasks[first:end], rows[first:end]))
         features = features[0] if len(features) == 1 else torch.cat(features)

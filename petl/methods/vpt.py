@@ -54,9 +54,9 @@ its backbone src/models/vit_backbones/swin_transformer.py, "S"), in
   none) removes them after the last block.  ``forward_intermediates`` gives each stage's grid (timm's
   shapes); pruning a prompted Swin is refused; SwinV2 (post-norm, cosine attention) is not supported: VPT
   has no prompted SwinV2 to follow.  While training the frozen Swin stays in eval mode, as on a ViT (P
-  L229-241).  :class:`petl.MultiTask` refuses VPT on a Swin in one line: a mixed batch puts prompts in slots of
-  the token sequence, and a Swin's shared blocks see an NHWC grid with no room for them; its prompts travel beside
-  the grid through every window, average and patch merging, which the routed Swin does not carry.
+  L229-241).  In a :class:`petl.MultiTask` mixed batch, whose prompt slots a Swin's NHWC grid has no room for,
+  the rows of VPT tasks take a pass of their own per prompt count through the shared frozen Swin, each row with
+  its own task's prompts beside the grid (``Backbone.features_with_prompts``).
 
 Trains:
     prompt tokens (``deep=false``: one set before the first block; ``deep=true``: fresh prompts before every

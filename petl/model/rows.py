@@ -222,6 +222,12 @@ class RowHook:
             MultiTask gives its shared blocks the same room at the batch's prompt slots instead (a token without a
             position is attended alike wherever it sits, so the slots may hold what the task's own model puts at
             the front or the end of its sequence).
+        beside: the task's prompts travel beside the tokens, not in slots of them (VPT's next to a Swin's grid,
+            which has no room for them): its rows take a pass of their own through the frozen backbone
+            (``Backbone.features_with_prompts``), each row with its own task's prompts; every hook of such a task
+            says so (nothing of it is routed).
+        own_prompts: (``beside``, at a block) the prompts the block puts in place of those arriving (count x
+            width), or ``None`` to carry them.
 
     """
 
@@ -236,6 +242,8 @@ class RowHook:
     batched: Batched | None = None
     post_in_place: Callable[[Tensor, Tensor, Tokens], None] | None = None
     room: bool = False
+    beside: bool = False
+    own_prompts: Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.post is None and self.post_in_place is not None:

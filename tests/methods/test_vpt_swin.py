@@ -1,4 +1,5 @@
-"""VPT on a Swin: the prompts' layout through stages, timm's methods on the prompted model, the published count.
+"""VPT on a Swin: the prompts' layout through stages, timm's methods on the prompted model, a MultiTask's mixed
+batch, the published count.
 
 The registry-wide contracts (not unchanged at init, trainable count, save/load, dtype) run on the tiny Swin in
 tests/methods/test_method_contracts.py; the forward against KMnP/vpt's own Swin code is in
@@ -13,13 +14,17 @@ import pytest
 import timm
 import torch
 import torch.nn.functional as F
-from conftest import make_tiny_swin
+from conftest import make_tiny_swin, perturb_trainable
 from timm.models.swin_transformer import window_partition, window_reverse
 
 import petl
+from petl.deploy import multitask
+from petl.deploy.multitask import TaskRefused
+from petl.deploy.routing import task_sites
 from petl.methods.lora import LoraLinear
 from petl.model.backbone import swin_prompts
 from petl.model.backbone.swin_prompts import PromptedFinalNorm, PromptedPatchMerging, PromptedSwinBlock
+from petl.model.rows import RowHook
 
 
 def _prompted(**options) -> torch.nn.Module:
@@ -121,14 +126,103 @@ def test_vpt_on_swin_refuses_pruning_and_swinv2(images):
         petl.apply_vpt(timm.create_model("swinv2_tiny_window8_256", pretrained=False, pretrained_cfg=None).eval())
 
 
-def test_multitask_refuses_vpt_on_swin_in_one_line(tmp_path):
-    # A mixed batch puts prompts in slots of the token sequence; a Swin's blocks see a grid with no room for them.
-    path = tmp_path / "vpt.safetensors"
-    petl.save_trainable(petl.apply_vpt(make_tiny_swin(), num_tokens=2, num_classes=4), path)
-    refused = r"task 'vpt' \(method vpt\) cannot share .*VPT's prompts on a Swin travel beside the grid"
-    with pytest.raises(ValueError, match=refused) as error:
-        petl.MultiTask(make_tiny_swin(), {"vpt": path})
+# --- petl.MultiTask: VPT tasks' rows in a mixed batch ----------------------------------------------------------
+
+# VPT shallow, deep and img_pool with 3 prompts, shallow with 5 (a pass per count), beside tasks the routed pass serves.
+MIXED = {
+    "vpt": ("vpt", {"num_tokens": 3}),
+    "vpt_deep": ("vpt", {"num_tokens": 3, "deep": True}),
+    "vpt_img_pool": ("vpt", {"num_tokens": 3, "deep": True, "pool": "img_pool"}),
+    "vpt_5": ("vpt", {"num_tokens": 5}),
+    "lora": ("lora", {}),
+    "adapter": ("adapter", {}),
+    "linear": ("linear", {}),
+}
+
+
+def _save_tasks(tmp_path, cases: dict, backbone) -> tuple[dict, dict]:
+    singles, files = {}, {}
+    for seed, (name, (method, options)) in enumerate(cases.items()):
+        model = petl.apply(copy.deepcopy(backbone), method, num_classes=3 + seed % 4, **options)
+        perturb_trainable(model, seed=seed)
+        singles[name], files[name] = model.eval(), tmp_path / f"{name}.safetensors"
+        petl.save_trainable(model, files[name])
+    return singles, files
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory):
+    backbone = make_tiny_swin()
+    singles, files = _save_tasks(tmp_path_factory.mktemp("mixed"), MIXED, backbone)
+    return backbone, singles, petl.MultiTask(backbone, files)
+
+
+@pytest.mark.parametrize("launch_bound", [False, True])
+@pytest.mark.parametrize("only", [None, "vpt_deep", "vpt_5"], ids=["all", "deep_alone", "five_alone"])
+def test_multitask_serves_vpt_on_swin_rows_as_their_own_models(mixed, launch_bound, only):
+    # Each VPT row runs the shared frozen Swin with its own task's prompts (a pass per prompt count), the other rows
+    # the routed pass: every row equals its task's own model, the VPT ones changed by their prompts.
+    backbone, singles, multi = mixed
+    names = sorted(MIXED) if only is None else [only]
+    gen = torch.Generator().manual_seed(len(names))
+    ids = [names[i % len(names)] for i in torch.randperm(3 * len(names), generator=gen).tolist()]
+    images = torch.randn(len(ids), 3, 32, 32, generator=gen)
+    multi.launch_bound = launch_bound
+    with torch.no_grad():
+        out = multi(images, ids)
+        plain = backbone.forward_head(backbone.forward_features(images), pre_logits=True)
+        for row, task in enumerate(ids):
+            single = singles[task]
+            expected = single(images[row : row + 1])[0]
+            n = expected.shape[0]
+            torch.testing.assert_close(out[row, :n], expected, atol=2e-5, rtol=1e-4, msg=f"row {row}, task {task}")
+            assert torch.isinf(out[row, n:]).all()
+            if task.startswith("vpt"):
+                features = single.forward_head(single.forward_features(images[row : row + 1]), pre_logits=True)
+                assert (features[0] - plain[row]).abs().max() > 1e-3
+    multi.launch_bound = None
+
+
+def test_multitask_runs_vpt_on_swin_through_the_shared_frozen_modules(mixed):
+    backbone, _, multi = mixed
+    frozen = {id(t) for t in [*backbone.parameters(), *backbone.buffers()]}
+    assert {id(t) for t in [*multi.plain.parameters(), *multi.plain.buffers()]} <= frozen
+    # Two prompt counts, two passes; neither the routed copy nor the plain one carries a VPT task's wrappers.
+    assert len(multi.beside) == 2
+    wrappers = (PromptedSwinBlock, PromptedPatchMerging, PromptedFinalNorm)
+    assert not any(isinstance(m, wrappers) for copy_ in (multi.backbone, multi.plain) for m in copy_.modules())
+
+
+def test_multitask_refuses_what_vpt_on_swin_cannot_share_in_one_line(tmp_path, monkeypatch):
+    # A task with prompts beside the grid and a hook the routed pass would have to run; then tasks whose pooling
+    # differs (prompts or not) over a pooling that cannot leave tokens out.
+    backbone = make_tiny_swin()
+    _, files = _save_tasks(tmp_path, {"vpt": MIXED["vpt"]}, backbone)
+    qkv = backbone.layers[0].blocks[0].attn.qkv
+
+    def with_a_routed_hook(model, frozen):
+        return {**task_sites(model, frozen), "layers.0.blocks.0.attn.qkv": RowHook(qkv, post=lambda *a: a[1])}
+
+    with monkeypatch.context() as patch:
+        patch.setattr(multitask, "task_sites", with_a_routed_hook)
+        refused = (
+            r"task 'vpt' \(method vpt\) cannot share .*beside the tokens.* hook at layers\.0\.blocks\.0\.attn\.qkv"
+        )
+        with pytest.raises(TaskRefused, match=refused) as error:
+            petl.MultiTask(backbone, files)
     assert "\n" not in str(error.value)
+    backbone = make_tiny_swin(global_pool="max")
+    cases = {"vpt": MIXED["vpt"], "vpt_img_pool": MIXED["vpt_img_pool"]}
+    singles, files = _save_tasks(tmp_path, cases, backbone)
+    with pytest.raises(TaskRefused, match=r"task 'vpt' .*pooling differs.*'max' pooling") as error:
+        petl.MultiTask(backbone, files)
+    assert "\n" not in str(error.value)
+    # Either alone is served.
+    for name in cases:
+        multi = petl.MultiTask(backbone, {name: files[name]})
+        images = torch.randn(2, 3, 32, 32)
+        with torch.no_grad():
+            torch.testing.assert_close(multi(images, [name, name]), singles[name](images), atol=2e-5, rtol=1e-4)
 
 
 # --- the prompts' Linears once per image against the reference's once per window --------------------------------

@@ -326,6 +326,26 @@ class Backbone:
         """
         raise NotImplementedError(f"the {self.kind} backbone cannot take prompt tokens")
 
+    def features_with_prompts(
+        self,
+        tokens: torch.Tensor,
+        prompts: list[tuple[torch.Tensor, torch.Tensor | None] | None],
+        pool_prompts: bool | torch.Tensor,
+    ) -> torch.Tensor:
+        """The pooled features of embedded ``tokens`` through the plain model, each row with prompts of its own
+        beside them, as :meth:`insert_prompts` runs them where they travel beside the tokens (a Swin's): the rows of
+        several VPT tasks in one pass of a mixed batch (:class:`petl.MultiTask`).
+
+        Args:
+            tokens: what the first block receives (rows first).
+            prompts: per block, ``(own, use)``: each row's prompts for the block (rows x count x width) and which
+                rows put them in place of those arriving (bool per row; ``None``: every row), or ``None``: every
+                row carries its own.
+            pool_prompts: whether the pooling averages the prompts with the tokens: for every row, or per row.
+
+        """
+        raise NotImplementedError(f"the {self.kind} backbone carries no prompts beside its tokens")
+
     # -- inside one block (static: a block's parts do not depend on the model around it) --------------------
 
     @staticmethod

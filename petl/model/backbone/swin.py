@@ -235,6 +235,27 @@ class Swin(TimmModelParts, TimmBlockParts, Backbone):
         """Timm's ``forward_intermediates`` on the prompted model: each stage's grid, the prompts left out."""
         return swin_prompts.forward_intermediates(self.model, x, *args, **kwargs)
 
+    def features_with_prompts(
+        self,
+        tokens: torch.Tensor,
+        prompts: list[tuple[torch.Tensor, torch.Tensor | None] | None],
+        pool_prompts: bool | torch.Tensor,
+    ) -> torch.Tensor:
+        """Each row's prompts beside the grid through every window and merging
+        (:func:`~petl.model.backbone.swin_prompts.rows_with_prompts`), then the final norm and the head's pooling
+        over prompts and grid (``original``) or the grid alone (``img_pool``), as the prompted model's.
+        """
+        grid, carried = swin_prompts.rows_with_prompts(self.model, tokens, prompts)
+        if pool_prompts is False:
+            return self.pooled_features(grid)
+        # One row of n + H*W tokens, prompts first, as PromptedFinalNorm hands the head.
+        both = torch.cat([carried, grid.flatten(1, 2)], dim=1).unsqueeze(1)
+        if pool_prompts is True:
+            return self.pooled_features(both)
+        keep = torch.ones(both.shape[0], both.shape[2], dtype=torch.bool, device=both.device)
+        keep[:, : carried.shape[1]] = pool_prompts.view(-1, 1)
+        return self.pooled_features(both, keep)
+
     # -- inside one block ------------------------------------------------------------------------------------
 
     @staticmethod

@@ -29,6 +29,11 @@ L404-406) while the windows are image-major (src/models/vit_backbones/swin_trans
 back the same way (L418-419), so with more than one image and window an image's prompts meet, and average over,
 other images' windows; here each image's prompts join and average its own windows only (a batch of one gives the
 reference's numbers, tests/references/test_vpt_swin_reference.py).
+
+A mixed batch (:class:`petl.MultiTask`) has no slot for prompts that travel beside the grid: the rows of VPT tasks
+with the same prompt count run the plain Swin's modules in a pass of their own (:func:`rows_with_prompts`), each
+row with its own task's prompts, since :func:`prompted_block` takes each image's prompts; the wrappers' row hooks
+(``RowHook.beside``) give each block's own prompts and the pooling each task's.
 """
 
 from __future__ import annotations
@@ -90,9 +95,13 @@ class PromptedPatchMerging(PetlModule):
         if isinstance(x, torch.Tensor):
             return self.base(x)
         grid, prompts = x
-        # L307-308 (prompt_upsampling is None for prepend, L296-301), L339-342.
-        tiled = torch.cat([prompts] * 4, dim=-1)
-        return self.base(grid), self.base.reduction(self.base.norm(tiled))
+        return self.base(grid), merged_prompts(self.base, prompts)
+
+
+def merged_prompts(merging: nn.Module, prompts: torch.Tensor) -> torch.Tensor:
+    """The prompts through timm's PatchMerging ``merging``: tiled 4x along the channels, then its norm and reduction."""
+    # L307-308 (prompt_upsampling is None for prepend, L296-301), L339-342.
+    return merging.reduction(merging.norm(torch.cat([prompts] * 4, dim=-1)))
 
 
 class PromptedFinalNorm(PetlModule):
@@ -107,16 +116,54 @@ class PromptedFinalNorm(PetlModule):
         return self.base(tokens).unsqueeze(1)
 
 
-def _refuse_mixed_batch(wrapper: nn.Module) -> rows.RowHook:
-    # petl.MultiTask puts prompts in slots of the token sequence; a Swin's shared blocks see an NHWC grid.
-    raise rows.CannotShare(
-        "VPT's prompts on a Swin travel beside the grid (copied into every window, averaged back, tiled at each "
-        "patch merging), and a mixed batch's shared Swin blocks carry no prompts: serve it as its own model"
-    )
+@rows.register_row_hook(PromptedSwinBlock)
+def _block_rows(wrapper: PromptedSwinBlock) -> rows.RowHook:
+    # A mixed batch's rows of VPT tasks run the shared frozen Swin in a pass of their own (rows_with_prompts), each
+    # row with its task's prompts: this block's own (dropout is off in a served model) or those that arrive.
+    prompt = None if wrapper.prompt is None else wrapper.prompt.detach()
+    count = 0 if prompt is None else prompt.shape[0]
+    return rows.RowHook(wrapper.base, prompts=count, pool_prompts=not wrapper.strip, beside=True, own_prompts=prompt)
 
 
-for _wrapper in (PromptedSwinBlock, PromptedPatchMerging, PromptedFinalNorm):
-    rows.register_row_hook(_wrapper)(_refuse_mixed_batch)
+@rows.register_row_hook(PromptedPatchMerging)
+@rows.register_row_hook(PromptedFinalNorm)
+def _beside_rows(wrapper: nn.Module) -> rows.RowHook:
+    # Nothing of the task's own: the pass merges and normalises the prompts with the shared modules.
+    return rows.RowHook(wrapper.base, beside=True)
+
+
+def rows_with_prompts(
+    model: nn.Module, grid: torch.Tensor, prompts: list[tuple[torch.Tensor, torch.Tensor | None] | None]
+) -> Pair:
+    """The stages of a plain timm Swin ``model`` on an embedded ``grid``, each row with prompts of its own beside it.
+
+    What a prompted Swin's blocks, mergings and stages do (:func:`insert_prompts`), for rows whose prompts differ:
+    the rows of several VPT tasks with the same prompt count in one pass of the frozen Swin (:class:`petl.MultiTask`).
+
+    Args:
+        model: a timm SwinTransformer without prompts (its modules run as the prompted wrappers run theirs).
+        grid: the patch embedding's output (rows, H, W, C).
+        prompts: per block, ``(own, use)``: each row's prompts for the block (rows, n, width) and which rows put
+            them in place of those arriving (rows, bool; ``None``: every row), or ``None``: every row carries its own.
+            The first block's are every row's.
+
+    Returns:
+        The last stage's grid and each row's prompts beside it.
+
+    """
+    carried, i = None, 0
+    for stage in model.layers:
+        grid = stage.downsample(grid)
+        if carried is not None and not isinstance(stage.downsample, nn.Identity):
+            carried = merged_prompts(stage.downsample, carried)
+        for block in stage.blocks:
+            if prompts[i] is not None:
+                own, use = prompts[i]
+                own = own.to(grid.dtype)
+                carried = own if use is None else torch.where(use.view(-1, 1, 1), own, carried)
+            grid, carried = prompted_block(block, grid, carried)
+            i += 1
+    return grid, carried
 
 
 def prompted_block(block: nn.Module, grid: torch.Tensor, prompts: torch.Tensor) -> Pair:
