@@ -217,14 +217,27 @@ def test_compile_row_is_planned_only_with_a_compiler(monkeypatch):
     assert "lora + torch.compile" not in [c.name for c in cases]
 
 
+def _peaks_in_subprocesses(cases: list[Case], spec: SpeedSpec) -> dict[str, float]:
+    """Peak MB of each case, each in its own fresh process as the tool measures."""
+    return {case.name: measure_memory_in_subprocess(case, spec)["peak_mb"] for case in cases}
+
+
+@pytest.fixture(scope="module")
+def peaks_at_batch_8() -> dict[str, float]:
+    """LoRA's, peft's LoRA's, LST's and LAST's peak MB at batch 8, read by the memory comparisons below.
+
+    LoRA's is measured once for both comparisons: a worker spends most of its time importing torch, timm and petl.
+    """
+    cases = [Case("lora", dict(LORA[1])), Case(PEFT_LORA, peft=True)]
+    cases += [Case(name, {"name": name}) for name in ("lst", "last")]
+    return _peaks_in_subprocesses(cases, SpeedSpec(batch=8, warmup=1))
+
+
 @pytest.mark.slow
-def test_lora_uses_no_more_memory_than_peft():
+def test_lora_uses_no_more_memory_than_peft(peaks_at_batch_8):
     # The same number of weights and FLOPs as peft's whole-qkv LoRA; petl adds its updates in place into
     # the qkv output instead of rebuilding it with torch.cat (measured in fresh processes).
-    spec = SpeedSpec(batch=8, warmup=1)
-    petl_mb = measure_memory_in_subprocess(Case("lora", dict(LORA[1])), spec)["peak_mb"]
-    peft_mb = measure_memory_in_subprocess(Case(PEFT_LORA, peft=True), spec)["peak_mb"]
-    assert petl_mb <= 1.02 * peft_mb
+    assert peaks_at_batch_8["lora"] <= 1.02 * peaks_at_batch_8[PEFT_LORA]
 
 
 @pytest.mark.slow
@@ -233,9 +246,8 @@ def test_cpu_peak_counts_what_full_fine_tuning_allocates():
     # of them (only forward temporaries, ~17 MB here).
     # Measured in fresh processes as the tool does: in this process, memory freed by earlier tests is reused
     # without raising the high-water mark, so an in-process reading depends on test order.
-    full = measure_memory_in_subprocess(Case("full", {"name": "full"}), TINY)
-    forward = measure_memory_in_subprocess(Case(FORWARD), TINY)
-    assert full["peak_mb"] > 32 and full["peak_mb"] > 2 * forward["peak_mb"]
+    peaks = _peaks_in_subprocesses([Case("full", {"name": "full"}), Case(FORWARD)], TINY)
+    assert peaks["full"] > 32 and peaks["full"] > 2 * peaks[FORWARD]
 
 
 def test_cuda_defaults_to_the_documented_gpu_setting():
@@ -324,13 +336,11 @@ def test_side_floor_runs_no_block_with_autograd_and_trains_the_side_network():
 
 
 @pytest.mark.slow
-def test_lst_and_last_peak_memory_is_below_loras():
+def test_lst_and_last_peak_memory_is_below_loras(peaks_at_batch_8):
     # LST's and LAST's backward never enters the backbone, LoRA's reaches block 0 (fresh processes, as the tool
     # measures).
-    spec = SpeedSpec(batch=8, warmup=1)
-    lora_mb = measure_memory_in_subprocess(Case("lora", dict(LORA[1])), spec)["peak_mb"]
     for name in ("lst", "last"):
-        assert measure_memory_in_subprocess(Case(name, {"name": name}), spec)["peak_mb"] < lora_mb, name
+        assert peaks_at_batch_8[name] < peaks_at_batch_8["lora"], name
 
 
 # One tiny model of every backbone kind petl added to the ViT, given as petl-bench speed takes it (model= and

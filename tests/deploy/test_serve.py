@@ -355,7 +355,8 @@ def test_stalled_clients_are_cut_off_and_a_shutdown_ends_by_itself(runs):
         # The 9th connection is over max_connections: uvicorn answers 503 at once.
         assert _answer(_stalled(port, b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")).startswith(b"HTTP/1.1 503 ")
         assert all(_answer(connection) == b"" for connection in held)  # closed once header_timeout_s passed
-        answers = [_answer(_stalled(port, half_body)) for _ in range(3)]
+        bodies = [_stalled(port, half_body) for _ in range(3)]  # their body_timeout_s runs out together
+        answers = [_answer(connection) for connection in bodies]
         for answer in answers:
             assert answer.startswith(b"HTTP/1.1 408 "), answer
             assert b"did not all arrive within body_timeout_s=3" in answer

@@ -21,6 +21,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 import petl
+from petl.methods import noah_search
 from petl.methods.gps import GpsConfig, GpsLinear
 from petl.methods.sct import SctBlock, SctConfig, select_sct_channels
 from petl.model.registry import _REGISTRY, MethodConfig, get_method, register_method
@@ -66,6 +67,18 @@ def test_sct_with_channels_given_keeps_them(tmp_path):
 CALIBRATED = [name for name in petl.list_methods() if petl.get_method(name).calibrate is not None]
 # A budget that keeps the test fast, for methods whose calibration trains (NOAH's search).
 BUDGET = {"noah": ("method.search_epochs=1", "method.search_generations=1", "method.population=3")}
+
+
+@pytest.fixture(autouse=True)
+def few_noah_candidates(monkeypatch):
+    """Two mutations and two crossovers a NOAH generation, not its reference's 25 each (noah_search.MUTATIONS).
+
+    Scoring those 50 candidates was most of a NOAH case's time here; what these tests check (a resume or a reuse
+    keeps the first choice, the bars change nothing) does not depend on how many are scored, and a generation still
+    mutates and crosses over.
+    """
+    monkeypatch.setattr(noah_search, "MUTATIONS", 2)
+    monkeypatch.setattr(noah_search, "CROSSOVERS", 2)
 
 
 @pytest.mark.slow
