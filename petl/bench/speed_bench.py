@@ -232,7 +232,11 @@ class _Bench:
     def infer(self, model=None) -> float:
         """Seconds for one eval-mode forward at the inference batch."""
         model = self.model if model is None else model
-        model.eval()
+        # Into eval mode only where a module is still training (after the training rounds), as a served model is
+        # put there once: eval() also drops what a module keeps between its no-grad calls (LoRA's stacked A and B),
+        # which a call per forward would rebuild inside the timed forward.
+        if any(module.training for module in model.modules()):
+            model.eval()
         start = self._now()
         with torch.no_grad():
             model(self.infer_images)

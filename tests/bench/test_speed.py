@@ -143,6 +143,20 @@ def test_merged_inference_is_compared_with_the_median_of_the_plain_copies(result
     assert "median of 3 identical plain networks" in table
 
 
+def test_timed_inference_keeps_what_lora_caches_between_calls():
+    # A served model is put in eval mode once; eval() before every timed call would drop LoRA's stacked A and B
+    # (LoraLinear._inference_stack) and rebuild them inside each timed forward, which peft's row never pays.
+    from petl.methods.lora import LoraLinear
+
+    bench = speed._Bench(Case("lora", {"name": "lora", "rank": 2}), TINY)
+    bench.step()  # the training rounds leave the LoRA layers in train mode
+    layer = next(m for m in bench.model.modules() if isinstance(m, LoraLinear))
+    bench.infer()
+    stack = layer._stack
+    bench.infer()
+    assert layer._stack is stack and not any(m.training for m in bench.model.modules())
+
+
 @pytest.mark.slow
 def test_inference_turns_change_order(monkeypatch):
     # Record the order of the timed inference calls: every turn must not start with the same case.
