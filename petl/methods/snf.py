@@ -39,7 +39,7 @@ Trains:
     uniform(-0.01, 0.01) as in the reference, so not unchanged at init (``flow_length=0`` is); not mergeable (tanh).
 
     A shortcut's 16 planar flows are stored stacked and train as one autograd node with a hand-written backward (the
-    same values and gradients, tested; 1.15x LoRA's step and 1.21x its memory in ``speed_cpu.md``, against 3.5x and
+    same values and gradients, tested; 1.17x LoRA's step and 1.11x its memory in ``speed_cpu.md``, against 3.5x and
     6.4x for the flows as 16 autograd modules).  627,072 on ViT-B/16 at the code's default; V-PETL publishes 0.25M,
     the paper 0.036M (the affine maps alone count 36,864; ``configs/experiments/snf.yaml`` says why no flow length
     gives 0.25M).
