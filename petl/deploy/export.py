@@ -65,6 +65,9 @@ def timm_config(run: LoadedRun) -> dict[str, Any]:
     """The ``config.json`` of a timm folder (``local-dir:`` / hub): architecture, arguments, preprocessing, classes."""
     card, spec = run.card, run.spec
     architecture, kwargs = timm_native(card["backbone"]["name"], card["backbone"]["kwargs"])
+    # The model's own timm names for its first convolution and its classifier (a Swin's is head.fc, a ViT's
+    # head): timm drops the classifier by this name when the folder is loaded with another num_classes.
+    own = run.model.pretrained_cfg
     return {
         "architecture": architecture,
         "num_classes": len(run.class_names),
@@ -79,8 +82,8 @@ def timm_config(run: LoadedRun) -> dict[str, Any]:
             # or the image squashed to the square.
             "crop_pct": 1 / CROP_RATIO if spec.crop else 1.0,
             "crop_mode": "center" if spec.crop else "squash",
-            "first_conv": "patch_embed.proj",
-            "classifier": "head",
+            "first_conv": own["first_conv"],
+            "classifier": own["classifier"],
             "label_names": list(run.class_names),
         },
         "petl": {"format": FORMAT, "method": f"{card['method']} (merged)", "dataset": card.get("dataset")},

@@ -300,9 +300,16 @@ def test_run_folders_task_ids_and_bad_input(tmp_path):
         petl.MultiTask(make_tiny_vit(embed_dim=24), {"a": files["a"]})
 
 
-def _run_folder(folder, method: str, options: dict, seed: int, classes: int = 3, width: int = 48) -> None:
-    """A finished run folder (model.json + trainable.safetensors) of ``method`` on the tiny default backbone."""
-    model_cfg = {"name": "vit_fractal_tiny_patch4_32", "pretrained": False, "kwargs": {"depth": 2, "embed_dim": width}}
+def _run_folder(
+    folder, method: str, options: dict, seed: int, classes: int = 3, width: int = 48, model_cfg: dict | None = None
+) -> None:
+    """A finished run folder (model.json + trainable.safetensors) of ``method`` on ``model_cfg`` (a card's
+    ``backbone`` record; default: the tiny default backbone at ``width``)."""
+    model_cfg = model_cfg or {
+        "name": "vit_fractal_tiny_patch4_32",
+        "pretrained": False,
+        "kwargs": {"depth": 2, "embed_dim": width},
+    }
     model = petl.apply(load.create_backbone({**model_cfg, "seed": 0}), method, num_classes=classes, **options)
     perturb_trainable(model, seed=seed)
     folder.mkdir()
