@@ -69,10 +69,19 @@ def _biases_beside_hook(
 def _around(wrapper: RowHook, inner: RowHook) -> RowHook:
     """A wrapper's hook over a wrapped module that has its own parameters: ``inner.post`` first, then the wrapper's.
 
-    The composition has no batched form (neither hook's alone does what both do): it acts on its own rows.
+    The composition has no batched form (neither hook's alone does what both do): it acts on its own rows, in place
+    where both hooks can (GPS's bias delta and sparse update: no copy of the rows, no copy back).
     """
     if wrapper.post is None:
-        return replace(wrapper, post=inner.post, batched=None, post_in_place=None)
+        return replace(wrapper, post=inner.post, batched=None, post_in_place=inner.post_in_place)
+    if wrapper.post_in_place is not None and inner.post_in_place is not None:
+        inner_update, wrapper_update = inner.post_in_place, wrapper.post_in_place
+
+        def both(x: Tensor, y: Tensor, tokens: Tokens) -> None:
+            inner_update(x, y, tokens)
+            wrapper_update(x, y, tokens)
+
+        return replace(wrapper, post=None, batched=None, post_in_place=both)
     outer, first = wrapper.post, inner.post
     post = lambda x, y, tokens: outer(x, first(x, y, tokens), tokens)  # noqa: E731
     return replace(wrapper, post=post, batched=None, post_in_place=None)

@@ -181,13 +181,14 @@ def with_bias_unit(
 def per_device(*tensors: Tensor) -> Callable[[Tensor], tuple[Tensor, ...]]:
     """``tensors`` (computed once from a task's weights) in the device and dtype of a batch ``x``: copied once per
     device and dtype, so that a per-task hook may use them after ``MultiTask.to()`` moved the task's own weights.
+    An integer tensor (an index) keeps its dtype.
     """
     copies: dict[tuple[torch.device, torch.dtype], tuple[Tensor, ...]] = {}
 
     def like(x: Tensor) -> tuple[Tensor, ...]:
         key = (x.device, x.dtype)
         if key not in copies:
-            copies[key] = tuple(t.detach().to(x.device, x.dtype) for t in tensors)
+            copies[key] = tuple(t.detach().to(x.device, x.dtype if t.is_floating_point() else t.dtype) for t in tensors)
         return copies[key]
 
     return like
