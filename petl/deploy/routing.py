@@ -435,8 +435,18 @@ class RoutedBlock(RoutedModule):
         x = _each_task(batch, self.mid_hooks, x, lambda h, rows: h.mid(x[rows], batch.tokens), own=True)
         if self.branches:
             h = self.family.mlp_branch(self.base, x)
+            own, hooks = _is_fresh(h, x), self.branch_hooks
+            if own and not torch.is_grad_enabled():
+                # Serving: a hook that can adds into its rows of the fresh branch itself, with no copy back.
+                hooks = {}
+                for task, hook in self.branch_hooks.items():
+                    rows = batch.spans.get(task)
+                    if rows is not None and hook.branch_in_place is not None:
+                        hook.branch_in_place(h[rows], batch.tokens)
+                    else:
+                        hooks[task] = hook
             branch = lambda hook, rows: hook.branch(h[rows], batch.tokens)  # noqa: E731
-            h = _each_task(batch, self.branch_hooks, h, branch, own=_is_fresh(h, x))
+            h = _each_task(batch, hooks, h, branch, own=own)
             y = x + h
         else:
             y = self.family.mlp_residual(self.base, x)

@@ -218,6 +218,8 @@ class RowHook:
             Used where the rows' ``y`` is the frozen module's fresh output and no autograd records (serving), so
             that a task's update costs its own ops and no copy of its rows back into the batch; ``post``, if not
             given, is a copy of ``y`` updated in place.
+        branch_in_place: ``branch_in_place(h, tokens)``: what ``branch`` does, done on ``h`` itself, used as
+            ``post_in_place`` is (``branch``, if not given, is a copy of ``h`` updated in place).
         room: the wrapper only lets the frozen attention take the task's extra tokens without a position of their
             own (``Backbone.make_room``: no relative-position bias, no rotation) and does nothing to the rows; the
             MultiTask gives its shared blocks the same room at the batch's prompt slots instead (a token without a
@@ -242,6 +244,7 @@ class RowHook:
     pool_prompts: bool = True
     batched: Batched | None = None
     post_in_place: Callable[[Tensor, Tensor, Tokens], None] | None = None
+    branch_in_place: Callable[[Tensor, Tokens], None] | None = None
     room: bool = False
     beside: bool = False
     own_prompts: Tensor | None = None
@@ -256,6 +259,15 @@ class RowHook:
                 return y
 
             object.__setattr__(self, "post", post)
+        if self.branch is None and self.branch_in_place is not None:
+            update_branch = self.branch_in_place
+
+            def branch(h: Tensor, tokens: Tokens) -> Tensor:
+                h = h.clone()
+                update_branch(h, tokens)
+                return h
+
+            object.__setattr__(self, "branch", branch)
 
 
 def room_hook(wrapper: nn.Module) -> RowHook:
