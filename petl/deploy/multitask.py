@@ -475,7 +475,8 @@ class MultiTask(nn.Module):
                 pooled = [n if p else 0 for n, p in zip(self.prompts, self.pool_prompts, strict=True)]
                 pool = self._slot_mask(x, tasks, tokens, pooled)
             masks: dict[tuple[int, ...], Tensor] = {}
-            inputs = bb.block_inputs()  # once a forward, as timm's forward_features computes them
+            # Once a forward, as timm's forward_features computes them (a shared bias padded for the slots once).
+            inputs = bb.block_inputs(room=(tokens.prefix, tokens.slots) if tokens.slots else None)
             for i, block in enumerate(bb.block_container()):
                 x = bb.before_block(i, x)  # a Swin's patch merging in front of a stage's first block
                 if not tokens.slots:

@@ -69,10 +69,19 @@ def _biases_beside_hook(
 def _around(wrapper: RowHook, inner: RowHook) -> RowHook:
     """A wrapper's hook over a wrapped module that has its own parameters: ``inner.post`` first, then the wrapper's.
 
-    The composition has no batched form (neither hook's alone does what both do): it acts on its own rows.
+    The composition has no batched form (neither hook's alone does what both do): it acts on its own rows, in place
+    where both hooks can (GPS's bias delta and sparse update: no copy of the rows, no copy back).
     """
     if wrapper.post is None:
-        return replace(wrapper, post=inner.post, batched=None, post_in_place=None)
+        return replace(wrapper, post=inner.post, batched=None, post_in_place=inner.post_in_place)
+    if wrapper.post_in_place is not None and inner.post_in_place is not None:
+        inner_update, wrapper_update = inner.post_in_place, wrapper.post_in_place
+
+        def both(x: Tensor, y: Tensor, tokens: Tokens) -> None:
+            inner_update(x, y, tokens)
+            wrapper_update(x, y, tokens)
+
+        return replace(wrapper, post=None, batched=None, post_in_place=both)
     outer, first = wrapper.post, inner.post
     post = lambda x, y, tokens: outer(x, first(x, y, tokens), tokens)  # noqa: E731
     return replace(wrapper, post=post, batched=None, post_in_place=None)
@@ -426,8 +435,18 @@ class RoutedBlock(RoutedModule):
         x = _each_task(batch, self.mid_hooks, x, lambda h, rows: h.mid(x[rows], batch.tokens), own=True)
         if self.branches:
             h = self.family.mlp_branch(self.base, x)
+            own, hooks = _is_fresh(h, x), self.branch_hooks
+            if own and not torch.is_grad_enabled():
+                # Serving: a hook that can adds into its rows of the fresh branch itself, with no copy back.
+                hooks = {}
+                for task, hook in self.branch_hooks.items():
+                    rows = batch.spans.get(task)
+                    if rows is not None and hook.branch_in_place is not None:
+                        hook.branch_in_place(h[rows], batch.tokens)
+                    else:
+                        hooks[task] = hook
             branch = lambda hook, rows: hook.branch(h[rows], batch.tokens)  # noqa: E731
-            h = _each_task(batch, self.branch_hooks, h, branch, own=_is_fresh(h, x))
+            h = _each_task(batch, hooks, h, branch, own=own)
             y = x + h
         else:
             y = self.family.mlp_residual(self.base, x)

@@ -197,17 +197,6 @@ class GpsLinear(PetlModule):
         flat = torch.zeros(weight.shape[0], weight[0].numel(), device=weight.device, dtype=dtype or weight.dtype)
         return flat.scatter(1, self.index, self.delta.to(flat.dtype)).view(weight.shape)
 
-    def delta_output(self, x: torch.Tensor) -> torch.Tensor:
-        """The sparse update's part of the output, ``scatter(delta) x``, without the frozen weight's.
-
-        A Linear's rows read only their ``per_row`` selected inputs (a gather, no dense matmul); the patch
-        embedding's convolution runs with the dense update.
-        """
-        if isinstance(self.base, nn.Conv2d):
-            return self.base._conv_forward(x, self.delta_weight(x.dtype), None)
-        picked = x[..., self.index.flatten()].unflatten(-1, self.index.shape)  # [..., rows, per_row]
-        return (picked * self.delta.to(x.dtype)).sum(dim=-1)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.merged:
             return self.merged_forward(x)
@@ -235,9 +224,31 @@ class GpsLinear(PetlModule):
 
 @rows.register_row_hook(GpsLinear)
 def _rows(wrapper: GpsLinear) -> rows.RowHook:
-    # The frozen layer once for the batch, then each task's sparse update on its rows; its own trained bias is
-    # a module parameter of the wrapped layer, which MultiTask adds as a bias delta before this hook.
-    return rows.RowHook(wrapper.base, post=lambda x, y, _tokens: y + wrapper.delta_output(x))
+    # The frozen layer once for the batch, then each task's sparse update added into its rows of the output; its own
+    # trained bias is a module parameter of the wrapped layer, which MultiTask adds as a bias delta before this hook.
+    # A Linear's rows read only their selected inputs (a gather, no dense matmul): with one entry per row, one
+    # gather and one addcmul_ into the rows.  The patch embedding's convolution runs with the dense update.  The
+    # tensors are made once per device and dtype, not at every call.
+    if isinstance(wrapper.base, nn.Conv2d):
+        with torch.no_grad():
+            like = rows.per_device(wrapper.delta_weight())
+
+        def add(x: torch.Tensor, y: torch.Tensor, _tokens: rows.Tokens) -> None:
+            y.add_(wrapper.base._conv_forward(x, like(x)[0], None))
+
+        return rows.RowHook(wrapper.base, post_in_place=add)
+    out, per_row = wrapper.index.shape
+    like = rows.per_device(wrapper.index.flatten(), wrapper.delta.flatten() if per_row == 1 else wrapper.delta)
+
+    def add(x: torch.Tensor, y: torch.Tensor, _tokens: rows.Tokens) -> None:
+        index, delta = like(x)
+        picked = x[..., index]  # [..., out * per_row]: each output unit's selected inputs
+        if per_row == 1:
+            y.addcmul_(picked, delta)
+        else:
+            y.add_((picked.unflatten(-1, (out, per_row)) * delta).sum(dim=-1))
+
+    return rows.RowHook(wrapper.base, post_in_place=add)
 
 
 def _trained_whole(model: nn.Module) -> list[nn.Parameter]:

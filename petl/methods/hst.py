@@ -299,10 +299,11 @@ class HstSide(_side.SideNetwork):
         tokens after them.
         """
         m = self.num_meta
+        like = rows.per_device(self.meta[index])  # cast once per device and dtype, not at every call
 
         def pre(x: torch.Tensor, tokens: rows.Tokens) -> torch.Tensor:
             p = tokens.prefix
-            return torch.cat([x[:, :p], self.meta_tokens(index, x), x[:, p + m :]], dim=1)
+            return torch.cat([x[:, :p], like(x)[0].expand(x.shape[0], -1, -1), x[:, p + m :]], dim=1)
 
         def post(x: torch.Tensor, y: torch.Tensor, tokens: rows.Tokens) -> None:
             p = tokens.prefix

@@ -170,7 +170,11 @@ class LstSide(_side.SideNetwork):
 
         """
         gate = torch.sigmoid(self.gates[index] / self.gate_t)
-        side = self.side_blocks[index](gate * self._side + (1 - gate) * self.ladders[index](x))
+        return self._side_block(index, gate * self._side + (1 - gate) * self.ladders[index](x))
+
+    def _side_block(self, index: int, mixed: torch.Tensor) -> torch.Tensor | None:
+        """Side block ``index`` on the gated mix; after the last block, the side output projected up."""
+        side = self.side_blocks[index](mixed)
         if index < self.depth - 1:
             self._side = side
             return None
@@ -178,8 +182,23 @@ class LstSide(_side.SideNetwork):
         return self.up(side)
 
     def row_hook(self, index: int, block: nn.Module) -> rows.RowHook:
-        """The frozen block once for the batch; the task's side stream on its rows, without the prompt slots."""
-        return self.stream_row_hook(index, block, self.climb)
+        """The frozen block once for the batch; the task's side stream on its rows, without the prompt slots.
+
+        Served, the gate is a constant: its ``1 - gate`` is folded into the ladder's weight and the mix is one
+        ``addmm`` (the side stream times the gate plus the ladder), not the ladder and six ops of the gate at every
+        call.  The same function up to rounding.
+        """
+        with torch.no_grad():
+            gate = torch.sigmoid(self.gates[index] / self.gate_t)
+            like, keep = rows.per_device((1 - gate) * self.ladders[index].weight), float(gate)
+
+        def climb(i: int, x: torch.Tensor) -> torch.Tensor | None:
+            (ladder,) = like(x)
+            side = self._side.view(-1, ladder.shape[0])
+            mixed = torch.addmm(side, x.reshape(-1, x.shape[-1]), ladder.t(), beta=keep)
+            return self._side_block(i, mixed.view(self._side.shape))
+
+        return self.stream_row_hook(index, block, climb)
 
 
 def _formula(model: nn.Module, cfg: LstConfig) -> int:

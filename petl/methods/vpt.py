@@ -142,10 +142,12 @@ def _rows(wrapper: PromptedBlock) -> rows.RowHook:
     # Stripping the prompts after the last block (img_pool) becomes leaving them out of the pooling.
     def pre(x: torch.Tensor, tokens: rows.Tokens) -> torch.Tensor:
         p, n = tokens.prefix, wrapper.num_tokens
-        return torch.cat([x[:, :p], wrapper.prompts(x), x[:, p + n :]], dim=1)
+        prompts = like(x)[0].expand(x.shape[0], -1, -1)  # eval: no dropout
+        return torch.cat([x[:, :p], prompts, x[:, p + n :]], dim=1)
 
     batched = None
     if wrapper.prompt is not None:
+        like = rows.per_device(wrapper.prompt)  # cast once per device and dtype, not at every call
         # Every row's prompts at once: each row's own (or, for a row of another task, what its slots hold).
         prompt = wrapper.prompt.detach()
         use, keep = torch.ones(1, dtype=torch.bool), torch.zeros(1, dtype=torch.bool)

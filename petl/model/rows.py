@@ -181,13 +181,14 @@ def with_bias_unit(
 def per_device(*tensors: Tensor) -> Callable[[Tensor], tuple[Tensor, ...]]:
     """``tensors`` (computed once from a task's weights) in the device and dtype of a batch ``x``: copied once per
     device and dtype, so that a per-task hook may use them after ``MultiTask.to()`` moved the task's own weights.
+    An integer tensor (an index) keeps its dtype.
     """
     copies: dict[tuple[torch.device, torch.dtype], tuple[Tensor, ...]] = {}
 
     def like(x: Tensor) -> tuple[Tensor, ...]:
         key = (x.device, x.dtype)
         if key not in copies:
-            copies[key] = tuple(t.detach().to(x.device, x.dtype) for t in tensors)
+            copies[key] = tuple(t.detach().to(x.device, x.dtype if t.is_floating_point() else t.dtype) for t in tensors)
         return copies[key]
 
     return like
@@ -217,6 +218,8 @@ class RowHook:
             Used where the rows' ``y`` is the frozen module's fresh output and no autograd records (serving), so
             that a task's update costs its own ops and no copy of its rows back into the batch; ``post``, if not
             given, is a copy of ``y`` updated in place.
+        branch_in_place: ``branch_in_place(h, tokens)``: what ``branch`` does, done on ``h`` itself, used as
+            ``post_in_place`` is (``branch``, if not given, is a copy of ``h`` updated in place).
         room: the wrapper only lets the frozen attention take the task's extra tokens without a position of their
             own (``Backbone.make_room``: no relative-position bias, no rotation) and does nothing to the rows; the
             MultiTask gives its shared blocks the same room at the batch's prompt slots instead (a token without a
@@ -241,6 +244,7 @@ class RowHook:
     pool_prompts: bool = True
     batched: Batched | None = None
     post_in_place: Callable[[Tensor, Tensor, Tokens], None] | None = None
+    branch_in_place: Callable[[Tensor, Tokens], None] | None = None
     room: bool = False
     beside: bool = False
     own_prompts: Tensor | None = None
@@ -255,6 +259,15 @@ class RowHook:
                 return y
 
             object.__setattr__(self, "post", post)
+        if self.branch is None and self.branch_in_place is not None:
+            update_branch = self.branch_in_place
+
+            def branch(h: Tensor, tokens: Tokens) -> Tensor:
+                h = h.clone()
+                update_branch(h, tokens)
+                return h
+
+            object.__setattr__(self, "branch", branch)
 
 
 def room_hook(wrapper: nn.Module) -> RowHook:

@@ -660,13 +660,23 @@ def test_rows_without_prompts_share_the_blocks_without_prompt_slots_on_a_cpu(sta
     assert passes == [["lora_qv", "ssf"]]
 
 
-def _eight_methods() -> dict[str, tuple[str, dict]]:
-    """The 8-method set of benchmarks/multitask_speed.py (one task of each family), by task name."""
+def _task_set(name: str = "8 methods") -> dict[str, tuple[str, dict]]:
+    """A task set of benchmarks/multitask_speed.py (the 8-method set: one task of each family), by task name."""
     spec = importlib.util.spec_from_file_location("multitask_speed", REPO / "benchmarks" / "multitask_speed.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
-    methods = script.TASK_SETS["8 methods"]
+    methods = script.TASK_SETS[name]
     return {f"{method}_{i}": (method, options) for i, (method, options) in enumerate(methods)}
+
+
+def _served_ops(forward) -> collections.Counter[str]:
+    """The ops of one served call (no autograd), after a first call that fills the per-device copies of the tasks'
+    served tensors."""
+    with torch.no_grad():
+        forward()
+        with CountOps() as count:
+            forward()
+    return count.ops
 
 
 # What the 8-method set may add to the plain backbone's ops, per block: LoRA's and FacT's updates at qkv in one stack
@@ -686,21 +696,53 @@ def test_a_mixed_batch_of_eight_methods_launches_few_ops(tmp_path):
     other rows' prompt slots masked out) plus what each family's update needs, no copy of a task's rows back into
     the batch and no per-module gather of its stacked tensors."""
     backbone = make_tiny_vit()
-    _, files = _save(tmp_path, _eight_methods(), backbone)
+    _, files = _save(tmp_path, _task_set(), backbone)
     multi = petl.MultiTask(backbone, files)
     multi.launch_bound = True  # the GPU's path: every stack of two or more tasks acts
     ids, images = _mixed_batch(list(files), per_task=4)
-
-    def ops(forward) -> collections.Counter[str]:
-        with torch.no_grad():
-            forward()  # a first call fills the per-device copies of the tasks' served tensors
-            with CountOps() as count:
-                forward()
-        return count.ops
-
-    mixed, plain = ops(lambda: multi(images, ids)), ops(lambda: backbone(images))
+    mixed, plain = _served_ops(lambda: multi(images, ids)), _served_ops(lambda: backbone(images))
     depth = len(backbone.blocks)
     budget = sum(plain.values()) + depth * sum(EIGHT_METHODS_OPS_PER_BLOCK.values()) + EIGHT_METHODS_OPS_PER_BATCH
     assert sum(mixed.values()) <= budget, dict(mixed)
     # The rows are written in place (the 2 copies build the prompt-slot masks on the CPU).
     assert mixed["copy_"] <= 2, dict(mixed)
+
+
+# What the other task sets may add to the plain backbone's ops, per block (upper bounds: DTL adds from half the depth
+# on) and per batch.  Eight LoRA tasks: one stack at qkv (bmm, baddbmm).  The side-network set: GPS's bias delta,
+# gather and addcmul_ into the rows at each of the four Linears; HST's two trained LayerNorms on its rows (each copied
+# back), its meta tokens written into the slots, its side block (12) and what it reads of the block (7); LST's rows
+# without the slots (a cat), the gated ladder (one addmm) and its side block (11); DTL's running sum (a matmul and an
+# addmm), its SiLU added into the block's output (DTL+: its conv and two adds); NOAH's prompts written into the slots
+# and its adapter (down, SiLU, addmm_); NOAH's and LoRA's qkv updates in one stack (bmm, baddbmm); the rows of the
+# block's prompt writers put together (a cat).  Per batch: besides sorting the rows (9) and the head, for the
+# side-network set the prompt slots and their masks (11), VPT's prompts, GPS's patch convolution, HST's stem, stage
+# norms and head, LST's first and last projections, and the heads one by one (HST's is not a Linear).
+OTHER_SETS_OPS = {
+    "8 LoRA tasks": ({"lora": 2}, 13),
+    "8 methods, side networks & co.": (
+        {"gps": 4 * 3, "hst": 2 * 2 + 1 + 12 + 7, "lst": 1 + 1 + 11, "dtl": 2 + 2, "dtl+": 2 + 4, "noah": 1 + 3,
+         "lora+noah": 2, "prompt writers": 1},
+        61,
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("task_set", sorted(OTHER_SETS_OPS))
+def test_the_other_task_sets_launch_few_ops(tmp_path, task_set):
+    """As the 8-method set: the LoRA set and the side-network set of benchmarks/multitask_speed.py cost one pass of
+    the plain backbone's ops plus what each task's served update needs, with none of the ops a served update can do
+    without (a product or a sum where a fused op does, a gate or activation worked out at every call, a copy of a
+    task's rows where it can write in place)."""
+    backbone = make_tiny_vit()
+    _, files = _save(tmp_path, _task_set(task_set), backbone)
+    multi = petl.MultiTask(backbone, files)
+    multi.launch_bound = True
+    ids, images = _mixed_batch(list(files), per_task=4)
+    mixed, plain = _served_ops(lambda: multi(images, ids)), _served_ops(lambda: backbone(images))
+    per_block, per_batch = OTHER_SETS_OPS[task_set]
+    depth = len(backbone.blocks)
+    assert sum(mixed.values()) <= sum(plain.values()) + depth * sum(per_block.values()) + per_batch, dict(mixed)
+    assert not {"mul", "sum", "sigmoid", "div", "rsub", "clone"} & set(mixed), dict(mixed)
+    # Copies: the prompt-slot mask built on the CPU, LST's output put back into its rows, HST's LayerNorms' rows.
+    assert mixed["copy_"] <= (2 + 2 * depth if "side" in task_set else 0), dict(mixed)

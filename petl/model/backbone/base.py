@@ -164,9 +164,13 @@ class Backbone:
         """What runs between block ``index - 1`` and block ``index`` (nothing in a ViT; a Swin's patch merging)."""
         return x
 
-    def block_inputs(self) -> dict[str, Any]:
+    def block_inputs(self, room: tuple[int, int] | None = None) -> dict[str, Any]:
         """What the model computes once per forward and passes every block besides the tokens (EVA's rotary
         embedding, a relpos ViT's or BEiT's shared position bias): none by default.
+
+        ``room``: (at, count), extra tokens without a position that every block's tokens hold (a
+        :class:`petl.MultiTask`'s prompt slots, where :meth:`make_room` made room for them); what needs padding for
+        them comes padded once here, not in every block.
         """
         return {}
 

@@ -52,18 +52,18 @@ class BeitRoom(PetlModule):
     ) -> torch.Tensor:
         attn = self.base
         batch, tokens, _ = x.shape
-        bias = attn._get_rel_pos_bias() if attn.relative_position_bias_table is not None else None
-        if shared_rel_pos_bias is not None:
-            bias = shared_rel_pos_bias if bias is None else bias + shared_rel_pos_bias
-        if attn_mask is None and (bias is None or bias.shape[-1] == tokens):
-            return attn(x, shared_rel_pos_bias=shared_rel_pos_bias)
+        own = attn._get_rel_pos_bias() if attn.relative_position_bias_table is not None else None
+        shared = shared_rel_pos_bias
+        if attn_mask is None and all(b is None or b.shape[-1] == tokens for b in (own, shared)):
+            return attn(x, shared_rel_pos_bias=shared)
         qkv = attn.qkv(x)
         if attn.q_bias is not None:
             qkv = qkv + torch.cat((attn.q_bias, attn.k_bias, attn.v_bias))
         q, k, v = qkv.reshape(batch, tokens, 3, attn.num_heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
-        if bias is not None:
-            bias = pad_bias(bias, self.at, tokens - bias.shape[-1]).to(q.dtype)
-        bias = with_mask(bias, attn_mask)
+        # Each padded apart: a MultiTask passes the shared bias padded already (Backbone.block_inputs).
+        own, shared = (None if b is None else pad_bias(b, self.at, tokens - b.shape[-1]) for b in (own, shared))
+        bias = shared if own is None else own if shared is None else own + shared
+        bias = with_mask(None if bias is None else bias.to(q.dtype), attn_mask)
         x = F.scaled_dot_product_attention(
             q, k, v, attn_mask=bias, dropout_p=attn.attn_drop.p if attn.training else 0.0
         )

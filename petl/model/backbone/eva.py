@@ -86,7 +86,7 @@ class Eva(QvBiasesBesideQkv, GammaBranches, ViT):
             if type(inner) is not EvaBlock or not isinstance(unwrap(inner.attn), (EvaAttention, EvaRoom)):
                 raise ValueError(f"petl supports {self.supported}; block {i} of {name} is not")
 
-    def block_inputs(self) -> dict[str, Any]:
+    def block_inputs(self, room: tuple[int, int] | None = None) -> dict[str, Any]:
         """The rotary embedding timm's ``_pos_embed`` passes every block at the model's image size (``check()``
         refuses the other cases).
         """

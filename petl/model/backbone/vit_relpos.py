@@ -11,6 +11,7 @@ what differs is the model around them: a ``ModuleList`` called with the shared b
 
 from __future__ import annotations
 
+import functools
 from typing import Any, ClassVar
 
 import torch
@@ -25,13 +26,23 @@ from petl.model.backbone.vit import ViT
 from petl.model.wrappers import PetlModule
 
 
+@functools.lru_cache(maxsize=64)
+def _kept(n: int, at: int, count: int, device: torch.device) -> torch.Tensor:
+    """Where the ``n`` tokens of a bias sit once ``count`` tokens are inserted at ``at``: built once per layout and
+    device, not in every block's attention (three ops each); a plain tensor even when first asked for in inference
+    mode, so that autograd may save it.
+    """
+    with torch.inference_mode(False):
+        return torch.cat([torch.arange(at), torch.arange(at + count, n + count)]).to(device)
+
+
 def pad_bias(bias: torch.Tensor, at: int, count: int) -> torch.Tensor:
     """``bias`` (..., N, N) with ``count`` zero rows and columns inserted at ``at``: no bias to or from them."""
     if count == 0:
         return bias
     n = bias.shape[-1]
     out = bias.new_zeros(*bias.shape[:-2], n + count, n + count)
-    keep = torch.cat([torch.arange(at), torch.arange(at + count, n + count)]).to(bias.device)
+    keep = _kept(n, at, count, bias.device)
     out[..., keep[:, None], keep] = bias
     return out
 
@@ -115,9 +126,14 @@ class VitRelPos(ViT):
         shared = self.model.shared_rel_pos
         return own + ([shared] if shared is not None else [])
 
-    def block_inputs(self) -> dict[str, Any]:
-        """The shared bias (``None`` where each attention has its own), by the keyword the blocks take it."""
-        return {self.shared_bias_arg: self._shared_bias()}
+    def block_inputs(self, room: tuple[int, int] | None = None) -> dict[str, Any]:
+        """The shared bias (``None`` where each attention has its own), by the keyword the blocks take it; with
+        ``room``, zero-padded for the extra tokens once for every block (whose attention pads it no further).
+        """
+        shared = self._shared_bias()
+        if shared is not None and room is not None:
+            shared = pad_bias(shared, *room)
+        return {self.shared_bias_arg: shared}
 
     def _shared_bias(self) -> torch.Tensor | None:
         shared = self.model.shared_rel_pos
