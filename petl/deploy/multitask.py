@@ -126,6 +126,17 @@ def _shared_copy(backbone: nn.Module, unshared: set[str] = frozenset()) -> nn.Mo
     return copy.deepcopy(backbone, memo)
 
 
+def _to_device(tensor: Tensor, device: torch.device | str) -> Tensor:
+    """``tensor``, built on the CPU, on ``device``, the copy queued without waiting for the GPU.
+
+    A plain ``.to()`` from the CPU's pageable memory returns only once the GPU has run every op queued before it: in
+    a forward whose first ops are queued, the host, which launches the ops, would idle until the GPU drains.  From
+    the CPU to a GPU ``non_blocking=True`` is safe with pageable memory: CUDA copies it to a staging buffer before
+    the call returns (PyTorch's tutorial "A guide on good usage of non_blocking and pin_memory()").
+    """
+    return tensor.to(device, non_blocking=True)
+
+
 def _block_paths(backbone: nn.Module) -> list[str]:
     """The module paths of the backbone's blocks, in order."""
     paths = {id(m): path for path, m in backbone.named_modules()}
@@ -452,12 +463,12 @@ class MultiTask(nn.Module):
         """Rows x tokens, True except at each row's slots past ``used[task]`` (``tasks``: each row's task, on the CPU).
 
         Built on the CPU in a few ops for all rows (not one slice per task) and moved once (to ``device``, or
-        ``x``'s).
+        ``x``'s) without waiting for the GPU (:func:`_to_device`).
         """
         mask = torch.ones(x.shape[:2], dtype=torch.bool)
         per_row = torch.tensor(used, dtype=torch.long)[tasks]
         mask[:, tokens.prefix : tokens.prefix + tokens.slots] = torch.arange(tokens.slots) < per_row[:, None]
-        return mask.to(x.device if device is None else device)
+        return _to_device(mask, x.device if device is None else device)
 
     def _features(self, x: Tensor, groups: list[tuple[int, int, int]], tasks: Tensor, rows: Tensor) -> Tensor:
         """The pooled features of embedded rows ``x`` (sorted by task: ``groups``, ``tasks`` on the CPU, ``rows`` on
@@ -493,7 +504,7 @@ class MultiTask(nn.Module):
                     n = keep.shape[1]
                     bias = torch.zeros(keep.shape[0], 1, 1, -(-n // 8) * 8, dtype=x.dtype)
                     bias[..., :n].masked_fill_(~keep[:, None, None], float("-inf"))
-                    masks[visible] = bias.to(x.device)[..., :n]
+                    masks[visible] = _to_device(bias, x.device)[..., :n]
                 x = bb.run_block(block, x, attn_mask=masks[visible], inputs=inputs)
             return bb.pooled_features(x, pool)
         finally:
@@ -527,7 +538,7 @@ class MultiTask(nn.Module):
         key = index + len(self.names) * torch.tensor(passes)[index] if any(passes) else index
         order = torch.argsort(key, stable=True)
         tasks = index[order]
-        rows, order = tasks.to(images.device), order.to(images.device)
+        rows, order = _to_device(tasks, images.device), _to_device(order, images.device)
         counts = torch.bincount(index, minlength=len(self.names)).tolist()
         groups, start = [], 0
         for task in sorted(range(len(self.names)), key=lambda t: (passes[t], t)):

@@ -15,6 +15,7 @@ import timm
 import torch
 from conftest import TINY_MODELS, make_tiny_family, make_tiny_swin, make_tiny_vit, perturb_trainable
 from PIL import Image
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import petl
 from petl.cli import predict as predict_cli
@@ -746,3 +747,64 @@ def test_the_other_task_sets_launch_few_ops(tmp_path, task_set):
     assert not {"mul", "sum", "sigmoid", "div", "rsub", "clone"} & set(mixed), dict(mixed)
     # Copies: the prompt-slot mask built on the CPU, LST's output put back into its rows, HST's LayerNorms' rows.
     assert mixed["copy_"] <= (2 + 2 * depth if "side" in task_set else 0), dict(mixed)
+
+
+class _HostToDevice(TorchDispatchMode):
+    """Records each copy from the CPU to another device: whether the host was allowed to go on without waiting."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.non_blocking: list[bool] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._to_copy.default and args[0].device.type == "cpu":
+            if kwargs.get("device", args[0].device).type != "cpu":
+                self.non_blocking.append(bool(kwargs.get("non_blocking", False)))
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("task_set", ["8 methods", *sorted(OTHER_SETS_OPS)])
+def test_a_served_mixed_batch_reads_nothing_back_and_queues_its_copies(tmp_path, task_set):
+    """The GPU's path (launch-bound) with the MultiTask on the meta device, which holds no values: the forward never
+    reads a device tensor's values back to the host (an ``.item()`` there raises), and the few tensors it builds on
+    the CPU (the rows' order, the prompt slots' masks) go to the device without waiting for it.  The CUDA test below
+    checks the same on a GPU."""
+    backbone = make_tiny_vit()
+    _, files = _save(tmp_path, _task_set(task_set), backbone)
+    ids, images = _mixed_batch(list(files), per_task=4)
+    multi = petl.MultiTask(backbone, files)
+    multi.launch_bound = True
+    multi.to("meta")
+    images = images.to("meta")
+    with torch.no_grad():
+        multi(images, ids)  # fills the per-device copies of the tasks' served tensors
+        with _HostToDevice() as copies:
+            logits = multi(images, ids)
+    assert logits.shape == (len(ids), max(multi.num_classes.values()))
+    assert copies.non_blocking and all(copies.non_blocking), copies.non_blocking
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("task_set", ["8 methods", *sorted(OTHER_SETS_OPS)])
+def test_a_served_mixed_batch_never_waits_for_the_gpu(tmp_path, monkeypatch, task_set):
+    """On a GPU the host launching ops is the cost (the tests above), so a forward must never stop the host until the
+    GPU has drained: no blocking copy of the rows' order or masks, no ``.item()``; and the rows get the logits the
+    CPU gives them."""
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)  # the CPU's fp32, to compare with it
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    backbone = make_tiny_vit()
+    _, files = _save(tmp_path, _task_set(task_set), backbone)
+    ids, images = _mixed_batch(list(files), per_task=4)
+    with torch.no_grad():
+        on_cpu = petl.MultiTask(backbone, files)(images, ids)
+        multi = petl.MultiTask(backbone, files).cuda()
+        images = images.cuda()
+        multi(images, ids)  # fills the per-device copies of the tasks' served tensors
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")  # a synchronizing CUDA call raises
+        try:
+            on_gpu = multi(images, ids)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.testing.assert_close(on_gpu.cpu(), on_cpu, atol=1e-4, rtol=1e-4)
