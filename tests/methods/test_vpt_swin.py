@@ -276,28 +276,76 @@ def _proj_rows(model, images):
     return sum(shape[:-1].numel() for shape in seen)
 
 
+def _spy_prompts_apart(monkeypatch) -> list[int]:
+    """The prompt counts :func:`swin_prompts._prompts_apart` is called with, from now on."""
+    calls, original = [], swin_prompts._prompts_apart
+
+    def spy(attn, windows, prompts, mask):
+        calls.append(prompts.shape[1])
+        return original(attn, windows, prompts, mask)
+
+    monkeypatch.setattr(swin_prompts, "_prompts_apart", spy)
+    return calls
+
+
 @pytest.mark.parametrize("mode", ["eval", "train"])
 @pytest.mark.parametrize("size", [32, 24], ids=["grid8", "grid6-padded"])
-@pytest.mark.parametrize("deep", [False, True], ids=["shallow", "deep"])
-def test_vpt_on_swin_prompt_linears_once_per_image_equal_once_per_window(monkeypatch, deep, size, mode):
+@pytest.mark.parametrize("deep, n", [(False, 5), (True, 5), (False, 20), (True, 20)], ids=lambda v: str(v))
+def test_vpt_on_swin_prompt_linears_once_per_image_equal_once_per_window(monkeypatch, deep, n, size, mode):
     # Grid 8 in 4x4 windows: four windows an image, the odd block shifted (its mask padded); grid 6: padded to 8 and
     # shifted; the last stage one window.  Train mode with every dropout off (drop_path 0) takes the fast path too.
-    model = petl.apply_vpt(make_tiny_swin(img_size=size, drop_path_rate=0.0), num_tokens=5, deep=deep)
+    # 20 prompts outnumber a window's 16 tokens: in the first stage's four windows their attention among themselves
+    # is computed once per image (_prompts_apart); 5 do not, nor does the last stage's single window.
+    model = petl.apply_vpt(make_tiny_swin(img_size=size, drop_path_rate=0.0), num_tokens=n, deep=deep)
     model.train(mode == "train")
     assert [b.base.window_size for b in _blocks(model)] == [(4, 4)] * 2 + [((size // 4 + 1) // 2,) * 2] * 2
     assert [b.base.shift_size for b in _blocks(model)] == [(0, 0), (2, 2), (0, 0), (0, 0)]
     images = torch.randn(3, 3, size, size, generator=torch.Generator().manual_seed(2))
+    apart = _spy_prompts_apart(monkeypatch)
     logits, grads = _logits_and_prompt_grads(model, images)
-    # The fast path's proj: every window's own tokens and five prompt rows per image, not five per window.
-    assert _proj_rows(model, images) == 3 * 4 * 16 + 3 * 5
+    assert apart == ([n, n] if n >= 16 else [])
+    # The fast path's proj: every window's own tokens and n prompt rows per image, not n per window.
+    assert _proj_rows(model, images) == 3 * 4 * 16 + 3 * n
     monkeypatch.setattr(swin_prompts, "_windowed_attention", _per_window_attention)
-    assert _proj_rows(model, images) == 3 * 4 * (16 + 5)
+    assert _proj_rows(model, images) == 3 * 4 * (16 + n)
     expected_logits, expected_grads = _logits_and_prompt_grads(model, images)
     torch.testing.assert_close(logits, expected_logits)
     assert len(grads) == (4 if deep else 1)
     for got, expected in zip(grads, expected_grads, strict=True):
         assert got.abs().sum() > 0
         torch.testing.assert_close(got, expected)
+
+
+@pytest.mark.parametrize("shifted", [False, True])
+def test_prompts_apart_equals_the_prompts_in_every_window(shifted):
+    # The attention itself, on inputs large enough that every part of the softmax counts: random windows and prompts,
+    # a relative-position bias, the shifted block's mask; outputs (the prompt rows averaged over the windows) and
+    # gradients of both ways equal up to rounding.
+    block = make_tiny_swin(drop_path_rate=0.0).layers[0].blocks[int(shifted)]
+    attn = block.attn
+    with torch.no_grad():  # scores of a few units: softmaxes neither flat nor one-hot
+        attn.relative_position_bias_table.normal_(0, 1, generator=torch.Generator().manual_seed(0))
+        attn.qkv.weight.normal_(0, 0.1, generator=torch.Generator().manual_seed(0))
+    gen = torch.Generator().manual_seed(1)
+    windows = (3 * torch.randn(3 * 4, 16, attn.qkv.in_features, generator=gen)).requires_grad_()
+    prompts = (3 * torch.randn(3, 20, attn.qkv.in_features, generator=gen)).requires_grad_()
+    mask = block.attn_mask
+    assert (mask is not None) == shifted
+    outputs, grads = [], []
+    for apart in (True, False):
+        if apart:
+            got = swin_prompts._prompts_apart(attn, windows, prompts, mask)
+        else:
+            got = swin_prompts._prompts_in_every_window(attn, windows, prompts, mask, 0.0)
+            got = got[0], got[1].mean(dim=1)  # the prompt rows averaged over the windows
+        weights = [torch.randn(t.shape, generator=torch.Generator().manual_seed(i)) for i, t in enumerate(got)]
+        sum((t * w).sum() for t, w in zip(got, weights, strict=True)).backward()
+        outputs.append(got)
+        grads.append((windows.grad.clone(), prompts.grad.clone(), attn.qkv.weight.grad.clone()))
+        windows.grad, prompts.grad, attn.qkv.weight.grad = None, None, None
+    assert outputs[0][1].std() > 0.2  # the averaged prompt rows are not all alike
+    for got, expected in zip([*outputs[0], *grads[0]], [*outputs[1], *grads[1]], strict=True):
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 
 def _proj_drop(model, p):
@@ -312,19 +360,21 @@ def _lora_proj(model):
         torch.nn.init.normal_(block.base.attn.proj.lora_b["proj"])
 
 
+@pytest.mark.parametrize("n", [5, 20])
 @pytest.mark.parametrize(
     "change, mode",
     [(lambda m: _proj_drop(m, 0.5), "train"), (_lora_proj, "eval")],
     ids=["proj_drop-in-training", "lora-wrapped-proj"],
 )
-def test_vpt_on_swin_averages_after_proj_where_before_would_not_be_exact(monkeypatch, change, mode):
+def test_vpt_on_swin_averages_after_proj_where_before_would_not_be_exact(monkeypatch, change, mode, n):
     # A dropout draws a mask per prompt copy, and a wrapper is not known to be affine: proj then runs on every
-    # window's prompt rows and the average follows, as the reference does, on the same random draws.
-    model = petl.apply_vpt(make_tiny_swin(drop_path_rate=0.0), num_tokens=5, deep=True)
+    # window's prompt rows and the average follows, as the reference does, on the same random draws (with 20
+    # prompts too, whose rows _prompts_apart gives).
+    model = petl.apply_vpt(make_tiny_swin(drop_path_rate=0.0), num_tokens=n, deep=True)
     change(model)
     model.train(mode == "train")
     images = torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(2))
-    assert _proj_rows(model, images) == 3 * 4 * (16 + 5)
+    assert _proj_rows(model, images) == 3 * 4 * (16 + n)
     logits, grads = _logits_and_prompt_grads(model, images)
     monkeypatch.setattr(swin_prompts, "_windowed_attention", _per_window_attention)
     expected_logits, expected_grads = _logits_and_prompt_grads(model, images)

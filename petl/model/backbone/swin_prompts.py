@@ -222,6 +222,33 @@ def prompted_window_attention(
       ``proj_drop`` off: p = 0 or eval) the prompt rows are averaged before ``proj``, which then runs on n rows
       per image.  Any other ``proj`` (a wrapper, which is not known to be affine here), or a dropout that draws
       a mask per copy, takes the reference's order: ``proj`` on every window's prompt rows, then the average.
+
+    A third applies where an image has several windows and its prompts outnumber a window's tokens (VPT-shallow's
+    100 prompts): the prompts' attention among themselves, the same in every window, is computed once per image
+    (:func:`_prompts_apart`), unless a dropout acts on the attention weights.
+    """
+    rows, tokens, _ = windows.shape
+    b, n, _ = prompts.shape
+    num_windows = rows // b
+    dropout = attn.attn_drop.p if attn.training else 0.0
+    if num_windows > 1 and n >= tokens and dropout == 0 and _affine_proj(attn):
+        windows_out, prompts_out = _prompts_apart(attn, windows, prompts, mask)
+        return attn.proj_drop(attn.proj(windows_out)), attn.proj_drop(attn.proj(prompts_out))
+    windows_out, prompts_out = _prompts_in_every_window(attn, windows, prompts, mask, dropout)
+    if not _affine_proj(attn):
+        # proj on every window's prompt rows and its tokens in one call (one dropout draw over both), then the average.
+        out = attn.proj_drop(attn.proj(torch.cat([prompts_out.reshape(rows, n, -1), windows_out], dim=1)))
+        return out[:, n:], out[:, :n].reshape(b, num_windows, n, -1).mean(dim=1)
+    return attn.proj_drop(attn.proj(windows_out)), attn.proj_drop(attn.proj(prompts_out.mean(dim=1)))
+
+
+def _prompts_in_every_window(
+    attn: nn.Module, windows: torch.Tensor, prompts: torch.Tensor, mask: torch.Tensor | None, dropout: float
+) -> Pair:
+    """Each window's attention over its image's prompts and its own tokens, as one sequence of n + tokens (L459-522).
+
+    Returns the windows' rows (rows, tokens, C) and every window's prompt rows (B, windows per image, n, C), before
+    ``proj``.
     """
     rows, tokens, _ = windows.shape
     b, n, _ = prompts.shape
@@ -237,14 +264,64 @@ def prompted_window_attention(
     if mask is not None:
         mask = F.pad(mask, pad).view(1, num_windows, 1, n + tokens, n + tokens)
         bias = (bias.unsqueeze(1) + mask).expand(b, -1, -1, -1, -1).reshape(rows, -1, n + tokens, n + tokens)
-    dropout = attn.attn_drop.p if attn.training else 0.0
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias.to(q.dtype), dropout_p=dropout, scale=attn.scale)
     out = out.transpose(1, 2).reshape(rows, n + tokens, -1)
-    if not _affine_proj(attn):
-        out = attn.proj_drop(attn.proj(out))
-        return out[:, n:], out[:, :n].reshape(b, num_windows, n, -1).mean(dim=1)
-    prompt_rows = out[:, :n].reshape(b, num_windows, n, -1).mean(dim=1)
-    return attn.proj_drop(attn.proj(out[:, n:])), attn.proj_drop(attn.proj(prompt_rows))
+    return out[:, n:], out[:, :n].reshape(b, num_windows, n, -1)
+
+
+def _prompts_apart(attn: nn.Module, windows: torch.Tensor, prompts: torch.Tensor, mask: torch.Tensor | None) -> Pair:
+    """:func:`_prompts_in_every_window`'s numbers (up to float rounding), its prompt rows already averaged over the
+    windows, without its prompts' attention among themselves per window.
+
+    A prompt's row in a window attends to the image's prompts and to that window's tokens, so its softmax is a mix of
+    two: the softmax over the prompts, the same in every window (no bias or mask between prompts), computed once
+    per image, and the softmax over the window's tokens; the prompts' share of the mix is the sigmoid of the two
+    parts' log-sum-exp difference (the merge a fused attention kernel does between the blocks of a row).  The
+    average over the windows then sums each window's part weighted by its share, in one matmul over every token of
+    the image.  Of the (n + tokens)² scores a window costs, the n² among the prompts go from once per window to
+    once per image: where the prompts outnumber a window's tokens (VPT-shallow's 100 beside 16 in petl's Swin), most
+    of the attention.  The windows' own rows attend to the prompts and their tokens in one kernel call, as before.
+    Only without dropout on the attention weights (a dropout draws per window) and with an affine ``proj`` (only the
+    average is kept).
+
+    Returns:
+        The windows' rows (rows, tokens, C) and each image's prompt rows averaged over its windows (B, n, C), before
+        ``proj``.
+
+    """
+    rows, tokens, width = windows.shape
+    b, n, _ = prompts.shape
+    num_windows, heads = rows // b, attn.num_heads
+    q, k, v = attn.qkv(windows).reshape(rows, tokens, 3, heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
+    qp, kp, vp = attn.qkv(prompts).reshape(b, n, 3, heads, -1).permute(2, 0, 3, 1, 4).unbind(0)  # B, heads, n, d
+
+    # The windows' rows: keys and values of the image's prompts, then of the window's own tokens.
+    def with_prompts(prompt_part: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
+        every_window = prompt_part.unsqueeze(1).expand(-1, num_windows, -1, -1, -1).reshape(rows, heads, n, -1)
+        return torch.cat([every_window, own], dim=2)
+
+    bias = F.pad(attn._get_rel_pos_bias(), (n, 0))  # 1, heads, tokens, n + tokens
+    if mask is not None:
+        mask = F.pad(mask, (n, 0)).view(1, num_windows, 1, tokens, n + tokens)
+        bias = (bias.unsqueeze(1) + mask).expand(b, -1, -1, -1, -1).reshape(rows, heads, tokens, n + tokens)
+    out = F.scaled_dot_product_attention(
+        q, with_prompts(kp, k), with_prompts(vp, v), attn_mask=bias.to(q.dtype), scale=attn.scale
+    )
+    windows_out = out.transpose(1, 2).reshape(rows, tokens, width)
+
+    # The prompts' rows (softmaxes in float32, as a fused kernel keeps them): over the prompts once per image ...
+    qp = qp * attn.scale
+    among = (qp @ kp.transpose(-1, -2)).float()  # B, heads, n, n
+    from_prompts = torch.softmax(among, dim=-1).to(vp.dtype) @ vp  # B, heads, n, d
+    # ... and over each window's tokens: the image's tokens window after window, one score per prompt and token.
+    k_image = k.view(b, num_windows, heads, tokens, -1).transpose(1, 2).reshape(b, heads, num_windows * tokens, -1)
+    v_image = v.view(b, num_windows, heads, tokens, -1).transpose(1, 2).reshape(b, heads, num_windows * tokens, -1)
+    seen = (qp @ k_image.transpose(-1, -2)).float().view(b, heads, n, num_windows, tokens)
+    # Each window's mix: the prompts' part with weight share, the window's with 1 - share; averaged over windows.
+    share = torch.sigmoid(torch.logsumexp(among, dim=-1).unsqueeze(-1) - torch.logsumexp(seen, dim=-1))
+    weights = torch.softmax(seen, dim=-1) * ((1 - share) / num_windows).unsqueeze(-1)  # B, heads, n, windows, tokens
+    mixed = weights.view(b, heads, n, -1).to(v_image.dtype) @ v_image + share.mean(dim=-1, keepdim=True) * from_prompts
+    return windows_out, mixed.to(windows_out.dtype).transpose(1, 2).reshape(b, n, width)
 
 
 def _affine_proj(attn: nn.Module) -> bool:
