@@ -13,7 +13,9 @@ stages run their blocks in an ``nn.Sequential`` (or ``checkpoint_seq``), which p
   prompts' projections run once per image, not once per window copy, with the same numbers up to float rounding
   (:func:`prompted_window_attention`): ``qkv`` acts token by token, so every copy gets the same q, k, v, and
   ``proj`` (an ``nn.Linear``, its dropout off) is affine, so averaging the prompt rows before it equals averaging
-  its outputs.  The attention itself stays per window: each window's prompt rows see that window's tokens.
+  its outputs.  The attention stays per window (each window's prompt rows see that window's tokens), except the
+  prompts' attention among themselves, the same in every window: where they outnumber a window's tokens it is
+  computed once per image and merged into each window's (:func:`_prompts_apart`).
 * A block with prompts of its own (the first; every block with ``deep``) puts them in place of the ones that
   arrive (L162-173; deep: src/models/vit_backbones/swin_transformer.py L428-452).
 * A PatchMerging (:class:`PromptedPatchMerging`) tiles the prompts four times along the channels, where it
