@@ -233,11 +233,12 @@ def prompted_window_attention(
     b, n, _ = prompts.shape
     num_windows = rows // b
     dropout = attn.attn_drop.p if attn.training else 0.0
-    if num_windows > 1 and n >= tokens and dropout == 0 and _affine_proj(attn):
+    affine = _affine_proj(attn)
+    if num_windows > 1 and n >= tokens and dropout == 0 and affine:
         windows_out, prompts_out = _prompts_apart(attn, windows, prompts, mask)
         return attn.proj_drop(attn.proj(windows_out)), attn.proj_drop(attn.proj(prompts_out))
     windows_out, prompts_out = _prompts_in_every_window(attn, windows, prompts, mask, dropout)
-    if not _affine_proj(attn):
+    if not affine:
         # proj on every window's prompt rows and its tokens in one call (one dropout draw over both), then the average.
         out = attn.proj_drop(attn.proj(torch.cat([prompts_out.reshape(rows, n, -1), windows_out], dim=1)))
         return out[:, n:], out[:, :n].reshape(b, num_windows, n, -1).mean(dim=1)
