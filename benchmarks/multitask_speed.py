@@ -22,6 +22,11 @@ With ``--ops`` nothing is timed: each case's aten ops in one call are counted (`
 after a warm-up call; the MultiTask on the GPU's path, ``launch_bound=True``), the cost where the host launching
 kernels is the bound (a GPU serving small updates); the counts do not depend on the image size.
 
+With ``--profile FILE`` the script also writes where one call of the MultiTask and one of the plain backbone
+once spend their device's time (``torch.profiler``): the device's busy time against the timed call, the aten ops
+dispatched, and the costliest ops.  On a GPU, busy time well under the timed call means the host launching ops
+was the bound; the costliest ops name what to batch next.
+
 The cases take turns call by call over ``--rounds`` rounds in one process (so a shared machine's drifting
 load falls on all alike) and the median per case is reported; ratios are against the 8 separate models.
 The backbone has random weights and the task tensors are perturbed at random: speed does not depend on them.
@@ -38,6 +43,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import timm
@@ -47,6 +53,7 @@ import petl
 import petl.backbones.models  # noqa: F401  (registers vit_fractal_tiny_patch4_32 with timm)
 
 TASKS = 8
+PROFILE_TOP = 12  # ops listed per case in the --profile file
 TASK_SETS = {
     "8 LoRA tasks": [("lora", {})] * TASKS,
     "8 methods": [
@@ -91,18 +98,17 @@ def _task_files(backbone: torch.nn.Module, methods: list, folder: Path) -> tuple
     return files, singles
 
 
-def measure(
+def build_cases(
     model_name: str,
     methods: list,
     batch: int,
-    rounds: int,
     device: str = "cpu",
     dtype: str = "float32",
     img_size: int | None = None,
     launch_bound: bool | None = None,
-) -> dict[str, float]:
-    """Median seconds per batch of each case (see the module doc) for one task set and batch size; ``img_size``
-    overrides the model's, ``launch_bound`` the MultiTask's choice of path by device.
+) -> dict[str, Callable[[], object]]:
+    """The four cases (see the module doc) for one task set and batch size, each a call answering the same batch;
+    ``img_size`` overrides the model's, ``launch_bound`` the MultiTask's choice of path by device.
     """
     torch.manual_seed(0)
     kwargs = {} if img_size is None else {"img_size": img_size}
@@ -120,12 +126,16 @@ def measure(
     images = torch.randn(batch, 3, *size).to(**kw)
     rows = [[r for r, t in enumerate(ids) if t == task] for task in range(TASKS)]
     per_task = [images[r] for r in rows]
-    calls = {
+    return {
         CASES[0]: lambda: multi(images, ids),
         CASES[1]: lambda: [singles[t](per_task[t]) for t in range(TASKS)],
         CASES[2]: lambda: [backbone(per_task[t]) for t in range(TASKS)],
         CASES[3]: lambda: backbone(images),
     }
+
+
+def measure(calls: dict[str, Callable[[], object]], rounds: int, device: str = "cpu") -> dict[str, float]:
+    """Median seconds per call of each case, the cases taking turns call by call over ``rounds`` rounds."""
     times: dict[str, list[float]] = {name: [] for name in calls}
     order = list(calls)
     with torch.inference_mode():
@@ -140,6 +150,73 @@ def measure(
                 _sync(device)
                 times[name].append(time.perf_counter() - start)
     return {name: statistics.median(values) for name, values in times.items()}
+
+
+def profile(calls: dict[str, Callable[[], object]], device: str = "cpu", top: int = PROFILE_TOP) -> dict[str, dict]:
+    """Where one call of the MultiTask and of the backbone once spends its device's time (``torch.profiler``).
+
+    For each of the two cases: ``busy``, the seconds the device spent in ops (on a GPU its kernels, on a CPU the
+    ops' own time); ``ops``, the aten calls the host made (nested ones included); ``kernels``, the GPU kernels
+    they launched (None on a CPU); ``top``, the ``top`` ops by their own device time as (name, calls, seconds).
+    A GPU busy for much less than the case's timed call waited on the host launching its ops; one busy for most
+    of it is bound by the arithmetic or memory traffic.
+    """
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    cuda = device.startswith("cuda")
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+    summary = {}
+    with torch.inference_mode():
+        for name in (CASES[0], CASES[3]):
+            calls[name]()  # warm (caches, the allocator, cuDNN's choice) before the profiled call
+            _sync(device)
+            with torch_profile(activities=activities) as prof:
+                calls[name]()
+                _sync(device)
+            ops = [e for e in prof.key_averages() if e.key.startswith("aten::")]
+            own = (lambda e: e.self_device_time_total) if cuda else (lambda e: e.self_cpu_time_total)
+            ranked = sorted(ops, key=own, reverse=True)
+            kernels = sum(len(e.kernels) for e in prof.events() if e.device_type == DeviceType.CPU)
+            summary[name] = {
+                "busy": sum(own(e) for e in ops) / 1e6,
+                "ops": sum(e.count for e in ops),
+                "kernels": kernels if cuda else None,
+                "top": [(e.key, e.count, own(e) / 1e6) for e in ranked[:top] if own(e) > 0],
+            }
+    return summary
+
+
+def render_profile(profiles: dict, timed: dict, model_name: str, command: str, device: str, dtype: str) -> str:
+    """The profile file: for each task set and batch, the two cases' device time and their costliest ops."""
+    where = "GPU kernels" if device.startswith("cuda") else "the ops' own CPU time"
+    lines = [
+        f"# Where a mixed batch spends its time: MultiTask and the plain backbone once, `{model_name}` "
+        f"({device_words(device, dtype)})",
+        "",
+        f"Command: `{command}`",
+        "",
+        f"One call of each case profiled with `torch.profiler` after a warm-up call. Busy: the device's time in "
+        f"ops ({where}), summed over every op's own time; the timed call is the table's median without the "
+        "profiler. Where busy is well under the timed call, the device waited on the host launching ops.",
+    ]
+    for (task_set, batch), summary in profiles.items():
+        lines += ["", f"## {task_set}, batch {batch}", ""]
+        lines += ["| Case | Timed call ms | Device busy ms | aten calls (nested included) | GPU kernels |"]
+        lines.append("|---|---:|---:|---:|---:|")
+        for name, part in summary.items():
+            seconds = timed.get((task_set, batch), {}).get(name)
+            shown = f"{seconds * 1e3:.2f}" if seconds is not None else "-"
+            kernels = "-" if part["kernels"] is None else part["kernels"]
+            lines.append(f"| {name} | {shown} | {part['busy'] * 1e3:.2f} | {part['ops']} | {kernels} |")
+        for name, part in summary.items():
+            lines += ["", f"{name}, its costliest ops:", "", "| Op | Calls | Own ms | Share of busy |"]
+            lines.append("|---|---:|---:|---:|")
+            for op, count, seconds in part["top"]:
+                share = seconds / part["busy"] if part["busy"] else 0.0
+                lines.append(f"| `{op}` | {count} | {seconds * 1e3:.3f} | {share:.0%} |")
+    return "\n".join(lines) + "\n"
 
 
 def count_ops(model_name: str, methods: list, batch: int, img_size: int | None = None) -> dict[str, int]:
@@ -248,6 +325,12 @@ def main(argv: list[str]) -> None:
         "--deadline", type=float, help="seconds: start no task set and batch after this; the table says what is left"
     )
     parser.add_argument("--out", type=Path, help="write the table here (else print it)")
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        help="also write here where one call of the MultiTask and of the backbone once spends its device's time "
+        "(torch.profiler: busy time, ops dispatched, the costliest ops)",
+    )
     parser.add_argument("--ops", action="store_true", help="count each case's aten ops in one call; time nothing")
     parser.add_argument("--img-size", type=int, help="the model's image size (with --ops the counts do not change)")
     parser.add_argument(
@@ -270,7 +353,7 @@ def main(argv: list[str]) -> None:
                 )
         return
     started, before = time.monotonic(), os.getloadavg()[0]
-    results, missing = {}, []
+    results, missing, profiles = {}, [], {}
     for task_set in (SET_KEYS[key] for key in args.sets.split(",")):
         for batch in (int(b) for b in args.batches.split(",")):
             if args.deadline is not None and time.monotonic() - started > args.deadline:
@@ -278,9 +361,10 @@ def main(argv: list[str]) -> None:
                 continue
             methods = TASK_SETS[task_set]
             launch_bound = True if args.launch_bound else None
-            results[(task_set, batch)] = measure(
-                args.model, methods, batch, args.rounds, args.device, args.dtype, args.img_size, launch_bound
-            )
+            calls = build_cases(args.model, methods, batch, args.device, args.dtype, args.img_size, launch_bound)
+            results[(task_set, batch)] = measure(calls, args.rounds, args.device)
+            if args.profile:
+                profiles[(task_set, batch)] = profile(calls, args.device)
             print(task_set, batch, {k: f"{batch / v:.0f} img/s" for k, v in results[(task_set, batch)].items()})
     command = "python benchmarks/multitask_speed.py " + " ".join(argv)
     load = (before, os.getloadavg()[0])
@@ -290,6 +374,9 @@ def main(argv: list[str]) -> None:
     if args.out:
         args.out.write_text(table)
     print(table)
+    if args.profile:
+        args.profile.write_text(render_profile(profiles, results, args.model, command.strip(), args.device, args.dtype))
+        print(f"profile: {args.profile}")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@
 #                      LoRA against peft's LoRA (TF32 and bf16 autocast rows, and torch.compile), then the seed
 #                      methods (linear ... full) with a bf16 row each;
 #   multitask_cuda.md  benchmarks/multitask_speed.py: 8 LoRA tasks and the 8-method set on ViT-B/16, bf16, batch 64,
-#                      against the plain backbone;
+#                      against the plain backbone, and multitask_cuda_profile.md beside it: where each mixed
+#                      batch's GPU time goes (busy time against the timed call, kernels, the costliest ops);
 #   serve_cuda.md      benchmarks/serve_load.py: petl-serve on loopback (default backbone, 1 and 4 tasks) in its
 #                      default precision=auto: bf16 autocast with TF32 on the GPU (the table's title names the
 #                      precision each server's /health reported).
@@ -109,6 +110,7 @@ part speed_methods "$SPEED_METHODS_END" "$PYTHON" -m petl.cli.bench speed $SPEED
 
 # 2. Serving many tasks from one backbone, bf16.
 part multitask "$MULTITASK_END" "$PYTHON" benchmarks/multitask_speed.py $MULTITASK --sets lora,methods \
+    --profile "$OUT/multitask_cuda_profile.md" \
     --deadline $(($(left "$MULTITASK_END") * 6 / 10)) --out "$OUT/multitask_cuda.md"
 
 # 3. petl-serve under load on loopback.

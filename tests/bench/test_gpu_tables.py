@@ -57,6 +57,8 @@ def test_the_cpu_mode_makes_every_table(tmp_path):
     multitask = (tmp_path / "multitask_cuda.md").read_text()
     assert multitask.startswith("# Serving 8 tasks") and "per task (CPU)" in multitask.splitlines()[0]
     assert "| 8 LoRA tasks | 8 (1) |" in multitask and "| 8 methods | 8 (1) |" in multitask
+    profile = (tmp_path / "multitask_cuda_profile.md").read_text()
+    assert profile.startswith("# Where a mixed batch spends its time") and "## 8 methods, batch 8" in profile
     serve = (tmp_path / "serve_cuda.md").read_text()
     # petl-serve serves on the GPU wherever torch sees one, whatever the script's mode, in its default precision.
     if torch.cuda.is_available():
@@ -79,7 +81,33 @@ def test_the_multitask_title_names_the_device_and_what_it_left_out():
     assert "Not measured: the --deadline had passed before 8 methods at batch 8." in table
 
 
+def test_the_multitask_profile_names_each_case_s_busy_time_and_costliest_ops():
+    multitask = _script("multitask_speed")
+    square = torch.ones(64, 64)
+    calls = {multitask.CASES[0]: lambda: square @ square, multitask.CASES[3]: lambda: square + square}
+    summary = multitask.profile(calls, "cpu")
+    assert list(summary) == [multitask.CASES[0], multitask.CASES[3]]
+    mixed, once = summary.values()
+    assert mixed["top"][0][0] == "aten::mm" and once["top"][0][0] == "aten::add"
+    assert mixed["busy"] > 0 and mixed["ops"] >= 1 and mixed["kernels"] is None
+    timed = {("8 methods", 64): {multitask.CASES[0]: 0.002}}
+    table = multitask.render_profile({("8 methods", 64): summary}, timed, "m", "cmd", "cpu", "float32")
+    assert "## 8 methods, batch 64" in table
+    assert f"| {multitask.CASES[0]} | 2.00 | {mixed['busy'] * 1e3:.2f} | {mixed['ops']} | - |" in table
+    assert f"| {multitask.CASES[3]} | - |" in table and "| `aten::mm` | 1 |" in table
+
+
 @pytest.mark.cuda
 def test_a_cuda_multitask_title_names_the_gpu():
     multitask = _script("multitask_speed")
     assert multitask.device_words("cuda", "bfloat16") == f"{torch.cuda.get_device_name()}, bfloat16"
+
+
+@pytest.mark.cuda
+def test_a_cuda_multitask_profile_counts_the_gpu_s_kernels_and_their_time():
+    multitask = _script("multitask_speed")
+    square = torch.ones(256, 256, device="cuda")
+    calls = {multitask.CASES[0]: lambda: square @ square, multitask.CASES[3]: lambda: square + square}
+    mixed, once = multitask.profile(calls, "cuda").values()
+    assert mixed["kernels"] >= 1 and once["kernels"] >= 1
+    assert mixed["busy"] > 0 and mixed["top"][0][0] == "aten::mm" and once["top"][0][0] == "aten::add"
