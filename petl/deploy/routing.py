@@ -24,14 +24,13 @@ from petl.model.rows import Batched, CannotShare, RowHook, Tokens, affine, per_d
 Tensor = torch.Tensor
 
 
-def _own_parameter_hook(module: nn.Module, frozen: nn.Module, path: str, own: list[str]) -> RowHook:
+def _own_parameter_hook(module: nn.Module, frozen: nn.Module, own: list[str]) -> RowHook | None:
     """The hook of a backbone module some of whose parameters the task trained itself (BitFit, LN tuning).
 
     A trained bias alone (BitFit), on a Linear, a Conv2d or a LayerNorm, is a delta added to the shared output; a
     trained LayerNorm weight or layer scale is cheap (no matmul): the task's rows go through its own module.  A
-    trained weight matrix would need its own matmul per task, which is exactly what cannot be shared.
+    trained weight matrix would need its own matmul per task, which is exactly what cannot be shared: None.
     """
-    where = f"{path}.{own[0]}" if path else own[0]
     if isinstance(module, (nn.Linear, nn.Conv2d, nn.LayerNorm)) and own == ["bias"] and frozen.bias is not None:
         # The frozen output plus the bias's change: exact for a Linear or Conv2d, and for a LayerNorm (whose
         # weight is the frozen one) up to the rounding of one add.
@@ -39,7 +38,29 @@ def _own_parameter_hook(module: nn.Module, frozen: nn.Module, path: str, own: li
             return _delta_hook(frozen, module.bias - frozen.bias, 1 if isinstance(module, nn.Conv2d) else -1)
     if isinstance(module, (nn.LayerNorm, LayerScale)):
         return RowHook(frozen, post=lambda x, y, _tokens: module(x))
-    raise CannotShare(f"it trains {where}, a frozen weight every row's computation shares; serve it as its own model")
+    return None
+
+
+def _trains_frozen(model: nn.Module, frozen: dict[str, nn.Module], path: str, tensor: str) -> str:
+    """Why a task that trained ``tensor`` (a frozen weight of the module at ``path``) cannot share the backbone, naming
+    the outermost module on ``path`` it trained whole (a Partial-k block; the model, fine-tuned in full), which says
+    more than the first such tensor the walk meets (a Swin block's relative-position table).
+    """
+    parts = path.split(".") if path else []
+    for end in range(len(parts) + 1):
+        prefix = ".".join(parts[:end])
+        try:
+            mine = model.get_submodule(prefix)
+        except AttributeError:  # a wrapper's path: the module under it is the one the walk compares
+            break
+        shared = {id(p) for p in frozen[prefix].parameters()}
+        if not any(id(p) in shared for p in mine.parameters()):
+            whole = f"all of {prefix}" if prefix else "every weight of the backbone"
+            return (
+                f"it trains {whole} ({tensor} among them), frozen weights every row's computation shares; serve it "
+                "as its own model"
+            )
+    return f"it trains {tensor}, a frozen weight every row's computation shares; serve it as its own model"
 
 
 def _delta_hook(frozen: nn.Module, delta: Tensor, channel_dim: int = -1) -> RowHook:
@@ -498,7 +519,9 @@ def task_sites(model: nn.Module, backbone: nn.Module) -> dict[str, RowHook]:
         if beside is not None and set(own) <= set(beside[1]):
             add(f"{path}.{beside[0]}", _biases_beside_hook(module, plain, beside))
         elif own:
-            hook = _own_parameter_hook(module, plain, path, own)
+            hook = _own_parameter_hook(module, plain, own)
+            if hook is None:
+                raise CannotShare(_trains_frozen(model, frozen, path, f"{path}.{own[0]}" if path else own[0]))
             wrapper = sites.get(path)
             if wrapper is not None and wrapper.wrapped is module:  # GPS: a wrapper over a layer with its own bias
                 sites[path] = _around(wrapper, hook)

@@ -257,13 +257,20 @@ def test_layer_scale_gammas_trained_by_gps_act_on_their_own_rows(tmp_path):
     _check_both_paths(multi, singles, ids, images)
 
 
+@pytest.mark.parametrize("make", [make_tiny_vit, make_tiny_swin], ids=["vit", "swin"])
 @pytest.mark.parametrize("case", sorted(REFUSED))
-def test_methods_that_train_frozen_weights_are_refused_in_one_line(tmp_path, case):
-    backbone = make_tiny_vit()
+def test_methods_that_train_frozen_weights_are_refused_in_one_line(tmp_path, case, make):
+    backbone = make()
     _, files = _save(tmp_path, {case: REFUSED[case]}, backbone)
     with pytest.raises(ValueError, match=rf"task '{case}' \(method {case}\) cannot share the backbone") as error:
         petl.MultiTask(backbone, files)
     assert "\n" not in str(error.value)
+    # Named by what the task trained whole (Partial-1: the last block), not only the first tensor met in it (on a
+    # Swin, the block's relative-position table).
+    paths = {id(m): path for path, m in backbone.named_modules()}
+    last = paths[id(backbone_of(backbone).block_container()[-1])]
+    whole = {"partial": f"all of {last} ({last}.", "full": "every weight of the backbone ("}[case]
+    assert f"it trains {whole}" in str(error.value) and "serve it as its own model" in str(error.value)
 
 
 def test_a_peft_tuner_without_a_hook_is_refused_naming_it(tmp_path):
