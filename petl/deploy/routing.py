@@ -51,7 +51,7 @@ def _trains_frozen(model: nn.Module, frozen: dict[str, nn.Module], path: str, te
         prefix = ".".join(parts[:end])
         try:
             mine = model.get_submodule(prefix)
-        except AttributeError:  # a wrapper's path: the module under it is the one the walk compares
+        except AttributeError:  # below a wrapper the model has a level (its base) the walk's paths skip
             break
         shared = {id(p) for p in frozen[prefix].parameters()}
         if not any(id(p) in shared for p in mine.parameters()):
