@@ -23,9 +23,9 @@ after a warm-up call; the MultiTask on the GPU's path, ``launch_bound=True``), t
 kernels is the bound (a GPU serving small updates); the counts do not depend on the image size.
 
 With ``--profile FILE`` the script also writes where one call of the MultiTask and one of the plain backbone
-once spend their device's time (``torch.profiler``): the device's busy time against the timed call, the aten ops
-dispatched, and the costliest ops.  On a GPU, busy time well under the timed call means the host launching ops
-was the bound; the costliest ops name what to batch next.
+once spend their device's time (``torch.profiler``): the device's busy time against the timed call, the aten calls
+(nested ones included), the GPU kernels and the costliest ops.  On a GPU, busy time well under the timed call
+means the host launching ops was the bound; the costliest ops name what to batch next.
 
 The cases take turns call by call over ``--rounds`` rounds in one process (so a shared machine's drifting
 load falls on all alike) and the median per case is reported; ratios are against the 8 separate models.
