@@ -4,7 +4,9 @@ Each board is built from its runs (:func:`petl.bench.report.build_board`), never
 only complete rows count: a row short of a task or seed has a mean over other tasks, which ranks nothing.  An
 experiment's rank is its place among its own board's complete rows; Spearman's rho is computed over the
 experiments complete on both boards (their task means, :func:`petl.bench.published.rank_correlation`), with a
-95 % bootstrap interval over those experiments (seeded: the same runs give the same page).
+95 % bootstrap interval over those experiments (seeded: the same runs give the same page).  The places an experiment
+moved are counted among those shared experiments alone: two boards of different sizes (a 27-row board against a
+9-row one) would otherwise read every row of the smaller as moving up.
 
 Own images (``suite=choose data=folder``) are one task named after the dataset (``folder``) in every results
 folder: two folders of different images would line up as one task.  Their ``data.json`` fingerprints
@@ -50,6 +52,11 @@ class Comparison:
     def shared(self) -> tuple[str, ...]:
         """The experiments complete on both boards, best first on the second."""
         return self.correlation.methods
+
+    def places_moved_up(self, experiment: str) -> int:
+        """How many places ``experiment`` rose from the first board to the second, among the shared experiments."""
+        first, second = ([e for e in places if e in self.shared] for places in self.complete)
+        return first.index(experiment) - second.index(experiment)
 
 
 def check_same_data(first: str | Path, second: str | Path) -> None:
@@ -109,7 +116,8 @@ def markdown(comparison: Comparison) -> str:
         f"# {name_a} against {name_b}",
         "",
         "Built from the runs by `petl-bench compare` (petl/bench/compare.py): each board's complete rows (every "
-        "task, every seed) ranked by task mean; a rank is the place among that board's own complete rows.",
+        "task, every seed) ranked by task mean; a rank is the place among that board's own complete rows, and the "
+        "places moved are counted among the experiments complete on both.",
         "",
         *(
             f"- **{name}**: {len(places)} complete rows; measured on {', '.join(models)}."
@@ -119,14 +127,14 @@ def markdown(comparison: Comparison) -> str:
         f"**Rank correlation of the task means**: {verdict}",
         "",
         f"| Experiment | Rank, {name_a} (of {len(a)}) | Task mean | Rank, {name_b} (of {len(b)}) | Task mean | "
-        "Places moved up |",
+        f"Places moved up (of the {len(shared)} compared) |",
         "|---|---:|---:|---:|---:|---:|",
     ]
     for experiment in shared:
         first, second = a[experiment], b[experiment]
         lines.append(
             f"| {experiment} | {first.rank} | {first.task_mean:.2f} | {second.rank} | "
-            f"{second.task_mean:.2f} | {first.rank - second.rank:+d} |"
+            f"{second.task_mean:.2f} | {comparison.places_moved_up(experiment):+d} |"
         )
     for name, own, other in ((name_a, a, b), (name_b, b, a)):
         alone = [e for e in own if e not in other]

@@ -49,6 +49,19 @@ def test_ranks_are_places_among_each_boards_complete_rows_and_rho_is_over_the_sh
     assert "Complete only on suite b (1, not compared): mlp." in page
 
 
+def test_places_moved_are_counted_among_the_shared_rows_when_the_boards_differ_in_size(tmp_path):
+    # Two rows complete on the first board only, both above the shared ones: the shared order is the same on both.
+    first = _board(tmp_path / "a", {"ssf": 95.0, "dora": 92.0, "full": 70.0, "lora": 60.0, "linear": 50.0})
+    second = _board(tmp_path / "b", {"full": 90.0, "lora": 80.0, "linear": 70.0})
+    found = compare.compare(first, second)
+
+    assert found.complete[0]["linear"].rank == 5 and found.complete[1]["linear"].rank == 3
+    assert [found.places_moved_up(e) for e in found.shared] == [0, 0, 0]
+    page = compare.markdown(found)
+    assert "| Places moved up (of the 3 compared) |" in page
+    assert "| linear | 5 | 50.00 | 3 | 70.00 | +0 |" in page
+
+
 def test_too_few_shared_rows_give_no_coefficient(tmp_path):
     first = _board(tmp_path / "a", {"lora": 60.0, "linear": 50.0})
     second = _board(tmp_path / "b", {"lora": 70.0, "linear": 80.0})
