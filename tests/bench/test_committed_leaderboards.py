@@ -22,7 +22,9 @@ RUNS = MINI / "runs"
 # The same protocol on the real backbone (DINOv2 ViT-S/14 at 56 px), built with its suite's plan.
 DINOV2 = REPO / "benchmarks" / "results" / "mini_dinov2"
 # Every committed leaderboard: its folder, and the suite its README's report command names (None: none).
-LEADERBOARDS = [(MINI, "mini_selection"), (DINOV2, "mini_dinov2")]
+# The seed methods on petl's FractalDB Swin, beside the ViT's rows.
+MINI_SWIN = REPO / "benchmarks" / "results" / "mini_swin"
+LEADERBOARDS = [(MINI, "mini_selection"), (DINOV2, "mini_dinov2"), (MINI_SWIN, "mini_swin")]
 
 
 def _result(task: str, method: str, seed: int, top1: float | None, **extra) -> dict:

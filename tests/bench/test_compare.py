@@ -11,7 +11,12 @@ from test_committed_leaderboards import _write as write_run
 from petl.bench import compare, report
 
 REPO = Path(__file__).resolve().parents[2]
-COMMITTED = REPO / "benchmarks" / "results" / "mini_dinov2" / "vs_fractaldb.md"
+RESULTS = REPO / "benchmarks" / "results"
+# Each committed comparison: its file, and the two suites it compares (their runs under RESULTS/<suite>/runs).
+COMMITTED = [
+    (RESULTS / "mini_dinov2" / "vs_fractaldb.md", ("mini_selection", "mini_dinov2")),
+    (RESULTS / "mini_swin" / "vs_vit.md", ("mini_selection", "mini_swin")),
+]
 TASKS = ("mini/digits", "mini/clevr_count")
 
 
@@ -85,14 +90,13 @@ def test_the_command_writes_the_page_and_refuses_a_third_folder(tmp_path, capsys
 
 
 @pytest.mark.slow
-def test_the_committed_comparison_rebuilds_from_the_committed_runs(tmp_path):
-    """vs_fractaldb.md is what `petl-bench compare` (the command in benchmarks/results/README.md) writes today."""
-    results = REPO / "benchmarks" / "results"
-    boards = (
-        report.build_board(results / "mini_selection" / "runs", plan=report.plan_of("mini_selection")),
-        report.build_board(results / "mini_dinov2" / "runs", plan=report.plan_of("mini_dinov2")),
-    )
-    assert compare.markdown(compare.compare(*boards)) == COMMITTED.read_text()
+@pytest.mark.parametrize(("committed", "suites"), COMMITTED, ids=[path.name for path, _ in COMMITTED])
+def test_the_committed_comparison_rebuilds_from_the_committed_runs(committed, suites):
+    """Each committed comparison is what `petl-bench compare` (the command in benchmarks/results/README.md) writes
+    today.
+    """
+    boards = (report.build_board(RESULTS / suite / "runs", plan=report.plan_of(suite)) for suite in suites)
+    assert compare.markdown(compare.compare(*boards)) == committed.read_text()
 
 
 def test_the_command_refuses_to_replace_a_file_unless_told(tmp_path, capsys):
