@@ -9,12 +9,15 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=benchmarks/results/mini_swin/prompt_count/digits
+pids=()
 for tokens in 10 25; do
   OMP_NUM_THREADS=1 petl-run method=vpt method.num_tokens=$tokens method.deep=false data.name=mini/digits \
     data.split=train800val200 model.name=swin_fractal_tiny_patch2_window4_32.fractaldb train.epochs=20 \
     train.lr=0.01 train.precision=no seed=0 "output_dir=$out/vpt_shallow_$tokens/seed0" &
+  pids+=($!)
 done
-wait
+# Each run waited for by its pid, so that a failed run stops the script (a bare wait returns 0).
+for pid in "${pids[@]}"; do wait "$pid"; done
 for tokens in 10 25; do
   python -c "import json, sys; r = json.load(open(sys.argv[1])); print(sys.argv[2], 'prompts: test top-1', round(r['test_top1'], 2))" \
     "$out/vpt_shallow_$tokens/seed0/result.json" "$tokens"
