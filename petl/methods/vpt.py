@@ -49,10 +49,10 @@ its backbone src/models/vit_backbones/swin_transformer.py, "S"), in
   outputs, across a merging too); the count is ``num_tokens * sum(block widths)``.  Every stage's prompts
   start uniform with the same bound, from the patch size and embed_dim (P L91-92).
 - Prompt count.  Every window holds every prompt, so the ``vpt_shallow`` experiment's 100 prompts (V-PETL
-  Bench's VPT-Shallow setting; ``num_tokens`` defaults to 10) outnumber a window's tokens (49 in a 7x7 window, 16 in petl's
-  FractalDB Swin) where a ViT's sequence holds 197 or 65.
-  On the FractalDB Swin's mini leaderboard VPT-shallow read below the linear probe (47.65 against 56.33, the
-  task means), and one digits final read 75.16 with 10 prompts and 75.78 with 25 against 63.74 with 100
+  Bench's VPT-Shallow setting; ``num_tokens`` defaults to 10) outnumber a window's tokens (49 in a 7x7
+  window, 16 in petl's FractalDB Swin) where a ViT's sequence holds 197 or 65.  On the FractalDB Swin's mini
+  leaderboard VPT-shallow read below the linear probe (47.65 against 56.33, the task means), and one digits
+  final read 75.16 with 10 prompts and 75.78 with 25 against 63.74 with 100
   (``benchmarks/results/mini_swin/README.md``): on a Swin, search ``num_tokens`` too.
 - Pooling.  The final norm and the average pool see the prompts with the grid (P L262-264), as
   ``pool=original`` does on a ViT; ``forward_features`` then returns one row of prompts and grid tokens
