@@ -239,17 +239,11 @@ def _train_and_record(cfg: DictConfig, resolved: dict[str, Any], out: Path, acce
     train_seconds = progress.seconds()
     tested = time.perf_counter()
     test_top1 = _evaluate_test_once(training)
-    result = _result(cfg, model, info.num_classes, progress.history, test_top1, train_seconds, training)
-    result.test_seconds = round(time.perf_counter() - tested, 2) if test_top1 is not None else None
-    peak_mb, peak_kind = files.peak_memory(accelerator.device.type)
-    result.peak_memory_mb, result.peak_memory_kind = round(peak_mb, 1), peak_kind
-    result.config, result.inputs = resolved, inputs
-    result.weights_sha256 = _weights_sha256(cfg, model)
-    result.checkpoint_sha256 = inputs["model.checkpoint_sha256"]
-    result.class_names = list(info.class_names or (str(i) for i in range(info.num_classes)))
-    result.val_from_train, result.has_test_split = info.val_from_train, petl_data.TEST in info.splits
-    result.split_meaning = split_meaning(info, cfg.data.split, len(datasets["train"]))
-    result.wall_seconds = round(progress.wall_seconds(), 2)
+    test_seconds = round(time.perf_counter() - tested, 2) if test_top1 is not None else None
+    result = _result(
+        cfg, model, info, len(datasets["train"]), progress, training, resolved, inputs,
+        train_seconds=train_seconds, test_top1=test_top1, test_seconds=test_seconds,
+    )  # fmt: skip
     card = load.model_card(
         model_cfg=resolved["model"], seed=cfg.seed, model=model, spec=build.eval_spec(cfg, model, info),
         class_names=result.class_names, dataset=cfg.data.name, checkpoint_sha256=result.checkpoint_sha256,
@@ -481,14 +475,22 @@ def _scalars(flat: dict[str, Any]) -> dict[str, Any]:
 def _result(
     cfg: DictConfig,
     model: nn.Module,
-    num_classes: int,
-    history: list[dict[str, Any]],
-    test_top1: float | None,
-    train_seconds: float,
+    info: petl_data.DatasetInfo,
+    train_size: int,
+    progress: _Progress,
     training: _Setup,
+    resolved: dict[str, Any],
+    inputs: dict[str, Any],
+    *,
+    train_seconds: float,
+    test_top1: float | None,
+    test_seconds: float | None,
 ) -> RunResult:
+    """The run's record, built once from everything it says (``train_seconds`` read before the test pass)."""
     accelerator, cache_plan = training.accelerator, training.cache_plan
+    num_classes, history = info.num_classes, progress.history
     counts = count_params(model)
+    peak_mb, peak_kind = files.peak_memory(accelerator.device.type)
     images = sum(h["images"] for h in history)
     seconds = sum(h["seconds"] for h in history)
     last = history[-1] if history else {}
@@ -529,4 +531,16 @@ def _result(
         **files.git_commit(),
         output_dir=str(cfg.output_dir),
         finished_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        test_seconds=test_seconds,
+        peak_memory_mb=round(peak_mb, 1),
+        peak_memory_kind=peak_kind,
+        config=resolved,
+        inputs=inputs,
+        weights_sha256=_weights_sha256(cfg, model),
+        checkpoint_sha256=inputs["model.checkpoint_sha256"],
+        class_names=list(info.class_names or (str(i) for i in range(num_classes))),
+        val_from_train=info.val_from_train,
+        split_meaning=split_meaning(info, cfg.data.split, train_size),
+        has_test_split=petl_data.TEST in info.splits,
+        wall_seconds=round(progress.wall_seconds(), 2),
     )
