@@ -27,11 +27,11 @@ from torch.profiler import ProfilerActivity, profile
 import petl.backbones  # noqa: F401  (registers petl's backbones with timm)
 import petl.methods  # noqa: F401  (importing the methods registers them)
 from petl.bench.floors import Floor, floor_hooks
-from petl.bench.rss import current_rss_mb, peak_rss_mb, reset_peak_rss
 from petl.model.backbone import backbone_of
 from petl.model.registry import get_method
 from petl.model.surgery import apply, merge
 from petl.train import engine
+from petl.utils.memory import current_rss_mb, peak_rss_mb, reset_peak_rss
 
 FORWARD = "frozen forward (no grad)"
 # peft's LoRA on the block Linear that computes Q (timm's fused qkv; a parallel block's in_proj): see peft_target.

@@ -66,7 +66,7 @@ _debug = False
 
 
 def _error(message: str) -> None:
-    from petl.store.files import is_main_process
+    from petl.utils.distributed import is_main_process
 
     # Only one process of a multi-GPU launch speaks, or every error would print once per GPU.
     if is_main_process():
@@ -174,8 +174,8 @@ def _task(cfg: DictConfig, checked: bool = False) -> dict[str, Any] | None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    from petl.store.files import is_main_process
     from petl.train import runner
+    from petl.utils.distributed import is_main_process
 
     hydra_cfg = HydraConfig.get() if HydraConfig.initialized() else None
     multirun = hydra_cfg is not None and hydra_cfg.mode == RunMode.MULTIRUN
@@ -261,8 +261,8 @@ def main(argv: Sequence[str] | None = None) -> None:
 
         print(plain(fast_help(PROG, __doc__)))
         raise SystemExit  # status 0, as argparse after --help
-    from petl.store.files import is_main_process
     from petl.train import config
+    from petl.utils.distributed import is_main_process
 
     flags = list(argv)
     for override in args.overrides:

@@ -10,16 +10,10 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import platform
-import random
-import resource
-import subprocess
 import warnings
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from petl.utils.paths import atomic_path, file_sha256, write_atomic  # noqa: F401 (re-exported for the run's writers)
@@ -36,17 +30,6 @@ RUN_FILES = (CONFIG_FILE, METRICS_FILE, RESULT_FILE, WEIGHTS_FILE, MODEL_FILE, C
 RUN_MARKERS = (MODEL_FILE, WEIGHTS_FILE, RESULT_FILE, CHECKPOINT_FILE)
 # resume=false moves an earlier run's files to ``<output_dir>.replaced-<time>``; reports skip such folders.
 REPLACED_MARK = ".replaced-"
-
-VERSIONED_PACKAGES = ("petl", "torch", "torchvision", "timm", "accelerate", "peft", "hydra-core", "omegaconf", "numpy")
-
-
-def is_main_process() -> bool:
-    """Whether this process writes the records and talks: rank 0 of a multi-process launch, or the only one.
-
-    Read from the environment, so it works before accelerate is set up (``accelerate launch`` and
-    ``torchrun`` export RANK to every process).
-    """
-    return os.environ.get("RANK", "0") == "0"
 
 
 def enclosing_run(path: Path) -> tuple[Path, str] | None:
@@ -157,30 +140,6 @@ def read_json(path: Path) -> dict[str, Any] | None:
     return record
 
 
-def rng_state() -> dict[str, Any]:
-    """Every random generator a training step may draw from, as tensors and plain values."""
-    np_state = np.random.get_state()
-    state: dict[str, Any] = {
-        "python": random.getstate(),
-        # Stored as tensors and ints so the checkpoint loads with torch.load(weights_only=True).
-        "numpy": (np_state[0], torch.from_numpy(np_state[1].copy()), *np_state[2:]),
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    """Restore what :func:`rng_state` captured."""
-    random.setstate(state["python"])
-    name, key, *rest = state["numpy"]
-    np.random.set_state((name, key.numpy(), *rest))
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
 def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
     """Write a checkpoint atomically (trainable weights, optimizer, scheduler, RNG, history)."""
 
@@ -222,84 +181,3 @@ def load_checkpoint(path: Path) -> dict[str, Any] | None:
     if missing:
         raise DamagedFileError(f"{path} is damaged (not a petl checkpoint: {', '.join(missing)} missing)")
     return state
-
-
-def versions() -> dict[str, str | None]:
-    """Installed versions of Python and the libraries that decide a result."""
-    found: dict[str, str | None] = {"python": platform.python_version()}
-    for package in VERSIONED_PACKAGES:
-        try:
-            found[package] = metadata.version(package)
-        except metadata.PackageNotFoundError:
-            found[package] = None
-    # The build tag (+cu130, +cpu) tells which binary ran; only the module knows it.
-    found["torch"] = torch.__version__
-    return found
-
-
-def git_commit() -> dict[str, Any]:
-    """The commit (and whether the tree had changes) of the petl checkout, when it is one."""
-    here = Path(__file__).resolve().parent
-
-    def git(*args: str) -> str | None:
-        try:
-            out = subprocess.run(["git", *args], cwd=here, capture_output=True, text=True, timeout=10)
-        except (OSError, subprocess.SubprocessError):
-            return None
-        return out.stdout.strip() if out.returncode == 0 else None
-
-    commit = git("rev-parse", "HEAD")
-    dirty = git("status", "--porcelain", "--untracked-files=no") if commit else None
-    return {"git_commit": commit, "git_dirty": bool(dirty) if dirty is not None else None}
-
-
-def peak_memory(device_type: str) -> tuple[float, str]:
-    """Peak memory in MiB of a run on ``device_type``, and what it measures.
-
-    CUDA's max allocated on a GPU, else the process's max RSS: also for a CPU run on a machine with a GPU, where
-    the CUDA allocator's peak (zero, or an earlier GPU run's in the same process) is not the run's.
-    """
-    if device_type == "cuda":
-        return torch.cuda.max_memory_allocated() / 2**20, "cuda_max_allocated"
-    return peak_rss_mb(), "process_max_rss"
-
-
-def reset_peak_rss() -> bool:
-    """Reset the resident-set high-water mark (VmHWM, and with it ``ru_maxrss``) to the current RSS.
-
-    Linux supports this by writing 5 to ``/proc/self/clear_refs``, so that runs sharing one process
-    (a sweep, a notebook) each get their own peak.  Returns False where it is not supported, in which
-    case a peak read later may belong to anything the process did before.
-    """
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        return False
-    return True
-
-
-def _status_mb(key: str) -> float | None:
-    try:
-        with open("/proc/self/status") as f:
-            line = next((line for line in f if line.startswith(key + ":")), None)
-    except OSError:
-        return None
-    return None if line is None else int(line.split()[1]) / 1024  # reported in kB
-
-
-def current_rss_mb() -> float:
-    """The resident set now, in MiB (the peak so far where /proc is unavailable)."""
-    now = _status_mb("VmRSS")
-    return peak_rss_mb() if now is None else now
-
-
-def peak_rss_mb() -> float:
-    """The resident-set high-water mark, in MiB."""
-    # VmHWM is what clear_refs resets; ru_maxrss also keeps the peak of anything before an exec
-    # (e.g. a launcher process), so it is only the fallback where /proc is missing.
-    hwm = _status_mb("VmHWM")
-    if hwm is not None:
-        return hwm
-    # ru_maxrss is in KiB on Linux, bytes on macOS.
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (2**20 if platform.system() == "Darwin" else 2**10)

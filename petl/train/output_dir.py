@@ -26,6 +26,7 @@ from petl.store import files, lock
 from petl.store.result import ResultError, RunResult, read_result
 from petl.train import config
 from petl.train.config import ConfigError
+from petl.utils.distributed import is_main_process
 from petl.utils.errors import RunError
 
 log = logging.getLogger(__name__)
@@ -293,7 +294,7 @@ def claim(out: Path) -> Iterator[None]:
     Only the main process claims (the others of a multi-GPU launch write nothing).  A folder this
     claim created is removed again if the run fails before writing anything into it.
     """
-    if not files.is_main_process():
+    if not is_main_process():
         yield
         return
     created: list[Path] = []

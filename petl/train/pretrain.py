@@ -24,6 +24,8 @@ from petl.backbones import models
 from petl.data.fractaldb import FractalConfig, generate, search_systems, to_model_input
 from petl.store import files
 from petl.train.engine import TrainSettings, build_optimizer, fit
+from petl.utils.provenance import git_commit, versions
+from petl.utils.random import rng_state, set_rng_state
 
 ARCH = "vit_fractal_tiny_patch4_32"
 
@@ -119,7 +121,7 @@ def pretrain(
         accelerator.unwrap_model(model).load_state_dict(checkpoint["trainable"])
         optimizer.load_state_dict(checkpoint["optimizer"])
         scheduler.load_state_dict(checkpoint["scheduler"])
-        files.set_rng_state(checkpoint["rng"])
+        set_rng_state(checkpoint["rng"])
         generator.set_state(checkpoint["loader_rng"])
         done, seconds_before = checkpoint["history"], checkpoint["seconds"]
         accelerator.print(f"resuming {partial} after epoch {checkpoint['epoch']}/{settings.epochs}")
@@ -133,7 +135,7 @@ def pretrain(
                 "trainable": accelerator.unwrap_model(model).state_dict(),
                 "optimizer": optimizer.state_dict(),
                 "scheduler": scheduler.state_dict(),
-                "rng": files.rng_state(),
+                "rng": rng_state(),
                 "loader_rng": generator.get_state(),
                 "history": done,
                 "seconds": seconds_before + time.time() - start,
@@ -162,8 +164,8 @@ def pretrain(
         "wall_seconds": round(seconds_before + time.time() - start, 1),
         "machine": f"{platform.machine()} {platform.processor() or ''} {torch.get_num_threads()} threads".strip(),
         # The same version and commit lookup as every petl-run record (git_commit, git_dirty).
-        "versions": files.versions(),
-        **files.git_commit(),
+        "versions": versions(),
+        **git_commit(),
         **({"command": command} if command else {}),
         "weights_dtype": weights_dtype,
     }

@@ -46,8 +46,12 @@ from petl.train import output_dir as folder
 from petl.train.config import ConfigError
 from petl.train.engine import NonFiniteLossError, TrainSettings, backbone_mode, build_optimizer, evaluate, fit
 from petl.train.output_dir import check_finished
+from petl.utils.distributed import is_main_process
 from petl.utils.errors import DivergedError, RunError
+from petl.utils.memory import peak_memory, reset_peak_rss
 from petl.utils.precision import uses_tf32
+from petl.utils.provenance import git_commit, versions
+from petl.utils.random import rng_state, set_rng_state
 
 log = logging.getLogger(__name__)
 # Warnings about a run's setup already said in this process (a sweep trains many runs in one process).
@@ -114,9 +118,9 @@ def run(cfg: DictConfig, *, checked: bool = False) -> dict[str, Any]:
     assert isinstance(resolved, dict)
     out = Path(cfg.output_dir)
     with folder.claim(out):
-        finished = folder.check_output_dir(out, cfg, resolved, is_main=files.is_main_process())
+        finished = folder.check_output_dir(out, cfg, resolved, is_main=is_main_process())
         if finished is not None:
-            if files.is_main_process():
+            if is_main_process():
                 log.info("already finished: %s", summary_line(finished.to_json()))
             return finished.to_json()
 
@@ -213,7 +217,7 @@ def _train_and_record(cfg: DictConfig, resolved: dict[str, Any], out: Path, acce
         engine.enable_grad_checkpointing(model)
     model.to(accelerator.device)
     # Every run's peak is its own, also when runs share a process (Hydra's in-process --multirun, a notebook).
-    files.reset_peak_rss()
+    reset_peak_rss()
     if accelerator.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     progress = _Progress.start(checkpoint, started)
@@ -315,7 +319,7 @@ class _Setup:
         self.scheduler.load_state_dict(checkpoint["scheduler"])
         if checkpoint.get("scaler") is not None and self.accelerator.scaler is not None:
             self.accelerator.scaler.load_state_dict(checkpoint["scaler"])
-        files.set_rng_state(checkpoint["rng"])
+        set_rng_state(checkpoint["rng"])
 
 
 def _set_up_training(
@@ -397,7 +401,7 @@ def _fit_epochs(cfg: DictConfig, out: Path, training: _Setup, progress: _Progres
                 "trainable": {k: v.cpu() for k, v in trainable_state(model).items()},
                 "optimizer": optimizer.state_dict(),
                 "scheduler": scheduler.state_dict(),
-                "rng": files.rng_state(),
+                "rng": rng_state(),
                 # fp16's loss scale: restarted at its initial value, a resumed run would skip other steps.
                 "scaler": accelerator.scaler.state_dict() if accelerator.scaler is not None else None,
                 "history": progress.history,
@@ -490,7 +494,7 @@ def _result(
     accelerator, cache_plan = training.accelerator, training.cache_plan
     num_classes, history = info.num_classes, progress.history
     counts = count_params(model)
-    peak_mb, peak_kind = files.peak_memory(accelerator.device.type)
+    peak_mb, peak_kind = peak_memory(accelerator.device.type)
     images = sum(h["images"] for h in history)
     seconds = sum(h["seconds"] for h in history)
     last = history[-1] if history else {}
@@ -527,8 +531,8 @@ def _result(
         # What really ran: train.compile falls back to eager (with a warning) where no compiler is found.
         compiled=accelerator.state.dynamo_plugin.backend.value != "NO",
         effective_batch_size=cfg.train.batch_size * accelerator.num_processes * cfg.train.grad_accum,
-        versions=files.versions(),
-        **files.git_commit(),
+        versions=versions(),
+        **git_commit(),
         output_dir=str(cfg.output_dir),
         finished_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         test_seconds=test_seconds,

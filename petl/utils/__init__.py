@@ -1,3 +1,4 @@
 """Small utilities every layer shares: the cache folder and file hashes, outside text, errors and exit
-statuses, option checks.
+statuses, option checks, precision; and what a run records of the process that ran it (rank, random generators,
+versions and commit, peak memory).
 """

@@ -21,6 +21,7 @@ import petl
 from petl.run import default_config, train
 from petl.store import files
 from petl.train import build, cache, config, engine, runner
+from petl.utils import memory
 
 TINY = tiny_run(subset=96, depth=2, batch_size=32)
 
@@ -68,7 +69,7 @@ def test_two_epoch_run_writes_a_complete_record(tmp_path):
     assert result["method"] == "lora" and result["method_config"]["rank"] == 2
     assert result["dataset"] == "mini/digits" and result["num_classes"] == 10 and result["epochs"] == 2
     assert result["trainable_params"] > result["trainable_params_no_head"] > 0
-    # The process's RSS high-water mark on the CPU, the allocator's peak on a GPU (petl.store.files.peak_memory).
+    # The process's RSS high-water mark on the CPU, the allocator's peak on a GPU (petl.utils.memory.peak_memory).
     kind = "cuda_max_allocated" if result["device"].startswith("cuda") else "process_max_rss"
     assert result["peak_memory_kind"] == kind and result["peak_memory_mb"] > 0
     assert result["versions"]["torch"] == torch.__version__
@@ -315,8 +316,8 @@ def test_a_cpu_run_reports_its_process_peak_also_where_cuda_is_in_use(monkeypatc
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *args, **kwargs: 3 * 2**20)
-    assert files.peak_memory("cuda") == (3.0, "cuda_max_allocated")
-    megabytes, kind = files.peak_memory("cpu")
+    assert memory.peak_memory("cuda") == (3.0, "cuda_max_allocated")
+    megabytes, kind = memory.peak_memory("cpu")
     assert kind == "process_max_rss" and megabytes > 0
 
 
@@ -324,7 +325,7 @@ def test_a_cpu_run_reports_its_process_peak_also_where_cuda_is_in_use(monkeypatc
 def test_every_run_resets_its_own_peak_memory(tmp_path, monkeypatch):
     # In-process runs (a sweep, Hydra's --multirun, a notebook) would otherwise report the peak of all before them.
     resets: list[int] = []
-    monkeypatch.setattr(files, "reset_peak_rss", lambda: resets.append(1) or True)
+    monkeypatch.setattr(runner, "reset_peak_rss", lambda: resets.append(1) or True)
     tiny(tmp_path / "a", "method=linear", "train.epochs=1")
     tiny(tmp_path / "b", "method=linear", "train.epochs=1")
     assert len(resets) == 2
