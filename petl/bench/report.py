@@ -17,7 +17,7 @@ import csv
 import io
 import math
 import statistics
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -180,6 +180,8 @@ def aggregate(
     published: Mapping[str, str] | None = None,
     families: Mapping[str, str] | None = None,
     plan: Plan | None = None,
+    compute: Compute | None = None,
+    skipped: Sequence[Path] = (),
 ) -> Leaderboard:
     """One row per experiment, sorted by task mean (best first).
 
@@ -199,6 +201,8 @@ def aggregate(
         plan: what the suite the runs came from sets out to run (:func:`plan_of`): its tasks get a column
             even before any of their runs finish, rows are complete only with all its tasks and seeds, and
             the legend says how far it got (:func:`progress`).
+        compute: the compute the runs spent (:func:`compute_spent`), for the legend.
+        skipped: the result files left out as damaged or incomplete, for the legend.
     """
     groups = {r.task: task_group(r.task) for r in records}
     groups.update({t: task_group(t) for t in (plan.tasks if plan else ()) if t not in groups})
@@ -246,8 +250,20 @@ def aggregate(
     # A backbone trained from random init is a different model from its pretrained namesake; say so.
     models = sorted({str(r.result.model or "?") + _weights_note(r.result) for r in records})
     memory_kinds = sorted({str(r.result.peak_memory_kind) for r in records if r.result.peak_memory_kind})
-    board = Leaderboard(Path(results_dir), tasks, groups, rows, models, tables, memory_kinds, dict(families))
-    board.published_names, board.plan = dict(published), plan
+    board = Leaderboard(
+        Path(results_dir),
+        tasks,
+        groups,
+        rows,
+        models,
+        tables,
+        memory_kinds,
+        dict(families),
+        compute=compute,
+        skipped=list(skipped),
+        published_names=dict(published),
+        plan=plan,
+    )
     # Complete rows first: a mean over fewer tasks or seeds is not ranked among them.
     rows.sort(
         key=lambda r: (
@@ -256,6 +272,8 @@ def aggregate(
             r.experiment,
         )
     )
+    # What the board says of itself, each from the one before: saturated tasks are left out of the rank test, and
+    # both decide columns.
     board.saturated = ranking.saturated_tasks(board)
     board.ranking = ranking.rank_test(board)
     board.columns = leaderboard_columns(board)
@@ -489,16 +507,15 @@ def build_board(
         unusable = f" ({len(skipped)} skipped as damaged or incomplete, named above)" if skipped else ""
         raise FileNotFoundError(f"no usable result.json under {results_dir}{unusable}")
     experiments = sorted({r.experiment for r in records})
-    board = aggregate(
+    return aggregate(
         records,
         results_dir,
         published_names(experiments, configs_dir),
         family_names(experiments, configs_dir),
         plan,
+        compute=compute_spent(results),
+        skipped=skipped,
     )
-    board.compute = compute_spent(results)
-    board.skipped = skipped
-    return board
 
 
 def write_report(
