@@ -4,8 +4,8 @@
     petl-export RUN_DIR out=model.safetensors    # timm.create_model(name, num_classes=K, checkpoint_path=..., **kwargs)
     petl-export RUN_DIR out=model.onnx           # ONNX (torch.onnx.export), checked with onnxruntime
 
-The run's method is merged into the backbone and its wrappers removed (``petl.merge(model,
-unload=True)``), so what is written is the timm architecture with other weights, named as timm itself
+The run's method is merged into the backbone and its wrappers removed (``petl.unload(model)``,
+peft's ``merge_and_unload``), so what is written is the timm architecture with other weights, named as timm itself
 names it (petl's own backbones translated by :data:`petl.backbones.models.TIMM_NATIVE`), so that it loads where
 petl is not installed.  A folder (``out=`` without a suffix) is timm's own format for a model with its
 configuration, the one ``huggingface_hub`` uploads: ``config.json`` (``architecture``, ``model_args``

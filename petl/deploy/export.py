@@ -17,7 +17,7 @@ from torch import nn
 import petl.methods  # noqa: F401  (importing the methods registers them)
 from petl.backbones.models import timm_native
 from petl.data.transforms import CROP_RATIO
-from petl.model.surgery import merge
+from petl.model.unloading import unload
 from petl.store import files
 from petl.store.load import LoadedRun, load_run
 
@@ -47,7 +47,7 @@ def metadata(run: LoadedRun) -> dict[str, str]:
 
 def plain_model(run: LoadedRun) -> nn.Module:
     """The run's model merged and unloaded into a plain timm model (in place), in eval mode."""
-    return merge(run.model, unload=True).eval()
+    return unload(run.model).eval()
 
 
 def save_safetensors(model: nn.Module, path: Path, meta: dict[str, str]) -> None:

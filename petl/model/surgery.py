@@ -6,6 +6,7 @@ Above :mod:`petl.model.registry` (the method registry), :mod:`petl.model.merging
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -105,14 +106,26 @@ def _follow_modes(parent: nn.Module, existing: dict[int, nn.Module]) -> None:
 
 
 @torch.no_grad()
-def merge(model: nn.Module, unload: bool = False) -> nn.Module:
-    """Fold every mergeable wrapper's update into its frozen base weight (in place).
+def merge(model: nn.Module, unload: bool | None = None) -> nn.Module:
+    """Fold every mergeable wrapper's update into its frozen base weight (in place); the wrappers stay.
 
     All or nothing: a wrapper that refuses (a non-finite update, a layer without the bias a shift needs)
     raises after the wrappers merged before it are unmerged again, so the model is never half merged.
-    With ``unload=True`` each wrapper is then replaced by its base module, which leaves a plain timm
-    model (:func:`petl.unload`; methods whose modules cannot fold are refused first).
+    :func:`petl.unmerge` undoes it; :func:`petl.unload` merges and then removes the wrappers (a plain timm
+    model), as peft's ``merge_and_unload()`` beside its ``merge_adapter()``.
+
+    Args:
+        model: a model prepared by :func:`petl.apply`.
+        unload: deprecated: ``merge(model, unload=True)`` is ``petl.unload(model)``, and warns.
     """
-    if unload:
-        return unload_model(model)
+    if unload is not None:
+        # One operation per name, as peft's; the flag stays for a release so that earlier code still runs.
+        warnings.warn(
+            "petl.merge(model, unload=...) is deprecated: call petl.unload(model) to merge and remove the "
+            "wrappers, petl.merge(model) to merge only",
+            DeprecationWarning,
+            stacklevel=3,  # torch.no_grad's wrapper stands between the caller and here
+        )
+        if unload:
+            return unload_model(model)
     return merge_updates(model)

@@ -119,6 +119,26 @@ def test_unload_gives_back_timms_methods():
     assert not set(timm_api.OVERRIDES) & set(vars(model))
 
 
+def test_merge_with_unload_still_unloads_and_warns_at_the_callers_line(images):
+    # merge(model, unload=True) was petl.unload(model) under merge's name: it stays for a release, with a warning
+    # that names the call's own file, and merge(model, unload=False) merges as merge(model) does.
+    model = _applied("lora").eval()
+    with torch.no_grad():
+        want = model(images)
+    with pytest.warns(DeprecationWarning, match=r"call petl\.unload\(model\)") as warned:
+        plain = petl.merge(model, unload=True)
+    assert warned[0].filename == __file__
+    assert not any(isinstance(m, PetlModule) for m in plain.modules())
+    with torch.no_grad():
+        torch.testing.assert_close(plain(images), want, rtol=1e-4, atol=1e-5)
+    merged = _applied("lora")
+    with pytest.warns(DeprecationWarning):
+        petl.merge(merged, unload=False)
+    assert any(isinstance(m, PetlModule) for m in merged.modules()) and all(
+        m.merged for m in merged.modules() if isinstance(m, PetlModule) and m.mergeable
+    )
+
+
 # ----------------------------------------------------------------------------------------------- forward_head
 
 
@@ -302,11 +322,11 @@ def test_merged_export_is_plain_timm_with_the_same_logits_or_refused(images, tmp
     cell = timm_api.support(model)["export (merged)"]
     if cell.startswith("refused"):
         with pytest.raises(ValueError, match=f"method '{model.petl_method}' cannot be unloaded") as error:
-            petl.merge(model, unload=True)
+            petl.unload(model)
         assert "\n" not in str(error.value)
         return
     assert cell == "timm folder, ONNX"
-    plain = petl.merge(model, unload=True)
+    plain = petl.unload(model)
     assert type(plain) is type(make_tiny_vit()) and not set(timm_api.OVERRIDES) & set(vars(plain))
     assert not any(isinstance(m, PetlModule) for m in plain.modules())
     fresh = make_tiny_vit(num_classes=4)
@@ -369,9 +389,9 @@ def test_merged_export_on_a_staged_backbone_is_plain_timm_or_refused(images, kin
         want = model(images)
     if timm_api.support(model)["export (merged)"].startswith("refused"):
         with pytest.raises(ValueError, match=f"method '{model.petl_method}' cannot be unloaded"):
-            petl.merge(model, unload=True)
+            petl.unload(model)
         return
-    plain = petl.merge(model, unload=True)
+    plain = petl.unload(model)
     assert not any(isinstance(m, PetlModule) for m in plain.modules())
     fresh = TINY_MODELS[kind](num_classes=4)
     fresh.load_state_dict(plain.state_dict())  # what timm.create_model loads from the exported weights

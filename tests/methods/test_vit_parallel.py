@@ -130,7 +130,7 @@ def test_merged_methods_unload_into_plain_timm(images, family, method, options):
     model = petl.apply(make_tiny_family(family), method, num_classes=4, **options).eval()
     perturb_trainable(model)
     want = model(images)
-    petl.merge(model, unload=True)
+    petl.unload(model)
     plain = make_tiny_family(family, num_classes=4)
     plain.load_state_dict(model.state_dict())
     assert (plain.eval()(images) - want).abs().max() < 1e-5
