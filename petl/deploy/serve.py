@@ -5,7 +5,8 @@ Every run is loaded into one :class:`petl.MultiTask` (:meth:`~petl.MultiTask.fro
 frozen tensors' hash, the head's class count).  Requests go through one :class:`~petl.deploy.batcher.Batcher`,
 which runs the images of concurrent requests, whatever their task, as one mixed batch.
 
-Routes (FastAPI; ``/openapi.json`` describes them; no ``/docs`` page, which would load Swagger UI from a CDN):
+Routes (FastAPI, on :data:`router` and :data:`data_router`; each JSON answer is a Pydantic model, so
+``/openapi.json`` describes them; no ``/docs`` page, which would load Swagger UI from a CDN):
 
 * ``POST /v1/tasks/{task}/predict?top_k=5``: one image as the raw body, or several as multipart file fields;
   each image's top-k class names and probabilities, as ``petl-predict`` gives them.
@@ -35,17 +36,19 @@ import time
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from functools import cache
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import h11
 import torch
-from fastapi import Depends, FastAPI, HTTPException, Query, Request
+from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from PIL import Image
+from pydantic import BaseModel, Field
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -140,6 +143,58 @@ class ServeOptions:
         return int(self.max_upload_mb * 2**20)
 
 
+# What the routes answer.  The fields' order is the order of the keys in the JSON answers.
+
+
+class Health(BaseModel):
+    """``GET /health``: the server is up; what it serves on."""
+
+    status: Literal["ok"] = Field(description="always ok: the server answers")
+    tasks: int = Field(description="the number of tasks served")
+    device: str = Field(description="the device the forward runs on (cpu, cuda)")
+    precision: str = Field(description="the precision served in: no (fp32), tf32 or bf16")
+
+
+class TaskInfo(BaseModel):
+    """One task served."""
+
+    name: str = Field(description="the task's name in the routes")
+    method: str = Field(description="the PETL method the run trained (lora, vpt...)")
+    num_classes: int = Field(description="the number of classes")
+    classes: list[str] = Field(description="the class names, in the head's order")
+    trainable_parameters: int = Field(description="the parameters the run trained")
+    backbone: str = Field(description="the frozen backbone's timm name, shared by every task")
+    resolution: int = Field(description="the side of the square image the model reads, in pixels")
+    run: str = Field(description="the run folder the task was loaded from")
+
+
+class TaskList(BaseModel):
+    """``GET /v1/tasks``: every task served, in the order they were given."""
+
+    tasks: list[TaskInfo] = Field(description="one per task")
+
+
+class Prediction(BaseModel):
+    """One image's top-k classes, most probable first, as ``petl-predict`` computes them."""
+
+    image: str = Field(description="a multipart file's name (or its field's); empty for an image sent as the body")
+    labels: list[str] = Field(description="the top-k class names")
+    probabilities: list[float] = Field(description="their probabilities (a softmax over the task's classes)")
+
+
+class Predictions(BaseModel):
+    """``POST /v1/tasks/{task}/predict``: the top-k of each image, in the order they were sent."""
+
+    task: str = Field(description="the task named in the route")
+    predictions: list[Prediction] = Field(description="one per image, in the order they were sent")
+
+
+class Problem(BaseModel):
+    """Every error's answer (its status code says which error)."""
+
+    detail: str = Field(description="one line saying what went wrong and what to do")
+
+
 @dataclass(frozen=True)
 class Task:
     """One served run: its name in the routes, its row index in the MultiTask, what ``GET /v1/tasks`` shows."""
@@ -153,17 +208,18 @@ class Task:
     trainable_parameters: int
     backbone: str
 
-    def describe(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "method": self.method,
-            "num_classes": len(self.class_names),
-            "classes": self.class_names,
-            "trainable_parameters": self.trainable_parameters,
-            "backbone": self.backbone,
-            "resolution": self.spec.image_size,
-            "run": shown(self.run_dir),
-        }
+    def describe(self) -> TaskInfo:
+        """What ``GET /v1/tasks`` shows of the task."""
+        return TaskInfo(
+            name=self.name,
+            method=self.method,
+            num_classes=len(self.class_names),
+            classes=self.class_names,
+            trainable_parameters=self.trainable_parameters,
+            backbone=self.backbone,
+            resolution=self.spec.image_size,
+            run=shown(self.run_dir),
+        )
 
 
 def load_tasks(runs: Mapping[str, str | Path]) -> tuple[MultiTask, list[Task]]:
@@ -426,14 +482,15 @@ def server_config(app: FastAPI, host: str, port: int, options: ServeOptions, acc
     )
 
 
-def _top_k(logits: torch.Tensor, task: Task, k: int) -> dict[str, Any]:
+def _top_k(image: str, logits: torch.Tensor, task: Task, k: int) -> Prediction:
     """One row's top-k, as ``petl-predict`` computes it (softmax over the task's own classes)."""
     probabilities = logits[: len(task.class_names)].float().softmax(-1)
     values, indices = probabilities.topk(min(k, probabilities.shape[-1]))
-    return {
-        "labels": [task.class_names[int(i)] for i in indices],
-        "probabilities": [float(v) for v in values],
-    }
+    return Prediction(
+        image=image,
+        labels=[task.class_names[int(i)] for i in indices],
+        probabilities=[float(v) for v in values],
+    )
 
 
 class _CountRequests:
@@ -460,6 +517,7 @@ class _CountRequests:
             self.metrics.requests.inc(route=route, status=str(status[0]))
 
 
+@cache
 def _page() -> str:
     return resources.files("petl.deploy").joinpath("page.html").read_text(encoding="utf-8")
 
@@ -487,11 +545,194 @@ _IMAGE_BODY = {
     }
 }
 
+# When each error is answered (docs/serving.md's table), for the OpenAPI schema.
+ERRORS = {
+    400: "not an image, a truncated or damaged one, an empty body, a text field in a multipart request",
+    401: "a missing or wrong bearer token (when the server has one)",
+    404: "an unknown task (the answer lists the tasks)",
+    408: "the body did not all arrive within body_timeout_s",
+    413: "a body over max_upload_mb, more images than max_queue, or more pixels than max_image_mp or max_request_mp",
+    422: "a bad query value (top_k=0)",
+    503: "the queue is full: retry after Retry-After",
+}
+
+
+def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """The OpenAPI ``responses`` of these status codes: each a :class:`Problem`, as JSON."""
+    # The schema given as JSON content rather than as "model": FastAPI files a model under the route's own media
+    # type (text/plain for /metrics), but every error is JSON.
+    problem = {"application/json": {"schema": Problem.model_json_schema()}}
+    return {code: {"description": ERRORS[code], "content": problem} for code in codes}
+
+
+# The server's state, set on app.state by create_app, reached by the routes through these dependencies.  Each is
+# async: FastAPI runs a plain def dependency in a worker thread, a thread hop per request for an attribute read.
+
+
+async def get_tasks(request: Request) -> dict[str, Task]:
+    """The tasks served, by name, in the order they were given."""
+    return request.app.state.tasks
+
+
+async def get_options(request: Request) -> ServeOptions:
+    """The server's options."""
+    return request.app.state.options
+
+
+async def get_batcher(request: Request) -> Batcher:
+    """The batcher every request's images go through."""
+    return request.app.state.batcher
+
+
+async def get_metrics(request: Request) -> ServeMetrics:
+    """The server's Prometheus metrics."""
+    return request.app.state.metrics
+
+
+async def get_decoding(request: Request) -> asyncio.Semaphore:
+    """The :data:`DECODE_SLOTS` slots an image is decoded in."""
+    return request.app.state.decoding
+
+
+async def get_device(request: Request) -> str:
+    """The device type the forward runs on (``cpu``, ``cuda``)."""
+    return request.app.state.device
+
+
+async def get_precision(request: Request) -> str:
+    """The precision every forward runs in (``no``, ``tf32``, ``bf16``)."""
+    return request.app.state.precision
+
+
+TasksDep = Annotated[dict[str, Task], Depends(get_tasks)]
+OptionsDep = Annotated[ServeOptions, Depends(get_options)]
+BatcherDep = Annotated[Batcher, Depends(get_batcher)]
+MetricsDep = Annotated[ServeMetrics, Depends(get_metrics)]
+DecodingDep = Annotated[asyncio.Semaphore, Depends(get_decoding)]
+DeviceDep = Annotated[str, Depends(get_device)]
+PrecisionDep = Annotated[str, Depends(get_precision)]
+
+_bearer = HTTPBearer(auto_error=False, description=f"the token in {TOKEN_VARIABLE} (when the server has one)")
+
+
+async def check_token(
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)], options: OptionsDep
+) -> None:
+    """Let a request through when the server has no token, or when it carries the server's (constant-time check).
+
+    Raises:
+        HTTPException: 401 with ``WWW-Authenticate: Bearer``, the token missing or wrong.
+
+    """
+    if options.token is None:
+        return
+    given = credentials.credentials if credentials is not None else ""
+    if not hmac.compare_digest(given.encode(), options.token.encode()):
+        raise HTTPException(
+            401,
+            f"missing or wrong bearer token: send the header 'Authorization: Bearer <{TOKEN_VARIABLE}>'",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+
+
+# JSONResponse named, not left to FastAPI's default: with a response model, the default writes the JSON with
+# Pydantic's encoder, whose floats differ in form from json.dumps' (0.00001234 for 1.234e-05).
+# router: what holds no task data (open); data_router: the tasks and the metrics (the token, when there is one).
+router = APIRouter(default_response_class=JSONResponse)
+data_router = APIRouter(
+    default_response_class=JSONResponse, dependencies=[Depends(check_token)], responses=_errors(401)
+)
+
+
+@router.get("/", response_class=HTMLResponse, include_in_schema=False)
+async def index() -> HTMLResponse:
+    """The page to try the tasks on an image (it asks for the token itself)."""
+    return HTMLResponse(_page(), headers=PAGE_HEADERS)
+
+
+@router.get("/health")
+async def health(tasks: TasksDep, device: DeviceDep, precision: PrecisionDep) -> Health:
+    """Liveness, the device and the precision served in (``no``: fp32; ``tf32``; ``bf16``): no token needed."""
+    return Health(status="ok", tasks=len(tasks), device=device, precision=precision)
+
+
+@data_router.get("/v1/tasks")
+async def list_tasks(tasks: TasksDep) -> TaskList:
+    """Every task served: its method, classes, trainable parameters, backbone and input resolution."""
+    return TaskList(tasks=[task.describe() for task in tasks.values()])
+
+
+@data_router.get("/metrics", response_class=PlainTextResponse)
+async def prometheus(metrics: MetricsDep) -> PlainTextResponse:
+    """Requests, images, batch sizes formed, queue wait and latency histograms, in Prometheus' text format."""
+    return PlainTextResponse(metrics.text(), media_type="text/plain; version=0.0.4")
+
+
+@data_router.post(PREDICT_ROUTE, openapi_extra=_IMAGE_BODY, responses=_errors(400, 404, 408, 413, 422, 503))
+async def predict(
+    request: Request,
+    task: str,
+    tasks: TasksDep,
+    options: OptionsDep,
+    batcher: BatcherDep,
+    metrics: MetricsDep,
+    decoding: DecodingDep,
+    top_k: Annotated[int, Query(ge=1, description="the classes given per image")] = 5,
+) -> Predictions:
+    """Top-k class names and probabilities for one image (the raw body) or several (multipart file fields)."""
+    started = time.perf_counter()
+    found = tasks.get(task)
+    if found is None:
+        raise HTTPException(404, f"unknown task {task!r}: the tasks are {', '.join(tasks)} (GET /v1/tasks lists them)")
+    uploads = await _uploads(request, await read_body(request, options.max_upload_bytes), options)
+    if len(uploads) > options.max_queue:
+        raise _too_many(len(uploads), options.max_queue)
+    try:
+        check_pixels(uploads, options)
+        async with decoding:
+            images = await asyncio.to_thread(_preprocess_all, uploads, found.spec)
+    except TooManyPixels as error:
+        raise HTTPException(413, str(error)) from None
+    except BadImage as error:
+        raise HTTPException(400, str(error)) from None
+    try:
+        rows = await batcher.submit(images, found.index)
+    except QueueFull as error:
+        raise HTTPException(503, f"{error}: retry in a moment", headers={"Retry-After": "1"}) from None
+    metrics.images.inc(len(rows), task=found.name)
+    metrics.latency.observe(time.perf_counter() - started)
+    predictions = [_top_k(name, row, found, top_k) for (name, _), row in zip(uploads, rows, strict=True)]
+    return Predictions(task=found.name, predictions=predictions)
+
+
+@asynccontextmanager
+async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+    worker = asyncio.create_task(app.state.batcher.run())
+    await asyncio.sleep(0)  # the worker is ready before the first request
+    try:
+        yield
+    finally:
+        worker.cancel()
+
+
+async def _one_line_validation(_request: Request, error: RequestValidationError) -> JSONResponse:
+    first = error.errors()[0] if error.errors() else {}
+    where = ".".join(str(part) for part in first.get("loc", ()) if part not in ("query", "path"))
+    return JSONResponse({"detail": f"{where}: {first.get('msg', 'invalid value')}: fix it and send again"}, 422)
+
+
+async def _one_line_error(_request: Request, error: Exception) -> JSONResponse:
+    log.exception("request failed")
+    return JSONResponse({"detail": f"internal error ({type(error).__name__}): the server goes on; retry"}, 500)
+
 
 def create_app(served: MultiTask, tasks: list[Task], options: ServeOptions) -> FastAPI:
-    """The FastAPI application serving ``tasks`` (loaded by :func:`load_tasks`) through one batcher."""
+    """The FastAPI application serving ``tasks`` (loaded by :func:`load_tasks`) through one batcher.
+
+    Its routes are :data:`router`'s and :data:`data_router`'s; what they need of this server is set on
+    ``app.state`` (``tasks``, ``options``, ``batcher``, ``metrics``, ``decoding``, ``device``, ``precision``).
+    """
     metrics = ServeMetrics()
-    by_name = {task.name: task for task in tasks}
     device = next(served.parameters()).device
     # Fixed here for every request: bf16 autocast and TF32 on a GPU under auto, strict fp32 on a CPU.
     precision = inference_precision(options.precision, device.type)
@@ -500,24 +741,7 @@ def create_app(served: MultiTask, tasks: list[Task], options: ServeOptions) -> F
         with inference(precision, device.type):
             return served(images.to(device), rows)
 
-    batcher = Batcher(
-        forward,
-        options.max_batch,
-        options.max_wait_ms / 1000,
-        options.max_queue,
-        metrics,
-    )
-    page = _page()
-
-    @asynccontextmanager
-    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        worker = asyncio.create_task(batcher.run())
-        await asyncio.sleep(0)  # the worker is ready before the first request
-        try:
-            yield
-        finally:
-            worker.cancel()
-
+    _page()  # read now: a broken install stops the start, not the first visit
     # No /docs or /redoc: FastAPI's pages load Swagger UI and ReDoc from a CDN, blank without the internet and a
     # third-party script in the page.  /openapi.json stays, for any OpenAPI viewer or client generator.
     app = FastAPI(
@@ -525,88 +749,20 @@ def create_app(served: MultiTask, tasks: list[Task], options: ServeOptions) -> F
         description="Trained petl runs over one shared frozen backbone; images of concurrent requests are "
         f"batched together across tasks; served on {device.type} in {describe(precision, device.type)}.",
         version=__version__,
-        lifespan=lifespan,
+        lifespan=_lifespan,
         docs_url=None,
         redoc_url=None,
+        exception_handlers={RequestValidationError: _one_line_validation, Exception: _one_line_error},
     )
-    decoding = asyncio.Semaphore(DECODE_SLOTS)
-    bearer = HTTPBearer(auto_error=False, description=f"the token in {TOKEN_VARIABLE} (when the server has one)")
-
-    def check_token(credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:  # noqa: B008
-        if options.token is None:
-            return
-        given = credentials.credentials if credentials is not None else ""
-        if not hmac.compare_digest(given.encode(), options.token.encode()):
-            raise HTTPException(
-                401,
-                f"missing or wrong bearer token: send the header 'Authorization: Bearer <{TOKEN_VARIABLE}>'",
-                headers={"WWW-Authenticate": "Bearer"},
-            )
-
-    guarded = [Depends(check_token)]
-
-    @app.exception_handler(RequestValidationError)
-    async def one_line_validation(_request: Request, error: RequestValidationError) -> JSONResponse:
-        first = error.errors()[0] if error.errors() else {}
-        where = ".".join(str(part) for part in first.get("loc", ()) if part not in ("query", "path"))
-        return JSONResponse({"detail": f"{where}: {first.get('msg', 'invalid value')}: fix it and send again"}, 422)
-
-    @app.exception_handler(Exception)
-    async def one_line_error(_request: Request, error: Exception) -> JSONResponse:
-        log.exception("request failed")
-        return JSONResponse({"detail": f"internal error ({type(error).__name__}): the server goes on; retry"}, 500)
-
-    @app.get("/", response_class=HTMLResponse, include_in_schema=False)
-    async def index() -> HTMLResponse:
-        return HTMLResponse(page, headers=PAGE_HEADERS)
-
-    @app.get("/health")
-    async def health() -> dict[str, Any]:
-        """Liveness, the device and the precision served in (``no``: fp32; ``tf32``; ``bf16``): no token needed."""
-        return {"status": "ok", "tasks": len(tasks), "device": device.type, "precision": precision}
-
-    @app.get("/v1/tasks", dependencies=guarded)
-    async def list_tasks() -> dict[str, Any]:
-        """Every task served: its method, classes, trainable parameters, backbone and input resolution."""
-        return {"tasks": [task.describe() for task in tasks]}
-
-    @app.get("/metrics", dependencies=guarded, response_class=PlainTextResponse)
-    async def prometheus() -> PlainTextResponse:
-        """Requests, images, batch sizes formed, queue wait and latency histograms, in Prometheus' text format."""
-        return PlainTextResponse(metrics.text(), media_type="text/plain; version=0.0.4")
-
-    @app.post(PREDICT_ROUTE, dependencies=guarded, openapi_extra=_IMAGE_BODY)
-    async def predict(request: Request, task: str, top_k: int = Query(5, ge=1)) -> dict[str, Any]:  # noqa: B008
-        """Top-k class names and probabilities for one image (the raw body) or several (multipart file fields)."""
-        started = time.perf_counter()
-        found = by_name.get(task)
-        if found is None:
-            listed = ", ".join(by_name)
-            raise HTTPException(404, f"unknown task {task!r}: the tasks are {listed} (GET /v1/tasks lists them)")
-        uploads = await _uploads(request, await read_body(request, options.max_upload_bytes), options)
-        if len(uploads) > options.max_queue:
-            raise _too_many(len(uploads), options.max_queue)
-        try:
-            check_pixels(uploads, options)
-            async with decoding:
-                images = await asyncio.to_thread(_preprocess_all, uploads, found.spec)
-        except TooManyPixels as error:
-            raise HTTPException(413, str(error)) from None
-        except BadImage as error:
-            raise HTTPException(400, str(error)) from None
-        try:
-            rows = await batcher.submit(images, found.index)
-        except QueueFull as error:
-            raise HTTPException(503, f"{error}: retry in a moment", headers={"Retry-After": "1"}) from None
-        metrics.images.inc(len(rows), task=found.name)
-        metrics.latency.observe(time.perf_counter() - started)
-        predictions = [
-            {"image": name, **_top_k(row, found, top_k)} for (name, _), row in zip(uploads, rows, strict=True)
-        ]
-        return {"task": found.name, "predictions": predictions}
-
+    app.include_router(router)
+    app.include_router(data_router)
     app.add_middleware(_BodyDeadline, seconds=options.body_timeout_s)
     app.add_middleware(_CountRequests, metrics=metrics)
+    app.state.tasks = {task.name: task for task in tasks}
+    app.state.options = options
+    app.state.batcher = Batcher(forward, options.max_batch, options.max_wait_ms / 1000, options.max_queue, metrics)
+    app.state.metrics = metrics
+    app.state.decoding = asyncio.Semaphore(DECODE_SLOTS)
     app.state.device, app.state.precision = device.type, precision
     return app
 

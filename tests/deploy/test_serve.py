@@ -313,6 +313,38 @@ def test_the_api_docs_need_no_internet(server):
     assert "cdn" not in json.dumps(schema).lower() and "/docs" not in json.dumps(schema)
 
 
+def test_the_openapi_schema_names_each_answers_fields_as_the_answers_hold_them(server, images):
+    """/openapi.json gives each JSON answer's schema: the fields of /health, /v1/tasks and predict, in the order
+    the answers hold them, and every error as {"detail": ...}."""
+    status, schema = _call(server + "/openapi.json", token=None)
+    assert status == 200
+    models = schema["components"]["schemas"]
+
+    def fields(reference: dict) -> list[str]:
+        return list(models[reference["$ref"].rsplit("/", 1)[-1]]["properties"])
+
+    def answer(path: str, method: str) -> dict:
+        return schema["paths"][path][method]["responses"]["200"]["content"]["application/json"]["schema"]
+
+    predict = serve.PREDICT_ROUTE
+    assert fields(answer("/health", "get")) == ["status", "tasks", "device", "precision"]
+    assert fields(answer("/v1/tasks", "get")) == ["tasks"]
+    task = models["TaskList"]["properties"]["tasks"]["items"]
+    expected_task = ["name", "method", "num_classes", "classes", "trainable_parameters", "backbone", "resolution"]
+    assert fields(task) == [*expected_task, "run"]
+    assert fields(answer(predict, "post")) == ["task", "predictions"]
+    assert fields(models["Predictions"]["properties"]["predictions"]["items"]) == ["image", "labels", "probabilities"]
+    errors = schema["paths"][predict]["post"]["responses"]
+    for code in ("400", "401", "404", "413", "422", "503"):
+        assert list(errors[code]["content"]["application/json"]["schema"]["properties"]) == ["detail"], code
+    # The answers hold what the schema names, in its order.
+    assert list(_call(server + "/health", token=None)[1]) == fields(answer("/health", "get"))
+    assert list(_call(server + "/v1/tasks")[1]["tasks"][0]) == fields(task)
+    predicted = _call(server + "/v1/tasks/lora/predict", (images / "0.png").read_bytes())[1]
+    assert list(predicted) == ["task", "predictions"]
+    assert list(predicted["predictions"][0]) == ["image", "labels", "probabilities"]
+
+
 def _stalled(port: int, request: bytes) -> socket.socket:
     """A connection that sends ``request`` (half of one) and then nothing."""
     connection = socket.create_connection(("127.0.0.1", port), timeout=60)
