@@ -29,7 +29,7 @@ from PIL import Image
 import petl
 from petl.data.transforms import ImageSpec
 from petl.deploy.predict import predict_images
-from petl.store.load import LoadedRun
+from petl.store.run_card import LoadedRun
 
 # (timm name, load its pretrained weights, batch size, images per pass as a multiple of --images / 4)
 BACKBONES = (

@@ -52,7 +52,7 @@ from PIL import Image
 
 import petl
 from petl.data.transforms import ImageSpec
-from petl.store import load
+from petl.store import run_card
 from petl.utils.precision import describe
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -90,7 +90,7 @@ CLASSES = 10
 
 def write_runs(model_cfg: dict, spec: ImageSpec, count: int, folder: Path) -> list[Path]:
     """``count`` run folders of the methods in turn, their trained tensors perturbed."""
-    backbone = load.create_backbone({**model_cfg, "seed": 0})
+    backbone = run_card.create_backbone({**model_cfg, "seed": 0})
     runs = []
     for i in range(count):
         method, options = METHODS[i % len(METHODS)]
@@ -102,9 +102,9 @@ def write_runs(model_cfg: dict, spec: ImageSpec, count: int, folder: Path) -> li
                     p.add_(0.01 * torch.randn(p.shape, generator=generator))
         run = folder / f"task{i:02d}_{method}"
         run.mkdir(parents=True)
-        petl.save_trainable(model, run / load.WEIGHTS_FILE)
+        petl.save_trainable(model, run / run_card.WEIGHTS_FILE)
         names = [f"class{c}" for c in range(CLASSES)]
-        card = load.model_card(
+        card = run_card.model_card(
             model_cfg=model_cfg,
             seed=0,
             model=model,
@@ -113,7 +113,7 @@ def write_runs(model_cfg: dict, spec: ImageSpec, count: int, folder: Path) -> li
             dataset="bench",
             checkpoint_sha256=None,
         )
-        load.write_card(run, card)
+        run_card.write_card(run, card)
         runs.append(run)
     return runs
 

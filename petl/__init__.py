@@ -35,8 +35,8 @@ _HOMES = {
     "read_trainable_metadata": "petl.model.io",
     "save_trainable": "petl.model.io",
     "MultiTask": "petl.deploy.multitask",
-    "LoadedRun": "petl.store.load",
-    "load_run": "petl.store.load",
+    "LoadedRun": "petl.store.run_card",
+    "load_run": "petl.store.run_card",
 }
 
 if TYPE_CHECKING:
@@ -49,7 +49,7 @@ if TYPE_CHECKING:
     from petl.model.surgery import apply, merge
     from petl.model.unloading import unload
     from petl.model.wrappers import PetlModule
-    from petl.store.load import LoadedRun, load_run
+    from petl.store.run_card import LoadedRun, load_run
 
 
 def _methods() -> Any:

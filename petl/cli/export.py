@@ -55,7 +55,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             )
     target = options["out"]
     from petl.deploy.export import export
-    from petl.store.load import RunFolderError
+    from petl.store.run_card import RunFolderError
 
     with exit_statuses(
         PROG,

@@ -19,7 +19,7 @@ from petl.backbones.models import timm_native
 from petl.data.transforms import CROP_RATIO
 from petl.model.unloading import unload
 from petl.store import files
-from petl.store.load import LoadedRun, load_run
+from petl.store.run_card import LoadedRun, load_run
 
 PROG = "petl-export"
 FORMAT = "petl-export-1"

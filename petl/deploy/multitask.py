@@ -72,7 +72,7 @@ from petl.model.io import load_trainable, meta_copy, read_trainable_metadata
 from petl.model.params import trainable_state
 from petl.model.rows import CannotShare, RowHook, Tokens, rows_matmul
 from petl.model.surgery import apply
-from petl.store import files, load
+from petl.store import files, run_card
 
 Tensor = torch.Tensor
 
@@ -95,9 +95,9 @@ def _weights_file(path: str | Path) -> Path:
 
 
 def _run_card(path: str | Path) -> dict[str, Any] | None:
-    """A run folder's checked card (:func:`petl.store.load.read_card`), or ``None`` for a weights file."""
+    """A run folder's checked card (:func:`petl.store.run_card.read_card`), or ``None`` for a weights file."""
     path = Path(path)
-    return load.read_card(path) if path.is_dir() and (path / load.MODEL_FILE).is_file() else None
+    return run_card.read_card(path) if path.is_dir() and (path / run_card.MODEL_FILE).is_file() else None
 
 
 def _trained_backbone_tensors(backbone: nn.Module, path: Path) -> set[str]:
@@ -306,31 +306,31 @@ class MultiTask(nn.Module):
                 or a folder that cannot be loaded.
 
         """
-        from petl.store import load
+        from petl.store import run_card
 
         tasks = {str(k): v for k, v in runs.items()} if isinstance(runs, Mapping) else {str(r): r for r in runs}
         if not tasks:
             raise ValueError("MultiTask.from_runs needs at least one run folder")
-        cards = {name: load.read_card(path) for name, path in tasks.items()}
+        cards = {name: run_card.read_card(path) for name, path in tasks.items()}
         first, *others = cards
         for name in others:
-            difference = load.backbone_difference(cards[first]["backbone"], cards[name]["backbone"])
+            difference = run_card.backbone_difference(cards[first]["backbone"], cards[name]["backbone"])
             if difference:
                 raise ValueError(
                     f"run {name} was trained on another backbone than run {first} ({difference}): "
                     "serve it with a MultiTask of its own"
                 )
-        return cls(load.create_backbone(cards[first]["backbone"], Path(tasks[first]) / load.MODEL_FILE), tasks)
+        return cls(run_card.create_backbone(cards[first]["backbone"], Path(tasks[first]) / run_card.MODEL_FILE), tasks)
 
     @classmethod
     def _load_run(cls, name: str, folder: Path, card: dict[str, Any], backbone: nn.Module) -> nn.Module:
         """A run folder's model on ``backbone``, once its card says the backbone is the one the run trained on."""
-        from petl.store import load
+        from petl.store import run_card
 
-        mismatch = load.backbone_mismatch(card, backbone)
+        mismatch = run_card.backbone_mismatch(card, backbone)
         if mismatch is None:
-            model = cls._load(name, load.weights_file(folder, card), backbone)
-            mismatch = load.frozen_mismatch(card, model)
+            model = cls._load(name, run_card.weights_file(folder, card), backbone)
+            mismatch = run_card.frozen_mismatch(card, model)
             if mismatch is None and backbone_of(model).num_classes() != card["num_classes"]:
                 mismatch = (
                     f"its weights hold {backbone_of(model).num_classes()} classes, its card {card['num_classes']}"

@@ -27,7 +27,7 @@ from petl.deploy.multitask import MultiTask, TaskRefused
 from petl.model import surgery
 from petl.model.registry import get_method
 from petl.store.files import MODEL_FILE, WEIGHTS_FILE, enclosing_run
-from petl.store.load import (
+from petl.store.run_card import (
     LoadedRun,
     RunFolderError,
     create_backbone,

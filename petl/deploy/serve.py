@@ -59,7 +59,7 @@ from petl.deploy.batcher import Batcher, QueueFull
 from petl.deploy.metrics import ServeMetrics
 from petl.deploy.multitask import MultiTask
 from petl.model.params import count_params
-from petl.store.load import read_card, spec_of
+from petl.store.run_card import read_card, spec_of
 from petl.utils.precision import INFERENCE_PRECISIONS, describe, inference, inference_precision
 from petl.utils.text import shown
 from petl.version import __version__

@@ -23,7 +23,7 @@ CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"
 RESULT_FILE = "result.json"
 WEIGHTS_FILE = "trainable.safetensors"
-MODEL_FILE = "model.json"  # what using the weights needs (petl.store.load)
+MODEL_FILE = "model.json"  # what using the weights needs (petl.store.run_card)
 CHECKPOINT_FILE = "checkpoint.pt"
 RUN_FILES = (CONFIG_FILE, METRICS_FILE, RESULT_FILE, WEIGHTS_FILE, MODEL_FILE, CHECKPOINT_FILE)
 # Files only a petl-run folder holds: a command writing into a folder holding one would write into a run.

@@ -29,7 +29,7 @@ from petl import data as petl_data
 from petl.data import hub
 from petl.model.registry import MethodConfig, get_method, make_config
 from petl.model.surgery import apply
-from petl.store import load
+from petl.store import run_card
 from petl.train import config, engine
 from petl.train.config import ConfigError
 from petl.utils.errors import RunError
@@ -205,7 +205,7 @@ def create_backbone(cfg: DictConfig) -> nn.Module:
         if m.checkpoint:
             kwargs.pop("pretrained_cfg_overlay")
             try:
-                why = load.checkpoint_mismatch(m.name, kwargs, m.checkpoint)
+                why = run_card.checkpoint_mismatch(m.name, kwargs, m.checkpoint)
             except Exception as reading:  # not a weights file at all
                 why = f"cannot read it ({first_line(reading, repr(reading))})"
             raise ConfigError(

@@ -14,7 +14,7 @@ from timm.data import resolve_data_config
 import petl.methods  # noqa: F401  (importing the methods registers them)
 from petl import data as petl_data
 from petl.model.registry import get_method
-from petl.store.load import FILE_KWARGS
+from petl.store.run_card import FILE_KWARGS
 from petl.utils.checks import to_str_tuple
 from petl.utils.errors import ConfigError
 
@@ -64,7 +64,7 @@ def model_kwargs(cfg: DictConfig) -> dict[str, Any]:
     Raises:
         ConfigError: ``model.img_size`` and ``model.kwargs.img_size`` both given, with different values; a
             kwarg that makes timm load a file (``checkpoint_path``...), which the run's ``model.json`` could
-            not carry (:func:`petl.store.load.read_card` refuses it).
+            not carry (:func:`petl.store.run_card.read_card` refuses it).
 
     """
     kwargs = dict(OmegaConf.to_container(cfg.model.kwargs, resolve=True))

@@ -39,7 +39,7 @@ from petl import data as petl_data
 from petl.model.io import save_trainable
 from petl.model.params import count_params, trainable_state
 from petl.model.registry import get_method
-from petl.store import files, load
+from petl.store import files, run_card
 from petl.store.result import RunResult, write_result
 from petl.train import build, cache, config, engine, learning
 from petl.train import output_dir as folder
@@ -248,7 +248,7 @@ def _train_and_record(cfg: DictConfig, resolved: dict[str, Any], out: Path, acce
         cfg, model, info, len(datasets["train"]), progress, training, resolved, inputs,
         train_seconds=train_seconds, test_top1=test_top1, test_seconds=test_seconds,
     )  # fmt: skip
-    card = load.model_card(
+    card = run_card.model_card(
         model_cfg=resolved["model"], seed=cfg.seed, model=model, spec=build.eval_spec(cfg, model, info),
         class_names=result.class_names, dataset=cfg.data.name, checkpoint_sha256=result.checkpoint_sha256,
     )  # fmt: skip
@@ -464,7 +464,7 @@ def _record(
     """Weights and model.json, then ``result.json`` (its presence marks the run finished), then drop the checkpoint."""
     if accelerator.is_main_process:
         files.write_atomic(out / files.WEIGHTS_FILE, lambda tmp: save_trainable(model, tmp))
-        load.write_card(out, card)
+        run_card.write_card(out, card)
         write_result(out / files.RESULT_FILE, result)
         if not cfg.train.keep_checkpoint:
             (out / files.CHECKPOINT_FILE).unlink(missing_ok=True)

@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 import petl
 from petl.cli import run as cli
 from petl.run import default_config
-from petl.store.load import FILE_KWARGS
+from petl.store.run_card import FILE_KWARGS
 from petl.train import config
 from petl.train.config import ConfigError
 from petl.train.engine import TrainSettings

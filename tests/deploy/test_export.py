@@ -22,7 +22,7 @@ from test_run_card import TINY, _run_folder
 import petl
 from petl.backbones import models
 from petl.cli import export as export_cli
-from petl.store import load
+from petl.store import run_card
 
 
 @pytest.mark.parametrize("name", sorted(models.TIMM_NATIVE))
@@ -101,7 +101,7 @@ def test_out_inside_the_run_folder_is_refused(tmp_path, capsys, target):
     assert "is inside the run folder" in capsys.readouterr().err
     assert {p.name: p.read_bytes() for p in run_dir.iterdir()} == before
     petl.load_run(run_dir)
-    assert load.WEIGHTS_FILE in before
+    assert run_card.WEIGHTS_FILE in before
 
 
 @pytest.mark.slow

@@ -20,7 +20,7 @@ from test_run_card import _image, _run_folder
 
 from petl.cli import predict as predict_cli
 from petl.deploy import predict
-from petl.store.load import load_run
+from petl.store.run_card import load_run
 from petl.utils import precision
 
 CUDA = pytest.mark.cuda  # skipped without a CUDA GPU (tests/conftest.py)

@@ -24,7 +24,7 @@ from petl.deploy import predict as predict_api
 from petl.deploy.multitask import TaskRefused
 from petl.deploy.routing import RoutedModule
 from petl.model.backbone import backbone_of
-from petl.store import load
+from petl.store import run_card
 from petl.utils.ops import CountOps
 
 REPO = Path(__file__).resolve().parents[2]
@@ -318,16 +318,16 @@ def _run_folder(
         "pretrained": False,
         "kwargs": {"depth": 2, "embed_dim": width},
     }
-    model = petl.apply(load.create_backbone({**model_cfg, "seed": 0}), method, num_classes=classes, **options)
+    model = petl.apply(run_card.create_backbone({**model_cfg, "seed": 0}), method, num_classes=classes, **options)
     perturb_trainable(model, seed=seed)
     folder.mkdir()
-    petl.save_trainable(model, folder / load.WEIGHTS_FILE)
+    petl.save_trainable(model, folder / run_card.WEIGHTS_FILE)
     spec = ImageSpec(image_size=32, mean=(0.5,) * 3, std=(0.25,) * 3, interpolation="bilinear", crop=False)
     names = [f"{folder.name}_{i}" for i in range(classes)]
-    card = load.model_card(
+    card = run_card.model_card(
         model_cfg=model_cfg, seed=0, model=model, spec=spec, class_names=names, dataset="folder", checkpoint_sha256=None
     )
-    load.write_card(folder, card)
+    run_card.write_card(folder, card)
 
 
 def _predict(argv: list[str]) -> list[dict]:
@@ -402,7 +402,7 @@ def test_a_run_is_refused_over_a_backbone_it_was_not_trained_on(tmp_path):
     other = rf"run {tmp_path / 'c'} was trained on another backbone than run .*backbone.kwargs.img_size 32 against 48"
     with pytest.raises(ValueError, match=other):
         petl.MultiTask.from_runs([at_32, at_48])
-    backbone = load.create_backbone({**TINY, "kwargs": {**TINY["kwargs"], "img_size": 32}, "seed": 0})
+    backbone = run_card.create_backbone({**TINY, "kwargs": {**TINY["kwargs"], "img_size": 32}, "seed": 0})
     name = "vit_fractal_tiny_patch4_32"
     refused = (
         f"task 'c' cannot be served over this backbone: trained on {name} at 48 px, this backbone is {name} at 32 px"
@@ -410,7 +410,7 @@ def test_a_run_is_refused_over_a_backbone_it_was_not_trained_on(tmp_path):
     with pytest.raises(TaskRefused, match=refused):
         petl.MultiTask(backbone, {"a": at_32, "c": at_48})
     # Another random init of the same architecture: the frozen tensors differ.
-    redrawn = load.create_backbone({**TINY, "seed": 1})
+    redrawn = run_card.create_backbone({**TINY, "seed": 1})
     with pytest.raises(TaskRefused, match="task 'a' cannot be served over this backbone: the backbone's frozen"):
         petl.MultiTask(redrawn, {"a": at_32})
     # Another architecture of the same shapes.

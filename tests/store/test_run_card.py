@@ -22,7 +22,7 @@ import petl
 from petl.cli import predict as predict_cli
 from petl.cli import run as cli
 from petl.data.transforms import ImageSpec
-from petl.store import load
+from petl.store import run_card
 
 TINY = {"name": "vit_fractal_tiny_patch4_32", "pretrained": False, "kwargs": {"depth": 1, "embed_dim": 48}}
 
@@ -30,24 +30,24 @@ TINY = {"name": "vit_fractal_tiny_patch4_32", "pretrained": False, "kwargs": {"d
 def _run_folder(folder: Path, seed: int = 0, classes: int = 3, model_cfg: dict | None = None) -> Path:
     """A finished run folder (LoRA on the tiny backbone) written as petl-run writes it, without training."""
     model_cfg = model_cfg or TINY
-    model = petl.apply(load.create_backbone({**model_cfg, "seed": 0}), "lora", num_classes=classes)
+    model = petl.apply(run_card.create_backbone({**model_cfg, "seed": 0}), "lora", num_classes=classes)
     perturb_trainable(model, seed=seed)
     folder.mkdir(parents=True)
-    petl.save_trainable(model, folder / load.WEIGHTS_FILE)
+    petl.save_trainable(model, folder / run_card.WEIGHTS_FILE)
     size = model.patch_embed.img_size[0]
     spec = ImageSpec(image_size=size, mean=(0.5,) * 3, std=(0.25,) * 3, interpolation="bilinear", crop=False)
-    card = load.model_card(
+    card = run_card.model_card(
         model_cfg=model_cfg, seed=0, model=model, spec=spec, class_names=[f"c{i}" for i in range(classes)],
         dataset="folder", checkpoint_sha256=None,
     )  # fmt: skip
-    load.write_card(folder, card)
+    run_card.write_card(folder, card)
     return folder
 
 
 def _edit_card(folder: Path, edit) -> None:
-    card = json.loads((folder / load.MODEL_FILE).read_text())
+    card = json.loads((folder / run_card.MODEL_FILE).read_text())
     edit(card)
-    (folder / load.MODEL_FILE).write_text(json.dumps(card))
+    (folder / run_card.MODEL_FILE).write_text(json.dumps(card))
 
 
 def _image(path: Path) -> Path:
@@ -59,9 +59,9 @@ def _image(path: Path) -> Path:
 def test_a_run_at_another_resolution_loads_and_predicts(tmp_path, capsys):
     run_dir = tmp_path / "run48"
     cli.main([*tiny_run(), "model.img_size=48", f"output_dir={run_dir}"])
-    card = json.loads((run_dir / load.MODEL_FILE).read_text())
+    card = json.loads((run_dir / run_card.MODEL_FILE).read_text())
     assert card["format"] == "petl-model-2" and card["backbone"]["kwargs"]["img_size"] == 48
-    assert card["weights_sha256"] == load.file_sha256(run_dir / load.WEIGHTS_FILE)
+    assert card["weights_sha256"] == run_card.file_sha256(run_dir / run_card.WEIGHTS_FILE)
     run = petl.load_run(run_dir)
     assert run.spec.image_size == 48 and run.model.patch_embed.img_size == (48, 48)
     capsys.readouterr()
@@ -90,14 +90,14 @@ def test_a_relative_checkpoint_is_recorded_absolute_and_loads_from_elsewhere(tmp
     safetensors.torch.save_file(
         {k: v + 1 for k, v in backbone.state_dict().items()}, tmp_path / "work" / "ckpt" / "w.safetensors"
     )
-    with pytest.raises(load.RunFolderError, match=r"w.safetensors changed since the run"):
+    with pytest.raises(run_card.RunFolderError, match=r"w.safetensors changed since the run"):
         petl.load_run(tmp_path / "work" / "run")
 
 
 def test_another_runs_weights_of_the_same_shape_are_refused(tmp_path):
     one, two = _run_folder(tmp_path / "one", seed=1), _run_folder(tmp_path / "two", seed=2)
-    (one / load.WEIGHTS_FILE).write_bytes((two / load.WEIGHTS_FILE).read_bytes())
-    with pytest.raises(load.RunFolderError, match=r"trainable.safetensors is not the weights this run wrote"):
+    (one / run_card.WEIGHTS_FILE).write_bytes((two / run_card.WEIGHTS_FILE).read_bytes())
+    with pytest.raises(run_card.RunFolderError, match=r"trainable.safetensors is not the weights this run wrote"):
         petl.load_run(one)
 
 
@@ -106,9 +106,9 @@ def test_a_card_naming_weights_outside_its_folder_is_not_opened(tmp_path, monkey
     other = _run_folder(tmp_path / "other", seed=4)
     opened = []
     monkeypatch.setattr(petl, "load_trainable", lambda model, path: opened.append(path))
-    for outside in ("../other/trainable.safetensors", str(other / load.WEIGHTS_FILE)):
+    for outside in ("../other/trainable.safetensors", str(other / run_card.WEIGHTS_FILE)):
         _edit_card(run, lambda card, w=outside: card.update(weights=w))
-        with pytest.raises(load.RunFolderError, match="names a file outside the run folder"):
+        with pytest.raises(run_card.RunFolderError, match="names a file outside the run folder"):
             petl.load_run(run)
     assert opened == []
 
@@ -116,7 +116,7 @@ def test_a_card_naming_weights_outside_its_folder_is_not_opened(tmp_path, monkey
 def test_a_head_of_another_class_count_is_refused(tmp_path):
     run = _run_folder(tmp_path / "run", classes=3)
     _edit_card(run, lambda card: card.update(num_classes=5, class_names=[f"c{i}" for i in range(5)]))
-    with pytest.raises(load.RunFolderError, match="holds a head of 3 classes, model.json says num_classes=5"):
+    with pytest.raises(run_card.RunFolderError, match="holds a head of 3 classes, model.json says num_classes=5"):
         petl.load_run(run)
 
 
@@ -136,9 +136,9 @@ def test_a_head_of_another_class_count_is_refused(tmp_path):
 def test_a_damaged_or_newer_card_is_refused_in_one_line(tmp_path, edit, message):
     run = _run_folder(tmp_path / "run")
     _edit_card(run, edit)
-    with pytest.raises(load.RunFolderError, match=message) as error:
+    with pytest.raises(run_card.RunFolderError, match=message) as error:
         petl.load_run(run)
-    assert "\n" not in str(error.value) and str(run / load.MODEL_FILE) in str(error.value)
+    assert "\n" not in str(error.value) and str(run / run_card.MODEL_FILE) in str(error.value)
 
 
 def _as_first_format(card: dict) -> None:
@@ -153,7 +153,7 @@ def test_a_first_format_card_still_loads_and_says_what_it_cannot_check(tmp_path,
     expected = petl.load_run(run)
     _edit_card(run, _as_first_format)
     images = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
-    with caplog.at_level(logging.WARNING, logger="petl.store.load"):
+    with caplog.at_level(logging.WARNING, logger="petl.store.run_card"):
         old = petl.load_run(run)
         petl.load_run(run)  # said once per card
     notes = [r.getMessage() for r in caplog.records]

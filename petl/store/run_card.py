@@ -1,4 +1,5 @@
-"""Everything needed to use a trained run, and :func:`load_run`, which uses it.
+"""The run card (model.json): everything needed to use a trained run, its one writer and reader, and :func:`load_run`,
+which uses it.
 
 A finished run's folder holds ``model.json`` (the run card) beside ``trainable.safetensors``: the
 backbone (timm name with its pretrained tag, every ``timm.create_model`` argument the run gave it,
