@@ -59,6 +59,7 @@ Inference only: the tasks are in eval mode.
 from __future__ import annotations
 
 import copy
+import numbers
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -444,10 +445,18 @@ class MultiTask(nn.Module):
 
     def task_index(self, task_ids: Sequence[str] | Sequence[int] | Tensor, rows: int) -> Tensor:
         """``task_ids`` (names, or indices into :attr:`names`) as a CPU tensor of task indices, checked."""
+        # Integers only: a bool or a float (True, 1.7) is no task index, and turning it into one would route the row
+        # to a task nobody named.
         if isinstance(task_ids, Tensor):
+            if task_ids.dtype == torch.bool or task_ids.is_floating_point() or task_ids.is_complex():
+                raise ValueError(f"task ids are a {task_ids.dtype} tensor: give task names or integer indices")
             index = task_ids.detach().to("cpu", torch.long).reshape(-1)
         else:
             lookup = {name: i for i, name in enumerate(self.names)}
+            kinds = (str, numbers.Integral)
+            wrong = next((t for t in task_ids if isinstance(t, bool) or not isinstance(t, kinds)), None)
+            if wrong is not None:
+                raise ValueError(f"task id {wrong!r} is a {type(wrong).__name__}: give task names or integer indices")
             try:
                 index = torch.tensor([lookup[t] if isinstance(t, str) else int(t) for t in task_ids], dtype=torch.long)
             except KeyError as error:
@@ -515,7 +524,8 @@ class MultiTask(nn.Module):
 
         Args:
             images: a batch (N x 3 x H x W), preprocessed as the backbone expects.
-            task_ids: one task per image: names, or indices into :attr:`names`.
+            task_ids: one task per image: names, or integer indices into :attr:`names` (a list, a NumPy array or an
+                integer tensor; a bool or a float is refused).
 
         Returns:
             N x C logits, C the largest class count among the tasks; a row's columns beyond its own task's
@@ -523,6 +533,9 @@ class MultiTask(nn.Module):
 
         """
         index = self.task_index(task_ids, images.shape[0])
+        if not len(index):  # no rows, no task to route: 0 x C, as a timm model answers an empty batch
+            width = max(self.num_classes.values()) or backbone_of(self.backbone).num_features()
+            return images.new_empty(0, width)
         launch_bound = self._launch_bound(images)
         # Rows sorted by task.  Where the arithmetic is the cost (a CPU), the tasks without prompt tokens come first
         # and their rows share the blocks without slots or attention masks, the prompted tasks' rows carrying them in

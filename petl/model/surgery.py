@@ -67,14 +67,8 @@ def apply(
     # Checked first: a wrapped model would otherwise fail the ViT check with a misleading message.
     if getattr(model, "petl_method", None) is not None:
         raise ValueError(f"this model already carries petl method {model.petl_method!r}; start from a fresh model")
+    check_supported(model, method)
     bb = backbone_of(model)
-    bb.check()
-    if bb.kind not in spec.backbones:
-        why = f": {spec.why_refused(bb.kind)}" if spec.why_refused(bb.kind) else ""
-        raise ValueError(
-            f"method {method!r} does not support the {bb.kind} backbone ({type(model).__name__}): "
-            f"it supports {', '.join(spec.backbones)}{why}"
-        )
     config.validate(model)
     # The formula reads every part the method will touch: a Linear the family lacks (EVA-02's separate q/k/v, its
     # SwiGLU's two fc1) is refused here in one line, before anything changes.
@@ -103,6 +97,27 @@ def _follow_modes(parent: nn.Module, existing: dict[int, nn.Module]) -> None:
             wrapped = next((m for m in child.modules() if id(m) in existing), None)
             child.training = (wrapped if wrapped is not None else parent).training
         _follow_modes(child, existing)
+
+
+def check_supported(model: nn.Module, method: str) -> None:
+    """Refuse a backbone the method does not declare (:func:`petl.register_method`'s ``backbones``), saying why.
+
+    :func:`apply` checks it first; ``petl-run`` also checks it before a method's calibration, which would otherwise
+    fail later on what the backbone lacks.
+
+    Raises:
+        ValueError: the model is no backbone petl reads, or one of a kind the method does not support.
+
+    """
+    spec = get_method(method)
+    bb = backbone_of(model)
+    bb.check()
+    if bb.kind not in spec.backbones:
+        why = f": {spec.why_refused(bb.kind)}" if spec.why_refused(bb.kind) else ""
+        raise ValueError(
+            f"method {method!r} does not support the {bb.kind} backbone ({type(model).__name__}): "
+            f"it supports {', '.join(spec.backbones)}{why}"
+        )
 
 
 @torch.no_grad()

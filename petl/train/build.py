@@ -28,7 +28,7 @@ import petl.methods  # noqa: F401  (importing the methods registers them)
 from petl import data as petl_data
 from petl.data import hub
 from petl.model.registry import MethodConfig, get_method, make_config
-from petl.model.surgery import apply
+from petl.model.surgery import apply, check_supported
 from petl.store import run_card
 from petl.train import config, engine
 from petl.train.config import ConfigError
@@ -237,6 +237,9 @@ def method_config(
     options = recorded if recorded is not None else {"num_classes": num_classes, **config.method_options(cfg)}
     try:
         method_cfg = make_config(name, **options)
+        # Before calibrating: a calibration (NOAH's search, SCT's selection) on a backbone the method does not
+        # support would fail on what the backbone lacks, after minutes, as an error of the run (exit 1).
+        check_supported(backbone, name)
     except ValueError as error:
         raise ConfigError(f"method {name}: {error}") from None
     if recorded is not None or spec.calibrate is None:

@@ -37,6 +37,7 @@ from petl import data as petl_data
 from petl.backbones import models as petl_models
 from petl.model.backbone import list_backbones, timm_modules
 from petl.model.registry import get_method, list_methods, make_config
+from petl.model.surgery import check_supported
 from petl.train.engine import TrainSettings
 from petl.train.options import check_options, neutral_keys, option
 from petl.train.readers import data_info, data_options, image_size, method_options, model_kwargs  # noqa: F401 (re-exported)
@@ -564,6 +565,9 @@ def check_method(cfg: DictConfig) -> None:
     image_size(model)
     num_classes = data_info(cfg).num_classes
     try:
+        # The backbone first: a method's options are read against a backbone it supports (SCT's default top_n
+        # asks for a single width, which a Swin has not).
+        check_supported(model, cfg.method.name)
         make_config(cfg.method.name, num_classes=num_classes, **method_options(cfg)).validate(model)
     except ValueError as error:
         raise ConfigError(f"method {cfg.method.name}: {error}") from None

@@ -300,6 +300,14 @@ def test_run_folders_task_ids_and_bad_input(tmp_path):
         multi(images, ["a", "b"])
     with pytest.raises(ValueError, match="task index out of range"):
         multi(images, [0, 1, 2])
+    # A bool or a float is no task index (True was task 1, 1.7 task 1); numpy's integers are.
+    for wrong in ([True, False, True], [0, 1.7, 1], torch.tensor([1.0, 0.0, 1.0]), torch.tensor([True, False, True])):
+        with pytest.raises(ValueError, match="give task names or integer indices"):
+            multi(images, wrong)
+    with torch.no_grad():
+        torch.testing.assert_close(multi(images, np.array([1, 0, 1])), by_name)
+        # An empty batch is answered as a timm model answers it: no rows, the widest task's columns.
+        assert multi(images[:0], []).shape == (0, max(multi.num_classes.values()))
     with pytest.raises(ValueError, match="stays in eval mode"):
         multi.train()
     with pytest.raises(ValueError, match="pass the plain backbone"):
