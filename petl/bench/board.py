@@ -139,6 +139,9 @@ class Plan:
         experiments: its experiments (one row each once they have run).
         tasks: its tasks (one column each, shown "–" until a run of it finishes).
         seeds: the seeds of its reported runs (a cell is complete with all of them).
+        model: the backbone its file trains (``model.name``), when the runs must be checked against it (a report
+            asked about a suite by name); ``None``: not checked (a sweep's own report, whose command line may
+            change the backbone).
 
     """
 
@@ -146,6 +149,7 @@ class Plan:
     experiments: tuple[str, ...]
     tasks: tuple[str, ...]
     seeds: tuple[int, ...]
+    model: str | None = None
 
 
 @dataclass
@@ -195,11 +199,14 @@ class Leaderboard:
     def complete(self, row: ExperimentRow) -> bool:
         """Whether ``row`` has a score on every task, each over every seed.
 
-        Every seed: the plan's, when there is one; otherwise as many as the fullest cell of the board.
+        Every task and seed: the plan's, when there is one (and a row of an experiment outside the plan is never
+        complete: the suite does not rank it); otherwise as many as the fullest cell of the board.
         """
         if self.plan is not None:
             seeds = set(self.plan.seeds)
-            return all(t in row.scores and seeds <= set(row.scores[t].seeds) for t in self.plan.tasks)
+            return row.experiment in self.plan.experiments and all(
+                t in row.scores and seeds <= set(row.scores[t].seeds) for t in self.plan.tasks
+            )
         seeds = max((len(s.seeds) for r in self.rows for s in r.scores.values()), default=0)
         return len(row.scores) == len(self.tasks) and all(len(s.seeds) == seeds for s in row.scores.values())
 

@@ -179,7 +179,7 @@ def _verdict(found: Ranking | str, best: ExperimentRow, runner: ExperimentRow) -
         )
     if not found.omnibus_rejects:
         test = f"Friedman's test over the {k} within the budget, {blocks}, does not reject that they rank alike: "
-        test += f"p = {found.p_value:.2g}"
+        test += "every block ties them" if math.isnan(found.p_value) else f"p = {found.p_value:.2g}"
     else:
         test = f"Nemenyi's test after Friedman's, {blocks}: p = {found.p_values[a][b]:.2g}"
     smaller = min((best, runner), key=lambda row: row.trainable).experiment

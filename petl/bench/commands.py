@@ -214,9 +214,11 @@ def cmd_report(args: Sequence[str]) -> int:
     if len(positional) != 1 or rest:
         raise SystemExit("usage: petl-bench report RESULTS_DIR [out=DIR] [configs_dir=DIR] [suite=NAME]")
     out = own.get("out", positional[0])
+    # A configs_dir= that is no configs folder is refused (as `list` does), not read as "no experiment files".
+    configs = configs_folder(own) if "configs_dir" in own else None
     # suite=NAME: the suite the runs came from, so that the report marks what it has not run yet.
-    plan = report.plan_of(own["suite"], own.get("configs_dir")) if "suite" in own else None
-    board = write_report(positional[0], out, own.get("configs_dir"), plan)
+    plan = report.plan_of(own["suite"], configs) if "suite" in own else None
+    board = write_report(positional[0], own.get("out"), configs, plan)
     print(
         f"petl-bench: {ranking.plural(len(board.rows), 'experiment')} x {ranking.plural(len(board.tasks), 'task')} -> "
         f"{out}/leaderboard.{{md,csv,html}}, {out}/pareto.png"
@@ -233,7 +235,8 @@ def cmd_compare(args: Sequence[str]) -> int:
     """Compare the orderings of two results folders' leaderboards (see :mod:`petl.bench.compare`).
 
     ``out=FILE`` that exists is refused unless ``overwrite=true``: the page never replaces a file silently (a
-    folder's own ``leaderboard.md``, say).
+    folder's own ``leaderboard.md``, say); one inside a run folder is refused even then (a run's files are
+    replaced by a run only), as is a folder.
     """
     from petl.bench import compare
     from petl.store.files import write_text
@@ -252,10 +255,14 @@ def cmd_compare(args: Sequence[str]) -> int:
     overwrite = as_bool("overwrite", own.get("overwrite", "false"))
     if "overwrite" in own and "out" not in own:
         raise SystemExit("petl-bench compare: overwrite= acts on out=FILE; give out= too, or leave overwrite= out")
-    if "out" in own and Path(own["out"]).exists() and not overwrite:
-        raise ValueError(f"{own['out']} exists; choose another out=, or pass overwrite=true to replace it")
+    if "out" in own:
+        report.check_not_in_run(Path(own["out"]), "out")
+        if Path(own["out"]).is_dir():
+            raise ValueError(f"out={own['out']} is a folder: name a new .md file")
+        if Path(own["out"]).exists() and not overwrite:
+            raise ValueError(f"{own['out']} exists; choose another out=, or pass overwrite=true to replace it")
     compare.check_same_data(*positional)
-    configs = own.get("configs_dir")
+    configs = configs_folder(own) if "configs_dir" in own else None
     boards = tuple(
         report.build_board(folder, configs, report.plan_of(name, configs) if name else None)
         for folder, name in zip(positional, names, strict=True)

@@ -6,7 +6,11 @@ experiment's rank is its place among its own board's complete rows; Spearman's r
 experiments complete on both boards (their task means, :func:`petl.bench.published.rank_correlation`), with a
 95 % bootstrap interval over those experiments (seeded: the same runs give the same page).  The places an experiment
 moved are counted among those shared experiments alone: two boards of different sizes (a 27-row board against a
-9-row one) would otherwise read every row of the smaller as moving up.
+9-row one) would otherwise read every row of the smaller as moving up.  The interval resamples the experiments in
+name order, so ``compare A B`` and ``compare B A`` give the same page up to its sides.
+
+Both boards must rank the same tasks (:func:`check_same_tasks`): a task mean over other tasks ranks the methods
+on other data, and a rho between the two would read as agreement about one benchmark.  The page names the tasks.
 
 Own images (``suite=choose data=folder``) are one task named after the dataset (``folder``) in every results
 folder: two folders of different images would line up as one task.  Their ``data.json`` fingerprints
@@ -15,12 +19,14 @@ folder: two folders of different images would line up as one task.  Their ``data
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
 from petl.bench.board import Leaderboard
-from petl.bench.published import MIN_RANKED, RankCorrelation, rank_correlation
+from petl.bench.published import MIN_RANKED, RankCorrelation, rank_correlation, rank_interval
+from petl.bench.ranking import plural
 
 
 @dataclass(frozen=True)
@@ -38,6 +44,7 @@ class Comparison:
     Attributes:
         labels: how each board is named in the output (its suite, else its folder).
         models: per board, the backbones its runs trained.
+        tasks: the tasks both boards rank (:func:`check_same_tasks`), in the first board's order.
         complete: per board, experiment -> its :class:`Placing`, for every complete row.
         correlation: Spearman's rho over the experiments complete on both boards (in the second board's order).
 
@@ -45,6 +52,7 @@ class Comparison:
 
     labels: tuple[str, str]
     models: tuple[list[str], list[str]]
+    tasks: tuple[str, ...]
     complete: tuple[dict[str, Placing], dict[str, Placing]]
     correlation: RankCorrelation
 
@@ -83,6 +91,21 @@ def check_same_data(first: str | Path, second: str | Path) -> None:
         )
 
 
+def check_same_tasks(first: Leaderboard, second: Leaderboard) -> None:
+    """Refuse two boards that rank different tasks (a suite's plan's, else the tasks their runs ran).
+
+    Raises:
+        ValueError: one line naming both folders and their task lists.
+
+    """
+    if set(first.tasks) != set(second.tasks):
+        raise ValueError(
+            f"{first.results_dir} ranks {plural(len(first.tasks), 'task')} ({', '.join(first.tasks)}) and "
+            f"{second.results_dir} {plural(len(second.tasks), 'task')} ({', '.join(second.tasks)}): a task mean "
+            "over other tasks ranks the methods on other data; compare folders of runs on the same tasks"
+        )
+
+
 def label(board: Leaderboard) -> str:
     """A board's name: ``suite NAME`` when it was built with a suite's plan, else its folder."""
     return f"suite {board.plan.suite}" if board.plan is not None else str(board.results_dir)
@@ -95,10 +118,39 @@ def placings(board: Leaderboard) -> dict[str, Placing]:
 
 
 def compare(first: Leaderboard, second: Leaderboard) -> Comparison:
-    """Match the complete rows of two boards by experiment and rank-correlate their task means."""
+    """Match the complete rows of two boards by experiment and rank-correlate their task means.
+
+    Raises:
+        ValueError: the boards rank different tasks (:func:`check_same_tasks`).
+
+    """
+    check_same_tasks(first, second)
     a, b = placings(first), placings(second)
     correlation = rank_correlation({e: p.task_mean for e, p in b.items()}, {e: p.task_mean for e, p in a.items()})
-    return Comparison((label(first), label(second)), (first.models, second.models), (a, b), correlation)
+    if not math.isnan(correlation.interval[0]):
+        # rank_correlation resamples the experiments in the second board's order; in name order the interval is
+        # the same whichever board comes first.
+        names = sorted(correlation.methods)
+        interval = rank_interval([b[e].task_mean for e in names], [a[e].task_mean for e in names])
+        correlation = dataclasses.replace(correlation, interval=interval)
+    labels, models = (label(first), label(second)), (first.models, second.models)
+    return Comparison(labels, models, tuple(first.tasks), (a, b), correlation)
+
+
+def _not_computed(comparison: Comparison) -> str:
+    """Why no coefficient: too few shared experiments, or one board ties them all."""
+    shared = comparison.shared
+    if len(shared) < MIN_RANKED:
+        return f"not computed: {plural(len(shared), 'experiment')} complete on both; it needs {MIN_RANKED}."
+    tied = [
+        name
+        for name, places in zip(comparison.labels, comparison.complete, strict=True)
+        if len({places[e].task_mean for e in shared}) == 1
+    ]
+    return (
+        f"not computed: the {len(shared)} experiments complete on both tie on {' and on '.join(tied)} (one task "
+        "mean), so that board ranks none above another."
+    )
 
 
 def markdown(comparison: Comparison) -> str:
@@ -106,7 +158,7 @@ def markdown(comparison: Comparison) -> str:
     (name_a, name_b), (a, b) = comparison.labels, comparison.complete
     rho, shared = comparison.correlation.rho, comparison.shared
     if math.isnan(rho):
-        verdict = f"not computed: {len(shared)} experiment(s) are complete on both; it needs {MIN_RANKED}."
+        verdict = _not_computed(comparison)
     else:
         verdict = (
             f"Spearman's rho = {comparison.correlation.describe()} over the {len(shared)} experiments complete on "
@@ -120,9 +172,10 @@ def markdown(comparison: Comparison) -> str:
         "places moved are counted among the experiments complete on both.",
         "",
         *(
-            f"- **{name}**: {len(places)} complete rows; measured on {', '.join(models)}."
+            f"- **{name}**: {plural(len(places), 'complete row')}; measured on {', '.join(models)}."
             for name, places, models in zip(comparison.labels, comparison.complete, comparison.models, strict=True)
         ),
+        f"- **Tasks** (both boards): {', '.join(comparison.tasks)}.",
         "",
         f"**Rank correlation of the task means**: {verdict}",
         "",

@@ -206,6 +206,9 @@ def progress(board: Leaderboard) -> str:
         )
     if missing:
         parts.append(f"No final run yet ({len(missing)}; searching or not started): {', '.join(missing)}.")
+    outside = [row.experiment for row in board.rows if row.experiment not in plan.experiments]
+    if outside:
+        parts.append(f"Not in the suite, marked `*` and not ranked ({len(outside)}): {', '.join(outside)}.")
     return " ".join(parts)
 
 
@@ -280,8 +283,14 @@ def comparison_lines(board: Leaderboard) -> list[str]:
         block + f" Ranked: the {plural(k, 'complete row')} (rank 1 = the best accuracy in a block, ties share "
         "their mean rank).",
     ]
-    if math.isnan(found.p_value):
+    if k < 3:
         lines.append("**Friedman's test** needs three methods; with two, Nemenyi's test below decides alone.")
+    elif math.isnan(found.p_value):
+        lines.append(
+            f"**Friedman's test** (`scipy.stats.friedmanchisquare`) over {k} methods and {plural(n, 'block')}: every "
+            "block ties every method, so there is no statistic and it does not reject that every method ranks "
+            "alike; no pair below is declared different."
+        )
     else:
         verdict = (
             "the methods do not all rank alike"

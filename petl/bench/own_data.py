@@ -33,8 +33,12 @@ from typing import Any
 
 from petl import data as petl_data
 from petl.data import TEST, TRAIN, TRAIN_VAL, VAL
+from petl.utils.text import first_line
 
 DATA_FILE = "data.json"
+# data.json's format: written by claim_output_dir, read (and checked) by read_record alone.  Records written before
+# the field existed hold the same keys and read as version 1.
+DATA_VERSION = 1
 # How many hex digits of the fingerprint name a results folder: 48 bits, no collision among a user's versions.
 SHORT = 12
 
@@ -161,12 +165,9 @@ def claim_output_dir(output_dir: Path, data: OwnData, setup: dict[str, Any] | No
 
     """
     path = output_dir / DATA_FILE
-    if path.is_file():
-        try:
-            record = json.loads(path.read_text())
-            recorded = record.get("fingerprint")
-        except (json.JSONDecodeError, AttributeError):
-            raise ValueError(f"{path}: not a data record; move it aside, or choose another output_dir") from None
+    record = read_record(output_dir)
+    if record is not None:
+        recorded = record["fingerprint"]
         if recorded != data.fingerprint:
             raise ValueError(
                 f"output_dir {output_dir} holds runs on another version of {data.root} (fingerprint "
@@ -183,13 +184,44 @@ def claim_output_dir(output_dir: Path, data: OwnData, setup: dict[str, Any] | No
             )
         return
     output_dir.mkdir(parents=True, exist_ok=True)
-    record = {k: v for k, v in asdict(data).items() if k != "decode_seconds"}
+    record = {"version": DATA_VERSION, **{k: v for k, v in asdict(data).items() if k != "decode_seconds"}}
     if setup is not None:
         record["setup"] = setup
     path.write_text(json.dumps(record, indent=2) + "\n")
 
 
-def read_record(output_dir: Path) -> dict[str, Any] | None:
-    """The ``data.json`` of a results folder of own data, or ``None``."""
+def read_record(output_dir: str | Path) -> dict[str, Any] | None:
+    """The ``data.json`` of a results folder of own data (checked), or ``None`` when the folder has none.
+
+    Raises:
+        ValueError: a file that is not such a record (not JSON, not an object, another version, ``task``,
+            ``root`` or ``fingerprint`` missing or not text, ``setup`` not an object): one line naming it.
+
+    """
     path = Path(output_dir) / DATA_FILE
-    return json.loads(path.read_text()) if path.is_file() else None
+    if not path.is_file():
+        return None
+    fix = (
+        "move it aside and run the folder's `petl-bench ... data=... output_dir=...` command again to write it anew "
+        "(finished runs are kept)"
+    )
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{path}: not a data record ({first_line(str(error))}): {fix}") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"{path}: not a data record (a JSON {type(record).__name__}, not an object): {fix}")
+    version = record.get("version", DATA_VERSION)
+    if type(version) is not int or version < 1:
+        raise ValueError(f"{path}: not a data record (version {version!r}): {fix}")
+    if version > DATA_VERSION:
+        raise ValueError(
+            f"{path}: a data record of version {version}, written by a newer petl (this one reads {DATA_VERSION}): "
+            "compare and report it with that petl"
+        )
+    bad = [key for key in ("task", "root", "fingerprint") if not isinstance(record.get(key), str)]
+    if "setup" in record and not isinstance(record["setup"], dict):
+        bad.append("setup")
+    if bad:
+        raise ValueError(f"{path}: not a data record ({', '.join(bad)} missing or malformed): {fix}")
+    return record

@@ -107,8 +107,14 @@ class Ranking:
 
     @property
     def omnibus_rejects(self) -> bool:
-        """Whether Friedman's test rejects that every method ranks alike (with two methods: not run, so yes)."""
-        return math.isnan(self.p_value) or self.p_value < self.alpha
+        """Whether Friedman's test rejects that every method ranks alike.
+
+        With two methods it is not run, so yes (Nemenyi's test decides alone); with three or more and every block
+        tied (no statistic, p NaN), no.
+        """
+        if len(self.methods) < 3:
+            return True
+        return self.p_value < self.alpha  # NaN (every block tied) compares False
 
     def differ(self, a: str, b: str) -> bool:
         """Whether ``a`` and ``b`` differ at :attr:`alpha`: Friedman rejects, then Nemenyi does for the pair."""
@@ -129,7 +135,7 @@ def rank_test(board: Leaderboard, rows: Sequence[ExperimentRow] | None = None, a
     """Rank ``rows`` (default: the board's complete rows) across blocks; or why no test was run.
 
     The blocks are the board's tasks less the saturated ones (:func:`saturated_tasks`) when two or more
-    remain, else the seeds of the one task (those every row ran).
+    remain, else the seeds of the one task left (those every row ran); with every task saturated, no test.
     """
     import numpy as np
 
@@ -142,9 +148,12 @@ def rank_test(board: Leaderboard, rows: Sequence[ExperimentRow] | None = None, a
     if len(tasks) >= 2:
         block, blocks = "task", tuple(tasks)
         values = np.array([[r.scores[t].mean for r in rows] for t in tasks])
+    elif not tasks:
+        # Ranking the seeds of a saturated task would rank a few test images, while the legend leaves it out.
+        said = ", ".join(t.rsplit("/", 1)[-1] for t in left_out)
+        return f"every task is saturated ({said}): the methods differ there by a few test images, which rank nothing"
     else:
-        task = (tasks or board.tasks)[0]
-        left_out = [t for t in left_out if t != task]
+        task = tasks[0]
         seeds = sorted(set.intersection(*(set(seed_scores(r, task)) for r in rows)))
         block, blocks = "seed", tuple(f"seed {s}" for s in seeds)
         values = np.array([[seed_scores(r, task)[s] for r in rows] for s in seeds])

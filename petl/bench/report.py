@@ -204,6 +204,7 @@ def aggregate(
         compute: the compute the runs spent (:func:`compute_spent`), for the legend.
         skipped: the result files left out as damaged or incomplete, for the legend.
     """
+    check_plan_model(records, results_dir, plan)
     groups = {r.task: task_group(r.task) for r in records}
     groups.update({t: task_group(t) for t in (plan.tasks if plan else ()) if t not in groups})
     tasks = sorted(groups, key=lambda t: _task_order_key(t, groups))
@@ -410,10 +411,33 @@ def plan_of(suite_name: str, configs_dir: str | Path | None = None) -> Plan:
         ValueError: an unknown suite or a malformed suite file.
 
     """
+    from petl.backbones.models import DEFAULT_MODEL
     from petl.bench import suite
 
     found = suite.load_suite(suite_name, suite.configs_dir(configs_dir))
-    return Plan(found.name, tuple(found.experiments), tuple(found.tasks), tuple(found.seeds))
+    # The backbone the suite's file trains (petl's default where it names none): aggregate checks the runs against it.
+    model = str(found.groups.get("model", {}).get("name", DEFAULT_MODEL))
+    return Plan(found.name, tuple(found.experiments), tuple(found.tasks), tuple(found.seeds), model)
+
+
+def check_plan_model(records: list[RunRecord], results_dir: str | Path, plan: Plan | None) -> None:
+    """Refuse runs of another backbone than the one ``plan``'s suite trains (when the plan names one).
+
+    A board titled after a suite whose runs trained another backbone (``suite=mini_swin`` on a ViT's folder) would
+    read as that suite's.
+
+    Raises:
+        ValueError: one line naming the folder, the runs' backbones, the suite and its backbone.
+
+    """
+    if plan is None or plan.model is None:
+        return
+    others = sorted({str(r.result.model) for r in records} - {plan.model})
+    if others:
+        raise ValueError(
+            f"{results_dir}: its runs trained {', '.join(others)}, and suite {plan.suite} trains {plan.model} (its "
+            "model.name): name the suite these runs came from, or none"
+        )
 
 
 def _title(board: Leaderboard) -> str:
@@ -518,6 +542,30 @@ def build_board(
     )
 
 
+def check_not_in_run(path: Path, key: str) -> None:
+    """Refuse a report or comparison written into a run folder (any run's: it, or a folder above, holds a run file).
+
+    A run's files are replaced by a run, never by a page (as ``petl-predict`` and ``petl-export`` refuse too), even
+    with ``overwrite=true``.
+
+    Raises:
+        ValueError: one line naming ``key=path``, the run folder and the run file it holds.
+
+    """
+    from petl.store.files import enclosing_run
+
+    inside = enclosing_run(path)
+    if inside is not None:
+        folder, marker = inside
+        if key == "RESULTS_DIR":
+            said, fix = f"{path}, where the report goes without out=,", "give out=DIR elsewhere"
+        else:
+            said, fix = f"{key}={path}", "write elsewhere"
+        raise ValueError(
+            f"{said} is inside the run folder {folder} (it holds {marker}): {fix} (only a run writes into a run folder)"
+        )
+
+
 def write_report(
     results_dir: str | Path,
     out_dir: str | Path | None = None,
@@ -543,12 +591,14 @@ def write_report(
 
     Raises:
         FileNotFoundError: no result.json under ``results_dir``.
+        ValueError: the output folder is (inside) a run folder.
 
     """
     from petl.bench.html import Section, render_html
 
-    board = build_board(results_dir, configs_dir, plan)
     out = Path(out_dir) if out_dir is not None else Path(results_dir)
+    check_not_in_run(out, "out" if out_dir is not None else "RESULTS_DIR")
+    board = build_board(results_dir, configs_dir, plan)
     png = pareto_png(board)
     curves_png = learning_curves_png(board)
     figures = [("Accuracy against trainable parameters", png)]
