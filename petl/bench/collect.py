@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 
 from petl.bench.protocol import UNSTABLE_DIR
+from petl.bench.sweep import task_folder
 from petl.store.files import REPLACED_MARK, RESULT_FILE
 from petl.store.result import ResultError, RunResult, read_result
 from petl.train.learning import run_not_learned
@@ -64,54 +65,69 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
-# What a reported run's result.json must hold for the leaderboard: its counts, and numbers (or nothing) where the
-# columns read numbers.  A file read from disk is untrusted: one with a bad field is skipped, never half-used.
+# What a reported run's record must hold for the leaderboard beyond what the reader checks (petl.store.result:
+# every field's type and range): the counts its columns and the Pareto plot read.
 _COUNTS = ("trainable_params", "trainable_params_no_head", "total_params")
-_OPTIONAL_NUMBERS = ("val_top1", "epochs", "train_seconds", "images_per_second", "peak_memory_mb", "wall_seconds")
-_OPTIONAL_MAPPINGS = ("method_config", "config", "selection")
 
 
-def record_problem(result: Mapping[str, Any]) -> str | None:
-    """Why a reported run's record cannot be used in a leaderboard (a field missing or malformed), or ``None``."""
+def record_problem(result: RunResult) -> str | None:
+    """Why a reported run's record cannot be used in a leaderboard (a count missing), or ``None``."""
+    missing = [key for key in _COUNTS if getattr(result, key) is None]
+    return f"field {missing[0]!r} is missing" if missing else None
 
-    def bad(key: str, what: str) -> str:
-        if result.get(key) is None:
-            return f"field {key!r} is missing"
-        return f"field {key!r} is {result[key]!r}, not {what}"
 
-    if result.get("test_top1") is not None and not _is_number(result["test_top1"]):
-        return bad("test_top1", "a number")
-    for key in _COUNTS:
-        if not _is_number(result.get(key)) or result[key] < (1 if key == "total_params" else 0):
-            return bad(key, "a positive count" if key == "total_params" else "a count")
-    for key in _OPTIONAL_NUMBERS:
-        if result.get(key) is not None and not _is_number(result[key]):
-            return bad(key, "a number")
-    for key in _OPTIONAL_MAPPINGS:
-        if result.get(key) is not None and not isinstance(result[key], Mapping):
-            return bad(key, "a mapping")
-    trials = (result.get("selection") or {}).get("trials") or []
-    if not isinstance(trials, list) or not all(isinstance(t, Mapping) for t in trials):
-        return "field 'selection' has trials that are not mappings"
-    return None
+def folder_problem(root: Path, path: Path, result: RunResult, task_folders: set[str]) -> str | None:
+    """Why a record contradicts the folder it sits in, or ``None``.
+
+    In a results root's layout, ``<root>/<task folder>/<experiment>/seed<k>/result.json``, the task folder says
+    which task the run belongs to (:func:`petl.bench.sweep.task_folder`: ``mini-digits`` for ``mini/digits``), and
+    the sweep trains into it by that name.  A record of another task there (copied, moved or edited by hand) is
+    refused rather than read as a task of its own, which would add a column and leave every row incomplete.
+    ``task_folders`` are the folder names that name a task (the registry's tasks and the runs' own); a folder
+    outside them (petl-run's default ``<data>/<model>/<method>/seed<k>`` read from ``<data>/``) says nothing.
+    """
+    parts = path.relative_to(root).parts
+    if len(parts) != 4 or not _SEED_DIR.match(parts[2]) or parts[0] not in task_folders:
+        return None
+    expected = task_folder(result.dataset)
+    if parts[0] == expected:
+        return None
+    return (
+        f"a run of {result.dataset} in the folder of another task ({parts[0]}/): move it to "
+        f"{root / expected / parts[1] / parts[2]}, or delete it"
+    )
+
+
+def _task_folders(results: list[tuple[Path, RunResult]]) -> set[str]:
+    from petl.data import list_datasets
+
+    return {task_folder(name) for name in list_datasets()} | {task_folder(r.dataset) for _, r in results}
 
 
 def read_all(results_dir: str | Path, skipped: list[Path] | None = None) -> list[tuple[Path, RunResult]]:
     """Every usable ``result.json`` under ``results_dir``, read once.
 
-    An unreadable file, or a reported run's record with a field missing or malformed, is skipped with a warning
-    naming it (and appended to ``skipped``).  Runs replaced by ``resume=false`` (``<run>.replaced-<time>/``)
-    are not read.
+    An unreadable file (:func:`petl.store.result.read_result` checks every field), a reported run's record
+    without its counts, or a record in another task's folder (:func:`folder_problem`) is skipped with a warning
+    naming it (and appended to ``skipped``).  Runs replaced by ``resume=false`` (``<run>.replaced-<time>/``) are
+    not read.
     """
-    found = []
-    for path in result_files(results_dir):
+    root = Path(results_dir)
+    read: list[tuple[Path, RunResult | None, str | None]] = []
+    for path in result_files(root):
         try:
             result = read_result(path)
-            problem = None if result is None or result.test_top1 is None else record_problem(result.to_json())
+            problem = None if result is None or result.test_top1 is None else record_problem(result)
         except ResultError as error:
             result, problem = None, str(error)
-        except (KeyError, TypeError, RecursionError) as error:  # a record without dataset or seed...
+        except (KeyError, TypeError, RecursionError) as error:  # RecursionError: nested too deep for json
             result, problem = None, f"{path}: not a result record ({type(error).__name__}: {error})"
+        read.append((path, result, problem))
+    task_folders = _task_folders([(p, r) for p, r, problem in read if r is not None and problem is None])
+    found = []
+    for path, result, problem in read:
+        if result is not None and problem is None:
+            problem = folder_problem(root, path, result, task_folders)
         if problem is not None:
             name = problem if problem.startswith(str(path)) else f"{path}: {problem}"
             warnings.warn(f"skipping {name}", stacklevel=2)

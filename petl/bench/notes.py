@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 from petl.bench import ranking
 from petl.bench.board import (
@@ -24,7 +25,7 @@ from petl.bench.published import (
     rank_correlation,
 )
 from petl.bench.ranking import plural
-from petl.store.result import read_result
+from petl.store.result import ResultError, read_result
 
 
 def notes(board: Leaderboard) -> list[str]:
@@ -163,7 +164,11 @@ def set_aside_line(board: Leaderboard) -> str:
         # <task folder>/<experiment>/unstable/<point>/seed<k>/result.json; the task is the record's (a folder
         # name is mini-digits, or mini/digits in results written before the one-level layout).
         run, point, experiment = path.parent, path.parent.parent.name, path.parents[3].name
-        result = read_result(path)
+        try:
+            result = read_result(path)
+        except ResultError as error:  # counted by its folder; the leaderboard never reads it
+            warnings.warn(f"set-aside run: {error}", stacklevel=2)
+            result = None
         task = result.dataset if result else path.parents[4].relative_to(board.results_dir).as_posix()
         cells.setdefault(f"{experiment} {task.rsplit('/', 1)[-1]} at {point}", []).append(run.name)
         seconds += float(result.wall_seconds or 0.0) if result else 0.0

@@ -71,11 +71,15 @@ class PlannedRun:
         return [*self.overrides[:-1], *chosen, self.overrides[-1]]
 
     def damage(self) -> str | None:
-        """Why this run's ``result.json`` cannot be read (cut short, hand-edited), or ``None``."""
+        """Why this run's ``result.json`` cannot be read (cut short, hand-edited) or is another task's, or ``None``."""
+        path = self.run_dir / RESULT_FILE
         try:
-            read_result(self.run_dir / RESULT_FILE)
+            result = read_result(path)
         except (ResultError, KeyError, TypeError, RecursionError) as error:
-            return str(error) if isinstance(error, ResultError) else f"{self.run_dir / RESULT_FILE}: {error!r}"
+            return str(error) if isinstance(error, ResultError) else f"{path}: {error!r}"
+        if result is not None and result.dataset != self.task:
+            # Copied or moved from another task's folder: the reports would not count it here (collect.folder_problem).
+            return f"{path}: a run of {result.dataset}, not of {self.task} whose folder it is in"
         return None
 
 
@@ -201,7 +205,9 @@ class SweepSummary:
 def _diverged_result(run: PlannedRun, error: Exception, cfg: Any) -> RunResult:
     """The result.json of a selection trial that diverged: no scores, why, and the config it was trained with."""
     config = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else None
-    return RunResult(method=run.experiment, dataset=run.task, seed=run.seed, diverged=str(error), config=config)
+    # The method its config trained (records from before this named the experiment: the reader lets them be).
+    method = cfg.method.name if isinstance(cfg, DictConfig) else run.experiment
+    return RunResult(method=method, dataset=run.task, seed=run.seed, diverged=str(error), config=config)
 
 
 def _default_fns() -> tuple[TrainFn, ComposeFn, CheckFn]:

@@ -3,14 +3,18 @@
 :func:`write_result` is the only code that writes the file (a trained run, a diverged selection trial, a
 final run stamped with its selection) and :func:`read_result` the only code that reads it (the run-folder
 rules, the sweep, the reports), so every field is named once, here, and the reports read attributes.
-A record written before ``version`` existed reads as version 1; an unreadable one raises
-:class:`ResultError` naming the file.
+A record written before ``version`` existed reads as version 1.  The file is untrusted (a hand edit, a copy, another
+tool's record): the reader checks every field's type and range, and that the method, dataset and seed are those of
+the config the record embeds; an unreadable or malformed one raises :class:`ResultError` naming the file and the
+field.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import reprlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,7 +27,7 @@ _ONLY_WHEN_SET = ("selection", "diverged", "not_learned", "split_meaning", "extr
 
 
 class ResultError(ValueError):
-    """A ``result.json`` that cannot be read: not JSON, not a record, or from a newer petl; names the file."""
+    """A ``result.json`` that cannot be read (not JSON, not a record, a field malformed, another version); names it."""
 
 
 @dataclass
@@ -99,28 +103,143 @@ class RunResult:
         for name in _ONLY_WHEN_SET:
             if not record[name]:
                 del record[name]
-        return {**record, **record.pop("extra", {})}
+        extra = record.pop("extra", None) or {}  # popped first: written as the keys it holds, not as "extra"
+        return {**record, **extra}
 
     @classmethod
     def from_json(cls, record: Any, source: str = "result.json") -> RunResult:
-        """Read a record; raises :class:`ResultError` naming ``source`` when it is not one."""
+        """Read a record, every field checked (:func:`field_problem`); raises :class:`ResultError` naming ``source``.
+
+        The one reader of the file: the run-folder rules, the sweep and the reports all come through here, so a
+        field of the wrong type or out of range (a hand edit, another tool's record) is refused once, the same
+        way for each of them, before anything formats or sums it.
+        """
         if not isinstance(record, dict):
             raise ResultError(f"{source}: not a result record (a JSON {type(record).__name__})")
         missing = [name for name in ("dataset", "seed") if name not in record]
         if missing:
             raise ResultError(f"{source}: not a result record (no {', '.join(missing)})")
-        version = record.get("version", RESULT_VERSION)
-        if not isinstance(version, int) or version > RESULT_VERSION:
-            raise ResultError(f"{source}: result version {version!r} is newer than this petl reads ({RESULT_VERSION})")
-        known = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        problem = version_problem(record.get("version", RESULT_VERSION))
+        if problem:
+            raise ResultError(f"{source}: {problem}")
+        known = {f.name for f in dataclasses.fields(cls)} - {"extra", "version"}
         values = {k: v for k, v in record.items() if k in known}
-        try:
-            seed = int(values.pop("seed"))
-        except (TypeError, ValueError):
-            raise ResultError(f"{source}: seed {record['seed']!r} is not an integer") from None
-        values.setdefault("method", "?")
-        values["dataset"] = str(values["dataset"])
-        return cls(**values, seed=seed, extra={k: v for k, v in record.items() if k not in known})
+        for name, value in values.items():
+            what = field_problem(name, value)
+            if what:
+                raise ResultError(f"{source}: field {name!r} is {reprlib.repr(value)}, not {what}")
+        problem = config_problem(values)
+        if problem:
+            raise ResultError(f"{source}: {problem}")
+        # A record without its method (hand-made, a test's) takes its config's, so that a rewrite stays consistent.
+        method = _config_name(values.get("config"), "method")
+        values.setdefault("method", method if isinstance(method, str) and method else "?")
+        values["method_config"] = values.get("method_config") or {}
+        extra = {k: v for k, v in record.items() if k not in known and k != "version"}
+        return cls(**values, version=record.get("version", RESULT_VERSION), extra=extra)
+
+
+# What each field of a record may hold, checked on read (RunResult.from_json).  Every field is in one group
+# (a test keeps it so), so a field added to RunResult cannot be read unchecked.
+_REQUIRED = ("method", "dataset", "seed")  # never null (one without a method: see from_json)
+_NAMES = ("method", "dataset")  # non-empty text
+_TEXT = (
+    "split", "model", "feature_cache", "device", "precision", "git_commit", "output_dir", "finished_at",
+    "peak_memory_kind", "weights_sha256", "checkpoint", "checkpoint_sha256", "val_from_train", "split_meaning",
+    "diverged", "not_learned",
+)  # fmt: skip
+_FLAGS = ("pretrained", "compiled", "tf32", "git_dirty", "has_test_split")
+# Integers (never true/false), with their least value: a model has parameters and a task classes.
+_COUNTS = {
+    "seed": 0, "num_classes": 1, "total_params": 1, "trainable_params": 0, "trainable_params_no_head": 0,
+    "epochs": 0, "num_processes": 1, "effective_batch_size": 1,
+}  # fmt: skip
+_PERCENTS = ("val_top1", "best_val_top1", "test_top1", "final_train_top1")
+_AMOUNTS = ("train_seconds", "test_seconds", "wall_seconds", "images_per_second", "peak_memory_mb")  # >= 0
+_LOSSES = ("final_train_loss",)  # finite (a run whose loss went non-finite stops without a record)
+_MAPPINGS = ("method_config", "config", "inputs", "versions", "selection")
+_TEXT_LISTS = ("class_names",)
+CHECKED_FIELDS = (
+    *_NAMES, *_TEXT, *_FLAGS, *_COUNTS, *_PERCENTS, *_AMOUNTS, *_LOSSES, *_MAPPINGS, *_TEXT_LISTS, "version", "extra"
+)  # fmt: skip
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def field_problem(name: str, value: Any) -> str | None:
+    """What a record's field ``name`` should hold when ``value`` is not that, else ``None``.
+
+    Null stands for "unknown" in every field but ``method``, ``dataset`` and ``seed``.
+    """
+    if value is None and name not in _REQUIRED:
+        return None
+    if name in _NAMES:
+        return None if isinstance(value, str) and value else "a name"
+    if name in _TEXT:
+        return None if isinstance(value, str) else "text"
+    if name in _FLAGS:
+        return None if isinstance(value, bool) else "true or false"
+    if name in _COUNTS:
+        least = _COUNTS[name]
+        return None if _is_count(value) and value >= least else f"an integer of at least {least}"
+    if name in _PERCENTS:
+        return None if _is_number(value) and 0 <= value <= 100 else "a percentage from 0 to 100"
+    if name in _AMOUNTS:
+        return None if _is_number(value) and value >= 0 else "a non-negative number"
+    if name in _LOSSES:
+        return None if _is_number(value) else "a finite number"
+    if name in _MAPPINGS:
+        if not isinstance(value, dict):
+            return "a mapping"
+        trials = value.get("trials") if name == "selection" else None
+        if trials is not None and not (isinstance(trials, list) and all(isinstance(t, dict) for t in trials)):
+            return "a mapping whose trials are a list of mappings"
+        return None
+    if name in _TEXT_LISTS:
+        return None if isinstance(value, list) and all(isinstance(v, str) for v in value) else "a list of text"
+    raise KeyError(name)
+
+
+def version_problem(version: Any) -> str | None:
+    """Why ``version`` is not a record version this petl reads (it reads 1 to :data:`RESULT_VERSION`), or ``None``."""
+    if not _is_count(version):
+        shown = reprlib.repr(version)
+        return f"result version {shown} is not a version number (an integer; this petl writes {RESULT_VERSION})"
+    if version > RESULT_VERSION:
+        return f"result version {version} is newer than this petl reads ({RESULT_VERSION}): upgrade petl to read it"
+    if version < 1:
+        return f"result version {version} was never written by petl (versions 1 to {RESULT_VERSION})"
+    return None
+
+
+def config_problem(values: dict[str, Any]) -> str | None:
+    """Where a record's method, dataset or seed differ from the config it records it was trained with, or ``None``.
+
+    A selection trial that diverged was recorded under its experiment's name before this check existed
+    (:func:`petl.bench.sweep._diverged_result`), so its method is not compared.
+    """
+    config = values.get("config")
+    if not isinstance(config, dict):
+        return None  # a hand-made record, or one from before configs were recorded: nothing to compare
+    recorded = {"seed": config.get("seed"), "dataset": _config_name(config, "data")}
+    if not values.get("diverged"):
+        recorded["method"] = _config_name(config, "method")
+    for name, value in recorded.items():
+        if value is not None and name in values and value != values[name]:
+            return f"{name} {values[name]!r} is not the {name} of the config it records ({value!r})"
+    return None
+
+
+def _config_name(config: Any, group: str) -> Any:
+    """``config[group]["name"]`` (the method's or the dataset's name in a recorded config), else ``None``."""
+    node = config.get(group) if isinstance(config, dict) else None
+    return node.get("name") if isinstance(node, dict) else None
 
 
 def write_result(path: Path, result: RunResult) -> None:

@@ -115,7 +115,12 @@ def _as_recorded(value: Any) -> Any:
 
 
 def check_output_dir(out: Path, cfg: DictConfig, resolved: dict[str, Any], is_main: bool) -> RunResult | None:
-    """Check what an earlier run left in ``out``; return its result if it finished with this config."""
+    """Check what an earlier run left in ``out``; return its result if it finished with this config.
+
+    A finished run is returned only whole: its record readable (every field checked, its method, dataset and seed
+    those of the config it embeds: :func:`petl.store.result.read_result`), that config this command's, its inputs
+    unchanged and its weights file there.  Anything else is named in one line (exit 2) and nothing is deleted.
+    """
     if not cfg.resume:
         # A replacement: the earlier run stays until this one has checked its input (set_aside).
         return None
@@ -126,6 +131,9 @@ def check_output_dir(out: Path, cfg: DictConfig, resolved: dict[str, Any], is_ma
                 f"output_dir {out} holds a {files.RESULT_FILE} without the config it was trained with, so it "
                 "cannot be checked; choose another output_dir, or resume=false to replace it"
             )
+        if not (out / files.WEIGHTS_FILE).is_file():
+            # Its record alone is no finished run: petl-predict, petl-export and load_run need the weights.
+            raise ConfigError(f"output_dir {out} holds a finished run without its {files.WEIGHTS_FILE}; {_REPLACE}")
         previous = finished.config
     elif (out / files.CHECKPOINT_FILE).exists():
         if not (out / files.CONFIG_FILE).exists():

@@ -89,13 +89,18 @@ def _weights_sha256(cfg: DictConfig, model: nn.Module) -> str | None:
 
 
 def summary_line(result: dict[str, Any]) -> str:
-    """One line for the console: method, task, accuracies, trainable parameters, time."""
-    val = "-" if result["val_top1"] is None else f"{result['val_top1']:.2f}"
-    test = "-" if result["test_top1"] is None else f"{result['test_top1']:.2f}"
+    """One line for the console: method, task, accuracies, trainable parameters, time ("-" where unknown).
+
+    ``result`` is a record as written or as read (:func:`petl.store.result.read_result` has checked its types).
+    """
+
+    def shown(key: str, spec: str) -> str:
+        return "-" if result.get(key) is None else format(result[key], spec)
+
     return (
-        f"{result['method']} on {result['dataset']} ({result['model']}, seed {result['seed']}): "
-        f"val {val}  test {test}  | {result['trainable_params']:,} trainable params "
-        f"| {result['train_seconds']:.0f} s"
+        f"{result['method']} on {result['dataset']} ({result.get('model')}, seed {result['seed']}): "
+        f"val {shown('val_top1', '.2f')}  test {shown('test_top1', '.2f')}  | "
+        f"{shown('trainable_params', ',')} trainable params | {shown('train_seconds', '.0f')} s"
     )
 
 

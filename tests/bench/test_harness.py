@@ -122,9 +122,10 @@ def fake_result(
         "model": model,
         "seed": seed,
         "num_classes": 10,
-        "trainable_params": no_head + head,
-        "trainable_params_no_head": no_head,
-        "total_params": 100_000.0,
+        # Counts as petl writes them: integers (the reader refuses 1100.0).
+        "trainable_params": int(no_head + head),
+        "trainable_params_no_head": int(no_head),
+        "total_params": 100_000,
         "val_top1": top1,
         "test_top1": top1,
         "epochs": 1,

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from petl.bench import protocol, sweep
+from petl.bench import protocol, report, sweep
 from petl.bench import suite as suites
 from petl.bench.collect import collect, set_aside_files
 from petl.bench.sweep import PlannedRun
@@ -666,6 +666,18 @@ def test_require_learning_sets_a_point_aside_whose_finals_did_not_learn(tmp_path
     assert len(set_aside_files(tmp_path)) == 2
     second = protocol.run_protocol(cells, progress=False, **fakes)
     assert second.trained == 0 and not second.set_aside and not second.failed
+
+
+def test_a_set_aside_record_that_does_not_read_is_named_and_the_report_still_written(tmp_path):
+    suite = _suite(search={"train.lr": [1e-3, 1e-2]}, require_learning=True)
+    cells = protocol.plan_cells(suite, [suites.Experiment("e", {"name": "lora"})], ["mini/digits"], [0, 1], tmp_path)
+    protocol.run_protocol(cells, progress=False, **_stuck_trainer({1e-3: 60.0, 1e-2: 70.0}, {(1e-2, "1")}, []))
+    aside = tmp_path / "mini-digits/e/unstable/train.lr=0.01/seed1/result.json"
+    aside.write_text(json.dumps({**json.loads(aside.read_text()), "test_top1": 1234.5}))
+    # The reader refuses it (test_top1 out of range); the legend counts it by its folder, the report goes on.
+    with pytest.warns(UserWarning, match=f"set-aside run: {aside}: field 'test_top1' is 1234.5"):
+        report.write_report(tmp_path)
+    assert "**Set aside**: 2 final runs" in (tmp_path / "leaderboard.md").read_text()
 
 
 def test_require_learning_stops_when_the_next_points_finals_do_not_learn_either(tmp_path):
