@@ -160,7 +160,11 @@ def _info(names: tuple[str, ...], splits: dict[str, list]) -> DatasetInfo:
 
 
 def split_items(splits: dict[str, list], split: str) -> list:
-    """The items of a petl split name, holding val out of train when there is no val of its own."""
+    """The items of a petl split name, holding val out of train when there is no val of its own.
+
+    Each item is a tuple ending with its class index (a folder's ``(path, label)``, a ``datasets`` dataset's
+    ``(part, split name, row, label)``): the hold-out is stratified by it.
+    """
     train = splits["train"]
     if split == TEST:
         if "test" not in splits:
@@ -170,7 +174,7 @@ def split_items(splits: dict[str, list], split: str) -> list:
         return {TRAIN: train, VAL: splits["val"], TRAIN_VAL: train + splits["val"]}[split]
     if split == TRAIN_VAL:
         return train
-    held = stratified_holdout([item[1] for item in train])
+    held = stratified_holdout([item[-1] for item in train])
     return [item for item, out in zip(train, held, strict=True) if out == (split == VAL)]
 
 

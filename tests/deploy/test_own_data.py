@@ -23,6 +23,7 @@ from safetensors import safe_open
 from test_export import run_without_petl
 
 import petl
+from petl import data as petl_data
 from petl.cli import export as export_cli
 from petl.cli import predict as predict_cli
 from petl.cli import run as cli
@@ -169,6 +170,24 @@ def test_a_folder_trains_predicts_evaluates_and_exports_on_a_tiny_backbone(tmp_p
     accuracy = float(re.search(r"top-1 ([\d.]+)%", printed).group(1))
     assert accuracy == pytest.approx(json.loads((run_dir / "result.json").read_text())["test_top1"])
     _export_and_compare(run_dir, tmp_path)
+
+
+def test_a_datasets_dataset_holds_val_out_of_each_class_as_a_folder_does(tmp_path):
+    # data=hf once held 20 % of train/ out as a whole (its items' second element is the split's name, not the
+    # label): a class of one image could lose it to val.  Both now hold out the same share of each class.
+    pytest.importorskip("datasets")
+    rng = np.random.default_rng(0)
+    for name, count in zip(CLASSES, (10, 10, 1), strict=True):
+        (tmp_path / "train" / name).mkdir(parents=True)
+        for index in range(count):
+            _image(name, rng, size=8).save(tmp_path / "train" / name / f"{index:03d}.png")
+
+    def per_class(name: str, split: str) -> list[int]:
+        dataset = petl_data.build_dataset(name, split, image_size=8, root=str(tmp_path))
+        return np.bincount([int(dataset[i][1]) for i in range(len(dataset))], minlength=len(CLASSES)).tolist()
+
+    assert per_class("folder", "val200") == per_class("hf", "val200") == [2, 2, 0]
+    assert per_class("folder", "train800") == per_class("hf", "train800") == [8, 8, 1]
 
 
 @pytest.mark.slow
