@@ -77,7 +77,10 @@ class Budget:
 
 
 def _params(count: float) -> str:
-    return f"{count / 1e6:.2f} M" if count >= 1e5 else f"{count / 1e3:.1f} k"
+    """A parameter count in words: ``1.23 M``, ``10.0 k``, or under a thousand the count itself (``10``)."""
+    if count >= 1e5:
+        return f"{count / 1e6:.2f} M"
+    return f"{count / 1e3:.1f} k" if count >= 1e3 else f"{count:g}"
 
 
 def train_seconds(row: ExperimentRow) -> float:

@@ -59,3 +59,10 @@ def test_a_second_choose_on_the_same_folder_stops_naming_the_first(tmp_path, cap
     assert f"another choose is running on {out} (pid {os.getppid()} on host" in err and err.count("\n") == 1
     assert "delete" not in err and not (out / "data.json").exists()
     assert json.loads((out / LOCK_FILE).read_text()) == holder  # the first one's lock is left alone
+
+
+def test_a_budget_under_a_thousand_parameters_is_said_as_its_count():
+    # budget.params=10 was said "at most 0.0 k trainable parameters".
+    assert choice.Budget.parse({"budget.params": "10"}).describe() == "at most 10 trainable parameters"
+    assert choice.Budget.parse({"budget.params": "10k"}).describe() == "at most 10.0 k trainable parameters"
+    assert choice.Budget.parse({"budget.params": "1.5M"}).describe() == "at most 1.50 M trainable parameters"
