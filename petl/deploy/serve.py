@@ -348,10 +348,12 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 
 def _too_large(size: int, limit: int, at_least: bool = False) -> HTTPException:
-    mb = f"{'over ' if at_least else ''}{size / 2**20:.1f} MB"
+    # Three significant digits: the limit is max_upload_mb rounded down to whole bytes (0.01 MB is 10485 bytes,
+    # 0.00999928 MB), and a small body is a small fraction of a MB.
+    mb = f"{'over ' if at_least else ''}{size / 2**20:.3g} MB"
     return HTTPException(
         413,
-        f"the request is {mb}, over max_upload_mb={limit / 2**20:g}: send smaller images "
+        f"the request is {mb}, over max_upload_mb={limit / 2**20:.3g}: send smaller images "
         "(or start petl-serve with a larger max_upload_mb)",
     )
 

@@ -647,3 +647,11 @@ def test_without_the_extra_one_line_says_which_pip_install_brings_it(runs, monke
         serve_cli.main([str(runs["lora"])])
     assert stop.value.code == 1
     assert capsys.readouterr().err == "petl-serve: error: petl-serve needs fastapi: " + serve_cli.PIP_HINT + "\n"
+
+
+def test_a_body_too_large_is_said_in_readable_megabytes():
+    # max_upload_mb=0.01 is 10485 bytes: said "max_upload_mb=0.00999928", and a 19.6 kB body "0.0 MB".
+    limit = serve.ServeOptions(max_upload_mb=0.01).max_upload_bytes
+    detail = serve._too_large(20_070, limit).detail
+    assert detail.startswith("the request is 0.0191 MB, over max_upload_mb=0.01: "), detail
+    assert serve._too_large(30 * 2**20, 20 * 2**20).detail.startswith("the request is 30 MB, over max_upload_mb=20: ")
