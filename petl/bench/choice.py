@@ -20,7 +20,8 @@ from typing import Any
 
 from petl.bench.board import ExperimentRow, Leaderboard
 from petl.bench.estimate import duration
-from petl.bench.ranking import Ranking, plural, rank_test
+from petl.bench.ranking import Ranking, rank_test
+from petl.utils.text import plural
 
 CHOICE_FILE = "choice.md"
 BUDGET_KEYS = ("budget.params", "budget.train_seconds")
@@ -208,7 +209,7 @@ def cost_lines(estimate: dict[str, Any] | None, measured_seconds: float | None) 
     """The cost said before the run against the time the run took."""
     if estimate is None:
         return ["**Cost**: no estimate recorded (the runs were trained before `petl-bench` estimated them)."]
-    said = f"**Cost**: estimated {duration(estimate['seconds'])} for {estimate['runs']} runs before training "
+    said = f"**Cost**: estimated {duration(estimate['seconds'])} for {plural(estimate['runs'], 'run')} before training "
     said += f"({estimate['measured_at']}, {estimate['device']})"
     if measured_seconds is None:
         return [said + "; the real time is recorded once the sweep that estimated it ends."]

@@ -27,6 +27,7 @@ from petl.bench.report import write_report
 from petl.bench.sweep import PlannedRun, SweepSummary, plan, run_sweep
 from petl.store.result import ResultError
 from petl.utils.errors import USAGE_ERROR
+from petl.utils.text import plural
 
 PROG = "petl-bench"
 
@@ -66,8 +67,8 @@ def cmd_run(args: Sequence[str]) -> int:
     runs = plan(experiments, tasks, seeds, output_dir, suite.overrides(), overrides, suite)
     done = sum(r.is_done() for r in runs)
     print(
-        f"petl-bench: suite {suite.name}: {ranking.plural(len(experiments), 'experiment')} x "
-        f"{ranking.plural(len(tasks), 'task')} x {ranking.plural(len(seeds), 'seed')} = {len(runs)} runs "
+        f"petl-bench: suite {suite.name}: {plural(len(experiments), 'experiment')} x "
+        f"{plural(len(tasks), 'task')} x {plural(len(seeds), 'seed')} = {len(runs)} runs "
         f"into {output_dir} ({done} already done)"
     )
     if as_bool("dry_run", own.get("dry_run", "false")):
@@ -134,8 +135,8 @@ def run_selection(
     cells = protocol.plan_cells(suite, experiments, tasks, seeds, output_dir, overrides)
     trials = [t.run for cell in cells for t in cell.trials]
     print(
-        f"petl-bench: suite {suite.name}: {ranking.plural(len(experiments), 'experiment')} x "
-        f"{ranking.plural(len(tasks), 'task')}: {len(trials)} "
+        f"petl-bench: suite {suite.name}: {plural(len(experiments), 'experiment')} x "
+        f"{plural(len(tasks), 'task')}: {len(trials)} "
         f"selection trials on {protocol.SEARCH_SPLIT} (seed {suite.search_seed}, scored on val200), then "
         f"{len(seeds)} final runs per cell on {suite.final_split} into {output_dir} "
         f"({sum(r.is_done() for r in trials)} trials already done)"
@@ -220,7 +221,7 @@ def cmd_report(args: Sequence[str]) -> int:
     plan = report.plan_of(own["suite"], configs) if "suite" in own else None
     board = write_report(positional[0], own.get("out"), configs, plan)
     print(
-        f"petl-bench: {ranking.plural(len(board.rows), 'experiment')} x {ranking.plural(len(board.tasks), 'task')} -> "
+        f"petl-bench: {plural(len(board.rows), 'experiment')} x {plural(len(board.tasks), 'task')} -> "
         f"{out}/leaderboard.{{md,csv,html}}, {out}/pareto.png"
         + (f", {out}/{notes.CD_FILE}" if isinstance(board.ranking, ranking.Ranking) else "")
     )

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from petl.bench.board import Leaderboard
 from petl.bench.published import MIN_RANKED, RankCorrelation, rank_correlation, rank_interval
-from petl.bench.ranking import plural
+from petl.utils.text import plural
 
 
 @dataclass(frozen=True)

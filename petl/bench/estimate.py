@@ -41,6 +41,7 @@ from typing import Any
 from petl.bench.own_data import OwnData
 from petl.bench.protocol import Cell
 from petl.data import TEST, TRAIN, TRAIN_VAL, VAL
+from petl.utils.text import plural
 
 ESTIMATE_FILE = "estimate.json"
 WARMUP_STEPS = 1
@@ -121,7 +122,7 @@ class Estimate:
         out = [
             f"cost: {len(self.experiments)} experiments: {trials} selection trials ({s[TRAIN]} train / {s[VAL]} val "
             f"images each) + {finals} final runs ({s[TRAIN_VAL]} train / {s[TEST]} test images each) = "
-            f"{self.runs} runs still to train"
+            f"{plural(self.runs, 'run')} still to train"
         ]
         for e in self.experiments:
             p = e.probe
@@ -130,7 +131,7 @@ class Estimate:
                 continue
             out.append(
                 f"  {e.experiment}: {e.trials} trials x {duration(e.trial_seconds)} + {e.finals} finals x "
-                f"{duration(e.final_seconds)} ({e.epochs} epoch{'s' * (e.epochs != 1)}; measured: build "
+                f"{duration(e.final_seconds)} ({plural(e.epochs, 'epoch')}; measured: build "
                 f"{p.build_seconds:.1f} s, "
                 f"{1000 * p.step_seconds:.2f} ms per training image at batch {p.batch}, {p.image_size} px)"
             )

@@ -24,8 +24,8 @@ from petl.bench.published import (
     RankCorrelation,
     rank_correlation,
 )
-from petl.bench.ranking import plural
 from petl.store.result import ResultError, read_result
+from petl.utils.text import plural
 
 
 def notes(board: Leaderboard) -> list[str]:

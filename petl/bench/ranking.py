@@ -29,6 +29,7 @@ from typing import Any
 
 from petl.bench.board import ExperimentRow, Leaderboard
 from petl.bench.published import BOOTSTRAP_SEED, CONFIDENCE, RESAMPLES
+from petl.utils.text import plural
 
 ALPHA = 0.05
 
@@ -66,11 +67,6 @@ def saturated_tasks(board: Leaderboard, points: float = SATURATED_POINTS) -> lis
     if not complete:
         return []
     return [t for t in board.tasks if all(t in r.scores and r.scores[t].mean >= 100.0 - points for r in complete)]
-
-
-def plural(count: int, noun: str) -> str:
-    """``1 task``, ``2 tasks``."""
-    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
 
 
 @dataclass(frozen=True)

@@ -52,12 +52,11 @@ from petl.bench.published import (
     PublishedTable,
     table_for,
 )
-from petl.bench.ranking import plural
 from petl.bench.table import Header, Table, markdown_lines, md_escape
 from petl.presets import FAMILIES
 from petl.store.files import write_atomic, write_text
 from petl.store.result import RunResult
-from petl.utils.text import csv_cell
+from petl.utils.text import csv_cell, plural
 
 # Re-exported: the report's public names, wherever they are declared.
 __all__ = [

@@ -4,23 +4,30 @@ Every command parses with :func:`parse` (argparse's ``parse_intermixed_args``, s
 and ``--quiet RUN out=p.csv IMAGES`` mean the same), then splits its words into positionals and ``key=value``
 pairs with :func:`split_items`.  A command declares its keys once (:class:`Key`), and :func:`keys_epilog` prints
 them under ``--help``, so the help lists exactly what the command accepts.  :func:`exit_statuses` turns what the
-command's body raises into one line and the exit status every command documents.  Nothing here imports torch or
+command's body raises into one line and the exit status every command documents; :func:`entry_point` wraps each
+command's ``main``, so that Ctrl-C while it starts (its imports take seconds) is one line too, and a reader that
+closes the output early (``petl-run --help | head``) ends the command quietly.  Nothing here imports torch or
 timm: ``--help`` answers before anything heavy loads.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import os
 import re
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+from petl.utils.distributed import is_main_process
 from petl.utils.errors import INTERRUPTED, RUN_ERROR, USAGE_ERROR, UsageError
 from petl.utils.text import shown
+
+Main = TypeVar("Main", bound=Callable[..., Any])
 
 # What an override key may look like (Hydra's grammar: +key, ++key, ~key, dotted paths).
 _KEY_PREFIXES = ("++", "+", "~")
@@ -180,6 +187,8 @@ def exit_statuses(
         if debug:
             raise
         raise stop(INTERRUPTED, interrupted) from None
+    except BrokenPipeError:  # the reader closed stdout: entry_point ends the command, not as a failure
+        raise
     except (UsageError, *usage) as error:
         if debug:
             raise
@@ -191,6 +200,45 @@ def exit_statuses(
         if debug is not None:  # a fault nobody foresaw: its type, and where the traceback is
             message = f"{type(error).__name__}: {message} (--debug shows the traceback)"
         raise stop(RUN_ERROR, f"error: {message}") from None
+
+
+def entry_point(prog: str, debug_flag: str = "--debug") -> Callable[[Main], Main]:
+    """Wrap a command's ``main(argv=None)``: Ctrl-C anywhere in it, imports included, and a closed stdout.
+
+    Ctrl-C before the command's own :func:`exit_statuses` takes over (while torch, timm and Hydra import, which
+    takes seconds) prints ``PROG: interrupted`` and exits with 130, as later; with ``debug_flag`` on the command
+    line it goes on, traceback and all.  A reader that stops reading (``petl-run --help | head -3``) ends the
+    command quietly, as Python's documentation advises for SIGPIPE: stdout is pointed at ``os.devnull``, so that
+    the interpreter's last flush does not fail again, and the status is the command's own (0 when the pipe closed
+    while it was still writing: what the reader wanted it got).
+    """
+
+    def wrap(main: Main) -> Main:
+        @functools.wraps(main)
+        def command(argv: Sequence[str] | None = None) -> Any:
+            status: Any = 0  # the command's own, kept when only its last flush meets a closed pipe
+            try:
+                try:
+                    return main(argv)
+                except SystemExit as stop:
+                    status = stop.code
+                    raise
+                finally:
+                    sys.stdout.flush()  # here, where a closed pipe is caught, rather than at exit
+            except KeyboardInterrupt:
+                if debug_flag in (sys.argv[1:] if argv is None else argv):
+                    raise
+                if is_main_process():  # one line for a multi-GPU launch, not one per process
+                    print(f"{prog}: interrupted", file=sys.stderr)
+                raise SystemExit(INTERRUPTED) from None
+            except BrokenPipeError:
+                devnull = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(devnull, sys.stdout.fileno())
+                raise SystemExit(status) from None
+
+        return command  # type: ignore[return-value]
+
+    return wrap
 
 
 def hydra_parser(prog: str) -> argparse.ArgumentParser:

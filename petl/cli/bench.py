@@ -36,7 +36,7 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from petl.cli.args import exit_statuses
+from petl.cli.args import entry_point, exit_statuses
 from petl.utils.errors import USAGE_ERROR
 
 PROG = "petl-bench"
@@ -48,6 +48,7 @@ def _one_line_warning(message: Any, category: type, filename: str, lineno: int, 
     print(f"{PROG}: warning: {message}", file=sys.stderr if file is None else file)
 
 
+@entry_point(PROG, DEBUG_FLAG)
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``petl-bench``: errors are one line and an exit status (see the module docstring)."""
     args = list(sys.argv[1:] if argv is None else argv)
@@ -67,8 +68,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         except SystemExit as exit_:
             if debug or not isinstance(exit_.code, str):
                 raise
-            print(exit_.code, file=sys.stderr)  # an argument error, already one line
+            print(_as_error(exit_.code), file=sys.stderr)  # an argument error, already one line
             raise SystemExit(USAGE_ERROR) from None
+
+
+def _as_error(line: str) -> str:
+    """An argument error's line (``petl-bench: unknown key ...``) as every error line reads: ``PROG: error: ...``."""
+    head, sep, rest = line.partition(": ")
+    if not sep or not head.startswith(PROG) or rest.startswith("error: "):
+        return line
+    return f"{head}: error: {rest}"
 
 
 def _dispatch(args: list[str]) -> int:

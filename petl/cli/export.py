@@ -29,7 +29,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from petl.cli.args import CommandLineError, Key, boolean, exit_statuses, parse, parser, split_items
+from petl.cli.args import CommandLineError, Key, boolean, entry_point, exit_statuses, parse, parser, split_items
 
 PROG = "petl-export"
 KEYS = (
@@ -44,6 +44,7 @@ def build_parser():  # noqa: ANN201  (argparse is imported by petl.cli.args)
     return parser(PROG, __doc__, USAGE, KEYS)
 
 
+@entry_point(PROG)
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of ``petl-export``: parse (``--help`` answers here), then export (torch loads here)."""
     args = parse(build_parser(), sys.argv[1:] if argv is None else argv)

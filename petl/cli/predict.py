@@ -28,12 +28,13 @@ written whole or not at all (a full disk leaves an earlier file as it was).  Fil
 UTF-8 are written with their undecodable bytes as ``\xNN`` (:mod:`petl.utils.text`).  An existing ``out=`` or
 ``confusion=`` file is refused in one line naming it; ``overwrite=true`` replaces it.  Either inside a run
 folder (one holding ``model.json``, ``trainable.safetensors``, ``result.json`` or ``checkpoint.pt``) is
-refused even with ``overwrite=true``: a run's files are never replaced by a prediction.
+refused even with ``overwrite=true``: a run's files are never replaced by a prediction.  Whether a file can be
+written where ``out=`` and ``confusion=`` name (a read-only folder, ``/proc``) is checked before predicting.
 
-Exit status (as every petl command): 2 for bad input (a run folder without weights, a missing image, an
-unreadable image, an unknown option or ``out=`` suffix, out= or confusion= inside a run folder, a file in the
-way without overwrite=true, a precision not listed), 1 when the prediction cannot complete (a full disk...), 130
-on Ctrl-C.
+Exit status (as every petl command): 2 for bad input (a run folder without weights or unfinished, a missing
+image, an unreadable image, an unknown option or ``out=`` suffix, out= or confusion= inside a run folder or where
+no file can be written, a file in the way without overwrite=true, a precision not listed), 1 when the prediction
+cannot complete (a full disk...), 130 on Ctrl-C.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from petl.cli.args import CommandLineError, Key, boolean, exit_statuses, parse, parser, split_items
+from petl.cli.args import CommandLineError, Key, boolean, entry_point, exit_statuses, parse, parser, split_items
 
 PROG = "petl-predict"
 # The key=value options and their types; data.* as petl-run reads them.
@@ -74,6 +75,7 @@ def build_parser():  # noqa: ANN201  (argparse is imported by petl.cli.args)
     return made
 
 
+@entry_point(PROG)
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of ``petl-predict``: parse (``--help`` answers here), then predict (torch loads here)."""
     args = parse(build_parser(), sys.argv[1:] if argv is None else argv)

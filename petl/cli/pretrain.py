@@ -23,13 +23,14 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from petl.cli.args import exit_statuses, plain
+from petl.cli.args import entry_point, exit_statuses, plain
 from petl.utils.errors import USAGE_ERROR
 
 PROG = "petl-pretrain"
 DEFAULT_OUT = Path("runs/pretrain")
 
 
+@entry_point(PROG)
 def main(argv: list[str] | None = None) -> None:
     """Command-line entry point of ``petl-pretrain``: errors are one line and an exit status (module docstring)."""
     argv = list(sys.argv[1:] if argv is None else argv)

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from petl import presets
-from petl.cli.args import exit_statuses, hydra_parser, plain
+from petl.cli.args import entry_point, exit_statuses, hydra_parser, plain
 from petl.utils.errors import RUN_ERROR, USAGE_ERROR, ConfigError
 
 if TYPE_CHECKING:
@@ -244,6 +244,7 @@ def _configure_logging() -> None:
     logging.config.dictConfig(yaml.safe_load(text))
 
 
+@entry_point(PROG, DEBUG_FLAG)
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of ``petl-run`` (and ``python -m petl.run``).
 

@@ -6,10 +6,12 @@
     PETL_SERVE_TOKEN=secret petl-serve runs/cars             # /v1/... and /metrics need the bearer token
 
 A RUN is a run folder (``model.json`` beside ``trainable.safetensors``) or a folder holding run folders
-(searched recursively).  A task is named by its folder (by its path below the folders the runs share when two
-folders have one name); ``task.NAME=RUN`` names it.  Every run must have trained on one backbone and with a
-method that shares it (``petl.MultiTask``); a run that fails ``petl.load_run``'s checks is refused at start,
-naming it.  See :mod:`petl.deploy.serve` for the routes.
+(searched recursively; there, earlier runs that ``resume=false`` set aside, ``<run>.replaced-<time>/``, and
+unfinished runs, ``checkpoint.pt`` without ``result.json``, are not served, a note naming them).  A task is named
+by its folder (by its path below the folders the runs share when two folders have one name); ``task.NAME=RUN``
+names it.  Every run must have trained on one backbone and with a method that shares it (``petl.MultiTask``); a
+run that fails ``petl.load_run``'s checks, or an unfinished run given as a RUN, is refused at start, naming it.
+See :mod:`petl.deploy.serve` for the routes.
 
 Options (key=value, anywhere, listed below with their defaults, which are those of the Python API's
 petl.deploy.serve.ServeOptions; a value that is not a finite number in its range, or a precision not
@@ -29,8 +31,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from petl.cli.args import Key, exit_statuses, parse, parser, split_items
+from petl.cli.args import Key, entry_point, exit_statuses, parse, parser, split_items
 from petl.utils.errors import UsageError
+from petl.utils.text import plural, shown
 
 PROG = "petl-serve"
 TASK_PREFIX = "task."
@@ -64,14 +67,45 @@ def _is_run(path: Path) -> bool:
     return path.is_dir() and (path / "model.json").is_file()
 
 
+def runs_under(folder: Path) -> list[Path]:
+    """The finished run folders under ``folder``, less runs set aside by ``resume=false``; the others, in notes.
+
+    A folder set aside by ``resume=false`` (``<run>.replaced-<time>/``) is an earlier run of a task, not a task: the
+    reports skip it too.  An unfinished run (``checkpoint.pt`` without ``result.json``) has no weights to serve yet.
+    Each kind skipped is said in one line on stderr, naming the folders.
+    """
+    from petl.store.files import CHECKPOINT_FILE, MODEL_FILE, REPLACED_MARK, unfinished_run
+
+    def candidates(name: str) -> set[Path]:
+        return {p.parent for p in folder.rglob(name)}
+
+    replaced = sorted(
+        p for p in candidates(MODEL_FILE) | candidates(CHECKPOINT_FILE) if REPLACED_MARK in str(p.relative_to(folder))
+    )
+    unfinished = sorted(p for p in candidates(CHECKPOINT_FILE) - set(replaced) if unfinished_run(p) is not None)
+    if replaced:
+        print(
+            f"{PROG}: note: not served: {plural(len(replaced), 'run')} set aside by resume=false (earlier runs, "
+            f"not tasks): {', '.join(shown(p) for p in replaced)}",
+            file=sys.stderr,
+        )
+    for path in unfinished:
+        print(f"{PROG}: note: not served: {unfinished_run(path)}", file=sys.stderr)
+    return sorted(p for p in candidates(MODEL_FILE) if _is_run(p) and p not in replaced and p not in unfinished)
+
+
 def find_runs(items: Sequence[str]) -> dict[str, Path]:
     """Task name -> run folder for every RUN and ``task.NAME=RUN`` argument, in the order given.
 
+    A folder holding runs gives each run found by :func:`runs_under`.
+
     Raises:
-        UsageError: a path that is not there or holds no run folder, a task named twice, a name a URL cannot hold.
+        UsageError: a path that is not there, holds no finished run folder or is an unfinished run, a task named
+            twice, a name a URL cannot hold.
 
     """
     from petl.deploy.predict import run_labels
+    from petl.store.files import unfinished_run
 
     named: dict[str, Path] = {}
     unnamed: list[Path] = []
@@ -80,9 +114,12 @@ def find_runs(items: Sequence[str]) -> dict[str, Path]:
         path = Path(value if eq else item).expanduser()
         if not path.is_dir():
             raise UsageError(f"{item}: no such run folder")
-        found = [path] if _is_run(path) else sorted({p.parent for p in path.rglob("model.json") if _is_run(p.parent)})
+        unfinished = unfinished_run(path)
+        if unfinished is not None:
+            raise UsageError(unfinished)
+        found = [path] if _is_run(path) else runs_under(path)
         if not found:
-            raise UsageError(f"{path} holds no run folder (no model.json): give petl-run output folders")
+            raise UsageError(f"{path} holds no finished run folder (no model.json): give petl-run output folders")
         name = key.removeprefix(TASK_PREFIX)
         if not eq:
             unnamed += found
@@ -147,7 +184,7 @@ def run_cli(argv: Sequence[str]) -> int:
     listening = bind(options["host"], options["port"])
     port = listening.getsockname()[1]
     names = ", ".join(f"{t.name} ({t.method})" for t in tasks)
-    print(f"{PROG}: {len(tasks)} task(s) over {tasks[0].backbone}: {names}", file=sys.stderr)
+    print(f"{PROG}: {plural(len(tasks), 'task')} over {tasks[0].backbone}: {names}", file=sys.stderr)
     precision = serve.describe(app.state.precision, app.state.device)
     print(f"{PROG}: serving on {app.state.device} in {precision} (precision={options['precision']})", file=sys.stderr)
     print(f"{PROG}: http://{options['host']}:{port}/ (the API: /openapi.json)", file=sys.stderr)
@@ -199,6 +236,7 @@ def bind(host: str, port: int) -> socket.socket:
     return listening
 
 
+@entry_point(PROG)
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of ``petl-serve``."""
     with exit_statuses(PROG):

@@ -6,7 +6,9 @@
 
 Class names are the sub-folder names of ``train/`` in sorted order (label ``i`` is the ``i``-th name),
 as ``ImageFolder`` and Hugging Face's ``imagefolder`` number them.  Names starting with ``.`` are skipped
-(``.git``, ``.ipynb_checkpoints``), as ``imagefolder`` skips them; one holding images is named in a warning.
+(``.git``, ``.ipynb_checkpoints``), as ``imagefolder`` skips them; one holding images is named in a warning.  An
+image lying in a split folder itself, outside every class folder, belongs to no class: it is named in a warning too
+(each warning said once in a process, however often the folder is read).
 ``val/`` and ``test/`` may lack a class, never add one.  Files count as images by their extension
 (torchvision's list); every image is then decoded once when a split is built
 (:class:`~petl.data.vtab.FileListDataset`): bad files are reported together, by path, before any training,
@@ -28,6 +30,9 @@ from petl.data.transforms import ImageSpec
 from petl.utils.text import shown
 
 log = logging.getLogger(__name__)
+# Warnings about a folder already said in this process: a run reads its folder several times (described once when
+# the command line is checked, then once per split built), and a sweep trains many runs on it.
+_SAID: set[str] = set()
 
 # torchvision.datasets.folder.IMG_EXTENSIONS (written out: petl.data does not import torchvision).
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
@@ -81,15 +86,32 @@ def _hidden(path: Path, top: Path) -> bool:
     return any(part.startswith(".") for part in path.relative_to(top).parts)
 
 
+def _warn_once(message: str) -> None:
+    if message not in _SAID:
+        _SAID.add(message)
+        log.warning(message)
+
+
 def _classes(split_dir: Path) -> list[str]:
     # A folder whose name starts with "." is not a class (.git, .ipynb_checkpoints, as Hugging Face's imagefolder
     # skips them); one holding images is named in a warning, so that a class is never dropped without a word.
     hidden = sorted(p.name for p in split_dir.iterdir() if p.is_dir() and p.name.startswith(".") and _images(p))
     if hidden:
-        log.warning(
-            "folder: skipped %s in %s: folders whose name starts with '.' are not classes; rename them to use them",
-            ", ".join(shown(name) for name in hidden),
-            shown(split_dir),
+        _warn_once(
+            f"folder: skipped {', '.join(shown(name) for name in hidden)} in {shown(split_dir)}: folders whose name "
+            "starts with '.' are not classes; rename them to use them"
+        )
+    # An image beside the class folders has no class: said, so that no image is dropped without a word either.
+    loose = sorted(
+        p.name
+        for p in split_dir.iterdir()
+        if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS and not p.name.startswith(".")
+    )
+    if loose:
+        more = f" and {len(loose) - 3} more" if len(loose) > 3 else ""
+        _warn_once(
+            f"folder: skipped {', '.join(shown(name) for name in loose[:3])}{more} in {shown(split_dir)}: an image "
+            f"outside the class folders has no class; move it into {shown(split_dir)}/<class name>/ to use it"
         )
     names = sorted(p.name for p in split_dir.iterdir() if p.is_dir() and not p.name.startswith("."))
     for name in names:
@@ -106,6 +128,14 @@ def _scan(root: Path) -> tuple[tuple[str, ...], dict[str, list[tuple[Path, int]]
         raise ValueError(f"folder: root={root} does not exist or is not a folder")
     train_dir = root / "train"
     if not train_dir.is_dir():
+        if root.name in ("train", "val", "test") and any(
+            p.is_dir() and not p.name.startswith(".") for p in root.iterdir()
+        ):
+            # The split folder itself was given (data.root=imgs/train): its parent is the root.
+            raise ValueError(
+                f"folder: {root} is a {root.name}/ folder of class folders, not the root holding train/: give "
+                f"data.root={shown(root.parent)}"
+            )
         raise ValueError(f"folder: {root} has no train/ folder: put the images in {root}/train/<class name>/")
     names = _classes(train_dir)
     if len(names) < 2:

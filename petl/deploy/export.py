@@ -187,7 +187,8 @@ def check_target(run_dir: str | Path, out: str | Path, overwrite: bool = False) 
         in_the_way = [out / name for name in (CONFIG_FILE, WEIGHTS_FILE) if (out / name).exists()]
     if in_the_way and not overwrite:
         listed = ", ".join(str(path) for path in in_the_way)
-        raise ValueError(f"{listed} already exists: export elsewhere, or add overwrite=true to replace it")
+        exists = "already exists" if len(in_the_way) == 1 else "already exist"
+        raise ValueError(f"{listed} {exists}: export elsewhere, or add overwrite=true to replace it")
 
 
 def export(run_dir: str | Path, out: str | Path, overwrite: bool = False) -> float | None:

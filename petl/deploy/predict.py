@@ -10,6 +10,7 @@ import io
 import json
 import os
 import sys
+import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +27,7 @@ from petl.data.images import decode_image
 from petl.deploy.multitask import MultiTask, TaskRefused
 from petl.model import surgery
 from petl.model.registry import get_method
-from petl.store.files import MODEL_FILE, WEIGHTS_FILE, enclosing_run
+from petl.store.files import MODEL_FILE, WEIGHTS_FILE, enclosing_run, unfinished_run
 from petl.store.run_card import (
     LoadedRun,
     RunFolderError,
@@ -39,7 +40,7 @@ from petl.store.run_card import (
 from petl.utils.errors import UsageError
 from petl.utils.paths import write_atomic
 from petl.utils.precision import describe, inference, inference_precision
-from petl.utils.text import csv_cell, read_names, shown
+from petl.utils.text import csv_cell, plural, read_names, shown
 
 PROG = "petl-predict"
 SPLIT_ALIASES = {"train": petl_data.TRAIN, "val": petl_data.VAL, "validation": petl_data.VAL, "test": petl_data.TEST}
@@ -395,6 +396,9 @@ def _check(positional: list[str], options: dict) -> tuple[list[Path], list[str]]
     """The run folders and the image arguments of a command line, its options checked."""
     runs = []
     for item in positional:
+        unfinished = unfinished_run(Path(item))
+        if unfinished is not None:  # not an image folder either: say what it is
+            raise UsageError(unfinished)
         if not _is_run(Path(item)):
             break
         runs.append(Path(item))
@@ -449,11 +453,31 @@ def check_targets(runs: list[Path], options: dict) -> None:
             )
         if path.is_dir():
             raise UsageError(f"{key}={shown(options[key])} is a folder: name a new {path.suffix} file")
+        unwritable = cannot_write_in(path.parent)
+        if unwritable is not None:
+            raise UsageError(
+                f"{key}={shown(options[key])}: cannot write in {unwritable}: choose a folder you can write to"
+            )
     in_the_way = [shown(path) for _, path in written if path.exists()]
     if in_the_way and not options.get("overwrite", False):
-        raise UsageError(
-            f"{', '.join(in_the_way)} already exists: write elsewhere, or add overwrite=true to replace it"
-        )
+        exists = "already exists" if len(in_the_way) == 1 else "already exist"
+        raise UsageError(f"{', '.join(in_the_way)} {exists}: write elsewhere, or add overwrite=true to replace it")
+
+
+def cannot_write_in(folder: Path) -> str | None:
+    """Why no new file can be written in ``folder`` (checked by making one), or ``None`` when one can.
+
+    A folder that does not exist yet is made by the writer: its nearest existing folder is tried instead.  Checked
+    before predicting, so that a read-only folder or ``/proc`` is said at once, not after every image.
+    """
+    existing = next(p for p in [folder.absolute(), *folder.absolute().parents] if p.exists())
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".petl-write-check.", dir=existing)
+    except OSError as error:
+        return f"{shown(existing)} ({error.strerror or error})"
+    os.close(fd)
+    os.unlink(tmp)
+    return None
 
 
 def _load(folder: Path, merge: bool) -> LoadedRun:
@@ -581,7 +605,7 @@ def run_command(positional: list[str], options: dict, merge: bool = False, quiet
             _print_table(predictions, several)
         if "out" in options:
             write_predictions(Path(options["out"]), predictions, several)
-            print(f"wrote {shown(options['out'])} ({len(predictions)} rows)")
+            print(f"wrote {shown(options['out'])} ({plural(len(predictions), 'row')})")
     if bad:
         listing = "; ".join(f"{shown(path)} ({reason})" for path, reason in bad)
         raise UsageError(f"{len(bad)} image(s) cannot be read, the others were predicted: {listing}")

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from petl.utils.paths import atomic_path, file_sha256, write_atomic  # noqa: F401 (re-exported for the run's writers)
-from petl.utils.text import first_line
+from petl.utils.text import first_line, shown
 
 CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"
@@ -44,6 +44,20 @@ def enclosing_run(path: Path) -> tuple[Path, str] | None:
         marker = next((name for name in RUN_MARKERS if (folder / name).is_file()), None)
         if marker is not None:
             return folder, marker
+    return None
+
+
+def unfinished_run(folder: Path) -> str | None:
+    """The one line for a folder petl-run has not finished (``checkpoint.pt`` without ``result.json``), or ``None``.
+
+    Every command given such a folder as a run (petl-predict, petl-export, petl-serve, :func:`petl.load_run`) says
+    this line, rather than what it lacks of a finished run.
+    """
+    if (folder / CHECKPOINT_FILE).is_file() and not (folder / RESULT_FILE).is_file():
+        return (
+            f"{shown(folder)} is an unfinished petl-run folder ({CHECKPOINT_FILE} without {RESULT_FILE}): run the "
+            "same petl-run command again (resume=true, the default) to resume it"
+        )
     return None
 
 

@@ -45,7 +45,7 @@ from petl.model.backbone import backbone_of
 from petl.model.io import load_trainable, read_trainable_metadata
 from petl.model.params import trainable_state
 from petl.model.registry import get_method
-from petl.store.files import MODEL_FILE, WEIGHTS_FILE, write_json
+from petl.store.files import MODEL_FILE, WEIGHTS_FILE, unfinished_run, write_json
 from petl.utils.paths import file_sha256
 
 log = logging.getLogger(__name__)
@@ -201,13 +201,17 @@ def read_card(run_dir: str | Path) -> dict[str, Any]:
     built at); it records no weights hash, which one logged line says.
 
     Raises:
-        RunFolderError: the folder, its weights or its model.json is missing, or the card is damaged, of a
-            newer format, or names weights outside the folder (one line naming the file or field).
+        RunFolderError: the folder, its weights or its model.json is missing, the run is unfinished
+            (:func:`petl.store.files.unfinished_run`), or the card is damaged, of a newer format, or names weights
+            outside the folder (one line naming the file or field).
 
     """
     folder = Path(run_dir)
     if not folder.is_dir():
         raise RunFolderError(f"{folder}: no such run folder")
+    unfinished = unfinished_run(folder)
+    if unfinished is not None:
+        raise RunFolderError(unfinished)
     card_path = folder / MODEL_FILE
     if not card_path.is_file():
         if not (folder / WEIGHTS_FILE).is_file():

@@ -212,7 +212,8 @@ def create_backbone(cfg: DictConfig) -> nn.Module:
                 f"model.checkpoint={m.checkpoint} does not fit model={m.name}: {why or first_line(error, 'error')}; "
                 "give the weights of this architecture, or the model= they belong to"
             ) from None
-        first = first_line(error, f"{type(error).__name__} (no weights file)")
+        # Without its closing period: the sentence after it starts with its own.
+        first = first_line(error, f"{type(error).__name__} (no weights file)").rstrip(".")
         raise RunError(
             f"cannot load pretrained weights of {m.name}: {first}. Give a local file with model.checkpoint=PATH, "
             "or train from random init with model.pretrained=false"

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from petl.store.files import read_metrics
+from petl.utils.text import plural
 
 CHANCE_TOLERANCE = 0.01  # relative distance to ln(classes) that counts as "at chance"
 # Fewer optimizer steps than this in a whole run are worth a warning before it trains: on the README's own-data
@@ -38,9 +39,9 @@ def few_steps(steps: int, images: int, batch_size: int, epochs: int) -> str | No
     if steps >= FEW_STEPS:
         return None
     return (
-        f"this run takes only {steps} optimizer steps ({images} training images in batches of {batch_size}, "
-        f"{epochs} epochs), too few to learn much: aim for {FEW_STEPS} or more with more train.epochs or a "
-        "smaller train.batch_size"
+        f"this run takes only {plural(steps, 'optimizer step')} ({plural(images, 'training image')} in batches of "
+        f"{batch_size}, {plural(epochs, 'epoch')}), too few to learn much: aim for {FEW_STEPS} or more with more "
+        "train.epochs or a smaller train.batch_size"
     )
 
 

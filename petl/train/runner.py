@@ -52,6 +52,7 @@ from petl.utils.memory import peak_memory, reset_peak_rss
 from petl.utils.precision import uses_tf32
 from petl.utils.provenance import git_commit, versions
 from petl.utils.random import rng_state, set_rng_state
+from petl.utils.text import plural
 
 log = logging.getLogger(__name__)
 # Warnings about a run's setup already said in this process (a sweep trains many runs in one process).
@@ -211,7 +212,7 @@ def _train_and_record(cfg: DictConfig, resolved: dict[str, Any], out: Path, acce
         size = build.eval_spec(cfg, model, info).image_size
         print(
             f"training {method_label(cfg)} on {cfg.data.name} ({len(datasets['train'])} images) at {size} px: "
-            f"{cfg.train.epochs} epochs, batch {cfg.train.batch_size}, lr {cfg.train.lr:g}",
+            f"{plural(cfg.train.epochs, 'epoch')}, batch {cfg.train.batch_size}, lr {cfg.train.lr:g}",
             flush=True,
         )
     inputs = folder.run_inputs(cfg, datasets["train"])

@@ -53,3 +53,15 @@ def csv_cell(value: Any) -> Any:
 def first_line(text: object, default: str = "") -> str:
     """The first non-blank line of ``text`` (an error's message, say), stripped; ``default`` when there is none."""
     return next((line.strip() for line in str(text).splitlines() if line.strip()), default)
+
+
+def plural(count: int, noun: str, nouns: str | None = None) -> str:
+    """``1 epoch``, ``2 epochs``: a count and its noun, in the plural unless the count is one.
+
+    Args:
+        count: how many.
+        noun: the singular noun.
+        nouns: the plural where it is not ``noun + "s"`` (``plural(n, "run folder holds", "run folders hold")``).
+
+    """
+    return f"{count} {noun}" if count == 1 else f"{count} {nouns or noun + 's'}"

@@ -1,5 +1,6 @@
 """One grammar for every petl-* command: key=value and flags in any order; --help lists what each command takes."""
 
+import os
 import re
 import subprocess
 import sys
@@ -183,3 +184,86 @@ def test_every_help_is_plain_text(module, capsys):
 def test_plain_takes_docstring_markup_off():
     text = "``petl-bench`` :class:`~petl.bench.board.Leaderboard` :mod:`petl.cli` `x=1` **bold** Usage::\n"
     assert grammar.plain(text) == "petl-bench petl.bench.board.Leaderboard petl.cli x=1 bold Usage:\n"
+
+
+# The modules a command imports once it starts (torch, timm, Hydra and petl's heavy parts), against one of which
+# Ctrl-C lands while it starts.
+HEAVY_IMPORTS = ("torch", "timm", "hydra", "omegaconf", "petl.train", "petl.deploy", "petl.bench.", "petl.store")
+
+
+@pytest.mark.parametrize(
+    ("module", "argv"),
+    [
+        (run_cli, ["method=linear"]),
+        (export, ["RUN", "out=exported"]),
+        (predict, ["RUN", "a.png"]),
+        (serve, ["RUN"]),
+        (bench, ["list"]),
+        (pretrain, ["--epochs", "1"]),
+    ],
+    ids=["petl-run", "petl-export", "petl-predict", "petl-serve", "petl-bench", "petl-pretrain"],
+)
+def test_ctrl_c_while_a_command_imports_is_one_line_and_130(module, argv, monkeypatch, capsys):
+    # petl-run and petl-export printed a traceback of 33 to 60 lines when Ctrl-C came during their imports.
+    import builtins
+
+    real = builtins.__import__
+
+    def interrupted(name, *args, **kwargs):
+        if name.startswith(HEAVY_IMPORTS):
+            raise KeyboardInterrupt
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", interrupted)
+    try:
+        with pytest.raises(SystemExit) as stop:
+            module.main(argv)
+    except KeyboardInterrupt:
+        pytest.fail(f"{module.PROG}: Ctrl-C during its imports went out as a traceback")
+    finally:
+        monkeypatch.undo()
+    err = capsys.readouterr().err
+    assert stop.value.code == 130 and err.count("\n") == 1 and "interrupted" in err, err
+    assert err.startswith(f"{module.PROG}: ") and "Traceback" not in err
+
+
+@pytest.mark.parametrize("module", ["run", "bench", "predict", "export", "serve", "pretrain"])
+def test_a_reader_that_closes_the_output_ends_the_command_quietly(module):
+    # `petl-run --help | head -3` printed a BrokenPipeError traceback (exit 1), petl-bench a line "error:
+    # BrokenPipeError" (exit 1).  Here the pipe has no reader from the start, as after `head` has read its lines.
+    read, write = os.pipe()
+    os.close(read)
+    code = f"from petl.cli.{module} import main\nraise SystemExit(main(['--help']))"
+    try:
+        done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, stdout=write, stderr=subprocess.PIPE, text=True)
+    finally:
+        os.close(write)
+    assert (done.returncode, done.stderr) == (0, "")
+
+
+def test_petl_bench_argument_errors_read_prog_error_message():
+    assert bench._as_error("petl-bench: unknown key 'budget.param'; petl-bench takes x") == (
+        "petl-bench: error: unknown key 'budget.param'; petl-bench takes x"
+    )
+    assert bench._as_error("petl-bench speed: options=x: choose among a") == (
+        "petl-bench speed: error: options=x: choose among a"
+    )
+    assert bench._as_error("petl-bench: error: already") == "petl-bench: error: already"
+
+
+def test_petl_run_help_names_every_file_a_finished_run_leaves():
+    from petl.store import files
+
+    # The second line listed the output files without model.json (the file petl-predict, -export and -serve read).
+    said = run_help.fast_help(run_cli.PROG, run_cli.__doc__).splitlines()[1]
+    for name in (files.CONFIG_FILE, files.METRICS_FILE, files.WEIGHTS_FILE, files.MODEL_FILE, files.RESULT_FILE):
+        assert name in said, name
+
+
+def test_counts_are_said_in_the_singular_for_one():
+    from petl.train.learning import few_steps
+    from petl.utils.text import plural
+
+    assert [plural(1, "epoch"), plural(2, "epoch"), plural(0, "row")] == ["1 epoch", "2 epochs", "0 rows"]
+    assert plural(2, "run folder holds", "run folders hold") == "2 run folders hold"
+    assert "only 1 optimizer step (15 training images in batches of 64, 1 epoch)," in few_steps(1, 15, 64, 1)

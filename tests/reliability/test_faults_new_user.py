@@ -1,0 +1,174 @@
+"""Faults and bad input a new user met: an unfinished run given to petl-predict, petl-export and petl-serve (one line
+saying it is unfinished), petl-serve on a folder of runs (runs set aside by resume=false and unfinished runs not
+served, each named), out= where nothing can be written (refused before predicting), a folder data.root that is
+train/ itself, a hidden class folder said once per run and an image outside the class folders said at all, a hub
+error quoted without a double period.
+
+Each test goes through a public entry point (the commands' mains, petl.load_run, the dataset describer); none trains.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+import petl
+from petl.cli import export as export_cli
+from petl.cli import predict as predict_cli
+from petl.cli import serve as serve_cli
+from petl.data import folder
+from petl.store.run_card import RunFolderError
+
+UNFINISHED = "is an unfinished petl-run folder (checkpoint.pt without result.json): run the same petl-run command again"
+
+
+def _main(main, argv: list[str], capsys) -> tuple[int, str]:
+    """A command's exit status and its stderr."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    return stop.value.code, capsys.readouterr().err
+
+
+def _image(path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (24, 24, 3), dtype=np.uint8)).save(path)
+    return path
+
+
+def _unfinished(path: Path) -> Path:
+    """What an interrupted petl-run leaves: its config, its finished epochs' metrics and checkpoint, no result."""
+    path.mkdir(parents=True)
+    for name in ("checkpoint.pt", "config.yaml", "metrics.jsonl"):
+        (path / name).write_text("")
+    return path
+
+
+def _finished(path: Path) -> Path:
+    """A run folder as petl-serve finds one (the files are not read before the runs load)."""
+    path.mkdir(parents=True)
+    for name in ("config.yaml", "model.json", "trainable.safetensors", "result.json"):
+        (path / name).write_text("{}")
+    return path
+
+
+def test_an_unfinished_run_is_named_as_one_by_every_command(tmp_path, capsys):
+    # Each said another thing: "not a run folder (no trainable.safetensors)", "not a finished petl-run folder",
+    # "holds no run folder (no model.json)".
+    run = _unfinished(tmp_path / "u")
+    image = _image(tmp_path / "a.png")
+    for main, argv in [
+        (predict_cli.main, [str(run), str(image)]),
+        (predict_cli.main, [str(_finished(tmp_path / "done")), str(run), str(image)]),
+        (export_cli.main, [str(run), f"out={tmp_path / 'exported'}"]),
+        (serve_cli.main, [str(run)]),
+        (serve_cli.main, [f"task.u={run}"]),
+    ]:
+        code, err = _main(main, argv, capsys)
+        assert code == 2 and err.count("\n") == 1, (argv, err)
+        assert f"error: {run} {UNFINISHED}" in err, (argv, err)
+    with pytest.raises(RunFolderError, match=re.escape(f"{run} {UNFINISHED}")):
+        petl.load_run(run)
+    assert not (tmp_path / "exported").exists()
+
+
+def test_petl_serve_on_a_folder_leaves_out_runs_set_aside_and_unfinished_ones_naming_them(tmp_path, capsys):
+    # Both lin.replaced-<time> (the run resume=false replaced) and lin were served as tasks; u was left out silently.
+    runs = tmp_path / "sw"
+    lin, lora = _finished(runs / "lin"), _finished(runs / "lora")
+    replaced = _finished(runs / "lin.replaced-20261128-111154")
+    _unfinished(runs / "lin.replaced-20261128-111154-2")  # set aside while unfinished: said once, as set aside
+    unfinished = _unfinished(runs / "u")
+    capsys.readouterr()
+    assert serve_cli.find_runs([str(runs)]) == {"lin": lin, "lora": lora}
+    notes = capsys.readouterr().err.splitlines()
+    assert len(notes) == 2, notes
+    assert notes[0].startswith("petl-serve: note: not served: 2 runs set aside by resume=false")
+    assert f"{replaced}, {replaced}-2" in notes[0]
+    said = f"petl-serve: note: not served: {unfinished} {UNFINISHED} (resume=true, the default) to resume it"
+    assert notes[1] == said
+    # Named itself, a run set aside is served: the user asked for it.
+    assert serve_cli.find_runs([f"task.old={replaced}"]) == {"old": replaced}
+    # A folder of nothing but unfinished runs holds no run to serve.
+    only = tmp_path / "only"
+    _unfinished(only / "a")
+    code, err = _main(serve_cli.main, [str(only)], capsys)
+    assert code == 2 and err.splitlines()[-1].startswith(f"petl-serve: error: {only} holds no finished run folder")
+
+
+def test_out_where_nothing_can_be_written_is_refused_before_predicting(tmp_path, capsys):
+    # out=/proc/x.csv predicted every image, then failed "cannot write /proc/x.csv", exit 1.
+    run = _finished(tmp_path / "run")
+    image = _image(tmp_path / "a.png")
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("")
+    targets = [("out", a_file / "x.csv"), ("confusion", a_file / "m.png")]
+    if Path("/proc/self").is_dir():
+        targets.append(("out", Path("/proc/x.csv")))
+    for key, target in targets:
+        evaluate = ["data=folder", f"data.root={tmp_path}"] if key == "confusion" else [str(image)]
+        code, err = _main(predict_cli.main, [str(run), *evaluate, f"{key}={target}"], capsys)
+        assert code == 2 and err.count("\n") == 1, err
+        assert err.startswith(f"petl-predict: error: {key}={target}: cannot write in "), err
+        assert "choose a folder you can write to" in err
+    # The run folder holds no real weights: nothing was loaded, the refusal came first.  A folder still to be made
+    # is made by the writer: where it would go is checked.
+    from petl.deploy.predict import cannot_write_in
+
+    assert cannot_write_in(tmp_path / "new" / "deeper") is None
+    assert not (tmp_path / "new").exists() and not list(tmp_path.glob(".petl-write-check.*"))
+
+
+@pytest.mark.parametrize("split", ["train", "test"])
+def test_a_split_folder_given_as_the_root_is_answered_with_its_parent(tmp_path, split):
+    # data.root=imgs/train said "imgs/train has no train/ folder: put the images in imgs/train/train/<class name>/".
+    for name in ("red", "blue"):
+        _image(tmp_path / "imgs" / split / name / "0.png")
+    with pytest.raises(ValueError, match=re.escape(f"give data.root={tmp_path / 'imgs'}")):
+        folder.describe_folder(str(tmp_path / "imgs" / split))
+    # Any other folder without train/ gets the layout.
+    with pytest.raises(ValueError, match="has no train/ folder: put the images in"):
+        folder.describe_folder(str(tmp_path / "imgs" / split / "red"))
+
+
+def test_a_hidden_class_folder_is_said_once_and_a_loose_image_is_said_at_all(tmp_path, caplog, monkeypatch):
+    # One petl-run said the .purple warning 4 times (the folder is read when the command line is checked, then for
+    # each split built); an image beside the class folders was dropped without a word.
+    monkeypatch.setattr(folder, "_SAID", set())
+    for name in ("red", "blue", ".purple"):
+        for i in range(3):
+            _image(tmp_path / "train" / name / f"{i}.png")
+    _image(tmp_path / "train" / "stray.png")
+    with caplog.at_level(logging.WARNING, logger="petl.data.folder"):
+        for _ in range(4):
+            folder._scan.cache_clear()  # as each build_folder does
+            info = folder.describe_folder(str(tmp_path))
+    assert info.num_classes == 2
+    warned = [record.getMessage() for record in caplog.records]
+    assert len(warned) == 2, warned
+    assert warned[0].startswith("folder: skipped .purple in ")
+    assert warned[1] == (
+        f"folder: skipped stray.png in {tmp_path / 'train'}: an image outside the class folders has no class; move "
+        f"it into {tmp_path / 'train'}/<class name>/ to use it"
+    )
+
+
+def test_a_hub_error_is_quoted_without_a_double_period(monkeypatch):
+    from petl.run import default_config
+    from petl.train import build
+    from petl.utils.errors import RunError
+
+    def offline(*args, **kwargs):
+        raise OSError("We couldn't connect to 'https://huggingface.co'. Check your Internet connection is on.")
+
+    cfg = default_config(["model=vit_tiny_patch16_224.augreg_in21k"])
+    monkeypatch.setattr(build.timm, "create_model", offline)
+    with pytest.raises(RunError) as error:
+        build.create_backbone(cfg)
+    assert "connection is on. Give a local file with model.checkpoint=PATH" in str(error.value)
+    assert ".." not in str(error.value)
