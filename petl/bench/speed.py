@@ -4,7 +4,8 @@ For every experiment and two references, on one backbone and batch:
 
 * **train step**: forward + cross-entropy + backward + AdamW step, median of ``steps`` timed steps after
   ``warmup`` untimed ones (the first steps allocate optimizer state and warm caches).  All cases live in
-  one process and take turns over ``rounds`` rounds, so a shared machine's drifting load falls on all alike;
+  one process and take turns over ``rounds`` rounds, so a shared machine's drifting load falls on all alike
+  (every round times a step, so ``steps`` below ``rounds`` is refused);
 * **peak memory**: on CUDA, ``torch.cuda.max_memory_allocated`` (weights, gradients, optimizer state,
   activations), in this process, the allocator's peak reset per case once the previous case's tensors are
   freed, less what was still allocated before the case was built; on CPU, in a fresh subprocess per case,
@@ -28,8 +29,9 @@ many tokens each block sees), never off its name.  A method above
 step (``torch.profiler``) and the bytes autograd saved for the backward (saved-tensor hooks).
 
 **Options** (``options_for=`` experiments): the same step with gradient checkpointing (timm's), with
-``torch.compile``, and under bf16 autocast, as extra rows (``options=bf16`` keeps only some of them); with a
-bf16 row, peft's LoRA gets one too, the reference of the bf16 rows.
+``torch.compile``, and under bf16 autocast, as extra rows (``options=bf16`` keeps only some of them, and is refused
+without ``options_for=``, where it would add nothing); with a bf16 row, peft's LoRA gets one too, the reference of
+the bf16 rows.
 
 **Precision** is a column: on a GPU the fp32 rows run their matmuls on TF32 tensor cores (``tf32=true``, the
 default: what a petl-run training does with its default precision), ``tf32=false`` times strict fp32; on a CPU
@@ -235,18 +237,40 @@ def split_model_kwargs(args: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
 
 
 def make_spec(own: dict[str, str], cuda_available: bool, model_kwargs: dict[str, Any] | None = None) -> SpeedSpec:
-    """The spec from command-line values: the GPU when there is one, and there :data:`CUDA_DEFAULTS`."""
-    settings: dict[str, Any] = {
-        f.name: as_bool(f.name, own[f.name]) if isinstance(f.default, bool) else type(f.default)(own[f.name])
-        for f in fields(SpeedSpec)
-        if f.name in own
-    }
+    """The spec from command-line values: the GPU when there is one, and there :data:`CUDA_DEFAULTS`.
+
+    Raises:
+        SystemExit: a value that is not a number of its kind or not in its range, ``steps`` below ``rounds``,
+            or a device that is not ``cpu`` or a CUDA GPU torch sees (one line naming it, checked before any
+            model is built).
+
+    """
+    settings: dict[str, Any] = {}
+    for f in fields(SpeedSpec):
+        if f.name not in own:
+            continue
+        value = own[f.name]
+        if isinstance(f.default, bool):
+            settings[f.name] = as_bool(f.name, value)
+            continue
+        try:
+            settings[f.name] = type(f.default)(value)
+        except ValueError:  # int('abc') says neither which key nor what it takes
+            raise SystemExit(f"petl-bench speed: {f.name}={value}: expected a whole number") from None
     settings["model_kwargs"] = dict(model_kwargs or {})
     settings.setdefault("device", "cuda" if cuda_available else "cpu")
     if settings["device"] == "cuda":
+        if not cuda_available:
+            raise SystemExit(
+                "petl-bench speed: device=cuda: torch sees no CUDA GPU here (torch.cuda.is_available() is false): "
+                "run it on a machine with one, or give device=cpu"
+            )
         for key, value in CUDA_DEFAULTS.items():
             settings.setdefault(key, value)
-    return SpeedSpec(**settings)
+    try:
+        return SpeedSpec(**settings)
+    except ValueError as error:  # its range checks, one line naming the value
+        raise SystemExit(f"petl-bench speed: {error}") from None
 
 
 def main(args: Sequence[str]) -> int:
@@ -266,8 +290,13 @@ def main(args: Sequence[str]) -> int:
     if unknown:
         raise SystemExit(f"petl-bench speed: options_for names experiments not measured: {unknown}")
     options = split_list(own["options"]) if "options" in own else None
-    if options is not None and set(options) - set(OPTIONS):
+    if options is not None and (not options or set(options) - set(OPTIONS)):
         raise SystemExit(f"petl-bench speed: options={own['options']}: choose among {', '.join(OPTIONS)}")
+    if options is not None and not options_for:  # the option rows are only ever added for options_for's experiments
+        raise SystemExit(
+            f"petl-bench speed: options={own['options']} adds rows only for the experiments options_for= names: "
+            "give options_for=NAME,... too (e.g. options_for=lora)"
+        )
     experiments = [(n, load_experiment(n, configs).method) for n in names]
     inprocess = as_bool("inprocess", own.get("inprocess", "false"))
     results = run_speed(spec, experiments, inprocess=inprocess, options_for=options_for, options=options)

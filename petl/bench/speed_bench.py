@@ -31,6 +31,7 @@ from petl.model.backbone import backbone_of
 from petl.model.registry import get_method
 from petl.model.surgery import apply, merge
 from petl.train import engine
+from petl.utils.checks import check_choice, check_range
 from petl.utils.memory import current_rss_mb, peak_rss_mb, reset_peak_rss
 
 FORWARD = "frozen forward (no grad)"
@@ -52,7 +53,7 @@ class SpeedSpec:
             ``embed_dim``...): ``model.kwargs.KEY=VALUE`` on the command line, as petl-run's ``+model.kwargs``.
         img_size: the side of the square images the model is built for; 0 keeps the model's default.
         batch: training batch size.
-        steps: timed training steps per case, spread over ``rounds``.
+        steps: timed training steps per case, spread over ``rounds``: at least one a round, so at least ``rounds``.
         warmup: untimed steps per case before the first round.
         rounds: how many times the cases take turns at training steps; the median runs over all of them.
         infer_batch: inference batch size.
@@ -61,6 +62,10 @@ class SpeedSpec:
         num_classes: classifier size.
         tf32: on CUDA, fp32 matmuls and convolutions run on TF32 tensor cores, as in a petl-run training with its
             default precision; false times strict fp32 (``train.precision=no``).  A CPU has no TF32.
+
+    Raises:
+        ValueError: a value out of its range, ``steps`` below ``rounds``, or a device other than ``cpu`` and
+            ``cuda`` (one line naming it).
 
     """
 
@@ -76,6 +81,20 @@ class SpeedSpec:
     num_classes: int = 10
     tf32: bool = True
     model_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # Checked here, not where the values are used: batch=0 or warmup=-1 ran and printed "training batch 0",
+        # rounds=0 and infer_steps=0 failed after every case was built (KeyError, exit 1).
+        check_range("img_size", self.img_size, low=0)
+        check_range("warmup", self.warmup, low=0)
+        for name in ("batch", "steps", "rounds", "infer_batch", "infer_steps", "num_classes"):
+            check_range(name, getattr(self, name), low=1)
+        if self.steps < self.rounds:  # each round times a step per case: the table's "median of steps" would lie
+            raise ValueError(
+                f"steps={self.steps} is fewer than rounds={self.rounds}, and every round times at least one step: "
+                f"give steps={self.rounds} or more, or rounds={self.steps} or fewer"
+            )
+        check_choice("device", self.device, ("cpu", "cuda"))
 
 
 def precision_label(case: Case, spec: SpeedSpec) -> str:
@@ -400,5 +419,6 @@ def above_floor(times: dict[str, dict[str, Any]], floors: dict[str, str]) -> lis
 
 
 def _share(total: int, rounds: int, r: int) -> int:
-    # Spread `total` over `rounds` as evenly as integers allow, at least one per round.
-    return max(1, total // rounds + (1 if r < total % rounds else 0))
+    # Spread `total` over `rounds` as evenly as integers allow; SpeedSpec keeps total >= rounds, so that is
+    # at least one per round and `total` in all, as the table says.
+    return total // rounds + (1 if r < total % rounds else 0)

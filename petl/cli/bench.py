@@ -17,9 +17,11 @@ Usage::
     petl-bench list [suite=NAME]   (suites and experiments; with suite=: its experiments, one a line, in order)
 
 Bad input (an unknown suite or key, a malformed YAML file, a results folder without results, suite= naming a
-suite whose backbone its runs did not train, compare on boards of different tasks, out= inside a run folder)
-exits with status 2 and one line naming the file or value; a sweep with failed runs exits with 1; Ctrl-C with 130
-(finished runs are kept, an interrupted run resumes from its last epoch).  ``--debug`` shows the traceback.
+suite whose backbone its runs did not train, compare on boards of different tasks, out= inside a run folder;
+for speed, before any model is built, a count out of its range, steps= below rounds=, options= without
+options_for=, a device other than cpu or a CUDA GPU torch sees) exits with status 2 and one line naming the file or
+value; a sweep with failed runs exits with 1; Ctrl-C with 130 (finished runs are kept, an interrupted run resumes
+from its last epoch).  ``--debug`` shows the traceback.
 
 Arguments are Hydra-style ``key=value``; a yes/no key may be written as a flag (``--dry-run`` is
 ``dry_run=true``, ``--yes`` is ``yes=true``), and a key that is neither petl-bench's nor a run config's is

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import ipaddress
 import re
 import socket
 import sys
@@ -38,7 +39,13 @@ from petl.utils.text import plural, shown
 PROG = "petl-serve"
 TASK_PREFIX = "task."
 KEYS = (
-    Key("host", "the address to listen on (0.0.0.0: every interface; set PETL_SERVE_TOKEN then)", str, "127.0.0.1"),
+    Key(
+        "host",
+        "the address to listen on: an IP address or a host name, the port apart (0.0.0.0: every interface; set "
+        "PETL_SERVE_TOKEN then)",
+        str,
+        "127.0.0.1",
+    ),
     Key("port", "the port to listen on", int, 8000),
     Key("max_batch", "the most images in one mixed batch", int, 32),
     Key("max_wait_ms", "how long the oldest queued image waits for others before its batch runs", float, 5.0),
@@ -60,6 +67,9 @@ KEYS = (
 SERVE_OPTIONS = tuple(key.name for key in KEYS if key.name not in ("host", "port"))
 USAGE = f"{PROG} RUN [RUN ...] [{TASK_PREFIX}NAME=RUN ...] [key=value ...] [--quiet]"
 TASK_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+# A host name: dot-separated labels of letters, digits and inner hyphens (RFC 1123), and underscores, which
+# container networks' names have and resolvers take.
+HOST_NAME = re.compile(r"(?!-)[A-Za-z0-9_-]{1,63}(?<!-)(\.(?!-)[A-Za-z0-9_-]{1,63}(?<!-))*\.?")
 PIP_HINT = "pip install 'petl[serve]' (FastAPI, uvicorn, python-multipart)"
 
 
@@ -156,9 +166,36 @@ def read_command_line(argv: Sequence[str]) -> tuple[dict[str, Path], dict, argpa
     options = {key.name: key.default for key in KEYS if key.default is not None} | given
     if not 0 <= options["port"] <= 65535:
         raise UsageError(f"port={options['port']}: must be 0 to 65535")
+    check_host(options["host"])
     if not runs:
         raise UsageError("no run folder given: petl-serve RUN [RUN ...]")
     return find_runs(runs), options, args
+
+
+def check_host(host: str) -> None:
+    """Refuse a ``host`` that is neither an IP address nor a host name, before any run is loaded.
+
+    Without this, ``host=`` (empty) or ``host=0.0.0.0:9000`` loaded every run and then failed to bind, exit 1.
+
+    Raises:
+        UsageError: one line naming the value and what to give (exit 2).
+
+    """
+    try:
+        ipaddress.ip_address(host)
+        return
+    except ValueError:
+        pass
+    # An all-digit last label is a malformed IPv4 address (1.2.3.4.5), not a name.
+    if len(host) <= 253 and HOST_NAME.fullmatch(host) and not host.rstrip(".").rpartition(".")[2].isdigit():
+        return
+    address, colon, port = host.rpartition(":")
+    if colon and port.isdigit():
+        raise UsageError(f"host={host}: give the port apart, as host={address} port={port}")
+    raise UsageError(
+        f"host={host!r} is not an IP address or a host name: give one such as host=127.0.0.1 (this machine only, "
+        "the default), host=0.0.0.0 (every interface) or host=localhost"
+    )
 
 
 def run_cli(argv: Sequence[str]) -> int:

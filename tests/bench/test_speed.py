@@ -318,6 +318,49 @@ def test_img_size_builds_the_backbone_at_that_size():
     assert build_model(Case("plain"), SpeedSpec()).patch_embed.img_size == (32, 32)
 
 
+BASE = ["speed", "methods=lora", "inprocess=true", "warmup=0", "infer_steps=1", "steps=1", "rounds=1"]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        # Each ran and exited 0 printing "training batch 0" and the like, or built every case, then failed (exit 1).
+        (["batch=0"], "batch=0 is out of range: allowed [1, inf]"),
+        (["infer_batch=0"], "infer_batch=0 is out of range"),
+        (["warmup=-1"], "warmup=-1 is out of range: allowed [0, inf]"),
+        (["steps=0"], "steps=0 is out of range"),
+        (["rounds=0"], "rounds=0 is out of range"),
+        (["infer_steps=0"], "infer_steps=0 is out of range"),
+        (["img_size=-1"], "img_size=-1 is out of range"),
+        (["num_classes=0"], "num_classes=0 is out of range"),
+        (["batch=many"], "batch=many: expected a whole number"),
+        (["device=tpu"], "device='tpu' is not valid: choose one of cpu, cuda"),
+        (["device=cuda"], "device=cuda: torch sees no CUDA GPU here"),
+        # Every round times a step, so steps=1 rounds=3 timed 3 steps and the table said "median of 1 steps".
+        (["steps=1", "rounds=3"], "steps=1 is fewer than rounds=3"),
+        # options= only acts on options_for's experiments: alone, it added nothing.
+        (["options=bf16"], "options=bf16 adds rows only for the experiments options_for= names"),
+        (["options=", "options_for=lora"], "options=: choose among grad_ckpt, compile, bf16"),
+    ],
+)
+def test_speed_cli_refuses_bad_values_in_one_line_before_measuring(args, message, monkeypatch, capsys):
+    monkeypatch.setattr(speed.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(speed, "run_speed", lambda *a, **k: pytest.fail("measured despite bad input"))
+    with pytest.raises(SystemExit) as caught:
+        cli.main([*BASE, *args])
+    err = capsys.readouterr().err
+    assert caught.value.code == 2 and err.count("\n") == 1 and message in err, err
+
+
+def test_a_spec_refuses_what_it_cannot_time_and_times_the_steps_it_says():
+    for bad in ({"batch": 0}, {"rounds": 0}, {"steps": 2, "rounds": 3}, {"device": "tpu"}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            SpeedSpec(**bad)
+    for steps, rounds in ((10, 10), (7, 3), (3, 3), (1, 1)):
+        shares = [speed_bench._share(steps, rounds, r) for r in range(rounds)]
+        assert sum(shares) == steps and min(shares) >= 1
+
+
 @pytest.mark.slow
 def test_speed_cli_rejects_unknown_keys(capsys):
     with pytest.raises(SystemExit) as caught:

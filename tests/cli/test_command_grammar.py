@@ -62,6 +62,28 @@ def test_an_unknown_key_or_a_wrong_type_is_one_line_naming_it():
         _words(predict, ["RUN", "a.png", "top_k=many"])
 
 
+@pytest.mark.parametrize(
+    ("host", "message"),
+    [
+        # An empty host loaded every run, then failed to bind: exit 1 ("Name or service not known").
+        ("", "host='' is not an IP address or a host name"),
+        ("http://example.com", "is not an IP address or a host name"),
+        ("1.2.3.4.5", "is not an IP address or a host name"),
+        ("0.0.0.0:9000", "give the port apart, as host=0.0.0.0 port=9000"),
+    ],
+)
+def test_petl_serve_refuses_an_empty_or_malformed_host_before_loading_runs(host, message, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        serve.main([str(tmp_path / "not-a-run"), f"host={host}"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1 and message in err
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "0.0.0.0", "::1", "localhost", "gpu-node_7.cluster.local"])
+def test_petl_serve_takes_addresses_and_host_names(host):
+    serve.check_host(host)
+
+
 def test_petl_export_refuses_a_missing_out_with_status_2(capsys):
     with pytest.raises(SystemExit) as exit_:
         export.main(["RUN"])
