@@ -89,7 +89,7 @@ from petl.model import rows, surgery
 from petl.model.backbone import backbone_of, unwrap
 from petl.model.registry import MethodConfig, register_method
 from petl.model.wrappers import PetlModule, factory_kwargs
-from petl.utils.checks import check_range
+from petl.utils.checks import as_list, check_range
 
 # SupConLoss defaults (utils/loss_utils.py L9-10) and the views of transforms_contrastaug_train (L80-110).
 TEMPERATURE = 0.07
@@ -148,8 +148,15 @@ class GpsConfig(MethodConfig):
 
 def _normalise_selection(value: Any) -> tuple[str, ...]:
     """Per-weight column lists as strings, lists of ints, or one ``;``-separated string -> ``("i,j,...", ...)``."""
-    parts = [p for p in value.split(";") if p.strip()] if isinstance(value, str) else list(value)
-    return tuple(p.replace(" ", "") if isinstance(p, str) else ",".join(str(int(c)) for c in p) for p in parts)
+    wanted = "one list of column indices per weight"
+    parts = (
+        [p for p in value.split(";") if p.strip()] if isinstance(value, str) else as_list(value, "selection", wanted)
+    )
+    lists = [p if isinstance(p, str) else as_list(p, "selection", wanted) for p in parts]
+    try:
+        return tuple(p.replace(" ", "") if isinstance(p, str) else ",".join(str(int(c)) for c in p) for p in lists)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"selection={value!r} is not {wanted} ({err})") from None
 
 
 def _selected_modules(model: nn.Module) -> list[tuple[nn.Module, Any]]:

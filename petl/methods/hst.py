@@ -115,7 +115,7 @@ class HstConfig(MethodConfig):
     meta_tokens: int = 1
 
     def __post_init__(self) -> None:
-        self.dims, self.heads = to_str_tuple(self.dims), to_str_tuple(self.heads)
+        self.dims, self.heads = to_str_tuple(self.dims, "dims"), to_str_tuple(self.heads, "heads")
 
     @property
     def widths(self) -> tuple[int, ...]:

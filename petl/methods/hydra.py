@@ -61,7 +61,7 @@ class HydraConfig(MethodConfig):
     targets: tuple[str, ...] = TARGETS
 
     def __post_init__(self) -> None:
-        self.targets = to_str_tuple(self.targets)
+        self.targets = to_str_tuple(self.targets, "targets")
 
     def validate(self, model: nn.Module) -> None:
         super().validate(model)

@@ -70,7 +70,7 @@ class LoraConfig(_init.InitOption, MethodConfig):
     init: str = "zero"
 
     def __post_init__(self) -> None:
-        self.targets = to_str_tuple(self.targets)
+        self.targets = to_str_tuple(self.targets, "targets")
 
     def validate(self, model: nn.Module) -> None:
         super().validate(model)

@@ -103,7 +103,7 @@ from petl.model import rows, surgery
 from petl.model.backbone import backbone_of, block_family
 from petl.model.registry import MethodConfig, register_method
 from petl.model.wrappers import PetlModule, factory_kwargs
-from petl.utils.checks import check_dropout, check_range
+from petl.utils.checks import as_list, check_dropout, check_range
 
 # NOAH's VTAB-1k search space (experiments/NOAH/supernet/supernet-B_prompt_VTAB.yaml): widths per module,
 # and how many leading blocks (a quarter, half, three quarters or all of ViT-B's 12) carry each module.
@@ -113,14 +113,19 @@ DEPTH_FRACTIONS = (0.25, 0.5, 0.75, 1.0)
 PLACEHOLDER_WIDTH = 5
 
 
-def widths_text(value: Any) -> str:
+def widths_text(value: Any, field: str = "widths") -> str:
     """Per-block widths (a list of ints, or a comma-separated string) as the canonical ``"10,5,1"``."""
-    if isinstance(value, str):
-        value = [v for v in value.replace(" ", "").split(",") if v]
+    wanted = 'comma-separated whole numbers, one per block, e.g. "10,5,1"'
+    items = (
+        [v for v in value.replace(" ", "").split(",") if v] if isinstance(value, str) else as_list(value, field, wanted)
+    )
     try:
-        return ",".join(str(int(v)) for v in value)
-    except (TypeError, ValueError) as error:
-        raise ValueError(f"NOAH widths must be integers, one per block ({error})") from None
+        # A bool or 2.5 would pass int() as 1 or 2: only whole numbers (as numbers or digits) are widths.
+        if any(isinstance(v, bool) or (isinstance(v, float) and not v.is_integer()) for v in items):
+            raise ValueError(f"{value!r}")
+        return ",".join(str(int(v)) for v in items)
+    except (TypeError, ValueError):
+        raise ValueError(f"{field}={value!r} is not {wanted}") from None
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -153,7 +158,9 @@ class NoahConfig(_init.InitOption, MethodConfig):
         search_generations: evolution generations (NOAH's VTAB script: 15).
         population: candidates per generation (NOAH: 50).
         max_params: the search keeps subnets with at most this many trainable parameters (NOAH's default
-            limit 0.64M, here on petl's count: see configs/experiments/noah.yaml).
+            limit 0.64M, here on petl's count: see configs/experiments/noah.yaml).  The four search options act
+            only in a search; with the widths given they record the search that chose them (as petl-run records a
+            searched config, and a benchmark run reuses it), and a subnet above ``max_params`` is refused.
 
     """
 
@@ -170,9 +177,9 @@ class NoahConfig(_init.InitOption, MethodConfig):
 
     def __post_init__(self) -> None:
         self.prompt, self.lora, self.adapter = (
-            widths_text(self.prompt),
-            widths_text(self.lora),
-            widths_text(self.adapter),
+            widths_text(self.prompt, "prompt"),
+            widths_text(self.lora, "lora"),
+            widths_text(self.adapter, "adapter"),
         )
 
     @property
@@ -210,6 +217,14 @@ class NoahConfig(_init.InitOption, MethodConfig):
                 raise ValueError(f"{name}={list(widths)}: widths must lie in [0, supernet_dim={self.supernet_dim}]")
         for block in bb.block_list():
             block_family(block)
+        # The search options stay with given widths: they record the search that chose them (petl-run's searched
+        # config, a benchmark run reusing that search).  A subnet larger than max_params no search could have kept.
+        count = subnet_params(bb.width(), *self.widths(model))
+        if count > self.max_params:
+            raise ValueError(
+                f"max_params={self.max_params} is below the given subnet's {count:,} parameters: max_params acts "
+                "only in a search (prompt, lora and adapter empty), which keeps no subnet above it; raise it or drop it"
+            )
 
 
 class QuickGELU(nn.Module):

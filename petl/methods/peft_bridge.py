@@ -21,7 +21,10 @@ import copy
 import dataclasses
 import enum
 import json
+import numbers
 import re
+import types
+import typing
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -30,7 +33,7 @@ from torch import nn
 from petl.model import rows, surgery
 from petl.model.backbone import backbone_of
 from petl.model.merging import register_mergeable_type
-from petl.model.registry import MethodConfig, register_foreign_config, register_method
+from petl.model.registry import MethodConfig, fits_type, register_foreign_config, register_method, type_words
 from petl.utils.checks import check_choice, to_str_tuple
 
 if TYPE_CHECKING:
@@ -51,7 +54,11 @@ class PeftBridgeConfig(MethodConfig):
         target_modules: module-name suffixes to adapt, matched the way peft matches them (``qkv`` hits
             every ``blocks.N.attn.qkv``).
         options: JSON object of extra keyword arguments for the peft config, e.g. ``'{"r": 8, "lora_alpha": 8}'``;
-            a ``target_modules`` key there (a regex string, say) overrides the field.
+            each value is checked against the peft config's annotation (``{"r": "x"}`` is refused naming ``r``).
+            A ``target_modules`` key there (a regex string, say) replaces the field, which must then be empty
+            (``target_modules=[]``), so that the recorded config says what was adapted: given both, the config is
+            refused.  ``inference_mode`` is refused: petl trains what peft injects, and peft's inference mode
+            freezes it.
 
     """
 
@@ -60,7 +67,7 @@ class PeftBridgeConfig(MethodConfig):
     options: str = "{}"
 
     def __post_init__(self) -> None:
-        self.target_modules = to_str_tuple(self.target_modules)
+        self.target_modules = to_str_tuple(self.target_modules, "target_modules")
         self.peft_type = str(self.peft_type).upper()
 
     def extra_options(self) -> dict[str, Any]:
@@ -81,9 +88,26 @@ class PeftBridgeConfig(MethodConfig):
         # Only tuners that peft can inject into an arbitrary nn.Module in place qualify.
         supported = tuple(sorted(str(t.value) for t in PEFT_TYPE_TO_TUNER_MAPPING))
         check_choice("peft_type", self.peft_type, supported)
-        kwargs: dict[str, Any] = {"target_modules": list(self.target_modules) or None, **self.extra_options()}
+        extra = self.extra_options()
+        if "inference_mode" in extra:
+            # peft's inference mode injects its modules frozen, so petl would train the head alone.
+            raise ValueError(f"options={self.options!r} sets inference_mode: petl trains what peft injects; drop it")
+        if "target_modules" in extra and self.target_modules:
+            raise ValueError(
+                f"target_modules is given twice, as {list(self.target_modules)} and in options={self.options!r}: "
+                "give it once (to use the options' value, set target_modules=[])"
+            )
+        config_cls = PEFT_TYPE_TO_CONFIG_MAPPING[PeftType(self.peft_type)]
+        hints = typing.get_type_hints(config_cls)
+        for key, value in extra.items():
+            if key in hints and not _fits_peft(value, hints[key]):
+                words = type_words(hints[key])
+                raise ValueError(
+                    f"options: {key}={value!r} is not {words} for peft's {config_cls.__name__}: give {words}"
+                )
+        kwargs: dict[str, Any] = {"target_modules": list(self.target_modules) or None, **extra}
         try:
-            return PEFT_TYPE_TO_CONFIG_MAPPING[PeftType(self.peft_type)](**kwargs)
+            return config_cls(**kwargs)
         except (TypeError, ValueError) as err:
             raise ValueError(f"peft rejected options={self.options!r} for peft_type={self.peft_type}: {err}") from err
 
@@ -102,6 +126,23 @@ class PeftBridgeConfig(MethodConfig):
                 f"target_modules={peft_config.target_modules!r} match no module of this model; "
                 f"its blocks' Linears are {', '.join(linears)}"
             )
+
+
+def _fits_peft(value: Any, hint: Any) -> bool:
+    """Whether an ``options`` value fits its peft annotation, as far as petl can tell.
+
+    Looser than petl's own fields: peft annotates ``lora_alpha`` and ``alpha`` as int yet divides them as
+    numbers (0.5 works), so any number but a bool passes an int; peft's nested config classes take dicts and
+    are left to peft.
+    """
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_fits_peft(value, arg) for arg in typing.get_args(hint))
+    if hint is int:
+        return isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if hint in (bool, float, str, dict, list, type(None)) or origin in (list, tuple, dict, typing.Literal):
+        return fits_type(value, hint)
+    return True
 
 
 def _jsonable(name: str, value: Any) -> Any:

@@ -60,7 +60,7 @@ from petl.model import rows, surgery
 from petl.model.backbone import backbone_of, block_family
 from petl.model.registry import MethodConfig, register_method
 from petl.model.wrappers import PetlModule, factory_kwargs
-from petl.utils.checks import check_range
+from petl.utils.checks import as_list, check_range
 
 DEFAULT_FRACTION = 8
 
@@ -117,10 +117,15 @@ class SctConfig(MethodConfig):
 
 def _normalise_channels(value: Any) -> tuple[str, ...]:
     """Per-block channel lists in any accepted form -> one ``"i,j,k"`` string per block."""
-    blocks = [part for part in value.split(";") if part.strip()] if isinstance(value, str) else list(value)
+    wanted = "one list of channel indices per block"
+    blocks = (
+        [part for part in value.split(";") if part.strip()]
+        if isinstance(value, str)
+        else as_list(value, "channels", wanted)
+    )
     out = []
     for block in blocks:
-        items = block.replace(",", " ").split() if isinstance(block, str) else list(block)
+        items = block.replace(",", " ").split() if isinstance(block, str) else as_list(block, "channels", wanted)
         if not items:
             raise ValueError(f"channels={value!r} has an empty block: give each block its channel indices")
         try:

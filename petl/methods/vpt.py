@@ -122,7 +122,9 @@ class VptConfig(MethodConfig):
         deep: fresh prompts before every block (VPT-deep) rather than only the first (VPT-shallow).
         dropout: dropout on the prompts (train mode only); VPT's default is 0.0.
         pool: ``original`` (VPT's default: prompts stay in the sequence the pooling sees) or
-            ``img_pool`` (prompts removed after the last block: the pooling sees patches only).
+            ``img_pool`` (prompts removed after the last block: the pooling sees patches only).  On a
+            class-token backbone both give the same logits; ``img_pool`` still leaves the prompts out of what
+            ``forward_features`` returns.
 
     """
 

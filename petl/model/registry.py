@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+import types
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
@@ -46,17 +48,68 @@ class MethodConfig:
         Every float field is checked for NaN/inf here, so a method's own checks (``alpha <= 0``,
         which NaN passes) never see one.
         """
-        if self.num_classes is not None and (
-            isinstance(self.num_classes, bool) or not isinstance(self.num_classes, numbers.Integral)
-        ):
-            # 2.5 or "3" would otherwise reach torch as a layer size and fail there with its own message.
-            raise ValueError(f"num_classes={self.num_classes!r} is not a whole number: give an int, e.g. num_classes=3")
+        check_types(self)
         for f in fields(self):
             value = getattr(self, f.name)
             if isinstance(value, float):
                 check_range(f.name, value)
         if self.num_classes is not None:
             check_range("num_classes", self.num_classes, low=1)
+
+
+def check_types(config: MethodConfig) -> None:
+    """Raise a ValueError naming the first field whose value is not of its annotated type.
+
+    Checked on the config as its ``__post_init__`` left it (tuple fields already normalised from lists or
+    comma-separated strings): ``"false"`` for a bool would otherwise read as true, and 4.5 or ``"4"`` for an int
+    would reach torch as a layer size and fail there without naming the option.
+    """
+    hints = typing.get_type_hints(type(config))
+    for f in fields(config):
+        value, hint = getattr(config, f.name), hints[f.name]
+        if not fits_type(value, hint):
+            words = type_words(hint)
+            example = f", e.g. {f.name}={f.default!r}" if f.default not in (dataclasses.MISSING, None) else ""
+            raise ValueError(f"{f.name}={value!r} is not {words} ({type(value).__name__}): give {words}{example}")
+
+
+def fits_type(value: Any, hint: Any) -> bool:
+    """Whether ``value`` fits type hint ``hint``: bool only for bool; an int, never a bool, for int (a float too)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is Any:
+        return True
+    if hint is type(None) or hint is None:
+        return value is None
+    if origin in (typing.Union, types.UnionType):
+        return any(fits_type(value, arg) for arg in args)
+    if origin is typing.Literal:
+        return any(value == arg and type(value) is type(arg) for arg in args)
+    if origin in (tuple, list):
+        if not isinstance(value, tuple | list):
+            return False
+        if origin is tuple and args and args[-1] is not Ellipsis:
+            return len(value) == len(args) and all(fits_type(v, a) for v, a in zip(value, args, strict=True))
+        return not args or all(fits_type(v, args[0]) for v in value)
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, numbers.Real) and not isinstance(value, bool)
+    return isinstance(value, origin or hint)
+
+
+def type_words(hint: Any) -> str:
+    """``hint`` as the answer says it: ``a whole number``, ``true or false``, ``a list of strings or None``."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(type_words(arg) for arg in args)
+    if origin is typing.Literal:
+        return "one of " + ", ".join(repr(arg) for arg in args)
+    if origin in (tuple, list):
+        return f"a list of {type_words(args[0]).removeprefix('a ').removeprefix('an ')}s" if args else "a list"
+    words = {bool: "true or false", int: "a whole number", float: "a number", str: "a string", type(None): "None"}
+    return words.get(hint, f"a {getattr(hint, '__name__', hint)}")
 
 
 @dataclass(frozen=True)

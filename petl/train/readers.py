@@ -54,7 +54,7 @@ def method_options(cfg: DictConfig) -> dict[str, Any]:
     hints = typing.get_type_hints(get_method(name).config_cls)
     for key, value in options.items():
         if typing.get_origin(hints.get(key)) is tuple and isinstance(value, list):
-            options[key] = to_str_tuple(value)
+            options[key] = to_str_tuple(value, key)
     return options
 
 

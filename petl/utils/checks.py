@@ -6,6 +6,7 @@ Method configs call them directly; the run config (:mod:`petl.train.config`) wra
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping, Set
 from typing import Any
 
 
@@ -65,13 +66,21 @@ def check_choice(field: str, value: Any, choices: tuple[str, ...]) -> None:
         raise ValueError(f"{field}={value!r} is not valid: choose one of {', '.join(choices)}")
 
 
-def to_str_tuple(value: Any) -> tuple[str, ...]:
+def to_str_tuple(value: Any, field: str = "value") -> tuple[str, ...]:
     """Normalise a config's sequence-of-strings field to a tuple.
 
     The CLI hands over lists (or OmegaConf ListConfigs) where the dataclass declares a tuple, and a
     comma-separated string is the easiest way to type a list on a command line, so all three are
-    accepted; the tuple keeps the config hashable and its JSON form stable.
+    accepted; the tuple keeps the config hashable and its JSON form stable.  Anything else (a number, a
+    mapping) is a ValueError naming ``field``.
     """
     if isinstance(value, str):
         return tuple(part.strip() for part in value.split(",") if part.strip())
-    return tuple(str(part) for part in value)
+    return tuple(str(part) for part in as_list(value, field, "a list of strings"))
+
+
+def as_list(value: Any, field: str, wanted: str) -> list[Any]:
+    """``value`` (a list, tuple or ListConfig) as a list; a ValueError naming ``field`` and ``wanted`` otherwise."""
+    if isinstance(value, Iterable) and not isinstance(value, str | bytes | Mapping | Set):
+        return list(value)
+    raise ValueError(f"{field}={value!r} is not {wanted} ({type(value).__name__}): give {wanted}")
