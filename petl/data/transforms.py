@@ -125,7 +125,10 @@ def array_to_tensors(images: np.ndarray, spec: ImageSpec) -> torch.Tensor:
     if images.ndim != 4 or images.shape[-1] not in (1, 3):
         raise ValueError(f"expected [N, H, W] or [N, H, W, 3] images, got shape {images.shape}")
     if spec.crop:
-        raise ValueError("in-memory datasets are converted once: no crop or augmentation (use augment=False)")
+        raise ValueError(
+            "in-memory datasets are converted once and cannot be cropped or augmented: leave augmentation off "
+            "(data.augment=false; augment=False in build_dataset)"
+        )
     out = []
     for start in range(0, len(images), _CHUNK):
         chunk = torch.from_numpy(np.ascontiguousarray(images[start : start + _CHUNK]))

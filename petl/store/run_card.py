@@ -436,14 +436,43 @@ def checkpoint_mismatch(model_name: str, kwargs: dict[str, Any], path: str | Pat
         One phrase naming them in the model's key order, or ``None`` when names and shapes all fit.
 
     """
+    return _mismatch(_meta_shapes(model_name, kwargs), _file_shapes(Path(path)), "the file", shown)
+
+
+def kwargs_mismatch(model_name: str, kwargs: dict[str, Any], changed: dict[str, Any], shown: int = 3) -> str | None:
+    """Why timm keyword arguments make an architecture the pretrained weights of ``model_name`` do not fit.
+
+    The weights are those of the architecture built without ``changed`` (its other ``kwargs``, such as the image
+    size whose position grid timm resamples, kept): comparing the two on the meta device names what the load lacks.
+
+    Args:
+        model_name: the timm name (with its pretrained tag).
+        kwargs: every ``timm.create_model`` keyword argument of the run, ``changed`` included.
+        changed: the user's ``model.kwargs`` that alter the architecture.
+        shown: how many keys of each kind to name.
+
+    Returns:
+        One phrase naming the first missing, unexpected and mis-shaped keys, or ``None`` when all fit.
+
+    """
+    plain = {key: value for key, value in kwargs.items() if key not in changed}
+    return _mismatch(_meta_shapes(model_name, kwargs), _meta_shapes(model_name, plain), "the weights", shown)
+
+
+def _meta_shapes(model_name: str, kwargs: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     with torch.device("meta"):  # shapes only: no memory, no weights
         model = timm.create_model(model_name, pretrained=False, **kwargs)
-    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-    found = _file_shapes(Path(path))
+    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
+
+
+def _mismatch(
+    expected: dict[str, tuple[int, ...]], found: dict[str, tuple[int, ...]], where: str, shown: int
+) -> str | None:
+    """The first mis-shaped, missing and unexpected keys of ``found`` against the model's ``expected``."""
     missing = [name for name in expected if name not in found]
     unexpected = [name for name in found if name not in expected]
     shapes = [
-        f"{name} {list(found[name])} in the file, {list(expected[name])} in the model"
+        f"{name} {list(found[name])} in {where}, {list(expected[name])} in the model"
         for name in expected
         if name in found and found[name] != expected[name]
     ]

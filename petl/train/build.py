@@ -49,27 +49,64 @@ class EpochSampler(Sampler[int]):
     Unlike a sampler fed by one running generator, epoch ``e``'s order does not depend on the
     epochs before it, so a run resumed at epoch ``e`` sees exactly the batches it would have seen.
     ``generator`` (the training DataLoader's) is reseeded from (seed, epoch) too: each epoch's
-    iterator draws its worker base seed from it, and with ``num_workers > 0`` the workers' random
-    crops and flips come from that seed, so a resumed epoch gets its own, not epoch 0's.
+    iterator draws its worker base seed from it.  ``dataset``, when it has a ``set_epoch`` (a
+    :class:`SeededAugmentation`), is told the epoch as well: its random crops and flips are the epoch's.
     """
 
-    def __init__(self, size: int, seed: int) -> None:
+    def __init__(self, size: int, seed: int, dataset: Dataset | None = None) -> None:
         self.size = size
         self.seed = seed
         self.epoch = 0
+        self.dataset = dataset
         self.generator = torch.Generator()
         self.set_epoch(0)
 
     def set_epoch(self, epoch: int) -> None:
-        """Select the order (and the loader's worker seeds) of epoch ``epoch``."""
+        """Select the order (and the loader's worker seeds, the dataset's crops) of epoch ``epoch``."""
         self.epoch = epoch
         self.generator.manual_seed(int(np.random.SeedSequence([self.seed, epoch]).generate_state(1)[0]))
+        if hasattr(self.dataset, "set_epoch"):
+            self.dataset.set_epoch(epoch)
 
     def __iter__(self) -> Iterator[int]:
         yield from np.random.default_rng([self.seed, self.epoch]).permutation(self.size).tolist()
 
     def __len__(self) -> int:
         return self.size
+
+
+class SeededAugmentation(Dataset):
+    """A training split whose random crops and flips are drawn from (seed, epoch, index) alone.
+
+    Drawn from torch's global stream they would depend on ``data.num_workers``: with none, on the main
+    process's stream (shifting dropout's), with workers, on each worker's seed and the items it happens to
+    load.  Each item draws from its own seed instead, on a forked stream that leaves the global one as it was,
+    so a run's crops, and with them its result, are the same for any worker count and after a resume.
+
+    Args:
+        dataset: the augmented training split (:func:`is_augmented`).
+        seed: the run's seed.
+
+    """
+
+    def __init__(self, dataset: Dataset, seed: int) -> None:
+        self.dataset = dataset
+        self.seed = seed
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Draw epoch ``epoch``'s crops (set before the epoch's loader iterator copies the dataset to workers)."""
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, index: int) -> Any:
+        item_seed = int(np.random.SeedSequence([self.seed, self.epoch, index]).generate_state(1)[0])
+        # The CPU generator only (the transforms draw on it): CUDA's stream is neither read nor reseeded.
+        with torch.random.fork_rng(devices=[]):
+            torch.default_generator.manual_seed(item_seed)
+            return self.dataset[index]
 
 
 def say(accelerator: Accelerator, message: str, *args: Any) -> None:
@@ -212,12 +249,38 @@ def create_backbone(cfg: DictConfig) -> nn.Module:
                 f"model.checkpoint={m.checkpoint} does not fit model={m.name}: {why or first_line(error, 'error')}; "
                 "give the weights of this architecture, or the model= they belong to"
             ) from None
+        changed = _kwargs_mismatch(cfg, kwargs)
+        if changed:
+            raise ConfigError(changed) from None
         # Without its closing period: the sentence after it starts with its own.
         first = first_line(error, f"{type(error).__name__} (no weights file)").rstrip(".")
         raise RunError(
             f"cannot load pretrained weights of {m.name}: {first}. Give a local file with model.checkpoint=PATH, "
             "or train from random init with model.pretrained=false"
         ) from None
+
+
+def _kwargs_mismatch(cfg: DictConfig, kwargs: dict[str, Any]) -> str | None:
+    """Why the pretrained weights failed to load into the architecture ``model.kwargs`` changed, or ``None``.
+
+    A kwarg that changes the architecture (``depth``, ``global_pool``...) is bad input, not a failed download: the
+    weights were made for the model without it.  ``img_size`` is left out: timm resamples the position grid.
+    """
+    changed = {key: value for key, value in cfg.model.kwargs.items() if key != "img_size"}
+    if not changed:
+        return None
+    try:
+        why = run_card.kwargs_mismatch(cfg.model.name, kwargs, changed)
+    except Exception:  # an architecture timm cannot build on the meta device: the load's own error stands
+        return None
+    if why is None:
+        return None
+    given = " ".join(f"+model.kwargs.{key}={value}" for key, value in changed.items())
+    them = "them" if len(changed) > 1 else "it"
+    return (
+        f"{given} does not fit the pretrained weights of {cfg.model.name}: {why}; drop {them}, "
+        "or train from random init with model.pretrained=false"
+    )
 
 
 def method_config(

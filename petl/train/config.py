@@ -82,7 +82,8 @@ class DataConfig:
         subset: keep this many examples of every split (a fixed random choice, for quick checks); ``None`` keeps all.
         augment: VPT's FGVC protocol (resize to 256/224 of the input size, random crop and flip for
             training, centre crop for evaluation); ``None`` = on for fgvc/* tasks, off otherwise.
-        num_workers: DataLoader worker processes; 0 loads in the main process (deterministic, fine for tensors).
+        num_workers: DataLoader worker processes; 0 loads in the main process.  No result depends on it: augmented
+            crops and flips are drawn from (seed, epoch, index) (:class:`petl.train.build.SeededAugmentation`).
         epochs: the dataset's default number of epochs (its ``DatasetInfo.epochs``), which
             ``train.epochs`` follows unless overridden.
 
@@ -95,8 +96,8 @@ class DataConfig:
     image_column: str | None = None
     label_column: str | None = None
     augment: bool | None = None
-    # Neutral for the order, dropout and drop-path; with augmented images (FGVC) the crops come from the global
-    # stream with 0 workers and from per-epoch worker seeds with more, so changing it mid-run changes the crops.
+    # Neutral: the order, dropout and drop-path do not see the workers, and augmented crops and flips are drawn
+    # per item from (seed, epoch, index) (build.SeededAugmentation), not from a worker's or the global stream.
     num_workers: int = option(0, low=0, neutral=True)
     epochs: int = petl_data.PROTOCOL_EPOCHS
 
@@ -113,8 +114,10 @@ class ModelConfig:
             The data pipeline resizes to the built model's size whichever way it was set (this option or
             ``+model.kwargs.img_size``); a pretrained position grid is resampled by the model's own loader.
         drop_path: stochastic-depth rate; in frozen blocks it acts only when the backbone trains in
-            train mode (``train.backbone_mode``, by default the method's reference choice).
-        kwargs: extra keyword arguments for ``timm.create_model`` (e.g. ``+model.kwargs.depth=2``).
+            train mode (``train.backbone_mode``, by default the method's reference choice); a rate other than 0
+            and this default that no block in train mode holds is refused (so is a ``model.kwargs`` dropout rate).
+        kwargs: extra keyword arguments for ``timm.create_model`` (e.g. ``+model.kwargs.depth=2``); ``num_classes``
+            is refused (the data sets it), and one the pretrained weights do not fit is named with their keys.
 
     """
 
@@ -559,7 +562,8 @@ def check_method(cfg: DictConfig) -> None:
     kwargs = model_kwargs(cfg)
     try:
         with torch.device("meta"):
-            model = timm.create_model(cfg.model.name, pretrained=False, **kwargs)
+            # With the run's drop-path rate: _check_applied looks for the DropPath modules it makes.
+            model = timm.create_model(cfg.model.name, pretrained=False, drop_path_rate=cfg.model.drop_path, **kwargs)
     except TypeError as error:
         raise ConfigError(f"model.kwargs: {error}") from None
     image_size(model)
@@ -568,6 +572,78 @@ def check_method(cfg: DictConfig) -> None:
         # The backbone first: a method's options are read against a backbone it supports (SCT's default top_n
         # asks for a single width, which a Swin has not).
         check_supported(model, cfg.method.name)
-        make_config(cfg.method.name, num_classes=num_classes, **method_options(cfg)).validate(model)
+        method_cfg = make_config(cfg.method.name, num_classes=num_classes, **method_options(cfg))
+        method_cfg.validate(model)
     except ValueError as error:
         raise ConfigError(f"method {cfg.method.name}: {error}") from None
+    _check_applied(cfg, model, method_cfg)
+
+
+def _stochastic_options(cfg: DictConfig) -> dict[str, type]:
+    """The dropout and drop-path rates the user chose (non-zero, not the default), each with its timm module."""
+    from timm.layers import DropPath, PatchDropout
+    from torch import nn
+
+    chosen: dict[str, type] = {}
+    # The default (0.1, the VTAB-1k recipe's) stays for every method: documented as acting in train mode only.
+    if cfg.model.drop_path not in (0, option_default("model.drop_path")):
+        chosen[f"model.drop_path={cfg.model.drop_path:g}"] = DropPath
+    for key, value in cfg.model.kwargs.items():
+        if "drop" in key and isinstance(value, int | float) and value:
+            kind = DropPath if "drop_path" in key else PatchDropout if "patch_drop" in key else nn.Dropout
+            chosen[f"model.kwargs.{key}={value:g}"] = kind
+    return chosen
+
+
+def _check_applied(cfg: DictConfig, model: Any, method_cfg: Any) -> None:
+    """Check the options whose effect depends on the method's modules on the meta model, the method applied.
+
+    ``train.grad_checkpointing`` (refused by the side networks) and a chosen dropout or drop-path rate
+    (``model.drop_path``, ``model.kwargs.drop_rate``...), which acts only in the modules that run in train
+    mode: with the backbone in eval mode (``train.backbone_mode``, by default the method's reference choice:
+    VPT, linear, Mlp-k, Partial-k) only those that train.  Skipped, at no cost, when neither is asked for.
+
+    Raises:
+        ConfigError: naming the option, why it cannot act, and what to do.
+
+    """
+    import torch
+
+    from petl.model.surgery import apply
+    from petl.train.engine import enable_grad_checkpointing, set_train_mode
+
+    name = cfg.method.name
+    mode = cfg.train.backbone_mode
+    reference = get_method(name).config_cls.backbone_mode
+    chosen = _stochastic_options(cfg) if (reference if mode == "auto" else mode) == "eval" else {}
+    if not (chosen or cfg.train.grad_checkpointing):
+        return
+    # The backbone's own modules, before the method adds its (prompt and LoRA dropout act in train mode anyway).
+    stochastic = [m for m in model.modules() if _is_stochastic(m)]
+    try:
+        with torch.device("meta"):
+            apply(model, method_cfg)
+    except Exception:  # anything the meta device cannot do is left to the run, which applies the method for real
+        return
+    if cfg.train.grad_checkpointing:
+        enable_grad_checkpointing(model)
+    set_train_mode(model, "eval")
+    for key, kinds in chosen.items():
+        if not any(m.training for m in stochastic if isinstance(m, kinds)):
+            why = f"method {name}'s reference choice" if mode == "auto" else "train.backbone_mode=eval"
+            raise ConfigError(
+                f"{key} cannot act: the frozen backbone runs in eval mode ({why}) and no block that trains holds "
+                f"it; set train.backbone_mode=train for the backbone's dropout and drop-path, or drop {key}"
+            )
+
+
+def _is_stochastic(module: Any) -> bool:
+    """A dropout, drop-path or patch-dropout module with a non-zero rate."""
+    from timm.layers import DropPath, PatchDropout
+    from torch import nn
+
+    if isinstance(module, nn.Dropout):
+        return module.p > 0
+    if isinstance(module, DropPath):
+        return module.drop_prob > 0
+    return isinstance(module, PatchDropout) and module.prob > 0

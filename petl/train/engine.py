@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 from petl.data.registry import PROTOCOL_EPOCHS
 from petl.model.wrappers import PetlModule
 from petl.train.options import check_options, option
+from petl.utils.errors import ConfigError
 
 
 class NonFiniteLossError(RuntimeError):
@@ -291,12 +292,17 @@ def enable_grad_checkpointing(model: nn.Module) -> None:
     wrappers sit inside blocks or replace single blocks, so every method runs through it.
 
     Raises:
-        ValueError: the model has no ``set_grad_checkpointing``.
+        ConfigError: the model has no ``set_grad_checkpointing``, or refuses it (a side-network method:
+            :func:`petl.model.timm_api.set_grad_checkpointing`); the message names ``train.grad_checkpointing``.
 
     """
     if not hasattr(model, "set_grad_checkpointing"):
-        raise ValueError(f"train.grad_checkpointing: {type(model).__name__} has no set_grad_checkpointing")
-    model.set_grad_checkpointing(True)
+        raise ConfigError(f"train.grad_checkpointing: {type(model).__name__} has no set_grad_checkpointing")
+    try:
+        model.set_grad_checkpointing(True)
+    except ValueError as error:
+        reason = str(error).removeprefix("gradient checkpointing: ")
+        raise ConfigError(f"train.grad_checkpointing=true: {reason} (train.grad_checkpointing=false)") from None
 
 
 def compiler_missing(device_type: str) -> str | None:

@@ -62,7 +62,8 @@ def model_kwargs(cfg: DictConfig) -> dict[str, Any]:
     """Keyword arguments for ``timm.create_model`` besides the name: ``model.kwargs`` plus ``model.img_size``.
 
     Raises:
-        ConfigError: ``model.img_size`` and ``model.kwargs.img_size`` both given, with different values; a
+        ConfigError: ``model.img_size`` and ``model.kwargs.img_size`` both given, with different values;
+            ``model.kwargs.num_classes`` (the data sets the head's classes); a
             kwarg that makes timm load a file (``checkpoint_path``...), which the run's ``model.json`` could
             not carry (:func:`petl.store.run_card.read_card` refuses it).
 
@@ -73,6 +74,12 @@ def model_kwargs(cfg: DictConfig) -> dict[str, Any]:
         raise ConfigError(
             f"model.kwargs.{steering[0]} would make timm load a file petl does not check (the run could not be "
             "loaded): give the weights as model.checkpoint=PATH, checked by its SHA-256"
+        )
+    if "num_classes" in kwargs:
+        # petl.apply resets the head to the data's class count: this one would only shift the random stream.
+        raise ConfigError(
+            f"model.kwargs.num_classes={kwargs['num_classes']}: the head's class count comes from the data "
+            f"({cfg.data.name}'s classes): drop it"
         )
     size = cfg.model.img_size
     if size is not None:

@@ -363,7 +363,10 @@ def _set_up_training(
         seconds = time.perf_counter() - tick
         build.say(accelerator, "cached %s of %d train images in %.1f s", cache_plan.describe(), len(train_set), seconds)
 
-    sampler = build.EpochSampler(len(train_set), cfg.seed)
+    if build.is_augmented(train_set):
+        # Crops and flips from (seed, epoch, index): the same for any data.num_workers (a neutral key).
+        train_set = build.SeededAugmentation(train_set, cfg.seed)
+    sampler = build.EpochSampler(len(train_set), cfg.seed, train_set)
     # A last training batch of one image cannot be trained in batch statistics (Mlp-k's BatchNorm1d raises on
     # it; KMnP/vpt src/data/loader.py:L53-65 keeps it on one GPU and would fail the same way): that one image
     # is left out of the epoch, a different one each epoch since the order is reshuffled.  No other size drops.

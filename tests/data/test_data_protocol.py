@@ -81,7 +81,7 @@ def test_fgvc_augments_training_splits_and_centre_crops_the_others(tmp_path):
 
 
 def test_augment_is_refused_on_in_memory_datasets():
-    with pytest.raises(ValueError, match="no crop or augmentation"):
+    with pytest.raises(ValueError, match="cannot be cropped or augmented"):
         data.build_dataset("mini/digits", "train800", image_size=16, augment=True)
 
 

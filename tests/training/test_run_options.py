@@ -1,0 +1,143 @@
+"""Run options that could not act, or acted late: each acts or is refused in one line naming it, before a build.
+
+Gradient checkpointing on a side network, ``model.kwargs`` the pretrained weights do not fit, ``num_classes`` in
+``model.kwargs``, a dropout or drop-path rate on a backbone that runs in eval mode, ``data.num_workers`` with
+augmented images, ``data.augment=true`` on an in-memory task.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import tiny_run
+from PIL import Image
+
+import petl
+from petl.run import default_config, train
+from petl.train import build, engine
+from petl.utils.errors import ConfigError, RunError
+
+# The tiny random-init backbone of the fast tests, without tiny_run's data choice.
+TINY_MODEL = [o for o in tiny_run(depth=1, epochs=1) if not o.startswith("data")]
+
+
+@pytest.mark.parametrize("method", ["dtl", "lst", "hst", "last"])
+def test_grad_checkpointing_on_a_side_network_is_refused_naming_the_key(method):
+    with pytest.raises(ConfigError, match=rf"^train\.grad_checkpointing=true: method '{method}' cannot use it"):
+        default_config([f"method={method}", "train.grad_checkpointing=true"])
+    default_config(["method=lora", "train.grad_checkpointing=true"])  # a method that can is accepted
+
+
+def test_the_runners_grad_checkpointing_names_the_key_too(tiny_vit):
+    model = petl.apply(tiny_vit(), "dtl", num_classes=4)
+    with pytest.raises(ConfigError, match=r"^train\.grad_checkpointing=true: .*\(train\.grad_checkpointing=false\)$"):
+        engine.enable_grad_checkpointing(model)
+
+
+@pytest.mark.parametrize(
+    ("kwarg", "named"),
+    [("depth=2", "unexpected blocks.2.norm1.weight"), ("global_pool=avg", "missing fc_norm.weight, fc_norm.bias")],
+)
+def test_model_kwargs_the_shipped_weights_do_not_fit_are_bad_input(kwarg, named):
+    cfg = default_config([f"+model.kwargs.{kwarg}"])
+    with pytest.raises(ConfigError) as error:
+        build.create_backbone(cfg)
+    message = str(error.value)
+    assert message.startswith(f"+model.kwargs.{kwarg} does not fit the pretrained weights of ")
+    assert named in message and "model.pretrained=false" in message and "\n" not in message
+    assert "model.checkpoint" not in message
+
+
+def test_a_weights_load_that_fails_without_kwargs_stays_a_run_error(monkeypatch):
+    cfg = default_config([])
+
+    def offline(*args, **kwargs):
+        raise OSError("hub unreachable")
+
+    monkeypatch.setattr(build.timm, "create_model", offline)
+    with pytest.raises(RunError, match="cannot load pretrained weights"):
+        build.create_backbone(cfg)
+
+
+def test_num_classes_in_model_kwargs_is_refused():
+    with pytest.raises(ConfigError, match=r"^model\.kwargs\.num_classes=3: the head's class count comes from the data"):
+        default_config(["+model.kwargs.num_classes=3"])
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["method=vpt", "model.drop_path=0.5"],
+        ["method=vpt", "+model.kwargs.drop_rate=0.5"],
+        ["method=lora", "model.drop_path=0.3", "train.backbone_mode=eval"],
+        # Partial-k's trained last block holds drop-path, not the head's dropout.
+        ["method=partial", "+model.kwargs.drop_rate=0.5"],
+    ],
+)
+def test_a_dropout_rate_the_eval_mode_backbone_cannot_use_is_refused(overrides):
+    key = overrides[1].lstrip("+").split("=")[0]
+    with pytest.raises(ConfigError, match=rf"^{key}=\S+ cannot act: .*train\.backbone_mode=train"):
+        default_config(overrides)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["method=vpt"],  # the default 0.1, documented as acting in train mode only
+        ["method=vpt", "model.drop_path=0"],
+        ["method=vpt", "model.drop_path=0.5", "train.backbone_mode=train"],
+        ["method=lora", "model.drop_path=0.5", "+model.kwargs.drop_rate=0.2"],
+        ["method=partial", "model.drop_path=0.5"],
+        ["method=full", "model.drop_path=0.5", "train.backbone_mode=eval"],
+    ],
+)
+def test_a_dropout_rate_that_acts_is_accepted(overrides):
+    default_config(overrides)
+
+
+def _folder(root: Path) -> Path:
+    rng = np.random.default_rng(0)
+    for split, count in (("train", 12), ("test", 3)):
+        for label in ("a", "b"):
+            (root / split / label).mkdir(parents=True)
+            for index in range(count):
+                pixels = rng.integers(0, 255, (40, 36, 3), dtype=np.uint8)
+                Image.fromarray(pixels).save(root / split / label / f"{index}.png")
+    return root
+
+
+def test_augmented_crops_do_not_depend_on_the_worker_count(tmp_path):
+    # data.num_workers is a neutral key (a finished run is returned for another count): its result must not move.
+    root = _folder(tmp_path / "imgs")
+    common = [*TINY_MODEL, "data=folder", f"data.root={root}", "data.augment=true", "train.batch_size=8"]
+    common += ["train.epochs=2", "method=lora"]
+    losses = [
+        train(default_config([*common, f"data.num_workers={n}", f"output_dir={tmp_path / str(n)}"]))["final_train_loss"]
+        for n in (0, 2)
+    ]
+    assert losses[0] == losses[1]
+
+
+def test_seeded_augmentation_draws_from_seed_epoch_and_index_alone():
+    class Noise(torch.utils.data.Dataset):
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, index):
+            return torch.rand(())
+
+    items = build.SeededAugmentation(Noise(), seed=1)
+    first = [items[i] for i in range(4)]
+    before = torch.random.get_rng_state()
+    assert [items[i] for i in reversed(range(4))] == first[::-1]
+    assert torch.equal(torch.random.get_rng_state(), before)  # the global stream (dropout's) is left alone
+    build.EpochSampler(4, seed=1, dataset=items).set_epoch(1)
+    assert [items[i] for i in range(4)] != first
+
+
+def test_augment_on_an_in_memory_task_names_the_key(tmp_path):
+    with pytest.raises(ConfigError, match=r"data\.augment=false"):
+        train(default_config([*tiny_run(), "data.augment=true", f"output_dir={tmp_path}"]))
