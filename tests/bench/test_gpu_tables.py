@@ -88,7 +88,9 @@ def test_the_multitask_profile_names_each_case_s_busy_time_and_costliest_ops():
     summary = multitask.profile(calls, "cpu")
     assert list(summary) == [multitask.CASES[0], multitask.CASES[3]]
     mixed, once = summary.values()
-    assert mixed["top"][0][0] == "aten::mm" and once["top"][0][0] == "aten::add"
+    # Which op costs most is a timing (aten::matmul's own dispatch can outlast a 64 x 64 mm on a busy CPU, as it did
+    # once): the costliest ops name each case's op, in whichever order.
+    assert "aten::mm" in [op[0] for op in mixed["top"]] and "aten::add" in [op[0] for op in once["top"]]
     assert mixed["busy"] > 0 and mixed["ops"] >= 1 and mixed["kernels"] is None
     timed = {("8 methods", 64): {multitask.CASES[0]: 0.002}}
     table = multitask.render_profile({("8 methods", 64): summary}, timed, "m", "cmd", "cpu", "float32")
