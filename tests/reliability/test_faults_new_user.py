@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from PIL import Image
+from test_faults_issue52 import _main
 
 import petl
 from petl.cli import export as export_cli
@@ -25,14 +26,6 @@ from petl.data import folder
 from petl.store.run_card import RunFolderError
 
 UNFINISHED = "is an unfinished petl-run folder (checkpoint.pt without result.json): run the same petl-run command again"
-
-
-def _main(main, argv: list[str], capsys) -> tuple[int, str]:
-    """A command's exit status and its stderr."""
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as stop:
-        main(argv)
-    return stop.value.code, capsys.readouterr().err
 
 
 def _image(path: Path) -> Path:

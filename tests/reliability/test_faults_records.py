@@ -15,23 +15,12 @@ from pathlib import Path
 
 import pytest
 from conftest import tiny_run
+from test_faults_untrusted_files import _mini_sweep, petl_bench
 from test_harness import FakeEngine, write_run
 
 from petl.bench import sweep
 from petl.bench.collect import read_all
-from petl.cli import bench as bench_cli
 from petl.cli import run as cli
-
-
-def petl_bench(capsys, *args: str) -> tuple[int, str, str]:
-    """``petl-bench ARGS``: its exit status, stdout and stderr."""
-    capsys.readouterr()
-    try:
-        code = bench_cli.main(list(args))
-    except SystemExit as exit_:
-        code = exit_.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 def petl_run(capsys, *args: str) -> tuple[int, str]:
@@ -84,17 +73,6 @@ def test_f1_f7_a_bad_field_is_named_and_the_leaderboard_is_written(tmp_path, cap
     rows = _rows(tmp_path / "r")
     assert rows["lora"]["runs"] == "1" and float(rows["lora"]["task_mean"]) == 61.0
     assert "1 result.json file was skipped" in (tmp_path / "r" / "leaderboard.md").read_text()
-
-
-def _mini_sweep(tmp_path: Path) -> list[str]:
-    return [
-        "suite=mini",
-        "methods=linear",
-        "tasks=mini/digits",
-        "seeds=0,1",
-        f"output_dir={tmp_path}",
-        "progress=false",
-    ]
 
 
 def test_f1_a_sweep_trains_a_run_with_a_malformed_record_again_and_reports(tmp_path, monkeypatch, capsys):
