@@ -551,18 +551,10 @@ def check_not_in_run(path: Path, key: str) -> None:
         ValueError: one line naming ``key=path``, the run folder and the run file it holds.
 
     """
-    from petl.store.files import enclosing_run
+    from petl.store.files import check_outside_runs
 
-    inside = enclosing_run(path)
-    if inside is not None:
-        folder, marker = inside
-        if key == "RESULTS_DIR":
-            said, fix = f"{path}, where the report goes without out=,", "give out=DIR elsewhere"
-        else:
-            said, fix = f"{key}={path}", "write elsewhere"
-        raise ValueError(
-            f"{said} is inside the run folder {folder} (it holds {marker}): {fix} (only a run writes into a run folder)"
-        )
+    said = f"{path}, where the report goes without out=," if key == "RESULTS_DIR" else f"{key}={path}"
+    check_outside_runs(path, said, "a page")
 
 
 def write_report(

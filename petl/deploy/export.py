@@ -170,13 +170,7 @@ def check_target(run_dir: str | Path, out: str | Path, overwrite: bool = False) 
     target = out.resolve()
     if target.is_relative_to(Path(run_dir).resolve()):
         raise ValueError(f"out={out} is inside the run folder {run_dir}: export elsewhere (the run's files stay)")
-    inside = files.enclosing_run(target)
-    if inside is not None:
-        folder, marker = inside
-        raise ValueError(
-            f"out={out} is inside the run folder {folder} (it holds {marker}): export elsewhere "
-            "(a run's files are never replaced by an export)"
-        )
+    files.check_outside_runs(target, f"out={out}", "an export")
     if out.suffix:
         if out.is_dir():
             raise ValueError(f"out={out} is a folder: name a new {out.suffix} file")

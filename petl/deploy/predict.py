@@ -27,7 +27,7 @@ from petl.data.images import decode_image
 from petl.deploy.multitask import MultiTask, TaskRefused
 from petl.model import surgery
 from petl.model.registry import get_method
-from petl.store.files import MODEL_FILE, WEIGHTS_FILE, enclosing_run, unfinished_run
+from petl.store.files import MODEL_FILE, WEIGHTS_FILE, check_outside_runs, unfinished_run
 from petl.store.run_card import (
     LoadedRun,
     RunFolderError,
@@ -444,13 +444,10 @@ def check_targets(runs: list[Path], options: dict) -> None:
     if "confusion" in options:
         written += [("confusion", path) for path in confusion_files(Path(options["confusion"]), runs).values()]
     for key, path in written:
-        inside = enclosing_run(path)
-        if inside is not None:
-            folder, marker = inside
-            raise UsageError(
-                f"{key}={shown(options[key])} is inside the run folder {shown(folder)} (it holds {marker}): write it "
-                "elsewhere (a run's files are never replaced by a prediction)"
-            )
+        try:
+            check_outside_runs(path, f"{key}={shown(options[key])}", "a prediction")
+        except ValueError as error:
+            raise UsageError(str(error)) from None
         if path.is_dir():
             raise UsageError(f"{key}={shown(options[key])} is a folder: name a new {path.suffix} file")
         unwritable = cannot_write_in(path.parent)

@@ -47,6 +47,29 @@ def enclosing_run(path: Path) -> tuple[Path, str] | None:
     return None
 
 
+def check_outside_runs(path: Path, said: str, product: str) -> None:
+    """Refuse to write ``path`` inside a run folder (:func:`enclosing_run`), even with ``overwrite=true``.
+
+    A run's files are written by the run alone: a prediction, an export or a report there could replace one.
+
+    Args:
+        path: where the command would write.
+        said: how the refusal names it (``out=preds.csv``).
+        product: what the command writes (``a prediction``), for the refusal's reason.
+
+    Raises:
+        ValueError: one line naming ``said``, the run folder and the run file it holds.
+
+    """
+    inside = enclosing_run(path)
+    if inside is not None:
+        folder, marker = inside
+        raise ValueError(
+            f"{said} is inside the run folder {shown(folder)} (it holds {marker}): write it elsewhere (a run's files "
+            f"are never replaced by {product})"
+        )
+
+
 def unfinished_run(folder: Path) -> str | None:
     """The one line for a folder petl-run has not finished (``checkpoint.pt`` without ``result.json``), or ``None``.
 
