@@ -7,6 +7,7 @@ a second conftest.py in a sub-folder would replace this module for every test co
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 
@@ -21,6 +22,22 @@ from timm.models.vision_transformer import VisionTransformer
 # cuBLAS reads once, at its first matmul in the process: set before any test runs one (torch's reproducibility notes).
 # The runner sets it too, too late in a test process that already ran a CUDA matmul.  No effect without CUDA.
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+
+@pytest.fixture(autouse=True)
+def _no_log_handler_on_a_closed_stream() -> None:
+    """Drop root log handlers left writing to an earlier test's captured stderr, which pytest has closed.
+
+    petl-run's Hydra job logging binds a StreamHandler to ``sys.stderr`` as it is when a run starts: in a test,
+    that test's capture stream.  A later test's log lines would then go to a closed stream, and logging's own
+    "--- Logging error ---" report would land in that test's captured stderr (a calibration test's progress bars
+    read it), failing it or not by the order tests run in.
+    """
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        if isinstance(handler, logging.StreamHandler) and getattr(handler.stream, "closed", False):
+            root.removeHandler(handler)
+
 
 # Three blocks of width 48 on 32x32 images in 8x8 patches: 16 patch tokens, about 95k parameters.
 TINY_VIT = dict(img_size=32, patch_size=8, embed_dim=48, depth=3, num_heads=3, num_classes=5)
