@@ -86,22 +86,19 @@ def runs_under(folder: Path) -> list[Path]:
     """
     from petl.store.files import CHECKPOINT_FILE, MODEL_FILE, REPLACED_MARK, unfinished_run
 
-    def candidates(name: str) -> set[Path]:
-        return {p.parent for p in folder.rglob(name)}
-
-    replaced = sorted(
-        p for p in candidates(MODEL_FILE) | candidates(CHECKPOINT_FILE) if REPLACED_MARK in str(p.relative_to(folder))
-    )
-    unfinished = sorted(p for p in candidates(CHECKPOINT_FILE) - set(replaced) if unfinished_run(p) is not None)
+    carded = {p.parent for p in folder.rglob(MODEL_FILE)}
+    checkpointed = {p.parent for p in folder.rglob(CHECKPOINT_FILE)}
+    replaced = sorted(p for p in carded | checkpointed if REPLACED_MARK in str(p.relative_to(folder)))
+    unfinished = {p: line for p in checkpointed - set(replaced) if (line := unfinished_run(p)) is not None}
     if replaced:
         print(
             f"{PROG}: note: not served: {plural(len(replaced), 'run')} set aside by resume=false (earlier runs, "
             f"not tasks): {', '.join(shown(p) for p in replaced)}",
             file=sys.stderr,
         )
-    for path in unfinished:
-        print(f"{PROG}: note: not served: {unfinished_run(path)}", file=sys.stderr)
-    return sorted(p for p in candidates(MODEL_FILE) if _is_run(p) and p not in replaced and p not in unfinished)
+    for path in sorted(unfinished):
+        print(f"{PROG}: note: not served: {unfinished[path]}", file=sys.stderr)
+    return sorted(p for p in carded if _is_run(p) and p not in replaced and p not in unfinished)
 
 
 def find_runs(items: Sequence[str]) -> dict[str, Path]:

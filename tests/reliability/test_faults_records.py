@@ -75,16 +75,27 @@ def test_f1_f7_a_bad_field_is_named_and_the_leaderboard_is_written(tmp_path, cap
     assert "1 result.json file was skipped" in (tmp_path / "r" / "leaderboard.md").read_text()
 
 
-def test_f1_a_sweep_trains_a_run_with_a_malformed_record_again_and_reports(tmp_path, monkeypatch, capsys):
+def _sweep_again_after_editing(tmp_path: Path, monkeypatch, capsys, **fields) -> tuple[Path, str, FakeEngine]:
+    """A mini sweep of two seeds, its seed-1 record edited to ``fields``, then the same sweep again.
+
+    Returns:
+        The edited record's path, what the second sweep printed (stdout and stderr) and the engine that trained.
+
+    """
     engine = FakeEngine()
     monkeypatch.setattr(sweep, "_default_fns", lambda: (engine.train, engine.compose, None))
     assert petl_bench(capsys, *_mini_sweep(tmp_path))[0] == 0
     bad = tmp_path / "mini-digits/linear/seed1/result.json"
-    _edit(bad, final_train_loss="abc")
+    _edit(bad, **fields)
     (tmp_path / "leaderboard.md").unlink()
     code, out, err = petl_bench(capsys, *_mini_sweep(tmp_path))
     assert code == 0 and "Traceback" not in err, err
-    assert f"{bad}: field 'final_train_loss' is 'abc'" in out + err
+    return bad, out + err, engine
+
+
+def test_f1_a_sweep_trains_a_run_with_a_malformed_record_again_and_reports(tmp_path, monkeypatch, capsys):
+    bad, said, engine = _sweep_again_after_editing(tmp_path, monkeypatch, capsys, final_train_loss="abc")
+    assert f"{bad}: field 'final_train_loss' is 'abc'" in said
     assert len(engine.trained) == 3 and "resume=false" in engine.trained[-1]
     assert (tmp_path / "leaderboard.md").is_file()
 
@@ -120,14 +131,8 @@ def test_f8_other_layouts_still_read(tmp_path):
 
 
 def test_f8_a_sweep_trains_a_run_whose_folder_holds_another_tasks_record_again(tmp_path, monkeypatch, capsys):
-    engine = FakeEngine()
-    monkeypatch.setattr(sweep, "_default_fns", lambda: (engine.train, engine.compose, None))
-    assert petl_bench(capsys, *_mini_sweep(tmp_path))[0] == 0
-    bad = tmp_path / "mini-digits/linear/seed1/result.json"
-    _edit(bad, dataset="mini/mnist")
-    code, out, err = petl_bench(capsys, *_mini_sweep(tmp_path))
-    assert code == 0 and "Traceback" not in err, err
-    assert f"{bad}: a run of mini/mnist, not of mini/digits" in out + err
+    bad, said, engine = _sweep_again_after_editing(tmp_path, monkeypatch, capsys, dataset="mini/mnist")
+    assert f"{bad}: a run of mini/mnist, not of mini/digits" in said
     assert len(engine.trained) == 3 and "resume=false" in engine.trained[-1]
 
 
