@@ -23,3 +23,15 @@ def test_ci_runs_exactly_the_readme_test_command():
 def test_readme_main_command_runs_lora_on_the_defaults():
     blocks = _bash_blocks((ROOT / "README.md").read_text())
     assert blocks[0].endswith(".venv/bin/petl-run method=lora")
+
+
+def test_no_test_imports_the_tests_folder_as_a_package():
+    # The README's `.venv/bin/pytest` does not put the repository root on sys.path (`python -m pytest` does), so
+    # `from tests.conftest import ...` passes under the one and fails at collection under CI's command.
+    offenders = [
+        f"{path.relative_to(ROOT)}:{number}"
+        for path in sorted((ROOT / "tests").rglob("*.py"))
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if re.match(r"\s*(from|import) tests(\.|\s|$)", line)
+    ]
+    assert not offenders, "import helpers as `from conftest import ...` (tests/README.md): " + ", ".join(offenders)

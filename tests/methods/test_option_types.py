@@ -7,10 +7,10 @@ import types
 import typing
 
 import pytest
+from conftest import make_tiny_vit
 
 import petl
 from petl.model.registry import get_method
-from tests.conftest import make_tiny_vit
 
 # Values of the wrong type for each annotation; "false" and 1 must not pass for a bool, nor 4.5, True or "4" for an
 # int (torch fails on them without naming the option), nor "x" or True for a float.
