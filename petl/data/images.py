@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -60,12 +61,21 @@ def decode_image(data: bytes) -> np.ndarray:
     if not data:
         raise ValueError("empty file")
     try:
-        with Image.open(io.BytesIO(data)) as image:
-            image.load()
-            return to_uint8(image)
+        with warnings.catch_warnings():
+            # Pillow warns of an image above MAX_IMAGE_PIXELS (a 108-megapixel photo) in two lines naming no file,
+            # then decodes it; one above twice that is refused below, and the caller names the file.
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            with Image.open(io.BytesIO(data)) as image:
+                image.load()
+                return to_uint8(image)
     except UnidentifiedImageError:
         raise ValueError("not a readable image: unknown format or damaged header") from None
-    except (OSError, SyntaxError, EOFError, Image.DecompressionBombError) as error:
+    except Image.DecompressionBombError:
+        limit = 2 * (Image.MAX_IMAGE_PIXELS or 0)
+        raise ValueError(
+            f"more than {limit:,} pixels, Pillow's limit against decompression bombs: downscale it"
+        ) from None
+    except (OSError, SyntaxError, EOFError) as error:
         # Pillow reports truncated and corrupt files as OSError, some broken headers as SyntaxError.
         raise ValueError(f"cannot decode: {first_line(error, type(error).__name__)}") from None
 
