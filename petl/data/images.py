@@ -48,6 +48,10 @@ def to_uint8(image: Image.Image) -> np.ndarray:
         raise ValueError("floating-point pixels (mode F): save it as an 8- or 16-bit image")
     if image.mode in ("1", "L"):
         return np.asarray(image.convert("L"))
+    if image.mode == "P" and "transparency" in image.info:
+        # Straight to RGB, Pillow warns in two lines naming no file (a PNG with a transparent palette, common on the
+        # web); through RGBA the colours are the same and nothing is said.
+        image = image.convert("RGBA")
     return np.asarray(image.convert("RGB"))
 
 

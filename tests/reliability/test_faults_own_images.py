@@ -122,3 +122,15 @@ def test_a_huge_image_decodes_without_pillows_warning_and_a_bomb_says_what_to_do
         assert decode_image(png(12)).shape == (12, 12)  # 144 pixels: over the limit, under twice it
     with pytest.raises(ValueError, match=r"^more than 200 pixels, .*: downscale it$"):
         decode_image(png(20))
+
+
+def test_a_palette_png_with_transparency_decodes_to_its_colours_without_pillows_warning():
+    # Each one printed Pillow's "Palette images with Transparency expressed in bytes..." naming no file.
+    image = Image.fromarray((np.arange(64).reshape(8, 8) % 4).astype(np.uint8), "P")
+    image.putpalette([0, 0, 0, 255, 0, 0, 0, 255, 0, 0, 0, 255])
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG", transparency=bytes([0, 128, 255, 255]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        decoded = decode_image(buffer.getvalue())
+    np.testing.assert_array_equal(decoded, np.asarray(image.convert("RGB")))
