@@ -10,7 +10,8 @@ as ``ImageFolder`` and Hugging Face's ``imagefolder`` number them.  Names starti
 image lying in a split folder itself, outside every class folder, belongs to no class: it is named in a warning too
 (each warning said once in a process, however often the folder is read).
 ``val/`` and ``test/`` may lack a class, never add one.  Files count as images by their extension
-(torchvision's list); every image is then decoded once when a split is built
+(torchvision's list; the others in a class folder are named in a warning, :func:`image_files` says which folders are
+searched); every image is then decoded once when a split is built
 (:class:`~petl.data.vtab.FileListDataset`): bad files are reported together, by path, before any training,
 and the split carries a content fingerprint so a resumed run refuses changed data.
 """
@@ -18,6 +19,7 @@ and the split carries a content fingerprint so a resumed run refuses changed dat
 from __future__ import annotations
 
 import logging
+import os
 from functools import lru_cache
 from pathlib import Path
 
@@ -75,15 +77,46 @@ def stratified_holdout(labels: list[int], fraction: float = VAL_FRACTION, seed: 
     return held
 
 
+def image_files(folder: Path) -> tuple[list[Path], list[Path]]:
+    """The image files under ``folder`` (searched recursively, by extension) and the other files there, each sorted.
+
+    Names starting with ``.`` are skipped at every level: ``.DS_Store``, macOS's ``._photo.jpg``, a
+    ``.ipynb_checkpoints/`` copy are never images of a class, nor photos to predict.  Sub-folders that are
+    symbolic links are followed, as torchvision's ``ImageFolder`` follows them, each real folder once; a link to
+    ``folder`` or a folder above it is not (it would loop, or take in other classes).  A link to a missing file is
+    listed, so that reading it names it.
+    """
+    images: list[Path] = []
+    others: list[Path] = []
+    seen: set[str] = set()
+    start = os.path.join(os.path.realpath(folder), "")
+    for top, dirs, files in os.walk(folder, followlinks=True):
+        real = os.path.realpath(top)
+        if real in seen or (seen and start.startswith(os.path.join(real, ""))):
+            dirs[:] = []
+            continue
+        seen.add(real)
+        dirs[:] = [name for name in dirs if not name.startswith(".")]
+        for name in files:
+            path = Path(top, name)
+            if name.startswith(".") or not (path.is_file() or path.is_symlink()):
+                continue
+            (images if path.suffix.lower() in IMAGE_EXTENSIONS else others).append(path)
+    return sorted(images), sorted(others)
+
+
 def _images(folder: Path) -> list[Path]:
-    return sorted(
-        p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS and not _hidden(p, folder)
+    return image_files(folder)[0]
+
+
+def not_images(others: list[Path], top: Path) -> str:
+    """What :func:`image_files` left out under ``top``, in a few words: the first three names and how many more."""
+    names = [shown(os.path.relpath(path, top)) for path in others]
+    more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+    return (
+        f"skipped {', '.join(names[:3])}{more} in {shown(top)}: not image files by their extension "
+        f"({', '.join(IMAGE_EXTENSIONS)}); convert them to use them"
     )
-
-
-def _hidden(path: Path, top: Path) -> bool:
-    # .DS_Store, .ipynb_checkpoints/...: never images of a class.
-    return any(part.startswith(".") for part in path.relative_to(top).parts)
 
 
 def _warn_once(message: str) -> None:
@@ -151,13 +184,17 @@ def _scan(root: Path) -> tuple[tuple[str, ...], dict[str, list[tuple[Path, int]]
         if extra:
             raise ValueError(f"folder: {split_dir} has classes that train/ lacks: {', '.join(extra[:5])}")
         items = []
+        skipped: list[Path] = []
         for name in present if split != "train" else names:
-            files = _images(split_dir / name)
+            files, others = image_files(split_dir / name)
+            skipped += others
             if not files and split == "train":
                 raise ValueError(
                     f"folder: {split_dir / name} holds no images ({', '.join(IMAGE_EXTENSIONS)}): add some or remove it"
                 )
             items += [(path, label[name]) for path in files]
+        if skipped:  # a class's .gif or .heic photos are never dropped without a word
+            _warn_once(f"folder: {not_images(skipped, split_dir)}")
         if not items:
             raise ValueError(f"folder: {split_dir} holds no images in class sub-folders")
         splits[split] = items

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,10 @@ def to_uint8(image: Image.Image) -> np.ndarray:
         raise ValueError("floating-point pixels (mode F): save it as an 8- or 16-bit image")
     if image.mode in ("1", "L"):
         return np.asarray(image.convert("L"))
+    if image.mode == "P" and "transparency" in image.info:
+        # Straight to RGB, Pillow warns in two lines naming no file (a PNG with a transparent palette, common on the
+        # web); through RGBA the colours are the same and nothing is said.
+        image = image.convert("RGBA")
     return np.asarray(image.convert("RGB"))
 
 
@@ -60,12 +65,21 @@ def decode_image(data: bytes) -> np.ndarray:
     if not data:
         raise ValueError("empty file")
     try:
-        with Image.open(io.BytesIO(data)) as image:
-            image.load()
-            return to_uint8(image)
+        with warnings.catch_warnings():
+            # Pillow warns of an image above MAX_IMAGE_PIXELS (a 108-megapixel photo) in two lines naming no file,
+            # then decodes it; one above twice that is refused below, and the caller names the file.
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            with Image.open(io.BytesIO(data)) as image:
+                image.load()
+                return to_uint8(image)
     except UnidentifiedImageError:
         raise ValueError("not a readable image: unknown format or damaged header") from None
-    except (OSError, SyntaxError, EOFError, Image.DecompressionBombError) as error:
+    except Image.DecompressionBombError:
+        limit = 2 * (Image.MAX_IMAGE_PIXELS or 0)
+        raise ValueError(
+            f"more than {limit:,} pixels, Pillow's limit against decompression bombs: downscale it"
+        ) from None
+    except (OSError, SyntaxError, EOFError) as error:
         # Pillow reports truncated and corrupt files as OSError, some broken headers as SyntaxError.
         raise ValueError(f"cannot decode: {first_line(error, type(error).__name__)}") from None
 

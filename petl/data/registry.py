@@ -44,11 +44,13 @@ class BadImagesError(ValueError):
     """Listed image files that cannot be decoded, all of them, found when a dataset is built.
 
     Attributes:
+        dataset: the dataset's name, as the message starts.
         bad: ``(path, reason)`` for every bad file, sorted by path.
 
     """
 
     def __init__(self, dataset: str, bad: Sequence[tuple[Path, str]]) -> None:
+        self.dataset = dataset
         self.bad = list(bad)
         listing = "; ".join(f"{path} ({reason})" for path, reason in self.bad)
         super().__init__(f"{dataset}: {len(self.bad)} listed image(s) cannot be used, fix or remove them: {listing}")

@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 import petl.methods  # noqa: F401  (importing the methods registers them)
 from petl import data as petl_data
-from petl.data.folder import IMAGE_EXTENSIONS
+from petl.data.folder import IMAGE_EXTENSIONS, image_files, not_images
 from petl.data.images import decode_image
 from petl.deploy.multitask import MultiTask, TaskRefused
 from petl.model import surgery
@@ -61,8 +61,12 @@ def _is_run(path: Path) -> bool:
     return path.is_dir() and ((path / WEIGHTS_FILE).is_file() or (path / MODEL_FILE).is_file())
 
 
-def image_paths(items: Sequence[str]) -> list[Path]:
+def image_paths(items: Sequence[str], quiet: bool = False) -> list[Path]:
     """Every image an item names: a file, the image files under a folder, or the lines of a ``.txt`` list.
+
+    A folder is searched as ``petl-run`` searches a class folder (:func:`petl.data.folder.image_files`: hidden
+    names skipped, linked sub-folders followed); the other files found there are named in a note on stderr
+    (unless ``quiet``), so that no file is left without a row unsaid.
 
     Raises:
         UsageError: an item that does not exist, a folder without images, a listed file that is missing.
@@ -72,9 +76,11 @@ def image_paths(items: Sequence[str]) -> list[Path]:
     for item in items:
         path = Path(item).expanduser()
         if path.is_dir():
-            found = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS)
+            found, others = image_files(path)
             if not found:
                 raise UsageError(f"{shown(path)} holds no image files ({', '.join(IMAGE_EXTENSIONS)})")
+            if others and not quiet:
+                print(f"{PROG}: note: {not_images(others, path)}", file=sys.stderr)
             paths += found
         elif path.suffix.lower() == ".txt" and path.is_file():
             listed = [p if p.is_absolute() else path.parent / p for p in map(Path, read_names(path))]
@@ -549,7 +555,7 @@ def run_command(positional: list[str], options: dict, merge: bool = False, quiet
     except ValueError as error:
         raise UsageError(str(error)) from None
     progress = not quiet and sys.stderr.isatty()
-    paths = image_paths(items) if items else []
+    paths = image_paths(items, quiet) if items else []
     several = len(runs) > 1
     bad: list[tuple[Path, str]] = []
     by_run: dict[Path, list[Prediction]] = {}

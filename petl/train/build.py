@@ -356,28 +356,52 @@ def _image_options(cfg: DictConfig, model: nn.Module) -> dict[str, Any]:
 
 def _build_split(cfg: DictConfig, split: str, image: dict[str, Any]) -> Dataset:
     try:
-        options = config.data_options(cfg)
-        dataset = petl_data.build_dataset(cfg.data.name, split, root=cfg.data.root, options=options, **image)
-    except petl_data.DatasetUnavailableError as error:
-        raise RunError(str(error)) from None
+        return _build_checked(cfg, split, image)
     except petl_data.BadImagesError as error:
         # Image files the user gave that cannot be read: bad input, exit 2 as in petl-predict; the message names
         # the dataset and every path.
         raise ConfigError(str(error)) from None
+
+
+def _build_checked(cfg: DictConfig, split: str, image: dict[str, Any]) -> Dataset:
+    """One split; its unreadable images raise :class:`petl.data.BadImagesError`, every other fault one line."""
+    try:
+        options = config.data_options(cfg)
+        dataset = petl_data.build_dataset(cfg.data.name, split, root=cfg.data.root, options=options, **image)
+    except petl_data.BadImagesError:
+        raise
+    except petl_data.DatasetUnavailableError as error:
+        raise RunError(str(error)) from None
     except ValueError as error:
         raise ConfigError(f"data {cfg.data.name}: {error}") from None
     return _subset(dataset, cfg.data.subset)
 
 
 def datasets(cfg: DictConfig, model: nn.Module) -> dict[str, Dataset]:
-    """Train / val (when the split has one) / test, preprocessed as the backbone expects."""
+    """Train / val (when the split has one) / test, preprocessed as the backbone expects.
+
+    Raises:
+        ConfigError: naming every unreadable image of every split at once, so that one fix-up does them all.
+
+    """
     image = _image_options(cfg, model)
     splits = {"train": cfg.data.split}
     if cfg.train.eval_test and petl_data.TEST in config.data_info(cfg).splits:
         splits["test"] = petl_data.TEST
     if cfg.data.split == petl_data.TRAIN:
         splits["val"] = petl_data.VAL
-    return {role: _build_split(cfg, split, image) for role, split in splits.items()}
+    built: dict[str, Dataset] = {}
+    bad: dict[Path, str] = {}
+    dataset = cfg.data.name
+    for role, split in splits.items():
+        try:
+            built[role] = _build_checked(cfg, split, image)
+        except petl_data.BadImagesError as error:  # the other splits are still checked
+            dataset = error.dataset
+            bad.update(error.bad)
+    if bad:
+        raise ConfigError(str(petl_data.BadImagesError(dataset, sorted(bad.items()))))
+    return built
 
 
 def eval_spec(cfg: DictConfig, model: nn.Module, info: petl_data.DatasetInfo) -> petl_data.ImageSpec:
