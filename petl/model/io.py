@@ -48,6 +48,9 @@ def _describe(model: nn.Module) -> dict[str, str]:
 def save_trainable(model: nn.Module, path: str | Path) -> None:
     """Write only the trained tensors, with the method and its config as metadata, to safetensors.
 
+    The trained tensors are those :func:`apply` made trainable, also when the model was frozen since
+    (``model.requires_grad_(False)`` after training), and any others that require grad.
+
     The metadata also holds a SHA-256 of the tensors (:func:`_content_hash`): safetensors itself has
     no checksum, and :func:`load_trainable` refuses a file whose bytes changed since it was written.
 

@@ -33,7 +33,9 @@ def trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """The trained tensors by name (what :func:`save_trainable` writes).
 
     Besides the parameters that require grad, the buffers of modules whose own parameters all
-    train: the running statistics of a trained BatchNorm (Mlp-k's head) are learnt state too.
+    train: the running statistics of a trained BatchNorm (Mlp-k's head) are learnt state too.  The
+    tensors :func:`petl.apply` made trainable stay in it when frozen since (``model.requires_grad_(False)``
+    after training), so that the file :func:`save_trainable` writes still holds the method's tensors.
     """
     state = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
     for prefix, module in model.named_modules():
@@ -41,4 +43,8 @@ def trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
         if own and all(p.requires_grad for p in own):
             for name, buffer in module.named_buffers(recurse=False):
                 state[f"{prefix}.{name}" if prefix else name] = buffer.detach()
+    recorded = getattr(model, "petl_trained", ())
+    if recorded:
+        tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+        state.update({n: tensors[n].detach() for n in recorded if n in tensors})
     return state

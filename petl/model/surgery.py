@@ -16,6 +16,7 @@ from torch import nn
 from petl.model import timm_api
 from petl.model.backbone import backbone_of
 from petl.model.merging import merge_updates
+from petl.model.params import trainable_state
 from petl.model.registry import MethodConfig, foreign_converter, get_method, make_config, method_for_config
 from petl.model.unloading import unload as unload_model
 
@@ -91,6 +92,8 @@ def apply(
     bb.head().requires_grad_(True)
     model.petl_method = method
     model.petl_config = config
+    # What the method trains, by name: saved even if the caller freezes the model after training (trainable_state).
+    model.petl_trained = tuple(trainable_state(model))
     timm_api.install(model)
     return model
 

@@ -309,3 +309,18 @@ def test_a_folder_given_as_the_weights_file_is_named(tiny_vit, tmp_path):
         petl.load_trainable(tiny_vit(), tmp_path)
     with pytest.raises(ValueError, match="is a folder"):
         petl.read_trainable_metadata(tmp_path)
+
+
+def test_a_model_frozen_after_training_still_saves_what_its_method_trained(tiny_vit, images, tmp_path):
+    # save_trainable wrote the tensors requiring grad at save time: after model.requires_grad_(False) (before
+    # inference, say) it wrote a file without a tensor, silently, and the training was lost.
+    model = petl.apply_lora(tiny_vit(), num_classes=3)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(0.1)
+    model.eval().requires_grad_(False)
+    petl.save_trainable(model, tmp_path / "lora.safetensors")
+    loaded = petl.load_trainable(tiny_vit(), tmp_path / "lora.safetensors").eval()
+    assert torch.equal(loaded(images), model(images))
+    petl.load_trainable(model, tmp_path / "lora.safetensors")  # onto the frozen model itself too
