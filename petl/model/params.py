@@ -7,7 +7,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from petl.model.backbone import backbone_of
+from petl.model.backbone import family_of
 
 
 class ParamCount(NamedTuple):
@@ -19,8 +19,18 @@ class ParamCount(NamedTuple):
 
 
 def count_params(model: nn.Module) -> ParamCount:
-    """Count trainable parameters (with and without the classifier head) and all parameters."""
-    head_ids = {id(p) for p in backbone_of(model).head().parameters()} if hasattr(model, "head") else set()
+    """Count trainable parameters (with and without the classifier head) and all parameters.
+
+    The head is the one petl's backbone family names, or for another timm model its ``get_classifier()``; a model
+    with neither has no head to leave out.
+    """
+    family = family_of(model)
+    if family is not None:
+        head = family(model).head()
+    else:  # any timm model (a ResNet's head is its fc, which no "head" attribute names)
+        classifier = getattr(model, "get_classifier", None)
+        head = classifier() if callable(classifier) else None
+    head_ids = {id(p) for p in head.parameters()} if isinstance(head, nn.Module) else set()
     trainable = [p for p in model.parameters() if p.requires_grad]
     return ParamCount(
         trainable=sum(p.numel() for p in trainable),

@@ -6,6 +6,7 @@ import dataclasses
 import typing
 
 import pytest
+import timm
 import torch
 from timm.models.resnet import BasicBlock, ResNet
 from torch import nn
@@ -195,6 +196,16 @@ def test_count_params(tiny_vit):
     total = sum(p.numel() for p in model.parameters())
     assert counts == petl.ParamCount(trainable=48 * 4 + 4, trainable_no_head=0, total=total)
     assert petl.count_params(petl.apply_full(tiny_vit(), num_classes=4)).trainable == total
+
+
+@pytest.mark.parametrize("name", ["resnet10t", "convnext_atto"])
+def test_count_params_of_another_timm_model_leaves_out_its_classifier(name):
+    # A ResNet's fc was counted as outside the head (it has no "head" attribute); a ConvNeXt, which has one, was
+    # refused with the list of petl's backbone families.
+    model = timm.create_model(name, pretrained=False, num_classes=3)
+    in_head = sum(p.numel() for p in model.get_classifier().parameters())
+    total = sum(p.numel() for p in model.parameters())
+    assert petl.count_params(model) == petl.ParamCount(trainable=total, trainable_no_head=total - in_head, total=total)
 
 
 def test_merge_needs_a_mergeable_method(tiny_vit):
