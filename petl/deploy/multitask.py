@@ -220,9 +220,9 @@ class MultiTask(nn.Module):
             computes every row); ``None`` (the default): by the batch's device, any but the CPU.
 
     Raises:
-        ValueError: a file that does not load onto ``backbone`` (the message names it), or a task that cannot
-            share the backbone (the message names the task and its method), or a run trained on another backbone
-            (:class:`TaskRefused`, naming the task and the difference).
+        ValueError: ``tasks`` not a mapping, a file that does not load onto ``backbone`` (the message names it), a
+            task that cannot share the backbone (the message names the task and its method), or a run trained on
+            another backbone (:class:`TaskRefused`, naming the task and the difference).
 
     """
 
@@ -234,6 +234,11 @@ class MultiTask(nn.Module):
             raise ValueError(f"pass the plain backbone: this one carries petl method {backbone.petl_method!r}")
         bb = backbone_of(backbone)
         bb.check()
+        if not isinstance(tasks, Mapping):  # a list would fail on .items() below, without saying what to pass
+            raise ValueError(
+                f"MultiTask takes tasks as task name -> weights file or run folder, got a {type(tasks).__name__}: "
+                "e.g. MultiTask(backbone, {'cifar': 'runs/cifar'}), or MultiTask.from_runs([...]) for run folders"
+            )
         if not tasks:
             raise ValueError("MultiTask needs at least one task")
         backbone.requires_grad_(False).eval()
@@ -304,11 +309,13 @@ class MultiTask(nn.Module):
 
         Raises:
             ValueError: runs trained on different backbones (the message names the run and the first difference),
-                or a folder that cannot be loaded.
+                a folder that cannot be loaded, or one path given where a list of them is taken.
 
         """
         from petl.store import run_card
 
+        if isinstance(runs, str | Path):  # a string is a sequence too: of one-letter "folders"
+            raise ValueError(f"MultiTask.from_runs takes a list of run folders, got one path: write [{str(runs)!r}]")
         tasks = {str(k): v for k, v in runs.items()} if isinstance(runs, Mapping) else {str(r): r for r in runs}
         if not tasks:
             raise ValueError("MultiTask.from_runs needs at least one run folder")

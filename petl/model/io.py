@@ -24,6 +24,7 @@ from torch import nn
 from petl.model.backbone import backbone_of
 from petl.model.params import trainable_state
 from petl.model.surgery import apply
+from petl.store.files import WEIGHTS_FILE
 
 # Version 2 adds ``widths`` (each block's width: a Swin's change per stage); version 1 files, which record one
 # ``embed_dim`` for every block, are still read.
@@ -47,6 +48,9 @@ def _describe(model: nn.Module) -> dict[str, str]:
 def save_trainable(model: nn.Module, path: str | Path) -> None:
     """Write only the trained tensors, with the method and its config as metadata, to safetensors.
 
+    The trained tensors are those :func:`apply` made trainable, also when the model was frozen since
+    (``model.requires_grad_(False)`` after training), and any others that require grad.
+
     The metadata also holds a SHA-256 of the tensors (:func:`_content_hash`): safetensors itself has
     no checksum, and :func:`load_trainable` refuses a file whose bytes changed since it was written.
 
@@ -59,12 +63,22 @@ def save_trainable(model: nn.Module, path: str | Path) -> None:
         raise ValueError("save_trainable needs a model prepared by petl.apply (no petl method found)")
     if any(getattr(m, "merged", False) for m in model.modules()):
         raise ValueError("unmerge the model before saving: merged weights are not trainable tensors")
+    _check_not_meta(model, f"saving {path}")
     tensors = {n: t.cpu().contiguous() for n, t in trainable_state(model).items()}
     data = safetensors.torch.save(tensors, metadata={**_describe(model), "sha256": _content_hash(tensors)})
     # Written by Python, not safetensors.save_file: a full disk then raises OSError(ENOSPC), which
     # callers can handle, instead of safetensors' own SafetensorError.
     with open(path, "wb") as f:
         f.write(data)
+
+
+def _check_not_meta(model: nn.Module, doing: str) -> None:
+    """Refuse a model on the meta device: its tensors hold no values, and copying into them silently does nothing."""
+    if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
+        raise ValueError(
+            f"the model is on the meta device (its tensors hold no values), so {doing} would read or write nothing: "
+            "materialise it first (model.to_empty(device='cpu'), then load its pretrained weights)"
+        )
 
 
 def _content_hash(tensors: dict[str, torch.Tensor]) -> str:
@@ -80,6 +94,8 @@ def _content_hash(tensors: dict[str, torch.Tensor]) -> str:
 
 def _open_safetensors(path: str | Path) -> Any:
     """``safe_open`` whose errors name the file (safetensors' own messages do not)."""
+    if Path(path).is_dir():  # not "no such file": the folder is there
+        raise ValueError(f"{path} is a folder: give the .safetensors file in it (a run folder's is {WEIGHTS_FILE})")
     if not Path(path).is_file():
         raise FileNotFoundError(errno.ENOENT, "no such file", str(path))
     try:
@@ -206,6 +222,7 @@ def load_trainable(model: nn.Module, path: str | Path) -> nn.Module:
     Files are read with safetensors, so nothing is ever unpickled.
     """
     bb = backbone_of(model)
+    _check_not_meta(model, f"loading {path}")
     meta = read_trainable_metadata(path)
     for key, have in (("embed_dim", bb.widths()[0]), ("depth", bb.depth()), ("widths", bb.widths())):
         if have != meta[key]:

@@ -7,7 +7,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from petl.model.backbone import backbone_of
+from petl.model.backbone import family_of
 
 
 class ParamCount(NamedTuple):
@@ -19,8 +19,18 @@ class ParamCount(NamedTuple):
 
 
 def count_params(model: nn.Module) -> ParamCount:
-    """Count trainable parameters (with and without the classifier head) and all parameters."""
-    head_ids = {id(p) for p in backbone_of(model).head().parameters()} if hasattr(model, "head") else set()
+    """Count trainable parameters (with and without the classifier head) and all parameters.
+
+    The head is the one petl's backbone family names, or for another timm model its ``get_classifier()``; a model
+    with neither has no head to leave out.
+    """
+    family = family_of(model)
+    if family is not None:
+        head = family(model).head()
+    else:  # any timm model (a ResNet's head is its fc, which no "head" attribute names)
+        classifier = getattr(model, "get_classifier", None)
+        head = classifier() if callable(classifier) else None
+    head_ids = {id(p) for p in head.parameters()} if isinstance(head, nn.Module) else set()
     trainable = [p for p in model.parameters() if p.requires_grad]
     return ParamCount(
         trainable=sum(p.numel() for p in trainable),
@@ -33,7 +43,9 @@ def trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """The trained tensors by name (what :func:`save_trainable` writes).
 
     Besides the parameters that require grad, the buffers of modules whose own parameters all
-    train: the running statistics of a trained BatchNorm (Mlp-k's head) are learnt state too.
+    train: the running statistics of a trained BatchNorm (Mlp-k's head) are learnt state too.  The
+    tensors :func:`petl.apply` made trainable stay in it when frozen since (``model.requires_grad_(False)``
+    after training), so that the file :func:`save_trainable` writes still holds the method's tensors.
     """
     state = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
     for prefix, module in model.named_modules():
@@ -41,4 +53,8 @@ def trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
         if own and all(p.requires_grad for p in own):
             for name, buffer in module.named_buffers(recurse=False):
                 state[f"{prefix}.{name}" if prefix else name] = buffer.detach()
+    recorded = getattr(model, "petl_trained", ())
+    if recorded:
+        tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+        state.update({n: tensors[n].detach() for n in recorded if n in tensors})
     return state

@@ -163,7 +163,7 @@ def register_method(
 
     Args:
         name: the method name used by :func:`apply`, the CLI and the benchmark.
-        config_cls: its config dataclass (the schema of its options).
+        config_cls: its config dataclass, a subclass of :class:`MethodConfig` (the schema of its options).
         trainable_formula: closed-form count of the trainable parameters outside the head,
             given a ViT (before injection) and a config; the contract tests check it.
         zero_init: the method leaves the model's outputs unchanged at init (for every config whose
@@ -183,7 +183,18 @@ def register_method(
             refused as not built for yet.
         refusals: kind -> why the idea does not fit that kind, where the reason is another than ``refusal``.
 
+    Raises:
+        ValueError: ``config_cls`` is no dataclass subclass of :class:`MethodConfig`, or ``name`` is taken.
+
     """
+    # Checked here: a config class that is no MethodConfig dataclass would only fail in petl.apply, deep in dataclasses.
+    if not (
+        isinstance(config_cls, type) and issubclass(config_cls, MethodConfig) and dataclasses.is_dataclass(config_cls)
+    ):
+        raise ValueError(
+            f"register_method({name!r}): config_cls must be a @dataclass subclass of petl.MethodConfig, "
+            f"got {config_cls!r}"
+        )
 
     def decorate(inject: Callable[[nn.Module, MethodConfig], None]) -> Callable:
         if name in _REGISTRY:
@@ -222,9 +233,21 @@ def list_methods() -> list[str]:
 
 def get_method(name: str) -> MethodSpec:
     """The registered method ``name``; a ValueError lists the valid names otherwise."""
+    if not isinstance(name, str):
+        # A dict or another object would otherwise fail the lookup below as an unhashable TypeError.
+        raise ValueError(f"a method is named by a string, got {type(name).__name__} {name!r}: {_naming_hint(name)}")
     if name not in _REGISTRY:
         raise ValueError(f"unknown method {name!r}; choose one of: {', '.join(list_methods())}")
     return _REGISTRY[name]
+
+
+def _naming_hint(method: Any) -> str:
+    """What to pass instead of ``method``, which is no method name."""
+    if isinstance(method, dict):
+        return "give the name and unpack the options, e.g. petl.apply(model, 'lora', **options)"
+    if isinstance(method, type) and issubclass(method, MethodConfig):
+        return f"pass a config object, e.g. {method.__name__}(), not the class"
+    return f"choose one of {', '.join(list_methods())}, or pass a method's config object"
 
 
 def make_config(name: str, **options: Any) -> MethodConfig:

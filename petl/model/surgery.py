@@ -6,6 +6,7 @@ Above :mod:`petl.model.registry` (the method registry), :mod:`petl.model.merging
 
 from __future__ import annotations
 
+import copy
 import warnings
 from typing import Any
 
@@ -15,6 +16,7 @@ from torch import nn
 from petl.model import timm_api
 from petl.model.backbone import backbone_of
 from petl.model.merging import merge_updates
+from petl.model.params import trainable_state
 from petl.model.registry import MethodConfig, foreign_converter, get_method, make_config, method_for_config
 from petl.model.unloading import unload as unload_model
 
@@ -26,7 +28,8 @@ def apply(
 
     The method is named (``apply(model, "lora", rank=4)``) or given by its config
     (``apply(model, LoraConfig(rank=4))``).  The classifier head is reset to ``num_classes``
-    (when given) and trains for every method.
+    (when given) and trains for every method.  The model records a copy of the config (``model.petl_config``):
+    changing or reusing the config object afterwards leaves the model as it was built.
 
     Args:
         model: a timm model of a registered backbone kind (:func:`petl.list_backbones`: ViT, relpos ViT, BEiT, EVA,
@@ -41,7 +44,8 @@ def apply(
 
     Raises:
         ValueError: unknown method or option, a value out of range, an unsupported model, a backbone the method
-            does not declare (:attr:`MethodSpec.backbones`), or a model that already carries a petl method.
+            does not declare (:attr:`MethodSpec.backbones`), or a model that already carries a petl method or peft's
+            tuners.
 
     """
     foreign = foreign_converter(method)
@@ -63,10 +67,15 @@ def apply(
     elif options:
         raise ValueError("pass either a config or keyword options, not both")
     if not isinstance(config, spec.config_cls):
-        raise ValueError(f"method {method!r} takes a {spec.config_cls.__name__}, got {type(config).__name__}")
+        hint = f": pass options as keywords, apply(model, {method!r}, **options)" if isinstance(config, dict) else ""
+        raise ValueError(f"method {method!r} takes a {spec.config_cls.__name__}, got {type(config).__name__}{hint}")
     # Checked first: a wrapped model would otherwise fail the ViT check with a misleading message.
     if getattr(model, "petl_method", None) is not None:
         raise ValueError(f"this model already carries petl method {model.petl_method!r}; start from a fresh model")
+    _check_no_peft(model)
+    # A copy: the caller's config object may be changed or reused for another model afterwards, and the model's
+    # recorded config (what save_trainable writes) must stay the one its modules were built from.
+    config = copy.deepcopy(config)
     check_supported(model, method)
     bb = backbone_of(model)
     config.validate(model)
@@ -83,8 +92,30 @@ def apply(
     bb.head().requires_grad_(True)
     model.petl_method = method
     model.petl_config = config
+    # What the method trains, by name: saved even if the caller freezes the model after training (trainable_state).
+    model.petl_trained = tuple(trainable_state(model))
     timm_api.install(model)
     return model
+
+
+def _from_peft(obj: Any) -> bool:
+    # By module name, so that petl need not import peft (slow) to recognise its classes.
+    return any(cls.__module__.split(".")[0] == "peft" for cls in type(obj).__mro__)
+
+
+def _check_no_peft(model: nn.Module) -> None:
+    """Refuse a model peft has already wrapped or injected into, whose wrapped layers petl's checks cannot read."""
+    modules = model.named_modules() if isinstance(model, nn.Module) else ()  # not a model: check_supported says so
+    found = next(((name, m) for name, m in modules if _from_peft(m)), None)
+    if found is not None:
+        name, module = found
+        where = (
+            f"is a peft {type(module).__name__}" if not name else f"carries peft's {type(module).__name__} at {name}"
+        )
+        raise ValueError(
+            f"this model {where}: petl.apply takes a plain timm model; start from a fresh one "
+            "(petl.apply(model, peft_config) injects a peft config's tuners itself)"
+        )
 
 
 def _follow_modes(parent: nn.Module, existing: dict[int, nn.Module]) -> None:

@@ -53,7 +53,7 @@ def unload(model: nn.Module) -> nn.Module:
         model: a model prepared by :func:`petl.apply` (trained, merged or not).
 
     Returns:
-        The same model object, now without petl wrappers or marks (``petl_method``, ``petl_config``).
+        The same model object, now without petl wrappers or marks (``petl_method``, ``petl_config``, ``petl_trained``).
 
     Raises:
         ValueError: the method adds modules that cannot fold into the backbone (nothing is changed).
@@ -74,7 +74,7 @@ def unload(model: nn.Module) -> nn.Module:
         parent = model.get_submodule(parent_name) if parent_name else model
         if getattr(parent, child, None) is module:
             setattr(parent, child, base)
-    for mark in ("petl_method", "petl_config"):
+    for mark in ("petl_method", "petl_config", "petl_trained"):
         if hasattr(model, mark):
             delattr(model, mark)
     timm_api.uninstall(model)

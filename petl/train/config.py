@@ -436,9 +436,12 @@ def default_config(overrides: Iterable[str] = ()) -> DictConfig:
         The composed config (interpolations such as ``output_dir`` left unresolved).
 
     Raises:
-        ConfigError: an unknown choice or key, a wrong type or a value out of range (one-line message).
+        ConfigError: an unknown choice or key, a wrong type or a value out of range, or one string given where a
+            list is taken (one-line message).
 
     """
+    if isinstance(overrides, str):  # a string is iterable too: its letters would be read as overrides
+        raise ConfigError(f"default_config takes a list of overrides, got one string: write [{overrides!r}]")
     cfg = _compose_checked(overrides)
     check_values(cfg)
     check_method(cfg)
@@ -469,9 +472,12 @@ def to_config(cfg: DictConfig | Mapping[str, Any]) -> DictConfig:
         # assignment, only the ranges need a look (method options are checked when applied).
         check_values(cfg)
         return cfg
+    if not isinstance(cfg, DictConfig | Mapping):  # dict() of a list or string fails without saying what to pass
+        raise ConfigError(
+            f"a run config must be a mapping, got {type(cfg).__name__}: give overrides to default_config, "
+            "e.g. train(default_config(['method=lora']))"
+        )
     raw = OmegaConf.to_container(cfg, resolve=False) if isinstance(cfg, DictConfig) else dict(cfg)
-    if not isinstance(raw, dict):
-        raise ConfigError(f"a run config must be a mapping, got {type(cfg).__name__}")
     choices = []
     for group in ("method", "data", "model"):
         node = raw.get(group)

@@ -823,3 +823,14 @@ def test_a_served_mixed_batch_never_waits_for_the_gpu(tmp_path, monkeypatch, tas
         finally:
             torch.cuda.set_sync_debug_mode("default")
     torch.testing.assert_close(on_gpu.cpu(), on_cpu, atol=1e-4, rtol=1e-4)
+
+
+def test_one_path_or_a_list_where_a_mapping_is_taken_is_named(tmp_path):
+    # from_runs("runs/a") iterated the string's letters ("/ holds no trainable.safetensors"); MultiTask(backbone,
+    # [file]) failed on list.items() with an AttributeError.
+    with pytest.raises(ValueError, match=r"takes a list of run folders, got one path: write \['"):
+        petl.MultiTask.from_runs(str(tmp_path))
+    with pytest.raises(ValueError, match="takes a list of run folders"):
+        petl.MultiTask.from_runs(tmp_path)
+    with pytest.raises(ValueError, match=r"got a list: e.g. MultiTask\(backbone, \{'cifar': 'runs/cifar'\}\)"):
+        petl.MultiTask(make_tiny_vit(), [str(tmp_path / "a.safetensors")])

@@ -6,6 +6,7 @@ import dataclasses
 import typing
 
 import pytest
+import timm
 import torch
 from timm.models.resnet import BasicBlock, ResNet
 from torch import nn
@@ -197,6 +198,16 @@ def test_count_params(tiny_vit):
     assert petl.count_params(petl.apply_full(tiny_vit(), num_classes=4)).trainable == total
 
 
+@pytest.mark.parametrize("name", ["resnet10t", "convnext_atto"])
+def test_count_params_of_another_timm_model_leaves_out_its_classifier(name):
+    # A ResNet's fc was counted as outside the head (it has no "head" attribute); a ConvNeXt, which has one, was
+    # refused with the list of petl's backbone families.
+    model = timm.create_model(name, pretrained=False, num_classes=3)
+    in_head = sum(p.numel() for p in model.get_classifier().parameters())
+    total = sum(p.numel() for p in model.parameters())
+    assert petl.count_params(model) == petl.ParamCount(trainable=total, trainable_no_head=total - in_head, total=total)
+
+
 def test_merge_needs_a_mergeable_method(tiny_vit):
     with pytest.raises(ValueError, match="nothing to merge"):
         petl.merge(petl.apply_vpt(tiny_vit()))
@@ -233,3 +244,94 @@ def test_comma_separated_targets():
 def test_save_needs_an_applied_model(tiny_vit, tmp_path):
     with pytest.raises(ValueError, match="petl.apply"):
         petl.save_trainable(tiny_vit(), tmp_path / "x.safetensors")
+
+
+@pytest.mark.parametrize(
+    ("method", "says"),
+    [
+        ({"rank": 4}, r"got dict \{'rank': 4\}: give the name and unpack the options"),
+        (petl.methods.lora.LoraConfig, "pass a config object, e.g. LoraConfig\\(\\), not the class"),
+        (None, "got NoneType None: choose one of adapter"),
+    ],
+    ids=["dict", "config-class", "none"],
+)
+def test_a_method_that_is_no_name_nor_config_is_named(tiny_vit, method, says):
+    # A dict (or any unhashable object) failed the registry lookup as "TypeError: unhashable type: 'dict'".
+    with pytest.raises(ValueError, match=says) as refused:
+        petl.apply(tiny_vit(), method)
+    assert "\n" not in str(refused.value)
+
+
+def test_a_config_given_as_a_dict_says_to_pass_keywords(tiny_vit):
+    with pytest.raises(ValueError, match=r"got dict: pass options as keywords, apply\(model, 'lora', \*\*options\)"):
+        petl.apply(tiny_vit(), "lora", {"rank": 4})
+
+
+def test_the_model_keeps_its_own_copy_of_the_config(tiny_vit, tmp_path):
+    # Reusing a config object in a notebook: changing it after apply changed the first model's recorded config, so
+    # save_trainable wrote a file whose metadata (rank 16) did not match its tensors (rank 2), which never loaded.
+    config = petl.methods.lora.LoraConfig(rank=2, num_classes=3)
+    first = petl.apply(tiny_vit(), config)
+    config.rank = 16
+    second = petl.apply(tiny_vit(), config)
+    assert (first.petl_config.rank, second.petl_config.rank) == (2, 16)
+    petl.save_trainable(first, tmp_path / "first.safetensors")
+    loaded = petl.load_trainable(tiny_vit(), tmp_path / "first.safetensors")
+    assert loaded.petl_config.rank == 2
+
+
+def test_a_model_peft_already_wrapped_is_named(tiny_vit):
+    # It failed the backbone check as "block 0 has no fused attn.qkv Linear" (peft's layer stands in its place), or,
+    # for a PeftModel, with the list of every supported family.
+    peft = pytest.importorskip("peft")
+    injected = peft.inject_adapter_in_model(peft.LoraConfig(r=4, target_modules=["qkv"]), tiny_vit())
+    with pytest.raises(ValueError, match="carries peft's Linear at blocks.0.attn.qkv: petl.apply takes a plain timm"):
+        petl.apply(injected, "lora")
+    wrapped = peft.get_peft_model(tiny_vit(), peft.LoraConfig(r=4, target_modules=["qkv"]))
+    with pytest.raises(ValueError, match="is a peft PeftModel: petl.apply takes a plain timm model"):
+        petl.apply(wrapped, "bitfit")
+
+
+def test_register_method_refuses_a_config_class_that_is_no_method_config():
+    # Accepted before, it failed only at petl.apply, inside dataclasses ("must be called with a dataclass type").
+    with pytest.raises(
+        ValueError, match="config_cls must be a @dataclass subclass of petl.MethodConfig, got <class 'dict'>"
+    ):
+        petl.register_method("not_a_config", dict, trainable_formula=lambda model, cfg: 0)
+    assert "not_a_config" not in petl.list_methods()
+
+
+def test_a_model_on_the_meta_device_is_refused_by_save_and_load(tiny_vit, tmp_path):
+    # Loading copied the file's tensors into meta tensors, which keeps no values: it returned as if it had loaded.
+    path = tmp_path / "lora.safetensors"
+    petl.save_trainable(petl.apply_lora(tiny_vit(), num_classes=3), path)
+    with torch.device("meta"):
+        on_meta = tiny_vit()
+    with pytest.raises(ValueError, match="the model is on the meta device .* materialise it first"):
+        petl.load_trainable(on_meta, path)
+    assert getattr(on_meta, "petl_method", None) is None
+    with pytest.raises(ValueError, match="the model is on the meta device"):
+        petl.save_trainable(petl.apply_lora(on_meta), tmp_path / "meta.safetensors")
+
+
+def test_a_folder_given_as_the_weights_file_is_named(tiny_vit, tmp_path):
+    # It was "FileNotFoundError: no such file" for a folder that is there.
+    with pytest.raises(ValueError, match="is a folder: give the .safetensors file in it .*trainable.safetensors"):
+        petl.load_trainable(tiny_vit(), tmp_path)
+    with pytest.raises(ValueError, match="is a folder"):
+        petl.read_trainable_metadata(tmp_path)
+
+
+def test_a_model_frozen_after_training_still_saves_what_its_method_trained(tiny_vit, images, tmp_path):
+    # save_trainable wrote the tensors requiring grad at save time: after model.requires_grad_(False) (before
+    # inference, say) it wrote a file without a tensor, silently, and the training was lost.
+    model = petl.apply_lora(tiny_vit(), num_classes=3)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(0.1)
+    model.eval().requires_grad_(False)
+    petl.save_trainable(model, tmp_path / "lora.safetensors")
+    loaded = petl.load_trainable(tiny_vit(), tmp_path / "lora.safetensors").eval()
+    assert torch.equal(loaded(images), model(images))
+    petl.load_trainable(model, tmp_path / "lora.safetensors")  # onto the frozen model itself too

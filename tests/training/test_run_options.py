@@ -67,6 +67,20 @@ def test_num_classes_in_model_kwargs_is_refused():
         default_config(["+model.kwargs.num_classes=3"])
 
 
+def test_overrides_given_as_one_string_or_to_train_are_named():
+    # default_config("method=lora") read the string's letters as overrides ("cannot parse override 'm'");
+    # train("method=lora") and train([...]) failed in dict() ("dictionary update sequence element #0 has length 1").
+    with pytest.raises(
+        ConfigError, match=r"^default_config takes a list of overrides, got one string: write \['method=lora'\]$"
+    ):
+        default_config("method=lora")
+    for given in ("method=lora", ["method=lora"]):
+        with pytest.raises(
+            ConfigError, match=r"^a run config must be a mapping, got (str|list): give overrides to default_config"
+        ):
+            train(given)
+
+
 @pytest.mark.parametrize(
     "overrides",
     [
