@@ -7,6 +7,7 @@ Above :mod:`petl.model.registry` (the method registry), :mod:`petl.model.merging
 from __future__ import annotations
 
 import copy
+import sys
 import warnings
 from typing import Any
 
@@ -98,15 +99,22 @@ def apply(
     return model
 
 
-def _from_peft(obj: Any) -> bool:
-    # By module name, so that petl need not import peft (slow) to recognise its classes.
-    return any(cls.__module__.split(".")[0] == "peft" for cls in type(obj).__mro__)
+def _peft_classes() -> tuple[type, ...]:
+    """The model and tuner base classes of peft, if it was imported; none otherwise (no module of peft's exists)."""
+    tuners, models = sys.modules.get("peft.tuners.tuners_utils"), sys.modules.get("peft.peft_model")
+    found = (
+        getattr(tuners, "BaseTunerLayer", None),
+        getattr(tuners, "BaseTuner", None),
+        getattr(models, "PeftModel", None),
+    )
+    return tuple(cls for cls in found if cls is not None)
 
 
 def _check_no_peft(model: nn.Module) -> None:
     """Refuse a model peft has already wrapped or injected into, whose wrapped layers petl's checks cannot read."""
-    modules = model.named_modules() if isinstance(model, nn.Module) else ()  # not a model: check_supported says so
-    found = next(((name, m) for name, m in modules if _from_peft(m)), None)
+    classes = _peft_classes()
+    modules = model.named_modules() if classes and isinstance(model, nn.Module) else ()  # not a model: said later
+    found = next(((name, m) for name, m in modules if isinstance(m, classes)), None)
     if found is not None:
         name, module = found
         where = (
