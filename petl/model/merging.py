@@ -37,10 +37,16 @@ def merge_updates(model: nn.Module) -> nn.Module:
     raises after the wrappers merged before it are unmerged again, so the model is never half merged.
     """
     done: list[nn.Module] = []
+    names = {id(m): name for name, m in model.named_modules()}
     try:
         for module in _mergeables(model):
             if not getattr(module, "merged", False):
-                module.merge()
+                try:
+                    module.merge()
+                except ValueError as error:  # the wrapper's reason, with where it is and what to do instead
+                    raise ValueError(
+                        f"{names[id(module)]}: {error}; the model is left unmerged, and runs as trained without merging"
+                    ) from None
                 done.append(module)
     except Exception:
         for module in reversed(done):
