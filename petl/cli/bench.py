@@ -13,7 +13,8 @@ Usage::
                      [rounds=10] [infer_batch=1] [infer_steps=100] [device=cpu|cuda] [tf32=true] [methods=...]
                      [options_for=lora] [options=grad_ckpt,compile,bf16] [inprocess=true] [out=FILE]
     petl-bench params suite=vtab1k [methods=...] [model=...]   (parameter counts vs the published ones)
-    petl-bench commands suite=vtab1k [hydra/launcher=submitit_slurm ...]   (prints petl-run --multirun lines)
+    petl-bench commands suite=mini methods=lora,vpt_deep [hydra/launcher=submitit_slurm ...]
+               (prints petl-run --multirun lines; a suite that selects on val, or NOAH, is refused)
     petl-bench list [suite=NAME]   (suites and experiments; with suite=: its experiments, one a line, in order)
 
 Bad input (an unknown suite or key, a malformed YAML file, a results folder without results, suite= naming a

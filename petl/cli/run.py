@@ -270,7 +270,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         flags.remove(override)
     # Only one process of a multi-GPU launch speaks, or every error would print once per GPU.
     quiet = not is_main_process()
-    with exit_statuses(PROG, usage=(ConfigError,), failure=(), quiet=quiet):
+    # --debug: bad input found while composing the command line shows its traceback too, as a run's does.
+    with exit_statuses(PROG, usage=(ConfigError,), failure=(), debug=_debug, quiet=quiet):
         overrides = expand_experiment(args.overrides)
         argv, args.overrides = [*flags, *overrides], overrides
         config.register_configs()
@@ -287,7 +288,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         if resumes
         else "run it again with resume=true to resume from the last finished epoch"
     )
-    with exit_statuses(PROG, failure=(), interrupted=interrupted, quiet=quiet):
+    with exit_statuses(PROG, failure=(), interrupted=interrupted, debug=_debug, quiet=quiet):
         if checked and not _needs_hydra(args):
             _configure_logging()
             _task(checked[0], checked=True)

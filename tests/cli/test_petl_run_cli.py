@@ -144,6 +144,18 @@ def test_cli_refuses_nan_with_one_line_and_exit_2(capsys):
 
 
 @pytest.mark.slow
+def test_debug_shows_the_traceback_of_bad_input_too(monkeypatch, capsys):
+    # --debug (or HYDRA_FULL_ERROR=1) shows the traceback instead of the one line, as petl-run --help says; the
+    # command line's own checks used to print the line anyway.
+    with pytest.raises(ConfigError, match="rank=-1 is out of range"):
+        cli.main(["method=lora", "method.rank=-1", "--debug"])
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
+    with pytest.raises(ConfigError, match="unknown method 'nope'"):
+        cli.main(["method=nope"])
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.slow
 def test_cli_multirun_sweeps_methods_and_seeds(tmp_path, capsys):
     cli.main(
         [
