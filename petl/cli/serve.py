@@ -70,7 +70,7 @@ TASK_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 # A host name: dot-separated labels of letters, digits and inner hyphens (RFC 1123), and underscores, which
 # container networks' names have and resolvers take.
 HOST_NAME = re.compile(r"(?!-)[A-Za-z0-9_-]{1,63}(?<!-)(\.(?!-)[A-Za-z0-9_-]{1,63}(?<!-))*\.?")
-PIP_HINT = "pip install 'petl[serve]' (FastAPI, uvicorn, python-multipart)"
+PIP_HINT = 'pip install -e ".[serve]" in petl\'s checkout (FastAPI, uvicorn, python-multipart)'
 
 
 def _is_run(path: Path) -> bool:

@@ -28,7 +28,7 @@ import torch
 from conftest import tiny_run
 from PIL import Image
 
-pytest.importorskip("fastapi", reason="petl-serve's extra is not installed: pip install 'petl[serve]'")
+pytest.importorskip("fastapi", reason='petl-serve\'s extra is not installed: pip install -e ".[serve]"')
 
 from petl.cli import predict as predict_cli  # noqa: E402
 from petl.cli import run as run_cli  # noqa: E402

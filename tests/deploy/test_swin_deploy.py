@@ -20,7 +20,7 @@ from petl.cli import export as export_cli
 from petl.cli import predict as predict_cli
 from petl.deploy import predict as predict_api
 
-pytest.importorskip("fastapi", reason="petl-serve's extra is not installed: pip install 'petl[serve]'")
+pytest.importorskip("fastapi", reason='petl-serve\'s extra is not installed: pip install -e ".[serve]"')
 from fastapi.testclient import TestClient  # noqa: E402
 
 from petl.deploy import serve  # noqa: E402
