@@ -108,6 +108,13 @@ def _main(argv: list[str]) -> None:
     for name in ("classes", "instances", "epochs", "batch_size"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.classes * args.instances < args.batch_size:
+        # Incomplete batches are dropped, so no step would run and untrained weights would be written.
+        parser.error(
+            f"--batch-size {args.batch_size} is more than the {args.classes * args.instances} training images "
+            f"({args.classes} classes x {args.instances} instances): no step would train; give a smaller "
+            "--batch-size or more --classes / --instances"
+        )
     if not timm.is_model(args.model):
         parser.error(f"--model {args.model} is not a timm architecture (petl's own: petl.backbones.models)")
     existing = [p for p in output_files(args.out, args.model) if p.exists()]

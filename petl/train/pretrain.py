@@ -81,8 +81,14 @@ def pretrain(
         The provenance record.
 
     Raises:
-        ValueError: a checkpoint in ``out_dir`` is of another recipe (or damaged).
+        ValueError: fewer training images than ``batch_size`` (no step would train), or a checkpoint in ``out_dir``
+            is of another recipe (or damaged).
     """
+    if fractal.num_classes * fractal.instances < batch_size:  # incomplete batches are dropped: no step would run
+        raise ValueError(
+            f"batch_size {batch_size} is more than the {fractal.num_classes * fractal.instances} training images: "
+            "no step would train"
+        )
     start = time.time()
     set_seed(seed)
     accelerator = Accelerator(mixed_precision=precision)

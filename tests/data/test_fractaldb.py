@@ -81,6 +81,17 @@ def test_cli_refuses_a_model_timm_does_not_know_in_one_line(capsys):
     assert caught.value.code == 2 and "--model swin_fractal_huge is not a timm architecture" in err
 
 
+def test_a_batch_larger_than_the_images_is_refused_before_generating(capsys):
+    # Incomplete batches are dropped: 12 images in batches of 128 trained no step and wrote untrained weights.
+    with pytest.raises(SystemExit) as caught:
+        pretrain_cli.main(["--classes", "3", "--instances", "4", "--epochs", "1"])
+    err = capsys.readouterr().err
+    assert caught.value.code == 2 and "--batch-size 128 is more than the 12 training images" in err
+    settings = pretrain.TrainSettings(epochs=1, lr=1e-3, progress=False)
+    with pytest.raises(ValueError, match="batch_size 32 is more than the 24 training images"):
+        pretrain.pretrain(TINY, settings, batch_size=32)
+
+
 @pytest.mark.slow
 def test_an_interrupted_pretraining_resumes_to_the_same_weights(tmp_path, monkeypatch):
     """The Swin pretrains through the same code; killed after its first epoch, the same call continues from the
