@@ -52,6 +52,13 @@ def holds_lock(folder: Path) -> bool:
     return bool(holder) and holder.get("host") == socket.gethostname() and holder.get("pid") == os.getpid()
 
 
+def held_by_live_process(folder: Path) -> bool:
+    """Whether a live process on this host holds ``folder``'s lock: a run being trained there now."""
+    holder = read_holder(folder) or {}
+    pid = holder.get("pid")
+    return holder.get("host") == socket.gethostname() and isinstance(pid, int) and _pid_alive(pid)
+
+
 def _create(lock: Path, text: str) -> bool:
     """Make ``lock`` appear with ``text`` in one step; False if it already exists."""
     tmp = lock.with_name(f"{lock.name}.{os.getpid()}.tmp")
