@@ -10,6 +10,8 @@ This is bookkeeping, not a scheduler: spreading runs over GPUs or SLURM is Hydra
 
 from __future__ import annotations
 
+import os
+import tempfile
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -25,6 +27,7 @@ from petl.store.files import RESULT_FILE
 from petl.store.lock import LOCK_FILE as LOCK_FILE  # the lock is petl-run's too: one home, re-exported here
 from petl.store.lock import acquire_lock, release_lock
 from petl.store.result import ResultError, RunResult, read_result, write_result
+from petl.utils.errors import UsageError
 
 ERROR_FILE = "error.log"
 
@@ -86,6 +89,41 @@ class PlannedRun:
 def reused_from(calibrating: Path | None, run_dir: Path) -> Path | None:
     """The ``calibrated_by`` of the run in ``run_dir``: the calibrating run's folder, unless it is that run."""
     return calibrating if calibrating != run_dir else None
+
+
+def check_results_folder(folder: Path) -> None:
+    """Refuse a results folder no run can be written into, before a sweep plans or trains anything.
+
+    A file in the way, a read-only or full file system, a name longer than the file system takes: each would
+    otherwise stop the sweep at its first run's lock with a bare ``OSError`` (exit 1).  This says what petl-run
+    says of such an ``output_dir`` (exit 2).  A small file is written and removed, and the folders made for it are
+    removed again, so a dry run is left without a trace.
+
+    Raises:
+        UsageError: one line naming ``folder`` and why.
+
+    """
+    created: list[Path] = []
+    try:
+        # Even a look may fail (a name longer than the file system allows).
+        if folder.exists() and not folder.is_dir():
+            raise UsageError(f"output_dir {folder} is a file, not a folder: choose another output_dir")
+        created = [p for p in (folder, *folder.parents) if not p.exists()]
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder) as probe:  # a full disk refuses the bytes, not the name
+            probe.write(b"petl" * 64)
+            probe.flush()
+            os.fsync(probe.fileno())
+    except OSError as error:
+        raise UsageError(
+            f"output_dir {folder} cannot be written ({error.strerror or error}): choose another output_dir"
+        ) from None
+    finally:
+        for made in created:  # deepest first; the sweep makes what it needs
+            try:
+                made.rmdir()
+            except OSError:
+                break
 
 
 def task_folder(task: str) -> str:

@@ -1,18 +1,45 @@
-"""Faults of interrupted, concurrent and resource-starved work: a run folder read while a live process trains it
-(named as being trained, not as one to resume).
+"""Faults of interrupted, concurrent and resource-starved work: a sweep into a results folder nothing can be written
+into (one line, exit 2, as petl-run), a run folder read while a live process trains it (named as being trained, not
+as one to resume).
 
-None trains: the folder being trained is one this process holds the lock of.
+None trains: the sweeps run a fake engine, the folder being trained is one this process holds the lock of.
 """
 
 from __future__ import annotations
 
 import os
 
+import pytest
 from test_faults_issue52 import _main
 from test_faults_new_user import _image, _unfinished
+from test_faults_training import _read_only_dir
+from test_faults_untrusted_files import _mini_sweep, petl_bench
+from test_harness import FakeEngine
 
+from petl.bench import sweep
 from petl.cli import predict as predict_cli
 from petl.store import files, lock
+
+
+@pytest.mark.parametrize("case", ["a file", "a name too long", "a read-only folder"])
+def test_a_sweep_into_a_folder_it_cannot_write_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys, case):
+    # Each was "petl-bench: error: OSError: [Errno ...] ... (--debug shows the traceback)", exit 1, from the first
+    # run's lock (the name too long: from planning), where petl-run names the output_dir with exit 2.
+    engine = FakeEngine()
+    monkeypatch.setattr(sweep, "_default_fns", lambda: (engine.train, engine.compose, None))
+    if case == "a file":
+        out, why = tmp_path / "out", "is a file, not a folder"
+        out.write_text("results")
+    elif case == "a name too long":
+        out, why = tmp_path / ("a" * 300) / "x", "cannot be written (File name too long)"
+    else:
+        out, why = _read_only_dir(tmp_path) / "x", "cannot be written ("
+    code, _, err = petl_bench(capsys, *_mini_sweep(out))
+    assert code == 2 and err.startswith(f"petl-bench: error: output_dir {out} {why}") and err.count("\n") == 1, err
+    assert err.rstrip().endswith(": choose another output_dir") and not engine.trained
+    # A dry run checks the folder too, and leaves no folder behind where the check could make one.
+    assert petl_bench(capsys, *_mini_sweep(tmp_path / "new" / "deep"), "dry_run=true")[0] == 0
+    assert not (tmp_path / "new").exists()
 
 
 def test_a_run_being_trained_is_named_as_one_not_as_one_to_resume(tmp_path, capsys):
