@@ -331,6 +331,8 @@ def run_sweep(
                 # Runs share this process; each resets its own peak memory (petl.train.runner._train_and_record).
                 train_fn(cfg)
                 summary.trained += 1
+            else:
+                summary.already_done += 1  # by the sweep that held it: counted, so the summary adds up to the total
         except Exception as error:  # one bad run must not end a day-long sweep
             (run.run_dir / ERROR_FILE).write_text(traceback.format_exc())
             if run.score_divergence and getattr(error, "diverged", False):

@@ -1,6 +1,6 @@
 """Faults of interrupted, concurrent and resource-starved work: a sweep into a results folder nothing can be written
-into (one line, exit 2, as petl-run), a run folder read while a live process trains it (named as being trained, not
-as one to resume).
+into (one line, exit 2, as petl-run), a run another sweep finished while this one waited for it (counted as done),
+a run folder read while a live process trains it (named as being trained, not as one to resume).
 
 None trains: the sweeps run a fake engine, the folder being trained is one this process holds the lock of.
 """
@@ -8,15 +8,17 @@ None trains: the sweeps run a fake engine, the folder being trained is one this 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 from test_faults_issue52 import _main
 from test_faults_new_user import _image, _unfinished
 from test_faults_training import _read_only_dir
 from test_faults_untrusted_files import _mini_sweep, petl_bench
-from test_harness import FakeEngine
+from test_harness import BENCH, FakeEngine, write_run
 
 from petl.bench import sweep
+from petl.bench.suite import load_experiment
 from petl.cli import predict as predict_cli
 from petl.store import files, lock
 
@@ -40,6 +42,24 @@ def test_a_sweep_into_a_folder_it_cannot_write_is_one_line_and_exit_2(tmp_path, 
     # A dry run checks the folder too, and leaves no folder behind where the check could make one.
     assert petl_bench(capsys, *_mini_sweep(tmp_path / "new" / "deep"), "dry_run=true")[0] == 0
     assert not (tmp_path / "new").exists()
+
+
+def test_a_run_another_sweep_finished_while_this_one_waited_counts_as_done(tmp_path, monkeypatch):
+    # The sweep's first look found it to do; by the time it had the lock, the other sweep had finished it.  It was
+    # counted nowhere: "2 runs: 0 already done, 1 trained, 0 held by another sweep, 0 failed".
+    runs = sweep.plan([load_experiment("linear", BENCH)], ["mini/digits"], [0, 1], tmp_path)
+    real = sweep.acquire_lock
+
+    def the_other_sweep_finishes_seed0_first(folder: Path) -> bool:
+        if folder == runs[0].run_dir:
+            write_run(tmp_path, "mini/digits", "linear", 0, top1=50.0)
+        return real(folder)
+
+    monkeypatch.setattr(sweep, "acquire_lock", the_other_sweep_finishes_seed0_first)
+    engine = FakeEngine()
+    summary = sweep.run_sweep(runs, engine.train, engine.compose, progress=False)
+    assert len(engine.trained) == 1 and (summary.already_done, summary.trained) == (1, 1)
+    assert summary.line().startswith("2 runs: 1 already done, 1 trained, 0 held by another sweep, 0 failed")
 
 
 def test_a_run_being_trained_is_named_as_one_not_as_one_to_resume(tmp_path, capsys):
