@@ -28,6 +28,7 @@ from petl.store.lock import LOCK_FILE as LOCK_FILE  # the lock is petl-run's too
 from petl.store.lock import acquire_lock, release_lock
 from petl.store.result import ResultError, RunResult, read_result, write_result
 from petl.utils.errors import UsageError
+from petl.utils.text import first_line
 
 ERROR_FILE = "error.log"
 
@@ -308,7 +309,14 @@ def run_sweep(
 
     def train(run: PlannedRun, overrides: list[str]) -> None:
         bar.set_postfix_str(run.label)
-        if not acquire_lock(run.run_dir):
+        try:
+            taken = acquire_lock(run.run_dir)
+        except OSError as error:  # the disk filled up (or went read-only) during the sweep: this run cannot start
+            why = f"cannot write to {run.run_dir} ({error.strerror or error})"
+            summary.failed.append(f"{run.label}: {why}")
+            bar.write(f"FAILED {run.label}: {why}")
+            return
+        if not taken:
             summary.held_elsewhere.append(run.label)
             if check_fn is not None:
                 try:  # another sweep trains it: with this config, or it is not this suite's result
@@ -334,17 +342,23 @@ def run_sweep(
             else:
                 summary.already_done += 1  # by the sweep that held it: counted, so the summary adds up to the total
         except Exception as error:  # one bad run must not end a day-long sweep
-            (run.run_dir / ERROR_FILE).write_text(traceback.format_exc())
+            log_file = run.run_dir / ERROR_FILE
+            try:
+                log_file.write_text(traceback.format_exc())
+                see = f"see {log_file}"
+            except OSError as unwritten:
+                # A full disk fails the run and then its log: the run's own line says what happened.
+                see = f"{first_line(error, type(error).__name__)}; {log_file} not written ({unwritten.strerror})"
             if run.score_divergence and getattr(error, "diverged", False):
                 # A selection trial whose loss went non-finite has its answer: this point diverges.  Its
                 # result (no val score, so it ranks last) lets the cell's finals go ahead; without it the
                 # cell would wait, resume, and diverge again on every invocation.
                 write_result(run.run_dir / RESULT_FILE, _diverged_result(run, error, cfg))
                 summary.diverged.append(f"{run.label}: {error}")
-                bar.write(f"DIVERGED {run.label}: scored last (see {run.run_dir / ERROR_FILE})")
+                bar.write(f"DIVERGED {run.label}: scored last ({see})")
             else:
-                summary.failed.append(f"{run.label}: see {run.run_dir / ERROR_FILE}")
-                bar.write(f"FAILED {run.label} (see {run.run_dir / ERROR_FILE})")
+                summary.failed.append(f"{run.label}: {see}")
+                bar.write(f"FAILED {run.label} ({see})")
         finally:
             release_lock(run.run_dir)
 

@@ -1,12 +1,14 @@
 """Faults of interrupted, concurrent and resource-starved work: a sweep into a results folder nothing can be written
 into (one line, exit 2, as petl-run), a run another sweep finished while this one waited for it (counted as done),
-a run folder read while a live process trains it (named as being trained, not as one to resume).
+a run folder read while a live process trains it (named as being trained, not as one to resume), a disk that fills
+up during a sweep (each run failed in its line, the sweep going on).
 
 None trains: the sweeps run a fake engine, the folder being trained is one this process holds the lock of.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 
@@ -21,6 +23,7 @@ from petl.bench import sweep
 from petl.bench.suite import load_experiment
 from petl.cli import predict as predict_cli
 from petl.store import files, lock
+from petl.utils.errors import RunError
 
 
 @pytest.mark.parametrize("case", ["a file", "a name too long", "a read-only folder"])
@@ -80,3 +83,35 @@ def test_a_run_being_trained_is_named_as_one_not_as_one_to_resume(tmp_path, caps
         assert err.rstrip().endswith(": wait for it to finish"), err
     # Once nobody trains it (a kill left it, its lock with it), it is one to resume.
     assert "run the same petl-run command again" in files.unfinished_run(tmp_path / "later")
+
+
+def test_a_disk_that_fills_up_during_a_sweep_fails_its_runs_each_in_its_line(tmp_path, monkeypatch):
+    # The run that met the full disk failed, and so did the sweep's error.log for it: the sweep died with a bare
+    # "OSError: [Errno 28] No space left on device" (exit 1), the run's line lost and no summary; so did the next
+    # run's lock.
+    runs = sweep.plan([load_experiment("linear", BENCH)], ["mini/digits"], [0, 1], tmp_path)
+    full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    kept = "cannot write to output_dir x (No space left on device): the checkpoint of epoch 1 is kept"
+
+    def train(cfg: dict) -> dict:
+        raise RunError(kept)
+
+    def write_text(path: Path, *args, **kwargs):
+        if path.name == sweep.ERROR_FILE:  # the lock's few bytes still fit; the log of a traceback does not
+            raise full
+        return real_write_text(path, *args, **kwargs)
+
+    def acquire(folder: Path) -> bool:
+        if folder == runs[1].run_dir:
+            raise full
+        return real_acquire(folder)
+
+    real_acquire, real_write_text = sweep.acquire_lock, Path.write_text
+    monkeypatch.setattr(sweep, "acquire_lock", acquire)
+    monkeypatch.setattr(Path, "write_text", write_text)
+    summary = sweep.run_sweep(runs, train, FakeEngine().compose, progress=False)
+    assert summary.failed == [
+        f"{runs[0].label}: {kept}; {runs[0].run_dir / sweep.ERROR_FILE} not written (No space left on device)",
+        f"{runs[1].label}: cannot write to {runs[1].run_dir} (No space left on device)",
+    ]
+    assert not (runs[0].run_dir / lock.LOCK_FILE).exists()
