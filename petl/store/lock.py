@@ -96,7 +96,8 @@ def acquire_lock(folder: Path) -> bool:
         holder = read_holder(folder)
         if holder is None:
             continue  # released between our two looks
-        if holder.get("host") == me["host"] and not _pid_alive(int(holder.get("pid", -1))):
+        pid = holder.get("pid", -1)  # not a number (a hand-edited lock): respected, as an unreadable one is
+        if holder.get("host") == me["host"] and isinstance(pid, int) and not _pid_alive(pid):
             if _take_over(lock, holder):
                 continue  # stale: its owner is dead, and the lock is out of the way
         return False

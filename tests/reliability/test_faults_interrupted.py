@@ -1,7 +1,7 @@
 """Faults of interrupted, concurrent and resource-starved work: a sweep into a results folder nothing can be written
 into (one line, exit 2, as petl-run), a run another sweep finished while this one waited for it (counted as done),
 a run folder read while a live process trains it (named as being trained, not as one to resume), a disk that fills
-up during a sweep (each run failed in its line, the sweep going on).
+up during a sweep (each run failed in its line, the sweep going on), a lock whose pid is no number (respected).
 
 None trains: the sweeps run a fake engine, the folder being trained is one this process holds the lock of.
 """
@@ -9,7 +9,9 @@ None trains: the sweeps run a fake engine, the folder being trained is one this 
 from __future__ import annotations
 
 import errno
+import json
 import os
+import socket
 from pathlib import Path
 
 import pytest
@@ -115,3 +117,12 @@ def test_a_disk_that_fills_up_during_a_sweep_fails_its_runs_each_in_its_line(tmp
         f"{runs[1].label}: cannot write to {runs[1].run_dir} (No space left on device)",
     ]
     assert not (runs[0].run_dir / lock.LOCK_FILE).exists()
+
+
+@pytest.mark.parametrize("pid", [None, "12x", [1]])
+def test_a_lock_whose_pid_is_not_a_number_is_respected_not_a_traceback(tmp_path, pid):
+    # int(holder["pid"]) raised TypeError or ValueError out of petl-run and the sweeps: a traceback, exit 1.
+    (tmp_path / lock.LOCK_FILE).write_text(json.dumps({"host": socket.gethostname(), "pid": pid}))
+    assert not lock.acquire_lock(tmp_path)
+    assert f"pid {pid} on host {socket.gethostname()}" in lock.describe_holder(tmp_path)
+    assert json.loads((tmp_path / lock.LOCK_FILE).read_text())["pid"] == pid  # left for the user to delete
