@@ -1,9 +1,11 @@
 """Faults of interrupted, concurrent and resource-starved work: a sweep into a results folder nothing can be written
 into (one line, exit 2, as petl-run), a run another sweep finished while this one waited for it (counted as done),
 a run folder read while a live process trains it (named as being trained, not as one to resume), a disk that fills
-up during a sweep (each run failed in its line, the sweep going on), a lock whose pid is no number (respected).
+up during a sweep (each run failed in its line, the sweep going on), a lock whose pid is no number (respected), the
+feature cache's frozen forward (a progress bar).
 
-None trains: the sweeps run a fake engine, the folder being trained is one this process holds the lock of.
+Only the last trains (two tiny runs): the sweeps run a fake engine, the folder being trained is one this process
+holds the lock of.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import socket
 from pathlib import Path
 
 import pytest
+from conftest import tiny_run
 from test_faults_issue52 import _main
 from test_faults_new_user import _image, _unfinished
 from test_faults_training import _read_only_dir
@@ -24,6 +27,7 @@ from test_harness import BENCH, FakeEngine, write_run
 from petl.bench import sweep
 from petl.bench.suite import load_experiment
 from petl.cli import predict as predict_cli
+from petl.run import default_config, train
 from petl.store import files, lock
 from petl.utils.errors import RunError
 
@@ -126,3 +130,15 @@ def test_a_lock_whose_pid_is_not_a_number_is_respected_not_a_traceback(tmp_path,
     assert not lock.acquire_lock(tmp_path)
     assert f"pid {pid} on host {socket.gethostname()}" in lock.describe_holder(tmp_path)
     assert json.loads((tmp_path / lock.LOCK_FILE).read_text())["pid"] == pid  # left for the user to delete
+
+
+@pytest.mark.slow
+def test_caching_features_shows_a_progress_bar_where_the_epochs_show_one(tmp_path, capsys):
+    # The frozen forward over train and val (minutes for a ViT-B on a CPU) ran without a bar, between the run's
+    # first line and the first epoch's bar.
+    with_bars = [o for o in tiny_run() if o != "train.progress=false"]
+    train(default_config([*with_bars, "method=linear", f"output_dir={tmp_path / 'bars'}"]))
+    err = capsys.readouterr().err
+    assert "caching train:" in err and "caching val:" in err
+    train(default_config([*tiny_run(), "method=linear", f"output_dir={tmp_path / 'quiet'}"]))
+    assert "caching" not in capsys.readouterr().err
