@@ -2,7 +2,8 @@
 into (one line, exit 2, as petl-run), a run another sweep finished while this one waited for it (counted as done),
 a run folder read while a live process trains it (named as being trained, not as one to resume), a disk that fills
 up during a sweep (each run failed in its line, the sweep going on), a lock whose pid is no number (respected), the
-feature cache's frozen forward (a progress bar).
+feature cache's frozen forward (a progress bar), petl-export's out= where nothing can be written (refused first, as
+petl-predict's) or on a full disk (named).
 
 Only the last trains (two tiny runs): the sweeps run a fake engine, the folder being trained is one this process
 holds the lock of.
@@ -26,7 +27,9 @@ from test_harness import BENCH, FakeEngine, write_run
 
 from petl.bench import sweep
 from petl.bench.suite import load_experiment
+from petl.cli import export as export_cli
 from petl.cli import predict as predict_cli
+from petl.deploy import export as export_module
 from petl.run import default_config, train
 from petl.store import files, lock
 from petl.utils.errors import RunError
@@ -142,3 +145,36 @@ def test_caching_features_shows_a_progress_bar_where_the_epochs_show_one(tmp_pat
     assert "caching train:" in err and "caching val:" in err
     train(default_config([*tiny_run(), "method=linear", f"output_dir={tmp_path / 'quiet'}"]))
     assert "caching" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("where", ["a read-only folder", "a file in the way", "a name too long"])
+def test_petl_export_where_nothing_can_be_written_is_refused_before_the_run_loads(tmp_path, monkeypatch, capsys, where):
+    # The export loaded and merged the run, then failed on "[Errno 30] Read-only file system: ..." (exit 1), where
+    # petl-predict's out= is refused first, in one line naming it (exit 2).
+    monkeypatch.setattr(export_module, "load_run", lambda *a: pytest.fail("must refuse before loading the run"))
+    if where == "a read-only folder":
+        out = _read_only_dir(tmp_path) / "exported"
+    elif where == "a file in the way":
+        (tmp_path / "file").write_text("")
+        out = tmp_path / "file" / "exported.safetensors"
+    else:
+        out = tmp_path / ("a" * 300) / "exported.onnx"
+    (tmp_path / "run").mkdir()
+    code, err = _main(export_cli.main, [str(tmp_path / "run"), f"out={out}"], capsys)
+    assert code == 2 and err.count("\n") == 1 and f"error: out={out}: cannot write in " in err, err
+    assert err.rstrip().endswith(": choose a folder you can write to"), err
+
+
+def test_petl_export_on_a_full_disk_names_out_in_one_line(tmp_path, monkeypatch, capsys):
+    # It said "petl-export: error: [Errno 28] No space left on device", naming nothing.
+    for name in ("load_run", "plain_model", "metadata"):
+        monkeypatch.setattr(export_module, name, lambda *a: None)
+
+    def full(*args):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(export_module, "save_safetensors", full)
+    out = tmp_path / "exported.safetensors"
+    code, err = _main(export_cli.main, [str(tmp_path / "run"), f"out={out}"], capsys)
+    assert code == 1 and err.count("\n") == 1, err
+    assert err.startswith(f"petl-export: error: cannot write out={out} (No space left on device): free the space")
