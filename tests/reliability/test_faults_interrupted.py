@@ -3,10 +3,10 @@ into (one line, exit 2, as petl-run), a run another sweep finished while this on
 a run folder read while a live process trains it (named as being trained, not as one to resume), a disk that fills
 up during a sweep (each run failed in its line, the sweep going on), a lock whose pid is no number (respected), the
 feature cache's frozen forward (a progress bar), petl-export's out= where nothing can be written (refused first, as
-petl-predict's) or on a full disk (named).
+petl-predict's) or on a full disk (named), petl-predict's out= with a name too long (refused as a read-only one).
 
-Only the last trains (two tiny runs): the sweeps run a fake engine, the folder being trained is one this process
-holds the lock of.
+Only the progress bar's test trains (two tiny runs): the sweeps run a fake engine, the folder being trained is one
+this process holds the lock of.
 """
 
 from __future__ import annotations
@@ -178,3 +178,15 @@ def test_petl_export_on_a_full_disk_names_out_in_one_line(tmp_path, monkeypatch,
     code, err = _main(export_cli.main, [str(tmp_path / "run"), f"out={out}"], capsys)
     assert code == 1 and err.count("\n") == 1, err
     assert err.startswith(f"petl-export: error: cannot write out={out} (No space left on device): free the space")
+
+
+@pytest.mark.parametrize("name", ["a" * 300 + ".csv", "a" * 300 + "/preds.csv"])
+def test_petl_predict_out_with_a_name_too_long_is_refused_in_one_line(tmp_path, capsys, name):
+    # "petl-predict: error: [Errno 36] File name too long: ...", exit 1, where a read-only out= is bad input (exit 2).
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / files.WEIGHTS_FILE).write_text("")
+    out = tmp_path / name
+    code, err = _main(predict_cli.main, [str(run), str(_image(tmp_path / "a.png")), f"out={out}"], capsys)
+    assert code == 2 and err.count("\n") == 1 and f"error: out={out}: cannot write in " in err, err
+    assert "(File name too long): choose a folder you can write to" in err, err
