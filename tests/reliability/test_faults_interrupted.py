@@ -3,7 +3,8 @@ into (one line, exit 2, as petl-run), a run another sweep finished while this on
 a run folder read while a live process trains it (named as being trained, not as one to resume), a disk that fills
 up during a sweep (each run failed in its line, the sweep going on), a lock whose pid is no number (respected), the
 feature cache's frozen forward (a progress bar), petl-export's out= where nothing can be written (refused first, as
-petl-predict's) or on a full disk (named), petl-predict's out= with a name too long (refused as a read-only one).
+petl-predict's) or on a full disk (named), petl-predict's out= with a name too long (refused as a read-only one),
+two processes unpacking one VTAB task from the hub archive at once (each into a folder of its own).
 
 Only the progress bar's test trains (two tiny runs): the sweeps run a fake engine, the folder being trained is one
 this process holds the lock of.
@@ -15,6 +16,8 @@ import errno
 import json
 import os
 import socket
+import threading
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -24,11 +27,14 @@ from test_faults_new_user import _image, _unfinished
 from test_faults_training import _read_only_dir
 from test_faults_untrusted_files import _mini_sweep, petl_bench
 from test_harness import BENCH, FakeEngine, write_run
+from test_vtab_fgvc_folders import FULL, make_vtab_task
 
+from petl import data
 from petl.bench import sweep
 from petl.bench.suite import load_experiment
 from petl.cli import export as export_cli
 from petl.cli import predict as predict_cli
+from petl.data import vtab
 from petl.deploy import export as export_module
 from petl.run import default_config, train
 from petl.store import files, lock
@@ -190,3 +196,54 @@ def test_petl_predict_out_with_a_name_too_long_is_refused_in_one_line(tmp_path, 
     code, err = _main(predict_cli.main, [str(run), str(_image(tmp_path / "a.png")), f"out={out}"], capsys)
     assert code == 2 and err.count("\n") == 1 and f"error: out={out}: cannot write in " in err, err
     assert "(File name too long): choose a folder you can write to" in err, err
+
+
+def test_two_processes_unpacking_one_vtab_task_at_once_neither_breaks_the_other(tmp_path, monkeypatch):
+    # Both unpacked into <task>.partial, each deleting it first as an interrupted one's leftover: the second deleted
+    # the first's half-written files, and the first, going on, failed to rename its folder onto the second's
+    # ("Directory not empty") -- or, the other way round, renamed a folder missing what the other had deleted.
+    import huggingface_hub
+
+    source = tmp_path / "source"
+    make_vtab_task(source / "dtd", FULL, num_classes=47, images=4)
+    archive = tmp_path / "vtab-1k.zip"
+    with zipfile.ZipFile(archive, "w") as bundle:
+        for path in sorted(source.rglob("*")):
+            if path.is_file():
+                bundle.write(path, "vtab-1k/" + path.relative_to(source).as_posix())
+    members = [m for m in zipfile.ZipFile(archive).namelist() if not m.endswith("/")]
+    reached, resume = threading.Event(), threading.Event()
+
+    class PausedHalfWay(zipfile.ZipFile):
+        """The first unpacking stops half-way until the second has unpacked the whole task."""
+
+        def open(self, name, *args, **kwargs):
+            if threading.current_thread().name == "first" and name == members[len(members) // 2]:
+                reached.set()
+                resume.wait(30)
+            return super().open(name, *args, **kwargs)
+
+    monkeypatch.setenv(vtab.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", lambda **kwargs: str(archive))
+    monkeypatch.setattr(vtab.zipfile, "ZipFile", PausedHalfWay)
+    outcome: dict[str, object] = {}
+
+    def unpack() -> None:
+        try:
+            outcome["first"] = data.build_dataset("vtab/dtd", "train800", image_size=8)
+        except Exception as error:  # noqa: BLE001  (the fault under test, reported below)
+            outcome["first"] = error
+
+    first = threading.Thread(target=unpack, name="first")
+    first.start()
+    assert reached.wait(30)
+    second = data.build_dataset("vtab/dtd", "train800", image_size=8)
+    resume.set()
+    first.join(30)
+    assert not isinstance(outcome["first"], Exception), outcome["first"]
+    assert len(second) == len(outcome["first"]) == FULL["train800"]
+    unpacked = tmp_path / "cache" / "vtab-1k"
+    assert sorted(p.name for p in unpacked.iterdir()) == ["dtd"]  # no half-unpacked folder left behind
+    assert sorted(p.relative_to(unpacked / "dtd").as_posix() for p in (unpacked / "dtd").rglob("*") if p.is_file()) == (
+        sorted(m[len("vtab-1k/dtd/") :] for m in members)
+    )
