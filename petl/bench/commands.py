@@ -24,7 +24,7 @@ from petl.bench.args import (
 )
 from petl.bench.own_run import OWN_DATA_KEYS, run_on_own_data
 from petl.bench.report import write_report
-from petl.bench.sweep import PlannedRun, SweepSummary, plan, run_sweep
+from petl.bench.sweep import PlannedRun, SweepSummary, check_results_folder, plan, run_sweep
 from petl.store.result import ResultError
 from petl.utils.errors import USAGE_ERROR
 from petl.utils.text import plural
@@ -62,6 +62,7 @@ def cmd_run(args: Sequence[str]) -> int:
     if "data" in own:  # your own images as the task (petl.bench.own_run): cost first, then the answer
         return run_on_own_data(suite, experiments, seeds, own, overrides, yes, _finish)
     output_dir = Path(own.get("output_dir", f"runs/bench/{suite.name}"))
+    check_results_folder(output_dir)
     if suite.search:
         return run_selection(suite, experiments, tasks, seeds, output_dir, overrides, own)
     runs = plan(experiments, tasks, seeds, output_dir, suite.overrides(), overrides, suite)

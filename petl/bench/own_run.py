@@ -23,6 +23,7 @@ from petl.bench import choice, own_data, protocol, report
 from petl.bench import estimate as costs
 from petl.bench.args import as_bool
 from petl.bench.suite import Experiment, Suite
+from petl.bench.sweep import check_results_folder
 from petl.store.lock import acquire_lock, describe_holder, release_lock
 from petl.utils.errors import RUN_ERROR
 
@@ -69,6 +70,7 @@ def run_on_own_data(
     print(f"petl-bench: {data.line()}")
     setup = own_data.run_setup(cfg, default_config([f"data={own['data']}", *data_options(overrides)]))
     output_dir = Path(own.get("output_dir") or data.default_output_dir(suite.name, setup))
+    check_results_folder(output_dir)
     if not acquire_lock(output_dir):
         # Not bad input, and nothing here is broken: one line and the status of a run that could not complete.
         print(

@@ -10,6 +10,8 @@ This is bookkeeping, not a scheduler: spreading runs over GPUs or SLURM is Hydra
 
 from __future__ import annotations
 
+import os
+import tempfile
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -25,6 +27,8 @@ from petl.store.files import RESULT_FILE
 from petl.store.lock import LOCK_FILE as LOCK_FILE  # the lock is petl-run's too: one home, re-exported here
 from petl.store.lock import acquire_lock, release_lock
 from petl.store.result import ResultError, RunResult, read_result, write_result
+from petl.utils.errors import UsageError
+from petl.utils.text import first_line
 
 ERROR_FILE = "error.log"
 
@@ -86,6 +90,41 @@ class PlannedRun:
 def reused_from(calibrating: Path | None, run_dir: Path) -> Path | None:
     """The ``calibrated_by`` of the run in ``run_dir``: the calibrating run's folder, unless it is that run."""
     return calibrating if calibrating != run_dir else None
+
+
+def check_results_folder(folder: Path) -> None:
+    """Refuse a results folder no run can be written into, before a sweep plans or trains anything.
+
+    A file in the way, a read-only or full file system, a name longer than the file system takes: each would
+    otherwise stop the sweep at its first run's lock with a bare ``OSError`` (exit 1).  This says what petl-run
+    says of such an ``output_dir`` (exit 2).  A small file is written and removed, and the folders made for it are
+    removed again, so a dry run is left without a trace.
+
+    Raises:
+        UsageError: one line naming ``folder`` and why.
+
+    """
+    created: list[Path] = []
+    try:
+        # Even a look may fail (a name longer than the file system allows).
+        if folder.exists() and not folder.is_dir():
+            raise UsageError(f"output_dir {folder} is a file, not a folder: choose another output_dir")
+        created = [p for p in (folder, *folder.parents) if not p.exists()]
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder) as probe:  # a full disk refuses the bytes, not the name
+            probe.write(b"petl" * 64)
+            probe.flush()
+            os.fsync(probe.fileno())
+    except OSError as error:
+        raise UsageError(
+            f"output_dir {folder} cannot be written ({error.strerror or error}): choose another output_dir"
+        ) from None
+    finally:
+        for made in created:  # deepest first; the sweep makes what it needs
+            try:
+                made.rmdir()
+            except OSError:
+                break
 
 
 def task_folder(task: str) -> str:
@@ -270,7 +309,14 @@ def run_sweep(
 
     def train(run: PlannedRun, overrides: list[str]) -> None:
         bar.set_postfix_str(run.label)
-        if not acquire_lock(run.run_dir):
+        try:
+            taken = acquire_lock(run.run_dir)
+        except OSError as error:  # the disk filled up (or went read-only) during the sweep: this run cannot start
+            why = f"cannot write to {run.run_dir} ({error.strerror or error})"
+            summary.failed.append(f"{run.label}: {why}")
+            bar.write(f"FAILED {run.label}: {why}")
+            return
+        if not taken:
             summary.held_elsewhere.append(run.label)
             if check_fn is not None:
                 try:  # another sweep trains it: with this config, or it is not this suite's result
@@ -293,18 +339,26 @@ def run_sweep(
                 # Runs share this process; each resets its own peak memory (petl.train.runner._train_and_record).
                 train_fn(cfg)
                 summary.trained += 1
+            else:
+                summary.already_done += 1  # by the sweep that held it: counted, so the summary adds up to the total
         except Exception as error:  # one bad run must not end a day-long sweep
-            (run.run_dir / ERROR_FILE).write_text(traceback.format_exc())
+            log_file = run.run_dir / ERROR_FILE
+            try:
+                log_file.write_text(traceback.format_exc())
+                see = f"see {log_file}"
+            except OSError as unwritten:
+                # A full disk fails the run and then its log: the run's own line says what happened.
+                see = f"{first_line(error, type(error).__name__)}; {log_file} not written ({unwritten.strerror})"
             if run.score_divergence and getattr(error, "diverged", False):
                 # A selection trial whose loss went non-finite has its answer: this point diverges.  Its
                 # result (no val score, so it ranks last) lets the cell's finals go ahead; without it the
                 # cell would wait, resume, and diverge again on every invocation.
                 write_result(run.run_dir / RESULT_FILE, _diverged_result(run, error, cfg))
                 summary.diverged.append(f"{run.label}: {error}")
-                bar.write(f"DIVERGED {run.label}: scored last (see {run.run_dir / ERROR_FILE})")
+                bar.write(f"DIVERGED {run.label}: scored last ({see})")
             else:
-                summary.failed.append(f"{run.label}: see {run.run_dir / ERROR_FILE}")
-                bar.write(f"FAILED {run.label} (see {run.run_dir / ERROR_FILE})")
+                summary.failed.append(f"{run.label}: {see}")
+                bar.write(f"FAILED {run.label} ({see})")
         finally:
             release_lock(run.run_dir)
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 import warnings
 import zipfile
 from collections import Counter
@@ -367,21 +368,34 @@ def _vtab_from_hub(info: DatasetInfo, task: _Task) -> Path:
         if prefix is None:
             raise DatasetUnavailableError(f"{info.name}: {VTAB_HUB_ID}/{VTAB_HUB_FILE} holds no folder for this task")
         destination = target_root / prefix.rstrip("/").split("/")[-1]
-        partial = destination.with_name(destination.name + ".partial")
-        shutil.rmtree(partial, ignore_errors=True)  # leftovers of an interrupted extraction
-        for member in bundle.namelist():
-            if not member.startswith(prefix) or member.endswith("/"):
-                continue
-            out = (partial / member[len(prefix) :]).resolve()
-            # A crafted archive could name ../ paths; never write outside the task folder.
-            if partial.resolve() not in out.parents:
-                raise DatasetUnavailableError(f"{info.name}: unsafe path {member!r} in {VTAB_HUB_FILE}")
-            out.parent.mkdir(parents=True, exist_ok=True)
-            with bundle.open(member) as source, out.open("wb") as sink:
-                while chunk := source.read(1 << 20):
-                    sink.write(chunk)
-        # Rename last, so an interrupted extraction is never mistaken for a complete folder.
-        partial.rename(destination)
+        # A folder of this extraction's own: two processes unpacking one task at once (two sweeps side by side)
+        # must neither delete nor write into each other's half-unpacked folder.
+        target_root.mkdir(parents=True, exist_ok=True)
+        partial = Path(tempfile.mkdtemp(prefix=f"{destination.name}.partial-", dir=target_root))
+        try:
+            for member in bundle.namelist():
+                if not member.startswith(prefix) or member.endswith("/"):
+                    continue
+                out = (partial / member[len(prefix) :]).resolve()
+                # A crafted archive could name ../ paths; never write outside the task folder.
+                if partial.resolve() not in out.parents:
+                    raise DatasetUnavailableError(f"{info.name}: unsafe path {member!r} in {VTAB_HUB_FILE}")
+                out.parent.mkdir(parents=True, exist_ok=True)
+                with bundle.open(member) as source, out.open("wb") as sink:
+                    while chunk := source.read(1 << 20):
+                        sink.write(chunk)
+            umask = os.umask(0)  # mkdtemp makes the folder private (0700); give it what a plain mkdir would
+            os.umask(umask)
+            partial.chmod(0o777 & ~umask)
+            # Rename last, so an interrupted extraction is never mistaken for a complete folder.
+            try:
+                partial.rename(destination)
+            except OSError:
+                if not (destination / "train800.txt").is_file():
+                    raise
+                # Another process unpacked the task first (renamed last, so whole): its folder is as good.
+        finally:
+            shutil.rmtree(partial, ignore_errors=True)
     return destination
 
 

@@ -17,6 +17,7 @@ from torch import nn
 import petl.methods  # noqa: F401  (importing the methods registers them)
 from petl.backbones.models import timm_native
 from petl.data.transforms import CROP_RATIO
+from petl.deploy.predict import cannot_write_in
 from petl.model.unloading import unload
 from petl.store import files
 from petl.store.run_card import LoadedRun, load_run
@@ -161,24 +162,32 @@ def check_target(run_dir: str | Path, out: str | Path, overwrite: bool = False) 
     folder already holding ``config.json`` or ``model.safetensors``, is replaced only with ``overwrite``.
 
     Raises:
-        ValueError: an unknown format, ``out`` inside a run folder, files in the way (one line naming them).
+        ValueError: an unknown format, ``out`` inside a run folder, files in the way, a folder nothing can be
+            written in (one line naming them).
 
     """
     out = Path(out)
     if out.suffix.lower() not in FORMATS:
         raise ValueError(f"out={out}: choose a folder (no suffix), a .safetensors or a .onnx file name")
-    target = out.resolve()
-    if target.is_relative_to(Path(run_dir).resolve()):
-        raise ValueError(f"out={out} is inside the run folder {run_dir}: export elsewhere (the run's files stay)")
-    files.check_outside_runs(target, f"out={out}", "an export")
-    if out.suffix:
-        if out.is_dir():
-            raise ValueError(f"out={out} is a folder: name a new {out.suffix} file")
-        in_the_way = [out] if out.exists() else []
-    elif out.exists() and not out.is_dir():
-        raise ValueError(f"out={out} is a file: name a folder (no suffix) or a .safetensors or .onnx file")
-    else:
-        in_the_way = [out / name for name in (CONFIG_FILE, WEIGHTS_FILE) if (out / name).exists()]
+    try:
+        target = out.resolve()
+        if target.is_relative_to(Path(run_dir).resolve()):
+            raise ValueError(f"out={out} is inside the run folder {run_dir}: export elsewhere (the run's files stay)")
+        files.check_outside_runs(target, f"out={out}", "an export")
+        if out.suffix:
+            if out.is_dir():
+                raise ValueError(f"out={out} is a folder: name a new {out.suffix} file")
+            in_the_way = [out] if out.exists() else []
+        elif out.exists() and not out.is_dir():
+            raise ValueError(f"out={out} is a file: name a folder (no suffix) or a .safetensors or .onnx file")
+        else:
+            in_the_way = [out / name for name in (CONFIG_FILE, WEIGHTS_FILE) if (out / name).exists()]
+        # Said before the run loads (as petl-predict's out=), not as a bare OSError after the model is built.
+        unwritable = cannot_write_in(out.parent if out.suffix else out)
+    except OSError as error:  # even a look fails: a name longer than the file system takes
+        unwritable = f"{out} ({error.strerror or error})"
+    if unwritable is not None:
+        raise ValueError(f"out={out}: cannot write in {unwritable}: choose a folder you can write to")
     if in_the_way and not overwrite:
         listed = ", ".join(str(path) for path in in_the_way)
         exists = "already exists" if len(in_the_way) == 1 else "already exist"
@@ -200,7 +209,7 @@ def export(run_dir: str | Path, out: str | Path, overwrite: bool = False) -> flo
     Raises:
         ValueError: an unknown format, ``out`` inside a run folder, files in the way without ``overwrite``, a
             method that cannot be unloaded, a run folder that cannot load.
-        RuntimeError: the ONNX check failed.
+        RuntimeError: the ONNX check failed, or a file could not be written (a full disk).
 
     """
     out = Path(out)
@@ -208,10 +217,15 @@ def export(run_dir: str | Path, out: str | Path, overwrite: bool = False) -> flo
     run = load_run(run_dir)
     model = plain_model(run)
     meta = metadata(run)
-    if out.suffix.lower() == ".onnx":
-        return save_onnx(model, out, meta, run.spec.image_size)
-    if out.suffix:
-        save_safetensors(model, out, meta)
-    else:
-        save_timm_folder(model, out, timm_config(run))
+    try:
+        if out.suffix.lower() == ".onnx":
+            return save_onnx(model, out, meta, run.spec.image_size)
+        if out.suffix:
+            save_safetensors(model, out, meta)
+        else:
+            save_timm_folder(model, out, timm_config(run))
+    except OSError as error:  # a full disk: each file is written atomically, so none is left half-written
+        raise RuntimeError(
+            f"cannot write out={out} ({error.strerror or error}): free the space and export again"
+        ) from None
     return None

@@ -452,11 +452,13 @@ def check_targets(runs: list[Path], options: dict) -> None:
     for key, path in written:
         try:
             check_outside_runs(path, f"{key}={shown(options[key])}", "a prediction")
+            if path.is_dir():
+                raise UsageError(f"{key}={shown(options[key])} is a folder: name a new {path.suffix} file")
+            unwritable = cannot_write_in(path.parent)
         except ValueError as error:
             raise UsageError(str(error)) from None
-        if path.is_dir():
-            raise UsageError(f"{key}={shown(options[key])} is a folder: name a new {path.suffix} file")
-        unwritable = cannot_write_in(path.parent)
+        except OSError as error:  # even a look fails: a name longer than the file system takes
+            unwritable = f"{shown(path)} ({error.strerror or error})"
         if unwritable is not None:
             raise UsageError(
                 f"{key}={shown(options[key])}: cannot write in {unwritable}: choose a folder you can write to"

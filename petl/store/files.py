@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from petl.store import lock
 from petl.utils.paths import atomic_path, file_sha256, write_atomic  # noqa: F401 (re-exported for the run's writers)
 from petl.utils.text import first_line, shown
 
@@ -74,9 +75,15 @@ def unfinished_run(folder: Path) -> str | None:
     """The one line for a folder petl-run has not finished (``checkpoint.pt`` without ``result.json``), or ``None``.
 
     Every command given such a folder as a run (petl-predict, petl-export, petl-serve, :func:`petl.load_run`) says
-    this line, rather than what it lacks of a finished run.
+    this line, rather than what it lacks of a finished run.  A run a live process is training now (its lock held)
+    is said to be one, even before its first checkpoint: running its command again would be refused.
     """
-    if (folder / CHECKPOINT_FILE).is_file() and not (folder / RESULT_FILE).is_file():
+    if (folder / RESULT_FILE).is_file():
+        return None
+    started = (folder / CHECKPOINT_FILE).is_file() or (folder / CONFIG_FILE).is_file()
+    if started and lock.held_by_live_process(folder):
+        return f"{shown(folder)} is a run being trained now ({lock.describe_holder(folder)}): wait for it to finish"
+    if (folder / CHECKPOINT_FILE).is_file():
         return (
             f"{shown(folder)} is an unfinished petl-run folder ({CHECKPOINT_FILE} without {RESULT_FILE}): run the "
             "same petl-run command again (resume=true, the default) to resume it"

@@ -52,6 +52,13 @@ def holds_lock(folder: Path) -> bool:
     return bool(holder) and holder.get("host") == socket.gethostname() and holder.get("pid") == os.getpid()
 
 
+def held_by_live_process(folder: Path) -> bool:
+    """Whether a live process on this host holds ``folder``'s lock: a run being trained there now."""
+    holder = read_holder(folder) or {}
+    pid = holder.get("pid")
+    return holder.get("host") == socket.gethostname() and isinstance(pid, int) and _pid_alive(pid)
+
+
 def _create(lock: Path, text: str) -> bool:
     """Make ``lock`` appear with ``text`` in one step; False if it already exists."""
     tmp = lock.with_name(f"{lock.name}.{os.getpid()}.tmp")
@@ -89,7 +96,8 @@ def acquire_lock(folder: Path) -> bool:
         holder = read_holder(folder)
         if holder is None:
             continue  # released between our two looks
-        if holder.get("host") == me["host"] and not _pid_alive(int(holder.get("pid", -1))):
+        pid = holder.get("pid", -1)  # not a number (a hand-edited lock): respected, as an unreadable one is
+        if holder.get("host") == me["host"] and isinstance(pid, int) and not _pid_alive(pid):
             if _take_over(lock, holder):
                 continue  # stale: its owner is dead, and the lock is out of the way
         return False

@@ -358,8 +358,10 @@ def _set_up_training(
     if cache_plan is not None:
         trainee = cache.CachedTail(model, cache_plan)
         batch = cfg.train.eval_batch_size
-        train_set = cache.cache_split(trainee, train_set, accelerator, batch, num_workers)
-        val_set = cache.cache_split(trainee, val_set, accelerator, batch, num_workers) if val_set else None
+        # A bar per split where the epochs have one (settings.progress: the main process's alone).
+        train_bar, val_bar = ("train", "val") if settings.progress else (None, None)
+        train_set = cache.cache_split(trainee, train_set, accelerator, batch, num_workers, train_bar)
+        val_set = cache.cache_split(trainee, val_set, accelerator, batch, num_workers, val_bar) if val_set else None
         seconds = time.perf_counter() - tick
         build.say(accelerator, "cached %s of %d train images in %.1f s", cache_plan.describe(), len(train_set), seconds)
 
