@@ -101,7 +101,8 @@ def save_onnx(model: nn.Module, path: Path, meta: dict[str, str], image_size: in
     """The plain model as ONNX (dynamic batch); returns the largest logit difference onnxruntime gives, if installed.
 
     Raises:
-        RuntimeError: onnxruntime disagrees with torch by more than :data:`ONNX_TOLERANCE`.
+        RuntimeError: torch's exporter cannot trace the model (timm's EVA), or onnxruntime disagrees with torch by
+            more than :data:`ONNX_TOLERANCE`.
 
     """
     example = torch.randn(2, 3, image_size, image_size, generator=torch.Generator().manual_seed(0))
@@ -110,10 +111,18 @@ def save_onnx(model: nn.Module, path: Path, meta: dict[str, str], image_size: in
         with warnings.catch_warnings():
             # The TorchScript exporter: torch's newer one needs the onnxscript package.
             warnings.simplefilter("ignore")
-            torch.onnx.export(
-                model.cpu(), (example,), str(tmp), input_names=["image"], output_names=["logits"],
-                dynamic_axes={"image": {0: "batch"}, "logits": {0: "batch"}}, opset_version=ONNX_OPSET, dynamo=False,
-            )  # fmt: skip
+            try:
+                torch.onnx.export(
+                    model.cpu(), (example,), str(tmp), input_names=["image"], output_names=["logits"],
+                    dynamic_axes={"image": {0: "batch"}, "logits": {0: "batch"}}, opset_version=ONNX_OPSET,
+                    dynamo=False,
+                )  # fmt: skip
+            except Exception as error:  # noqa: BLE001  (a model torch's exporter cannot trace: timm's EVA)
+                first = str(error).splitlines()[0] if str(error) else type(error).__name__
+                raise RuntimeError(
+                    f"torch.onnx.export cannot export {meta.get('timm_model', 'this model')} ({first}): "
+                    "export a folder or a .safetensors file instead"
+                ) from None
         _add_onnx_metadata(tmp, meta)
         gap = _onnx_gap(tmp, model, example)
         if gap is not None and gap > ONNX_TOLERANCE:

@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 import timm
 import torch
+from conftest import TINY_FAMILIES, TINY_VIT
+from test_multitask import _run_folder as multitask_run_folder
 from test_run_card import TINY, _run_folder
 
 import petl
@@ -139,3 +141,38 @@ def test_out_replaces_nothing_it_did_not_write_without_overwrite(tmp_path, capsy
     assert json.loads((mine / "config.json").read_text())["petl"]["format"] == "petl-export-1"
     export_cli.main([str(run_dir), f"out={tmp_path / 'new.safetensors'}"])
     assert (tmp_path / "new.safetensors").is_file()
+
+
+# Every timm family petl takes beside the default ViT (conftest's tiny models, one block), as a run's backbone record.
+FAMILY_BACKBONES = {
+    family: {
+        "name": name,
+        "pretrained": False,
+        "kwargs": {**{k: v for k, v in TINY_VIT.items() if k != "num_classes"}, "depth": 1, **options},
+    }
+    for family, (name, options) in TINY_FAMILIES.items()
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", sorted(FAMILY_BACKBONES))
+def test_each_family_exports_the_runs_logits_or_says_in_one_line_why_not(tmp_path, capsys, family):
+    run_dir = tmp_path / "run"
+    multitask_run_folder(run_dir, "lora", {}, seed=0, model_cfg=FAMILY_BACKBONES[family])
+    images = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = petl.load_run(run_dir).model(images)
+    export_cli.main([str(run_dir), f"out={tmp_path / 'exported'}"])
+    model = timm.create_model(f"local-dir:{tmp_path / 'exported'}", pretrained=True).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(images), want, rtol=1e-4, atol=1e-5)
+    capsys.readouterr()
+    try:
+        export_cli.main([str(run_dir), f"out={tmp_path / 'model.onnx'}"])
+    except SystemExit as stop:
+        # A model torch's ONNX exporter cannot trace (timm's EVA): one line, exit 1, nothing written.
+        error = capsys.readouterr().err
+        assert stop.code == 1 and error.startswith("petl-export: error: torch.onnx.export cannot export ")
+        assert error.count("\n") == 1 and not (tmp_path / "model.onnx").exists()
+        return
+    assert (tmp_path / "model.onnx").stat().st_size > 0
