@@ -7,6 +7,7 @@ same tensors and give the same logits as petl's registrations.
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import subprocess
@@ -19,11 +20,12 @@ import timm
 import torch
 from conftest import TINY_FAMILIES, TINY_VIT
 from test_multitask import _run_folder as multitask_run_folder
-from test_run_card import TINY, _run_folder
+from test_run_card import TINY, _image, _run_folder
 
 import petl
 from petl.backbones import models
 from petl.cli import export as export_cli
+from petl.cli import predict as predict_cli
 from petl.store import run_card
 
 
@@ -176,3 +178,31 @@ def test_each_family_exports_the_runs_logits_or_says_in_one_line_why_not(tmp_pat
         assert error.count("\n") == 1 and not (tmp_path / "model.onnx").exists()
         return
     assert (tmp_path / "model.onnx").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_ssf_where_qkv_has_no_bias_predicts_unmerged_with_merge_and_export_names_the_method(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    multitask_run_folder(run_dir, "ssf", {}, seed=0, model_cfg=FAMILY_BACKBONES["beit"])
+    images = tmp_path / "images"
+    images.mkdir()
+    for i in range(2):
+        _image(images / f"{i}.png")
+    rows = {}
+    for flags in ([], ["--merge"]):
+        with pytest.raises(SystemExit) as stop:
+            predict_cli.main([str(run_dir), str(images), f"out={tmp_path / 'preds.csv'}", "overwrite=true", *flags])
+        assert stop.value.code == 0, capsys.readouterr().err
+        with open(tmp_path / "preds.csv", newline="") as handle:
+            rows[bool(flags)] = list(csv.DictReader(handle))
+    # The same labels; probabilities to float rounding (merging rolls back the layers merged before the refusal).
+    for merged, unmerged in zip(rows[True], rows[False], strict=True):
+        assert [merged[f"label_{i}"] for i in (1, 2, 3)] == [unmerged[f"label_{i}"] for i in (1, 2, 3)]
+        assert abs(float(merged["prob_1"]) - float(unmerged["prob_1"])) < 1e-5
+    assert "note: method ssf: blocks.0.attn.qkv: SSF cannot merge" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stop:
+        export_cli.main([str(run_dir), f"out={tmp_path / 'exported'}"])
+    error = capsys.readouterr().err
+    assert stop.value.code == 2 and error.count("\n") == 1
+    assert error.startswith("petl-export: error: method 'ssf' cannot be unloaded into a plain timm model: ")
+    assert not (tmp_path / "exported").exists()
