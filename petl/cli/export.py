@@ -21,8 +21,8 @@ Methods whose modules cannot fold into the backbone (adapters, prompts, an MLP h
 in one line: use ``petl-predict`` / ``petl.load_run`` for them.
 
 Exit status (as every petl command): 2 for bad input (no weights, a model.json petl cannot build, a method that
-cannot be unloaded, an unknown format, out= inside a run folder, files in the way without overwrite=true), 1 when
-the export fails, 130 on Ctrl-C (nothing half-written is left).
+cannot be unloaded, an unknown format, out= inside a run folder or where nothing can be written, files in the way
+without overwrite=true), 1 when the export fails, 130 on Ctrl-C (nothing half-written is left).
 """
 
 from __future__ import annotations

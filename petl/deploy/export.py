@@ -17,6 +17,7 @@ from torch import nn
 import petl.methods  # noqa: F401  (importing the methods registers them)
 from petl.backbones.models import timm_native
 from petl.data.transforms import CROP_RATIO
+from petl.deploy.predict import cannot_write_in
 from petl.model.unloading import unload
 from petl.store import files
 from petl.store.run_card import LoadedRun, load_run
@@ -166,11 +167,13 @@ def check_target(run_dir: str | Path, out: str | Path, overwrite: bool = False) 
     """Refuse an ``out`` that would replace files the export did not write, before anything is loaded.
 
     ``out`` inside a run folder (this run's or any other: a folder above it holds ``model.json``) is refused
-    even with ``overwrite``: a run's files are replaced by a run, never by an export.  An existing file, or a
+    even with ``overwrite``: a run's files are replaced by a run, never by an export; so is an ``out`` where no
+    file can be written (a read-only folder, ``/proc``).  An existing file, or a
     folder already holding ``config.json`` or ``model.safetensors``, is replaced only with ``overwrite``.
 
     Raises:
-        ValueError: an unknown format, ``out`` inside a run folder, files in the way (one line naming them).
+        ValueError: an unknown format, ``out`` inside a run folder or where nothing can be written, files in the
+            way (one line naming them).
 
     """
     out = Path(out)
@@ -188,6 +191,9 @@ def check_target(run_dir: str | Path, out: str | Path, overwrite: bool = False) 
         raise ValueError(f"out={out} is a file: name a folder (no suffix) or a .safetensors or .onnx file")
     else:
         in_the_way = [out / name for name in (CONFIG_FILE, WEIGHTS_FILE) if (out / name).exists()]
+    unwritable = cannot_write_in(out.parent if out.suffix else out)
+    if unwritable is not None:  # said now, not after loading the run, and not as the temporary file's name
+        raise ValueError(f"out={out}: cannot write in {unwritable}: choose a folder you can write to")
     if in_the_way and not overwrite:
         listed = ", ".join(str(path) for path in in_the_way)
         exists = "already exists" if len(in_the_way) == 1 else "already exist"

@@ -206,3 +206,22 @@ def test_ssf_where_qkv_has_no_bias_predicts_unmerged_with_merge_and_export_names
     assert stop.value.code == 2 and error.count("\n") == 1
     assert error.startswith("petl-export: error: method 'ssf' cannot be unloaded into a plain timm model: ")
     assert not (tmp_path / "exported").exists()
+
+
+@pytest.mark.slow
+def test_out_where_nothing_can_be_written_is_refused_in_one_line_before_loading(tmp_path, capsys):
+    # It was said after the run loaded, naming the temporary file ("[Errno 2] ... '/proc/.x.safetensors.41j4.tmp'").
+    run_dir = _run_folder(tmp_path / "run")
+    (run_dir / run_card.WEIGHTS_FILE).write_bytes(b"not loaded: the refusal comes first")
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("")
+    targets = [a_file / "x.safetensors", a_file / "sub" / "exported"]
+    if Path("/proc/self").is_dir():
+        targets.append(Path("/proc/x.onnx"))
+    for target in targets:
+        with pytest.raises(SystemExit) as stop:
+            export_cli.main([str(run_dir), f"out={target}"])
+        error = capsys.readouterr().err
+        assert stop.value.code == 2 and error.count("\n") == 1, error
+        assert error.startswith(f"petl-export: error: out={target}: cannot write in "), error
+        assert "choose a folder you can write to" in error
