@@ -13,15 +13,16 @@ with ``img_size``, ``num_classes``, ``pretrained_cfg`` with the preprocessing an
 ``model.safetensors``.  A single file's metadata holds the same: the timm name and arguments, the class
 names and the preprocessing (input size, mean/std, interpolation, crop), as JSON strings (safetensors
 metadata; ONNX ``metadata_props``).  An ONNX file is checked against the merged model's logits with
-onnxruntime where it is installed.  ``out=`` inside a run folder (this run's or another's) is refused: an
+onnxruntime where it is installed; a model torch's ONNX exporter cannot trace (timm's EVA) fails in one line:
+export a folder or ``.safetensors`` for it.  ``out=`` inside a run folder (this run's or another's) is refused: an
 export never replaces a run's files.  An existing file, or a folder already holding ``config.json`` or
 ``model.safetensors``, is refused in one line naming it; ``overwrite=true`` replaces it.
 Methods whose modules cannot fold into the backbone (adapters, prompts, an MLP head) are refused
 in one line: use ``petl-predict`` / ``petl.load_run`` for them.
 
 Exit status (as every petl command): 2 for bad input (no weights, a model.json petl cannot build, a method that
-cannot be unloaded, an unknown format, out= inside a run folder, files in the way without overwrite=true), 1 when
-the export fails, 130 on Ctrl-C (nothing half-written is left).
+cannot be unloaded, an unknown format, out= inside a run folder or where nothing can be written, files in the way
+without overwrite=true), 1 when the export fails, 130 on Ctrl-C (nothing half-written is left).
 """
 
 from __future__ import annotations

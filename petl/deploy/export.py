@@ -102,7 +102,8 @@ def save_onnx(model: nn.Module, path: Path, meta: dict[str, str], image_size: in
     """The plain model as ONNX (dynamic batch); returns the largest logit difference onnxruntime gives, if installed.
 
     Raises:
-        RuntimeError: onnxruntime disagrees with torch by more than :data:`ONNX_TOLERANCE`.
+        RuntimeError: torch's exporter cannot trace the model (timm's EVA), or onnxruntime disagrees with torch by
+            more than :data:`ONNX_TOLERANCE`.
 
     """
     example = torch.randn(2, 3, image_size, image_size, generator=torch.Generator().manual_seed(0))
@@ -111,10 +112,18 @@ def save_onnx(model: nn.Module, path: Path, meta: dict[str, str], image_size: in
         with warnings.catch_warnings():
             # The TorchScript exporter: torch's newer one needs the onnxscript package.
             warnings.simplefilter("ignore")
-            torch.onnx.export(
-                model.cpu(), (example,), str(tmp), input_names=["image"], output_names=["logits"],
-                dynamic_axes={"image": {0: "batch"}, "logits": {0: "batch"}}, opset_version=ONNX_OPSET, dynamo=False,
-            )  # fmt: skip
+            try:
+                torch.onnx.export(
+                    model.cpu(), (example,), str(tmp), input_names=["image"], output_names=["logits"],
+                    dynamic_axes={"image": {0: "batch"}, "logits": {0: "batch"}}, opset_version=ONNX_OPSET,
+                    dynamo=False,
+                )  # fmt: skip
+            except Exception as error:  # noqa: BLE001  (a model torch's exporter cannot trace: timm's EVA)
+                first = str(error).splitlines()[0] if str(error) else type(error).__name__
+                raise RuntimeError(
+                    f"torch.onnx.export cannot export {meta.get('timm_model', 'this model')} ({first}): "
+                    "export a folder or a .safetensors file instead"
+                ) from None
         _add_onnx_metadata(tmp, meta)
         gap = _onnx_gap(tmp, model, example)
         if gap is not None and gap > ONNX_TOLERANCE:
@@ -158,7 +167,8 @@ def check_target(run_dir: str | Path, out: str | Path, overwrite: bool = False) 
     """Refuse an ``out`` that would replace files the export did not write, before anything is loaded.
 
     ``out`` inside a run folder (this run's or any other: a folder above it holds ``model.json``) is refused
-    even with ``overwrite``: a run's files are replaced by a run, never by an export.  An existing file, or a
+    even with ``overwrite``: a run's files are replaced by a run, never by an export; so is an ``out`` where no
+    file can be written (a read-only folder, ``/proc``).  An existing file, or a
     folder already holding ``config.json`` or ``model.safetensors``, is replaced only with ``overwrite``.
 
     Raises:

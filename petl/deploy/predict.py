@@ -490,7 +490,10 @@ def _load(folder: Path, merge: bool) -> LoadedRun:
     if merge:
         spec = get_method(run.card["method"])
         if spec.mergeable:
-            surgery.merge(run.model)
+            try:
+                surgery.merge(run.model)
+            except ValueError as error:  # a layer that cannot hold its update: all or nothing, the model runs unmerged
+                print(f"{PROG}: note: method {spec.name}: {error}", file=sys.stderr)
         else:
             print(f"{PROG}: note: method {spec.name} is not mergeable: predicting unmerged", file=sys.stderr)
     if torch.cuda.is_available():

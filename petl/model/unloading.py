@@ -56,12 +56,19 @@ def unload(model: nn.Module) -> nn.Module:
         The same model object, now without petl wrappers or marks (``petl_method``, ``petl_config``, ``petl_trained``).
 
     Raises:
-        ValueError: the method adds modules that cannot fold into the backbone (nothing is changed).
+        ValueError: the method adds modules that cannot fold into the backbone, or a layer refuses to merge its
+            update (nothing is changed).
 
     """
     _check_unloadable(model)
     if any(_base_of(m) is not None for m in model.modules()):
-        merge_updates(model)
+        try:
+            merge_updates(model)
+        except ValueError as error:  # a layer that cannot hold its update (SSF's shift on a qkv without bias)
+            raise ValueError(
+                f"method {getattr(model, 'petl_method', None)!r} cannot be unloaded into a plain timm model: {error} "
+                "(use the petl model, e.g. petl.load_run)"
+            ) from None
     # Outermost first: a replaced wrapper's inner modules are gone with it.
     for name, module in list(model.named_modules()):
         base = _base_of(module)

@@ -7,6 +7,7 @@ same tensors and give the same logits as petl's registrations.
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import subprocess
@@ -17,11 +18,14 @@ from pathlib import Path
 import pytest
 import timm
 import torch
-from test_run_card import TINY, _run_folder
+from conftest import TINY_FAMILIES, TINY_VIT
+from test_multitask import _run_folder as multitask_run_folder
+from test_run_card import TINY, _image, _run_folder
 
 import petl
 from petl.backbones import models
 from petl.cli import export as export_cli
+from petl.cli import predict as predict_cli
 from petl.store import run_card
 
 
@@ -139,3 +143,85 @@ def test_out_replaces_nothing_it_did_not_write_without_overwrite(tmp_path, capsy
     assert json.loads((mine / "config.json").read_text())["petl"]["format"] == "petl-export-1"
     export_cli.main([str(run_dir), f"out={tmp_path / 'new.safetensors'}"])
     assert (tmp_path / "new.safetensors").is_file()
+
+
+# Every timm family petl takes beside the default ViT (conftest's tiny models, one block), as a run's backbone record.
+FAMILY_BACKBONES = {
+    family: {
+        "name": name,
+        "pretrained": False,
+        "kwargs": {**{k: v for k, v in TINY_VIT.items() if k != "num_classes"}, "depth": 1, **options},
+    }
+    for family, (name, options) in TINY_FAMILIES.items()
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", sorted(FAMILY_BACKBONES))
+def test_each_family_exports_the_runs_logits_or_says_in_one_line_why_not(tmp_path, capsys, family):
+    run_dir = tmp_path / "run"
+    multitask_run_folder(run_dir, "lora", {}, seed=0, model_cfg=FAMILY_BACKBONES[family])
+    images = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = petl.load_run(run_dir).model(images)
+    export_cli.main([str(run_dir), f"out={tmp_path / 'exported'}"])
+    model = timm.create_model(f"local-dir:{tmp_path / 'exported'}", pretrained=True).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(images), want, rtol=1e-4, atol=1e-5)
+    capsys.readouterr()
+    try:
+        export_cli.main([str(run_dir), f"out={tmp_path / 'model.onnx'}"])
+    except SystemExit as stop:
+        # A model torch's ONNX exporter cannot trace (timm's EVA): one line, exit 1, nothing written.
+        error = capsys.readouterr().err
+        assert stop.code == 1 and error.startswith("petl-export: error: torch.onnx.export cannot export ")
+        assert error.count("\n") == 1 and not (tmp_path / "model.onnx").exists()
+        return
+    assert (tmp_path / "model.onnx").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_ssf_where_qkv_has_no_bias_predicts_unmerged_with_merge_and_export_names_the_method(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    multitask_run_folder(run_dir, "ssf", {}, seed=0, model_cfg=FAMILY_BACKBONES["beit"])
+    images = tmp_path / "images"
+    images.mkdir()
+    for i in range(2):
+        _image(images / f"{i}.png")
+    rows = {}
+    for flags in ([], ["--merge"]):
+        with pytest.raises(SystemExit) as stop:
+            predict_cli.main([str(run_dir), str(images), f"out={tmp_path / 'preds.csv'}", "overwrite=true", *flags])
+        assert stop.value.code == 0, capsys.readouterr().err
+        with open(tmp_path / "preds.csv", newline="") as handle:
+            rows[bool(flags)] = list(csv.DictReader(handle))
+    # The same labels; probabilities to float rounding (merging rolls back the layers merged before the refusal).
+    for merged, unmerged in zip(rows[True], rows[False], strict=True):
+        assert [merged[f"label_{i}"] for i in (1, 2, 3)] == [unmerged[f"label_{i}"] for i in (1, 2, 3)]
+        assert abs(float(merged["prob_1"]) - float(unmerged["prob_1"])) < 1e-5
+    assert "note: method ssf: blocks.0.attn.qkv: SSF cannot merge" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stop:
+        export_cli.main([str(run_dir), f"out={tmp_path / 'exported'}"])
+    error = capsys.readouterr().err
+    assert stop.value.code == 2 and error.count("\n") == 1
+    assert error.startswith("petl-export: error: method 'ssf' cannot be unloaded into a plain timm model: ")
+    assert not (tmp_path / "exported").exists()
+
+
+@pytest.mark.slow
+def test_out_where_nothing_can_be_written_is_refused_in_one_line_before_loading(tmp_path, capsys):
+    # It was said after the run loaded, naming the temporary file ("[Errno 2] ... '/proc/.x.safetensors.41j4.tmp'").
+    run_dir = _run_folder(tmp_path / "run")
+    (run_dir / run_card.WEIGHTS_FILE).write_bytes(b"not loaded: the refusal comes first")
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("")
+    targets = [a_file / "x.safetensors", a_file / "sub" / "exported"]
+    if Path("/proc/self").is_dir():
+        targets.append(Path("/proc/x.onnx"))
+    for target in targets:
+        with pytest.raises(SystemExit) as stop:
+            export_cli.main([str(run_dir), f"out={target}"])
+        error = capsys.readouterr().err
+        assert stop.value.code == 2 and error.count("\n") == 1, error
+        assert error.startswith(f"petl-export: error: out={target}: cannot write in "), error
+        assert "choose a folder you can write to" in error

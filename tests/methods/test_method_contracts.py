@@ -654,6 +654,27 @@ def test_family_merge_equals_unmerged(images, family, method, options):
 
 
 @pytest.mark.parametrize(("family", "method", "options"), FAMILY_CASES, ids=FAMILY_IDS)
+def test_family_unload_is_plain_timm_with_the_same_logits_or_refused_naming_the_method(images, family, method, options):
+    # What petl-export writes: the unloaded state dict, loaded into the family's own timm model.
+    model = petl.apply(make_tiny_family(family), method, num_classes=4, **options)
+    perturb_trainable(model)
+    with torch.no_grad():
+        want = model.eval()(images)
+    try:
+        plain = petl.unload(model)
+    except ValueError as refused:
+        # Modules that do not fold, or a layer that cannot hold its update (SSF's shift on a qkv without bias).
+        assert str(refused).startswith(f"method '{method}' cannot be unloaded into a plain timm model: ")
+        assert "\n" not in str(refused)
+        return
+    assert not any(isinstance(m, PetlModule) for m in plain.modules())
+    fresh = make_tiny_family(family, num_classes=4)
+    fresh.load_state_dict(plain.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(images), want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(("family", "method", "options"), FAMILY_CASES, ids=FAMILY_IDS)
 def test_family_forward_intermediates_at_timm_shapes(images, family, method, options):
     plain = make_tiny_family(family)
     model = petl.apply(make_tiny_family(family), method, **options).eval()
