@@ -43,10 +43,8 @@ def merge_updates(model: nn.Module) -> nn.Module:
             if not getattr(module, "merged", False):
                 try:
                     module.merge()
-                except ValueError as error:  # the wrapper's reason, with where it is and what to do instead
-                    raise ValueError(
-                        f"{names[id(module)]}: {error}; the model is left unmerged, and runs as trained without merging"
-                    ) from None
+                except ValueError as error:  # the wrapper's reason, with where it is
+                    raise ValueError(f"{names[id(module)]}: {error}") from None
                 done.append(module)
     except Exception:
         for module in reversed(done):
