@@ -15,7 +15,9 @@ from test_multitask import _run_folder
 
 pytest.importorskip("fastapi", reason='petl-serve\'s extra is not installed: pip install -e ".[serve]"')
 
+from petl.cli import serve as serve_cli  # noqa: E402
 from petl.deploy import serve  # noqa: E402
+from petl.utils.errors import UsageError  # noqa: E402
 
 BOUNDARY = "petl-test-boundary"
 
@@ -150,3 +152,12 @@ def test_a_request_a_shutdown_ends_gets_a_json_503(app):
         "the server shut down before the images ran: send them again once it is back"
     )
 
+
+def test_a_task_named_without_a_run_folder_is_refused(tmp_path, monkeypatch):
+    """task.x= was read as the current folder: in a run folder, it served that run; elsewhere, said it "holds N
+    runs"."""
+    run = tmp_path / "cars"
+    _run_folder(run, "lora", {}, seed=1)
+    monkeypatch.chdir(run)
+    with pytest.raises(UsageError, match=r"^task\.x=: no run folder after '=': give one, as task\.x=runs/cars$"):
+        serve_cli.find_runs(["task.x="])
