@@ -161,3 +161,14 @@ def test_a_task_named_without_a_run_folder_is_refused(tmp_path, monkeypatch):
     monkeypatch.chdir(run)
     with pytest.raises(UsageError, match=r"^task\.x=: no run folder after '=': give one, as task\.x=runs/cars$"):
         serve_cli.find_runs(["task.x="])
+
+
+def test_a_run_of_another_backbone_is_refused_saying_what_a_petl_serve_user_can_do(tmp_path, capsys):
+    """Said "serve it with a MultiTask of its own": Python, which a petl-serve user is not writing."""
+    _run_folder(tmp_path / "narrow", "lora", {}, seed=0, width=48)
+    _run_folder(tmp_path / "wide", "lora", {}, seed=0, width=96)
+    with pytest.raises(SystemExit) as stop:
+        serve_cli.main([str(tmp_path / "narrow"), str(tmp_path / "wide"), "port=1"])
+    assert stop.value.code == 2
+    error = capsys.readouterr().err
+    assert "was trained on another backbone than run" in error and "a second petl-serve on another port" in error
