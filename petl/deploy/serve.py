@@ -709,17 +709,16 @@ async def predict(
         check_pixels(uploads, options)
         async with decoding:
             images = await asyncio.to_thread(_preprocess_all, uploads, found.spec)
+        rows = await batcher.submit(images, found.index)
     except TooManyPixels as error:
         raise HTTPException(413, str(error)) from None
     except BadImage as error:
         raise HTTPException(400, str(error)) from None
-    try:
-        rows = await batcher.submit(images, found.index)
     except QueueFull as error:
         raise HTTPException(503, f"{error}: retry in a moment", headers={"Retry-After": "1"}) from None
     except asyncio.CancelledError:
-        # uvicorn cancels the requests still running when shutdown_timeout_s runs out: answered, not left to
-        # uvicorn's plain-text 500 (and a traceback in the log).
+        # uvicorn cancels the requests still running when shutdown_timeout_s runs out (waiting for a decoding slot
+        # or for the model): answered, not left to uvicorn's plain-text 500 (and a traceback in the log).
         raise HTTPException(
             503,
             "the server shut down before the images ran: send them again once it is back",
