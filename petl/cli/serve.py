@@ -118,6 +118,8 @@ def find_runs(items: Sequence[str]) -> dict[str, Path]:
     unnamed: list[Path] = []
     for item in items:
         key, eq, value = item.partition("=")
+        if eq and not value:  # Path("") is the current folder: task.x= served whatever run was there
+            raise UsageError(f"{item}: no run folder after '=': give one, as {item}runs/cars")
         path = Path(value if eq else item).expanduser()
         if not path.is_dir():
             raise UsageError(f"{item}: no such run folder")

@@ -326,7 +326,7 @@ class MultiTask(nn.Module):
             if difference:
                 raise ValueError(
                     f"run {name} was trained on another backbone than run {first} ({difference}): "
-                    "serve it with a MultiTask of its own"
+                    "serve it apart, with a MultiTask of its own or a second petl-serve on another port"
                 )
         return cls(run_card.create_backbone(cards[first]["backbone"], Path(tasks[first]) / run_card.MODEL_FILE), tasks)
 

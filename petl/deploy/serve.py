@@ -44,8 +44,9 @@ from typing import Annotated, Any, Literal
 import h11
 import torch
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query, Request
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from PIL import Image
 from pydantic import BaseModel, Field
@@ -360,7 +361,7 @@ def _too_large(size: int, limit: int, at_least: bool = False) -> HTTPException:
 
 async def _uploads(request: Request, body: bytes, options: ServeOptions) -> list[tuple[str, bytes]]:
     """The images of a request: its multipart file fields, or the whole body as one image."""
-    if not request.headers.get("content-type", "").startswith("multipart/form-data"):
+    if not _is_multipart(request):
         if not body:
             raise HTTPException(400, "no image in the request: send the image as the body or as multipart file fields")
         return [("", body)]
@@ -372,10 +373,20 @@ async def _uploads(request: Request, body: bytes, options: ServeOptions) -> list
         form = await Request(request.scope, replay).form(
             max_files=options.max_queue, max_fields=options.max_queue, max_part_size=options.max_upload_bytes
         )
-    except StarletteHTTPException as error:  # starlette answers 400 to more parts than max_files/max_fields
-        if "Too many" not in str(error.detail):
-            raise
-        raise _too_many(f"more than {options.max_queue}", options.max_queue) from None
+    except StarletteHTTPException as error:  # starlette's 400, in its words ("Invalid multipart data.")
+        detail = str(error.detail)
+        if detail.startswith("Too many files"):
+            raise _too_many(f"more than {options.max_queue}", options.max_queue) from None
+        if detail.startswith("Too many fields"):
+            raise HTTPException(
+                400,
+                f"the multipart request holds more than {options.max_queue} text fields: send images as file fields",
+            ) from None
+        raise HTTPException(
+            400,
+            f"the multipart body cannot be read ({detail.rstrip('.')}): send each image as a file field "
+            "(curl -F image=@cat.jpg), or one image as the whole body",
+        ) from None
     uploads = []
     try:
         for field, value in form.multi_items():
@@ -387,6 +398,11 @@ async def _uploads(request: Request, body: bytes, options: ServeOptions) -> list
     if not uploads:
         raise HTTPException(400, "the multipart request holds no file: send each image as a file field")
     return uploads
+
+
+def _is_multipart(request: Request) -> bool:
+    # A media type is case-insensitive (RFC 9110 8.3.1): Multipart/Form-Data was read as one image.
+    return request.headers.get("content-type", "").split(";")[0].strip().lower() == "multipart/form-data"
 
 
 def _too_many(count: int | str, max_queue: int) -> HTTPException:
@@ -555,7 +571,7 @@ ERRORS = {
     408: "the body did not all arrive within body_timeout_s",
     413: "a body over max_upload_mb, more images than max_queue, or more pixels than max_image_mp or max_request_mp",
     422: "a bad query value (top_k=0)",
-    503: "the queue is full: retry after Retry-After",
+    503: "the queue is full: retry after Retry-After; or a shutdown ended the request before its images ran",
 }
 
 
@@ -693,14 +709,21 @@ async def predict(
         check_pixels(uploads, options)
         async with decoding:
             images = await asyncio.to_thread(_preprocess_all, uploads, found.spec)
+        rows = await batcher.submit(images, found.index)
     except TooManyPixels as error:
         raise HTTPException(413, str(error)) from None
     except BadImage as error:
         raise HTTPException(400, str(error)) from None
-    try:
-        rows = await batcher.submit(images, found.index)
     except QueueFull as error:
         raise HTTPException(503, f"{error}: retry in a moment", headers={"Retry-After": "1"}) from None
+    except asyncio.CancelledError:
+        # uvicorn cancels the requests still running when shutdown_timeout_s runs out (waiting for a decoding slot
+        # or for the model): answered, not left to uvicorn's plain-text 500 (and a traceback in the log).
+        raise HTTPException(
+            503,
+            "the server shut down before the images ran: send them again once it is back",
+            headers={"Connection": "close"},
+        ) from None
     metrics.images.inc(len(rows), task=found.name)
     metrics.latency.observe(time.perf_counter() - started)
     predictions = [_top_k(name, row, found, top_k) for (name, _), row in zip(uploads, rows, strict=True)]
@@ -721,6 +744,23 @@ async def _one_line_validation(_request: Request, error: RequestValidationError)
     first = error.errors()[0] if error.errors() else {}
     where = ".".join(str(part) for part in first.get("loc", ()) if part not in ("query", "path"))
     return JSONResponse({"detail": f"{where}: {first.get('msg', 'invalid value')}: fix it and send again"}, 422)
+
+
+ROUTES = (
+    "POST /v1/tasks/{task}/predict, GET /v1/tasks, GET /health, GET /metrics, GET / (GET /openapi.json describes them)"
+)
+
+
+async def _say_what_to_do(request: Request, error: StarletteHTTPException) -> Response:
+    # Starlette's own answers to a path or a method no route has ("Not Found") say nothing of what to do.
+    detail = error.detail
+    if error.status_code == 404 and detail == "Not Found":
+        detail = f"no route {request.method} {request.url.path[:100]!r}: the routes are {ROUTES}"
+    elif error.status_code == 405 and detail == "Method Not Allowed":
+        allowed = (error.headers or {}).get("Allow", "")
+        detail = f"{request.method} is not served at {request.url.path[:100]!r}, only {allowed}: the routes are "
+        detail += ROUTES
+    return await http_exception_handler(request, StarletteHTTPException(error.status_code, detail, error.headers))
 
 
 async def _one_line_error(_request: Request, error: Exception) -> JSONResponse:
@@ -754,7 +794,11 @@ def create_app(served: MultiTask, tasks: list[Task], options: ServeOptions) -> F
         lifespan=_lifespan,
         docs_url=None,
         redoc_url=None,
-        exception_handlers={RequestValidationError: _one_line_validation, Exception: _one_line_error},
+        exception_handlers={
+            RequestValidationError: _one_line_validation,
+            StarletteHTTPException: _say_what_to_do,
+            Exception: _one_line_error,
+        },
     )
     app.include_router(router)
     app.include_router(data_router)

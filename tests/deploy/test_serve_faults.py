@@ -1,0 +1,174 @@
+"""petl-serve as a client hits it: every error says what to do in one JSON line (a path or method no route has, a
+multipart body that cannot be read), a multipart Content-Type in any case is read as multipart, and a request a
+shutdown ends is answered.  In process: the app called as uvicorn calls it (ASGI), no server, no training."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+
+import numpy as np
+import pytest
+from PIL import Image
+from test_multitask import _run_folder
+
+pytest.importorskip("fastapi", reason='petl-serve\'s extra is not installed: pip install -e ".[serve]"')
+
+from petl.cli import serve as serve_cli  # noqa: E402
+from petl.deploy import serve  # noqa: E402
+from petl.utils.errors import UsageError  # noqa: E402
+
+BOUNDARY = "petl-test-boundary"
+
+
+@pytest.fixture(scope="module")
+def app(tmp_path_factory):
+    """The app over one finished LoRA run (written without training), a long batching window."""
+    run = tmp_path_factory.mktemp("serve_faults") / "lora"
+    _run_folder(run, "lora", {}, seed=0)
+    served, tasks = serve.load_tasks({"lora": run})
+    return serve.create_app(served, tasks, serve.ServeOptions(max_wait_ms=2000, precision="no"))
+
+
+def _png() -> bytes:
+    buffer = io.BytesIO()
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (40, 36, 3), dtype=np.uint8)).save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+def _multipart(filename: str, data: bytes) -> bytes:
+    return (
+        f'--{BOUNDARY}\r\nContent-Disposition: form-data; name="image"; filename="{filename}"\r\n'
+        "Content-Type: image/png\r\n\r\n".encode()
+        + data
+        + f"\r\n--{BOUNDARY}--\r\n".encode()
+    )
+
+
+async def _ask(app, method: str, path: str, body: bytes = b"", content_type: str | None = None) -> tuple[int, dict]:
+    """(status, JSON answer) of one request, the app called as uvicorn calls it."""
+    delivered = False
+
+    async def receive() -> dict:
+        nonlocal delivered
+        if not delivered:
+            delivered = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await asyncio.Event().wait()  # the client stays connected
+        raise AssertionError("unreachable")
+
+    sent = []
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    headers = [(b"content-type", content_type.encode())] if content_type else []
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": method,
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": headers,
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 8000),
+    }
+    await app(scope, receive, send)
+    status = next(m["status"] for m in sent if m["type"] == "http.response.start")
+    return status, json.loads(b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body"))
+
+
+def _with_batcher(app, scenario):
+    """Run ``scenario()`` with the app's batcher working, as its lifespan runs it."""
+
+    async def run():
+        worker = asyncio.create_task(app.state.batcher.run())
+        await asyncio.sleep(0)
+        try:
+            return await scenario()
+        finally:
+            worker.cancel()
+
+    return asyncio.run(run())
+
+
+def test_a_path_or_method_no_route_has_says_which_routes_there_are(app):
+    # Said "Not Found" and "Method Not Allowed": nothing of what to do.
+    status, answer = asyncio.run(_ask(app, "GET", "/v1/task"))
+    assert status == 404 and answer["detail"].startswith("no route GET '/v1/task': the routes are POST /v1/tasks/")
+    status, answer = asyncio.run(_ask(app, "HEAD", "/health"))
+    assert status == 405 and answer["detail"].startswith("HEAD is not served at '/health', only GET: the routes are")
+    status, answer = asyncio.run(_ask(app, "GET", serve.PREDICT_ROUTE.format(task="lora")))
+    assert status == 405 and "only POST" in answer["detail"]
+    # An unknown task keeps its own answer.
+    status, answer = asyncio.run(_ask(app, "POST", serve.PREDICT_ROUTE.format(task="cars"), _png()))
+    assert status == 404 and answer["detail"].startswith("unknown task 'cars': the tasks are lora")
+
+
+def test_a_multipart_body_is_read_whatever_the_case_of_its_content_type(app):
+    route = serve.PREDICT_ROUTE.format(task="lora")
+    body = _multipart("cat.png", _png())
+
+    async def scenario():
+        # A media type is case-insensitive: Multipart/Form-Data was read as one image, "not a readable image".
+        kinds = (f"multipart/form-data; boundary={BOUNDARY}", f"Multipart/Form-Data; boundary={BOUNDARY}")
+        return [await _ask(app, "POST", route, body, kind) for kind in kinds]
+
+    (status, answer), (status_upper, answer_upper) = _with_batcher(app, scenario)
+    assert status == status_upper == 200, answer_upper
+    assert answer_upper == answer and answer["predictions"][0]["image"] == "cat.png"
+
+
+def test_a_multipart_body_that_cannot_be_read_is_refused_saying_how_to_send_images(app):
+    route = serve.PREDICT_ROUTE.format(task="lora")
+    body = _multipart("cat.png", _png())
+    # Starlette's own words ("Missing boundary in multipart.", "Invalid multipart data.") said nothing of what to do.
+    for kind in ("multipart/form-data", f"multipart/form-data; boundary={BOUNDARY}x"):
+        status, answer = asyncio.run(_ask(app, "POST", route, body, kind))
+        assert status == 400 and answer["detail"].startswith("the multipart body cannot be read ("), answer
+        assert answer["detail"].endswith(
+            "send each image as a file field (curl -F image=@cat.jpg), or one image as the whole body"
+        )
+
+
+def test_a_request_a_shutdown_ends_gets_a_json_503(app):
+    """uvicorn cancels the requests still running when shutdown_timeout_s runs out: the client got uvicorn's
+    plain-text 500 ("Internal Server Error") and the log a traceback."""
+
+    async def scenario():
+        request = asyncio.create_task(_ask(app, "POST", serve.PREDICT_ROUTE.format(task="lora"), _png()))
+        while not app.state.batcher._rows:  # the image waits in the 2 s batching window
+            await asyncio.sleep(0.01)
+        request.cancel("Task cancelled, timeout graceful shutdown exceeded")  # what uvicorn does
+        return await request
+
+    status, answer = _with_batcher(app, scenario)
+    assert status == 503 and answer["detail"] == (
+        "the server shut down before the images ran: send them again once it is back"
+    )
+
+
+def test_a_task_named_without_a_run_folder_is_refused(tmp_path, monkeypatch):
+    """task.x= was read as the current folder: in a run folder, it served that run; elsewhere, said it "holds N
+    runs"."""
+    run = tmp_path / "cars"
+    _run_folder(run, "lora", {}, seed=1)
+    monkeypatch.chdir(run)
+    with pytest.raises(UsageError, match=r"^task\.x=: no run folder after '=': give one, as task\.x=runs/cars$"):
+        serve_cli.find_runs(["task.x="])
+
+
+def test_a_run_of_another_backbone_is_refused_saying_what_a_petl_serve_user_can_do(tmp_path, capsys):
+    """Said "serve it with a MultiTask of its own": Python, which a petl-serve user is not writing."""
+    _run_folder(tmp_path / "narrow", "lora", {}, seed=0, width=48)
+    _run_folder(tmp_path / "wide", "lora", {}, seed=0, width=96)
+    with pytest.raises(SystemExit) as stop:
+        serve_cli.main([str(tmp_path / "narrow"), str(tmp_path / "wide"), "port=1"])
+    assert stop.value.code == 2
+    error = capsys.readouterr().err
+    assert "was trained on another backbone than run" in error and "a second petl-serve on another port" in error
