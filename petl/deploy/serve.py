@@ -674,6 +674,11 @@ async def health(tasks: TasksDep, device: DeviceDep, precision: PrecisionDep) ->
     return Health(status="ok", tasks=len(tasks), device=device, precision=precision)
 
 
+# HEAD too, as uptime checkers and load balancers probe (uvicorn sends the headers without the body); out of the
+# schema, where a second method on one function would repeat its operation id.
+router.add_api_route("/health", health, methods=["HEAD"], include_in_schema=False)
+
+
 @data_router.get("/v1/tasks")
 async def list_tasks(tasks: TasksDep) -> TaskList:
     """Every task served: its method, classes, trainable parameters, backbone and input resolution."""
@@ -747,7 +752,8 @@ async def _one_line_validation(_request: Request, error: RequestValidationError)
 
 
 ROUTES = (
-    "POST /v1/tasks/{task}/predict, GET /v1/tasks, GET /health, GET /metrics, GET / (GET /openapi.json describes them)"
+    "POST /v1/tasks/{task}/predict, GET /v1/tasks, GET or HEAD /health, GET /metrics, GET / "
+    "(GET /openapi.json describes them)"
 )
 
 
