@@ -207,6 +207,8 @@ def read_card(run_dir: str | Path) -> dict[str, Any]:
 
     """
     folder = Path(run_dir)
+    if folder.is_file():  # a run's model.json or weights: the folder holding it is the run
+        raise RunFolderError(f"{folder}: a file, not a run folder: give the folder holding it ({folder.parent})")
     if not folder.is_dir():
         raise RunFolderError(f"{folder}: no such run folder")
     unfinished = unfinished_run(folder)

@@ -420,6 +420,8 @@ def test_a_run_folder_that_fails_the_checks_is_refused_at_start_naming_it(runs, 
     (tmp_path / "empty").mkdir()
     for argv, message in [
         ([str(tmp_path / "nowhere")], "no such run folder"),
+        # A run's model.json named instead of its folder said "no such run folder", though the file is there.
+        ([str(runs["lora"] / "model.json")], f"a file, not a run folder: give the folder holding it ({runs['lora']})"),
         ([str(tmp_path / "empty")], "holds no finished run folder"),
         ([str(runs["lora"]), "max_batch=0"], "max_batch=0: must be a number from 1 to 4096"),
         # Issue 52: max_wait_ms=inf was taken (requests never came back), max_upload_mb=inf made every predict a 500.

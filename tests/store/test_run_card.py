@@ -141,6 +141,13 @@ def test_a_damaged_or_newer_card_is_refused_in_one_line(tmp_path, edit, message)
     assert "\n" not in str(error.value) and str(run / run_card.MODEL_FILE) in str(error.value)
 
 
+def test_a_file_of_the_run_given_for_its_folder_says_to_give_the_folder(tmp_path):
+    # It said "no such run folder", though the file is there.
+    run = _run_folder(tmp_path / "run")
+    with pytest.raises(run_card.RunFolderError, match=r"model.json: a file, not a run folder: give the folder holding"):
+        petl.load_run(run / run_card.MODEL_FILE)
+
+
 def _as_first_format(card: dict) -> None:
     """What petl wrote before this format: no weights hash, no img_size unless the run gave it in kwargs."""
     card["format"] = "petl-model-1"
