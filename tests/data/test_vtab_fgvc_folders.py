@@ -285,20 +285,26 @@ def test_offline_hub_error_in_a_fresh_process(tmp_path):
     assert "Traceback" not in result.stderr
 
 
+def vtab_archive(source: Path, archive: Path) -> Path:
+    """The hub's VTAB-1k zip, faked: every task folder under ``source``, inside ``vtab-1k/``."""
+    import zipfile
+
+    with zipfile.ZipFile(archive, "w") as bundle:
+        for path in sorted(source.rglob("*")):
+            if path.is_file():
+                bundle.write(path, "vtab-1k/" + path.relative_to(source).as_posix())
+    return archive
+
+
 def test_vtab_hub_archive_is_unpacked_per_task(monkeypatch, tmp_path):
     """The hub path downloads the field's zip (faked here) and unpacks only the requested task."""
-    import zipfile
 
     import huggingface_hub
 
     source = tmp_path / "source"
     make_vtab_task(source / "oxford_flowers102", FULL, num_classes=102, images=3)
     make_vtab_task(source / "dtd", SMALL, num_classes=47, images=2)
-    archive = tmp_path / "vtab-1k.zip"
-    with zipfile.ZipFile(archive, "w") as bundle:
-        for path in sorted(source.rglob("*")):
-            if path.is_file():
-                bundle.write(path, "vtab-1k/" + path.relative_to(source).as_posix())
+    archive = vtab_archive(source, tmp_path / "vtab-1k.zip")
     calls = []
 
     def fake_download(repo_id, filename, repo_type):

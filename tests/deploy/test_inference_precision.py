@@ -138,6 +138,25 @@ def test_the_predict_command_says_its_precision_and_refuses_an_unknown_one(tmp_p
 # --- petl-serve -------------------------------------------------------------------------------------------------
 
 
+def asgi_scope(method: str, path: str, headers: list[tuple[bytes, bytes]]) -> dict:
+    """The ASGI scope of one HTTP request to ``path`` (its query after ``?``), as uvicorn gives it to the app."""
+    route, _, query = path.partition("?")
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": method,
+        "scheme": "http",
+        "path": route,
+        "raw_path": route.encode(),
+        "query_string": query.encode(),
+        "root_path": "",
+        "headers": headers,
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 80),
+    }
+
+
 async def _request(app, method: str, path: str, body: bytes = b"") -> tuple[int, dict]:
     """One request through the app, without a socket (inside its lifespan: the batcher's worker runs)."""
     sent: list[dict] = []
@@ -148,22 +167,8 @@ async def _request(app, method: str, path: str, body: bytes = b"") -> tuple[int,
     async def send(message: dict) -> None:
         sent.append(message)
 
-    route, _, query = path.partition("?")
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": method,
-        "scheme": "http",
-        "path": route,
-        "raw_path": route.encode(),
-        "query_string": query.encode(),
-        "root_path": "",
-        "headers": [(b"content-type", b"image/png"), (b"content-length", str(len(body)).encode())],
-        "client": ("127.0.0.1", 1),
-        "server": ("127.0.0.1", 80),
-    }
-    await app(scope, receive, send)
+    headers = [(b"content-type", b"image/png"), (b"content-length", str(len(body)).encode())]
+    await app(asgi_scope(method, path, headers), receive, send)
     answer = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
     return sent[0]["status"], json.loads(answer)
 

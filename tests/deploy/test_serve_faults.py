@@ -11,6 +11,7 @@ import json
 import numpy as np
 import pytest
 from PIL import Image
+from test_inference_precision import asgi_scope
 from test_multitask import _run_folder
 
 pytest.importorskip("fastapi", reason='petl-serve\'s extra is not installed: pip install -e ".[serve]"')
@@ -64,21 +65,7 @@ async def _ask(app, method: str, path: str, body: bytes = b"", content_type: str
         sent.append(message)
 
     headers = [(b"content-type", content_type.encode())] if content_type else []
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": method,
-        "scheme": "http",
-        "path": path,
-        "raw_path": path.encode(),
-        "query_string": b"",
-        "root_path": "",
-        "headers": headers,
-        "client": ("127.0.0.1", 1),
-        "server": ("127.0.0.1", 8000),
-    }
-    await app(scope, receive, send)
+    await app(asgi_scope(method, path, headers), receive, send)
     status = next(m["status"] for m in sent if m["type"] == "http.response.start")
     return status, json.loads(b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body"))
 

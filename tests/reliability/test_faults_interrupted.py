@@ -27,7 +27,7 @@ from test_faults_new_user import _image, _unfinished
 from test_faults_training import _read_only_dir
 from test_faults_untrusted_files import _mini_sweep, petl_bench
 from test_harness import BENCH, FakeEngine, write_run
-from test_vtab_fgvc_folders import FULL, make_vtab_task
+from test_vtab_fgvc_folders import FULL, make_vtab_task, vtab_archive
 
 from petl import data
 from petl.bench import sweep
@@ -206,11 +206,7 @@ def test_two_processes_unpacking_one_vtab_task_at_once_neither_breaks_the_other(
 
     source = tmp_path / "source"
     make_vtab_task(source / "dtd", FULL, num_classes=47, images=4)
-    archive = tmp_path / "vtab-1k.zip"
-    with zipfile.ZipFile(archive, "w") as bundle:
-        for path in sorted(source.rglob("*")):
-            if path.is_file():
-                bundle.write(path, "vtab-1k/" + path.relative_to(source).as_posix())
+    archive = vtab_archive(source, tmp_path / "vtab-1k.zip")
     members = [m for m in zipfile.ZipFile(archive).namelist() if not m.endswith("/")]
     reached, resume = threading.Event(), threading.Event()
 
