@@ -1,15 +1,16 @@
 """A Hugging Face ``datasets`` dataset of your own: ``data=hf data.root=PATH``.
 
 ``root`` is a dataset written by ``save_to_disk`` (a ``DatasetDict`` or a single ``Dataset``, read with
-``datasets.load_from_disk``), any other folder (read as an ``imagefolder``), or a hub id
-``owner/name`` where the hub is reachable.  Splits answer to petl's names: ``train`` -> train800,
-``validation`` / ``val`` / ``valid`` -> val200 (without one, the same seeded stratified hold-out as
+``datasets.load_from_disk``), a folder of parquet files (a hub dataset as downloaded), any other folder (read as an
+``imagefolder``), or a hub id ``owner/name`` where the hub is reachable.  Splits answer to petl's names: ``train``
+-> train800, ``validation`` / ``val`` / ``valid`` -> val200 (without one, the same seeded stratified hold-out as
 ``data=folder``), ``test`` -> test (optional).  ``image_column`` / ``label_column`` name the columns;
 by default the first ``Image`` and ``ClassLabel`` features (else ``image`` / ``label``).  Labels are a
 ``ClassLabel`` (its names are the class names), integers ``0..K-1``, or strings (sorted, as folder
-names are).  ``-1`` (``ClassLabel``'s "no label") or an empty label marks a row unlabelled: a split
-with no label at all (the unlabelled test split several hub datasets ship) is left out with a warning,
-so the run reports no test accuracy rather than 0 %; a split with some unlabelled rows is refused,
+names are); each split's labels are matched to train's by name (a split's own ``ClassLabel`` may order them
+otherwise), and a class train lacks is refused.  ``-1`` (``ClassLabel``'s "no label") or an empty label marks a
+row unlabelled: a split with no label at all (the unlabelled test split several hub datasets ship) is left out with
+a warning, so the run reports no test accuracy rather than 0 %; a split with some unlabelled rows is refused,
 naming the split and a row.  Every image is decoded once when a split is built, so bad images are reported together
 before training, and the split has a content fingerprint, as local folders do.
 """
@@ -58,6 +59,9 @@ def _load(root: str) -> Any:
     if path.is_dir():
         if (path / "dataset_dict.json").is_file() or (path / "state.json").is_file():
             loaded = datasets.load_from_disk(str(path))
+        elif any(path.rglob("*.parquet")):
+            # A hub dataset's files as downloaded (data/train-00000-of-00001.parquet): datasets infers their splits.
+            loaded = datasets.load_dataset(str(path))
         else:
             loaded = datasets.load_dataset("imagefolder", data_dir=str(path))
     elif path.exists():
@@ -99,23 +103,52 @@ def _open(root: str, image_column: str | None, label_column: str | None) -> tupl
     unknown = [name for name in dataset if name not in ("train", "test", *VAL_NAMES)]
     if unknown:
         raise ValueError(f"hf: {root} has splits petl cannot place: {', '.join(unknown)} (use train, validation, test)")
+    held_out = [name for name in VAL_NAMES if name in dataset]
+    if len(held_out) > 1:  # both would be petl's val: one would be dropped without a word
+        raise ValueError(f"hf: {root} has splits {' and '.join(held_out)}, both validation splits: keep one")
     features = dataset["train"].features
     image = _column(features, image_column, "Image", ("image", "img"), "image_column")
     label = _column(features, label_column, "ClassLabel", ("label", "labels", "target"), "label_column")
+    if image == label:
+        raise ValueError(f"hf: {image!r} is both the image and the label column: name the other with data.*_column")
+    if type(features[label]).__name__ not in ("ClassLabel", "Value"):
+        raise ValueError(
+            f"hf: label column {label!r} holds {type(features[label]).__name__} values, not one class per image "
+            "(a ClassLabel, integers or strings): name another with data.label_column=COLUMN"
+        )
+    for name, split in dataset.items():
+        missing = [column for column in (image, label) if column not in split.features]
+        if missing:
+            raise ValueError(
+                f"hf: {root}'s {name} split has no column {missing[0]!r} (its columns are "
+                f"{', '.join(split.features)}): give every split the train split's columns"
+            )
     dataset = _labelled(root, dataset, label)
     if type(features[label]).__name__ == "ClassLabel":
         names = tuple(features[label].names)
     else:
-        values = sorted({v for split in dataset.values() for v in split.unique(label)})
-        if all(isinstance(v, int) for v in values):
-            if values != list(range(len(values))):
-                raise ValueError(f"hf: integer labels in {label!r} must be 0..K-1, found {values[:5]}...")
-            names = tuple(str(v) for v in values)
-        else:
-            names = tuple(str(v) for v in values)
+        values = sorted(dataset["train"].unique(label))
+        if all(isinstance(v, int) for v in values) and values != list(range(len(values))):
+            raise ValueError(
+                f"hf: integer labels in {label!r} must be 0..K-1, found {values[:5]}{'...' if len(values) > 5 else ''}"
+                ": renumber them, or cast the column to a ClassLabel or strings"
+            )
+        names = tuple(str(v) for v in values)
     if len(names) < 2:
         raise ValueError(f"hf: column {label!r} holds {len(names)} class(es); a classifier needs at least 2")
+    for name, split in dataset.items():
+        extra = sorted(set(_label_names(split, label)) - set(names))
+        if extra:
+            raise ValueError(f"hf: {root}'s {name} split has classes that train lacks: {', '.join(extra[:5])}")
     return dataset, image, label, names
+
+
+def _label_names(split: Any, label: str) -> list[str]:
+    """Each row's class name: its split's own ``ClassLabel`` name (splits may number them otherwise), else its text."""
+    feature = split.features[label]
+    if type(feature).__name__ == "ClassLabel":
+        return [feature.names[value] for value in split[label]]
+    return [str(value) for value in split[label]]
 
 
 def _unlabelled(value: Any) -> bool:
@@ -184,10 +217,10 @@ class RowsDataset(Dataset):
         held: list[Any] | None = []
         size = 0
         for split, split_name, row, label in rows:
-            data = self._bytes(split, row)
-            digest.update(f"{split_name}\t{row}\t{label}\t{len(data)}\n".encode())
-            digest.update(data)
             try:
+                data = self._bytes(split, row)
+                digest.update(f"{split_name}\t{row}\t{label}\t{len(data)}\n".encode())
+                digest.update(data)
                 array = decode_image(data)
             except ValueError as error:
                 bad.append((Path(f"{split_name}[{row}]"), str(error)))
@@ -202,13 +235,18 @@ class RowsDataset(Dataset):
         self.images, self.fingerprint = held, digest.hexdigest()
 
     def _bytes(self, split: Any, row: int) -> bytes:
+        """The row's image file bytes; ValueError saying why there are none (no image, a missing file)."""
         value = split[row][self.image_column]
         if value is None:
-            return b""
+            raise ValueError(f"no image ({self.image_column!r} is None)")
         if value.get("bytes"):
             return value["bytes"]
         path = value.get("path")
-        return Path(path).read_bytes() if path and Path(path).is_file() else b""
+        if not path:
+            raise ValueError(f"no image ({self.image_column!r} holds neither bytes nor a path)")
+        if not Path(path).is_file():
+            raise ValueError(f"no such file {path}")
+        return Path(path).read_bytes()
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -242,9 +280,7 @@ def build_hf(
     items: dict[str, list[tuple[Any, str, int, int]]] = {}
     for split_name in dataset:
         part = dataset[split_name].cast_column(image, datasets.Image(decode=False))
-        labels = part[label]
-        if type(part.features[label]).__name__ != "ClassLabel":
-            labels = [index[str(v)] for v in labels]
+        labels = [index[name] for name in _label_names(part, label)]
         role = "val" if split_name in VAL_NAMES else split_name
         items[role] = [(part, split_name, row, int(value)) for row, value in enumerate(labels)]
     return RowsDataset(split_items(items, split), image, spec, name=f"hf {root}")

@@ -1,0 +1,103 @@
+"""data=hf on datasets as they come: splits whose ClassLabels differ, classes train lacks, columns that cannot be used,
+missing images, a folder of parquet files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import tiny_run
+from PIL import Image
+
+from petl import data as petl_data
+from petl.cli import run as cli
+
+datasets = pytest.importorskip("datasets")
+
+TINY_MODEL = [o for o in tiny_run(depth=1) if not o.startswith("data")]
+
+
+def _split(labels: list, label: object, images: list | None = None) -> datasets.Dataset:
+    rng = np.random.default_rng(len(labels))
+    if images is None:
+        images = [Image.fromarray(rng.integers(0, 255, (8, 8, 3), dtype=np.uint8)) for _ in labels]
+    features = datasets.Features({"image": datasets.Image(), "label": label})
+    return datasets.Dataset.from_dict({"image": images, "label": labels}, features=features)
+
+
+def _save(root: Path, **splits: datasets.Dataset) -> str:
+    datasets.DatasetDict(splits).save_to_disk(str(root))
+    return str(root)
+
+
+CAT_DOG = datasets.ClassLabel(names=["cat", "dog"])
+
+
+def test_a_test_split_whose_classlabel_orders_the_names_otherwise_is_matched_by_name(tmp_path):
+    # Splits encoded apart (class_encode_column per split) can number the classes otherwise: test's 0 is "dog" here.
+    test = _split([0, 0, 1], datasets.ClassLabel(names=["dog", "cat"]))
+    root = _save(tmp_path / "saved", train=_split([0, 1] * 5, CAT_DOG), test=test)
+    assert petl_data.describe_dataset("hf", root=root).class_names == ("cat", "dog")
+    assert petl_data.build_dataset("hf", "test", image_size=8, root=root).labels == [1, 1, 0]
+
+
+@pytest.mark.parametrize(
+    ("train", "test", "extra"),
+    [
+        (_split(["a", "b"] * 3, datasets.Value("string")), _split(["a", "c"], datasets.Value("string")), "c"),
+        (_split([0, 1] * 3, CAT_DOG), _split([0, 2], datasets.ClassLabel(names=["cat", "dog", "cow"])), "cow"),
+    ],
+)
+def test_a_split_with_a_class_train_lacks_is_refused_naming_it(tmp_path, train, test, extra):
+    root = _save(tmp_path / "saved", train=train, test=test)
+    with pytest.raises(ValueError, match=f"test split has classes that train lacks: {extra}$"):
+        petl_data.describe_dataset("hf", root=root)
+
+
+def test_columns_and_splits_that_cannot_be_used_are_one_line_each(tmp_path):
+    train = _split([0, 1] * 3, CAT_DOG)
+    both = _save(tmp_path / "both", train=train, val=_split([0, 1], CAT_DOG), validation=_split([1, 0], CAT_DOG))
+    with pytest.raises(ValueError, match="has splits validation and val, both validation splits: keep one"):
+        petl_data.describe_dataset("hf", root=both)
+    unlabelled = datasets.Dataset.from_dict(
+        {"image": train["image"][:2]}, features=datasets.Features({"image": datasets.Image()})
+    )
+    no_label = _save(tmp_path / "no_label", train=train, test=unlabelled)
+    with pytest.raises(ValueError, match=r"test split has no column 'label' \(its columns are image\)"):
+        petl_data.describe_dataset("hf", root=no_label)
+    with pytest.raises(ValueError, match="'image' is both the image and the label column"):
+        petl_data.describe_dataset("hf", root=no_label, label_column="image")
+
+
+def test_a_label_column_of_lists_is_one_line_with_exit_2(tmp_path, capsys):
+    several = _split([[0], [1], [0, 1], [1]] * 2, datasets.Sequence(datasets.Value("int64")))
+    root = _save(tmp_path / "saved", train=several)
+    argv = ["method=lora", "data=hf", f"data.root={root}", *TINY_MODEL, f"output_dir={tmp_path / 'run'}"]
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stop:
+        cli.main(argv)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.count("\n") == 1 and "label column 'label' holds List values" in err
+
+
+def test_a_row_without_an_image_and_a_missing_file_are_named_as_such(tmp_path):
+    png = tmp_path / "0.png"
+    Image.fromarray(np.zeros((8, 8, 3), dtype=np.uint8)).save(png)
+    images = [str(png)] * 6
+    images[1], images[4] = None, str(tmp_path / "gone.png")
+    table = datasets.Dataset.from_dict({"path": images, "label": ["a", "b"] * 3})
+    root = _save(tmp_path / "saved", train=table)
+    with pytest.raises(petl_data.BadImagesError) as error:
+        petl_data.build_dataset("hf", "train800val200", image_size=8, root=root, options={"image_column": "path"})
+    assert "train[1] (no image ('path' is None))" in str(error.value)
+    assert f"train[4] (no such file {tmp_path / 'gone.png'})" in str(error.value)
+
+
+def test_a_folder_of_parquet_files_as_the_hub_ships_them_loads(tmp_path):
+    (tmp_path / "data").mkdir()
+    _split([0, 1] * 5, CAT_DOG).to_parquet(str(tmp_path / "data" / "train-00000-of-00001.parquet"))
+    _split([1, 0], CAT_DOG).to_parquet(str(tmp_path / "data" / "test-00000-of-00001.parquet"))
+    info = petl_data.describe_dataset("hf", root=str(tmp_path))
+    assert info.class_names == ("cat", "dog") and "test" in info.splits
+    assert petl_data.build_dataset("hf", "test", image_size=8, root=str(tmp_path)).labels == [1, 0]
