@@ -24,7 +24,7 @@ from petl.bench.args import (
 )
 from petl.bench.own_run import OWN_DATA_KEYS, run_on_own_data
 from petl.bench.report import write_report
-from petl.bench.sweep import PlannedRun, SweepSummary, check_results_folder, plan, run_sweep
+from petl.bench.sweep import PlannedRun, SweepSummary, check_configs, check_results_folder, plan, run_sweep
 from petl.store.result import ResultError
 from petl.utils.errors import USAGE_ERROR
 from petl.utils.text import plural
@@ -55,14 +55,13 @@ def cmd_run(args: Sequence[str]) -> int:
     yes = as_bool("yes", own.get("yes", "false"))
     configs = configs_folder(own)
     suite = suites.load_suite(own.get("suite", "mini"), configs)
-    names = split_list(own["methods"]) if "methods" in own else suite.experiments
-    tasks = split_list(own["tasks"]) if "tasks" in own else suite.tasks
-    seeds = [int(s) for s in split_list(own["seeds"])] if "seeds" in own else suite.seeds
+    names, tasks, seeds = _restriction(own, suite)
     experiments = [suites.load_experiment(n, configs) for n in names]
     if "data" in own:  # your own images as the task (petl.bench.own_run): cost first, then the answer
         return run_on_own_data(suite, experiments, seeds, own, overrides, yes, _finish)
     output_dir = Path(own.get("output_dir", f"runs/bench/{suite.name}"))
     check_results_folder(output_dir)
+    check_configs(suite, configs, experiments, tasks, overrides)
     if suite.search:
         return run_selection(suite, experiments, tasks, seeds, output_dir, overrides, own)
     runs = plan(experiments, tasks, seeds, output_dir, suite.overrides(), overrides, suite)
@@ -80,6 +79,25 @@ def cmd_run(args: Sequence[str]) -> int:
     return _finish(summary, output_dir, own, any(r.is_done() for r in runs), suite)
 
 
+def _restriction(own: dict[str, str], suite: suites.Suite) -> tuple[list[str], list[str], list[int]]:
+    """The experiments, tasks and seeds of ``methods=`` / ``tasks=`` / ``seeds=``, else the suite's.
+
+    Raises:
+        SystemExit: one that lists nothing (a sweep of no run is a slip), or a seed that is not a whole number.
+
+    """
+    listed = {}
+    for key, default in (("methods", suite.experiments), ("tasks", suite.tasks), ("seeds", suite.seeds)):
+        listed[key] = split_list(own[key]) if key in own else default
+        if not listed[key]:
+            raise SystemExit(f"petl-bench: {key}= lists nothing: name at least one, or leave it out to run the suite's")
+    try:
+        seeds = [int(s) for s in listed["seeds"]]
+    except ValueError:
+        raise SystemExit(f"petl-bench: seeds={own['seeds']}: expected whole numbers, e.g. seeds=0,1") from None
+    return listed["methods"], listed["tasks"], seeds
+
+
 def _dry_run_line(run: PlannedRun) -> str:
     """``done`` / ``todo``, the run and its overrides (with the calibration it reuses, once that run has one)."""
     try:
@@ -89,7 +107,22 @@ def _dry_run_line(run: PlannedRun) -> str:
     else:
         note = f"  (+ the calibration of {run.calibrated_by}, not run yet)" if overrides is None else ""
     state = "done  " if run.is_done() else "todo  "
+    if run.is_done() and overrides is not None and (stale := _holds_another_config(overrides)) is not None:
+        # The sweep would fail this run, not skip it (an edited suite, or another suite's run in this folder).
+        state, note = "stale ", f"  ({stale})"
     return state + run.label + "  " + " ".join(overrides or run.overrides) + note
+
+
+def _holds_another_config(overrides: list[str]) -> str | None:
+    """Why a finished run's folder holds another config than ``overrides`` (the sweep's check), else ``None``."""
+    from petl.train.config import default_config
+    from petl.train.output_dir import check_finished
+
+    try:
+        check_finished(default_config(overrides))
+    except ValueError as error:
+        return str(error)
+    return None
 
 
 def _finish(summary: SweepSummary, output_dir: Path, own: dict[str, str], any_done: bool, suite: suites.Suite) -> int:
@@ -177,11 +210,13 @@ def cmd_commands(args: Sequence[str]) -> int:
             f"petl-bench commands: suite {suite.name} selects on val before its final runs, which petl-run "
             "--multirun cannot express; start `petl-bench suite=...` on each node (per-run locks share the work)"
         )
-    names = split_list(own["methods"]) if "methods" in own else suite.experiments
-    tasks = split_list(own["tasks"]) if "tasks" in own else suite.tasks
-    seeds = split_list(own["seeds"]) if "seeds" in own else [str(s) for s in suite.seeds]
+    names, tasks, seed_numbers = _restriction(own, suite)
+    seeds = [str(s) for s in seed_numbers]
     output_dir = own.get("output_dir", f"runs/bench/{suite.name}")
     experiments = [suites.load_experiment(name, configs) for name in names]
+    # A launcher's keys (hydra/launcher=...) and sweeps (train.lr=a,b) are petl-run --multirun's, not one config's.
+    single = [o for o in overrides if not o.lstrip("+~").startswith("hydra") and "," not in o.partition("=")[2]]
+    check_configs(suite, configs, experiments, tasks, single)
     once = [e.name for e in experiments if e.calibrate_once]
     if once and len(seeds) > 1:
         # Each multirun job would calibrate on its own; petl-bench reuses the first seed's calibration.

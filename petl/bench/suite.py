@@ -174,15 +174,30 @@ def load_suite(name: str, configs: Path) -> Suite:
     for key in ("experiments", "tasks", "seeds"):
         if not isinstance(data.get(key), list) or not data[key]:
             raise ValueError(f"{path}: `{key}` must be a non-empty list{or_names.get(key, '')}")
+        twice = sorted({str(x) for x in data[key] if data[key].count(x) > 1})
+        if twice:
+            # The same run planned twice: one folder, trained once and counted twice.
+            raise ValueError(f"{path}: `{key}` lists {', '.join(twice)} more than once: list each once")
+    if not all(isinstance(s, int) and not isinstance(s, bool) for s in data["seeds"]):
+        # int() would make 0.5 seed 0 and "1" seed 1 without a word; a word would stop in a bare int() error.
+        raise ValueError(f"{path}: `seeds` must list whole numbers, e.g. [0, 1, 2]; got {data['seeds']!r}")
     groups = {g: data[g] for g in SUITE_GROUPS if data.get(g)}
     owned = sorted(set(SWEEP_OWNED) & {k for g, v in groups.items() for k in flatten(g, v)})
     if owned:
         raise ValueError(f"{path}: {', '.join(owned)} are set per run by the sweep (final_split: sets the split)")
     search = read_space(path, data.get("search"))
+    if "search" in data and not search:
+        # An empty grid (every key commented out) would silently run without selection, on another split.
+        raise ValueError(f"{path}: `search` is empty: give keys and values (train.lr: [1.0e-3, 1.0e-2]) or remove it")
     if "search_seed" in data and not search:
         # A value without effect is a bug: the trial seed only acts when the suite selects on val.
         raise ValueError(f"{path}: `search_seed` needs a `search:` space (without one, runs train once per seed)")
-    final_split = data.get("final_split", FINAL_SPLIT if search else None)
+    search_seed = data.get("search_seed", 0)
+    if not isinstance(search_seed, int) or isinstance(search_seed, bool):
+        raise ValueError(f"{path}: `search_seed` must be a whole number, e.g. 0; got {search_seed!r}")
+    final_split = data.get("final_split")
+    if final_split is None and search:  # left out, or `final_split:` with no value
+        final_split = FINAL_SPLIT
     if final_split is not None and final_split not in TRAINING_SPLITS:
         # Checked here, not after a whole search has been spent on a split no run can train on.
         raise ValueError(f"{path}: final_split {final_split!r}: expected one of {', '.join(TRAINING_SPLITS)}")
@@ -206,7 +221,7 @@ def load_suite(name: str, configs: Path) -> Suite:
         groups,
         str(data.get("description", "")),
         search=search,
-        search_seed=int(data.get("search_seed", 0)),
+        search_seed=search_seed,
         final_split=final_split,
         per_task=per_task,
         pinned_trial=pinned_trial,

@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from petl.bench.calibration import calibration_overrides
-from petl.bench.suite import Experiment, Suite, format_value
+from petl.bench.suite import Experiment, Suite, format_value, override
 from petl.store.files import RESULT_FILE
 from petl.store.lock import LOCK_FILE as LOCK_FILE  # the lock is petl-run's too: one home, re-exported here
 from petl.store.lock import acquire_lock, release_lock
@@ -189,6 +189,60 @@ def plan(
                 source = reused_from(calibrating, run_dir)
                 runs.append(PlannedRun(task, exp.name, seed, run_dir, overrides, calibrated_by=source))
     return runs
+
+
+def check_configs(
+    suite: Suite,
+    configs: Path,
+    experiments: Sequence[Experiment],
+    tasks: Sequence[str],
+    extra_overrides: Sequence[str] = (),
+) -> None:
+    """Compose each experiment's run config before anything trains, naming the file that holds a bad key or value.
+
+    A typo in an experiment's method option, a search over a key the run config (or the experiment's method)
+    lacks, an unknown task: each would otherwise fail every run of the sweep, one by one, in its ``error.log``.
+    Each experiment composes on the first task once per position in its search lists (every searched value is
+    composed, not every grid point); the task names are checked as choices.
+
+    Raises:
+        ConfigError: one line naming the suite or experiment file (or the command line) and the config's error.
+
+    """
+    from petl.train.config import check_group_choice, default_config
+    from petl.utils.errors import ConfigError
+
+    suite_file = configs / "suites" / f"{suite.name}.yaml"
+    for task in tasks:
+        try:
+            check_group_choice("data", task)
+        except ConfigError as error:
+            where = f"{suite_file}: tasks" if task in suite.tasks else "the command line's tasks="
+            raise ConfigError(f"{where}: {error}") from None
+    for exp in experiments:
+        exp_file = configs / "experiments" / f"{exp.name}.yaml"
+        exp_source = str(exp_file) if exp_file.is_file() else f"experiment {exp.name} (method {exp.method['name']})"
+        space = suite.space_for(exp, tasks[0])
+        for i in range(max((len(values) for values in space.values()), default=1)):
+            layers = [
+                (str(suite_file), [*suite.overrides(), f"data={tasks[0]}"]),
+                (exp_source, exp.overrides()),
+                (f"{suite_file}: per_experiment/per_task {exp.name}", suite.task_overrides(exp.name, tasks[0])),
+            ]
+            for key, values in space.items():  # each searched key as a layer of its own, named by its file
+                source = exp_source if key in exp.search else f"{suite_file}: search (experiment {exp.name})"
+                layers.append((source, [override(key, values[min(i, len(values) - 1)])]))
+            layers.append(("the command line", list(extra_overrides)))
+            try:
+                default_config([o for _, part in layers for o in part])
+            except ConfigError:
+                # The first layer whose addition fails is the one to fix.
+                for n in range(1, len(layers) + 1):
+                    try:
+                        default_config([o for _, part in layers[:n] for o in part])
+                    except ConfigError as error:
+                        raise ConfigError(f"{layers[n - 1][0]}: {error}") from None
+                raise
 
 
 @dataclass

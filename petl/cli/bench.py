@@ -19,6 +19,8 @@ Usage::
 
 Bad input (an unknown suite or key, a malformed YAML file, a results folder without results, suite= naming a
 suite whose backbone its runs did not train, compare on boards of different tasks, out= inside a run folder;
+for run and commands, before any run, an experiment, search, task or command-line key or value no run config
+takes, named by its file, and methods=, tasks= or seeds= listing nothing;
 for speed, before any model is built, a count out of its range, steps= below rounds=, options= without
 options_for=, a device other than cpu or a CUDA GPU torch sees) exits with status 2 and one line naming the file or
 value; a sweep with failed runs exits with 1; Ctrl-C with 130 (finished runs are kept, an interrupted run resumes
@@ -30,6 +32,7 @@ refused before anything runs, listing both.  Keys the sweep does not know (``tra
 ``data.root``...) pass through to ``petl.run.default_config`` after the suite's and experiment's own
 overrides, so the command line wins.  Suites and experiments come from petl's top-level ``configs/``
 folder (installed as ``petl.configs``); ``configs_dir=DIR`` (formerly ``benchmarks_dir=``) points at another.
+A dry run marks ``stale`` a finished run whose folder holds another config (an edited suite): the sweep fails it.
 """
 
 from __future__ import annotations

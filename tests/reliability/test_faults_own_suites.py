@@ -1,0 +1,135 @@
+"""Faults a researcher met writing their own suites and experiments (configs_dir=): a typo in a method option, a
+search over a key the run config or the experiment's method lacks, an unknown task (each refused in one line naming
+the file, exit 2, before any run folder is made, not failed run by run), seeds that are not whole numbers and a
+name listed twice, an empty search, and a dry run after the suite was edited (a finished run of the old config is
+named stale, as the sweep then fails it, not "done").
+
+Each test goes through petl-bench's main, or load_suite for what the suite file alone says; one trains a tiny run.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import tiny_run
+from test_faults_issue52 import _main
+
+from petl.bench.suite import load_suite
+from petl.cli import bench as bench_cli
+
+BASE = "tasks: [mini/digits]\nseeds: [0]\ntrain: {epochs: 1}\n"
+
+
+def _configs(tmp_path: Path, suite: str, experiments: dict[str, str] | None = None) -> Path:
+    """A researcher's configs folder: one suite ``s`` and the given experiment files."""
+    configs = tmp_path / "configs"
+    (configs / "experiments").mkdir(parents=True, exist_ok=True)
+    (configs / "suites").mkdir(exist_ok=True)
+    (configs / "suites" / "s.yaml").write_text(suite)
+    for name, text in (experiments or {}).items():
+        (configs / "experiments" / f"{name}.yaml").write_text(text)
+    return configs
+
+
+@pytest.mark.parametrize(
+    ("suite", "experiments", "extra", "where", "key"),
+    [
+        (
+            "experiments: [mine]\n",
+            {"mine": "method: {name: lora, rnak: 4}\n"},
+            [],
+            "experiments/mine.yaml",
+            "method.rnak",
+        ),
+        ("experiments: [linear]\nsearch: {train.lrr: [0.001]}\n", {}, [], "suites/s.yaml: search", "train.lrr"),
+        ("experiments: [linear]\nsearch: {method.rank: [2, 4]}\n", {}, [], "suites/s.yaml: search", "method.rank"),
+        ("experiments: [linear]\ntasks: [mini/digit]\nseeds: [0]\n", {}, [], "suites/s.yaml: tasks", "mini/digit"),
+        ("experiments: [linear]\n", {}, ["tasks=mini/digitz"], "command line's tasks=", "mini/digitz"),
+        ("experiments: [linear]\n", {}, ["train.lrr=1"], "the command line", "train.lrr"),
+    ],
+)
+def test_a_bad_key_or_task_in_ones_own_files_is_refused_naming_the_file_before_any_run(
+    tmp_path, capsys, suite, experiments, extra, where, key
+):
+    text = suite + (BASE if "tasks:" not in suite else "train: {epochs: 1}\n")
+    configs = _configs(tmp_path, text, experiments)
+    out = tmp_path / "runs"
+    # petl-bench commands refuses a searching suite whatever its keys: it is checked on the others.
+    for command in (["dry_run=true"], []) if "search" in suite else (["dry_run=true"], [], ["commands"]):
+        argv = [*command, "suite=s", f"configs_dir={configs}", f"output_dir={out}", *extra]
+        if command == ["commands"]:
+            argv = ["commands", *argv[1:]]
+        status, err = _main(bench_cli.main, argv, capsys)
+        assert status == 2, err
+        assert len(err.strip().splitlines()) == 1 and where in err and repr(key) in err, err
+        assert not out.exists() or not any(out.rglob("*.log")), "a run was started"
+
+
+def test_seeds_must_be_whole_numbers_and_nothing_may_be_listed_twice(tmp_path):
+    cases = {
+        "experiments: [linear]\ntasks: [mini/digits]\nseeds: [0.5, 1]\n": r"`seeds` must list whole numbers",
+        "experiments: [linear]\ntasks: [mini/digits]\nseeds: ['0', one]\n": r"`seeds` must list whole numbers",
+        "experiments: [linear, linear]\ntasks: [mini/digits]\nseeds: [0]\n": r"`experiments` lists linear more than",
+        "experiments: [linear]\ntasks: [mini/digits, mini/digits]\nseeds: [0]\n": r"`tasks` lists mini/digits more",
+        "experiments: [linear]\ntasks: [mini/digits]\nseeds: [1, 1]\n": r"`seeds` lists 1 more than once",
+        "experiments: [linear]\ntasks: [mini/digits]\nseeds: [0]\nsearch: {train.lr: [0.1]}\nsearch_seed: one\n": (
+            r"`search_seed` must be a whole number"
+        ),
+    }
+    for text, message in cases.items():
+        configs = _configs(tmp_path, text)
+        with pytest.raises(ValueError, match=r"s\.yaml: " + message):
+            load_suite("s", configs)
+
+
+def test_an_empty_search_is_refused_not_run_without_selection(tmp_path):
+    for search in ("search: {}\n", "search:\n#  train.lr: [0.001, 0.01]\n"):
+        configs = _configs(tmp_path, "experiments: [linear]\n" + BASE + search)
+        with pytest.raises(ValueError, match=r"s\.yaml: `search` is empty"):
+            load_suite("s", configs)
+
+
+def test_final_split_left_empty_under_a_search_is_the_default_one(tmp_path):
+    configs = _configs(tmp_path, "experiments: [linear]\n" + BASE + "search: {train.lr: [0.1]}\nfinal_split:\n")
+    assert load_suite("s", configs).final_split == "train800val200"  # was None: "final runs ... on None"
+
+
+def test_methods_tasks_or_seeds_listing_nothing_on_the_command_line_is_refused(tmp_path, capsys):
+    configs = _configs(tmp_path, "experiments: [linear]\n" + BASE)
+    for arg, message in [
+        ("tasks=", "tasks= lists nothing"),
+        ("methods=", "methods= lists nothing"),
+        ("seeds=", "seeds= lists nothing"),
+        ("seeds=a", "seeds=a: expected whole numbers"),
+    ]:
+        for command in (["dry_run=true"], ["commands"]):
+            argv = [*command, "suite=s", f"configs_dir={configs}", f"output_dir={tmp_path / 'runs'}", arg]
+            argv = ["commands", *argv[1:]] if command == ["commands"] else argv
+            status, err = _main(bench_cli.main, argv, capsys)
+            assert status == 2 and message in err, err
+
+
+@pytest.mark.slow
+def test_a_dry_run_after_the_suite_was_edited_names_the_finished_run_stale(tmp_path, capsys, train_on_cpu):
+    from petl.run import default_config, train
+
+    tiny = {o.partition("=")[0].lstrip("+"): o.partition("=")[2] for o in tiny_run(subset=32, epochs=1)}
+    suite = (
+        "experiments: [linear]\ntasks: [mini/digits]\nseeds: [0]\n"
+        f"data: {{subset: {tiny['data.subset']}}}\ntrain: {{epochs: 1, progress: false}}\n"
+        f"model: {{name: {tiny['model']}, pretrained: false, kwargs: {{depth: 1, embed_dim: 48}}}}\n"
+    )
+    configs = _configs(tmp_path, suite)
+    out = tmp_path / "runs"
+    run_dir = out / "mini-digits" / "linear" / "seed0"
+    overrides = [*tiny_run(subset=32, epochs=1), "method=linear", "seed=0", f"output_dir={run_dir}"]
+    train(default_config(overrides))
+    argv = ["dry_run=true", "suite=s", f"configs_dir={configs}", f"output_dir={out}"]
+    capsys.readouterr()
+    assert bench_cli.main(argv) == 0
+    assert capsys.readouterr().out.splitlines()[1].startswith("done  mini/digits linear seed0")
+    (configs / "suites" / "s.yaml").write_text(suite.replace("epochs: 1", "epochs: 2"))
+    assert bench_cli.main(argv) == 0
+    line = capsys.readouterr().out.splitlines()[1]
+    assert line.startswith("stale mini/digits linear seed0") and "train.epochs: 1 -> 2" in line, line
