@@ -38,6 +38,9 @@ def _check_unloadable(model: nn.Module) -> None:
             )
     bb = backbone_of(model)
     head, plain = bb.head(), bb.plain_head_types()
+    # A mergeable wrapper on the head (peft's LoRA on a Swin's head.fc) folds away: check the Linear it stands for.
+    while _base_of(head) is not None:
+        head = _base_of(head)
     if type(head) not in plain:
         raise ValueError(
             f"method {method!r} cannot be unloaded into a plain timm model: its head is a {type(head).__name__}, "

@@ -755,3 +755,21 @@ def test_family_room_takes_a_mask(images, family):
     y = bb.run_block(block, with_extra, attn_mask=mask)
     expected = bb.run_block(plain_block, x)
     torch.testing.assert_close(torch.cat([y[:, :p], y[:, p + n :]], dim=1), expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["vit", "swin", "swinv2"])
+def test_unload_folds_a_mergeable_wrapper_on_the_head_into_timms_linear(images, kind):
+    # peft's LoRA on the head's Linear (a Swin's head.fc) merges like any other; unload used to refuse it saying
+    # "its head is a Linear, timm's is a Linear" (peft's layer class is named Linear too).
+    model = TINY_MODELS[kind]()
+    head = next(name for name, module in model.named_modules() if module is backbone_of(model).head())
+    model = petl.apply(model, "peft", target_modules=[head.rpartition(".")[2]])
+    perturb_trainable(model)
+    with torch.no_grad():
+        want = model.eval()(images)
+    plain = petl.unload(model)
+    assert type(backbone_of(plain).head()) is torch.nn.Linear
+    fresh = TINY_MODELS[kind]()
+    fresh.load_state_dict(plain.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(images), want, rtol=1e-4, atol=1e-5)
