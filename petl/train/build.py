@@ -305,7 +305,7 @@ def method_config(
         # support would fail on what the backbone lacks, after minutes, as an error of the run (exit 1).
         check_supported(backbone, name)
     except ValueError as error:
-        raise ConfigError(f"method {name}: {error}") from None
+        raise config.method_error(name, error) from None
     if recorded is not None or spec.calibrate is None:
         return method_cfg
     tick = time.perf_counter()
@@ -327,7 +327,7 @@ def apply_method(cfg: DictConfig, model: nn.Module, method_cfg: MethodConfig) ->
     try:
         apply(model, cfg.method.name, config=method_cfg)
     except ValueError as error:
-        raise ConfigError(f"method {cfg.method.name}: {error}") from None
+        raise config.method_error(cfg.method.name, error) from None
 
 
 def _subset(dataset: Dataset, size: int | None) -> Dataset:

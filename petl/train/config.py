@@ -426,6 +426,12 @@ def compose_config(overrides: Iterable[str] = ()) -> DictConfig:
             hydra.initialize(saved)
 
 
+def method_error(name: str, error: Exception) -> ConfigError:
+    """A method's refusal as a config error, prefixed with the method unless its message already names it."""
+    text = str(error)
+    return ConfigError(text if text.startswith(f"method {name!r}") else f"method {name}: {text}")
+
+
 def default_config(overrides: Iterable[str] = ()) -> DictConfig:
     """The default run configuration with Hydra command-line style overrides applied and checked.
 
@@ -581,7 +587,7 @@ def check_method(cfg: DictConfig) -> None:
         method_cfg = make_config(cfg.method.name, num_classes=num_classes, **method_options(cfg))
         method_cfg.validate(model)
     except ValueError as error:
-        raise ConfigError(f"method {cfg.method.name}: {error}") from None
+        raise method_error(cfg.method.name, error) from None
     _check_applied(cfg, model, method_cfg)
 
 
