@@ -78,7 +78,8 @@ def test_an_exported_folder_loads_in_timm_without_petl(tmp_path):
         with torch.no_grad():
             torch.save(model(torch.load("images.pt")), "logits.pt")
         data = timm.data.resolve_data_config(model=model)
-        print(data["input_size"], data["crop_mode"], model.pretrained_cfg["label_names"])
+        # A tuple: timm 1.0.29 gives the list config.json holds, later versions a tuple.
+        print(tuple(data["input_size"]), data["crop_mode"], model.pretrained_cfg["label_names"])
     """
     done = run_without_petl(script, tmp_path)
     assert done.returncode == 0, done.stderr
