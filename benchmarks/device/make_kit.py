@@ -10,7 +10,8 @@ files (tar-counted: the tracked tree alone is about 25 MB).  This writes, in the
 * `fmnist/`: the Fashion-MNIST IDX files with every image the mini task does not draw set to zero (1 MB
   instead of 30 MB; `benchmarks/mini_fingerprints.py` prints the same hash from them as from the originals);
 * `whl/`: the wheels the device image lacks, for CPython 3.12 on x86-64 Linux: hydra-core, omegaconf, antlr4 and
-  mlxtend (petl-run, petl-bench), scikit-posthocs and pytest-timeout (the suite; gpu_tests.sh), and petl-serve's
+  mlxtend (petl-run, petl-bench), timm 1.0.31 (the image's 1.0.29 is below petl's floor), scikit-posthocs and
+  pytest-timeout (the suite; gpu_tests.sh), and petl-serve's
   HTTP stack (fastapi, uvicorn, python-multipart) with every package they need, resolved by pip at the versions
   installed here (pydantic-core is the one compiled wheel).
 
@@ -39,6 +40,8 @@ KIT = Path(".device")
 # pytest-timeout: gpu_tests.sh's per-test limit (the image has pytest and pytest-xdist).
 WHEELS = ("hydra-core==1.3.8", "omegaconf==2.3.1", "mlxtend==0.25.0", "scikit-posthocs==0.17.1")
 WHEELS += ("pytest-timeout==2.4.0",)
+# The image's timm (1.0.29) is below pyproject's floor: petl's Swin paths need 1.0.31 (the carried copy comes first).
+WHEELS += ("timm==1.0.31",)
 SDISTS = ("antlr4-python3-runtime==4.9.3",)  # no wheel on PyPI: built here (pure Python)
 # petl-serve's stack (pyproject's `serve` extra), at the versions this checkout is tested with; pip adds what they
 # need.  Some of those the device image has already (typing-extensions, idna, click): the carried copies come first
