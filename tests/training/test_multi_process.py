@@ -28,7 +28,9 @@ ROOT = Path(__file__).resolve().parents[2]
 def _env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "RANK", "WORLD_SIZE", "LOCAL_"))}
     # No GPU: on a GPU machine LOCAL_RANK would make accelerate wait for a NCCL group of two.
-    return {**env, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT), **extra}
+    # The checkout first, then what the caller had there (a GPU image's carried packages: hydra, omegaconf).
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    return {**env, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": path, **extra}
 
 
 def _free_port() -> int:
