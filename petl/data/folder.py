@@ -105,10 +105,6 @@ def image_files(folder: Path) -> tuple[list[Path], list[Path]]:
     return sorted(images), sorted(others)
 
 
-def _images(folder: Path) -> list[Path]:
-    return image_files(folder)[0]
-
-
 def not_images(others: list[Path], top: Path) -> str:
     """What :func:`image_files` left out under ``top``, in a few words: the first three names and how many more."""
     names = [shown(os.path.relpath(path, top)) for path in others]
@@ -128,7 +124,7 @@ def _warn_once(message: str) -> None:
 def _classes(split_dir: Path) -> list[str]:
     # A folder whose name starts with "." is not a class (.git, .ipynb_checkpoints, as Hugging Face's imagefolder
     # skips them); one holding images is named in a warning, so that a class is never dropped without a word.
-    hidden = sorted(p.name for p in split_dir.iterdir() if p.is_dir() and p.name.startswith(".") and _images(p))
+    hidden = sorted(p.name for p in split_dir.iterdir() if p.is_dir() and p.name.startswith(".") and image_files(p)[0])
     if hidden:
         _warn_once(
             f"folder: skipped {', '.join(shown(name) for name in hidden)} in {shown(split_dir)}: folders whose name "
