@@ -81,6 +81,7 @@ TASK_SETS = {
 # Short names for --sets.
 SET_KEYS = {"lora": "8 LoRA tasks", "methods": "8 methods", "side": "8 methods, side networks & co."}
 CASES = ("MultiTask (mixed batch)", "8 separate models", "backbone 8 times", "backbone once")
+GRAPH = "MultiTask, CUDA graph"  # a fifth case on a GPU: the same batch layout replayed (MultiTask.graphed)
 
 
 def _task_files(backbone: torch.nn.Module, methods: list, folder: Path) -> tuple[dict[str, Path], list]:
@@ -126,12 +127,20 @@ def build_cases(
     images = torch.randn(batch, 3, *size).to(**kw)
     rows = [[r for r, t in enumerate(ids) if t == task] for task in range(TASKS)]
     per_task = [images[r] for r in rows]
-    return {
+    calls = {
         CASES[0]: lambda: multi(images, ids),
         CASES[1]: lambda: [singles[t](per_task[t]) for t in range(TASKS)],
         CASES[2]: lambda: [backbone(per_task[t]) for t in range(TASKS)],
         CASES[3]: lambda: backbone(images),
     }
+    if device.startswith("cuda"):
+        try:
+            replay = multi.graphed(images, ids)
+        except RuntimeError as error:  # the eager cases are measured all the same; the log says why not this one
+            print(f"{GRAPH}: not measured: {error}", file=sys.stderr)
+        else:
+            calls[GRAPH] = lambda: replay(images)
+    return calls
 
 
 def measure(calls: dict[str, Callable[[], object]], rounds: int, device: str = "cpu") -> dict[str, float]:
@@ -277,6 +286,8 @@ def render(
 ) -> str:
     """The results file: one table row per task set and batch size (``missing``: rows the deadline cut off)."""
     gpu = f", GPU {torch.cuda.get_device_name(torch.device(device))}" if device.startswith("cuda") else ""
+    graph = any(GRAPH in seconds for seconds in results.values())
+    cases = (*CASES, GRAPH) if graph else CASES
     lines = [
         f"# Serving 8 tasks over one frozen `{model_name}`: mixed batch vs one model per task "
         f"({device_words(device, dtype)})",
@@ -292,20 +303,29 @@ def render(
         f"{device}; median over {rounds} rounds. Ratios are images/s against the 8 separate models."
         + (" The MultiTask on the GPU's path (`launch_bound=True`) whatever the device." if launch_bound else ""),
         "",
-        "| Task set | Batch (rows per task) | " + " | ".join(f"{c} img/s" for c in CASES) + " | "
-        "MultiTask × 8 separate | MultiTask × backbone 8 times | MultiTask × backbone once |",
-        "|---|---:|" + "---:|" * (len(CASES) + 3),
+        "| Task set | Batch (rows per task) | " + " | ".join(f"{c} img/s" for c in cases) + " | "
+        "MultiTask × 8 separate | MultiTask × backbone 8 times | MultiTask × backbone once |"
+        + (" CUDA graph × backbone once |" if graph else ""),
+        "|---|---:|" + "---:|" * (2 * len(cases) - 1),
     ]
     for (task_set, batch), seconds in results.items():
         speed = {name: batch / s for name, s in seconds.items()}
         ratios = [speed[CASES[0]] / speed[c] for c in CASES[1:]]
+        ratios += [speed[GRAPH] / speed[CASES[3]]] if graph else []
         lines.append(
             f"| {task_set} | {batch} ({batch // TASKS}) | "
-            + " | ".join(f"{speed[c]:.0f}" for c in CASES)
+            + " | ".join(f"{speed[c]:.0f}" for c in cases)
             + " | "
             + " | ".join(f"{r:.2f}×" for r in ratios)
             + " |"
         )
+    if graph:
+        lines += [
+            "",
+            f"{GRAPH}: the MultiTask's forward of this batch layout captured once (`MultiTask.graphed`) and replayed, "
+            "so the host launches one graph instead of every op; it serves batches whose rows have the same tasks "
+            "in the same places. The other cases run eagerly.",
+        ]
     if missing:
         lines += ["", f"Not measured: the --deadline had passed before {'; '.join(missing)}."]
     return "\n".join(lines) + "\n"

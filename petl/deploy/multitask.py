@@ -60,7 +60,8 @@ from __future__ import annotations
 
 import copy
 import numbers
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -202,6 +203,32 @@ class PromptsBeside(nn.Module):
             prompts.append((getattr(self, f"prompts_{i}")[rows], None if use is None else use[rows]))
         pool = self.pool[rows] if self.pool_prompts is None else self.pool_prompts
         return backbone_of(plain).features_with_prompts(tokens, prompts, pool)
+
+
+@dataclass
+class _Layout:
+    """How one batch's rows are routed, worked out on the CPU from their task indices alone.
+
+    Attributes:
+        groups: (task, first row, end row) per task present, in the sorted rows' order.
+        parts: the groups by pass through the blocks (0: rows without prompt slots, 1: rows with them, 2 and up:
+            each pass of prompts beside the tokens).
+        tasks: each sorted row's task index, on the CPU.
+        rows: the same on the images' device.
+        order: the batch's row index of each sorted row, on the images' device.
+        launch: whether the stacks act as where launching ops is the cost (:attr:`MultiTask.launch_bound`).
+        masks: per part (its first row), the pooling and attention masks built for it on the images' device, kept
+            so that another run of this layout (a CUDA graph's capture) moves nothing from the CPU.
+
+    """
+
+    groups: list[tuple[int, int, int]]
+    parts: dict[int, list[tuple[int, int, int]]]
+    tasks: Tensor
+    rows: Tensor
+    order: Tensor
+    launch: bool
+    masks: dict[int, dict[Any, Tensor]] = field(default_factory=dict)
 
 
 class MultiTask(nn.Module):
@@ -486,22 +513,27 @@ class MultiTask(nn.Module):
         mask[:, tokens.prefix : tokens.prefix + tokens.slots] = torch.arange(tokens.slots) < per_row[:, None]
         return _to_device(mask, x.device if device is None else device)
 
-    def _features(self, x: Tensor, groups: list[tuple[int, int, int]], tasks: Tensor, rows: Tensor) -> Tensor:
-        """The pooled features of embedded rows ``x`` (sorted by task: ``groups``, ``tasks`` on the CPU, ``rows`` on
-        ``x``'s device) through the routed blocks, each task's hooks on its own rows.
+    def _features(self, x: Tensor, layout: _Layout, part: list[tuple[int, int, int]]) -> Tensor:
+        """The pooled features of ``x``, the embedded rows of one of ``layout``'s parts (its groups: ``part``),
+        through the routed blocks, each task's hooks on its own rows.  The pooling and attention masks built for
+        them are kept in the layout, to be found by the next run of it.
         """
+        first, end = part[0][1], part[-1][2]
+        groups = [(task, start - first, stop - first) for task, start, stop in part]
+        tasks, rows, masks = layout.tasks[first:end], layout.rows[first:end], layout.masks.setdefault(first, {})
         bb = backbone_of(self.backbone)
         tokens = Tokens(bb.num_prefix_tokens(), max((self.prompts[t] for t, _, _ in groups), default=0))
-        self._router.batch = Batch(groups, tokens, rows=rows, launch_bound=self._launch_bound(x))
+        self._router.batch = Batch(groups, tokens, rows=rows, launch_bound=layout.launch)
         try:
             pool = None
             if tokens.slots:
                 x = tokens.with_slots(x)
             if tokens.slots and bb.pool_type() != "token":  # the class token alone: no slot to leave out
                 # Each row pools (and, per block, attends) only the slots its own task fills.
-                pooled = [n if p else 0 for n, p in zip(self.prompts, self.pool_prompts, strict=True)]
-                pool = self._slot_mask(x, tasks, tokens, pooled)
-            masks: dict[tuple[int, ...], Tensor] = {}
+                if "pool" not in masks:
+                    pooled = [n if p else 0 for n, p in zip(self.prompts, self.pool_prompts, strict=True)]
+                    masks["pool"] = self._slot_mask(x, tasks, tokens, pooled)
+                pool = masks["pool"]
             # Once a forward, as timm's forward_features computes them (a shared bias padded for the slots once).
             inputs = bb.block_inputs(room=(tokens.prefix, tokens.slots) if tokens.slots else None)
             for i, block in enumerate(bb.block_container()):
@@ -543,6 +575,58 @@ class MultiTask(nn.Module):
         if not len(index):  # no rows, no task to route: 0 x C, as a timm model answers an empty batch
             width = max(self.num_classes.values()) or backbone_of(self.backbone).num_features()
             return images.new_empty(0, width)
+        return self._run(images, self._layout(index, images))
+
+    def graphed(self, images: Tensor, task_ids: Sequence[str] | Sequence[int] | Tensor) -> Callable[[Tensor], Tensor]:
+        """This batch layout's forward as one CUDA graph: ``replay(images)`` answers as ``self(images, task_ids)``.
+
+        On a GPU a mixed batch's many small ops are bound by the host launching them (:attr:`launch_bound`); a
+        CUDA graph launches the whole forward at once (``torch.cuda.CUDAGraph``, as vLLM serves a fixed batch size).
+        The graph is this layout's: the same task at each row, the same image shape and dtype, the MultiTask on its
+        present device and dtype (make another after ``.to()``).  Each replay copies the images into the graph's
+        input, and returns a copy of its output.  Inference only, as the MultiTask.
+
+        Args:
+            images: an example batch on a CUDA device (its values are not kept).
+            task_ids: one task per row, as :meth:`forward` takes them.
+
+        Raises:
+            ValueError: images not on a CUDA device; at replay, images of another shape, dtype or device.
+
+        """
+        if images.device.type != "cuda":
+            raise ValueError(f"MultiTask.graphed makes a CUDA graph: give images on a CUDA device, not {images.device}")
+        index = self.task_index(task_ids, images.shape[0])
+        with torch.inference_mode():
+            layout = self._layout(index, images)
+            static = images.clone()
+            # Warm on a side stream, as torch's CUDA-graph recipe does: cuDNN's and cuBLAS's choices, the tasks'
+            # per-device tensors and the layout's masks are made here, so that capturing copies nothing from the CPU.
+            side = torch.cuda.Stream(images.device)
+            side.wait_stream(torch.cuda.current_stream(images.device))
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self._run(static, layout)
+            torch.cuda.current_stream(images.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                output = self._run(static, layout)
+
+        def replay(batch: Tensor) -> Tensor:
+            if (batch.shape, batch.dtype, batch.device) != (static.shape, static.dtype, static.device):
+                raise ValueError(
+                    f"this graph answers {tuple(static.shape)} {static.dtype} images on {static.device}, got "
+                    f"{tuple(batch.shape)} {batch.dtype} on {batch.device}: make a graph for that layout"
+                )
+            with torch.inference_mode():
+                static.copy_(batch)
+                graph.replay()
+                return output.clone()
+
+        return replay
+
+    def _layout(self, index: Tensor, images: Tensor) -> _Layout:
+        """How the rows of a batch with these task indices are sorted and routed (see :class:`_Layout`)."""
         launch_bound = self._launch_bound(images)
         # Rows sorted by task.  Where the arithmetic is the cost (a CPU), the tasks without prompt tokens come first
         # and their rows share the blocks without slots or attention masks, the prompted tasks' rows carrying them in
@@ -558,31 +642,34 @@ class MultiTask(nn.Module):
         key = index + len(self.names) * torch.tensor(passes)[index] if any(passes) else index
         order = torch.argsort(key, stable=True)
         tasks = index[order]
-        rows, order = _to_device(tasks, images.device), _to_device(order, images.device)
         counts = torch.bincount(index, minlength=len(self.names)).tolist()
         groups, start = [], 0
         for task in sorted(range(len(self.names)), key=lambda t: (passes[t], t)):
             if counts[task]:
                 groups.append((task, start, start + counts[task]))
                 start += counts[task]
-        bb = backbone_of(self.backbone)
-        prefix = Tokens(bb.num_prefix_tokens(), 0)
-        self._router.batch = Batch(groups, prefix, rows=rows, launch_bound=launch_bound)
-        try:
-            x = bb.embed_tokens(images[order])
-        finally:
-            self._router.batch = None
         parts: dict[int, list[tuple[int, int, int]]] = {}
         for group in groups:
             parts.setdefault(passes[group[0]], []).append(group)
+        device = images.device
+        return _Layout(groups, parts, tasks, _to_device(tasks, device), _to_device(order, device), launch_bound)
+
+    def _run(self, images: Tensor, layout: _Layout) -> Tensor:
+        """The logits of ``images`` routed as ``layout`` says: every op on the images' device, none on the CPU's."""
+        bb = backbone_of(self.backbone)
+        groups, rows = layout.groups, layout.rows
+        self._router.batch = Batch(groups, Tokens(bb.num_prefix_tokens(), 0), rows=rows, launch_bound=layout.launch)
+        try:
+            x = bb.embed_tokens(images[layout.order])
+        finally:
+            self._router.batch = None
         features = []
-        for kind, part in parts.items():
+        for kind, part in layout.parts.items():
             first, end = part[0][1], part[-1][2]
             if kind >= 2:
                 features.append(self.beside[kind - 2](self.plain, x[first:end], rows[first:end]))
                 continue
-            part = [(task, start - first, stop - first) for task, start, stop in part]
-            features.append(self._features(x[first:end], part, tasks[first:end], rows[first:end]))
+            features.append(self._features(x[first:end], layout, part))
         features = features[0] if len(features) == 1 else torch.cat(features)
         if self.stacked_heads and len(groups) >= 2:
             # Each row's own head gathered from the stack: one batched matmul for the mixed batch.
@@ -596,5 +683,5 @@ class MultiTask(nn.Module):
                 parts.append(nn.functional.pad(logits, (0, width - logits.shape[-1]), value=float("-inf")))
             sorted_logits = torch.cat(parts) if parts else features.new_empty(0, width)
         out = torch.empty_like(sorted_logits)
-        out[order] = sorted_logits
+        out[layout.order] = sorted_logits
         return out

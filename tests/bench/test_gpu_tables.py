@@ -81,6 +81,22 @@ def test_the_multitask_title_names_the_device_and_what_it_left_out():
     assert "Not measured: the --deadline had passed before 8 methods at batch 8." in table
 
 
+def test_the_multitask_table_gives_a_graph_its_own_column_and_ratio():
+    multitask = _script("multitask_speed")
+    seconds = {**dict.fromkeys(multitask.CASES, 0.1), multitask.GRAPH: 0.05}
+    table = multitask.render({("8 methods", 64): seconds}, "m", 1, "cmd", (0.0, 0.0))
+    header, rule, row = (line for line in table.splitlines() if line.startswith("|"))
+    assert header.count("|") == rule.count("|") == row.count("|") == 12
+    assert header.endswith(
+        "| MultiTask, CUDA graph img/s | MultiTask × 8 separate | MultiTask × backbone 8 times | "
+        "MultiTask × backbone once | CUDA graph × backbone once |"
+    )
+    assert row.endswith("| 640 | 1280 | 1.00× | 1.00× | 1.00× | 2.00× |") and "captured once" in table
+    assert "CUDA graph" not in multitask.render(
+        {("8 methods", 64): dict.fromkeys(multitask.CASES, 0.1)}, "m", 1, "cmd", (0.0, 0.0)
+    )
+
+
 def test_the_multitask_profile_names_each_case_s_busy_time_and_costliest_ops():
     multitask = _script("multitask_speed")
     square = torch.ones(64, 64)

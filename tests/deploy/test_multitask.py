@@ -660,9 +660,9 @@ def test_rows_without_prompts_share_the_blocks_without_prompt_slots_on_a_cpu(sta
     passes = []
     features = petl.MultiTask._features
 
-    def record(self, x, groups, *rest):
-        passes.append([self.names[task] for task, _, _ in groups])
-        return features(self, x, groups, *rest)
+    def record(self, x, layout, part):
+        passes.append([self.names[task] for task, _, _ in part])
+        return features(self, x, layout, part)
 
     monkeypatch.setattr(petl.MultiTask, "_features", record)
     ids, images = _mixed_batch(["vpt_5", "lora_qv", "vpt_2", "ssf"], per_task=2, seed=3)
@@ -823,6 +823,39 @@ def test_a_served_mixed_batch_never_waits_for_the_gpu(tmp_path, monkeypatch, tas
         finally:
             torch.cuda.set_sync_debug_mode("default")
     torch.testing.assert_close(on_gpu.cpu(), on_cpu, atol=1e-4, rtol=1e-4)
+
+
+def test_a_graph_is_made_on_a_gpu_only(stacked):
+    _, _, multi, _ = stacked
+    with pytest.raises(
+        ValueError, match="^MultiTask.graphed makes a CUDA graph: give images on a CUDA device, not cpu$"
+    ):
+        multi.graphed(torch.randn(2, 3, 32, 32), ["ssf", "lora_qv"])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("task_set", ["8 methods", *sorted(OTHER_SETS_OPS)])
+def test_a_graph_of_a_layout_answers_as_the_forward(tmp_path, monkeypatch, task_set):
+    """A CUDA graph of one batch layout gives every row the forward's logits, on other images of that layout too,
+    and refuses a batch of another shape."""
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    backbone = make_tiny_vit()
+    _, files = _save(tmp_path, _task_set(task_set), backbone)
+    ids, images = _mixed_batch(list(files), per_task=4)
+    multi = petl.MultiTask(backbone, files).cuda()
+    images = images.cuda()
+    replay = multi.graphed(images, ids)
+    with torch.no_grad():
+        for batch in (images, torch.randn_like(images), images.flip(0)):
+            torch.testing.assert_close(replay(batch), multi(batch, ids), atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match=r"^this graph answers \(\d+, 3, 32, 32\) torch.float32 images on cuda:0"):
+        replay(images[:-1])
+    # Captured under bf16 autocast (petl-predict's default on a GPU), it replays the autocast forward.
+    with torch.autocast("cuda", torch.bfloat16):
+        replay = multi.graphed(images, ids)
+        with torch.no_grad():
+            torch.testing.assert_close(replay(images), multi(images, ids), atol=1e-2, rtol=1e-2)
 
 
 def test_one_path_or_a_list_where_a_mapping_is_taken_is_named(tmp_path):
