@@ -316,6 +316,7 @@ class MultiTask(nn.Module):
             self._make_room(self.backbone)
         self._router.tables.build()
         self.stack_tables = self._router.tables
+        self.rank = self._stack_order()
         self._stack_heads([backbone_of(m).head() for m in models])
         self._beside(backbone, besides)
         if any(self.prompts) and bb.pool_type() not in bb.maskable_pools:
@@ -402,6 +403,32 @@ class MultiTask(nn.Module):
             setattr(parent, name, module)
         backbone_of(routed).adopt_wrapped_linears()
         return routed
+
+    def _stack_order(self) -> list[int]:
+        """Each task's place in the sorted batch: tasks that stack together (at any module) next to each other, so
+        that a stack's rows are one span of the batch and its op runs over those rows alone.
+
+        The tasks linked by shared stacks form groups (their connected components), in the order of each group's
+        first task; within a group, by task index.
+        """
+        group = list(range(len(self.names)))  # union-find: each task's representative, the group's first task
+
+        def find(task: int) -> int:
+            while group[task] != task:
+                task = group[task]
+            return task
+
+        for module in self.backbone.modules():
+            for stack in getattr(module, "stacks", ()) if isinstance(module, RoutedModule) else ():
+                first = find(stack.tasks[0])
+                for task in stack.tasks[1:]:
+                    other = find(task)
+                    group[max(first, other)] = first = min(first, other)
+        order = sorted(range(len(self.names)), key=lambda task: (find(task), task))
+        rank = [0] * len(order)
+        for place, task in enumerate(order):
+            rank[task] = place
+        return rank
 
     @staticmethod
     def _make_room(routed: nn.Module) -> None:
@@ -639,12 +666,15 @@ class MultiTask(nn.Module):
             2 + beside if beside >= 0 else int(n > 0 and not launch_bound)
             for n, beside in zip(self.prompts, self.beside_pass, strict=True)
         ]
-        key = index + len(self.names) * torch.tensor(passes)[index] if any(passes) else index
+        # Within a pass, tasks that stack together are next to each other (_stack_order).  A task's place, as a
+        # gather of one small table; none where the places keep the tasks' order (the index sorts the same).
+        place = [self.rank[task] + len(self.names) * passes[task] for task in range(len(self.names))]
+        key = index if place == sorted(place) else torch.tensor(place)[index]
         order = torch.argsort(key, stable=True)
         tasks = index[order]
         counts = torch.bincount(index, minlength=len(self.names)).tolist()
         groups, start = [], 0
-        for task in sorted(range(len(self.names)), key=lambda t: (passes[t], t)):
+        for task in sorted(range(len(self.names)), key=lambda t: (passes[t], self.rank[t])):
             if counts[task]:
                 groups.append((task, start, start + counts[task]))
                 start += counts[task]
