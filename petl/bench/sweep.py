@@ -10,8 +10,6 @@ This is bookkeeping, not a scheduler: spreading runs over GPUs or SLURM is Hydra
 
 from __future__ import annotations
 
-import os
-import tempfile
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -28,6 +26,7 @@ from petl.store.lock import LOCK_FILE as LOCK_FILE  # the lock is petl-run's too
 from petl.store.lock import acquire_lock, release_lock
 from petl.store.result import ResultError, RunResult, read_result, write_result
 from petl.utils.errors import UsageError
+from petl.utils.paths import cannot_write_in
 from petl.utils.text import first_line
 
 ERROR_FILE = "error.log"
@@ -96,35 +95,17 @@ def check_results_folder(folder: Path) -> None:
     """Refuse a results folder no run can be written into, before a sweep plans or trains anything.
 
     A file in the way, a read-only or full file system, a name longer than the file system takes: each would
-    otherwise stop the sweep at its first run's lock with a bare ``OSError`` (exit 1).  This says what petl-run
-    says of such an ``output_dir`` (exit 2).  A small file is written and removed, and the folders made for it are
-    removed again, so a dry run is left without a trace.
+    otherwise stop the sweep at its first run's lock with a bare ``OSError`` (exit 1).  This is the check petl-run
+    makes of its ``output_dir`` (:func:`petl.utils.paths.cannot_write_in`), said the same way (exit 2).  A small
+    file is written and removed, and the folders made for it are removed again, so a dry run is left without a trace.
 
     Raises:
         UsageError: one line naming ``folder`` and why.
 
     """
-    created: list[Path] = []
-    try:
-        # Even a look may fail (a name longer than the file system allows).
-        if folder.exists() and not folder.is_dir():
-            raise UsageError(f"output_dir {folder} is a file, not a folder: choose another output_dir")
-        created = [p for p in (folder, *folder.parents) if not p.exists()]
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=folder) as probe:  # a full disk refuses the bytes, not the name
-            probe.write(b"petl" * 64)
-            probe.flush()
-            os.fsync(probe.fileno())
-    except OSError as error:
-        raise UsageError(
-            f"output_dir {folder} cannot be written ({error.strerror or error}): choose another output_dir"
-        ) from None
-    finally:
-        for made in created:  # deepest first; the sweep makes what it needs
-            try:
-                made.rmdir()
-            except OSError:
-                break
+    unwritable = cannot_write_in(folder, "choose another output_dir", fill=True)
+    if unwritable is not None:
+        raise UsageError(f"output_dir {unwritable}")
 
 
 def task_folder(task: str) -> str:

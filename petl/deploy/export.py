@@ -17,10 +17,10 @@ from torch import nn
 import petl.methods  # noqa: F401  (importing the methods registers them)
 from petl.backbones.models import timm_native
 from petl.data.transforms import CROP_RATIO
-from petl.deploy.predict import cannot_write_in
 from petl.model.unloading import unload
 from petl.store import files
 from petl.store.run_card import LoadedRun, load_run
+from petl.utils.paths import cannot_be_written, cannot_write_in
 
 PROG = "petl-export"
 FORMAT = "petl-export-1"
@@ -192,12 +192,13 @@ def check_target(run_dir: str | Path, out: str | Path, overwrite: bool = False) 
             raise ValueError(f"out={out} is a file: name a folder (no suffix) or a .safetensors or .onnx file")
         else:
             in_the_way = [out / name for name in (CONFIG_FILE, WEIGHTS_FILE) if (out / name).exists()]
-        # Said before the run loads (as petl-predict's out=), not as a bare OSError after the model is built.
+        # Said before the run loads (as petl-predict's out=), not as a bare OSError after the model is built.  Without
+        # fill: a full disk is an export that failed (exit 1, docs/cli.md), said by export() when it writes.
         unwritable = cannot_write_in(out.parent if out.suffix else out)
     except OSError as error:  # even a look fails: a name longer than the file system takes
-        unwritable = f"{out} ({error.strerror or error})"
+        unwritable = cannot_be_written(out, error)
     if unwritable is not None:
-        raise ValueError(f"out={out}: cannot write in {unwritable}: choose a folder you can write to")
+        raise ValueError(f"out={out}: {unwritable}")
     if in_the_way and not overwrite:
         listed = ", ".join(str(path) for path in in_the_way)
         exists = "already exists" if len(in_the_way) == 1 else "already exist"

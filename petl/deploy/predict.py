@@ -10,7 +10,6 @@ import io
 import json
 import os
 import sys
-import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +37,7 @@ from petl.store.run_card import (
     weights_file,
 )
 from petl.utils.errors import UsageError
-from petl.utils.paths import write_atomic
+from petl.utils.paths import cannot_be_written, cannot_write_in, write_atomic
 from petl.utils.precision import describe, inference, inference_precision
 from petl.utils.text import csv_cell, plural, read_names, shown
 
@@ -454,35 +453,18 @@ def check_targets(runs: list[Path], options: dict) -> None:
             check_outside_runs(path, f"{key}={shown(options[key])}", "a prediction")
             if path.is_dir():
                 raise UsageError(f"{key}={shown(options[key])} is a folder: name a new {path.suffix} file")
+            # Without fill: a full disk is a prediction that cannot complete (exit 1, docs/cli.md), said on writing.
             unwritable = cannot_write_in(path.parent)
         except ValueError as error:
             raise UsageError(str(error)) from None
         except OSError as error:  # even a look fails: a name longer than the file system takes
-            unwritable = f"{shown(path)} ({error.strerror or error})"
+            unwritable = cannot_be_written(path, error)
         if unwritable is not None:
-            raise UsageError(
-                f"{key}={shown(options[key])}: cannot write in {unwritable}: choose a folder you can write to"
-            )
+            raise UsageError(f"{key}={shown(options[key])}: {unwritable}")
     in_the_way = [shown(path) for _, path in written if path.exists()]
     if in_the_way and not options.get("overwrite", False):
         exists = "already exists" if len(in_the_way) == 1 else "already exist"
         raise UsageError(f"{', '.join(in_the_way)} {exists}: write elsewhere, or add overwrite=true to replace it")
-
-
-def cannot_write_in(folder: Path) -> str | None:
-    """Why no new file can be written in ``folder`` (checked by making one), or ``None`` when one can.
-
-    A folder that does not exist yet is made by the writer: its nearest existing folder is tried instead.  Checked
-    before predicting, so that a read-only folder or ``/proc`` is said at once, not after every image.
-    """
-    existing = next(p for p in [folder.absolute(), *folder.absolute().parents] if p.exists())
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=".petl-write-check.", dir=existing)
-    except OSError as error:
-        return f"{shown(existing)} ({error.strerror or error})"
-    os.close(fd)
-    os.unlink(tmp)
-    return None
 
 
 def _load(folder: Path, merge: bool) -> LoadedRun:

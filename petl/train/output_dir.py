@@ -26,6 +26,7 @@ from petl.store import files, lock
 from petl.store.result import ResultError, RunResult, read_result
 from petl.train import config
 from petl.train.config import ConfigError
+from petl.utils import paths
 from petl.utils.distributed import is_main_process
 from petl.utils.errors import RunError
 
@@ -191,6 +192,7 @@ def check_finished(cfg: DictConfig) -> None:
     check_inputs(out, finished.inputs, finished_inputs(cfg, finished), finished=True)
 
 
+_ANOTHER = "choose another output_dir"
 _REPLACE = "run again with resume=false to move that run aside and train anew, or choose another output_dir"
 
 
@@ -305,19 +307,19 @@ def claim(out: Path) -> Iterator[None]:
     if not is_main_process():
         yield
         return
+    # Checked as petl-bench checks its results folder (fill: a full disk is refused before anything is built).
+    unwritable = paths.cannot_write_in(out, _ANOTHER, fill=True)
+    if unwritable is not None:
+        raise ConfigError(f"output_dir {unwritable}")
     created: list[Path] = []
     try:
-        # Even a look may fail (a name longer than the file system allows): that is bad input too.
-        if out.exists() and not out.is_dir():
-            raise ConfigError(f"output_dir {out} is a file, not a folder: choose another output_dir")
         created = [p for p in (out, *out.parents) if not p.exists()]
         # A sweep (petl-bench) holds the folder's lock itself and trains in this very process.
         ours = not lock.holds_lock(out)
         taken = lock.acquire_lock(out) if ours else True
-    except OSError as error:
+    except OSError as error:  # changed since the check (another process removed or filled it)
         _remove_empty(created)
-        reason = error.strerror or str(error)
-        raise ConfigError(f"output_dir {out} cannot be written ({reason}): choose another output_dir") from None
+        raise ConfigError(f"output_dir {paths.cannot_be_written(out, error, _ANOTHER)}") from None
     if not taken:
         raise RunError(
             f"output_dir {out} is in use by another run ({lock.describe_holder(out)}); wait for it to finish "

@@ -1,4 +1,6 @@
-"""Where petl keeps what it makes once per user (converted weights, unpacked datasets); files written whole."""
+"""Where petl keeps what it makes once per user (converted weights, unpacked datasets); files written whole; and
+whether a folder can be written at all, asked once for every command that writes (:func:`cannot_write_in`).
+"""
 
 from __future__ import annotations
 
@@ -10,7 +12,11 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from petl.utils.text import shown
+
 CACHE_ENV = "PETL_CACHE_DIR"
+# What to do about a folder nothing can be written in, unless the caller names its option (choose another output_dir).
+WRITE_ELSEWHERE = "choose a folder you can write to"
 
 
 def cache_dir() -> Path:
@@ -19,6 +25,54 @@ def cache_dir() -> Path:
         return Path(os.environ[CACHE_ENV]).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base).expanduser() / "petl"
+
+
+def cannot_write_in(folder: Path, todo: str = WRITE_ELSEWHERE, *, fill: bool = False) -> str | None:
+    """Why no file can be written in ``folder`` (one line: the folder, the reason, ``todo``), or ``None`` if one can.
+
+    A folder that does not exist yet is made, as its writer would make it, and removed again with the probe
+    file, so a check leaves no trace.  A file in the way, a read-only file system, ``/proc``, a name longer than
+    the file system takes: each is said here, before anything is built, not as a bare ``OSError`` later.
+
+    Args:
+        folder: the folder to write in, existing or to be created.
+        todo: what the user should do instead (``choose another output_dir``), ending the line.
+        fill: also write and sync some bytes, so that a full disk is refused too (an empty file may still be made
+            there).  petl-run and petl-bench fill (an ``output_dir`` that cannot be written is bad input, exit 2);
+            petl-predict and petl-export do not (their full disk is a command that failed, exit 1, said on writing).
+
+    """
+    made: list[Path] = []
+    try:
+        # Even a look may fail (a name longer than the file system takes).
+        if folder.exists() and not folder.is_dir():
+            return f"{shown(folder)} is a file, not a folder: {todo}"
+        missing = [p for p in (folder, *folder.parents) if not p.exists()]
+        for path in reversed(missing):
+            try:
+                path.mkdir()
+            except FileExistsError:  # made meanwhile by another process: not ours to remove
+                continue
+            made.append(path)
+        with tempfile.TemporaryFile(prefix=".petl-write-check.", dir=folder) as probe:
+            if fill:
+                probe.write(b"petl" * 64)
+                probe.flush()
+                os.fsync(probe.fileno())  # a full disk refuses the bytes, not the name
+    except OSError as error:
+        return cannot_be_written(folder, error, todo)
+    finally:
+        for path in reversed(made):  # deepest first; the writer makes what it needs
+            try:
+                path.rmdir()
+            except OSError:  # something was written there meanwhile: it and the folders above stay
+                break
+    return None
+
+
+def cannot_be_written(path: Path, error: OSError, todo: str = WRITE_ELSEWHERE) -> str:
+    """The line :func:`cannot_write_in` says of ``path``, for a caller whose own look at it failed with ``error``."""
+    return f"{shown(path)} cannot be written ({error.strerror or error}): {todo}"
 
 
 def file_sha256(path: Path) -> str:

@@ -160,14 +160,17 @@ def test_petl_export_where_nothing_can_be_written_is_refused_before_the_run_load
     monkeypatch.setattr(export_module, "load_run", lambda *a: pytest.fail("must refuse before loading the run"))
     if where == "a read-only folder":
         out = _read_only_dir(tmp_path) / "exported"
+        why = f"{out} cannot be written ("  # a timm folder: out= itself
     elif where == "a file in the way":
         (tmp_path / "file").write_text("")
         out = tmp_path / "file" / "exported.safetensors"
+        why = f"{out.parent} is a file, not a folder"
     else:
         out = tmp_path / ("a" * 300) / "exported.onnx"
+        why = f"{out} cannot be written (File name too long)"
     (tmp_path / "run").mkdir()
     code, err = _main(export_cli.main, [str(tmp_path / "run"), f"out={out}"], capsys)
-    assert code == 2 and err.count("\n") == 1 and f"error: out={out}: cannot write in " in err, err
+    assert code == 2 and err.count("\n") == 1 and err.startswith(f"petl-export: error: out={out}: {why}"), err
     assert err.rstrip().endswith(": choose a folder you can write to"), err
 
 
@@ -194,7 +197,7 @@ def test_petl_predict_out_with_a_name_too_long_is_refused_in_one_line(tmp_path, 
     (run / files.WEIGHTS_FILE).write_text("")
     out = tmp_path / name
     code, err = _main(predict_cli.main, [str(run), str(_image(tmp_path / "a.png")), f"out={out}"], capsys)
-    assert code == 2 and err.count("\n") == 1 and f"error: out={out}: cannot write in " in err, err
+    assert code == 2 and err.count("\n") == 1 and f"error: out={out}: {out} cannot be written (" in err, err
     assert "(File name too long): choose a folder you can write to" in err, err
 
 

@@ -107,11 +107,12 @@ def test_out_where_nothing_can_be_written_is_refused_before_predicting(tmp_path,
         evaluate = ["data=folder", f"data.root={tmp_path}"] if key == "confusion" else [str(image)]
         code, err = _main(predict_cli.main, [str(run), *evaluate, f"{key}={target}"], capsys)
         assert code == 2 and err.count("\n") == 1, err
-        assert err.startswith(f"petl-predict: error: {key}={target}: cannot write in "), err
-        assert "choose a folder you can write to" in err
+        # The folder and why (a file, not a folder; /proc refuses new files), then what to do.
+        assert err.startswith(f"petl-predict: error: {key}={target}: {target.parent} "), err
+        assert err.rstrip().endswith(": choose a folder you can write to"), err
     # The run folder holds no real weights: nothing was loaded, the refusal came first.  A folder still to be made
-    # is made by the writer: where it would go is checked.
-    from petl.deploy.predict import cannot_write_in
+    # is made by the writer: the check makes it and removes it again (test_faults_unwritable_folder).
+    from petl.utils.paths import cannot_write_in
 
     assert cannot_write_in(tmp_path / "new" / "deeper") is None
     assert not (tmp_path / "new").exists() and not list(tmp_path.glob(".petl-write-check.*"))
