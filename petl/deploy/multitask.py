@@ -37,11 +37,12 @@ task's prompts gathered at every block (:class:`PromptsBeside`, ``Backbone.featu
 Tasks whose hooks at a module have the same batched form (:class:`petl.model.rows.Batched`: LoRA's and FacT's
 low-rank updates of any rank, SSF's scale and shift with BitFit's bias deltas, bottleneck adapters of one style,
 VPT prompts of one count) do not loop: their tensors are stacked once, when the MultiTask is built (smaller ranks
-and bottlenecks zero-padded), and when two or more of them are in a batch, one batched op updates every row with
-its own task's entry (each row's LoRA A and B, then two ``bmm``, as Punica's BGMV and S-LoRA serve many adapters;
-one ``addcmul`` for every row's scale and shift), the rows of other tasks taking a neutral entry that leaves them
-exactly as they are (on a CPU only when the stacked tasks hold half the rows: see :attr:`MultiTask.launch_bound`).
-Every row's entries of all the stacks of one set of tasks are gathered in one op per batch
+and bottlenecks zero-padded), and when two or more of them are in a batch, one batched op updates the span of rows
+from the first of them to the last with each row's own task's entry (each row's LoRA A and B, then two ``bmm``, as
+Punica's BGMV and S-LoRA serve many adapters; one ``addcmul`` for the span's scales and shifts), the rows there of
+other tasks taking a neutral entry that leaves them exactly as they are (on a CPU only when the stacked tasks hold
+half the span's rows: see :attr:`MultiTask.launch_bound`).  The span's entries of all the stacks of one set of
+tasks are gathered in one op per batch
 (:class:`petl.deploy.routing.StackTables`).  Linear heads are stacked the same way (one batched matmul for every
 row's logits).  A hook without a batched form, or one task's form alone in the batch, acts on its own rows as
 above; served without autograd, a hook that can (``RowHook.post_in_place``) adds its update into its rows of the
@@ -243,8 +244,8 @@ class MultiTask(nn.Module):
 
     Attributes:
         launch_bound: whether launching ops is what a batch costs (a GPU: stacked hooks act whenever two of their
-            tasks are in it) or the arithmetic is (a CPU: only when their tasks hold half its rows, since their op
-            computes every row); ``None`` (the default): by the batch's device, any but the CPU.
+            tasks are in it) or the arithmetic is (a CPU: only when their tasks hold half the rows of their span, since
+            their op computes every row there); ``None`` (the default): by the batch's device, any but the CPU.
 
     Raises:
         ValueError: ``tasks`` not a mapping, a file that does not load onto ``backbone`` (the message names it), a

@@ -4,8 +4,9 @@
 :func:`task_sites` finds, for one task's model, the hook at each such place (:mod:`petl.model.rows`).
 
 Hooks that offer a batched form (:class:`petl.model.rows.Batched`) with the same key are stacked once (:class:`Stack`)
-and, when two or more of their tasks are in a batch, act on the whole batch in one op, each row with its own
-task's entry; the other hooks act task by task on their rows.
+and, when two or more of their tasks are in a batch, act in one op on the span of rows from their first task's
+first row to their last task's last (the batch is sorted by task), each row with its own task's entry (the neutral
+one for a row of a task between them); the other hooks act task by task on their rows.
 """
 
 from __future__ import annotations
@@ -113,16 +114,16 @@ class Batch:
     """The current forward's rows: (task index, first row, end row) per task present, and the token layout.
 
     ``rows``: each row's task index (a long tensor on the batch's device), for batched hooks; ``gathered``
-    caches, per table of :class:`StackTables`, every row's entry of it (one gather per batch).  ``launch_bound``:
-    whether launching an op costs more than a small op's arithmetic (a GPU), which decides when a stack serves
-    (:meth:`Stack.serves`).
+    caches, per table of :class:`StackTables` and span of rows, each of those rows' entry of it (one gather per
+    batch).  ``launch_bound``: whether launching an op costs more than a small op's arithmetic (a GPU), which
+    decides when a stack serves (:meth:`Stack.span`).
     """
 
     groups: list[tuple[int, int, int]]
     tokens: Tokens
     rows: Tensor | None = None
     launch_bound: bool = True
-    gathered: dict[int, tuple[Tensor, ...]] = field(default_factory=dict)
+    gathered: dict[tuple[int, int, int], tuple[Tensor, ...]] = field(default_factory=dict)
     repeated: dict[int, Batch] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -130,7 +131,8 @@ class Batch:
         # Task -> its rows (a slice), looked up by every routed module for its few tasks instead of a walk over all.
         self.spans = {task: slice(start, end) for task, start, end in self.groups}
         self.images = self.groups[-1][2] if self.groups else 0
-        self.serving: dict[tuple[int, ...], bool] = {}  # per set of stacked tasks: Stack.serves, decided once
+        # Per set of stacked tasks (and whether a pre): the rows its stacks act on (Stack.span), decided once.
+        self.serving: dict[tuple[tuple[int, ...], bool], slice | None] = {}
 
     def rows_of(self, x: Tensor) -> Batch:
         """The batch as ``x``'s rows see it: each image ``k`` consecutive rows where ``x`` has ``k`` per image.
@@ -215,11 +217,11 @@ class StackTables(nn.Module):
     """Every stack's tensors, per set of stacked tasks and dtype, side by side in one table (task index x elements:
     a stacked task's own entry, the neutral one for every other task).
 
-    A batch gathers every row's entry of a table once, at the first stack that needs it, and the stacks of every
-    module read their views of it: one gather per set of tasks and dtype for the whole forward, not one per module
-    (each is an op the host launches).  The gathered rows live until the forward ends: rows x the stacked tensors of
-    the task sets present, as large as the per-module gathers were in all.  The tables are buffers (not saved: a
-    MultiTask is built from its task files; moved by ``.to()``).
+    A batch gathers the entries of a table's rows (its stacks' span: :meth:`Stack.span`) once, at the first stack
+    that needs them, and the stacks of every module read their views of them: one gather per set of tasks and dtype
+    for the whole forward, not one per module (each is an op the host launches).  The gathered rows live until the
+    forward ends: the span's rows x the stacked tensors of the task sets present, as large as the per-module gathers
+    were in all.  The tables are buffers (not saved: a MultiTask is built from its task files; moved by ``.to()``).
 
     Args:
         tasks: how many tasks the MultiTask serves (the size of each task-to-entry table).
@@ -257,17 +259,21 @@ class StackTables(nn.Module):
             self._sizes[table] = [column.shape[1] for column in columns]
         self._columns = {}
 
-    def rows(self, batch: Batch, table: int) -> tuple[Tensor, ...]:
-        """Every row's entry of each column of ``table`` (rows x elements each), gathered once per batch."""
-        columns = batch.gathered.get(table)
+    def rows(self, batch: Batch, table: int, span: slice) -> tuple[Tensor, ...]:
+        """The entry of each column of ``table`` of every row in ``span`` (rows x elements each), gathered once per
+        batch.
+        """
+        key = (table, span.start, span.stop)
+        columns = batch.gathered.get(key)
         if columns is None:
-            gathered = getattr(self, f"table_{table}")[batch.rows]
-            columns = batch.gathered[table] = gathered.split(self._sizes[table], dim=1)
+            gathered = getattr(self, f"table_{table}")[batch.rows[span]]  # the span's rows: a view, no op
+            columns = batch.gathered[key] = gathered.split(self._sizes[table], dim=1)
         return columns
 
 
 class Stack:
-    """The tensors of the hooks at one module that share a :class:`Batched` key, stacked once: one op per batch.
+    """The tensors of the hooks at one module that share a :class:`Batched` key, stacked once: one op per batch, over
+    the span of its tasks' rows (:meth:`span`).
 
     Each tensor of the key's tasks, and the neutral entry last (for the rows of every other task), zero-padded where
     the form allows it (``pad``), is stacked on a new first dimension and put in the router's :class:`StackTables`,
@@ -282,6 +288,7 @@ class Stack:
     def __init__(self, forms: dict[int, Batched], router: Router) -> None:
         first = next(iter(forms.values()))
         self.pre, self.post, self.tasks = first.pre, first.post, tuple(sorted(forms))
+        self.post_in_place = first.post_in_place
         self.tables = router.tables
         # Per tensor: (table, its column there, shape of one entry), to take its view of the gathered rows back.
         self.parts: list[tuple[int, int, torch.Size]] = []
@@ -293,26 +300,66 @@ class Stack:
             stacked = torch.stack(column)
             self.parts.append((*self.tables.add(self.tasks, stacked.flatten(1)), stacked.shape[1:]))
 
-    def serves(self, batch: Batch) -> bool:
-        """Whether its one op over every row replaces its tasks' ops on their own rows in ``batch``.
+    def span(self, batch: Batch) -> slice | None:
+        """The rows of ``batch`` its one op acts on, or None where its tasks' hooks act on their own rows instead.
+
+        A ``post`` acts on the span from the first row of its first task in the batch to the last row of its last:
+        the batch is sorted by task, so the span holds only the rows of tasks between them besides its own, and
+        those take the neutral entry.  A ``pre`` acts on every row: its input is one the caller still uses, so its
+        op builds a new tensor of every row anyway (VPT's prompts written into every row's slots), where acting on
+        a span would take one more copy of the batch to put the rows around it back.
 
         Never for one task alone.  Where launching ops is the cost (a GPU), whenever two or more of its tasks are
         in the batch: one op instead of one per task.  Where the arithmetic is (a CPU), only when its tasks hold
-        at least half the rows: its op computes every row, so with fewer it costs more than their own ops on
-        their rows (the 8-method set at 8 rows per task ran at 0.61x the plain backbone stacking every pair,
-        0.86x this way, on a 2-core CPU).
+        at least half of the rows its op computes: its op computes the other tasks' rows in it too, and with more
+        of them than of its own it costs more than its tasks' own ops on their rows (the 8-method set at 8 rows
+        per task ran at 0.61x the plain backbone with every pair stacked over the whole batch, 0.86x with none, on
+        a 2-core CPU; with SSF's and BitFit's stack over their own 16 rows, adjacent in the batch, as fast as with
+        none, within 2%).
         """
-        serves = batch.serving.get(self.tasks)
-        if serves is None:  # decided once per batch for every stack of these tasks
-            present = batch.present.intersection(self.tasks)
-            rows = sum(batch.spans[task].stop - batch.spans[task].start for task in present)
-            serves = len(present) >= 2 and (batch.launch_bound or 2 * rows >= batch.images)
-            batch.serving[self.tasks] = serves
-        return serves
+        key = (self.tasks, self.pre is not None)
+        if key not in batch.serving:  # decided once per batch for every stack of these tasks
+            spans = [batch.spans[task] for task in self.tasks if task in batch.spans]
+            span = None
+            if len(spans) >= 2:
+                if self.pre is not None:
+                    span = slice(0, batch.images)
+                else:
+                    span = slice(min(s.start for s in spans), max(s.stop for s in spans))
+                rows = sum(s.stop - s.start for s in spans)
+                if not batch.launch_bound and 2 * rows < span.stop - span.start:
+                    span = None
+            batch.serving[key] = span
+        return batch.serving[key]
 
     def rows(self, batch: Batch) -> tuple[Tensor, ...]:
-        """Each stacked tensor as every row's own (rows first): views of the rows its tables gathered."""
-        return tuple(self.tables.rows(batch, table)[column].view(-1, *shape) for table, column, shape in self.parts)
+        """Each stacked tensor as each row's own, for the rows of its :meth:`span` (rows first): views of the rows
+        its tables gathered.
+        """
+        span = self.span(batch)
+        return tuple(
+            self.tables.rows(batch, table, span)[column].view(-1, *shape) for table, column, shape in self.parts
+        )
+
+    def act(self, batch: Batch, x: Tensor, y: Tensor, own: bool) -> Tensor:
+        """``y`` with its ``post`` applied to the rows of its :meth:`span` (which must not be None).
+
+        Over the whole batch, ``post``'s result.  Over a span, where ``y`` is the frozen module's fresh output
+        (``own``) and no autograd records, the span's rows of ``y`` itself are written (``post_in_place``, in as
+        many ops as ``post``; else a copy of ``post``'s result); otherwise a new tensor of ``y``'s rows before the
+        span, the span's result and the rows after it.
+        """
+        span, rows = self.span(batch), self.rows(batch)
+        if span.stop - span.start == y.shape[0]:
+            return self.post(x, y, rows)
+        if own and not torch.is_grad_enabled():
+            if self.post_in_place is not None:
+                self.post_in_place(x[span], y[span], rows)
+            else:
+                y[span].copy_(self.post(x[span], y[span], rows))
+            return y
+        parts = (y[: span.start], self.post(x[span], y[span], rows), y[span.stop :])
+        return torch.cat([part for part in parts if part.shape[0]])
 
 
 def _zero_pad(t: Tensor, dim: int, size: int) -> Tensor:
@@ -382,7 +429,7 @@ class RoutedModule(nn.Module):
         """``x`` with every task's pre hook applied to its rows: stacked hooks in one op each, the rest per task."""
         hooks = self.pre_hooks
         for stack in self.stacks:
-            if stack.pre is not None and stack.serves(batch):
+            if stack.pre is not None and stack.span(batch) is not None:
                 # Every row at once; rows of tasks outside the stack get its neutral entry and stay as they are.
                 x = stack.pre(x, batch.tokens, stack.rows(batch))
                 hooks = {task: hook for task, hook in hooks.items() if task not in stack.tasks}
@@ -394,8 +441,9 @@ class RoutedModule(nn.Module):
         """``y`` with every task's post hook applied to its rows: stacked hooks in one op each, the rest per task."""
         stacked: tuple[int, ...] = ()
         for stack in self.stacks:
-            if stack.post is not None and stack.serves(batch):
-                y, own = stack.post(x, y, stack.rows(batch)), True
+            if stack.post is not None and stack.span(batch) is not None:
+                # Its span of rows at once; rows of tasks outside the stack there get its neutral entry.
+                y, own = stack.act(batch, x, y, own), True
                 stacked += stack.tasks
         # Serving: a hook that can acts on its rows of the fresh output itself, with no copy back.
         in_place = own and not torch.is_grad_enabled()

@@ -208,19 +208,30 @@ def _batched(wrapper: _Bottleneck, reads_output: bool) -> rows.Batched:
         tensors = [t.detach() for t in tensors]
     count = len(tensors) - (2 if eps is not None else 0)  # the bottleneck's tensors, before the norm's
 
-    def post(x: torch.Tensor, y: torch.Tensor, per_row: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        (down_w, down_b, up_w, *up_b), norm_wb = per_row[:count], per_row[count:]
+    def hidden(x: torch.Tensor, y: torch.Tensor, per_row: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        down_w, down_b, norm_wb = per_row[0], per_row[1], per_row[count:]
         h = y if reads_output else x
         if norm_wb:
             h = F.layer_norm(h, h.shape[-1:], eps=eps)
             h = torch.addcmul(rows.rows_vector(norm_wb[1], h), h, rows.rows_vector(norm_wb[0], h))
-        z = act(rows.rows_matmul(h, down_w, add=rows.rows_vector(down_b, h)))
+        return act(rows.rows_matmul(h, down_w, add=rows.rows_vector(down_b, h)))
+
+    def post(x: torch.Tensor, y: torch.Tensor, per_row: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        up_w, *up_b = per_row[2:count]
+        z = hidden(x, y, per_row)
         return rows.rows_matmul(z, up_w, add=y + rows.rows_vector(up_b[0], y) if up_b else y)
+
+    def post_in_place(x: torch.Tensor, y: torch.Tensor, per_row: tuple[torch.Tensor, ...]) -> None:
+        up_w, *up_b = per_row[2:count]
+        z = hidden(x, y, per_row)  # before y changes: a sequential adapter reads it
+        if up_b:
+            y.add_(rows.rows_vector(up_b[0], y))
+        rows.rows_matmul_(y, z, up_w)
 
     neutral = tuple(torch.zeros_like(t) for t in tensors)
     key = ("bottleneck", reads_output, repr(act), eps, unit is not None)
     pad = (0, 0, 1) + ((None,) if unit is None else ()) + ((None, None) if eps is not None else ())
-    return rows.Batched(key, tuple(tensors), neutral, post=post, pad=pad)
+    return rows.Batched(key, tuple(tensors), neutral, post=post, pad=pad, post_in_place=post_in_place)
 
 
 def _add_branch(wrapper: _Bottleneck, reads_output: bool) -> Callable[[torch.Tensor, torch.Tensor, rows.Tokens], None]:

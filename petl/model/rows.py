@@ -64,6 +64,9 @@ class Batched:
             ``rows`` holds each of ``tensors`` as every row's own (rows first: row ``i`` has its task's tensor at
             ``rows[k][i]``, the neutral one for a row of another task).
         pre: ``pre(x, tokens, rows) -> x``: the same for :attr:`RowHook.pre` (a form has one of the two).
+        post_in_place: ``post_in_place(x, y, rows)``: what ``post`` does, done on ``y`` itself, in as many ops.  A
+            stack acting on some of the batch's rows (the span of its tasks' rows) writes them into the frozen
+            module's fresh output with it where no autograd records; without it, ``post``'s result is copied in.
         pad: per tensor, a dimension along which zeros are neutral (a low-rank update's rank: a zero row of A and
             column of B add nothing), or ``None``: tasks whose tensors differ in size there stack, each padded with
             zeros to the largest (S-LoRA serves adapters of many ranks in one batch).
@@ -76,6 +79,7 @@ class Batched:
     post: Callable[[Tensor, Tensor, tuple[Tensor, ...]], Tensor] | None = None
     pre: Callable[[Tensor, Tokens, tuple[Tensor, ...]], Tensor] | None = None
     pad: tuple[int | None, ...] = ()
+    post_in_place: Callable[[Tensor, Tensor, tuple[Tensor, ...]], None] | None = None
 
 
 def rows_matmul(x: Tensor, weight: Tensor, add: Tensor | None = None) -> Tensor:
@@ -90,6 +94,17 @@ def rows_matmul(x: Tensor, weight: Tensor, add: Tensor | None = None) -> Tensor:
     else:
         out = torch.baddbmm(add.reshape(x.shape[0], -1, weight.shape[1]), flat, weight.transpose(1, 2))
     return out.view(*x.shape[:-1], weight.shape[1])
+
+
+def rows_matmul_(y: Tensor, x: Tensor, weight: Tensor) -> None:
+    """``y += x`` times the transpose of each row's own ``weight``, in place: one ``baddbmm_`` into ``y`` where it is
+    contiguous (a Linear's output, or a slice of its rows), else a ``bmm`` and an add.
+    """
+    flat = x.reshape(x.shape[0], -1, x.shape[-1])
+    if y.is_contiguous():
+        y.view(y.shape[0], -1, weight.shape[1]).baddbmm_(flat, weight.transpose(1, 2))
+    else:
+        y.add_(torch.bmm(flat, weight.transpose(1, 2)).view(y.shape))
 
 
 def rows_vector(vector: Tensor, like: Tensor, channel_dim: int = -1) -> Tensor:
@@ -113,6 +128,16 @@ def _affine_channels_first(x: Tensor, y: Tensor, rows: tuple[Tensor, ...]) -> Te
     return torch.addcmul(rows_vector(shift, y, 1), y, rows_vector(scale, y, 1))
 
 
+def _affine_channels_last_(x: Tensor, y: Tensor, rows: tuple[Tensor, ...]) -> None:
+    scale, shift = rows
+    torch.addcmul(rows_vector(shift, y), y, rows_vector(scale, y), out=y)  # one op, written over y itself
+
+
+def _affine_channels_first_(x: Tensor, y: Tensor, rows: tuple[Tensor, ...]) -> None:
+    scale, shift = rows
+    torch.addcmul(rows_vector(shift, y, 1), y, rows_vector(scale, y, 1), out=y)
+
+
 def affine(scale: Tensor, shift: Tensor, channel_dim: int = -1) -> Batched:
     """The batched form of ``y * scale + shift`` per channel (SSF; a trained bias's delta with a scale of one).
 
@@ -123,14 +148,21 @@ def affine(scale: Tensor, shift: Tensor, channel_dim: int = -1) -> Batched:
 
     """
     post = _affine_channels_first if channel_dim == 1 else _affine_channels_last
+    in_place = _affine_channels_first_ if channel_dim == 1 else _affine_channels_last_
     neutral = (torch.ones_like(scale), torch.zeros_like(shift))
-    return Batched(post, (scale.detach(), shift.detach()), neutral, post=post)
+    return Batched(post, (scale.detach(), shift.detach()), neutral, post=post, post_in_place=in_place)
 
 
 def _low_rank_update(x: Tensor, y: Tensor, rows: tuple[Tensor, ...]) -> Tensor:
     """Every row's own update added to the frozen output: each row's A and B (gathered), two bmm (BGMV)."""
     a, b = rows
     return rows_matmul(rows_matmul(x, a), b, add=y)
+
+
+def _low_rank_update_(x: Tensor, y: Tensor, rows: tuple[Tensor, ...]) -> None:
+    """:func:`_low_rank_update` added into ``y`` itself: a ``bmm`` and a ``baddbmm_``."""
+    a, b = rows
+    rows_matmul_(y, rows_matmul(x, a), b)
 
 
 def low_rank(a: Tensor, b: Tensor) -> Batched:
@@ -141,7 +173,9 @@ def low_rank(a: Tensor, b: Tensor) -> Batched:
     """
     a, b = a.detach(), b.detach()
     neutral = (torch.zeros_like(a), torch.zeros_like(b))
-    return Batched(_low_rank_update, (a, b), neutral, post=_low_rank_update, pad=(0, 1))
+    return Batched(
+        _low_rank_update, (a, b), neutral, post=_low_rank_update, pad=(0, 1), post_in_place=_low_rank_update_
+    )
 
 
 def add_matmul_(y: Tensor, z: Tensor, weight: Tensor, alpha: float = 1.0) -> None:

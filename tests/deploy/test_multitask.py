@@ -189,23 +189,35 @@ def test_a_mixed_batch_of_methods_of_different_families(tmp_path):
 
 
 # On a Swin, tasks whose scales and shifts stack at the Linears inside the window attention: two SSFs and BitFit's
-# bias deltas (a scale of one).
-SWIN_STACKED = {"ssf": ("ssf", {}), "ssf_2": ("ssf", {"init_std": 0.1}), "bitfit": ("bitfit", {"biases": "linear"})}
+# bias deltas (a scale of one), with a LoRA between them whose update stacks with a LoRA after them.
+SWIN_STACKED = {
+    "ssf": ("ssf", {}),
+    "lora": ("lora", {}),
+    "ssf_2": ("ssf", {"init_std": 0.1}),
+    "bitfit": ("bitfit", {"biases": "linear"}),
+    "lora_qk": ("lora", {"targets": "q,k"}),
+}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("launch_bound", [False, True])
-def test_ssf_and_bitfit_stack_inside_a_swins_window_attention(tmp_path, launch_bound):
-    """One affine stack at qkv over the images' windows: the rows as their own models, stacked or task by task."""
+def test_ssf_and_bitfit_stack_inside_a_swins_window_attention(tmp_path, monkeypatch, launch_bound):
+    """An affine stack and a low-rank one at qkv over the images' windows, each on its span of the rows (an image's
+    windows are consecutive rows): the rows as their own models, stacked or task by task."""
     backbone = make_tiny_swin()
     singles, files = _save(tmp_path, SWIN_STACKED, backbone)
     multi = petl.MultiTask(backbone, files)
-    multi.launch_bound = launch_bound  # on a CPU the stack acts here too: its tasks hold every row
+    multi.launch_bound = launch_bound  # on a CPU the stacks act here too: their tasks hold 6 and 4 of 8 rows
     bb = backbone_of(multi.backbone)
     qkv = bb.linear(bb.block_list()[0], "qkv")
-    assert [tuple(multi.names[t] for t in stack.tasks) for stack in qkv.stacks] == [("ssf", "ssf_2", "bitfit")]
+    stacks = [tuple(multi.names[t] for t in stack.tasks) for stack in qkv.stacks]
+    assert stacks == [("ssf", "ssf_2", "bitfit"), ("lora", "lora_qk")]
     ids, images = _mixed_batch(list(SWIN_STACKED), per_task=2, seed=2)
+    calls = _stack_calls(multi, monkeypatch, len(ids))
     _check_rows(multi, singles, ids, images)
+    # In images: SSF's, LoRA's, SSF's and BitFit's rows (0 to 8; at the norms, without BitFit, 0 to 6), LoRA's,
+    # SSF's, BitFit's and LoRA's (2 to 10), at the window attention's Linears as at the rest.
+    assert {call[:3] for call in calls} == {(stacks[0], 0, 8), (("ssf", "ssf_2"), 0, 6), (stacks[1], 2, 10)}
     _check_rows(multi, singles, ["ssf_2"] * 3, images[:3])
     _without_stacks(multi)
     _check_rows(multi, singles, ids, images)
@@ -523,8 +535,9 @@ def test_stacked_hooks_give_each_row_its_own_models_logits(stacked, monkeypatch)
     assert len(together) >= 2 and all(multi.names.index("fact") in tasks for tasks in together)
 
 
-def test_on_a_cpu_a_stack_acts_where_its_tasks_hold_half_the_rows(stacked, monkeypatch):
-    """Its op computes every row: on a CPU (arithmetic the cost) only worth it for half the rows or more."""
+def test_on_a_cpu_a_stack_acts_where_its_tasks_hold_half_of_its_span(stacked, monkeypatch):
+    """Its op computes every row of its span, the other tasks' rows there too: on a CPU (arithmetic the cost) only
+    worth it where its tasks hold half of them or more."""
     from petl.deploy.routing import Stack
 
     singles, _, multi, _ = stacked
@@ -532,11 +545,16 @@ def test_on_a_cpu_a_stack_acts_where_its_tasks_hold_half_the_rows(stacked, monke
     lookup = Stack.rows
     monkeypatch.setattr(Stack, "rows", lambda self, batch: ran.append(self.tasks) or lookup(self, batch))
     monkeypatch.setattr(multi, "launch_bound", None)  # by the device: the CPU here
-    ids, images = _mixed_batch(["lora_qv", "lora_qk", "ssf", "bitfit", "adapter"], per_task=2)
+    low_rank = tuple(multi.names.index(n) for n in ("lora_qv", "lora_qk", "lora_r4", "fact"))
+    affine = tuple(multi.names.index(n) for n in ("ssf", "bitfit", "bitfit_all"))
+    # LoRA's and FacT's rows, 4 of 10, span all 10 (SSF's, BitFit's and the adapter's between them): no stack.
+    # SSF's and BitFit's, 4 of 10 rows of the batch, are all of their span: their stack acts.
+    ids, images = _mixed_batch(["lora_qv", "ssf", "bitfit", "adapter", "fact"], per_task=2)
     _check_rows(multi, singles, ids, images)
-    assert not ran  # the two LoRAs hold 4 of 10 rows, SSF and BitFit too
-    _check_rows(multi, singles, ["lora_qv", "ssf", "lora_qk", "lora_qv"], images[:4])
-    assert set(ran) == {tuple(multi.names.index(n) for n in ("lora_qv", "lora_qk", "lora_r4", "fact"))}
+    assert set(ran) == {affine}
+    ran.clear()
+    _check_rows(multi, singles, ["lora_qv", "ssf", "lora_qk", "lora_qv", "fact"], images[:5])
+    assert set(ran) == {low_rank}  # 4 of the 5 rows of its span; SSF alone has no stack acting
 
 
 def test_stacked_hooks_give_what_the_task_by_task_loop_gives(stacked):
@@ -547,6 +565,84 @@ def test_stacked_hooks_give_what_the_task_by_task_loop_gives(stacked):
     _without_stacks(looped)
     with torch.no_grad():
         torch.testing.assert_close(multi(images, ids), looped(images, ids), atol=1e-5, rtol=1e-5)
+
+
+def _stack_calls(multi, monkeypatch, images: int) -> list[tuple[tuple[str, ...], int, int, bool]]:
+    """Record each stack's op from now on: (its tasks, the first and end image of the rows it got, in place).
+
+    The rows an op gets are a slice of the module's output (a view of its storage), so where they sit in the whole
+    batch is known without the batch: a Swin's window attention sees each image as its windows' rows.
+    """
+    calls = []
+
+    def record(stack, op, in_place):
+        def recorded(x, y, rows):
+            per_row = y[0].numel()
+            total = y.untyped_storage().nbytes() // (y.element_size() * per_row)
+            first, count = y.storage_offset() // per_row, y.shape[0]
+            names = tuple(multi.names[t] for t in stack.tasks)
+            calls.append((names, first * images // total, (first + count) * images // total, in_place))
+            return op(x, y, rows)
+
+        return recorded
+
+    for module in multi.backbone.modules():
+        for stack in getattr(module, "stacks", ()):
+            if stack.post is not None:
+                monkeypatch.setattr(stack, "post", record(stack, stack.post, False))
+                if getattr(stack, "post_in_place", None) is not None:
+                    monkeypatch.setattr(stack, "post_in_place", record(stack, stack.post_in_place, True))
+    return calls
+
+
+def _spans(ids: list[str], names: list[str]) -> dict[str, tuple[int, int]]:
+    """Each task's rows in the batch sorted by task (first, end)."""
+    spans, row = {}, 0
+    for name in sorted(set(ids), key=names.index):
+        spans[name] = (row, row + ids.count(name))
+        row += ids.count(name)
+    return spans
+
+
+@pytest.mark.parametrize("launch_bound", [False, True])
+def test_a_stack_acts_on_the_span_of_its_tasks_rows_only(stacked, monkeypatch, launch_bound):
+    """A stack's op gets the rows from its first task's first row to its last task's last (the batch sorted by task),
+    not the whole batch: the rows of the tasks between take its neutral entry (BitFit's on the Linears only, between
+    SSF's and BitFit's on every bias at the norms; SSF's and the adapters' between LoRA's on fc1 and FacT's), those
+    outside it are left alone.  Every row equals the per-task loop's and its own model's, written in place without
+    autograd and into a new tensor with it."""
+    singles, files, multi, backbone = stacked
+    monkeypatch.setattr(multi, "launch_bound", launch_bound)
+    names = ["lora_qv", "lora_r4_fc", "ssf", "bitfit", "bitfit_all", "adapter", "adapter_16", "adapter_parallel"]
+    names += ["adapter_parallel_2", "fact"]
+    ids, images = _mixed_batch(names, per_task=2, seed=7)
+    calls = _stack_calls(multi, monkeypatch, len(ids))
+    spans = _spans(ids, multi.names)
+    looped = petl.MultiTask(backbone, files)
+    _without_stacks(looped)
+    known: dict = {}
+    with torch.no_grad():
+        expected = looped(images, ids)
+        torch.testing.assert_close(multi(images, ids), expected, atol=1e-5, rtol=1e-5)
+    _check_rows(multi, singles, ids, images, known=known)
+    torch.testing.assert_close(multi(images, ids).detach(), expected, atol=1e-5, rtol=1e-5)  # autograd on
+    assert calls
+    partial = set()
+    for tasks, first, end, in_place in calls:
+        present = [spans[task] for task in tasks if task in spans]
+        assert (first, end) == (min(s[0] for s in present), max(s[1] for s in present)), (tasks, first, end)
+        if end - first < len(ids):
+            partial.add((tasks, in_place))
+    # At the norms, SSF's and BitFit's with BitFit-on-Linears between; the adapters' inside the batch; LoRA's and
+    # FacT's at fc1 with LoRA's rows before them and every other task's between, where launching ops is the cost (on a
+    # CPU they hold 4 of their span's 18 rows: each acts on its own rows).  In place without autograd, a new tensor
+    # with it.
+    fc1_low_rank = ("lora_r4_fc", "fact")
+    for tasks in (("ssf", "bitfit_all"), ("adapter", "adapter_2", "adapter_16"), fc1_low_rank):
+        if launch_bound or tasks != fc1_low_rank:
+            assert {(tasks, True), (tasks, False)} <= partial, sorted(partial)
+        else:
+            assert not [call for call in calls if call[0] == tasks]
 
 
 # Tiny backbones of the other families (their methods as they declare them), and the cases apply refuses on them
