@@ -207,7 +207,7 @@ def test_ssf_and_bitfit_stack_inside_a_swins_window_attention(tmp_path, monkeypa
     backbone = make_tiny_swin()
     singles, files = _save(tmp_path, SWIN_STACKED, backbone)
     multi = petl.MultiTask(backbone, files)
-    multi.launch_bound = launch_bound  # on a CPU the stacks act here too: their tasks hold 6 and 4 of 8 rows
+    multi.launch_bound = launch_bound  # on a CPU the stacks act here too: their tasks hold all of their spans
     bb = backbone_of(multi.backbone)
     qkv = bb.linear(bb.block_list()[0], "qkv")
     stacks = [tuple(multi.names[t] for t in stack.tasks) for stack in qkv.stacks]
@@ -215,9 +215,9 @@ def test_ssf_and_bitfit_stack_inside_a_swins_window_attention(tmp_path, monkeypa
     ids, images = _mixed_batch(list(SWIN_STACKED), per_task=2, seed=2)
     calls = _stack_calls(multi, monkeypatch, len(ids))
     _check_rows(multi, singles, ids, images)
-    # In images: SSF's, LoRA's, SSF's and BitFit's rows (0 to 8; at the norms, without BitFit, 0 to 6), LoRA's,
-    # SSF's, BitFit's and LoRA's (2 to 10), at the window attention's Linears as at the rest.
-    assert {call[:3] for call in calls} == {(stacks[0], 0, 8), (("ssf", "ssf_2"), 0, 6), (stacks[1], 2, 10)}
+    # In images, the tasks that stack together next to each other: SSF's, SSF's and BitFit's rows (0 to 6; at the
+    # norms, without BitFit, 0 to 4), then the two LoRAs' (6 to 10), at the window attention's Linears as at the rest.
+    assert {call[:3] for call in calls} == {(stacks[0], 0, 6), (("ssf", "ssf_2"), 0, 4), (stacks[1], 6, 10)}
     _check_rows(multi, singles, ["ssf_2"] * 3, images[:3])
     _without_stacks(multi)
     _check_rows(multi, singles, ids, images)
@@ -546,15 +546,15 @@ def test_on_a_cpu_a_stack_acts_where_its_tasks_hold_half_of_its_span(stacked, mo
     monkeypatch.setattr(Stack, "rows", lambda self, batch: ran.append(self.tasks) or lookup(self, batch))
     monkeypatch.setattr(multi, "launch_bound", None)  # by the device: the CPU here
     low_rank = tuple(multi.names.index(n) for n in ("lora_qv", "lora_qk", "lora_r4", "fact"))
-    affine = tuple(multi.names.index(n) for n in ("ssf", "bitfit", "bitfit_all"))
-    # LoRA's and FacT's rows, 4 of 10, span all 10 (SSF's, BitFit's and the adapter's between them): no stack.
-    # SSF's and BitFit's, 4 of 10 rows of the batch, are all of their span: their stack acts.
-    ids, images = _mixed_batch(["lora_qv", "ssf", "bitfit", "adapter", "fact"], per_task=2)
-    _check_rows(multi, singles, ids, images)
-    assert set(ran) == {affine}
+    fc1 = tuple(multi.names.index(n) for n in ("lora_r4_fc", "fact"))
+    # At qkv, LoRA's and FacT's rows, 2 of 5, span the fc1 LoRA's 3 between them (the tasks of one group of stacks
+    # sit together, in task order): no stack.  At fc1, the fc1 LoRA's and FacT's, all 4 rows of their span: it acts.
+    _, images = _mixed_batch(["lora_qv"], per_task=5)
+    _check_rows(multi, singles, ["lora_r4_fc", "lora_qv", "lora_r4_fc", "fact", "lora_r4_fc"], images)
+    assert set(ran) == {fc1}
     ran.clear()
-    _check_rows(multi, singles, ["lora_qv", "ssf", "lora_qk", "lora_qv", "fact"], images[:5])
-    assert set(ran) == {low_rank}  # 4 of the 5 rows of its span; SSF alone has no stack acting
+    _check_rows(multi, singles, ["lora_qv", "ssf", "lora_qk", "lora_qv", "fact"], images)
+    assert set(ran) == {low_rank}  # all 4 rows of its span; SSF alone has no stack acting
 
 
 def test_stacked_hooks_give_what_the_task_by_task_loop_gives(stacked):
@@ -595,21 +595,18 @@ def _stack_calls(multi, monkeypatch, images: int) -> list[tuple[tuple[str, ...],
     return calls
 
 
-def _spans(ids: list[str], names: list[str]) -> dict[str, tuple[int, int]]:
-    """Each task's rows in the batch sorted by task (first, end)."""
-    spans, row = {}, 0
-    for name in sorted(set(ids), key=names.index):
-        spans[name] = (row, row + ids.count(name))
-        row += ids.count(name)
-    return spans
+def _spans(multi, ids: list[str], images: torch.Tensor) -> dict[str, tuple[int, int]]:
+    """Each task's rows (first, end) in the batch as the MultiTask sorts it."""
+    layout = multi._layout(multi.task_index(ids, len(ids)), images)
+    return {multi.names[task]: (first, end) for task, first, end in layout.groups}
 
 
 @pytest.mark.parametrize("launch_bound", [False, True])
 def test_a_stack_acts_on_the_span_of_its_tasks_rows_only(stacked, monkeypatch, launch_bound):
     """A stack's op gets the rows from its first task's first row to its last task's last (the batch sorted by task),
     not the whole batch: the rows of the tasks between take its neutral entry (BitFit's on the Linears only, between
-    SSF's and BitFit's on every bias at the norms; SSF's and the adapters' between LoRA's on fc1 and FacT's), those
-    outside it are left alone.  Every row equals the per-task loop's and its own model's, written in place without
+    SSF's and BitFit's on every bias at the norms; the fc1 LoRA's between LoRA's and FacT's at qkv), those outside
+    it are left alone.  Every row equals the per-task loop's and its own model's, written in place without
     autograd and into a new tensor with it."""
     singles, files, multi, backbone = stacked
     monkeypatch.setattr(multi, "launch_bound", launch_bound)
@@ -617,7 +614,7 @@ def test_a_stack_acts_on_the_span_of_its_tasks_rows_only(stacked, monkeypatch, l
     names += ["adapter_parallel_2", "fact"]
     ids, images = _mixed_batch(names, per_task=2, seed=7)
     calls = _stack_calls(multi, monkeypatch, len(ids))
-    spans = _spans(ids, multi.names)
+    spans = _spans(multi, ids, images)
     looped = petl.MultiTask(backbone, files)
     _without_stacks(looped)
     known: dict = {}
@@ -633,16 +630,13 @@ def test_a_stack_acts_on_the_span_of_its_tasks_rows_only(stacked, monkeypatch, l
         assert (first, end) == (min(s[0] for s in present), max(s[1] for s in present)), (tasks, first, end)
         if end - first < len(ids):
             partial.add((tasks, in_place))
-    # At the norms, SSF's and BitFit's with BitFit-on-Linears between; the adapters' inside the batch; LoRA's and
-    # FacT's at fc1 with LoRA's rows before them and every other task's between, where launching ops is the cost (on a
-    # CPU they hold 4 of their span's 18 rows: each acts on its own rows).  In place without autograd, a new tensor
-    # with it.
-    fc1_low_rank = ("lora_r4_fc", "fact")
-    for tasks in (("ssf", "bitfit_all"), ("adapter", "adapter_2", "adapter_16"), fc1_low_rank):
-        if launch_bound or tasks != fc1_low_rank:
-            assert {(tasks, True), (tasks, False)} <= partial, sorted(partial)
-        else:
-            assert not [call for call in calls if call[0] == tasks]
+    # The tasks of one group of stacks sit together: at the norms, SSF's and BitFit's with BitFit-on-Linears between;
+    # at qkv, LoRA's and FacT's with the fc1 LoRA's rows between; the adapters' and the fc1 low-rank stack's inside the
+    # batch (their tasks hold at least half of each span: on a CPU too).  In place without autograd, a new tensor with
+    # it.
+    qkv_low_rank = ("lora_qv", "lora_qk", "lora_r4", "fact")
+    for tasks in (("ssf", "bitfit_all"), ("adapter", "adapter_2", "adapter_16"), ("lora_r4_fc", "fact"), qkv_low_rank):
+        assert {(tasks, True), (tasks, False)} <= partial, sorted(partial)
 
 
 # Tiny backbones of the other families (their methods as they declare them), and the cases apply refuses on them
