@@ -18,6 +18,10 @@ With ``--launch-bound`` the MultiTask is timed on the GPU's path (``launch_bound
 every stack of two tasks acting) whatever the device; on a CPU with a tiny model (``--model vit_tiny_patch16_224
 --img-size 32``, one row per task), where the arithmetic is small, it is a rough proxy of the host's cost per op.
 
+With ``--graph`` (a GPU only) a fifth case is timed: the MultiTask's forward of the batch's layout captured once as
+a CUDA graph (``MultiTask.graphed``) and replayed, the host launching one graph instead of every op; it answers only
+batches with the same task at each row.
+
 With ``--ops`` nothing is timed: each case's aten ops in one call are counted (``petl.utils.ops.CountOps``,
 after a warm-up call; the MultiTask on the GPU's path, ``launch_bound=True``), the cost where the host launching
 kernels is the bound (a GPU serving small updates); the counts do not depend on the image size.
@@ -81,7 +85,7 @@ TASK_SETS = {
 # Short names for --sets.
 SET_KEYS = {"lora": "8 LoRA tasks", "methods": "8 methods", "side": "8 methods, side networks & co."}
 CASES = ("MultiTask (mixed batch)", "8 separate models", "backbone 8 times", "backbone once")
-GRAPH = "MultiTask, CUDA graph"  # a fifth case on a GPU: the same batch layout replayed (MultiTask.graphed)
+GRAPH = "MultiTask, CUDA graph"  # with --graph on a GPU: the same batch layout replayed (MultiTask.graphed)
 
 
 def _task_files(backbone: torch.nn.Module, methods: list, folder: Path) -> tuple[dict[str, Path], list]:
@@ -107,9 +111,11 @@ def build_cases(
     dtype: str = "float32",
     img_size: int | None = None,
     launch_bound: bool | None = None,
+    graph: bool = False,
 ) -> dict[str, Callable[[], object]]:
     """The four cases (see the module doc) for one task set and batch size, each a call answering the same batch;
-    ``img_size`` overrides the model's, ``launch_bound`` the MultiTask's choice of path by device.
+    ``img_size`` overrides the model's, ``launch_bound`` the MultiTask's choice of path by device; ``graph`` (on a
+    GPU) adds a fifth: the MultiTask's forward of this batch layout as a CUDA graph.
     """
     torch.manual_seed(0)
     kwargs = {} if img_size is None else {"img_size": img_size}
@@ -133,13 +139,9 @@ def build_cases(
         CASES[2]: lambda: [backbone(per_task[t]) for t in range(TASKS)],
         CASES[3]: lambda: backbone(images),
     }
-    if device.startswith("cuda"):
-        try:
-            replay = multi.graphed(images, ids)
-        except RuntimeError as error:  # the eager cases are measured all the same; the log says why not this one
-            print(f"{GRAPH}: not measured: {error}", file=sys.stderr)
-        else:
-            calls[GRAPH] = lambda: replay(images)
+    if graph:
+        replay = multi.graphed(images, ids)
+        calls[GRAPH] = lambda: replay(images)
     return calls
 
 
@@ -352,6 +354,12 @@ def main(argv: list[str]) -> None:
         "(torch.profiler: busy time, ops dispatched, the costliest ops)",
     )
     parser.add_argument("--ops", action="store_true", help="count each case's aten ops in one call; time nothing")
+    parser.add_argument(
+        "--graph",
+        action="store_true",
+        help="on a GPU, also time the MultiTask's forward of the batch's layout captured as a CUDA graph "
+        "(MultiTask.graphed) and replayed",
+    )
     parser.add_argument("--img-size", type=int, help="the model's image size (with --ops the counts do not change)")
     parser.add_argument(
         "--launch-bound",
@@ -363,6 +371,8 @@ def main(argv: list[str]) -> None:
     unknown = set(args.sets.split(",")) - set(SET_KEYS)
     if unknown:
         parser.error(f"--sets {args.sets}: unknown {', '.join(sorted(unknown))}; choose among {', '.join(SET_KEYS)}")
+    if args.graph and not args.device.startswith("cuda"):
+        parser.error(f"--graph makes a CUDA graph: it needs --device cuda, not {args.device}")
     torch.set_num_threads(args.threads)
     if args.ops:
         for task_set in (SET_KEYS[key] for key in args.sets.split(",")):
@@ -381,7 +391,9 @@ def main(argv: list[str]) -> None:
                 continue
             methods = TASK_SETS[task_set]
             launch_bound = True if args.launch_bound else None
-            calls = build_cases(args.model, methods, batch, args.device, args.dtype, args.img_size, launch_bound)
+            calls = build_cases(
+                args.model, methods, batch, args.device, args.dtype, args.img_size, launch_bound, args.graph
+            )
             results[(task_set, batch)] = measure(calls, args.rounds, args.device)
             if args.profile:
                 profiles[(task_set, batch)] = profile(calls, args.device)

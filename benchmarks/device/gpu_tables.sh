@@ -6,11 +6,13 @@
 #   multitask_cuda.md  benchmarks/multitask_speed.py: 8 LoRA tasks and the 8-method set on ViT-B/16, bf16, batch 64,
 #                      against the plain backbone, and multitask_cuda_profile.md beside it: where each mixed
 #                      batch's GPU time goes (busy time against the timed call, kernels, the costliest ops);
+#   multitask_graph_cuda.md  the same script with --graph: the 8-method set's and the LoRA set's mixed batch also as
+#                      a CUDA graph of its layout (MultiTask.graphed), in a process of its own (GPU only);
 #   serve_cuda.md      benchmarks/serve_load.py: petl-serve on loopback (default backbone, 1 and 4 tasks) in its
 #                      default precision=auto: bf16 autocast with TF32 on the GPU (the table's title names the
 #                      precision each server's /health reported).
 # Each part ends by its own deadline (seconds from the start: SPEED_LORA_END, SPEED_METHODS_END, MULTITASK_END,
-# SERVE_END); a part that finishes early leaves its time to the next.  multitask_speed.py and serve_load.py start
+# GRAPH_END, SERVE_END); a part that finishes early leaves its time to the next.  multitask_speed.py and serve_load.py start
 # nothing new after their deadline and write the rows they measured, saying which are missing; a speed part cut
 # off by `timeout` writes nothing, so its table says so, and the other speed part stands alone.  Every part's exit
 # status and seconds go to gpu_tables.log.
@@ -65,7 +67,8 @@ export PYTHONUNBUFFERED=1
 # Deadlines, in seconds from the start, as shares of BUDGET.
 SPEED_LORA_END=${SPEED_LORA_END:-$((BUDGET * 25 / 100))}
 SPEED_METHODS_END=${SPEED_METHODS_END:-$((BUDGET * 60 / 100))}
-MULTITASK_END=${MULTITASK_END:-$((BUDGET * 80 / 100))}
+MULTITASK_END=${MULTITASK_END:-$((BUDGET * 74 / 100))}
+GRAPH_END=${GRAPH_END:-$((BUDGET * 84 / 100))}
 SERVE_END=${SERVE_END:-$((BUDGET * 98 / 100))}
 START=$SECONDS
 
@@ -112,6 +115,14 @@ part speed_methods "$SPEED_METHODS_END" "$PYTHON" -m petl.cli.bench speed $SPEED
 part multitask "$MULTITASK_END" "$PYTHON" benchmarks/multitask_speed.py $MULTITASK --sets lora,methods \
     --profile "$OUT/multitask_cuda_profile.md" \
     --deadline $(($(left "$MULTITASK_END") * 6 / 10)) --out "$OUT/multitask_cuda.md"
+
+# 2b. The same mixed batches as CUDA graphs, in a process of their own: a graph that fails costs this part alone.
+if [ "$MODE" = gpu ]; then
+    part graph "$GRAPH_END" "$PYTHON" benchmarks/multitask_speed.py $MULTITASK --sets methods,lora --graph \
+        --deadline $(($(left "$GRAPH_END") * 5 / 10)) --out "$OUT/multitask_graph_cuda.md"
+else
+    echo "graph: skipped, a CUDA graph needs a GPU" | tee -a "$LOG"
+fi
 
 # 3. petl-serve under load on loopback.
 part serve "$SERVE_END" "$PYTHON" benchmarks/serve_load.py $SERVE \

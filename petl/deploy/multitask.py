@@ -61,7 +61,7 @@ from __future__ import annotations
 
 import copy
 import numbers
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -230,6 +230,31 @@ class _Layout:
     order: Tensor
     launch: bool
     masks: dict[int, dict[Any, Tensor]] = field(default_factory=dict)
+
+
+class LayoutGraph:
+    """One batch layout's forward captured as a CUDA graph (:meth:`MultiTask.graphed`); call it with the images.
+
+    It holds every tensor made outside the capture that the graph reads: the layout's row order, task indices and
+    masks (made before capturing, on the default memory pool).  Freed, their memory would be handed to other tensors
+    while the graph still reads it: a replay would gather rows at indices that are no longer the layout's.
+    """
+
+    def __init__(self, graph: torch.cuda.CUDAGraph, images: Tensor, output: Tensor, layout: _Layout) -> None:
+        self.graph, self.images, self.output, self.layout = graph, images, output, layout
+
+    def __call__(self, images: Tensor) -> Tensor:
+        """The logits of ``images`` (of the captured shape, dtype and device), each row from its task."""
+        static = self.images
+        if (images.shape, images.dtype, images.device) != (static.shape, static.dtype, static.device):
+            raise ValueError(
+                f"this graph answers {tuple(static.shape)} {static.dtype} images on {static.device}, got "
+                f"{tuple(images.shape)} {images.dtype} on {images.device}: make a graph for that layout"
+            )
+        with torch.inference_mode():
+            static.copy_(images)
+            self.graph.replay()
+            return self.output.clone()
 
 
 class MultiTask(nn.Module):
@@ -605,21 +630,21 @@ class MultiTask(nn.Module):
             return images.new_empty(0, width)
         return self._run(images, self._layout(index, images))
 
-    def graphed(self, images: Tensor, task_ids: Sequence[str] | Sequence[int] | Tensor) -> Callable[[Tensor], Tensor]:
-        """This batch layout's forward as one CUDA graph: ``replay(images)`` answers as ``self(images, task_ids)``.
+    def graphed(self, images: Tensor, task_ids: Sequence[str] | Sequence[int] | Tensor) -> LayoutGraph:
+        """This batch layout's forward as one CUDA graph: ``graph(images)`` answers as ``self(images, task_ids)``.
 
         On a GPU a mixed batch's many small ops are bound by the host launching them (:attr:`launch_bound`); a
         CUDA graph launches the whole forward at once (``torch.cuda.CUDAGraph``, as vLLM serves a fixed batch size).
         The graph is this layout's: the same task at each row, the same image shape and dtype, the MultiTask on its
-        present device and dtype (make another after ``.to()``).  Each replay copies the images into the graph's
-        input, and returns a copy of its output.  Inference only, as the MultiTask.
+        present device and dtype (make another after ``.to()``), under the autocast in force here.  Each call copies
+        the images into the graph's input and returns a copy of its output.  Inference only, as the MultiTask.
 
         Args:
             images: an example batch on a CUDA device (its values are not kept).
             task_ids: one task per row, as :meth:`forward` takes them.
 
         Raises:
-            ValueError: images not on a CUDA device; at replay, images of another shape, dtype or device.
+            ValueError: images not on a CUDA device; when called, images of another shape, dtype or device.
 
         """
         if images.device.type != "cuda":
@@ -639,19 +664,7 @@ class MultiTask(nn.Module):
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 output = self._run(static, layout)
-
-        def replay(batch: Tensor) -> Tensor:
-            if (batch.shape, batch.dtype, batch.device) != (static.shape, static.dtype, static.device):
-                raise ValueError(
-                    f"this graph answers {tuple(static.shape)} {static.dtype} images on {static.device}, got "
-                    f"{tuple(batch.shape)} {batch.dtype} on {batch.device}: make a graph for that layout"
-                )
-            with torch.inference_mode():
-                static.copy_(batch)
-                graph.replay()
-                return output.clone()
-
-        return replay
+        return LayoutGraph(graph, static, output, layout)
 
     def _layout(self, index: Tensor, images: Tensor) -> _Layout:
         """How the rows of a batch with these task indices are sorted and routed (see :class:`_Layout`)."""

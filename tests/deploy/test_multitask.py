@@ -939,6 +939,32 @@ def test_a_graph_is_made_on_a_gpu_only(stacked):
         multi.graphed(torch.randn(2, 3, 32, 32), ["ssf", "lora_qv"])
 
 
+def test_a_layout_graph_copies_the_images_in_replays_and_holds_what_the_graph_reads(stacked):
+    """The captured graph reads the layout's row order and masks, made before the capture: the object called holds
+    them (freed, their memory would go to other tensors while the graph reads it), and a call copies the images into
+    the graph's input, replays it and returns a copy of its output, refusing another shape in one line."""
+    from petl.deploy.multitask import LayoutGraph
+
+    _, _, multi, _ = stacked
+    images = torch.randn(4, 3, 32, 32)
+    layout = multi._layout(multi.task_index(["ssf", "lora_qv", "ssf", "fact"], 4), images)
+    static, output, replays = torch.zeros_like(images), torch.arange(4.0), []
+
+    class Graph:
+        def replay(self):
+            replays.append(static.clone())
+            output.add_(1.0)
+
+    graph = LayoutGraph(Graph(), static, output, layout)
+    assert graph.layout is layout and graph.layout.order.tolist() == [1, 3, 0, 2]
+    answer = graph(images)
+    assert torch.equal(replays[0], images) and answer.tolist() == [1.0, 2.0, 3.0, 4.0]
+    output.zero_()
+    assert answer.tolist() == [1.0, 2.0, 3.0, 4.0]  # a copy, not the graph's own output
+    with pytest.raises(ValueError, match=r"^this graph answers \(4, 3, 32, 32\) torch.float32 images on cpu, got "):
+        graph(images[:2])
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("task_set", ["8 methods", *sorted(OTHER_SETS_OPS)])
 def test_a_graph_of_a_layout_answers_as_the_forward(tmp_path, monkeypatch, task_set):
