@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
-from tqdm.auto import tqdm
 
 from petl.bench.calibration import calibration_overrides
 from petl.bench.suite import Experiment, Suite, format_value, override
@@ -27,6 +26,7 @@ from petl.store.lock import acquire_lock, release_lock
 from petl.store.result import ResultError, RunResult, read_result, write_result
 from petl.utils.errors import UsageError
 from petl.utils.paths import cannot_write_in
+from petl.utils.progress import progress_bar
 from petl.utils.text import first_line
 
 ERROR_FILE = "error.log"
@@ -313,7 +313,8 @@ def run_sweep(
         runs: from :func:`plan`.
         train_fn: ``petl.run.train`` unless given (tests pass a fake).
         compose_fn: ``petl.run.default_config`` unless given.
-        progress: show the sweep's progress bar (runs done / total, current run, ETA).
+        progress: show the sweep's progress bar (runs done / total, current run, ETA), where stderr is a terminal
+            (:mod:`petl.utils.progress`); elsewhere a line per run as it starts (``sweep: run 3/40: LABEL``).
         check_fn: raises when a finished run's folder holds another config; with the engine's defaults
             ``petl.train.output_dir.check_finished``, else none unless given.
 
@@ -340,7 +341,11 @@ def run_sweep(
                 summary.stale.append(run.label)
                 summary.failed.append(f"{run.label}: {error}")
     # Starting the bar at the runs already done keeps its ETA based on this session's pace only.
-    bar = tqdm(total=len(runs), initial=summary.already_done, desc="sweep", unit="run", disable=not progress)
+    bar = progress_bar(total=len(runs), initial=summary.already_done, desc="sweep", unit="run", show=progress)
+    # Where no bar is drawn (stderr a file: a job scheduler's log), a line names each run as it starts and how far
+    # the sweep is, which the bar would show; the run's own "training ..." line follows.
+    say_runs = progress and bar.disable
+    counted = summary.already_done  # runs taken care of, as the bar counts them
 
     def train(run: PlannedRun, overrides: list[str]) -> None:
         bar.set_postfix_str(run.label)
@@ -371,6 +376,8 @@ def run_sweep(
                     bar.write(f"petl-bench: warning: {damage}: training {run.label} again")
                     overrides.insert(len(overrides) - 1, "resume=false")
                 cfg = compose_fn(overrides)
+                if say_runs:
+                    print(f"sweep: run {counted + 1}/{len(runs)}: {run.label}", flush=True)
                 # Runs share this process; each resets its own peak memory (petl.train.runner._train_and_record).
                 train_fn(cfg)
                 summary.trained += 1
@@ -399,6 +406,7 @@ def run_sweep(
 
     def try_run(run: PlannedRun) -> bool:
         """Train ``run`` unless it waits for its calibrating run; whether it was taken care of."""
+        nonlocal counted
         try:
             overrides = run.full_overrides()
         except (ValueError, ResultError) as error:
@@ -408,6 +416,7 @@ def run_sweep(
                 return False
             train(run, overrides)
         bar.update(1)
+        counted += 1
         return True
 
     try:
@@ -417,6 +426,7 @@ def run_sweep(
             if not try_run(run):
                 summary.waiting.append(f"{run.label}: waits for the calibration in {run.calibrated_by}")
                 bar.update(1)
+                counted += 1
     finally:
         bar.close()
     return summary

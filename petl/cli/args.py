@@ -5,26 +5,29 @@ and ``--quiet RUN out=p.csv IMAGES`` mean the same), then splits its words into 
 pairs with :func:`split_items`.  A command declares its keys once (:class:`Key`), and :func:`keys_epilog` prints
 them under ``--help``, so the help lists exactly what the command accepts.  :func:`exit_statuses` turns what the
 command's body raises into one line and the exit status every command documents; :func:`entry_point` wraps each
-command's ``main``, so that Ctrl-C while it starts (its imports take seconds) is one line too, and a reader that
-closes the output early (``petl-run --help | head``) ends the command quietly.  Nothing here imports torch or
-timm: ``--help`` answers before anything heavy loads.
+command's ``main``, so that Ctrl-C while it starts (its imports take seconds) is one line too, SIGTERM (a job
+scheduler's time limit) interrupts the command as Ctrl-C does, and a reader that closes the output early
+(``petl-run --help | head``) ends the command quietly.  Nothing here imports torch or timm: ``--help`` answers
+before anything heavy loads.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import os
 import re
+import signal
 import sys
+import threading
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 from petl.utils.distributed import is_main_process
-from petl.utils.errors import INTERRUPTED, RUN_ERROR, USAGE_ERROR, UsageError
+from petl.utils.errors import INTERRUPTED, RUN_ERROR, TERMINATED, USAGE_ERROR, Terminated, UsageError
 from petl.utils.text import shown
 
 Main = TypeVar("Main", bound=Callable[..., Any])
@@ -150,7 +153,7 @@ def split_items(
     return positional, options
 
 
-@contextmanager
+@contextlib.contextmanager
 def exit_statuses(
     prog: str,
     usage: tuple[type[Exception], ...] = (),
@@ -163,13 +166,15 @@ def exit_statuses(
 
     Bad input (:class:`petl.utils.errors.UsageError`, so :class:`CommandLineError`, and the ``usage`` types) exits with
     2, the ``failure`` types with 1, both printing ``PROG: error: MESSAGE``; Ctrl-C exits with 130, printing
-    ``PROG: INTERRUPTED``.  Bad input is tried first: a ``usage`` type may subclass a ``failure`` one.
+    ``PROG: INTERRUPTED``, and SIGTERM (under :func:`entry_point`) with 143, printing the same line as
+    :func:`interruption` words it.  Bad input is tried first: a ``usage`` type may subclass a ``failure`` one.
 
     Args:
         prog: the command's name, the first word of each line.
         usage: more exception types that are bad input.
         failure: the exception types of a run that could not complete.
-        interrupted: what follows ``PROG: `` on Ctrl-C.
+        interrupted: what follows ``PROG: `` on Ctrl-C (the word ``interrupted``, then what is kept and how to go
+            on).
         debug: ``None`` for a command without ``--debug``; ``False``: a failure's line names its type and says
             that ``--debug`` shows the traceback; ``True``: every exception goes on, traceback and all.
         quiet: print nothing (every process of a multi-GPU launch but the first).
@@ -183,10 +188,10 @@ def exit_statuses(
 
     try:
         yield
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as error:
         if debug:
             raise
-        raise stop(INTERRUPTED, interrupted) from None
+        raise stop(*interruption(error, interrupted)) from None
     except BrokenPipeError:  # the reader closed stdout: entry_point ends the command, not as a failure
         raise
     except (UsageError, *usage) as error:
@@ -202,12 +207,52 @@ def exit_statuses(
         raise stop(RUN_ERROR, f"error: {message}") from None
 
 
-def entry_point(prog: str, debug_flag: str = "--debug") -> Callable[[Main], Main]:
-    """Wrap a command's ``main(argv=None)``: Ctrl-C anywhere in it, imports included, and a closed stdout.
+def interruption(error: KeyboardInterrupt, line: str) -> tuple[int, str]:
+    """The exit status and the line (what follows ``PROG: ``) of a command that ``error`` interrupted.
+
+    Ctrl-C: 130 and ``line``.  SIGTERM (:class:`petl.utils.errors.Terminated`): 143, and ``line`` with its word
+    ``interrupted`` as ``terminated (SIGTERM)``, so that a job's log says a time limit or ``kill`` ended it,
+    followed by what the command keeps and how to go on, as for Ctrl-C.
+    """
+    if isinstance(error, Terminated):
+        return TERMINATED, line.replace("interrupted", "terminated (SIGTERM)", 1)
+    return INTERRUPTED, line
+
+
+@contextlib.contextmanager
+def sigterm_interrupts() -> Iterator[None]:
+    """While the block runs, SIGTERM raises :class:`petl.utils.errors.Terminated` (a KeyboardInterrupt).
+
+    A job scheduler ends a job with SIGTERM (SLURM at its time limit, then SIGKILL after a grace period), as a
+    user does with ``kill``: the command then stops as on Ctrl-C, its lock released, its finished work kept and
+    one line saying so, where the default action of SIGTERM would end it without a word.  Used by
+    :func:`entry_point` only, so importing or calling petl's Python API never changes a signal handler.  Left as it
+    is: SIGTERM outside the main thread (only it may set handlers), and one whose handler was already set (ignored,
+    or a program that runs the command in-process with a handler of its own); the handler found is put back after.
+    """
+    main_thread = threading.current_thread() is threading.main_thread()
+    if not main_thread or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        yield
+        return
+
+    def terminate(signum: int, frame: Any) -> None:
+        raise Terminated
+
+    signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def entry_point(prog: str, debug_flag: str = "--debug", sigterm: bool = True) -> Callable[[Main], Main]:
+    """Wrap a command's ``main(argv=None)``: Ctrl-C and SIGTERM anywhere in it, imports included, and a closed stdout.
 
     Ctrl-C before the command's own :func:`exit_statuses` takes over (while torch, timm and Hydra import, which
     takes seconds) prints ``PROG: interrupted`` and exits with 130, as later; with ``debug_flag`` on the command
-    line it goes on, traceback and all.  A reader that stops reading (``petl-run --help | head -3``) ends the
+    line it goes on, traceback and all.  With ``sigterm``, SIGTERM interrupts the command as Ctrl-C does
+    (:func:`sigterm_interrupts`), its line saying so and its status 143; ``petl-serve`` passes False: uvicorn
+    handles SIGTERM itself (a graceful shutdown).  A reader that stops reading (``petl-run --help | head -3``) ends the
     command quietly, as Python's documentation advises for SIGPIPE: stdout is pointed at ``os.devnull``, so that
     the interpreter's last flush does not fail again, and the status is the command's own (0 when the pipe closed
     while it was still writing: what the reader wanted it got).
@@ -218,19 +263,21 @@ def entry_point(prog: str, debug_flag: str = "--debug") -> Callable[[Main], Main
         def command(argv: Sequence[str] | None = None) -> Any:
             status: Any = 0  # the command's own, kept when only its last flush meets a closed pipe
             try:
-                try:
-                    return main(argv)
-                except SystemExit as stop:
-                    status = stop.code
-                    raise
-                finally:
-                    sys.stdout.flush()  # here, where a closed pipe is caught, rather than at exit
-            except KeyboardInterrupt:
+                with sigterm_interrupts() if sigterm else contextlib.nullcontext():
+                    try:
+                        return main(argv)
+                    except SystemExit as stop:
+                        status = stop.code
+                        raise
+                    finally:
+                        sys.stdout.flush()  # here, where a closed pipe is caught, rather than at exit
+            except KeyboardInterrupt as error:
                 if debug_flag in (sys.argv[1:] if argv is None else argv):
                     raise
+                code, line = interruption(error, "interrupted")
                 if is_main_process():  # one line for a multi-GPU launch, not one per process
-                    print(f"{prog}: interrupted", file=sys.stderr)
-                raise SystemExit(INTERRUPTED) from None
+                    print(f"{prog}: {line}", file=sys.stderr)
+                raise SystemExit(code) from None
             except BrokenPipeError:
                 devnull = os.open(os.devnull, os.O_WRONLY)
                 os.dup2(devnull, sys.stdout.fileno())

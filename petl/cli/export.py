@@ -22,7 +22,7 @@ in one line: use ``petl-predict`` / ``petl.load_run`` for them.
 
 Exit status (as every petl command): 2 for bad input (no weights, a model.json petl cannot build, a method that
 cannot be unloaded, an unknown format, out= inside a run folder or where nothing can be written, files in the way
-without overwrite=true), 1 when the export fails, 130 on Ctrl-C (nothing half-written is left).
+without overwrite=true), 1 when the export fails, 130 on Ctrl-C and 143 on SIGTERM (nothing half-written is left).
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ written where ``out=`` and ``confusion=`` name (a read-only folder, ``/proc``) i
 Exit status (as every petl command): 2 for bad input (a run folder without weights or unfinished, a missing
 image, an unreadable image, an unknown option or ``out=`` suffix, out= or confusion= inside a run folder or where
 no file can be written, a file in the way without overwrite=true, a precision not listed), 1 when the prediction
-cannot complete (a full disk...), 130 on Ctrl-C.
+cannot complete (a full disk...), 130 on Ctrl-C, 143 on SIGTERM (nothing half-written is left).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ safetensors weights (without the pretraining head) and a JSON provenance record.
 Without ``--out`` the files go to ``runs/pretrain/`` under the current folder, never into the installed
 package; files already there are replaced only with ``--overwrite``.  After each epoch a checkpoint is
 saved there: the same command run again continues from it.  Bad input exits with status 2, a failure
-with 1, Ctrl-C with 130, each as one line; ``--debug`` shows the traceback.
+with 1, Ctrl-C with 130, SIGTERM (a job's time limit) with 143, each as one line; ``--debug`` shows the traceback.
 """
 
 from __future__ import annotations
@@ -36,7 +36,10 @@ def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
     failure = (ValueError, OSError, RuntimeError)
-    with exit_statuses(PROG, failure=failure, interrupted="error: interrupted; nothing was written", debug=debug):
+    # The checkpoint of each finished epoch stays in --out (petl.train.pretrain.partial_file), and the same command
+    # continues from it: "nothing was written" sent users to start over.
+    interrupted = "error: interrupted; no weights written yet: the same command continues from the last finished epoch"
+    with exit_statuses(PROG, failure=failure, interrupted=interrupted, debug=debug):
         _main([a for a in argv if a != "--debug"])
 
 

@@ -17,7 +17,9 @@ line, which wins (``experiment=vpt_deep method.num_tokens=50``).  It cannot be c
 Bad input (an unknown method, dataset, model or key; a value of the wrong type or out of range)
 exits with status 2 and one line naming the key and what is valid; a run that cannot complete
 (non-finite loss, unreachable data, a full disk, output_dir held by another run) exits with status 1
-and one line.  Bad input is checked for every job of a sweep before the first one starts.
+and one line.  Bad input is checked for every job of a sweep before the first one starts.  Ctrl-C exits
+with 130 and SIGTERM (a job scheduler's time limit, ``kill``) with 143, in one line saying how to resume;
+the finished epochs are kept and the folder's lock released.
 ``--debug`` (or ``HYDRA_FULL_ERROR=1``) shows the traceback instead of the line.
 
 A single run is composed and checked once and run directly; sweeps, and command lines that set

@@ -18,7 +18,7 @@ petl.deploy.serve.ServeOptions; a value that is not a finite number in its range
 listed, is refused).  ``precision`` means what petl-run's ``train.precision`` does: the forward runs under it (bf16
 autocast, TF32) on a GPU, the weights stay fp32, and a CPU under ``auto`` answers exactly as strict fp32.  Exit
 status: 2 bad input (an option, a run folder, a task named twice), 1 the server could not run (FastAPI missing,
-the port taken), 130 Ctrl-C.
+the port taken), 130 Ctrl-C; SIGTERM shuts the server down as Ctrl-C does, and then ends it as SIGTERM ends a process.
 """
 
 from __future__ import annotations
@@ -274,7 +274,9 @@ def bind(host: str, port: int) -> socket.socket:
     return listening
 
 
-@entry_point(PROG)
+# uvicorn handles SIGTERM itself, as Ctrl-C: the requests in flight finish (shutdown_timeout_s), then the signal is
+# raised again and ends the process as SIGTERM does, the status a service manager expects of a server it stopped.
+@entry_point(PROG, sigterm=False)
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of ``petl-serve``."""
     with exit_statuses(PROG):

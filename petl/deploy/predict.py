@@ -17,7 +17,6 @@ from pathlib import Path
 import numpy as np
 import torch
 from PIL import Image
-from tqdm import tqdm
 
 import petl.methods  # noqa: F401  (importing the methods registers them)
 from petl import data as petl_data
@@ -39,6 +38,7 @@ from petl.store.run_card import (
 from petl.utils.errors import UsageError
 from petl.utils.paths import cannot_be_written, cannot_write_in, write_atomic
 from petl.utils.precision import describe, inference, inference_precision
+from petl.utils.progress import progress_bar
 from petl.utils.text import csv_cell, plural, read_names, shown
 
 PROG = "petl-predict"
@@ -145,7 +145,7 @@ def predict_images(
     precision = inference_precision(precision, device.type)
     predictions: list[Prediction] = []
     bad: list[tuple[Path, str]] = []
-    bar = tqdm(total=len(paths), desc=f"predict {run.run_dir.name}", unit="img", disable=not progress, leave=False)
+    bar = progress_bar(total=len(paths), desc=f"predict {run.run_dir.name}", unit="img", show=progress, leave=False)
     for batch in _batches(paths, batch_size):
         tensors, kept = _decode(run, batch, bad)
         if tensors:
@@ -176,7 +176,7 @@ def predict_together(
     precision = inference_precision(precision, device.type)
     found: list[list[Prediction]] = [[] for _ in runs]
     bad: list[tuple[Path, str]] = []
-    bar = tqdm(total=len(paths), desc=f"predict {len(runs)} runs", unit="img", disable=not progress, leave=False)
+    bar = progress_bar(total=len(paths), desc=f"predict {len(runs)} runs", unit="img", show=progress, leave=False)
     for batch in _batches(paths, max(1, batch_size // len(runs))):
         tensors, kept = _decode(runs[0], batch, bad)  # one preprocessing: the runs share it
         if tensors:
@@ -250,7 +250,7 @@ def evaluate_split(
     truth: list[int] = []
     predicted: list[int] = []
     with torch.inference_mode(), inference(precision, device.type):
-        for images, labels in tqdm(loader, desc=f"evaluate {run.run_dir.name}", disable=not progress, leave=False):
+        for images, labels in progress_bar(loader, desc=f"evaluate {run.run_dir.name}", show=progress, leave=False):
             predicted += run.model(images.to(device)).argmax(-1).cpu().tolist()
             truth += [int(label) for label in labels]
     count = len(run.class_names)
@@ -541,7 +541,7 @@ def run_command(positional: list[str], options: dict, merge: bool = False, quiet
         precision = inference_precision(options.get("precision", "auto"), device_type)
     except ValueError as error:
         raise UsageError(str(error)) from None
-    progress = not quiet and sys.stderr.isatty()
+    progress = not quiet  # and stderr a terminal: petl.utils.progress decides
     paths = image_paths(items, quiet) if items else []
     several = len(runs) > 1
     bad: list[tuple[Path, str]] = []

@@ -83,13 +83,13 @@ import torch.nn.functional as F
 from timm.data import resolve_data_config
 from torch import nn
 from torchvision.transforms import v2
-from tqdm.auto import tqdm
 
 from petl.model import rows, surgery
 from petl.model.backbone import backbone_of, unwrap
 from petl.model.registry import MethodConfig, register_method
 from petl.model.wrappers import PetlModule, factory_kwargs
 from petl.utils.checks import as_list, check_range
+from petl.utils.progress import progress_bar
 
 # SupConLoss defaults (utils/loss_utils.py L9-10) and the views of transforms_contrastaug_train (L80-110).
 TEMPERATURE = 0.07
@@ -387,7 +387,7 @@ def calibrate_gps(
     """``cfg`` with ``selection`` chosen on ``loader`` by :func:`select_gps` (unchanged if already set)."""
     if cfg.selection:
         return cfg
-    batches = tqdm(loader, desc="GPS selection", unit="batch", leave=False, disable=not progress)
+    batches = progress_bar(loader, desc="GPS selection", unit="batch", leave=False, show=progress)
     return replace(cfg, selection=select_gps(model, batches, cfg.per_row, max_batches))
 
 

@@ -39,7 +39,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from tqdm.auto import tqdm
 
 from petl.methods.noah import (
     DEPTH_FRACTIONS,
@@ -54,6 +53,7 @@ from petl.model import surgery
 from petl.model.backbone import backbone_of
 from petl.model.registry import register_calibration
 from petl.utils import paths
+from petl.utils.progress import progress_bar
 
 log = logging.getLogger(__name__)
 
@@ -267,14 +267,14 @@ def train_supernet(
         _set_random_states(checkpoint.state, device)
     depth = backbone_of(model).depth()
     model.train()
-    bar = tqdm(
+    bar = progress_bar(
         range(start, epochs),
         initial=start,
         total=epochs,
         desc="NOAH supernet",
         unit="epoch",
         leave=False,
-        disable=not progress,
+        show=progress,
     )
     for epoch in bar:
         for images, labels in batches:
@@ -338,7 +338,7 @@ def evolve(
             checkpoint.save(steps=step + 1, scores=list(scores.items()), rng=rng.getstate())
 
     total = cfg.search_generations + 1
-    bar = tqdm(total=total, initial=done, desc="NOAH evolution", unit="gen", leave=False, disable=not progress)
+    bar = progress_bar(total=total, initial=done, desc="NOAH evolution", unit="gen", leave=False, show=progress)
     if not done:
         if not collect(lambda: random_subnet(depth, rng), cfg.population):
             bar.close()

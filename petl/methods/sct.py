@@ -53,7 +53,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
 # The reference's topN=96 on ViT-B's 768 channels: one in eight.
 from petl.model import rows, surgery
@@ -61,6 +60,7 @@ from petl.model.backbone import backbone_of, block_family
 from petl.model.registry import MethodConfig, register_method
 from petl.model.wrappers import PetlModule, factory_kwargs
 from petl.utils.checks import as_list, check_range
+from petl.utils.progress import progress_bar
 
 DEFAULT_FRACTION = 8
 
@@ -232,7 +232,7 @@ def calibrate_sct(
     """``cfg`` with ``channels`` selected on ``loader`` by :func:`select_sct_channels` (unchanged if already set)."""
     if cfg.channels:
         return cfg
-    batches = tqdm(loader, desc="SCT selection", unit="batch", leave=False, disable=not progress)
+    batches = progress_bar(loader, desc="SCT selection", unit="batch", leave=False, show=progress)
     return replace(cfg, channels=select_sct_channels(model, batches, cfg.top_n, max_batches))
 
 

@@ -21,11 +21,11 @@ import torch
 from accelerate import Accelerator
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
-from tqdm.auto import tqdm
 
 from petl.model import timm_api
 from petl.model.backbone import backbone_of, family_of
 from petl.model.wrappers import PetlModule
+from petl.utils.progress import progress_bar
 
 log = logging.getLogger(__name__)
 
@@ -183,7 +183,7 @@ def cache_split(
     # dropout and drop-path use later, and the cached run would no longer match the uncached one.
     loader = DataLoader(dataset, batch_size=batch_size, num_workers=num_workers, generator=torch.Generator())
     outputs, labels = [], []
-    bar = tqdm(loader, desc=f"caching {progress}", unit="batch", leave=False, disable=progress is None)
+    bar = progress_bar(loader, desc=f"caching {progress}", unit="batch", leave=False, show=progress is not None)
     for images, targets in bar:
         with accelerator.autocast():
             outputs.append(tail.front(images.to(accelerator.device)).cpu())

@@ -19,12 +19,12 @@ import torch
 from accelerate import Accelerator
 from torch import nn
 from torch.utils.data import DataLoader
-from tqdm.auto import tqdm
 
 from petl.data.registry import PROTOCOL_EPOCHS
 from petl.model.wrappers import PetlModule
 from petl.train.options import check_options, option
 from petl.utils.errors import ConfigError
+from petl.utils.progress import progress_bar
 
 
 class NonFiniteLossError(RuntimeError):
@@ -52,7 +52,8 @@ class TrainSettings:
         weight_decay_all: decay every trainable tensor; by default biases, norms (every 1-D
             tensor), prompt tokens and position embeddings are exempt, as in timm's
             ``param_groups_weight_decay`` and the models' ``no_weight_decay()``.
-        progress: show a progress bar per epoch.
+        progress: show a progress bar per epoch (drawn where stderr is a terminal or in a notebook, not into a
+            log file: :mod:`petl.utils.progress`; ``petl-run`` logs a line per epoch either way).
 
     """
 
@@ -190,7 +191,7 @@ def train_one_epoch(
     params = trainable_parameters(model)
     loss_sum = correct = seen = 0.0
     start = time.perf_counter()
-    bar = tqdm(loader, desc=description, leave=False, disable=not (settings.progress and accelerator.is_main_process))
+    bar = progress_bar(loader, desc=description, leave=False, show=settings.progress and accelerator.is_main_process)
     for images, labels in bar:
         with accelerator.accumulate(model):
             logits = model(images)

@@ -25,9 +25,21 @@ class DivergedError(RunError):
     diverged = True
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a job scheduler's time limit, ``kill``) in a petl-* command: an interruption, as Ctrl-C is.
+
+    Only the commands' entry points (:func:`petl.cli.args.entry_point`) turn the signal into this exception; the
+    Python API leaves signal handlers alone.  A subclass of KeyboardInterrupt, so that every path that lets Ctrl-C
+    through (a sweep goes on after a failed run, never after Ctrl-C) and cleans up after it (the run folder's lock,
+    the temporary file of an atomic write) does the same for it; the command's line says which it was.
+    """
+
+
 # Exit statuses, the same in every petl-* command (docs/reliability.md, "Bad input and failures"): bad input (a
 # value, a file, an image the user gave), a run or prediction that could not complete (a full disk, a failed job),
-# Ctrl-C.
+# Ctrl-C, SIGTERM (128 + its number 15, the status a shell reports for a process SIGTERM ended; a job script can
+# tell a time limit from Ctrl-C).
 USAGE_ERROR = 2
 RUN_ERROR = 1
 INTERRUPTED = 130
+TERMINATED = 143

@@ -2,6 +2,7 @@
 
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -247,6 +248,73 @@ def test_ctrl_c_while_a_command_imports_is_one_line_and_130(module, argv, monkey
     err = capsys.readouterr().err
     assert stop.value.code == 130 and err.count("\n") == 1 and "interrupted" in err, err
     assert err.startswith(f"{module.PROG}: ") and "Traceback" not in err
+
+
+# SIGTERM sent to the command itself as its first heavy module imports (a job's time limit while it starts).
+_TERMINATED_WHILE_IMPORTING = """
+import builtins, os, signal, sys
+from petl.cli import {module} as command
+
+real = builtins.__import__
+
+def importing(name, *args, **kwargs):
+    if name.startswith({heavy!r}):
+        builtins.__import__ = real
+        os.kill(os.getpid(), signal.SIGTERM)
+    return real(name, *args, **kwargs)
+
+builtins.__import__ = importing
+command.main(sys.argv[1:])
+"""
+
+
+@pytest.mark.parametrize(
+    ("module", "argv"),
+    [
+        ("run", ["method=linear"]),
+        ("export", ["RUN", "out=exported"]),
+        ("predict", ["RUN", "a.png"]),
+        ("bench", ["list"]),
+        ("pretrain", ["--epochs", "1"]),
+        ("serve", ["RUN"]),
+    ],
+)
+def test_sigterm_interrupts_a_command_as_ctrl_c_does_in_one_line_and_143(module, argv, tmp_path):
+    # Every command died of the signal without a word (status -15); SIGTERM is what a job scheduler's time limit
+    # sends.  petl-serve leaves SIGTERM to uvicorn (a graceful shutdown, then the signal's own end).
+    script = _TERMINATED_WHILE_IMPORTING.format(module=module, heavy=HEAVY_IMPORTS)
+    done = subprocess.run([sys.executable, "-c", script, *argv], cwd=tmp_path, capture_output=True, text=True)
+    prog = f"petl-{module}"
+    if module == "serve":
+        assert (done.returncode, done.stderr) == (-signal.SIGTERM, ""), done.stderr
+        return
+    assert done.returncode == 143 and done.stderr.count("\n") == 1, done.stderr
+    assert done.stderr.startswith(f"{prog}: ") and "terminated (SIGTERM)" in done.stderr, done.stderr
+
+
+def test_only_a_command_sets_a_sigterm_handler_and_it_puts_back_the_one_it_found():
+    # The Python API (imported here by every petl.cli module above) leaves SIGTERM as it is; a command sets its own
+    # handler while it runs, unless the program that runs it in-process has one already.
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    seen = []
+
+    @grammar.entry_point("petl-x")
+    def main(argv=None):
+        seen.append(signal.getsignal(signal.SIGTERM))
+
+    main([])
+    assert seen[0] not in (signal.SIG_DFL, signal.SIG_IGN, None)
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+    def mine(signum, frame):
+        pass
+
+    signal.signal(signal.SIGTERM, mine)
+    try:
+        main([])
+        assert seen[1] is mine and signal.getsignal(signal.SIGTERM) is mine
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 @pytest.mark.parametrize("module", ["run", "bench", "predict", "export", "serve", "pretrain"])

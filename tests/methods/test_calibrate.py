@@ -28,6 +28,7 @@ from petl.methods.sct import SctBlock, SctConfig, select_sct_channels
 from petl.model.registry import _REGISTRY, MethodConfig, get_method, register_method
 from petl.run import default_config, train
 from petl.train import build, config, engine
+from petl.utils import progress
 
 TINY = tiny_run(subset=96, depth=2, epochs=1, batch_size=32)
 
@@ -84,8 +85,9 @@ def few_noah_candidates(monkeypatch):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("method", CALIBRATED)
-def test_a_calibration_shows_progress_bars_only_when_asked(tiny_vit, capsys, method):
+def test_a_calibration_shows_progress_bars_only_when_asked(tiny_vit, monkeypatch, capsys, method):
     """NOAH's search takes about 40 CPU minutes a mini task: its bars show, unless train.progress=false hides them."""
+    monkeypatch.setattr(progress, "bars_shown", lambda: True)  # as on a terminal (capsys's stderr is none)
     budget = {key.removeprefix("method."): int(v) for key, v in (o.split("=") for o in BUDGET.get(method, ()))}
     cfg = petl.make_config(method, num_classes=4, **budget)
     gen = torch.Generator().manual_seed(0)

@@ -38,6 +38,7 @@ from petl.data import vtab
 from petl.deploy import export as export_module
 from petl.run import default_config, train
 from petl.store import files, lock
+from petl.utils import progress
 from petl.utils.errors import RunError
 
 
@@ -142,9 +143,10 @@ def test_a_lock_whose_pid_is_not_a_number_is_respected_not_a_traceback(tmp_path,
 
 
 @pytest.mark.slow
-def test_caching_features_shows_a_progress_bar_where_the_epochs_show_one(tmp_path, capsys):
+def test_caching_features_shows_a_progress_bar_where_the_epochs_show_one(tmp_path, monkeypatch, capsys):
     # The frozen forward over train and val (minutes for a ViT-B on a CPU) ran without a bar, between the run's
     # first line and the first epoch's bar.
+    monkeypatch.setattr(progress, "bars_shown", lambda: True)  # as on a terminal (capsys's stderr is none)
     with_bars = [o for o in tiny_run() if o != "train.progress=false"]
     train(default_config([*with_bars, "method=linear", f"output_dir={tmp_path / 'bars'}"]))
     err = capsys.readouterr().err

@@ -1,0 +1,187 @@
+"""Faults of commands run by a job scheduler (SLURM, a CI runner, nohup): stdout and stderr go to files, and the time
+limit ends the job with SIGTERM (then SIGKILL after a grace period).
+
+SIGTERM ended petl-run and petl-bench without a word (killed by the signal: no line in the log saying why, the run
+folder's lock left behind); it now interrupts them as Ctrl-C does, in one line saying so and what is kept, with
+status 143.  The progress bars wrote thousands of carriage-return updates into the log file; where stderr is no
+terminal they are not drawn now, and the per-epoch and per-run lines say what they would.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import tiny_run
+from test_harness import BENCH, FakeEngine, write_run
+
+from petl.bench import sweep
+from petl.bench.suite import load_experiment
+from petl.cli import bench as bench_cli
+from petl.cli import run as run_cli
+from petl.store import files, lock
+from petl.utils import progress
+from petl.utils.errors import TERMINATED
+
+# A command whose epochs take half a second more than they need: long enough to be caught running.
+_SLOW_EPOCHS = """
+import sys, time
+from petl.cli import {module} as cli
+from petl.train import engine
+
+real = engine.train_one_epoch
+
+def slow(*args, **kwargs):
+    time.sleep(0.5)
+    return real(*args, **kwargs)
+
+engine.train_one_epoch = slow
+cli.main(sys.argv[1:])
+"""
+
+
+def _started(module: str, args: list[str], cwd: Path, log: Path) -> subprocess.Popen:
+    """``petl-MODULE ARGS`` with slow epochs, stdout and stderr into ``log`` as under a job scheduler."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with log.open("w") as stream:  # the child holds its own descriptor
+        return subprocess.Popen(
+            [sys.executable, "-c", _SLOW_EPOCHS.format(module=module), *args],
+            cwd=cwd,
+            env=env,
+            stdout=stream,
+            stderr=stream,
+        )
+
+
+def _terminated_once(proc: subprocess.Popen, ready: Path, log: Path) -> tuple[int, str]:
+    """SIGTERM to ``proc`` once ``ready`` exists (a finished epoch's checkpoint); its status and the log it leaves."""
+    deadline = time.monotonic() + 240
+    try:
+        while not ready.exists():
+            assert proc.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, f"{ready} never appeared: {log.read_text()}"
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return proc.returncode, log.read_text()
+
+
+@pytest.mark.slow
+def test_sigterm_ends_petl_run_in_one_line_and_143_and_the_same_command_resumes(tmp_path):
+    # The process died of the signal (status -15): its log ended on the last epoch's line, saying nothing of why it
+    # stopped, and .petl.lock stayed in the run folder until a later run took it over as stale.
+    args = [*tiny_run(epochs=20), "method=linear", "train.cache_features=false", "output_dir=run"]
+    run = tmp_path / "run"
+    log = tmp_path / "job.log"
+    status, text = _terminated_once(_started("run", args, tmp_path, log), run / files.CHECKPOINT_FILE, log)
+    assert status == TERMINATED == 143, text
+    assert text.endswith(
+        "petl-run: error: terminated (SIGTERM); the same command resumes from the last finished epoch\n"
+    )
+    assert "Traceback" not in text
+    assert not (run / lock.LOCK_FILE).exists() and (run / files.CHECKPOINT_FILE).exists()
+    assert not (run / files.RESULT_FILE).exists()
+    # The same command, run again, resumes and finishes.
+    run_cli.main([*args[:-1], f"output_dir={run}"])
+    assert (run / files.RESULT_FILE).exists()
+    assert len((run / files.METRICS_FILE).read_text().splitlines()) == 20
+
+
+@pytest.mark.slow
+def test_sigterm_ends_a_sweep_in_one_line_and_143_keeping_its_finished_runs(tmp_path, capsys):
+    # As petl-run: killed by the signal, without a line, the lock of the run it trained left behind.
+    args = [
+        "suite=mini",
+        "methods=linear",
+        "tasks=mini/digits",
+        "seeds=0,1",
+        f"output_dir={tmp_path / 'bench'}",
+        "report=false",
+        *(o for o in tiny_run(epochs=3) if o.startswith(("data.", "model", "+model", "train.epochs"))),
+        "train.cache_features=false",
+    ]
+    seed0, seed1 = (sweep.run_dir_for(tmp_path / "bench", "mini/digits", "linear", k) for k in (0, 1))
+    log = tmp_path / "job.log"
+    status, text = _terminated_once(_started("bench", args, tmp_path, log), seed1 / files.CHECKPOINT_FILE, log)
+    assert status == TERMINATED, text
+    assert text.endswith(
+        "petl-bench: error: terminated (SIGTERM); run the same command again to go on (finished runs are kept, an "
+        "interrupted run resumes from its last finished epoch)\n"
+    ), text
+    assert "Traceback" not in text and "sweep: run 2/2: mini/digits linear seed1\n" in text
+    assert (seed0 / files.RESULT_FILE).exists() and not (seed1 / files.RESULT_FILE).exists()
+    assert not (seed1 / lock.LOCK_FILE).exists() and (seed1 / files.CHECKPOINT_FILE).exists()
+    capsys.readouterr()
+    assert bench_cli.main(args) == 0
+    assert "2 runs: 1 already done, 1 trained, 0 held by another sweep, 0 failed" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_petl_run_into_a_log_file_writes_its_epochs_as_lines_not_a_bar(tmp_path):
+    # Each epoch's bar went into the file as carriage-return updates ("\repoch 1/3:   0%| ...\r     \r").
+    with_bars = [o for o in tiny_run(epochs=3) if o != "train.progress=false"]
+    log = tmp_path / "job.log"
+    with log.open("w") as stream:
+        done = subprocess.run(
+            [sys.executable, "-m", "petl.run", *with_bars, "method=linear", "output_dir=run"],
+            cwd=tmp_path,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            stdout=subprocess.DEVNULL,
+            stderr=stream,
+            timeout=300,
+        )
+    text = log.read_text()
+    assert done.returncode == 0, text
+    assert "\r" not in text and "%|" not in text, text
+    assert [line.split("] ", 1)[1].split("  loss")[0] for line in text.splitlines() if "] epoch " in line] == [
+        "epoch 1/3",
+        "epoch 2/3",
+        "epoch 3/3",
+    ]
+
+
+def test_a_sweep_without_a_terminal_names_each_run_in_a_line_instead_of_a_bar(tmp_path, monkeypatch, capsys):
+    # The sweep's bar went into the log as carriage-return updates; without it, nothing said which run was training.
+    def planned(folder: str) -> list[sweep.PlannedRun]:
+        return sweep.plan([load_experiment("linear", BENCH)], ["mini/digits"], [0, 1], tmp_path / folder)
+
+    engine = FakeEngine()
+    runs = planned("log")
+    write_run(tmp_path / "log", "mini/digits", "linear", 0, top1=50.0)  # done before
+    capsys.readouterr()
+    summary = sweep.run_sweep(runs, engine.train, engine.compose)
+    out, err = capsys.readouterr()
+    assert summary.trained == 1 and err == "", err
+    assert out == "sweep: run 2/2: mini/digits linear seed1\n"
+    # progress=False keeps it quiet; on a terminal the bar shows, and no line.
+    sweep.run_sweep(planned("quiet"), engine.train, engine.compose, progress=False)
+    assert capsys.readouterr() == ("", "")
+    monkeypatch.setattr(progress, "bars_shown", lambda: True)
+    sweep.run_sweep(planned("terminal"), engine.train, engine.compose)
+    out, err = capsys.readouterr()
+    assert out == "" and "\rsweep: 100%" in err, err
+
+
+def test_one_rule_for_every_bar_a_terminal_or_a_notebook_and_the_callers_switch(monkeypatch, capsys):
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    assert progress.bars_shown()
+    assert not progress.progress_bar(range(2)).disable
+    assert progress.progress_bar(range(2), show=False).disable
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False)
+    assert not progress.bars_shown() and progress.progress_bar(range(2)).disable
+    assert list(progress.progress_bar(range(3))) == [0, 1, 2]  # a hidden bar still iterates
+    monkeypatch.setattr(sys.stderr, "isatty", _closed)
+    assert not progress.bars_shown()
+
+
+def _closed() -> bool:
+    raise ValueError("I/O operation on closed file")
