@@ -47,7 +47,8 @@ tasks are gathered in one op per batch
 row's logits).  A hook without a batched form, or one task's form alone in the batch, acts on its own rows as
 above; served without autograd, a hook that can (``RowHook.post_in_place``) adds its update into its rows of the
 frozen module's fresh output in place, so a task costs its own ops and no copy of its rows back into the batch.
-On a GPU such a batch is bound by the host launching ops, which ``tests/deploy`` counts.
+On a GPU such a batch is bound by the host launching ops, which ``tests/deploy`` counts; a batch layout that repeats
+can be captured once as a CUDA graph and replayed with one launch (:meth:`MultiTask.graphed`).
 
 A method opts in next to its wrapper: ``@register_row_hook(MyWrapper)`` on a function that says what
 the wrapper does to its rows, and optionally its batched form (see ``petl/methods/lora.py``).  A task
