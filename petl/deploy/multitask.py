@@ -446,7 +446,7 @@ class MultiTask(nn.Module):
             return task
 
         for module in self.backbone.modules():
-            for stack in getattr(module, "stacks", ()) if isinstance(module, RoutedModule) else ():
+            for stack in module.stacks if isinstance(module, RoutedModule) else ():
                 first = find(stack.tasks[0])
                 for task in stack.tasks[1:]:
                     other = find(task)

@@ -127,7 +127,6 @@ class Batch:
     repeated: dict[int, Batch] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.present = frozenset(task for task, _, _ in self.groups)
         # Task -> its rows (a slice), looked up by every routed module for its few tasks instead of a walk over all.
         self.spans = {task: slice(start, end) for task, start, end in self.groups}
         self.images = self.groups[-1][2] if self.groups else 0
