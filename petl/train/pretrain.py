@@ -105,13 +105,13 @@ def _resumable(partial: Path, recipe: dict) -> dict | None:
             f"{partial} is an unfinished pretraining with other options ({recipe_difference(recorded, recipe)}): "
             f"give those to continue it, {START_OVER}"
         )
-    history, seconds = checkpoint["history"], checkpoint["seconds"]
+    history, seconds = checkpoint.get("history"), checkpoint.get("seconds")
     well_formed = (
         isinstance(recorded, dict)
         and isinstance(checkpoint.get("loader_rng"), torch.Tensor)
         and isinstance(history, list)
         and all(isinstance(h, dict) and isinstance(h.get("images"), (int, float)) for h in history)
-        and checkpoint["epoch"] == len(history)
+        and checkpoint.get("epoch") == len(history)
         and isinstance(seconds, (int, float))
     )
     if not well_formed:
