@@ -11,19 +11,27 @@ safetensors weights (without the pretraining head) and a JSON provenance record.
 
 Without ``--out`` the files go to ``runs/pretrain/`` under the current folder, never into the installed
 package; files already there are replaced only with ``--overwrite``.  After each epoch a checkpoint is
-saved there: the same command run again continues from it.  Bad input exits with status 2, a failure
-with 1, Ctrl-C with 130, SIGTERM (a job's time limit) with 143, each as one line; ``--debug`` shows the traceback.
+saved there: the same command run again continues from it (other options are refused, naming the
+difference).  A later petl-run trains on the weights with ``model.checkpoint=`` (and ``model=`` for the Swin):
+
+    petl-run method=lora model.checkpoint=runs/pretrain/vit_fractal_tiny_patch4_32.fractaldb.safetensors
+
+Bad input (a value out of range, an --out that cannot be written, a damaged checkpoint) exits with
+status 2, a failure with 1, Ctrl-C with 130, SIGTERM (a job's time limit) with 143, each as one line
+naming the value or file and before any image is generated; ``--debug`` shows the traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import shlex
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NoReturn
 
-from petl.cli.args import entry_point, exit_statuses, plain
+from petl.cli.args import CommandLineError, entry_point, exit_statuses, plain
 from petl.utils.errors import USAGE_ERROR
 
 PROG = "petl-pretrain"
@@ -43,9 +51,16 @@ def main(argv: list[str] | None = None) -> None:
         _main([a for a in argv if a != "--debug"])
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, its errors one line: argparse prints its whole usage (8 lines) before the error."""
+
+    def error(self, message: str) -> NoReturn:
+        raise CommandLineError(message)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command's parser: every option is a flag (``--epochs 8``) or, as in every petl command, ``epochs=8``."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog=PROG,
         description=plain(__doc__),
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -118,8 +133,22 @@ def _main(argv: list[str]) -> None:
             f"({args.classes} classes x {args.instances} instances): no step would train; give a smaller "
             "--batch-size or more --classes / --instances"
         )
+    if not 0 <= args.seed < 2**32:  # what numpy and torch take: -1 failed after the model was built, exit 1
+        parser.error(f"--seed {args.seed} is out of range: allowed [0, {2**32 - 1}]")
     if not timm.is_model(args.model):
         parser.error(f"--model {args.model} is not a timm architecture (petl's own: petl.backbones.models)")
+    try:
+        settings = TrainSettings(
+            epochs=args.epochs,
+            lr=args.lr,
+            weight_decay=args.weight_decay,
+            warmup_frac=args.warmup_frac,
+            label_smoothing=args.label_smoothing,
+            grad_clip=1.0,
+            progress=not args.no_progress,
+        )
+    except ValueError as error:  # named as petl-run's option (train.lr=nan): said as this command's (--lr nan)
+        parser.error(re.sub(r"^train\.(\w+)=", lambda m: "--" + m[1].replace("_", "-") + " ", str(error)))
     existing = [p for p in output_files(args.out, args.model) if p.exists()]
     if existing and not args.overwrite:
         # Checked before hours of training: a finished pretraining is never replaced without asking.
@@ -130,15 +159,6 @@ def _main(argv: list[str]) -> None:
         )
         raise SystemExit(USAGE_ERROR)
     fractal = FractalConfig(num_classes=args.classes, instances=args.instances, seed=args.seed)
-    settings = TrainSettings(
-        epochs=args.epochs,
-        lr=args.lr,
-        weight_decay=args.weight_decay,
-        warmup_frac=args.warmup_frac,
-        label_smoothing=args.label_smoothing,
-        grad_clip=1.0,
-        progress=not args.no_progress,
-    )
     record = pretrain(
         fractal,
         settings,

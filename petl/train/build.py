@@ -225,6 +225,8 @@ def create_backbone(cfg: DictConfig) -> nn.Module:
     m = cfg.model
     kwargs = config.model_kwargs(cfg)
     if m.checkpoint:
+        if Path(m.checkpoint).is_dir():  # petl-pretrain's --out, say: the weights are one file in it
+            raise ConfigError(f"model.checkpoint={m.checkpoint} is a folder: give the weights file in it")
         if not Path(m.checkpoint).is_file():
             raise ConfigError(f"model.checkpoint={m.checkpoint}: no such file")
         if not m.pretrained:

@@ -24,10 +24,32 @@ from petl.backbones import models
 from petl.data.fractaldb import FractalConfig, generate, search_systems, to_model_input
 from petl.store import files
 from petl.train.engine import TrainSettings, build_optimizer, fit
+from petl.utils import paths
+from petl.utils.errors import UsageError
 from petl.utils.provenance import git_commit, versions
 from petl.utils.random import rng_state, set_rng_state
+from petl.utils.text import first_line
 
 ARCH = "vit_fractal_tiny_patch4_32"
+
+# What to do with an unfinished pretraining's checkpoint that cannot be continued.
+START_OVER = "remove it to start over, or choose another --out"
+
+# The petl-pretrain option that sets each recipe entry, to name a difference the way the user typed it.
+RECIPE_FLAGS = {
+    "arch": "--model",
+    "fractal_config.num_classes": "--classes",
+    "fractal_config.instances": "--instances",
+    "fractal_config.seed": "--seed",
+    "train_settings.epochs": "--epochs",
+    "train_settings.lr": "--lr",
+    "train_settings.weight_decay": "--weight-decay",
+    "train_settings.warmup_frac": "--warmup-frac",
+    "train_settings.label_smoothing": "--label-smoothing",
+    "batch_size": "--batch-size",
+    "precision": "--precision",
+    "seed": "--seed",
+}
 
 
 def output_files(out_dir: Path, arch: str = ARCH) -> tuple[Path, Path]:
@@ -38,6 +60,76 @@ def output_files(out_dir: Path, arch: str = ARCH) -> tuple[Path, Path]:
 def partial_file(out_dir: Path, arch: str = ARCH) -> Path:
     """The checkpoint an unfinished pretraining leaves after each epoch (removed when it ends)."""
     return out_dir / f"{arch}.fractaldb.partial.pt"
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(_flat(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def recipe_difference(then: dict, now: dict) -> str:
+    """What differs between two recipes, as options: ``--lr 0.001 then, 0.002 now`` (the first few)."""
+    old, new = _flat(then), _flat(now)
+    said: dict[str, str] = {}
+    for key in sorted(old.keys() | new.keys()):
+        if old.get(key, "(unset)") != new.get(key, "(unset)"):
+            name = RECIPE_FLAGS.get(key, key)
+            said.setdefault(name, f"{name} {old.get(key, '(unset)')} then, {new.get(key, '(unset)')} now")
+    return "; ".join(list(said.values())[:3])
+
+
+def _resumable(partial: Path, recipe: dict) -> dict | None:
+    """The checkpoint in ``partial`` if there is one, checked: a petl-pretrain checkpoint of this ``recipe``.
+
+    Raises:
+        UsageError: the file is not a pretraining checkpoint petl wrote (cut short, another kind), or it is one of
+            another recipe (the difference named).
+    """
+    try:
+        checkpoint = files.load_checkpoint(partial)
+    except files.DamagedFileError as error:
+        raise UsageError(f"{error}: {START_OVER}") from None
+    if checkpoint is None:
+        return None
+    try:
+        recorded = json.loads(checkpoint["recipe"])
+    except (KeyError, TypeError, ValueError):  # no recipe (petl-run's checkpoint.pt), one that is not JSON
+        recorded = None
+    if isinstance(recorded, dict) and recorded != recipe:
+        raise UsageError(
+            f"{partial} is an unfinished pretraining with other options ({recipe_difference(recorded, recipe)}): "
+            f"give those to continue it, {START_OVER}"
+        )
+    history, seconds = checkpoint.get("history"), checkpoint.get("seconds")
+    well_formed = (
+        isinstance(recorded, dict)
+        and isinstance(checkpoint.get("loader_rng"), torch.Tensor)
+        and isinstance(history, list)
+        and all(isinstance(h, dict) and isinstance(h.get("images"), (int, float)) for h in history)
+        and checkpoint.get("epoch") == len(history)
+        and isinstance(seconds, (int, float))
+    )
+    if not well_formed:
+        raise UsageError(f"{partial} is damaged (not a petl-pretrain checkpoint): {START_OVER}")
+    return checkpoint
+
+
+def check_arch(arch: str, num_classes: int) -> None:
+    """Raise a UsageError unless ``arch`` builds and takes the fractals' 32 px images (a forward of one)."""
+    try:
+        model = timm.create_model(arch, num_classes=num_classes).eval()
+        with torch.no_grad():
+            model(torch.zeros(1, 3, 32, 32))
+    except Exception as error:  # timm asserts the input size, or fails on its shape deeper in
+        raise UsageError(
+            f"{arch} does not take the fractals' 32 px images ({first_line(error, type(error).__name__)}): "
+            "choose an architecture made for 32 px (petl's own: petl.backbones.models)"
+        ) from None
 
 
 def _normalised(dataset: TensorDataset) -> TensorDataset:
@@ -81,14 +173,34 @@ def pretrain(
         The provenance record.
 
     Raises:
-        ValueError: fewer training images than ``batch_size`` (no step would train), or a checkpoint in ``out_dir``
-            is of another recipe (or damaged).
+        ValueError: fewer training images than ``batch_size`` (no step would train).
+        UsageError: ``out_dir`` cannot be written, ``arch`` does not take 32 px images, or the checkpoint in
+            ``out_dir`` is damaged or of another recipe (the difference named); each before any image is generated.
     """
     if fractal.num_classes * fractal.instances < batch_size:  # incomplete batches are dropped: no step would run
         raise ValueError(
             f"batch_size {batch_size} is more than the {fractal.num_classes * fractal.instances} training images: "
             "no step would train"
         )
+    recipe = {
+        "arch": arch,
+        "fractal_config": dataclasses.asdict(fractal),
+        "train_settings": {k: v for k, v in dataclasses.asdict(settings).items() if k != "progress"},
+        "batch_size": batch_size,
+        "drop_path": drop_path,
+        "precision": precision,
+        "seed": seed,
+    }
+    # Checked before the images are generated and the model built (minutes at the documented sizes): a folder
+    # that cannot be written failed only at the first epoch's checkpoint, a checkpoint of other options or a
+    # model that does not take 32 px images only after the generation.
+    partial = partial_file(out_dir, arch) if out_dir is not None else None
+    if out_dir is not None:
+        unwritable = paths.cannot_write_in(out_dir, "choose another --out", fill=True)
+        if unwritable is not None:
+            raise UsageError(f"--out {unwritable}")
+    checkpoint = _resumable(partial, recipe) if partial is not None else None
+    check_arch(arch, fractal.num_classes)
     start = time.time()
     set_seed(seed)
     accelerator = Accelerator(mixed_precision=precision)
@@ -107,28 +219,19 @@ def pretrain(
     model, optimizer, train_loader, val_loader, scheduler = accelerator.prepare(
         model, optimizer, train_loader, val_loader, scheduler
     )
-    recipe = {
-        "arch": arch,
-        "fractal_config": dataclasses.asdict(fractal),
-        "train_settings": {k: v for k, v in dataclasses.asdict(settings).items() if k != "progress"},
-        "batch_size": batch_size,
-        "drop_path": drop_path,
-        "precision": precision,
-        "seed": seed,
-    }
     dtype = {"float32": torch.float32, "float16": torch.float16}[weights_dtype]
-    partial = partial_file(out_dir, arch) if out_dir is not None else None
     done: list[dict] = []
     seconds_before = 0.0
-    checkpoint = files.load_checkpoint(partial) if partial is not None else None
     if checkpoint is not None:
-        if json.loads(checkpoint["recipe"]) != recipe:
-            raise ValueError(f"{partial} is a pretraining of another recipe: remove it, or choose another --out")
-        accelerator.unwrap_model(model).load_state_dict(checkpoint["trainable"])
-        optimizer.load_state_dict(checkpoint["optimizer"])
-        scheduler.load_state_dict(checkpoint["scheduler"])
-        set_rng_state(checkpoint["rng"])
-        generator.set_state(checkpoint["loader_rng"])
+        try:
+            accelerator.unwrap_model(model).load_state_dict(checkpoint["trainable"])
+            optimizer.load_state_dict(checkpoint["optimizer"])
+            scheduler.load_state_dict(checkpoint["scheduler"])
+            set_rng_state(checkpoint["rng"])
+            generator.set_state(checkpoint["loader_rng"])
+        except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as error:  # tensors of other shapes
+            why = first_line(error, type(error).__name__)
+            raise UsageError(f"{partial} is damaged ({why}): {START_OVER}") from None
         done, seconds_before = checkpoint["history"], checkpoint["seconds"]
         accelerator.print(f"resuming {partial} after epoch {checkpoint['epoch']}/{settings.epochs}")
 

@@ -122,7 +122,7 @@ def test_an_interrupted_pretraining_resumes_to_the_same_weights(tmp_path, monkey
     assert resumed["weights_sha256"] == whole["weights_sha256"]
     weights, _ = pretrain.output_files(tmp_path / "cut", arch)
     assert {v.dtype for k, v in load_file(weights).items() if "index" not in k} == {torch.float16}
-    with pytest.raises(ValueError, match="another recipe"):
+    with pytest.raises(ValueError, match="unfinished pretraining with other options"):
         pretrain.files.save_checkpoint(
             pretrain.partial_file(tmp_path / "cut", arch),
             {"recipe": "{}", **dict.fromkeys(pretrain.files.CHECKPOINT_KEYS)},

@@ -1,0 +1,161 @@
+"""Faults a user meets with ``petl-pretrain``: bad option values, output folders, interruptions, resumes.
+
+Every case is bad input said in one line (exit 2) before any image is generated (minutes at the documented sizes),
+an interruption that keeps the finished epochs (130 / 143), or a kept checkpoint the same command continues from.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from petl.cli import pretrain as pretrain_cli
+from petl.train import pretrain
+from petl.utils.errors import Terminated
+
+TINY = ["--classes", "2", "--instances", "4", "--epochs", "2", "--batch-size", "4", "--no-progress"]
+
+
+def petl_pretrain(capsys, *args: str) -> tuple[int, str]:
+    """``petl-pretrain ARGS``: its exit status (0 when it returns) and its stderr."""
+    capsys.readouterr()
+    try:
+        pretrain_cli.main(list(args))
+        code = 0
+    except SystemExit as exit_:
+        code = exit_.code
+    return code, capsys.readouterr().err
+
+
+@pytest.fixture
+def no_generation(monkeypatch):
+    """Bad input is refused before the fractals are generated: generating fails the test."""
+
+    def generate(*args, **kwargs):
+        pytest.fail("generated images for a command that should have been refused")
+
+    monkeypatch.setattr(pretrain, "generate", generate)
+
+
+@pytest.mark.parametrize(
+    ("option", "said"),
+    [
+        (["--classes", "abc"], "argument --classes: invalid int value: 'abc'"),
+        (["--bogus"], "unrecognized arguments: --bogus"),
+        (["--classes", "0"], "--classes must be >= 1"),
+        (["--lr", "nan"], "--lr nan is not a finite number: allowed (0, inf]"),
+        (["--lr", "0"], "--lr 0.0 is out of range: allowed (0, inf]"),
+        (["--weight-decay", "-1"], "--weight-decay -1.0 is out of range"),
+        (["--warmup-frac", "2"], "--warmup-frac 2.0 is out of range: allowed [0, 1]"),
+        (["label_smoothing=inf"], "--label-smoothing inf is not a finite number"),
+        (["--seed", "-1"], "--seed -1 is out of range: allowed [0, 4294967295]"),
+    ],
+)
+def test_a_bad_option_value_is_one_line_naming_it_and_exit_2(option, said, tmp_path, capsys, no_generation):
+    # argparse printed its 8-line usage before its error; the ranges of the float options were a ValueError naming
+    # petl-run's train.lr (exit 1), and a negative seed failed inside accelerate's set_seed (exit 1).
+    code, err = petl_pretrain(capsys, *TINY, "--out", str(tmp_path / "out"), *option)
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith("petl-pretrain: error: ") and said in err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("where", ["file", "below a file"])
+def test_an_out_that_cannot_be_written_is_refused_before_generating(where, tmp_path, capsys, no_generation):
+    # It failed at the first epoch's checkpoint, after the generation and an epoch: FileExistsError, exit 1.
+    blocker = tmp_path / "taken"
+    blocker.write_text("a file\n")
+    out = blocker if where == "file" else blocker / "out"
+    code, err = petl_pretrain(capsys, *TINY, "--out", str(out))
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"--out {out}" in err and "choose another --out" in err
+    assert blocker.read_text() == "a file\n"
+
+
+def test_a_model_that_does_not_take_32_px_images_is_refused_before_generating(tmp_path, capsys, no_generation):
+    # timm's input-size assertion escaped every handler: a 20-line traceback, after the generation.
+    code, err = petl_pretrain(capsys, *TINY, "--out", str(tmp_path), "--model", "vit_tiny_patch16_224")
+    assert code == 2 and err.count("\n") == 1, err
+    assert "vit_tiny_patch16_224 does not take the fractals' 32 px images" in err
+
+
+def _interrupted_after_one_epoch(capsys, monkeypatch, out, interruption: type[KeyboardInterrupt]) -> tuple[int, str]:
+    save = pretrain.files.save_checkpoint
+
+    def save_then_stop(path, state):
+        save(path, state)
+        raise interruption
+
+    monkeypatch.setattr(pretrain.files, "save_checkpoint", save_then_stop)
+    result = petl_pretrain(capsys, *TINY, "--out", str(out))
+    monkeypatch.setattr(pretrain.files, "save_checkpoint", save)
+    return result
+
+
+def test_sigterm_keeps_the_epochs_and_the_same_command_continues(tmp_path, capsys, monkeypatch):
+    code, err = _interrupted_after_one_epoch(capsys, monkeypatch, tmp_path, Terminated)
+    partial = pretrain.partial_file(tmp_path)
+    assert code == 143 and err.count("\n") == 1 and "terminated (SIGTERM)" in err and "continues" in err
+    assert partial.exists()
+    code, err = petl_pretrain(capsys, *TINY, "--out", str(tmp_path))
+    weights, provenance = pretrain.output_files(tmp_path)
+    assert code == 0 and weights.exists() and provenance.exists() and not partial.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([weights.name, provenance.name])
+
+
+def test_a_resume_with_other_options_names_the_difference_and_keeps_the_checkpoint(tmp_path, capsys, monkeypatch):
+    # It said only 'a pretraining of another recipe' (exit 1, as a ValueError), after generating the images.
+    code, _ = _interrupted_after_one_epoch(capsys, monkeypatch, tmp_path, KeyboardInterrupt)
+    partial = pretrain.partial_file(tmp_path)
+    kept = partial.read_bytes()
+    assert code == 130
+    with monkeypatch.context() as patched:
+        patched.setattr(pretrain, "generate", lambda *a, **k: pytest.fail("generated before refusing"))
+        code, err = petl_pretrain(capsys, *TINY, "--out", str(tmp_path), "--lr", "0.002", "--label-smoothing", "0")
+    assert code == 2 and err.count("\n") == 1, err
+    assert str(partial) in err and "--lr 0.001 then, 0.002 now" in err and "--label-smoothing 0.1 then, 0.0 now" in err
+    assert partial.read_bytes() == kept
+    code, err = petl_pretrain(capsys, *TINY, "--out", str(tmp_path))  # the first options go on
+    assert code == 0 and not partial.exists()
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "another kind"])
+def test_a_damaged_checkpoint_is_named_in_one_line_and_kept(damage, tmp_path, capsys, monkeypatch):
+    # A cut file was a DamagedFileError said as a failure (exit 1), after the generation; a checkpoint without the
+    # recipe (petl-run's checkpoint.pt copied in) a KeyError traceback.
+    partial = pretrain.partial_file(tmp_path)
+    if damage == "another kind":
+        pretrain.files.save_checkpoint(partial, dict.fromkeys(pretrain.files.CHECKPOINT_KEYS, 0))
+    else:
+        _interrupted_after_one_epoch(capsys, monkeypatch, tmp_path, KeyboardInterrupt)
+        whole = partial.read_bytes()
+        partial.write_bytes(whole[: len(whole) // 2] if damage == "truncated" else b"not a checkpoint\n")
+    kept = partial.read_bytes()
+    with monkeypatch.context() as patched:
+        patched.setattr(pretrain, "generate", lambda *a, **k: pytest.fail("generated before refusing"))
+        code, err = petl_pretrain(capsys, *TINY, "--out", str(tmp_path))
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"{partial} is damaged" in err and "remove it to start over" in err
+    assert partial.read_bytes() == kept
+
+
+def test_the_weights_are_petl_runs_backbone_and_a_folder_given_instead_is_one_line(tmp_path, capsys):
+    from petl.cli import run as run_cli
+    from petl.utils import paths
+
+    code, _ = petl_pretrain(capsys, *TINY, "--out", str(tmp_path / "pre"))
+    weights, _ = pretrain.output_files(tmp_path / "pre")
+    assert code == 0
+    run = ["method=linear", "data=mini/digits", "data.subset=32", "train.epochs=1", "train.progress=false"]
+    for checkpoint, status in ((weights, 0), (tmp_path / "pre", 2)):
+        capsys.readouterr()
+        try:
+            run_cli.main([*run, f"model.checkpoint={checkpoint}", f"output_dir={tmp_path / checkpoint.name}-run"])
+            code = 0
+        except SystemExit as exit_:
+            code = exit_.code
+        err = capsys.readouterr().err
+        assert code == status, err
+    # The folder (petl-pretrain's --out) was said to be no such file.
+    assert f"model.checkpoint={tmp_path / 'pre'} is a folder: give the weights file in it" in err
+    result = (tmp_path / f"{weights.name}-run" / "result.json").read_text()
+    assert paths.file_sha256(weights) in result
