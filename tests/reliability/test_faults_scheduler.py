@@ -106,7 +106,8 @@ def test_sigterm_ends_a_sweep_in_one_line_and_143_keeping_its_finished_runs(tmp_
         "seeds=0,1",
         f"output_dir={tmp_path / 'bench'}",
         "report=false",
-        *(o for o in tiny_run(epochs=3) if o.startswith(("data.", "model", "+model", "train.epochs"))),
+        # Six slow epochs: the signal, sent at the second run's first checkpoint, lands seconds before it ends.
+        *(o for o in tiny_run(epochs=6) if o.startswith(("data.", "model", "+model", "train.epochs"))),
         "train.cache_features=false",
     ]
     seed0, seed1 = (sweep.run_dir_for(tmp_path / "bench", "mini/digits", "linear", k) for k in (0, 1))
