@@ -47,3 +47,60 @@ def test_compare_gives_tied_rows_one_place_not_an_order_by_name(tmp_path, capsys
     assert "| linear | 3 | 70.00 | 2.5 | 70.00 | +0.5 |" in page
     assert "| vpt_deep | 4 | 60.00 | 2.5 | 70.00 | +1.5 |" in page
 
+
+# --- the comparison section names the rows it does not rank ---------------------------------------------------------
+
+
+def test_a_row_with_a_failed_run_is_named_where_the_rank_test_leaves_it_out(tmp_path, capsys):
+    # Was: lora, the best row, had lost one seed to a failed run; the section said "Ranked: the 2 complete rows" and
+    # grouped mlp and linear, and only a `*` in the main table told that lora was not among them.
+    root = _runs(tmp_path, seeds=(0, 1, 2))
+    (root / "mini-mnist" / "lora" / "seed1" / "result.json").unlink()  # the run failed: no record
+    _page(capsys, "report", str(root))
+    md = (root / "leaderboard.md").read_text()
+    section = md[md.index("## Which differences are real") :]
+    assert "Ranked: the 2 complete rows" in section
+    assert "Not ranked, marked `*` in the table: lora (short of a task or seed)." in section
+    # With one complete row no test runs; the line still names what it left out.
+    lone = _runs(tmp_path / "lone", (("lora", 80.0), ("linear", 70.0)), seeds=(0, 1))
+    (lone / "mini-digits" / "linear" / "seed1" / "result.json").unlink()
+    _page(capsys, "report", str(lone))
+    md = (lone / "leaderboard.md").read_text()
+    assert "- Not tested: 1 complete row: a comparison needs two. Not ranked, marked `*` in the table: linear" in md
+
+
+# --- a test over too few blocks says that no outcome could have passed ----------------------------------------------
+
+
+def test_two_methods_on_two_tasks_say_that_no_outcome_could_tell_them_apart(tmp_path, capsys):
+    # Was: "0 of the 1 pairs do" and an interval "1.00 – 1.00", read as a finding; over two blocks even lora first
+    # on both tasks cannot pass (a gap of 1 mean rank against a critical difference of 1.39).
+    root = _runs(tmp_path, (("lora", 80.0), ("linear", 70.0)))
+    _page(capsys, "report", str(root))
+    md = (root / "leaderboard.md").read_text()
+    assert "**Too few blocks**: over 2 tasks no outcome could tell two methods apart: the largest gap in mean " in md
+    assert "within the critical difference, 1.39. That no pair differs below is a count of blocks" in md
+    assert "run the methods on more tasks." in md
+
+
+def test_three_methods_on_two_tasks_say_friedman_could_not_reject(tmp_path, capsys):
+    root = _runs(tmp_path)
+    _page(capsys, "report", str(root))
+    md = (root / "leaderboard.md").read_text()
+    assert "p = 0.14: at α = 0.05, it does not reject" in md
+    assert "**Too few blocks**: over 2 tasks no outcome could tell two methods apart: Friedman's p cannot go " in md
+
+
+def test_enough_blocks_say_nothing_of_too_few(tmp_path, capsys):
+    root = _runs(tmp_path, tasks=("mini/digits", "mini/mnist", "mini/textures"))  # 3 x 3: p can reach 0.05
+    _page(capsys, "report", str(root))
+    assert "Too few blocks" not in (root / "leaderboard.md").read_text()
+
+
+def test_choose_over_two_seeds_says_no_outcome_could_tell_the_best_two_apart(tmp_path):
+    from petl.bench import choice, report
+
+    root = _runs(tmp_path, (("lora", 80.0), ("linear", 79.0)), tasks=("mini/digits",), seeds=(0, 1))
+    text = choice.choose(report.build_board(root), choice.Budget()).paragraph
+    assert "**lora** and **linear** cannot be told apart on this data" in text
+    assert "over 2 seeds no outcome could tell them apart: the largest gap in mean rank there can be, 1" in text
