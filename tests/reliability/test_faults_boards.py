@@ -104,3 +104,26 @@ def test_choose_over_two_seeds_says_no_outcome_could_tell_the_best_two_apart(tmp
     text = choice.choose(report.build_board(root), choice.Budget()).paragraph
     assert "**lora** and **linear** cannot be told apart on this data" in text
     assert "over 2 seeds no outcome could tell them apart: the largest gap in mean rank there can be, 1" in text
+
+
+# --- a record is checked against the config it embeds: its model too ------------------------------------------------
+
+
+def test_a_record_whose_model_was_edited_by_hand_is_named_and_left_out(tmp_path, capsys):
+    # Was: read as a run of the edited backbone; the board said "Measured by petl on A, B" and averaged the seed
+    # with the others of its cell (a run's published figures and a suite's backbone check read this field).
+    import json
+
+    root = _runs(tmp_path, seeds=(0, 1))
+    for path in root.rglob("result.json"):  # records as petl writes them: with the config they ran
+        record = json.loads(path.read_text())
+        config = {"method": {"name": record["method"]}, "data": {"name": record["dataset"]}, "seed": record["seed"]}
+        path.write_text(json.dumps({**record, "config": {**config, "model": {"name": record["model"]}}}))
+    edited = root / "mini-mnist" / "lora" / "seed1" / "result.json"
+    edited.write_text(json.dumps({**json.loads(edited.read_text()), "model": "vit_base_patch16_224.orig_in21k"}))
+    code, _, err = petl_bench(capsys, "report", str(root))
+    assert code == 0 and "Traceback" not in err, err
+    assert f"skipping {edited}: model 'vit_base_patch16_224.orig_in21k' is not the model of the config" in err
+    md = (root / "leaderboard.md").read_text()
+    assert "orig_in21k" not in md.split("## Legend")[1].split("\n")[2]  # "Measured by petl on" names one backbone
+    assert "| lora * |" in md and "1 result.json file was skipped" in md
