@@ -127,3 +127,17 @@ def test_a_record_whose_model_was_edited_by_hand_is_named_and_left_out(tmp_path,
     md = (root / "leaderboard.md").read_text()
     assert "orig_in21k" not in md.split("## Legend")[1].split("\n")[2]  # "Measured by petl on" names one backbone
     assert "| lora * |" in md and "1 result.json file was skipped" in md
+
+
+def test_two_seeds_of_a_cell_on_two_backbones_are_refused_without_a_config_to_compare(tmp_path, capsys):
+    # Was: records without a config (hand-made, another tool's) were not compared, so a cell averaged a seed on one
+    # backbone with a seed on another as seed noise.
+    import json
+
+    root = _runs(tmp_path, seeds=(0, 1))
+    edited = root / "mini-mnist" / "lora" / "seed1" / "result.json"
+    edited.write_text(json.dumps({**json.loads(edited.read_text()), "model": "vit_small_patch16_224"}))
+    code, _, err = petl_bench(capsys, "report", str(root))
+    assert code == 2 and "Traceback" not in err and err.count("\n") == 1, err
+    assert f"mini/mnist lora: {edited} is not another seed of " in err
+    assert "(model: 'vit_fractal_tiny_patch4_32.fractaldb' -> 'vit_small_patch16_224')" in err
