@@ -141,3 +141,15 @@ def test_two_seeds_of_a_cell_on_two_backbones_are_refused_without_a_config_to_co
     assert code == 2 and "Traceback" not in err and err.count("\n") == 1, err
     assert f"mini/mnist lora: {edited} is not another seed of " in err
     assert "(model: 'vit_fractal_tiny_patch4_32.fractaldb' -> 'vit_small_patch16_224')" in err
+
+
+def test_the_compute_line_counts_one_run_and_one_trial_in_the_singular(tmp_path, capsys):
+    import json
+
+    root = _runs(tmp_path, (("lora", 80.0),), tasks=("mini/digits",))
+    trial = root / "mini-digits" / "lora" / "search" / "lr0.1" / "result.json"  # a selection trial: val only
+    trial.parent.mkdir(parents=True)
+    record = json.loads((root / "mini-digits" / "lora" / "seed0" / "result.json").read_text())
+    trial.write_text(json.dumps({**record, "test_top1": None}))
+    _page(capsys, "report", str(root))
+    assert "**Compute**: 1 reported run and 1 selection trial (every" in (root / "leaderboard.md").read_text()
