@@ -186,6 +186,10 @@ def _verdict(found: Ranking | str, best: ExperimentRow, runner: ExperimentRow) -
         test += "every block ties them" if math.isnan(found.p_value) else f"p = {found.p_value:.2g}"
     else:
         test = f"Nemenyi's test after Friedman's, {blocks}: p = {found.p_values[a][b]:.2g}"
+    few = found.too_few_blocks()
+    if few:
+        # Not told apart, and no outcome over so few blocks could have been: say so, or it reads as a finding.
+        test += f"; over {plural(len(found.blocks), found.block)} no outcome could tell them apart: {few}"
     smaller = min((best, runner), key=lambda row: row.trainable).experiment
     return f"**{a}** and **{b}** cannot be told apart on this data ({test}); {smaller} is the smaller"
 

@@ -21,6 +21,7 @@ from petl.bench.sweep import task_folder
 from petl.store.files import REPLACED_MARK, RESULT_FILE
 from petl.store.result import ResultError, RunResult, read_result
 from petl.train.learning import run_not_learned
+from petl.utils.text import plural
 
 _SEED_DIR = re.compile(r"^seed(\d+)$")
 
@@ -187,9 +188,9 @@ class Compute:
     def line(self) -> str:
         """The legend line."""
         return (
-            f"**Compute**: {self.runs} reported runs and {self.trials} selection trials (every result.json under "
-            f"the folder), {self.seconds / 3600:.2f} h of run time summed over them (each run's wall time in its "
-            "result.json; sweeps run side by side overlap, so the elapsed time is shorter)."
+            f"**Compute**: {plural(self.runs, 'reported run')} and {plural(self.trials, 'selection trial')} (every "
+            f"result.json under the folder), {self.seconds / 3600:.2f} h of run time summed over them (each run's wall "
+            "time in its result.json; sweeps run side by side overlap, so the elapsed time is shorter)."
         )
 
 

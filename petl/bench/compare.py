@@ -6,7 +6,9 @@ experiment's rank is its place among its own board's complete rows; Spearman's r
 experiments complete on both boards (their task means, :func:`petl.bench.published.rank_correlation`), with a
 95 % bootstrap interval over those experiments (seeded: the same runs give the same page).  The places an experiment
 moved are counted among those shared experiments alone: two boards of different sizes (a 27-row board against a
-9-row one) would otherwise read every row of the smaller as moving up.  The interval resamples the experiments in
+9-row one) would otherwise read every row of the smaller as moving up.  Rows of one task mean share their place, the
+mean of the places they take (as Spearman's rho ranks ties): a tie broken by name would read as an order, and as places
+moved.  The interval resamples the experiments in
 name order, so ``compare A B`` and ``compare B A`` give the same page up to its sides.
 
 Both boards must rank the same tasks (:func:`check_same_tasks`): a task mean over other tasks ranks the methods
@@ -31,9 +33,12 @@ from petl.utils.text import plural
 
 @dataclass(frozen=True)
 class Placing:
-    """Where one experiment stands on one board: its rank among the complete rows (1 = best) and task mean."""
+    """Where one experiment stands on one board: its rank among the complete rows (1 = best) and task mean.
 
-    rank: int
+    Rows of one task mean share the mean of the places they take (two rows tied first are both 1.5).
+    """
+
+    rank: float
     task_mean: float
 
 
@@ -61,10 +66,20 @@ class Comparison:
         """The experiments complete on both boards, best first on the second."""
         return self.correlation.methods
 
-    def places_moved_up(self, experiment: str) -> int:
-        """How many places ``experiment`` rose from the first board to the second, among the shared experiments."""
-        first, second = ([e for e in places if e in self.shared] for places in self.complete)
-        return first.index(experiment) - second.index(experiment)
+    def places_moved_up(self, experiment: str) -> float:
+        """How many places ``experiment`` rose from the first board to the second, among the shared experiments.
+
+        Ties share their mean place (:func:`tied_rank`), so a row that ties another moves half a place, not one.
+        """
+        first, second = ({e: places[e].task_mean for e in self.shared} for places in self.complete)
+        return tied_rank(experiment, first) - tied_rank(experiment, second)
+
+
+def tied_rank(name: str, means: dict[str, float]) -> float:
+    """``name``'s place among ``means`` (1 = the highest), rows of one mean sharing the mean of their places."""
+    above = sum(m > means[name] for m in means.values())
+    tied = sum(m == means[name] for m in means.values())
+    return above + (tied + 1) / 2
 
 
 def check_same_data(first: str | Path, second: str | Path) -> None:
@@ -112,9 +127,12 @@ def label(board: Leaderboard) -> str:
 
 
 def placings(board: Leaderboard) -> dict[str, Placing]:
-    """Experiment -> rank and task mean, for the board's complete rows (already sorted best first)."""
-    complete = [row for row in board.rows if board.complete(row)]
-    return {row.experiment: Placing(rank, row.task_mean) for rank, row in enumerate(complete, start=1)}
+    """Experiment -> rank (ties share their mean place: :func:`tied_rank`) and task mean, for the complete rows.
+
+    In the board's order, best first.
+    """
+    means = {row.experiment: row.task_mean for row in board.rows if board.complete(row)}
+    return {name: Placing(tied_rank(name, means), mean) for name, mean in means.items()}
 
 
 def compare(first: Leaderboard, second: Leaderboard) -> Comparison:
@@ -186,8 +204,8 @@ def markdown(comparison: Comparison) -> str:
     for experiment in shared:
         first, second = a[experiment], b[experiment]
         lines.append(
-            f"| {experiment} | {first.rank} | {first.task_mean:.2f} | {second.rank} | "
-            f"{second.task_mean:.2f} | {comparison.places_moved_up(experiment):+d} |"
+            f"| {experiment} | {first.rank:g} | {first.task_mean:.2f} | {second.rank:g} | "
+            f"{second.task_mean:.2f} | {comparison.places_moved_up(experiment):+g} |"
         )
     for name, own, other in ((name_a, a, b), (name_b, b, a)):
         alone = [e for e in own if e not in other]

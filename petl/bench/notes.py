@@ -260,6 +260,21 @@ def ranking_line(board: Leaderboard, table: PublishedTable = RANKED_TABLE) -> st
     )
 
 
+def unranked(board: Leaderboard) -> str:
+    """`` Not ranked: a (short of a task or seed), b (not in the suite).`` for the rows the rank test leaves out.
+
+    A row short of a task or seed (a failed run, a sweep not finished) may be the best on the board; the groups and
+    mean ranks say nothing of it, and the section says so rather than leave the reader to find its `*`.
+    """
+    outside = set() if board.plan is None else {r.experiment for r in board.rows} - set(board.plan.experiments)
+    left = [
+        f"{row.experiment} ({'not in the suite' if row.experiment in outside else 'short of a task or seed'})"
+        for row in board.rows
+        if not board.complete(row)
+    ]
+    return f" Not ranked, marked `*` in the table: {', '.join(left)}." if left else ""
+
+
 COMPARISON_TITLE = "Which differences are real"
 CD_FILE = "critical_difference.png"
 
@@ -268,7 +283,7 @@ def comparison_lines(board: Leaderboard) -> list[str]:
     """The comparison section's sentences: the blocks, Friedman's test, Nemenyi's, the groups (Markdown)."""
     found = board.ranking
     if not isinstance(found, ranking.Ranking):
-        return [f"Not tested: {found}." if found else "Not tested."]
+        return [(f"Not tested: {found}." if found else "Not tested.") + unranked(board)]
     labels = task_labels(board.tasks)
     k, n = len(found.methods), len(found.blocks)
     if found.block == "task":
@@ -286,7 +301,7 @@ def comparison_lines(board: Leaderboard) -> list[str]:
         )
     lines = [
         block + f" Ranked: the {plural(k, 'complete row')} (rank 1 = the best accuracy in a block, ties share "
-        "their mean rank).",
+        "their mean rank)." + unranked(board),
     ]
     if k < 3:
         lines.append("**Friedman's test** needs three methods; with two, Nemenyi's test below decides alone.")
@@ -313,6 +328,14 @@ def comparison_lines(board: Leaderboard) -> list[str]:
         f"Demšar, JMLR 2006): two methods differ when their mean ranks lie more than {found.critical_difference:.2f} "
         f"apart (the critical difference); {differ} of the {len(pairs)} pairs do."
     )
+    few = found.too_few_blocks()
+    if few:
+        more = "the methods with more seeds" if found.block == "seed" else "the methods on more tasks"
+        lines.append(
+            f"**Too few blocks**: over {plural(n, found.block)} no outcome could tell two methods apart: {few}. "
+            f"That no pair differs below is a count of blocks, not a finding, and the intervals rest on {n} blocks; "
+            f"run {more}."
+        )
     groups = "; ".join(f"{ranking.letter(i)}: {', '.join(g)}" for i, g in enumerate(found.groups))
     lines.append(
         f"**Groups** (methods no two of which can be told apart, in mean-rank order; the bars of `{CD_FILE}`): "

@@ -112,6 +112,25 @@ class Ranking:
             return True
         return self.p_value < self.alpha  # NaN (every block tied) compares False
 
+    def too_few_blocks(self) -> str:
+        """Why no outcome over these blocks could declare two methods different, or ``""`` when one could.
+
+        The most extreme outcome is one order in every block: mean ranks 1 to k, Friedman's statistic n (k - 1).
+        Where even that does not pass (its p at or above :attr:`alpha`, or a gap of k - 1 mean ranks within the
+        critical difference), the test's "no pair differs" is a count of blocks, not a finding.
+        """
+        from scipy import stats
+
+        k, n = len(self.methods), len(self.blocks)
+        if k >= 3 and (best := float(stats.chi2.sf(n * (k - 1), k - 1))) >= self.alpha:
+            return f"Friedman's p cannot go below {best:.2g} over {n} blocks, however the methods rank"
+        if k - 1 <= self.critical_difference:
+            return (
+                f"the largest gap in mean rank there can be, {k - 1} (one method first in every block, another last), "
+                f"is within the critical difference, {self.critical_difference:.2f}"
+            )
+        return ""
+
     def differ(self, a: str, b: str) -> bool:
         """Whether ``a`` and ``b`` differ at :attr:`alpha`: Friedman rejects, then Nemenyi does for the pair."""
         return self.omnibus_rejects and self.p_values[a][b] < self.alpha

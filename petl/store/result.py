@@ -4,8 +4,8 @@
 final run stamped with its selection) and :func:`read_result` the only code that reads it (the run-folder
 rules, the sweep, the reports), so every field is named once, here, and the reports read attributes.
 A record written before ``version`` existed reads as version 1.  The file is untrusted (a hand edit, a copy, another
-tool's record): the reader checks every field's type and range, and that the method, dataset and seed are those of
-the config the record embeds; an unreadable or malformed one raises :class:`ResultError` naming the file and the
+tool's record): the reader checks every field's type and range, and that the method, dataset, seed and model are those
+of the config the record embeds; an unreadable or malformed one raises :class:`ResultError` naming the file and the
 field.
 """
 
@@ -219,19 +219,23 @@ def version_problem(version: Any) -> str | None:
 
 
 def config_problem(values: dict[str, Any]) -> str | None:
-    """Where a record's method, dataset or seed differ from the config it records it was trained with, or ``None``.
+    """Where a record's method, dataset, seed or model differ from the config it records it was trained with, or
+    ``None``.
 
     A selection trial that diverged was recorded under its experiment's name before this check existed
-    (:func:`petl.bench.sweep._diverged_result`), so its method is not compared.
+    (:func:`petl.bench.sweep._diverged_result`), so its method is not compared; it records no model.  The model is
+    what a leaderboard reads to put published figures beside a run and to check a suite's backbone: a hand-edited
+    one would pass a run off as another backbone's.
     """
     config = values.get("config")
     if not isinstance(config, dict):
         return None  # a hand-made record, or one from before configs were recorded: nothing to compare
     recorded = {"seed": config.get("seed"), "dataset": _config_name(config, "data")}
+    recorded["model"] = _config_name(config, "model")
     if not values.get("diverged"):
         recorded["method"] = _config_name(config, "method")
     for name, value in recorded.items():
-        if value is not None and name in values and value != values[name]:
+        if value is not None and values.get(name) is not None and value != values[name]:
             return f"{name} {values[name]!r} is not the {name} of the config it records ({value!r})"
     return None
 

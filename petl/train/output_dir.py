@@ -93,14 +93,20 @@ def config_difference(recorded: dict[str, Any], resolved: dict[str, Any]) -> str
 _CONTENT_INPUTS = ("data.fingerprint", "model.checkpoint_sha256")
 
 
+# What a record says of its run beside its config, compared where a record has no config.
+_RECORD_FIELDS = ("model", "pretrained", "epochs", "split", "num_classes")
+
+
 def seed_difference(first: RunResult, other: RunResult) -> str:
     """What, besides the seed, makes ``other`` another run than ``first``: config or data/weights content; "" if none.
 
     Two seeds of one leaderboard cell must differ in nothing else (not the backbone, epochs, data...).
-    Results without a recorded config (hand-made records) are not compared.
+    Results without a recorded config (hand-made records, another tool's) are compared on what they do record of the
+    run (:data:`_RECORD_FIELDS`): two "seeds" of two backbones would otherwise be averaged as one cell.
     """
     if first.config is None or other.config is None:
-        return ""
+        pairs = [(k, getattr(first, k), getattr(other, k)) for k in _RECORD_FIELDS]
+        return ", ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in pairs if a is not None and b is not None and a != b)
     a, b = {**first.config, "seed": None}, {**other.config, "seed": None}
     difference = config_difference(a, b) or config_difference(b, a)
     if difference:

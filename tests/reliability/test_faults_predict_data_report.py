@@ -309,10 +309,16 @@ def _edit(path: Path, change: Callable[[dict], None]) -> None:
     path.write_text(json.dumps(record))
 
 
+def _another_model(record: dict, name: str) -> None:
+    record["model"] = name
+    record["config"]["model"]["name"] = name
+
+
 @pytest.mark.parametrize(
     "change, named",
     [
-        (lambda r: r["config"]["model"].update(name="vit_tiny_patch16_224"), "model.name"),
+        # A run on another backbone records it twice: in its config and as its model (the reader checks they agree).
+        (lambda r: _another_model(r, "vit_tiny_patch16_224"), "model.name"),
         (lambda r: r["config"]["train"].update(epochs=r["config"]["train"]["epochs"] + 5), "train.epochs"),
     ],
     ids=["another_backbone", "another_epoch_count"],

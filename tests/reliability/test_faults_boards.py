@@ -1,0 +1,155 @@
+"""Faults and bad input, boards pass: the leaderboards and their statistics on what a messy sweep leaves behind.
+
+Each case goes through ``petl-bench report`` or ``petl-bench compare`` (their main) on a results folder written as a
+sweep writes it: one method, one task, two methods on two tasks, ties everywhere, failed and diverged runs, saturated
+tasks, damaged records, several seeds against one, no finished run, task names with spaces or unicode.  Each must
+give one clear line, or a board that says what it left out: never a traceback, a NaN shown as a number, a silently
+wrong rank, or a statistic on too little data that does not say so.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from test_faults_untrusted_files import petl_bench
+from test_harness import write_run
+
+THREE = (("lora", 80.0), ("linear", 70.0), ("mlp", 75.0))
+
+
+def _runs(root: Path, methods=THREE, tasks=("mini/digits", "mini/mnist"), seeds=(0,)) -> Path:
+    """A results folder as a sweep leaves it: every method on every task and seed (seed s adds s points)."""
+    for method, top1 in methods:
+        for task in tasks:
+            for seed in seeds:
+                write_run(root, task, method, seed, top1=top1 + seed)
+    return root
+
+
+def _page(capsys, *args: str) -> str:
+    code, out, err = petl_bench(capsys, *args)
+    assert code == 0 and "Traceback" not in err, err
+    return out
+
+
+# --- compare: rows of one task mean share their place --------------------------------------------------------------
+
+
+def test_compare_gives_tied_rows_one_place_not_an_order_by_name(tmp_path, capsys):
+    # Was: on a board where every method scores 70, the rows were ranked 1 to 4 by name, and the page said linear
+    # "moved up 2 places" and lora "-1" against a board where they did differ.
+    first = _runs(tmp_path / "a", (("lora", 80.0), ("linear", 70.0), ("mlp", 75.0), ("vpt_deep", 60.0)))
+    tied = _runs(tmp_path / "b", (("lora", 70.0), ("linear", 70.0), ("mlp", 70.0), ("vpt_deep", 70.0)))
+    page = _page(capsys, "compare", str(first), str(tied))
+    assert "tie on" in page  # no coefficient: one board ranks none above another
+    # Four rows tied: each takes the mean of places 1 to 4.
+    assert "| lora | 1 | 80.00 | 2.5 | 70.00 | -1.5 |" in page
+    assert "| linear | 3 | 70.00 | 2.5 | 70.00 | +0.5 |" in page
+    assert "| vpt_deep | 4 | 60.00 | 2.5 | 70.00 | +1.5 |" in page
+
+
+# --- the comparison section names the rows it does not rank ---------------------------------------------------------
+
+
+def test_a_row_with_a_failed_run_is_named_where_the_rank_test_leaves_it_out(tmp_path, capsys):
+    # Was: lora, the best row, had lost one seed to a failed run; the section said "Ranked: the 2 complete rows" and
+    # grouped mlp and linear, and only a `*` in the main table told that lora was not among them.
+    root = _runs(tmp_path, seeds=(0, 1, 2))
+    (root / "mini-mnist" / "lora" / "seed1" / "result.json").unlink()  # the run failed: no record
+    _page(capsys, "report", str(root))
+    md = (root / "leaderboard.md").read_text()
+    section = md[md.index("## Which differences are real") :]
+    assert "Ranked: the 2 complete rows" in section
+    assert "Not ranked, marked `*` in the table: lora (short of a task or seed)." in section
+    # With one complete row no test runs; the line still names what it left out.
+    lone = _runs(tmp_path / "lone", (("lora", 80.0), ("linear", 70.0)), seeds=(0, 1))
+    (lone / "mini-digits" / "linear" / "seed1" / "result.json").unlink()
+    _page(capsys, "report", str(lone))
+    md = (lone / "leaderboard.md").read_text()
+    assert "- Not tested: 1 complete row: a comparison needs two. Not ranked, marked `*` in the table: linear" in md
+
+
+# --- a test over too few blocks says that no outcome could have passed ----------------------------------------------
+
+
+def test_two_methods_on_two_tasks_say_that_no_outcome_could_tell_them_apart(tmp_path, capsys):
+    # Was: "0 of the 1 pairs do" and an interval "1.00 – 1.00", read as a finding; over two blocks even lora first
+    # on both tasks cannot pass (a gap of 1 mean rank against a critical difference of 1.39).
+    root = _runs(tmp_path, (("lora", 80.0), ("linear", 70.0)))
+    _page(capsys, "report", str(root))
+    md = (root / "leaderboard.md").read_text()
+    assert "**Too few blocks**: over 2 tasks no outcome could tell two methods apart: the largest gap in mean " in md
+    assert "within the critical difference, 1.39. That no pair differs below is a count of blocks" in md
+    assert "run the methods on more tasks." in md
+
+
+def test_three_methods_on_two_tasks_say_friedman_could_not_reject(tmp_path, capsys):
+    root = _runs(tmp_path)
+    _page(capsys, "report", str(root))
+    md = (root / "leaderboard.md").read_text()
+    assert "p = 0.14: at α = 0.05, it does not reject" in md
+    assert "**Too few blocks**: over 2 tasks no outcome could tell two methods apart: Friedman's p cannot go " in md
+
+
+def test_enough_blocks_say_nothing_of_too_few(tmp_path, capsys):
+    root = _runs(tmp_path, tasks=("mini/digits", "mini/mnist", "mini/textures"))  # 3 x 3: p can reach 0.05
+    _page(capsys, "report", str(root))
+    assert "Too few blocks" not in (root / "leaderboard.md").read_text()
+
+
+def test_choose_over_two_seeds_says_no_outcome_could_tell_the_best_two_apart(tmp_path):
+    from petl.bench import choice, report
+
+    root = _runs(tmp_path, (("lora", 80.0), ("linear", 79.0)), tasks=("mini/digits",), seeds=(0, 1))
+    text = choice.choose(report.build_board(root), choice.Budget()).paragraph
+    assert "**lora** and **linear** cannot be told apart on this data" in text
+    assert "over 2 seeds no outcome could tell them apart: the largest gap in mean rank there can be, 1" in text
+
+
+# --- a record is checked against the config it embeds: its model too ------------------------------------------------
+
+
+def test_a_record_whose_model_was_edited_by_hand_is_named_and_left_out(tmp_path, capsys):
+    # Was: read as a run of the edited backbone; the board said "Measured by petl on A, B" and averaged the seed
+    # with the others of its cell (a run's published figures and a suite's backbone check read this field).
+    import json
+
+    root = _runs(tmp_path, seeds=(0, 1))
+    for path in root.rglob("result.json"):  # records as petl writes them: with the config they ran
+        record = json.loads(path.read_text())
+        config = {"method": {"name": record["method"]}, "data": {"name": record["dataset"]}, "seed": record["seed"]}
+        path.write_text(json.dumps({**record, "config": {**config, "model": {"name": record["model"]}}}))
+    edited = root / "mini-mnist" / "lora" / "seed1" / "result.json"
+    edited.write_text(json.dumps({**json.loads(edited.read_text()), "model": "vit_base_patch16_224.orig_in21k"}))
+    code, _, err = petl_bench(capsys, "report", str(root))
+    assert code == 0 and "Traceback" not in err, err
+    assert f"skipping {edited}: model 'vit_base_patch16_224.orig_in21k' is not the model of the config" in err
+    md = (root / "leaderboard.md").read_text()
+    assert "orig_in21k" not in md.split("## Legend")[1].split("\n")[2]  # "Measured by petl on" names one backbone
+    assert "| lora * |" in md and "1 result.json file was skipped" in md
+
+
+def test_two_seeds_of_a_cell_on_two_backbones_are_refused_without_a_config_to_compare(tmp_path, capsys):
+    # Was: records without a config (hand-made, another tool's) were not compared, so a cell averaged a seed on one
+    # backbone with a seed on another as seed noise.
+    import json
+
+    root = _runs(tmp_path, seeds=(0, 1))
+    edited = root / "mini-mnist" / "lora" / "seed1" / "result.json"
+    edited.write_text(json.dumps({**json.loads(edited.read_text()), "model": "vit_small_patch16_224"}))
+    code, _, err = petl_bench(capsys, "report", str(root))
+    assert code == 2 and "Traceback" not in err and err.count("\n") == 1, err
+    assert f"mini/mnist lora: {edited} is not another seed of " in err
+    assert "(model: 'vit_fractal_tiny_patch4_32.fractaldb' -> 'vit_small_patch16_224')" in err
+
+
+def test_the_compute_line_counts_one_run_and_one_trial_in_the_singular(tmp_path, capsys):
+    import json
+
+    root = _runs(tmp_path, (("lora", 80.0),), tasks=("mini/digits",))
+    trial = root / "mini-digits" / "lora" / "search" / "lr0.1" / "result.json"  # a selection trial: val only
+    trial.parent.mkdir(parents=True)
+    record = json.loads((root / "mini-digits" / "lora" / "seed0" / "result.json").read_text())
+    trial.write_text(json.dumps({**record, "test_top1": None}))
+    _page(capsys, "report", str(root))
+    assert "**Compute**: 1 reported run and 1 selection trial (every" in (root / "leaderboard.md").read_text()
