@@ -180,7 +180,7 @@ def test_rows_short_of_a_task_or_a_seed_are_marked_and_the_compute_is_summed(tmp
     assert board.compute == report.Compute(runs=7, trials=1, seconds=7 * 2.0 + 3600.0)
     md = (tmp_path / "leaderboard.md").read_text()
     assert "| lora * |" in md and "| linear |" in md
-    assert "**Compute**: 7 reported runs and 1 selection trials (every result.json under the folder), 1.00 h" in md
+    assert "**Compute**: 7 reported runs and 1 selection trial (every result.json under the folder), 1.00 h" in md
 
 
 def test_no_learning_curves_png_without_curves(tmp_path):
