@@ -17,6 +17,7 @@ from petl.bench.published import PublishedRow, PublishedTable
 from petl.bench.table import Cell
 from petl.data import GROUPS
 from petl.presets import FAMILIES
+from petl.store.result import RunResult
 
 # What a published column shows for a row: the published row, or why there is none to show.
 NO_PUBLISHED_ROW = "no published row"
@@ -196,12 +197,27 @@ class Leaderboard:
         """Groups present, in benchmark order."""
         return order_groups(set(self.groups.values()))
 
+    def backbones(self, row: ExperimentRow) -> dict[str, list[str]]:
+        """The backbones ``row``'s runs trained (:func:`backbone`), each with the tasks it ran, in task order."""
+        found: dict[str, list[str]] = {}
+        for task in self.tasks:
+            for name in dict.fromkeys(backbone(r.result) for r in row.runs if r.task == task):
+                found.setdefault(name, []).append(task)
+        return found
+
+    def mixed(self, row: ExperimentRow) -> bool:
+        """Whether ``row``'s tasks ran on more than one backbone (its task mean averages different models)."""
+        return len(self.backbones(row)) > 1
+
     def complete(self, row: ExperimentRow) -> bool:
-        """Whether ``row`` has a score on every task, each over every seed.
+        """Whether ``row`` has a score on every task, each over every seed, all on one backbone.
 
         Every task and seed: the plan's, when there is one (and a row of an experiment outside the plan is never
-        complete: the suite does not rank it); otherwise as many as the fullest cell of the board.
+        complete: the suite does not rank it); otherwise as many as the fullest cell of the board.  A row whose tasks
+        ran on different backbones (:meth:`mixed`) is never complete: its task mean is no one model's.
         """
+        if self.mixed(row):
+            return False
         if self.plan is not None:
             seeds = set(self.plan.seeds)
             return row.experiment in self.plan.experiments and all(
@@ -209,6 +225,16 @@ class Leaderboard:
             )
         seeds = max((len(s.seeds) for r in self.rows for s in r.scores.values()), default=0)
         return len(row.scores) == len(self.tasks) and all(len(s.seeds) == seeds for s in row.scores.values())
+
+
+def backbone(result: RunResult) -> str:
+    """The backbone a run trained, as boards name it: its timm name, and where its weights came from when they are
+    not the pretrained ones (a local file, or a random init: a different model from its pretrained namesake).
+    """
+    name = str(result.model or "?")
+    if result.pretrained is not False:
+        return name
+    return f"{name} (weights from {result.checkpoint})" if result.checkpoint else f"{name} (random init)"
 
 
 def order_groups(groups: set[str]) -> list[str]:

@@ -179,27 +179,49 @@ def task_group(task: str) -> str:
 
 @dataclass(frozen=True)
 class Compute:
-    """What the results folder cost: its reported runs, its selection trials, and their run times summed."""
+    """What the results folder cost: its reported runs, its selection trials, and their run times summed.
+
+    ``unscored`` names the runs in a seed folder (a final's place) that recorded no test score: neither reported
+    (the table leaves them out) nor selection trials (those live under ``search/``).
+    """
 
     runs: int
     trials: int
     seconds: float
+    unscored: tuple[str, ...] = ()
 
     def line(self) -> str:
         """The legend line."""
+        counts = [plural(self.runs, "reported run"), plural(self.trials, "selection trial")]
+        if self.unscored:
+            counts.append(
+                f"{plural(len(self.unscored), 'run')} in a seed folder without a test score (a final that diverged or "
+                f"skipped its test pass; not in the table: {', '.join(self.unscored)})"
+            )
         return (
-            f"**Compute**: {plural(self.runs, 'reported run')} and {plural(self.trials, 'selection trial')} (every "
+            f"**Compute**: {', '.join(counts[:-1])} and {counts[-1]} (every "
             f"result.json under the folder), {self.seconds / 3600:.2f} h of run time summed over them (each run's wall "
             "time in its result.json; sweeps run side by side overlap, so the elapsed time is shorter)."
         )
 
 
-def compute_spent(results: list[tuple[Path, RunResult]]) -> Compute:
-    """Count every finished run :func:`read_all` found, selection trials included, and sum their wall times."""
-    trials = sum(1 for _, result in results if result.test_top1 is None)
+def compute_spent(results: list[tuple[Path, RunResult]], root: str | Path | None = None) -> Compute:
+    """Count every finished run :func:`read_all` found, selection trials included, and sum their wall times.
+
+    A record without a test score is a selection trial, unless it sits in a seed folder (``seed<k>/``, a final's
+    place): that one is counted apart, named by its folder (relative to ``root`` when given).
+    """
+    unscored = [
+        path.parent for path, result in results if result.test_top1 is None and _SEED_DIR.match(path.parent.name)
+    ]
+    trials = sum(1 for _, result in results if result.test_top1 is None) - len(unscored)
     spent = [result.wall_seconds or result.train_seconds or 0.0 for _, result in results]
     seconds = sum(float(value) for value in spent if _is_number(value))  # read_all names a run with a bad number
-    return Compute(len(results) - trials, trials, seconds)
+    names = tuple(
+        (folder.relative_to(root) if root is not None and folder.is_relative_to(root) else folder).as_posix()
+        for folder in unscored
+    )
+    return Compute(len(results) - trials - len(unscored), trials, seconds, names)
 
 
 def mean(values: list[float]) -> float:

@@ -23,6 +23,7 @@ from petl.bench.published import (
     PublishedTable,
     RankCorrelation,
     rank_correlation,
+    table_for,
 )
 from petl.store.result import ResultError, read_result
 from petl.utils.text import plural
@@ -51,9 +52,16 @@ def notes(board: Leaderboard) -> list[str]:
         "included, the test pass not); Peak MB is the maximum over runs"
         + (f" ({', '.join(board.memory_kinds)})." if board.memory_kinds else "."),
         "`*` after an experiment: it has not run on every task, or with every seed, yet, so its means cover "
-        "fewer tasks or seeds.",
+        "fewer tasks or seeds"
+        + (
+            " (or its tasks ran on different backbones: **Mixed backbones** below)."
+            if any(board.mixed(row) for row in board.rows)
+            else "."
+        ),
     ]
-    lines += [line for line in (not_learned_line(board), *flag_lines(board), set_aside_line(board)) if line]
+    lines += [
+        line for line in (not_learned_line(board), *flag_lines(board), set_aside_line(board), mixed_line(board)) if line
+    ]
     if board.plan is not None:
         lines.append(progress(board))
     if board.compute is not None:
@@ -80,19 +88,23 @@ def notes(board: Leaderboard) -> list[str]:
 
 
 def benchmark_tasks(board: Leaderboard) -> bool:
-    """Whether every task of the board is a benchmark's (registered by petl), none a user's own data.
+    """Whether every task of the board is a benchmark's, none a user's own data or a name petl does not know.
 
-    Only then is the board's order compared with a published one, and its tasks' groups named.
+    A benchmark's task: one petl's dataset registry holds that does not read the user's files (``mini/digits``,
+    ``vtab/cifar100``), or one a published table covers by its prefix (``fgvc/...``, registered by a plugin in the
+    process that trained).  Only then is the board's order compared with a published one, and its tasks' groups
+    named: a name the registry does not know (``my data``, a folder's) has no benchmark group, and no published
+    figure stands for it.
     """
     from petl.bench.own_data import is_own_data
 
-    def own(task: str) -> bool:
+    def benchmark(task: str) -> bool:
         try:
-            return is_own_data(task)
+            return not is_own_data(task)
         except (KeyError, ValueError):
-            return False  # a task this process does not know: a plugin's benchmark, not a folder
+            return table_for(task) is not None  # unknown here: a benchmark's only if a published table has it
 
-    return not any(own(t) for t in board.tasks)
+    return all(benchmark(t) for t in board.tasks)
 
 
 def flag_lines(board: Leaderboard) -> list[str]:
@@ -153,6 +165,26 @@ def not_learned_line(board: Leaderboard) -> str:
     )
 
 
+def mixed_line(board: Leaderboard) -> str:
+    """The legend's line on the rows whose tasks ran on different backbones (``""`` when there are none)."""
+    labels = task_labels(board.tasks)
+    rows = [
+        f"{row.experiment} ("
+        + "; ".join(f"{name}: {', '.join(labels[t] for t in tasks)}" for name, tasks in board.backbones(row).items())
+        + ")"
+        for row in board.rows
+        if board.mixed(row)
+    ]
+    if not rows:
+        return ""
+    return (
+        f"**Mixed backbones**: the tasks of {plural(len(rows), 'row')} ran on different backbones, so "
+        f"{'its task mean averages' if len(rows) == 1 else 'their task means average'} different models and "
+        "compares with no other row's; marked `*`, not ranked (report each backbone's runs apart, or run every "
+        f"task on one backbone): {'; '.join(rows)}."
+    )
+
+
 def set_aside_line(board: Leaderboard) -> str:
     """The legend's line on the finals ``require_learning`` set aside (``""`` when there are none)."""
     paths = set_aside_files(board.results_dir)
@@ -195,7 +227,12 @@ def progress(board: Leaderboard) -> str:
         return sum(len(set(row.scores[t].seeds) & set(plan.seeds)) for t in plan.tasks if t in row.scores)
 
     complete = [e for e in plan.experiments if e in rows and board.complete(rows[e])]
-    partial = [f"{e} ({runs_done(rows[e])} of {total})" for e in plan.experiments if e in rows and e not in complete]
+    mixed = [e for e in plan.experiments if e in rows and board.mixed(rows[e])]
+    partial = [
+        f"{e} ({runs_done(rows[e])} of {total})"
+        for e in plan.experiments
+        if e in rows and e not in complete and e not in mixed
+    ]
     missing = [e for e in plan.experiments if e not in rows]
     done = sum(runs_done(rows[e]) for e in plan.experiments if e in rows)
     parts = [
@@ -209,6 +246,8 @@ def progress(board: Leaderboard) -> str:
             f"Short of a task or seed, marked `*` and ranked after the complete rows, final runs finished: "
             f"{', '.join(partial)}."
         )
+    if mixed:
+        parts.append(f"On different backbones, marked `*` and not ranked ({len(mixed)}): {', '.join(mixed)}.")
     if missing:
         parts.append(f"No final run yet ({len(missing)}; searching or not started): {', '.join(missing)}.")
     outside = [row.experiment for row in board.rows if row.experiment not in plan.experiments]
@@ -241,7 +280,18 @@ def ranking_line(board: Leaderboard, table: PublishedTable = RANKED_TABLE) -> st
     found = published_ranking(board, table)
     methods = ", ".join(found.methods) or "none"
     head = f"**Rank correlation with the published {table.key} ordering**: "
-    if math.isnan(found.rho):
+    if math.isnan(found.rho) and len(found.methods) >= MIN_RANKED:
+        # Enough rows, but one side ranks them all equal: there is no ordering to compare.
+        measured = {row.experiment: row.task_mean for row in board.rows}
+        if len({measured[m] for m in found.methods}) == 1:
+            tie = f"all tie here, at a task mean of {measured[found.methods[0]]:.2f}"
+        else:
+            tie = "have published task means that all tie"
+        body = (
+            f"not computed: the {len(found.methods)} complete rows that name a published row ({methods}) {tie}, "
+            "so there is no ordering to compare."
+        )
+    elif math.isnan(found.rho):
         body = (
             f"not computed: {len(found.methods)} complete row(s) name a published row ({methods}); "
             f"it needs {MIN_RANKED} that do not all tie."
@@ -261,17 +311,20 @@ def ranking_line(board: Leaderboard, table: PublishedTable = RANKED_TABLE) -> st
 
 
 def unranked(board: Leaderboard) -> str:
-    """`` Not ranked: a (short of a task or seed), b (not in the suite).`` for the rows the rank test leaves out.
+    """`` Not ranked: a (short of a task or seed), b (not in the suite).`` for the rows the rank test leaves out (a row
+    on different backbones: ``c (on A, B)``).
 
     A row short of a task or seed (a failed run, a sweep not finished) may be the best on the board; the groups and
     mean ranks say nothing of it, and the section says so rather than leave the reader to find its `*`.
     """
     outside = set() if board.plan is None else {r.experiment for r in board.rows} - set(board.plan.experiments)
-    left = [
-        f"{row.experiment} ({'not in the suite' if row.experiment in outside else 'short of a task or seed'})"
-        for row in board.rows
-        if not board.complete(row)
-    ]
+
+    def why(row: ExperimentRow) -> str:
+        if row.experiment in outside:
+            return "not in the suite"
+        return f"on {', '.join(board.backbones(row))}" if board.mixed(row) else "short of a task or seed"
+
+    left = [f"{row.experiment} ({why(row)})" for row in board.rows if not board.complete(row)]
     return f" Not ranked, marked `*` in the table: {', '.join(left)}." if left else ""
 
 

@@ -169,7 +169,15 @@ def rank_test(board: Leaderboard, rows: Sequence[ExperimentRow] | None = None, a
         return f"every task is saturated ({said}): the methods differ there by a few test images, which rank nothing"
     else:
         task = tasks[0]
-        seeds = sorted(set.intersection(*(set(seed_scores(r, task)) for r in rows)))
+        ran = {r.experiment: set(seed_scores(r, task)) for r in rows}
+        seeds = sorted(set.intersection(*ran.values()))
+        if len(seeds) < 2 and any(len(s) >= 2 for s in ran.values()):
+            # The rows have the seeds, not the same ones: more seeds of each would not help, the same ones would.
+            said = "; ".join(f"{e}: {', '.join(map(str, sorted(s)))}" for e, s in ran.items())
+            return (
+                f"the complete rows share {plural(len(seeds), 'seed')} of the one task ({said}): a comparison needs "
+                "two seeds every row ran; run the same seeds for every experiment"
+            )
         block, blocks = "seed", tuple(f"seed {s}" for s in seeds)
         values = np.array([[seed_scores(r, task)[s] for r in rows] for s in seeds])
     if len(blocks) < 2:

@@ -30,6 +30,7 @@ from petl.bench.board import (
     Leaderboard,
     Plan,
     TaskScore,
+    backbone,
     order_groups,
     show_number,
 )
@@ -55,7 +56,6 @@ from petl.bench.published import (
 from petl.bench.table import Header, Table, markdown_lines, md_escape
 from petl.presets import FAMILIES
 from petl.store.files import write_atomic, write_text
-from petl.store.result import RunResult
 from petl.utils.text import csv_cell, plural
 
 # Re-exported: the report's public names, wherever they are declared.
@@ -119,13 +119,6 @@ def _experiment_files(experiments: list[str], configs_dir: str | Path | None) ->
         return {}
     known = set(suite.list_experiments(folder))
     return {name: suite.load_experiment(name, folder) for name in experiments if name in known}
-
-
-def _weights_note(result: RunResult) -> str:
-    """How a backbone's weights differ from its pretrained namesake's: a local file, or a random init."""
-    if result.pretrained is not False:
-        return ""
-    return f" (weights from {result.checkpoint})" if result.checkpoint else " (random init)"
 
 
 def published_names(experiments: list[str], configs_dir: str | Path | None = None) -> dict[str, str]:
@@ -247,8 +240,7 @@ def aggregate(
                 published={t.key: _published_status(runs, t, published.get(name)) for t in tables},
             )
         )
-    # A backbone trained from random init is a different model from its pretrained namesake; say so.
-    models = sorted({str(r.result.model or "?") + _weights_note(r.result) for r in records})
+    models = sorted({backbone(r.result) for r in records})
     memory_kinds = sorted({str(r.result.peak_memory_kind) for r in records if r.result.peak_memory_kind})
     board = Leaderboard(
         Path(results_dir),
@@ -536,7 +528,7 @@ def build_board(
         published_names(experiments, configs_dir),
         family_names(experiments, configs_dir),
         plan,
-        compute=compute_spent(results),
+        compute=compute_spent(results, results_dir),
         skipped=skipped,
     )
 

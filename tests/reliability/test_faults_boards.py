@@ -153,3 +153,109 @@ def test_the_compute_line_counts_one_run_and_one_trial_in_the_singular(tmp_path,
     trial.write_text(json.dumps({**record, "test_top1": None}))
     _page(capsys, "report", str(root))
     assert "**Compute**: 1 reported run and 1 selection trial (every" in (root / "leaderboard.md").read_text()
+
+
+# --- the ordering is compared with a published one only on benchmark tasks -----------------------------------------
+
+
+def test_an_unregistered_task_is_no_benchmark_task_and_gets_no_published_ordering(tmp_path, capsys):
+    # Was: "my data" (no task petl registers) was put in group "other" and the board's order on it was compared
+    # with the published VTAB-1k ordering, as if it were a benchmark task.
+    methods = (("lora", 80.0), ("linear", 70.0), ("vpt_deep", 75.0))  # each names a published row
+    for tasks in (("my data",), ("mini/digits", "my data")):
+        root = _runs(tmp_path / str(len(tasks)), methods, tasks=tasks)
+        code, out, err = petl_bench(capsys, "report", str(root))
+        assert code == 0 and "Traceback" not in err, err
+        md = (root / "leaderboard.md").read_text()
+        assert "Rank correlation with the published" not in md + out and "groups —" not in md
+    # A registered benchmark's task keeps both.
+    root = _runs(tmp_path / "mini", methods, tasks=("mini/digits",))
+    _page(capsys, "report", str(root))
+    md = (root / "leaderboard.md").read_text()
+    assert "Rank correlation with the published vtab1k ordering**: Spearman's rho" in md and "groups —" in md
+
+
+# --- a row whose tasks ran on different backbones -------------------------------------------------------------------
+
+
+def test_a_row_whose_tasks_ran_on_different_backbones_is_named_and_not_ranked(tmp_path, capsys):
+    # Was: lora ran mnist on another backbone than digits and textures; its task mean averaged the two models, and it
+    # was ranked with the others (only "Measured by petl on A, B" hinted at it).
+    import json
+
+    root = _runs(tmp_path, tasks=("mini/digits", "mini/mnist", "mini/textures"))
+    edited = root / "mini-mnist" / "lora" / "seed0" / "result.json"
+    edited.write_text(json.dumps({**json.loads(edited.read_text()), "model": "vit_small_patch16_224"}))
+    _page(capsys, "report", str(root))
+    md = (root / "leaderboard.md").read_text()
+    assert "| lora * |" in md
+    assert (
+        "**Mixed backbones**: the tasks of 1 row ran on different backbones, so its task mean averages different "
+        "models and compares with no other row's; marked `*`, not ranked" in md
+    )
+    assert "lora (vit_fractal_tiny_patch4_32.fractaldb: digits, textures; vit_small_patch16_224: mnist)." in md
+    section = md[md.index("## Which differences are real") :]
+    assert "Ranked: the 2 complete rows" in section
+    assert "Not ranked, marked `*` in the table: lora (on vit_fractal_tiny_patch4_32.fractaldb, vit_small" in section
+    # A suite's progress names it apart from the rows short of a task or seed.
+    from petl.bench import report
+
+    tasks = ("mini/digits", "mini/mnist", "mini/textures")
+    board = report.build_board(root, plan=report.Plan("mini", ("lora", "linear", "mlp"), tasks, (0,)))
+    line = report.progress(board)
+    assert "Complete rows (2): linear, mlp." in line and "Short of a task" not in line
+    assert "On different backbones, marked `*` and not ranked (1): lora." in line
+    # A board on one backbone per row says nothing of it.
+    plain = _runs(tmp_path / "plain")
+    _page(capsys, "report", str(plain))
+    assert "Mixed backbones" not in (plain / "leaderboard.md").read_text()
+
+
+# --- one task, rows on different seeds ------------------------------------------------------------------------------
+
+
+def test_one_task_with_rows_on_different_seeds_says_they_share_none(tmp_path, capsys):
+    # Was: "0 seeds to rank over: a comparison needs two (seeds=0,1,2 gives three)", though each row had two seeds:
+    # more seeds would not help, the same ones would.
+    from test_harness import write_run
+
+    for method, top1, seeds in (("lora", 80.0, (0, 1)), ("linear", 70.0, (2, 3))):
+        for seed in seeds:
+            write_run(tmp_path, "mini/digits", method, seed, top1=top1 + seed)
+    _page(capsys, "report", str(tmp_path))
+    md = (tmp_path / "leaderboard.md").read_text()
+    assert "seeds=0,1,2" not in md
+    assert (
+        "Not tested: the complete rows share 0 seeds of the one task (lora: 0, 1; linear: 2, 3): a comparison needs "
+        "two seeds every row ran; run the same seeds for every experiment." in md
+    )
+
+
+# --- the published ordering of rows that all tie --------------------------------------------------------------------
+
+
+def test_the_published_ordering_line_says_that_the_rows_all_tie(tmp_path, capsys):
+    root = _runs(tmp_path, (("lora", 70.0), ("linear", 70.0), ("vpt_deep", 70.0)))
+    _page(capsys, "report", str(root))
+    assert (
+        "not computed: the 3 complete rows that name a published row (linear, lora, vpt_deep) all tie here, at a "
+        "task mean of 70.00, so there is no ordering to compare." in (root / "leaderboard.md").read_text()
+    )
+
+
+# --- a final without a test score is no selection trial -------------------------------------------------------------
+
+
+def test_a_final_without_a_test_score_is_counted_apart_from_the_selection_trials(tmp_path, capsys):
+    # Was: a seed folder's record with no test score (a hand-made "diverged") was counted as a selection trial.
+    import json
+
+    root = _runs(tmp_path, (("lora", 80.0), ("linear", 70.0)), tasks=("mini/digits",), seeds=(0, 1))
+    final = root / "mini-digits" / "lora" / "seed1" / "result.json"
+    final.write_text(json.dumps({**json.loads(final.read_text()), "test_top1": None, "diverged": "loss is nan"}))
+    _page(capsys, "report", str(root))
+    md = (root / "leaderboard.md").read_text()
+    assert (
+        "**Compute**: 3 reported runs, 0 selection trials and 1 run in a seed folder without a test score (a final "
+        "that diverged or skipped its test pass; not in the table: mini-digits/lora/seed1) (every result.json" in md
+    )
