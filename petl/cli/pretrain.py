@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
-from petl.cli.args import CommandLineError, entry_point, exit_statuses, plain
+from petl.cli.args import CommandLineError, boolean, entry_point, exit_statuses, plain
 from petl.utils.errors import RUN_ERROR
 from petl.utils.text import shown
 
@@ -47,7 +47,7 @@ DEFAULT_OUT = Path("runs/pretrain")
 def main(argv: list[str] | None = None) -> None:
     """Command-line entry point of ``petl-pretrain``: errors are one line and an exit status (module docstring)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    debug = "--debug" in argv
+    debug = "--debug" in argv or "debug=true" in (a.lower() for a in argv)
     failure = (ValueError, OSError, RuntimeError)
     # The checkpoint of each finished epoch stays in --out (petl.train.pretrain.partial_file), and the same command
     # continues from it: "nothing was written" sent users to start over.
@@ -69,7 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog=PROG,
         description=plain(__doc__),
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="Each --name VALUE may also be written name=VALUE (--batch-size 64 as batch_size=64), anywhere.",
+        epilog="Each --name VALUE may also be written name=VALUE (--batch-size 64 as batch_size=64), and each switch "
+        "name=true or name=false (--overwrite as overwrite=true), anywhere.",
     )
     parser.add_argument(
         "--model",
@@ -106,16 +107,29 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def as_flags(argv: Sequence[str], parser: argparse.ArgumentParser) -> list[str]:
-    """``name=VALUE`` words as ``--name VALUE`` (the grammar of the other petl commands); others unchanged."""
-    flags = {option for action in parser._actions for option in action.option_strings}
+    """``name=VALUE`` words as ``--name VALUE`` (the grammar of the other petl commands); others unchanged.
+
+    A switch (``--overwrite``) is written ``overwrite=true`` or ``overwrite=false``, as petl-predict's and
+    petl-export's ``overwrite=true``: it became ``--overwrite true``, refused as "unrecognized arguments: true".
+
+    Raises:
+        CommandLineError: a switch given another value than true or false.
+
+    """
+    flags = {option: action for action in parser._actions for option in action.option_strings}
     out = []
     for word in argv:
         name, sep, value = word.partition("=")
         flag = "--" + name.replace("_", "-")
-        if sep and not word.startswith("-") and flag in flags:
-            out += [flag, value]
-        else:
+        if not (sep and not word.startswith("-") and flag in flags):
             out.append(word)
+        elif flags[flag].nargs == 0:  # a switch: no value follows it
+            try:
+                out += [flag] if boolean(value) else []
+            except ValueError:
+                raise CommandLineError(f"{word}: expected true or false ({flag} alone means true)") from None
+        else:
+            out += [flag, value]
     return out
 
 

@@ -56,6 +56,7 @@ def no_generation(monkeypatch):
         (["--warmup-frac", "2"], "--warmup-frac 2.0 is out of range: allowed [0, 1]"),
         (["label_smoothing=inf"], "--label-smoothing inf is not a finite number"),
         (["--seed", "-1"], "--seed -1 is out of range: allowed [0, 4294967295]"),
+        (["overwrite=yes"], "overwrite=yes: expected true or false"),
     ],
 )
 def test_a_bad_option_value_is_one_line_naming_it_and_exit_2(option, said, tmp_path, capsys, no_generation):
