@@ -12,7 +12,11 @@ safetensors weights (without the pretraining head) and a JSON provenance record.
 Without ``--out`` the files go to ``runs/pretrain/`` under the current folder, never into the installed
 package; files already there are replaced only with ``--overwrite``.  After each epoch a checkpoint is
 saved there: the same command run again continues from it (other options are refused, naming the
-difference).  A later petl-run trains on the weights with ``model.checkpoint=`` (and ``model=`` for the Swin):
+difference).  While it runs, a pretraining holds a lock in ``--out`` for its ``--model``
+(``.MODEL.fractaldb.lock``, with its pid): a second pretraining of the same model into the same folder exits
+with status 1, naming the holder; other models pretrain into the folder side by side; the lock is released
+however the command ends, and one left by a dead process (kill -9) is taken over.  A later petl-run trains on
+the weights with ``model.checkpoint=`` (and ``model=`` for the Swin):
 
     petl-run method=lora model.checkpoint=runs/pretrain/vit_fractal_tiny_patch4_32.fractaldb.safetensors
 
@@ -31,8 +35,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
-from petl.cli.args import CommandLineError, entry_point, exit_statuses, plain
-from petl.utils.errors import USAGE_ERROR
+from petl.cli.args import CommandLineError, boolean, entry_point, exit_statuses, plain
+from petl.utils.errors import RUN_ERROR
+from petl.utils.text import shown
 
 PROG = "petl-pretrain"
 DEFAULT_OUT = Path("runs/pretrain")
@@ -42,7 +47,7 @@ DEFAULT_OUT = Path("runs/pretrain")
 def main(argv: list[str] | None = None) -> None:
     """Command-line entry point of ``petl-pretrain``: errors are one line and an exit status (module docstring)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    debug = "--debug" in argv
+    debug = "--debug" in argv or "debug=true" in (a.lower() for a in argv)
     failure = (ValueError, OSError, RuntimeError)
     # The checkpoint of each finished epoch stays in --out (petl.train.pretrain.partial_file), and the same command
     # continues from it: "nothing was written" sent users to start over.
@@ -64,7 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog=PROG,
         description=plain(__doc__),
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="Each --name VALUE may also be written name=VALUE (--batch-size 64 as batch_size=64), anywhere.",
+        epilog="Each --name VALUE may also be written name=VALUE (--batch-size 64 as batch_size=64), and each switch "
+        "name=true or name=false (--overwrite as overwrite=true), anywhere.",
     )
     parser.add_argument(
         "--model",
@@ -101,16 +107,29 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def as_flags(argv: Sequence[str], parser: argparse.ArgumentParser) -> list[str]:
-    """``name=VALUE`` words as ``--name VALUE`` (the grammar of the other petl commands); others unchanged."""
-    flags = {option for action in parser._actions for option in action.option_strings}
+    """``name=VALUE`` words as ``--name VALUE`` (the grammar of the other petl commands); others unchanged.
+
+    A switch (``--overwrite``) is written ``overwrite=true`` or ``overwrite=false``, as petl-predict's and
+    petl-export's ``overwrite=true``: it became ``--overwrite true``, refused as "unrecognized arguments: true".
+
+    Raises:
+        CommandLineError: a switch given another value than true or false.
+
+    """
+    flags = {option: action for action in parser._actions for option in action.option_strings}
     out = []
     for word in argv:
         name, sep, value = word.partition("=")
         flag = "--" + name.replace("_", "-")
-        if sep and not word.startswith("-") and flag in flags:
-            out += [flag, value]
-        else:
+        if not (sep and not word.startswith("-") and flag in flags):
             out.append(word)
+        elif flags[flag].nargs == 0:  # a switch: no value follows it
+            try:
+                out += [flag] if boolean(value) else []
+            except ValueError:
+                raise CommandLineError(f"{word}: expected true or false ({flag} alone means true)") from None
+        else:
+            out += [flag, value]
     return out
 
 
@@ -121,7 +140,7 @@ def _main(argv: list[str]) -> None:
 
     from petl.data.fractaldb import FractalConfig
     from petl.train.engine import TrainSettings
-    from petl.train.pretrain import output_files, pretrain
+    from petl.train.pretrain import InUseError, pretrain
 
     for name in ("classes", "instances", "epochs", "batch_size"):
         if getattr(args, name) < 1:
@@ -149,27 +168,24 @@ def _main(argv: list[str]) -> None:
         )
     except ValueError as error:  # named as petl-run's option (train.lr=nan): said as this command's (--lr nan)
         parser.error(re.sub(r"^train\.(\w+)=", lambda m: "--" + m[1].replace("_", "-") + " ", str(error)))
-    existing = [p for p in output_files(args.out, args.model) if p.exists()]
-    if existing and not args.overwrite:
-        # Checked before hours of training: a finished pretraining is never replaced without asking.
-        print(
-            f"{PROG}: error: {existing[0]} exists (an earlier pretraining): pass --overwrite to replace it, "
-            "or choose another --out",
-            file=sys.stderr,
-        )
-        raise SystemExit(USAGE_ERROR)
     fractal = FractalConfig(num_classes=args.classes, instances=args.instances, seed=args.seed)
-    record = pretrain(
-        fractal,
-        settings,
-        args.batch_size,
-        precision=args.precision,
-        out_dir=args.out,
-        seed=args.seed,
-        arch=args.model,
-        command=shlex.join([PROG, *argv]),
-        weights_dtype=args.weights_dtype,
-    )
+    try:
+        # Weights already in --out are refused (overwrite=False) before hours of training, under the lock.
+        record = pretrain(
+            fractal,
+            settings,
+            args.batch_size,
+            precision=args.precision,
+            out_dir=args.out,
+            seed=args.seed,
+            arch=args.model,
+            command=shlex.join([PROG, *argv]),
+            weights_dtype=args.weights_dtype,
+            overwrite=args.overwrite,
+        )
+    except InUseError as error:  # another pretraining of --model into --out: said as petl-run says it, exit 1
+        print(f"{PROG}: error: {shown(error)}", file=sys.stderr)
+        raise SystemExit(RUN_ERROR) from None
     print(
         f"pretrained {args.model} on {args.classes} fractal classes: {record['images_seen']} images seen, "
         f"val top-1 {record['final_val_top1']:.1f}% in {record['wall_seconds']:.0f} s -> {args.out}"

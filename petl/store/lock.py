@@ -1,5 +1,8 @@
 """One writer per run folder: a lock file shared by ``petl-run`` and ``petl-bench``'s sweeps.
 
+A folder may hold several locks under other names (``petl-pretrain`` holds one per architecture in its ``--out``,
+whose files are named by architecture): each function takes the lock file's ``name``, ``.petl.lock`` by default.
+
 The lock holds its owner's host and pid as JSON.  It is made visible with one atomic step (a hard
 link of a fully written file, or ``O_EXCL`` where the file system has no hard links), so a reader
 never sees a half-written lock.  A lock whose owner died on this host (kill -9, a crashed node's
@@ -35,10 +38,10 @@ def _me() -> dict[str, Any]:
     return {"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}
 
 
-def read_holder(folder: Path) -> dict[str, Any] | None:
+def read_holder(folder: Path, name: str = LOCK_FILE) -> dict[str, Any] | None:
     """Who holds ``folder``'s lock (``host``, ``pid``, ``since``), or ``None`` when nobody does."""
     try:
-        holder = json.loads((folder / LOCK_FILE).read_text())
+        holder = json.loads((folder / name).read_text())
     except FileNotFoundError:
         return None
     except (OSError, ValueError):
@@ -46,15 +49,15 @@ def read_holder(folder: Path) -> dict[str, Any] | None:
     return holder if isinstance(holder, dict) else {}
 
 
-def holds_lock(folder: Path) -> bool:
+def holds_lock(folder: Path, name: str = LOCK_FILE) -> bool:
     """Whether this very process holds ``folder``'s lock (a sweep that runs the training in-process)."""
-    holder = read_holder(folder)
+    holder = read_holder(folder, name)
     return bool(holder) and holder.get("host") == socket.gethostname() and holder.get("pid") == os.getpid()
 
 
-def held_by_live_process(folder: Path) -> bool:
+def held_by_live_process(folder: Path, name: str = LOCK_FILE) -> bool:
     """Whether a live process on this host holds ``folder``'s lock: a run being trained there now."""
-    holder = read_holder(folder) or {}
+    holder = read_holder(folder, name) or {}
     pid = holder.get("pid")
     return holder.get("host") == socket.gethostname() and isinstance(pid, int) and _pid_alive(pid)
 
@@ -80,7 +83,7 @@ def _create(lock: Path, text: str) -> bool:
         tmp.unlink(missing_ok=True)
 
 
-def acquire_lock(folder: Path) -> bool:
+def acquire_lock(folder: Path, name: str = LOCK_FILE) -> bool:
     """Claim ``folder`` (created if missing) for this process; False if another live process holds it.
 
     Raises:
@@ -88,12 +91,12 @@ def acquire_lock(folder: Path) -> bool:
 
     """
     folder.mkdir(parents=True, exist_ok=True)
-    lock = folder / LOCK_FILE
+    lock = folder / name
     me = _me()
     for _ in range(2):
         if _create(lock, json.dumps(me)):
             return True
-        holder = read_holder(folder)
+        holder = read_holder(folder, name)
         if holder is None:
             continue  # released between our two looks
         pid = holder.get("pid", -1)  # not a number (a hand-edited lock): respected, as an unreadable one is
@@ -132,15 +135,15 @@ def _take_over(lock: Path, stale: dict[str, Any]) -> bool:
     return False
 
 
-def release_lock(folder: Path) -> None:
+def release_lock(folder: Path, name: str = LOCK_FILE) -> None:
     """Drop this process's claim on ``folder``; a lock another process holds (it took over) is left alone."""
-    if holds_lock(folder):
-        (folder / LOCK_FILE).unlink(missing_ok=True)
+    if holds_lock(folder, name):
+        (folder / name).unlink(missing_ok=True)
 
 
-def describe_holder(folder: Path) -> str:
+def describe_holder(folder: Path, name: str = LOCK_FILE) -> str:
     """``pid 123 on host h since 04:10:00`` for messages."""
-    holder = read_holder(folder) or {}
+    holder = read_holder(folder, name) or {}
     since = holder.get("since")
     when = time.strftime(" since %H:%M:%S", time.localtime(since)) if isinstance(since, (int, float)) else ""
     return f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')}{when}"

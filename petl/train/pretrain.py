@@ -11,6 +11,8 @@ import dataclasses
 import json
 import platform
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import timm
@@ -22,10 +24,10 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from petl.backbones import models
 from petl.data.fractaldb import FractalConfig, generate, search_systems, to_model_input
-from petl.store import files
+from petl.store import files, lock
 from petl.train.engine import TrainSettings, build_optimizer, fit
 from petl.utils import paths
-from petl.utils.errors import UsageError
+from petl.utils.errors import RunError, UsageError
 from petl.utils.provenance import git_commit, versions
 from petl.utils.random import rng_state, set_rng_state
 from petl.utils.text import first_line
@@ -60,6 +62,57 @@ def output_files(out_dir: Path, arch: str = ARCH) -> tuple[Path, Path]:
 def partial_file(out_dir: Path, arch: str = ARCH) -> Path:
     """The checkpoint an unfinished pretraining leaves after each epoch (removed when it ends)."""
     return out_dir / f"{arch}.fractaldb.partial.pt"
+
+
+def lock_file(out_dir: Path, arch: str = ARCH) -> Path:
+    """The lock a pretraining of ``arch`` holds in ``out_dir`` while it runs.
+
+    One per architecture: the folder holds the files of several, and pretrainings of different ones may run side by
+    side into it.
+    """
+    return out_dir / f".{arch}.fractaldb.lock"
+
+
+class InUseError(RunError):
+    """Another live process is pretraining the same architecture into the same folder now."""
+
+
+@contextmanager
+def claim(out_dir: Path, arch: str = ARCH) -> Iterator[None]:
+    """Hold ``out_dir`` for a pretraining of ``arch``: checked writable, then locked until the block ends.
+
+    The lock is :mod:`petl.store.lock`'s (the holder's pid; one left by a dead process taken over), under a name
+    of its own per architecture.  It is released however the block ends (a failure, Ctrl-C, SIGTERM); a folder
+    this claim created is removed again if nothing was written into it.
+
+    Raises:
+        UsageError: ``out_dir`` cannot be written (a file in the way, read-only, full).
+        InUseError: a live process holds the lock: it is pretraining ``arch`` into ``out_dir`` now.
+    """
+    unwritable = paths.cannot_write_in(out_dir, "choose another --out", fill=True)
+    if unwritable is not None:
+        raise UsageError(f"--out {unwritable}")
+    created = [p for p in (out_dir, *out_dir.parents) if not p.exists()]
+    held = lock_file(out_dir, arch)
+    try:
+        taken = lock.acquire_lock(out_dir, held.name)
+    except OSError as error:  # changed since the check (another process removed or filled it)
+        raise UsageError(f"--out {paths.cannot_be_written(out_dir, error, 'choose another --out')}") from None
+    if not taken:
+        # Said as petl-run says an output_dir in use (exit 1): the other one's files would be overwritten.
+        raise InUseError(
+            f"--out {out_dir} is in use by another pretraining of {arch} ({lock.describe_holder(out_dir, held.name)}): "
+            f"wait for it to finish or choose another --out (delete {held} if that process is gone)"
+        )
+    try:
+        yield
+    finally:
+        lock.release_lock(out_dir, held.name)
+        for folder in created:  # deepest first; stops at the first one holding something
+            try:
+                folder.rmdir()
+            except OSError:
+                break
 
 
 def _flat(tree: dict, prefix: str = "") -> dict:
@@ -149,6 +202,7 @@ def pretrain(
     arch: str = ARCH,
     command: str | None = None,
     weights_dtype: str = "float32",
+    overwrite: bool = True,
 ) -> dict:
     """Pretrain ``arch`` on generated fractals and (optionally) write weights + provenance.
 
@@ -168,6 +222,7 @@ def pretrain(
         command: the command line to record in the provenance.
         weights_dtype: the floating-point type of the written weights (``float32`` or ``float16``, half the
             size; the model casts them back to its own type as it loads them).
+        overwrite: replace weights already in ``out_dir``; False refuses them (a UsageError), checked under the lock.
 
     Returns:
         The provenance record.
@@ -176,6 +231,8 @@ def pretrain(
         ValueError: fewer training images than ``batch_size`` (no step would train).
         UsageError: ``out_dir`` cannot be written, ``arch`` does not take 32 px images, or the checkpoint in
             ``out_dir`` is damaged or of another recipe (the difference named); each before any image is generated.
+        InUseError: another live process is pretraining ``arch`` into ``out_dir`` (it holds the lock of
+            :func:`claim`, released when this call ends however it ends).
     """
     if fractal.num_classes * fractal.instances < batch_size:  # incomplete batches are dropped: no step would run
         raise ValueError(
@@ -195,100 +252,106 @@ def pretrain(
     # that cannot be written failed only at the first epoch's checkpoint, a checkpoint of other options or a
     # model that does not take 32 px images only after the generation.
     partial = partial_file(out_dir, arch) if out_dir is not None else None
-    if out_dir is not None:
-        unwritable = paths.cannot_write_in(out_dir, "choose another --out", fill=True)
-        if unwritable is not None:
-            raise UsageError(f"--out {unwritable}")
-    checkpoint = _resumable(partial, recipe) if partial is not None else None
-    check_arch(arch, fractal.num_classes)
-    start = time.time()
-    set_seed(seed)
-    accelerator = Accelerator(mixed_precision=precision)
-    systems = search_systems(fractal)
-    train_set = _normalised(generate(fractal, systems))
-    val_set = _normalised(
-        generate(dataclasses.replace(fractal, instances=val_instances), systems, seed=fractal.seed + 10_000)
-    )
-    generation_seconds = time.time() - start
+    # Locked before the checkpoint is read: another pretraining of this architecture into this folder writes the
+    # same checkpoint and weights, and the two would silently mix.
+    with claim(out_dir, arch) if out_dir is not None else nullcontext():
+        existing = [p for p in output_files(out_dir, arch) if p.exists()] if out_dir is not None else []
+        if existing and not overwrite:
+            raise UsageError(
+                f"{existing[0]} exists (an earlier pretraining): pass --overwrite to replace it, "
+                "or choose another --out"
+            )
+        checkpoint = _resumable(partial, recipe) if partial is not None else None
+        check_arch(arch, fractal.num_classes)
+        start = time.time()
+        set_seed(seed)
+        accelerator = Accelerator(mixed_precision=precision)
+        systems = search_systems(fractal)
+        train_set = _normalised(generate(fractal, systems))
+        val_set = _normalised(
+            generate(dataclasses.replace(fractal, instances=val_instances), systems, seed=fractal.seed + 10_000)
+        )
+        generation_seconds = time.time() - start
 
-    model = timm.create_model(arch, num_classes=fractal.num_classes, drop_path_rate=drop_path)
-    generator = torch.Generator().manual_seed(seed)
-    train_loader = DataLoader(train_set, batch_size=batch_size, shuffle=True, drop_last=True, generator=generator)
-    val_loader = DataLoader(val_set, batch_size=256)
-    optimizer, scheduler = build_optimizer(model, settings, len(train_loader))
-    model, optimizer, train_loader, val_loader, scheduler = accelerator.prepare(
-        model, optimizer, train_loader, val_loader, scheduler
-    )
-    dtype = {"float32": torch.float32, "float16": torch.float16}[weights_dtype]
-    done: list[dict] = []
-    seconds_before = 0.0
-    if checkpoint is not None:
-        try:
-            accelerator.unwrap_model(model).load_state_dict(checkpoint["trainable"])
-            optimizer.load_state_dict(checkpoint["optimizer"])
-            scheduler.load_state_dict(checkpoint["scheduler"])
-            set_rng_state(checkpoint["rng"])
-            generator.set_state(checkpoint["loader_rng"])
-        except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as error:  # tensors of other shapes
-            why = first_line(error, type(error).__name__)
-            raise UsageError(f"{partial} is damaged ({why}): {START_OVER}") from None
-        done, seconds_before = checkpoint["history"], checkpoint["seconds"]
-        accelerator.print(f"resuming {partial} after epoch {checkpoint['epoch']}/{settings.epochs}")
+        model = timm.create_model(arch, num_classes=fractal.num_classes, drop_path_rate=drop_path)
+        generator = torch.Generator().manual_seed(seed)
+        train_loader = DataLoader(train_set, batch_size=batch_size, shuffle=True, drop_last=True, generator=generator)
+        val_loader = DataLoader(val_set, batch_size=256)
+        optimizer, scheduler = build_optimizer(model, settings, len(train_loader))
+        model, optimizer, train_loader, val_loader, scheduler = accelerator.prepare(
+            model, optimizer, train_loader, val_loader, scheduler
+        )
+        dtype = {"float32": torch.float32, "float16": torch.float16}[weights_dtype]
+        done: list[dict] = []
+        seconds_before = 0.0
+        if checkpoint is not None:
+            try:
+                accelerator.unwrap_model(model).load_state_dict(checkpoint["trainable"])
+                optimizer.load_state_dict(checkpoint["optimizer"])
+                scheduler.load_state_dict(checkpoint["scheduler"])
+                set_rng_state(checkpoint["rng"])
+                generator.set_state(checkpoint["loader_rng"])
+            except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as error:  # tensors of other shapes
+                why = first_line(error, type(error).__name__)
+                raise UsageError(f"{partial} is damaged ({why}): {START_OVER}") from None
+            done, seconds_before = checkpoint["history"], checkpoint["seconds"]
+            accelerator.print(f"resuming {partial} after epoch {checkpoint['epoch']}/{settings.epochs}")
 
-    def on_epoch_end(epoch: int, metrics: dict) -> None:
-        accelerator.print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in metrics.items()}))
-        done.append(metrics)
-        if partial is not None:
-            state = {
-                "epoch": epoch + 1,
-                "trainable": accelerator.unwrap_model(model).state_dict(),
-                "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict(),
-                "rng": rng_state(),
-                "loader_rng": generator.get_state(),
-                "history": done,
-                "seconds": seconds_before + time.time() - start,
-                "recipe": json.dumps(recipe),
-            }
-            files.save_checkpoint(partial, state)
+        def on_epoch_end(epoch: int, metrics: dict) -> None:
+            accelerator.print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in metrics.items()}))
+            done.append(metrics)
+            if partial is not None:
+                state = {
+                    "epoch": epoch + 1,
+                    "trainable": accelerator.unwrap_model(model).state_dict(),
+                    "optimizer": optimizer.state_dict(),
+                    "scheduler": scheduler.state_dict(),
+                    "rng": rng_state(),
+                    "loader_rng": generator.get_state(),
+                    "history": done,
+                    "seconds": seconds_before + time.time() - start,
+                    "recipe": json.dumps(recipe),
+                }
+                files.save_checkpoint(partial, state)
 
-    fit(model, train_loader, {"val": val_loader}, settings, accelerator, optimizer, scheduler, len(done), on_epoch_end)
-    history = done
-    model = accelerator.unwrap_model(model)
-    record = {
-        "arch": arch,
-        "fractal_config": dataclasses.asdict(fractal),
-        "train_settings": dataclasses.asdict(settings),
-        "batch_size": batch_size,
-        "drop_path": drop_path,
-        "precision": precision,
-        "seed": seed,
-        "images_seen": int(sum(h["images"] for h in history)),
-        "final_train_top1": history[-1]["train_top1"],
-        "final_val_top1": history[-1]["val_top1"],
-        "val_note": f"{val_instances} fresh instances per class drawn with seed {fractal.seed + 10_000}",
-        "history": history,
-        "generation_seconds": round(generation_seconds, 1),
-        # Every session's time when a pretraining was resumed (each session generates the images again).
-        "wall_seconds": round(seconds_before + time.time() - start, 1),
-        "machine": f"{platform.machine()} {platform.processor() or ''} {torch.get_num_threads()} threads".strip(),
-        # The same version and commit lookup as every petl-run record (git_commit, git_dirty).
-        "versions": versions(),
-        **git_commit(),
-        **({"command": command} if command else {}),
-        "weights_dtype": weights_dtype,
-    }
-    if out_dir is not None:
-        weights, provenance = output_files(out_dir, arch)
-        # The pretraining head is task-specific: downstream runs reset it, so it is not shipped.
-        state = {
-            k: (v.to(dtype) if v.is_floating_point() else v).detach().cpu().contiguous()
-            for k, v in model.state_dict().items()
-            if not k.startswith("head.")
+        evals = {"val": val_loader}
+        fit(model, train_loader, evals, settings, accelerator, optimizer, scheduler, len(done), on_epoch_end)
+        history = done
+        model = accelerator.unwrap_model(model)
+        record = {
+            "arch": arch,
+            "fractal_config": dataclasses.asdict(fractal),
+            "train_settings": dataclasses.asdict(settings),
+            "batch_size": batch_size,
+            "drop_path": drop_path,
+            "precision": precision,
+            "seed": seed,
+            "images_seen": int(sum(h["images"] for h in history)),
+            "final_train_top1": history[-1]["train_top1"],
+            "final_val_top1": history[-1]["val_top1"],
+            "val_note": f"{val_instances} fresh instances per class drawn with seed {fractal.seed + 10_000}",
+            "history": history,
+            "generation_seconds": round(generation_seconds, 1),
+            # Every session's time when a pretraining was resumed (each session generates the images again).
+            "wall_seconds": round(seconds_before + time.time() - start, 1),
+            "machine": f"{platform.machine()} {platform.processor() or ''} {torch.get_num_threads()} threads".strip(),
+            # The same version and commit lookup as every petl-run record (git_commit, git_dirty).
+            "versions": versions(),
+            **git_commit(),
+            **({"command": command} if command else {}),
+            "weights_dtype": weights_dtype,
         }
-        files.write_atomic(weights, lambda tmp: save_file(state, str(tmp), metadata={"arch": arch}))
-        record["weights_sha256"] = files.file_sha256(weights)
-        files.write_text(provenance, json.dumps(record, indent=2) + "\n")
-        if partial is not None:
-            partial.unlink(missing_ok=True)
-    return record
+        if out_dir is not None:
+            weights, provenance = output_files(out_dir, arch)
+            # The pretraining head is task-specific: downstream runs reset it, so it is not shipped.
+            state = {
+                k: (v.to(dtype) if v.is_floating_point() else v).detach().cpu().contiguous()
+                for k, v in model.state_dict().items()
+                if not k.startswith("head.")
+            }
+            files.write_atomic(weights, lambda tmp: save_file(state, str(tmp), metadata={"arch": arch}))
+            record["weights_sha256"] = files.file_sha256(weights)
+            files.write_text(provenance, json.dumps(record, indent=2) + "\n")
+            if partial is not None:
+                partial.unlink(missing_ok=True)
+        return record

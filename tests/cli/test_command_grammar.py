@@ -121,6 +121,15 @@ def test_petl_pretrain_takes_name_value_as_its_flags():
     assert (parsed.epochs, parsed.seed, parsed.batch_size, parsed.overwrite) == (3, 4, 16, True)
 
 
+def test_petl_pretrain_takes_a_switch_as_name_true_or_false():
+    # overwrite=true (petl-predict's and petl-export's grammar) became '--overwrite true': "unrecognized arguments".
+    made = pretrain.build_parser()
+    parsed = made.parse_args(pretrain.as_flags(["overwrite=true", "no_progress=False", "epochs=3"], made))
+    assert (parsed.overwrite, parsed.no_progress, parsed.epochs) == (True, False, 3)
+    with pytest.raises(pretrain.CommandLineError, match=r"^overwrite=yes: expected true or false \(--overwrite alone"):
+        pretrain.as_flags(["overwrite=yes"], made)
+
+
 def test_petl_run_reads_hydra_flags_anywhere():
     made = grammar.hydra_parser("petl-run")
     first = made.parse_intermixed_args(["method=lora", "--cfg", "job", "train.lr=0.1", "-m"])

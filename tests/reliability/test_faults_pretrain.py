@@ -1,10 +1,18 @@
-"""Faults a user meets with ``petl-pretrain``: bad option values, output folders, interruptions, resumes.
+"""Faults a user meets with ``petl-pretrain``: bad option values, output folders, interruptions, resumes, two at once.
 
 Every case is bad input said in one line (exit 2) before any image is generated (minutes at the documented sizes),
 an interruption that keeps the finished epochs (130 / 143), or a kept checkpoint the same command continues from.
 """
 
 from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -48,6 +56,7 @@ def no_generation(monkeypatch):
         (["--warmup-frac", "2"], "--warmup-frac 2.0 is out of range: allowed [0, 1]"),
         (["label_smoothing=inf"], "--label-smoothing inf is not a finite number"),
         (["--seed", "-1"], "--seed -1 is out of range: allowed [0, 4294967295]"),
+        (["overwrite=yes"], "overwrite=yes: expected true or false"),
     ],
 )
 def test_a_bad_option_value_is_one_line_naming_it_and_exit_2(option, said, tmp_path, capsys, no_generation):
@@ -73,9 +82,10 @@ def test_an_out_that_cannot_be_written_is_refused_before_generating(where, tmp_p
 
 def test_a_model_that_does_not_take_32_px_images_is_refused_before_generating(tmp_path, capsys, no_generation):
     # timm's input-size assertion escaped every handler: a 20-line traceback, after the generation.
-    code, err = petl_pretrain(capsys, *TINY, "--out", str(tmp_path), "--model", "vit_tiny_patch16_224")
+    code, err = petl_pretrain(capsys, *TINY, "--out", str(tmp_path / "out"), "--model", "vit_tiny_patch16_224")
     assert code == 2 and err.count("\n") == 1, err
     assert "vit_tiny_patch16_224 does not take the fractals' 32 px images" in err
+    assert not (tmp_path / "out").exists()  # nor the folder (made for its lock) left behind
 
 
 def _interrupted_after_one_epoch(capsys, monkeypatch, out, interruption: type[KeyboardInterrupt]) -> tuple[int, str]:
@@ -159,3 +169,109 @@ def test_the_weights_are_petl_runs_backbone_and_a_folder_given_instead_is_one_li
     assert f"model.checkpoint={tmp_path / 'pre'} is a folder: give the weights file in it" in err
     result = (tmp_path / f"{weights.name}-run" / "result.json").read_text()
     assert paths.file_sha256(weights) in result
+
+
+# --- one pretraining of an architecture per folder: its lock ----------------------------------------------
+
+SWIN = "swin_fractal_tiny_patch2_window4_32"
+
+
+@pytest.fixture
+def live_pid():
+    """The pid of another process that lives as long as the test (the holder of a lock), without timing races."""
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    yield holder.pid
+    holder.kill()
+    holder.wait()
+
+
+def _dead_pid() -> int:
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    return gone.pid
+
+
+def _hold(out: Path, arch: str, pid: int) -> str:
+    """Write ``arch``'s lock in ``out`` held by ``pid`` on this host, as petl.store.lock writes it; its text."""
+    text = json.dumps({"host": socket.gethostname(), "pid": pid, "since": time.time()})
+    out.mkdir(parents=True, exist_ok=True)
+    pretrain.lock_file(out, arch).write_text(text)
+    return text
+
+
+def _lock_seen_at_each_checkpoint(monkeypatch, out: Path, arch: str = pretrain.ARCH) -> list:
+    """What the lock of ``arch`` in ``out`` held (its pid, None without one) as each epoch's checkpoint was saved."""
+    seen: list = []
+    save = pretrain.files.save_checkpoint
+
+    def save_and_look(path, state):
+        lock = pretrain.lock_file(out, arch)
+        seen.append(json.loads(lock.read_text())["pid"] if lock.exists() else None)
+        save(path, state)
+
+    monkeypatch.setattr(pretrain.files, "save_checkpoint", save_and_look)
+    return seen
+
+
+def test_a_second_pretraining_of_one_model_into_one_folder_is_refused_naming_the_holder(
+    tmp_path, capsys, live_pid, no_generation
+):
+    # Nothing stopped it: both wrote {arch}.fractaldb.partial.pt and the weights in turn, silently mixing them.
+    held = _hold(tmp_path, pretrain.ARCH, live_pid)
+    code, err = petl_pretrain(capsys, *TINY, "--out", str(tmp_path))
+    assert code == 1 and err.count("\n") == 1, err  # petl-run's status for an output_dir in use
+    assert err.startswith(f"petl-pretrain: error: --out {tmp_path} is in use by another pretraining of {pretrain.ARCH}")
+    assert f"(pid {live_pid} on host {socket.gethostname()}" in err and "RunError" not in err
+    assert pretrain.lock_file(tmp_path, pretrain.ARCH).read_text() == held  # the holder's lock is left alone
+    assert [p.name for p in tmp_path.iterdir()] == [pretrain.lock_file(tmp_path).name]
+
+
+def test_pretrainings_of_two_models_into_one_folder_run_side_by_side(tmp_path, capsys, monkeypatch, live_pid):
+    # The folder holds the files of several architectures: the ViT's lock does not stand in the Swin's way.
+    held = _hold(tmp_path, pretrain.ARCH, live_pid)
+    seen = _lock_seen_at_each_checkpoint(monkeypatch, tmp_path, SWIN)
+    code, err = petl_pretrain(capsys, *TINY, "--out", str(tmp_path), "--model", SWIN)
+    assert code == 0, err
+    assert seen == [os.getpid(), os.getpid()]  # the Swin's own lock, held while it trained
+    assert all(p.exists() for p in pretrain.output_files(tmp_path, SWIN))
+    assert not pretrain.lock_file(tmp_path, SWIN).exists()
+    assert pretrain.lock_file(tmp_path, pretrain.ARCH).read_text() == held
+
+
+def test_the_lock_is_held_while_pretraining_and_released_after(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "new" / "pre"
+    seen = _lock_seen_at_each_checkpoint(monkeypatch, out)
+    code, err = petl_pretrain(capsys, *TINY, "--out", str(out))
+    assert code == 0, err
+    assert seen == [os.getpid(), os.getpid()]
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in pretrain.output_files(out))
+
+
+@pytest.mark.parametrize(
+    ("stop", "status"),
+    [(KeyboardInterrupt, 130), (Terminated, 143), (OSError("No space left on device"), 1)],
+    ids=["ctrl-c", "sigterm", "failure"],
+)
+def test_the_lock_is_released_after_an_interruption_or_a_failure(stop, status, tmp_path, capsys, monkeypatch):
+    seen = _lock_seen_at_each_checkpoint(monkeypatch, tmp_path)
+    save = pretrain.files.save_checkpoint
+
+    def save_then_stop(path, state):
+        save(path, state)
+        raise stop
+
+    monkeypatch.setattr(pretrain.files, "save_checkpoint", save_then_stop)
+    code, err = petl_pretrain(capsys, *TINY, "--out", str(tmp_path))
+    assert code == status and err.count("\n") == 1, err
+    assert seen == [os.getpid()]
+    assert not pretrain.lock_file(tmp_path).exists() and pretrain.partial_file(tmp_path).exists()
+
+
+def test_a_lock_left_by_a_dead_process_is_taken_over(tmp_path, capsys, monkeypatch):
+    # A pretraining killed with SIGKILL (or its node's crash) leaves its lock: the same command goes on.
+    _hold(tmp_path, pretrain.ARCH, _dead_pid())
+    seen = _lock_seen_at_each_checkpoint(monkeypatch, tmp_path)
+    code, err = petl_pretrain(capsys, *TINY, "--out", str(tmp_path))
+    assert code == 0, err
+    assert seen == [os.getpid(), os.getpid()]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in pretrain.output_files(tmp_path))

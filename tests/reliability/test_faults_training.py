@@ -473,7 +473,8 @@ def test_a_slower_claimant_of_a_stale_lock_leaves_the_winners_lock_alone(tmp_pat
     dead = {"host": lock.socket.gethostname(), "pid": 2**22 + 12345, "since": 0.0}
     live = {"host": lock.socket.gethostname(), "pid": os.getppid(), "since": 1.0}
     (tmp_path / lock.LOCK_FILE).write_text(json.dumps(live))
-    monkeypatch.setattr(lock, "read_holder", lambda folder: dead)  # the second claimant's (old) look
+    # The second claimant's (old) look.
+    monkeypatch.setattr(lock, "read_holder", lambda folder, name=lock.LOCK_FILE: dead)
     assert not lock.acquire_lock(tmp_path)
     assert json.loads((tmp_path / lock.LOCK_FILE).read_text()) == live
     assert sorted(p.name for p in tmp_path.iterdir()) == [lock.LOCK_FILE]

@@ -115,7 +115,8 @@ def test_2_pretrain_writes_to_an_output_folder_not_into_the_package(tmp_path, mo
         f"runs/pretrain/{pretrain.ARCH}.fractaldb.safetensors",
     ]
     # A second run into the same folder replaces nothing unless asked.
-    monkeypatch.setattr(pretrain, "pretrain", lambda *a, **k: pytest.fail("must be refused before training"))
+    # (Checked under the folder's lock, by pretrain() itself, before any image is generated.)
+    monkeypatch.setattr(pretrain, "generate", lambda *a, **k: pytest.fail("must be refused before training"))
     with pytest.raises(SystemExit) as caught:
         pretrain_cli.main(args)
     err = capsys.readouterr().err
