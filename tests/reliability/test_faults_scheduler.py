@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from conftest import tiny_run
+from test_faults_training import _SLOW_EPOCHS
 from test_harness import BENCH, FakeEngine, write_run
 
 from petl.bench import sweep
@@ -27,22 +28,6 @@ from petl.cli import run as run_cli
 from petl.store import files, lock
 from petl.utils import progress
 from petl.utils.errors import TERMINATED
-
-# A command whose epochs take half a second more than they need: long enough to be caught running.
-_SLOW_EPOCHS = """
-import sys, time
-from petl.cli import {module} as cli
-from petl.train import engine
-
-real = engine.train_one_epoch
-
-def slow(*args, **kwargs):
-    time.sleep(0.5)
-    return real(*args, **kwargs)
-
-engine.train_one_epoch = slow
-cli.main(sys.argv[1:])
-"""
 
 
 def _started(module: str, args: list[str], cwd: Path, log: Path) -> subprocess.Popen:

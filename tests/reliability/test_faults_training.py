@@ -392,9 +392,10 @@ cli.main(sys.argv[1:])
 """
 
 
+# A command (petl.cli.{module}) whose epochs take half a second more than they need: long enough to be caught running.
 _SLOW_EPOCHS = """
 import sys, time
-from petl.cli import run as cli
+from petl.cli import {module} as cli
 from petl.train import engine
 
 real = engine.train_one_epoch
@@ -439,7 +440,7 @@ def test_a_kill_around_the_result_write_leaves_nothing_behind(tmp_path, when):
 @pytest.mark.slow
 def test_two_runs_into_one_output_dir_and_a_stale_lock(tmp_path, capsys):
     args = (*TINY, "method=linear", "train.epochs=30", "train.cache_features=false", "output_dir=run")
-    first = _petl_run(*args, cwd=tmp_path, script=_SLOW_EPOCHS, wait=False)
+    first = _petl_run(*args, cwd=tmp_path, script=_SLOW_EPOCHS.format(module="run"), wait=False)
     run = tmp_path / "run"
     try:
         deadline = time.monotonic() + 240

@@ -7,25 +7,13 @@ from __future__ import annotations
 
 import errno
 import os
-from pathlib import Path
 
 import pytest
+from test_faults_training import _read_only_dir
 
 from petl.utils import paths
 
 TODO = "choose another output_dir"
-
-
-def _read_only_dir(tmp_path: Path) -> Path:
-    if os.geteuid() != 0:
-        folder = tmp_path / "ro"
-        folder.mkdir()
-        folder.chmod(0o555)
-        return folder
-    # root ignores permission bits; sysfs refuses new files even to root.
-    if not Path("/sys/kernel").is_dir():
-        pytest.skip("needs a folder root cannot write")
-    return Path("/sys/kernel")
 
 
 @pytest.mark.parametrize("fill", [False, True])
