@@ -190,6 +190,31 @@ def _normalised(dataset: TensorDataset) -> TensorDataset:
     return TensorDataset(to_model_input(images, models.FRACTAL_MEAN, models.FRACTAL_STD), labels)
 
 
+def _fractal_data(fractal: FractalConfig, val_instances: int) -> tuple[TensorDataset, TensorDataset]:
+    """The generated training images and ``val_instances`` fresh ones per class (another seed), normalised."""
+    systems = search_systems(fractal)
+    train_set = _normalised(generate(fractal, systems))
+    val = dataclasses.replace(fractal, instances=val_instances)
+    return train_set, _normalised(generate(val, systems, seed=fractal.seed + 10_000))
+
+
+def _write_outputs(out_dir: Path, arch: str, model: torch.nn.Module, dtype: torch.dtype, record: dict) -> None:
+    """The weights (without the head) in ``dtype`` and the provenance ``record`` (given their SHA-256) in
+    ``out_dir``; the checkpoint, now finished with, removed.
+    """
+    weights, provenance = output_files(out_dir, arch)
+    # The pretraining head is task-specific: downstream runs reset it, so it is not shipped.
+    state = {
+        k: (v.to(dtype) if v.is_floating_point() else v).detach().cpu().contiguous()
+        for k, v in model.state_dict().items()
+        if not k.startswith("head.")
+    }
+    files.write_atomic(weights, lambda tmp: save_file(state, str(tmp), metadata={"arch": arch}))
+    record["weights_sha256"] = files.file_sha256(weights)
+    files.write_text(provenance, json.dumps(record, indent=2) + "\n")
+    partial_file(out_dir, arch).unlink(missing_ok=True)
+
+
 def pretrain(
     fractal: FractalConfig,
     settings: TrainSettings,
@@ -266,11 +291,7 @@ def pretrain(
         start = time.time()
         set_seed(seed)
         accelerator = Accelerator(mixed_precision=precision)
-        systems = search_systems(fractal)
-        train_set = _normalised(generate(fractal, systems))
-        val_set = _normalised(
-            generate(dataclasses.replace(fractal, instances=val_instances), systems, seed=fractal.seed + 10_000)
-        )
+        train_set, val_set = _fractal_data(fractal, val_instances)
         generation_seconds = time.time() - start
 
         model = timm.create_model(arch, num_classes=fractal.num_classes, drop_path_rate=drop_path)
@@ -342,16 +363,5 @@ def pretrain(
             "weights_dtype": weights_dtype,
         }
         if out_dir is not None:
-            weights, provenance = output_files(out_dir, arch)
-            # The pretraining head is task-specific: downstream runs reset it, so it is not shipped.
-            state = {
-                k: (v.to(dtype) if v.is_floating_point() else v).detach().cpu().contiguous()
-                for k, v in model.state_dict().items()
-                if not k.startswith("head.")
-            }
-            files.write_atomic(weights, lambda tmp: save_file(state, str(tmp), metadata={"arch": arch}))
-            record["weights_sha256"] = files.file_sha256(weights)
-            files.write_text(provenance, json.dumps(record, indent=2) + "\n")
-            if partial is not None:
-                partial.unlink(missing_ok=True)
+            _write_outputs(out_dir, arch, model, dtype, record)
         return record
