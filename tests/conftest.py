@@ -152,6 +152,20 @@ def perturb_trainable(model: torch.nn.Module, seed: int = 3) -> None:
                 p.add_(0.1 * torch.randn(p.shape, generator=gen))
 
 
+def command_status(capsys, main: Callable[[list[str]], int | None], *args: str) -> tuple[int, str, str]:
+    """A petl command's ``main(args)`` run in this process: its exit status (what it returns, 0 for None, or its
+    SystemExit's code), its stdout and its stderr (what came before it dropped: in-process runs log to the handlers
+    an earlier test set up).
+    """
+    capsys.readouterr()
+    try:
+        code = main(list(args)) or 0
+    except SystemExit as exit_:
+        code = exit_.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
 def tiny_run(*, subset: int = 64, depth: int = 1, epochs: int = 2, batch_size: int | None = None) -> list[str]:
     """Overrides for a run that takes seconds: a narrow random-init default backbone on a slice of mini/digits."""
     overrides = [

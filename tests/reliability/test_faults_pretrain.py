@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import command_status
 
 from petl.cli import pretrain as pretrain_cli
 from petl.train import pretrain
@@ -24,14 +25,9 @@ TINY = ["--classes", "2", "--instances", "4", "--epochs", "2", "--batch-size", "
 
 
 def petl_pretrain(capsys, *args: str) -> tuple[int, str]:
-    """``petl-pretrain ARGS``: its exit status (0 when it returns) and its stderr."""
-    capsys.readouterr()
-    try:
-        pretrain_cli.main(list(args))
-        code = 0
-    except SystemExit as exit_:
-        code = exit_.code
-    return code, capsys.readouterr().err
+    """``petl-pretrain ARGS``: its exit status and its stderr."""
+    code, _, err = command_status(capsys, pretrain_cli.main, *args)
+    return code, err
 
 
 @pytest.fixture
@@ -157,13 +153,8 @@ def test_the_weights_are_petl_runs_backbone_and_a_folder_given_instead_is_one_li
     assert code == 0
     run = ["method=linear", "data=mini/digits", "data.subset=32", "train.epochs=1", "train.progress=false"]
     for checkpoint, status in ((weights, 0), (tmp_path / "pre", 2)):
-        capsys.readouterr()
-        try:
-            run_cli.main([*run, f"model.checkpoint={checkpoint}", f"output_dir={tmp_path / checkpoint.name}-run"])
-            code = 0
-        except SystemExit as exit_:
-            code = exit_.code
-        err = capsys.readouterr().err
+        out = f"output_dir={tmp_path / checkpoint.name}-run"
+        code, _, err = command_status(capsys, run_cli.main, *run, f"model.checkpoint={checkpoint}", out)
         assert code == status, err
     # The folder (petl-pretrain's --out) was said to be no such file.
     assert f"model.checkpoint={tmp_path / 'pre'} is a folder: give the weights file in it" in err

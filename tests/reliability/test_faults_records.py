@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import tiny_run
+from conftest import command_status, tiny_run
 from test_faults_untrusted_files import _mini_sweep, petl_bench
 from test_harness import FakeEngine, write_run
 
@@ -24,14 +24,9 @@ from petl.cli import run as cli
 
 
 def petl_run(capsys, *args: str) -> tuple[int, str]:
-    """``petl-run ARGS``: its exit status (0 when it returns) and its stderr."""
-    capsys.readouterr()
-    try:
-        cli.main(list(args))
-        code = 0
-    except SystemExit as exit_:
-        code = exit_.code
-    return code, capsys.readouterr().err
+    """``petl-run ARGS``: its exit status and its stderr."""
+    code, _, err = command_status(capsys, cli.main, *args)
+    return code, err
 
 
 def _edit(path: Path, **changes) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import perturb_trainable, tiny_run
+from conftest import command_status, perturb_trainable, tiny_run
 from safetensors import safe_open
 from safetensors.torch import save_file
 from test_harness import FakeEngine, fake_result, write_run
@@ -44,25 +44,14 @@ def tiny(out: Path, *overrides: str) -> dict:
 
 
 def petl_run(capsys, *args: str) -> tuple[int, str]:
-    """``petl-run ARGS``: its exit status (0 when it returns) and its stderr."""
-    capsys.readouterr()  # what came before (in-process runs log to the handlers an earlier test set up)
-    try:
-        cli.main([*TINY, *args])
-        code = 0
-    except SystemExit as exit_:
-        code = exit_.code
-    return code, capsys.readouterr().err
+    """``petl-run ARGS`` on the tiny settings: its exit status and its stderr."""
+    code, _, err = command_status(capsys, cli.main, *TINY, *args)
+    return code, err
 
 
 def petl_bench(capsys, *args: str) -> tuple[int, str, str]:
     """``petl-bench ARGS``: its exit status, stdout and stderr."""
-    capsys.readouterr()
-    try:
-        code = bench_cli.main(list(args))
-    except SystemExit as exit_:
-        code = exit_.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
+    return command_status(capsys, bench_cli.main, *args)
 
 
 def snapshot(folder: Path) -> dict[str, bytes]:
