@@ -639,6 +639,20 @@ def test_a_stack_acts_on_the_span_of_its_tasks_rows_only(stacked, monkeypatch, l
         assert {(tasks, True), (tasks, False)} <= partial, sorted(partial)
 
 
+@pytest.mark.parametrize("launch_bound", [False, True])
+def test_stacks_written_in_place_under_bf16_autocast_answer_as_the_loop(stacked, monkeypatch, launch_bound):
+    """Under bf16 autocast (petl-predict's and petl-serve's default on a GPU) a stack writes its rows into the frozen
+    module's bf16 output with its own fp32 tensors: in place, the rows answer as the per-task loop's under the same
+    autocast (an in-place op is not autocast: the H200 refused LoRA's fp32 B added into a bf16 output)."""
+    _, files, multi, backbone = stacked
+    monkeypatch.setattr(multi, "launch_bound", launch_bound)
+    ids, images = _mixed_batch(list(BATCHED), per_task=2, seed=3)
+    looped = petl.MultiTask(backbone, files)
+    _without_stacks(looped)
+    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
+        torch.testing.assert_close(multi(images, ids), looped(images, ids), atol=0.05, rtol=0.05)
+
+
 # Tiny backbones of the other families (their methods as they declare them), and the cases apply refuses on them
 # in one line before anything is served: RepAdapter where qkv has no bias of its own, FacT where the MLP is not 4x,
 # and on EVA-02 with separate q/k/v every case naming qkv or fc1.
