@@ -14,7 +14,8 @@
 # three files (the device tool brings back at most 8): gpu_tests.log; summary.txt (per phase: exit status, seconds,
 # pytest's count line, every test that failed or errored, the slowest tests); junit.tar.gz (one JUnit XML a phase).
 #
-# Here, once: PYTHONPATH=. python benchmarks/device/make_kit.py wheels    (.device/whl/: what the machine lacks)
+# Here, once: PYTHONPATH=. python benchmarks/device/make_kit.py wheels    (.device/whl/: what the machine lacks; with
+# `data` too, .device/fmnist/, the mini tasks' Fashion-MNIST, which the committed-results tests read)
 # The device call (the `run` tool; the machine has torch, timm, peft, accelerate, pytest and pytest-xdist):
 #   run(command="bash benchmarks/device/gpu_tests.sh", carry=[".device"], timeout_s=560)
 # Without $OUT the files go to /tmp/petl_gpu_tests.
@@ -45,6 +46,8 @@ if [ "$MODE" = gpu ]; then
     # The machine reaches no hub: said up front, as HF_HUB_OFFLINE=1, instead of each test process (and each
     # server or worker it starts) finding out from a DNS lookup and a connection that may take seconds to fail.
     export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1}
+    # The mini tasks' Fashion-MNIST, where the kit carries it (make_kit.py data): the machine has no apt package.
+    [ -d .device/fmnist ] && export PETL_FASHION_MNIST_DIR=${PETL_FASHION_MNIST_DIR:-$PWD/.device/fmnist}
     MACHINE="GPU $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1), $(nproc) cores"
     "$PYTHON" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'" >> "$LOG" 2>&1 || exit 5
     # The files that use the marker: collecting only them starts the first phase in seconds.
@@ -72,7 +75,7 @@ START=$SECONDS
 left() { echo $(($1 - (SECONDS - START))); }
 
 {
-    echo "gpu_tests.sh --$MODE, commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown), budget $BUDGET s"
+    echo "gpu_tests.sh --$MODE, commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet HEAD 2>/dev/null || echo ' plus changes'), budget $BUDGET s"
     echo "$MACHINE"
     "$PYTHON" - <<'EOF'
 import importlib.metadata as m

@@ -17,7 +17,7 @@ import numpy as np
 import timm
 import torch
 from accelerate import Accelerator
-from accelerate.state import AcceleratorState, GradientState, PartialState
+from accelerate.state import PartialState
 from accelerate.utils import parse_flag_from_env
 from omegaconf import DictConfig
 from timm.data import resolve_data_config
@@ -178,11 +178,6 @@ def resolve_precision(cfg: DictConfig) -> None:
 
 
 def make_accelerator(cfg: DictConfig, out: Path) -> Accelerator:
-    # One process may run many trainings (notebooks, the benchmark harness): accelerate keeps its
-    # precision and accumulation settings in process-wide singletons that refuse to change once
-    # set, so each run starts them afresh.  The distributed state (PartialState) is kept.
-    AcceleratorState._reset_state()
-    GradientState._reset_state()
     trackers = list(cfg.train.trackers)
     precision = cfg.train.precision
     device_type = run_device_type()
@@ -205,7 +200,7 @@ def make_accelerator(cfg: DictConfig, out: Path) -> Accelerator:
         log.warning("train.compile: %s; running uncompiled", missing)
         dynamo = None
     try:
-        accelerator = Accelerator(
+        accelerator = engine.fresh_accelerator(
             mixed_precision=mixed_precision,
             dynamo_backend=dynamo,
             gradient_accumulation_steps=cfg.train.grad_accum,

@@ -14,9 +14,11 @@ import shutil
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from accelerate import Accelerator
+from accelerate.state import AcceleratorState, GradientState
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -156,6 +158,19 @@ def build_optimizer(
         return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def fresh_accelerator(**kwargs: Any) -> Accelerator:
+    """``Accelerator(**kwargs)``, whatever an earlier one in this process was made with.
+
+    One process may run many trainings and pretrainings (notebooks, the benchmark harness, a test session):
+    accelerate keeps its precision and accumulation settings in process-wide singletons that refuse to change once
+    set (a GPU run's bf16, then a pretraining's ``mixed_precision='no'``), so each starts them afresh.  The
+    distributed state (PartialState) is kept.
+    """
+    AcceleratorState._reset_state()
+    GradientState._reset_state()
+    return Accelerator(**kwargs)
 
 
 @torch.no_grad()

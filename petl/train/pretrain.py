@@ -17,7 +17,6 @@ from pathlib import Path
 
 import timm
 import torch
-from accelerate import Accelerator
 from accelerate.utils import set_seed
 from safetensors.torch import save_file
 from torch.utils.data import DataLoader, TensorDataset
@@ -25,7 +24,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from petl.backbones import models
 from petl.data.fractaldb import FractalConfig, generate, search_systems, to_model_input
 from petl.store import files, lock
-from petl.train.engine import TrainSettings, build_optimizer, fit
+from petl.train.engine import TrainSettings, build_optimizer, fit, fresh_accelerator
 from petl.utils import paths
 from petl.utils.errors import RunError, UsageError
 from petl.utils.provenance import git_commit, versions
@@ -290,7 +289,7 @@ def pretrain(
         check_arch(arch, fractal.num_classes)
         start = time.time()
         set_seed(seed)
-        accelerator = Accelerator(mixed_precision=precision)
+        accelerator = fresh_accelerator(mixed_precision=precision)
         train_set, val_set = _fractal_data(fractal, val_instances)
         generation_seconds = time.time() - start
 

@@ -11,7 +11,6 @@ import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-import accelerate
 import pytest
 import timm
 import torch
@@ -212,7 +211,7 @@ def test_a_calibrating_method_refuses_a_swin_before_it_calibrates(tmp_path, monk
     cfg.model.name, cfg.model.pretrained = "swin_fractal_tiny_patch2_window4_32", False
     monkeypatch.setattr(build, "calibration_set", lambda *a: pytest.fail("calibrated a backbone it refuses"))
     with pytest.raises(config.ConfigError, match=refusal):
-        build.method_config(cfg, build.create_backbone(cfg), 10, None, accelerate.Accelerator(cpu=True))
+        build.method_config(cfg, build.create_backbone(cfg), 10, None, engine.fresh_accelerator(cpu=True))
 
 
 @pytest.mark.slow

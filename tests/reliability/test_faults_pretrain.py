@@ -144,6 +144,23 @@ def test_a_damaged_checkpoint_is_named_in_one_line_and_kept(damage, tmp_path, ca
     assert partial.read_bytes() == kept
 
 
+def test_a_pretraining_after_a_bf16_training_in_one_process_runs(tmp_path, capsys):
+    """accelerate's precision is process-wide and refuses to change: after a bf16 training (a GPU's default) in the
+    same process (a notebook, a test session on the lent H200), petl-pretrain's fp32 said "AcceleratorState has
+    already been initialized" and exited 1."""
+    from accelerate.state import AcceleratorState
+
+    from petl.train.engine import fresh_accelerator
+
+    fresh_accelerator(mixed_precision="bf16")  # what a GPU run of petl-run leaves behind
+    try:
+        code, err = petl_pretrain(capsys, *TINY, "--out", str(tmp_path))
+    finally:
+        AcceleratorState._reset_state()
+    assert code == 0, err
+    assert pretrain.output_files(tmp_path)[0].is_file()
+
+
 def test_the_weights_are_petl_runs_backbone_and_a_folder_given_instead_is_one_line(tmp_path, capsys):
     from petl.cli import run as run_cli
     from petl.utils import paths
