@@ -96,6 +96,11 @@ def rows_matmul(x: Tensor, weight: Tensor, add: Tensor | None = None) -> Tensor:
     return out.view(*x.shape[:-1], weight.shape[1])
 
 
+def _in_dtype_of(y: Tensor, *tensors: Tensor) -> tuple[Tensor, ...]:
+    """``tensors`` in ``y``'s dtype, each cast only where it differs: a served forward counts its ops."""
+    return tuple(t if t.dtype == y.dtype else t.to(y.dtype) for t in tensors)
+
+
 def rows_matmul_(y: Tensor, x: Tensor, weight: Tensor) -> None:
     """``y += x`` times the transpose of each row's own ``weight``, in place: one ``baddbmm_`` into ``y`` where it is
     contiguous (a Linear's output, or a slice of its rows), else a ``bmm`` and an add.
@@ -103,7 +108,7 @@ def rows_matmul_(y: Tensor, x: Tensor, weight: Tensor) -> None:
     In ``y``'s dtype: autocast leaves in-place ops alone, and under it ``y`` (a Linear's output) is bf16 while the
     task's ``weight`` stays fp32, which ``baddbmm_`` refuses; the out-of-place form would compute in bf16 there too.
     """
-    flat, weight = x.reshape(x.shape[0], -1, x.shape[-1]).to(y.dtype), weight.to(y.dtype)
+    flat, weight = _in_dtype_of(y, x.reshape(x.shape[0], -1, x.shape[-1]), weight)
     if y.is_contiguous():
         y.view(y.shape[0], -1, weight.shape[1]).baddbmm_(flat, weight.transpose(1, 2))
     else:
@@ -186,7 +191,7 @@ def add_matmul_(y: Tensor, z: Tensor, weight: Tensor, alpha: float = 1.0) -> Non
     contiguous (a Linear's output); otherwise (a sum keeps the strides of its inputs) as a matmul and an add.
     In ``y``'s dtype, as :func:`rows_matmul_`.
     """
-    z, weight = z.to(y.dtype), weight.to(y.dtype)
+    z, weight = _in_dtype_of(y, z, weight)
     if y.is_contiguous():
         y.view(-1, y.shape[-1]).addmm_(z.reshape(-1, z.shape[-1]), weight.t(), alpha=alpha)
     else:
