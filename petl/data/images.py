@@ -1,4 +1,5 @@
-"""Image datasets over files or hub rows, decoded the same way: 16-bit grey scaled to 8 bits, bad files named.
+"""Image datasets over files or hub rows, decoded the same way: turned upright by their EXIF orientation, 16-bit grey
+scaled to 8 bits, bad files named.
 
 Shared by every family of real datasets (:mod:`petl.data.vtab`) and by datasets read from a user's folder.
 """
@@ -15,7 +16,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from PIL import Image, UnidentifiedImageError
+from PIL import ExifTags, Image, UnidentifiedImageError
 from torch.utils.data import Dataset
 
 from petl.data.registry import BadImagesError
@@ -31,6 +32,38 @@ DECODED_MEMORY_LIMIT = 4 << 30
 # Pillow modes holding more than 8 bits per pixel in one channel.  16-bit PNG/TIFF greyscale opens
 # as I;16*, some decoders give I (int32) for the same files; all are scaled from 16 to 8 bits.
 _SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I")
+
+# EXIF Orientation 2-8 and the turn that makes the stored pixels upright: the table of PIL.ImageOps.exif_transpose.
+_ORIENTATION_TURNS = {
+    2: Image.Transpose.FLIP_LEFT_RIGHT,
+    3: Image.Transpose.ROTATE_180,
+    4: Image.Transpose.FLIP_TOP_BOTTOM,
+    5: Image.Transpose.TRANSPOSE,
+    6: Image.Transpose.ROTATE_270,
+    7: Image.Transpose.TRANSVERSE,
+    8: Image.Transpose.ROTATE_90,
+}
+
+
+def upright(image: Image.Image) -> Image.Image:
+    """A decoded image turned as its EXIF Orientation tag says: the pixels ``PIL.ImageOps.exif_transpose`` gives.
+
+    A phone photo is often stored sideways with a tag saying how to turn it; viewers turn it, and so must training
+    and prediction.  An image without the tag (or with 1) is returned as it is, not copied.  Only the pixels are
+    turned: exif_transpose also rewrites the EXIF block, which raises on many damaged ones (a bad rational, a tag of
+    the wrong type) whose orientation reads fine.  EXIF that cannot be read at all leaves the image as stored:
+    damaged metadata never makes a readable image fail.  (Pillow turns a TIFF itself as it loads it and drops the
+    tag, so a TIFF is not turned twice.)
+    """
+    try:
+        with warnings.catch_warnings():
+            # Pillow warns of corrupt EXIF in lines naming no file; the pixels are what matters here.
+            warnings.simplefilter("ignore")
+            orientation = image.getexif().get(ExifTags.Base.Orientation)
+    except Exception:  # Pillow's EXIF parser raises many kinds on damaged blocks (struct.error, UnicodeDecodeError...)
+        return image
+    turn = _ORIENTATION_TURNS.get(orientation) if isinstance(orientation, int) else None
+    return image if turn is None else image.transpose(turn)
 
 
 def to_uint8(image: Image.Image) -> np.ndarray:
@@ -56,7 +89,10 @@ def to_uint8(image: Image.Image) -> np.ndarray:
 
 
 def decode_image(data: bytes) -> np.ndarray:
-    """Decode one image file's bytes fully (truncation shows here, not later) to a uint8 array.
+    """Decode one image file's bytes fully (truncation shows here, not later), :func:`upright`, to a uint8 array.
+
+    Every image file petl decodes itself comes through here (data folders, ``data=hf`` rows, petl-predict's files,
+    petl-serve's uploads), so training, evaluation and prediction see the same pixels.
 
     Raises:
         ValueError: the bytes are not a decodable image; the message says why in a few words.
@@ -71,7 +107,7 @@ def decode_image(data: bytes) -> np.ndarray:
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             with Image.open(io.BytesIO(data)) as image:
                 image.load()
-                return to_uint8(image)
+                return to_uint8(upright(image))
     except UnidentifiedImageError:
         raise ValueError("not a readable image: unknown format or damaged header") from None
     except Image.DecompressionBombError:
@@ -206,6 +242,7 @@ class HubDataset(Dataset):
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
         row = self.rows[self.indices[index]]
+        # datasets' Image feature decodes it, already turned by its EXIF orientation (datasets>=2.19) as upright() does.
         # The same conversion as local files (16-bit grey scaled to 8 bits, not clipped to white).
         image = Image.fromarray(to_uint8(row[self.image_column]))
         return pil_to_tensor(image, self.spec), int(row[self.label_column])
