@@ -7,7 +7,8 @@ r"""petl-predict: a trained run's labels for new images, or its accuracy on a la
 
 Images are files, folders (searched recursively for image files) or list files (``.txt``: one path per
 line, relative to the list's folder).  They are decoded, preprocessed as the run evaluated
-(``model.json``), and classified in batches with a progress bar.  With ``data=`` the images and labels
+(``model.json``), and classified in batches with a progress bar (where stderr is no terminal, a few lines
+on it say how many are done).  With ``data=`` the images and labels
 come from a dataset instead (``petl-run``'s ``data`` options), and the accuracy and the confusion matrix
 (on screen; as a PNG with ``confusion=PATH``) are reported; the options marked "with data=" are refused
 without it, and ``out=`` with it.  Several run folders may be given (their rows carry the run's folder):

@@ -56,6 +56,11 @@ class Prediction:
     truth: str | None = None
 
 
+def _say(line: str) -> None:
+    """A progress line where no bar is drawn (stderr a file): on stderr, as the command's notes."""
+    print(f"{PROG}: {line}", file=sys.stderr, flush=True)
+
+
 def _is_run(path: Path) -> bool:
     return path.is_dir() and ((path / WEIGHTS_FILE).is_file() or (path / MODEL_FILE).is_file())
 
@@ -145,7 +150,9 @@ def predict_images(
     precision = inference_precision(precision, device.type)
     predictions: list[Prediction] = []
     bad: list[tuple[Path, str]] = []
-    bar = progress_bar(total=len(paths), desc=f"predict {run.run_dir.name}", unit="img", show=progress, leave=False)
+    bar = progress_bar(
+        total=len(paths), desc=f"predict {run.run_dir.name}", unit="img", show=progress, leave=False, say=_say
+    )
     for batch in _batches(paths, batch_size):
         tensors, kept = _decode(run, batch, bad)
         if tensors:
@@ -176,7 +183,9 @@ def predict_together(
     precision = inference_precision(precision, device.type)
     found: list[list[Prediction]] = [[] for _ in runs]
     bad: list[tuple[Path, str]] = []
-    bar = progress_bar(total=len(paths), desc=f"predict {len(runs)} runs", unit="img", show=progress, leave=False)
+    bar = progress_bar(
+        total=len(paths), desc=f"predict {len(runs)} runs", unit="img", show=progress, leave=False, say=_say
+    )
     for batch in _batches(paths, max(1, batch_size // len(runs))):
         tensors, kept = _decode(runs[0], batch, bad)  # one preprocessing: the runs share it
         if tensors:
@@ -250,7 +259,8 @@ def evaluate_split(
     truth: list[int] = []
     predicted: list[int] = []
     with torch.inference_mode(), inference(precision, device.type):
-        for images, labels in progress_bar(loader, desc=f"evaluate {run.run_dir.name}", show=progress, leave=False):
+        batches = progress_bar(loader, desc=f"evaluate {run.run_dir.name}", show=progress, leave=False, say=_say)
+        for images, labels in batches:
             predicted += run.model(images.to(device)).argmax(-1).cpu().tolist()
             truth += [int(label) for label in labels]
     count = len(run.class_names)

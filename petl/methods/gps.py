@@ -74,6 +74,7 @@ Differences:
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -90,6 +91,8 @@ from petl.model.registry import MethodConfig, register_method
 from petl.model.wrappers import PetlModule, factory_kwargs
 from petl.utils.checks import as_list, check_range
 from petl.utils.progress import progress_bar
+
+log = logging.getLogger(__name__)
 
 # SupConLoss defaults (utils/loss_utils.py L9-10) and the views of transforms_contrastaug_train (L80-110).
 TEMPERATURE = 0.07
@@ -387,7 +390,7 @@ def calibrate_gps(
     """``cfg`` with ``selection`` chosen on ``loader`` by :func:`select_gps` (unchanged if already set)."""
     if cfg.selection:
         return cfg
-    batches = progress_bar(loader, desc="GPS selection", unit="batch", leave=False, show=progress)
+    batches = progress_bar(loader, desc="GPS selection", unit="batch", leave=False, show=progress, say=log.info)
     return replace(cfg, selection=select_gps(model, batches, cfg.per_row, max_batches))
 
 

@@ -275,6 +275,7 @@ def train_supernet(
         unit="epoch",
         leave=False,
         show=progress,
+        say=log.info,
     )
     for epoch in bar:
         for images, labels in batches:
@@ -338,7 +339,9 @@ def evolve(
             checkpoint.save(steps=step + 1, scores=list(scores.items()), rng=rng.getstate())
 
     total = cfg.search_generations + 1
-    bar = progress_bar(total=total, initial=done, desc="NOAH evolution", unit="gen", leave=False, show=progress)
+    bar = progress_bar(
+        total=total, initial=done, desc="NOAH evolution", unit="gen", leave=False, show=progress, say=log.info
+    )
     if not done:
         if not collect(lambda: random_subnet(depth, rng), cfg.population):
             bar.close()
@@ -365,7 +368,8 @@ def search(
         cfg: the method's config (num_classes, supernet_dim, dropout, init and the search budget).
         loader: the task's training batches ``(images, labels)``, without augmentation.
         seed: seeds the subnet sampling; ``None`` draws it from torch's generator (seeded by the run).
-        progress: show progress bars over the supernet's epochs and the evolution's generations.
+        progress: show progress bars over the supernet's epochs and the evolution's generations (where none is
+            drawn, a log file: a few ``NOAH supernet: 50/500 epochs`` lines logged).
 
     Returns:
         The (prompt, lora, adapter) per-block widths of the best subnet.

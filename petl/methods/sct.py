@@ -47,6 +47,7 @@ Differences:
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -61,6 +62,8 @@ from petl.model.registry import MethodConfig, register_method
 from petl.model.wrappers import PetlModule, factory_kwargs
 from petl.utils.checks import as_list, check_range
 from petl.utils.progress import progress_bar
+
+log = logging.getLogger(__name__)
 
 DEFAULT_FRACTION = 8
 
@@ -232,7 +235,7 @@ def calibrate_sct(
     """``cfg`` with ``channels`` selected on ``loader`` by :func:`select_sct_channels` (unchanged if already set)."""
     if cfg.channels:
         return cfg
-    batches = progress_bar(loader, desc="SCT selection", unit="batch", leave=False, show=progress)
+    batches = progress_bar(loader, desc="SCT selection", unit="batch", leave=False, show=progress, say=log.info)
     return replace(cfg, channels=select_sct_channels(model, batches, cfg.top_n, max_batches))
 
 

@@ -174,7 +174,8 @@ def cache_split(
 
     Every process computes the whole split (it is small: VTAB-1k), so each can shard it afterwards
     like any dataset.  Mixed precision applies as it would on the uncached path.  ``progress`` (the split's name)
-    shows a progress bar: a ViT-B's forward over a VTAB-1k split takes minutes on a CPU, before the first epoch's.
+    shows a progress bar, or logs a few ``caching train: 8/16 batches`` lines where no bar is drawn (a log file): a
+    ViT-B's forward over a VTAB-1k split takes minutes on a CPU, before the first epoch's.
     """
     model = tail.model
     was_training = model.training
@@ -183,7 +184,9 @@ def cache_split(
     # dropout and drop-path use later, and the cached run would no longer match the uncached one.
     loader = DataLoader(dataset, batch_size=batch_size, num_workers=num_workers, generator=torch.Generator())
     outputs, labels = [], []
-    bar = progress_bar(loader, desc=f"caching {progress}", unit="batch", leave=False, show=progress is not None)
+    bar = progress_bar(
+        loader, desc=f"caching {progress}", unit="batch", leave=False, show=progress is not None, say=log.info
+    )
     for images, targets in bar:
         with accelerator.autocast():
             outputs.append(tail.front(images.to(accelerator.device)).cpu())

@@ -8,6 +8,7 @@ the two-block, width-48 random ViT on 96 images of ``mini/digits`` as tests/trai
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -100,6 +101,38 @@ def test_a_calibration_shows_progress_bars_only_when_asked(tiny_vit, monkeypatch
     shown = spec.calibrate(tiny_vit(), cfg, loader, progress=True)
     assert method.upper() in capsys.readouterr().err
     assert quiet == shown  # the bars change nothing chosen
+
+
+# What each calibration logs where no bar is drawn, on the 3 batches below (NOAH's: 1 epoch, 1 generation).
+LINES = {
+    "sct": [f"SCT selection: {k}/3 batches" for k in range(4)],
+    "gps": [f"GPS selection: {k}/3 batches" for k in range(4)],
+    "noah": [
+        "NOAH supernet: 0/1 epoch",
+        "NOAH supernet: 1/1 epoch",
+        *(f"NOAH evolution: {k}/2 gens" for k in range(3)),
+    ],
+}
+
+
+@pytest.mark.parametrize("method", CALIBRATED)
+def test_a_calibration_into_a_log_file_logs_a_few_progress_lines_only_when_asked(tiny_vit, monkeypatch, caplog, method):
+    """Where no bar is drawn (stderr a file), NOAH's search went on for its minutes without a line."""
+    monkeypatch.setattr(progress, "bars_shown", lambda: False)
+    caplog.set_level(logging.INFO)
+    budget = {key.removeprefix("method."): int(v) for key, v in (o.split("=") for o in BUDGET.get(method, ()))}
+    cfg = petl.make_config(method, num_classes=4, **budget)
+    gen = torch.Generator().manual_seed(0)
+    loader = [(torch.randn(4, 3, 32, 32, generator=gen), torch.tensor([0, 1, 2, 3])) for _ in range(3)]
+    spec = petl.get_method(method)
+
+    def progress_lines() -> list[str]:  # without a postfix (NOAH's loss, best score)
+        return [m.split(", ")[0] for m in caplog.messages if m.startswith(method.upper()) and "/" in m.split(", ")[0]]
+
+    spec.calibrate(tiny_vit(), cfg, loader, progress=False)
+    assert progress_lines() == []
+    spec.calibrate(tiny_vit(), cfg, loader, progress=True)
+    assert progress_lines() == LINES[method], caplog.messages
 
 
 @pytest.mark.slow

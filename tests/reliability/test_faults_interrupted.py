@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import socket
 import threading
@@ -153,6 +154,22 @@ def test_caching_features_shows_a_progress_bar_where_the_epochs_show_one(tmp_pat
     assert "caching train:" in err and "caching val:" in err
     train(default_config([*tiny_run(), "method=linear", f"output_dir={tmp_path / 'quiet'}"]))
     assert "caching" not in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_caching_features_into_a_log_file_logs_a_few_lines_where_the_epochs_have_a_bar(tmp_path, monkeypatch, caplog):
+    # Where stderr is a file the bar is not drawn, and the minutes of the frozen forward went by without a line.
+    monkeypatch.setattr(progress, "bars_shown", lambda: False)
+    caplog.set_level(logging.INFO)
+    with_bars = [o for o in tiny_run(subset=64) if o != "train.progress=false"]
+    train(default_config([*with_bars, "train.eval_batch_size=16", "method=linear", f"output_dir={tmp_path / 'bars'}"]))
+    said = [m for m in caplog.messages if m.startswith("caching ")]
+    assert [m for m in said if m.startswith("caching train")] == [f"caching train: {k}/4 batches" for k in range(5)]
+    done, total = said[-1].removeprefix("caching val: ").split()[0].split("/")  # the val split's, to its end
+    assert said[5].startswith("caching val: 0/") and done == total, said
+    caplog.clear()
+    train(default_config([*tiny_run(), "method=linear", f"output_dir={tmp_path / 'quiet'}"]))
+    assert not [m for m in caplog.messages if m.startswith("caching ")]
 
 
 @pytest.mark.parametrize("where", ["a read-only folder", "a file in the way", "a name too long"])

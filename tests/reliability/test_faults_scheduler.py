@@ -17,15 +17,20 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import tiny_run
+import torch
+from conftest import command_status, tiny_run
 from test_faults_training import _SLOW_EPOCHS
 from test_harness import BENCH, FakeEngine, write_run
+from test_run_card import _image, _run_folder
 
 from petl.bench import sweep
 from petl.bench.suite import load_experiment
 from petl.cli import bench as bench_cli
+from petl.cli import predict as predict_cli
 from petl.cli import run as run_cli
+from petl.deploy import predict
 from petl.store import files, lock
+from petl.store.run_card import load_run
 from petl.utils import progress
 from petl.utils.errors import TERMINATED
 
@@ -171,3 +176,46 @@ def test_one_rule_for_every_bar_a_terminal_or_a_notebook_and_the_callers_switch(
 
 def _closed() -> bool:
     raise ValueError("I/O operation on closed file")
+
+
+def test_a_bar_not_drawn_says_how_far_its_work_is_in_a_few_lines_where_its_caller_gives_a_say(monkeypatch, capsys):
+    # Feature caching, calibrations and predictions had a bar and nothing else: into a log file, minutes of silence.
+    lines: list[str] = []
+    monkeypatch.setattr(progress, "bars_shown", lambda: False)
+    assert sum(progress.progress_bar(range(100), desc="caching train", unit="batch", say=lines.append)) == 4950
+    assert lines == [f"caching train: {k}/100 batches" for k in range(0, 101, 10)]  # a line a tenth, not one an item
+    lines.clear()
+    bar = progress.progress_bar(total=5, initial=2, desc="NOAH evolution", unit="gen", say=lines.append)
+    bar.set_postfix(best="50.0")
+    bar.update()
+    bar.close()  # a search that stops early says where it stopped
+    assert lines == ["NOAH evolution: 2/5 gens", "NOAH evolution: 3/5 gens, best 50.0"]
+    lines.clear()
+    monkeypatch.setattr(progress, "LINE_SECONDS", 0.0)  # a minute passed: a line, whatever the tenth
+    list(progress.progress_bar(iter(range(2)), desc="evaluate", say=lines.append))
+    assert lines == ["evaluate: 0", "evaluate: 1", "evaluate: 2"]
+    lines.clear()
+    list(progress.progress_bar(range(3), show=False, say=lines.append))  # the caller's switch: quiet everywhere
+    monkeypatch.setattr(progress, "bars_shown", lambda: True)  # a terminal: the bar alone, as before
+    list(progress.progress_bar(range(3), desc="caching train", say=lines.append))
+    assert lines == [] and "caching train: 100%" in capsys.readouterr().err
+
+
+def test_petl_predict_without_a_terminal_prints_a_few_progress_lines_unless_quiet(tmp_path, monkeypatch, capsys):
+    # Thousands of images or a whole split went by without a word where stderr was a file.
+    monkeypatch.setattr(progress, "bars_shown", lambda: False)
+    runs = [str(_run_folder(tmp_path / name, seed=seed)) for seed, name in enumerate(("a", "b"))]
+    images = [*(str(_image(tmp_path / f"{k}.png")) for k in range(3)), "batch_size=1", "overwrite=true"]
+    for given, name in (([runs[0]], "a"), (runs, "2 runs")):  # one run alone, two in one MultiTask pass
+        code, _, err = command_status(capsys, predict_cli.main, *given, *images, f"out={tmp_path / 'p.csv'}")
+        lines = [line for line in err.splitlines() if ": predict " in line]
+        assert code == 0 and lines == [f"petl-predict: predict {name}: {k}/3 imgs" for k in range(4)], err
+        code, _, err = command_status(capsys, predict_cli.main, *given, *images, f"out={tmp_path / 'q.csv'}", "--quiet")
+        assert code == 0 and ": predict " not in err, err
+    run = load_run(runs[0])
+    split = [(torch.zeros(3, 32, 32), 0)] * 5
+    capsys.readouterr()
+    predict.evaluate_split(run, split, batch_size=2)
+    assert capsys.readouterr().err == "".join(f"petl-predict: evaluate a: {k}/3\n" for k in range(4))
+    predict.evaluate_split(run, split, batch_size=2, progress=False)
+    assert capsys.readouterr().err == ""
