@@ -231,7 +231,7 @@ def run_cli(argv: Sequence[str]) -> int:
         print(
             f"{PROG}: serving on {app.state.device} in {precision} (precision={options['precision']})", file=sys.stderr
         )
-        print(f"{PROG}: http://{options['host']}:{port}/ (the API: /openapi.json)", file=sys.stderr)
+        print(f"{PROG}: http://{address(options['host'], port)}/ (the API: /openapi.json)", file=sys.stderr)
         if options["host"] not in ("127.0.0.1", "localhost", "::1") and serve.token_from_environment() is None:
             print(
                 f"{PROG}: note: host={options['host']} takes requests from other machines and "
@@ -243,11 +243,18 @@ def run_cli(argv: Sequence[str]) -> int:
             server.run(sockets=[listening])
         except SystemExit as stop:  # uvicorn exits 3 when it cannot start: petl's status for that is 1
             if stop.code:
-                raise RuntimeError(f"could not serve on {options['host']}:{port} (uvicorn said why above)") from None
+                raise RuntimeError(
+                    f"could not serve on {address(options['host'], port)} (uvicorn said why above)"
+                ) from None
             raise
     if not server.started:
-        raise RuntimeError(f"could not serve on {options['host']}:{port} (uvicorn said why above)")
+        raise RuntimeError(f"could not serve on {address(options['host'], port)} (uvicorn said why above)")
     return 0
+
+
+def address(host: str, port: int) -> str:
+    """``host:port`` as a URL holds it: an IPv6 address in brackets (``[::1]:8000``; ``::1:8000`` is no address)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -300,9 +307,9 @@ def cannot_listen(host: str, port: int, error: OSError) -> Exception:
         )
     if error.errno == errno.EADDRINUSE:
         return RuntimeError(
-            f"cannot listen on {host}:{port}: the port is in use: stop what holds it, or choose another port="
+            f"cannot listen on {address(host, port)}: the port is in use: stop what holds it, or choose another port="
         )
-    return RuntimeError(f"cannot listen on {host}:{port}: {error.strerror or error}")
+    return RuntimeError(f"cannot listen on {address(host, port)}: {error.strerror or error}")
 
 
 # uvicorn handles SIGTERM itself, as Ctrl-C: the requests in flight finish (shutdown_timeout_s), then the signal is

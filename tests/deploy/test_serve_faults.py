@@ -234,3 +234,20 @@ def test_a_host_that_is_not_this_machines_is_bad_input_before_the_runs_load(unlo
         err.startswith("petl-serve: error: host=192.0.2.1 is not an address of this machine (") and err.count("\n") == 1
     )
     assert "host=127.0.0.1 (the default) or host=0.0.0.0" in err
+
+
+def test_an_ipv6_host_is_named_in_brackets(unloaded, capsys):
+    """Printed as http://::1:8000/ and ::1:8000, which no browser or client takes for an address and a port."""
+    assert serve_cli.address("::1", 8000) == "[::1]:8000" and serve_cli.address("127.0.0.1", 80) == "127.0.0.1:80"
+    run, loaded = unloaded
+    try:
+        taken = socket.socket(socket.AF_INET6)
+        taken.bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    with taken:
+        taken.listen()
+        port = taken.getsockname()[1]
+        code, out, err = command_status(capsys, serve_cli.main, str(run), "host=::1", f"port={port}", "--quiet")
+    assert (code, loaded) == (1, [])
+    assert err.startswith(f"petl-serve: error: cannot listen on [::1]:{port}: the port is in use"), err
