@@ -17,8 +17,9 @@ Options (key=value, anywhere, listed below with their defaults, which are those 
 petl.deploy.serve.ServeOptions; a value that is not a finite number in its range, or a precision not
 listed, is refused).  ``precision`` means what petl-run's ``train.precision`` does: the forward runs under it (bf16
 autocast, TF32) on a GPU, the weights stay fp32, and a CPU under ``auto`` answers exactly as strict fp32.  Exit
-status: 2 bad input (an option, a run folder, a task named twice), 1 the server could not run (FastAPI missing,
-the port taken), 130 Ctrl-C; SIGTERM shuts the server down as Ctrl-C does, and then ends it as SIGTERM ends a process.
+status: 2 bad input (an option, a run folder, a task named twice, a host that does not resolve or is not this
+machine's), 1 the server could not run (FastAPI missing, the port taken), 130 Ctrl-C; the host and the port are
+checked before the runs load; SIGTERM shuts the server down as Ctrl-C does, and then ends it as SIGTERM ends a process.
 """
 
 from __future__ import annotations
@@ -214,64 +215,101 @@ def run_cli(argv: Sequence[str]) -> int:
         )
     except ValueError as error:
         raise UsageError(str(error)) from None
-    try:
-        served, tasks = serve.load_tasks(runs)
-    except ValueError as error:  # RunFolderError, TaskRefused, disagreeing backbones: each names the run
-        raise UsageError(str(error).splitlines()[0]) from None
-    app = serve.create_app(served, tasks, serve_options)
-    listening = bind(options["host"], options["port"])
-    port = listening.getsockname()[1]
-    names = ", ".join(f"{t.name} ({t.method})" for t in tasks)
-    print(f"{PROG}: {plural(len(tasks), 'task')} over {tasks[0].backbone}: {names}", file=sys.stderr)
-    precision = serve.describe(app.state.precision, app.state.device)
-    print(f"{PROG}: serving on {app.state.device} in {precision} (precision={options['precision']})", file=sys.stderr)
-    print(f"{PROG}: http://{options['host']}:{port}/ (the API: /openapi.json)", file=sys.stderr)
-    if options["host"] not in ("127.0.0.1", "localhost", "::1") and serve.token_from_environment() is None:
+    # Bound before the runs load, which can take minutes: a host that is not this machine's or a port in use is
+    # said at once.  It listens only once they have: until then a client is refused instead of kept waiting.
+    with bind(options["host"], options["port"]) as listening:
+        port = listening.getsockname()[1]
+        try:
+            served, tasks = serve.load_tasks(runs)
+        except ValueError as error:  # RunFolderError, TaskRefused, disagreeing backbones: each names the run
+            raise UsageError(str(error).splitlines()[0]) from None
+        app = serve.create_app(served, tasks, serve_options)
+        listen(listening, options["host"], port)
+        names = ", ".join(f"{t.name} ({t.method})" for t in tasks)
+        print(f"{PROG}: {plural(len(tasks), 'task')} over {tasks[0].backbone}: {names}", file=sys.stderr)
+        precision = serve.describe(app.state.precision, app.state.device)
         print(
-            f"{PROG}: note: host={options['host']} takes requests from other machines and {serve.TOKEN_VARIABLE} "
-            "is not set: anyone who reaches this port can use the tasks",
-            file=sys.stderr,
+            f"{PROG}: serving on {app.state.device} in {precision} (precision={options['precision']})", file=sys.stderr
         )
-    server = uvicorn.Server(serve.server_config(app, options["host"], port, serve_options, not args.quiet))
-    try:
-        server.run(sockets=[listening])
-    except SystemExit as stop:  # uvicorn exits 3 when it cannot start: petl's status for that is 1
-        if stop.code:
-            raise RuntimeError(f"could not serve on {options['host']}:{port} (uvicorn said why above)") from None
-        raise
-    finally:
-        listening.close()
+        print(f"{PROG}: http://{address(options['host'], port)}/ (the API: /openapi.json)", file=sys.stderr)
+        if options["host"] not in ("127.0.0.1", "localhost", "::1") and serve.token_from_environment() is None:
+            print(
+                f"{PROG}: note: host={options['host']} takes requests from other machines and "
+                f"{serve.TOKEN_VARIABLE} is not set: anyone who reaches this port can use the tasks",
+                file=sys.stderr,
+            )
+        server = uvicorn.Server(serve.server_config(app, options["host"], port, serve_options, not args.quiet))
+        try:
+            server.run(sockets=[listening])
+        except SystemExit as stop:  # uvicorn exits 3 when it cannot start: petl's status for that is 1
+            if stop.code:
+                raise RuntimeError(
+                    f"could not serve on {address(options['host'], port)} (uvicorn said why above)"
+                ) from None
+            raise
     if not server.started:
-        raise RuntimeError(f"could not serve on {options['host']}:{port} (uvicorn said why above)")
+        raise RuntimeError(f"could not serve on {address(options['host'], port)} (uvicorn said why above)")
     return 0
 
 
+def address(host: str, port: int) -> str:
+    """``host:port`` as a URL holds it: an IPv6 address in brackets (``[::1]:8000``; ``::1:8000`` is no address)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def bind(host: str, port: int) -> socket.socket:
-    """A listening socket on ``host:port`` (port 0: one the system picks), bound before uvicorn starts.
+    """A socket bound to ``host:port`` (port 0: one the system picks), not listening yet (:func:`listen`).
 
     Raises:
-        RuntimeError: the port is taken or the address is not this machine's (one line naming them; exit 1).
+        UsageError: ``host`` does not resolve or is not an address of this machine (one line naming it; exit 2).
+        RuntimeError: the port is taken, or the system refused it (one line naming host and port; exit 1).
 
     """
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as error:
+        if error.errno == socket.EAI_AGAIN:  # the resolver did not answer: not the name's fault
+            raise RuntimeError(f"host={host}: {error.strerror}: try again, or give an IP address") from None
+        raise UsageError(
+            f"host={host} does not resolve ({error.strerror}): give this machine's address or name, as "
+            "host=127.0.0.1 (the default), host=0.0.0.0 (every interface) or host=localhost"
+        ) from None
+    try:
         listening = socket.socket(family, kind, proto)
     except OSError as error:
         raise RuntimeError(f"host={host}: {error.strerror or error}") from None
     try:
-        listening.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
+        # As uvicorn does: a port whose last connections are in TIME_WAIT is taken, one another socket listens on
+        # is refused (EADDRINUSE, here or, where two starts raced, at listen).
+        listening.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         listening.bind(address)
-        listening.listen()
     except OSError as error:
         listening.close()
-        why = (
-            "the port is in use: stop what holds it, or choose another port="
-            if error.errno == errno.EADDRINUSE
-            else (error.strerror or str(error))
-        )
-        raise RuntimeError(f"cannot listen on {host}:{port}: {why}") from None
+        raise cannot_listen(host, port, error) from None
     listening.set_inheritable(True)
     return listening
+
+
+def listen(listening: socket.socket, host: str, port: int) -> None:
+    """Start ``listening`` (bound by :func:`bind`); an error as :func:`bind` words it."""
+    try:
+        listening.listen()
+    except OSError as error:
+        raise cannot_listen(host, port, error) from None
+
+
+def cannot_listen(host: str, port: int, error: OSError) -> Exception:
+    """What :func:`bind` or :func:`listen` raises for ``error``: the one line, bad input or not."""
+    if error.errno == errno.EADDRNOTAVAIL:
+        return UsageError(
+            f"host={host} is not an address of this machine ({error.strerror}): give one of its own, as "
+            "host=127.0.0.1 (the default) or host=0.0.0.0 (every interface)"
+        )
+    if error.errno == errno.EADDRINUSE:
+        return RuntimeError(
+            f"cannot listen on {address(host, port)}: the port is in use: stop what holds it, or choose another port="
+        )
+    return RuntimeError(f"cannot listen on {address(host, port)}: {error.strerror or error}")
 
 
 # uvicorn handles SIGTERM itself, as Ctrl-C: the requests in flight finish (shutdown_timeout_s), then the signal is

@@ -412,7 +412,7 @@ def test_a_run_folder_that_fails_the_checks_is_refused_at_start_naming_it(runs, 
     weights = broken / "trainable.safetensors"
     weights.write_bytes(weights.read_bytes()[:-1] + b"\x00")
     with pytest.raises(SystemExit) as stop:
-        serve_cli.main([str(runs["vpt"]), str(broken), "port=1"])
+        serve_cli.main([str(runs["vpt"]), str(broken), "port=0"])
     assert stop.value.code == 2
     error = capsys.readouterr().err.strip()
     assert error.startswith("petl-serve: error: ") and f"{weights} is not the weights this run wrote" in error

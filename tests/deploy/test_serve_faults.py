@@ -7,9 +7,12 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import socket
+from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import command_status
 from PIL import Image
 from test_inference_precision import asgi_scope
 from test_multitask import _run_folder
@@ -158,7 +161,93 @@ def test_a_run_of_another_backbone_is_refused_saying_what_a_petl_serve_user_can_
     _run_folder(tmp_path / "narrow", "lora", {}, seed=0, width=48)
     _run_folder(tmp_path / "wide", "lora", {}, seed=0, width=96)
     with pytest.raises(SystemExit) as stop:
-        serve_cli.main([str(tmp_path / "narrow"), str(tmp_path / "wide"), "port=1"])
+        serve_cli.main([str(tmp_path / "narrow"), str(tmp_path / "wide"), "port=0"])
     assert stop.value.code == 2
     error = capsys.readouterr().err
     assert "was trained on another backbone than run" in error and "a second petl-serve on another port" in error
+
+
+@pytest.fixture
+def unloaded(tmp_path, monkeypatch):
+    """A run folder as petl-serve finds one, and a list of the loads tried (each fails the start, exit 2)."""
+    run = tmp_path / "cars"
+    run.mkdir()
+    (run / "model.json").write_text("{}")  # never read: the start is refused before the runs load
+    loaded = []
+
+    def load_tasks(runs):
+        loaded.append(runs)
+        raise ValueError("the runs loaded")
+
+    monkeypatch.setattr(serve, "load_tasks", load_tasks)
+    return run, loaded
+
+
+@pytest.mark.parametrize(
+    ("failure", "reason", "status", "message"),
+    [
+        (socket.EAI_NONAME, "Name or service not known", 2, " does not resolve (Name or service not known): give"),
+        (socket.EAI_AGAIN, "Temporary failure in name resolution", 1, ": Temporary failure in name resolution: try"),
+    ],
+    ids=["no such name", "resolver down"],
+)
+def test_a_host_that_does_not_resolve_is_one_line_before_the_runs_load(
+    unloaded, capsys, monkeypatch, failure, reason, status, message
+):
+    """Resolved only at bind, after every run had loaded (minutes on a GPU): exit 1 for a misspelt host."""
+    run, loaded = unloaded
+
+    def getaddrinfo(*args, **kwargs):  # the resolver's answer, without asking a DNS server
+        raise socket.gaierror(failure, reason)
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    code, out, err = command_status(capsys, serve_cli.main, str(run), "host=no-such-host.invalid", "--quiet")
+    assert (code, loaded) == (status, [])
+    assert err.startswith(f"petl-serve: error: host=no-such-host.invalid{message}") and err.count("\n") == 1, err
+
+
+def test_a_port_in_use_is_one_line_naming_it_before_the_runs_load(unloaded, capsys):
+    """Found at bind, after every run had loaded."""
+    run, loaded = unloaded
+    with socket.socket() as taken:  # no SO_REUSEADDR: any listening socket on the port refuses petl-serve's bind
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code, out, err = command_status(capsys, serve_cli.main, str(run), f"port={port}", "--quiet")
+    assert (code, loaded) == (1, [])
+    assert err == (
+        f"petl-serve: error: cannot listen on 127.0.0.1:{port}: the port is in use: stop what holds it, or choose "
+        "another port=\n"
+    )
+
+
+def test_a_host_that_is_not_this_machines_is_bad_input_before_the_runs_load(unloaded, capsys):
+    """Said "Cannot assign requested address", exit 1 (a server that could not run), after loading every run."""
+    nonlocal_bind = Path("/proc/sys/net/ipv4/ip_nonlocal_bind")
+    if nonlocal_bind.is_file() and nonlocal_bind.read_text().strip() != "0":
+        pytest.skip("this machine binds addresses it does not have (net.ipv4.ip_nonlocal_bind)")
+    run, loaded = unloaded
+    # 192.0.2.1 is TEST-NET-1 (RFC 5737), documentation's address, no machine's: bind sends nothing on a network.
+    code, out, err = command_status(capsys, serve_cli.main, str(run), "host=192.0.2.1", "--quiet")
+    assert (code, loaded) == (2, [])
+    assert (
+        err.startswith("petl-serve: error: host=192.0.2.1 is not an address of this machine (") and err.count("\n") == 1
+    )
+    assert "host=127.0.0.1 (the default) or host=0.0.0.0" in err
+
+
+def test_an_ipv6_host_is_named_in_brackets(unloaded, capsys):
+    """Printed as http://::1:8000/ and ::1:8000, which no browser or client takes for an address and a port."""
+    assert serve_cli.address("::1", 8000) == "[::1]:8000" and serve_cli.address("127.0.0.1", 80) == "127.0.0.1:80"
+    run, loaded = unloaded
+    try:
+        taken = socket.socket(socket.AF_INET6)
+        taken.bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    with taken:
+        taken.listen()
+        port = taken.getsockname()[1]
+        code, out, err = command_status(capsys, serve_cli.main, str(run), "host=::1", f"port={port}", "--quiet")
+    assert (code, loaded) == (1, [])
+    assert err.startswith(f"petl-serve: error: cannot listen on [::1]:{port}: the port is in use"), err

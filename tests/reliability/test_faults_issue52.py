@@ -78,7 +78,7 @@ def test_a_card_petl_cannot_build_is_one_line_naming_model_json_and_the_key(tmp_
     commands = {
         "petl-predict": (predict_cli.main, [str(run_dir), str(image)]),
         "petl-export": (export_cli.main, [str(run_dir), f"out={tmp_path / 'exported'}"]),
-        "petl-serve": (serve_cli.main, [str(run_dir), "port=1"]),  # refused while loading: never binds
+        "petl-serve": (serve_cli.main, [str(run_dir), "port=0"]),  # refused while loading: never listens
     }
     for prog, (main, argv) in commands.items():
         code, error = _main(main, argv, capsys)
