@@ -309,6 +309,11 @@ def cannot_listen(host: str, port: int, error: OSError) -> Exception:
         return RuntimeError(
             f"cannot listen on {address(host, port)}: the port is in use: stop what holds it, or choose another port="
         )
+    if error.errno == errno.EACCES and 0 < port < 1024:  # privileged ports: root's (or CAP_NET_BIND_SERVICE's)
+        return RuntimeError(
+            f"cannot listen on {address(host, port)}: {error.strerror}: ports below 1024 need root; choose "
+            "port=8000 (the default) or another of 1024 and above"
+        )
     return RuntimeError(f"cannot listen on {address(host, port)}: {error.strerror or error}")
 
 

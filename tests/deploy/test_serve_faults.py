@@ -5,6 +5,7 @@ shutdown ends is answered.  In process: the app called as uvicorn calls it (ASGI
 from __future__ import annotations
 
 import asyncio
+import errno
 import io
 import json
 import socket
@@ -251,3 +252,19 @@ def test_an_ipv6_host_is_named_in_brackets(unloaded, capsys):
         code, out, err = command_status(capsys, serve_cli.main, str(run), "host=::1", f"port={port}", "--quiet")
     assert (code, loaded) == (1, [])
     assert err.startswith(f"petl-serve: error: cannot listen on [::1]:{port}: the port is in use"), err
+
+
+def test_a_privileged_port_refused_says_which_ports_a_user_may_take(unloaded, capsys, monkeypatch):
+    """A port below 1024 for a user who is not root said "Permission denied" alone."""
+    run, loaded = unloaded
+
+    def bind(self, address):  # what the kernel answers a user who is not root (the suite may run as root)
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr(socket.socket, "bind", bind)
+    code, out, err = command_status(capsys, serve_cli.main, str(run), "port=80", "--quiet")
+    assert (code, loaded) == (1, [])
+    assert err == (
+        "petl-serve: error: cannot listen on 127.0.0.1:80: Permission denied: ports below 1024 need root; choose "
+        "port=8000 (the default) or another of 1024 and above\n"
+    )
