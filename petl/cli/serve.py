@@ -102,6 +102,16 @@ def runs_under(folder: Path) -> list[Path]:
     return sorted(p for p in carded if _is_run(p) and p not in replaced and p not in unfinished)
 
 
+def loopback(host: str) -> bool:
+    """Whether ``host`` takes requests from this machine alone: ``localhost`` or a loopback address (127.0.0.0/8,
+    ``::1``).
+    """
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name other than localhost: it may resolve to any interface
+        return False
+
+
 def find_runs(items: Sequence[str]) -> dict[str, Path]:
     """Task name -> run folder for every RUN and ``task.NAME=RUN`` argument, in the order given.
 
@@ -141,6 +151,8 @@ def find_runs(items: Sequence[str]) -> dict[str, Path]:
             raise UsageError(f"task {name!r} is named twice ({named[name]}, {found[0]}): give each task one name")
         else:
             named[name] = found[0]
+    for folder in sorted({p for p in unnamed if unnamed.count(p) > 1}):
+        print(f"{PROG}: note: {folder} was given more than once: served once", file=sys.stderr)
     runs = dict(named)
     for folder, name in run_labels(unnamed).items():
         if name in runs:
@@ -232,7 +244,7 @@ def run_cli(argv: Sequence[str]) -> int:
             f"{PROG}: serving on {app.state.device} in {precision} (precision={options['precision']})", file=sys.stderr
         )
         print(f"{PROG}: http://{address(options['host'], port)}/ (the API: /openapi.json)", file=sys.stderr)
-        if options["host"] not in ("127.0.0.1", "localhost", "::1") and serve.token_from_environment() is None:
+        if not loopback(options["host"]) and serve.token_from_environment() is None:
             print(
                 f"{PROG}: note: host={options['host']} takes requests from other machines and "
                 f"{serve.TOKEN_VARIABLE} is not set: anyone who reaches this port can use the tasks",

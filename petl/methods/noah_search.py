@@ -54,6 +54,7 @@ from petl.model.backbone import backbone_of
 from petl.model.registry import register_calibration
 from petl.utils import paths
 from petl.utils.progress import progress_bar
+from petl.utils.text import plural
 
 log = logging.getLogger(__name__)
 
@@ -400,8 +401,8 @@ def search(
     best, accuracy, evaluated = evolve(supernet, held_out, cfg, rng, device, progress, checkpoint)
     checkpoint.finish()
     log.info(
-        "NOAH search: supernet %d epochs in %.1f s, %d subnets scored in %.1f s; best held-out top-1 %.2f",
-        cfg.search_epochs,
+        "NOAH search: supernet %s in %.1f s, %d subnets scored in %.1f s; best held-out top-1 %.2f",
+        plural(cfg.search_epochs, "epoch"),
         trained - started,
         evaluated,
         time.perf_counter() - trained,

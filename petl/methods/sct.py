@@ -55,7 +55,6 @@ from typing import Any
 import torch
 from torch import nn
 
-# The reference's topN=96 on ViT-B's 768 channels: one in eight.
 from petl.model import rows, surgery
 from petl.model.backbone import backbone_of, block_family
 from petl.model.registry import MethodConfig, register_method
@@ -65,6 +64,7 @@ from petl.utils.progress import progress_bar
 
 log = logging.getLogger(__name__)
 
+# The reference's topN=96 on ViT-B's 768 channels: one in eight.
 DEFAULT_FRACTION = 8
 
 

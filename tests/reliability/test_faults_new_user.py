@@ -166,3 +166,21 @@ def test_a_hub_error_is_quoted_without_a_double_period(monkeypatch):
         build.create_backbone(cfg)
     assert "connection is on. Give a local file with model.checkpoint=PATH" in str(error.value)
     assert ".." not in str(error.value)
+
+
+def test_petl_serve_says_a_run_given_twice_is_served_once(tmp_path, capsys):
+    """``petl-serve runs/a runs/a`` served one task and said nothing of the second."""
+    run = _finished(tmp_path / "a")
+    capsys.readouterr()
+    assert serve_cli.find_runs([str(run), str(run)]) == {"a": run}
+    assert capsys.readouterr().err == f"petl-serve: note: {run} was given more than once: served once\n"
+
+
+@pytest.mark.parametrize(
+    ("host", "alone"),
+    [("localhost", True), ("127.0.0.1", True), ("127.0.0.2", True), ("::1", True), ("0.0.0.0", False)]
+    + [("192.168.1.20", False), ("::", False), ("myhost", False)],
+)
+def test_petl_serve_notes_an_open_port_for_every_host_but_loopback(host, alone):
+    """The note "anyone who reaches this port can use the tasks" went to 127.0.0.2 too (loopback, 127.0.0.0/8)."""
+    assert serve_cli.loopback(host) is alone
