@@ -233,16 +233,34 @@ class _Layout:
     masks: dict[int, dict[Any, Tensor]] = field(default_factory=dict)
 
 
+def _storage_of(module: nn.Module) -> tuple[Tensor, ...]:
+    """``module``'s parameters and buffers as tensors of their present storage.
+
+    A ``.to()`` swaps a Parameter's storage (``param.data = ...``), freeing the old one unless a tensor such as
+    these still holds it.
+    """
+    return tuple(t.detach() for t in (*module.parameters(), *module.buffers()))
+
+
 class LayoutGraph:
     """One batch layout's forward captured as a CUDA graph (:meth:`MultiTask.graphed`); call it with the images.
 
     It holds every tensor made outside the capture that the graph reads: the layout's row order, task indices and
-    masks (made before capturing, on the default memory pool).  Freed, their memory would be handed to other tensors
-    while the graph still reads it: a replay would gather rows at indices that are no longer the layout's.
+    masks (made before capturing, on the default memory pool), and the MultiTask's parameters and buffers as
+    captured (``weights``: their storage, which a later ``.to()`` replaces and frees).  Freed, their memory would be
+    handed to other tensors while the graph still reads it: a replay would gather rows at indices that are no
+    longer the layout's, or multiply by whatever took a weight's place.
     """
 
-    def __init__(self, graph: torch.cuda.CUDAGraph, images: Tensor, output: Tensor, layout: _Layout) -> None:
-        self.graph, self.images, self.output, self.layout = graph, images, output, layout
+    def __init__(
+        self,
+        graph: torch.cuda.CUDAGraph,
+        images: Tensor,
+        output: Tensor,
+        layout: _Layout,
+        weights: tuple[Tensor, ...] = (),
+    ) -> None:
+        self.graph, self.images, self.output, self.layout, self.weights = graph, images, output, layout, weights
 
     def __call__(self, images: Tensor) -> Tensor:
         """The logits of ``images`` (of the captured shape, dtype and device), each row from its task."""
@@ -637,8 +655,9 @@ class MultiTask(nn.Module):
         On a GPU a mixed batch's many small ops are bound by the host launching them (:attr:`launch_bound`); a
         CUDA graph launches the whole forward at once (``torch.cuda.CUDAGraph``, as vLLM serves a fixed batch size).
         The graph is this layout's: the same task at each row, the same image shape and dtype, the MultiTask on its
-        present device and dtype (make another after ``.to()``), under the autocast in force here.  Each call copies
-        the images into the graph's input and returns a copy of its output.  Inference only, as the MultiTask.
+        present device and dtype (after ``.to()`` it still answers with the tensors it captured: make another),
+        under the autocast in force here.  Each call copies the images into the graph's input and returns a copy of
+        its output.  Inference only, as the MultiTask.
 
         Args:
             images: an example batch on a CUDA device (its values are not kept).
@@ -665,7 +684,7 @@ class MultiTask(nn.Module):
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 output = self._run(static, layout)
-        return LayoutGraph(graph, static, output, layout)
+        return LayoutGraph(graph, static, output, layout, _storage_of(self))
 
     def _layout(self, index: Tensor, images: Tensor) -> _Layout:
         """How the rows of a batch with these task indices are sorted and routed (see :class:`_Layout`)."""

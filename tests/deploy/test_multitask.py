@@ -988,6 +988,22 @@ def test_a_layout_graph_copies_the_images_in_replays_and_holds_what_the_graph_re
         graph(images[:2])
 
 
+def test_a_graph_holds_the_storage_of_the_weights_it_captured(tmp_path):
+    """A graph reads the weights' memory as it was at the capture: a ``.to()`` after it gives each Parameter new
+    storage and frees the old, which the graph would go on reading (whatever took its place)."""
+    from petl.deploy.multitask import _storage_of
+
+    backbone = make_tiny_vit()
+    _, files = _save(tmp_path, {"lora": BATCHED["lora_qv"], "ssf": BATCHED["ssf"]}, backbone)
+    multi = petl.MultiTask(backbone, files)
+    held = _storage_of(multi)
+    captured = {t.data_ptr() for t in held}
+    assert captured == {t.data_ptr() for t in (*multi.parameters(), *multi.buffers())}
+    multi.to(torch.float64)
+    assert {t.data_ptr() for t in held} == captured and all(t.dtype == torch.float32 for t in held)
+    assert not captured & {p.data_ptr() for p in multi.parameters()}
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("task_set", ["8 methods", *sorted(OTHER_SETS_OPS)])
 def test_a_graph_of_a_layout_answers_as_the_forward(tmp_path, monkeypatch, task_set):
@@ -1001,6 +1017,7 @@ def test_a_graph_of_a_layout_answers_as_the_forward(tmp_path, monkeypatch, task_
     multi = petl.MultiTask(backbone, files).cuda()
     images = images.cuda()
     replay = multi.graphed(images, ids)
+    assert {t.data_ptr() for t in replay.weights} == {t.data_ptr() for t in (*multi.parameters(), *multi.buffers())}
     with torch.no_grad():
         for batch in (images, torch.randn_like(images), images.flip(0)):
             torch.testing.assert_close(replay(batch), multi(batch, ids), atol=1e-4, rtol=1e-4)
