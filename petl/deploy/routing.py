@@ -289,15 +289,17 @@ class Stack:
         self.pre, self.post, self.tasks = first.pre, first.post, tuple(sorted(forms))
         self.post_in_place = first.post_in_place
         self.tables = router.tables
-        # Per tensor: (table, its column there, shape of one entry), to take its view of the gathered rows back.
-        self.parts: list[tuple[int, int, torch.Size]] = []
+        # Per tensor: (table, its column there, shape of one entry), to take its view of the gathered rows back;
+        # None for a vector, whose column of the gathered rows is already rows x entry (a view is an op to dispatch).
+        self.parts: list[tuple[int, int, torch.Size | None]] = []
         for i, pad in enumerate(first.pad or (None,) * len(first.tensors)):
             column = [forms[task].tensors[i] for task in self.tasks] + [first.neutral[i]]
             if pad is not None:
                 size = max(t.shape[pad] for t in column)
                 column = [_zero_pad(t, pad, size) for t in column]
             stacked = torch.stack(column)
-            self.parts.append((*self.tables.add(self.tasks, stacked.flatten(1)), stacked.shape[1:]))
+            shape = stacked.shape[1:] if stacked.dim() != 2 else None
+            self.parts.append((*self.tables.add(self.tasks, stacked.flatten(1)), shape))
 
     def span(self, batch: Batch) -> slice | None:
         """The rows of ``batch`` its one op acts on, or None where its tasks' hooks act on their own rows instead.
@@ -336,9 +338,8 @@ class Stack:
         its tables gathered.
         """
         span = self.span(batch)
-        return tuple(
-            self.tables.rows(batch, table, span)[column].view(-1, *shape) for table, column, shape in self.parts
-        )
+        parts = [(self.tables.rows(batch, table, span)[column], shape) for table, column, shape in self.parts]
+        return tuple(part if shape is None else part.view(-1, *shape) for part, shape in parts)
 
     def act(self, batch: Batch, x: Tensor, y: Tensor, own: bool) -> Tensor:
         """``y`` with its ``post`` applied to the rows of its :meth:`span` (which must not be None).

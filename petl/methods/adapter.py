@@ -247,14 +247,14 @@ def _add_branch(wrapper: _Bottleneck, reads_output: bool) -> Callable[[torch.Ten
         up_w, up_b = wrapper.scale * wrapper.up.weight, wrapper.scale * wrapper.up.bias
         unit = rows.with_bias_unit(down_w, down_b, up_w, up_b, act)
     if unit is not None:
-        like = rows.per_device(*unit)
+        like = rows.per_device(unit[0], unit[1], unit[2].t())  # up transposed once, as add_matmul_ takes it
 
         def add(x: torch.Tensor, y: torch.Tensor, _tokens: rows.Tokens) -> None:
-            down_w, down_b, up_w = like(y)
+            down_w, down_b, up_t = like(y)
             h = y if reads_output else x
             if normed:
                 h = norm(h)
-            rows.add_matmul_(y, act(F.linear(h, down_w, down_b)), up_w)
+            rows.add_matmul_(y, act(F.linear(h, down_w, down_b)), up_t)
 
         return add
     like = rows.per_device(down_w, down_b, up_w, up_b)

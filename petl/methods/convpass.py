@@ -182,20 +182,26 @@ def _served_bypass(wrapper: ConvpassParallel) -> Callable[[torch.Tensor, torch.T
         centre, centre_b, up_w = rows.with_bias_unit(
             conv.weight[:, :, 1, 1], k * conv.bias, (s / k) * wrapper.up.weight, s * wrapper.up.bias, F.silu
         )
-        like = rows.per_device(k * wrapper.down.weight, k * wrapper.down.bias, centre, centre_b, around, up_w)
+        # up transposed once: add_matmul_ takes it so.
+        like = rows.per_device(k * wrapper.down.weight, k * wrapper.down.bias, centre, centre_b, around, up_w.t())
     rows_, cols = wrapper.grid
     p = wrapper.num_prefix
 
     def bypass(x: torch.Tensor, y: torch.Tensor, slots: int = 0) -> None:
-        down_w, down_b, centre, centre_b, around_w, up_w = like(x)
-        b, r = x.shape[0], down_w.shape[0]
+        down_w, down_b, centre, centre_b, around_w, up_t = like(x)
+        r = down_w.shape[0]
         h = F.silu(F.linear(x, down_w, down_b))
         c = F.linear(h, centre, centre_b)
-        patches = h[:, p + slots :].reshape(b, rows_, cols, r).permute(0, 3, 1, 2)
-        around_out = F.conv2d(patches, around_w, padding=1).permute(0, 2, 3, 1).reshape(b, rows_ * cols, r)
-        # narrow, not c[...] +=: no copy back of the slice; the bias unit (the last channel) left as it is.
-        c.narrow(1, p + slots, rows_ * cols).narrow(2, 0, r).add_(around_out)
-        rows.add_matmul_(y, F.silu(c), up_w)
+        # The patch tokens as a grid, each a view taken in one call (the host dispatches every view op): h's as the
+        # convolution's NCHW input, c's first r channels (not the bias unit, the last) as NHWC, where the other
+        # taps' output, permuted to NHWC, is added in place (no copy of it, no copy of c's slice back).
+        b, start = h.shape[0], p + slots
+        sb, st, sw = h.stride()
+        patches = h.as_strided((b, r, rows_, cols), (sb, sw, cols * st, st), h.storage_offset() + start * st)
+        sb, st, sw = c.stride()
+        grid = c.as_strided((b, rows_, cols, r), (sb, cols * st, st, sw), c.storage_offset() + start * st)
+        grid.add_(F.conv2d(patches, around_w, padding=1).permute(0, 2, 3, 1))
+        rows.add_matmul_(y, F.silu(c), up_t)
 
     return bypass
 

@@ -270,11 +270,11 @@ def _rows(wrapper: FactLinear) -> rows.RowHook:
             full = b.new_zeros(unwrap(wrapper).out_features, b.shape[1])
             full[wrapper.out_rows[0] : wrapper.out_rows[1]] = b
             b = full
-    like = rows.per_device(a, b)
+    like = rows.per_device(a, b.t())  # B transposed once: add_matmul_ takes it so
 
     def add(x: torch.Tensor, y: torch.Tensor, _tokens: rows.Tokens) -> None:
-        a, b = like(y)
-        rows.add_matmul_(y, F.linear(x, a), b)
+        a, b_t = like(y)
+        rows.add_matmul_(y, F.linear(x, a), b_t)
 
     return rows.RowHook(wrapper.base, post_in_place=add, batched=rows.low_rank(a, b))
 

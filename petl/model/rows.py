@@ -186,16 +186,17 @@ def low_rank(a: Tensor, b: Tensor) -> Batched:
     )
 
 
-def add_matmul_(y: Tensor, z: Tensor, weight: Tensor, alpha: float = 1.0) -> None:
-    """``y += alpha * z @ weight^T`` in place, as one ``addmm_`` over the rows of the tokens where ``y`` is
-    contiguous (a Linear's output); otherwise (a sum keeps the strides of its inputs) as a matmul and an add.
-    In ``y``'s dtype, as :func:`rows_matmul_`.
+def add_matmul_(y: Tensor, z: Tensor, weight_t: Tensor, alpha: float = 1.0) -> None:
+    """``y += alpha * z @ weight_t`` in place (``weight_t``: a weight's transpose, in x out, which a served hook takes
+    once, not at every call: a transpose is an op the host dispatches), as one ``addmm_`` over the rows of the
+    tokens where ``y`` is contiguous (a Linear's output); otherwise (a sum keeps the strides of its inputs) as a
+    matmul and an add.  In ``y``'s dtype, as :func:`rows_matmul_`.
     """
-    z, weight = _in_dtype_of(y, z, weight)
+    z, weight_t = _in_dtype_of(y, z, weight_t)
     if y.is_contiguous():
-        y.view(-1, y.shape[-1]).addmm_(z.reshape(-1, z.shape[-1]), weight.t(), alpha=alpha)
+        y.view(-1, y.shape[-1]).addmm_(z.reshape(-1, z.shape[-1]), weight_t, alpha=alpha)
     else:
-        y.add_(z @ weight.t(), alpha=alpha)
+        y.add_(z @ weight_t, alpha=alpha)
 
 
 # A hidden unit held at this value carries the next layer's bias through its matmul (see with_bias_unit).
