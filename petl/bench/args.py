@@ -53,6 +53,22 @@ def flags_as_keys(args: Sequence[str]) -> list[str]:
     return out
 
 
+def folders(args: Sequence[str], command: str) -> list[str]:
+    """The words of ``args`` that name folders (neither ``key=value`` nor a flag), for ``report`` and ``compare``.
+
+    Raises:
+        SystemExit: a flag (``--bogus``), which was read as a results folder and refused as one without results.
+
+    """
+    for arg in args:
+        if arg.startswith("-") and "=" not in arg:
+            raise SystemExit(
+                f"petl-bench {command}: unknown flag {arg!r}; it takes folders and key=value only "
+                "(see petl-bench --help)"
+            )
+    return [arg for arg in args if "=" not in arg]
+
+
 def check_run_keys(overrides: Sequence[str], own: set[str]) -> None:
     """Refuse a pass-through key that no run config has, listing petl-bench's own keys (a typo of one, say).
 

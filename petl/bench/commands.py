@@ -19,6 +19,7 @@ from petl.bench.args import (
     check_run_keys,
     configs_folder,
     flags_as_keys,
+    folders,
     parse_args,
     split_list,
 )
@@ -246,10 +247,12 @@ def cmd_commands(args: Sequence[str]) -> int:
 
 def cmd_report(args: Sequence[str]) -> int:
     """Build the leaderboard of a results folder."""
-    positional = [a for a in args if "=" not in a]
+    positional = folders(args, "report")
     own, rest = parse_args([a for a in args if "=" in a], {"out", "configs_dir", "suite"})
     if len(positional) != 1 or rest:
-        raise SystemExit("usage: petl-bench report RESULTS_DIR [out=DIR] [configs_dir=DIR] [suite=NAME]")
+        raise SystemExit(
+            f"petl-bench report: expected RESULTS_DIR [out=DIR] [configs_dir=DIR] [suite=NAME], got {' '.join(args)!r}"
+        )
     out = own.get("out", positional[0])
     # A configs_dir= that is no configs folder is refused (as `list` does), not read as "no experiment files".
     configs = configs_folder(own) if "configs_dir" in own else None
@@ -278,17 +281,18 @@ def cmd_compare(args: Sequence[str]) -> int:
     from petl.bench import compare
     from petl.store.files import write_text
 
-    usage = (
-        "usage: petl-bench compare RESULTS_A RESULTS_B [suites=NAME_A,NAME_B] [out=FILE [overwrite=true]] "
-        "[configs_dir=DIR]"
-    )
-    positional = [a for a in args if "=" not in a]
+    positional = folders(args, "compare")
     own, rest = parse_args([a for a in args if "=" in a], {"suites", "out", "overwrite", "configs_dir"})
     if len(positional) != 2 or rest:
-        raise SystemExit(usage)
+        raise SystemExit(
+            "petl-bench compare: expected RESULTS_A RESULTS_B [suites=NAME_A,NAME_B] [out=FILE [overwrite=true]] "
+            f"[configs_dir=DIR], got {' '.join(args)!r}"
+        )
     names = split_list(own["suites"]) if "suites" in own else [None, None]
     if len(names) != 2:
-        raise SystemExit(f"suites={own['suites']}: name two suites, one per results folder, as suites=A,B")
+        raise SystemExit(
+            f"petl-bench compare: suites={own['suites']}: name two suites, one per results folder, as suites=A,B"
+        )
     overwrite = as_bool("overwrite", own.get("overwrite", "false"))
     if "overwrite" in own and "out" not in own:
         raise SystemExit("petl-bench compare: overwrite= acts on out=FILE; give out= too, or leave overwrite= out")

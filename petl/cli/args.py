@@ -1,14 +1,14 @@
 """The one command-line grammar of the ``petl-*`` commands: ``key=value`` overrides as Hydra has them, flags anywhere.
 
 Every command parses with :func:`parse` (argparse's ``parse_intermixed_args``, so ``RUN IMAGES --quiet out=p.csv``
-and ``--quiet RUN out=p.csv IMAGES`` mean the same), then splits its words into positionals and ``key=value``
-pairs with :func:`split_items`.  A command declares its keys once (:class:`Key`), and :func:`keys_epilog` prints
-them under ``--help``, so the help lists exactly what the command accepts.  :func:`exit_statuses` turns what the
-command's body raises into one line and the exit status every command documents; :func:`entry_point` wraps each
-command's ``main``, so that Ctrl-C while it starts (its imports take seconds) is one line too, SIGTERM (a job
-scheduler's time limit) interrupts the command as Ctrl-C does, and a reader that closes the output early
-(``petl-run --help | head``) ends the command quietly.  Nothing here imports torch or timm: ``--help`` answers
-before anything heavy loads.
+and ``--quiet RUN out=p.csv IMAGES`` mean the same) on a :class:`Parser`, whose errors are one line, then splits its
+words into positionals and ``key=value`` pairs with :func:`split_items`.  A command declares its keys once
+(:class:`Key`), and :func:`keys_epilog` prints them under ``--help``, so the help lists exactly what the command
+accepts.  :func:`exit_statuses` turns what the command's body raises into one line and the exit status every command
+documents; :func:`entry_point` wraps each command's ``main``, so that Ctrl-C while it starts (its imports take
+seconds) is one line too, SIGTERM (a job scheduler's time limit) interrupts the command as Ctrl-C does, and a reader
+that closes the output early (``petl-run --help | head``) ends the command quietly.  Nothing here imports torch or
+timm: ``--help`` answers before anything heavy loads.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 from petl.utils.distributed import is_main_process
 from petl.utils.errors import INTERRUPTED, RUN_ERROR, TERMINATED, USAGE_ERROR, Terminated, UsageError
@@ -38,6 +38,22 @@ _KEY_PREFIXES = ("++", "+", "~")
 
 class CommandLineError(UsageError):
     """A word of the command line the command does not take: one line naming it (exit status 2)."""
+
+
+class Parser(argparse.ArgumentParser):
+    """The parser of every petl-* command: argparse, its errors one line that :func:`exit_statuses` prints.
+
+    argparse prints the command's usage (1 to 8 lines) before its error and exits itself; here its error is a
+    :class:`CommandLineError` instead, so that it reads ``PROG: error: MESSAGE`` (exit status 2) as every other
+    bad input does, the message ending with where to look (``(see PROG --help)``) unless it lists the choices
+    already.  ``--help`` is argparse's own, unchanged.
+    """
+
+    def error(self, message: str) -> NoReturn:
+        """Raise argparse's message (an unknown flag, a missing value, a bad choice) as a :class:`CommandLineError`."""
+        if "(choose from " not in message:
+            message = f"{message} (see {self.prog} --help)"
+        raise CommandLineError(message)
 
 
 @dataclass(frozen=True)
@@ -87,9 +103,9 @@ def plain(text: str) -> str:
     return _BOLD.sub(r"\1", text).replace("::\n", ":\n")
 
 
-def parser(prog: str, description: str, usage: str | None = None, keys: Sequence[Key] = ()) -> argparse.ArgumentParser:
-    """An argparse parser for one command: flags are added by the caller, ``words`` takes the rest."""
-    made = argparse.ArgumentParser(
+def parser(prog: str, description: str, usage: str | None = None, keys: Sequence[Key] = ()) -> Parser:
+    """A command's parser (:class:`Parser`): flags are added by the caller, ``words`` takes the rest."""
+    made = Parser(
         prog=prog,
         description=plain(description),
         usage=usage,
@@ -288,14 +304,14 @@ def entry_point(prog: str, debug_flag: str = "--debug", sigterm: bool = True) ->
     return wrap
 
 
-def hydra_parser(prog: str) -> argparse.ArgumentParser:
+def hydra_parser(prog: str) -> Parser:
     """``petl-run``'s flags: the ones Hydra's app runner reads (``hydra.main``), on a public argparse parser.
 
     Hydra has no public API for its own command-line parser; these are its flags, so that a command line is
     known (and every job of a sweep checked) before Hydra starts.  ``tests/cli/test_petl_run_cli.py`` checks them
-    against the help Hydra prints.
+    against the help Hydra prints.  A :class:`Parser`: an unknown flag is one line, not Hydra's 7 lines of usage.
     """
-    made = argparse.ArgumentParser(prog=prog, add_help=False)
+    made = Parser(prog=prog, add_help=False)
     made.add_argument("--help", "-h", action="store_true", help="this help (with overrides: Hydra's, composed)")
     made.add_argument("--hydra-help", action="store_true", help="Hydra's own help (launchers, sweepers, plugins)")
     made.add_argument("--version", action="store_true", help="Hydra's version")

@@ -48,8 +48,8 @@ def build_parser():  # noqa: ANN201  (argparse is imported by petl.cli.args)
 @entry_point(PROG)
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of ``petl-export``: parse (``--help`` answers here), then export (torch loads here)."""
-    args = parse(build_parser(), sys.argv[1:] if argv is None else argv)
-    with exit_statuses(PROG, failure=()):
+    with exit_statuses(PROG, failure=()):  # a bad flag too: one line, exit 2
+        args = parse(build_parser(), sys.argv[1:] if argv is None else argv)
         positional, options = split_items(args.words, KEYS, PROG)
         if len(positional) != 1 or not options.get("out"):
             raise CommandLineError(

@@ -79,8 +79,8 @@ def build_parser():  # noqa: ANN201  (argparse is imported by petl.cli.args)
 @entry_point(PROG)
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of ``petl-predict``: parse (``--help`` answers here), then predict (torch loads here)."""
-    args = parse(build_parser(), sys.argv[1:] if argv is None else argv)
-    with exit_statuses(PROG):
+    with exit_statuses(PROG):  # a bad flag too: one line, exit 2
+        args = parse(build_parser(), sys.argv[1:] if argv is None else argv)
         positional, options = split_items(args.words, KEYS, PROG, paths_first=True)
         if args.quiet and "out" not in options and "data" not in options:
             # No table and no file: the predictions would go nowhere.

@@ -33,9 +33,8 @@ import shlex
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import NoReturn
 
-from petl.cli.args import CommandLineError, boolean, entry_point, exit_statuses, plain
+from petl.cli.args import CommandLineError, Parser, boolean, entry_point, exit_statuses, plain
 from petl.utils.errors import RUN_ERROR
 from petl.utils.text import shown
 
@@ -56,16 +55,9 @@ def main(argv: list[str] | None = None) -> None:
         _main([a for a in argv if a != "--debug"])
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse, its errors one line: argparse prints its whole usage (8 lines) before the error."""
-
-    def error(self, message: str) -> NoReturn:
-        raise CommandLineError(message)
-
-
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> Parser:
     """The command's parser: every option is a flag (``--epochs 8``) or, as in every petl command, ``epochs=8``."""
-    parser = _Parser(
+    parser = Parser(
         prog=PROG,
         description=plain(__doc__),
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -144,18 +136,18 @@ def _main(argv: list[str]) -> None:
 
     for name in ("classes", "instances", "epochs", "batch_size"):
         if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+            raise CommandLineError(f"--{name.replace('_', '-')} must be >= 1")
     if args.classes * args.instances < args.batch_size:
         # Incomplete batches are dropped, so no step would run and untrained weights would be written.
-        parser.error(
+        raise CommandLineError(
             f"--batch-size {args.batch_size} is more than the {args.classes * args.instances} training images "
             f"({args.classes} classes x {args.instances} instances): no step would train; give a smaller "
             "--batch-size or more --classes / --instances"
         )
     if not 0 <= args.seed < 2**32:  # what numpy and torch take: -1 failed after the model was built, exit 1
-        parser.error(f"--seed {args.seed} is out of range: allowed [0, {2**32 - 1}]")
+        raise CommandLineError(f"--seed {args.seed} is out of range: allowed [0, {2**32 - 1}]")
     if not timm.is_model(args.model):
-        parser.error(f"--model {args.model} is not a timm architecture (petl's own: petl.backbones.models)")
+        raise CommandLineError(f"--model {args.model} is not a timm architecture (petl's own: petl.backbones.models)")
     try:
         settings = TrainSettings(
             epochs=args.epochs,
@@ -167,7 +159,9 @@ def _main(argv: list[str]) -> None:
             progress=not args.no_progress,
         )
     except ValueError as error:  # named as petl-run's option (train.lr=nan): said as this command's (--lr nan)
-        parser.error(re.sub(r"^train\.(\w+)=", lambda m: "--" + m[1].replace("_", "-") + " ", str(error)))
+        raise CommandLineError(
+            re.sub(r"^train\.(\w+)=", lambda m: "--" + m[1].replace("_", "-") + " ", str(error))
+        ) from None
     fractal = FractalConfig(num_classes=args.classes, instances=args.instances, seed=args.seed)
     try:
         # Weights already in --out are refused (overwrite=False) before hours of training, under the lock.

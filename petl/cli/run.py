@@ -257,21 +257,25 @@ def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     _debug = DEBUG_FLAG in argv or os.environ.get("HYDRA_FULL_ERROR") == "1"
     argv = [arg for arg in argv if arg != DEBUG_FLAG]
+    from petl.utils.distributed import is_main_process  # light: no torch
+
+    # Only one process of a multi-GPU launch speaks, or every error would print once per GPU.
+    quiet = not is_main_process()
     # Flags anywhere: parsed intermixed, then handed to Hydra's app runner flags first (its parser wants them so).
-    args = hydra_parser(PROG).parse_intermixed_args(argv)
+    # A bad flag is one line and exit 2, as other bad input: Hydra's own parser never sees a line this one refused.
+    # Even with --debug: the traceback would be argparse's.
+    with exit_statuses(PROG, failure=(), quiet=quiet):
+        args = hydra_parser(PROG).parse_intermixed_args(argv)
     if args.help and not args.overrides:
         from petl.cli.run_help import fast_help
 
         print(plain(fast_help(PROG, __doc__)))
         raise SystemExit  # status 0, as argparse after --help
     from petl.train import config
-    from petl.utils.distributed import is_main_process
 
     flags = list(argv)
     for override in args.overrides:
         flags.remove(override)
-    # Only one process of a multi-GPU launch speaks, or every error would print once per GPU.
-    quiet = not is_main_process()
     # --debug: bad input found while composing the command line shows its traceback too, as a run's does.
     with exit_statuses(PROG, usage=(ConfigError,), failure=(), debug=_debug, quiet=quiet):
         overrides = expand_experiment(args.overrides)

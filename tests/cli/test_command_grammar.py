@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import command_status
 
 from petl.cli import args as grammar
 from petl.cli import bench, export, predict, pretrain, run_help, serve
@@ -89,6 +90,53 @@ def test_petl_export_refuses_a_missing_out_with_status_2(capsys):
     with pytest.raises(SystemExit) as exit_:
         export.main(["RUN"])
     assert exit_.value.code == 2 and "expected RUN_DIR out=" in capsys.readouterr().err
+
+
+# Every console script with each kind of bad flag it can meet (an unknown flag, a flag missing its value, a bad choice,
+# no arguments where some are required), and what its one line must say: the argparse-built parsers printed their
+# usage first (petl-run: Hydra's, 7 lines), petl-bench report and compare printed their usage as the line.
+BAD_FLAGS = [
+    (run_cli, ["--bogus"], "unrecognized arguments: --bogus (see petl-run --help)"),
+    (run_cli, ["method=lora", "--cfg"], "argument --cfg/-c: expected one argument (see petl-run --help)"),
+    (run_cli, ["--cfg", "bogus"], "argument --cfg/-c: invalid choice: 'bogus' (choose from 'job', 'hydra', 'all')"),
+    (pretrain, ["--bogus"], "unrecognized arguments: --bogus (see petl-pretrain --help)"),
+    (pretrain, ["--epochs"], "argument --epochs: expected one argument (see petl-pretrain --help)"),
+    (pretrain, ["--precision", "fp8"], "argument --precision: invalid choice: 'fp8' (choose from"),
+    (predict, ["RUN", "a.png", "--bogus"], "unrecognized arguments: --bogus (see petl-predict --help)"),
+    (predict, ["RUN", "--quiet=yes"], "argument --quiet: ignored explicit argument 'yes' (see petl-predict --help)"),
+    (predict, [], "is not a run folder"),
+    (export, ["--bogus", "RUN", "out=x.onnx"], "unrecognized arguments: --bogus (see petl-export --help)"),
+    (export, [], "expected RUN_DIR out="),
+    (serve, ["RUN", "--bogus"], "unrecognized arguments: --bogus (see petl-serve --help)"),
+    (serve, ["--quiet=yes", "RUN"], "argument --quiet: ignored explicit argument 'yes' (see petl-serve --help)"),
+    (serve, [], "no run folder given"),
+    (bench, ["--bogus"], "unknown command '--bogus'"),
+    (bench, ["run", "--bogus"], "unknown flag '--bogus'"),
+    (bench, ["list", "--bogus"], "expected key=value, got '--bogus' (see petl-bench --help)"),
+    (bench, ["report", "--bogus"], "unknown flag '--bogus'"),
+    (bench, ["compare", "a", "b", "--bogus"], "unknown flag '--bogus'"),
+    (bench, ["report"], "expected RESULTS_DIR"),
+    (bench, ["compare"], "expected RESULTS_A RESULTS_B"),
+    (bench, ["compare", "a", "b", "suites=x"], "suites=x: name two suites"),
+    (bench, ["speed", "options=bogus"], "options=bogus: choose among"),
+]
+
+
+@pytest.mark.parametrize(
+    ("module", "argv", "said"), BAD_FLAGS, ids=[f"{m.PROG} {' '.join(a)}".strip() for m, a, _ in BAD_FLAGS]
+)
+def test_a_bad_flag_is_one_line_prog_error_and_exit_2(module, argv, said, capsys):
+    code, _, err = command_status(capsys, module.main, *argv)
+    assert code == 2 and err.count("\n") == 1, err
+    assert re.match(rf"{module.PROG}( \w+)?: error: ", err) and said in err, err
+
+
+@pytest.mark.parametrize("module", [run_cli, pretrain, predict, export, serve], ids=lambda m: m.PROG)
+def test_every_command_parser_is_the_one_line_parser(module):
+    made = grammar.hydra_parser(module.PROG) if module is run_cli else module.build_parser()
+    assert isinstance(made, grammar.Parser)
+    with pytest.raises(grammar.CommandLineError, match=rf"^unrecognized arguments: --x \(see {module.PROG} --help\)$"):
+        made.parse_args(["--x"])
 
 
 @pytest.mark.parametrize("module", [predict, export, serve], ids=lambda m: m.PROG)
