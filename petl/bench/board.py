@@ -7,6 +7,7 @@ and writes it.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -158,7 +159,8 @@ class Leaderboard:
     """Everything a report renders: the tasks and groups found, one row per experiment, and the columns.
 
     ``saturated`` names the tasks every complete row has saturated (not ranked), ``ranking`` is the rank test of
-    the complete rows (:func:`petl.bench.ranking.rank_test`: a ``Ranking``, or the reason none was run).
+    the complete rows (:func:`petl.bench.ranking.rank_test`: a ``Ranking``, or the reason none was run), all of them
+    on one backbone (:attr:`ranked_backbone`).
     ``families`` maps an experiment to its method family (experiments without one are left out; they
     count as a family of their own, named after their method: :meth:`family`); ``published_names`` to the
     published row it stands for (``published:`` in its experiment file).  ``plan``, when the report was
@@ -209,13 +211,35 @@ class Leaderboard:
         """Whether ``row``'s tasks ran on more than one backbone (its task mean averages different models)."""
         return len(self.backbones(row)) > 1
 
+    @property
+    def ranked_backbone(self) -> str | None:
+        """The one backbone whose rows are ranked: the one the most rows with every task and seed ran (a tie goes to
+        the first by name); ``None`` without such a row.
+
+        A folder may hold two suites' runs, or an experiment rerun with ``model=`` another: ranked together, its rows
+        would compare backbones as much as methods.  The majority keeps what most of the board ran; the name makes a
+        tie give the same board every time.
+        """
+        found = Counter(next(iter(self.backbones(row))) for row in self.rows if self._every_cell(row))
+        return min(found, key=lambda name: (-found[name], name)) if found else None
+
+    def other_backbone(self, row: ExperimentRow) -> bool:
+        """Whether ``row``'s tasks all ran on one backbone, not the :attr:`ranked_backbone`."""
+        found = self.backbones(row)
+        return len(found) == 1 and self.ranked_backbone not in (None, *found)
+
     def complete(self, row: ExperimentRow) -> bool:
-        """Whether ``row`` has a score on every task, each over every seed, all on one backbone.
+        """Whether ``row`` has a score on every task, each over every seed, all on the board's one backbone.
 
         Every task and seed: the plan's, when there is one (and a row of an experiment outside the plan is never
         complete: the suite does not rank it); otherwise as many as the fullest cell of the board.  A row whose tasks
-        ran on different backbones (:meth:`mixed`) is never complete: its task mean is no one model's.
+        ran on different backbones (:meth:`mixed`) is never complete: its task mean is no one model's; nor is a row
+        on another backbone than the :attr:`ranked_backbone` (:meth:`other_backbone`).
         """
+        return self._every_cell(row) and not self.other_backbone(row)
+
+    def _every_cell(self, row: ExperimentRow) -> bool:
+        # complete() less the board's backbone, which is decided from the rows this passes.
         if self.mixed(row):
             return False
         if self.plan is not None:

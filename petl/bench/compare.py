@@ -1,7 +1,8 @@
 """Two leaderboards' orderings side by side (``petl-bench compare``): one protocol on two backbones, say.
 
 Each board is built from its runs (:func:`petl.bench.report.build_board`), never from a written leaderboard, and
-only complete rows count: a row short of a task or seed has a mean over other tasks, which ranks nothing.  An
+only complete rows count: a row short of a task or seed has a mean over other tasks, which ranks nothing (and a row
+on another backbone than the board's ranked one, :attr:`~petl.bench.board.Leaderboard.ranked_backbone`, is none).  An
 experiment's rank is its place among its own board's complete rows; Spearman's rho is computed over the
 experiments complete on both boards (their task means, :func:`petl.bench.published.rank_correlation`), with a
 95 % bootstrap interval over those experiments (seeded: the same runs give the same page).  The places an experiment

@@ -40,6 +40,12 @@ def notes(board: Leaderboard) -> list[str]:
         if benchmark_tasks(board)
         else ""
     )
+    # Why a row is marked beyond a task or seed it lacks, each said in a line of its own below.
+    marks = []
+    if any(map(board.mixed, board.rows)):
+        marks.append("its tasks ran on different backbones: **Mixed backbones** below")
+    if any(map(board.other_backbone, board.rows)):
+        marks.append("it ran on another backbone than the ranked rows: **Other backbone** below")
     lines = [
         f"Measured by petl on {', '.join(board.models)}; top-1 test accuracy (%) as mean ± sample standard "
         "deviation over seeds (no ± with one seed).",
@@ -52,15 +58,18 @@ def notes(board: Leaderboard) -> list[str]:
         "included, the test pass not); Peak MB is the maximum over runs"
         + (f" ({', '.join(board.memory_kinds)})." if board.memory_kinds else "."),
         "`*` after an experiment: it has not run on every task, or with every seed, yet, so its means cover "
-        "fewer tasks or seeds"
-        + (
-            " (or its tasks ran on different backbones: **Mixed backbones** below)."
-            if any(board.mixed(row) for row in board.rows)
-            else "."
-        ),
+        "fewer tasks or seeds" + (f" (or {'; or '.join(marks)})." if marks else "."),
     ]
     lines += [
-        line for line in (not_learned_line(board), *flag_lines(board), set_aside_line(board), mixed_line(board)) if line
+        line
+        for line in (
+            not_learned_line(board),
+            *flag_lines(board),
+            set_aside_line(board),
+            mixed_line(board),
+            other_line(board),
+        )
+        if line
     ]
     if board.plan is not None:
         lines.append(progress(board))
@@ -185,6 +194,20 @@ def mixed_line(board: Leaderboard) -> str:
     )
 
 
+def other_line(board: Leaderboard) -> str:
+    """The legend's line on the rows on another backbone than the ranked rows' (``""`` when there are none)."""
+    rows = [f"{row.experiment} ({next(iter(board.backbones(row)))})" for row in board.rows if board.other_backbone(row)]
+    if not rows:
+        return ""
+    return (
+        f"**Other backbone**: {plural(len(rows), 'row')} ran every task on another backbone than the "
+        f"{board.ranked_backbone} of the ranked rows (the backbone the most complete rows ran; a tie goes to the first "
+        "by name), so the rank test, which compares methods on one model, leaves "
+        f"{'it' if len(rows) == 1 else 'them'} out; marked `*`, not ranked (report each backbone's runs apart): "
+        f"{'; '.join(rows)}."
+    )
+
+
 def set_aside_line(board: Leaderboard) -> str:
     """The legend's line on the finals ``require_learning`` set aside (``""`` when there are none)."""
     paths = set_aside_files(board.results_dir)
@@ -228,10 +251,11 @@ def progress(board: Leaderboard) -> str:
 
     complete = [e for e in plan.experiments if e in rows and board.complete(rows[e])]
     mixed = [e for e in plan.experiments if e in rows and board.mixed(rows[e])]
+    other = [e for e in plan.experiments if e in rows and board.other_backbone(rows[e])]
     partial = [
         f"{e} ({runs_done(rows[e])} of {total})"
         for e in plan.experiments
-        if e in rows and e not in complete and e not in mixed
+        if e in rows and e not in complete and e not in mixed and e not in other
     ]
     missing = [e for e in plan.experiments if e not in rows]
     done = sum(runs_done(rows[e]) for e in plan.experiments if e in rows)
@@ -248,6 +272,11 @@ def progress(board: Leaderboard) -> str:
         )
     if mixed:
         parts.append(f"On different backbones, marked `*` and not ranked ({len(mixed)}): {', '.join(mixed)}.")
+    if other:
+        parts.append(
+            f"On another backbone than {board.ranked_backbone}, marked `*` and not ranked ({len(other)}): "
+            f"{', '.join(other)}."
+        )
     if missing:
         parts.append(f"No final run yet ({len(missing)}; searching or not started): {', '.join(missing)}.")
     outside = [row.experiment for row in board.rows if row.experiment not in plan.experiments]
@@ -305,14 +334,14 @@ def ranking_line(board: Leaderboard, table: PublishedTable = RANKED_TABLE) -> st
         head
         + body
         + f" Published: {table.title}; source: {table.source} (supervised), on its own tasks at 224 px; measured "
-        f"here: {', '.join(board.models)} on these {plural(len(board.tasks), 'task')}. Other backbone, tasks and "
-        "recipe: it compares the methods' orderings, not their accuracies."
+        f"here: {board.ranked_backbone or ', '.join(board.models)} on these {plural(len(board.tasks), 'task')}. "
+        "Other backbone, tasks and recipe: it compares the methods' orderings, not their accuracies."
     )
 
 
 def unranked(board: Leaderboard) -> str:
     """`` Not ranked: a (short of a task or seed), b (not in the suite).`` for the rows the rank test leaves out (a row
-    on different backbones: ``c (on A, B)``).
+    on different backbones: ``c (on A, B)``; on another backbone than the ranked rows': ``d (on B)``).
 
     A row short of a task or seed (a failed run, a sweep not finished) may be the best on the board; the groups and
     mean ranks say nothing of it, and the section says so rather than leave the reader to find its `*`.
@@ -322,7 +351,9 @@ def unranked(board: Leaderboard) -> str:
     def why(row: ExperimentRow) -> str:
         if row.experiment in outside:
             return "not in the suite"
-        return f"on {', '.join(board.backbones(row))}" if board.mixed(row) else "short of a task or seed"
+        if board.mixed(row) or board.other_backbone(row):
+            return f"on {', '.join(board.backbones(row))}"
+        return "short of a task or seed"
 
     left = [f"{row.experiment} ({why(row)})" for row in board.rows if not board.complete(row)]
     return f" Not ranked, marked `*` in the table: {', '.join(left)}." if left else ""

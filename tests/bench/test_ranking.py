@@ -244,3 +244,53 @@ def test_the_diagram_is_the_same_bytes_in_every_process():
         for seed in ("1", "2")
     ]
     assert drawn[0].startswith(b"\x89PNG") and drawn[0] == drawn[1]
+
+
+# A complete row on another backbone than the others' (two suites' runs in one folder, an experiment rerun with
+# model=another): ranked with them, the test would compare backbones as much as methods.
+OTHER = "vit_small_patch16_224"  # after the fractal ViT by name: the majority, not the name, picks the backbone
+
+
+def _backbone_board(root: Path, models: dict[str, str]) -> report.Leaderboard:
+    scores = {"lora": (90.0, 80.0), "linear": (70.0, 60.0), "mlp": (99.0, 95.0)}  # mlp first in every block
+    for method, model in models.items():
+        for task, top1 in zip(("mini/digits", "mini/mnist"), scores[method], strict=True):
+            for seed in (0, 1):
+                _write(root / task / method / f"seed{seed}", _result(task, method, seed, top1 + seed, model=model))
+    return report.write_report(root)
+
+
+def test_a_complete_row_on_another_backbone_is_not_ranked_and_is_named(tmp_path):
+    from petl.bench import compare, notes
+
+    fractal = "vit_fractal_tiny_patch4_32.fractaldb"
+    board = _backbone_board(tmp_path, {"lora": OTHER, "linear": OTHER, "mlp": fractal})
+    mlp = next(r for r in board.rows if r.experiment == "mlp")
+    assert board.ranked_backbone == OTHER and board.other_backbone(mlp) and not board.complete(mlp)
+    assert board.ranking.methods == ("lora", "linear")
+    assert set(compare.placings(board)) == {"lora", "linear"}  # compare's ordering, and the published one's
+    assert notes.published_ranking(board).methods == ("lora", "linear")
+    md = (tmp_path / "leaderboard.md").read_text()
+    assert "| mlp * |" in md and "Other backbone** below" in md
+    assert (
+        f"**Other backbone**: 1 row ran every task on another backbone than the {OTHER} of the ranked rows (the "
+        "backbone the most complete rows ran; a tie goes to the first by name), so the rank test, which compares "
+        f"methods on one model, leaves it out; marked `*`, not ranked (report each backbone's runs apart): "
+        f"mlp ({fractal})." in md
+    )
+    assert f"Not ranked, marked `*` in the table: mlp (on {fractal})." in md
+    # A suite's progress names it apart from the rows short of a task or seed.
+    plan = report.Plan("mini", ("lora", "linear", "mlp"), ("mini/digits", "mini/mnist"), (0, 1))
+    line = notes.progress(report.build_board(tmp_path, plan=plan))
+    assert "Complete rows (2): lora, linear." in line and "Short of a task" not in line
+    assert f"On another backbone than {OTHER}, marked `*` and not ranked (1): mlp." in line
+    # A tie of complete rows goes to the first backbone by name.
+    tie = _backbone_board(tmp_path / "tie", {"lora": OTHER, "mlp": fractal})
+    assert tie.ranked_backbone == fractal and [r.experiment for r in tie.rows if tie.complete(r)] == ["mlp"]
+
+
+def test_rows_on_one_backbone_are_all_ranked_and_nothing_is_said_of_backbones(tmp_path):
+    board = _backbone_board(tmp_path, {"lora": OTHER, "linear": OTHER, "mlp": OTHER})
+    assert board.ranking.methods == ("mlp", "lora", "linear")
+    assert not any(board.other_backbone(r) for r in board.rows)
+    assert "**Other backbone**" not in (tmp_path / "leaderboard.md").read_text()
