@@ -70,7 +70,7 @@ def _delta_hook(frozen: nn.Module, delta: Tensor, channel_dim: int = -1) -> RowH
     like = per_device(delta.view(shape))
     # Batched as a scale of one and a shift: it stacks with SSF's scale and shift at the same layer.
     batched = affine(torch.ones_like(delta), delta, channel_dim)
-    return RowHook(frozen, post_in_place=lambda x, y, _tokens: y.add_(like(y)[0]), batched=batched)
+    return RowHook(frozen, post_in_place=lambda _x, y, _tokens: y.add_(like(y)[0]), batched=batched, reads_input=False)
 
 
 def _biases_beside_hook(
@@ -95,18 +95,20 @@ def _around(wrapper: RowHook, inner: RowHook) -> RowHook:
     where both hooks can (GPS's bias delta and sparse update: no copy of the rows, no copy back).
     """
     if wrapper.post is None:
-        return replace(wrapper, post=inner.post, batched=None, post_in_place=inner.post_in_place)
+        post, in_place = inner.post, inner.post_in_place
+        return replace(wrapper, post=post, batched=None, post_in_place=in_place, reads_input=inner.reads_input)
+    reads_input = wrapper.reads_input or inner.reads_input  # both get x where one reads it
     if wrapper.post_in_place is not None and inner.post_in_place is not None:
         inner_update, wrapper_update = inner.post_in_place, wrapper.post_in_place
 
-        def both(x: Tensor, y: Tensor, tokens: Tokens) -> None:
+        def both(x: Tensor | None, y: Tensor, tokens: Tokens) -> None:
             inner_update(x, y, tokens)
             wrapper_update(x, y, tokens)
 
-        return replace(wrapper, post=None, batched=None, post_in_place=both)
+        return replace(wrapper, post=None, batched=None, post_in_place=both, reads_input=reads_input)
     outer, first = wrapper.post, inner.post
     post = lambda x, y, tokens: outer(x, first(x, y, tokens), tokens)  # noqa: E731
-    return replace(wrapper, post=post, batched=None, post_in_place=None)
+    return replace(wrapper, post=post, batched=None, post_in_place=None, reads_input=reads_input)
 
 
 @dataclass
@@ -170,6 +172,13 @@ class Router:
         if self.batch is None:
             raise RuntimeError("a MultiTask's routed backbone runs only inside MultiTask.forward")
         return self.batch
+
+
+def _take(t: Tensor, rows: slice) -> Tensor:
+    """``t[rows]``, or ``t`` itself where ``rows`` are all of its rows (one task's batch): a slice is a view op the
+    host dispatches, at every routed module of every call.
+    """
+    return t if rows.stop - rows.start == t.shape[0] else t[rows]
 
 
 def _each_task(
@@ -287,7 +296,7 @@ class Stack:
     def __init__(self, forms: dict[int, Batched], router: Router) -> None:
         first = next(iter(forms.values()))
         self.pre, self.post, self.tasks = first.pre, first.post, tuple(sorted(forms))
-        self.post_in_place = first.post_in_place
+        self.post_in_place, self.reads_input = first.post_in_place, first.reads_input
         self.tables = router.tables
         # Per tensor: (table, its column there, shape of one entry), to take its view of the gathered rows back;
         # None for a vector, whose column of the gathered rows is already rows x entry (a view is an op to dispatch).
@@ -350,15 +359,17 @@ class Stack:
         span, the span's result and the rows after it.
         """
         span, rows = self.span(batch), self.rows(batch)
+        x = _take(x, span) if self.reads_input else None  # a post that reads y alone gets None, no slice of x
         if span.stop - span.start == y.shape[0]:
             return self.post(x, y, rows)
+        y_span = y[span]
         if own and not torch.is_grad_enabled():
             if self.post_in_place is not None:
-                self.post_in_place(x[span], y[span], rows)
+                self.post_in_place(x, y_span, rows)
             else:
-                y[span].copy_(self.post(x[span], y[span], rows))
+                y_span.copy_(self.post(x, y_span, rows))
             return y
-        parts = (y[: span.start], self.post(x[span], y[span], rows), y[span.stop :])
+        parts = (y[: span.start], self.post(x, y_span, rows), y[span.stop :])
         return torch.cat([part for part in parts if part.shape[0]])
 
 
@@ -435,7 +446,7 @@ class RoutedModule(nn.Module):
                 hooks = {task: hook for task, hook in hooks.items() if task not in stack.tasks}
         if not hooks:
             return x
-        return _each_task(batch, hooks, x, lambda h, rows: h.pre(x[rows], batch.tokens))
+        return _each_task(batch, hooks, x, lambda h, rows: h.pre(_take(x, rows), batch.tokens))
 
     def _post(self, batch: Batch, x: Tensor, y: Tensor, own: bool) -> Tensor:
         """``y`` with every task's post hook applied to its rows: stacked hooks in one op each, the rest per task."""
@@ -453,12 +464,13 @@ class RoutedModule(nn.Module):
             if rows is None or task in stacked:
                 continue
             if in_place and hook.post_in_place is not None:
-                hook.post_in_place(x[rows], y[rows], batch.tokens)
+                # A hook that reads y alone gets None for x: no slice of x's rows.
+                hook.post_in_place(_take(x, rows) if hook.reads_input else None, _take(y, rows), batch.tokens)
             else:
                 rest[task] = hook
         if not rest:
             return y
-        post = lambda h, rows: h.post(x[rows], y[rows], batch.tokens)  # noqa: E731
+        post = lambda h, rows: h.post(_take(x, rows) if h.reads_input else None, _take(y, rows), batch.tokens)  # noqa: E731
         return _each_task(batch, rest, y, post, own=own)
 
 
@@ -501,7 +513,7 @@ class RoutedBlock(RoutedModule):
             return self._post(batch, x, y, own=True)
         # Each half ends with a residual sum, a fresh tensor this block owns.
         x = self.family.attn_residual(self.base, x, **kwargs)
-        x = _each_task(batch, self.mid_hooks, x, lambda h, rows: h.mid(x[rows], batch.tokens), own=True)
+        x = _each_task(batch, self.mid_hooks, x, lambda h, rows: h.mid(_take(x, rows), batch.tokens), own=True)
         if self.branches:
             h = self.family.mlp_branch(self.base, x)
             own, hooks = _is_fresh(h, x), self.branch_hooks
@@ -511,10 +523,10 @@ class RoutedBlock(RoutedModule):
                 for task, hook in self.branch_hooks.items():
                     rows = batch.spans.get(task)
                     if rows is not None and hook.branch_in_place is not None:
-                        hook.branch_in_place(h[rows], batch.tokens)
+                        hook.branch_in_place(_take(h, rows), batch.tokens)
                     else:
                         hooks[task] = hook
-            branch = lambda hook, rows: hook.branch(h[rows], batch.tokens)  # noqa: E731
+            branch = lambda hook, rows: hook.branch(_take(h, rows), batch.tokens)  # noqa: E731
             h = _each_task(batch, hooks, h, branch, own=own)
             y = x + h
         else:

@@ -70,16 +70,19 @@ class Batched:
         pad: per tensor, a dimension along which zeros are neutral (a low-rank update's rank: a zero row of A and
             column of B add nothing), or ``None``: tasks whose tensors differ in size there stack, each padded with
             zeros to the largest (S-LoRA serves adapters of many ranks in one batch).
+        reads_input: whether ``post`` and ``post_in_place`` read ``x``; where not (a scale and shift of ``y``),
+            they get ``None`` for it: slicing ``x``'s rows is a view op the host dispatches at every call.
 
     """
 
     key: Hashable
     tensors: tuple[Tensor, ...]
     neutral: tuple[Tensor, ...]
-    post: Callable[[Tensor, Tensor, tuple[Tensor, ...]], Tensor] | None = None
+    post: Callable[[Tensor | None, Tensor, tuple[Tensor, ...]], Tensor] | None = None
     pre: Callable[[Tensor, Tokens, tuple[Tensor, ...]], Tensor] | None = None
     pad: tuple[int | None, ...] = ()
-    post_in_place: Callable[[Tensor, Tensor, tuple[Tensor, ...]], None] | None = None
+    post_in_place: Callable[[Tensor | None, Tensor, tuple[Tensor, ...]], None] | None = None
+    reads_input: bool = True
 
 
 def rows_matmul(x: Tensor, weight: Tensor, add: Tensor | None = None) -> Tensor:
@@ -126,22 +129,22 @@ def rows_vector(vector: Tensor, like: Tensor, channel_dim: int = -1) -> Tensor:
     return vector.view(shape)
 
 
-def _affine_channels_last(x: Tensor, y: Tensor, rows: tuple[Tensor, ...]) -> Tensor:
+def _affine_channels_last(x: Tensor | None, y: Tensor, rows: tuple[Tensor, ...]) -> Tensor:
     scale, shift = rows
     return torch.addcmul(rows_vector(shift, y), y, rows_vector(scale, y))
 
 
-def _affine_channels_first(x: Tensor, y: Tensor, rows: tuple[Tensor, ...]) -> Tensor:
+def _affine_channels_first(x: Tensor | None, y: Tensor, rows: tuple[Tensor, ...]) -> Tensor:
     scale, shift = rows
     return torch.addcmul(rows_vector(shift, y, 1), y, rows_vector(scale, y, 1))
 
 
-def _affine_channels_last_(x: Tensor, y: Tensor, rows: tuple[Tensor, ...]) -> None:
+def _affine_channels_last_(x: Tensor | None, y: Tensor, rows: tuple[Tensor, ...]) -> None:
     scale, shift = rows
     torch.addcmul(rows_vector(shift, y), y, rows_vector(scale, y), out=y)  # one op, written over y itself
 
 
-def _affine_channels_first_(x: Tensor, y: Tensor, rows: tuple[Tensor, ...]) -> None:
+def _affine_channels_first_(x: Tensor | None, y: Tensor, rows: tuple[Tensor, ...]) -> None:
     scale, shift = rows
     torch.addcmul(rows_vector(shift, y, 1), y, rows_vector(scale, y, 1), out=y)
 
@@ -158,7 +161,8 @@ def affine(scale: Tensor, shift: Tensor, channel_dim: int = -1) -> Batched:
     post = _affine_channels_first if channel_dim == 1 else _affine_channels_last
     in_place = _affine_channels_first_ if channel_dim == 1 else _affine_channels_last_
     neutral = (torch.ones_like(scale), torch.zeros_like(shift))
-    return Batched(post, (scale.detach(), shift.detach()), neutral, post=post, post_in_place=in_place)
+    tensors = (scale.detach(), shift.detach())
+    return Batched(post, tensors, neutral, post=post, post_in_place=in_place, reads_input=False)
 
 
 def _low_rank_update(x: Tensor, y: Tensor, rows: tuple[Tensor, ...]) -> Tensor:
@@ -276,29 +280,33 @@ class RowHook:
             says so (nothing of it is routed).
         own_prompts: (``beside``, at a block) the prompts the block puts in place of those arriving (count x
             width), or ``None`` to carry them.
+        reads_input: whether ``post`` and ``post_in_place`` read ``x``; where not (SSF's scale and shift, a bias
+            delta, a sequential adapter), they get ``None`` for it: slicing a task's rows of ``x`` is a view op the
+            host dispatches at every call.
 
     """
 
     wrapped: nn.Module
     pre: Callable[[Tensor, Tokens], Tensor] | None = None
-    post: Callable[[Tensor, Tensor, Tokens], Tensor] | None = None
+    post: Callable[[Tensor | None, Tensor, Tokens], Tensor] | None = None
     mid: Callable[[Tensor, Tokens], Tensor] | None = None
     branch: Callable[[Tensor, Tokens], Tensor] | None = None
     prompts: int = 0
     visible: int | None = None
     pool_prompts: bool = True
     batched: Batched | None = None
-    post_in_place: Callable[[Tensor, Tensor, Tokens], None] | None = None
+    post_in_place: Callable[[Tensor | None, Tensor, Tokens], None] | None = None
     branch_in_place: Callable[[Tensor, Tokens], None] | None = None
     room: bool = False
     beside: bool = False
     own_prompts: Tensor | None = None
+    reads_input: bool = True
 
     def __post_init__(self) -> None:
         if self.post is None and self.post_in_place is not None:
             update = self.post_in_place
 
-            def post(x: Tensor, y: Tensor, tokens: Tokens) -> Tensor:
+            def post(x: Tensor | None, y: Tensor, tokens: Tokens) -> Tensor:
                 y = y.clone()
                 update(x, y, tokens)
                 return y

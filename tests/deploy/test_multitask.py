@@ -239,6 +239,39 @@ def test_frozen_layers_run_once_for_the_whole_mixed_batch(tmp_path):
     assert calls == [len(ids)]
 
 
+@pytest.mark.parametrize("groups", [[(0, 0, 2), (1, 2, 5)], [(0, 0, 5)]], ids=["two tasks", "one task"])
+def test_a_hook_is_handed_its_rows_of_the_input_only_if_it_reads_them(groups):
+    """A hook that reads the module's output alone (SSF, a bias delta, a sequential adapter) gets None for its input:
+    slicing a task's rows is an op the host dispatches at every routed module.  A task holding the whole batch gets
+    the tensors themselves, not a slice of all their rows."""
+    from petl.deploy.routing import Batch, Router
+    from petl.model.rows import RowHook, Tokens
+
+    seen = {}
+
+    def record(task):
+        def add(x, y, _tokens):
+            seen[task] = (x, y)
+            y.add_(1.0)
+
+        return add
+
+    base = torch.nn.Linear(4, 4)
+    router = Router(2)
+    hooks = {0: RowHook(base, post_in_place=record(0), reads_input=False), 1: RowHook(base, post_in_place=record(1))}
+    routed = RoutedModule(base, hooks, router)
+    router.batch = Batch(groups, Tokens(1, 0))
+    x = torch.randn(5, 3, 4)
+    with torch.inference_mode():
+        y = routed(x)
+        assert torch.equal(y, base(x) + 1.0)
+    assert seen[0][0] is None
+    if len(groups) == 1:
+        assert seen[0][1] is y
+    else:
+        assert torch.equal(seen[1][0], x[2:5]) and seen[1][1].shape[0] == 3
+
+
 def test_tasks_share_the_backbones_frozen_tensors(tmp_path):
     """A task costs its own tensors only: every frozen tensor of every task model is the backbone's own object."""
     # GPS trains the biases of the layers it wraps, HST the LayerNorms of the blocks it wraps: in the file they
