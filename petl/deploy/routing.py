@@ -268,14 +268,18 @@ class StackTables(nn.Module):
         self._columns = {}
 
     def rows(self, batch: Batch, table: int, span: slice) -> tuple[Tensor, ...]:
-        """The entry of each column of ``table`` of every row in ``span`` (rows x elements each), gathered once per
-        batch.
+        """The entry of each column of ``table`` of every row in ``span`` (rows x 1 x elements each), gathered once
+        per batch.
+
+        Rows x 1 x elements: a vector column (a scale, a shift, a bias) is then in the shape that broadcasts over
+        the tokens as gathered, where taking that view at each use would be an op the host dispatches (two per
+        SSF or BitFit site); one view of the gathered rows makes it for every column.
         """
         key = (table, span.start, span.stop)
         columns = batch.gathered.get(key)
         if columns is None:
             gathered = getattr(self, f"table_{table}")[batch.rows[span]]  # the span's rows: a view, no op
-            columns = batch.gathered[key] = gathered.split(self._sizes[table], dim=1)
+            columns = batch.gathered[key] = gathered.unsqueeze(1).split(self._sizes[table], dim=2)
         return columns
 
 
@@ -299,7 +303,8 @@ class Stack:
         self.post_in_place, self.reads_input = first.post_in_place, first.reads_input
         self.tables = router.tables
         # Per tensor: (table, its column there, shape of one entry), to take its view of the gathered rows back;
-        # None for a vector, whose column of the gathered rows is already rows x entry (a view is an op to dispatch).
+        # None for a vector, whose column of the gathered rows is already rows x 1 x entry, the shape it broadcasts
+        # in over the tokens (a view is an op to dispatch).
         self.parts: list[tuple[int, int, torch.Size | None]] = []
         for i, pad in enumerate(first.pad or (None,) * len(first.tensors)):
             column = [forms[task].tensors[i] for task in self.tasks] + [first.neutral[i]]
@@ -343,8 +348,8 @@ class Stack:
         return batch.serving[key]
 
     def rows(self, batch: Batch) -> tuple[Tensor, ...]:
-        """Each stacked tensor as each row's own, for the rows of its :meth:`span` (rows first): views of the rows
-        its tables gathered.
+        """Each stacked tensor as each row's own, for the rows of its :meth:`span` (rows first; a vector as rows x 1
+        x entry): views of the rows its tables gathered.
         """
         span = self.span(batch)
         parts = [(self.tables.rows(batch, table, span)[column], shape) for table, column, shape in self.parts]

@@ -62,7 +62,8 @@ class Batched:
             update, a scale of one); they must give exactly the row back.
         post: ``post(x, y, rows) -> y`` over the whole batch, as :attr:`RowHook.post` over one task's rows:
             ``rows`` holds each of ``tensors`` as every row's own (rows first: row ``i`` has its task's tensor at
-            ``rows[k][i]``, the neutral one for a row of another task).
+            ``rows[k][i]``, the neutral one for a row of another task), a vector (one value per channel) as rows x 1
+            x channels, the shape that broadcasts over tokens (:func:`rows_vector` shapes it for other layouts).
         pre: ``pre(x, tokens, rows) -> x``: the same for :attr:`RowHook.pre` (a form has one of the two).
         post_in_place: ``post_in_place(x, y, rows)``: what ``post`` does, done on ``y`` itself, in as many ops.  A
             stack acting on some of the batch's rows (the span of its tasks' rows) writes them into the frozen
@@ -119,13 +120,14 @@ def rows_matmul_(y: Tensor, x: Tensor, weight: Tensor) -> None:
 
 
 def rows_vector(vector: Tensor, like: Tensor, channel_dim: int = -1) -> Tensor:
-    """Each row's own vector (rows x channels), shaped to broadcast over ``like`` (rows first, channels at
-    ``channel_dim``: -1, or 1 for NCHW).
+    """Each row's own vector (rows x channels, or rows x 1 x channels as a :class:`Batched` form gets it), shaped to
+    broadcast over ``like`` (rows first, channels at ``channel_dim``: -1, or 1 for NCHW).
     """
     if channel_dim == -1 and like.dim() == 3:  # tokens: the common case, without building a shape
-        return vector.unsqueeze(1)
+        # A stack's gathered vectors come in this shape already: a view here is an op the host dispatches.
+        return vector if vector.dim() == 3 else vector.unsqueeze(1)
     shape = [vector.shape[0]] + [1] * (like.dim() - 1)
-    shape[channel_dim] = vector.shape[1]
+    shape[channel_dim] = vector.shape[-1]
     return vector.view(shape)
 
 

@@ -822,6 +822,18 @@ def _task_set(name: str = "8 methods") -> dict[str, tuple[str, dict]]:
     return {f"{method}_{i}": (method, options) for i, (method, options) in enumerate(methods)}
 
 
+class _AllOps(TorchDispatchMode):
+    """Counts every aten op dispatched inside it by name, views included (CountOps leaves them out)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
 def _served_ops(forward) -> collections.Counter[str]:
     """The ops of one served call (no autograd), after a first call that fills the per-device copies of the tasks'
     served tensors."""
@@ -872,6 +884,15 @@ def test_a_mixed_batch_of_eight_methods_launches_few_ops(tmp_path):
     # Nor is a dropout dispatched: in eval it returns its input, yet under inference mode it is an op the host
     # dispatches (38 of the benchmark's 624), which the routed copy's dropouts (MultiTask stays in eval) skip.
     assert not count.ops["dropout"], dict(count.ops)
+    # Views are calls the host makes too: a stack's gathered vectors (SSF's and BitFit's scales and shifts, each
+    # stack's two per call) come in the shape that broadcasts over the tokens, one view of each table's rows (3
+    # tables; the other 3 build the prompt slots' masks on the CPU).
+    unsqueezed = {}
+    for name, call in (("mixed", lambda: multi(images, ids)), ("plain", lambda: backbone(images))):
+        with torch.inference_mode(), _AllOps() as every:
+            call()
+        unsqueezed[name] = every.ops["unsqueeze"]
+    assert unsqueezed["mixed"] <= unsqueezed["plain"] + 6, unsqueezed
 
 
 def test_tasks_that_stack_together_get_one_span_of_the_batch(tmp_path):
