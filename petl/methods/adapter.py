@@ -251,14 +251,15 @@ def _add_branch(
         up_w, up_b = wrapper.scale * wrapper.up.weight, wrapper.scale * wrapper.up.bias
         unit = rows.with_bias_unit(down_w, down_b, up_w, up_b, act)
     if unit is not None:
-        like = rows.per_device(unit[0], unit[1], unit[2].t())  # up transposed once, as add_matmul_ takes it
+        # down and up transposed once, as tokens_linear and add_matmul_ take them
+        like = rows.per_device(unit[0].t(), unit[1], unit[2].t())
 
         def add(x: torch.Tensor | None, y: torch.Tensor, _tokens: rows.Tokens) -> None:
-            down_w, down_b, up_t = like(y)
+            down_t, down_b, up_t = like(y)
             h = y if reads_output else x
             if normed:
                 h = norm(h)
-            rows.add_matmul_(y, act(F.linear(h, down_w, down_b)), up_t)
+            rows.add_matmul_(y, act(rows.tokens_linear(h, down_t, down_b)), up_t)
 
         return add
     like = rows.per_device(down_w, down_b, up_w, up_b)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 Tensor = torch.Tensor
@@ -200,9 +201,27 @@ def add_matmul_(y: Tensor, z: Tensor, weight_t: Tensor, alpha: float = 1.0) -> N
     """
     z, weight_t = _in_dtype_of(y, z, weight_t)
     if y.is_contiguous():
-        y.view(-1, y.shape[-1]).addmm_(z.reshape(-1, z.shape[-1]), weight_t, alpha=alpha)
+        flat = z if z.dim() == 2 else z.reshape(-1, z.shape[-1])  # tokens_linear's result is already flat
+        y.view(-1, y.shape[-1]).addmm_(flat, weight_t, alpha=alpha)
     else:
-        y.add_(z @ weight_t, alpha=alpha)
+        product = z @ weight_t
+        y.add_(product.view(y.shape) if product.dim() != y.dim() else product, alpha=alpha)
+
+
+def tokens_linear(x: Tensor, weight_t: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``F.linear(x, weight_t.t(), bias)`` with ``x``'s tokens as the rows of one matrix (tokens x out), as a served
+    hook feeds it on to :func:`add_matmul_`: one ``mm`` (``addmm`` with a bias) on a weight transposed once
+    (``weight_t``, in x out).
+
+    The same kernel on the same operands as ``F.linear``: for a contiguous ``x`` torch's ``at::linear`` (with a bias)
+    and ``at::matmul`` (without) fold the leading dims into rows and call it on ``weight.t()``; without the ops they
+    dispatch to get there (the weight's transpose, ``matmul``, the reshapes), about seven calls the host makes.  A
+    non-contiguous ``x`` goes through ``F.linear`` itself, whose kernel may then differ.
+    """
+    if not x.is_contiguous():
+        return F.linear(x, weight_t.t(), bias).flatten(0, -2)
+    flat = x if x.dim() == 2 else x.view(-1, x.shape[-1])
+    return flat.mm(weight_t) if bias is None else torch.addmm(bias, flat, weight_t)
 
 
 # A hidden unit held at this value carries the next layer's bias through its matmul (see with_bias_unit).

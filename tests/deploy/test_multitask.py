@@ -881,6 +881,12 @@ def test_a_mixed_batch_of_eight_methods_launches_few_ops(tmp_path):
         with CountOps() as count:
             multi(images, ids)
     assert count.ops["to"] <= 4, dict(count.ops)
+    # Only the frozen Linears call F.linear: a hook's matmuls are one mm or addmm each on a weight transposed once
+    # (rows.tokens_linear), the kernel F.linear reaches after dispatching the weight's transpose and matmul's views
+    # (under inference mode F.linear is one op to the counter; without autograd it counts what it dispatches).
+    with torch.inference_mode(), CountOps() as frozen:
+        backbone(images)
+    assert 0 < count.ops["linear"] <= frozen.ops["linear"], dict(count.ops)  # the heads are one stacked matmul
     # Nor is a dropout dispatched: in eval it returns its input, yet under inference mode it is an op the host
     # dispatches (38 of the benchmark's 624), which the routed copy's dropouts (MultiTask stays in eval) skip.
     assert not count.ops["dropout"], dict(count.ops)
