@@ -242,15 +242,19 @@ class StackTables(nn.Module):
         self._columns: dict[tuple[tuple[int, ...], torch.dtype], list[Tensor]] = {}
         self._table: dict[tuple[tuple[int, ...], torch.dtype], int] = {}
         self._sizes: dict[int, list[int]] = {}
+        self._vectors: set[int] = set()  # the tables holding a vector column
 
-    def add(self, tasks: tuple[int, ...], column: Tensor) -> tuple[int, int]:
-        """Put ``column`` (entries x elements: the stacked tasks' and the neutral one last) into the table of
-        ``tasks`` and its dtype; returns (table, index of the column in it), valid once :meth:`build` has run.
+    def add(self, tasks: tuple[int, ...], column: Tensor, vector: bool = False) -> tuple[int, int]:
+        """Put ``column`` (entries x elements: the stacked tasks' and the neutral one last; ``vector``: one value per
+        channel) into the table of ``tasks`` and its dtype; returns (table, index of the column in it), valid once
+        :meth:`build` has run.
         """
         key = (tasks, column.dtype)
         columns = self._columns.setdefault(key, [])
         if key not in self._table:
             self._table[key] = len(self._table)
+        if vector:
+            self._vectors.add(self._table[key])
         columns.append(column)
         return self._table[key], len(columns) - 1
 
@@ -268,8 +272,8 @@ class StackTables(nn.Module):
         self._columns = {}
 
     def rows(self, batch: Batch, table: int, span: slice) -> tuple[Tensor, ...]:
-        """The entry of each column of ``table`` of every row in ``span`` (rows x 1 x elements each), gathered once
-        per batch.
+        """The entry of each column of ``table`` of every row in ``span`` (rows x elements each; rows x 1 x elements
+        in a table with a vector column), gathered once per batch.
 
         Rows x 1 x elements: a vector column (a scale, a shift, a bias) is then in the shape that broadcasts over
         the tokens as gathered, where taking that view at each use would be an op the host dispatches (two per
@@ -279,7 +283,11 @@ class StackTables(nn.Module):
         columns = batch.gathered.get(key)
         if columns is None:
             gathered = getattr(self, f"table_{table}")[batch.rows[span]]  # the span's rows: a view, no op
-            columns = batch.gathered[key] = gathered.unsqueeze(1).split(self._sizes[table], dim=2)
+            if table in self._vectors:
+                columns = gathered.unsqueeze(1).split(self._sizes[table], dim=2)
+            else:  # matrices only (low-rank updates): each takes a view of its own anyway
+                columns = gathered.split(self._sizes[table], dim=1)
+            batch.gathered[key] = columns
         return columns
 
 
@@ -313,7 +321,7 @@ class Stack:
                 column = [_zero_pad(t, pad, size) for t in column]
             stacked = torch.stack(column)
             shape = stacked.shape[1:] if stacked.dim() != 2 else None
-            self.parts.append((*self.tables.add(self.tasks, stacked.flatten(1)), shape))
+            self.parts.append((*self.tables.add(self.tasks, stacked.flatten(1), vector=shape is None), shape))
 
     def span(self, batch: Batch) -> slice | None:
         """The rows of ``batch`` its one op acts on, or None where its tasks' hooks act on their own rows instead.
