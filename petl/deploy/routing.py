@@ -70,7 +70,7 @@ def _delta_hook(frozen: nn.Module, delta: Tensor, channel_dim: int = -1) -> RowH
     like = per_device(delta.view(shape))
     # Batched as a scale of one and a shift: it stacks with SSF's scale and shift at the same layer.
     batched = affine(torch.ones_like(delta), delta, channel_dim)
-    return RowHook(frozen, post_in_place=lambda x, y, _tokens: y.add_(like(y)[0]), batched=batched)
+    return RowHook(frozen, post_in_place=lambda _x, y, _tokens: y.add_(like(y)[0]), batched=batched, reads_input=False)
 
 
 def _biases_beside_hook(
@@ -95,18 +95,20 @@ def _around(wrapper: RowHook, inner: RowHook) -> RowHook:
     where both hooks can (GPS's bias delta and sparse update: no copy of the rows, no copy back).
     """
     if wrapper.post is None:
-        return replace(wrapper, post=inner.post, batched=None, post_in_place=inner.post_in_place)
+        post, in_place = inner.post, inner.post_in_place
+        return replace(wrapper, post=post, batched=None, post_in_place=in_place, reads_input=inner.reads_input)
+    reads_input = wrapper.reads_input or inner.reads_input  # both get x where one reads it
     if wrapper.post_in_place is not None and inner.post_in_place is not None:
         inner_update, wrapper_update = inner.post_in_place, wrapper.post_in_place
 
-        def both(x: Tensor, y: Tensor, tokens: Tokens) -> None:
+        def both(x: Tensor | None, y: Tensor, tokens: Tokens) -> None:
             inner_update(x, y, tokens)
             wrapper_update(x, y, tokens)
 
-        return replace(wrapper, post=None, batched=None, post_in_place=both)
+        return replace(wrapper, post=None, batched=None, post_in_place=both, reads_input=reads_input)
     outer, first = wrapper.post, inner.post
     post = lambda x, y, tokens: outer(x, first(x, y, tokens), tokens)  # noqa: E731
-    return replace(wrapper, post=post, batched=None, post_in_place=None)
+    return replace(wrapper, post=post, batched=None, post_in_place=None, reads_input=reads_input)
 
 
 @dataclass
@@ -172,6 +174,13 @@ class Router:
         return self.batch
 
 
+def _take(t: Tensor, rows: slice) -> Tensor:
+    """``t[rows]``, or ``t`` itself where ``rows`` are all of its rows (one task's batch): a slice is a view op the
+    host dispatches, at every routed module of every call.
+    """
+    return t if rows.stop - rows.start == t.shape[0] else t[rows]
+
+
 def _each_task(
     batch: Batch, hooks: dict[int, RowHook], x: Tensor, act: Callable[[RowHook, slice], Any], own: bool = False
 ) -> Tensor:
@@ -233,15 +242,19 @@ class StackTables(nn.Module):
         self._columns: dict[tuple[tuple[int, ...], torch.dtype], list[Tensor]] = {}
         self._table: dict[tuple[tuple[int, ...], torch.dtype], int] = {}
         self._sizes: dict[int, list[int]] = {}
+        self._vectors: set[int] = set()  # the tables holding a vector column
 
-    def add(self, tasks: tuple[int, ...], column: Tensor) -> tuple[int, int]:
-        """Put ``column`` (entries x elements: the stacked tasks' and the neutral one last) into the table of
-        ``tasks`` and its dtype; returns (table, index of the column in it), valid once :meth:`build` has run.
+    def add(self, tasks: tuple[int, ...], column: Tensor, vector: bool = False) -> tuple[int, int]:
+        """Put ``column`` (entries x elements: the stacked tasks' and the neutral one last; ``vector``: one value per
+        channel) into the table of ``tasks`` and its dtype; returns (table, index of the column in it), valid once
+        :meth:`build` has run.
         """
         key = (tasks, column.dtype)
         columns = self._columns.setdefault(key, [])
         if key not in self._table:
             self._table[key] = len(self._table)
+        if vector:
+            self._vectors.add(self._table[key])
         columns.append(column)
         return self._table[key], len(columns) - 1
 
@@ -259,14 +272,22 @@ class StackTables(nn.Module):
         self._columns = {}
 
     def rows(self, batch: Batch, table: int, span: slice) -> tuple[Tensor, ...]:
-        """The entry of each column of ``table`` of every row in ``span`` (rows x elements each), gathered once per
-        batch.
+        """The entry of each column of ``table`` of every row in ``span`` (rows x elements each; rows x 1 x elements
+        in a table with a vector column), gathered once per batch.
+
+        Rows x 1 x elements: a vector column (a scale, a shift, a bias) is then in the shape that broadcasts over
+        the tokens as gathered, where taking that view at each use would be an op the host dispatches (two per
+        SSF or BitFit site); one view of the gathered rows makes it for every column.
         """
         key = (table, span.start, span.stop)
         columns = batch.gathered.get(key)
         if columns is None:
             gathered = getattr(self, f"table_{table}")[batch.rows[span]]  # the span's rows: a view, no op
-            columns = batch.gathered[key] = gathered.split(self._sizes[table], dim=1)
+            if table in self._vectors:
+                columns = gathered.unsqueeze(1).split(self._sizes[table], dim=2)
+            else:  # matrices only (low-rank updates): each takes a view of its own anyway
+                columns = gathered.split(self._sizes[table], dim=1)
+            batch.gathered[key] = columns
         return columns
 
 
@@ -287,10 +308,11 @@ class Stack:
     def __init__(self, forms: dict[int, Batched], router: Router) -> None:
         first = next(iter(forms.values()))
         self.pre, self.post, self.tasks = first.pre, first.post, tuple(sorted(forms))
-        self.post_in_place = first.post_in_place
+        self.post_in_place, self.reads_input = first.post_in_place, first.reads_input
         self.tables = router.tables
         # Per tensor: (table, its column there, shape of one entry), to take its view of the gathered rows back;
-        # None for a vector, whose column of the gathered rows is already rows x entry (a view is an op to dispatch).
+        # None for a vector, whose column of the gathered rows is already rows x 1 x entry, the shape it broadcasts
+        # in over the tokens (a view is an op to dispatch).
         self.parts: list[tuple[int, int, torch.Size | None]] = []
         for i, pad in enumerate(first.pad or (None,) * len(first.tensors)):
             column = [forms[task].tensors[i] for task in self.tasks] + [first.neutral[i]]
@@ -299,7 +321,7 @@ class Stack:
                 column = [_zero_pad(t, pad, size) for t in column]
             stacked = torch.stack(column)
             shape = stacked.shape[1:] if stacked.dim() != 2 else None
-            self.parts.append((*self.tables.add(self.tasks, stacked.flatten(1)), shape))
+            self.parts.append((*self.tables.add(self.tasks, stacked.flatten(1), vector=shape is None), shape))
 
     def span(self, batch: Batch) -> slice | None:
         """The rows of ``batch`` its one op acts on, or None where its tasks' hooks act on their own rows instead.
@@ -334,8 +356,8 @@ class Stack:
         return batch.serving[key]
 
     def rows(self, batch: Batch) -> tuple[Tensor, ...]:
-        """Each stacked tensor as each row's own, for the rows of its :meth:`span` (rows first): views of the rows
-        its tables gathered.
+        """Each stacked tensor as each row's own, for the rows of its :meth:`span` (rows first; a vector as rows x 1
+        x entry): views of the rows its tables gathered.
         """
         span = self.span(batch)
         parts = [(self.tables.rows(batch, table, span)[column], shape) for table, column, shape in self.parts]
@@ -350,15 +372,17 @@ class Stack:
         span, the span's result and the rows after it.
         """
         span, rows = self.span(batch), self.rows(batch)
+        x = _take(x, span) if self.reads_input else None  # a post that reads y alone gets None, no slice of x
         if span.stop - span.start == y.shape[0]:
             return self.post(x, y, rows)
+        y_span = y[span]
         if own and not torch.is_grad_enabled():
             if self.post_in_place is not None:
-                self.post_in_place(x[span], y[span], rows)
+                self.post_in_place(x, y_span, rows)
             else:
-                y[span].copy_(self.post(x[span], y[span], rows))
+                y_span.copy_(self.post(x, y_span, rows))
             return y
-        parts = (y[: span.start], self.post(x[span], y[span], rows), y[span.stop :])
+        parts = (y[: span.start], self.post(x, y_span, rows), y[span.stop :])
         return torch.cat([part for part in parts if part.shape[0]])
 
 
@@ -435,7 +459,7 @@ class RoutedModule(nn.Module):
                 hooks = {task: hook for task, hook in hooks.items() if task not in stack.tasks}
         if not hooks:
             return x
-        return _each_task(batch, hooks, x, lambda h, rows: h.pre(x[rows], batch.tokens))
+        return _each_task(batch, hooks, x, lambda h, rows: h.pre(_take(x, rows), batch.tokens))
 
     def _post(self, batch: Batch, x: Tensor, y: Tensor, own: bool) -> Tensor:
         """``y`` with every task's post hook applied to its rows: stacked hooks in one op each, the rest per task."""
@@ -453,12 +477,13 @@ class RoutedModule(nn.Module):
             if rows is None or task in stacked:
                 continue
             if in_place and hook.post_in_place is not None:
-                hook.post_in_place(x[rows], y[rows], batch.tokens)
+                # A hook that reads y alone gets None for x: no slice of x's rows.
+                hook.post_in_place(_take(x, rows) if hook.reads_input else None, _take(y, rows), batch.tokens)
             else:
                 rest[task] = hook
         if not rest:
             return y
-        post = lambda h, rows: h.post(x[rows], y[rows], batch.tokens)  # noqa: E731
+        post = lambda h, rows: h.post(_take(x, rows) if h.reads_input else None, _take(y, rows), batch.tokens)  # noqa: E731
         return _each_task(batch, rest, y, post, own=own)
 
 
@@ -501,7 +526,7 @@ class RoutedBlock(RoutedModule):
             return self._post(batch, x, y, own=True)
         # Each half ends with a residual sum, a fresh tensor this block owns.
         x = self.family.attn_residual(self.base, x, **kwargs)
-        x = _each_task(batch, self.mid_hooks, x, lambda h, rows: h.mid(x[rows], batch.tokens), own=True)
+        x = _each_task(batch, self.mid_hooks, x, lambda h, rows: h.mid(_take(x, rows), batch.tokens), own=True)
         if self.branches:
             h = self.family.mlp_branch(self.base, x)
             own, hooks = _is_fresh(h, x), self.branch_hooks
@@ -511,10 +536,10 @@ class RoutedBlock(RoutedModule):
                 for task, hook in self.branch_hooks.items():
                     rows = batch.spans.get(task)
                     if rows is not None and hook.branch_in_place is not None:
-                        hook.branch_in_place(h[rows], batch.tokens)
+                        hook.branch_in_place(_take(h, rows), batch.tokens)
                     else:
                         hooks[task] = hook
-            branch = lambda hook, rows: hook.branch(h[rows], batch.tokens)  # noqa: E731
+            branch = lambda hook, rows: hook.branch(_take(h, rows), batch.tokens)  # noqa: E731
             h = _each_task(batch, hooks, h, branch, own=own)
             y = x + h
         else:

@@ -208,7 +208,7 @@ def _batched(wrapper: _Bottleneck, reads_output: bool) -> rows.Batched:
         tensors = [t.detach() for t in tensors]
     count = len(tensors) - (2 if eps is not None else 0)  # the bottleneck's tensors, before the norm's
 
-    def hidden(x: torch.Tensor, y: torch.Tensor, per_row: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    def hidden(x: torch.Tensor | None, y: torch.Tensor, per_row: tuple[torch.Tensor, ...]) -> torch.Tensor:
         down_w, down_b, norm_wb = per_row[0], per_row[1], per_row[count:]
         h = y if reads_output else x
         if norm_wb:
@@ -216,12 +216,12 @@ def _batched(wrapper: _Bottleneck, reads_output: bool) -> rows.Batched:
             h = torch.addcmul(rows.rows_vector(norm_wb[1], h), h, rows.rows_vector(norm_wb[0], h))
         return act(rows.rows_matmul(h, down_w, add=rows.rows_vector(down_b, h)))
 
-    def post(x: torch.Tensor, y: torch.Tensor, per_row: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    def post(x: torch.Tensor | None, y: torch.Tensor, per_row: tuple[torch.Tensor, ...]) -> torch.Tensor:
         up_w, *up_b = per_row[2:count]
         z = hidden(x, y, per_row)
         return rows.rows_matmul(z, up_w, add=y + rows.rows_vector(up_b[0], y) if up_b else y)
 
-    def post_in_place(x: torch.Tensor, y: torch.Tensor, per_row: tuple[torch.Tensor, ...]) -> None:
+    def post_in_place(x: torch.Tensor | None, y: torch.Tensor, per_row: tuple[torch.Tensor, ...]) -> None:
         up_w, *up_b = per_row[2:count]
         z = hidden(x, y, per_row)  # before y changes: a sequential adapter reads it
         if up_b:
@@ -231,10 +231,14 @@ def _batched(wrapper: _Bottleneck, reads_output: bool) -> rows.Batched:
     neutral = tuple(torch.zeros_like(t) for t in tensors)
     key = ("bottleneck", reads_output, repr(act), eps, unit is not None)
     pad = (0, 0, 1) + ((None,) if unit is None else ()) + ((None, None) if eps is not None else ())
-    return rows.Batched(key, tuple(tensors), neutral, post=post, pad=pad, post_in_place=post_in_place)
+    return rows.Batched(
+        key, tuple(tensors), neutral, post=post, pad=pad, post_in_place=post_in_place, reads_input=not reads_output
+    )
 
 
-def _add_branch(wrapper: _Bottleneck, reads_output: bool) -> Callable[[torch.Tensor, torch.Tensor, rows.Tokens], None]:
+def _add_branch(
+    wrapper: _Bottleneck, reads_output: bool
+) -> Callable[[torch.Tensor | None, torch.Tensor, rows.Tokens], None]:
     """The served branch added into the rows' output in place (eval: no dropout; the scale folded into ``up``).
 
     Where the activation allows it, ``up``'s bias rides on one more hidden unit
@@ -247,19 +251,20 @@ def _add_branch(wrapper: _Bottleneck, reads_output: bool) -> Callable[[torch.Ten
         up_w, up_b = wrapper.scale * wrapper.up.weight, wrapper.scale * wrapper.up.bias
         unit = rows.with_bias_unit(down_w, down_b, up_w, up_b, act)
     if unit is not None:
-        like = rows.per_device(unit[0], unit[1], unit[2].t())  # up transposed once, as add_matmul_ takes it
+        # down and up transposed once, as tokens_linear and add_matmul_ take them
+        like = rows.per_device(unit[0].t(), unit[1], unit[2].t())
 
-        def add(x: torch.Tensor, y: torch.Tensor, _tokens: rows.Tokens) -> None:
-            down_w, down_b, up_t = like(y)
+        def add(x: torch.Tensor | None, y: torch.Tensor, _tokens: rows.Tokens) -> None:
+            down_t, down_b, up_t = like(y)
             h = y if reads_output else x
             if normed:
                 h = norm(h)
-            rows.add_matmul_(y, act(F.linear(h, down_w, down_b)), up_t)
+            rows.add_matmul_(y, act(rows.tokens_linear(h, down_t, down_b)), up_t)
 
         return add
     like = rows.per_device(down_w, down_b, up_w, up_b)
 
-    def add_with_bias(x: torch.Tensor, y: torch.Tensor, _tokens: rows.Tokens) -> None:
+    def add_with_bias(x: torch.Tensor | None, y: torch.Tensor, _tokens: rows.Tokens) -> None:
         down_w, down_b, up_w, up_b = like(y)
         h = norm(y if reads_output else x)
         y.add_(F.linear(act(F.linear(h, down_w, down_b)), up_w, up_b))
@@ -272,9 +277,10 @@ def _sequential_rows(wrapper: SequentialAdapter) -> rows.RowHook:
     # The frozen MLP runs once for the mixed batch; each task's adapter reads and adds to its rows' MLP output.
     return rows.RowHook(
         wrapper.base,
-        post=lambda x, h, _tokens: h + wrapper.adapter(h),
+        post=lambda _x, h, _tokens: h + wrapper.adapter(h),
         post_in_place=_add_branch(wrapper, reads_output=True),
         batched=_batched(wrapper, reads_output=True),
+        reads_input=False,  # the MLP's output alone: the routing slices no rows of its input
     )
 
 

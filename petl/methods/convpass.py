@@ -182,23 +182,27 @@ def _served_bypass(wrapper: ConvpassParallel) -> Callable[[torch.Tensor, torch.T
         centre, centre_b, up_w = rows.with_bias_unit(
             conv.weight[:, :, 1, 1], k * conv.bias, (s / k) * wrapper.up.weight, s * wrapper.up.bias, F.silu
         )
-        # up transposed once: add_matmul_ takes it so.
-        like = rows.per_device(k * wrapper.down.weight, k * wrapper.down.bias, centre, centre_b, around, up_w.t())
+        # down, the centre tap and up transposed once, as tokens_linear and add_matmul_ take them.
+        down_t, centre_t = (k * wrapper.down.weight).t(), centre.t()
+        like = rows.per_device(down_t, k * wrapper.down.bias, centre_t, centre_b, around, up_w.t())
     rows_, cols = wrapper.grid
     p = wrapper.num_prefix
 
     def bypass(x: torch.Tensor, y: torch.Tensor, slots: int = 0) -> None:
-        down_w, down_b, centre, centre_b, around_w, up_t = like(x)
-        r = down_w.shape[0]
-        h = F.silu(F.linear(x, down_w, down_b))
-        c = F.linear(h, centre, centre_b)
+        down_t, down_b, centre_t, centre_b, around_w, up_t = like(x)
+        r = down_t.shape[1]
+        # Every row's tokens as the rows of one matrix (tokens x channels, contiguous: a matmul's result).
+        h = F.silu(rows.tokens_linear(x, down_t, down_b))
+        c = rows.tokens_linear(h, centre_t, centre_b)
         # The patch tokens as a grid, each a view taken in one call (the host dispatches every view op): h's as the
         # convolution's NCHW input, c's first r channels (not the bias unit, the last) as NHWC, where the other
         # taps' output, permuted to NHWC, is added in place (no copy of it, no copy of c's slice back).
-        b, start = h.shape[0], p + slots
-        sb, st, sw = h.stride()
+        b, tokens, start = x.shape[0], x.shape[1], p + slots
+        st, sw = h.stride()
+        sb = tokens * st
         patches = h.as_strided((b, r, rows_, cols), (sb, sw, cols * st, st), h.storage_offset() + start * st)
-        sb, st, sw = c.stride()
+        st, sw = c.stride()
+        sb = tokens * st
         grid = c.as_strided((b, rows_, cols, r), (sb, cols * st, st, sw), c.storage_offset() + start * st)
         grid.add_(F.conv2d(patches, around_w, padding=1).permute(0, 2, 3, 1))
         rows.add_matmul_(y, F.silu(c), up_t)

@@ -167,20 +167,20 @@ class DtlSide(_side.SideNetwork):
         reads the patch tokens after the slots.
         """
         with torch.no_grad():
-            like = rows.per_device(self.lora_a[index], self.beta * self.lora_b[index])
+            # A and B transposed once, as tokens_linear and addmm take them (a transpose is an op to dispatch).
+            like = rows.per_device(self.lora_a[index].t(), (self.beta * self.lora_b[index]).t())
             fusion = None if isinstance(self.fusion, nn.Identity) else self.fusion.weight / self.beta
             conv = rows.per_device(fusion) if fusion is not None else None
 
         def pre(x: torch.Tensor, tokens: rows.Tokens) -> None:
-            a, b = like(x)
-            z = F.linear(x, a)
+            a_t, b_t = like(x)
+            z = rows.tokens_linear(x, a_t)  # every token a row: tokens x rank
             if index == 0:
-                self._sum = F.linear(z, b)
+                self._sum = rows.tokens_linear(z, b_t).view(x.shape)
             else:  # a new sum (not addmm_: under autograd the last block's SiLU holds the old one)
-                d = b.shape[0]
-                self._sum = torch.addmm(self._sum.view(-1, d), z.view(-1, z.shape[-1]), b.t()).view(self._sum.shape)
+                self._sum = torch.addmm(self._sum.view(-1, b_t.shape[1]), z, b_t).view(self._sum.shape)
 
-        def post_in_place(x: torch.Tensor, y: torch.Tensor, tokens: rows.Tokens) -> None:
+        def post_in_place(_x: torch.Tensor | None, y: torch.Tensor, tokens: rows.Tokens) -> None:
             act = F.silu(self._sum)
             if index == self.depth - 1:
                 self._sum = None  # nothing kept between forwards
@@ -194,7 +194,9 @@ class DtlSide(_side.SideNetwork):
             y[:, :first].add_(act[:, :first], alpha=1 / self.beta)
             y[:, first:].add_(fused.view(*fused.shape[:2], -1).transpose(1, 2))
 
-        return rows.RowHook(block, pre=pre, post_in_place=post_in_place if index >= self.add_from else None)
+        # post reads the running sum and y alone: the routing slices no rows of x for it.
+        in_place = post_in_place if index >= self.add_from else None
+        return rows.RowHook(block, pre=pre, post_in_place=in_place, reads_input=False)
 
 
 def _formula(model: nn.Module, cfg: DtlConfig) -> int:

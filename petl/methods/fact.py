@@ -270,11 +270,11 @@ def _rows(wrapper: FactLinear) -> rows.RowHook:
             full = b.new_zeros(unwrap(wrapper).out_features, b.shape[1])
             full[wrapper.out_rows[0] : wrapper.out_rows[1]] = b
             b = full
-    like = rows.per_device(a, b.t())  # B transposed once: add_matmul_ takes it so
+    like = rows.per_device(a.t(), b.t())  # transposed once: tokens_linear and add_matmul_ take them so
 
     def add(x: torch.Tensor, y: torch.Tensor, _tokens: rows.Tokens) -> None:
-        a, b_t = like(y)
-        rows.add_matmul_(y, F.linear(x, a), b_t)
+        a_t, b_t = like(y)
+        rows.add_matmul_(y, rows.tokens_linear(x, a_t), b_t)
 
     return rows.RowHook(wrapper.base, post_in_place=add, batched=rows.low_rank(a, b))
 

@@ -245,7 +245,8 @@ def _rows(wrapper: LoraLinear) -> rows.RowHook:
         # Served alone on its rows: the cached inference stack, one matmul and one addmm_ into the rows (eval: no
         # dropout), as forward without autograd.
         a, b_t = wrapper._inference_stack(y.dtype)
-        rows.add_matmul_(y, F.linear(x, a), b_t, alpha=wrapper.scale)
+        # A's transpose is a view, as F.linear takes it, but the mm is called directly (rows.tokens_linear).
+        rows.add_matmul_(y, rows.tokens_linear(x, a.t()), b_t, alpha=wrapper.scale)
 
     return rows.RowHook(
         wrapper.base, post=lambda x, y, _tokens: wrapper.add_update(x, y), post_in_place=add, batched=batched

@@ -265,11 +265,12 @@ def _qkv_rows(wrapper: NoahQkv) -> rows.RowHook:
         return rows.RowHook(wrapper.base)
     with torch.no_grad():
         a, b = wrapper.lora_a[: wrapper.rank], wrapper.lora_b[:, : wrapper.rank]
-        like, batched = rows.per_device(a, b.t()), rows.low_rank(a, b)  # B transposed once, as add_matmul_ takes it
+        # A and B transposed once, as tokens_linear and add_matmul_ take them
+        like, batched = rows.per_device(a.t(), b.t()), rows.low_rank(a, b)
 
     def add(x: torch.Tensor, y: torch.Tensor, _tokens: rows.Tokens) -> None:
-        a, b_t = like(y)
-        rows.add_matmul_(y, F.linear(x, a), b_t)
+        a_t, b_t = like(y)
+        rows.add_matmul_(y, rows.tokens_linear(x, a_t), b_t)
 
     return rows.RowHook(
         wrapper.base, post=lambda x, y, _tokens: y + wrapper.update(x), post_in_place=add, batched=batched
@@ -388,11 +389,11 @@ def _served_adapter(wrapper: NoahBlock) -> Callable[[torch.Tensor, rows.Tokens],
         down, up = wrapper.down, wrapper.up
         unit = rows.with_bias_unit(k * down.weight[:a], k * down.bias[:a], up.weight[:, :a] / k, up.bias, F.silu)
     down_w, down_b, up_w = unit
-    like = rows.per_device(down_w, down_b, up_w.t())  # up transposed once, as add_matmul_ takes it
+    like = rows.per_device(down_w.t(), down_b, up_w.t())  # transposed once, as tokens_linear and add_matmul_ take them
 
     def add(h: torch.Tensor, _tokens: rows.Tokens) -> None:
-        down_w, down_b, up_t = like(h)
-        rows.add_matmul_(h, F.silu(F.linear(h, down_w, down_b)), up_t)
+        down_t, down_b, up_t = like(h)
+        rows.add_matmul_(h, F.silu(rows.tokens_linear(h, down_t, down_b)), up_t)
 
     return add
 

@@ -159,15 +159,16 @@ def _rows(wrapper: SsfLayer) -> rows.RowHook:
     shape = (-1, 1, 1) if wrapper.channel_dim == 1 else (-1,)
     like = rows.per_device(wrapper.scale.view(shape), wrapper.shift.view(shape))
 
-    def scale_shift_in_place(x: torch.Tensor, y: torch.Tensor, _tokens: rows.Tokens) -> None:
+    def scale_shift_in_place(_x: torch.Tensor | None, y: torch.Tensor, _tokens: rows.Tokens) -> None:
         scale, shift = like(y)
         torch.addcmul(shift, y, scale, out=y)  # one op, written over y itself
 
     return rows.RowHook(
         wrapper.base,
-        post=lambda x, y, _tokens: wrapper.scale_shift(y),
+        post=lambda _x, y, _tokens: wrapper.scale_shift(y),
         post_in_place=scale_shift_in_place,
         batched=batched,
+        reads_input=False,  # y alone: the routing slices no rows of x for it
     )
 
 

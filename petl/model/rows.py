@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 Tensor = torch.Tensor
@@ -62,7 +63,8 @@ class Batched:
             update, a scale of one); they must give exactly the row back.
         post: ``post(x, y, rows) -> y`` over the whole batch, as :attr:`RowHook.post` over one task's rows:
             ``rows`` holds each of ``tensors`` as every row's own (rows first: row ``i`` has its task's tensor at
-            ``rows[k][i]``, the neutral one for a row of another task).
+            ``rows[k][i]``, the neutral one for a row of another task), a vector (one value per channel) as rows x 1
+            x channels, the shape that broadcasts over tokens (:func:`rows_vector` shapes it for other layouts).
         pre: ``pre(x, tokens, rows) -> x``: the same for :attr:`RowHook.pre` (a form has one of the two).
         post_in_place: ``post_in_place(x, y, rows)``: what ``post`` does, done on ``y`` itself, in as many ops.  A
             stack acting on some of the batch's rows (the span of its tasks' rows) writes them into the frozen
@@ -70,16 +72,19 @@ class Batched:
         pad: per tensor, a dimension along which zeros are neutral (a low-rank update's rank: a zero row of A and
             column of B add nothing), or ``None``: tasks whose tensors differ in size there stack, each padded with
             zeros to the largest (S-LoRA serves adapters of many ranks in one batch).
+        reads_input: whether ``post`` and ``post_in_place`` read ``x``; where not (a scale and shift of ``y``),
+            they get ``None`` for it: slicing ``x``'s rows is a view op the host dispatches at every call.
 
     """
 
     key: Hashable
     tensors: tuple[Tensor, ...]
     neutral: tuple[Tensor, ...]
-    post: Callable[[Tensor, Tensor, tuple[Tensor, ...]], Tensor] | None = None
+    post: Callable[[Tensor | None, Tensor, tuple[Tensor, ...]], Tensor] | None = None
     pre: Callable[[Tensor, Tokens, tuple[Tensor, ...]], Tensor] | None = None
     pad: tuple[int | None, ...] = ()
-    post_in_place: Callable[[Tensor, Tensor, tuple[Tensor, ...]], None] | None = None
+    post_in_place: Callable[[Tensor | None, Tensor, tuple[Tensor, ...]], None] | None = None
+    reads_input: bool = True
 
 
 def rows_matmul(x: Tensor, weight: Tensor, add: Tensor | None = None) -> Tensor:
@@ -116,32 +121,33 @@ def rows_matmul_(y: Tensor, x: Tensor, weight: Tensor) -> None:
 
 
 def rows_vector(vector: Tensor, like: Tensor, channel_dim: int = -1) -> Tensor:
-    """Each row's own vector (rows x channels), shaped to broadcast over ``like`` (rows first, channels at
-    ``channel_dim``: -1, or 1 for NCHW).
+    """Each row's own vector (rows x channels, or rows x 1 x channels as a :class:`Batched` form gets it), shaped to
+    broadcast over ``like`` (rows first, channels at ``channel_dim``: -1, or 1 for NCHW).
     """
     if channel_dim == -1 and like.dim() == 3:  # tokens: the common case, without building a shape
-        return vector.unsqueeze(1)
+        # A stack's gathered vectors come in this shape already: a view here is an op the host dispatches.
+        return vector if vector.dim() == 3 else vector.unsqueeze(1)
     shape = [vector.shape[0]] + [1] * (like.dim() - 1)
-    shape[channel_dim] = vector.shape[1]
+    shape[channel_dim] = vector.shape[-1]
     return vector.view(shape)
 
 
-def _affine_channels_last(x: Tensor, y: Tensor, rows: tuple[Tensor, ...]) -> Tensor:
+def _affine_channels_last(x: Tensor | None, y: Tensor, rows: tuple[Tensor, ...]) -> Tensor:
     scale, shift = rows
     return torch.addcmul(rows_vector(shift, y), y, rows_vector(scale, y))
 
 
-def _affine_channels_first(x: Tensor, y: Tensor, rows: tuple[Tensor, ...]) -> Tensor:
+def _affine_channels_first(x: Tensor | None, y: Tensor, rows: tuple[Tensor, ...]) -> Tensor:
     scale, shift = rows
     return torch.addcmul(rows_vector(shift, y, 1), y, rows_vector(scale, y, 1))
 
 
-def _affine_channels_last_(x: Tensor, y: Tensor, rows: tuple[Tensor, ...]) -> None:
+def _affine_channels_last_(x: Tensor | None, y: Tensor, rows: tuple[Tensor, ...]) -> None:
     scale, shift = rows
     torch.addcmul(rows_vector(shift, y), y, rows_vector(scale, y), out=y)  # one op, written over y itself
 
 
-def _affine_channels_first_(x: Tensor, y: Tensor, rows: tuple[Tensor, ...]) -> None:
+def _affine_channels_first_(x: Tensor | None, y: Tensor, rows: tuple[Tensor, ...]) -> None:
     scale, shift = rows
     torch.addcmul(rows_vector(shift, y, 1), y, rows_vector(scale, y, 1), out=y)
 
@@ -158,7 +164,8 @@ def affine(scale: Tensor, shift: Tensor, channel_dim: int = -1) -> Batched:
     post = _affine_channels_first if channel_dim == 1 else _affine_channels_last
     in_place = _affine_channels_first_ if channel_dim == 1 else _affine_channels_last_
     neutral = (torch.ones_like(scale), torch.zeros_like(shift))
-    return Batched(post, (scale.detach(), shift.detach()), neutral, post=post, post_in_place=in_place)
+    tensors = (scale.detach(), shift.detach())
+    return Batched(post, tensors, neutral, post=post, post_in_place=in_place, reads_input=False)
 
 
 def _low_rank_update(x: Tensor, y: Tensor, rows: tuple[Tensor, ...]) -> Tensor:
@@ -194,9 +201,27 @@ def add_matmul_(y: Tensor, z: Tensor, weight_t: Tensor, alpha: float = 1.0) -> N
     """
     z, weight_t = _in_dtype_of(y, z, weight_t)
     if y.is_contiguous():
-        y.view(-1, y.shape[-1]).addmm_(z.reshape(-1, z.shape[-1]), weight_t, alpha=alpha)
+        flat = z if z.dim() == 2 else z.reshape(-1, z.shape[-1])  # tokens_linear's result is already flat
+        y.view(-1, y.shape[-1]).addmm_(flat, weight_t, alpha=alpha)
     else:
-        y.add_(z @ weight_t, alpha=alpha)
+        product = z @ weight_t
+        y.add_(product.view(y.shape) if product.dim() != y.dim() else product, alpha=alpha)
+
+
+def tokens_linear(x: Tensor, weight_t: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``F.linear(x, weight_t.t(), bias)`` with ``x``'s tokens as the rows of one matrix (tokens x out), as a served
+    hook feeds it on to :func:`add_matmul_`: one ``mm`` (``addmm`` with a bias) on a weight transposed once
+    (``weight_t``, in x out).
+
+    The same kernel on the same operands as ``F.linear``: for a contiguous ``x`` torch's ``at::linear`` (with a bias)
+    and ``at::matmul`` (without) fold the leading dims into rows and call it on ``weight.t()``; without the ops they
+    dispatch to get there (the weight's transpose, ``matmul``, the reshapes), about seven calls the host makes.  A
+    non-contiguous ``x`` goes through ``F.linear`` itself, whose kernel may then differ.
+    """
+    if not x.is_contiguous():
+        return F.linear(x, weight_t.t(), bias).flatten(0, -2)
+    flat = x if x.dim() == 2 else x.view(-1, x.shape[-1])
+    return flat.mm(weight_t) if bias is None else torch.addmm(bias, flat, weight_t)
 
 
 # A hidden unit held at this value carries the next layer's bias through its matmul (see with_bias_unit).
@@ -276,29 +301,33 @@ class RowHook:
             says so (nothing of it is routed).
         own_prompts: (``beside``, at a block) the prompts the block puts in place of those arriving (count x
             width), or ``None`` to carry them.
+        reads_input: whether ``post`` and ``post_in_place`` read ``x``; where not (SSF's scale and shift, a bias
+            delta, a sequential adapter), they get ``None`` for it: slicing a task's rows of ``x`` is a view op the
+            host dispatches at every call.
 
     """
 
     wrapped: nn.Module
     pre: Callable[[Tensor, Tokens], Tensor] | None = None
-    post: Callable[[Tensor, Tensor, Tokens], Tensor] | None = None
+    post: Callable[[Tensor | None, Tensor, Tokens], Tensor] | None = None
     mid: Callable[[Tensor, Tokens], Tensor] | None = None
     branch: Callable[[Tensor, Tokens], Tensor] | None = None
     prompts: int = 0
     visible: int | None = None
     pool_prompts: bool = True
     batched: Batched | None = None
-    post_in_place: Callable[[Tensor, Tensor, Tokens], None] | None = None
+    post_in_place: Callable[[Tensor | None, Tensor, Tokens], None] | None = None
     branch_in_place: Callable[[Tensor, Tokens], None] | None = None
     room: bool = False
     beside: bool = False
     own_prompts: Tensor | None = None
+    reads_input: bool = True
 
     def __post_init__(self) -> None:
         if self.post is None and self.post_in_place is not None:
             update = self.post_in_place
 
-            def post(x: Tensor, y: Tensor, tokens: Tokens) -> Tensor:
+            def post(x: Tensor | None, y: Tensor, tokens: Tokens) -> Tensor:
                 y = y.clone()
                 update(x, y, tokens)
                 return y

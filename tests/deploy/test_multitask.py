@@ -239,6 +239,39 @@ def test_frozen_layers_run_once_for_the_whole_mixed_batch(tmp_path):
     assert calls == [len(ids)]
 
 
+@pytest.mark.parametrize("groups", [[(0, 0, 2), (1, 2, 5)], [(0, 0, 5)]], ids=["two tasks", "one task"])
+def test_a_hook_is_handed_its_rows_of_the_input_only_if_it_reads_them(groups):
+    """A hook that reads the module's output alone (SSF, a bias delta, a sequential adapter) gets None for its input:
+    slicing a task's rows is an op the host dispatches at every routed module.  A task holding the whole batch gets
+    the tensors themselves, not a slice of all their rows."""
+    from petl.deploy.routing import Batch, Router
+    from petl.model.rows import RowHook, Tokens
+
+    seen = {}
+
+    def record(task):
+        def add(x, y, _tokens):
+            seen[task] = (x, y)
+            y.add_(1.0)
+
+        return add
+
+    base = torch.nn.Linear(4, 4)
+    router = Router(2)
+    hooks = {0: RowHook(base, post_in_place=record(0), reads_input=False), 1: RowHook(base, post_in_place=record(1))}
+    routed = RoutedModule(base, hooks, router)
+    router.batch = Batch(groups, Tokens(1, 0))
+    x = torch.randn(5, 3, 4)
+    with torch.inference_mode():
+        y = routed(x)
+        assert torch.equal(y, base(x) + 1.0)
+    assert seen[0][0] is None
+    if len(groups) == 1:
+        assert seen[0][1] is y
+    else:
+        assert torch.equal(seen[1][0], x[2:5]) and seen[1][1].shape[0] == 3
+
+
 def test_tasks_share_the_backbones_frozen_tensors(tmp_path):
     """A task costs its own tensors only: every frozen tensor of every task model is the backbone's own object."""
     # GPS trains the biases of the layers it wraps, HST the LayerNorms of the blocks it wraps: in the file they
@@ -789,6 +822,18 @@ def _task_set(name: str = "8 methods") -> dict[str, tuple[str, dict]]:
     return {f"{method}_{i}": (method, options) for i, (method, options) in enumerate(methods)}
 
 
+class _AllOps(TorchDispatchMode):
+    """Counts every aten op dispatched inside it by name, views included (CountOps leaves them out)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
 def _served_ops(forward) -> collections.Counter[str]:
     """The ops of one served call (no autograd), after a first call that fills the per-device copies of the tasks'
     served tensors."""
@@ -836,9 +881,24 @@ def test_a_mixed_batch_of_eight_methods_launches_few_ops(tmp_path):
         with CountOps() as count:
             multi(images, ids)
     assert count.ops["to"] <= 4, dict(count.ops)
+    # Only the frozen Linears call F.linear: a hook's matmuls are one mm or addmm each on a weight transposed once
+    # (rows.tokens_linear), the kernel F.linear reaches after dispatching the weight's transpose and matmul's views
+    # (under inference mode F.linear is one op to the counter; without autograd it counts what it dispatches).
+    with torch.inference_mode(), CountOps() as frozen:
+        backbone(images)
+    assert 0 < count.ops["linear"] <= frozen.ops["linear"], dict(count.ops)  # the heads are one stacked matmul
     # Nor is a dropout dispatched: in eval it returns its input, yet under inference mode it is an op the host
     # dispatches (38 of the benchmark's 624), which the routed copy's dropouts (MultiTask stays in eval) skip.
     assert not count.ops["dropout"], dict(count.ops)
+    # Views are calls the host makes too: a stack's gathered vectors (SSF's and BitFit's scales and shifts, each
+    # stack's two per call) come in the shape that broadcasts over the tokens, one view of each table's rows (3
+    # tables; the other 3 build the prompt slots' masks on the CPU).
+    unsqueezed = {}
+    for name, call in (("mixed", lambda: multi(images, ids)), ("plain", lambda: backbone(images))):
+        with torch.inference_mode(), _AllOps() as every:
+            call()
+        unsqueezed[name] = every.ops["unsqueeze"]
+    assert unsqueezed["mixed"] <= unsqueezed["plain"] + 6, unsqueezed
 
 
 def test_tasks_that_stack_together_get_one_span_of_the_batch(tmp_path):
