@@ -250,8 +250,9 @@ def cmd_report(args: Sequence[str]) -> int:
     positional = folders(args, "report")
     own, rest = parse_args([a for a in args if "=" in a], {"out", "configs_dir", "suite"})
     if len(positional) != 1 or rest:
+        given = repr(" ".join(args)) if args else "nothing"
         raise SystemExit(
-            f"petl-bench report: expected RESULTS_DIR [out=DIR] [configs_dir=DIR] [suite=NAME], got {' '.join(args)!r}"
+            f"petl-bench report: expected RESULTS_DIR [out=DIR] [configs_dir=DIR] [suite=NAME], got {given}"
         )
     out = own.get("out", positional[0])
     # A configs_dir= that is no configs folder is refused (as `list` does), not read as "no experiment files".
@@ -286,7 +287,7 @@ def cmd_compare(args: Sequence[str]) -> int:
     if len(positional) != 2 or rest:
         raise SystemExit(
             "petl-bench compare: expected RESULTS_A RESULTS_B [suites=NAME_A,NAME_B] [out=FILE [overwrite=true]] "
-            f"[configs_dir=DIR], got {' '.join(args)!r}"
+            f"[configs_dir=DIR], got {repr(' '.join(args)) if args else 'nothing'}"
         )
     names = split_list(own["suites"]) if "suites" in own else [None, None]
     if len(names) != 2:

@@ -115,8 +115,8 @@ BAD_FLAGS = [
     (bench, ["list", "--bogus"], "expected key=value, got '--bogus' (see petl-bench --help)"),
     (bench, ["report", "--bogus"], "unknown flag '--bogus'"),
     (bench, ["compare", "a", "b", "--bogus"], "unknown flag '--bogus'"),
-    (bench, ["report"], "expected RESULTS_DIR"),
-    (bench, ["compare"], "expected RESULTS_A RESULTS_B"),
+    (bench, ["report"], "expected RESULTS_DIR [out=DIR] [configs_dir=DIR] [suite=NAME], got nothing"),
+    (bench, ["compare"], "[configs_dir=DIR], got nothing"),
     (bench, ["compare", "a", "b", "suites=x"], "suites=x: name two suites"),
     (bench, ["speed", "options=bogus"], "options=bogus: choose among"),
 ]
