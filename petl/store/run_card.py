@@ -217,7 +217,10 @@ def read_card(run_dir: str | Path) -> dict[str, Any]:
     card_path = folder / MODEL_FILE
     if not card_path.is_file():
         if not (folder / WEIGHTS_FILE).is_file():
-            raise RunFolderError(f"{folder} holds no {WEIGHTS_FILE}: not a finished petl-run folder")
+            raise RunFolderError(
+                f"{folder} holds no {WEIGHTS_FILE}: not a finished petl-run folder; give the output_dir of a "
+                "petl-run that finished"
+            )
         raise RunFolderError(
             f"{folder} holds no {MODEL_FILE} (written by petl-run from this version on): train it again to use it"
         )
@@ -227,7 +230,10 @@ def read_card(run_dir: str | Path) -> dict[str, Any]:
         raise RunFolderError(f"{card_path} is not valid JSON ({error}): restore the run's model.json") from None
     found = _FORMAT_PATTERN.fullmatch(str(card.get("format"))) if isinstance(card, dict) else None
     if found is None:
-        raise RunFolderError(f"{card_path} is not a petl model record (its format is not petl-model-N)")
+        raise RunFolderError(
+            f"{card_path} is not a petl model record (its format is not petl-model-N): restore the run's "
+            "model.json as petl-run wrote it"
+        )
     version = int(found.group(1))
     if version > VERSION:
         raise RunFolderError(
@@ -260,7 +266,9 @@ def read_card(run_dir: str | Path) -> dict[str, Any]:
             f"run's own ({WEIGHTS_FILE}): restore the run's model.json"
         )
     if not (folder / weights).is_file():
-        raise RunFolderError(f"{folder} holds no {weights}: not a finished petl-run folder")
+        raise RunFolderError(
+            f"{folder} holds no {weights}, which its model.json names: restore it from the run, or train the run again"
+        )
     try:
         trained = read_trainable_metadata(folder / weights)["method"]
     except ValueError:  # a damaged weights file: its hash (weights_file) and load_trainable name what is wrong

@@ -130,7 +130,7 @@ def test_a_head_of_another_class_count_is_refused(tmp_path):
         (lambda card: card.update(backbone=[]), "field backbone is"),
         (lambda card: card.update(class_names=["a"]), "class_names has 1 names for num_classes=3"),
         (lambda card: card.update(format="petl-model-3"), "was written by a newer petl .*upgrade petl"),
-        (lambda card: card.update(format="something"), "not a petl model record"),
+        (lambda card: card.update(format="something"), "not a petl model record .*: restore the run's model.json"),
     ],
 )
 def test_a_damaged_or_newer_card_is_refused_in_one_line(tmp_path, edit, message):
@@ -175,3 +175,14 @@ def test_a_first_format_card_of_a_run_at_another_resolution_loads(tmp_path):
     _edit_card(run, _as_first_format)
     _edit_card(run, lambda card: card["preprocess"].update(input_size=48))
     assert petl.load_run(run).model.patch_embed.img_size == (48, 48)
+
+
+def test_a_run_without_its_weights_or_its_card_says_what_to_do(tmp_path):
+    """Each said what is wrong ("holds no trainable.safetensors: not a finished petl-run folder") but not what to do."""
+    run = _run_folder(tmp_path / "run")
+    (run / run_card.WEIGHTS_FILE).unlink()
+    with pytest.raises(run_card.RunFolderError, match=r"which its model.json names: restore it from the run, or train"):
+        petl.load_run(run)
+    (run / run_card.MODEL_FILE).unlink()
+    with pytest.raises(run_card.RunFolderError, match=r"not a finished petl-run folder; give the output_dir of"):
+        petl.load_run(run)
