@@ -19,10 +19,14 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from petl.utils.text import plural
+
 # A hidden bar's lines: one as each tenth more of the work is done, or as a minute passes with some done (a NOAH
 # supernet epoch can take minutes), so a log gets about a dozen lines for a piece of work, not one per item.
 LINE_FRACTION = 0.1
 LINE_SECONDS = 60.0
+# The units petl's bars count whose plural is not the unit and an s ("epochs", "runs", "imgs"; "epoches" was said).
+IRREGULAR_UNITS = {"batch": "batches"}
 
 
 def bars_shown() -> bool:
@@ -73,11 +77,13 @@ class ProgressLines:
         self._line()
 
     def _line(self) -> None:
-        count = f"{self.n}/{self.total}" if self.total is not None else str(self.n)
-        if self.unit is not None:  # "3/16 batches", "1/1 epoch": the noun of the last number
-            last = self.n if self.total is None else self.total
-            plural = self.unit + ("es" if self.unit.endswith(("s", "x", "ch", "sh")) else "s")
-            count += f" {self.unit if last == 1 else plural}"
+        # "3/16 batches", "1/1 epoch": the noun agrees with the last number.
+        if self.unit is None:
+            count = f"{self.n}/{self.total}" if self.total is not None else str(self.n)
+        elif self.total is None:
+            count = plural(self.n, self.unit, IRREGULAR_UNITS.get(self.unit))
+        else:
+            count = f"{self.n}/{plural(self.total, self.unit, IRREGULAR_UNITS.get(self.unit))}"
         self.say(f"{self.desc}: {count}{self.postfix}")
         self._said, self._said_at = self.n, time.monotonic()
 

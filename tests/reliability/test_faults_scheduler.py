@@ -191,6 +191,9 @@ def test_a_bar_not_drawn_says_how_far_its_work_is_in_a_few_lines_where_its_calle
     bar.close()  # a search that stops early says where it stopped
     assert lines == ["NOAH evolution: 2/5 gens", "NOAH evolution: 3/5 gens, best 50.0"]
     lines.clear()
+    list(progress.progress_bar(range(2), desc="NOAH supernet", unit="epoch", say=lines.append))  # "epoches" was said
+    assert lines == ["NOAH supernet: 0/2 epochs", "NOAH supernet: 1/2 epochs", "NOAH supernet: 2/2 epochs"]
+    lines.clear()
     monkeypatch.setattr(progress, "LINE_SECONDS", 0.0)  # a minute passed: a line, whatever the tenth
     list(progress.progress_bar(iter(range(2)), desc="evaluate", say=lines.append))
     assert lines == ["evaluate: 0", "evaluate: 1", "evaluate: 2"]
