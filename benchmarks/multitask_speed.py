@@ -18,9 +18,9 @@ With ``--launch-bound`` the MultiTask is timed on the GPU's path (``launch_bound
 every stack of two tasks acting) whatever the device; on a CPU with a tiny model (``--model vit_tiny_patch16_224
 --img-size 32``, one row per task), where the arithmetic is small, it is a rough proxy of the host's cost per op.
 
-With ``--graph`` (a GPU only) a fifth case is timed: the MultiTask's forward of the batch's layout captured once as
-a CUDA graph (``MultiTask.graphed``) and replayed, the host launching one graph instead of every op; it answers only
-batches with the same task at each row.
+With ``--graph`` (a GPU only) a fifth case is timed: the MultiTask's forward replaying its CUDA graph of the batch's
+layout (``MultiTask.graphs``, as petl-serve and petl-predict get it), each call's rows in another order with as many of
+each task, the host launching one graph instead of every op.  The MultiTask case stays eager (``graphs.size = 0``).
 
 With ``--ops`` nothing is timed: each case's aten ops in one call are counted (``petl.utils.ops.CountOps``,
 after a warm-up call; the MultiTask on the GPU's path, ``launch_bound=True``), the cost where the host launching
@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import itertools
 import os
 import platform
 import random
@@ -85,7 +86,7 @@ TASK_SETS = {
 # Short names for --sets.
 SET_KEYS = {"lora": "8 LoRA tasks", "methods": "8 methods", "side": "8 methods, side networks & co."}
 CASES = ("MultiTask (mixed batch)", "8 separate models", "backbone 8 times", "backbone once")
-GRAPH = "MultiTask, CUDA graph"  # with --graph on a GPU: the same batch layout replayed (MultiTask.graphed)
+GRAPH = "MultiTask, CUDA graph"  # with --graph on a GPU: forward replaying the graph of the batch's layout
 
 
 def _task_files(backbone: torch.nn.Module, methods: list, folder: Path) -> tuple[dict[str, Path], list]:
@@ -115,7 +116,7 @@ def build_cases(
 ) -> dict[str, Callable[[], object]]:
     """The four cases (see the module doc) for one task set and batch size, each a call answering the same batch;
     ``img_size`` overrides the model's, ``launch_bound`` the MultiTask's choice of path by device; ``graph`` (on a
-    GPU) adds a fifth: the MultiTask's forward of this batch layout as a CUDA graph.
+    GPU) adds a fifth: the MultiTask's forward replaying its CUDA graph of the batch's layout.
     """
     torch.manual_seed(0)
     kwargs = {} if img_size is None else {"img_size": img_size}
@@ -124,7 +125,9 @@ def build_cases(
     with tempfile.TemporaryDirectory() as folder:
         files, singles = _task_files(backbone, methods, Path(folder))
         multi = petl.MultiTask(backbone, files)
+        graphed = petl.MultiTask(backbone, files) if graph else None
     multi.launch_bound = launch_bound
+    multi.graphs.size = 0  # eager: on a GPU, forward would replay a graph of the repeated batch's layout
     kw = {"device": torch.device(device), "dtype": getattr(torch, dtype)}
     multi.to(**kw)  # the backbone too: its tensors are the MultiTask's
     singles = [model.to(**kw) for model in singles]
@@ -140,8 +143,14 @@ def build_cases(
         CASES[3]: lambda: backbone(images),
     }
     if graph:
-        replay = multi.graphed(images, ids)
-        calls[GRAPH] = lambda: replay(images)
+        # Batches with as many rows of each task, each in another order: one graph answers them all.
+        graphed.launch_bound = launch_bound
+        graphed.to(**kw)
+        turns = itertools.cycle([ids] + [random.Random(k).sample(ids, len(ids)) for k in (1, 2, 3)])
+        with torch.inference_mode():
+            for _ in range(graphed.graphs.after):  # captured here, not in a timed call
+                graphed(images, next(turns))
+        calls[GRAPH] = lambda: graphed(images, next(turns))
     return calls
 
 
@@ -324,9 +333,10 @@ def render(
     if graph:
         lines += [
             "",
-            f"{GRAPH}: the MultiTask's forward of this batch layout captured once (`MultiTask.graphed`) and replayed, "
-            "so the host launches one graph instead of every op; it serves batches whose rows have the same tasks "
-            "in the same places. The other cases run eagerly.",
+            f"{GRAPH}: the MultiTask's forward replaying its CUDA graph of the batch's layout (`MultiTask.graphs`, "
+            "captured the second time the layout came, as petl-serve and petl-predict get it), each call's rows in "
+            "another order with as many of each task, so the host launches one graph instead of every op. The other "
+            "cases run eagerly.",
         ]
     if missing:
         lines += ["", f"Not measured: the --deadline had passed before {'; '.join(missing)}."]
@@ -357,8 +367,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument(
         "--graph",
         action="store_true",
-        help="on a GPU, also time the MultiTask's forward of the batch's layout captured as a CUDA graph "
-        "(MultiTask.graphed) and replayed",
+        help="on a GPU, also time the MultiTask's forward replaying its CUDA graph of the batch's layout "
+        "(MultiTask.graphs), the rows in another order each call",
     )
     parser.add_argument("--img-size", type=int, help="the model's image size (with --ops the counts do not change)")
     parser.add_argument(

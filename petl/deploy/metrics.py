@@ -85,8 +85,11 @@ class ServeMetrics:
         self.batch_rows = Histogram("petl_batch_rows", "Batches: images per batch formed.", sizes)
         self.batch_tasks = Histogram("petl_batch_tasks", "Batches: distinct tasks per batch formed.", sizes)
         self.queued = Gauge("petl_queue_rows", "Images waiting for a batch now.")
+        self.graph_batches = Counter(
+            "petl_graph_batches_total", "Batches a CUDA graph of their mix of tasks answered (on a GPU)."
+        )
 
     def text(self) -> str:
         parts = [self.requests, self.images, self.latency, self.queue_wait, self.inference]
-        parts += [self.batch_rows, self.batch_tasks, self.queued]
+        parts += [self.batch_rows, self.batch_tasks, self.queued, self.graph_batches]
         return "\n".join(line for metric in parts for line in metric.text()) + "\n"

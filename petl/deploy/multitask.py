@@ -47,8 +47,9 @@ tasks are gathered in one op per batch
 row's logits).  A hook without a batched form, or one task's form alone in the batch, acts on its own rows as
 above; served without autograd, a hook that can (``RowHook.post_in_place``) adds its update into its rows of the
 frozen module's fresh output in place, so a task costs its own ops and no copy of its rows back into the batch.
-On a GPU such a batch is bound by the host launching ops, which ``tests/deploy`` counts; a batch layout that repeats
-can be captured once as a CUDA graph and replayed with one launch (:meth:`MultiTask.graphed`).
+On a GPU such a batch is bound by the host launching ops, which ``tests/deploy`` counts; there :meth:`MultiTask.forward`
+captures a batch layout (the rows of each task, in any order) that repeats as a CUDA graph and replays it with one
+launch (:attr:`MultiTask.graphs`, :mod:`petl.deploy.graphs`).
 
 A method opts in next to its wrapper: ``@register_row_hook(MyWrapper)`` on a function that says what
 the wrapper does to its rows, and optionally its batched form (see ``petl/methods/lora.py``).  A task
@@ -70,6 +71,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from petl.deploy.graphs import LayoutGraph, LayoutGraphs, capture, storage_of
 from petl.deploy.routing import Batch, RoutedBlock, RoutedModule, Router, method_name, task_sites
 from petl.model.backbone import Backbone, backbone_of
 from petl.model.io import load_trainable, meta_copy, read_trainable_metadata
@@ -166,6 +168,11 @@ def _block_paths(backbone: nn.Module) -> list[str]:
     return [paths[id(b)] for b in backbone_of(backbone).block_container()]
 
 
+def _may_replay(images: Tensor) -> bool:
+    """Whether :meth:`MultiTask.forward` may answer ``images`` from a CUDA graph: on a GPU, without autograd."""
+    return images.device.type == "cuda" and not torch.is_grad_enabled()
+
+
 class PromptsBeside(nn.Module):
     """The prompts of tasks whose prompts travel beside the tokens (VPT's on a Swin), all of one count, for one pass
     of their rows through the plain backbone, each row with its own task's prompts.
@@ -252,49 +259,6 @@ class _Layout:
     masks: dict[int, dict[Any, Tensor]] = field(default_factory=dict)
 
 
-def _storage_of(module: nn.Module) -> tuple[Tensor, ...]:
-    """``module``'s parameters and buffers as tensors of their present storage.
-
-    A ``.to()`` swaps a Parameter's storage (``param.data = ...``), freeing the old one unless a tensor such as
-    these still holds it.
-    """
-    return tuple(t.detach() for t in (*module.parameters(), *module.buffers()))
-
-
-class LayoutGraph:
-    """One batch layout's forward captured as a CUDA graph (:meth:`MultiTask.graphed`); call it with the images.
-
-    It holds every tensor made outside the capture that the graph reads: the layout's row order, task indices and
-    masks (made before capturing, on the default memory pool), and the MultiTask's parameters and buffers as
-    captured (``weights``: their storage, which a later ``.to()`` replaces and frees).  Freed, their memory would be
-    handed to other tensors while the graph still reads it: a replay would gather rows at indices that are no
-    longer the layout's, or multiply by whatever took a weight's place.
-    """
-
-    def __init__(
-        self,
-        graph: torch.cuda.CUDAGraph,
-        images: Tensor,
-        output: Tensor,
-        layout: _Layout,
-        weights: tuple[Tensor, ...] = (),
-    ) -> None:
-        self.graph, self.images, self.output, self.layout, self.weights = graph, images, output, layout, weights
-
-    def __call__(self, images: Tensor) -> Tensor:
-        """The logits of ``images`` (of the captured shape, dtype and device), each row from its task."""
-        static = self.images
-        if (images.shape, images.dtype, images.device) != (static.shape, static.dtype, static.device):
-            raise ValueError(
-                f"this graph answers {tuple(static.shape)} {static.dtype} images on {static.device}, got "
-                f"{tuple(images.shape)} {images.dtype} on {images.device}: make a graph for that layout"
-            )
-        with torch.inference_mode():
-            static.copy_(images)
-            self.graph.replay()
-            return self.output.clone()
-
-
 class MultiTask(nn.Module):
     """Several tasks' trained PETL modules over one shared frozen ViT, serving batches of mixed tasks.
 
@@ -309,6 +273,10 @@ class MultiTask(nn.Module):
         launch_bound: whether launching ops is what a batch costs (a GPU: stacked hooks act whenever two of their
             tasks are in it) or the arithmetic is (a CPU: only when their tasks hold half the rows of their span, since
             their op computes every row there); ``None`` (the default): by the batch's device, any but the CPU.
+        graphs: the CUDA graphs :meth:`forward` replays (:class:`petl.deploy.graphs.LayoutGraphs`): on a GPU and
+            without autograd, a layout (the rows of each task, whatever their order) that comes a second time is
+            captured and every later batch of it replayed with one launch, 8 layouts at most; ``graphs.size = 0``
+            runs every batch eagerly.
 
     Raises:
         ValueError: ``tasks`` not a mapping, a file that does not load onto ``backbone`` (the message names it), a
@@ -321,6 +289,7 @@ class MultiTask(nn.Module):
 
     def __init__(self, backbone: nn.Module, tasks: Mapping[str, str | Path]) -> None:
         super().__init__()
+        self.graphs = LayoutGraphs()
         if getattr(backbone, "petl_method", None) is not None:
             raise ValueError(f"pass the plain backbone: this one carries petl method {backbone.petl_method!r}")
         bb = backbone_of(backbone)
@@ -669,17 +638,40 @@ class MultiTask(nn.Module):
         if not len(index):  # no rows, no task to route: 0 x C, as a timm model answers an empty batch
             width = max(self.num_classes.values()) or backbone_of(self.backbone).num_features()
             return images.new_empty(0, width)
-        return self._run(images, self._layout(index, images))
+        layout = self._layout(index, images)
+        if _may_replay(images):
+            key = (tuple(torch.bincount(index, minlength=len(self.names)).tolist()), *self._graph_setting(images))
+            logits = self.graphs.answer(key, images, layout, lambda: self._capture(images, layout))
+            if logits is not None:
+                return logits
+        return self._run(images, layout)
+
+    def _graph_setting(self, images: Tensor) -> tuple[Any, ...]:
+        """What a graph of a layout was captured for besides its rows: the images, the path, autocast and TF32."""
+        device = images.device.type
+        autocast = torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device)
+        tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+        return images.shape, images.dtype, images.device, self._launch_bound(images), autocast, tf32
+
+    def _capture(self, images: Tensor, layout: _Layout) -> LayoutGraph:
+        """``layout``'s forward as a CUDA graph, holding the weights it reads (see :class:`LayoutGraph`)."""
+        return capture(self._run, images, layout, storage_of(self))
+
+    def _apply(self, fn: Any, recurse: bool = True) -> MultiTask:
+        # .to() and .cuda() give the weights new memory: a graph would go on reading the old.
+        self.graphs.clear()
+        return super()._apply(fn, recurse)
 
     def graphed(self, images: Tensor, task_ids: Sequence[str] | Sequence[int] | Tensor) -> LayoutGraph:
         """This batch layout's forward as one CUDA graph: ``graph(images)`` answers as ``self(images, task_ids)``.
 
         On a GPU a mixed batch's many small ops are bound by the host launching them (:attr:`launch_bound`); a
         CUDA graph launches the whole forward at once (``torch.cuda.CUDAGraph``, as vLLM serves a fixed batch size).
-        The graph is this layout's: the same task at each row, the same image shape and dtype, the MultiTask on its
-        present device and dtype (after ``.to()`` it still answers with the tensors it captured: make another),
-        under the autocast in force here.  Each call copies the images into the graph's input and returns a copy of
-        its output.  Inference only, as the MultiTask.
+        :meth:`forward` keeps graphs of the layouts that repeat itself (:attr:`graphs`); this one is the caller's to
+        keep.  The graph is this layout's: the same task at each row, the same image shape and dtype, the MultiTask
+        on its present device and dtype (after ``.to()`` it still answers with the tensors it captured: make
+        another), under the autocast in force here.  Each call copies the images into the graph's input and returns
+        a copy of its output.  Inference only, as the MultiTask.
 
         Args:
             images: an example batch on a CUDA device (its values are not kept).
@@ -693,20 +685,7 @@ class MultiTask(nn.Module):
             raise ValueError(f"MultiTask.graphed makes a CUDA graph: give images on a CUDA device, not {images.device}")
         index = self.task_index(task_ids, images.shape[0])
         with torch.inference_mode():
-            layout = self._layout(index, images)
-            static = images.clone()
-            # Warm on a side stream, as torch's CUDA-graph recipe does: cuDNN's and cuBLAS's choices, the tasks'
-            # per-device tensors and the layout's masks are made here, so that capturing copies nothing from the CPU.
-            side = torch.cuda.Stream(images.device)
-            side.wait_stream(torch.cuda.current_stream(images.device))
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    self._run(static, layout)
-            torch.cuda.current_stream(images.device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                output = self._run(static, layout)
-        return LayoutGraph(graph, static, output, layout, _storage_of(self))
+            return self._capture(images, self._layout(index, images))
 
     def _layout(self, index: Tensor, images: Tensor) -> _Layout:
         """How the rows of a batch with these task indices are sorted and routed (see :class:`_Layout`)."""

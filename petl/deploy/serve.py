@@ -786,8 +786,11 @@ def create_app(served: MultiTask, tasks: list[Task], options: ServeOptions) -> F
     precision = inference_precision(options.precision, device.type)
 
     def forward(images: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        replayed = served.graphs.replayed
         with inference(precision, device.type):
-            return served(images.to(device), rows)
+            logits = served(images.to(device), rows)
+        metrics.graph_batches.inc(served.graphs.replayed - replayed)
+        return logits
 
     _page()  # read now: a broken install stops the start, not the first visit
     # No /docs or /redoc: FastAPI's pages load Swagger UI and ReDoc from a CDN, blank without the internet and a

@@ -92,7 +92,7 @@ def test_the_multitask_table_gives_a_graph_its_own_column_and_ratio():
         "| MultiTask, CUDA graph img/s | MultiTask × 8 separate | MultiTask × backbone 8 times | "
         "MultiTask × backbone once | CUDA graph × backbone once |"
     )
-    assert row.endswith("| 640 | 1280 | 1.00× | 1.00× | 1.00× | 2.00× |") and "captured once" in table
+    assert row.endswith("| 640 | 1280 | 1.00× | 1.00× | 1.00× | 2.00× |") and "the second time the layout came" in table
     assert "CUDA graph" not in multitask.render(
         {("8 methods", 64): dict.fromkeys(multitask.CASES, 0.1)}, "m", 1, "cmd", (0.0, 0.0)
     )

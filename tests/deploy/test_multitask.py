@@ -996,101 +996,31 @@ def test_a_served_mixed_batch_reads_nothing_back_and_queues_its_copies(tmp_path,
 @pytest.mark.parametrize("task_set", ["8 methods", *sorted(OTHER_SETS_OPS)])
 def test_a_served_mixed_batch_never_waits_for_the_gpu(tmp_path, monkeypatch, task_set):
     """On a GPU the host launching ops is the cost (the tests above), so a forward must never stop the host until the
-    GPU has drained: no blocking copy of the rows' order or masks, no ``.item()``; and the rows get the logits the
-    CPU gives them."""
+    GPU has drained: no blocking copy of the rows' order or masks, no ``.item()``, eager or replaying forward's CUDA
+    graph of the layout; and the rows get the logits the CPU gives them."""
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)  # the CPU's fp32, to compare with it
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     backbone = make_tiny_vit()
     _, files = _save(tmp_path, _task_set(task_set), backbone)
     ids, images = _mixed_batch(list(files), per_task=4)
+    answers = []
     with torch.no_grad():
         on_cpu = petl.MultiTask(backbone, files)(images, ids)
         multi = petl.MultiTask(backbone, files).cuda()
         images = images.cuda()
-        multi(images, ids)  # fills the per-device copies of the tasks' served tensors
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")  # a synchronizing CUDA call raises
-        try:
-            on_gpu = multi(images, ids)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    torch.testing.assert_close(on_gpu.cpu(), on_cpu, atol=1e-4, rtol=1e-4)
-
-
-def test_a_graph_is_made_on_a_gpu_only(stacked):
-    _, _, multi, _ = stacked
-    with pytest.raises(
-        ValueError, match="^MultiTask.graphed makes a CUDA graph: give images on a CUDA device, not cpu$"
-    ):
-        multi.graphed(torch.randn(2, 3, 32, 32), ["ssf", "lora_qv"])
-
-
-def test_a_layout_graph_copies_the_images_in_replays_and_holds_what_the_graph_reads(stacked):
-    """The captured graph reads the layout's row order and masks, made before the capture: the object called holds
-    them (freed, their memory would go to other tensors while the graph reads it), and a call copies the images into
-    the graph's input, replays it and returns a copy of its output, refusing another shape in one line."""
-    from petl.deploy.multitask import LayoutGraph
-
-    _, _, multi, _ = stacked
-    images = torch.randn(4, 3, 32, 32)
-    layout = multi._layout(multi.task_index(["ssf", "lora_qv", "ssf", "fact"], 4), images)
-    static, output, replays = torch.zeros_like(images), torch.arange(4.0), []
-
-    class Graph:
-        def replay(self):
-            replays.append(static.clone())
-            output.add_(1.0)
-
-    graph = LayoutGraph(Graph(), static, output, layout)
-    assert graph.layout is layout and graph.layout.order.tolist() == [1, 3, 0, 2]
-    answer = graph(images)
-    assert torch.equal(replays[0], images) and answer.tolist() == [1.0, 2.0, 3.0, 4.0]
-    output.zero_()
-    assert answer.tolist() == [1.0, 2.0, 3.0, 4.0]  # a copy, not the graph's own output
-    with pytest.raises(ValueError, match=r"^this graph answers \(4, 3, 32, 32\) torch.float32 images on cpu, got "):
-        graph(images[:2])
-
-
-def test_a_graph_holds_the_storage_of_the_weights_it_captured(tmp_path):
-    """A graph reads the weights' memory as it was at the capture: a ``.to()`` after it gives each Parameter new
-    storage and frees the old, which the graph would go on reading (whatever took its place)."""
-    from petl.deploy.multitask import _storage_of
-
-    backbone = make_tiny_vit()
-    _, files = _save(tmp_path, {"lora": BATCHED["lora_qv"], "ssf": BATCHED["ssf"]}, backbone)
-    multi = petl.MultiTask(backbone, files)
-    held = _storage_of(multi)
-    captured = {t.data_ptr() for t in held}
-    assert captured == {t.data_ptr() for t in (*multi.parameters(), *multi.buffers())}
-    multi.to(torch.float64)
-    assert {t.data_ptr() for t in held} == captured and all(t.dtype == torch.float32 for t in held)
-    assert not captured & {p.data_ptr() for p in multi.parameters()}
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("task_set", ["8 methods", *sorted(OTHER_SETS_OPS)])
-def test_a_graph_of_a_layout_answers_as_the_forward(tmp_path, monkeypatch, task_set):
-    """A CUDA graph of one batch layout gives every row the forward's logits, on other images of that layout too,
-    and refuses a batch of another shape."""
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
-    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
-    backbone = make_tiny_vit()
-    _, files = _save(tmp_path, _task_set(task_set), backbone)
-    ids, images = _mixed_batch(list(files), per_task=4)
-    multi = petl.MultiTask(backbone, files).cuda()
-    images = images.cuda()
-    replay = multi.graphed(images, ids)
-    assert {t.data_ptr() for t in replay.weights} == {t.data_ptr() for t in (*multi.parameters(), *multi.buffers())}
-    with torch.no_grad():
-        for batch in (images, torch.randn_like(images), images.flip(0)):
-            torch.testing.assert_close(replay(batch), multi(batch, ids), atol=1e-4, rtol=1e-4)
-    with pytest.raises(ValueError, match=r"^this graph answers \(\d+, 3, 32, 32\) torch.float32 images on cuda:0"):
-        replay(images[:-1])
-    # Captured under bf16 autocast (petl-predict's default on a GPU), it replays the autocast forward.
-    with torch.autocast("cuda", torch.bfloat16):
-        replay = multi.graphed(images, ids)
-        with torch.no_grad():
-            torch.testing.assert_close(replay(images), multi(images, ids), atol=1e-2, rtol=1e-2)
+        for graphs in (0, 8):  # eager, then from forward's graph of the layout
+            multi.graphs.size = graphs
+            for _ in range(2 if graphs else 1):  # fills the per-device copies of the tasks' tensors; captures
+                multi(images, ids)
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")  # a synchronizing CUDA call raises
+            try:
+                answers.append(multi(images, ids))
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+    assert (multi.graphs.captured, multi.graphs.replayed) == (1, 2)
+    for on_gpu in answers:
+        torch.testing.assert_close(on_gpu.cpu(), on_cpu, atol=1e-4, rtol=1e-4)
 
 
 def test_one_path_or_a_list_where_a_mapping_is_taken_is_named(tmp_path):

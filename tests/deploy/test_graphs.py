@@ -1,0 +1,213 @@
+"""CUDA graphs of a MultiTask's forward (petl.deploy.graphs): one per batch layout, replayed where a layout repeats.
+
+A graph itself needs a GPU (the tests marked ``cuda``); what decides when one is captured, which batches it answers
+and what it holds is checked on the CPU with a stand-in graph that replays by running the eager forward it captured.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_tiny_vit
+from test_multitask import BATCHED, OTHER_SETS_OPS, _mixed_batch, _run_folder, _save, _task_set, stacked  # noqa: F401
+
+import petl
+from petl.deploy import multitask as multitask_module
+from petl.deploy.graphs import LayoutGraph, LayoutGraphs, storage_of
+
+
+def _stand_in_capture(run, images, layout, weights):
+    """A LayoutGraph whose replay runs ``run`` on its static images and the layout it was made with, into its
+    output: the tensors a CUDA graph reads at a replay, as they are then."""
+    static = images.clone()
+    output = run(static, layout).clone()
+
+    class Replay:
+        def replay(self):
+            output.copy_(run(static, layout))
+
+    return LayoutGraph(Replay(), static, output, layout, weights)
+
+
+def test_a_graph_is_made_on_a_gpu_only(stacked):  # noqa: F811
+    _, _, multi, _ = stacked
+    with pytest.raises(
+        ValueError, match="^MultiTask.graphed makes a CUDA graph: give images on a CUDA device, not cpu$"
+    ):
+        multi.graphed(torch.randn(2, 3, 32, 32), ["ssf", "lora_qv"])
+
+
+def test_a_layout_graph_copies_the_images_in_replays_and_holds_what_the_graph_reads(stacked):  # noqa: F811
+    """The captured graph reads the layout's row order and masks, made before the capture: the object called holds
+    them (freed, their memory would go to other tensors while the graph reads it), and a call copies the images into
+    the graph's input (and a row order, where given, into the layout's), replays it and returns a copy of its output,
+    refusing another shape in one line."""
+    _, _, multi, _ = stacked
+    images = torch.randn(4, 3, 32, 32)
+    layout = multi._layout(multi.task_index(["ssf", "lora_qv", "ssf", "fact"], 4), images)
+    static, output, replays = torch.zeros_like(images), torch.arange(4.0), []
+
+    class Graph:
+        def replay(self):
+            replays.append((static.clone(), layout.order.clone()))
+            output.add_(1.0)
+
+    graph = LayoutGraph(Graph(), static, output, layout)
+    assert graph.layout is layout and graph.layout.order.tolist() == [1, 3, 0, 2]
+    answer = graph(images)
+    assert torch.equal(replays[0][0], images) and answer.tolist() == [1.0, 2.0, 3.0, 4.0]
+    output.zero_()
+    assert answer.tolist() == [1.0, 2.0, 3.0, 4.0]  # a copy, not the graph's own output
+    graph(images, torch.tensor([3, 1, 0, 2]))
+    assert replays[1][1].tolist() == [3, 1, 0, 2] and layout.order.tolist() == [3, 1, 0, 2]
+    with pytest.raises(ValueError, match=r"^this graph answers \(4, 3, 32, 32\) torch.float32 images on cpu, got "):
+        graph(images[:2])
+
+
+def test_a_graph_holds_the_storage_of_the_weights_it_captured(tmp_path):
+    """A graph reads the weights' memory as it was at the capture: a ``.to()`` after it gives each Parameter new
+    storage and frees the old, which the graph would go on reading (whatever took its place)."""
+    backbone = make_tiny_vit()
+    _, files = _save(tmp_path, {"lora": BATCHED["lora_qv"], "ssf": BATCHED["ssf"]}, backbone)
+    multi = petl.MultiTask(backbone, files)
+    held = storage_of(multi)
+    captured = {t.data_ptr() for t in held}
+    assert captured == {t.data_ptr() for t in (*multi.parameters(), *multi.buffers())}
+    multi.to(torch.float64)
+    assert {t.data_ptr() for t in held} == captured and all(t.dtype == torch.float32 for t in held)
+    assert not captured & {p.data_ptr() for p in multi.parameters()}
+
+
+class _Made:
+    """A stand-in ``make`` for LayoutGraphs.answer: counts its calls; its graphs answer their key's name."""
+
+    def __init__(self) -> None:
+        self.keys: list[str] = []
+
+    def __call__(self, key: str):
+        def make():
+            self.keys.append(key)
+            return lambda images, order: f"graph of {key}"
+
+        return make
+
+
+class _Layout:
+    order = None
+
+
+def test_a_layout_is_captured_the_second_time_it_comes_and_replayed_after():
+    made, graphs = _Made(), LayoutGraphs(size=8, after=2)
+    answers = [graphs.answer(key, None, _Layout(), made(key)) for key in ["a", "b", "a", "a", "b", "c"]]
+    assert answers == [None, None, "graph of a", "graph of a", "graph of b", None]
+    assert made.keys == ["a", "b"] and (graphs.captured, graphs.replayed) == (2, 3)
+
+
+def test_past_its_size_the_graph_replayed_longest_ago_is_dropped():
+    made, graphs = _Made(), LayoutGraphs(size=2, after=1)
+    for key in ["a", "b", "a", "c"]:  # b, replayed longest ago, goes when c comes
+        graphs.answer(key, None, _Layout(), made(key))
+    assert list(graphs.graphs) == ["a", "c"]
+    assert graphs.answer("b", None, _Layout(), made("b")) == "graph of b" and made.keys == ["a", "b", "c", "b"]
+
+
+def test_size_zero_keeps_no_graph_and_layouts_that_never_repeat_are_forgotten():
+    made = _Made()
+    off = LayoutGraphs(size=0, after=1)
+    assert off.answer("a", None, _Layout(), made("a")) is None and made.keys == [] and not off.seen
+    graphs = LayoutGraphs(size=1, after=2)
+    for key in range(200):
+        assert graphs.answer(key, None, _Layout(), made(key)) is None
+    assert len(graphs.seen) <= 64 and made.keys == []
+
+
+def test_a_capture_that_fails_turns_the_graphs_off_with_a_warning():
+    def fails():
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    graphs = LayoutGraphs(size=8, after=1)
+    with pytest.warns(UserWarning, match=r"serves every batch eagerly: capturing a CUDA graph failed \(operation not"):
+        assert graphs.answer("a", None, _Layout(), fails) is None
+    assert graphs.size == 0 and graphs.answer("a", None, _Layout(), _Made()("a")) is None
+
+
+def test_forward_replays_one_graph_for_every_batch_with_as_many_rows_of_each_task(stacked, monkeypatch):  # noqa: F811
+    """The graph of a layout reads the batch's row order from a tensor it is copied into: a batch of the same tasks'
+    rows in another order gets the forward's logits from it, a batch with other counts a graph of its own, and a
+    ``.to()`` drops every graph (they read the weights' old memory)."""
+    _, files, _, backbone = stacked
+    multi = petl.MultiTask(backbone, files)
+    multi.launch_bound = True
+    monkeypatch.setattr(multitask_module, "_may_replay", lambda images: not torch.is_grad_enabled())
+    monkeypatch.setattr(multitask_module, "capture", _stand_in_capture)
+    names = ["lora_qv", "ssf", "adapter", "vpt_5", "fact"]
+    ids, images = _mixed_batch(names, per_task=2)
+    batches = [(ids, images)]
+    for seed in (1, 2):  # the same two rows of each task, in other orders
+        order = torch.randperm(len(ids), generator=torch.Generator().manual_seed(seed)).tolist()
+        batches.append(([ids[i] for i in order], torch.randn_like(images)))
+    with torch.no_grad():
+        multi.graphs.size = 0
+        eager = [multi(b, i) for i, b in batches]
+        multi.graphs.size = 8
+        for _ in range(2):
+            answers = [multi(b, i) for i, b in batches]
+            torch.testing.assert_close(answers, eager, rtol=1e-5, atol=1e-5)
+        assert (multi.graphs.captured, multi.graphs.replayed) == (1, 5)
+        other = ids[:-1] + ["ssf"]
+        multi(images, other), multi(images, other)
+        assert multi.graphs.captured == 2 and len(multi.graphs.graphs) == 2
+    with torch.enable_grad():  # autograd: eager, no graph
+        multi(images, ids)
+    assert multi.graphs.replayed == 6
+    multi.to(torch.float64)
+    assert not multi.graphs.graphs and not multi.graphs.seen
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("task_set", ["8 methods", *sorted(OTHER_SETS_OPS)])
+def test_a_graph_of_a_layout_answers_as_the_forward(tmp_path, monkeypatch, task_set):
+    """A CUDA graph of one batch layout gives every row the forward's logits, on other images of that layout too,
+    and refuses a batch of another shape; forward's own graphs answer batches with as many rows of each task in any
+    order, under bf16 autocast too (petl-predict's and petl-serve's default on a GPU)."""
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    backbone = make_tiny_vit()
+    _, files = _save(tmp_path, _task_set(task_set), backbone)
+    ids, images = _mixed_batch(list(files), per_task=4)
+    multi = petl.MultiTask(backbone, files).cuda()
+    images = images.cuda()
+    replay = multi.graphed(images, ids)
+    assert {t.data_ptr() for t in replay.weights} == {t.data_ptr() for t in (*multi.parameters(), *multi.buffers())}
+    with torch.no_grad():
+        multi.graphs.size = 0
+        for batch in (images, torch.randn_like(images), images.flip(0)):
+            torch.testing.assert_close(replay(batch), multi(batch, ids), atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match=r"^this graph answers \(\d+, 3, 32, 32\) torch.float32 images on cuda:0"):
+        replay(images[:-1])
+    shuffled = ids[::-1]
+    for autocast in (False, True):
+        with torch.autocast("cuda", torch.bfloat16, enabled=autocast), torch.no_grad():
+            multi.graphs.size = 0
+            eager = [multi(images, ids), multi(images.flip(0), shuffled)]
+            multi.graphs.size = 8
+            for _ in range(2):
+                graphed = [multi(images, ids), multi(images.flip(0), shuffled)]
+            tolerance = 1e-2 if autocast else 1e-4
+            torch.testing.assert_close(graphed, eager, atol=tolerance, rtol=tolerance)
+    assert multi.graphs.captured == 2 and multi.graphs.replayed == 6
+
+
+def test_petl_serve_counts_the_batches_a_graph_answered(tmp_path, monkeypatch):
+    serve = pytest.importorskip("petl.deploy.serve", reason="petl-serve's extra is not installed")
+    for name, method in (("lora", "lora"), ("ssf", "ssf")):
+        _run_folder(tmp_path / name, method, {}, seed=0)
+    served, tasks = serve.load_tasks({"lora": tmp_path / "lora", "ssf": tmp_path / "ssf"})
+    monkeypatch.setattr(multitask_module, "_may_replay", lambda images: not torch.is_grad_enabled())
+    monkeypatch.setattr(multitask_module, "capture", _stand_in_capture)
+    app = serve.create_app(served, tasks, serve.ServeOptions(precision="no"))
+    images = torch.randn(3, 3, 32, 32)
+    with torch.inference_mode():
+        for rows in ([0, 1, 1], [1, 0, 1], [1, 1, 0], [0, 0, 1]):  # one layout thrice (a graph the 2nd time), another
+            app.state.batcher.forward(images, torch.tensor(rows))
+    assert "\npetl_graph_batches_total 2\n" in app.state.metrics.text()
