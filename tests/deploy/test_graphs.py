@@ -211,3 +211,31 @@ def test_petl_serve_counts_the_batches_a_graph_answered(tmp_path, monkeypatch):
         for rows in ([0, 1, 1], [1, 0, 1], [1, 1, 0], [0, 0, 1]):  # one layout thrice (a graph the 2nd time), another
             app.state.batcher.forward(images, torch.tensor(rows))
     assert "\npetl_graph_batches_total 2\n" in app.state.metrics.text()
+
+
+def test_petl_predicts_full_batches_of_several_runs_replay_one_graph(tmp_path, monkeypatch):
+    """Each full batch holds every image once per run: one layout, whose graph answers from the second batch on, with
+    the predictions every batch gets eagerly."""
+    from PIL import Image
+
+    from petl.deploy import predict
+
+    for name, method in (("lora", "lora"), ("ssf", "ssf")):
+        _run_folder(tmp_path / name, method, {}, seed=0)
+    paths = []
+    for i in range(7):  # three full batches of two images (x two runs) and one of one image
+        paths.append(tmp_path / f"{i}.png")
+        Image.fromarray(torch.randint(0, 255, (32, 32, 3), dtype=torch.uint8).numpy()).save(paths[-1])
+    served, runs, refused = predict.serve_together([tmp_path / "lora", tmp_path / "ssf"], quiet=True)
+    assert not refused
+    monkeypatch.setattr(multitask_module, "_may_replay", lambda images: not torch.is_grad_enabled())
+    monkeypatch.setattr(multitask_module, "capture", _stand_in_capture)
+    answers = []
+    for size in (0, 8):
+        served.graphs.size = size
+        answers.append(predict.predict_together(served, runs, paths, top_k=2, batch_size=4, progress=False)[0])
+    assert (served.graphs.captured, served.graphs.replayed) == (1, 2)
+    assert len(answers[1]) == 14
+    for graphed, eager in zip(answers[1], answers[0], strict=True):
+        assert (graphed.run, graphed.source, graphed.labels) == (eager.run, eager.source, eager.labels)
+        assert graphed.probabilities == pytest.approx(eager.probabilities, abs=1e-6)
