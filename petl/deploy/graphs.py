@@ -11,7 +11,7 @@ as petl-predict's full batches of several runs have and a server's batches of on
 from __future__ import annotations
 
 import warnings
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -93,13 +93,16 @@ def capture(
 
 
 class LayoutGraphs:
-    """The CUDA graphs a MultiTask's forward keeps: one per layout seen ``after`` times, ``size`` at most.
+    """The CUDA graphs a MultiTask's forward keeps: one per layout that comes often, ``size`` at most.
 
-    A layout (its key: the rows of each task, the images' shape, dtype and device, the autocast and TF32 in force)
-    is captured the ``after``-th time a batch of it comes, not the first: a capture costs three forwards, which a
-    layout seen once would not pay back.  Past ``size`` graphs, the one replayed longest ago is dropped (its memory
-    freed).  Every graph is dropped when the MultiTask moves (``.to()``): it reads the weights' old memory.  A capture
-    that fails (an op CUDA cannot capture) turns the graphs off, with a warning: every batch then runs eagerly.
+    A layout (its key: the rows of each task, the images' shape, dtype and device, the autocast and TF32 in force) is
+    captured once ``after`` batches of it have come, not at the first: a capture costs three forwards and a wait for
+    the GPU, which a layout seen once would not pay back.  With ``size`` graphs kept, a layout takes the place of the
+    least used graph only once it has come more often than that graph: a server whose batches mix tasks anew each
+    time captures ``size`` graphs and then seldom another, instead of one at every batch.  Every count halves when
+    the record of layouts grows past 64 per graph, so a mix that stopped coming gives way to one that comes now.
+    Every graph is dropped when the MultiTask moves (``.to()``): it reads the weights' old memory.  A capture that
+    fails (an op CUDA cannot capture) turns the graphs off, with a warning: every batch then runs eagerly.
 
     Attributes:
         captured: how many graphs were captured.
@@ -109,38 +112,48 @@ class LayoutGraphs:
 
     def __init__(self, size: int = 8, after: int = 2) -> None:
         self.size, self.after = size, after
-        self.graphs: OrderedDict[Hashable, LayoutGraph] = OrderedDict()
-        self.seen: Counter[Hashable] = Counter()
+        self.graphs: dict[Hashable, LayoutGraph] = {}
+        self.uses: Counter[Hashable] = Counter()  # batches per layout, captured or not
         self.captured = self.replayed = 0
 
     def clear(self) -> None:
         self.graphs.clear()
-        self.seen.clear()
+        self.uses.clear()
 
     def answer(self, key: Hashable, images: Tensor, layout: Any, make: Callable[[], LayoutGraph]) -> Tensor | None:
-        """The logits of ``images`` from the graph of ``key`` (made by ``make`` once ``key`` has come ``after``
-        times), or None where the forward runs eagerly.
+        """The logits of ``images`` from the graph of ``key`` (made by ``make`` when it is worth one), or None where
+        the forward runs eagerly.
         """
-        graph = self.graphs.get(key)
+        if self.size <= 0:
+            return None
+        self.uses[key] += 1
+        graph = self.graphs.get(key) or self._capture(key, make)
         if graph is None:
-            if self.size <= 0:
-                return None
-            self.seen[key] += 1
-            if self.seen[key] < self.after:
-                if len(self.seen) > 64 * self.size:  # layouts that never repeat: forget them, not the memory
-                    self.seen = Counter({k: n for k, n in self.seen.items() if k in self.graphs})
-                return None
-            try:
-                graph = self.graphs[key] = make()
-            except RuntimeError as error:  # an op CUDA cannot capture: every batch eager, as without graphs
-                self.size = 0
-                warnings.warn(
-                    f"MultiTask serves every batch eagerly: capturing a CUDA graph failed ({error})", stacklevel=3
-                )
-                return None
-            self.captured += 1
-            while len(self.graphs) > self.size:
-                self.graphs.popitem(last=False)
-        self.graphs.move_to_end(key)
+            return None
         self.replayed += 1
         return graph(images, layout.order)
+
+    def _capture(self, key: Hashable, make: Callable[[], LayoutGraph]) -> LayoutGraph | None:
+        """The graph of ``key`` where it has come often enough, in place of the least used graph if ``size`` are
+        kept; None where not.
+        """
+        uses = self.uses[key]
+        victim = min(self.graphs, key=self.uses.__getitem__) if len(self.graphs) >= self.size else None
+        if uses < self.after or (victim is not None and uses <= self.uses[victim]):
+            if len(self.uses) > 64 * self.size:
+                self.uses = Counter({k: n // 2 for k, n in self.uses.items() if n // 2 or k in self.graphs})
+            return None
+        try:
+            graph = make()
+        except RuntimeError as error:  # an op CUDA cannot capture: every batch eager, as without graphs
+            self.size = 0
+            self.clear()
+            warnings.warn(
+                f"MultiTask serves every batch eagerly: capturing a CUDA graph failed ({error})", stacklevel=4
+            )
+            return None
+        if victim is not None:
+            del self.graphs[victim], self.uses[victim]
+        self.graphs[key] = graph
+        self.captured += 1
+        return graph

@@ -275,8 +275,8 @@ class MultiTask(nn.Module):
             their op computes every row there); ``None`` (the default): by the batch's device, any but the CPU.
         graphs: the CUDA graphs :meth:`forward` replays (:class:`petl.deploy.graphs.LayoutGraphs`): on a GPU and
             without autograd, a layout (the rows of each task, whatever their order) that comes a second time is
-            captured and every later batch of it replayed with one launch, 8 layouts at most; ``graphs.size = 0``
-            runs every batch eagerly.
+            captured and every later batch of it replayed with one launch, 8 layouts at most (the most used);
+            ``graphs.size = 0`` runs every batch eagerly.
 
     Raises:
         ValueError: ``tasks`` not a mapping, a file that does not load onto ``backbone`` (the message names it), a

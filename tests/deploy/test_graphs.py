@@ -103,22 +103,24 @@ def test_a_layout_is_captured_the_second_time_it_comes_and_replayed_after():
     assert made.keys == ["a", "b"] and (graphs.captured, graphs.replayed) == (2, 3)
 
 
-def test_past_its_size_the_graph_replayed_longest_ago_is_dropped():
+def test_past_its_size_a_layout_takes_the_place_of_the_least_used_graph_once_it_came_more_often():
     made, graphs = _Made(), LayoutGraphs(size=2, after=1)
-    for key in ["a", "b", "a", "c"]:  # b, replayed longest ago, goes when c comes
-        graphs.answer(key, None, _Layout(), made(key))
-    assert list(graphs.graphs) == ["a", "c"]
-    assert graphs.answer("b", None, _Layout(), made("b")) == "graph of b" and made.keys == ["a", "b", "c", "b"]
+    answers = [graphs.answer(key, None, _Layout(), made(key)) for key in ["a", "b", "a", "c", "c", "b"]]
+    # c, once, is no more used than b (a batch each): no capture; twice, it is, and takes b's place, which, back,
+    # has come once since, less than a or c.
+    assert answers == ["graph of a", "graph of b", "graph of a", None, "graph of c", None]
+    assert list(graphs.graphs) == ["a", "c"] and made.keys == ["a", "b", "c"]
 
 
 def test_size_zero_keeps_no_graph_and_layouts_that_never_repeat_are_forgotten():
     made = _Made()
     off = LayoutGraphs(size=0, after=1)
-    assert off.answer("a", None, _Layout(), made("a")) is None and made.keys == [] and not off.seen
+    assert off.answer("a", None, _Layout(), made("a")) is None and made.keys == [] and not off.uses
     graphs = LayoutGraphs(size=1, after=2)
     for key in range(200):
         assert graphs.answer(key, None, _Layout(), made(key)) is None
-    assert len(graphs.seen) <= 64 and made.keys == []
+        assert len(graphs.uses) <= 65
+    assert made.keys == []
 
 
 def test_a_capture_that_fails_turns_the_graphs_off_with_a_warning():
@@ -128,7 +130,7 @@ def test_a_capture_that_fails_turns_the_graphs_off_with_a_warning():
     graphs = LayoutGraphs(size=8, after=1)
     with pytest.warns(UserWarning, match=r"serves every batch eagerly: capturing a CUDA graph failed \(operation not"):
         assert graphs.answer("a", None, _Layout(), fails) is None
-    assert graphs.size == 0 and graphs.answer("a", None, _Layout(), _Made()("a")) is None
+    assert graphs.size == 0 and not graphs.uses and graphs.answer("a", None, _Layout(), _Made()("a")) is None
 
 
 def test_forward_replays_one_graph_for_every_batch_with_as_many_rows_of_each_task(stacked, monkeypatch):  # noqa: F811
@@ -161,7 +163,7 @@ def test_forward_replays_one_graph_for_every_batch_with_as_many_rows_of_each_tas
         multi(images, ids)
     assert multi.graphs.replayed == 6
     multi.to(torch.float64)
-    assert not multi.graphs.graphs and not multi.graphs.seen
+    assert not multi.graphs.graphs and not multi.graphs.uses
 
 
 @pytest.mark.cuda
