@@ -59,6 +59,13 @@ KEYS = (
     Key("max_connections", "the most connections and requests at once; beyond it requests get 503", int, 128),
     Key("shutdown_timeout_s", "how long SIGTERM or Ctrl-C waits for requests in flight", float, 10.0),
     Key(
+        "cuda_graphs",
+        "on a GPU, the most CUDA graphs kept, one per mix of tasks in a batch that comes again (replayed with one "
+        "launch); 0: every batch eager",
+        int,
+        8,
+    ),
+    Key(
         "precision",
         "auto (bf16 autocast and TF32 on a CUDA GPU with native bf16, fp32 elsewhere), no (strict fp32), tf32, bf16",
         str,
@@ -243,6 +250,12 @@ def run_cli(argv: Sequence[str]) -> int:
         print(
             f"{PROG}: serving on {app.state.device} in {precision} (precision={options['precision']})", file=sys.stderr
         )
+        if app.state.device != "cuda" and serve_options.cuda_graphs != serve.ServeOptions.cuda_graphs:
+            print(
+                f"{PROG}: note: cuda_graphs={options['cuda_graphs']} acts on a GPU only; on the "
+                f"{app.state.device.upper()} every batch runs eagerly",
+                file=sys.stderr,
+            )
         print(f"{PROG}: http://{address(options['host'], port)}/ (the API: /openapi.json)", file=sys.stderr)
         if not loopback(options["host"]) and serve.token_from_environment() is None:
             print(

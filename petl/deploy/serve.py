@@ -86,6 +86,7 @@ OPTION_RANGES: dict[str, tuple[float, float]] = {
     "body_timeout_s": (0.1, 3600),
     "max_connections": (1, 100_000),
     "shutdown_timeout_s": (0, 3600),
+    "cuda_graphs": (0, 256),
 }
 
 
@@ -105,6 +106,8 @@ class ServeOptions:
         body_timeout_s: a request whose body has not all arrived this long after its headers gets 408.
         max_connections: the most connections (and requests) at once; requests beyond it get 503.
         shutdown_timeout_s: how long a shutdown (SIGTERM, Ctrl-C) waits for requests in flight before ending them.
+        cuda_graphs: on a GPU, the most CUDA graphs the MultiTask keeps, one per mix of tasks in a batch that comes
+            again (``MultiTask.graphs.size``); 0: every batch eager.
         token: the bearer token every data route needs (``None``: no token).
         precision: the forward's precision, as ``train.precision`` (:mod:`petl.utils.precision`): ``auto`` (bf16
             autocast on a CUDA GPU with native bf16, fp32 elsewhere), ``no`` (strict fp32), ``tf32``, ``bf16``.
@@ -126,6 +129,7 @@ class ServeOptions:
     body_timeout_s: float = 60.0
     max_connections: int = 128
     shutdown_timeout_s: float = 10.0
+    cuda_graphs: int = 8
     token: str | None = None
     precision: str = "auto"
 
@@ -784,6 +788,7 @@ def create_app(served: MultiTask, tasks: list[Task], options: ServeOptions) -> F
     device = next(served.parameters()).device
     # Fixed here for every request: bf16 autocast and TF32 on a GPU under auto, strict fp32 on a CPU.
     precision = inference_precision(options.precision, device.type)
+    served.graphs.size = options.cuda_graphs
 
     def forward(images: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         replayed = served.graphs.replayed

@@ -13,12 +13,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from conftest import command_status
 from PIL import Image
 from test_inference_precision import asgi_scope
 from test_multitask import _run_folder
 
 pytest.importorskip("fastapi", reason='petl-serve\'s extra is not installed: pip install -e ".[serve]"')
+
+import uvicorn  # noqa: E402
 
 from petl.cli import serve as serve_cli  # noqa: E402
 from petl.deploy import serve  # noqa: E402
@@ -268,3 +271,27 @@ def test_a_privileged_port_refused_says_which_ports_a_user_may_take(unloaded, ca
         "petl-serve: error: cannot listen on 127.0.0.1:80: Permission denied: ports below 1024 need root; choose "
         "port=8000 (the default) or another of 1024 and above\n"
     )
+
+
+def test_cuda_graphs_is_checked_set_on_the_served_model_and_said_to_do_nothing_on_a_cpu(tmp_path, capsys, monkeypatch):
+    with pytest.raises(ValueError, match="^cuda_graphs=-1: must be a number from 0 to 256$"):
+        serve.ServeOptions(cuda_graphs=-1)
+    run = tmp_path / "lora"
+    _run_folder(run, "lora", {}, seed=0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    served = []
+    create_app = serve.create_app
+
+    def recorded(model, tasks, options):
+        served.append(model)
+        return create_app(model, tasks, options)
+
+    monkeypatch.setattr(serve, "create_app", recorded)
+    # Serving ends at once: what matters is set and said before it starts.
+    monkeypatch.setattr(uvicorn.Server, "run", lambda server, sockets: setattr(server, "started", True))
+    for options in ([], ["cuda_graphs=0"]):
+        code, out, err = command_status(capsys, serve_cli.main, str(run), "port=0", *options, "--quiet")
+        assert code == 0, err
+        said = "petl-serve: note: cuda_graphs=0 acts on a GPU only; on the CPU every batch runs eagerly\n"
+        assert (said in err) == bool(options), err
+    assert [model.graphs.size for model in served] == [8, 0]
