@@ -62,12 +62,13 @@ class LayoutGraph:
                 f"this graph answers {tuple(static.shape)} {static.dtype} images on {static.device}, got "
                 f"{tuple(images.shape)} {images.dtype} on {images.device}: make a graph for that layout"
             )
-        with torch.inference_mode():
+        with torch.inference_mode():  # the graph's own tensors were made under it: only it writes into them
             static.copy_(images)
             if order is not None and order is not self.layout.order:
                 self.layout.order.copy_(order, non_blocking=True)
             self.graph.replay()
-            return self.output.clone()
+        # Copied outside it: a plain tensor, as the eager forward gives under no_grad, which autograd may save later.
+        return self.output.clone()
 
 
 def capture(

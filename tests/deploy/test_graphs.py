@@ -19,8 +19,9 @@ from petl.deploy.graphs import LayoutGraph, LayoutGraphs, storage_of
 def _stand_in_capture(run, images, layout, weights):
     """A LayoutGraph whose replay runs ``run`` on its static images and the layout it was made with, into its
     output: the tensors a CUDA graph reads at a replay, as they are then."""
-    static = images.clone()
-    output = run(static, layout).clone()
+    with torch.inference_mode():  # as capture makes them
+        static = images.clone()
+        output = run(static, layout).clone()
 
     class Replay:
         def replay(self):
@@ -155,6 +156,7 @@ def test_forward_replays_one_graph_for_every_batch_with_as_many_rows_of_each_tas
         for _ in range(2):
             answers = [multi(b, i) for i, b in batches]
             torch.testing.assert_close(answers, eager, rtol=1e-5, atol=1e-5)
+        assert not any(torch.is_inference(answer) for answer in answers)  # as eager under no_grad: autograd takes it
         assert (multi.graphs.captured, multi.graphs.replayed) == (1, 5)
         other = ids[:-1] + ["ssf"]
         multi(images, other), multi(images, other)
