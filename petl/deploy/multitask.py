@@ -684,8 +684,7 @@ class MultiTask(nn.Module):
         if images.device.type != "cuda":
             raise ValueError(f"MultiTask.graphed makes a CUDA graph: give images on a CUDA device, not {images.device}")
         index = self.task_index(task_ids, images.shape[0])
-        with torch.inference_mode():
-            return self._capture(images, self._layout(index, images))
+        return self._capture(images, self._layout(index, images))
 
     def _layout(self, index: Tensor, images: Tensor) -> _Layout:
         """How the rows of a batch with these task indices are sorted and routed (see :class:`_Layout`)."""
