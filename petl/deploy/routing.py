@@ -244,6 +244,7 @@ class StackTables(nn.Module):
         self._sizes: dict[int, list[int]] = {}
         self._shapes: dict[int, list[torch.Size | None]] = {}  # per table, each column's entry shape (None: vector)
         self._vectors: set[int] = set()  # the tables holding a vector column
+        self._matrices: set[int] = set()  # the tables holding a column of another shape
 
     def add(self, tasks: tuple[int, ...], column: Tensor, shape: torch.Size | None = None) -> tuple[int, int]:
         """Put ``column`` (entries x elements: the stacked tasks' and the neutral one last) into the table of
@@ -255,8 +256,7 @@ class StackTables(nn.Module):
         if key not in self._table:
             self._table[key] = len(self._table)
         table = self._table[key]
-        if shape is None:
-            self._vectors.add(table)
+        (self._vectors if shape is None else self._matrices).add(table)
         self._shapes.setdefault(table, []).append(shape)
         columns.append(column)
         return table, len(columns) - 1
@@ -293,8 +293,9 @@ class StackTables(nn.Module):
                 columns = gathered.unsqueeze(1).split(self._sizes[table], dim=2)
             else:  # matrices only (low-rank updates)
                 columns = gathered.split(self._sizes[table], dim=1)
-            shapes = zip(columns, self._shapes[table], strict=True)
-            columns = tuple(column if shape is None else column.view(-1, *shape) for column, shape in shapes)
+            if table in self._matrices:
+                shapes = zip(columns, self._shapes[table], strict=True)
+                columns = tuple(column if shape is None else column.view(-1, *shape) for column, shape in shapes)
             batch.gathered[key] = columns
         return columns
 
@@ -368,25 +369,24 @@ class Stack:
         batch.serving[self.key] = span
         return span
 
-    def rows(self, batch: Batch) -> tuple[Tensor, ...]:
+    def rows(self, batch: Batch, span: slice) -> tuple[Tensor, ...]:
         """Each stacked tensor as each row's own, for the rows of its :meth:`span` (rows first; a vector as rows x 1
         x entry): views of the rows its tables gathered.
         """
-        span = self.span(batch)
         if self.run is not None:
             table, first, end = self.run
             return self.tables.rows(batch, table, span)[first:end]
         return tuple(self.tables.rows(batch, table, span)[column] for table, column in self.parts)
 
-    def act(self, batch: Batch, x: Tensor, y: Tensor, own: bool) -> Tensor:
-        """``y`` with its ``post`` applied to the rows of its :meth:`span` (which must not be None).
+    def act(self, batch: Batch, span: slice, x: Tensor, y: Tensor, own: bool) -> Tensor:
+        """``y`` with its ``post`` applied to the rows of its :meth:`span`, ``span``.
 
         Over the whole batch, ``post``'s result.  Over a span, where ``y`` is the frozen module's fresh output
         (``own``) and no autograd records, the span's rows of ``y`` itself are written (``post_in_place``, in as
         many ops as ``post``; else a copy of ``post``'s result); otherwise a new tensor of ``y``'s rows before the
         span, the span's result and the rows after it.
         """
-        span, rows = self.span(batch), self.rows(batch)
+        rows = self.rows(batch, span)
         x = _take(x, span) if self.reads_input else None  # a post that reads y alone gets None, no slice of x
         if span.stop - span.start == y.shape[0]:
             return self.post(x, y, rows)
@@ -493,9 +493,10 @@ class RoutedModule(nn.Module):
         """``x`` with every task's pre hook applied to its rows: stacked hooks in one op each, the rest per task."""
         hooks = self.pre_alone
         for stack, stacked in self.pre_stacks:
-            if stack.span(batch) is not None:
+            span = stack.span(batch)
+            if span is not None:
                 # Every row at once; rows of tasks outside the stack get its neutral entry and stay as they are.
-                x = stack.pre(x, batch.tokens, stack.rows(batch))
+                x = stack.pre(x, batch.tokens, stack.rows(batch, span))
             elif stacked:
                 hooks = {**hooks, **stacked}
         if not hooks:
@@ -506,9 +507,10 @@ class RoutedModule(nn.Module):
         """``y`` with every task's post hook applied to its rows: stacked hooks in one op each, the rest per task."""
         hooks = self.post_alone
         for stack, stacked in self.post_stacks:
-            if stack.span(batch) is not None:
+            span = stack.span(batch)
+            if span is not None:
                 # Its span of rows at once; rows of tasks outside the stack there get its neutral entry.
-                y, own = stack.act(batch, x, y, own), True
+                y, own = stack.act(batch, span, x, y, own), True
             elif stacked:
                 hooks = {**hooks, **stacked}
         if not hooks:
