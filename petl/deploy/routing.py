@@ -242,21 +242,24 @@ class StackTables(nn.Module):
         self._columns: dict[tuple[tuple[int, ...], torch.dtype], list[Tensor]] = {}
         self._table: dict[tuple[tuple[int, ...], torch.dtype], int] = {}
         self._sizes: dict[int, list[int]] = {}
+        self._shapes: dict[int, list[torch.Size | None]] = {}  # per table, each column's entry shape (None: vector)
         self._vectors: set[int] = set()  # the tables holding a vector column
+        self._matrices: set[int] = set()  # the tables holding a column of another shape
 
-    def add(self, tasks: tuple[int, ...], column: Tensor, vector: bool = False) -> tuple[int, int]:
-        """Put ``column`` (entries x elements: the stacked tasks' and the neutral one last; ``vector``: one value per
-        channel) into the table of ``tasks`` and its dtype; returns (table, index of the column in it), valid once
-        :meth:`build` has run.
+    def add(self, tasks: tuple[int, ...], column: Tensor, shape: torch.Size | None = None) -> tuple[int, int]:
+        """Put ``column`` (entries x elements: the stacked tasks' and the neutral one last) into the table of
+        ``tasks`` and its dtype, each entry of ``shape`` (None: a vector, one value per channel); returns (table,
+        index of the column in it), valid once :meth:`build` has run.
         """
         key = (tasks, column.dtype)
         columns = self._columns.setdefault(key, [])
         if key not in self._table:
             self._table[key] = len(self._table)
-        if vector:
-            self._vectors.add(self._table[key])
+        table = self._table[key]
+        (self._vectors if shape is None else self._matrices).add(table)
+        self._shapes.setdefault(table, []).append(shape)
         columns.append(column)
-        return self._table[key], len(columns) - 1
+        return table, len(columns) - 1
 
     def build(self) -> None:
         """Make the tables of everything added (once every routed module is built): one row per task index, its own
@@ -272,21 +275,27 @@ class StackTables(nn.Module):
         self._columns = {}
 
     def rows(self, batch: Batch, table: int, span: slice) -> tuple[Tensor, ...]:
-        """The entry of each column of ``table`` of every row in ``span`` (rows x elements each; rows x 1 x elements
-        in a table with a vector column), gathered once per batch.
+        """The entry of each column of ``table`` of every row in ``span``, in its stack's shape (rows x the entry's
+        shape; a vector as rows x 1 x elements), gathered once per batch.
 
         Rows x 1 x elements: a vector column (a scale, a shift, a bias) is then in the shape that broadcasts over
         the tokens as gathered, where taking that view at each use would be an op the host dispatches (two per
-        SSF or BitFit site); one view of the gathered rows makes it for every column.
+        SSF or BitFit site); one view of the gathered rows makes it for every column.  A matrix column's view is
+        taken here too, once per batch as at its one use, so that a stack's rows are a slice of this tuple.
         """
         key = (table, span.start, span.stop)
         columns = batch.gathered.get(key)
         if columns is None:
-            gathered = getattr(self, f"table_{table}")[batch.rows[span]]  # the span's rows: a view, no op
+            # index_select: the gather ``table[rows]`` is, in one op without indexing's views (the span's rows of
+            # ``batch.rows`` are a view of them, or all of them).
+            gathered = getattr(self, f"table_{table}").index_select(0, _take(batch.rows, span))
             if table in self._vectors:
                 columns = gathered.unsqueeze(1).split(self._sizes[table], dim=2)
-            else:  # matrices only (low-rank updates): each takes a view of its own anyway
+            else:  # matrices only (low-rank updates)
                 columns = gathered.split(self._sizes[table], dim=1)
+            if table in self._matrices:
+                shapes = zip(columns, self._shapes[table], strict=True)
+                columns = tuple(column if shape is None else column.view(-1, *shape) for column, shape in shapes)
             batch.gathered[key] = columns
         return columns
 
@@ -310,10 +319,10 @@ class Stack:
         self.pre, self.post, self.tasks = first.pre, first.post, tuple(sorted(forms))
         self.post_in_place, self.reads_input = first.post_in_place, first.reads_input
         self.tables = router.tables
-        # Per tensor: (table, its column there, shape of one entry), to take its view of the gathered rows back;
-        # None for a vector, whose column of the gathered rows is already rows x 1 x entry, the shape it broadcasts
-        # in over the tokens (a view is an op to dispatch).
-        self.parts: list[tuple[int, int, torch.Size | None]] = []
+        self.key = (self.tasks, self.pre is not None)  # its span's in Batch.serving
+        # Per tensor: (table, its column there); the table gathers each column in the tensor's shape (a vector as
+        # rows x 1 x entry, the shape it broadcasts in over the tokens).
+        self.parts: list[tuple[int, int]] = []
         for i, pad in enumerate(first.pad or (None,) * len(first.tensors)):
             column = [forms[task].tensors[i] for task in self.tasks] + [first.neutral[i]]
             if pad is not None:
@@ -321,7 +330,12 @@ class Stack:
                 column = [_zero_pad(t, pad, size) for t in column]
             stacked = torch.stack(column)
             shape = stacked.shape[1:] if stacked.dim() != 2 else None
-            self.parts.append((*self.tables.add(self.tasks, stacked.flatten(1), vector=shape is None), shape))
+            self.parts.append(self.tables.add(self.tasks, stacked.flatten(1), shape))
+        # Its columns, added one after the other, are one slice of a table's where its tensors share a dtype: its
+        # rows are then a slice of the gathered tuple (no tuple built per call).
+        table, column = self.parts[0]
+        one_run = all(part == (table, column + i) for i, part in enumerate(self.parts))
+        self.run = (table, column, column + len(self.parts)) if one_run else None
 
     def span(self, batch: Batch) -> slice | None:
         """The rows of ``batch`` its one op acts on, or None where its tasks' hooks act on their own rows instead.
@@ -340,38 +354,39 @@ class Stack:
         a 2-core CPU; with SSF's and BitFit's stack over their own 16 rows, adjacent in the batch, as fast as with
         none, within 2%).
         """
-        key = (self.tasks, self.pre is not None)
-        if key not in batch.serving:  # decided once per batch for every stack of these tasks
-            spans = [batch.spans[task] for task in self.tasks if task in batch.spans]
-            span = None
-            if len(spans) >= 2:
-                if self.pre is not None:
-                    span = slice(0, batch.images)
-                else:
-                    span = slice(min(s.start for s in spans), max(s.stop for s in spans))
-                rows = sum(s.stop - s.start for s in spans)
-                if not batch.launch_bound and 2 * rows < span.stop - span.start:
-                    span = None
-            batch.serving[key] = span
-        return batch.serving[key]
+        if self.key in batch.serving:  # decided once per batch for every stack of these tasks
+            return batch.serving[self.key]
+        spans = [batch.spans[task] for task in self.tasks if task in batch.spans]
+        span = None
+        if len(spans) >= 2:
+            if self.pre is not None:
+                span = slice(0, batch.images)
+            else:
+                span = slice(min(s.start for s in spans), max(s.stop for s in spans))
+            rows = sum(s.stop - s.start for s in spans)
+            if not batch.launch_bound and 2 * rows < span.stop - span.start:
+                span = None
+        batch.serving[self.key] = span
+        return span
 
-    def rows(self, batch: Batch) -> tuple[Tensor, ...]:
+    def rows(self, batch: Batch, span: slice) -> tuple[Tensor, ...]:
         """Each stacked tensor as each row's own, for the rows of its :meth:`span` (rows first; a vector as rows x 1
         x entry): views of the rows its tables gathered.
         """
-        span = self.span(batch)
-        parts = [(self.tables.rows(batch, table, span)[column], shape) for table, column, shape in self.parts]
-        return tuple(part if shape is None else part.view(-1, *shape) for part, shape in parts)
+        if self.run is not None:
+            table, first, end = self.run
+            return self.tables.rows(batch, table, span)[first:end]
+        return tuple(self.tables.rows(batch, table, span)[column] for table, column in self.parts)
 
-    def act(self, batch: Batch, x: Tensor, y: Tensor, own: bool) -> Tensor:
-        """``y`` with its ``post`` applied to the rows of its :meth:`span` (which must not be None).
+    def act(self, batch: Batch, span: slice, x: Tensor, y: Tensor, own: bool) -> Tensor:
+        """``y`` with its ``post`` applied to the rows of its :meth:`span`, ``span``.
 
         Over the whole batch, ``post``'s result.  Over a span, where ``y`` is the frozen module's fresh output
         (``own``) and no autograd records, the span's rows of ``y`` itself are written (``post_in_place``, in as
         many ops as ``post``; else a copy of ``post``'s result); otherwise a new tensor of ``y``'s rows before the
         span, the span's result and the rows after it.
         """
-        span, rows = self.span(batch), self.rows(batch)
+        rows = self.rows(batch, span)
         x = _take(x, span) if self.reads_input else None  # a post that reads y alone gets None, no slice of x
         if span.stop - span.start == y.shape[0]:
             return self.post(x, y, rows)
@@ -429,52 +444,83 @@ class RoutedModule(nn.Module):
         self.base = base
         self.hooks, self._router = hooks, router
         self.stacks = _stacks(hooks, router)
-        self._kinds(hooks)
+        self._kinds()
         for task, hook in hooks.items():
             if hook.mid or hook.branch or hook.visible is not None:
                 raise CannotShare(f"task {task}: a hook inside a block's halves belongs on a block, not here")
 
-    def _kinds(self, hooks: dict[int, RowHook]) -> None:
-        # Per kind, only the tasks whose hook acts there: a task without one costs no slice of its rows.
+    def _kinds(self) -> None:
+        """Per kind, only the tasks whose hook acts there (a task without one costs no slice of its rows), and what
+        of it every call does, worked out once (again where ``stacks`` changes).
+
+        ``pre_stacks`` and ``post_stacks``: each stack of the kind with its tasks' hooks, which act on their own rows
+        in a batch where the stack does not serve; ``pre_alone`` and ``post_alone``: the hooks in no stack.
+        """
+        hooks = self.hooks
         self.pre_hooks = {task: hook for task, hook in hooks.items() if hook.pre}
-        self.any_pre = bool(self.pre_hooks) or any(stack.pre is not None for stack in self.stacks)
         self.post_hooks = {task: hook for task, hook in hooks.items() if hook.post}
         self.mid_hooks = {task: hook for task, hook in hooks.items() if hook.mid}
         self.branch_hooks = {task: hook for task, hook in hooks.items() if hook.branch}
+        self.pre_stacks = [
+            (stack, {task: self.pre_hooks[task] for task in stack.tasks if task in self.pre_hooks})
+            for stack in self.stacks
+            if stack.pre is not None
+        ]
+        self.post_stacks = [
+            (stack, {task: self.post_hooks[task] for task in stack.tasks if task in self.post_hooks})
+            for stack in self.stacks
+            if stack.post is not None
+        ]
+        stacked_pre = {task for _, stacked in self.pre_stacks for task in stacked}
+        stacked_post = {task for _, stacked in self.post_stacks for task in stacked}
+        self.pre_alone = {task: hook for task, hook in self.pre_hooks.items() if task not in stacked_pre}
+        self.post_alone = {task: hook for task, hook in self.post_hooks.items() if task not in stacked_post}
+        self.any_pre = bool(self.pre_hooks or self.pre_stacks)
+        self.any_post = bool(self.post_hooks or self.post_stacks)
 
     def forward(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-        batch = self._router.current().rows_of(x)
+        batch = self._router.current()
+        if x.shape[0] != batch.images:  # a Swin's windows: several rows per image
+            batch = batch.rows_of(x)
         if self.any_pre:
             x = self._pre(batch, x)
         y = self.base(x, *args, **kwargs)
+        if not self.any_post:
+            return y
         return self._post(batch, x, y, own=_is_fresh(y, x))
 
     def _pre(self, batch: Batch, x: Tensor) -> Tensor:
         """``x`` with every task's pre hook applied to its rows: stacked hooks in one op each, the rest per task."""
-        hooks = self.pre_hooks
-        for stack in self.stacks:
-            if stack.pre is not None and stack.span(batch) is not None:
+        hooks = self.pre_alone
+        for stack, stacked in self.pre_stacks:
+            span = stack.span(batch)
+            if span is not None:
                 # Every row at once; rows of tasks outside the stack get its neutral entry and stay as they are.
-                x = stack.pre(x, batch.tokens, stack.rows(batch))
-                hooks = {task: hook for task, hook in hooks.items() if task not in stack.tasks}
+                x = stack.pre(x, batch.tokens, stack.rows(batch, span))
+            elif stacked:
+                hooks = {**hooks, **stacked}
         if not hooks:
             return x
         return _each_task(batch, hooks, x, lambda h, rows: h.pre(_take(x, rows), batch.tokens))
 
     def _post(self, batch: Batch, x: Tensor, y: Tensor, own: bool) -> Tensor:
         """``y`` with every task's post hook applied to its rows: stacked hooks in one op each, the rest per task."""
-        stacked: tuple[int, ...] = ()
-        for stack in self.stacks:
-            if stack.post is not None and stack.span(batch) is not None:
+        hooks = self.post_alone
+        for stack, stacked in self.post_stacks:
+            span = stack.span(batch)
+            if span is not None:
                 # Its span of rows at once; rows of tasks outside the stack there get its neutral entry.
-                y, own = stack.act(batch, x, y, own), True
-                stacked += stack.tasks
+                y, own = stack.act(batch, span, x, y, own), True
+            elif stacked:
+                hooks = {**hooks, **stacked}
+        if not hooks:
+            return y
         # Serving: a hook that can acts on its rows of the fresh output itself, with no copy back.
         in_place = own and not torch.is_grad_enabled()
         rest = {}
-        for task, hook in self.post_hooks.items():
+        for task, hook in hooks.items():
             rows = batch.spans.get(task)
-            if rows is None or task in stacked:
+            if rows is None:
                 continue
             if in_place and hook.post_in_place is not None:
                 # A hook that reads y alone gets None for x: no slice of x's rows.
@@ -501,7 +547,7 @@ class RoutedBlock(RoutedModule):
         self.base = base
         self.hooks, self._router = hooks, router
         self.stacks = _stacks(hooks, router)
-        self._kinds(hooks)
+        self._kinds()
         self.halves = any(h.mid or h.branch or h.post for h in hooks.values())
         self.branches = any(h.branch for h in hooks.values())
         self.family = None

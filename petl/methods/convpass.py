@@ -195,16 +195,16 @@ def _served_bypass(wrapper: ConvpassParallel) -> Callable[[torch.Tensor, torch.T
         h = F.silu(rows.tokens_linear(x, down_t, down_b))
         c = rows.tokens_linear(h, centre_t, centre_b)
         # The patch tokens as a grid, each a view taken in one call (the host dispatches every view op): h's as the
-        # convolution's NCHW input, c's first r channels (not the bias unit, the last) as NHWC, where the other
-        # taps' output, permuted to NHWC, is added in place (no copy of it, no copy of c's slice back).
+        # convolution's NCHW input, and c's first r channels (not the bias unit, the last) in the same NCHW shape,
+        # where the other taps' output is added in place (no copy of it, no copy of c's slice back, no permute).
         b, tokens, start = x.shape[0], x.shape[1], p + slots
         st, sw = h.stride()
         sb = tokens * st
         patches = h.as_strided((b, r, rows_, cols), (sb, sw, cols * st, st), h.storage_offset() + start * st)
         st, sw = c.stride()
         sb = tokens * st
-        grid = c.as_strided((b, rows_, cols, r), (sb, cols * st, st, sw), c.storage_offset() + start * st)
-        grid.add_(F.conv2d(patches, around_w, padding=1).permute(0, 2, 3, 1))
+        grid = c.as_strided((b, r, rows_, cols), (sb, sw, cols * st, st), c.storage_offset() + start * st)
+        grid.add_(F.conv2d(patches, around_w, padding=1))
         rows.add_matmul_(y, F.silu(c), up_t)
 
     return bypass

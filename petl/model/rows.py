@@ -91,31 +91,37 @@ def rows_matmul(x: Tensor, weight: Tensor, add: Tensor | None = None) -> Tensor:
     """``x`` (rows x ... x in) times the transpose of each row's own ``weight`` (rows x out x in), plus ``add``.
 
     One batched matmul (``bmm``, or ``baddbmm`` adding into ``add``, of ``x``'s rows x ... x out shape), as Punica's
-    BGMV: each row's weight is gathered by the caller (a :class:`Batched` form's ``rows``).
+    BGMV: each row's weight is gathered by the caller (a :class:`Batched` form's ``rows``).  A 3-d ``x`` (rows x
+    tokens x in) and ``add`` go to it as they are: a reshape of them and a view of the result are ops the host
+    dispatches.
     """
-    flat = x.reshape(x.shape[0], -1, x.shape[-1])
+    flat = x if x.dim() == 3 else x.reshape(x.shape[0], -1, x.shape[-1])
     if add is None:
         out = torch.bmm(flat, weight.transpose(1, 2))
     else:
-        out = torch.baddbmm(add.reshape(x.shape[0], -1, weight.shape[1]), flat, weight.transpose(1, 2))
-    return out.view(*x.shape[:-1], weight.shape[1])
+        add = add if add.dim() == 3 else add.reshape(x.shape[0], -1, weight.shape[1])
+        out = torch.baddbmm(add, flat, weight.transpose(1, 2))
+    return out if x.dim() == 3 else out.view(*x.shape[:-1], weight.shape[1])
 
 
-def _in_dtype_of(y: Tensor, *tensors: Tensor) -> tuple[Tensor, ...]:
-    """``tensors`` in ``y``'s dtype, each cast only where it differs: a served forward counts its ops."""
-    return tuple(t if t.dtype == y.dtype else t.to(y.dtype) for t in tensors)
+def _in_dtype(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """``t`` in ``dtype``, cast only where it differs: a served forward counts its ops."""
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 def rows_matmul_(y: Tensor, x: Tensor, weight: Tensor) -> None:
     """``y += x`` times the transpose of each row's own ``weight``, in place: one ``baddbmm_`` into ``y`` where it is
-    contiguous (a Linear's output, or a slice of its rows), else a ``bmm`` and an add.
+    contiguous (a Linear's output, or a slice of its rows), else a ``bmm`` and an add.  3-d tensors go to it as they
+    are (:func:`rows_matmul`).
 
     In ``y``'s dtype: autocast leaves in-place ops alone, and under it ``y`` (a Linear's output) is bf16 while the
     task's ``weight`` stays fp32, which ``baddbmm_`` refuses; the out-of-place form would compute in bf16 there too.
     """
-    flat, weight = _in_dtype_of(y, x.reshape(x.shape[0], -1, x.shape[-1]), weight)
+    flat = x if x.dim() == 3 else x.reshape(x.shape[0], -1, x.shape[-1])
+    flat, weight = _in_dtype(flat, y.dtype), _in_dtype(weight, y.dtype)
     if y.is_contiguous():
-        y.view(y.shape[0], -1, weight.shape[1]).baddbmm_(flat, weight.transpose(1, 2))
+        out = y if y.dim() == 3 else y.view(y.shape[0], -1, weight.shape[1])
+        out.baddbmm_(flat, weight.transpose(1, 2))
     else:
         y.add_(torch.bmm(flat, weight.transpose(1, 2)).view(y.shape))
 
@@ -199,10 +205,10 @@ def add_matmul_(y: Tensor, z: Tensor, weight_t: Tensor, alpha: float = 1.0) -> N
     tokens where ``y`` is contiguous (a Linear's output); otherwise (a sum keeps the strides of its inputs) as a
     matmul and an add.  In ``y``'s dtype, as :func:`rows_matmul_`.
     """
-    z, weight_t = _in_dtype_of(y, z, weight_t)
+    z, weight_t = _in_dtype(z, y.dtype), _in_dtype(weight_t, y.dtype)
     if y.is_contiguous():
         flat = z if z.dim() == 2 else z.reshape(-1, z.shape[-1])  # tokens_linear's result is already flat
-        y.view(-1, y.shape[-1]).addmm_(flat, weight_t, alpha=alpha)
+        (y if y.dim() == 2 else y.view(-1, y.shape[-1])).addmm_(flat, weight_t, alpha=alpha)
     else:
         product = z @ weight_t
         y.add_(product.view(y.shape) if product.dim() != y.dim() else product, alpha=alpha)
