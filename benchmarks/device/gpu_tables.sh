@@ -6,8 +6,9 @@
 #   multitask_cuda.md  benchmarks/multitask_speed.py: 8 LoRA tasks and the 8-method set on ViT-B/16, bf16, batch 64,
 #                      against the plain backbone, and multitask_cuda_profile.md beside it: where each mixed
 #                      batch's GPU time goes (busy time against the timed call, kernels, the costliest ops);
-#   multitask_graph_cuda.md  the same script with --graph: the 8-method set's and the LoRA set's mixed batch also as
-#                      a CUDA graph of its layout (MultiTask.graphed), in a process of its own (GPU only);
+#   multitask_graph_cuda.md  the same script with --graph: the 8-method set's and the LoRA set's mixed batch also
+#                      through forward's CUDA graph of its layout (MultiTask.graphs, the rows in another order each
+#                      call), in a process of its own (GPU only);
 #   serve_cuda.md      benchmarks/serve_load.py: petl-serve on loopback (default backbone, 1 and 4 tasks) in its
 #                      default precision=auto: bf16 autocast with TF32 on the GPU (the table's title names the
 #                      precision each server's /health reported).
