@@ -79,7 +79,8 @@ def capture(
     The warm-up makes cuDNN's and cuBLAS's choices, the tasks' per-device tensors and the layout's masks, so that
     capturing copies nothing from the CPU.  ``weights``: the tensors the graph reads, held by the LayoutGraph.
     """
-    with torch.inference_mode():
+    # On the images' GPU, which need not be the current one (torch.cuda.graph captures on the current device).
+    with torch.inference_mode(), torch.cuda.device(images.device):
         static = images.clone()
         side = torch.cuda.Stream(images.device)
         side.wait_stream(torch.cuda.current_stream(images.device))
