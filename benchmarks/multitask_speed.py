@@ -20,7 +20,8 @@ every stack of two tasks acting) whatever the device; on a CPU with a tiny model
 
 With ``--graph`` (a GPU only) a fifth case is timed: the MultiTask's forward replaying its CUDA graph of the batch's
 layout (``MultiTask.graphs``, as petl-serve and petl-predict get it), each call's rows in another order with as many of
-each task, the host launching one graph instead of every op.  The MultiTask case stays eager (``graphs.size = 0``).
+each task (another mix of tasks each call, where they run every row: ``MultiTask.every_row``), the host launching one
+graph instead of every op.  The MultiTask case stays eager (``graphs.size = 0``).
 
 With ``--ops`` nothing is timed: each case's aten ops in one call are counted (``petl.utils.ops.CountOps``,
 after a warm-up call; the MultiTask on the GPU's path, ``launch_bound=True``), the cost where the host launching
@@ -143,10 +144,15 @@ def build_cases(
         CASES[3]: lambda: backbone(images),
     }
     if graph:
-        # Batches with as many rows of each task, each in another order: one graph answers them all.
+        # Batches with as many rows of each task, each in another order: one graph answers them all; where the tasks
+        # run every row (MultiTask.every_row), batches of other mixes too.
         graphed.launch_bound = launch_bound
         graphed.to(**kw)
-        turns = itertools.cycle([ids] + [random.Random(k).sample(ids, len(ids)) for k in (1, 2, 3)])
+        if graphed.every_row:
+            others = [random.Random(k).choices(range(TASKS), k=len(ids)) for k in (1, 2, 3)]
+        else:
+            others = [random.Random(k).sample(ids, len(ids)) for k in (1, 2, 3)]
+        turns = itertools.cycle([ids, *others])
         with torch.inference_mode():
             for _ in range(graphed.graphs.after):  # captured here, not in a timed call
                 graphed(images, next(turns))
@@ -335,8 +341,9 @@ def render(
             "",
             f"{GRAPH}: the MultiTask's forward replaying its CUDA graph of the batch's layout (`MultiTask.graphs`, "
             "captured the second time the layout came, as petl-serve and petl-predict get it), each call's rows in "
-            "another order with as many of each task, so the host launches one graph instead of every op. The other "
-            "cases run eagerly.",
+            "another order with as many of each task, or, where the tasks run every row through every stack "
+            "(`MultiTask.every_row`: the 8 LoRA tasks), each call another mix of tasks; the host launches one graph "
+            "instead of every op. The other cases run eagerly.",
         ]
     if missing:
         lines += ["", f"Not measured: the --deadline had passed before {'; '.join(missing)}."]

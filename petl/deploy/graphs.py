@@ -50,11 +50,12 @@ class LayoutGraph:
     ) -> None:
         self.graph, self.images, self.output, self.layout, self.weights = graph, images, output, layout, weights
 
-    def __call__(self, images: Tensor, order: Tensor | None = None) -> Tensor:
+    def __call__(self, images: Tensor, layout: Any = None) -> Tensor:
         """The logits of ``images`` (of the captured shape, dtype and device), each row from its task.
 
-        ``order``: the batch's row index of each row sorted by task, where it differs from the captured batch's
-        (another batch with as many rows of each task): copied into the tensor the graph reads.
+        ``layout``: the batch's, where it is not the captured one (another batch with as many rows of each task, or
+        any batch of a layout run every row): its row order and task indices are copied into the tensors the graph
+        reads.
         """
         static = self.images
         if (images.shape, images.dtype, images.device) != (static.shape, static.dtype, static.device):
@@ -64,8 +65,9 @@ class LayoutGraph:
             )
         with torch.inference_mode():  # the graph's own tensors were made under it: only it writes into them
             static.copy_(images)
-            if order is not None and order is not self.layout.order:
-                self.layout.order.copy_(order, non_blocking=True)
+            if layout is not None and layout is not self.layout:
+                self.layout.order.copy_(layout.order, non_blocking=True)
+                self.layout.rows.copy_(layout.rows, non_blocking=True)
             self.graph.replay()
         # Copied outside it: a plain tensor, as the eager forward gives under no_grad, which autograd may save later.
         return self.output.clone()
@@ -133,7 +135,7 @@ class LayoutGraphs:
         if graph is None:
             return None
         self.replayed += 1
-        return graph(images, layout.order)
+        return graph(images, layout)
 
     def _capture(self, key: Hashable, make: Callable[[], LayoutGraph]) -> LayoutGraph | None:
         """The graph of ``key`` where it has come often enough, in place of the least used graph if ``size`` are

@@ -49,7 +49,8 @@ above; served without autograd, a hook that can (``RowHook.post_in_place``) adds
 frozen module's fresh output in place, so a task costs its own ops and no copy of its rows back into the batch.
 On a GPU such a batch is bound by the host launching ops, which ``tests/deploy`` counts; there :meth:`MultiTask.forward`
 captures a batch layout (the rows of each task, in any order) that repeats as a CUDA graph and replays it with one
-launch (:attr:`MultiTask.graphs`, :mod:`petl.deploy.graphs`).
+launch (:attr:`MultiTask.graphs`, :mod:`petl.deploy.graphs`); where every hook stacks (:attr:`MultiTask.every_row`),
+one graph per batch size answers every mix of tasks.
 
 A method opts in next to its wrapper: ``@register_row_hook(MyWrapper)`` on a function that says what
 the wrapper does to its rows, and optionally its batched form (see ``petl/methods/lora.py``).  A task
@@ -245,6 +246,8 @@ class _Layout:
         rows: the same on the images' device.
         order: the batch's row index of each sorted row, on the images' device.
         launch: whether the stacks act as where launching ops is the cost (:attr:`MultiTask.launch_bound`).
+        every_row: whether every stack acts on every row (:class:`petl.deploy.routing.Batch`): the ops then do not
+            depend on the mix of tasks (:attr:`MultiTask.every_row`).
         masks: per part (its first row), the pooling and attention masks built for it on the images' device, kept
             so that another run of this layout (a CUDA graph's capture) moves nothing from the CPU.
 
@@ -256,6 +259,7 @@ class _Layout:
     rows: Tensor
     order: Tensor
     launch: bool
+    every_row: bool = False
     masks: dict[int, dict[Any, Tensor]] = field(default_factory=dict)
 
 
@@ -277,6 +281,10 @@ class MultiTask(nn.Module):
             without autograd, a layout (the rows of each task, whatever their order) that comes a second time is
             captured and every later batch of it replayed with one launch, 8 layouts at most (the most used);
             ``graphs.size = 0`` runs every batch eagerly.
+        every_row: whether every task's every hook stacks (one task's batched form too), no task adds prompt slots
+            and every head is a Linear (LoRA, FacT, SSF, BitFit, adapters): then the graphs' batches run every row
+            through every stack, the neutral entry for the rows of other tasks, so that one graph per batch size
+            answers every mix of tasks (as vLLM's LoRA batches are captured with each row's adapter as data).
 
     Raises:
         ValueError: ``tasks`` not a mapping, a file that does not load onto ``backbone`` (the message names it), a
@@ -343,7 +351,10 @@ class MultiTask(nn.Module):
             [n if sites.get(b) is None or sites[b].visible is None else sites[b].visible for b in blocks]
             for sites, n in zip(hooks, self.prompts, strict=True)
         ]
-        self._router = Router(len(self.names))
+        # Every hook with a batched form, no prompt slots, no pass of its own: every stack can act on every row, so
+        # that a batch's ops need not depend on its mix of tasks (every_row: one CUDA graph per batch size).
+        batched = all(hook.batched is not None for sites in hooks for hook in sites.values())
+        self._router = Router(len(self.names), every_row=batched and not besides and not any(self.prompts))
         self.backbone = self._route(backbone, hooks)
         if rooms:
             self._make_room(self.backbone)
@@ -352,6 +363,8 @@ class MultiTask(nn.Module):
         self.rank = self._stack_order()
         self._stack_heads([backbone_of(m).head() for m in models])
         self._beside(backbone, besides)
+        routed = [m for m in self.backbone.modules() if isinstance(m, RoutedModule)]
+        self.every_row = self._router.every_row and self.stacked_heads and all(m.every_row for m in routed)
         if any(self.prompts) and bb.pool_type() not in bb.maskable_pools:
             task = self.names[next(i for i, n in enumerate(self.prompts) if n)]
             raise TaskRefused(
@@ -586,7 +599,7 @@ class MultiTask(nn.Module):
         tasks, rows, masks = layout.tasks[first:end], layout.rows[first:end], layout.masks.setdefault(first, {})
         bb = backbone_of(self.backbone)
         tokens = Tokens(bb.num_prefix_tokens(), max((self.prompts[t] for t, _, _ in groups), default=0))
-        self._router.batch = Batch(groups, tokens, rows=rows, launch_bound=layout.launch)
+        self._router.batch = Batch(groups, tokens, rows, layout.launch, layout.every_row)
         try:
             pool = None
             if tokens.slots:
@@ -638,12 +651,19 @@ class MultiTask(nn.Module):
         if not len(index):  # no rows, no task to route: 0 x C, as a timm model answers an empty batch
             width = max(self.num_classes.values()) or backbone_of(self.backbone).num_features()
             return images.new_empty(0, width)
-        layout = self._layout(index, images)
-        if _may_replay(images):
-            key = (tuple(torch.bincount(index, minlength=len(self.names)).tolist()), *self._graph_setting(images))
-            logits = self.graphs.answer(key, images, layout, lambda: self._capture(images, layout))
+        replay = _may_replay(images) and self.graphs.size > 0
+        # Every row through every stack where the tasks allow it: one graph then answers every mix of tasks.
+        every_row = replay and self.every_row
+        layout = self._layout(index, images, every_row)
+        if replay:
+            mix = "every row" if every_row else tuple(torch.bincount(index, minlength=len(self.names)).tolist())
+            logits = self.graphs.answer(
+                (mix, *self._graph_setting(images)), images, layout, lambda: self._capture(images, layout)
+            )
             if logits is not None:
                 return logits
+            if every_row:  # eager: each task's hooks on its own rows, fewer ops where few tasks are in the batch
+                layout = self._layout(index, images)
         return self._run(images, layout)
 
     def _graph_setting(self, images: Tensor) -> tuple[Any, ...]:
@@ -686,7 +706,7 @@ class MultiTask(nn.Module):
         index = self.task_index(task_ids, images.shape[0])
         return self._capture(images, self._layout(index, images))
 
-    def _layout(self, index: Tensor, images: Tensor) -> _Layout:
+    def _layout(self, index: Tensor, images: Tensor, every_row: bool = False) -> _Layout:
         """How the rows of a batch with these task indices are sorted and routed (see :class:`_Layout`)."""
         launch_bound = self._launch_bound(images)
         # Rows sorted by task.  Where the arithmetic is the cost (a CPU), the tasks without prompt tokens come first
@@ -716,13 +736,14 @@ class MultiTask(nn.Module):
         for group in groups:
             parts.setdefault(passes[group[0]], []).append(group)
         device = images.device
-        return _Layout(groups, parts, tasks, _to_device(tasks, device), _to_device(order, device), launch_bound)
+        rows, order = _to_device(tasks, device), _to_device(order, device)
+        return _Layout(groups, parts, tasks, rows, order, launch_bound, every_row)
 
     def _run(self, images: Tensor, layout: _Layout) -> Tensor:
         """The logits of ``images`` routed as ``layout`` says: every op on the images' device, none on the CPU's."""
         bb = backbone_of(self.backbone)
         groups, rows = layout.groups, layout.rows
-        self._router.batch = Batch(groups, Tokens(bb.num_prefix_tokens(), 0), rows=rows, launch_bound=layout.launch)
+        self._router.batch = Batch(groups, Tokens(bb.num_prefix_tokens(), 0), rows, layout.launch, layout.every_row)
         try:
             x = bb.embed_tokens(images[layout.order])
         finally:
@@ -735,7 +756,7 @@ class MultiTask(nn.Module):
                 continue
             features.append(self._features(x[first:end], layout, part))
         features = features[0] if len(features) == 1 else torch.cat(features)
-        if self.stacked_heads and len(groups) >= 2:
+        if self.stacked_heads and (len(groups) >= 2 or layout.every_row):
             # Each row's own head gathered from the stack: one batched matmul for the mixed batch.
             head = self.head_stack[rows]
             sorted_logits = rows_matmul(features, head[:, :, :-1], add=head[:, :, -1])

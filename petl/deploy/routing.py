@@ -118,13 +118,16 @@ class Batch:
     ``rows``: each row's task index (a long tensor on the batch's device), for batched hooks; ``gathered``
     caches, per table of :class:`StackTables` and span of rows, each of those rows' entry of it (one gather per
     batch).  ``launch_bound``: whether launching an op costs more than a small op's arithmetic (a GPU), which
-    decides when a stack serves (:meth:`Stack.span`).
+    decides when a stack serves (:meth:`Stack.span`).  ``every_row``: every stack acts on every row, whichever tasks
+    the batch holds, and no hook on its own rows (a :class:`Router` built ``every_row``): the ops do not depend on
+    the batch's mix of tasks, only on its size.
     """
 
     groups: list[tuple[int, int, int]]
     tokens: Tokens
     rows: Tensor | None = None
     launch_bound: bool = True
+    every_row: bool = False
     gathered: dict[tuple[int, int, int], tuple[Tensor, ...]] = field(default_factory=dict)
     repeated: dict[int, Batch] = field(default_factory=dict)
 
@@ -150,7 +153,7 @@ class Batch:
         if k not in self.repeated:
             groups = [(task, start * k, end * k) for task, start, end in self.groups]
             rows = None if self.rows is None else self.rows.repeat_interleave(k)
-            self.repeated[k] = Batch(groups, self.tokens, rows=rows, launch_bound=self.launch_bound)
+            self.repeated[k] = Batch(groups, self.tokens, rows, self.launch_bound, self.every_row)
         return self.repeated[k]
 
 
@@ -164,9 +167,11 @@ class Router:
 
     batch: Batch | None = None
 
-    def __init__(self, tasks: int = 0) -> None:
+    def __init__(self, tasks: int = 0, every_row: bool = False) -> None:
         self.tasks = tasks
         self.tables = StackTables(tasks)
+        # Every batched form stacked, one task's alone too, so that a batch may run every_row (see Batch).
+        self.every_row = every_row
 
     def current(self) -> Batch:
         if self.batch is None:
@@ -354,6 +359,8 @@ class Stack:
         a 2-core CPU; with SSF's and BitFit's stack over their own 16 rows, adjacent in the batch, as fast as with
         none, within 2%).
         """
+        if batch.every_row:
+            return slice(0, batch.images)
         if self.key in batch.serving:  # decided once per batch for every stack of these tasks
             return batch.serving[self.key]
         spans = [batch.spans[task] for task in self.tasks if task in batch.spans]
@@ -411,10 +418,11 @@ def _zero_pad(t: Tensor, dim: int, size: int) -> Tensor:
 
 
 def _stacks(hooks: dict[int, RowHook], router: Router) -> list[Stack]:
-    """One :class:`Stack` per batched key at a module that two or more tasks' hooks share.
+    """One :class:`Stack` per batched key at a module that two or more tasks' hooks share (every key, with a router
+    built ``every_row``).
 
-    A key of one task stays unstacked: gathering each of its tensors for every row launches more kernels than
-    acting on its own rows.
+    A key of one task serves unstacked: gathering each of its tensors for every row launches more kernels than
+    acting on its own rows (the only way where a batch runs ``every_row``).
     """
     by_key: dict[Any, dict[int, Batched]] = {}
     for task, hook in hooks.items():
@@ -426,7 +434,7 @@ def _stacks(hooks: dict[int, RowHook], router: Router) -> list[Stack]:
                 for t, pad in zip(form.tensors, pads, strict=True)
             )
             by_key.setdefault((form.key, shapes), {})[task] = form
-    return [Stack(forms, router) for forms in by_key.values() if len(forms) >= 2]
+    return [Stack(forms, router) for forms in by_key.values() if len(forms) >= 2 or router.every_row]
 
 
 class RoutedModule(nn.Module):
@@ -454,21 +462,25 @@ class RoutedModule(nn.Module):
         of it every call does, worked out once (again where ``stacks`` changes).
 
         ``pre_stacks`` and ``post_stacks``: each stack of the kind with its tasks' hooks, which act on their own rows
-        in a batch where the stack does not serve; ``pre_alone`` and ``post_alone``: the hooks in no stack.
+        in a batch where the stack does not serve; ``pre_alone`` and ``post_alone``: the hooks in no stack.  A stack
+        of one task (a router built ``every_row``) is for batches that run ``every_row`` only (``every_pre``,
+        ``every_post``); in the others its task's hook acts alone.  ``every_row``: whether every hook here is in a
+        stack, as a batch run ``every_row`` needs.
         """
         hooks = self.hooks
         self.pre_hooks = {task: hook for task, hook in hooks.items() if hook.pre}
         self.post_hooks = {task: hook for task, hook in hooks.items() if hook.post}
         self.mid_hooks = {task: hook for task, hook in hooks.items() if hook.mid}
         self.branch_hooks = {task: hook for task, hook in hooks.items() if hook.branch}
+        shared = [stack for stack in self.stacks if len(stack.tasks) >= 2]
         self.pre_stacks = [
             (stack, {task: self.pre_hooks[task] for task in stack.tasks if task in self.pre_hooks})
-            for stack in self.stacks
+            for stack in shared
             if stack.pre is not None
         ]
         self.post_stacks = [
             (stack, {task: self.post_hooks[task] for task in stack.tasks if task in self.post_hooks})
-            for stack in self.stacks
+            for stack in shared
             if stack.post is not None
         ]
         stacked_pre = {task for _, stacked in self.pre_stacks for task in stacked}
@@ -477,6 +489,17 @@ class RoutedModule(nn.Module):
         self.post_alone = {task: hook for task, hook in self.post_hooks.items() if task not in stacked_post}
         self.any_pre = bool(self.pre_hooks or self.pre_stacks)
         self.any_post = bool(self.post_hooks or self.post_stacks)
+        self.every_pre = [(stack, {}) for stack in self.stacks if stack.pre is not None]
+        self.every_post = [(stack, {}) for stack in self.stacks if stack.post is not None]
+        in_pre = {task for stack, _ in self.every_pre for task in stack.tasks}
+        in_post = {task for stack, _ in self.every_post for task in stack.tasks}
+        self.every_row = (
+            set(self.pre_hooks) <= in_pre
+            and set(self.post_hooks) <= in_post
+            and not self.mid_hooks
+            and not self.branch_hooks
+            and all(hook.visible is None for hook in hooks.values())
+        )
 
     def forward(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
         batch = self._router.current()
@@ -491,8 +514,8 @@ class RoutedModule(nn.Module):
 
     def _pre(self, batch: Batch, x: Tensor) -> Tensor:
         """``x`` with every task's pre hook applied to its rows: stacked hooks in one op each, the rest per task."""
-        hooks = self.pre_alone
-        for stack, stacked in self.pre_stacks:
+        stacks, hooks = (self.every_pre, {}) if batch.every_row else (self.pre_stacks, self.pre_alone)
+        for stack, stacked in stacks:
             span = stack.span(batch)
             if span is not None:
                 # Every row at once; rows of tasks outside the stack get its neutral entry and stay as they are.
@@ -505,8 +528,8 @@ class RoutedModule(nn.Module):
 
     def _post(self, batch: Batch, x: Tensor, y: Tensor, own: bool) -> Tensor:
         """``y`` with every task's post hook applied to its rows: stacked hooks in one op each, the rest per task."""
-        hooks = self.post_alone
-        for stack, stacked in self.post_stacks:
+        stacks, hooks = (self.every_post, {}) if batch.every_row else (self.post_stacks, self.post_alone)
+        for stack, stacked in stacks:
             span = stack.span(batch)
             if span is not None:
                 # Its span of rows at once; rows of tasks outside the stack there get its neutral entry.

@@ -14,6 +14,7 @@ from test_multitask import BATCHED, OTHER_SETS_OPS, _mixed_batch, _run_folder, _
 import petl
 from petl.deploy import multitask as multitask_module
 from petl.deploy.graphs import LayoutGraph, LayoutGraphs, storage_of
+from petl.utils.ops import CountOps
 
 
 def _stand_in_capture(run, images, layout, weights):
@@ -41,8 +42,8 @@ def test_a_graph_is_made_on_a_gpu_only(stacked):  # noqa: F811
 def test_a_layout_graph_copies_the_images_in_replays_and_holds_what_the_graph_reads(stacked):  # noqa: F811
     """The captured graph reads the layout's row order and masks, made before the capture: the object called holds
     them (freed, their memory would go to other tensors while the graph reads it), and a call copies the images into
-    the graph's input (and a row order, where given, into the layout's), replays it and returns a copy of its output,
-    refusing another shape in one line."""
+    the graph's input (and another layout's row order and task indices, where given, into its own), replays it and
+    returns a copy of its output, refusing another shape in one line."""
     _, _, multi, _ = stacked
     images = torch.randn(4, 3, 32, 32)
     layout = multi._layout(multi.task_index(["ssf", "lora_qv", "ssf", "fact"], 4), images)
@@ -59,8 +60,9 @@ def test_a_layout_graph_copies_the_images_in_replays_and_holds_what_the_graph_re
     assert torch.equal(replays[0][0], images) and answer.tolist() == [1.0, 2.0, 3.0, 4.0]
     output.zero_()
     assert answer.tolist() == [1.0, 2.0, 3.0, 4.0]  # a copy, not the graph's own output
-    graph(images, torch.tensor([3, 1, 0, 2]))
-    assert replays[1][1].tolist() == [3, 1, 0, 2] and layout.order.tolist() == [3, 1, 0, 2]
+    other = multi._layout(multi.task_index(["fact", "ssf", "lora_qv", "ssf"], 4), images)  # as many of each task
+    graph(images, other)
+    assert replays[1][1].tolist() == other.order.tolist() == [2, 0, 1, 3] and layout.order.tolist() == [2, 0, 1, 3]
     with pytest.raises(ValueError, match=r"^this graph answers \(4, 3, 32, 32\) torch.float32 images on cpu, got "):
         graph(images[:2])
 
@@ -212,9 +214,10 @@ def test_petl_serve_counts_the_batches_a_graph_answered(tmp_path, monkeypatch):
     app = serve.create_app(served, tasks, serve.ServeOptions(precision="no"))
     images = torch.randn(3, 3, 32, 32)
     with torch.inference_mode():
-        for rows in ([0, 1, 1], [1, 0, 1], [1, 1, 0], [0, 0, 1]):  # one layout thrice (a graph the 2nd time), another
+        # LoRA and SSF stack at every module: one graph answers any mix of the two (every_row), from the 2nd batch.
+        for rows in ([0, 1, 1], [1, 0, 1], [1, 1, 0], [0, 0, 1]):
             app.state.batcher.forward(images, torch.tensor(rows))
-    assert "\npetl_graph_batches_total 2\n" in app.state.metrics.text()
+    assert served.every_row and "\npetl_graph_batches_total 3\n" in app.state.metrics.text()
 
 
 def test_petl_predicts_full_batches_of_several_runs_replay_one_graph(tmp_path, monkeypatch):
@@ -243,3 +246,81 @@ def test_petl_predicts_full_batches_of_several_runs_replay_one_graph(tmp_path, m
     for graphed, eager in zip(answers[1], answers[0], strict=True):
         assert (graphed.run, graphed.source, graphed.labels) == (eager.run, eager.source, eager.labels)
         assert graphed.probabilities == pytest.approx(eager.probabilities, abs=1e-6)
+
+
+# Every method here stacks at every module it hooks (one task's form alone too) and adds no prompt slots.
+EVERY_ROW = {name: BATCHED[name] for name in ("lora_qv", "lora_r4", "lora_r4_fc", "ssf", "bitfit", "adapter", "fact")}
+
+
+@pytest.mark.parametrize(
+    ("extra", "every_row"),
+    [({}, True), ({"vpt_2": BATCHED["vpt_2"]}, False), ({"convpass": ("convpass", {})}, False)],
+    ids=["batched", "with prompts", "with convpass"],
+)
+def test_tasks_whose_every_hook_stacks_run_every_row_through_every_stack(tmp_path, extra, every_row):
+    """Where every hook has a batched form, no task adds prompt slots and every head is a Linear, a batch may run
+    every row through every stack (each row's own entry, the neutral one for the rest), one task's form too: the
+    ops then do not depend on the mix of tasks, and its rows get the logits of the forward that sorts them into
+    spans, for any mix, one task or all."""
+    backbone = make_tiny_vit()
+    _, files = _save(tmp_path, EVERY_ROW | extra, backbone)
+    multi = petl.MultiTask(backbone, files)
+    multi.launch_bound = True
+    assert multi.every_row is every_row
+    if not every_row:
+        return
+    names = list(files)
+    gen = torch.Generator().manual_seed(0)
+    images = torch.randn(12, 3, 32, 32, generator=gen)
+    mixes = [names[:1] * 12, names[:2] * 6, [names[i % len(names)] for i in torch.randperm(12, generator=gen)]]
+    counted = []
+    with torch.no_grad():
+        for ids in mixes:
+            index = multi.task_index(ids, len(ids))
+            expected = multi(images, ids)
+            with CountOps() as count:
+                got = multi._run(images, multi._layout(index, images, every_row=True))
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+            counted.append(count.ops)
+    assert counted[0] == counted[1] == counted[2]  # the same ops whatever the mix
+
+
+def test_forward_replays_one_graph_for_every_mix_of_tasks_that_run_every_row(tmp_path, monkeypatch):
+    backbone = make_tiny_vit()
+    _, files = _save(tmp_path, EVERY_ROW, backbone)
+    multi = petl.MultiTask(backbone, files)
+    monkeypatch.setattr(multitask_module, "_may_replay", lambda images: not torch.is_grad_enabled())
+    monkeypatch.setattr(multitask_module, "capture", _stand_in_capture)
+    names = list(files)
+    images = torch.randn(8, 3, 32, 32)
+    mixes = [names[:1] * 8, names[1:3] * 4, names + names[:1], names[3:5] + names[:6]]
+    with torch.no_grad():
+        multi.graphs.size = 0
+        eager = [multi(images, ids) for ids in mixes]
+        multi.graphs.size = 8
+        graphed = [multi(images, ids) for ids in mixes]
+    torch.testing.assert_close(graphed, eager, rtol=1e-5, atol=1e-5)
+    assert (multi.graphs.captured, multi.graphs.replayed, len(multi.graphs.graphs)) == (1, 3, 1)
+
+
+@pytest.mark.cuda
+def test_one_cuda_graph_answers_every_mix_of_tasks_that_run_every_row(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    backbone = make_tiny_vit()
+    _, files = _save(tmp_path, EVERY_ROW, backbone)
+    multi = petl.MultiTask(backbone, files).cuda()
+    assert multi.every_row
+    names = list(files)
+    images = torch.randn(8, 3, 32, 32).cuda()
+    mixes = [names[:1] * 8, names[1:3] * 4, names + names[:1], names[3:5] + names[:6]]
+    for autocast in (False, True):
+        with torch.autocast("cuda", torch.bfloat16, enabled=autocast), torch.no_grad():
+            multi.graphs.size = 0
+            eager = [multi(images, ids) for ids in mixes]
+            multi.graphs.size = 8
+            for _ in range(2):
+                graphed = [multi(images, ids) for ids in mixes]
+        tolerance = 1e-2 if autocast else 1e-4
+        torch.testing.assert_close(graphed, eager, atol=tolerance, rtol=tolerance)
+    assert (multi.graphs.captured, multi.graphs.replayed) == (2, 14)
