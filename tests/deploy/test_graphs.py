@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_tiny_vit
+from conftest import make_tiny_swin, make_tiny_vit
 from test_multitask import BATCHED, OTHER_SETS_OPS, _mixed_batch, _run_folder, _save, _task_set, stacked  # noqa: F401
 
 import petl
@@ -324,3 +324,20 @@ def test_one_cuda_graph_answers_every_mix_of_tasks_that_run_every_row(tmp_path, 
         tolerance = 1e-2 if autocast else 1e-4
         torch.testing.assert_close(graphed, eager, atol=tolerance, rtol=tolerance)
     assert (multi.graphs.captured, multi.graphs.replayed) == (2, 14)
+
+
+def test_a_swin_runs_every_row_through_its_windows(tmp_path):
+    """A Swin's window attention sees each image as its windows (Batch.rows_of): every row's windows take its task's
+    entry there too."""
+    backbone = make_tiny_swin()
+    tasks = {"lora": ("lora", {}), "ssf": ("ssf", {}), "bitfit": ("bitfit", {}), "adapter": ("adapter", {})}
+    _, files = _save(tmp_path, tasks, backbone)
+    multi = petl.MultiTask(backbone, files)
+    multi.launch_bound = True
+    assert multi.every_row
+    images = torch.randn(6, 3, *backbone.patch_embed.img_size)
+    for ids in (["lora"] * 6, ["ssf", "lora"] * 3, [*tasks, "ssf", "lora"]):
+        with torch.no_grad():
+            expected = multi(images, ids)
+            got = multi._run(images, multi._layout(multi.task_index(ids, 6), images, every_row=True))
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
