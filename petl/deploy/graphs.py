@@ -5,7 +5,9 @@ graph launches the whole forward at once (``torch.cuda.CUDAGraph``, as vLLM serv
 holds the ops of one layout: which task's rows, how many, in which place of the batch sorted by task.  The rows'
 place in the batch as it came (their order) is a tensor the graph reads, copied in before each replay, so that one
 graph answers every batch with the same number of rows of each task, whatever their order (:class:`LayoutGraphs`),
-as petl-predict's full batches of several runs have and a server's batches of one steady mix often do.
+as petl-predict's full batches of several runs have and a server's batches of one steady mix often do.  Where every
+task's hooks stack (``MultiTask.every_row``), each row's task index is such a tensor too, and one graph per batch
+size answers every mix of tasks.
 """
 
 from __future__ import annotations
