@@ -65,7 +65,7 @@ from __future__ import annotations
 import copy
 import numbers
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -663,7 +663,7 @@ class MultiTask(nn.Module):
             if logits is not None:
                 return logits
             if every_row:  # eager: each task's hooks on its own rows, fewer ops where few tasks are in the batch
-                layout = self._layout(index, images)
+                layout = replace(layout, every_row=False)
         return self._run(images, layout)
 
     def _graph_setting(self, images: Tensor) -> tuple[Any, ...]:
