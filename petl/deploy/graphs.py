@@ -35,11 +35,11 @@ def storage_of(module: nn.Module) -> tuple[Tensor, ...]:
 class LayoutGraph:
     """One batch layout's forward captured as a CUDA graph (:meth:`MultiTask.graphed`); call it with the images.
 
-    It holds every tensor made outside the capture that the graph reads: the layout's row order, task indices and
-    masks (made before capturing, on the default memory pool), and the MultiTask's parameters and buffers as
-    captured (``weights``: their storage, which a later ``.to()`` replaces and frees).  Freed, their memory would be
-    handed to other tensors while the graph still reads it: a replay would gather rows at indices that are no
-    longer the layout's, or multiply by whatever took a weight's place.
+    It holds every tensor made outside the capture that the graph reads: the layout's row order and task indices
+    (made before capturing, on the default memory pool), and the MultiTask's parameters, buffers and tables of the
+    prompt slots' masks as captured (``weights``: their storage, which a later ``.to()`` replaces and frees).
+    Freed, their memory would be handed to other tensors while the graph still reads it: a replay would gather rows
+    at indices that are no longer the layout's, or multiply by whatever took a weight's place.
     """
 
     def __init__(
@@ -80,8 +80,9 @@ def capture(
 ) -> LayoutGraph:
     """``run(images, layout)`` captured as a CUDA graph, after two warm-up runs on a side stream (torch's recipe).
 
-    The warm-up makes cuDNN's and cuBLAS's choices, the tasks' per-device tensors and the layout's masks, so that
-    capturing copies nothing from the CPU.  ``weights``: the tensors the graph reads, held by the LayoutGraph.
+    The warm-up makes cuDNN's and cuBLAS's choices, the tasks' per-device tensors and the tables of the prompt slots'
+    masks, so that capturing copies nothing from the CPU.  ``weights``: the tensors the graph reads, held by the
+    LayoutGraph.
     """
     # On the images' GPU, which need not be the current one (torch.cuda.graph captures on the current device).
     with torch.inference_mode(), torch.cuda.device(images.device):

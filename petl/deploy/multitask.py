@@ -35,14 +35,14 @@ of VPT tasks take a pass per prompt count through the shared frozen Swin's plain
 task's prompts gathered at every block (:class:`PromptsBeside`, ``Backbone.features_with_prompts``).
 
 Tasks whose hooks at a module have the same batched form (:class:`petl.model.rows.Batched`: LoRA's and FacT's
-low-rank updates of any rank, SSF's scale and shift with BitFit's bias deltas, bottleneck adapters of one style,
-VPT prompts of one count) do not loop: their tensors are stacked once, when the MultiTask is built (smaller ranks
-and bottlenecks zero-padded), and when two or more of them are in a batch, one batched op updates the span of rows
-from the first of them to the last with each row's own task's entry (each row's LoRA A and B, then two ``bmm``, as
-Punica's BGMV and S-LoRA serve many adapters; one ``addcmul`` for the span's scales and shifts), the rows there of
-other tasks taking a neutral entry that leaves them exactly as they are (on a CPU only when the stacked tasks hold
-half the span's rows: see :attr:`MultiTask.launch_bound`).  The span's entries of all the stacks of one set of
-tasks are gathered in one op per batch
+low-rank updates of any rank, SSF's scale and shift with BitFit's bias deltas, bottleneck adapters of one style, VPT
+prompts of one count, Convpass's bypasses) do not loop: their tensors are stacked once, when the MultiTask is built
+(smaller ranks and bottlenecks zero-padded), and when two or more of them are in a batch, one batched op updates the
+span of rows from the first of them to the last with each row's own task's entry (each row's LoRA A and B, then two
+``bmm``, as Punica's BGMV and S-LoRA serve many adapters; one ``addcmul`` for the span's scales and shifts), the
+rows there of other tasks taking a neutral entry that leaves them exactly as they are (on a CPU only when the
+stacked tasks hold half the span's rows: see :attr:`MultiTask.launch_bound`).  The span's entries of all the stacks
+of one set of tasks are gathered in one op per batch
 (:class:`petl.deploy.routing.StackTables`).  Linear heads are stacked the same way (one batched matmul for every
 row's logits).  A hook without a batched form, or one task's form alone in the batch, acts on its own rows as
 above; served without autograd, a hook that can (``RowHook.post_in_place``) adds its update into its rows of the
@@ -65,7 +65,7 @@ from __future__ import annotations
 import copy
 import numbers
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -248,8 +248,6 @@ class _Layout:
         launch: whether the stacks act as where launching ops is the cost (:attr:`MultiTask.launch_bound`).
         every_row: whether every stack acts on every row (:class:`petl.deploy.routing.Batch`): the ops then do not
             depend on the mix of tasks (:attr:`MultiTask.every_row`).
-        masks: per part (its first row), the pooling and attention masks built for it on the images' device, kept
-            so that another run of this layout (a CUDA graph's capture) moves nothing from the CPU.
 
     """
 
@@ -260,7 +258,6 @@ class _Layout:
     order: Tensor
     launch: bool
     every_row: bool = False
-    masks: dict[int, dict[Any, Tensor]] = field(default_factory=dict)
 
 
 class MultiTask(nn.Module):
@@ -281,10 +278,11 @@ class MultiTask(nn.Module):
             without autograd, a layout (the rows of each task, whatever their order) that comes a second time is
             captured and every later batch of it replayed with one launch, 8 layouts at most (the most used);
             ``graphs.size = 0`` runs every batch eagerly.
-        every_row: whether every task's every hook stacks (one task's batched form too), no task adds prompt slots
-            and every head is a Linear (LoRA, FacT, SSF, BitFit, adapters): then the graphs' batches run every row
-            through every stack, the neutral entry for the rows of other tasks, so that one graph per batch size
-            answers every mix of tasks (as vLLM's LoRA batches are captured with each row's adapter as data).
+        every_row: whether every task's every hook stacks (one task's batched form too) and every head is a Linear
+            (LoRA, FacT, SSF, BitFit, adapters, VPT, Convpass): then the graphs' batches run every row through every
+            stack, the neutral entry for the rows of other tasks, with slots for every task's prompts and each row's
+            masks gathered from its task's, so that one graph per batch size answers every mix of tasks (as vLLM's
+            LoRA batches are captured with each row's adapter as data).
 
     Raises:
         ValueError: ``tasks`` not a mapping, a file that does not load onto ``backbone`` (the message names it), a
@@ -298,6 +296,8 @@ class MultiTask(nn.Module):
     def __init__(self, backbone: nn.Module, tasks: Mapping[str, str | Path]) -> None:
         super().__init__()
         self.graphs = LayoutGraphs()
+        # The prompt slots' masks of every task, per device, dtype and token layout (_row_mask).
+        self._mask_tables: dict[tuple[Any, ...], Tensor] = {}
         if getattr(backbone, "petl_method", None) is not None:
             raise ValueError(f"pass the plain backbone: this one carries petl method {backbone.petl_method!r}")
         bb = backbone_of(backbone)
@@ -351,10 +351,16 @@ class MultiTask(nn.Module):
             [n if sites.get(b) is None or sites[b].visible is None else sites[b].visible for b in blocks]
             for sites, n in zip(hooks, self.prompts, strict=True)
         ]
-        # Every hook with a batched form, no prompt slots, no pass of its own: every stack can act on every row, so
-        # that a batch's ops need not depend on its mix of tasks (every_row: one CUDA graph per batch size).
-        batched = all(hook.batched is not None for sites in hooks for hook in sites.values())
-        self._router = Router(len(self.names), every_row=batched and not besides and not any(self.prompts))
+        # Every hook with a batched form, no pass of its own: every stack can act on every row (in slots for every
+        # task's prompts), so that a batch's ops need not depend on its mix of tasks (every_row: one CUDA graph per
+        # batch size).
+        batched = all(
+            hook.batched is not None
+            for sites in hooks
+            for hook in sites.values()
+            if hook.pre or hook.post or hook.mid or hook.branch  # a hook that only says its prompt count acts on none
+        )
+        self._router = Router(len(self.names), every_row=batched and not besides)
         self.backbone = self._route(backbone, hooks)
         if rooms:
             self._make_room(self.backbone)
@@ -577,28 +583,47 @@ class MultiTask(nn.Module):
             raise ValueError(f"task index out of range: there are {len(self.names)} tasks")
         return index
 
-    @staticmethod
-    def _slot_mask(x: Tensor, tasks: Tensor, tokens: Tokens, used: list[int], device: str | None = None) -> Tensor:
-        """Rows x tokens, True except at each row's slots past ``used[task]`` (``tasks``: each row's task, on the CPU).
+    def _row_mask(self, x: Tensor, rows: Tensor, tokens: Tokens, used: list[int], additive: bool) -> Tensor:
+        """Each row's mask over ``x``'s tokens (rows x tokens), leaving out its slots past ``used[task]``: True where
+        it keeps a token, or (``additive``) 0 there and -inf elsewhere, as rows x 1 x 1 x tokens (SDPA's meaning of a
+        float mask, which timm's non-fused attention takes too: a bool mask would be turned into one in every
+        block's attention, three ops each).
 
-        Built on the CPU in a few ops for all rows (not one slice per task) and moved once (to ``device``, or
-        ``x``'s) without waiting for the GPU (:func:`_to_device`).
+        One gather by ``rows`` (each row's task index, on ``x``'s device) from a table of every task's mask, made on
+        the CPU once per device, dtype and token layout and kept (:attr:`_mask_tables`): a batch's masks then depend
+        on its rows' task indices alone, on the device, as a CUDA graph that answers every mix of tasks replays them
+        (each batch's indices copied in), and the host builds and moves nothing.  An additive mask's rows are padded
+        to a multiple of 8 tokens in its storage: the GPU's memory-efficient attention (the SDPA kernel that takes a
+        mask) would otherwise pad an unaligned mask in every block (torch's
+        aten/src/ATen/native/transformers/attention.cpp, preprocess_mask).
         """
-        mask = torch.ones(x.shape[:2], dtype=torch.bool)
-        per_row = torch.tensor(used, dtype=torch.long)[tasks]
-        mask[:, tokens.prefix : tokens.prefix + tokens.slots] = torch.arange(tokens.slots) < per_row[:, None]
-        return _to_device(mask, x.device if device is None else device)
+        n = x.shape[1]
+        key = (tuple(used), tokens, n, x.dtype if additive else torch.bool, x.device)
+        table = self._mask_tables.get(key)
+        if table is None:
+            keep = torch.ones(len(used), n, dtype=torch.bool)
+            used_by_task = torch.tensor(used, dtype=torch.long)
+            keep[:, tokens.prefix : tokens.prefix + tokens.slots] = torch.arange(tokens.slots) < used_by_task[:, None]
+            if additive:
+                bias = torch.zeros(len(used), 1, 1, -(-n // 8) * 8, dtype=x.dtype)
+                bias[..., :n].masked_fill_(~keep[:, None, None], float("-inf"))
+                keep = bias  # moved whole: a slice would be moved as a tensor of its own, without the padding
+            table = self._mask_tables[key] = _to_device(keep, x.device)
+        gathered = table.index_select(0, rows)
+        return gathered if gathered.shape[-1] == n else gathered[..., :n]
 
     def _features(self, x: Tensor, layout: _Layout, part: list[tuple[int, int, int]]) -> Tensor:
         """The pooled features of ``x``, the embedded rows of one of ``layout``'s parts (its groups: ``part``),
-        through the routed blocks, each task's hooks on its own rows.  The pooling and attention masks built for
-        them are kept in the layout, to be found by the next run of it.
+        through the routed blocks, each task's hooks on its own rows.
         """
         first, end = part[0][1], part[-1][2]
         groups = [(task, start - first, stop - first) for task, start, stop in part]
-        tasks, rows, masks = layout.tasks[first:end], layout.rows[first:end], layout.masks.setdefault(first, {})
+        rows = layout.rows[first:end]
         bb = backbone_of(self.backbone)
-        tokens = Tokens(bb.num_prefix_tokens(), max((self.prompts[t] for t, _, _ in groups), default=0))
+        # Run every row, the batch has slots for every task's prompts, whichever tasks it holds (its ops then do
+        # not depend on them); otherwise for its own tasks' longest prompt set.
+        present = range(len(self.names)) if layout.every_row else [task for task, _, _ in groups]
+        tokens = Tokens(bb.num_prefix_tokens(), max((self.prompts[t] for t in present), default=0))
         self._router.batch = Batch(groups, tokens, rows, layout.launch, layout.every_row)
         try:
             pool = None
@@ -606,30 +631,20 @@ class MultiTask(nn.Module):
                 x = tokens.with_slots(x)
             if tokens.slots and bb.pool_type() != "token":  # the class token alone: no slot to leave out
                 # Each row pools (and, per block, attends) only the slots its own task fills.
-                if "pool" not in masks:
-                    pooled = [n if p else 0 for n, p in zip(self.prompts, self.pool_prompts, strict=True)]
-                    masks["pool"] = self._slot_mask(x, tasks, tokens, pooled)
-                pool = masks["pool"]
+                pooled = [n if p else 0 for n, p in zip(self.prompts, self.pool_prompts, strict=True)]
+                pool = self._row_mask(x, rows, tokens, pooled, additive=False)
             # Once a forward, as timm's forward_features computes them (a shared bias padded for the slots once).
             inputs = bb.block_inputs(room=(tokens.prefix, tokens.slots) if tokens.slots else None)
+            masks: dict[tuple[int, ...], Tensor] = {}
             for i, block in enumerate(bb.block_container()):
                 x = bb.before_block(i, x)  # a Swin's patch merging in front of a stage's first block
                 if not tokens.slots:
                     x = bb.run_block(block, x, inputs=inputs)  # with EVA's rope or a shared bias, as timm passes them
                     continue
-                visible = tuple(self.visible[task][i] for task, _, _ in groups)
-                if visible not in masks:
-                    # Additive (0 or -inf, SDPA's meaning of a float mask, as timm's non-fused attention takes it
-                    # too): a bool mask would be turned into one in every block's attention, three ops each.
-                    # Its rows' storage is padded to a multiple of 8 tokens: the GPU's memory-efficient attention
-                    # (the SDPA kernel that takes a mask) would otherwise pad an unaligned mask in every block
-                    # (torch's aten/src/ATen/native/transformers/attention.cpp, preprocess_mask).
-                    keep = self._slot_mask(x, tasks, tokens, [v[i] for v in self.visible], device="cpu")
-                    n = keep.shape[1]
-                    bias = torch.zeros(keep.shape[0], 1, 1, -(-n // 8) * 8, dtype=x.dtype)
-                    bias[..., :n].masked_fill_(~keep[:, None, None], float("-inf"))
-                    masks[visible] = _to_device(bias, x.device)[..., :n]
-                x = bb.run_block(block, x, attn_mask=masks[visible], inputs=inputs)
+                visible = [v[i] for v in self.visible]
+                if tuple(visible) not in masks:  # one per distinct set of slots the blocks attend (often one)
+                    masks[tuple(visible)] = self._row_mask(x, rows, tokens, visible, additive=True)
+                x = bb.run_block(block, x, attn_mask=masks[tuple(visible)], inputs=inputs)
             return bb.pooled_features(x, pool)
         finally:
             self._router.batch = None
@@ -674,12 +689,16 @@ class MultiTask(nn.Module):
         return images.shape, images.dtype, images.device, self._launch_bound(images), autocast, tf32
 
     def _capture(self, images: Tensor, layout: _Layout) -> LayoutGraph:
-        """``layout``'s forward as a CUDA graph, holding the weights it reads (see :class:`LayoutGraph`)."""
-        return capture(self._run, images, layout, storage_of(self))
+        """``layout``'s forward as a CUDA graph, holding the weights and mask tables it reads (:class:`LayoutGraph`)."""
+        graph = capture(self._run, images, layout, storage_of(self))
+        # The tables its masks are gathered from, made in the warm-up if not before: a .to() drops them from here.
+        graph.weights = (*graph.weights, *self._mask_tables.values())
+        return graph
 
     def _apply(self, fn: Any, recurse: bool = True) -> MultiTask:
         # .to() and .cuda() give the weights new memory: a graph would go on reading the old.
         self.graphs.clear()
+        self._mask_tables.clear()
         return super()._apply(fn, recurse)
 
     def graphed(self, images: Tensor, task_ids: Sequence[str] | Sequence[int] | Tensor) -> LayoutGraph:
@@ -717,7 +736,7 @@ class MultiTask(nn.Module):
         # The rows of tasks whose prompts travel beside the tokens (VPT on a Swin) take a pass per prompt count after
         # those: through the plain backbone, each row with its own prompts (PromptsBeside).
         passes = [
-            2 + beside if beside >= 0 else int(n > 0 and not launch_bound)
+            2 + beside if beside >= 0 else int(n > 0 and not (launch_bound or every_row))
             for n, beside in zip(self.prompts, self.beside_pass, strict=True)
         ]
         # Within a pass, tasks that stack together are next to each other (_stack_order).  A task's place, as a

@@ -252,6 +252,60 @@ class ConvpassBlock(PetlModule):
         return self.base(x, **kwargs) + self.family.beside_sublayers(self.base, x, self.side)
 
 
+def _batched_bypass(wrapper: ConvpassParallel) -> rows.Batched:
+    """The served bypass (:func:`_served_bypass`'s folding) in its batched form: every row with its own task's layers.
+
+    Each row's down, centre tap and up are gathered and applied with ``bmm`` (:func:`petl.model.rows.rows_matmul`);
+    the eight other taps of every row's own convolution run as one grouped convolution, the rows' bottlenecks side by
+    side as its channels, one group per row (a per-sample convolution in one op).  The neutral entry, all zeros,
+    adds exactly nothing (every activation of zero is zero, and ``up`` is zero).  The patch tokens are the last
+    ``rows x cols`` of the sequence, whatever prompt slots sit before them.
+    """
+    k, s = 1.702, wrapper.scale
+    conv = wrapper.conv
+    with torch.no_grad():
+        around = conv.weight.detach().clone()
+        around[:, :, 1, 1] = 0.0
+        centre, centre_b, up_w = rows.with_bias_unit(
+            conv.weight[:, :, 1, 1], k * conv.bias, (s / k) * wrapper.up.weight, s * wrapper.up.bias, F.silu
+        )
+        tensors = (k * wrapper.down.weight, k * wrapper.down.bias, centre, centre_b, around, up_w)
+    tensors = tuple(t.detach().clone() for t in tensors)
+    grid = tuple(wrapper.grid)
+    update = _grid_update(grid)
+    neutral = tuple(torch.zeros_like(t) for t in tensors)
+    return rows.Batched(("convpass", grid), tensors, neutral, post_in_place=update, post=_copied(update))
+
+
+def _grid_update(grid: tuple[int, int]) -> Callable[[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]], None]:
+    """The batched bypass on a ``grid`` of patches, added into ``y`` in place (see :func:`_batched_bypass`)."""
+    height, width = grid
+
+    def update(x: torch.Tensor, y: torch.Tensor, per_row: tuple[torch.Tensor, ...]) -> None:
+        down, down_b, centre, centre_b, around, up = per_row
+        b, r = x.shape[0], down.shape[1]
+        h = F.silu(rows.rows_matmul(x, down, add=down_b))
+        c = rows.rows_matmul(h, centre, add=centre_b)
+        # Every row's patches as the channels of one image, each row's convolution one group of it.
+        patches = h[:, -height * width :].transpose(1, 2).reshape(1, b * r, height, width)
+        taps = F.conv2d(patches, around.reshape(b * r, r, 3, 3), padding=1, groups=b)
+        c[:, -height * width :, :r].add_(taps.view(b, r, height * width).transpose(1, 2))
+        rows.rows_matmul_(y, F.silu(c), up)
+
+    return update
+
+
+def _copied(update: Callable[..., None]) -> Callable[..., torch.Tensor]:
+    """``update`` (in place) as a function returning the updated copy of ``y``."""
+
+    def post(x: torch.Tensor, y: torch.Tensor, per_row: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        y = y.clone()
+        update(x, y, per_row)
+        return y
+
+    return post
+
+
 @rows.register_row_hook(ConvpassParallel)
 def _rows(wrapper: ConvpassParallel) -> rows.RowHook:
     # The frozen attention/MLP runs once for the mixed batch; the bypass sees its rows' tokens on their grid, the
@@ -262,7 +316,7 @@ def _rows(wrapper: ConvpassParallel) -> rows.RowHook:
     def add(x: torch.Tensor, y: torch.Tensor, tokens: rows.Tokens) -> None:
         bypass(x, y, tokens.slots)
 
-    return rows.RowHook(wrapper.base, post_in_place=add)
+    return rows.RowHook(wrapper.base, post_in_place=add, batched=_batched_bypass(wrapper))
 
 
 @rows.register_row_hook(ConvpassBlock)

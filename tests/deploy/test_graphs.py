@@ -81,6 +81,23 @@ def test_a_graph_holds_the_storage_of_the_weights_it_captured(tmp_path):
     assert not captured & {p.data_ptr() for p in multi.parameters()}
 
 
+def test_a_graph_holds_the_tables_its_masks_are_gathered_from(tmp_path, monkeypatch):
+    """Each row's prompt-slot masks are gathered from tables the MultiTask makes once per device, dtype and token
+    count, in a capture's warm-up at the latest: the graph holds them too, since a ``.to()`` drops them there."""
+    backbone = make_tiny_vit(global_pool="avg")
+    _, files = _save(tmp_path, {"lora": BATCHED["lora_qv"], "vpt": BATCHED["vpt_2"]}, backbone)
+    multi = petl.MultiTask(backbone, files)
+    monkeypatch.setattr(multitask_module, "capture", _stand_in_capture)
+    images = torch.randn(4, 3, 32, 32)
+    index = multi.task_index(["lora", "vpt", "vpt", "lora"], 4)
+    graph = multi._capture(images, multi._layout(index, images, every_row=True))
+    tables = list(multi._mask_tables.values())
+    assert [t.dtype for t in tables] == [torch.bool, torch.float32]  # the pooling's, the attention's
+    assert {t.data_ptr() for t in tables} <= {t.data_ptr() for t in graph.weights}
+    multi.to(torch.float64)
+    assert not multi._mask_tables
+
+
 class _Made:
     """A stand-in ``make`` for LayoutGraphs.answer: counts its calls; its graphs answer their key's name."""
 
@@ -139,10 +156,12 @@ def test_a_capture_that_fails_turns_the_graphs_off_with_a_warning():
 def test_forward_replays_one_graph_for_every_batch_with_as_many_rows_of_each_task(stacked, monkeypatch):  # noqa: F811
     """The graph of a layout reads the batch's row order from a tensor it is copied into: a batch of the same tasks'
     rows in another order gets the forward's logits from it, a batch with other counts a graph of its own, and a
-    ``.to()`` drops every graph (they read the weights' old memory)."""
+    ``.to()`` drops every graph (they read the weights' old memory).  (A set of tasks that cannot run every row, as
+    one with a side network, is served so; these tasks could, which is turned off here.)"""
     _, files, _, backbone = stacked
     multi = petl.MultiTask(backbone, files)
     multi.launch_bound = True
+    multi.every_row = False
     monkeypatch.setattr(multitask_module, "_may_replay", lambda images: not torch.is_grad_enabled())
     monkeypatch.setattr(multitask_module, "capture", _stand_in_capture)
     names = ["lora_qv", "ssf", "adapter", "vpt_5", "fact"]
@@ -248,21 +267,35 @@ def test_petl_predicts_full_batches_of_several_runs_replay_one_graph(tmp_path, m
         assert graphed.probabilities == pytest.approx(eager.probabilities, abs=1e-6)
 
 
-# Every method here stacks at every module it hooks (one task's form alone too) and adds no prompt slots.
+# Every method here stacks at every module it hooks (one task's form alone too).
 EVERY_ROW = {name: BATCHED[name] for name in ("lora_qv", "lora_r4", "lora_r4_fc", "ssf", "bitfit", "adapter", "fact")}
+# Two prompt counts of VPT-deep, and VPT-shallow whose pooling leaves its prompts out.
+PROMPTS = {
+    "vpt_2": BATCHED["vpt_2"],
+    "vpt_5": BATCHED["vpt_5"],
+    "vpt_img": ("vpt", {"num_tokens": 3, "pool": "img_pool"}),
+}
 
 
 @pytest.mark.parametrize(
     ("extra", "every_row"),
-    [({}, True), ({"vpt_2": BATCHED["vpt_2"]}, False), ({"convpass": ("convpass", {})}, False)],
-    ids=["batched", "with prompts", "with convpass"],
+    [
+        ({}, True),
+        (PROMPTS, True),
+        ({"convpass": ("convpass", {}), **PROMPTS}, True),
+        ({"side": ("lst", {})}, False),
+        ({"noah": ("noah", {})}, False),
+    ],
+    ids=["batched", "with prompts", "with convpass", "with a side network", "with noah"],
 )
-def test_tasks_whose_every_hook_stacks_run_every_row_through_every_stack(tmp_path, extra, every_row):
-    """Where every hook has a batched form, no task adds prompt slots and every head is a Linear, a batch may run
-    every row through every stack (each row's own entry, the neutral one for the rest), one task's form too: the
-    ops then do not depend on the mix of tasks, and its rows get the logits of the forward that sorts them into
-    spans, for any mix, one task or all."""
-    backbone = make_tiny_vit()
+@pytest.mark.parametrize("pool", ["token", "avg"])
+def test_tasks_whose_every_hook_stacks_run_every_row_through_every_stack(tmp_path, extra, every_row, pool):
+    """Where every hook has a batched form and every head is a Linear, a batch may run every row through every stack
+    (each row's own entry, the neutral one for the rest), one task's form too, with slots for every task's prompts
+    and each row's masks gathered from its task's: the ops then do not depend on the mix of tasks, and its rows get
+    the logits of the forward that sorts them into spans, for any mix, one task or all, on a class-token pooling or
+    an average one (which leaves out the slots a row's task does not fill)."""
+    backbone = make_tiny_vit(global_pool=pool)
     _, files = _save(tmp_path, EVERY_ROW | extra, backbone)
     multi = petl.MultiTask(backbone, files)
     multi.launch_bound = True
@@ -278,6 +311,7 @@ def test_tasks_whose_every_hook_stacks_run_every_row_through_every_stack(tmp_pat
         for ids in mixes:
             index = multi.task_index(ids, len(ids))
             expected = multi(images, ids)
+            multi._run(images, multi._layout(index, images, every_row=True))  # makes the mask tables once
             with CountOps() as count:
                 got = multi._run(images, multi._layout(index, images, every_row=True))
             torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
@@ -308,12 +342,12 @@ def test_one_cuda_graph_answers_every_mix_of_tasks_that_run_every_row(tmp_path, 
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     backbone = make_tiny_vit()
-    _, files = _save(tmp_path, EVERY_ROW, backbone)
+    _, files = _save(tmp_path, EVERY_ROW | PROMPTS | {"convpass": ("convpass", {})}, backbone)
     multi = petl.MultiTask(backbone, files).cuda()
     assert multi.every_row
-    names = list(files)
-    images = torch.randn(8, 3, 32, 32).cuda()
-    mixes = [names[:1] * 8, names[1:3] * 4, names + names[:1], names[3:5] + names[:6]]
+    names = list(files)  # 11 tasks: LoRA, SSF, BitFit, adapters, FacT, VPT's prompts, Convpass
+    images = torch.randn(12, 3, 32, 32).cuda()
+    mixes = [names[:1] * 12, names[7:9] * 6, names + names[:1], names[5:11] + names[:6]]
     for autocast in (False, True):
         with torch.autocast("cuda", torch.bfloat16, enabled=autocast), torch.no_grad():
             multi.graphs.size = 0
