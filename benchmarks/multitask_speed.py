@@ -342,8 +342,8 @@ def render(
             f"{GRAPH}: the MultiTask's forward replaying its CUDA graph of the batch's layout (`MultiTask.graphs`, "
             "captured the second time the layout came, as petl-serve and petl-predict get it), each call's rows in "
             "another order with as many of each task, or, where the tasks run every row through every stack "
-            "(`MultiTask.every_row`: the 8 LoRA tasks), each call another mix of tasks; the host launches one graph "
-            "instead of every op. The other cases run eagerly.",
+            "(`MultiTask.every_row`: the 8 LoRA tasks and the 8 methods), each call another mix of tasks; the host "
+            "launches one graph instead of every op. The other cases run eagerly.",
         ]
     if missing:
         lines += ["", f"Not measured: the --deadline had passed before {'; '.join(missing)}."]
