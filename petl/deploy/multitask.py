@@ -65,7 +65,7 @@ from __future__ import annotations
 import copy
 import numbers
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -167,6 +167,15 @@ def _block_paths(backbone: nn.Module) -> list[str]:
     """The module paths of the backbone's blocks, in order."""
     paths = {id(m): path for path, m in backbone.named_modules()}
     return [paths[id(b)] for b in backbone_of(backbone).block_container()]
+
+
+def _graph_rows(rows: int) -> int:
+    """The rows of the graph that answers a batch of ``rows`` whose tasks run every row: the next power of two up to
+    64, the next multiple of 64 past it.  Seven graph sizes answer every batch of 1 to 64 rows; where a GPU is bound
+    by the host launching ops (a small batch), the padding's rows cost little, and past 64 rows, where its arithmetic
+    starts to count, the padding is at most 63 rows.
+    """
+    return 1 << (rows - 1).bit_length() if rows <= 64 else -(-rows // 64) * 64
 
 
 def _may_replay(images: Tensor) -> bool:
@@ -282,7 +291,8 @@ class MultiTask(nn.Module):
             (LoRA, FacT, SSF, BitFit, adapters, VPT, Convpass): then the graphs' batches run every row through every
             stack, the neutral entry for the rows of other tasks, with slots for every task's prompts and each row's
             masks gathered from its task's, so that one graph per batch size answers every mix of tasks (as vLLM's
-            LoRA batches are captured with each row's adapter as data).
+            LoRA batches are captured with each row's adapter as data), a batch padded for it to the next power of
+            two rows (past 64, the next multiple of 64).
 
     Raises:
         ValueError: ``tasks`` not a mapping, a file that does not load onto ``backbone`` (the message names it), a
@@ -667,19 +677,38 @@ class MultiTask(nn.Module):
             width = max(self.num_classes.values()) or backbone_of(self.backbone).num_features()
             return images.new_empty(0, width)
         replay = _may_replay(images) and self.graphs.size > 0
-        # Every row through every stack where the tasks allow it: one graph then answers every mix of tasks.
-        every_row = replay and self.every_row
-        layout = self._layout(index, images, every_row)
-        if replay:
-            mix = "every row" if every_row else tuple(torch.bincount(index, minlength=len(self.names)).tolist())
+        layout, logits = None, None
+        if replay and self.every_row:  # every row through every stack: a graph answers every mix of tasks
+            logits = self._replay_every_row(images, index)
+        elif replay:  # a graph per layout: the rows of each task, in any order
+            layout = self._layout(index, images)
+            mix = tuple(torch.bincount(index, minlength=len(self.names)).tolist())
             logits = self.graphs.answer(
                 (mix, *self._graph_setting(images)), images, layout, lambda: self._capture(images, layout)
             )
-            if logits is not None:
-                return logits
-            if every_row:  # eager: each task's hooks on its own rows, fewer ops where few tasks are in the batch
-                layout = replace(layout, every_row=False)
-        return self._run(images, layout)
+        if logits is not None:
+            return logits
+        # Eager: each task's hooks on its own rows, fewer ops where few tasks are in the batch.
+        return self._run(images, self._layout(index, images) if layout is None else layout)
+
+    def _replay_every_row(self, images: Tensor, index: Tensor) -> Tensor | None:
+        """The logits of a batch of tasks that run every row, from the graph of its padded size, or None where no
+        graph answers it (yet).
+
+        The batch is padded with rows of zeros (task 0's) to :func:`_graph_rows` rows, so that a few graphs answer
+        every size a server's batches take, as vLLM pads a batch to the next size it captured a graph of
+        (``_get_graph_batch_size`` in vllm/worker/model_runner.py); the padding's logits are computed and dropped (a
+        row's logits depend on that row alone).
+        """
+        rows = len(index)
+        size = _graph_rows(rows)
+        if size > rows:
+            images = torch.cat([images, images.new_zeros(size - rows, *images.shape[1:])])
+            index = torch.cat([index, index.new_zeros(size - rows)])
+        layout = self._layout(index, images, every_row=True)
+        key = ("every row", *self._graph_setting(images))
+        logits = self.graphs.answer(key, images, layout, lambda: self._capture(images, layout))
+        return None if logits is None else logits[:rows]
 
     def _graph_setting(self, images: Tensor) -> tuple[Any, ...]:
         """What a graph of a layout was captured for besides its rows: the images, the path, autocast and TF32."""

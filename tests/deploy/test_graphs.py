@@ -337,6 +337,33 @@ def test_forward_replays_one_graph_for_every_mix_of_tasks_that_run_every_row(tmp
     assert (multi.graphs.captured, multi.graphs.replayed, len(multi.graphs.graphs)) == (1, 3, 1)
 
 
+def test_a_batch_of_tasks_that_run_every_row_is_padded_to_the_size_of_a_graph(tmp_path, monkeypatch):
+    """A graph per power of two rows (past 64, per multiple of 64) answers every batch size: a batch is padded with
+    rows of zeros for it, and gets its own rows' logits, those of the eager forward."""
+    assert [multitask_module._graph_rows(n) for n in (1, 2, 3, 4, 5, 33, 64, 65, 129)] == [
+        1, 2, 4, 4, 8, 64, 64, 128, 192
+    ]  # fmt: skip
+    backbone = make_tiny_vit()
+    _, files = _save(tmp_path, EVERY_ROW, backbone)
+    multi = petl.MultiTask(backbone, files)
+    monkeypatch.setattr(multitask_module, "_may_replay", lambda images: not torch.is_grad_enabled())
+    monkeypatch.setattr(multitask_module, "capture", _stand_in_capture)
+    names = list(files)
+    gen = torch.Generator().manual_seed(1)
+    batches = []
+    for rows in (3, 4, 5, 7, 8, 3):  # graphs of 4 and 8 rows, each captured at its second batch
+        ids = [names[i] for i in torch.randint(len(names), (rows,), generator=gen)]
+        batches.append((ids, torch.randn(rows, 3, 32, 32, generator=gen)))
+    with torch.no_grad():
+        multi.graphs.size = 0
+        eager = [multi(images, ids) for ids, images in batches]
+        multi.graphs.size = 8
+        answers = [multi(images, ids) for ids, images in batches]
+    torch.testing.assert_close(answers, eager, rtol=1e-5, atol=1e-5)
+    assert (multi.graphs.captured, multi.graphs.replayed) == (2, 4)
+    assert sorted(key[1][0] for key in multi.graphs.graphs) == [4, 8]  # the images' shape: the padded rows
+
+
 @pytest.mark.cuda
 def test_one_cuda_graph_answers_every_mix_of_tasks_that_run_every_row(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
