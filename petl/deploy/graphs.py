@@ -7,7 +7,7 @@ place in the batch as it came (their order) is a tensor the graph reads, copied 
 graph answers every batch with the same number of rows of each task, whatever their order (:class:`LayoutGraphs`),
 as petl-predict's full batches of several runs have and a server's batches of one steady mix often do.  Where every
 task's hooks stack (``MultiTask.every_row``), each row's task index is such a tensor too, and one graph per batch
-size answers every mix of tasks.
+size answers every mix of tasks, a batch padded to the next power of two rows for it.
 """
 
 from __future__ import annotations
