@@ -3,8 +3,8 @@
 ``root`` is a dataset written by ``save_to_disk`` (a ``DatasetDict`` or a single ``Dataset``, read with
 ``datasets.load_from_disk``), a folder of parquet files (a hub dataset as downloaded), any other folder (read as an
 ``imagefolder``), or a hub id ``owner/name`` where the hub is reachable.  Splits answer to petl's names: ``train``
--> train800, ``validation`` / ``val`` / ``valid`` -> val200 (without one, the same seeded stratified hold-out as
-``data=folder``), ``test`` -> test (optional).  ``image_column`` / ``label_column`` name the columns;
+-> train800, ``validation`` / ``val`` / ``valid`` / ``dev`` -> val200 (without one, the same seeded stratified
+hold-out as ``data=folder``), ``test`` -> test (optional).  ``image_column`` / ``label_column`` name the columns;
 by default the first ``Image`` and ``ClassLabel`` features (else ``image`` / ``label``).  Labels are a
 ``ClassLabel`` (its names are the class names), integers ``0..K-1``, or strings (sorted, as folder
 names are); each split's labels are matched to train's by name (a split's own ``ClassLabel`` may order them
@@ -36,7 +36,7 @@ from petl.data.vtab import find_column
 
 log = logging.getLogger(__name__)
 
-VAL_NAMES = ("validation", "val", "valid")
+VAL_NAMES = ("validation", "val", "valid", "dev")
 # ClassLabel's label of an unlabelled row (datasets' docs: "-1 for missing labels").
 NO_LABEL = -1
 OPTIONS = ("image_column", "label_column")

@@ -70,6 +70,17 @@ def test_columns_and_splits_that_cannot_be_used_are_one_line_each(tmp_path):
         petl_data.describe_dataset("hf", root=no_label, label_column="image")
 
 
+def test_a_dev_split_is_the_validation_split(tmp_path):
+    # Several hub datasets name their held-out split "dev".
+    root = _save(tmp_path / "saved", train=_split([0, 1] * 5, CAT_DOG), dev=_split([1, 1, 0], CAT_DOG))
+    assert petl_data.build_dataset("hf", "val200", image_size=8, root=root).labels == [1, 1, 0]
+    both = _save(
+        tmp_path / "both", train=_split([0, 1] * 5, CAT_DOG), dev=_split([1, 0], CAT_DOG), val=_split([0], CAT_DOG)
+    )
+    with pytest.raises(ValueError, match="has splits val and dev, both validation splits: keep one"):
+        petl_data.describe_dataset("hf", root=both)
+
+
 def test_a_label_column_of_lists_is_one_line_with_exit_2(tmp_path, capsys):
     several = _split([[0], [1], [0, 1], [1]] * 2, datasets.Sequence(datasets.Value("int64")))
     root = _save(tmp_path / "saved", train=several)
