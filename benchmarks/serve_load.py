@@ -17,13 +17,13 @@ CUDA GPU with native bf16, strict fp32 on a CPU; the table's title names what ea
 
 A closed-loop load drives each: ``--clients`` client threads in this process, each sending its next request as soon
 as the previous one is answered, ``--requests`` requests in all, each one image (a 64 px PNG) for a task drawn at
-random (the same draw for both set-ups).  Reported: requests/s, p50 and p99 latency, the batches the servers
-formed (mean images and tasks per batch, from their ``/metrics``), and resident memory (the sum of the server
-processes' RSS and USS after the load; USS counts only a process's own pages, what stopping it frees, where RSS
-also counts the shared libraries every process maps).  The servers of every task count on one backbone start
-together and stay up (N separate servers are the first N single-task servers); for each count the two set-ups take
-turns round by round (``--rounds``), so a shared machine's drifting load falls on both alike; the medians are
-reported, and the ratios compare them within this one run.
+random (the same draw for both set-ups).  Reported: requests/s, p50 and p99 latency, the batches the servers formed
+(mean images and tasks per batch, and on a GPU the share a CUDA graph answered, from their ``/metrics``), and
+resident memory (the sum of the server processes' RSS and USS after the load; USS counts only a process's own pages,
+what stopping it frees, where RSS also counts the shared libraries every process maps).  The servers of every task
+count on one backbone start together and stay up (N separate servers are the first N single-task servers); for each
+count the two set-ups take turns round by round (``--rounds``), so a shared machine's drifting load falls on both
+alike; the medians are reported, and the ratios compare them within this one run.
 """
 
 from __future__ import annotations
@@ -171,14 +171,17 @@ class Server:
         finally:
             connection.close()
 
-    def batches(self) -> tuple[float, float, float]:
-        """(batches, images in them, sum of tasks per batch) formed so far, from /metrics."""
+    def batches(self) -> tuple[float, ...]:
+        """(batches, images in them, sum of tasks per batch, batches a CUDA graph answered) formed so far, from
+        /metrics."""
+        names = ("petl_batch_rows_count", "petl_batch_rows_sum", "petl_batch_tasks_sum", "petl_graph_batches_total")
         values = {}
         for line in self.get("/metrics")[1].splitlines():
             name, _, value = line.partition(" ")
-            if name in ("petl_batch_rows_count", "petl_batch_rows_sum", "petl_batch_tasks_sum"):
+            if name in names:
                 values[name] = float(value)
-        return values["petl_batch_rows_count"], values["petl_batch_rows_sum"], values["petl_batch_tasks_sum"]
+        values.setdefault("petl_graph_batches_total", 0.0)  # a counter shows once it counted (on a GPU)
+        return tuple(values[name] for name in names)
 
     def memory(self) -> tuple[int, int]:
         info = psutil.Process(self.process.pid).memory_full_info()
@@ -260,6 +263,7 @@ def measure(
     batches = sum(a[0] - b[0] for a, b in zip(after, before, strict=True))
     rows = sum(a[1] - b[1] for a, b in zip(after, before, strict=True))
     tasks = sum(a[2] - b[2] for a, b in zip(after, before, strict=True))
+    graphed = sum(a[3] - b[3] for a, b in zip(after, before, strict=True))
     memory = [s.memory() for s in servers]
     return {
         "rps": len(draw) / wall,
@@ -267,6 +271,7 @@ def measure(
         "p99": float(np.percentile(latencies, 99)) * 1000,
         "rows_per_batch": rows / batches,
         "tasks_per_batch": tasks / batches,
+        "graphed": graphed / batches,
         "rss": sum(m[0] for m in memory) / 2**20,
         "uss": sum(m[1] for m in memory) / 2**20,
     }
@@ -356,8 +361,9 @@ def render(rows: list[dict], args: argparse.Namespace, load_before: tuple, load_
         "(RSS counts the shared library pages every Python process maps in each of them; USS only each process's "
         "own pages, what stopping it would free).",
         "",
-        "| Backbone | Tasks | Set-up | req/s | p50 ms | p99 ms | images / batch | tasks / batch | RSS MB | USS MB |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| Backbone | Tasks | Set-up | req/s | p50 ms | p99 ms | images / batch | tasks / batch | RSS MB | USS MB |"
+        + (" graphed |" if gpu else ""),
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if gpu else ""),
     ]
     for row in rows:
         plural = "s" if row["tasks"] > 1 else " (the same set-up: the noise)"
@@ -366,7 +372,14 @@ def render(rows: list[dict], args: argparse.Namespace, load_before: tuple, load_
             lines.append(
                 f"| {row['backbone']} | {row['tasks']} | {name} | {r['rps']:.1f} | {r['p50']:.0f} | {r['p99']:.0f} | "
                 f"{r['rows_per_batch']:.2f} | {r['tasks_per_batch']:.2f} | {r['rss']:.0f} | {r['uss']:.0f} |"
+                + (f" {100 * r['graphed']:.0f} % |" if gpu else "")
             )
+    if gpu:
+        lines += [
+            "",
+            "graphed: the share of the batches a CUDA graph of the server's MultiTask answered "
+            "(`petl_graph_batches_total` in its /metrics; petl-serve's `cuda_graphs=8`, the default).",
+        ]
     lines += [
         "",
         "Ratios, one server over N servers (req/s: above 1 is faster; latency and memory: below 1 is less):",
