@@ -160,31 +160,41 @@ class ConvpassParallel(_Bypass, PetlModule):
         return self.base(x, **kwargs) + self.bypass(x)
 
 
-def _served_bypass(wrapper: ConvpassParallel) -> Callable[[torch.Tensor, torch.Tensor, int], None]:
-    """The bypass in eval added into ``y`` in place, in fewer ops: each QuickGELU as one SiLU, dropout off, the scale
-    folded into ``up``.
+def _folded(wrapper: ConvpassParallel) -> tuple[torch.Tensor, ...]:
+    """The bypass's layers for eval, in fewer ops: each QuickGELU as one SiLU, dropout off, the scale folded into
+    ``up``: (down weight, down bias, centre tap, its bias, the other eight taps, up), each weight out x in.
 
     ``x * sigmoid(1.702 x)`` is ``silu(1.702 x) / 1.702``: the 1.702 goes into the layer before each activation
     (``down``; the conv's bias, its weight taking the 1/1.702 of the first activation back) and the 1/1.702 of the
     second into ``up``, with the scale.  The same function, up to rounding.  The convolution is split in two: every
     token through its centre tap and bias (a matmul: a prefix token's whole 1x1 convolution), then the other eight
-    taps over the patch grid, added to the patch tokens.  The tokens between the prefix and the patches (a mixed
-    batch's prompt slots, ``slots``) go through the centre tap like prefix tokens: what the bypass adds there is
-    never read, since a row of a task without prompts has its slots masked out of attention and pooling.
+    taps over the patch grid, added to the patch tokens.  ``up``'s bias rides on one more unit of the centre tap's
+    output (silu(2^14) is 2^14): ``up`` and the add into the rows are one matmul
+    (:func:`petl.model.rows.with_bias_unit`).
     """
     k, s = 1.702, wrapper.scale
     conv = wrapper.conv
     with torch.no_grad():
         around = conv.weight.detach().clone()
         around[:, :, 1, 1] = 0.0
-        # up's bias rides on one more unit of the centre tap's output (silu(2^14) is 2^14): up and the add into the
-        # rows are one addmm_ (petl.model.rows.with_bias_unit).
         centre, centre_b, up_w = rows.with_bias_unit(
             conv.weight[:, :, 1, 1], k * conv.bias, (s / k) * wrapper.up.weight, s * wrapper.up.bias, F.silu
         )
-        # down, the centre tap and up transposed once, as tokens_linear and add_matmul_ take them.
-        down_t, centre_t = (k * wrapper.down.weight).t(), centre.t()
-        like = rows.per_device(down_t, k * wrapper.down.bias, centre_t, centre_b, around, up_w.t())
+        return tuple(
+            t.detach().clone() for t in (k * wrapper.down.weight, k * wrapper.down.bias, centre, centre_b, around, up_w)
+        )
+
+
+def _served_bypass(wrapper: ConvpassParallel) -> Callable[[torch.Tensor, torch.Tensor, int], None]:
+    """The bypass in eval (:func:`_folded`) added into ``y`` in place.
+
+    The tokens between the prefix and the patches (a mixed batch's prompt slots, ``slots``) go through the centre tap
+    like prefix tokens: what the bypass adds there is never read, since a row of a task without prompts has its slots
+    masked out of attention and pooling.
+    """
+    down, down_b, centre, centre_b, around, up = _folded(wrapper)
+    # down, the centre tap and up transposed once, as tokens_linear and add_matmul_ take them.
+    like = rows.per_device(down.t(), down_b, centre.t(), centre_b, around, up.t())
     rows_, cols = wrapper.grid
     p = wrapper.num_prefix
 
@@ -253,7 +263,7 @@ class ConvpassBlock(PetlModule):
 
 
 def _batched_bypass(wrapper: ConvpassParallel) -> rows.Batched:
-    """The served bypass (:func:`_served_bypass`'s folding) in its batched form: every row with its own task's layers.
+    """The bypass in eval (:func:`_folded`) in its batched form: every row with its own task's layers.
 
     Each row's down, centre tap and up are gathered and applied with ``bmm`` (:func:`petl.model.rows.rows_matmul`);
     the eight other taps of every row's own convolution run as one grouped convolution, the rows' bottlenecks side by
@@ -261,16 +271,7 @@ def _batched_bypass(wrapper: ConvpassParallel) -> rows.Batched:
     adds exactly nothing (every activation of zero is zero, and ``up`` is zero).  The patch tokens are the last
     ``rows x cols`` of the sequence, whatever prompt slots sit before them.
     """
-    k, s = 1.702, wrapper.scale
-    conv = wrapper.conv
-    with torch.no_grad():
-        around = conv.weight.detach().clone()
-        around[:, :, 1, 1] = 0.0
-        centre, centre_b, up_w = rows.with_bias_unit(
-            conv.weight[:, :, 1, 1], k * conv.bias, (s / k) * wrapper.up.weight, s * wrapper.up.bias, F.silu
-        )
-        tensors = (k * wrapper.down.weight, k * wrapper.down.bias, centre, centre_b, around, up_w)
-    tensors = tuple(t.detach().clone() for t in tensors)
+    tensors = _folded(wrapper)
     grid = tuple(wrapper.grid)
     update = _grid_update(grid)
     neutral = tuple(torch.zeros_like(t) for t in tensors)
