@@ -321,6 +321,13 @@ class MultiTask(nn.Module):
             raise ValueError("MultiTask needs at least one task")
         backbone.requires_grad_(False).eval()
         self.names = [str(name) for name in tasks]
+        # What timm's patch embedding takes: its channels, and its image size where it holds to one (it would raise an
+        # AssertionError or a convolution's shape error on other images; _check_images says it in one line).
+        embed = getattr(backbone, "patch_embed", None)
+        proj = getattr(embed, "proj", None)
+        self._channels = proj.in_channels if isinstance(proj, nn.Conv2d) else None
+        strict = getattr(embed, "strict_img_size", False) and not getattr(embed, "dynamic_img_size", False)
+        self._image_size = tuple(embed.img_size) if strict else None
         models, hooks, rooms = [], [], False
         besides: dict[int, dict[str, RowHook]] = {}
         for name, path in tasks.items():
@@ -569,6 +576,24 @@ class MultiTask(nn.Module):
             raise ValueError("MultiTask serves trained tasks and stays in eval mode; train each task on its own")
         return super().train(False)
 
+    def _check_images(self, images: Tensor) -> None:
+        """A ValueError in one line for images the backbone cannot take: not a tensor, not N x C x H x W, another
+        channel count, another size where the backbone holds to one.
+        """
+        channels = self._channels
+        if not isinstance(images, Tensor):
+            raise ValueError(
+                f"images are a {type(images).__name__}: give a tensor N x {channels or 'C'} x H x W, preprocessed"
+            )
+        if images.dim() != 4 or (channels is not None and images.shape[1] != channels):
+            raise ValueError(f"images are {tuple(images.shape)}: give a batch N x {channels or 'C'} x H x W")
+        size = tuple(images.shape[2:])
+        if self._image_size is not None and size != self._image_size:
+            raise ValueError(
+                f"images are {size[0]}x{size[1]} px: the backbone takes {self._image_size[0]}x{self._image_size[1]}; "
+                "preprocess them as the runs' cards say (petl.load_run(run).preprocess)"
+            )
+
     def task_index(self, task_ids: Sequence[str] | Sequence[int] | Tensor, rows: int) -> Tensor:
         """``task_ids`` (names, or indices into :attr:`names`) as a CPU tensor of task indices, checked."""
         # Integers only: a bool or a float (True, 1.7) is no task index, and turning it into one would route the row
@@ -672,6 +697,7 @@ class MultiTask(nn.Module):
             classes are ``-inf`` (so softmax and argmax ignore them).
 
         """
+        self._check_images(images)
         index = self.task_index(task_ids, images.shape[0])
         if not len(index):  # no rows, no task to route: 0 x C, as a timm model answers an empty batch
             width = max(self.num_classes.values()) or backbone_of(self.backbone).num_features()
@@ -751,6 +777,7 @@ class MultiTask(nn.Module):
         """
         if images.device.type != "cuda":
             raise ValueError(f"MultiTask.graphed makes a CUDA graph: give images on a CUDA device, not {images.device}")
+        self._check_images(images)
         index = self.task_index(task_ids, images.shape[0])
         return self._capture(images, self._layout(index, images))
 

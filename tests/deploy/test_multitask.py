@@ -353,6 +353,15 @@ def test_run_folders_task_ids_and_bad_input(tmp_path):
         torch.testing.assert_close(multi(images, np.array([1, 0, 1])), by_name)
         # An empty batch is answered as a timm model answers it: no rows, the widest task's columns.
         assert multi(images[:0], []).shape == (0, max(multi.num_classes.values()))
+    # Images the backbone cannot take: one line each (timm would raise an AssertionError or a convolution's error).
+    for wrong, message in (
+        (images[:, :, :16], r"^images are 16x32 px: the backbone takes 32x32; preprocess them as the runs' cards say"),
+        (images[:, :1], r"^images are \(3, 1, 32, 32\): give a batch N x 3 x H x W$"),
+        (images[0], r"^images are \(3, 32, 32\): give a batch N x 3 x H x W$"),
+        (images.tolist(), r"^images are a list: give a tensor N x 3 x H x W, preprocessed$"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            multi(wrong, ["a", "b", "a"])
     with pytest.raises(ValueError, match="stays in eval mode"):
         multi.train()
     with pytest.raises(ValueError, match="pass the plain backbone"):
