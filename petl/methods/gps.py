@@ -90,7 +90,7 @@ from petl.model.backbone import backbone_of, unwrap
 from petl.model.registry import MethodConfig, register_method
 from petl.model.wrappers import PetlModule, factory_kwargs
 from petl.utils.checks import as_list, check_range
-from petl.utils.progress import progress_bar
+from petl.utils.progress import first, progress_bar
 
 log = logging.getLogger(__name__)
 
@@ -349,9 +349,7 @@ def gps_gradients(model: nn.Module, loader: Iterable, max_batches: int | None = 
         model.train()  # calculate_gradient: model.train(), so dropout and drop-path act as in training
         for w in weights:
             w.requires_grad_(True)
-        for step, (images, labels) in enumerate(loader):
-            if max_batches is not None and step >= max_batches:
-                break
+        for images, labels in first(loader, max_batches)[0]:  # no batch loaded past the last used
             images, labels = images.to(device), torch.as_tensor(labels).to(device)
             view = _contrast_views(model, tuple(images.shape[-2:]))
             both = torch.cat([torch.stack([view(x) for x in images]) for _ in range(2)])
@@ -390,8 +388,11 @@ def calibrate_gps(
     """``cfg`` with ``selection`` chosen on ``loader`` by :func:`select_gps` (unchanged if already set)."""
     if cfg.selection:
         return cfg
-    batches = progress_bar(loader, desc="GPS selection", unit="batch", leave=False, show=progress, say=log.info)
-    return replace(cfg, selection=select_gps(model, batches, cfg.per_row, max_batches))
+    batches, total = first(loader, max_batches)  # the bar counts to max_batches, where the loop stops
+    bar = progress_bar(
+        batches, total=total, desc="GPS selection", unit="batch", leave=False, show=progress, say=log.info
+    )
+    return replace(cfg, selection=select_gps(model, bar, cfg.per_row))
 
 
 # The backbones gps's idea fits: a per-row sparse update on the patch projection and every block's Linears, plus layer

@@ -60,7 +60,7 @@ from petl.model.backbone import backbone_of, block_family
 from petl.model.registry import MethodConfig, register_method
 from petl.model.wrappers import PetlModule, factory_kwargs
 from petl.utils.checks import as_list, check_range
-from petl.utils.progress import progress_bar
+from petl.utils.progress import first, progress_bar
 
 log = logging.getLogger(__name__)
 
@@ -211,9 +211,7 @@ def select_sct_channels(
     try:
         model.eval()
         device = next(model.parameters()).device
-        for step, (images, targets) in enumerate(loader):
-            if max_batches is not None and step >= max_batches:
-                break
+        for images, targets in first(loader, max_batches)[0]:  # no batch loaded past the last used
             labels = torch.as_tensor(targets).to(device)
             model(images.to(device))
     finally:
@@ -235,8 +233,11 @@ def calibrate_sct(
     """``cfg`` with ``channels`` selected on ``loader`` by :func:`select_sct_channels` (unchanged if already set)."""
     if cfg.channels:
         return cfg
-    batches = progress_bar(loader, desc="SCT selection", unit="batch", leave=False, show=progress, say=log.info)
-    return replace(cfg, channels=select_sct_channels(model, batches, cfg.top_n, max_batches))
+    batches, total = first(loader, max_batches)  # the bar counts to max_batches, where the loop stops
+    bar = progress_bar(
+        batches, total=total, desc="SCT selection", unit="batch", leave=False, show=progress, say=log.info
+    )
+    return replace(cfg, channels=select_sct_channels(model, bar, cfg.top_n))
 
 
 def _formula(model: nn.Module, cfg: SctConfig) -> int:

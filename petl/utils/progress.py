@@ -15,6 +15,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
+from itertools import islice
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -108,6 +109,19 @@ class ProgressLines:
         """Say how far the work came, unless the last line did (stopped early: fewer than the total)."""
         if self.n != self._said:
             self._line()
+
+
+def first(iterable: Iterable, count: int | None) -> tuple[Iterable, int | None]:
+    """The first ``count`` items of ``iterable`` (all of them for None), and how many that is where it has a length:
+    a bar over them then counts to what is done, not to the whole of ``iterable``.
+    """
+    try:
+        total = len(iterable)  # type: ignore[arg-type]
+    except TypeError:  # a generator, a loader over an iterable dataset: no length known
+        total = None
+    if count is None:
+        return iterable, total
+    return islice(iterable, count), count if total is None else min(total, count)
 
 
 def progress_bar(

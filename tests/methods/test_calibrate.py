@@ -135,6 +135,31 @@ def test_a_calibration_into_a_log_file_logs_a_few_progress_lines_only_when_asked
     assert progress_lines() == LINES[method], caplog.messages
 
 
+@pytest.mark.parametrize("method", ["sct", "gps"])
+def test_max_batches_stops_the_loader_and_the_progress_count_there(tiny_vit, monkeypatch, caplog, method):
+    """A selection on the first 2 of 3 batches counts to 2 (not 2 of 3, as if stopped short) and loads no third."""
+    monkeypatch.setattr(progress, "bars_shown", lambda: False)
+    caplog.set_level(logging.INFO)
+    gen = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(4, 3, 32, 32, generator=gen), torch.tensor([0, 1, 2, 3])) for _ in range(3)]
+    loaded = []
+
+    class Loader:  # a loader with a length, recording the batches it gave
+        def __len__(self) -> int:
+            return len(batches)
+
+        def __iter__(self):
+            for batch in batches:
+                loaded.append(batch)
+                yield batch
+
+    spec = petl.get_method(method)
+    spec.calibrate(tiny_vit(), petl.make_config(method, num_classes=4), Loader(), max_batches=2)
+    lines = [m for m in caplog.messages if m.startswith(method.upper())]
+    assert lines == [f"{method.upper()} selection: {k}/2 batches" for k in range(3)], caplog.messages
+    assert len(loaded) == 2
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("method", CALIBRATED)
 def test_a_resumed_run_keeps_the_calibration_of_its_first_session(tmp_path, monkeypatch, method):
