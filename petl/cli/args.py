@@ -304,6 +304,24 @@ def entry_point(prog: str, debug_flag: str = "--debug", sigterm: bool = True) ->
     return wrap
 
 
+# What Hydra's --info prints (hydra._internal.utils.get_args_parser's choices; the grammar test checks them).
+INFO_TOPICS = ("all", "config", "defaults", "defaults-tree", "plugins", "searchpath")
+
+
+def info_topic(value: str) -> str:
+    """``--info``'s value, one of :data:`INFO_TOPICS`; an override after ``--info`` (its value is optional, so argparse
+    takes the next word) is said to be one.
+
+    Raises:
+        argparse.ArgumentTypeError: anything else, in one line.
+
+    """
+    if value in INFO_TOPICS:
+        return value
+    hint = ", an override that --info took as its topic: write the overrides first" if "=" in value else ""
+    raise argparse.ArgumentTypeError(f"invalid choice: {value!r}{hint} (choose from {', '.join(INFO_TOPICS)})")
+
+
 def hydra_parser(prog: str) -> Parser:
     """``petl-run``'s flags: the ones Hydra's app runner reads (``hydra.main``), on a public argparse parser.
 
@@ -328,7 +346,12 @@ def hydra_parser(prog: str) -> Parser:
     made.add_argument("--config-dir", "-cd", help="one more folder to search for configs")
     made.add_argument("--experimental-rerun", help="rerun a job from its config pickle (Hydra's)")
     made.add_argument(
-        "--info", "-i", const="all", nargs="?", help="Hydra's information: all, config, defaults, searchpath..."
+        "--info",
+        "-i",
+        const="all",
+        nargs="?",
+        type=info_topic,
+        help=f"Hydra's information: {', '.join(INFO_TOPICS)} (after the overrides: --info takes the next word)",
     )
     made.add_argument("overrides", nargs="*", help="key=value overrides (method=lora train.lr=0.01)")
     return made

@@ -194,6 +194,18 @@ def test_petl_run_flags_are_the_ones_hydra_reads():
 
     assert flags(grammar.hydra_parser("petl-run")) == flags(get_args_parser())
     assert run_cli.PROG == "petl-run"
+    info = next(a for a in get_args_parser()._actions if "--info" in a.option_strings)
+    assert tuple(info.choices) == grammar.INFO_TOPICS
+
+
+def test_an_override_after_petl_runs_info_is_one_line_saying_so():
+    """--info's topic is optional, so argparse takes the next word for it: an override there is said to be one
+    (Hydra would print its usage and an invalid choice)."""
+    made = grammar.hydra_parser("petl-run")
+    assert made.parse_intermixed_args(["method=lora", "--info"]).info == "all"
+    assert made.parse_intermixed_args(["--info", "config", "method=lora"]).overrides == ["method=lora"]
+    with pytest.raises(grammar.CommandLineError, match=r"^argument --info/-i: invalid choice: 'method=lora', an "):
+        made.parse_intermixed_args(["--info", "method=lora"])
 
 
 def test_petl_bench_help_answers_before_the_commands_load():
