@@ -325,7 +325,9 @@ class MultiTask(nn.Module):
         # AssertionError or a convolution's shape error on other images; _check_images says it in one line).
         embed = getattr(backbone, "patch_embed", None)
         proj = getattr(embed, "proj", None)
-        self._channels = proj.in_channels if isinstance(proj, nn.Conv2d) else None
+        # A hybrid ViT's (timm's HybridEmbed) proj takes its CNN's features: the images' channels are its in_chans.
+        channels = getattr(embed, "in_chans", None)
+        self._channels = channels if channels is not None else proj.in_channels if isinstance(proj, nn.Conv2d) else None
         strict = getattr(embed, "strict_img_size", False) and not getattr(embed, "dynamic_img_size", False)
         self._image_size = tuple(embed.img_size) if strict else None
         models, hooks, rooms = [], [], False

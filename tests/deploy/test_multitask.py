@@ -370,6 +370,19 @@ def test_run_folders_task_ids_and_bad_input(tmp_path):
         petl.MultiTask(make_tiny_vit(embed_dim=24), {"a": files["a"]})
 
 
+def test_a_hybrid_vit_takes_images_of_its_cnns_channels(tmp_path):
+    """A hybrid ViT's patch embedding (timm's HybridEmbed) runs the images through a CNN whose features its ``proj``
+    takes: the images' channels are the CNN's input channels, not ``proj``'s (16 here)."""
+    cnn = torch.nn.Conv2d(3, 16, kernel_size=4, stride=4)
+    backbone = make_tiny_vit(embed_layer=functools.partial(timm.layers.HybridEmbed, backbone=cnn), patch_size=2)
+    singles, files = _save(tmp_path, {"a": SHARED["lora"], "b": SHARED["adapter"]}, backbone)
+    multi = petl.MultiTask(backbone, files)
+    images = torch.randn(2, 3, 32, 32)
+    _check_rows(multi, singles, ["a", "b"], images)
+    with pytest.raises(ValueError, match=r"^images are \(2, 16, 32, 32\): give a batch N x 3 x H x W$"):
+        multi(torch.randn(2, 16, 32, 32), ["a", "b"])
+
+
 def _run_folder(
     folder, method: str, options: dict, seed: int, classes: int = 3, width: int = 48, model_cfg: dict | None = None
 ) -> None:
