@@ -328,8 +328,9 @@ class MultiTask(nn.Module):
         # A hybrid ViT's (timm's HybridEmbed) proj takes its CNN's features: the images' channels are its in_chans.
         channels = getattr(embed, "in_chans", None)
         self._channels = channels if channels is not None else proj.in_channels if isinstance(proj, nn.Conv2d) else None
-        strict = getattr(embed, "strict_img_size", False) and not getattr(embed, "dynamic_img_size", False)
-        self._image_size = tuple(embed.img_size) if strict else None
+        size = getattr(embed, "img_size", None)  # timm turns strict_img_size off where the size is dynamic
+        strict = getattr(embed, "strict_img_size", False) and isinstance(size, tuple | list)
+        self._image_size = tuple(size) if strict else None
         models, hooks, rooms = [], [], False
         besides: dict[int, dict[str, RowHook]] = {}
         for name, path in tasks.items():
