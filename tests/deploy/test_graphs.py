@@ -319,13 +319,17 @@ def test_tasks_whose_every_hook_stacks_run_every_row_through_every_stack(tmp_pat
     assert counted[0] == counted[1] == counted[2]  # the same ops whatever the mix
 
 
-def test_forward_replays_one_graph_for_every_mix_of_tasks_that_run_every_row(tmp_path, monkeypatch):
+def _every_row_on_the_stand_in(tmp_path, monkeypatch) -> tuple[petl.MultiTask, list[str]]:
+    """A MultiTask of the EVERY_ROW tasks whose forward replays stand-in graphs on the CPU, and the task names."""
     backbone = make_tiny_vit()
     _, files = _save(tmp_path, EVERY_ROW, backbone)
-    multi = petl.MultiTask(backbone, files)
     monkeypatch.setattr(multitask_module, "_may_replay", lambda images: not torch.is_grad_enabled())
     monkeypatch.setattr(multitask_module, "capture", _stand_in_capture)
-    names = list(files)
+    return petl.MultiTask(backbone, files), list(files)
+
+
+def test_forward_replays_one_graph_for_every_mix_of_tasks_that_run_every_row(tmp_path, monkeypatch):
+    multi, names = _every_row_on_the_stand_in(tmp_path, monkeypatch)
     images = torch.randn(8, 3, 32, 32)
     mixes = [names[:1] * 8, names[1:3] * 4, names + names[:1], names[3:5] + names[:6]]
     with torch.no_grad():
@@ -343,12 +347,7 @@ def test_a_batch_of_tasks_that_run_every_row_is_padded_to_the_size_of_a_graph(tm
     assert [multitask_module._graph_rows(n) for n in (1, 2, 3, 4, 5, 33, 64, 65, 129)] == [
         1, 2, 4, 4, 8, 64, 64, 128, 192
     ]  # fmt: skip
-    backbone = make_tiny_vit()
-    _, files = _save(tmp_path, EVERY_ROW, backbone)
-    multi = petl.MultiTask(backbone, files)
-    monkeypatch.setattr(multitask_module, "_may_replay", lambda images: not torch.is_grad_enabled())
-    monkeypatch.setattr(multitask_module, "capture", _stand_in_capture)
-    names = list(files)
+    multi, names = _every_row_on_the_stand_in(tmp_path, monkeypatch)
     gen = torch.Generator().manual_seed(1)
     batches = []
     for rows in (3, 4, 5, 7, 8, 3):  # graphs of 4 and 8 rows, each captured at its second batch
