@@ -88,11 +88,16 @@ def to_uint8(image: Image.Image) -> np.ndarray:
     return np.asarray(image.convert("RGB"))
 
 
-def decode_image(data: bytes) -> np.ndarray:
+def decode_image(data: bytes, formats: Sequence[str] | None = None) -> np.ndarray:
     """Decode one image file's bytes fully (truncation shows here, not later), :func:`upright`, to a uint8 array.
 
     Every image file petl decodes itself comes through here (data folders, ``data=hf`` rows, petl-predict's files,
     petl-serve's uploads), so training, evaluation and prediction see the same pixels.
+
+    Args:
+        data: the file's bytes.
+        formats: the Pillow formats to try (``Image.open``'s ``formats``; another is "not a readable image"); every
+            format Pillow reads where ``None``.
 
     Raises:
         ValueError: the bytes are not a decodable image; the message says why in a few words.
@@ -105,7 +110,7 @@ def decode_image(data: bytes) -> np.ndarray:
             # Pillow warns of an image above MAX_IMAGE_PIXELS (a 108-megapixel photo) in two lines naming no file,
             # then decodes it; one above twice that is refused below, and the caller names the file.
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            with Image.open(io.BytesIO(data)) as image:
+            with Image.open(io.BytesIO(data), formats=formats) as image:
                 image.load()
                 return to_uint8(upright(image))
     except UnidentifiedImageError:
