@@ -66,6 +66,10 @@ def upright(image: Image.Image) -> Image.Image:
     return image if turn is None else image.transpose(turn)
 
 
+class UnfitImage(ValueError):
+    """A readable image petl cannot use as it is; the message already says what to do with it."""
+
+
 def to_uint8(image: Image.Image) -> np.ndarray:
     """A decoded image as uint8 ``[H, W]`` (grey) or ``[H, W, 3]`` (everything else).
 
@@ -78,7 +82,7 @@ def to_uint8(image: Image.Image) -> np.ndarray:
             raise ValueError(f"mode {image.mode} with values outside the 16-bit range [0, 65535]")
         return ((values * 255 + 32767) // 65535).astype(np.uint8)
     if image.mode == "F":
-        raise ValueError("floating-point pixels (mode F): save it as an 8- or 16-bit image")
+        raise UnfitImage("floating-point pixels (mode F): save it as an 8- or 16-bit image")
     if image.mode in ("1", "L"):
         return np.asarray(image.convert("L"))
     if image.mode == "P" and "transparency" in image.info:
@@ -117,7 +121,7 @@ def decode_image(data: bytes, formats: Sequence[str] | None = None) -> np.ndarra
         raise ValueError("not a readable image: unknown format or damaged header") from None
     except Image.DecompressionBombError:
         limit = 2 * (Image.MAX_IMAGE_PIXELS or 0)
-        raise ValueError(
+        raise UnfitImage(
             f"more than {limit:,} pixels, Pillow's limit against decompression bombs: downscale it"
         ) from None
     except (OSError, SyntaxError, EOFError) as error:

@@ -54,7 +54,7 @@ from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from petl.data.images import decode_image
+from petl.data.images import UnfitImage, decode_image
 from petl.data.transforms import ImageSpec, pil_to_tensor
 from petl.deploy.batcher import Batcher, QueueFull
 from petl.deploy.metrics import ServeMetrics
@@ -335,6 +335,8 @@ def _preprocess_all(uploads: list[tuple[str, bytes]], spec: ImageSpec) -> list[t
     for number, (name, data) in enumerate(uploads, 1):
         try:
             tensors.append(preprocess(data, spec))
+        except UnfitImage as error:  # its own remedy: "send a complete PNG..." would say the image was broken
+            raise BadImage(f"{_which(number, name)}: {error}") from None
         except ValueError as error:
             raise BadImage(
                 f"{_which(number, name)}: {error}: send a complete PNG, JPEG, WebP, BMP, GIF or TIFF image"

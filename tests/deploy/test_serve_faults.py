@@ -177,6 +177,16 @@ def test_an_upload_is_read_only_as_a_format_the_answers_name(tmp_path, monkeypat
     assert ran == []
 
 
+def test_an_image_petl_cannot_use_as_it_is_gets_its_own_remedy_alone(app):
+    # It said "...: save it as an 8- or 16-bit image: send a complete PNG, JPEG, WebP, BMP, GIF or TIFF image",
+    # two remedies, the second as if the TIFF sent were broken.
+    buffer = io.BytesIO()
+    Image.fromarray(np.zeros((8, 8), dtype=np.float32)).save(buffer, "TIFF")
+    status, answer = asyncio.run(_ask(app, "POST", serve.PREDICT_ROUTE.format(task="lora"), buffer.getvalue()))
+    assert status == 400
+    assert answer["detail"] == "image 1: floating-point pixels (mode F): save it as an 8- or 16-bit image"
+
+
 def test_a_request_a_shutdown_ends_gets_a_json_503(app):
     """uvicorn cancels the requests still running when shutdown_timeout_s runs out: the client got uvicorn's
     plain-text 500 ("Internal Server Error") and the log a traceback."""
