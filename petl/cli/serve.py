@@ -130,7 +130,7 @@ def find_runs(items: Sequence[str]) -> dict[str, Path]:
 
     """
     from petl.deploy.predict import run_labels
-    from petl.store.files import unfinished_run
+    from petl.store.files import file_not_run, unfinished_run
 
     named: dict[str, Path] = {}
     unnamed: list[Path] = []
@@ -139,8 +139,8 @@ def find_runs(items: Sequence[str]) -> dict[str, Path]:
         if eq and not value:  # Path("") is the current folder: task.x= served whatever run was there
             raise UsageError(f"{item}: no run folder after '=': give one, as {item}runs/cars")
         path = Path(value if eq else item).expanduser()
-        if path.is_file():  # a run's model.json or weights: the folder holding it is the run
-            raise UsageError(f"{item}: a file, not a run folder: give the folder holding it ({path.parent})")
+        if path.is_file():
+            raise UsageError(file_not_run(path, item))
         if not path.is_dir():
             raise UsageError(f"{item}: no such run folder")
         unfinished = unfinished_run(path)

@@ -66,6 +66,10 @@ def upright(image: Image.Image) -> Image.Image:
     return image if turn is None else image.transpose(turn)
 
 
+class UnfitImage(ValueError):
+    """A readable image petl cannot use as it is; the message already says what to do with it."""
+
+
 def to_uint8(image: Image.Image) -> np.ndarray:
     """A decoded image as uint8 ``[H, W]`` (grey) or ``[H, W, 3]`` (everything else).
 
@@ -78,7 +82,7 @@ def to_uint8(image: Image.Image) -> np.ndarray:
             raise ValueError(f"mode {image.mode} with values outside the 16-bit range [0, 65535]")
         return ((values * 255 + 32767) // 65535).astype(np.uint8)
     if image.mode == "F":
-        raise ValueError("floating-point pixels (mode F): save it as an 8- or 16-bit image")
+        raise UnfitImage("floating-point pixels (mode F): save it as an 8- or 16-bit image")
     if image.mode in ("1", "L"):
         return np.asarray(image.convert("L"))
     if image.mode == "P" and "transparency" in image.info:
@@ -88,11 +92,16 @@ def to_uint8(image: Image.Image) -> np.ndarray:
     return np.asarray(image.convert("RGB"))
 
 
-def decode_image(data: bytes) -> np.ndarray:
+def decode_image(data: bytes, formats: Sequence[str] | None = None) -> np.ndarray:
     """Decode one image file's bytes fully (truncation shows here, not later), :func:`upright`, to a uint8 array.
 
     Every image file petl decodes itself comes through here (data folders, ``data=hf`` rows, petl-predict's files,
     petl-serve's uploads), so training, evaluation and prediction see the same pixels.
+
+    Args:
+        data: the file's bytes.
+        formats: the Pillow formats to try (``Image.open``'s ``formats``; another is "not a readable image"); every
+            format Pillow reads where ``None``.
 
     Raises:
         ValueError: the bytes are not a decodable image; the message says why in a few words.
@@ -105,14 +114,14 @@ def decode_image(data: bytes) -> np.ndarray:
             # Pillow warns of an image above MAX_IMAGE_PIXELS (a 108-megapixel photo) in two lines naming no file,
             # then decodes it; one above twice that is refused below, and the caller names the file.
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            with Image.open(io.BytesIO(data)) as image:
+            with Image.open(io.BytesIO(data), formats=formats) as image:
                 image.load()
                 return to_uint8(upright(image))
     except UnidentifiedImageError:
         raise ValueError("not a readable image: unknown format or damaged header") from None
     except Image.DecompressionBombError:
         limit = 2 * (Image.MAX_IMAGE_PIXELS or 0)
-        raise ValueError(
+        raise UnfitImage(
             f"more than {limit:,} pixels, Pillow's limit against decompression bombs: downscale it"
         ) from None
     except (OSError, SyntaxError, EOFError) as error:

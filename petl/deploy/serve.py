@@ -54,7 +54,7 @@ from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from petl.data.images import decode_image
+from petl.data.images import UnfitImage, decode_image
 from petl.data.transforms import ImageSpec, pil_to_tensor
 from petl.deploy.batcher import Batcher, QueueFull
 from petl.deploy.metrics import ServeMetrics
@@ -256,6 +256,13 @@ def load_tasks(runs: Mapping[str, str | Path]) -> tuple[MultiTask, list[Task]]:
     return served, tasks
 
 
+# The formats an upload is read as, those the 400 answers name.  Pillow reads many more, and an uploaded file was
+# opened as any of them: an EPS ran Ghostscript (an outside program, with a long record of exploits) on the
+# client's bytes, where it is installed, and seldom-used decoders (PCX, SGI, TGA, ICO...) parsed them.  JPEG
+# includes a phone's MPO (Pillow's JPEG opener returns it).
+UPLOAD_FORMATS = ("PNG", "JPEG", "WEBP", "BMP", "GIF", "TIFF")
+
+
 class BadImage(ValueError):
     """An uploaded image that cannot be used; the message names it and says why."""
 
@@ -272,7 +279,7 @@ def pixel_count(data: bytes) -> int | None:
 
     """
     try:
-        with Image.open(io.BytesIO(data)) as header:
+        with Image.open(io.BytesIO(data), formats=UPLOAD_FORMATS) as header:
             width, height = header.size
     except Image.DecompressionBombError:
         raise TooManyPixels(f"more than {2 * Image.MAX_IMAGE_PIXELS / 1e6:.0f} MP") from None
@@ -288,7 +295,7 @@ def preprocess(data: bytes, spec: ImageSpec) -> torch.Tensor:
         ValueError: not an image, truncated or damaged (one phrase saying which).
 
     """
-    return pil_to_tensor(Image.fromarray(decode_image(data)), spec)
+    return pil_to_tensor(Image.fromarray(decode_image(data, UPLOAD_FORMATS)), spec)
 
 
 def _which(number: int, name: str) -> str:
@@ -328,6 +335,8 @@ def _preprocess_all(uploads: list[tuple[str, bytes]], spec: ImageSpec) -> list[t
     for number, (name, data) in enumerate(uploads, 1):
         try:
             tensors.append(preprocess(data, spec))
+        except UnfitImage as error:  # its own remedy: "send a complete PNG..." would say the image was broken
+            raise BadImage(f"{_which(number, name)}: {error}") from None
         except ValueError as error:
             raise BadImage(
                 f"{_which(number, name)}: {error}: send a complete PNG, JPEG, WebP, BMP, GIF or TIFF image"

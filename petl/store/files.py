@@ -91,6 +91,17 @@ def unfinished_run(folder: Path) -> str | None:
     return None
 
 
+def file_not_run(path: Path, given: str) -> str:
+    """The one line for a file given where a run folder is wanted (``given``: the argument as written).
+
+    A file of a run (its ``model.json``, its weights) points to its folder; any other file (an image given before
+    the run, say) does not, and naming its folder as the run would only lead to a second refusal.
+    """
+    if (path.parent / MODEL_FILE).is_file() or (path.parent / WEIGHTS_FILE).is_file():
+        return f"{given}: a file, not a run folder: give the folder holding it ({path.parent})"
+    return f"{given}: a file, not a run folder: give a petl-run output folder (model.json beside {WEIGHTS_FILE})"
+
+
 def temporary_files(folder: Path) -> list[Path]:
     """Temporary files of :func:`petl.utils.paths.atomic_path` left in ``folder`` by a process killed mid-write."""
     return sorted(p for name in RUN_FILES for p in folder.glob(f".{name}.*.tmp"))

@@ -45,7 +45,7 @@ from petl.model.backbone import backbone_of
 from petl.model.io import load_trainable, read_trainable_metadata
 from petl.model.params import trainable_state
 from petl.model.registry import get_method
-from petl.store.files import MODEL_FILE, WEIGHTS_FILE, unfinished_run, write_json
+from petl.store.files import MODEL_FILE, WEIGHTS_FILE, file_not_run, unfinished_run, write_json
 from petl.utils.paths import file_sha256
 
 log = logging.getLogger(__name__)
@@ -207,8 +207,8 @@ def read_card(run_dir: str | Path) -> dict[str, Any]:
 
     """
     folder = Path(run_dir)
-    if folder.is_file():  # a run's model.json or weights: the folder holding it is the run
-        raise RunFolderError(f"{folder}: a file, not a run folder: give the folder holding it ({folder.parent})")
+    if folder.is_file():
+        raise RunFolderError(file_not_run(folder, str(folder)))
     if not folder.is_dir():
         raise RunFolderError(f"{folder}: no such run folder")
     unfinished = unfinished_run(folder)

@@ -418,11 +418,14 @@ def test_a_run_folder_that_fails_the_checks_is_refused_at_start_naming_it(runs, 
     assert error.startswith("petl-serve: error: ") and f"{weights} is not the weights this run wrote" in error
     assert "\n" not in error
     (tmp_path / "empty").mkdir()
+    (tmp_path / "photo.png").write_bytes(b"not a run")
     for argv, message in [
         ([str(tmp_path / "nowhere")], "no such run folder"),
         # A run's model.json named instead of its folder said "no such run folder", though the file is there.
         ([str(runs["lora"] / "model.json")], f"a file, not a run folder: give the folder holding it ({runs['lora']})"),
         ([str(tmp_path / "empty")], "holds no finished run folder"),
+        # Any other file was said to be in a run folder too: "give the folder holding it (<a folder of images>)".
+        ([str(tmp_path / "photo.png")], "photo.png: a file, not a run folder: give a petl-run output folder"),
         ([str(runs["lora"]), "max_batch=0"], "max_batch=0: must be a number from 1 to 4096"),
         # Issue 52: max_wait_ms=inf was taken (requests never came back), max_upload_mb=inf made every predict a 500.
         ([str(runs["lora"]), "max_wait_ms=inf"], "max_wait_ms=inf: must be a number from 0 to 10000"),

@@ -133,6 +133,60 @@ def test_a_multipart_body_that_cannot_be_read_is_refused_saying_how_to_send_imag
         )
 
 
+def _encoded(kind: str, **options) -> bytes:
+    buffer = io.BytesIO()
+    image = Image.fromarray(np.random.default_rng(0).integers(0, 255, (40, 36, 3), dtype=np.uint8))
+    image.save(buffer, kind, **options)
+    return buffer.getvalue()
+
+
+def test_an_upload_is_read_only_as_a_format_the_answers_name(tmp_path, monkeypatch):
+    """An upload was opened as any format Pillow knows: an EPS ran Ghostscript on the client's bytes (where it is
+    installed), a PCX or TGA was decoded and answered 200, though the 400 answers name six formats."""
+    from PIL import EpsImagePlugin
+
+    _run_folder(tmp_path / "lora", "lora", {}, seed=0)
+    served, tasks = serve.load_tasks({"lora": tmp_path / "lora"})
+    app = serve.create_app(served, tasks, serve.ServeOptions(precision="no"))  # its own: a batcher runs once
+
+    ran = []
+
+    def ghostscript(*args, **kwargs):  # Pillow's EPS loader runs the gs program here
+        ran.append(args)
+        raise OSError("Ghostscript ran")
+
+    monkeypatch.setattr(EpsImagePlugin, "Ghostscript", ghostscript)
+    route = serve.PREDICT_ROUTE.format(task="lora")
+    second = Image.fromarray(np.zeros((40, 36, 3), dtype=np.uint8))
+
+    async def scenario():
+        kept = ["PNG", "JPEG", "WEBP", "BMP", "GIF", "TIFF"]
+        answers = {kind: await _ask(app, "POST", route, _encoded(kind)) for kind in kept}
+        # A phone's photo with a second picture opens as MPO, through Pillow's JPEG opener.
+        answers["MPO"] = await _ask(app, "POST", route, _encoded("MPO", save_all=True, append_images=[second]))
+        for kind in ("EPS", "PCX", "TGA", "SGI"):
+            answers[kind] = await _ask(app, "POST", route, _encoded(kind))
+        return answers
+
+    answers = _with_batcher(app, scenario)
+    for kind in ("PNG", "JPEG", "WEBP", "BMP", "GIF", "TIFF", "MPO"):
+        assert answers[kind][0] == 200, (kind, answers[kind])
+    for kind in ("EPS", "PCX", "TGA", "SGI"):
+        status, answer = answers[kind]
+        assert status == 400 and answer["detail"].startswith("image 1: not a readable image"), (kind, answer)
+    assert ran == []
+
+
+def test_an_image_petl_cannot_use_as_it_is_gets_its_own_remedy_alone(app):
+    # It said "...: save it as an 8- or 16-bit image: send a complete PNG, JPEG, WebP, BMP, GIF or TIFF image",
+    # two remedies, the second as if the TIFF sent were broken.
+    buffer = io.BytesIO()
+    Image.fromarray(np.zeros((8, 8), dtype=np.float32)).save(buffer, "TIFF")
+    status, answer = asyncio.run(_ask(app, "POST", serve.PREDICT_ROUTE.format(task="lora"), buffer.getvalue()))
+    assert status == 400
+    assert answer["detail"] == "image 1: floating-point pixels (mode F): save it as an 8- or 16-bit image"
+
+
 def test_a_request_a_shutdown_ends_gets_a_json_503(app):
     """uvicorn cancels the requests still running when shutdown_timeout_s runs out: the client got uvicorn's
     plain-text 500 ("Internal Server Error") and the log a traceback."""

@@ -148,6 +148,20 @@ def test_a_file_of_the_run_given_for_its_folder_says_to_give_the_folder(tmp_path
         petl.load_run(run / run_card.MODEL_FILE)
 
 
+def test_a_file_outside_any_run_is_not_said_to_be_in_a_run_folder(tmp_path):
+    # It said "give the folder holding it (<that folder>)" of any file, an image among them: that folder, holding no
+    # run, was refused in turn.
+    image = tmp_path / "photos" / "cat.png"
+    image.parent.mkdir()
+    image.write_bytes(b"not a run")
+    with pytest.raises(run_card.RunFolderError) as error:
+        petl.load_run(image)
+    assert (
+        str(error.value)
+        == f"{image}: a file, not a run folder: give a petl-run output folder (model.json beside trainable.safetensors)"
+    )
+
+
 def _as_first_format(card: dict) -> None:
     """What petl wrote before this format: no weights hash, no img_size unless the run gave it in kwargs."""
     card["format"] = "petl-model-1"
