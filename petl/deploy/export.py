@@ -201,8 +201,8 @@ def check_target(run_dir: str | Path, out: str | Path, overwrite: bool = False) 
         raise ValueError(f"out={out}: {unwritable}")
     if in_the_way and not overwrite:
         listed = ", ".join(str(path) for path in in_the_way)
-        exists = "already exists" if len(in_the_way) == 1 else "already exist"
-        raise ValueError(f"{listed} {exists}: export elsewhere, or add overwrite=true to replace it")
+        exists, them = ("already exists", "it") if len(in_the_way) == 1 else ("already exist", "them")
+        raise ValueError(f"{listed} {exists}: export elsewhere, or add overwrite=true to replace {them}")
 
 
 def export(run_dir: str | Path, out: str | Path, overwrite: bool = False) -> float | None:

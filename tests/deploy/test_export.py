@@ -127,7 +127,8 @@ def test_out_replaces_nothing_it_did_not_write_without_overwrite(tmp_path, capsy
         assert stop.value.code == 2 and message in error and error.count("\n") == 1, error
 
     others = {p.name: p.read_bytes() for p in other.iterdir()}
-    refused([f"out={mine}"], f"{mine / 'config.json'}, {mine / 'model.safetensors'} already exist:")
+    both = f"{mine / 'config.json'}, {mine / 'model.safetensors'}"
+    refused([f"out={mine}"], f"{both} already exist: export elsewhere, or add overwrite=true to replace them")
     refused([f"out={tmp_path / 'model.onnx'}"], "add overwrite=true to replace it")
     for target in (other / "trainable.safetensors", other, other / "sub" / "x.onnx"):
         refused([f"out={target}", "overwrite=true"], f"is inside the run folder {other}")
