@@ -166,8 +166,8 @@ def claim_output_dir(output_dir: Path, data: OwnData, setup: dict[str, Any] | No
     """Record the data's version and the setup in ``output_dir/data.json``; refuse a folder of another one.
 
     Raises:
-        ValueError: ``output_dir`` holds runs of another version of the data, or of another setup (one line,
-            naming both versions, or up to three keys that differ).
+        ValueError: ``output_dir`` holds runs of other data, of another version of the data, or of another setup
+            (one line, naming both, or up to three keys that differ).
 
     """
     path = output_dir / DATA_FILE
