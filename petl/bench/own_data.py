@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -156,12 +157,17 @@ def setup_key(setup: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(setup, sort_keys=True, default=str).encode()).hexdigest()[:8]
 
 
+def _folder_name(root: str) -> str:
+    """The last part of a ``data.root`` (``photos`` of ``./photos/`` and ``/data/photos``; ``name`` of a hub id)."""
+    return Path(os.path.normpath(root)).name
+
+
 def claim_output_dir(output_dir: Path, data: OwnData, setup: dict[str, Any] | None = None) -> None:
     """Record the data's version and the setup in ``output_dir/data.json``; refuse a folder of another one.
 
     Raises:
-        ValueError: ``output_dir`` holds runs of another version of the data, or of another setup (one line,
-            naming both versions, or up to three keys that differ).
+        ValueError: ``output_dir`` holds runs of other data, of another version of the data, or of another setup
+            (one line, naming both, or up to three keys that differ).
 
     """
     path = output_dir / DATA_FILE
@@ -169,6 +175,15 @@ def claim_output_dir(output_dir: Path, data: OwnData, setup: dict[str, Any] | No
     if record is not None:
         recorded = record["fingerprint"]
         if recorded != data.fingerprint:
+            # Runs of another folder altogether are named as such, not as an edit of this one.  The folders' names
+            # are compared, not their paths: the record's may be relative to another working directory.
+            if record["task"] != data.task or _folder_name(record["root"]) != _folder_name(data.root):
+                raise ValueError(
+                    f"output_dir {output_dir} holds runs on other data ({record['task']} {record['root']}, "
+                    f"fingerprint {str(recorded)[:SHORT]}; "
+                    f"now {data.task} {data.root}, {data.short}): leave output_dir= out to keep each data set's runs "
+                    "in a folder of their own, or choose another output_dir"
+                )
             raise ValueError(
                 f"output_dir {output_dir} holds runs on another version of {data.root} (fingerprint "
                 f"{str(recorded)[:SHORT]}, now {data.short}): leave output_dir= out to keep each version in a "

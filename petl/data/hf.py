@@ -99,7 +99,13 @@ def _open(root: str, image_column: str | None, label_column: str | None) -> tupl
     """The loaded dataset, its image and label columns and the class names; ValueError on what cannot be used."""
     dataset = _load(root)
     if "train" not in dataset:
-        raise ValueError(f"hf: {root} has splits {', '.join(dataset)}, and no train split")
+        # Name the remedy: petl takes no split mapping, so the user renames the split when saving.
+        first, others = next(iter(dataset), "training"), ", ".join(VAL_NAMES[1:])
+        raise ValueError(
+            f"hf: {root} has splits {', '.join(dataset)}, and no train split: petl reads train, validation (or "
+            f"{others}) and test; save it with those names, e.g. "
+            f"DatasetDict(train=d[{first!r}], ...).save_to_disk(PATH)"
+        )
     unknown = [name for name in dataset if name not in ("train", "test", *VAL_NAMES)]
     if unknown:
         raise ValueError(f"hf: {root} has splits petl cannot place: {', '.join(unknown)} (use train, validation, test)")

@@ -40,6 +40,7 @@ from torch import nn
 import petl.backbones  # noqa: F401  (registers petl's timm models, which a run's card may name)
 import petl.methods  # noqa: F401  (importing the methods registers them)
 from petl.data import hub
+from petl.data.images import to_uint8
 from petl.data.transforms import ImageSpec, pil_to_tensor
 from petl.model.backbone import backbone_of
 from petl.model.io import load_trainable, read_trainable_metadata
@@ -189,8 +190,12 @@ class LoadedRun:
     run_dir: Path
 
     def preprocess(self, image: Image.Image) -> torch.Tensor:
-        """One decoded image (any mode) as the model's input ``[3, size, size]``."""
-        return pil_to_tensor(image, self.spec)
+        """One decoded image (any mode) as the model's input ``[3, size, size]``, its pixels those petl-run trained on.
+
+        A 16-bit greyscale image is scaled to 8 bits as petl-run and petl-predict read it (``Image.convert`` alone
+        clips it to nearly white); a floating-point one (mode ``F``) raises ``ValueError``, as they refuse it.
+        """
+        return pil_to_tensor(Image.fromarray(to_uint8(image)), self.spec)
 
 
 def read_card(run_dir: str | Path) -> dict[str, Any]:

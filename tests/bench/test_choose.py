@@ -194,3 +194,16 @@ def test_another_setup_on_the_same_images_gets_its_own_folder_and_a_dry_run_says
     assert bench(*args, "train.epochs=2", f"output_dir={first}", "--dry-run") == USAGE_ERROR
     error = capsys.readouterr().err.strip()
     assert "finished run(s) hold another config" in error and "train.epochs: 1 -> 2" in error
+
+
+def test_an_output_dir_of_another_folders_runs_names_that_folder_not_another_version(tmp_path):
+    # photos2's runs are not an edit of photos: the line names the folder they are of.
+    other = own_data.OwnData("folder", "photos2", {}, "1" * 64, ["a", "b"], {}, None, 0.0)
+    own_data.claim_output_dir(tmp_path / "out", other)
+    data = own_data.OwnData("folder", str(tmp_path / "photos"), {}, "2" * 64, ["a", "b"], {}, None, 0.0)
+    with pytest.raises(ValueError, match=r"holds runs on other data \(folder photos2, fingerprint 111111111111; now "):
+        own_data.claim_output_dir(tmp_path / "out", data)
+    # The same folder's name, spelled from another working directory, is an edit of it.
+    edited = own_data.OwnData("folder", "./photos2/", {}, "2" * 64, ["a", "b"], {}, None, 0.0)
+    with pytest.raises(ValueError, match=r"holds runs on another version of \./photos2/ \(fingerprint 111111111111"):
+        own_data.claim_output_dir(tmp_path / "out", edited)

@@ -178,3 +178,17 @@ def test_petl_predict_feeds_the_upright_photo(tmp_path):
 def test_petl_serve_preprocesses_an_uploaded_photo_upright():
     serve = pytest.importorskip("petl.deploy.serve", reason="petl-serve's extra is not installed")
     np.testing.assert_allclose(_pixels(serve.preprocess(_photo(6), PLAIN)), UPRIGHT, atol=ATOL)
+
+
+def test_load_run_preprocess_scales_a_16_bit_grey_image_as_petl_predict_reads_it(tmp_path):
+    # Image.convert("RGB") clips 16-bit grey at 255 (nearly white): run.preprocess must give predict's pixels.
+    grey = (np.arange(SIDE * SIDE, dtype=np.uint16).reshape(SIDE, SIDE) * 113).astype(np.uint16)
+    path = tmp_path / "deep.png"
+    Image.fromarray(grey).save(path)
+    run = LoadedRun(_Recorder(), PLAIN, ["a", "b"], {}, tmp_path)
+    predict_images(run, [path], top_k=1, progress=False, precision="no")
+    with Image.open(path) as image:
+        assert image.mode.startswith("I")
+        np.testing.assert_array_equal(run.preprocess(image).numpy(), run.model.seen[0].numpy())
+    with pytest.raises(ValueError, match="floating-point pixels"):
+        run.preprocess(Image.fromarray(grey.astype(np.float32)))

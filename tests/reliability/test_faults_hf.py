@@ -112,3 +112,16 @@ def test_a_folder_of_parquet_files_as_the_hub_ships_them_loads(tmp_path):
     info = petl_data.describe_dataset("hf", root=str(tmp_path))
     assert info.class_names == ("cat", "dog") and "test" in info.splits
     assert petl_data.build_dataset("hf", "test", image_size=8, root=str(tmp_path)).labels == [1, 0]
+
+
+def test_a_dataset_without_a_train_split_is_told_the_split_names_petl_reads(tmp_path, capsys):
+    # save_to_disk keeps a user's own split names ("training", "eval"); the line says how to rename them.
+    root = _save(tmp_path / "saved", training=_split([0, 1] * 3, CAT_DOG), eval=_split([1, 0], CAT_DOG))
+    argv = ["method=lora", "data=hf", f"data.root={root}", *TINY_MODEL, f"output_dir={tmp_path / 'run'}"]
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stop:
+        cli.main(argv)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.count("\n") == 1
+    assert "has splits training, eval, and no train split: petl reads train, validation (or val, valid, dev)" in err
+    assert "DatasetDict(train=d['training'], ...).save_to_disk(PATH)" in err
