@@ -25,7 +25,7 @@ from petl.data.images import decode_image
 from petl.deploy.multitask import MultiTask, TaskRefused
 from petl.model import surgery
 from petl.model.registry import get_method
-from petl.store.files import MODEL_FILE, WEIGHTS_FILE, check_outside_runs, unfinished_run
+from petl.store.files import MODEL_FILE, WEIGHTS_FILE, check_outside_runs, file_not_run, unfinished_run
 from petl.store.run_card import (
     LoadedRun,
     RunFolderError,
@@ -419,6 +419,8 @@ def _check(positional: list[str], options: dict) -> tuple[list[Path], list[str]]
         runs.append(Path(item))
     if not runs:
         first = positional[0] if positional else "(none)"
+        if Path(first).is_file() and _is_run(Path(first).parent):  # the run's model.json or weights: its folder
+            raise UsageError(file_not_run(Path(first), first))
         raise UsageError(f"{first} is not a run folder (no {WEIGHTS_FILE}): give a petl-run output_dir first")
     images = positional[len(runs) :]
     if "data" in options and images:

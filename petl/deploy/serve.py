@@ -52,6 +52,7 @@ from PIL import Image
 from pydantic import BaseModel, Field
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from petl.data.images import UnfitImage, decode_image
@@ -776,9 +777,15 @@ async def _say_what_to_do(request: Request, error: StarletteHTTPException) -> Re
     if error.status_code == 404 and detail == "Not Found":
         detail = f"no route {request.method} {request.url.path[:100]!r}: the routes are {ROUTES}"
     elif error.status_code == 405 and detail == "Method Not Allowed":
-        allowed = (error.headers or {}).get("Allow", "")
+        # Every route at this path, not only the first (Starlette's Allow: /health's GET, without its HEAD route).
+        routes = [*router.routes, *data_router.routes]  # included with no prefix: their paths are the app's
+        at_path = [route for route in routes if route.matches(request.scope)[0] == Match.PARTIAL]
+        allowed = ", ".join(sorted({method for route in at_path for method in getattr(route, "methods", ())}))
+        allowed = allowed or (error.headers or {}).get("Allow", "")
         detail = f"{request.method} is not served at {request.url.path[:100]!r}, only {allowed}: the routes are "
         detail += ROUTES
+        error = StarletteHTTPException(405, detail, {**(error.headers or {}), "Allow": allowed})
+        return await http_exception_handler(request, error)
     return await http_exception_handler(request, StarletteHTTPException(error.status_code, detail, error.headers))
 
 

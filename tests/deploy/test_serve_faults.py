@@ -97,9 +97,11 @@ def test_a_path_or_method_no_route_has_says_which_routes_there_are(app):
     assert status == 404 and answer["detail"].startswith("no route GET '/v1/task': the routes are POST /v1/tasks/")
     status, answer = asyncio.run(_ask(app, "HEAD", "/v1/tasks"))
     assert status == 405 and answer["detail"].startswith("HEAD is not served at '/v1/tasks', only GET: the routes are")
-    # /health answers HEAD, as uptime checkers probe.
+    # /health answers HEAD, as uptime checkers probe, and its 405 names both methods (it named GET alone).
     status, _ = asyncio.run(_ask(app, "HEAD", "/health"))
     assert status == 200
+    status, answer = asyncio.run(_ask(app, "OPTIONS", "/health"))
+    assert status == 405 and answer["detail"].startswith("OPTIONS is not served at '/health', only GET, HEAD: "), answer
     status, answer = asyncio.run(_ask(app, "GET", serve.PREDICT_ROUTE.format(task="lora")))
     assert status == 405 and "only POST" in answer["detail"]
     # An unknown task keeps its own answer.

@@ -529,6 +529,23 @@ def test_predict_out_inside_a_run_folder_is_refused(trained, capsys):
     assert (run / "model.json").read_bytes() == card
 
 
+def test_predict_given_a_file_of_a_run_says_to_give_its_folder(tmp_path):
+    # It said "runs/x/model.json is not a run folder (no trainable.safetensors)", though the folder holds one.
+    from petl.deploy import predict
+    from petl.utils.errors import UsageError
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "model.json").write_text("{}")
+    (run / "trainable.safetensors").write_bytes(b"")
+    with pytest.raises(
+        UsageError, match=rf"^{re.escape(str(run / 'model.json'))}: a file, not a run folder: give the "
+    ):
+        predict._check([str(run / "model.json"), "cat.png"], {})
+    with pytest.raises(UsageError, match=r"^cat\.png is not a run folder \(no trainable\.safetensors\)"):
+        predict._check(["cat.png"], {})
+
+
 def test_a_killed_builds_temporary_file_goes_once_a_valid_cache_is_used_again(tmp_path, monkeypatch):
     # Killed and rerun at once: the rerun's build completes beside a temporary file too young to be taken for a
     # dead writer's, and builds nothing again after; the next use of the valid cache removes it.
