@@ -168,7 +168,15 @@ def _scan(root: Path) -> tuple[tuple[str, ...], dict[str, list[tuple[Path, int]]
         raise ValueError(f"folder: {root} has no train/ folder: put the images in {root}/train/<class name>/")
     names = _classes(train_dir)
     if len(names) < 2:
-        raise ValueError(f"folder: {train_dir} needs one sub-folder per class (at least 2), found {len(names)}")
+        message = f"folder: {train_dir} needs one sub-folder per class (at least 2), found {len(names)}"
+        if names:  # train/animals/{cats,dogs}: the classes one level down, which the count alone would not say
+            inner = sorted(p.name for p in (train_dir / names[0]).iterdir() if p.is_dir() and p.name[0] != ".")
+            if len(inner) >= 2:
+                listed = ", ".join(inner[:3]) + (", ..." if len(inner) > 3 else "")
+                message += (
+                    f": {names[0]}/ holds the folders {listed}; if they are the classes, move them up into {train_dir}/"
+                )
+        raise ValueError(message)
     label = {name: index for index, name in enumerate(names)}
     splits: dict[str, list[tuple[Path, int]]] = {}
     for split in ("train", "val", "test"):

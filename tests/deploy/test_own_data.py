@@ -232,6 +232,10 @@ def test_a_folder_without_test_trains_without_a_test_number(tmp_path):
     [
         ("no_train", "has no train/ folder"),
         ("one_class", "needs one sub-folder per class (at least 2), found 1"),
+        (
+            "one_level_down",
+            "found 1: animals/ holds the folders dark_red, mid_green, pale_blue; if they are the classes",
+        ),
         ("empty_class", "holds no images"),
         ("extra_test_class", "has classes that train/ lacks: cow"),
     ],
@@ -245,6 +249,11 @@ def test_bad_folders_exit_2_with_one_line(tmp_path, capsys, layout, message):
             for file in (root / "train" / name).iterdir():
                 file.unlink()
             (root / "train" / name).rmdir()
+    elif layout == "one_level_down":  # train/animals/{cow,sheep}
+        (root / "train" / "animals").mkdir()
+        for name in CLASSES[1:]:
+            (root / "train" / name).rename(root / "train" / "animals" / name)
+        (root / "train" / CLASSES[0]).rename(root / "train" / "animals" / CLASSES[0])
     elif layout == "empty_class":
         (root / "train" / "cow").mkdir()
     else:
