@@ -60,8 +60,8 @@ KEYS = (
     Key("shutdown_timeout_s", "how long SIGTERM or Ctrl-C waits for requests in flight", float, 10.0),
     Key(
         "cuda_graphs",
-        "on a GPU, the most CUDA graphs kept, one per mix of tasks in a batch that comes again (replayed with one "
-        "launch); 0: every batch eager",
+        "on a GPU, the most CUDA graphs kept, one per mix of tasks in a batch that comes again (one per padded "
+        "batch size where every task's modules batch), replayed with one launch; 0: every batch eager",
         int,
         8,
     ),

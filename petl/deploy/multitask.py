@@ -621,7 +621,7 @@ class MultiTask(nn.Module):
             raise ValueError(f"task index out of range: there are {len(self.names)} tasks")
         return index
 
-    def _row_mask(self, x: Tensor, rows: Tensor, tokens: Tokens, used: list[int], additive: bool) -> Tensor:
+    def _row_mask(self, x: Tensor, rows: Tensor, tokens: Tokens, used: Sequence[int], additive: bool) -> Tensor:
         """Each row's mask over ``x``'s tokens (rows x tokens), leaving out its slots past ``used[task]``: True where
         it keeps a token, or (``additive``) 0 there and -inf elsewhere, as rows x 1 x 1 x tokens (SDPA's meaning of a
         float mask, which timm's non-fused attention takes too: a bool mask would be turned into one in every
@@ -679,10 +679,10 @@ class MultiTask(nn.Module):
                 if not tokens.slots:
                     x = bb.run_block(block, x, inputs=inputs)  # with EVA's rope or a shared bias, as timm passes them
                     continue
-                visible = [v[i] for v in self.visible]
-                if tuple(visible) not in masks:  # one per distinct set of slots the blocks attend (often one)
-                    masks[tuple(visible)] = self._row_mask(x, rows, tokens, visible, additive=True)
-                x = bb.run_block(block, x, attn_mask=masks[tuple(visible)], inputs=inputs)
+                visible = tuple(v[i] for v in self.visible)
+                if visible not in masks:  # one per distinct set of slots the blocks attend (often one)
+                    masks[visible] = self._row_mask(x, rows, tokens, visible, additive=True)
+                x = bb.run_block(block, x, attn_mask=masks[visible], inputs=inputs)
             return bb.pooled_features(x, pool)
         finally:
             self._router.batch = None

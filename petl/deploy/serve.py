@@ -108,7 +108,8 @@ class ServeOptions:
         max_connections: the most connections (and requests) at once; requests beyond it get 503.
         shutdown_timeout_s: how long a shutdown (SIGTERM, Ctrl-C) waits for requests in flight before ending them.
         cuda_graphs: on a GPU, the most CUDA graphs the MultiTask keeps, one per mix of tasks in a batch that comes
-            again (``MultiTask.graphs.size``); 0: every batch eager.
+            again (one per padded batch size where the tasks run every row: ``MultiTask.every_row``;
+            ``MultiTask.graphs.size``); 0: every batch eager.
         token: the bearer token every data route needs (``None``: no token).
         precision: the forward's precision, as ``train.precision`` (:mod:`petl.utils.precision`): ``auto`` (bf16
             autocast on a CUDA GPU with native bf16, fp32 elsewhere), ``no`` (strict fp32), ``tf32``, ``bf16``.
@@ -773,7 +774,7 @@ ROUTES = (
 
 async def _say_what_to_do(request: Request, error: StarletteHTTPException) -> Response:
     # Starlette's own answers to a path or a method no route has ("Not Found") say nothing of what to do.
-    detail = error.detail
+    detail, headers = error.detail, error.headers
     if error.status_code == 404 and detail == "Not Found":
         detail = f"no route {request.method} {request.url.path[:100]!r}: the routes are {ROUTES}"
     elif error.status_code == 405 and detail == "Method Not Allowed":
@@ -781,12 +782,11 @@ async def _say_what_to_do(request: Request, error: StarletteHTTPException) -> Re
         routes = [*router.routes, *data_router.routes]  # included with no prefix: their paths are the app's
         at_path = [route for route in routes if route.matches(request.scope)[0] == Match.PARTIAL]
         allowed = ", ".join(sorted({method for route in at_path for method in getattr(route, "methods", ())}))
-        allowed = allowed or (error.headers or {}).get("Allow", "")
+        allowed = allowed or (headers or {}).get("Allow", "")  # a route of FastAPI's own (/openapi.json)
         detail = f"{request.method} is not served at {request.url.path[:100]!r}, only {allowed}: the routes are "
         detail += ROUTES
-        error = StarletteHTTPException(405, detail, {**(error.headers or {}), "Allow": allowed})
-        return await http_exception_handler(request, error)
-    return await http_exception_handler(request, StarletteHTTPException(error.status_code, detail, error.headers))
+        headers = {**(headers or {}), "Allow": allowed}
+    return await http_exception_handler(request, StarletteHTTPException(error.status_code, detail, headers))
 
 
 async def _one_line_error(_request: Request, error: Exception) -> JSONResponse:

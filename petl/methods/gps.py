@@ -77,6 +77,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
+from itertools import islice
 from typing import Any
 
 import torch
@@ -349,7 +350,7 @@ def gps_gradients(model: nn.Module, loader: Iterable, max_batches: int | None = 
         model.train()  # calculate_gradient: model.train(), so dropout and drop-path act as in training
         for w in weights:
             w.requires_grad_(True)
-        for images, labels in first(loader, max_batches)[0]:  # no batch loaded past the last used
+        for images, labels in islice(loader, max_batches):  # no batch loaded past the last used
             images, labels = images.to(device), torch.as_tensor(labels).to(device)
             view = _contrast_views(model, tuple(images.shape[-2:]))
             both = torch.cat([torch.stack([view(x) for x in images]) for _ in range(2)])

@@ -50,6 +50,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
+from itertools import islice
 from typing import Any
 
 import torch
@@ -211,7 +212,7 @@ def select_sct_channels(
     try:
         model.eval()
         device = next(model.parameters()).device
-        for images, targets in first(loader, max_batches)[0]:  # no batch loaded past the last used
+        for images, targets in islice(loader, max_batches):  # no batch loaded past the last used
             labels = torch.as_tensor(targets).to(device)
             model(images.to(device))
     finally:
