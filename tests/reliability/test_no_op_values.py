@@ -1,12 +1,17 @@
 """A value that has no effect is refused in one line naming it (exit 2 from a command), never silently ignored.
 
-Found by a pass over every user-settable value: petl-predict's options that act on one side of ``data=`` only.
+Found by a pass over every user-settable value: petl-predict's options that act on one side of ``data=`` only;
+NOAH's ``init=reference`` where it has nothing to re-draw, and a NOAH subnet of zero widths.
 """
 
 from __future__ import annotations
 
-import pytest
+import re
 
+import pytest
+from conftest import make_tiny_vit
+
+import petl
 from petl.cli import predict as predict_cli
 
 
@@ -33,3 +38,35 @@ def test_predict_refuses_an_option_that_cannot_act(tmp_path, capsys, argv, messa
     code, error = _refusal(capsys, [str(tmp_path / "run"), *argv])
     assert code == 2
     assert error.startswith("petl-predict: error: ") and message in error and error.count("\n") == 1, error
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        # NOAH's reference re-draws LoRA and the adapters only: prompts alone start the same either way.
+        (
+            {"prompt": "2,1,1", "init": "reference"},
+            "init=reference re-draws NOAH's LoRA and adapters, and lora and adapter are off (0) in every block",
+        ),
+        ({"prompt": "1,0,0", "lora": "0,0,0", "adapter": "", "init": "reference"}, "drop init=reference"),
+        # Every width 0: no module at all, so its dropout, init and supernet_dim are read by nothing.
+        (
+            {"prompt": "0,0,0", "lora": "0,0,0", "adapter": "0,0,0"},
+            "prompt, lora and adapter are off (0) in every block: NOAH would train the head alone",
+        ),
+    ],
+)
+def test_noah_refuses_values_its_subnet_leaves_without_effect(options, message):
+    model = make_tiny_vit()
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    with pytest.raises(ValueError, match=re.escape(message)):
+        petl.apply(model, "noah", num_classes=3, **options)
+    assert all(before[name].equal(tensor) for name, tensor in model.state_dict().items())
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"prompt": "2,1,1", "lora": "0,0,1", "init": "reference"}, {"adapter": "1,0,0", "init": "reference"}],
+)
+def test_noah_takes_init_reference_where_a_lora_or_adapter_is_on(options):
+    petl.apply(make_tiny_vit(), "noah", num_classes=3, **options)
