@@ -1,7 +1,8 @@
 """A value that has no effect is refused in one line naming it (exit 2 from a command), never silently ignored.
 
 Found by a pass over every user-settable value: petl-predict's options that act on one side of ``data=`` only;
-NOAH's ``init=reference`` where it has nothing to re-draw, and a NOAH subnet of zero widths.
+NOAH's ``init=reference`` where it has nothing to re-draw, and a NOAH subnet of zero widths; petl-serve's limits given
+above the limit that caps them.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from conftest import make_tiny_vit
 
 import petl
 from petl.cli import predict as predict_cli
+from petl.cli import serve as serve_cli
 
 
 def _refusal(capsys, argv: list[str]) -> tuple[int, str]:
@@ -70,3 +72,28 @@ def test_noah_refuses_values_its_subnet_leaves_without_effect(options, message):
 )
 def test_noah_takes_init_reference_where_a_lora_or_adapter_is_on(options):
     petl.apply(make_tiny_vit(), "noah", num_classes=3, **options)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        # A batch is taken from the images waiting, which max_queue bounds: max_batch above it never filled.
+        (["max_batch=512"], "max_batch=512 is above max_queue=256 and could not act"),
+        (["max_queue=16", "max_batch=32"], "raise max_queue or lower max_batch"),
+        (["max_image_mp=100"], "max_image_mp=100 is above max_request_mp=64 and could not act"),
+    ],
+)
+def test_serve_refuses_a_limit_given_above_the_limit_that_caps_it(tmp_path, capsys, argv, message):
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stop:
+        serve_cli.main([str(tmp_path / "run"), *argv])  # refused before the run folder is looked at
+    error = capsys.readouterr().err
+    assert stop.value.code == 2
+    assert error.startswith("petl-serve: error: ") and message in error and error.count("\n") == 1, error
+
+
+def test_serve_takes_a_lower_outer_limit_alone(tmp_path, monkeypatch):
+    # Only what is given is refused: max_queue=16 alone caps the default max_batch, which nobody asked for.
+    monkeypatch.setattr(serve_cli, "find_runs", lambda runs: {})  # the run folders are not what is tested
+    _, options, _ = serve_cli.read_command_line([str(tmp_path), "max_queue=16", "max_request_mp=8"])
+    assert (options["max_batch"], options["max_queue"], options["max_request_mp"]) == (32, 16, 8.0)
