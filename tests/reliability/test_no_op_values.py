@@ -2,7 +2,7 @@
 
 Found by a pass over every user-settable value: petl-predict's options that act on one side of ``data=`` only;
 NOAH's ``init=reference`` where it has nothing to re-draw, and a NOAH subnet of zero widths; petl-serve's limits given
-above the limit that caps them.
+above the limit that caps them; ``petl-bench speed tf32=`` on a CPU.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import pytest
 from conftest import make_tiny_vit
 
 import petl
+from petl.bench.speed import make_spec
 from petl.cli import predict as predict_cli
 from petl.cli import serve as serve_cli
 
@@ -97,3 +98,14 @@ def test_serve_takes_a_lower_outer_limit_alone(tmp_path, monkeypatch):
     monkeypatch.setattr(serve_cli, "find_runs", lambda runs: {})  # the run folders are not what is tested
     _, options, _ = serve_cli.read_command_line([str(tmp_path), "max_queue=16", "max_request_mp=8"])
     assert (options["max_batch"], options["max_queue"], options["max_request_mp"]) == (32, 16, 8.0)
+
+
+@pytest.mark.parametrize(
+    ("own", "cuda_available"),
+    [({"tf32": "false"}, False), ({"tf32": "true", "device": "cpu"}, True), ({"tf32": "false", "device": "cpu"}, True)],
+)
+def test_bench_speed_refuses_tf32_on_a_cpu(own, cuda_available):
+    # A CPU has no TF32: every fp32 row is strict fp32 whatever tf32 says.
+    with pytest.raises(SystemExit, match=r"^petl-bench speed: tf32=\w+ acts on a CUDA GPU only: .*drop tf32="):
+        make_spec(own, cuda_available=cuda_available)
+    assert make_spec({"tf32": own["tf32"]}, cuda_available=True).device == "cuda"  # on the GPU it is taken
