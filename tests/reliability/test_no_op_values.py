@@ -2,7 +2,7 @@
 
 Found by a pass over every user-settable value: petl-predict's options that act on one side of ``data=`` only;
 NOAH's ``init=reference`` where it has nothing to re-draw, and a NOAH subnet of zero widths; petl-serve's limits given
-above the limit that caps them; ``petl-bench speed tf32=`` on a CPU.
+above the limit that caps them; ``petl-bench speed tf32=`` on a CPU; a peft ``target_modules`` entry matching no module.
 """
 
 from __future__ import annotations
@@ -109,3 +109,24 @@ def test_bench_speed_refuses_tf32_on_a_cpu(own, cuda_available):
     with pytest.raises(SystemExit, match=r"^petl-bench speed: tf32=\w+ acts on a CUDA GPU only: .*drop tf32="):
         make_spec(own, cuda_available=cuda_available)
     assert make_spec({"tf32": own["tf32"]}, cuda_available=True).device == "cuda"  # on the GPU it is taken
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        # peft adapted qkv and passed over the typo.
+        ({"target_modules": ["qkv", "fc_2"]}, "['fc_2'] of target_modules match no module of this model; its blocks'"),
+        # Matched, but layers_to_transform leaves it nothing: peft applies both, and so does the check.
+        (
+            {"options": '{"layers_pattern": "blocks", "layers_to_transform": [7]}'},
+            "target_modules=['qkv'] match no module",
+        ),
+        # None at all failed inside peft ("argument of type 'NoneType' is not iterable").
+        ({"target_modules": []}, "target_modules is empty and options names none: give the modules to adapt"),
+    ],
+)
+def test_peft_refuses_a_target_module_that_matches_nothing(options, message):
+    model = make_tiny_vit()
+    with pytest.raises(ValueError, match=re.escape(message)):
+        petl.apply(model, "peft", num_classes=3, **options)
+    assert not any(p.requires_grad is False for p in model.parameters())  # refused before anything was frozen
