@@ -53,7 +53,7 @@ class PeftBridgeConfig(MethodConfig):
         peft_type: a peft tuner type that ``inject_adapter_in_model`` supports (``LORA``, ``IA3``, ``LOHA``...).
         target_modules: module-name suffixes to adapt, matched the way peft matches them (``qkv`` hits
             every ``blocks.N.attn.qkv``); one that matches no module (peft would pass over it) is refused, and so
-            is none at all.
+            is none at all, and a ``layers_to_transform`` index of ``options`` that matches none of their layers.
         options: JSON object of extra keyword arguments for the peft config, e.g. ``'{"r": 8, "lora_alpha": 8}'``;
             each value is checked against the peft config's annotation (``{"r": "x"}`` is refused naming ``r``).
             A ``target_modules`` key there (a regex string, say) replaces the field, which must then be empty
@@ -125,21 +125,34 @@ class PeftBridgeConfig(MethodConfig):
         # exclude_modules applied, as peft applies them).
         names = [name for name, _ in model.named_modules()]
         entries = [targets] if isinstance(targets, str) else sorted(targets)
-        unmatched = [entry for entry in entries if not _matches_any(peft_config, entry, names)]
+        unmatched = [
+            entry
+            for entry in entries
+            if not _matches_any(peft_config, names, target_modules=entry if isinstance(targets, str) else {entry})
+        ]
         if unmatched:
             block = backbone_of(model).block_list()[0]
             linears = [name for name, m in block.named_modules() if isinstance(m, nn.Linear)]
             # Some matching: peft would adapt what the others match and pass over these.
             which = f"target_modules={entries}" if len(unmatched) == len(entries) else f"{unmatched} of target_modules"
             raise ValueError(f"{which} match no module of this model; its blocks' Linears are {', '.join(linears)}")
+        layers = getattr(peft_config, "layers_to_transform", None)
+        layers = [layers] if isinstance(layers, int) else layers or []
+        unmatched = [index for index in layers if not _matches_any(peft_config, names, layers_to_transform=[index])]
+        if unmatched:  # an index past the depth, say: peft adapts the other layers and passes over these
+            raise ValueError(
+                f"options: layers_to_transform {unmatched} match no layer of target_modules={entries} on this model "
+                f"({backbone_of(model).depth()} blocks): drop them"
+            )
 
 
-def _matches_any(peft_config: PeftConfig, entry: str, names: list[str]) -> bool:
-    """Whether peft's own matcher adapts one of the modules ``names`` for ``entry``, one of its ``target_modules``."""
+def _matches_any(peft_config: PeftConfig, names: list[str], **fields: Any) -> bool:
+    """Whether peft's own matcher adapts one of the modules ``names`` under ``peft_config`` with ``fields`` changed."""
     from peft.tuners.tuners_utils import check_target_module_exists
 
     alone = copy.copy(peft_config)
-    alone.target_modules = entry if isinstance(peft_config.target_modules, str) else {entry}
+    for key, value in fields.items():
+        setattr(alone, key, value)
     return any(check_target_module_exists(alone, name) for name in names)
 
 

@@ -2,7 +2,8 @@
 
 Found by a pass over every user-settable value: petl-predict's options that act on one side of ``data=`` only;
 NOAH's ``init=reference`` where it has nothing to re-draw, and a NOAH subnet of zero widths; petl-serve's limits given
-above the limit that caps them; ``petl-bench speed tf32=`` on a CPU; a peft ``target_modules`` entry matching no module.
+above the limit that caps them; ``petl-bench speed tf32=`` on a CPU; a peft ``target_modules`` entry or
+``layers_to_transform`` index matching no module.
 """
 
 from __future__ import annotations
@@ -120,6 +121,11 @@ def test_bench_speed_refuses_tf32_on_a_cpu(own, cuda_available):
         (
             {"options": '{"layers_pattern": "blocks", "layers_to_transform": [7]}'},
             "target_modules=['qkv'] match no module",
+        ),
+        # A layer past the depth beside one within it: peft adapted block 0 and passed over 99.
+        (
+            {"options": '{"layers_pattern": "blocks", "layers_to_transform": [0, 99]}'},
+            "options: layers_to_transform [99] match no layer of target_modules=['qkv'] on this model (3 blocks)",
         ),
         # None at all failed inside peft ("argument of type 'NoneType' is not iterable").
         ({"target_modules": []}, "target_modules is empty and options names none: give the modules to adapt"),
