@@ -35,7 +35,7 @@ the bf16 rows.
 
 **Precision** is a column: on a GPU the fp32 rows run their matmuls on TF32 tensor cores (``tf32=true``, the
 default: what a petl-run training does with its default precision), ``tf32=false`` times strict fp32; on a CPU
-every row without bf16 is fp32.
+every row without bf16 is fp32, and ``tf32=`` is refused there.
 
 On a GPU (``device=cuda``) the documented setting is ViT-B/16 at 224 px, batch 64: those are the defaults
 there when ``model``/``batch`` are not given.
@@ -241,8 +241,8 @@ def make_spec(own: dict[str, str], cuda_available: bool, model_kwargs: dict[str,
 
     Raises:
         SystemExit: a value that is not a number of its kind or not in its range, ``steps`` below ``rounds``,
-            or a device that is not ``cpu`` or a CUDA GPU torch sees (one line naming it, checked before any
-            model is built).
+            a device that is not ``cpu`` or a CUDA GPU torch sees, or ``tf32`` given on a CPU (one line naming it,
+            checked before any model is built).
 
     """
     settings: dict[str, Any] = {}
@@ -267,6 +267,11 @@ def make_spec(own: dict[str, str], cuda_available: bool, model_kwargs: dict[str,
             )
         for key, value in CUDA_DEFAULTS.items():
             settings.setdefault(key, value)
+    elif "tf32" in own:  # the default is true; given on a CPU it would be read by nothing
+        raise SystemExit(
+            f"petl-bench speed: tf32={own['tf32']} acts on a CUDA GPU only: a CPU has no TF32 and times every row "
+            "without bf16 in fp32: drop tf32=, or give device=cuda"
+        )
     try:
         return SpeedSpec(**settings)
     except ValueError as error:  # its range checks, one line naming the value

@@ -11,7 +11,8 @@ line, relative to the list's folder).  They are decoded, preprocessed as the run
 on it say how many are done).  With ``data=`` the images and labels
 come from a dataset instead (``petl-run``'s ``data`` options), and the accuracy and the confusion matrix
 (on screen; as a PNG with ``confusion=PATH``) are reported; the options marked "with data=" are refused
-without it, and ``out=`` with it.  Several run folders may be given (their rows carry the run's folder):
+without it, and ``out=`` and ``top_k=`` with it (the accuracy is top-1), ``overwrite=`` without ``out=`` or
+``confusion=``.  Several run folders may be given (their rows carry the run's folder):
 runs trained on one backbone (same timm name, pretrained weights or checkpoint, and preprocessing in
 ``model.json``) are served together by ``petl.MultiTask`` in one pass over the images, each image
 decoded once and its rows for every run in the same batches; ``batch_size`` then counts image x run
@@ -49,7 +50,7 @@ PROG = "petl-predict"
 # The key=value options and their types; data.* as petl-run reads them.
 KEYS = (
     Key("out", "write every prediction to a .csv, .json or .jsonl file"),
-    Key("top_k", "labels per image", int, 5),
+    Key("top_k", "labels per image (not with data=: its accuracy is top-1)", int, 5),
     Key("batch_size", "images per batch (image x run rows when runs are served together)", int, 64),
     Key("split", "with data=: the split to evaluate", str, "test"),
     Key("confusion", "with data=: draw the confusion matrix into this .png"),
@@ -88,6 +89,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         if "data" in options and "out" in options:
             raise CommandLineError(
                 "out= writes the predictions for images; with data= it would write nothing: drop out="
+            )
+        if "data" in options and "top_k" in options:
+            raise CommandLineError(
+                f"top_k={options['top_k']} ranks the labels of each image; with data= the accuracy is top-1: "
+                "drop top_k="
+            )
+        if "overwrite" in options and "out" not in options and "confusion" not in options:
+            raise CommandLineError(
+                "overwrite= replaces an out= or confusion= file, and neither is given: add one, or drop overwrite="
             )
         idle = [key.name for key in KEYS if key.help.startswith("with data") and key.name in options]
         if idle and "data" not in options:

@@ -15,11 +15,13 @@ See :mod:`petl.deploy.serve` for the routes.
 
 Options (key=value, anywhere, listed below with their defaults, which are those of the Python API's
 petl.deploy.serve.ServeOptions; a value that is not a finite number in its range, or a precision not
-listed, is refused).  ``precision`` means what petl-run's ``train.precision`` does: the forward runs under it (bf16
-autocast, TF32) on a GPU, the weights stay fp32, and a CPU under ``auto`` answers exactly as strict fp32.  Exit
-status: 2 bad input (an option, a run folder, a task named twice, a host that does not resolve or is not this
-machine's), 1 the server could not run (FastAPI missing, the port taken), 130 Ctrl-C; the host and the port are
-checked before the runs load; SIGTERM shuts the server down as Ctrl-C does, and then ends it as SIGTERM ends a process.
+listed, is refused, and so is a max_batch given above max_queue or a max_image_mp given above max_request_mp:
+the outer limit caps the inner one).  ``precision`` means what petl-run's ``train.precision`` does: the forward
+runs under it (bf16 autocast, TF32) on a GPU, the weights stay fp32, and a CPU under ``auto`` answers exactly as
+strict fp32.  Exit status: 2 bad input (an option, a run folder, a task named twice, a host that does not resolve
+or is not this machine's), 1 the server could not run (FastAPI missing, the port taken), 130 Ctrl-C; the host and
+the port are checked before the runs load; SIGTERM shuts the server down as Ctrl-C does, and then ends it as
+SIGTERM ends a process.
 """
 
 from __future__ import annotations
@@ -73,6 +75,11 @@ KEYS = (
     ),
 )
 SERVE_OPTIONS = tuple(key.name for key in KEYS if key.name not in ("host", "port"))
+# (inner, outer, why): a limit the other one caps, so that a value given above it could not act.
+CAPPED = (
+    ("max_batch", "max_queue", "a batch is formed from the images waiting, at most max_queue"),
+    ("max_image_mp", "max_request_mp", "an image is all of a request at most, which max_request_mp bounds"),
+)
 USAGE = f"{PROG} RUN [RUN ...] [{TASK_PREFIX}NAME=RUN ...] [key=value ...] [--quiet]"
 TASK_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 # A host name: dot-separated labels of letters, digits and inner hyphens (RFC 1123), and underscores, which
@@ -188,6 +195,12 @@ def read_command_line(argv: Sequence[str]) -> tuple[dict[str, Path], dict, argpa
     if not 0 <= options["port"] <= 65535:
         raise UsageError(f"port={options['port']}: must be 0 to 65535")
     check_host(options["host"])
+    for inner, outer, why in CAPPED:
+        if inner in given and options[inner] > options[outer]:
+            raise UsageError(
+                f"{inner}={options[inner]:g} is above {outer}={options[outer]:g} and could not act ({why}): "
+                f"raise {outer} or lower {inner}"
+            )
     if not runs:
         raise UsageError("no run folder given: petl-serve RUN [RUN ...]")
     return find_runs(runs), options, args

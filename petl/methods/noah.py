@@ -153,7 +153,8 @@ class NoahConfig(_init.InitOption, MethodConfig):
             xavier-uniform.  ``reference`` starts them as NOAH's code really runs: its constructor then calls
             ``init_weights`` (L462), which re-draws every nn.Linear, LoRA A and B and both adapter projections,
             trunc_normal(std 0.02) with zero biases (L520-531, ``_init_vit_weights`` L664-688); the prompts,
-            bare Parameters, keep their xavier init (see :mod:`petl.methods._init`).
+            bare Parameters, keep their xavier init (see :mod:`petl.methods._init`), so ``reference`` is refused
+            when ``lora`` and ``adapter`` are off (0) in every block.
         search_epochs: supernet training epochs of the search (NOAH: 500 on train800).
         search_generations: evolution generations (NOAH's VTAB script: 15).
         population: candidates per generation (NOAH: 50).
@@ -215,6 +216,18 @@ class NoahConfig(_init.InitOption, MethodConfig):
                 raise ValueError(f"{name} lists {len(widths)} blocks; the model has {depth}: give one width per block")
             if min(widths) < 0 or max(widths) > self.supernet_dim:
                 raise ValueError(f"{name}={list(widths)}: widths must lie in [0, supernet_dim={self.supernet_dim}]")
+        prompts, ranks, adapters = self.widths(model)
+        if not any(prompts + ranks + adapters):
+            raise ValueError(
+                "prompt, lora and adapter are off (0) in every block: NOAH would train the head alone; give a width "
+                "above 0, or leave all three empty for a search"
+            )
+        if self.init == "reference" and not any(ranks + adapters):
+            # The reference's re-draw reaches the LoRA and adapter Linears only; the prompts keep their init.
+            raise ValueError(
+                "init=reference re-draws NOAH's LoRA and adapters, and lora and adapter are off (0) in every block "
+                "(the prompts start the same either way): drop init=reference"
+            )
         for block in bb.block_list():
             block_family(block)
         # The search options stay with given widths: they record the search that chose them (petl-run's searched

@@ -52,7 +52,8 @@ class PeftBridgeConfig(MethodConfig):
     Attributes:
         peft_type: a peft tuner type that ``inject_adapter_in_model`` supports (``LORA``, ``IA3``, ``LOHA``...).
         target_modules: module-name suffixes to adapt, matched the way peft matches them (``qkv`` hits
-            every ``blocks.N.attn.qkv``).
+            every ``blocks.N.attn.qkv``); one that matches no module (peft would pass over it) is refused, and so
+            is none at all, and a ``layers_to_transform`` index of ``options`` that matches none of their layers.
         options: JSON object of extra keyword arguments for the peft config, e.g. ``'{"r": 8, "lora_alpha": 8}'``;
             each value is checked against the peft config's annotation (``{"r": "x"}`` is refused naming ``r``).
             A ``target_modules`` key there (a regex string, say) replaces the field, which must then be empty
@@ -113,19 +114,46 @@ class PeftBridgeConfig(MethodConfig):
 
     def validate(self, model: nn.Module) -> None:
         super().validate(model)
-        from peft.tuners.tuners_utils import check_target_module_exists
-
         peft_config = self.to_peft()
-        # Caught here rather than by peft mid-injection, when the model would already be frozen.
-        if peft_config.target_modules is not None and not any(
-            check_target_module_exists(peft_config, name) for name, _ in model.named_modules()
-        ):
+        targets = peft_config.target_modules
+        if targets is None:  # peft would fail mid-injection on None, naming nothing
+            raise ValueError(
+                "target_modules is empty and options names none: give the modules to adapt, e.g. target_modules=[qkv]"
+            )
+        # Caught here rather than by peft mid-injection, when the model would already be frozen; and each entry of a
+        # list on its own, since peft passes over one that matches nothing (with layers_to_transform and
+        # exclude_modules applied, as peft applies them).
+        names = [name for name, _ in model.named_modules()]
+        entries = [targets] if isinstance(targets, str) else sorted(targets)
+        unmatched = [
+            entry
+            for entry in entries
+            if not _matches_any(peft_config, names, target_modules=entry if isinstance(targets, str) else {entry})
+        ]
+        if unmatched:
             block = backbone_of(model).block_list()[0]
             linears = [name for name, m in block.named_modules() if isinstance(m, nn.Linear)]
+            # Some matching: peft would adapt what the others match and pass over these.
+            which = f"target_modules={entries}" if len(unmatched) == len(entries) else f"{unmatched} of target_modules"
+            raise ValueError(f"{which} match no module of this model; its blocks' Linears are {', '.join(linears)}")
+        layers = getattr(peft_config, "layers_to_transform", None)
+        layers = [layers] if isinstance(layers, int) else layers or []
+        unmatched = [index for index in layers if not _matches_any(peft_config, names, layers_to_transform=[index])]
+        if unmatched:  # an index past the depth, say: peft adapts the other layers and passes over these
             raise ValueError(
-                f"target_modules={peft_config.target_modules!r} match no module of this model; "
-                f"its blocks' Linears are {', '.join(linears)}"
+                f"options: layers_to_transform {unmatched} match no layer of target_modules={entries} on this model "
+                f"({backbone_of(model).depth()} blocks): drop them"
             )
+
+
+def _matches_any(peft_config: PeftConfig, names: list[str], **fields: Any) -> bool:
+    """Whether peft's own matcher adapts one of the modules ``names`` under ``peft_config`` with ``fields`` changed."""
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    alone = copy.copy(peft_config)
+    for key, value in fields.items():
+        setattr(alone, key, value)
+    return any(check_target_module_exists(alone, name) for name in names)
 
 
 def _fits_peft(value: Any, hint: Any) -> bool:

@@ -613,7 +613,9 @@ def _check_applied(cfg: DictConfig, model: Any, method_cfg: Any) -> None:
     ``train.grad_checkpointing`` (refused by the side networks) and a chosen dropout or drop-path rate
     (``model.drop_path``, ``model.kwargs.drop_rate``...), which acts only in the modules that run in train
     mode: with the backbone in eval mode (``train.backbone_mode``, by default the method's reference choice:
-    VPT, linear, Mlp-k, Partial-k) only those that train.  Skipped, at no cost, when neither is asked for.
+    VPT, linear, Mlp-k, Partial-k) only those that train.  Skipped, at no cost, when neither is asked for.  And a
+    ``train.backbone_mode`` given on a backbone without any dropout or drop-path rate, where it has nothing to act
+    on.
 
     Raises:
         ConfigError: naming the option, why it cannot act, and what to do.
@@ -626,12 +628,19 @@ def _check_applied(cfg: DictConfig, model: Any, method_cfg: Any) -> None:
 
     name = cfg.method.name
     mode = cfg.train.backbone_mode
+    # The backbone's own modules, before the method adds its (prompt and LoRA dropout act in train mode anyway).
+    stochastic = [m for m in model.modules() if _is_stochastic(m)]
+    if mode != "auto" and not stochastic:
+        # Train and eval mode differ in dropout and drop-path alone (a ViT or Swin has no batch statistics).
+        raise ConfigError(
+            f"train.backbone_mode={mode} cannot act: the backbone holds no dropout or drop-path rate "
+            f"(model.drop_path={cfg.model.drop_path:g}), so it runs alike in train and eval mode; drop "
+            "train.backbone_mode, or give model.drop_path"
+        )
     reference = get_method(name).config_cls.backbone_mode
     chosen = _stochastic_options(cfg) if (reference if mode == "auto" else mode) == "eval" else {}
     if not (chosen or cfg.train.grad_checkpointing):
         return
-    # The backbone's own modules, before the method adds its (prompt and LoRA dropout act in train mode anyway).
-    stochastic = [m for m in model.modules() if _is_stochastic(m)]
     try:
         with torch.device("meta"):
             apply(model, method_cfg)

@@ -1,8 +1,9 @@
 """Run options that could not act, or acted late: each acts or is refused in one line naming it, before a build.
 
 Gradient checkpointing on a side network, ``model.kwargs`` the pretrained weights do not fit, ``num_classes`` in
-``model.kwargs``, a dropout or drop-path rate on a backbone that runs in eval mode, ``data.num_workers`` with
-augmented images, ``data.augment=true`` on an in-memory task.
+``model.kwargs``, a dropout or drop-path rate on a backbone that runs in eval mode, ``train.backbone_mode`` on a
+backbone without dropout or drop-path, ``data.num_workers`` with augmented images, ``data.augment=true`` on an
+in-memory task.
 """
 
 from __future__ import annotations
@@ -110,6 +111,24 @@ def test_a_dropout_rate_the_eval_mode_backbone_cannot_use_is_refused(overrides):
 )
 def test_a_dropout_rate_that_acts_is_accepted(overrides):
     default_config(overrides)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["method=lora", "model.drop_path=0", "train.backbone_mode=train"],
+        ["method=vpt", "model.drop_path=0", "train.backbone_mode=eval"],
+        ["model=swin_fractal_tiny_patch2_window4_32.fractaldb", "model.drop_path=0", "train.backbone_mode=train"],
+    ],
+)
+def test_a_backbone_mode_on_a_backbone_without_dropout_is_refused(overrides):
+    # Train and eval mode differ in dropout and drop-path alone: without either, the mode changed nothing.
+    mode = overrides[-1].split("=")[1]
+    with pytest.raises(ConfigError, match=rf"^train\.backbone_mode={mode} cannot act: the backbone holds no dropout"):
+        default_config(overrides)
+    default_config([*overrides[:-2], "model.drop_path=0"])  # without the mode: taken
+    # With a rate for train mode to act on: taken.
+    default_config([*overrides[:-2], "model.drop_path=0", "train.backbone_mode=train", "+model.kwargs.drop_rate=0.1"])
 
 
 def _folder(root: Path) -> Path:

@@ -1,0 +1,138 @@
+"""A value that has no effect is refused in one line naming it (exit 2 from a command), never silently ignored.
+
+Found by a pass over every user-settable value: petl-predict's options that act on one side of ``data=`` only;
+NOAH's ``init=reference`` where it has nothing to re-draw, and a NOAH subnet of zero widths; petl-serve's limits given
+above the limit that caps them; ``petl-bench speed tf32=`` on a CPU; a peft ``target_modules`` entry or
+``layers_to_transform`` index matching no module.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from conftest import make_tiny_vit
+
+import petl
+from petl.bench.speed import make_spec
+from petl.cli import predict as predict_cli
+from petl.cli import serve as serve_cli
+
+
+def _refusal(capsys, argv: list[str]) -> tuple[int, str]:
+    """petl-predict's exit status and stderr for ``argv``."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stop:
+        predict_cli.main(argv)
+    return stop.value.code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        # The evaluation reports top-1 accuracy and the confusion matrix: top_k was read by nothing.
+        (["data=folder", "data.root=imgs", "top_k=3"], "top_k=3 ranks the labels of each image; with data= the"),
+        # overwrite= replaces out= or confusion=; with neither it was read by nothing.
+        (["a.png", "overwrite=true"], "overwrite= replaces an out= or confusion= file, and neither is given"),
+        (["data=folder", "data.root=imgs", "overwrite=false"], "and neither is given: add one, or drop overwrite="),
+    ],
+)
+def test_predict_refuses_an_option_that_cannot_act(tmp_path, capsys, argv, message):
+    # Refused from the command line alone: the run folder is never read.
+    code, error = _refusal(capsys, [str(tmp_path / "run"), *argv])
+    assert code == 2
+    assert error.startswith("petl-predict: error: ") and message in error and error.count("\n") == 1, error
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        # NOAH's reference re-draws LoRA and the adapters only: prompts alone start the same either way.
+        (
+            {"prompt": "2,1,1", "init": "reference"},
+            "init=reference re-draws NOAH's LoRA and adapters, and lora and adapter are off (0) in every block",
+        ),
+        ({"prompt": "1,0,0", "lora": "0,0,0", "adapter": "", "init": "reference"}, "drop init=reference"),
+        # Every width 0: no module at all, so its dropout, init and supernet_dim are read by nothing.
+        (
+            {"prompt": "0,0,0", "lora": "0,0,0", "adapter": "0,0,0"},
+            "prompt, lora and adapter are off (0) in every block: NOAH would train the head alone",
+        ),
+    ],
+)
+def test_noah_refuses_values_its_subnet_leaves_without_effect(options, message):
+    model = make_tiny_vit()
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    with pytest.raises(ValueError, match=re.escape(message)):
+        petl.apply(model, "noah", num_classes=3, **options)
+    assert all(before[name].equal(tensor) for name, tensor in model.state_dict().items())
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"prompt": "2,1,1", "lora": "0,0,1", "init": "reference"}, {"adapter": "1,0,0", "init": "reference"}],
+)
+def test_noah_takes_init_reference_where_a_lora_or_adapter_is_on(options):
+    petl.apply(make_tiny_vit(), "noah", num_classes=3, **options)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        # A batch is taken from the images waiting, which max_queue bounds: max_batch above it never filled.
+        (["max_batch=512"], "max_batch=512 is above max_queue=256 and could not act"),
+        (["max_queue=16", "max_batch=32"], "raise max_queue or lower max_batch"),
+        (["max_image_mp=100"], "max_image_mp=100 is above max_request_mp=64 and could not act"),
+    ],
+)
+def test_serve_refuses_a_limit_given_above_the_limit_that_caps_it(tmp_path, capsys, argv, message):
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stop:
+        serve_cli.main([str(tmp_path / "run"), *argv])  # refused before the run folder is looked at
+    error = capsys.readouterr().err
+    assert stop.value.code == 2
+    assert error.startswith("petl-serve: error: ") and message in error and error.count("\n") == 1, error
+
+
+def test_serve_takes_a_lower_outer_limit_alone(tmp_path, monkeypatch):
+    # Only what is given is refused: max_queue=16 alone caps the default max_batch, which nobody asked for.
+    monkeypatch.setattr(serve_cli, "find_runs", lambda runs: {})  # the run folders are not what is tested
+    _, options, _ = serve_cli.read_command_line([str(tmp_path), "max_queue=16", "max_request_mp=8"])
+    assert (options["max_batch"], options["max_queue"], options["max_request_mp"]) == (32, 16, 8.0)
+
+
+@pytest.mark.parametrize(
+    ("own", "cuda_available"),
+    [({"tf32": "false"}, False), ({"tf32": "true", "device": "cpu"}, True), ({"tf32": "false", "device": "cpu"}, True)],
+)
+def test_bench_speed_refuses_tf32_on_a_cpu(own, cuda_available):
+    # A CPU has no TF32: every fp32 row is strict fp32 whatever tf32 says.
+    with pytest.raises(SystemExit, match=r"^petl-bench speed: tf32=\w+ acts on a CUDA GPU only: .*drop tf32="):
+        make_spec(own, cuda_available=cuda_available)
+    assert make_spec({"tf32": own["tf32"]}, cuda_available=True).device == "cuda"  # on the GPU it is taken
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        # peft adapted qkv and passed over the typo.
+        ({"target_modules": ["qkv", "fc_2"]}, "['fc_2'] of target_modules match no module of this model; its blocks'"),
+        # Matched, but layers_to_transform leaves it nothing: peft applies both, and so does the check.
+        (
+            {"options": '{"layers_pattern": "blocks", "layers_to_transform": [7]}'},
+            "target_modules=['qkv'] match no module",
+        ),
+        # A layer past the depth beside one within it: peft adapted block 0 and passed over 99.
+        (
+            {"options": '{"layers_pattern": "blocks", "layers_to_transform": [0, 99]}'},
+            "options: layers_to_transform [99] match no layer of target_modules=['qkv'] on this model (3 blocks)",
+        ),
+        # None at all failed inside peft ("argument of type 'NoneType' is not iterable").
+        ({"target_modules": []}, "target_modules is empty and options names none: give the modules to adapt"),
+    ],
+)
+def test_peft_refuses_a_target_module_that_matches_nothing(options, message):
+    model = make_tiny_vit()
+    with pytest.raises(ValueError, match=re.escape(message)):
+        petl.apply(model, "peft", num_classes=3, **options)
+    assert not any(p.requires_grad is False for p in model.parameters())  # refused before anything was frozen
