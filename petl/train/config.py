@@ -614,14 +614,15 @@ def _check_applied(cfg: DictConfig, model: Any, method_cfg: Any) -> None:
     (``model.drop_path``, ``model.kwargs.drop_rate``...), which acts only in the modules that run in train
     mode: with the backbone in eval mode (``train.backbone_mode``, by default the method's reference choice:
     VPT, linear, Mlp-k, Partial-k) only those that train.  Skipped, at no cost, when neither is asked for.  And a
-    ``train.backbone_mode`` given on a backbone without any dropout or drop-path rate, where it has nothing to act
-    on.
+    ``train.backbone_mode`` given on a backbone without any dropout, drop-path rate or BatchNorm, where it has
+    nothing to act on.
 
     Raises:
         ConfigError: naming the option, why it cannot act, and what to do.
 
     """
     import torch
+    from torch.nn.modules.batchnorm import _BatchNorm
 
     from petl.model.surgery import apply
     from petl.train.engine import enable_grad_checkpointing, set_train_mode
@@ -630,10 +631,11 @@ def _check_applied(cfg: DictConfig, model: Any, method_cfg: Any) -> None:
     mode = cfg.train.backbone_mode
     # The backbone's own modules, before the method adds its (prompt and LoRA dropout act in train mode anyway).
     stochastic = [m for m in model.modules() if _is_stochastic(m)]
-    if mode != "auto" and not stochastic:
-        # Train and eval mode differ in dropout and drop-path alone (a ViT or Swin has no batch statistics).
+    # Train and eval mode differ in dropout, drop-path and batch statistics (a hybrid ViT's CNN stem may hold a
+    # BatchNorm: in train mode it normalises by the batch's statistics and updates its running ones).
+    if mode != "auto" and not stochastic and not any(isinstance(m, _BatchNorm) for m in model.modules()):
         raise ConfigError(
-            f"train.backbone_mode={mode} cannot act: the backbone holds no dropout or drop-path rate "
+            f"train.backbone_mode={mode} cannot act: the backbone holds no dropout, drop-path rate or BatchNorm "
             f"(model.drop_path={cfg.model.drop_path:g}), so it runs alike in train and eval mode; drop "
             "train.backbone_mode, or give model.drop_path"
         )

@@ -51,7 +51,7 @@ class TrainSettings:
             drop-path act everywhere, as V-PETL, NOAH and PETL_Vision train), ``eval`` (only what
             learns is in train mode, as the VPT repo keeps its frozen encoder), or ``auto`` (the
             method's own default, :attr:`petl.model.registry.MethodConfig.backbone_mode`).  ``petl-run`` refuses
-            ``train`` and ``eval`` on a backbone without any dropout or drop-path rate, where they run alike.
+            ``train`` and ``eval`` on a backbone without any dropout, drop-path rate or BatchNorm, where they run alike.
         weight_decay_all: decay every trainable tensor; by default biases, norms (every 1-D
             tensor), prompt tokens and position embeddings are exempt, as in timm's
             ``param_groups_weight_decay`` and the models' ``no_weight_decay()``.

@@ -131,6 +131,12 @@ def test_a_backbone_mode_on_a_backbone_without_dropout_is_refused(overrides):
     default_config([*overrides[:-2], "model.drop_path=0", "train.backbone_mode=train", "+model.kwargs.drop_rate=0.1"])
 
 
+def test_a_backbone_mode_acts_on_a_batchnorm_in_the_backbone():
+    # A hybrid ViT whose ResNet-D stem holds BatchNorms: train mode normalises by the batch's statistics.
+    hybrid = ["model.name=vit_small_resnet26d_224", "model.pretrained=false", "model.img_size=64"]
+    default_config(["method=lora", *hybrid, "model.drop_path=0", "train.backbone_mode=train"])
+
+
 def _folder(root: Path) -> Path:
     rng = np.random.default_rng(0)
     for split, count in (("train", 12), ("test", 3)):
