@@ -259,3 +259,27 @@ def test_a_final_without_a_test_score_is_counted_apart_from_the_selection_trials
         "**Compute**: 3 reported runs, 0 selection trials and 1 run in a seed folder without a test score (a final "
         "that diverged or skipped its test pass; not in the table: mini-digits/lora/seed1) (every result.json" in md
     )
+
+
+# --- two runs of one cell ------------------------------------------------------------------------------------------
+
+
+def test_two_runs_of_one_cell_on_two_backbones_are_refused_not_one_dropped(tmp_path, capsys):
+    # Was: petl-run's default folders (<data>/<model>/<method>/seed<k>) read from <data>/ gave every cell two runs of
+    # one seed, one per backbone; the report kept the first by path, dropped the other backbone's runs with a
+    # warning on stderr, and the board said nothing of them.
+    import json
+
+    for model in ("vit_fractal_tiny_patch4_32.fractaldb", "vit_small_patch16_224"):
+        _runs(tmp_path / model)
+        for path in (tmp_path / model).rglob("result.json"):
+            path.write_text(json.dumps({**json.loads(path.read_text()), "model": model}))
+    code, _, err = petl_bench(capsys, "report", str(tmp_path), f"out={tmp_path / 'board'}")
+    assert code == 2 and "Traceback" not in err and err.count("\n") == 1, err
+    assert "are two runs of mini/digits linear seed 0 (model: 'vit_fractal_tiny_patch4_32.fractaldb' -> " in err
+    assert "report their folders apart, or move one run aside" in err and not (tmp_path / "board").exists()
+    # A copy of the same run (a folder copied inside the results) is read once, with a warning.
+    copy = _runs(tmp_path / "copy")
+    _runs(copy / "backup")
+    code, _, err = petl_bench(capsys, "report", str(copy))
+    assert code == 0 and "already read from" in err, err
