@@ -281,6 +281,7 @@ def cmd_compare(args: Sequence[str]) -> int:
     """
     from petl.bench import compare
     from petl.store.files import write_text
+    from petl.utils.paths import cannot_write_in
 
     positional = folders(args, "compare")
     own, rest = parse_args([a for a in args if "=" in a], {"suites", "out", "overwrite", "configs_dir"})
@@ -303,6 +304,9 @@ def cmd_compare(args: Sequence[str]) -> int:
             raise ValueError(f"out={own['out']} is a folder: name a new .md file")
         if Path(own["out"]).exists() and not overwrite:
             raise ValueError(f"{own['out']} exists; choose another out=, or pass overwrite=true to replace it")
+        unwritable = cannot_write_in(Path(own["out"]).parent, "choose another out=")
+        if unwritable:
+            raise ValueError(f"out={own['out']}: {unwritable}")
     compare.check_same_data(*positional)
     configs = configs_folder(own) if "configs_dir" in own else None
     boards = tuple(

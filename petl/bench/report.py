@@ -574,14 +574,21 @@ def write_report(
 
     Raises:
         FileNotFoundError: no result.json under ``results_dir``.
-        ValueError: the output folder is (inside) a run folder.
+        ValueError: the output folder is (inside) a run folder, or cannot be written (a file, read-only).
 
     """
     from petl.bench.html import Section, render_html
+    from petl.utils.paths import cannot_write_in
 
     out = Path(out_dir) if out_dir is not None else Path(results_dir)
     check_not_in_run(out, "out" if out_dir is not None else "RESULTS_DIR")
     board = build_board(results_dir, configs_dir, plan)
+    # Said before the plots are drawn, as bad input, rather than as an OSError on the first file written.
+    unwritable = cannot_write_in(
+        out, "choose another out=" if out_dir is not None else "write the report elsewhere with out=DIR"
+    )
+    if unwritable:
+        raise ValueError(f"out={unwritable}" if out_dir is not None else unwritable)
     png = pareto_png(board)
     curves_png = learning_curves_png(board)
     figures = [("Accuracy against trainable parameters", png)]

@@ -283,3 +283,20 @@ def test_two_runs_of_one_cell_on_two_backbones_are_refused_not_one_dropped(tmp_p
     _runs(copy / "backup")
     code, _, err = petl_bench(capsys, "report", str(copy))
     assert code == 0 and "already read from" in err, err
+
+
+# --- an out= nothing can be written in -----------------------------------------------------------------------------
+
+
+def test_an_out_that_cannot_be_written_is_bad_input_named_in_one_line(tmp_path, capsys):
+    # Was: report out=FILE failed on the first file written, "FileExistsError: [Errno 17] ..." with exit 1; compare
+    # out= in a folder that cannot be written named only its temporary file, after both boards were built.
+    root = _runs(tmp_path / "runs")
+    (tmp_path / "afile").write_text("mine\n")
+    code, _, err = petl_bench(capsys, "report", str(root), f"out={tmp_path / 'afile'}")
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"out={tmp_path / 'afile'} is a file, not a folder: choose another out=" in err
+    code, _, err = petl_bench(capsys, "compare", str(root), str(root), f"out={tmp_path / 'afile' / 'page.md'}")
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"out={tmp_path / 'afile' / 'page.md'}: {tmp_path / 'afile'} is a file, not a folder: choose another" in err
+    assert (tmp_path / "afile").read_text() == "mine\n"
