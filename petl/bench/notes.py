@@ -379,9 +379,13 @@ def comparison_lines(board: Leaderboard) -> list[str]:
             "one task once per seed."
         )
     else:
+        # The one task may be the one left of several, the others saturated: name both, as the task blocks do.
+        left = ", ".join(labels[t] for t in found.left_out_tasks)
         block = (
-            f"**Blocks**: the {plural(n, 'seed')} of the one task (task × seed). With one task the seeds are the only "
-            "blocks there are, so what follows is about this data, not about data like it."
+            f"**Blocks**: the {plural(n, 'seed')} of the one task, {labels.get(found.task, found.task)} (task × seed)"
+            + (f"; {left} left out as saturated" if left else "")
+            + ". With one task the seeds are the only blocks there are, so what follows is about this data, not "
+            "about data like it."
         )
     lines = [
         block + f" Ranked: the {plural(k, 'complete row')} (rank 1 = the best accuracy in a block, ties share "

@@ -300,3 +300,16 @@ def test_an_out_that_cannot_be_written_is_bad_input_named_in_one_line(tmp_path, 
     assert code == 2 and err.count("\n") == 1, err
     assert f"out={tmp_path / 'afile' / 'page.md'}: {tmp_path / 'afile'} is a file, not a folder: choose another" in err
     assert (tmp_path / "afile").read_text() == "mine\n"
+
+
+# --- one task left of two, the other saturated: the section says which --------------------------------------------
+
+
+def test_seed_blocks_name_their_task_and_the_saturated_task_left_out(tmp_path, capsys):
+    # Was: on a board of digits and a saturated textures, the section said "the 3 seeds of the one task" without
+    # naming digits, nor that textures was left out (a two-task board read as one task).
+    _runs(tmp_path, tasks=("mini/digits",), seeds=(0, 1, 2))
+    _runs(tmp_path, (("lora", 97.5), ("linear", 97.0), ("mlp", 97.2)), tasks=("mini/textures",), seeds=(0, 1, 2))
+    _page(capsys, "report", str(tmp_path))
+    md = (tmp_path / "leaderboard.md").read_text()
+    assert "**Blocks**: the 3 seeds of the one task, digits (task × seed); textures left out as saturated." in md
