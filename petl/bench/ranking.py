@@ -143,6 +143,17 @@ class Ranking:
         return "".join(letter(i) for i, group in enumerate(self.groups) if method in group)
 
 
+def show_p(p: float, alpha: float = ALPHA) -> str:
+    """``p`` to two significant digits, or more where two would round a p below ``alpha`` up to it (0.0498 is not
+    shown as 0.05 beside a verdict that it is below 0.05).
+    """
+    for digits in range(2, 17):
+        text = f"{p:.{digits}g}"
+        if not p < alpha <= float(text):
+            return text
+    return repr(p)
+
+
 def letter(index: int) -> str:
     """The name of group ``index``: ``a``, ``b``, ... (``g26`` past ``z``)."""
     letters = string.ascii_lowercase

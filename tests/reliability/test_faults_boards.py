@@ -313,3 +313,25 @@ def test_seed_blocks_name_their_task_and_the_saturated_task_left_out(tmp_path, c
     _page(capsys, "report", str(tmp_path))
     md = (tmp_path / "leaderboard.md").read_text()
     assert "**Blocks**: the 3 seeds of the one task, digits (task × seed); textures left out as saturated." in md
+
+
+# --- a p just below α is not shown as α --------------------------------------------------------------------------
+
+
+def test_a_p_just_below_alpha_is_shown_with_the_digits_that_keep_it_below(tmp_path, capsys):
+    # Was: three methods in one order on three tasks give Friedman's p = exp(-3) = 0.0498, shown "p = 0.05: at
+    # α = 0.05, the methods do not all rank alike", which reads as a contradiction (choose printed its p alike).
+    root = _runs(tmp_path, tasks=("mini/digits", "mini/mnist", "mini/textures"))
+    _page(capsys, "report", str(root))
+    md = (root / "leaderboard.md").read_text()
+    assert "chi-square = 6.00, p = 0.0498: at α = 0.05, the methods do not all rank alike." in md
+    # choose's verdicts print their p the same way.
+    from petl.bench.ranking import show_p
+
+    assert [show_p(p) for p in (0.049787, 0.04999, 0.0504, 0.14, 8.4e-13)] == [
+        "0.0498",
+        "0.04999",
+        "0.05",
+        "0.14",
+        "8.4e-13",
+    ]
