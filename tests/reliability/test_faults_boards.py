@@ -335,3 +335,15 @@ def test_a_p_just_below_alpha_is_shown_with_the_digits_that_keep_it_below(tmp_pa
         "0.14",
         "8.4e-13",
     ]
+
+
+# --- compare's page escapes the names it prints, as the leaderboard does --------------------------------------------
+
+
+def test_compare_escapes_names_so_that_none_adds_a_column_or_html(tmp_path, capsys):
+    # Was: an experiment folder named "c|d" split its table row into one column more, shifting its figures under the
+    # wrong headers, and "<b>x" went into the page as HTML (leaderboard.md escaped both).
+    root = _runs(tmp_path, (("c|d", 80.0), ("<b>x", 70.0), ("mlp", 75.0)))
+    page = _page(capsys, "compare", str(root), str(root))
+    assert "| c\\|d | 1 | 80.00 | 1 | 80.00 | +0 |" in page
+    assert "| &lt;b&gt;x | 3 | 70.00 | 3 | 70.00 | +0 |" in page and "<b>" not in page
