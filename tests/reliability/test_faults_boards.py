@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from test_faults_untrusted_files import petl_bench
 from test_harness import write_run
 
@@ -347,3 +348,27 @@ def test_compare_escapes_names_so_that_none_adds_a_column_or_html(tmp_path, caps
     page = _page(capsys, "compare", str(root), str(root))
     assert "| c\\|d | 1 | 80.00 | 1 | 80.00 | +0 |" in page
     assert "| &lt;b&gt;x | 3 | 70.00 | 3 | 70.00 | +0 |" in page and "<b>" not in page
+
+
+# --- a damaged metrics.jsonl spoils its line, not the report ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "last",
+    [
+        b'{"epoch": 5, "val_top1": "x"}',
+        b'{"epoch": 5, "val_top1": [1]}',
+        b'{"epoch": 5, "val_top1": 1e999}',
+        b"\xff\xfe",
+    ],
+)
+def test_a_damaged_metrics_line_is_skipped_not_read_as_an_accuracy(tmp_path, capsys, last):
+    # Was: "x" failed the report ("could not convert string to float: 'x'", no file named), [1] failed it with a
+    # TypeError (exit 1), a non-UTF-8 byte with "'utf-8' codec can't decode", and 1e999 flagged the cell as still
+    # learning by +inf points.
+    root = _runs(tmp_path, tasks=("mini/digits", "mini/mnist", "mini/textures"))
+    epochs = b"".join(b'{"epoch": %d, "loss": %d, "val_top1": 50}\n' % (e, 5 - e) for e in range(1, 5))
+    (root / "mini-digits" / "lora" / "seed0" / "metrics.jsonl").write_bytes(epochs + last + b"\n")
+    _page(capsys, "report", str(root))
+    md = (root / "leaderboard.md").read_text()
+    assert "| lora | low-rank | 0.0010 (1.00%) | +0.00 (max 0.00) |" in md and "inf" not in md
