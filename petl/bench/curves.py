@@ -48,7 +48,8 @@ def val_curve(record: RunRecord) -> ValCurve | None:
     if not isinstance(selection, Mapping):
         return None
     for trial in selection.get("trials") or []:
-        if trial.get("overrides") == selection.get("chosen") and trial.get("output_dir"):
+        # A trial's folder that is no text (a hand edit; the reader checks only that trials are mappings) is none.
+        if trial.get("overrides") == selection.get("chosen") and isinstance(trial.get("output_dir"), str):
             folder = record.path.parent.parent.joinpath(*Path(trial["output_dir"]).parts[-2:])
             history = _read_val_history(folder)
             return ValCurve(folder, history) if history else None

@@ -372,3 +372,16 @@ def test_a_damaged_metrics_line_is_skipped_not_read_as_an_accuracy(tmp_path, cap
     _page(capsys, "report", str(root))
     md = (root / "leaderboard.md").read_text()
     assert "| lora | low-rank | 0.0010 (1.00%) | +0.00 (max 0.00) |" in md and "inf" not in md
+
+
+def test_a_selected_trial_whose_folder_is_no_text_has_no_curve(tmp_path, capsys):
+    # Was: a hand-edited "selection" whose chosen trial's output_dir was 5 failed the report with "TypeError: expected
+    # str, bytes or os.PathLike object, not int" (exit 1): the reader checks only that trials are mappings.
+    import json
+
+    root = _runs(tmp_path, tasks=("mini/digits", "mini/mnist", "mini/textures"))
+    edited = root / "mini-digits" / "lora" / "seed0" / "result.json"
+    selection = {"chosen": ["train.lr=0.1"], "trials": [{"overrides": ["train.lr=0.1"], "output_dir": 5}]}
+    edited.write_text(json.dumps({**json.loads(edited.read_text()), "selection": selection}))
+    _page(capsys, "report", str(root))
+    assert "| lora | low-rank | 0.0010 (1.00%) | – |" in (root / "leaderboard.md").read_text()
