@@ -254,6 +254,9 @@ def cmd_report(args: Sequence[str]) -> int:
         raise SystemExit(
             f"petl-bench report: expected RESULTS_DIR [out=DIR] [configs_dir=DIR] [suite=NAME], got {given}"
         )
+    if own.get("out") == "":
+        # Path("") is the current folder: the report would go there while the line below named "/leaderboard.md".
+        raise ValueError("out= names no folder: give out=DIR, or leave out= out to write into RESULTS_DIR")
     out = own.get("out", positional[0])
     # A configs_dir= that is no configs folder is refused (as `list` does), not read as "no experiment files".
     configs = configs_folder(own) if "configs_dir" in own else None
@@ -298,6 +301,8 @@ def cmd_compare(args: Sequence[str]) -> int:
     overwrite = as_bool("overwrite", own.get("overwrite", "false"))
     if "overwrite" in own and "out" not in own:
         raise SystemExit("petl-bench compare: overwrite= acts on out=FILE; give out= too, or leave overwrite= out")
+    if own.get("out") == "":
+        raise ValueError("out= names no file: give out=FILE.md, or leave out= out to print the page")
     if "out" in own:
         report.check_not_in_run(Path(own["out"]), "out")
         if Path(own["out"]).is_dir():

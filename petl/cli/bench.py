@@ -18,9 +18,9 @@ Usage::
     petl-bench list [suite=NAME]   (suites and experiments; with suite=: its experiments, one a line, in order)
 
 Bad input (an unknown suite or key, a malformed YAML file, a results folder without results, suite= naming a
-suite whose backbone its runs did not train, compare on boards of different tasks, out= inside a run folder or
-where nothing can be written; for run and commands, before any run, an experiment, search, task or command-line
-key or value no run config takes, named by its file, and methods=, tasks= or seeds= listing nothing;
+suite whose backbone its runs did not train, compare on boards of different tasks, out= empty, inside a run
+folder or where nothing can be written; for run and commands, before any run, an experiment, search, task or
+command-line key or value no run config takes, named by its file, and methods=, tasks= or seeds= listing nothing;
 for speed, before any model is built, a count out of its range, steps= below rounds=, options= without
 options_for=, a device other than cpu or a CUDA GPU torch sees) exits with status 2 and one line naming the file or
 value; a sweep with failed runs exits with 1; Ctrl-C with 130 and SIGTERM (a job scheduler's time limit) with 143,

@@ -385,3 +385,17 @@ def test_a_selected_trial_whose_folder_is_no_text_has_no_curve(tmp_path, capsys)
     edited.write_text(json.dumps({**json.loads(edited.read_text()), "selection": selection}))
     _page(capsys, "report", str(root))
     assert "| lora | low-rank | 0.0010 (1.00%) | – |" in (root / "leaderboard.md").read_text()
+
+
+def test_an_empty_out_is_refused_not_read_as_the_current_folder(tmp_path, capsys, monkeypatch):
+    # Was: report out= wrote the board into the current folder (Path("") is ".") and said "-> /leaderboard.{md,...}".
+    root = _runs(tmp_path / "runs")
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    code, _, err = petl_bench(capsys, "report", str(root), "out=")
+    assert code == 2 and err.count("\n") == 1, err
+    assert "out= names no folder: give out=DIR, or leave out= out to write into RESULTS_DIR" in err
+    assert not any(work.iterdir())
+    code, _, err = petl_bench(capsys, "compare", str(root), str(root), "out=")
+    assert code == 2 and "out= names no file: give out=FILE.md" in err, err
