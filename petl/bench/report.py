@@ -511,7 +511,7 @@ def build_board(
             counts as complete with the tasks and seeds the board's fullest cells have.
 
     Raises:
-        FileNotFoundError: no usable result.json under ``results_dir``.
+        FileNotFoundError: ``results_dir`` is no folder, or holds no usable result.json.
 
     """
     results_dir = Path(results_dir)
@@ -519,8 +519,14 @@ def build_board(
     results = read_all(results_dir, skipped)
     records = collect(results)
     if not records:
+        if not results_dir.is_dir():
+            said = "is a file" if results_dir.exists() else "does not exist"
+            raise FileNotFoundError(f"{results_dir} {said}: give the folder a sweep or petl-run wrote its runs into")
         unusable = f" ({len(skipped)} skipped as damaged or incomplete, named above)" if skipped else ""
-        raise FileNotFoundError(f"no usable result.json under {results_dir}{unusable}")
+        raise FileNotFoundError(
+            f"no usable result.json under {results_dir}{unusable}: give the folder a sweep or petl-run wrote its runs "
+            "into (<task>/<experiment>/seed<k>/result.json)"
+        )
     experiments = sorted({r.experiment for r in records})
     return aggregate(
         records,

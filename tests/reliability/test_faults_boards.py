@@ -399,3 +399,17 @@ def test_an_empty_out_is_refused_not_read_as_the_current_folder(tmp_path, capsys
     assert not any(work.iterdir())
     code, _, err = petl_bench(capsys, "compare", str(root), str(root), "out=")
     assert code == 2 and "out= names no file: give out=FILE.md" in err, err
+
+
+def test_a_results_folder_that_is_none_says_so_and_what_to_give(tmp_path, capsys):
+    # Was: "no usable result.json under X" for a folder that does not exist, a file, and an empty folder alike.
+    (tmp_path / "afile").write_text("x\n")
+    (tmp_path / "empty").mkdir()
+    for given, said in (
+        ("missing", "missing does not exist: give the folder a sweep or petl-run wrote its runs into"),
+        ("afile", "afile is a file: give the folder a sweep or petl-run wrote its runs into"),
+        ("empty", "no usable result.json under "),
+    ):
+        code, _, err = petl_bench(capsys, "report", str(tmp_path / given))
+        assert code == 2 and err.count("\n") == 1 and said in err, err
+    assert "its runs into (<task>/<experiment>/seed<k>/result.json)" in err
