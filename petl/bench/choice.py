@@ -20,7 +20,7 @@ from typing import Any
 
 from petl.bench.board import ExperimentRow, Leaderboard
 from petl.bench.estimate import duration
-from petl.bench.ranking import Ranking, rank_test
+from petl.bench.ranking import Ranking, rank_test, show_p
 from petl.utils.text import plural
 
 CHOICE_FILE = "choice.md"
@@ -176,16 +176,20 @@ def _verdict(found: Ranking | str, best: ExperimentRow, runner: ExperimentRow) -
     )
     k = plural(len(found.methods), "row")
     if found.differ(a, b):
-        friedman = "" if math.isnan(found.p_value) else f" after Friedman's test over the {k} (p = {found.p_value:.2g})"
+        friedman = (
+            ""
+            if math.isnan(found.p_value)
+            else f" after Friedman's test over the {k} (p = {show_p(found.p_value, found.alpha)})"
+        )
         return (
             f"**{a}** and **{b}** differ on this data (Nemenyi's test{friedman}, {blocks}: "
-            f"p = {found.p_values[a][b]:.2g} < {found.alpha:g})"
+            f"p = {show_p(found.p_values[a][b], found.alpha)} < {found.alpha:g})"
         )
     if not found.omnibus_rejects:
         test = f"Friedman's test over the {k} within the budget, {blocks}, does not reject that they rank alike: "
-        test += "every block ties them" if math.isnan(found.p_value) else f"p = {found.p_value:.2g}"
+        test += "every block ties them" if math.isnan(found.p_value) else f"p = {show_p(found.p_value, found.alpha)}"
     else:
-        test = f"Nemenyi's test after Friedman's, {blocks}: p = {found.p_values[a][b]:.2g}"
+        test = f"Nemenyi's test after Friedman's, {blocks}: p = {show_p(found.p_values[a][b], found.alpha)}"
     few = found.too_few_blocks()
     if few:
         # Not told apart, and no outcome over so few blocks could have been: say so, or it reads as a finding.

@@ -145,8 +145,16 @@ def collect(results_dir: str | Path | list[tuple[Path, RunResult]]) -> list[RunR
 
     The experiment is the folder above ``seed<k>/`` (so ``adapter_parallel`` and ``adapter_sequential``
     stay apart although both ran method ``adapter``); outside that layout the method name stands in.
-    Unreadable files are skipped with a warning; a duplicate (task, experiment, seed) keeps the first.
+    Unreadable files are skipped with a warning; a duplicate (task, experiment, seed) keeps the first when it is a
+    copy of the same run, and is refused when it is another run (another backbone, epoch count or data: petl-run's
+    default folders ``<data>/<model>/<method>/seed<k>`` read from ``<data>/`` put two backbones' runs in one cell).
+
+    Raises:
+        ValueError: a duplicate that differs in more than its seed, naming both files and the difference.
+
     """
+    from petl.train.output_dir import seed_difference
+
     results = read_all(results_dir) if isinstance(results_dir, (str, Path)) else results_dir
     records: dict[tuple[str, str, int], RunRecord] = {}
     for path, result in results:
@@ -156,6 +164,14 @@ def collect(results_dir: str | Path | list[tuple[Path, RunResult]]) -> list[RunR
         experiment = run_dir.parent.name if _SEED_DIR.match(run_dir.name) else result.method
         key = (result.dataset, experiment, result.seed)
         if key in records:
+            first = records[key].path
+            difference = seed_difference(records[key].result, result)
+            if difference:
+                # Keeping the first would drop the other run from the board with nothing in it saying so.
+                raise ValueError(
+                    f"{path} and {first} are two runs of {result.dataset} {experiment} seed {result.seed} "
+                    f"({difference}); report their folders apart, or move one run aside"
+                )
             warnings.warn(f"skipping {path}: {key} already read from {records[key].path}", stacklevel=2)
             continue
         verdict = run_not_learned(run_dir, result)

@@ -254,6 +254,9 @@ def cmd_report(args: Sequence[str]) -> int:
         raise SystemExit(
             f"petl-bench report: expected RESULTS_DIR [out=DIR] [configs_dir=DIR] [suite=NAME], got {given}"
         )
+    if own.get("out") == "":
+        # Path("") is the current folder: the report would go there while the line below named "/leaderboard.md".
+        raise ValueError("out= names no folder: give out=DIR, or leave out= out to write into RESULTS_DIR")
     out = own.get("out", positional[0])
     # A configs_dir= that is no configs folder is refused (as `list` does), not read as "no experiment files".
     configs = configs_folder(own) if "configs_dir" in own else None
@@ -281,6 +284,7 @@ def cmd_compare(args: Sequence[str]) -> int:
     """
     from petl.bench import compare
     from petl.store.files import write_text
+    from petl.utils.paths import cannot_write_in
 
     positional = folders(args, "compare")
     own, rest = parse_args([a for a in args if "=" in a], {"suites", "out", "overwrite", "configs_dir"})
@@ -297,12 +301,17 @@ def cmd_compare(args: Sequence[str]) -> int:
     overwrite = as_bool("overwrite", own.get("overwrite", "false"))
     if "overwrite" in own and "out" not in own:
         raise SystemExit("petl-bench compare: overwrite= acts on out=FILE; give out= too, or leave overwrite= out")
+    if own.get("out") == "":
+        raise ValueError("out= names no file: give out=FILE.md, or leave out= out to print the page")
     if "out" in own:
         report.check_not_in_run(Path(own["out"]), "out")
         if Path(own["out"]).is_dir():
             raise ValueError(f"out={own['out']} is a folder: name a new .md file")
         if Path(own["out"]).exists() and not overwrite:
             raise ValueError(f"{own['out']} exists; choose another out=, or pass overwrite=true to replace it")
+        unwritable = cannot_write_in(Path(own["out"]).parent, "choose another out=")
+        if unwritable:
+            raise ValueError(f"out={own['out']}: {unwritable}")
     compare.check_same_data(*positional)
     configs = configs_folder(own) if "configs_dir" in own else None
     boards = tuple(

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from petl.bench.board import Leaderboard
 from petl.bench.published import MIN_RANKED, RankCorrelation, rank_correlation, rank_interval
+from petl.bench.table import md_escape
 from petl.utils.text import plural
 
 
@@ -167,14 +168,15 @@ def _not_computed(comparison: Comparison) -> str:
         if len({places[e].task_mean for e in shared}) == 1
     ]
     return (
-        f"not computed: the {len(shared)} experiments complete on both tie on {' and on '.join(tied)} (one task "
-        "mean), so that board ranks none above another."
+        f"not computed: the {len(shared)} experiments complete on both tie on {md_escape(' and on '.join(tied))} "
+        "(one task mean), so that board ranks none above another."
     )
 
 
 def markdown(comparison: Comparison) -> str:
     """The comparison as a Markdown page: the coefficient, then one line per shared experiment."""
-    (name_a, name_b), (a, b) = comparison.labels, comparison.complete
+    # Names come from folders and result.json files: escaped, so that none adds HTML or a table column (md_escape).
+    (name_a, name_b), (a, b) = (md_escape(n) for n in comparison.labels), comparison.complete
     rho, shared = comparison.correlation.rho, comparison.shared
     if math.isnan(rho):
         verdict = _not_computed(comparison)
@@ -191,10 +193,11 @@ def markdown(comparison: Comparison) -> str:
         "places moved are counted among the experiments complete on both.",
         "",
         *(
-            f"- **{name}**: {plural(len(places), 'complete row')}; measured on {', '.join(models)}."
+            f"- **{md_escape(name)}**: {plural(len(places), 'complete row')}; measured on "
+            f"{md_escape(', '.join(models))}."
             for name, places, models in zip(comparison.labels, comparison.complete, comparison.models, strict=True)
         ),
-        f"- **Tasks** (both boards): {', '.join(comparison.tasks)}.",
+        f"- **Tasks** (both boards): {md_escape(', '.join(comparison.tasks))}.",
         "",
         f"**Rank correlation of the task means**: {verdict}",
         "",
@@ -205,11 +208,11 @@ def markdown(comparison: Comparison) -> str:
     for experiment in shared:
         first, second = a[experiment], b[experiment]
         lines.append(
-            f"| {experiment} | {first.rank:g} | {first.task_mean:.2f} | {second.rank:g} | "
+            f"| {md_escape(experiment)} | {first.rank:g} | {first.task_mean:.2f} | {second.rank:g} | "
             f"{second.task_mean:.2f} | {comparison.places_moved_up(experiment):+g} |"
         )
     for name, own, other in ((name_a, a, b), (name_b, b, a)):
         alone = [e for e in own if e not in other]
         if alone:
-            lines += ["", f"Complete only on {name} ({len(alone)}, not compared): {', '.join(alone)}."]
+            lines += ["", f"Complete only on {name} ({len(alone)}, not compared): {md_escape(', '.join(alone))}."]
     return "\n".join(lines) + "\n"

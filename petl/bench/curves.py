@@ -11,6 +11,7 @@ from pathlib import Path
 from petl.bench.board import ExperimentRow, Leaderboard
 from petl.bench.collect import RunRecord, nanmean
 from petl.store.files import read_metrics
+from petl.store.result import field_problem
 
 # Convergence is judged on the last 20 % of epochs (issue 12): the val top-1 change over that stretch.
 CONVERGENCE_TAIL = 0.2
@@ -25,7 +26,10 @@ class ValCurve:
 
 
 def _read_val_history(folder: Path) -> tuple[float, ...]:
-    return tuple(float(row["val_top1"]) for row in read_metrics(folder) if row.get("val_top1") is not None)
+    # A value that is no accuracy (text, NaN, infinity, outside 0-100: a hand edit, a damaged line) is skipped as a
+    # line cut short is, rather than fail the report or flag a cell as still learning by +inf points.
+    values = [row.get("val_top1") for row in read_metrics(folder)]
+    return tuple(float(v) for v in values if v is not None and field_problem("val_top1", v) is None)
 
 
 def val_curve(record: RunRecord) -> ValCurve | None:
@@ -44,7 +48,8 @@ def val_curve(record: RunRecord) -> ValCurve | None:
     if not isinstance(selection, Mapping):
         return None
     for trial in selection.get("trials") or []:
-        if trial.get("overrides") == selection.get("chosen") and trial.get("output_dir"):
+        # A trial's folder that is no text (a hand edit; the reader checks only that trials are mappings) is none.
+        if trial.get("overrides") == selection.get("chosen") and isinstance(trial.get("output_dir"), str):
             folder = record.path.parent.parent.joinpath(*Path(trial["output_dir"]).parts[-2:])
             history = _read_val_history(folder)
             return ValCurve(folder, history) if history else None

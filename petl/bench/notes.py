@@ -379,9 +379,13 @@ def comparison_lines(board: Leaderboard) -> list[str]:
             "one task once per seed."
         )
     else:
+        # The one task may be the one left of several, the others saturated: name both, as the task blocks do.
+        left = ", ".join(labels[t] for t in found.left_out_tasks)
         block = (
-            f"**Blocks**: the {plural(n, 'seed')} of the one task (task × seed). With one task the seeds are the only "
-            "blocks there are, so what follows is about this data, not about data like it."
+            f"**Blocks**: the {plural(n, 'seed')} of the one task, {labels.get(found.task, found.task)} (task × seed)"
+            + (f"; {left} left out as saturated" if left else "")
+            + ". With one task the seeds are the only blocks there are, so what follows is about this data, not "
+            "about data like it."
         )
     lines = [
         block + f" Ranked: the {plural(k, 'complete row')} (rank 1 = the best accuracy in a block, ties share "
@@ -403,7 +407,8 @@ def comparison_lines(board: Leaderboard) -> list[str]:
         )
         lines.append(
             f"**Friedman's test** (`scipy.stats.friedmanchisquare`) over {k} methods and {plural(n, 'block')}: "
-            f"chi-square = {found.statistic:.2f}, p = {found.p_value:.2g}: at α = {found.alpha:g}, {verdict}."
+            f"chi-square = {found.statistic:.2f}, p = {ranking.show_p(found.p_value, found.alpha)}: "
+            f"at α = {found.alpha:g}, {verdict}."
         )
     pairs = [(a, b) for i, a in enumerate(found.methods) for b in found.methods[i + 1 :]]
     differ = sum(found.differ(a, b) for a, b in pairs)

@@ -20,6 +20,7 @@ scipy and scikit-posthocs (with pandas) load inside the functions: ``petl-bench 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 import string
@@ -85,6 +86,7 @@ class Ranking:
         p_values: Nemenyi's p of every pair, ``p_values[a][b]``.
         critical_difference: the mean-rank difference Nemenyi's test needs at :data:`ALPHA`.
         groups: maximal runs of methods (in mean-rank order) no two of which differ, best first.
+        task: with block ``seed``, the one task whose seeds are the blocks (the others left out as saturated).
 
     """
 
@@ -100,6 +102,7 @@ class Ranking:
     critical_difference: float
     groups: tuple[tuple[str, ...], ...] = field(default=())
     alpha: float = ALPHA
+    task: str = ""
 
     @property
     def omnibus_rejects(self) -> bool:
@@ -138,6 +141,17 @@ class Ranking:
     def letters(self, method: str) -> str:
         """The groups ``method`` belongs to, as letters (``a`` is the group of the best mean rank)."""
         return "".join(letter(i) for i, group in enumerate(self.groups) if method in group)
+
+
+def show_p(p: float, alpha: float = ALPHA) -> str:
+    """``p`` to two significant digits, or more where two would round a p below ``alpha`` up to it (0.0498 is not
+    shown as 0.05 beside a verdict that it is below 0.05).
+    """
+    for digits in range(2, 17):
+        text = f"{p:.{digits}g}"
+        if not p < alpha <= float(text):
+            return text
+    return repr(p)
 
 
 def letter(index: int) -> str:
@@ -182,7 +196,8 @@ def rank_test(board: Leaderboard, rows: Sequence[ExperimentRow] | None = None, a
         values = np.array([[seed_scores(r, task)[s] for r in rows] for s in seeds])
     if len(blocks) < 2:
         return f"{plural(len(blocks), block)} to rank over: a comparison needs two (seeds=0,1,2 gives three)"
-    return rank_scores([r.experiment for r in rows], values, block, blocks, tuple(left_out), alpha)
+    found = rank_scores([r.experiment for r in rows], values, block, blocks, tuple(left_out), alpha)
+    return found if block == "task" else dataclasses.replace(found, task=tasks[0])
 
 
 def rank_scores(

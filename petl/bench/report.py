@@ -511,7 +511,7 @@ def build_board(
             counts as complete with the tasks and seeds the board's fullest cells have.
 
     Raises:
-        FileNotFoundError: no usable result.json under ``results_dir``.
+        FileNotFoundError: ``results_dir`` is no folder, or holds no usable result.json.
 
     """
     results_dir = Path(results_dir)
@@ -519,8 +519,14 @@ def build_board(
     results = read_all(results_dir, skipped)
     records = collect(results)
     if not records:
+        if not results_dir.is_dir():
+            said = "is a file" if results_dir.exists() else "does not exist"
+            raise FileNotFoundError(f"{results_dir} {said}: give the folder a sweep or petl-run wrote its runs into")
         unusable = f" ({len(skipped)} skipped as damaged or incomplete, named above)" if skipped else ""
-        raise FileNotFoundError(f"no usable result.json under {results_dir}{unusable}")
+        raise FileNotFoundError(
+            f"no usable result.json under {results_dir}{unusable}: give the folder a sweep or petl-run wrote its runs "
+            "into (<task>/<experiment>/seed<k>/result.json)"
+        )
     experiments = sorted({r.experiment for r in records})
     return aggregate(
         records,
@@ -574,14 +580,21 @@ def write_report(
 
     Raises:
         FileNotFoundError: no result.json under ``results_dir``.
-        ValueError: the output folder is (inside) a run folder.
+        ValueError: the output folder is (inside) a run folder, or cannot be written (a file, read-only).
 
     """
     from petl.bench.html import Section, render_html
+    from petl.utils.paths import cannot_write_in
 
     out = Path(out_dir) if out_dir is not None else Path(results_dir)
     check_not_in_run(out, "out" if out_dir is not None else "RESULTS_DIR")
     board = build_board(results_dir, configs_dir, plan)
+    # Said before the plots are drawn, as bad input, rather than as an OSError on the first file written.
+    unwritable = cannot_write_in(
+        out, "choose another out=" if out_dir is not None else "write the report elsewhere with out=DIR"
+    )
+    if unwritable:
+        raise ValueError(f"out={unwritable}" if out_dir is not None else unwritable)
     png = pareto_png(board)
     curves_png = learning_curves_png(board)
     figures = [("Accuracy against trainable parameters", png)]

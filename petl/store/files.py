@@ -152,13 +152,15 @@ def append_metrics(path: Path, row: dict[str, Any]) -> None:
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     """The per-epoch rows of ``run_dir/metrics.jsonl`` (none when it is missing), as reports read them.
 
-    A line cut short by a crash, or one that is not a JSON object, is skipped: the epochs before it still count.
+    A line cut short by a crash, or one that is not a JSON object (bytes that are not UTF-8 included), is skipped:
+    the epochs before it still count.
     """
     path = run_dir / METRICS_FILE
     if not path.is_file():
         return []
     rows = []
-    for line in path.read_text().splitlines():
+    # errors="replace": a byte that is not UTF-8 spoils its line (skipped below), not every report of the folder.
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
         try:
             row = json.loads(line)
         except ValueError:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from test_faults_untrusted_files import petl_bench
 from test_harness import write_run
 
@@ -259,3 +260,156 @@ def test_a_final_without_a_test_score_is_counted_apart_from_the_selection_trials
         "**Compute**: 3 reported runs, 0 selection trials and 1 run in a seed folder without a test score (a final "
         "that diverged or skipped its test pass; not in the table: mini-digits/lora/seed1) (every result.json" in md
     )
+
+
+# --- two runs of one cell ------------------------------------------------------------------------------------------
+
+
+def test_two_runs_of_one_cell_on_two_backbones_are_refused_not_one_dropped(tmp_path, capsys):
+    # Was: petl-run's default folders (<data>/<model>/<method>/seed<k>) read from <data>/ gave every cell two runs of
+    # one seed, one per backbone; the report kept the first by path, dropped the other backbone's runs with a
+    # warning on stderr, and the board said nothing of them.
+    import json
+
+    for model in ("vit_fractal_tiny_patch4_32.fractaldb", "vit_small_patch16_224"):
+        _runs(tmp_path / model)
+        for path in (tmp_path / model).rglob("result.json"):
+            path.write_text(json.dumps({**json.loads(path.read_text()), "model": model}))
+    code, _, err = petl_bench(capsys, "report", str(tmp_path), f"out={tmp_path / 'board'}")
+    assert code == 2 and "Traceback" not in err and err.count("\n") == 1, err
+    assert "are two runs of mini/digits linear seed 0 (model: 'vit_fractal_tiny_patch4_32.fractaldb' -> " in err
+    assert "report their folders apart, or move one run aside" in err and not (tmp_path / "board").exists()
+    # A copy of the same run (a folder copied inside the results) is read once, with a warning.
+    copy = _runs(tmp_path / "copy")
+    _runs(copy / "backup")
+    code, _, err = petl_bench(capsys, "report", str(copy))
+    assert code == 0 and "already read from" in err, err
+
+
+# --- an out= nothing can be written in -----------------------------------------------------------------------------
+
+
+def test_an_out_that_cannot_be_written_is_bad_input_named_in_one_line(tmp_path, capsys):
+    # Was: report out=FILE failed on the first file written, "FileExistsError: [Errno 17] ..." with exit 1; compare
+    # out= in a folder that cannot be written named only its temporary file, after both boards were built.
+    root = _runs(tmp_path / "runs")
+    (tmp_path / "afile").write_text("mine\n")
+    code, _, err = petl_bench(capsys, "report", str(root), f"out={tmp_path / 'afile'}")
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"out={tmp_path / 'afile'} is a file, not a folder: choose another out=" in err
+    code, _, err = petl_bench(capsys, "compare", str(root), str(root), f"out={tmp_path / 'afile' / 'page.md'}")
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"out={tmp_path / 'afile' / 'page.md'}: {tmp_path / 'afile'} is a file, not a folder: choose another" in err
+    assert (tmp_path / "afile").read_text() == "mine\n"
+
+
+# --- one task left of two, the other saturated: the section says which --------------------------------------------
+
+
+def test_seed_blocks_name_their_task_and_the_saturated_task_left_out(tmp_path, capsys):
+    # Was: on a board of digits and a saturated textures, the section said "the 3 seeds of the one task" without
+    # naming digits, nor that textures was left out (a two-task board read as one task).
+    _runs(tmp_path, tasks=("mini/digits",), seeds=(0, 1, 2))
+    _runs(tmp_path, (("lora", 97.5), ("linear", 97.0), ("mlp", 97.2)), tasks=("mini/textures",), seeds=(0, 1, 2))
+    _page(capsys, "report", str(tmp_path))
+    md = (tmp_path / "leaderboard.md").read_text()
+    assert "**Blocks**: the 3 seeds of the one task, digits (task × seed); textures left out as saturated." in md
+
+
+# --- a p just below α is not shown as α --------------------------------------------------------------------------
+
+
+def test_a_p_just_below_alpha_is_shown_with_the_digits_that_keep_it_below(tmp_path, capsys):
+    # Was: three methods in one order on three tasks give Friedman's p = exp(-3) = 0.0498, shown "p = 0.05: at
+    # α = 0.05, the methods do not all rank alike", which reads as a contradiction (choose printed its p alike).
+    root = _runs(tmp_path, tasks=("mini/digits", "mini/mnist", "mini/textures"))
+    _page(capsys, "report", str(root))
+    md = (root / "leaderboard.md").read_text()
+    assert "chi-square = 6.00, p = 0.0498: at α = 0.05, the methods do not all rank alike." in md
+    # choose's verdicts print their p the same way.
+    from petl.bench.ranking import show_p
+
+    assert [show_p(p) for p in (0.049787, 0.04999, 0.0504, 0.14, 8.4e-13)] == [
+        "0.0498",
+        "0.04999",
+        "0.05",
+        "0.14",
+        "8.4e-13",
+    ]
+
+
+# --- compare's page escapes the names it prints, as the leaderboard does --------------------------------------------
+
+
+def test_compare_escapes_names_so_that_none_adds_a_column_or_html(tmp_path, capsys):
+    # Was: an experiment folder named "c|d" split its table row into one column more, shifting its figures under the
+    # wrong headers, and "<b>x" went into the page as HTML (leaderboard.md escaped both).
+    root = _runs(tmp_path, (("c|d", 80.0), ("<b>x", 70.0), ("mlp", 75.0)))
+    page = _page(capsys, "compare", str(root), str(root))
+    assert "| c\\|d | 1 | 80.00 | 1 | 80.00 | +0 |" in page
+    assert "| &lt;b&gt;x | 3 | 70.00 | 3 | 70.00 | +0 |" in page and "<b>" not in page
+
+
+# --- a damaged metrics.jsonl spoils its line, not the report ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "last",
+    [
+        b'{"epoch": 5, "val_top1": "x"}',
+        b'{"epoch": 5, "val_top1": [1]}',
+        b'{"epoch": 5, "val_top1": 1e999}',
+        b"\xff\xfe",
+    ],
+)
+def test_a_damaged_metrics_line_is_skipped_not_read_as_an_accuracy(tmp_path, capsys, last):
+    # Was: "x" failed the report ("could not convert string to float: 'x'", no file named), [1] failed it with a
+    # TypeError (exit 1), a non-UTF-8 byte with "'utf-8' codec can't decode", and 1e999 flagged the cell as still
+    # learning by +inf points.
+    root = _runs(tmp_path, tasks=("mini/digits", "mini/mnist", "mini/textures"))
+    epochs = b"".join(b'{"epoch": %d, "loss": %d, "val_top1": 50}\n' % (e, 5 - e) for e in range(1, 5))
+    (root / "mini-digits" / "lora" / "seed0" / "metrics.jsonl").write_bytes(epochs + last + b"\n")
+    _page(capsys, "report", str(root))
+    md = (root / "leaderboard.md").read_text()
+    assert "| lora | low-rank | 0.0010 (1.00%) | +0.00 (max 0.00) |" in md and "inf" not in md
+
+
+def test_a_selected_trial_whose_folder_is_no_text_has_no_curve(tmp_path, capsys):
+    # Was: a hand-edited "selection" whose chosen trial's output_dir was 5 failed the report with "TypeError: expected
+    # str, bytes or os.PathLike object, not int" (exit 1): the reader checks only that trials are mappings.
+    import json
+
+    root = _runs(tmp_path, tasks=("mini/digits", "mini/mnist", "mini/textures"))
+    edited = root / "mini-digits" / "lora" / "seed0" / "result.json"
+    selection = {"chosen": ["train.lr=0.1"], "trials": [{"overrides": ["train.lr=0.1"], "output_dir": 5}]}
+    edited.write_text(json.dumps({**json.loads(edited.read_text()), "selection": selection}))
+    _page(capsys, "report", str(root))
+    assert "| lora | low-rank | 0.0010 (1.00%) | – |" in (root / "leaderboard.md").read_text()
+
+
+def test_an_empty_out_is_refused_not_read_as_the_current_folder(tmp_path, capsys, monkeypatch):
+    # Was: report out= wrote the board into the current folder (Path("") is ".") and said "-> /leaderboard.{md,...}".
+    root = _runs(tmp_path / "runs")
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    code, _, err = petl_bench(capsys, "report", str(root), "out=")
+    assert code == 2 and err.count("\n") == 1, err
+    assert "out= names no folder: give out=DIR, or leave out= out to write into RESULTS_DIR" in err
+    assert not any(work.iterdir())
+    code, _, err = petl_bench(capsys, "compare", str(root), str(root), "out=")
+    assert code == 2 and "out= names no file: give out=FILE.md" in err, err
+
+
+def test_a_results_folder_that_is_none_says_so_and_what_to_give(tmp_path, capsys):
+    # Was: "no usable result.json under X" for a folder that does not exist, a file, and an empty folder alike.
+    (tmp_path / "afile").write_text("x\n")
+    (tmp_path / "empty").mkdir()
+    for given, said in (
+        ("missing", "missing does not exist: give the folder a sweep or petl-run wrote its runs into"),
+        ("afile", "afile is a file: give the folder a sweep or petl-run wrote its runs into"),
+        ("empty", "no usable result.json under "),
+    ):
+        code, _, err = petl_bench(capsys, "report", str(tmp_path / given))
+        assert code == 2 and err.count("\n") == 1 and said in err, err
+    assert "its runs into (<task>/<experiment>/seed<k>/result.json)" in err
