@@ -52,8 +52,12 @@ class TimmModelParts:
         self.model.patch_embed.proj = module
 
     def patch_norm(self) -> nn.Module:
-        """The norm after the patch projection (``nn.Identity`` in most ViTs, a LayerNorm in a Swin)."""
-        return self.model.patch_embed.norm
+        """The norm after the patch projection (``nn.Identity`` in most ViTs, a LayerNorm in a Swin).
+
+        A hybrid ViT's ``HybridEmbed`` (a CNN, then ``proj``) has no norm: ``nn.Identity`` there too.
+        """
+        norm = getattr(self.model.patch_embed, "norm", None)
+        return nn.Identity() if norm is None else norm
 
     def set_patch_norm(self, module: nn.Module) -> None:
         """Replace the norm after the patch projection."""
