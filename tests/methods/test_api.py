@@ -171,6 +171,19 @@ def test_resnet_is_unsupported():
         petl.apply_lora(resnet)
 
 
+def test_a_distilled_deit_is_refused_in_one_line_saying_which_deit_to_take(tmp_path):
+    # Its logits average head (class token) and head_dist (distillation token): petl read one head, so a MultiTask
+    # row answered head alone, the feature cache trained head alone, and head_dist counted as outside the head.
+    deit = timm.create_model(
+        "deit_tiny_distilled_patch16_224", img_size=32, patch_size=8, embed_dim=48, depth=1, num_heads=3, num_classes=3
+    )
+    for use in (lambda: petl.apply(deit, "lora", num_classes=4), lambda: petl.MultiTask(deit, {"a": tmp_path / "a"})):
+        with pytest.raises(ValueError, match=r"head_dist .*: take the DeiT without distillation") as error:
+            use()
+        assert "\n" not in str(error.value)
+    assert all(p.requires_grad for p in deit.parameters()) and getattr(deit, "petl_method", None) is None
+
+
 class _SplitQKV(nn.Module):
     """Attention with separate q, k, v projections, as some ViT variants have."""
 

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 from timm.models import checkpoint_seq
+from timm.models.deit import VisionTransformerDistilled
 from timm.models.vision_transformer import Block, VisionTransformer
 from torch import nn
 
@@ -257,3 +258,27 @@ class ViT(TimmModelParts, TimmBlockParts, Backbone):
     @staticmethod
     def make_room(block: nn.Module, at: int) -> None:
         """Nothing to do: a ViT adds its (absolute) position embedding before the blocks."""
+
+
+@register_backbone(VisionTransformerDistilled)
+class DistilledViT(ViT):
+    """timm's DeiT with a distillation token (``deit_*_distilled_*``), refused: its logits average two heads, ``head``
+    on the class token and ``head_dist`` on the distillation token, where petl's head, feature cache, parameter counts
+    and :class:`petl.MultiTask` read one head on the pooled features (a mixed batch would answer ``head`` alone).
+    """
+
+    # ViT's blocks stay ViT's (block_family): this class only refuses the model around them.
+    block_types = ()
+
+    def check(self) -> None:
+        """Refuse the model in one line saying which DeiT to take instead.
+
+        Raises:
+            ValueError: always.
+
+        """
+        raise ValueError(
+            f"petl supports {self.supported}; {type(self.model).__name__} (deit_*_distilled_*) averages two heads, "
+            "head on the class token and head_dist on the distillation token, which petl reads as one: take the "
+            "DeiT without distillation (deit_*_patch16_224)"
+        )
