@@ -184,6 +184,24 @@ def test_a_distilled_deit_is_refused_in_one_line_saying_which_deit_to_take(tmp_p
     assert all(p.requires_grad for p in deit.parameters()) and getattr(deit, "petl_method", None) is None
 
 
+# Models of a family's timm module whose blocks it does not take: (timm model, its overrides, the refusal's end).
+REFUSED_LAYOUTS = [
+    ("vit_small_patch16_rope_224", {}, "block 0 of Eva: EvaBlock with AttentionRope, not taken"),
+    ("vit_small_patch16_rope_mixed_224", {}, "Eva has a rotary embedding per block or per size"),
+    ("beit_base_patch16_224", {"swiglu_mlp": True}, "block 0 of Beit: Block with SwiGLU, not taken"),
+    ("vit_relpos_base_patch16_rpn_224", {}, "block 0 of VisionTransformerRelPos is a ResPostRelPosBlock"),
+]
+
+
+@pytest.mark.parametrize(("name", "overrides", "says"), REFUSED_LAYOUTS, ids=[c[0] for c in REFUSED_LAYOUTS])
+def test_a_block_layout_the_family_does_not_take_is_named_in_one_line(name, overrides, says):
+    # EVA's and BEiT's refusals ended "block 0 of Eva is not", naming neither the block nor what it runs.
+    model = timm.create_model(name, img_size=32, patch_size=8, embed_dim=48, depth=1, num_heads=3, **overrides)
+    with pytest.raises(ValueError, match=r"^petl supports a timm ") as error:
+        petl.apply(model, "lora")
+    assert str(error.value).endswith(f"; {says}") and "\n" not in str(error.value)
+
+
 class _SplitQKV(nn.Module):
     """Attention with separate q, k, v projections, as some ViT variants have."""
 

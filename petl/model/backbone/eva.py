@@ -84,7 +84,8 @@ class Eva(QvBiasesBesideQkv, GammaBranches, ViT):
         for i, block in enumerate(model.blocks):
             inner = unwrap(block)
             if type(inner) is not EvaBlock or not isinstance(unwrap(inner.attn), (EvaAttention, EvaRoom)):
-                raise ValueError(f"petl supports {self.supported}; block {i} of {name} is not")
+                runs = f"{type(inner).__name__} with {type(unwrap(getattr(inner, 'attn', None))).__name__}"
+                raise ValueError(f"petl supports {self.supported}; block {i} of {name}: {runs}, not taken")
 
     def block_inputs(self, room: tuple[int, int] | None = None) -> dict[str, Any]:
         """The rotary embedding timm's ``_pos_embed`` passes every block at the model's image size (``check()``
