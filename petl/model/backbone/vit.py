@@ -35,7 +35,8 @@ class ViT(TimmModelParts, TimmBlockParts, Backbone):
     # Modules whose models are (subclasses of) VisionTransformer; "models" is the module name timm records for
     # petl's own petl/backbones/models.py.
     timm_modules = ("vision_transformer", "vision_transformer_hybrid", "deit", "models")
-    linear_names = ("qkv", "proj", "fc1", "fc2")
+    # fc1_g, fc1_x: an unpacked SwiGLU MLP's two input Linears in place of fc1 (timm's AIMv2 ViTs).
+    linear_names = ("qkv", "proj", "fc1", "fc1_g", "fc1_x", "fc2")
     # Pool types whose pooled features can leave out masked tokens (see pooled_features).
     maskable_pools = ("token", "avg")
 
