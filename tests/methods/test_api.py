@@ -190,12 +190,15 @@ REFUSED_LAYOUTS = [
     ("vit_small_patch16_rope_mixed_224", {}, "Eva has a rotary embedding per block or per size"),
     ("beit_base_patch16_224", {"swiglu_mlp": True}, "block 0 of Beit: Block with SwiGLU, not taken"),
     ("vit_relpos_base_patch16_rpn_224", {}, "block 0 of VisionTransformerRelPos is a ResPostRelPosBlock"),
+    # Post-norm, where ViT's residual halves (parallel adapter, SCT, SNF, GPS, a mixed batch's masks) are pre-norm.
+    ("vit_base_patch16_rpn_224", {}, "block 0 of VisionTransformer is a ResPostBlock, not timm's pre-norm Block"),
 ]
 
 
 @pytest.mark.parametrize(("name", "overrides", "says"), REFUSED_LAYOUTS, ids=[c[0] for c in REFUSED_LAYOUTS])
 def test_a_block_layout_the_family_does_not_take_is_named_in_one_line(name, overrides, says):
-    # EVA's and BEiT's refusals ended "block 0 of Eva is not", naming neither the block nor what it runs.
+    # EVA's and BEiT's refusals ended "block 0 of Eva is not", naming neither the block nor what it runs; a plain
+    # ViT of post-norm blocks was taken, and GPS failed on it with an AttributeError (no ls1).
     model = timm.create_model(name, img_size=32, patch_size=8, embed_dim=48, depth=1, num_heads=3, **overrides)
     with pytest.raises(ValueError, match=r"^petl supports a timm ") as error:
         petl.apply(model, "lora")

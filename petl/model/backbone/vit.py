@@ -44,7 +44,8 @@ class ViT(TimmModelParts, TimmBlockParts, Backbone):
         """Raise a ValueError naming what is supported unless the model is a usable timm ViT.
 
         Raises:
-            ValueError: if the model lacks ``blocks``, ``embed_dim`` or a fused ``attn.qkv`` Linear.
+            ValueError: if the model lacks ``blocks``, ``embed_dim`` or a fused ``attn.qkv`` Linear, or its blocks are
+                not timm's pre-norm ``Block``.
 
         """
         model, name = self.model, type(self.model).__name__
@@ -62,6 +63,12 @@ class ViT(TimmModelParts, TimmBlockParts, Backbone):
                 )
             if not hasattr(inner, "mlp"):
                 raise ValueError(f"petl supports {self.supported}; block {i} of {name} has no mlp.")
+            if type(inner) not in self.block_types:
+                # e.g. the post-norm ResPostBlock of vit_base_patch16_rpn_224: the halves below are pre-norm ones.
+                raise ValueError(
+                    f"petl supports {self.supported}; block {i} of {name} is a {type(inner).__name__}, not timm's "
+                    "pre-norm Block"
+                )
         if not hasattr(model, "reset_classifier") or not hasattr(model, "head"):
             raise ValueError(f"petl supports {self.supported}; {name} has no timm classifier head.")
 
