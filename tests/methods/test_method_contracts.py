@@ -191,6 +191,25 @@ def test_load_rejects_another_method_depth_or_width(tiny_vit, tmp_path, method, 
         petl.load_trainable(tiny_vit(embed_dim=60), path)
 
 
+# Backbones of two kinds whose trained tensors have the same names and shapes: (kind saved on, kind loaded onto).
+SAME_SHAPES = [("swinv2", "swin"), ("swin", "swinv2"), ("beit", "vit_relpos"), ("eva02", "vit")]
+
+
+@pytest.mark.parametrize(("saved", "loaded"), SAME_SHAPES)
+def test_load_rejects_a_file_of_another_backbone_kind_of_the_same_shapes(tmp_path, saved, loaded):
+    # A SwinV2's LoRA loaded onto a Swin, a BEiT's onto a relpos ViT, silently: only the shapes were checked.
+    def make(kind: str) -> torch.nn.Module:
+        return TINY_MODELS[kind]() if kind in TINY_MODELS else make_tiny_family(kind)
+
+    path = tmp_path / "trained.safetensors"
+    petl.save_trainable(petl.apply(make(saved), "lora", num_classes=4), path)
+    target = make(loaded)
+    for load in (lambda: petl.load_trainable(target, path), lambda: petl.MultiTask(target, {"a": path})):
+        with pytest.raises(ValueError, match=r"saved for a backbone of kind '\w+', this one is '\w+' \(") as error:
+            load()
+        assert "\n" not in str(error.value) and getattr(target, "petl_method", None) is None
+
+
 # (method, option, value saved, value of the model loaded into)
 OPTION_MISMATCHES = [
     ("lora", "rank", 2, 4),
