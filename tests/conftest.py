@@ -223,6 +223,10 @@ TINY_FAMILIES = {
     "vit_pwee": ("vit_pwee_patch16_reg1_gap_256", {}),
     # The same with the vit_*_xp_* layout's in_proj: no bias (fc1's bias beside it as mlp_bias), the MLP at 4x.
     "vit_pwee_4x": ("vit_pwee_patch16_reg1_gap_256", {"mlp_ratio": 4, "qkv_bias": False}),
+    # A hybrid ViT: timm's HybridEmbed (a ResNetV2 stem, then a 1x1 proj and no norm) in front of plain ViT blocks.
+    "vit_hybrid": ("vit_tiny_r_s16_p8_224", {"patch_size": 1}),
+    # A ViT whose MLP is an unpacked SwiGLU (fc1_g, fc1_x, fc2: no fc1) with RMSNorms (no LayerNorm): timm's AIMv2.
+    "vit_swiglu": ("aimv2_large_patch14_224", {}),
 }
 
 

@@ -42,6 +42,8 @@ def _describe(model: nn.Module) -> dict[str, str]:
         "embed_dim": str(bb.widths()[0]),
         "depth": str(bb.depth()),
         "widths": json.dumps(bb.widths()),
+        # The backbone family (a SwinV2's LoRA has a Swin's shapes, a BEiT's a relpos ViT's): checked on load.
+        "backbone": bb.kind,
     }
 
 
@@ -216,7 +218,7 @@ def load_trainable(model: nn.Module, path: str | Path) -> nn.Module:
     """Restore trained tensors saved by :func:`save_trainable` onto ``model`` (in place).
 
     A fresh backbone (no petl method yet) first gets the method and config recorded in the file.
-    Any mismatch of method, option, depth, width or tensor shape raises a ValueError naming it, and
+    Any mismatch of method, option, backbone family, depth, width or tensor shape raises a ValueError naming it, and
     so does a file whose tensors changed since it was saved.  Everything is checked before anything
     is changed: on an error the model is exactly as it was (a fresh one gets no method applied).
     Files are read with safetensors, so nothing is ever unpickled.
@@ -227,6 +229,12 @@ def load_trainable(model: nn.Module, path: str | Path) -> nn.Module:
     for key, have in (("embed_dim", bb.widths()[0]), ("depth", bb.depth()), ("widths", bb.widths())):
         if have != meta[key]:
             raise ValueError(f"{path} was saved for a backbone with {key}={meta[key]}, this one has {key}={have}")
+    # Files saved before the family was recorded hold no "backbone": their shapes are all that is checked.
+    if meta.get("backbone", bb.kind) != bb.kind:
+        raise ValueError(
+            f"{path} was saved for a backbone of kind {meta['backbone']!r}, this one is {bb.kind!r} "
+            f"({type(model).__name__}): load it onto the backbone it was trained on"
+        )
     fresh = getattr(model, "petl_method", None) is None
     if not fresh and model.petl_method != meta["method"]:
         raise ValueError(f"{path} holds method {meta['method']!r}, the model carries {model.petl_method!r}")

@@ -171,6 +171,40 @@ def test_resnet_is_unsupported():
         petl.apply_lora(resnet)
 
 
+def test_a_distilled_deit_is_refused_in_one_line_saying_which_deit_to_take(tmp_path):
+    # Its logits average head (class token) and head_dist (distillation token): petl read one head, so a MultiTask
+    # row answered head alone, the feature cache trained head alone, and head_dist counted as outside the head.
+    deit = timm.create_model(
+        "deit_tiny_distilled_patch16_224", img_size=32, patch_size=8, embed_dim=48, depth=1, num_heads=3, num_classes=3
+    )
+    for use in (lambda: petl.apply(deit, "lora", num_classes=4), lambda: petl.MultiTask(deit, {"a": tmp_path / "a"})):
+        with pytest.raises(ValueError, match=r"head_dist .*: take the DeiT without distillation") as error:
+            use()
+        assert "\n" not in str(error.value)
+    assert all(p.requires_grad for p in deit.parameters()) and getattr(deit, "petl_method", None) is None
+
+
+# Models of a family's timm module whose blocks it does not take: (timm model, its overrides, the refusal's end).
+REFUSED_LAYOUTS = [
+    ("vit_small_patch16_rope_224", {}, "block 0 of Eva: EvaBlock with AttentionRope, not taken"),
+    ("vit_small_patch16_rope_mixed_224", {}, "Eva has a rotary embedding per block or per size"),
+    ("beit_base_patch16_224", {"swiglu_mlp": True}, "block 0 of Beit: Block with SwiGLU, not taken"),
+    ("vit_relpos_base_patch16_rpn_224", {}, "block 0 of VisionTransformerRelPos is a ResPostRelPosBlock"),
+    # Post-norm, where ViT's residual halves (parallel adapter, SCT, SNF, GPS, a mixed batch's masks) are pre-norm.
+    ("vit_base_patch16_rpn_224", {}, "block 0 of VisionTransformer is a ResPostBlock, not timm's pre-norm Block"),
+]
+
+
+@pytest.mark.parametrize(("name", "overrides", "says"), REFUSED_LAYOUTS, ids=[c[0] for c in REFUSED_LAYOUTS])
+def test_a_block_layout_the_family_does_not_take_is_named_in_one_line(name, overrides, says):
+    # EVA's and BEiT's refusals ended "block 0 of Eva is not", naming neither the block nor what it runs; a plain
+    # ViT of post-norm blocks was taken, and GPS failed on it with an AttributeError (no ls1).
+    model = timm.create_model(name, img_size=32, patch_size=8, embed_dim=48, depth=1, num_heads=3, **overrides)
+    with pytest.raises(ValueError, match=r"^petl supports a timm ") as error:
+        petl.apply(model, "lora")
+    assert str(error.value).endswith(f"; {says}") and "\n" not in str(error.value)
+
+
 class _SplitQKV(nn.Module):
     """Attention with separate q, k, v projections, as some ViT variants have."""
 

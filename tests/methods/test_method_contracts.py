@@ -22,7 +22,7 @@ import petl
 from petl.methods.adapter import ParallelAdapter, SequentialAdapter
 from petl.methods.lora import LoraLinear
 from petl.methods.vpt import PromptedBlock
-from petl.model.backbone import backbone_of
+from petl.model.backbone import backbone_of, unwrap
 from petl.model.backbone.vit import ViT
 from petl.model.params import trainable_state
 from petl.model.wrappers import PetlModule
@@ -189,6 +189,25 @@ def test_load_rejects_another_method_depth_or_width(tiny_vit, tmp_path, method, 
         petl.load_trainable(tiny_vit(depth=4), path)
     with pytest.raises(ValueError, match="embed_dim=48.*embed_dim=60"):
         petl.load_trainable(tiny_vit(embed_dim=60), path)
+
+
+# Backbones of two kinds whose trained tensors have the same names and shapes: (kind saved on, kind loaded onto).
+SAME_SHAPES = [("swinv2", "swin"), ("swin", "swinv2"), ("beit", "vit_relpos"), ("eva02", "vit")]
+
+
+@pytest.mark.parametrize(("saved", "loaded"), SAME_SHAPES)
+def test_load_rejects_a_file_of_another_backbone_kind_of_the_same_shapes(tmp_path, saved, loaded):
+    # A SwinV2's LoRA loaded onto a Swin, a BEiT's onto a relpos ViT, silently: only the shapes were checked.
+    def make(kind: str) -> torch.nn.Module:
+        return TINY_MODELS[kind]() if kind in TINY_MODELS else make_tiny_family(kind)
+
+    path = tmp_path / "trained.safetensors"
+    petl.save_trainable(petl.apply(make(saved), "lora", num_classes=4), path)
+    target = make(loaded)
+    for load in (lambda: petl.load_trainable(target, path), lambda: petl.MultiTask(target, {"a": path})):
+        with pytest.raises(ValueError, match=r"saved for a backbone of kind '\w+', this one is '\w+' \(") as error:
+            load()
+        assert "\n" not in str(error.value) and getattr(target, "petl_method", None) is None
 
 
 # (method, option, value saved, value of the model loaded into)
@@ -643,8 +662,10 @@ def test_family_merge_equals_unmerged(images, family, method, options):
         petl.merge(model)
     except ValueError as refused:
         # A Linear without a bias (timm's qkv_bias=False; BEiT's and EVA's q/v biases live outside qkv) cannot take
-        # SSF's shift: merging is refused in one line and leaves the model unmerged (all or nothing).
-        assert "without weight and bias" in str(refused) and "\n" not in str(refused)
+        # SSF's shift (nor Hydra's branch biases, on AIMv2's bias-free proj): merging is refused in one line and
+        # leaves the model unmerged (all or nothing).
+        assert "without weight and bias" in str(refused) or "without a bias" in str(refused)
+        assert "\n" not in str(refused)
         assert not any(isinstance(m, PetlModule) and m.merged for m in model.modules())
         assert (model(images) - unmerged).abs().max() < 1e-5
         return
@@ -691,6 +712,20 @@ def test_family_refusals_are_one_line(family, method, options):
         petl.apply(model, method, **options)
     assert "\n" not in str(refused.value)
     assert not any(isinstance(m, PetlModule) for m in model.modules())
+
+
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_family_gps_selects_in_every_linear_of_each_block(family):
+    # A SwiGLU MLP's fc1_g and fc1_x (EVA-02 base, AIMv2's ViT) are Linears of the block: GPS selects in them too.
+    # Not in a relpos ViT's position-bias MLP, which maps a table of coordinates, not the tokens.
+    model = make_tiny_family(family)
+    bb = backbone_of(model)
+    table = {id(m) for shared in bb.batch_shared_modules() for m in shared.modules()}
+    block = bb.block_list()[0]
+    linears = {id(m) for m in block.modules() if isinstance(m, torch.nn.Linear) and id(m) not in table}
+    petl.apply(model, "gps", per_row=1)
+    wrapped = {id(unwrap(m)) for m in bb.block_list()[0].modules() if isinstance(m, PetlModule)}
+    assert linears <= wrapped
 
 
 @pytest.mark.parametrize("family", TINY_FAMILIES)

@@ -93,7 +93,10 @@ class Beit(QvBiasesBesideQkv, GammaBranches, VitRelPos):
         for i, block in enumerate(self.model.blocks):
             inner = unwrap(block)
             if type(inner) is not Block or not isinstance(unwrap(inner.mlp), Mlp):
-                raise ValueError(f"petl supports {self.supported}; block {i} of {name} is not")
+                mlp = type(unwrap(getattr(inner, "mlp", None))).__name__
+                raise ValueError(
+                    f"petl supports {self.supported}; block {i} of {name}: {type(inner).__name__} with {mlp}, not taken"
+                )
 
     def batch_shared_modules(self) -> list[nn.Module]:
         """The model's shared ``rel_pos_bias`` (a table every row reads; each attention's own table is a parameter

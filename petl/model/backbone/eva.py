@@ -26,7 +26,7 @@ from torch import nn
 
 from petl.model import rows
 from petl.model.backbone.base import register_backbone, unwrap
-from petl.model.backbone.timm_block import GammaBranches, QvBiasesBesideQkv, TimmBlockParts
+from petl.model.backbone.timm_block import GammaBranches, QvBiasesBesideQkv
 from petl.model.backbone.vit import ViT
 from petl.model.wrappers import PetlModule
 
@@ -84,7 +84,8 @@ class Eva(QvBiasesBesideQkv, GammaBranches, ViT):
         for i, block in enumerate(model.blocks):
             inner = unwrap(block)
             if type(inner) is not EvaBlock or not isinstance(unwrap(inner.attn), (EvaAttention, EvaRoom)):
-                raise ValueError(f"petl supports {self.supported}; block {i} of {name} is not")
+                runs = f"{type(inner).__name__} with {type(unwrap(getattr(inner, 'attn', None))).__name__}"
+                raise ValueError(f"petl supports {self.supported}; block {i} of {name}: {runs}, not taken")
 
     def block_inputs(self, room: tuple[int, int] | None = None) -> dict[str, Any]:
         """The rotary embedding timm's ``_pos_embed`` passes every block at the model's image size (``check()``
@@ -124,20 +125,6 @@ class Eva(QvBiasesBesideQkv, GammaBranches, ViT):
         return model.forward_head(model.norm(x))
 
     # -- inside one block ------------------------------------------------------------------------------------
-
-    @staticmethod
-    def linear_slot(block: nn.Module, name: str) -> tuple[nn.Module, str]:
-        """A Linear of the attention (``qkv`` or ``q_proj``/``k_proj``/``v_proj``, ``proj``) or the MLP.
-
-        Raises:
-            ValueError: the block has no such Linear (separate q/k/v, or a SwiGLU's ``fc1_g``/``fc1_x``).
-
-        """
-        owner, name = TimmBlockParts.linear_slot(block, name)
-        if getattr(owner, name, None) is None:
-            have = [n for n, m in owner.named_children() if n in Eva.linear_names]
-            raise ValueError(f"this EVA block has no {name} Linear (it has {', '.join(have)})")
-        return owner, name
 
     @classmethod
     def qkv_rows(cls, block: nn.Module, part: str) -> tuple[str, int, int]:

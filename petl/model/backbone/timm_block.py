@@ -52,8 +52,12 @@ class TimmModelParts:
         self.model.patch_embed.proj = module
 
     def patch_norm(self) -> nn.Module:
-        """The norm after the patch projection (``nn.Identity`` in most ViTs, a LayerNorm in a Swin)."""
-        return self.model.patch_embed.norm
+        """The norm after the patch projection (``nn.Identity`` in most ViTs, a LayerNorm in a Swin).
+
+        A hybrid ViT's ``HybridEmbed`` (a CNN, then ``proj``) has no norm: ``nn.Identity`` there too.
+        """
+        norm = getattr(self.model.patch_embed, "norm", None)
+        return nn.Identity() if norm is None else norm
 
     def set_patch_norm(self, module: nn.Module) -> None:
         """Replace the norm after the patch projection."""
@@ -83,8 +87,17 @@ class TimmBlockParts:
     def linear_slot(block: nn.Module, name: str) -> tuple[nn.Module, str]:
         """``qkv``, ``proj`` of the attention or ``fc1``, ``fc2`` of the MLP, under any wrapper put around either (a
         mixed batch's routed attention, Convpass's): the module whose forward calls the Linear.
+
+        Raises:
+            ValueError: the block has no such Linear (EVA-02's separate q/k/v; a SwiGLU MLP's ``fc1_g``/``fc1_x`` in
+                place of ``fc1``, as timm's EVA-02 base and AIMv2 ViTs build).
+
         """
-        return unwrap(block.attn if name in ATTENTION_LINEARS else block.mlp), name
+        owner = unwrap(block.attn if name in ATTENTION_LINEARS else block.mlp)
+        if getattr(owner, name, None) is None:
+            have = [n for n, m in owner.named_children() if isinstance(unwrap(m), nn.Linear)]
+            raise ValueError(f"this block's {type(owner).__name__} has no {name} Linear (it has {', '.join(have)})")
+        return owner, name
 
     @staticmethod
     def attention(block: nn.Module) -> nn.Module:

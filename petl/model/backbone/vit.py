@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 from timm.models import checkpoint_seq
+from timm.models.deit import VisionTransformerDistilled
 from timm.models.vision_transformer import Block, VisionTransformer
 from torch import nn
 
@@ -34,7 +35,8 @@ class ViT(TimmModelParts, TimmBlockParts, Backbone):
     # Modules whose models are (subclasses of) VisionTransformer; "models" is the module name timm records for
     # petl's own petl/backbones/models.py.
     timm_modules = ("vision_transformer", "vision_transformer_hybrid", "deit", "models")
-    linear_names = ("qkv", "proj", "fc1", "fc2")
+    # fc1_g, fc1_x: an unpacked SwiGLU MLP's two input Linears in place of fc1 (timm's AIMv2 ViTs).
+    linear_names = ("qkv", "proj", "fc1", "fc1_g", "fc1_x", "fc2")
     # Pool types whose pooled features can leave out masked tokens (see pooled_features).
     maskable_pools = ("token", "avg")
 
@@ -42,7 +44,8 @@ class ViT(TimmModelParts, TimmBlockParts, Backbone):
         """Raise a ValueError naming what is supported unless the model is a usable timm ViT.
 
         Raises:
-            ValueError: if the model lacks ``blocks``, ``embed_dim`` or a fused ``attn.qkv`` Linear.
+            ValueError: if the model lacks ``blocks``, ``embed_dim`` or a fused ``attn.qkv`` Linear, or its blocks are
+                not timm's pre-norm ``Block``.
 
         """
         model, name = self.model, type(self.model).__name__
@@ -60,6 +63,12 @@ class ViT(TimmModelParts, TimmBlockParts, Backbone):
                 )
             if not hasattr(inner, "mlp"):
                 raise ValueError(f"petl supports {self.supported}; block {i} of {name} has no mlp.")
+            if type(inner) not in self.block_types:
+                # e.g. the post-norm ResPostBlock of vit_base_patch16_rpn_224: the halves below are pre-norm ones.
+                raise ValueError(
+                    f"petl supports {self.supported}; block {i} of {name} is a {type(inner).__name__}, not timm's "
+                    "pre-norm Block"
+                )
         if not hasattr(model, "reset_classifier") or not hasattr(model, "head"):
             raise ValueError(f"petl supports {self.supported}; {name} has no timm classifier head.")
 
@@ -257,3 +266,27 @@ class ViT(TimmModelParts, TimmBlockParts, Backbone):
     @staticmethod
     def make_room(block: nn.Module, at: int) -> None:
         """Nothing to do: a ViT adds its (absolute) position embedding before the blocks."""
+
+
+@register_backbone(VisionTransformerDistilled)
+class DistilledViT(ViT):
+    """timm's DeiT with a distillation token (``deit_*_distilled_*``), refused: its logits average two heads, ``head``
+    on the class token and ``head_dist`` on the distillation token, where petl's head, feature cache, parameter counts
+    and :class:`petl.MultiTask` read one head on the pooled features (a mixed batch would answer ``head`` alone).
+    """
+
+    # ViT's blocks stay ViT's (block_family): this class only refuses the model around them.
+    block_types = ()
+
+    def check(self) -> None:
+        """Refuse the model in one line saying which DeiT to take instead.
+
+        Raises:
+            ValueError: always.
+
+        """
+        raise ValueError(
+            f"petl supports {self.supported}; {type(self.model).__name__} (deit_*_distilled_*) averages two heads, "
+            "head on the class token and head_dist on the distillation token, which petl reads as one: take the "
+            "DeiT without distillation (deit_*_patch16_224)"
+        )
