@@ -721,7 +721,7 @@ def test_stacks_written_in_place_under_bf16_autocast_answer_as_the_loop(stacked,
 
 # Tiny backbones of the other families (their methods as they declare them), and the cases apply refuses on them
 # in one line before anything is served: RepAdapter where qkv has no bias of its own, FacT where the MLP is not 4x,
-# and on EVA-02 with separate q/k/v every case naming qkv or fc1.
+# and on EVA-02 with separate q/k/v and a SwiGLU MLP (fc1_g, fc1_x) every case naming qkv or fc1.
 FAMILIES = {"swin": TINY_MODELS["swin"], "swinv2": TINY_MODELS["swinv2"]}
 FAMILIES |= {
     family: functools.partial(make_tiny_family, family)
@@ -733,7 +733,7 @@ NOT_APPLIED = {
     "eva02": ("repadapter", "fact", "fact_tt"),
     "eva02_unfused": (
         *("repadapter", "fact", "fact_tt", "ssf", "noah", "noah_mixed"),
-        *("peft", "dora", "lora_all", "bitfit_linear"),
+        *("peft", "dora", "lora_all", "bitfit_linear", "peft_fc", "ia3"),
     ),
     "vit_relpos": ("repadapter",),
     "vit_srelpos": ("repadapter",),
