@@ -129,3 +129,26 @@ def test_a_planted_path_and_commit_are_caught(tracked):
         "benchmarks/results/speed_cpu.csv",
     ]
     assert quoted_commits(text) == ["0badc0de1", "36593e9"]
+
+
+def test_the_counts_the_pages_state_are_the_code_s():
+    """The method count on the docs' home page and the module sizes contributing.md states follow the code."""
+    import petl
+
+    index = (ROOT / "docs" / "index.md").read_text(encoding="utf-8")
+    stated = re.search(r"with (\d+) registered methods", index)
+    assert stated, "docs/index.md no longer says how many methods are registered"
+    assert int(stated.group(1)) == len(petl.list_methods()), f"docs/index.md says {stated.group(1)} methods"
+    contributing = (ROOT / "docs" / "contributing.md").read_text(encoding="utf-8")
+    bounds = re.search(r"most\s+under\s+(\d+)\s+lines;([^)]*),\s+the\s+largest,\s+under\s+(\d+)\)", contributing)
+    assert bounds, "docs/contributing.md no longer states the modules' sizes"
+    most, largest_named, largest = int(bounds.group(1)), bounds.group(2), int(bounds.group(3))
+    sizes = {
+        str(p.relative_to(ROOT)): len(p.read_text(encoding="utf-8").splitlines()) for p in (ROOT / "petl").rglob("*.py")
+    }
+    over = sorted(name for name, lines in sizes.items() if lines >= most)
+    assert len(over) <= len(sizes) // 10, f"contributing.md says most modules are under {most} lines: {over}"
+    biggest = max(sizes, key=sizes.get)
+    assert sizes[biggest] < largest and biggest in largest_named, (
+        f"contributing.md names{largest_named} as the largest, under {largest} lines: {biggest} has {sizes[biggest]}"
+    )
