@@ -116,6 +116,27 @@ def test_every_commit_a_doc_quotes_exists(doc, tracked):
     )
 
 
+# A benchmark script's command line as a doc gives it: `python benchmarks/x.py --a 1 --b` (a line continued by `\`).
+SCRIPT_CALL = re.compile(r"(benchmarks/[\w/]+\.py)((?:[ \t]+(?:--[\w-]+|[^\s`|]+))*)")
+
+
+def unknown_flags(text: str) -> list[str]:
+    """``script --flag`` pairs of ``text`` whose script's source never names the flag (as its argparse would)."""
+    unknown = []
+    for script, args in SCRIPT_CALL.findall(text.replace("\\\n", " ")):
+        source = (ROOT / script).read_text(encoding="utf-8") if (ROOT / script).is_file() else ""
+        for flag in re.findall(r"(?<![\w-])--[a-z][\w-]*", args):
+            if f'"{flag}"' not in source and f"'{flag}'" not in source:
+                unknown.append(f"{script} {flag}")
+    return unknown
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_flag_a_doc_gives_a_benchmark_script_is_its(doc):
+    unknown = unknown_flags(doc.read_text(encoding="utf-8"))
+    assert not unknown, f"{doc.relative_to(ROOT)} gives {unknown}, which the script does not take"
+
+
 def test_a_planted_path_and_commit_are_caught(tracked):
     text = (
         "Run `benchmarks/no_such_script.py`, read [it](results.md) and `../benchmarks/results/nope.md`,\n"
@@ -129,6 +150,8 @@ def test_a_planted_path_and_commit_are_caught(tracked):
         "benchmarks/results/speed_cpu.csv",
     ]
     assert quoted_commits(text) == ["0badc0de1", "36593e9"]
+    planted = "`python benchmarks/linear_probe.py --backbones swin \\\n    --no-such-flag --out x.md`"
+    assert unknown_flags(planted) == ["benchmarks/linear_probe.py --no-such-flag"]
 
 
 def test_the_counts_the_pages_state_are_the_code_s():
