@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-# The prose docs and the results' notes (the leaderboards' generated files are left out: tests/bench checks them).
+# The prose docs, the results' notes and the READMEs of petl/ and tests/ (the leaderboards' generated files are left
+# out: tests/bench checks them).
 DOCS = sorted(
     {
         ROOT / "README.md",
@@ -25,6 +26,8 @@ DOCS = sorted(
         ROOT / "benchmarks" / "device" / "README.md",
         *(ROOT / "benchmarks" / "results").glob("*.md"),
         *(ROOT / "benchmarks" / "results").glob("*/README.md"),
+        *(ROOT / "petl").rglob("README.md"),
+        ROOT / "tests" / "README.md",
     }
 )
 # A path from the repository root: `benchmarks/...`, `tests/...`, ...; a link `](path)`; a `../path` in backticks.
@@ -33,6 +36,8 @@ LINK = re.compile(r"\]\(([^)#\s]+)\)")
 RELATIVE = re.compile(r"`(\.\./[^`\s]+)`")
 # A short or long commit hash standing alone: not `owner/name@hash`, not part of a path, a name or a digest.
 COMMIT = re.compile(r"(?<![\w/@.=-])([0-9a-f]{7,40})(?![\w-]|\.\w|\.\.)")
+# Another repository's commit written out: "github.com/owner/name, commit c188fad".
+FOREIGN_COMMIT = re.compile(r"github\.com/[\w.-]+/[\w.-]+,?\s+commit\s+[0-9a-f]{7,40}")
 # Paths a doc names that are not this repository's, each with why.
 FOREIGN = {
     ("docs/methods/hydra.md", "configs/hydra_both/cifar.yaml"): "extremebird/Hydra's config",
@@ -94,6 +99,7 @@ def missing_paths(rel: str, text: str, tracked: set[str]) -> list[str]:
 
 def quoted_commits(text: str) -> list[str]:
     """The hex words of ``text`` that read as commits of this repository (a digit and a letter, or 7 digits)."""
+    text = FOREIGN_COMMIT.sub("", text)
     words = set(COMMIT.findall(text)) - NOT_COMMITS
     return sorted(w for w in words if re.search(r"\d", w) and (re.search(r"[a-f]", w) or len(w) == 7))
 
@@ -141,7 +147,8 @@ def test_a_planted_path_and_commit_are_caught(tracked):
     text = (
         "Run `benchmarks/no_such_script.py`, read [it](results.md) and `../benchmarks/results/nope.md`,\n"
         "`benchmarks/results/speed_cpu.{md,csv}`, `petl/methods/*.py`, `benchmarks/*.nope`; measured at 0badc0de1,\n"
-        "a file of SHA-256 198644e3...bfdf355 and at 36593e9. On 2 cores (KMnP/vpt@4410440 is another repository's).\n"
+        "a file of SHA-256 198644e3...bfdf355 and at 36593e9. On 2 cores (KMnP/vpt@4410440 is another repository's,\n"
+        "as is github.com/synbol/Parameter-Efficient-Transfer-Learning-Benchmark, commit c188fad).\n"
     )
     assert missing_paths("docs/planted.md", text, tracked) == [
         "../benchmarks/results/nope.md",
