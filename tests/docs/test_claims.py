@@ -1,4 +1,5 @@
-"""What a doc or a results file names is committed: every repository path it cites, every commit it quotes.
+"""What a doc or a results file names exists: every repository path it cites, every commit it quotes, every flag it
+gives a benchmark script, and the counts the home page and contributing.md state.
 
 A claim such as "measured at 36593e9", "`benchmarks/speed_backbones.sh` writes it" or "see `../linear_probe.md`"
 is only reproducible when the commit and the file exist in this repository (git's, not the working tree's).
