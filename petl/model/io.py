@@ -61,6 +61,7 @@ def save_trainable(model: nn.Module, path: str | Path) -> None:
         path: the ``.safetensors`` file to write.
 
     """
+    backbone_of(model)  # a wrapper (torch.compile's, DataParallel's) is named with the model to give instead
     if getattr(model, "petl_method", None) is None:
         raise ValueError("save_trainable needs a model prepared by petl.apply (no petl method found)")
     if any(getattr(m, "merged", False) for m in model.modules()):

@@ -8,6 +8,7 @@ import typing
 import pytest
 import timm
 import torch
+from conftest import TINY_VIT
 from timm.models.resnet import BasicBlock, ResNet
 from torch import nn
 
@@ -169,6 +170,38 @@ def test_resnet_is_unsupported():
     resnet = ResNet(BasicBlock, [1, 1, 1, 1], num_classes=3)
     with pytest.raises(ValueError, match="VisionTransformer"):
         petl.apply_lora(resnet)
+
+
+WRAPPERS = {
+    "compiled": (lambda model: torch.compile(model), r"got OptimizedModule, torch\.compile's wrapper of a Vision"),
+    "data parallel": (nn.DataParallel, r"got DataParallel, a wrapper of a VisionTransformer: .*\(model\.module\)$"),
+    "features only": (
+        lambda _model: timm.create_model("vit_tiny_patch16_224", features_only=True, **{**TINY_VIT, "num_classes": 0}),
+        r"got FeatureGetterNet, timm's features_only=True wrapper: create the model without features_only",
+    ),
+}
+
+
+@pytest.mark.parametrize("wrapper", WRAPPERS)
+def test_a_wrapped_model_is_refused_saying_which_model_to_give(tiny_vit, tmp_path, wrapper):
+    # A notebook compiles or wraps the model it trains: each petl call on the wrapper says which model to give, in
+    # one line, instead of listing every family petl supports (a torch.compile'd model saved nothing).
+    wrap, says = WRAPPERS[wrapper]
+    petl.save_trainable(petl.apply_lora(tiny_vit()), tmp_path / "lora.safetensors")
+    calls = {
+        "apply": lambda model: petl.apply_lora(model),
+        "load_trainable": lambda model: petl.load_trainable(model, tmp_path / "lora.safetensors"),
+        "multitask": lambda model: petl.MultiTask(model, {"a": tmp_path / "lora.safetensors"}),
+    }
+    if wrapper != "features only":  # a trained model, then wrapped: saving and unloading it
+        calls["save_trainable"] = lambda model: petl.save_trainable(model, tmp_path / "again.safetensors")
+        calls["unload"] = petl.unload
+    for name, call in calls.items():
+        model = tiny_vit() if name in ("apply", "load_trainable", "multitask") else petl.apply_lora(tiny_vit())
+        with pytest.raises(ValueError, match=says) as error:
+            call(wrap(model))
+        assert "\n" not in str(error.value) and "petl supports" not in str(error.value), name
+    assert not (tmp_path / "again.safetensors").exists()
 
 
 def test_a_distilled_deit_is_refused_in_one_line_saying_which_deit_to_take(tmp_path):

@@ -579,14 +579,37 @@ def family_of(model: nn.Module) -> type[Backbone] | None:
     return family
 
 
+def _wrapper_hint(model: Any) -> str:
+    """What to give petl instead of ``model`` where it wraps a model (torch.compile's, DataParallel's, timm's
+    ``features_only``), else ``""``.
+    """
+    compiled = getattr(model, "_orig_mod", None)  # torch.compile's OptimizedModule
+    if isinstance(compiled, nn.Module):
+        return (
+            f"torch.compile's wrapper of a {type(compiled).__name__}: give petl the model it compiled (model._orig_mod)"
+        )
+    if isinstance(model, nn.DataParallel | nn.parallel.DistributedDataParallel):
+        return f"a wrapper of a {type(model.module).__name__}: give petl the model inside it (model.module)"
+    if type(model).__module__ == "timm.models._features":
+        return (
+            "timm's features_only=True wrapper: create the model without features_only and apply petl to it "
+            "(its forward_intermediates gives the blocks' features)"
+        )
+    return ""
+
+
 def backbone_of(model: nn.Module) -> Backbone:
     """``model`` seen through its family's :class:`Backbone`.
 
     Raises:
-        ValueError: no registered family takes ``model``'s class (the message lists what is supported).
+        ValueError: no registered family takes ``model``'s class (the message lists what is supported, or, for a
+            wrapper such as torch.compile's, which model inside it to give).
 
     """
     family = family_of(model)
+    wrapper = _wrapper_hint(model) if family is None else ""
+    if wrapper:  # the model inside may well be one petl takes: say how to reach it, not every family petl supports
+        raise ValueError(f"got {type(model).__name__}, {wrapper}")
     if family is None:
         supported = "; ".join(sorted({f.supported for f in _all_families()}))
         raise ValueError(f"petl supports {supported}; got {type(model).__name__}, which no backbone family takes")
