@@ -601,6 +601,8 @@ class MultiTask(nn.Module):
         """``task_ids`` (names, or indices into :attr:`names`) as a CPU tensor of task indices, checked."""
         # Integers only: a bool or a float (True, 1.7) is no task index, and turning it into one would route the row
         # to a task nobody named.
+        if isinstance(task_ids, str | numbers.Integral):  # a string would be read as one task per letter
+            raise ValueError(f"task_ids={task_ids!r} is one task: give one per image, e.g. [{task_ids!r}] * {rows}")
         if isinstance(task_ids, Tensor):
             if task_ids.dtype == torch.bool or task_ids.is_floating_point() or task_ids.is_complex():
                 raise ValueError(f"task ids are a {task_ids.dtype} tensor: give task names or integer indices")
@@ -693,7 +695,7 @@ class MultiTask(nn.Module):
         Args:
             images: a batch (N x 3 x H x W), preprocessed as the backbone expects.
             task_ids: one task per image: names, or integer indices into :attr:`names` (a list, a NumPy array or an
-                integer tensor; a bool or a float is refused).
+                integer tensor; a bool or a float is refused, and so is one name or index alone: ``[name] * N``).
 
         Returns:
             N x C logits, C the largest class count among the tasks; a row's columns beyond its own task's

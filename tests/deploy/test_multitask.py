@@ -1065,3 +1065,15 @@ def test_one_path_or_a_list_where_a_mapping_is_taken_is_named(tmp_path):
         petl.MultiTask.from_runs(tmp_path)
     with pytest.raises(ValueError, match=r"got a list: e.g. MultiTask\(backbone, \{'cifar': 'runs/cifar'\}\)"):
         petl.MultiTask(make_tiny_vit(), [str(tmp_path / "a.safetensors")])
+
+
+def test_one_task_id_where_one_per_image_is_taken_is_named(tmp_path):
+    # served(images, "a") read the string as one task per letter ("unknown task 'a'" for a task named "ab", or a batch
+    # of len("ab") rows answered by tasks nobody named); served(images, 0) failed with "'int' object is not iterable".
+    _singles, files = _save(tmp_path, {"ab": SHARED["lora"]}, make_tiny_vit())
+    served = petl.MultiTask(make_tiny_vit(), files)
+    images = torch.randn(2, 3, 32, 32)
+    for one in ("ab", 0, np.int64(0)):
+        with pytest.raises(ValueError, match=r"is one task: give one per image, e\.g\. \[.*\] \* 2$") as error:
+            served(images, one)
+        assert str(error.value).startswith(f"task_ids={one!r} is one task")
