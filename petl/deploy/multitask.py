@@ -298,6 +298,8 @@ class MultiTask(nn.Module):
         ValueError: ``tasks`` not a mapping, a file that does not load onto ``backbone`` (the message names it), a
             task that cannot share the backbone (the message names the task and its method), or a run trained on
             another backbone (:class:`TaskRefused`, naming the task and the difference).
+        TypeError: on ``copy.deepcopy``, ``copy.copy`` or pickling (``torch.save``) of a MultiTask: its tasks' hooks
+            read its own modules, which a copy would not rebind; build another from the same backbone and files.
 
     """
 
@@ -760,6 +762,15 @@ class MultiTask(nn.Module):
         self.graphs.clear()
         self._mask_tables.clear()
         return super()._apply(fn, recurse)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # copy.deepcopy, copy.copy and pickle (torch.save) all come here.  The tasks' row hooks are closures over this
+        # MultiTask's own modules, which a copy would not rebind: its answers would follow the original's tensors
+        # (and a .to() of the copy leave them behind); pickle cannot write a closure at all.
+        raise TypeError(
+            "a MultiTask cannot be copied or pickled (its tasks' hooks read its own modules): build another from the "
+            "same backbone and files, petl.MultiTask(backbone, tasks) or petl.MultiTask.from_runs(runs)"
+        )
 
     def graphed(self, images: Tensor, task_ids: Sequence[str] | Sequence[int] | Tensor) -> LayoutGraph:
         """This batch layout's forward as one CUDA graph: ``graph(images)`` answers as ``self(images, task_ids)``.

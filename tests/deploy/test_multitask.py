@@ -1077,3 +1077,19 @@ def test_one_task_id_where_one_per_image_is_taken_is_named(tmp_path):
         with pytest.raises(ValueError, match=r"is one task: give one per image, e\.g\. \[.*\] \* 2$") as error:
             served(images, one)
         assert str(error.value).startswith(f"task_ids={one!r} is one task")
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "copy", "torch.save"])
+def test_a_multitask_refuses_to_be_copied_or_pickled_in_one_line(tmp_path, how):
+    # A deepcopy's row hooks went on reading the original's modules: its logits followed the original's tensors, and
+    # the copy moved to another dtype failed deep in a matmul; torch.save failed on a local lambda.
+    _singles, files = _save(tmp_path, {"a": SHARED["lora"], "b": SHARED["ssf"]}, make_tiny_vit())
+    served = petl.MultiTask(make_tiny_vit(), files)
+    copies = {"deepcopy": copy.deepcopy, "copy": copy.copy, "torch.save": lambda m: torch.save(m, tmp_path / "mt.pt")}
+    with pytest.raises(
+        TypeError, match=r"^a MultiTask cannot be copied or pickled .*petl\.MultiTask\(backbone, tasks\)"
+    ):
+        copies[how](served)
+    # The single-task models it serves still copy and pickle (the notebook's model, not the server).
+    model = petl.apply_lora(make_tiny_vit())
+    torch.save(copy.deepcopy(model), tmp_path / "model.pt")
