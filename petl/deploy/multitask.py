@@ -269,13 +269,25 @@ class _Layout:
     every_row: bool = False
 
 
+def _check_task_names(tasks: Mapping[Any, Any]) -> None:
+    """Refuse a task named by an integer: forward reads an integer task id as an index into the names, so task 1
+    would answer for the task at position 1.
+    """
+    wrong = next((name for name in tasks if isinstance(name, numbers.Integral)), None)
+    if wrong is not None:
+        raise ValueError(
+            f"task name {wrong!r} is an integer: name tasks by strings ({str(wrong)!r}); an integer "
+            "task id given to forward is an index into the names"
+        )
+
+
 class MultiTask(nn.Module):
     """Several tasks' trained PETL modules over one shared frozen ViT, serving batches of mixed tasks.
 
     Args:
         backbone: the plain timm ViT the tasks were trained on (no petl method applied); its parameters are
             shared by every task, never copied (and are set not to require grad).
-        tasks: task name -> a ``.safetensors`` file from :func:`petl.save_trainable` or a ``petl-run`` run
+        tasks: task name (a string) -> a ``.safetensors`` file from :func:`petl.save_trainable` or a ``petl-run`` run
             folder holding ``trainable.safetensors`` (checked against ``backbone`` by its ``model.json``).  Any mix
             of methods that can share (see the module doc).
 
@@ -295,9 +307,10 @@ class MultiTask(nn.Module):
             two rows (past 64, the next multiple of 64).
 
     Raises:
-        ValueError: ``tasks`` not a mapping, a file that does not load onto ``backbone`` (the message names it), a
-            task that cannot share the backbone (the message names the task and its method), or a run trained on
-            another backbone (:class:`TaskRefused`, naming the task and the difference).
+        ValueError: ``tasks`` not a mapping, a task named by an integer (forward reads integers as indices), a
+            file that does not load onto ``backbone`` (the message names it), a task that cannot share the backbone
+            (the message names the task and its method), or a run trained on another backbone (:class:`TaskRefused`,
+            naming the task and the difference).
         TypeError: on ``copy.deepcopy``, ``copy.copy`` or pickling (``torch.save``) of a MultiTask: its tasks' hooks
             read its own modules, which a copy would not rebind; build another from the same backbone and files.
 
@@ -321,6 +334,7 @@ class MultiTask(nn.Module):
             )
         if not tasks:
             raise ValueError("MultiTask needs at least one task")
+        _check_task_names(tasks)
         backbone.requires_grad_(False).eval()
         self.names = [str(name) for name in tasks]
         # What timm's patch embedding takes: its channels, and its image size where it holds to one (it would raise an
@@ -407,7 +421,7 @@ class MultiTask(nn.Module):
         """A MultiTask over the backbone the runs' cards (``model.json``) record, built once for all of them.
 
         Args:
-            runs: ``petl-run`` folders (each named by its path), or task name -> folder.
+            runs: ``petl-run`` folders (each named by its path), or task name (a string) -> folder.
 
         Raises:
             ValueError: runs trained on different backbones (the message names the run and the first difference),
@@ -418,6 +432,8 @@ class MultiTask(nn.Module):
 
         if isinstance(runs, str | Path):  # a string is a sequence too: of one-letter "folders"
             raise ValueError(f"MultiTask.from_runs takes a list of run folders, got one path: write [{str(runs)!r}]")
+        if isinstance(runs, Mapping):
+            _check_task_names(runs)
         tasks = {str(k): v for k, v in runs.items()} if isinstance(runs, Mapping) else {str(r): r for r in runs}
         if not tasks:
             raise ValueError("MultiTask.from_runs needs at least one run folder")

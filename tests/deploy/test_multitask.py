@@ -1093,3 +1093,16 @@ def test_a_multitask_refuses_to_be_copied_or_pickled_in_one_line(tmp_path, how):
     # The single-task models it serves still copy and pickle (the notebook's model, not the server).
     model = petl.apply_lora(make_tiny_vit())
     torch.save(copy.deepcopy(model), tmp_path / "model.pt")
+
+
+def test_a_task_named_by_an_integer_is_refused(tmp_path):
+    # MultiTask(backbone, {1: a, 2: b}) named the tasks "1" and "2", and served(images, [1]) read 1 as an index:
+    # the row was answered by task "2", silently.
+    _singles, files = _save(tmp_path, {"a": SHARED["lora"], "b": SHARED["ssf"]}, make_tiny_vit())
+    by_int = {1: files["a"], 2: files["b"]}
+    with pytest.raises(
+        ValueError, match=r"^task name 1 is an integer: name tasks by strings \('1'\); an integer task id"
+    ):
+        petl.MultiTask(make_tiny_vit(), by_int)
+    with pytest.raises(ValueError, match=r"^task name 1 is an integer: name tasks by strings"):
+        petl.MultiTask.from_runs(by_int)
