@@ -402,3 +402,24 @@ def test_a_model_frozen_after_training_still_saves_what_its_method_trained(tiny_
     loaded = petl.load_trainable(tiny_vit(), tmp_path / "lora.safetensors").eval()
     assert torch.equal(loaded(images), model(images))
     petl.load_trainable(model, tmp_path / "lora.safetensors")  # onto the frozen model itself too
+
+
+@pytest.mark.parametrize("method", petl.list_methods())
+def test_a_norm_unfrozen_beside_the_method_is_saved_and_loaded_back(tiny_vit, images, tmp_path, method):
+    # save_trainable wrote every tensor requiring grad, the final norm a notebook unfroze beside LoRA among them, and
+    # load_trainable (and MultiTask) then refused the file it wrote: "unexpected ['norm.bias', 'norm.weight']".
+    model = petl.apply(tiny_vit(), method, num_classes=3)
+    model.norm.requires_grad_(True)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(0.1)
+    petl.save_trainable(model, tmp_path / "trained.safetensors")
+    for target in (tiny_vit(), petl.apply(tiny_vit(), method, num_classes=3)):  # a fresh backbone, and one applied
+        loaded = petl.load_trainable(target, tmp_path / "trained.safetensors").eval()
+        torch.testing.assert_close(loaded(images), model.eval()(images), rtol=0, atol=0)
+        trains = [name for name, p in loaded.named_parameters() if p.requires_grad]
+        assert trains == [name for name, p in model.named_parameters() if p.requires_grad]
+    if method == "lora":  # served too: the task's own norm acts on its rows
+        served = petl.MultiTask(tiny_vit(), {"a": tmp_path / "trained.safetensors"})
+        torch.testing.assert_close(served(images, ["a"] * len(images)), model(images))
