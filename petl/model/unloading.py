@@ -57,6 +57,8 @@ def unload(model: nn.Module) -> nn.Module:
 
     Returns:
         The same model object, now without petl wrappers or marks (``petl_method``, ``petl_config``, ``petl_trained``).
+        Its ``requires_grad`` flags stay as the method set them (the head and what the method trained in the
+        backbone, BitFit's biases say, train; the rest is frozen): ``model.requires_grad_(True)`` to train it whole.
 
     Raises:
         ValueError: the method adds modules that cannot fold into the backbone, or a layer refuses to merge its
