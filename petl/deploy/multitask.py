@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import copy
 import numbers
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -434,6 +435,11 @@ class MultiTask(nn.Module):
             raise ValueError(f"MultiTask.from_runs takes a list of run folders, got one path: write [{str(runs)!r}]")
         if isinstance(runs, Mapping):
             _check_task_names(runs)
+        folders = runs.values() if isinstance(runs, Mapping) else runs
+        wrong = next((run for run in folders if not isinstance(run, str | os.PathLike)), None)
+        if wrong is not None:  # a petl.load_run answer, say: pathlib would fail on it without saying what to give
+            where = f": give its folder ({wrong.run_dir})" if isinstance(getattr(wrong, "run_dir", None), Path) else ""
+            raise ValueError(f"MultiTask.from_runs takes run folders, got a {type(wrong).__name__}{where}")
         tasks = {str(k): v for k, v in runs.items()} if isinstance(runs, Mapping) else {str(r): r for r in runs}
         if not tasks:
             raise ValueError("MultiTask.from_runs needs at least one run folder")

@@ -27,6 +27,7 @@ from petl.model.registry import (
     plain_numbers,
 )
 from petl.model.unloading import unload as unload_model
+from petl.model.wrappers import check_module
 
 
 def apply(
@@ -181,6 +182,7 @@ def merge(model: nn.Module, unload: bool | None = None) -> nn.Module:
         model: a model prepared by :func:`petl.apply`.
         unload: deprecated: ``merge(model, unload=True)`` is ``petl.unload(model)``, and warns.
     """
+    check_module(model)  # said as it is, not as a layer that could not merge
     if unload is not None:
         # One operation per name, as peft's; the flag stays for a release so that earlier code still runs.
         warnings.warn(

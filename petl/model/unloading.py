@@ -16,7 +16,7 @@ from torch import nn
 from petl.model import timm_api
 from petl.model.backbone import backbone_of
 from petl.model.merging import _FOREIGN_MERGEABLE, merge_updates
-from petl.model.wrappers import PetlModule
+from petl.model.wrappers import PetlModule, check_module
 
 
 def _base_of(module: nn.Module) -> nn.Module | None:
@@ -29,6 +29,7 @@ def _base_of(module: nn.Module) -> nn.Module | None:
 
 
 def _check_unloadable(model: nn.Module) -> None:
+    check_module(model)
     method = getattr(model, "petl_method", None)
     for name, module in model.named_modules():
         if isinstance(module, PetlModule) and not module.mergeable:

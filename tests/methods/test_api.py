@@ -423,3 +423,32 @@ def test_a_norm_unfrozen_beside_the_method_is_saved_and_loaded_back(tiny_vit, im
     if method == "lora":  # served too: the task's own norm acts on its rows
         served = petl.MultiTask(tiny_vit(), {"a": tmp_path / "trained.safetensors"})
         torch.testing.assert_close(served(images, ["a"] * len(images)), model(images))
+
+
+def test_a_loaded_run_given_for_its_model_is_named_in_one_line(tiny_vit, tmp_path):
+    # petl.merge(run) for petl.merge(run.model), a notebook's slip: merge, unmerge, unload and count_params failed
+    # with "'LoadedRun' object has no attribute 'named_modules'", the others listed every family petl supports.
+    from petl.store.run_card import LoadedRun
+
+    model = petl.apply_lora(tiny_vit())
+    petl.save_trainable(model, tmp_path / "lora.safetensors")
+    run = LoadedRun(model=model, spec=None, class_names=[], card={}, run_dir=tmp_path)
+    calls = {
+        "apply": lambda: petl.apply(run, "lora"),
+        "merge": lambda: petl.merge(run),
+        "unmerge": lambda: petl.unmerge(run),
+        "unload": lambda: petl.unload(run),
+        "count_params": lambda: petl.count_params(run),
+        "save_trainable": lambda: petl.save_trainable(run, tmp_path / "again.safetensors"),
+        "load_trainable": lambda: petl.load_trainable(run, tmp_path / "lora.safetensors"),
+        "MultiTask": lambda: petl.MultiTask(run, {"a": tmp_path / "lora.safetensors"}),
+    }
+    for call in calls.values():
+        with pytest.raises(
+            ValueError, match=r"^got a LoadedRun, not the model it holds: give its \.model \(run\.model\)$"
+        ):
+            call()
+    with pytest.raises(ValueError, match=r"^MultiTask.from_runs takes run folders, got a LoadedRun: give its folder"):
+        petl.MultiTask.from_runs([run])
+    with pytest.raises(ValueError, match=r"^got a str, not a torch model: give the timm model \(an nn\.Module\)$"):
+        petl.merge("runs/lora")

@@ -20,6 +20,8 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from petl.model.wrappers import check_module
+
 # Row slice of a fused qkv Linear's output for each of Q, K, V, as a multiple of the block width: timm's fused
 # attentions (ViT's Attention, Swin's WindowAttention) lay the rows out as Q = [0, d), K = [d, 2d), V = [2d, 3d).
 QKV_INDEX = {"q": 0, "k": 1, "v": 2}
@@ -606,6 +608,7 @@ def backbone_of(model: nn.Module) -> Backbone:
             wrapper such as torch.compile's, which model inside it to give).
 
     """
+    check_module(model)
     family = family_of(model)
     wrapper = _wrapper_hint(model) if family is None else ""
     if wrapper:  # the model inside may well be one petl takes: say how to reach it, not every family petl supports
