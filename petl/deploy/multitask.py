@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import copy
 import numbers
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -269,13 +270,25 @@ class _Layout:
     every_row: bool = False
 
 
+def _check_task_names(tasks: Mapping[Any, Any]) -> None:
+    """Refuse a task named by an integer: forward reads an integer task id as an index into the names, so task 1
+    would answer for the task at position 1.
+    """
+    wrong = next((name for name in tasks if isinstance(name, numbers.Integral)), None)
+    if wrong is not None:
+        raise ValueError(
+            f"task name {wrong!r} is an integer: name tasks by strings ({str(wrong)!r}); an integer "
+            "task id given to forward is an index into the names"
+        )
+
+
 class MultiTask(nn.Module):
     """Several tasks' trained PETL modules over one shared frozen ViT, serving batches of mixed tasks.
 
     Args:
         backbone: the plain timm ViT the tasks were trained on (no petl method applied); its parameters are
             shared by every task, never copied (and are set not to require grad).
-        tasks: task name -> a ``.safetensors`` file from :func:`petl.save_trainable` or a ``petl-run`` run
+        tasks: task name (a string) -> a ``.safetensors`` file from :func:`petl.save_trainable` or a ``petl-run`` run
             folder holding ``trainable.safetensors`` (checked against ``backbone`` by its ``model.json``).  Any mix
             of methods that can share (see the module doc).
 
@@ -295,9 +308,12 @@ class MultiTask(nn.Module):
             two rows (past 64, the next multiple of 64).
 
     Raises:
-        ValueError: ``tasks`` not a mapping, a file that does not load onto ``backbone`` (the message names it), a
-            task that cannot share the backbone (the message names the task and its method), or a run trained on
-            another backbone (:class:`TaskRefused`, naming the task and the difference).
+        ValueError: ``tasks`` not a mapping, a task named by an integer (forward reads integers as indices), a
+            file that does not load onto ``backbone`` (the message names it), a task that cannot share the backbone
+            (the message names the task and its method), or a run trained on another backbone (:class:`TaskRefused`,
+            naming the task and the difference).
+        TypeError: on ``copy.deepcopy``, ``copy.copy`` or pickling (``torch.save``) of a MultiTask: its tasks' hooks
+            read its own modules, which a copy would not rebind; build another from the same backbone and files.
 
     """
 
@@ -319,6 +335,7 @@ class MultiTask(nn.Module):
             )
         if not tasks:
             raise ValueError("MultiTask needs at least one task")
+        _check_task_names(tasks)
         backbone.requires_grad_(False).eval()
         self.names = [str(name) for name in tasks]
         # What timm's patch embedding takes: its channels, and its image size where it holds to one (it would raise an
@@ -405,7 +422,7 @@ class MultiTask(nn.Module):
         """A MultiTask over the backbone the runs' cards (``model.json``) record, built once for all of them.
 
         Args:
-            runs: ``petl-run`` folders (each named by its path), or task name -> folder.
+            runs: ``petl-run`` folders (each named by its path), or task name (a string) -> folder.
 
         Raises:
             ValueError: runs trained on different backbones (the message names the run and the first difference),
@@ -416,6 +433,13 @@ class MultiTask(nn.Module):
 
         if isinstance(runs, str | Path):  # a string is a sequence too: of one-letter "folders"
             raise ValueError(f"MultiTask.from_runs takes a list of run folders, got one path: write [{str(runs)!r}]")
+        if isinstance(runs, Mapping):
+            _check_task_names(runs)
+        folders = runs.values() if isinstance(runs, Mapping) else runs
+        wrong = next((run for run in folders if not isinstance(run, str | os.PathLike)), None)
+        if wrong is not None:  # a petl.load_run answer, say: pathlib would fail on it without saying what to give
+            where = f": give its folder ({wrong.run_dir})" if isinstance(getattr(wrong, "run_dir", None), Path) else ""
+            raise ValueError(f"MultiTask.from_runs takes run folders, got a {type(wrong).__name__}{where}")
         tasks = {str(k): v for k, v in runs.items()} if isinstance(runs, Mapping) else {str(r): r for r in runs}
         if not tasks:
             raise ValueError("MultiTask.from_runs needs at least one run folder")
@@ -601,6 +625,8 @@ class MultiTask(nn.Module):
         """``task_ids`` (names, or indices into :attr:`names`) as a CPU tensor of task indices, checked."""
         # Integers only: a bool or a float (True, 1.7) is no task index, and turning it into one would route the row
         # to a task nobody named.
+        if isinstance(task_ids, str | numbers.Integral):  # a string would be read as one task per letter
+            raise ValueError(f"task_ids={task_ids!r} is one task: give one per image, e.g. [{task_ids!r}] * {rows}")
         if isinstance(task_ids, Tensor):
             if task_ids.dtype == torch.bool or task_ids.is_floating_point() or task_ids.is_complex():
                 raise ValueError(f"task ids are a {task_ids.dtype} tensor: give task names or integer indices")
@@ -693,7 +719,7 @@ class MultiTask(nn.Module):
         Args:
             images: a batch (N x 3 x H x W), preprocessed as the backbone expects.
             task_ids: one task per image: names, or integer indices into :attr:`names` (a list, a NumPy array or an
-                integer tensor; a bool or a float is refused).
+                integer tensor; a bool or a float is refused, and so is one name or index alone: ``[name] * N``).
 
         Returns:
             N x C logits, C the largest class count among the tasks; a row's columns beyond its own task's
@@ -758,6 +784,15 @@ class MultiTask(nn.Module):
         self.graphs.clear()
         self._mask_tables.clear()
         return super()._apply(fn, recurse)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # copy.deepcopy, copy.copy and pickle (torch.save) all come here.  The tasks' row hooks are closures over this
+        # MultiTask's own modules, which a copy would not rebind: its answers would follow the original's tensors
+        # (and a .to() of the copy leave them behind); pickle cannot write a closure at all.
+        raise TypeError(
+            "a MultiTask cannot be copied or pickled (its tasks' hooks read its own modules): build another from the "
+            "same backbone and files, petl.MultiTask(backbone, tasks) or petl.MultiTask.from_runs(runs)"
+        )
 
     def graphed(self, images: Tensor, task_ids: Sequence[str] | Sequence[int] | Tensor) -> LayoutGraph:
         """This batch layout's forward as one CUDA graph: ``graph(images)`` answers as ``self(images, task_ids)``.

@@ -51,7 +51,8 @@ def save_trainable(model: nn.Module, path: str | Path) -> None:
     """Write only the trained tensors, with the method and its config as metadata, to safetensors.
 
     The trained tensors are those :func:`apply` made trainable, also when the model was frozen since
-    (``model.requires_grad_(False)`` after training), and any others that require grad.
+    (``model.requires_grad_(False)`` after training), and any others that require grad (a norm unfrozen beside the
+    method, which :func:`load_trainable` restores and makes trainable again).
 
     The metadata also holds a SHA-256 of the tensors (:func:`_content_hash`): safetensors itself has
     no checksum, and :func:`load_trainable` refuses a file whose bytes changed since it was written.
@@ -61,6 +62,7 @@ def save_trainable(model: nn.Module, path: str | Path) -> None:
         path: the ``.safetensors`` file to write.
 
     """
+    backbone_of(model)  # a wrapper (torch.compile's, DataParallel's) is named with the model to give instead
     if getattr(model, "petl_method", None) is None:
         raise ValueError("save_trainable needs a model prepared by petl.apply (no petl method found)")
     if any(getattr(m, "merged", False) for m in model.modules()):
@@ -190,13 +192,19 @@ def _read_header(path: str | Path) -> dict[str, tuple[tuple[int, ...], str]]:
 def _check_matches(
     path: str | Path, model: nn.Module, header: dict[str, tuple[tuple[int, ...], str]], needs: str = "the model needs"
 ) -> None:
-    """Refuse (before anything is read or copied) a file whose names, shapes or dtypes do not fit ``model``."""
+    """Refuse (before anything is read or copied) a file whose names, shapes or dtypes do not fit ``model``.
+
+    Besides the method's trained tensors the file may hold other tensors of the model: :func:`save_trainable` writes
+    every tensor that requires grad, such as a norm the caller unfroze beside the method.
+    """
     params = trainable_state(model)
-    missing, unexpected = sorted(params.keys() - header.keys()), sorted(header.keys() - params.keys())
+    held = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    missing = sorted(params.keys() - header.keys())
+    unexpected = sorted(header.keys() - params.keys() - held.keys())
     if missing or unexpected:
         raise ValueError(f"{path} does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
     for name in sorted(header):
-        (shape, dtype), param = header[name], params[name]
+        (shape, dtype), param = header[name], params.get(name, held.get(name))
         if shape != tuple(param.shape):
             raise ValueError(f"{path}: {name} has shape {shape}, {needs} {tuple(param.shape)}")
         # A float file loads onto a half-precision model (copy_ casts); integers never were weights.
@@ -217,10 +225,11 @@ def meta_copy(model: nn.Module) -> nn.Module:
 def load_trainable(model: nn.Module, path: str | Path) -> nn.Module:
     """Restore trained tensors saved by :func:`save_trainable` onto ``model`` (in place).
 
-    A fresh backbone (no petl method yet) first gets the method and config recorded in the file.
-    Any mismatch of method, option, backbone family, depth, width or tensor shape raises a ValueError naming it, and
-    so does a file whose tensors changed since it was saved.  Everything is checked before anything
-    is changed: on an error the model is exactly as it was (a fresh one gets no method applied).
+    A fresh backbone (no petl method yet) first gets the method and config recorded in the file.  Tensors of the
+    model the file holds beside the method's (a norm the caller unfroze and trained) are restored too, and train
+    again as when saved.  Any mismatch of method, option, backbone family, depth, width or tensor shape raises a
+    ValueError naming it, and so does a file whose tensors changed since it was saved.  Everything is checked before
+    anything is changed: on an error the model is exactly as it was (a fresh one gets no method applied).
     Files are read with safetensors, so nothing is ever unpickled.
     """
     bb = backbone_of(model)
@@ -258,9 +267,13 @@ def load_trainable(model: nn.Module, path: str | Path) -> nn.Module:
     if fresh:
         _applied(path, model, meta)
     params = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    besides = tensors.keys() - trainable_state(model).keys()  # trained beside the method (an unfrozen norm)
     with torch.no_grad():
         for name, tensor in tensors.items():
             params[name].copy_(tensor)
+    for name in besides:  # trainable again, as when saved: training on and saving keep them
+        if isinstance(params[name], nn.Parameter):
+            params[name].requires_grad_(True)
     return model
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from petl.model.wrappers import PetlModule
+from petl.model.wrappers import PetlModule, check_module
 
 # Foreign wrapper types (e.g. peft's tuner layers) that have merge()/unmerge() of their own.
 _FOREIGN_MERGEABLE: list[type] = []
@@ -36,6 +36,7 @@ def merge_updates(model: nn.Module) -> nn.Module:
     All or nothing: a wrapper that refuses (a non-finite update, a layer without the bias a shift needs)
     raises after the wrappers merged before it are unmerged again, so the model is never half merged.
     """
+    check_module(model)
     done: list[nn.Module] = []
     names = {id(m): name for name, m in model.named_modules()}
     try:
@@ -56,6 +57,7 @@ def merge_updates(model: nn.Module) -> nn.Module:
 @torch.no_grad()
 def unmerge(model: nn.Module) -> nn.Module:
     """Undo :func:`merge` (in place)."""
+    check_module(model)
     for module in _mergeables(model):
         module.unmerge()
     return model

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from petl.model.backbone import family_of
+from petl.model.wrappers import check_module
 
 
 class ParamCount(NamedTuple):
@@ -24,6 +25,7 @@ def count_params(model: nn.Module) -> ParamCount:
     The head is the one petl's backbone family names, or for another timm model its ``get_classifier()``; a model
     with neither has no head to leave out.
     """
+    check_module(model)
     family = family_of(model)
     if family is not None:
         head = family(model).head()

@@ -73,6 +73,29 @@ def check_types(config: MethodConfig) -> None:
             raise ValueError(f"{f.name}={value!r} is not {words} ({type(value).__name__}): give {words}{example}")
 
 
+def plain_numbers(config: MethodConfig) -> None:
+    """Turn NumPy's (or any other library's) integers and reals in ``config``'s fields into Python's, in place.
+
+    :func:`check_types` takes any whole number for an int (``np.arange``'s, ``np.int64``), but the weights file
+    records the config as JSON, which writes Python's numbers only: a NumPy rank or alpha would fail
+    :func:`petl.save_trainable` after training.  Lists and tuples of numbers are turned item by item.
+    """
+
+    def plain(value: Any) -> Any:
+        if isinstance(value, bool | int | float | str) or value is None:
+            return value
+        if isinstance(value, numbers.Integral):
+            return int(value)
+        if isinstance(value, numbers.Real):
+            return float(value)
+        if isinstance(value, tuple | list):
+            return type(value)(plain(item) for item in value)
+        return value
+
+    for f in fields(config):
+        setattr(config, f.name, plain(getattr(config, f.name)))
+
+
 def fits_type(value: Any, hint: Any) -> bool:
     """Whether ``value`` fits type hint ``hint``: bool only for bool; an int, never a bool, for int (a float too)."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)

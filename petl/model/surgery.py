@@ -18,8 +18,16 @@ from petl.model import timm_api
 from petl.model.backbone import backbone_of
 from petl.model.merging import merge_updates
 from petl.model.params import trainable_state
-from petl.model.registry import MethodConfig, foreign_converter, get_method, make_config, method_for_config
+from petl.model.registry import (
+    MethodConfig,
+    foreign_converter,
+    get_method,
+    make_config,
+    method_for_config,
+    plain_numbers,
+)
 from petl.model.unloading import unload as unload_model
+from petl.model.wrappers import check_module
 
 
 def apply(
@@ -38,7 +46,8 @@ def apply(
         method: a name from :func:`list_methods`, a method's config object, or a registered foreign config
             (a ``peft.PeftConfig``, which goes through the ``peft`` bridge).
         config: a ready config for a named method; otherwise one is built from ``options``.
-        **options: the method's config fields, e.g. ``rank=4``.
+        **options: the method's config fields, e.g. ``rank=4``; NumPy's integers and reals (a sweep's
+            ``np.arange``) are recorded as Python's, which the weights file's JSON metadata takes.
 
     Returns:
         The same model, modified.
@@ -77,6 +86,7 @@ def apply(
     # A copy: the caller's config object may be changed or reused for another model afterwards, and the model's
     # recorded config (what save_trainable writes) must stay the one its modules were built from.
     config = copy.deepcopy(config)
+    plain_numbers(config)  # NumPy numbers (a sweep's np.arange) as Python's, which the weights file's JSON writes
     check_supported(model, method)
     bb = backbone_of(model)
     config.validate(model)
@@ -172,6 +182,7 @@ def merge(model: nn.Module, unload: bool | None = None) -> nn.Module:
         model: a model prepared by :func:`petl.apply`.
         unload: deprecated: ``merge(model, unload=True)`` is ``petl.unload(model)``, and warns.
     """
+    check_module(model)  # said as it is, not as a layer that could not merge
     if unload is not None:
         # One operation per name, as peft's; the flag stays for a release so that earlier code still runs.
         warnings.warn(

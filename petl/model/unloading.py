@@ -16,7 +16,7 @@ from torch import nn
 from petl.model import timm_api
 from petl.model.backbone import backbone_of
 from petl.model.merging import _FOREIGN_MERGEABLE, merge_updates
-from petl.model.wrappers import PetlModule
+from petl.model.wrappers import PetlModule, check_module
 
 
 def _base_of(module: nn.Module) -> nn.Module | None:
@@ -29,6 +29,7 @@ def _base_of(module: nn.Module) -> nn.Module | None:
 
 
 def _check_unloadable(model: nn.Module) -> None:
+    check_module(model)
     method = getattr(model, "petl_method", None)
     for name, module in model.named_modules():
         if isinstance(module, PetlModule) and not module.mergeable:
@@ -57,6 +58,8 @@ def unload(model: nn.Module) -> nn.Module:
 
     Returns:
         The same model object, now without petl wrappers or marks (``petl_method``, ``petl_config``, ``petl_trained``).
+        Its ``requires_grad`` flags stay as the method set them (the head and what the method trained in the
+        backbone, BitFit's biases say, train; the rest is frozen): ``model.requires_grad_(True)`` to train it whole.
 
     Raises:
         ValueError: the method adds modules that cannot fold into the backbone, or a layer refuses to merge its

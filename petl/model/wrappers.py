@@ -12,6 +12,20 @@ import torch
 from torch import nn
 
 
+def check_module(model: Any) -> None:
+    """Refuse in one line what is no torch model: a :func:`petl.load_run` answer (its ``model`` is one), or else.
+
+    Raises:
+        ValueError: ``model`` is no ``nn.Module``.
+
+    """
+    if isinstance(model, nn.Module):
+        return
+    if isinstance(getattr(model, "model", None), nn.Module):  # petl.merge(run) for petl.merge(run.model)
+        raise ValueError(f"got a {type(model).__name__}, not the model it holds: give its .model (run.model)")
+    raise ValueError(f"got a {type(model).__name__}, not a torch model: give the timm model (an nn.Module)")
+
+
 def factory_kwargs(model: nn.Module) -> dict[str, Any]:
     """``device`` and ``dtype`` of ``model``'s first parameter, for building modules that live beside it."""
     first = next(model.parameters())

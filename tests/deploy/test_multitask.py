@@ -1065,3 +1065,44 @@ def test_one_path_or_a_list_where_a_mapping_is_taken_is_named(tmp_path):
         petl.MultiTask.from_runs(tmp_path)
     with pytest.raises(ValueError, match=r"got a list: e.g. MultiTask\(backbone, \{'cifar': 'runs/cifar'\}\)"):
         petl.MultiTask(make_tiny_vit(), [str(tmp_path / "a.safetensors")])
+
+
+def test_one_task_id_where_one_per_image_is_taken_is_named(tmp_path):
+    # served(images, "a") read the string as one task per letter ("unknown task 'a'" for a task named "ab", or a batch
+    # of len("ab") rows answered by tasks nobody named); served(images, 0) failed with "'int' object is not iterable".
+    _singles, files = _save(tmp_path, {"ab": SHARED["lora"]}, make_tiny_vit())
+    served = petl.MultiTask(make_tiny_vit(), files)
+    images = torch.randn(2, 3, 32, 32)
+    for one in ("ab", 0, np.int64(0)):
+        with pytest.raises(ValueError, match=r"is one task: give one per image, e\.g\. \[.*\] \* 2$") as error:
+            served(images, one)
+        assert str(error.value).startswith(f"task_ids={one!r} is one task")
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "copy", "torch.save"])
+def test_a_multitask_refuses_to_be_copied_or_pickled_in_one_line(tmp_path, how):
+    # A deepcopy's row hooks went on reading the original's modules: its logits followed the original's tensors, and
+    # the copy moved to another dtype failed deep in a matmul; torch.save failed on a local lambda.
+    _singles, files = _save(tmp_path, {"a": SHARED["lora"], "b": SHARED["ssf"]}, make_tiny_vit())
+    served = petl.MultiTask(make_tiny_vit(), files)
+    copies = {"deepcopy": copy.deepcopy, "copy": copy.copy, "torch.save": lambda m: torch.save(m, tmp_path / "mt.pt")}
+    with pytest.raises(
+        TypeError, match=r"^a MultiTask cannot be copied or pickled .*petl\.MultiTask\(backbone, tasks\)"
+    ):
+        copies[how](served)
+    # The single-task models it serves still copy and pickle (the notebook's model, not the server).
+    model = petl.apply_lora(make_tiny_vit())
+    torch.save(copy.deepcopy(model), tmp_path / "model.pt")
+
+
+def test_a_task_named_by_an_integer_is_refused(tmp_path):
+    # MultiTask(backbone, {1: a, 2: b}) named the tasks "1" and "2", and served(images, [1]) read 1 as an index:
+    # the row was answered by task "2", silently.
+    _singles, files = _save(tmp_path, {"a": SHARED["lora"], "b": SHARED["ssf"]}, make_tiny_vit())
+    by_int = {1: files["a"], 2: files["b"]}
+    with pytest.raises(
+        ValueError, match=r"^task name 1 is an integer: name tasks by strings \('1'\); an integer task id"
+    ):
+        petl.MultiTask(make_tiny_vit(), by_int)
+    with pytest.raises(ValueError, match=r"^task name 1 is an integer: name tasks by strings"):
+        petl.MultiTask.from_runs(by_int)

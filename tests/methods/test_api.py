@@ -8,6 +8,7 @@ import typing
 import pytest
 import timm
 import torch
+from conftest import TINY_VIT
 from timm.models.resnet import BasicBlock, ResNet
 from torch import nn
 
@@ -169,6 +170,38 @@ def test_resnet_is_unsupported():
     resnet = ResNet(BasicBlock, [1, 1, 1, 1], num_classes=3)
     with pytest.raises(ValueError, match="VisionTransformer"):
         petl.apply_lora(resnet)
+
+
+WRAPPERS = {
+    "compiled": (lambda model: torch.compile(model), r"got OptimizedModule, torch\.compile's wrapper of a Vision"),
+    "data parallel": (nn.DataParallel, r"got DataParallel, a wrapper of a VisionTransformer: .*\(model\.module\)$"),
+    "features only": (
+        lambda _model: timm.create_model("vit_tiny_patch16_224", features_only=True, **{**TINY_VIT, "num_classes": 0}),
+        r"got FeatureGetterNet, timm's features_only=True wrapper: create the model without features_only",
+    ),
+}
+
+
+@pytest.mark.parametrize("wrapper", WRAPPERS)
+def test_a_wrapped_model_is_refused_saying_which_model_to_give(tiny_vit, tmp_path, wrapper):
+    # A notebook compiles or wraps the model it trains: each petl call on the wrapper says which model to give, in
+    # one line, instead of listing every family petl supports (a torch.compile'd model saved nothing).
+    wrap, says = WRAPPERS[wrapper]
+    petl.save_trainable(petl.apply_lora(tiny_vit()), tmp_path / "lora.safetensors")
+    calls = {
+        "apply": lambda model: petl.apply_lora(model),
+        "load_trainable": lambda model: petl.load_trainable(model, tmp_path / "lora.safetensors"),
+        "multitask": lambda model: petl.MultiTask(model, {"a": tmp_path / "lora.safetensors"}),
+    }
+    if wrapper != "features only":  # a trained model, then wrapped: saving and unloading it
+        calls["save_trainable"] = lambda model: petl.save_trainable(model, tmp_path / "again.safetensors")
+        calls["unload"] = petl.unload
+    for name, call in calls.items():
+        model = tiny_vit() if name in ("apply", "load_trainable", "multitask") else petl.apply_lora(tiny_vit())
+        with pytest.raises(ValueError, match=says) as error:
+            call(wrap(model))
+        assert "\n" not in str(error.value) and "petl supports" not in str(error.value), name
+    assert not (tmp_path / "again.safetensors").exists()
 
 
 def test_a_distilled_deit_is_refused_in_one_line_saying_which_deit_to_take(tmp_path):
@@ -369,3 +402,53 @@ def test_a_model_frozen_after_training_still_saves_what_its_method_trained(tiny_
     loaded = petl.load_trainable(tiny_vit(), tmp_path / "lora.safetensors").eval()
     assert torch.equal(loaded(images), model(images))
     petl.load_trainable(model, tmp_path / "lora.safetensors")  # onto the frozen model itself too
+
+
+@pytest.mark.parametrize("method", petl.list_methods())
+def test_a_norm_unfrozen_beside_the_method_is_saved_and_loaded_back(tiny_vit, images, tmp_path, method):
+    # save_trainable wrote every tensor requiring grad, the final norm a notebook unfroze beside LoRA among them, and
+    # load_trainable (and MultiTask) then refused the file it wrote: "unexpected ['norm.bias', 'norm.weight']".
+    model = petl.apply(tiny_vit(), method, num_classes=3)
+    model.norm.requires_grad_(True)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(0.1)
+    petl.save_trainable(model, tmp_path / "trained.safetensors")
+    for target in (tiny_vit(), petl.apply(tiny_vit(), method, num_classes=3)):  # a fresh backbone, and one applied
+        loaded = petl.load_trainable(target, tmp_path / "trained.safetensors").eval()
+        torch.testing.assert_close(loaded(images), model.eval()(images), rtol=0, atol=0)
+        trains = [name for name, p in loaded.named_parameters() if p.requires_grad]
+        assert trains == [name for name, p in model.named_parameters() if p.requires_grad]
+    if method == "lora":  # served too: the task's own norm acts on its rows
+        served = petl.MultiTask(tiny_vit(), {"a": tmp_path / "trained.safetensors"})
+        torch.testing.assert_close(served(images, ["a"] * len(images)), model(images))
+
+
+def test_a_loaded_run_given_for_its_model_is_named_in_one_line(tiny_vit, tmp_path):
+    # petl.merge(run) for petl.merge(run.model), a notebook's slip: merge, unmerge, unload and count_params failed
+    # with "'LoadedRun' object has no attribute 'named_modules'", the others listed every family petl supports.
+    from petl.store.run_card import LoadedRun
+
+    model = petl.apply_lora(tiny_vit())
+    petl.save_trainable(model, tmp_path / "lora.safetensors")
+    run = LoadedRun(model=model, spec=None, class_names=[], card={}, run_dir=tmp_path)
+    calls = {
+        "apply": lambda: petl.apply(run, "lora"),
+        "merge": lambda: petl.merge(run),
+        "unmerge": lambda: petl.unmerge(run),
+        "unload": lambda: petl.unload(run),
+        "count_params": lambda: petl.count_params(run),
+        "save_trainable": lambda: petl.save_trainable(run, tmp_path / "again.safetensors"),
+        "load_trainable": lambda: petl.load_trainable(run, tmp_path / "lora.safetensors"),
+        "MultiTask": lambda: petl.MultiTask(run, {"a": tmp_path / "lora.safetensors"}),
+    }
+    for call in calls.values():
+        with pytest.raises(
+            ValueError, match=r"^got a LoadedRun, not the model it holds: give its \.model \(run\.model\)$"
+        ):
+            call()
+    with pytest.raises(ValueError, match=r"^MultiTask.from_runs takes run folders, got a LoadedRun: give its folder"):
+        petl.MultiTask.from_runs([run])
+    with pytest.raises(ValueError, match=r"^got a str, not a torch model: give the timm model \(an nn\.Module\)$"):
+        petl.merge("runs/lora")

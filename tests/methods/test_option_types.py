@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import types
 import typing
 
+import numpy as np
 import pytest
 from conftest import make_tiny_vit
 
@@ -45,6 +47,35 @@ def test_a_wrong_type_is_refused_naming_the_option(method, option, value):
         petl.apply(make_tiny_vit(), method, **{option: value})
     message = str(error.value)
     assert f"{option}=" in message and "\n" not in message
+
+
+def _as_numpy(value: typing.Any) -> typing.Any:
+    """``value`` with its numbers as NumPy's (np.int64, np.float32), as a sweep over np.arange or np.logspace gives."""
+    if isinstance(value, bool) or value is None:
+        return value
+    if isinstance(value, int):
+        return np.int64(value)
+    if isinstance(value, float):
+        return np.float32(value)
+    if isinstance(value, tuple | list):
+        return type(value)(_as_numpy(item) for item in value)
+    return value
+
+
+@pytest.mark.parametrize("method", petl.list_methods())
+def test_numpy_numbers_are_taken_as_pythons_and_the_weights_file_is_written(tmp_path, method):
+    # check_types took np.int64 as a whole number, and save_trainable then failed after training, in json, on
+    # "Object of type int64 is not JSON serializable".
+    plain = petl.apply(make_tiny_vit(), method, num_classes=3).petl_config
+    options = {f.name: _as_numpy(getattr(plain, f.name)) for f in dataclasses.fields(plain)}
+    model = petl.apply(make_tiny_vit(), method, **options)
+    petl.save_trainable(model, tmp_path / "numpy.safetensors")
+    recorded = dataclasses.asdict(model.petl_config)
+    assert not [name for name, value in recorded.items() if isinstance(value, np.generic)]
+    # The values given, each NumPy number as Python's (np.float32's rounding of a float kept).
+    assert json.loads(json.dumps(recorded)) == json.loads(json.dumps(options, default=lambda number: number.item()))
+    assert petl.read_trainable_metadata(tmp_path / "numpy.safetensors")["config"]["num_classes"] == 3
+    petl.load_trainable(make_tiny_vit(), tmp_path / "numpy.safetensors")
 
 
 def test_the_right_types_pass_as_the_command_line_hands_them_over():

@@ -20,6 +20,8 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from petl.model.wrappers import check_module
+
 # Row slice of a fused qkv Linear's output for each of Q, K, V, as a multiple of the block width: timm's fused
 # attentions (ViT's Attention, Swin's WindowAttention) lay the rows out as Q = [0, d), K = [d, 2d), V = [2d, 3d).
 QKV_INDEX = {"q": 0, "k": 1, "v": 2}
@@ -579,14 +581,38 @@ def family_of(model: nn.Module) -> type[Backbone] | None:
     return family
 
 
+def _wrapper_hint(model: Any) -> str:
+    """What to give petl instead of ``model`` where it wraps a model (torch.compile's, DataParallel's, timm's
+    ``features_only``), else ``""``.
+    """
+    compiled = getattr(model, "_orig_mod", None)  # torch.compile's OptimizedModule
+    if isinstance(compiled, nn.Module):
+        return (
+            f"torch.compile's wrapper of a {type(compiled).__name__}: give petl the model it compiled (model._orig_mod)"
+        )
+    if isinstance(model, nn.DataParallel | nn.parallel.DistributedDataParallel):
+        return f"a wrapper of a {type(model.module).__name__}: give petl the model inside it (model.module)"
+    if type(model).__module__ == "timm.models._features":
+        return (
+            "timm's features_only=True wrapper: create the model without features_only and apply petl to it "
+            "(its forward_intermediates gives the blocks' features)"
+        )
+    return ""
+
+
 def backbone_of(model: nn.Module) -> Backbone:
     """``model`` seen through its family's :class:`Backbone`.
 
     Raises:
-        ValueError: no registered family takes ``model``'s class (the message lists what is supported).
+        ValueError: no registered family takes ``model``'s class (the message lists what is supported, or, for a
+            wrapper such as torch.compile's, which model inside it to give).
 
     """
+    check_module(model)
     family = family_of(model)
+    wrapper = _wrapper_hint(model) if family is None else ""
+    if wrapper:  # the model inside may well be one petl takes: say how to reach it, not every family petl supports
+        raise ValueError(f"got {type(model).__name__}, {wrapper}")
     if family is None:
         supported = "; ".join(sorted({f.supported for f in _all_families()}))
         raise ValueError(f"petl supports {supported}; got {type(model).__name__}, which no backbone family takes")
