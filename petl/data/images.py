@@ -10,7 +10,9 @@ import hashlib
 import io
 import os
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +23,7 @@ from torch.utils.data import Dataset
 
 from petl.data.registry import BadImagesError
 from petl.data.transforms import ImageSpec, pil_to_tensor
+from petl.utils.progress import progress_bar
 from petl.utils.text import first_line
 
 # Decoded images of one split are held in memory up to this many bytes (uint8 at their stored
@@ -32,6 +35,31 @@ DECODED_MEMORY_LIMIT = 4 << 30
 # Pillow modes holding more than 8 bits per pixel in one channel.  16-bit PNG/TIFF greyscale opens
 # as I;16*, some decoders give I (int32) for the same files; all are scaled from 16 to 8 bits.
 _SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I")
+
+# Where the commands say how far decoding a split has come (petl-run's log, petl-bench's stderr): a folder of a few
+# thousand phone photos takes minutes to decode before the first epoch.  None, the default: nothing said (the Python
+# API, a command's progress switched off).  Work that ends within DECODE_DELAY_S says nothing either.
+_DECODE_SAY: ContextVar[Callable[[str], Any] | None] = ContextVar("petl_decode_say", default=None)
+DECODE_DELAY_S = 5.0
+
+
+@contextmanager
+def decode_progress(say: Callable[[str], Any] | None) -> Iterator[None]:
+    """Within the block, decoding a split of image files says how far it has come through ``say``.
+
+    A bar where stderr is a terminal, else ``reading NAME: K/N imgs`` lines through ``say``
+    (:func:`petl.utils.progress.progress_bar`), each only once the split has taken :data:`DECODE_DELAY_S` seconds.
+
+    Args:
+        say: writes one line (a command's ``log.info`` or its print to stderr); None says nothing.
+
+    """
+    token = _DECODE_SAY.set(say)
+    try:
+        yield
+    finally:
+        _DECODE_SAY.reset(token)
+
 
 # EXIF Orientation 2-8 and the turn that makes the stored pixels upright: the table of PIL.ImageOps.exif_transpose.
 _ORIENTATION_TURNS = {
@@ -194,7 +222,11 @@ def _decode_all(
     bad: dict[Path, str] = {}
     held = 0
     keep = True
-    for path, label in items:
+    say = _DECODE_SAY.get()
+    bar = progress_bar(
+        items, desc=f"reading {name}", unit="img", show=say is not None, say=say, leave=False, delay=DECODE_DELAY_S
+    )
+    for path, label in bar:
         data = b""
         try:
             data = path.read_bytes()

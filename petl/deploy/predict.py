@@ -21,7 +21,7 @@ from PIL import Image
 import petl.methods  # noqa: F401  (importing the methods registers them)
 from petl import data as petl_data
 from petl.data.folder import IMAGE_EXTENSIONS, image_files, not_images
-from petl.data.images import decode_image
+from petl.data.images import decode_image, decode_progress
 from petl.deploy.multitask import MultiTask, TaskRefused
 from petl.model import surgery
 from petl.model.registry import get_method
@@ -583,7 +583,8 @@ def run_command(positional: list[str], options: dict, merge: bool = False, quiet
         except (RunFolderError, ValueError) as error:  # ValueError: weights that do not fit (load_trainable)
             raise UsageError(str(error)) from None
         if "data" in options:
-            dataset, split = _eval_dataset(run, options)
+            with decode_progress(_say if progress else None):  # every image of the split is decoded first
+                dataset, split = _eval_dataset(run, options)
             matrix, truth, predicted = evaluate_split(run, dataset, options.get("batch_size", 64), progress, precision)
             accuracy = 100.0 * float(np.trace(matrix)) / max(1, int(matrix.sum()))
             print(f"{folder}: top-1 {accuracy:.2f}% on {int(matrix.sum())} images of {options['data']} {split}")

@@ -17,11 +17,13 @@ import pytest
 from PIL import Image
 from test_faults_predict_data_report import TINY_MODEL, _exit_code, make_folder, train_folder
 
+import petl.run
 from petl import data as petl_data
 from petl.cli import predict as predict_cli
 from petl.cli import run as cli
-from petl.data import folder
+from petl.data import folder, images
 from petl.data.images import decode_image
+from petl.utils import progress
 
 CLASSES = ("a", "b")
 
@@ -134,3 +136,25 @@ def test_a_palette_png_with_transparency_decodes_to_its_colours_without_pillows_
         warnings.simplefilter("error")
         decoded = decode_image(buffer.getvalue())
     np.testing.assert_array_equal(decoded, np.asarray(image.convert("RGB")))
+
+
+def test_decoding_a_folder_says_how_far_it_is_after_a_while_unless_progress_is_off(tmp_path, monkeypatch, caplog):
+    # Every image is decoded before the first epoch: a few thousand phone photos took minutes without a word.
+    monkeypatch.setattr(images, "DECODE_DELAY_S", 0.0)  # every split takes a while here
+    monkeypatch.setattr(progress, "bars_shown", lambda: False)  # stderr is a log file
+    root = make_folder(tmp_path / "images", classes=CLASSES, train=5)
+    base = ["method=lora", "data=folder", f"data.root={root}", *TINY_MODEL, "train.epochs=1"]
+
+    def reading(*overrides: str) -> list[str]:
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="petl"):
+            petl.run.train(petl.run.default_config([*base, *overrides]))
+        return [record.getMessage() for record in caplog.records if record.getMessage().startswith("reading ")]
+
+    lines = reading("train.progress=true", f"output_dir={tmp_path / 'on'}")
+    # train/ less its held-out fifth, then val, then test: each split from 0 to its count
+    assert f"reading folder {root}: 8/8 imgs" in lines and f"reading folder {root}: 4/4 imgs" in lines, lines
+    assert f"reading folder {root}: 0/8 imgs" in lines
+    assert reading(f"output_dir={tmp_path / 'off'}") == []  # train.progress=false: quiet
+    monkeypatch.setattr(images, "DECODE_DELAY_S", 60.0)  # work that ends sooner says nothing
+    assert reading("train.progress=true", f"output_dir={tmp_path / 'quick'}") == []
