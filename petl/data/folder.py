@@ -121,7 +121,13 @@ def _warn_once(message: str) -> None:
         log.warning(message)
 
 
-def _classes(split_dir: Path) -> list[str]:
+def class_folders(split_dir: Path) -> list[str]:
+    """The class folder names of a split folder, sorted; hidden folders holding images and loose images are warned of.
+
+    Raises:
+        ValueError: a class folder's name is not UTF-8.
+
+    """
     # A folder whose name starts with "." is not a class (.git, .ipynb_checkpoints, as Hugging Face's imagefolder
     # skips them); one holding images is named in a warning, so that a class is never dropped without a word.
     hidden = sorted(p.name for p in split_dir.iterdir() if p.is_dir() and p.name.startswith(".") and image_files(p)[0])
@@ -166,7 +172,7 @@ def _scan(root: Path) -> tuple[tuple[str, ...], dict[str, list[tuple[Path, int]]
                 f"data.root={shown(root.parent)}"
             )
         raise ValueError(f"folder: {root} has no train/ folder: put the images in {root}/train/<class name>/")
-    names = _classes(train_dir)
+    names = class_folders(train_dir)
     if len(names) < 2:
         message = f"folder: {train_dir} needs one sub-folder per class (at least 2), found {len(names)}"
         if names:  # train/animals/{cats,dogs}: the classes one level down, which the count alone would not say
@@ -183,7 +189,7 @@ def _scan(root: Path) -> tuple[tuple[str, ...], dict[str, list[tuple[Path, int]]
         split_dir = root / split
         if not split_dir.is_dir():
             continue
-        present = names if split == "train" else _classes(split_dir)
+        present = names if split == "train" else class_folders(split_dir)
         extra = [name for name in present if name not in label]
         if extra:
             raise ValueError(f"folder: {split_dir} has classes that train/ lacks: {', '.join(extra[:5])}")

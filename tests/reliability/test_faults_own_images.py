@@ -158,3 +158,22 @@ def test_decoding_a_folder_says_how_far_it_is_after_a_while_unless_progress_is_o
     assert reading(f"output_dir={tmp_path / 'off'}") == []  # train.progress=false: quiet
     monkeypatch.setattr(images, "DECODE_DELAY_S", 60.0)  # work that ends sooner says nothing
     assert reading("train.progress=true", f"output_dir={tmp_path / 'quick'}") == []
+
+
+def test_predict_evaluates_new_labelled_images_in_a_folder_of_test_alone(trained, tmp_path, capsys):
+    # New labelled photos in new/test/<class>/ were refused for lack of a train/ folder ("put the images in
+    # new/train/<class name>/"): evaluating a run needs the run's classes, not its training images.
+    new = tmp_path / "new"
+    for name, count in (("b", 3), ("a", 2)):
+        for index in range(count):
+            _png(new / "test" / name / f"{index}.png")
+    (new / "test" / "a" / "notes.txt").write_text("taken on Tuesday")
+    capsys.readouterr()
+    assert _exit_code(predict_cli.main, [str(trained), "data=folder", f"data.root={new}", "--quiet"]) == 0
+    captured = capsys.readouterr()
+    assert f"{trained}: top-1 " in captured.out and "% on 5 images of folder test" in captured.out, captured.out
+    assert "note: skipped a/notes.txt" in captured.err
+    _png(new / "test" / "horse" / "0.png")  # a class the run does not know: no number for it
+    assert _exit_code(predict_cli.main, [str(trained), "data=folder", f"data.root={new}"]) == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "class folders the run was not trained on: horse (its classes: a, b)" in error, error
