@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 from PIL import ExifTags, Image, UnidentifiedImageError
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, Subset
 
 from petl.data.registry import BadImagesError
 from petl.data.transforms import ImageSpec, pil_to_tensor
@@ -177,6 +177,7 @@ class FileListDataset(Dataset):
     Attributes:
         fingerprint: sha256 (hex) over every item's relative path, label and file bytes, in list
             order: two builds hold the same data exactly when their fingerprints agree.
+        digests: each item's file bytes' sha256 (hex), in item order: a copy of a file has the same one.
         images: the decoded uint8 arrays per item, or ``None`` above :data:`DECODED_MEMORY_LIMIT`.
 
     Raises:
@@ -190,7 +191,7 @@ class FileListDataset(Dataset):
         self.items = list(items)
         self.spec = spec
         self.name = name
-        self.images, self.fingerprint = _decode_all(name, self.items, folder)
+        self.images, self.fingerprint, self.digests = _decode_all(name, self.items, folder)
 
     def __len__(self) -> int:
         return len(self.items)
@@ -214,9 +215,10 @@ class FileListDataset(Dataset):
 
 def _decode_all(
     name: str, items: Sequence[tuple[Path, int]], folder: Path | None
-) -> tuple[list[np.ndarray] | None, str]:
-    """Read and decode every listed file once: the arrays (unless over the limit) and the fingerprint."""
+) -> tuple[list[np.ndarray] | None, str, list[str]]:
+    """Decode every listed file once: the arrays (unless over the limit), the fingerprint, each file's SHA-256."""
     digest = hashlib.sha256()
+    digests: list[str] = []
     decoded: dict[Path, np.ndarray] = {}
     seen: set[Path] = set()  # lists may name one file several times: decode it once
     bad: dict[Path, str] = {}
@@ -236,6 +238,7 @@ def _decode_all(
         # surrogateescape: a file name that is not UTF-8 hashes as its bytes (UTF-8 names as before).
         digest.update(f"{Path(relative).as_posix()}\t{label}\t{len(data)}\n".encode("utf-8", "surrogateescape"))
         digest.update(data)
+        digests.append(hashlib.sha256(data).hexdigest())
         if path in seen or path in bad:
             continue
         seen.add(path)
@@ -254,7 +257,30 @@ def _decode_all(
     if bad:
         raise BadImagesError(name, sorted(bad.items()))
     images = [decoded[path] for path, _ in items] if keep else None
-    return images, digest.hexdigest()
+    return images, digest.hexdigest(), digests
+
+
+def copies(dataset: Dataset, of: Dataset) -> list[tuple[Path, Path]]:
+    """The files of ``dataset`` whose bytes are those of a file of ``of``: ``(its path, the first such path of of)``.
+
+    Both are :class:`FileListDataset` or a ``Subset`` of one; anything else has no files to compare (``[]``).
+    """
+    mine, theirs = _files(dataset), _files(of)
+    first: dict[str, Path] = {}
+    for path, sha in theirs:
+        first.setdefault(sha, path)
+    return [(path, first[sha]) for path, sha in mine if sha in first and first[sha] != path]
+
+
+def _files(dataset: Dataset) -> list[tuple[Path, str]]:
+    indices = None
+    while isinstance(dataset, Subset):  # data.subset: the items it keeps
+        indices = [dataset.indices[i] for i in indices] if indices is not None else list(dataset.indices)
+        dataset = dataset.dataset
+    if not isinstance(dataset, FileListDataset):
+        return []
+    keep = range(len(dataset.items)) if indices is None else indices
+    return [(dataset.items[i][0], dataset.digests[i]) for i in keep]
 
 
 class HubDataset(Dataset):

@@ -177,3 +177,24 @@ def test_predict_evaluates_new_labelled_images_in_a_folder_of_test_alone(trained
     assert _exit_code(predict_cli.main, [str(trained), "data=folder", f"data.root={new}"]) == 2
     error = capsys.readouterr().err.strip().splitlines()[-1]
     assert "class folders the run was not trained on: horse (its classes: a, b)" in error, error
+
+
+def test_test_and_val_images_that_are_copies_of_training_images_are_named(tmp_path, caplog):
+    # A photo copied into test/ too, or twice into train/ (one copy then held out as val), was scored as unseen:
+    # the accuracy counted images the run trained on, and nothing said so.
+    root = make_folder(tmp_path / "images", classes=CLASSES, train=5)
+    (root / "test" / "b" / "copy.png").write_bytes((root / "train" / "a" / "003.png").read_bytes())
+    for index in range(5):  # every training image of b twice: whichever is held out, its twin trains
+        (root / "train" / "b" / f"twin{index}.png").write_bytes(
+            (root / "train" / "b" / f"{index:03d}.png").read_bytes()
+        )
+    argv = ["method=lora", "data=folder", f"data.root={root}", *TINY_MODEL, "train.epochs=1"]
+    with caplog.at_level(logging.WARNING, logger="petl"):
+        petl.run.train(petl.run.default_config([*argv, f"output_dir={tmp_path / 'run'}"]))
+    said = [record.getMessage() for record in caplog.records if "byte-for-byte" in record.getMessage()]
+    test = root / "test" / "b" / "copy.png"
+    assert len(said) == 2 and said[1].startswith(
+        f"1 of the 5 test images is a byte-for-byte copy of a training image "
+        f"(first: {test} = {root / 'train' / 'a' / '003.png'}): "
+    ), said
+    assert said[0].startswith("2 of the 3 val images are byte-for-byte copies of training images"), said
