@@ -10,7 +10,7 @@ import hashlib
 import io
 import os
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from pathlib import Path
@@ -24,7 +24,7 @@ from torch.utils.data import Dataset, Subset
 from petl.data.registry import BadImagesError
 from petl.data.transforms import ImageSpec, pil_to_tensor
 from petl.utils.progress import progress_bar
-from petl.utils.text import first_line
+from petl.utils.text import first_line, shown
 
 # Decoded images of one split are held in memory up to this many bytes (uint8 at their stored
 # size).  VTAB-1k's train/val splits (1,000 images) and FGVC's train/val splits fit far below it;
@@ -59,6 +59,14 @@ def decode_progress(say: Callable[[str], Any] | None) -> Iterator[None]:
         yield
     finally:
         _DECODE_SAY.reset(token)
+
+
+def decoding(items: Sequence[Any], name: str) -> Iterable[Any]:
+    """``items`` as they are decoded, saying how far it is where :func:`decode_progress` asks (``reading NAME``)."""
+    say = _DECODE_SAY.get()
+    return progress_bar(
+        items, desc=f"reading {name}", unit="img", show=say is not None, say=say, leave=False, delay=DECODE_DELAY_S
+    )
 
 
 # EXIF Orientation 2-8 and the turn that makes the stored pixels upright: the table of PIL.ImageOps.exif_transpose.
@@ -178,6 +186,7 @@ class FileListDataset(Dataset):
         fingerprint: sha256 (hex) over every item's relative path, label and file bytes, in list
             order: two builds hold the same data exactly when their fingerprints agree.
         digests: each item's file bytes' sha256 (hex), in item order: a copy of a file has the same one.
+        sources: each item's path as text, in item order (what :func:`copies` names).
         images: the decoded uint8 arrays per item, or ``None`` above :data:`DECODED_MEMORY_LIMIT`.
 
     Raises:
@@ -192,6 +201,7 @@ class FileListDataset(Dataset):
         self.spec = spec
         self.name = name
         self.images, self.fingerprint, self.digests = _decode_all(name, self.items, folder)
+        self.sources = [shown(path) for path, _ in self.items]
 
     def __len__(self) -> int:
         return len(self.items)
@@ -224,11 +234,7 @@ def _decode_all(
     bad: dict[Path, str] = {}
     held = 0
     keep = True
-    say = _DECODE_SAY.get()
-    bar = progress_bar(
-        items, desc=f"reading {name}", unit="img", show=say is not None, say=say, leave=False, delay=DECODE_DELAY_S
-    )
-    for path, label in bar:
+    for path, label in decoding(items, name):
         data = b""
         try:
             data = path.read_bytes()
@@ -260,27 +266,27 @@ def _decode_all(
     return images, digest.hexdigest(), digests
 
 
-def copies(dataset: Dataset, of: Dataset) -> list[tuple[Path, Path]]:
-    """The files of ``dataset`` whose bytes are those of a file of ``of``: ``(its path, the first such path of of)``.
+def copies(dataset: Dataset, of: Dataset) -> list[tuple[str, str]]:
+    """The items of ``dataset`` whose image bytes are those of an item of ``of``: ``(its name, the first such of of)``.
 
-    Both are :class:`FileListDataset` or a ``Subset`` of one; anything else has no files to compare (``[]``).
+    Items are named by :attr:`FileListDataset.sources` (a path; a ``data=hf`` row's ``split[row]``); a dataset
+    without ``sources`` and ``digests`` (or a ``Subset`` of one) has nothing to compare (``[]``).
     """
-    mine, theirs = _files(dataset), _files(of)
-    first: dict[str, Path] = {}
-    for path, sha in theirs:
-        first.setdefault(sha, path)
-    return [(path, first[sha]) for path, sha in mine if sha in first and first[sha] != path]
+    first: dict[str, str] = {}
+    for source, sha in _sources(of):
+        first.setdefault(sha, source)
+    return [(source, first[sha]) for source, sha in _sources(dataset) if sha in first and first[sha] != source]
 
 
-def _files(dataset: Dataset) -> list[tuple[Path, str]]:
+def _sources(dataset: Dataset) -> list[tuple[str, str]]:
     indices = None
     while isinstance(dataset, Subset):  # data.subset: the items it keeps
         indices = [dataset.indices[i] for i in indices] if indices is not None else list(dataset.indices)
         dataset = dataset.dataset
-    if not isinstance(dataset, FileListDataset):
+    sources, digests = getattr(dataset, "sources", None), getattr(dataset, "digests", None)
+    if sources is None or digests is None:
         return []
-    keep = range(len(dataset.items)) if indices is None else indices
-    return [(dataset.items[i][0], dataset.digests[i]) for i in keep]
+    return [(sources[i], digests[i]) for i in (range(len(sources)) if indices is None else indices)]
 
 
 class HubDataset(Dataset):

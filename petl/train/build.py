@@ -35,7 +35,7 @@ from petl.train import config, engine
 from petl.train.config import ConfigError
 from petl.utils.errors import RunError
 from petl.utils.precision import auto_precision, cpu_supports_bf16
-from petl.utils.text import first_line, shown
+from petl.utils.text import first_line
 
 log = logging.getLogger(__name__)
 # Warnings about the data already said in this process (a sweep trains many runs on one folder).
@@ -423,7 +423,7 @@ def _warn_copies(built: dict[str, Dataset]) -> None:
             else "are byte-for-byte copies of training images"
         )
         message = (
-            f"{len(found)} of the {len(built[role])} {role} images {copy} (first: {shown(path)} = {shown(original)}): "
+            f"{len(found)} of the {len(built[role])} {role} images {copy} (first: {path} = {original}): "
             f"the {role} accuracy counts images the run trained on; remove the copies (each image once, in one split)"
         )
         if message not in _SAID:
