@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import unicodedata
 from functools import lru_cache
 from pathlib import Path
 
@@ -192,7 +193,8 @@ def _scan(root: Path) -> tuple[tuple[str, ...], dict[str, list[tuple[Path, int]]
         present = names if split == "train" else class_folders(split_dir)
         extra = [name for name in present if name not in label]
         if extra:
-            raise ValueError(f"folder: {split_dir} has classes that train/ lacks: {', '.join(extra[:5])}")
+            message = f"folder: {split_dir} has classes that train/ lacks: {', '.join(extra[:5])}"
+            raise ValueError(message + other_unicode_form(extra, names, "train/'s"))
         items = []
         skipped: list[Path] = []
         for name in present if split != "train" else names:
@@ -214,6 +216,28 @@ def _scan(root: Path) -> tuple[tuple[str, ...], dict[str, list[tuple[Path, int]]
             f"add a {root / 'val'}/<class name>/ folder or more training images"
         )
     return tuple(names), splits
+
+
+def other_unicode_form(extra: list[str], names: list[str], whose: str) -> str:
+    """Where a class of ``extra`` is one of ``names`` written with other code points, the words that say so.
+
+    Args:
+        extra: the class names refused.
+        names: the class names known, ``whose`` (``train/'s``, ``the run's``).
+        whose: who holds ``names``, in the message.
+
+    macOS writes ``café`` as ``e`` and a combining accent (NFD) where Windows and Linux tools write one ``é`` (NFC):
+    the two names print alike, so the refusal alone would name a class that seems to be there.
+    """
+    forms = {unicodedata.normalize("NFC", name): name for name in names}
+    for name in extra:
+        twin = forms.get(unicodedata.normalize("NFC", name))
+        if twin is not None:
+            return (
+                f" ({name} is {whose} {twin} written with other Unicode code points, {ascii(name)} against "
+                f"{ascii(twin)}, as folders made on macOS and elsewhere can be: rename one of the two folders)"
+            )
+    return ""
 
 
 def describe_folder(root: str) -> DatasetInfo:

@@ -21,7 +21,7 @@ from PIL import Image
 
 import petl.methods  # noqa: F401  (importing the methods registers them)
 from petl import data as petl_data
-from petl.data.folder import IMAGE_EXTENSIONS, class_folders, image_files, not_images
+from petl.data.folder import IMAGE_EXTENSIONS, class_folders, image_files, not_images, other_unicode_form
 from petl.data.images import FileListDataset, decode_image, decode_progress
 from petl.deploy.multitask import MultiTask, TaskRefused
 from petl.model import surgery
@@ -288,6 +288,7 @@ def _new_test_folder(run: LoadedRun, root: Path) -> FileListDataset:
         raise UsageError(
             f"{shown(test)} has class folders the run was not trained on: {', '.join(map(shown, unknown[:5]))} "
             f"(its classes: {', '.join(run.class_names)}); rename or remove them"
+            + other_unicode_form(unknown, run.class_names, "the run's")
         )
     items: list[tuple[Path, int]] = []
     skipped: list[Path] = []

@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import io
 import logging
+import re
 import warnings
 from pathlib import Path
 
@@ -198,3 +199,18 @@ def test_test_and_val_images_that_are_copies_of_training_images_are_named(tmp_pa
         f"(first: {test} = {root / 'train' / 'a' / '003.png'}): "
     ), said
     assert said[0].startswith("2 of the 3 val images are byte-for-byte copies of training images"), said
+
+
+def test_a_class_written_with_other_unicode_code_points_than_trains_is_said_to_be_so(tmp_path):
+    # test/cafe + combining accent (macOS's NFD) against train/'s one-letter é: refused naming a class that printed
+    # exactly as train/'s ("test has classes that train/ lacks: café"), with nothing to tell them apart.
+    nfc, nfd = "caf\u00e9", "cafe\u0301"
+    for split, name in (("train", nfc), ("train", "dog"), ("test", nfd)):
+        for index in range(2):
+            _png(tmp_path / "images" / split / name / f"{index}.png", size=8 + index)
+    folder._scan.cache_clear()
+    said = f"lacks: {nfd} ({nfd} is train/'s {nfc} written with other Unicode code points, {nfd!a} against {nfc!a}"
+    with pytest.raises(ValueError, match=re.escape(said)):
+        folder.describe_folder(str(tmp_path / "images"))
+    # petl-predict's folder of new labelled images says the same of a class the run knows in the other form.
+    assert folder.other_unicode_form([nfd], ["dog", nfc], "the run's").startswith(f" ({nfd} is the run's {nfc} written")
