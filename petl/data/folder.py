@@ -160,6 +160,11 @@ def class_folders(split_dir: Path) -> list[str]:
 @lru_cache(maxsize=8)
 def _scan(root: Path) -> tuple[tuple[str, ...], dict[str, list[tuple[Path, int]]]]:
     """Class names and ``(path, label)`` items of every split folder present; ValueError names what is wrong."""
+    if root.is_file():  # a CSV or a list of labelled files, say: petl reads labels from folder names only
+        raise ValueError(
+            f"folder: root={root} is a file: give the folder holding train/<class name>/ (the class of an image is "
+            "the name of the folder it is in; a list of files and labels is not read: move the images into them)"
+        )
     if not root.is_dir():
         raise ValueError(f"folder: root={root} does not exist or is not a folder")
     train_dir = root / "train"
