@@ -33,6 +33,7 @@ from petl.model.surgery import apply, check_supported
 from petl.store import run_card
 from petl.train import config, engine
 from petl.train.config import ConfigError
+from petl.utils.distributed import is_main_process
 from petl.utils.errors import RunError
 from petl.utils.precision import auto_precision, cpu_supports_bf16
 from petl.utils.text import first_line
@@ -401,7 +402,7 @@ def datasets(cfg: DictConfig, model: nn.Module) -> dict[str, Dataset]:
             bad.update(error.bad)
     if bad:
         raise ConfigError(str(petl_data.BadImagesError(dataset, sorted(bad.items()))))
-    if petl_data.get_info(cfg.data.name).root == "required":  # the user's own files
+    if petl_data.get_info(cfg.data.name).root == "required" and is_main_process():  # the user's own files
         _warn_copies(built)
     return built
 
