@@ -273,12 +273,26 @@ def copies(dataset: Dataset, of: Dataset) -> list[tuple[str, str]]:
     without ``sources`` and ``digests`` (or a ``Subset`` of one) has nothing to compare (``[]``).
     """
     first: dict[str, str] = {}
-    for source, sha in _sources(of):
+    for source, sha, _ in _sources(of):
         first.setdefault(sha, source)
-    return [(source, first[sha]) for source, sha in _sources(dataset) if sha in first and first[sha] != source]
+    return [(source, first[sha]) for source, sha, _ in _sources(dataset) if sha in first and first[sha] != source]
 
 
-def _sources(dataset: Dataset) -> list[tuple[str, str]]:
+def conflicts(dataset: Dataset) -> list[tuple[str, str]]:
+    """The items of ``dataset`` whose image bytes are an earlier item's of another class: ``(its name, the earlier)``.
+
+    The same photo in two class folders trains toward both labels; named as :func:`copies` names items.
+    """
+    first: dict[str, tuple[str, int]] = {}
+    found = []
+    for source, sha, label in _sources(dataset):
+        earlier = first.setdefault(sha, (source, label))
+        if earlier[1] != label:
+            found.append((source, earlier[0]))
+    return found
+
+
+def _sources(dataset: Dataset) -> list[tuple[str, str, int]]:
     indices = None
     while isinstance(dataset, Subset):  # data.subset: the items it keeps
         indices = [dataset.indices[i] for i in indices] if indices is not None else list(dataset.indices)
@@ -286,7 +300,9 @@ def _sources(dataset: Dataset) -> list[tuple[str, str]]:
     sources, digests = getattr(dataset, "sources", None), getattr(dataset, "digests", None)
     if sources is None or digests is None:
         return []
-    return [(sources[i], digests[i]) for i in (range(len(sources)) if indices is None else indices)]
+    labels = dataset.labels  # type: ignore[attr-defined]
+    keep = range(len(sources)) if indices is None else indices
+    return [(sources[i], digests[i], labels[i]) for i in keep]
 
 
 class HubDataset(Dataset):

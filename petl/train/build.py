@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 import petl.methods  # noqa: F401  (importing the methods registers them)
 from petl import data as petl_data
 from petl.data import hub
-from petl.data.images import copies
+from petl.data.images import conflicts, copies
 from petl.model.registry import MethodConfig, get_method, make_config
 from petl.model.surgery import apply, check_supported
 from petl.store import run_card
@@ -408,11 +408,22 @@ def datasets(cfg: DictConfig, model: nn.Module) -> dict[str, Dataset]:
 
 
 def _warn_copies(built: dict[str, Dataset]) -> None:
-    """Say which val and test images are copies of training images: their accuracy counts images the run trained on.
+    """Say which val and test images are copies of training images (their accuracy counts images the run trained
+    on) and which training images are in two classes.
 
     A photo copied into test/ (or twice into train/, one copy then held out as val) is byte for byte a training
     image; nothing else tells the user why the test number is high.  Said once per process and split.
     """
+    clash = conflicts(built["train"])
+    if clash:
+        path, other = clash[0]
+        message = (
+            f"{len(clash)} training {'image is' if len(clash) == 1 else 'images are'} also in another class (first: "
+            f"{path} = {other}): the run learns two labels for one image; keep each image in its one class folder"
+        )
+        if message not in _SAID:
+            _SAID.add(message)
+            log.warning(message)
     for role in ("val", "test"):
         found = copies(built[role], built["train"]) if role in built else []
         if not found:

@@ -214,3 +214,23 @@ def test_a_class_written_with_other_unicode_code_points_than_trains_is_said_to_b
         folder.describe_folder(str(tmp_path / "images"))
     # petl-predict's folder of new labelled images says the same of a class the run knows in the other form.
     assert folder.other_unicode_form([nfd], ["dog", nfc], "the run's").startswith(f" ({nfd} is the run's {nfc} written")
+
+
+def test_a_training_image_in_two_class_folders_is_named(tmp_path, caplog):
+    # The same photo in cat/ and kitten/ trained toward both labels without a word.
+    root = make_folder(tmp_path / "images", classes=CLASSES, train=5, test=0)
+    (root / "train" / "b" / "clash.png").write_bytes((root / "train" / "a" / "002.png").read_bytes())
+    train = petl_data.build_dataset("folder", "train800val200", image_size=8, root=str(root))
+    assert images.conflicts(train) == [(str(root / "train" / "b" / "clash.png"), str(root / "train" / "a" / "002.png"))]
+    (root / "val" / "a").mkdir(parents=True)  # a val/ of its own: every training image trains
+    (root / "val" / "a" / "0.png").write_bytes((root / "train" / "a" / "000.png").read_bytes())
+    (root / "val" / "b").mkdir()
+    argv = ["method=lora", "data=folder", f"data.root={root}", *TINY_MODEL, "train.epochs=1"]
+    with caplog.at_level(logging.WARNING, logger="petl"):
+        petl.run.train(petl.run.default_config([*argv, f"output_dir={tmp_path / 'run'}"]))
+    said = [record.getMessage() for record in caplog.records if "also in another class" in record.getMessage()]
+    assert said == [
+        f"1 training image is also in another class (first: {root / 'train' / 'b' / 'clash.png'} = "
+        f"{root / 'train' / 'a' / '002.png'}): the run learns two labels for one image; keep each image in its one "
+        "class folder"
+    ], said
