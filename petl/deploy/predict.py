@@ -312,8 +312,14 @@ def _eval_dataset(run: LoadedRun, options: dict) -> tuple[torch.utils.data.Datas
     extra = {k.split(".", 1)[1]: v for k, v in options.items() if k in ("data.image_column", "data.label_column")}
     root = Path(str(options.get("data.root"))).expanduser()
     try:
-        if name == "folder" and split == petl_data.TEST and (root / "test").is_dir() and not (root / "train").is_dir():
-            return _new_test_folder(run, root), split
+        if name == "folder" and split == petl_data.TEST and root.is_dir() and not (root / "train").is_dir():
+            if (root / "test").is_dir():
+                return _new_test_folder(run, root), split
+            if root.name not in ("train", "val", "test"):  # a split folder given itself is answered with its parent
+                raise UsageError(
+                    f"{shown(root)} has no test/ folder: put the labelled images to evaluate on in "
+                    f"{shown(root)}/test/<class name>/, one folder per class of the run ({', '.join(run.class_names)})"
+                )
         info = petl_data.describe_dataset(name, root=options.get("data.root"), **extra)
         if info.class_names is not None and list(info.class_names) != run.class_names:
             raise UsageError(

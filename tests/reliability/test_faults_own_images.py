@@ -178,6 +178,14 @@ def test_predict_evaluates_new_labelled_images_in_a_folder_of_test_alone(trained
     assert _exit_code(predict_cli.main, [str(trained), "data=folder", f"data.root={new}"]) == 2
     error = capsys.readouterr().err.strip().splitlines()[-1]
     assert "class folders the run was not trained on: horse (its classes: a, b)" in error, error
+    loose = tmp_path / "labelled"  # the class folders straight under the root: told where they go
+    _png(loose / "a" / "0.png")
+    assert _exit_code(predict_cli.main, [str(trained), "data=folder", f"data.root={loose}"]) == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error.endswith(
+        f"{loose} has no test/ folder: put the labelled images to evaluate on in {loose}/test/"
+        "<class name>/, one folder per class of the run (a, b)"
+    ), error
 
 
 def test_test_and_val_images_that_are_copies_of_training_images_are_named(tmp_path, caplog):
