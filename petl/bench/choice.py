@@ -118,6 +118,13 @@ def choose(board: Leaderboard, budget: Budget, data: dict[str, Any] | None = Non
     left_out = _left_out(board, complete)
     if not within:
         why = "no row is complete yet" if not complete else "every complete row is over it: " + ", ".join(over)
+        if complete:  # what to do: the runs stay, so a larger budget answers at once
+            smallest = min(complete, key=lambda r: r.trainable)
+            why += (
+                f"; the smallest is {smallest.experiment} ({_params(smallest.trainable)} parameters, "
+                f"{train_seconds(smallest):.0f} s of training per run): the same command with a budget it fits "
+                "answers without training again"
+            )
         return Choice(None, None, None, head + f"nothing to choose, {why}{left_out}.")
     best = within[0]
     runner = within[1] if len(within) > 1 else None

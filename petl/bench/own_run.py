@@ -24,6 +24,7 @@ from petl.bench import estimate as costs
 from petl.bench.args import as_bool
 from petl.bench.suite import Experiment, Suite
 from petl.bench.sweep import check_results_folder
+from petl.data.images import decode_progress
 from petl.store.lock import acquire_lock, describe_holder, release_lock
 from petl.utils.errors import RUN_ERROR
 
@@ -32,6 +33,11 @@ YES_FLAG = "--yes"
 OWN_DATA_KEYS = {"data", "yes", *choice.BUDGET_KEYS}
 
 Finish = Callable[..., int]
+
+
+def _note(line: str) -> None:
+    """A progress line where no bar is drawn (stderr a file), on stderr as the command's other notes."""
+    print(f"petl-bench: {line}", file=sys.stderr, flush=True)
 
 
 def confirm(yes: bool) -> bool:
@@ -66,7 +72,10 @@ def run_on_own_data(
         raise ValueError(f"suite {suite.name} does not select on val; run your data with a searching suite (choose)")
     budget = choice.Budget.parse(own)
     cfg = default_config([*suite.overrides(), f"data={own['data']}", *overrides])
-    data = own_data.read_own_data(cfg)
+    # Every image is decoded here first: a folder of a few thousand photos says how far it is (after 5 s).
+    progress = as_bool("progress", own.get("progress", "true"))
+    with decode_progress(_note if progress else None):
+        data = own_data.read_own_data(cfg)
     print(f"petl-bench: {data.line()}")
     setup = own_data.run_setup(cfg, default_config([f"data={own['data']}", *data_options(overrides)]))
     output_dir = Path(own.get("output_dir") or data.default_output_dir(suite.name, setup))

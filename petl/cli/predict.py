@@ -10,10 +10,11 @@ line, relative to the list's folder).  They are decoded, preprocessed as the run
 (``model.json``), and classified in batches with a progress bar (where stderr is no terminal, a few lines
 on it say how many are done).  With ``data=`` the images and labels
 come from a dataset instead (``petl-run``'s ``data`` options), and the accuracy and the confusion matrix
-(on screen; as a PNG with ``confusion=PATH``) are reported; the options marked "with data=" are refused
-without it, and ``out=`` and ``top_k=`` with it (the accuracy is top-1), ``overwrite=`` without ``out=`` or
-``confusion=``.  Several run folders may be given (their rows carry the run's folder):
-runs trained on one backbone (same timm name, pretrained weights or checkpoint, and preprocessing in
+(on screen; as a PNG with ``confusion=PATH``) are reported (new labelled images need only
+``PATH/test/<class>/``, no ``train/``: their class folders are matched to the run's classes by name); the
+options marked "with data=" are refused without it, and ``out=`` and ``top_k=`` with it (the accuracy is
+top-1), ``overwrite=`` without ``out=`` or ``confusion=``.  Several run folders may be given (their rows carry
+the run's folder): runs trained on one backbone (same timm name, pretrained weights or checkpoint, and preprocessing in
 ``model.json``) are served together by ``petl.MultiTask`` in one pass over the images, each image
 decoded once and its rows for every run in the same batches; ``batch_size`` then counts image x run
 rows.  A run on another backbone, or whose method cannot share one (Partial-k, full fine-tuning),

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import unicodedata
 from functools import lru_cache
 from pathlib import Path
 
@@ -121,7 +122,13 @@ def _warn_once(message: str) -> None:
         log.warning(message)
 
 
-def _classes(split_dir: Path) -> list[str]:
+def class_folders(split_dir: Path) -> list[str]:
+    """The class folder names of a split folder, sorted; hidden folders holding images and loose images are warned of.
+
+    Raises:
+        ValueError: a class folder's name is not UTF-8.
+
+    """
     # A folder whose name starts with "." is not a class (.git, .ipynb_checkpoints, as Hugging Face's imagefolder
     # skips them); one holding images is named in a warning, so that a class is never dropped without a word.
     hidden = sorted(p.name for p in split_dir.iterdir() if p.is_dir() and p.name.startswith(".") and image_files(p)[0])
@@ -153,6 +160,11 @@ def _classes(split_dir: Path) -> list[str]:
 @lru_cache(maxsize=8)
 def _scan(root: Path) -> tuple[tuple[str, ...], dict[str, list[tuple[Path, int]]]]:
     """Class names and ``(path, label)`` items of every split folder present; ValueError names what is wrong."""
+    if root.is_file():  # a CSV or a list of labelled files, say: petl reads labels from folder names only
+        raise ValueError(
+            f"folder: root={root} is a file: give the folder holding train/<class name>/ (the class of an image is "
+            "the name of the folder it is in; a list of files and labels is not read: move the images into them)"
+        )
     if not root.is_dir():
         raise ValueError(f"folder: root={root} does not exist or is not a folder")
     train_dir = root / "train"
@@ -166,7 +178,7 @@ def _scan(root: Path) -> tuple[tuple[str, ...], dict[str, list[tuple[Path, int]]
                 f"data.root={shown(root.parent)}"
             )
         raise ValueError(f"folder: {root} has no train/ folder: put the images in {root}/train/<class name>/")
-    names = _classes(train_dir)
+    names = class_folders(train_dir)
     if len(names) < 2:
         message = f"folder: {train_dir} needs one sub-folder per class (at least 2), found {len(names)}"
         if names:  # train/animals/{cats,dogs}: the classes one level down, which the count alone would not say
@@ -183,10 +195,11 @@ def _scan(root: Path) -> tuple[tuple[str, ...], dict[str, list[tuple[Path, int]]
         split_dir = root / split
         if not split_dir.is_dir():
             continue
-        present = names if split == "train" else _classes(split_dir)
+        present = names if split == "train" else class_folders(split_dir)
         extra = [name for name in present if name not in label]
         if extra:
-            raise ValueError(f"folder: {split_dir} has classes that train/ lacks: {', '.join(extra[:5])}")
+            message = f"folder: {split_dir} has classes that train/ lacks: {', '.join(extra[:5])}"
+            raise ValueError(message + other_unicode_form(extra, names, "train/'s"))
         items = []
         skipped: list[Path] = []
         for name in present if split != "train" else names:
@@ -208,6 +221,28 @@ def _scan(root: Path) -> tuple[tuple[str, ...], dict[str, list[tuple[Path, int]]
             f"add a {root / 'val'}/<class name>/ folder or more training images"
         )
     return tuple(names), splits
+
+
+def other_unicode_form(extra: list[str], names: list[str], whose: str) -> str:
+    """Where a class of ``extra`` is one of ``names`` written with other code points, the words that say so.
+
+    Args:
+        extra: the class names refused.
+        names: the class names known, ``whose`` (``train/'s``, ``the run's``).
+        whose: who holds ``names``, in the message.
+
+    macOS writes ``café`` as ``e`` and a combining accent (NFD) where Windows and Linux tools write one ``é`` (NFC):
+    the two names print alike, so the refusal alone would name a class that seems to be there.
+    """
+    forms = {unicodedata.normalize("NFC", name): name for name in names}
+    for name in extra:
+        twin = forms.get(unicodedata.normalize("NFC", name))
+        if twin is not None:
+            return (
+                f" ({name} is {whose} {twin} written with other Unicode code points, {ascii(name)} against "
+                f"{ascii(twin)}, as folders made on macOS and elsewhere can be: rename one of the two folders)"
+            )
+    return ""
 
 
 def describe_folder(root: str) -> DatasetInfo:

@@ -29,7 +29,7 @@ from torch.utils.data import Dataset
 
 from petl.data import hub
 from petl.data.folder import HOLDOUT, split_items
-from petl.data.images import DECODED_MEMORY_LIMIT, decode_image
+from petl.data.images import DECODED_MEMORY_LIMIT, decode_image, decoding
 from petl.data.registry import TEST, TRAIN, TRAIN_VAL, VAL, BadImagesError, DatasetInfo, register_dataset
 from petl.data.transforms import ImageSpec, pil_to_tensor
 from petl.data.vtab import find_column
@@ -210,6 +210,8 @@ class RowsDataset(Dataset):
 
     Attributes:
         fingerprint: sha256 over every item's split, row, label and image bytes, in item order.
+        digests: each item's image bytes' sha256 (hex), in item order.
+        sources: each item as ``split[row]``, in item order (what :func:`petl.data.images.copies` names).
 
     Raises:
         BadImagesError: naming every row whose image cannot be decoded.
@@ -222,11 +224,14 @@ class RowsDataset(Dataset):
         bad: list[tuple[Path, str]] = []
         held: list[Any] | None = []
         size = 0
-        for split, split_name, row, label in rows:
+        self.digests: list[str] = []
+        self.sources = [f"{split_name}[{row}]" for _, split_name, row, _ in rows]
+        for split, split_name, row, label in decoding(rows, name):
             try:
                 data = self._bytes(split, row)
                 digest.update(f"{split_name}\t{row}\t{label}\t{len(data)}\n".encode())
                 digest.update(data)
+                self.digests.append(hashlib.sha256(data).hexdigest())
                 array = decode_image(data)
             except ValueError as error:
                 bad.append((Path(f"{split_name}[{row}]"), str(error)))

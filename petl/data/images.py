@@ -10,18 +10,21 @@ import hashlib
 import io
 import os
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from PIL import ExifTags, Image, UnidentifiedImageError
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, Subset
 
 from petl.data.registry import BadImagesError
 from petl.data.transforms import ImageSpec, pil_to_tensor
-from petl.utils.text import first_line
+from petl.utils.progress import progress_bar
+from petl.utils.text import first_line, shown
 
 # Decoded images of one split are held in memory up to this many bytes (uint8 at their stored
 # size).  VTAB-1k's train/val splits (1,000 images) and FGVC's train/val splits fit far below it;
@@ -32,6 +35,39 @@ DECODED_MEMORY_LIMIT = 4 << 30
 # Pillow modes holding more than 8 bits per pixel in one channel.  16-bit PNG/TIFF greyscale opens
 # as I;16*, some decoders give I (int32) for the same files; all are scaled from 16 to 8 bits.
 _SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I")
+
+# Where the commands say how far decoding a split has come (petl-run's log, petl-bench's stderr): a folder of a few
+# thousand phone photos takes minutes to decode before the first epoch.  None, the default: nothing said (the Python
+# API, a command's progress switched off).  Work that ends within DECODE_DELAY_S says nothing either.
+_DECODE_SAY: ContextVar[Callable[[str], Any] | None] = ContextVar("petl_decode_say", default=None)
+DECODE_DELAY_S = 5.0
+
+
+@contextmanager
+def decode_progress(say: Callable[[str], Any] | None) -> Iterator[None]:
+    """Within the block, decoding a split of image files says how far it has come through ``say``.
+
+    A bar where stderr is a terminal, else ``reading NAME: K/N imgs`` lines through ``say``
+    (:func:`petl.utils.progress.progress_bar`), each only once the split has taken :data:`DECODE_DELAY_S` seconds.
+
+    Args:
+        say: writes one line (a command's ``log.info`` or its print to stderr); None says nothing.
+
+    """
+    token = _DECODE_SAY.set(say)
+    try:
+        yield
+    finally:
+        _DECODE_SAY.reset(token)
+
+
+def decoding(items: Sequence[Any], name: str) -> Iterable[Any]:
+    """``items`` as they are decoded, saying how far it is where :func:`decode_progress` asks (``reading NAME``)."""
+    say = _DECODE_SAY.get()
+    return progress_bar(
+        items, desc=f"reading {name}", unit="img", show=say is not None, say=say, leave=False, delay=DECODE_DELAY_S
+    )
+
 
 # EXIF Orientation 2-8 and the turn that makes the stored pixels upright: the table of PIL.ImageOps.exif_transpose.
 _ORIENTATION_TURNS = {
@@ -149,6 +185,8 @@ class FileListDataset(Dataset):
     Attributes:
         fingerprint: sha256 (hex) over every item's relative path, label and file bytes, in list
             order: two builds hold the same data exactly when their fingerprints agree.
+        digests: each item's file bytes' sha256 (hex), in item order: a copy of a file has the same one.
+        sources: each item's path as text, in item order (what :func:`copies` names).
         images: the decoded uint8 arrays per item, or ``None`` above :data:`DECODED_MEMORY_LIMIT`.
 
     Raises:
@@ -162,7 +200,8 @@ class FileListDataset(Dataset):
         self.items = list(items)
         self.spec = spec
         self.name = name
-        self.images, self.fingerprint = _decode_all(name, self.items, folder)
+        self.images, self.fingerprint, self.digests = _decode_all(name, self.items, folder)
+        self.sources = [shown(path) for path, _ in self.items]
 
     def __len__(self) -> int:
         return len(self.items)
@@ -186,15 +225,16 @@ class FileListDataset(Dataset):
 
 def _decode_all(
     name: str, items: Sequence[tuple[Path, int]], folder: Path | None
-) -> tuple[list[np.ndarray] | None, str]:
-    """Read and decode every listed file once: the arrays (unless over the limit) and the fingerprint."""
+) -> tuple[list[np.ndarray] | None, str, list[str]]:
+    """Decode every listed file once: the arrays (unless over the limit), the fingerprint, each file's SHA-256."""
     digest = hashlib.sha256()
+    digests: list[str] = []
     decoded: dict[Path, np.ndarray] = {}
     seen: set[Path] = set()  # lists may name one file several times: decode it once
     bad: dict[Path, str] = {}
     held = 0
     keep = True
-    for path, label in items:
+    for path, label in decoding(items, name):
         data = b""
         try:
             data = path.read_bytes()
@@ -204,6 +244,7 @@ def _decode_all(
         # surrogateescape: a file name that is not UTF-8 hashes as its bytes (UTF-8 names as before).
         digest.update(f"{Path(relative).as_posix()}\t{label}\t{len(data)}\n".encode("utf-8", "surrogateescape"))
         digest.update(data)
+        digests.append(hashlib.sha256(data).hexdigest())
         if path in seen or path in bad:
             continue
         seen.add(path)
@@ -222,7 +263,46 @@ def _decode_all(
     if bad:
         raise BadImagesError(name, sorted(bad.items()))
     images = [decoded[path] for path, _ in items] if keep else None
-    return images, digest.hexdigest()
+    return images, digest.hexdigest(), digests
+
+
+def copies(dataset: Dataset, of: Dataset) -> list[tuple[str, str]]:
+    """The items of ``dataset`` whose image bytes are those of an item of ``of``: ``(its name, the first such of of)``.
+
+    Items are named by :attr:`FileListDataset.sources` (a path; a ``data=hf`` row's ``split[row]``); a dataset
+    without ``sources`` and ``digests`` (or a ``Subset`` of one) has nothing to compare (``[]``).
+    """
+    first: dict[str, str] = {}
+    for source, sha, _ in _sources(of):
+        first.setdefault(sha, source)
+    return [(source, first[sha]) for source, sha, _ in _sources(dataset) if sha in first and first[sha] != source]
+
+
+def conflicts(dataset: Dataset) -> list[tuple[str, str]]:
+    """The items of ``dataset`` whose image bytes are an earlier item's of another class: ``(its name, the earlier)``.
+
+    The same photo in two class folders trains toward both labels; named as :func:`copies` names items.
+    """
+    first: dict[str, tuple[str, int]] = {}
+    found = []
+    for source, sha, label in _sources(dataset):
+        earlier = first.setdefault(sha, (source, label))
+        if earlier[1] != label:
+            found.append((source, earlier[0]))
+    return found
+
+
+def _sources(dataset: Dataset) -> list[tuple[str, str, int]]:
+    indices = None
+    while isinstance(dataset, Subset):  # data.subset: the items it keeps
+        indices = [dataset.indices[i] for i in indices] if indices is not None else list(dataset.indices)
+        dataset = dataset.dataset
+    sources, digests = getattr(dataset, "sources", None), getattr(dataset, "digests", None)
+    if sources is None or digests is None:
+        return []
+    labels = dataset.labels  # type: ignore[attr-defined]
+    keep = range(len(sources)) if indices is None else indices
+    return [(sources[i], digests[i], labels[i]) for i in keep]
 
 
 class HubDataset(Dataset):

@@ -6,6 +6,7 @@ The command line, its options and exit statuses are :mod:`petl.cli.predict`'s.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
 import json
 import os
@@ -20,8 +21,8 @@ from PIL import Image
 
 import petl.methods  # noqa: F401  (importing the methods registers them)
 from petl import data as petl_data
-from petl.data.folder import IMAGE_EXTENSIONS, image_files, not_images
-from petl.data.images import decode_image
+from petl.data.folder import IMAGE_EXTENSIONS, class_folders, image_files, not_images, other_unicode_form
+from petl.data.images import FileListDataset, decode_image, decode_progress
 from petl.deploy.multitask import MultiTask, TaskRefused
 from petl.model import surgery
 from petl.model.registry import get_method
@@ -269,13 +270,56 @@ def evaluate_split(
     return matrix, truth, predicted
 
 
+def _new_test_folder(run: LoadedRun, root: Path) -> FileListDataset:
+    """``ROOT/test/<class>/*`` without a ``train/`` beside it: new labelled images, numbered by the run's classes.
+
+    Raises:
+        UsageError: a class folder the run was not trained on, or no images at all.
+        BadImagesError: naming every image that cannot be decoded.
+
+    """
+    test = root / "test"
+    try:
+        names = class_folders(test)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    unknown = [name for name in names if name not in run.class_names]
+    if unknown:
+        raise UsageError(
+            f"{shown(test)} has class folders the run was not trained on: {', '.join(map(shown, unknown[:5]))} "
+            f"(its classes: {', '.join(run.class_names)}); rename or remove them"
+            + other_unicode_form(unknown, run.class_names, "the run's")
+        )
+    items: list[tuple[Path, int]] = []
+    skipped: list[Path] = []
+    for name in names:
+        files, others = image_files(test / name)
+        skipped += others
+        items += [(path, run.class_names.index(name)) for path in files]
+    if skipped:
+        print(f"{PROG}: note: {not_images(skipped, test)}", file=sys.stderr)
+    if not items:
+        raise UsageError(f"{shown(test)} holds no images in class sub-folders (<class name>/*.png)")
+    spec = dataclasses.replace(run.spec, augment=False)
+    return FileListDataset(items, spec, name=f"folder {root.resolve()}", folder=root.resolve())
+
+
 def _eval_dataset(run: LoadedRun, options: dict) -> tuple[torch.utils.data.Dataset, str]:
     name = options["data"]
     split = SPLIT_ALIASES.get(options.get("split", "test"), options.get("split", "test"))
     if split not in petl_data.SPLITS:
         raise UsageError(f"split={options['split']}: choose one of test, val, train")
     extra = {k.split(".", 1)[1]: v for k, v in options.items() if k in ("data.image_column", "data.label_column")}
+    root = Path(str(options.get("data.root"))).expanduser()
     try:
+        if name == "folder" and split == petl_data.TEST and root.is_dir() and not (root / "train").is_dir():
+            if (root / "test").is_dir():
+                return _new_test_folder(run, root), split
+            if root.name not in ("train", "val", "test"):  # a split folder given itself is answered with its parent
+                raise UsageError(
+                    f"{shown(root)} has no test/ folder: put the labelled images to evaluate on in "
+                    f"{shown(root)}/test/<class name>/, one folder per class of the run ({', '.join(run.class_names)})"
+                )
         info = petl_data.describe_dataset(name, root=options.get("data.root"), **extra)
         if info.class_names is not None and list(info.class_names) != run.class_names:
             raise UsageError(
@@ -583,7 +627,8 @@ def run_command(positional: list[str], options: dict, merge: bool = False, quiet
         except (RunFolderError, ValueError) as error:  # ValueError: weights that do not fit (load_trainable)
             raise UsageError(str(error)) from None
         if "data" in options:
-            dataset, split = _eval_dataset(run, options)
+            with decode_progress(_say if progress else None):  # every image of the split is decoded first
+                dataset, split = _eval_dataset(run, options)
             matrix, truth, predicted = evaluate_split(run, dataset, options.get("batch_size", 64), progress, precision)
             accuracy = 100.0 * float(np.trace(matrix)) / max(1, int(matrix.sum()))
             print(f"{folder}: top-1 {accuracy:.2f}% on {int(matrix.sum())} images of {options['data']} {split}")

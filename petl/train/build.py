@@ -27,16 +27,20 @@ from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 import petl.methods  # noqa: F401  (importing the methods registers them)
 from petl import data as petl_data
 from petl.data import hub
+from petl.data.images import conflicts, copies
 from petl.model.registry import MethodConfig, get_method, make_config
 from petl.model.surgery import apply, check_supported
 from petl.store import run_card
 from petl.train import config, engine
 from petl.train.config import ConfigError
+from petl.utils.distributed import is_main_process
 from petl.utils.errors import RunError
 from petl.utils.precision import auto_precision, cpu_supports_bf16
 from petl.utils.text import first_line
 
 log = logging.getLogger(__name__)
+# Warnings about the data already said in this process (a sweep trains many runs on one folder).
+_SAID: set[str] = set()
 
 # The subset of a split that ``data.subset`` keeps is drawn with this fixed seed, so every run
 # seed and every method sees the same examples.
@@ -398,7 +402,45 @@ def datasets(cfg: DictConfig, model: nn.Module) -> dict[str, Dataset]:
             bad.update(error.bad)
     if bad:
         raise ConfigError(str(petl_data.BadImagesError(dataset, sorted(bad.items()))))
+    if petl_data.get_info(cfg.data.name).root == "required" and is_main_process():  # the user's own files
+        _warn_copies(built)
     return built
+
+
+def _warn_copies(built: dict[str, Dataset]) -> None:
+    """Say which val and test images are copies of training images (their accuracy counts images the run trained
+    on) and which training images are in two classes.
+
+    A photo copied into test/ (or twice into train/, one copy then held out as val) is byte for byte a training
+    image; nothing else tells the user why the test number is high.  Said once per process and split.
+    """
+    clash = conflicts(built["train"])
+    if clash:
+        path, other = clash[0]
+        message = (
+            f"{len(clash)} training {'image is' if len(clash) == 1 else 'images are'} also in another class (first: "
+            f"{path} = {other}): the run learns two labels for one image; keep each image in its one class folder"
+        )
+        if message not in _SAID:
+            _SAID.add(message)
+            log.warning(message)
+    for role in ("val", "test"):
+        found = copies(built[role], built["train"]) if role in built else []
+        if not found:
+            continue
+        path, original = found[0]
+        copy = (
+            "is a byte-for-byte copy of a training image"
+            if len(found) == 1
+            else "are byte-for-byte copies of training images"
+        )
+        message = (
+            f"{len(found)} of the {len(built[role])} {role} images {copy} (first: {path} = {original}): "
+            f"the {role} accuracy counts images the run trained on; remove the copies (each image once, in one split)"
+        )
+        if message not in _SAID:
+            _SAID.add(message)
+            log.warning(message)
 
 
 def eval_spec(cfg: DictConfig, model: nn.Module, info: petl_data.DatasetInfo) -> petl_data.ImageSpec:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import re
+import shlex
 import typing
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -356,10 +357,11 @@ def explain(error: Exception, overrides: Sequence[str] = ()) -> str:
     than their text, so a rewording in Hydra or OmegaConf cannot change what users see.
     """
     if isinstance(error, OverrideParseException):
-        return (
-            f"cannot parse override {error.override!r}: {first_line(error.message)} "
-            "(quote values holding special characters: key='a=b')"
-        )
+        quoted = shell_quoted(error.override)
+        # Hydra reads an unquoted value of ASCII letters, digits and a few signs only: a folder named 'Fotos ü',
+        # 'photos (2)' or "it's" must be quoted, and in a shell the quotes must survive the shell's own.
+        hint = f"quote the value, in a shell: {quoted}" if quoted else "quote values holding special characters"
+        return f"cannot parse override {error.override!r}: {first_line(error.message)} ({hint})"
     if isinstance(error, MissingConfigException) and error.missing_cfg_file:
         group, _, value = error.missing_cfg_file.partition("/")
         if group in CONFIG_GROUPS:
@@ -374,11 +376,26 @@ def explain(error: Exception, overrides: Sequence[str] = ()) -> str:
         if sweep is not None:  # Hydra composes one config; a,b is a sweep only under --multirun
             return (
                 f"Ambiguous value for argument {sweep!r}: to sweep over the values add --multirun, "
-                "to pass a list write key=[a,b]"
+                f"to pass a list write key=[a,b], to pass one value holding commas (a folder's name) quote it, in a "
+                f"shell: {shell_quoted(sweep) or sweep}"
             )
     full_key = getattr(cause, "full_key", None)
     line = first_line(getattr(cause, "msg", None) or str(cause))
     return f"{full_key}: {line}" if full_key and full_key not in line else line
+
+
+def shell_quoted(override: str) -> str | None:
+    r"""``key=value`` as a shell argument that gives Hydra ``value`` as one quoted string; None for a list or dict.
+
+    ``data.root=photos (2)`` becomes ``"data.root='photos (2)'"``: the shell drops the double quotes, Hydra the
+    single ones (a ``'`` in the value escaped as ``\'``).  A value the shell would expand inside double quotes
+    (``$``, a backquote, ``"``, ``!``) is quoted by :func:`shlex.quote` instead; one holding a ``\`` gets no hint.
+    """
+    key, equals, value = override.partition("=")
+    if not equals or value[:1] in ("[", "{", "'", '"') or "\\" in value:  # a backslash: Hydra's escapes, too rare
+        return None
+    inner = f"{key}='{value.replace(chr(39), chr(92) + chr(39))}'"
+    return shlex.quote(inner) if any(sign in value for sign in '$`"!') else f'"{inner}"'
 
 
 def _sweep_override(overrides: Sequence[str]) -> str | None:

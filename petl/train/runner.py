@@ -36,6 +36,7 @@ from torch.utils.data import DataLoader, Dataset
 
 import petl.methods  # noqa: F401  (importing the methods registers them)
 from petl import data as petl_data
+from petl.data.images import decode_progress
 from petl.model.io import save_trainable
 from petl.model.params import count_params, trainable_state
 from petl.model.registry import get_method
@@ -123,7 +124,9 @@ def run(cfg: DictConfig, *, checked: bool = False) -> dict[str, Any]:
         raise ConfigError(config.explain(error)) from None
     assert isinstance(resolved, dict)
     out = Path(cfg.output_dir)
-    with folder.claim(out):
+    # Decoding a folder of photos (before the first epoch, or to check a finished run's data) says how far it is.
+    decoding = decode_progress(log.info if cfg.train.progress and is_main_process() else None)
+    with folder.claim(out), decoding:
         finished = folder.check_output_dir(out, cfg, resolved, is_main=is_main_process())
         if finished is not None:
             if is_main_process():

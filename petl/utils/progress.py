@@ -53,6 +53,7 @@ class ProgressLines:
         total: how many in all (None: ``len(iterable)`` where it has one, else the lines give the count alone).
         unit: what is counted, in the singular (None: the count alone, ``3/10``).
         initial: how many were done before (a resumed search's).
+        delay: no line until this many seconds have passed (tqdm's ``delay``): work that ends sooner says nothing.
 
     """
 
@@ -66,6 +67,7 @@ class ProgressLines:
         total: int | None = None,
         unit: str | None = None,
         initial: int = 0,
+        delay: float = 0.0,
     ) -> None:
         if total is None:
             try:
@@ -75,9 +77,13 @@ class ProgressLines:
         self.iterable, self.say, self.desc, self.total, self.unit = iterable, say, desc, total, unit
         self.n = initial
         self.postfix = ""
+        self._until = time.monotonic() + delay
+        self._said, self._said_at = initial, time.monotonic()
         self._line()
 
     def _line(self) -> None:
+        if time.monotonic() < self._until:
+            return
         # "3/16 batches", "1/1 epoch": the noun agrees with the last number.
         if self.unit is None:
             count = f"{self.n}/{self.total}" if self.total is not None else str(self.n)
@@ -150,5 +156,6 @@ def progress_bar(
             kwargs.get("total"),
             kwargs.get("unit"),
             kwargs.get("initial", 0),
+            kwargs.get("delay", 0.0),
         )
     return tqdm(iterable, disable=not drawn, **kwargs)

@@ -37,6 +37,19 @@ def test_no_answer_still_names_what_failed(tmp_path):
     assert "lora (1 of 2 seed(s) finished), full (no finished run)" in answer.paragraph
 
 
+def test_a_budget_every_row_is_over_says_the_smallest_and_that_a_larger_one_answers_at_once(tmp_path, monkeypatch):
+    # It named the rows over the budget and stopped: no word of what to give, nor that nothing trains again.
+    monkeypatch.setattr(choice, "exportable", lambda run: False)
+    for method in ("lora", "linear"):
+        write_run(tmp_path / "folder" / method / "seed0", result_record("folder", method, 0, 50.0))
+    plan = report.Plan("choose", ("lora", "linear"), ("folder",), (0,))
+    board = report.build_board(tmp_path, plan=plan)
+    answer = choice.choose(board, choice.Budget(params=1))
+    smallest = min(board.rows, key=lambda row: row.trainable)
+    assert answer.best is None and f"; the smallest is {smallest.experiment} (" in answer.paragraph
+    assert answer.paragraph.endswith("the same command with a budget it fits answers without training again.")
+
+
 def test_a_second_choose_on_the_same_folder_stops_naming_the_first(tmp_path, capsys):
     import json
     import os

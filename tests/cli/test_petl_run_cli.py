@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -88,6 +89,15 @@ def test_overrides_are_applied_and_type_checked():
         (["train.precision=fp8"], r"train.precision='fp8' is not valid: choose one of auto, no, tf32, bf16, fp16"),
         (["data.split=test"], r"data.split='test' is not valid: choose one of train800, train800val200"),
         (["seed=1,2"], r"^Ambiguous value for argument 'seed=1,2': to sweep over the values add --multirun"),
+        # A folder named with a letter beyond ASCII, a bracket, a comma: said how to quote it in a shell.
+        (
+            ["data.root=Fotos ü"],
+            r"""^cannot parse override 'data.root=Fotos ü': .*in a shell: "data.root='Fotos ü'"\)$""",
+        ),
+        (
+            ["data.root=a,b"],
+            r"""one value holding commas \(a folder's name\) quote it, in a shell: "data.root='a,b'"$""",
+        ),
         (["+method.rank=3"], r"^Could not append to config. An item is already at 'method.rank'.$"),
         (
             ["hydra/launcher=submitit_slurm"],
@@ -239,3 +249,12 @@ def test_subprocess_two_epoch_run(tmp_path):
         "result.json",
         "trainable.safetensors",
     ]
+
+
+@pytest.mark.parametrize("name", ["photos (2)", "Fotos ü", "it's", "x=y", "a,b", "p[1]", "cost $5!"])
+def test_the_quoting_an_unparsable_override_is_told_gives_the_value_through_a_shell(tmp_path, name):
+    # Hydra reads an unquoted value of ASCII letters, digits and a few signs only; the hint was key='a=b', whose
+    # quotes a shell removes before petl-run sees them.
+    argument = config.shell_quoted(f"output_dir={tmp_path / name}")
+    (override,) = shlex.split(argument)  # as bash hands it over
+    assert default_config([override]).output_dir == str(tmp_path / name)

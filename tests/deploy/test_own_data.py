@@ -238,6 +238,7 @@ def test_a_folder_without_test_trains_without_a_test_number(tmp_path):
         ),
         ("empty_class", "holds no images"),
         ("extra_test_class", "has classes that train/ lacks: cow"),
+        ("csv", "labels.csv is a file: give the folder holding train/<class name>/"),
     ],
 )
 def test_bad_folders_exit_2_with_one_line(tmp_path, capsys, layout, message):
@@ -256,6 +257,9 @@ def test_bad_folders_exit_2_with_one_line(tmp_path, capsys, layout, message):
         (root / "train" / CLASSES[0]).rename(root / "train" / "animals" / CLASSES[0])
     elif layout == "empty_class":
         (root / "train" / "cow").mkdir()
+    elif layout == "csv":  # a list of files and labels, as other tools read: said to be no folder
+        root = root / "labels.csv"
+        root.write_text("path,label\ntrain/dark_red/000.png,dark_red\n")
     else:
         (root / "test" / "cow").mkdir()
         _image("dark_red", np.random.default_rng(0)).save(root / "test" / "cow" / "0.png")

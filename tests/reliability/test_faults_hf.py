@@ -12,6 +12,7 @@ from PIL import Image
 
 from petl import data as petl_data
 from petl.cli import run as cli
+from petl.data import images
 
 datasets = pytest.importorskip("datasets")
 
@@ -125,3 +126,14 @@ def test_a_dataset_without_a_train_split_is_told_the_split_names_petl_reads(tmp_
     assert stop.value.code == 2 and err.count("\n") == 1
     assert "has splits training, eval, and no train split: petl reads train, validation (or val, valid, dev)" in err
     assert "DatasetDict(train=d['training'], ...).save_to_disk(PATH)" in err
+
+
+def test_a_test_row_holding_a_training_rows_image_is_found_as_a_copy(tmp_path):
+    # petl-run warns of such rows (their accuracy counts images the run trained on), as of a folder's copied files.
+    train = _split([0, 1] * 5, CAT_DOG)
+    test = _split([1, 0, 1], CAT_DOG, images=[train[3]["image"], *_split([0, 1], CAT_DOG)["image"]])
+    root = _save(tmp_path / "saved", train=train, test=test)
+    train, test = (
+        petl_data.build_dataset("hf", split, image_size=8, root=root) for split in ("train800val200", "test")
+    )
+    assert images.copies(test, train) == [("test[0]", "train[3]")]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import io
 import logging
+import re
 import warnings
 from pathlib import Path
 
@@ -17,11 +18,13 @@ import pytest
 from PIL import Image
 from test_faults_predict_data_report import TINY_MODEL, _exit_code, make_folder, train_folder
 
+import petl.run
 from petl import data as petl_data
 from petl.cli import predict as predict_cli
 from petl.cli import run as cli
-from petl.data import folder
+from petl.data import folder, images
 from petl.data.images import decode_image
+from petl.utils import progress
 
 CLASSES = ("a", "b")
 
@@ -134,3 +137,108 @@ def test_a_palette_png_with_transparency_decodes_to_its_colours_without_pillows_
         warnings.simplefilter("error")
         decoded = decode_image(buffer.getvalue())
     np.testing.assert_array_equal(decoded, np.asarray(image.convert("RGB")))
+
+
+def test_decoding_a_folder_says_how_far_it_is_after_a_while_unless_progress_is_off(tmp_path, monkeypatch, caplog):
+    # Every image is decoded before the first epoch: a few thousand phone photos took minutes without a word.
+    monkeypatch.setattr(images, "DECODE_DELAY_S", 0.0)  # every split takes a while here
+    monkeypatch.setattr(progress, "bars_shown", lambda: False)  # stderr is a log file
+    root = make_folder(tmp_path / "images", classes=CLASSES, train=5)
+    base = ["method=lora", "data=folder", f"data.root={root}", *TINY_MODEL, "train.epochs=1"]
+
+    def reading(*overrides: str) -> list[str]:
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="petl"):
+            petl.run.train(petl.run.default_config([*base, *overrides]))
+        return [record.getMessage() for record in caplog.records if record.getMessage().startswith("reading ")]
+
+    lines = reading("train.progress=true", f"output_dir={tmp_path / 'on'}")
+    # train/ less its held-out fifth, then val, then test: each split from 0 to its count
+    assert f"reading folder {root}: 8/8 imgs" in lines and f"reading folder {root}: 4/4 imgs" in lines, lines
+    assert f"reading folder {root}: 0/8 imgs" in lines
+    assert reading(f"output_dir={tmp_path / 'off'}") == []  # train.progress=false: quiet
+    monkeypatch.setattr(images, "DECODE_DELAY_S", 60.0)  # work that ends sooner says nothing
+    assert reading("train.progress=true", f"output_dir={tmp_path / 'quick'}") == []
+
+
+def test_predict_evaluates_new_labelled_images_in_a_folder_of_test_alone(trained, tmp_path, capsys):
+    # New labelled photos in new/test/<class>/ were refused for lack of a train/ folder ("put the images in
+    # new/train/<class name>/"): evaluating a run needs the run's classes, not its training images.
+    new = tmp_path / "new"
+    for name, count in (("b", 3), ("a", 2)):
+        for index in range(count):
+            _png(new / "test" / name / f"{index}.png")
+    (new / "test" / "a" / "notes.txt").write_text("taken on Tuesday")
+    capsys.readouterr()
+    assert _exit_code(predict_cli.main, [str(trained), "data=folder", f"data.root={new}", "--quiet"]) == 0
+    captured = capsys.readouterr()
+    assert f"{trained}: top-1 " in captured.out and "% on 5 images of folder test" in captured.out, captured.out
+    assert "note: skipped a/notes.txt" in captured.err
+    _png(new / "test" / "horse" / "0.png")  # a class the run does not know: no number for it
+    assert _exit_code(predict_cli.main, [str(trained), "data=folder", f"data.root={new}"]) == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "class folders the run was not trained on: horse (its classes: a, b)" in error, error
+    loose = tmp_path / "labelled"  # the class folders straight under the root: told where they go
+    _png(loose / "a" / "0.png")
+    assert _exit_code(predict_cli.main, [str(trained), "data=folder", f"data.root={loose}"]) == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error.endswith(
+        f"{loose} has no test/ folder: put the labelled images to evaluate on in {loose}/test/"
+        "<class name>/, one folder per class of the run (a, b)"
+    ), error
+
+
+def test_test_and_val_images_that_are_copies_of_training_images_are_named(tmp_path, caplog):
+    # A photo copied into test/ too, or twice into train/ (one copy then held out as val), was scored as unseen:
+    # the accuracy counted images the run trained on, and nothing said so.
+    root = make_folder(tmp_path / "images", classes=CLASSES, train=5)
+    (root / "test" / "b" / "copy.png").write_bytes((root / "train" / "a" / "003.png").read_bytes())
+    for index in range(5):  # every training image of b twice: whichever is held out, its twin trains
+        (root / "train" / "b" / f"twin{index}.png").write_bytes(
+            (root / "train" / "b" / f"{index:03d}.png").read_bytes()
+        )
+    argv = ["method=lora", "data=folder", f"data.root={root}", *TINY_MODEL, "train.epochs=1"]
+    with caplog.at_level(logging.WARNING, logger="petl"):
+        petl.run.train(petl.run.default_config([*argv, f"output_dir={tmp_path / 'run'}"]))
+    said = [record.getMessage() for record in caplog.records if "byte-for-byte" in record.getMessage()]
+    test = root / "test" / "b" / "copy.png"
+    assert len(said) == 2 and said[1].startswith(
+        f"1 of the 5 test images is a byte-for-byte copy of a training image "
+        f"(first: {test} = {root / 'train' / 'a' / '003.png'}): "
+    ), said
+    assert said[0].startswith("2 of the 3 val images are byte-for-byte copies of training images"), said
+
+
+def test_a_class_written_with_other_unicode_code_points_than_trains_is_said_to_be_so(tmp_path):
+    # test/cafe + combining accent (macOS's NFD) against train/'s one-letter é: refused naming a class that printed
+    # exactly as train/'s ("test has classes that train/ lacks: café"), with nothing to tell them apart.
+    nfc, nfd = "caf\u00e9", "cafe\u0301"
+    for split, name in (("train", nfc), ("train", "dog"), ("test", nfd)):
+        for index in range(2):
+            _png(tmp_path / "images" / split / name / f"{index}.png", size=8 + index)
+    folder._scan.cache_clear()
+    said = f"lacks: {nfd} ({nfd} is train/'s {nfc} written with other Unicode code points, {nfd!a} against {nfc!a}"
+    with pytest.raises(ValueError, match=re.escape(said)):
+        folder.describe_folder(str(tmp_path / "images"))
+    # petl-predict's folder of new labelled images says the same of a class the run knows in the other form.
+    assert folder.other_unicode_form([nfd], ["dog", nfc], "the run's").startswith(f" ({nfd} is the run's {nfc} written")
+
+
+def test_a_training_image_in_two_class_folders_is_named(tmp_path, caplog):
+    # The same photo in cat/ and kitten/ trained toward both labels without a word.
+    root = make_folder(tmp_path / "images", classes=CLASSES, train=5, test=0)
+    (root / "train" / "b" / "clash.png").write_bytes((root / "train" / "a" / "002.png").read_bytes())
+    train = petl_data.build_dataset("folder", "train800val200", image_size=8, root=str(root))
+    assert images.conflicts(train) == [(str(root / "train" / "b" / "clash.png"), str(root / "train" / "a" / "002.png"))]
+    (root / "val" / "a").mkdir(parents=True)  # a val/ of its own: every training image trains
+    (root / "val" / "a" / "0.png").write_bytes((root / "train" / "a" / "000.png").read_bytes())
+    (root / "val" / "b").mkdir()
+    argv = ["method=lora", "data=folder", f"data.root={root}", *TINY_MODEL, "train.epochs=1"]
+    with caplog.at_level(logging.WARNING, logger="petl"):
+        petl.run.train(petl.run.default_config([*argv, f"output_dir={tmp_path / 'run'}"]))
+    said = [record.getMessage() for record in caplog.records if "also in another class" in record.getMessage()]
+    assert said == [
+        f"1 training image is also in another class (first: {root / 'train' / 'b' / 'clash.png'} = "
+        f"{root / 'train' / 'a' / '002.png'}): the run learns two labels for one image; keep each image in its one "
+        "class folder"
+    ], said
