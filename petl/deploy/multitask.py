@@ -65,7 +65,7 @@ from __future__ import annotations
 import copy
 import numbers
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -427,11 +427,12 @@ class MultiTask(nn.Module):
         self.eval()
 
     @classmethod
-    def from_runs(cls, runs: Sequence[str | Path] | Mapping[str, str | Path]) -> MultiTask:
+    def from_runs(cls, runs: Iterable[str | Path] | Mapping[str, str | Path]) -> MultiTask:
         """A MultiTask over the backbone the runs' cards (``model.json``) record, built once for all of them.
 
         Args:
-            runs: ``petl-run`` folders (each named by its path), or task name (a string) -> folder.
+            runs: ``petl-run`` folders (a list, or any iterable: ``Path("runs").glob("*")``; each named by its path), or
+                task name (a string) -> folder.
 
         Raises:
             ValueError: runs trained on different backbones (the message names the run and the first difference),
@@ -444,6 +445,8 @@ class MultiTask(nn.Module):
             raise ValueError(f"MultiTask.from_runs takes a list of run folders, got one path: write [{str(runs)!r}]")
         if isinstance(runs, Mapping):
             _check_task_names(runs)
+        else:  # read once: a generator (Path.glob's) is checked below and then named
+            runs = list(runs)
         folders = runs.values() if isinstance(runs, Mapping) else runs
         wrong = next((run for run in folders if not isinstance(run, str | os.PathLike)), None)
         if wrong is not None:  # a petl.load_run answer, say: pathlib would fail on it without saying what to give
