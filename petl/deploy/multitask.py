@@ -65,7 +65,7 @@ from __future__ import annotations
 import copy
 import numbers
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -76,7 +76,7 @@ from torch import nn
 from petl.deploy.graphs import LayoutGraph, LayoutGraphs, capture, storage_of
 from petl.deploy.routing import Batch, RoutedBlock, RoutedModule, Router, method_name, task_sites
 from petl.model.backbone import Backbone, backbone_of
-from petl.model.io import load_trainable, meta_copy, read_trainable_metadata
+from petl.model.io import _read_header, load_trainable, meta_copy, read_trainable_metadata
 from petl.model.params import trainable_state
 from petl.model.rows import CannotShare, RowHook, Tokens, rows_matmul
 from petl.model.surgery import apply
@@ -108,13 +108,14 @@ def _run_card(path: str | Path) -> dict[str, Any] | None:
     return run_card.read_card(path) if path.is_dir() and (path / run_card.MODEL_FILE).is_file() else None
 
 
-def _trained_backbone_tensors(backbone: nn.Module, path: Path) -> set[str]:
+def _trained_backbone_tensors(task: str, backbone: nn.Module, path: Path) -> set[str]:
     """The names of the backbone's tensors that the method in ``path`` trains, wherever it moves them.
 
     BitFit's biases keep their backbone names in the file, but GPS trains the biases of the layers it wraps
     (``blocks.0.attn.qkv.base.bias``) and HST the LayerNorms of the blocks it wraps: the method is built on a
     meta-device copy of the backbone (nothing allocated) and its trained tensors are matched to the backbone's
-    by identity, so that loading never writes into a tensor the tasks share.
+    by identity, so that loading never writes into a tensor the tasks share: a file that also holds backbone
+    tensors trained beside the method (a norm the caller unfroze) is refused (:class:`TaskRefused`).
     """
     meta = read_trainable_metadata(path)
     shadow = meta_copy(backbone)
@@ -123,8 +124,16 @@ def _trained_backbone_tensors(backbone: nn.Module, path: Path) -> set[str]:
         applied = apply(shadow, meta["method"], **meta["config"])
     except (ValueError, TypeError) as error:  # as load_trainable words it
         raise ValueError(f"{path}: cannot apply its method {meta['method']!r}: {error}") from None
+    trained = trainable_state(applied)
+    beside = sorted(_read_header(path).keys() - trained.keys())
+    if beside:
+        # load_trainable would write them into the frozen tensors every task (and the caller's backbone) shares, and
+        # no routed hook would read them as the task's own.
+        why = f"{path} holds backbone tensors trained beside its method ({', '.join(beside[:3])}), shared frozen"
+        use = "use its own model (petl.load_trainable)"
+        raise TaskRefused(task, f"task {task!r} cannot share the backbone: {why}; {use}")
     objects = {**dict(applied.named_parameters()), **dict(applied.named_buffers())}
-    return {names[id(objects[n])] for n in trainable_state(applied) if id(objects.get(n)) in names}
+    return {names[id(objects[n])] for n in trained if id(objects.get(n)) in names}
 
 
 def _shared_copy(backbone: nn.Module, unshared: set[str] = frozenset()) -> nn.Module:
@@ -418,11 +427,12 @@ class MultiTask(nn.Module):
         self.eval()
 
     @classmethod
-    def from_runs(cls, runs: Sequence[str | Path] | Mapping[str, str | Path]) -> MultiTask:
+    def from_runs(cls, runs: Iterable[str | Path] | Mapping[str, str | Path]) -> MultiTask:
         """A MultiTask over the backbone the runs' cards (``model.json``) record, built once for all of them.
 
         Args:
-            runs: ``petl-run`` folders (each named by its path), or task name (a string) -> folder.
+            runs: ``petl-run`` folders (a list, or any iterable: ``Path("runs").glob("*")``; each named by its path), or
+                task name (a string) -> folder.
 
         Raises:
             ValueError: runs trained on different backbones (the message names the run and the first difference),
@@ -435,6 +445,8 @@ class MultiTask(nn.Module):
             raise ValueError(f"MultiTask.from_runs takes a list of run folders, got one path: write [{str(runs)!r}]")
         if isinstance(runs, Mapping):
             _check_task_names(runs)
+        else:  # read once: a generator (Path.glob's) is checked below and then named
+            runs = list(runs)
         folders = runs.values() if isinstance(runs, Mapping) else runs
         wrong = next((run for run in folders if not isinstance(run, str | os.PathLike)), None)
         if wrong is not None:  # a petl.load_run answer, say: pathlib would fail on it without saying what to give
@@ -474,7 +486,7 @@ class MultiTask(nn.Module):
     @staticmethod
     def _load(name: str, path: Path, backbone: nn.Module) -> nn.Module:
         """The task's single-task model: the backbone's frozen tensors shared, the file's tensors its own."""
-        model = _shared_copy(backbone, unshared=_trained_backbone_tensors(backbone, path))
+        model = _shared_copy(backbone, unshared=_trained_backbone_tensors(name, backbone, path))
         load_trainable(model, path)
         return model.eval()
 

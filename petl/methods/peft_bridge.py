@@ -53,7 +53,8 @@ class PeftBridgeConfig(MethodConfig):
         peft_type: a peft tuner type that ``inject_adapter_in_model`` supports (``LORA``, ``IA3``, ``LOHA``...).
         target_modules: module-name suffixes to adapt, matched the way peft matches them (``qkv`` hits
             every ``blocks.N.attn.qkv``); one that matches no module (peft would pass over it) is refused, and so
-            is none at all, and a ``layers_to_transform`` index of ``options`` that matches none of their layers.
+            is none at all unless ``options`` gives peft's ``target_parameters``, and a ``layers_to_transform``
+            index of ``options`` that matches none of their layers.
         options: JSON object of extra keyword arguments for the peft config, e.g. ``'{"r": 8, "lora_alpha": 8}'``;
             each value is checked against the peft config's annotation (``{"r": "x"}`` is refused naming ``r``).
             A ``target_modules`` key there (a regex string, say) replaces the field, which must then be empty
@@ -116,7 +117,10 @@ class PeftBridgeConfig(MethodConfig):
         super().validate(model)
         peft_config = self.to_peft()
         targets = peft_config.target_modules
-        if targets is None:  # peft would fail mid-injection on None, naming nothing
+        if targets is None:
+            if getattr(peft_config, "target_parameters", None):  # peft adapts those parameters alone: taken
+                return
+            # peft would fail mid-injection on None, naming nothing.
             raise ValueError(
                 "target_modules is empty and options names none: give the modules to adapt, e.g. target_modules=[qkv]"
             )

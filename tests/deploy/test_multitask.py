@@ -469,6 +469,8 @@ def test_a_run_is_refused_over_a_backbone_it_was_not_trained_on(tmp_path):
     at_32, other_32 = run_folder(tmp_path / "a", seed=1), run_folder(tmp_path / "b", seed=2)
     at_48 = run_folder(tmp_path / "c", model_cfg={**TINY, "kwargs": {**TINY["kwargs"], "img_size": 48}})
     served = petl.MultiTask.from_runs([at_32, other_32])
+    # Runs as a generator (Path.glob's): its check of each folder consumed it, leaving 'needs at least one run folder'.
+    assert petl.MultiTask.from_runs(path for path in (at_32, other_32)).names == [str(at_32), str(other_32)]
     images = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         for task, folder in enumerate([at_32, other_32]):

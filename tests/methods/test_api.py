@@ -13,6 +13,7 @@ from timm.models.resnet import BasicBlock, ResNet
 from torch import nn
 
 import petl
+from petl.deploy.multitask import TaskRefused
 from petl.model.backbone import backbone_of
 from petl.model.registry import MethodConfig, make_config
 from petl.utils.checks import check_dropout, check_range
@@ -420,9 +421,14 @@ def test_a_norm_unfrozen_beside_the_method_is_saved_and_loaded_back(tiny_vit, im
         torch.testing.assert_close(loaded(images), model.eval()(images), rtol=0, atol=0)
         trains = [name for name, p in loaded.named_parameters() if p.requires_grad]
         assert trains == [name for name, p in model.named_parameters() if p.requires_grad]
-    if method == "lora":  # served too: the task's own norm acts on its rows
-        served = petl.MultiTask(tiny_vit(), {"a": tmp_path / "trained.safetensors"})
-        torch.testing.assert_close(served(images, ["a"] * len(images)), model(images))
+    if method == "lora":  # not served beside other tasks: the norm it trained is one the tasks share frozen
+        plain = petl.apply(tiny_vit(), method, num_classes=3)
+        petl.save_trainable(plain, tmp_path / "plain.safetensors")
+        backbone = tiny_vit()
+        before = {name: t.clone() for name, t in backbone.state_dict().items()}
+        with pytest.raises(TaskRefused, match=r"task 'a' .*trained beside its method \(norm\.bias, norm\.weight"):
+            petl.MultiTask(backbone, {"a": tmp_path / "trained.safetensors", "b": tmp_path / "plain.safetensors"})
+        assert all(torch.equal(t, before[name]) for name, t in backbone.state_dict().items())  # the caller's, unchanged
 
 
 def test_a_loaded_run_given_for_its_model_is_named_in_one_line(tiny_vit, tmp_path):

@@ -136,3 +136,15 @@ def test_peft_refuses_a_target_module_that_matches_nothing(options, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         petl.apply(model, "peft", num_classes=3, **options)
     assert not any(p.requires_grad is False for p in model.parameters())  # refused before anything was frozen
+
+
+def test_peft_takes_target_parameters_in_place_of_target_modules():
+    # peft's target_parameters (LoRA on a module's parameter) names no module: it was refused as naming no target.
+    model = petl.apply(
+        make_tiny_vit(),
+        "peft",
+        num_classes=3,
+        target_modules=[],
+        options='{"target_parameters": ["attn.qkv.weight"], "r": 2}',
+    )
+    assert any("qkv.lora_A" in name for name, p in model.named_parameters() if p.requires_grad)
