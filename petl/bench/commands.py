@@ -84,7 +84,8 @@ def _restriction(own: dict[str, str], suite: suites.Suite) -> tuple[list[str], l
     """The experiments, tasks and seeds of ``methods=`` / ``tasks=`` / ``seeds=``, else the suite's.
 
     Raises:
-        SystemExit: one that lists nothing (a sweep of no run is a slip), or a seed that is not a whole number.
+        SystemExit: one that lists nothing (a sweep of no run is a slip), a seed that is not a whole number from 0
+            on, or a name (a seed) listed twice.
 
     """
     listed = {}
@@ -95,7 +96,16 @@ def _restriction(own: dict[str, str], suite: suites.Suite) -> tuple[list[str], l
     try:
         seeds = [int(s) for s in listed["seeds"]]
     except ValueError:
-        raise SystemExit(f"petl-bench: seeds={own['seeds']}: expected whole numbers, e.g. seeds=0,1") from None
+        seeds = [-1]
+    if min(seeds) < 0:
+        # petl-run's seed is 0 or more: a negative one would fail each of its runs in its error.log, one by one.
+        raise SystemExit(f"petl-bench: seeds={own['seeds']}: expected whole numbers from 0, e.g. seeds=0,1")
+    for key, values in (("methods", listed["methods"]), ("tasks", listed["tasks"]), ("seeds", seeds)):
+        twice = sorted({str(v) for v in values if values.count(v) > 1})
+        if twice:
+            # The same run planned twice (seeds=0,00 too): one folder, trained once and counted twice, and
+            # `commands` would print two jobs into one folder.
+            raise SystemExit(f"petl-bench: {key}={own[key]}: {', '.join(twice)} listed more than once: list each once")
     return listed["methods"], listed["tasks"], seeds
 
 

@@ -1,8 +1,8 @@
 """Faults a researcher met writing their own suites and experiments (configs_dir=): a typo in a method option, a
 search over a key the run config or the experiment's method lacks, an unknown task (each refused in one line naming
-the file, exit 2, before any run folder is made, not failed run by run), seeds that are not whole numbers and a
-name listed twice, an empty search, and a dry run after the suite was edited (a finished run of the old config is
-named stale, as the sweep then fails it, not "done").
+the file, exit 2, before any run folder is made, not failed run by run), seeds that are not whole numbers from 0 and
+a name listed twice (in the suite or in methods=, tasks=, seeds=), an empty search, and a dry run after the suite was
+edited (a finished run of the old config is named stale, as the sweep then fails it, not "done").
 
 Each test goes through petl-bench's main, or load_suite for what the suite file alone says; one trains a tiny run.
 """
@@ -70,6 +70,10 @@ def test_seeds_must_be_whole_numbers_and_nothing_may_be_listed_twice(tmp_path):
     cases = {
         "experiments: [linear]\ntasks: [mini/digits]\nseeds: [0.5, 1]\n": r"`seeds` must list whole numbers",
         "experiments: [linear]\ntasks: [mini/digits]\nseeds: ['0', one]\n": r"`seeds` must list whole numbers",
+        "experiments: [linear]\ntasks: [mini/digits]\nseeds: [-1, 0]\n": r"`seeds` must list whole numbers from 0",
+        "experiments: [linear]\ntasks: [mini/digits]\nseeds: [0]\nsearch: {train.lr: [0.1]}\nsearch_seed: -1\n": (
+            r"`search_seed` must be a whole number from 0"
+        ),
         "experiments: [linear, linear]\ntasks: [mini/digits]\nseeds: [0]\n": r"`experiments` lists linear more than",
         "experiments: [linear]\ntasks: [mini/digits, mini/digits]\nseeds: [0]\n": r"`tasks` lists mini/digits more",
         "experiments: [linear]\ntasks: [mini/digits]\nseeds: [1, 1]\n": r"`seeds` lists 1 more than once",
@@ -95,13 +99,19 @@ def test_final_split_left_empty_under_a_search_is_the_default_one(tmp_path):
     assert load_suite("s", configs).final_split == "train800val200"  # was None: "final runs ... on None"
 
 
-def test_methods_tasks_or_seeds_listing_nothing_on_the_command_line_is_refused(tmp_path, capsys):
+def test_methods_tasks_or_seeds_listing_nothing_twice_or_a_negative_seed_are_refused(tmp_path, capsys):
     configs = _configs(tmp_path, "experiments: [linear]\n" + BASE)
     for arg, message in [
         ("tasks=", "tasks= lists nothing"),
         ("methods=", "methods= lists nothing"),
         ("seeds=", "seeds= lists nothing"),
         ("seeds=a", "seeds=a: expected whole numbers"),
+        # petl-run refuses a negative seed: each run would fail in its error.log, exit 1, not one line, exit 2.
+        ("seeds=-1", "seeds=-1: expected whole numbers from 0"),
+        # One run planned twice: trained once, counted twice; `commands` printed two jobs into one folder.
+        ("seeds=0,00", "seeds=0,00: 0 listed more than once"),
+        ("methods=linear,linear", "methods=linear,linear: linear listed more than once"),
+        ("tasks=mini/digits,mini/digits", "mini/digits listed more than once"),
     ]:
         for command in (["dry_run=true"], ["commands"]):
             argv = [*command, "suite=s", f"configs_dir={configs}", f"output_dir={tmp_path / 'runs'}", arg]
