@@ -28,6 +28,7 @@ from petl.bench.report import write_report
 from petl.bench.sweep import PlannedRun, SweepSummary, check_configs, check_results_folder, plan, run_sweep
 from petl.store.result import ResultError
 from petl.utils.errors import USAGE_ERROR
+from petl.utils.progress import petl_log_lines
 from petl.utils.text import plural
 
 PROG = "petl-bench"
@@ -76,7 +77,8 @@ def cmd_run(args: Sequence[str]) -> int:
         for run in runs:
             print(_dry_run_line(run))
         return 0
-    summary = run_sweep(runs, progress=as_bool("progress", own.get("progress", "true")))
+    with petl_log_lines():  # each run's epoch lines and "resuming ... from epoch K/N", as petl-run logs them
+        summary = run_sweep(runs, progress=as_bool("progress", own.get("progress", "true")))
     return _finish(summary, output_dir, own, any(r.is_done() for r in runs), suite)
 
 
@@ -197,7 +199,8 @@ def run_selection(
             for run in cell.finals(selection["chosen"]):
                 print(_dry_run_line(run))
         return 0
-    summary = protocol.run_protocol(cells, progress=as_bool("progress", own.get("progress", "true")))
+    with petl_log_lines():
+        summary = protocol.run_protocol(cells, progress=as_bool("progress", own.get("progress", "true")))
     finals_done = any(any(c.folder.glob("seed*/result.json")) for c in cells)
     return _finish(summary, output_dir, own, finals_done, suite)
 
