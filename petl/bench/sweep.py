@@ -340,6 +340,7 @@ def run_sweep(
             except Exception as error:  # a ConfigError naming the difference
                 summary.stale.append(run.label)
                 summary.failed.append(f"{run.label}: {error}")
+                summary.already_done -= 1  # failed, not this config's result: the counts add up to the total
     # Starting the bar at the runs already done keeps its ETA based on this session's pace only.
     bar = progress_bar(total=len(runs), initial=summary.already_done, desc="sweep", unit="run", show=progress)
     # Where no bar is drawn (stderr a file: a job scheduler's log), a line names each run as it starts and how far
