@@ -58,7 +58,7 @@ def cmd_run(args: Sequence[str]) -> int:
     configs = configs_folder(own)
     suite = suites.load_suite(own.get("suite", "mini"), configs)
     names, tasks, seeds = _restriction(own, suite)
-    experiments = [suites.load_experiment(n, configs) for n in names]
+    experiments = _experiments(names, configs, own, suite)
     if "data" in own:  # your own images as the task (petl.bench.own_run): cost first, then the answer
         return run_on_own_data(suite, experiments, seeds, own, overrides, yes, _finish)
     output_dir = Path(own.get("output_dir", f"runs/bench/{suite.name}"))
@@ -109,6 +109,25 @@ def _restriction(own: dict[str, str], suite: suites.Suite) -> tuple[list[str], l
             # `commands` would print two jobs into one folder.
             raise SystemExit(f"petl-bench: {key}={own[key]}: {', '.join(twice)} listed more than once: list each once")
     return listed["methods"], listed["tasks"], seeds
+
+
+def _experiments(names: list[str], configs: Path, own: dict[str, str], suite: suites.Suite) -> list[suites.Experiment]:
+    """The experiments ``names``; one unknown is named with where it was listed (the suite file, or ``methods=``).
+
+    Raises:
+        ValueError: an unknown experiment, named with its suite file or ``methods=``, or a malformed experiment file.
+
+    """
+    where = "methods=" if "methods" in own else f"{configs / 'suites' / suite.name}.yaml: experiments"
+    experiments = []
+    for name in names:
+        try:
+            experiments.append(suites.load_experiment(name, configs))
+        except ValueError as error:
+            if not str(error).startswith("unknown experiment"):
+                raise  # a malformed experiment file, which the message names
+            raise ValueError(f"{where}: {error}") from None
+    return experiments
 
 
 def _dry_run_line(run: PlannedRun) -> str:
@@ -227,7 +246,7 @@ def cmd_commands(args: Sequence[str]) -> int:
     names, tasks, seed_numbers = _restriction(own, suite)
     seeds = [str(s) for s in seed_numbers]
     output_dir = own.get("output_dir", f"runs/bench/{suite.name}")
-    experiments = [suites.load_experiment(name, configs) for name in names]
+    experiments = _experiments(names, configs, own, suite)
     # A launcher's keys (hydra/launcher=...) and sweeps (train.lr=a,b) are petl-run --multirun's, not one config's.
     single = [o for o in overrides if not o.lstrip("+~").startswith("hydra") and "," not in o.partition("=")[2]]
     check_configs(suite, configs, experiments, tasks, single)

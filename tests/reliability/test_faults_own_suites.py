@@ -47,6 +47,9 @@ def _configs(tmp_path: Path, suite: str, experiments: dict[str, str] | None = No
         ("experiments: [linear]\ntasks: [mini/digit]\nseeds: [0]\n", {}, [], "suites/s.yaml: tasks", "mini/digit"),
         ("experiments: [linear]\n", {}, ["tasks=mini/digitz"], "command line's tasks=", "mini/digitz"),
         ("experiments: [linear]\n", {}, ["train.lrr=1"], "the command line", "train.lrr"),
+        # An unknown experiment was named without where it was listed.
+        ("experiments: [lroa]\n", {}, [], "suites/s.yaml: experiments: unknown experiment", "lroa"),
+        ("experiments: [linear]\n", {}, ["methods=lroa"], "methods=: unknown experiment", "lroa"),
     ],
 )
 def test_a_bad_key_or_task_in_ones_own_files_is_refused_naming_the_file_before_any_run(
