@@ -26,6 +26,7 @@ from petl.bench.args import (
 from petl.bench.own_run import OWN_DATA_KEYS, run_on_own_data
 from petl.bench.report import write_report
 from petl.bench.sweep import PlannedRun, SweepSummary, check_configs, check_results_folder, plan, run_sweep
+from petl.store.files import CONFIG_FILE, RESULT_FILE
 from petl.store.result import ResultError
 from petl.utils.errors import USAGE_ERROR
 from petl.utils.progress import petl_log_lines
@@ -139,8 +140,10 @@ def _dry_run_line(run: PlannedRun) -> str:
     else:
         note = f"  (+ the calibration of {run.calibrated_by}, not run yet)" if overrides is None else ""
     state = "done  " if run.is_done() else "todo  "
-    if run.is_done() and overrides is not None and (stale := _holds_another_config(overrides)) is not None:
-        # The sweep would fail this run, not skip it (an edited suite, or another suite's run in this folder).
+    # A finished run, or an interrupted one (its config.yaml, no result.json), is checked as the sweep checks it.
+    checked = run.is_done() or (run.run_dir / CONFIG_FILE).is_file() and not (run.run_dir / RESULT_FILE).exists()
+    if checked and overrides is not None and (stale := _holds_another_config(overrides)) is not None:
+        # The sweep would fail this run, not skip or resume it (an edited suite, another suite's run in this folder).
         state, note = "stale ", f"  ({stale})"
     return state + run.label + "  " + " ".join(overrides or run.overrides) + note
 

@@ -33,7 +33,8 @@ refused before anything runs, listing both.  Keys the sweep does not know (``tra
 ``data.root``...) pass through to ``petl.run.default_config`` after the suite's and experiment's own
 overrides, so the command line wins.  Suites and experiments come from petl's top-level ``configs/``
 folder (installed as ``petl.configs``); ``configs_dir=DIR`` (formerly ``benchmarks_dir=``) points at another.
-A dry run marks ``stale`` a finished run whose folder holds another config (an edited suite): the sweep fails it.
+A dry run marks ``stale`` a finished or interrupted run whose folder holds another config (an edited suite):
+the sweep fails it, in one line, and trains or resumes nothing there.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 search over a key the run config or the experiment's method lacks, an unknown task (each refused in one line naming
 the file, exit 2, before any run folder is made, not failed run by run), seeds that are not whole numbers from 0 and
 a name listed twice (in the suite or in methods=, tasks=, seeds=), an empty search, and a dry run after the suite was
-edited (a finished run of the old config is named stale, as the sweep then fails it, not "done").
+edited (a finished or an interrupted run of the old config is named stale, as the sweep then fails it in one line,
+not "done" or "todo").
 
 Each test goes through petl-bench's main, or load_suite for what the suite file alone says; one trains a tiny run.
 """
@@ -124,7 +125,7 @@ def test_methods_tasks_or_seeds_listing_nothing_twice_or_a_negative_seed_are_ref
 
 
 @pytest.mark.slow
-def test_a_dry_run_after_the_suite_was_edited_names_the_finished_run_stale(tmp_path, capsys, train_on_cpu):
+def test_after_the_suite_was_edited_a_finished_or_unfinished_run_is_named_stale(tmp_path, capsys, train_on_cpu):
     from petl.run import default_config, train
 
     tiny = {o.partition("=")[0].lstrip("+"): o.partition("=")[2] for o in tiny_run(subset=32, epochs=1)}
@@ -146,3 +147,13 @@ def test_a_dry_run_after_the_suite_was_edited_names_the_finished_run_stale(tmp_p
     assert bench_cli.main(argv) == 0
     line = capsys.readouterr().out.splitlines()[1]
     assert line.startswith("stale mini/digits linear seed0") and "train.epochs: 1 -> 2" in line, line
+    # An interrupted run of the old config (config.yaml, no result.json): the sweep resumed it, petl-run refused the
+    # resume on the difference, and the sweep said only "see error.log", where its dry run had said "todo".
+    (run_dir / "result.json").unlink()
+    assert bench_cli.main(argv) == 0
+    line = capsys.readouterr().out.splitlines()[1]
+    assert line.startswith("stale mini/digits linear seed0") and "it is an unfinished run: delete it" in line, line
+    assert bench_cli.main([a for a in argv if a != "dry_run=true"]) == 1
+    out = capsys.readouterr().out
+    assert "failed: mini/digits linear seed0: output_dir" in out and "train.epochs: 1 -> 2" in out, out
+    assert not (run_dir / "error.log").exists() and (run_dir / "config.yaml").is_file()
