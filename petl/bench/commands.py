@@ -26,8 +26,10 @@ from petl.bench.args import (
 from petl.bench.own_run import OWN_DATA_KEYS, run_on_own_data
 from petl.bench.report import write_report
 from petl.bench.sweep import PlannedRun, SweepSummary, check_configs, check_results_folder, plan, run_sweep
+from petl.store.files import CONFIG_FILE, RESULT_FILE
 from petl.store.result import ResultError
 from petl.utils.errors import USAGE_ERROR
+from petl.utils.progress import petl_log_lines
 from petl.utils.text import plural
 
 PROG = "petl-bench"
@@ -57,7 +59,7 @@ def cmd_run(args: Sequence[str]) -> int:
     configs = configs_folder(own)
     suite = suites.load_suite(own.get("suite", "mini"), configs)
     names, tasks, seeds = _restriction(own, suite)
-    experiments = [suites.load_experiment(n, configs) for n in names]
+    experiments = _experiments(names, configs, own, suite)
     if "data" in own:  # your own images as the task (petl.bench.own_run): cost first, then the answer
         return run_on_own_data(suite, experiments, seeds, own, overrides, yes, _finish)
     output_dir = Path(own.get("output_dir", f"runs/bench/{suite.name}"))
@@ -76,7 +78,8 @@ def cmd_run(args: Sequence[str]) -> int:
         for run in runs:
             print(_dry_run_line(run))
         return 0
-    summary = run_sweep(runs, progress=as_bool("progress", own.get("progress", "true")))
+    with petl_log_lines():  # each run's epoch lines and "resuming ... from epoch K/N", as petl-run logs them
+        summary = run_sweep(runs, progress=as_bool("progress", own.get("progress", "true")))
     return _finish(summary, output_dir, own, any(r.is_done() for r in runs), suite)
 
 
@@ -84,7 +87,8 @@ def _restriction(own: dict[str, str], suite: suites.Suite) -> tuple[list[str], l
     """The experiments, tasks and seeds of ``methods=`` / ``tasks=`` / ``seeds=``, else the suite's.
 
     Raises:
-        SystemExit: one that lists nothing (a sweep of no run is a slip), or a seed that is not a whole number.
+        SystemExit: one that lists nothing (a sweep of no run is a slip), a seed that is not a whole number from 0
+            on, or a name (a seed) listed twice.
 
     """
     listed = {}
@@ -95,8 +99,36 @@ def _restriction(own: dict[str, str], suite: suites.Suite) -> tuple[list[str], l
     try:
         seeds = [int(s) for s in listed["seeds"]]
     except ValueError:
-        raise SystemExit(f"petl-bench: seeds={own['seeds']}: expected whole numbers, e.g. seeds=0,1") from None
+        seeds = [-1]
+    if min(seeds) < 0:
+        # petl-run's seed is 0 or more: a negative one would fail each of its runs in its error.log, one by one.
+        raise SystemExit(f"petl-bench: seeds={own['seeds']}: expected whole numbers from 0, e.g. seeds=0,1")
+    for key, values in (("methods", listed["methods"]), ("tasks", listed["tasks"]), ("seeds", seeds)):
+        twice = sorted({str(v) for v in values if values.count(v) > 1})
+        if twice:
+            # The same run planned twice (seeds=0,00 too): one folder, trained once and counted twice, and
+            # `commands` would print two jobs into one folder.
+            raise SystemExit(f"petl-bench: {key}={own[key]}: {', '.join(twice)} listed more than once: list each once")
     return listed["methods"], listed["tasks"], seeds
+
+
+def _experiments(names: list[str], configs: Path, own: dict[str, str], suite: suites.Suite) -> list[suites.Experiment]:
+    """The experiments ``names``; one unknown is named with where it was listed (the suite file, or ``methods=``).
+
+    Raises:
+        ValueError: an unknown experiment, named with its suite file or ``methods=``, or a malformed experiment file.
+
+    """
+    where = "methods=" if "methods" in own else f"{configs / 'suites' / suite.name}.yaml: experiments"
+    experiments = []
+    for name in names:
+        try:
+            experiments.append(suites.load_experiment(name, configs))
+        except ValueError as error:
+            if not str(error).startswith("unknown experiment"):
+                raise  # a malformed experiment file, which the message names
+            raise ValueError(f"{where}: {error}") from None
+    return experiments
 
 
 def _dry_run_line(run: PlannedRun) -> str:
@@ -108,8 +140,10 @@ def _dry_run_line(run: PlannedRun) -> str:
     else:
         note = f"  (+ the calibration of {run.calibrated_by}, not run yet)" if overrides is None else ""
     state = "done  " if run.is_done() else "todo  "
-    if run.is_done() and overrides is not None and (stale := _holds_another_config(overrides)) is not None:
-        # The sweep would fail this run, not skip it (an edited suite, or another suite's run in this folder).
+    # A finished run, or an interrupted one (its config.yaml, no result.json), is checked as the sweep checks it.
+    checked = run.is_done() or (run.run_dir / CONFIG_FILE).is_file() and not (run.run_dir / RESULT_FILE).exists()
+    if checked and overrides is not None and (stale := _holds_another_config(overrides)) is not None:
+        # The sweep would fail this run, not skip or resume it (an edited suite, another suite's run in this folder).
         state, note = "stale ", f"  ({stale})"
     return state + run.label + "  " + " ".join(overrides or run.overrides) + note
 
@@ -187,7 +221,8 @@ def run_selection(
             for run in cell.finals(selection["chosen"]):
                 print(_dry_run_line(run))
         return 0
-    summary = protocol.run_protocol(cells, progress=as_bool("progress", own.get("progress", "true")))
+    with petl_log_lines():
+        summary = protocol.run_protocol(cells, progress=as_bool("progress", own.get("progress", "true")))
     finals_done = any(any(c.folder.glob("seed*/result.json")) for c in cells)
     return _finish(summary, output_dir, own, finals_done, suite)
 
@@ -214,7 +249,7 @@ def cmd_commands(args: Sequence[str]) -> int:
     names, tasks, seed_numbers = _restriction(own, suite)
     seeds = [str(s) for s in seed_numbers]
     output_dir = own.get("output_dir", f"runs/bench/{suite.name}")
-    experiments = [suites.load_experiment(name, configs) for name in names]
+    experiments = _experiments(names, configs, own, suite)
     # A launcher's keys (hydra/launcher=...) and sweeps (train.lr=a,b) are petl-run --multirun's, not one config's.
     single = [o for o in overrides if not o.lstrip("+~").startswith("hydra") and "," not in o.partition("=")[2]]
     check_configs(suite, configs, experiments, tasks, single)

@@ -20,11 +20,11 @@ from omegaconf import DictConfig, OmegaConf
 
 from petl.bench.calibration import calibration_overrides
 from petl.bench.suite import Experiment, Suite, format_value, override
-from petl.store.files import RESULT_FILE
+from petl.store.files import CONFIG_FILE, RESULT_FILE
 from petl.store.lock import LOCK_FILE as LOCK_FILE  # the lock is petl-run's too: one home, re-exported here
 from petl.store.lock import acquire_lock, release_lock
 from petl.store.result import ResultError, RunResult, read_result, write_result
-from petl.utils.errors import UsageError
+from petl.utils.errors import ConfigError, UsageError
 from petl.utils.paths import cannot_write_in
 from petl.utils.progress import progress_bar
 from petl.utils.text import first_line
@@ -340,6 +340,7 @@ def run_sweep(
             except Exception as error:  # a ConfigError naming the difference
                 summary.stale.append(run.label)
                 summary.failed.append(f"{run.label}: {error}")
+                summary.already_done -= 1  # failed, not this config's result: the counts add up to the total
     # Starting the bar at the runs already done keeps its ETA based on this session's pace only.
     bar = progress_bar(total=len(runs), initial=summary.already_done, desc="sweep", unit="run", show=progress)
     # Where no bar is drawn (stderr a file: a job scheduler's log), a line names each run as it starts and how far
@@ -370,6 +371,15 @@ def run_sweep(
             # Another sweep may have finished it between our first look and the lock.
             if not run.is_done():
                 (run.run_dir / ERROR_FILE).unlink(missing_ok=True)
+                interrupted = (run.run_dir / CONFIG_FILE).is_file() and not (run.run_dir / RESULT_FILE).exists()
+                if check_fn is not None and interrupted:
+                    try:  # an interrupted run: resuming it with another config (an edited suite) would be refused
+                        check_fn(compose_fn(overrides))
+                    except ConfigError as error:
+                        summary.stale.append(run.label)
+                        summary.failed.append(f"{run.label}: {error}")
+                        bar.write(f"FAILED {run.label}: {error}")
+                        return
                 if (damage := run.damage()) is not None:
                     # resume=false moves the damaged run aside (petl.train.output_dir.set_aside) and trains it
                     # anew; the output_dir override stays last.

@@ -20,12 +20,12 @@ Usage::
 Bad input (an unknown suite or key, a malformed YAML file, a results folder without results, suite= naming a suite
 whose backbone its runs did not train, compare on boards of different tasks, out= empty, inside a run folder or where
 nothing can be written; for run and commands, before any run, an experiment, search, task or command-line key or
-value no run config takes, named by its file, and methods=, tasks= or seeds= listing nothing; for speed, before any
-model is built, a count out of its range, steps= below rounds=, options= without options_for=, a device other than
-cpu or a CUDA GPU torch sees, tf32= on a CPU) exits with status 2 and one line naming the file or value; a sweep with
-failed runs exits with 1; Ctrl-C with 130 and SIGTERM (a job scheduler's time limit) with 143, in one line saying so
-(finished runs are kept, an interrupted run resumes from its last epoch: run the same command again).  ``--debug``
-shows the traceback.
+value no run config takes, named by its file, and methods=, tasks= or seeds= listing nothing, a name or seed twice
+or a negative seed; for speed, before any model is built, a count out of its range, steps= below rounds=, options=
+without options_for=, a device other than cpu or a CUDA GPU torch sees, tf32= on a CPU) exits with status 2 and
+one line naming the file or value; a sweep with failed runs exits with 1; Ctrl-C with 130 and SIGTERM (a job
+scheduler's time limit) with 143, in one line saying so (finished runs are kept, an interrupted run resumes from its
+last epoch: run the same command again).  ``--debug`` shows the traceback.
 
 Arguments are Hydra-style ``key=value``; a yes/no key may be written as a flag (``--dry-run`` is
 ``dry_run=true``, ``--yes`` is ``yes=true``), and a key that is neither petl-bench's nor a run config's is
@@ -33,7 +33,8 @@ refused before anything runs, listing both.  Keys the sweep does not know (``tra
 ``data.root``...) pass through to ``petl.run.default_config`` after the suite's and experiment's own
 overrides, so the command line wins.  Suites and experiments come from petl's top-level ``configs/``
 folder (installed as ``petl.configs``); ``configs_dir=DIR`` (formerly ``benchmarks_dir=``) points at another.
-A dry run marks ``stale`` a finished run whose folder holds another config (an edited suite): the sweep fails it.
+A dry run marks ``stale`` a finished or interrupted run whose folder holds another config (an edited suite):
+the sweep fails it, in one line, and trains or resumes nothing there.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import socket
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -168,8 +169,8 @@ def check_output_dir(out: Path, cfg: DictConfig, resolved: dict[str, Any], is_ma
 def check_finished(cfg: DictConfig) -> None:
     """Refuse a finished run in ``cfg.output_dir`` that was trained with another config or other inputs.
 
-    A run still being trained there (its ``config.yaml`` without ``result.json``: another sweep holds the folder)
-    is compared on its config.
+    A run still being trained there (its ``config.yaml`` without ``result.json``: another sweep holds the folder),
+    or one interrupted (no live holder: the next sweep would resume it), is compared on its config.
 
     A sweep skips a run whose ``result.json`` exists without calling :func:`petl.train.runner.run`; this is the
     check :func:`check_output_dir` makes before such a result is returned, so an edited suite (another epoch
@@ -187,15 +188,28 @@ def check_finished(cfg: DictConfig) -> None:
     resolved = OmegaConf.to_container(cfg, resolve=True)
     assert isinstance(resolved, dict)
     if finished is None and (out / files.CONFIG_FILE).is_file():
-        # Being trained (by another sweep into the same folder: petl-bench asks while the folder is held).
+        # Being trained (by another sweep into the same folder: petl-bench asks while the folder is held), or
+        # interrupted: resuming it would be refused on the same difference, after the whole sweep had planned it.
         recorded = files.read_config(out)
         assert isinstance(recorded, dict)
-        check_same_config(out, recorded, resolved, "another sweep is training it: give this suite its own folder")
+        if _held_by_another(out):
+            advice = "another sweep is training it: give this suite its own folder"
+        else:
+            advice = "it is an unfinished run: delete it to train this config"
+        check_same_config(out, recorded, resolved, advice)
         return
     if finished is None or finished.config is None:
         return  # nothing finished here (or a hand-made record): nothing to compare
     check_same_config(out, finished.config, resolved, "delete it to train this config")
     check_inputs(out, finished.inputs, finished_inputs(cfg, finished), finished=True)
+
+
+def _held_by_another(out: Path) -> bool:
+    """Whether another process holds ``out``'s lock: a live one on this host, or any on another (a shared disk)."""
+    holder = lock.read_holder(out)
+    if not holder or lock.holds_lock(out):
+        return False
+    return holder.get("host") != socket.gethostname() or lock.held_by_live_process(out)
 
 
 _ANOTHER = "choose another output_dir"

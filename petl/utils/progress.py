@@ -12,9 +12,11 @@ Colab) draws its bars as widgets, whatever its streams say.  A caller's own swit
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from itertools import islice
 from typing import Any
 
@@ -159,3 +161,35 @@ def progress_bar(
             kwargs.get("delay", 0.0),
         )
     return tqdm(iterable, disable=not drawn, **kwargs)
+
+
+class _LineHandler(logging.StreamHandler):
+    """A log handler that writes each record as one line above the progress bars drawn (tqdm.write)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            tqdm.write(self.format(record), file=self.stream)
+        except Exception:  # as logging.StreamHandler: a log line never ends the work it reports
+            self.handleError(record)
+
+
+@contextmanager
+def petl_log_lines() -> Iterator[None]:
+    """Show petl's INFO lines on stderr while the block runs, as petl-run shows them (``[12:01:02] epoch 3/100 ...``).
+
+    For a command that trains runs in its process (a ``petl-bench`` sweep): without it, no handler takes petl's
+    INFO records and each run's epoch lines, ``resuming ... from epoch K/N`` and feature caching's progress lines
+    are dropped.  The lines go above any bar drawn (``tqdm.write``); the handler is removed and the ``petl``
+    logger's level restored afterwards.
+    """
+    logger = logging.getLogger("petl")
+    handler = _LineHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("[%(asctime)s] %(message)s", datefmt="%H:%M:%S"))
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)

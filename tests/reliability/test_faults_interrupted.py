@@ -265,3 +265,19 @@ def test_two_processes_unpacking_one_vtab_task_at_once_neither_breaks_the_other(
     assert sorted(p.relative_to(unpacked / "dtd").as_posix() for p in (unpacked / "dtd").rglob("*") if p.is_file()) == (
         sorted(m[len("vtab-1k/dtd/") :] for m in members)
     )
+
+
+def test_a_finished_run_of_another_config_counts_as_failed_not_also_as_done(tmp_path):
+    # An edited suite: "2 runs: 2 already done, 0 trained, 0 held by another sweep, 1 failed", three outcomes of two.
+    runs = sweep.plan([load_experiment("linear", BENCH)], ["mini/digits"], [0, 1], tmp_path)
+    for seed in (0, 1):
+        write_run(tmp_path, "mini/digits", "linear", seed, top1=50.0)
+
+    def check(cfg: dict) -> None:
+        if cfg["output_dir"] == str(runs[1].run_dir):
+            raise ValueError("holds a run with another config (train.epochs: 1 -> 2)")
+
+    engine = FakeEngine()
+    summary = sweep.run_sweep(runs, engine.train, engine.compose, progress=False, check_fn=check)
+    assert summary.stale == [runs[1].label] and not engine.trained
+    assert summary.line().startswith("2 runs: 1 already done, 0 trained, 0 held by another sweep, 1 failed")

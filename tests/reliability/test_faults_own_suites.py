@@ -1,8 +1,9 @@
 """Faults a researcher met writing their own suites and experiments (configs_dir=): a typo in a method option, a
 search over a key the run config or the experiment's method lacks, an unknown task (each refused in one line naming
-the file, exit 2, before any run folder is made, not failed run by run), seeds that are not whole numbers and a
-name listed twice, an empty search, and a dry run after the suite was edited (a finished run of the old config is
-named stale, as the sweep then fails it, not "done").
+the file, exit 2, before any run folder is made, not failed run by run), seeds that are not whole numbers from 0 and
+a name listed twice (in the suite or in methods=, tasks=, seeds=), an empty search, and a dry run after the suite was
+edited (a finished or an interrupted run of the old config is named stale, as the sweep then fails it in one line,
+not "done" or "todo").
 
 Each test goes through petl-bench's main, or load_suite for what the suite file alone says; one trains a tiny run.
 """
@@ -47,6 +48,9 @@ def _configs(tmp_path: Path, suite: str, experiments: dict[str, str] | None = No
         ("experiments: [linear]\ntasks: [mini/digit]\nseeds: [0]\n", {}, [], "suites/s.yaml: tasks", "mini/digit"),
         ("experiments: [linear]\n", {}, ["tasks=mini/digitz"], "command line's tasks=", "mini/digitz"),
         ("experiments: [linear]\n", {}, ["train.lrr=1"], "the command line", "train.lrr"),
+        # An unknown experiment was named without where it was listed.
+        ("experiments: [lroa]\n", {}, [], "suites/s.yaml: experiments: unknown experiment", "lroa"),
+        ("experiments: [linear]\n", {}, ["methods=lroa"], "methods=: unknown experiment", "lroa"),
     ],
 )
 def test_a_bad_key_or_task_in_ones_own_files_is_refused_naming_the_file_before_any_run(
@@ -70,6 +74,10 @@ def test_seeds_must_be_whole_numbers_and_nothing_may_be_listed_twice(tmp_path):
     cases = {
         "experiments: [linear]\ntasks: [mini/digits]\nseeds: [0.5, 1]\n": r"`seeds` must list whole numbers",
         "experiments: [linear]\ntasks: [mini/digits]\nseeds: ['0', one]\n": r"`seeds` must list whole numbers",
+        "experiments: [linear]\ntasks: [mini/digits]\nseeds: [-1, 0]\n": r"`seeds` must list whole numbers from 0",
+        "experiments: [linear]\ntasks: [mini/digits]\nseeds: [0]\nsearch: {train.lr: [0.1]}\nsearch_seed: -1\n": (
+            r"`search_seed` must be a whole number from 0"
+        ),
         "experiments: [linear, linear]\ntasks: [mini/digits]\nseeds: [0]\n": r"`experiments` lists linear more than",
         "experiments: [linear]\ntasks: [mini/digits, mini/digits]\nseeds: [0]\n": r"`tasks` lists mini/digits more",
         "experiments: [linear]\ntasks: [mini/digits]\nseeds: [1, 1]\n": r"`seeds` lists 1 more than once",
@@ -95,13 +103,19 @@ def test_final_split_left_empty_under_a_search_is_the_default_one(tmp_path):
     assert load_suite("s", configs).final_split == "train800val200"  # was None: "final runs ... on None"
 
 
-def test_methods_tasks_or_seeds_listing_nothing_on_the_command_line_is_refused(tmp_path, capsys):
+def test_methods_tasks_or_seeds_listing_nothing_twice_or_a_negative_seed_are_refused(tmp_path, capsys):
     configs = _configs(tmp_path, "experiments: [linear]\n" + BASE)
     for arg, message in [
         ("tasks=", "tasks= lists nothing"),
         ("methods=", "methods= lists nothing"),
         ("seeds=", "seeds= lists nothing"),
         ("seeds=a", "seeds=a: expected whole numbers"),
+        # petl-run refuses a negative seed: each run would fail in its error.log, exit 1, not one line, exit 2.
+        ("seeds=-1", "seeds=-1: expected whole numbers from 0"),
+        # One run planned twice: trained once, counted twice; `commands` printed two jobs into one folder.
+        ("seeds=0,00", "seeds=0,00: 0 listed more than once"),
+        ("methods=linear,linear", "methods=linear,linear: linear listed more than once"),
+        ("tasks=mini/digits,mini/digits", "mini/digits listed more than once"),
     ]:
         for command in (["dry_run=true"], ["commands"]):
             argv = [*command, "suite=s", f"configs_dir={configs}", f"output_dir={tmp_path / 'runs'}", arg]
@@ -111,7 +125,7 @@ def test_methods_tasks_or_seeds_listing_nothing_on_the_command_line_is_refused(t
 
 
 @pytest.mark.slow
-def test_a_dry_run_after_the_suite_was_edited_names_the_finished_run_stale(tmp_path, capsys, train_on_cpu):
+def test_after_the_suite_was_edited_a_finished_or_unfinished_run_is_named_stale(tmp_path, capsys, train_on_cpu):
     from petl.run import default_config, train
 
     tiny = {o.partition("=")[0].lstrip("+"): o.partition("=")[2] for o in tiny_run(subset=32, epochs=1)}
@@ -133,3 +147,13 @@ def test_a_dry_run_after_the_suite_was_edited_names_the_finished_run_stale(tmp_p
     assert bench_cli.main(argv) == 0
     line = capsys.readouterr().out.splitlines()[1]
     assert line.startswith("stale mini/digits linear seed0") and "train.epochs: 1 -> 2" in line, line
+    # An interrupted run of the old config (config.yaml, no result.json): the sweep resumed it, petl-run refused the
+    # resume on the difference, and the sweep said only "see error.log", where its dry run had said "todo".
+    (run_dir / "result.json").unlink()
+    assert bench_cli.main(argv) == 0
+    line = capsys.readouterr().out.splitlines()[1]
+    assert line.startswith("stale mini/digits linear seed0") and "it is an unfinished run: delete it" in line, line
+    assert bench_cli.main([a for a in argv if a != "dry_run=true"]) == 1
+    out = capsys.readouterr().out
+    assert "failed: mini/digits linear seed0: output_dir" in out and "train.epochs: 1 -> 2" in out, out
+    assert not (run_dir / "error.log").exists() and (run_dir / "config.yaml").is_file()

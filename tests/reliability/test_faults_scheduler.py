@@ -9,7 +9,9 @@ terminal they are not drawn now, and the per-epoch and per-run lines say what th
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -222,3 +224,24 @@ def test_petl_predict_without_a_terminal_prints_a_few_progress_lines_unless_quie
     assert capsys.readouterr().err == "".join(f"petl-predict: evaluate a: {k}/3\n" for k in range(4))
     predict.evaluate_split(run, split, batch_size=2, progress=False)
     assert capsys.readouterr().err == ""
+
+
+def test_a_sweep_shows_each_runs_log_lines_as_petl_run_does(tmp_path, monkeypatch, capsys):
+    # petl-bench set up no logging: each run's epoch lines and "resuming ... from epoch K/N" were dropped, so a
+    # resumed sweep's log said "training ... 200 epochs" and then nothing for the whole run.
+    class LoggingEngine(FakeEngine):
+        def train(self, cfg: dict) -> dict:
+            logging.getLogger("petl.train.runner").info("resuming %s from epoch %d/%d", cfg["output_dir"], 3, 6)
+            return super().train(cfg)
+
+    engine = LoggingEngine()
+    monkeypatch.setattr(sweep, "_default_fns", lambda: (engine.train, engine.compose, None))
+    monkeypatch.setattr(progress, "bars_shown", lambda: False)
+    petl_logger = logging.getLogger("petl")
+    handlers, level = list(petl_logger.handlers), petl_logger.level
+    args = ["suite=mini", "methods=linear", "tasks=mini/digits", "seeds=0", f"output_dir={tmp_path}", "report=false"]
+    assert bench_cli.main(args) == 0
+    err = capsys.readouterr().err
+    run = sweep.run_dir_for(tmp_path, "mini/digits", "linear", 0)
+    assert re.search(rf"^\[\d\d:\d\d:\d\d\] resuming {re.escape(str(run))} from epoch 3/6$", err, re.M), err
+    assert petl_logger.handlers == handlers and petl_logger.level == level  # only while the sweep runs
