@@ -76,7 +76,7 @@ from torch import nn
 from petl.deploy.graphs import LayoutGraph, LayoutGraphs, capture, storage_of
 from petl.deploy.routing import Batch, RoutedBlock, RoutedModule, Router, method_name, task_sites
 from petl.model.backbone import Backbone, backbone_of
-from petl.model.io import _read_header, load_trainable, meta_copy, read_trainable_metadata
+from petl.model.io import load_trainable, meta_copy, read_header, read_trainable_metadata
 from petl.model.params import trainable_state
 from petl.model.rows import CannotShare, RowHook, Tokens, rows_matmul
 from petl.model.surgery import apply
@@ -125,7 +125,7 @@ def _trained_backbone_tensors(task: str, backbone: nn.Module, path: Path) -> set
     except (ValueError, TypeError) as error:  # as load_trainable words it
         raise ValueError(f"{path}: cannot apply its method {meta['method']!r}: {error}") from None
     trained = trainable_state(applied)
-    beside = sorted(_read_header(path).keys() - trained.keys())
+    beside = sorted(read_header(path).keys() - trained.keys())
     if beside:
         # load_trainable would write them into the frozen tensors every task (and the caller's backbone) shares, and
         # no routed hook would read them as the task's own.

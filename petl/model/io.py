@@ -183,7 +183,7 @@ def _read_tensors(path: str | Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _read_header(path: str | Path) -> dict[str, tuple[tuple[int, ...], str]]:
+def read_header(path: str | Path) -> dict[str, tuple[tuple[int, ...], str]]:
     """Name -> (shape, safetensors dtype) of every tensor in a file, read from its header alone."""
     with _open_safetensors(path) as f:
         return {name: (tuple(f.get_slice(name).get_shape()), f.get_slice(name).get_dtype()) for name in f.keys()}
@@ -258,7 +258,7 @@ def load_trainable(model: nn.Module, path: str | Path) -> nn.Module:
         raise ValueError("unmerge the model before loading trainable weights")
     # The file's own tensor shapes are checked first, against the method built on a meta-device copy of a fresh
     # model: a config claiming a huge size (rank=2**30) allocates nothing, and a mismatch leaves the model as it was.
-    header = _read_header(path)
+    header = read_header(path)
     if fresh:
         _check_matches(path, _applied(path, meta_copy(model), meta), header, "the config recorded in it needs")
     else:
