@@ -30,12 +30,10 @@ from torch.utils.data import Dataset
 from petl.data.images import FileListDataset
 from petl.data.registry import TEST, TRAIN, TRAIN_VAL, VAL, DatasetInfo, register_dataset
 from petl.data.transforms import ImageSpec
+from petl.utils.once import warn_once
 from petl.utils.text import shown
 
 log = logging.getLogger(__name__)
-# Warnings about a folder already said in this process: a run reads its folder several times (described once when
-# the command line is checked, then once per split built), and a sweep trains many runs on it.
-_SAID: set[str] = set()
 
 # torchvision.datasets.folder.IMG_EXTENSIONS (written out: petl.data does not import torchvision).
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
@@ -116,12 +114,6 @@ def not_images(others: list[Path], top: Path) -> str:
     )
 
 
-def _warn_once(message: str) -> None:
-    if message not in _SAID:
-        _SAID.add(message)
-        log.warning(message)
-
-
 def class_folders(split_dir: Path) -> list[str]:
     """The class folder names of a split folder, sorted; hidden folders holding images and loose images are warned of.
 
@@ -133,9 +125,10 @@ def class_folders(split_dir: Path) -> list[str]:
     # skips them); one holding images is named in a warning, so that a class is never dropped without a word.
     hidden = sorted(p.name for p in split_dir.iterdir() if p.is_dir() and p.name.startswith(".") and image_files(p)[0])
     if hidden:
-        _warn_once(
+        warn_once(
+            log,
             f"folder: skipped {', '.join(shown(name) for name in hidden)} in {shown(split_dir)}: folders whose name "
-            "starts with '.' are not classes; rename them to use them"
+            "starts with '.' are not classes; rename them to use them",
         )
     # An image beside the class folders has no class: said, so that no image is dropped without a word either.
     loose = sorted(
@@ -145,9 +138,10 @@ def class_folders(split_dir: Path) -> list[str]:
     )
     if loose:
         more = f" and {len(loose) - 3} more" if len(loose) > 3 else ""
-        _warn_once(
+        warn_once(
+            log,
             f"folder: skipped {', '.join(shown(name) for name in loose[:3])}{more} in {shown(split_dir)}: an image "
-            f"outside the class folders has no class; move it into {shown(split_dir)}/<class name>/ to use it"
+            f"outside the class folders has no class; move it into {shown(split_dir)}/<class name>/ to use it",
         )
     names = sorted(p.name for p in split_dir.iterdir() if p.is_dir() and not p.name.startswith("."))
     for name in names:
@@ -211,7 +205,7 @@ def _scan(root: Path) -> tuple[tuple[str, ...], dict[str, list[tuple[Path, int]]
                 )
             items += [(path, label[name]) for path in files]
         if skipped:  # a class's .gif or .heic photos are never dropped without a word
-            _warn_once(f"folder: {not_images(skipped, split_dir)}")
+            warn_once(log, f"folder: {not_images(skipped, split_dir)}")
         if not items:
             raise ValueError(f"folder: {split_dir} holds no images in class sub-folders")
         splits[split] = items

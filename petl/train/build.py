@@ -35,12 +35,11 @@ from petl.train import config, engine
 from petl.train.config import ConfigError
 from petl.utils.distributed import is_main_process
 from petl.utils.errors import RunError
+from petl.utils.once import warn_once
 from petl.utils.precision import auto_precision, cpu_supports_bf16
 from petl.utils.text import first_line
 
 log = logging.getLogger(__name__)
-# Warnings about the data already said in this process (a sweep trains many runs on one folder).
-_SAID: set[str] = set()
 
 # The subset of a split that ``data.subset`` keeps is drawn with this fixed seed, so every run
 # seed and every method sees the same examples.
@@ -421,9 +420,7 @@ def _warn_copies(built: dict[str, Dataset]) -> None:
             f"{len(clash)} training {'image is' if len(clash) == 1 else 'images are'} also in another class (first: "
             f"{path} = {other}): the run learns two labels for one image; keep each image in its one class folder"
         )
-        if message not in _SAID:
-            _SAID.add(message)
-            log.warning(message)
+        warn_once(log, message)
     for role in ("val", "test"):
         found = copies(built[role], built["train"]) if role in built else []
         if not found:
@@ -438,9 +435,7 @@ def _warn_copies(built: dict[str, Dataset]) -> None:
             f"{len(found)} of the {len(built[role])} {role} images {copy} (first: {path} = {original}): "
             f"the {role} accuracy counts images the run trained on; remove the copies (each image once, in one split)"
         )
-        if message not in _SAID:
-            _SAID.add(message)
-            log.warning(message)
+        warn_once(log, message)
 
 
 def eval_spec(cfg: DictConfig, model: nn.Module, info: petl_data.DatasetInfo) -> petl_data.ImageSpec:

@@ -50,14 +50,13 @@ from petl.train.output_dir import check_finished
 from petl.utils.distributed import is_main_process
 from petl.utils.errors import DivergedError, RunError
 from petl.utils.memory import peak_memory, reset_peak_rss
+from petl.utils.once import warn_once
 from petl.utils.precision import uses_tf32
 from petl.utils.provenance import git_commit, versions
 from petl.utils.random import rng_state, set_rng_state
 from petl.utils.text import plural
 
 log = logging.getLogger(__name__)
-# Warnings about a run's setup already said in this process (a sweep trains many runs in one process).
-_SAID: set[str] = set()
 
 __all__ = ["ConfigError", "DivergedError", "RunError", "check_finished", "run", "summary_line", "train"]
 
@@ -386,9 +385,8 @@ def _set_up_training(
     steps_per_epoch = math.ceil(len(train_loader) / cfg.train.grad_accum)
     optimizer, scheduler = build_optimizer(trainee, settings, steps_per_epoch)
     few = learning.few_steps(steps_per_epoch * cfg.train.epochs, len(train_set), cfg.train.batch_size, cfg.train.epochs)
-    if few is not None and accelerator.is_main_process and few not in _SAID:
-        _SAID.add(few)  # once per process: a sweep of such runs says it once, not once a run
-        log.warning(few)
+    if few is not None and accelerator.is_main_process:
+        warn_once(log, few)  # once per process: a sweep of such runs says it once, not once a run
     trainee, optimizer, train_loader, scheduler = accelerator.prepare(trainee, optimizer, train_loader, scheduler)
     test_loader = accelerator.prepare(test_loader) if test_loader is not None else None
     eval_loaders = {name: accelerator.prepare(loader) for name, loader in eval_loaders.items()}

@@ -24,6 +24,7 @@ from petl.cli import predict as predict_cli
 from petl.cli import serve as serve_cli
 from petl.data import folder
 from petl.store.run_card import RunFolderError
+from petl.utils import once
 
 UNFINISHED = "is an unfinished petl-run folder (checkpoint.pt without result.json): run the same petl-run command again"
 
@@ -133,7 +134,7 @@ def test_a_split_folder_given_as_the_root_is_answered_with_its_parent(tmp_path, 
 def test_a_hidden_class_folder_is_said_once_and_a_loose_image_is_said_at_all(tmp_path, caplog, monkeypatch):
     # One petl-run said the .purple warning 4 times (the folder is read when the command line is checked, then for
     # each split built); an image beside the class folders was dropped without a word.
-    monkeypatch.setattr(folder, "_SAID", set())
+    monkeypatch.setattr(once, "SAID", set())
     for name in ("red", "blue", ".purple"):
         for i in range(3):
             _image(tmp_path / "train" / name / f"{i}.png")

@@ -24,7 +24,7 @@ from petl.cli import predict as predict_cli
 from petl.cli import run as cli
 from petl.data import folder, images
 from petl.data.images import decode_image
-from petl.utils import progress
+from petl.utils import once, progress
 
 CLASSES = ("a", "b")
 
@@ -84,7 +84,7 @@ def test_predict_says_which_files_of_a_folder_are_not_images(trained, tmp_path, 
 
 
 def test_a_class_folders_files_that_are_not_images_are_named_in_a_warning(tmp_path, caplog, monkeypatch):
-    monkeypatch.setattr(folder, "_SAID", set())
+    monkeypatch.setattr(once, "SAID", set())
     for name in CLASSES:
         for index in range(3):
             _png(tmp_path / "train" / name / f"{index}.png")

@@ -53,9 +53,9 @@ def test_a_run_says_so_before_training(tmp_path, caplog, monkeypatch):
     from conftest import tiny_run
 
     from petl.run import default_config, train
-    from petl.train import runner
+    from petl.utils import once
 
-    monkeypatch.setattr(runner, "_SAID", set())  # what earlier tests in this process said
+    monkeypatch.setattr(once, "SAID", set())  # what earlier tests in this process said
 
     with caplog.at_level(logging.WARNING):
         for name in ("a", "b"):  # a sweep of two such runs in one process: said once
