@@ -17,12 +17,17 @@ Trains:
 
 Reference:
     - synbol/Parameter-Efficient-Transfer-Learning-Benchmark@c188fad
-      ImageClassification/models/vision_transformer_lora.py L100-108, L287, L364-369
+      ImageClassification/models/vision_transformer_lora.py L100-108, L110-135, L158, L287, L364-369;
+      ImageClassification/scripts/run_vit_lora.sh L4
 
 Differences:
     - ``init=zero`` (default) starts B at zero, so the model is unchanged at init; V-PETL's constructor re-draws A
       and B trunc_normal(0.02) (``init_weights``, L287), so there both start random: ``init=reference``, which the
       V-PETL presets use.
+    - petl scales the update by ``alpha / rank``; V-PETL adds ``B A x`` to the Q and V columns of the fused qkv
+      unscaled (vision_transformer_lora.py L116-119), at rank ``topN`` = 8 (L158; run_vit_lora.sh L4).  At the
+      defaults (rank 8, alpha 8) the scale is 1 and the forwards are the same (tested); another rank with alpha left
+      at 8 scales the update by ``8 / rank`` where V-PETL's would not.
 """
 
 from __future__ import annotations

@@ -196,9 +196,13 @@ def test_ssf_merge_refuses_what_it_cannot_fold(tiny_vit):
 # --- FacT --------------------------------------------------------------------------------------
 
 
-def _reference_fact(x: torch.Tensor, mode: str, i: int, ref: dict, kind: str, scale: float) -> torch.Tensor:
-    """model/fact.py:L57-118 (eval mode: dropout off) on the tensors in ``ref``."""
+def _reference_fact(
+    x: torch.Tensor, mode: str, i: int, ref: dict, kind: str, scale: float, drop: float = 0.0
+) -> torch.Tensor:
+    """model/fact.py:L57-118 on the tensors in ``ref``; ``drop`` > 0: train mode, the Dropout(0.1) of L27, L32,
+    L49-50 on the rank-sized hidden, one draw per q, k, v core in that order (L61-64, L86-89)."""
     u, v = (lambda t: t @ ref["u"].t()), (lambda t: t @ ref["v"].t())
+    dp = lambda t: F.dropout(t, drop, training=drop > 0)  # noqa: E731
     b, n, c = x.shape[0], x.shape[1], ref["u"].shape[1]
     f = ref["u"].shape[0]
     if kind == "tt":
@@ -206,23 +210,23 @@ def _reference_fact(x: torch.Tensor, mode: str, i: int, ref: dict, kind: str, sc
         fc1, fc2 = ref["mlp"][i]
         lin = lambda t, w: t @ w.t()  # noqa: E731
         if mode == "attn_qkv":
-            return torch.cat([v(lin(u(x), w)) for w in (q, k, vv)], dim=2) * scale
+            return torch.cat([v(dp(lin(u(x), w))) for w in (q, k, vv)], dim=2) * scale
         if mode == "attn_proj":
-            return v(lin(u(x), proj)) * scale
+            return v(dp(lin(u(x), proj))) * scale
         if mode == "mlp_1":
-            return v(lin(u(x), fc1).reshape(b, n, 4, f)).reshape(b, n, 4 * c) * scale
-        return v(lin(u(x.reshape(b, n, 4, c)).reshape(b, n, 4 * f), fc2)) * scale
+            return v(dp(lin(u(x), fc1)).reshape(b, n, 4, f)).reshape(b, n, 4 * c) * scale
+        return v(dp(lin(u(x.reshape(b, n, 4, c)).reshape(b, n, 4 * f), fc2))) * scale
     start = i * 12
     if mode in ("attn_qkv", "attn_proj"):
         cores = ref["c"] @ ref["p"][:, start : start + 4]
         if mode == "attn_qkv":
-            return torch.cat([v(u(x) @ cores[:, :, j]) for j in range(3)], dim=2) * scale
-        return v(u(x) @ cores[:, :, 3]) * scale
+            return torch.cat([v(dp(u(x) @ cores[:, :, j])) for j in range(3)], dim=2) * scale
+        return v(dp(u(x) @ cores[:, :, 3])) * scale
     cores = ref["c"] @ ref["p"][:, start + 4 : start + 12]
     fc1, fc2 = cores[:, :, :4].reshape(f, 4 * f), cores[:, :, 4:].reshape(f, 4 * f)
     if mode == "mlp_1":
-        return v((u(x) @ fc1).reshape(b, n, 4, f)).reshape(b, n, 4 * c) * scale
-    return v(u(x.reshape(b, n, 4, c)).reshape(b, n, 4 * f) @ fc2.t()) * scale
+        return v(dp(u(x) @ fc1).reshape(b, n, 4, f)).reshape(b, n, 4 * c) * scale
+    return v(dp(u(x.reshape(b, n, 4, c)).reshape(b, n, 4 * f) @ fc2.t())) * scale
 
 
 def _reference_tensors(model: nn.Module, kind: str) -> dict:
@@ -255,6 +259,14 @@ def test_fact_matches_the_reference_forward(tiny_vit, kind):
             x = torch.randn(2, 5, layer.base.in_features, generator=gen)
             expected = layer.base(x) + _reference_fact(x, mode, i, ref, kind, scale)
             torch.testing.assert_close(layer(x), expected, atol=1e-5, rtol=1e-5)
+            # Train mode: the same dropout masks, drawn on the same tensors in the same order.
+            layer.train()
+            torch.manual_seed(i)
+            got = layer(x)
+            torch.manual_seed(i)
+            expected = layer.base(x) + _reference_fact(x, mode, i, ref, kind, scale, drop=0.1)
+            torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+            assert not torch.allclose(got, layer.eval()(x))
 
 
 def test_fact_shares_u_and_v_across_blocks_with_one_name_each(tiny_vit):
@@ -282,18 +294,21 @@ def test_fact_refuses_bad_options(tiny_vit):
 # --- RepAdapter --------------------------------------------------------------------------------
 
 
-def _reference_repadapter(x: torch.Tensor, layer: RepAdapterLinear, groups: int, scale: float) -> torch.Tensor:
-    """model/repadapter.py:L5-27 (eval mode) with Conv1d layers carrying ``layer``'s tensors."""
-    d, r = layer.base.in_features, layer.down.out_features
-    conv_a = nn.Conv1d(d, r, 1)
-    conv_b = nn.Conv1d(r, d, 1, groups=groups)
-    with torch.no_grad():
-        conv_a.weight.copy_(layer.down.weight.unsqueeze(-1))
-        conv_a.bias.copy_(layer.down.bias)
-        conv_b.weight.copy_(layer.up_weight.unsqueeze(-1))
-        conv_b.bias.copy_(layer.up_bias)
+def _reference_repadapter(
+    x: torch.Tensor, layer: RepAdapterLinear, groups: int, scale: float, drop: float = 0.0
+) -> torch.Tensor:
+    """model/repadapter.py:L5-27 with Conv1d layers carrying ``layer``'s tensors; ``drop`` > 0: train mode.
+
+    The Dropout(0.1) of L16 acts between conv_A and conv_B (L25).  The reference draws it on the conv layout
+    (batch, bottleneck, tokens); the mask is drawn element by element alike, so here it is drawn on the token
+    layout petl's Linear gives, which makes the draws comparable under one seed.
+    """
+    # The Conv1d weights (out, in / groups, 1) of conv_A (dense) and conv_B (grouped), from ``layer``'s tensors.
+    conv_a = lambda t: F.conv1d(t, layer.down.weight.unsqueeze(-1), layer.down.bias)  # noqa: E731
+    conv_b = lambda t: F.conv1d(t, layer.up_weight.unsqueeze(-1), layer.up_bias, groups=groups)  # noqa: E731
     t = x.transpose(1, 2)
-    return (conv_b(conv_a(t)) * scale + t).transpose(1, 2)
+    h = F.dropout(conv_a(t).transpose(1, 2).contiguous(), drop, training=drop > 0).transpose(1, 2)
+    return (conv_b(h) * scale + t).transpose(1, 2)
 
 
 def test_repadapter_matches_the_reference_block(tiny_vit):
@@ -308,6 +323,16 @@ def test_repadapter_matches_the_reference_block(tiny_vit):
         h = x + ref_block.attn(_reference_repadapter(ref_block.norm1(x), qkv, groups, scale))
         expected = h + ref_block.mlp(_reference_repadapter(ref_block.norm2(h), fc1, groups, scale))
         torch.testing.assert_close(block(x), expected, atol=1e-5, rtol=1e-5)
+        # Train mode: the adapters' dropout (the frozen block has none here), the same masks in the same order.
+        block.train()
+        torch.manual_seed(1)
+        got = block(x)
+        torch.manual_seed(1)
+        h = x + ref_block.attn(_reference_repadapter(ref_block.norm1(x), qkv, groups, scale, drop=0.1))
+        trained = h + ref_block.mlp(_reference_repadapter(ref_block.norm2(h), fc1, groups, scale, drop=0.1))
+        torch.testing.assert_close(got, trained, atol=1e-5, rtol=1e-5)
+        assert not torch.allclose(got, expected)
+        block.eval()
         x = expected
 
 

@@ -239,25 +239,28 @@ def test_init_reference_leaves_what_the_references_keep(tiny_vit):
 # --- NOAH --------------------------------------------------------------------------------------
 
 
-def _noah_reference(model: torch.nn.Module, images: torch.Tensor, widths) -> torch.Tensor:
+def _noah_reference(model: torch.nn.Module, images: torch.Tensor, widths, drop: float = 0.0) -> torch.Tensor:
     # ZhangYuanhan-AI/NOAH@e9c55f3 model/supernet_vision_transformer_timm.py: forward_features L625-648 (model-level
     # prompts + their position embedding appended after the patches; final norm; class token), Block.forward
     # L354-366 (own prompts replace the previous block's last `sample_last_prompt_tuning_dim` tokens, or are
     # appended when that is 0; L605: block 0's is its own width), Attention.forward L272-297 (LoRA on q, k, v,
-    # no scaling), adapter_super.py L62-74 (h + up(QuickGELU(down(h)))); eval mode, so no dropout.
+    # no scaling), adapter_super.py L62-74 (h + up(dropout(QuickGELU(down(h))))).  ``drop`` > 0: train mode, NOAH's
+    # three dropouts in its order: the prompts after their expansion to the batch (L357-359), the LoRA input (L278),
+    # the adapter's hidden (adapter_super.py L70); the frozen block's own dropouts and drop path are 0 here.
     from petl.methods.noah import NoahBlock
 
     prompt, lora, adapter = widths
     blocks = [b for b in model.blocks if isinstance(b, NoahBlock)]
     x = model.patch_embed(images)
     x = torch.cat([model.cls_token.expand(x.shape[0], -1, -1), x], dim=1) + model.pos_embed
-    if prompt[0] != 0:  # model-level prompts: random here, to show block 0 replaces them at once
-        x = torch.cat([x, torch.randn(x.shape[0], prompt[0], x.shape[2])], dim=1)
+    if prompt[0] != 0:  # model-level prompts: random here (off the global stream), to show block 0 replaces them
+        noise = torch.randn(x.shape[0], prompt[0], x.shape[2], generator=torch.Generator().manual_seed(9))
+        x = torch.cat([x, noise], dim=1)
     for i, wrapper in enumerate(blocks):
         blk = wrapper.base
         last = prompt[i - 1] if i > 0 else prompt[0]
         if prompt[i] != 0:
-            own = wrapper.prompt[: prompt[i]].expand(x.shape[0], -1, -1)
+            own = F.dropout(wrapper.prompt[: prompt[i]].expand(x.shape[0], -1, -1), drop, training=drop > 0)
             x = torch.cat([x, own], dim=1) if last == 0 else torch.cat([x[:, :-last], own], dim=1)
         h = blk.norm1(x)
         b, n, c = h.shape
@@ -265,7 +268,8 @@ def _noah_reference(model: torch.nn.Module, images: torch.Tensor, widths) -> tor
         qkv_linear = unwrap(blk.attn.qkv)
         qkv = F.linear(h, qkv_linear.weight, qkv_linear.bias)
         if lora[i]:
-            delta = F.linear(F.linear(h, blk.attn.qkv.lora_a), blk.attn.qkv.lora_b)
+            lora_input = F.dropout(h, drop, training=drop > 0)
+            delta = F.linear(F.linear(lora_input, blk.attn.qkv.lora_a), blk.attn.qkv.lora_b)
             qkv = qkv + delta
         q, k, v = qkv.reshape(b, n, 3, heads, c // heads).permute(2, 0, 3, 1, 4)
         attn = (q @ k.transpose(-2, -1) * (c // heads) ** -0.5).softmax(-1)
@@ -273,7 +277,8 @@ def _noah_reference(model: torch.nn.Module, images: torch.Tensor, widths) -> tor
         m = blk.mlp(blk.norm2(x))
         if adapter[i]:
             z = F.linear(m, wrapper.down.weight, wrapper.down.bias)
-            m = m + F.linear(z * torch.sigmoid(1.702 * z), wrapper.up.weight, wrapper.up.bias)
+            z = F.dropout(z * torch.sigmoid(1.702 * z), drop, training=drop > 0)
+            m = m + F.linear(z, wrapper.up.weight, wrapper.up.bias)
         x = x + m
     return model.head(model.norm(x)[:, 0])
 
@@ -291,7 +296,15 @@ def test_noah_forward_equals_the_reference_on_identical_weights(tiny_vit, images
     model = petl.apply_noah(tiny_vit(), prompt=prompt, lora=lora, adapter=adapter, num_classes=4)
     perturb_trainable(model)
     model.eval()
-    torch.testing.assert_close(model(images), _noah_reference(model, images, widths))
+    expected = _noah_reference(model, images, widths)
+    torch.testing.assert_close(model(images), expected)
+    # Train mode (dropout 0.1 on the prompts, the LoRA input and the adapter): the same masks, drawn in the same order.
+    model.train()
+    torch.manual_seed(3)
+    got = model(images)
+    torch.manual_seed(3)
+    torch.testing.assert_close(got, _noah_reference(model, images, widths, drop=0.1))
+    assert not torch.allclose(got, expected)
 
 
 def test_noah_init_is_a_slice_of_the_supernets(tiny_vit):

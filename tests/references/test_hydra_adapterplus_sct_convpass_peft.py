@@ -161,14 +161,14 @@ def test_ia3_preset_matches_reference_forward(tiny_vit):
 
     model = petl.apply(tiny_vit(), "peft", **PRESETS["ia3"]).eval()
     perturb_trainable(model)
-    block = model.blocks[0]
-    qkv, fc2 = block.attn.qkv, block.mlp.fc2
     x, h = torch.randn(2, 5, 48), torch.randn(2, 5, 192)
-    # IA3 (Liu et al. 2022, eq. in sec. 3.3): l * (W x + b) on attention outputs, W (l * h) + b in the MLP.
-    l_qkv, l_fc2 = qkv.ia3_l["default"].flatten(), fc2.ia3_l["default"].flatten()
-    base_qkv, base_fc2 = qkv.get_base_layer(), fc2.get_base_layer()
-    torch.testing.assert_close(qkv(x), l_qkv * F.linear(x, base_qkv.weight, base_qkv.bias))
-    torch.testing.assert_close(fc2(h), F.linear(l_fc2 * h, base_fc2.weight, base_fc2.bias))
+    for block in model.blocks:  # every site, each with its own random scales
+        qkv, fc2 = block.attn.qkv, block.mlp.fc2
+        # IA3 (Liu et al. 2022, eq. in sec. 3.3): l * (W x + b) on attention outputs, W (l * h) + b in the MLP.
+        l_qkv, l_fc2 = qkv.ia3_l["default"].flatten(), fc2.ia3_l["default"].flatten()
+        base_qkv, base_fc2 = qkv.get_base_layer(), fc2.get_base_layer()
+        torch.testing.assert_close(qkv(x), l_qkv * F.linear(x, base_qkv.weight, base_qkv.bias))
+        torch.testing.assert_close(fc2(h), F.linear(l_fc2 * h, base_fc2.weight, base_fc2.bias))
 
 
 def test_dora_preset_matches_reference_forward(tiny_vit):
@@ -176,15 +176,16 @@ def test_dora_preset_matches_reference_forward(tiny_vit):
 
     model = petl.apply(tiny_vit(), "peft", **PRESETS["dora"]).eval()
     perturb_trainable(model)
-    qkv = model.blocks[0].attn.qkv
-    base = qkv.get_base_layer()
-    a, b = qkv.lora_A["default"].weight, qkv.lora_B["default"].weight
-    m = qkv.lora_magnitude_vector["default"].weight
-    # DoRA (Liu et al. 2024, eq. 5): W' = m * (W0 + s B A) / ||W0 + s B A|| per output row, s = alpha / r = 1.
-    direction = base.weight + b @ a
-    weight = m.unsqueeze(1) * direction / direction.norm(dim=1, keepdim=True)
     x = torch.randn(2, 5, 48)
-    torch.testing.assert_close(qkv(x), F.linear(x, weight, base.bias), atol=1e-5, rtol=1e-5)
+    for block in model.blocks:  # every site, each with its own random A, B and magnitudes
+        qkv = block.attn.qkv
+        base = qkv.get_base_layer()
+        a, b = qkv.lora_A["default"].weight, qkv.lora_B["default"].weight
+        m = qkv.lora_magnitude_vector["default"].weight
+        # DoRA (Liu et al. 2024, eq. 5): W' = m * (W0 + s B A) / ||W0 + s B A|| per output row, s = alpha / r = 1.
+        direction = base.weight + b @ a
+        weight = m.unsqueeze(1) * direction / direction.norm(dim=1, keepdim=True)
+        torch.testing.assert_close(qkv(x), F.linear(x, weight, base.bias), atol=1e-5, rtol=1e-5)
 
 
 # --- SCT ---------------------------------------------------------------------------------------

@@ -116,6 +116,46 @@ def test_sequential_adapter_equals_vpetl(tiny_vit, images):
     torch.testing.assert_close(ours, x)
 
 
+# --- V-PETL LoRA on the fused qkv --------------------------------------------------------------
+
+
+def _vpetl_lora_block(block: torch.nn.Module, x: torch.Tensor, scale: float) -> torch.Tensor:
+    # synbol/Parameter-Efficient-Transfer-Learning-Benchmark@c188fad ImageClassification/models/
+    # vision_transformer_lora.py:L100-103 (A: dim -> r, B: r -> dim, no bias, for q and v) and L110-135: the
+    # fused qkv output, then new_q = B_q A_q x added to its first dim columns and new_v = B_v A_v x to its last,
+    # unscaled (``scale`` is petl's alpha / rank, 1 to be the reference), then multi-head attention.
+    a = block.attn
+    lora = a.qkv
+    b, n, d = x.shape
+    h = block.norm1(x)
+    qkv = F.linear(h, lora.base.weight, lora.base.bias).clone()
+    qkv[:, :, :d] += scale * F.linear(F.linear(h, lora.lora_a["q"]), lora.lora_b["q"])
+    qkv[:, :, -d:] += scale * F.linear(F.linear(h, lora.lora_a["v"]), lora.lora_b["v"])
+    q, k, v = qkv.reshape(b, n, 3, a.num_heads, d // a.num_heads).permute(2, 0, 3, 1, 4)
+    weights = (q @ k.transpose(-2, -1) * a.scale).softmax(-1)
+    x = x + a.proj((weights @ v).transpose(1, 2).reshape(b, n, d))
+    return x + _mlp(block, block.norm2(x))
+
+
+@pytest.mark.parametrize(("rank", "alpha"), [(4, 4.0), (4, 10.0)])
+def test_lora_on_q_and_v_equals_vpetl(tiny_vit, images, rank, alpha):
+    # petl's default alpha = rank = 8 is the reference's unscaled update; another alpha scales B A by alpha / rank.
+    model = petl.apply_lora(tiny_vit(), rank=rank, alpha=alpha, num_classes=4)
+    perturb_trainable(model)  # A and B random, so every update acts
+    model.eval()
+    x = ours = _embed(model, images)
+    for block in model.blocks:
+        x = _vpetl_lora_block(block, x, alpha / rank)
+        ours = block(ours)
+        torch.testing.assert_close(ours, x)
+    torch.testing.assert_close(model(images), model.head(model.norm(x)[:, 0]))
+    # The K rows are left alone: the update is not the whole qkv's.
+    k_rows = slice(48, 96)
+    qkv = model.blocks[0].attn.qkv
+    h = torch.randn(2, 5, 48)
+    torch.testing.assert_close(qkv(h)[..., k_rows], qkv.base(h)[..., k_rows])
+
+
 # --- VPT: prompts, pooling, Mlp-k and linear heads ---------------------------------------------
 
 
