@@ -24,6 +24,8 @@
 # GPU_TESTS and REST_TESTS, pytest arguments, choose them), one process, with the python on PATH (or $PYTHON),
 # installing nothing: the script's logic, tested by tests/bench/test_gpu_tests.py.
 set -u
+# The deadlines count from here: the install and the checks below are inside BUDGET, as the call's timeout is.
+START=$SECONDS
 MODE=gpu
 [ "${1:-}" = "--cpu" ] && MODE=cpu
 OUT=${OUT:-/tmp/petl_gpu_tests}
@@ -70,7 +72,6 @@ export PYTHONUNBUFFERED=1
 CUDA_END=${CUDA_END:-$((BUDGET * 35 / 100))}
 GPU_END=${GPU_END:-$((BUDGET * 80 / 100))}
 REST_END=${REST_END:-$((BUDGET * 97 / 100))}
-START=$SECONDS
 
 left() { echo $(($1 - (SECONDS - START))); }
 

@@ -32,4 +32,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
     np.random.set_state((name, key.numpy(), *rest))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        # One state per GPU the saving process saw: a resume that sees fewer (another machine, CUDA_VISIBLE_DEVICES)
+        # restores those it has; torch's set_rng_state_all would fail on the first GPU past them (an IndexError).
+        torch.cuda.set_rng_state_all(state["cuda"][: torch.cuda.device_count()])

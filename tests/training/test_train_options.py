@@ -23,6 +23,7 @@ from petl.run import default_config, train
 from petl.train import build, engine, runner
 from petl.train.output_dir import check_finished
 from petl.utils import precision
+from petl.utils import random as random_state
 from petl.utils.errors import ConfigError
 
 TINY = [
@@ -187,6 +188,28 @@ def test_tf32_without_a_gpu_runs_in_fp32_with_a_warning(tmp_path, train_on_cpu, 
     assert "train.precision=tf32 needs a CUDA GPU" in caplog.text
     assert result["precision"] == "no" and result["tf32"] is False
     assert result["final_train_loss"] == plain["final_train_loss"]
+
+
+def test_a_resume_that_sees_fewer_gpus_restores_the_states_of_those_it_has(monkeypatch):
+    # A checkpoint holds one CUDA generator state per GPU the saving process saw; resumed where fewer are visible
+    # (another machine, CUDA_VISIBLE_DEVICES), torch's set_rng_state_all raised an IndexError at the first one past
+    # them.  Mocked, so it runs without a GPU: the fake refuses a GPU index past the count, as torch does.
+    restored = []
+
+    def set_rng_state_all(states):
+        for index, value in enumerate(states):
+            if index >= torch.cuda.device_count():
+                raise IndexError("tuple index out of range")
+            restored.append(value)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: [torch.zeros(16, dtype=torch.uint8)] * 2)
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", set_rng_state_all)
+    state = random_state.rng_state()
+    assert len(state["cuda"]) == 2
+    random_state.set_rng_state(state)
+    assert len(restored) == 1
 
 
 # --- on a CUDA GPU (marked cuda: skipped without one) -------------------------------------------------------
