@@ -120,7 +120,8 @@ def format_table(
             else ""
         )
         + f"Inference: eval forward at batch {spec.infer_batch}, median of {spec.infer_steps}, cases in turns call "
-        "by call. " + memory_line + f"Precision: {_precision_note(spec)}",
+        "by call, each row's model eager and without autocast: a row's options (`+ bf16 autocast`, `+ torch.compile`, "
+        "`+ grad checkpointing`) act on its training step only. " + memory_line + f"Precision: {_precision_note(spec)}",
         "",
         f"Machine: {machine}.",
         "",

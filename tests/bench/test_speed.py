@@ -157,6 +157,17 @@ def test_timed_inference_keeps_what_lora_caches_between_calls():
     assert layer._stack is stack and not any(m.training for m in bench.model.modules())
 
 
+def test_a_bf16_rows_inference_runs_without_autocast_as_its_table_says():
+    # The table says a row's options act on its training step only: its Infer ms is the eager fp32 forward.
+    bench = speed._Bench(Case("lora + bf16 autocast", {"name": "lora", "rank": 2}, options=("bf16",)), TINY)
+    seen = []
+    bench.model.register_forward_hook(lambda *_: seen.append(torch.is_autocast_enabled("cpu")))
+    bench.step()
+    bench.infer()
+    assert seen == [True, False]
+    assert "act on its training step only" in format_table({}, TINY, "m")
+
+
 @pytest.mark.slow
 def test_inference_turns_change_order(monkeypatch):
     # Record the order of the timed inference calls: every turn must not start with the same case.
