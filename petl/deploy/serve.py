@@ -52,6 +52,7 @@ from PIL import Image
 from pydantic import BaseModel, Field
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.routing import Match
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -789,6 +790,16 @@ async def _say_what_to_do(request: Request, error: StarletteHTTPException) -> Re
     return await http_exception_handler(request, StarletteHTTPException(error.status_code, detail, headers))
 
 
+# nginx's status for a request whose client closed the connection first: what /metrics counts it as (nothing is sent).
+CLIENT_GONE = 499
+
+
+async def _client_gone(_request: Request, _error: ClientDisconnect) -> Response:
+    # A client that closed its connection before its body was all sent (a cancelled upload): nothing to answer, and
+    # not the server's fault.  As any other exception it was logged twice with a traceback and counted a 500.
+    return Response(status_code=CLIENT_GONE)
+
+
 async def _one_line_error(_request: Request, error: Exception) -> JSONResponse:
     log.exception("request failed")
     return JSONResponse({"detail": f"internal error ({type(error).__name__}): the server goes on; retry"}, 500)
@@ -827,6 +838,7 @@ def create_app(served: MultiTask, tasks: list[Task], options: ServeOptions) -> F
         exception_handlers={
             RequestValidationError: _one_line_validation,
             StarletteHTTPException: _say_what_to_do,
+            ClientDisconnect: _client_gone,
             Exception: _one_line_error,
         },
     )

@@ -8,6 +8,7 @@ import asyncio
 import errno
 import io
 import json
+import logging
 import socket
 from pathlib import Path
 
@@ -133,6 +134,29 @@ def test_a_multipart_body_that_cannot_be_read_is_refused_saying_how_to_send_imag
         assert answer["detail"].endswith(
             "send each image as a file field (curl -F image=@cat.jpg), or one image as the whole body"
         )
+
+
+def test_a_client_that_closes_mid_upload_is_counted_not_logged_as_an_internal_error(app, caplog):
+    """An upload cancelled part-way (the browser tab closed) raised starlette's ClientDisconnect: logged twice with
+    a traceback, "request failed" and uvicorn's "Exception in ASGI application", and counted a 500."""
+    messages = [{"type": "http.request", "body": _png()[:20], "more_body": True}, {"type": "http.disconnect"}]
+
+    async def receive() -> dict:
+        return messages.pop(0)
+
+    sent = []
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = asgi_scope("POST", serve.PREDICT_ROUTE.format(task="lora"), [(b"content-length", b"1000")])
+    with caplog.at_level(logging.INFO):
+        asyncio.run(app(scope, receive, send))  # raised ClientDisconnect
+    assert sent[0]["status"] == serve.CLIENT_GONE == 499
+    assert not caplog.records, caplog.text
+    metrics = app.state.metrics.text()
+    assert 'petl_requests_total{route="/v1/tasks/{task}/predict",status="499"} 1' in metrics
+    assert 'status="500"' not in metrics
 
 
 def _encoded(kind: str, **options) -> bytes:
