@@ -312,6 +312,8 @@ def check_pixels(uploads: list[tuple[str, bytes]], options: ServeOptions) -> Non
         TooManyPixels: the first image over ``max_image_mp``, or the request's total over ``max_request_mp``.
 
     """
+    # In whole pixels: max_image_mp=4.1 times 1e6 is 4099999.9999999995, which refused an image of 4.1 MP.
+    image_limit, request_limit = round(options.max_image_mp * 1e6), round(options.max_request_mp * 1e6)
     total = 0
     for number, (name, data) in enumerate(uploads, 1):
         try:
@@ -320,13 +322,13 @@ def check_pixels(uploads: list[tuple[str, bytes]], options: ServeOptions) -> Non
             pixels, size = math.inf, str(error)
         else:
             size = f"{pixels / 1e6:.3g} MP"
-        if pixels > options.max_image_mp * 1e6:
+        if pixels > image_limit:
             raise TooManyPixels(
                 f"{_which(number, name)}: {size}, over max_image_mp={options.max_image_mp:g}: send it smaller "
                 "(the model reads a few hundred pixels), or start petl-serve with a larger max_image_mp"
             )
         total += pixels
-    if total > options.max_request_mp * 1e6:
+    if total > request_limit:
         raise TooManyPixels(
             f"the request's {len(uploads)} images hold {total / 1e6:.3g} MP, over max_request_mp="
             f"{options.max_request_mp:g}: split it, or send smaller images"

@@ -159,6 +159,24 @@ def test_a_client_that_closes_mid_upload_is_counted_not_logged_as_an_internal_er
     assert 'status="500"' not in metrics
 
 
+def test_the_pixel_limits_take_an_image_of_exactly_their_size():
+    """max_image_mp=4.1 is 4099999.9999999995 pixels as a float: a 2050 x 2000 image (4.1 MP) was refused as "4.1 MP,
+    over max_image_mp=4.1", and two of them as over max_request_mp=8.2."""
+
+    def png(width: int, height: int) -> bytes:
+        buffer = io.BytesIO()
+        Image.new("1", (width, height)).save(buffer, "PNG")  # a few kB: the limits read the header alone
+        return buffer.getvalue()
+
+    options = serve.ServeOptions(max_image_mp=4.1, max_request_mp=8.2)
+    exact, over = ("exact.png", png(2050, 2000)), ("over.png", png(4100001, 1))
+    serve.check_pixels([exact, exact], options)
+    with pytest.raises(serve.TooManyPixels, match="over max_image_mp=4.1"):
+        serve.check_pixels([over], options)
+    with pytest.raises(serve.TooManyPixels, match="over max_request_mp=8.2"):
+        serve.check_pixels([exact, exact, ("one.png", png(1, 1))], options)
+
+
 def _encoded(kind: str, **options) -> bytes:
     buffer = io.BytesIO()
     image = Image.fromarray(np.random.default_rng(0).integers(0, 255, (40, 36, 3), dtype=np.uint8))
