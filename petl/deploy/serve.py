@@ -512,7 +512,8 @@ def server_config(app: FastAPI, host: str, port: int, options: ServeOptions, acc
         port=port,
         http=header_deadline_protocol(options.header_timeout_s),
         limit_concurrency=options.max_connections,
-        timeout_graceful_shutdown=math.ceil(options.shutdown_timeout_s),
+        # As given: uvicorn hands it to asyncio.wait_for, which takes a fraction (rounded up, 0.2 s waited 1 s).
+        timeout_graceful_shutdown=options.shutdown_timeout_s,
         access_log=access_log,
         log_level="info",
     )

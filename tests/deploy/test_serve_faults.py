@@ -177,6 +177,13 @@ def test_the_pixel_limits_take_an_image_of_exactly_their_size():
         serve.check_pixels([exact, exact, ("one.png", png(1, 1))], options)
 
 
+def test_a_shutdown_waits_shutdown_timeout_s_as_given(app):
+    # It was rounded up to whole seconds for uvicorn: shutdown_timeout_s=0.2 waited 1 s.
+    for seconds in (0, 0.2, 2.5):
+        config = serve.server_config(app, "127.0.0.1", 0, serve.ServeOptions(shutdown_timeout_s=seconds))
+        assert config.timeout_graceful_shutdown == seconds
+
+
 def _encoded(kind: str, **options) -> bytes:
     buffer = io.BytesIO()
     image = Image.fromarray(np.random.default_rng(0).integers(0, 255, (40, 36, 3), dtype=np.uint8))
