@@ -236,6 +236,14 @@ def test_an_image_petl_cannot_use_as_it_is_gets_its_own_remedy_alone(app):
     status, answer = asyncio.run(_ask(app, "POST", serve.PREDICT_ROUTE.format(task="lora"), buffer.getvalue()))
     assert status == 400
     assert answer["detail"] == "image 1: floating-point pixels (mode F): save it as an 8- or 16-bit image"
+    # So does a 32-bit image whose values pass 16 bits: it said "...: send a complete PNG, JPEG, ... image" too.
+    buffer = io.BytesIO()
+    Image.fromarray(np.full((8, 8), 2**20, dtype=np.int32)).save(buffer, "TIFF")
+    status, answer = asyncio.run(_ask(app, "POST", serve.PREDICT_ROUTE.format(task="lora"), buffer.getvalue()))
+    assert status == 400
+    assert answer["detail"] == (
+        "image 1: mode I with values outside the 16-bit range [0, 65535]: save it as an 8- or 16-bit image"
+    )
 
 
 def test_a_request_a_shutdown_ends_gets_a_json_503(app):
