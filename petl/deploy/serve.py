@@ -99,7 +99,7 @@ class ServeOptions:
     Attributes:
         max_batch: the most images in one mixed batch.
         max_wait_ms: how long the oldest queued image waits for others before its batch runs.
-        max_queue: the most images waiting at once (and in one request); beyond it requests get 503.
+        max_queue: the most images waiting at once (beyond it requests get 503) and in one request (413).
         max_upload_mb: the largest request body, in MB (2**20 bytes); larger ones get 413.
         max_image_mp: the most pixels in one image, in millions (its header is read before it is decoded); 413.
         max_request_mp: the most pixels in all the images of one request, in millions; 413.

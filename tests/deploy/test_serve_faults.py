@@ -184,6 +184,18 @@ def test_a_shutdown_waits_shutdown_timeout_s_as_given(app):
         assert config.timeout_graceful_shutdown == seconds
 
 
+def test_more_images_in_one_request_than_max_queue_get_the_413_the_help_names(app):
+    # The help said "beyond it requests get 503" alone: one request past it gets 413 (a full queue, 503).
+    max_queue = app.state.options.max_queue
+    parts = b"".join(_multipart(f"{i}.png", b"x").split(f"--{BOUNDARY}--".encode())[0] for i in range(max_queue + 1))
+    body = parts + f"--{BOUNDARY}--\r\n".encode()
+    kind = f"multipart/form-data; boundary={BOUNDARY}"
+    status, answer = asyncio.run(_ask(app, "POST", serve.PREDICT_ROUTE.format(task="lora"), body, kind))
+    assert status == 413 and answer["detail"].endswith(f"images in one request, over max_queue={max_queue}: split it")
+    help_text = next(key.help for key in serve_cli.KEYS if key.name == "max_queue")
+    assert "503" in help_text and "in one request (more get 413)" in help_text
+
+
 def _encoded(kind: str, **options) -> bytes:
     buffer = io.BytesIO()
     image = Image.fromarray(np.random.default_rng(0).integers(0, 255, (40, 36, 3), dtype=np.uint8))
