@@ -511,7 +511,9 @@ def server_config(app: FastAPI, host: str, port: int, options: ServeOptions, acc
         host=host,
         port=port,
         http=header_deadline_protocol(options.header_timeout_s),
-        limit_concurrency=options.max_connections,
+        # uvicorn refuses a request once this many connections are open counting its own: one more, for exactly
+        # max_connections (max_connections=1 answered every request 503).
+        limit_concurrency=options.max_connections + 1,
         # As given: uvicorn hands it to asyncio.wait_for, which takes a fraction (rounded up, 0.2 s waited 1 s).
         timeout_graceful_shutdown=options.shutdown_timeout_s,
         access_log=access_log,

@@ -10,6 +10,8 @@ import io
 import json
 import logging
 import socket
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -194,6 +196,37 @@ def test_more_images_in_one_request_than_max_queue_get_the_413_the_help_names(ap
     assert status == 413 and answer["detail"].endswith(f"images in one request, over max_queue={max_queue}: split it")
     help_text = next(key.help for key in serve_cli.KEYS if key.name == "max_queue")
     assert "503" in help_text and "in one request (more get 413)" in help_text
+
+
+def test_max_connections_connections_are_served_and_the_next_gets_503(app):
+    """uvicorn counts the asking connection among those open: max_connections=2 served one connection at a time, and
+    max_connections=1 answered every request 503."""
+    listening = serve_cli.bind("127.0.0.1", 0)
+    serve_cli.listen(listening, "127.0.0.1", 0)
+    port = listening.getsockname()[1]
+    options = serve.ServeOptions(max_connections=2)
+    server = uvicorn.Server(serve.server_config(app, "127.0.0.1", port, options, access_log=False))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [listening]}, daemon=True)
+    thread.start()
+
+    def health(connection: socket.socket) -> bytes:
+        connection.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        return connection.recv(100).split(b"\r\n")[0]
+
+    try:
+        while not server.started:
+            time.sleep(0.05)
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as held:
+            with socket.create_connection(("127.0.0.1", port), timeout=30) as second:
+                assert health(second) == b"HTTP/1.1 200 OK"
+                with socket.create_connection(("127.0.0.1", port), timeout=30) as third:
+                    assert health(third) == b"HTTP/1.1 503 Service Unavailable"
+            while len(server.server_state.connections) > 1:  # the server has seen the other two close
+                time.sleep(0.05)
+            assert health(held) == b"HTTP/1.1 200 OK"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
 
 
 def _encoded(kind: str, **options) -> bytes:
