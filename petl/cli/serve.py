@@ -52,7 +52,12 @@ KEYS = (
     Key("port", "the port to listen on", int, 8000),
     Key("max_batch", "the most images in one mixed batch", int, 32),
     Key("max_wait_ms", "how long the oldest queued image waits for others before its batch runs", float, 5.0),
-    Key("max_queue", "the most images waiting at once (and in one request); beyond it requests get 503", int, 256),
+    Key(
+        "max_queue",
+        "the most images waiting at once (beyond it requests get 503) and in one request (more get 413)",
+        int,
+        256,
+    ),
     Key("max_upload_mb", "the largest request body, in MB; larger ones get 413", float, 20.0),
     Key("max_image_mp", "the most pixels in one image, in millions (read before decoding); more get 413", float, 16.0),
     Key("max_request_mp", "the most pixels in one request's images, in millions; more get 413", float, 64.0),

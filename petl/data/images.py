@@ -115,7 +115,9 @@ def to_uint8(image: Image.Image) -> np.ndarray:
     if image.mode in _SIXTEEN_BIT_MODES:
         values = np.asarray(image).astype(np.int64)
         if values.size and (values.min() < 0 or values.max() > 65535):
-            raise ValueError(f"mode {image.mode} with values outside the 16-bit range [0, 65535]")
+            raise UnfitImage(
+                f"mode {image.mode} with values outside the 16-bit range [0, 65535]: save it as an 8- or 16-bit image"
+            )
         return ((values * 255 + 32767) // 65535).astype(np.uint8)
     if image.mode == "F":
         raise UnfitImage("floating-point pixels (mode F): save it as an 8- or 16-bit image")

@@ -52,6 +52,7 @@ from PIL import Image
 from pydantic import BaseModel, Field
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.routing import Match
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -98,7 +99,7 @@ class ServeOptions:
     Attributes:
         max_batch: the most images in one mixed batch.
         max_wait_ms: how long the oldest queued image waits for others before its batch runs.
-        max_queue: the most images waiting at once (and in one request); beyond it requests get 503.
+        max_queue: the most images waiting at once (beyond it requests get 503) and in one request (413).
         max_upload_mb: the largest request body, in MB (2**20 bytes); larger ones get 413.
         max_image_mp: the most pixels in one image, in millions (its header is read before it is decoded); 413.
         max_request_mp: the most pixels in all the images of one request, in millions; 413.
@@ -311,6 +312,8 @@ def check_pixels(uploads: list[tuple[str, bytes]], options: ServeOptions) -> Non
         TooManyPixels: the first image over ``max_image_mp``, or the request's total over ``max_request_mp``.
 
     """
+    # In whole pixels: max_image_mp=4.1 times 1e6 is 4099999.9999999995, which refused an image of 4.1 MP.
+    image_limit, request_limit = round(options.max_image_mp * 1e6), round(options.max_request_mp * 1e6)
     total = 0
     for number, (name, data) in enumerate(uploads, 1):
         try:
@@ -319,13 +322,13 @@ def check_pixels(uploads: list[tuple[str, bytes]], options: ServeOptions) -> Non
             pixels, size = math.inf, str(error)
         else:
             size = f"{pixels / 1e6:.3g} MP"
-        if pixels > options.max_image_mp * 1e6:
+        if pixels > image_limit:
             raise TooManyPixels(
                 f"{_which(number, name)}: {size}, over max_image_mp={options.max_image_mp:g}: send it smaller "
                 "(the model reads a few hundred pixels), or start petl-serve with a larger max_image_mp"
             )
         total += pixels
-    if total > options.max_request_mp * 1e6:
+    if total > request_limit:
         raise TooManyPixels(
             f"the request's {len(uploads)} images hold {total / 1e6:.3g} MP, over max_request_mp="
             f"{options.max_request_mp:g}: split it, or send smaller images"
@@ -508,8 +511,11 @@ def server_config(app: FastAPI, host: str, port: int, options: ServeOptions, acc
         host=host,
         port=port,
         http=header_deadline_protocol(options.header_timeout_s),
-        limit_concurrency=options.max_connections,
-        timeout_graceful_shutdown=math.ceil(options.shutdown_timeout_s),
+        # uvicorn refuses a request once this many connections are open counting its own: one more, for exactly
+        # max_connections (max_connections=1 answered every request 503).
+        limit_concurrency=options.max_connections + 1,
+        # As given: uvicorn hands it to asyncio.wait_for, which takes a fraction (rounded up, 0.2 s waited 1 s).
+        timeout_graceful_shutdown=options.shutdown_timeout_s,
         access_log=access_log,
         log_level="info",
     )
@@ -789,6 +795,16 @@ async def _say_what_to_do(request: Request, error: StarletteHTTPException) -> Re
     return await http_exception_handler(request, StarletteHTTPException(error.status_code, detail, headers))
 
 
+# nginx's status for a request whose client closed the connection first: what /metrics counts it as (nothing is sent).
+CLIENT_GONE = 499
+
+
+async def _client_gone(_request: Request, _error: ClientDisconnect) -> Response:
+    # A client that closed its connection before its body was all sent (a cancelled upload): nothing to answer, and
+    # not the server's fault.  As any other exception it was logged twice with a traceback and counted a 500.
+    return Response(status_code=CLIENT_GONE)
+
+
 async def _one_line_error(_request: Request, error: Exception) -> JSONResponse:
     log.exception("request failed")
     return JSONResponse({"detail": f"internal error ({type(error).__name__}): the server goes on; retry"}, 500)
@@ -827,6 +843,7 @@ def create_app(served: MultiTask, tasks: list[Task], options: ServeOptions) -> F
         exception_handlers={
             RequestValidationError: _one_line_validation,
             StarletteHTTPException: _say_what_to_do,
+            ClientDisconnect: _client_gone,
             Exception: _one_line_error,
         },
     )

@@ -8,7 +8,10 @@ import asyncio
 import errno
 import io
 import json
+import logging
 import socket
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -135,6 +138,97 @@ def test_a_multipart_body_that_cannot_be_read_is_refused_saying_how_to_send_imag
         )
 
 
+def test_a_client_that_closes_mid_upload_is_counted_not_logged_as_an_internal_error(app, caplog):
+    """An upload cancelled part-way (the browser tab closed) raised starlette's ClientDisconnect: logged twice with
+    a traceback, "request failed" and uvicorn's "Exception in ASGI application", and counted a 500."""
+    messages = [{"type": "http.request", "body": _png()[:20], "more_body": True}, {"type": "http.disconnect"}]
+
+    async def receive() -> dict:
+        return messages.pop(0)
+
+    sent = []
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = asgi_scope("POST", serve.PREDICT_ROUTE.format(task="lora"), [(b"content-length", b"1000")])
+    with caplog.at_level(logging.INFO):
+        asyncio.run(app(scope, receive, send))  # raised ClientDisconnect
+    assert sent[0]["status"] == serve.CLIENT_GONE == 499
+    assert not caplog.records, caplog.text
+    metrics = app.state.metrics.text()
+    assert 'petl_requests_total{route="/v1/tasks/{task}/predict",status="499"} 1' in metrics
+    assert 'status="500"' not in metrics
+
+
+def test_the_pixel_limits_take_an_image_of_exactly_their_size():
+    """max_image_mp=4.1 is 4099999.9999999995 pixels as a float: a 2050 x 2000 image (4.1 MP) was refused as "4.1 MP,
+    over max_image_mp=4.1", and two of them as over max_request_mp=8.2."""
+
+    def png(width: int, height: int) -> bytes:
+        buffer = io.BytesIO()
+        Image.new("1", (width, height)).save(buffer, "PNG")  # a few kB: the limits read the header alone
+        return buffer.getvalue()
+
+    options = serve.ServeOptions(max_image_mp=4.1, max_request_mp=8.2)
+    exact, over = ("exact.png", png(2050, 2000)), ("over.png", png(4100001, 1))
+    serve.check_pixels([exact, exact], options)
+    with pytest.raises(serve.TooManyPixels, match="over max_image_mp=4.1"):
+        serve.check_pixels([over], options)
+    with pytest.raises(serve.TooManyPixels, match="over max_request_mp=8.2"):
+        serve.check_pixels([exact, exact, ("one.png", png(1, 1))], options)
+
+
+def test_a_shutdown_waits_shutdown_timeout_s_as_given(app):
+    # It was rounded up to whole seconds for uvicorn: shutdown_timeout_s=0.2 waited 1 s.
+    for seconds in (0, 0.2, 2.5):
+        config = serve.server_config(app, "127.0.0.1", 0, serve.ServeOptions(shutdown_timeout_s=seconds))
+        assert config.timeout_graceful_shutdown == seconds
+
+
+def test_more_images_in_one_request_than_max_queue_get_the_413_the_help_names(app):
+    # The help said "beyond it requests get 503" alone: one request past it gets 413 (a full queue, 503).
+    max_queue = app.state.options.max_queue
+    parts = b"".join(_multipart(f"{i}.png", b"x").split(f"--{BOUNDARY}--".encode())[0] for i in range(max_queue + 1))
+    body = parts + f"--{BOUNDARY}--\r\n".encode()
+    kind = f"multipart/form-data; boundary={BOUNDARY}"
+    status, answer = asyncio.run(_ask(app, "POST", serve.PREDICT_ROUTE.format(task="lora"), body, kind))
+    assert status == 413 and answer["detail"].endswith(f"images in one request, over max_queue={max_queue}: split it")
+    help_text = next(key.help for key in serve_cli.KEYS if key.name == "max_queue")
+    assert "503" in help_text and "in one request (more get 413)" in help_text
+
+
+def test_max_connections_connections_are_served_and_the_next_gets_503(app):
+    """uvicorn counts the asking connection among those open: max_connections=2 served one connection at a time, and
+    max_connections=1 answered every request 503."""
+    listening = serve_cli.bind("127.0.0.1", 0)
+    serve_cli.listen(listening, "127.0.0.1", 0)
+    port = listening.getsockname()[1]
+    options = serve.ServeOptions(max_connections=2)
+    server = uvicorn.Server(serve.server_config(app, "127.0.0.1", port, options, access_log=False))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [listening]}, daemon=True)
+    thread.start()
+
+    def health(connection: socket.socket) -> bytes:
+        connection.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        return connection.recv(100).split(b"\r\n")[0]
+
+    try:
+        while not server.started:
+            time.sleep(0.05)
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as held:
+            with socket.create_connection(("127.0.0.1", port), timeout=30) as second:
+                assert health(second) == b"HTTP/1.1 200 OK"
+                with socket.create_connection(("127.0.0.1", port), timeout=30) as third:
+                    assert health(third) == b"HTTP/1.1 503 Service Unavailable"
+            while len(server.server_state.connections) > 1:  # the server has seen the other two close
+                time.sleep(0.05)
+            assert health(held) == b"HTTP/1.1 200 OK"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
 def _encoded(kind: str, **options) -> bytes:
     buffer = io.BytesIO()
     image = Image.fromarray(np.random.default_rng(0).integers(0, 255, (40, 36, 3), dtype=np.uint8))
@@ -187,6 +281,14 @@ def test_an_image_petl_cannot_use_as_it_is_gets_its_own_remedy_alone(app):
     status, answer = asyncio.run(_ask(app, "POST", serve.PREDICT_ROUTE.format(task="lora"), buffer.getvalue()))
     assert status == 400
     assert answer["detail"] == "image 1: floating-point pixels (mode F): save it as an 8- or 16-bit image"
+    # So does a 32-bit image whose values pass 16 bits: it said "...: send a complete PNG, JPEG, ... image" too.
+    buffer = io.BytesIO()
+    Image.fromarray(np.full((8, 8), 2**20, dtype=np.int32)).save(buffer, "TIFF")
+    status, answer = asyncio.run(_ask(app, "POST", serve.PREDICT_ROUTE.format(task="lora"), buffer.getvalue()))
+    assert status == 400
+    assert answer["detail"] == (
+        "image 1: mode I with values outside the 16-bit range [0, 65535]: save it as an 8- or 16-bit image"
+    )
 
 
 def test_a_request_a_shutdown_ends_gets_a_json_503(app):
