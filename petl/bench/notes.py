@@ -412,10 +412,19 @@ def comparison_lines(board: Leaderboard) -> list[str]:
         )
     pairs = [(a, b) for i, a in enumerate(found.methods) for b in found.methods[i + 1 :]]
     differ = sum(found.differ(a, b) for a, b in pairs)
+    # Friedman's test can keep a pair whose gap passes the critical difference (Nemenyi's test is not nested in it):
+    # the rank table shows that gap, so the sentence says why it is not a difference.
+    wide = sum(found.p_values[a][b] < found.alpha for a, b in pairs) if not found.omnibus_rejects else 0
+    kept = (
+        f" ({plural(wide, 'pair lies', 'pairs lie')} that far apart, but Friedman's test above does not reject, so "
+        f"{'it is' if wide == 1 else 'they are'} not declared different)"
+        if wide
+        else ""
+    )
     lines.append(
         f"**Nemenyi's post-hoc test** (`scikit_posthocs.posthoc_nemenyi_friedman`, family-wise α = {found.alpha:g}; "
         f"Demšar, JMLR 2006): two methods differ when their mean ranks lie more than {found.critical_difference:.2f} "
-        f"apart (the critical difference); {differ} of the {len(pairs)} pairs do."
+        f"apart (the critical difference); {differ} of the {len(pairs)} pairs do{kept}."
     )
     few = found.too_few_blocks()
     if few:

@@ -67,6 +67,32 @@ def test_a_friedman_test_that_does_not_reject_makes_one_group():
     assert found.groups == (found.methods,) and not found.differ("A", "B")
 
 
+def test_a_pair_past_the_critical_difference_that_friedman_keeps_is_said_not_to_differ(tmp_path):
+    """Nemenyi's test is not nested in Friedman's: a gap past the critical difference may stand beside a Friedman
+    p over α, and the section says why that pair is not declared different (scipy and scikit-posthocs agree)."""
+    from scikit_posthocs import posthoc_nemenyi_friedman
+    from scipy.stats import friedmanchisquare
+
+    from petl.bench.notes import comparison_lines
+
+    tasks = ("mini/digits", "mini/mnist", "mini/clevr_count", "mini/dsprites_loc")
+    table = [[10.0, 30.0, 40.0, 20.0], [40.0, 20.0, 30.0, 10.0], [30.0, 20.0, 40.0, 10.0], [20.0, 30.0, 40.0, 10.0]]
+    assert friedmanchisquare(*np.array(table).T).pvalue > 0.05
+    assert posthoc_nemenyi_friedman(np.array(table)).to_numpy()[2, 3] < 0.05  # C (mean rank 1.25) and D (3.75)
+    for task, row in zip(tasks, table, strict=True):
+        for method, top1 in zip(NAMES, row, strict=True):
+            _board_run(tmp_path, task, method, 0, top1)
+    board = report.build_board(tmp_path)
+    found = board.ranking
+    assert found.mean_rank["D"] - found.mean_rank["C"] == 2.5 > found.critical_difference
+    assert not found.differ("C", "D") and found.groups == (found.methods,)
+    nemenyi = next(line for line in comparison_lines(board) if line.startswith("**Nemenyi's"))
+    assert nemenyi.endswith(
+        "more than 2.35 apart (the critical difference); 0 of the 6 pairs do (1 pair lies that far apart, but "
+        "Friedman's test above does not reject, so it is not declared different)."
+    )
+
+
 def test_a_consistent_order_over_enough_blocks_separates_the_ends():
     values = [[40.0, 30.0, 20.0, 10.0]] * 10  # ten blocks, one order: mean ranks 1, 2, 3, 4
     found = ranking.rank_scores(NAMES, values)
