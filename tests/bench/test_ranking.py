@@ -169,6 +169,17 @@ def test_the_rank_correlation_carries_a_seeded_bootstrap_interval():
     assert math.isnan(rank_correlation({"a": 1, "b": 2, "c": 3}, {"a": 1, "b": 3, "c": 2}).interval[0])
 
 
+def test_the_rank_interval_of_a_side_that_ties_every_method_is_nan_without_a_warning():
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # numpy's "All-NaN slice" when no resample ranks anything
+        assert all(map(math.isnan, rank_interval([1.0, 2.0, 3.0, 4.0], [5.0, 5.0, 5.0, 5.0])))
+        # Resamples that draw only the tied methods are left out; the others give the interval.
+        low, high = rank_interval([1.0, 1.0, 1.0, 2.0], [1.0, 2.0, 3.0, 4.0])
+    assert 0 < low <= high <= 1
+
+
 def _choose_board(root: Path, means: dict[str, float], seeds: int) -> report.Leaderboard:
     for method, top1 in means.items():
         for seed in range(seeds):
