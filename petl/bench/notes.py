@@ -138,11 +138,13 @@ def flag_lines(board: Leaderboard) -> list[str]:
     tail = f"{CONVERGENCE_TAIL:.0%}"
     lines = [
         f"**{FAR_SEED_MARK}**: a seed lies more than {ranking.FAR_SEED_POINTS:g} points of test top-1 from the median "
-        "of the cell's seeds (with three seeds: from the middle one), so the cell's mean stands between two "
-        f"outcomes; the mean keeps every seed. {plural(len(far), 'cell')}" + (f": {'; '.join(far)}." if far else "."),
-        f"**{RISING_MARK}**: still learning, the val top-1 of the trial the cell was selected from rose by "
-        f"{ranking.RISING_POINTS:g} points or more over the last {tail} of its epochs (the details table's Val Δ; "
-        f"about twice the noise of two val200 accuracies): a longer schedule may move the cell. "
+        "of the cell's seeds (in a cell of three seeds or more; with three: from the middle one), so the cell's mean "
+        f"stands between two outcomes; the mean keeps every seed. {plural(len(far), 'cell')}"
+        + (f": {'; '.join(far)}." if far else "."),
+        f"**{RISING_MARK}**: still learning, the cell's val top-1 rose by {ranking.RISING_POINTS:g} points or more "
+        f"over the last {tail} of the epochs (the curve of the search trial its finals were selected from, else the "
+        "mean change of its seeds' own curves; the CSV's `TASK_val_tail_change`; about twice the noise of two val200 "
+        "accuracies): a longer schedule may move the cell. "
         f"{plural(len(rising), 'cell')}" + (f": {'; '.join(rising)}." if rising else "."),
     ]
     if board.saturated:

@@ -112,6 +112,29 @@ def _board_run(root: Path, task: str, method: str, seed: int, top1: float, val: 
     _write(root / task / method / f"seed{seed}", _result(task, method, seed, top1), val)
 
 
+def test_the_legend_states_the_flag_rules_as_applied_to_two_seed_cells_and_seeds_own_curves(tmp_path):
+    """Two seeds 60 points apart are not flagged ‡ (no median to stand apart from), and a board without a search
+    flags ↑ on the mean change of the seeds' own curves: the legend says both, as the code applies them."""
+    from petl.bench.notes import flag_lines
+
+    curves = {0: [50.0, 60.0, 70.0, 80.0, 92.0], 1: [50.0, 60.0, 70.0, 80.0, 88.0]}  # +12 and +8: mean +10
+    for seed in (0, 1):
+        _board_run(tmp_path, "mini/digits", "lora", seed, 80.0 + seed, curves[seed])
+        _board_run(tmp_path, "mini/digits", "linear", seed, 20.0 + 60.0 * seed)
+    board = report.build_board(tmp_path)
+    far, rising = flag_lines(board)[:2]
+    assert far.startswith(
+        "**‡**: a seed lies more than 10 points of test top-1 from the median of the cell's seeds (in a cell of three "
+        "seeds or more; with three: from the middle one)"
+    )
+    assert far.endswith("0 cells.")
+    assert rising.startswith(
+        "**↑**: still learning, the cell's val top-1 rose by 10 points or more over the last 20% of the epochs (the "
+        "curve of the search trial its finals were selected from, else the mean change of its seeds' own curves;"
+    )
+    assert rising.endswith("1 cell: lora digits (+10.0).")
+
+
 def test_the_report_flags_cells_leaves_a_saturated_task_out_and_draws_the_diagram(tmp_path):
     tasks = ("mini/digits", "mini/mnist", "mini/clevr_count", "mini/textures")
     scores = {"lora": (90.0, 95.0, 70.0, 99.5), "linear": (80.0, 85.0, 40.0, 99.0), "mlp": (85.0, 90.0, 50.0, 100.0)}
