@@ -138,11 +138,13 @@ def flag_lines(board: Leaderboard) -> list[str]:
     tail = f"{CONVERGENCE_TAIL:.0%}"
     lines = [
         f"**{FAR_SEED_MARK}**: a seed lies more than {ranking.FAR_SEED_POINTS:g} points of test top-1 from the median "
-        "of the cell's seeds (with three seeds: from the middle one), so the cell's mean stands between two "
-        f"outcomes; the mean keeps every seed. {plural(len(far), 'cell')}" + (f": {'; '.join(far)}." if far else "."),
-        f"**{RISING_MARK}**: still learning, the val top-1 of the trial the cell was selected from rose by "
-        f"{ranking.RISING_POINTS:g} points or more over the last {tail} of its epochs (the details table's Val Δ; "
-        f"about twice the noise of two val200 accuracies): a longer schedule may move the cell. "
+        "of the cell's seeds (in a cell of three seeds or more; with three: from the middle one), so the cell's mean "
+        f"stands between two outcomes; the mean keeps every seed. {plural(len(far), 'cell')}"
+        + (f": {'; '.join(far)}." if far else "."),
+        f"**{RISING_MARK}**: still learning, the cell's val top-1 rose by {ranking.RISING_POINTS:g} points or more "
+        f"over the last {tail} of the epochs (the curve of the search trial its finals were selected from, else the "
+        "mean change of its seeds' own curves; the CSV's `TASK_val_tail_change`; about twice the noise of two val200 "
+        "accuracies): a longer schedule may move the cell. "
         f"{plural(len(rising), 'cell')}" + (f": {'; '.join(rising)}." if rising else "."),
     ]
     if board.saturated:
@@ -412,10 +414,19 @@ def comparison_lines(board: Leaderboard) -> list[str]:
         )
     pairs = [(a, b) for i, a in enumerate(found.methods) for b in found.methods[i + 1 :]]
     differ = sum(found.differ(a, b) for a, b in pairs)
+    # Friedman's test can keep a pair whose gap passes the critical difference (Nemenyi's test is not nested in it):
+    # the rank table shows that gap, so the sentence says why it is not a difference.
+    wide = sum(found.p_values[a][b] < found.alpha for a, b in pairs) if not found.omnibus_rejects else 0
+    kept = (
+        f" ({plural(wide, 'pair lies', 'pairs lie')} that far apart, but Friedman's test above does not reject, so "
+        f"{'it is' if wide == 1 else 'they are'} not declared different)"
+        if wide
+        else ""
+    )
     lines.append(
         f"**Nemenyi's post-hoc test** (`scikit_posthocs.posthoc_nemenyi_friedman`, family-wise α = {found.alpha:g}; "
         f"Demšar, JMLR 2006): two methods differ when their mean ranks lie more than {found.critical_difference:.2f} "
-        f"apart (the critical difference); {differ} of the {len(pairs)} pairs do."
+        f"apart (the critical difference); {differ} of the {len(pairs)} pairs do{kept}."
     )
     few = found.too_few_blocks()
     if few:

@@ -223,7 +223,8 @@ def rank_correlation(measured: Mapping[str, float], published: Mapping[str, floa
 def rank_interval(measured: Sequence[float], published: Sequence[float]) -> tuple[float, float]:
     """The 95 % percentile bootstrap interval of Spearman's rho, the methods resampled in pairs (seeded).
 
-    NaN below four methods; resamples that repeat one method only are left out of the percentiles.
+    NaN below four methods, or when no resample ranks anything; a resample in which one side ties every method it
+    drew (one method repeated, or methods of one score) is left out of the percentiles.
     """
     import warnings
 
@@ -250,8 +251,11 @@ def rank_interval(measured: Sequence[float], published: Sequence[float]) -> tupl
             rng=np.random.default_rng(BOOTSTRAP_SEED),
         )
     # Percentiles of the resamples that rank something (scipy's own interval turns NaN at one such resample).
+    ranked = found.bootstrap_distribution[~np.isnan(found.bootstrap_distribution)]
+    if not ranked.size:  # one side ties every method: no resample ranks anything
+        return math.nan, math.nan
     tail = 100 * (1 - CONFIDENCE) / 2
-    low, high = np.nanpercentile(found.bootstrap_distribution, [tail, 100 - tail])
+    low, high = np.percentile(ranked, [tail, 100 - tail])
     return float(low), float(high)
 
 

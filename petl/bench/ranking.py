@@ -10,8 +10,8 @@ method beats another is a claim across tasks, and the seeds of one task share it
 blocks would count one task three times.  With one task (a user's folder) the seeds are the only blocks there
 are (task x seed): a claim about this data, not about other data.
 
-**The flags.**  A cell with a seed far from the others (:data:`FAR_SEED_POINTS`), a cell whose selected trial was
-still rising at its last epochs (:data:`RISING_POINTS`), and a task every row has saturated
+**The flags.**  A cell with a seed far from the others (:data:`FAR_SEED_POINTS`; three seeds or more), a cell
+whose val curve was still rising at its last epochs (:data:`RISING_POINTS`), and a task every row has saturated
 (:data:`SATURATED_POINTS`), which is left out of the ranks (every method ties there up to a few test images)
 and kept in the table.
 
@@ -39,10 +39,11 @@ ALPHA = 0.05
 # of each other; 10 points is five times that, and far beyond what two seeds of a run that learned the same
 # thing differ by, so a flagged cell's mean stands between two outcomes rather than around one.
 FAR_SEED_POINTS = 10.0
-# A cell is "still learning" when the val top-1 of the trial it was selected from rose by at least this many
-# points over the last 20 % of its epochs (the details table's Val Δ).  On val200 one image is 0.5 points and
-# one accuracy near 60 % has a binomial standard deviation of about 3.5 points, so the difference of two
-# epochs' accuracies has about 5: 10 points is twice that, a rise noise alone rarely makes.
+# A cell is "still learning" when the val top-1 of the trial it was selected from (without one, the mean over its
+# seeds' own curves) rose by at least this many points over the last 20 % of its epochs (CSV
+# <task>_val_tail_change).  On val200 one image is 0.5 points and one accuracy near 60 % has a binomial standard
+# deviation of about 3.5 points, so the difference of two epochs' accuracies has about 5: 10 points is twice that, a
+# rise noise alone rarely makes.
 RISING_POINTS = 10.0
 # A task is saturated when every complete row's mean is within this many points of 100 %: the methods then
 # differ by a few test images there, and their order on it says nothing.

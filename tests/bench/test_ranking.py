@@ -67,6 +67,32 @@ def test_a_friedman_test_that_does_not_reject_makes_one_group():
     assert found.groups == (found.methods,) and not found.differ("A", "B")
 
 
+def test_a_pair_past_the_critical_difference_that_friedman_keeps_is_said_not_to_differ(tmp_path):
+    """Nemenyi's test is not nested in Friedman's: a gap past the critical difference may stand beside a Friedman
+    p over α, and the section says why that pair is not declared different (scipy and scikit-posthocs agree)."""
+    from scikit_posthocs import posthoc_nemenyi_friedman
+    from scipy.stats import friedmanchisquare
+
+    from petl.bench.notes import comparison_lines
+
+    tasks = ("mini/digits", "mini/mnist", "mini/clevr_count", "mini/dsprites_loc")
+    table = [[10.0, 30.0, 40.0, 20.0], [40.0, 20.0, 30.0, 10.0], [30.0, 20.0, 40.0, 10.0], [20.0, 30.0, 40.0, 10.0]]
+    assert friedmanchisquare(*np.array(table).T).pvalue > 0.05
+    assert posthoc_nemenyi_friedman(np.array(table)).to_numpy()[2, 3] < 0.05  # C (mean rank 1.25) and D (3.75)
+    for task, row in zip(tasks, table, strict=True):
+        for method, top1 in zip(NAMES, row, strict=True):
+            _board_run(tmp_path, task, method, 0, top1)
+    board = report.build_board(tmp_path)
+    found = board.ranking
+    assert found.mean_rank["D"] - found.mean_rank["C"] == 2.5 > found.critical_difference
+    assert not found.differ("C", "D") and found.groups == (found.methods,)
+    nemenyi = next(line for line in comparison_lines(board) if line.startswith("**Nemenyi's"))
+    assert nemenyi.endswith(
+        "more than 2.35 apart (the critical difference); 0 of the 6 pairs do (1 pair lies that far apart, but "
+        "Friedman's test above does not reject, so it is not declared different)."
+    )
+
+
 def test_a_consistent_order_over_enough_blocks_separates_the_ends():
     values = [[40.0, 30.0, 20.0, 10.0]] * 10  # ten blocks, one order: mean ranks 1, 2, 3, 4
     found = ranking.rank_scores(NAMES, values)
@@ -84,6 +110,29 @@ def test_far_seeds_is_a_seed_more_than_ten_points_from_the_cells_median():
 
 def _board_run(root: Path, task: str, method: str, seed: int, top1: float, val: list[float] | None = None) -> None:
     _write(root / task / method / f"seed{seed}", _result(task, method, seed, top1), val)
+
+
+def test_the_legend_states_the_flag_rules_as_applied_to_two_seed_cells_and_seeds_own_curves(tmp_path):
+    """Two seeds 60 points apart are not flagged ‡ (no median to stand apart from), and a board without a search
+    flags ↑ on the mean change of the seeds' own curves: the legend says both, as the code applies them."""
+    from petl.bench.notes import flag_lines
+
+    curves = {0: [50.0, 60.0, 70.0, 80.0, 92.0], 1: [50.0, 60.0, 70.0, 80.0, 88.0]}  # +12 and +8: mean +10
+    for seed in (0, 1):
+        _board_run(tmp_path, "mini/digits", "lora", seed, 80.0 + seed, curves[seed])
+        _board_run(tmp_path, "mini/digits", "linear", seed, 20.0 + 60.0 * seed)
+    board = report.build_board(tmp_path)
+    far, rising = flag_lines(board)[:2]
+    assert far.startswith(
+        "**‡**: a seed lies more than 10 points of test top-1 from the median of the cell's seeds (in a cell of three "
+        "seeds or more; with three: from the middle one)"
+    )
+    assert far.endswith("0 cells.")
+    assert rising.startswith(
+        "**↑**: still learning, the cell's val top-1 rose by 10 points or more over the last 20% of the epochs (the "
+        "curve of the search trial its finals were selected from, else the mean change of its seeds' own curves;"
+    )
+    assert rising.endswith("1 cell: lora digits (+10.0).")
 
 
 def test_the_report_flags_cells_leaves_a_saturated_task_out_and_draws_the_diagram(tmp_path):
@@ -141,6 +190,17 @@ def test_the_rank_correlation_carries_a_seeded_bootstrap_interval():
     )
     assert "95 % bootstrap interval" in found.describe()
     assert math.isnan(rank_correlation({"a": 1, "b": 2, "c": 3}, {"a": 1, "b": 3, "c": 2}).interval[0])
+
+
+def test_the_rank_interval_of_a_side_that_ties_every_method_is_nan_without_a_warning():
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # numpy's "All-NaN slice" when no resample ranks anything
+        assert all(map(math.isnan, rank_interval([1.0, 2.0, 3.0, 4.0], [5.0, 5.0, 5.0, 5.0])))
+        # Resamples that draw only the tied methods are left out; the others give the interval.
+        low, high = rank_interval([1.0, 1.0, 1.0, 2.0], [1.0, 2.0, 3.0, 4.0])
+    assert 0 < low <= high <= 1
 
 
 def _choose_board(root: Path, means: dict[str, float], seeds: int) -> report.Leaderboard:
