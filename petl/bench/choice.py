@@ -76,6 +76,18 @@ class Budget:
             return f"{seconds:.0f} s of training"
         return None
 
+    def overrun(self, row: ExperimentRow) -> float:
+        """How many times its budget ``row`` needs on the measure it is furthest over (parameters, seconds, or both).
+
+        The row closest to the budget is the one a raise of it fits first: on a budget of seconds the quickest,
+        not the one with the fewest parameters.  A row of no recorded time is furthest on a budget of seconds.
+        """
+        ratios = [row.trainable / self.params] if self.params is not None else []
+        if self.train_seconds is not None:
+            seconds = train_seconds(row)
+            ratios.append(math.inf if math.isnan(seconds) else seconds / self.train_seconds)
+        return max(ratios, default=0.0)
+
 
 def _params(count: float) -> str:
     """A parameter count in words: ``1.23 M``, ``10.0 k``, or under a thousand the count itself (``10``)."""
@@ -119,10 +131,10 @@ def choose(board: Leaderboard, budget: Budget, data: dict[str, Any] | None = Non
     if not within:
         why = "no row is complete yet" if not complete else "every complete row is over it: " + ", ".join(over)
         if complete:  # what to do: the runs stay, so a larger budget answers at once
-            smallest = min(complete, key=lambda r: r.trainable)
+            closest = min(complete, key=budget.overrun)
             why += (
-                f"; the smallest is {smallest.experiment} ({_params(smallest.trainable)} parameters, "
-                f"{train_seconds(smallest):.0f} s of training per run): the same command with a budget it fits "
+                f"; the closest is {closest.experiment} ({_params(closest.trainable)} parameters, "
+                f"{train_seconds(closest):.0f} s of training per run): the same command with a budget it fits "
                 "answers without training again"
             )
         return Choice(None, None, None, head + f"nothing to choose, {why}{left_out}.")
