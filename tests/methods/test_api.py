@@ -281,6 +281,17 @@ def test_merge_needs_a_mergeable_method(tiny_vit):
         petl.merge(petl.apply_vpt(tiny_vit()))
 
 
+def test_merge_and_unmerge_of_a_model_without_a_method_say_why_in_their_own_words(tiny_vit):
+    # "nothing to merge: method None adds no mergeable layer; ... runs as trained without merging", from unmerge too.
+    with pytest.raises(ValueError, match=r"^nothing to merge: the model carries no petl method \(petl\.apply one"):
+        petl.merge(tiny_vit())
+    unloaded = petl.unload(petl.apply_lora(tiny_vit(), num_classes=3))
+    with pytest.raises(ValueError, match=r"^nothing to unmerge: petl\.unload folded .* for good: .* build the"):
+        petl.unmerge(unloaded)
+    with pytest.raises(ValueError, match=r"^nothing to unmerge: method 'vpt' adds no mergeable layer$"):
+        petl.unmerge(petl.apply_vpt(tiny_vit()))
+
+
 # The CLI builds Hydra/OmegaConf schemas from the config dataclasses, so field types stay plain.
 PLAIN_TYPES = {int, float, str, bool, int | None, float | None, str | None, tuple[str, ...]}
 
