@@ -37,7 +37,7 @@ class Budget:
 
     @classmethod
     def parse(cls, own: dict[str, str]) -> Budget:
-        """``budget.params=300k`` / ``1.5M`` / ``2e6`` and ``budget.train_seconds=600`` from the command line.
+        """``budget.params=300k`` / ``1.5M`` / ``2e6`` and ``budget.train_seconds=600`` (no suffix) from the CLI.
 
         Raises:
             ValueError: a value that is not a positive number, naming it.
@@ -48,13 +48,15 @@ class Budget:
             if key not in own:
                 continue
             text = own[key].strip()
-            scale = _SUFFIXES.get(text[-1:].lower(), 1.0)
+            # Seconds take no suffix: budget.train_seconds=10m read as 10 million seconds, not 10 minutes.
+            scale = _SUFFIXES.get(text[-1:].lower(), 1.0) if key == "budget.params" else 1.0
             try:
                 value = float(text[:-1] if scale != 1.0 else text) * scale
             except ValueError:
                 value = math.nan
             if not value > 0 or math.isinf(value):
-                raise ValueError(f"{key}={own[key]}: expected a positive number (parameters may end in k, M or G)")
+                what = "parameters may end in k, M or G" if key == "budget.params" else "seconds: 600 for 10 minutes"
+                raise ValueError(f"{key}={own[key]}: expected a positive number ({what})")
             values[key.split(".", 1)[1]] = value
         return cls(**values)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from test_committed_leaderboards import _result as result_record
 from test_committed_leaderboards import _write as write_run
 
@@ -95,3 +96,10 @@ def test_a_budget_under_a_thousand_parameters_is_said_as_its_count():
     assert choice.Budget.parse({"budget.params": "10"}).describe() == "at most 10 trainable parameters"
     assert choice.Budget.parse({"budget.params": "10k"}).describe() == "at most 10.0 k trainable parameters"
     assert choice.Budget.parse({"budget.params": "1.5M"}).describe() == "at most 1.50 M trainable parameters"
+
+
+def test_a_budget_of_seconds_takes_no_suffix():
+    # budget.train_seconds=10m (ten minutes, meant) was read as 10 million seconds: every row fitted, silently.
+    with pytest.raises(ValueError, match=r"^budget\.train_seconds=10m: expected a positive number \(seconds: 600 for"):
+        choice.Budget.parse({"budget.train_seconds": "10m"})
+    assert choice.Budget.parse({"budget.train_seconds": "600", "budget.params": "1.5M"}) == choice.Budget(1.5e6, 600)
