@@ -495,6 +495,12 @@ def _check(positional: list[str], options: dict) -> tuple[list[Path], list[str]]
             raise UsageError(file_not_run(Path(first), first))
         raise UsageError(f"{first} is not a run folder (no {WEIGHTS_FILE}): give a petl-run output_dir first")
     images = positional[len(runs) :]
+    # Each image's rows came twice, and a run's confusion file was written twice; as petl-serve serves it once.
+    kept: dict[Path, Path] = {}
+    for run in runs:
+        if kept.setdefault(run.resolve(), run) is not run:
+            print(f"{PROG}: note: {run} was given more than once: predicted once", file=sys.stderr)
+    runs = list(kept.values())
     if "data" in options and images:
         raise UsageError("give images or data=..., not both")
     if "data" not in options and not images:

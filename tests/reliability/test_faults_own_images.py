@@ -210,6 +210,18 @@ def test_several_runs_on_a_folder_of_test_alone_read_it_once(trained, tmp_path, 
     assert first == again, captured.out
 
 
+def test_a_run_given_twice_predicts_once_with_a_note(trained, tmp_path, capsys):
+    # Every image was predicted twice by the one run, its rows printed and written twice (petl-serve serves it once).
+    photo = _png(tmp_path / "photo.png")
+    out = tmp_path / "preds.csv"
+    again = f"{trained}/../{trained.name}"
+    capsys.readouterr()
+    assert _exit_code(predict_cli.main, [str(trained), again, str(photo), f"out={out}", "--quiet"]) == 0
+    assert capsys.readouterr().err == f"petl-predict: note: {again} was given more than once: predicted once\n"
+    with open(out, newline="") as handle:
+        assert [row["path"] for row in csv.DictReader(handle)] == [str(photo)]
+
+
 def test_test_and_val_images_that_are_copies_of_training_images_are_named(tmp_path, caplog):
     # A photo copied into test/ too, or twice into train/ (one copy then held out as val), was scored as unseen:
     # the accuracy counted images the run trained on, and nothing said so.
