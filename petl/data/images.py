@@ -173,6 +173,8 @@ def held_form(array: np.ndarray, spec: ImageSpec) -> np.ndarray:
     that resize), so a folder of 12-megapixel photos is held at a few hundred kilobytes each, not 36 MB, and every
     result stays as it was.
     """
+    if array.shape[0] * array.shape[1] <= spec.image_size**2:  # no resize for spec is smaller: none to make
+        return array
     small = np.asarray(resized(Image.fromarray(array), spec))
     return small if small.nbytes < array.nbytes else array
 
