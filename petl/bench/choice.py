@@ -37,7 +37,7 @@ class Budget:
 
     @classmethod
     def parse(cls, own: dict[str, str]) -> Budget:
-        """``budget.params=300k`` / ``1.5M`` / ``2e6`` and ``budget.train_seconds=600`` from the command line.
+        """``budget.params=300k`` / ``1.5M`` / ``2e6`` and ``budget.train_seconds=600`` (no suffix) from the CLI.
 
         Raises:
             ValueError: a value that is not a positive number, naming it.
@@ -48,13 +48,15 @@ class Budget:
             if key not in own:
                 continue
             text = own[key].strip()
-            scale = _SUFFIXES.get(text[-1:].lower(), 1.0)
+            # Seconds take no suffix: budget.train_seconds=10m read as 10 million seconds, not 10 minutes.
+            scale = _SUFFIXES.get(text[-1:].lower(), 1.0) if key == "budget.params" else 1.0
             try:
                 value = float(text[:-1] if scale != 1.0 else text) * scale
             except ValueError:
                 value = math.nan
             if not value > 0 or math.isinf(value):
-                raise ValueError(f"{key}={own[key]}: expected a positive number (parameters may end in k, M or G)")
+                what = "parameters may end in k, M or G" if key == "budget.params" else "seconds: 600 for 10 minutes"
+                raise ValueError(f"{key}={own[key]}: expected a positive number ({what})")
             values[key.split(".", 1)[1]] = value
         return cls(**values)
 
@@ -75,6 +77,18 @@ class Budget:
         if self.train_seconds is not None and seconds > self.train_seconds:
             return f"{seconds:.0f} s of training"
         return None
+
+    def overrun(self, row: ExperimentRow) -> float:
+        """How many times its budget ``row`` needs on the measure it is furthest over (parameters, seconds, or both).
+
+        The row closest to the budget is the one a raise of it fits first: on a budget of seconds the quickest,
+        not the one with the fewest parameters.  A row of no recorded time is furthest on a budget of seconds.
+        """
+        ratios = [row.trainable / self.params] if self.params is not None else []
+        if self.train_seconds is not None:
+            seconds = train_seconds(row)
+            ratios.append(math.inf if math.isnan(seconds) else seconds / self.train_seconds)
+        return max(ratios, default=0.0)
 
 
 def _params(count: float) -> str:
@@ -119,10 +133,10 @@ def choose(board: Leaderboard, budget: Budget, data: dict[str, Any] | None = Non
     if not within:
         why = "no row is complete yet" if not complete else "every complete row is over it: " + ", ".join(over)
         if complete:  # what to do: the runs stay, so a larger budget answers at once
-            smallest = min(complete, key=lambda r: r.trainable)
+            closest = min(complete, key=budget.overrun)
             why += (
-                f"; the smallest is {smallest.experiment} ({_params(smallest.trainable)} parameters, "
-                f"{train_seconds(smallest):.0f} s of training per run): the same command with a budget it fits "
+                f"; the closest is {closest.experiment} ({_params(closest.trainable)} parameters, "
+                f"{train_seconds(closest):.0f} s of training per run): the same command with a budget it fits "
                 "answers without training again"
             )
         return Choice(None, None, None, head + f"nothing to choose, {why}{left_out}.")

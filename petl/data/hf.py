@@ -29,7 +29,7 @@ from torch.utils.data import Dataset
 
 from petl.data import hub
 from petl.data.folder import HOLDOUT, split_items
-from petl.data.images import DECODED_MEMORY_LIMIT, decode_image, decoding
+from petl.data.images import DECODED_MEMORY_LIMIT, decode_image, decoding, geometry, held_form
 from petl.data.registry import TEST, TRAIN, TRAIN_VAL, VAL, BadImagesError, DatasetInfo, register_dataset
 from petl.data.transforms import ImageSpec, pil_to_tensor
 from petl.data.vtab import find_column
@@ -232,7 +232,7 @@ class RowsDataset(Dataset):
                 digest.update(f"{split_name}\t{row}\t{label}\t{len(data)}\n".encode())
                 digest.update(data)
                 self.digests.append(hashlib.sha256(data).hexdigest())
-                array = decode_image(data)
+                array = held_form(decode_image(data), spec)
             except ValueError as error:
                 bad.append((Path(f"{split_name}[{row}]"), str(error)))
                 continue
@@ -243,7 +243,7 @@ class RowsDataset(Dataset):
                 held.append(array)
         if bad:
             raise BadImagesError(name, bad)
-        self.images, self.fingerprint = held, digest.hexdigest()
+        self.images, self.fingerprint, self.held_for = held, digest.hexdigest(), geometry(spec)
 
     def _bytes(self, split: Any, row: int) -> bytes:
         """The row's image file bytes; ValueError saying why there are none (no image, a missing file)."""
@@ -264,7 +264,10 @@ class RowsDataset(Dataset):
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
         split, _, row, label = self.rows[index]
-        array = self.images[index] if self.images is not None else decode_image(self._bytes(split, row))
+        if self.images is not None and geometry(self.spec) == self.held_for:
+            array = self.images[index]
+        else:  # above the memory limit, or held for another geometry
+            array = decode_image(self._bytes(split, row))
         return pil_to_tensor(Image.fromarray(array), self.spec), label
 
     @property

@@ -22,14 +22,14 @@ from PIL import ExifTags, Image, UnidentifiedImageError
 from torch.utils.data import Dataset, Subset
 
 from petl.data.registry import BadImagesError
-from petl.data.transforms import ImageSpec, pil_to_tensor
+from petl.data.transforms import ImageSpec, pil_to_tensor, resized
 from petl.utils.progress import progress_bar
 from petl.utils.text import first_line, shown
 
-# Decoded images of one split are held in memory up to this many bytes (uint8 at their stored
-# size).  VTAB-1k's train/val splits (1,000 images) and FGVC's train/val splits fit far below it;
-# a split above it (e.g. a large test split of full-size photos: NABirds' ~24,600) is still fully
-# decoded and checked once when built, but then decodes each image again on every access.
+# Decoded images of one split are held in memory up to this many bytes (uint8, each at the size the split's
+# transform first resizes it to where that is smaller than its stored size: held_form).  VTAB-1k's and FGVC's
+# splits fit far below it; a split above it (e.g. a large test split of full-size photos: NABirds' ~24,600) is
+# still fully decoded and checked once when built, but then decodes each image again on every access.
 DECODED_MEMORY_LIMIT = 4 << 30
 
 # Pillow modes holding more than 8 bits per pixel in one channel.  16-bit PNG/TIFF greyscale opens
@@ -167,6 +167,25 @@ def decode_image(data: bytes, formats: Sequence[str] | None = None) -> np.ndarra
         raise ValueError(f"cannot decode: {first_line(error, type(error).__name__)}") from None
 
 
+def held_form(array: np.ndarray, spec: ImageSpec) -> np.ndarray:
+    """What a dataset holds of a decoded image for ``spec``: the image resized as :func:`pil_to_tensor` first
+    resizes it (:func:`petl.data.transforms.resized`), where that is smaller, else the image as decoded.
+
+    :func:`pil_to_tensor` gives the same tensor for either, augmented or not (the random crop and flip come after
+    that resize), so a folder of 12-megapixel photos is held at a few hundred kilobytes each, not 36 MB, and every
+    result stays as it was.
+    """
+    if array.shape[0] * array.shape[1] <= spec.image_size**2:  # no resize for spec is smaller: none to make
+        return array
+    small = np.asarray(resized(Image.fromarray(array), spec))
+    return small if small.nbytes < array.nbytes else array
+
+
+def geometry(spec: ImageSpec) -> tuple[int, bool, str]:
+    """What of ``spec`` :func:`held_form` depends on: images held for one geometry serve another only decoded again."""
+    return spec.image_size, spec.crop, spec.interpolation
+
+
 class FileListDataset(Dataset):
     """Images listed by path, all decoded once when built and held as uint8 in memory.
 
@@ -189,7 +208,9 @@ class FileListDataset(Dataset):
             order: two builds hold the same data exactly when their fingerprints agree.
         digests: each item's file bytes' sha256 (hex), in item order: a copy of a file has the same one.
         sources: each item's path as text, in item order (what :func:`copies` names).
-        images: the decoded uint8 arrays per item, or ``None`` above :data:`DECODED_MEMORY_LIMIT`.
+        images: the decoded uint8 arrays per item (:func:`held_form` for ``spec``), or ``None`` above
+            :data:`DECODED_MEMORY_LIMIT`.  A ``spec`` of another :func:`geometry` set afterwards decodes each
+            image again on access.
 
     Raises:
         BadImagesError: naming every listed file that cannot be decoded.
@@ -202,7 +223,8 @@ class FileListDataset(Dataset):
         self.items = list(items)
         self.spec = spec
         self.name = name
-        self.images, self.fingerprint, self.digests = _decode_all(name, self.items, folder)
+        self.images, self.fingerprint, self.digests = _decode_all(name, self.items, folder, spec)
+        self.held_for = geometry(spec)
         self.sources = [shown(path) for path, _ in self.items]
 
     def __len__(self) -> int:
@@ -210,7 +232,7 @@ class FileListDataset(Dataset):
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
         path, label = self.items[index]
-        if self.images is not None:
+        if self.images is not None and geometry(self.spec) == self.held_for:
             array = self.images[index]
         else:
             try:  # checked when built, but the file may have changed since
@@ -226,9 +248,9 @@ class FileListDataset(Dataset):
 
 
 def _decode_all(
-    name: str, items: Sequence[tuple[Path, int]], folder: Path | None
+    name: str, items: Sequence[tuple[Path, int]], folder: Path | None, spec: ImageSpec
 ) -> tuple[list[np.ndarray] | None, str, list[str]]:
-    """Decode every listed file once: the arrays (unless over the limit), the fingerprint, each file's SHA-256."""
+    """Decode every listed file once: the arrays (:func:`held_form`, unless over the limit), fingerprint, SHA-256s."""
     digest = hashlib.sha256()
     digests: list[str] = []
     decoded: dict[Path, np.ndarray] = {}
@@ -251,7 +273,7 @@ def _decode_all(
             continue
         seen.add(path)
         try:
-            array = decode_image(data)
+            array = held_form(decode_image(data), spec)
         except ValueError as error:
             bad[path] = str(error)
             continue

@@ -141,14 +141,31 @@ def array_to_tensors(images: np.ndarray, spec: ImageSpec) -> torch.Tensor:
     return torch.cat(out)
 
 
-def _resize_and_crop(image: Image.Image, spec: ImageSpec) -> Image.Image:
-    """VPT's FGVC geometry: shorter side to ``size * 256 / 224``, then a centre or random crop, random flip."""
-    size, short = spec.image_size, int(spec.image_size * CROP_RATIO)
-    w, h = image.size
-    # As torchvision's Resize(int): the shorter side becomes ``short``, the longer one is truncated.
-    new_w, new_h = (short, int(short * h / w)) if w <= h else (int(short * w / h), short)
-    if (new_w, new_h) != (w, h):
-        image = image.resize((new_w, new_h), INTERPOLATIONS[spec.interpolation])
+def resized(image: Image.Image, spec: ImageSpec) -> Image.Image:
+    """The deterministic front of :func:`pil_to_tensor`: three channels, then the resize ``spec`` asks for.
+
+    Straight to the square, or (``crop``) the shorter side to ``image_size * 256 / 224``; the random crop and flip
+    come after it.  Its answer is left as it is by a second call (the sizes it computes from an image it resized are
+    that image's own), so :func:`pil_to_tensor` gives the same tensor for an image and for ``resized(image, spec)``:
+    a dataset may hold the smaller of the two (:func:`petl.data.images.held_form`).
+    """
+    image = image.convert("RGB")
+    size = spec.image_size
+    if spec.crop:
+        short = int(size * CROP_RATIO)
+        w, h = image.size
+        # As torchvision's Resize(int): the shorter side becomes ``short``, the longer one is truncated.
+        new = (short, int(short * h / w)) if w <= h else (int(short * w / h), short)
+    else:
+        new = (size, size)
+    # PIL's resize widens its filter when shrinking, i.e. it antialiases like the batch path.
+    return image if image.size == new else image.resize(new, INTERPOLATIONS[spec.interpolation])
+
+
+def _crop(image: Image.Image, spec: ImageSpec) -> Image.Image:
+    """VPT's FGVC crop of an image :func:`resized`: a centre or random ``image_size`` square, a random flip."""
+    size = spec.image_size
+    new_w, new_h = image.size
     if spec.augment:
         # torch's RNG, so DataLoader workers and petl's seeding govern it like dropout.
         left = int(torch.randint(0, new_w - size + 1, ()))
@@ -163,13 +180,9 @@ def _resize_and_crop(image: Image.Image, spec: ImageSpec) -> Image.Image:
 
 def pil_to_tensor(image: Image.Image, spec: ImageSpec) -> torch.Tensor:
     """Convert one decoded image (any mode) to a float32 tensor ``[3, image_size, image_size]``."""
-    image = image.convert("RGB")
-    size = spec.image_size
+    image = resized(image, spec)
     if spec.crop:
-        image = _resize_and_crop(image, spec)
-    elif image.size != (size, size):
-        # PIL's resize widens its filter when shrinking, i.e. it antialiases like the batch path.
-        image = image.resize((size, size), INTERPOLATIONS[spec.interpolation])
+        image = _crop(image, spec)
     array = np.asarray(image, dtype=np.uint8)
     tensor = torch.from_numpy(array.copy()).permute(2, 0, 1).float().div_(255.0)
     return _finish(tensor[None], spec)[0]

@@ -5,6 +5,7 @@ The command line, its options and exit statuses are :mod:`petl.cli.predict`'s.
 
 from __future__ import annotations
 
+import copy
 import csv
 import dataclasses
 import io
@@ -270,8 +271,24 @@ def evaluate_split(
     return matrix, truth, predicted
 
 
-def _new_test_folder(run: LoadedRun, root: Path) -> FileListDataset:
+@dataclass
+class _TestFolder:
+    """``ROOT/test/<class>/*`` read for the first run: its class folders, and its images decoded and labelled by them.
+
+    Every later run takes a view of it (:func:`_new_test_folder`): the folder is listed, noted and decoded once.
+    """
+
+    names: list[str]
+    dataset: FileListDataset  # labels: the index in ``names``
+
+
+def _new_test_folder(run: LoadedRun, root: Path, read: dict[Path, _TestFolder]) -> FileListDataset:
     """``ROOT/test/<class>/*`` without a ``train/`` beside it: new labelled images, numbered by the run's classes.
+
+    Args:
+        run: the run to evaluate.
+        root: the folder holding ``test/``.
+        read: the folders read for earlier runs, by root; this one is added when read.
 
     Raises:
         UsageError: a class folder the run was not trained on, or no images at all.
@@ -279,10 +296,13 @@ def _new_test_folder(run: LoadedRun, root: Path) -> FileListDataset:
 
     """
     test = root / "test"
-    try:
-        names = class_folders(test)
-    except ValueError as error:
-        raise UsageError(str(error)) from None
+    if root in read:
+        names = read[root].names
+    else:
+        try:
+            names = class_folders(test)
+        except ValueError as error:
+            raise UsageError(str(error)) from None
     unknown = [name for name in names if name not in run.class_names]
     if unknown:
         raise UsageError(
@@ -290,21 +310,29 @@ def _new_test_folder(run: LoadedRun, root: Path) -> FileListDataset:
             f"(its classes: {', '.join(run.class_names)}); rename or remove them"
             + other_unicode_form(unknown, run.class_names, "the run's")
         )
-    items: list[tuple[Path, int]] = []
-    skipped: list[Path] = []
-    for name in names:
-        files, others = image_files(test / name)
-        skipped += others
-        items += [(path, run.class_names.index(name)) for path in files]
-    if skipped:
-        print(f"{PROG}: note: {not_images(skipped, test)}", file=sys.stderr)
-    if not items:
-        raise UsageError(f"{shown(test)} holds no images in class sub-folders (<class name>/*.png)")
     spec = dataclasses.replace(run.spec, augment=False)
-    return FileListDataset(items, spec, name=f"folder {root.resolve()}", folder=root.resolve())
+    if root not in read:
+        items: list[tuple[Path, int]] = []
+        skipped: list[Path] = []
+        for index, name in enumerate(names):
+            files, others = image_files(test / name)
+            skipped += others
+            items += [(path, index) for path in files]
+        if skipped:
+            print(f"{PROG}: note: {not_images(skipped, test)}", file=sys.stderr)
+        if not items:
+            raise UsageError(f"{shown(test)} holds no images in class sub-folders (<class name>/*.png)")
+        folder = FileListDataset(items, spec, name=f"folder {root.resolve()}", folder=root.resolve())
+        read[root] = _TestFolder(names, folder)
+    # The decoded images shared, labelled by this run's classes; a run of another image size or geometry decodes
+    # each image as it reads it (FileListDataset holds them resized for the first run's).
+    view = copy.copy(read[root].dataset)
+    view.items = [(path, run.class_names.index(names[label])) for path, label in view.items]
+    view.spec = spec
+    return view
 
 
-def _eval_dataset(run: LoadedRun, options: dict) -> tuple[torch.utils.data.Dataset, str]:
+def _eval_dataset(run: LoadedRun, options: dict, read: dict[Path, _TestFolder]) -> tuple[torch.utils.data.Dataset, str]:
     name = options["data"]
     split = SPLIT_ALIASES.get(options.get("split", "test"), options.get("split", "test"))
     if split not in petl_data.SPLITS:
@@ -314,7 +342,7 @@ def _eval_dataset(run: LoadedRun, options: dict) -> tuple[torch.utils.data.Datas
     try:
         if name == "folder" and split == petl_data.TEST and root.is_dir() and not (root / "train").is_dir():
             if (root / "test").is_dir():
-                return _new_test_folder(run, root), split
+                return _new_test_folder(run, root, read), split
             if root.name not in ("train", "val", "test"):  # a split folder given itself is answered with its parent
                 raise UsageError(
                     f"{shown(root)} has no test/ folder: put the labelled images to evaluate on in "
@@ -467,6 +495,12 @@ def _check(positional: list[str], options: dict) -> tuple[list[Path], list[str]]
             raise UsageError(file_not_run(Path(first), first))
         raise UsageError(f"{first} is not a run folder (no {WEIGHTS_FILE}): give a petl-run output_dir first")
     images = positional[len(runs) :]
+    # Each image's rows came twice, and a run's confusion file was written twice; as petl-serve serves it once.
+    kept: dict[Path, Path] = {}
+    for run in runs:
+        if kept.setdefault(run.resolve(), run) is not run:
+            print(f"{PROG}: note: {run} was given more than once: predicted once", file=sys.stderr)
+    runs = list(kept.values())
     if "data" in options and images:
         raise UsageError("give images or data=..., not both")
     if "data" not in options and not images:
@@ -603,6 +637,7 @@ def run_command(positional: list[str], options: dict, merge: bool = False, quiet
     bad: list[tuple[Path, str]] = []
     by_run: dict[Path, list[Prediction]] = {}
     alone = runs
+    read: dict[Path, _TestFolder] = {}  # a test/ folder of new labelled images, read once for every run
     if items and len(runs) > 1:
         alone = []
         for group in _groups(runs, merge, quiet):
@@ -628,7 +663,7 @@ def run_command(positional: list[str], options: dict, merge: bool = False, quiet
             raise UsageError(str(error)) from None
         if "data" in options:
             with decode_progress(_say if progress else None):  # every image of the split is decoded first
-                dataset, split = _eval_dataset(run, options)
+                dataset, split = _eval_dataset(run, options, read)
             matrix, truth, predicted = evaluate_split(run, dataset, options.get("batch_size", 64), progress, precision)
             accuracy = 100.0 * float(np.trace(matrix)) / max(1, int(matrix.sum()))
             print(f"{folder}: top-1 {accuracy:.2f}% on {int(matrix.sum())} images of {options['data']} {split}")

@@ -9,7 +9,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import errno
-import hashlib
 import json
 import warnings
 from collections.abc import Callable
@@ -22,7 +21,7 @@ from safetensors import safe_open
 from torch import nn
 
 from petl.model.backbone import backbone_of
-from petl.model.params import trainable_state
+from petl.model.params import content_hash, trainable_state
 from petl.model.surgery import apply
 from petl.store.files import WEIGHTS_FILE
 
@@ -54,7 +53,7 @@ def save_trainable(model: nn.Module, path: str | Path) -> None:
     (``model.requires_grad_(False)`` after training), and any others that require grad (a norm unfrozen beside the
     method, which :func:`load_trainable` restores and makes trainable again).
 
-    The metadata also holds a SHA-256 of the tensors (:func:`_content_hash`): safetensors itself has
+    The metadata also holds a SHA-256 of the tensors (:func:`petl.model.params.content_hash`): safetensors itself has
     no checksum, and :func:`load_trainable` refuses a file whose bytes changed since it was written.
 
     Args:
@@ -69,7 +68,7 @@ def save_trainable(model: nn.Module, path: str | Path) -> None:
         raise ValueError("unmerge the model before saving: merged weights are not trainable tensors")
     _check_not_meta(model, f"saving {path}")
     tensors = {n: t.cpu().contiguous() for n, t in trainable_state(model).items()}
-    data = safetensors.torch.save(tensors, metadata={**_describe(model), "sha256": _content_hash(tensors)})
+    data = safetensors.torch.save(tensors, metadata={**_describe(model), "sha256": content_hash(tensors)})
     # Written by Python, not safetensors.save_file: a full disk then raises OSError(ENOSPC), which
     # callers can handle, instead of safetensors' own SafetensorError.
     with open(path, "wb") as f:
@@ -83,17 +82,6 @@ def _check_not_meta(model: nn.Module, doing: str) -> None:
             f"the model is on the meta device (its tensors hold no values), so {doing} would read or write nothing: "
             "materialise it first (model.to_empty(device='cpu'), then load its pretrained weights)"
         )
-
-
-def _content_hash(tensors: dict[str, torch.Tensor]) -> str:
-    """SHA-256 over the tensors in name order: each one's name, dtype and shape, then its raw bytes."""
-    digest = hashlib.sha256()
-    for name in sorted(tensors):
-        tensor = tensors[name].detach().cpu().contiguous()
-        digest.update(json.dumps([name, str(tensor.dtype), list(tensor.shape)]).encode())
-        # A uint8 view gives the bytes of every dtype (numpy has no bfloat16).
-        digest.update(tensor.reshape(-1).view(torch.uint8).numpy())
-    return digest.hexdigest()
 
 
 def _open_safetensors(path: str | Path) -> Any:
@@ -178,7 +166,7 @@ def _read_tensors(path: str | Path) -> dict[str, torch.Tensor]:
         warnings.warn(
             f"{path} has no content hash (written by an older petl): its tensors are not verified", stacklevel=3
         )
-    elif _content_hash(tensors) != recorded:
+    elif content_hash(tensors) != recorded:
         raise ValueError(f"{path} is corrupt: its tensors do not match the content hash recorded when it was saved")
     return tensors
 
@@ -230,6 +218,8 @@ def load_trainable(model: nn.Module, path: str | Path) -> nn.Module:
     again as when saved.  Any mismatch of method, option, backbone family, depth, width or tensor shape raises a
     ValueError naming it, and so does a file whose tensors changed since it was saved.  Everything is checked before
     anything is changed: on an error the model is exactly as it was (a fresh one gets no method applied).
+    A model that :func:`petl.unload` merged this very file's tensors into is refused too (the update would count
+    twice); a merged model that still holds its wrappers is told to unmerge first.
     Files are read with safetensors, so nothing is ever unpickled.
     """
     bb = backbone_of(model)
@@ -255,7 +245,9 @@ def load_trainable(model: nn.Module, path: str | Path) -> nn.Module:
             if json.loads(json.dumps(have.get(key))) != value:
                 raise ValueError(f"{path} was saved with {key}={value!r}, the model has {key}={have.get(key)!r}")
     if any(getattr(m, "merged", False) for m in model.modules()):
-        raise ValueError("unmerge the model before loading trainable weights")
+        raise ValueError(
+            "unmerge the model before loading trainable weights (petl.unmerge(model)): its update is in its weights"
+        )
     # The file's own tensor shapes are checked first, against the method built on a meta-device copy of a fresh
     # model: a config claiming a huge size (rank=2**30) allocates nothing, and a mismatch leaves the model as it was.
     header = read_header(path)
@@ -264,6 +256,12 @@ def load_trainable(model: nn.Module, path: str | Path) -> nn.Module:
     else:
         _check_matches(path, model, header)
     tensors = _read_tensors(path)
+    # petl.unload leaves the hash of the tensors it folded into the weights: this file's update is in them already.
+    if (meta.get("sha256") or content_hash(tensors)) in getattr(model, "petl_merged", ()):
+        raise ValueError(
+            f"{path} is merged into this model already (petl.unload folded its update into the weights), so loading "
+            "it would add the update twice: load it onto a fresh backbone (timm.create_model) instead"
+        )
     if fresh:
         _applied(path, model, meta)
     params = {**dict(model.named_parameters()), **dict(model.named_buffers())}

@@ -21,12 +21,20 @@ def register_mergeable_type(cls: type) -> None:
         _FOREIGN_MERGEABLE.append(cls)
 
 
-def _mergeables(model: nn.Module) -> list[nn.Module]:
+def _mergeables(model: nn.Module, doing: str = "merge") -> list[nn.Module]:
     found = [m for m in model.modules() if isinstance(m, PetlModule) and m.mergeable]
     found += [m for m in model.modules() if _FOREIGN_MERGEABLE and isinstance(m, tuple(_FOREIGN_MERGEABLE))]
-    if not found:
-        raise ValueError(f"nothing to merge: method {getattr(model, 'petl_method', None)!r} adds no mergeable layer")
-    return found
+    if found:
+        return found
+    method = getattr(model, "petl_method", None)
+    if method is not None:
+        raise ValueError(f"nothing to {doing}: method {method!r} adds no mergeable layer")
+    if getattr(model, "petl_merged", ()):  # "method None adds no mergeable layer" said nothing of where it went
+        raise ValueError(
+            f"nothing to {doing}: petl.unload folded this model's update into its weights and removed its layers, "
+            "for good: to run without it, build the backbone again"
+        )
+    raise ValueError(f"nothing to {doing}: the model carries no petl method (petl.apply one first)")
 
 
 @torch.no_grad()
@@ -58,6 +66,6 @@ def merge_updates(model: nn.Module) -> nn.Module:
 def unmerge(model: nn.Module) -> nn.Module:
     """Undo :func:`merge` (in place)."""
     check_module(model)
-    for module in _mergeables(model):
+    for module in _mergeables(model, "unmerge"):
         module.unmerge()
     return model

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import NamedTuple
 
 import torch
@@ -60,3 +62,14 @@ def trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
         tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
         state.update({n: tensors[n].detach() for n in recorded if n in tensors})
     return state
+
+
+def content_hash(tensors: dict[str, torch.Tensor]) -> str:
+    """SHA-256 over the tensors in name order: each one's name, dtype and shape, then its raw bytes."""
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        tensor = tensors[name].detach().cpu().contiguous()
+        digest.update(json.dumps([name, str(tensor.dtype), list(tensor.shape)]).encode())
+        # A uint8 view gives the bytes of every dtype (numpy has no bfloat16).
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy())
+    return digest.hexdigest()

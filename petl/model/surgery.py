@@ -196,4 +196,6 @@ def merge(model: nn.Module, unload: bool | None = None) -> nn.Module:
     try:
         return merge_updates(model)
     except ValueError as error:  # a layer that cannot hold its update: say that nothing is lost by not merging
+        if getattr(model, "petl_method", None) is None:  # no method to run as trained: the reason says what to do
+            raise
         raise ValueError(f"{error}; the model is left unmerged, and runs as trained without merging") from None

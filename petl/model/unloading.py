@@ -6,6 +6,10 @@ left is the timm architecture with other weights, whose ``state_dict`` loads int
 with a non-linearity, prompts, an MLP head) cannot give a plain model and are refused in one line,
 before anything changes.  Methods that add no module at all (linear, partial, full, bitfit, ln) are
 plain already: unloading only drops petl's marks.
+
+A model that merged keeps one mark, ``petl_merged``: the SHA-256 of the trained tensors it folded in (what
+:func:`petl.save_trainable` records for them), so that :func:`petl.load_trainable` refuses to add the same update
+to its weights a second time.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from torch import nn
 from petl.model import timm_api
 from petl.model.backbone import backbone_of
 from petl.model.merging import _FOREIGN_MERGEABLE, merge_updates
+from petl.model.params import content_hash, trainable_state
 from petl.model.wrappers import PetlModule, check_module
 
 
@@ -57,7 +62,9 @@ def unload(model: nn.Module) -> nn.Module:
         model: a model prepared by :func:`petl.apply` (trained, merged or not).
 
     Returns:
-        The same model object, now without petl wrappers or marks (``petl_method``, ``petl_config``, ``petl_trained``).
+        The same model object, now without petl wrappers or marks (``petl_method``, ``petl_config``, ``petl_trained``)
+        but one: ``petl_merged``, the SHA-256 of the trained tensors folded into its weights, by which
+        :func:`petl.load_trainable` refuses to load that file onto it again (its update would count twice).
         Its ``requires_grad`` flags stay as the method set them (the head and what the method trained in the
         backbone, BitFit's biases say, train; the rest is frozen): ``model.requires_grad_(True)`` to train it whole.
 
@@ -67,7 +74,11 @@ def unload(model: nn.Module) -> nn.Module:
 
     """
     _check_unloadable(model)
+    merged = None
     if any(_base_of(m) is not None for m in model.modules()):
+        # The weights file of these tensors records the same hash (save_trainable): loading it onto the merged
+        # model would apply its update on top of itself, silently.
+        merged = content_hash(trainable_state(model))
         try:
             merge_updates(model)
         except ValueError as error:  # a layer that cannot hold its update (SSF's shift on a qkv without bias)
@@ -91,4 +102,6 @@ def unload(model: nn.Module) -> nn.Module:
         if hasattr(model, mark):
             delattr(model, mark)
     timm_api.uninstall(model)
+    if merged is not None:
+        model.petl_merged = (*getattr(model, "petl_merged", ()), merged)
     return model

@@ -639,23 +639,15 @@ def _check_applied(cfg: DictConfig, model: Any, method_cfg: Any) -> None:
 
     """
     import torch
-    from torch.nn.modules.batchnorm import _BatchNorm
 
     from petl.model.surgery import apply
-    from petl.train.engine import enable_grad_checkpointing, set_train_mode
+    from petl.train.engine import check_backbone_mode, enable_grad_checkpointing, is_stochastic, set_train_mode
 
     name = cfg.method.name
     mode = cfg.train.backbone_mode
     # The backbone's own modules, before the method adds its (prompt and LoRA dropout act in train mode anyway).
-    stochastic = [m for m in model.modules() if _is_stochastic(m)]
-    # Train and eval mode differ in dropout, drop-path and batch statistics (a hybrid ViT's CNN stem may hold a
-    # BatchNorm: in train mode it normalises by the batch's statistics and updates its running ones).
-    if mode != "auto" and not stochastic and not any(isinstance(m, _BatchNorm) for m in model.modules()):
-        raise ConfigError(
-            f"train.backbone_mode={mode} cannot act: the backbone holds no dropout, drop-path rate or BatchNorm "
-            f"(model.drop_path={cfg.model.drop_path:g}), so it runs alike in train and eval mode; drop "
-            "train.backbone_mode, or give model.drop_path"
-        )
+    stochastic = [m for m in model.modules() if is_stochastic(m)]
+    check_backbone_mode(model, mode, "train.backbone_mode", f"model.drop_path (it is {cfg.model.drop_path:g})")
     reference = get_method(name).config_cls.backbone_mode
     chosen = _stochastic_options(cfg) if (reference if mode == "auto" else mode) == "eval" else {}
     if not (chosen or cfg.train.grad_checkpointing):
@@ -675,15 +667,3 @@ def _check_applied(cfg: DictConfig, model: Any, method_cfg: Any) -> None:
                 f"{key} cannot act: the frozen backbone runs in eval mode ({why}) and no block that trains holds "
                 f"it; set train.backbone_mode=train for the backbone's dropout and drop-path, or drop {key}"
             )
-
-
-def _is_stochastic(module: Any) -> bool:
-    """A dropout, drop-path or patch-dropout module with a non-zero rate."""
-    from timm.layers import DropPath, PatchDropout
-    from torch import nn
-
-    if isinstance(module, nn.Dropout):
-        return module.p > 0
-    if isinstance(module, DropPath):
-        return module.drop_prob > 0
-    return isinstance(module, PatchDropout) and module.prob > 0

@@ -50,8 +50,10 @@ class TrainSettings:
         backbone_mode: how the frozen backbone runs while training: ``train`` (dropout and
             drop-path act everywhere, as V-PETL, NOAH and PETL_Vision train), ``eval`` (only what
             learns is in train mode, as the VPT repo keeps its frozen encoder), or ``auto`` (the
-            method's own default, :attr:`petl.model.registry.MethodConfig.backbone_mode`).  ``petl-run`` refuses
-            ``train`` and ``eval`` on a backbone without any dropout, drop-path rate or BatchNorm, where they run alike.
+            method's own default, :attr:`petl.model.registry.MethodConfig.backbone_mode`).  ``train`` and ``eval``
+            on a backbone without any dropout, drop-path rate or BatchNorm, where they run alike, are refused
+            (:func:`check_backbone_mode`): by ``petl-run`` before it builds anything, from Python when training
+            starts.
         weight_decay_all: decay every trainable tensor; by default biases, norms (every 1-D
             tensor), prompt tokens and position embeddings are exempt, as in timm's
             ``param_groups_weight_decay`` and the models' ``no_weight_decay()``.
@@ -81,11 +83,68 @@ def backbone_mode(model: nn.Module, settings: TrainSettings) -> str:
     ``auto`` reads the default of the method the model carries (found on any submodule, so a
     wrapped model works too); a model without a petl method trains whole, like plain fine-tuning.
 
+    Raises:
+        ConfigError: ``train`` or ``eval`` given for a backbone they cannot act on (:func:`check_backbone_mode`).
+
     """
     if settings.backbone_mode != "auto":
+        check_backbone_mode(model, settings.backbone_mode)
         return settings.backbone_mode
     config = next((m.petl_config for m in model.modules() if getattr(m, "petl_config", None) is not None), None)
     return "train" if config is None else config.backbone_mode
+
+
+def check_backbone_mode(
+    model: nn.Module, mode: str, key: str = "TrainSettings.backbone_mode", remedy: str = "timm's drop_path_rate"
+) -> None:
+    """Refuse ``train`` or ``eval`` on a backbone holding no dropout, drop-path rate or BatchNorm.
+
+    Train and eval mode differ only in those (a hybrid ViT's CNN stem may hold BatchNorms: in train mode they
+    normalise by the batch's statistics), so without any the mode changes nothing.  The backbone's own modules
+    count, not those a petl wrapper adds beside the layer it wraps (prompt and LoRA dropout run in train mode
+    either way).  ``petl-run`` checks its config with this (``key`` ``train.backbone_mode``) before it builds
+    anything; :func:`backbone_mode` checks every model it trains.
+
+    Args:
+        model: the backbone, with or without a petl method applied.
+        mode: ``auto``, ``train`` or ``eval`` (``auto`` always passes).
+        key: the setting's name in the message.
+        remedy: what gives the backbone a rate, said after "drop ``key``, or give".
+
+    Raises:
+        ConfigError: naming ``key`` and what to do.
+
+    """
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    if mode == "auto":
+        return
+    added = {
+        id(inner)
+        for wrapper in model.modules()
+        if isinstance(wrapper, PetlModule)
+        for name, child in wrapper.named_children()
+        if name != "base"
+        for inner in child.modules()
+    }
+
+    own = [m for m in model.modules() if id(m) not in added]
+    if not any(is_stochastic(m) or isinstance(m, _BatchNorm) for m in own):
+        raise ConfigError(
+            f"{key}={mode} cannot act: the backbone holds no dropout, drop-path rate or BatchNorm, so it runs alike "
+            f"in train and eval mode; drop {key}, or give {remedy}"
+        )
+
+
+def is_stochastic(module: nn.Module) -> bool:
+    """A dropout, drop-path or patch-dropout module with a non-zero rate."""
+    from timm.layers import DropPath, PatchDropout
+
+    if isinstance(module, nn.Dropout):
+        return module.p > 0
+    if isinstance(module, DropPath):
+        return module.drop_prob > 0
+    return isinstance(module, PatchDropout) and module.prob > 0
 
 
 def set_train_mode(model: nn.Module, mode: str = "eval") -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from test_committed_leaderboards import _result as result_record
 from test_committed_leaderboards import _write as write_run
 
@@ -37,7 +38,7 @@ def test_no_answer_still_names_what_failed(tmp_path):
     assert "lora (1 of 2 seed(s) finished), full (no finished run)" in answer.paragraph
 
 
-def test_a_budget_every_row_is_over_says_the_smallest_and_that_a_larger_one_answers_at_once(tmp_path, monkeypatch):
+def test_a_budget_every_row_is_over_says_the_closest_and_that_a_larger_one_answers_at_once(tmp_path, monkeypatch):
     # It named the rows over the budget and stopped: no word of what to give, nor that nothing trains again.
     monkeypatch.setattr(choice, "exportable", lambda run: False)
     for method in ("lora", "linear"):
@@ -46,8 +47,24 @@ def test_a_budget_every_row_is_over_says_the_smallest_and_that_a_larger_one_answ
     board = report.build_board(tmp_path, plan=plan)
     answer = choice.choose(board, choice.Budget(params=1))
     smallest = min(board.rows, key=lambda row: row.trainable)
-    assert answer.best is None and f"; the smallest is {smallest.experiment} (" in answer.paragraph
+    assert answer.best is None and f"; the closest is {smallest.experiment} (" in answer.paragraph
     assert answer.paragraph.endswith("the same command with a budget it fits answers without training again.")
+
+
+def test_a_budget_of_seconds_every_row_is_over_names_the_quickest_not_the_smallest(tmp_path, monkeypatch):
+    # The row named was the one with the fewest parameters whatever the budget's measure: on a budget of seconds it
+    # pointed at the slow small row, and the budget it said to give was the wrong one.
+    monkeypatch.setattr(choice, "exportable", lambda run: False)
+    for method, params, seconds in (("small_slow", 500, 90.0), ("big_quick", 50_000, 20.0)):
+        record = result_record("folder", method, 0, 50.0, trainable_params=params, train_seconds=seconds)
+        write_run(tmp_path / "folder" / method / "seed0", record)
+    board = report.build_board(tmp_path, plan=report.Plan("choose", ("small_slow", "big_quick"), ("folder",), (0,)))
+    by_seconds = choice.choose(board, choice.Budget(train_seconds=10)).paragraph
+    assert "; the closest is big_quick (50.0 k parameters, 20 s of training per run)" in by_seconds, by_seconds
+    assert "; the closest is small_slow (" in choice.choose(board, choice.Budget(params=100)).paragraph
+    # Both: the row needing the smaller raise of either (small_slow is 9x over on seconds, big_quick 100x on size).
+    both = choice.Budget(params=500, train_seconds=10)
+    assert "; the closest is small_slow (" in choice.choose(board, both).paragraph
 
 
 def test_a_second_choose_on_the_same_folder_stops_naming_the_first(tmp_path, capsys):
@@ -79,3 +96,10 @@ def test_a_budget_under_a_thousand_parameters_is_said_as_its_count():
     assert choice.Budget.parse({"budget.params": "10"}).describe() == "at most 10 trainable parameters"
     assert choice.Budget.parse({"budget.params": "10k"}).describe() == "at most 10.0 k trainable parameters"
     assert choice.Budget.parse({"budget.params": "1.5M"}).describe() == "at most 1.50 M trainable parameters"
+
+
+def test_a_budget_of_seconds_takes_no_suffix():
+    # budget.train_seconds=10m (ten minutes, meant) was read as 10 million seconds: every row fitted, silently.
+    with pytest.raises(ValueError, match=r"^budget\.train_seconds=10m: expected a positive number \(seconds: 600 for"):
+        choice.Budget.parse({"budget.train_seconds": "10m"})
+    assert choice.Budget.parse({"budget.train_seconds": "600", "budget.params": "1.5M"}) == choice.Budget(1.5e6, 600)

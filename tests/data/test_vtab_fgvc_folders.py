@@ -16,6 +16,7 @@ from PIL import Image
 
 from petl import data
 from petl.data import images, vtab
+from petl.data.transforms import ImageSpec, pil_to_tensor
 
 
 def write_images(folder: Path, count: int, size: int = 6, mode: str = "RGB") -> list[str]:
@@ -186,6 +187,32 @@ def test_images_are_held_decoded_and_fingerprinted(tmp_path, monkeypatch):
     (moved / "dtd" / "images" / "img 0.png").write_bytes(b"")
     with pytest.raises(data.BadImagesError, match=r"1 listed image\(s\).*img 0\.png \(empty file\)"):
         lazy[0]
+
+
+@pytest.mark.parametrize("crop", [False, True])
+def test_large_images_are_held_at_the_size_the_transform_resizes_them_to_with_the_same_tensors(tmp_path, crop):
+    # Every image was held at its stored size: a folder of phone photos filled the 4 GiB limit at a few hundred
+    # images and was decoded again on every access after it.  Held resized as pil_to_tensor first resizes them.
+    rng = np.random.default_rng(0)
+    stored = {
+        "wide.png": rng.integers(0, 256, (90, 160, 3), np.uint8),
+        "grey.png": rng.integers(0, 256, (120, 70), np.uint8),
+        "tiny.png": rng.integers(0, 256, (5, 7, 3), np.uint8),  # smaller than the output: held as it is
+    }
+    for name, array in stored.items():
+        Image.fromarray(array).save(tmp_path / name)
+    items = [(tmp_path / name, 0) for name in stored]
+    for augment in (False, True) if crop else (False,):
+        spec = ImageSpec(image_size=16, crop=crop, augment=augment, interpolation="bicubic")
+        ds = images.FileListDataset(items, spec, folder=tmp_path)
+        assert ds.images[0].nbytes < stored["wide.png"].nbytes / 10 and ds.images[2].shape == (5, 7, 3)
+        for index, array in enumerate(stored.values()):
+            torch.manual_seed(index)  # the random crop and flip draw the same numbers either way
+            held = ds[index][0]
+            torch.manual_seed(index)
+            assert torch.equal(held, pil_to_tensor(Image.fromarray(array), spec)), (augment, index)
+    ds.spec = ImageSpec(image_size=24, crop=crop)  # another geometry: decoded again, not the held pixels resized
+    assert torch.equal(ds[0][0], pil_to_tensor(Image.fromarray(stored["wide.png"]), ds.spec))
 
 
 def test_bad_list_line_names_file_and_line(tmp_path):

@@ -281,6 +281,17 @@ def test_merge_needs_a_mergeable_method(tiny_vit):
         petl.merge(petl.apply_vpt(tiny_vit()))
 
 
+def test_merge_and_unmerge_of_a_model_without_a_method_say_why_in_their_own_words(tiny_vit):
+    # "nothing to merge: method None adds no mergeable layer; ... runs as trained without merging", from unmerge too.
+    with pytest.raises(ValueError, match=r"^nothing to merge: the model carries no petl method \(petl\.apply one"):
+        petl.merge(tiny_vit())
+    unloaded = petl.unload(petl.apply_lora(tiny_vit(), num_classes=3))
+    with pytest.raises(ValueError, match=r"^nothing to unmerge: petl\.unload folded .* for good: .* build the"):
+        petl.unmerge(unloaded)
+    with pytest.raises(ValueError, match=r"^nothing to unmerge: method 'vpt' adds no mergeable layer$"):
+        petl.unmerge(petl.apply_vpt(tiny_vit()))
+
+
 # The CLI builds Hydra/OmegaConf schemas from the config dataclasses, so field types stay plain.
 PLAIN_TYPES = {int, float, str, bool, int | None, float | None, str | None, tuple[str, ...]}
 
@@ -458,3 +469,27 @@ def test_a_loaded_run_given_for_its_model_is_named_in_one_line(tiny_vit, tmp_pat
         petl.MultiTask.from_runs([run])
     with pytest.raises(ValueError, match=r"^got a str, not a torch model: give the timm model \(an nn\.Module\)$"):
         petl.merge("runs/lora")
+
+
+@pytest.mark.parametrize("method", ["lora", "ssf"])
+def test_a_file_already_merged_into_the_model_is_refused_not_added_twice(tiny_vit, images, tmp_path, method):
+    # petl.unload drops petl's marks: load_trainable took the model for a fresh backbone, applied the method again
+    # and loaded the file, so the update counted twice in the logits, silently.
+    model = petl.apply(tiny_vit(), method, num_classes=3).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(0.1)
+    path = tmp_path / "trained.safetensors"
+    petl.save_trainable(model, path)
+    expected = model(images)
+    petl.merge(model)
+    with pytest.raises(ValueError, match=r"^unmerge the model before loading trainable weights \(petl\.unmerge"):
+        petl.load_trainable(model, path)
+    petl.unload(model)
+    with pytest.raises(ValueError, match=r"trained\.safetensors is merged into this model already .* a fresh backbone"):
+        petl.load_trainable(model, path)
+    assert not hasattr(model, "petl_method") and torch.allclose(model(images), expected, atol=1e-5)  # as it was
+    other = petl.apply(tiny_vit(seed=1), method, num_classes=3)  # another file: a second update on top, as asked
+    petl.save_trainable(other, tmp_path / "other.safetensors")
+    petl.load_trainable(model, tmp_path / "other.safetensors")

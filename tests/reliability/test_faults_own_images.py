@@ -10,6 +10,7 @@ import csv
 import io
 import logging
 import re
+import shutil
 import warnings
 from pathlib import Path
 
@@ -186,6 +187,39 @@ def test_predict_evaluates_new_labelled_images_in_a_folder_of_test_alone(trained
         f"{loose} has no test/ folder: put the labelled images to evaluate on in {loose}/test/"
         "<class name>/, one folder per class of the run (a, b)"
     ), error
+
+
+def test_several_runs_on_a_folder_of_test_alone_read_it_once(trained, tmp_path, capsys, monkeypatch):
+    # Each run listed the folder again, printed its note again and decoded every image again.
+    new = tmp_path / "new"
+    for name in ("a", "b"):
+        for index in range(2):
+            _png(new / "test" / name / f"{index}.png")
+    (new / "test" / "a" / "notes.txt").write_text("taken on Tuesday")
+    second = tmp_path / "second"
+    shutil.copytree(trained, second)
+    decoded = []
+    monkeypatch.setattr(images, "decode_image", lambda data: decoded.append(1) or decode_image(data))
+    capsys.readouterr()
+    argv = [str(trained), str(second), "data=folder", f"data.root={new}", "--quiet"]
+    assert _exit_code(predict_cli.main, argv) == 0
+    captured = capsys.readouterr()
+    assert captured.err.count("note: skipped a/notes.txt") == 1, captured.err
+    assert len(decoded) == 4, decoded
+    first, again = re.findall(r"top-1 \S+ on 4 images", captured.out)  # one number per run, the same weights
+    assert first == again, captured.out
+
+
+def test_a_run_given_twice_predicts_once_with_a_note(trained, tmp_path, capsys):
+    # Every image was predicted twice by the one run, its rows printed and written twice (petl-serve serves it once).
+    photo = _png(tmp_path / "photo.png")
+    out = tmp_path / "preds.csv"
+    again = f"{trained}/../{trained.name}"
+    capsys.readouterr()
+    assert _exit_code(predict_cli.main, [str(trained), again, str(photo), f"out={out}", "--quiet"]) == 0
+    assert capsys.readouterr().err == f"petl-predict: note: {again} was given more than once: predicted once\n"
+    with open(out, newline="") as handle:
+        assert [row["path"] for row in csv.DictReader(handle)] == [str(photo)]
 
 
 def test_test_and_val_images_that_are_copies_of_training_images_are_named(tmp_path, caplog):

@@ -79,7 +79,7 @@ def test_failed_load_leaves_a_carrying_model_exactly_as_it_was(tiny_vit, tmp_pat
     tensors, meta = _read(path)
     last = sorted(tensors)[-1]
     tensors[last] = torch.zeros(3, 3)  # only the last tensor in copy order is wrong
-    _rewrite(path, tensors=tensors, metadata={**meta, "sha256": petl.model.io._content_hash(tensors)})
+    _rewrite(path, tensors=tensors, metadata={**meta, "sha256": petl.model.params.content_hash(tensors)})
     model = petl.apply(tiny_vit(), "lora", num_classes=4)
     before = _state(model)
     with pytest.raises(ValueError, match=rf"{last} has shape \(3, 3\)"):
@@ -92,7 +92,7 @@ def test_failed_load_leaves_a_fresh_model_without_the_method(tiny_vit, tmp_path)
     path = _saved(tiny_vit, tmp_path)
     tensors, meta = _read(path)
     tensors.pop(sorted(tensors)[0])
-    _rewrite(path, tensors=tensors, metadata={**meta, "sha256": petl.model.io._content_hash(tensors)})
+    _rewrite(path, tensors=tensors, metadata={**meta, "sha256": petl.model.params.content_hash(tensors)})
     model = tiny_vit()
     before = _state(model)
     with pytest.raises(ValueError, match="does not match the model: missing"):

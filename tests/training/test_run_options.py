@@ -131,6 +131,19 @@ def test_a_backbone_mode_on_a_backbone_without_dropout_is_refused(overrides):
     default_config([*overrides[:-2], "model.drop_path=0", "train.backbone_mode=train", "+model.kwargs.drop_rate=0.1"])
 
 
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_a_backbone_mode_from_python_is_refused_by_the_same_check(tiny_vit, mode):
+    # TrainSettings(backbone_mode=...) handed to the engine from Python trained on, the mode acting on nothing.
+    model = petl.apply(tiny_vit(), "lora", num_classes=3, dropout=0.1)  # LoRA's own dropout is not the backbone's
+    settings = engine.TrainSettings(backbone_mode=mode, progress=False)
+    with pytest.raises(ConfigError, match=rf"^TrainSettings\.backbone_mode={mode} cannot act: the backbone holds no"):
+        # Refused as training starts, before the loader, optimizer or accelerator is touched.
+        engine.fit(model, [], {}, settings, accelerator=None, optimizer=None, scheduler=None)
+    assert engine.backbone_mode(model, engine.TrainSettings()) == "train"  # auto: the method's choice, taken
+    dropping = petl.apply(tiny_vit(drop_path_rate=0.1), "lora", num_classes=3)
+    assert engine.backbone_mode(dropping, settings) == mode  # with a rate to act on: taken
+
+
 def test_a_backbone_mode_acts_on_a_batchnorm_in_the_backbone():
     # A hybrid ViT whose ResNet-D stem holds BatchNorms: train mode normalises by the batch's statistics.
     hybrid = ["model.name=vit_small_resnet26d_224", "model.pretrained=false", "model.img_size=64"]
