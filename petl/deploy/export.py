@@ -6,6 +6,7 @@ The command line, its options and exit statuses are :mod:`petl.cli.export`'s.
 from __future__ import annotations
 
 import json
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -135,12 +136,27 @@ def save_onnx(model: nn.Module, path: Path, meta: dict[str, str], image_size: in
     return result.get("gap")
 
 
-def _add_onnx_metadata(path: Path, meta: dict[str, str]) -> None:
+def require_onnx(out: Path) -> None:
+    """Refuse ``out=FILE.onnx`` without the onnx package, which torch's exporter needs and petl does not install.
+
+    Raises:
+        RuntimeError: onnx cannot be imported (one line naming the ``pip install``).
+
+    """
     try:
-        import onnx
+        import onnx  # noqa: F401
     except ImportError:
-        print(f"{PROG}: note: the onnx package is not installed: class names and preprocessing not recorded")
-        return
+        # torch's exporter said only "Module onnx is not installed!", after the run loaded, as if the model could
+        # not be traced.
+        raise RuntimeError(
+            f"out={out} needs the onnx package, which is not installed: pip install onnx, or export a folder or a "
+            ".safetensors file"
+        ) from None
+
+
+def _add_onnx_metadata(path: Path, meta: dict[str, str]) -> None:
+    import onnx
+
     proto = onnx.load(str(path))
     for key, value in meta.items():
         entry = proto.metadata_props.add()
@@ -152,7 +168,7 @@ def _onnx_gap(path: Path, model: nn.Module, example: torch.Tensor) -> float | No
     try:
         import onnxruntime
     except ImportError:
-        print(f"{PROG}: note: onnxruntime is not installed: the ONNX file is not checked")
+        print(f"{PROG}: note: onnxruntime is not installed: the ONNX file is not checked", file=sys.stderr)
         return None
     session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     # A batch size other than the traced one: the batch axis must really be dynamic.
@@ -220,11 +236,14 @@ def export(run_dir: str | Path, out: str | Path, overwrite: bool = False) -> flo
     Raises:
         ValueError: an unknown format, ``out`` inside a run folder, files in the way without ``overwrite``, a
             method that cannot be unloaded, a run folder that cannot load.
-        RuntimeError: the ONNX check failed, or a file could not be written (a full disk).
+        RuntimeError: the onnx package is missing for a ``.onnx`` file, the ONNX check failed, or a file could not be
+            written (a full disk).
 
     """
     out = Path(out)
     check_target(run_dir, out, overwrite)
+    if out.suffix.lower() == ".onnx":
+        require_onnx(out)
     run = load_run(run_dir)
     model = plain_model(run)
     meta = metadata(run)

@@ -229,3 +229,32 @@ def test_out_where_nothing_can_be_written_is_refused_in_one_line_before_loading(
         folder = target.parent if target.suffix else target
         assert error.startswith(f"petl-export: error: out={target}: {folder} "), error
         assert error.rstrip().endswith(": choose a folder you can write to"), error
+
+
+def test_onnx_without_the_onnx_package_says_which_package_before_loading(tmp_path, capsys, monkeypatch):
+    # torch's exporter said "torch.onnx.export cannot export vit_tiny_patch16_224 (Module onnx is not installed!)",
+    # after the run loaded, as if the model could not be traced.
+    run_dir = _run_folder(tmp_path / "run")
+    (run_dir / run_card.WEIGHTS_FILE).write_bytes(b"not loaded: the refusal comes first")
+    monkeypatch.setitem(sys.modules, "onnx", None)  # import onnx raises ImportError
+    with pytest.raises(SystemExit) as stop:
+        export_cli.main([str(run_dir), f"out={tmp_path / 'model.onnx'}"])
+    error = capsys.readouterr().err
+    assert stop.value.code == 1 and error.count("\n") == 1, error
+    assert error == (
+        f"petl-export: error: out={tmp_path / 'model.onnx'} needs the onnx package, which is not installed: "
+        "pip install onnx, or export a folder or a .safetensors file\n"
+    )
+    assert list(tmp_path.iterdir()) == [run_dir]
+
+
+def test_onnx_without_onnxruntime_notes_it_on_stderr_and_prints_only_what_it_wrote(tmp_path, capsys, monkeypatch):
+    # The note went to stdout, beside "wrote ...", where a script reads the command's answer.
+    pytest.importorskip("onnx")
+    run_dir = _run_folder(tmp_path / "run")
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)
+    export_cli.main([str(run_dir), f"out={tmp_path / 'model.onnx'}"])
+    out, err = capsys.readouterr()
+    assert out == f"wrote {tmp_path / 'model.onnx'}\n"
+    assert err == "petl-export: note: onnxruntime is not installed: the ONNX file is not checked\n"
+    assert (tmp_path / "model.onnx").stat().st_size > 0
