@@ -95,6 +95,9 @@ def timm_config(run: LoadedRun) -> dict[str, Any]:
 def save_timm_folder(model: nn.Module, folder: Path, config: dict[str, Any]) -> None:
     """``model.safetensors`` and ``config.json`` into ``folder`` (each written atomically)."""
     folder.mkdir(parents=True, exist_ok=True)
+    # An earlier export's config.json goes first: interrupted between the two files, the folder must not hold it
+    # beside the new weights, a mix timm would load as a finished export.
+    (folder / CONFIG_FILE).unlink(missing_ok=True)
     save_safetensors(model, folder / WEIGHTS_FILE, {"format": "pt"})
     files.write_json(folder / CONFIG_FILE, config)
 

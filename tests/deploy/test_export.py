@@ -26,6 +26,7 @@ import petl
 from petl.backbones import models
 from petl.cli import export as export_cli
 from petl.cli import predict as predict_cli
+from petl.deploy import export as export_api
 from petl.store import run_card
 
 
@@ -258,3 +259,22 @@ def test_onnx_without_onnxruntime_notes_it_on_stderr_and_prints_only_what_it_wro
     assert out == f"wrote {tmp_path / 'model.onnx'}\n"
     assert err == "petl-export: note: onnxruntime is not installed: the ONNX file is not checked\n"
     assert (tmp_path / "model.onnx").stat().st_size > 0
+
+
+def test_an_export_interrupted_over_an_earlier_folder_leaves_no_config_beside_the_new_weights(
+    tmp_path, capsys, monkeypatch
+):
+    # overwrite=true wrote the new model.safetensors, then config.json: a Ctrl-C between them left the earlier
+    # export's config.json (its classes, its run) beside the new weights, a folder timm loads as finished.
+    old, new = _run_folder(tmp_path / "old", classes=3), _run_folder(tmp_path / "new", seed=1, classes=3)
+    export_cli.main([str(old), f"out={tmp_path / 'exported'}"])
+
+    def interrupted(path, record):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(export_api.files, "write_json", interrupted)
+    with pytest.raises(SystemExit) as stop:
+        export_cli.main([str(new), f"out={tmp_path / 'exported'}", "overwrite=true"])
+    assert stop.value.code == 130
+    assert sorted(p.name for p in (tmp_path / "exported").iterdir()) == ["model.safetensors"]
+    capsys.readouterr()
