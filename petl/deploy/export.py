@@ -188,7 +188,8 @@ def check_target(run_dir: str | Path, out: str | Path, overwrite: bool = False) 
     ``out`` inside a run folder (this run's or any other: a folder above it holds ``model.json``) is refused
     even with ``overwrite``: a run's files are replaced by a run, never by an export; so is an ``out`` where no
     file can be written (a read-only folder, ``/proc``).  An existing file, or a
-    folder already holding ``config.json`` or ``model.safetensors``, is replaced only with ``overwrite``.
+    folder already holding ``config.json`` or ``model.safetensors``, is replaced only with ``overwrite``; a folder
+    where the export writes a file is refused even with it.
 
     Raises:
         ValueError: an unknown format, ``out`` inside a run folder, files in the way, a folder nothing can be
@@ -211,6 +212,11 @@ def check_target(run_dir: str | Path, out: str | Path, overwrite: bool = False) 
             raise ValueError(f"out={out} is a file: name a folder (no suffix) or a .safetensors or .onnx file")
         else:
             in_the_way = [out / name for name in (CONFIG_FILE, WEIGHTS_FILE) if (out / name).exists()]
+            for path in in_the_way:
+                if path.is_dir():  # overwrite= replaces files, never a folder
+                    raise ValueError(
+                        f"{path} is a folder, where the export writes a file: remove it or export elsewhere"
+                    )
         # Said before the run loads (as petl-predict's out=), not as a bare OSError after the model is built.  Without
         # fill: a full disk is an export that failed (exit 1, docs/cli.md), said by export() when it writes.
         unwritable = cannot_write_in(out.parent if out.suffix else out)

@@ -278,3 +278,17 @@ def test_an_export_interrupted_over_an_earlier_folder_leaves_no_config_beside_th
     assert stop.value.code == 130
     assert sorted(p.name for p in (tmp_path / "exported").iterdir()) == ["model.safetensors"]
     capsys.readouterr()
+
+
+def test_a_folder_where_the_export_writes_a_file_is_refused_even_with_overwrite(tmp_path, capsys):
+    # With overwrite=true it failed after loading as "cannot write out=... (Is a directory): free the space".
+    run_dir = _run_folder(tmp_path / "run")
+    (tmp_path / "exported" / "model.safetensors").mkdir(parents=True)
+    for flags in ([], ["overwrite=true"]):
+        with pytest.raises(SystemExit) as stop:
+            export_cli.main([str(run_dir), f"out={tmp_path / 'exported'}", *flags])
+        error = capsys.readouterr().err
+        assert stop.value.code == 2 and error == (
+            f"petl-export: error: {tmp_path / 'exported' / 'model.safetensors'} is a folder, where the export "
+            "writes a file: remove it or export elsewhere\n"
+        )
