@@ -12,8 +12,9 @@ configuration, the one ``huggingface_hub`` uploads: ``config.json`` (``architect
 with ``img_size``, ``num_classes``, ``pretrained_cfg`` with the preprocessing and ``label_names``) and
 ``model.safetensors``.  A single file's metadata holds the same: the timm name and arguments, the class
 names and the preprocessing (input size, mean/std, interpolation, crop), as JSON strings (safetensors
-metadata; ONNX ``metadata_props``).  An ONNX file is checked against the merged model's logits with
-onnxruntime where it is installed; a model torch's ONNX exporter cannot trace (timm's EVA) fails in one line:
+metadata; ONNX ``metadata_props``).  An ONNX file needs the onnx package (``pip install onnx``; petl does not
+install it) and is checked against the merged model's logits with onnxruntime where it is installed (a note on
+stderr where not); a model torch's ONNX exporter cannot trace (timm's EVA) fails in one line:
 export a folder or ``.safetensors`` for it.  ``out=`` inside a run folder (this run's or another's) is refused: an
 export never replaces a run's files.  An existing file, or a folder already holding ``config.json`` or
 ``model.safetensors``, is refused in one line naming it; ``overwrite=true`` replaces it.
@@ -22,7 +23,8 @@ in one line: use ``petl-predict`` / ``petl.load_run`` for them.
 
 Exit status (as every petl command): 2 for bad input (no weights, a model.json petl cannot build, a method that
 cannot be unloaded, an unknown format, out= inside a run folder or where nothing can be written, files in the way
-without overwrite=true), 1 when the export fails, 130 on Ctrl-C and 143 on SIGTERM (nothing half-written is left).
+without overwrite=true), 1 when the export fails (the onnx package missing for a .onnx file, a full disk), 130 on
+Ctrl-C and 143 on SIGTERM (nothing half-written is left).
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ The command line, its options and exit statuses are :mod:`petl.cli.export`'s.
 from __future__ import annotations
 
 import json
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -94,6 +95,9 @@ def timm_config(run: LoadedRun) -> dict[str, Any]:
 def save_timm_folder(model: nn.Module, folder: Path, config: dict[str, Any]) -> None:
     """``model.safetensors`` and ``config.json`` into ``folder`` (each written atomically)."""
     folder.mkdir(parents=True, exist_ok=True)
+    # An earlier export's config.json goes first: interrupted between the two files, the folder must not hold it
+    # beside the new weights, a mix timm would load as a finished export.
+    (folder / CONFIG_FILE).unlink(missing_ok=True)
     save_safetensors(model, folder / WEIGHTS_FILE, {"format": "pt"})
     files.write_json(folder / CONFIG_FILE, config)
 
@@ -135,12 +139,27 @@ def save_onnx(model: nn.Module, path: Path, meta: dict[str, str], image_size: in
     return result.get("gap")
 
 
-def _add_onnx_metadata(path: Path, meta: dict[str, str]) -> None:
+def require_onnx(out: Path) -> None:
+    """Refuse ``out=FILE.onnx`` without the onnx package, which torch's exporter needs and petl does not install.
+
+    Raises:
+        RuntimeError: onnx cannot be imported (one line naming the ``pip install``).
+
+    """
     try:
-        import onnx
+        import onnx  # noqa: F401
     except ImportError:
-        print(f"{PROG}: note: the onnx package is not installed: class names and preprocessing not recorded")
-        return
+        # torch's exporter said only "Module onnx is not installed!", after the run loaded, as if the model could
+        # not be traced.
+        raise RuntimeError(
+            f"out={out} needs the onnx package, which is not installed: pip install onnx, or export a folder or a "
+            ".safetensors file"
+        ) from None
+
+
+def _add_onnx_metadata(path: Path, meta: dict[str, str]) -> None:
+    import onnx
+
     proto = onnx.load(str(path))
     for key, value in meta.items():
         entry = proto.metadata_props.add()
@@ -152,7 +171,7 @@ def _onnx_gap(path: Path, model: nn.Module, example: torch.Tensor) -> float | No
     try:
         import onnxruntime
     except ImportError:
-        print(f"{PROG}: note: onnxruntime is not installed: the ONNX file is not checked")
+        print(f"{PROG}: note: onnxruntime is not installed: the ONNX file is not checked", file=sys.stderr)
         return None
     session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     # A batch size other than the traced one: the batch axis must really be dynamic.
@@ -169,7 +188,8 @@ def check_target(run_dir: str | Path, out: str | Path, overwrite: bool = False) 
     ``out`` inside a run folder (this run's or any other: a folder above it holds ``model.json``) is refused
     even with ``overwrite``: a run's files are replaced by a run, never by an export; so is an ``out`` where no
     file can be written (a read-only folder, ``/proc``).  An existing file, or a
-    folder already holding ``config.json`` or ``model.safetensors``, is replaced only with ``overwrite``.
+    folder already holding ``config.json`` or ``model.safetensors``, is replaced only with ``overwrite``; a folder
+    where the export writes a file is refused even with it.
 
     Raises:
         ValueError: an unknown format, ``out`` inside a run folder, files in the way, a folder nothing can be
@@ -192,6 +212,11 @@ def check_target(run_dir: str | Path, out: str | Path, overwrite: bool = False) 
             raise ValueError(f"out={out} is a file: name a folder (no suffix) or a .safetensors or .onnx file")
         else:
             in_the_way = [out / name for name in (CONFIG_FILE, WEIGHTS_FILE) if (out / name).exists()]
+            for path in in_the_way:
+                if path.is_dir():  # overwrite= replaces files, never a folder
+                    raise ValueError(
+                        f"{path} is a folder, where the export writes a file: remove it or export elsewhere"
+                    )
         # Said before the run loads (as petl-predict's out=), not as a bare OSError after the model is built.  Without
         # fill: a full disk is an export that failed (exit 1, docs/cli.md), said by export() when it writes.
         unwritable = cannot_write_in(out.parent if out.suffix else out)
@@ -220,11 +245,14 @@ def export(run_dir: str | Path, out: str | Path, overwrite: bool = False) -> flo
     Raises:
         ValueError: an unknown format, ``out`` inside a run folder, files in the way without ``overwrite``, a
             method that cannot be unloaded, a run folder that cannot load.
-        RuntimeError: the ONNX check failed, or a file could not be written (a full disk).
+        RuntimeError: the onnx package is missing for a ``.onnx`` file, the ONNX check failed, or a file could not be
+            written (a full disk).
 
     """
     out = Path(out)
     check_target(run_dir, out, overwrite)
+    if out.suffix.lower() == ".onnx":
+        require_onnx(out)
     run = load_run(run_dir)
     model = plain_model(run)
     meta = metadata(run)

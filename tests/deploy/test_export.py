@@ -26,6 +26,7 @@ import petl
 from petl.backbones import models
 from petl.cli import export as export_cli
 from petl.cli import predict as predict_cli
+from petl.deploy import export as export_api
 from petl.store import run_card
 
 
@@ -229,3 +230,65 @@ def test_out_where_nothing_can_be_written_is_refused_in_one_line_before_loading(
         folder = target.parent if target.suffix else target
         assert error.startswith(f"petl-export: error: out={target}: {folder} "), error
         assert error.rstrip().endswith(": choose a folder you can write to"), error
+
+
+def test_onnx_without_the_onnx_package_says_which_package_before_loading(tmp_path, capsys, monkeypatch):
+    # torch's exporter said "torch.onnx.export cannot export vit_tiny_patch16_224 (Module onnx is not installed!)",
+    # after the run loaded, as if the model could not be traced.
+    run_dir = _run_folder(tmp_path / "run")
+    (run_dir / run_card.WEIGHTS_FILE).write_bytes(b"not loaded: the refusal comes first")
+    monkeypatch.setitem(sys.modules, "onnx", None)  # import onnx raises ImportError
+    with pytest.raises(SystemExit) as stop:
+        export_cli.main([str(run_dir), f"out={tmp_path / 'model.onnx'}"])
+    error = capsys.readouterr().err
+    assert stop.value.code == 1 and error.count("\n") == 1, error
+    assert error == (
+        f"petl-export: error: out={tmp_path / 'model.onnx'} needs the onnx package, which is not installed: "
+        "pip install onnx, or export a folder or a .safetensors file\n"
+    )
+    assert list(tmp_path.iterdir()) == [run_dir]
+
+
+def test_onnx_without_onnxruntime_notes_it_on_stderr_and_prints_only_what_it_wrote(tmp_path, capsys, monkeypatch):
+    # The note went to stdout, beside "wrote ...", where a script reads the command's answer.
+    pytest.importorskip("onnx")
+    run_dir = _run_folder(tmp_path / "run")
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)
+    export_cli.main([str(run_dir), f"out={tmp_path / 'model.onnx'}"])
+    out, err = capsys.readouterr()
+    assert out == f"wrote {tmp_path / 'model.onnx'}\n"
+    assert err == "petl-export: note: onnxruntime is not installed: the ONNX file is not checked\n"
+    assert (tmp_path / "model.onnx").stat().st_size > 0
+
+
+def test_an_export_interrupted_over_an_earlier_folder_leaves_no_config_beside_the_new_weights(
+    tmp_path, capsys, monkeypatch
+):
+    # overwrite=true wrote the new model.safetensors, then config.json: a Ctrl-C between them left the earlier
+    # export's config.json (its classes, its run) beside the new weights, a folder timm loads as finished.
+    old, new = _run_folder(tmp_path / "old", classes=3), _run_folder(tmp_path / "new", seed=1, classes=3)
+    export_cli.main([str(old), f"out={tmp_path / 'exported'}"])
+
+    def interrupted(path, record):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(export_api.files, "write_json", interrupted)
+    with pytest.raises(SystemExit) as stop:
+        export_cli.main([str(new), f"out={tmp_path / 'exported'}", "overwrite=true"])
+    assert stop.value.code == 130
+    assert sorted(p.name for p in (tmp_path / "exported").iterdir()) == ["model.safetensors"]
+    capsys.readouterr()
+
+
+def test_a_folder_where_the_export_writes_a_file_is_refused_even_with_overwrite(tmp_path, capsys):
+    # With overwrite=true it failed after loading as "cannot write out=... (Is a directory): free the space".
+    run_dir = _run_folder(tmp_path / "run")
+    (tmp_path / "exported" / "model.safetensors").mkdir(parents=True)
+    for flags in ([], ["overwrite=true"]):
+        with pytest.raises(SystemExit) as stop:
+            export_cli.main([str(run_dir), f"out={tmp_path / 'exported'}", *flags])
+        error = capsys.readouterr().err
+        assert stop.value.code == 2 and error == (
+            f"petl-export: error: {tmp_path / 'exported' / 'model.safetensors'} is a folder, where the export "
+            "writes a file: remove it or export elsewhere\n"
+        )
