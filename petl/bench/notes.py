@@ -441,8 +441,12 @@ def comparison_lines(board: Leaderboard) -> list[str]:
         f"**Groups** (methods no two of which can be told apart, in mean-rank order; the bars of `{CD_FILE}`): "
         f"{groups}. Two methods that share a letter cannot be told apart at this level."
     )
-    lines.append(
-        f"**Mean rank interval**: 95 % percentile bootstrap over the blocks (`scipy.stats.bootstrap`, "
-        f"{ranking.RESAMPLES} resamples, seed {ranking.BOOTSTRAP_SEED})."
-    )
+    if n < 2:  # no spread to measure: the table shows –
+        lines.append("**Mean rank interval**: none over one block.")
+    else:
+        lines.append(
+            f"**Mean rank interval**: 95 % Student t interval over the {plural(n, 'block')}: the mean rank ± "
+            f"t({n - 1}) · sd / √{n} of the method's ranks in the blocks (`scipy.stats.t`), clipped to 1 and {k}; "
+            "a method that ranks the same in every block gets no width."
+        )
     return lines

@@ -377,7 +377,7 @@ def rank_table(board: Leaderboard) -> Table | None:
             [
                 (name, name),
                 show_number(found.mean_rank[name]),
-                (f"{low:.2f} – {high:.2f}", low),
+                (f"{low:.2f} – {high:.2f}", low) if not math.isnan(low) else ("–", ""),  # NaN: one block
                 (found.letters(name), found.letters(name)),
                 show_number(means[name]),
             ]
