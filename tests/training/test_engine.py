@@ -241,6 +241,40 @@ def test_epoch_sampler_order_depends_on_seed_and_epoch_only():
     assert list(fresh) == second
 
 
+def _one_epoch_of_sgd(batch_size: int, grad_accum: int, images: int = 10) -> torch.Tensor:
+    """A linear model's weights after one epoch of plain SGD (lr 1) on fixed data in a fixed order."""
+    gen = torch.Generator().manual_seed(0)
+    inputs, labels = torch.randn(images, 5, generator=gen), torch.randint(0, 3, (images,), generator=gen)
+    data = torch.utils.data.TensorDataset(inputs, labels)
+    model = torch.nn.Linear(5, 3)
+    with torch.no_grad():
+        model.weight.copy_(torch.randn(3, 5, generator=gen))
+        model.bias.zero_()
+    accelerator = engine.fresh_accelerator(cpu=True, gradient_accumulation_steps=grad_accum)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    loader = torch.utils.data.DataLoader(data, batch_size=batch_size)
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    engine.train_one_epoch(model, loader, optimizer, scheduler, accelerator, engine.TrainSettings(progress=False))
+    return model.weight.detach().clone()
+
+
+# 10 images: batches of 4 in steps of 2 leave a last step of one batch of 2; in steps of 3, one step of 4 + 4 + 2;
+# batches of 3 in steps of 2 a last step of 3 + 1.  Each step must move the weights as one batch of its images does.
+@pytest.mark.parametrize(("batch_size", "grad_accum"), [(4, 2), (4, 3), (3, 2)])
+def test_an_accumulated_step_is_one_batch_of_its_images_also_at_the_end_of_an_epoch(batch_size, grad_accum):
+    accumulated = _one_epoch_of_sgd(batch_size, grad_accum)
+    torch.testing.assert_close(accumulated, _one_epoch_of_sgd(batch_size * grad_accum, 1))
+
+
+def test_full_accumulated_steps_keep_every_loss_as_it_is():
+    loader = torch.utils.data.DataLoader(range(12), batch_size=3)
+    assert engine.accumulation_weights(loader, 1) == []
+    assert engine.accumulation_weights(loader, 2) == [1.0] * 4
+    # Two processes: accelerate fills every batch, so only the last step's count of batches weighs.
+    assert engine.accumulation_weights(torch.utils.data.DataLoader(range(9), batch_size=3), 2, 2) == [1.0, 1.0, 2.0]
+
+
 @pytest.mark.slow
 def test_local_checkpoint_replaces_the_hub_download(tmp_path):
     # Offline clusters: model.checkpoint points timm's own pretrained loader at a local file.
