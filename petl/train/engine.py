@@ -232,7 +232,8 @@ def train_one_epoch(
     settings: TrainSettings,
     description: str = "train",
 ) -> dict[str, float]:
-    """One pass over ``loader``; returns mean loss, train top-1 (%), images seen and images/s.
+    """One pass over ``loader``; returns the lr of its last optimizer step, mean loss, train top-1 (%), images seen
+    and images/s.
 
     Raises:
         NonFiniteLossError: when the loss is NaN or infinite (the caller keeps its last checkpoint).
@@ -243,6 +244,7 @@ def train_one_epoch(
     params = trainable_parameters(model)
     weights = accumulation_weights(loader, accelerator.gradient_accumulation_steps, accelerator.num_processes)
     loss_sum = correct = seen = 0.0
+    lr = optimizer.param_groups[0]["lr"]
     start = time.perf_counter()
     bar = progress_bar(loader, desc=description, leave=False, show=settings.progress and accelerator.is_main_process)
     for index, (images, labels) in enumerate(bar):
@@ -255,6 +257,8 @@ def train_one_epoch(
             accelerator.backward(loss if weight == 1.0 else loss * weight)
             if settings.grad_clip > 0 and accelerator.sync_gradients:
                 accelerator.clip_grad_norm_(params, settings.grad_clip)
+            if accelerator.sync_gradients:
+                lr = optimizer.param_groups[0]["lr"]  # what this step runs at (the scheduler moves it on below)
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
@@ -280,6 +284,7 @@ def train_one_epoch(
         # The counts above are already the whole epoch's (gathered per batch); the time is the slowest process's.
         seconds = float(accelerator.gather(torch.tensor([seconds], device=accelerator.device)).max())
     return {
+        "lr": lr,
         "loss": loss_sum / max(1, seen),
         "train_top1": 100.0 * correct / max(1, seen),
         "images": seen,
@@ -331,7 +336,8 @@ def fit(
         )
         for name, loader in eval_loaders.items():
             metrics[f"{name}_top1"] = evaluate(model, loader, accelerator)
-        metrics = {"epoch": epoch + 1, "lr": optimizer.param_groups[0]["lr"], **metrics}
+        # "lr" is the epoch's last step's (read after the schedule has moved on, the last epoch's would be 0).
+        metrics = {"epoch": epoch + 1, **metrics}
         history.append(metrics)
         if on_epoch_end is not None:
             on_epoch_end(epoch, metrics)

@@ -7,6 +7,7 @@ offline ``mini/digits`` task, so a run takes about a second on one CPU thread.
 from __future__ import annotations
 
 import json
+import math
 import re
 import time
 from pathlib import Path
@@ -75,6 +76,9 @@ def test_two_epoch_run_writes_a_complete_record(tmp_path):
     assert result["versions"]["torch"] == torch.__version__
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [row["epoch"] for row in lines] == [1, 2] and all("val_top1" in row for row in lines)
+    # Each epoch's lr is its last step's: 2 x 3 steps of cosine without warm-up, steps 3 and 6 (not the 0 after 6).
+    cosine = [1e-3 * 0.5 * (1 + math.cos(math.pi * step / 6)) for step in (2, 5)]
+    assert [row["lr"] for row in lines] == pytest.approx(cosine) and lines[-1]["lr"] > 0
     assert result["val_top1"] == lines[-1]["val_top1"]
     assert "lora" in (out / "config.yaml").read_text()
     # The saved weights restore onto a fresh backbone.
