@@ -186,7 +186,7 @@ class RunConfig:
         data: see :class:`DataConfig`.
         model: see :class:`ModelConfig`.
         train: see :class:`TrainConfig`.
-        seed: seeds the model init, the new modules and the data order.
+        seed: seeds the model init, the new modules and the data order; 0 to 2**32 - 1 (numpy's seeds).
         output_dir: where the run writes its config, metrics, weights and result.
         resume: continue an unfinished run found in ``output_dir`` (or return its result if it finished);
             ``false`` deletes what an earlier run left there and starts over.
@@ -197,7 +197,8 @@ class RunConfig:
     data: DataConfig = MISSING
     model: ModelConfig = MISSING
     train: TrainConfig = field(default_factory=TrainConfig)
-    seed: int = option(0, low=0)
+    # numpy seeds its global stream (accelerate's set_seed) from 0 to 2**32 - 1 only, failing the run past it.
+    seed: int = option(0, low=0, high=2**32 - 1)
     output_dir: str = option(
         "runs/${petl.slug:${data.name}}/${petl.slug:${model.name}}/${method.name}/seed${seed}",
         check=_check_output_dir,
