@@ -208,6 +208,13 @@ def _train_and_record(cfg: DictConfig, resolved: dict[str, Any], out: Path, acce
         build.say(accelerator, "%s has no test split: this run reports no test accuracy", cfg.data.root)
     model = build.create_backbone(cfg)
     datasets = build.datasets(cfg, model)
+    if len(datasets["train"]) < 2:
+        # A lone image is a last batch of one, which the training loader leaves out (see _set_up_training): the run
+        # would take no step and record a loss of 0.
+        raise ConfigError(
+            f"data {cfg.data.name}: the {cfg.data.split} split holds {plural(len(datasets['train']), 'image')}, too "
+            "few to train on: give 2 or more (data.subset)"
+        )
     # The schedule and resolution said up front (a folder run's 100 epochs or the default 32 px are not obvious),
     # on stdout beside the closing summary line: stderr stays for warnings and the one-line errors.
     if accelerator.is_main_process:

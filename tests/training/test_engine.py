@@ -315,6 +315,13 @@ def test_a_last_batch_of_one_image_is_left_out_so_batchnorm_heads_train(tmp_path
     assert build.loader(list(range(97)), 32, 0, 0, drop_last=True).__len__() == 3
 
 
+def test_a_training_split_of_one_image_is_refused_not_trained_in_no_step(tmp_path):
+    # The lone image is a last batch of one, left out: the run took no step and recorded loss 0.0, val and test 0.
+    with pytest.raises(config.ConfigError, match=r"^data mini/digits: the train800 split holds 1 image, too few"):
+        tiny(tmp_path / "run", "method=lora", "data.subset=1")
+    assert not (tmp_path / "run" / "result.json").exists()
+
+
 @pytest.mark.slow
 def test_augmented_training_images_are_not_cached_and_test_time_is_apart(tmp_path):
     # An FGVC folder (CUB layout), whose training split is cropped and flipped anew at every access.
