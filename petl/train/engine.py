@@ -30,7 +30,7 @@ from petl.utils.progress import progress_bar
 
 
 class NonFiniteLossError(RuntimeError):
-    """The training loss became NaN or infinite."""
+    """The training loss, or the trained weights, became NaN or infinite."""
 
 
 BACKBONE_MODES = ("auto", "train", "eval")
@@ -322,6 +322,9 @@ def fit(
     Returns:
         The per-epoch metrics.
 
+    Raises:
+        NonFiniteLossError: the loss, or after an epoch a trained weight, is NaN or infinite.
+
     """
     history = []
     epochs: Iterable[int] = range(start_epoch, settings.epochs)
@@ -331,9 +334,13 @@ def fit(
             # the epoch number; it is also what lets a resumed run see the same batches as an
             # uninterrupted one.  accelerate's prepared loaders pass it on to their sampler.
             train_loader.set_epoch(epoch)
-        metrics = train_one_epoch(
-            model, train_loader, optimizer, scheduler, accelerator, settings, f"epoch {epoch + 1}/{settings.epochs}"
-        )
+        description = f"epoch {epoch + 1}/{settings.epochs}"
+        metrics = train_one_epoch(model, train_loader, optimizer, scheduler, accelerator, settings, description)
+        # A step with a finite loss may still write NaN or inf into the weights (an overflowing gradient): the next
+        # loss says so, but after the last step of a run none comes, and its result and checkpoint would hold them.
+        params = trainable_parameters(model)
+        if params and not bool(torch.stack([p.detach().isfinite().all() for p in params]).all()):
+            raise NonFiniteLossError(f"the trained weights became non-finite (NaN or inf) at {description}")
         for name, loader in eval_loaders.items():
             metrics[f"{name}_top1"] = evaluate(model, loader, accelerator)
         # "lr" is the epoch's last step's (read after the schedule has moved on, the last epoch's would be 0).

@@ -203,6 +203,33 @@ def test_non_finite_loss_stops_with_the_last_good_checkpoint(tmp_path, monkeypat
     assert not (tmp_path / "result.json").exists()
 
 
+class _NanGradient(torch.autograd.Function):
+    """The identity forward, NaN gradients backward: a finite loss whose step writes NaN into the weights."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * float("nan")
+
+
+def test_weights_made_non_finite_by_the_last_step_stop_the_run_without_a_result(tmp_path, monkeypatch):
+    calls = {"n": 0}
+
+    class PoisonedLastStep(torch.nn.CrossEntropyLoss):
+        def forward(self, logits, labels):
+            calls["n"] += 1  # 2 epochs of 3 batches: the sixth is the run's last step, after which no loss is seen
+            return super().forward(_NanGradient.apply(logits) if calls["n"] == 6 else logits, labels)
+
+    monkeypatch.setattr(engine.nn, "CrossEntropyLoss", PoisonedLastStep)
+    with pytest.raises(runner.RunError, match=r"weights became non-finite .* at epoch 2/2.*checkpoint of epoch 1 is"):
+        tiny(tmp_path, "method=lora")
+    assert not (tmp_path / "result.json").exists()
+    assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["epoch"] == 1
+
+
 @pytest.mark.slow
 def test_nested_dict_config_is_completed_and_checked(tmp_path):
     cfg = {
