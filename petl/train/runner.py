@@ -387,14 +387,17 @@ def _set_up_training(
     # A selection trial (train.eval_test=false) never builds the test split, let alone scores it.
     test_set = datasets.get("test")
     test_loader = None if test_set is None else build.loader(test_set, cfg.train.eval_batch_size, num_workers, cfg.seed)
-    # The schedule counts optimizer steps: one per grad_accum batches (accelerate steps the
-    # scheduler once per process per call, which adds up to this count under DDP too).
-    steps_per_epoch = math.ceil(len(train_loader) / cfg.train.grad_accum)
-    optimizer, scheduler = build_optimizer(trainee, settings, steps_per_epoch)
-    few = learning.few_steps(steps_per_epoch * cfg.train.epochs, len(train_set), cfg.train.batch_size, cfg.train.epochs)
+    # Prepared first: under DDP each process gets its shard of the batches, evened out (ceil(batches / processes)).
+    train_loader = accelerator.prepare(train_loader)
+    # Each process takes an optimizer step per grad_accum of its own batches (and one after its last), and accelerate
+    # steps the scheduler once per process at each: the schedule counts that many.  From the unsharded loader it
+    # fell short wherever the batches do not divide among the processes, and the last steps ran at lr 0.
+    optimizer_steps = math.ceil(len(train_loader) / cfg.train.grad_accum)
+    optimizer, scheduler = build_optimizer(trainee, settings, optimizer_steps * accelerator.num_processes)
+    few = learning.few_steps(optimizer_steps * cfg.train.epochs, len(train_set), cfg.train.batch_size, cfg.train.epochs)
     if few is not None and accelerator.is_main_process:
         warn_once(log, few)  # once per process: a sweep of such runs says it once, not once a run
-    trainee, optimizer, train_loader, scheduler = accelerator.prepare(trainee, optimizer, train_loader, scheduler)
+    trainee, optimizer, scheduler = accelerator.prepare(trainee, optimizer, scheduler)
     test_loader = accelerator.prepare(test_loader) if test_loader is not None else None
     eval_loaders = {name: accelerator.prepare(loader) for name, loader in eval_loaders.items()}
     return _Setup(
