@@ -228,6 +228,7 @@ def _train_and_record(cfg: DictConfig, resolved: dict[str, Any], out: Path, acce
     checkpoint = folder.resume_checkpoint(out, cfg, inputs)
     method_cfg = build.method_config(cfg, model, info.num_classes, checkpoint, accelerator)
     build.apply_method(cfg, model, method_cfg)
+    _check_batch_statistics(cfg, model)
     if cfg.train.grad_checkpointing:
         engine.enable_grad_checkpointing(model)
     model.to(accelerator.device)
@@ -271,6 +272,30 @@ def _train_and_record(cfg: DictConfig, resolved: dict[str, Any], out: Path, acce
         _record(cfg, out, model, result, accelerator, card)
     build.say(accelerator, "wrote %s", out / files.RESULT_FILE)
     return result.to_json()
+
+
+def _check_batch_statistics(cfg: DictConfig, model: nn.Module) -> None:
+    """Refuse ``train.batch_size=1`` where a BatchNorm1d trains (Mlp-k's head, HST's): one image has no statistics.
+
+    torch refuses such a batch at the first step ("Expected more than 1 value per channel"), after the build, as a
+    run error (exit 1); it is bad input.
+
+    Raises:
+        ConfigError: naming the option, the module and what to give instead.
+
+    """
+    if cfg.train.batch_size != 1:
+        return
+    modes = [(module, module.training) for module in model.modules()]
+    engine.set_train_mode(model, backbone_mode(model, cfg.train))  # the modes its training runs in
+    trained = [name for name, m in model.named_modules() if isinstance(m, nn.BatchNorm1d) and m.training]
+    for module, mode in modes:
+        module.training = mode
+    if trained:
+        raise ConfigError(
+            f"train.batch_size=1: method {cfg.method.name}'s {trained[0]} is a BatchNorm, which trains on the "
+            "statistics of a batch and one image has none; give train.batch_size=2 or more"
+        )
 
 
 @dataclass

@@ -349,6 +349,13 @@ def test_a_training_split_of_one_image_is_refused_not_trained_in_no_step(tmp_pat
     assert not (tmp_path / "run" / "result.json").exists()
 
 
+def test_batches_of_one_image_are_refused_where_a_batchnorm_trains(tmp_path):
+    # torch refused them at the first step: exit 1, "ValueError: Expected more than 1 value per channel...".
+    with pytest.raises(config.ConfigError, match=r"^train.batch_size=1: method mlp's head.2 is a BatchNorm"):
+        tiny(tmp_path / "mlp", "method=mlp", "train.batch_size=1", "data.subset=4", "train.epochs=1")
+    assert tiny(tmp_path / "lora", "method=lora", "train.batch_size=1", "data.subset=4", "train.epochs=1")
+
+
 @pytest.mark.slow
 def test_augmented_training_images_are_not_cached_and_test_time_is_apart(tmp_path):
     # An FGVC folder (CUB layout), whose training split is cropped and flipped anew at every access.
