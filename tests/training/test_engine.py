@@ -215,6 +215,7 @@ class _NanGradient(torch.autograd.Function):
         return grad * float("nan")
 
 
+@pytest.mark.slow
 def test_weights_made_non_finite_by_the_last_step_stop_the_run_without_a_result(tmp_path, monkeypatch):
     calls = {"n": 0}
 
@@ -349,6 +350,7 @@ def test_a_training_split_of_one_image_is_refused_not_trained_in_no_step(tmp_pat
     assert not (tmp_path / "run" / "result.json").exists()
 
 
+@pytest.mark.slow
 def test_batches_of_one_image_are_refused_where_a_batchnorm_trains(tmp_path):
     # torch refused them at the first step: exit 1, "ValueError: Expected more than 1 value per channel...".
     with pytest.raises(config.ConfigError, match=r"^train.batch_size=1: method mlp's head.2 is a BatchNorm"):
