@@ -141,7 +141,8 @@ class TrainConfig(TrainSettings):
         batch_size: training images per step and process (effective batch: x processes x grad_accum); also the
             batch of a method's calibrate hook (GPS's selection gradient, NOAH's supernet steps).
         eval_batch_size: images per step when evaluating.
-        grad_accum: micro-batches accumulated per optimizer step.
+        grad_accum: micro-batches accumulated per optimizer step; each step's gradient is the mean over its images,
+            as one batch of them would give, also for an epoch's last step of fewer or shorter batches.
         precision: ``auto`` (bf16 autocast on a CUDA GPU with native bf16, else ``no``; the run's config.yaml and
             result.json record what it became on the machine that ran), ``no`` (fp32, with TF32 matmuls off also on
             a GPU: strict fp32, as every petl run before ``auto``), ``tf32`` (fp32 tensors, CUDA matmuls and
@@ -185,7 +186,7 @@ class RunConfig:
         data: see :class:`DataConfig`.
         model: see :class:`ModelConfig`.
         train: see :class:`TrainConfig`.
-        seed: seeds the model init, the new modules and the data order.
+        seed: seeds the model init, the new modules and the data order; 0 to 2**32 - 1 (numpy's seeds).
         output_dir: where the run writes its config, metrics, weights and result.
         resume: continue an unfinished run found in ``output_dir`` (or return its result if it finished);
             ``false`` deletes what an earlier run left there and starts over.
@@ -196,7 +197,8 @@ class RunConfig:
     data: DataConfig = MISSING
     model: ModelConfig = MISSING
     train: TrainConfig = field(default_factory=TrainConfig)
-    seed: int = option(0, low=0)
+    # numpy seeds its global stream (accelerate's set_seed) from 0 to 2**32 - 1 only, failing the run past it.
+    seed: int = option(0, low=0, high=2**32 - 1)
     output_dir: str = option(
         "runs/${petl.slug:${data.name}}/${petl.slug:${model.name}}/${method.name}/seed${seed}",
         check=_check_output_dir,

@@ -30,7 +30,7 @@ from petl.utils.progress import progress_bar
 
 
 class NonFiniteLossError(RuntimeError):
-    """The training loss became NaN or infinite."""
+    """The training loss, or the trained weights, became NaN or infinite."""
 
 
 BACKBONE_MODES = ("auto", "train", "eval")
@@ -246,6 +246,42 @@ def evaluate(model: nn.Module, loader: DataLoader, accelerator: Accelerator) -> 
     return 100.0 * correct / max(1, total)
 
 
+def accumulation_weights(loader: DataLoader, grad_accum: int, num_processes: int = 1) -> list[float]:
+    """The factor on each batch's mean loss that makes an accumulated step's gradient the mean over its images.
+
+    accelerate divides every micro-batch's loss by ``grad_accum``: right for a step of ``grad_accum`` full batches,
+    but an epoch's last step may hold fewer batches (the loader's length not a multiple of ``grad_accum``), or a
+    shorter last batch, and would be scaled down.  Each batch is weighted by its images over its step's, times
+    ``grad_accum``, so every step's gradient is what one batch of its images would give.  1.0 (the loss unchanged)
+    for every batch of a full step and without accumulation; several processes' batches are all full (accelerate
+    fills the last with images from the start), so there only the last step's count of batches matters.
+
+    Args:
+        loader: the training loader (prepared or not); one without a batch size or a length gets no weights.
+        grad_accum: micro-batches per optimizer step.
+        num_processes: processes training together.
+
+    Returns:
+        One weight per batch of ``loader`` on this process, in order; empty where they are all 1.
+
+    """
+    batch_size = getattr(getattr(loader, "batch_sampler", None), "batch_size", None)
+    if grad_accum == 1 or not batch_size:
+        return []
+    try:
+        batches, images = len(loader), len(loader.dataset)  # type: ignore[arg-type]
+    except TypeError:  # an iterable dataset: no lengths to weigh by
+        return []
+    sizes = [batch_size] * batches
+    if batches and num_processes == 1:
+        sizes[-1] = min(batch_size, images - (batches - 1) * batch_size)  # a full last batch under drop_last
+    weights = []
+    for first in range(0, batches, grad_accum):
+        step = sizes[first : first + grad_accum]
+        weights += [size * grad_accum / sum(step) for size in step]
+    return weights
+
+
 def train_one_epoch(
     model: nn.Module,
     loader: DataLoader,
@@ -255,7 +291,8 @@ def train_one_epoch(
     settings: TrainSettings,
     description: str = "train",
 ) -> dict[str, float]:
-    """One pass over ``loader``; returns mean loss, train top-1 (%), images seen and images/s.
+    """One pass over ``loader``; returns the lr of its last optimizer step, mean loss, train top-1 (%), images seen
+    and images/s.
 
     Raises:
         NonFiniteLossError: when the loss is NaN or infinite (the caller keeps its last checkpoint).
@@ -264,18 +301,23 @@ def train_one_epoch(
     set_train_mode(model, backbone_mode(model, settings))
     loss_fn = nn.CrossEntropyLoss(label_smoothing=settings.label_smoothing)
     params = trainable_parameters(model)
+    weights = accumulation_weights(loader, accelerator.gradient_accumulation_steps, accelerator.num_processes)
     loss_sum = correct = seen = 0.0
+    lr = optimizer.param_groups[0]["lr"]
     start = time.perf_counter()
     bar = progress_bar(loader, desc=description, leave=False, show=settings.progress and accelerator.is_main_process)
-    for images, labels in bar:
+    for index, (images, labels) in enumerate(bar):
         with accelerator.accumulate(model):
             logits = model(images)
             loss = loss_fn(logits, labels)
             if not torch.isfinite(loss):
                 raise NonFiniteLossError(f"loss became {loss.item()} at {description}")
-            accelerator.backward(loss)
+            weight = weights[index] if index < len(weights) else 1.0
+            accelerator.backward(loss if weight == 1.0 else loss * weight)
             if settings.grad_clip > 0 and accelerator.sync_gradients:
                 accelerator.clip_grad_norm_(params, settings.grad_clip)
+            if accelerator.sync_gradients:
+                lr = optimizer.param_groups[0]["lr"]  # what this step runs at (the scheduler moves it on below)
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
@@ -301,6 +343,7 @@ def train_one_epoch(
         # The counts above are already the whole epoch's (gathered per batch); the time is the slowest process's.
         seconds = float(accelerator.gather(torch.tensor([seconds], device=accelerator.device)).max())
     return {
+        "lr": lr,
         "loss": loss_sum / max(1, seen),
         "train_top1": 100.0 * correct / max(1, seen),
         "images": seen,
@@ -338,6 +381,9 @@ def fit(
     Returns:
         The per-epoch metrics.
 
+    Raises:
+        NonFiniteLossError: the loss, or after an epoch a trained weight, is NaN or infinite.
+
     """
     history = []
     epochs: Iterable[int] = range(start_epoch, settings.epochs)
@@ -347,12 +393,17 @@ def fit(
             # the epoch number; it is also what lets a resumed run see the same batches as an
             # uninterrupted one.  accelerate's prepared loaders pass it on to their sampler.
             train_loader.set_epoch(epoch)
-        metrics = train_one_epoch(
-            model, train_loader, optimizer, scheduler, accelerator, settings, f"epoch {epoch + 1}/{settings.epochs}"
-        )
+        description = f"epoch {epoch + 1}/{settings.epochs}"
+        metrics = train_one_epoch(model, train_loader, optimizer, scheduler, accelerator, settings, description)
+        # A step with a finite loss may still write NaN or inf into the weights (an overflowing gradient): the next
+        # loss says so, but after the last step of a run none comes, and its result and checkpoint would hold them.
+        params = trainable_parameters(model)
+        if params and not bool(torch.stack([p.detach().isfinite().all() for p in params]).all()):
+            raise NonFiniteLossError(f"the trained weights became non-finite (NaN or inf) at {description}")
         for name, loader in eval_loaders.items():
             metrics[f"{name}_top1"] = evaluate(model, loader, accelerator)
-        metrics = {"epoch": epoch + 1, "lr": optimizer.param_groups[0]["lr"], **metrics}
+        # "lr" is the epoch's last step's (read after the schedule has moved on, the last epoch's would be 0).
+        metrics = {"epoch": epoch + 1, **metrics}
         history.append(metrics)
         if on_epoch_end is not None:
             on_epoch_end(epoch, metrics)

@@ -208,6 +208,13 @@ def _train_and_record(cfg: DictConfig, resolved: dict[str, Any], out: Path, acce
         build.say(accelerator, "%s has no test split: this run reports no test accuracy", cfg.data.root)
     model = build.create_backbone(cfg)
     datasets = build.datasets(cfg, model)
+    if len(datasets["train"]) < 2:
+        # A lone image is a last batch of one, which the training loader leaves out (see _set_up_training): the run
+        # would take no step and record a loss of 0.
+        raise ConfigError(
+            f"data {cfg.data.name}: the {cfg.data.split} split holds {plural(len(datasets['train']), 'image')}, too "
+            "few to train on: give 2 or more (data.subset)"
+        )
     # The schedule and resolution said up front (a folder run's 100 epochs or the default 32 px are not obvious),
     # on stdout beside the closing summary line: stderr stays for warnings and the one-line errors.
     if accelerator.is_main_process:
@@ -221,6 +228,7 @@ def _train_and_record(cfg: DictConfig, resolved: dict[str, Any], out: Path, acce
     checkpoint = folder.resume_checkpoint(out, cfg, inputs)
     method_cfg = build.method_config(cfg, model, info.num_classes, checkpoint, accelerator)
     build.apply_method(cfg, model, method_cfg)
+    _check_batch_statistics(cfg, model)
     if cfg.train.grad_checkpointing:
         engine.enable_grad_checkpointing(model)
     model.to(accelerator.device)
@@ -264,6 +272,30 @@ def _train_and_record(cfg: DictConfig, resolved: dict[str, Any], out: Path, acce
         _record(cfg, out, model, result, accelerator, card)
     build.say(accelerator, "wrote %s", out / files.RESULT_FILE)
     return result.to_json()
+
+
+def _check_batch_statistics(cfg: DictConfig, model: nn.Module) -> None:
+    """Refuse ``train.batch_size=1`` where a BatchNorm1d trains (Mlp-k's head, HST's): one image has no statistics.
+
+    torch refuses such a batch at the first step ("Expected more than 1 value per channel"), after the build, as a
+    run error (exit 1); it is bad input.
+
+    Raises:
+        ConfigError: naming the option, the module and what to give instead.
+
+    """
+    if cfg.train.batch_size != 1:
+        return
+    modes = [(module, module.training) for module in model.modules()]
+    engine.set_train_mode(model, backbone_mode(model, cfg.train))  # the modes its training runs in
+    trained = [name for name, m in model.named_modules() if isinstance(m, nn.BatchNorm1d) and m.training]
+    for module, mode in modes:
+        module.training = mode
+    if trained:
+        raise ConfigError(
+            f"train.batch_size=1: method {cfg.method.name}'s {trained[0]} is a BatchNorm, which trains on the "
+            "statistics of a batch and one image has none; give train.batch_size=2 or more"
+        )
 
 
 @dataclass
@@ -380,14 +412,17 @@ def _set_up_training(
     # A selection trial (train.eval_test=false) never builds the test split, let alone scores it.
     test_set = datasets.get("test")
     test_loader = None if test_set is None else build.loader(test_set, cfg.train.eval_batch_size, num_workers, cfg.seed)
-    # The schedule counts optimizer steps: one per grad_accum batches (accelerate steps the
-    # scheduler once per process per call, which adds up to this count under DDP too).
-    steps_per_epoch = math.ceil(len(train_loader) / cfg.train.grad_accum)
-    optimizer, scheduler = build_optimizer(trainee, settings, steps_per_epoch)
-    few = learning.few_steps(steps_per_epoch * cfg.train.epochs, len(train_set), cfg.train.batch_size, cfg.train.epochs)
+    # Prepared first: under DDP each process gets its shard of the batches, evened out (ceil(batches / processes)).
+    train_loader = accelerator.prepare(train_loader)
+    # Each process takes an optimizer step per grad_accum of its own batches (and one after its last), and accelerate
+    # steps the scheduler once per process at each: the schedule counts that many.  From the unsharded loader it
+    # fell short wherever the batches do not divide among the processes, and the last steps ran at lr 0.
+    optimizer_steps = math.ceil(len(train_loader) / cfg.train.grad_accum)
+    optimizer, scheduler = build_optimizer(trainee, settings, optimizer_steps * accelerator.num_processes)
+    few = learning.few_steps(optimizer_steps * cfg.train.epochs, len(train_set), cfg.train.batch_size, cfg.train.epochs)
     if few is not None and accelerator.is_main_process:
         warn_once(log, few)  # once per process: a sweep of such runs says it once, not once a run
-    trainee, optimizer, train_loader, scheduler = accelerator.prepare(trainee, optimizer, train_loader, scheduler)
+    trainee, optimizer, scheduler = accelerator.prepare(trainee, optimizer, scheduler)
     test_loader = accelerator.prepare(test_loader) if test_loader is not None else None
     eval_loaders = {name: accelerator.prepare(loader) for name, loader in eval_loaders.items()}
     return _Setup(

@@ -16,7 +16,7 @@ class RunError(RuntimeError):
 
 
 class DivergedError(RunError):
-    """The loss became NaN or infinite: this configuration diverged.
+    """The loss or the trained weights became NaN or infinite: this configuration diverged.
 
     In an lr search that is an outcome, not a breakdown: the selection protocol scores such a trial last
     (it checks ``diverged`` rather than the class, so the sweep need not import the engine).

@@ -7,6 +7,7 @@ offline ``mini/digits`` task, so a run takes about a second on one CPU thread.
 from __future__ import annotations
 
 import json
+import math
 import re
 import time
 from pathlib import Path
@@ -75,6 +76,9 @@ def test_two_epoch_run_writes_a_complete_record(tmp_path):
     assert result["versions"]["torch"] == torch.__version__
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [row["epoch"] for row in lines] == [1, 2] and all("val_top1" in row for row in lines)
+    # Each epoch's lr is its last step's: 2 x 3 steps of cosine without warm-up, steps 3 and 6 (not the 0 after 6).
+    cosine = [1e-3 * 0.5 * (1 + math.cos(math.pi * step / 6)) for step in (2, 5)]
+    assert [row["lr"] for row in lines] == pytest.approx(cosine) and lines[-1]["lr"] > 0
     assert result["val_top1"] == lines[-1]["val_top1"]
     assert "lora" in (out / "config.yaml").read_text()
     # The saved weights restore onto a fresh backbone.
@@ -199,6 +203,34 @@ def test_non_finite_loss_stops_with_the_last_good_checkpoint(tmp_path, monkeypat
     assert not (tmp_path / "result.json").exists()
 
 
+class _NanGradient(torch.autograd.Function):
+    """The identity forward, NaN gradients backward: a finite loss whose step writes NaN into the weights."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * float("nan")
+
+
+@pytest.mark.slow
+def test_weights_made_non_finite_by_the_last_step_stop_the_run_without_a_result(tmp_path, monkeypatch):
+    calls = {"n": 0}
+
+    class PoisonedLastStep(torch.nn.CrossEntropyLoss):
+        def forward(self, logits, labels):
+            calls["n"] += 1  # 2 epochs of 3 batches: the sixth is the run's last step, after which no loss is seen
+            return super().forward(_NanGradient.apply(logits) if calls["n"] == 6 else logits, labels)
+
+    monkeypatch.setattr(engine.nn, "CrossEntropyLoss", PoisonedLastStep)
+    with pytest.raises(runner.RunError, match=r"weights became non-finite .* at epoch 2/2.*checkpoint of epoch 1 is"):
+        tiny(tmp_path, "method=lora")
+    assert not (tmp_path / "result.json").exists()
+    assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["epoch"] == 1
+
+
 @pytest.mark.slow
 def test_nested_dict_config_is_completed_and_checked(tmp_path):
     cfg = {
@@ -241,6 +273,40 @@ def test_epoch_sampler_order_depends_on_seed_and_epoch_only():
     assert list(fresh) == second
 
 
+def _one_epoch_of_sgd(batch_size: int, grad_accum: int, images: int = 10) -> torch.Tensor:
+    """A linear model's weights after one epoch of plain SGD (lr 1) on fixed data in a fixed order."""
+    gen = torch.Generator().manual_seed(0)
+    inputs, labels = torch.randn(images, 5, generator=gen), torch.randint(0, 3, (images,), generator=gen)
+    data = torch.utils.data.TensorDataset(inputs, labels)
+    model = torch.nn.Linear(5, 3)
+    with torch.no_grad():
+        model.weight.copy_(torch.randn(3, 5, generator=gen))
+        model.bias.zero_()
+    accelerator = engine.fresh_accelerator(cpu=True, gradient_accumulation_steps=grad_accum)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    loader = torch.utils.data.DataLoader(data, batch_size=batch_size)
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    engine.train_one_epoch(model, loader, optimizer, scheduler, accelerator, engine.TrainSettings(progress=False))
+    return model.weight.detach().clone()
+
+
+# 10 images: batches of 4 in steps of 2 leave a last step of one batch of 2; in steps of 3, one step of 4 + 4 + 2;
+# batches of 3 in steps of 2 a last step of 3 + 1.  Each step must move the weights as one batch of its images does.
+@pytest.mark.parametrize(("batch_size", "grad_accum"), [(4, 2), (4, 3), (3, 2)])
+def test_an_accumulated_step_is_one_batch_of_its_images_also_at_the_end_of_an_epoch(batch_size, grad_accum):
+    accumulated = _one_epoch_of_sgd(batch_size, grad_accum)
+    torch.testing.assert_close(accumulated, _one_epoch_of_sgd(batch_size * grad_accum, 1))
+
+
+def test_full_accumulated_steps_keep_every_loss_as_it_is():
+    loader = torch.utils.data.DataLoader(range(12), batch_size=3)
+    assert engine.accumulation_weights(loader, 1) == []
+    assert engine.accumulation_weights(loader, 2) == [1.0] * 4
+    # Two processes: accelerate fills every batch, so only the last step's count of batches weighs.
+    assert engine.accumulation_weights(torch.utils.data.DataLoader(range(9), batch_size=3), 2, 2) == [1.0, 1.0, 2.0]
+
+
 @pytest.mark.slow
 def test_local_checkpoint_replaces_the_hub_download(tmp_path):
     # Offline clusters: model.checkpoint points timm's own pretrained loader at a local file.
@@ -275,6 +341,21 @@ def test_a_last_batch_of_one_image_is_left_out_so_batchnorm_heads_train(tmp_path
     result = tiny(tmp_path / "run", "method=mlp", "data.subset=97", "train.epochs=1")
     assert result["final_train_top1"] is not None
     assert build.loader(list(range(97)), 32, 0, 0, drop_last=True).__len__() == 3
+
+
+def test_a_training_split_of_one_image_is_refused_not_trained_in_no_step(tmp_path):
+    # The lone image is a last batch of one, left out: the run took no step and recorded loss 0.0, val and test 0.
+    with pytest.raises(config.ConfigError, match=r"^data mini/digits: the train800 split holds 1 image, too few"):
+        tiny(tmp_path / "run", "method=lora", "data.subset=1")
+    assert not (tmp_path / "run" / "result.json").exists()
+
+
+@pytest.mark.slow
+def test_batches_of_one_image_are_refused_where_a_batchnorm_trains(tmp_path):
+    # torch refused them at the first step: exit 1, "ValueError: Expected more than 1 value per channel...".
+    with pytest.raises(config.ConfigError, match=r"^train.batch_size=1: method mlp's head.2 is a BatchNorm"):
+        tiny(tmp_path / "mlp", "method=mlp", "train.batch_size=1", "data.subset=4", "train.epochs=1")
+    assert tiny(tmp_path / "lora", "method=lora", "train.batch_size=1", "data.subset=4", "train.epochs=1")
 
 
 @pytest.mark.slow

@@ -8,6 +8,7 @@ two processes that form no group: each would train alone into the same folder.  
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import subprocess
@@ -96,6 +97,10 @@ def test_two_cpu_processes_train_one_run_with_ddp(tmp_path, precision):
     assert result["epochs"] == 2 and result["num_processes"] == 2
     epochs = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert [epoch["epoch"] for epoch in epochs] == [1, 2]
+    # 3 batches of 16 are 2 a process (one filled): 2 optimizer steps an epoch, each stepping the scheduler once per
+    # process, so the cosine spans 8; counted from the unsharded 3 it ended after 6 and the last 2 steps ran at lr 0.
+    cosine = [1e-3 * 0.5 * (1 + math.cos(math.pi * count / 8)) for count in (2, 6)]  # each epoch's last step
+    assert [epoch["lr"] for epoch in epochs] == pytest.approx(cosine)
     for epoch in epochs:
         assert epoch["images"] == 40, epoch
         correct = epoch["train_top1"] * 40 / 100  # the accuracy is over the same 40: a whole number of them right

@@ -68,6 +68,13 @@ def test_num_classes_in_model_kwargs_is_refused():
         default_config(["+model.kwargs.num_classes=3"])
 
 
+def test_a_seed_numpy_cannot_take_is_bad_input():
+    # It failed the run after the build (accelerate's set_seed seeds numpy): exit 1, "ValueError: Seed must be...".
+    assert default_config([*TINY_MODEL, f"seed={2**32 - 1}"]).seed == 2**32 - 1
+    with pytest.raises(ConfigError, match=r"^seed=4294967296 is out of range: allowed \[0, 4294967295\]$"):
+        default_config([*TINY_MODEL, "seed=4294967296"])
+
+
 def test_overrides_given_as_one_string_or_to_train_are_named():
     # default_config("method=lora") read the string's letters as overrides ("cannot parse override 'm'");
     # train("method=lora") and train([...]) failed in dict() ("dictionary update sequence element #0 has length 1").
