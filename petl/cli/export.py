@@ -15,9 +15,13 @@ names and the preprocessing (input size, mean/std, interpolation, crop), as JSON
 metadata; ONNX ``metadata_props``).  An ONNX file needs the onnx package (``pip install onnx``; petl does not
 install it) and is checked against the merged model's logits with onnxruntime where it is installed (a note on
 stderr where not); a model torch's ONNX exporter cannot trace (timm's EVA) fails in one line:
-export a folder or ``.safetensors`` for it.  ``out=`` inside a run folder (this run's or another's) is refused: an
-export never replaces a run's files.  An existing file, or a folder already holding ``config.json`` or
-``model.safetensors``, is refused in one line naming it; ``overwrite=true`` replaces it.
+export a folder or ``.safetensors`` for it.  A model whose weights pass 2 GiB (fp32 ViT-H/14 and larger; one ONNX
+file cannot hold more) is written as two files: ``FILE.onnx`` and its weights ``FILE.onnx.data``, which the
+``.onnx`` names; keep them together in one folder (onnx.load and onnxruntime read the weights from beside the
+``.onnx``).  ``out=`` inside a run folder (this run's or another's) is refused: an
+export never replaces a run's files.  An existing file (for ``FILE.onnx``, ``FILE.onnx.data`` too), or a folder
+already holding ``config.json`` or ``model.safetensors``, is refused in one line naming it; ``overwrite=true``
+replaces it (a smaller model's export removes the old ``FILE.onnx.data``).
 Methods whose modules cannot fold into the backbone (adapters, prompts, an MLP head) are refused
 in one line: use ``petl-predict`` / ``petl.load_run`` for them.
 
@@ -37,7 +41,11 @@ from petl.cli.args import CommandLineError, Key, boolean, entry_point, exit_stat
 PROG = "petl-export"
 KEYS = (
     Key("out", "FOLDER (timm's local-dir format), FILE.safetensors or FILE.onnx (required)"),
-    Key("overwrite", "true: replace an existing out= file (or the folder's config.json, model.safetensors)", boolean),
+    Key(
+        "overwrite",
+        "true: replace an existing out= file (or the folder's config.json, model.safetensors; FILE.onnx.data)",
+        boolean,
+    ),
 )
 USAGE = f"{PROG} RUN_DIR out=FOLDER|FILE.safetensors|FILE.onnx [overwrite=true]"
 

@@ -6,7 +6,10 @@ The command line, its options and exit statuses are :mod:`petl.cli.export`'s.
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import sys
+import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
@@ -30,6 +33,10 @@ CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"  # timm's names i
 ONNX_OPSET = 17
 # Largest |difference| of logits accepted between onnxruntime and torch (fp32 kernels differ in rounding).
 ONNX_TOLERANCE = 1e-3
+# Protobuf serializes nothing past 2 GiB, so weights past this (fp32 ViT-H/14 and up) go to one data file beside
+# the .onnx, as onnx.save_model(save_as_external_data=True) writes it; 64 MiB are left for the graph and metadata.
+ONNX_WEIGHTS_LIMIT = 2**31 - 2**26
+ONNX_DATA_SUFFIX = ".data"  # FILE.onnx.data, the name torch's newer (dynamo) exporter gives that file
 
 
 def metadata(run: LoadedRun) -> dict[str, str]:
@@ -102,8 +109,18 @@ def save_timm_folder(model: nn.Module, folder: Path, config: dict[str, Any]) -> 
     files.write_json(folder / CONFIG_FILE, config)
 
 
+def onnx_data_path(path: Path) -> Path:
+    """Where an ONNX export past protobuf's 2 GiB keeps its weights: ``FILE.onnx.data`` beside ``FILE.onnx``."""
+    return path.with_name(path.name + ONNX_DATA_SUFFIX)
+
+
 def save_onnx(model: nn.Module, path: Path, meta: dict[str, str], image_size: int) -> float | None:
     """The plain model as ONNX (dynamic batch); returns the largest logit difference onnxruntime gives, if installed.
+
+    A model whose weights pass protobuf's 2 GiB (:data:`ONNX_WEIGHTS_LIMIT`) keeps them in one file beside
+    ``path`` (:func:`onnx_data_path`), which the ``.onnx`` names and must stay beside; a smaller model is one file,
+    and an earlier export's data file is removed.  Everything is written in a temporary folder beside ``path``
+    and moved in once checked, the ``.onnx`` last, so an interrupted export leaves no ``.onnx`` that is not whole.
 
     Raises:
         RuntimeError: torch's exporter cannot trace the model (timm's EVA), or onnxruntime disagrees with torch by
@@ -111,32 +128,72 @@ def save_onnx(model: nn.Module, path: Path, meta: dict[str, str], image_size: in
 
     """
     example = torch.randn(2, 3, image_size, image_size, generator=torch.Generator().manual_seed(0))
-
-    def write(tmp: Path) -> None:
-        with warnings.catch_warnings():
-            # The TorchScript exporter: torch's newer one needs the onnxscript package.
-            warnings.simplefilter("ignore")
-            try:
-                torch.onnx.export(
-                    model.cpu(), (example,), str(tmp), input_names=["image"], output_names=["logits"],
-                    dynamic_axes={"image": {0: "batch"}, "logits": {0: "batch"}}, opset_version=ONNX_OPSET,
-                    dynamo=False,
-                )  # fmt: skip
-            except Exception as error:  # noqa: BLE001  (a model torch's exporter cannot trace: timm's EVA)
-                first = str(error).splitlines()[0] if str(error) else type(error).__name__
-                raise RuntimeError(
-                    f"torch.onnx.export cannot export {meta.get('timm_model', 'this model')} ({first}): "
-                    "export a folder or a .safetensors file instead"
-                ) from None
-        _add_onnx_metadata(tmp, meta)
-        gap = _onnx_gap(tmp, model, example)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # A folder, not a file: past 2 GiB torch's exporter writes each weight as a file beside the one it is given.
+    work = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    try:
+        written = work / path.name
+        _torch_onnx_export(model, example, written, meta)
+        large = _save_onnx_with_metadata(written, meta)
+        gap = _onnx_gap(written, model, example)
         if gap is not None and gap > ONNX_TOLERANCE:
             raise RuntimeError(f"onnxruntime's logits differ from torch's by {gap:.2e} (> {ONNX_TOLERANCE})")
-        result["gap"] = gap
+        _move_onnx_in(written, path, large)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return gap
 
-    result: dict[str, Any] = {}
-    files.write_atomic(path, write)
-    return result.get("gap")
+
+def _torch_onnx_export(model: nn.Module, example: torch.Tensor, path: Path, meta: dict[str, str]) -> None:
+    with warnings.catch_warnings():
+        # The TorchScript exporter: torch's newer one needs the onnxscript package.
+        warnings.simplefilter("ignore")
+        try:
+            torch.onnx.export(
+                model.cpu(), (example,), str(path), input_names=["image"], output_names=["logits"],
+                dynamic_axes={"image": {0: "batch"}, "logits": {0: "batch"}}, opset_version=ONNX_OPSET,
+                dynamo=False,
+            )  # fmt: skip
+        except Exception as error:  # noqa: BLE001  (a model torch's exporter cannot trace: timm's EVA)
+            first = str(error).splitlines()[0] if str(error) else type(error).__name__
+            raise RuntimeError(
+                f"torch.onnx.export cannot export {meta.get('timm_model', 'this model')} ({first}): "
+                "export a folder or a .safetensors file instead"
+            ) from None
+
+
+def _save_onnx_with_metadata(path: Path, meta: dict[str, str]) -> bool:
+    """Add ``meta`` to the ONNX file at ``path`` (rewritten in place); return whether its weights went to a file."""
+    import onnx
+
+    proto = onnx.load(str(path))  # with the weights torch wrote beside it past 2 GiB
+    for key, value in meta.items():
+        entry = proto.metadata_props.add()
+        entry.key, entry.value = key, value
+    # The weights' bytes, not proto.ByteSize(): protobuf cannot even count a message past 2 GiB.
+    large = sum(len(tensor.raw_data) for tensor in proto.graph.initializer) > ONNX_WEIGHTS_LIMIT
+    if large:
+        # One data file (not torch's file per weight), named relative to the .onnx, so the two move together.
+        onnx.save_model(
+            proto, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+            location=onnx_data_path(path).name,
+        )  # fmt: skip
+    else:
+        onnx.save_model(proto, str(path))
+    return large
+
+
+def _move_onnx_in(written: Path, path: Path, large: bool) -> None:
+    """Move the checked export (and its data file) from the temporary folder onto ``path``, the ``.onnx`` last."""
+    data = onnx_data_path(path)
+    if large or data.exists():
+        # The earlier .onnx goes first: interrupted between the moves, no .onnx is left beside weights it does not
+        # name (an old model.onnx would read the new model.onnx.data, or miss the one removed).
+        path.unlink(missing_ok=True)
+        data.unlink(missing_ok=True)
+    if large:
+        os.replace(onnx_data_path(written), data)
+    os.replace(written, path)
 
 
 def require_onnx(out: Path) -> None:
@@ -155,16 +212,6 @@ def require_onnx(out: Path) -> None:
             f"out={out} needs the onnx package, which is not installed: pip install onnx, or export a folder or a "
             ".safetensors file"
         ) from None
-
-
-def _add_onnx_metadata(path: Path, meta: dict[str, str]) -> None:
-    import onnx
-
-    proto = onnx.load(str(path))
-    for key, value in meta.items():
-        entry = proto.metadata_props.add()
-        entry.key, entry.value = key, value
-    onnx.save(proto, str(path))
 
 
 def _onnx_gap(path: Path, model: nn.Module, example: torch.Tensor) -> float | None:
@@ -187,9 +234,9 @@ def check_target(run_dir: str | Path, out: str | Path, overwrite: bool = False) 
 
     ``out`` inside a run folder (this run's or any other: a folder above it holds ``model.json``) is refused
     even with ``overwrite``: a run's files are replaced by a run, never by an export; so is an ``out`` where no
-    file can be written (a read-only folder, ``/proc``).  An existing file, or a
-    folder already holding ``config.json`` or ``model.safetensors``, is replaced only with ``overwrite``; a folder
-    where the export writes a file is refused even with it.
+    file can be written (a read-only folder, ``/proc``).  An existing file (for ``FILE.onnx``, also the data file
+    ``FILE.onnx.data`` of a large export), or a folder already holding ``config.json`` or ``model.safetensors``, is
+    replaced only with ``overwrite``; a folder where the export writes a file is refused even with it.
 
     Raises:
         ValueError: an unknown format, ``out`` inside a run folder, files in the way, a folder nothing can be
@@ -207,16 +254,16 @@ def check_target(run_dir: str | Path, out: str | Path, overwrite: bool = False) 
         if out.suffix:
             if out.is_dir():
                 raise ValueError(f"out={out} is a folder: name a new {out.suffix} file")
-            in_the_way = [out] if out.exists() else []
+            # A large ONNX export's data file is part of the export (an earlier one's, or someone's own file).
+            names = [out, onnx_data_path(out)] if out.suffix.lower() == ".onnx" else [out]
+            in_the_way = [path for path in names if path.exists()]
         elif out.exists() and not out.is_dir():
             raise ValueError(f"out={out} is a file: name a folder (no suffix) or a .safetensors or .onnx file")
         else:
             in_the_way = [out / name for name in (CONFIG_FILE, WEIGHTS_FILE) if (out / name).exists()]
-            for path in in_the_way:
-                if path.is_dir():  # overwrite= replaces files, never a folder
-                    raise ValueError(
-                        f"{path} is a folder, where the export writes a file: remove it or export elsewhere"
-                    )
+        for path in in_the_way:
+            if path.is_dir():  # overwrite= replaces files, never a folder
+                raise ValueError(f"{path} is a folder, where the export writes a file: remove it or export elsewhere")
         # Said before the run loads (as petl-predict's out=), not as a bare OSError after the model is built.  Without
         # fill: a full disk is an export that failed (exit 1, docs/cli.md), said by export() when it writes.
         unwritable = cannot_write_in(out.parent if out.suffix else out)
@@ -236,8 +283,8 @@ def export(run_dir: str | Path, out: str | Path, overwrite: bool = False) -> flo
     Args:
         run_dir: the run folder.
         out: a folder (timm's ``local-dir`` format), a ``.safetensors`` or a ``.onnx`` file name.
-        overwrite: replace an existing file (or a folder's ``config.json`` / ``model.safetensors``); without it
-            they are refused (:func:`check_target`).
+        overwrite: replace an existing file (or a folder's ``config.json`` / ``model.safetensors``, a ``.onnx``
+            file's ``.onnx.data``); without it they are refused (:func:`check_target`).
 
     Returns:
         For ONNX, onnxruntime's largest logit difference from torch (``None`` without onnxruntime).

@@ -21,6 +21,7 @@ import torch
 from conftest import TINY_FAMILIES, TINY_VIT
 from test_multitask import _run_folder as multitask_run_folder
 from test_run_card import TINY, _image, _run_folder
+from torch import nn
 
 import petl
 from petl.backbones import models
@@ -292,3 +293,98 @@ def test_a_folder_where_the_export_writes_a_file_is_refused_even_with_overwrite(
             f"petl-export: error: {tmp_path / 'exported' / 'model.safetensors'} is a folder, where the export "
             "writes a file: remove it or export elsewhere\n"
         )
+
+
+def _onnx_logits(path: Path, images: torch.Tensor) -> torch.Tensor:
+    import onnxruntime
+
+    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    return torch.from_numpy(session.run(None, {"image": images.numpy()})[0])
+
+
+def test_an_onnx_export_past_2_gib_keeps_its_weights_in_one_data_file_that_an_overwrite_replaces(
+    tmp_path, capsys, monkeypatch
+):
+    # Past protobuf's 2 GiB, petl re-saved torch's ONNX file whole to add the metadata: "EncodeError: Failed to
+    # serialize proto", beside torch's file per weight left in out='s folder.  The limit lowered: the TINY model is
+    # "large" (the real size: test_an_onnx_export_of_a_model_past_2_gib_is_written).
+    pytest.importorskip("onnxruntime")
+    import onnx
+
+    run_dir = _run_folder(tmp_path / "run")
+    out = tmp_path / "model.onnx"
+    data = tmp_path / "model.onnx.data"
+    images = torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = petl.load_run(run_dir).model(images)
+    monkeypatch.setattr(export_api, "ONNX_WEIGHTS_LIMIT", 0, raising=False)
+    export_cli.main([str(run_dir), f"out={out}"])
+    assert capsys.readouterr().out.startswith(f"wrote {out} (onnxruntime matches torch within ")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.onnx", "model.onnx.data", "run"]
+    proto = onnx.load(str(out), load_external_data=False)
+    assert {entry.key: entry.value for entry in proto.metadata_props}["timm_model"] == "vit_tiny_patch16_224"
+    locations = {
+        entry.value for tensor in proto.graph.initializer for entry in tensor.external_data if entry.key == "location"
+    }
+    assert locations == {"model.onnx.data"}  # one file, named relative to the .onnx: the two move together
+    torch.testing.assert_close(_onnx_logits(out, images), want, atol=1e-4, rtol=1e-4)
+    # The data file is part of the export: refused without overwrite=true, even alone.
+    out.unlink()
+    with pytest.raises(SystemExit) as stop:
+        export_cli.main([str(run_dir), f"out={out}"])
+    error = capsys.readouterr().err
+    assert stop.value.code == 2 and error == (
+        f"petl-export: error: {data} already exists: export elsewhere, or add overwrite=true to replace it\n"
+    )
+    export_cli.main([str(run_dir), f"out={out}", "overwrite=true"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.onnx", "model.onnx.data", "run"]
+    # A small export over a large one removes its data file: the new .onnx holds its weights itself.
+    monkeypatch.undo()
+    export_cli.main([str(run_dir), f"out={out}", "overwrite=true"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.onnx", "run"]
+    torch.testing.assert_close(_onnx_logits(out, images), want, atol=1e-4, rtol=1e-4)
+
+
+def test_a_large_onnx_export_that_fails_its_check_leaves_the_earlier_export_and_no_temporary_files(
+    tmp_path, capsys, monkeypatch
+):
+    pytest.importorskip("onnxruntime")
+    run_dir = _run_folder(tmp_path / "run")
+    out = tmp_path / "model.onnx"
+    (tmp_path / "model.onnx.data").write_text("an earlier export's weights")
+    out.write_text("an earlier export")
+    monkeypatch.setattr(export_api, "ONNX_WEIGHTS_LIMIT", 0, raising=False)
+    monkeypatch.setattr(export_api, "_onnx_gap", lambda *args: 1.0)
+    with pytest.raises(SystemExit) as stop:
+        export_cli.main([str(run_dir), f"out={out}", "overwrite=true"])
+    error = capsys.readouterr().err
+    assert stop.value.code == 1 and "onnxruntime's logits differ from torch's by 1.00e+00" in error, error
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.onnx", "model.onnx.data", "run"]
+    assert out.read_text() == "an earlier export"
+    assert (tmp_path / "model.onnx.data").read_text() == "an earlier export's weights"
+
+
+class _LargeTable(nn.Module):
+    """2.02 GiB of fp32 weights (past protobuf's 2 GiB) that cost nothing to run: a row picked by the image."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.zeros(2**27 + 2**20, 4), requires_grad=False)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.table[(images.flatten(1)[:, 0] > 0).long()]
+
+
+@pytest.mark.slow
+def test_an_onnx_export_of_a_model_past_2_gib_is_written(tmp_path):
+    # An fp32 ViT-H/14's case, without a ViT-H: about 20 s (torch's export, onnx's load and save of 2 GiB), 7 GB.
+    pytest.importorskip("onnxruntime")
+    import onnx
+
+    out = tmp_path / "model.onnx"
+    gap = export_api.save_onnx(_LargeTable().eval(), out, {"format": export_api.FORMAT}, image_size=4)
+    assert gap == 0.0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.onnx", "model.onnx.data"]
+    assert out.stat().st_size < 2**20 and (tmp_path / "model.onnx.data").stat().st_size == (2**27 + 2**20) * 16
+    proto = onnx.load(str(out), load_external_data=False)
+    assert {entry.key: entry.value for entry in proto.metadata_props} == {"format": export_api.FORMAT}
