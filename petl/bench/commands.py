@@ -100,9 +100,11 @@ def _restriction(own: dict[str, str], suite: suites.Suite) -> tuple[list[str], l
         seeds = [int(s) for s in listed["seeds"]]
     except ValueError:
         seeds = [-1]
-    if min(seeds) < 0:
-        # petl-run's seed is 0 or more: a negative one would fail each of its runs in its error.log, one by one.
-        raise SystemExit(f"petl-bench: seeds={own['seeds']}: expected whole numbers from 0, e.g. seeds=0,1")
+    if min(seeds) < 0 or max(seeds) > suites.MAX_SEED:
+        # petl-run's seed is 0 to MAX_SEED: another would fail each of its runs in its error.log, one by one.
+        raise SystemExit(
+            f"petl-bench: seeds={own['seeds']}: expected whole numbers from 0 to {suites.MAX_SEED}, e.g. seeds=0,1"
+        )
     for key, values in (("methods", listed["methods"]), ("tasks", listed["tasks"]), ("seeds", seeds)):
         twice = sorted({str(v) for v in values if values.count(v) > 1})
         if twice:

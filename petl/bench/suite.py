@@ -65,6 +65,8 @@ ALL = "all"
 EXPERIMENT_LISTS = "experiment_lists.yaml"
 # `tasks: <name>` in a suite: a list of this file, the one home of a task list several suites run.
 TASK_LISTS = "task_lists.yaml"
+# The largest seed petl-run takes (RunConfig.seed: numpy seeds from 0 to 2**32 - 1).
+MAX_SEED = 2**32 - 1
 
 
 @dataclass(frozen=True)
@@ -178,10 +180,12 @@ def load_suite(name: str, configs: Path) -> Suite:
         if twice:
             # The same run planned twice: one folder, trained once and counted twice.
             raise ValueError(f"{path}: `{key}` lists {', '.join(twice)} more than once: list each once")
-    if not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in data["seeds"]):
+    if not all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s <= MAX_SEED for s in data["seeds"]):
         # int() would make 0.5 seed 0 and "1" seed 1 without a word; a word would stop in a bare int() error; a
-        # negative seed, which petl-run refuses, would fail each run in its error.log.
-        raise ValueError(f"{path}: `seeds` must list whole numbers from 0, e.g. [0, 1, 2]; got {data['seeds']!r}")
+        # seed petl-run refuses (negative, or past MAX_SEED) would fail each run in its error.log.
+        raise ValueError(
+            f"{path}: `seeds` must list whole numbers from 0 to {MAX_SEED}, e.g. [0, 1, 2]; got {data['seeds']!r}"
+        )
     groups = {g: data[g] for g in SUITE_GROUPS if data.get(g)}
     owned = sorted(set(SWEEP_OWNED) & {k for g, v in groups.items() for k in flatten(g, v)})
     if owned:
@@ -194,8 +198,10 @@ def load_suite(name: str, configs: Path) -> Suite:
         # A value without effect is a bug: the trial seed only acts when the suite selects on val.
         raise ValueError(f"{path}: `search_seed` needs a `search:` space (without one, runs train once per seed)")
     search_seed = data.get("search_seed", 0)
-    if not isinstance(search_seed, int) or isinstance(search_seed, bool) or search_seed < 0:
-        raise ValueError(f"{path}: `search_seed` must be a whole number from 0, e.g. 0; got {search_seed!r}")
+    if not isinstance(search_seed, int) or isinstance(search_seed, bool) or not 0 <= search_seed <= MAX_SEED:
+        raise ValueError(
+            f"{path}: `search_seed` must be a whole number from 0 to {MAX_SEED}, e.g. 0; got {search_seed!r}"
+        )
     final_split = data.get("final_split")
     if final_split is None and search:  # left out, or `final_split:` with no value
         final_split = FINAL_SPLIT

@@ -27,9 +27,10 @@ from petl.utils.progress import progress_bar
 from petl.utils.text import first_line, shown
 
 # Decoded images of one split are held in memory up to this many bytes (uint8, each at the size the split's
-# transform first resizes it to where that is smaller than its stored size: held_form).  VTAB-1k's and FGVC's
-# splits fit far below it; a split above it (e.g. a large test split of full-size photos: NABirds' ~24,600) is
-# still fully decoded and checked once when built, but then decodes each image again on every access.
+# transform first resizes it to where that is smaller than its stored size: held_form).  VTAB-1k's splits and
+# FGVC's train/val splits fit far below it; a split above it (e.g. a large test split of full-size photos:
+# NABirds' ~24,600) is still fully decoded and checked once when built, but then decodes each image again on every
+# access.
 DECODED_MEMORY_LIMIT = 4 << 30
 
 # Pillow modes holding more than 8 bits per pixel in one channel.  16-bit PNG/TIFF greyscale opens

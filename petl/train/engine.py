@@ -102,8 +102,8 @@ def check_backbone_mode(
     Train and eval mode differ only in those (a hybrid ViT's CNN stem may hold BatchNorms: in train mode they
     normalise by the batch's statistics), so without any the mode changes nothing.  The backbone's own modules
     count, not those a petl wrapper adds beside the layer it wraps (prompt and LoRA dropout run in train mode
-    either way).  ``petl-run`` checks its config with this (``key`` ``train.backbone_mode``) before it builds
-    anything; :func:`backbone_mode` checks every model it trains.
+    either way) nor the classifier head (Mlp-k's).  ``petl-run`` checks its config with this (``key``
+    ``train.backbone_mode``) before it builds anything; :func:`backbone_mode` checks every model it trains.
 
     Args:
         model: the backbone, with or without a petl method applied.
@@ -127,7 +127,12 @@ def check_backbone_mode(
         if name != "base"
         for inner in child.modules()
     }
-
+    # The classifier too: a method's head (Mlp-k's BatchNorm1d and dropout) is not the backbone's, and petl-run checks
+    # the backbone before the method adds it (timm's own heads are a plain Linear).
+    for module in model.modules():
+        head = module.get_classifier() if callable(getattr(module, "get_classifier", None)) else None
+        if isinstance(head, nn.Module):
+            added |= {id(inner) for inner in head.modules()}
     own = [m for m in model.modules() if id(m) not in added]
     if not any(is_stochastic(m) or isinstance(m, _BatchNorm) for m in own):
         raise ConfigError(

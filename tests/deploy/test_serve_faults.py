@@ -214,7 +214,9 @@ def test_max_connections_connections_are_served_and_the_next_gets_503(app):
         return connection.recv(100).split(b"\r\n")[0]
 
     try:
+        deadline = time.monotonic() + 60  # a server that failed to start (its thread ended) fails the test, not hangs
         while not server.started:
+            assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
             time.sleep(0.05)
         with socket.create_connection(("127.0.0.1", port), timeout=30) as held:
             with socket.create_connection(("127.0.0.1", port), timeout=30) as second:
@@ -222,6 +224,7 @@ def test_max_connections_connections_are_served_and_the_next_gets_503(app):
                 with socket.create_connection(("127.0.0.1", port), timeout=30) as third:
                     assert health(third) == b"HTTP/1.1 503 Service Unavailable"
             while len(server.server_state.connections) > 1:  # the server has seen the other two close
+                assert time.monotonic() < deadline + 60, "the server did not see the connections close"
                 time.sleep(0.05)
             assert health(held) == b"HTTP/1.1 200 OK"
     finally:

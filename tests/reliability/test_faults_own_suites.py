@@ -75,6 +75,11 @@ def test_seeds_must_be_whole_numbers_and_nothing_may_be_listed_twice(tmp_path):
         "experiments: [linear]\ntasks: [mini/digits]\nseeds: [0.5, 1]\n": r"`seeds` must list whole numbers",
         "experiments: [linear]\ntasks: [mini/digits]\nseeds: ['0', one]\n": r"`seeds` must list whole numbers",
         "experiments: [linear]\ntasks: [mini/digits]\nseeds: [-1, 0]\n": r"`seeds` must list whole numbers from 0",
+        # petl-run refuses a seed past 2**32 - 1 (numpy's): each run would fail in its error.log.
+        "experiments: [linear]\ntasks: [mini/digits]\nseeds: [0, 4294967296]\n": r"`seeds` .* from 0 to 4294967295,",
+        "experiments: [linear]\ntasks: [mini/digits]\nseeds: [0]\nsearch: {train.lr: [1]}\nsearch_seed: 4294967296\n": (
+            r"`search_seed` must be a whole number from 0 to 4294967295,"
+        ),
         "experiments: [linear]\ntasks: [mini/digits]\nseeds: [0]\nsearch: {train.lr: [0.1]}\nsearch_seed: -1\n": (
             r"`search_seed` must be a whole number from 0"
         ),
@@ -112,6 +117,7 @@ def test_methods_tasks_or_seeds_listing_nothing_twice_or_a_negative_seed_are_ref
         ("seeds=a", "seeds=a: expected whole numbers"),
         # petl-run refuses a negative seed: each run would fail in its error.log, exit 1, not one line, exit 2.
         ("seeds=-1", "seeds=-1: expected whole numbers from 0"),
+        ("seeds=0,4294967296", "seeds=0,4294967296: expected whole numbers from 0 to 4294967295"),
         # One run planned twice: trained once, counted twice; `commands` printed two jobs into one folder.
         ("seeds=0,00", "seeds=0,00: 0 listed more than once"),
         ("methods=linear,linear", "methods=linear,linear: linear listed more than once"),

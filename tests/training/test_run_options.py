@@ -149,6 +149,10 @@ def test_a_backbone_mode_from_python_is_refused_by_the_same_check(tiny_vit, mode
     assert engine.backbone_mode(model, engine.TrainSettings()) == "train"  # auto: the method's choice, taken
     dropping = petl.apply(tiny_vit(drop_path_rate=0.1), "lora", num_classes=3)
     assert engine.backbone_mode(dropping, settings) == mode  # with a rate to act on: taken
+    # Mlp-k's head holds BatchNorm1d and dropout, but it is the method's and trains either way: refused as petl-run
+    # refuses it (its check sees the backbone before the method), not taken as a backbone the mode acts on.
+    with pytest.raises(ConfigError, match=rf"^TrainSettings\.backbone_mode={mode} cannot act"):
+        engine.backbone_mode(petl.apply(tiny_vit(), "mlp", num_classes=3), settings)
 
 
 def test_a_backbone_mode_acts_on_a_batchnorm_in_the_backbone():
