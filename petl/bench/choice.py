@@ -20,7 +20,7 @@ from typing import Any
 
 from petl.bench.board import ExperimentRow, Leaderboard
 from petl.bench.estimate import duration
-from petl.bench.ranking import Ranking, rank_test, show_p
+from petl.bench.ranking import Ranking, rank_test, said_p
 from petl.utils.text import plural
 
 CHOICE_FILE = "choice.md"
@@ -200,9 +200,9 @@ def _verdict(found: Ranking | str, best: ExperimentRow, runner: ExperimentRow, t
         friedman = (
             ""
             if math.isnan(found.p_value)
-            else f" after Friedman's test over the {k} (p = {show_p(found.p_value, found.alpha)})"
+            else f" after Friedman's test over the {k} ({said_p(found.p_value, found.alpha)})"
         )
-        test = f"Nemenyi's test{friedman}, {blocks}: p = {show_p(found.p_values[a][b], found.alpha)} < {found.alpha:g}"
+        test = f"Nemenyi's test{friedman}, {blocks}: {said_p(found.p_values[a][b], found.alpha)} < {found.alpha:g}"
         first, second = (a, b) if found.mean_rank[a] <= found.mean_rank[b] else (b, a)
         said = (
             f"**{first}** ranks above **{second}** on this data (mean rank {found.mean_rank[first]:.2f} against "
@@ -222,9 +222,9 @@ def _verdict(found: Ranking | str, best: ExperimentRow, runner: ExperimentRow, t
         )
     if not found.omnibus_rejects:
         test = f"Friedman's test over the {k} within the budget, {blocks}, does not reject that they rank alike: "
-        test += "every block ties them" if math.isnan(found.p_value) else f"p = {show_p(found.p_value, found.alpha)}"
+        test += "every block ties them" if math.isnan(found.p_value) else said_p(found.p_value, found.alpha)
     else:
-        test = f"Nemenyi's test after Friedman's, {blocks}: p = {show_p(found.p_values[a][b], found.alpha)}"
+        test = f"Nemenyi's test after Friedman's, {blocks}: {said_p(found.p_values[a][b], found.alpha)}"
     few = found.too_few_blocks()
     if few:
         # Not told apart, and no outcome over so few blocks could have been: say so, or it reads as a finding.

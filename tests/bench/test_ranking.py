@@ -410,3 +410,20 @@ def test_rows_on_one_backbone_are_all_ranked_and_nothing_is_said_of_backbones(tm
     assert board.ranking.methods == ("mlp", "lora", "linear")
     assert not any(board.other_backbone(r) for r in board.rows)
     assert "**Other backbone**" not in (tmp_path / "leaderboard.md").read_text()
+
+
+def test_a_p_that_underflowed_to_zero_is_said_as_below_1e_300_not_as_0(tmp_path):
+    import dataclasses
+
+    from petl.bench.notes import comparison_lines
+
+    # 27 methods in one order over 60 tasks: Friedman's p is below the smallest double, and scipy gives 0.0.
+    names = [f"m{i}" for i in range(27)]
+    assert ranking.rank_scores(names, np.tile(np.arange(27.0, 0.0, -1.0), (60, 1))).p_value == 0.0
+    board = _choose_board(tmp_path, {"lora": 85.0, "linear": 80.0, "mlp": 70.0}, seeds=3)
+    board.ranking = dataclasses.replace(board.ranking, p_value=0.0)
+    section = " ".join(comparison_lines(board))
+    assert "chi-square = 6.00, p < 1e-300: at α = 0.05" in section and "p = 0:" not in section
+    rows = {row.experiment: row for row in board.rows}
+    verdict = choice._verdict(board.ranking, rows["lora"], rows["mlp"], "mini/digits")
+    assert "after Friedman's test over the 3 rows (p < 1e-300)" in verdict and "(p = 0)" not in verdict, verdict
