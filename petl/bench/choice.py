@@ -20,7 +20,7 @@ from typing import Any
 
 from petl.bench.board import ExperimentRow, Leaderboard
 from petl.bench.estimate import duration
-from petl.bench.ranking import Ranking, rank_test, show_p
+from petl.bench.ranking import Ranking, rank_test, said_p
 from petl.utils.text import plural
 
 CHOICE_FILE = "choice.md"
@@ -154,7 +154,7 @@ def choose(board: Leaderboard, budget: Budget, data: dict[str, Any] | None = Non
             f"; the runner-up, **{runner.experiment}**, reaches {r.mean:.2f} %{_std(r.std)} with "
             f"{_params(runner.trainable)} parameters, {b.mean - r.mean:.2f} points apart: "
         )
-        text += _verdict(rank_test(board, within), best, runner)
+        text += _verdict(rank_test(board, within), best, runner, task)
     else:
         text += "; no other row fits the budget"
     if over:
@@ -187,8 +187,8 @@ def _left_out(board: Leaderboard, complete: list[ExperimentRow]) -> str:
     )
 
 
-def _verdict(found: Ranking | str, best: ExperimentRow, runner: ExperimentRow) -> str:
-    """Whether the rank test tells the best row from the runner-up, with its p value and blocks."""
+def _verdict(found: Ranking | str, best: ExperimentRow, runner: ExperimentRow, task: str) -> str:
+    """Whether the rank test tells the best row (by mean on ``task``) from the runner-up, which way, p and blocks."""
     if not isinstance(found, Ranking):
         return f"no test tells them apart or not ({found})"
     a, b = best.experiment, runner.experiment
@@ -200,17 +200,31 @@ def _verdict(found: Ranking | str, best: ExperimentRow, runner: ExperimentRow) -
         friedman = (
             ""
             if math.isnan(found.p_value)
-            else f" after Friedman's test over the {k} (p = {show_p(found.p_value, found.alpha)})"
+            else f" after Friedman's test over the {k} ({said_p(found.p_value, found.alpha)})"
+        )
+        test = f"Nemenyi's test{friedman}, {blocks}: {said_p(found.p_values[a][b], found.alpha)} < {found.alpha:g}"
+        first, second = (a, b) if found.mean_rank[a] <= found.mean_rank[b] else (b, a)
+        said = (
+            f"**{first}** ranks above **{second}** on this data (mean rank {found.mean_rank[first]:.2f} against "
+            f"{found.mean_rank[second]:.2f}; {test})"
+        )
+        if first == a:
+            return said
+        # The best row is the best mean, the test compares ranks: a seed far out can leave the runner-up ranking
+        # better in most blocks, and "they differ" beside the best row's name would read as its win.
+        mean = (
+            "the higher mean"
+            if best.scores[task].mean > runner.scores[task].mean
+            else "the same mean, fewer parameters"
         )
         return (
-            f"**{a}** and **{b}** differ on this data (Nemenyi's test{friedman}, {blocks}: "
-            f"p = {show_p(found.p_values[a][b], found.alpha)} < {found.alpha:g})"
+            said + f", though {a} has {mean}: the best by mean and the best by rank disagree, so neither wins plainly"
         )
     if not found.omnibus_rejects:
         test = f"Friedman's test over the {k} within the budget, {blocks}, does not reject that they rank alike: "
-        test += "every block ties them" if math.isnan(found.p_value) else f"p = {show_p(found.p_value, found.alpha)}"
+        test += "every block ties them" if math.isnan(found.p_value) else said_p(found.p_value, found.alpha)
     else:
-        test = f"Nemenyi's test after Friedman's, {blocks}: p = {show_p(found.p_values[a][b], found.alpha)}"
+        test = f"Nemenyi's test after Friedman's, {blocks}: {said_p(found.p_values[a][b], found.alpha)}"
     few = found.too_few_blocks()
     if few:
         # Not told apart, and no outcome over so few blocks could have been: say so, or it reads as a finding.

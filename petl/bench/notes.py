@@ -409,7 +409,7 @@ def comparison_lines(board: Leaderboard) -> list[str]:
         )
         lines.append(
             f"**Friedman's test** (`scipy.stats.friedmanchisquare`) over {k} methods and {plural(n, 'block')}: "
-            f"chi-square = {found.statistic:.2f}, p = {ranking.show_p(found.p_value, found.alpha)}: "
+            f"chi-square = {found.statistic:.2f}, {ranking.said_p(found.p_value, found.alpha)}: "
             f"at α = {found.alpha:g}, {verdict}."
         )
     pairs = [(a, b) for i, a in enumerate(found.methods) for b in found.methods[i + 1 :]]

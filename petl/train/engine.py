@@ -300,7 +300,8 @@ def train_one_epoch(
     and images/s.
 
     Raises:
-        NonFiniteLossError: when the loss is NaN or infinite (the caller keeps its last checkpoint).
+        NonFiniteLossError: when the loss is NaN or infinite, or a step overflows float32 (the caller keeps its last
+            checkpoint).
 
     """
     set_train_mode(model, backbone_mode(model, settings))
@@ -323,7 +324,14 @@ def train_one_epoch(
                 accelerator.clip_grad_norm_(params, settings.grad_clip)
             if accelerator.sync_gradients:
                 lr = optimizer.param_groups[0]["lr"]  # what this step runs at (the scheduler moves it on below)
-            optimizer.step()
+            try:
+                optimizer.step()
+            except RuntimeError as error:
+                # A step past float32's range (AdamW's first is 10 lr: an lr past 3.4e37): torch refuses to take it
+                # rather than write inf, the non-finite weight the check after the epoch would find.
+                if "without overflow" not in str(error):
+                    raise
+                raise NonFiniteLossError(f"the optimizer step overflowed float32 at {description} ({error})") from None
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
         hits = (logits.argmax(-1) == labels).float()

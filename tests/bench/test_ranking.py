@@ -266,7 +266,21 @@ def test_choose_says_when_the_best_two_cannot_be_told_apart_and_names_the_smalle
 def test_choose_says_when_the_best_two_differ(tmp_path):
     board = _choose_board(tmp_path, {"lora": 85.0, "linear": 80.0}, seeds=6)
     text = choice.choose(board, choice.Budget()).paragraph
-    assert "**lora** and **linear** differ on this data (Nemenyi's test, each of the 6 seeds a block (one task)" in text
+    assert "**lora** ranks above **linear** on this data (mean rank 1.00 against 2.00; Nemenyi's test, each of" in text
+
+
+def test_choose_says_when_the_test_favours_the_runner_up_over_the_best_mean(tmp_path):
+    # The best row is picked by mean, the test runs on ranks: one seed far out gave lora the mean while linear ranked
+    # first in 9 of 10 seeds, and the answer said "lora and linear differ" beside lora's name, as if lora had won.
+    for seed in range(10):
+        _board_run(tmp_path, "folder", "lora", seed, 100.0 if seed == 9 else 50.0)
+        _board_run(tmp_path, "folder", "linear", seed, 51.0)
+    answer = choice.choose(report.build_board(tmp_path), choice.Budget())
+    assert answer.best.experiment == "lora" and answer.runner_up.experiment == "linear"
+    text = answer.paragraph
+    assert "**linear** ranks above **lora** on this data (mean rank 1.10 against 1.90; Nemenyi's test" in text, text
+    assert "though lora has the higher mean: the best by mean and the best by rank disagree" in text
+    assert "differ on this data" not in text
 
 
 def test_a_users_folder_board_names_no_groups_no_published_order_and_counts_one_task(tmp_path):
@@ -396,3 +410,20 @@ def test_rows_on_one_backbone_are_all_ranked_and_nothing_is_said_of_backbones(tm
     assert board.ranking.methods == ("mlp", "lora", "linear")
     assert not any(board.other_backbone(r) for r in board.rows)
     assert "**Other backbone**" not in (tmp_path / "leaderboard.md").read_text()
+
+
+def test_a_p_that_underflowed_to_zero_is_said_as_below_1e_300_not_as_0(tmp_path):
+    import dataclasses
+
+    from petl.bench.notes import comparison_lines
+
+    # 27 methods in one order over 60 tasks: Friedman's p is below the smallest double, and scipy gives 0.0.
+    names = [f"m{i}" for i in range(27)]
+    assert ranking.rank_scores(names, np.tile(np.arange(27.0, 0.0, -1.0), (60, 1))).p_value == 0.0
+    board = _choose_board(tmp_path, {"lora": 85.0, "linear": 80.0, "mlp": 70.0}, seeds=3)
+    board.ranking = dataclasses.replace(board.ranking, p_value=0.0)
+    section = " ".join(comparison_lines(board))
+    assert "chi-square = 6.00, p < 1e-300: at α = 0.05" in section and "p = 0:" not in section
+    rows = {row.experiment: row for row in board.rows}
+    verdict = choice._verdict(board.ranking, rows["lora"], rows["mlp"], "mini/digits")
+    assert "after Friedman's test over the 3 rows (p < 1e-300)" in verdict and "(p = 0)" not in verdict, verdict

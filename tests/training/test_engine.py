@@ -232,6 +232,15 @@ def test_weights_made_non_finite_by_the_last_step_stop_the_run_without_a_result(
 
 
 @pytest.mark.slow
+def test_an_lr_whose_step_overflows_float32_stops_the_run_as_non_finite_weights_do(tmp_path):
+    # AdamW raised torch's RuntimeError "value cannot be converted to type float without overflow": petl-run printed a
+    # traceback where its docs promise one line (exit 1) for a non-finite trained weight.
+    with pytest.raises(runner.RunError, match=r"optimizer step overflowed float32 at epoch 1/2 .*lower train.lr"):
+        tiny(tmp_path, "method=lora", "train.lr=1e39")
+    assert not (tmp_path / "result.json").exists()
+
+
+@pytest.mark.slow
 def test_nested_dict_config_is_completed_and_checked(tmp_path):
     cfg = {
         "method": {"name": "mlp"},
