@@ -140,6 +140,38 @@ def test_two_cpu_processes_train_one_run_with_ddp(tmp_path, precision, method):
     assert set(saved) == set(ranks[0])
 
 
+# The second process alone fails as the test pass starts (a fault on its shard): the first waits on it.
+_FAILING_DRIVER = """
+    import os
+    import sys
+    from petl.cli import run as cli
+    from petl.train import runner
+
+    test_once = runner._evaluate_test_once
+
+    def failing(training):
+        if os.environ["RANK"] == "1":
+            raise runner.RunError("the test split failed on this process")
+        return test_once(training)
+
+    runner._evaluate_test_once = failing
+    cli.main(sys.argv[1:])
+"""
+
+
+@pytest.mark.slow
+def test_a_failure_of_one_process_is_said_by_it_and_ends_the_launch(tmp_path):
+    (tmp_path / "driver.py").write_text(textwrap.dedent(_FAILING_DRIVER))
+    done = _launch("driver.py", *tiny_run(epochs=1), "output_dir=out", cwd=tmp_path, ACCELERATE_USE_CPU="1")
+    assert done.returncode == 1, done.stderr[-3000:]  # the launcher's status for a failed process
+    # Said by rank 0 only, it was never said: the launch ended on rank 0's lost connection to rank 1.
+    line = "petl-run: error: rank 1: the test split failed on this process"
+    said = [said for said in done.stderr.splitlines() if "failed on this process" in said]
+    assert said == [line], done.stderr[:3000]
+    out = tmp_path / "out"
+    assert not (out / "result.json").exists() and (out / "checkpoint.pt").is_file()  # the finished epoch is kept
+
+
 def test_accelerate_cpu_launch_of_several_processes_says_it_runs_one(tmp_path):
     # accelerate's --cpu takes its simple launcher, which starts one process whatever --num_processes asks.
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2"]
