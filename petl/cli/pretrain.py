@@ -22,7 +22,8 @@ the weights with ``model.checkpoint=`` (and ``model=`` for the Swin):
 
 Bad input (a value out of range, an --out that cannot be written, a damaged checkpoint) exits with
 status 2, a failure with 1, Ctrl-C with 130, SIGTERM (a job's time limit) with 143, each as one line
-naming the value or file and before any image is generated; ``--debug`` shows the traceback.
+naming the value or file and before any image is generated; ``--debug`` shows the traceback.  It runs as one
+process: a launch of several (``accelerate launch``, ``torchrun``) is bad input, said by its first process.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from petl.cli.args import CommandLineError, Parser, boolean, entry_point, exit_statuses, plain
+from petl.utils.distributed import is_main_process
 from petl.utils.errors import RUN_ERROR
 from petl.utils.text import shown
 
@@ -51,7 +53,9 @@ def main(argv: list[str] | None = None) -> None:
     # The checkpoint of each finished epoch stays in --out (petl.train.pretrain.partial_file), and the same command
     # continues from it: "nothing was written" sent users to start over.
     interrupted = "error: interrupted; no weights written yet: the same command continues from the last finished epoch"
-    with exit_statuses(PROG, failure=failure, interrupted=interrupted, debug=debug):
+    # One process of a launch speaks (pretrain refuses several, each process alike).
+    quiet = not is_main_process()
+    with exit_statuses(PROG, failure=failure, interrupted=interrupted, debug=debug, quiet=quiet):
         _main([a for a in argv if a != "--debug"])
 
 

@@ -67,12 +67,17 @@ DEBUG_FLAG = "--debug"
 _debug = False
 
 
-def _error(message: str) -> None:
+def _error(message: str, bad_input: bool = True) -> None:
     from petl.utils.distributed import is_main_process
 
-    # Only one process of a multi-GPU launch speaks, or every error would print once per GPU.
+    # Bad input is found alike by every process of a multi-GPU launch: the first says it, or it would print once per
+    # GPU.  A failure may be one process's alone (a non-finite loss on its shard): that process says it too, or the
+    # launch ended on the others' lost connection with no word of why.
+    # One write of line and newline: print's two writes let another process's output in between.
     if is_main_process():
-        print(f"{PROG}: error: {message}", file=sys.stderr)
+        sys.stderr.write(f"{PROG}: error: {message}\n")
+    elif not bad_input:
+        sys.stderr.write(f"{PROG}: error: rank {os.environ.get('RANK')}: {message}\n")
 
 
 def _job_overrides(overrides: list[str], multirun: bool) -> list[list[str]]:
@@ -193,7 +198,7 @@ def _task(cfg: DictConfig, checked: bool = False) -> dict[str, Any] | None:
         # one line names them, the checkpoint of finished epochs is on disk.
         known = isinstance(error, (ConfigError, runner.RunError))
         message = str(error) if known else f"{type(error).__name__}: {error} ({DEBUG_FLAG} shows the traceback)"
-        _error(message)
+        _error(message, bad_input=status == USAGE_ERROR)
         if in_process:
             # Let the other jobs of the sweep run; main() reports the failures at the end.
             _failed_jobs.append(message)

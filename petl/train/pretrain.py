@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import platform
 import time
 from collections.abc import Iterator
@@ -257,7 +258,15 @@ def pretrain(
             ``out_dir`` is damaged or of another recipe (the difference named); each before any image is generated.
         InUseError: another live process is pretraining ``arch`` into ``out_dir`` (it holds the lock of
             :func:`claim`, released when this call ends however it ends).
+        UsageError: a launch of several processes (``WORLD_SIZE`` > 1): pretraining runs as one process.
     """
+    launched = os.environ.get("WORLD_SIZE", "1")
+    if launched.isdigit() and int(launched) > 1:
+        # Every process would claim the lock (all but one then refused) and write the checkpoint and weights, and
+        # the schedule would count the unsharded loader's steps: it is not made for several processes.
+        raise UsageError(
+            f"WORLD_SIZE={launched}: petl-pretrain runs as one process; start it without accelerate launch or torchrun"
+        )
     if fractal.num_classes * fractal.instances < batch_size:  # incomplete batches are dropped: no step would run
         raise ValueError(
             f"batch_size {batch_size} is more than the {fractal.num_classes * fractal.instances} training images: "

@@ -84,6 +84,22 @@ def test_a_model_that_does_not_take_32_px_images_is_refused_before_generating(tm
     assert not (tmp_path / "out").exists()  # nor the folder (made for its lock) left behind
 
 
+@pytest.mark.parametrize(("rank", "lines"), [("0", 1), ("1", 0)])
+def test_a_launch_of_several_processes_is_refused_by_its_first(
+    rank, lines, tmp_path, capsys, monkeypatch, no_generation
+):
+    # Each process claimed the lock (the second then refused, exit 1) and the cosine counted the unsharded loader.
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", rank)
+    code, err = petl_pretrain(capsys, *TINY, "--out", str(tmp_path / "out"))
+    assert code == 2 and err.count("\n") == lines, err
+    assert err == lines * (
+        "petl-pretrain: error: WORLD_SIZE=2: petl-pretrain runs as one process; start it without accelerate launch "
+        "or torchrun\n"
+    )
+    assert not (tmp_path / "out").exists()
+
+
 def _interrupted_after_one_epoch(capsys, monkeypatch, out, interruption: type[KeyboardInterrupt]) -> tuple[int, str]:
     save = pretrain.files.save_checkpoint
 

@@ -81,30 +81,56 @@ _DRIVER = """
 """
 
 
+def _one_process_top1(out: Path, overrides: list[str], split: str, bf16: bool) -> float:
+    """Top-1 of a finished run's saved weights over every image of ``split``, evaluated here in one process."""
+    from petl.run import default_config
+    from petl.store.run_card import load_run
+
+    run = load_run(out)
+    cfg = default_config(overrides)
+    dataset = build.datasets(cfg, build.create_backbone(cfg))[split]
+    right = 0
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        for images, labels in torch.utils.data.DataLoader(dataset, batch_size=7):
+            right += int((run.model(images).argmax(-1) == torch.as_tensor(labels)).sum())
+    return 100 * right / len(dataset)
+
+
 # bf16: make_accelerator asks accelerate's PartialState about the device before the Accelerator exists; that
-# state must be the CPU one ACCELERATE_USE_CPU asks for, or no process group forms.
+# state must be the CPU one ACCELERATE_USE_CPU asks for, or no process group forms.  linear trains on features
+# cached by every process (the whole split each), lora on images.
 @pytest.mark.slow
-@pytest.mark.parametrize("precision", ["no", "bf16"])
-def test_two_cpu_processes_train_one_run_with_ddp(tmp_path, precision):
+@pytest.mark.parametrize(("precision", "method"), [("no", "lora"), ("bf16", "linear")])
+def test_two_cpu_processes_train_one_run_with_ddp(tmp_path, precision, method):
     (tmp_path / "driver.py").write_text(textwrap.dedent(_DRIVER))
-    # 40 images in batches of 16 a process: the second step has 8, so each process's sampler pads its batch with
-    # repeated images (so both step together); the record counts the 40 real ones, not the padding (it once said
-    # 128 an epoch for 20 images in batches of 64).
-    overrides = [*tiny_run(subset=40, epochs=2, batch_size=16), "method=lora", "output_dir=out"]
-    done = _launch("driver.py", *overrides, f"train.precision={precision}", cwd=tmp_path, ACCELERATE_USE_CPU="1")
+    # 49 images in batches of 16 a process: the fourth batch has 1, so the second process's sampler pads it with
+    # repeated images (so both step together); the record counts the 49 real ones, not the padding (it once said
+    # 128 an epoch for 20 images in batches of 64).  One process leaves a lone last image out (a BatchNorm cannot
+    # train on it); two never see one, and leaving it out dropped the last round of batches: 32 images an epoch.
+    # Val and test (49 each) in batches of 8: the last round is padded too, and the padding must not be scored.
+    data = [*tiny_run(subset=49, epochs=2, batch_size=16), f"method={method}", "train.eval_batch_size=8"]
+    overrides = [*data, "output_dir=out", f"train.precision={precision}"]
+    done = _launch("driver.py", *overrides, cwd=tmp_path, ACCELERATE_USE_CPU="1")
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads((tmp_path / "out" / "result.json").read_text())
     assert result["epochs"] == 2 and result["num_processes"] == 2
+    assert result["feature_cache"] == ("pre-logits features" if method == "linear" else None)
     epochs = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert [epoch["epoch"] for epoch in epochs] == [1, 2]
-    # 3 batches of 16 are 2 a process (one filled): 2 optimizer steps an epoch, each stepping the scheduler once per
-    # process, so the cosine spans 8; counted from the unsharded 3 it ended after 6 and the last 2 steps ran at lr 0.
+    # 4 batches of 16 are 2 a process: 2 optimizer steps an epoch, each stepping the scheduler once per process, so
+    # the cosine spans 8; counted from the unsharded loader it ended early and the last steps ran at lr 0.
     cosine = [1e-3 * 0.5 * (1 + math.cos(math.pi * count / 8)) for count in (2, 6)]  # each epoch's last step
     assert [epoch["lr"] for epoch in epochs] == pytest.approx(cosine)
     for epoch in epochs:
-        assert epoch["images"] == 40, epoch
-        correct = epoch["train_top1"] * 40 / 100  # the accuracy is over the same 40: a whole number of them right
+        assert epoch["images"] == 49, epoch
+        correct = epoch["train_top1"] * 49 / 100  # the accuracy is over the same 49: a whole number of them right
         assert abs(correct - round(correct)) < 1e-6, epoch
+    # The recorded accuracies are those of the saved weights over exactly the split's images.
+    bf16 = result["precision"] == "bf16"
+    for split in ("val", "test"):
+        one = _one_process_top1(tmp_path / "out", data, split, bf16)
+        assert result[f"{split}_top1"] == pytest.approx(one, abs=1e-9), split
+    assert epochs[-1]["val_top1"] == result["val_top1"]
     assert [p.name for p in tmp_path.iterdir() if p.is_dir()] == ["out"]
     ranks = [torch.load(tmp_path / f"rank{i}.pt") for i in range(2)]
     assert ranks[0].keys() == ranks[1].keys() and ranks[0]
@@ -112,6 +138,38 @@ def test_two_cpu_processes_train_one_run_with_ddp(tmp_path, precision):
         torch.testing.assert_close(ranks[0][name], ranks[1][name], rtol=0, atol=0)
     saved = load_file(tmp_path / "out" / "trainable.safetensors")
     assert set(saved) == set(ranks[0])
+
+
+# The second process alone fails as the test pass starts (a fault on its shard): the first waits on it.
+_FAILING_DRIVER = """
+    import os
+    import sys
+    from petl.cli import run as cli
+    from petl.train import runner
+
+    test_once = runner._evaluate_test_once
+
+    def failing(training):
+        if os.environ["RANK"] == "1":
+            raise runner.RunError("the test split failed on this process")
+        return test_once(training)
+
+    runner._evaluate_test_once = failing
+    cli.main(sys.argv[1:])
+"""
+
+
+@pytest.mark.slow
+def test_a_failure_of_one_process_is_said_by_it_and_ends_the_launch(tmp_path):
+    (tmp_path / "driver.py").write_text(textwrap.dedent(_FAILING_DRIVER))
+    done = _launch("driver.py", *tiny_run(epochs=1), "output_dir=out", cwd=tmp_path, ACCELERATE_USE_CPU="1")
+    assert done.returncode == 1, done.stderr[-3000:]  # the launcher's status for a failed process
+    # Said by rank 0 only, it was never said: the launch ended on rank 0's lost connection to rank 1.
+    line = "petl-run: error: rank 1: the test split failed on this process"
+    said = [said for said in done.stderr.splitlines() if "failed on this process" in said]
+    assert said == [line], done.stderr[:3000]
+    out = tmp_path / "out"
+    assert not (out / "result.json").exists() and (out / "checkpoint.pt").is_file()  # the finished epoch is kept
 
 
 def test_accelerate_cpu_launch_of_several_processes_says_it_runs_one(tmp_path):
