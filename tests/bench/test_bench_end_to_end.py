@@ -23,6 +23,8 @@ def test_petl_bench_trains_reports_and_resumes(tmp_path, capsys):
         "train.epochs=1",
         "data.subset=64",  # every split cut to 64 images: seconds on a CPU
         "model.pretrained=false",  # the flow, not the accuracy, is under test; no checkpoint needed
+        "+model.kwargs.depth=1",  # one narrow block: the flow needs no depth
+        "+model.kwargs.embed_dim=48",
         f"output_dir={tmp_path}",
         "progress=false",
     ]
