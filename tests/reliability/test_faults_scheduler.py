@@ -36,13 +36,33 @@ from petl.store.run_card import load_run
 from petl.utils import progress
 from petl.utils.errors import TERMINATED
 
+# As _SLOW_EPOCHS, for a sweep: an epoch is slow only once the folder {later_run} exists, the run the signal lands in;
+# the runs before it have nothing to wait for.
+_SLOW_LATER_RUN = """
+import os, sys, time
+from petl.cli import {module} as cli
+from petl.train import engine
 
-def _started(module: str, args: list[str], cwd: Path, log: Path) -> subprocess.Popen:
-    """``petl-MODULE ARGS`` with slow epochs, stdout and stderr into ``log`` as under a job scheduler."""
+real = engine.train_one_epoch
+
+def slow(*args, **kwargs):
+    if os.path.isdir({later_run!r}):
+        time.sleep(0.5)
+    return real(*args, **kwargs)
+
+engine.train_one_epoch = slow
+cli.main(sys.argv[1:])
+"""
+
+
+def _started(module: str, args: list[str], cwd: Path, log: Path, later_run: Path | None = None) -> subprocess.Popen:
+    """``petl-MODULE ARGS`` with slow epochs (once the folder ``later_run`` exists, where given), stdout and stderr
+    into ``log`` as under a job scheduler."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    script = _SLOW_LATER_RUN if later_run else _SLOW_EPOCHS
     with log.open("w") as stream:  # the child holds its own descriptor
         return subprocess.Popen(
-            [sys.executable, "-c", _SLOW_EPOCHS.format(module=module), *args],
+            [sys.executable, "-c", script.format(module=module, later_run=str(later_run)), *args],
             cwd=cwd,
             env=env,
             stdout=stream,
@@ -98,13 +118,14 @@ def test_sigterm_ends_a_sweep_in_one_line_and_143_keeping_its_finished_runs(tmp_
         "seeds=0,1",
         f"output_dir={tmp_path / 'bench'}",
         "report=false",
-        # Six slow epochs: the signal, sent at the second run's first checkpoint, lands seconds before it ends.
+        # Six epochs, slow in the second run: the signal, sent at its first checkpoint, lands seconds before it ends.
         *(o for o in tiny_run(epochs=6) if o.startswith(("data.", "model", "+model", "train.epochs"))),
         "train.cache_features=false",
     ]
     seed0, seed1 = (sweep.run_dir_for(tmp_path / "bench", "mini/digits", "linear", k) for k in (0, 1))
     log = tmp_path / "job.log"
-    status, text = _terminated_once(_started("bench", args, tmp_path, log), seed1 / files.CHECKPOINT_FILE, log)
+    started = _started("bench", args, tmp_path, log, later_run=seed1)
+    status, text = _terminated_once(started, seed1 / files.CHECKPOINT_FILE, log)
     assert status == TERMINATED, text
     assert text.endswith(
         "petl-bench: error: terminated (SIGTERM); run the same command again to go on (finished runs are kept, an "
