@@ -1,0 +1,39 @@
+"""Faults and bad input, record-schema pass: each record petl reads back has one checked reader, and a damaged,
+hand-made or foreign file at its name is one line naming it and what to do, with the documented exit status.
+"""
+
+from __future__ import annotations
+
+import pytest
+from conftest import command_status, tiny_run
+
+from petl.cli import run as cli
+
+TINY = tiny_run(subset=32, depth=1, epochs=1, batch_size=32)
+
+# A config.yaml cut short, hand-edited or of another record: none of them says which config the checkpoint had.
+DAMAGED_CONFIGS = {
+    "not YAML": b"method: [lora\n",  # was: yaml's ParserError traceback
+    "not UTF-8": b"seed: \xff\xfe\n",  # was: 'UnicodeDecodeError: ...' and exit 1
+    "a list": b"- 1\n- 2\n",  # was: compared as a config
+    "empty": b"",  # was: 'holds a run with another config (method.name ...)', a difference it does not hold
+    "a result.json": b'{"method": "lora", "dataset": "mini/digits", "seed": 0}\n',  # another record at its name
+    "a folder": None,  # was: 'IsADirectoryError: ...' and exit 1
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGED_CONFIGS)
+def test_a_damaged_config_yaml_beside_a_checkpoint_is_named_in_one_line(tmp_path, capsys, damage):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "checkpoint.pt").write_bytes(b"")
+    if DAMAGED_CONFIGS[damage] is None:
+        (out / "config.yaml").mkdir()
+    else:
+        (out / "config.yaml").write_bytes(DAMAGED_CONFIGS[damage])
+    code, _, err = command_status(capsys, cli.main, *TINY, "method=linear", f"output_dir={out}")
+    lines = err.strip().splitlines()
+    assert code == 2, err
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert f"{out / 'config.yaml'} is damaged" in lines[0] and "resume=false" in lines[0], err
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint.pt", "config.yaml"]  # nothing deleted
