@@ -5,8 +5,11 @@ hand-made or foreign file at its name is one line naming it and what to do, with
 from __future__ import annotations
 
 import pytest
-from conftest import command_status, tiny_run
+from conftest import command_status, make_tiny_vit, tiny_run
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
+import petl
 from petl.cli import run as cli
 
 TINY = tiny_run(subset=32, depth=1, epochs=1, batch_size=32)
@@ -37,3 +40,24 @@ def test_a_damaged_config_yaml_beside_a_checkpoint_is_named_in_one_line(tmp_path
     assert len(lines) == 1 and "Traceback" not in err, err
     assert f"{out / 'config.yaml'} is damaged" in lines[0] and "resume=false" in lines[0], err
     assert sorted(p.name for p in out.iterdir()) == ["checkpoint.pt", "config.yaml"]  # nothing deleted
+
+
+@pytest.mark.parametrize(
+    ("format_", "said"),
+    [
+        ("petl-trainable-3", "written by a newer petl (format petl-trainable-3; this petl reads up to "),
+        ("petl-trainable-99", "upgrade petl to load it"),  # was: 'is not a petl trainable-weights file'
+        ("model.json", "is not a petl trainable-weights file (format 'model.json'): give a file petl.save_trainable"),
+        (None, "is not a petl trainable-weights file (format None): give a file"),  # another tool's safetensors
+    ],
+)
+def test_a_weights_file_of_a_newer_or_another_format_says_what_to_do(tmp_path, format_, said):
+    path = tmp_path / "lora.safetensors"
+    petl.save_trainable(petl.apply_lora(make_tiny_vit(), num_classes=3), path)
+    with safe_open(str(path), framework="pt") as f:
+        meta = dict(f.metadata())
+    meta.pop("format")
+    save_file(load_file(path), path, metadata=meta if format_ is None else {**meta, "format": format_})
+    with pytest.raises(ValueError) as raised:
+        petl.load_trainable(make_tiny_vit(), path)
+    assert str(raised.value).startswith(str(path)) and said in str(raised.value)
