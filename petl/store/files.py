@@ -204,14 +204,14 @@ def read_json(path: Path) -> dict[str, Any] | None:
     """A JSON record, or ``None`` when the file does not exist.
 
     Raises:
-        DamagedFileError: the file is not a JSON object (cut short, not UTF-8, nested absurdly deep...).
+        DamagedFileError: the file is not a JSON object (cut short, not UTF-8, nested absurdly deep, a folder...).
 
     """
     if not path.exists():
         return None
     try:
         record = json.loads(path.read_text(encoding="utf-8"))
-    except (ValueError, RecursionError) as error:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+    except (OSError, ValueError, RecursionError) as error:  # JSONDecodeError, UnicodeDecodeError: ValueErrors
         raise DamagedFileError(f"{path} is damaged ({_first_sentence(error)})") from None
     if not isinstance(record, dict):
         raise DamagedFileError(f"{path} is damaged (a JSON {type(record).__name__}, not an object)")

@@ -4,12 +4,15 @@ hand-made or foreign file at its name is one line naming it and what to do, with
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from conftest import command_status, make_tiny_vit, tiny_run
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import petl
+from petl.bench import estimate
 from petl.cli import run as cli
 
 TINY = tiny_run(subset=32, depth=1, epochs=1, batch_size=32)
@@ -61,3 +64,44 @@ def test_a_weights_file_of_a_newer_or_another_format_says_what_to_do(tmp_path, f
     with pytest.raises(ValueError) as raised:
         petl.load_trainable(make_tiny_vit(), path)
     assert str(raised.value).startswith(str(path)) and said in str(raised.value)
+
+
+# estimate.json, which choice.md's cost line reads back after the suite: was read with a bare json.loads, and its
+# fields indexed unchecked (a KeyError or TypeError traceback at the end of a whole suite).
+GOOD_ESTIMATE = {"version": 1, "measured_at": "2026-01-01 10:00", "device": "cpu", "seconds": 60.0, "runs": 10}
+DAMAGED_ESTIMATES = {
+    "cut short": b'{"seconds": 6',
+    "not UTF-8": b'{"device": "\xff"}',
+    "a list": b"[1, 2]",
+    "seconds missing": json.dumps({k: v for k, v in GOOD_ESTIMATE.items() if k != "seconds"}).encode(),
+    "seconds as text": json.dumps({**GOOD_ESTIMATE, "seconds": "60"}).encode(),
+    "runs a bool": json.dumps({**GOOD_ESTIMATE, "runs": True}).encode(),
+    "NaN measured": json.dumps({**GOOD_ESTIMATE, "measured_seconds": float("nan")}).encode(),
+    "a result.json": b'{"method": "lora", "dataset": "mini/digits", "seed": 0}',
+    "a folder": None,
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGED_ESTIMATES)
+def test_a_damaged_estimate_json_is_named_with_what_to_do(tmp_path, damage):
+    path = tmp_path / estimate.ESTIMATE_FILE
+    if DAMAGED_ESTIMATES[damage] is None:
+        path.mkdir()
+    else:
+        path.write_bytes(DAMAGED_ESTIMATES[damage])
+    with pytest.raises(ValueError) as raised:
+        estimate.read_estimate(tmp_path)
+    said = str(raised.value)
+    assert said.startswith(str(path)) and said.endswith("move it aside (choice.md then says no estimate was recorded)")
+    assert "\n" not in said
+
+
+def test_estimate_json_of_a_newer_petl_is_refused_and_an_unversioned_one_reads(tmp_path):
+    path = tmp_path / estimate.ESTIMATE_FILE
+    path.write_text(json.dumps({**GOOD_ESTIMATE, "version": 2}))
+    with pytest.raises(ValueError, match="version 2, written by a newer petl"):
+        estimate.read_estimate(tmp_path)
+    unversioned = {k: v for k, v in GOOD_ESTIMATE.items() if k != "version"}  # as petl wrote it before
+    path.write_text(json.dumps(unversioned))
+    estimate.record_measured(tmp_path, 75.04)  # the one writer of the measured time, through the one reader
+    assert estimate.read_estimate(tmp_path) == {**unversioned, "measured_seconds": 75.0}
