@@ -232,6 +232,8 @@ def _cache_problem(weights: Path, provenance: Path) -> str | None:
         record = json.loads(provenance.read_text())
     except (OSError, ValueError):
         return f"{provenance} is unreadable"
+    if not isinstance(record, dict):  # a hand edit, or another record at its name: rebuilt, as an unreadable one
+        return f"{provenance} is not a provenance record"
     if record.get("conversion") != CONVERSION or record.get("onnx_sha256") != ONNX_SHA256:
         return "converted by another petl or from another ONNX file"
     if file_sha256(weights) != record.get("weights_sha256"):

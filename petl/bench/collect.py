@@ -14,10 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from petl.bench.protocol import UNSTABLE_DIR
 from petl.bench.sweep import task_folder
+from petl.store import files
 from petl.store.files import REPLACED_MARK, RESULT_FILE
 from petl.store.result import ResultError, RunResult, read_result
 from petl.train.learning import run_not_learned
@@ -270,11 +269,10 @@ def describe_run(record: RunRecord) -> str:
     # The resolved config sits in result.json (else config.yaml beside it); the learning rate is the one
     # recipe value experiments change (full fine-tuning), so it belongs beside the method options.
     config = record.result.config
-    config_path = record.path.parent / "config.yaml"
-    if not isinstance(config, dict) and config_path.is_file():
+    if not isinstance(config, dict) and (record.path.parent / files.CONFIG_FILE).is_file():
         try:
-            config = yaml.safe_load(config_path.read_text(encoding="utf-8"))
-        except (OSError, ValueError, yaml.YAMLError):
+            config = files.read_config(record.path.parent)
+        except files.DamagedFileError:
             config = None  # only the lr is read from it: the row shows without one
     train = config.get("train") if isinstance(config, dict) else None
     lr = train.get("lr") if isinstance(train, dict) else None

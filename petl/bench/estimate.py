@@ -28,9 +28,9 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 import logging
 import math
+import reprlib
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -41,9 +41,11 @@ from typing import Any
 from petl.bench.own_data import OwnData
 from petl.bench.protocol import Cell
 from petl.data import TEST, TRAIN, TRAIN_VAL, VAL
+from petl.store import files
 from petl.utils.text import plural
 
 ESTIMATE_FILE = "estimate.json"
+ESTIMATE_VERSION = 1  # of estimate.json; read_estimate reads it and the unversioned records before it
 WARMUP_STEPS = 1
 TIMED_STEPS = 3
 # Images per split of the one real run that measures a run's fixed cost.
@@ -173,13 +175,56 @@ class Estimate:
             "experiments": [{**asdict(e), "seconds": round(e.seconds, 1)} for e in self.experiments],
         }
         output_dir.mkdir(parents=True, exist_ok=True)
-        (output_dir / ESTIMATE_FILE).write_text(json.dumps(record, indent=2) + "\n")
+        files.write_json(output_dir / ESTIMATE_FILE, {"version": ESTIMATE_VERSION, **record})
+
+
+def record_measured(output_dir: Path, seconds: float) -> None:
+    """Add the suite's measured wall time to ``output_dir``'s ``estimate.json`` (written by :meth:`Estimate.write`)."""
+    record = read_estimate(output_dir)
+    if record is not None:
+        files.write_json(Path(output_dir) / ESTIMATE_FILE, {**record, "measured_seconds": round(seconds, 1)})
 
 
 def read_estimate(output_dir: Path) -> dict[str, Any] | None:
-    """The ``estimate.json`` of a results folder, or ``None``."""
+    """The ``estimate.json`` of a results folder, checked (the one reader of the file), or ``None`` when it has none.
+
+    A record of before ``version`` existed reads as version 1.
+
+    Raises:
+        ValueError: the file is damaged, of a newer petl, or a field the report reads is missing or malformed (one
+            line naming the file and what to do).
+
+    """
     path = Path(output_dir) / ESTIMATE_FILE
-    return json.loads(path.read_text()) if path.is_file() else None
+    fix = "move it aside (choice.md then says no estimate was recorded)"
+    try:
+        record = files.read_json(path)
+    except files.DamagedFileError as error:
+        raise ValueError(f"{error}: {fix}") from None
+    if record is None:
+        return None
+    version = record.get("version", 1)
+    if type(version) is not int or version < 1:
+        raise ValueError(f"{path}: not an estimate record (version {version!r}): {fix}")
+    if version > ESTIMATE_VERSION:
+        raise ValueError(
+            f"{path}: an estimate record of version {version}, written by a newer petl (this one reads "
+            f"{ESTIMATE_VERSION}): report the folder with that petl, or {fix}"
+        )
+    wanted = {"seconds": "a non-negative number", "runs": "a count", "measured_at": "text", "device": "text"}
+    if "measured_seconds" in record:
+        wanted["measured_seconds"] = "a non-negative number"
+    for name, what in wanted.items():
+        value = record.get(name)
+        if what == "text":
+            fits = isinstance(value, str)
+        elif what == "a count":
+            fits = type(value) is int and value >= 0
+        else:
+            fits = type(value) in (int, float) and math.isfinite(value) and value >= 0
+        if not fits:
+            raise ValueError(f"{path}: field {name!r} is {reprlib.repr(value)}, not {what}: {fix}")
+    return record
 
 
 def duration(seconds: float) -> str:

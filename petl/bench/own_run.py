@@ -12,7 +12,6 @@ protocol; write the leaderboard, then ``choice.md`` with the answer within ``bud
 from __future__ import annotations
 
 import dataclasses
-import json
 import sys
 import time
 from collections.abc import Callable
@@ -135,7 +134,7 @@ def _run_locked(
     tick = time.perf_counter()
     summary = protocol.run_protocol(cells, progress=as_bool("progress", own.get("progress", "true")))
     if estimate.runs:
-        _record_measured(output_dir, time.perf_counter() - tick)
+        costs.record_measured(output_dir, time.perf_counter() - tick)
     finals_done = any(output_dir.glob(f"{data.task}/*/seed*/result.json"))
     status = finish(summary, output_dir, own, finals_done, suite)
     if (output_dir / "leaderboard.csv").is_file() and finals_done and not summary.stale:
@@ -174,13 +173,6 @@ def data_options(overrides: list[str]) -> list[str]:
     """
     naming = ("data.root=", "data.image_column=", "data.label_column=")
     return [o for o in overrides if o.lstrip("+~").startswith(naming)]
-
-
-def _record_measured(output_dir: Path, seconds: float) -> None:
-    path = output_dir / costs.ESTIMATE_FILE
-    record = json.loads(path.read_text())
-    record["measured_seconds"] = round(seconds, 1)
-    path.write_text(json.dumps(record, indent=2) + "\n")
 
 
 def answer_for(output_dir: Path, budget: choice.Budget, plan: Any = None, configs_dir: Any = None) -> choice.Choice:

@@ -10,6 +10,7 @@ import copy
 import dataclasses
 import errno
 import json
+import re
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -107,7 +108,16 @@ def read_trainable_metadata(path: str | Path) -> dict[str, Any]:
     with _open_safetensors(path) as f:
         meta = f.metadata() or {}
     if meta.get("format") not in FORMATS:
-        raise ValueError(f"{path} is not a petl trainable-weights file (format {meta.get('format')!r})")
+        found = re.fullmatch(r"petl-trainable-(\d+)", str(meta.get("format")))
+        if found is not None and int(found.group(1)) > len(FORMATS):
+            raise ValueError(
+                f"{path} was written by a newer petl (format {meta['format']}; this petl reads up to {FORMAT}): "
+                "upgrade petl to load it"
+            )
+        raise ValueError(
+            f"{path} is not a petl trainable-weights file (format {meta.get('format')!r}): give a file "
+            "petl.save_trainable or petl-run wrote"
+        )
 
     def field(key: str, parse: Callable[[str], Any]) -> Any:
         if key not in meta:

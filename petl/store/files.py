@@ -131,11 +131,32 @@ def write_config(folder: Path, config: dict[str, Any]) -> None:
     write_text(folder / CONFIG_FILE, OmegaConf.to_yaml(config))
 
 
+# What every config petl-run records holds: a file without them (cut short, hand-made, another record) is none.
+_CONFIG_NODES = ("method", "data", "model", "train")
+
+
 def read_config(folder: Path) -> dict[str, Any]:
-    """The config a run recorded in ``folder``'s ``config.yaml``, as plain containers."""
+    """The config a run recorded in ``folder``'s ``config.yaml``, as plain containers (the one reader of the file).
+
+    Raises:
+        DamagedFileError: the file cannot be read (not UTF-8, not YAML, a folder) or is not a run's config (not a
+            mapping, or without its ``method``, ``data``, ``model`` and ``train`` nodes); the message names it.
+
+    """
     from omegaconf import OmegaConf
 
-    return OmegaConf.to_container(OmegaConf.load(folder / CONFIG_FILE))
+    path = folder / CONFIG_FILE
+    try:
+        # OmegaConf's loader, not yaml.safe_load: it reads 1e-3 as the float the writer meant, not as text.
+        config = OmegaConf.to_container(OmegaConf.load(path))
+    except Exception as error:  # OSError, UnicodeDecodeError, yaml's errors (not ValueErrors), OmegaConf's
+        raise DamagedFileError(f"{path} is damaged ({_first_sentence(error)})") from None
+    if not isinstance(config, dict):
+        raise DamagedFileError(f"{path} is damaged (a YAML {type(config).__name__}, not a run's config)")
+    missing = [name for name in _CONFIG_NODES if not isinstance(config.get(name), dict)]
+    if missing:
+        raise DamagedFileError(f"{path} is damaged (not a run's config: no {', '.join(missing)} node)")
+    return config
 
 
 def write_metrics(path: Path, history: list[dict[str, Any]]) -> None:
@@ -183,14 +204,14 @@ def read_json(path: Path) -> dict[str, Any] | None:
     """A JSON record, or ``None`` when the file does not exist.
 
     Raises:
-        DamagedFileError: the file is not a JSON object (cut short, not UTF-8, nested absurdly deep...).
+        DamagedFileError: the file is not a JSON object (cut short, not UTF-8, nested absurdly deep, a folder...).
 
     """
     if not path.exists():
         return None
     try:
         record = json.loads(path.read_text(encoding="utf-8"))
-    except (ValueError, RecursionError) as error:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+    except (OSError, ValueError, RecursionError) as error:  # JSONDecodeError, UnicodeDecodeError: ValueErrors
         raise DamagedFileError(f"{path} is damaged ({_first_sentence(error)})") from None
     if not isinstance(record, dict):
         raise DamagedFileError(f"{path} is damaged (a JSON {type(record).__name__}, not an object)")

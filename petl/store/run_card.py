@@ -26,6 +26,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -253,6 +254,9 @@ def read_card(run_dir: str | Path) -> dict[str, Any]:
             f"{card_path}: class_names has {len(card['class_names'])} names for num_classes={card['num_classes']}: "
             "restore the run's model.json"
         )
+    problem = _preprocess_problem(card)
+    if problem is not None:
+        raise RunFolderError(f"{card_path}: {problem}: restore the run's model.json")
     steering = sorted(FILE_KWARGS & set(card["backbone"]["kwargs"]))
     if steering:
         raise RunFolderError(
@@ -329,6 +333,24 @@ def _check_fields(card: dict[str, Any], card_path: Path, version: int) -> None:
             raise RunFolderError(
                 f"{card_path}: field {name} is {json.dumps(value)[:60]}, not a {wanted}: restore the run's model.json"
             )
+
+
+def _preprocess_problem(card: dict[str, Any]) -> str | None:
+    """What is wrong with a card's class names or preprocessing values (their types are checked), or ``None``.
+
+    A NaN mean (JSON allows it) would make every prediction silently class 0; a text std would fail deep in torch.
+    """
+    if not all(isinstance(name, str) for name in card["class_names"]):
+        return "field class_names holds a name that is not text"
+    pre = card["preprocess"]
+    for key in ("mean", "std"):
+        if not all(isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) for v in pre[key]):
+            return f"field preprocess.{key} is {json.dumps(pre[key])[:60]}, not finite numbers"
+    try:
+        spec_of(card)
+    except ValueError as error:  # ImageSpec's own checks: 3 values each, std > 0, a known interpolation, a size
+        return f"field preprocess: {error}"
+    return None
 
 
 def spec_of(card: dict[str, Any]) -> ImageSpec:

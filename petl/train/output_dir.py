@@ -152,7 +152,7 @@ def check_output_dir(out: Path, cfg: DictConfig, resolved: dict[str, Any], is_ma
                 f"output_dir {out} holds {files.CHECKPOINT_FILE} without its {files.CONFIG_FILE}, so its config "
                 "cannot be checked; choose another output_dir, or resume=false to replace it"
             )
-        previous = files.read_config(out)
+        previous = _recorded_config(out, "choose another output_dir, or resume=false to replace it")
     else:
         # Nothing finished and no epoch to resume: whatever is there gets overwritten.
         return None
@@ -190,8 +190,7 @@ def check_finished(cfg: DictConfig) -> None:
     if finished is None and (out / files.CONFIG_FILE).is_file():
         # Being trained (by another sweep into the same folder: petl-bench asks while the folder is held), or
         # interrupted: resuming it would be refused on the same difference, after the whole sweep had planned it.
-        recorded = files.read_config(out)
-        assert isinstance(recorded, dict)
+        recorded = _recorded_config(out, "delete it to train this config")
         if _held_by_another(out):
             advice = "another sweep is training it: give this suite its own folder"
         else:
@@ -214,6 +213,14 @@ def _held_by_another(out: Path) -> bool:
 
 _ANOTHER = "choose another output_dir"
 _REPLACE = "run again with resume=false to move that run aside and train anew, or choose another output_dir"
+
+
+def _recorded_config(out: Path, advice: str) -> dict[str, Any]:
+    """``out``'s ``config.yaml`` (:func:`petl.store.files.read_config`); a damaged one is bad input, named."""
+    try:
+        return files.read_config(out)
+    except files.DamagedFileError as error:
+        raise ConfigError(f"output_dir {out}: {error}; {advice}") from None
 
 
 def _read_finished(out: Path) -> RunResult | None:

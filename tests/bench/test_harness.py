@@ -301,7 +301,8 @@ def test_experiment_comes_from_the_folder_and_config_from_the_result(tmp_path):
     data = json.loads(result.read_text())
     data["method_config"] = {"num_classes": 10, "style": "parallel", "dim": 8}
     result.write_text(json.dumps(data))
-    (result.parent / "config.yaml").write_text("train:\n  lr: 0.001\n")
+    nodes = "method:\n  name: adapter\ndata:\n  name: digits\nmodel:\n  name: vit\n"
+    (result.parent / "config.yaml").write_text(nodes + "train:\n  lr: 0.001\n")
     board = aggregate(collect(tmp_path), tmp_path)
     row = next(r for r in board.rows if r.experiment == "adapter_parallel")
     assert row.values["method"] == "adapter" and row.values["config"] == "dim=8, style=parallel; lr=0.001, 1 ep"

@@ -131,6 +131,15 @@ def test_a_head_of_another_class_count_is_refused(tmp_path):
         (lambda card: card.update(class_names=["a"]), "class_names has 1 names for num_classes=3"),
         (lambda card: card.update(format="petl-model-3"), "was written by a newer petl .*upgrade petl"),
         (lambda card: card.update(format="something"), "not a petl model record .*: restore the run's model.json"),
+        # Values of the right type but unusable: were a NaN prediction for every image (class 0, silently), or
+        # torch's or ImageSpec's error not naming model.json.
+        (lambda card: card["preprocess"].update(mean=[float("nan")] * 3), "preprocess.mean is \\[NaN, .*not finite"),
+        (lambda card: card["preprocess"].update(std=["a", 1, 1]), "preprocess.std is .*, not finite numbers"),
+        (lambda card: card["preprocess"].update(std=[0, 1, 1]), "preprocess: std values must be > 0"),
+        (lambda card: card["preprocess"].update(mean=[0.5]), "preprocess: mean and std need 3 values"),
+        (lambda card: card["preprocess"].update(interpolation="cubic"), "interpolation='cubic' is not supported"),
+        (lambda card: card["preprocess"].update(input_size=0), "image_size must be a positive int"),
+        (lambda card: card.update(class_names=[1, 2, 3]), "class_names holds a name that is not text"),
     ],
 )
 def test_a_damaged_or_newer_card_is_refused_in_one_line(tmp_path, edit, message):
