@@ -146,6 +146,7 @@ class HstConfig(MethodConfig):
         check_range("meta_tokens", self.meta_tokens, low=1)
         if not (self.num_classes or backbone_of(model).num_classes()):
             raise ValueError("HST classifies from its side network with a head of its own: give num_classes")
+        backbone_of(model).check_whole_grid("HST")
 
 
 def _ints(field: str, values: tuple[str, ...]) -> tuple[int, ...]:

@@ -360,6 +360,26 @@ def test_partial_rejects_k_outside_depth(tiny_vit, k):
         petl.apply_partial(tiny_vit(), k=k)
 
 
+# Methods that reshape the patch tokens to their grid in every block, with options that make them do so.
+GRID_METHODS = [
+    ("convpass", {}),
+    ("dtl", {"fusion_size": 3}),
+    ("hst", {"dims": [8, 12], "heads": [2, 3], "meta_tokens": 2, "num_classes": 4}),
+]
+
+
+@pytest.mark.parametrize(("method", "options"), GRID_METHODS, ids=[m for m, _ in GRID_METHODS])
+def test_grid_methods_refuse_patch_dropout_in_one_line(tiny_vit, method, options):
+    # timm's patch_drop_rate drops patch tokens in training: the grid reshape crashed at the first training step
+    # (HST with a RuntimeError), where the model is refused at apply in one line naming the option.
+    model = tiny_vit(patch_drop_rate=0.5)
+    with pytest.raises(ValueError, match=r"patch_drop_rate=0\.5\): create the model with patch_drop_rate=0") as err:
+        petl.apply(model, method, **options)
+    assert "\n" not in str(err.value)
+    assert not any(isinstance(m, PetlModule) for m in model.modules())
+    petl.apply(tiny_vit(patch_drop_rate=0.0), method, **options)
+
+
 # --- LoRA --------------------------------------------------------------------------------------
 
 
