@@ -354,6 +354,18 @@ def test_partial_trains_blocks_by_index(tiny_vit, k):
     assert not model.patch_embed.proj.weight.requires_grad
 
 
+def test_partial_trains_the_attention_pool_between_its_blocks_and_head(tiny_vit):
+    # SigLIP's map head (timm's global_pool='map') pools between the last block and fc_norm/head: Partial-k left it
+    # frozen between trained parts, where everything after the last k blocks trains.
+    model = petl.apply_partial(tiny_vit(class_token=False, global_pool="map"), k=1, num_classes=4)
+    assert all(p.requires_grad for p in model.attn_pool.parameters())
+    _check_training_touches_exactly_the_trainable_tensors(model)
+    formula = petl.get_method("partial").trainable_formula(
+        tiny_vit(class_token=False, global_pool="map"), petl.make_config("partial", k=1)
+    )
+    assert petl.count_params(model).trainable_no_head == formula
+
+
 @pytest.mark.parametrize("k", [0, 4])
 def test_partial_rejects_k_outside_depth(tiny_vit, k):
     with pytest.raises(ValueError, match=rf"k={k}.*\[1, 3\]"):
