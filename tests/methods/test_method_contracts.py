@@ -392,6 +392,16 @@ def test_grid_methods_refuse_patch_dropout_in_one_line(tiny_vit, method, options
     petl.apply(tiny_vit(patch_drop_rate=0.0), method, **options)
 
 
+@pytest.mark.parametrize(("method", "options"), GRID_METHODS, ids=[m for m, _ in GRID_METHODS])
+def test_grid_methods_refuse_another_image_size_in_one_line(tiny_vit, method, options):
+    # timm's dynamic_img_size takes 48x48 images on a 32x32 model: the grid is 6x6, not the 4x4 the methods built
+    # for; HST failed in torch's reshape instead of saying so.
+    model = petl.apply(tiny_vit(dynamic_img_size=True), method, **options)
+    with pytest.raises(ValueError, match=r"4x4 patch tokens, got \d+") as err:
+        model(torch.randn(2, 3, 48, 48))
+    assert "\n" not in str(err.value)
+
+
 # --- LoRA --------------------------------------------------------------------------------------
 
 
