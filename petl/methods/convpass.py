@@ -81,6 +81,7 @@ class ConvpassConfig(_init.InitOption, MethodConfig):
         check_range("dim", self.dim, low=1)
         check_nonzero("scale", self.scale, "the bypass")
         check_dropout("dropout", self.dropout)
+        backbone_of(model).check_whole_grid("Convpass")
 
 
 class _QuickGELU(nn.Module):

@@ -95,6 +95,8 @@ class DtlConfig(MethodConfig):
         check_range("fusion_size", self.fusion_size, low=0)
         if self.fusion_size and self.fusion_size % 2 == 0:
             raise ValueError(f"fusion_size={self.fusion_size} must be odd (or 0): the conv keeps the token grid")
+        if self.fusion_size:
+            backbone_of(model).check_whole_grid(f"DTL+ (fusion_size={self.fusion_size})")
 
 
 class DtlSide(_side.SideNetwork):

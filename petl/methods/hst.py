@@ -146,6 +146,7 @@ class HstConfig(MethodConfig):
         check_range("meta_tokens", self.meta_tokens, low=1)
         if not (self.num_classes or backbone_of(model).num_classes()):
             raise ValueError("HST classifies from its side network with a head of its own: give num_classes")
+        backbone_of(model).check_whole_grid("HST")
 
 
 def _ints(field: str, values: tuple[str, ...]) -> tuple[int, ...]:
@@ -282,8 +283,11 @@ class HstSide(_side.SideNetwork):
         if index == 0:
             self._metas, self._features = [], []
         self._metas.append(meta)
-        b, _, d = patches.shape
-        self._features.append(patches.transpose(1, 2).reshape(b, d, *self.grid))
+        b, n, d = patches.shape
+        rows, cols = self.grid
+        if n != rows * cols:  # an image of another size (timm's dynamic_img_size): the side network's grid is fixed
+            raise ValueError(f"HST expects {rows}x{cols} patch tokens, got {n}: give images of the model's size")
+        self._features.append(patches.transpose(1, 2).reshape(b, d, rows, cols))
         if index == self.depth - 1:
             self.output = self.side_forward()
             self._image, self._metas, self._features = None, [], []

@@ -1,10 +1,12 @@
-"""Partial-k fine-tuning: the last ``k`` blocks, the final norms and the head train.
+"""Partial-k fine-tuning: the last ``k`` blocks, what runs after them (final norms, an attention pool) and the head
+train.
 
 Blocks are chosen by their index in the block list; a name test such as ``'blocks.1' in name``
 would also catch ``blocks.10`` and ``blocks.11``.
 
 Trains:
-    the last k blocks (by index), the final norm, the head.
+    the last k blocks (by index), the final norms, the attention pool of a model that pools by attention (timm's
+    ``global_pool='map'``, SigLIP), the head.
 
 Reference:
     - KMnP/vpt@4410440 (Partial-k is one of VPT's baselines)
@@ -50,14 +52,16 @@ class PartialConfig(MethodConfig):
 def _trained_modules(model: nn.Module, k: int) -> list[nn.Module]:
     bb = backbone_of(model)
     blocks = bb.block_list()
-    return blocks[len(blocks) - k :] + bb.final_norms()
+    # Everything between the last blocks and the head trains: the final norms and, on a model pooling by attention
+    # (SigLIP's map head), the attention pool between them, which would otherwise stay frozen between trained parts.
+    return blocks[len(blocks) - k :] + bb.after_blocks()
 
 
 def _formula(model: nn.Module, cfg: PartialConfig) -> int:
     return sum(p.numel() for m in _trained_modules(model, cfg.k) for p in m.parameters())
 
 
-# The backbones partial's idea fits: the last k blocks and the final norms train: any backbone (on a Swin the
+# The backbones partial's idea fits: the last k blocks and what follows them train: any backbone (on a Swin the
 # patch merging between stages is not a block and stays frozen).
 BACKBONES = ("vit", "swin", "swinv2", "vit_relpos", "beit", "eva", "vit_parallel")
 
@@ -66,13 +70,13 @@ BACKBONES = ("vit", "swin", "swinv2", "vit_relpos", "beit", "eva", "vit_parallel
     "partial", PartialConfig, trainable_formula=_formula, zero_init=True, mergeable=False, backbones=BACKBONES
 )
 def inject_partial(model: nn.Module, cfg: PartialConfig) -> None:
-    """Partial-k: train the last k blocks, the final norms and the head."""
+    """Partial-k: train the last k blocks, what runs after them and the head."""
     for module in _trained_modules(model, cfg.k):
         module.requires_grad_(True)
 
 
 def apply_partial(model: nn.Module, **options: Any) -> nn.Module:
-    """Train only the last ``k`` blocks, the final norms and the head of ``model``.
+    """Train only the last ``k`` blocks of ``model``, what runs after them (final norms, an attention pool), the head.
 
     Args:
         model: a timm VisionTransformer.

@@ -354,10 +354,52 @@ def test_partial_trains_blocks_by_index(tiny_vit, k):
     assert not model.patch_embed.proj.weight.requires_grad
 
 
+def test_partial_trains_the_attention_pool_between_its_blocks_and_head(tiny_vit):
+    # SigLIP's map head (timm's global_pool='map') pools between the last block and fc_norm/head: Partial-k left it
+    # frozen between trained parts, where everything after the last k blocks trains.
+    model = petl.apply_partial(tiny_vit(class_token=False, global_pool="map"), k=1, num_classes=4)
+    assert all(p.requires_grad for p in model.attn_pool.parameters())
+    _check_training_touches_exactly_the_trainable_tensors(model)
+    formula = petl.get_method("partial").trainable_formula(
+        tiny_vit(class_token=False, global_pool="map"), petl.make_config("partial", k=1)
+    )
+    assert petl.count_params(model).trainable_no_head == formula
+
+
 @pytest.mark.parametrize("k", [0, 4])
 def test_partial_rejects_k_outside_depth(tiny_vit, k):
     with pytest.raises(ValueError, match=rf"k={k}.*\[1, 3\]"):
         petl.apply_partial(tiny_vit(), k=k)
+
+
+# Methods that reshape the patch tokens to their grid in every block, with options that make them do so.
+GRID_METHODS = [
+    ("convpass", {}),
+    ("dtl", {"fusion_size": 3}),
+    ("hst", {"dims": [8, 12], "heads": [2, 3], "meta_tokens": 2, "num_classes": 4}),
+]
+
+
+@pytest.mark.parametrize(("method", "options"), GRID_METHODS, ids=[m for m, _ in GRID_METHODS])
+def test_grid_methods_refuse_patch_dropout_in_one_line(tiny_vit, method, options):
+    # timm's patch_drop_rate drops patch tokens in training: the grid reshape crashed at the first training step
+    # (HST with a RuntimeError), where the model is refused at apply in one line naming the option.
+    model = tiny_vit(patch_drop_rate=0.5)
+    with pytest.raises(ValueError, match=r"patch_drop_rate=0\.5\): create the model with patch_drop_rate=0") as err:
+        petl.apply(model, method, **options)
+    assert "\n" not in str(err.value)
+    assert not any(isinstance(m, PetlModule) for m in model.modules())
+    petl.apply(tiny_vit(patch_drop_rate=0.0), method, **options)
+
+
+@pytest.mark.parametrize(("method", "options"), GRID_METHODS, ids=[m for m, _ in GRID_METHODS])
+def test_grid_methods_refuse_another_image_size_in_one_line(tiny_vit, method, options):
+    # timm's dynamic_img_size takes 48x48 images on a 32x32 model: the grid is 6x6, not the 4x4 the methods built
+    # for; HST failed in torch's reshape instead of saying so.
+    model = petl.apply(tiny_vit(dynamic_img_size=True), method, **options)
+    with pytest.raises(ValueError, match=r"4x4 patch tokens, got \d+") as err:
+        model(torch.randn(2, 3, 48, 48))
+    assert "\n" not in str(err.value)
 
 
 # --- LoRA --------------------------------------------------------------------------------------

@@ -154,6 +154,23 @@ class Backbone:
         """Patch size (h, w) of the patch embedding."""
         raise NotImplementedError
 
+    def check_whole_grid(self, method: str) -> None:
+        """Refuse, for a method that reshapes the blocks' patch tokens to :meth:`grid_size`, a model that drops patch
+        tokens in training (timm's ``patch_drop_rate``: a ViT's or EVA's ``patch_drop``), whose blocks then see fewer.
+
+        Raises:
+            ValueError: the model drops patch tokens (one line naming the option and what to do).
+
+        """
+        rate = float(getattr(getattr(self.model, "patch_drop", None), "prob", 0.0))
+        if rate > 0:
+            rows, cols = self.grid_size()
+            raise ValueError(
+                f"{method} reshapes the patch tokens to their {rows}x{cols} grid in every block, and "
+                f"{type(self.model).__name__} drops patch tokens in training (timm's patch_drop_rate={rate:g}): "
+                "create the model with patch_drop_rate=0"
+            )
+
     def tokens_in(self, x: torch.Tensor) -> int:
         """Tokens per image in ``x``, a block's input (prompts a method added included)."""
         raise NotImplementedError
