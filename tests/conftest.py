@@ -217,6 +217,10 @@ TINY_FAMILIES = {
     "eva02": ("eva02_tiny_patch14_224", {}),  # rotary embedding, fused qkv with q/v biases, packed SwiGLU
     # EVA-02 base's layout: separate q/k/v projections, unpacked SwiGLU with a norm; no class token, avg pool.
     "eva02_unfused": ("eva02_base_patch14_224", {"class_token": False, "global_pool": "avg"}),
+    # timm's rope ViT: the same Eva with AttentionRope (Q/K/V biases inside the fused qkv), class token, token pool.
+    "eva_rope": ("vit_small_patch16_rope_224", {}),
+    # timm's Perception Encoder: AttentionRope, a norm before the blocks, timm's attention pool (global_pool='map').
+    "eva_pe": ("vit_pe_core_base_patch16_224", {}),
     "beit_shared": ("beit_base_patch16_224", {"use_shared_rel_pos_bias": True, "use_rel_pos_bias": False}),
     # Parallel blocks: one in_proj (fc1 rows at 5x the width, then q, k, v), two output Linears, one residual with
     # a layer scale; one register token, no class token, avg pool.

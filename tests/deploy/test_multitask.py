@@ -727,7 +727,16 @@ def test_stacks_written_in_place_under_bf16_autocast_answer_as_the_loop(stacked,
 FAMILIES = {"swin": TINY_MODELS["swin"], "swinv2": TINY_MODELS["swinv2"]}
 FAMILIES |= {
     family: functools.partial(make_tiny_family, family)
-    for family in ("beit", "beit_shared", "eva02", "eva02_unfused", "vit_relpos", "vit_srelpos", "vit_hybrid")
+    for family in (
+        "beit",
+        "beit_shared",
+        "eva02",
+        "eva02_unfused",
+        "eva_rope",
+        "vit_relpos",
+        "vit_srelpos",
+        "vit_hybrid",
+    )
 }
 NOT_APPLIED = {
     "beit": ("repadapter",),
@@ -740,10 +749,11 @@ NOT_APPLIED = {
     "vit_relpos": ("repadapter",),
     "vit_srelpos": ("repadapter",),
 }
-# Methods refused by a MultiTask in one line: GPS trains the blocks' bare gammas (BEiT) or the q/v biases beside the
-# qkv it wraps (EVA-02 with a fused qkv).  VPT's prompts, HST's meta tokens and NOAH's prompts are served: the shared
-# blocks get room for the batch's slots (no relative-position bias, no rotation), as each task's own model has.
-MULTITASK_REFUSED = {"beit": ("gps",), "beit_shared": ("gps",), "eva02": ("gps",)}
+# Methods refused by a MultiTask in one line: GPS trains the blocks' bare gammas (BEiT, the rope ViT) or the q/v
+# biases beside the qkv it wraps (EVA-02 with a fused qkv).  VPT's prompts, HST's meta tokens and NOAH's prompts are
+# served: the shared blocks get room for the batch's slots (no relative-position bias, no rotation), as each task's
+# own model has.
+MULTITASK_REFUSED = {family: ("gps",) for family in ("beit", "beit_shared", "eva02", "eva_rope")}
 # Cases that train a module computing a table every row shares (the position-bias MLP of a SwinV2 or a relpos
 # ViT: BitFit on all biases, peft on every fc1/fc2), refused naming it; BitFit on the Linears alone is served.
 TABLE_TRAINED = {

@@ -12,6 +12,12 @@ Inside a block:
   ``fc2``) or an unpacked ``SwiGLU`` (``fc1_g``, ``fc1_x``, a norm, ``fc2``): a method that needs one ``fc1`` is
   refused on the last by :meth:`Eva.linear`.
 * the layer scales are bare parameters ``gamma_1``, ``gamma_2``.
+
+timm's ``vit_*_patch16_rope_*`` models (``attn_type='rope'``) are this Eva with timm's ``AttentionRope`` in the
+same ``EvaBlock``: the same forward (q/k norm, the same rotation of the tokens after ``num_prefix_tokens``, the rope
+passed in by the block), but Q, K and V take their biases inside ``qkv`` (or ``q_proj``, ``k_proj``, ``v_proj``),
+a plain Linear it calls, so there is nothing beside ``qkv`` to train or to switch.  Their ``rope_mixed`` variants
+(one learnable rotation per block) are refused.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from timm.layers import AttentionRope
 from timm.models._manipulate import checkpoint
 from timm.models.eva import Eva as TimmEva
 from timm.models.eva import EvaAttention, EvaBlock
@@ -32,14 +39,14 @@ from petl.model.wrappers import PetlModule
 
 
 class EvaRoom(PetlModule):
-    """timm's ``EvaAttention`` taking extra tokens at ``at`` (those beyond ``rope``'s rows) that are not rotated.
+    """timm's ``EvaAttention`` or ``AttentionRope`` taking extra tokens at ``at`` (beyond ``rope``'s rows), unrotated.
 
     timm rotates every token after the prefix by its row of ``rope``; the extra tokens get the identity rotation
     (sin 0, cos 1) at their place among the patch tokens' rows (in front of them where the extra tokens sit before
     or right after the prefix), so their Q and K enter attention as computed.
     """
 
-    def __init__(self, base: EvaAttention, at: int) -> None:
+    def __init__(self, base: EvaAttention | AttentionRope, at: int) -> None:
         super().__init__(base)
         self.at = at
 
@@ -58,12 +65,12 @@ class EvaRoom(PetlModule):
 
 @register_backbone(TimmEva)
 class Eva(QvBiasesBesideQkv, GammaBranches, ViT):
-    """A timm Eva (EVA, EVA-02: rotary embedding or not, fused or separate q/k/v, GELU or SwiGLU MLP)."""
+    """A timm Eva (EVA, EVA-02, the rope ViTs: rotary embedding or not, fused or separate q/k/v, GELU or SwiGLU)."""
 
     kind = "eva"
     supported = (
-        "a timm Eva (EVA, EVA-02) with pre-norm EvaBlocks of EvaAttention, at a fixed image size, "
-        "one rotary embedding for every block"
+        "a timm Eva (EVA, EVA-02, vit_*_rope_*) with pre-norm EvaBlocks of EvaAttention or AttentionRope, at a "
+        "fixed image size, one rotary embedding for every block"
     )
     block_types = (EvaBlock,)
     timm_modules = ("eva",)
@@ -74,16 +81,22 @@ class Eva(QvBiasesBesideQkv, GammaBranches, ViT):
         """Raise a ValueError naming what is supported unless the model is a usable timm Eva.
 
         Raises:
-            ValueError: a post-norm block, another attention (``attn_type='rope'``), a rotary embedding per block
-                (``rope_type='mixed'``) or a dynamic image size with a rotary embedding.
+            ValueError: a post-norm block, another attention, a rotary embedding per block (``rope_type='mixed'``:
+                timm passes block i its own rows, and petl passes every block one) or a dynamic image size with a
+                rotary embedding.
 
         """
         model, name = self.model, type(self.model).__name__
-        if getattr(model, "rope_mixed", False) or (model.rope is not None and model.dynamic_img_size):
-            raise ValueError(f"petl supports {self.supported}; {name} has a rotary embedding per block or per size")
+        if getattr(model, "rope_mixed", False):
+            raise ValueError(
+                f"petl supports {self.supported}; {name} has a learnable rotary embedding per block "
+                "(timm's rope_type='mixed', the vit_*_rope_mixed_* models), not taken"
+            )
+        if model.rope is not None and model.dynamic_img_size:
+            raise ValueError(f"petl supports {self.supported}; {name} has a rotary embedding per image size")
         for i, block in enumerate(model.blocks):
             inner = unwrap(block)
-            if type(inner) is not EvaBlock or not isinstance(unwrap(inner.attn), (EvaAttention, EvaRoom)):
+            if type(inner) is not EvaBlock or not isinstance(unwrap(inner.attn), (EvaAttention, AttentionRope)):
                 runs = f"{type(inner).__name__} with {type(unwrap(getattr(inner, 'attn', None))).__name__}"
                 raise ValueError(f"petl supports {self.supported}; block {i} of {name}: {runs}, not taken")
 

@@ -174,8 +174,9 @@ class QvBiasesBesideQkv:
     def set_linear(cls, block: nn.Module, name: str, module: nn.Module) -> None:
         """Replace a Linear; a ``qkv`` other than timm's Linear is called (see above)."""
         super().set_linear(block, name, module)
-        if name == "qkv" and type(module) is not nn.Linear:
-            cls.linear_slot(block, name)[0].qkv_bias_separate = True
+        attn = cls.linear_slot(block, name)[0]
+        if name == "qkv" and type(module) is not nn.Linear and isinstance(attn, cls.qv_bias_attentions):
+            attn.qkv_bias_separate = True
 
     @classmethod
     def linear_biases(cls, block: nn.Module, name: str) -> list[nn.Parameter]:
@@ -183,7 +184,9 @@ class QvBiasesBesideQkv:
         biases = super().linear_biases(block, name)
         if name == "qkv":
             attn = cls.linear_slot(block, name)[0]
-            biases += [b for b in (attn.q_bias, attn.v_bias) if isinstance(b, nn.Parameter)]
+            # An attention of the family without them (EVA's AttentionRope: Q/K/V biases inside qkv) has none.
+            beside = (getattr(attn, "q_bias", None), getattr(attn, "v_bias", None))
+            biases += [b for b in beside if isinstance(b, nn.Parameter)]
         return biases
 
     @classmethod
