@@ -142,8 +142,10 @@ def _dry_run_line(run: PlannedRun) -> str:
     else:
         note = f"  (+ the calibration of {run.calibrated_by}, not run yet)" if overrides is None else ""
     state = "done  " if run.is_done() else "todo  "
-    # A finished run, or an interrupted one (its config.yaml, no result.json), is checked as the sweep checks it.
-    checked = run.is_done() or (run.run_dir / CONFIG_FILE).is_file() and not (run.run_dir / RESULT_FILE).exists()
+    # A finished run, or an interrupted one (its config.yaml, no result.json), is checked as the sweep checks it;
+    # one whose config.yaml is damaged the sweep trains again (PlannedRun.damage): a todo.
+    interrupted = (run.run_dir / CONFIG_FILE).is_file() and not (run.run_dir / RESULT_FILE).exists()
+    checked = run.is_done() or interrupted and run.damage() is None
     if checked and overrides is not None and (stale := _holds_another_config(overrides)) is not None:
         # The sweep would fail this run, not skip or resume it (an edited suite, another suite's run in this folder).
         state, note = "stale ", f"  ({stale})"

@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from petl.bench.calibration import calibration_overrides
 from petl.bench.suite import Experiment, Suite, format_value, override
-from petl.store.files import CONFIG_FILE, RESULT_FILE
+from petl.store.files import CONFIG_FILE, RESULT_FILE, DamagedFileError, read_config
 from petl.store.lock import LOCK_FILE as LOCK_FILE  # the lock is petl-run's too: one home, re-exported here
 from petl.store.lock import acquire_lock, release_lock
 from petl.store.result import ResultError, RunResult, read_result, write_result
@@ -74,12 +74,21 @@ class PlannedRun:
         return [*self.overrides[:-1], *chosen, self.overrides[-1]]
 
     def damage(self) -> str | None:
-        """Why this run's ``result.json`` cannot be read (cut short, hand-edited) or is another task's, or ``None``."""
+        """Why this run's ``result.json`` cannot be read (cut short, hand-edited) or is another task's, or, for a run
+        interrupted (no ``result.json``), its ``config.yaml`` is damaged; else ``None``.
+        """
         path = self.run_dir / RESULT_FILE
         try:
             result = read_result(path)
         except (ResultError, KeyError, TypeError, RecursionError) as error:
             return str(error) if isinstance(error, ResultError) else f"{path}: {error!r}"
+        if result is None and (self.run_dir / CONFIG_FILE).exists():
+            # Nothing tells which config its checkpoint had, so it cannot be checked against the plan or resumed:
+            # trained anew as a damaged result.json is (resume=false sets the folder aside, nothing deleted).
+            try:
+                read_config(self.run_dir)
+            except DamagedFileError as error:
+                return str(error)
         if result is not None and result.dataset != self.task:
             # Copied or moved from another task's folder: the reports would not count it here (collect.folder_problem).
             return f"{path}: a run of {result.dataset}, not of {self.task} whose folder it is in"
@@ -372,7 +381,8 @@ def run_sweep(
             if not run.is_done():
                 (run.run_dir / ERROR_FILE).unlink(missing_ok=True)
                 interrupted = (run.run_dir / CONFIG_FILE).is_file() and not (run.run_dir / RESULT_FILE).exists()
-                if check_fn is not None and interrupted:
+                damage = run.damage()
+                if check_fn is not None and interrupted and damage is None:
                     try:  # an interrupted run: resuming it with another config (an edited suite) would be refused
                         check_fn(compose_fn(overrides))
                     except ConfigError as error:
@@ -380,7 +390,7 @@ def run_sweep(
                         summary.failed.append(f"{run.label}: {error}")
                         bar.write(f"FAILED {run.label}: {error}")
                         return
-                if (damage := run.damage()) is not None:
+                if damage is not None:
                     # resume=false moves the damaged run aside (petl.train.output_dir.set_aside) and trains it
                     # anew; the output_dir override stays last.
                     bar.write(f"petl-bench: warning: {damage}: training {run.label} again")

@@ -167,10 +167,14 @@ def test_applying_twice_is_refused(tiny_vit):
         petl.apply_adapter(model)
 
 
-def test_resnet_is_unsupported():
+def test_resnet_is_unsupported_in_a_short_line_naming_its_class_and_the_doc():
+    # The refusal listed every family's full description: one line of some 780 characters.
     resnet = ResNet(BasicBlock, [1, 1, 1, 1], num_classes=3)
-    with pytest.raises(ValueError, match="VisionTransformer"):
+    with pytest.raises(ValueError, match=r"^got ResNet, which no backbone family takes: petl takes timm's ") as error:
         petl.apply_lora(resnet)
+    said = str(error.value)
+    assert "VisionTransformer, " in said and "SwinTransformer, " in said and "Distilled" not in said, said
+    assert said.endswith("(docs/backbones.md)") and len(said) < 250 and "\n" not in said, said
 
 
 WRAPPERS = {

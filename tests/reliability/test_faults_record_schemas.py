@@ -10,10 +10,14 @@ import pytest
 from conftest import command_status, make_tiny_vit, tiny_run
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+from test_harness import BENCH
 
 import petl
-from petl.bench import estimate
+from petl.bench import commands, estimate, sweep
+from petl.bench.suite import load_experiment
 from petl.cli import run as cli
+from petl.train.config import default_config
+from petl.train.output_dir import check_finished
 
 TINY = tiny_run(subset=32, depth=1, epochs=1, batch_size=32)
 
@@ -43,6 +47,25 @@ def test_a_damaged_config_yaml_beside_a_checkpoint_is_named_in_one_line(tmp_path
     assert len(lines) == 1 and "Traceback" not in err, err
     assert f"{out / 'config.yaml'} is damaged" in lines[0] and "resume=false" in lines[0], err
     assert sorted(p.name for p in out.iterdir()) == ["checkpoint.pt", "config.yaml"]  # nothing deleted
+
+
+@pytest.mark.parametrize("damage", ["not YAML", "a result.json", "a folder"])
+def test_a_sweep_trains_an_interrupted_run_with_a_damaged_config_yaml_again(tmp_path, damage):
+    # The sweep's check of an interrupted run against the plan failed it as stale, "...config.yaml is damaged (...);
+    # delete it to train this config": deleting config.yaml left checkpoint.pt without it, which petl-run refuses.
+    runs = sweep.plan([load_experiment("linear", BENCH)], ["mini/digits"], [0], tmp_path)
+    out = runs[0].run_dir
+    out.mkdir(parents=True)
+    (out / "checkpoint.pt").write_bytes(b"")
+    if DAMAGED_CONFIGS[damage] is None:
+        (out / "config.yaml").mkdir()
+    else:
+        (out / "config.yaml").write_bytes(DAMAGED_CONFIGS[damage])
+    assert commands._dry_run_line(runs[0]).startswith("todo  mini/digits linear seed0")  # was "stale ..."
+    trained = []
+    summary = sweep.run_sweep(runs, trained.append, default_config, progress=False, check_fn=check_finished)
+    assert (summary.failed, summary.stale, summary.trained) == ([], [], 1), summary
+    assert [cfg.resume for cfg in trained] == [False]  # petl-run sets the damaged folder aside and trains anew
 
 
 @pytest.mark.parametrize(

@@ -621,8 +621,8 @@ def backbone_of(model: nn.Module) -> Backbone:
     """``model`` seen through its family's :class:`Backbone`.
 
     Raises:
-        ValueError: no registered family takes ``model``'s class (the message lists what is supported, or, for a
-            wrapper such as torch.compile's, which model inside it to give).
+        ValueError: no registered family takes ``model``'s class (the message names the model classes petl
+            takes and docs/backbones.md, or, for a wrapper such as torch.compile's, which model inside it to give).
 
     """
     check_module(model)
@@ -631,8 +631,15 @@ def backbone_of(model: nn.Module) -> Backbone:
     if wrapper:  # the model inside may well be one petl takes: say how to reach it, not every family petl supports
         raise ValueError(f"got {type(model).__name__}, {wrapper}")
     if family is None:
-        supported = "; ".join(sorted({f.supported for f in _all_families()}))
-        raise ValueError(f"petl supports {supported}; got {type(model).__name__}, which no backbone family takes")
+        # The model classes, not every family's full description (one line of some 780 characters): what each
+        # takes of its class is in docs/backbones.md, and a family's own check names what it refuses.  A subclass
+        # of one of them (the distilled DeiT, registered to be refused) is not another class to name.
+        roots = [cls for cls in _FAMILIES if not any(o is not cls and issubclass(cls, o) for o in _FAMILIES)]
+        classes = ", ".join(sorted(cls.__name__ for cls in roots))
+        raise ValueError(
+            f"got {type(model).__name__}, which no backbone family takes: petl takes timm's {classes} "
+            "(docs/backbones.md)"
+        )
     return family(model)
 
 
