@@ -13,11 +13,12 @@ here, not in a test: a shared machine's load can change between the estimate and
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from petl.bench.estimate import ESTIMATE_FILE, read_estimate
 
 ROOT = Path(__file__).resolve().parents[1]
 TEST = "test_choose_runs_the_suite_on_a_folder_and_names_a_run_that_predicts"
@@ -30,8 +31,8 @@ def one_round() -> tuple[float, float]:
     with tempfile.TemporaryDirectory(prefix="choose-estimate-") as base:
         command = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", f"--basetemp={base}"]
         subprocess.run([*command, f"{test_file}::{TEST}"], cwd=ROOT, check=True)
-        (path,) = Path(base).rglob("estimate.json")
-        record = json.loads(path.read_text())
+        (path,) = Path(base).rglob(ESTIMATE_FILE)
+        record = read_estimate(path.parent)  # the file's one reader, which checks it
     return float(record["seconds"]), float(record["measured_seconds"])
 
 
