@@ -193,3 +193,33 @@ def test_a_checkpoint_of_a_newer_petl_is_refused_and_an_unversioned_one_resumes(
     older.mkdir()
     code, err, out = _resume_edited(capsys, unfinished_run, older, lambda s: s.pop("version"))  # as petl wrote it
     assert code == 0 and (out / "result.json").is_file(), err
+
+
+# A folder at a suite's or an experiment's name in configs_dir: it was listed as a known suite ("unknown suite 'foo';
+# known: foo") and read as an experiment file ('IsADirectoryError: ...', exit 1).
+@pytest.mark.parametrize(
+    ("folder", "said"),
+    [
+        ("suites/foo.yaml", "unknown suite 'foo'; known: \n"),
+        ("experiments/bar.yaml", "foo.yaml: experiments: unknown experiment 'bar'; known: adapter"),
+    ],
+)
+def test_a_folder_at_a_preset_name_is_no_preset(capsys, tmp_path, folder, said):
+    from petl.cli import bench as bench_cli
+
+    (tmp_path / "suites").mkdir()
+    (tmp_path / "experiments").mkdir()
+    (tmp_path / "suites" / "foo.yaml").write_text("tasks: [mini/digits]\nexperiments: [bar]\nseeds: [0]\n")
+    if folder.startswith("suites"):
+        (tmp_path / folder).unlink()
+    (tmp_path / folder).mkdir()
+    code, _, err = command_status(capsys, bench_cli.main, "suite=foo", f"configs_dir={tmp_path}", "dry_run=true")
+    assert code == 2 and "Traceback" not in err and said in err, err
+    assert len(err.strip().splitlines()) == 1, err
+
+
+def test_a_preset_file_that_cannot_be_read_is_named(tmp_path):
+    from petl.presets import read_yaml
+
+    with pytest.raises(ValueError, match=f"^{tmp_path}: cannot be read \\(Is a directory\\): give a YAML file there$"):
+        read_yaml(tmp_path)  # was: IsADirectoryError
