@@ -152,6 +152,8 @@ def read_yaml(path: Path) -> Any:
         return yaml.load(path.read_text(encoding="utf-8"), Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
     except UnicodeDecodeError as error:
         raise ValueError(f"{path}: not UTF-8 text (byte {error.start}): save it as UTF-8") from None
+    except OSError as error:  # a folder at the file's name, a file it may not read
+        raise ValueError(f"{path}: cannot be read ({error.strerror}): give a YAML file there") from None
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         where = f":{mark.line + 1}:{mark.column + 1}" if mark is not None else ""
@@ -259,7 +261,7 @@ class Experiment:
 
 def preset_names(folder: Path) -> list[str]:
     """Stems of the YAML files in ``folder``, sorted."""
-    return sorted(p.stem for p in folder.glob("*.yaml"))
+    return sorted(p.stem for p in folder.glob("*.yaml") if p.is_file())  # a folder so named is no preset
 
 
 def _registered_methods() -> list[str]:

