@@ -106,8 +106,11 @@ def test_an_interrupted_pretraining_resumes_to_the_same_weights(tmp_path, monkey
 
     save = pretrain.files.save_checkpoint
 
+    saved = []
+
     def save_then_stop(path, state):
         save(path, state)
+        saved.append(state)
         raise KeyboardInterrupt
 
     monkeypatch.setattr(pretrain.files, "save_checkpoint", save_then_stop)
@@ -123,8 +126,6 @@ def test_an_interrupted_pretraining_resumes_to_the_same_weights(tmp_path, monkey
     weights, _ = pretrain.output_files(tmp_path / "cut", arch)
     assert {v.dtype for k, v in load_file(weights).items() if "index" not in k} == {torch.float16}
     with pytest.raises(ValueError, match="unfinished pretraining with other options"):
-        pretrain.files.save_checkpoint(
-            pretrain.partial_file(tmp_path / "cut", arch),
-            {"recipe": "{}", **dict.fromkeys(pretrain.files.CHECKPOINT_KEYS)},
-        )
+        # The first epoch's checkpoint, whole and valid, but of another recipe.
+        pretrain.files.save_checkpoint(pretrain.partial_file(tmp_path / "cut", arch), {**saved[0], "recipe": "{}"})
         pretrain.pretrain(fractal, settings, out_dir=tmp_path / "cut", **kwargs)
