@@ -21,6 +21,7 @@ from typing import Any
 from petl.bench.board import ExperimentRow, Leaderboard
 from petl.bench.estimate import duration
 from petl.bench.ranking import Ranking, rank_test, said_p
+from petl.store.files import write_text
 from petl.utils.text import plural
 
 CHOICE_FILE = "choice.md"
@@ -269,5 +270,5 @@ def write_choice(output_dir: Path, choice: Choice, estimate: dict[str, Any] | No
         "folder; its section *Which differences are real* gives the rank test in full.",
         "",
     ]
-    path.write_text("\n".join(lines))
+    write_text(path, "\n".join(lines))  # whole or not at all, as every file petl writes
     return path
