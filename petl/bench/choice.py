@@ -203,7 +203,9 @@ def _verdict(found: Ranking | str, best: ExperimentRow, runner: ExperimentRow, t
             if math.isnan(found.p_value)
             else f" after Friedman's test over the {k} ({said_p(found.p_value, found.alpha)})"
         )
-        test = f"Nemenyi's test{friedman}, {blocks}: {said_p(found.p_values[a][b], found.alpha)} < {found.alpha:g}"
+        p = found.p_values[a][b]
+        below = "" if p == 0 else f" < {found.alpha:g}"  # "p < 1e-300" says so already ("p < 1e-300 < 0.05")
+        test = f"Nemenyi's test{friedman}, {blocks}: {said_p(p, found.alpha)}{below}"
         first, second = (a, b) if found.mean_rank[a] <= found.mean_rank[b] else (b, a)
         said = (
             f"**{first}** ranks above **{second}** on this data (mean rank {found.mean_rank[first]:.2f} against "
