@@ -21,6 +21,7 @@ from typing import Any
 from petl.bench.board import ExperimentRow, Leaderboard
 from petl.bench.estimate import duration
 from petl.bench.ranking import Ranking, rank_test, said_p
+from petl.store.files import write_text
 from petl.utils.text import plural
 
 CHOICE_FILE = "choice.md"
@@ -202,7 +203,9 @@ def _verdict(found: Ranking | str, best: ExperimentRow, runner: ExperimentRow, t
             if math.isnan(found.p_value)
             else f" after Friedman's test over the {k} ({said_p(found.p_value, found.alpha)})"
         )
-        test = f"Nemenyi's test{friedman}, {blocks}: {said_p(found.p_values[a][b], found.alpha)} < {found.alpha:g}"
+        p = found.p_values[a][b]
+        below = "" if p == 0 else f" < {found.alpha:g}"  # "p < 1e-300" says so already ("p < 1e-300 < 0.05")
+        test = f"Nemenyi's test{friedman}, {blocks}: {said_p(p, found.alpha)}{below}"
         first, second = (a, b) if found.mean_rank[a] <= found.mean_rank[b] else (b, a)
         said = (
             f"**{first}** ranks above **{second}** on this data (mean rank {found.mean_rank[first]:.2f} against "
@@ -269,5 +272,5 @@ def write_choice(output_dir: Path, choice: Choice, estimate: dict[str, Any] | No
         "folder; its section *Which differences are real* gives the rank test in full.",
         "",
     ]
-    path.write_text("\n".join(lines))
+    write_text(path, "\n".join(lines))  # whole or not at all, as every file petl writes
     return path

@@ -34,6 +34,7 @@ from typing import Any
 
 from petl import data as petl_data
 from petl.data import TEST, TRAIN, TRAIN_VAL, VAL
+from petl.store.files import write_json
 from petl.utils.text import first_line
 
 DATA_FILE = "data.json"
@@ -202,7 +203,8 @@ def claim_output_dir(output_dir: Path, data: OwnData, setup: dict[str, Any] | No
     record = {"version": DATA_VERSION, **{k: v for k, v in asdict(data).items() if k != "decode_seconds"}}
     if setup is not None:
         record["setup"] = setup
-    path.write_text(json.dumps(record, indent=2) + "\n")
+    # Whole or not at all: a data.json cut short by a crash would stop every later sweep into this folder.
+    write_json(path, record)
 
 
 def read_record(output_dir: str | Path) -> dict[str, Any] | None:

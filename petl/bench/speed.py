@@ -77,6 +77,7 @@ from petl.bench.speed_bench import (
     precision_label,
 )
 from petl.bench.speed_table import format_table, machine_line, plain_inference
+from petl.store.files import write_text
 from petl.train import engine
 
 __all__ = [
@@ -308,10 +309,9 @@ def main(args: Sequence[str]) -> int:
     table = format_table(results, spec, machine_line(spec.device), memory_in_process=inprocess)
     print(table)
     if "out" in own:
-        out = Path(own["out"])
-        out.parent.mkdir(parents=True, exist_ok=True)
         command = "petl-bench speed " + " ".join(args)
-        out.write_text(f"# petl speed: {spec.model} on {spec.device}\n\nCommand: `{command}`\n\n{table}")
+        # Whole or not at all (its folder made as needed): an interrupted write keeps the earlier table.
+        write_text(Path(own["out"]), f"# petl speed: {spec.model} on {spec.device}\n\nCommand: `{command}`\n\n{table}")
     return 0
 
 

@@ -160,7 +160,13 @@ def load_suite(name: str, configs: Path) -> Suite:
     """
     path = configs / "suites" / f"{name}.yaml"
     if not path.is_file():
-        raise ValueError(f"unknown suite {name!r}; known: {', '.join(preset_names(configs / 'suites'))}")
+        known = preset_names(configs / "suites")
+        if not known:  # an empty list after "known:" read as a cut-off line
+            raise ValueError(
+                f"unknown suite {name!r}: there are no suites in {configs / 'suites'} "
+                "(a suite is a NAME.yaml file there)"
+            )
+        raise ValueError(f"unknown suite {name!r}; known: {', '.join(known)}")
     keys = {"description", "experiments", "tasks", "seeds", "search", "search_seed", "final_split", "per_task"}
     keys |= {"pinned_trial", "per_experiment", "require_learning"}
     keys |= set(SUITE_GROUPS)

@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from petl.bench.calibration import calibration_overrides
 from petl.bench.suite import Experiment, Suite, format_value, override
-from petl.store.files import CONFIG_FILE, RESULT_FILE, DamagedFileError, read_config
+from petl.store.files import CONFIG_FILE, RESULT_FILE, DamagedFileError, read_config, write_text
 from petl.store.lock import LOCK_FILE as LOCK_FILE  # the lock is petl-run's too: one home, re-exported here
 from petl.store.lock import acquire_lock, release_lock
 from petl.store.result import ResultError, RunResult, read_result, write_result
@@ -406,7 +406,7 @@ def run_sweep(
         except Exception as error:  # one bad run must not end a day-long sweep
             log_file = run.run_dir / ERROR_FILE
             try:
-                log_file.write_text(traceback.format_exc())
+                write_text(log_file, traceback.format_exc())
                 see = f"see {log_file}"
             except OSError as unwritten:
                 # A full disk fails the run and then its log: the run's own line says what happened.

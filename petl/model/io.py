@@ -24,7 +24,7 @@ from torch import nn
 from petl.model.backbone import backbone_of
 from petl.model.params import content_hash, trainable_state
 from petl.model.surgery import apply
-from petl.store.files import WEIGHTS_FILE
+from petl.store.files import WEIGHTS_FILE, write_atomic
 
 # Version 2 adds ``widths`` (each block's width: a Swin's change per stage); version 1 files, which record one
 # ``embed_dim`` for every block, are still read.
@@ -71,9 +71,9 @@ def save_trainable(model: nn.Module, path: str | Path) -> None:
     tensors = {n: t.cpu().contiguous() for n, t in trainable_state(model).items()}
     data = safetensors.torch.save(tensors, metadata={**_describe(model), "sha256": content_hash(tensors)})
     # Written by Python, not safetensors.save_file: a full disk then raises OSError(ENOSPC), which
-    # callers can handle, instead of safetensors' own SafetensorError.
-    with open(path, "wb") as f:
-        f.write(data)
+    # callers can handle, instead of safetensors' own SafetensorError.  Whole or not at all: a crash mid-write
+    # leaves the file that was there (an earlier save) as it was.
+    write_atomic(Path(path), lambda tmp: tmp.write_bytes(data))
 
 
 def _check_not_meta(model: nn.Module, doing: str) -> None:

@@ -145,6 +145,10 @@ def _resumable(partial: Path, recipe: dict) -> dict | None:
     """
     try:
         checkpoint = files.load_checkpoint(partial)
+    except files.NewerFileError as error:  # not damaged: this petl is too old to read it, as petl-run's resume says
+        raise UsageError(
+            f"{error}: upgrade petl to continue it, remove it to start over, or choose another --out"
+        ) from None
     except files.DamagedFileError as error:
         raise UsageError(f"{error}: {START_OVER}") from None
     if checkpoint is None:

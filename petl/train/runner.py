@@ -532,7 +532,7 @@ def _record(
 ) -> None:
     """Weights and model.json, then ``result.json`` (its presence marks the run finished), then drop the checkpoint."""
     if accelerator.is_main_process:
-        files.write_atomic(out / files.WEIGHTS_FILE, lambda tmp: save_trainable(model, tmp))
+        save_trainable(model, out / files.WEIGHTS_FILE)  # atomically
         run_card.write_card(out, card)
         write_result(out / files.RESULT_FILE, result)
         if not cfg.train.keep_checkpoint:

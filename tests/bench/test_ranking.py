@@ -427,3 +427,17 @@ def test_a_p_that_underflowed_to_zero_is_said_as_below_1e_300_not_as_0(tmp_path)
     rows = {row.experiment: row for row in board.rows}
     verdict = choice._verdict(board.ranking, rows["lora"], rows["mlp"], "mini/digits")
     assert "after Friedman's test over the 3 rows (p < 1e-300)" in verdict and "(p = 0)" not in verdict, verdict
+    assert verdict.endswith(": p = 0.038 < 0.05)"), verdict  # Nemenyi's p, said with alpha
+
+
+def test_a_nemenyi_p_that_underflowed_to_zero_reads_as_below_1e_300_alone(tmp_path):
+    import dataclasses
+
+    board = _choose_board(tmp_path, {"lora": 85.0, "linear": 80.0, "mlp": 70.0}, seeds=3)
+    p_values = {a: dict(row) for a, row in board.ranking.p_values.items()}
+    p_values["lora"]["mlp"] = p_values["mlp"]["lora"] = 0.0
+    found = dataclasses.replace(board.ranking, p_values=p_values)
+    rows = {row.experiment: row for row in board.rows}
+    verdict = choice._verdict(found, rows["lora"], rows["mlp"], "mini/digits")
+    # It said "p < 1e-300 < 0.05".
+    assert verdict.endswith(": p < 1e-300)"), verdict

@@ -123,9 +123,9 @@ def test_a_disk_that_fills_up_during_a_sweep_fails_its_runs_each_in_its_line(tmp
             raise full
         return real_acquire(folder)
 
-    real_acquire, real_write_text = sweep.acquire_lock, Path.write_text
+    real_acquire, real_write_text = sweep.acquire_lock, sweep.write_text
     monkeypatch.setattr(sweep, "acquire_lock", acquire)
-    monkeypatch.setattr(Path, "write_text", write_text)
+    monkeypatch.setattr(sweep, "write_text", write_text)
     summary = sweep.run_sweep(runs, train, FakeEngine().compose, progress=False)
     assert summary.failed == [
         f"{runs[0].label}: {kept}; {runs[0].run_dir / sweep.ERROR_FILE} not written (No space left on device)",

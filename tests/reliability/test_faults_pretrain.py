@@ -160,6 +160,18 @@ def test_a_damaged_checkpoint_is_named_in_one_line_and_kept(damage, tmp_path, ca
     assert partial.read_bytes() == kept
 
 
+def test_a_checkpoint_of_a_newer_petl_advises_upgrading_and_is_kept(tmp_path, capsys, no_generation):
+    # It said "was written by a newer petl ...: remove it to start over", as if a newer petl's epochs were damage.
+    partial = pretrain.partial_file(tmp_path)
+    pretrain.files.save_checkpoint(partial, {**dict.fromkeys(pretrain.files.CHECKPOINT_KEYS, 0), "version": 2})
+    kept = partial.read_bytes()
+    code, err = petl_pretrain(capsys, *TINY, "--out", str(tmp_path))
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"{partial} was written by a newer petl (checkpoint version 2; this petl reads up to 1)" in err
+    assert err.rstrip().endswith(": upgrade petl to continue it, remove it to start over, or choose another --out")
+    assert partial.read_bytes() == kept
+
+
 def test_a_pretraining_after_a_bf16_training_in_one_process_runs(tmp_path, capsys):
     """accelerate's precision is process-wide and refuses to change: after a bf16 training (a GPU's default) in the
     same process (a notebook, a test session on the lent H200), petl-pretrain's fp32 said "AcceleratorState has

@@ -223,7 +223,10 @@ def test_a_checkpoint_of_a_newer_petl_is_refused_and_an_unversioned_one_resumes(
 @pytest.mark.parametrize(
     ("folder", "said"),
     [
-        ("suites/foo.yaml", "unknown suite 'foo'; known: \n"),
+        (
+            "suites/foo.yaml",
+            "unknown suite 'foo': there are no suites in {configs}/suites (a suite is a NAME.yaml file there)\n",
+        ),
         ("experiments/bar.yaml", "foo.yaml: experiments: unknown experiment 'bar'; known: adapter"),
     ],
 )
@@ -237,7 +240,7 @@ def test_a_folder_at_a_preset_name_is_no_preset(capsys, tmp_path, folder, said):
         (tmp_path / folder).unlink()
     (tmp_path / folder).mkdir()
     code, _, err = command_status(capsys, bench_cli.main, "suite=foo", f"configs_dir={tmp_path}", "dry_run=true")
-    assert code == 2 and "Traceback" not in err and said in err, err
+    assert code == 2 and "Traceback" not in err and said.format(configs=tmp_path) in err, err
     assert len(err.strip().splitlines()) == 1, err
 
 
