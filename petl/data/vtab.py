@@ -127,15 +127,27 @@ FGVC_TASKS: tuple[_Task, ...] = (
 
 
 def _find_task_dir(info: DatasetInfo, task: _Task, root: Path, markers: Sequence[str]) -> Path:
-    """The folder under ``root`` holding ``task``; ``root`` itself counts if it holds the split files."""
-    short = task.name
-    candidates = [root / short, *(root / f for f in task.folders), root]
-    for folder in candidates:
+    """The folder under ``root`` holding ``task``; ``root`` itself counts if it holds the split files under a name of
+    the task.
+
+    A task folder of another name given as the root is refused: ``data=vtab/dsprites_ori`` with the root at
+    ``.../dsprites_loc`` would train the other task (of the same 16 classes) under this task's name.
+    """
+    names = list(dict.fromkeys((task.name, *task.folders)))
+    for folder in (root / name for name in names):
         if any((folder / m).is_file() for m in markers):
             return folder
-    tried = ", ".join(str(c) for c in candidates)
+    holder = f"give the folder that holds {' or '.join(f'{name}/' for name in names)} as root (data.root)"
+    if any((root / m).is_file() for m in markers):
+        if Path(os.path.abspath(root)).name.casefold() in {name.casefold() for name in names}:
+            return root
+        raise ValueError(
+            f"{info.name}: root={root} is itself a task folder (it holds {' / '.join(markers)}) but not named "
+            f"{' or '.join(names)}: {holder}"
+        )
+    tried = ", ".join(str(root / name) for name in names)
     raise DatasetUnavailableError(
-        f"{info.name}: no task folder found under root={root} (looked for {' / '.join(markers)} in: {tried})"
+        f"{info.name}: no task folder found under root={root} (looked for {' / '.join(markers)} in {tried}): {holder}"
     )
 
 

@@ -375,3 +375,40 @@ def test_fgvc_hub_copy_with_holdout_validation(monkeypatch):
     assert image.shape == (3, 8, 8) and image.dtype == torch.float32 and label == 195
     # Same seed, same hold-out.
     assert splits["val200"].indices == data.build_dataset("fgvc/cars", "val200", image_size=8).indices
+
+
+def test_root_at_another_tasks_folder_is_refused_not_trained_under_this_name(tmp_path, monkeypatch):
+    # dsprites_loc and dsprites_ori both have 16 classes: the labels could not tell one task from the other, and
+    # data=vtab/dsprites_ori with the root at dsprites_loc/ trained dsprites_loc under dsprites_ori's name.
+    make_vtab_task(tmp_path / "dsprites_loc", SMALL, num_classes=16)
+    with pytest.raises(
+        ValueError, match=r"vtab/dsprites_ori: root=.*dsprites_loc is itself a task folder .* not named"
+    ):
+        data.build_dataset(
+            "vtab/dsprites_ori", "train800", image_size=8, root=str(tmp_path / "dsprites_loc"), strict=False
+        )
+    # The task's own folder as the root still loads (petl's name or the field's, also given as "."), and so does
+    # the folder above it.
+    assert (
+        len(
+            data.build_dataset(
+                "vtab/dsprites_loc", "train800", image_size=8, root=str(tmp_path / "dsprites_loc"), strict=False
+            )
+        )
+        == 8
+    )
+    (tmp_path / "dsprites_loc").rename(tmp_path / "kitti")
+    make_vtab_task(tmp_path / "kitti", SMALL, num_classes=4)
+    monkeypatch.chdir(tmp_path / "kitti")
+    assert len(data.build_dataset("vtab/kitti_dist", "test", image_size=8, root=".", strict=False)) == 5
+    assert len(data.build_dataset("vtab/kitti_dist", "test", image_size=8, root=str(tmp_path), strict=False)) == 5
+    # FGVC the same way: a CUB folder is no Stanford Cars.
+    folder = tmp_path / "CUB_200_2011"
+    names = write_images(folder, 2)
+    for split in ("train", "val", "test"):
+        write_list(folder / f"{split}.txt", [(names[0], 0), (names[1], 1)])
+    with pytest.raises(ValueError, match=r"fgvc/cars: root=.*CUB_200_2011 is itself a task folder"):
+        data.build_dataset("fgvc/cars", "train800", image_size=8, root=str(folder), strict=False)
+    # A root one level too high says which folder to give.
+    with pytest.raises(data.DatasetUnavailableError, match=r"give the folder that holds dtd/ as root \(data\.root\)"):
+        data.build_dataset("vtab/dtd", "train800", image_size=8, root=str(tmp_path.parent), strict=False)
