@@ -127,15 +127,27 @@ FGVC_TASKS: tuple[_Task, ...] = (
 
 
 def _find_task_dir(info: DatasetInfo, task: _Task, root: Path, markers: Sequence[str]) -> Path:
-    """The folder under ``root`` holding ``task``; ``root`` itself counts if it holds the split files."""
-    short = task.name
-    candidates = [root / short, *(root / f for f in task.folders), root]
-    for folder in candidates:
+    """The folder under ``root`` holding ``task``; ``root`` itself counts if it holds the split files under a name of
+    the task.
+
+    A task folder of another name given as the root is refused: ``data=vtab/dsprites_ori`` with the root at
+    ``.../dsprites_loc`` would train the other task (of the same 16 classes) under this task's name.
+    """
+    names = list(dict.fromkeys((task.name, *task.folders)))
+    for folder in (root / name for name in names):
         if any((folder / m).is_file() for m in markers):
             return folder
-    tried = ", ".join(str(c) for c in candidates)
+    holder = f"give the folder that holds {' or '.join(f'{name}/' for name in names)} as root (data.root)"
+    if any((root / m).is_file() for m in markers):
+        if Path(os.path.abspath(root)).name.casefold() in {name.casefold() for name in names}:
+            return root
+        raise ValueError(
+            f"{info.name}: root={root} is itself a task folder (it holds {' / '.join(markers)}) but not named "
+            f"{' or '.join(names)}: {holder}"
+        )
+    tried = ", ".join(str(root / name) for name in names)
     raise DatasetUnavailableError(
-        f"{info.name}: no task folder found under root={root} (looked for {' / '.join(markers)} in: {tried})"
+        f"{info.name}: no task folder found under root={root} (looked for {' / '.join(markers)} in {tried}): {holder}"
     )
 
 
@@ -143,7 +155,7 @@ def _read_list(path: Path, base: Path) -> list[tuple[Path, int]]:
     """Parse a ``relative/path label`` file; paths may contain spaces, the label is the last field."""
     data = path.read_bytes()
     try:
-        text = data.decode("utf-8")
+        text = data.decode("utf-8-sig")  # a byte-order mark (Windows editors write one) is no part of the first path
     except UnicodeDecodeError as error:
         line = data[: error.start].count(b"\n") + 1
         raise ValueError(
@@ -226,6 +238,36 @@ def _check_union(info: DatasetInfo, splits: dict[str, list[tuple[Path, int]]]) -
     warnings.warn(f"{info.name}: train800val200.txt is not train800.txt plus val200.txt (it {reason})", stacklevel=4)
 
 
+def _check_apart(
+    info: DatasetInfo,
+    folder: Path,
+    splits: dict[str, list[tuple[Path, int]]],
+    suffix: str,
+    pairs: list[tuple[str, str]],
+) -> None:
+    """Refuse an image listed twice in one split, or in two splits of a pair that must not share one.
+
+    A repeated line passes the size check with an image fewer and trains one image twice; a test image that is
+    also a training (or validation) image counts what the run trained on: either is a silently wrong cell.
+    Judged by listed path: NOAH's layout gives every split its own files, a same-files layout lists each once.
+    """
+    for name, items in splits.items():
+        counts = Counter(path for path, _ in items)
+        twice = [path for path, count in counts.items() if count > 1]
+        if twice:
+            raise ValueError(
+                f"{info.name}: {folder / name}{suffix} lists {len(twice)} image(s) more than once, e.g. {twice[0]}: "
+                "list each image once"
+            )
+    for first, second in pairs:
+        shared = {path for path, _ in splits[first]} & {path for path, _ in splits[second]}
+        if shared:
+            raise ValueError(
+                f"{info.name}: {len(shared)} image(s) listed in both {first}{suffix} and {second}{suffix}, e.g. "
+                f"{min(shared)}: the splits must not share images"
+            )
+
+
 def _load_vtab_folder(
     info: DatasetInfo, folder: Path, split: str, spec: ImageSpec, strict: bool, root: Path | None = None
 ) -> Dataset:
@@ -245,6 +287,7 @@ def _load_vtab_folder(
         if not splits[TEST]:
             raise ValueError(f"{info.name}: {folder / 'test.txt'} is empty")
         _check_union(info, splits)
+        _check_apart(info, folder, splits, ".txt", [(TRAIN, VAL), (TRAIN, TEST), (VAL, TEST), (TRAIN_VAL, TEST)])
     _check_inside(info, root or folder, splits)  # every listed path inside data.root
     _check_labels(info, splits, strict)
     _check_files(info, splits[split])
@@ -284,10 +327,12 @@ def _load_fgvc_folder(
 ) -> Dataset:
     native = {"train": "train", "val": "val", "test": "test"}
     splits: dict[str, list[tuple[Path, int]]] = {}
+    suffix = ".txt"
     if all((folder / f"{n}.txt").is_file() for n in native):
         for n in native:
             splits[n] = _read_list(folder / f"{n}.txt", folder)
     elif all((folder / f"{n}.json").is_file() for n in native):
+        suffix = ".json"
         raw = {n: _read_json_split(folder / f"{n}.json") for n in native}
         # VPT's json labels are dataset class ids (1-based for some datasets): map the sorted ids
         # of all splits onto 0..K-1 so that every split shares one mapping.
@@ -303,6 +348,8 @@ def _load_fgvc_folder(
         )
     _check_inside(info, root or folder, splits)  # every listed path inside data.root
     _check_labels(info, splits, strict)
+    if strict:
+        _check_apart(info, folder, splits, suffix, [("train", "val"), ("train", "test"), ("val", "test")])
     wanted = {TRAIN: ["train"], VAL: ["val"], TRAIN_VAL: ["train", "val"], TEST: ["test"]}[split]
     items = [item for n in wanted for item in splits[n]]
     _check_files(info, items)

@@ -3,6 +3,7 @@ augmentation, and transforms that follow the backbone's pretrained config."""
 
 from __future__ import annotations
 
+import os
 import warnings
 from pathlib import Path
 
@@ -49,14 +50,17 @@ def test_train800val200_with_other_labels_still_warns(tmp_path):
 
 
 def _fgvc_folder(root: Path, width: int = 40, height: int = 30) -> None:
-    """A CUB-layout FGVC folder (train/val/test lists) whose one image has a bright left column."""
+    """A CUB-layout FGVC folder (train/val/test lists) whose images, one file linked under every listed name, have a
+    bright left column."""
     folder = root / "CUB_200_2011"
     (folder / "images").mkdir(parents=True)
     pixels = np.zeros((height, width, 3), dtype=np.uint8)
     pixels[:, : width // 4] = 255
     Image.fromarray(pixels).save(folder / "images" / "a.png")
-    for split in ("train", "val", "test"):
-        (folder / f"{split}.txt").write_text("".join(f"images/a.png {c}\n" for c in range(200)))
+    for split in ("train", "val", "test"):  # every class in every split, each line its own file (links to a.png)
+        for c in range(200):
+            os.link(folder / "images" / "a.png", folder / "images" / f"{split}{c}.png")
+        (folder / f"{split}.txt").write_text("".join(f"images/{split}{c}.png {c}\n" for c in range(200)))
 
 
 def test_fgvc_augments_training_splits_and_centre_crops_the_others(tmp_path):

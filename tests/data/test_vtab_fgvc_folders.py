@@ -35,7 +35,18 @@ def write_list(path: Path, entries: list[tuple[str, int]]) -> None:
 
 
 def make_vtab_task(folder: Path, sizes: dict[str, int], num_classes: int, images: int = 12) -> None:
-    """A VTAB-1k task folder; list entries may reuse the few images (lists, not files, are sized)."""
+    """A VTAB-1k task folder; list entries may reuse the few images (lists, not files, are sized), except at the
+    protocol's sizes, which the strict checks see: there every entry has its own image (``images`` is ignored)."""
+    if sizes["train800"] == 800:  # strict: no image listed twice, none shared by train800, val200 and test
+        names = write_images(folder, sizes["train800"] + sizes["val200"] + sizes["test"], size=2)
+        train = [(names[i], i % num_classes) for i in range(800)]
+        val = [(names[800 + i], (i + 1) % num_classes) for i in range(sizes["val200"])]
+        test = [(names[1000 + i], i % num_classes) for i in range(sizes["test"])]
+        write_list(folder / "train800.txt", train)
+        write_list(folder / "val200.txt", val)
+        write_list(folder / "train800val200.txt", train + val)
+        write_list(folder / "test.txt", test)
+        return
     names = write_images(folder, images)
     train = [(names[i % images], i % num_classes) for i in range(sizes["train800"])]
     val = [(names[(i + 3) % images], (i + 1) % num_classes) for i in range(sizes["val200"])]
@@ -375,3 +386,73 @@ def test_fgvc_hub_copy_with_holdout_validation(monkeypatch):
     assert image.shape == (3, 8, 8) and image.dtype == torch.float32 and label == 195
     # Same seed, same hold-out.
     assert splits["val200"].indices == data.build_dataset("fgvc/cars", "val200", image_size=8).indices
+
+
+def test_root_at_another_tasks_folder_is_refused_not_trained_under_this_name(tmp_path, monkeypatch):
+    # dsprites_loc and dsprites_ori both have 16 classes: the labels could not tell one task from the other, and
+    # data=vtab/dsprites_ori with the root at dsprites_loc/ trained dsprites_loc under dsprites_ori's name.
+    make_vtab_task(tmp_path / "dsprites_loc", SMALL, num_classes=16)
+    with pytest.raises(
+        ValueError, match=r"vtab/dsprites_ori: root=.*dsprites_loc is itself a task folder .* not named"
+    ):
+        data.build_dataset(
+            "vtab/dsprites_ori", "train800", image_size=8, root=str(tmp_path / "dsprites_loc"), strict=False
+        )
+    # The task's own folder as the root still loads (petl's name or the field's, also given as "."), and so does
+    # the folder above it.
+    assert (
+        len(
+            data.build_dataset(
+                "vtab/dsprites_loc", "train800", image_size=8, root=str(tmp_path / "dsprites_loc"), strict=False
+            )
+        )
+        == 8
+    )
+    (tmp_path / "dsprites_loc").rename(tmp_path / "kitti")
+    make_vtab_task(tmp_path / "kitti", SMALL, num_classes=4)
+    monkeypatch.chdir(tmp_path / "kitti")
+    assert len(data.build_dataset("vtab/kitti_dist", "test", image_size=8, root=".", strict=False)) == 5
+    assert len(data.build_dataset("vtab/kitti_dist", "test", image_size=8, root=str(tmp_path), strict=False)) == 5
+    # FGVC the same way: a CUB folder is no Stanford Cars.
+    folder = tmp_path / "CUB_200_2011"
+    names = write_images(folder, 2)
+    for split in ("train", "val", "test"):
+        write_list(folder / f"{split}.txt", [(names[0], 0), (names[1], 1)])
+    with pytest.raises(ValueError, match=r"fgvc/cars: root=.*CUB_200_2011 is itself a task folder"):
+        data.build_dataset("fgvc/cars", "train800", image_size=8, root=str(folder), strict=False)
+    # A root one level too high says which folder to give.
+    with pytest.raises(data.DatasetUnavailableError, match=r"give the folder that holds dtd/ as root \(data\.root\)"):
+        data.build_dataset("vtab/dtd", "train800", image_size=8, root=str(tmp_path.parent), strict=False)
+
+
+def test_an_image_listed_twice_or_in_train_and_test_is_refused(tmp_path):
+    # A repeated line passed the 800/200 size check with an image fewer, and a training image listed in test.txt was
+    # scored as a test image: both silently wrong cells.
+    make_vtab_task(tmp_path / "dtd", FULL, num_classes=47)
+    folder = tmp_path / "dtd"
+    build = lambda split="train800": data.build_dataset("vtab/dtd", split, image_size=4, root=str(tmp_path))  # noqa: E731
+    lists = {name: (folder / f"{name}.txt").read_text() for name in data.SPLITS}
+    train, val = lists["train800"].splitlines(True), lists["val200"].splitlines(True)
+    (folder / "train800.txt").write_text("".join(train[:-1] + train[:1]))
+    (folder / "train800val200.txt").write_text("".join(train[:-1] + train[:1] + val))
+    with pytest.raises(ValueError, match=r"train800\.txt lists 1 image\(s\) more than once, e\.g\. .*img 0\.png"):
+        build()
+    for cut, other, pair in ((train, "test", "train800.txt and test.txt"), (val, "test", "val200.txt and test.txt")):
+        for name, text in lists.items():
+            (folder / f"{name}.txt").write_text(text)
+        (folder / f"{other}.txt").write_text(lists[other] + cut[5])
+        with pytest.raises(ValueError, match=rf"1 image\(s\) listed in both {pair}"):
+            build("test")
+    # A BOM, CRLF line ends and a trailing blank line are only the file's format: the lists load as written.
+    for name, text in lists.items():
+        (folder / f"{name}.txt").write_bytes(b"\xef\xbb\xbf" + text.replace("\n", "\r\n").encode() + b"\r\n\r\n")
+    ds = build()
+    assert len(ds) == 800 and ds.items[0] == (folder / "images" / "img 0.png", 0)
+    # FGVC: a train image in test.txt is refused the same way.
+    cub = tmp_path / "CUB_200_2011"
+    names = write_images(cub, 202, size=2)
+    write_list(cub / "train.txt", [(names[i], i) for i in range(200)])
+    write_list(cub / "val.txt", [(names[200], 0)])
+    write_list(cub / "test.txt", [(names[201], 1), (names[7], 7)])
+    with pytest.raises(ValueError, match=r"fgvc/cub: 1 image\(s\) listed in both train\.txt and test\.txt"):
+        data.build_dataset("fgvc/cub", "test", image_size=4, root=str(tmp_path))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import time
 from pathlib import Path
@@ -375,8 +376,10 @@ def test_augmented_training_images_are_not_cached_and_test_time_is_apart(tmp_pat
     folder = tmp_path / "data" / "CUB_200_2011"
     (folder / "images").mkdir(parents=True)
     Image.new("RGB", (40, 30), (200, 10, 10)).save(folder / "images" / "a.png")
-    for split in ("train", "val", "test"):
-        (folder / f"{split}.txt").write_text("".join(f"images/a.png {c}\n" for c in range(200)))
+    for split in ("train", "val", "test"):  # each line its own file: a split lists an image once, apart from the others
+        for c in range(200):
+            os.link(folder / "images" / "a.png", folder / "images" / f"{split}{c}.png")
+        (folder / f"{split}.txt").write_text("".join(f"images/{split}{c}.png {c}\n" for c in range(200)))
     base = [o for o in TINY if not o.startswith(("data=", "data.subset"))]
     common = [*base, "data=fgvc/cub", f"data.root={tmp_path / 'data'}", "method=linear", "train.epochs=1"]
     augmented = train(default_config([*common, f"output_dir={tmp_path / 'a'}"]))
