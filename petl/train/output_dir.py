@@ -90,8 +90,14 @@ def config_difference(recorded: dict[str, Any], resolved: dict[str, Any]) -> str
     return "" if old == new else _difference(old, new)
 
 
+# The splits a run is scored on (val for selection, test for the final score), by the role build.datasets gives them,
+# with their split name and the key of their content fingerprint in a run's inputs (run_inputs).  A record from before
+# they were recorded lacks the keys, and is compared on the training split's alone.
+EVAL_SPLITS = {"val": (petl_data.VAL, "data.val_fingerprint"), "test": (petl_data.TEST, "data.test_fingerprint")}
+_EVAL_INPUTS = tuple(key for _, key in EVAL_SPLITS.values())
+
 # What a run's inputs record about the data and weights files' content (run_inputs); paths may move.
-_CONTENT_INPUTS = ("data.fingerprint", "model.checkpoint_sha256")
+_CONTENT_INPUTS = ("data.fingerprint", *_EVAL_INPUTS, "model.checkpoint_sha256")
 
 
 # What a record says of its run beside its config, compared where a record has no config.
@@ -257,39 +263,53 @@ def set_aside(out: Path) -> None:
     log.info("resume=false: the earlier run in %s (%s) moved to %s", out, ", ".join(p.name for p in found), aside)
 
 
-def run_inputs(cfg: DictConfig, dataset: Dataset | None) -> dict[str, Any]:
+def run_inputs(cfg: DictConfig, dataset: Dataset | None, evaluated: dict[str, Dataset] | None = None) -> dict[str, Any]:
     """What decides a run's result besides its config values: the data and weights files' content.
 
     ``data.root`` may move without changing anything (it is not part of :func:`fingerprint`), so a
     dataset's content ``fingerprint`` (datasets read from local folders carry one) is what counts
-    when there is one; without it, the resolved folder is compared instead.
+    when there is one; without it, the resolved folder is compared instead.  The splits the run is scored
+    on (``evaluated``, by role: :data:`EVAL_SPLITS`) add their fingerprints where they carry one, so that a
+    test split edited after the run is not taken for the one it was scored on.
     """
-    while isinstance(dataset, Subset):
-        dataset = dataset.dataset
     root = cfg.data.root
     checkpoint = cfg.model.checkpoint if cfg.model.pretrained else None
     if checkpoint and not Path(checkpoint).is_file():
         raise ConfigError(f"model.checkpoint={checkpoint}: no such file")
-    return {
+    inputs = {
         "data.root": str(Path(root).expanduser().resolve()) if root else None,
-        "data.fingerprint": getattr(dataset, "fingerprint", None),
+        "data.fingerprint": _content_fingerprint(dataset),
         "model.checkpoint_sha256": files.file_sha256(Path(checkpoint)) if checkpoint else None,
     }
+    for role, (_, key) in EVAL_SPLITS.items():
+        split_fingerprint = _content_fingerprint((evaluated or {}).get(role))
+        if split_fingerprint is not None:  # generated data records nothing more than before
+            inputs[key] = split_fingerprint
+    return inputs
+
+
+def _content_fingerprint(dataset: Dataset | None) -> str | None:
+    while isinstance(dataset, Subset):
+        dataset = dataset.dataset
+    return getattr(dataset, "fingerprint", None)
 
 
 def finished_inputs(cfg: DictConfig, finished: RunResult) -> dict[str, Any]:
     """The inputs a finished run is compared on: :func:`run_inputs`, with the data's content fingerprint if it has one.
 
     A finished run's images may have been edited since (a folder run, say): the same check as a resume,
-    not a cheaper one.  The training split is built (its images decoded once) only when the run recorded a
-    content fingerprint, so generated data (the mini tasks) costs nothing; within one process (a sweep
-    checking many finished runs of one task) a split's fingerprint is computed once.
+    not a cheaper one.  A split (the training one, and the val and test splits the run was scored on) is built
+    (its images decoded once) only when the run recorded its content fingerprint, so generated data (the mini
+    tasks) costs nothing; within one process (a sweep checking many finished runs of one task) a split's
+    fingerprint is computed once.
     """
     inputs = run_inputs(cfg, None)
-    if (finished.inputs or {}).get("data.fingerprint") is not None:
-        inputs["data.fingerprint"] = _data_fingerprint(
-            cfg.data.name, cfg.data.split, cfg.data.root, tuple(sorted(config.data_options(cfg).items()))
-        )
+    recorded = finished.inputs or {}
+    options = tuple(sorted(config.data_options(cfg).items()))
+    splits = [(cfg.data.split, "data.fingerprint"), *EVAL_SPLITS.values()]
+    for split, key in splits:
+        if recorded.get(key) is not None:
+            inputs[key] = _data_fingerprint(cfg.data.name, split, cfg.data.root, options)
     return inputs
 
 
@@ -302,7 +322,7 @@ def _data_fingerprint(name: str, split: str, root: str | None, options: tuple) -
         raise RunError(f"the data of a finished run cannot be checked: {error}") from None
     except ValueError as error:  # bad images, a folder gone or changed shape: the user's data
         raise ConfigError(f"the data of a finished run cannot be checked: {error}") from None
-    return getattr(dataset, "fingerprint", None)
+    return _content_fingerprint(dataset)
 
 
 def check_inputs(out: Path, old: dict[str, Any] | None, new: dict[str, Any], finished: bool = False) -> None:
@@ -314,6 +334,9 @@ def check_inputs(out: Path, old: dict[str, Any] | None, new: dict[str, Any], fin
         keys.append("data.root")
     if not finished or new.get("data.fingerprint") is not None:
         keys.append("data.fingerprint")
+    # The splits the run was scored on, where it recorded them (a record or checkpoint from before: compared on
+    # what it has), compared as the training split is.
+    keys += [k for k in _EVAL_INPUTS if old.get(k) is not None and (not finished or new.get(k) is not None)]
     changed = {k: (old.get(k), new.get(k)) for k in keys if old.get(k) != new.get(k)}
     if changed:
         what = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changed.items())

@@ -224,7 +224,7 @@ def _train_and_record(cfg: DictConfig, resolved: dict[str, Any], out: Path, acce
             f"{plural(cfg.train.epochs, 'epoch')}, batch {cfg.train.batch_size}, lr {cfg.train.lr:g}",
             flush=True,
         )
-    inputs = folder.run_inputs(cfg, datasets["train"])
+    inputs = folder.run_inputs(cfg, datasets["train"], datasets)
     checkpoint = folder.resume_checkpoint(out, cfg, inputs)
     method_cfg = build.method_config(cfg, model, info.num_classes, checkpoint, accelerator)
     build.apply_method(cfg, model, method_cfg)

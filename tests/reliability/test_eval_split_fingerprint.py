@@ -1,0 +1,78 @@
+"""A finished run is compared on the splits it was scored on (val, test), not on its training split alone."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import tiny_run
+from test_vtab_fgvc_folders import FULL, make_vtab_task
+
+from petl.bench.collect import RunRecord
+from petl.bench.report import MixedCellError, check_cell
+from petl.run import default_config, train
+from petl.store.result import RunResult
+from petl.train import output_dir as folder
+from petl.train import runner
+from petl.train.config import ConfigError
+
+TINY = [o for o in tiny_run(subset=32, depth=1, epochs=1, batch_size=32) if not o.startswith("data")]
+
+
+@pytest.mark.slow
+def test_a_finished_run_whose_test_list_was_edited_is_not_finished(tmp_path, monkeypatch):
+    root = tmp_path / "root"
+    make_vtab_task(root / "dtd", FULL, num_classes=47)
+    overrides = [*TINY, "method=linear", "data=vtab/dtd", f"data.root={root}", f"output_dir={tmp_path / 'run'}"]
+    first = train(default_config([*overrides, "data.split=train800"]))
+    # Scored on val200 (selection) and test: both recorded beside the training split's fingerprint.
+    assert {"data.fingerprint", "data.val_fingerprint", "data.test_fingerprint"} <= first["inputs"].keys()
+    cfg = default_config([*overrides, "data.split=train800"])
+    folder.check_finished(cfg)  # the same data: the sweep counts it
+    # One test label changed: the recorded test accuracy was measured on other data.
+    test_list = root / "dtd" / "test.txt"
+    lines = test_list.read_text().splitlines()
+    name, label = lines[0].rsplit(" ", 1)
+    test_list.write_text("\n".join([f"{name} {(int(label) + 1) % 47}", *lines[1:]]) + "\n")
+    monkeypatch.setattr(runner, "fit", lambda *a, **k: pytest.fail("a refused run must not train"))
+    changed = r"holds a finished run on other inputs \(data.test_fingerprint: '[0-9a-f]{64}' -> '[0-9a-f]{64}'\)"
+    folder._data_fingerprint.cache_clear()  # a new sweep: one process caches a split's fingerprint
+    with pytest.raises(ConfigError, match=changed):
+        folder.check_finished(cfg)  # petl-bench: the sweep does not skip it
+    with pytest.raises(ConfigError, match=changed):
+        runner.run(cfg)  # petl-run: not "already finished" (exit 2)
+    # A record from before the evaluated splits were recorded is compared on what it has, and still finished.
+    result = tmp_path / "run" / "result.json"
+    record = json.loads(result.read_text())
+    for key in ("data.val_fingerprint", "data.test_fingerprint"):
+        del record["inputs"][key]
+    result.write_text(json.dumps(record))
+    folder.check_finished(cfg)
+    assert runner.run(cfg)["test_top1"] == first["test_top1"]
+
+
+def test_checked_inputs_compare_the_evaluated_splits_where_recorded():
+    old = {"data.root": "/a", "data.fingerprint": "f", "data.test_fingerprint": "t1", "model.checkpoint_sha256": None}
+    with pytest.raises(ConfigError, match=r"a finished run on other inputs \(data.test_fingerprint: 't1' -> 't2'\)"):
+        folder.check_inputs(Path("x"), old, {**old, "data.test_fingerprint": "t2"}, finished=True)
+    with pytest.raises(ConfigError, match=r"epochs trained on other inputs \(data.test_fingerprint: 't1' -> 't2'\)"):
+        folder.check_inputs(Path("x"), old, {**old, "data.test_fingerprint": "t2"})
+    # Recorded before this check existed: no key, nothing to compare.
+    before = {k: v for k, v in old.items() if k != "data.test_fingerprint"}
+    folder.check_inputs(Path("x"), before, {**old, "data.test_fingerprint": "t2"}, finished=True)
+    folder.check_inputs(Path("x"), before, {**old, "data.test_fingerprint": "t2"})
+
+
+def test_a_cell_whose_seeds_were_tested_on_different_test_splits_is_refused(tmp_path):
+    def record(seed: int, test: str | None) -> RunRecord:
+        inputs = {"data.root": "/a", "data.fingerprint": "f", "model.checkpoint_sha256": None}
+        if test is not None:
+            inputs["data.test_fingerprint"] = test
+        config = {"seed": seed, "data": {"name": "vtab/dtd"}, "method": {"name": "lora"}}
+        result = RunResult("lora", "vtab/dtd", seed, test_top1=50.0, config=config, inputs=inputs)
+        return RunRecord("vtab/dtd", "lora", seed, tmp_path / f"seed{seed}" / "result.json", result)
+
+    check_cell([record(0, "t1"), record(1, "t1"), record(2, None)])  # an old record is compared on what it has
+    with pytest.raises(MixedCellError, match=r"seed1/result.json is not another seed .*data.test_fingerprint: 't1'"):
+        check_cell([record(0, "t1"), record(1, "t2")])
