@@ -33,6 +33,25 @@ from petl.utils.text import first_line, shown
 # access.
 DECODED_MEMORY_LIMIT = 4 << 30
 
+# Within fingerprint_only(), FileListDatasets hash their files and decode nothing (a finished run's check compares
+# fingerprints alone: decoding a large test split, tens of thousands of photos, would cost minutes per task).
+_FINGERPRINT_ONLY: ContextVar[bool] = ContextVar("petl_fingerprint_only", default=False)
+
+
+@contextmanager
+def fingerprint_only() -> Iterator[None]:
+    """Within the block, a :class:`FileListDataset` reads and hashes its files but decodes none of them.
+
+    Its ``fingerprint`` and ``digests`` are what a full build gives; its images are decoded on access, and a file
+    that cannot be decoded is not found here (only one that cannot be read).
+    """
+    token = _FINGERPRINT_ONLY.set(True)
+    try:
+        yield
+    finally:
+        _FINGERPRINT_ONLY.reset(token)
+
+
 # Pillow modes holding more than 8 bits per pixel in one channel.  16-bit PNG/TIFF greyscale opens
 # as I;16*, some decoders give I (int32) for the same files; all are scaled from 16 to 8 bits.
 _SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I")
@@ -258,7 +277,8 @@ def _decode_all(
     seen: set[Path] = set()  # lists may name one file several times: decode it once
     bad: dict[Path, str] = {}
     held = 0
-    keep = True
+    keep = not _FINGERPRINT_ONLY.get()
+    hash_only = not keep
     for path, label in decoding(items, name):
         data = b""
         try:
@@ -270,7 +290,7 @@ def _decode_all(
         digest.update(f"{Path(relative).as_posix()}\t{label}\t{len(data)}\n".encode("utf-8", "surrogateescape"))
         digest.update(data)
         digests.append(hashlib.sha256(data).hexdigest())
-        if path in seen or path in bad:
+        if path in seen or path in bad or hash_only:
             continue
         seen.add(path)
         try:

@@ -316,8 +316,11 @@ def finished_inputs(cfg: DictConfig, finished: RunResult) -> dict[str, Any]:
 @functools.lru_cache(maxsize=64)
 def _data_fingerprint(name: str, split: str, root: str | None, options: tuple) -> str | None:
     # The fingerprint hashes file bytes and labels, not the transform: any image size builds the same one.
+    from petl.data.images import fingerprint_only
+
     try:
-        dataset = petl_data.build_dataset(name, split, image_size=32, root=root, options=dict(options))
+        with fingerprint_only():  # the bytes are hashed, nothing decoded: a test split may be many thousand photos
+            dataset = petl_data.build_dataset(name, split, image_size=32, root=root, options=dict(options))
     except petl_data.DatasetUnavailableError as error:
         raise RunError(f"the data of a finished run cannot be checked: {error}") from None
     except ValueError as error:  # bad images, a folder gone or changed shape: the user's data

@@ -76,3 +76,20 @@ def test_a_cell_whose_seeds_were_tested_on_different_test_splits_is_refused(tmp_
     check_cell([record(0, "t1"), record(1, "t1"), record(2, None)])  # an old record is compared on what it has
     with pytest.raises(MixedCellError, match=r"seed1/result.json is not another seed .*data.test_fingerprint: 't1'"):
         check_cell([record(0, "t1"), record(1, "t2")])
+
+
+def test_a_finished_runs_check_hashes_its_splits_without_decoding_them(tmp_path, monkeypatch):
+    # A finished run's check compares fingerprints alone: it reads and hashes each split's files but decodes none (a
+    # VTAB test split is up to some 74,000 images), and finds the fingerprint a full build records.
+    from petl import data as petl_data
+    from petl.data import images
+
+    root = tmp_path / "root"
+    make_vtab_task(root / "dtd", FULL, num_classes=47)
+    built = petl_data.build_dataset("vtab/dtd", "test", image_size=32, root=str(root))
+    monkeypatch.setattr(images, "decode_image", lambda data: pytest.fail("a fingerprint check decoded an image"))
+    folder._data_fingerprint.cache_clear()
+    assert folder._data_fingerprint("vtab/dtd", "test", str(root), ()) == built.fingerprint
+    with images.fingerprint_only():
+        hashed = petl_data.build_dataset("vtab/dtd", "test", image_size=32, root=str(root))
+    assert hashed.fingerprint == built.fingerprint and hashed.digests == built.digests and hashed.images is None
