@@ -300,8 +300,8 @@ def finished_inputs(cfg: DictConfig, finished: RunResult) -> dict[str, Any]:
     A finished run's images may have been edited since (a folder run, say): the same check as a resume,
     not a cheaper one.  A split (the training one, and the val and test splits the run was scored on) is read and
     hashed (:func:`petl.data.images.fingerprint_only`: no image decoded) only when the run recorded its content
-    fingerprint, so generated data (the mini tasks) costs nothing; within one process (a sweep checking many finished runs of one task) a split's
-    fingerprint is computed once.
+    fingerprint, so generated data (the mini tasks) costs nothing; within one process (a sweep checking many
+    finished runs of one task) a split's fingerprint is computed once.
     """
     inputs = run_inputs(cfg, None)
     recorded = finished.inputs or {}
