@@ -40,7 +40,7 @@ _FINGERPRINT_ONLY: ContextVar[bool] = ContextVar("petl_fingerprint_only", defaul
 
 @contextmanager
 def fingerprint_only() -> Iterator[None]:
-    """Within the block, a :class:`FileListDataset` reads and hashes its files but decodes none of them.
+    """Within the block, a :class:`FileListDataset` (or ``data=hf``'s rows) reads and hashes its images, decodes none.
 
     Its ``fingerprint`` and ``digests`` are what a full build gives; its images are decoded on access, and a file
     that cannot be decoded is not found here (only one that cannot be read).
@@ -50,6 +50,11 @@ def fingerprint_only() -> Iterator[None]:
         yield
     finally:
         _FINGERPRINT_ONLY.reset(token)
+
+
+def hashing_only() -> bool:
+    """Whether a dataset built now only hashes its images (within :func:`fingerprint_only`)."""
+    return _FINGERPRINT_ONLY.get()
 
 
 # Pillow modes holding more than 8 bits per pixel in one channel.  16-bit PNG/TIFF greyscale opens
@@ -277,8 +282,8 @@ def _decode_all(
     seen: set[Path] = set()  # lists may name one file several times: decode it once
     bad: dict[Path, str] = {}
     held = 0
-    keep = not _FINGERPRINT_ONLY.get()
-    hash_only = not keep
+    hash_only = hashing_only()
+    keep = not hash_only
     for path, label in decoding(items, name):
         data = b""
         try:

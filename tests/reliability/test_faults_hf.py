@@ -137,3 +137,15 @@ def test_a_test_row_holding_a_training_rows_image_is_found_as_a_copy(tmp_path):
         petl_data.build_dataset("hf", split, image_size=8, root=root) for split in ("train800val200", "test")
     )
     assert images.copies(test, train) == [("test[0]", "train[3]")]
+
+
+def test_a_finished_runs_check_hashes_the_rows_without_decoding_them(tmp_path, monkeypatch):
+    # As a folder's files (test_eval_split_fingerprint): the check compares fingerprints alone, nothing decoded.
+    from petl.data import hf
+    from petl.train import output_dir
+
+    root = _save(tmp_path / "saved", train=_split([0, 1] * 5, CAT_DOG), test=_split([1, 0, 1], CAT_DOG))
+    built = petl_data.build_dataset("hf", "test", image_size=8, root=root)
+    monkeypatch.setattr(hf, "decode_image", lambda data: pytest.fail("a fingerprint check decoded an image"))
+    output_dir._data_fingerprint.cache_clear()
+    assert output_dir._data_fingerprint("hf", "test", root, ()) == built.fingerprint
