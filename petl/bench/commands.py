@@ -30,6 +30,7 @@ from petl.store.files import CONFIG_FILE, RESULT_FILE
 from petl.store.result import ResultError
 from petl.utils.errors import USAGE_ERROR
 from petl.utils.progress import petl_log_lines
+from petl.utils.random import MAX_SEED
 from petl.utils.text import plural
 
 PROG = "petl-bench"
@@ -100,10 +101,10 @@ def _restriction(own: dict[str, str], suite: suites.Suite) -> tuple[list[str], l
         seeds = [int(s) for s in listed["seeds"]]
     except ValueError:
         seeds = [-1]
-    if min(seeds) < 0 or max(seeds) > suites.MAX_SEED:
+    if min(seeds) < 0 or max(seeds) > MAX_SEED:
         # petl-run's seed is 0 to MAX_SEED: another would fail each of its runs in its error.log, one by one.
         raise SystemExit(
-            f"petl-bench: seeds={own['seeds']}: expected whole numbers from 0 to {suites.MAX_SEED}, e.g. seeds=0,1"
+            f"petl-bench: seeds={own['seeds']}: expected whole numbers from 0 to {MAX_SEED}, e.g. seeds=0,1"
         )
     for key, values in (("methods", listed["methods"]), ("tasks", listed["tasks"]), ("seeds", seeds)):
         twice = sorted({str(v) for v in values if values.count(v) > 1})

@@ -35,6 +35,7 @@ from petl.presets import (
     read_yaml_mapping,
     to_overrides,
 )
+from petl.utils.random import MAX_SEED
 
 # Experiments live in petl.presets (petl-run reads them too); petl.bench's modules import them from here.
 __all__ = [
@@ -65,8 +66,6 @@ ALL = "all"
 EXPERIMENT_LISTS = "experiment_lists.yaml"
 # `tasks: <name>` in a suite: a list of this file, the one home of a task list several suites run.
 TASK_LISTS = "task_lists.yaml"
-# The largest seed petl-run takes (RunConfig.seed: numpy seeds from 0 to 2**32 - 1).
-MAX_SEED = 2**32 - 1
 
 
 @dataclass(frozen=True)

@@ -137,6 +137,7 @@ def _main(argv: list[str]) -> None:
     from petl.data.fractaldb import FractalConfig
     from petl.train.engine import TrainSettings
     from petl.train.pretrain import InUseError, pretrain
+    from petl.utils.random import MAX_SEED
 
     for name in ("classes", "instances", "epochs", "batch_size"):
         if getattr(args, name) < 1:
@@ -148,8 +149,8 @@ def _main(argv: list[str]) -> None:
             f"({args.classes} classes x {args.instances} instances): no step would train; give a smaller "
             "--batch-size or more --classes / --instances"
         )
-    if not 0 <= args.seed < 2**32:  # what numpy and torch take: -1 failed after the model was built, exit 1
-        raise CommandLineError(f"--seed {args.seed} is out of range: allowed [0, {2**32 - 1}]")
+    if not 0 <= args.seed <= MAX_SEED:  # what numpy and torch take: -1 failed after the model was built, exit 1
+        raise CommandLineError(f"--seed {args.seed} is out of range: allowed [0, {MAX_SEED}]")
     if not timm.is_model(args.model):
         raise CommandLineError(f"--model {args.model} is not a timm architecture (petl's own: petl.backbones.models)")
     try:

@@ -43,6 +43,7 @@ from petl.train.engine import TrainSettings
 from petl.train.options import check_options, neutral_keys, option
 from petl.train.readers import data_info, data_options, image_size, method_options, model_kwargs  # noqa: F401 (re-exported)
 from petl.utils.errors import ConfigError
+from petl.utils.random import MAX_SEED
 from petl.utils.text import first_line
 
 CONFIG_GROUPS = ("method", "data", "model", "train")
@@ -197,8 +198,8 @@ class RunConfig:
     data: DataConfig = MISSING
     model: ModelConfig = MISSING
     train: TrainConfig = field(default_factory=TrainConfig)
-    # numpy seeds its global stream (accelerate's set_seed) from 0 to 2**32 - 1 only, failing the run past it.
-    seed: int = option(0, low=0, high=2**32 - 1)
+    # numpy seeds its global stream (accelerate's set_seed) up to MAX_SEED only, failing the run past it.
+    seed: int = option(0, low=0, high=MAX_SEED)
     output_dir: str = option(
         "runs/${petl.slug:${data.name}}/${petl.slug:${model.name}}/${method.name}/seed${seed}",
         check=_check_output_dir,

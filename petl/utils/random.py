@@ -10,6 +10,9 @@ from typing import Any
 import numpy as np
 import torch
 
+# The largest seed a run takes: numpy seeds its global stream (accelerate's set_seed) from 0 to 2**32 - 1 only.
+MAX_SEED = 2**32 - 1
+
 
 def rng_state() -> dict[str, Any]:
     """Every random generator a training step may draw from, as tensors and plain values."""
