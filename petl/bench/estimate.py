@@ -42,6 +42,7 @@ from petl.bench.own_data import OwnData
 from petl.bench.protocol import Cell
 from petl.data import TEST, TRAIN, TRAIN_VAL, VAL
 from petl.store import files
+from petl.utils.checks import is_finite_number
 from petl.utils.text import plural
 
 ESTIMATE_FILE = "estimate.json"
@@ -221,7 +222,7 @@ def read_estimate(output_dir: Path) -> dict[str, Any] | None:
         elif what == "a count":
             fits = type(value) is int and value >= 0
         else:
-            fits = type(value) in (int, float) and math.isfinite(value) and value >= 0
+            fits = is_finite_number(value) and value >= 0
         if not fits:
             raise ValueError(f"{path}: field {name!r} is {reprlib.repr(value)}, not {what}: {fix}")
     return record

@@ -8,7 +8,6 @@ never a torn one.  ``result.json`` is written last, so its presence means the ru
 from __future__ import annotations
 
 import json
-import math
 import os
 import pickle
 import warnings
@@ -18,6 +17,7 @@ from typing import Any
 import torch
 
 from petl.store import lock
+from petl.utils.checks import is_finite_number
 from petl.utils.paths import atomic_path, file_sha256, write_atomic  # noqa: F401 (re-exported for the run's writers)
 from petl.utils.text import first_line, shown
 
@@ -251,7 +251,7 @@ def _checkpoint_problem(state: dict[str, Any]) -> str | None:
     """
 
     def number(value: Any) -> bool:
-        return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+        return is_finite_number(value) and value >= 0
 
     epoch, history = state["epoch"], state["history"]
     if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 1:

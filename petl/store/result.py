@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import reprlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from petl.store.files import write_json
+from petl.utils.checks import is_finite_number
 
 RESULT_VERSION = 1
 # Present only where they apply, so that the records of runs without them stay as they were.
@@ -164,10 +164,6 @@ CHECKED_FIELDS = (
 )  # fmt: skip
 
 
-def _is_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-
-
 def _is_count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -189,11 +185,11 @@ def field_problem(name: str, value: Any) -> str | None:
         least = _COUNTS[name]
         return None if _is_count(value) and value >= least else f"an integer of at least {least}"
     if name in _PERCENTS:
-        return None if _is_number(value) and 0 <= value <= 100 else "a percentage from 0 to 100"
+        return None if is_finite_number(value) and 0 <= value <= 100 else "a percentage from 0 to 100"
     if name in _AMOUNTS:
-        return None if _is_number(value) and value >= 0 else "a non-negative number"
+        return None if is_finite_number(value) and value >= 0 else "a non-negative number"
     if name in _LOSSES:
-        return None if _is_number(value) else "a finite number"
+        return None if is_finite_number(value) else "a finite number"
     if name in _MAPPINGS:
         if not isinstance(value, dict):
             return "a mapping"

@@ -26,7 +26,6 @@ import dataclasses
 import hashlib
 import json
 import logging
-import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -48,6 +47,7 @@ from petl.model.io import load_trainable, read_trainable_metadata
 from petl.model.params import trainable_state
 from petl.model.registry import get_method
 from petl.store.files import MODEL_FILE, WEIGHTS_FILE, file_not_run, unfinished_run, write_json
+from petl.utils.checks import is_finite_number
 from petl.utils.paths import file_sha256
 
 log = logging.getLogger(__name__)
@@ -344,7 +344,7 @@ def _preprocess_problem(card: dict[str, Any]) -> str | None:
         return "field class_names holds a name that is not text"
     pre = card["preprocess"]
     for key in ("mean", "std"):
-        if not all(isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) for v in pre[key]):
+        if not all(is_finite_number(v) for v in pre[key]):
             return f"field preprocess.{key} is {json.dumps(pre[key])[:60]}, not finite numbers"
     try:
         spec_of(card)

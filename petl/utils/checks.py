@@ -10,6 +10,11 @@ from collections.abc import Iterable, Mapping, Set
 from typing import Any
 
 
+def is_finite_number(value: Any) -> bool:
+    """An int or float (not a bool) that is neither NaN nor infinite: what a record's numeric field must hold."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def check_range(
     field: str,
     value: float,
