@@ -444,9 +444,13 @@ def comparison_lines(board: Leaderboard) -> list[str]:
     if n < 2:  # no spread to measure: the table shows –
         lines.append("**Mean rank interval**: none over one block.")
     else:
+        floor = ranking.rank_floor(n)
         lines.append(
             f"**Mean rank interval**: 95 % Student t interval over the {plural(n, 'block')}: the mean rank ± "
-            f"t({n - 1}) · sd / √{n} of the method's ranks in the blocks (`scipy.stats.t`), clipped to 1 and {k}; "
-            "a method that ranks the same in every block gets no width."
+            f"t({n - 1}) · sd / √{n} of the method's ranks in the blocks (`scipy.stats.t`), at least ± {floor:.2f} "
+            f"and clipped to 1 and {k}. The floor is for a method that took the same rank in all {n} blocks (no sd): "
+            f"it may yet take another in up to {floor * 100:.0f} % of blocks (the exact binomial bound after 0 of {n}, "
+            f"`scipy.stats.binomtest`), which moves its mean rank {floor:.2f} if to the next rank, further if "
+            "further; an interval at the floor is that bound, not a measured spread."
         )
     return lines
