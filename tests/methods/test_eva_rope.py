@@ -80,6 +80,17 @@ def test_lora_on_a_rope_vit_is_timms_attention_rope_plus_the_update(images, fami
         assert not torch.allclose(make_tiny_family(family)(images), want, atol=1e-3)
 
 
+@pytest.mark.parametrize("method", ["bitfit", "lora", "ssf"])
+def test_a_wrapper_on_attention_ropes_qkv_keeps_timms_own_forward(method):
+    # AttentionRope calls qkv (its biases inside it): nothing is switched on it, and BitFit trains qkv's own bias.
+    model = petl.apply(make_tiny_family("eva_rope"), method)
+    bb = backbone_of(model)
+    for block in bb.block_list():
+        assert not hasattr(block.attn, "qkv_bias_separate")
+        if method == "bitfit":
+            assert bb.linear(block, "qkv").bias.requires_grad
+
+
 def test_a_per_block_rope_is_refused_without_the_blocks_index_and_shared_by_every_row(images):
     # run_block hands block i its row i (the family contracts run the blocks one by one against timm's forward);
     # without an index it cannot tell which row.  The table comes from the grid, not the images: a MultiTask's
@@ -91,3 +102,13 @@ def test_a_per_block_rope_is_refused_without_the_blocks_index_and_shared_by_ever
     assert "\n" not in str(refused.value)
     assert bb.batch_shared_modules() == [model.rope]
     assert backbone_of(make_tiny_family("eva_rope")).batch_shared_modules() == []
+
+
+def test_every_method_but_full_fine_tuning_leaves_the_per_block_rotation_frozen():
+    # Its freqs are a backbone weight: GPS selects in the Linears, BitFit trains biases, Partial-k the last blocks,
+    # none of them the table every block reads its rows of.
+    for method in petl.list_methods():
+        if "eva" not in petl.get_method(method).backbones:
+            continue
+        model = petl.apply(make_tiny_family("eva_rope_mixed"), method)
+        assert model.rope.freqs.requires_grad == (method == "full"), method
