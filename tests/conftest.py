@@ -219,6 +219,8 @@ TINY_FAMILIES = {
     "eva02_unfused": ("eva02_base_patch14_224", {"class_token": False, "global_pool": "avg"}),
     # timm's rope ViT: the same Eva with AttentionRope (Q/K/V biases inside the fused qkv), class token, token pool.
     "eva_rope": ("vit_small_patch16_rope_224", {}),
+    # The same with a learnable rotation per block (rope_type='mixed'): block i is passed its own rows.
+    "eva_rope_mixed": ("vit_small_patch16_rope_mixed_224", {}),
     # timm's Perception Encoder: AttentionRope, a norm before the blocks, timm's attention pool (global_pool='map').
     "eva_pe": ("vit_pe_core_base_patch16_224", {}),
     "beit_shared": ("beit_base_patch16_224", {"use_shared_rel_pos_bias": True, "use_rel_pos_bias": False}),

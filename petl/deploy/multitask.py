@@ -715,12 +715,13 @@ class MultiTask(nn.Module):
             for i, block in enumerate(bb.block_container()):
                 x = bb.before_block(i, x)  # a Swin's patch merging in front of a stage's first block
                 if not tokens.slots:
-                    x = bb.run_block(block, x, inputs=inputs)  # with EVA's rope or a shared bias, as timm passes them
+                    # With EVA's rope (a per-block one's row i) or a shared bias, as timm passes them.
+                    x = bb.run_block(block, x, inputs=inputs, index=i)
                     continue
                 visible = tuple(v[i] for v in self.visible)
                 if visible not in masks:  # one per distinct set of slots the blocks attend (often one)
                     masks[visible] = self._row_mask(x, rows, tokens, visible, additive=True)
-                x = bb.run_block(block, x, attn_mask=masks[visible], inputs=inputs)
+                x = bb.run_block(block, x, attn_mask=masks[visible], inputs=inputs, index=i)
             return bb.pooled_features(x, pool)
         finally:
             self._router.batch = None

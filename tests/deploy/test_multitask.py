@@ -733,6 +733,7 @@ FAMILIES |= {
         "eva02",
         "eva02_unfused",
         "eva_rope",
+        "eva_rope_mixed",
         "vit_relpos",
         "vit_srelpos",
         "vit_hybrid",
@@ -749,11 +750,11 @@ NOT_APPLIED = {
     "vit_relpos": ("repadapter",),
     "vit_srelpos": ("repadapter",),
 }
-# Methods refused by a MultiTask in one line: GPS trains the blocks' bare gammas (BEiT, the rope ViT) or the q/v
+# Methods refused by a MultiTask in one line: GPS trains the blocks' bare gammas (BEiT, the rope ViTs) or the q/v
 # biases beside the qkv it wraps (EVA-02 with a fused qkv).  VPT's prompts, HST's meta tokens and NOAH's prompts are
 # served: the shared blocks get room for the batch's slots (no relative-position bias, no rotation), as each task's
 # own model has.
-MULTITASK_REFUSED = {family: ("gps",) for family in ("beit", "beit_shared", "eva02", "eva_rope")}
+MULTITASK_REFUSED = {family: ("gps",) for family in ("beit", "beit_shared", "eva02", "eva_rope", "eva_rope_mixed")}
 # Cases that train a module computing a table every row shares (the position-bias MLP of a SwinV2 or a relpos
 # ViT: BitFit on all biases, peft on every fc1/fc2), refused naming it; BitFit on the Linears alone is served.
 TABLE_TRAINED = {

@@ -172,7 +172,7 @@ def test_interface_matches_each_family(family):
         for i, block in enumerate(bb.block_container()):
             if i == 1:
                 torch.testing.assert_close(bb.forward_from(x, 1), want)
-            x = bb.run_block(block, x)
+            x = bb.run_block(block, x, index=i)
         torch.testing.assert_close(bb.head()(bb.pooled_features(x)), want)
         torch.testing.assert_close(bb.head()(bb.pre_logits(images)), want)
         keep = torch.ones(2, x.shape[1], dtype=torch.bool)

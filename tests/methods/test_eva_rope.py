@@ -1,15 +1,15 @@
 """timm's rope ViTs (``vit_*_patch16_rope_*``: an Eva whose blocks run ``AttentionRope``) through the eva backbone.
 
-The method contracts run on a tiny one (``eva_rope`` in ``TINY_FAMILIES``); here LoRA's forward is checked against
-timm's ``AttentionRope`` forward written out by hand, and the per-block (``mixed``) variant's refusal.
+The method contracts run on a tiny one (``eva_rope`` in ``TINY_FAMILIES``) and on one with a learnable rotation per
+block (``eva_rope_mixed``: timm's ``rope_type='mixed'``); here LoRA's forward is checked against timm's
+``AttentionRope`` forward written out by hand, with each block's rotation written out for the per-block one.
 """
 
 from __future__ import annotations
 
 import pytest
-import timm
 import torch
-from conftest import TINY_VIT, make_tiny_family
+from conftest import make_tiny_family
 
 import petl
 from petl import backbone_of
@@ -42,32 +42,42 @@ def _reference_block(block, x, rope, lora, prefix):
     return x + block.gamma_2 * block.mlp(block.norm2(x))
 
 
-def test_lora_on_a_rope_vit_is_timms_attention_rope_plus_the_update(images):
-    model = petl.apply(make_tiny_family("eva_rope"), "lora", targets=["q", "v"], rank=2, alpha=4.0).eval()
+def _mixed_rotations(freqs: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
+    """timm's ``RotaryEmbeddingMixed`` table (depth x heads x tokens x 2 head_dim) from its ``freqs`` (2 x depth x
+    heads x head_dim / 2): token (r, c) of the grid, in row-major order, turns by ``c * freqs[0] + r * freqs[1]``
+    (``grid_indexing='xy'``), each angle's sin and cos repeated for the pair of channels it turns.
+    """
+    rows, cols = torch.meshgrid(torch.arange(grid[0]), torch.arange(grid[1]), indexing="ij")
+    t_x, t_y = cols.reshape(-1).float(), rows.reshape(-1).float()
+    angles = t_x[:, None] * freqs[0, :, :, None, :] + t_y[:, None] * freqs[1, :, :, None, :]
+    return torch.cat([angles.sin().repeat_interleave(2, -1), angles.cos().repeat_interleave(2, -1)], dim=-1)
+
+
+@pytest.mark.parametrize("family", ["eva_rope", "eva_rope_mixed"])
+def test_lora_on_a_rope_vit_is_timms_attention_rope_plus_the_update(images, family):
+    model = petl.apply(make_tiny_family(family), "lora", targets=["q", "v"], rank=2, alpha=4.0).eval()
     bb = backbone_of(model)
     assert all(type(b.attn).__name__ == "AttentionRope" for b in bb.block_list())
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "lora_b" in name:  # zero at init: the update must act
                 param.normal_(0.0, 0.5)
-        rope = model.rope.get_embed()
+        if family == "eva_rope_mixed":
+            # Block i turns by its own rows of the learnable freqs (frozen, as the rest of the backbone).
+            assert not model.rope.freqs.requires_grad
+            ropes = list(_mixed_rotations(model.rope.freqs, bb.grid_size()))
+            assert not torch.allclose(ropes[0], ropes[1])
+            torch.testing.assert_close(torch.stack(ropes), model.rope.get_embed())
+        else:
+            ropes = [model.rope.get_embed()] * bb.depth()
         x = bb.embed_tokens(images)
-        for block in bb.block_list():
+        for block, rope in zip(bb.block_list(), ropes, strict=True):
             x = _reference_block(block, x, rope, bb.linear(block, "qkv"), bb.num_prefix_tokens())
         want = bb.head()(bb.pooled_features(x))
         torch.testing.assert_close(model(images), want, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(petl.merge(model)(images), want, atol=1e-5, rtol=1e-5)
         # The update acts: without it the logits differ.
-        assert not torch.allclose(make_tiny_family("eva_rope")(images), want, atol=1e-3)
-
-
-def test_a_rope_vit_with_a_rotary_embedding_per_block_is_refused_in_one_line():
-    # rope_type='mixed' passes block i its own learnable rotation; petl passes every block one.
-    options = {**TINY_VIT, "num_classes": 5}
-    model = timm.create_model("vit_small_patch16_rope_mixed_224", pretrained=False, **options)
-    with pytest.raises(ValueError, match="rope_type='mixed'") as refused:
-        petl.apply(model, "lora")
-    assert "\n" not in str(refused.value)
+        assert not torch.allclose(make_tiny_family(family)(images), want, atol=1e-3)
 
 
 @pytest.mark.parametrize("method", ["bitfit", "lora", "ssf"])
@@ -79,3 +89,26 @@ def test_a_wrapper_on_attention_ropes_qkv_keeps_timms_own_forward(method):
         assert not hasattr(block.attn, "qkv_bias_separate")
         if method == "bitfit":
             assert bb.linear(block, "qkv").bias.requires_grad
+
+
+def test_a_per_block_rope_is_refused_without_the_blocks_index_and_shared_by_every_row(images):
+    # run_block hands block i its row i (the family contracts run the blocks one by one against timm's forward);
+    # without an index it cannot tell which row.  The table comes from the grid, not the images: a MultiTask's
+    # rows share it, so a task that trained its freqs could not share the backbone.
+    model = make_tiny_family("eva_rope_mixed")
+    bb = backbone_of(model)
+    with pytest.raises(ValueError, match="its own rotary embedding: give index") as refused:
+        bb.run_block(bb.block_list()[0], bb.embed_tokens(images))
+    assert "\n" not in str(refused.value)
+    assert bb.batch_shared_modules() == [model.rope]
+    assert backbone_of(make_tiny_family("eva_rope")).batch_shared_modules() == []
+
+
+def test_every_method_but_full_fine_tuning_leaves_the_per_block_rotation_frozen():
+    # Its freqs are a backbone weight: GPS selects in the Linears, BitFit trains biases, Partial-k the last blocks,
+    # none of them the table every block reads its rows of.
+    for method in petl.list_methods():
+        if "eva" not in petl.get_method(method).backbones:
+            continue
+        model = petl.apply(make_tiny_family("eva_rope_mixed"), method)
+        assert model.rope.freqs.requires_grad == (method == "full"), method

@@ -803,10 +803,11 @@ def test_family_room_anywhere_in_the_sequence(images, family, where):
     block = bb.block_list()[0]
     bb.make_room(block, at)
     x = bb.embed_tokens(images)
-    torch.testing.assert_close(bb.run_block(block, x), bb.run_block(backbone_of(plain).block_list()[0], x))
+    plain_block = backbone_of(plain).block_list()[0]
+    torch.testing.assert_close(bb.run_block(block, x, index=0), bb.run_block(plain_block, x, index=0))
     extra = torch.randn(x.shape[0], 3, x.shape[-1], generator=torch.Generator().manual_seed(0))
-    y = bb.run_block(block, torch.cat([x[:, :at], extra, x[:, at:]], dim=1))
-    shuffled = bb.run_block(block, torch.cat([x[:, :at], extra.flip(1), x[:, at:]], dim=1))
+    y = bb.run_block(block, torch.cat([x[:, :at], extra, x[:, at:]], dim=1), index=0)
+    shuffled = bb.run_block(block, torch.cat([x[:, :at], extra.flip(1), x[:, at:]], dim=1), index=0)
     others = torch.cat([torch.arange(at), torch.arange(at + 3, x.shape[1] + 3)])
     torch.testing.assert_close(shuffled[:, others], y[:, others], atol=1e-5, rtol=0)
 
@@ -827,10 +828,10 @@ def test_family_room_takes_a_mask(images, family):
     mask[..., p : p + n] = float("-inf")
     if not bb.blocks_take_mask:
         with pytest.raises(ValueError, match="no mask until it has room"):
-            bb.run_block(plain_block, with_extra, attn_mask=mask)
+            bb.run_block(plain_block, with_extra, attn_mask=mask, index=0)
     bb.make_room(block, p)
-    y = bb.run_block(block, with_extra, attn_mask=mask)
-    expected = bb.run_block(plain_block, x)
+    y = bb.run_block(block, with_extra, attn_mask=mask, index=0)
+    expected = bb.run_block(plain_block, x, index=0)
     torch.testing.assert_close(torch.cat([y[:, :p], y[:, p + n :]], dim=1), expected, atol=1e-5, rtol=0)
 
 

@@ -184,8 +184,10 @@ class Backbone:
         return x
 
     def block_inputs(self, room: tuple[int, int] | None = None) -> dict[str, Any]:
-        """What the model computes once per forward and passes every block besides the tokens (EVA's rotary
-        embedding, a relpos ViT's or BEiT's shared position bias): none by default.
+        """What the model computes once per forward and passes the blocks besides the tokens (EVA's rotary
+        embedding, a relpos ViT's or BEiT's shared position bias): none by default.  Where each block takes its own
+        part of it (an EVA's per-block rotary embedding, ``rope_type='mixed'``), :meth:`run_block` takes the block's
+        part by its ``index``.
 
         ``room``: (at, count), extra tokens without a position that every block's tokens hold (a
         :class:`petl.MultiTask`'s prompt slots, where :meth:`make_room` made room for them); what needs padding for
@@ -199,9 +201,12 @@ class Backbone:
         x: torch.Tensor,
         attn_mask: torch.Tensor | None = None,
         inputs: dict[str, Any] | None = None,
+        index: int | None = None,
     ) -> torch.Tensor:
         """Run one block of the container on ``x``; ``attn_mask`` (where given) limits which tokens each attends;
-        ``inputs`` is :meth:`block_inputs` computed once for every block of a forward (computed here where ``None``).
+        ``inputs`` is :meth:`block_inputs` computed once for every block of a forward (computed here where ``None``);
+        ``index`` is the block's place in the container, which a family that passes each block its own inputs needs
+        (an EVA with a rotary embedding per block refuses ``None``) and the others ignore.
         """
         raise NotImplementedError
 

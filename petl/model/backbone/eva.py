@@ -16,8 +16,14 @@ Inside a block:
 timm's ``vit_*_patch16_rope_*`` models (``attn_type='rope'``) are this Eva with timm's ``AttentionRope`` in the
 same ``EvaBlock``: the same forward (q/k norm, the same rotation of the tokens after ``num_prefix_tokens``, the rope
 passed in by the block), but Q, K and V take their biases inside ``qkv`` (or ``q_proj``, ``k_proj``, ``v_proj``),
-a plain Linear it calls, so there is nothing beside ``qkv`` to train or to switch.  Their ``rope_mixed`` variants
-(one learnable rotation per block) are refused.
+a plain Linear it calls, so there is nothing beside ``qkv`` to train or to switch.
+
+Their ``rope_mixed`` variants (``rope_type='mixed'``, the ``vit_*_rope_mixed_*`` models) learn a rotation per block:
+timm's ``RotaryEmbeddingMixed`` holds one parameter ``freqs`` for every block and head, its ``get_embed`` gives a
+table (depth x heads x tokens x 2 head_dim) and timm's ``forward_features`` passes block i its row ``i``.
+:meth:`Eva.block_inputs` computes the whole table once and :meth:`Eva.run_block` hands each block its row.  The
+table is computed from the grid's coordinates, not from the images, so :meth:`Eva.batch_shared_modules` names the
+rotary embedding; its ``freqs`` is a backbone weight like any other (frozen but by full fine-tuning).
 """
 
 from __future__ import annotations
@@ -70,7 +76,7 @@ class Eva(QvBiasesBesideQkv, GammaBranches, ViT):
     kind = "eva"
     supported = (
         "a timm Eva (EVA, EVA-02, vit_*_rope_*) with pre-norm EvaBlocks of EvaAttention or AttentionRope, at a "
-        "fixed image size, one rotary embedding for every block"
+        "fixed image size, one rotary embedding for every block or one per block (rope_type='mixed')"
     )
     block_types = (EvaBlock,)
     timm_modules = ("eva",)
@@ -81,17 +87,10 @@ class Eva(QvBiasesBesideQkv, GammaBranches, ViT):
         """Raise a ValueError naming what is supported unless the model is a usable timm Eva.
 
         Raises:
-            ValueError: a post-norm block, another attention, a rotary embedding per block (``rope_type='mixed'``:
-                timm passes block i its own rows, and petl passes every block one) or a dynamic image size with a
-                rotary embedding.
+            ValueError: a post-norm block, another attention, or a dynamic image size with a rotary embedding.
 
         """
         model, name = self.model, type(self.model).__name__
-        if getattr(model, "rope_mixed", False):
-            raise ValueError(
-                f"petl supports {self.supported}; {name} has a learnable rotary embedding per block "
-                "(timm's rope_type='mixed', the vit_*_rope_mixed_* models), not taken"
-            )
         if model.rope is not None and model.dynamic_img_size:
             raise ValueError(f"petl supports {self.supported}; {name} has a rotary embedding per image size")
         for i, block in enumerate(model.blocks):
@@ -101,8 +100,9 @@ class Eva(QvBiasesBesideQkv, GammaBranches, ViT):
                 raise ValueError(f"petl supports {self.supported}; block {i} of {name}: {runs}, not taken")
 
     def block_inputs(self, room: tuple[int, int] | None = None) -> dict[str, Any]:
-        """The rotary embedding timm's ``_pos_embed`` passes every block at the model's image size (``check()``
-        refuses the other cases).
+        """The rotary embedding timm's ``_pos_embed`` computes at the model's image size (``check()`` refuses the
+        other cases): one for every block, or every block's row of a per-block one (:meth:`run_block` hands each
+        block its own).
         """
         rope = self.model.rope
         if rope is None:
@@ -122,9 +122,30 @@ class Eva(QvBiasesBesideQkv, GammaBranches, ViT):
         x: torch.Tensor,
         attn_mask: torch.Tensor | None = None,
         inputs: dict[str, Any] | None = None,
+        index: int | None = None,
     ) -> torch.Tensor:
-        """The block with the model's rotary embedding and ``attn_mask``."""
-        return block(x, attn_mask=attn_mask, **(self.block_inputs() if inputs is None else inputs))
+        """The block with the model's rotary embedding (a per-block one's row ``index``) and ``attn_mask``.
+
+        Raises:
+            ValueError: no ``index`` where the model has a rotary embedding per block.
+
+        """
+        inputs = self.block_inputs() if inputs is None else inputs
+        if self._per_block_rope():
+            if index is None:
+                raise ValueError(f"{type(self.model).__name__} passes each block its own rotary embedding: give index")
+            inputs = {**inputs, "rope": inputs["rope"][index]}
+        return block(x, attn_mask=attn_mask, **inputs)
+
+    def _per_block_rope(self) -> bool:
+        """Whether the model passes block i its own row of the rotary embedding (timm's ``rope_mixed``)."""
+        return self.model.rope is not None and getattr(self.model, "rope_mixed", False)
+
+    def batch_shared_modules(self) -> list[nn.Module]:
+        """A per-block rotary embedding: its learnable ``freqs`` make a table from the grid's coordinates that every
+        image shares (a fixed one has no weights to train).
+        """
+        return [self.model.rope] if self._per_block_rope() else []
 
     def is_plain(self) -> bool:
         """Exactly timm's Eva."""
@@ -132,9 +153,11 @@ class Eva(QvBiasesBesideQkv, GammaBranches, ViT):
 
     def forward_from(self, x: torch.Tensor, start: int) -> torch.Tensor:
         """The rest of timm's ``forward_features`` and ``forward_head`` from block ``start`` on."""
-        model, rope = self.model, self.block_inputs()
-        for block in model.blocks[start:]:
-            x = checkpoint(block, x, **rope) if model.grad_checkpointing else block(x, **rope)
+        model, inputs = self.model, self.block_inputs()
+        for index in range(start, len(model.blocks)):
+            block = model.blocks[index]
+            rope = inputs["rope"][index] if self._per_block_rope() else inputs["rope"]
+            x = checkpoint(block, x, rope=rope) if model.grad_checkpointing else block(x, rope=rope)
         return model.forward_head(model.norm(x))
 
     # -- inside one block ------------------------------------------------------------------------------------

@@ -118,6 +118,7 @@ class Swin(TimmModelParts, TimmBlockParts, Backbone):
         x: torch.Tensor,
         attn_mask: torch.Tensor | None = None,
         inputs: dict[str, Any] | None = None,
+        index: int | None = None,
     ) -> torch.Tensor:
         """Run one block on an NHWC grid (:meth:`before_block` runs the PatchMerging in front of a stage).
 

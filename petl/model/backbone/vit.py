@@ -123,6 +123,7 @@ class ViT(TimmModelParts, TimmBlockParts, Backbone):
         x: torch.Tensor,
         attn_mask: torch.Tensor | None = None,
         inputs: dict[str, Any] | None = None,
+        index: int | None = None,
     ) -> torch.Tensor:
         """Timm's blocks take the mask as ``attn_mask`` (and no ``inputs``: a ViT's are none)."""
         return block(x) if attn_mask is None else block(x, attn_mask=attn_mask)

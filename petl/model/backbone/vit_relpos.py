@@ -153,6 +153,7 @@ class VitRelPos(ViT):
         x: torch.Tensor,
         attn_mask: torch.Tensor | None = None,
         inputs: dict[str, Any] | None = None,
+        index: int | None = None,
     ) -> torch.Tensor:
         """The block with the model's shared bias and, where given, ``attn_mask``.
 
