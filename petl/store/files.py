@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import reprlib
 import warnings
 from pathlib import Path
 from typing import Any
@@ -274,9 +275,39 @@ def _checkpoint_problem(state: dict[str, Any]) -> str | None:
     for key in ("scheduler", "rng"):
         if not isinstance(state[key], dict):
             return f"{key} is not a mapping"
+    scheduler = _scheduler_problem(state["scheduler"], len(optimizer["param_groups"]))
+    if scheduler is not None:
+        return scheduler
     for key in ("scaler", "inputs", "method_config"):  # absent from older checkpoints and petl-pretrain's
         if state.get(key) is not None and not isinstance(state[key], dict):
             return f"{key} is not a mapping"
+    return None
+
+
+def _scheduler_problem(scheduler: dict[str, Any], groups: int) -> str | None:
+    """What in a checkpoint's ``scheduler`` is not the state of petl's schedule over ``groups`` parameter groups.
+
+    ``LambdaLR.load_state_dict`` takes any mapping into the scheduler's attributes: a step count as text failed at
+    the first step after the resume began, a negative or NaN one (or a NaN lr) trained on at a wrong or NaN rate,
+    and another schedule's state (a StepLR's) failed on its missing ``lr_lambdas`` as a bare key.
+    """
+    lambdas = scheduler.get("lr_lambdas")
+    # build_optimizer's warm-up and cosine factor is a plain function: LambdaLR saves None for each group's.
+    if not isinstance(lambdas, list) or any(factor is not None for factor in lambdas):
+        return "scheduler is not the state of petl's warm-up and cosine schedule"
+    # _step_count and _last_lr: LambdaLR's own bookkeeping, optional (not every torch version writes both).
+    steps = {"last_epoch": scheduler.get("last_epoch"), "_step_count": scheduler.get("_step_count", 0)}
+    for key, step in steps.items():
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            return f"scheduler {key} {reprlib.repr(step)} is not a non-negative integer"
+    base = scheduler.get("base_lrs")
+    rates = {"base_lrs": base, "_last_lr": scheduler.get("_last_lr", base)}
+    for key, lrs in rates.items():
+        if not isinstance(lrs, list) or not all(is_finite_number(lr) and lr >= 0 for lr in lrs):
+            return f"scheduler {key} {reprlib.repr(lrs)} is not a list of non-negative learning rates"
+    other = next((size for size in (len(lambdas), *map(len, rates.values())) if size != groups), None)
+    if other is not None:
+        return f"scheduler is for {other} parameter groups, the optimizer has {groups}"
     return None
 
 

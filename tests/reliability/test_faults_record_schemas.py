@@ -151,6 +151,12 @@ def _moments_of_another_shape(state: dict) -> None:
         moments["exp_avg"] = torch.zeros(2)
 
 
+def _a_step_lr_state(state: dict) -> None:
+    # StepLR's state: LambdaLR's without lr_lambdas, with a step_size and gamma (was: "damaged ('lr_lambdas')")
+    state["scheduler"] = {**state["scheduler"], "step_size": 3, "gamma": 0.1}
+    del state["scheduler"]["lr_lambdas"]
+
+
 DAMAGED_CHECKPOINTS = {
     "epoch as text": (lambda s: s.update(epoch="1"), "epoch '1' is not a positive integer"),  # was: TypeError
     "a negative epoch": (lambda s: s.update(epoch=-1), "epoch -1 is not a positive integer"),  # was: exit 1
@@ -165,6 +171,33 @@ DAMAGED_CHECKPOINTS = {
         "does not fit the model",  # was: RuntimeError traceback
     ),
     "moments of another shape": (_moments_of_another_shape, "its optimizer state does not fit"),  # was: at step 1
+    # The scheduler's state went into LambdaLR's attributes unchecked: these resumed (with epochs left, a step as text
+    # failed at the first step with a TypeError traceback; a negative or NaN one, or a NaN lr, trained at that rate).
+    "scheduler step as text": (
+        lambda s: s["scheduler"].update(last_epoch="4"),
+        "scheduler last_epoch '4' is not a non-negative integer",
+    ),
+    "scheduler step negative": (
+        lambda s: s["scheduler"].update(last_epoch=-3),
+        "scheduler last_epoch -3 is not a non-negative integer",
+    ),
+    "scheduler step NaN": (
+        lambda s: s["scheduler"].update(last_epoch=float("nan")),
+        "scheduler last_epoch nan is not a non-negative integer",
+    ),
+    "scheduler lr NaN": (
+        lambda s: s["scheduler"].update(base_lrs=[float("nan")] * len(s["scheduler"]["base_lrs"])),
+        "scheduler base_lrs [nan",
+    ),
+    "scheduler lr as text": (
+        lambda s: s["scheduler"].update(_last_lr="0.1"),
+        "scheduler _last_lr '0.1' is not a list of non-negative learning rates",
+    ),
+    "another schedule's state": (_a_step_lr_state, "scheduler is not the state of petl's warm-up and cosine"),
+    "a schedule of other groups": (
+        lambda s: s["scheduler"].update(base_lrs=[0.1], lr_lambdas=[None], _last_lr=[0.1]),
+        "scheduler is for 1 parameter groups, the optimizer has 2",
+    ),
     "a method option": (
         lambda s: s["method_config"].update(rank="x"),
         "method_config: rank='x' is not a whole number",  # was: 'method lora: ... e.g. rank=8', the config blamed
