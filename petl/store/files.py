@@ -244,6 +244,38 @@ class NewerFileError(DamagedFileError):
     """A run file written by a newer petl than this one; the message names it and its version."""
 
 
+def newer_file(path: Path, found: str, newest: str) -> NewerFileError:
+    """The error for a file of a newer petl: ``PATH was written by a newer petl (FOUND; this petl reads up to NEWEST)``.
+
+    The one wording of every versioned file petl writes (:func:`check_version`, the weights' and ``model.json``'s
+    ``format``); the caller adds what to do (upgrade petl, or move the file aside).
+    """
+    return NewerFileError(f"{path} was written by a newer petl ({found}; this petl reads up to {newest})")
+
+
+def check_version(path: Path, version: Any, newest: int, record: str) -> None:
+    """Refuse a ``version`` field this petl cannot read: the one check of the files that record a version number.
+
+    Args:
+        path: the file, first word of each message.
+        version: the value its ``version`` field holds (a file of before the field existed: 1, by the caller).
+        newest: the newest version this petl writes and reads.
+        record: what the file is, before the word ``version`` (``checkpoint``, ``estimate``).
+
+    Raises:
+        DamagedFileError: not a positive integer (``PATH is damaged (RECORD version 'x' is not a positive
+            integer)``).
+        NewerFileError: above ``newest`` (:func:`newer_file`).
+
+    """
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise DamagedFileError(
+            f"{path} is damaged ({record} version {reprlib.repr(version)} is not a positive integer)"
+        )
+    if version > newest:
+        raise newer_file(path, f"{record} version {version}", str(newest))
+
+
 def _checkpoint_problem(state: dict[str, Any]) -> str | None:
     """What in a loaded checkpoint is not as :func:`save_checkpoint` writes it, or ``None``.
 
@@ -334,14 +366,8 @@ def load_checkpoint(path: Path) -> dict[str, Any] | None:
     missing = [key for key in CHECKPOINT_KEYS if key not in state] if isinstance(state, dict) else ["all"]
     if missing:
         raise DamagedFileError(f"{path} is damaged (not a petl checkpoint: {', '.join(missing)} missing)")
-    version = state.get("version", 1)  # none: written before the version was, in this layout
-    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
-        raise DamagedFileError(f"{path} is damaged (version {version!r} is not a positive integer)")
-    if version > CHECKPOINT_VERSION:
-        raise NewerFileError(
-            f"{path} was written by a newer petl (checkpoint version {version}; this petl reads up to "
-            f"{CHECKPOINT_VERSION})"
-        )
+    # A checkpoint without a version was written before it was, in this layout: version 1.
+    check_version(path, state.get("version", 1), CHECKPOINT_VERSION, "checkpoint")
     problem = _checkpoint_problem(state)
     if problem is not None:
         raise DamagedFileError(f"{path} is damaged ({problem})")
