@@ -204,14 +204,12 @@ def read_estimate(output_dir: Path) -> dict[str, Any] | None:
         raise ValueError(f"{error}: {fix}") from None
     if record is None:
         return None
-    version = record.get("version", 1)
-    if type(version) is not int or version < 1:
-        raise ValueError(f"{path}: not an estimate record (version {version!r}): {fix}")
-    if version > ESTIMATE_VERSION:
-        raise ValueError(
-            f"{path}: an estimate record of version {version}, written by a newer petl (this one reads "
-            f"{ESTIMATE_VERSION}): report the folder with that petl, or {fix}"
-        )
+    try:
+        files.check_version(path, record.get("version", 1), ESTIMATE_VERSION, "estimate")
+    except files.NewerFileError as error:
+        raise ValueError(f"{error}: report the folder with that petl, or {fix}") from None
+    except files.DamagedFileError as error:
+        raise ValueError(f"{error}: {fix}") from None
     wanted = {"seconds": "a non-negative number", "runs": "a count", "measured_at": "text", "device": "text"}
     if "measured_seconds" in record:
         wanted["measured_seconds"] = "a non-negative number"

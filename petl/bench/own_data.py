@@ -34,7 +34,7 @@ from typing import Any
 
 from petl import data as petl_data
 from petl.data import TEST, TRAIN, TRAIN_VAL, VAL
-from petl.store.files import write_json
+from petl.store.files import DamagedFileError, NewerFileError, check_version, write_json
 from petl.utils.text import first_line
 
 DATA_FILE = "data.json"
@@ -228,14 +228,12 @@ def read_record(output_dir: str | Path) -> dict[str, Any] | None:
         raise ValueError(f"{path}: not a data record ({first_line(str(error))}): {fix}") from None
     if not isinstance(record, dict):
         raise ValueError(f"{path}: not a data record (a JSON {type(record).__name__}, not an object): {fix}")
-    version = record.get("version", DATA_VERSION)
-    if type(version) is not int or version < 1:
-        raise ValueError(f"{path}: not a data record (version {version!r}): {fix}")
-    if version > DATA_VERSION:
-        raise ValueError(
-            f"{path}: a data record of version {version}, written by a newer petl (this one reads {DATA_VERSION}): "
-            "compare and report it with that petl"
-        )
+    try:
+        check_version(path, record.get("version", DATA_VERSION), DATA_VERSION, "data record")
+    except NewerFileError as error:
+        raise ValueError(f"{error}: compare and report it with that petl") from None
+    except DamagedFileError as error:
+        raise ValueError(f"{error}: {fix}") from None
     bad = [key for key in ("task", "root", "fingerprint") if not isinstance(record.get(key), str)]
     if "setup" in record and not isinstance(record["setup"], dict):
         bad.append("setup")

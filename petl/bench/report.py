@@ -256,13 +256,16 @@ def aggregate(
         published_names=dict(published),
         plan=plan,
     )
-    # Complete rows first: a mean over fewer tasks or seeds is not ranked among them.
-    rows.sort(
+    # Complete rows first: a mean over fewer tasks or seeds is not ranked among them.  Sorted into a new list, then
+    # put back: complete() reads board.rows (the fullest cell's seeds, the ranked backbone), which CPython's
+    # list.sort empties while it runs, so every row read as incomplete and a partial row's higher mean came first.
+    rows[:] = sorted(
+        rows,
         key=lambda r: (
             not board.complete(r),
             -r.task_mean if not math.isnan(r.task_mean) else math.inf,
             r.experiment,
-        )
+        ),
     )
     # What the board says of itself, each from the one before: saturated tasks are left out of the rank test, and
     # both decide columns.

@@ -33,6 +33,7 @@ from petl.data.images import DECODED_MEMORY_LIMIT, decode_image, decoding, geome
 from petl.data.registry import TEST, TRAIN, TRAIN_VAL, VAL, BadImagesError, DatasetInfo, register_dataset
 from petl.data.transforms import ImageSpec, pil_to_tensor
 from petl.data.vtab import find_column
+from petl.utils.once import warn_main
 
 log = logging.getLogger(__name__)
 
@@ -172,7 +173,7 @@ def _labelled(root: str, dataset: Any, label: str) -> Any:
         if not missing:
             kept[name] = split
         elif len(missing) == len(values) and name != "train":
-            log.warning("hf: %s's %s split has no labels (all %r or empty): left out", root, name, NO_LABEL)
+            warn_main(log, f"hf: {root}'s {name} split has no labels (all {NO_LABEL!r} or empty): left out")
         else:
             raise ValueError(
                 f"hf: {root}'s {name} split has {len(missing)} row(s) without a label ({label!r} is None, "

@@ -552,7 +552,8 @@ class _CountRequests:
         try:
             await self.app(scope, receive, record)
         finally:
-            route = getattr(scope.get("route"), "path", "unmatched")
+            # Predict's two paths (with and without a trailing slash) are one route.
+            route = getattr(scope.get("route"), "path", "unmatched").rstrip("/") or "/"
             self.metrics.requests.inc(route=route, status=str(status[0]))
 
 
@@ -754,6 +755,12 @@ async def predict(
     metrics.latency.observe(time.perf_counter() - started)
     predictions = [_top_k(name, row, found, top_k) for (name, _), row in zip(uploads, rows, strict=True)]
     return Predictions(task=found.name, predictions=predictions)
+
+
+# .../predict/ answers as .../predict does: Starlette's redirect to the path without the slash (a 307) went to a client
+# that had sent its image already, and curl (without -L) ends on the empty redirect.  A GET route's redirect loses
+# nothing, so only this one takes both paths; /openapi.json names the one.
+data_router.add_api_route(PREDICT_ROUTE + "/", predict, methods=["POST"], include_in_schema=False)
 
 
 @asynccontextmanager

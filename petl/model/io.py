@@ -24,7 +24,7 @@ from torch import nn
 from petl.model.backbone import backbone_of
 from petl.model.params import content_hash, trainable_state
 from petl.model.surgery import apply
-from petl.store.files import WEIGHTS_FILE, write_atomic
+from petl.store.files import WEIGHTS_FILE, newer_file, write_atomic
 
 # Version 2 adds ``widths`` (each block's width: a Swin's change per stage); version 1 files, which record one
 # ``embed_dim`` for every block, are still read.
@@ -110,10 +110,8 @@ def read_trainable_metadata(path: str | Path) -> dict[str, Any]:
     if meta.get("format") not in FORMATS:
         found = re.fullmatch(r"petl-trainable-(\d+)", str(meta.get("format")))
         if found is not None and int(found.group(1)) > len(FORMATS):
-            raise ValueError(
-                f"{path} was written by a newer petl (format {meta['format']}; this petl reads up to {FORMAT}): "
-                "upgrade petl to load it"
-            )
+            newer = newer_file(Path(path), f"format {meta['format']}", FORMAT)
+            raise ValueError(f"{newer}: upgrade petl to load it")
         raise ValueError(
             f"{path} is not a petl trainable-weights file (format {meta.get('format')!r}): give a file "
             "petl.save_trainable or petl-run wrote"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import reprlib
 import warnings
 from pathlib import Path
 from typing import Any
@@ -243,6 +244,38 @@ class NewerFileError(DamagedFileError):
     """A run file written by a newer petl than this one; the message names it and its version."""
 
 
+def newer_file(path: Path, found: str, newest: str) -> NewerFileError:
+    """The error for a file of a newer petl: ``PATH was written by a newer petl (FOUND; this petl reads up to NEWEST)``.
+
+    The one wording of every versioned file petl writes (:func:`check_version`, the weights' and ``model.json``'s
+    ``format``); the caller adds what to do (upgrade petl, or move the file aside).
+    """
+    return NewerFileError(f"{path} was written by a newer petl ({found}; this petl reads up to {newest})")
+
+
+def check_version(path: Path, version: Any, newest: int, record: str) -> None:
+    """Refuse a ``version`` field this petl cannot read: the one check of the files that record a version number.
+
+    Args:
+        path: the file, first word of each message.
+        version: the value its ``version`` field holds (a file of before the field existed: 1, by the caller).
+        newest: the newest version this petl writes and reads.
+        record: what the file is, before the word ``version`` (``checkpoint``, ``estimate``).
+
+    Raises:
+        DamagedFileError: not a positive integer (``PATH is damaged (RECORD version 'x' is not a positive
+            integer)``).
+        NewerFileError: above ``newest`` (:func:`newer_file`).
+
+    """
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise DamagedFileError(
+            f"{path} is damaged ({record} version {reprlib.repr(version)} is not a positive integer)"
+        )
+    if version > newest:
+        raise newer_file(path, f"{record} version {version}", str(newest))
+
+
 def _checkpoint_problem(state: dict[str, Any]) -> str | None:
     """What in a loaded checkpoint is not as :func:`save_checkpoint` writes it, or ``None``.
 
@@ -274,9 +307,39 @@ def _checkpoint_problem(state: dict[str, Any]) -> str | None:
     for key in ("scheduler", "rng"):
         if not isinstance(state[key], dict):
             return f"{key} is not a mapping"
+    scheduler = _scheduler_problem(state["scheduler"], len(optimizer["param_groups"]))
+    if scheduler is not None:
+        return scheduler
     for key in ("scaler", "inputs", "method_config"):  # absent from older checkpoints and petl-pretrain's
         if state.get(key) is not None and not isinstance(state[key], dict):
             return f"{key} is not a mapping"
+    return None
+
+
+def _scheduler_problem(scheduler: dict[str, Any], groups: int) -> str | None:
+    """What in a checkpoint's ``scheduler`` is not the state of petl's schedule over ``groups`` parameter groups.
+
+    ``LambdaLR.load_state_dict`` takes any mapping into the scheduler's attributes: a step count as text failed at
+    the first step after the resume began, a negative or NaN one (or a NaN lr) trained on at a wrong or NaN rate,
+    and another schedule's state (a StepLR's) failed on its missing ``lr_lambdas`` as a bare key.
+    """
+    lambdas = scheduler.get("lr_lambdas")
+    # build_optimizer's warm-up and cosine factor is a plain function: LambdaLR saves None for each group's.
+    if not isinstance(lambdas, list) or any(factor is not None for factor in lambdas):
+        return "scheduler is not the state of petl's warm-up and cosine schedule"
+    # _step_count and _last_lr: LambdaLR's own bookkeeping, optional (not every torch version writes both).
+    steps = {"last_epoch": scheduler.get("last_epoch"), "_step_count": scheduler.get("_step_count", 0)}
+    for key, step in steps.items():
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            return f"scheduler {key} {reprlib.repr(step)} is not a non-negative integer"
+    base = scheduler.get("base_lrs")
+    rates = {"base_lrs": base, "_last_lr": scheduler.get("_last_lr", base)}
+    for key, lrs in rates.items():
+        if not isinstance(lrs, list) or not all(is_finite_number(lr) and lr >= 0 for lr in lrs):
+            return f"scheduler {key} {reprlib.repr(lrs)} is not a list of non-negative learning rates"
+    other = next((size for size in (len(lambdas), *map(len, rates.values())) if size != groups), None)
+    if other is not None:
+        return f"scheduler is for {other} parameter groups, the optimizer has {groups}"
     return None
 
 
@@ -303,14 +366,8 @@ def load_checkpoint(path: Path) -> dict[str, Any] | None:
     missing = [key for key in CHECKPOINT_KEYS if key not in state] if isinstance(state, dict) else ["all"]
     if missing:
         raise DamagedFileError(f"{path} is damaged (not a petl checkpoint: {', '.join(missing)} missing)")
-    version = state.get("version", 1)  # none: written before the version was, in this layout
-    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
-        raise DamagedFileError(f"{path} is damaged (version {version!r} is not a positive integer)")
-    if version > CHECKPOINT_VERSION:
-        raise NewerFileError(
-            f"{path} was written by a newer petl (checkpoint version {version}; this petl reads up to "
-            f"{CHECKPOINT_VERSION})"
-        )
+    # A checkpoint without a version was written before it was, in this layout: version 1.
+    check_version(path, state.get("version", 1), CHECKPOINT_VERSION, "checkpoint")
     problem = _checkpoint_problem(state)
     if problem is not None:
         raise DamagedFileError(f"{path} is damaged ({problem})")

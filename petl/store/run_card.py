@@ -46,7 +46,7 @@ from petl.model.backbone import backbone_of
 from petl.model.io import load_trainable, read_trainable_metadata
 from petl.model.params import trainable_state
 from petl.model.registry import get_method
-from petl.store.files import MODEL_FILE, WEIGHTS_FILE, file_not_run, unfinished_run, write_json
+from petl.store.files import MODEL_FILE, WEIGHTS_FILE, file_not_run, newer_file, unfinished_run, write_json
 from petl.utils.checks import is_finite_number
 from petl.utils.paths import file_sha256
 
@@ -242,10 +242,8 @@ def read_card(run_dir: str | Path) -> dict[str, Any]:
         )
     version = int(found.group(1))
     if version > VERSION:
-        raise RunFolderError(
-            f"{card_path} was written by a newer petl (format {card['format']}; this petl reads up to {FORMAT}): "
-            "upgrade petl to load it"
-        )
+        newer = newer_file(card_path, f"format {card['format']}", FORMAT)
+        raise RunFolderError(f"{newer}: upgrade petl to load it")
     if version == 1:
         card = _upgraded_from_1(card, card_path)
     _check_fields(card, card_path, version)

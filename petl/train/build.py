@@ -35,7 +35,7 @@ from petl.train import config, engine, output_dir
 from petl.train.config import ConfigError
 from petl.utils.distributed import is_main_process
 from petl.utils.errors import RunError
-from petl.utils.once import warn_once
+from petl.utils.once import warn_main, warn_once
 from petl.utils.precision import auto_precision, cpu_supports_bf16
 from petl.utils.text import first_line
 
@@ -188,11 +188,11 @@ def make_accelerator(cfg: DictConfig, out: Path) -> Accelerator:
         precision = auto_precision(device_type)
     if precision in ("fp16", "tf32") and device_type != "cuda":
         # accelerate would accept fp16 and silently run in fp32; say so, and record what really ran.
-        log.warning("train.precision=%s needs a CUDA GPU: running in full precision (bf16 works on CPUs)", precision)
+        warn_main(log, f"train.precision={precision} needs a CUDA GPU: running in full precision (bf16 works on CPUs)")
         precision = "no"
     if precision == "bf16" and device_type == "cpu" and not cpu_supports_bf16():
         # accelerate would autocast anyway, through slow emulated bf16 matmuls; result.json records "no".
-        log.warning("train.precision=bf16: this CPU has no bf16 instructions (AVX512-BF16/AMX): running in fp32")
+        warn_main(log, "train.precision=bf16: this CPU has no bf16 instructions (AVX512-BF16/AMX): running in fp32")
         precision = "no"
     # tf32 is fp32 to accelerate: the TF32 switch is torch's, set by the runner (petl.utils.precision.uses_tf32).
     mixed_precision = "no" if precision == "tf32" else precision
@@ -200,7 +200,7 @@ def make_accelerator(cfg: DictConfig, out: Path) -> Accelerator:
     dynamo = "inductor" if cfg.train.compile else None
     missing = engine.compiler_missing(device_type) if cfg.train.compile else None
     if missing:
-        log.warning("train.compile: %s; running uncompiled", missing)
+        warn_main(log, f"train.compile: {missing}; running uncompiled")
         dynamo = None
     try:
         accelerator = engine.fresh_accelerator(

@@ -282,6 +282,18 @@ def test_committed_real_backbone_runs_all_loaded_the_same_weights():
 # ---------------------------------------------------------------------------------------- suite plan, ranking
 
 
+def test_complete_rows_come_first_without_a_plan_too(tmp_path):
+    # Sorted in place, the rows were read while list.sort had emptied board.rows: without a plan every row then read
+    # as incomplete (no seeds in the fullest cell) and lora, on one task of two, came first on its higher mean.
+    for task, top1 in (("mini/digits", 70.0), ("mini/mnist", 90.0)):
+        for seed in (0, 1):
+            _write(tmp_path / f"{task}/linear/seed{seed}", _result(task, "linear", seed, top1))
+    for seed in (0, 1):
+        _write(tmp_path / f"mini/digits/lora/seed{seed}", _result("mini/digits", "lora", seed, 95.0))
+    board = report.build_board(tmp_path)
+    assert [(r.experiment, board.complete(r)) for r in board.rows] == [("linear", True), ("lora", False)]
+
+
 def test_a_plan_marks_missing_tasks_seeds_and_experiments(tmp_path):
     plan = report.Plan("s", ("linear", "lora", "vpt_deep"), ("mini/digits", "mini/mnist", "mini/clevr_count"), (0, 1))
     for task, top1 in (("mini/digits", 70.0), ("mini/mnist", 90.0), ("mini/clevr_count", 30.0)):

@@ -207,7 +207,7 @@ def test_a_damaged_data_json_is_named_in_one_line(tmp_path, capsys, text, said):
     (a / "data.json").write_text(text)
     assert _exit(["compare", str(a), str(b)]) == 2
     err = capsys.readouterr().err
-    assert f"{a / 'data.json'}: " in err and said in err and err.count("\n") == 1
+    assert err.startswith(f"petl-bench: error: {a / 'data.json'}") and said in err and err.count("\n") == 1
 
 
 def test_a_data_json_without_a_version_reads_as_version_1_and_a_new_one_records_it(tmp_path):

@@ -112,6 +112,25 @@ def test_a_path_or_method_no_route_has_says_which_routes_there_are(app):
     assert status == 404 and answer["detail"].startswith("unknown task 'cars': the tasks are lora")
 
 
+def test_predict_with_a_trailing_slash_answers_as_predict_does(tmp_path):
+    # Starlette answered .../predict/ with a 307 to .../predict: the image already sent, curl (without -L) ended on
+    # the redirect's empty body.
+    _run_folder(tmp_path / "lora", "lora", {}, seed=0)
+    served, tasks = serve.load_tasks({"lora": tmp_path / "lora"})
+    app = serve.create_app(served, tasks, serve.ServeOptions(precision="no"))  # its own: a batcher runs once
+
+    def scenario():
+        return _ask(app, "POST", serve.PREDICT_ROUTE.format(task="lora") + "/?top_k=2", _png(), "image/png")
+
+    status, answer = _with_batcher(app, scenario)
+    assert status == 200 and answer["task"] == "lora" and len(answer["predictions"][0]["labels"]) == 2, answer
+    # /metrics counts the two paths as one route.
+    assert app.state.metrics.requests.values == {(("route", serve.PREDICT_ROUTE), ("status", "200")): 1}
+    status, answer = asyncio.run(_ask(app, "GET", serve.PREDICT_ROUTE.format(task="lora") + "/"))
+    assert status == 405 and "only POST" in answer["detail"]
+    assert "predict/" not in json.dumps(app.openapi())  # the schema names one path
+
+
 def test_a_multipart_body_is_read_whatever_the_case_of_its_content_type(app):
     route = serve.PREDICT_ROUTE.format(task="lora")
     body = _multipart("cat.png", _png())

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -16,9 +17,10 @@ from safetensors.torch import load_file, save_file
 from test_harness import BENCH
 
 import petl
-from petl.bench import commands, estimate, sweep
+from petl.bench import commands, estimate, own_data, sweep
 from petl.bench.suite import load_experiment
 from petl.cli import run as cli
+from petl.store import files
 from petl.train.config import default_config
 from petl.train.output_dir import check_finished
 
@@ -125,12 +127,49 @@ def test_a_damaged_estimate_json_is_named_with_what_to_do(tmp_path, damage):
 def test_estimate_json_of_a_newer_petl_is_refused_and_an_unversioned_one_reads(tmp_path):
     path = tmp_path / estimate.ESTIMATE_FILE
     path.write_text(json.dumps({**GOOD_ESTIMATE, "version": 2}))
-    with pytest.raises(ValueError, match="version 2, written by a newer petl"):
+    with pytest.raises(ValueError, match=r"written by a newer petl \(estimate version 2; this petl reads up to 1\)"):
         estimate.read_estimate(tmp_path)
     unversioned = {k: v for k, v in GOOD_ESTIMATE.items() if k != "version"}  # as petl wrote it before
     path.write_text(json.dumps(unversioned))
     estimate.record_measured(tmp_path, 75.04)  # the one writer of the measured time, through the one reader
     assert estimate.read_estimate(tmp_path) == {**unversioned, "measured_seconds": 75.0}
+
+
+# The version field of estimate.json, data.json and checkpoint.pt: each reader checked it in its own words ("not an
+# estimate record (version '2')", "an estimate record of version 2, written by a newer petl (this one reads 1)",
+# "version '2' is not a positive integer"); one check (petl.store.files.check_version) now words them alike.
+def _write_versioned(folder: Path, record: str, version: object) -> tuple[Path, Callable[[], object]]:
+    if record == "checkpoint":
+        path = folder / "checkpoint.pt"
+        torch.save({**dict.fromkeys(files.CHECKPOINT_KEYS), "version": version}, path)
+        return path, lambda: files.load_checkpoint(path)
+    if record == "estimate":
+        path = folder / estimate.ESTIMATE_FILE
+        path.write_text(json.dumps({**GOOD_ESTIMATE, "version": version}))
+        return path, lambda: estimate.read_estimate(folder)
+    path = folder / own_data.DATA_FILE
+    path.write_text(json.dumps({"version": version, "task": "folder", "root": "x", "fingerprint": "abc"}))
+    return path, lambda: own_data.read_record(folder)
+
+
+@pytest.mark.parametrize(("record", "newest"), [("checkpoint", 1), ("estimate", 1), ("data record", 1)])
+@pytest.mark.parametrize(
+    ("version", "said"),
+    [
+        (99, "{path} was written by a newer petl ({record} version 99; this petl reads up to {newest})"),
+        ("2", "{path} is damaged ({record} version '2' is not a positive integer)"),
+        (0, "{path} is damaged ({record} version 0 is not a positive integer)"),
+        (True, "{path} is damaged ({record} version True is not a positive integer)"),
+    ],
+    ids=["newer", "text", "zero", "bool"],
+)
+def test_each_versioned_record_refuses_a_version_it_cannot_read_in_the_same_words(
+    tmp_path, record, newest, version, said
+):
+    path, read = _write_versioned(tmp_path, record, version)
+    with pytest.raises(ValueError) as raised:
+        read()
+    assert str(raised.value).startswith(said.format(path=path, record=record, newest=newest))
 
 
 @pytest.mark.parametrize("text", ["[1, 2]", '"text"', "null"])
@@ -151,6 +190,12 @@ def _moments_of_another_shape(state: dict) -> None:
         moments["exp_avg"] = torch.zeros(2)
 
 
+def _a_step_lr_state(state: dict) -> None:
+    # StepLR's state: LambdaLR's without lr_lambdas, with a step_size and gamma (was: "damaged ('lr_lambdas')")
+    state["scheduler"] = {**state["scheduler"], "step_size": 3, "gamma": 0.1}
+    del state["scheduler"]["lr_lambdas"]
+
+
 DAMAGED_CHECKPOINTS = {
     "epoch as text": (lambda s: s.update(epoch="1"), "epoch '1' is not a positive integer"),  # was: TypeError
     "a negative epoch": (lambda s: s.update(epoch=-1), "epoch -1 is not a positive integer"),  # was: exit 1
@@ -165,6 +210,33 @@ DAMAGED_CHECKPOINTS = {
         "does not fit the model",  # was: RuntimeError traceback
     ),
     "moments of another shape": (_moments_of_another_shape, "its optimizer state does not fit"),  # was: at step 1
+    # The scheduler's state went into LambdaLR's attributes unchecked: these resumed (with epochs left, a step as text
+    # failed at the first step with a TypeError traceback; a negative or NaN one, or a NaN lr, trained at that rate).
+    "scheduler step as text": (
+        lambda s: s["scheduler"].update(last_epoch="4"),
+        "scheduler last_epoch '4' is not a non-negative integer",
+    ),
+    "scheduler step negative": (
+        lambda s: s["scheduler"].update(last_epoch=-3),
+        "scheduler last_epoch -3 is not a non-negative integer",
+    ),
+    "scheduler step NaN": (
+        lambda s: s["scheduler"].update(last_epoch=float("nan")),
+        "scheduler last_epoch nan is not a non-negative integer",
+    ),
+    "scheduler lr NaN": (
+        lambda s: s["scheduler"].update(base_lrs=[float("nan")] * len(s["scheduler"]["base_lrs"])),
+        "scheduler base_lrs [nan",
+    ),
+    "scheduler lr as text": (
+        lambda s: s["scheduler"].update(_last_lr="0.1"),
+        "scheduler _last_lr '0.1' is not a list of non-negative learning rates",
+    ),
+    "another schedule's state": (_a_step_lr_state, "scheduler is not the state of petl's warm-up and cosine"),
+    "a schedule of other groups": (
+        lambda s: s["scheduler"].update(base_lrs=[0.1], lr_lambdas=[None], _last_lr=[0.1]),
+        "scheduler is for 1 parameter groups, the optimizer has 2",
+    ),
     "a method option": (
         lambda s: s["method_config"].update(rank="x"),
         "method_config: rank='x' is not a whole number",  # was: 'method lora: ... e.g. rank=8', the config blamed

@@ -202,3 +202,30 @@ def test_a_single_process_run_says_nothing_of_processes(monkeypatch):
     assert build.single_cpu_launch(1).startswith("accelerate launch --cpu started one process")
     monkeypatch.setenv("WORLD_SIZE", "2")  # a torchrun-style launch: check_process_group's case, not this one
     assert build.single_cpu_launch(1) == ""
+
+
+@pytest.mark.parametrize(("rank", "lines"), [("0", 1), ("1", 0)])
+def test_a_fault_of_the_data_or_config_every_process_meets_is_warned_by_the_first(
+    rank, lines, tmp_path, caplog, monkeypatch
+):
+    # Each process of a launch read the same folder and config, and each said their faults: one line per GPU.
+    from omegaconf import OmegaConf
+    from PIL import Image
+
+    from petl.data import folder
+    from petl.utils import once
+
+    monkeypatch.setattr(once, "SAID", set())  # what earlier tests in this process said
+    monkeypatch.setenv("RANK", rank)
+    images = [f"train/{name}/{i}.png" for name in ("red", "blue") for i in range(3)]
+    for path in (*images, "train/stray.png"):  # an image outside the class folders
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        Image.new("RGB", (8, 8)).save(tmp_path / path)
+    train = {"trackers": [], "precision": "fp16", "compile": False, "grad_accum": 1}
+    monkeypatch.setattr(build, "run_device_type", lambda: "cpu")
+    with caplog.at_level("WARNING"):
+        folder.describe_folder(str(tmp_path))
+        build.make_accelerator(OmegaConf.create({"train": train}), tmp_path / "out")  # fp16 without a GPU
+    said = [record.getMessage() for record in caplog.records]
+    assert sum(message.startswith("folder: skipped stray.png in ") for message in said) == lines, said
+    assert sum("train.precision=fp16 needs a CUDA GPU" in message for message in said) == lines, said
