@@ -117,7 +117,7 @@ def _mlp_ratio(model: nn.Module) -> float:
     return unwrap(bb.linear(bb.block_list()[0], "fc2")).in_features / bb.width()
 
 
-class LstSide(_side.SideNetwork):
+class LstSide(_side.SideStream):
     """LST's side network: the first down-projection, one ladder + gate + side block per block, the up-projection.
 
     Args:
@@ -151,18 +151,11 @@ class LstSide(_side.SideNetwork):
                     nn.init.zeros_(module.bias)
         self._side: torch.Tensor | None = None
 
-    def step(self, index: int, block: nn.Module, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-        if index == 0:
-            self.begin(x)
-        x = block(x, **kwargs)
-        output = self.climb(index, x)
-        return x if output is None else output
-
     def begin(self, x: torch.Tensor) -> None:
         """Start the side stream from the tokens entering the first block."""
         self._side = self.first_down(x)
 
-    def climb(self, index: int, x: torch.Tensor) -> torch.Tensor | None:
+    def after(self, index: int, x: torch.Tensor) -> torch.Tensor | None:
         """Side block ``index`` on the gated mix of the side stream and block ``index``'s output ``x``.
 
         Returns:
@@ -192,13 +185,13 @@ class LstSide(_side.SideNetwork):
             gate = torch.sigmoid(self.gates[index] / self.gate_t)
             like, keep = rows.per_device((1 - gate) * self.ladders[index].weight), float(gate)
 
-        def climb(i: int, x: torch.Tensor) -> torch.Tensor | None:
+        def served_after(i: int, x: torch.Tensor) -> torch.Tensor | None:
             (ladder,) = like(x)
             side = self._side.view(-1, ladder.shape[0])
             mixed = torch.addmm(side, x.reshape(-1, x.shape[-1]), ladder.t(), beta=keep)
             return self._side_block(i, mixed.view(self._side.shape))
 
-        return self.stream_row_hook(index, block, climb)
+        return self.stream_row_hook(index, block, served_after)
 
 
 def _formula(model: nn.Module, cfg: LstConfig) -> int:
