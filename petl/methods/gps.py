@@ -91,7 +91,7 @@ from petl.model.backbone import backbone_of, unwrap
 from petl.model.registry import MethodConfig, register_method
 from petl.model.wrappers import PetlModule, factory_kwargs
 from petl.utils.checks import as_list, check_range
-from petl.utils.progress import first, progress_bar
+from petl.utils.progress import bar_over_first
 
 log = logging.getLogger(__name__)
 
@@ -389,9 +389,8 @@ def calibrate_gps(
     """``cfg`` with ``selection`` chosen on ``loader`` by :func:`select_gps` (unchanged if already set)."""
     if cfg.selection:
         return cfg
-    batches, total = first(loader, max_batches)  # the bar counts to max_batches, where the loop stops
-    bar = progress_bar(
-        batches, total=total, desc="GPS selection", unit="batch", leave=False, show=progress, say=log.info
+    bar = bar_over_first(
+        loader, max_batches, desc="GPS selection", unit="batch", leave=False, show=progress, say=log.info
     )
     return replace(cfg, selection=select_gps(model, bar, cfg.per_row))
 
