@@ -86,6 +86,7 @@ from timm.data import resolve_data_config
 from torch import nn
 from torchvision.transforms import v2
 
+from petl.methods import _reparam
 from petl.model import rows, surgery
 from petl.model.backbone import backbone_of, unwrap
 from petl.model.registry import MethodConfig, register_method
@@ -219,10 +220,8 @@ class GpsLinear(PetlModule):
     @torch.no_grad()
     def _fold(self, sign: float) -> None:
         weight = self.base.weight
-        new = weight.float() + sign * self.delta_weight(torch.float32)
-        if not torch.isfinite(new).all():
-            raise ValueError("cannot merge GPS into the weight: the update is not finite")
-        weight.copy_(new.to(weight.dtype))
+        dtype = _reparam.work_dtype(weight)
+        _reparam.write(weight, weight.to(dtype) + sign * self.delta_weight(dtype), "GPS into the weight")
 
     def fold(self) -> None:
         """Add the sparse update into the frozen weight; forward then costs what ``base`` costs."""
