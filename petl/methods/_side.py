@@ -26,8 +26,18 @@ import torch
 from torch import nn
 
 from petl.model import rows
-from petl.model.backbone import backbone_of
+from petl.model.backbone import backbone_of, unwrap
 from petl.model.wrappers import PetlModule
+
+
+def mlp_ratio(model: nn.Module) -> float:
+    """The backbone MLP's hidden width over the block width, which the side blocks of LST and HST keep.
+
+    What fc2 reads is the hidden width in every family (an EVA SwiGLU's fc1 holds gate and value rows; a parallel
+    block has no fc1, its mlp_out_proj stands as fc2).
+    """
+    bb = backbone_of(model)
+    return unwrap(bb.linear(bb.block_list()[0], "fc2")).in_features / bb.width()
 
 
 class SideNetwork(nn.Module):
