@@ -26,8 +26,18 @@ import torch
 from torch import nn
 
 from petl.model import rows
-from petl.model.backbone import backbone_of
+from petl.model.backbone import backbone_of, unwrap
 from petl.model.wrappers import PetlModule
+
+
+def mlp_ratio(model: nn.Module) -> float:
+    """The backbone MLP's hidden width over the block width, which the side blocks of LST and HST keep.
+
+    What fc2 reads is the hidden width in every family (an EVA SwiGLU's fc1 holds gate and value rows; a parallel
+    block has no fc1, its mlp_out_proj stands as fc2).
+    """
+    bb = backbone_of(model)
+    return unwrap(bb.linear(bb.block_list()[0], "fc2")).in_features / bb.width()
 
 
 class SideNetwork(nn.Module):
@@ -59,10 +69,37 @@ class SideNetwork(nn.Module):
         """
         raise rows.CannotShare(f"{type(self).__name__} has no multi-task hook yet")
 
+
+class SideStream(SideNetwork):
+    """A side network that runs as one stream beside the blocks (LST, LAST).
+
+    It starts on block 0's input (:meth:`begin`) and reads every block's output (:meth:`after`), whose result,
+    where there is one (after the last block), replaces what the next block or the pooling reads.
+    """
+
+    def begin(self, x: torch.Tensor) -> None:
+        """Start the side stream on the tokens ``x`` entering block 0."""
+        raise NotImplementedError
+
+    def after(self, index: int, y: torch.Tensor) -> torch.Tensor | None:
+        """Read block ``index``'s output ``y``; what replaces it (the side output after the last block), or ``None``."""
+        raise NotImplementedError
+
+    def step(self, index: int, block: nn.Module, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        if index == 0:
+            self.begin(x)
+        y = block(x, **kwargs)
+        out = self.after(index, y)
+        return y if out is None else out
+
+    def row_hook(self, index: int, block: nn.Module) -> rows.RowHook:
+        """The frozen block once for the batch; the task's side stream on its rows, without the prompt slots."""
+        return self.stream_row_hook(index, block, self.after)
+
     def stream_row_hook(
         self, index: int, block: nn.Module, after: Callable[[int, torch.Tensor], torch.Tensor | None]
     ) -> rows.RowHook:
-        """The row hook of a side stream (LST, LAST): it starts on block 0's input and may replace a block's output.
+        """The row hook of the side stream, with ``after`` (:meth:`after`, or a served form of it) after each block.
 
         ``self.begin(x)`` reads block 0's input rows and ``after(index, y)`` each block's output rows, both
         without the prompt slots (the stream mixes tokens); what ``after`` returns replaces the rows' output,

@@ -273,25 +273,17 @@ def _add_branch(
 
 
 @rows.register_row_hook(SequentialAdapter)
-def _sequential_rows(wrapper: SequentialAdapter) -> rows.RowHook:
-    # The frozen MLP runs once for the mixed batch; each task's adapter reads and adds to its rows' MLP output.
-    return rows.RowHook(
-        wrapper.base,
-        post=lambda _x, h, _tokens: h + wrapper.adapter(h),
-        post_in_place=_add_branch(wrapper, reads_output=True),
-        batched=_batched(wrapper, reads_output=True),
-        reads_input=False,  # the MLP's output alone: the routing slices no rows of its input
-    )
-
-
 @rows.register_row_hook(ParallelAdapter)
-def _parallel_rows(wrapper: ParallelAdapter) -> rows.RowHook:
-    # At a block, post gets the stream entering the MLP half: the input AdaptFormer's branch reads.
+def _rows(wrapper: _Bottleneck) -> rows.RowHook:
+    # The frozen MLP (sequential) or block (parallel) runs once for the mixed batch; each task's branch reads its
+    # rows' MLP output or, at a block, the stream entering the MLP half (post's x), and adds to its rows' output.
+    reads_output = isinstance(wrapper, SequentialAdapter)
     return rows.RowHook(
         wrapper.base,
-        post=lambda x, y, _tokens: y + wrapper.adapter(x),
-        post_in_place=_add_branch(wrapper, reads_output=False),
-        batched=_batched(wrapper, reads_output=False),
+        post=lambda x, y, _tokens: y + wrapper.adapter(y if reads_output else x),
+        post_in_place=_add_branch(wrapper, reads_output),
+        batched=_batched(wrapper, reads_output),
+        reads_input=not reads_output,  # sequential: the MLP's output alone, so the routing slices no rows of its input
     )
 
 

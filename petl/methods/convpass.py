@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from timm.layers import QuickGELU
 from torch import nn
 
 from petl.methods import _init
@@ -84,13 +85,6 @@ class ConvpassConfig(_init.InitOption, MethodConfig):
         backbone_of(model).check_whole_grid("Convpass")
 
 
-class _QuickGELU(nn.Module):
-    """x * sigmoid(1.702 x), the GELU approximation the reference uses."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.sigmoid(1.702 * x)
-
-
 class _Bypass:
     """The bypass's layers, built as direct children of the module that mixes this in (saved files name them so),
     and its forward.
@@ -100,7 +94,7 @@ class _Bypass:
         r = cfg.dim
         self.grid, self.num_prefix, self.scale = grid, num_prefix, cfg.scale
         self.down = nn.Linear(width, r, **kw)
-        self.act = _QuickGELU()
+        self.act = QuickGELU()  # x * sigmoid(1.702 x), the GELU approximation the reference uses
         self.conv = nn.Conv2d(r, r, kernel_size=3, padding=1, **kw)
         self.dropout = nn.Dropout(cfg.dropout) if cfg.dropout > 0 else nn.Identity()
         self.up = nn.Linear(r, width, **kw)

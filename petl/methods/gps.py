@@ -86,12 +86,13 @@ from timm.data import resolve_data_config
 from torch import nn
 from torchvision.transforms import v2
 
+from petl.methods import _reparam
 from petl.model import rows, surgery
 from petl.model.backbone import backbone_of, unwrap
 from petl.model.registry import MethodConfig, register_method
 from petl.model.wrappers import PetlModule, factory_kwargs
 from petl.utils.checks import as_list, check_range
-from petl.utils.progress import first, progress_bar
+from petl.utils.progress import bar_over_first
 
 log = logging.getLogger(__name__)
 
@@ -219,10 +220,8 @@ class GpsLinear(PetlModule):
     @torch.no_grad()
     def _fold(self, sign: float) -> None:
         weight = self.base.weight
-        new = weight.float() + sign * self.delta_weight(torch.float32)
-        if not torch.isfinite(new).all():
-            raise ValueError("cannot merge GPS into the weight: the update is not finite")
-        weight.copy_(new.to(weight.dtype))
+        dtype = _reparam.work_dtype(weight)
+        _reparam.write(weight, weight.to(dtype) + sign * self.delta_weight(dtype), "GPS into the weight")
 
     def fold(self) -> None:
         """Add the sparse update into the frozen weight; forward then costs what ``base`` costs."""
@@ -389,9 +388,8 @@ def calibrate_gps(
     """``cfg`` with ``selection`` chosen on ``loader`` by :func:`select_gps` (unchanged if already set)."""
     if cfg.selection:
         return cfg
-    batches, total = first(loader, max_batches)  # the bar counts to max_batches, where the loop stops
-    bar = progress_bar(
-        batches, total=total, desc="GPS selection", unit="batch", leave=False, show=progress, say=log.info
+    bar = bar_over_first(
+        loader, max_batches, desc="GPS selection", unit="batch", leave=False, show=progress, say=log.info
     )
     return replace(cfg, selection=select_gps(model, bar, cfg.per_row))
 

@@ -86,7 +86,7 @@ from torch import nn
 
 from petl.methods import _side
 from petl.model import rows, surgery
-from petl.model.backbone import backbone_of, unwrap
+from petl.model.backbone import backbone_of
 from petl.model.registry import MethodConfig, register_method
 from petl.model.wrappers import PetlHead, PetlModule, factory_kwargs
 from petl.utils.checks import check_range, to_str_tuple
@@ -246,7 +246,7 @@ class HstSide(_side.SideNetwork):
             bb.grid_size(),
         )
         self.stage_of = [s for s, blocks in enumerate(self.stage_blocks) for _ in blocks]
-        mlp_ratio = _mlp_ratio(model)
+        mlp_ratio = _side.mlp_ratio(model)
         in_chans = bb.patch_proj().in_channels
         self.meta = nn.ParameterList([nn.Parameter(torch.empty(1, cfg.meta_tokens, d)) for _ in range(depth)])
         self.embeds = nn.ModuleList(
@@ -395,13 +395,6 @@ class HstHead(PetlHead):
         return HstHead(self._shared[0], self.weight.shape[1], num_classes, kw)
 
 
-def _mlp_ratio(model: nn.Module) -> float:
-    # The backbone MLP's hidden width over the block width, which the side blocks' MLPs keep: what fc2 reads is the
-    # hidden width in every family (an EVA SwiGLU's fc1 holds gate and value rows; a parallel block has no fc1).
-    bb = backbone_of(model)
-    return unwrap(bb.linear(bb.block_list()[0], "fc2")).in_features / bb.width()
-
-
 def _block_norms(model: nn.Module) -> list[nn.Module]:
     """The blocks' pre-norms, which HST trains: norm1 and norm2 of a ViT block, a parallel block's one in_norm."""
     bb = backbone_of(model)
@@ -414,7 +407,7 @@ def _formula(model: nn.Module, cfg: HstConfig) -> int:
     stages = cfg.stages(model)
     dims = cfg.widths[: len(stages)]
     in_chans = bb.patch_proj().in_channels
-    ratio = _mlp_ratio(model)
+    ratio = _side.mlp_ratio(model)
     total = depth * cfg.meta_tokens * d + sum(p.numel() for norm in _block_norms(model) for p in norm.parameters())
     total += in_chans * dims[0] * 9 + 2 * dims[0] + dims[0] * dims[0] * 4 + dims[0]  # stem convs + BatchNorm
     total += sum(dims[s - 1] * dims[s] * 9 + dims[s] for s in range(1, len(dims)))  # stride-2 convs

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from petl.methods import _reparam
 from petl.model import rows, surgery
 from petl.model.backbone import backbone_of
 from petl.model.registry import MethodConfig, register_method
@@ -136,17 +137,18 @@ class HydraLinear(PetlModule):
         return eye + self.scale * s_w, self.scale * p_w, self.scale * (p_b + s_b)
 
     def _write(self, weight: torch.Tensor, bias: torch.Tensor, what: str) -> None:
-        if not (torch.isfinite(weight).all() and torch.isfinite(bias).all()):
-            raise ValueError(f"Hydra {what} produced non-finite weights; the branches hold inf or nan")
-        self.base.weight.copy_(weight.to(self.base.weight.dtype))
-        self.base.bias.copy_(bias.to(self.base.bias.dtype))
+        # Both checked (in the dtypes they are written in) before either is written: a refusal leaves base as it was.
+        weight, bias = weight.to(self.base.weight.dtype), bias.to(self.base.bias.dtype)
+        _reparam.check_finite(what, weight, bias)
+        self.base.weight.copy_(weight)
+        self.base.bias.copy_(bias)
 
     @torch.no_grad()
     def fold(self) -> None:
         """Fold both branches into ``base`` (computed in float64, so half weights are upcast first)."""
         a, p_w, c = self._folded()
         w0, b0 = self.base.weight.double(), self.base.bias.double()
-        self._write(a @ w0 + p_w, a @ b0 + c, "merge")
+        self._write(a @ w0 + p_w, a @ b0 + c, "Hydra into the weight and bias")
 
     @torch.no_grad()
     def unfold(self) -> None:
@@ -155,7 +157,7 @@ class HydraLinear(PetlModule):
         w, b = self.base.weight.double(), self.base.bias.double()
         rhs = torch.cat([w - p_w, (b - c).unsqueeze(1)], dim=1)
         solved = torch.linalg.solve(a, rhs)
-        self._write(solved[:, :-1], solved[:, -1], "unmerge")
+        self._write(solved[:, :-1], solved[:, -1], "Hydra out of the weight and bias")
 
     def extra_repr(self) -> str:
         return f"scale={self.scale}"

@@ -49,7 +49,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from petl.methods import _side
-from petl.model import rows, surgery
+from petl.model import surgery
 from petl.model.backbone import backbone_of
 from petl.model.registry import MethodConfig, register_method
 from petl.model.wrappers import factory_kwargs
@@ -110,7 +110,7 @@ class LowRankSelfAttention(nn.Module):
         return x + self.up(F.scaled_dot_product_attention(q, k, v).squeeze(1))
 
 
-class LastSide(_side.SideNetwork):
+class LastSide(_side.SideStream):
     """LAST's side network: an LSA block on the embedded tokens and one after every group of ``gap`` blocks.
 
     Args:
@@ -134,13 +134,6 @@ class LastSide(_side.SideNetwork):
         self._u: torch.Tensor | None = None
         self._z_sum: torch.Tensor | None = None
 
-    def step(self, index: int, block: nn.Module, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-        if index == 0:
-            self.begin(x)
-        y = block(x, **kwargs)
-        out = self.after(index, y)
-        return y if out is None else out
-
     def begin(self, x: torch.Tensor) -> None:
         """Start a forward on the embedded tokens ``z_0``: ``u_0 = F_0(z_0)``."""
         self._u, self._z_sum = self.lsa[0](x), x
@@ -156,10 +149,6 @@ class LastSide(_side.SideNetwork):
         out = u - self._z_sum  # the paper's bias correction: u_m - (z_0 + ... + z_{m-1})
         self._u = self._z_sum = None  # no graph kept between forwards
         return out
-
-    def row_hook(self, index: int, block: nn.Module) -> rows.RowHook:
-        """The frozen block once for the batch; the task's side stream on its rows, without the prompt slots."""
-        return self.stream_row_hook(index, block, self.after)
 
 
 def _formula(model: nn.Module, cfg: LastConfig) -> int:

@@ -69,7 +69,7 @@ from torch import nn
 
 from petl.methods import _side
 from petl.model import rows, surgery
-from petl.model.backbone import backbone_of, unwrap
+from petl.model.backbone import backbone_of
 from petl.model.registry import MethodConfig, register_method
 from petl.model.wrappers import factory_kwargs
 from petl.utils.checks import check_dropout, check_range
@@ -110,14 +110,7 @@ class LstConfig(MethodConfig):
         check_dropout("dropout", self.dropout)
 
 
-def _mlp_ratio(model: nn.Module) -> float:
-    # The MLP's hidden width over the block width: what fc2 reads (a parallel block's mlp_out_proj, an EVA SwiGLU's
-    # fc2, whose fc1 holds gate and value rows) is the hidden width in every family.
-    bb = backbone_of(model)
-    return unwrap(bb.linear(bb.block_list()[0], "fc2")).in_features / bb.width()
-
-
-class LstSide(_side.SideNetwork):
+class LstSide(_side.SideStream):
     """LST's side network: the first down-projection, one ladder + gate + side block per block, the up-projection.
 
     Args:
@@ -138,7 +131,7 @@ class LstSide(_side.SideNetwork):
         self.gates = nn.Parameter(torch.full((depth,), cfg.gate_alpha, **kw))
         self.side_blocks = nn.ModuleList(
             [
-                Block(width, heads, mlp_ratio=_mlp_ratio(model), qkv_bias=True, proj_drop=cfg.dropout,
+                Block(width, heads, mlp_ratio=_side.mlp_ratio(model), qkv_bias=True, proj_drop=cfg.dropout,
                       attn_drop=cfg.dropout).to(**kw)
                 for _ in range(depth)
             ]
@@ -151,18 +144,11 @@ class LstSide(_side.SideNetwork):
                     nn.init.zeros_(module.bias)
         self._side: torch.Tensor | None = None
 
-    def step(self, index: int, block: nn.Module, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-        if index == 0:
-            self.begin(x)
-        x = block(x, **kwargs)
-        output = self.climb(index, x)
-        return x if output is None else output
-
     def begin(self, x: torch.Tensor) -> None:
         """Start the side stream from the tokens entering the first block."""
         self._side = self.first_down(x)
 
-    def climb(self, index: int, x: torch.Tensor) -> torch.Tensor | None:
+    def after(self, index: int, x: torch.Tensor) -> torch.Tensor | None:
         """Side block ``index`` on the gated mix of the side stream and block ``index``'s output ``x``.
 
         Returns:
@@ -192,20 +178,20 @@ class LstSide(_side.SideNetwork):
             gate = torch.sigmoid(self.gates[index] / self.gate_t)
             like, keep = rows.per_device((1 - gate) * self.ladders[index].weight), float(gate)
 
-        def climb(i: int, x: torch.Tensor) -> torch.Tensor | None:
+        def served_after(i: int, x: torch.Tensor) -> torch.Tensor | None:
             (ladder,) = like(x)
             side = self._side.view(-1, ladder.shape[0])
             mixed = torch.addmm(side, x.reshape(-1, x.shape[-1]), ladder.t(), beta=keep)
             return self._side_block(i, mixed.view(self._side.shape))
 
-        return self.stream_row_hook(index, block, climb)
+        return self.stream_row_hook(index, block, served_after)
 
 
 def _formula(model: nn.Module, cfg: LstConfig) -> int:
     bb = backbone_of(model)
     depth, d = bb.depth(), bb.width()
     s = d // cfg.reduction
-    hidden = int(s * _mlp_ratio(model))
+    hidden = int(s * _side.mlp_ratio(model))
     # Side block: two LayerNorms, qkv and proj with biases, fc1 and fc2 with biases.
     side_block = 2 * 2 * s + (3 * s * s + 3 * s) + (s * s + s) + (s * hidden + hidden) + (hidden * s + s)
     # Bias-free first down-projection, one ladder per block and the up-projection; one gate per block.

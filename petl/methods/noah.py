@@ -96,6 +96,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from timm.layers import QuickGELU
 from torch import nn
 
 from petl.methods import _init
@@ -240,13 +241,6 @@ class NoahConfig(_init.InitOption, MethodConfig):
             )
 
 
-class QuickGELU(nn.Module):
-    """x * sigmoid(1.702 x), NOAH's adapter activation (adapter_super.py L8-10)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.sigmoid(1.702 * x)
-
-
 class NoahQkv(PetlModule):
     """The fused qkv Linear plus ``B[:, :r] A[:r] dropout(x)`` (no scaling), r the active rank."""
 
@@ -344,7 +338,7 @@ class NoahBlock(PetlModule):
                     linear.bias.normal_(std=1e-6)
             if init == "reference":
                 _init.redraw(self.down, self.up)
-        self.act = QuickGELU()
+        self.act = QuickGELU()  # x * sigmoid(1.702 x), NOAH's adapter activation (adapter_super.py L8-10)
         if lora > 0:
             family.set_linear(base, "qkv", NoahQkv(family.linear(base, "qkv"), lora, dropout, init))
 

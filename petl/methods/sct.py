@@ -61,7 +61,7 @@ from petl.model.backbone import backbone_of, block_family
 from petl.model.registry import MethodConfig, register_method
 from petl.model.wrappers import PetlModule, factory_kwargs
 from petl.utils.checks import as_list, check_range
-from petl.utils.progress import first, progress_bar
+from petl.utils.progress import bar_over_first
 
 log = logging.getLogger(__name__)
 
@@ -234,9 +234,8 @@ def calibrate_sct(
     """``cfg`` with ``channels`` selected on ``loader`` by :func:`select_sct_channels` (unchanged if already set)."""
     if cfg.channels:
         return cfg
-    batches, total = first(loader, max_batches)  # the bar counts to max_batches, where the loop stops
-    bar = progress_bar(
-        batches, total=total, desc="SCT selection", unit="batch", leave=False, show=progress, say=log.info
+    bar = bar_over_first(
+        loader, max_batches, desc="SCT selection", unit="batch", leave=False, show=progress, say=log.info
     )
     return replace(cfg, channels=select_sct_channels(model, bar, cfg.top_n))
 

@@ -163,6 +163,14 @@ def progress_bar(
     return tqdm(iterable, disable=not drawn, **kwargs)
 
 
+def bar_over_first(iterable: Iterable, count: int | None, **kwargs: Any) -> tqdm | ProgressLines:
+    """:func:`progress_bar` (its ``show``, ``say`` and tqdm's arguments in ``kwargs``) over the first ``count`` items
+    of ``iterable`` (all of them for None), as :func:`first` takes them: the bar counts to where the loop stops.
+    """
+    items, total = first(iterable, count)
+    return progress_bar(items, total=total, **kwargs)
+
+
 class _LineHandler(logging.StreamHandler):
     """A log handler that writes each record as one line above the progress bars drawn (tqdm.write)."""
 

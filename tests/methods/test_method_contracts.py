@@ -20,6 +20,7 @@ from safetensors import safe_open
 
 import petl
 from petl.methods.adapter import ParallelAdapter, SequentialAdapter
+from petl.methods.gps import GpsLinear
 from petl.methods.lora import LoraLinear
 from petl.methods.vpt import PromptedBlock
 from petl.model.backbone import backbone_of, unwrap
@@ -434,6 +435,19 @@ def test_merge_refuses_non_finite_updates_and_leaves_the_model_unmerged(tiny_vit
     after = model.state_dict()
     for name, tensor in before.items():
         torch.testing.assert_close(after[name], tensor, atol=1e-6, rtol=0)
+
+
+def test_gps_merge_refuses_a_non_finite_update_as_the_other_methods_do(tiny_vit):
+    # GPS folds through petl.methods._reparam as LoRA and SSF do: the same refusal, and nothing left merged.
+    model = petl.apply_gps(tiny_vit(), per_row=1)
+    with torch.no_grad():
+        [m for m in model.modules() if isinstance(m, GpsLinear)][-1].delta[0, 0] = float("inf")
+    before = {n: t.clone() for n, t in model.state_dict().items()}
+    with pytest.raises(ValueError, match="refusing to merge GPS into the weight: it holds non-finite values"):
+        petl.merge(model)
+    assert not any(getattr(m, "merged", False) for m in model.modules())
+    for name, tensor in model.state_dict().items():
+        torch.testing.assert_close(tensor, before[name], atol=1e-6, rtol=0)
 
 
 def test_lora_merge_of_half_weights_rounds_once(tiny_vit):

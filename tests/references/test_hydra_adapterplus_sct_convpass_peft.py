@@ -95,9 +95,11 @@ def test_hydra_init_dropout_and_merge_guards(tiny_vit, images):
     with torch.no_grad():
         proj.sequential.up.weight[0, 0] = float("inf")
     before = proj.base.weight.clone()
-    with pytest.raises(ValueError, match="non-finite"):
+    bias = proj.base.bias.clone()
+    # The refusal every re-parameterisable method gives (petl.methods._reparam), weight and bias both left as they were
+    with pytest.raises(ValueError, match="refusing to merge Hydra into the weight and bias: it holds non-finite"):
         proj.merge()
-    assert torch.equal(proj.base.weight, before) and not proj.merged
+    assert torch.equal(proj.base.weight, before) and torch.equal(proj.base.bias, bias) and not proj.merged
 
 
 def test_hydra_merge_upcasts_half_weights(tiny_vit, images):
