@@ -168,6 +168,15 @@ class Swin(TimmModelParts, TimmBlockParts, Backbone):
         x = self.model.norm(tokens)
         if keep is None:
             return self.model.forward_head(x, pre_logits=True)
+        return self.masked_pool(x, keep)
+
+    def masked_pool(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """The head's average pooling and dropout over the tokens of the (normed) NHWC grid ``x`` that ``keep`` marks.
+
+        Raises:
+            ValueError: a pooling other than :attr:`maskable_pools`.
+
+        """
         if self.pool_type() not in self.maskable_pools:
             raise ValueError(f"cannot leave tokens out of the {self.pool_type()!r} pooling: only avg can")
         weight = keep.reshape(x.shape[0], -1, 1).to(x.dtype)
