@@ -9,7 +9,9 @@ head (timm's ``ClassifierHead``) averages the grid before its ``fc``.
 timm keeps v1 and v2 in two modules with two block classes, and petl keeps two kinds, because what differs is
 what methods build on: a v1 block is pre-norm (``x + attn(norm1(x))``) with its Q/K/V bias inside the fused
 ``qkv`` Linear; a v2 block is post-norm (``x + norm1(attn(x))``, cosine attention) and adds separate ``q_bias`` and
-``v_bias`` to a bias-free ``qkv``.  A method declares the kinds whose blocks its idea fits.
+``v_bias`` to a bias-free ``qkv``.  A method declares the kinds whose blocks its idea fits.  timm's third Swin
+module, ``swin_transformer_v2_cr`` (``swinv2_cr_*``), is a kind of its own on this base:
+:mod:`petl.model.backbone.swin_v2_cr`.
 """
 
 from __future__ import annotations
