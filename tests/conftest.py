@@ -16,6 +16,7 @@ import timm
 import torch
 from timm.models.swin_transformer import SwinTransformer
 from timm.models.swin_transformer_v2 import SwinTransformerV2
+from timm.models.swin_transformer_v2_cr import SwinTransformerV2Cr
 from timm.models.vision_transformer import VisionTransformer
 
 # On a GPU machine, runs that compare for exact equality (resume, determinism) need cuBLAS's fixed workspace, which
@@ -98,11 +99,28 @@ def make_tiny_swinv2(seed: int = 0, **overrides) -> SwinTransformerV2:
     return model
 
 
+def make_tiny_swinv2_cr(seed: int = 0, **overrides) -> SwinTransformerV2Cr:
+    """A tiny SwinTransformerV2Cr of the same shape as :func:`make_tiny_swin`, ending each stage with a third norm in
+    its last block (``extra_norm_stage``, as the ``swinv2_cr_*_ns_*`` models; timm always ends the last stage so).
+
+    timm starts its post-norms at zero weight (``init_values=0``), which makes every random block's branches zero:
+    here they get random weights around one, as in :func:`make_tiny_swinv2`.
+    """
+    torch.manual_seed(seed)
+    model = SwinTransformerV2Cr(**{**TINY_SWIN, "extra_norm_stage": True, **overrides}).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("norm1.weight", "norm2.weight")):
+                param.normal_(1.0, 0.1)
+    return model
+
+
 # A tiny model of every backbone kind petl registers, by kind: tests parametrized over the backbones use these.
 TINY_MODELS: dict[str, Callable[..., torch.nn.Module]] = {
     "vit": make_tiny_vit,
     "swin": make_tiny_swin,
     "swinv2": make_tiny_swinv2,
+    "swinv2_cr": make_tiny_swinv2_cr,
 }
 
 

@@ -225,7 +225,7 @@ REFUSAL = (
     zero_init=True,
     backbones=BACKBONES,
     refusal=REFUSAL,
-    refusal_for=("swin", "swinv2"),
+    refusal_for=("swin", "swinv2", "swinv2_cr"),
 )
 def inject_dtl(model: nn.Module, cfg: DtlConfig) -> None:
     """DTL: a low-rank side network summed over the blocks and added back after the later ones."""

@@ -413,7 +413,7 @@ register_method(
     calibrate=calibrate_gps,
     backbones=BACKBONES,
     refusal=REFUSAL,
-    refusal_for=("swin", "swinv2"),
+    refusal_for=("swin", "swinv2", "swinv2_cr"),
 )(inject_gps)
 
 

@@ -429,7 +429,12 @@ REFUSAL = (
 
 
 @register_method(
-    "hst", HstConfig, trainable_formula=_formula, backbones=BACKBONES, refusal=REFUSAL, refusal_for=("swin", "swinv2")
+    "hst",
+    HstConfig,
+    trainable_formula=_formula,
+    backbones=BACKBONES,
+    refusal=REFUSAL,
+    refusal_for=("swin", "swinv2", "swinv2_cr"),
 )
 def inject_hst(model: nn.Module, cfg: HstConfig) -> None:
     """HST: meta tokens in every block, trained LayerNorms, and a hierarchical side network that classifies."""

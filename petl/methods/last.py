@@ -174,7 +174,7 @@ REFUSAL = (
     zero_init=True,
     backbones=BACKBONES,
     refusal=REFUSAL,
-    refusal_for=("swin", "swinv2"),
+    refusal_for=("swin", "swinv2", "swinv2_cr"),
 )
 def inject_last(model: nn.Module, cfg: LastConfig) -> None:
     """LAST: a side network of low-rank self-attention blocks reading every group's output."""

@@ -209,7 +209,12 @@ REFUSAL = (
 
 
 @register_method(
-    "lst", LstConfig, trainable_formula=_formula, backbones=BACKBONES, refusal=REFUSAL, refusal_for=("swin", "swinv2")
+    "lst",
+    LstConfig,
+    trainable_formula=_formula,
+    backbones=BACKBONES,
+    refusal=REFUSAL,
+    refusal_for=("swin", "swinv2", "swinv2_cr"),
 )
 def inject_lst(model: nn.Module, cfg: LstConfig) -> None:
     """LST: a 1/reduction-wide side transformer fed by ladders from every frozen block."""

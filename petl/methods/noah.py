@@ -478,7 +478,7 @@ register_method(
     backbones=BACKBONES,
     refusal=REFUSAL,
     refusals=REFUSALS,
-    refusal_for=("swin", "swinv2"),
+    refusal_for=("swin", "swinv2", "swinv2_cr"),
 )(inject_noah)
 
 

@@ -267,7 +267,7 @@ REFUSALS = {
     backbones=BACKBONES,
     refusal=REFUSAL,
     refusals=REFUSALS,
-    refusal_for=("swin", "swinv2"),
+    refusal_for=("swin", "swinv2", "swinv2_cr"),
 )
 def inject_sct(model: nn.Module, cfg: SctConfig) -> None:
     """SCT: a Linear on the top_n salient residual channels after each block's attention."""

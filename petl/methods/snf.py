@@ -258,7 +258,7 @@ REFUSALS = {
     backbones=BACKBONES,
     refusal=REFUSAL,
     refusals=REFUSALS,
-    refusal_for=("swin", "swinv2"),
+    refusal_for=("swin", "swinv2", "swinv2_cr"),
 )
 def inject_snf(model: nn.Module, cfg: SnfConfig) -> None:
     """SNF: a normalizing flow on both shortcuts of every block."""

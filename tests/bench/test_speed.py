@@ -426,6 +426,7 @@ TINY_WINDOWS = {"patch_size": 4, "window_size": 4, "embed_dim": 16, "depths": [2
 KINDS = {
     "swin": ("swin_fractal_tiny_patch2_window4_32", TINY_WINDOWS),
     "swinv2": ("swinv2_tiny_window8_256", TINY_WINDOWS),
+    "swinv2_cr": ("swinv2_cr_tiny_ns_224", TINY_WINDOWS),
     "eva": ("eva02_tiny_patch14_224", TINY_SEQUENCE),
     "beit": ("beitv2_base_patch16_224", TINY_SEQUENCE),
     "vit_relpos": ("vit_relpos_medium_patch16_cls_224", TINY_SEQUENCE),

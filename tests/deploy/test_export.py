@@ -157,6 +157,19 @@ FAMILY_BACKBONES = {
     }
     for family, (name, options) in TINY_FAMILIES.items()
 }
+# timm's SwinTransformerV2Cr (kind swinv2_cr), at the tiny Swin's sizes with one block a stage (norm3 ends each).
+FAMILY_BACKBONES["swinv2_cr"] = {
+    "name": "swinv2_cr_tiny_ns_224",
+    "pretrained": False,
+    "kwargs": {
+        "img_size": 32,
+        "patch_size": 4,
+        "window_size": 4,
+        "embed_dim": 16,
+        "depths": [1, 1],
+        "num_heads": [2, 4],
+    },
+}
 
 
 @pytest.mark.slow

@@ -724,7 +724,7 @@ def test_stacks_written_in_place_under_bf16_autocast_answer_as_the_loop(stacked,
 # Tiny backbones of the other families (their methods as they declare them), and the cases apply refuses on them
 # in one line before anything is served: RepAdapter where qkv has no bias of its own, FacT where the MLP is not 4x,
 # and on EVA-02 with separate q/k/v and a SwiGLU MLP (fc1_g, fc1_x) every case naming qkv or fc1.
-FAMILIES = {"swin": TINY_MODELS["swin"], "swinv2": TINY_MODELS["swinv2"]}
+FAMILIES = {kind: TINY_MODELS[kind] for kind in ("swin", "swinv2", "swinv2_cr")}
 FAMILIES |= {
     family: functools.partial(make_tiny_family, family)
     for family in (
@@ -755,10 +755,12 @@ NOT_APPLIED = {
 # served: the shared blocks get room for the batch's slots (no relative-position bias, no rotation), as each task's
 # own model has.
 MULTITASK_REFUSED = {family: ("gps",) for family in ("beit", "beit_shared", "eva02", "eva_rope", "eva_rope_mixed")}
-# Cases that train a module computing a table every row shares (the position-bias MLP of a SwinV2 or a relpos
-# ViT: BitFit on all biases, peft on every fc1/fc2), refused naming it; BitFit on the Linears alone is served.
+# Cases that train a module computing a table every row shares (the position-bias MLP of a SwinV2, SwinV2Cr or a
+# relpos ViT: BitFit on all biases, peft on every fc1/fc2), refused naming it; BitFit on the Linears alone is served.
 TABLE_TRAINED = {
     "swinv2": {"bitfit": r"layers\.0\.blocks\.0\.attn\.cpb_mlp"},
+    # A SwinV2Cr's position-bias MLP (meta_mlp) has Linears named fc1 and fc2, which peft's fc targets take too.
+    "swinv2_cr": {case: r"stages\.0\.blocks\.0\.attn\.meta_mlp" for case in ("bitfit", "peft_fc", "ia3")},
     "vit_relpos": {case: r"blocks\.0\.attn\.rel_pos" for case in ("bitfit", "peft_fc", "ia3")},
     "vit_srelpos": {case: r"shared_rel_pos" for case in ("bitfit", "peft_fc", "ia3")},
     # A frozen weight the whole batch shares: BitFit on all biases trains the norms of a hybrid ViT's CNN stem.

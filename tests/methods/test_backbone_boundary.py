@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import timm
 import torch
-from conftest import TINY_FAMILIES, TINY_MODELS, make_tiny_family, make_tiny_swin, make_tiny_swinv2
+from conftest import TINY_FAMILIES, TINY_MODELS, make_tiny_family
 from timm.models.vision_transformer import VisionTransformer
 
 import petl
@@ -79,7 +79,7 @@ def test_the_check_catches_a_direct_access():
 
 def test_backbone_is_chosen_by_model_class(tiny_vit):
     assert isinstance(petl.backbone_of(tiny_vit()), ViT)
-    assert petl.list_backbones() == ["beit", "eva", "swin", "swinv2", "vit", "vit_parallel", "vit_relpos"]
+    assert petl.list_backbones() == ["beit", "eva", "swin", "swinv2", "swinv2_cr", "vit", "vit_parallel", "vit_relpos"]
     deit = timm.create_model("deit_tiny_distilled_patch16_224", img_size=32, patch_size=8, num_classes=3)
     assert petl.backbone_of(deit).kind == "vit"  # a subclass of VisionTransformer, found through its MRO
 
@@ -112,11 +112,11 @@ def test_interface_matches_the_vit(tiny_vit):
         assert torch.equal(bb.head()(bb.pooled_features(x)), model(images))
 
 
-@pytest.mark.parametrize("make", [make_tiny_swin, make_tiny_swinv2], ids=["swin", "swinv2"])
-def test_interface_matches_the_swin(make, images):
-    model = make()
+@pytest.mark.parametrize("kind", ["swin", "swinv2", "swinv2_cr"])
+def test_interface_matches_the_swin(kind, images):
+    model = TINY_MODELS[kind]()
     bb = petl.backbone_of(model)
-    assert bb.kind == ("swin" if make is make_tiny_swin else "swinv2") and bb.layout == "windows"
+    assert bb.kind == kind and bb.layout == "windows"
     assert bb.widths() == [16, 16, 32, 32] and bb.stages() == [0, 0, 1, 1] and bb.feature_taps() == [1, 3]
     assert bb.num_prefix_tokens() == 0 and bb.grid_size() == (8, 8)
     with pytest.raises(ValueError, match="several block widths"):
@@ -138,13 +138,15 @@ def test_interface_matches_the_swin(make, images):
             model(images)
             handle.remove()
             torch.testing.assert_close(bb.forward_from(seen[0], start), logits)
-        block, grid = bb.block_list()[0], torch.randn(2, 8, 8, 16)
-        torch.testing.assert_close(bb.mlp_residual(block, bb.attn_residual(block, grid)), block(grid))
+        # Both blocks of the first stage: the second ends a SwinV2Cr stage with its third norm (norm3).
+        for block in bb.block_list()[:2]:
+            grid = torch.randn(2, 8, 8, 16)
+            torch.testing.assert_close(bb.mlp_residual(block, bb.attn_residual(block, grid)), block(grid))
         keep = torch.ones(2, 16, dtype=torch.bool)
         torch.testing.assert_close(bb.pooled_features(x, keep), bb.pooled_features(x))
 
 
-@pytest.mark.parametrize("kind", ["swin", "swinv2"])
+@pytest.mark.parametrize("kind", ["swin", "swinv2", "swinv2_cr"])
 @pytest.mark.parametrize("method", petl.list_methods())
 def test_a_method_refuses_a_backbone_it_does_not_declare_in_one_line(kind, method):
     spec = petl.get_method(method)

@@ -348,10 +348,10 @@ def test_docs_works_with_table_is_generated_from_the_registry():
 
 # ------------------------------------------------------------------------------------ on a staged backbone
 
-# Every experiment whose method supports Swin or SwinV2, on the tiny model of that kind.
+# Every experiment whose method supports Swin, SwinV2 or SwinV2Cr, on the tiny model of that kind.
 STAGED = [
     (kind, name)
-    for kind in ("swin", "swinv2")
+    for kind in ("swin", "swinv2", "swinv2_cr")
     for name in EXPERIMENTS
     if kind in petl.get_method(_method(name)[0]).backbones
 ]

@@ -462,7 +462,7 @@ def test_cached_features_are_what_the_head_reads_on_the_live_model(images, kind,
     torch.testing.assert_close(tail(tail.front(images)), model(images))
 
 
-@pytest.mark.parametrize("kind", ["swin", "swinv2"])
+@pytest.mark.parametrize("kind", ["swin", "swinv2", "swinv2_cr"])
 def test_cache_on_a_swin_cuts_in_front_of_the_patch_merging(images, kind):
     # Partial-2 trains the second stage (blocks 2 and 3): the cut is taken in front of its patch merging.
     model = petl.apply(TINY_MODELS[kind](), "partial", k=2, num_classes=4).eval()
@@ -473,7 +473,8 @@ def test_cache_on_a_swin_cuts_in_front_of_the_patch_merging(images, kind):
     # Partial-1 trains block 3 only; a trained patch merging in front of block 2 moves the cut in front of it.
     model = petl.apply(TINY_MODELS[kind](), "partial", k=1, num_classes=4).eval()
     assert cache.plan(model) == cache.CachePlan(start=3, features=False)
-    model.layers[1].downsample.norm.weight.requires_grad_(True)
+    stages = model.stages if kind == "swinv2_cr" else model.layers  # timm's SwinV2Cr names them stages
+    stages[1].downsample.norm.weight.requires_grad_(True)
     assert cache.plan(model) == cache.CachePlan(start=2, features=False)
     tail = cache.CachedTail(model, cache.plan(model))
     torch.testing.assert_close(tail(tail.front(images)), model(images))

@@ -9,7 +9,9 @@ head (timm's ``ClassifierHead``) averages the grid before its ``fc``.
 timm keeps v1 and v2 in two modules with two block classes, and petl keeps two kinds, because what differs is
 what methods build on: a v1 block is pre-norm (``x + attn(norm1(x))``) with its Q/K/V bias inside the fused
 ``qkv`` Linear; a v2 block is post-norm (``x + norm1(attn(x))``, cosine attention) and adds separate ``q_bias`` and
-``v_bias`` to a bias-free ``qkv``.  A method declares the kinds whose blocks its idea fits.
+``v_bias`` to a bias-free ``qkv``.  A method declares the kinds whose blocks its idea fits.  timm's third Swin
+module, ``swin_transformer_v2_cr`` (``swinv2_cr_*``), is a kind of its own on this base:
+:mod:`petl.model.backbone.swin_v2_cr`.
 """
 
 from __future__ import annotations
@@ -168,6 +170,15 @@ class Swin(TimmModelParts, TimmBlockParts, Backbone):
         x = self.model.norm(tokens)
         if keep is None:
             return self.model.forward_head(x, pre_logits=True)
+        return self.masked_pool(x, keep)
+
+    def masked_pool(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """The head's average pooling and dropout over the tokens of the (normed) NHWC grid ``x`` that ``keep`` marks.
+
+        Raises:
+            ValueError: a pooling other than :attr:`maskable_pools`.
+
+        """
         if self.pool_type() not in self.maskable_pools:
             raise ValueError(f"cannot leave tokens out of the {self.pool_type()!r} pooling: only avg can")
         weight = keep.reshape(x.shape[0], -1, 1).to(x.dtype)
