@@ -42,6 +42,9 @@ INTERPOLATIONS = {
 }
 # VPT's FGVC resize-then-crop ratio (src/data/transforms.py:L11-19: 256 for 224).
 CROP_RATIO = 256 / 224
+# Pillow modes holding more than 8 bits per pixel in one channel.  16-bit PNG/TIFF greyscale opens
+# as I;16*, some decoders give I (int32) for the same files; all are scaled from 16 to 8 bits.
+SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I")
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,32 @@ class ImageSpec:
             )
         if self.augment and not self.crop:
             raise ValueError("augment=True needs crop=True (augmentation is a random crop and flip)")
+
+
+class UnfitImage(ValueError):
+    """A readable image petl cannot use as it is; the message already says what to do with it."""
+
+
+def eight_bit(image: Image.Image) -> Image.Image:
+    """``image`` with at most 8 bits per channel: 16-bit greyscale scaled to 8 bits, floating-point pixels refused.
+
+    ``Image.convert`` clips high-bit-depth greyscale at 255, which turns a 16-bit PNG nearly white, and rounds
+    float pixels in [0, 1] to black; every other mode is returned as it is.
+
+    Raises:
+        UnfitImage: float pixels (mode F: no known range), or 32-bit values outside the 16-bit range.
+
+    """
+    if image.mode in SIXTEEN_BIT_MODES:
+        values = np.asarray(image).astype(np.int64)
+        if values.size and (values.min() < 0 or values.max() > 65535):
+            raise UnfitImage(
+                f"mode {image.mode} with values outside the 16-bit range [0, 65535]: save it as an 8- or 16-bit image"
+            )
+        return Image.fromarray(((values * 255 + 32767) // 65535).astype(np.uint8))
+    if image.mode == "F":
+        raise UnfitImage("floating-point pixels (mode F): save it as an 8- or 16-bit image")
+    return image
 
 
 def normalize(batch: torch.Tensor, mean: tuple[float, ...], std: tuple[float, ...]) -> torch.Tensor:
@@ -148,8 +177,12 @@ def resized(image: Image.Image, spec: ImageSpec) -> Image.Image:
     come after it.  Its answer is left as it is by a second call (the sizes it computes from an image it resized are
     that image's own), so :func:`pil_to_tensor` gives the same tensor for an image and for ``resized(image, spec)``:
     a dataset may hold the smaller of the two (:func:`petl.data.images.held_form`).
+
+    Raises:
+        UnfitImage: an image of float pixels or of values beyond 16 bits (:func:`eight_bit`).
     """
-    image = image.convert("RGB")
+    # Scaled first: a 16-bit grey image straight to RGB would be clipped nearly white.
+    image = eight_bit(image).convert("RGB")
     size = spec.image_size
     if spec.crop:
         short = int(size * CROP_RATIO)
@@ -179,7 +212,13 @@ def _crop(image: Image.Image, spec: ImageSpec) -> Image.Image:
 
 
 def pil_to_tensor(image: Image.Image, spec: ImageSpec) -> torch.Tensor:
-    """Convert one decoded image (any mode) to a float32 tensor ``[3, image_size, image_size]``."""
+    """Convert one decoded image to a float32 tensor ``[3, image_size, image_size]``.
+
+    Any mode: grey is replicated to three channels, alpha dropped, 16-bit grey scaled to 8 bits.
+
+    Raises:
+        UnfitImage: an image of float pixels or of values beyond 16 bits (:func:`eight_bit`).
+    """
     image = resized(image, spec)
     if spec.crop:
         image = _crop(image, spec)
