@@ -73,7 +73,7 @@ def build_parser() -> Parser:
         default="vit_fractal_tiny_patch4_32",
         help="timm architecture to pretrain, taking 32 px images (default: vit_fractal_tiny_patch4_32)",
     )
-    parser.add_argument("--classes", type=int, default=300, help="number of fractal classes")
+    parser.add_argument("--classes", type=int, default=300, help="number of fractal classes (2 or more)")
     parser.add_argument("--instances", type=int, default=100, help="training images per class")
     parser.add_argument("--epochs", type=int, default=8)
     parser.add_argument("--batch-size", type=int, default=128)
@@ -142,6 +142,10 @@ def _main(argv: list[str]) -> None:
     for name in ("classes", "instances", "epochs", "batch_size"):
         if getattr(args, name) < 1:
             raise CommandLineError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.classes < 2:
+        # One class: every image's loss is 0 (one logit), nothing would train and the weights written would be the
+        # random initialisation, at "100% top-1".
+        raise CommandLineError(f"--classes {args.classes}: give 2 or more (one class has nothing to tell apart)")
     if args.classes * args.instances < args.batch_size:
         # Incomplete batches are dropped, so no step would run and untrained weights would be written.
         raise CommandLineError(

@@ -257,7 +257,7 @@ def pretrain(
         The provenance record.
 
     Raises:
-        ValueError: fewer training images than ``batch_size`` (no step would train).
+        ValueError: fewer than 2 classes, or fewer training images than ``batch_size`` (no step would train).
         UsageError: ``out_dir`` cannot be written, ``arch`` does not take 32 px images, or the checkpoint in
             ``out_dir`` is damaged or of another recipe (the difference named); each before any image is generated.
         InUseError: another live process is pretraining ``arch`` into ``out_dir`` (it holds the lock of
@@ -271,6 +271,8 @@ def pretrain(
         raise UsageError(
             f"WORLD_SIZE={launched}: petl-pretrain runs as one process; start it without accelerate launch or torchrun"
         )
+    if fractal.num_classes < 2:  # one logit: the loss is 0 and nothing trains
+        raise ValueError(f"num_classes {fractal.num_classes}: pretraining needs 2 or more classes")
     if fractal.num_classes * fractal.instances < batch_size:  # incomplete batches are dropped: no step would run
         raise ValueError(
             f"batch_size {batch_size} is more than the {fractal.num_classes * fractal.instances} training images: "

@@ -46,6 +46,8 @@ def no_generation(monkeypatch):
         (["--classes", "abc"], "argument --classes: invalid int value: 'abc'"),
         (["--bogus"], "unrecognized arguments: --bogus"),
         (["--classes", "0"], "--classes must be >= 1"),
+        # One class trained nothing (a loss of 0) and wrote the random weights, at "val top-1 100.0%".
+        (["--classes", "1", "--instances", "8"], "--classes 1: give 2 or more"),
         (["--lr", "nan"], "--lr nan is not a finite number: allowed (0, inf]"),
         (["--lr", "0"], "--lr 0.0 is out of range: allowed (0, inf]"),
         (["--weight-decay", "-1"], "--weight-decay -1.0 is out of range"),
