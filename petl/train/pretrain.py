@@ -262,7 +262,8 @@ def pretrain(
             ``out_dir`` is damaged or of another recipe (the difference named); each before any image is generated.
         InUseError: another live process is pretraining ``arch`` into ``out_dir`` (it holds the lock of
             :func:`claim`, released when this call ends however it ends).
-        UsageError: a launch of several processes (``WORLD_SIZE`` > 1): pretraining runs as one process.
+        UsageError: a launch of several processes (``WORLD_SIZE`` > 1): pretraining runs as one process; ``fp16``
+            without a CUDA GPU (accelerate would run it in fp32).
     """
     launched = os.environ.get("WORLD_SIZE", "1")
     if launched.isdigit() and int(launched) > 1:
@@ -305,6 +306,12 @@ def pretrain(
         start = time.time()
         set_seed(seed)
         accelerator = fresh_accelerator(mixed_precision=precision)
+        if precision == "fp16" and accelerator.device.type != "cuda":
+            # accelerate accepts it and runs in fp32: the record would say fp16 of a pretraining that never used it.
+            raise UsageError(
+                f"--precision fp16 needs a CUDA GPU ({accelerator.device.type} here runs it in fp32): "
+                "give --precision bf16 or no"
+            )
         train_set, val_set = _fractal_data(fractal, val_instances)
         generation_seconds = time.time() - start
 
