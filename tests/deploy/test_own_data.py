@@ -337,17 +337,24 @@ def test_a_checkpoint_of_another_architecture_names_its_first_mismatches(tmp_pat
     assert "model.checkpoint=PATH" not in error and len(error.splitlines()) == 1
 
 
-def test_offline_the_hub_fails_at_once(monkeypatch):
+def test_offline_the_hub_fails_at_once_as_a_run_that_cannot_complete(monkeypatch, tmp_path, capsys):
+    # Unreachable data exits 1 (docs/reliability.md), as vtab/* and fgvc/* do offline; a hub id was bad input, exit 2.
     pytest.importorskip("datasets")
     from petl.data import hub
+    from petl.utils.errors import RunError
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     hub.reachable.cache_clear()
     try:
-        with pytest.raises(config.ConfigError, match="cannot load hub dataset 'someone/nothing-here'"):
+        with pytest.raises(RunError, match="root=someone/nothing-here is no folder here, and as a hub id it is not"):
             config.default_config(["data=hf", "data.root=someone/nothing-here"])
+        argv = ["method=linear", "data=hf", "data.root=someone/nothing-here", f"output_dir={tmp_path / 'run'}"]
+        assert _exit_code(cli.main, argv) == 1
     finally:
         hub.reachable.cache_clear()
+    error = capsys.readouterr().err
+    assert error.startswith("petl-run: error: hf: root=someone/nothing-here is no folder here")
+    assert error.count("\n") == 1 and error.rstrip().endswith("or run where the hub is reachable")
 
 
 @pytest.mark.slow
