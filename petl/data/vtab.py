@@ -377,7 +377,8 @@ def _unavailable(
         if info.hub_id
         else ("no public Hugging Face hub copy is known")
     )
-    folders = " or ".join(f"<root>/{f}/" for f in (task.name, *task.folders))
+    # Once each: most tasks' zip folder bears petl's short name ("<root>/dtd/ or <root>/dtd/").
+    folders = " or ".join(f"<root>/{f}/" for f in dict.fromkeys((task.name, *task.folders)))
     return DatasetUnavailableError(
         f"{info.name} is unavailable: {hub}. Use a local copy instead: pass root=/path "
         f"(command line: data.root=/path) where {folders} holds {layout}."

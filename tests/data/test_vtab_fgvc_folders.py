@@ -279,6 +279,8 @@ def test_hub_failure_is_one_clear_error(monkeypatch, tmp_path):
     assert "vtab/sun397" in message and vtab.VTAB_HUB_ID in message and "data.root=/path" in message
     assert "ConnectionError" in message
     assert caught.value.__suppress_context__ and caught.value.__cause__ is None
+    # sun397's zip folder bears its short name: said once, it was "<root>/sun397/ or <root>/sun397/".
+    assert "where <root>/sun397/ holds the images" in message
 
 
 def test_dataset_without_hub_copy_points_to_local_folder():
