@@ -53,8 +53,8 @@ class ImageSpec:
 
     Attributes:
         image_size: side of the square output.
-        mean: per-channel mean subtracted when ``normalize``.
-        std: per-channel standard deviation divided by when ``normalize``.
+        mean: per-channel mean subtracted when ``normalize``, of pixel values in [0, 1].
+        std: per-channel standard deviation divided by when ``normalize``, in (0, 1].
         normalize: whether to standardise; otherwise values stay in [0, 1].
         interpolation: ``bicubic``, ``bilinear`` or ``nearest`` (the backbone's timm pretrained config).
         crop: resize the shorter side to ``image_size * 256 / 224`` and crop ``image_size`` (VPT's
@@ -79,6 +79,13 @@ class ImageSpec:
             raise ValueError(f"mean and std need 3 values (RGB), got mean={self.mean}, std={self.std}")
         if any(s <= 0 for s in self.std):
             raise ValueError(f"std values must be > 0, got {self.std}")
+        if not all(0 <= m <= 1 for m in self.mean) or any(s > 1 for s in self.std):
+            # Pixels are in [0, 1] here (timm's convention): 0-255 statistics (mmcv's 123.675...) would standardise
+            # every image to about -2 / 0.02 without an error.
+            raise ValueError(
+                f"mean and std are of pixel values in [0, 1] (timm's convention), got mean={self.mean}, "
+                f"std={self.std}: divide 0-255 values by 255"
+            )
         if self.interpolation not in INTERPOLATIONS:
             raise ValueError(
                 f"interpolation={self.interpolation!r} is not supported: choose one of {', '.join(INTERPOLATIONS)}"
