@@ -363,6 +363,30 @@ def test_vtab_hub_archive_is_unpacked_per_task(monkeypatch, tmp_path):
     assert len(calls) == 1
 
 
+@pytest.mark.parametrize("damage", ["cut short", "a member's bytes"])
+def test_a_damaged_downloaded_archive_is_one_line_naming_it(damage, monkeypatch, tmp_path):
+    """zipfile's BadZipFile (a cut-short download) or zlib.error (a damaged member) came out of petl-run as a
+    traceback; no half-unpacked folder is left to pass for the task's."""
+    import huggingface_hub
+
+    source = tmp_path / "source"
+    make_vtab_task(source / "dtd", SMALL, num_classes=47, images=2)
+    archive = vtab_archive(source, tmp_path / "vtab-1k.zip")
+    content = archive.read_bytes()
+    if damage == "cut short":
+        archive.write_bytes(content[: len(content) // 2])
+    else:  # the first member's compressed bytes (after its 30-byte header and name) overwritten
+        archive.write_bytes(content[:40] + b"\xff" * 40 + content[80:])
+    monkeypatch.setenv(vtab.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", lambda repo_id, filename, repo_type: str(archive))
+    with pytest.raises(data.DatasetUnavailableError) as caught:
+        data.build_dataset("vtab/dtd", "train800", image_size=8, strict=False)
+    message = str(caught.value)
+    assert message.startswith(f"vtab/dtd: the downloaded {archive} is damaged (") and "\n" not in message
+    assert message.endswith("to download it again, or pass root=/path (command line: data.root=/path) to a local copy")
+    assert not any((tmp_path / "cache").rglob("train800.txt"))
+
+
 def test_fgvc_hub_copy_with_holdout_validation(monkeypatch):
     """A hub copy with only train/test (faked in memory) gets a seeded 10% validation hold-out."""
     datasets = pytest.importorskip("datasets")
