@@ -284,6 +284,20 @@ def test_data_root_is_refused_where_it_has_no_effect_and_named_once_where_it_doe
     assert "does not read image_column" in capsys.readouterr().err
 
 
+def test_predict_scores_the_train_split_of_a_cropping_run_without_augmentation(tmp_path):
+    # With data.augment=true the run crops; split=train was built as a training split is, so each call scored a new
+    # random crop and flip of every image.
+    from petl.deploy import predict
+    from petl.train.build import is_augmented
+
+    root = make_folder(tmp_path / "images", train=4, test=1)
+    run_dir = _train_tiny(tmp_path, ["data=folder", f"data.root={root}", "data.augment=true"], epochs=1)
+    run = petl.load_run(run_dir)
+    assert run.spec.crop
+    dataset, split = predict._eval_dataset(run, {"data": "folder", "data.root": str(root), "split": "train"}, {})
+    assert split == petl_data.TRAIN and not is_augmented(dataset)
+
+
 def test_predict_and_export_refuse_a_folder_without_weights(tmp_path, capsys):
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "result.json").write_text("{}")
