@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
 from petl.utils.distributed import is_main_process
-from petl.utils.errors import INTERRUPTED, RUN_ERROR, TERMINATED, USAGE_ERROR, Terminated, UsageError
+from petl.utils.errors import INTERRUPTED, RUN_ERROR, TERMINATED, USAGE_ERROR, RunError, Terminated, UsageError
 from petl.utils.text import shown
 
 Main = TypeVar("Main", bound=Callable[..., Any])
@@ -192,7 +192,8 @@ def exit_statuses(
         interrupted: what follows ``PROG: `` on Ctrl-C (the word ``interrupted``, then what is kept and how to go
             on).
         debug: ``None`` for a command without ``--debug``; ``False``: a failure's line names its type and says
-            that ``--debug`` shows the traceback; ``True``: every exception goes on, traceback and all.
+            that ``--debug`` shows the traceback (not a :class:`~petl.utils.errors.RunError`'s, whose message says
+            why); ``True``: every exception goes on, traceback and all.
         quiet: print nothing (every process of a multi-GPU launch but the first).
 
     """
@@ -218,7 +219,8 @@ def exit_statuses(
         if debug:
             raise
         message = shown(error)
-        if debug is not None:  # a fault nobody foresaw: its type, and where the traceback is
+        # A fault nobody foresaw: its type, and where the traceback is (a RunError's message says why itself).
+        if debug is not None and not isinstance(error, RunError):
             message = f"{type(error).__name__}: {message} (--debug shows the traceback)"
         raise stop(RUN_ERROR, f"error: {message}") from None
 

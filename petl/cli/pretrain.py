@@ -20,9 +20,9 @@ the weights with ``model.checkpoint=`` (and ``model=`` for the Swin):
 
     petl-run method=lora model.checkpoint=runs/pretrain/vit_fractal_tiny_patch4_32.fractaldb.safetensors
 
-Bad input (a value out of range, an --out that cannot be written, a damaged checkpoint) exits with
-status 2, a failure with 1, Ctrl-C with 130, SIGTERM (a job's time limit) with 143, each as one line
-naming the value or file and before any image is generated; ``--debug`` shows the traceback.  It runs as one
+Bad input (a value out of range, --precision fp16 without a CUDA GPU, an --out that cannot be written, a damaged
+checkpoint) exits with status 2, a failure with 1, Ctrl-C with 130, SIGTERM (a job's time limit) with 143, each as
+one line naming the value or file and before any image is generated; ``--debug`` shows the traceback.  It runs as one
 process: a launch of several (``accelerate launch``, ``torchrun``) is bad input, said by its first process.
 """
 
@@ -73,7 +73,7 @@ def build_parser() -> Parser:
         default="vit_fractal_tiny_patch4_32",
         help="timm architecture to pretrain, taking 32 px images (default: vit_fractal_tiny_patch4_32)",
     )
-    parser.add_argument("--classes", type=int, default=300, help="number of fractal classes")
+    parser.add_argument("--classes", type=int, default=300, help="number of fractal classes (2 or more)")
     parser.add_argument("--instances", type=int, default=100, help="training images per class")
     parser.add_argument("--epochs", type=int, default=8)
     parser.add_argument("--batch-size", type=int, default=128)
@@ -81,7 +81,12 @@ def build_parser() -> Parser:
     parser.add_argument("--weight-decay", type=float, default=0.05)
     parser.add_argument("--warmup-frac", type=float, default=0.05)
     parser.add_argument("--label-smoothing", type=float, default=0.1)
-    parser.add_argument("--precision", default="no", choices=["no", "bf16", "fp16"])
+    parser.add_argument(
+        "--precision",
+        default="no",
+        choices=["no", "bf16", "fp16"],
+        help="mixed precision: bf16, or fp16 on a CUDA GPU only (default: no, fp32)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--weights-dtype",
@@ -142,6 +147,10 @@ def _main(argv: list[str]) -> None:
     for name in ("classes", "instances", "epochs", "batch_size"):
         if getattr(args, name) < 1:
             raise CommandLineError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.classes < 2:
+        # One class: every image's loss is 0 (one logit), nothing would train and the weights written would be the
+        # random initialisation, at "100% top-1".
+        raise CommandLineError(f"--classes {args.classes}: give 2 or more (one class has nothing to tell apart)")
     if args.classes * args.instances < args.batch_size:
         # Incomplete batches are dropped, so no step would run and untrained weights would be written.
         raise CommandLineError(

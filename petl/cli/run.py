@@ -44,7 +44,7 @@ import yaml
 
 from petl import presets
 from petl.cli.args import entry_point, exit_statuses, hydra_parser, plain
-from petl.utils.errors import RUN_ERROR, USAGE_ERROR, ConfigError
+from petl.utils.errors import RUN_ERROR, USAGE_ERROR, ConfigError, RunError
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -291,7 +291,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         informational = any(
             getattr(args, flag, None) for flag in ("help", "hydra_help", "shell_completion", "info", "version")
         )
-        checked: list[DictConfig] = [] if informational else check_command_line(args.overrides, args.multirun)
+        try:
+            checked: list[DictConfig] = [] if informational else check_command_line(args.overrides, args.multirun)
+        except RunError as error:  # data that cannot be reached here (a hub id offline): not bad input, exit 1
+            if _debug:
+                raise
+            _error(str(error), bad_input=False)
+            raise SystemExit(RUN_ERROR) from None
     _failed_jobs.clear()
     resumes = not checked or checked[0].resume  # resume=false would delete the kept epochs
     interrupted = "error: interrupted; " + (

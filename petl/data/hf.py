@@ -30,7 +30,16 @@ from torch.utils.data import Dataset
 from petl.data import hub
 from petl.data.folder import HOLDOUT, split_items
 from petl.data.images import DECODED_MEMORY_LIMIT, decode_image, decoding, geometry, hashing_only, held_form
-from petl.data.registry import TEST, TRAIN, TRAIN_VAL, VAL, BadImagesError, DatasetInfo, register_dataset
+from petl.data.registry import (
+    TEST,
+    TRAIN,
+    TRAIN_VAL,
+    VAL,
+    BadImagesError,
+    DatasetInfo,
+    DatasetUnavailableError,
+    register_dataset,
+)
 from petl.data.transforms import ImageSpec, pil_to_tensor
 from petl.data.vtab import find_column
 from petl.utils.once import warn_main
@@ -53,7 +62,13 @@ HF_INFO = DatasetInfo(
 
 
 def _load(root: str) -> Any:
-    """The ``DatasetDict`` at ``root``: saved to disk, an imagefolder, or a hub id."""
+    """The ``DatasetDict`` at ``root``: saved to disk, an imagefolder, or a hub id.
+
+    Raises:
+        ValueError: ``root`` cannot be used (a file, neither a folder nor a hub id, a hub id the hub cannot load).
+        DatasetUnavailableError: a hub id while the hub cannot be reached, not cached here.
+
+    """
     import datasets
 
     path = Path(root).expanduser()
@@ -71,10 +86,16 @@ def _load(root: str) -> Any:
         if not hub.looks_like_id(root):
             raise ValueError(f"hf: root={root} does not exist (and is not a hub id owner/name)")
         try:
-            with hub.offline_unless_reachable():
+            with hub.offline_unless_reachable() as online:
                 loaded = datasets.load_dataset(root)
         except Exception as error:  # network, missing repo and format errors come in many types
             reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+            if not online:  # not the input's fault: the same command runs where the hub is reachable (exit 1)
+                raise DatasetUnavailableError(
+                    f"hf: root={root} is no folder here, and as a hub id it is not cached and the hub cannot be "
+                    f"reached ({reason}): give a local copy, data.root=PATH (save_to_disk), or run where the hub is "
+                    "reachable"
+                ) from None
             raise ValueError(
                 f"hf: cannot load hub dataset {root!r} ({reason}): give a local copy, data.root=PATH (save_to_disk)"
             ) from None

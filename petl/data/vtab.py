@@ -27,6 +27,7 @@ import shutil
 import tempfile
 import warnings
 import zipfile
+import zlib
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -377,7 +378,8 @@ def _unavailable(
         if info.hub_id
         else ("no public Hugging Face hub copy is known")
     )
-    folders = " or ".join(f"<root>/{f}/" for f in (task.name, *task.folders))
+    # Once each: most tasks' zip folder bears petl's short name ("<root>/dtd/ or <root>/dtd/").
+    folders = " or ".join(f"<root>/{f}/" for f in dict.fromkeys((task.name, *task.folders)))
     return DatasetUnavailableError(
         f"{info.name} is unavailable: {hub}. Use a local copy instead: pass root=/path "
         f"(command line: data.root=/path) where {folders} holds {layout}."
@@ -405,6 +407,23 @@ def _vtab_from_hub(info: DatasetInfo, task: _Task) -> Path:
             archive = hf_hub_download(repo_id=VTAB_HUB_ID, filename=VTAB_HUB_FILE, repo_type="dataset")
     except Exception as error:  # network, offline and cache errors come in many types
         raise _unavailable(info, task, _VTAB_LAYOUT, error) from None
+    try:
+        return _unpack(info, task, Path(archive), target_root)
+    except (zipfile.BadZipFile, zlib.error, EOFError) as error:  # the cached download cut short or damaged
+        raise DatasetUnavailableError(
+            f"{info.name}: the downloaded {archive} is damaged ({first_line(error, type(error).__name__)}): delete it "
+            "to download it again, or pass root=/path (command line: data.root=/path) to a local copy"
+        ) from None
+
+
+def _unpack(info: DatasetInfo, task: _Task, archive: Path, target_root: Path) -> Path:
+    """Unpack ``task``'s folder of the VTAB-1k ``archive`` into ``target_root``; the folder it made.
+
+    Raises:
+        DatasetUnavailableError: the archive holds no folder of the task, or a path outside it.
+        zipfile.BadZipFile: the archive is damaged (zlib.error and EOFError for a member cut short).
+
+    """
     with zipfile.ZipFile(archive) as bundle:
         prefix = None
         for member in bundle.namelist():

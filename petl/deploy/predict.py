@@ -357,9 +357,11 @@ def _eval_dataset(run: LoadedRun, options: dict, read: dict[Path, _TestFolder]) 
         if info.num_classes != len(run.class_names):
             raise UsageError(f"{name} has {info.num_classes} classes, the run has {len(run.class_names)}")
         spec = run.spec
+        # eval_transform: split=train of a cropping run is scored on its centre crops, as val and test are, not on a
+        # new random crop and flip per image at every call.
         dataset = petl_data.build_dataset(
             name, split, image_size=spec.image_size, mean=spec.mean, std=spec.std, interpolation=spec.interpolation,
-            augment=spec.crop, root=options.get("data.root"), options=extra,
+            augment=spec.crop, eval_transform=True, root=options.get("data.root"), options=extra,
         )  # fmt: skip
     except petl_data.BadImagesError as error:
         raise UsageError(str(error)) from None

@@ -381,6 +381,7 @@ def search(
     rng = random.Random(seed)
     device = next(backbone.parameters()).device
     depth, width = backbone_of(backbone).depth(), cfg.supernet_dim
+    full = (width,) * depth
     supernet = surgery.apply(
         copy.deepcopy(backbone),
         "noah",
@@ -388,9 +389,12 @@ def search(
         supernet_dim=width,
         dropout=cfg.dropout,
         init=cfg.init,  # NOAH's supernet is built by the same constructor, init_weights included
-        prompt=(width,) * depth,
-        lora=(width,) * depth,
-        adapter=(width,) * depth,
+        prompt=full,
+        lora=full,
+        adapter=full,
+        # The supernet holds every subnet: cfg.max_params bounds the subnets the search keeps, not it (NoahConfig
+        # refuses given widths above max_params: the default 640,000 refused the default backbone's 808,152).
+        max_params=subnet_params(backbone_of(backbone).width(), full, full, full),
     )
     train, held_out = _split(loader)
     checkpoint = SearchCheckpoint(checkpoint_path(backbone, cfg, seed, train + held_out))

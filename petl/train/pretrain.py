@@ -257,12 +257,13 @@ def pretrain(
         The provenance record.
 
     Raises:
-        ValueError: fewer training images than ``batch_size`` (no step would train).
+        ValueError: fewer than 2 classes, or fewer training images than ``batch_size`` (no step would train).
         UsageError: ``out_dir`` cannot be written, ``arch`` does not take 32 px images, or the checkpoint in
             ``out_dir`` is damaged or of another recipe (the difference named); each before any image is generated.
         InUseError: another live process is pretraining ``arch`` into ``out_dir`` (it holds the lock of
             :func:`claim`, released when this call ends however it ends).
-        UsageError: a launch of several processes (``WORLD_SIZE`` > 1): pretraining runs as one process.
+        UsageError: a launch of several processes (``WORLD_SIZE`` > 1): pretraining runs as one process; ``fp16``
+            without a CUDA GPU (accelerate would run it in fp32).
     """
     launched = os.environ.get("WORLD_SIZE", "1")
     if launched.isdigit() and int(launched) > 1:
@@ -271,6 +272,8 @@ def pretrain(
         raise UsageError(
             f"WORLD_SIZE={launched}: petl-pretrain runs as one process; start it without accelerate launch or torchrun"
         )
+    if fractal.num_classes < 2:  # one logit: the loss is 0 and nothing trains
+        raise ValueError(f"num_classes {fractal.num_classes}: pretraining needs 2 or more classes")
     if fractal.num_classes * fractal.instances < batch_size:  # incomplete batches are dropped: no step would run
         raise ValueError(
             f"batch_size {batch_size} is more than the {fractal.num_classes * fractal.instances} training images: "
@@ -303,6 +306,12 @@ def pretrain(
         start = time.time()
         set_seed(seed)
         accelerator = fresh_accelerator(mixed_precision=precision)
+        if precision == "fp16" and accelerator.device.type != "cuda":
+            # accelerate accepts it and runs in fp32: the record would say fp16 of a pretraining that never used it.
+            raise UsageError(
+                f"--precision fp16 needs a CUDA GPU ({accelerator.device.type} here runs it in fp32): "
+                "give --precision bf16 or no"
+            )
         train_set, val_set = _fractal_data(fractal, val_instances)
         generation_seconds = time.time() - start
 

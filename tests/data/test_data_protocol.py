@@ -103,6 +103,27 @@ def test_interpolation_follows_the_spec():
         spec("lanczos")
 
 
+def test_pil_to_tensor_scales_16_bit_grey_and_refuses_float_pixels():
+    # The path a dataset of one's own takes (petl/data/README.md): 16-bit grey clipped by Image.convert came out
+    # nearly white, float pixels in [0, 1] black; petl's own decoders scaled and refused them.
+    values = (np.arange(64).reshape(8, 8) * 1000).astype(np.uint16)
+    spec = transforms.ImageSpec(image_size=8, normalize=False)
+    tensor = transforms.pil_to_tensor(Image.fromarray(values), spec)
+    expected = torch.from_numpy(np.round(values / 65535 * 255) / 255).float()
+    torch.testing.assert_close(tensor, expected.expand(3, -1, -1), atol=1e-6, rtol=0)
+    with pytest.raises(ValueError, match="mode F"):
+        transforms.pil_to_tensor(Image.fromarray((values / 65535).astype(np.float32)), spec)
+
+
+def test_mean_and_std_of_0_255_pixels_are_refused():
+    # mmcv's 0-255 ImageNet statistics standardised every [0, 1] pixel to about -2 without an error.
+    with pytest.raises(ValueError, match="divide 0-255 values by 255"):
+        transforms.ImageSpec(image_size=8, mean=(123.675, 116.28, 103.53), std=(58.395, 57.12, 57.375))
+    with pytest.raises(ValueError, match="divide 0-255 values by 255"):
+        data.build_dataset("mini/digits", "val200", image_size=8, std=(58.395, 57.12, 57.375))
+    transforms.ImageSpec(image_size=8, mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5))  # timm's inception statistics
+
+
 def test_one_normaliser():
     images = torch.randint(0, 256, (2, 1, 4, 4), dtype=torch.uint8)
     mean, std = (0.5, 0.4, 0.3), (0.2, 0.25, 0.3)

@@ -235,6 +235,60 @@ def test_missing_fashion_mnist_says_how_to_install(tmp_path, monkeypatch):
         mini.fashion_mnist.cache_clear()
 
 
+def _idx(path: Path, values: np.ndarray) -> None:
+    header = bytes([0, 0, 0x08, values.ndim]) + struct.pack(f">{values.ndim}I", *values.shape)
+    with gzip.open(path, "wb") as handle:
+        handle.write(header + values.tobytes())
+
+
+@pytest.mark.parametrize("damage", ["cut short", "labels of another copy"])
+def test_damaged_fashion_mnist_files_are_one_line_naming_them(damage, tmp_path, monkeypatch):
+    # A partly written .gz was gzip's EOFError out of petl-run (a traceback, exit 1); labels of another copy paired
+    # every label with another image, or failed indexing.
+    images, labels = np.zeros((20, 28, 28), np.uint8), np.zeros(20, np.uint8)
+    for prefix in ("train", "t10k"):
+        _idx(tmp_path / f"{prefix}-images-idx3-ubyte.gz", images)
+        _idx(tmp_path / f"{prefix}-labels-idx1-ubyte.gz", labels)
+    if damage == "cut short":
+        path = tmp_path / "train-images-idx3-ubyte.gz"
+        path.write_bytes(path.read_bytes()[:-20])
+        said = f"{path} is damaged or cut short (Compressed file ended"
+    else:
+        _idx(tmp_path / "t10k-labels-idx1-ubyte.gz", labels[:10])
+        said = "disagree (20 training images, 20 labels; 20 test images, 10 labels)"
+    monkeypatch.setenv(mini.FASHION_MNIST_ENV, str(tmp_path))
+    mini.fashion_mnist.cache_clear()
+    try:
+        with pytest.raises(data.DatasetUnavailableError) as raised:
+            data.build_dataset("mini/fashion_mnist", "test", image_size=32)
+    finally:
+        monkeypatch.undo()
+        mini.fashion_mnist.cache_clear()
+    message = str(raised.value)
+    assert message.startswith("mini/fashion_mnist: ") and said in message and "\n" not in message
+    assert message.endswith(f"or set {mini.FASHION_MNIST_ENV} to a folder holding intact copies")
+
+
+def test_a_damaged_digits_file_is_one_line_naming_it(tmp_path, monkeypatch):
+    """The default dataset's file, scikit-learn's digits.csv.gz, partly written: gzip's EOFError, a traceback."""
+    table = tmp_path / "sklearn" / "datasets" / "data" / "digits.csv.gz"
+    table.parent.mkdir(parents=True)
+    with gzip.open(table, "wt") as handle:
+        handle.write("0," * 64 + "0\n")
+    table.write_bytes(table.read_bytes()[:-8])
+    origin = str(tmp_path / "sklearn" / "__init__.py")
+    monkeypatch.setattr(mini.importlib.util, "find_spec", lambda name: type("Spec", (), {"origin": origin}))
+    mini.digits.cache_clear()
+    try:
+        with pytest.raises(data.DatasetUnavailableError, match="is damaged or cut short") as raised:
+            mini.digits()
+    finally:
+        monkeypatch.undo()
+        mini.digits.cache_clear()
+    assert str(raised.value).startswith(f"mini/digits: {table} is damaged")
+    assert str(raised.value).endswith("reinstall it with `pip install --force-reinstall scikit-learn`")
+
+
 def test_read_idx(tmp_path):
     values = np.arange(2 * 3 * 4, dtype=np.uint8).reshape(2, 3, 4)
     path = tmp_path / "x-idx3-ubyte.gz"

@@ -279,6 +279,8 @@ def test_hub_failure_is_one_clear_error(monkeypatch, tmp_path):
     assert "vtab/sun397" in message and vtab.VTAB_HUB_ID in message and "data.root=/path" in message
     assert "ConnectionError" in message
     assert caught.value.__suppress_context__ and caught.value.__cause__ is None
+    # sun397's zip folder bears its short name: said once, it was "<root>/sun397/ or <root>/sun397/".
+    assert "where <root>/sun397/ holds the images" in message
 
 
 def test_dataset_without_hub_copy_points_to_local_folder():
@@ -359,6 +361,30 @@ def test_vtab_hub_archive_is_unpacked_per_task(monkeypatch, tmp_path):
     # The second build reads the unpacked folder and does not ask the hub again.
     data.build_dataset("vtab/flowers102", "test", image_size=8)
     assert len(calls) == 1
+
+
+@pytest.mark.parametrize("damage", ["cut short", "a member's bytes"])
+def test_a_damaged_downloaded_archive_is_one_line_naming_it(damage, monkeypatch, tmp_path):
+    """zipfile's BadZipFile (a cut-short download) or zlib.error (a damaged member) came out of petl-run as a
+    traceback; no half-unpacked folder is left to pass for the task's."""
+    import huggingface_hub
+
+    source = tmp_path / "source"
+    make_vtab_task(source / "dtd", SMALL, num_classes=47, images=2)
+    archive = vtab_archive(source, tmp_path / "vtab-1k.zip")
+    content = archive.read_bytes()
+    if damage == "cut short":
+        archive.write_bytes(content[: len(content) // 2])
+    else:  # the first member's compressed bytes (after its 30-byte header and name) overwritten
+        archive.write_bytes(content[:40] + b"\xff" * 40 + content[80:])
+    monkeypatch.setenv(vtab.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", lambda repo_id, filename, repo_type: str(archive))
+    with pytest.raises(data.DatasetUnavailableError) as caught:
+        data.build_dataset("vtab/dtd", "train800", image_size=8, strict=False)
+    message = str(caught.value)
+    assert message.startswith(f"vtab/dtd: the downloaded {archive} is damaged (") and "\n" not in message
+    assert message.endswith("to download it again, or pass root=/path (command line: data.root=/path) to a local copy")
+    assert not any((tmp_path / "cache").rglob("train800.txt"))
 
 
 def test_fgvc_hub_copy_with_holdout_validation(monkeypatch):

@@ -284,6 +284,20 @@ def test_data_root_is_refused_where_it_has_no_effect_and_named_once_where_it_doe
     assert "does not read image_column" in capsys.readouterr().err
 
 
+def test_predict_scores_the_train_split_of_a_cropping_run_without_augmentation(tmp_path):
+    # With data.augment=true the run crops; split=train was built as a training split is, so each call scored a new
+    # random crop and flip of every image.
+    from petl.deploy import predict
+    from petl.train.build import is_augmented
+
+    root = make_folder(tmp_path / "images", train=4, test=1)
+    run_dir = _train_tiny(tmp_path, ["data=folder", f"data.root={root}", "data.augment=true"], epochs=1)
+    run = petl.load_run(run_dir)
+    assert run.spec.crop
+    dataset, split = predict._eval_dataset(run, {"data": "folder", "data.root": str(root), "split": "train"}, {})
+    assert split == petl_data.TRAIN and not is_augmented(dataset)
+
+
 def test_predict_and_export_refuse_a_folder_without_weights(tmp_path, capsys):
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "result.json").write_text("{}")
@@ -337,17 +351,24 @@ def test_a_checkpoint_of_another_architecture_names_its_first_mismatches(tmp_pat
     assert "model.checkpoint=PATH" not in error and len(error.splitlines()) == 1
 
 
-def test_offline_the_hub_fails_at_once(monkeypatch):
+def test_offline_the_hub_fails_at_once_as_a_run_that_cannot_complete(monkeypatch, tmp_path, capsys):
+    # Unreachable data exits 1 (docs/reliability.md), as vtab/* and fgvc/* do offline; a hub id was bad input, exit 2.
     pytest.importorskip("datasets")
     from petl.data import hub
+    from petl.utils.errors import RunError
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     hub.reachable.cache_clear()
     try:
-        with pytest.raises(config.ConfigError, match="cannot load hub dataset 'someone/nothing-here'"):
+        with pytest.raises(RunError, match="root=someone/nothing-here is no folder here, and as a hub id it is not"):
             config.default_config(["data=hf", "data.root=someone/nothing-here"])
+        argv = ["method=linear", "data=hf", "data.root=someone/nothing-here", f"output_dir={tmp_path / 'run'}"]
+        assert _exit_code(cli.main, argv) == 1
     finally:
         hub.reachable.cache_clear()
+    error = capsys.readouterr().err
+    assert error.startswith("petl-run: error: hf: root=someone/nothing-here is no folder here")
+    assert error.count("\n") == 1 and error.rstrip().endswith("or run where the hub is reachable")
 
 
 @pytest.mark.slow

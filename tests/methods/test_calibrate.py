@@ -103,6 +103,22 @@ def test_a_calibration_shows_progress_bars_only_when_asked(tiny_vit, monkeypatch
     assert quiet == shown  # the bars change nothing chosen
 
 
+def test_noah_searches_the_default_backbone_under_its_default_max_params():
+    """The supernet (every module at supernet_dim in every block) was built as a given subnet, which max_params
+    bounds: on the default backbone its 808,152 parameters are above the default 640,000, and ``petl-run
+    method=noah`` failed before training it (exit 1)."""
+    import petl.backbones  # noqa: F401  (registers the default backbone with timm)
+    from petl.methods.noah import subnet_params
+
+    model = timm.create_model("vit_fractal_tiny_patch4_32", pretrained=False, num_classes=4)
+    cfg = petl.make_config("noah", num_classes=4, search_epochs=1, search_generations=1, population=3)
+    gen = torch.Generator().manual_seed(0)
+    loader = [(torch.randn(4, 3, 32, 32, generator=gen), torch.tensor([0, 1, 2, 3])) for _ in range(3)]
+    torch.manual_seed(0)
+    chosen = petl.get_method("noah").calibrate(model, cfg, loader, progress=False)
+    assert chosen.searched and 0 < subnet_params(model.embed_dim, *chosen.widths(model)) <= cfg.max_params
+
+
 # What each calibration logs where no bar is drawn, on the 3 batches below (NOAH's: 1 epoch, 1 generation).
 LINES = {
     "sct": [f"SCT selection: {k}/3 batches" for k in range(4)],

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import command_status
 
 from petl.cli import pretrain as pretrain_cli
@@ -46,6 +47,8 @@ def no_generation(monkeypatch):
         (["--classes", "abc"], "argument --classes: invalid int value: 'abc'"),
         (["--bogus"], "unrecognized arguments: --bogus"),
         (["--classes", "0"], "--classes must be >= 1"),
+        # One class trained nothing (a loss of 0) and wrote the random weights, at "val top-1 100.0%".
+        (["--classes", "1", "--instances", "8"], "--classes 1: give 2 or more"),
         (["--lr", "nan"], "--lr nan is not a finite number: allowed (0, inf]"),
         (["--lr", "0"], "--lr 0.0 is out of range: allowed (0, inf]"),
         (["--weight-decay", "-1"], "--weight-decay -1.0 is out of range"),
@@ -61,6 +64,15 @@ def test_a_bad_option_value_is_one_line_naming_it_and_exit_2(option, said, tmp_p
     code, err = petl_pretrain(capsys, *TINY, "--out", str(tmp_path / "out"), *option)
     assert code == 2 and err.count("\n") == 1, err
     assert err.startswith("petl-pretrain: error: ") and said in err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="fp16 acts on a CUDA GPU")
+def test_fp16_without_a_cuda_gpu_is_refused_before_generating(tmp_path, capsys, no_generation):
+    # accelerate ran it in fp32 without a word, and the provenance record said "precision": "fp16".
+    code, err = petl_pretrain(capsys, *TINY, "--out", str(tmp_path / "out"), "--precision", "fp16")
+    assert code == 2 and err.count("\n") == 1, err
+    assert "--precision fp16 needs a CUDA GPU" in err and "give --precision bf16 or no" in err
     assert not (tmp_path / "out").exists()
 
 
