@@ -121,22 +121,13 @@ class SwinV2Cr(Swin):
 
     # -- prompt tokens: VPT declares no prompted reference for a SwinV2 (its refusal), so none are carried ----------
 
-    def insert_prompts(self, prompts: list[torch.Tensor | None], dropout: float, strip: bool) -> None:
-        """Refused (see :meth:`Backbone.insert_prompts`)."""
-        Backbone.insert_prompts(self, prompts, dropout, strip)
+    # Backbone's refusals in place of the prompts Swin carries beside its grid.
+    insert_prompts = Backbone.insert_prompts
+    features_with_prompts = Backbone.features_with_prompts
 
     def prompted_intermediates(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         """Refused: no prompts run beside this model's grid."""
         raise NotImplementedError(f"the {self.kind} backbone carries no prompts beside its tokens")
-
-    def features_with_prompts(
-        self,
-        tokens: torch.Tensor,
-        prompts: list[tuple[torch.Tensor, torch.Tensor | None] | None],
-        pool_prompts: bool | torch.Tensor,
-    ) -> torch.Tensor:
-        """Refused (see :meth:`Backbone.features_with_prompts`)."""
-        return Backbone.features_with_prompts(self, tokens, prompts, pool_prompts)
 
     # -- inside one block ------------------------------------------------------------------------------------
 
