@@ -16,7 +16,7 @@ module, ``swin_transformer_v2_cr`` (``swinv2_cr_*``), is a kind of its own on th
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from timm.models.swin_transformer import SwinTransformer, SwinTransformerBlock
@@ -42,6 +42,9 @@ class Swin(TimmModelParts, TimmBlockParts, Backbone):
     linear_names = ("qkv", "proj", "fc1", "fc2")
     # The head averages the grid; tokens can be left out of that average (see pooled_features).
     maskable_pools = ("avg",)
+    # The model's attribute holding its stages (an nn.Sequential of stages, each with ``blocks`` and a
+    # ``downsample``): ``layers`` in timm's v1 and v2, ``stages`` in its SwinTransformerV2Cr.
+    stages_attribute: ClassVar[str] = "layers"
 
     def check(self) -> None:
         """Raise a ValueError naming what is supported unless the model is a usable timm Swin.
@@ -51,7 +54,7 @@ class Swin(TimmModelParts, TimmBlockParts, Backbone):
 
         """
         model, name = self.model, type(self.model).__name__
-        if not isinstance(getattr(model, "layers", None), nn.Sequential) or not self.block_container():
+        if not isinstance(getattr(model, self.stages_attribute, None), nn.Sequential) or not self.block_container():
             raise ValueError(f"petl supports {self.supported}; got {name}, which has no timm Swin stages.")
         for i, block in enumerate(self.block_list()):
             qkv = getattr(getattr(block, "attn", None), "qkv", None)
@@ -62,9 +65,13 @@ class Swin(TimmModelParts, TimmBlockParts, Backbone):
 
     # -- the blocks ------------------------------------------------------------------------------------------
 
+    def _stage_list(self) -> nn.Sequential:
+        """The model's stages (:attr:`stages_attribute`)."""
+        return getattr(self.model, self.stages_attribute)
+
     def _places(self) -> list[tuple[int, int]]:
         """(stage, index within the stage) of every block, in order."""
-        return [(s, j) for s, stage in enumerate(self.model.layers) for j in range(len(stage.blocks))]
+        return [(s, j) for s, stage in enumerate(self._stage_list()) for j in range(len(stage.blocks))]
 
     def block_container(self) -> list[nn.Module]:
         """The blocks as the stages run them (wrappers included), in order: a list over every stage's Sequential.
@@ -72,12 +79,12 @@ class Swin(TimmModelParts, TimmBlockParts, Backbone):
         The stages run their own ``blocks`` (plainly or through ``checkpoint_seq``), so a method that acts
         between blocks wraps single entries (:meth:`set_block`); the list itself is a view, rebuilt per call.
         """
-        return [block for stage in self.model.layers for block in stage.blocks]
+        return [block for stage in self._stage_list() for block in stage.blocks]
 
     def set_block(self, index: int, module: nn.Module) -> None:
         """Replace the block at ``index`` (counted over all stages) in its stage."""
         stage, j = self._places()[index]
-        self.model.layers[stage].blocks[j] = module
+        self._stage_list()[stage].blocks[j] = module
 
     def widths(self) -> list[int]:
         """Each block's width: its stage's (``embed_dim * 2**stage`` in timm's models)."""
@@ -112,7 +119,7 @@ class Swin(TimmModelParts, TimmBlockParts, Backbone):
     def before_block(self, index: int, x: torch.Tensor) -> torch.Tensor:
         """The PatchMerging of the stage block ``index`` opens (``x`` itself inside a stage, or in the first)."""
         stage, j = self._places()[index]
-        return self.model.layers[stage].downsample(x) if j == 0 else x
+        return self._stage_list()[stage].downsample(x) if j == 0 else x
 
     def run_block(
         self,
@@ -197,8 +204,12 @@ class Swin(TimmModelParts, TimmBlockParts, Backbone):
         return (SwinTransformer,)
 
     def stem(self) -> tuple[list[nn.Parameter], list[nn.Module]]:
-        """The model's own parameters (none in timm's) and its children before ``layers`` (the patch embedding)."""
-        modules = [m for name, m in self.model.named_children() if name not in ("layers", "norm", "head")]
+        """The model's own parameters (none in timm's) and its children before the stages (the patch embedding):
+        not the stages, nor the head, nor what :meth:`after_blocks` runs between them.
+        """
+        later = {id(m) for m in self.after_blocks()}
+        skip = (self.stages_attribute, "head")
+        modules = [m for name, m in self.model.named_children() if name not in skip and id(m) not in later]
         return list(self.model.parameters(recurse=False)), modules
 
     def after_blocks(self) -> list[nn.Module]:
@@ -214,7 +225,7 @@ class Swin(TimmModelParts, TimmBlockParts, Backbone):
         if index >= self.depth():
             return self.model.norm
         stage, j = self._places()[index]
-        downsample = self.model.layers[stage].downsample
+        downsample = self._stage_list()[stage].downsample
         return downsample if j == 0 and not isinstance(downsample, nn.Identity) else self.block_container()[index]
 
     def forward_from(self, x: torch.Tensor, start: int) -> torch.Tensor:

@@ -28,7 +28,7 @@ import torch
 from timm.models.swin_transformer_v2_cr import SwinTransformerV2Cr, SwinTransformerV2CrBlock
 from torch import nn
 
-from petl.model.backbone.base import Backbone, register_backbone, unwrap
+from petl.model.backbone.base import Backbone, register_backbone
 from petl.model.backbone.swin import Swin, run_blocks
 
 
@@ -51,49 +51,13 @@ class SwinV2Cr(Swin):
     # x + drop_path1(norm1(attention over windows of x)), then norm3(x + drop_path2(norm2(mlp(x)))).
     block_types = (SwinTransformerV2CrBlock,)
     timm_modules = ("swin_transformer_v2_cr",)
-
-    def check(self) -> None:
-        """Raise a ValueError naming what is supported unless the model is a usable timm SwinTransformerV2Cr.
-
-        Raises:
-            ValueError: if the model lacks stages of blocks, a fused ``attn.qkv`` Linear or a timm head.
-
-        """
-        model, name = self.model, type(self.model).__name__
-        if not isinstance(getattr(model, "stages", None), nn.Sequential) or not self.block_container():
-            raise ValueError(f"petl supports {self.supported}; got {name}, which has no timm Swin stages.")
-        for i, block in enumerate(self.block_list()):
-            qkv = getattr(getattr(block, "attn", None), "qkv", None)
-            if not isinstance(unwrap(qkv), nn.Linear) or unwrap(qkv).out_features != 3 * block.dim:
-                raise ValueError(f"petl supports {self.supported}; block {i} of {name} has no fused attn.qkv Linear.")
-        if not hasattr(model, "reset_classifier") or not hasattr(model.head, "fc"):
-            raise ValueError(f"petl supports {self.supported}; {name} has no timm classifier head.")
-
-    # -- the blocks ------------------------------------------------------------------------------------------
-
-    def _places(self) -> list[tuple[int, int]]:
-        """(stage, index within the stage) of every block, in order."""
-        return [(s, j) for s, stage in enumerate(self.model.stages) for j in range(len(stage.blocks))]
-
-    def block_container(self) -> list[nn.Module]:
-        """The blocks as the stages run them (wrappers included), in order: a list over every stage's Sequential."""
-        return [block for stage in self.model.stages for block in stage.blocks]
-
-    def set_block(self, index: int, module: nn.Module) -> None:
-        """Replace the block at ``index`` (counted over all stages) in its stage."""
-        stage, j = self._places()[index]
-        self.model.stages[stage].blocks[j] = module
+    stages_attribute = "stages"  # L858
 
     # -- the tokens ------------------------------------------------------------------------------------------
 
     def embed_tokens(self, images: torch.Tensor) -> torch.Tensor:
         """The patch embedding (with its norm), turned to the NHWC grid the first stage turns it to (L725)."""
         return to_nhwc(self.model.patch_embed(images))
-
-    def before_block(self, index: int, x: torch.Tensor) -> torch.Tensor:
-        """The PatchMerging of the stage block ``index`` opens (``x`` itself inside a stage, or in the first)."""
-        stage, j = self._places()[index]
-        return self.model.stages[stage].downsample(x) if j == 0 else x
 
     # -- after the blocks ------------------------------------------------------------------------------------
 
@@ -127,11 +91,6 @@ class SwinV2Cr(Swin):
         """The model classes whose own forward :meth:`forward_from` replays."""
         return (SwinTransformerV2Cr,)
 
-    def stem(self) -> tuple[list[nn.Parameter], list[nn.Module]]:
-        """The model's own parameters (none in timm's) and its children before ``stages`` (the patch embedding)."""
-        modules = [m for name, m in self.model.named_children() if name not in ("stages", "head")]
-        return list(self.model.parameters(recurse=False)), modules
-
     def after_blocks(self) -> list[nn.Module]:
         """None: the final norm is the last block's ``norm3``, which the block's own parameters hold."""
         return []
@@ -144,9 +103,7 @@ class SwinV2Cr(Swin):
         """
         if index >= self.depth():
             return self.model.head
-        stage, j = self._places()[index]
-        downsample = self.model.stages[stage].downsample
-        return downsample if j == 0 and not isinstance(downsample, nn.Identity) else self.block_container()[index]
+        return super().block_input_module(index)
 
     def forward_from(self, x: torch.Tensor, start: int) -> torch.Tensor:
         """The model's logits from the NHWC grid :meth:`block_input_module` ``(start)`` receives.
@@ -164,22 +121,13 @@ class SwinV2Cr(Swin):
 
     # -- prompt tokens: VPT declares no prompted reference for a SwinV2 (its refusal), so none are carried ----------
 
-    def insert_prompts(self, prompts: list[torch.Tensor | None], dropout: float, strip: bool) -> None:
-        """Refused (see :meth:`Backbone.insert_prompts`)."""
-        Backbone.insert_prompts(self, prompts, dropout, strip)
+    # Backbone's refusals in place of the prompts Swin carries beside its grid.
+    insert_prompts = Backbone.insert_prompts
+    features_with_prompts = Backbone.features_with_prompts
 
     def prompted_intermediates(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         """Refused: no prompts run beside this model's grid."""
         raise NotImplementedError(f"the {self.kind} backbone carries no prompts beside its tokens")
-
-    def features_with_prompts(
-        self,
-        tokens: torch.Tensor,
-        prompts: list[tuple[torch.Tensor, torch.Tensor | None] | None],
-        pool_prompts: bool | torch.Tensor,
-    ) -> torch.Tensor:
-        """Refused (see :meth:`Backbone.features_with_prompts`)."""
-        return Backbone.features_with_prompts(self, tokens, prompts, pool_prompts)
 
     # -- inside one block ------------------------------------------------------------------------------------
 
