@@ -178,6 +178,10 @@ def merge(model: nn.Module, unload: bool | None = None) -> nn.Module:
     :func:`petl.unmerge` undoes it; :func:`petl.unload` merges and then removes the wrappers (a plain timm
     model), as peft's ``merge_and_unload()`` beside its ``merge_adapter()``.
 
+    The model's ``state_dict()`` says which wrappers are merged (in torch's state-dict metadata, which ``torch.save``
+    keeps; a copy into a plain dict drops it): ``load_state_dict`` onto a model of the same method and config marks
+    its wrappers merged or unmerged as the saved ones were, so the update counts once either way.
+
     Args:
         model: a model prepared by :func:`petl.apply`.
         unload: deprecated: ``merge(model, unload=True)`` is ``petl.unload(model)``, and warns.

@@ -32,6 +32,15 @@ def factory_kwargs(model: nn.Module) -> dict[str, Any]:
     return {"device": first.device, "dtype": first.dtype}
 
 
+# The key of a wrapper's state-dict metadata (``state_dict()._metadata``) that says whether it was merged.
+MERGED_KEY = "petl_merged"
+
+
+def _record_merged(module: PetlModule, _state_dict: dict, _prefix: str, local_metadata: dict) -> None:
+    """``state_dict``'s post-hook of every wrapper: record in its metadata whether it is merged."""
+    local_metadata[MERGED_KEY] = module.merged
+
+
 class PetlModule(nn.Module):
     """Base class of every petl wrapper: keeps the wrapped module as ``base``.
 
@@ -52,6 +61,15 @@ class PetlModule(nn.Module):
         super().__init__()
         self.base = base
         self._merged = False
+        # A state dict of a merged wrapper holds ``base``'s weights with the update in them: its metadata says so,
+        # so that loading it marks the wrapper merged (and an unmerged one's, unmerged), never counting it twice.
+        self.register_state_dict_post_hook(_record_merged)
+
+    def _load_from_state_dict(self, state_dict: dict, prefix: str, local_metadata: dict, *args: Any) -> None:
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, *args)
+        # ``base``'s weights (loaded next, as a child) hold the update or not as the saved wrapper's did.
+        if MERGED_KEY in local_metadata:
+            self._merged = bool(local_metadata[MERGED_KEY])
 
     @property
     def merged(self) -> bool:

@@ -8,7 +8,7 @@ import typing
 import pytest
 import timm
 import torch
-from conftest import TINY_VIT
+from conftest import TINY_VIT, perturb_trainable
 from timm.models.resnet import BasicBlock, ResNet
 from torch import nn
 
@@ -501,3 +501,25 @@ def test_a_file_already_merged_into_the_model_is_refused_not_added_twice(tiny_vi
     other = petl.apply(tiny_vit(seed=1), method, num_classes=3)  # another file: a second update on top, as asked
     petl.save_trainable(other, tmp_path / "other.safetensors")
     petl.load_trainable(model, tmp_path / "other.safetensors")
+
+
+@pytest.mark.parametrize("method", ["fact", "hydra", "lora", "repadapter", "ssf"])
+def test_a_state_dict_saved_merged_or_unmerged_loads_as_it_was_saved(tiny_vit, images, tmp_path, method):
+    # A merged model's state dict holds the update in the base weights and again in the method's tensors: loaded with
+    # torch's load_state_dict into an unmerged model (or the reverse), the update counted twice (or not at all).
+    model = petl.apply(tiny_vit(), method, num_classes=3).eval()
+    perturb_trainable(model)
+    with torch.no_grad():
+        expected = model(images)
+    unmerged_path, merged_path = tmp_path / "unmerged.pt", tmp_path / "merged.pt"
+    torch.save(model.state_dict(), unmerged_path)
+    torch.save(petl.merge(model).state_dict(), merged_path)
+    fresh = petl.apply(tiny_vit(seed=1), method, num_classes=3).eval()
+    fresh.load_state_dict(torch.load(merged_path, weights_only=True))
+    with torch.no_grad():
+        assert torch.allclose(fresh(images), expected, atol=1e-5)
+        assert torch.allclose(petl.unmerge(fresh)(images), expected, atol=1e-5)  # the update taken out once
+    model.load_state_dict(torch.load(unmerged_path, weights_only=True))  # onto the merged model
+    with torch.no_grad():
+        assert torch.allclose(model(images), expected, atol=1e-5)
+        assert torch.allclose(petl.merge(model)(images), expected, atol=1e-5)
