@@ -119,8 +119,10 @@ class HydraLinear(PetlModule):
         self.train(base.training)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base(x)
-        return y if self.merged else self.add_branches(x, y)
+        if self.merged:
+            self.check_not_training()
+            return self.base(x)
+        return self.add_branches(x, self.base(x))
 
     def add_branches(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``y`` (the frozen Linear's output for ``x``) plus both branches: parallel reads ``x``, sequential ``y``."""

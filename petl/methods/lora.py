@@ -163,6 +163,7 @@ class LoraLinear(PetlModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._merged:
+            self.check_not_training()
             return self.base(x)
         device = x.device.type
         if torch.is_autocast_enabled(device) and x.is_floating_point():

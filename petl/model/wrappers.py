@@ -101,10 +101,31 @@ class PetlModule(nn.Module):
 
     def merged_forward(self, x: torch.Tensor) -> torch.Tensor:
         """The forward of a merged wrapper: ``base``'s alone, its update being in the weights."""
+        self.check_not_training()
         # The wrapper's own module call stands in for base's: merged, this layer costs what the plain layer
         # costs (one module call and base's forward).  Hooks registered on ``base`` itself are skipped while
         # merged; hooks on this wrapper (the model's module at that path) still run.
         return self.base.forward(x)
+
+    def check_not_training(self) -> None:
+        """Refuse a merged wrapper's forward that would train it: merged, its tensors get no gradient.
+
+        Called by a merged wrapper's forward.  Training on a merged model would leave the method's tensors as they
+        are while they still show as trainable; run in eval mode or without autograd, or with them frozen (the
+        head alone training on the merged model), the forward goes on.
+
+        Raises:
+            ValueError: in train mode with autograd on, a tensor of this wrapper beside ``base``'s requires grad.
+
+        """
+        if not (self.training and torch.is_grad_enabled()):
+            return
+        frozen_base = {id(p) for p in self.base.parameters()}
+        if any(p.requires_grad and id(p) not in frozen_base for p in self.parameters()):
+            raise ValueError(
+                f"{type(self).__name__} is merged, so its tensors would get no gradient in training: "
+                "petl.unmerge(model) before training on (model.eval() or torch.no_grad() to run it merged)"
+            )
 
     def fold(self) -> None:
         """Add the update into ``base``'s weights (mergeable wrappers implement it)."""

@@ -523,3 +523,21 @@ def test_a_state_dict_saved_merged_or_unmerged_loads_as_it_was_saved(tiny_vit, i
     with torch.no_grad():
         assert torch.allclose(model(images), expected, atol=1e-5)
         assert torch.allclose(petl.merge(model)(images), expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("method", ["fact", "gps", "hydra", "lora", "repadapter", "ssf"])
+def test_training_a_merged_model_is_refused_while_its_method_trains(tiny_vit, images, method):
+    # Merged, a wrapper runs its base alone: a training step on the merged model left the method's tensors
+    # untouched (no gradient) while they still showed as trainable, silently.
+    model = petl.merge(petl.apply(tiny_vit(), method, num_classes=3).train())
+    with pytest.raises(ValueError, match=r"is merged, so its tensors would get no gradient .* petl\.unmerge\(model\)"):
+        model(images)
+    with torch.no_grad():
+        model(images)  # running it merged is fine
+    model.eval()(images).sum().backward()  # so is autograd in eval mode (saliency, attacks)
+    for param in model.parameters():  # and training the head alone on the merged model
+        param.requires_grad_(param is model.head.weight or param is model.head.bias)
+    model.train()(images).sum().backward()
+    assert model.head.weight.grad is not None
+    petl.unmerge(model).requires_grad_(True)
+    model(images).sum().backward()
