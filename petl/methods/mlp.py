@@ -66,6 +66,8 @@ class MlpConfig(MethodConfig):
     def validate(self, model: nn.Module) -> None:
         super().validate(model)
         check_range("k", self.k, low=1)
+        if self.num_classes == 0:
+            raise ValueError("num_classes=0 removes the head, which mlp trains: give the class count (at least 1)")
         if self.num_classes is None and backbone_of(model).num_classes() < 1:
             raise ValueError("mlp needs num_classes: the model has no classifier head to take the class count from")
 

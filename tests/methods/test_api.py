@@ -8,7 +8,7 @@ import typing
 import pytest
 import timm
 import torch
-from conftest import TINY_VIT, perturb_trainable
+from conftest import TINY_MODELS, TINY_VIT, perturb_trainable
 from timm.models.resnet import BasicBlock, ResNet
 from torch import nn
 
@@ -541,3 +541,23 @@ def test_training_a_merged_model_is_refused_while_its_method_trains(tiny_vit, im
     assert model.head.weight.grad is not None
     petl.unmerge(model).requires_grad_(True)
     model(images).sum().backward()
+
+
+@pytest.mark.parametrize("kind", ["vit", "swin"])
+def test_a_model_whose_head_was_removed_saves_a_file_that_loads_as_it_was(images, tmp_path, kind):
+    # reset_classifier(0) (timm's "no classifier") records num_classes=0, which petl.apply refused: the file
+    # save_trainable wrote could not be loaded onto any model.
+    model = petl.apply(TINY_MODELS[kind](), "lora", num_classes=3).eval()
+    perturb_trainable(model)
+    model.reset_classifier(0)
+    petl.save_trainable(model, tmp_path / "features.safetensors")
+    loaded = petl.load_trainable(TINY_MODELS[kind](), tmp_path / "features.safetensors").eval()
+    assert loaded.petl_config.num_classes == 0
+    with torch.no_grad():
+        assert torch.equal(loaded(images), model(images))  # the pooled features, with the trained update
+
+
+@pytest.mark.parametrize("method", ["linear", "mlp", "hst"])
+def test_num_classes_0_is_refused_where_the_head_is_what_the_method_trains(tiny_vit, method):
+    with pytest.raises(ValueError, match=r"num_classes=0 removes the head|give num_classes \(at least 1\)"):
+        petl.apply(tiny_vit(), method, num_classes=0)
