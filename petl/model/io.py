@@ -201,9 +201,18 @@ def _check_matches(
     unexpected = sorted(header.keys() - params.keys() - held.keys())
     if missing or unexpected:
         raise ValueError(f"{path} does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    head_ids = {id(p) for p in backbone_of(model).head().parameters()}
+    head = {n for n, p in model.named_parameters() if id(p) in head_ids}
     for name in sorted(header):
         (shape, dtype), param = header[name], params.get(name, held.get(name))
         if shape != tuple(param.shape):
+            classes = backbone_of(model).num_classes()
+            if name in head and param.shape[:1] == (classes,) and shape[1:] == tuple(param.shape[1:]):
+                # Where the two differ in their class count alone, the remedy is the model's, not the file's.
+                raise ValueError(
+                    f"{path}: its head has {shape[0]} classes, this model's {classes}: load it onto a model of "
+                    f"{shape[0]} classes (timm.create_model(..., num_classes={shape[0]}), or reset_classifier)"
+                )
             raise ValueError(f"{path}: {name} has shape {shape}, {needs} {tuple(param.shape)}")
         # A float file loads onto a half-precision model (copy_ casts); integers never were weights.
         if dtype.startswith(("F", "BF")) != param.is_floating_point():

@@ -561,3 +561,16 @@ def test_a_model_whose_head_was_removed_saves_a_file_that_loads_as_it_was(images
 def test_num_classes_0_is_refused_where_the_head_is_what_the_method_trains(tiny_vit, method):
     with pytest.raises(ValueError, match=r"num_classes=0 removes the head|give num_classes \(at least 1\)"):
         petl.apply(tiny_vit(), method, num_classes=0)
+
+
+@pytest.mark.parametrize("applied", [False, True])
+def test_a_file_whose_head_has_other_classes_says_how_many_to_give_the_model(tiny_vit, tmp_path, applied):
+    # A file saved without num_classes keeps the model's head: onto a model of other classes the refusal said
+    # "head.bias has shape (5,), the config recorded in it needs (9,)", which no config recorded.
+    path = tmp_path / "five.safetensors"
+    petl.save_trainable(petl.apply(tiny_vit(), "lora"), path)
+    model = petl.apply(tiny_vit(num_classes=9), "lora") if applied else tiny_vit(num_classes=9)
+    with pytest.raises(ValueError, match=r"five\.safetensors: its head has 5 classes, this model.s 9: .*num_classes=5"):
+        petl.load_trainable(model, path)
+    model.reset_classifier(5)  # as the message says
+    petl.load_trainable(model, path)
