@@ -574,3 +574,20 @@ def test_a_file_whose_head_has_other_classes_says_how_many_to_give_the_model(tin
         petl.load_trainable(model, path)
     model.reset_classifier(5)  # as the message says
     petl.load_trainable(model, path)
+
+
+def test_a_method_refused_under_grad_checkpointing_leaves_the_model_as_it_was(tiny_vit):
+    # The refusal came after the side network was built: the model carried lst, frozen, and a second apply (with
+    # checkpointing turned off, as the message says) was refused as "already carries petl method 'lst'".
+    model = tiny_vit()
+    model.set_grad_checkpointing(True)
+    with pytest.raises(ValueError, match=r"^gradient checkpointing: method 'lst' cannot use it"):
+        petl.apply(model, "lst")
+    assert getattr(model, "petl_method", None) is None
+    assert all(p.requires_grad for p in model.parameters())
+    assert all(type(block).__name__ == "Block" for block in model.blocks)
+    model.set_grad_checkpointing(False)
+    petl.apply(model, "lst")
+    lora = tiny_vit()
+    lora.set_grad_checkpointing(True)
+    assert petl.apply(lora, "lora").grad_checkpointing  # a method that runs under it keeps it on
