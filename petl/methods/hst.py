@@ -458,7 +458,7 @@ def apply_hst(model: nn.Module, **options: Any) -> nn.Module:
     """Add HST's meta tokens and hierarchical side network to ``model``; freeze the rest but its LayerNorms and head.
 
     Args:
-        model: a timm VisionTransformer.
+        model: a timm model of a backbone kind the method supports (its docs page; :func:`petl.list_backbones`).
         **options: fields of :class:`HstConfig` (``dims``, ``heads``, ``meta_tokens``, ``num_classes``).
 
     Returns:

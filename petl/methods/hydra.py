@@ -201,7 +201,7 @@ def apply_hydra(model: nn.Module, **options: Any) -> nn.Module:
     """Add Hydra's two branches to attn.proj and mlp.fc2 of every block; freeze everything else but the head.
 
     Args:
-        model: a timm VisionTransformer.
+        model: a timm model of a backbone kind the method supports (its docs page; :func:`petl.list_backbones`).
         **options: fields of :class:`HydraConfig` (``dim``, ``scale``, ``dropout``, ``targets``, ``num_classes``).
 
     Returns:

@@ -69,7 +69,7 @@ def apply_linear(model: nn.Module, **options: Any) -> nn.Module:
     """Freeze ``model`` and train only its (reset) head.
 
     Args:
-        model: a timm VisionTransformer.
+        model: a timm model of a backbone kind the method supports (its docs page; :func:`petl.list_backbones`).
         **options: fields of :class:`LinearConfig` (``num_classes``).
 
     Returns:

@@ -124,7 +124,7 @@ def apply_mlp(model: nn.Module, **options: Any) -> nn.Module:
     """Freeze ``model`` and give it a trainable k-layer MLP head (VPT's).
 
     Args:
-        model: a timm VisionTransformer.
+        model: a timm model of a backbone kind the method supports (its docs page; :func:`petl.list_backbones`).
         **options: fields of :class:`MlpConfig` (``k``, ``num_classes``; without ``num_classes``
             the current head's class count is kept).
 

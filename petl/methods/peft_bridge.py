@@ -395,7 +395,7 @@ def apply_peft(model: nn.Module, peft_config: PeftConfig | None = None, **option
     """Inject a peft tuner into ``model`` in place; the head trains too.
 
     Args:
-        model: a timm VisionTransformer.
+        model: a timm model of a backbone kind the method supports (its docs page; :func:`petl.list_backbones`).
         peft_config: a ready peft config object (e.g. ``peft.LoraConfig(...)``); its fields are
             recorded in the petl config so that ``save_trainable`` / ``load_trainable`` work.
         **options: fields of :class:`PeftBridgeConfig` (``peft_type``, ``target_modules``,

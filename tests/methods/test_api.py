@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import re
 import typing
 
 import pytest
@@ -591,3 +593,14 @@ def test_a_method_refused_under_grad_checkpointing_leaves_the_model_as_it_was(ti
     lora = tiny_vit()
     lora.set_grad_checkpointing(True)
     assert petl.apply(lora, "lora").grad_checkpointing  # a method that runs under it keeps it on
+
+
+@pytest.mark.parametrize("method", petl.list_methods())
+def test_each_apply_helper_documents_every_option_and_any_backbone_its_method_takes(method):
+    # help(petl.apply_lora) in a notebook: its option list lacked init, and it said "a timm VisionTransformer" for
+    # methods that take Swins, BEiTs and EVAs as well.
+    doc = inspect.getdoc(getattr(petl, f"apply_{method}"))
+    listed = set(re.findall(r"``(\w+)``", doc.split("**options")[1]))
+    fields = {f.name for f in dataclasses.fields(petl.get_method(method).config_cls)}
+    assert fields <= listed
+    assert "model: a timm VisionTransformer" not in doc
