@@ -604,3 +604,11 @@ def test_each_apply_helper_documents_every_option_and_any_backbone_its_method_ta
     fields = {f.name for f in dataclasses.fields(petl.get_method(method).config_cls)}
     assert fields <= listed
     assert "model: a timm VisionTransformer" not in doc
+
+
+def test_count_params_of_a_wrapped_model_leaves_out_its_head(tiny_vit):
+    # DataParallel has no get_classifier and no backbone family: its head was counted in trainable_no_head.
+    model = petl.apply(tiny_vit(), "lora", num_classes=3)
+    expected = petl.count_params(model)
+    assert petl.count_params(nn.DataParallel(model)) == expected
+    assert petl.count_params(torch.compile(model)) == expected
