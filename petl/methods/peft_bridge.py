@@ -148,6 +148,14 @@ class PeftBridgeConfig(MethodConfig):
                 f"options: layers_to_transform {unmatched} match no layer of target_modules={entries} on this model "
                 f"({backbone_of(model).depth()} blocks): drop them"
             )
+        # What else peft refuses (r=0, a dropout of 2) it refuses as it builds its layers, when the model would
+        # already be frozen and its head reset: built first on a meta-device copy, which allocates nothing.
+        from peft import inject_adapter_in_model
+
+        try:
+            inject_adapter_in_model(peft_config, surgery.meta_copy(model))
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"peft rejected options={self.options!r} for peft_type={self.peft_type}: {err}") from None
 
 
 def _matches_any(peft_config: PeftConfig, names: list[str], **fields: Any) -> bool:

@@ -612,3 +612,16 @@ def test_count_params_of_a_wrapped_model_leaves_out_its_head(tiny_vit):
     expected = petl.count_params(model)
     assert petl.count_params(nn.DataParallel(model)) == expected
     assert petl.count_params(torch.compile(model)) == expected
+
+
+@pytest.mark.parametrize(
+    ("options", "says"),
+    [('{"r": 0}', "`r` should be a positive integer"), ('{"lora_dropout": 2.0}', "dropout probability")],
+)
+def test_peft_options_peft_refuses_as_it_builds_leave_the_model_as_it_was(tiny_vit, options, says):
+    # peft checks these as it builds its layers: the refusal came after petl.apply had frozen the model and reset its
+    # head, so the model was left frozen with a fresh 3-class head and no method.
+    model = tiny_vit()
+    with pytest.raises(ValueError, match=rf"^peft rejected options='{re.escape(options)}' for peft_type=LORA: {says}"):
+        petl.apply(model, "peft", num_classes=3, options=options)
+    assert all(p.requires_grad for p in model.parameters()) and model.head.out_features == TINY_VIT["num_classes"]
