@@ -316,9 +316,9 @@ def apply_adapter(model: nn.Module, **options: Any) -> nn.Module:
     """Add a bottleneck adapter to every block of ``model`` and freeze everything else but the head.
 
     Args:
-        model: a timm VisionTransformer.
+        model: a timm model of a backbone kind the method supports (its docs page; :func:`petl.list_backbones`).
         **options: fields of :class:`AdapterConfig` (``style``, ``dim``, ``dropout``, ``scale``,
-            ``norm``, ``num_classes``).
+            ``norm``, ``init``, ``num_classes``).
 
     Returns:
         The same model, modified in place.

@@ -141,7 +141,7 @@ def apply_adapter_plus(model: nn.Module, **options: Any) -> nn.Module:
     """Add an Adapter+ after every block of ``model`` and freeze everything else but the head.
 
     Args:
-        model: a timm VisionTransformer.
+        model: a timm model of a backbone kind the method supports (its docs page; :func:`petl.list_backbones`).
         **options: fields of :class:`AdapterPlusConfig` (``dim``, ``scaling``, ``dropout``,
             ``drop_path``, ``num_classes``).
 

@@ -105,7 +105,7 @@ def apply_bitfit(model: nn.Module, **options: Any) -> nn.Module:
     """Train only the biases (and the head) of ``model``.
 
     Args:
-        model: a timm VisionTransformer.
+        model: a timm model of a backbone kind the method supports (its docs page; :func:`petl.list_backbones`).
         **options: fields of :class:`BitFitConfig` (``biases``, ``num_classes``).
 
     Returns:

@@ -371,9 +371,9 @@ def apply_convpass(model: nn.Module, **options: Any) -> nn.Module:
     """Add a convolutional bypass beside the attention and MLP of every block; freeze everything else but the head.
 
     Args:
-        model: a timm VisionTransformer.
+        model: a timm model of a backbone kind the method supports (its docs page; :func:`petl.list_backbones`).
         **options: fields of :class:`ConvpassConfig` (``dim``, ``scale``, ``xavier_conv``,
-            ``dropout``, ``num_classes``).
+            ``dropout``, ``init``, ``num_classes``).
 
     Returns:
         The same model, modified in place.

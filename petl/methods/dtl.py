@@ -236,7 +236,7 @@ def apply_dtl(model: nn.Module, **options: Any) -> nn.Module:
     """Add DTL's side network to ``model`` and freeze everything else but the head.
 
     Args:
-        model: a timm VisionTransformer.
+        model: a timm model of a backbone kind the method supports (its docs page; :func:`petl.list_backbones`).
         **options: fields of :class:`DtlConfig` (``rank``, ``beta``, ``add_from``, ``fusion_size``,
             ``num_classes``).
 

@@ -335,9 +335,9 @@ def apply_fact(model: nn.Module, **options: Any) -> nn.Module:
     """Add FacT updates to every block of ``model`` and freeze everything else but the head.
 
     Args:
-        model: a timm VisionTransformer.
+        model: a timm model of a backbone kind the method supports (its docs page; :func:`petl.list_backbones`).
         **options: fields of :class:`FactConfig` (``type``, ``rank``, ``scale``, ``dropout``,
-            ``num_classes``).
+            ``init``, ``num_classes``).
 
     Returns:
         The same model, modified in place.

@@ -46,7 +46,7 @@ def apply_full(model: nn.Module, **options: Any) -> nn.Module:
     """Make every parameter of ``model`` trainable (with a reset head when ``num_classes`` is given).
 
     Args:
-        model: a timm VisionTransformer.
+        model: a timm model of a backbone kind the method supports (its docs page; :func:`petl.list_backbones`).
         **options: fields of :class:`FullConfig` (``num_classes``).
 
     Returns:

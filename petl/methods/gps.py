@@ -421,7 +421,7 @@ def apply_gps(model: nn.Module, **options: Any) -> nn.Module:
     """Add GPS to ``model`` and freeze everything else but the head.
 
     Args:
-        model: a timm VisionTransformer.
+        model: a timm model of a backbone kind the method supports (its docs page; :func:`petl.list_backbones`).
         **options: fields of :class:`GpsConfig` (``per_row``, ``selection``, ``num_classes``); pass
             ``selection=select_gps(model, train_loader)`` for the paper's data-driven choice.
 

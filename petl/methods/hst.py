@@ -144,8 +144,10 @@ class HstConfig(MethodConfig):
             if dim % heads:
                 raise ValueError(f"dims: a stage of width {dim} cannot split into {heads} heads")
         check_range("meta_tokens", self.meta_tokens, low=1)
-        if not (self.num_classes or backbone_of(model).num_classes()):
-            raise ValueError("HST classifies from its side network with a head of its own: give num_classes")
+        if self.num_classes == 0 or not (self.num_classes or backbone_of(model).num_classes()):
+            raise ValueError(
+                "HST classifies from its side network with a head of its own: give num_classes (at least 1)"
+            )
         backbone_of(model).check_whole_grid("HST")
 
 
@@ -454,7 +456,7 @@ def apply_hst(model: nn.Module, **options: Any) -> nn.Module:
     """Add HST's meta tokens and hierarchical side network to ``model``; freeze the rest but its LayerNorms and head.
 
     Args:
-        model: a timm VisionTransformer.
+        model: a timm model of a backbone kind the method supports (its docs page; :func:`petl.list_backbones`).
         **options: fields of :class:`HstConfig` (``dims``, ``heads``, ``meta_tokens``, ``num_classes``).
 
     Returns:

@@ -120,8 +120,10 @@ class HydraLinear(PetlModule):
         self.train(base.training)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base(x)
-        return y if self.merged else self.add_branches(x, y)
+        if self.merged:
+            self.check_not_training()
+            return self.base(x)
+        return self.add_branches(x, self.base(x))
 
     def add_branches(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``y`` (the frozen Linear's output for ``x``) plus both branches: parallel reads ``x``, sequential ``y``."""
@@ -201,7 +203,7 @@ def apply_hydra(model: nn.Module, **options: Any) -> nn.Module:
     """Add Hydra's two branches to attn.proj and mlp.fc2 of every block; freeze everything else but the head.
 
     Args:
-        model: a timm VisionTransformer.
+        model: a timm model of a backbone kind the method supports (its docs page; :func:`petl.list_backbones`).
         **options: fields of :class:`HydraConfig` (``dim``, ``scale``, ``dropout``, ``targets``, ``num_classes``).
 
     Returns:

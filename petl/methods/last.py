@@ -185,7 +185,7 @@ def apply_last(model: nn.Module, **options: Any) -> nn.Module:
     """Add LAST's low-rank attention side network to ``model`` and freeze everything else but the head.
 
     Args:
-        model: a timm VisionTransformer.
+        model: a timm model of a backbone kind the method supports (its docs page; :func:`petl.list_backbones`).
         **options: fields of :class:`LastConfig` (``rank``, ``gap``, ``layers``, ``num_classes``).
 
     Returns:

@@ -42,6 +42,11 @@ class LinearConfig(MethodConfig):
     # VPT runs its frozen encoder in eval mode (src/models/vit_models.py:L33-35, L173-174).
     backbone_mode: ClassVar[str] = "eval"
 
+    def validate(self, model: nn.Module) -> None:
+        super().validate(model)
+        if self.num_classes == 0:
+            raise ValueError("num_classes=0 removes the head, the only thing linear trains: give the class count")
+
 
 def _formula(model: nn.Module, cfg: LinearConfig) -> int:
     # Only the head trains, and the formula counts what trains outside it.
@@ -64,7 +69,7 @@ def apply_linear(model: nn.Module, **options: Any) -> nn.Module:
     """Freeze ``model`` and train only its (reset) head.
 
     Args:
-        model: a timm VisionTransformer.
+        model: a timm model of a backbone kind the method supports (its docs page; :func:`petl.list_backbones`).
         **options: fields of :class:`LinearConfig` (``num_classes``).
 
     Returns:

@@ -60,7 +60,7 @@ def apply_ln(model: nn.Module, **options: Any) -> nn.Module:
     """Train only the LayerNorms' affine parameters (and the head) of ``model``.
 
     Args:
-        model: a timm VisionTransformer.
+        model: a timm model of a backbone kind the method supports (its docs page; :func:`petl.list_backbones`).
         **options: fields of :class:`LnConfig` (``num_classes``).
 
     Returns:

@@ -163,6 +163,7 @@ class LoraLinear(PetlModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._merged:
+            self.check_not_training()
             return self.base(x)
         device = x.device.type
         if torch.is_autocast_enabled(device) and x.is_floating_point():
@@ -298,9 +299,9 @@ def apply_lora(model: nn.Module, **options: Any) -> nn.Module:
     """Add LoRA to every block of ``model`` and freeze everything else but the head.
 
     Args:
-        model: a timm VisionTransformer.
+        model: a timm model of a backbone kind the method supports (its docs page; :func:`petl.list_backbones`).
         **options: fields of :class:`LoraConfig` (``rank``, ``alpha``, ``dropout``, ``targets``,
-            ``num_classes``); with none, Q and V get rank-8 updates and the head is kept.
+            ``init``, ``num_classes``); with none, Q and V get rank-8 updates and the head is kept.
 
     Returns:
         The same model, modified in place.

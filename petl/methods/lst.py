@@ -225,7 +225,7 @@ def apply_lst(model: nn.Module, **options: Any) -> nn.Module:
     """Add LST's ladder side network to ``model`` and freeze everything else but the head.
 
     Args:
-        model: a timm VisionTransformer.
+        model: a timm model of a backbone kind the method supports (its docs page; :func:`petl.list_backbones`).
         **options: fields of :class:`LstConfig` (``reduction``, ``gate_alpha``, ``gate_t``, ``dropout``,
             ``num_classes``).
 

@@ -66,6 +66,8 @@ class MlpConfig(MethodConfig):
     def validate(self, model: nn.Module) -> None:
         super().validate(model)
         check_range("k", self.k, low=1)
+        if self.num_classes == 0:
+            raise ValueError("num_classes=0 removes the head, which mlp trains: give the class count (at least 1)")
         if self.num_classes is None and backbone_of(model).num_classes() < 1:
             raise ValueError("mlp needs num_classes: the model has no classifier head to take the class count from")
 
@@ -122,7 +124,7 @@ def apply_mlp(model: nn.Module, **options: Any) -> nn.Module:
     """Freeze ``model`` and give it a trainable k-layer MLP head (VPT's).
 
     Args:
-        model: a timm VisionTransformer.
+        model: a timm model of a backbone kind the method supports (its docs page; :func:`petl.list_backbones`).
         **options: fields of :class:`MlpConfig` (``k``, ``num_classes``; without ``num_classes``
             the current head's class count is kept).
 

@@ -486,9 +486,11 @@ def apply_noah(model: nn.Module, **options: Any) -> nn.Module:
     """Add NOAH's modules to ``model`` and freeze everything else but the head.
 
     Args:
-        model: a timm VisionTransformer.
+        model: a timm model of a backbone kind the method supports (its docs page; :func:`petl.list_backbones`).
         **options: fields of :class:`NoahConfig` (``prompt``, ``lora``, ``adapter``: one width per block;
-            ``supernet_dim``, ``dropout``, the search budget, ``num_classes``).
+            ``supernet_dim``, ``dropout``, ``init``, the search budget (``search_epochs``, ``search_generations``,
+            ``population``, ``max_params``, which the calibration step
+            :func:`petl.methods.noah_search.calibrate_noah` reads), ``num_classes``).
 
     Returns:
         The same model, modified in place.

@@ -79,7 +79,7 @@ def apply_partial(model: nn.Module, **options: Any) -> nn.Module:
     """Train only the last ``k`` blocks of ``model``, what runs after them (final norms, an attention pool), the head.
 
     Args:
-        model: a timm VisionTransformer.
+        model: a timm model of a backbone kind the method supports (its docs page; :func:`petl.list_backbones`).
         **options: fields of :class:`PartialConfig` (``k``, ``num_classes``).
 
     Returns:

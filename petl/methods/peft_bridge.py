@@ -148,6 +148,14 @@ class PeftBridgeConfig(MethodConfig):
                 f"options: layers_to_transform {unmatched} match no layer of target_modules={entries} on this model "
                 f"({backbone_of(model).depth()} blocks): drop them"
             )
+        # What else peft refuses (r=0, a dropout of 2) it refuses as it builds its layers, when the model would
+        # already be frozen and its head reset: built first on a meta-device copy, which allocates nothing.
+        from peft import inject_adapter_in_model
+
+        try:
+            inject_adapter_in_model(peft_config, surgery.meta_copy(model))
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"peft rejected options={self.options!r} for peft_type={self.peft_type}: {err}") from None
 
 
 def _matches_any(peft_config: PeftConfig, names: list[str], **fields: Any) -> bool:
@@ -395,7 +403,7 @@ def apply_peft(model: nn.Module, peft_config: PeftConfig | None = None, **option
     """Inject a peft tuner into ``model`` in place; the head trains too.
 
     Args:
-        model: a timm VisionTransformer.
+        model: a timm model of a backbone kind the method supports (its docs page; :func:`petl.list_backbones`).
         peft_config: a ready peft config object (e.g. ``peft.LoraConfig(...)``); its fields are
             recorded in the petl config so that ``save_trainable`` / ``load_trainable`` work.
         **options: fields of :class:`PeftBridgeConfig` (``peft_type``, ``target_modules``,

@@ -247,7 +247,7 @@ def apply_repadapter(model: nn.Module, **options: Any) -> nn.Module:
     """Add RepAdapters before every block's attention and MLP and freeze everything else but the head.
 
     Args:
-        model: a timm VisionTransformer.
+        model: a timm model of a backbone kind the method supports (its docs page; :func:`petl.list_backbones`).
         **options: fields of :class:`RepAdapterConfig` (``bottleneck``, ``groups``, ``scale``,
             ``dropout``, ``num_classes``).
 

@@ -280,7 +280,7 @@ def apply_sct(model: nn.Module, **options: Any) -> nn.Module:
     """Add SCT to every block of ``model`` and freeze everything else but the head.
 
     Args:
-        model: a timm VisionTransformer.
+        model: a timm model of a backbone kind the method supports (its docs page; :func:`petl.list_backbones`).
         **options: fields of :class:`SctConfig` (``top_n``, ``channels``, ``num_classes``); pass
             ``channels=select_sct_channels(model, train_loader)`` for the paper's data-driven choice.
 

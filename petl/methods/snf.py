@@ -272,7 +272,7 @@ def apply_snf(model: nn.Module, **options: Any) -> nn.Module:
     """Put a normalizing flow on both residual shortcuts of every block; freeze everything else but the head.
 
     Args:
-        model: a timm VisionTransformer.
+        model: a timm model of a backbone kind the method supports (its docs page; :func:`petl.list_backbones`).
         **options: fields of :class:`SnfConfig` (``flow_length``, ``num_classes``).
 
     Returns:

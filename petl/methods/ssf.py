@@ -226,7 +226,7 @@ def apply_ssf(model: nn.Module, **options: Any) -> nn.Module:
     """Add SSF scale/shift layers to ``model`` and freeze everything else but the head.
 
     Args:
-        model: a timm VisionTransformer or SwinTransformer (v1).
+        model: a timm model of a backbone kind the method supports (its docs page; :func:`petl.list_backbones`).
         **options: fields of :class:`SsfConfig` (``init_std``, ``num_classes``).
 
     Returns:

@@ -226,7 +226,8 @@ def apply_vpt(model: nn.Module, **options: Any) -> nn.Module:
     """Add visual prompts to ``model`` and freeze everything else but the head.
 
     Args:
-        model: a timm VisionTransformer (class token or not, register tokens, token or avg pooling).
+        model: a timm model of a backbone kind the method supports (its docs page; :func:`petl.list_backbones`);
+            on a ViT, class token or not, register tokens, token or avg pooling.
         **options: fields of :class:`VptConfig` (``num_tokens``, ``deep``, ``dropout``, ``pool``,
             ``num_classes``).
 

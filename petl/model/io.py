@@ -6,7 +6,6 @@ Files are safetensors (nothing is ever unpickled) and carry a SHA-256 of their t
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import errno
 import json
@@ -23,7 +22,7 @@ from torch import nn
 
 from petl.model.backbone import backbone_of
 from petl.model.params import content_hash, trainable_state
-from petl.model.surgery import apply
+from petl.model.surgery import apply, meta_copy
 from petl.store.files import WEIGHTS_FILE, newer_file, write_atomic
 
 # Version 2 adds ``widths`` (each block's width: a Swin's change per stage); version 1 files, which record one
@@ -199,23 +198,22 @@ def _check_matches(
     unexpected = sorted(header.keys() - params.keys() - held.keys())
     if missing or unexpected:
         raise ValueError(f"{path} does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    head_ids = {id(p) for p in backbone_of(model).head().parameters()}
+    head = {n for n, p in model.named_parameters() if id(p) in head_ids}
     for name in sorted(header):
         (shape, dtype), param = header[name], params.get(name, held.get(name))
         if shape != tuple(param.shape):
+            classes = backbone_of(model).num_classes()
+            if name in head and param.shape[:1] == (classes,) and shape[1:] == tuple(param.shape[1:]):
+                # Where the two differ in their class count alone, the remedy is the model's, not the file's.
+                raise ValueError(
+                    f"{path}: its head has {shape[0]} classes, this model's {classes}: load it onto a model of "
+                    f"{shape[0]} classes (timm.create_model(..., num_classes={shape[0]}), or reset_classifier)"
+                )
             raise ValueError(f"{path}: {name} has shape {shape}, {needs} {tuple(param.shape)}")
         # A float file loads onto a half-precision model (copy_ casts); integers never were weights.
         if dtype.startswith(("F", "BF")) != param.is_floating_point():
             raise ValueError(f"{path}: {name} has dtype {dtype}, {needs} {param.dtype}")
-
-
-def meta_copy(model: nn.Module) -> nn.Module:
-    """A copy of ``model`` whose tensors live on the meta device: building a method on it allocates nothing."""
-    memo: dict[int, Any] = {}
-    for tensor in [*model.parameters(), *model.buffers()]:
-        shadow = torch.empty_like(tensor, device="meta")
-        is_param = isinstance(tensor, nn.Parameter)
-        memo[id(tensor)] = nn.Parameter(shadow, requires_grad=tensor.requires_grad) if is_param else shadow
-    return copy.deepcopy(model, memo)
 
 
 def load_trainable(model: nn.Module, path: str | Path) -> nn.Module:

@@ -25,9 +25,11 @@ def count_params(model: nn.Module) -> ParamCount:
     """Count trainable parameters (with and without the classifier head) and all parameters.
 
     The head is the one petl's backbone family names, or for another timm model its ``get_classifier()``; a model
-    with neither has no head to leave out.
+    with neither has no head to leave out.  A model inside ``DataParallel`` or ``torch.compile`` is counted as itself.
     """
     check_module(model)
+    if isinstance(model, nn.DataParallel | nn.parallel.DistributedDataParallel):
+        model = model.module  # the same parameters; the wrapper has no head of its own to leave out
     family = family_of(model)
     if family is not None:
         head = family(model).head()

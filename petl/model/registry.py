@@ -25,7 +25,8 @@ class MethodConfig:
     """Options shared by every method.
 
     Attributes:
-        num_classes: reset the classifier head to this many classes; ``None`` keeps the head.
+        num_classes: reset the classifier head to this many classes; ``None`` keeps the head, and ``0`` removes it
+            as timm's ``num_classes=0`` does (pooled features out; refused where the head is what the method trains).
         backbone_mode: (class-level, not an option) how the frozen backbone runs while this
             method trains, as its reference trains it: ``train`` (dropout and drop-path act
             everywhere; V-PETL, NOAH and PETL_Vision call ``model.train()``) or ``eval`` (only
@@ -54,7 +55,8 @@ class MethodConfig:
             if isinstance(value, float):
                 check_range(f.name, value)
         if self.num_classes is not None:
-            check_range("num_classes", self.num_classes, low=1)
+            # 0 as timm's: a model whose reset_classifier(0) recorded it saves a file that loads as it was.
+            check_range("num_classes", self.num_classes, low=0)
 
 
 def check_types(config: MethodConfig) -> None:

@@ -54,8 +54,9 @@ def apply(
 
     Raises:
         ValueError: unknown method or option, a value out of range, an unsupported model, a backbone the method
-            does not declare (:attr:`MethodSpec.backbones`), or a model that already carries a petl method or peft's
-            tuners.
+            does not declare (:attr:`MethodSpec.backbones`), a model that already carries a petl method or peft's
+            tuners, or one with timm's gradient checkpointing on for a method that cannot run under it.  Nothing
+            is changed when it raises.
 
     """
     foreign = foreign_converter(method)
@@ -93,6 +94,12 @@ def apply(
     # The formula reads every part the method will touch: a Linear the family lacks (EVA-02's separate q/k/v, its
     # SwiGLU's two fc1) is refused here in one line, before anything changes.
     spec.trainable_formula(model, config)
+    if getattr(model, "grad_checkpointing", False):
+        # Whether the method runs under timm's checkpointing is known once its wrappers are built (install checks
+        # it): built first on a meta-device copy, which allocates nothing, so that a refusal changes nothing here.
+        trial = meta_copy(model)
+        trial.grad_checkpointing = False  # checked once, below, not again within this apply
+        apply(trial, method, config).set_grad_checkpointing(True)
     model.requires_grad_(False)
     # Kept referenced, so that no new module can reuse the id of one dropped meanwhile (the old head).
     existing = {id(m): m for m in model.modules()}
@@ -107,6 +114,16 @@ def apply(
     model.petl_trained = tuple(trainable_state(model))
     timm_api.install(model)
     return model
+
+
+def meta_copy(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` whose tensors live on the meta device: building a method on it allocates nothing."""
+    memo: dict[int, Any] = {}
+    for tensor in [*model.parameters(), *model.buffers()]:
+        shadow = torch.empty_like(tensor, device="meta")
+        is_param = isinstance(tensor, nn.Parameter)
+        memo[id(tensor)] = nn.Parameter(shadow, requires_grad=tensor.requires_grad) if is_param else shadow
+    return copy.deepcopy(model, memo)
 
 
 def _peft_classes() -> tuple[type, ...]:
@@ -177,6 +194,12 @@ def merge(model: nn.Module, unload: bool | None = None) -> nn.Module:
     raises after the wrappers merged before it are unmerged again, so the model is never half merged.
     :func:`petl.unmerge` undoes it; :func:`petl.unload` merges and then removes the wrappers (a plain timm
     model), as peft's ``merge_and_unload()`` beside its ``merge_adapter()``.
+
+    The model's ``state_dict()`` says which wrappers are merged (in torch's state-dict metadata, which ``torch.save``
+    keeps; a copy into a plain dict drops it): ``load_state_dict`` onto a model of the same method and config marks
+    its wrappers merged or unmerged as the saved ones were, so the update counts once either way.  A merged
+    wrapper's tensors get no gradient: a forward in train mode with autograd on while they require grad is refused
+    (:func:`petl.unmerge` first to train on); in eval mode, without autograd, or with them frozen it runs.
 
     Args:
         model: a model prepared by :func:`petl.apply`.

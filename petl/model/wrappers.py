@@ -32,6 +32,15 @@ def factory_kwargs(model: nn.Module) -> dict[str, Any]:
     return {"device": first.device, "dtype": first.dtype}
 
 
+# The key of a wrapper's state-dict metadata (``state_dict()._metadata``) that says whether it was merged.
+MERGED_KEY = "petl_merged"
+
+
+def _record_merged(module: PetlModule, _state_dict: dict, _prefix: str, local_metadata: dict) -> None:
+    """``state_dict``'s post-hook of every wrapper: record in its metadata whether it is merged."""
+    local_metadata[MERGED_KEY] = module.merged
+
+
 class PetlModule(nn.Module):
     """Base class of every petl wrapper: keeps the wrapped module as ``base``.
 
@@ -52,6 +61,15 @@ class PetlModule(nn.Module):
         super().__init__()
         self.base = base
         self._merged = False
+        # A state dict of a merged wrapper holds ``base``'s weights with the update in them: its metadata says so,
+        # so that loading it marks the wrapper merged (and an unmerged one's, unmerged), never counting it twice.
+        self.register_state_dict_post_hook(_record_merged)
+
+    def _load_from_state_dict(self, state_dict: dict, prefix: str, local_metadata: dict, *args: Any) -> None:
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, *args)
+        # ``base``'s weights (loaded next, as a child) hold the update or not as the saved wrapper's did.
+        if MERGED_KEY in local_metadata:
+            self._merged = bool(local_metadata[MERGED_KEY])
 
     @property
     def merged(self) -> bool:
@@ -83,10 +101,31 @@ class PetlModule(nn.Module):
 
     def merged_forward(self, x: torch.Tensor) -> torch.Tensor:
         """The forward of a merged wrapper: ``base``'s alone, its update being in the weights."""
+        self.check_not_training()
         # The wrapper's own module call stands in for base's: merged, this layer costs what the plain layer
         # costs (one module call and base's forward).  Hooks registered on ``base`` itself are skipped while
         # merged; hooks on this wrapper (the model's module at that path) still run.
         return self.base.forward(x)
+
+    def check_not_training(self) -> None:
+        """Refuse a merged wrapper's forward that would train it: merged, its tensors get no gradient.
+
+        Called by a merged wrapper's forward.  Training on a merged model would leave the method's tensors as they
+        are while they still show as trainable; run in eval mode or without autograd, or with them frozen (the
+        head alone training on the merged model), the forward goes on.
+
+        Raises:
+            ValueError: in train mode with autograd on, a tensor of this wrapper beside ``base``'s requires grad.
+
+        """
+        if not (self.training and torch.is_grad_enabled()):
+            return
+        frozen_base = {id(p) for p in self.base.parameters()}
+        if any(p.requires_grad and id(p) not in frozen_base for p in self.parameters()):
+            raise ValueError(
+                f"{type(self).__name__} is merged, so its tensors would get no gradient in training: "
+                "petl.unmerge(model) before training on (model.eval() or torch.no_grad() to run it merged)"
+            )
 
     def fold(self) -> None:
         """Add the update into ``base``'s weights (mergeable wrappers implement it)."""

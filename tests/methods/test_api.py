@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import re
 import typing
 
 import pytest
 import timm
 import torch
-from conftest import TINY_VIT
+from conftest import TINY_MODELS, TINY_VIT, perturb_trainable
 from timm.models.resnet import BasicBlock, ResNet
 from torch import nn
 
@@ -497,3 +499,125 @@ def test_a_file_already_merged_into_the_model_is_refused_not_added_twice(tiny_vi
     other = petl.apply(tiny_vit(seed=1), method, num_classes=3)  # another file: a second update on top, as asked
     petl.save_trainable(other, tmp_path / "other.safetensors")
     petl.load_trainable(model, tmp_path / "other.safetensors")
+
+
+@pytest.mark.parametrize("method", ["fact", "hydra", "lora", "repadapter", "ssf"])
+def test_a_state_dict_saved_merged_or_unmerged_loads_as_it_was_saved(tiny_vit, images, tmp_path, method):
+    # A merged model's state dict holds the update in the base weights and again in the method's tensors: loaded with
+    # torch's load_state_dict into an unmerged model (or the reverse), the update counted twice (or not at all).
+    model = petl.apply(tiny_vit(), method, num_classes=3).eval()
+    perturb_trainable(model)
+    with torch.no_grad():
+        expected = model(images)
+    unmerged_path, merged_path = tmp_path / "unmerged.pt", tmp_path / "merged.pt"
+    torch.save(model.state_dict(), unmerged_path)
+    torch.save(petl.merge(model).state_dict(), merged_path)
+    fresh = petl.apply(tiny_vit(seed=1), method, num_classes=3).eval()
+    fresh.load_state_dict(torch.load(merged_path, weights_only=True))
+    with torch.no_grad():
+        assert torch.allclose(fresh(images), expected, atol=1e-5)
+        assert torch.allclose(petl.unmerge(fresh)(images), expected, atol=1e-5)  # the update taken out once
+    model.load_state_dict(torch.load(unmerged_path, weights_only=True))  # onto the merged model
+    with torch.no_grad():
+        assert torch.allclose(model(images), expected, atol=1e-5)
+        assert torch.allclose(petl.merge(model)(images), expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("method", ["fact", "gps", "hydra", "lora", "repadapter", "ssf"])
+def test_training_a_merged_model_is_refused_while_its_method_trains(tiny_vit, images, method):
+    # Merged, a wrapper runs its base alone: a training step on the merged model left the method's tensors
+    # untouched (no gradient) while they still showed as trainable, silently.
+    model = petl.merge(petl.apply(tiny_vit(), method, num_classes=3).train())
+    with pytest.raises(ValueError, match=r"is merged, so its tensors would get no gradient .* petl\.unmerge\(model\)"):
+        model(images)
+    with torch.no_grad():
+        model(images)  # running it merged is fine
+    model.eval()(images).sum().backward()  # so is autograd in eval mode (saliency, attacks)
+    for param in model.parameters():  # and training the head alone on the merged model
+        param.requires_grad_(param is model.head.weight or param is model.head.bias)
+    model.train()(images).sum().backward()
+    assert model.head.weight.grad is not None
+    petl.unmerge(model).requires_grad_(True)
+    model(images).sum().backward()
+
+
+@pytest.mark.parametrize("kind", ["vit", "swin"])
+def test_a_model_whose_head_was_removed_saves_a_file_that_loads_as_it_was(images, tmp_path, kind):
+    # reset_classifier(0) (timm's "no classifier") records num_classes=0, which petl.apply refused: the file
+    # save_trainable wrote could not be loaded onto any model.
+    model = petl.apply(TINY_MODELS[kind](), "lora", num_classes=3).eval()
+    perturb_trainable(model)
+    model.reset_classifier(0)
+    petl.save_trainable(model, tmp_path / "features.safetensors")
+    loaded = petl.load_trainable(TINY_MODELS[kind](), tmp_path / "features.safetensors").eval()
+    assert loaded.petl_config.num_classes == 0
+    with torch.no_grad():
+        assert torch.equal(loaded(images), model(images))  # the pooled features, with the trained update
+
+
+@pytest.mark.parametrize("method", ["linear", "mlp", "hst"])
+def test_num_classes_0_is_refused_where_the_head_is_what_the_method_trains(tiny_vit, method):
+    with pytest.raises(ValueError, match=r"num_classes=0 removes the head|give num_classes \(at least 1\)"):
+        petl.apply(tiny_vit(), method, num_classes=0)
+
+
+@pytest.mark.parametrize("applied", [False, True])
+def test_a_file_whose_head_has_other_classes_says_how_many_to_give_the_model(tiny_vit, tmp_path, applied):
+    # A file saved without num_classes keeps the model's head: onto a model of other classes the refusal said
+    # "head.bias has shape (5,), the config recorded in it needs (9,)", which no config recorded.
+    path = tmp_path / "five.safetensors"
+    petl.save_trainable(petl.apply(tiny_vit(), "lora"), path)
+    model = petl.apply(tiny_vit(num_classes=9), "lora") if applied else tiny_vit(num_classes=9)
+    with pytest.raises(ValueError, match=r"five\.safetensors: its head has 5 classes, this model.s 9: .*num_classes=5"):
+        petl.load_trainable(model, path)
+    model.reset_classifier(5)  # as the message says
+    petl.load_trainable(model, path)
+
+
+def test_a_method_refused_under_grad_checkpointing_leaves_the_model_as_it_was(tiny_vit):
+    # The refusal came after the side network was built: the model carried lst, frozen, and a second apply (with
+    # checkpointing turned off, as the message says) was refused as "already carries petl method 'lst'".
+    model = tiny_vit()
+    model.set_grad_checkpointing(True)
+    with pytest.raises(ValueError, match=r"^gradient checkpointing: method 'lst' cannot use it"):
+        petl.apply(model, "lst")
+    assert getattr(model, "petl_method", None) is None
+    assert all(p.requires_grad for p in model.parameters())
+    assert all(type(block).__name__ == "Block" for block in model.blocks)
+    model.set_grad_checkpointing(False)
+    petl.apply(model, "lst")
+    lora = tiny_vit()
+    lora.set_grad_checkpointing(True)
+    assert petl.apply(lora, "lora").grad_checkpointing  # a method that runs under it keeps it on
+
+
+@pytest.mark.parametrize("method", petl.list_methods())
+def test_each_apply_helper_documents_every_option_and_any_backbone_its_method_takes(method):
+    # help(petl.apply_lora) in a notebook: its option list lacked init, and it said "a timm VisionTransformer" for
+    # methods that take Swins, BEiTs and EVAs as well.
+    doc = inspect.getdoc(getattr(petl, f"apply_{method}"))
+    listed = set(re.findall(r"``(\w+)``", doc.split("**options")[1]))
+    fields = {f.name for f in dataclasses.fields(petl.get_method(method).config_cls)}
+    assert fields <= listed
+    assert "model: a timm VisionTransformer" not in doc
+
+
+def test_count_params_of_a_wrapped_model_leaves_out_its_head(tiny_vit):
+    # DataParallel has no get_classifier and no backbone family: its head was counted in trainable_no_head.
+    model = petl.apply(tiny_vit(), "lora", num_classes=3)
+    expected = petl.count_params(model)
+    assert petl.count_params(nn.DataParallel(model)) == expected
+    assert petl.count_params(torch.compile(model)) == expected
+
+
+@pytest.mark.parametrize(
+    ("options", "says"),
+    [('{"r": 0}', "`r` should be a positive integer"), ('{"lora_dropout": 2.0}', "dropout probability")],
+)
+def test_peft_options_peft_refuses_as_it_builds_leave_the_model_as_it_was(tiny_vit, options, says):
+    # peft checks these as it builds its layers: the refusal came after petl.apply had frozen the model and reset its
+    # head, so the model was left frozen with a fresh 3-class head and no method.
+    model = tiny_vit()
+    with pytest.raises(ValueError, match=rf"^peft rejected options='{re.escape(options)}' for peft_type=LORA: {says}"):
+        petl.apply(model, "peft", num_classes=3, options=options)
+    assert all(p.requires_grad for p in model.parameters()) and model.head.out_features == TINY_VIT["num_classes"]
