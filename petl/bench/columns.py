@@ -110,6 +110,7 @@ def _selection(row: ExperimentRow, labels: dict[str, str]) -> str:
 def _published_columns(board: Leaderboard, table: PublishedTable) -> list[Column]:
     """One published table's columns: its row name (or why none), per-task figures (CSV), summaries, source."""
     prefix = f"published_{table.key}"
+    over = table.over_its_tasks(board.tasks)  # its means are over all its tasks, whichever this board ran
 
     def of(compute: Callable[[PublishedRow], Any]) -> Callable[[ExperimentRow], Any]:
         # A figure of the row's published match; empty when there is none to show (the row column says why).
@@ -141,14 +142,14 @@ def _published_columns(board: Leaderboard, table: PublishedTable) -> list[Column
     columns += [
         Column(
             f"{prefix}_task_mean",
-            f"Published {table.key} task mean",
+            f"Published {table.key} task mean{over}",
             of(lambda pub: pub.task_mean),
             kind="published",
             detail=True,
         ),
         Column(
             f"{prefix}_group_mean",
-            f"Published {table.key} group mean",
+            f"Published {table.key} group mean{over}",
             of(table.group_mean),
             csv=as_csv(f"{prefix}_group_mean", 2),
             kind="published",
@@ -164,7 +165,7 @@ def _published_columns(board: Leaderboard, table: PublishedTable) -> list[Column
         ),
         Column(
             f"{prefix}_ppt",
-            f"Published {table.key} PPT",
+            f"Published {table.key} PPT{over}",
             of(lambda pub: pub.ppt if pub.ppt is not None else math.nan),
             kind="published",
             detail=True,

@@ -86,12 +86,19 @@ def notes(board: Leaderboard) -> list[str]:
     if board.published_names and benchmark_tasks(board):
         lines.append(ranking_line(board))
     for table in board.tables:
+        ran = len({table.column(t) for t in board.tasks if table.covers(t)} & set(table.columns()))
+        partial = (
+            f" Its task mean, group mean and PPT are the published ones, over its {len(table.columns())} tasks, of "
+            f"which this board ran {ran}: they do not compare with the measured task mean, the per-task figures do."
+            if table.over_its_tasks(board.tasks)
+            else ""
+        )
         lines.append(
             f"**Published {table.key}** columns: {table.title}; source: {table.source}. Figures published by "
             "others, not measured by petl; they are never mixed into the measured columns. They are shown only "
             f"beside experiments run on the published backbone (`{table.backbone}`, pretrained): otherwise the "
             f'row column says "{DIFFERENT_BACKBONE}"; "{NO_PUBLISHED_ROW}" means the experiment file names no '
-            "row of this table (`published:`)."
+            f"row of this table (`published:`).{partial}"
         )
     return lines
 

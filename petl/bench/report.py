@@ -91,7 +91,7 @@ def _task_order_key(task: str, groups: dict[str, str]) -> tuple:
     # Benchmarks print tasks group by group and, within a group, in their published column order.
     order = order_groups(set(groups.values()))
     table = table_for(task)
-    columns = list(next(iter(table.rows().values())).top1) if table else []
+    columns = table.columns() if table else []
     column = table.column(task) if table else ""
     position = columns.index(column) if column in columns else len(columns)
     return order.index(groups[task]), position, task
@@ -326,14 +326,15 @@ def published_tables(board: Leaderboard) -> list[Table]:
     for table in board.tables:
         covered = [t for t in board.tasks if table.covers(t)]
         labels = task_labels(covered)
+        over = table.over_its_tasks(board.tasks)
         headers = [
             Header("experiment", "petl experiment", "info"),
             Header("published_method", "Published row", "published"),
             *[Header(f"published:{t}", labels[t], "published") for t in covered],
-            Header("published_task_mean", "Task mean", "published"),
-            Header("published_group_mean", "Group mean", "published"),
+            Header("published_task_mean", f"Task mean{over}", "published"),
+            Header("published_group_mean", f"Group mean{over}", "published"),
             Header("published_params", "Params M", "published"),
-            Header("published_ppt", "PPT", "published"),
+            Header("published_ppt", f"PPT{over}", "published"),
         ]
         rows = []
         for row in board.rows:
