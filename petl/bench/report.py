@@ -568,7 +568,8 @@ def write_report(
     board has two complete rows to compare over two blocks.
 
     ``learning_curves.png`` (val top-1 per epoch on one task, :func:`learning_curves`) is written too
-    when the runs recorded per-epoch val accuracy.
+    when the runs recorded per-epoch val accuracy.  Either figure left in ``out_dir`` by an earlier report is removed
+    when this board has none: it would show another board's rows beside this one's pages.
 
     Args:
         results_dir: a results root holding ``<task>/<experiment>/seed<k>/result.json`` files.
@@ -617,8 +618,10 @@ def write_report(
     write_text(out / "leaderboard.md", markdown(board))
     write_atomic(out / "pareto.png", lambda tmp: tmp.write_bytes(png))
     write_text(out / "leaderboard.html", html)
-    if curves_png is not None:
-        write_atomic(out / "learning_curves.png", lambda tmp: tmp.write_bytes(curves_png))
-    if cd_png is not None:
-        write_atomic(out / CD_FILE, lambda tmp: tmp.write_bytes(cd_png))
+    for name, drawn in (("learning_curves.png", curves_png), (CD_FILE, cd_png)):
+        if drawn is not None:
+            write_atomic(out / name, lambda tmp, drawn=drawn: tmp.write_bytes(drawn))
+        else:
+            # An earlier report's figure of another board (more rows, a rank test) would sit beside this one's pages.
+            (out / name).unlink(missing_ok=True)
     return board

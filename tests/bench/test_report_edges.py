@@ -5,6 +5,7 @@ Training is faked (``write_run`` writes a result.json), so these take seconds.
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 from test_harness import VTAB, VTAB_ROWS, VTAB_TASKS, read_csv, write_run
@@ -53,3 +54,21 @@ def test_a_board_of_every_published_task_keeps_the_plain_labels(tmp_path):
     write_report(root)
     md = (root / "leaderboard.md").read_text()
     assert "| Published vtab1k task mean | Published vtab1k group mean |" in md and "its 19 tasks" not in md
+
+
+def test_a_report_over_an_earlier_one_leaves_no_figure_of_the_earlier_board(tmp_path):
+    # Was: a first report drew critical_difference.png and learning_curves.png; a second one into the same folder,
+    # with one row left (or no curves), wrote its pages and kept both figures, which still showed the earlier rows.
+    for experiment, top1 in (("lora", 80.0), ("linear", 70.0)):
+        for task in ("mini/digits", "mini/mnist"):
+            write_run(tmp_path, task, experiment, 0, top1=top1)
+            run = tmp_path / task.replace("/", "-") / experiment / "seed0"
+            (run / "metrics.jsonl").write_text('{"epoch": 1, "val_top1": 50.0}\n{"epoch": 2, "val_top1": 60.0}\n')
+    write_report(tmp_path)
+    assert (tmp_path / "critical_difference.png").is_file() and (tmp_path / "learning_curves.png").is_file()
+    for task in ("mini-digits", "mini-mnist"):
+        shutil.rmtree(tmp_path / task / "linear")
+        (tmp_path / task / "lora" / "seed0" / "metrics.jsonl").unlink()
+    write_report(tmp_path)
+    assert not (tmp_path / "critical_difference.png").exists() and not (tmp_path / "learning_curves.png").exists()
+    assert "critical_difference.png" not in (tmp_path / "leaderboard.md").read_text()
