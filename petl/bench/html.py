@@ -9,8 +9,9 @@ Pareto plot follow, then the details table (family, convergence, cost, published
 and selection, whose long texts fold into a per-row disclosure), the learning curves and the published
 per-task tables.  Every cell carries its sort key in
 ``data-sort``, so a click on a header sorts numerically even though the cell shows ``85.12 ± 0.31``.
-Opening the page as ``leaderboard.html#sort=<column key>:<asc|desc>`` sorts on load, which makes a
-sorted view linkable (and lets the tests check the sorting in a real browser).
+Opening the page as ``leaderboard.html#sort=<column key>:<asc|desc>`` sorts on load (``#sort=ppt:desc``,
+``#sort=task:vtab/dtd:asc``: a task column's key holds a colon), which makes a sorted view linkable (and lets the
+tests check the sorting in a real browser).
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ document.querySelectorAll("table.sortable").forEach(function (table) {
   });
 });
 (function () {
-  var m = /^#sort=([^:]+):(asc|desc)$/.exec(decodeURIComponent(window.location.hash));
+  var m = /^#sort=(.+):(asc|desc)$/.exec(decodeURIComponent(window.location.hash));  // a key may hold ":" (task:...)
   var table = document.getElementById("leaderboard");
   if (!m || !table) { return; }
   Array.prototype.forEach.call(table.tHead.rows[0].cells, function (th, col) {

@@ -8,7 +8,8 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from test_harness import VTAB, VTAB_ROWS, VTAB_TASKS, read_csv, write_run
+import pytest
+from test_harness import VTAB, VTAB_ROWS, VTAB_TASKS, _dump_dom_in_chromium, _read_table, read_csv, write_run
 
 from petl.bench.report import write_report
 
@@ -72,3 +73,23 @@ def test_a_report_over_an_earlier_one_leaves_no_figure_of_the_earlier_board(tmp_
     write_report(tmp_path)
     assert not (tmp_path / "critical_difference.png").exists() and not (tmp_path / "learning_curves.png").exists()
     assert "critical_difference.png" not in (tmp_path / "leaderboard.md").read_text()
+
+
+@pytest.mark.slow
+def test_the_page_sorts_on_load_by_a_task_column_whose_key_holds_a_colon(tmp_path):
+    # Was: the hash's key was matched up to its first colon, so #sort=task:mini/digits:asc (every task column's key,
+    # and each group mean's, group:natural) sorted nothing: the page opened in the order written.
+    for experiment, digits, mnist in (("lora", 90.0, 50.0), ("linear", 70.0, 80.0), ("bitfit", 60.0, 70.0)):
+        write_run(tmp_path, "mini/digits", experiment, 0, top1=digits)
+        write_run(tmp_path, "mini/mnist", experiment, 0, top1=mnist)
+    write_report(tmp_path)
+    page = (tmp_path / "leaderboard.html").as_uri()
+    assert [row[0] for row in _read_table((tmp_path / "leaderboard.html").read_text(), "leaderboard").rows] == [
+        "linear",
+        "lora",
+        "bitfit",
+    ]
+    dom = _dump_dom_in_chromium(page + "#sort=task:mini/mnist:desc", tmp_path)
+    assert [row[0] for row in _read_table(dom, "leaderboard").rows] == ["linear", "bitfit", "lora"]
+    dom = _dump_dom_in_chromium(page + "#sort=task:mini/digits:asc", tmp_path)
+    assert [row[0] for row in _read_table(dom, "leaderboard").rows] == ["bitfit", "linear", "lora"]
