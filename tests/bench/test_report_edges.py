@@ -9,9 +9,11 @@ import shutil
 from pathlib import Path
 
 import pytest
+from conftest import command_status
 from test_harness import VTAB, VTAB_ROWS, VTAB_TASKS, _dump_dom_in_chromium, _read_table, read_csv, write_run
 
 from petl.bench.report import write_report
+from petl.cli import bench as cli
 
 # Three of VTAB-1k's 19 tasks, on the published backbone, each cell at exactly the published figure.
 SOME_VTAB = ("vtab/cifar100", "vtab/dtd", "vtab/clevr_count")
@@ -93,3 +95,18 @@ def test_the_page_sorts_on_load_by_a_task_column_whose_key_holds_a_colon(tmp_pat
     assert [row[0] for row in _read_table(dom, "leaderboard").rows] == ["linear", "bitfit", "lora"]
     dom = _dump_dom_in_chromium(page + "#sort=task:mini/digits:asc", tmp_path)
     assert [row[0] for row in _read_table(dom, "leaderboard").rows] == ["bitfit", "linear", "lora"]
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (("methods=",), "methods= lists nothing"),
+        (("methods=lora", "model=vit_bse_patch16_224"), "unknown model 'vit_bse_patch16_224'; did you mean"),
+    ],
+)
+def test_params_refuses_an_empty_methods_and_an_unknown_model_in_one_line(capsys, args, said):
+    # Was: methods= printed a table of no row and exited 0 (as if every count had been checked); an unknown model=
+    # printed the table's head, then timm's "RuntimeError: Unknown model" and exited 1, a failure, not bad input.
+    code, out, err = command_status(capsys, cli.main, "params", *args)
+    assert code == 2 and said in err and len(err.strip().splitlines()) == 1, err
+    assert "experiment" not in out
