@@ -485,6 +485,9 @@ def pareto_png(board: Leaderboard) -> bytes:
     return render_pareto(points, len(board.tasks), board.models, _family_legend(board))
 
 
+CURVES_FILE = "learning_curves.png"
+
+
 def learning_curves_png(board: Leaderboard) -> bytes | None:
     """``learning_curves.png``: val top-1 per epoch on one task, a panel per method family; ``None`` without curves."""
     found = learning_curves(board)
@@ -618,7 +621,7 @@ def write_report(
     write_text(out / "leaderboard.md", markdown(board))
     write_atomic(out / "pareto.png", lambda tmp: tmp.write_bytes(png))
     write_text(out / "leaderboard.html", html)
-    for name, drawn in (("learning_curves.png", curves_png), (CD_FILE, cd_png)):
+    for name, drawn in ((CURVES_FILE, curves_png), (CD_FILE, cd_png)):
         if drawn is not None:
             write_atomic(out / name, lambda tmp, drawn=drawn: tmp.write_bytes(drawn))
         else:

@@ -110,3 +110,13 @@ def test_params_refuses_an_empty_methods_and_an_unknown_model_in_one_line(capsys
     code, out, err = command_status(capsys, cli.main, "params", *args)
     assert code == 2 and said in err and len(err.strip().splitlines()) == 1, err
     assert "experiment" not in out
+
+
+def test_report_s_line_names_the_learning_curves_it_wrote(tmp_path, capsys):
+    # Was: "-> DIR/leaderboard.{md,csv,html}, DIR/pareto.png": learning_curves.png was written and never named.
+    for experiment, top1 in (("lora", 80.0), ("linear", 70.0)):
+        write_run(tmp_path, "mini/digits", experiment, 0, top1=top1)
+        (tmp_path / "mini-digits" / experiment / "seed0" / "metrics.jsonl").write_text('{"epoch": 1, "val_top1": 50}\n')
+    code, out, _ = command_status(capsys, cli.main, "report", str(tmp_path))
+    assert code == 0 and f"{tmp_path}/pareto.png, {tmp_path}/learning_curves.png\n" in out
+    assert "critical_difference.png" not in out  # one block: no rank test, no diagram
