@@ -120,3 +120,14 @@ def test_report_s_line_names_the_learning_curves_it_wrote(tmp_path, capsys):
     code, out, _ = command_status(capsys, cli.main, "report", str(tmp_path))
     assert code == 0 and f"{tmp_path}/pareto.png, {tmp_path}/learning_curves.png\n" in out
     assert "critical_difference.png" not in out  # one block: no rank test, no diagram
+
+
+def test_a_damaged_record_in_an_unstable_folder_outside_any_cell_does_not_fail_the_report(tmp_path, capsys):
+    # Was: <root>/unstable/p/seed0/result.json, damaged, failed the report with "petl-bench: error: '/tmp' is not in
+    # the subpath of '/tmp/...'" (the set-aside line looked for its task folder above the root), naming no file.
+    write_run(tmp_path, "mini/digits", "lora", 0, top1=80.0)
+    (tmp_path / "unstable" / "p" / "seed0").mkdir(parents=True)
+    (tmp_path / "unstable" / "p" / "seed0" / "result.json").write_text("{")
+    code, _, err = command_status(capsys, cli.main, "report", str(tmp_path))
+    assert code == 0 and "error" not in err, err
+    assert "**Set aside**" not in (tmp_path / "leaderboard.md").read_text()
