@@ -131,3 +131,16 @@ def test_a_damaged_record_in_an_unstable_folder_outside_any_cell_does_not_fail_t
     code, _, err = command_status(capsys, cli.main, "report", str(tmp_path))
     assert code == 0 and "error" not in err, err
     assert "**Set aside**" not in (tmp_path / "leaderboard.md").read_text()
+
+
+def test_a_learning_curve_of_one_epoch_marks_epoch_1_only(monkeypatch):
+    # Was: the epoch axis of one-epoch runs read 0.945, 0.960, ... 1.050: the integer locator gave up on a span
+    # holding one whole number.
+    from petl.bench import plot
+
+    drawn = []
+    monkeypatch.setattr(plot, "_png", lambda fig: drawn.append(fig) or b"")
+    plot.render_curves({"lora": [80.0], "linear": [70.0]}, "mini/digits", ["vit"], {"lora": "low-rank"})
+    for ax in drawn[0].axes:
+        low, high = ax.get_xlim()
+        assert [float(t) for t in ax.get_xticks() if low <= t <= high] == [1.0]
