@@ -22,7 +22,7 @@ from html import escape
 
 from petl.bench.table import Table
 
-# An info cell longer than this many characters is shown folded (its start, a click opens it).
+# An info cell longer than this many characters is shown folded (its start, a click opens it), but for a row's name.
 LONG_TEXT = 50
 
 _STYLE = """
@@ -90,8 +90,8 @@ def _table(table: Table, table_id: str, css_class: str = "") -> str:
     body = "".join(
         "<tr>"
         + "".join(
-            f'<td class="{h.kind}" data-sort="{escape(str(key))}">{_cell_text(text, h.kind)}</td>'
-            for h, (text, key) in zip(table.headers, cells, strict=True)
+            f'<td class="{h.kind}" data-sort="{escape(str(key))}">{_cell_text(text, h.kind, fold=i > 0)}</td>'
+            for i, (h, (text, key)) in enumerate(zip(table.headers, cells, strict=True))
         )
         + "</tr>"
         for cells in table.rows
@@ -179,8 +179,10 @@ def render_html(
     return "\n".join(parts) + "\n"
 
 
-def _cell_text(text: str, kind: str) -> str:
-    if kind == "info" and len(text) > LONG_TEXT:
+def _cell_text(text: str, kind: str, fold: bool = True) -> str:
+    # fold=False: a row's name (the first column) is shown whole, with its mark (`*`): two long names that share
+    # their start would read as one, and a folded `lora_... *` would hide that the row is not ranked.
+    if fold and kind == "info" and len(text) > LONG_TEXT:
         # A long text (a configuration, the choices of a search) shows its start; a click opens the rest, so
         # that each row stays one line high.
         return f"<details><summary><span>{escape(text[: LONG_TEXT - 10])}…</span></summary>{escape(text)}</details>"

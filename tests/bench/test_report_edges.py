@@ -144,3 +144,17 @@ def test_a_learning_curve_of_one_epoch_marks_epoch_1_only(monkeypatch):
     for ax in drawn[0].axes:
         low, high = ax.get_xlim()
         assert [float(t) for t in ax.get_xticks() if low <= t <= high] == [1.0]
+
+
+def test_a_long_experiment_name_is_shown_whole_with_its_mark_in_the_html(tmp_path):
+    # Was: an experiment name past 50 characters was folded like a long config text, in the main, details and rank
+    # tables: two names sharing their first 40 characters read as one row twice, and the `*` of an unranked row (one
+    # task short) was hidden behind the fold.
+    stem = "adapter_parallel_dim8_scale0.1_warmup5_lr_search_"
+    for name, tasks in ((stem + "a", ("mini/digits", "mini/mnist")), (stem + "b", ("mini/digits",))):
+        for task in tasks:
+            write_run(tmp_path, task, name, 0, top1=70.0)
+    write_report(tmp_path)
+    page = (tmp_path / "leaderboard.html").read_text()
+    assert f'data-sort="{stem}a">{stem}a</td>' in page and f'data-sort="{stem}b">{stem}b *</td>' in page
+    assert "<summary>" not in page.split('id="leaderboard"')[1].split("</table>")[0]
