@@ -40,6 +40,12 @@ def _show_convergence(value: tuple[float, float]) -> Cell:
 FAR_SEED_MARK = "‡"
 RISING_MARK = "↑"
 SATURATED_MARK = "(saturated)"
+NOT_IN_SUITE_MARK = "(not in the suite)"
+
+
+def _outside(board: Leaderboard, task: str) -> str:
+    # A task the board's suite does not run: its column is shown, its cells in no mean (Leaderboard.counted_tasks).
+    return f" {NOT_IN_SUITE_MARK}" if task not in board.counted_tasks else ""
 
 
 def still_learning(score: TaskScore) -> bool:
@@ -264,7 +270,7 @@ def leaderboard_columns(board: Leaderboard) -> list[Column]:
     columns += [
         Column(
             f"task:{t}",
-            f"{labels[t]} {SATURATED_MARK}" if t in board.saturated else labels[t],
+            f"{labels[t]} {SATURATED_MARK}" if t in board.saturated else f"{labels[t]}{_outside(board, t)}",
             lambda row, t=t: row.scores.get(t),
             _score_cell,
             csv=lambda score, t=t: {

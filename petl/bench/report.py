@@ -224,16 +224,19 @@ def aggregate(
                 change = nanmean([tail_change(c.val_top1) for c in curves.get(task, [])])
                 seeds = tuple(r.seed for r in cell)
                 scores[task] = TaskScore(statistics.fmean(top1), std, seeds, stuck, far, change)
+        # With a plan, the means are over the suite's tasks: a run of another task in the folder would make this row's
+        # task mean one over more tasks than the other rows', sorted and plotted among them as if it were not.
+        counted = {t: s for t, s in scores.items() if plan is None or t in plan.tasks}
         group_means = {
-            g: mean([s.mean for t, s in scores.items() if groups[t] == g])
-            for g in order_groups({groups[t] for t in scores})
+            g: mean([s.mean for t, s in counted.items() if groups[t] == g])
+            for g in order_groups({groups[t] for t in counted})
         }
         rows.append(
             ExperimentRow(
                 experiment=name,
                 runs=runs,
                 scores=scores,
-                task_mean=mean([s.mean for s in scores.values()]),
+                task_mean=mean([s.mean for s in counted.values()]),
                 group_means=group_means,
                 trainable=mean([float(r.result.trainable_params) for r in runs]),
                 trainable_no_head=mean([float(r.result.trainable_params_no_head) for r in runs]),

@@ -158,3 +158,26 @@ def test_a_long_experiment_name_is_shown_whole_with_its_mark_in_the_html(tmp_pat
     page = (tmp_path / "leaderboard.html").read_text()
     assert f'data-sort="{stem}a">{stem}a</td>' in page and f'data-sort="{stem}b">{stem}b *</td>' in page
     assert "<summary>" not in page.split('id="leaderboard"')[1].split("</table>")[0]
+
+
+def test_a_run_of_a_task_outside_the_suite_has_its_column_and_no_part_in_the_means(tmp_path):
+    # Was: report suite=mini on a folder where linear also ran vtab/dtd (one seed, 99 %) showed linear complete and
+    # unmarked with a task mean over 8 tasks (76.00) among rows over the suite's 7 (its own over them: 72.71), sorted
+    # and plotted by it; nothing said which tasks the mean covered.
+    from petl.bench.report import plan_of
+    from petl.bench.suite import configs_dir, load_suite
+
+    mini = load_suite("mini", configs_dir())
+    for experiment, top1 in (("lora", 80.0), ("linear", 70.0)):
+        for i, task in enumerate(mini.tasks):
+            for seed in mini.seeds:
+                write_run(tmp_path, task, experiment, seed, top1=top1 + i)
+    write_run(tmp_path, "vtab/dtd", "linear", 0, top1=99.0)
+    board = write_report(tmp_path, plan=plan_of("mini"))
+    linear = next(row for row in board.rows if row.experiment == "linear")
+    assert linear.task_mean == 73.0 and board.complete(linear)
+    assert "vtab/dtd" in linear.scores and "vtab/dtd" not in board.ranking.blocks
+    md = (tmp_path / "leaderboard.md").read_text()
+    assert "| dtd (not in the suite) |" in md and "unweighted mean over the 7 tasks" in md
+    assert "**(not in the suite)**: dtd, not a task of suite `mini`" in md
+    assert float(read_csv(tmp_path / "leaderboard.csv")["linear"]["task_mean"]) == 73.0
