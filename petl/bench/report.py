@@ -446,8 +446,14 @@ def _summary(board: Leaderboard) -> str:
     return f"{plural(len(board.rows), 'experiment')}, {plural(len(board.tasks), 'task')}, {plural(runs, 'run')}."
 
 
-def markdown(board: Leaderboard) -> str:
-    """``leaderboard.md``: the main table, the details table, the legend, the comparison, the published tables."""
+def markdown(board: Leaderboard, legend: list[str] | None = None) -> str:
+    """``leaderboard.md``: the main table, the details table, the legend, the comparison, the published tables.
+
+    Args:
+        board: the leaderboard.
+        legend: its legend lines, when already built (:func:`petl.bench.notes.notes`, which warns of each damaged
+            set-aside record: built once per report, each is named once); default: built here.
+    """
     lines = [
         f"# {md_escape(_title(board))}",
         "",
@@ -461,7 +467,7 @@ def markdown(board: Leaderboard) -> str:
         "",
         "## Legend",
         "",
-        *[f"- {md_escape(n)}" for n in notes(board)],
+        *[f"- {md_escape(n)}" for n in (notes(board) if legend is None else legend)],
         "",
         f"## {COMPARISON_TITLE}",
         "",
@@ -609,11 +615,12 @@ def write_report(
     if curves_png is not None:
         figures.append(("Learning curves", curves_png))
     cd_png = critical_difference_png(board)
+    legend = notes(board)
     html = render_html(
         _title(board),
         display_table(board),
         details_table(board),
-        notes(board),
+        legend,
         figures,
         published_tables(board),
         _summary(board),
@@ -621,7 +628,7 @@ def write_report(
     )
     # Two sweeps finishing together both rebuild the report; each file is renamed into place whole.
     write_text(out / "leaderboard.csv", csv_text(board))
-    write_text(out / "leaderboard.md", markdown(board))
+    write_text(out / "leaderboard.md", markdown(board, legend))
     write_atomic(out / "pareto.png", lambda tmp: tmp.write_bytes(png))
     write_text(out / "leaderboard.html", html)
     for name, drawn in ((CURVES_FILE, curves_png), (CD_FILE, cd_png)):

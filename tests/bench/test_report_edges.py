@@ -181,3 +181,13 @@ def test_a_run_of_a_task_outside_the_suite_has_its_column_and_no_part_in_the_mea
     assert "| dtd (not in the suite) |" in md and "unweighted mean over the 7 tasks" in md
     assert "**(not in the suite)**: dtd, not a task of suite `mini`" in md
     assert float(read_csv(tmp_path / "leaderboard.csv")["linear"]["task_mean"]) == 73.0
+
+
+def test_a_damaged_set_aside_record_is_named_once_per_report(tmp_path, capsys):
+    # Was: named twice, in two identical warnings: the legend was built once for the Markdown and once for the HTML.
+    write_run(tmp_path, "mini/digits", "lora", 0, top1=80.0)
+    aside = tmp_path / "mini-digits" / "lora" / "unstable" / "train.lr=0.1" / "seed0"
+    aside.mkdir(parents=True)
+    (aside / "result.json").write_text("{")
+    code, _, err = command_status(capsys, cli.main, "report", str(tmp_path))
+    assert code == 0 and err.count("set-aside run:") == 1, err
