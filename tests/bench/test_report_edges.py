@@ -1,4 +1,5 @@
-"""Leaderboard reports on the boards users make: part of a published benchmark, a report written twice into one folder.
+"""Leaderboard reports on the boards users make: part of a published benchmark, a report written twice into one folder,
+a task outside the suite, long names, one epoch, stray set-aside records; and ``petl-bench params``'s bad input.
 
 Training is faked (``write_run`` writes a result.json), so these take seconds.
 """
