@@ -195,6 +195,14 @@ class Leaderboard:
         return self.families.get(row.experiment) or ", ".join(dict.fromkeys(str(r.result.method) for r in row.runs))
 
     @property
+    def counted_tasks(self) -> list[str]:
+        """The tasks the means and the rank test cover: with a plan, its tasks, else every task of the board.
+
+        A run of a task outside the plan (in the suite's folder) has a column, and no part in a row's means.
+        """
+        return [t for t in self.tasks if self.plan is None or t in self.plan.tasks]
+
+    @property
     def group_names(self) -> list[str]:
         """Groups present, in benchmark order."""
         return order_groups(set(self.groups.values()))

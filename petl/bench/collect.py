@@ -53,8 +53,14 @@ def result_files(results_dir: str | Path) -> list[Path]:
 
 
 def set_aside_files(results_dir: str | Path) -> list[Path]:
-    """The ``result.json`` of every final that ``require_learning`` set aside under ``results_dir``."""
-    return sorted(p for p in Path(results_dir).rglob(f"{UNSTABLE_DIR}/*/*/{RESULT_FILE}"))
+    """The ``result.json`` of every final that ``require_learning`` set aside under ``results_dir``.
+
+    Only those in a cell's folder, ``<task folder>/<experiment>/unstable/<point>/seed<k>/``: an ``unstable`` folder
+    nearer the root is no cell's (a folder of the user's), and its task and experiment could not be named.
+    """
+    root = Path(results_dir)
+    found = root.rglob(f"{UNSTABLE_DIR}/*/*/{RESULT_FILE}")
+    return sorted(p for p in found if len(p.relative_to(root).parts) >= 6)
 
 
 def _moved_aside(part: str) -> bool:

@@ -40,6 +40,12 @@ def _show_convergence(value: tuple[float, float]) -> Cell:
 FAR_SEED_MARK = "‡"
 RISING_MARK = "↑"
 SATURATED_MARK = "(saturated)"
+NOT_IN_SUITE_MARK = "(not in the suite)"
+
+
+def _outside(board: Leaderboard, task: str) -> str:
+    # A task the board's suite does not run: its column is shown, its cells in no mean (Leaderboard.counted_tasks).
+    return f" {NOT_IN_SUITE_MARK}" if task not in board.counted_tasks else ""
 
 
 def still_learning(score: TaskScore) -> bool:
@@ -110,6 +116,7 @@ def _selection(row: ExperimentRow, labels: dict[str, str]) -> str:
 def _published_columns(board: Leaderboard, table: PublishedTable) -> list[Column]:
     """One published table's columns: its row name (or why none), per-task figures (CSV), summaries, source."""
     prefix = f"published_{table.key}"
+    over = table.over_its_tasks(board.tasks)  # its means are over all its tasks, whichever this board ran
 
     def of(compute: Callable[[PublishedRow], Any]) -> Callable[[ExperimentRow], Any]:
         # A figure of the row's published match; empty when there is none to show (the row column says why).
@@ -141,14 +148,14 @@ def _published_columns(board: Leaderboard, table: PublishedTable) -> list[Column
     columns += [
         Column(
             f"{prefix}_task_mean",
-            f"Published {table.key} task mean",
+            f"Published {table.key} task mean{over}",
             of(lambda pub: pub.task_mean),
             kind="published",
             detail=True,
         ),
         Column(
             f"{prefix}_group_mean",
-            f"Published {table.key} group mean",
+            f"Published {table.key} group mean{over}",
             of(table.group_mean),
             csv=as_csv(f"{prefix}_group_mean", 2),
             kind="published",
@@ -164,7 +171,7 @@ def _published_columns(board: Leaderboard, table: PublishedTable) -> list[Column
         ),
         Column(
             f"{prefix}_ppt",
-            f"Published {table.key} PPT",
+            f"Published {table.key} PPT{over}",
             of(lambda pub: pub.ppt if pub.ppt is not None else math.nan),
             kind="published",
             detail=True,
@@ -263,7 +270,7 @@ def leaderboard_columns(board: Leaderboard) -> list[Column]:
     columns += [
         Column(
             f"task:{t}",
-            f"{labels[t]} {SATURATED_MARK}" if t in board.saturated else labels[t],
+            f"{labels[t]} {SATURATED_MARK}" if t in board.saturated else f"{labels[t]}{_outside(board, t)}",
             lambda row, t=t: row.scores.get(t),
             _score_cell,
             csv=lambda score, t=t: {

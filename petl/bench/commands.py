@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from petl.bench import notes, protocol, ranking, report
+from petl.bench import notes, protocol, report
 from petl.bench import suite as suites
 from petl.bench.args import (
     CONFIGS_KEYS,
@@ -303,10 +303,11 @@ def cmd_report(args: Sequence[str]) -> int:
     # suite=NAME: the suite the runs came from, so that the report marks what it has not run yet.
     plan = report.plan_of(own["suite"], configs) if "suite" in own else None
     board = write_report(positional[0], own.get("out"), configs, plan)
+    # The report removes a figure it does not draw (an earlier report's), so the folder says which it drew.
+    figures = [name for name in (report.CURVES_FILE, notes.CD_FILE) if (Path(out) / name).is_file()]
     print(
         f"petl-bench: {plural(len(board.rows), 'experiment')} x {plural(len(board.tasks), 'task')} -> "
-        f"{out}/leaderboard.{{md,csv,html}}, {out}/pareto.png"
-        + (f", {out}/{notes.CD_FILE}" if isinstance(board.ranking, ranking.Ranking) else "")
+        f"{out}/leaderboard.{{md,csv,html}}, {out}/pareto.png" + "".join(f", {out}/{name}" for name in figures)
     )
     if plan is not None:
         print(f"petl-bench: {report.progress(board)}")

@@ -9,8 +9,9 @@ Pareto plot follow, then the details table (family, convergence, cost, published
 and selection, whose long texts fold into a per-row disclosure), the learning curves and the published
 per-task tables.  Every cell carries its sort key in
 ``data-sort``, so a click on a header sorts numerically even though the cell shows ``85.12 ± 0.31``.
-Opening the page as ``leaderboard.html#sort=<column key>:<asc|desc>`` sorts on load, which makes a
-sorted view linkable (and lets the tests check the sorting in a real browser).
+Opening the page as ``leaderboard.html#sort=<column key>:<asc|desc>`` sorts on load (``#sort=ppt:desc``,
+``#sort=task:vtab/dtd:asc``: a task column's key holds a colon), which makes a sorted view linkable (and lets the
+tests check the sorting in a real browser).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from html import escape
 
 from petl.bench.table import Table
 
-# An info cell longer than this many characters is shown folded (its start, a click opens it).
+# An info cell longer than this many characters is shown folded (its start, a click opens it), but for a row's name.
 LONG_TEXT = 50
 
 _STYLE = """
@@ -71,7 +72,7 @@ document.querySelectorAll("table.sortable").forEach(function (table) {
   });
 });
 (function () {
-  var m = /^#sort=([^:]+):(asc|desc)$/.exec(decodeURIComponent(window.location.hash));
+  var m = /^#sort=(.+):(asc|desc)$/.exec(decodeURIComponent(window.location.hash));  // a key may hold ":" (task:...)
   var table = document.getElementById("leaderboard");
   if (!m || !table) { return; }
   Array.prototype.forEach.call(table.tHead.rows[0].cells, function (th, col) {
@@ -89,8 +90,8 @@ def _table(table: Table, table_id: str, css_class: str = "") -> str:
     body = "".join(
         "<tr>"
         + "".join(
-            f'<td class="{h.kind}" data-sort="{escape(str(key))}">{_cell_text(text, h.kind)}</td>'
-            for h, (text, key) in zip(table.headers, cells, strict=True)
+            f'<td class="{h.kind}" data-sort="{escape(str(key))}">{_cell_text(text, h.kind, fold=i > 0)}</td>'
+            for i, (h, (text, key)) in enumerate(zip(table.headers, cells, strict=True))
         )
         + "</tr>"
         for cells in table.rows
@@ -178,8 +179,10 @@ def render_html(
     return "\n".join(parts) + "\n"
 
 
-def _cell_text(text: str, kind: str) -> str:
-    if kind == "info" and len(text) > LONG_TEXT:
+def _cell_text(text: str, kind: str, fold: bool = True) -> str:
+    # fold=False: a row's name (the first column) is shown whole, with its mark (`*`): two long names that share
+    # their start would read as one, and a folded `lora_... *` would hide that the row is not ranked.
+    if fold and kind == "info" and len(text) > LONG_TEXT:
         # A long text (a configuration, the choices of a search) shows its start; a click opens the rest, so
         # that each row stays one line high.
         return f"<details><summary><span>{escape(text[: LONG_TEXT - 10])}…</span></summary>{escape(text)}</details>"

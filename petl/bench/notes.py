@@ -15,7 +15,14 @@ from petl.bench.board import (
 from petl.bench.collect import (
     set_aside_files,
 )
-from petl.bench.columns import FAR_SEED_MARK, RISING_MARK, SATURATED_MARK, still_learning, task_labels
+from petl.bench.columns import (
+    FAR_SEED_MARK,
+    NOT_IN_SUITE_MARK,
+    RISING_MARK,
+    SATURATED_MARK,
+    still_learning,
+    task_labels,
+)
 from petl.bench.curves import CONVERGENCE_TAIL
 from petl.bench.published import (
     MIN_RANKED,
@@ -31,8 +38,9 @@ from petl.utils.text import plural
 
 def notes(board: Leaderboard) -> list[str]:
     """The legend every rendering carries: what each summary column means and where published figures come from."""
-    members = {g: [t.rsplit("/", 1)[-1] for t in board.tasks if board.groups[t] == g] for g in board.group_names}
-    group_text = "; ".join(f"{g}: {', '.join(names)}" for g, names in members.items())
+    counted = board.counted_tasks
+    members = {g: [t.rsplit("/", 1)[-1] for t in counted if board.groups[t] == g] for g in board.group_names}
+    group_text = "; ".join(f"{g}: {', '.join(names)}" for g, names in members.items() if names)
     # A user's own data (a folder, a saved dataset) belongs to no benchmark group: its registry entry's group is a
     # default, not a finding.
     groups = (
@@ -49,7 +57,7 @@ def notes(board: Leaderboard) -> list[str]:
     lines = [
         f"Measured by petl on {', '.join(board.models)}; top-1 test accuracy (%) as mean ± sample standard "
         "deviation over seeds (no ± with one seed).",
-        f"**Task mean** = unweighted mean over the {plural(len(board.tasks), 'task')} of the per-task means "
+        f"**Task mean** = unweighted mean over the {plural(len(board.counted_tasks), 'task')} of the per-task means "
         f"(V-PETL's `task_mean`).{groups}",
         "**PPT** = M·exp(−log10(P/C + 1)), M = task mean as a fraction, P = trainable parameters without the "
         "head (mean over runs), C = 10^7 (V-PETL Bench).",
@@ -71,6 +79,13 @@ def notes(board: Leaderboard) -> list[str]:
         )
         if line
     ]
+    outside = [t for t in board.tasks if t not in board.counted_tasks]
+    if outside:
+        lines.append(
+            f"**{NOT_IN_SUITE_MARK}**: {', '.join(task_labels(board.tasks)[t] for t in outside)}, not a task of suite "
+            f"`{board.plan.suite if board.plan else ''}`: its runs are shown, and left out of every mean and of the "
+            "rank test, so that each row's means cover the suite's tasks."
+        )
     if board.plan is not None:
         lines.append(progress(board))
     if board.compute is not None:
@@ -86,12 +101,19 @@ def notes(board: Leaderboard) -> list[str]:
     if board.published_names and benchmark_tasks(board):
         lines.append(ranking_line(board))
     for table in board.tables:
+        ran = len({table.column(t) for t in board.tasks if table.covers(t)} & set(table.columns()))
+        partial = (
+            f" Its task mean, group mean and PPT are the published ones, over its {len(table.columns())} tasks, of "
+            f"which this board ran {ran}: they do not compare with the measured task mean, the per-task figures do."
+            if table.over_its_tasks(board.tasks)
+            else ""
+        )
         lines.append(
             f"**Published {table.key}** columns: {table.title}; source: {table.source}. Figures published by "
             "others, not measured by petl; they are never mixed into the measured columns. They are shown only "
             f"beside experiments run on the published backbone (`{table.backbone}`, pretrained): otherwise the "
             f'row column says "{DIFFERENT_BACKBONE}"; "{NO_PUBLISHED_ROW}" means the experiment file names no '
-            "row of this table (`published:`)."
+            f"row of this table (`published:`).{partial}"
         )
     return lines
 

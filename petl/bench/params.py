@@ -163,9 +163,14 @@ def main(args: Sequence[str]) -> int:
         1 when an experiment's count on the published backbone differs from its published row at the
         published precision and its file gives no ``published_note`` for that table, else 0.
 
+    Raises:
+        SystemExit: an unknown argument, ``methods=`` listing nothing, a suite without a published table.
+        ValueError: an unknown suite, experiment or model (``ConfigError``), before any count.
+
     """
     from petl.bench.args import split_list
     from petl.data import get_info
+    from petl.train.config import check_group_choice
 
     own, rest = parse_args(args, PARAMS_KEYS)
     if rest:
@@ -173,11 +178,16 @@ def main(args: Sequence[str]) -> int:
     configs = configs_folder(own)
     suite = suites.load_suite(own.get("suite", "vtab1k"), configs)
     names = split_list(own["methods"]) if "methods" in own else suite.experiments
+    if not names:
+        # A table of no row that exits 0 would read as every count checked.
+        raise SystemExit("petl-bench params: methods= lists nothing: name one or more, or leave it out for the suite's")
     experiments = [suites.load_experiment(n, configs) for n in names]
     tables = [t for t in TABLES if any(t.covers(task) for task in suite.tasks)]
     if not tables:
         raise SystemExit(f"petl-bench params: suite {suite.name} has no published table to compare with")
     model_name = own.get("model", suite_backbone(suite))
+    # Before the table's first lines: an unknown name is bad input (exit 2), not timm's RuntimeError mid-table (exit 1).
+    check_group_choice("model", model_name)
     # The head is not counted, so any class count serves; the suite's first task's keeps it realistic.
     num_classes = get_info(suite.tasks[0]).num_classes
     failed = False

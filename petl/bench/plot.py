@@ -409,7 +409,9 @@ def render_curves(
         ax.set_title(f"{family}{subtitle}", fontsize=9, color=colour, loc="left")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7, loc="lower right")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # epochs are whole numbers, not 2.5
+        # Epochs are whole numbers, not 2.5; min_n_ticks=1: over one epoch (an axis of 0.95 to 1.05) the locator
+        # would otherwise give up its integers for eight ticks 0.945 to 1.050.
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
     for k in range(len(order), len(axes)):
         # Panels left over in the last row stay empty; the panel above each shows the epoch ticks instead.
         axes[k].set_visible(False)

@@ -125,6 +125,20 @@ class PublishedTable:
         """The table's rows by method name."""
         return _load(PUBLISHED_DIR / self.filename)
 
+    def columns(self) -> list[str]:
+        """The table's task columns, in published order (the names after the prefix)."""
+        return list(next(iter(self.rows().values())).top1)
+
+    def over_its_tasks(self, tasks: Sequence[str]) -> str:
+        """`` (its 19 tasks)`` where ``tasks`` (petl dataset names) leave out some of the table's columns, else ``""``.
+
+        The table's task mean, group mean and PPT are over all its columns: beside a board of fewer of them, a
+        label without the count reads as the mean over the board's tasks, which it is not.
+        """
+        ran = {self.column(t) for t in tasks if self.covers(t)}
+        missing = set(self.columns()) - ran
+        return f" (its {len(self.columns())} tasks)" if missing else ""
+
     def group_of(self, column: str) -> str:
         """The benchmark group of a column (VTAB's three groups; one group for FGVC), from petl's dataset registry."""
         return get_info(self.prefix + column).group

@@ -182,7 +182,7 @@ def rank_test(board: Leaderboard, rows: Sequence[ExperimentRow] | None = None, a
         return f"{plural(len(rows), 'complete row')}: a comparison needs two"
     left_out = saturated_tasks(board)
     # The tasks every ranked row ran (a plan's; a task only an incomplete row reached is no block).
-    tasks = [t for t in board.tasks if t not in left_out and all(t in r.scores for r in rows)]
+    tasks = [t for t in board.counted_tasks if t not in left_out and all(t in r.scores for r in rows)]
     if len(tasks) >= 2:
         block, blocks = "task", tuple(tasks)
         values = np.array([[r.scores[t].mean for r in rows] for t in tasks])

@@ -91,7 +91,7 @@ def _task_order_key(task: str, groups: dict[str, str]) -> tuple:
     # Benchmarks print tasks group by group and, within a group, in their published column order.
     order = order_groups(set(groups.values()))
     table = table_for(task)
-    columns = list(next(iter(table.rows().values())).top1) if table else []
+    columns = table.columns() if table else []
     column = table.column(task) if table else ""
     position = columns.index(column) if column in columns else len(columns)
     return order.index(groups[task]), position, task
@@ -224,16 +224,19 @@ def aggregate(
                 change = nanmean([tail_change(c.val_top1) for c in curves.get(task, [])])
                 seeds = tuple(r.seed for r in cell)
                 scores[task] = TaskScore(statistics.fmean(top1), std, seeds, stuck, far, change)
+        # With a plan, the means are over the suite's tasks: a run of another task in the folder would make this row's
+        # task mean one over more tasks than the other rows', sorted and plotted among them as if it were not.
+        counted = {t: s for t, s in scores.items() if plan is None or t in plan.tasks}
         group_means = {
-            g: mean([s.mean for t, s in scores.items() if groups[t] == g])
-            for g in order_groups({groups[t] for t in scores})
+            g: mean([s.mean for t, s in counted.items() if groups[t] == g])
+            for g in order_groups({groups[t] for t in counted})
         }
         rows.append(
             ExperimentRow(
                 experiment=name,
                 runs=runs,
                 scores=scores,
-                task_mean=mean([s.mean for s in scores.values()]),
+                task_mean=mean([s.mean for s in counted.values()]),
                 group_means=group_means,
                 trainable=mean([float(r.result.trainable_params) for r in runs]),
                 trainable_no_head=mean([float(r.result.trainable_params_no_head) for r in runs]),
@@ -329,14 +332,15 @@ def published_tables(board: Leaderboard) -> list[Table]:
     for table in board.tables:
         covered = [t for t in board.tasks if table.covers(t)]
         labels = task_labels(covered)
+        over = table.over_its_tasks(board.tasks)
         headers = [
             Header("experiment", "petl experiment", "info"),
             Header("published_method", "Published row", "published"),
             *[Header(f"published:{t}", labels[t], "published") for t in covered],
-            Header("published_task_mean", "Task mean", "published"),
-            Header("published_group_mean", "Group mean", "published"),
+            Header("published_task_mean", f"Task mean{over}", "published"),
+            Header("published_group_mean", f"Group mean{over}", "published"),
             Header("published_params", "Params M", "published"),
-            Header("published_ppt", "PPT", "published"),
+            Header("published_ppt", f"PPT{over}", "published"),
         ]
         rows = []
         for row in board.rows:
@@ -445,8 +449,14 @@ def _summary(board: Leaderboard) -> str:
     return f"{plural(len(board.rows), 'experiment')}, {plural(len(board.tasks), 'task')}, {plural(runs, 'run')}."
 
 
-def markdown(board: Leaderboard) -> str:
-    """``leaderboard.md``: the main table, the details table, the legend, the comparison, the published tables."""
+def markdown(board: Leaderboard, legend: list[str] | None = None) -> str:
+    """``leaderboard.md``: the main table, the details table, the legend, the comparison, the published tables.
+
+    Args:
+        board: the leaderboard.
+        legend: its legend lines, when already built (:func:`petl.bench.notes.notes`, which warns of each damaged
+            set-aside record: built once per report, each is named once); default: built here.
+    """
     lines = [
         f"# {md_escape(_title(board))}",
         "",
@@ -460,7 +470,7 @@ def markdown(board: Leaderboard) -> str:
         "",
         "## Legend",
         "",
-        *[f"- {md_escape(n)}" for n in notes(board)],
+        *[f"- {md_escape(n)}" for n in (notes(board) if legend is None else legend)],
         "",
         f"## {COMPARISON_TITLE}",
         "",
@@ -485,6 +495,9 @@ def pareto_png(board: Leaderboard) -> bytes:
 
     points = [Point(r.experiment, r.trainable, r.task_mean, board.complete(r), board.family(r)) for r in board.rows]
     return render_pareto(points, len(board.tasks), board.models, _family_legend(board))
+
+
+CURVES_FILE = "learning_curves.png"
 
 
 def learning_curves_png(board: Leaderboard) -> bytes | None:
@@ -570,7 +583,8 @@ def write_report(
     board has two complete rows to compare over two blocks.
 
     ``learning_curves.png`` (val top-1 per epoch on one task, :func:`learning_curves`) is written too
-    when the runs recorded per-epoch val accuracy.
+    when the runs recorded per-epoch val accuracy.  Either figure left in ``out_dir`` by an earlier report is removed
+    when this board has none: it would show another board's rows beside this one's pages.
 
     Args:
         results_dir: a results root holding ``<task>/<experiment>/seed<k>/result.json`` files.
@@ -604,11 +618,12 @@ def write_report(
     if curves_png is not None:
         figures.append(("Learning curves", curves_png))
     cd_png = critical_difference_png(board)
+    legend = notes(board)
     html = render_html(
         _title(board),
         display_table(board),
         details_table(board),
-        notes(board),
+        legend,
         figures,
         published_tables(board),
         _summary(board),
@@ -616,11 +631,13 @@ def write_report(
     )
     # Two sweeps finishing together both rebuild the report; each file is renamed into place whole.
     write_text(out / "leaderboard.csv", csv_text(board))
-    write_text(out / "leaderboard.md", markdown(board))
+    write_text(out / "leaderboard.md", markdown(board, legend))
     write_atomic(out / "pareto.png", lambda tmp: tmp.write_bytes(png))
     write_text(out / "leaderboard.html", html)
-    if curves_png is not None:
-        write_atomic(out / "learning_curves.png", lambda tmp: tmp.write_bytes(curves_png))
-    if cd_png is not None:
-        write_atomic(out / CD_FILE, lambda tmp: tmp.write_bytes(cd_png))
+    for name, drawn in ((CURVES_FILE, curves_png), (CD_FILE, cd_png)):
+        if drawn is not None:
+            write_atomic(out / name, lambda tmp, drawn=drawn: tmp.write_bytes(drawn))
+        else:
+            # An earlier report's figure of another board (more rows, a rank test) would sit beside this one's pages.
+            (out / name).unlink(missing_ok=True)
     return board

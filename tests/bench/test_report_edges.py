@@ -1,0 +1,194 @@
+"""Leaderboard reports on the boards users make: part of a published benchmark, a report written twice into one folder,
+a task outside the suite, long names, one epoch, stray set-aside records; and ``petl-bench params``'s bad input.
+
+Training is faked (``write_run`` writes a result.json), so these take seconds.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from conftest import command_status
+from test_harness import VTAB, VTAB_ROWS, VTAB_TASKS, _dump_dom_in_chromium, _read_table, read_csv, write_run
+
+from petl.bench.report import write_report
+from petl.cli import bench as cli
+
+# Three of VTAB-1k's 19 tasks, on the published backbone, each cell at exactly the published figure.
+SOME_VTAB = ("vtab/cifar100", "vtab/dtd", "vtab/clevr_count")
+PUBLISHED = (("lora", "LoRA", 0.29e6), ("linear", "Linear probing", 0.0), ("vpt_deep", "VPT-Deep", 0.6e6))
+
+
+def _some_vtab(root: Path) -> Path:
+    for experiment, published, no_head in PUBLISHED:
+        for task in SOME_VTAB:
+            top1 = VTAB_ROWS[published].top1[VTAB.column(task)]
+            write_run(root, task, experiment, 0, top1=top1, no_head=no_head, head=7.7e3, model=VTAB.backbone)
+    return root
+
+
+def test_a_published_task_mean_over_other_tasks_than_the_board_s_says_so(tmp_path):
+    # Was: on 3 of VTAB-1k's 19 tasks, LoRA measured at exactly its published per-task figures showed a task mean of
+    # 73.13 beside "Published vtab1k task mean" 72.25 (the published mean over all 19 tasks), and the per-task
+    # published table put that 72.25 under "Task mean" right after its 3 task columns, whose mean is 73.13: read as
+    # petl's LoRA beating the published one by 0.9 points on the same tasks.
+    root = _some_vtab(tmp_path / "vtab")
+    write_report(root)
+    lora = read_csv(root / "leaderboard.csv")["lora"]
+    assert round(float(lora["task_mean"]), 2) == 73.13 and float(lora["published_vtab1k_task_mean"]) == 72.25
+    md = (root / "leaderboard.md").read_text()
+    details = next(line for line in md.splitlines() if line.startswith("| Experiment | Family"))
+    assert "| Published vtab1k task mean (its 19 tasks) | Published vtab1k group mean (its 19 tasks) |" in details
+    assert "| Published vtab1k PPT (its 19 tasks) |" in details
+    per_task = next(line for line in md.splitlines() if line.startswith("| petl experiment"))
+    assert "| clevr_count | Task mean (its 19 tasks) | Group mean (its 19 tasks) | Params M | PPT (its 19 tasks) |" in (
+        per_task
+    )
+    assert "over its 19 tasks, of which this board ran 3: they do not compare with the measured task mean" in md
+    assert "Task mean (its 19 tasks)" in (root / "leaderboard.html").read_text()
+
+
+def test_a_board_of_every_published_task_keeps_the_plain_labels(tmp_path):
+    # The count is said only where the board leaves some of the table's tasks out.
+    root = tmp_path / "vtab"
+    for task in VTAB_TASKS:
+        write_run(root, task, "lora", 0, top1=VTAB_ROWS["LoRA"].top1[VTAB.column(task)], model=VTAB.backbone)
+    write_report(root)
+    md = (root / "leaderboard.md").read_text()
+    assert "| Published vtab1k task mean | Published vtab1k group mean |" in md and "its 19 tasks" not in md
+
+
+def test_a_report_over_an_earlier_one_leaves_no_figure_of_the_earlier_board(tmp_path):
+    # Was: a first report drew critical_difference.png and learning_curves.png; a second one into the same folder,
+    # with one row left (or no curves), wrote its pages and kept both figures, which still showed the earlier rows.
+    for experiment, top1 in (("lora", 80.0), ("linear", 70.0)):
+        for task in ("mini/digits", "mini/mnist"):
+            write_run(tmp_path, task, experiment, 0, top1=top1)
+            run = tmp_path / task.replace("/", "-") / experiment / "seed0"
+            (run / "metrics.jsonl").write_text('{"epoch": 1, "val_top1": 50.0}\n{"epoch": 2, "val_top1": 60.0}\n')
+    write_report(tmp_path)
+    assert (tmp_path / "critical_difference.png").is_file() and (tmp_path / "learning_curves.png").is_file()
+    for task in ("mini-digits", "mini-mnist"):
+        shutil.rmtree(tmp_path / task / "linear")
+        (tmp_path / task / "lora" / "seed0" / "metrics.jsonl").unlink()
+    write_report(tmp_path)
+    assert not (tmp_path / "critical_difference.png").exists() and not (tmp_path / "learning_curves.png").exists()
+    assert "critical_difference.png" not in (tmp_path / "leaderboard.md").read_text()
+
+
+@pytest.mark.slow
+def test_the_page_sorts_on_load_by_a_task_column_whose_key_holds_a_colon(tmp_path):
+    # Was: the hash's key was matched up to its first colon, so #sort=task:mini/digits:asc (every task column's key,
+    # and each group mean's, group:natural) sorted nothing: the page opened in the order written.
+    for experiment, digits, mnist in (("lora", 90.0, 50.0), ("linear", 70.0, 80.0), ("bitfit", 60.0, 70.0)):
+        write_run(tmp_path, "mini/digits", experiment, 0, top1=digits)
+        write_run(tmp_path, "mini/mnist", experiment, 0, top1=mnist)
+    write_report(tmp_path)
+    page = (tmp_path / "leaderboard.html").as_uri()
+    assert [row[0] for row in _read_table((tmp_path / "leaderboard.html").read_text(), "leaderboard").rows] == [
+        "linear",
+        "lora",
+        "bitfit",
+    ]
+    dom = _dump_dom_in_chromium(page + "#sort=task:mini/mnist:desc", tmp_path)
+    assert [row[0] for row in _read_table(dom, "leaderboard").rows] == ["linear", "bitfit", "lora"]
+    dom = _dump_dom_in_chromium(page + "#sort=task:mini/digits:asc", tmp_path)
+    assert [row[0] for row in _read_table(dom, "leaderboard").rows] == ["bitfit", "linear", "lora"]
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (("methods=",), "methods= lists nothing"),
+        (("methods=lora", "model=vit_bse_patch16_224"), "unknown model 'vit_bse_patch16_224'; did you mean"),
+    ],
+)
+def test_params_refuses_an_empty_methods_and_an_unknown_model_in_one_line(capsys, args, said):
+    # Was: methods= printed a table of no row and exited 0 (as if every count had been checked); an unknown model=
+    # printed the table's head, then timm's "RuntimeError: Unknown model" and exited 1, a failure, not bad input.
+    code, out, err = command_status(capsys, cli.main, "params", *args)
+    assert code == 2 and said in err and len(err.strip().splitlines()) == 1, err
+    assert "experiment" not in out
+
+
+def test_report_s_line_names_the_learning_curves_it_wrote(tmp_path, capsys):
+    # Was: "-> DIR/leaderboard.{md,csv,html}, DIR/pareto.png": learning_curves.png was written and never named.
+    for experiment, top1 in (("lora", 80.0), ("linear", 70.0)):
+        write_run(tmp_path, "mini/digits", experiment, 0, top1=top1)
+        (tmp_path / "mini-digits" / experiment / "seed0" / "metrics.jsonl").write_text('{"epoch": 1, "val_top1": 50}\n')
+    code, out, _ = command_status(capsys, cli.main, "report", str(tmp_path))
+    assert code == 0 and f"{tmp_path}/pareto.png, {tmp_path}/learning_curves.png\n" in out
+    assert "critical_difference.png" not in out  # one block: no rank test, no diagram
+
+
+def test_a_damaged_record_in_an_unstable_folder_outside_any_cell_does_not_fail_the_report(tmp_path, capsys):
+    # Was: <root>/unstable/p/seed0/result.json, damaged, failed the report with "petl-bench: error: '/tmp' is not in
+    # the subpath of '/tmp/...'" (the set-aside line looked for its task folder above the root), naming no file.
+    write_run(tmp_path, "mini/digits", "lora", 0, top1=80.0)
+    (tmp_path / "unstable" / "p" / "seed0").mkdir(parents=True)
+    (tmp_path / "unstable" / "p" / "seed0" / "result.json").write_text("{")
+    code, _, err = command_status(capsys, cli.main, "report", str(tmp_path))
+    assert code == 0 and "error" not in err, err
+    assert "**Set aside**" not in (tmp_path / "leaderboard.md").read_text()
+
+
+def test_a_learning_curve_of_one_epoch_marks_epoch_1_only(monkeypatch):
+    # Was: the epoch axis of one-epoch runs read 0.945, 0.960, ... 1.050: the integer locator gave up on a span
+    # holding one whole number.
+    from petl.bench import plot
+
+    drawn = []
+    monkeypatch.setattr(plot, "_png", lambda fig: drawn.append(fig) or b"")
+    plot.render_curves({"lora": [80.0], "linear": [70.0]}, "mini/digits", ["vit"], {"lora": "low-rank"})
+    for ax in drawn[0].axes:
+        low, high = ax.get_xlim()
+        assert [float(t) for t in ax.get_xticks() if low <= t <= high] == [1.0]
+
+
+def test_a_long_experiment_name_is_shown_whole_with_its_mark_in_the_html(tmp_path):
+    # Was: an experiment name past 50 characters was folded like a long config text, in the main, details and rank
+    # tables: two names sharing their first 40 characters read as one row twice, and the `*` of an unranked row (one
+    # task short) was hidden behind the fold.
+    stem = "adapter_parallel_dim8_scale0.1_warmup5_lr_search_"
+    for name, tasks in ((stem + "a", ("mini/digits", "mini/mnist")), (stem + "b", ("mini/digits",))):
+        for task in tasks:
+            write_run(tmp_path, task, name, 0, top1=70.0)
+    write_report(tmp_path)
+    page = (tmp_path / "leaderboard.html").read_text()
+    assert f'data-sort="{stem}a">{stem}a</td>' in page and f'data-sort="{stem}b">{stem}b *</td>' in page
+    assert "<summary>" not in page.split('id="leaderboard"')[1].split("</table>")[0]
+
+
+def test_a_run_of_a_task_outside_the_suite_has_its_column_and_no_part_in_the_means(tmp_path):
+    # Was: report suite=mini on a folder where linear also ran vtab/dtd (one seed, 99 %) showed linear complete and
+    # unmarked with a task mean over 8 tasks (76.00) among rows over the suite's 7 (its own over them: 72.71), sorted
+    # and plotted by it; nothing said which tasks the mean covered.
+    from petl.bench.report import plan_of
+    from petl.bench.suite import configs_dir, load_suite
+
+    mini = load_suite("mini", configs_dir())
+    for experiment, top1 in (("lora", 80.0), ("linear", 70.0)):
+        for i, task in enumerate(mini.tasks):
+            for seed in mini.seeds:
+                write_run(tmp_path, task, experiment, seed, top1=top1 + i)
+    write_run(tmp_path, "vtab/dtd", "linear", 0, top1=99.0)
+    board = write_report(tmp_path, plan=plan_of("mini"))
+    linear = next(row for row in board.rows if row.experiment == "linear")
+    assert linear.task_mean == 73.0 and board.complete(linear)
+    assert "vtab/dtd" in linear.scores and "vtab/dtd" not in board.ranking.blocks
+    md = (tmp_path / "leaderboard.md").read_text()
+    assert "| dtd (not in the suite) |" in md and "unweighted mean over the 7 tasks" in md
+    assert "**(not in the suite)**: dtd, not a task of suite `mini`" in md
+    assert float(read_csv(tmp_path / "leaderboard.csv")["linear"]["task_mean"]) == 73.0
+
+
+def test_a_damaged_set_aside_record_is_named_once_per_report(tmp_path, capsys):
+    # Was: named twice, in two identical warnings: the legend was built once for the Markdown and once for the HTML.
+    write_run(tmp_path, "mini/digits", "lora", 0, top1=80.0)
+    aside = tmp_path / "mini-digits" / "lora" / "unstable" / "train.lr=0.1" / "seed0"
+    aside.mkdir(parents=True)
+    (aside / "result.json").write_text("{")
+    code, _, err = command_status(capsys, cli.main, "report", str(tmp_path))
+    assert code == 0 and err.count("set-aside run:") == 1, err
