@@ -26,6 +26,11 @@ from petl.store import files
 from petl.store.run_card import LoadedRun, load_run
 from petl.utils.paths import cannot_be_written, cannot_write_in
 
+try:
+    import fcntl
+except ImportError:  # Windows: no advisory locks; a killed export's temporary folder is then named, not removed
+    fcntl = None  # type: ignore[assignment]
+
 PROG = "petl-export"
 FORMAT = "petl-export-1"
 FORMATS = (".safetensors", ".onnx", "")  # "": a timm folder
@@ -37,6 +42,9 @@ ONNX_TOLERANCE = 1e-3
 # the .onnx, as onnx.save_model(save_as_external_data=True) writes it; 64 MiB are left for the graph and metadata.
 ONNX_WEIGHTS_LIMIT = 2**31 - 2**26
 ONNX_DATA_SUFFIX = ".data"  # FILE.onnx.data, the name torch's newer (dynamo) exporter gives that file
+# In an ONNX export's temporary folder: a file the export holds locked (flock) while it runs, so a later export
+# tells the folder of one killed (kill -9, a power cut) from a live one's, and both from a folder it did not make.
+WORK_LOCK = "petl-export.lock"
 
 
 def metadata(run: LoadedRun) -> dict[str, str]:
@@ -120,7 +128,8 @@ def save_onnx(model: nn.Module, path: Path, meta: dict[str, str], image_size: in
     A model whose weights pass protobuf's 2 GiB (:data:`ONNX_WEIGHTS_LIMIT`) keeps them in one file beside
     ``path`` (:func:`onnx_data_path`), which the ``.onnx`` names and must stay beside; a smaller model is one file,
     and an earlier export's data file is removed.  Everything is written in a temporary folder beside ``path``
-    and moved in once checked, the ``.onnx`` last, so an interrupted export leaves no ``.onnx`` that is not whole.
+    and moved in once checked, the ``.onnx`` last, so an interrupted export leaves no ``.onnx`` that is not whole;
+    the folder of an export killed before it could remove it is removed here (:func:`remove_killed_exports`).
 
     Raises:
         RuntimeError: torch's exporter cannot trace the model (timm's EVA), or onnxruntime disagrees with torch by
@@ -129,8 +138,8 @@ def save_onnx(model: nn.Module, path: Path, meta: dict[str, str], image_size: in
     """
     example = torch.randn(2, 3, image_size, image_size, generator=torch.Generator().manual_seed(0))
     path.parent.mkdir(parents=True, exist_ok=True)
-    # A folder, not a file: past 2 GiB torch's exporter writes each weight as a file beside the one it is given.
-    work = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    remove_killed_exports(path)
+    work, held = _work_folder(path)
     try:
         written = work / path.name
         _torch_onnx_export(model, example, written, meta)
@@ -141,7 +150,58 @@ def save_onnx(model: nn.Module, path: Path, meta: dict[str, str], image_size: in
         _move_onnx_in(written, path, large)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+        os.close(held)
     return gap
+
+
+def _work_folder(path: Path) -> tuple[Path, int]:
+    """A temporary folder beside ``path`` (``.FILE.onnx.*.tmp``) holding :data:`WORK_LOCK`, and the lock's descriptor.
+
+    A folder, not a file: past 2 GiB torch's exporter writes each weight as a file beside the one it is given.
+    """
+    work = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    new = work / f"{WORK_LOCK}.new"
+    held = os.open(new, os.O_CREAT | os.O_WRONLY, 0o644)
+    if fcntl is not None:
+        fcntl.flock(held, fcntl.LOCK_EX)
+    # Locked before it has its name: a later export never finds the lock file unlocked while this export lives.
+    os.rename(new, work / WORK_LOCK)
+    return work, held
+
+
+def remove_killed_exports(path: Path) -> list[Path]:
+    """Remove the temporary folders killed ONNX exports to ``path`` left beside it; return them.
+
+    A folder of :func:`_work_folder` whose lock nobody holds is a killed export's, and is removed; a live export's
+    is left alone.  A folder of that name without the lock (an earlier petl's, or not petl's at all) is never
+    removed: a note on stderr names it, for the user to delete.
+    """
+    removed = []
+    for folder in sorted(path.parent.glob(f".{path.name}.*.tmp")):
+        if folder.is_symlink() or not folder.is_dir():  # a file: petl.utils.paths.atomic_path's, or the user's
+            continue
+        lock = folder / WORK_LOCK
+        if fcntl is None or not lock.is_file():
+            print(
+                f"{PROG}: note: {folder} may be the temporary folder of an interrupted export to {path}: delete it "
+                "if no export is writing there",
+                file=sys.stderr,
+            )
+            continue
+        try:
+            held = os.open(lock, os.O_RDONLY)
+        except OSError:  # its export finished meanwhile
+            continue
+        try:
+            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # a live export's
+            continue
+        else:
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+        finally:
+            os.close(held)
+    return removed
 
 
 def _torch_onnx_export(model: nn.Module, example: torch.Tensor, path: Path, meta: dict[str, str]) -> None:

@@ -362,3 +362,43 @@ def test_a_large_onnx_export_that_fails_its_check_leaves_the_earlier_export_and_
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.onnx", "model.onnx.data", "run"]
     assert out.read_text() == "an earlier export"
     assert (tmp_path / "model.onnx.data").read_text() == "an earlier export's weights"
+
+
+def test_an_onnx_export_removes_the_temporary_folder_a_killed_export_left_and_names_one_it_did_not_make(
+    tmp_path, capsys
+):
+    # An export killed with kill -9 left its hidden temporary folder (with torch's weights) beside out= for good.
+    pytest.importorskip("onnxruntime")
+    run_dir = _run_folder(tmp_path / "run")
+    out = tmp_path / "model.onnx"
+    killed = """
+        import os, signal, sys
+        from petl.cli import export as export_cli
+        from petl.deploy import export as export_api
+        def killed(*args):
+            os.kill(os.getpid(), signal.SIGKILL)
+        export_api._onnx_gap = killed  # after torch wrote the model in the temporary folder
+        export_cli.main(sys.argv[1:])
+    """
+    env = {**os.environ, "PYTHONPATH": str(Path(petl.__file__).parents[1])}
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(killed), str(run_dir), f"out={out}"], env=env, capture_output=True
+    )
+    assert done.returncode == -9, done.stderr
+    (leftover,) = tmp_path.glob(".model.onnx.*.tmp")
+    assert (leftover / "model.onnx").is_file()
+    live, held = export_api._work_folder(out)  # another export, running now
+    mine = tmp_path / ".model.onnx.mine.tmp"  # the user's own folder of that name
+    mine.mkdir()
+    (mine / "notes.txt").write_text("the user's")
+    try:
+        export_cli.main([str(run_dir), f"out={out}"])
+        assert live.is_dir()
+    finally:
+        os.close(held)
+    assert not leftover.exists() and (mine / "notes.txt").read_text() == "the user's"
+    assert {p.name for p in tmp_path.iterdir()} == {".model.onnx.mine.tmp", live.name, "model.onnx", "run"}
+    assert capsys.readouterr().err == (
+        f"petl-export: note: {mine} may be the temporary folder of an interrupted export to {out}: delete it if no "
+        "export is writing there\n"
+    )
