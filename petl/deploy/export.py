@@ -24,7 +24,7 @@ from petl.data.transforms import CROP_RATIO
 from petl.model.unloading import unload
 from petl.store import files
 from petl.store.run_card import LoadedRun, load_run
-from petl.utils.paths import cannot_be_written, cannot_write_in
+from petl.utils.paths import cannot_be_written, cannot_write_in, remove_stale_temporaries
 
 try:
     import fcntl
@@ -68,7 +68,12 @@ def plain_model(run: LoadedRun) -> nn.Module:
 
 
 def save_safetensors(model: nn.Module, path: Path, meta: dict[str, str]) -> None:
-    """The plain model's ``state_dict`` as safetensors, written atomically."""
+    """The plain model's ``state_dict`` as safetensors, written atomically.
+
+    The temporary file an export killed while writing ``path`` left beside it (kill -9) is removed first
+    (:func:`petl.utils.paths.remove_stale_temporaries`: never a live writer's).
+    """
+    remove_stale_temporaries(path)
     tensors = {name: tensor.detach().cpu().contiguous() for name, tensor in model.state_dict().items()}
     data = safetensors.torch.save(tensors, metadata=meta)
 
@@ -108,12 +113,17 @@ def timm_config(run: LoadedRun) -> dict[str, Any]:
 
 
 def save_timm_folder(model: nn.Module, folder: Path, config: dict[str, Any]) -> None:
-    """``model.safetensors`` and ``config.json`` into ``folder`` (each written atomically)."""
+    """``model.safetensors`` and ``config.json`` into ``folder``, each written atomically.
+
+    The temporary files an export killed while writing them left (kill -9) are removed first, as
+    :func:`save_safetensors` says.
+    """
     folder.mkdir(parents=True, exist_ok=True)
     # An earlier export's config.json goes first: interrupted between the two files, the folder must not hold it
     # beside the new weights, a mix timm would load as a finished export.
     (folder / CONFIG_FILE).unlink(missing_ok=True)
     save_safetensors(model, folder / WEIGHTS_FILE, {"format": "pt"})
+    remove_stale_temporaries(folder / CONFIG_FILE)
     files.write_json(folder / CONFIG_FILE, config)
 
 

@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -402,3 +403,23 @@ def test_an_onnx_export_removes_the_temporary_folder_a_killed_export_left_and_na
         f"petl-export: note: {mine} may be the temporary folder of an interrupted export to {out}: delete it if no "
         "export is writing there\n"
     )
+
+
+def test_an_export_removes_the_temporary_files_an_export_killed_while_writing_left(tmp_path, capsys):
+    # An export killed (kill -9) while writing a .safetensors file, or a folder's files, left its hidden temporary
+    # file (as big as the weights) beside them for good.
+    run_dir = _run_folder(tmp_path / "run")
+    folder = tmp_path / "exported"
+    folder.mkdir()
+    killed = [tmp_path / ".model.safetensors.k1lled00.tmp"]
+    killed += [folder / ".model.safetensors.k1lled00.tmp", folder / ".config.json.k1lled00.tmp"]
+    for path in killed:
+        path.write_bytes(b"half a file")
+        os.utime(path, (time.time() - 3600,) * 2)
+    young = tmp_path / ".model.safetensors.wr1ting0.tmp"  # maybe a live export's, not locked yet: kept
+    young.write_bytes(b"half a file")
+    export_cli.main([str(run_dir), f"out={tmp_path / 'model.safetensors'}"])
+    export_cli.main([str(run_dir), f"out={folder}"])
+    assert [path for path in killed if path.exists()] == [] and young.exists()
+    assert sorted(p.name for p in folder.iterdir()) == ["config.json", "model.safetensors"]
+    capsys.readouterr()
