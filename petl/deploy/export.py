@@ -11,6 +11,8 @@ import shutil
 import sys
 import tempfile
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -373,15 +375,34 @@ def export(run_dir: str | Path, out: str | Path, overwrite: bool = False) -> flo
     run = load_run(run_dir)
     model = plain_model(run)
     meta = metadata(run)
-    try:
-        if out.suffix.lower() == ".onnx":
-            return save_onnx(model, out, meta, run.spec.image_size)
-        if out.suffix:
-            save_safetensors(model, out, meta)
-        else:
-            save_timm_folder(model, out, timm_config(run))
-    except OSError as error:  # a full disk: each file is written atomically, so none is left half-written
-        raise RuntimeError(
-            f"cannot write out={out} ({error.strerror or error}): free the space and export again"
-        ) from None
+    with _made_folders_removed_on_failure(out.parent if out.suffix else out):
+        try:
+            if out.suffix.lower() == ".onnx":
+                return save_onnx(model, out, meta, run.spec.image_size)
+            if out.suffix:
+                save_safetensors(model, out, meta)
+            else:
+                save_timm_folder(model, out, timm_config(run))
+        except OSError as error:  # a full disk: each file is written atomically, so none is left half-written
+            raise RuntimeError(
+                f"cannot write out={out} ({error.strerror or error}): free the space and export again"
+            ) from None
     return None
+
+
+@contextmanager
+def _made_folders_removed_on_failure(folder: Path) -> Iterator[None]:
+    """Remove the folders up to ``folder`` that the block made, if it fails (Ctrl-C too) and they are still empty.
+
+    An export that failed (a model torch cannot trace, a full disk) left the empty folders of a new ``out=`` path.
+    """
+    made = [path for path in (folder, *folder.parents) if not path.exists()]  # the deepest first
+    try:
+        yield
+    except BaseException:
+        for path in made:
+            try:
+                path.rmdir()
+            except OSError:  # not empty (a folder export's weights, written before a Ctrl-C), or gone
+                break
+        raise

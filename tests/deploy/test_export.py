@@ -423,3 +423,20 @@ def test_an_export_removes_the_temporary_files_an_export_killed_while_writing_le
     assert [path for path in killed if path.exists()] == [] and young.exists()
     assert sorted(p.name for p in folder.iterdir()) == ["config.json", "model.safetensors"]
     capsys.readouterr()
+
+
+def test_an_export_that_fails_removes_the_empty_folders_it_made_for_out(tmp_path, capsys, monkeypatch):
+    # An ONNX export torch cannot trace (timm's EVA) to out=new/sub/model.onnx failed in one line but left the
+    # empty folders new/sub behind.
+    run_dir = _run_folder(tmp_path / "run")
+
+    def cannot_trace(model, example, path, meta):
+        raise RuntimeError("torch.onnx.export cannot export eva02 (...): export a folder or a .safetensors file")
+
+    monkeypatch.setattr(export_api, "_torch_onnx_export", cannot_trace)
+    (tmp_path / "kept").mkdir()  # a folder that was there stays, even empty
+    for out in (tmp_path / "new" / "sub" / "model.onnx", tmp_path / "kept" / "sub" / "model.onnx"):
+        with pytest.raises(SystemExit) as stop:
+            export_cli.main([str(run_dir), f"out={out}"])
+        assert stop.value.code == 1 and capsys.readouterr().err.count("\n") == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept", "run"] and not any((tmp_path / "kept").iterdir())
