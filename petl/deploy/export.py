@@ -318,6 +318,8 @@ def check_target(run_dir: str | Path, out: str | Path, overwrite: bool = False) 
     out = Path(out)
     if out.suffix.lower() not in FORMATS:
         raise ValueError(f"out={out}: choose a folder (no suffix), a .safetensors or a .onnx file name")
+    if out.name.lower() in FORMATS:  # Python reads ".onnx" as a hidden folder's name, without a suffix
+        raise ValueError(f"out={out} names no file: give it a name ({out.with_name('model' + out.name.lower())})")
     try:
         target = out.resolve()
         if target.is_relative_to(Path(run_dir).resolve()):

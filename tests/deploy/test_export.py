@@ -135,6 +135,9 @@ def test_out_replaces_nothing_it_did_not_write_without_overwrite(tmp_path, capsy
     for target in (other / "trainable.safetensors", other, other / "sub" / "x.onnx"):
         refused([f"out={target}", "overwrite=true"], f"is inside the run folder {other}")
     refused([f"out={mine}", "overwrite=yes"], "overwrite='yes': expected boolean")
+    # A suffix alone is no file name: it was a hidden folder named .onnx, holding config.json and model.safetensors.
+    for name in (".onnx", ".safetensors"):
+        refused([f"out={tmp_path / name}"], f"out={tmp_path / name} names no file: give it a name ({tmp_path}/model")
     assert {p.name: p.read_text() for p in mine.iterdir()} == {
         "config.json": "the user's own config.json",
         "model.safetensors": "the user's own model.safetensors",
