@@ -258,7 +258,7 @@ def _save_onnx_with_metadata(path: Path, meta: dict[str, str]) -> bool:
 def _move_onnx_in(written: Path, path: Path, large: bool) -> None:
     """Move the checked export (and its data file) from the temporary folder onto ``path``, the ``.onnx`` last."""
     data = onnx_data_path(path)
-    if large or data.exists():
+    if large or os.path.lexists(data):
         # The earlier .onnx goes first: interrupted between the moves, no .onnx is left beside weights it does not
         # name (an old model.onnx would read the new model.onnx.data, or miss the one removed).
         path.unlink(missing_ok=True)
@@ -328,13 +328,14 @@ def check_target(run_dir: str | Path, out: str | Path, overwrite: bool = False) 
         if out.suffix:
             if out.is_dir():
                 raise ValueError(f"out={out} is a folder: name a new {out.suffix} file")
-            # A large ONNX export's data file is part of the export (an earlier one's, or someone's own file).
+            # A large ONNX export's data file is part of the export (an earlier one's, or someone's own file).  A
+            # symlink counts even dangling (lexists): the user made it.
             names = [out, onnx_data_path(out)] if out.suffix.lower() == ".onnx" else [out]
-            in_the_way = [path for path in names if path.exists()]
+            in_the_way = [path for path in names if os.path.lexists(path)]
         elif out.exists() and not out.is_dir():
             raise ValueError(f"out={out} is a file: name a folder (no suffix) or a .safetensors or .onnx file")
         else:
-            in_the_way = [out / name for name in (CONFIG_FILE, WEIGHTS_FILE) if (out / name).exists()]
+            in_the_way = [out / name for name in (CONFIG_FILE, WEIGHTS_FILE) if os.path.lexists(out / name)]
         for path in in_the_way:
             if path.is_dir():  # overwrite= replaces files, never a folder
                 raise ValueError(f"{path} is a folder, where the export writes a file: remove it or export elsewhere")

@@ -443,3 +443,21 @@ def test_an_export_that_fails_removes_the_empty_folders_it_made_for_out(tmp_path
             export_cli.main([str(run_dir), f"out={out}"])
         assert stop.value.code == 1 and capsys.readouterr().err.count("\n") == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["kept", "run"] and not any((tmp_path / "kept").iterdir())
+
+
+def test_a_dangling_symlink_at_out_is_in_the_way_as_a_file_is(tmp_path, capsys):
+    # A symlink the user made whose target is gone (exists() is False) was replaced without overwrite=true.
+    run_dir = _run_folder(tmp_path / "run")
+    (run_dir / run_card.WEIGHTS_FILE).write_bytes(b"not loaded: the refusal comes first")
+    links = [tmp_path / "model.safetensors", tmp_path / "model.onnx.data", tmp_path / "exported" / "config.json"]
+    (tmp_path / "exported").mkdir()
+    for link in links:
+        link.symlink_to(tmp_path / "gone" / link.name)
+    for out, link in zip([links[0], tmp_path / "model.onnx", tmp_path / "exported"], links, strict=True):
+        with pytest.raises(SystemExit) as stop:
+            export_cli.main([str(run_dir), f"out={out}"])
+        error = capsys.readouterr().err
+        assert stop.value.code == 2 and error == (
+            f"petl-export: error: {link} already exists: export elsewhere, or add overwrite=true to replace it\n"
+        )
+    assert all(link.is_symlink() for link in links)
