@@ -11,6 +11,8 @@ import shutil
 import sys
 import tempfile
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +26,12 @@ from petl.data.transforms import CROP_RATIO
 from petl.model.unloading import unload
 from petl.store import files
 from petl.store.run_card import LoadedRun, load_run
-from petl.utils.paths import cannot_be_written, cannot_write_in
+from petl.utils.paths import cannot_be_written, cannot_write_in, remove_stale_temporaries
+
+try:
+    import fcntl
+except ImportError:  # Windows: no advisory locks; a killed export's temporary folder is then named, not removed
+    fcntl = None  # type: ignore[assignment]
 
 PROG = "petl-export"
 FORMAT = "petl-export-1"
@@ -37,6 +44,9 @@ ONNX_TOLERANCE = 1e-3
 # the .onnx, as onnx.save_model(save_as_external_data=True) writes it; 64 MiB are left for the graph and metadata.
 ONNX_WEIGHTS_LIMIT = 2**31 - 2**26
 ONNX_DATA_SUFFIX = ".data"  # FILE.onnx.data, the name torch's newer (dynamo) exporter gives that file
+# In an ONNX export's temporary folder: a file the export holds locked (flock) while it runs, so a later export
+# tells the folder of one killed (kill -9, a power cut) from a live one's, and both from a folder it did not make.
+WORK_LOCK = "petl-export.lock"
 
 
 def metadata(run: LoadedRun) -> dict[str, str]:
@@ -60,7 +70,12 @@ def plain_model(run: LoadedRun) -> nn.Module:
 
 
 def save_safetensors(model: nn.Module, path: Path, meta: dict[str, str]) -> None:
-    """The plain model's ``state_dict`` as safetensors, written atomically."""
+    """The plain model's ``state_dict`` as safetensors, written atomically.
+
+    The temporary file an export killed while writing ``path`` left beside it (kill -9) is removed first
+    (:func:`petl.utils.paths.remove_stale_temporaries`: never a live writer's).
+    """
+    remove_stale_temporaries(path)
     tensors = {name: tensor.detach().cpu().contiguous() for name, tensor in model.state_dict().items()}
     data = safetensors.torch.save(tensors, metadata=meta)
 
@@ -100,12 +115,17 @@ def timm_config(run: LoadedRun) -> dict[str, Any]:
 
 
 def save_timm_folder(model: nn.Module, folder: Path, config: dict[str, Any]) -> None:
-    """``model.safetensors`` and ``config.json`` into ``folder`` (each written atomically)."""
+    """``model.safetensors`` and ``config.json`` into ``folder``, each written atomically.
+
+    The temporary files an export killed while writing them left (kill -9) are removed first, as
+    :func:`save_safetensors` says.
+    """
     folder.mkdir(parents=True, exist_ok=True)
     # An earlier export's config.json goes first: interrupted between the two files, the folder must not hold it
     # beside the new weights, a mix timm would load as a finished export.
     (folder / CONFIG_FILE).unlink(missing_ok=True)
     save_safetensors(model, folder / WEIGHTS_FILE, {"format": "pt"})
+    remove_stale_temporaries(folder / CONFIG_FILE)
     files.write_json(folder / CONFIG_FILE, config)
 
 
@@ -120,7 +140,8 @@ def save_onnx(model: nn.Module, path: Path, meta: dict[str, str], image_size: in
     A model whose weights pass protobuf's 2 GiB (:data:`ONNX_WEIGHTS_LIMIT`) keeps them in one file beside
     ``path`` (:func:`onnx_data_path`), which the ``.onnx`` names and must stay beside; a smaller model is one file,
     and an earlier export's data file is removed.  Everything is written in a temporary folder beside ``path``
-    and moved in once checked, the ``.onnx`` last, so an interrupted export leaves no ``.onnx`` that is not whole.
+    and moved in once checked, the ``.onnx`` last, so an interrupted export leaves no ``.onnx`` that is not whole;
+    the folder of an export killed before it could remove it is removed here (:func:`remove_killed_exports`).
 
     Raises:
         RuntimeError: torch's exporter cannot trace the model (timm's EVA), or onnxruntime disagrees with torch by
@@ -129,8 +150,8 @@ def save_onnx(model: nn.Module, path: Path, meta: dict[str, str], image_size: in
     """
     example = torch.randn(2, 3, image_size, image_size, generator=torch.Generator().manual_seed(0))
     path.parent.mkdir(parents=True, exist_ok=True)
-    # A folder, not a file: past 2 GiB torch's exporter writes each weight as a file beside the one it is given.
-    work = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    remove_killed_exports(path)
+    work, held = _work_folder(path)
     try:
         written = work / path.name
         _torch_onnx_export(model, example, written, meta)
@@ -141,7 +162,58 @@ def save_onnx(model: nn.Module, path: Path, meta: dict[str, str], image_size: in
         _move_onnx_in(written, path, large)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+        os.close(held)
     return gap
+
+
+def _work_folder(path: Path) -> tuple[Path, int]:
+    """A temporary folder beside ``path`` (``.FILE.onnx.*.tmp``) holding :data:`WORK_LOCK`, and the lock's descriptor.
+
+    A folder, not a file: past 2 GiB torch's exporter writes each weight as a file beside the one it is given.
+    """
+    work = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    new = work / f"{WORK_LOCK}.new"
+    held = os.open(new, os.O_CREAT | os.O_WRONLY, 0o644)
+    if fcntl is not None:
+        fcntl.flock(held, fcntl.LOCK_EX)
+    # Locked before it has its name: a later export never finds the lock file unlocked while this export lives.
+    os.rename(new, work / WORK_LOCK)
+    return work, held
+
+
+def remove_killed_exports(path: Path) -> list[Path]:
+    """Remove the temporary folders killed ONNX exports to ``path`` left beside it; return them.
+
+    A folder of :func:`_work_folder` whose lock nobody holds is a killed export's, and is removed; a live export's
+    is left alone.  A folder of that name without the lock (an earlier petl's, or not petl's at all) is never
+    removed: a note on stderr names it, for the user to delete.
+    """
+    removed = []
+    for folder in sorted(path.parent.glob(f".{path.name}.*.tmp")):
+        if folder.is_symlink() or not folder.is_dir():  # a file: petl.utils.paths.atomic_path's, or the user's
+            continue
+        lock = folder / WORK_LOCK
+        if fcntl is None or not lock.is_file():
+            print(
+                f"{PROG}: note: {folder} may be the temporary folder of an interrupted export to {path}: delete it "
+                "if no export is writing there",
+                file=sys.stderr,
+            )
+            continue
+        try:
+            held = os.open(lock, os.O_RDONLY)
+        except OSError:  # its export finished meanwhile
+            continue
+        try:
+            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # a live export's
+            continue
+        else:
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+        finally:
+            os.close(held)
+    return removed
 
 
 def _torch_onnx_export(model: nn.Module, example: torch.Tensor, path: Path, meta: dict[str, str]) -> None:
@@ -186,7 +258,7 @@ def _save_onnx_with_metadata(path: Path, meta: dict[str, str]) -> bool:
 def _move_onnx_in(written: Path, path: Path, large: bool) -> None:
     """Move the checked export (and its data file) from the temporary folder onto ``path``, the ``.onnx`` last."""
     data = onnx_data_path(path)
-    if large or data.exists():
+    if large or os.path.lexists(data):
         # The earlier .onnx goes first: interrupted between the moves, no .onnx is left beside weights it does not
         # name (an old model.onnx would read the new model.onnx.data, or miss the one removed).
         path.unlink(missing_ok=True)
@@ -246,6 +318,8 @@ def check_target(run_dir: str | Path, out: str | Path, overwrite: bool = False) 
     out = Path(out)
     if out.suffix.lower() not in FORMATS:
         raise ValueError(f"out={out}: choose a folder (no suffix), a .safetensors or a .onnx file name")
+    if out.name.lower() in FORMATS:  # Python reads ".onnx" as a hidden folder's name, without a suffix
+        raise ValueError(f"out={out} names no file: give it a name ({out.with_name('model' + out.name.lower())})")
     try:
         target = out.resolve()
         if target.is_relative_to(Path(run_dir).resolve()):
@@ -254,13 +328,14 @@ def check_target(run_dir: str | Path, out: str | Path, overwrite: bool = False) 
         if out.suffix:
             if out.is_dir():
                 raise ValueError(f"out={out} is a folder: name a new {out.suffix} file")
-            # A large ONNX export's data file is part of the export (an earlier one's, or someone's own file).
+            # A large ONNX export's data file is part of the export (an earlier one's, or someone's own file).  A
+            # symlink counts even dangling (lexists): the user made it.
             names = [out, onnx_data_path(out)] if out.suffix.lower() == ".onnx" else [out]
-            in_the_way = [path for path in names if path.exists()]
+            in_the_way = [path for path in names if os.path.lexists(path)]
         elif out.exists() and not out.is_dir():
             raise ValueError(f"out={out} is a file: name a folder (no suffix) or a .safetensors or .onnx file")
         else:
-            in_the_way = [out / name for name in (CONFIG_FILE, WEIGHTS_FILE) if (out / name).exists()]
+            in_the_way = [out / name for name in (CONFIG_FILE, WEIGHTS_FILE) if os.path.lexists(out / name)]
         for path in in_the_way:
             if path.is_dir():  # overwrite= replaces files, never a folder
                 raise ValueError(f"{path} is a folder, where the export writes a file: remove it or export elsewhere")
@@ -303,15 +378,34 @@ def export(run_dir: str | Path, out: str | Path, overwrite: bool = False) -> flo
     run = load_run(run_dir)
     model = plain_model(run)
     meta = metadata(run)
-    try:
-        if out.suffix.lower() == ".onnx":
-            return save_onnx(model, out, meta, run.spec.image_size)
-        if out.suffix:
-            save_safetensors(model, out, meta)
-        else:
-            save_timm_folder(model, out, timm_config(run))
-    except OSError as error:  # a full disk: each file is written atomically, so none is left half-written
-        raise RuntimeError(
-            f"cannot write out={out} ({error.strerror or error}): free the space and export again"
-        ) from None
+    with _made_folders_removed_on_failure(out.parent if out.suffix else out):
+        try:
+            if out.suffix.lower() == ".onnx":
+                return save_onnx(model, out, meta, run.spec.image_size)
+            if out.suffix:
+                save_safetensors(model, out, meta)
+            else:
+                save_timm_folder(model, out, timm_config(run))
+        except OSError as error:  # a full disk: each file is written atomically, so none is left half-written
+            raise RuntimeError(
+                f"cannot write out={out} ({error.strerror or error}): free the space and export again"
+            ) from None
     return None
+
+
+@contextmanager
+def _made_folders_removed_on_failure(folder: Path) -> Iterator[None]:
+    """Remove the folders up to ``folder`` that the block made, if it fails (Ctrl-C too) and they are still empty.
+
+    An export that failed (a model torch cannot trace, a full disk) left the empty folders of a new ``out=`` path.
+    """
+    made = [path for path in (folder, *folder.parents) if not path.exists()]  # the deepest first
+    try:
+        yield
+    except BaseException:
+        for path in made:
+            try:
+                path.rmdir()
+            except OSError:  # not empty (a folder export's weights, written before a Ctrl-C), or gone
+                break
+        raise

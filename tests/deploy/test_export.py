@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -134,6 +135,9 @@ def test_out_replaces_nothing_it_did_not_write_without_overwrite(tmp_path, capsy
     for target in (other / "trainable.safetensors", other, other / "sub" / "x.onnx"):
         refused([f"out={target}", "overwrite=true"], f"is inside the run folder {other}")
     refused([f"out={mine}", "overwrite=yes"], "overwrite='yes': expected boolean")
+    # A suffix alone is no file name: it was a hidden folder named .onnx, holding config.json and model.safetensors.
+    for name in (".onnx", ".safetensors"):
+        refused([f"out={tmp_path / name}"], f"out={tmp_path / name} names no file: give it a name ({tmp_path}/model")
     assert {p.name: p.read_text() for p in mine.iterdir()} == {
         "config.json": "the user's own config.json",
         "model.safetensors": "the user's own model.safetensors",
@@ -375,3 +379,98 @@ def test_a_large_onnx_export_that_fails_its_check_leaves_the_earlier_export_and_
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.onnx", "model.onnx.data", "run"]
     assert out.read_text() == "an earlier export"
     assert (tmp_path / "model.onnx.data").read_text() == "an earlier export's weights"
+
+
+def test_an_onnx_export_removes_the_temporary_folder_a_killed_export_left_and_names_one_it_did_not_make(
+    tmp_path, capsys
+):
+    # An export killed with kill -9 left its hidden temporary folder (with torch's weights) beside out= for good.
+    pytest.importorskip("onnxruntime")
+    run_dir = _run_folder(tmp_path / "run")
+    out = tmp_path / "model.onnx"
+    killed = """
+        import os, signal, sys
+        from petl.cli import export as export_cli
+        from petl.deploy import export as export_api
+        def killed(*args):
+            os.kill(os.getpid(), signal.SIGKILL)
+        export_api._onnx_gap = killed  # after torch wrote the model in the temporary folder
+        export_cli.main(sys.argv[1:])
+    """
+    env = {**os.environ, "PYTHONPATH": str(Path(petl.__file__).parents[1])}
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(killed), str(run_dir), f"out={out}"], env=env, capture_output=True
+    )
+    assert done.returncode == -9, done.stderr
+    (leftover,) = tmp_path.glob(".model.onnx.*.tmp")
+    assert (leftover / "model.onnx").is_file()
+    live, held = export_api._work_folder(out)  # another export, running now
+    mine = tmp_path / ".model.onnx.mine.tmp"  # the user's own folder of that name
+    mine.mkdir()
+    (mine / "notes.txt").write_text("the user's")
+    try:
+        export_cli.main([str(run_dir), f"out={out}"])
+        assert live.is_dir()
+    finally:
+        os.close(held)
+    assert not leftover.exists() and (mine / "notes.txt").read_text() == "the user's"
+    assert {p.name for p in tmp_path.iterdir()} == {".model.onnx.mine.tmp", live.name, "model.onnx", "run"}
+    assert capsys.readouterr().err == (
+        f"petl-export: note: {mine} may be the temporary folder of an interrupted export to {out}: delete it if no "
+        "export is writing there\n"
+    )
+
+
+def test_an_export_removes_the_temporary_files_an_export_killed_while_writing_left(tmp_path, capsys):
+    # An export killed (kill -9) while writing a .safetensors file, or a folder's files, left its hidden temporary
+    # file (as big as the weights) beside them for good.
+    run_dir = _run_folder(tmp_path / "run")
+    folder = tmp_path / "exported"
+    folder.mkdir()
+    killed = [tmp_path / ".model.safetensors.k1lled00.tmp"]
+    killed += [folder / ".model.safetensors.k1lled00.tmp", folder / ".config.json.k1lled00.tmp"]
+    for path in killed:
+        path.write_bytes(b"half a file")
+        os.utime(path, (time.time() - 3600,) * 2)
+    young = tmp_path / ".model.safetensors.wr1ting0.tmp"  # maybe a live export's, not locked yet: kept
+    young.write_bytes(b"half a file")
+    export_cli.main([str(run_dir), f"out={tmp_path / 'model.safetensors'}"])
+    export_cli.main([str(run_dir), f"out={folder}"])
+    assert [path for path in killed if path.exists()] == [] and young.exists()
+    assert sorted(p.name for p in folder.iterdir()) == ["config.json", "model.safetensors"]
+    capsys.readouterr()
+
+
+def test_an_export_that_fails_removes_the_empty_folders_it_made_for_out(tmp_path, capsys, monkeypatch):
+    # An ONNX export torch cannot trace (timm's EVA) to out=new/sub/model.onnx failed in one line but left the
+    # empty folders new/sub behind.
+    run_dir = _run_folder(tmp_path / "run")
+
+    def cannot_trace(model, example, path, meta):
+        raise RuntimeError("torch.onnx.export cannot export eva02 (...): export a folder or a .safetensors file")
+
+    monkeypatch.setattr(export_api, "_torch_onnx_export", cannot_trace)
+    (tmp_path / "kept").mkdir()  # a folder that was there stays, even empty
+    for out in (tmp_path / "new" / "sub" / "model.onnx", tmp_path / "kept" / "sub" / "model.onnx"):
+        with pytest.raises(SystemExit) as stop:
+            export_cli.main([str(run_dir), f"out={out}"])
+        assert stop.value.code == 1 and capsys.readouterr().err.count("\n") == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept", "run"] and not any((tmp_path / "kept").iterdir())
+
+
+def test_a_dangling_symlink_at_out_is_in_the_way_as_a_file_is(tmp_path, capsys):
+    # A symlink the user made whose target is gone (exists() is False) was replaced without overwrite=true.
+    run_dir = _run_folder(tmp_path / "run")
+    (run_dir / run_card.WEIGHTS_FILE).write_bytes(b"not loaded: the refusal comes first")
+    links = [tmp_path / "model.safetensors", tmp_path / "model.onnx.data", tmp_path / "exported" / "config.json"]
+    (tmp_path / "exported").mkdir()
+    for link in links:
+        link.symlink_to(tmp_path / "gone" / link.name)
+    for out, link in zip([links[0], tmp_path / "model.onnx", tmp_path / "exported"], links, strict=True):
+        with pytest.raises(SystemExit) as stop:
+            export_cli.main([str(run_dir), f"out={out}"])
+        error = capsys.readouterr().err
+        assert stop.value.code == 2 and error == (
+            f"petl-export: error: {link} already exists: export elsewhere, or add overwrite=true to replace it\n"
+        )
+    assert all(link.is_symlink() for link in links)
