@@ -91,6 +91,8 @@ def fast_help(prog: str, doc: str) -> str:
         "",
         run_choices.CONFIG,
         "",
+        "What each key means: docs/cli.md (What each key means); a method's options: docs/methods/NAME.md",
+        "",
         "== Experiment presets ==",
         "experiment=NAME: a preset of configs/experiments/ (its method, options, train/model settings and an",
         "output_dir under its name; the rest of the command line wins), or any method's name (its defaults)",
