@@ -419,6 +419,21 @@ def test_petl_run_help_names_every_file_a_finished_run_leaves():
         assert name in said, name
 
 
+def test_petl_run_help_says_each_exit_status():
+    from petl.utils import errors
+
+    # petl-pretrain's and the deploy commands' helps said their statuses; petl-run's, the one a newcomer reads, did not.
+    said = " ".join(run_help.fast_help(run_cli.PROG, run_cli.__doc__).split())
+    for status, meaning in [
+        (0, "done"),
+        (errors.USAGE_ERROR, "bad input"),
+        (errors.RUN_ERROR, "a run that cannot complete"),
+        (errors.INTERRUPTED, "Ctrl-C"),
+        (errors.TERMINATED, "SIGTERM"),
+    ]:
+        assert re.search(rf"\b{status} {meaning}", said), (status, meaning)
+
+
 def test_counts_are_said_in_the_singular_for_one():
     from petl.train.learning import few_steps
     from petl.utils.text import plural
