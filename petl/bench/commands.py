@@ -403,8 +403,8 @@ def cmd_list(args: Sequence[str]) -> int:
             continue
         backbone, size = suite_backbone(s)
         print(
-            f"suite {name}: {len(s.experiments)} experiments, {len(s.tasks)} tasks, seeds {s.seeds}, "
-            f"backbone {backbone} at {size} px"
+            f"suite {name}: {plural(len(s.experiments), 'experiment')}, {plural(len(s.tasks), 'task')}, "
+            f"seeds {s.seeds}, backbone {backbone} at {size} px"
         )
     for name in suites.list_experiments(configs):
         try:
