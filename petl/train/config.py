@@ -344,7 +344,7 @@ def unknown_choice_message(group: str, value: str) -> str:
             f"({', '.join(list_backbones())}: timm's {', '.join(timm_modules())} modules), "
             f"e.g. {petl_models.DEFAULT_MODEL}, "
             'vit_base_patch16_224.augreg2_in21k_ft_in1k (all: python -c "import petl.train.config as c; '
-            'print(*c.list_models())")'
+            'print(*c.list_models(), sep=chr(10))" | grep NAME)'
         )
     return f"unknown {noun} {value!r}; choose one of: {', '.join(choices)}"
 
