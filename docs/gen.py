@@ -10,7 +10,8 @@ What it writes, and from what:
 * the table of methods in ``docs/methods.md`` and the method pages in ``mkdocs.yml``'s nav (between markers);
 * ``docs/cli.md``: each console script of ``pyproject.toml``'s ``[project.scripts]`` run with ``--help`` through
   its entry point, in a separate interpreter (a forked child each), so the page follows whatever parser the
-  command has;
+  command has, and after ``petl-run``'s help what each of its keys means (``petl.train.config``'s ``RunConfig``,
+  ``DataConfig``, ``ModelConfig`` and ``TrainConfig`` ``Attributes:``, beside the composed defaults);
 * ``petl/cli/run_choices.py``: the config groups and default config of Hydra's own ``petl-run`` help, which
   ``petl-run --help`` prints without loading torch;
 * the works-with table in ``docs/works-with.md`` (``petl.bench.timm_support.support_table()``, between markers),
@@ -376,7 +377,43 @@ def cli_page() -> str:
             raise SystemExit(f"{script} --help exited with {status}:\n{text}")
         text = text.replace(str(ROOT), "<checkout>").rstrip()
         out += [f"## `{script}`", "", "```text", f"$ {script} --help", text, "```", ""]
+        if script == "petl-run":
+            out += run_keys()
     return "\n".join(out).rstrip() + "\n"
+
+
+def run_keys() -> list[str]:
+    """What each key of ``petl-run``'s config means: ``RunConfig``'s and its nodes' ``Attributes:``, one table each.
+
+    ``petl-run --help`` prints the keys with their defaults only; the method's own keys are on its page.
+    """
+    from omegaconf import OmegaConf
+
+    from petl.train import config
+
+    # The defaults as petl-run composes them (data.epochs is the default task's, not the dataclass's), unresolved.
+    composed = OmegaConf.to_container(config.default_config(), resolve=False)
+    out = [
+        "### What each key means",
+        "",
+        "From the docstrings of `petl.train.config` (`RunConfig` and its nodes), with the defaults `petl-run --help`"
+        " prints; each key is set as `GROUP.KEY=VALUE` (`train.epochs=5`), the top-level ones as `KEY=VALUE`. A"
+        " method's own keys (`method.rank=4`) are on its page under [Methods](methods.md).",
+        "",
+    ]
+    nodes = {"": config.RunConfig, "data": config.DataConfig, "model": config.ModelConfig, "train": config.TrainConfig}
+    for group, cls in nodes.items():
+        described = attributes(cls)
+        values = composed[group] if group else composed
+        out += ["| key | default | meaning |", "| --- | --- | --- |"]
+        for field in dataclasses.fields(cls):
+            if not group and field.name in ("method", *nodes):
+                continue  # the groups: the tables below; the method's keys are on its page
+            shown = OmegaConf.to_yaml({"x": values[field.name]}).removeprefix("x:").strip()
+            key = f"{group}.{field.name}" if group else field.name
+            out.append(f"| `{key}` | `{shown}` | {cell(described.get(field.name, ''))} |")
+        out.append("")
+    return out
 
 
 RUN_CHOICES = ROOT / "petl" / "cli" / "run_choices.py"

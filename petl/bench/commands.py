@@ -57,8 +57,15 @@ def cmd_run(args: Sequence[str]) -> int:
     own, overrides = parse_args(flags_as_keys(args), SWEEP_KEYS | OWN_DATA_KEYS)
     check_run_keys(overrides, SWEEP_KEYS | OWN_DATA_KEYS)
     yes = as_bool("yes", own.get("yes", "false"))
+    if "suite" not in own:
+        # A bare `petl-bench` ran suite=mini, every method on every mini task and seed, where a newcomer asked what
+        # the command does; the help's grammar has suite= as no optional key.
+        raise SystemExit(
+            "petl-bench: no suite= given: name one (petl-bench list shows each with its experiments, tasks and seeds; "
+            "suite=choose data=folder data.root=PATH compares methods on your images; petl-bench --help)"
+        )
     configs = configs_folder(own)
-    suite = suites.load_suite(own.get("suite", "mini"), configs)
+    suite = suites.load_suite(own["suite"], configs)
     names, tasks, seeds = _restriction(own, suite)
     experiments = _experiments(names, configs, own, suite)
     if "data" in own:  # your own images as the task (petl.bench.own_run): cost first, then the answer
@@ -404,8 +411,8 @@ def cmd_list(args: Sequence[str]) -> int:
             continue
         backbone, size = suite_backbone(s)
         print(
-            f"suite {name}: {len(s.experiments)} experiments, {len(s.tasks)} tasks, seeds {s.seeds}, "
-            f"backbone {backbone} at {size} px"
+            f"suite {name}: {plural(len(s.experiments), 'experiment')}, {plural(len(s.tasks), 'task')}, "
+            f"seeds {s.seeds}, backbone {backbone} at {size} px"
         )
     for name in suites.list_experiments(configs):
         try:

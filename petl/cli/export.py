@@ -65,6 +65,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     with exit_statuses(PROG, failure=()):  # a bad flag too: one line, exit 2
         args = parse(build_parser(), sys.argv[1:] if argv is None else argv)
         positional, options = split_items(args.words, KEYS, PROG)
+        if not args.words:  # as petl-serve says it (the line below quoted an empty command line: got '')
+            raise CommandLineError("no run folder given: petl-export RUN_DIR out=FOLDER|FILE.safetensors|FILE.onnx")
+        if len(positional) == 1 and "out" not in options:
+            raise CommandLineError(f"no out= given: petl-export {positional[0]} out=FOLDER|FILE.safetensors|FILE.onnx")
         if len(positional) != 1 or not options.get("out"):
             raise CommandLineError(
                 f"expected RUN_DIR out=FOLDER|FILE.safetensors|FILE.onnx, got {' '.join(args.words)!r}"

@@ -60,6 +60,14 @@ def flags(prog: str) -> list[str]:
     return [f"  {names:<{width}}  {text}" for names, text in rows]
 
 
+# What a script reads off petl-run (petl.utils.errors; docs/reliability.md), as petl-pretrain's and the deploy
+# commands' helps say theirs.
+EXIT_STATUS = """\
+Exit status: 0 done (or already finished: its result returned), 2 bad input (one line naming the key or file
+and what is valid, before anything is built), 1 a run that cannot complete (one line; the finished epochs are
+kept), 130 Ctrl-C and 143 SIGTERM (one line; the same command resumes). docs/reliability.md"""
+
+
 def fast_help(prog: str, doc: str) -> str:
     """The help ``petl-run --help`` prints.
 
@@ -91,6 +99,8 @@ def fast_help(prog: str, doc: str) -> str:
         "",
         run_choices.CONFIG,
         "",
+        "What each key means: docs/cli.md (What each key means); a method's options: docs/methods/NAME.md",
+        "",
         "== Experiment presets ==",
         "experiment=NAME: a preset of configs/experiments/ (its method, options, train/model settings and an",
         "output_dir under its name; the rest of the command line wins), or any method's name (its defaults)",
@@ -104,5 +114,7 @@ def fast_help(prog: str, doc: str) -> str:
         "",
         "Examples:",
         *(f"  {line}" for line in examples(doc)),
+        "",
+        *EXIT_STATUS.splitlines(),
     ]
     return "\n".join(lines)

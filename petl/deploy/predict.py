@@ -491,8 +491,12 @@ def _check(positional: list[str], options: dict) -> tuple[list[Path], list[str]]
         if not _is_run(Path(item)):
             break
         runs.append(Path(item))
+    if not positional:  # as petl-serve says it (a bare command named a run folder '(none)')
+        raise UsageError(
+            "no run folder given: petl-predict RUN_DIR [RUN_DIR ...] IMAGES... (or data=NAME data.root=PATH)"
+        )
     if not runs:
-        first = positional[0] if positional else "(none)"
+        first = positional[0]
         if Path(first).is_file() and _is_run(Path(first).parent):  # the run's model.json or weights: its folder
             raise UsageError(file_not_run(Path(first), first))
         raise UsageError(f"{first} is not a run folder (no {WEIGHTS_FILE}): give a petl-run output_dir first")

@@ -109,7 +109,8 @@ class ModelConfig:
     """The backbone.
 
     Attributes:
-        name: a timm ViT name, optionally with a pretrained tag (``vit_base_patch16_224.augreg2_in21k_ft_in1k``).
+        name: a timm model of a family petl takes (docs/backbones.md), optionally with a pretrained tag
+            (``vit_base_patch16_224.augreg2_in21k_ft_in1k``).
         pretrained: load the tag's pretrained weights (from the hub, or a file petl ships).
         checkpoint: a local weights file to load instead of the tag's source (offline clusters).
         img_size: the side (px) of the square images the backbone is built for; ``None`` keeps its timm default.
@@ -190,7 +191,8 @@ class RunConfig:
         seed: seeds the model init, the new modules and the data order; 0 to 2**32 - 1 (numpy's seeds).
         output_dir: where the run writes its config, metrics, weights and result.
         resume: continue an unfinished run found in ``output_dir`` (or return its result if it finished);
-            ``false`` deletes what an earlier run left there and starts over.
+            ``false`` starts over, moving what an earlier run left there aside to
+            ``<output_dir>.replaced-<time>/`` once the new run has built its model and data (nothing is deleted).
 
     """
 
@@ -342,7 +344,7 @@ def unknown_choice_message(group: str, value: str) -> str:
             f"({', '.join(list_backbones())}: timm's {', '.join(timm_modules())} modules), "
             f"e.g. {petl_models.DEFAULT_MODEL}, "
             'vit_base_patch16_224.augreg2_in21k_ft_in1k (all: python -c "import petl.train.config as c; '
-            'print(*c.list_models())")'
+            'print(*c.list_models(), sep=chr(10))" | grep NAME)'
         )
     return f"unknown {noun} {value!r}; choose one of: {', '.join(choices)}"
 

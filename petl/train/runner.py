@@ -199,6 +199,20 @@ def method_label(cfg: DictConfig) -> str:
     return f"{name} ({', '.join(shown)})"
 
 
+def device_label(accelerator: Accelerator) -> str:
+    """Where and in what precision a run trains, in words: ``on cpu in fp32``, ``on cuda in bf16 autocast, TF32``.
+
+    Several processes are counted (``on 4 processes of cuda in ...``); the precision is accelerate's autocast and
+    whether the fp32 matmuls run in TF32, as ``result.json`` records them (``precision``, ``tf32``).
+    """
+    device = accelerator.device.type
+    where = f"{accelerator.num_processes} processes of {device}" if accelerator.num_processes > 1 else device
+    words = [f"{accelerator.mixed_precision} autocast" if accelerator.mixed_precision != "no" else "fp32"]
+    if device == "cuda" and torch.backends.cuda.matmul.allow_tf32:
+        words.append("TF32")
+    return f"on {where} in {', '.join(words)}"
+
+
 def _train_and_record(cfg: DictConfig, resolved: dict[str, Any], out: Path, accelerator: Accelerator) -> dict[str, Any]:
     """The protocol: build, check the resume, train, evaluate test once, record."""
     started = time.perf_counter()
@@ -216,12 +230,14 @@ def _train_and_record(cfg: DictConfig, resolved: dict[str, Any], out: Path, acce
             "few to train on: give 2 or more (data.subset)"
         )
     # The schedule and resolution said up front (a folder run's 100 epochs or the default 32 px are not obvious),
-    # on stdout beside the closing summary line: stderr stays for warnings and the one-line errors.
+    # and where it trains (a GPU torch cannot see trains nothing there, without an error), on stdout beside the
+    # closing summary line: stderr stays for warnings and the one-line errors.
     if accelerator.is_main_process:
         size = build.eval_spec(cfg, model, info).image_size
         print(
             f"training {method_label(cfg)} on {cfg.data.name} ({len(datasets['train'])} images) at {size} px: "
-            f"{plural(cfg.train.epochs, 'epoch')}, batch {cfg.train.batch_size}, lr {cfg.train.lr:g}",
+            f"{plural(cfg.train.epochs, 'epoch')}, batch {cfg.train.batch_size}, lr {cfg.train.lr:g}, "
+            f"{device_label(accelerator)}",
             flush=True,
         )
     inputs = folder.run_inputs(cfg, datasets["train"], datasets)

@@ -118,6 +118,13 @@ def test_petl_bench_list_prints_a_suites_experiments_one_a_line(capsys):
     assert capsys.readouterr().out.split("\n")[:-1] == load_suite("mini_selection", CONFIGS).experiments
 
 
+def test_petl_bench_list_counts_a_suite_of_one_task_in_the_singular(capsys):
+    # suite=choose's one task (your data) was listed as '1 tasks'.
+    assert cli.main(["list"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("suite choose:"))
+    assert line.startswith("suite choose: 6 experiments, 1 task, seeds [0, 1], "), line
+
+
 @pytest.mark.slow
 def test_mini_sweep_plans_the_suites_experiments_cheapest_first(tmp_path):
     # The script's own logic (membership from `petl-bench list suite=`, order from CHEAPEST_FIRST), through a

@@ -827,6 +827,20 @@ def test_an_unknown_key_lists_petl_benchs_own_keys_before_any_run(tmp_path, monk
     assert caught.value.code == 2 and "unknown flag '--dryrun'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv", [[], ["run"], ["dry_run=true"], ["methods=linear", "--yes"]])
+def test_a_run_without_suite_is_refused_naming_where_the_suites_are(argv, tmp_path, capsys, monkeypatch):
+    from petl.cli import bench as cli
+
+    # A bare `petl-bench` started suite=mini's 567 runs in the current folder.
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as caught:
+        cli.main(argv)
+    err = capsys.readouterr().err
+    assert caught.value.code == 2 and err.startswith("petl-bench: error: no suite= given: ")
+    assert "petl-bench list" in err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "runs").exists()
+
+
 def test_flags_and_key_values_are_one_grammar(tmp_path, capsys):
     from petl.cli import bench as cli
 

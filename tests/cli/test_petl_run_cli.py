@@ -111,7 +111,18 @@ def test_bad_input_gives_one_line_naming_what_is_valid(overrides, message):
     assert "\n" not in str(caught.value)
 
 
-@pytest.mark.parametrize("key", sorted(FILE_KWARGS))
+def test_the_unknown_model_lines_command_lists_one_model_a_line(tmp_path):
+    # The hint printed every name on one line, which the grep a reader looks a name up with returns whole.
+    message = config.unknown_choice_message("model", "resnet50")
+    command = message.split("(all: ", 1)[1].removesuffix(")").replace("grep NAME", "grep -x vit_base_patch16_224")
+    assert command.startswith("python -c ")
+    command = shlex.quote(sys.executable) + command.removeprefix("python")  # the python this test runs
+    env = {**os.environ, "PYTHONPATH": str(Path(petl.__file__).parents[1])}
+    done = subprocess.run(["bash", "-c", command], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout == "vit_base_patch16_224\n", (command, done.stdout[:300], done.stderr)
+
+
+@pytest.mark.parametrize("key", FILE_KWARGS)
 def test_file_loading_model_kwargs_are_refused_before_training(tmp_path, key):
     """Issue 52: +model.kwargs.checkpoint_path=... trained, then the run folder was refused on load."""
     message = rf"^model.kwargs.{key} would make timm load a file .* model.checkpoint=PATH"

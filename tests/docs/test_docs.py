@@ -1,5 +1,6 @@
 """The docs site: its generated pages are current, it builds strictly, and the README stays a five-minute read."""
 
+import dataclasses
 import importlib.util
 import os
 import re
@@ -40,6 +41,19 @@ def test_cli_reference_is_current():
     # Each console script's --help, run outside this process (so this follows whatever parser the command has).
     stale = _stale({ROOT / "docs" / "cli.md": _gen().cli_page()})
     assert stale == [], "docs/cli.md is stale; run python docs/gen.py"
+
+
+def test_every_petl_run_key_has_a_meaning_in_the_cli_reference():
+    # petl-run --help prints each key's default only: docs/cli.md says what each means, from the config docstrings.
+    from petl.train import config
+
+    rows = dict(re.findall(r"^\| `([\w.]+)` \| `[^|]*` \| (.*) \|$", "\n".join(_gen().run_keys()), flags=re.M))
+    keys = [f.name for f in dataclasses.fields(config.RunConfig) if f.name not in ("method", "data", "model", "train")]
+    for group, cls in {"data": config.DataConfig, "model": config.ModelConfig, "train": config.TrainConfig}.items():
+        keys += [f"{group}.{f.name}" for f in dataclasses.fields(cls)]
+    assert sorted(rows) == sorted(keys)
+    assert [key for key, meaning in rows.items() if not meaning.strip()] == []
+    assert "train.keep_checkpoint" in (ROOT / "docs" / "cli.md").read_text()
 
 
 def test_a_method_module_without_its_sections_is_refused():

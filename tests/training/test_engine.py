@@ -443,8 +443,22 @@ def test_a_run_says_its_schedule_and_resolution_when_it_starts(tmp_path, capsys)
     tiny(tmp_path / "run", "method=lora", "method.rank=2")
     out = capsys.readouterr().out
     assert re.search(
-        r"^training lora \(rank=2\) on mini/digits \(\d+ images\) at 32 px: 2 epochs, batch 32, lr 0\.001$", out, re.M
+        r"^training lora \(rank=2\) on mini/digits \(\d+ images\) at 32 px: 2 epochs, batch 32, lr 0\.001, "
+        r"on (cpu|cuda) in (fp32|bf16 autocast)(, TF32)?$",
+        out,
+        re.M,
     )
+
+
+def test_the_opening_line_says_the_device_processes_and_precision():
+    from types import SimpleNamespace
+
+    from petl.train.runner import device_label
+
+    cpu = SimpleNamespace(device=torch.device("cpu"), num_processes=1, mixed_precision="no")
+    assert device_label(cpu) == "on cpu in fp32"
+    gloo = SimpleNamespace(device=torch.device("cpu"), num_processes=2, mixed_precision="bf16")
+    assert device_label(gloo) == "on 2 processes of cpu in bf16 autocast"
 
 
 @pytest.mark.parametrize("kind", sorted(TINY_MODELS))
