@@ -734,6 +734,7 @@ FAMILIES |= {
         "eva02_unfused",
         "eva_rope",
         "eva_rope_mixed",
+        "naflexvit",
         "vit_relpos",
         "vit_srelpos",
         "vit_hybrid",
