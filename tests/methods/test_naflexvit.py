@@ -67,10 +67,12 @@ def test_lora_on_a_naflexvit_is_timms_forward_written_out(images):
         assert not torch.allclose(make_tiny_family("naflexvit")(images), want, atol=1e-3)
 
 
-@pytest.mark.parametrize("pool", ["avg", "map"])
+@pytest.mark.parametrize("pool", ["avg", "map", "max", "token"])
 def test_blocks_run_one_by_one_and_the_cache_replay_give_timms_logits(images, pool):
-    # map: timm's attention pool over the patch tokens (registers left out), the final norm before it.
-    model = petl.apply(make_tiny_family("naflexvit", global_pool=pool, fc_norm=pool == "avg"), "adapter", dim=4)
+    # map: timm's attention pool over the patch tokens (registers left out), the final norm before it; token: a class
+    # token in front of the registers (the RADIO models').
+    options = {"global_pool": pool, "fc_norm": pool == "avg", "class_token": pool == "token"}
+    model = petl.apply(make_tiny_family("naflexvit", **options), "adapter", dim=4)
     model.eval()
     for p in model.parameters():
         if p.requires_grad:
