@@ -251,6 +251,13 @@ TINY_FAMILIES = {
     "vit_hybrid": ("vit_tiny_r_s16_p8_224", {"patch_size": 1}),
     # A ViT whose MLP is an unpacked SwiGLU (fc1_g, fc1_x, fc2: no fc1) with RMSNorms (no LayerNorm): timm's AIMv2.
     "vit_swiglu": ("aimv2_large_patch14_224", {}),
+    # timm's NaFlexVit: plain ViT blocks behind NaFlexEmbeds (a Linear over the image cut into 4x4 patches, its 16x16
+    # position grid resampled to the 8x8 one), four register tokens, layer scale, avg pool with fc_norm.  It sizes its
+    # images by its pretrained config (timm drops create_model's pos_embed_grid_size=None that would make it img_size).
+    "naflexvit": (
+        "naflexvit_base_patch16_gap",
+        {"patch_size": 4, "pretrained_cfg_overlay": {"input_size": [3, 32, 32]}},
+    ),
 }
 
 

@@ -295,7 +295,7 @@ def _formula(model: nn.Module, cfg: AdapterConfig) -> int:
 
 # The backbones adapter's idea fits: bottlenecks on the MLP output (sequential) or beside the block's MLP half
 # (parallel): any block whose residual halves its family knows (pre-norm ViT and Swin, post-norm SwinV2).
-BACKBONES = ("vit", "swin", "swinv2", "swinv2_cr", "vit_relpos", "beit", "eva", "vit_parallel")
+BACKBONES = ("vit", "naflexvit", "swin", "swinv2", "swinv2_cr", "vit_relpos", "beit", "eva", "vit_parallel")
 
 
 @register_method(

@@ -126,7 +126,7 @@ def _formula(model: nn.Module, cfg: AdapterPlusConfig) -> int:
 
 
 # The backbones adapter_plus's idea fits: a channel-scaled adapter after each block's MLP half, one width per block.
-BACKBONES = ("vit", "swin", "swinv2", "swinv2_cr", "vit_relpos", "beit", "eva", "vit_parallel")
+BACKBONES = ("vit", "naflexvit", "swin", "swinv2", "swinv2_cr", "vit_relpos", "beit", "eva", "vit_parallel")
 
 
 @register_method("adapter_plus", AdapterPlusConfig, trainable_formula=_formula, backbones=BACKBONES)

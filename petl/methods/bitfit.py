@@ -89,7 +89,7 @@ def _formula(model: nn.Module, cfg: BitFitConfig) -> int:
 
 # The backbones bitfit's idea fits: the biases of the blocks' Linears (and every other bias): any family whose
 # Linears and their biases the backbone names.
-BACKBONES = ("vit", "swin", "swinv2", "swinv2_cr", "vit_relpos", "beit", "eva", "vit_parallel")
+BACKBONES = ("vit", "naflexvit", "swin", "swinv2", "swinv2_cr", "vit_relpos", "beit", "eva", "vit_parallel")
 
 
 @register_method(

@@ -335,7 +335,7 @@ def _formula(model: nn.Module, cfg: ConvpassConfig) -> int:
 
 # The backbones convpass's idea fits: a 3x3 convolution over the patch grid of a flat token sequence (prefix tokens
 # set apart), one width.
-BACKBONES = ("vit", "vit_relpos", "beit", "eva", "vit_parallel")
+BACKBONES = ("vit", "naflexvit", "vit_relpos", "beit", "eva", "vit_parallel")
 # Why not on the other backbone kinds (the refusal says it, and so does the docs page).
 REFUSAL = (
     "its bypass reshapes the attention's input to the patch grid, and a Swin attention sees shifted "

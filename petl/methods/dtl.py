@@ -210,7 +210,7 @@ def _formula(model: nn.Module, cfg: DtlConfig) -> int:
 
 # The backbones dtl's idea fits: a low-rank side path over a flat token sequence with one width, fused by convolution
 # over the patch grid.
-BACKBONES = ("vit", "vit_relpos", "beit", "eva", "vit_parallel")
+BACKBONES = ("vit", "naflexvit", "vit_relpos", "beit", "eva", "vit_parallel")
 # Why not on the other backbone kinds (the refusal says it, and so does the docs page).
 REFUSAL = (
     "its side path is one running sum of every block's low-rank map at one width, fused over one patch "

@@ -291,7 +291,7 @@ def _formula(model: nn.Module, cfg: FactConfig) -> int:
 
 
 # The backbones fact's idea fits: factors shared across every block's Linears, which needs one width for all blocks.
-BACKBONES = ("vit", "vit_relpos", "beit", "eva", "vit_parallel")
+BACKBONES = ("vit", "naflexvit", "vit_relpos", "beit", "eva", "vit_parallel")
 # Why not on the other backbone kinds (the refusal says it, and so does the docs page).
 REFUSAL = (
     "FacT factorises every block's weights as one tensor whose factors U and V have the one embed width, "

@@ -33,7 +33,7 @@ def _formula(model: nn.Module, cfg: FullConfig) -> int:
 
 
 # The backbones full's idea fits: every parameter trains: any backbone.
-BACKBONES = ("vit", "swin", "swinv2", "swinv2_cr", "vit_relpos", "beit", "eva", "vit_parallel")
+BACKBONES = ("vit", "naflexvit", "swin", "swinv2", "swinv2_cr", "vit_relpos", "beit", "eva", "vit_parallel")
 
 
 @register_method("full", FullConfig, trainable_formula=_formula, zero_init=True, mergeable=False, backbones=BACKBONES)

@@ -396,7 +396,7 @@ def calibrate_gps(
 
 # The backbones gps's idea fits: a per-row sparse update on the patch projection and every block's Linears, plus layer
 # scales.
-BACKBONES = ("vit", "vit_relpos", "beit", "eva", "vit_parallel")
+BACKBONES = ("vit", "naflexvit", "vit_relpos", "beit", "eva", "vit_parallel")
 # Why not on the other backbone kinds (the refusal says it, and so does the docs page).
 REFUSAL = (
     "its selection covers the patch projection and the blocks' Linears only: a Swin's patch-merging "

@@ -437,6 +437,10 @@ REFUSAL = (
     backbones=BACKBONES,
     refusal=REFUSAL,
     refusal_for=("swin", "swinv2", "swinv2_cr"),
+    refusals={
+        "naflexvit": "its side network's stem reads the image the patch projection reads, and a NaFlexVit's "
+        "projection is a Linear over the image already cut into patches"
+    },
 )
 def inject_hst(model: nn.Module, cfg: HstConfig) -> None:
     """HST: meta tokens in every block, trained LayerNorms, and a hierarchical side network that classifies."""

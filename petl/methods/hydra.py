@@ -186,7 +186,7 @@ def _formula(model: nn.Module, cfg: HydraConfig) -> int:
 
 # The backbones hydra's idea fits: parallel and sequential low-rank branches on the attention projection and MLP
 # Linears.
-BACKBONES = ("vit", "swin", "swinv2", "swinv2_cr", "vit_relpos", "beit", "eva", "vit_parallel")
+BACKBONES = ("vit", "naflexvit", "swin", "swinv2", "swinv2_cr", "vit_relpos", "beit", "eva", "vit_parallel")
 
 
 @register_method("hydra", HydraConfig, trainable_formula=_formula, zero_init=True, mergeable=True, backbones=BACKBONES)

@@ -159,7 +159,7 @@ def _formula(model: nn.Module, cfg: LastConfig) -> int:
 
 
 # The backbones last's idea fits: a side network over the blocks' outputs at one width.
-BACKBONES = ("vit", "vit_relpos", "beit", "eva", "vit_parallel")
+BACKBONES = ("vit", "naflexvit", "vit_relpos", "beit", "eva", "vit_parallel")
 # Why not on the other backbone kinds (the refusal says it, and so does the docs page).
 REFUSAL = (
     "its low-rank attention side network runs over the blocks' outputs at one width and one token count, "

@@ -54,7 +54,7 @@ def _formula(model: nn.Module, cfg: LinearConfig) -> int:
 
 
 # The backbones linear's idea fits: only the head trains: any backbone.
-BACKBONES = ("vit", "swin", "swinv2", "swinv2_cr", "vit_relpos", "beit", "eva", "vit_parallel")
+BACKBONES = ("vit", "naflexvit", "swin", "swinv2", "swinv2_cr", "vit_relpos", "beit", "eva", "vit_parallel")
 
 
 @register_method(

@@ -46,7 +46,7 @@ def _formula(model: nn.Module, cfg: LnConfig) -> int:
 
 
 # The backbones ln's idea fits: the LayerNorms train: any backbone.
-BACKBONES = ("vit", "swin", "swinv2", "swinv2_cr", "vit_relpos", "beit", "eva", "vit_parallel")
+BACKBONES = ("vit", "naflexvit", "swin", "swinv2", "swinv2_cr", "vit_relpos", "beit", "eva", "vit_parallel")
 
 
 @register_method("ln", LnConfig, trainable_formula=_formula, zero_init=True, mergeable=False, backbones=BACKBONES)

@@ -282,7 +282,7 @@ def _formula(model: nn.Module, cfg: LoraConfig) -> int:
 
 
 # The backbones lora's idea fits: low-rank updates on the fused qkv slices and the other Linears of each block.
-BACKBONES = ("vit", "swin", "swinv2", "swinv2_cr", "vit_relpos", "beit", "eva", "vit_parallel")
+BACKBONES = ("vit", "naflexvit", "swin", "swinv2", "swinv2_cr", "vit_relpos", "beit", "eva", "vit_parallel")
 
 
 @register_method("lora", LoraConfig, trainable_formula=_formula, zero_init=True, mergeable=True, backbones=BACKBONES)

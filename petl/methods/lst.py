@@ -200,7 +200,7 @@ def _formula(model: nn.Module, cfg: LstConfig) -> int:
 
 # The backbones lst's idea fits: a ladder side network of timm ViT blocks at a reduced width, one width and head count
 # for all blocks.
-BACKBONES = ("vit", "vit_relpos", "beit", "eva", "vit_parallel")
+BACKBONES = ("vit", "naflexvit", "vit_relpos", "beit", "eva", "vit_parallel")
 # Why not on the other backbone kinds (the refusal says it, and so does the docs page).
 REFUSAL = (
     "its ladder side network takes every block's tokens at one reduced width and one token count, and a "

@@ -106,7 +106,7 @@ def _formula(model: nn.Module, cfg: MlpConfig) -> int:
 
 
 # The backbones mlp's idea fits: a new MLP head on the pooled features: any backbone.
-BACKBONES = ("vit", "swin", "swinv2", "swinv2_cr", "vit_relpos", "beit", "eva", "vit_parallel")
+BACKBONES = ("vit", "naflexvit", "swin", "swinv2", "swinv2_cr", "vit_relpos", "beit", "eva", "vit_parallel")
 
 
 @register_method("mlp", MlpConfig, trainable_formula=_formula, zero_init=False, mergeable=False, backbones=BACKBONES)

@@ -461,7 +461,7 @@ def inject_noah(model: nn.Module, cfg: NoahConfig) -> None:
 
 # The backbones noah's idea fits: prompt tokens appended to a flat token sequence, adapters and LoRA on pre-norm
 # blocks of one width.
-BACKBONES = ("vit", "vit_relpos", "beit", "eva")
+BACKBONES = ("vit", "naflexvit", "vit_relpos", "beit", "eva")
 # Why not on the other backbone kinds (the refusal says it, and so does the docs page).
 REFUSAL = "its prompts are appended to one flat token sequence (VPT's layout), and a Swin attends in windows of a grid"
 REFUSALS = {

@@ -63,7 +63,7 @@ def _formula(model: nn.Module, cfg: PartialConfig) -> int:
 
 # The backbones partial's idea fits: the last k blocks and what follows them train: any backbone (on a Swin the
 # patch merging between stages is not a block and stays frozen).
-BACKBONES = ("vit", "swin", "swinv2", "swinv2_cr", "vit_relpos", "beit", "eva", "vit_parallel")
+BACKBONES = ("vit", "naflexvit", "swin", "swinv2", "swinv2_cr", "vit_relpos", "beit", "eva", "vit_parallel")
 
 
 @register_method(

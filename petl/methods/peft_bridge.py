@@ -326,7 +326,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 
 # The backbones peft's idea fits: peft's tuners on the Linears the backbone names.
-BACKBONES = ("vit", "swin", "swinv2", "swinv2_cr", "vit_relpos", "beit", "eva", "vit_parallel")
+BACKBONES = ("vit", "naflexvit", "swin", "swinv2", "swinv2_cr", "vit_relpos", "beit", "eva", "vit_parallel")
 
 
 @register_method(

@@ -217,7 +217,7 @@ def _formula(model: nn.Module, cfg: RepAdapterConfig) -> int:
 
 
 # The backbones repadapter's idea fits: re-parameterisable adapters in front of the attention and MLP Linears.
-BACKBONES = ("vit", "swin", "swinv2_cr", "vit_relpos", "beit", "eva", "vit_parallel")
+BACKBONES = ("vit", "naflexvit", "swin", "swinv2_cr", "vit_relpos", "beit", "eva", "vit_parallel")
 
 
 @register_method(

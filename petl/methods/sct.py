@@ -247,7 +247,7 @@ def _formula(model: nn.Module, cfg: SctConfig) -> int:
 
 # The backbones sct's idea fits: salient channels of the residual stream between the halves of pre-norm blocks of one
 # width.
-BACKBONES = ("vit", "vit_relpos", "beit", "eva")
+BACKBONES = ("vit", "naflexvit", "vit_relpos", "beit", "eva")
 # Why not on the other backbone kinds (the refusal says it, and so does the docs page).
 REFUSAL = (
     "its salient channels are chosen and tuned in one flat token stream of one width (top_n = width // "

@@ -239,7 +239,7 @@ def _formula(model: nn.Module, cfg: SnfConfig) -> int:
 
 
 # The backbones snf's idea fits: normalizing flows on both residual shortcuts of pre-norm blocks of one width.
-BACKBONES = ("vit", "vit_relpos", "beit", "eva")
+BACKBONES = ("vit", "naflexvit", "vit_relpos", "beit", "eva")
 # Why not on the other backbone kinds (the refusal says it, and so does the docs page).
 REFUSAL = (
     "its normalizing flows on the residual shortcuts are built for one width, and a Swin's width changes per stage"

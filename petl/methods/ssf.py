@@ -203,7 +203,7 @@ def _formula(model: nn.Module, cfg: SsfConfig) -> int:
 
 # The backbones ssf's idea fits: scale and shift after the patch projection, the norms and the Linears, each of its
 # block's width (Swin: its stage's).
-BACKBONES = ("vit", "swin", "swinv2_cr", "vit_relpos", "beit", "eva", "vit_parallel")
+BACKBONES = ("vit", "naflexvit", "swin", "swinv2_cr", "vit_relpos", "beit", "eva", "vit_parallel")
 
 
 @register_method(

@@ -193,7 +193,7 @@ def _formula(model: nn.Module, cfg: VptConfig) -> int:
 
 # The backbones vpt's idea fits: prompt tokens beside the patch tokens of a ViT's flat sequence or of a Swin's
 # windows (KMnP/vpt prompts both).
-BACKBONES = ("vit", "swin", "vit_relpos", "beit", "eva", "vit_parallel")
+BACKBONES = ("vit", "naflexvit", "swin", "vit_relpos", "beit", "eva", "vit_parallel")
 # Why not on the other backbone kinds (the refusal says it, and so does the docs page).
 REFUSAL = (
     "KMnP/vpt prompts a ViT and a Swin (v1); a SwinV2's post-norm blocks with cosine attention and a "

@@ -587,8 +587,8 @@ def check_method(cfg: DictConfig) -> None:
     even a ViT-L costs a fraction of a second and no weights are loaded.
 
     Raises:
-        ConfigError: naming the method field and its allowed range (``k`` larger than the depth...), or the
-            image size the data pipeline cannot feed.
+        ConfigError: naming the method field and its allowed range (``k`` larger than the depth...), the
+            image size the data pipeline cannot feed, or a ``model.img_size`` the model is not built for.
 
     """
     import torch
@@ -600,7 +600,14 @@ def check_method(cfg: DictConfig) -> None:
             model = timm.create_model(cfg.model.name, pretrained=False, drop_path_rate=cfg.model.drop_path, **kwargs)
     except TypeError as error:
         raise ConfigError(f"model.kwargs: {error}") from None
-    image_size(model)
+    built, asked = image_size(model), kwargs.get("img_size")
+    if asked is not None and list(asked if isinstance(asked, list | tuple) else (asked, asked)) != [built, built]:
+        # A model that takes img_size and sizes itself otherwise (timm's NaFlexVit: its position grid by
+        # pos_embed_grid_size, its images by its pretrained config) would train at another size than asked.
+        raise ConfigError(
+            f"model.img_size={asked}: {cfg.model.name} is built for {built} px whatever img_size says (timm resamples "
+            "its position grid to any size): drop model.img_size"
+        )
     num_classes = data_info(cfg).num_classes
     try:
         # The backbone first: a method's options are read against a backbone it supports (SCT's default top_n

@@ -173,6 +173,11 @@ def test_the_models_own_size_drives_the_data_pipeline(option):
         (["model.img_size=18"], "model.img_size=18 is not a multiple of the patch size 4"),
         (["+model.kwargs.img_size=[16,24]"], "not square"),
         (["model.img_size=0"], "model.img_size"),
+        # timm's NaFlexVit takes img_size and sizes its images by its pretrained config (384 px): not silently.
+        (
+            ["model=naflexvit_base_patch16_gap", "model.img_size=64"],
+            "model.img_size=64: naflexvit_base_patch16_gap is built for 384 px whatever img_size says",
+        ),
     ],
 )
 def test_an_image_size_the_pipeline_cannot_feed_is_one_line(overrides, message):

@@ -734,11 +734,15 @@ FAMILIES |= {
         "eva02_unfused",
         "eva_rope",
         "eva_rope_mixed",
+        "naflexvit",
         "vit_relpos",
         "vit_srelpos",
         "vit_hybrid",
     )
 }
+# A NaFlexVit pools with a mask over the patch tokens under every pooling: VPT's rows are served beside the others
+# under its attention pool too, where a ViT's map pool is refused with prompts.
+FAMILIES["naflexvit_map"] = functools.partial(make_tiny_family, "naflexvit", global_pool="map", fc_norm=False)
 NOT_APPLIED = {
     "beit": ("repadapter",),
     "beit_shared": ("repadapter",),

@@ -79,7 +79,9 @@ def test_the_check_catches_a_direct_access():
 
 def test_backbone_is_chosen_by_model_class(tiny_vit):
     assert isinstance(petl.backbone_of(tiny_vit()), ViT)
-    assert petl.list_backbones() == ["beit", "eva", "swin", "swinv2", "swinv2_cr", "vit", "vit_parallel", "vit_relpos"]
+    assert petl.list_backbones() == [
+        *("beit", "eva", "naflexvit", "swin", "swinv2", "swinv2_cr", "vit", "vit_parallel", "vit_relpos")
+    ]
     deit = timm.create_model("deit_tiny_distilled_patch16_224", img_size=32, patch_size=8, num_classes=3)
     assert petl.backbone_of(deit).kind == "vit"  # a subclass of VisionTransformer, found through its MRO
 

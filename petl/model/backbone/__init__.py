@@ -7,6 +7,7 @@ package registers the families petl supports.
 
 from petl.model.backbone import beit as beit  # noqa: F401
 from petl.model.backbone import eva as eva  # noqa: F401
+from petl.model.backbone import naflexvit as naflexvit  # noqa: F401  (naflexvit_*: its own timm module)
 from petl.model.backbone import swin as swin  # noqa: F401  (registers Swin and SwinV2)
 from petl.model.backbone import swin_v2_cr as swin_v2_cr  # noqa: F401  (swinv2_cr_*: its own timm module)
 from petl.model.backbone import vit as vit  # noqa: F401  (registers the ViT family)
