@@ -154,9 +154,19 @@ class PeftBridgeConfig(MethodConfig):
         from peft import inject_adapter_in_model
 
         try:
-            inject_adapter_in_model(peft_config, surgery.meta_copy(model))
+            inject_adapter_in_model(on_meta(peft_config), surgery.meta_copy(model))
         except (TypeError, ValueError) as err:
             raise ValueError(f"peft rejected options={self.options!r} for peft_type={self.peft_type}: {err}") from None
+
+
+def on_meta(peft_config: PeftConfig) -> PeftConfig:
+    """``peft_config`` as a model on the meta device can take it: an initialisation computed from the frozen weights
+    (``init_lora_weights='pissa'``, ``'olora'``: an SVD or QR of each weight, which peft then writes back into it)
+    has no values to read there, so peft's default initialisation stands in; the layers' shapes are the same.
+    """
+    if isinstance(getattr(peft_config, "init_lora_weights", True), bool):
+        return peft_config
+    return dataclasses.replace(peft_config, init_lora_weights=True)
 
 
 def _matches_any(peft_config: PeftConfig, names: list[str], **fields: Any) -> bool:
@@ -341,7 +351,10 @@ def inject_peft(model: nn.Module, cfg: PeftBridgeConfig) -> None:
     # peft's layers carry merge()/unmerge() of their own; let petl.merge reach them.
     register_mergeable_type(BaseTunerLayer)
     _register_row_hooks()
-    inject_adapter_in_model(cfg.to_peft(), model)
+    peft_config = cfg.to_peft()
+    if next(model.parameters()).is_meta:  # petl.apply's trial under gradient checkpointing
+        peft_config = on_meta(peft_config)
+    inject_adapter_in_model(peft_config, model)
     backbone_of(model).adopt_wrapped_linears()
     # What petl.merge promises of its wrappers, for peft's layers too: a state dict saying which are merged, and
     # no training forward of a merged one (peft's runs its base layer alone, leaving its tensors without gradient).

@@ -622,3 +622,20 @@ def test_peft_options_peft_refuses_as_it_builds_leave_the_model_as_it_was(tiny_v
     with pytest.raises(ValueError, match=rf"^peft rejected options='{re.escape(options)}' for peft_type=LORA: {says}"):
         petl.apply(model, "peft", num_classes=3, options=options)
     assert all(p.requires_grad for p in model.parameters()) and model.head.out_features == TINY_VIT["num_classes"]
+
+
+@pytest.mark.parametrize("init", ["pissa", "olora"])
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_peft_inits_computed_from_the_weights_still_apply(tiny_vit, images, init, checkpointing):
+    # The meta-device trial builds (validate's, and petl.apply's under gradient checkpointing) ran peft's PiSSA and
+    # OLoRA, an SVD or QR of each frozen weight written back into it, on tensors without values: petl.apply failed
+    # with torch's "incompatible tensor type" RuntimeError where it had applied them.
+    model = tiny_vit()
+    model.set_grad_checkpointing(checkpointing)
+    with torch.no_grad():
+        before = model.blocks[0].attn.qkv.weight.clone()
+    petl.apply(model, "peft", num_classes=3, options=f'{{"r": 4, "init_lora_weights": "{init}"}}')
+    qkv = model.blocks[0].attn.qkv
+    assert not torch.equal(qkv.base_layer.weight, before)  # peft's init took the update's start out of the weight
+    model.train()(images).sum().backward()
+    assert qkv.lora_A["default"].weight.grad is not None
