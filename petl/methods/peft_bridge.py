@@ -34,6 +34,7 @@ from petl.model import rows, surgery
 from petl.model.backbone import backbone_of
 from petl.model.merging import register_mergeable_type
 from petl.model.registry import MethodConfig, fits_type, register_foreign_config, register_method, type_words
+from petl.model.wrappers import MERGED_KEY, check_merged_not_training
 from petl.utils.checks import check_choice, to_str_tuple
 
 if TYPE_CHECKING:
@@ -153,9 +154,19 @@ class PeftBridgeConfig(MethodConfig):
         from peft import inject_adapter_in_model
 
         try:
-            inject_adapter_in_model(peft_config, surgery.meta_copy(model))
+            inject_adapter_in_model(on_meta(peft_config), surgery.meta_copy(model))
         except (TypeError, ValueError) as err:
             raise ValueError(f"peft rejected options={self.options!r} for peft_type={self.peft_type}: {err}") from None
+
+
+def on_meta(peft_config: PeftConfig) -> PeftConfig:
+    """``peft_config`` as a model on the meta device can take it: an initialisation computed from the frozen weights
+    (``init_lora_weights='pissa'``, ``'olora'``: an SVD or QR of each weight, which peft then writes back into it)
+    has no values to read there, so peft's default initialisation stands in; the layers' shapes are the same.
+    """
+    if isinstance(getattr(peft_config, "init_lora_weights", True), bool):
+        return peft_config
+    return dataclasses.replace(peft_config, init_lora_weights=True)
 
 
 def _matches_any(peft_config: PeftConfig, names: list[str], **fields: Any) -> bool:
@@ -340,8 +351,39 @@ def inject_peft(model: nn.Module, cfg: PeftBridgeConfig) -> None:
     # peft's layers carry merge()/unmerge() of their own; let petl.merge reach them.
     register_mergeable_type(BaseTunerLayer)
     _register_row_hooks()
-    inject_adapter_in_model(cfg.to_peft(), model)
+    peft_config = cfg.to_peft()
+    if next(model.parameters()).is_meta:  # petl.apply's trial under gradient checkpointing
+        peft_config = on_meta(peft_config)
+    inject_adapter_in_model(peft_config, model)
     backbone_of(model).adopt_wrapped_linears()
+    # What petl.merge promises of its wrappers, for peft's layers too: a state dict saying which are merged, and
+    # no training forward of a merged one (peft's runs its base layer alone, leaving its tensors without gradient).
+    for module in model.modules():
+        if isinstance(module, BaseTunerLayer):
+            module.register_state_dict_post_hook(_record_merged)
+            module.register_load_state_dict_pre_hook(_restore_merged)
+            module.register_forward_pre_hook(_refuse_merged_training)
+
+
+def _record_merged(layer: Any, _state_dict: dict, _prefix: str, local_metadata: dict) -> None:
+    """``state_dict``'s post-hook of a peft layer: record in its metadata which of its adapters are merged."""
+    local_metadata[MERGED_KEY] = list(layer.merged_adapters)
+
+
+def _restore_merged(layer: Any, _state_dict: dict, _prefix: str, local_metadata: dict, *_args: Any) -> None:
+    """``load_state_dict``'s pre-hook of a peft layer: its base layer's weights (loaded with it) hold the merged
+    adapters' updates as the saved layer's did, so it is marked merged as that one was (never counting one twice).
+    """
+    if MERGED_KEY in local_metadata:
+        layer.merged_adapters = list(local_metadata[MERGED_KEY])
+
+
+def _refuse_merged_training(layer: Any, _args: tuple) -> None:
+    """Forward pre-hook of a peft layer: a merged one refuses a forward that would train it (see
+    :meth:`petl.PetlModule.check_not_training`).
+    """
+    if layer.merged:
+        check_merged_not_training(layer, layer.get_base_layer())
 
 
 def _register_row_hooks() -> None:

@@ -41,6 +41,24 @@ def _record_merged(module: PetlModule, _state_dict: dict, _prefix: str, local_me
     local_metadata[MERGED_KEY] = module.merged
 
 
+def check_merged_not_training(layer: nn.Module, base: nn.Module) -> None:
+    """Refuse the forward of ``layer``, merged into ``base``, that would train it (see
+    :meth:`PetlModule.check_not_training`; peft's merged layers take it too).
+
+    Raises:
+        ValueError: in train mode with autograd on, a tensor of ``layer`` beside ``base``'s requires grad.
+
+    """
+    if not (layer.training and torch.is_grad_enabled()):
+        return
+    frozen_base = {id(p) for p in base.parameters()}
+    if any(p.requires_grad and id(p) not in frozen_base for p in layer.parameters()):
+        raise ValueError(
+            f"{type(layer).__name__} is merged, so its tensors would get no gradient in training: "
+            "petl.unmerge(model) before training on (model.eval() or torch.no_grad() to run it merged)"
+        )
+
+
 class PetlModule(nn.Module):
     """Base class of every petl wrapper: keeps the wrapped module as ``base``.
 
@@ -118,14 +136,7 @@ class PetlModule(nn.Module):
             ValueError: in train mode with autograd on, a tensor of this wrapper beside ``base``'s requires grad.
 
         """
-        if not (self.training and torch.is_grad_enabled()):
-            return
-        frozen_base = {id(p) for p in self.base.parameters()}
-        if any(p.requires_grad and id(p) not in frozen_base for p in self.parameters()):
-            raise ValueError(
-                f"{type(self).__name__} is merged, so its tensors would get no gradient in training: "
-                "petl.unmerge(model) before training on (model.eval() or torch.no_grad() to run it merged)"
-            )
+        check_merged_not_training(self, self.base)
 
     def fold(self) -> None:
         """Add the update into ``base``'s weights (mergeable wrappers implement it)."""

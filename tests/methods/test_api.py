@@ -501,10 +501,11 @@ def test_a_file_already_merged_into_the_model_is_refused_not_added_twice(tiny_vi
     petl.load_trainable(model, tmp_path / "other.safetensors")
 
 
-@pytest.mark.parametrize("method", ["fact", "hydra", "lora", "repadapter", "ssf"])
+@pytest.mark.parametrize("method", ["fact", "hydra", "lora", "peft", "repadapter", "ssf"])
 def test_a_state_dict_saved_merged_or_unmerged_loads_as_it_was_saved(tiny_vit, images, tmp_path, method):
     # A merged model's state dict holds the update in the base weights and again in the method's tensors: loaded with
     # torch's load_state_dict into an unmerged model (or the reverse), the update counted twice (or not at all).
+    # peft's merged layers (the peft bridge) too: petl.merge merges them, and their state dict said nothing of it.
     model = petl.apply(tiny_vit(), method, num_classes=3).eval()
     perturb_trainable(model)
     with torch.no_grad():
@@ -523,10 +524,10 @@ def test_a_state_dict_saved_merged_or_unmerged_loads_as_it_was_saved(tiny_vit, i
         assert torch.allclose(petl.merge(model)(images), expected, atol=1e-5)
 
 
-@pytest.mark.parametrize("method", ["fact", "gps", "hydra", "lora", "repadapter", "ssf"])
+@pytest.mark.parametrize("method", ["fact", "gps", "hydra", "lora", "peft", "repadapter", "ssf"])
 def test_training_a_merged_model_is_refused_while_its_method_trains(tiny_vit, images, method):
     # Merged, a wrapper runs its base alone: a training step on the merged model left the method's tensors
-    # untouched (no gradient) while they still showed as trainable, silently.
+    # untouched (no gradient) while they still showed as trainable, silently; peft's merged layers did too.
     model = petl.merge(petl.apply(tiny_vit(), method, num_classes=3).train())
     with pytest.raises(ValueError, match=r"is merged, so its tensors would get no gradient .* petl\.unmerge\(model\)"):
         model(images)
@@ -621,3 +622,20 @@ def test_peft_options_peft_refuses_as_it_builds_leave_the_model_as_it_was(tiny_v
     with pytest.raises(ValueError, match=rf"^peft rejected options='{re.escape(options)}' for peft_type=LORA: {says}"):
         petl.apply(model, "peft", num_classes=3, options=options)
     assert all(p.requires_grad for p in model.parameters()) and model.head.out_features == TINY_VIT["num_classes"]
+
+
+@pytest.mark.parametrize("init", ["pissa", "olora"])
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_peft_inits_computed_from_the_weights_still_apply(tiny_vit, images, init, checkpointing):
+    # The meta-device trial builds (validate's, and petl.apply's under gradient checkpointing) ran peft's PiSSA and
+    # OLoRA, an SVD or QR of each frozen weight written back into it, on tensors without values: petl.apply failed
+    # with torch's "incompatible tensor type" RuntimeError where it had applied them.
+    model = tiny_vit()
+    model.set_grad_checkpointing(checkpointing)
+    with torch.no_grad():
+        before = model.blocks[0].attn.qkv.weight.clone()
+    petl.apply(model, "peft", num_classes=3, options=f'{{"r": 4, "init_lora_weights": "{init}"}}')
+    qkv = model.blocks[0].attn.qkv
+    assert not torch.equal(qkv.base_layer.weight, before)  # peft's init took the update's start out of the weight
+    model.train()(images).sum().backward()
+    assert qkv.lora_A["default"].weight.grad is not None

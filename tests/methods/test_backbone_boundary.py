@@ -25,7 +25,7 @@ PACKAGE = Path(petl.__file__).parent
 ALLOWED = (PACKAGE / "model" / "backbone", PACKAGE / "backbones")
 # A model's attributes that only its family's Backbone may read.
 INTERNALS = {"blocks", "ls1", "ls2", "_pos_embed", "attn", "mlp", "downsample", "_attn"}
-FAMILY_CLASSES = {"VisionTransformer", "SwinTransformer", "SwinTransformerV2"}
+FAMILY_CLASSES = {"VisionTransformer", "SwinTransformer", "SwinTransformerV2", "SwinTransformerV2Cr"}
 # Modules whose ``.blocks`` are a rank test's blocks (petl/bench/ranking.py's Ranking, scipy's word), not a model's.
 RANK_TEST_BLOCKS = {"petl/bench/choice.py", "petl/bench/notes.py", "petl/bench/report.py"}
 
@@ -72,9 +72,17 @@ def test_no_module_reaches_past_the_backbone():
 
 def test_the_check_catches_a_direct_access():
     sample = PACKAGE / "_boundary_sample.py"  # read in place of a module, never written
-    source = "from timm.models.vision_transformer import VisionTransformer\nx = (model.blocks, b.ls1, self.mlp)\n"
+    source = (
+        "from timm.models.vision_transformer import VisionTransformer\nx = (model.blocks, b.ls1, self.mlp)\n"
+        "cr = isinstance(model, timm.models.swin_transformer_v2_cr.SwinTransformerV2Cr)\n"
+    )
     found = [v.split(": ", 1)[1] for v in _violations_in(source, sample)]
-    assert sorted(found) == [".blocks", ".ls1", "from timm.models.vision_transformer import VisionTransformer"]
+    assert sorted(found) == [
+        ".blocks",
+        ".ls1",
+        "from timm.models.vision_transformer import VisionTransformer",
+        "timm.models.swin_transformer_v2_cr.SwinTransformerV2Cr",
+    ]
 
 
 def test_backbone_is_chosen_by_model_class(tiny_vit):
