@@ -318,7 +318,8 @@ def check_target(run_dir: str | Path, out: str | Path, overwrite: bool = False) 
     out = Path(out)
     if out.suffix.lower() not in FORMATS:
         raise ValueError(f"out={out}: choose a folder (no suffix), a .safetensors or a .onnx file name")
-    if out.name.lower() in FORMATS:  # Python reads ".onnx" as a hidden folder's name, without a suffix
+    # Python reads ".onnx" as a hidden folder's name, without a suffix; "." (the current folder) has no name at all.
+    if out.name and out.name.lower() in FORMATS:
         raise ValueError(f"out={out} names no file: give it a name ({out.with_name('model' + out.name.lower())})")
     try:
         target = out.resolve()

@@ -474,3 +474,15 @@ def test_a_dangling_symlink_at_out_is_in_the_way_as_a_file_is(tmp_path, capsys):
             f"petl-export: error: {link} already exists: export elsewhere, or add overwrite=true to replace it\n"
         )
     assert all(link.is_symlink() for link in links)
+
+
+def test_out_the_current_folder_is_a_folder_export_not_a_file_without_a_name(tmp_path, monkeypatch):
+    # out=. (a timm folder in the current folder) failed with "PosixPath('.') has an empty name": the check for
+    # out=.onnx (a suffix without a name) took the current folder's empty name for a suffix.
+    monkeypatch.chdir(tmp_path)
+    export_api.check_target(tmp_path / "run", ".")
+    (tmp_path / "config.json").write_text("the user's own")
+    with pytest.raises(ValueError, match=r"config.json already exist"):
+        export_api.check_target(tmp_path / "run", ".")
+    with pytest.raises(ValueError, match=r"out=.onnx names no file: give it a name \(model.onnx\)"):
+        export_api.check_target(tmp_path / "run", ".onnx")
