@@ -486,3 +486,24 @@ def test_out_the_current_folder_is_a_folder_export_not_a_file_without_a_name(tmp
         export_api.check_target(tmp_path / "run", ".")
     with pytest.raises(ValueError, match=r"out=.onnx names no file: give it a name \(model.onnx\)"):
         export_api.check_target(tmp_path / "run", ".onnx")
+
+
+def test_stale_temporaries_are_only_the_files_atomic_path_names(tmp_path):
+    # In an export's out= folder (the user's) every old .model.safetensors.*.tmp went: a file of the user's named so
+    # was deleted, and a folder of that shape failed the export (IsADirectoryError from unlink).
+    from petl.utils import paths
+
+    target = tmp_path / "model.safetensors"
+    with paths.atomic_path(target) as tmp:  # a live writer's file: its name is one, its lock keeps it
+        assert paths._temporaries(target) == [tmp] and paths.remove_stale_temporaries(target, min_age=0) == []
+    killed = tmp_path / ".model.safetensors.k1lled_0.tmp"  # a name mkstemp gives
+    kept = [tmp_path / ".model.safetensors.backup.tmp", tmp_path / ".model.safetensors.notmine123.tmp"]
+    for path in (killed, *kept):
+        path.write_bytes(b"bytes")
+    folder, link = tmp_path / ".model.safetensors.folder00.tmp", tmp_path / ".model.safetensors.link0000.tmp"
+    folder.mkdir()
+    link.symlink_to(kept[0])
+    for path in (killed, *kept, folder, link):
+        os.utime(path, (time.time() - 3600,) * 2, follow_symlinks=False)
+    assert paths.remove_stale_temporaries(target) == [killed]
+    assert all(path.exists() for path in (*kept, folder, link)) and not killed.exists()
