@@ -5,6 +5,7 @@ The command line, its options and exit statuses are :mod:`petl.cli.export`'s.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import shutil
@@ -189,7 +190,7 @@ def remove_killed_exports(path: Path) -> list[Path]:
     removed: a note on stderr names it, for the user to delete.
     """
     removed = []
-    for folder in sorted(path.parent.glob(f".{path.name}.*.tmp")):
+    for folder in sorted(path.parent.glob(f".{glob.escape(path.name)}.*.tmp")):  # model[1].onnx: no character class
         if folder.is_symlink() or not folder.is_dir():  # a file: petl.utils.paths.atomic_path's, or the user's
             continue
         lock = folder / WORK_LOCK

@@ -507,3 +507,21 @@ def test_stale_temporaries_are_only_the_files_atomic_path_names(tmp_path):
         os.utime(path, (time.time() - 3600,) * 2, follow_symlinks=False)
     assert paths.remove_stale_temporaries(target) == [killed]
     assert all(path.exists() for path in (*kept, folder, link)) and not killed.exists()
+    # A name glob reads as a pattern: .model[1].safetensors.*.tmp matched .model1.safetensors's, never its own.
+    odd = tmp_path / "model[1].safetensors"
+    killed = tmp_path / f".{odd.name}.k1lled_0.tmp"
+    other = tmp_path / ".model1.safetensors.k1lled_0.tmp"
+    for path in (killed, other):
+        path.write_bytes(b"bytes")
+        os.utime(path, (time.time() - 3600,) * 2)
+    assert paths.remove_stale_temporaries(odd) == [killed] and other.exists()
+
+
+def test_a_killed_onnx_exports_folder_is_found_whatever_characters_its_name_holds(tmp_path):
+    # .model[1].onnx.*.tmp read as a pattern: the killed export's own folder was never found (and model1.onnx's was).
+    out, other = tmp_path / "model[1].onnx", tmp_path / "model1.onnx"
+    folders = [tmp_path / f".{out.name}.k1lled_0.tmp", tmp_path / f".{other.name}.k1lled_0.tmp"]
+    for folder in folders:
+        folder.mkdir()
+        (folder / export_api.WORK_LOCK).write_bytes(b"")  # nobody holds it: a killed export's
+    assert export_api.remove_killed_exports(out) == [folders[0]] and folders[1].is_dir()
