@@ -20,7 +20,7 @@ file cannot hold more) is written as two files: ``FILE.onnx`` and its weights ``
 ``.onnx`` names; keep them together in one folder (onnx.load and onnxruntime read the weights from beside the
 ``.onnx``).  An ONNX export is written in a hidden folder beside it (``.FILE.onnx.*.tmp``) and moved in once
 checked; a later export removes such a folder left by an export killed (kill -9), and names in a note one it did
-not make, for you to delete; it removes the hidden temporary file (``.NAME.*.tmp``, a minute old, no writer's)
+not make, for you to delete; it removes the hidden temporary file (``.NAME.XXXXXXXX.tmp``, a minute old, no writer's)
 a killed export left beside a ``.safetensors`` file or a folder's files too.  ``out=`` inside a run folder
 (this run's or another's) is refused: an export never replaces a run's files.  An existing file (for
 ``FILE.onnx``, ``FILE.onnx.data`` too), or a folder already holding ``config.json`` or ``model.safetensors``, is

@@ -144,13 +144,15 @@ def _main(argv: list[str]) -> None:
     from petl.train.pretrain import InUseError, pretrain
     from petl.utils.random import MAX_SEED
 
-    for name in ("classes", "instances", "epochs", "batch_size"):
+    # --classes is checked on its own: its least is 2, which "--classes must be >= 1" for 0 did not say.
+    for name in ("instances", "epochs", "batch_size"):
         if getattr(args, name) < 1:
             raise CommandLineError(f"--{name.replace('_', '-')} must be >= 1")
     if args.classes < 2:
         # One class: every image's loss is 0 (one logit), nothing would train and the weights written would be the
         # random initialisation, at "100% top-1".
-        raise CommandLineError(f"--classes {args.classes}: give 2 or more (one class has nothing to tell apart)")
+        why = " (one class has nothing to tell apart)" if args.classes == 1 else ""
+        raise CommandLineError(f"--classes {args.classes}: give 2 or more{why}")
     if args.classes * args.instances < args.batch_size:
         # Incomplete batches are dropped, so no step would run and untrained weights would be written.
         raise CommandLineError(

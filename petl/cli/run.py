@@ -296,7 +296,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         except RunError as error:  # data that cannot be reached here (a hub id offline): not bad input, exit 1
             if _debug:
                 raise
-            _error(str(error), bad_input=False)
+            # Met alike by every process of a launch, as bad input is: said by the first alone, not once per GPU.
+            _error(str(error))
             raise SystemExit(RUN_ERROR) from None
     _failed_jobs.clear()
     resumes = not checked or checked[0].resume  # resume=false would delete the kept epochs

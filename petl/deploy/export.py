@@ -5,6 +5,7 @@ The command line, its options and exit statuses are :mod:`petl.cli.export`'s.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import shutil
@@ -189,7 +190,7 @@ def remove_killed_exports(path: Path) -> list[Path]:
     removed: a note on stderr names it, for the user to delete.
     """
     removed = []
-    for folder in sorted(path.parent.glob(f".{path.name}.*.tmp")):
+    for folder in sorted(path.parent.glob(f".{glob.escape(path.name)}.*.tmp")):  # model[1].onnx: no character class
         if folder.is_symlink() or not folder.is_dir():  # a file: petl.utils.paths.atomic_path's, or the user's
             continue
         lock = folder / WORK_LOCK
@@ -318,7 +319,8 @@ def check_target(run_dir: str | Path, out: str | Path, overwrite: bool = False) 
     out = Path(out)
     if out.suffix.lower() not in FORMATS:
         raise ValueError(f"out={out}: choose a folder (no suffix), a .safetensors or a .onnx file name")
-    if out.name.lower() in FORMATS:  # Python reads ".onnx" as a hidden folder's name, without a suffix
+    # Python reads ".onnx" as a hidden folder's name, without a suffix; "." (the current folder) has no name at all.
+    if out.name and out.name.lower() in FORMATS:
         raise ValueError(f"out={out} names no file: give it a name ({out.with_name('model' + out.name.lower())})")
     try:
         target = out.resolve()

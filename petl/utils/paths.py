@@ -4,8 +4,10 @@ whether a folder can be written at all, asked once for every command that writes
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import os
+import re
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -94,7 +96,12 @@ STALE_SECONDS = 60.0
 
 
 def _temporaries(path: Path) -> list[Path]:
-    return sorted(path.parent.glob(f".{path.name}.*.tmp"))
+    # Exactly the names atomic_path's mkstemp gives (8 of tempfile's letters, digits and _), and plain files only: in
+    # a user's folder (petl-export's out=) a .model.safetensors.backup.tmp of theirs, a folder or a symlink of that
+    # shape is not petl's to remove (a folder also failed the export, IsADirectoryError from unlink).
+    name = re.compile(rf"\.{re.escape(path.name)}\.[a-z0-9_]{{8}}\.tmp")
+    found = path.parent.glob(f".{glob.escape(path.name)}.*.tmp")  # model[1].safetensors: no character class
+    return sorted(p for p in found if name.fullmatch(p.name) and p.is_file() and not p.is_symlink())
 
 
 def remove_stale_temporaries(path: Path, min_age: float = STALE_SECONDS) -> list[Path]:

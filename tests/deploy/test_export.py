@@ -477,3 +477,54 @@ def test_a_dangling_symlink_at_out_is_in_the_way_as_a_file_is(tmp_path, capsys):
             f"petl-export: error: {link} already exists: export elsewhere, or add overwrite=true to replace it\n"
         )
     assert all(link.is_symlink() for link in links)
+
+
+def test_out_the_current_folder_is_a_folder_export_not_a_file_without_a_name(tmp_path, monkeypatch):
+    # out=. (a timm folder in the current folder) failed with "PosixPath('.') has an empty name": the check for
+    # out=.onnx (a suffix without a name) took the current folder's empty name for a suffix.
+    monkeypatch.chdir(tmp_path)
+    export_api.check_target(tmp_path / "run", ".")
+    (tmp_path / "config.json").write_text("the user's own")
+    with pytest.raises(ValueError, match=r"config.json already exist"):
+        export_api.check_target(tmp_path / "run", ".")
+    with pytest.raises(ValueError, match=r"out=.onnx names no file: give it a name \(model.onnx\)"):
+        export_api.check_target(tmp_path / "run", ".onnx")
+
+
+def test_stale_temporaries_are_only_the_files_atomic_path_names(tmp_path):
+    # In an export's out= folder (the user's) every old .model.safetensors.*.tmp went: a file of the user's named so
+    # was deleted, and a folder of that shape failed the export (IsADirectoryError from unlink).
+    from petl.utils import paths
+
+    target = tmp_path / "model.safetensors"
+    with paths.atomic_path(target) as tmp:  # a live writer's file: its name is one, its lock keeps it
+        assert paths._temporaries(target) == [tmp] and paths.remove_stale_temporaries(target, min_age=0) == []
+    killed = tmp_path / ".model.safetensors.k1lled_0.tmp"  # a name mkstemp gives
+    kept = [tmp_path / ".model.safetensors.backup.tmp", tmp_path / ".model.safetensors.notmine123.tmp"]
+    for path in (killed, *kept):
+        path.write_bytes(b"bytes")
+    folder, link = tmp_path / ".model.safetensors.folder00.tmp", tmp_path / ".model.safetensors.link0000.tmp"
+    folder.mkdir()
+    link.symlink_to(kept[0])
+    for path in (killed, *kept, folder, link):
+        os.utime(path, (time.time() - 3600,) * 2, follow_symlinks=False)
+    assert paths.remove_stale_temporaries(target) == [killed]
+    assert all(path.exists() for path in (*kept, folder, link)) and not killed.exists()
+    # A name glob reads as a pattern: .model[1].safetensors.*.tmp matched .model1.safetensors's, never its own.
+    odd = tmp_path / "model[1].safetensors"
+    killed = tmp_path / f".{odd.name}.k1lled_0.tmp"
+    other = tmp_path / ".model1.safetensors.k1lled_0.tmp"
+    for path in (killed, other):
+        path.write_bytes(b"bytes")
+        os.utime(path, (time.time() - 3600,) * 2)
+    assert paths.remove_stale_temporaries(odd) == [killed] and other.exists()
+
+
+def test_a_killed_onnx_exports_folder_is_found_whatever_characters_its_name_holds(tmp_path):
+    # .model[1].onnx.*.tmp read as a pattern: the killed export's own folder was never found (and model1.onnx's was).
+    out, other = tmp_path / "model[1].onnx", tmp_path / "model1.onnx"
+    folders = [tmp_path / f".{out.name}.k1lled_0.tmp", tmp_path / f".{other.name}.k1lled_0.tmp"]
+    for folder in folders:
+        folder.mkdir()
+        (folder / export_api.WORK_LOCK).write_bytes(b"")  # nobody holds it: a killed export's
+    assert export_api.remove_killed_exports(out) == [folders[0]] and folders[1].is_dir()

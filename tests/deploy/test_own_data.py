@@ -369,6 +369,13 @@ def test_offline_the_hub_fails_at_once_as_a_run_that_cannot_complete(monkeypatch
     error = capsys.readouterr().err
     assert error.startswith("petl-run: error: hf: root=someone/nothing-here is no folder here")
     assert error.count("\n") == 1 and error.rstrip().endswith("or run where the hub is reachable")
+    # Every process of a multi-GPU launch meets it: the first says it, as bad input; each said "rank N: hf: ...".
+    monkeypatch.setenv("RANK", "1")
+    try:
+        assert _exit_code(cli.main, argv) == 1
+    finally:
+        hub.reachable.cache_clear()
+    assert capsys.readouterr().err == ""
 
 
 @pytest.mark.slow

