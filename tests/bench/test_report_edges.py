@@ -192,3 +192,18 @@ def test_a_damaged_set_aside_record_is_named_once_per_report(tmp_path, capsys):
     (aside / "result.json").write_text("{")
     code, _, err = command_status(capsys, cli.main, "report", str(tmp_path))
     assert code == 0 and err.count("set-aside run:") == 1, err
+
+
+def test_a_sweep_s_end_line_names_the_figures_it_wrote(tmp_path, capsys):
+    # Was: "..., pareto.png and critical_difference.png (when two complete rows can be compared)" whatever was drawn.
+    from petl.bench import commands
+    from petl.bench.args import configs_folder
+    from petl.bench.sweep import SweepSummary
+
+    for experiment, top1 in (("lora", 80.0), ("linear", 70.0)):
+        write_run(tmp_path, "mini/digits", experiment, 0, top1=top1)
+        (tmp_path / "mini-digits" / experiment / "seed0" / "metrics.jsonl").write_text('{"epoch": 1, "val_top1": 50}\n')
+    suite = commands.suites.load_suite("mini", configs_folder({}))
+    commands._finish(SweepSummary(total=2, already_done=2), tmp_path, {}, True, suite)
+    out = capsys.readouterr().out
+    assert f"written to {tmp_path}/leaderboard.{{md,csv,html}}, pareto.png, learning_curves.png\n" in out, out
