@@ -358,8 +358,9 @@ def ranking_line(board: Leaderboard, table: PublishedTable = RANKED_TABLE) -> st
         head
         + body
         + f" Published: {table.title}; source: {table.source} (supervised), on its own tasks at 224 px; measured "
-        f"here: {board.ranked_backbone or ', '.join(board.models)} on these {plural(len(board.tasks), 'task')}. "
-        "Other backbone, tasks and recipe: it compares the methods' orderings, not their accuracies."
+        f"here: {board.ranked_backbone or ', '.join(board.models)} on "
+        + ("this task. " if len(board.tasks) == 1 else f"these {len(board.tasks)} tasks. ")
+        + "Other backbone, tasks and recipe: it compares the methods' orderings, not their accuracies."
     )
 
 

@@ -207,3 +207,16 @@ def test_a_sweep_s_end_line_names_the_figures_it_wrote(tmp_path, capsys):
     commands._finish(SweepSummary(total=2, already_done=2), tmp_path, {}, True, suite)
     out = capsys.readouterr().out
     assert f"written to {tmp_path}/leaderboard.{{md,csv,html}}, pareto.png, learning_curves.png\n" in out, out
+
+
+def test_the_ranking_line_says_this_task_of_a_one_task_board(tmp_path):
+    # Was: "measured here: ... on these 1 task."
+    from petl.bench.notes import ranking_line
+    from petl.bench.report import build_board
+
+    for experiment, top1 in (("lora", 80.0), ("linear", 70.0)):
+        write_run(tmp_path, "mini/digits", experiment, 0, top1=top1)
+    board = build_board(tmp_path)
+    assert " on this task. " in ranking_line(board)
+    write_run(tmp_path, "mini/mnist", "lora", 0, top1=90.0)
+    assert " on these 2 tasks. " in ranking_line(build_board(tmp_path))
