@@ -45,7 +45,15 @@ from petl.bench.collect import (
     task_group,
 )
 from petl.bench.columns import leaderboard_columns, task_labels
-from petl.bench.curves import CONVERGENCE_TAIL, ValCurve, learning_curves, run_curves, tail_change, val_curve
+from petl.bench.curves import (
+    CONVERGENCE_TAIL,
+    ValCurve,
+    cut_curves,
+    learning_curves,
+    run_curves,
+    tail_change,
+    val_curve,
+)
 from petl.bench.notes import CD_FILE, COMPARISON_TITLE, comparison_lines, notes, progress, published_ranking
 from petl.bench.published import (
     TABLES,
@@ -509,7 +517,7 @@ def learning_curves_png(board: Leaderboard) -> bytes | None:
 
     task, curves = found
     family_of = {row.experiment: board.family(row) for row in board.rows}
-    return render_curves(curves, task, board.models, family_of, _family_legend(board))
+    return render_curves(curves, task, board.models, family_of, _family_legend(board), cut_curves(board, task))
 
 
 def build_board(

@@ -141,7 +141,7 @@ def test_a_learning_curve_of_one_epoch_marks_epoch_1_only(monkeypatch):
 
     drawn = []
     monkeypatch.setattr(plot, "_png", lambda fig: drawn.append(fig) or b"")
-    plot.render_curves({"lora": [80.0], "linear": [70.0]}, "mini/digits", ["vit"], {"lora": "low-rank"})
+    plot.render_curves({"lora": {1: 80.0}, "linear": {1: 70.0}}, "mini/digits", ["vit"], {"lora": "low-rank"})
     for ax in drawn[0].axes:
         low, high = ax.get_xlim()
         assert [float(t) for t in ax.get_xticks() if low <= t <= high] == [1.0]
@@ -220,3 +220,39 @@ def test_the_ranking_line_says_this_task_of_a_one_task_board(tmp_path):
     assert " on this task. " in ranking_line(board)
     write_run(tmp_path, "mini/mnist", "lora", 0, top1=90.0)
     assert " on these 2 tasks. " in ranking_line(build_board(tmp_path))
+
+
+def test_learning_curves_are_placed_by_epoch_and_average_only_the_epochs_every_seed_has(tmp_path, monkeypatch):
+    # Was: plotted by position: a damaged line moved every later epoch one to the left, and a seed's shorter curve
+    # silently shortened its row's mean curve.
+    import json
+
+    from petl.bench import plot
+    from petl.bench.curves import cut_curves, learning_curves
+    from petl.bench.report import build_board, learning_curves_png
+
+    def metrics(experiment: str, seed: int, lines: list[str]) -> None:
+        (tmp_path / "mini-digits" / experiment / f"seed{seed}" / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+
+    def line(epoch: int, top1: float) -> str:
+        return json.dumps({"epoch": epoch, "val_top1": top1})
+
+    for seed in (0, 1):
+        write_run(tmp_path, "mini/digits", "lora", seed, top1=80.0)
+        write_run(tmp_path, "mini/digits", "linear", seed, top1=70.0)
+    metrics("lora", 0, [line(1, 10), '{"epoch": 2, "val_top1": 2', line(3, 30), line(4, 40)])  # epoch 2 cut short
+    metrics("lora", 1, [line(1, 20), line(2, 20), line(3, 40), line(4, 50)])
+    metrics("linear", 0, [line(1, 10), line(2, 20), line(3, 30)])
+    metrics("linear", 1, [line(1, 30), line(2, 40)])  # a seed whose curve stops early
+    board = build_board(tmp_path)
+    task, curves = learning_curves(board)
+    assert curves == {"lora": {1: 15.0, 3: 35.0, 4: 45.0}, "linear": {1: 20.0, 2: 30.0}}
+    assert cut_curves(board, task) == ["lora (3 of 4 epochs)", "linear (2 of 3 epochs)"]
+    drawn = []
+    monkeypatch.setattr(plot, "_png", lambda fig: drawn.append(fig) or b"")
+    learning_curves_png(board)
+    assert "only the epochs every seed's curve has: lora (3 of 4 epochs), linear (2 of 3 epochs)" in " ".join(
+        drawn[0]._suptitle.get_text().split()
+    )
+    lines = {line.get_label(): line for ax in drawn[0].axes for line in ax.get_lines() if line.get_color() != "0.86"}
+    assert list(lines["lora"].get_xdata()) == [1, 3, 4]
