@@ -17,6 +17,7 @@ from petl.bench.collect import (
 )
 from petl.bench.columns import (
     FAR_SEED_MARK,
+    MORE_SEEDS_MARK,
     NOT_IN_SUITE_MARK,
     RISING_MARK,
     SATURATED_MARK,
@@ -65,13 +66,16 @@ def notes(board: Leaderboard) -> list[str]:
         "parameters. Train s/run and Images/s are means over runs (as the engine ran them, feature caching "
         "included, the test pass not); Peak MB is the maximum over runs"
         + (f" ({', '.join(board.memory_kinds)})." if board.memory_kinds else "."),
-        "`*` after an experiment: it has not run on every task, or with every seed, yet, so its means cover "
-        "fewer tasks or seeds" + (f" (or {'; or '.join(marks)})." if marks else "."),
+        "`*` after an experiment: it has not run on every task, or with every seed"
+        + (f" (as many as most cells have, {board.seed_count})" if board.plan is None else "")
+        + ", yet, so its means cover fewer tasks or seeds"
+        + (f" (or {'; or '.join(marks)})." if marks else "."),
     ]
     lines += [
         line
         for line in (
             not_learned_line(board),
+            more_seeds_line(board),
             *flag_lines(board),
             set_aside_line(board),
             mixed_line(board),
@@ -196,6 +200,43 @@ def not_learned_line(board: Leaderboard) -> str:
         f"epoch's, or at chance, ln(classes): `petl.train.learning`); the cell's mean and ± include them, so a "
         f"finding must not rest on such a cell. {plural(len(cells), 'cell')}: {'; '.join(cells)}."
     )
+
+
+def more_seeds_line(board: Leaderboard) -> str:
+    """The legend's line on the cells marked ⁺, with more seeds than the board's cells need (``""`` when none has).
+
+    Without a suite such a cell's figures are over all its seeds; with one, the runs of seeds outside it are left
+    out, as a task outside it is.
+    """
+    labels = task_labels(board.tasks)
+    plan = board.plan
+    if plan is None:
+        cells = [
+            f"{row.experiment} {labels[t]} (seeds {', '.join(map(str, s.seeds))})"
+            for row in board.rows
+            for t, s in row.scores.items()
+            if board.more_seeds(s)
+        ]
+        rule = (
+            f"the cell ran more seeds than the {plural(board.seed_count, 'seed')} most cells have (a row is "
+            "complete with every task at that count or more); its mean and ± are over all its seeds, more than the "
+            "other cells'"
+        )
+    else:
+        # From the runs, not the cells: a task run only with seeds outside the suite has no cell to mark.
+        outside = {
+            (row.experiment, t): sorted({r.seed for r in row.runs if r.task == t and r.seed not in plan.seeds})
+            for row in board.rows
+            for t in board.tasks
+        }
+        cells = [f"{e} {labels[t]} (seed {', '.join(map(str, seeds))})" for (e, t), seeds in outside.items() if seeds]
+        rule = (
+            f"the cell has runs of seeds outside suite `{plan.suite}` (seeds {', '.join(map(str, plan.seeds))}): "
+            "they are left out of its mean, ± and the rank test, so that every cell is over the suite's seeds"
+        )
+    if not cells:
+        return ""
+    return f"**{MORE_SEEDS_MARK}**: {rule}. {plural(len(cells), 'cell')}: {'; '.join(cells)}."
 
 
 def mixed_line(board: Leaderboard) -> str:

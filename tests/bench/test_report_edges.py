@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from conftest import command_status
-from test_harness import VTAB, VTAB_ROWS, VTAB_TASKS, _dump_dom_in_chromium, _read_table, read_csv, write_run
+from test_harness import VIT_B, VTAB, VTAB_ROWS, VTAB_TASKS, _dump_dom_in_chromium, _read_table, read_csv, write_run
 
 from petl.bench.report import write_report
 from petl.cli import bench as cli
@@ -25,7 +25,9 @@ def _some_vtab(root: Path) -> Path:
     for experiment, published, no_head in PUBLISHED:
         for task in SOME_VTAB:
             top1 = VTAB_ROWS[published].top1[VTAB.column(task)]
-            write_run(root, task, experiment, 0, top1=top1, no_head=no_head, head=7.7e3, model=VTAB.backbone)
+            write_run(
+                root, task, experiment, 0, top1=top1, no_head=no_head, head=7.7e3, model=VTAB.backbone, total=VIT_B
+            )
     return root
 
 
@@ -256,3 +258,50 @@ def test_learning_curves_are_placed_by_epoch_and_average_only_the_epochs_every_s
     )
     lines = {line.get_label(): line for ax in drawn[0].axes for line in ax.get_lines() if line.get_color() != "0.86"}
     assert list(lines["lora"].get_xdata()) == [1, 3, 4]
+
+
+def test_one_extra_seed_in_one_cell_leaves_the_other_rows_complete_and_is_marked(tmp_path):
+    # Was: a row was complete only with as many seeds as the fullest cell, so lora's seed 3 on digits made every other
+    # row "short of a task or seed" and the rank test ran on nothing.
+    from petl.bench import ranking
+    from petl.bench.notes import notes
+    from petl.bench.report import build_board, display_table
+
+    for i, experiment in enumerate(("lora", "linear", "bitfit")):
+        for task in ("mini/digits", "mini/mnist"):
+            for seed in (0, 1, 2):
+                write_run(tmp_path, task, experiment, seed, top1=80.0 - 5 * i + seed)
+    write_run(tmp_path, "mini/digits", "lora", 3, top1=90.0)
+    board = build_board(tmp_path)
+    assert board.seed_count == 3 and all(map(board.complete, board.rows))
+    assert isinstance(board.ranking, ranking.Ranking) and len(board.ranking.methods) == 3
+    lora = next(r for r in board.rows if r.experiment == "lora")
+    assert lora.scores["mini/digits"].mean == (80 + 81 + 82 + 90) / 4  # over all its seeds, and marked
+    cells = {row[0][0]: row for row in display_table(board).rows}
+    assert any(text.endswith(" ⁺") for text, _ in cells["lora"]) and not any("⁺" in t for t, _ in cells["linear"])
+    legend = " ".join(notes(board))
+    assert "**⁺**: the cell ran more seeds than the 3 seeds most cells have" in legend
+    assert "1 cell: lora digits (seeds 0, 1, 2, 3)." in legend
+    # A row short of a seed most cells have is still short.
+    (tmp_path / "mini-mnist" / "bitfit" / "seed2" / "result.json").unlink()
+    assert [r.experiment for r in build_board(tmp_path).rows if not build_board(tmp_path).complete(r)] == ["bitfit"]
+
+
+def test_with_a_suite_a_seed_outside_it_is_left_out_of_its_cell_and_marked(tmp_path):
+    # Was: a seed outside the suite counted in the cell's mean with no mark, while a task outside it is left out.
+    from petl.bench.notes import notes
+    from petl.bench.ranking import seed_scores
+    from petl.bench.report import Plan, build_board
+
+    for experiment, top1 in (("lora", 80.0), ("linear", 70.0)):
+        for seed in (0, 1):
+            write_run(tmp_path, "mini/digits", experiment, seed, top1=top1 + seed)
+    write_run(tmp_path, "mini/digits", "lora", 2, top1=10.0)
+    board = build_board(tmp_path, plan=Plan("two", ("lora", "linear"), ("mini/digits",), (0, 1)))
+    lora = next(r for r in board.rows if r.experiment == "lora")
+    score = lora.scores["mini/digits"]
+    assert score.mean == 80.5 and score.seeds == (0, 1) and score.outside_seeds == (2,)
+    assert seed_scores(lora, "mini/digits") == {0: 80.0, 1: 81.0} and board.complete(lora)
+    legend = " ".join(notes(board))
+    assert "**⁺**: the cell has runs of seeds outside suite `two` (seeds 0, 1): they are left out" in legend
+    assert "1 cell: lora digits (seed 2)." in legend
