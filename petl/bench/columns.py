@@ -25,7 +25,7 @@ from petl.bench.collect import describe_run, format_option, mean, nanmax, nanmea
 from petl.bench.curves import CONVERGENCE_TAIL, convergence
 from petl.bench.published import PublishedRow, PublishedTable, ppt
 from petl.bench.ranking import RISING_POINTS, Ranking
-from petl.bench.table import Cell
+from petl.bench.table import Cell, md_name
 from petl.presets import FAMILIES
 
 
@@ -233,7 +233,7 @@ def leaderboard_columns(board: Leaderboard) -> list[Column]:
             show_text,
             kind="info",
             note="**Family**: the kind of method, from the experiment file's `family:` ("
-            + "; ".join(f"{f}: {FAMILIES[f]}" if f in FAMILIES else f for f in board.family_order)
+            + "; ".join(f"{f}: {FAMILIES[f]}" if f in FAMILIES else md_name(f) for f in board.family_order)
             + "). The plots give each family one marker and colour, and one panel of learning curves.",
             detail=True,
         ),

@@ -305,3 +305,17 @@ def test_with_a_suite_a_seed_outside_it_is_left_out_of_its_cell_and_marked(tmp_p
     legend = " ".join(notes(board))
     assert "**⁺**: the cell has runs of seeds outside suite `two` (seeds 0, 1): they are left out" in legend
     assert "1 cell: lora digits (seed 2)." in legend
+
+
+def test_a_name_holding_markup_stays_plain_text_in_the_legends(tmp_path):
+    # Was: an experiment named x**y or `c` set the rest of its legend line in bold, or in code, in leaderboard.html
+    # (and leaderboard.md): names were escaped for HTML, not for the legend's Markdown.
+    for i, experiment in enumerate(("lora", "linear", "x**y", "`c`")):
+        for task in ("mini/digits", "mini/mnist") if i < 2 else ("mini/digits",):
+            write_run(tmp_path, task, experiment, 0, top1=80.0 - i)
+    write_report(tmp_path)
+    html = (tmp_path / "leaderboard.html").read_text()
+    assert "Not ranked, marked <code>*</code> in the table: x**y (short of a task or seed), `c` (short of" in html
+    assert "<code>c</code>" not in html
+    md = (tmp_path / "leaderboard.md").read_text()
+    assert "x\\*\\*y (short of a task or seed), \\`c\\` (short of" in md
