@@ -32,13 +32,16 @@ class ValCurve:
 def _read_val_history(folder: Path) -> ValCurve | None:
     # A value that is no accuracy (text, NaN, infinity, outside 0-100: a hand edit, a damaged line) is skipped as a
     # line cut short is, rather than fail the report or flag a cell as still learning by +inf points; so is a line
-    # whose epoch is no whole number from 1 (the curve is placed by it).  An epoch written twice keeps its last line.
+    # whose epoch is no whole number from 1 (the curve is placed by it).  A line without one (a hand-made file; petl
+    # writes it on every line) follows the line before it.  An epoch written twice keeps its last line.
     found: dict[int, float] = {}
+    last = 0
     for row in read_metrics(folder):
-        epoch, value = row.get("epoch"), row.get("val_top1")
-        if value is None or field_problem("val_top1", value) is not None:
+        epoch, value = row.get("epoch", last + 1), row.get("val_top1")
+        if not (isinstance(epoch, int) and not isinstance(epoch, bool) and epoch >= 1):
             continue
-        if isinstance(epoch, int) and not isinstance(epoch, bool) and epoch >= 1:
+        last = epoch
+        if value is not None and field_problem("val_top1", value) is None:
             found[epoch] = float(value)
     epochs = sorted(found)
     return ValCurve(folder, tuple(found[e] for e in epochs), tuple(epochs)) if epochs else None
