@@ -87,7 +87,9 @@ class TaskScore:
     """Top-1 (%) of one experiment on one task over its seeds; ``std`` is NaN below two seeds.
 
     The mean keeps the seeds that did not learn (``not_learned``) and the seeds far from the others
-    (``far_seeds``, :func:`petl.bench.ranking.far_seeds`): a cell never drops a seed; it is marked.
+    (``far_seeds``, :func:`petl.bench.ranking.far_seeds`): a cell never drops one of its seeds; it is marked.  Its
+    seeds are the suite's when the board has a plan: a run of another seed is left out (``outside_seeds``), as a
+    task outside the suite is left out of the means.
     """
 
     mean: float
@@ -96,6 +98,7 @@ class TaskScore:
     not_learned: tuple[int, ...] = ()  # the seeds whose training did not learn (petl.train.learning)
     far_seeds: tuple[int, ...] = ()
     tail_change: float = math.nan  # val top-1 change over the last epochs of the cell's curves (petl.bench.curves)
+    outside_seeds: tuple[int, ...] = ()  # with a plan, the cell's runs of seeds outside it: left out of every figure
 
 
 @dataclass
@@ -236,13 +239,30 @@ class Leaderboard:
         found = self.backbones(row)
         return len(found) == 1 and self.ranked_backbone not in (None, *found)
 
+    @property
+    def seed_count(self) -> int:
+        """The seeds a complete cell has: the plan's; without one, as many as most cells of the board have (of two
+        counts as common, the larger), so that one extra seed in one cell leaves the other rows complete.
+        """
+        if self.plan is not None:
+            return len(self.plan.seeds)
+        found = Counter(len(s.seeds) for r in self.rows for s in r.scores.values())
+        return max(found, key=lambda n: (found[n], n), default=0)
+
+    def more_seeds(self, score: TaskScore) -> bool:
+        """Whether a cell ran more seeds than :attr:`seed_count`: without a plan, its figures are over all of them;
+        with one, the other seeds' runs are left out (``outside_seeds``).  Either way the cell is marked.
+        """
+        return bool(score.outside_seeds) or (self.plan is None and len(score.seeds) > self.seed_count)
+
     def complete(self, row: ExperimentRow) -> bool:
         """Whether ``row`` has a score on every task, each over every seed, all on the board's one backbone.
 
         Every task and seed: the plan's, when there is one (and a row of an experiment outside the plan is never
-        complete: the suite does not rank it); otherwise as many as the fullest cell of the board.  A row whose tasks
-        ran on different backbones (:meth:`mixed`) is never complete: its task mean is no one model's; nor is a row
-        on another backbone than the :attr:`ranked_backbone` (:meth:`other_backbone`).
+        complete: the suite does not rank it); otherwise every task of the board, each with at least
+        :attr:`seed_count` seeds (the count most cells have).  A row whose tasks ran on different backbones
+        (:meth:`mixed`) is never complete: its task mean is no one model's; nor is a row on another backbone than
+        the :attr:`ranked_backbone` (:meth:`other_backbone`).
         """
         return self._every_cell(row) and not self.other_backbone(row)
 
@@ -255,8 +275,8 @@ class Leaderboard:
             return row.experiment in self.plan.experiments and all(
                 t in row.scores and seeds <= set(row.scores[t].seeds) for t in self.plan.tasks
             )
-        seeds = max((len(s.seeds) for r in self.rows for s in r.scores.values()), default=0)
-        return len(row.scores) == len(self.tasks) and all(len(s.seeds) == seeds for s in row.scores.values())
+        seeds = self.seed_count
+        return all(t in row.scores and len(row.scores[t].seeds) >= seeds for t in self.tasks)
 
 
 def backbone(result: RunResult) -> str:

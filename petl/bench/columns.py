@@ -25,7 +25,7 @@ from petl.bench.collect import describe_run, format_option, mean, nanmax, nanmea
 from petl.bench.curves import CONVERGENCE_TAIL, convergence
 from petl.bench.published import PublishedRow, PublishedTable, ppt
 from petl.bench.ranking import RISING_POINTS, Ranking
-from petl.bench.table import Cell
+from petl.bench.table import Cell, md_name
 from petl.presets import FAMILIES
 
 
@@ -41,6 +41,7 @@ FAR_SEED_MARK = "‡"
 RISING_MARK = "↑"
 SATURATED_MARK = "(saturated)"
 NOT_IN_SUITE_MARK = "(not in the suite)"
+MORE_SEEDS_MARK = "⁺"  # more seeds than most cells (Leaderboard.more_seeds)
 
 
 def _outside(board: Leaderboard, task: str) -> str:
@@ -53,7 +54,7 @@ def still_learning(score: TaskScore) -> bool:
     return score.tail_change >= RISING_POINTS
 
 
-def _score_cell(score: TaskScore | None) -> Cell:
+def _score_cell(score: TaskScore | None, more_seeds: bool = False) -> Cell:
     if score is None:
         return "–", ""
     mean, std = show_number(score.mean), show_number(score.std)
@@ -61,6 +62,7 @@ def _score_cell(score: TaskScore | None) -> Cell:
     marks = [f"†{len(score.not_learned)}"] if score.not_learned else []
     marks += [FAR_SEED_MARK] if score.far_seeds else []
     marks += [RISING_MARK] if still_learning(score) else []
+    marks += [MORE_SEEDS_MARK] if more_seeds else []
     return " ".join([text, *marks]), score.mean
 
 
@@ -231,7 +233,7 @@ def leaderboard_columns(board: Leaderboard) -> list[Column]:
             show_text,
             kind="info",
             note="**Family**: the kind of method, from the experiment file's `family:` ("
-            + "; ".join(f"{f}: {FAMILIES[f]}" if f in FAMILIES else f for f in board.family_order)
+            + "; ".join(f"{f}: {FAMILIES[f]}" if f in FAMILIES else md_name(f) for f in board.family_order)
             + "). The plots give each family one marker and colour, and one panel of learning curves.",
             detail=True,
         ),
@@ -272,7 +274,7 @@ def leaderboard_columns(board: Leaderboard) -> list[Column]:
             f"task:{t}",
             f"{labels[t]} {SATURATED_MARK}" if t in board.saturated else f"{labels[t]}{_outside(board, t)}",
             lambda row, t=t: row.scores.get(t),
-            _score_cell,
+            lambda score: _score_cell(score, score is not None and board.more_seeds(score)),
             csv=lambda score, t=t: {
                 f"{t}_top1_mean": rounded(score.mean) if score else "",
                 f"{t}_top1_std": rounded(score.std) if score else "",

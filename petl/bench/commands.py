@@ -194,9 +194,11 @@ def _finish(summary: SweepSummary, output_dir: Path, own: dict[str, str], any_do
         # The whole suite's plan, even when methods=/tasks=/seeds= ran part of it: the rest shows as not run yet.
         plan = report.Plan(suite.name, tuple(suite.experiments), tuple(suite.tasks), tuple(suite.seeds))
         write_report(output_dir, configs_dir=configs_folder(own), plan=plan)
+        # The figures it drew, as `report` names them: the report removes one it does not draw.
+        figures = [name for name in (report.CURVES_FILE, notes.CD_FILE) if (output_dir / name).is_file()]
         print(
-            f"petl-bench: leaderboard written to {output_dir}/leaderboard.{{md,csv,html}}, pareto.png and "
-            "critical_difference.png (when two complete rows can be compared)"
+            f"petl-bench: leaderboard written to {output_dir}/leaderboard.{{md,csv,html}}, "
+            + ", ".join(["pareto.png", *figures])
         )
     if (idle := summary.idle_line()) is not None:
         print(f"petl-bench: {idle}")

@@ -19,17 +19,32 @@ CONVERGENCE_TAIL = 0.2
 
 @dataclass(frozen=True)
 class ValCurve:
-    """Val top-1 per epoch of one training run; ``source`` is the folder whose ``metrics.jsonl`` it came from."""
+    """Val top-1 per epoch of one training run; ``source`` is the folder whose ``metrics.jsonl`` it came from.
+
+    ``epochs`` holds each value's epoch, its metrics line's ``epoch`` (a skipped line leaves a gap, not a shift).
+    """
 
     source: Path
     val_top1: tuple[float, ...]
+    epochs: tuple[int, ...]
 
 
-def _read_val_history(folder: Path) -> tuple[float, ...]:
+def _read_val_history(folder: Path) -> ValCurve | None:
     # A value that is no accuracy (text, NaN, infinity, outside 0-100: a hand edit, a damaged line) is skipped as a
-    # line cut short is, rather than fail the report or flag a cell as still learning by +inf points.
-    values = [row.get("val_top1") for row in read_metrics(folder)]
-    return tuple(float(v) for v in values if v is not None and field_problem("val_top1", v) is None)
+    # line cut short is, rather than fail the report or flag a cell as still learning by +inf points; so is a line
+    # whose epoch is no whole number from 1 (the curve is placed by it).  A line without one (a hand-made file; petl
+    # writes it on every line) follows the line before it.  An epoch written twice keeps its last line.
+    found: dict[int, float] = {}
+    last = 0
+    for row in read_metrics(folder):
+        epoch, value = row.get("epoch", last + 1), row.get("val_top1")
+        if not (isinstance(epoch, int) and not isinstance(epoch, bool) and epoch >= 1):
+            continue
+        last = epoch
+        if value is not None and field_problem("val_top1", value) is None:
+            found[epoch] = float(value)
+    epochs = sorted(found)
+    return ValCurve(folder, tuple(found[e] for e in epochs), tuple(epochs)) if epochs else None
 
 
 def val_curve(record: RunRecord) -> ValCurve | None:
@@ -42,17 +57,15 @@ def val_curve(record: RunRecord) -> ValCurve | None:
     experiment's folder.
     """
     own = _read_val_history(record.path.parent)
-    if own:
-        return ValCurve(record.path.parent, own)
+    if own is not None:
+        return own
     selection = record.result.selection
     if not isinstance(selection, Mapping):
         return None
     for trial in selection.get("trials") or []:
         # A trial's folder that is no text (a hand edit; the reader checks only that trials are mappings) is none.
         if trial.get("overrides") == selection.get("chosen") and isinstance(trial.get("output_dir"), str):
-            folder = record.path.parent.parent.joinpath(*Path(trial["output_dir"]).parts[-2:])
-            history = _read_val_history(folder)
-            return ValCurve(folder, history) if history else None
+            return _read_val_history(record.path.parent.parent.joinpath(*Path(trial["output_dir"]).parts[-2:]))
     return None
 
 
@@ -89,8 +102,11 @@ def convergence(row: ExperimentRow) -> tuple[float, float]:
     return nanmean(per_task), max(every, default=math.nan)
 
 
-def learning_curves(board: Leaderboard, task: str | None = None) -> tuple[str, dict[str, list[float]]] | None:
+def learning_curves(board: Leaderboard, task: str | None = None) -> tuple[str, dict[str, dict[int, float]]] | None:
     """Val top-1 per epoch of every experiment on one task, averaged over that task's curves (seeds).
+
+    Each value is placed at its metrics line's epoch, and a row's curve keeps only the epochs every one of its curves
+    on the task has (:func:`cut_curves` names the rows that lose some), so that no epoch's mean is over fewer seeds.
 
     Args:
         board: the leaderboard.
@@ -98,7 +114,7 @@ def learning_curves(board: Leaderboard, task: str | None = None) -> tuple[str, d
             experiments that recorded a curve.
 
     Returns:
-        ``(task, {experiment: val top-1 per epoch})``, or ``None`` when no run recorded a val curve.
+        ``(task, {experiment: {epoch: val top-1}})``, or ``None`` when no run recorded a val curve.
 
     """
     per_row = {row.experiment: row_curves(row) for row in board.rows}
@@ -110,7 +126,25 @@ def learning_curves(board: Leaderboard, task: str | None = None) -> tuple[str, d
     out = {}
     for experiment, curves in per_row.items():
         if curves.get(task):
-            # Curves of one configuration have as many epochs; a shorter one (a hand-edited file) trims the rest.
-            length = min(len(c.val_top1) for c in curves[task])
-            out[experiment] = [statistics.fmean(c.val_top1[i] for c in curves[task]) for i in range(length)]
+            shared = sorted(set.intersection(*(set(c.epochs) for c in curves[task])))
+            if shared:
+                out[experiment] = {e: statistics.fmean(_at(c, e) for c in curves[task]) for e in shared}
     return (task, out) if out else None
+
+
+def cut_curves(board: Leaderboard, task: str) -> list[str]:
+    """The experiments whose curves on ``task`` do not all have the same epochs, each with what its plotted curve
+    keeps (``lora (3 of 5 epochs)``): :func:`learning_curves` averages only the epochs every curve has.
+    """
+    cut = []
+    for row in board.rows:
+        curves = row_curves(row).get(task) or []
+        every = set().union(*(set(c.epochs) for c in curves))
+        shared = set.intersection(*(set(c.epochs) for c in curves)) if curves else set()
+        if shared != every:
+            cut.append(f"{row.experiment} ({len(shared)} of {len(every)} epochs)")
+    return cut
+
+
+def _at(curve: ValCurve, epoch: int) -> float:
+    return curve.val_top1[curve.epochs.index(epoch)]

@@ -17,6 +17,7 @@ from petl.bench.collect import (
 )
 from petl.bench.columns import (
     FAR_SEED_MARK,
+    MORE_SEEDS_MARK,
     NOT_IN_SUITE_MARK,
     RISING_MARK,
     SATURATED_MARK,
@@ -32,6 +33,7 @@ from petl.bench.published import (
     rank_correlation,
     table_for,
 )
+from petl.bench.table import md_name
 from petl.store.result import ResultError, read_result
 from petl.utils.text import plural
 
@@ -65,13 +67,16 @@ def notes(board: Leaderboard) -> list[str]:
         "parameters. Train s/run and Images/s are means over runs (as the engine ran them, feature caching "
         "included, the test pass not); Peak MB is the maximum over runs"
         + (f" ({', '.join(board.memory_kinds)})." if board.memory_kinds else "."),
-        "`*` after an experiment: it has not run on every task, or with every seed, yet, so its means cover "
-        "fewer tasks or seeds" + (f" (or {'; or '.join(marks)})." if marks else "."),
+        "`*` after an experiment: it has not run on every task, or with every seed"
+        + (f" (as many as most cells have, {board.seed_count})" if board.plan is None else "")
+        + ", yet, so its means cover fewer tasks or seeds"
+        + (f" (or {'; or '.join(marks)})." if marks else "."),
     ]
     lines += [
         line
         for line in (
             not_learned_line(board),
+            more_seeds_line(board),
             *flag_lines(board),
             set_aside_line(board),
             mixed_line(board),
@@ -82,7 +87,7 @@ def notes(board: Leaderboard) -> list[str]:
     outside = [t for t in board.tasks if t not in board.counted_tasks]
     if outside:
         lines.append(
-            f"**{NOT_IN_SUITE_MARK}**: {', '.join(task_labels(board.tasks)[t] for t in outside)}, not a task of suite "
+            f"**{NOT_IN_SUITE_MARK}**: {', '.join(name_labels(board.tasks)[t] for t in outside)}, not a task of suite "
             f"`{board.plan.suite if board.plan else ''}`: its runs are shown, and left out of every mean and of the "
             "rank test, so that each row's means cover the suite's tasks."
         )
@@ -118,6 +123,11 @@ def notes(board: Leaderboard) -> list[str]:
     return lines
 
 
+def name_labels(tasks: list[str]) -> dict[str, str]:
+    """:func:`petl.bench.columns.task_labels`, each escaped for a Markdown sentence (:func:`md_name`)."""
+    return {t: md_name(label) for t, label in task_labels(tasks).items()}
+
+
 def benchmark_tasks(board: Leaderboard) -> bool:
     """Whether every task of the board is a benchmark's, none a user's own data or a name petl does not know.
 
@@ -142,9 +152,9 @@ def flag_lines(board: Leaderboard) -> list[str]:
     """The legend's lines on the cells marked ‡ (a seed far from the others) and ↑ (still learning), and on the
     saturated tasks; each states its rule and counts what it marks.
     """
-    labels = task_labels(board.tasks)
+    labels = name_labels(board.tasks)
     far = [
-        f"{row.experiment} {labels[t]} (seed {', '.join(map(str, s.far_seeds))}: "
+        f"{md_name(row.experiment)} {labels[t]} (seed {', '.join(map(str, s.far_seeds))}: "
         + ", ".join(f"{v:.1f}" for _, v in sorted(ranking.seed_scores(row, t).items()))
         + ")"
         for row in board.rows
@@ -152,7 +162,7 @@ def flag_lines(board: Leaderboard) -> list[str]:
         if s.far_seeds
     ]
     rising = [
-        f"{row.experiment} {labels[t]} ({s.tail_change:+.1f})"
+        f"{md_name(row.experiment)} {labels[t]} ({s.tail_change:+.1f})"
         for row in board.rows
         for t, s in row.scores.items()
         if still_learning(s)
@@ -182,9 +192,9 @@ def flag_lines(board: Leaderboard) -> list[str]:
 
 def not_learned_line(board: Leaderboard) -> str:
     """The legend's line on the cells with a seed that did not learn (``""`` when every run learned)."""
-    labels = task_labels(board.tasks)
+    labels = name_labels(board.tasks)
     cells = [
-        f"{row.experiment} {labels[task]} (seed {', '.join(map(str, score.not_learned))})"
+        f"{md_name(row.experiment)} {labels[task]} (seed {', '.join(map(str, score.not_learned))})"
         for row in board.rows
         for task, score in row.scores.items()
         if score.not_learned
@@ -198,11 +208,52 @@ def not_learned_line(board: Leaderboard) -> str:
     )
 
 
+def more_seeds_line(board: Leaderboard) -> str:
+    """The legend's line on the cells marked ⁺, with more seeds than the board's cells need (``""`` when none has).
+
+    Without a suite such a cell's figures are over all its seeds; with one, the runs of seeds outside it are left
+    out, as a task outside it is.
+    """
+    labels = name_labels(board.tasks)
+    plan = board.plan
+    if plan is None:
+        cells = [
+            f"{md_name(row.experiment)} {labels[t]} (seeds {', '.join(map(str, s.seeds))})"
+            for row in board.rows
+            for t, s in row.scores.items()
+            if board.more_seeds(s)
+        ]
+        rule = (
+            f"the cell ran more seeds than the {plural(board.seed_count, 'seed')} most cells have (a row is "
+            "complete with every task at that count or more); its mean and ± are over all its seeds, more than the "
+            "other cells'"
+        )
+    else:
+        # From the runs, not the cells: a task run only with seeds outside the suite has no cell to mark.
+        outside = {
+            (row.experiment, t): sorted({r.seed for r in row.runs if r.task == t and r.seed not in plan.seeds})
+            for row in board.rows
+            for t in board.tasks
+        }
+        cells = [
+            f"{md_name(e)} {labels[t]} (seed {', '.join(map(str, seeds))})"
+            for (e, t), seeds in outside.items()
+            if seeds
+        ]
+        rule = (
+            f"the cell has runs of seeds outside suite `{plan.suite}` (seeds {', '.join(map(str, plan.seeds))}): "
+            "they are left out of its mean, ± and the rank test, so that every cell is over the suite's seeds"
+        )
+    if not cells:
+        return ""
+    return f"**{MORE_SEEDS_MARK}**: {rule}. {plural(len(cells), 'cell')}: {'; '.join(cells)}."
+
+
 def mixed_line(board: Leaderboard) -> str:
     """The legend's line on the rows whose tasks ran on different backbones (``""`` when there are none)."""
-    labels = task_labels(board.tasks)
+    labels = name_labels(board.tasks)
     rows = [
-        f"{row.experiment} ("
+        f"{md_name(row.experiment)} ("
         + "; ".join(f"{name}: {', '.join(labels[t] for t in tasks)}" for name, tasks in board.backbones(row).items())
         + ")"
         for row in board.rows
@@ -220,7 +271,11 @@ def mixed_line(board: Leaderboard) -> str:
 
 def other_line(board: Leaderboard) -> str:
     """The legend's line on the rows on another backbone than the ranked rows' (``""`` when there are none)."""
-    rows = [f"{row.experiment} ({next(iter(board.backbones(row)))})" for row in board.rows if board.other_backbone(row)]
+    rows = [
+        f"{md_name(row.experiment)} ({next(iter(board.backbones(row)))})"
+        for row in board.rows
+        if board.other_backbone(row)
+    ]
     if not rows:
         return ""
     return (
@@ -249,7 +304,7 @@ def set_aside_line(board: Leaderboard) -> str:
             warnings.warn(f"set-aside run: {error}", stacklevel=2)
             result = None
         task = result.dataset if result else path.parents[4].relative_to(board.results_dir).as_posix()
-        cells.setdefault(f"{experiment} {task.rsplit('/', 1)[-1]} at {point}", []).append(run.name)
+        cells.setdefault(f"{md_name(experiment)} {md_name(task.rsplit('/', 1)[-1])} at {point}", []).append(run.name)
         seconds += float(result.wall_seconds or 0.0) if result else 0.0
     listed = "; ".join(f"{cell} ({', '.join(runs)})" for cell, runs in sorted(cells.items()))
     return (
@@ -277,7 +332,7 @@ def progress(board: Leaderboard) -> str:
     mixed = [e for e in plan.experiments if e in rows and board.mixed(rows[e])]
     other = [e for e in plan.experiments if e in rows and board.other_backbone(rows[e])]
     partial = [
-        f"{e} ({runs_done(rows[e])} of {total})"
+        f"{md_name(e)} ({runs_done(rows[e])} of {total})"
         for e in plan.experiments
         if e in rows and e not in complete and e not in mixed and e not in other
     ]
@@ -287,7 +342,7 @@ def progress(board: Leaderboard) -> str:
         f"**Progress** of suite `{plan.suite}` ({plural(len(plan.experiments), 'experiment')} x "
         f"{plural(len(plan.tasks), 'task')} x {plural(len(plan.seeds), 'seed')} = {len(plan.experiments) * total} "
         f"final runs): {done} finished.",
-        f"Complete rows ({len(complete)}): {', '.join(complete) or 'none yet'}.",
+        f"Complete rows ({len(complete)}): {', '.join(map(md_name, complete)) or 'none yet'}.",
     ]
     if partial:
         parts.append(
@@ -295,17 +350,23 @@ def progress(board: Leaderboard) -> str:
             f"{', '.join(partial)}."
         )
     if mixed:
-        parts.append(f"On different backbones, marked `*` and not ranked ({len(mixed)}): {', '.join(mixed)}.")
+        parts.append(
+            f"On different backbones, marked `*` and not ranked ({len(mixed)}): {', '.join(map(md_name, mixed))}."
+        )
     if other:
         parts.append(
             f"On another backbone than {board.ranked_backbone}, marked `*` and not ranked ({len(other)}): "
-            f"{', '.join(other)}."
+            f"{', '.join(map(md_name, other))}."
         )
     if missing:
-        parts.append(f"No final run yet ({len(missing)}; searching or not started): {', '.join(missing)}.")
+        parts.append(
+            f"No final run yet ({len(missing)}; searching or not started): {', '.join(map(md_name, missing))}."
+        )
     outside = [row.experiment for row in board.rows if row.experiment not in plan.experiments]
     if outside:
-        parts.append(f"Not in the suite, marked `*` and not ranked ({len(outside)}): {', '.join(outside)}.")
+        parts.append(
+            f"Not in the suite, marked `*` and not ranked ({len(outside)}): {', '.join(map(md_name, outside))}."
+        )
     return " ".join(parts)
 
 
@@ -331,7 +392,7 @@ def published_ranking(board: Leaderboard, table: PublishedTable = RANKED_TABLE) 
 def ranking_line(board: Leaderboard, table: PublishedTable = RANKED_TABLE) -> str:
     """The legend's line on :func:`published_ranking`, with its caveat."""
     found = published_ranking(board, table)
-    methods = ", ".join(found.methods) or "none"
+    methods = ", ".join(map(md_name, found.methods)) or "none"
     head = f"**Rank correlation with the published {table.key} ordering**: "
     if math.isnan(found.rho) and len(found.methods) >= MIN_RANKED:
         # Enough rows, but one side ranks them all equal: there is no ordering to compare.
@@ -358,8 +419,9 @@ def ranking_line(board: Leaderboard, table: PublishedTable = RANKED_TABLE) -> st
         head
         + body
         + f" Published: {table.title}; source: {table.source} (supervised), on its own tasks at 224 px; measured "
-        f"here: {board.ranked_backbone or ', '.join(board.models)} on these {plural(len(board.tasks), 'task')}. "
-        "Other backbone, tasks and recipe: it compares the methods' orderings, not their accuracies."
+        f"here: {board.ranked_backbone or ', '.join(board.models)} on "
+        + ("this task. " if len(board.tasks) == 1 else f"these {len(board.tasks)} tasks. ")
+        + "Other backbone, tasks and recipe: it compares the methods' orderings, not their accuracies."
     )
 
 
@@ -379,7 +441,7 @@ def unranked(board: Leaderboard) -> str:
             return f"on {', '.join(board.backbones(row))}"
         return "short of a task or seed"
 
-    left = [f"{row.experiment} ({why(row)})" for row in board.rows if not board.complete(row)]
+    left = [f"{md_name(row.experiment)} ({why(row)})" for row in board.rows if not board.complete(row)]
     return f" Not ranked, marked `*` in the table: {', '.join(left)}." if left else ""
 
 
@@ -392,7 +454,7 @@ def comparison_lines(board: Leaderboard) -> list[str]:
     found = board.ranking
     if not isinstance(found, ranking.Ranking):
         return [(f"Not tested: {found}." if found else "Not tested.") + unranked(board)]
-    labels = task_labels(board.tasks)
+    labels = name_labels(board.tasks)
     k, n = len(found.methods), len(found.blocks)
     if found.block == "task":
         left = ", ".join(labels[t] for t in found.left_out_tasks)
@@ -458,7 +520,7 @@ def comparison_lines(board: Leaderboard) -> list[str]:
             f"That no pair differs below is a count of blocks, not a finding, and the intervals rest on {n} blocks; "
             f"run {more}."
         )
-    groups = "; ".join(f"{ranking.letter(i)}: {', '.join(g)}" for i, g in enumerate(found.groups))
+    groups = "; ".join(f"{ranking.letter(i)}: {', '.join(map(md_name, g))}" for i, g in enumerate(found.groups))
     lines.append(
         f"**Groups** (methods no two of which can be told apart, in mean-rank order; the bars of `{CD_FILE}`): "
         f"{groups}. Two methods that share a letter cannot be told apart at this level."

@@ -179,7 +179,7 @@ def answer_for(output_dir: Path, budget: choice.Budget, plan: Any = None, config
     """The answer for a results folder of own data (its leaderboard rebuilt from its runs), written to choice.md.
 
     ``plan`` (:class:`petl.bench.report.Plan`): the suite's experiments, task and seeds, so a row short of a
-    seed is not complete; ``None`` counts the board's fullest cells.
+    seed is not complete; ``None``: the seeds most cells of the board have.
     """
     records = report.collect(output_dir)
     experiments = sorted({r.experiment for r in records})

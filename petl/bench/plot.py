@@ -11,7 +11,7 @@ import io
 import itertools
 import math
 import textwrap
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 # The Figure/Agg canvas pair draws without pyplot, so no global backend is chosen behind the user's back.
@@ -358,11 +358,12 @@ def curve_panels(experiments: list[str], family_of: Mapping[str, str], order: li
 
 
 def render_curves(
-    curves: Mapping[str, list[float]],
+    curves: Mapping[str, Mapping[int, float]],
     task: str,
     models: list[str],
     family_of: Mapping[str, str] | None = None,
     families: Mapping[str, str] | None = None,
+    cut: Sequence[str] = (),
 ) -> bytes:
     """PNG bytes of val top-1 per epoch as small multiples: one panel per family, its experiments in colour.
 
@@ -370,12 +371,14 @@ def render_curves(
     "did these runs level off before their last epoch?" and "where do they sit among the rest?".
 
     Args:
-        curves: experiment -> val top-1 (%) after each epoch.
+        curves: experiment -> epoch -> val top-1 (%) after it.
         task: the task the curves are on (title).
         models: the backbones measured on (title).
         family_of: experiment -> family (an experiment missing here is a family of its own).
         families: family name -> what its methods train (panel subtitles), in panel order; a family
             missing here comes after them.
+        cut: the experiments whose seeds' curves have different epochs, each with what its curve keeps (the title
+            says that it shows only the epochs every seed has: :func:`petl.bench.curves.cut_curves`).
 
     """
     families = dict(families or {})
@@ -391,12 +394,12 @@ def render_curves(
         own = grouped[family]
         for name, values in curves.items():
             if name not in own:
-                ax.plot(range(1, len(values) + 1), values, color="0.86", lw=0.8, zorder=1)
+                ax.plot(list(values), list(values.values()), color="0.86", lw=0.8, zorder=1)
         for j, name in enumerate(own):
             values = curves[name]
             ax.plot(
-                range(1, len(values) + 1),
-                values,
+                list(values),
+                list(values.values()),
                 color=_COLOURS[j % len(_COLOURS)],
                 marker=_MARKERS[j % len(_MARKERS)],
                 markersize=3,
@@ -422,6 +425,8 @@ def render_curves(
     title = (
         f"val accuracy per epoch on {task}, {', '.join(models)}: one panel per method family (grey: the other families)"
     )
+    if cut:
+        title += f"; only the epochs every seed's curve has: {', '.join(cut)}"
     # About 46 characters fit above one panel at this size: a board with one or two families wraps its title.
     fig.suptitle(textwrap.fill(title, width=46 * cols), fontsize=10)
     _as_text(fig)  # before the layout measures them

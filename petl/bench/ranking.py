@@ -51,8 +51,9 @@ SATURATED_POINTS = 2.0
 
 
 def seed_scores(row: ExperimentRow, task: str) -> dict[int, float]:
-    """Test top-1 of each seed of ``row`` on ``task``."""
-    return {r.seed: float(r.result.test_top1) for r in row.runs if r.task == task}
+    """Test top-1 of each seed of ``row``'s cell on ``task`` (not of a seed the cell leaves out: outside its suite)."""
+    seeds = set(row.scores[task].seeds) if task in row.scores else set()
+    return {r.seed: float(r.result.test_top1) for r in row.runs if r.task == task and r.seed in seeds}
 
 
 def far_seeds(scores: Mapping[int, float], points: float = FAR_SEED_POINTS) -> tuple[int, ...]:

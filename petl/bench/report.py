@@ -45,7 +45,15 @@ from petl.bench.collect import (
     task_group,
 )
 from petl.bench.columns import leaderboard_columns, task_labels
-from petl.bench.curves import CONVERGENCE_TAIL, ValCurve, learning_curves, run_curves, tail_change, val_curve
+from petl.bench.curves import (
+    CONVERGENCE_TAIL,
+    ValCurve,
+    cut_curves,
+    learning_curves,
+    run_curves,
+    tail_change,
+    val_curve,
+)
 from petl.bench.notes import CD_FILE, COMPARISON_TITLE, comparison_lines, notes, progress, published_ranking
 from petl.bench.published import (
     TABLES,
@@ -215,6 +223,10 @@ def aggregate(
         curves = run_curves(runs)
         for task in tasks:
             cell = sorted((r for r in runs if r.task == task), key=lambda r: r.seed)
+            # With a plan, a cell is over the suite's seeds: a run of another seed (a rerun by hand) is left out, as
+            # a task outside the suite is left out of the means, and the cell marked (Leaderboard.more_seeds).
+            outside = tuple(r.seed for r in cell if plan is not None and r.seed not in plan.seeds)
+            cell = [r for r in cell if r.seed not in outside]
             if cell:
                 check_cell(cell)
                 top1 = [float(r.result.test_top1) for r in cell]
@@ -223,7 +235,7 @@ def aggregate(
                 far = ranking.far_seeds({r.seed: float(r.result.test_top1) for r in cell})
                 change = nanmean([tail_change(c.val_top1) for c in curves.get(task, [])])
                 seeds = tuple(r.seed for r in cell)
-                scores[task] = TaskScore(statistics.fmean(top1), std, seeds, stuck, far, change)
+                scores[task] = TaskScore(statistics.fmean(top1), std, seeds, stuck, far, change, outside)
         # With a plan, the means are over the suite's tasks: a run of another task in the folder would make this row's
         # task mean one over more tasks than the other rows', sorted and plotted among them as if it were not.
         counted = {t: s for t, s in scores.items() if plan is None or t in plan.tasks}
@@ -260,7 +272,7 @@ def aggregate(
         plan=plan,
     )
     # Complete rows first: a mean over fewer tasks or seeds is not ranked among them.  Sorted into a new list, then
-    # put back: complete() reads board.rows (the fullest cell's seeds, the ranked backbone), which CPython's
+    # put back: complete() reads board.rows (the seed count most cells have, the ranked backbone), which CPython's
     # list.sort empties while it runs, so every row read as incomplete and a partial row's higher mean came first.
     rows[:] = sorted(
         rows,
@@ -509,7 +521,7 @@ def learning_curves_png(board: Leaderboard) -> bytes | None:
 
     task, curves = found
     family_of = {row.experiment: board.family(row) for row in board.rows}
-    return render_curves(curves, task, board.models, family_of, _family_legend(board))
+    return render_curves(curves, task, board.models, family_of, _family_legend(board), cut_curves(board, task))
 
 
 def build_board(
@@ -524,7 +536,8 @@ def build_board(
         configs_dir: the folder of experiment files that name each experiment's published row and family
             (default: petl's own, see :func:`petl.bench.suite.configs_dir`).
         plan: what the suite the runs came from sets out to run (:func:`plan_of`); default: none, and a row
-            counts as complete with the tasks and seeds the board's fullest cells have.
+            counts as complete with every task of the board, each with as many seeds as most cells have or more
+            (:attr:`petl.bench.board.Leaderboard.seed_count`).
 
     Raises:
         FileNotFoundError: ``results_dir`` is no folder, or holds no usable result.json.

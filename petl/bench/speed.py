@@ -282,6 +282,7 @@ def make_spec(own: dict[str, str], cuda_available: bool, model_kwargs: dict[str,
 def main(args: Sequence[str]) -> int:
     """``petl-bench speed key=value ...``: measure, print the table, optionally write it to ``out=``."""
     from petl.bench.suite import list_experiments, load_experiment
+    from petl.train.config import check_group_choice
 
     own, rest = parse_args(args, SPEED_KEYS)
     model_kwargs, rest = split_model_kwargs(rest)
@@ -289,6 +290,8 @@ def main(args: Sequence[str]) -> int:
         known = ", ".join(sorted(SPEED_KEYS | {MODEL_KWARGS + "KEY"}))
         raise SystemExit(f"petl-bench speed: unknown argument(s) {rest}; known: {known}")
     spec = make_spec(own, torch.cuda.is_available(), model_kwargs)
+    # Before any case is built: an unknown name is bad input (exit 2), not timm's RuntimeError mid-measure (exit 1).
+    check_group_choice("model", spec.model)
     configs = configs_folder(own)
     names = split_list(own["methods"]) if "methods" in own else list_experiments(configs)
     options_for = split_list(own["options_for"]) if "options_for" in own else []

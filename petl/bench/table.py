@@ -7,6 +7,7 @@ builds them (the report imports the renderers, never the other way round).
 from __future__ import annotations
 
 import html
+import re
 from dataclasses import dataclass
 
 Cell = tuple[str, float | str]  # (display text, sort key); an empty sort key sorts last either way
@@ -37,6 +38,13 @@ def md_escape(text: str) -> str:
     """
     text = html.escape(text, quote=False).replace("|", "\\|")
     return text.replace("\r\n", "<br>").replace("\n", "<br>").replace("\r", "<br>")
+
+
+def md_name(text: str) -> str:
+    """A name (an experiment's, a task's) set in a Markdown sentence: its backslashes, ``*`` and backticks escaped, so
+    that none opens bold or code there (the HTML page reads the escapes as GitHub does: :mod:`petl.bench.html`).
+    """
+    return re.sub(r"([\\*`])", r"\\\1", text)
 
 
 def markdown_lines(table: Table) -> list[str]:

@@ -128,7 +128,7 @@ class RunResult:
             what = field_problem(name, value)
             if what:
                 raise ResultError(f"{source}: field {name!r} is {reprlib.repr(value)}, not {what}")
-        problem = config_problem(values)
+        problem = config_problem(values) or count_problem(values)
         if problem:
             raise ResultError(f"{source}: {problem}")
         # A record without its method (hand-made, a test's) takes its config's, so that a rewrite stays consistent.
@@ -233,6 +233,16 @@ def config_problem(values: dict[str, Any]) -> str | None:
     for name, value in recorded.items():
         if value is not None and values.get(name) is not None and value != values[name]:
             return f"{name} {values[name]!r} is not the {name} of the config it records ({value!r})"
+    return None
+
+
+def count_problem(values: dict[str, Any]) -> str | None:
+    """Where a record counts more trainable parameters than parameters (a report would show over 100 %), or ``None``."""
+    total = values.get("total_params")
+    for name in ("trainable_params", "trainable_params_no_head"):
+        count = values.get(name)
+        if total is not None and count is not None and count > total:
+            return f"field {name!r} is {count}, more than total_params ({total}): a record cannot train more"
     return None
 
 

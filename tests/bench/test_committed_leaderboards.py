@@ -160,8 +160,8 @@ def test_convergence_column_reads_own_curves_and_the_selected_trials_curve(tmp_p
 
     task, curves = report.learning_curves(board)
     assert task == "mini/digits"
-    assert curves["linear"] == [50, 60, 64, 65, 67]  # mean of the two seeds' curves
-    assert curves["lora"] == [40, 60, 75, 80, 80.5]
+    assert list(curves["linear"].values()) == [50, 60, 64, 65, 67]  # mean of the two seeds' curves
+    assert curves["lora"] == {1: 40, 2: 60, 3: 75, 4: 80, 5: 80.5}
     assert "vpt" not in curves
     png = (tmp_path / "learning_curves.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 1000

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from conftest import command_status
-from test_harness import VTAB, VTAB_ROWS, VTAB_TASKS, _dump_dom_in_chromium, _read_table, read_csv, write_run
+from test_harness import VIT_B, VTAB, VTAB_ROWS, VTAB_TASKS, _dump_dom_in_chromium, _read_table, read_csv, write_run
 
 from petl.bench.report import write_report
 from petl.cli import bench as cli
@@ -25,7 +25,9 @@ def _some_vtab(root: Path) -> Path:
     for experiment, published, no_head in PUBLISHED:
         for task in SOME_VTAB:
             top1 = VTAB_ROWS[published].top1[VTAB.column(task)]
-            write_run(root, task, experiment, 0, top1=top1, no_head=no_head, head=7.7e3, model=VTAB.backbone)
+            write_run(
+                root, task, experiment, 0, top1=top1, no_head=no_head, head=7.7e3, model=VTAB.backbone, total=VIT_B
+            )
     return root
 
 
@@ -141,7 +143,7 @@ def test_a_learning_curve_of_one_epoch_marks_epoch_1_only(monkeypatch):
 
     drawn = []
     monkeypatch.setattr(plot, "_png", lambda fig: drawn.append(fig) or b"")
-    plot.render_curves({"lora": [80.0], "linear": [70.0]}, "mini/digits", ["vit"], {"lora": "low-rank"})
+    plot.render_curves({"lora": {1: 80.0}, "linear": {1: 70.0}}, "mini/digits", ["vit"], {"lora": "low-rank"})
     for ax in drawn[0].axes:
         low, high = ax.get_xlim()
         assert [float(t) for t in ax.get_xticks() if low <= t <= high] == [1.0]
@@ -192,3 +194,128 @@ def test_a_damaged_set_aside_record_is_named_once_per_report(tmp_path, capsys):
     (aside / "result.json").write_text("{")
     code, _, err = command_status(capsys, cli.main, "report", str(tmp_path))
     assert code == 0 and err.count("set-aside run:") == 1, err
+
+
+def test_a_sweep_s_end_line_names_the_figures_it_wrote(tmp_path, capsys):
+    # Was: "..., pareto.png and critical_difference.png (when two complete rows can be compared)" whatever was drawn.
+    from petl.bench import commands
+    from petl.bench.args import configs_folder
+    from petl.bench.sweep import SweepSummary
+
+    for experiment, top1 in (("lora", 80.0), ("linear", 70.0)):
+        write_run(tmp_path, "mini/digits", experiment, 0, top1=top1)
+        (tmp_path / "mini-digits" / experiment / "seed0" / "metrics.jsonl").write_text('{"epoch": 1, "val_top1": 50}\n')
+    suite = commands.suites.load_suite("mini", configs_folder({}))
+    commands._finish(SweepSummary(total=2, already_done=2), tmp_path, {}, True, suite)
+    out = capsys.readouterr().out
+    assert f"written to {tmp_path}/leaderboard.{{md,csv,html}}, pareto.png, learning_curves.png\n" in out, out
+
+
+def test_the_ranking_line_says_this_task_of_a_one_task_board(tmp_path):
+    # Was: "measured here: ... on these 1 task."
+    from petl.bench.notes import ranking_line
+    from petl.bench.report import build_board
+
+    for experiment, top1 in (("lora", 80.0), ("linear", 70.0)):
+        write_run(tmp_path, "mini/digits", experiment, 0, top1=top1)
+    board = build_board(tmp_path)
+    assert " on this task. " in ranking_line(board)
+    write_run(tmp_path, "mini/mnist", "lora", 0, top1=90.0)
+    assert " on these 2 tasks. " in ranking_line(build_board(tmp_path))
+
+
+def test_learning_curves_are_placed_by_epoch_and_average_only_the_epochs_every_seed_has(tmp_path, monkeypatch):
+    # Was: plotted by position: a damaged line moved every later epoch one to the left, and a seed's shorter curve
+    # silently shortened its row's mean curve.
+    import json
+
+    from petl.bench import plot
+    from petl.bench.curves import cut_curves, learning_curves
+    from petl.bench.report import build_board, learning_curves_png
+
+    def metrics(experiment: str, seed: int, lines: list[str]) -> None:
+        (tmp_path / "mini-digits" / experiment / f"seed{seed}" / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+
+    def line(epoch: int, top1: float) -> str:
+        return json.dumps({"epoch": epoch, "val_top1": top1})
+
+    for seed in (0, 1):
+        write_run(tmp_path, "mini/digits", "lora", seed, top1=80.0)
+        write_run(tmp_path, "mini/digits", "linear", seed, top1=70.0)
+    metrics("lora", 0, [line(1, 10), '{"epoch": 2, "val_top1": 2', line(3, 30), line(4, 40)])  # epoch 2 cut short
+    metrics("lora", 1, [line(1, 20), line(2, 20), line(3, 40), line(4, 50)])
+    metrics("linear", 0, [line(1, 10), line(2, 20), line(3, 30)])
+    metrics("linear", 1, [line(1, 30), line(2, 40)])  # a seed whose curve stops early
+    board = build_board(tmp_path)
+    task, curves = learning_curves(board)
+    assert curves == {"lora": {1: 15.0, 3: 35.0, 4: 45.0}, "linear": {1: 20.0, 2: 30.0}}
+    assert cut_curves(board, task) == ["lora (3 of 4 epochs)", "linear (2 of 3 epochs)"]
+    drawn = []
+    monkeypatch.setattr(plot, "_png", lambda fig: drawn.append(fig) or b"")
+    learning_curves_png(board)
+    assert "only the epochs every seed's curve has: lora (3 of 4 epochs), linear (2 of 3 epochs)" in " ".join(
+        drawn[0]._suptitle.get_text().split()
+    )
+    lines = {line.get_label(): line for ax in drawn[0].axes for line in ax.get_lines() if line.get_color() != "0.86"}
+    assert list(lines["lora"].get_xdata()) == [1, 3, 4]
+
+
+def test_one_extra_seed_in_one_cell_leaves_the_other_rows_complete_and_is_marked(tmp_path):
+    # Was: a row was complete only with as many seeds as the fullest cell, so lora's seed 3 on digits made every other
+    # row "short of a task or seed" and the rank test ran on nothing.
+    from petl.bench import ranking
+    from petl.bench.notes import notes
+    from petl.bench.report import build_board, display_table
+
+    for i, experiment in enumerate(("lora", "linear", "bitfit")):
+        for task in ("mini/digits", "mini/mnist"):
+            for seed in (0, 1, 2):
+                write_run(tmp_path, task, experiment, seed, top1=80.0 - 5 * i + seed)
+    write_run(tmp_path, "mini/digits", "lora", 3, top1=90.0)
+    board = build_board(tmp_path)
+    assert board.seed_count == 3 and all(map(board.complete, board.rows))
+    assert isinstance(board.ranking, ranking.Ranking) and len(board.ranking.methods) == 3
+    lora = next(r for r in board.rows if r.experiment == "lora")
+    assert lora.scores["mini/digits"].mean == (80 + 81 + 82 + 90) / 4  # over all its seeds, and marked
+    cells = {row[0][0]: row for row in display_table(board).rows}
+    assert any(text.endswith(" ⁺") for text, _ in cells["lora"]) and not any("⁺" in t for t, _ in cells["linear"])
+    legend = " ".join(notes(board))
+    assert "**⁺**: the cell ran more seeds than the 3 seeds most cells have" in legend
+    assert "1 cell: lora digits (seeds 0, 1, 2, 3)." in legend
+    # A row short of a seed most cells have is still short.
+    (tmp_path / "mini-mnist" / "bitfit" / "seed2" / "result.json").unlink()
+    assert [r.experiment for r in build_board(tmp_path).rows if not build_board(tmp_path).complete(r)] == ["bitfit"]
+
+
+def test_with_a_suite_a_seed_outside_it_is_left_out_of_its_cell_and_marked(tmp_path):
+    # Was: a seed outside the suite counted in the cell's mean with no mark, while a task outside it is left out.
+    from petl.bench.notes import notes
+    from petl.bench.ranking import seed_scores
+    from petl.bench.report import Plan, build_board
+
+    for experiment, top1 in (("lora", 80.0), ("linear", 70.0)):
+        for seed in (0, 1):
+            write_run(tmp_path, "mini/digits", experiment, seed, top1=top1 + seed)
+    write_run(tmp_path, "mini/digits", "lora", 2, top1=10.0)
+    board = build_board(tmp_path, plan=Plan("two", ("lora", "linear"), ("mini/digits",), (0, 1)))
+    lora = next(r for r in board.rows if r.experiment == "lora")
+    score = lora.scores["mini/digits"]
+    assert score.mean == 80.5 and score.seeds == (0, 1) and score.outside_seeds == (2,)
+    assert seed_scores(lora, "mini/digits") == {0: 80.0, 1: 81.0} and board.complete(lora)
+    legend = " ".join(notes(board))
+    assert "**⁺**: the cell has runs of seeds outside suite `two` (seeds 0, 1): they are left out" in legend
+    assert "1 cell: lora digits (seed 2)." in legend
+
+
+def test_a_name_holding_markup_stays_plain_text_in_the_legends(tmp_path):
+    # Was: an experiment named x**y or `c` set the rest of its legend line in bold, or in code, in leaderboard.html
+    # (and leaderboard.md): names were escaped for HTML, not for the legend's Markdown.
+    for i, experiment in enumerate(("lora", "linear", "x**y", "`c`")):
+        for task in ("mini/digits", "mini/mnist") if i < 2 else ("mini/digits",):
+            write_run(tmp_path, task, experiment, 0, top1=80.0 - i)
+    write_report(tmp_path)
+    html = (tmp_path / "leaderboard.html").read_text()
+    assert "Not ranked, marked <code>*</code> in the table: x**y (short of a task or seed), `c` (short of" in html
+    assert "<code>c</code>" not in html
+    md = (tmp_path / "leaderboard.md").read_text()
+    assert "x\\*\\*y (short of a task or seed), \\`c\\` (short of" in md

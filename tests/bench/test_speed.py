@@ -360,6 +360,8 @@ BASE = ["speed", "methods=lora", "inprocess=true", "warmup=0", "infer_steps=1", 
         # options= only acts on options_for's experiments: alone, it added nothing.
         (["options=bf16"], "options=bf16 adds rows only for the experiments options_for= names"),
         (["options=", "options_for=lora"], "options=: choose among grad_ckpt, compile, bf16"),
+        # Was timm's "RuntimeError: Unknown model" from the first case built, exit 1.
+        (["model=vit_bse_patch16_224"], "unknown model 'vit_bse_patch16_224'; did you mean"),
     ],
 )
 def test_speed_cli_refuses_bad_values_in_one_line_before_measuring(args, message, monkeypatch, capsys):

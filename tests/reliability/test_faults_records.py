@@ -56,6 +56,7 @@ def _board(root: Path) -> None:
         ("num_classes", "ten", "an integer of at least 1"),  # was: TypeError, exit 1
         ("test_top1", 1234.5, "a percentage from 0 to 100"),  # was: on the board, a row mean of 374.99
         ("test_top1", -5, "a percentage from 0 to 100"),
+        ("trainable_params", 10**12, "more than total_params"),  # was: on the board, a trainable share over 100 %
     ],
 )
 def test_f1_f7_a_bad_field_is_named_and_the_leaderboard_is_written(tmp_path, capsys, field, value, what):
