@@ -79,6 +79,7 @@ from petl.bench.speed_bench import (
 from petl.bench.speed_table import format_table, machine_line, plain_inference
 from petl.store.files import write_text
 from petl.train import engine
+from petl.train.readers import image_size
 
 __all__ = [
     "FORWARD", "NOTE_ABOVE", "OPTIONS", "PEFT_LORA", "Case", "Floor", "SpeedSpec", "_Bench", "find_floor",
@@ -113,8 +114,9 @@ def plan_cases(
     chosen = list(OPTIONS) if options is None else list(options)
     cpu = SpeedSpec(**{**asdict(spec), "device": "cpu"})
     plain = build_model(Case("plain"), cpu)
-    h, w = plain.patch_embed.img_size
-    probe = torch.randn(1, 3, h, w)
+    # The size petl-run feeds: a patch embedding's, else the pretrained config's (a NaFlexVit has no patch_embed).
+    side = image_size(plain)
+    probe = torch.randn(1, 3, side, side)
     plain_tokens = tokens_per_block(plain, probe)
     plain_modules = set(run_order(plain, probe))
     floors: dict[str, Floor] = {}

@@ -433,12 +433,15 @@ KINDS = {
     "beit": ("beitv2_base_patch16_224", TINY_SEQUENCE),
     "vit_relpos": ("vit_relpos_medium_patch16_cls_224", TINY_SEQUENCE),
     "vit_parallel": ("vit_pwee_patch16_reg1_gap_256", TINY_SEQUENCE),
+    # No patch_embed: its 384-px images (its pretrained config's; timm ignores img_size) are 12x12 patches of 32.
+    "naflexvit": ("naflexvit_base_patch16_gap", {**TINY_SEQUENCE, "patch_size": 32}),
 }
 
 
 def _tiny_spec(kind: str) -> SpeedSpec:
     name, kwargs = KINDS[kind]
-    return SpeedSpec(model=name, img_size=32, model_kwargs=kwargs, batch=2, steps=1, warmup=1, rounds=1, infer_steps=1)
+    px = 0 if kind == "naflexvit" else 32
+    return SpeedSpec(model=name, img_size=px, model_kwargs=kwargs, batch=2, steps=1, warmup=1, rounds=1, infer_steps=1)
 
 
 @pytest.mark.parametrize("kind", KINDS)
