@@ -284,7 +284,7 @@ def make_spec(own: dict[str, str], cuda_available: bool, model_kwargs: dict[str,
 def main(args: Sequence[str]) -> int:
     """``petl-bench speed key=value ...``: measure, print the table, optionally write it to ``out=``."""
     from petl.bench.suite import list_experiments, load_experiment
-    from petl.train.config import check_group_choice
+    from petl.train.config import check_built_size, check_group_choice
 
     own, rest = parse_args(args, SPEED_KEYS)
     model_kwargs, rest = split_model_kwargs(rest)
@@ -294,6 +294,14 @@ def main(args: Sequence[str]) -> int:
     spec = make_spec(own, torch.cuda.is_available(), model_kwargs)
     # Before any case is built: an unknown name is bad input (exit 2), not timm's RuntimeError mid-measure (exit 1).
     check_group_choice("model", spec.model)
+    if spec.img_size:
+        # As petl-run: a model that takes img_size and sizes its images otherwise (timm's NaFlexVit) would be timed at
+        # its own size under a table that says img_size's.  Built on the meta device: shapes only, no weights.
+        import timm
+
+        with torch.device("meta"):
+            model = timm.create_model(spec.model, pretrained=False, img_size=spec.img_size, **spec.model_kwargs)
+        check_built_size(model, spec.model, spec.img_size)
     configs = configs_folder(own)
     names = split_list(own["methods"]) if "methods" in own else list_experiments(configs)
     options_for = split_list(own["options_for"]) if "options_for" in own else []

@@ -362,6 +362,11 @@ BASE = ["speed", "methods=lora", "inprocess=true", "warmup=0", "infer_steps=1", 
         (["options=", "options_for=lora"], "options=: choose among grad_ckpt, compile, bf16"),
         # Was timm's "RuntimeError: Unknown model" from the first case built, exit 1.
         (["model=vit_bse_patch16_224"], "unknown model 'vit_bse_patch16_224'; did you mean"),
+        # A NaFlexVit ignores img_size: timed at its own 384 px under a table that said 32 px.
+        (
+            ["model=naflexvit_base_patch16_gap", "img_size=32"],
+            "model.img_size=32: naflexvit_base_patch16_gap is built for 384 px whatever img_size says",
+        ),
     ],
 )
 def test_speed_cli_refuses_bad_values_in_one_line_before_measuring(args, message, monkeypatch, capsys):
