@@ -301,7 +301,7 @@ def main(args: Sequence[str]) -> int:
 
         with torch.device("meta"):
             model = timm.create_model(spec.model, pretrained=False, img_size=spec.img_size, **spec.model_kwargs)
-        check_built_size(model, spec.model, spec.img_size)
+        check_built_size(model, spec.model, spec.img_size, key="img_size")
     configs = configs_folder(own)
     names = split_list(own["methods"]) if "methods" in own else list_experiments(configs)
     options_for = split_list(own["options_for"]) if "options_for" in own else []

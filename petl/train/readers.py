@@ -115,8 +115,9 @@ def image_size(model: Any) -> int:
     return int(height)
 
 
-def check_built_size(model: Any, name: str, asked: Any) -> int:
-    """:func:`image_size` of ``model`` (``name``, built with ``img_size=asked``), checked to be the size asked.
+def check_built_size(model: Any, name: str, asked: Any, key: str = "model.img_size") -> int:
+    """:func:`image_size` of ``model`` (``name``, built with ``img_size=asked``, given as ``key``), checked to be the
+    size asked.
 
     Raises:
         ConfigError: a model that takes ``img_size`` and sizes itself otherwise (timm's NaFlexVit: its position grid
@@ -126,7 +127,7 @@ def check_built_size(model: Any, name: str, asked: Any) -> int:
     built = image_size(model)
     if asked is not None and list(asked if isinstance(asked, list | tuple) else (asked, asked)) != [built, built]:
         raise ConfigError(
-            f"model.img_size={asked}: {name} is built for {built} px whatever img_size says (timm resamples "
-            "its position grid to any size): drop model.img_size"
+            f"{key}={asked}: {name} is built for {built} px whatever img_size says (timm resamples its position "
+            f"grid to any size): drop {key}"
         )
     return built
