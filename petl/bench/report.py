@@ -220,7 +220,8 @@ def aggregate(
     rows = []
     for name, runs in by_experiment.items():
         scores = {}
-        curves = run_curves(runs)
+        # The curves of the suite's seeds only, as the cells' means: a rerun of another seed is no part of ↑.
+        curves = run_curves([r for r in runs if plan is None or r.seed in plan.seeds])
         for task in tasks:
             cell = sorted((r for r in runs if r.task == task), key=lambda r: r.seed)
             # With a plan, a cell is over the suite's seeds: a run of another seed (a rerun by hand) is left out, as

@@ -79,6 +79,7 @@ from petl.bench.speed_bench import (
 from petl.bench.speed_table import format_table, machine_line, plain_inference
 from petl.store.files import write_text
 from petl.train import engine
+from petl.train.readers import image_size
 
 __all__ = [
     "FORWARD", "NOTE_ABOVE", "OPTIONS", "PEFT_LORA", "Case", "Floor", "SpeedSpec", "_Bench", "find_floor",
@@ -113,8 +114,9 @@ def plan_cases(
     chosen = list(OPTIONS) if options is None else list(options)
     cpu = SpeedSpec(**{**asdict(spec), "device": "cpu"})
     plain = build_model(Case("plain"), cpu)
-    h, w = plain.patch_embed.img_size
-    probe = torch.randn(1, 3, h, w)
+    # The size petl-run feeds: a patch embedding's, else the pretrained config's (a NaFlexVit has no patch_embed).
+    side = image_size(plain)
+    probe = torch.randn(1, 3, side, side)
     plain_tokens = tokens_per_block(plain, probe)
     plain_modules = set(run_order(plain, probe))
     floors: dict[str, Floor] = {}
@@ -282,7 +284,7 @@ def make_spec(own: dict[str, str], cuda_available: bool, model_kwargs: dict[str,
 def main(args: Sequence[str]) -> int:
     """``petl-bench speed key=value ...``: measure, print the table, optionally write it to ``out=``."""
     from petl.bench.suite import list_experiments, load_experiment
-    from petl.train.config import check_group_choice
+    from petl.train.config import check_built_size, check_group_choice
 
     own, rest = parse_args(args, SPEED_KEYS)
     model_kwargs, rest = split_model_kwargs(rest)
@@ -292,6 +294,14 @@ def main(args: Sequence[str]) -> int:
     spec = make_spec(own, torch.cuda.is_available(), model_kwargs)
     # Before any case is built: an unknown name is bad input (exit 2), not timm's RuntimeError mid-measure (exit 1).
     check_group_choice("model", spec.model)
+    if spec.img_size:
+        # As petl-run: a model that takes img_size and sizes its images otherwise (timm's NaFlexVit) would be timed at
+        # its own size under a table that says img_size's.  Built on the meta device: shapes only, no weights.
+        import timm
+
+        with torch.device("meta"):
+            model = timm.create_model(spec.model, pretrained=False, img_size=spec.img_size, **spec.model_kwargs)
+        check_built_size(model, spec.model, spec.img_size, key="img_size")
     configs = configs_folder(own)
     names = split_list(own["methods"]) if "methods" in own else list_experiments(configs)
     options_for = split_list(own["options_for"]) if "options_for" in own else []

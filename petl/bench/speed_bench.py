@@ -31,6 +31,7 @@ from petl.model.backbone import backbone_of
 from petl.model.registry import get_method
 from petl.model.surgery import apply, merge
 from petl.train import engine
+from petl.train.readers import image_size
 from petl.utils.checks import check_choice, check_range
 from petl.utils.memory import current_rss_mb, peak_rss_mb, reset_peak_rss
 
@@ -199,7 +200,8 @@ class _Bench:
         torch.manual_seed(0)
         self.spec, self.case = spec, case
         self.model = build_model(case, spec)
-        h, w = self.model.patch_embed.img_size
+        # The size petl-run feeds: a patch embedding's, else the pretrained config's (a NaFlexVit has no patch_embed).
+        h = w = image_size(self.model)
         device = torch.device(spec.device)
         self.images = torch.randn(spec.batch, 3, h, w, device=device)
         self.labels = torch.randint(0, spec.num_classes, (spec.batch,), device=device)

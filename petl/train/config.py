@@ -41,7 +41,14 @@ from petl.model.registry import get_method, list_methods, make_config
 from petl.model.surgery import check_supported
 from petl.train.engine import TrainSettings
 from petl.train.options import check_options, neutral_keys, option
-from petl.train.readers import data_info, data_options, image_size, method_options, model_kwargs  # noqa: F401 (re-exported)
+from petl.train.readers import (  # noqa: F401 (re-exported)
+    check_built_size,
+    data_info,
+    data_options,
+    image_size,
+    method_options,
+    model_kwargs,
+)
 from petl.utils.errors import ConfigError
 from petl.utils.random import MAX_SEED
 from petl.utils.text import first_line
@@ -600,14 +607,7 @@ def check_method(cfg: DictConfig) -> None:
             model = timm.create_model(cfg.model.name, pretrained=False, drop_path_rate=cfg.model.drop_path, **kwargs)
     except TypeError as error:
         raise ConfigError(f"model.kwargs: {error}") from None
-    built, asked = image_size(model), kwargs.get("img_size")
-    if asked is not None and list(asked if isinstance(asked, list | tuple) else (asked, asked)) != [built, built]:
-        # A model that takes img_size and sizes itself otherwise (timm's NaFlexVit: its position grid by
-        # pos_embed_grid_size, its images by its pretrained config) would train at another size than asked.
-        raise ConfigError(
-            f"model.img_size={asked}: {cfg.model.name} is built for {built} px whatever img_size says (timm resamples "
-            "its position grid to any size): drop model.img_size"
-        )
+    check_built_size(model, cfg.model.name, kwargs.get("img_size"))
     num_classes = data_info(cfg).num_classes
     try:
         # The backbone first: a method's options are read against a backbone it supports (SCT's default top_n

@@ -113,3 +113,21 @@ def image_size(model: Any) -> int:
     if getattr(patch_embed, "strict_img_size", False) and height % patch:
         raise ConfigError(f"model.img_size={height} is not a multiple of the patch size {patch}: choose one that is")
     return int(height)
+
+
+def check_built_size(model: Any, name: str, asked: Any, key: str = "model.img_size") -> int:
+    """:func:`image_size` of ``model`` (``name``, built with ``img_size=asked``, given as ``key``), checked to be the
+    size asked.
+
+    Raises:
+        ConfigError: a model that takes ``img_size`` and sizes itself otherwise (timm's NaFlexVit: its position grid
+            by ``pos_embed_grid_size``, its images by its pretrained config), which would run at another size.
+
+    """
+    built = image_size(model)
+    if asked is not None and list(asked if isinstance(asked, list | tuple) else (asked, asked)) != [built, built]:
+        raise ConfigError(
+            f"{key}={asked}: {name} is built for {built} px whatever img_size says (timm resamples its position "
+            f"grid to any size): drop {key}"
+        )
+    return built

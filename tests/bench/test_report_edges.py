@@ -319,3 +319,27 @@ def test_a_name_holding_markup_stays_plain_text_in_the_legends(tmp_path):
     assert "<code>c</code>" not in html
     md = (tmp_path / "leaderboard.md").read_text()
     assert "x\\*\\*y (short of a task or seed), \\`c\\` (short of" in md
+
+
+def test_with_a_suite_a_seed_outside_it_is_left_out_of_the_cell_s_curves_too(tmp_path):
+    # Was: its cell's mean left the seed out, but its val curve still counted in the cell's ↑ (tail change), the
+    # convergence column and the learning curves, so a rerun of another seed could mark the suite's cell still learning.
+    import json
+
+    from petl.bench.curves import convergence, learning_curves
+    from petl.bench.report import Plan, build_board
+
+    def metrics(experiment: str, seed: int, step: float) -> None:
+        lines = [json.dumps({"epoch": e, "val_top1": 50 + step * e}) for e in range(1, 6)]
+        (tmp_path / "mini-digits" / experiment / f"seed{seed}" / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+
+    for experiment, top1 in (("lora", 80.0), ("linear", 70.0)):
+        write_run(tmp_path, "mini/digits", experiment, 0, top1=top1)
+        metrics(experiment, 0, 0.0)
+    write_run(tmp_path, "mini/digits", "lora", 7, top1=10.0)
+    metrics("lora", 7, 9.0)  # a seed outside the suite whose curve still rises 9 points an epoch
+    board = build_board(tmp_path, plan=Plan("two", ("lora", "linear"), ("mini/digits",), (0,)))
+    lora = next(r for r in board.rows if r.experiment == "lora")
+    assert lora.scores["mini/digits"].tail_change == 0.0
+    assert convergence(lora) == (0.0, 0.0)
+    assert learning_curves(board)[1]["lora"] == dict.fromkeys(range(1, 6), 50.0)

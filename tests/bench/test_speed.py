@@ -362,6 +362,12 @@ BASE = ["speed", "methods=lora", "inprocess=true", "warmup=0", "infer_steps=1", 
         (["options=", "options_for=lora"], "options=: choose among grad_ckpt, compile, bf16"),
         # Was timm's "RuntimeError: Unknown model" from the first case built, exit 1.
         (["model=vit_bse_patch16_224"], "unknown model 'vit_bse_patch16_224'; did you mean"),
+        # A NaFlexVit ignores img_size: timed at its own 384 px under a table that said 32 px.
+        (
+            ["model=naflexvit_base_patch16_gap", "img_size=32"],
+            "img_size=32: naflexvit_base_patch16_gap is built for 384 px whatever img_size says (timm resamples its "
+            "position grid to any size): drop img_size",
+        ),
     ],
 )
 def test_speed_cli_refuses_bad_values_in_one_line_before_measuring(args, message, monkeypatch, capsys):
@@ -433,12 +439,15 @@ KINDS = {
     "beit": ("beitv2_base_patch16_224", TINY_SEQUENCE),
     "vit_relpos": ("vit_relpos_medium_patch16_cls_224", TINY_SEQUENCE),
     "vit_parallel": ("vit_pwee_patch16_reg1_gap_256", TINY_SEQUENCE),
+    # No patch_embed: its 384-px images (its pretrained config's; timm ignores img_size) are 12x12 patches of 32.
+    "naflexvit": ("naflexvit_base_patch16_gap", {**TINY_SEQUENCE, "patch_size": 32}),
 }
 
 
 def _tiny_spec(kind: str) -> SpeedSpec:
     name, kwargs = KINDS[kind]
-    return SpeedSpec(model=name, img_size=32, model_kwargs=kwargs, batch=2, steps=1, warmup=1, rounds=1, infer_steps=1)
+    px = 0 if kind == "naflexvit" else 32
+    return SpeedSpec(model=name, img_size=px, model_kwargs=kwargs, batch=2, steps=1, warmup=1, rounds=1, infer_steps=1)
 
 
 @pytest.mark.parametrize("kind", KINDS)
