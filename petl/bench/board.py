@@ -134,6 +134,15 @@ class ExperimentRow:
         """Mean of the group means (what VPT, NOAH and Adapter+ report)."""
         return mean(list(self.group_means.values()))
 
+    @property
+    def counted_runs(self) -> list[RunRecord]:
+        """The runs the row's figures read: those of its cells' seeds.
+
+        With a suite, a run of a seed outside it is left out of its cell (``TaskScore.outside_seeds``), so of the
+        cost columns (parameters, train seconds, memory) too, which then read the runs the accuracy does.
+        """
+        return [r for r in self.runs if r.task in self.scores and r.seed in self.scores[r.task].seeds]
+
 
 @dataclass(frozen=True)
 class Plan:

@@ -90,8 +90,8 @@ def task_labels(tasks: list[str]) -> dict[str, str]:
 def _count_with_pct(total_key: str) -> Callable[[ExperimentRow], tuple[float, float]]:
     # (mean count, mean share of all parameters in %) of a result.json count field.
     def compute(row: ExperimentRow) -> tuple[float, float]:
-        counts = [float(getattr(r.result, total_key)) for r in row.runs]
-        totals = [float(r.result.total_params) for r in row.runs]
+        counts = [float(getattr(r.result, total_key)) for r in row.counted_runs]
+        totals = [float(r.result.total_params) for r in row.counted_runs]
         return mean(counts), mean([100 * p / t for p, t in zip(counts, totals, strict=True)])
 
     return compute
@@ -185,7 +185,7 @@ def _published_columns(board: Leaderboard, table: PublishedTable) -> list[Column
 
 def _devices(row: ExperimentRow) -> str:
     # "cpu", or "cpu 9, cuda 12" when the reported runs of one row trained on different devices.
-    counts = Counter(str(r.result.device or "?") for r in row.runs)
+    counts = Counter(str(r.result.device or "?") for r in row.counted_runs)
     if len(counts) == 1:
         return next(iter(counts))
     return ", ".join(f"{device} {n}" for device, n in sorted(counts.items()))
@@ -198,7 +198,7 @@ def _result_column(
     return Column(
         key,
         label,
-        lambda row: reduce([number(r, key) for r in row.runs]),
+        lambda row: reduce([number(r, key) for r in row.counted_runs]),
         lambda v: show_number(v, shown_digits),
         csv=as_csv(key, csv_digits),
         detail=True,

@@ -83,7 +83,7 @@ def tail_change(values: tuple[float, ...] | list[float], tail: float = CONVERGEN
 
 def row_curves(row: ExperimentRow) -> dict[str, list[ValCurve]]:
     # The runs of the row's cells: with a suite, a run of a seed outside it is left out of the cell (TaskScore).
-    return run_curves([r for r in row.runs if r.task in row.scores and r.seed in row.scores[r.task].seeds])
+    return run_curves(row.counted_runs)
 
 
 def run_curves(runs: list[RunRecord]) -> dict[str, list[ValCurve]]:

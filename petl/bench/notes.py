@@ -242,7 +242,8 @@ def more_seeds_line(board: Leaderboard) -> str:
         ]
         rule = (
             f"the cell has runs of seeds outside suite `{plan.suite}` (seeds {', '.join(map(str, plan.seeds))}): "
-            "they are left out of its mean, ± and the rank test, so that every cell is over the suite's seeds"
+            "they are left out of its mean, ±, the rank test, its val curves and the row's cost columns (parameters, "
+            "train seconds, memory), so that every cell is over the suite's seeds"
         )
     if not cells:
         return ""

@@ -244,6 +244,8 @@ def aggregate(
             g: mean([s.mean for t, s in counted.items() if groups[t] == g])
             for g in order_groups({groups[t] for t in counted})
         }
+        # The cost figures read the runs the accuracy does (ExperimentRow.counted_runs): not another seed's.
+        kept = [r for r in runs if r.task in scores and r.seed in scores[r.task].seeds]
         rows.append(
             ExperimentRow(
                 experiment=name,
@@ -251,8 +253,8 @@ def aggregate(
                 scores=scores,
                 task_mean=mean([s.mean for s in counted.values()]),
                 group_means=group_means,
-                trainable=mean([float(r.result.trainable_params) for r in runs]),
-                trainable_no_head=mean([float(r.result.trainable_params_no_head) for r in runs]),
+                trainable=mean([float(r.result.trainable_params) for r in kept]),
+                trainable_no_head=mean([float(r.result.trainable_params_no_head) for r in kept]),
                 published={t.key: _published_status(runs, t, published.get(name)) for t in tables},
             )
         )

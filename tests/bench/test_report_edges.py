@@ -343,3 +343,21 @@ def test_with_a_suite_a_seed_outside_it_is_left_out_of_the_cell_s_curves_too(tmp
     assert lora.scores["mini/digits"].tail_change == 0.0
     assert convergence(lora) == (0.0, 0.0)
     assert learning_curves(board)[1]["lora"] == dict.fromkeys(range(1, 6), 50.0)
+
+
+def test_with_a_suite_the_cost_columns_read_the_runs_the_accuracy_does(tmp_path):
+    # Was: a seed outside the suite was left out of its cell's mean, but its parameters, train seconds and peak memory
+    # still counted in the row's Trainable M, PPT, Train s/run and Peak MB.
+    import json
+
+    from petl.bench.report import Plan, build_board
+
+    for experiment in ("lora", "linear"):
+        write_run(tmp_path, "mini/digits", experiment, 0, top1=80.0)
+    write_run(tmp_path, "mini/digits", "lora", 7, top1=10.0, no_head=9e4)
+    stray = tmp_path / "mini-digits" / "lora" / "seed7" / "result.json"
+    stray.write_text(json.dumps({**json.loads(stray.read_text()), "train_seconds": 100.0, "peak_memory_mb": 999.0}))
+    board = build_board(tmp_path, plan=Plan("two", ("lora", "linear"), ("mini/digits",), (0,)))
+    lora = next(r for r in board.rows if r.experiment == "lora")
+    assert lora.trainable_no_head == 1000.0 and lora.values["trainable"][0] == 1100.0
+    assert lora.values["train_seconds"] == 2.0 and lora.values["peak_memory_mb"] == 10.0
