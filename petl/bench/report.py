@@ -234,7 +234,7 @@ def aggregate(
                 std = statistics.stdev(top1) if len(top1) > 1 else math.nan
                 stuck = tuple(r.seed for r in cell if r.not_learned)
                 far = ranking.far_seeds({r.seed: float(r.result.test_top1) for r in cell})
-                change = nanmean([tail_change(c.val_top1) for c in curves.get(task, [])])
+                change = nanmean([tail_change(c.val_top1, c.epochs) for c in curves.get(task, [])])
                 seeds = tuple(r.seed for r in cell)
                 scores[task] = TaskScore(statistics.fmean(top1), std, seeds, stuck, far, change, outside)
         # With a plan, the means are over the suite's tasks: a run of another task in the folder would make this row's

@@ -361,3 +361,19 @@ def test_with_a_suite_the_cost_columns_read_the_runs_the_accuracy_does(tmp_path)
     lora = next(r for r in board.rows if r.experiment == "lora")
     assert lora.trainable_no_head == 1000.0 and lora.values["trainable"][0] == 1100.0
     assert lora.values["train_seconds"] == 2.0 and lora.values["peak_memory_mb"] == 10.0
+
+
+def test_the_convergence_column_reads_the_tail_by_epoch_not_by_line(tmp_path):
+    # Was: the tail was the last 20 % of the curve's lines, so a metrics.jsonl missing epoch 9's line read epochs 7 to
+    # 10 as the last 2 of 10 epochs: a curve flat since epoch 8 showed +10 and ↑ (still learning).
+    import json
+
+    from petl.bench.columns import still_learning
+    from petl.bench.curves import convergence
+    from petl.bench.report import build_board
+
+    write_run(tmp_path, "mini/digits", "lora", 0, top1=80.0)
+    lines = [json.dumps({"epoch": e, "val_top1": 10.0 * min(e, 8)}) for e in (1, 2, 3, 4, 5, 6, 7, 8, 10)]
+    (tmp_path / "mini-digits" / "lora" / "seed0" / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    lora = build_board(tmp_path).rows[0]
+    assert convergence(lora) == (0.0, 0.0) and not still_learning(lora.scores["mini/digits"])
