@@ -264,6 +264,14 @@ class Leaderboard:
         """
         return bool(score.outside_seeds) or (self.plan is None and len(score.seeds) > self.seed_count)
 
+    def outside_seeds(self, row: ExperimentRow, task: str) -> list[int]:
+        """With a plan, the seeds outside it of ``row``'s runs of ``task``; a cell of only such runs has no score,
+        and is marked all the same.
+        """
+        if self.plan is None:
+            return []
+        return sorted({r.seed for r in row.runs if r.task == task and r.seed not in self.plan.seeds})
+
     def complete(self, row: ExperimentRow) -> bool:
         """Whether ``row`` has a score on every task, each over every seed, all on the board's one backbone.
 

@@ -229,12 +229,8 @@ def more_seeds_line(board: Leaderboard) -> str:
             "other cells'"
         )
     else:
-        # From the runs, not the cells: a task run only with seeds outside the suite has no cell to mark.
-        outside = {
-            (row.experiment, t): sorted({r.seed for r in row.runs if r.task == t and r.seed not in plan.seeds})
-            for row in board.rows
-            for t in board.tasks
-        }
+        # From the runs, not the scores: a task run only with seeds outside the suite has none (its cell shows – ⁺).
+        outside = {(row.experiment, t): board.outside_seeds(row, t) for row in board.rows for t in board.tasks}
         cells = [
             f"{md_name(e)} {labels[t]} (seed {', '.join(map(str, seeds))})"
             for (e, t), seeds in outside.items()

@@ -377,3 +377,18 @@ def test_the_convergence_column_reads_the_tail_by_epoch_not_by_line(tmp_path):
     (tmp_path / "mini-digits" / "lora" / "seed0" / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     lora = build_board(tmp_path).rows[0]
     assert convergence(lora) == (0.0, 0.0) and not still_learning(lora.scores["mini/digits"])
+
+
+def test_with_a_suite_a_cell_of_only_seeds_outside_it_is_marked_as_the_legend_names_it(tmp_path):
+    # Was: such a cell showed "–" without ⁺ while the ⁺ legend line counted and named it.
+    from petl.bench.notes import notes
+    from petl.bench.report import Plan, build_board, display_table
+
+    for experiment in ("lora", "linear"):
+        write_run(tmp_path, "mini/digits", experiment, 0, top1=80.0)
+    write_run(tmp_path, "mini/mnist", "linear", 0, top1=80.0)
+    write_run(tmp_path, "mini/mnist", "lora", 5, top1=90.0)
+    board = build_board(tmp_path, plan=Plan("two", ("lora", "linear"), ("mini/digits", "mini/mnist"), (0,)))
+    cells = {row[0][0].rstrip(" *"): [text for text, _ in row] for row in display_table(board).rows}
+    assert cells["lora"][-1] == "– ⁺" and cells["linear"][-1] == "80.00"
+    assert "1 cell: lora mnist (seed 5)." in " ".join(notes(board))
