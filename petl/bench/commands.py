@@ -318,10 +318,11 @@ def cmd_report(args: Sequence[str]) -> int:
         f"petl-bench: {plural(len(board.rows), 'experiment')} x {plural(len(board.tasks), 'task')} -> "
         f"{out}/leaderboard.{{md,csv,html}}, {out}/pareto.png" + "".join(f", {out}/{name}" for name in figures)
     )
+    # Names as they are on the console: their Markdown escapes (\*) are for the pages.
     if plan is not None:
-        print(f"petl-bench: {report.progress(board)}")
+        print(f"petl-bench: {report.progress(board, name=str)}")
     if board.published_names and notes.benchmark_tasks(board):
-        print(f"petl-bench: {notes.ranking_line(board)}")
+        print(f"petl-bench: {notes.ranking_line(board, name=str)}")
     return 0
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable
 
 from petl.bench import ranking
 from petl.bench.board import (
@@ -311,10 +312,14 @@ def set_aside_line(board: Leaderboard) -> str:
     )
 
 
-def progress(board: Leaderboard) -> str:
+def progress(board: Leaderboard, name: Callable[[str], str] = md_name) -> str:
     """How far the board's suite got: its complete rows, the rows short of a task or seed, those not started.
 
     Empty without a plan.
+
+    Args:
+        board: the leaderboard.
+        name: how an experiment name is set: escaped for Markdown (default), ``str`` for the console.
     """
     plan = board.plan
     if plan is None:
@@ -329,7 +334,7 @@ def progress(board: Leaderboard) -> str:
     mixed = [e for e in plan.experiments if e in rows and board.mixed(rows[e])]
     other = [e for e in plan.experiments if e in rows and board.other_backbone(rows[e])]
     partial = [
-        f"{md_name(e)} ({runs_done(rows[e])} of {total})"
+        f"{name(e)} ({runs_done(rows[e])} of {total})"
         for e in plan.experiments
         if e in rows and e not in complete and e not in mixed and e not in other
     ]
@@ -339,7 +344,7 @@ def progress(board: Leaderboard) -> str:
         f"**Progress** of suite `{plan.suite}` ({plural(len(plan.experiments), 'experiment')} x "
         f"{plural(len(plan.tasks), 'task')} x {plural(len(plan.seeds), 'seed')} = {len(plan.experiments) * total} "
         f"final runs): {done} finished.",
-        f"Complete rows ({len(complete)}): {', '.join(map(md_name, complete)) or 'none yet'}.",
+        f"Complete rows ({len(complete)}): {', '.join(map(name, complete)) or 'none yet'}.",
     ]
     if partial:
         parts.append(
@@ -348,22 +353,18 @@ def progress(board: Leaderboard) -> str:
         )
     if mixed:
         parts.append(
-            f"On different backbones, marked `*` and not ranked ({len(mixed)}): {', '.join(map(md_name, mixed))}."
+            f"On different backbones, marked `*` and not ranked ({len(mixed)}): {', '.join(map(name, mixed))}."
         )
     if other:
         parts.append(
             f"On another backbone than {board.ranked_backbone}, marked `*` and not ranked ({len(other)}): "
-            f"{', '.join(map(md_name, other))}."
+            f"{', '.join(map(name, other))}."
         )
     if missing:
-        parts.append(
-            f"No final run yet ({len(missing)}; searching or not started): {', '.join(map(md_name, missing))}."
-        )
+        parts.append(f"No final run yet ({len(missing)}; searching or not started): {', '.join(map(name, missing))}.")
     outside = [row.experiment for row in board.rows if row.experiment not in plan.experiments]
     if outside:
-        parts.append(
-            f"Not in the suite, marked `*` and not ranked ({len(outside)}): {', '.join(map(md_name, outside))}."
-        )
+        parts.append(f"Not in the suite, marked `*` and not ranked ({len(outside)}): {', '.join(map(name, outside))}.")
     return " ".join(parts)
 
 
@@ -386,10 +387,16 @@ def published_ranking(board: Leaderboard, table: PublishedTable = RANKED_TABLE) 
     return rank_correlation({e: m for e, (m, _) in pairs.items()}, {e: p for e, (_, p) in pairs.items()})
 
 
-def ranking_line(board: Leaderboard, table: PublishedTable = RANKED_TABLE) -> str:
-    """The legend's line on :func:`published_ranking`, with its caveat."""
+def ranking_line(board: Leaderboard, table: PublishedTable = RANKED_TABLE, name: Callable[[str], str] = md_name) -> str:
+    """The legend's line on :func:`published_ranking`, with its caveat.
+
+    Args:
+        board: the leaderboard.
+        table: the published table whose ordering is compared.
+        name: how an experiment name is set: escaped for Markdown (default), ``str`` for the console.
+    """
     found = published_ranking(board, table)
-    methods = ", ".join(map(md_name, found.methods)) or "none"
+    methods = ", ".join(map(name, found.methods)) or "none"
     head = f"**Rank correlation with the published {table.key} ordering**: "
     if math.isnan(found.rho) and len(found.methods) >= MIN_RANKED:
         # Enough rows, but one side ranks them all equal: there is no ordering to compare.

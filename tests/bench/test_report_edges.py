@@ -392,3 +392,16 @@ def test_with_a_suite_a_cell_of_only_seeds_outside_it_is_marked_as_the_legend_na
     cells = {row[0][0].rstrip(" *"): [text for text, _ in row] for row in display_table(board).rows}
     assert cells["lora"][-1] == "– ⁺" and cells["linear"][-1] == "80.00"
     assert "1 cell: lora mnist (seed 5)." in " ".join(notes(board))
+
+
+def test_the_report_command_prints_names_plainly_on_the_console(tmp_path, capsys, monkeypatch):
+    # Was: its progress line printed x\*y (the Markdown escape the pages need) for an experiment named x*y.
+    from petl.bench import report
+    from petl.bench.report import Plan
+
+    for experiment in ("x*y", "lora"):
+        write_run(tmp_path, "mini/digits", experiment, 0, top1=80.0)
+    monkeypatch.setattr(report, "plan_of", lambda *_: Plan("two", ("x*y", "lora"), ("mini/digits",), (0,)))
+    code, out, _ = command_status(capsys, cli.main, "report", str(tmp_path), "suite=two")
+    assert code == 0 and "Complete rows (2): x*y, lora." in out, out
+    assert "x\\*y" in (tmp_path / "leaderboard.md").read_text()
