@@ -134,6 +134,15 @@ class ExperimentRow:
         """Mean of the group means (what VPT, NOAH and Adapter+ report)."""
         return mean(list(self.group_means.values()))
 
+    @property
+    def counted_runs(self) -> list[RunRecord]:
+        """The runs the row's figures read: those of its cells' seeds.
+
+        With a suite, a run of a seed outside it is left out of its cell (``TaskScore.outside_seeds``), so of the
+        cost columns (parameters, train seconds, memory) too, which then read the runs the accuracy does.
+        """
+        return [r for r in self.runs if r.task in self.scores and r.seed in self.scores[r.task].seeds]
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -254,6 +263,14 @@ class Leaderboard:
         with one, the other seeds' runs are left out (``outside_seeds``).  Either way the cell is marked.
         """
         return bool(score.outside_seeds) or (self.plan is None and len(score.seeds) > self.seed_count)
+
+    def outside_seeds(self, row: ExperimentRow, task: str) -> list[int]:
+        """With a plan, the seeds outside it of ``row``'s runs of ``task``; a cell of only such runs has no score,
+        and is marked all the same.
+        """
+        if self.plan is None:
+            return []
+        return sorted({r.seed for r in row.runs if r.task == task and r.seed not in self.plan.seeds})
 
     def complete(self, row: ExperimentRow) -> bool:
         """Whether ``row`` has a score on every task, each over every seed, all on the board's one backbone.

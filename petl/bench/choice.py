@@ -101,7 +101,7 @@ def _params(count: float) -> str:
 
 def train_seconds(row: ExperimentRow) -> float:
     """The row's final runs' mean training time (seconds, as recorded)."""
-    seconds = [float(r.result.train_seconds) for r in row.runs if r.result.train_seconds is not None]
+    seconds = [float(r.result.train_seconds) for r in row.counted_runs if r.result.train_seconds is not None]
     return sum(seconds) / len(seconds) if seconds else math.nan
 
 

@@ -56,7 +56,7 @@ def still_learning(score: TaskScore) -> bool:
 
 def _score_cell(score: TaskScore | None, more_seeds: bool = False) -> Cell:
     if score is None:
-        return "–", ""
+        return ("– " + MORE_SEEDS_MARK if more_seeds else "–"), ""
     mean, std = show_number(score.mean), show_number(score.std)
     text = mean[0] if math.isnan(score.std) else f"{mean[0]} ± {std[0]}"
     marks = [f"†{len(score.not_learned)}"] if score.not_learned else []
@@ -64,6 +64,26 @@ def _score_cell(score: TaskScore | None, more_seeds: bool = False) -> Cell:
     marks += [RISING_MARK] if still_learning(score) else []
     marks += [MORE_SEEDS_MARK] if more_seeds else []
     return " ".join([text, *marks]), score.mean
+
+
+def _task_value(board: Leaderboard, row: ExperimentRow, task: str) -> tuple[TaskScore | None, bool]:
+    # A task cell's score and whether it is marked ⁺: with a suite, a cell whose runs are all of seeds outside it has
+    # no score and is marked all the same, as the legend names it.
+    score = row.scores.get(task)
+    return score, board.more_seeds(score) if score is not None else bool(board.outside_seeds(row, task))
+
+
+def _task_csv(board: Leaderboard, task: str, score: TaskScore | None) -> dict[str, Any]:
+    t = task
+    return {
+        f"{t}_top1_mean": rounded(score.mean) if score else "",
+        f"{t}_top1_std": rounded(score.std) if score else "",
+        f"{t}_seeds": " ".join(map(str, score.seeds)) if score else "",
+        f"{t}_not_learned_seeds": " ".join(map(str, score.not_learned)) if score else "",
+        f"{t}_far_seeds": " ".join(map(str, score.far_seeds)) if score else "",
+        f"{t}_val_tail_change": rounded(score.tail_change) if score else "",
+        f"{t}_saturated": int(t in board.saturated),
+    }
 
 
 def _ranked(board: Leaderboard, key: str) -> Callable[[ExperimentRow], Any]:
@@ -90,8 +110,8 @@ def task_labels(tasks: list[str]) -> dict[str, str]:
 def _count_with_pct(total_key: str) -> Callable[[ExperimentRow], tuple[float, float]]:
     # (mean count, mean share of all parameters in %) of a result.json count field.
     def compute(row: ExperimentRow) -> tuple[float, float]:
-        counts = [float(getattr(r.result, total_key)) for r in row.runs]
-        totals = [float(r.result.total_params) for r in row.runs]
+        counts = [float(getattr(r.result, total_key)) for r in row.counted_runs]
+        totals = [float(r.result.total_params) for r in row.counted_runs]
         return mean(counts), mean([100 * p / t for p, t in zip(counts, totals, strict=True)])
 
     return compute
@@ -185,7 +205,7 @@ def _published_columns(board: Leaderboard, table: PublishedTable) -> list[Column
 
 def _devices(row: ExperimentRow) -> str:
     # "cpu", or "cpu 9, cuda 12" when the reported runs of one row trained on different devices.
-    counts = Counter(str(r.result.device or "?") for r in row.runs)
+    counts = Counter(str(r.result.device or "?") for r in row.counted_runs)
     if len(counts) == 1:
         return next(iter(counts))
     return ", ".join(f"{device} {n}" for device, n in sorted(counts.items()))
@@ -198,7 +218,7 @@ def _result_column(
     return Column(
         key,
         label,
-        lambda row: reduce([number(r, key) for r in row.runs]),
+        lambda row: reduce([number(r, key) for r in row.counted_runs]),
         lambda v: show_number(v, shown_digits),
         csv=as_csv(key, csv_digits),
         detail=True,
@@ -273,20 +293,13 @@ def leaderboard_columns(board: Leaderboard) -> list[Column]:
         Column(
             f"task:{t}",
             f"{labels[t]} {SATURATED_MARK}" if t in board.saturated else f"{labels[t]}{_outside(board, t)}",
-            lambda row, t=t: row.scores.get(t),
-            lambda score: _score_cell(score, score is not None and board.more_seeds(score)),
-            csv=lambda score, t=t: {
-                f"{t}_top1_mean": rounded(score.mean) if score else "",
-                f"{t}_top1_std": rounded(score.std) if score else "",
-                f"{t}_seeds": " ".join(map(str, score.seeds)) if score else "",
-                f"{t}_not_learned_seeds": " ".join(map(str, score.not_learned)) if score else "",
-                f"{t}_far_seeds": " ".join(map(str, score.far_seeds)) if score else "",
-                f"{t}_val_tail_change": rounded(score.tail_change) if score else "",
-                f"{t}_saturated": int(t in board.saturated),
-            },
+            lambda row, t=t: _task_value(board, row, t),
+            lambda value: _score_cell(*value),
+            csv=lambda value, t=t: _task_csv(board, t, value[0]),
         )
         for t in board.tasks
     ]
+
     # The rank test's figures for the CSV (the Markdown and HTML pages give them a section of their own).
     columns += [
         Column("mean_rank", None, _ranked(board, "mean_rank")),

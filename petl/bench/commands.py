@@ -250,8 +250,14 @@ def cmd_commands(args: Sequence[str]) -> int:
     """
     own, overrides = parse_args(args, SWEEP_KEYS - {"report", "dry_run", "progress"})
     check_run_keys(overrides, SWEEP_KEYS - {"report", "dry_run", "progress"})
+    if "suite" not in own:
+        # As a bare `petl-bench` is refused: printing suite=mini's lines unasked would start its 567 runs once pasted.
+        raise SystemExit(
+            "petl-bench commands: no suite= given: name one (petl-bench list shows each with its experiments, tasks "
+            "and seeds; petl-bench --help)"
+        )
     configs = configs_folder(own)
-    suite = suites.load_suite(own.get("suite", "mini"), configs)
+    suite = suites.load_suite(own["suite"], configs)
     if suite.per_task:
         raise SystemExit(f"petl-bench commands: suite {suite.name} sets options per task; one multirun line cannot")
     if suite.search:
@@ -318,10 +324,11 @@ def cmd_report(args: Sequence[str]) -> int:
         f"petl-bench: {plural(len(board.rows), 'experiment')} x {plural(len(board.tasks), 'task')} -> "
         f"{out}/leaderboard.{{md,csv,html}}, {out}/pareto.png" + "".join(f", {out}/{name}" for name in figures)
     )
+    # Names as they are on the console: their Markdown escapes (\*) are for the pages.
     if plan is not None:
-        print(f"petl-bench: {report.progress(board)}")
+        print(f"petl-bench: {report.progress(board, name=str)}")
     if board.published_names and notes.benchmark_tasks(board):
-        print(f"petl-bench: {notes.ranking_line(board)}")
+        print(f"petl-bench: {notes.ranking_line(board, name=str)}")
     return 0
 
 

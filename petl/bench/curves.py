@@ -69,21 +69,29 @@ def val_curve(record: RunRecord) -> ValCurve | None:
     return None
 
 
-def tail_change(values: tuple[float, ...] | list[float], tail: float = CONVERGENCE_TAIL) -> float:
+def tail_change(
+    values: tuple[float, ...] | list[float],
+    epochs: tuple[int, ...] | list[int] | None = None,
+    tail: float = CONVERGENCE_TAIL,
+) -> float:
     """Val top-1 change over the last ``tail`` of the epochs: last value minus the value ``k`` epochs earlier.
 
-    ``k = max(1, round(tail * epochs))``; NaN below two epochs.  Near zero for a converged run; 200 val
-    images make one image 0.5 points.
+    ``k = max(1, round(tail * last epoch))``, counted in each value's epoch (``epochs``, its metrics line's; default
+    1, 2, ...), not its position: where that epoch's line was skipped, the latest one before it is read (a longer
+    stretch, never a shorter one).  NaN below two epochs.  Near zero for a converged run; 200 val images make one
+    image 0.5 points.
     """
     if len(values) < 2:
         return math.nan
-    k = min(len(values) - 1, max(1, round(tail * len(values))))
-    return values[-1] - values[-1 - k]
+    epochs = list(epochs) if epochs is not None else list(range(1, len(values) + 1))
+    k = min(epochs[-1] - epochs[0], max(1, round(tail * epochs[-1])))
+    start = max(i for i, e in enumerate(epochs) if e <= epochs[-1] - k)
+    return values[-1] - values[start]
 
 
 def row_curves(row: ExperimentRow) -> dict[str, list[ValCurve]]:
     # The runs of the row's cells: with a suite, a run of a seed outside it is left out of the cell (TaskScore).
-    return run_curves([r for r in row.runs if r.task in row.scores and r.seed in row.scores[r.task].seeds])
+    return run_curves(row.counted_runs)
 
 
 def run_curves(runs: list[RunRecord]) -> dict[str, list[ValCurve]]:
@@ -97,7 +105,7 @@ def run_curves(runs: list[RunRecord]) -> dict[str, list[ValCurve]]:
 
 def convergence(row: ExperimentRow) -> tuple[float, float]:
     # (mean over tasks of the per-task mean change, largest |change| of any curve)
-    changes = {t: [tail_change(c.val_top1) for c in cs] for t, cs in row_curves(row).items()}
+    changes = {t: [tail_change(c.val_top1, c.epochs) for c in cs] for t, cs in row_curves(row).items()}
     per_task = [nanmean(v) for v in changes.values()]
     every = [abs(v) for vs in changes.values() for v in vs if not math.isnan(v)]
     return nanmean(per_task), max(every, default=math.nan)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable
 
 from petl.bench import ranking
 from petl.bench.board import (
@@ -229,12 +230,8 @@ def more_seeds_line(board: Leaderboard) -> str:
             "other cells'"
         )
     else:
-        # From the runs, not the cells: a task run only with seeds outside the suite has no cell to mark.
-        outside = {
-            (row.experiment, t): sorted({r.seed for r in row.runs if r.task == t and r.seed not in plan.seeds})
-            for row in board.rows
-            for t in board.tasks
-        }
+        # From the runs, not the scores: a task run only with seeds outside the suite has none (its cell shows – ⁺).
+        outside = {(row.experiment, t): board.outside_seeds(row, t) for row in board.rows for t in board.tasks}
         cells = [
             f"{md_name(e)} {labels[t]} (seed {', '.join(map(str, seeds))})"
             for (e, t), seeds in outside.items()
@@ -242,7 +239,8 @@ def more_seeds_line(board: Leaderboard) -> str:
         ]
         rule = (
             f"the cell has runs of seeds outside suite `{plan.suite}` (seeds {', '.join(map(str, plan.seeds))}): "
-            "they are left out of its mean, ± and the rank test, so that every cell is over the suite's seeds"
+            "they are left out of its mean, ±, the rank test, its val curves and the row's cost columns (parameters, "
+            "train seconds, memory), so that every cell is over the suite's seeds"
         )
     if not cells:
         return ""
@@ -314,10 +312,14 @@ def set_aside_line(board: Leaderboard) -> str:
     )
 
 
-def progress(board: Leaderboard) -> str:
+def progress(board: Leaderboard, name: Callable[[str], str] = md_name) -> str:
     """How far the board's suite got: its complete rows, the rows short of a task or seed, those not started.
 
     Empty without a plan.
+
+    Args:
+        board: the leaderboard.
+        name: how an experiment name is set: escaped for Markdown (default), ``str`` for the console.
     """
     plan = board.plan
     if plan is None:
@@ -332,7 +334,7 @@ def progress(board: Leaderboard) -> str:
     mixed = [e for e in plan.experiments if e in rows and board.mixed(rows[e])]
     other = [e for e in plan.experiments if e in rows and board.other_backbone(rows[e])]
     partial = [
-        f"{md_name(e)} ({runs_done(rows[e])} of {total})"
+        f"{name(e)} ({runs_done(rows[e])} of {total})"
         for e in plan.experiments
         if e in rows and e not in complete and e not in mixed and e not in other
     ]
@@ -342,7 +344,7 @@ def progress(board: Leaderboard) -> str:
         f"**Progress** of suite `{plan.suite}` ({plural(len(plan.experiments), 'experiment')} x "
         f"{plural(len(plan.tasks), 'task')} x {plural(len(plan.seeds), 'seed')} = {len(plan.experiments) * total} "
         f"final runs): {done} finished.",
-        f"Complete rows ({len(complete)}): {', '.join(map(md_name, complete)) or 'none yet'}.",
+        f"Complete rows ({len(complete)}): {', '.join(map(name, complete)) or 'none yet'}.",
     ]
     if partial:
         parts.append(
@@ -351,22 +353,18 @@ def progress(board: Leaderboard) -> str:
         )
     if mixed:
         parts.append(
-            f"On different backbones, marked `*` and not ranked ({len(mixed)}): {', '.join(map(md_name, mixed))}."
+            f"On different backbones, marked `*` and not ranked ({len(mixed)}): {', '.join(map(name, mixed))}."
         )
     if other:
         parts.append(
             f"On another backbone than {board.ranked_backbone}, marked `*` and not ranked ({len(other)}): "
-            f"{', '.join(map(md_name, other))}."
+            f"{', '.join(map(name, other))}."
         )
     if missing:
-        parts.append(
-            f"No final run yet ({len(missing)}; searching or not started): {', '.join(map(md_name, missing))}."
-        )
+        parts.append(f"No final run yet ({len(missing)}; searching or not started): {', '.join(map(name, missing))}.")
     outside = [row.experiment for row in board.rows if row.experiment not in plan.experiments]
     if outside:
-        parts.append(
-            f"Not in the suite, marked `*` and not ranked ({len(outside)}): {', '.join(map(md_name, outside))}."
-        )
+        parts.append(f"Not in the suite, marked `*` and not ranked ({len(outside)}): {', '.join(map(name, outside))}.")
     return " ".join(parts)
 
 
@@ -389,10 +387,16 @@ def published_ranking(board: Leaderboard, table: PublishedTable = RANKED_TABLE) 
     return rank_correlation({e: m for e, (m, _) in pairs.items()}, {e: p for e, (_, p) in pairs.items()})
 
 
-def ranking_line(board: Leaderboard, table: PublishedTable = RANKED_TABLE) -> str:
-    """The legend's line on :func:`published_ranking`, with its caveat."""
+def ranking_line(board: Leaderboard, table: PublishedTable = RANKED_TABLE, name: Callable[[str], str] = md_name) -> str:
+    """The legend's line on :func:`published_ranking`, with its caveat.
+
+    Args:
+        board: the leaderboard.
+        table: the published table whose ordering is compared.
+        name: how an experiment name is set: escaped for Markdown (default), ``str`` for the console.
+    """
     found = published_ranking(board, table)
-    methods = ", ".join(map(md_name, found.methods)) or "none"
+    methods = ", ".join(map(name, found.methods)) or "none"
     head = f"**Rank correlation with the published {table.key} ordering**: "
     if math.isnan(found.rho) and len(found.methods) >= MIN_RANKED:
         # Enough rows, but one side ranks them all equal: there is no ordering to compare.

@@ -234,7 +234,7 @@ def aggregate(
                 std = statistics.stdev(top1) if len(top1) > 1 else math.nan
                 stuck = tuple(r.seed for r in cell if r.not_learned)
                 far = ranking.far_seeds({r.seed: float(r.result.test_top1) for r in cell})
-                change = nanmean([tail_change(c.val_top1) for c in curves.get(task, [])])
+                change = nanmean([tail_change(c.val_top1, c.epochs) for c in curves.get(task, [])])
                 seeds = tuple(r.seed for r in cell)
                 scores[task] = TaskScore(statistics.fmean(top1), std, seeds, stuck, far, change, outside)
         # With a plan, the means are over the suite's tasks: a run of another task in the folder would make this row's
@@ -244,6 +244,8 @@ def aggregate(
             g: mean([s.mean for t, s in counted.items() if groups[t] == g])
             for g in order_groups({groups[t] for t in counted})
         }
+        # The cost figures read the runs the accuracy does (ExperimentRow.counted_runs): not another seed's.
+        kept = [r for r in runs if r.task in scores and r.seed in scores[r.task].seeds]
         rows.append(
             ExperimentRow(
                 experiment=name,
@@ -251,8 +253,8 @@ def aggregate(
                 scores=scores,
                 task_mean=mean([s.mean for s in counted.values()]),
                 group_means=group_means,
-                trainable=mean([float(r.result.trainable_params) for r in runs]),
-                trainable_no_head=mean([float(r.result.trainable_params_no_head) for r in runs]),
+                trainable=mean([float(r.result.trainable_params) for r in kept]),
+                trainable_no_head=mean([float(r.result.trainable_params_no_head) for r in kept]),
                 published={t.key: _published_status(runs, t, published.get(name)) for t in tables},
             )
         )

@@ -127,6 +127,15 @@ def test_tail_change_is_the_change_over_the_last_fifth_of_the_epochs():
     assert tail_change([50.0]) != tail_change([50.0])  # NaN: one epoch says nothing
 
 
+def test_tail_change_counts_epochs_not_lines():
+    # Was: measured by position, so with epoch 9's line skipped, the last 2 of 10 epochs read epochs 7 to 10 and a
+    # curve flat since epoch 8 (rising 10 points an epoch before) read +10, still learning, in the convergence column.
+    epochs = [1, 2, 3, 4, 5, 6, 7, 8, 10]
+    values = [10.0 * min(e, 8) for e in epochs]
+    assert tail_change(values, epochs) == 0.0  # k = round(0.2 * 10) = 2 epochs: epoch 10 minus epoch 8
+    assert tail_change([10.0, 20.0, 40.0], [1, 2, 10]) == 40.0 - 20.0  # epoch 8 skipped: the latest before it
+
+
 @pytest.mark.slow
 def test_convergence_column_reads_own_curves_and_the_selected_trials_curve(tmp_path):
     # linear ran on train800 with val: its own metrics.jsonl, two seeds -> the task's mean change.

@@ -343,3 +343,65 @@ def test_with_a_suite_a_seed_outside_it_is_left_out_of_the_cell_s_curves_too(tmp
     assert lora.scores["mini/digits"].tail_change == 0.0
     assert convergence(lora) == (0.0, 0.0)
     assert learning_curves(board)[1]["lora"] == dict.fromkeys(range(1, 6), 50.0)
+
+
+def test_with_a_suite_the_cost_columns_read_the_runs_the_accuracy_does(tmp_path):
+    # Was: a seed outside the suite was left out of its cell's mean, but its parameters, train seconds and peak memory
+    # still counted in the row's Trainable M, PPT, Train s/run and Peak MB.
+    import json
+
+    from petl.bench.report import Plan, build_board
+
+    for experiment in ("lora", "linear"):
+        write_run(tmp_path, "mini/digits", experiment, 0, top1=80.0)
+    write_run(tmp_path, "mini/digits", "lora", 7, top1=10.0, no_head=9e4)
+    stray = tmp_path / "mini-digits" / "lora" / "seed7" / "result.json"
+    stray.write_text(json.dumps({**json.loads(stray.read_text()), "train_seconds": 100.0, "peak_memory_mb": 999.0}))
+    board = build_board(tmp_path, plan=Plan("two", ("lora", "linear"), ("mini/digits",), (0,)))
+    lora = next(r for r in board.rows if r.experiment == "lora")
+    assert lora.trainable_no_head == 1000.0 and lora.values["trainable"][0] == 1100.0
+    assert lora.values["train_seconds"] == 2.0 and lora.values["peak_memory_mb"] == 10.0
+
+
+def test_the_convergence_column_reads_the_tail_by_epoch_not_by_line(tmp_path):
+    # Was: the tail was the last 20 % of the curve's lines, so a metrics.jsonl missing epoch 9's line read epochs 7 to
+    # 10 as the last 2 of 10 epochs: a curve flat since epoch 8 showed +10 and ↑ (still learning).
+    import json
+
+    from petl.bench.columns import still_learning
+    from petl.bench.curves import convergence
+    from petl.bench.report import build_board
+
+    write_run(tmp_path, "mini/digits", "lora", 0, top1=80.0)
+    lines = [json.dumps({"epoch": e, "val_top1": 10.0 * min(e, 8)}) for e in (1, 2, 3, 4, 5, 6, 7, 8, 10)]
+    (tmp_path / "mini-digits" / "lora" / "seed0" / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    lora = build_board(tmp_path).rows[0]
+    assert convergence(lora) == (0.0, 0.0) and not still_learning(lora.scores["mini/digits"])
+
+
+def test_with_a_suite_a_cell_of_only_seeds_outside_it_is_marked_as_the_legend_names_it(tmp_path):
+    # Was: such a cell showed "–" without ⁺ while the ⁺ legend line counted and named it.
+    from petl.bench.notes import notes
+    from petl.bench.report import Plan, build_board, display_table
+
+    for experiment in ("lora", "linear"):
+        write_run(tmp_path, "mini/digits", experiment, 0, top1=80.0)
+    write_run(tmp_path, "mini/mnist", "linear", 0, top1=80.0)
+    write_run(tmp_path, "mini/mnist", "lora", 5, top1=90.0)
+    board = build_board(tmp_path, plan=Plan("two", ("lora", "linear"), ("mini/digits", "mini/mnist"), (0,)))
+    cells = {row[0][0].rstrip(" *"): [text for text, _ in row] for row in display_table(board).rows}
+    assert cells["lora"][-1] == "– ⁺" and cells["linear"][-1] == "80.00"
+    assert "1 cell: lora mnist (seed 5)." in " ".join(notes(board))
+
+
+def test_the_report_command_prints_names_plainly_on_the_console(tmp_path, capsys, monkeypatch):
+    # Was: its progress line printed x\*y (the Markdown escape the pages need) for an experiment named x*y.
+    from petl.bench import report
+    from petl.bench.report import Plan
+
+    for experiment in ("x*y", "lora"):
+        write_run(tmp_path, "mini/digits", experiment, 0, top1=80.0)
+    monkeypatch.setattr(report, "plan_of", lambda *_: Plan("two", ("x*y", "lora"), ("mini/digits",), (0,)))
+    code, out, _ = command_status(capsys, cli.main, "report", str(tmp_path), "suite=two")
+    assert code == 0 and "Complete rows (2): x*y, lora." in out, out
+    assert "x\\*y" in (tmp_path / "leaderboard.md").read_text()

@@ -113,6 +113,7 @@ BAD_FLAGS = [
     (serve, [], "no run folder given"),
     (bench, ["--bogus"], "unknown command '--bogus'"),
     (bench, [], "no suite= given"),
+    (bench, ["commands", "methods=lora"], "no suite= given: name one (petl-bench list shows each"),
     (bench, ["run", "--bogus"], "unknown flag '--bogus'"),
     (bench, ["list", "--bogus"], "expected key=value, got '--bogus' (see petl-bench --help)"),
     (bench, ["report", "--bogus"], "unknown flag '--bogus'"),
