@@ -130,12 +130,16 @@ class Eva(QvBiasesBesideQkv, GammaBranches, ViT):
             ValueError: no ``index`` where the model has a rotary embedding per block.
 
         """
-        inputs = self.block_inputs() if inputs is None else inputs
-        if self._per_block_rope():
-            if index is None:
-                raise ValueError(f"{type(self.model).__name__} passes each block its own rotary embedding: give index")
-            inputs = {**inputs, "rope": inputs["rope"][index]}
+        inputs = self._inputs_of_block(self.block_inputs() if inputs is None else inputs, index)
         return block(x, attn_mask=attn_mask, **inputs)
+
+    def _inputs_of_block(self, inputs: dict[str, Any], index: int | None) -> dict[str, Any]:
+        """What block ``index`` is passed of :meth:`block_inputs`: all of it, or a per-block rope's row ``index``."""
+        if not self._per_block_rope():
+            return inputs
+        if index is None:
+            raise ValueError(f"{type(self.model).__name__} passes each block its own rotary embedding: give index")
+        return {**inputs, "rope": inputs["rope"][index]}
 
     def _per_block_rope(self) -> bool:
         """Whether the model passes block i its own row of the rotary embedding (timm's ``rope_mixed``)."""
@@ -155,9 +159,8 @@ class Eva(QvBiasesBesideQkv, GammaBranches, ViT):
         """The rest of timm's ``forward_features`` and ``forward_head`` from block ``start`` on."""
         model, inputs = self.model, self.block_inputs()
         for index in range(start, len(model.blocks)):
-            block = model.blocks[index]
-            rope = inputs["rope"][index] if self._per_block_rope() else inputs["rope"]
-            x = checkpoint(block, x, rope=rope) if model.grad_checkpointing else block(x, rope=rope)
+            block, block_inputs = model.blocks[index], self._inputs_of_block(inputs, index)
+            x = checkpoint(block, x, **block_inputs) if model.grad_checkpointing else block(x, **block_inputs)
         return model.forward_head(model.norm(x))
 
     # -- inside one block ------------------------------------------------------------------------------------
