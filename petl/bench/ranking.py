@@ -290,10 +290,11 @@ def mean_rank_interval(ranks: Any, confidence: float = CONFIDENCE) -> tuple[Any,
     n, k = ranks.shape
     if n < 2:
         return np.full(k, np.nan), np.full(k, np.nan)
-    # Not a bootstrap over the blocks: in simulation over the 6-7 blocks of the committed boards (5 to 27 methods) a
-    # percentile bootstrap covered the true mean rank 83-91 % of the time (73-88 % over 3 blocks), BCa 86-94 %, this
-    # interval 88-95 % (84-93 % over 3 blocks); both bootstraps, like the t interval without its floor, shrink to a
-    # point where a method ranks the same in every block (tests/bench/test_ranking.py checks coverage with the
+    # Not a bootstrap over the blocks: in simulation over the 6-7 blocks of the committed boards (5 to 27 methods whose
+    # neighbours overlap) a percentile bootstrap covered the true mean rank 84-89 % of the time (72-78 % over 3
+    # blocks), this interval 93-94 % (90-95 % over 3 blocks); the bootstrap, like the t interval without its floor,
+    # shrinks to a point where a method ranks the same in every block (benchmarks/rank_interval_coverage.py, its
+    # table in benchmarks/results/rank_interval_coverage.md; tests/bench/test_ranking.py checks coverage with the
     # methods close and far apart).  Nor a width from a bound on the ranks' variance: the largest a mean rank m can
     # have, (m - 1)(k - m) (Wilson's interval on the scaled rank), or Friedman's null variance, (k² - 1) / 12, gives
     # a middle method of 27 over 6 blocks about ± 14 and ± 8 ranks (by t(5)) whatever its ranks; the floor widens
