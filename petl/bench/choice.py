@@ -205,7 +205,7 @@ def _verdict(found: Ranking | str, best: ExperimentRow, runner: ExperimentRow, t
         )
         p = found.p_values[a][b]
         below = "" if p == 0 else f" < {found.alpha:g}"  # "p < 1e-300" says so already ("p < 1e-300 < 0.05")
-        test = f"Nemenyi's test{friedman}, {blocks}: {said_p(p, found.alpha)}{below}"
+        test = f"{found.pair_test}{friedman}, {blocks}: {said_p(p, found.alpha)}{below}"
         first, second = (a, b) if found.mean_rank[a] <= found.mean_rank[b] else (b, a)
         said = (
             f"**{first}** ranks above **{second}** on this data (mean rank {found.mean_rank[first]:.2f} against "
@@ -227,7 +227,8 @@ def _verdict(found: Ranking | str, best: ExperimentRow, runner: ExperimentRow, t
         test = f"Friedman's test over the {k} within the budget, {blocks}, does not reject that they rank alike: "
         test += "every block ties them" if math.isnan(found.p_value) else said_p(found.p_value, found.alpha)
     else:
-        test = f"Nemenyi's test after Friedman's, {blocks}: {said_p(found.p_values[a][b], found.alpha)}"
+        after = " after Friedman's" if len(found.methods) >= 3 else ""
+        test = f"{found.pair_test}{after}, {blocks}: {said_p(found.p_values[a][b], found.alpha)}"
     few = found.too_few_blocks()
     if few:
         # Not told apart, and no outcome over so few blocks could have been: say so, or it reads as a finding.

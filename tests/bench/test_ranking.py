@@ -175,6 +175,28 @@ def test_a_pair_past_the_critical_difference_that_friedman_keeps_is_said_not_to_
     )
 
 
+@pytest.mark.parametrize(
+    ("a", "b", "sign"),
+    [
+        ([2.0] * 4, [1.0] * 4, (4, 4)),  # won every block of 4: Nemenyi's approximation said p = 0.046
+        ([2.0] * 5, [1.0] * 5, (5, 5)),  # of 5: 0.025 against the exact 0.0625
+        ([2.0] * 6, [1.0] * 6, (6, 6)),  # of 6: 0.031, below 0.05 at last
+        ([2.0, 2.0, 2.0, 2.0, 2.0, 0.0, 1.0], [1.0] * 7, (5, 6)),  # 5 wins, a loss and a tie (left out: odd)
+        ([2.0, 2.0, 2.0, 2.0, 2.0, 2.0, 1.0, 1.0], [1.0] * 8, (7, 8)),  # two ties, one half to each side
+        ([1.0] * 4, [1.0] * 4, (2, 4)),  # every block ties
+    ],
+)
+def test_two_methods_are_compared_by_the_exact_sign_test_not_nemenyis_approximation(a, b, sign):
+    from scipy.stats import binomtest
+
+    found = ranking.rank_scores(["A", "B"], np.array([a, b]).T)
+    expected = binomtest(*sign).pvalue  # Demšar 2006, 3.1.2: a tie counts half for each method, an odd one left out
+    assert found.p_values["A"]["B"] == found.p_values["B"]["A"] == pytest.approx(expected)
+    assert found.differ("A", "B") == (expected < 0.05)
+    assert math.isnan(found.statistic) and math.isnan(found.critical_difference)
+    assert bool(found.too_few_blocks()) == (len(a) < 6)  # 2 / 2 ** 5 = 0.0625: six blocks at least
+
+
 def test_a_consistent_order_over_enough_blocks_separates_the_ends():
     values = [[40.0, 30.0, 20.0, 10.0]] * 10  # ten blocks, one order: mean ranks 1, 2, 3, 4
     found = ranking.rank_scores(NAMES, values)
@@ -306,7 +328,18 @@ def test_choose_says_when_the_best_two_cannot_be_told_apart_and_names_the_smalle
 def test_choose_says_when_the_best_two_differ(tmp_path):
     board = _choose_board(tmp_path, {"lora": 85.0, "linear": 80.0}, seeds=6)
     text = choice.choose(board, choice.Budget()).paragraph
-    assert "**lora** ranks above **linear** on this data (mean rank 1.00 against 2.00; Nemenyi's test, each of" in text
+    said = "**lora** ranks above **linear** on this data (mean rank 1.00 against 2.00; the exact sign test, each of"
+    assert said in text
+    assert "p = 0.031 < 0.05" in text  # 2 / 2 ** 6
+
+
+def test_choose_over_four_seeds_does_not_tell_two_methods_apart_that_no_exact_test_could(tmp_path):
+    # Nemenyi's normal approximation put lora above linear after it won all 4 seeds (p = 0.046); the exact sign
+    # test's p cannot go below 2 / 2 ** 4 = 0.125 there, nor can Wilcoxon's signed-rank test's.
+    board = _choose_board(tmp_path, {"lora": 85.0, "linear": 80.0}, seeds=4)
+    text = choice.choose(board, choice.Budget()).paragraph
+    assert "**lora** and **linear** cannot be told apart on this data (the exact sign test, each of the 4 seeds" in text
+    assert "p = 0.12; over 4 seeds no outcome could tell them apart: the sign test's p cannot go below 0.125" in text
 
 
 def test_choose_says_when_the_test_favours_the_runner_up_over_the_best_mean(tmp_path):
@@ -318,7 +351,8 @@ def test_choose_says_when_the_test_favours_the_runner_up_over_the_best_mean(tmp_
     answer = choice.choose(report.build_board(tmp_path), choice.Budget())
     assert answer.best.experiment == "lora" and answer.runner_up.experiment == "linear"
     text = answer.paragraph
-    assert "**linear** ranks above **lora** on this data (mean rank 1.10 against 1.90; Nemenyi's test" in text, text
+    said = "**linear** ranks above **lora** on this data (mean rank 1.10 against 1.90; the exact sign test"
+    assert said in text, text
     assert "though lora has the higher mean: the best by mean and the best by rank disagree" in text
     assert "differ on this data" not in text
 
