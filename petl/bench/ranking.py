@@ -69,11 +69,17 @@ def far_seeds(scores: Mapping[int, float], points: float = FAR_SEED_POINTS) -> t
 
 
 def saturated_tasks(board: Leaderboard, points: float = SATURATED_POINTS) -> list[str]:
-    """The tasks on which every complete row's mean is within ``points`` of 100 % (none without complete rows)."""
+    """The tasks the means count (:attr:`~petl.bench.board.Leaderboard.counted_tasks`) on which every complete row's
+    mean is within ``points`` of 100 % (none without complete rows).
+
+    Not a task outside the board's suite: it is in no mean and no block, and marked as such, not as left out.
+    """
     complete = [row for row in board.rows if board.complete(row)]
     if not complete:
         return []
-    return [t for t in board.tasks if all(t in r.scores and r.scores[t].mean >= 100.0 - points for r in complete)]
+    return [
+        t for t in board.counted_tasks if all(t in r.scores and r.scores[t].mean >= 100.0 - points for r in complete)
+    ]
 
 
 @dataclass(frozen=True)
