@@ -413,7 +413,7 @@ def critical_difference_png(board: Leaderboard) -> bytes | None:
     if not isinstance(found, ranking.Ranking):
         return None
     title = f"Mean rank over {plural(len(found.blocks), found.block)} ({board.ranked_backbone}): a bar joins "
-    title += f"methods Nemenyi's test cannot tell apart (α = {found.alpha:g})"
+    title += f"methods {found.pair_test} cannot tell apart (α = {found.alpha:g})"
     return ranking.critical_difference_png(found, title)
 
 

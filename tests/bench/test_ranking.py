@@ -197,6 +197,14 @@ def test_two_methods_are_compared_by_the_exact_sign_test_not_nemenyis_approximat
     assert bool(found.too_few_blocks()) == (len(a) < 6)  # 2 / 2 ** 5 = 0.0625: six blocks at least
 
 
+def test_the_diagram_of_two_methods_names_the_test_that_drew_its_bars(tmp_path, monkeypatch):
+    titles: list[str] = []
+    monkeypatch.setattr(ranking, "critical_difference_png", lambda found, title: titles.append(title) or b"")
+    board = _choose_board(tmp_path, {"lora": 85.0, "linear": 80.0}, seeds=6)
+    report.critical_difference_png(board)
+    assert titles[0].endswith("a bar joins methods the exact sign test cannot tell apart (α = 0.05)")
+
+
 def test_a_consistent_order_over_enough_blocks_separates_the_ends():
     values = [[40.0, 30.0, 20.0, 10.0]] * 10  # ten blocks, one order: mean ranks 1, 2, 3, 4
     found = ranking.rank_scores(NAMES, values)
