@@ -1,12 +1,12 @@
 """The answer to "which method for my data": one paragraph read off the leaderboard of a results folder.
 
-Among the leaderboard's complete rows (every seed finished) within the user's budget (``budget.params=``:
-trainable parameters, head included, what a task stores; ``budget.train_seconds=``: the final runs' mean
-training time as recorded, on the machine that trained them), the best test top-1 mean is named with the
-runner-up, the gap between them and whether the rank test tells them apart (:func:`petl.bench.ranking.rank_test`
-over the rows within the budget: Friedman's test, then Nemenyi's; with the one task of a user's data, each seed
-is a block), and the commands that use the chosen run (its lowest seed's folder: chosen before looking at the
-seeds' test numbers).  The methods the answer could not weigh are named next to it: rows short of a seed (a
+Among the leaderboard's complete rows (every seed finished) within the user's budget (``budget.params=``: trainable
+parameters, head included, what a task stores; ``budget.train_seconds=``: the final runs' mean training time as
+recorded, on the machine that trained them), the best test top-1 mean is named with the runner-up, the gap between
+them and whether the rank test tells them apart (:func:`petl.bench.ranking.rank_test` over the rows within the
+budget: Friedman's test, then Nemenyi's, or with two rows the exact sign test; with the one task of a user's data,
+each seed is a block), and the commands that use the chosen run (its lowest seed's folder: chosen before looking at
+the seeds' test numbers).  The methods the answer could not weigh are named next to it: rows short of a seed (a
 failed or unfinished run) and the suite's experiments with no finished run at all.
 ``choice.md`` in the results folder holds the paragraph and the cost before the run against the real one.
 """
