@@ -424,7 +424,7 @@ def ranking_line(board: Leaderboard, table: PublishedTable = RANKED_TABLE, name:
         + body
         + f" Published: {table.title}; source: {table.source} (supervised), on its own tasks at 224 px; measured "
         f"here: {board.ranked_backbone or ', '.join(board.models)} on "
-        + ("this task. " if len(board.tasks) == 1 else f"these {len(board.tasks)} tasks. ")
+        + ("this task. " if len(board.counted_tasks) == 1 else f"these {len(board.counted_tasks)} tasks. ")
         + "Other backbone, tasks and recipe: it compares the methods' orderings, not their accuracies."
     )
 
