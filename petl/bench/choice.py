@@ -1,12 +1,12 @@
 """The answer to "which method for my data": one paragraph read off the leaderboard of a results folder.
 
-Among the leaderboard's complete rows (every seed finished) within the user's budget (``budget.params=``:
-trainable parameters, head included, what a task stores; ``budget.train_seconds=``: the final runs' mean
-training time as recorded, on the machine that trained them), the best test top-1 mean is named with the
-runner-up, the gap between them and whether the rank test tells them apart (:func:`petl.bench.ranking.rank_test`
-over the rows within the budget: Friedman's test, then Nemenyi's; with the one task of a user's data, each seed
-is a block), and the commands that use the chosen run (its lowest seed's folder: chosen before looking at the
-seeds' test numbers).  The methods the answer could not weigh are named next to it: rows short of a seed (a
+Among the leaderboard's complete rows (every seed finished) within the user's budget (``budget.params=``: trainable
+parameters, head included, what a task stores; ``budget.train_seconds=``: the final runs' mean training time as
+recorded, on the machine that trained them), the best test top-1 mean is named with the runner-up, the gap between
+them and whether the rank test tells them apart (:func:`petl.bench.ranking.rank_test` over the rows within the
+budget: Friedman's test, then Nemenyi's, or with two rows the exact sign test; with the one task of a user's data,
+each seed is a block), and the commands that use the chosen run (its lowest seed's folder: chosen before looking at
+the seeds' test numbers).  The methods the answer could not weigh are named next to it: rows short of a seed (a
 failed or unfinished run) and the suite's experiments with no finished run at all.
 ``choice.md`` in the results folder holds the paragraph and the cost before the run against the real one.
 """
@@ -205,7 +205,7 @@ def _verdict(found: Ranking | str, best: ExperimentRow, runner: ExperimentRow, t
         )
         p = found.p_values[a][b]
         below = "" if p == 0 else f" < {found.alpha:g}"  # "p < 1e-300" says so already ("p < 1e-300 < 0.05")
-        test = f"Nemenyi's test{friedman}, {blocks}: {said_p(p, found.alpha)}{below}"
+        test = f"{found.pair_test}{friedman}, {blocks}: {said_p(p, found.alpha)}{below}"
         first, second = (a, b) if found.mean_rank[a] <= found.mean_rank[b] else (b, a)
         said = (
             f"**{first}** ranks above **{second}** on this data (mean rank {found.mean_rank[first]:.2f} against "
@@ -227,7 +227,8 @@ def _verdict(found: Ranking | str, best: ExperimentRow, runner: ExperimentRow, t
         test = f"Friedman's test over the {k} within the budget, {blocks}, does not reject that they rank alike: "
         test += "every block ties them" if math.isnan(found.p_value) else said_p(found.p_value, found.alpha)
     else:
-        test = f"Nemenyi's test after Friedman's, {blocks}: {said_p(found.p_values[a][b], found.alpha)}"
+        after = " after Friedman's" if len(found.methods) >= 3 else ""
+        test = f"{found.pair_test}{after}, {blocks}: {said_p(found.p_values[a][b], found.alpha)}"
     few = found.too_few_blocks()
     if few:
         # Not told apart, and no outcome over so few blocks could have been: say so, or it reads as a finding.

@@ -111,14 +111,18 @@ def check_same_data(first: str | Path, second: str | Path) -> None:
 def check_same_tasks(first: Leaderboard, second: Leaderboard) -> None:
     """Refuse two boards that rank different tasks (a suite's plan's, else the tasks their runs ran).
 
+    The tasks the means count (:attr:`~petl.bench.board.Leaderboard.counted_tasks`): a run of a task outside a
+    board's suite is in none of its means, so it does not make the boards rank different tasks.
+
     Raises:
         ValueError: one line naming both folders and their task lists.
 
     """
-    if set(first.tasks) != set(second.tasks):
+    a, b = first.counted_tasks, second.counted_tasks
+    if set(a) != set(b):
         raise ValueError(
-            f"{first.results_dir} ranks {plural(len(first.tasks), 'task')} ({', '.join(first.tasks)}) and "
-            f"{second.results_dir} {plural(len(second.tasks), 'task')} ({', '.join(second.tasks)}): a task mean "
+            f"{first.results_dir} ranks {plural(len(a), 'task')} ({', '.join(a)}) and "
+            f"{second.results_dir} {plural(len(b), 'task')} ({', '.join(b)}): a task mean "
             "over other tasks ranks the methods on other data; compare folders of runs on the same tasks"
         )
 
@@ -154,7 +158,7 @@ def compare(first: Leaderboard, second: Leaderboard) -> Comparison:
         interval = rank_interval([b[e].task_mean for e in names], [a[e].task_mean for e in names])
         correlation = dataclasses.replace(correlation, interval=interval)
     labels, models = (label(first), label(second)), (first.models, second.models)
-    return Comparison(labels, models, tuple(first.tasks), (a, b), correlation)
+    return Comparison(labels, models, tuple(first.counted_tasks), (a, b), correlation)
 
 
 def _not_computed(comparison: Comparison) -> str:

@@ -424,7 +424,7 @@ def ranking_line(board: Leaderboard, table: PublishedTable = RANKED_TABLE, name:
         + body
         + f" Published: {table.title}; source: {table.source} (supervised), on its own tasks at 224 px; measured "
         f"here: {board.ranked_backbone or ', '.join(board.models)} on "
-        + ("this task. " if len(board.tasks) == 1 else f"these {len(board.tasks)} tasks. ")
+        + ("this task. " if len(board.counted_tasks) == 1 else f"these {len(board.counted_tasks)} tasks. ")
         + "Other backbone, tasks and recipe: it compares the methods' orderings, not their accuracies."
     )
 
@@ -482,7 +482,7 @@ def comparison_lines(board: Leaderboard) -> list[str]:
         "their mean rank)." + unranked(board),
     ]
     if k < 3:
-        lines.append("**Friedman's test** needs three methods; with two, Nemenyi's test below decides alone.")
+        lines.append("**Friedman's test** needs three methods; with two, the exact sign test below decides alone.")
     elif math.isnan(found.p_value):
         lines.append(
             f"**Friedman's test** (`scipy.stats.friedmanchisquare`) over {k} methods and {plural(n, 'block')}: every "
@@ -511,11 +511,21 @@ def comparison_lines(board: Leaderboard) -> list[str]:
         if wide
         else ""
     )
-    lines.append(
-        f"**Nemenyi's post-hoc test** (`scikit_posthocs.posthoc_nemenyi_friedman`, family-wise α = {found.alpha:g}; "
-        f"Demšar, JMLR 2006): two methods differ when their mean ranks lie more than {found.critical_difference:.2f} "
-        f"apart (the critical difference); {differ} of the {len(pairs)} pairs do{kept}."
-    )
+    if k < 3:
+        a, b = found.methods
+        lines.append(
+            "**The exact sign test** (`scipy.stats.binomtest` on the blocks each method wins, a tie counted half to "
+            "each, an odd one left out; Demšar, JMLR 2006, section 3.1.2; Nemenyi's test of two methods is its normal "
+            f"approximation, which errs over few blocks): {ranking.said_p(found.p_values[a][b], found.alpha)}: at α = "
+            f"{found.alpha:g}, {'they differ' if differ else 'they cannot be told apart'}."
+        )
+    else:
+        lines.append(
+            f"**Nemenyi's post-hoc test** (`scikit_posthocs.posthoc_nemenyi_friedman`, family-wise α = {found.alpha:g};"
+            f" Demšar, JMLR 2006): two methods differ when their mean ranks lie more than "
+            f"{found.critical_difference:.2f} apart (the critical difference); {differ} of the {len(pairs)} pairs "
+            f"do{kept}."
+        )
     few = found.too_few_blocks()
     if few:
         more = "the methods with more seeds" if found.block == "seed" else "the methods on more tasks"

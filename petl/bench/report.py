@@ -413,7 +413,7 @@ def critical_difference_png(board: Leaderboard) -> bytes | None:
     if not isinstance(found, ranking.Ranking):
         return None
     title = f"Mean rank over {plural(len(found.blocks), found.block)} ({board.ranked_backbone}): a bar joins "
-    title += f"methods Nemenyi's test cannot tell apart (α = {found.alpha:g})"
+    title += f"methods {found.pair_test} cannot tell apart (α = {found.alpha:g})"
     return ranking.critical_difference_png(found, title)
 
 
@@ -509,7 +509,7 @@ def pareto_png(board: Leaderboard) -> bytes:
     from petl.bench.plot import Point, render_pareto  # matplotlib loads only when a plot is drawn
 
     points = [Point(r.experiment, r.trainable, r.task_mean, board.complete(r), board.family(r)) for r in board.rows]
-    return render_pareto(points, len(board.tasks), board.models, _family_legend(board))
+    return render_pareto(points, len(board.counted_tasks), board.models, _family_legend(board))
 
 
 CURVES_FILE = "learning_curves.png"

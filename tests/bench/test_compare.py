@@ -166,6 +166,18 @@ def test_boards_of_different_tasks_are_refused_and_the_page_names_the_tasks(tmp_
     assert "- **Tasks** (both boards): mini/mnist." in capsys.readouterr().out
 
 
+def test_a_run_of_a_task_outside_the_suites_does_not_make_the_boards_rank_different_tasks(tmp_path):
+    # Was: one folder also held a linear run of vtab/dtd, outside both suites and in no mean, and compare refused the
+    # two as ranking 3 tasks against 2; the page's task list would have named dtd among the tasks compared.
+    first = _board(tmp_path / "a", {"lora": 60.0, "linear": 50.0, "full": 70.0})
+    _write(tmp_path / "b", "vtab/dtd", "linear", 0, 99.0)
+    second = _board(tmp_path / "b", {"lora": 80.0, "linear": 85.0, "full": 90.0})
+    assert "vtab/dtd" in second.tasks
+    found = compare.compare(first, second)
+    assert found.tasks == TASKS and found.correlation.rho == pytest.approx(0.5)
+    assert "- **Tasks** (both boards): mini/digits, mini/clevr_count." in compare.markdown(found)
+
+
 def test_a_suite_of_another_backbone_is_refused_by_report_and_compare(tmp_path, capsys):
     # The runs trained the ViT (test_committed_leaderboards' record); mini_swin's file trains the Swin.
     a = _fill(tmp_path / "a", {"lora": 60.0, "linear": 50.0, "full": 70.0})

@@ -104,8 +104,9 @@ def _coverage(spread: float, k: int = 5, n: int = 6, tables: int = 150) -> tuple
 def test_the_mean_rank_interval_covers_the_true_mean_rank_about_as_often_as_it_says():
     """Methods whose neighbours overlap (means 0.25 apart, noise sd 1).
 
-    The percentile bootstrap over the blocks, the interval before the t interval, covered 0.85-0.89 here over ten
-    seeds (0.86 at this one): too few blocks for the resamples to show the spread. This one covers 0.91-0.95 (0.93).
+    A percentile bootstrap over the blocks, the interval before the t interval, covers less: 0.87 against this one's
+    0.93 in this setting (k 5, n 6, gap 0.25) of benchmarks/rank_interval_coverage.py, over 400 tables; too few
+    blocks for the resamples to show the spread.
     """
     covered, _ = _coverage(spread=1.0)
     # Above 0.90, and short of 0.98: an interval from 1 to k would cover always and say nothing.
@@ -114,8 +115,9 @@ def test_the_mean_rank_interval_covers_the_true_mean_rank_about_as_often_as_it_s
 
 def test_the_mean_rank_interval_of_methods_far_apart_does_not_shrink_to_a_point():
     """Methods 2.5 noise sds apart rank nearly the same in every block: the t interval without its floor (sd often 0)
-    covered the first's true mean rank 0.29 of the time here, the last's 0.24; with the floor every method's is
-    covered in all 150 tables, by intervals 0.77 ranks wide on average.
+    covered the first's true mean rank 0.22 of the time, the last's 0.24 (benchmarks/rank_interval_coverage.py, k 5,
+    n 6, gap 2.5, 400 tables); with the floor every method's is covered in all 150 tables here, by intervals under
+    one rank wide on average.
     """
     covered, width = _coverage(spread=10.0)
     assert covered.min() >= 0.95
@@ -171,6 +173,36 @@ def test_a_pair_past_the_critical_difference_that_friedman_keeps_is_said_not_to_
         "more than 2.35 apart (the critical difference); 0 of the 6 pairs do (1 pair lies that far apart, but "
         "Friedman's test above does not reject, so it is not declared different)."
     )
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "sign"),
+    [
+        ([2.0] * 4, [1.0] * 4, (4, 4)),  # won every block of 4: Nemenyi's approximation said p = 0.046
+        ([2.0] * 5, [1.0] * 5, (5, 5)),  # of 5: 0.025 against the exact 0.0625
+        ([2.0] * 6, [1.0] * 6, (6, 6)),  # of 6: 0.031, below 0.05 at last
+        ([2.0, 2.0, 2.0, 2.0, 2.0, 0.0, 1.0], [1.0] * 7, (5, 6)),  # 5 wins, a loss and a tie (left out: odd)
+        ([2.0, 2.0, 2.0, 2.0, 2.0, 2.0, 1.0, 1.0], [1.0] * 8, (7, 8)),  # two ties, one half to each side
+        ([1.0] * 4, [1.0] * 4, (2, 4)),  # every block ties
+    ],
+)
+def test_two_methods_are_compared_by_the_exact_sign_test_not_nemenyis_approximation(a, b, sign):
+    from scipy.stats import binomtest
+
+    found = ranking.rank_scores(["A", "B"], np.array([a, b]).T)
+    expected = binomtest(*sign).pvalue  # Demšar 2006, 3.1.2: a tie counts half for each method, an odd one left out
+    assert found.p_values["A"]["B"] == found.p_values["B"]["A"] == pytest.approx(expected)
+    assert found.differ("A", "B") == (expected < 0.05)
+    assert math.isnan(found.statistic) and math.isnan(found.critical_difference)
+    assert bool(found.too_few_blocks()) == (len(a) < 6)  # 2 / 2 ** 5 = 0.0625: six blocks at least
+
+
+def test_the_diagram_of_two_methods_names_the_test_that_drew_its_bars(tmp_path, monkeypatch):
+    titles: list[str] = []
+    monkeypatch.setattr(ranking, "critical_difference_png", lambda found, title: titles.append(title) or b"")
+    board = _choose_board(tmp_path, {"lora": 85.0, "linear": 80.0}, seeds=6)
+    report.critical_difference_png(board)
+    assert titles[0].endswith("a bar joins methods the exact sign test cannot tell apart (α = 0.05)")
 
 
 def test_a_consistent_order_over_enough_blocks_separates_the_ends():
@@ -304,7 +336,18 @@ def test_choose_says_when_the_best_two_cannot_be_told_apart_and_names_the_smalle
 def test_choose_says_when_the_best_two_differ(tmp_path):
     board = _choose_board(tmp_path, {"lora": 85.0, "linear": 80.0}, seeds=6)
     text = choice.choose(board, choice.Budget()).paragraph
-    assert "**lora** ranks above **linear** on this data (mean rank 1.00 against 2.00; Nemenyi's test, each of" in text
+    said = "**lora** ranks above **linear** on this data (mean rank 1.00 against 2.00; the exact sign test, each of"
+    assert said in text
+    assert "p = 0.031 < 0.05" in text  # 2 / 2 ** 6
+
+
+def test_choose_over_four_seeds_does_not_tell_two_methods_apart_that_no_exact_test_could(tmp_path):
+    # Nemenyi's normal approximation put lora above linear after it won all 4 seeds (p = 0.046); the exact sign
+    # test's p cannot go below 2 / 2 ** 4 = 0.125 there, nor can Wilcoxon's signed-rank test's.
+    board = _choose_board(tmp_path, {"lora": 85.0, "linear": 80.0}, seeds=4)
+    text = choice.choose(board, choice.Budget()).paragraph
+    assert "**lora** and **linear** cannot be told apart on this data (the exact sign test, each of the 4 seeds" in text
+    assert "p = 0.12; over 4 seeds no outcome could tell them apart: the sign test's p cannot go below 0.125" in text
 
 
 def test_choose_says_when_the_test_favours_the_runner_up_over_the_best_mean(tmp_path):
@@ -316,7 +359,8 @@ def test_choose_says_when_the_test_favours_the_runner_up_over_the_best_mean(tmp_
     answer = choice.choose(report.build_board(tmp_path), choice.Budget())
     assert answer.best.experiment == "lora" and answer.runner_up.experiment == "linear"
     text = answer.paragraph
-    assert "**linear** ranks above **lora** on this data (mean rank 1.10 against 1.90; Nemenyi's test" in text, text
+    said = "**linear** ranks above **lora** on this data (mean rank 1.10 against 1.90; the exact sign test"
+    assert said in text, text
     assert "though lora has the higher mean: the best by mean and the best by rank disagree" in text
     assert "differ on this data" not in text
 

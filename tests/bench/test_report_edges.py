@@ -186,6 +186,46 @@ def test_a_run_of_a_task_outside_the_suite_has_its_column_and_no_part_in_the_mea
     assert float(read_csv(tmp_path / "leaderboard.csv")["linear"]["task_mean"]) == 73.0
 
 
+def test_a_task_outside_the_suite_is_never_called_saturated(tmp_path):
+    # Was: every complete row had also run vtab/dtd at 99 %, outside suite mini: its column read "dtd (saturated)"
+    # in place of "(not in the suite)", and the legend said the means keep it and the rank test leaves it out.
+    from petl.bench.report import plan_of
+    from petl.bench.suite import configs_dir, load_suite
+
+    mini = load_suite("mini", configs_dir())
+    for experiment, top1 in (("lora", 80.0), ("linear", 70.0)):
+        for i, task in enumerate(mini.tasks):
+            for seed in mini.seeds:
+                write_run(tmp_path, task, experiment, seed, top1=top1 + i)
+        write_run(tmp_path, "vtab/dtd", experiment, 0, top1=99.0)
+    board = write_report(tmp_path, plan=plan_of("mini"))
+    assert board.saturated == [] and board.ranking.left_out_tasks == ()
+    md = (tmp_path / "leaderboard.md").read_text()
+    assert "| dtd (not in the suite) |" in md and "(saturated)" not in md
+
+
+def test_the_task_count_beside_a_task_mean_is_the_suites(tmp_path, monkeypatch):
+    # Was: a run of vtab/dtd outside suite mini made the published-ordering line say the task means were measured
+    # "on these 8 tasks" and pareto.png's axis "over 8 tasks", of means over the suite's 7.
+    from petl.bench import plot
+    from petl.bench.report import pareto_png, plan_of
+    from petl.bench.suite import configs_dir, load_suite
+
+    mini = load_suite("mini", configs_dir())
+    for experiment, top1 in (("lora", 80.0), ("linear", 70.0), ("full", 75.0)):
+        for i, task in enumerate(mini.tasks):
+            for seed in mini.seeds:
+                write_run(tmp_path, task, experiment, seed, top1=top1 + i)
+    write_run(tmp_path, "vtab/dtd", "linear", 0, top1=99.0)
+    board = write_report(tmp_path, plan=plan_of("mini"))
+    assert "measured here: " in (md := (tmp_path / "leaderboard.md").read_text())
+    assert f"on these {len(mini.tasks)} tasks. Other backbone" in md
+    counts: list[int] = []
+    monkeypatch.setattr(plot, "render_pareto", lambda points, num_tasks, *rest: counts.append(num_tasks) or b"")
+    pareto_png(board)
+    assert counts == [len(mini.tasks)]
+
+
 def test_a_damaged_set_aside_record_is_named_once_per_report(tmp_path, capsys):
     # Was: named twice, in two identical warnings: the legend was built once for the Markdown and once for the HTML.
     write_run(tmp_path, "mini/digits", "lora", 0, top1=80.0)

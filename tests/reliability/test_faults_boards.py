@@ -75,12 +75,12 @@ def test_a_row_with_a_failed_run_is_named_where_the_rank_test_leaves_it_out(tmp_
 
 def test_two_methods_on_two_tasks_say_that_no_outcome_could_tell_them_apart(tmp_path, capsys):
     # Was: "0 of the 1 pairs do" and an interval "1.00 – 1.00", read as a finding; over two blocks even lora first
-    # on both tasks cannot pass (a gap of 1 mean rank against a critical difference of 1.39).
+    # on both tasks cannot pass (the exact sign test's p of one method winning both blocks is 0.5).
     root = _runs(tmp_path, (("lora", 80.0), ("linear", 70.0)))
     _page(capsys, "report", str(root))
     md = (root / "leaderboard.md").read_text()
-    assert "**Too few blocks**: over 2 tasks no outcome could tell two methods apart: the largest gap in mean " in md
-    assert "within the critical difference, 1.39. That no pair differs below is a count of blocks" in md
+    assert "**Too few blocks**: over 2 tasks no outcome could tell two methods apart: the sign test's p " in md
+    assert "cannot go below 0.5 over 2 blocks, however the two rank. That no pair differs below is a count" in md
     assert "run the methods on more tasks." in md
 
 
@@ -104,7 +104,7 @@ def test_choose_over_two_seeds_says_no_outcome_could_tell_the_best_two_apart(tmp
     root = _runs(tmp_path, (("lora", 80.0), ("linear", 79.0)), tasks=("mini/digits",), seeds=(0, 1))
     text = choice.choose(report.build_board(root), choice.Budget()).paragraph
     assert "**lora** and **linear** cannot be told apart on this data" in text
-    assert "over 2 seeds no outcome could tell them apart: the largest gap in mean rank there can be, 1" in text
+    assert "over 2 seeds no outcome could tell them apart: the sign test's p cannot go below 0.5 over 2" in text
 
 
 # --- a record is checked against the config it embeds: its model too ------------------------------------------------
