@@ -116,6 +116,8 @@ class ExperimentRow:
         published: per published table key, the matching published row, or the reason none is shown
             (:data:`NO_PUBLISHED_ROW`, :data:`DIFFERENT_BACKBONE`).
         values: each column's computed value, by column key.
+        outside_tasks: with a plan, the tasks of its runs outside the suite: each has its cell, and no part in the
+            row's means or its cost figures (:attr:`counted_runs`).
 
     """
 
@@ -128,6 +130,7 @@ class ExperimentRow:
     trainable_no_head: float
     published: dict[str, PublishedRow | str] = field(default_factory=dict)
     values: dict[str, Any] = field(default_factory=dict)
+    outside_tasks: tuple[str, ...] = ()
 
     @property
     def group_mean(self) -> float:
@@ -136,12 +139,17 @@ class ExperimentRow:
 
     @property
     def counted_runs(self) -> list[RunRecord]:
-        """The runs the row's figures read: those of its cells' seeds.
+        """The runs the row's figures read: those of its cells' seeds, on the tasks its means count.
 
-        With a suite, a run of a seed outside it is left out of its cell (``TaskScore.outside_seeds``), so of the
-        cost columns (parameters, train seconds, memory) too, which then read the runs the accuracy does.
+        With a suite, a run of a seed outside it is left out of its cell (``TaskScore.outside_seeds``) and a run of
+        a task outside it out of the means (:attr:`outside_tasks`), so of the cost columns (parameters, train
+        seconds, memory) too, which then read the runs the accuracy does.
         """
-        return [r for r in self.runs if r.task in self.scores and r.seed in self.scores[r.task].seeds]
+        return [
+            r
+            for r in self.runs
+            if r.task in self.scores and r.task not in self.outside_tasks and r.seed in self.scores[r.task].seeds
+        ]
 
 
 @dataclass(frozen=True)
