@@ -116,6 +116,8 @@ class ExperimentRow:
         published: per published table key, the matching published row, or the reason none is shown
             (:data:`NO_PUBLISHED_ROW`, :data:`DIFFERENT_BACKBONE`).
         values: each column's computed value, by column key.
+        outside_tasks: with a plan, the tasks of its runs outside the suite: each has its cell, and no part in the
+            row's means or its cost figures (:attr:`counted_runs`).
 
     """
 
@@ -128,6 +130,7 @@ class ExperimentRow:
     trainable_no_head: float
     published: dict[str, PublishedRow | str] = field(default_factory=dict)
     values: dict[str, Any] = field(default_factory=dict)
+    outside_tasks: tuple[str, ...] = ()
 
     @property
     def group_mean(self) -> float:
@@ -136,12 +139,17 @@ class ExperimentRow:
 
     @property
     def counted_runs(self) -> list[RunRecord]:
-        """The runs the row's figures read: those of its cells' seeds.
+        """The runs the row's figures read: those of its cells' seeds, on the tasks its means count.
 
-        With a suite, a run of a seed outside it is left out of its cell (``TaskScore.outside_seeds``), so of the
-        cost columns (parameters, train seconds, memory) too, which then read the runs the accuracy does.
+        With a suite, a run of a seed outside it is left out of its cell (``TaskScore.outside_seeds``) and a run of
+        a task outside it out of the means (:attr:`outside_tasks`), so of the cost columns (parameters, train
+        seconds, memory) too, which then read the runs the accuracy does.
         """
-        return [r for r in self.runs if r.task in self.scores and r.seed in self.scores[r.task].seeds]
+        return [
+            r
+            for r in self.runs
+            if r.task in self.scores and r.task not in self.outside_tasks and r.seed in self.scores[r.task].seeds
+        ]
 
 
 @dataclass(frozen=True)
@@ -194,6 +202,8 @@ class Leaderboard:
     plan: Plan | None = None
     saturated: list[str] = field(default_factory=list)
     ranking: Any = None  # petl.bench.ranking.Ranking, or why no test ran
+    # ranked_backbone, and the rows it was found from (their ids: found again if the rows change).
+    _ranked: tuple[frozenset[int], str | None] | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def family_order(self) -> list[str]:
@@ -240,8 +250,14 @@ class Leaderboard:
         would compare backbones as much as methods.  The majority keeps what most of the board ran; the name makes a
         tie give the same board every time.
         """
-        found = Counter(next(iter(self.backbones(row))) for row in self.rows if self._every_cell(row))
-        return min(found, key=lambda name: (-found[name], name)) if found else None
+        # Asked once a row (complete(), the table's marks, the legend) and found from every row: kept, or a board of
+        # 30 experiments on 7 tasks spent half its build finding it again.
+        rows = frozenset(map(id, self.rows))
+        if self._ranked is None or self._ranked[0] != rows:
+            seeds = self.seed_count  # once, not once a row: it reads every cell of the board
+            found = Counter(next(iter(self.backbones(row))) for row in self.rows if self._every_cell(row, seeds))
+            self._ranked = (rows, min(found, key=lambda name: (-found[name], name)) if found else None)
+        return self._ranked[1]
 
     def other_backbone(self, row: ExperimentRow) -> bool:
         """Whether ``row``'s tasks all ran on one backbone, not the :attr:`ranked_backbone`."""
@@ -281,18 +297,17 @@ class Leaderboard:
         (:meth:`mixed`) is never complete: its task mean is no one model's; nor is a row on another backbone than
         the :attr:`ranked_backbone` (:meth:`other_backbone`).
         """
-        return self._every_cell(row) and not self.other_backbone(row)
+        return self._every_cell(row, self.seed_count) and not self.other_backbone(row)
 
-    def _every_cell(self, row: ExperimentRow) -> bool:
-        # complete() less the board's backbone, which is decided from the rows this passes.
+    def _every_cell(self, row: ExperimentRow, seeds: int) -> bool:
+        # complete() less the board's backbone, which is decided from the rows this passes; seeds: seed_count.
         if self.mixed(row):
             return False
         if self.plan is not None:
-            seeds = set(self.plan.seeds)
+            planned = set(self.plan.seeds)
             return row.experiment in self.plan.experiments and all(
-                t in row.scores and seeds <= set(row.scores[t].seeds) for t in self.plan.tasks
+                t in row.scores and planned <= set(row.scores[t].seeds) for t in self.plan.tasks
             )
-        seeds = self.seed_count
         return all(t in row.scores and len(row.scores[t].seeds) >= seeds for t in self.tasks)
 
 

@@ -89,8 +89,9 @@ def notes(board: Leaderboard) -> list[str]:
     if outside:
         lines.append(
             f"**{NOT_IN_SUITE_MARK}**: {', '.join(name_labels(board.tasks)[t] for t in outside)}, not a task of suite "
-            f"`{board.plan.suite if board.plan else ''}`: its runs are shown, and left out of every mean and of the "
-            "rank test, so that each row's means cover the suite's tasks."
+            f"`{board.plan.suite if board.plan else ''}`: its runs are shown, and left out of every mean, of the "
+            "rank test and of the row's cost columns (parameters, train seconds, memory), so that each row's figures "
+            "cover the suite's tasks."
         )
     if board.plan is not None:
         lines.append(progress(board))

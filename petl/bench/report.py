@@ -244,20 +244,21 @@ def aggregate(
             g: mean([s.mean for t, s in counted.items() if groups[t] == g])
             for g in order_groups({groups[t] for t in counted})
         }
-        # The cost figures read the runs the accuracy does (ExperimentRow.counted_runs): not another seed's.
-        kept = [r for r in runs if r.task in scores and r.seed in scores[r.task].seeds]
-        rows.append(
-            ExperimentRow(
-                experiment=name,
-                runs=runs,
-                scores=scores,
-                task_mean=mean([s.mean for s in counted.values()]),
-                group_means=group_means,
-                trainable=mean([float(r.result.trainable_params) for r in kept]),
-                trainable_no_head=mean([float(r.result.trainable_params_no_head) for r in kept]),
-                published={t.key: _published_status(runs, t, published.get(name)) for t in tables},
-            )
+        row = ExperimentRow(
+            experiment=name,
+            runs=runs,
+            scores=scores,
+            task_mean=mean([s.mean for s in counted.values()]),
+            group_means=group_means,
+            trainable=math.nan,
+            trainable_no_head=math.nan,
+            published={t.key: _published_status(runs, t, published.get(name)) for t in tables},
+            outside_tasks=tuple(t for t in scores if t not in counted),
         )
+        # The cost figures read the runs the accuracy does (ExperimentRow.counted_runs): not another seed's or task's.
+        row.trainable = mean([float(r.result.trainable_params) for r in row.counted_runs])
+        row.trainable_no_head = mean([float(r.result.trainable_params_no_head) for r in row.counted_runs])
+        rows.append(row)
     models = sorted({backbone(r.result) for r in records})
     memory_kinds = sorted({str(r.result.peak_memory_kind) for r in records if r.result.peak_memory_kind})
     board = Leaderboard(

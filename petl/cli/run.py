@@ -44,7 +44,7 @@ import yaml
 
 from petl import presets
 from petl.cli.args import entry_point, exit_statuses, hydra_parser, plain
-from petl.utils.errors import RUN_ERROR, USAGE_ERROR, ConfigError, RunError
+from petl.utils.errors import RUN_ERROR, USAGE_ERROR, ConfigError, RunError, UnreachableError
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -67,16 +67,24 @@ DEBUG_FLAG = "--debug"
 _debug = False
 
 
-def _error(message: str, bad_input: bool = True) -> None:
-    from petl.utils.distributed import is_main_process
+def _error(message: str, alike: str = "launch") -> None:
+    """Write petl-run's error line from the processes of a launch that say it.
 
-    # Bad input is found alike by every process of a multi-GPU launch: the first says it, or it would print once per
-    # GPU.  A failure may be one process's alone (a non-finite loss on its shard): that process says it too, or the
-    # launch ended on the others' lost connection with no word of why.
+    Args:
+        message: the line's text.
+        alike: which processes meet the fault alike: ``launch``, all of them (bad input): the first says it, or it
+            would print once per GPU; ``machine``, all on one machine (its data or weights out of reach,
+            :class:`petl.utils.errors.UnreachableError`): the first of each machine says it; ``""``, one process
+            alone (a non-finite loss on its shard): that process says it too, or the launch ended on the others'
+            lost connection with no word of why.
+
+    """
+    from petl.utils.distributed import is_local_main_process, is_main_process
+
     # One write of line and newline: print's two writes let another process's output in between.
     if is_main_process():
         sys.stderr.write(f"{PROG}: error: {message}\n")
-    elif not bad_input:
+    elif not alike or (alike == "machine" and is_local_main_process()):
         sys.stderr.write(f"{PROG}: error: rank {os.environ.get('RANK')}: {message}\n")
 
 
@@ -198,7 +206,8 @@ def _task(cfg: DictConfig, checked: bool = False) -> dict[str, Any] | None:
         # one line names them, the checkpoint of finished epochs is on disk.
         known = isinstance(error, (ConfigError, runner.RunError))
         message = str(error) if known else f"{type(error).__name__}: {error} ({DEBUG_FLAG} shows the traceback)"
-        _error(message, bad_input=status == USAGE_ERROR)
+        alike = "launch" if status == USAGE_ERROR else "machine" if isinstance(error, UnreachableError) else ""
+        _error(message, alike)
         if in_process:
             # Let the other jobs of the sweep run; main() reports the failures at the end.
             _failed_jobs.append(message)
@@ -296,8 +305,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         except RunError as error:  # data that cannot be reached here (a hub id offline): not bad input, exit 1
             if _debug:
                 raise
-            # Met alike by every process of a launch, as bad input is: said by the first alone, not once per GPU.
-            _error(str(error))
+            # Met alike by every process (of a machine, where the data is out of its reach): not once per GPU.
+            _error(str(error), "machine" if isinstance(error, UnreachableError) else "launch")
             raise SystemExit(RUN_ERROR) from None
     _failed_jobs.clear()
     resumes = not checked or checked[0].resume  # resume=false would delete the kept epochs

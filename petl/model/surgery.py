@@ -94,11 +94,11 @@ def apply(
     # The formula reads every part the method will touch: a Linear the family lacks (EVA-02's separate q/k/v, its
     # SwiGLU's two fc1) is refused here in one line, before anything changes.
     spec.trainable_formula(model, config)
-    if getattr(model, "grad_checkpointing", False):
+    if bb.grad_checkpointing():
         # Whether the method runs under timm's checkpointing is known once its wrappers are built (install checks
         # it): built first on a meta-device copy, which allocates nothing, so that a refusal changes nothing here.
         trial = meta_copy(model)
-        trial.grad_checkpointing = False  # checked once, below, not again within this apply
+        trial.set_grad_checkpointing(False)  # checked once, below, not again within this apply
         apply(trial, method, config).set_grad_checkpointing(True)
     model.requires_grad_(False)
     # Kept referenced, so that no new module can reuse the id of one dropped meanwhile (the old head).

@@ -269,7 +269,7 @@ def install(model: nn.Module) -> None:
     if _unscriptable(model):
         for name, function in HOOKS.items():
             setattr(model, name, functools.partial(function, model))
-    if getattr(model, "grad_checkpointing", False):
+    if backbone_of(model).grad_checkpointing():  # on already: refused here if the method cannot run under it
         model.set_grad_checkpointing(True)
 
 

@@ -1,7 +1,7 @@
 """The parts of a run, built from its config: accelerator, backbone, method config, datasets and loaders.
 
 Each function turns what it cannot build into one line: :class:`ConfigError` for bad input,
-:class:`RunError` for what is out of reach (weights, data).
+:class:`UnreachableError` (a :class:`RunError`) for what is out of reach (weights, data).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from petl.store import run_card
 from petl.train import config, engine, output_dir
 from petl.train.config import ConfigError
 from petl.utils.distributed import is_main_process
-from petl.utils.errors import RunError
+from petl.utils.errors import RunError, UnreachableError
 from petl.utils.once import warn_main, warn_once
 from petl.utils.precision import auto_precision, cpu_supports_bf16
 from petl.utils.text import first_line
@@ -254,7 +254,7 @@ def create_backbone(cfg: DictConfig) -> nn.Module:
             raise ConfigError(changed) from None
         # Without its closing period: the sentence after it starts with its own.
         first = first_line(error, f"{type(error).__name__} (no weights file)").rstrip(".")
-        raise RunError(
+        raise UnreachableError(
             f"cannot load pretrained weights of {m.name}: {first}. Give a local file with model.checkpoint=PATH, "
             "or train from random init with model.pretrained=false"
         ) from None
@@ -377,7 +377,7 @@ def _build_checked(cfg: DictConfig, split: str, image: dict[str, Any]) -> Datase
     except petl_data.BadImagesError:
         raise
     except petl_data.DatasetUnavailableError as error:
-        raise RunError(str(error)) from None
+        raise UnreachableError(str(error)) from None
     except ValueError as error:
         raise ConfigError(f"data {cfg.data.name}: {error}") from None
     return _subset(dataset, cfg.data.subset)

@@ -29,7 +29,7 @@ from petl.train import config
 from petl.train.config import ConfigError
 from petl.utils import paths
 from petl.utils.distributed import is_main_process
-from petl.utils.errors import RunError
+from petl.utils.errors import RunError, UnreachableError
 
 log = logging.getLogger(__name__)
 
@@ -322,7 +322,7 @@ def _data_fingerprint(name: str, split: str, root: str | None, options: tuple) -
         with fingerprint_only():  # the bytes are hashed, nothing decoded: a test split may be many thousand photos
             dataset = petl_data.build_dataset(name, split, image_size=32, root=root, options=dict(options))
     except petl_data.DatasetUnavailableError as error:
-        raise RunError(f"the data of a finished run cannot be checked: {error}") from None
+        raise UnreachableError(f"the data of a finished run cannot be checked: {error}") from None
     except ValueError as error:  # bad images, a folder gone or changed shape: the user's data
         raise ConfigError(f"the data of a finished run cannot be checked: {error}") from None
     return _content_fingerprint(dataset)

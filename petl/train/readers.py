@@ -16,7 +16,7 @@ from petl import data as petl_data
 from petl.model.registry import get_method
 from petl.store.run_card import FILE_KWARGS
 from petl.utils.checks import to_str_tuple
-from petl.utils.errors import ConfigError, RunError
+from petl.utils.errors import ConfigError, UnreachableError
 
 __all__ = ["data_info", "data_options", "image_size", "method_options", "model_kwargs"]
 
@@ -32,7 +32,7 @@ def data_info(cfg: DictConfig) -> petl_data.DatasetInfo:
     Raises:
         ConfigError: a root where the dataset reads none, none where it needs one, a root that does not
             exist or cannot be used, an option the dataset does not read.
-        RunError: the files cannot be reached here (``data=hf``'s hub id while the hub cannot be reached).
+        UnreachableError: the files cannot be reached here (``data=hf``'s hub id while the hub cannot be reached).
 
     """
     try:
@@ -42,7 +42,7 @@ def data_info(cfg: DictConfig) -> petl_data.DatasetInfo:
         named = message.startswith(cfg.data.name)
         raise ConfigError(message if named else f"data {cfg.data.name}: {message}") from None
     except petl_data.DatasetUnavailableError as error:
-        raise RunError(str(error)) from None
+        raise UnreachableError(str(error)) from None
 
 
 def method_options(cfg: DictConfig) -> dict[str, Any]:

@@ -12,3 +12,10 @@ def is_main_process() -> bool:
     ``torchrun`` export RANK to every process).
     """
     return os.environ.get("RANK", "0") == "0"
+
+
+def is_local_main_process() -> bool:
+    """Whether this process is the first of its machine (LOCAL_RANK 0, which the launchers export; RANK where no
+    LOCAL_RANK is set): it says what every process on the machine meets alike (its data out of reach).
+    """
+    return os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")) == "0"

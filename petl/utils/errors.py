@@ -15,6 +15,14 @@ class RunError(RuntimeError):
     """A run could not complete (non-finite loss, unreachable data or weights); the message says why."""
 
 
+class UnreachableError(RunError):
+    """Data or weights this machine cannot reach (not cached, offline, a package missing).
+
+    Every process of a multi-process launch on the machine meets it alike, so the first of them says it (as bad
+    input is said by the first process of the launch), not one line per GPU.
+    """
+
+
 class DivergedError(RunError):
     """The loss or the trained weights became NaN or infinite: this configuration diverged.
 

@@ -523,3 +523,28 @@ def test_a_nemenyi_p_that_underflowed_to_zero_reads_as_below_1e_300_alone(tmp_pa
     verdict = choice._verdict(found, rows["lora"], rows["mlp"], "mini/digits")
     # It said "p < 1e-300 < 0.05".
     assert verdict.endswith(": p < 1e-300)"), verdict
+
+
+def test_the_ranked_backbone_is_found_once_a_board_not_once_a_row(tmp_path, monkeypatch):
+    # Was: found again from every row each time a row asked (complete(), the table's marks, the legend), so a board's
+    # build read every row once per row asking: half of build_board on 30 experiments x 7 tasks x 3 seeds.
+    from petl.bench.board import Leaderboard
+    from petl.bench.notes import notes
+    from petl.bench.report import display_table
+
+    methods = [f"m{i:02d}" for i in range(12)]
+    for i, method in enumerate(methods):
+        for task in ("mini/digits", "mini/mnist"):
+            _write(tmp_path / task / method / "seed0", _result(task, method, 0, 50.0 + i))
+    asked = []
+    backbones = Leaderboard.backbones
+    monkeypatch.setattr(Leaderboard, "backbones", lambda board, row: asked.append(row) or backbones(board, row))
+    board = report.build_board(tmp_path)
+    notes(board), display_table(board)
+    assert len(board.rows) == 12 and all(map(board.complete, board.rows))
+    # Each question about a row reads that row's backbones (twice: mixed, other_backbone), and a board asks about
+    # each row some ten times: 216 reads here, where finding the ranked backbone again each time read 2496.
+    assert len(asked) <= 24 * len(board.rows)
+    # Found again when the rows change.
+    board.rows[:] = [r for r in board.rows if r.experiment == "m00"]
+    assert board.ranked_backbone == "vit_fractal_tiny_patch4_32.fractaldb"

@@ -403,6 +403,30 @@ def test_with_a_suite_the_cost_columns_read_the_runs_the_accuracy_does(tmp_path)
     assert lora.values["train_seconds"] == 2.0 and lora.values["peak_memory_mb"] == 10.0
 
 
+def test_with_a_suite_the_cost_columns_leave_out_the_runs_of_a_task_outside_it(tmp_path):
+    # Was: a task outside the suite was left out of the row's means, but its runs' parameters, train seconds and peak
+    # memory still counted in the row's Trainable M, PPT, Train s/run and Peak MB (and choose's train seconds).
+    import json
+
+    from petl.bench.choice import train_seconds
+    from petl.bench.report import Plan, build_board
+
+    for experiment in ("lora", "linear"):
+        write_run(tmp_path, "mini/digits", experiment, 0, top1=80.0)
+    write_run(tmp_path, "mini/mnist", "lora", 0, top1=10.0, no_head=9e4)
+    stray = tmp_path / "mini-mnist" / "lora" / "seed0" / "result.json"
+    stray.write_text(json.dumps({**json.loads(stray.read_text()), "train_seconds": 100.0, "peak_memory_mb": 999.0}))
+    board = build_board(tmp_path, plan=Plan("two", ("lora", "linear"), ("mini/digits",), (0,)))
+    lora = next(r for r in board.rows if r.experiment == "lora")
+    assert "mini/mnist" in lora.scores and lora.outside_tasks == ("mini/mnist",)
+    assert [r.task for r in lora.counted_runs] == ["mini/digits"]
+    assert lora.trainable_no_head == 1000.0 and lora.values["trainable"][0] == 1100.0
+    assert lora.values["train_seconds"] == 2.0 and lora.values["peak_memory_mb"] == 10.0 and train_seconds(lora) == 2.0
+    # Without a suite every task counts.
+    lora = next(r for r in build_board(tmp_path).rows if r.experiment == "lora")
+    assert lora.trainable_no_head == (1000.0 + 9e4) / 2 and lora.values["train_seconds"] == 51.0
+
+
 def test_the_convergence_column_reads_the_tail_by_epoch_not_by_line(tmp_path):
     # Was: the tail was the last 20 % of the curve's lines, so a metrics.jsonl missing epoch 9's line read epochs 7 to
     # 10 as the last 2 of 10 epochs: a curve flat since epoch 8 showed +10 and ↑ (still learning).

@@ -592,6 +592,49 @@ def test_a_method_refused_under_grad_checkpointing_leaves_the_model_as_it_was(ti
     assert petl.apply(lora, "lora").grad_checkpointing  # a method that runs under it keeps it on
 
 
+class _Unchecked(petl.PetlModule):
+    """A block wrapper of a user's method that cannot run under gradient checkpointing."""
+
+    no_grad_checkpointing = "it keeps state between blocks"
+
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        return self.base(x, *args, **kwargs)
+
+
+@pytest.mark.parametrize("kind", list(TINY_MODELS))
+def test_a_method_refusing_grad_checkpointing_is_refused_on_every_family_with_it_on(kind):
+    # timm's Swins keep the flag on each stage (model.layers[i].grad_checkpointing), not on the model: apply read
+    # model.grad_checkpointing, found none, and left a registered method that cannot run under it on a Swin with
+    # checkpointing on, to fail in the backward.
+    from petl.model.registry import _REGISTRY, register_method
+
+    @dataclasses.dataclass
+    class UncheckedConfig(MethodConfig):
+        pass
+
+    def inject(model: nn.Module, cfg: UncheckedConfig) -> None:
+        backbone_of(model).set_block(0, _Unchecked(backbone_of(model).block_container()[0]))
+
+    register_method(
+        "unchecked_test", UncheckedConfig, trainable_formula=lambda model, cfg: 0, backbones=tuple(TINY_MODELS)
+    )(inject)
+    try:
+        model = TINY_MODELS[kind]()
+        assert not backbone_of(model).grad_checkpointing()
+        model.set_grad_checkpointing(True)
+        assert backbone_of(model).grad_checkpointing()
+        with pytest.raises(ValueError, match=r"^gradient checkpointing: method 'unchecked_test' cannot use it"):
+            petl.apply(model, "unchecked_test")
+        assert getattr(model, "petl_method", None) is None
+        model.set_grad_checkpointing(False)
+        assert not backbone_of(model).grad_checkpointing()
+        petl.apply(model, "unchecked_test")
+        with pytest.raises(ValueError, match=r"^gradient checkpointing: method 'unchecked_test' cannot use it"):
+            model.set_grad_checkpointing(True)
+    finally:
+        _REGISTRY.pop("unchecked_test", None)
+
+
 @pytest.mark.parametrize("method", petl.list_methods())
 def test_each_apply_helper_documents_every_option_and_any_backbone_its_method_takes(method):
     # help(petl.apply_lora) in a notebook: its option list lacked init, and it said "a timm VisionTransformer" for

@@ -229,3 +229,47 @@ def test_a_fault_of_the_data_or_config_every_process_meets_is_warned_by_the_firs
     said = [record.getMessage() for record in caplog.records]
     assert sum(message.startswith("folder: skipped stray.png in ") for message in said) == lines, said
     assert sum("train.precision=fp16 needs a CUDA GPU" in message for message in said) == lines, said
+
+
+@pytest.mark.parametrize("missing", ["data", "weights"])
+@pytest.mark.parametrize(("rank", "local_rank", "said"), [("0", "0", ""), ("1", "1", None), ("2", "0", "rank 2: ")])
+def test_data_or_weights_out_of_reach_are_said_by_the_first_process_of_each_machine(
+    missing, rank, local_rank, said, tmp_path, monkeypatch, capsys
+):
+    # Every process of a launch builds the data and the backbone and met their faults alike: each said 'rank N: ...',
+    # one line per GPU.  The first process of each machine says it (another machine may have what this one lacks);
+    # every process exits 1.
+    import timm
+
+    from petl import data as petl_data
+    from petl.cli import run as cli
+    from petl.train import runner
+
+    def no_data(*args, **kwargs):
+        raise petl_data.DatasetUnavailableError("mini/digits needs scikit-learn: `pip install scikit-learn`")
+
+    create_model = timm.create_model
+
+    def no_weights(*args, **kwargs):
+        if kwargs.get("pretrained"):
+            raise OSError("the hub cannot be reached")
+        return create_model(*args, **kwargs)
+
+    monkeypatch.setattr(petl_data, "build_dataset", no_data)
+    monkeypatch.setattr(timm, "create_model", no_weights)
+    # The run as far as its data (LOCAL_RANK alone, with no process group, would stop accelerate before it).
+    monkeypatch.setattr(runner, "run", lambda cfg, checked=False: build.datasets(cfg, build.create_backbone(cfg)))
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setenv("LOCAL_RANK", local_rank)
+    if missing == "data":
+        monkeypatch.setattr(build, "create_backbone", lambda cfg: None)
+        monkeypatch.setattr(build, "_image_options", lambda cfg, model: {})
+        args, why = tiny_run(), "mini/digits needs scikit-learn: `pip install scikit-learn`"
+    else:
+        args = [o for o in tiny_run() if not o.startswith(("+model.kwargs", "model.pretrained"))]
+        why = "cannot load pretrained weights of vit_fractal_tiny_patch4_32: the hub cannot be reached."
+    with pytest.raises(SystemExit) as stop:
+        cli.main([*args, f"output_dir={tmp_path / 'out'}"])
+    assert stop.value.code == 1
+    error = capsys.readouterr().err
+    assert error == "" if said is None else error.startswith(f"petl-run: error: {said}{why}") and error.count("\n") == 1

@@ -305,6 +305,12 @@ class Backbone:
         """The model's logits from the tokens entering block ``start`` on (gradient checkpointing honoured)."""
         raise NotImplementedError
 
+    def grad_checkpointing(self) -> bool:
+        """Whether timm's gradient checkpointing (``set_grad_checkpointing``) is on: the model's own flag, where
+        timm keeps it for a model whose blocks run in one sequence.
+        """
+        return bool(getattr(self.model, "grad_checkpointing", False))
+
     def pre_logits(self, images: torch.Tensor) -> torch.Tensor:
         """Timm's ``forward_head(forward_features(images), pre_logits=True)``: the pooled features the head reads.
 

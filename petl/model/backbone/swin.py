@@ -243,6 +243,12 @@ class Swin(TimmModelParts, TimmBlockParts, Backbone):
         x = model.layers[stage + 1 :](x)
         return model.forward_head(model.norm(x))
 
+    def grad_checkpointing(self) -> bool:
+        """Whether timm's gradient checkpointing is on: a Swin's ``set_grad_checkpointing`` sets each stage's flag
+        (its stages run their blocks), and the model has none of its own.
+        """
+        return any(stage.grad_checkpointing for stage in self._stage_list())
+
     def num_tokens(self) -> int:
         """Patch tokens entering the first stage (later stages have a quarter as many per stage)."""
         rows, cols = self.grid_size()
