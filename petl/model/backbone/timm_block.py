@@ -48,15 +48,16 @@ class TimmModelParts:
 
         Raises:
             ValueError: the patch embedding has none: timm's ``HybridEmbed`` built with ``proj=False`` (ViTamin,
-                ``vitamin_*``) hands its CNN stem's features to the blocks as they are.
+                ``vitamin_*``; MobileCLIP's ``vit_base_mci_224``) hands its CNN stem's features to the blocks as
+                they are.
 
         """
         proj = self.model.patch_embed.proj
         if isinstance(unwrap(proj), nn.Identity):
             raise ValueError(
                 f"{type(self.model).__name__}'s patch embedding has no projection (patch_embed.proj is Identity, as "
-                "in timm's vitamin_*: its CNN stem feeds the blocks directly); choose a method that does not act on "
-                "the patch projection"
+                "in timm's vitamin_* and vit_base_mci_224: a CNN stem feeds the blocks directly); choose a method "
+                "that does not act on the patch projection"
             )
         return proj
 
