@@ -258,6 +258,12 @@ TINY_FAMILIES = {
         "naflexvit_base_patch16_gap",
         {"patch_size": 4, "pretrained_cfg_overlay": {"input_size": [3, 32, 32]}},
     ),
+    # The same with timm's EvaBlocks of AttentionRope and a rotation learnt per block (rope_type='mixed'): block i is
+    # passed its own rows of the table timm computes for the image's grid.
+    "naflexvit_rope_mixed": (
+        "naflexvit_base_patch16_gap",
+        {"patch_size": 4, "pretrained_cfg_overlay": {"input_size": [3, 32, 32]}, "rope_type": "mixed"},
+    ),
 }
 
 

@@ -735,6 +735,7 @@ FAMILIES |= {
         "eva_rope",
         "eva_rope_mixed",
         "naflexvit",
+        "naflexvit_rope_mixed",
         "vit_relpos",
         "vit_srelpos",
         "vit_hybrid",
@@ -758,7 +759,8 @@ NOT_APPLIED = {
 # biases beside the qkv it wraps (EVA-02 with a fused qkv).  VPT's prompts, HST's meta tokens and NOAH's prompts are
 # served: the shared blocks get room for the batch's slots (no relative-position bias, no rotation), as each task's
 # own model has.
-MULTITASK_REFUSED = {family: ("gps",) for family in ("beit", "beit_shared", "eva02", "eva_rope", "eva_rope_mixed")}
+GAMMAS = ("beit", "beit_shared", "eva02", "eva_rope", "eva_rope_mixed", "naflexvit_rope_mixed")
+MULTITASK_REFUSED = {family: ("gps",) for family in GAMMAS}
 # Cases that train a module computing a table every row shares (the position-bias MLP of a SwinV2, SwinV2Cr or a
 # relpos ViT: BitFit on all biases, peft on every fc1/fc2), refused naming it; BitFit on the Linears alone is served.
 TABLE_TRAINED = {

@@ -18,6 +18,7 @@ import petl
 from petl.deploy.multitask import TaskRefused
 from petl.model.backbone import backbone_of
 from petl.model.registry import MethodConfig, make_config
+from petl.train import config as run_config
 from petl.utils.checks import check_dropout, check_range
 
 EXPORTS = [
@@ -226,8 +227,14 @@ def test_a_distilled_deit_is_refused_in_one_line_saying_which_deit_to_take(tmp_p
 
 # Models of a family's timm module whose blocks it does not take: (timm model, its overrides, the refusal's end).
 REFUSED_LAYOUTS = [
-    # DINOv3's rotary embedding is computed per image size (dynamic_img_size): petl's hooks are built for one grid.
-    ("vit_small_patch16_dinov3", {}, "Eva has a rotary embedding per image size"),
+    # DINOv3's rotary embedding is computed per image size (dynamic_img_size): petl's hooks are built for one grid,
+    # which the same model built with dynamic_img_size=False has (tests/methods/test_eva_rope.py).
+    (
+        "vit_small_patch16_dinov3",
+        {},
+        "Eva has a rotary embedding per image size (dynamic_img_size=True, as timm's vit_*_dinov3): create it with "
+        "dynamic_img_size=False, the same model at its img_size (petl-run: +model.kwargs.dynamic_img_size=false)",
+    ),
     ("beit_base_patch16_224", {"swiglu_mlp": True}, "block 0 of Beit: Block with SwiGLU, not taken"),
     ("vit_relpos_base_patch16_rpn_224", {}, "block 0 of VisionTransformerRelPos is a ResPostRelPosBlock"),
     # Post-norm, where ViT's residual halves (parallel adapter, SCT, SNF, GPS, a mixed batch's masks) are pre-norm.
@@ -243,6 +250,26 @@ def test_a_block_layout_the_family_does_not_take_is_named_in_one_line(name, over
     with pytest.raises(ValueError, match=r"^petl supports a timm ") as error:
         petl.apply(model, "lora")
     assert str(error.value).endswith(f"; {says}") and "\n" not in str(error.value)
+
+
+def test_a_vitamin_is_taken_and_a_method_on_the_patch_projection_it_lacks_is_refused_in_one_line(images):
+    # timm's ViTamin is a VisionTransformer whose HybridEmbed (proj=False) hands its MbConv stem's features to the
+    # blocks as they are: GPS failed with "'Identity' object has no attribute 'weight'", HST with no 'in_channels',
+    # and petl-run called vitamin_* an unknown model.
+    def vitamin() -> nn.Module:
+        torch.manual_seed(0)
+        return timm.create_model("vitamin_small_224", img_size=32, depth=1, num_classes=3).eval()
+
+    reference = vitamin()(images)
+    for method in ("lora", "adapter"):  # zero-initialised: the backbone's logits
+        torch.testing.assert_close(petl.apply(vitamin(), method).eval()(images), reference)
+    for method in ("gps", "hst"):
+        model = vitamin()
+        with pytest.raises(ValueError, match=r"^VisionTransformer's patch embedding has no projection .*vitamin_") as e:
+            petl.apply(model, method)
+        assert str(e.value).endswith("choose a method that does not act on the patch projection")
+        assert "\n" not in str(e.value) and getattr(model, "petl_method", None) is None
+    assert "vitamin_small_224" in run_config.list_models()
 
 
 class _SplitQKV(nn.Module):

@@ -8,6 +8,7 @@ block (``eva_rope_mixed``: timm's ``rope_type='mixed'``); here LoRA's forward is
 from __future__ import annotations
 
 import pytest
+import timm
 import torch
 from conftest import make_tiny_family
 
@@ -112,3 +113,34 @@ def test_every_method_but_full_fine_tuning_leaves_the_per_block_rotation_frozen(
             continue
         model = petl.apply(make_tiny_family("eva_rope_mixed"), method)
         assert model.rope.freqs.requires_grad == (method == "full"), method
+
+
+# timm's DINOv3 sizes share one rotary layout (RotaryEmbeddingDinoV3: temperature 100, rotate_half, 4 register
+# tokens) at the head width of 64 (S, S+, B, L, H+; H+ and S+ with a SwiGLU MLP), or 128 (7B, SwiGLU): a tiny one of
+# each head width, at 8x8 patches of 4 px.
+DINOV3 = [("vit_small_patch16_dinov3", 128), ("vit_7b_patch16_dinov3", 256)]
+
+
+@pytest.mark.parametrize(("name", "width"), DINOV3, ids=[name for name, _ in DINOV3])
+def test_a_dinov3_built_for_one_size_is_timms_dinov3_and_its_blocks_run_one_by_one(images, name, width):
+    # petl refuses timm's dynamic_img_size=True DINOv3 saying to build it with dynamic_img_size=False: the same
+    # weights and logits at its img_size, and petl's block path (block_inputs' rotation table) is timm's forward.
+    options = dict(img_size=32, patch_size=4, embed_dim=width, num_heads=2, depth=2, num_classes=5)
+    torch.manual_seed(0)
+    dynamic = timm.create_model(name, **options).eval()
+    with pytest.raises(ValueError, match=r"create it with dynamic_img_size=False"):
+        petl.apply(dynamic, "lora")
+    fixed = timm.create_model(name, dynamic_img_size=False, **options).eval()
+    fixed.load_state_dict(dynamic.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(fixed(images), dynamic(images))
+        model = petl.apply(fixed, "lora", targets=["q", "v", "fc2"], rank=2).eval()
+        for param_name, param in model.named_parameters():
+            if any(key in param_name for key in ("lora_b", "gamma", "head")):  # LoRA and the 1e-5 layer scales act
+                param.normal_(0.0, 0.5)
+        bb = backbone_of(model)
+        x, inputs = bb.embed_tokens(images), bb.block_inputs()
+        for index, block in enumerate(bb.block_list()):
+            x = bb.run_block(block, x, inputs=inputs, index=index)
+        torch.testing.assert_close(bb.head()(bb.pooled_features(x)), model(images), atol=1e-5, rtol=1e-5)
+        assert not torch.allclose(model(images), dynamic(images), atol=1e-3)

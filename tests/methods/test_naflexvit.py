@@ -97,8 +97,41 @@ def test_blocks_run_one_by_one_and_the_cache_replay_give_timms_logits(images, po
         torch.testing.assert_close(bb.pooled_features(x, keep), bb.pooled_features(cut), atol=1e-5, rtol=0)
 
 
-def test_a_naflexvit_with_eva_blocks_is_refused_in_one_line():
-    model = make_tiny_family("naflexvit", rope_type="axial")
-    with pytest.raises(ValueError, match="block 0 of NaFlexVit is a EvaBlock") as refused:
+# timm builds EvaBlocks in a NaFlexVit for a rotary embedding (axial, learnt per block, DINOv3's), EVA's attention
+# (q/v biases beside qkv) or a SwiGLU MLP; the per-block rotation (rope_is_mixed) is also a TINY_FAMILIES entry.
+EVA_BLOCKS = {
+    "axial": {"rope_type": "axial"},
+    "mixed": {"rope_type": "mixed"},
+    "dinov3": {"rope_type": "dinov3", "rope_rotate_half": True, "class_token": True, "global_pool": "token"},
+    "eva_swiglu": {"attn_type": "eva", "swiglu_mlp": True},
+}
+
+
+@pytest.mark.parametrize("options", EVA_BLOCKS.values(), ids=EVA_BLOCKS)
+def test_eva_blocks_run_one_by_one_and_the_cache_replay_give_timms_logits(images, options):
+    # They were refused ("block 0 of NaFlexVit is a EvaBlock ... not taken yet"): the blocks take the rotation timm
+    # computes for the image's grid, block i its own rows where it is learnt per block.
+    model = petl.apply(make_tiny_family("naflexvit", **options), "lora", targets=["q", "v", "proj"], rank=2).eval()
+    bb = backbone_of(model)
+    assert bb.kind == "naflexvit" and type(bb.block_list()[0]).__name__ == "EvaBlock"
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_b" in name:  # zero at init: the update must act
+                param.normal_(0.0, 0.5)
+        want = model(images)
+        x = bb.embed_tokens(images)
+        inputs, rope = [x], bb.block_inputs()
+        for i, block in enumerate(bb.block_container()):
+            x = bb.run_block(block, x, inputs=rope, index=i)
+            inputs.append(x)
+        torch.testing.assert_close(bb.head()(bb.pooled_features(x)), want, atol=1e-5, rtol=1e-5)
+        for start, tokens in enumerate(inputs):
+            torch.testing.assert_close(bb.forward_from(tokens, start), want, atol=1e-5, rtol=1e-5)
+        assert not torch.allclose(make_tiny_family("naflexvit", **options)(images), want, atol=1e-3)
+
+
+def test_a_naflexvit_with_gated_attention_is_refused_in_one_line():
+    model = make_tiny_family("naflexvit", attn_gated=True)
+    with pytest.raises(ValueError, match=r"block 0 of NaFlexVit has a gated attention .*: create it without") as e:
         petl.apply(model, "lora")
-    assert "\n" not in str(refused.value)
+    assert "\n" not in str(e.value) and getattr(model, "petl_method", None) is None

@@ -44,8 +44,22 @@ class TimmModelParts:
         return (size, size) if isinstance(size, int) else tuple(size)
 
     def patch_proj(self) -> nn.Module:
-        """The patch embedding's Conv2d (its output channels are the first block's width)."""
-        return self.model.patch_embed.proj
+        """The patch embedding's Conv2d (its output channels are the first block's width).
+
+        Raises:
+            ValueError: the patch embedding has none: timm's ``HybridEmbed`` built with ``proj=False`` (ViTamin,
+                ``vitamin_*``; MobileCLIP's ``vit_base_mci_224``) hands its CNN stem's features to the blocks as
+                they are.
+
+        """
+        proj = self.model.patch_embed.proj
+        if isinstance(unwrap(proj), nn.Identity):
+            raise ValueError(
+                f"{type(self.model).__name__}'s patch embedding has no projection (patch_embed.proj is Identity, as "
+                "in timm's vitamin_* and vit_base_mci_224: a CNN stem feeds the blocks directly); choose a method "
+                "that does not act on the patch projection"
+            )
+        return proj
 
     def set_patch_proj(self, module: nn.Module) -> None:
         """Replace the patch embedding's projection."""

@@ -33,8 +33,8 @@ class ViT(TimmModelParts, TimmBlockParts, Backbone):
     # timm's pre-norm Block: x + drop_path1(ls1(attn(norm1(x)))), then the same with the MLP.
     block_types = (Block,)
     # Modules whose models are (subclasses of) VisionTransformer; "models" is the module name timm records for
-    # petl's own petl/backbones/models.py.
-    timm_modules = ("vision_transformer", "vision_transformer_hybrid", "deit", "models")
+    # petl's own petl/backbones/models.py.  vitamin_* are VisionTransformers behind a CNN stem (HybridEmbed).
+    timm_modules = ("vision_transformer", "vision_transformer_hybrid", "deit", "vitamin", "models")
     # fc1_g, fc1_x: an unpacked SwiGLU MLP's two input Linears in place of fc1 (timm's AIMv2 ViTs).
     linear_names = ("qkv", "proj", "fc1", "fc1_g", "fc1_x", "fc2")
     # Pool types whose pooled features can leave out masked tokens (see pooled_features).
