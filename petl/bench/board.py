@@ -230,10 +230,15 @@ class Leaderboard:
         return order_groups(set(self.groups.values()))
 
     def backbones(self, row: ExperimentRow) -> dict[str, list[str]]:
-        """The backbones ``row``'s runs trained (:func:`backbone`), each with the tasks it ran, in task order."""
+        """The backbones ``row``'s counted runs trained (:func:`backbone`), each with the tasks it ran, in task order.
+
+        The runs its figures read (:attr:`ExperimentRow.counted_runs`): a run of a seed or task outside the suite, in
+        no mean, does not make the row's task mean one of several models.
+        """
         found: dict[str, list[str]] = {}
+        counted = row.counted_runs
         for task in self.tasks:
-            for name in dict.fromkeys(backbone(r.result) for r in row.runs if r.task == task):
+            for name in dict.fromkeys(backbone(r.result) for r in counted if r.task == task):
                 found.setdefault(name, []).append(task)
         return found
 

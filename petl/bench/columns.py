@@ -118,6 +118,8 @@ def _count_with_pct(total_key: str) -> Callable[[ExperimentRow], tuple[float, fl
 
 
 def _show_count(value: tuple[float, float]) -> Cell:
+    if math.isnan(value[0]):  # no run counted: a row whose runs are all outside its suite's seeds or tasks
+        return show_number(value[0])
     return f"{value[0] / 1e6:.4f} ({value[1]:.2f}%)", value[0]
 
 

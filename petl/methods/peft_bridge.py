@@ -34,7 +34,7 @@ from petl.model import rows, surgery
 from petl.model.backbone import backbone_of
 from petl.model.merging import register_mergeable_type
 from petl.model.registry import MethodConfig, fits_type, register_foreign_config, register_method, type_words
-from petl.model.wrappers import MERGED_KEY, check_merged_not_training
+from petl.model.wrappers import MERGED_KEY, check_merged_not_training, holds_child
 from petl.utils.checks import check_choice, to_str_tuple
 
 if TYPE_CHECKING:
@@ -370,11 +370,12 @@ def _record_merged(layer: Any, _state_dict: dict, _prefix: str, local_metadata: 
     local_metadata[MERGED_KEY] = list(layer.merged_adapters)
 
 
-def _restore_merged(layer: Any, _state_dict: dict, _prefix: str, local_metadata: dict, *_args: Any) -> None:
+def _restore_merged(layer: Any, state_dict: dict, prefix: str, local_metadata: dict, *_args: Any) -> None:
     """``load_state_dict``'s pre-hook of a peft layer: its base layer's weights (loaded with it) hold the merged
     adapters' updates as the saved layer's did, so it is marked merged as that one was (never counting one twice).
+    A state dict without them (cut down to the adapters' tensors) leaves the layer's mark as it is.
     """
-    if MERGED_KEY in local_metadata:
+    if MERGED_KEY in local_metadata and holds_child(state_dict, prefix, "base_layer"):
         layer.merged_adapters = list(local_metadata[MERGED_KEY])
 
 

@@ -28,8 +28,15 @@ def count_params(model: nn.Module) -> ParamCount:
     with neither has no head to leave out.  A model inside ``DataParallel`` or ``torch.compile`` is counted as itself.
     """
     check_module(model)
-    if isinstance(model, nn.DataParallel | nn.parallel.DistributedDataParallel):
-        model = model.module  # the same parameters; the wrapper has no head of its own to leave out
+    # The same parameters; a wrapper has no head of its own to leave out.  Unwrapped whatever the nesting: a compiled
+    # DataParallel's head is found through neither wrapper (torch.compile's getattr reaches DataParallel, headless).
+    while True:
+        if isinstance(model, nn.DataParallel | nn.parallel.DistributedDataParallel):
+            model = model.module
+        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):  # torch.compile's OptimizedModule
+            model = model._orig_mod
+        else:
+            break
     family = family_of(model)
     if family is not None:
         head = family(model).head()

@@ -59,6 +59,12 @@ def check_merged_not_training(layer: nn.Module, base: nn.Module) -> None:
         )
 
 
+def holds_child(state_dict: dict, prefix: str, child: str) -> bool:
+    """Whether ``state_dict`` holds a tensor of the module at ``prefix`` + ``child`` (a wrapper's base layer)."""
+    start = f"{prefix}{child}."
+    return any(key.startswith(start) for key in state_dict)
+
+
 class PetlModule(nn.Module):
     """Base class of every petl wrapper: keeps the wrapped module as ``base``.
 
@@ -85,8 +91,9 @@ class PetlModule(nn.Module):
 
     def _load_from_state_dict(self, state_dict: dict, prefix: str, local_metadata: dict, *args: Any) -> None:
         super()._load_from_state_dict(state_dict, prefix, local_metadata, *args)
-        # ``base``'s weights (loaded next, as a child) hold the update or not as the saved wrapper's did.
-        if MERGED_KEY in local_metadata:
+        # ``base``'s weights (loaded next, as a child) hold the update or not as the saved wrapper's did; a state dict
+        # without them (cut down to the method's tensors, strict=False) leaves them, and the mark, as they are.
+        if MERGED_KEY in local_metadata and holds_child(state_dict, prefix, "base"):
             self._merged = bool(local_metadata[MERGED_KEY])
 
     @property

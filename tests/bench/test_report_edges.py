@@ -469,3 +469,31 @@ def test_the_report_command_prints_names_plainly_on_the_console(tmp_path, capsys
     code, out, _ = command_status(capsys, cli.main, "report", str(tmp_path), "suite=two")
     assert code == 0 and "Complete rows (2): x*y, lora." in out, out
     assert "x\\*y" in (tmp_path / "leaderboard.md").read_text()
+
+
+def test_a_row_with_no_run_of_the_suite_shows_no_nan_for_its_parameters(tmp_path):
+    # Was: a row whose runs are all of a seed outside the suite counts none; its Trainable M cells read "nan (nan%)".
+    from petl.bench.report import Plan
+
+    write_run(tmp_path, "mini/digits", "lora", 0, top1=80.0)
+    write_run(tmp_path, "mini/digits", "linear", 7, top1=60.0)
+    write_report(tmp_path, plan=Plan("two", ("lora", "linear"), ("mini/digits",), (0,)))
+    md = (tmp_path / "leaderboard.md").read_text()
+    linear = [line for line in md.splitlines() if line.startswith("| linear")]
+    assert linear and not any("nan" in line for line in linear)
+    assert "nan" not in (tmp_path / "leaderboard.html").read_text().split('id="leaderboard"')[1].split("</table>")[0]
+
+
+def test_with_a_suite_a_run_outside_it_on_another_backbone_leaves_the_row_ranked(tmp_path):
+    # Was: a row was 'on different backbones' (never complete, not ranked) when a run of a task or seed outside the
+    # suite, in none of its figures, trained another backbone than its suite's runs.
+    from petl.bench.report import Plan, build_board
+
+    for experiment, top1 in (("lora", 80.0), ("linear", 70.0)):
+        for task in ("mini/digits", "mini/mnist"):
+            write_run(tmp_path, task, experiment, 0, top1=top1)
+    write_run(tmp_path, "vtab/dtd", "lora", 0, top1=60.0, model="vit_base_patch16_224")
+    write_run(tmp_path, "mini/digits", "lora", 7, top1=60.0, model="vit_base_patch16_224")
+    board = build_board(tmp_path, plan=Plan("two", ("lora", "linear"), ("mini/digits", "mini/mnist"), (0,)))
+    lora = next(r for r in board.rows if r.experiment == "lora")
+    assert not board.mixed(lora) and board.complete(lora)

@@ -679,6 +679,9 @@ def test_count_params_of_a_wrapped_model_leaves_out_its_head(tiny_vit):
     expected = petl.count_params(model)
     assert petl.count_params(nn.DataParallel(model)) == expected
     assert petl.count_params(torch.compile(model)) == expected
+    # Was: compiled around DataParallel, neither wrapper was taken off, and the head counted as a method's.
+    assert petl.count_params(torch.compile(nn.DataParallel(model))) == expected
+    assert petl.count_params(nn.DataParallel(torch.compile(model))) == expected
 
 
 @pytest.mark.parametrize(
@@ -709,3 +712,22 @@ def test_peft_inits_computed_from_the_weights_still_apply(tiny_vit, images, init
     assert not torch.equal(qkv.base_layer.weight, before)  # peft's init took the update's start out of the weight
     model.train()(images).sum().backward()
     assert qkv.lora_A["default"].weight.grad is not None
+
+
+@pytest.mark.parametrize("method", ["lora", "peft", "ssf"])
+def test_a_merged_state_dict_without_the_base_weights_leaves_the_model_unmerged(tiny_vit, images, method):
+    # A merged state dict cut down in place to the method's tensors (del sd[key] keeps torch's metadata) and loaded
+    # with strict=False: the wrappers were marked merged while their base weights stayed without the update, so the
+    # forward ran the frozen base alone and dropped the update, silently.
+    model = petl.apply(tiny_vit(), method, num_classes=3).eval()
+    perturb_trainable(model)
+    with torch.no_grad():
+        expected = model(images)
+    state = petl.merge(model).state_dict()
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    for key in [k for k in state if k not in trained]:
+        del state[key]
+    fresh = petl.apply(tiny_vit(), method, num_classes=3).eval()
+    fresh.load_state_dict(state, strict=False)
+    with torch.no_grad():
+        assert torch.allclose(fresh(images), expected, atol=1e-5)
