@@ -57,7 +57,7 @@ from starlette.routing import Match
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from petl.data.images import UnfitImage, decode_image
-from petl.data.transforms import ImageSpec, pil_to_tensor
+from petl.data.transforms import ImageSpec, pil_to_tensor, resize_size
 from petl.deploy.batcher import Batcher, QueueFull
 from petl.deploy.metrics import ServeMetrics
 from petl.deploy.multitask import MultiTask
@@ -75,6 +75,9 @@ PREDICT_ROUTE = "/v1/tasks/{task}/predict"
 # way to the model's few hundred pixels (the file's pixels, an RGB copy, the resized one), so this and
 # max_image_mp bound the decoding memory (2 x 16 MP: about 0.3 GB).
 DECODE_SLOTS = 2
+# The resize of one image is refused over max_image_mp or this, whichever is more: a small max_image_mp would
+# otherwise refuse every image of a run that crops (its resize of any image is at least 256 x 256 at 224 px).
+RESIZE_FLOOR_MP = 1  # what its 413 says, as "1 MP"
 # Each option's allowed range (inclusive): a value outside it, or not finite, is refused naming the option.
 # Pillow itself refuses images over twice its Image.MAX_IMAGE_PIXELS (89 MP) before decoding them.
 OPTION_RANGES: dict[str, tuple[float, float]] = {
@@ -274,8 +277,8 @@ class TooManyPixels(ValueError):
     """An image, or a request's images, over the pixel limits; the message names the limit (413)."""
 
 
-def pixel_count(data: bytes) -> int | None:
-    """An image file's pixels from its header alone, before any decoding (``None``: not a readable header).
+def image_size(data: bytes) -> tuple[int, int] | None:
+    """An image file's width and height from its header alone, before any decoding (``None``: not a readable header).
 
     Raises:
         TooManyPixels: over twice Pillow's own limit (Pillow refuses to open it).
@@ -283,12 +286,11 @@ def pixel_count(data: bytes) -> int | None:
     """
     try:
         with Image.open(io.BytesIO(data), formats=UPLOAD_FORMATS) as header:
-            width, height = header.size
+            return header.size
     except Image.DecompressionBombError:
         raise TooManyPixels(f"more than {2 * Image.MAX_IMAGE_PIXELS / 1e6:.0f} MP") from None
     except (OSError, SyntaxError, ValueError):
         return None  # decode_image says what is wrong, in its words
-    return width * height
 
 
 def preprocess(data: bytes, spec: ImageSpec) -> torch.Tensor:
@@ -305,8 +307,12 @@ def _which(number: int, name: str) -> str:
     return f"image {number}" + (f" ({shown(name)})" if name else "")
 
 
-def check_pixels(uploads: list[tuple[str, bytes]], options: ServeOptions) -> None:
+def check_pixels(uploads: list[tuple[str, bytes]], options: ServeOptions, spec: ImageSpec) -> None:
     """Refuse a request whose images, read from their headers only, exceed max_image_mp or max_request_mp.
+
+    So is an image that ``spec``'s resize would make larger than ``max_image_mp`` (:data:`RESIZE_FLOOR_MP` at
+    least): a run that crops resizes the shorter side to ``image_size * 256 / 224`` and the longer in proportion, and
+    a 138-byte PNG of 1 x 20,000 px became 1.3 gigapixels, 6 GB and 40 s of the server's time.
 
     Raises:
         TooManyPixels: the first image over ``max_image_mp``, or the request's total over ``max_request_mp``.
@@ -317,15 +323,23 @@ def check_pixels(uploads: list[tuple[str, bytes]], options: ServeOptions) -> Non
     total = 0
     for number, (name, data) in enumerate(uploads, 1):
         try:
-            pixels = pixel_count(data) or 0
+            width, height = image_size(data) or (0, 0)
         except TooManyPixels as error:
             pixels, size = math.inf, str(error)
         else:
-            size = f"{pixels / 1e6:.3g} MP"
+            pixels, size = width * height, f"{width * height / 1e6:.3g} MP"
         if pixels > image_limit:
             raise TooManyPixels(
                 f"{_which(number, name)}: {size}, over max_image_mp={options.max_image_mp:g}: send it smaller "
                 "(the model reads a few hundred pixels), or start petl-serve with a larger max_image_mp"
+            )
+        new_width, new_height = resize_size(width, height, spec) if pixels else (0, 0)
+        if new_width * new_height > max(image_limit, RESIZE_FLOOR_MP * 10**6):
+            limit = f"max_image_mp={options.max_image_mp:g}" if image_limit > RESIZE_FLOOR_MP * 10**6 else "1 MP"
+            raise TooManyPixels(
+                f"{_which(number, name)}: {width} x {height} px, which the task's resize (the shorter side to "
+                f"{min(new_width, new_height)} px) makes {new_width * new_height / 1e6:.3g} MP, over {limit}: crop it "
+                "nearer to a square"
             )
         total += pixels
     if total > request_limit:
@@ -733,7 +747,7 @@ async def predict(
     if len(uploads) > options.max_queue:
         raise _too_many(len(uploads), options.max_queue)
     try:
-        check_pixels(uploads, options)
+        check_pixels(uploads, options, found.spec)
         async with decoding:
             images = await asyncio.to_thread(_preprocess_all, uploads, found.spec)
         rows = await batcher.submit(images, found.index)

@@ -27,10 +27,12 @@ pytest.importorskip("fastapi", reason='petl-serve\'s extra is not installed: pip
 import uvicorn  # noqa: E402
 
 from petl.cli import serve as serve_cli  # noqa: E402
+from petl.data.transforms import ImageSpec  # noqa: E402
 from petl.deploy import serve  # noqa: E402
 from petl.utils.errors import UsageError  # noqa: E402
 
 BOUNDARY = "petl-test-boundary"
+SPEC = ImageSpec(image_size=32)  # resized straight to the square, as the tiny runs here are
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +47,12 @@ def app(tmp_path_factory):
 def _png() -> bytes:
     buffer = io.BytesIO()
     Image.fromarray(np.random.default_rng(0).integers(0, 255, (40, 36, 3), dtype=np.uint8)).save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+def _header_png(width: int, height: int) -> bytes:
+    buffer = io.BytesIO()
+    Image.new("1", (width, height)).save(buffer, "PNG")  # a few kB: the limits read the header alone
     return buffer.getvalue()
 
 
@@ -184,18 +192,31 @@ def test_the_pixel_limits_take_an_image_of_exactly_their_size():
     """max_image_mp=4.1 is 4099999.9999999995 pixels as a float: a 2050 x 2000 image (4.1 MP) was refused as "4.1 MP,
     over max_image_mp=4.1", and two of them as over max_request_mp=8.2."""
 
-    def png(width: int, height: int) -> bytes:
-        buffer = io.BytesIO()
-        Image.new("1", (width, height)).save(buffer, "PNG")  # a few kB: the limits read the header alone
-        return buffer.getvalue()
-
     options = serve.ServeOptions(max_image_mp=4.1, max_request_mp=8.2)
-    exact, over = ("exact.png", png(2050, 2000)), ("over.png", png(4100001, 1))
-    serve.check_pixels([exact, exact], options)
+    exact, over = ("exact.png", _header_png(2050, 2000)), ("over.png", _header_png(4100001, 1))
+    serve.check_pixels([exact, exact], options, SPEC)
     with pytest.raises(serve.TooManyPixels, match="over max_image_mp=4.1"):
-        serve.check_pixels([over], options)
+        serve.check_pixels([over], options, SPEC)
     with pytest.raises(serve.TooManyPixels, match="over max_request_mp=8.2"):
-        serve.check_pixels([exact, exact, ("one.png", png(1, 1))], options)
+        serve.check_pixels([exact, exact, ("one.png", _header_png(1, 1))], options, SPEC)
+
+
+def test_a_long_thin_image_that_a_cropping_runs_resize_would_blow_up_is_refused_from_its_header():
+    # A run that crops (FGVC) resizes the shorter side to 256 px and the longer in proportion: a 138-byte PNG of
+    # 1 x 20,000 px (0.02 MP, under every limit) became 256 x 5,120,000 px, 6 GB and 40 s of the server's time.
+    thin = ("thin.png", _header_png(20_000, 1))
+    crop = ImageSpec(image_size=224, crop=True)
+    with pytest.raises(
+        serve.TooManyPixels,
+        match=r"^image 1 \(thin.png\): 20000 x 1 px, which the task's resize "
+        r"\(the shorter side to 256 px\) makes 1.31e\+03 MP, over max_image_mp=16: crop it nearer",
+    ):
+        serve.check_pixels([thin], serve.ServeOptions(), crop)
+    serve.check_pixels([thin], serve.ServeOptions(), SPEC)  # resized straight to the square: nothing to fear
+    # A small max_image_mp still takes what any crop's resize makes of an image it takes (256 x 256 and more).
+    serve.check_pixels([("small.png", _header_png(30, 20))], serve.ServeOptions(max_image_mp=0.001), crop)
+    with pytest.raises(serve.TooManyPixels, match="makes 1.31 MP, over 1 MP: crop it nearer to a square"):
+        serve.check_pixels([("long.png", _header_png(20, 1))], serve.ServeOptions(max_image_mp=0.001), crop)
 
 
 def test_a_shutdown_waits_shutdown_timeout_s_as_given(app):
