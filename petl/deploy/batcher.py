@@ -64,7 +64,7 @@ class Batcher:
         self.metrics = metrics
         self._rows: deque[_Row] = deque()
         self._arrived: asyncio.Event | None = None
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="petl-serve-forward")
+        self._executor: ThreadPoolExecutor | None = None
 
     async def submit(self, images: Sequence[Tensor], task: int) -> list[Tensor]:
         """Queue ``images`` (preprocessed, each 3 x H x W) for ``task``; their logits, in order, once run.
@@ -86,8 +86,12 @@ class Batcher:
         return list(await asyncio.gather(*(row.future for row in rows)))
 
     async def run(self) -> None:
-        """The worker: forms batches and runs them until cancelled."""
+        """The worker: forms batches and runs them until cancelled; it may run again after (an app's lifespan again)."""
+        # Made anew each run: the executor a run shut down took no forward, so an app served a second time (each
+        # `with TestClient(app)`, as FastAPI's docs test an app) answered every image 500.
+        self._rows.clear()  # a request of an earlier run still here was cancelled with it
         self._arrived = asyncio.Event()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="petl-serve-forward")
         loop = asyncio.get_running_loop()
         try:
             while True:
@@ -95,6 +99,7 @@ class Batcher:
                 if batch:
                     await self._run_batch(loop, batch)
         finally:
+            self._arrived = None  # no worker: submit refuses rather than queue rows that nothing would run
             self._executor.shutdown(wait=False, cancel_futures=True)
 
     async def _next_batch(self) -> list[_Row]:

@@ -25,6 +25,7 @@ from test_multitask import _run_folder
 pytest.importorskip("fastapi", reason='petl-serve\'s extra is not installed: pip install -e ".[serve]"')
 
 import uvicorn  # noqa: E402
+from fastapi.testclient import TestClient  # noqa: E402
 
 from petl.cli import serve as serve_cli  # noqa: E402
 from petl.data.transforms import ImageSpec  # noqa: E402
@@ -125,7 +126,7 @@ def test_predict_with_a_trailing_slash_answers_as_predict_does(tmp_path):
     # the redirect's empty body.
     _run_folder(tmp_path / "lora", "lora", {}, seed=0)
     served, tasks = serve.load_tasks({"lora": tmp_path / "lora"})
-    app = serve.create_app(served, tasks, serve.ServeOptions(precision="no"))  # its own: a batcher runs once
+    app = serve.create_app(served, tasks, serve.ServeOptions(precision="no"))  # its own: a short max_wait_ms
 
     def scenario():
         return _ask(app, "POST", serve.PREDICT_ROUTE.format(task="lora") + "/?top_k=2", _png(), "image/png")
@@ -286,7 +287,7 @@ def test_an_upload_is_read_only_as_a_format_the_answers_name(tmp_path, monkeypat
 
     _run_folder(tmp_path / "lora", "lora", {}, seed=0)
     served, tasks = serve.load_tasks({"lora": tmp_path / "lora"})
-    app = serve.create_app(served, tasks, serve.ServeOptions(precision="no"))  # its own: a batcher runs once
+    app = serve.create_app(served, tasks, serve.ServeOptions(precision="no"))  # its own: a short max_wait_ms
 
     ran = []
 
@@ -496,3 +497,19 @@ def test_cuda_graphs_is_checked_set_on_the_served_model_and_said_to_do_nothing_o
         said = "petl-serve: note: cuda_graphs=0 acts on a GPU only; on the CPU every batch runs eagerly\n"
         assert (said in err) == bool(options), err
     assert [model.graphs.size for model in served] == [8, 0]
+
+
+def test_an_app_served_again_answers_again(tmp_path):
+    # The batcher's thread was made once and shut down with the first lifespan: served a second time (a second
+    # `with TestClient(app)`, as FastAPI's docs test an app), every image was answered 500.  And a request once no
+    # lifespan runs was queued for a worker gone: it waited for ever.
+    _run_folder(tmp_path / "lora", "lora", {}, seed=0)
+    app = serve.create_app(*serve.load_tasks({"lora": tmp_path / "lora"}), serve.ServeOptions(precision="no"))
+    route = serve.PREDICT_ROUTE.format(task="lora")
+    answers = []
+    for _ in range(2):
+        with TestClient(app) as client:
+            answers.append(client.post(route, content=_png()))
+    assert [a.status_code for a in answers] == [200, 200] and answers[0].json() == answers[1].json()
+    outside = TestClient(app, raise_server_exceptions=False).post(route, content=_png())  # no lifespan
+    assert outside.status_code == 500 and outside.json()["detail"].startswith("internal error (RuntimeError)")
