@@ -189,6 +189,28 @@ def test_a_client_that_closes_mid_upload_is_counted_not_logged_as_an_internal_er
     assert 'status="500"' not in metrics
 
 
+def test_a_client_gone_while_its_images_wait_has_them_dropped_from_the_queue(tmp_path):
+    # Its rows ran all the same, counted as a 200 nobody received: under load, clients that gave up filled the batches.
+    _run_folder(tmp_path / "lora", "lora", {}, seed=0)
+    app = serve.create_app(*serve.load_tasks({"lora": tmp_path / "lora"}), serve.ServeOptions(precision="no"))
+    messages = [{"type": "http.request", "body": _png(), "more_body": False}, {"type": "http.disconnect"}]
+
+    async def receive() -> dict:
+        return messages.pop(0)
+
+    sent = []
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = asgi_scope("POST", serve.PREDICT_ROUTE.format(task="lora"), [(b"content-type", b"image/png")])
+    _with_batcher(app, lambda: app(scope, receive, send))
+    assert sent[0]["status"] == serve.CLIENT_GONE
+    metrics = app.state.metrics
+    assert metrics.batch_rows.count == 0 and not metrics.images.values
+    assert metrics.requests.values == {(("route", serve.PREDICT_ROUTE), ("status", "499")): 1}
+
+
 def test_the_pixel_limits_take_an_image_of_exactly_their_size():
     """max_image_mp=4.1 is 4099999.9999999995 pixels as a float: a 2050 x 2000 image (4.1 MP) was refused as "4.1 MP,
     over max_image_mp=4.1", and two of them as over max_request_mp=8.2."""
