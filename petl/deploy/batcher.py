@@ -36,6 +36,7 @@ class _Row:
     task: int
     future: asyncio.Future
     queued: float  # time.perf_counter() when queued
+    request: object  # the same object for every row of one request
 
 
 class Batcher:
@@ -79,7 +80,8 @@ class Batcher:
             raise QueueFull(f"the queue is full ({len(self._rows)} images waiting, max_queue={self.max_queue})")
         loop = asyncio.get_running_loop()
         now = time.perf_counter()
-        rows = [_Row(image, task, loop.create_future(), now) for image in images]
+        request = object()
+        rows = [_Row(image, task, loop.create_future(), now, request) for image in images]
         self._rows.extend(rows)
         self.metrics.queued.set(len(self._rows))
         self._arrived.set()
@@ -128,8 +130,11 @@ class Batcher:
         try:
             logits = await loop.run_in_executor(self._executor, self._forward, images, tasks)
         except Exception as error:  # noqa: BLE001  (each waiting request answers it; the worker goes on)
-            for row in batch:
-                if not row.future.done():
+            # The requests' rows still queued too: they would run for no one (the request is answered with the error),
+            # failing again beside other requests' rows where the failure was the request's (the GPU's memory, say).
+            failed = {row.request for row in batch}
+            for row in [*batch, *self._rows]:
+                if row.request in failed and not row.future.done():
                     row.future.set_exception(error)
             return
         self.metrics.inference.observe(time.perf_counter() - started)

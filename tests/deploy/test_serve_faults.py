@@ -30,6 +30,8 @@ from fastapi.testclient import TestClient  # noqa: E402
 from petl.cli import serve as serve_cli  # noqa: E402
 from petl.data.transforms import ImageSpec  # noqa: E402
 from petl.deploy import serve  # noqa: E402
+from petl.deploy.batcher import Batcher  # noqa: E402
+from petl.deploy.metrics import ServeMetrics  # noqa: E402
 from petl.utils.errors import UsageError  # noqa: E402
 
 BOUNDARY = "petl-test-boundary"
@@ -535,3 +537,25 @@ def test_an_app_served_again_answers_again(tmp_path):
     assert [a.status_code for a in answers] == [200, 200] and answers[0].json() == answers[1].json()
     outside = TestClient(app, raise_server_exceptions=False).post(route, content=_png())  # no lifespan
     assert outside.status_code == 500 and outside.json()["detail"].startswith("internal error (RuntimeError)")
+
+
+def test_a_request_answered_with_an_error_leaves_its_other_images_unrun():
+    # Its first batch failed and it was answered 500, but its other images still ran, for no one, in batches beside
+    # other requests' images (which failed with them, where the failure was the request's: the GPU's memory, say).
+    calls = []
+
+    def forward(images: torch.Tensor, tasks: torch.Tensor) -> torch.Tensor:
+        calls.append(len(images))
+        raise RuntimeError("out of memory")
+
+    async def scenario() -> None:
+        batcher = Batcher(forward, max_batch=2, max_wait_s=0, max_queue=8, metrics=ServeMetrics())
+        worker = asyncio.create_task(batcher.run())
+        await asyncio.sleep(0)
+        with pytest.raises(RuntimeError, match="out of memory"):
+            await batcher.submit([torch.zeros(3, 2, 2)] * 6, 0)
+        await asyncio.sleep(0.01)  # a later batch would have started by now
+        worker.cancel()
+
+    asyncio.run(scenario())
+    assert calls == [2]
