@@ -85,7 +85,12 @@ class Batcher:
         self._rows.extend(rows)
         self.metrics.queued.set(len(self._rows))
         self._arrived.set()
-        return list(await asyncio.gather(*(row.future for row in rows)))
+        try:
+            return list(await asyncio.gather(*(row.future for row in rows)))
+        except asyncio.CancelledError:  # the client went away, or a shutdown: the room its rows took is free again
+            self._rows = deque(row for row in self._rows if row.request is not request)
+            self.metrics.queued.set(len(self._rows))
+            raise
 
     async def run(self) -> None:
         """The worker: forms batches and runs them until cancelled; it may run again after (an app's lifespan again)."""

@@ -559,3 +559,36 @@ def test_a_request_answered_with_an_error_leaves_its_other_images_unrun():
 
     asyncio.run(scenario())
     assert calls == [2]
+
+
+def test_the_room_a_request_gone_took_in_the_queue_is_free_again():
+    # Its rows stayed in the queue until a batch took them: while the model was busy, the requests of clients that had
+    # given up kept the queue full, and new requests were answered 503.
+    release, started = threading.Event(), threading.Event()
+
+    def forward(images: torch.Tensor, tasks: torch.Tensor) -> torch.Tensor:
+        started.set()
+        release.wait()
+        return images.flatten(1)
+
+    async def scenario() -> None:
+        batcher = Batcher(forward, max_batch=1, max_wait_s=0, max_queue=2, metrics=ServeMetrics())
+        worker = asyncio.create_task(batcher.run())
+        await asyncio.sleep(0)
+        image = torch.zeros(3, 1, 1)
+        running = asyncio.create_task(batcher.submit([image], 0))
+        await asyncio.to_thread(started.wait)  # the model is busy with it
+        gone = asyncio.create_task(batcher.submit([image, image], 0))
+        await asyncio.sleep(0)
+        gone.cancel()
+        await asyncio.gather(gone, return_exceptions=True)
+        assert batcher.metrics.queued.values[()] == 0
+        waiting = asyncio.create_task(batcher.submit([image, image], 1))  # was refused: QueueFull
+        release.set()
+        assert len(await running) == 1 and len(await waiting) == 2
+        worker.cancel()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        release.set()  # a failed assertion leaves no forward waiting for ever
