@@ -181,6 +181,18 @@ def array_to_tensors(images: np.ndarray, spec: ImageSpec) -> torch.Tensor:
     return torch.cat(out)
 
 
+def resize_size(width: int, height: int, spec: ImageSpec) -> tuple[int, int]:
+    """The (width, height) :func:`resized` resizes an image of this size to: the square, or (``crop``) the shorter
+    side ``image_size * 256 / 224`` and the longer in proportion, which a long thin image makes far larger than
+    itself (1 x 20,000 px: 256 x 5,120,000).
+    """
+    if not spec.crop:
+        return spec.image_size, spec.image_size
+    short = int(spec.image_size * CROP_RATIO)
+    # As torchvision's Resize(int): the shorter side becomes ``short``, the longer one is truncated.
+    return (short, int(short * height / width)) if width <= height else (int(short * width / height), short)
+
+
 def resized(image: Image.Image, spec: ImageSpec) -> Image.Image:
     """The deterministic front of :func:`pil_to_tensor`: three channels, then the resize ``spec`` asks for.
 
@@ -194,14 +206,7 @@ def resized(image: Image.Image, spec: ImageSpec) -> Image.Image:
     """
     # Scaled first: a 16-bit grey image straight to RGB would be clipped nearly white.
     image = eight_bit(image).convert("RGB")
-    size = spec.image_size
-    if spec.crop:
-        short = int(size * CROP_RATIO)
-        w, h = image.size
-        # As torchvision's Resize(int): the shorter side becomes ``short``, the longer one is truncated.
-        new = (short, int(short * h / w)) if w <= h else (int(short * w / h), short)
-    else:
-        new = (size, size)
+    new = resize_size(*image.size, spec)
     # PIL's resize widens its filter when shrinking, i.e. it antialiases like the batch path.
     return image if image.size == new else image.resize(new, INTERPOLATIONS[spec.interpolation])
 

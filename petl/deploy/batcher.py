@@ -36,6 +36,7 @@ class _Row:
     task: int
     future: asyncio.Future
     queued: float  # time.perf_counter() when queued
+    request: object  # the same object for every row of one request
 
 
 class Batcher:
@@ -64,7 +65,7 @@ class Batcher:
         self.metrics = metrics
         self._rows: deque[_Row] = deque()
         self._arrived: asyncio.Event | None = None
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="petl-serve-forward")
+        self._executor: ThreadPoolExecutor | None = None
 
     async def submit(self, images: Sequence[Tensor], task: int) -> list[Tensor]:
         """Queue ``images`` (preprocessed, each 3 x H x W) for ``task``; their logits, in order, once run.
@@ -79,15 +80,25 @@ class Batcher:
             raise QueueFull(f"the queue is full ({len(self._rows)} images waiting, max_queue={self.max_queue})")
         loop = asyncio.get_running_loop()
         now = time.perf_counter()
-        rows = [_Row(image, task, loop.create_future(), now) for image in images]
+        request = object()
+        rows = [_Row(image, task, loop.create_future(), now, request) for image in images]
         self._rows.extend(rows)
         self.metrics.queued.set(len(self._rows))
         self._arrived.set()
-        return list(await asyncio.gather(*(row.future for row in rows)))
+        try:
+            return list(await asyncio.gather(*(row.future for row in rows)))
+        except asyncio.CancelledError:  # the client went away, or a shutdown: the room its rows took is free again
+            self._rows = deque(row for row in self._rows if row.request is not request)
+            self.metrics.queued.set(len(self._rows))
+            raise
 
     async def run(self) -> None:
-        """The worker: forms batches and runs them until cancelled."""
+        """The worker: forms batches and runs them until cancelled; it may run again after (an app's lifespan again)."""
+        # Made anew each run: the executor a run shut down took no forward, so an app served a second time (each
+        # `with TestClient(app)`, as FastAPI's docs test an app) answered every image 500.
+        self._rows.clear()  # a request of an earlier run still here was cancelled with it
         self._arrived = asyncio.Event()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="petl-serve-forward")
         loop = asyncio.get_running_loop()
         try:
             while True:
@@ -95,6 +106,7 @@ class Batcher:
                 if batch:
                     await self._run_batch(loop, batch)
         finally:
+            self._arrived = None  # no worker: submit refuses rather than queue rows that nothing would run
             self._executor.shutdown(wait=False, cancel_futures=True)
 
     async def _next_batch(self) -> list[_Row]:
@@ -123,8 +135,11 @@ class Batcher:
         try:
             logits = await loop.run_in_executor(self._executor, self._forward, images, tasks)
         except Exception as error:  # noqa: BLE001  (each waiting request answers it; the worker goes on)
-            for row in batch:
-                if not row.future.done():
+            # The requests' rows still queued too: they would run for no one (the request is answered with the error),
+            # failing again beside other requests' rows where the failure was the request's (the GPU's memory, say).
+            failed = {row.request for row in batch}
+            for row in [*batch, *self._rows]:
+                if row.request in failed and not row.future.done():
                     row.future.set_exception(error)
             return
         self.metrics.inference.observe(time.perf_counter() - started)

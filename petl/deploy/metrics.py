@@ -6,6 +6,7 @@ Only what ``GET /metrics`` shows: the format is Prometheus' text format 0.0.4, w
 from __future__ import annotations
 
 import bisect
+import math
 from collections import defaultdict
 from collections.abc import Sequence
 
@@ -20,6 +21,20 @@ def _labels(labels: Labels, extra: tuple[str, str] | None = None) -> str:
     return "{" + ",".join(f'{k}="{v}"' for (k, _), v in zip(pairs, escaped, strict=True)) + "}"
 
 
+def _number(value: float) -> str:
+    """A sample's value in full: a count as an integer, other values as the shortest float that reads back exactly.
+
+    Not ``:g``, whose six significant digits wrote a counter past a million as ``1.23457e+06`` (a scraper read
+    1234570 for every count from 1234565 to 1234574, and a rate of 0 between them).
+    """
+    value = float(value)  # a gauge is set to an int
+    if not math.isfinite(value):
+        return "NaN" if math.isnan(value) else "+Inf" if value > 0 else "-Inf"
+    if value.is_integer() and abs(value) < 2**53:
+        return str(int(value))
+    return repr(value)
+
+
 class Counter:
     """A monotone count per label set."""
 
@@ -32,7 +47,7 @@ class Counter:
 
     def text(self) -> list[str]:
         lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} counter"]
-        return lines + [f"{self.name}{_labels(k)} {v:g}" for k, v in sorted(self.values.items())]
+        return lines + [f"{self.name}{_labels(k)} {_number(v)}" for k, v in sorted(self.values.items())]
 
 
 class Gauge(Counter):
@@ -66,7 +81,7 @@ class Histogram:
             running += count
             le = "+Inf" if bound == float("inf") else f"{bound:g}"
             lines.append(f'{self.name}_bucket{{le="{le}"}} {running}')
-        return lines + [f"{self.name}_sum {self.sum:g}", f"{self.name}_count {self.count}"]
+        return lines + [f"{self.name}_sum {_number(self.sum)}", f"{self.name}_count {self.count}"]
 
 
 SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)

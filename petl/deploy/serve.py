@@ -33,7 +33,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Coroutine, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from functools import cache
@@ -57,7 +57,7 @@ from starlette.routing import Match
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from petl.data.images import UnfitImage, decode_image
-from petl.data.transforms import ImageSpec, pil_to_tensor
+from petl.data.transforms import ImageSpec, pil_to_tensor, resize_size
 from petl.deploy.batcher import Batcher, QueueFull
 from petl.deploy.metrics import ServeMetrics
 from petl.deploy.multitask import MultiTask
@@ -75,6 +75,8 @@ PREDICT_ROUTE = "/v1/tasks/{task}/predict"
 # way to the model's few hundred pixels (the file's pixels, an RGB copy, the resized one), so this and
 # max_image_mp bound the decoding memory (2 x 16 MP: about 0.3 GB).
 DECODE_SLOTS = 2
+# An image's resize is refused over max_image_mp or 1 MP, whichever is more: under a small max_image_mp a cropping
+# run (whose resize of any image is 256 x 256 px at least, at 224 px) would refuse every image.
 # Each option's allowed range (inclusive): a value outside it, or not finite, is refused naming the option.
 # Pillow itself refuses images over twice its Image.MAX_IMAGE_PIXELS (89 MP) before decoding them.
 OPTION_RANGES: dict[str, tuple[float, float]] = {
@@ -274,8 +276,8 @@ class TooManyPixels(ValueError):
     """An image, or a request's images, over the pixel limits; the message names the limit (413)."""
 
 
-def pixel_count(data: bytes) -> int | None:
-    """An image file's pixels from its header alone, before any decoding (``None``: not a readable header).
+def image_size(data: bytes) -> tuple[int, int] | None:
+    """An image file's width and height from its header alone, before any decoding (``None``: not a readable header).
 
     Raises:
         TooManyPixels: over twice Pillow's own limit (Pillow refuses to open it).
@@ -283,12 +285,11 @@ def pixel_count(data: bytes) -> int | None:
     """
     try:
         with Image.open(io.BytesIO(data), formats=UPLOAD_FORMATS) as header:
-            width, height = header.size
+            return header.size
     except Image.DecompressionBombError:
         raise TooManyPixels(f"more than {2 * Image.MAX_IMAGE_PIXELS / 1e6:.0f} MP") from None
     except (OSError, SyntaxError, ValueError):
         return None  # decode_image says what is wrong, in its words
-    return width * height
 
 
 def preprocess(data: bytes, spec: ImageSpec) -> torch.Tensor:
@@ -305,8 +306,11 @@ def _which(number: int, name: str) -> str:
     return f"image {number}" + (f" ({shown(name)})" if name else "")
 
 
-def check_pixels(uploads: list[tuple[str, bytes]], options: ServeOptions) -> None:
+def check_pixels(uploads: list[tuple[str, bytes]], options: ServeOptions, spec: ImageSpec) -> None:
     """Refuse a request whose images, read from their headers only, exceed max_image_mp or max_request_mp.
+
+    So is an image that ``spec``'s resize would make larger than that (1 MP at least): a cropping run's resize made a
+    138-byte PNG of 1 x 20,000 px 256 x 5,120,000 px (the shorter side 256), 6 GB and 40 s of the server's time.
 
     Raises:
         TooManyPixels: the first image over ``max_image_mp``, or the request's total over ``max_request_mp``.
@@ -317,15 +321,23 @@ def check_pixels(uploads: list[tuple[str, bytes]], options: ServeOptions) -> Non
     total = 0
     for number, (name, data) in enumerate(uploads, 1):
         try:
-            pixels = pixel_count(data) or 0
+            width, height = image_size(data) or (0, 0)
         except TooManyPixels as error:
             pixels, size = math.inf, str(error)
         else:
-            size = f"{pixels / 1e6:.3g} MP"
+            pixels, size = width * height, f"{width * height / 1e6:.3g} MP"
         if pixels > image_limit:
             raise TooManyPixels(
                 f"{_which(number, name)}: {size}, over max_image_mp={options.max_image_mp:g}: send it smaller "
                 "(the model reads a few hundred pixels), or start petl-serve with a larger max_image_mp"
+            )
+        new_width, new_height = resize_size(width, height, spec) if pixels else (0, 0)
+        if new_width * new_height > max(image_limit, 10**6):
+            limit = f"max_image_mp={options.max_image_mp:g}" if image_limit > 10**6 else "1 MP"
+            raise TooManyPixels(
+                f"{_which(number, name)}: {width} x {height} px, which the task's resize (the shorter side to "
+                f"{min(new_width, new_height)} px) makes {new_width * new_height / 1e6:.3g} MP, over {limit}: crop it "
+                "nearer to a square"
             )
         total += pixels
     if total > request_limit:
@@ -733,10 +745,10 @@ async def predict(
     if len(uploads) > options.max_queue:
         raise _too_many(len(uploads), options.max_queue)
     try:
-        check_pixels(uploads, options)
+        check_pixels(uploads, options, found.spec)
         async with decoding:
             images = await asyncio.to_thread(_preprocess_all, uploads, found.spec)
-        rows = await batcher.submit(images, found.index)
+        rows = await _unless_gone(request, batcher.submit(images, found.index))
     except TooManyPixels as error:
         raise HTTPException(413, str(error)) from None
     except BadImage as error:
@@ -755,6 +767,20 @@ async def predict(
     metrics.latency.observe(time.perf_counter() - started)
     predictions = [_top_k(name, row, found, top_k) for (name, _), row in zip(uploads, rows, strict=True)]
     return Predictions(task=found.name, predictions=predictions)
+
+
+async def _unless_gone(request: Request, rows: Coroutine[Any, Any, list[torch.Tensor]]) -> list[torch.Tensor]:
+    """The logits ``rows`` awaits; ClientDisconnect (499) if the client goes first, its rows then left unrun."""
+    answer = asyncio.ensure_future(rows)
+    gone = asyncio.ensure_future(request.receive())  # the body read, what comes next is the client's disconnect
+    try:
+        await asyncio.wait((answer, gone), return_when=asyncio.FIRST_COMPLETED)
+        if not answer.done() and gone.result()["type"] == "http.disconnect":
+            raise ClientDisconnect
+        return await answer
+    finally:  # a cancelled row leaves its batch: a client that gave up (or a shutdown) no longer costs a forward
+        gone.cancel()
+        answer.cancel()
 
 
 # .../predict/ answers as .../predict does: Starlette's redirect to the path without the slash (a 307) went to a client
@@ -807,8 +833,8 @@ CLIENT_GONE = 499
 
 
 async def _client_gone(_request: Request, _error: ClientDisconnect) -> Response:
-    # A client that closed its connection before its body was all sent (a cancelled upload): nothing to answer, and
-    # not the server's fault.  As any other exception it was logged twice with a traceback and counted a 500.
+    # A client that closed its connection before its body was all sent (a cancelled upload) or before its images ran
+    # (_unless_gone): nothing to answer, not the server's fault (as any other exception: two tracebacks, a 500).
     return Response(status_code=CLIENT_GONE)
 
 

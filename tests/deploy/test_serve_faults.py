@@ -25,12 +25,17 @@ from test_multitask import _run_folder
 pytest.importorskip("fastapi", reason='petl-serve\'s extra is not installed: pip install -e ".[serve]"')
 
 import uvicorn  # noqa: E402
+from fastapi.testclient import TestClient  # noqa: E402
 
 from petl.cli import serve as serve_cli  # noqa: E402
+from petl.data.transforms import ImageSpec  # noqa: E402
 from petl.deploy import serve  # noqa: E402
+from petl.deploy.batcher import Batcher  # noqa: E402
+from petl.deploy.metrics import ServeMetrics  # noqa: E402
 from petl.utils.errors import UsageError  # noqa: E402
 
 BOUNDARY = "petl-test-boundary"
+SPEC = ImageSpec(image_size=32)  # resized straight to the square, as the tiny runs here are
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +50,12 @@ def app(tmp_path_factory):
 def _png() -> bytes:
     buffer = io.BytesIO()
     Image.fromarray(np.random.default_rng(0).integers(0, 255, (40, 36, 3), dtype=np.uint8)).save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+def _header_png(width: int, height: int) -> bytes:
+    buffer = io.BytesIO()
+    Image.new("1", (width, height)).save(buffer, "PNG")  # a few kB: the limits read the header alone
     return buffer.getvalue()
 
 
@@ -117,7 +128,7 @@ def test_predict_with_a_trailing_slash_answers_as_predict_does(tmp_path):
     # the redirect's empty body.
     _run_folder(tmp_path / "lora", "lora", {}, seed=0)
     served, tasks = serve.load_tasks({"lora": tmp_path / "lora"})
-    app = serve.create_app(served, tasks, serve.ServeOptions(precision="no"))  # its own: a batcher runs once
+    app = serve.create_app(served, tasks, serve.ServeOptions(precision="no"))  # its own: a short max_wait_ms
 
     def scenario():
         return _ask(app, "POST", serve.PREDICT_ROUTE.format(task="lora") + "/?top_k=2", _png(), "image/png")
@@ -180,22 +191,57 @@ def test_a_client_that_closes_mid_upload_is_counted_not_logged_as_an_internal_er
     assert 'status="500"' not in metrics
 
 
+def test_a_client_gone_while_its_images_wait_has_them_dropped_from_the_queue(tmp_path):
+    # Its rows ran all the same, counted as a 200 nobody received: under load, clients that gave up filled the batches.
+    _run_folder(tmp_path / "lora", "lora", {}, seed=0)
+    app = serve.create_app(*serve.load_tasks({"lora": tmp_path / "lora"}), serve.ServeOptions(precision="no"))
+    messages = [{"type": "http.request", "body": _png(), "more_body": False}, {"type": "http.disconnect"}]
+
+    async def receive() -> dict:
+        return messages.pop(0)
+
+    sent = []
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = asgi_scope("POST", serve.PREDICT_ROUTE.format(task="lora"), [(b"content-type", b"image/png")])
+    _with_batcher(app, lambda: app(scope, receive, send))
+    assert sent[0]["status"] == serve.CLIENT_GONE
+    metrics = app.state.metrics
+    assert metrics.batch_rows.count == 0 and not metrics.images.values
+    assert metrics.requests.values == {(("route", serve.PREDICT_ROUTE), ("status", "499")): 1}
+
+
 def test_the_pixel_limits_take_an_image_of_exactly_their_size():
     """max_image_mp=4.1 is 4099999.9999999995 pixels as a float: a 2050 x 2000 image (4.1 MP) was refused as "4.1 MP,
     over max_image_mp=4.1", and two of them as over max_request_mp=8.2."""
 
-    def png(width: int, height: int) -> bytes:
-        buffer = io.BytesIO()
-        Image.new("1", (width, height)).save(buffer, "PNG")  # a few kB: the limits read the header alone
-        return buffer.getvalue()
-
     options = serve.ServeOptions(max_image_mp=4.1, max_request_mp=8.2)
-    exact, over = ("exact.png", png(2050, 2000)), ("over.png", png(4100001, 1))
-    serve.check_pixels([exact, exact], options)
+    exact, over = ("exact.png", _header_png(2050, 2000)), ("over.png", _header_png(4100001, 1))
+    serve.check_pixels([exact, exact], options, SPEC)
     with pytest.raises(serve.TooManyPixels, match="over max_image_mp=4.1"):
-        serve.check_pixels([over], options)
+        serve.check_pixels([over], options, SPEC)
     with pytest.raises(serve.TooManyPixels, match="over max_request_mp=8.2"):
-        serve.check_pixels([exact, exact, ("one.png", png(1, 1))], options)
+        serve.check_pixels([exact, exact, ("one.png", _header_png(1, 1))], options, SPEC)
+
+
+def test_a_long_thin_image_that_a_cropping_runs_resize_would_blow_up_is_refused_from_its_header():
+    # A run that crops (FGVC) resizes the shorter side to 256 px and the longer in proportion: a 138-byte PNG of
+    # 1 x 20,000 px (0.02 MP, under every limit) became 256 x 5,120,000 px, 6 GB and 40 s of the server's time.
+    thin = ("thin.png", _header_png(20_000, 1))
+    crop = ImageSpec(image_size=224, crop=True)
+    with pytest.raises(
+        serve.TooManyPixels,
+        match=r"^image 1 \(thin.png\): 20000 x 1 px, which the task's resize "
+        r"\(the shorter side to 256 px\) makes 1.31e\+03 MP, over max_image_mp=16: crop it nearer",
+    ):
+        serve.check_pixels([thin], serve.ServeOptions(), crop)
+    serve.check_pixels([thin], serve.ServeOptions(), SPEC)  # resized straight to the square: nothing to fear
+    # A small max_image_mp still takes what any crop's resize makes of an image it takes (256 x 256 and more).
+    serve.check_pixels([("small.png", _header_png(30, 20))], serve.ServeOptions(max_image_mp=0.001), crop)
+    with pytest.raises(serve.TooManyPixels, match="makes 1.31 MP, over 1 MP: crop it nearer to a square"):
+        serve.check_pixels([("long.png", _header_png(20, 1))], serve.ServeOptions(max_image_mp=0.001), crop)
 
 
 def test_a_shutdown_waits_shutdown_timeout_s_as_given(app):
@@ -265,7 +311,7 @@ def test_an_upload_is_read_only_as_a_format_the_answers_name(tmp_path, monkeypat
 
     _run_folder(tmp_path / "lora", "lora", {}, seed=0)
     served, tasks = serve.load_tasks({"lora": tmp_path / "lora"})
-    app = serve.create_app(served, tasks, serve.ServeOptions(precision="no"))  # its own: a batcher runs once
+    app = serve.create_app(served, tasks, serve.ServeOptions(precision="no"))  # its own: a short max_wait_ms
 
     ran = []
 
@@ -475,3 +521,74 @@ def test_cuda_graphs_is_checked_set_on_the_served_model_and_said_to_do_nothing_o
         said = "petl-serve: note: cuda_graphs=0 acts on a GPU only; on the CPU every batch runs eagerly\n"
         assert (said in err) == bool(options), err
     assert [model.graphs.size for model in served] == [8, 0]
+
+
+def test_an_app_served_again_answers_again(tmp_path):
+    # The batcher's thread was made once and shut down with the first lifespan: served a second time (a second
+    # `with TestClient(app)`, as FastAPI's docs test an app), every image was answered 500.  And a request once no
+    # lifespan runs was queued for a worker gone: it waited for ever.
+    _run_folder(tmp_path / "lora", "lora", {}, seed=0)
+    app = serve.create_app(*serve.load_tasks({"lora": tmp_path / "lora"}), serve.ServeOptions(precision="no"))
+    route = serve.PREDICT_ROUTE.format(task="lora")
+    answers = []
+    for _ in range(2):
+        with TestClient(app) as client:
+            answers.append(client.post(route, content=_png()))
+    assert [a.status_code for a in answers] == [200, 200] and answers[0].json() == answers[1].json()
+    outside = TestClient(app, raise_server_exceptions=False).post(route, content=_png())  # no lifespan
+    assert outside.status_code == 500 and outside.json()["detail"].startswith("internal error (RuntimeError)")
+
+
+def test_a_request_answered_with_an_error_leaves_its_other_images_unrun():
+    # Its first batch failed and it was answered 500, but its other images still ran, for no one, in batches beside
+    # other requests' images (which failed with them, where the failure was the request's: the GPU's memory, say).
+    calls = []
+
+    def forward(images: torch.Tensor, tasks: torch.Tensor) -> torch.Tensor:
+        calls.append(len(images))
+        raise RuntimeError("out of memory")
+
+    async def scenario() -> None:
+        batcher = Batcher(forward, max_batch=2, max_wait_s=0, max_queue=8, metrics=ServeMetrics())
+        worker = asyncio.create_task(batcher.run())
+        await asyncio.sleep(0)
+        with pytest.raises(RuntimeError, match="out of memory"):
+            await batcher.submit([torch.zeros(3, 2, 2)] * 6, 0)
+        await asyncio.sleep(0.01)  # a later batch would have started by now
+        worker.cancel()
+
+    asyncio.run(scenario())
+    assert calls == [2]
+
+
+def test_the_room_a_request_gone_took_in_the_queue_is_free_again():
+    # Its rows stayed in the queue until a batch took them: while the model was busy, the requests of clients that had
+    # given up kept the queue full, and new requests were answered 503.
+    release, started = threading.Event(), threading.Event()
+
+    def forward(images: torch.Tensor, tasks: torch.Tensor) -> torch.Tensor:
+        started.set()
+        release.wait()
+        return images.flatten(1)
+
+    async def scenario() -> None:
+        batcher = Batcher(forward, max_batch=1, max_wait_s=0, max_queue=2, metrics=ServeMetrics())
+        worker = asyncio.create_task(batcher.run())
+        await asyncio.sleep(0)
+        image = torch.zeros(3, 1, 1)
+        running = asyncio.create_task(batcher.submit([image], 0))
+        await asyncio.to_thread(started.wait)  # the model is busy with it
+        gone = asyncio.create_task(batcher.submit([image, image], 0))
+        await asyncio.sleep(0)
+        gone.cancel()
+        await asyncio.gather(gone, return_exceptions=True)
+        assert batcher.metrics.queued.values[()] == 0
+        waiting = asyncio.create_task(batcher.submit([image, image], 1))  # was refused: QueueFull
+        release.set()
+        assert len(await running) == 1 and len(await waiting) == 2
+        worker.cancel()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        release.set()  # a failed assertion leaves no forward waiting for ever
