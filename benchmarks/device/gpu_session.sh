@@ -7,7 +7,8 @@
 #            e1d6580 the three parts took 21, 19 and 32 s), the parts ending by MULTITASK_END, GRAPH_END, SERVE_END
 #            (50, 90, 135 s from the start);
 #   tests/   gpu_tests.sh with every second left: gpu_tests.log, summary.txt (its three phases took 66, 135 and 147 s
-#            there).
+#            there; the suite is half as large again since, so its last phase, the CPU's tests, may be cut off: the
+#            device README says why and what runs first).
 # The two scripts' raw archives (the tables' parts.tar.gz, the tests' junit.tar.gz) are packed into raw.tar.gz: the
 # device tool brings back at most 8 files from $OUT, and these are 8.
 #

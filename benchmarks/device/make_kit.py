@@ -1,7 +1,8 @@
 """Build `.device/`, what a lent GPU machine needs to run the DINOv2 sweep, under its 64 MiB carry limit.
 
-The device machine reaches no package registry and receives the working tree plus at most 64 MiB of carried
-files (tar-counted: the tracked tree alone is about 25 MB).  This writes, in the repository's ignored `.device/`:
+The device machine reaches no package registry and receives the working tree plus the carried files, at most 64
+MiB together (tar-counted: the tracked tree alone is 51.2 MB at 828f968, so the whole kit below no longer fits beside
+it, and `wheels data`, 9.3 MB, does: README.md here).  This writes, in the repository's ignored `.device/`:
 
 * `weights.head` + `weights.body.xz`: petl's float16 DINOv2 cache file (44 MB), its two bytes of each value
   split into two planes and xz-compressed (37.7 MB; plain xz gives 40.0 MB, too much);

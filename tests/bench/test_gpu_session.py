@@ -1,14 +1,18 @@
 """benchmarks/device/gpu_session.sh, a lent GPU session's one call, run here in its --cpu mode with every part past
-its deadline: what it checks is the layout it brings back (the device tool returns at most 8 files, 2 folders down).
+its deadline: what it checks is the layout it brings back (the device tool returns at most 8 files, 2 folders down),
+and that what the call sends fits the device tool's limit.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "benchmarks" / "device" / "gpu_session.sh"
@@ -29,3 +33,32 @@ def test_the_tables_then_the_tests_in_at_most_eight_files(tmp_path):
     with tarfile.open(tmp_path / "raw.tar.gz") as archive:
         assert archive.getnames() == ["tables/parts.tar.gz"]
     assert "gpu_session.sh: tables exit 0, tests exit 0, done at" in done.stdout
+
+
+# A device call sends the working tree (its tracked and untracked, not ignored files) and the carried paths, 64 MiB
+# together, counted as tar counts them; a larger call is refused whole, and a lease has time for one call.  The kit
+# the session carries, `make_kit.py wheels data`'s .device/ (the wheels the image lacks, the sparse Fashion-MNIST),
+# is 9.3 MB so counted (26 files, 2026-11-29).  The tree was 51.2 MB at 828f968, 22 MB more than three days before,
+# most of it committed runs under benchmarks/results/.
+CALL_LIMIT = 64 * 2**20
+SESSION_KIT = 9.3e6
+
+
+def _tar_counted(root: Path, names: list[str]) -> int:
+    """Bytes of a tar of ``names``: a 512-byte header for each file and folder, each file padded to 512."""
+    files = [root / name for name in names if (root / name).is_file()]
+    folders = {parent for path in files for parent in path.relative_to(root).parents if parent != Path(".")}
+    return sum(512 + -(-path.stat().st_size // 512) * 512 for path in files) + 512 * len(folders)
+
+
+def test_the_tree_and_the_session_kit_fit_one_device_call():
+    if shutil.which("git") is None or not (REPO / ".git").exists():
+        pytest.skip("not a git checkout")
+    listed = ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"]
+    names = subprocess.run(listed, cwd=REPO, capture_output=True, text=True, check=True).stdout.split("\0")
+    tree = _tar_counted(REPO, [name for name in names if name])
+    assert tree + SESSION_KIT < CALL_LIMIT, (
+        f"the working tree is {tree / 1e6:.1f} MB tar-counted: with the session's {SESSION_KIT / 1e6:.1f} MB kit "
+        f"it passes the {CALL_LIMIT / 1e6:.1f} MB a device call may send, and gpu_session.sh's call would be refused; "
+        "keep large files (committed runs, weights) out of the tree, or carry less (benchmarks/device/README.md)"
+    )

@@ -133,3 +133,21 @@ def test_the_phases_after_the_first_run_under_xdist(tmp_path):
     assert "-n 2 --dist loadfile" in log and "[gw" in log[log.index("== gpu:") :]
     assert "-n 2" not in log[log.index("== cuda:") : log.index("== gpu:")]  # the cuda tests run in one process
     assert "gpu: exit 1 after" in summary and "not passed: " in summary and "test_quick.py::test_fails" in summary
+
+
+def _gpu_files() -> list[str]:
+    """The gpu phase's folders and files, as the script lists them for the GPU machine."""
+    lines = [line for line in SCRIPT.read_text().splitlines() if line.startswith("GPU_FILES=")]
+    said = subprocess.run(["bash", "-c", "\n".join([*lines, 'echo "$GPU_FILES"'])], capture_output=True, text=True)
+    return said.stdout.split()
+
+
+def test_the_gpu_phase_takes_every_folder_whose_tests_run_petls_commands():
+    # A path that is not there fails the whole gpu phase on the device (pytest: "file or directory not found").
+    files = _gpu_files()
+    assert files and [name for name in files if not (REPO / name).exists()] == []
+    # The commands run in-process train and answer on the GPU: in the rest phase, where the files with the fewest
+    # tests start last (xdist hands out the largest first), they would be what a call run short cuts off, behind
+    # 3,595 method contracts on tiny CPU models.
+    commands = {"tests/training", "tests/deploy", "tests/reliability", "tests/cli", "tests/bench", "tests/store"}
+    assert commands <= set(files)

@@ -9,6 +9,7 @@ further down.
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -865,3 +866,59 @@ def test_unload_folds_a_mergeable_wrapper_on_the_head_into_timms_linear(images, 
     fresh.load_state_dict(plain.state_dict())
     with torch.no_grad():
         torch.testing.assert_close(fresh(images), want, rtol=1e-4, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------ on a GPU
+
+# Every backbone kind and family, with the methods that reach into its blocks in the most ways: LoRA in the attention's
+# projections, the sequential adapter after the MLP, SSF at every layer and norm, VPT's prompts in the room the
+# family's attention makes (its masks, its rotary positions) and NOAH's, whose number changes from block to block;
+# HST's side network, fed by every block's tokens.  (On this CPU under bf16 autocast, torch 2.14.1, the hybrid ViT's
+# HST got 0, 128 or 960 NaN gradients in its last downsampling conv, on a 1x1 grid, in three identical runs: the
+# CPU's bf16 convolution backward, not petl; this test says whether the GPU's does the same.)
+GPU_METHODS = ("lora", "adapter", "ssf", "vpt", "noah", "hst")
+ON_A_GPU = [
+    (kind, method) for kind, method, options in [*CASES, *FAMILY_CASES] if method in GPU_METHODS and not options
+]
+MAKE = {kind: TINY_MODELS[kind] for kind in TINY_MODELS} | {
+    f: functools.partial(make_tiny_family, f) for f in TINY_FAMILIES
+}
+
+
+def _fails_on(device: str, images: torch.Tensor, model: torch.nn.Module) -> str | None:
+    """What goes wrong with ``model`` on ``device``, or None: its eval logits there against the CPU's, and a training
+    step under bf16 autocast (petl-run's default on a GPU with native bf16) with a finite loss and gradients."""
+    with torch.no_grad():
+        want = model.eval()(images)
+    model.to(device)
+    images, labels = images.to(device), torch.tensor([0, 1], device=device)
+    try:
+        with torch.no_grad():
+            torch.testing.assert_close(model(images).cpu(), want, atol=1e-4, rtol=1e-4)
+        model.train()
+        with torch.autocast(device, dtype=torch.bfloat16):
+            loss = F.cross_entropy(model(images).float(), labels)
+        loss.backward()
+    except Exception as error:  # every case runs; each failure is said in one line
+        return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
+    grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad and p.grad is not None}
+    bad = [n for n, grad in grads.items() if not torch.isfinite(grad).all()]
+    if not torch.isfinite(loss) or not grads or bad:
+        return f"bf16 step: loss {loss.item()}, {len(grads)} gradients, non-finite: {bad}"
+    return None
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", sorted({kind for kind, _ in ON_A_GPU}))
+def test_each_kind_and_family_runs_its_methods_on_a_gpu(images, monkeypatch, kind):
+    """Each backbone kind's and family's own code on the GPU (issue 49), which the tests above run on the CPU only:
+    relative-position tables, rotary embeddings, NaFlexVit's masks and the room prompts take, each Swin's windows."""
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)  # the CPU's fp32, to compare with it
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    failed = {}
+    for method in [m for k, m in ON_A_GPU if k == kind]:
+        model = petl.apply(MAKE[kind](), method, num_classes=4)
+        perturb_trainable(model)
+        if (said := _fails_on("cuda", images, model)) is not None:
+            failed[method] = said
+    assert failed == {}
