@@ -30,6 +30,7 @@ from petl.train.config import ConfigError
 from petl.utils import paths
 from petl.utils.distributed import is_main_process
 from petl.utils.errors import RunError
+from petl.utils.text import plural
 
 log = logging.getLogger(__name__)
 
@@ -416,8 +417,19 @@ def damaged_checkpoint(out: Path, why: str) -> ConfigError:
     return ConfigError(f"{out / files.CHECKPOINT_FILE} is damaged ({why}): {_REPLACE}")
 
 
-def resume_checkpoint(out: Path, cfg: DictConfig, inputs: dict[str, Any]) -> dict[str, Any] | None:
-    """The checkpoint to resume from, once its data and weights are known to be this run's."""
+def resume_checkpoint(
+    out: Path, cfg: DictConfig, inputs: dict[str, Any], num_processes: int = 1
+) -> dict[str, Any] | None:
+    """The checkpoint to resume from, once its data and weights are known to be this run's.
+
+    Args:
+        out: the run folder.
+        cfg: the run's config (its ``config.yaml`` already matched against it).
+        inputs: the data and weights files' content (:func:`run_inputs`).
+        num_processes: the processes of this launch; a checkpoint of another count is refused, since each process
+            trains its own batches (the effective batch is ``train.batch_size`` x processes x ``train.grad_accum``).
+
+    """
     path = out / files.CHECKPOINT_FILE
     try:
         checkpoint = files.load_checkpoint(path) if cfg.resume else None
@@ -428,6 +440,14 @@ def resume_checkpoint(out: Path, cfg: DictConfig, inputs: dict[str, Any]) -> dic
     if checkpoint is not None and checkpoint["epoch"] > cfg.train.epochs:
         # config.yaml holds this train.epochs (check_output_dir): no checkpoint of this run went past it.
         raise damaged_checkpoint(out, f"epoch {checkpoint['epoch']} of {cfg.train.epochs}")
+    # Checkpoints from before the count was recorded: not compared (most were of one process).
+    trained_on = checkpoint.get("num_processes") if checkpoint is not None else None
+    if trained_on is not None and trained_on != num_processes:
+        raise ConfigError(
+            f"output_dir {out} holds epochs trained on {plural(trained_on, 'process', 'processes')}, this launch "
+            f"has {num_processes}: the effective batch would change mid-run; resume it with {trained_on}, or "
+            "resume=false to replace it"
+        )
     if checkpoint is not None:
         # check_output_dir has matched its config.yaml against cfg; the inputs need the data built.
         check_inputs(out, checkpoint.get("inputs"), inputs)

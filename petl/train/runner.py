@@ -241,7 +241,7 @@ def _train_and_record(cfg: DictConfig, resolved: dict[str, Any], out: Path, acce
             flush=True,
         )
     inputs = folder.run_inputs(cfg, datasets["train"], datasets)
-    checkpoint = folder.resume_checkpoint(out, cfg, inputs)
+    checkpoint = folder.resume_checkpoint(out, cfg, inputs, accelerator.num_processes)
     method_cfg = build.method_config(cfg, model, info.num_classes, checkpoint, accelerator)
     build.apply_method(cfg, model, method_cfg)
     _check_batch_statistics(cfg, model)
@@ -493,6 +493,8 @@ def _fit_epochs(cfg: DictConfig, out: Path, training: _Setup, progress: _Progres
                 "seconds": progress.seconds(),
                 "wall_seconds": progress.wall_seconds(),
                 "inputs": inputs,
+                # The effective batch counts the processes: a resume under another count would mix two runs.
+                "num_processes": accelerator.num_processes,
                 # What the method's calibrate hook chose: a resume must rebuild the same modules.
                 "method_config": dataclasses.asdict(model.petl_config),
             }
