@@ -157,7 +157,9 @@ class TrainConfig(TrainSettings):
             a GPU: strict fp32, as every petl run before ``auto``), ``tf32`` (fp32 tensors, CUDA matmuls and
             convolutions on TF32 tensor cores), or accelerate's mixed precision ``bf16`` / ``fp16`` (TF32 on for the
             fp32 matmuls autocast leaves, as in timm's train.py).
-        cache_features: train on cached activations of the frozen part of the backbone, when there is one.
+        cache_features: train on cached activations of the frozen part of the backbone, when there is one;
+            ``false`` where nothing would be cached (a method that trains from the first block on, a backbone in train
+            mode, augmented training images) is refused.
         grad_checkpointing: recompute each block's activations during the backward instead of keeping them
             (timm's ``set_grad_checkpointing``, applied by the runner): less memory, one more forward per block.
         compile: compile the model with ``torch.compile`` (accelerate's dynamo backend, set up by the runner);

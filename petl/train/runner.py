@@ -245,6 +245,7 @@ def _train_and_record(cfg: DictConfig, resolved: dict[str, Any], out: Path, acce
     method_cfg = build.method_config(cfg, model, info.num_classes, checkpoint, accelerator)
     build.apply_method(cfg, model, method_cfg)
     _check_batch_statistics(cfg, model)
+    _check_cache_option(cfg, model, datasets)
     if cfg.train.grad_checkpointing:
         engine.enable_grad_checkpointing(model)
     model.to(accelerator.device)
@@ -311,6 +312,45 @@ def _check_batch_statistics(cfg: DictConfig, model: nn.Module) -> None:
         raise ConfigError(
             f"train.batch_size=1: method {cfg.method.name}'s {trained[0]} is a BatchNorm, which trains on the "
             "statistics of a batch and one image has none; give train.batch_size=2 or more"
+        )
+
+
+_NOTHING_FROZEN = "nothing in front of what the method trains is frozen"
+
+
+def _cache_plan(
+    model: nn.Module, settings: TrainSettings | DictConfig, datasets: dict[str, Dataset]
+) -> tuple[cache.CachePlan | None, str | None]:
+    """The features this run caches (``train.cache_features``), or ``None`` and why none."""
+    plan = cache.plan(model)
+    if plan is None:
+        return None, _NOTHING_FROZEN
+    if backbone_mode(model, settings) == "train":
+        # A cached front runs once in eval mode; with the backbone in train mode its dropout and
+        # drop-path must act on every step, so nothing can be cached.
+        return None, "train.backbone_mode is train, the frozen front is stochastic"
+    if build.is_augmented(datasets["train"]):
+        # A cached image would be one random crop and flip reused every epoch: the augmentation would be lost.
+        return None, "the training images are augmented (a new crop and flip each epoch)"
+    if not cache.fits(model, plan, [len(datasets[split]) for split in ("train", "val") if datasets.get(split)]):
+        return None, f"the cache would exceed {cache.MAX_CACHE_BYTES // 2**30} GiB"
+    return plan, None
+
+
+def _check_cache_option(cfg: DictConfig, model: nn.Module, datasets: dict[str, Dataset]) -> None:
+    """Refuse ``train.cache_features=false`` where this run would cache nothing anyway (LoRA: its first block trains).
+
+    Raises:
+        ConfigError: naming the option and why nothing is cached, before the run writes anything.
+
+    """
+    if cfg.train.cache_features:
+        return
+    _, uncached = _cache_plan(model, cfg.train, datasets)
+    if uncached is not None:
+        why = f"method {cfg.method.name} caches nothing ({uncached})" if uncached == _NOTHING_FROZEN else uncached
+        raise ConfigError(
+            f"train.cache_features=false cannot act: {why}, so no features are cached either way; drop it"
         )
 
 
@@ -406,23 +446,10 @@ def _set_up_training(
     settings: TrainSettings = OmegaConf.to_object(cfg.train)
     settings = dataclasses.replace(settings, progress=settings.progress and accelerator.is_main_process)
     num_workers = cfg.data.num_workers
-    cache_plan = cache.plan(model) if cfg.train.cache_features else None
-    if cache_plan is not None and backbone_mode(model, settings) == "train":
-        # A cached front runs once in eval mode; with the backbone in train mode its dropout and
-        # drop-path must act on every step, so nothing can be cached.
-        if accelerator.is_main_process:
-            log.info("not caching features: train.backbone_mode is train, the frozen front is stochastic")
-        cache_plan = None
     train_set, val_set = datasets["train"], datasets.get("val")
-    if cache_plan is not None and build.is_augmented(train_set):
-        # A cached image would be one random crop and flip reused every epoch: the augmentation would be lost.
-        build.say(
-            accelerator, "not caching features: the training images are augmented (a new crop and flip each epoch)"
-        )
-        cache_plan = None
-    if cache_plan is not None and not cache.fits(model, cache_plan, [len(d) for d in (train_set, val_set) if d]):
-        build.say(accelerator, "not caching features: the cache would exceed %d GiB", cache.MAX_CACHE_BYTES // 2**30)
-        cache_plan = None
+    cache_plan, uncached = _cache_plan(model, settings, datasets) if cfg.train.cache_features else (None, None)
+    if uncached is not None and uncached != _NOTHING_FROZEN:
+        build.say(accelerator, "not caching features: %s", uncached)
     trainee: nn.Module = model
     tick = time.perf_counter()
     if cache_plan is not None:

@@ -172,6 +172,18 @@ def test_feature_cache_gives_the_uncached_result(tmp_path, method, described):
     assert all(torch.allclose(a[k], b[k], rtol=0, atol=1e-6) for k in a)
 
 
+def test_cache_features_false_where_nothing_is_cached_is_refused_before_anything_is_written(tmp_path):
+    # It trained exactly as the default does (LoRA's first block trains: no frozen front to cache), under another
+    # config fingerprint.  Refused before resume=false sets the earlier run aside.
+    tiny(tmp_path / "run", "method=lora", "train.epochs=1")
+    with pytest.raises(config.ConfigError, match=r"^train.cache_features=false cannot act: method lora caches noth"):
+        tiny(tmp_path / "run", "method=lora", "train.epochs=1", "train.cache_features=false", "resume=false")
+    assert (tmp_path / "run" / "result.json").is_file() and [p.name for p in tmp_path.iterdir()] == ["run"]
+    with pytest.raises(config.ConfigError, match=r"cannot act: train.backbone_mode is train, the frozen front is"):
+        tiny(tmp_path / "linear", "method=linear", "train.backbone_mode=train", "train.cache_features=false")
+    assert not (tmp_path / "linear").exists()
+
+
 def test_cache_plan_is_read_off_the_model(tiny_vit):
     def planned(method, **options):
         return cache.plan(petl.apply(tiny_vit(), method, num_classes=4, **options))
