@@ -162,6 +162,7 @@ class TrainConfig(TrainSettings):
             mode, augmented training images) is refused.
         grad_checkpointing: recompute each block's activations during the backward instead of keeping them
             (timm's ``set_grad_checkpointing``, applied by the runner): less memory, one more forward per block.
+            Refused where it cannot act: a side network, and a method that trains only the head (linear, Mlp-k).
         compile: compile the model with ``torch.compile`` (accelerate's dynamo backend, set up by the runner);
             on CPU it needs a C++ compiler and is skipped with a warning without one.
         deterministic: use deterministic algorithms where torch has them (CPU runs repeat exactly; on CUDA also
