@@ -94,7 +94,8 @@ class DataConfig:
         num_workers: DataLoader worker processes; 0 loads in the main process.  No result depends on it: augmented
             crops and flips are drawn from (seed, epoch, index) (:class:`petl.train.build.SeededAugmentation`).
         epochs: the dataset's default number of epochs (its ``DatasetInfo.epochs``), which
-            ``train.epochs`` follows unless overridden.
+            ``train.epochs`` follows unless overridden; another value given beside another ``train.epochs`` is
+            refused (it would do nothing).
 
     """
 
@@ -108,7 +109,7 @@ class DataConfig:
     # Neutral: the order, dropout and drop-path do not see the workers, and augmented crops and flips are drawn
     # per item from (seed, epoch, index) (build.SeededAugmentation), not from a worker's or the global stream.
     num_workers: int = option(0, low=0, neutral=True)
-    epochs: int = petl_data.PROTOCOL_EPOCHS
+    epochs: int = option(petl_data.PROTOCOL_EPOCHS, low=1)
 
 
 @dataclass
@@ -553,6 +554,12 @@ def check_values(cfg: DictConfig) -> None:
         check_group_choice("method", cfg.method.name)
         check_group_choice("data", cfg.data.name)
         check_group_choice("model", cfg.model.name)
+        # data.epochs acts only through train.epochs, which follows it unless given: both given, it does nothing.
+        if cfg.data.epochs != petl_data.get_info(cfg.data.name).epochs and cfg.train.epochs != cfg.data.epochs:
+            raise ValueError(
+                f"data.epochs={cfg.data.epochs} cannot act: train.epochs={cfg.train.epochs} is given, and the run "
+                "trains that many; drop one of them"
+            )
     except OmegaConfBaseException as error:
         # An interpolation that does not resolve, or a missing mandatory value.
         raise ConfigError(explain(error)) from None
