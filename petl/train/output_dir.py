@@ -161,7 +161,8 @@ def check_output_dir(out: Path, cfg: DictConfig, resolved: dict[str, Any], is_ma
             )
         previous = _recorded_config(out, "choose another output_dir, or resume=false to replace it")
     else:
-        # Nothing finished and no epoch to resume: whatever is there gets overwritten.
+        # Nothing finished and no epoch to resume: what a run killed before its first checkpoint left is rewritten.
+        _check_nothing_to_overwrite(out)
         return None
     check_same_config(out, previous, resolved, "choose another output_dir, or resume=false to replace it")
     if finished is not None:
@@ -171,6 +172,30 @@ def check_output_dir(out: Path, cfg: DictConfig, resolved: dict[str, Any], is_ma
             # Left by a kill between result.json and the checkpoint's removal.
             (out / files.CHECKPOINT_FILE).unlink(missing_ok=True)
     return finished
+
+
+def _check_nothing_to_overwrite(out: Path) -> None:
+    """Refuse a folder holding files of petl's names that no unfinished run left (without a result or checkpoint).
+
+    A run writes ``config.yaml`` first, then ``metrics.jsonl``; its weights and ``model.json`` only once its
+    checkpoint is on disk.  So weights or a card without either, a ``config.yaml`` that is not a run's, or a
+    ``metrics.jsonl`` without its ``config.yaml`` are another run's finished files (its ``result.json`` deleted)
+    or the user's own (``output_dir=.`` in a project holding a ``config.yaml``): the run would overwrite them.
+
+    Raises:
+        ConfigError: naming the file; ``resume=false`` moves it aside instead.
+
+    """
+    found = [name for name in (files.WEIGHTS_FILE, files.MODEL_FILE) if (out / name).exists()]
+    if not (out / files.CONFIG_FILE).exists() and (out / files.METRICS_FILE).exists():
+        found.append(files.METRICS_FILE)
+    if found:
+        raise ConfigError(
+            f"output_dir {out} holds {found[0]} without {files.RESULT_FILE} or {files.CHECKPOINT_FILE}: no run to "
+            f"resume, and this one would overwrite it; {_REPLACE}"
+        )
+    if (out / files.CONFIG_FILE).exists():
+        _recorded_config(out, f"this run would overwrite it; {_REPLACE}")
 
 
 def check_finished(cfg: DictConfig) -> None:
