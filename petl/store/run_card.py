@@ -79,6 +79,7 @@ _OPTIONAL: dict[str, type | tuple[type, ...]] = {
     "backbone.checkpoint_sha256": (str, type(None)),
     "backbone.seed": int,
     "backbone.frozen_sha256": (str, type(None)),
+    "dataset": str,  # what the model was trained on; petl-export copies it into the exported model's metadata
 }
 _FIELDS_SINCE = {2: {"weights_sha256": str, "backbone.kwargs.img_size": int}}
 # timm.create_model's arguments that name a file or a place to load weights from.  A card never steers file
