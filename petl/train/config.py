@@ -152,7 +152,8 @@ class TrainConfig(TrainSettings):
             batch of a method's calibrate hook (GPS's selection gradient, NOAH's supernet steps).
         eval_batch_size: images per step when evaluating.
         grad_accum: micro-batches accumulated per optimizer step; each step's gradient is the mean over its images,
-            as one batch of them would give, also for an epoch's last step of fewer or shorter batches.
+            as one batch of them would give, also for an epoch's last step of fewer or shorter batches.  More than
+            the batches an epoch holds (per process) is refused: a step never accumulates more.
         precision: ``auto`` (bf16 autocast on a CUDA GPU with native bf16, else ``no``; the run's config.yaml and
             result.json record what it became on the machine that ran), ``no`` (fp32, with TF32 matmuls off also on
             a GPU: strict fp32, as every petl run before ``auto``), ``tf32`` (fp32 tensors, CUDA matmuls and

@@ -246,6 +246,7 @@ def _train_and_record(cfg: DictConfig, resolved: dict[str, Any], out: Path, acce
     build.apply_method(cfg, model, method_cfg)
     _check_batch_statistics(cfg, model)
     _check_cache_option(cfg, model, datasets)
+    _check_grad_accum(cfg, len(datasets["train"]), accelerator.num_processes)
     if cfg.train.grad_checkpointing:
         if count_params(model).trainable_no_head == 0:
             # Nothing in the blocks takes a gradient: their backward, which checkpointing recomputes for, never runs.
@@ -318,6 +319,26 @@ def _check_batch_statistics(cfg: DictConfig, model: nn.Module) -> None:
         raise ConfigError(
             f"train.batch_size=1: method {cfg.method.name}'s {trained[0]} is a BatchNorm, which trains on the "
             "statistics of a batch and one image has none; give train.batch_size=2 or more"
+        )
+
+
+def _check_grad_accum(cfg: DictConfig, train_size: int, num_processes: int) -> None:
+    """Refuse a ``train.grad_accum`` above the batches an epoch holds per process: a step never accumulates more.
+
+    Raises:
+        ConfigError: naming the option and the most that can act.
+
+    """
+    batch = cfg.train.batch_size
+    # The training loader leaves a lone last image out on one process (_set_up_training).
+    batches = math.ceil(train_size / batch) - (num_processes == 1 and train_size % batch == 1)
+    most = math.ceil(batches / num_processes)
+    if cfg.train.grad_accum > most:
+        per = f" per process ({num_processes})" if num_processes > 1 else ""
+        raise ConfigError(
+            f"train.grad_accum={cfg.train.grad_accum} cannot act: an epoch holds {plural(most, 'batch', 'batches')} "
+            f"of train.batch_size={batch}{per}, and a step accumulates no more than those; give "
+            f"train.grad_accum={most}{' or less' if most > 1 else ''}"
         )
 
 

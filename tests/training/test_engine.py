@@ -372,6 +372,17 @@ def test_a_training_split_of_one_image_is_refused_not_trained_in_no_step(tmp_pat
     assert not (tmp_path / "run" / "result.json").exists()
 
 
+def test_grad_accum_above_the_batches_of_an_epoch_is_refused_before_anything_is_written(tmp_path):
+    # 96 images in batches of 32: three a step at most.  More trained exactly as three (one step at the epoch's end)
+    # under another config fingerprint, and result.json recorded an effective batch of 32 x 4 images.
+    with pytest.raises(config.ConfigError, match=r"^train.grad_accum=4 cannot act: an epoch holds 3 batches of "):
+        tiny(tmp_path / "run", "method=lora", "train.grad_accum=4")
+    assert not (tmp_path / "run").exists()
+    # 97 images: the lone last one is left out, still three batches.
+    with pytest.raises(config.ConfigError, match=r"give train.grad_accum=3 or less$"):
+        tiny(tmp_path / "run", "method=lora", "train.grad_accum=4", "data.subset=97")
+
+
 @pytest.mark.slow
 def test_batches_of_one_image_are_refused_where_a_batchnorm_trains(tmp_path):
     # torch refused them at the first step: exit 1, "ValueError: Expected more than 1 value per channel...".
