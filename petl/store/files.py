@@ -310,6 +310,9 @@ def _checkpoint_problem(state: dict[str, Any]) -> str | None:
     scheduler = _scheduler_problem(state["scheduler"], len(optimizer["param_groups"]))
     if scheduler is not None:
         return scheduler
+    processes = state.get("num_processes", 1)  # absent from older checkpoints and petl-pretrain's
+    if not isinstance(processes, int) or isinstance(processes, bool) or processes < 1:
+        return f"num_processes {reprlib.repr(processes)} is not a positive integer"
     for key in ("scaler", "inputs", "method_config"):  # absent from older checkpoints and petl-pretrain's
         if state.get(key) is not None and not isinstance(state[key], dict):
             return f"{key} is not a mapping"

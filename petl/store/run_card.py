@@ -54,7 +54,7 @@ log = logging.getLogger(__name__)
 
 VERSION = 2  # of the card's format; read_card reads this one and every older one
 FORMAT = f"petl-model-{VERSION}"
-_FORMAT_PATTERN = re.compile(r"petl-model-(\d+)")
+_FORMAT_PATTERN = re.compile(r"petl-model-([1-9][0-9]*)")  # formats count from 1
 
 # Every field a card must hold, with its JSON type ("int" never a bool); fields of later versions after.
 _FIELDS: dict[str, type | tuple[type, ...]] = {
@@ -79,6 +79,7 @@ _OPTIONAL: dict[str, type | tuple[type, ...]] = {
     "backbone.checkpoint_sha256": (str, type(None)),
     "backbone.seed": int,
     "backbone.frozen_sha256": (str, type(None)),
+    "dataset": str,  # what the model was trained on; petl-export copies it into the exported model's metadata
 }
 _FIELDS_SINCE = {2: {"weights_sha256": str, "backbone.kwargs.img_size": int}}
 # timm.create_model's arguments that name a file or a place to load weights from.  A card never steers file
@@ -237,7 +238,7 @@ def read_card(run_dir: str | Path) -> dict[str, Any]:
     found = _FORMAT_PATTERN.fullmatch(str(card.get("format"))) if isinstance(card, dict) else None
     if found is None:
         raise RunFolderError(
-            f"{card_path} is not a petl model record (its format is not petl-model-N): restore the run's "
+            f"{card_path} is not a petl model record (its format is not petl-model-N, N from 1): restore the run's "
             "model.json as petl-run wrote it"
         )
     version = int(found.group(1))
@@ -255,6 +256,13 @@ def read_card(run_dir: str | Path) -> dict[str, Any]:
     problem = _preprocess_problem(card)
     if problem is not None:
         raise RunFolderError(f"{card_path}: {problem}: restore the run's model.json")
+    if card["preprocess"]["input_size"] != card["backbone"]["kwargs"]["img_size"]:
+        # petl-run writes both from the size it built (an old card's img_size is its input_size): images of another
+        # size stop the backbone's first layer with an assertion, after the images are decoded.
+        raise RunFolderError(
+            f"{card_path}: field preprocess.input_size is {card['preprocess']['input_size']}, the backbone is built at "
+            f"backbone.kwargs.img_size={card['backbone']['kwargs']['img_size']}: restore the run's model.json"
+        )
     steering = sorted(FILE_KWARGS & set(card["backbone"]["kwargs"]))
     if steering:
         raise RunFolderError(
@@ -277,12 +285,21 @@ def read_card(run_dir: str | Path) -> dict[str, Any]:
             f"{folder} holds no {weights}, which its model.json names: restore it from the run, or train the run again"
         )
     try:
-        trained = read_trainable_metadata(folder / weights)["method"]
+        metadata = read_trainable_metadata(folder / weights)
+        trained, options = metadata["method"], metadata["config"]
     except ValueError:  # a damaged weights file: its hash (weights_file) and load_trainable name what is wrong
-        trained = card["method"]
+        trained, options = card["method"], card["method_config"]
     if trained != card["method"]:
         raise RunFolderError(
             f"{card_path}: method is {card['method']!r}, {weights} holds {trained!r}: restore the run's model.json"
+        )
+    # The model is built from the weights' config; a card saying other options would describe another model.
+    differ = sorted(k for k in {*options, *card["method_config"]} if options.get(k) != card["method_config"].get(k))
+    if differ:
+        key = differ[0]
+        raise RunFolderError(
+            f"{card_path}: method_config.{key} is {json.dumps(card['method_config'].get(key))[:60]}, {weights} was "
+            f"trained with {json.dumps(options.get(key))[:60]}: restore the run's model.json"
         )
     return card
 

@@ -94,7 +94,8 @@ class DataConfig:
         num_workers: DataLoader worker processes; 0 loads in the main process.  No result depends on it: augmented
             crops and flips are drawn from (seed, epoch, index) (:class:`petl.train.build.SeededAugmentation`).
         epochs: the dataset's default number of epochs (its ``DatasetInfo.epochs``), which
-            ``train.epochs`` follows unless overridden.
+            ``train.epochs`` follows unless overridden; another value given beside another ``train.epochs`` is
+            refused (it would do nothing).
 
     """
 
@@ -108,7 +109,7 @@ class DataConfig:
     # Neutral: the order, dropout and drop-path do not see the workers, and augmented crops and flips are drawn
     # per item from (seed, epoch, index) (build.SeededAugmentation), not from a worker's or the global stream.
     num_workers: int = option(0, low=0, neutral=True)
-    epochs: int = petl_data.PROTOCOL_EPOCHS
+    epochs: int = option(petl_data.PROTOCOL_EPOCHS, low=1)
 
 
 @dataclass
@@ -151,15 +152,19 @@ class TrainConfig(TrainSettings):
             batch of a method's calibrate hook (GPS's selection gradient, NOAH's supernet steps).
         eval_batch_size: images per step when evaluating.
         grad_accum: micro-batches accumulated per optimizer step; each step's gradient is the mean over its images,
-            as one batch of them would give, also for an epoch's last step of fewer or shorter batches.
+            as one batch of them would give, also for an epoch's last step of fewer or shorter batches.  More than
+            the batches an epoch holds (per process) is refused: a step never accumulates more.
         precision: ``auto`` (bf16 autocast on a CUDA GPU with native bf16, else ``no``; the run's config.yaml and
             result.json record what it became on the machine that ran), ``no`` (fp32, with TF32 matmuls off also on
             a GPU: strict fp32, as every petl run before ``auto``), ``tf32`` (fp32 tensors, CUDA matmuls and
             convolutions on TF32 tensor cores), or accelerate's mixed precision ``bf16`` / ``fp16`` (TF32 on for the
             fp32 matmuls autocast leaves, as in timm's train.py).
-        cache_features: train on cached activations of the frozen part of the backbone, when there is one.
+        cache_features: train on cached activations of the frozen part of the backbone, when there is one;
+            ``false`` where nothing would be cached (a method that trains from the first block on, a backbone in train
+            mode, augmented training images) is refused.
         grad_checkpointing: recompute each block's activations during the backward instead of keeping them
             (timm's ``set_grad_checkpointing``, applied by the runner): less memory, one more forward per block.
+            Refused where it cannot act: a side network, and a method that trains only the head (linear, Mlp-k).
         compile: compile the model with ``torch.compile`` (accelerate's dynamo backend, set up by the runner);
             on CPU it needs a C++ compiler and is skipped with a warning without one.
         deterministic: use deterministic algorithms where torch has them (CPU runs repeat exactly; on CUDA also
@@ -550,6 +555,17 @@ def check_values(cfg: DictConfig) -> None:
         check_group_choice("method", cfg.method.name)
         check_group_choice("data", cfg.data.name)
         check_group_choice("model", cfg.model.name)
+        # data.epochs acts only through train.epochs, which follows it unless given: both given, it does nothing.
+        if cfg.data.epochs != petl_data.get_info(cfg.data.name).epochs and cfg.train.epochs != cfg.data.epochs:
+            raise ValueError(
+                f"data.epochs={cfg.data.epochs} cannot act: train.epochs={cfg.train.epochs} is given, and the run "
+                "trains that many; drop one of them"
+            )
+        if cfg.train.weight_decay_all and cfg.train.weight_decay == 0:
+            raise ValueError(
+                "train.weight_decay_all=true cannot act: train.weight_decay=0 decays nothing; drop it, or give "
+                "train.weight_decay"
+            )
     except OmegaConfBaseException as error:
         # An interpolation that does not resolve, or a missing mandatory value.
         raise ConfigError(explain(error)) from None

@@ -30,6 +30,7 @@ from petl.train.config import ConfigError
 from petl.utils import paths
 from petl.utils.distributed import is_main_process
 from petl.utils.errors import RunError, UnreachableError
+from petl.utils.text import plural
 
 log = logging.getLogger(__name__)
 
@@ -160,7 +161,8 @@ def check_output_dir(out: Path, cfg: DictConfig, resolved: dict[str, Any], is_ma
             )
         previous = _recorded_config(out, "choose another output_dir, or resume=false to replace it")
     else:
-        # Nothing finished and no epoch to resume: whatever is there gets overwritten.
+        # Nothing finished and no epoch to resume: what a run killed before its first checkpoint left is rewritten.
+        _check_nothing_to_overwrite(out)
         return None
     check_same_config(out, previous, resolved, "choose another output_dir, or resume=false to replace it")
     if finished is not None:
@@ -170,6 +172,30 @@ def check_output_dir(out: Path, cfg: DictConfig, resolved: dict[str, Any], is_ma
             # Left by a kill between result.json and the checkpoint's removal.
             (out / files.CHECKPOINT_FILE).unlink(missing_ok=True)
     return finished
+
+
+def _check_nothing_to_overwrite(out: Path) -> None:
+    """Refuse a folder holding files of petl's names that no unfinished run left (without a result or checkpoint).
+
+    A run writes ``config.yaml`` first, then ``metrics.jsonl``; its weights and ``model.json`` only once its
+    checkpoint is on disk.  So weights or a card without either, a ``config.yaml`` that is not a run's, or a
+    ``metrics.jsonl`` without its ``config.yaml`` are another run's finished files (its ``result.json`` deleted)
+    or the user's own (``output_dir=.`` in a project holding a ``config.yaml``): the run would overwrite them.
+
+    Raises:
+        ConfigError: naming the file; ``resume=false`` moves it aside instead.
+
+    """
+    found = [name for name in (files.WEIGHTS_FILE, files.MODEL_FILE) if (out / name).exists()]
+    if not (out / files.CONFIG_FILE).exists() and (out / files.METRICS_FILE).exists():
+        found.append(files.METRICS_FILE)
+    if found:
+        raise ConfigError(
+            f"output_dir {out} holds {found[0]} without {files.RESULT_FILE} or {files.CHECKPOINT_FILE}: no run to "
+            f"resume, and this one would overwrite it; {_REPLACE}"
+        )
+    if (out / files.CONFIG_FILE).exists():
+        _recorded_config(out, f"this run would overwrite it; {_REPLACE}")
 
 
 def check_finished(cfg: DictConfig) -> None:
@@ -416,8 +442,19 @@ def damaged_checkpoint(out: Path, why: str) -> ConfigError:
     return ConfigError(f"{out / files.CHECKPOINT_FILE} is damaged ({why}): {_REPLACE}")
 
 
-def resume_checkpoint(out: Path, cfg: DictConfig, inputs: dict[str, Any]) -> dict[str, Any] | None:
-    """The checkpoint to resume from, once its data and weights are known to be this run's."""
+def resume_checkpoint(
+    out: Path, cfg: DictConfig, inputs: dict[str, Any], num_processes: int = 1
+) -> dict[str, Any] | None:
+    """The checkpoint to resume from, once its data and weights are known to be this run's.
+
+    Args:
+        out: the run folder.
+        cfg: the run's config (its ``config.yaml`` already matched against it).
+        inputs: the data and weights files' content (:func:`run_inputs`).
+        num_processes: the processes of this launch; a checkpoint of another count is refused, since each process
+            trains its own batches (the effective batch is ``train.batch_size`` x processes x ``train.grad_accum``).
+
+    """
     path = out / files.CHECKPOINT_FILE
     try:
         checkpoint = files.load_checkpoint(path) if cfg.resume else None
@@ -428,6 +465,14 @@ def resume_checkpoint(out: Path, cfg: DictConfig, inputs: dict[str, Any]) -> dic
     if checkpoint is not None and checkpoint["epoch"] > cfg.train.epochs:
         # config.yaml holds this train.epochs (check_output_dir): no checkpoint of this run went past it.
         raise damaged_checkpoint(out, f"epoch {checkpoint['epoch']} of {cfg.train.epochs}")
+    # Checkpoints from before the count was recorded: not compared (most were of one process).
+    trained_on = checkpoint.get("num_processes") if checkpoint is not None else None
+    if trained_on is not None and trained_on != num_processes:
+        raise ConfigError(
+            f"output_dir {out} holds epochs trained on {plural(trained_on, 'process', 'processes')}, this launch "
+            f"has {num_processes}: the effective batch would change mid-run; resume it with {trained_on}, or "
+            "resume=false to replace it"
+        )
     if checkpoint is not None:
         # check_output_dir has matched its config.yaml against cfg; the inputs need the data built.
         check_inputs(out, checkpoint.get("inputs"), inputs)

@@ -241,11 +241,19 @@ def _train_and_record(cfg: DictConfig, resolved: dict[str, Any], out: Path, acce
             flush=True,
         )
     inputs = folder.run_inputs(cfg, datasets["train"], datasets)
-    checkpoint = folder.resume_checkpoint(out, cfg, inputs)
+    checkpoint = folder.resume_checkpoint(out, cfg, inputs, accelerator.num_processes)
     method_cfg = build.method_config(cfg, model, info.num_classes, checkpoint, accelerator)
     build.apply_method(cfg, model, method_cfg)
     _check_batch_statistics(cfg, model)
+    _check_cache_option(cfg, model, datasets)
+    _check_grad_accum(cfg, len(datasets["train"]), accelerator.num_processes)
     if cfg.train.grad_checkpointing:
+        if count_params(model).trainable_no_head == 0:
+            # Nothing in the blocks takes a gradient: their backward, which checkpointing recomputes for, never runs.
+            raise ConfigError(
+                f"train.grad_checkpointing=true cannot act: method {cfg.method.name} trains only the classifier head, "
+                "so no block's activations are kept for a backward; drop it"
+            )
         engine.enable_grad_checkpointing(model)
     model.to(accelerator.device)
     # Every run's peak is its own, also when runs share a process (Hydra's in-process --multirun, a notebook).
@@ -311,6 +319,65 @@ def _check_batch_statistics(cfg: DictConfig, model: nn.Module) -> None:
         raise ConfigError(
             f"train.batch_size=1: method {cfg.method.name}'s {trained[0]} is a BatchNorm, which trains on the "
             "statistics of a batch and one image has none; give train.batch_size=2 or more"
+        )
+
+
+def _check_grad_accum(cfg: DictConfig, train_size: int, num_processes: int) -> None:
+    """Refuse a ``train.grad_accum`` above the batches an epoch holds per process: a step never accumulates more.
+
+    Raises:
+        ConfigError: naming the option and the most that can act.
+
+    """
+    batch = cfg.train.batch_size
+    # The training loader leaves a lone last image out on one process (_set_up_training).
+    batches = math.ceil(train_size / batch) - (num_processes == 1 and train_size % batch == 1)
+    most = math.ceil(batches / num_processes)
+    if cfg.train.grad_accum > most:
+        per = f" per process ({num_processes})" if num_processes > 1 else ""
+        raise ConfigError(
+            f"train.grad_accum={cfg.train.grad_accum} cannot act: an epoch holds {plural(most, 'batch', 'batches')} "
+            f"of train.batch_size={batch}{per}, and a step accumulates no more than those; give "
+            f"train.grad_accum={most}{' or less' if most > 1 else ''}"
+        )
+
+
+_NOTHING_FROZEN = "nothing in front of what the method trains is frozen"
+
+
+def _cache_plan(
+    model: nn.Module, settings: TrainSettings | DictConfig, datasets: dict[str, Dataset]
+) -> tuple[cache.CachePlan | None, str | None]:
+    """The features this run caches (``train.cache_features``), or ``None`` and why none."""
+    plan = cache.plan(model)
+    if plan is None:
+        return None, _NOTHING_FROZEN
+    if backbone_mode(model, settings) == "train":
+        # A cached front runs once in eval mode; with the backbone in train mode its dropout and
+        # drop-path must act on every step, so nothing can be cached.
+        return None, "train.backbone_mode is train, the frozen front is stochastic"
+    if build.is_augmented(datasets["train"]):
+        # A cached image would be one random crop and flip reused every epoch: the augmentation would be lost.
+        return None, "the training images are augmented (a new crop and flip each epoch)"
+    if not cache.fits(model, plan, [len(datasets[split]) for split in ("train", "val") if datasets.get(split)]):
+        return None, f"the cache would exceed {cache.MAX_CACHE_BYTES // 2**30} GiB"
+    return plan, None
+
+
+def _check_cache_option(cfg: DictConfig, model: nn.Module, datasets: dict[str, Dataset]) -> None:
+    """Refuse ``train.cache_features=false`` where this run would cache nothing anyway (LoRA: its first block trains).
+
+    Raises:
+        ConfigError: naming the option and why nothing is cached, before the run writes anything.
+
+    """
+    if cfg.train.cache_features:
+        return
+    _, uncached = _cache_plan(model, cfg.train, datasets)
+    if uncached is not None:
+        why = f"method {cfg.method.name} caches nothing ({uncached})" if uncached == _NOTHING_FROZEN else uncached
+        raise ConfigError(
+            f"train.cache_features=false cannot act: {why}, so no features are cached either way; drop it"
         )
 
 
@@ -406,23 +473,10 @@ def _set_up_training(
     settings: TrainSettings = OmegaConf.to_object(cfg.train)
     settings = dataclasses.replace(settings, progress=settings.progress and accelerator.is_main_process)
     num_workers = cfg.data.num_workers
-    cache_plan = cache.plan(model) if cfg.train.cache_features else None
-    if cache_plan is not None and backbone_mode(model, settings) == "train":
-        # A cached front runs once in eval mode; with the backbone in train mode its dropout and
-        # drop-path must act on every step, so nothing can be cached.
-        if accelerator.is_main_process:
-            log.info("not caching features: train.backbone_mode is train, the frozen front is stochastic")
-        cache_plan = None
     train_set, val_set = datasets["train"], datasets.get("val")
-    if cache_plan is not None and build.is_augmented(train_set):
-        # A cached image would be one random crop and flip reused every epoch: the augmentation would be lost.
-        build.say(
-            accelerator, "not caching features: the training images are augmented (a new crop and flip each epoch)"
-        )
-        cache_plan = None
-    if cache_plan is not None and not cache.fits(model, cache_plan, [len(d) for d in (train_set, val_set) if d]):
-        build.say(accelerator, "not caching features: the cache would exceed %d GiB", cache.MAX_CACHE_BYTES // 2**30)
-        cache_plan = None
+    cache_plan, uncached = _cache_plan(model, settings, datasets) if cfg.train.cache_features else (None, None)
+    if uncached is not None and uncached != _NOTHING_FROZEN:
+        build.say(accelerator, "not caching features: %s", uncached)
     trainee: nn.Module = model
     tick = time.perf_counter()
     if cache_plan is not None:
@@ -493,6 +547,8 @@ def _fit_epochs(cfg: DictConfig, out: Path, training: _Setup, progress: _Progres
                 "seconds": progress.seconds(),
                 "wall_seconds": progress.wall_seconds(),
                 "inputs": inputs,
+                # The effective batch counts the processes: a resume under another count would mix two runs.
+                "num_processes": accelerator.num_processes,
                 # What the method's calibrate hook chose: a resume must rebuild the same modules.
                 "method_config": dataclasses.asdict(model.petl_config),
             }

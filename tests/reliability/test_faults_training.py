@@ -237,6 +237,48 @@ def test_resume_with_another_model_file_is_refused(tmp_path):
         tiny(tmp_path / "run", *pretrained)
 
 
+def test_a_resume_under_another_process_count_is_refused(tmp_path):
+    # A job requeued on another allocation (1 GPU, then 2) would train its last epochs on twice the effective batch.
+    out = tmp_path / "run"
+    _killed_after_one_epoch(out)
+    checkpoint = files.load_checkpoint(out / "checkpoint.pt")
+    assert checkpoint["num_processes"] == 1
+    cfg = default_config([*TINY, f"output_dir={out}"])
+    with pytest.raises(ConfigError, match=r"holds epochs trained on 1 process, this launch has 2: the effective batch"):
+        folder.resume_checkpoint(out, cfg, checkpoint["inputs"], num_processes=2)
+    assert folder.resume_checkpoint(out, cfg, checkpoint["inputs"], num_processes=1)["epoch"] == 1
+    del checkpoint["num_processes"]  # a checkpoint from before the count was recorded is not compared
+    files.save_checkpoint(out / "checkpoint.pt", checkpoint)
+    assert folder.resume_checkpoint(out, cfg, checkpoint["inputs"], num_processes=2)["epoch"] == 1
+    files.save_checkpoint(out / "checkpoint.pt", {**checkpoint, "num_processes": "2"})
+    with pytest.raises(ConfigError, match=r"num_processes '2' is not a positive integer"):
+        folder.resume_checkpoint(out, cfg, checkpoint["inputs"], num_processes=2)
+
+
+def test_files_no_unfinished_run_left_are_not_overwritten(tmp_path):
+    # Without result.json or checkpoint.pt "whatever is there" was overwritten: output_dir=. in a project holding a
+    # config.yaml of its own, or a finished run whose result.json was deleted (its weights and card).
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "config.yaml").write_text("my: precious\n")
+    with pytest.raises(ConfigError, match=r"config.yaml is damaged \(not a run's config.*this run would overwrite it"):
+        tiny(out)
+    assert (out / "config.yaml").read_text() == "my: precious\n" and sorted(os.listdir(out)) == ["config.yaml"]
+    (out / "config.yaml").unlink()
+    (out / "model.json").write_text("mine")
+    with pytest.raises(ConfigError, match=r"holds model.json without result.json or checkpoint.pt: no run to resume"):
+        tiny(out)
+    tiny(out, "resume=false")  # moves it aside, as the line says
+    (aside,) = tmp_path.glob("run.replaced-*")
+    assert (aside / "model.json").read_text() == "mine" and (out / "result.json").is_file()
+    # What a run killed before its first checkpoint leaves (its config.yaml, metrics.jsonl) is rewritten.
+    again = tmp_path / "again"
+    again.mkdir()
+    (again / "config.yaml").write_bytes((out / "config.yaml").read_bytes())
+    (again / "metrics.jsonl").write_text("")
+    assert tiny(again)["output_dir"] == str(again)
+
+
 def test_a_moved_dataset_with_the_same_content_still_resumes():
     old = {"data.root": "/a", "data.fingerprint": "f1", "model.checkpoint_sha256": None}
     folder.check_inputs(Path("x"), old, {**old, "data.root": "/b"})  # content decides, not the path

@@ -140,6 +140,12 @@ def test_a_head_of_another_class_count_is_refused(tmp_path):
         (lambda card: card["preprocess"].update(interpolation="cubic"), "interpolation='cubic' is not supported"),
         (lambda card: card["preprocess"].update(input_size=0), "image_size must be a positive int"),
         (lambda card: card.update(class_names=[1, 2, 3]), "class_names holds a name that is not text"),
+        # Formats count from 1; a card whose values describe another model than the one its weights build: were a
+        # traceback on the first image (another input size), or a card saying options the model does not have.
+        (lambda card: card.update(format="petl-model-0"), "not a petl model record \\(its format is not petl-model-N"),
+        (lambda card: card["preprocess"].update(input_size=64), "input_size is 64, the backbone is built at .*=32"),
+        (lambda card: card["method_config"].update(rank=2), "method_config.rank is 2, trainable.safetensors was trai"),
+        (lambda card: card.update(dataset=["x"]), 'field dataset is \\["x"\\], not a str'),
     ],
 )
 def test_a_damaged_or_newer_card_is_refused_in_one_line(tmp_path, edit, message):

@@ -172,6 +172,18 @@ def test_feature_cache_gives_the_uncached_result(tmp_path, method, described):
     assert all(torch.allclose(a[k], b[k], rtol=0, atol=1e-6) for k in a)
 
 
+def test_cache_features_false_where_nothing_is_cached_is_refused_before_anything_is_written(tmp_path):
+    # It trained exactly as the default does (LoRA's first block trains: no frozen front to cache), under another
+    # config fingerprint.  Refused before resume=false sets the earlier run aside.
+    tiny(tmp_path / "run", "method=lora", "train.epochs=1")
+    with pytest.raises(config.ConfigError, match=r"^train.cache_features=false cannot act: method lora caches noth"):
+        tiny(tmp_path / "run", "method=lora", "train.epochs=1", "train.cache_features=false", "resume=false")
+    assert (tmp_path / "run" / "result.json").is_file() and [p.name for p in tmp_path.iterdir()] == ["run"]
+    with pytest.raises(config.ConfigError, match=r"cannot act: train.backbone_mode is train, the frozen front is"):
+        tiny(tmp_path / "linear", "method=linear", "train.backbone_mode=train", "train.cache_features=false")
+    assert not (tmp_path / "linear").exists()
+
+
 def test_cache_plan_is_read_off_the_model(tiny_vit):
     def planned(method, **options):
         return cache.plan(petl.apply(tiny_vit(), method, num_classes=4, **options))
@@ -358,6 +370,17 @@ def test_a_training_split_of_one_image_is_refused_not_trained_in_no_step(tmp_pat
     with pytest.raises(config.ConfigError, match=r"^data mini/digits: the train800 split holds 1 image, too few"):
         tiny(tmp_path / "run", "method=lora", "data.subset=1")
     assert not (tmp_path / "run" / "result.json").exists()
+
+
+def test_grad_accum_above_the_batches_of_an_epoch_is_refused_before_anything_is_written(tmp_path):
+    # 96 images in batches of 32: three a step at most.  More trained exactly as three (one step at the epoch's end)
+    # under another config fingerprint, and result.json recorded an effective batch of 32 x 4 images.
+    with pytest.raises(config.ConfigError, match=r"^train.grad_accum=4 cannot act: an epoch holds 3 batches of "):
+        tiny(tmp_path / "run", "method=lora", "train.grad_accum=4")
+    assert not (tmp_path / "run").exists()
+    # 97 images: the lone last one is left out, still three batches.
+    with pytest.raises(config.ConfigError, match=r"give train.grad_accum=3 or less$"):
+        tiny(tmp_path / "run", "method=lora", "train.grad_accum=4", "data.subset=97")
 
 
 @pytest.mark.slow

@@ -38,6 +38,15 @@ def test_the_runners_grad_checkpointing_names_the_key_too(tiny_vit):
         engine.enable_grad_checkpointing(model)
 
 
+@pytest.mark.parametrize("method", ["linear", "mlp"])
+def test_grad_checkpointing_where_only_the_head_trains_is_refused_before_anything_is_written(tmp_path, method):
+    # It trained as without it (no block's backward runs, so none is recomputed) under another config fingerprint.
+    overrides = [*TINY_MODEL, "data=mini/digits", "data.subset=8", f"method={method}", f"output_dir={tmp_path / 'run'}"]
+    with pytest.raises(ConfigError, match=rf"^train.grad_checkpointing=true cannot act: method {method} trains only"):
+        train(default_config([*overrides, "train.grad_checkpointing=true"]))
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize(
     ("kwarg", "named"),
     [("depth=2", "unexpected blocks.2.norm1.weight"), ("global_pool=avg", "missing fc_norm.weight, fc_norm.bias")],
