@@ -12,6 +12,7 @@ import logging
 import socket
 import threading
 import time
+import types
 from pathlib import Path
 
 import numpy as np
@@ -592,3 +593,24 @@ def test_the_room_a_request_gone_took_in_the_queue_is_free_again():
         asyncio.run(scenario())
     finally:
         release.set()  # a failed assertion leaves no forward waiting for ever
+
+
+def test_a_lifespan_started_again_in_the_same_loop_has_a_working_batcher():
+    # The lifespan's end cancelled the worker without waiting for it: a worker waiting for more rows (a request queued)
+    # stopped a few loop turns later, after a lifespan started again in the same loop (asgi-lifespan's LifespanManager
+    # in an async test), shutting down the new executor and marking the batcher stopped: every request answered 500.
+    batcher = Batcher(lambda images, tasks: images.flatten(1), 2, max_wait_s=60, max_queue=8, metrics=ServeMetrics())
+    app = types.SimpleNamespace(state=types.SimpleNamespace(batcher=batcher))
+    image = torch.zeros(3, 1, 1)
+
+    async def scenario() -> int:
+        async with serve._lifespan(app):
+            waiting = asyncio.create_task(batcher.submit([image], 0))
+            await asyncio.sleep(0.01)  # the worker waits (60 s) for a second row
+        async with serve._lifespan(app):
+            await asyncio.sleep(0.01)  # a client's request takes some loop turns to arrive
+            answered = len(await asyncio.wait_for(batcher.submit([image, image], 0), 10))  # a full batch: runs at once
+        waiting.cancel()
+        return answered
+
+    assert asyncio.run(scenario()) == 2
