@@ -93,13 +93,18 @@ class Batcher:
             raise
 
     async def run(self) -> None:
-        """The worker: forms batches and runs them until cancelled; it may run again after (an app's lifespan again)."""
+        """The worker: forms batches and runs them until cancelled; it may run again after (an app's lifespan again).
+
+        Cancelled, it cancels the futures of the rows it leaves (queued, or in the forward it stopped waiting for):
+        their :meth:`submit` raises ``CancelledError``.
+        """
         # Made anew each run: the executor a run shut down took no forward, so an app served a second time (each
         # `with TestClient(app)`, as FastAPI's docs test an app) answered every image 500.
         self._rows.clear()  # a request of an earlier run still here was cancelled with it
         self._arrived = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="petl-serve-forward")
         loop = asyncio.get_running_loop()
+        batch: list[_Row] = []
         try:
             while True:
                 batch = await self._next_batch()
@@ -107,6 +112,10 @@ class Batcher:
                     await self._run_batch(loop, batch)
         finally:
             self._arrived = None  # no worker: submit refuses rather than queue rows that nothing would run
+            # The rows it leaves (queued, or in the forward it stopped waiting for) end their requests, cancelled (a
+            # server answers 503) where they waited for ever: a request still in flight when the lifespan ended.
+            for row in [*batch, *self._rows]:
+                row.future.cancel()
             self._executor.shutdown(wait=False, cancel_futures=True)
 
     async def _next_batch(self) -> list[_Row]:

@@ -614,3 +614,30 @@ def test_a_lifespan_started_again_in_the_same_loop_has_a_working_batcher():
         return answered
 
     assert asyncio.run(scenario()) == 2
+
+
+def test_the_requests_a_stopped_worker_leaves_end_instead_of_waiting_for_ever():
+    # A request in flight when the lifespan ended (its images queued, or in the forward the worker stopped waiting
+    # for) awaited its rows for ever; they are cancelled, which petl-serve answers 503 (the server shut down).
+    release = threading.Event()
+
+    def forward(images: torch.Tensor, tasks: torch.Tensor) -> torch.Tensor:
+        release.wait()
+        return images.flatten(1)
+
+    batcher = Batcher(forward, max_batch=1, max_wait_s=0, max_queue=8, metrics=ServeMetrics())
+    app = types.SimpleNamespace(state=types.SimpleNamespace(batcher=batcher))
+    image = torch.zeros(3, 1, 1)
+
+    async def scenario() -> list[bool]:
+        async with serve._lifespan(app):
+            running = asyncio.create_task(batcher.submit([image], 0))
+            queued = asyncio.create_task(batcher.submit([image], 1))
+            await asyncio.sleep(0.01)  # the first in the forward, the second queued behind it
+        await asyncio.sleep(0.01)
+        return [running.cancelled(), queued.cancelled()]
+
+    try:
+        assert asyncio.run(scenario()) == [True, True]
+    finally:
+        release.set()
