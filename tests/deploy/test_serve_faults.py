@@ -641,3 +641,41 @@ def test_the_requests_a_stopped_worker_leaves_end_instead_of_waiting_for_ever():
         assert asyncio.run(scenario()) == [True, True]
     finally:
         release.set()
+
+
+def test_a_forward_a_stopped_worker_left_running_ends_before_the_next_runs_starts():
+    # A run's executor is shut down without waiting: served again while the last forward ran (a lifespan ended in the
+    # middle of one), the new run's thread started a forward beside it, and the MultiTask, which routes the batch it
+    # runs through state it holds, mixed the two batches' rows.
+    release, started, guard = threading.Event(), threading.Event(), threading.Lock()
+    running, most = [0], [0]
+
+    def forward(images: torch.Tensor, tasks: torch.Tensor) -> torch.Tensor:
+        with guard:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        if not started.is_set():
+            started.set()
+            release.wait()
+        with guard:
+            running[0] -= 1
+        return images.flatten(1)
+
+    batcher = Batcher(forward, max_batch=1, max_wait_s=0, max_queue=8, metrics=ServeMetrics())
+    app = types.SimpleNamespace(state=types.SimpleNamespace(batcher=batcher))
+    image = torch.zeros(3, 1, 1)
+
+    async def scenario() -> tuple[bool, int]:
+        async with serve._lifespan(app):
+            first = asyncio.create_task(batcher.submit([image], 0))  # cancelled with the worker
+            await asyncio.to_thread(started.wait)
+        async with serve._lifespan(app):
+            second = asyncio.create_task(batcher.submit([image], 1))
+            await asyncio.sleep(0.05)  # time for the second forward to start, were nothing holding it
+            release.set()
+            return first.cancelled(), len(await second)
+
+    try:
+        assert asyncio.run(scenario()) == (True, 1) and most[0] == 1
+    finally:
+        release.set()
