@@ -6,13 +6,14 @@ waited ``max_wait_s``, whichever comes first, then runs them as one batch in its
 keeps accepting requests meanwhile, and rows arriving during a forward pass form the next batch).  A full
 queue refuses new rows (:class:`QueueFull`) instead of growing without end.
 
-Forward passes run one at a time, in one thread: :class:`petl.MultiTask` routes the batch it is running
-through state it holds, so two concurrent forwards would mix their rows.
+Forward passes run one at a time (under a lock, across the worker's runs): :class:`petl.MultiTask` routes the
+batch it runs through state it holds, so two concurrent forwards would mix their rows.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -66,6 +67,9 @@ class Batcher:
         self._rows: deque[_Row] = deque()
         self._arrived: asyncio.Event | None = None
         self._executor: ThreadPoolExecutor | None = None
+        # Held by every forward: a run's executor is shut down without waiting (the event loop may not block), so the
+        # forward a stopped worker left may still be running when the next run's thread starts one.
+        self._forwarding = threading.Lock()
 
     async def submit(self, images: Sequence[Tensor], task: int) -> list[Tensor]:
         """Queue ``images`` (preprocessed, each 3 x H x W) for ``task``; their logits, in order, once run.
@@ -93,13 +97,18 @@ class Batcher:
             raise
 
     async def run(self) -> None:
-        """The worker: forms batches and runs them until cancelled; it may run again after (an app's lifespan again)."""
+        """The worker: forms batches and runs them until cancelled; it may run again after (an app's lifespan again).
+
+        Cancelled, it cancels the futures of the rows it leaves (queued, or in the forward it stopped waiting for):
+        their :meth:`submit` raises ``CancelledError``.
+        """
         # Made anew each run: the executor a run shut down took no forward, so an app served a second time (each
         # `with TestClient(app)`, as FastAPI's docs test an app) answered every image 500.
         self._rows.clear()  # a request of an earlier run still here was cancelled with it
         self._arrived = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="petl-serve-forward")
         loop = asyncio.get_running_loop()
+        batch: list[_Row] = []
         try:
             while True:
                 batch = await self._next_batch()
@@ -107,6 +116,10 @@ class Batcher:
                     await self._run_batch(loop, batch)
         finally:
             self._arrived = None  # no worker: submit refuses rather than queue rows that nothing would run
+            # The rows it leaves (queued, or in the forward it stopped waiting for) end their requests, cancelled (a
+            # server answers 503) where they waited for ever: a request still in flight when the lifespan ended.
+            for row in [*batch, *self._rows]:
+                row.future.cancel()
             self._executor.shutdown(wait=False, cancel_futures=True)
 
     async def _next_batch(self) -> list[_Row]:
@@ -151,5 +164,5 @@ class Batcher:
                 row.future.set_result(row_logits)
 
     def _forward(self, images: list[Tensor], tasks: Tensor) -> Tensor:
-        with torch.inference_mode():
+        with self._forwarding, torch.inference_mode():
             return self.forward(torch.stack(images), tasks).float().cpu()

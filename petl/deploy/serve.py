@@ -797,6 +797,12 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
     finally:
         worker.cancel()
+        # Stopped before the shutdown ends: a worker waiting for more rows took a few loop turns to stop, and a
+        # lifespan started again meanwhile in the same loop (asgi-lifespan's LifespanManager in an async test) had
+        # its new executor shut down and the batcher marked stopped by the old worker's exit: every request 500.
+        [ended] = await asyncio.gather(worker, return_exceptions=True)
+        if isinstance(ended, Exception):  # not its cancellation: it had died, and every request since was a 500
+            log.error("the batcher's worker had stopped: %s", ended, exc_info=ended)
 
 
 async def _one_line_validation(_request: Request, error: RequestValidationError) -> JSONResponse:

@@ -12,6 +12,7 @@ import logging
 import socket
 import threading
 import time
+import types
 from pathlib import Path
 
 import numpy as np
@@ -592,3 +593,89 @@ def test_the_room_a_request_gone_took_in_the_queue_is_free_again():
         asyncio.run(scenario())
     finally:
         release.set()  # a failed assertion leaves no forward waiting for ever
+
+
+def test_a_lifespan_started_again_in_the_same_loop_has_a_working_batcher():
+    # The lifespan's end cancelled the worker without waiting for it: a worker waiting for more rows (a request queued)
+    # stopped a few loop turns later, after a lifespan started again in the same loop (asgi-lifespan's LifespanManager
+    # in an async test), shutting down the new executor and marking the batcher stopped: every request answered 500.
+    batcher = Batcher(lambda images, tasks: images.flatten(1), 2, max_wait_s=60, max_queue=8, metrics=ServeMetrics())
+    app = types.SimpleNamespace(state=types.SimpleNamespace(batcher=batcher))
+    image = torch.zeros(3, 1, 1)
+
+    async def scenario() -> int:
+        async with serve._lifespan(app):
+            waiting = asyncio.create_task(batcher.submit([image], 0))
+            await asyncio.sleep(0.01)  # the worker waits (60 s) for a second row
+        async with serve._lifespan(app):
+            await asyncio.sleep(0.01)  # a client's request takes some loop turns to arrive
+            answered = len(await asyncio.wait_for(batcher.submit([image, image], 0), 10))  # a full batch: runs at once
+        waiting.cancel()
+        return answered
+
+    assert asyncio.run(scenario()) == 2
+
+
+def test_the_requests_a_stopped_worker_leaves_end_instead_of_waiting_for_ever():
+    # A request in flight when the lifespan ended (its images queued, or in the forward the worker stopped waiting
+    # for) awaited its rows for ever; they are cancelled, which petl-serve answers 503 (the server shut down).
+    release = threading.Event()
+
+    def forward(images: torch.Tensor, tasks: torch.Tensor) -> torch.Tensor:
+        release.wait()
+        return images.flatten(1)
+
+    batcher = Batcher(forward, max_batch=1, max_wait_s=0, max_queue=8, metrics=ServeMetrics())
+    app = types.SimpleNamespace(state=types.SimpleNamespace(batcher=batcher))
+    image = torch.zeros(3, 1, 1)
+
+    async def scenario() -> list[bool]:
+        async with serve._lifespan(app):
+            running = asyncio.create_task(batcher.submit([image], 0))
+            queued = asyncio.create_task(batcher.submit([image], 1))
+            await asyncio.sleep(0.01)  # the first in the forward, the second queued behind it
+        await asyncio.sleep(0.01)
+        return [running.cancelled(), queued.cancelled()]
+
+    try:
+        assert asyncio.run(scenario()) == [True, True]
+    finally:
+        release.set()
+
+
+def test_a_forward_a_stopped_worker_left_running_ends_before_the_next_runs_starts():
+    # A run's executor is shut down without waiting: served again while the last forward ran (a lifespan ended in the
+    # middle of one), the new run's thread started a forward beside it, and the MultiTask, which routes the batch it
+    # runs through state it holds, mixed the two batches' rows.
+    release, started, guard = threading.Event(), threading.Event(), threading.Lock()
+    running, most = [0], [0]
+
+    def forward(images: torch.Tensor, tasks: torch.Tensor) -> torch.Tensor:
+        with guard:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        if not started.is_set():
+            started.set()
+            release.wait()
+        with guard:
+            running[0] -= 1
+        return images.flatten(1)
+
+    batcher = Batcher(forward, max_batch=1, max_wait_s=0, max_queue=8, metrics=ServeMetrics())
+    app = types.SimpleNamespace(state=types.SimpleNamespace(batcher=batcher))
+    image = torch.zeros(3, 1, 1)
+
+    async def scenario() -> tuple[bool, int]:
+        async with serve._lifespan(app):
+            first = asyncio.create_task(batcher.submit([image], 0))  # cancelled with the worker
+            await asyncio.to_thread(started.wait)
+        async with serve._lifespan(app):
+            second = asyncio.create_task(batcher.submit([image], 1))
+            await asyncio.sleep(0.05)  # time for the second forward to start, were nothing holding it
+            release.set()
+            return first.cancelled(), len(await second)
+
+    try:
+        assert asyncio.run(scenario()) == (True, 1) and most[0] == 1
+    finally:
+        release.set()
