@@ -140,7 +140,8 @@ def _selection(row: ExperimentRow, labels: dict[str, str]) -> str:
 def _published_columns(board: Leaderboard, table: PublishedTable) -> list[Column]:
     """One published table's columns: its row name (or why none), per-task figures (CSV), summaries, source."""
     prefix = f"published_{table.key}"
-    over = table.over_its_tasks(board.tasks)  # its means are over all its tasks, whichever this board ran
+    # Its means are over all its tasks, whichever this board's means cover (a suite's: not a task outside it).
+    over = table.over_its_tasks(board.counted_tasks)
 
     def of(compute: Callable[[PublishedRow], Any]) -> Callable[[ExperimentRow], Any]:
         # A figure of the row's published match; empty when there is none to show (the row column says why).

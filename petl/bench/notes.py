@@ -108,11 +108,12 @@ def notes(board: Leaderboard) -> list[str]:
     if board.published_names and benchmark_tasks(board):
         lines.append(ranking_line(board))
     for table in board.tables:
-        ran = len({table.column(t) for t in board.tasks if table.covers(t)} & set(table.columns()))
+        # The tasks the measured task mean covers: with a suite, not a task outside it (in no mean).
+        ran = len({table.column(t) for t in board.counted_tasks if table.covers(t)} & set(table.columns()))
         partial = (
             f" Its task mean, group mean and PPT are the published ones, over its {len(table.columns())} tasks, of "
             f"which this board ran {ran}: they do not compare with the measured task mean, the per-task figures do."
-            if table.over_its_tasks(board.tasks)
+            if table.over_its_tasks(board.counted_tasks)
             else ""
         )
         lines.append(

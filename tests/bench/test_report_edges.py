@@ -62,6 +62,22 @@ def test_a_board_of_every_published_task_keeps_the_plain_labels(tmp_path):
     assert "| Published vtab1k task mean | Published vtab1k group mean |" in md and "its 19 tasks" not in md
 
 
+def test_a_suite_short_of_a_published_task_says_so_though_a_run_outside_it_has_that_task(tmp_path):
+    # Was: a suite of 18 of VTAB-1k's 19 tasks, in a folder also holding a run of the 19th (outside the suite, in no
+    # mean), showed the published task mean, group mean and PPT under plain labels beside a measured task mean over
+    # 18 tasks, and no legend line saying the published means are over other tasks than the measured one.
+    from petl.bench.notes import notes
+    from petl.bench.report import Plan, build_board, published_tables
+
+    for task in VTAB_TASKS:
+        write_run(tmp_path, task, "lora", 0, top1=VTAB_ROWS["LoRA"].top1[VTAB.column(task)], model=VTAB.backbone)
+    board = build_board(tmp_path, plan=Plan("eighteen", ("lora",), tuple(VTAB_TASKS[:-1]), (0,)))
+    labels = {c.label for c in board.columns}
+    assert {"Published vtab1k task mean (its 19 tasks)", "Published vtab1k PPT (its 19 tasks)"} <= labels
+    assert "Task mean (its 19 tasks)" in [h.label for h in published_tables(board)[0].headers]
+    assert any("over its 19 tasks, of which this board ran 18: they do not compare" in line for line in notes(board))
+
+
 def test_a_report_over_an_earlier_one_leaves_no_figure_of_the_earlier_board(tmp_path):
     # Was: a first report drew critical_difference.png and learning_curves.png; a second one into the same folder,
     # with one row left (or no curves), wrote its pages and kept both figures, which still showed the earlier rows.
