@@ -132,7 +132,9 @@ def name_labels(tasks: list[str]) -> dict[str, str]:
 
 
 def benchmark_tasks(board: Leaderboard) -> bool:
-    """Whether every task of the board is a benchmark's, none a user's own data or a name petl does not know.
+    """Whether every task the board's means count (:attr:`~petl.bench.board.Leaderboard.counted_tasks`) is a
+    benchmark's, none a user's own data or a name petl does not know; a task outside the suite, in no mean, is not
+    asked.
 
     A benchmark's task: one petl's dataset registry holds that does not read the user's files (``mini/digits``,
     ``vtab/cifar100``), or one a published table covers by its prefix (``fgvc/...``, registered by a plugin in the
@@ -148,7 +150,7 @@ def benchmark_tasks(board: Leaderboard) -> bool:
         except (KeyError, ValueError):
             return table_for(task) is not None  # unknown here: a benchmark's only if a published table has it
 
-    return all(benchmark(t) for t in board.tasks)
+    return all(benchmark(t) for t in board.counted_tasks)
 
 
 def flag_lines(board: Leaderboard) -> list[str]:

@@ -202,6 +202,22 @@ def test_a_run_of_a_task_outside_the_suite_has_its_column_and_no_part_in_the_mea
     assert float(read_csv(tmp_path / "leaderboard.csv")["linear"]["task_mean"]) == 73.0
 
 
+def test_a_run_of_own_data_outside_the_suite_leaves_its_benchmark_tasks_named_as_such(tmp_path):
+    # Was: a run of a task petl does not know ("my photos": a user's own data), outside the suite and in no mean, made
+    # the board no benchmark's: the legend dropped the group mean's definition, and the published-ordering line went.
+    from petl.bench.notes import benchmark_tasks, notes
+    from petl.bench.report import Plan, build_board
+
+    for experiment, top1 in (("lora", 80.0), ("linear", 70.0)):
+        for task in ("mini/digits", "mini/mnist"):
+            write_run(tmp_path, task, experiment, 0, top1=top1)
+    write_run(tmp_path, "my photos", "lora", 0, top1=50.0)
+    board = build_board(tmp_path, plan=Plan("two", ("lora", "linear"), ("mini/digits", "mini/mnist"), (0,)))
+    assert "my photos" in board.tasks and benchmark_tasks(board)
+    assert "**Group mean** = mean of the group averages" in notes(board)[1]
+    assert not benchmark_tasks(build_board(tmp_path))  # without a suite, every task is the board's
+
+
 def test_a_task_outside_the_suite_is_never_called_saturated(tmp_path):
     # Was: every complete row had also run vtab/dtd at 99 %, outside suite mini: its column read "dtd (saturated)"
     # in place of "(not in the suite)", and the legend said the means keep it and the rank test leaves it out.
