@@ -236,6 +236,7 @@ def leaderboard_columns(board: Leaderboard) -> list[Column]:
     published figures.
     """
     labels = task_labels(board.tasks)
+    counted = board.counted_tasks
     several_groups = len(board.group_names) > 1
     any_selection = any(r.result.selection is not None for row in board.rows for r in row.runs)
     tail_pct = round(100 * CONVERGENCE_TAIL)
@@ -261,7 +262,8 @@ def leaderboard_columns(board: Leaderboard) -> list[Column]:
             detail=True,
         ),
         Column("runs", None, lambda row: len(row.runs)),
-        Column("tasks_done", None, lambda row: f"{len(row.scores)}/{len(board.tasks)}"),
+        # Of the tasks the means count: with a suite, a run of a task outside it makes no row more done.
+        Column("tasks_done", None, lambda row: f"{sum(t in row.scores for t in counted)}/{len(counted)}"),
         Column(
             "trainable",
             "Trainable M (%)",

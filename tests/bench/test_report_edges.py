@@ -199,7 +199,10 @@ def test_a_run_of_a_task_outside_the_suite_has_its_column_and_no_part_in_the_mea
     md = (tmp_path / "leaderboard.md").read_text()
     assert "| dtd (not in the suite) |" in md and "unweighted mean over the 7 tasks" in md
     assert "**(not in the suite)**: dtd, not a task of suite `mini`" in md
-    assert float(read_csv(tmp_path / "leaderboard.csv")["linear"]["task_mean"]) == 73.0
+    csv = read_csv(tmp_path / "leaderboard.csv")
+    assert float(csv["linear"]["task_mean"]) == 73.0
+    # Of the suite's tasks: it read 8/8 for linear, 7/8 for lora, complete as well.
+    assert csv["linear"]["tasks_done"] == csv["lora"]["tasks_done"] == f"{len(mini.tasks)}/{len(mini.tasks)}"
 
 
 def test_a_run_of_own_data_outside_the_suite_leaves_its_benchmark_tasks_named_as_such(tmp_path):
