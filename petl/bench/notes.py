@@ -458,7 +458,9 @@ CD_FILE = "critical_difference.png"
 
 
 def comparison_lines(board: Leaderboard) -> list[str]:
-    """The comparison section's sentences: the blocks, Friedman's test, Nemenyi's, the groups (Markdown)."""
+    """The comparison section's sentences: the blocks, Friedman's test, Nemenyi's (of two methods, the exact sign
+    test), the groups (Markdown).
+    """
     found = board.ranking
     if not isinstance(found, ranking.Ranking):
         return [(f"Not tested: {found}." if found else "Not tested.") + unranked(board)]
