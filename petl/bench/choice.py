@@ -106,8 +106,12 @@ def train_seconds(row: ExperimentRow) -> float:
 
 
 def chosen_run(row: ExperimentRow) -> Path:
-    """The folder of the row's run to use: its lowest seed's (picked without looking at test numbers)."""
-    return min(row.runs, key=lambda r: r.seed).path.parent
+    """The folder of the row's run to use: its lowest seed's (picked without looking at test numbers).
+
+    Of the runs its figures read (:attr:`~petl.bench.board.ExperimentRow.counted_runs`): a run of a seed outside the
+    suite (an earlier ``seeds=``'s, in the same folder) is in none of the numbers the answer gives.
+    """
+    return min(row.counted_runs or row.runs, key=lambda r: r.seed).path.parent
 
 
 @dataclass(frozen=True)

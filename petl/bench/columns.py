@@ -140,7 +140,8 @@ def _selection(row: ExperimentRow, labels: dict[str, str]) -> str:
 def _published_columns(board: Leaderboard, table: PublishedTable) -> list[Column]:
     """One published table's columns: its row name (or why none), per-task figures (CSV), summaries, source."""
     prefix = f"published_{table.key}"
-    over = table.over_its_tasks(board.tasks)  # its means are over all its tasks, whichever this board ran
+    # Its means are over all its tasks, whichever this board's means cover (a suite's: not a task outside it).
+    over = table.over_its_tasks(board.counted_tasks)
 
     def of(compute: Callable[[PublishedRow], Any]) -> Callable[[ExperimentRow], Any]:
         # A figure of the row's published match; empty when there is none to show (the row column says why).
@@ -235,6 +236,7 @@ def leaderboard_columns(board: Leaderboard) -> list[Column]:
     published figures.
     """
     labels = task_labels(board.tasks)
+    counted = board.counted_tasks
     several_groups = len(board.group_names) > 1
     any_selection = any(r.result.selection is not None for row in board.rows for r in row.runs)
     tail_pct = round(100 * CONVERGENCE_TAIL)
@@ -260,7 +262,8 @@ def leaderboard_columns(board: Leaderboard) -> list[Column]:
             detail=True,
         ),
         Column("runs", None, lambda row: len(row.runs)),
-        Column("tasks_done", None, lambda row: f"{len(row.scores)}/{len(board.tasks)}"),
+        # Of the tasks the means count: with a suite, a run of a task outside it makes no row more done.
+        Column("tasks_done", None, lambda row: f"{sum(t in row.scores for t in counted)}/{len(counted)}"),
         Column(
             "trainable",
             "Trainable M (%)",

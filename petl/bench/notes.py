@@ -108,11 +108,12 @@ def notes(board: Leaderboard) -> list[str]:
     if board.published_names and benchmark_tasks(board):
         lines.append(ranking_line(board))
     for table in board.tables:
-        ran = len({table.column(t) for t in board.tasks if table.covers(t)} & set(table.columns()))
+        # The tasks the measured task mean covers: with a suite, not a task outside it (in no mean).
+        ran = len({table.column(t) for t in board.counted_tasks if table.covers(t)} & set(table.columns()))
         partial = (
             f" Its task mean, group mean and PPT are the published ones, over its {len(table.columns())} tasks, of "
             f"which this board ran {ran}: they do not compare with the measured task mean, the per-task figures do."
-            if table.over_its_tasks(board.tasks)
+            if table.over_its_tasks(board.counted_tasks)
             else ""
         )
         lines.append(
@@ -131,7 +132,9 @@ def name_labels(tasks: list[str]) -> dict[str, str]:
 
 
 def benchmark_tasks(board: Leaderboard) -> bool:
-    """Whether every task of the board is a benchmark's, none a user's own data or a name petl does not know.
+    """Whether every task the board's means count (:attr:`~petl.bench.board.Leaderboard.counted_tasks`) is a
+    benchmark's, none a user's own data or a name petl does not know; a task outside the suite, in no mean, is not
+    asked.
 
     A benchmark's task: one petl's dataset registry holds that does not read the user's files (``mini/digits``,
     ``vtab/cifar100``), or one a published table covers by its prefix (``fgvc/...``, registered by a plugin in the
@@ -147,7 +150,7 @@ def benchmark_tasks(board: Leaderboard) -> bool:
         except (KeyError, ValueError):
             return table_for(task) is not None  # unknown here: a benchmark's only if a published table has it
 
-    return all(benchmark(t) for t in board.tasks)
+    return all(benchmark(t) for t in board.counted_tasks)
 
 
 def flag_lines(board: Leaderboard) -> list[str]:
@@ -455,7 +458,9 @@ CD_FILE = "critical_difference.png"
 
 
 def comparison_lines(board: Leaderboard) -> list[str]:
-    """The comparison section's sentences: the blocks, Friedman's test, Nemenyi's, the groups (Markdown)."""
+    """The comparison section's sentences: the blocks, Friedman's test, Nemenyi's (of two methods, the exact sign
+    test), the groups (Markdown).
+    """
     found = board.ranking
     if not isinstance(found, ranking.Ranking):
         return [(f"Not tested: {found}." if found else "Not tested.") + unranked(board)]

@@ -160,7 +160,9 @@ class Ranking:
         return ""
 
     def differ(self, a: str, b: str) -> bool:
-        """Whether ``a`` and ``b`` differ at :attr:`alpha`: Friedman rejects, then Nemenyi does for the pair."""
+        """Whether ``a`` and ``b`` differ at :attr:`alpha`: Friedman rejects, then Nemenyi does for the pair (with two
+        methods, the exact sign test alone).
+        """
         return self.omnibus_rejects and self.p_values[a][b] < self.alpha
 
     def letters(self, method: str) -> str:

@@ -348,7 +348,7 @@ def published_tables(board: Leaderboard) -> list[Table]:
     for table in board.tables:
         covered = [t for t in board.tasks if table.covers(t)]
         labels = task_labels(covered)
-        over = table.over_its_tasks(board.tasks)
+        over = table.over_its_tasks(board.counted_tasks)  # beside the measured task mean: the suite's tasks
         headers = [
             Header("experiment", "petl experiment", "info"),
             Header("published_method", "Published row", "published"),

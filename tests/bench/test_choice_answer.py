@@ -103,3 +103,17 @@ def test_a_budget_of_seconds_takes_no_suffix():
     with pytest.raises(ValueError, match=r"^budget\.train_seconds=10m: expected a positive number \(seconds: 600 for"):
         choice.Budget.parse({"budget.train_seconds": "10m"})
     assert choice.Budget.parse({"budget.train_seconds": "600", "budget.params": "1.5M"}) == choice.Budget(1.5e6, 600)
+
+
+def test_the_run_to_use_is_one_of_the_seeds_the_answer_reads(tmp_path, monkeypatch):
+    # Was: the lowest seed of all the row's runs, so after seeds=0 and then seeds=1,2 into the same folder the answer
+    # gave lora's mean over seeds 1 and 2 and told to use seed 0's run, which is in none of its numbers.
+    monkeypatch.setattr(choice, "exportable", lambda run: False)
+    for method, top1 in (("lora", 70.0), ("linear", 60.0)):
+        for seed in (0, 1, 2):
+            write_run(tmp_path / "folder" / method / f"seed{seed}", result_record("folder", method, seed, top1 + seed))
+    plan = report.Plan("choose", ("lora", "linear"), ("folder",), (1, 2))
+    answer = choice.choose(report.build_board(tmp_path, plan=plan), choice.Budget())
+    assert answer.best is not None and answer.best.experiment == "lora" and answer.best.scores["folder"].mean == 71.5
+    assert answer.run_dir == tmp_path / "folder" / "lora" / "seed1"
+    assert f"`petl-predict {tmp_path / 'folder' / 'lora' / 'seed1'} IMAGES`" in answer.paragraph

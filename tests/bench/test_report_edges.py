@@ -62,6 +62,22 @@ def test_a_board_of_every_published_task_keeps_the_plain_labels(tmp_path):
     assert "| Published vtab1k task mean | Published vtab1k group mean |" in md and "its 19 tasks" not in md
 
 
+def test_a_suite_short_of_a_published_task_says_so_though_a_run_outside_it_has_that_task(tmp_path):
+    # Was: a suite of 18 of VTAB-1k's 19 tasks, in a folder also holding a run of the 19th (outside the suite, in no
+    # mean), showed the published task mean, group mean and PPT under plain labels beside a measured task mean over
+    # 18 tasks, and no legend line saying the published means are over other tasks than the measured one.
+    from petl.bench.notes import notes
+    from petl.bench.report import Plan, build_board, published_tables
+
+    for task in VTAB_TASKS:
+        write_run(tmp_path, task, "lora", 0, top1=VTAB_ROWS["LoRA"].top1[VTAB.column(task)], model=VTAB.backbone)
+    board = build_board(tmp_path, plan=Plan("eighteen", ("lora",), tuple(VTAB_TASKS[:-1]), (0,)))
+    labels = {c.label for c in board.columns}
+    assert {"Published vtab1k task mean (its 19 tasks)", "Published vtab1k PPT (its 19 tasks)"} <= labels
+    assert "Task mean (its 19 tasks)" in [h.label for h in published_tables(board)[0].headers]
+    assert any("over its 19 tasks, of which this board ran 18: they do not compare" in line for line in notes(board))
+
+
 def test_a_report_over_an_earlier_one_leaves_no_figure_of_the_earlier_board(tmp_path):
     # Was: a first report drew critical_difference.png and learning_curves.png; a second one into the same folder,
     # with one row left (or no curves), wrote its pages and kept both figures, which still showed the earlier rows.
@@ -183,7 +199,26 @@ def test_a_run_of_a_task_outside_the_suite_has_its_column_and_no_part_in_the_mea
     md = (tmp_path / "leaderboard.md").read_text()
     assert "| dtd (not in the suite) |" in md and "unweighted mean over the 7 tasks" in md
     assert "**(not in the suite)**: dtd, not a task of suite `mini`" in md
-    assert float(read_csv(tmp_path / "leaderboard.csv")["linear"]["task_mean"]) == 73.0
+    csv = read_csv(tmp_path / "leaderboard.csv")
+    assert float(csv["linear"]["task_mean"]) == 73.0
+    # Of the suite's tasks: it read 8/8 for linear, 7/8 for lora, complete as well.
+    assert csv["linear"]["tasks_done"] == csv["lora"]["tasks_done"] == f"{len(mini.tasks)}/{len(mini.tasks)}"
+
+
+def test_a_run_of_own_data_outside_the_suite_leaves_its_benchmark_tasks_named_as_such(tmp_path):
+    # Was: a run of a task petl does not know ("my photos": a user's own data), outside the suite and in no mean, made
+    # the board no benchmark's: the legend dropped the group mean's definition, and the published-ordering line went.
+    from petl.bench.notes import benchmark_tasks, notes
+    from petl.bench.report import Plan, build_board
+
+    for experiment, top1 in (("lora", 80.0), ("linear", 70.0)):
+        for task in ("mini/digits", "mini/mnist"):
+            write_run(tmp_path, task, experiment, 0, top1=top1)
+    write_run(tmp_path, "my photos", "lora", 0, top1=50.0)
+    board = build_board(tmp_path, plan=Plan("two", ("lora", "linear"), ("mini/digits", "mini/mnist"), (0,)))
+    assert "my photos" in board.tasks and benchmark_tasks(board)
+    assert "**Group mean** = mean of the group averages" in notes(board)[1]
+    assert not benchmark_tasks(build_board(tmp_path))  # without a suite, every task is the board's
 
 
 def test_a_task_outside_the_suite_is_never_called_saturated(tmp_path):
