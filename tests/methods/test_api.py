@@ -714,12 +714,17 @@ def test_peft_inits_computed_from_the_weights_still_apply(tiny_vit, images, init
     assert qkv.lora_A["default"].weight.grad is not None
 
 
-@pytest.mark.parametrize("method", ["lora", "peft", "ssf"])
-def test_a_merged_state_dict_without_the_base_weights_leaves_the_model_unmerged(tiny_vit, images, method):
+@pytest.mark.parametrize(
+    ("method", "options"),
+    [("lora", {}), ("peft", {}), ("ssf", {}), ("gps", {}), ("peft", {"options": '{"bias": "all"}'})],
+    ids=["lora", "peft", "ssf", "gps", "peft-bias-all"],
+)
+def test_a_merged_state_dict_without_the_base_weights_leaves_the_model_unmerged(tiny_vit, images, method, options):
     # A merged state dict cut down in place to the method's tensors (del sd[key] keeps torch's metadata) and loaded
     # with strict=False: the wrappers were marked merged while their base weights stayed without the update, so the
-    # forward ran the frozen base alone and dropped the update, silently.
-    model = petl.apply(tiny_vit(), method, num_classes=3).eval()
+    # forward ran the frozen base alone and dropped the update, silently.  GPS and peft's bias="all" train the base
+    # layer's own bias: the cut-down state dict holds it, and not the weight the update was merged into.
+    model = petl.apply(tiny_vit(), method, num_classes=3, **options).eval()
     perturb_trainable(model)
     with torch.no_grad():
         expected = model(images)
@@ -727,7 +732,7 @@ def test_a_merged_state_dict_without_the_base_weights_leaves_the_model_unmerged(
     trained = {n for n, p in model.named_parameters() if p.requires_grad}
     for key in [k for k in state if k not in trained]:
         del state[key]
-    fresh = petl.apply(tiny_vit(), method, num_classes=3).eval()
+    fresh = petl.apply(tiny_vit(), method, num_classes=3, **options).eval()
     fresh.load_state_dict(state, strict=False)
     with torch.no_grad():
         assert torch.allclose(fresh(images), expected, atol=1e-5)
