@@ -528,7 +528,7 @@ def test_a_file_already_merged_into_the_model_is_refused_not_added_twice(tiny_vi
     petl.load_trainable(model, tmp_path / "other.safetensors")
 
 
-@pytest.mark.parametrize("method", ["fact", "hydra", "lora", "peft", "repadapter", "ssf"])
+@pytest.mark.parametrize("method", ["fact", "gps", "hydra", "lora", "peft", "repadapter", "ssf"])
 def test_a_state_dict_saved_merged_or_unmerged_loads_as_it_was_saved(tiny_vit, images, tmp_path, method):
     # A merged model's state dict holds the update in the base weights and again in the method's tensors: loaded with
     # torch's load_state_dict into an unmerged model (or the reverse), the update counted twice (or not at all).
