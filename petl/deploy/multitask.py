@@ -75,7 +75,7 @@ from torch import nn
 
 from petl.deploy.graphs import LayoutGraph, LayoutGraphs, capture, storage_of
 from petl.deploy.routing import Batch, RoutedBlock, RoutedModule, Router, method_name, task_sites
-from petl.model.backbone import Backbone, backbone_of
+from petl.model.backbone import Backbone, backbone_of, naflexvit
 from petl.model.io import load_trainable, meta_copy, read_header, read_trainable_metadata
 from petl.model.params import trainable_state
 from petl.model.rows import CannotShare, RowHook, Tokens, rows_matmul
@@ -347,8 +347,8 @@ class MultiTask(nn.Module):
         _check_task_names(tasks)
         backbone.requires_grad_(False).eval()
         self.names = [str(name) for name in tasks]
-        # What timm's patch embedding takes: its channels, and its image size where it holds to one (it would raise an
-        # AssertionError or a convolution's shape error on other images; _check_images says it in one line).
+        # What timm's patch embedding takes: its channels, and its image size where it holds to one (or a shape error:
+        # _check_images says it in one line), or a NaFlexEva's rotation (block_inputs': the model's grid, timm's: any).
         embed = getattr(backbone, "patch_embed", None)
         proj = getattr(embed, "proj", None)
         # A hybrid ViT's (timm's HybridEmbed) proj takes its CNN's features: the images' channels are its in_chans.
@@ -356,7 +356,8 @@ class MultiTask(nn.Module):
         self._channels = channels if channels is not None else proj.in_channels if isinstance(proj, nn.Conv2d) else None
         size = getattr(embed, "img_size", None)  # timm turns strict_img_size off where the size is dynamic
         strict = getattr(embed, "strict_img_size", False) and isinstance(size, tuple | list)
-        self._image_size = tuple(size) if strict else None
+        roped = isinstance(bb, naflexvit.NaFlexEva) and backbone.rope is not None
+        self._image_size = tuple(size) if strict else bb.image_size() if roped else None
         models, hooks, rooms = [], [], False
         besides: dict[int, dict[str, RowHook]] = {}
         for name, path in tasks.items():

@@ -375,7 +375,7 @@ def _restore_merged(layer: Any, state_dict: dict, prefix: str, local_metadata: d
     adapters' updates as the saved layer's did, so it is marked merged as that one was (never counting one twice).
     A state dict without them (cut down to the adapters' tensors) leaves the layer's mark as it is.
     """
-    if MERGED_KEY in local_metadata and holds_child(state_dict, prefix, "base_layer"):
+    if MERGED_KEY in local_metadata and holds_child(state_dict, prefix, "base_layer", layer.base_layer):
         layer.merged_adapters = list(local_metadata[MERGED_KEY])
 
 

@@ -198,7 +198,7 @@ def merge(model: nn.Module, unload: bool | None = None) -> nn.Module:
     The model's ``state_dict()`` says which wrappers are merged (in torch's state-dict metadata, which ``torch.save``
     keeps; a copy into a plain dict drops it): ``load_state_dict`` onto a model of the same method and config marks
     its wrappers merged or unmerged as the saved ones were, so the update counts once either way (a wrapper whose
-    base weights the state dict does not hold, one cut down to the method's tensors, keeps its mark).  A merged
+    base weights the state dict does not all hold, one cut down to the method's tensors, keeps its mark).  A merged
     wrapper's tensors get no gradient: a forward in train mode with autograd on while they require grad is refused
     (:func:`petl.unmerge` first to train on); in eval mode, without autograd, or with them frozen it runs.
 

@@ -59,10 +59,15 @@ def check_merged_not_training(layer: nn.Module, base: nn.Module) -> None:
         )
 
 
-def holds_child(state_dict: dict, prefix: str, child: str) -> bool:
-    """Whether ``state_dict`` holds a tensor of the module at ``prefix`` + ``child`` (a wrapper's base layer)."""
-    start = f"{prefix}{child}."
-    return any(key.startswith(start) for key in state_dict)
+def holds_child(state_dict: dict, prefix: str, child: str, module: nn.Module) -> bool:
+    """Whether ``state_dict`` holds every parameter of ``module``, the child ``child`` of the module at ``prefix`` (a
+    wrapper's base layer, whose weights a merge writes).
+
+    Every one, not any: a method may train one of the base layer's own tensors (GPS its bias), so a state dict cut
+    down to the trained tensors holds that one and not the weight the update was merged into.
+    """
+    names = [f"{prefix}{child}.{name}" for name, _ in module.named_parameters()]
+    return bool(names) and all(name in state_dict for name in names)
 
 
 class PetlModule(nn.Module):
@@ -93,7 +98,7 @@ class PetlModule(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, local_metadata, *args)
         # ``base``'s weights (loaded next, as a child) hold the update or not as the saved wrapper's did; a state dict
         # without them (cut down to the method's tensors, strict=False) leaves them, and the mark, as they are.
-        if MERGED_KEY in local_metadata and holds_child(state_dict, prefix, "base"):
+        if MERGED_KEY in local_metadata and holds_child(state_dict, prefix, "base", self.base):
             self._merged = bool(local_metadata[MERGED_KEY])
 
     @property

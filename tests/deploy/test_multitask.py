@@ -808,6 +808,24 @@ def test_a_mixed_batch_on_another_family_gives_each_row_its_own_tasks_logits(tmp
         assert "\n" not in str(error.value)
 
 
+def test_a_naflexvit_with_a_rotary_embedding_takes_its_own_image_size_only(tmp_path):
+    # A NaFlexVit resamples its position grid to any image, and so does a MultiTask of one; with EvaBlocks the shared
+    # blocks get the rotation of the model's grid (block_inputs): other images failed with a tensor size mismatch
+    # inside the attention, where the task's own model (timm's forward, a rotation per image grid) ran them.
+    for family, served in (("naflexvit", True), ("naflexvit_rope_mixed", False)):
+        backbone = make_tiny_family(family)
+        _, files = _save(tmp_path / family, {"a": ("lora", {})}, backbone)
+        multi = petl.MultiTask(backbone, files)
+        images = torch.randn(2, 3, 48, 48, generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            if served:
+                assert multi(images, ["a", "a"]).shape == (2, multi.num_classes["a"])
+                continue
+            with pytest.raises(ValueError, match=r"^images are 48x48 px: the backbone takes 32x32; preprocess") as e:
+                multi(images, ["a", "a"])
+        assert "\n" not in str(e.value)
+
+
 def test_a_mixed_batch_on_parallel_blocks_gives_each_row_its_own_tasks_logits(tmp_path):
     # vit_pwee: LoRA's q/v/fc1 rows of in_proj, AdaptFormer reading the block's input (one residual), Convpass beside
     # the inline sub-layers, peft on the block's own Linear names; the variants naming qkv or fc1 Linears are refused

@@ -528,7 +528,7 @@ def test_a_file_already_merged_into_the_model_is_refused_not_added_twice(tiny_vi
     petl.load_trainable(model, tmp_path / "other.safetensors")
 
 
-@pytest.mark.parametrize("method", ["fact", "hydra", "lora", "peft", "repadapter", "ssf"])
+@pytest.mark.parametrize("method", ["fact", "gps", "hydra", "lora", "peft", "repadapter", "ssf"])
 def test_a_state_dict_saved_merged_or_unmerged_loads_as_it_was_saved(tiny_vit, images, tmp_path, method):
     # A merged model's state dict holds the update in the base weights and again in the method's tensors: loaded with
     # torch's load_state_dict into an unmerged model (or the reverse), the update counted twice (or not at all).
@@ -714,12 +714,17 @@ def test_peft_inits_computed_from_the_weights_still_apply(tiny_vit, images, init
     assert qkv.lora_A["default"].weight.grad is not None
 
 
-@pytest.mark.parametrize("method", ["lora", "peft", "ssf"])
-def test_a_merged_state_dict_without_the_base_weights_leaves_the_model_unmerged(tiny_vit, images, method):
+@pytest.mark.parametrize(
+    ("method", "options"),
+    [("lora", {}), ("peft", {}), ("ssf", {}), ("gps", {}), ("peft", {"options": '{"bias": "all"}'})],
+    ids=["lora", "peft", "ssf", "gps", "peft-bias-all"],
+)
+def test_a_merged_state_dict_without_the_base_weights_leaves_the_model_unmerged(tiny_vit, images, method, options):
     # A merged state dict cut down in place to the method's tensors (del sd[key] keeps torch's metadata) and loaded
     # with strict=False: the wrappers were marked merged while their base weights stayed without the update, so the
-    # forward ran the frozen base alone and dropped the update, silently.
-    model = petl.apply(tiny_vit(), method, num_classes=3).eval()
+    # forward ran the frozen base alone and dropped the update, silently.  GPS and peft's bias="all" train the base
+    # layer's own bias: the cut-down state dict holds it, and not the weight the update was merged into.
+    model = petl.apply(tiny_vit(), method, num_classes=3, **options).eval()
     perturb_trainable(model)
     with torch.no_grad():
         expected = model(images)
@@ -727,7 +732,7 @@ def test_a_merged_state_dict_without_the_base_weights_leaves_the_model_unmerged(
     trained = {n for n, p in model.named_parameters() if p.requires_grad}
     for key in [k for k in state if k not in trained]:
         del state[key]
-    fresh = petl.apply(tiny_vit(), method, num_classes=3).eval()
+    fresh = petl.apply(tiny_vit(), method, num_classes=3, **options).eval()
     fresh.load_state_dict(state, strict=False)
     with torch.no_grad():
         assert torch.allclose(fresh(images), expected, atol=1e-5)
