@@ -103,3 +103,17 @@ def test_a_budget_of_seconds_takes_no_suffix():
     with pytest.raises(ValueError, match=r"^budget\.train_seconds=10m: expected a positive number \(seconds: 600 for"):
         choice.Budget.parse({"budget.train_seconds": "10m"})
     assert choice.Budget.parse({"budget.train_seconds": "600", "budget.params": "1.5M"}) == choice.Budget(1.5e6, 600)
+
+
+def test_choice_md_names_the_figures_its_report_drew(tmp_path, monkeypatch):
+    # choice.md said "pareto.png, critical_difference.png" whatever was drawn, and never learning_curves.png.
+    from petl.bench import own_run
+
+    monkeypatch.setattr(choice, "exportable", lambda run: False)
+    for method, top1 in (("lora", 70.0), ("linear", 60.0)):
+        write_run(tmp_path / "folder" / method / "seed0", result_record("folder", method, 0, top1), val=[50.0, top1])
+    report.write_report(tmp_path)
+    assert report.figures_drawn(tmp_path) == ["pareto.png", "learning_curves.png"]  # one seed: no rank test
+    own_run.answer_for(tmp_path, choice.Budget())
+    said = (tmp_path / choice.CHOICE_FILE).read_text()
+    assert "(also `.csv`, `.html`, `pareto.png`, `learning_curves.png`) in this folder" in said
