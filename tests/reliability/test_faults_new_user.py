@@ -71,6 +71,27 @@ def test_an_unfinished_run_is_named_as_one_by_every_command(tmp_path, capsys):
     assert not (tmp_path / "exported").exists()
 
 
+def test_a_run_stopped_before_its_first_epoch_ended_is_named_as_one(tmp_path, capsys):
+    # Ctrl-C in the first epoch leaves config.yaml and metrics.jsonl, no checkpoint: petl-predict said "is not a run
+    # folder (no trainable.safetensors): give a petl-run output_dir first" of the output_dir petl-run had made.
+    run = tmp_path / "u"
+    run.mkdir()
+    for name in ("config.yaml", "metrics.jsonl"):
+        (run / name).write_text("")
+    said = f"{run} is a petl-run folder stopped before its first epoch ended (config.yaml without checkpoint.pt or "
+    said += "result.json): run the same petl-run command again to train it"
+    image = _image(tmp_path / "a.png")
+    for main, argv in [
+        (predict_cli.main, [str(run), str(image)]),
+        (export_cli.main, [str(run), f"out={tmp_path / 'exported'}"]),
+        (serve_cli.main, [str(run)]),
+    ]:
+        code, err = _main(main, argv, capsys)
+        assert code == 2 and err.count("\n") == 1 and f"error: {said}" in err, (argv, err)
+    with pytest.raises(RunFolderError, match=re.escape(said)):
+        petl.load_run(run)
+
+
 def test_petl_serve_on_a_folder_leaves_out_runs_set_aside_and_unfinished_ones_naming_them(tmp_path, capsys):
     # Both lin.replaced-<time> (the run resume=false replaced) and lin were served as tasks; u was left out silently.
     runs = tmp_path / "sw"
