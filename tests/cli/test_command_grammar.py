@@ -276,6 +276,19 @@ def test_every_help_is_plain_text(module, capsys):
     assert not MARKUP.search(text), MARKUP.search(text)
 
 
+@pytest.mark.parametrize("module", [run_cli, pretrain, bench, predict, export, serve], ids=lambda m: m.PROG)
+def test_every_page_a_help_points_to_exists(module, capsys):
+    # petl-serve's help sent a reader to "petl.deploy.serve" (a Python module) for its routes, not to docs/serving.md.
+    with pytest.raises(SystemExit):
+        raise SystemExit(module.main(["--help"]))
+    text = capsys.readouterr().out
+    assert "See petl." not in text
+    for page in re.findall(r"docs/[a-z0-9_/-]+\.md", text):  # docs/methods/NAME.md: a placeholder
+        assert (ROOT / page).is_file(), page
+    if module is serve:
+        assert "docs/serving.md" in text
+
+
 def test_plain_takes_docstring_markup_off():
     text = "``petl-bench`` :class:`~petl.bench.board.Leaderboard` :mod:`petl.cli` `x=1` **bold** Usage::\n"
     assert grammar.plain(text) == "petl-bench petl.bench.board.Leaderboard petl.cli x=1 bold Usage:\n"
