@@ -218,6 +218,14 @@ def test_petl_bench_help_answers_before_the_commands_load():
     assert bench.PROG == "petl-bench"
 
 
+@pytest.mark.parametrize("argv", [["speed", "--help"], ["report", "runs", "-h"], ["suite=mini", "--help"]])
+def test_petl_bench_help_answers_after_a_command_or_a_key(argv, capsys):
+    # Was: "petl-bench: error: expected key=value, got '--help'" (exit 2) after a command, as every other petl command
+    # takes --help anywhere on its line.
+    code, out, err = command_status(capsys, bench.main, *argv)
+    assert code == 0 and out.startswith("petl-bench: run a benchmark suite") and err == ""
+
+
 @pytest.mark.parametrize("module", ["petl.cli.predict", "petl.cli.export", "petl.cli.pretrain", "petl.cli.serve"])
 def test_help_imports_neither_torch_nor_timm(module):
     code = f"import sys; sys.argv = ['x', '--help']\nfrom {module} import main\ntry:\n    main()\nexcept SystemExit:\n"
