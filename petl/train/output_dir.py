@@ -58,6 +58,9 @@ def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def _difference(old: dict[str, Any], new: dict[str, Any]) -> str:
     keys = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+    # An empty mapping is a key of its own when flattened (model.kwargs: {}), and gone once a key is set in it: the
+    # key set is the difference, not "model.kwargs: {} -> None" beside it.
+    keys = [k for k in keys if not ({} in (old.get(k), new.get(k)) and any(o.startswith(f"{k}.") for o in keys))]
     return ", ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in keys[:3]) + (" ..." if len(keys) > 3 else "")
 
 
