@@ -297,6 +297,17 @@ def test_every_page_a_help_points_to_exists(module, capsys):
         assert "docs/serving.md" in text
 
 
+def test_petl_pretrain_help_says_the_default_of_every_option_taking_a_value(capsys):
+    # --epochs, --lr, --batch-size... were listed bare: the help gave no idea of what a plain petl-pretrain runs.
+    with pytest.raises(SystemExit):
+        pretrain.main(["--help"])
+    options = capsys.readouterr().out.split("\noptions:\n")[1]
+    entries = re.split(r"\n  (?=-)", options)  # one per option, its wrapped help lines with it
+    valued = [e for e in entries if re.match(r"--[\w-]+ [A-Z_{]", e)]
+    assert len(valued) == 13
+    assert [e.split()[0] for e in valued if "(default: " not in " ".join(e.split())] == []
+
+
 def test_plain_takes_docstring_markup_off():
     text = "``petl-bench`` :class:`~petl.bench.board.Leaderboard` :mod:`petl.cli` `x=1` **bold** Usage::\n"
     assert grammar.plain(text) == "petl-bench petl.bench.board.Leaderboard petl.cli x=1 bold Usage:\n"
