@@ -92,6 +92,14 @@ def test_a_run_stopped_before_its_first_epoch_ended_is_named_as_one(tmp_path, ca
         petl.load_run(run)
 
 
+def test_images_given_before_the_run_are_said_to_come_after_it(tmp_path, capsys):
+    # Was "a.png is not a run folder (no trainable.safetensors): give a petl-run output_dir first", the run given.
+    run, image = _finished(tmp_path / "run"), _image(tmp_path / "a.png")
+    code, err = _main(predict_cli.main, [str(image), str(run)], capsys)
+    said = f"error: {image} is not a run folder, {run} is: give the run folders first, then the images (petl-predict "
+    assert code == 2 and err.count("\n") == 1 and said in err, err
+
+
 def test_petl_serve_on_a_folder_leaves_out_runs_set_aside_and_unfinished_ones_naming_them(tmp_path, capsys):
     # Both lin.replaced-<time> (the run resume=false replaced) and lin were served as tasks; u was left out silently.
     runs = tmp_path / "sw"
