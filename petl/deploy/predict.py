@@ -702,5 +702,7 @@ def run_command(positional: list[str], options: dict, merge: bool = False, quiet
             print(f"wrote {shown(options['out'])} ({plural(len(predictions), 'row')})")
     if bad:
         listing = "; ".join(f"{shown(path)} ({reason})" for path, reason in bad)
-        raise UsageError(f"{len(bad)} image(s) cannot be read, the others were predicted: {listing}")
+        # With nothing predicted there are no others to speak of (one bad image given alone, or every one bad).
+        others = ", the others were predicted" if predictions else ", nothing was predicted"
+        raise UsageError(f"{len(bad)} image(s) cannot be read{others}: {listing}")
     return 0
