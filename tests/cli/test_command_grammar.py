@@ -271,6 +271,16 @@ def test_petl_run_help_with_an_override_is_hydras_composed_one(monkeypatch):
     assert calls == [["--help", "method=vpt"]]
 
 
+def test_petl_run_composed_help_points_to_what_each_key_and_option_means():
+    # petl-run method=adapter --help listed "dim: null" with no word of where null's meaning is.
+    import yaml
+
+    footer = yaml.safe_load((ROOT / "petl" / "conf" / "config.yaml").read_text())["hydra"]["help"]["footer"]
+    assert "docs/cli.md" in footer and "docs/methods/NAME.md" in footer
+    for page in re.findall(r"docs/[a-z0-9_/-]+\.md", footer):
+        assert (ROOT / page).is_file(), page
+
+
 # Docstring markup that a terminal shows raw: Sphinx roles, RST literals, Markdown code and bold.
 MARKUP = re.compile(r":(mod|class|func|data|meth|attr):`|``|`[^`\s][^`]*`|\*\*[^*\s][^*]*\*\*")
 
