@@ -211,6 +211,23 @@ def test_an_override_after_petl_runs_info_is_one_line_saying_so():
         made.parse_intermixed_args(["--info", "method=lora"])
 
 
+@pytest.mark.parametrize(
+    ("argv", "hydra_gets"),
+    [
+        (["method=lora", "--info"], ["--info=all", "method=lora"]),
+        (["method=lora", "--info", "defaults", "seed=1"], ["--info=defaults", "method=lora", "seed=1"]),
+        (["-i", "config", "method=lora"], ["--info=config", "method=lora"]),
+    ],
+)
+def test_petl_run_hands_hydra_info_with_its_topic_as_one_word(argv, hydra_gets, monkeypatch):
+    # Hydra gets the flags before the overrides: "method=lora --info" reached it as "--info method=lora", and Hydra
+    # printed its 7 lines of usage and "invalid choice: 'method=lora'" (exit 2) for a line petl-run's help allows.
+    calls = []
+    monkeypatch.setattr(run_cli, "_run_hydra", calls.append)
+    run_cli.main(argv)
+    assert calls == [hydra_gets]
+
+
 def test_petl_bench_help_answers_before_the_commands_load():
     code = "import sys; from petl.cli import bench; bench.main(['--help']); print(sorted(m for m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
