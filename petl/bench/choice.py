@@ -14,6 +14,7 @@ failed or unfinished run) and the suite's experiments with no finished run at al
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -268,13 +269,20 @@ def cost_lines(estimate: dict[str, Any] | None, measured_seconds: float | None) 
     return [said + f"; they took {duration(measured_seconds)} ({ratio:.2f}x the estimate)."]
 
 
-def write_choice(output_dir: Path, choice: Choice, estimate: dict[str, Any] | None, measured: float | None) -> Path:
-    """``choice.md``: the paragraph and the cost, beside the leaderboard."""
+def write_choice(
+    output_dir: Path,
+    choice: Choice,
+    estimate: dict[str, Any] | None,
+    measured: float | None,
+    figures: Sequence[str] = ("pareto.png",),
+) -> Path:
+    """``choice.md``: the paragraph and the cost, beside the leaderboard and the ``figures`` its report drew."""
     path = Path(output_dir) / CHOICE_FILE
     lines = ["# Which method for this data", "", choice.paragraph, "", *cost_lines(estimate, measured), ""]
+    also = ", ".join(f"`{name}`" for name in (".csv", ".html", *figures))
     lines += [
-        "The leaderboard: `leaderboard.md` (also `.csv`, `.html`, `pareto.png`, `critical_difference.png`) in this "
-        "folder; its section *Which differences are real* gives the rank test in full.",
+        f"The leaderboard: `leaderboard.md` (also {also}) in this folder; its section *Which differences are real* "
+        "gives the rank test in full.",
         "",
     ]
     write_text(path, "\n".join(lines))  # whole or not at all, as every file petl writes

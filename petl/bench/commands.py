@@ -194,11 +194,9 @@ def _finish(summary: SweepSummary, output_dir: Path, own: dict[str, str], any_do
         # The whole suite's plan, even when methods=/tasks=/seeds= ran part of it: the rest shows as not run yet.
         plan = report.Plan(suite.name, tuple(suite.experiments), tuple(suite.tasks), tuple(suite.seeds))
         write_report(output_dir, configs_dir=configs_folder(own), plan=plan)
-        # The figures it drew, as `report` names them: the report removes one it does not draw.
-        figures = [name for name in (report.CURVES_FILE, notes.CD_FILE) if (output_dir / name).is_file()]
         print(
             f"petl-bench: leaderboard written to {output_dir}/leaderboard.{{md,csv,html}}, "
-            + ", ".join(["pareto.png", *figures])
+            + ", ".join(report.figures_drawn(output_dir))
         )
     if (idle := summary.idle_line()) is not None:
         print(f"petl-bench: {idle}")
@@ -318,11 +316,9 @@ def cmd_report(args: Sequence[str]) -> int:
     # suite=NAME: the suite the runs came from, so that the report marks what it has not run yet.
     plan = report.plan_of(own["suite"], configs) if "suite" in own else None
     board = write_report(positional[0], own.get("out"), configs, plan)
-    # The report removes a figure it does not draw (an earlier report's), so the folder says which it drew.
-    figures = [name for name in (report.CURVES_FILE, notes.CD_FILE) if (Path(out) / name).is_file()]
     print(
         f"petl-bench: {plural(len(board.rows), 'experiment')} x {plural(len(board.tasks), 'task')} -> "
-        f"{out}/leaderboard.{{md,csv,html}}, {out}/pareto.png" + "".join(f", {out}/{name}" for name in figures)
+        f"{out}/leaderboard.{{md,csv,html}}" + "".join(f", {out}/{name}" for name in report.figures_drawn(out))
     )
     # Names as they are on the console: their Markdown escapes (\*) are for the pages.
     if plan is not None:

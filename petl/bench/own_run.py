@@ -192,5 +192,6 @@ def answer_for(output_dir: Path, budget: choice.Budget, plan: Any = None, config
     )
     answer = choice.choose(board, budget, own_data.read_record(output_dir))
     estimate = costs.read_estimate(output_dir)
-    choice.write_choice(output_dir, answer, estimate, (estimate or {}).get("measured_seconds"))
+    measured = (estimate or {}).get("measured_seconds")
+    choice.write_choice(output_dir, answer, estimate, measured, report.figures_drawn(output_dir))
     return answer

@@ -516,6 +516,14 @@ def pareto_png(board: Leaderboard) -> bytes:
 CURVES_FILE = "learning_curves.png"
 
 
+def figures_drawn(out: str | Path) -> list[str]:
+    """The figures a report wrote into ``out``: ``pareto.png``, then the curves and the rank test's diagram where drawn.
+
+    :func:`write_report` removes a figure it does not draw (an earlier report's), so the folder says which it drew.
+    """
+    return ["pareto.png", *(name for name in (CURVES_FILE, CD_FILE) if (Path(out) / name).is_file())]
+
+
 def learning_curves_png(board: Leaderboard) -> bytes | None:
     """``learning_curves.png``: val top-1 per epoch on one task, a panel per method family; ``None`` without curves."""
     found = learning_curves(board)

@@ -90,7 +90,8 @@ def _as_error(line: str) -> str:
 
 
 def _dispatch(args: list[str]) -> int:
-    if args and args[0] in ("-h", "--help", "help"):
+    # --help anywhere, as every petl command takes it: `petl-bench speed --help` was refused as a key=value.
+    if any(a in ("-h", "--help") for a in args) or args[:1] == ["help"]:
         from petl.cli.args import plain
 
         print(plain(__doc__))

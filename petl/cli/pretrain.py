@@ -73,26 +73,31 @@ def build_parser() -> Parser:
         default="vit_fractal_tiny_patch4_32",
         help="timm architecture to pretrain, taking 32 px images (default: vit_fractal_tiny_patch4_32)",
     )
-    parser.add_argument("--classes", type=int, default=300, help="number of fractal classes (2 or more)")
-    parser.add_argument("--instances", type=int, default=100, help="training images per class")
-    parser.add_argument("--epochs", type=int, default=8)
-    parser.add_argument("--batch-size", type=int, default=128)
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--weight-decay", type=float, default=0.05)
-    parser.add_argument("--warmup-frac", type=float, default=0.05)
-    parser.add_argument("--label-smoothing", type=float, default=0.1)
+    # Each default said: without them the help gave no idea of what a bare petl-pretrain trains, or for how long.
+    parser.add_argument("--classes", type=int, default=300, help="number of fractal classes, 2 or more (default: 300)")
+    parser.add_argument("--instances", type=int, default=100, help="training images per class (default: 100)")
+    parser.add_argument("--epochs", type=int, default=8, help="passes over the images (default: 8)")
+    parser.add_argument("--batch-size", type=int, default=128, help="images per step (default: 128)")
+    parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate of AdamW (default: 0.001)")
+    parser.add_argument("--weight-decay", type=float, default=0.05, help="AdamW weight decay (default: 0.05)")
+    parser.add_argument(
+        "--warmup-frac", type=float, default=0.05, help="share of the steps in linear warm-up (default: 0.05)"
+    )
+    parser.add_argument(
+        "--label-smoothing", type=float, default=0.1, help="cross-entropy label smoothing (default: 0.1)"
+    )
     parser.add_argument(
         "--precision",
         default="no",
         choices=["no", "bf16", "fp16"],
         help="mixed precision: bf16, or fp16 on a CUDA GPU only (default: no, fp32)",
     )
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seeds the fractals, the init and the order (default: 0)")
     parser.add_argument(
         "--weights-dtype",
         default="float32",
         choices=["float32", "float16"],
-        help="type of the written weights (float16: half the file; loading casts them back)",
+        help="type of the written weights (float16: half the file; loading casts them back) (default: float32)",
     )
     parser.add_argument(
         "--out",

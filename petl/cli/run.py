@@ -290,6 +290,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     flags = list(argv)
     for override in args.overrides:
         flags.remove(override)
+    if args.info:
+        flags = _info_as_one_word(flags, args.info)
     # --debug: bad input found while composing the command line shows its traceback too, as a run's does.
     with exit_statuses(PROG, usage=(ConfigError,), failure=(), debug=_debug, quiet=quiet):
         overrides = expand_experiment(args.overrides)
@@ -324,6 +326,25 @@ def main(argv: Sequence[str] | None = None) -> None:
     if _failed_jobs:
         _error(f"{len(_failed_jobs)} job(s) of the sweep failed (see above)")
         raise SystemExit(RUN_ERROR)
+
+
+def _info_as_one_word(flags: list[str], topic: str) -> list[str]:
+    """``flags`` with ``--info`` (``-i``) and its topic as one word, ``--info=TOPIC``.
+
+    Hydra is handed the flags before the overrides, and ``--info``'s topic is optional: a bare ``--info`` written
+    after the overrides (``petl-run method=lora --info``) would take the first of them for its topic there, and
+    Hydra would print its usage and an invalid choice.
+    """
+    out: list[str] = []
+    i = 0
+    while i < len(flags):
+        if flags[i] in ("--info", "-i"):
+            out.append(f"--info={topic}")
+            i += 2 if flags[i + 1 : i + 2] == [topic] else 1  # the topic given as the next word goes with it
+        else:
+            out.append(flags[i])
+            i += 1
+    return out
 
 
 def _run_hydra(argv: list[str]) -> None:

@@ -11,7 +11,7 @@ unfinished runs, ``checkpoint.pt`` without ``result.json``, are not served, a no
 by its folder (by its path below the folders the runs share when two folders have one name); ``task.NAME=RUN``
 names it.  Every run must have trained on one backbone and with a method that shares it (``petl.MultiTask``); a
 run that fails ``petl.load_run``'s checks, or an unfinished run given as a RUN, is refused at start, naming it.
-See :mod:`petl.deploy.serve` for the routes.
+The routes, the token, bad input and the limits: docs/serving.md (GET /openapi.json on the server).
 
 Options (key=value, anywhere, listed below with their defaults, which are those of the Python API's
 petl.deploy.serve.ServeOptions; a value that is not a finite number in its range, or a precision not

@@ -499,6 +499,12 @@ def _check(positional: list[str], options: dict) -> tuple[list[Path], list[str]]
         first = positional[0]
         if Path(first).is_file() and _is_run(Path(first).parent):  # the run's model.json or weights: its folder
             raise UsageError(file_not_run(Path(first), first))
+        later = next((item for item in positional[1:] if _is_run(Path(item))), None)
+        if later is not None:  # the images came before the run: the order is the fault, not the folder
+            raise UsageError(
+                f"{first} is not a run folder, {later} is: give the run folders first, then the images "
+                f"(petl-predict {later} ... {first} ...)"
+            )
         raise UsageError(f"{first} is not a run folder (no {WEIGHTS_FILE}): give a petl-run output_dir first")
     images = positional[len(runs) :]
     # Each image's rows came twice, and a run's confusion file was written twice; as petl-serve serves it once.
@@ -696,5 +702,7 @@ def run_command(positional: list[str], options: dict, merge: bool = False, quiet
             print(f"wrote {shown(options['out'])} ({plural(len(predictions), 'row')})")
     if bad:
         listing = "; ".join(f"{shown(path)} ({reason})" for path, reason in bad)
-        raise UsageError(f"{len(bad)} image(s) cannot be read, the others were predicted: {listing}")
+        # With nothing predicted there are no others to speak of (one bad image given alone, or every one bad).
+        others = ", the others were predicted" if predictions else ", nothing was predicted"
+        raise UsageError(f"{len(bad)} image(s) cannot be read{others}: {listing}")
     return 0

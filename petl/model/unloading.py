@@ -23,6 +23,9 @@ from petl.model.merging import _FOREIGN_MERGEABLE, merge_updates
 from petl.model.params import content_hash, trainable_state
 from petl.model.wrappers import PetlModule, check_module
 
+# What to do with a model that does not unload, said to petl-export's users as to Python's.
+USE_AS_IT_IS = "(use it as a petl model: petl-predict or petl-serve on its run folder, petl.load_run in Python)"
+
 
 def _base_of(module: nn.Module) -> nn.Module | None:
     """The module a mergeable wrapper stands for (petl's ``base``, peft's ``get_base_layer()``), else None."""
@@ -40,7 +43,7 @@ def _check_unloadable(model: nn.Module) -> None:
         if isinstance(module, PetlModule) and not module.mergeable:
             raise ValueError(
                 f"method {method!r} cannot be unloaded into a plain timm model: its {type(module).__name__} "
-                f"at {name} does not fold into the backbone (use the petl model, e.g. petl.load_run)"
+                f"at {name} does not fold into the backbone {USE_AS_IT_IS}"
             )
     bb = backbone_of(model)
     head, plain = bb.head(), bb.plain_head_types()
@@ -50,7 +53,7 @@ def _check_unloadable(model: nn.Module) -> None:
     if type(head) not in plain:
         raise ValueError(
             f"method {method!r} cannot be unloaded into a plain timm model: its head is a {type(head).__name__}, "
-            f"timm's is a {plain[0].__name__} (use the petl model, e.g. petl.load_run)"
+            f"timm's is a {plain[0].__name__} {USE_AS_IT_IS}"
         )
 
 
@@ -84,7 +87,7 @@ def unload(model: nn.Module) -> nn.Module:
         except ValueError as error:  # a layer that cannot hold its update (SSF's shift on a qkv without bias)
             raise ValueError(
                 f"method {getattr(model, 'petl_method', None)!r} cannot be unloaded into a plain timm model: {error} "
-                "(use the petl model, e.g. petl.load_run)"
+                f"{USE_AS_IT_IS}"
             ) from None
     # Outermost first: a replaced wrapper's inner modules are gone with it.
     for name, module in list(model.named_modules()):

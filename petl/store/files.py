@@ -74,7 +74,8 @@ def check_outside_runs(path: Path, said: str, product: str) -> None:
 
 
 def unfinished_run(folder: Path) -> str | None:
-    """The one line for a folder petl-run has not finished (``checkpoint.pt`` without ``result.json``), or ``None``.
+    """The one line for a folder petl-run has not finished (``checkpoint.pt`` without ``result.json``, or a run stopped
+    before its first checkpoint: ``config.yaml`` and ``metrics.jsonl`` alone), or ``None``.
 
     Every command given such a folder as a run (petl-predict, petl-export, petl-serve, :func:`petl.load_run`) says
     this line, rather than what it lacks of a finished run.  A run a live process is training now (its lock held)
@@ -89,6 +90,12 @@ def unfinished_run(folder: Path) -> str | None:
         return (
             f"{shown(folder)} is an unfinished petl-run folder ({CHECKPOINT_FILE} without {RESULT_FILE}): run the "
             "same petl-run command again (resume=true, the default) to resume it"
+        )
+    if (folder / CONFIG_FILE).is_file() and (folder / METRICS_FILE).is_file():
+        # petl-run writes both as it starts: stopped (Ctrl-C, a kill) before its first epoch's checkpoint.
+        return (
+            f"{shown(folder)} is a petl-run folder stopped before its first epoch ended ({CONFIG_FILE} without "
+            f"{CHECKPOINT_FILE} or {RESULT_FILE}): run the same petl-run command again to train it"
         )
     return None
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import re
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -59,6 +60,9 @@ def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def _difference(old: dict[str, Any], new: dict[str, Any]) -> str:
     keys = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+    # An empty mapping is a key of its own when flattened (model.kwargs: {}), and gone once a key is set in it: the
+    # key set is the difference, not "model.kwargs: {} -> None" beside it.
+    keys = [k for k in keys if not ({} in (old.get(k), new.get(k)) and any(o.startswith(f"{k}.") for o in keys))]
     return ", ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in keys[:3]) + (" ..." if len(keys) > 3 else "")
 
 
@@ -354,6 +358,15 @@ def _data_fingerprint(name: str, split: str, root: str | None, options: tuple) -
     return _content_fingerprint(dataset)
 
 
+def _digest(value: Any) -> str:
+    """A value as an inputs difference says it: a SHA-256 by its first 12 hex digits (four whole ones ran past 500
+    characters on one line), anything else as its repr.
+    """
+    if isinstance(value, str) and re.fullmatch(r"[0-9a-f]{64}", value):
+        return f"{value[:12]}..."
+    return repr(value)
+
+
 def check_inputs(out: Path, old: dict[str, Any] | None, new: dict[str, Any], finished: bool = False) -> None:
     """Refuse to resume (or to return a finished result) when the data or weights changed."""
     if old is None:
@@ -368,7 +381,7 @@ def check_inputs(out: Path, old: dict[str, Any] | None, new: dict[str, Any], fin
     keys += [k for k in _EVAL_INPUTS if old.get(k) is not None and (not finished or new.get(k) is not None)]
     changed = {k: (old.get(k), new.get(k)) for k in keys if old.get(k) != new.get(k)}
     if changed:
-        what = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changed.items())
+        what = ", ".join(f"{k}: {_digest(a)} -> {_digest(b)}" for k, (a, b) in changed.items())
         done = "a finished run" if finished else "epochs trained"
         raise ConfigError(
             f"output_dir {out} holds {done} on other inputs ({what}); "

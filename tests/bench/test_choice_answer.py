@@ -117,3 +117,17 @@ def test_the_run_to_use_is_one_of_the_seeds_the_answer_reads(tmp_path, monkeypat
     assert answer.best is not None and answer.best.experiment == "lora" and answer.best.scores["folder"].mean == 71.5
     assert answer.run_dir == tmp_path / "folder" / "lora" / "seed1"
     assert f"`petl-predict {tmp_path / 'folder' / 'lora' / 'seed1'} IMAGES`" in answer.paragraph
+
+
+def test_choice_md_names_the_figures_its_report_drew(tmp_path, monkeypatch):
+    # choice.md said "pareto.png, critical_difference.png" whatever was drawn, and never learning_curves.png.
+    from petl.bench import own_run
+
+    monkeypatch.setattr(choice, "exportable", lambda run: False)
+    for method, top1 in (("lora", 70.0), ("linear", 60.0)):
+        write_run(tmp_path / "folder" / method / "seed0", result_record("folder", method, 0, top1), val=[50.0, top1])
+    report.write_report(tmp_path)
+    assert report.figures_drawn(tmp_path) == ["pareto.png", "learning_curves.png"]  # one seed: no rank test
+    own_run.answer_for(tmp_path, choice.Budget())
+    said = (tmp_path / choice.CHOICE_FILE).read_text()
+    assert "(also `.csv`, `.html`, `pareto.png`, `learning_curves.png`) in this folder" in said

@@ -211,11 +211,36 @@ def test_an_override_after_petl_runs_info_is_one_line_saying_so():
         made.parse_intermixed_args(["--info", "method=lora"])
 
 
+@pytest.mark.parametrize(
+    ("argv", "hydra_gets"),
+    [
+        (["method=lora", "--info"], ["--info=all", "method=lora"]),
+        (["method=lora", "--info", "defaults", "seed=1"], ["--info=defaults", "method=lora", "seed=1"]),
+        (["-i", "config", "method=lora"], ["--info=config", "method=lora"]),
+    ],
+)
+def test_petl_run_hands_hydra_info_with_its_topic_as_one_word(argv, hydra_gets, monkeypatch):
+    # Hydra gets the flags before the overrides: "method=lora --info" reached it as "--info method=lora", and Hydra
+    # printed its 7 lines of usage and "invalid choice: 'method=lora'" (exit 2) for a line petl-run's help allows.
+    calls = []
+    monkeypatch.setattr(run_cli, "_run_hydra", calls.append)
+    run_cli.main(argv)
+    assert calls == [hydra_gets]
+
+
 def test_petl_bench_help_answers_before_the_commands_load():
     code = "import sys; from petl.cli import bench; bench.main(['--help']); print(sorted(m for m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert "petl-bench" in out and "'torch'" not in out and "'petl.bench.commands'" not in out
     assert bench.PROG == "petl-bench"
+
+
+@pytest.mark.parametrize("argv", [["speed", "--help"], ["report", "runs", "-h"], ["suite=mini", "--help"]])
+def test_petl_bench_help_answers_after_a_command_or_a_key(argv, capsys):
+    # Was: "petl-bench: error: expected key=value, got '--help'" (exit 2) after a command, as every other petl command
+    # takes --help anywhere on its line.
+    code, out, err = command_status(capsys, bench.main, *argv)
+    assert code == 0 and out.startswith("petl-bench: run a benchmark suite") and err == ""
 
 
 @pytest.mark.parametrize("module", ["petl.cli.predict", "petl.cli.export", "petl.cli.pretrain", "petl.cli.serve"])
@@ -263,6 +288,16 @@ def test_petl_run_help_with_an_override_is_hydras_composed_one(monkeypatch):
     assert calls == [["--help", "method=vpt"]]
 
 
+def test_petl_run_composed_help_points_to_what_each_key_and_option_means():
+    # petl-run method=adapter --help listed "dim: null" with no word of where null's meaning is.
+    import yaml
+
+    footer = yaml.safe_load((ROOT / "petl" / "conf" / "config.yaml").read_text())["hydra"]["help"]["footer"]
+    assert "docs/cli.md" in footer and "docs/methods/NAME.md" in footer
+    for page in re.findall(r"docs/[a-z0-9_/-]+\.md", footer):
+        assert (ROOT / page).is_file(), page
+
+
 # Docstring markup that a terminal shows raw: Sphinx roles, RST literals, Markdown code and bold.
 MARKUP = re.compile(r":(mod|class|func|data|meth|attr):`|``|`[^`\s][^`]*`|\*\*[^*\s][^*]*\*\*")
 
@@ -274,6 +309,30 @@ def test_every_help_is_plain_text(module, capsys):
     text = capsys.readouterr().out
     assert exit_.value.code in (0, None) and module.PROG in text
     assert not MARKUP.search(text), MARKUP.search(text)
+
+
+@pytest.mark.parametrize("module", [run_cli, pretrain, bench, predict, export, serve], ids=lambda m: m.PROG)
+def test_every_page_a_help_points_to_exists(module, capsys):
+    # petl-serve's help sent a reader to "petl.deploy.serve" (a Python module) for its routes, not to docs/serving.md.
+    with pytest.raises(SystemExit):
+        raise SystemExit(module.main(["--help"]))
+    text = capsys.readouterr().out
+    assert "See petl." not in text
+    for page in re.findall(r"docs/[a-z0-9_/-]+\.md", text):  # docs/methods/NAME.md: a placeholder
+        assert (ROOT / page).is_file(), page
+    if module is serve:
+        assert "docs/serving.md" in text
+
+
+def test_petl_pretrain_help_says_the_default_of_every_option_taking_a_value(capsys):
+    # --epochs, --lr, --batch-size... were listed bare: the help gave no idea of what a plain petl-pretrain runs.
+    with pytest.raises(SystemExit):
+        pretrain.main(["--help"])
+    options = capsys.readouterr().out.split("\noptions:\n")[1]
+    entries = re.split(r"\n  (?=-)", options)  # one per option, its wrapped help lines with it
+    valued = [e for e in entries if re.match(r"--[\w-]+ [A-Z_{]", e)]
+    assert len(valued) == 13
+    assert [e.split()[0] for e in valued if "(default: " not in " ".join(e.split())] == []
 
 
 def test_plain_takes_docstring_markup_off():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -36,7 +37,8 @@ def test_a_finished_run_whose_test_list_was_edited_is_not_finished(tmp_path, mon
     name, label = lines[0].rsplit(" ", 1)
     test_list.write_text("\n".join([f"{name} {(int(label) + 1) % 47}", *lines[1:]]) + "\n")
     monkeypatch.setattr(runner, "fit", lambda *a, **k: pytest.fail("a refused run must not train"))
-    changed = r"holds a finished run on other inputs \(data.test_fingerprint: '[0-9a-f]{64}' -> '[0-9a-f]{64}'\)"
+    digest = r"[0-9a-f]{12}\.\.\."  # a SHA-256 said by its first 12 hex digits
+    changed = rf"holds a finished run on other inputs \(data.test_fingerprint: {digest} -> {digest}\)"
     folder._data_fingerprint.cache_clear()  # a new sweep: one process caches a split's fingerprint
     with pytest.raises(ConfigError, match=changed):
         folder.check_finished(cfg)  # petl-bench: the sweep does not skip it
@@ -50,6 +52,15 @@ def test_a_finished_run_whose_test_list_was_edited_is_not_finished(tmp_path, mon
     result.write_text(json.dumps(record))
     folder.check_finished(cfg)
     assert runner.run(cfg)["test_top1"] == first["test_top1"]
+
+
+def test_changed_inputs_are_said_with_their_digests_cut_short():
+    # Another folder into data=folder's default output_dir said four whole SHA-256s: one line of over 500 characters.
+    old = {"data.root": "/a", "data.fingerprint": "a" * 64, "data.test_fingerprint": "c" * 64}
+    new = {"data.root": "/b", "data.fingerprint": "b" * 64, "data.test_fingerprint": "d" * 64}
+    said = "(data.root: '/a' -> '/b', data.fingerprint: aaaaaaaaaaaa... -> bbbbbbbbbbbb..., data.test_fingerprint: "
+    with pytest.raises(ConfigError, match=re.escape(said + "cccccccccccc... -> dddddddddddd...); choose another")):
+        folder.check_inputs(Path("x"), old, new, finished=True)
 
 
 def test_checked_inputs_compare_the_evaluated_splits_where_recorded():

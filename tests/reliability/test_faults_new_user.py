@@ -71,6 +71,61 @@ def test_an_unfinished_run_is_named_as_one_by_every_command(tmp_path, capsys):
     assert not (tmp_path / "exported").exists()
 
 
+def test_a_run_stopped_before_its_first_epoch_ended_is_named_as_one(tmp_path, capsys):
+    # Ctrl-C in the first epoch leaves config.yaml and metrics.jsonl, no checkpoint: petl-predict said "is not a run
+    # folder (no trainable.safetensors): give a petl-run output_dir first" of the output_dir petl-run had made.
+    run = tmp_path / "u"
+    run.mkdir()
+    for name in ("config.yaml", "metrics.jsonl"):
+        (run / name).write_text("")
+    said = f"{run} is a petl-run folder stopped before its first epoch ended (config.yaml without checkpoint.pt or "
+    said += "result.json): run the same petl-run command again to train it"
+    image = _image(tmp_path / "a.png")
+    for main, argv in [
+        (predict_cli.main, [str(run), str(image)]),
+        (export_cli.main, [str(run), f"out={tmp_path / 'exported'}"]),
+        (serve_cli.main, [str(run)]),
+    ]:
+        code, err = _main(main, argv, capsys)
+        assert code == 2 and err.count("\n") == 1 and f"error: {said}" in err, (argv, err)
+    with pytest.raises(RunFolderError, match=re.escape(said)):
+        petl.load_run(run)
+
+
+def test_images_given_before_the_run_are_said_to_come_after_it(tmp_path, capsys):
+    # Was "a.png is not a run folder (no trainable.safetensors): give a petl-run output_dir first", the run given.
+    run, image = _finished(tmp_path / "run"), _image(tmp_path / "a.png")
+    code, err = _main(predict_cli.main, [str(image), str(run)], capsys)
+    said = f"error: {image} is not a run folder, {run} is: give the run folders first, then the images (petl-predict "
+    assert code == 2 and err.count("\n") == 1 and said in err, err
+
+
+def test_predict_with_no_readable_image_says_nothing_was_predicted(tmp_path, monkeypatch, capsys):
+    # One bad image given alone was "1 image(s) cannot be read, the others were predicted": there were no others.
+    import torch
+
+    from petl.data.transforms import ImageSpec
+    from petl.deploy import predict
+    from petl.store.run_card import LoadedRun
+
+    class Zeros(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.zeros(()))  # predict_images puts the batch where this is
+
+        def forward(self, batch: torch.Tensor) -> torch.Tensor:
+            return torch.zeros(len(batch), 2)
+
+    run = LoadedRun(Zeros(), ImageSpec(image_size=8), ["a", "b"], {}, tmp_path)
+    monkeypatch.setattr(predict, "_load", lambda folder, merge: run)
+    folder, good, bad = _finished(tmp_path / "run"), _image(tmp_path / "good.png"), tmp_path / "bad.png"
+    bad.write_text("not an image")
+    code, err = _main(predict_cli.main, [str(folder), str(bad)], capsys)
+    assert code == 2 and f"error: 1 image(s) cannot be read, nothing was predicted: {bad} (" in err, err
+    code, err = _main(predict_cli.main, [str(folder), str(good), str(bad)], capsys)
+    assert code == 2 and "error: 1 image(s) cannot be read, the others were predicted: " in err, err
+
+
 def test_petl_serve_on_a_folder_leaves_out_runs_set_aside_and_unfinished_ones_naming_them(tmp_path, capsys):
     # Both lin.replaced-<time> (the run resume=false replaced) and lin were served as tasks; u was left out silently.
     runs = tmp_path / "sw"

@@ -107,3 +107,12 @@ def test_train_settings_validate_themselves():
         TrainSettings(warmup_frac=1.5)
     with pytest.raises(ValueError, match=r"train.backbone_mode='frozen' is not valid: choose one of auto, train"):
         TrainSettings(backbone_mode="frozen")
+
+
+def test_a_kwarg_set_where_there_was_none_is_the_one_difference_said():
+    # Was "model.kwargs: {} -> None, model.kwargs.depth: None -> 2": the empty mapping a flattened config keeps as a
+    # key of its own was said changed too (and took one of the three keys said).
+    plain = OmegaConf.to_container(default_config(["method=lora"]), resolve=True)
+    deeper = OmegaConf.to_container(default_config(["method=lora", "+model.kwargs.depth=2"]), resolve=True)
+    assert folder.config_difference(plain, deeper) == "model.kwargs.depth: None -> 2"
+    assert folder.config_difference(deeper, plain) == "model.kwargs.depth: 2 -> None"
