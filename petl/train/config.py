@@ -652,6 +652,26 @@ def _stochastic_options(cfg: DictConfig) -> dict[str, type]:
     return chosen
 
 
+def check_grad_checkpointing_acts(cfg: DictConfig, model: Any) -> None:
+    """Refuse ``train.grad_checkpointing=true`` on a model, its method applied, where only the classifier head trains.
+
+    Checked on the meta model when the config is composed (so a sweep's check before it trains names it) and again
+    by the runner on the real one.
+
+    Raises:
+        ConfigError: naming the option and the method.
+
+    """
+    from petl.model.params import count_params
+
+    if cfg.train.grad_checkpointing and count_params(model).trainable_no_head == 0:
+        # Nothing in the blocks takes a gradient: their backward, which checkpointing recomputes for, never runs.
+        raise ConfigError(
+            f"train.grad_checkpointing=true cannot act: method {cfg.method.name} trains only the classifier head, "
+            "so no block's activations are kept for a backward; drop it"
+        )
+
+
 def _check_applied(cfg: DictConfig, model: Any, method_cfg: Any) -> None:
     """Check the options whose effect depends on the method's modules on the meta model, the method applied.
 
@@ -686,6 +706,7 @@ def _check_applied(cfg: DictConfig, model: Any, method_cfg: Any) -> None:
     except Exception:  # anything the meta device cannot do is left to the run, which applies the method for real
         return
     if cfg.train.grad_checkpointing:
+        check_grad_checkpointing_acts(cfg, model)
         enable_grad_checkpointing(model)
     set_train_mode(model, "eval")
     for key, kinds in chosen.items():

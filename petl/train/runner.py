@@ -248,12 +248,7 @@ def _train_and_record(cfg: DictConfig, resolved: dict[str, Any], out: Path, acce
     _check_cache_option(cfg, model, datasets)
     _check_grad_accum(cfg, len(datasets["train"]), accelerator.num_processes)
     if cfg.train.grad_checkpointing:
-        if count_params(model).trainable_no_head == 0:
-            # Nothing in the blocks takes a gradient: their backward, which checkpointing recomputes for, never runs.
-            raise ConfigError(
-                f"train.grad_checkpointing=true cannot act: method {cfg.method.name} trains only the classifier head, "
-                "so no block's activations are kept for a backward; drop it"
-            )
+        config.check_grad_checkpointing_acts(cfg, model)  # composing checked it on the meta model, where it could
         engine.enable_grad_checkpointing(model)
     model.to(accelerator.device)
     # Every run's peak is its own, also when runs share a process (Hydra's in-process --multirun, a notebook).
