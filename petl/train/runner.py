@@ -337,16 +337,13 @@ def _check_grad_accum(cfg: DictConfig, train_size: int, num_processes: int) -> N
         )
 
 
-_NOTHING_FROZEN = "nothing in front of what the method trains is frozen"
-
-
 def _cache_plan(
     model: nn.Module, settings: TrainSettings | DictConfig, datasets: dict[str, Dataset]
 ) -> tuple[cache.CachePlan | None, str | None]:
     """The features this run caches (``train.cache_features``), or ``None`` and why none."""
     plan = cache.plan(model)
     if plan is None:
-        return None, _NOTHING_FROZEN
+        return None, cache.NOTHING_FROZEN
     if backbone_mode(model, settings) == "train":
         # A cached front runs once in eval mode; with the backbone in train mode its dropout and
         # drop-path must act on every step, so nothing can be cached.
@@ -368,11 +365,11 @@ def _check_cache_option(cfg: DictConfig, model: nn.Module, datasets: dict[str, D
     """
     if cfg.train.cache_features:
         return
+    config.check_cache_option_acts(cfg, model)  # composing checked it on the meta model, where it could
     _, uncached = _cache_plan(model, cfg.train, datasets)
     if uncached is not None:
-        why = f"method {cfg.method.name} caches nothing ({uncached})" if uncached == _NOTHING_FROZEN else uncached
         raise ConfigError(
-            f"train.cache_features=false cannot act: {why}, so no features are cached either way; drop it"
+            f"train.cache_features=false cannot act: {uncached}, so no features are cached either way; drop it"
         )
 
 
@@ -470,7 +467,7 @@ def _set_up_training(
     num_workers = cfg.data.num_workers
     train_set, val_set = datasets["train"], datasets.get("val")
     cache_plan, uncached = _cache_plan(model, settings, datasets) if cfg.train.cache_features else (None, None)
-    if uncached is not None and uncached != _NOTHING_FROZEN:
+    if uncached is not None and uncached != cache.NOTHING_FROZEN:
         build.say(accelerator, "not caching features: %s", uncached)
     trainee: nn.Module = model
     tick = time.perf_counter()
