@@ -70,6 +70,10 @@ def _replaced(model: nn.Module, name: str) -> bool:
     return own is not None and not (isinstance(own, functools.partial) and own.func is timm_api.forward_head)
 
 
+# Why plan() finds nothing to cache, as the refusal of train.cache_features=false says it.
+NOTHING_FROZEN = "nothing in front of what the method trains is frozen"
+
+
 def plan(model: nn.Module) -> CachePlan | None:
     """The cache plan for ``model``, or ``None`` when nothing in front of the trained part is frozen.
 

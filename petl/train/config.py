@@ -652,13 +652,54 @@ def _stochastic_options(cfg: DictConfig) -> dict[str, type]:
     return chosen
 
 
+def check_cache_option_acts(cfg: DictConfig, model: Any) -> None:
+    """Refuse ``train.cache_features=false`` on a model, its method applied, that leaves nothing to cache (LoRA).
+
+    Checked on the meta model when the config is composed (not for a method whose calibration chooses where it
+    acts: NOAH's search may leave the first block as it is) and again by the runner on the real one, which also
+    refuses it where the backbone trains or the images are augmented.
+
+    Raises:
+        ConfigError: naming the option and the method.
+
+    """
+    from petl.train import cache
+
+    if not cfg.train.cache_features and cache.plan(model) is None:
+        raise ConfigError(
+            f"train.cache_features=false cannot act: method {cfg.method.name} caches nothing ({cache.NOTHING_FROZEN}), "
+            "so no features are cached either way; drop it"
+        )
+
+
+def check_grad_checkpointing_acts(cfg: DictConfig, model: Any) -> None:
+    """Refuse ``train.grad_checkpointing=true`` on a model, its method applied, where only the classifier head trains.
+
+    Checked on the meta model when the config is composed (so a sweep's check before it trains names it) and again
+    by the runner on the real one.
+
+    Raises:
+        ConfigError: naming the option and the method.
+
+    """
+    from petl.model.params import count_params
+
+    if cfg.train.grad_checkpointing and count_params(model).trainable_no_head == 0:
+        # Nothing in the blocks takes a gradient: their backward, which checkpointing recomputes for, never runs.
+        raise ConfigError(
+            f"train.grad_checkpointing=true cannot act: method {cfg.method.name} trains only the classifier head, "
+            "so no block's activations are kept for a backward; drop it"
+        )
+
+
 def _check_applied(cfg: DictConfig, model: Any, method_cfg: Any) -> None:
     """Check the options whose effect depends on the method's modules on the meta model, the method applied.
 
-    ``train.grad_checkpointing`` (refused by the side networks) and a chosen dropout or drop-path rate
-    (``model.drop_path``, ``model.kwargs.drop_rate``...), which acts only in the modules that run in train
-    mode: with the backbone in eval mode (``train.backbone_mode``, by default the method's reference choice:
-    VPT, linear, Mlp-k, Partial-k) only those that train.  Skipped, at no cost, when neither is asked for.  And a
+    ``train.grad_checkpointing`` (refused by the side networks, and where only the head trains),
+    ``train.cache_features=false`` (refused where the method leaves nothing frozen to cache) and a chosen dropout or
+    drop-path rate (``model.drop_path``, ``model.kwargs.drop_rate``...), which acts only in the modules that run in
+    train mode: with the backbone in eval mode (``train.backbone_mode``, by default the method's reference choice:
+    VPT, linear, Mlp-k, Partial-k) only those that train.  Skipped, at no cost, when none is asked for.  And a
     ``train.backbone_mode`` given on a backbone without any dropout, drop-path rate or BatchNorm, where it has
     nothing to act on.
 
@@ -678,14 +719,17 @@ def _check_applied(cfg: DictConfig, model: Any, method_cfg: Any) -> None:
     check_backbone_mode(model, mode, "train.backbone_mode", f"model.drop_path (it is {cfg.model.drop_path:g})")
     reference = get_method(name).config_cls.backbone_mode
     chosen = _stochastic_options(cfg) if (reference if mode == "auto" else mode) == "eval" else {}
-    if not (chosen or cfg.train.grad_checkpointing):
+    if not (chosen or cfg.train.grad_checkpointing or not cfg.train.cache_features):
         return
     try:
         with torch.device("meta"):
             apply(model, method_cfg)
     except Exception:  # anything the meta device cannot do is left to the run, which applies the method for real
         return
+    if get_method(name).calibrate is None:  # a calibrated method is checked once its calibration chose
+        check_cache_option_acts(cfg, model)
     if cfg.train.grad_checkpointing:
+        check_grad_checkpointing_acts(cfg, model)
         enable_grad_checkpointing(model)
     set_train_mode(model, "eval")
     for key, kinds in chosen.items():

@@ -276,11 +276,13 @@ def set_aside(out: Path) -> None:
     if not found:
         return
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    aside = out.with_name(f"{out.name}{files.REPLACED_MARK}{stamp}")
+    # Resolved: output_dir=. (a project's folder, named in the refusal that points here) has no name to extend.
+    named = out.resolve()
+    aside = named.with_name(f"{named.name}{files.REPLACED_MARK}{stamp}")
     count = 1
     while aside.exists():
         count += 1
-        aside = out.with_name(f"{out.name}{files.REPLACED_MARK}{stamp}-{count}")
+        aside = named.with_name(f"{named.name}{files.REPLACED_MARK}{stamp}-{count}")
     try:
         aside.mkdir()
         for path in found:

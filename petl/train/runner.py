@@ -248,12 +248,7 @@ def _train_and_record(cfg: DictConfig, resolved: dict[str, Any], out: Path, acce
     _check_cache_option(cfg, model, datasets)
     _check_grad_accum(cfg, len(datasets["train"]), accelerator.num_processes)
     if cfg.train.grad_checkpointing:
-        if count_params(model).trainable_no_head == 0:
-            # Nothing in the blocks takes a gradient: their backward, which checkpointing recomputes for, never runs.
-            raise ConfigError(
-                f"train.grad_checkpointing=true cannot act: method {cfg.method.name} trains only the classifier head, "
-                "so no block's activations are kept for a backward; drop it"
-            )
+        config.check_grad_checkpointing_acts(cfg, model)  # composing checked it on the meta model, where it could
         engine.enable_grad_checkpointing(model)
     model.to(accelerator.device)
     # Every run's peak is its own, also when runs share a process (Hydra's in-process --multirun, a notebook).
@@ -342,16 +337,13 @@ def _check_grad_accum(cfg: DictConfig, train_size: int, num_processes: int) -> N
         )
 
 
-_NOTHING_FROZEN = "nothing in front of what the method trains is frozen"
-
-
 def _cache_plan(
     model: nn.Module, settings: TrainSettings | DictConfig, datasets: dict[str, Dataset]
 ) -> tuple[cache.CachePlan | None, str | None]:
     """The features this run caches (``train.cache_features``), or ``None`` and why none."""
     plan = cache.plan(model)
     if plan is None:
-        return None, _NOTHING_FROZEN
+        return None, cache.NOTHING_FROZEN
     if backbone_mode(model, settings) == "train":
         # A cached front runs once in eval mode; with the backbone in train mode its dropout and
         # drop-path must act on every step, so nothing can be cached.
@@ -373,11 +365,11 @@ def _check_cache_option(cfg: DictConfig, model: nn.Module, datasets: dict[str, D
     """
     if cfg.train.cache_features:
         return
+    config.check_cache_option_acts(cfg, model)  # composing checked it on the meta model, where it could
     _, uncached = _cache_plan(model, cfg.train, datasets)
     if uncached is not None:
-        why = f"method {cfg.method.name} caches nothing ({uncached})" if uncached == _NOTHING_FROZEN else uncached
         raise ConfigError(
-            f"train.cache_features=false cannot act: {why}, so no features are cached either way; drop it"
+            f"train.cache_features=false cannot act: {uncached}, so no features are cached either way; drop it"
         )
 
 
@@ -475,7 +467,7 @@ def _set_up_training(
     num_workers = cfg.data.num_workers
     train_set, val_set = datasets["train"], datasets.get("val")
     cache_plan, uncached = _cache_plan(model, settings, datasets) if cfg.train.cache_features else (None, None)
-    if uncached is not None and uncached != _NOTHING_FROZEN:
+    if uncached is not None and uncached != cache.NOTHING_FROZEN:
         build.say(accelerator, "not caching features: %s", uncached)
     trainee: nn.Module = model
     tick = time.perf_counter()

@@ -33,3 +33,14 @@ def test_the_estimate_says_its_range_and_how_much_is_overhead():
     line = found.lines()[-1]
     assert "2 min, between 108 s and 3 min by the timed steps' spread" in line and "69 % of it" in line
     assert "7.0 s per run + 3.0 s per epoch" in line
+
+
+def test_a_probe_run_takes_what_the_real_runs_take_on_its_four_images(tmp_path):
+    # train.grad_accum=2 (two batches of 64 a step in the real runs) and data.epochs=3 (no train.epochs given): the
+    # probe's 4 images hold one batch, and its train.epochs=1 beside data.epochs=3 would leave that one without use;
+    # both were refused, and the estimate stopped saying the real runs would fail.
+    from petl.train.config import default_config
+
+    tiny = ["model.pretrained=false", "+model.kwargs.depth=1", "+model.kwargs.embed_dim=48", "model.img_size=32"]
+    overrides = ["method=linear", "data=mini/digits", *tiny, "train.grad_accum=2", "data.epochs=3"]
+    assert costs._probe_run([*overrides, f"output_dir={tmp_path}"], 1, default_config) > 0

@@ -281,6 +281,18 @@ def test_files_no_unfinished_run_left_are_not_overwritten(tmp_path):
     assert tiny(again)["output_dir"] == str(again)
 
 
+def test_resume_false_sets_aside_a_run_in_output_dir_dot(tmp_path, monkeypatch):
+    # output_dir=. in a project: resume=false, as the refusal above says, stopped in "ValueError: PosixPath('.') has
+    # an empty name" (exit 1), the aside folder's name made from the folder's own.
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "model.json").write_text("mine")
+    monkeypatch.chdir(project)
+    folder.set_aside(Path("."))
+    (aside,) = tmp_path.glob("project.replaced-*")
+    assert (aside / "model.json").read_text() == "mine" and not (project / "model.json").exists()
+
+
 def test_a_moved_dataset_with_the_same_content_still_resumes():
     old = {"data.root": "/a", "data.fingerprint": "f1", "model.checkpoint_sha256": None}
     folder.check_inputs(Path("x"), old, {**old, "data.root": "/b"})  # content decides, not the path
