@@ -561,11 +561,6 @@ def check_values(cfg: DictConfig) -> None:
                 f"data.epochs={cfg.data.epochs} cannot act: train.epochs={cfg.train.epochs} is given, and the run "
                 "trains that many; drop one of them"
             )
-        if cfg.train.weight_decay_all and cfg.train.weight_decay == 0:
-            raise ValueError(
-                "train.weight_decay_all=true cannot act: train.weight_decay=0 decays nothing; drop it, or give "
-                "train.weight_decay"
-            )
     except OmegaConfBaseException as error:
         # An interpolation that does not resolve, or a missing mandatory value.
         raise ConfigError(explain(error)) from None

@@ -68,14 +68,6 @@ def test_overrides_are_applied_and_type_checked():
         default_config(["train.cache_features=maybe"])
 
 
-def test_weight_decay_all_without_a_weight_decay_is_refused():
-    # It trained exactly as without it (nothing is decayed at weight decay 0) under another config fingerprint.
-    with pytest.raises(ConfigError, match=r"^train.weight_decay_all=true cannot act: train.weight_decay=0 decays"):
-        default_config(["train.weight_decay_all=true", "train.weight_decay=0"])
-    assert default_config(["train.weight_decay_all=true"]).train.weight_decay == 1e-4
-    assert default_config(["train.weight_decay=0"]).train.weight_decay == 0
-
-
 def test_data_epochs_is_checked_under_its_own_name_and_refused_where_train_epochs_overrides_it():
     # data.epochs=0 was refused as "train.epochs=0", a key not given; beside another train.epochs it did nothing.
     with pytest.raises(ConfigError, match=r"^data.epochs=0 is out of range: allowed \[1, inf\]$"):
