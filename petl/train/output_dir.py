@@ -125,7 +125,7 @@ def seed_difference(first: RunResult, other: RunResult) -> str:
         return difference
     old, new = first.inputs or {}, other.inputs or {}
     changed = [k for k in _CONTENT_INPUTS if k in old and k in new and old[k] != new[k]]
-    return ", ".join(f"{k}: {old[k]!r} -> {new[k]!r}" for k in changed)
+    return ", ".join(f"{k}: {_digest(old[k])} -> {_digest(new[k])}" for k in changed)  # SHA-256s cut short
 
 
 def _as_recorded(value: Any) -> Any:
