@@ -171,14 +171,17 @@ def test_petl_serve_on_a_folder_leaves_out_runs_set_aside_and_unfinished_ones_na
     replaced = _finished(runs / "lin.replaced-20261128-111154")
     _unfinished(runs / "lin.replaced-20261128-111154-2")  # set aside while unfinished: said once, as set aside
     unfinished = _unfinished(runs / "u")
+    stopped = _stopped(runs / "v")  # was left out silently, stopped before its first checkpoint
     capsys.readouterr()
     assert serve_cli.find_runs([str(runs)]) == {"lin": lin, "lora": lora}
     notes = capsys.readouterr().err.splitlines()
-    assert len(notes) == 2, notes
+    assert len(notes) == 3, notes
     assert notes[0].startswith("petl-serve: note: not served: 2 runs set aside by resume=false")
     assert f"{replaced}, {replaced}-2" in notes[0]
     said = f"petl-serve: note: not served: {unfinished} {UNFINISHED} (resume=true, the default) to resume it"
     assert notes[1] == said
+    assert notes[2] == f"petl-serve: note: not served: {files.unfinished_run(stopped)}", notes[2]
+    assert "stopped before its first epoch ended" in notes[2]
     # Named itself, a run set aside is served: the user asked for it.
     assert serve_cli.find_runs([f"task.old={replaced}"]) == {"old": replaced}
     # A folder of nothing but unfinished runs holds no run to serve.
