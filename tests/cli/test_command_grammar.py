@@ -116,6 +116,7 @@ BAD_FLAGS = [
     (bench, ["commands", "methods=lora"], "no suite= given: name one (petl-bench list shows each"),
     (bench, ["run", "--bogus"], "unknown flag '--bogus'"),
     (bench, ["list", "--bogus"], "expected key=value, got '--bogus' (see petl-bench --help)"),
+    (bench, ["list", "suit=mini"], "unknown argument(s) ['suit=mini']; known: configs_dir, suite"),
     (bench, ["report", "--bogus"], "unknown flag '--bogus'"),
     (bench, ["compare", "a", "b", "--bogus"], "unknown flag '--bogus'"),
     (bench, ["report"], "expected RESULTS_DIR [out=DIR] [configs_dir=DIR] [suite=NAME], got nothing"),
