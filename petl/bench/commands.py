@@ -400,7 +400,9 @@ def cmd_list(args: Sequence[str]) -> int:
     The one-a-line form is for scripts (``benchmarks/mini_sweep.sh`` takes its methods from it) and reads no
     experiment file, so it needs no torch.
     """
-    own, _ = parse_args(args, CONFIGS_KEYS | {"suite"})
+    own, rest = parse_args(args, CONFIGS_KEYS | {"suite"})
+    if rest:  # `suit=mini` listed everything, as if no suite were named
+        raise SystemExit(f"petl-bench list: unknown argument(s) {rest}; known: configs_dir, suite")
     configs = configs_folder(own)
     if "suite" in own:
         print("\n".join(suites.load_suite(own["suite"], configs).experiments))

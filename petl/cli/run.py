@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from petl import presets
-from petl.cli.args import entry_point, exit_statuses, hydra_parser, plain
+from petl.cli.args import Parser, entry_point, exit_statuses, hydra_parser, plain
 from petl.utils.errors import RUN_ERROR, USAGE_ERROR, ConfigError, RunError, UnreachableError
 
 if TYPE_CHECKING:
@@ -279,7 +279,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     # A bad flag is one line and exit 2, as other bad input: Hydra's own parser never sees a line this one refused.
     # Even with --debug: the traceback would be argparse's.
     with exit_statuses(PROG, failure=(), quiet=quiet):
-        args = hydra_parser(PROG).parse_intermixed_args(argv)
+        parser = hydra_parser(PROG)
+        args = parser.parse_intermixed_args(argv)
+        _check_modes(parser, args)
     if args.help and not args.overrides:
         from petl.cli.run_help import fast_help
 
@@ -326,6 +328,30 @@ def main(argv: Sequence[str] | None = None) -> None:
     if _failed_jobs:
         _error(f"{len(_failed_jobs)} job(s) of the sweep failed (see above)")
         raise SystemExit(RUN_ERROR)
+
+
+def _check_modes(parser: Parser, args: argparse.Namespace) -> None:
+    """Refuse two of Hydra's modes on one line, and ``--resolve`` without ``--cfg``, as a bad flag is refused.
+
+    Hydra takes one of ``--run``, ``--multirun``, ``--cfg``, ``--info`` and ``--shell-completion`` at a time and
+    ``--resolve`` beside ``--cfg`` alone, and raises a ValueError for anything else once it has started: a
+    traceback and exit 1 (``petl-run --info -m method=lora``), after the sweep's jobs were checked.  Help answers
+    first, as Hydra's does.
+    """
+    if args.help or args.hydra_help:
+        return
+    given = {
+        "--run": args.run,
+        "--multirun": args.multirun,
+        "--cfg": args.cfg is not None,
+        "--info": args.info is not None,
+        "--shell-completion": args.shell_completion,
+    }
+    modes = [flag for flag, on in given.items() if on]
+    if len(modes) > 1:
+        parser.error(f"{' and '.join(modes)} cannot be given together: Hydra takes one of {', '.join(given)}")
+    if args.resolve and args.cfg is None:
+        parser.error("--resolve acts with --cfg only (it resolves the config printed): give --cfg job beside it")
 
 
 def _info_as_one_word(flags: list[str], topic: str) -> list[str]:

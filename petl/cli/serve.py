@@ -7,10 +7,11 @@
 
 A RUN is a run folder (``model.json`` beside ``trainable.safetensors``) or a folder holding run folders
 (searched recursively; there, earlier runs that ``resume=false`` set aside, ``<run>.replaced-<time>/``, and
-unfinished runs, ``checkpoint.pt`` without ``result.json``, are not served, a note naming them).  A task is named
-by its folder (by its path below the folders the runs share when two folders have one name); ``task.NAME=RUN``
-names it.  Every run must have trained on one backbone and with a method that shares it (``petl.MultiTask``); a
-run that fails ``petl.load_run``'s checks, or an unfinished run given as a RUN, is refused at start, naming it.
+unfinished runs, ``checkpoint.pt`` without ``result.json`` or a run's ``config.yaml`` alone, are not served, a note
+naming them).  A task is named by its folder (by its path below the folders the runs share when two folders have one
+name); ``task.NAME=RUN`` names it.  Every run must have trained on one backbone and with a method that shares it
+(``petl.MultiTask``); a run that fails ``petl.load_run``'s checks, or an unfinished run given as a RUN, is refused
+at start, naming it.
 The routes, the token, bad input and the limits: docs/serving.md (GET /openapi.json on the server).
 
 Options (key=value, anywhere, listed below with their defaults, which are those of the Python API's
@@ -101,15 +102,17 @@ def runs_under(folder: Path) -> list[Path]:
     """The finished run folders under ``folder``, less runs set aside by ``resume=false``; the others, in notes.
 
     A folder set aside by ``resume=false`` (``<run>.replaced-<time>/``) is an earlier run of a task, not a task: the
-    reports skip it too.  An unfinished run (``checkpoint.pt`` without ``result.json``) has no weights to serve yet.
+    reports skip it too.  An unfinished run (``checkpoint.pt`` without ``result.json``, or one stopped before its first
+    checkpoint: :func:`petl.store.files.unfinished_run`) has no weights to serve yet.
     Each kind skipped is said in one line on stderr, naming the folders.
     """
-    from petl.store.files import CHECKPOINT_FILE, MODEL_FILE, REPLACED_MARK, unfinished_run
+    from petl.store.files import CHECKPOINT_FILE, CONFIG_FILE, MODEL_FILE, REPLACED_MARK, unfinished_run
 
     carded = {p.parent for p in folder.rglob(MODEL_FILE)}
-    checkpointed = {p.parent for p in folder.rglob(CHECKPOINT_FILE)}
-    replaced = sorted(p for p in carded | checkpointed if REPLACED_MARK in str(p.relative_to(folder)))
-    unfinished = {p: line for p in checkpointed - set(replaced) if (line := unfinished_run(p)) is not None}
+    # A run stopped before its first checkpoint has its config.yaml alone: unfinished too, and said so.
+    started = {p.parent for name in (CHECKPOINT_FILE, CONFIG_FILE) for p in folder.rglob(name)}
+    replaced = sorted(p for p in carded | started if REPLACED_MARK in str(p.relative_to(folder)))
+    unfinished = {p: line for p in started - set(replaced) if (line := unfinished_run(p)) is not None}
     if replaced:
         print(
             f"{PROG}: note: not served: {plural(len(replaced), 'run')} set aside by resume=false (earlier runs, "

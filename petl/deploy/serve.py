@@ -680,11 +680,8 @@ async def check_token(
         return
     given = credentials.credentials if credentials is not None else ""
     if not hmac.compare_digest(given.encode(), options.token.encode()):
-        raise HTTPException(
-            401,
-            f"missing or wrong bearer token: send the header 'Authorization: Bearer <{TOKEN_VARIABLE}>'",
-            headers={"WWW-Authenticate": "Bearer"},
-        )
+        said = f"missing or wrong bearer token: send the header 'Authorization: Bearer <{TOKEN_VARIABLE}>'"
+        raise HTTPException(401, said, headers={"WWW-Authenticate": "Bearer"})
 
 
 # JSONResponse named, not left to FastAPI's default: with a response model, the default writes the JSON with
@@ -758,11 +755,8 @@ async def predict(
     except asyncio.CancelledError:
         # uvicorn cancels the requests still running when shutdown_timeout_s runs out (waiting for a decoding slot
         # or for the model): answered, not left to uvicorn's plain-text 500 (and a traceback in the log).
-        raise HTTPException(
-            503,
-            "the server shut down before the images ran: send them again once it is back",
-            headers={"Connection": "close"},
-        ) from None
+        said = "the server shut down before the images ran: send them again once it is back"
+        raise HTTPException(503, said, headers={"Connection": "close"}) from None
     metrics.images.inc(len(rows), task=found.name)
     metrics.latency.observe(time.perf_counter() - started)
     predictions = [_top_k(name, row, found, top_k) for (name, _), row in zip(uploads, rows, strict=True)]
@@ -797,9 +791,8 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
     finally:
         worker.cancel()
-        # Stopped before the shutdown ends: a worker waiting for more rows took a few loop turns to stop, and a
-        # lifespan started again meanwhile in the same loop (asgi-lifespan's LifespanManager in an async test) had
-        # its new executor shut down and the batcher marked stopped by the old worker's exit: every request 500.
+        # Awaited: a worker waiting for rows took loop turns to stop, and a lifespan started again meanwhile (asgi-
+        # lifespan) had its executor shut down and the batcher marked stopped by the old worker's exit: all 500.
         [ended] = await asyncio.gather(worker, return_exceptions=True)
         if isinstance(ended, Exception):  # not its cancellation: it had died, and every request since was a 500
             log.error("the batcher's worker had stopped: %s", ended, exc_info=ended)

@@ -73,9 +73,28 @@ def check_outside_runs(path: Path, said: str, product: str) -> None:
         )
 
 
+def stopped_before_checkpoint(folder: Path) -> bool:
+    """Whether ``folder`` holds what a petl-run stopped before its first checkpoint left, and nothing else of a run.
+
+    A run writes its ``config.yaml`` as it starts (then caches features, then writes ``metrics.jsonl``); its
+    checkpoint comes at its first epoch's end, its weights, ``model.json`` and ``result.json`` at its last.  So a run's
+    config (checked: :func:`read_config`), with or without ``metrics.jsonl``, and none of :data:`RUN_MARKERS` is a
+    run stopped (Ctrl-C, a kill) before its first checkpoint: petl-run rewrites it, and petl-predict, petl-export,
+    petl-serve and :func:`petl.load_run` name it so (:func:`unfinished_run`).  Weights or a ``model.json`` there are
+    a finished run's (its ``result.json`` deleted), and a ``config.yaml`` that is not a run's is someone else's.
+    """
+    if not (folder / CONFIG_FILE).is_file() or any((folder / name).exists() for name in RUN_MARKERS):
+        return False
+    try:
+        read_config(folder)
+    except DamagedFileError:
+        return False
+    return True
+
+
 def unfinished_run(folder: Path) -> str | None:
     """The one line for a folder petl-run has not finished (``checkpoint.pt`` without ``result.json``, or a run stopped
-    before its first checkpoint: ``config.yaml`` and ``metrics.jsonl`` alone), or ``None``.
+    before its first checkpoint: :func:`stopped_before_checkpoint`), or ``None``.
 
     Every command given such a folder as a run (petl-predict, petl-export, petl-serve, :func:`petl.load_run`) says
     this line, rather than what it lacks of a finished run.  A run a live process is training now (its lock held)
@@ -91,8 +110,7 @@ def unfinished_run(folder: Path) -> str | None:
             f"{shown(folder)} is an unfinished petl-run folder ({CHECKPOINT_FILE} without {RESULT_FILE}): run the "
             "same petl-run command again (resume=true, the default) to resume it"
         )
-    if (folder / CONFIG_FILE).is_file() and (folder / METRICS_FILE).is_file():
-        # petl-run writes both as it starts: stopped (Ctrl-C, a kill) before its first epoch's checkpoint.
+    if stopped_before_checkpoint(folder):
         return (
             f"{shown(folder)} is a petl-run folder stopped before its first epoch ended ({CONFIG_FILE} without "
             f"{CHECKPOINT_FILE} or {RESULT_FILE}): run the same petl-run command again to train it"

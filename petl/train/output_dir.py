@@ -125,7 +125,7 @@ def seed_difference(first: RunResult, other: RunResult) -> str:
         return difference
     old, new = first.inputs or {}, other.inputs or {}
     changed = [k for k in _CONTENT_INPUTS if k in old and k in new and old[k] != new[k]]
-    return ", ".join(f"{k}: {old[k]!r} -> {new[k]!r}" for k in changed)
+    return ", ".join(f"{k}: {_digest(old[k])} -> {_digest(new[k])}" for k in changed)  # SHA-256s cut short
 
 
 def _as_recorded(value: Any) -> Any:
@@ -181,15 +181,18 @@ def check_output_dir(out: Path, cfg: DictConfig, resolved: dict[str, Any], is_ma
 def _check_nothing_to_overwrite(out: Path) -> None:
     """Refuse a folder holding files of petl's names that no unfinished run left (without a result or checkpoint).
 
-    A run writes ``config.yaml`` first, then ``metrics.jsonl``; its weights and ``model.json`` only once its
-    checkpoint is on disk.  So weights or a card without either, a ``config.yaml`` that is not a run's, or a
-    ``metrics.jsonl`` without its ``config.yaml`` are another run's finished files (its ``result.json`` deleted)
-    or the user's own (``output_dir=.`` in a project holding a ``config.yaml``): the run would overwrite them.
+    What a run stopped before its first checkpoint left is rewritten: :func:`petl.store.files.stopped_before_checkpoint`
+    says which folder holds that, as petl-predict, petl-export, petl-serve and load_run read it.  Anything else of
+    petl's names (weights or a card, a ``config.yaml`` that is not a run's, a ``metrics.jsonl`` without its
+    ``config.yaml``) is another run's finished files (its ``result.json`` deleted) or the user's own
+    (``output_dir=.`` in a project holding a ``config.yaml``): the run would overwrite them.
 
     Raises:
         ConfigError: naming the file; ``resume=false`` moves it aside instead.
 
     """
+    if files.stopped_before_checkpoint(out):
+        return
     found = [name for name in (files.WEIGHTS_FILE, files.MODEL_FILE) if (out / name).exists()]
     if not (out / files.CONFIG_FILE).exists() and (out / files.METRICS_FILE).exists():
         found.append(files.METRICS_FILE)

@@ -116,6 +116,7 @@ BAD_FLAGS = [
     (bench, ["commands", "methods=lora"], "no suite= given: name one (petl-bench list shows each"),
     (bench, ["run", "--bogus"], "unknown flag '--bogus'"),
     (bench, ["list", "--bogus"], "expected key=value, got '--bogus' (see petl-bench --help)"),
+    (bench, ["list", "suit=mini"], "unknown argument(s) ['suit=mini']; known: configs_dir, suite"),
     (bench, ["report", "--bogus"], "unknown flag '--bogus'"),
     (bench, ["compare", "a", "b", "--bogus"], "unknown flag '--bogus'"),
     (bench, ["report"], "expected RESULTS_DIR [out=DIR] [configs_dir=DIR] [suite=NAME], got nothing"),
@@ -226,6 +227,26 @@ def test_petl_run_hands_hydra_info_with_its_topic_as_one_word(argv, hydra_gets, 
     monkeypatch.setattr(run_cli, "_run_hydra", calls.append)
     run_cli.main(argv)
     assert calls == [hydra_gets]
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["--info", "-m", "method=lora"], "--multirun and --info cannot be given together: Hydra takes one of --run, "),
+        (["--cfg", "job", "-m", "method=lora"], "--multirun and --cfg cannot be given together"),
+        (["-r", "-m", "method=lora"], "--run and --multirun cannot be given together"),
+        (["--resolve", "method=lora"], "--resolve acts with --cfg only (it resolves the config printed): give --cfg "),
+    ],
+)
+def test_hydra_modes_given_together_are_one_line(argv, said, monkeypatch, capsys):
+    # Hydra raised "ValueError: Only one of --run, --multirun, --cfg, --info and --shell_completion can be specified"
+    # (or of --resolve without --cfg) once started: a traceback and exit 1, after every job of a sweep was checked.
+    monkeypatch.setattr(run_cli, "_run_hydra", lambda argv: pytest.fail("handed to Hydra"))
+    monkeypatch.setattr(run_cli, "check_command_line", lambda *a: pytest.fail("checked the jobs first"))
+    with pytest.raises(SystemExit) as caught:
+        run_cli.main(argv)
+    err = capsys.readouterr().err
+    assert caught.value.code == 2 and err.count("\n") == 1 and err.startswith(f"petl-run: error: {said}"), err
 
 
 def test_petl_bench_help_answers_before_the_commands_load():

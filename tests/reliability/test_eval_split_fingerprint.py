@@ -87,6 +87,10 @@ def test_a_cell_whose_seeds_were_tested_on_different_test_splits_is_refused(tmp_
     check_cell([record(0, "t1"), record(1, "t1"), record(2, None)])  # an old record is compared on what it has
     with pytest.raises(MixedCellError, match=r"seed1/result.json is not another seed .*data.test_fingerprint: 't1'"):
         check_cell([record(0, "t1"), record(1, "t2")])
+    # Said as petl-run's check says them, by their first 12 hex digits: two whole SHA-256s made one line of 300.
+    said = "(data.test_fingerprint: aaaaaaaaaaaa... -> bbbbbbbbbbbb...); report"
+    with pytest.raises(MixedCellError, match=re.escape(said)):
+        check_cell([record(0, "a" * 64), record(1, "b" * 64)])
 
 
 def test_a_finished_runs_check_hashes_its_splits_without_decoding_them(tmp_path, monkeypatch):

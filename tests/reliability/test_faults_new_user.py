@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from omegaconf import OmegaConf
 from PIL import Image
 from test_faults_issue52 import _main
 
@@ -23,7 +24,11 @@ from petl.cli import export as export_cli
 from petl.cli import predict as predict_cli
 from petl.cli import serve as serve_cli
 from petl.data import folder
+from petl.run import default_config
+from petl.store import files
 from petl.store.run_card import RunFolderError
+from petl.train import output_dir as folder_checks
+from petl.train.config import ConfigError
 from petl.utils import once
 
 UNFINISHED = "is an unfinished petl-run folder (checkpoint.pt without result.json): run the same petl-run command again"
@@ -74,10 +79,7 @@ def test_an_unfinished_run_is_named_as_one_by_every_command(tmp_path, capsys):
 def test_a_run_stopped_before_its_first_epoch_ended_is_named_as_one(tmp_path, capsys):
     # Ctrl-C in the first epoch leaves config.yaml and metrics.jsonl, no checkpoint: petl-predict said "is not a run
     # folder (no trainable.safetensors): give a petl-run output_dir first" of the output_dir petl-run had made.
-    run = tmp_path / "u"
-    run.mkdir()
-    for name in ("config.yaml", "metrics.jsonl"):
-        (run / name).write_text("")
+    run = _stopped(tmp_path / "u")
     said = f"{run} is a petl-run folder stopped before its first epoch ended (config.yaml without checkpoint.pt or "
     said += "result.json): run the same petl-run command again to train it"
     image = _image(tmp_path / "a.png")
@@ -90,6 +92,42 @@ def test_a_run_stopped_before_its_first_epoch_ended_is_named_as_one(tmp_path, ca
         assert code == 2 and err.count("\n") == 1 and f"error: {said}" in err, (argv, err)
     with pytest.raises(RunFolderError, match=re.escape(said)):
         petl.load_run(run)
+
+
+def _stopped(path: Path, *more: str) -> Path:
+    """What petl-run stopped before its first checkpoint leaves (its config.yaml, metrics.jsonl), and ``more``."""
+    path.mkdir(parents=True)
+    files.write_config(path, OmegaConf.to_container(default_config(["method=lora"]), resolve=True))
+    for name in ("metrics.jsonl", *more):
+        (path / name).write_text("{}")
+    return path
+
+
+def test_petl_run_and_the_readers_agree_on_a_run_stopped_before_its_first_checkpoint(tmp_path):
+    # The readers called any config.yaml beside a metrics.jsonl such a run: a finished run whose result.json was
+    # deleted (its weights and card kept, which load_run loads) was "stopped before its first epoch ended: run the
+    # same petl-run command again", a command petl-run refuses there, as it does beside a config.yaml not a run's.
+    # A run stopped while it cached features (config.yaml alone) was "not a run folder", and petl-run rewrites it.
+    cfg = default_config(["method=lora"])
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    stopped = [_stopped(tmp_path / "s"), _stopped(tmp_path / "caching")]
+    (tmp_path / "caching" / "metrics.jsonl").unlink()
+    others = [_stopped(tmp_path / "r", "trainable.safetensors", "model.json"), _stopped(tmp_path / "m", "model.json")]
+    for mine in ("", "my: precious\n"):  # files of the user's own beside a metrics.jsonl
+        others.append(tmp_path / f"own{len(others)}")
+        others[-1].mkdir()
+        (others[-1] / "config.yaml").write_text(mine)
+        (others[-1] / "metrics.jsonl").write_text("{}")
+    for run in stopped:
+        assert files.stopped_before_checkpoint(run) and "stopped before its first epoch" in files.unfinished_run(run)
+        assert folder_checks.check_output_dir(run, cfg, resolved, is_main=True) is None  # rewritten
+    for run in others:
+        assert not files.stopped_before_checkpoint(run) and files.unfinished_run(run) is None, run
+        with pytest.raises(ConfigError, match=rf"output_dir {re.escape(str(run))}"):
+            folder_checks.check_output_dir(run, cfg, resolved, is_main=True)
+    # The readers say what that run's folder lacks, not to train it again.
+    with pytest.raises(RunFolderError, match=r"model.json is not valid JSON|not a petl model record"):
+        petl.load_run(tmp_path / "r")
 
 
 def test_images_given_before_the_run_are_said_to_come_after_it(tmp_path, capsys):
@@ -133,14 +171,17 @@ def test_petl_serve_on_a_folder_leaves_out_runs_set_aside_and_unfinished_ones_na
     replaced = _finished(runs / "lin.replaced-20261128-111154")
     _unfinished(runs / "lin.replaced-20261128-111154-2")  # set aside while unfinished: said once, as set aside
     unfinished = _unfinished(runs / "u")
+    stopped = _stopped(runs / "v")  # was left out silently, stopped before its first checkpoint
     capsys.readouterr()
     assert serve_cli.find_runs([str(runs)]) == {"lin": lin, "lora": lora}
     notes = capsys.readouterr().err.splitlines()
-    assert len(notes) == 2, notes
+    assert len(notes) == 3, notes
     assert notes[0].startswith("petl-serve: note: not served: 2 runs set aside by resume=false")
     assert f"{replaced}, {replaced}-2" in notes[0]
     said = f"petl-serve: note: not served: {unfinished} {UNFINISHED} (resume=true, the default) to resume it"
     assert notes[1] == said
+    assert notes[2] == f"petl-serve: note: not served: {files.unfinished_run(stopped)}", notes[2]
+    assert "stopped before its first epoch ended" in notes[2]
     # Named itself, a run set aside is served: the user asked for it.
     assert serve_cli.find_runs([f"task.old={replaced}"]) == {"old": replaced}
     # A folder of nothing but unfinished runs holds no run to serve.
