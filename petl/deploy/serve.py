@@ -75,8 +75,9 @@ PREDICT_ROUTE = "/v1/tasks/{task}/predict"
 # way to the model's few hundred pixels (the file's pixels, an RGB copy, the resized one), so this and
 # max_image_mp bound the decoding memory (2 x 16 MP: about 0.3 GB).
 DECODE_SLOTS = 2
-# An image's resize is refused over max_image_mp or 1 MP, whichever is more: under a small max_image_mp a cropping
+# An image's resize is refused over max_image_mp or this, whichever is more: under a small max_image_mp a cropping
 # run (whose resize of any image is 256 x 256 px at least, at 224 px) would refuse every image.
+RESIZED_PIXELS_FLOOR = 10**6
 # Each option's allowed range (inclusive): a value outside it, or not finite, is refused naming the option.
 # Pillow itself refuses images over twice its Image.MAX_IMAGE_PIXELS (89 MP) before decoding them.
 OPTION_RANGES: dict[str, tuple[float, float]] = {
@@ -332,8 +333,8 @@ def check_pixels(uploads: list[tuple[str, bytes]], options: ServeOptions, spec: 
                 "(the model reads a few hundred pixels), or start petl-serve with a larger max_image_mp"
             )
         new_width, new_height = resize_size(width, height, spec) if pixels else (0, 0)
-        if new_width * new_height > max(image_limit, 10**6):
-            limit = f"max_image_mp={options.max_image_mp:g}" if image_limit > 10**6 else "1 MP"
+        if new_width * new_height > max(image_limit, RESIZED_PIXELS_FLOOR):
+            limit = f"max_image_mp={options.max_image_mp:g}" if image_limit > RESIZED_PIXELS_FLOOR else "1 MP"
             raise TooManyPixels(
                 f"{_which(number, name)}: {width} x {height} px, which the task's resize (the shorter side to "
                 f"{min(new_width, new_height)} px) makes {new_width * new_height / 1e6:.3g} MP, over {limit}: crop it "
