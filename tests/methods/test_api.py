@@ -239,6 +239,14 @@ REFUSED_LAYOUTS = [
     ("vit_relpos_base_patch16_rpn_224", {}, "block 0 of VisionTransformerRelPos is a ResPostRelPosBlock"),
     # Post-norm, where ViT's residual halves (parallel adapter, SCT, SNF, GPS, a mixed batch's masks) are pre-norm.
     ("vit_base_patch16_rpn_224", {}, "block 0 of VisionTransformer is a ResPostBlock, not timm's pre-norm Block"),
+    # Two attentions and two MLPs per block: the refusal named the block alone, not what to take instead.
+    (
+        "vit_small_patch16_18x2_224",
+        {},
+        "block 0 of VisionTransformer is a ParallelThingsBlock (vit_*_18x2_*): its attentions and MLPs run in pairs "
+        "side by side, where petl reads one of each: take a plain ViT of its width (vit_small_patch16_224, "
+        "vit_base_patch16_224)",
+    ),
 ]
 
 
