@@ -127,7 +127,7 @@ class Choice:
 
 def choose(board: Leaderboard, budget: Budget, data: dict[str, Any] | None = None) -> Choice:
     """The best complete row within ``budget`` on the board's (one) task, and the paragraph naming it."""
-    task = board.tasks[0]
+    task = board.counted_tasks[0]  # the suite's: not a run of another task in the folder, in no mean
     complete = [r for r in board.rows if board.complete(r) and task in r.scores]
     within = [r for r in complete if budget.over(r) is None]
     # Equal accuracy: the row that trains fewer parameters first.

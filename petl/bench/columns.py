@@ -168,7 +168,7 @@ def _published_columns(board: Leaderboard, table: PublishedTable) -> list[Column
             of(lambda pub, column=column: pub.top1.get(column, math.nan)),
             csv=as_csv(f"{prefix}_{column}", None),
         )
-        for column in [table.column(t) for t in board.tasks if table.covers(t)]
+        for column in [table.column(t) for t in board.counted_tasks if table.covers(t)]
     ]
     columns += [
         Column(

@@ -208,7 +208,8 @@ def aggregate(
     groups = {r.task: task_group(r.task) for r in records}
     groups.update({t: task_group(t) for t in (plan.tasks if plan else ()) if t not in groups})
     tasks = sorted(groups, key=lambda t: _task_order_key(t, groups))
-    tables = [t for t in TABLES if any(t.covers(task) for task in tasks)]
+    # The published tables of the tasks the means count: a run of a task outside the suite brings in none of its own.
+    tables = [t for t in TABLES if any(t.covers(task) for task in tasks if plan is None or task in plan.tasks)]
     by_experiment: dict[str, list[RunRecord]] = {}
     for record in records:
         by_experiment.setdefault(record.experiment, []).append(record)
@@ -346,7 +347,7 @@ def published_tables(board: Leaderboard) -> list[Table]:
     """Per-task published figures of each matched row, one table per published source."""
     out = []
     for table in board.tables:
-        covered = [t for t in board.tasks if table.covers(t)]
+        covered = [t for t in board.counted_tasks if table.covers(t)]  # as its means: not a task outside the suite
         labels = task_labels(covered)
         over = table.over_its_tasks(board.counted_tasks)  # beside the measured task mean: the suite's tasks
         headers = [

@@ -40,11 +40,11 @@ every row without bf16 is fp32, and ``tf32=`` is refused there.
 On a GPU (``device=cuda``) the documented setting is ViT-B/16 at 224 px, batch 64: those are the defaults
 there when ``model``/``batch`` are not given.
 
-**Other backbones.**  ``model=`` takes any timm model petl has a backbone kind for (Swin, SwinV2, EVA, BEiT,
-relative-position ViT), and ``model.kwargs.KEY=VALUE`` (petl-run's ``+model.kwargs``) builds a smaller one of the
-family, e.g. the default ViT's shape; an experiment the kind refuses (``petl.apply``'s one line) is left out and
-listed with its reason, as is peft's LoRA where the model has no fused ``qkv``
-(``benchmarks/speed_backbones.sh``).
+**Other backbones.**  ``model=`` takes any timm model petl has a backbone kind for (``petl.list_backbones()``:
+Swin, SwinV2, EVA, BEiT, relative-position ViT and the others), and ``model.kwargs.KEY=VALUE`` (petl-run's
+``+model.kwargs``) builds a smaller one of the family, e.g. the default ViT's shape; an experiment the kind
+refuses (``petl.apply``'s one line) is left out and listed with its reason, as is peft's LoRA where the model has
+no fused ``qkv`` (``benchmarks/speed_backbones.sh``).
 """
 
 from __future__ import annotations

@@ -93,7 +93,10 @@ class ServeMetrics:
     def __init__(self) -> None:
         self.requests = Counter("petl_requests_total", "HTTP requests answered, by route and status code.")
         self.images = Counter("petl_images_total", "Images predicted, by task.")
-        self.latency = Histogram("petl_request_seconds", "Predict requests: receipt to answer, seconds.", SECONDS)
+        # Observed once the predictions are in: a refused request (4xx, 503) or a client gone (499) is not timed.
+        self.latency = Histogram(
+            "petl_request_seconds", "Predict requests answered 200: receipt to answer, seconds.", SECONDS
+        )
         self.queue_wait = Histogram("petl_queue_wait_seconds", "Rows: time queued before their batch ran.", SECONDS)
         self.inference = Histogram("petl_batch_seconds", "Batches: forward pass time, seconds.", SECONDS)
         sizes = (1, 2, 4, 8, 16, 32, 64, 128, 256)

@@ -41,8 +41,9 @@ def apply(
     changing or reusing the config object afterwards leaves the model as it was built.
 
     Args:
-        model: a timm model of a registered backbone kind (:func:`petl.list_backbones`: ViT, relpos ViT, BEiT, EVA,
-            parallel-block ViT, Swin, SwinV2).
+        model: a timm model of a registered backbone kind (:func:`petl.list_backbones`: ``beit``, ``eva``,
+            ``naflexvit``, ``swin``, ``swinv2``, ``swinv2_cr``, ``vit``, ``vit_parallel``, ``vit_relpos``; which
+            method runs on which: the table in docs/backbones.md).
         method: a name from :func:`list_methods`, a method's config object, or a registered foreign config
             (a ``peft.PeftConfig``, which goes through the ``peft`` bridge).
         config: a ready config for a named method; otherwise one is built from ``options``.

@@ -30,6 +30,18 @@ def test_nothing_left_out_says_nothing_more(tmp_path, monkeypatch):
     assert "Not weighed" not in answer.paragraph
 
 
+def test_the_answer_is_on_the_suites_task_though_the_folder_holds_a_run_of_another(tmp_path, monkeypatch):
+    # Was: the board's first task, in its order: a stray run of another task (in no mean) sorted first was weighed.
+    monkeypatch.setattr(choice, "exportable", lambda run: False)
+    for method, top1 in (("lora", 70.0), ("linear", 60.0)):
+        write_run(tmp_path / "photos" / method / "seed0", result_record("photos", method, 0, top1))
+    write_run(tmp_path / "another" / "linear" / "seed0", result_record("another", "linear", 0, 99.0))
+    board = report.build_board(tmp_path, plan=report.Plan("choose", ("lora", "linear"), ("photos",), (0,)))
+    assert board.tasks[0] == "another"
+    answer = choice.choose(board, choice.Budget())
+    assert answer.best is not None and answer.best.experiment == "lora"
+
+
 def test_no_answer_still_names_what_failed(tmp_path):
     write_run(tmp_path / "folder" / "lora" / "seed0", result_record("folder", "lora", 0, 50.0))
     plan = report.Plan("choose", ("lora", "full"), ("folder",), (0, 1))

@@ -75,6 +75,11 @@ def test_a_suite_short_of_a_published_task_says_so_though_a_run_outside_it_has_t
     labels = {c.label for c in board.columns}
     assert {"Published vtab1k task mean (its 19 tasks)", "Published vtab1k PPT (its 19 tasks)"} <= labels
     assert "Task mean (its 19 tasks)" in [h.label for h in published_tables(board)[0].headers]
+    # Its per-task figures are the suite's tasks', as the means: the 19th, outside it, has none (the table, the CSV).
+    last = VTAB.column(VTAB_TASKS[-1])
+    assert f"published:{VTAB_TASKS[-1]}" not in [h.key for h in published_tables(board)[0].headers]
+    assert f"published_vtab1k_{last}" not in [c.key for c in board.columns]
+    assert f"published_vtab1k_{VTAB.column(VTAB_TASKS[0])}" in [c.key for c in board.columns]
     assert any("over its 19 tasks, of which this board ran 18: they do not compare" in line for line in notes(board))
 
 
@@ -219,6 +224,23 @@ def test_a_run_of_own_data_outside_the_suite_leaves_its_benchmark_tasks_named_as
     assert "my photos" in board.tasks and benchmark_tasks(board)
     assert "**Group mean** = mean of the group averages" in notes(board)[1]
     assert not benchmark_tasks(build_board(tmp_path))  # without a suite, every task is the board's
+
+
+def test_a_run_of_a_task_outside_the_suite_brings_in_no_published_table(tmp_path):
+    # Was: suite two (mini tasks, no published table) in a folder also holding a run of vtab/dtd showed a
+    # "Published vtab1k" table, columns and legend line, its figures over tasks the means do not count.
+    from petl.bench.notes import notes
+    from petl.bench.report import Plan, build_board, published_tables
+
+    for experiment, top1 in (("lora", 80.0), ("linear", 70.0)):
+        for task in ("mini/digits", "mini/mnist"):
+            write_run(tmp_path, task, experiment, 0, top1=top1)
+    write_run(tmp_path, "vtab/dtd", "lora", 0, top1=60.0, model=VTAB.backbone)
+    board = build_board(tmp_path, plan=Plan("two", ("lora", "linear"), ("mini/digits", "mini/mnist"), (0,)))
+    assert "vtab/dtd" in board.tasks and board.tables == [] and published_tables(board) == []
+    assert not [c.key for c in board.columns if c.key.startswith("published")]
+    assert not [line for line in notes(board) if "Published vtab1k" in line]
+    assert [t.key for t in build_board(tmp_path).tables] == ["vtab1k"]  # without a suite, every task is the board's
 
 
 def test_a_task_outside_the_suite_is_never_called_saturated(tmp_path):

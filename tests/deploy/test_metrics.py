@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from petl.deploy.metrics import Counter, Gauge, Histogram
+from petl.deploy.metrics import Counter, Gauge, Histogram, ServeMetrics
 
 
 def test_a_count_past_a_million_and_a_sum_are_written_in_full():
@@ -19,3 +19,8 @@ def test_a_count_past_a_million_and_a_sum_are_written_in_full():
     lines = seconds.text()
     assert f"petl_request_seconds_sum {123_456.789 + 0.25 + 1.0!r}" in lines
     assert 'petl_request_seconds_bucket{le="1"} 2' in lines and "petl_request_seconds_count 3" in lines
+
+
+def test_the_latency_help_says_it_times_answered_predict_requests_only():
+    # It said "Predict requests", where a refused one (404, 413, 503) or a client gone (499) is never observed.
+    assert "# HELP petl_request_seconds Predict requests answered 200: receipt" in ServeMetrics().text()

@@ -210,7 +210,7 @@ def test_a_client_gone_while_its_images_wait_has_them_dropped_from_the_queue(tmp
     _with_batcher(app, lambda: app(scope, receive, send))
     assert sent[0]["status"] == serve.CLIENT_GONE
     metrics = app.state.metrics
-    assert metrics.batch_rows.count == 0 and not metrics.images.values
+    assert metrics.batch_rows.count == 0 and not metrics.images.values and metrics.latency.count == 0
     assert metrics.requests.values == {(("route", serve.PREDICT_ROUTE), ("status", "499")): 1}
 
 

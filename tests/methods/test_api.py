@@ -227,18 +227,35 @@ def test_a_distilled_deit_is_refused_in_one_line_saying_which_deit_to_take(tmp_p
 
 # Models of a family's timm module whose blocks it does not take: (timm model, its overrides, the refusal's end).
 REFUSED_LAYOUTS = [
-    # DINOv3's rotary embedding is computed per image size (dynamic_img_size): petl's hooks are built for one grid,
-    # which the same model built with dynamic_img_size=False has (tests/methods/test_eva_rope.py).
-    (
-        "vit_small_patch16_dinov3",
-        {},
-        "Eva has a rotary embedding per image size (dynamic_img_size=True, as timm's vit_*_dinov3): create it with "
-        "dynamic_img_size=False, the same model at its img_size (petl-run: +model.kwargs.dynamic_img_size=false)",
+    # DINOv3's rotary embedding is computed per image size (dynamic_img_size), as LingBot's and Sapiens2's: petl's
+    # hooks are built for one grid, which the same model built with dynamic_img_size=False has
+    # (tests/methods/test_eva_rope.py).
+    *(
+        (
+            name,
+            overrides,
+            "Eva has a rotary embedding per image size (dynamic_img_size=True, as timm's vit_*_dinov3, vit_*_lingbot "
+            "and vit_*_sapiens2): create it with dynamic_img_size=False, the same model at its img_size (petl-run: "
+            "+model.kwargs.dynamic_img_size=false)",
+        )
+        for name, overrides in [
+            ("vit_small_patch16_dinov3", {}),
+            ("vit_small_patch16_lingbot", {}),
+            ("vit_base_patch16_sapiens2", {"num_kv_heads": (3,)}),
+        ]
     ),
     ("beit_base_patch16_224", {"swiglu_mlp": True}, "block 0 of Beit: Block with SwiGLU, not taken"),
     ("vit_relpos_base_patch16_rpn_224", {}, "block 0 of VisionTransformerRelPos is a ResPostRelPosBlock"),
     # Post-norm, where ViT's residual halves (parallel adapter, SCT, SNF, GPS, a mixed batch's masks) are pre-norm.
     ("vit_base_patch16_rpn_224", {}, "block 0 of VisionTransformer is a ResPostBlock, not timm's pre-norm Block"),
+    # Two attentions and two MLPs per block: the refusal named the block alone, not what to take instead.
+    (
+        "vit_small_patch16_18x2_224",
+        {},
+        "block 0 of VisionTransformer is a ParallelThingsBlock (vit_*_18x2_*): its attentions and MLPs run in pairs "
+        "side by side, where petl reads one of each: take a plain ViT of its width (vit_small_patch16_224, "
+        "vit_base_patch16_224)",
+    ),
 ]
 
 

@@ -117,15 +117,21 @@ def test_every_method_but_full_fine_tuning_leaves_the_per_block_rotation_frozen(
 
 # timm's DINOv3 sizes share one rotary layout (RotaryEmbeddingDinoV3: temperature 100, rotate_half, 4 register
 # tokens) at the head width of 64 (S, S+, B, L, H+; H+ and S+ with a SwiGLU MLP), or 128 (7B, SwiGLU): a tiny one of
-# each head width, at 8x8 patches of 4 px.
-DINOV3 = [("vit_small_patch16_dinov3", 128), ("vit_7b_patch16_dinov3", 256)]
+# each head width, at 8x8 patches of 4 px.  LingBot-Vision and Sapiens2 (separate q/k/v, grouped-query attention
+# in the middle blocks, SwiGLU) take the same rotation, built dynamic_img_size=True too.
+DINOV3 = [
+    ("vit_small_patch16_dinov3", 128, {}),
+    ("vit_7b_patch16_dinov3", 256, {}),
+    ("vit_small_patch16_lingbot", 128, {}),
+    ("vit_base_patch16_sapiens2", 128, {"num_kv_heads": (2, 1)}),
+]
 
 
-@pytest.mark.parametrize(("name", "width"), DINOV3, ids=[name for name, _ in DINOV3])
-def test_a_dinov3_built_for_one_size_is_timms_dinov3_and_its_blocks_run_one_by_one(images, name, width):
+@pytest.mark.parametrize(("name", "width", "overrides"), DINOV3, ids=[name for name, *_ in DINOV3])
+def test_a_dinov3_built_for_one_size_is_timms_dinov3_and_its_blocks_run_one_by_one(images, name, width, overrides):
     # petl refuses timm's dynamic_img_size=True DINOv3 saying to build it with dynamic_img_size=False: the same
     # weights and logits at its img_size, and petl's block path (block_inputs' rotation table) is timm's forward.
-    options = dict(img_size=32, patch_size=4, embed_dim=width, num_heads=2, depth=2, num_classes=5)
+    options = dict(img_size=32, patch_size=4, embed_dim=width, num_heads=2, depth=2, num_classes=5, **overrides)
     torch.manual_seed(0)
     dynamic = timm.create_model(name, **options).eval()
     with pytest.raises(ValueError, match=r"create it with dynamic_img_size=False"):

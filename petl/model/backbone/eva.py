@@ -92,12 +92,13 @@ class Eva(QvBiasesBesideQkv, GammaBranches, ViT):
         """
         model, name = self.model, type(self.model).__name__
         if model.rope is not None and model.dynamic_img_size:
-            # timm's vit_*_dinov3 models: built with dynamic_img_size=False they are the same model at their img_size
-            # (the same weights, a rotation table computed once for its grid), which block_inputs hands the blocks.
+            # timm's vit_*_dinov3, vit_*_lingbot and vit_*_sapiens2 models: built with dynamic_img_size=False they are
+            # the same model at their img_size (the same weights, a rotation table computed once for its grid), which
+            # block_inputs hands the blocks.
             raise ValueError(
                 f"petl supports {self.supported}; {name} has a rotary embedding per image size (dynamic_img_size=True, "
-                "as timm's vit_*_dinov3): create it with dynamic_img_size=False, the same model at its img_size "
-                "(petl-run: +model.kwargs.dynamic_img_size=false)"
+                "as timm's vit_*_dinov3, vit_*_lingbot and vit_*_sapiens2): create it with dynamic_img_size=False, "
+                "the same model at its img_size (petl-run: +model.kwargs.dynamic_img_size=false)"
             )
         for i, block in enumerate(model.blocks):
             inner = unwrap(block)

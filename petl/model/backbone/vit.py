@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from timm.models import checkpoint_seq
 from timm.models.deit import VisionTransformerDistilled
-from timm.models.vision_transformer import Block, VisionTransformer
+from timm.models.vision_transformer import Block, ParallelThingsBlock, VisionTransformer
 from torch import nn
 
 from petl.model.backbone.base import Backbone, register_backbone, unwrap
@@ -54,6 +54,12 @@ class ViT(TimmModelParts, TimmBlockParts, Backbone):
             raise ValueError(f"petl supports {self.supported}; got {name}, which has no timm ViT blocks.")
         for i, block in enumerate(blocks):
             inner = unwrap(block)
+            if isinstance(inner, ParallelThingsBlock):
+                raise ValueError(
+                    f"petl supports {self.supported}; block {i} of {name} is a ParallelThingsBlock (vit_*_18x2_*): "
+                    "its attentions and MLPs run in pairs side by side, where petl reads one of each: take a plain "
+                    "ViT of its width (vit_small_patch16_224, vit_base_patch16_224)"
+                )
             qkv = getattr(getattr(inner, "attn", None), "qkv", None)
             if not isinstance(qkv, nn.Linear) or qkv.out_features != 3 * qkv.in_features:
                 # e.g. the parallel blocks of vit_pwee_* (one in_proj for qkv and fc1, one residual): not taken yet.
