@@ -36,6 +36,7 @@ class ParamsLine:
         note: the experiment file's reason for a difference (``""``: none given).
         task_range: the smallest and largest per-task count when per-task options make them differ.
         published_backbone: whether the counts are of the table's own backbone (else a difference is expected).
+        refused: why the backbone's kind refuses the method (``petl.apply``'s reason; ``count`` is then 0), else ``""``.
 
     """
 
@@ -45,10 +46,15 @@ class ParamsLine:
     note: str
     task_range: tuple[int, int] | None = None
     published_backbone: bool = True
+    refused: str = ""
 
     @property
     def status(self) -> str:
-        """``ok``, ``differs (explained)``, ``differs (other backbone)``, ``DIFFERS`` or ``no published row``."""
+        """``ok``, ``differs (explained)``, ``differs (other backbone)``, ``DIFFERS``, ``no published row`` or
+        ``refused`` (``REFUSED`` on the published backbone, where it fails the command).
+        """
+        if self.refused:
+            return "REFUSED" if self.published_backbone else "refused"
         if self.published is None or self.published.params is None:
             return "no published row"
         if self.published.params_match(self.count):
@@ -73,6 +79,23 @@ def count_without_head(model_name: str, method: dict, num_classes: int) -> int:
         model = timm.create_model(model_name, pretrained=False, num_classes=num_classes)
         apply(model, method["name"], num_classes=num_classes, **options)
     return count_params(model).trainable_no_head
+
+
+def refusal(model_name: str, method_name: str, num_classes: int) -> str:
+    """Why ``method_name`` does not take ``model_name``'s backbone kind (``petl.apply``'s check), else ``""``."""
+    import timm
+    import torch
+
+    import petl.methods  # noqa: F401  (importing the methods registers them)
+    from petl.model.surgery import check_supported
+
+    with torch.device("meta"):
+        model = timm.create_model(model_name, pretrained=False, num_classes=num_classes)
+    try:
+        check_supported(model, method_name)
+    except ValueError as error:
+        return str(error)
+    return ""
 
 
 def note_for(experiment: suites.Experiment, table: PublishedTable) -> str:
@@ -130,6 +153,10 @@ def compare(
     same = same_architecture(model_name, table.backbone)
     lines = []
     for e in experiments:
+        refused = refusal(model_name, e.method["name"], num_classes)
+        if refused:  # one row saying why, the other experiments still counted (as petl-bench speed leaves it out)
+            lines.append(ParamsLine(e.name, 0, rows.get(e.published), "", None, same, refused))
+            continue
         counts = task_counts(suite, e, tasks, model_name, num_classes)
         spread = (min(counts), max(counts)) if min(counts) != max(counts) else None
         mean = sum(counts) / len(counts)
@@ -144,13 +171,15 @@ def format_lines(lines: list[ParamsLine], table: PublishedTable) -> list[str]:
     for line in lines:
         pub = line.published
         digits = pub.params_digits if pub is not None else 2
-        shown = f"{line.count / 1e6:.{max(digits, 2)}f}"
+        shown = "-" if line.refused else f"{line.count / 1e6:.{max(digits, 2)}f}"
         row = pub.method if pub is not None else "-"
         figure = f"{pub.params / 1e6:.{digits}f}M" if pub is not None and pub.params is not None else "-"
         out.append(f"{line.experiment:<20} {shown:>16}  {row:<18} {figure:>9}  {line.status}")
         if line.task_range is not None:
             low, high = (f"{n / 1e6:.{max(digits, 2)}f}" for n in line.task_range)
             out.append(f"{'':<20} per-task options: {low} to {high} over the tasks, mean shown")
+        if line.refused:
+            out.append(f"{'':<20} {line.refused}")
         if line.note and line.status not in ("ok", "differs (other backbone)"):
             out.append(f"{'':<20} note: {line.note}")
     return out
@@ -161,7 +190,8 @@ def main(args: Sequence[str]) -> int:
 
     Returns:
         1 when an experiment's count on the published backbone differs from its published row at the
-        published precision and its file gives no ``published_note`` for that table, else 0.
+        published precision and its file gives no ``published_note`` for that table, or the published backbone
+        refuses its method, else 0.
 
     Raises:
         SystemExit: an unknown argument, ``methods=`` listing nothing, a suite without a published table.
@@ -199,7 +229,7 @@ def main(args: Sequence[str]) -> int:
         lines = compare(suite, experiments, table, model_name, num_classes)
         for text in format_lines(lines, table):
             print("  " + text)
-        failed |= any(line.status == "DIFFERS" for line in lines)
+        failed |= any(line.status in ("DIFFERS", "REFUSED") for line in lines)
     if failed:
         print("petl-bench params: counts differ from the published ones; fix the experiment or give a published_note")
     return 1 if failed else 0
