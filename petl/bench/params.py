@@ -82,6 +82,26 @@ def count_without_head(model_name: str, method: dict, num_classes: int) -> int:
     return count_params(model).trainable_no_head
 
 
+def check_model(model_name: str) -> None:
+    """Refuse a model petl refuses whole (a distilled DeiT), before the table: each row would say so, exit 0.
+
+    Raises:
+        ValueError: naming ``model=`` and why (the backbone's one line).
+
+    """
+    import timm
+    import torch
+
+    from petl.model.backbone import backbone_of
+
+    with torch.device("meta"):
+        model = timm.create_model(model_name, pretrained=False)
+    try:
+        backbone_of(model).check()
+    except ValueError as error:
+        raise ValueError(f"model={model_name}: {error}") from None
+
+
 def note_for(experiment: suites.Experiment, table: PublishedTable) -> str:
     """The experiment's ``published_note`` for ``table`` (one text for all tables, or per table key)."""
     note = experiment.published_note
@@ -181,7 +201,8 @@ def main(args: Sequence[str]) -> int:
 
     Raises:
         SystemExit: an unknown argument, ``methods=`` listing nothing, a suite without a published table.
-        ValueError: an unknown suite, experiment or model (``ConfigError``), before any count.
+        ValueError: an unknown suite, experiment or model (``ConfigError``), or a model petl refuses whole, before
+            any count.
 
     """
     from petl.bench.args import split_list
@@ -204,6 +225,7 @@ def main(args: Sequence[str]) -> int:
     model_name = own.get("model", suite_backbone(suite))
     # Before the table's first lines: an unknown name is bad input (exit 2), not timm's RuntimeError mid-table (exit 1).
     check_group_choice("model", model_name)
+    check_model(model_name)
     # The head is not counted, so any class count serves; the suite's first task's keeps it realistic.
     num_classes = get_info(suite.tasks[0]).num_classes
     failed = False
