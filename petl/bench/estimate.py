@@ -3,8 +3,8 @@
 For each experiment the backbone is built and the method applied (timed), then a few training steps
 (forward, cross-entropy, backward, AdamW step) and evaluation forwards are timed on a batch of random images
 of the run's size and batch.  Where the run would cache the frozen front of the backbone
-(:mod:`petl.train.cache`), the front is timed once per image and the steps on the cached tensors, as the run
-trains.  A run's time is then
+(:mod:`petl.train.cache`; not where the cache would exceed its size limit), the front is timed once per image
+and the steps on the cached tensors, as the run trains.  A run's time is then
 
     fixed + epochs x per_epoch
     + build + decode (its splits' images, at the rate measured while fingerprinting the data)
@@ -378,9 +378,13 @@ def measure(cfg: Any, data: OwnData, steps: int = TIMED_STEPS) -> tuple[Probe, s
     images = torch.randn(batch, 3, size, size, device=device)
     labels = torch.randint(0, len(data.classes), (batch,), device=device)
     settings = OmegaConf.to_object(cfg.train)
-    # The run caches the frozen front under the same conditions (petl.train.runner._set_up_training).
+    # The run caches the frozen front under the same conditions (petl.train.runner._cache_plan), its size limit too:
+    # a final run's training images (a trial's train and val images are as many) over it train uncached, each step
+    # through the whole backbone.
     cached = cfg.train.cache_features and not cfg.data.augment and engine.backbone_mode(model, settings) != "train"
     plan = cache.plan(model) if cached else None
+    if plan is not None and not cache.fits(model, plan, [data.sizes[TRAIN_VAL]]):
+        plan = None
     trainee: torch.nn.Module = model
     front_seconds = 0.0
     if plan is not None:

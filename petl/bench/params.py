@@ -36,6 +36,8 @@ class ParamsLine:
         note: the experiment file's reason for a difference (``""``: none given).
         task_range: the smallest and largest per-task count when per-task options make them differ.
         published_backbone: whether the counts are of the table's own backbone (else a difference is expected).
+        refused: why ``petl.apply`` refuses the method on this (not the published) backbone (``count`` is then 0),
+            else ``""``.
 
     """
 
@@ -45,10 +47,15 @@ class ParamsLine:
     note: str
     task_range: tuple[int, int] | None = None
     published_backbone: bool = True
+    refused: str = ""
 
     @property
     def status(self) -> str:
-        """``ok``, ``differs (explained)``, ``differs (other backbone)``, ``DIFFERS`` or ``no published row``."""
+        """``ok``, ``differs (explained)``, ``differs (other backbone)``, ``DIFFERS``, ``no published row`` or
+        ``refused``.
+        """
+        if self.refused:
+            return "refused"
         if self.published is None or self.published.params is None:
             return "no published row"
         if self.published.params_match(self.count):
@@ -73,6 +80,26 @@ def count_without_head(model_name: str, method: dict, num_classes: int) -> int:
         model = timm.create_model(model_name, pretrained=False, num_classes=num_classes)
         apply(model, method["name"], num_classes=num_classes, **options)
     return count_params(model).trainable_no_head
+
+
+def check_model(model_name: str) -> None:
+    """Refuse a model petl refuses whole (a distilled DeiT), before the table: each row would say so, exit 0.
+
+    Raises:
+        ValueError: naming ``model=`` and why (the backbone's one line).
+
+    """
+    import timm
+    import torch
+
+    from petl.model.backbone import backbone_of
+
+    with torch.device("meta"):
+        model = timm.create_model(model_name, pretrained=False)
+    try:
+        backbone_of(model).check()
+    except ValueError as error:
+        raise ValueError(f"model={model_name}: {error}") from None
 
 
 def note_for(experiment: suites.Experiment, table: PublishedTable) -> str:
@@ -130,7 +157,14 @@ def compare(
     same = same_architecture(model_name, table.backbone)
     lines = []
     for e in experiments:
-        counts = task_counts(suite, e, tasks, model_name, num_classes)
+        try:
+            counts = task_counts(suite, e, tasks, model_name, num_classes)
+        except ValueError as error:  # petl.apply's one-line refusal of this model (see its Raises)
+            if same:  # the published backbone takes every experiment: a refusal there is the file's fault
+                raise
+            # One row saying why, the other experiments still counted, as petl-bench speed leaves such a row out.
+            lines.append(ParamsLine(e.name, 0, rows.get(e.published), "", None, same, str(error)))
+            continue
         spread = (min(counts), max(counts)) if min(counts) != max(counts) else None
         mean = sum(counts) / len(counts)
         published = rows.get(e.published)
@@ -144,13 +178,15 @@ def format_lines(lines: list[ParamsLine], table: PublishedTable) -> list[str]:
     for line in lines:
         pub = line.published
         digits = pub.params_digits if pub is not None else 2
-        shown = f"{line.count / 1e6:.{max(digits, 2)}f}"
+        shown = "-" if line.refused else f"{line.count / 1e6:.{max(digits, 2)}f}"
         row = pub.method if pub is not None else "-"
         figure = f"{pub.params / 1e6:.{digits}f}M" if pub is not None and pub.params is not None else "-"
         out.append(f"{line.experiment:<20} {shown:>16}  {row:<18} {figure:>9}  {line.status}")
         if line.task_range is not None:
             low, high = (f"{n / 1e6:.{max(digits, 2)}f}" for n in line.task_range)
             out.append(f"{'':<20} per-task options: {low} to {high} over the tasks, mean shown")
+        if line.refused:
+            out.append(f"{'':<20} {line.refused}")
         if line.note and line.status not in ("ok", "differs (other backbone)"):
             out.append(f"{'':<20} note: {line.note}")
     return out
@@ -165,7 +201,8 @@ def main(args: Sequence[str]) -> int:
 
     Raises:
         SystemExit: an unknown argument, ``methods=`` listing nothing, a suite without a published table.
-        ValueError: an unknown suite, experiment or model (``ConfigError``), before any count.
+        ValueError: an unknown suite, experiment or model (``ConfigError``), or a model petl refuses whole, before
+            any count.
 
     """
     from petl.bench.args import split_list
@@ -188,6 +225,7 @@ def main(args: Sequence[str]) -> int:
     model_name = own.get("model", suite_backbone(suite))
     # Before the table's first lines: an unknown name is bad input (exit 2), not timm's RuntimeError mid-table (exit 1).
     check_group_choice("model", model_name)
+    check_model(model_name)
     # The head is not counted, so any class count serves; the suite's first task's keeps it realistic.
     num_classes = get_info(suite.tasks[0]).num_classes
     failed = False

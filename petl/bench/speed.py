@@ -77,6 +77,7 @@ from petl.bench.speed_bench import (
     precision_label,
 )
 from petl.bench.speed_table import format_table, machine_line, plain_inference
+from petl.model.backbone import backbone_of
 from petl.store.files import write_text
 from petl.train import engine
 from petl.train.readers import image_size
@@ -294,13 +295,23 @@ def main(args: Sequence[str]) -> int:
     spec = make_spec(own, torch.cuda.is_available(), model_kwargs)
     # Before any case is built: an unknown name is bad input (exit 2), not timm's RuntimeError mid-measure (exit 1).
     check_group_choice("model", spec.model)
+    # Built on the meta device (shapes only, no weights), as petl-run checks its model before it builds one.
+    import timm
+
+    size = {"img_size": spec.img_size} if spec.img_size else {}
+    try:
+        with torch.device("meta"):
+            model = timm.create_model(spec.model, pretrained=False, **size, **spec.model_kwargs)
+    except TypeError as error:  # a keyword the model does not take: timm's TypeError failed the command (exit 1)
+        raise SystemExit(f"petl-bench speed: model.kwargs: {error}") from None
+    try:
+        # A model of a family petl reads but refuses whole (a distilled DeiT) left every row out, then failed (exit 1).
+        backbone_of(model).check()
+    except ValueError as error:
+        raise SystemExit(f"petl-bench speed: model={spec.model}: {error}") from None
     if spec.img_size:
         # As petl-run: a model that takes img_size and sizes its images otherwise (timm's NaFlexVit) would be timed at
-        # its own size under a table that says img_size's.  Built on the meta device: shapes only, no weights.
-        import timm
-
-        with torch.device("meta"):
-            model = timm.create_model(spec.model, pretrained=False, img_size=spec.img_size, **spec.model_kwargs)
+        # its own size under a table that says img_size's.
         check_built_size(model, spec.model, spec.img_size, key="img_size")
     configs = configs_folder(own)
     names = split_list(own["methods"]) if "methods" in own else list_experiments(configs)

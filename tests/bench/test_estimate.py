@@ -44,3 +44,18 @@ def test_a_probe_run_takes_what_the_real_runs_take_on_its_four_images(tmp_path):
     tiny = ["model.pretrained=false", "+model.kwargs.depth=1", "+model.kwargs.embed_dim=48", "model.img_size=32"]
     overrides = ["method=linear", "data=mini/digits", *tiny, "train.grad_accum=2", "data.epochs=3"]
     assert costs._probe_run([*overrides, f"output_dir={tmp_path}"], 1, default_config) > 0
+
+
+@pytest.mark.parametrize("limit", [None, 0])
+def test_steps_are_timed_uncached_where_the_run_s_cache_would_exceed_its_limit(monkeypatch, limit):
+    # Was: the estimate timed the steps on the cached front whenever the method left one frozen, while a run whose
+    # images' features exceed petl.train.cache's limit caches nothing and runs the whole backbone each step.
+    from petl.train import cache
+    from petl.train.config import default_config
+
+    if limit is not None:
+        monkeypatch.setattr(cache, "MAX_CACHE_BYTES", limit)
+    tiny = ["model.pretrained=false", "+model.kwargs.depth=2", "+model.kwargs.embed_dim=48", "output_dir=unused"]
+    cfg = default_config(["method=partial", "data=mini/digits", *tiny])
+    probe, _ = costs.measure(cfg, DATA, steps=1)
+    assert (probe.front_seconds > 0) == (limit is None)

@@ -126,6 +126,8 @@ def test_the_page_sorts_on_load_by_a_task_column_whose_key_holds_a_colon(tmp_pat
     [
         (("methods=",), "methods= lists nothing"),
         (("methods=lora", "model=vit_bse_patch16_224"), "unknown model 'vit_bse_patch16_224'; did you mean"),
+        # Was: a table whose every row said "refused" with the same reason, exit 0.
+        (("methods=lora", "model=deit_tiny_distilled_patch16_224"), "model=deit_tiny_distilled_patch16_224: petl"),
     ],
 )
 def test_params_refuses_an_empty_methods_and_an_unknown_model_in_one_line(capsys, args, said):

@@ -368,6 +368,9 @@ BASE = ["speed", "methods=lora", "inprocess=true", "warmup=0", "infer_steps=1", 
             "img_size=32: naflexvit_base_patch16_gap is built for 384 px whatever img_size says (timm resamples its "
             "position grid to any size): drop img_size",
         ),
+        # Were timm's TypeError (exit 1), and every row left out, then an AttributeError building peft's (exit 1).
+        (["model.kwargs.depthh=1"], "model.kwargs: VisionTransformer.__init__() got an unexpected keyword argument"),
+        (["model=deit_tiny_distilled_patch16_224"], "model=deit_tiny_distilled_patch16_224: petl supports a timm"),
     ],
 )
 def test_speed_cli_refuses_bad_values_in_one_line_before_measuring(args, message, monkeypatch, capsys):
