@@ -217,8 +217,33 @@ def remove_killed_exports(path: Path) -> list[Path]:
     return removed
 
 
+@contextmanager
+def _output_held() -> Iterator[None]:
+    """Hold back what is written to file descriptors 1 and 2 (C++ code's too) inside; write it out if no error."""
+    streams = (sys.stdout, sys.stderr)
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        saved = []
+        for fd, stream, held in zip((1, 2), streams, (out, err), strict=True):
+            stream.flush()
+            saved.append(os.dup(fd))
+            os.dup2(held.fileno(), fd)
+        try:
+            yield
+        finally:
+            for fd, stream, kept in zip((1, 2), streams, saved, strict=True):
+                stream.flush()
+                os.dup2(kept, fd)
+                os.close(kept)
+        for stream, held in zip(streams, (out, err), strict=True):
+            held.seek(0)
+            stream.write(held.read().decode(errors="replace"))
+
+
 def _torch_onnx_export(model: nn.Module, example: torch.Tensor, path: Path, meta: dict[str, str]) -> None:
-    with warnings.catch_warnings():
+    # torch's TorchScript exporter writes the whole graph to the process's stdout, from C++, before it raises on an
+    # operator it cannot export (NaFlexVit's antialiased bicubic resize: some 200 lines above the one-line refusal;
+    # torch 2.9's setup_onnx_logging turns that log on always).  What it writes is held back, shown only on success.
+    with warnings.catch_warnings(), _output_held():
         # The TorchScript exporter: torch's newer one needs the onnxscript package.
         warnings.simplefilter("ignore")
         try:
