@@ -5,6 +5,7 @@ The command line, its options and exit statuses are :mod:`petl.cli.export`'s.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
@@ -219,24 +220,33 @@ def remove_killed_exports(path: Path) -> list[Path]:
 
 @contextmanager
 def _output_held() -> Iterator[None]:
-    """Hold back what is written to file descriptors 1 and 2 (C++ code's too) inside; write it out if no error."""
-    streams = (sys.stdout, sys.stderr)
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        saved = []
-        for fd, stream, held in zip((1, 2), streams, (out, err), strict=True):
+    """Hold back what is written to file descriptors 1 and 2 (C++ code's too) inside; write it out if no error.
+
+    A descriptor that is closed (``petl-export ... >&-``; Python's stream is then ``None``) is left alone.
+    """
+    held = []  # (fd, its Python stream, a duplicate of the fd, the file holding what was written)
+    with contextlib.ExitStack() as stack:
+        for fd, stream in ((1, sys.stdout), (2, sys.stderr)):
+            if stream is None:
+                continue
+            try:
+                saved = os.dup(fd)
+            except OSError:
+                continue
             stream.flush()
-            saved.append(os.dup(fd))
-            os.dup2(held.fileno(), fd)
+            file = stack.enter_context(tempfile.TemporaryFile())
+            os.dup2(file.fileno(), fd)
+            held.append((fd, stream, saved, file))
         try:
             yield
         finally:
-            for fd, stream, kept in zip((1, 2), streams, saved, strict=True):
+            for fd, stream, saved, _ in held:
                 stream.flush()
-                os.dup2(kept, fd)
-                os.close(kept)
-        for stream, held in zip(streams, (out, err), strict=True):
-            held.seek(0)
-            stream.write(held.read().decode(errors="replace"))
+                os.dup2(saved, fd)
+                os.close(saved)
+        for _, stream, _, file in held:
+            file.seek(0)
+            stream.write(file.read().decode(errors="replace"))
 
 
 def _torch_onnx_export(model: nn.Module, example: torch.Tensor, path: Path, meta: dict[str, str]) -> None:
