@@ -288,7 +288,8 @@ def entry_point(prog: str, debug_flag: str = "--debug", sigterm: bool = True) ->
                         status = stop.code
                         raise
                     finally:
-                        sys.stdout.flush()  # here, where a closed pipe is caught, rather than at exit
+                        if sys.stdout is not None:  # None where the command started with stdout closed (>&-)
+                            sys.stdout.flush()  # here, where a closed pipe is caught, rather than at exit
             except KeyboardInterrupt as error:
                 if debug_flag in (sys.argv[1:] if argv is None else argv):
                     raise

@@ -14,7 +14,7 @@ with ``img_size``, ``num_classes``, ``pretrained_cfg`` with the preprocessing an
 names and the preprocessing (input size, mean/std, interpolation, crop), as JSON strings (safetensors
 metadata; ONNX ``metadata_props``).  An ONNX file needs the onnx package (``pip install onnx``; petl does not
 install it) and is checked against the merged model's logits with onnxruntime where it is installed (a note on
-stderr where not); a model torch's ONNX exporter cannot trace (timm's EVA) fails in one line:
+stderr where not); a model torch's ONNX exporter cannot trace (timm's EVA, NaFlexVit) fails in one line:
 export a folder or ``.safetensors`` for it.  A model whose weights pass 2 GiB (fp32 ViT-H/14 and larger; one ONNX
 file cannot hold more) is written as two files: ``FILE.onnx`` and its weights ``FILE.onnx.data``, which the
 ``.onnx`` names; keep them together in one folder (onnx.load and onnxruntime read the weights from beside the

@@ -5,6 +5,7 @@ The command line, its options and exit statuses are :mod:`petl.cli.export`'s.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
@@ -217,8 +218,42 @@ def remove_killed_exports(path: Path) -> list[Path]:
     return removed
 
 
+@contextmanager
+def _output_held() -> Iterator[None]:
+    """Hold back what is written to file descriptors 1 and 2 (C++ code's too) inside; write it out if no error.
+
+    A descriptor that is closed (``petl-export ... >&-``; Python's stream is then ``None``) is left alone.
+    """
+    held = []  # (fd, its Python stream, a duplicate of the fd, the file holding what was written)
+    with contextlib.ExitStack() as stack:
+        for fd, stream in ((1, sys.stdout), (2, sys.stderr)):
+            if stream is None:
+                continue
+            try:
+                saved = os.dup(fd)
+            except OSError:
+                continue
+            stream.flush()
+            file = stack.enter_context(tempfile.TemporaryFile())
+            os.dup2(file.fileno(), fd)
+            held.append((fd, stream, saved, file))
+        try:
+            yield
+        finally:
+            for fd, stream, saved, _ in held:
+                stream.flush()
+                os.dup2(saved, fd)
+                os.close(saved)
+        for _, stream, _, file in held:
+            file.seek(0)
+            stream.write(file.read().decode(errors="replace"))
+
+
 def _torch_onnx_export(model: nn.Module, example: torch.Tensor, path: Path, meta: dict[str, str]) -> None:
-    with warnings.catch_warnings():
+    # torch's TorchScript exporter writes the whole graph to the process's stdout, from C++, before it raises on an
+    # operator it cannot export (NaFlexVit's antialiased bicubic resize: some 200 lines above the one-line refusal;
+    # torch 2.9's setup_onnx_logging turns that log on always).  What it writes is held back, shown only on success.
+    with warnings.catch_warnings(), _output_held():
         # The TorchScript exporter: torch's newer one needs the onnxscript package.
         warnings.simplefilter("ignore")
         try:

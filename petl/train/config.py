@@ -618,7 +618,9 @@ def check_method(cfg: DictConfig) -> None:
             model = timm.create_model(cfg.model.name, pretrained=False, drop_path_rate=cfg.model.drop_path, **kwargs)
     except TypeError as error:
         raise ConfigError(f"model.kwargs: {error}") from None
-    check_built_size(model, cfg.model.name, kwargs.get("img_size"))
+    # The refusal names the key the size was given as.
+    key = "model.img_size" if cfg.model.img_size is not None else "model.kwargs.img_size"
+    check_built_size(model, cfg.model.name, kwargs.get("img_size"), key=key)
     num_classes = data_info(cfg).num_classes
     try:
         # The backbone first: a method's options are read against a backbone it supports (SCT's default top_n

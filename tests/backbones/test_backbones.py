@@ -178,6 +178,11 @@ def test_the_models_own_size_drives_the_data_pipeline(option):
             ["model=naflexvit_base_patch16_gap", "model.img_size=64"],
             "model.img_size=64: naflexvit_base_patch16_gap is built for 384 px whatever img_size says",
         ),
+        # Given as model.kwargs.img_size, it was refused as "model.img_size=64: ... drop model.img_size": not given.
+        (
+            ["model=naflexvit_base_patch16_gap", "+model.kwargs.img_size=64"],
+            r"^model.kwargs.img_size=64: naflexvit_base_patch16_gap is built for 384 px .*: drop model.kwargs.img_size",
+        ),
     ],
 )
 def test_an_image_size_the_pipeline_cannot_feed_is_one_line(overrides, message):

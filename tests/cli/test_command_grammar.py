@@ -483,6 +483,14 @@ def test_a_reader_that_closes_the_output_ends_the_command_quietly(module):
     assert (done.returncode, done.stderr) == (0, "")
 
 
+def test_a_command_started_with_its_output_closed_ends_with_its_own_status(monkeypatch):
+    # `petl-export RUN out=x.safetensors >&-` exported, then ended in an AttributeError traceback (exit 1): Python's
+    # sys.stdout is None where the process starts with descriptor 1 closed, and the wrapper flushed it.
+    monkeypatch.setattr(sys, "stdout", None)
+    main = grammar.entry_point("petl-x")(lambda argv: 0)
+    assert main([]) == 0
+
+
 def test_petl_bench_argument_errors_read_prog_error_message():
     assert bench._as_error("petl-bench: unknown key 'budget.param'; petl-bench takes x") == (
         "petl-bench: error: unknown key 'budget.param'; petl-bench takes x"

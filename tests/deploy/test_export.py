@@ -270,6 +270,24 @@ def test_onnx_without_the_onnx_package_says_which_package_before_loading(tmp_pat
     assert list(tmp_path.iterdir()) == [run_dir]
 
 
+class _AntialiasedResize(torch.nn.Module):
+    """An operator torch's ONNX exporter has no symbol for, as NaFlexVit resamples its position grid."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.interpolate(x, size=(5, 5), mode="bicubic", antialias=True)
+
+
+def test_an_onnx_export_torch_cannot_write_leaves_its_one_line_refusal_without_torchs_graph_dump(tmp_path, capfd):
+    # petl-export out=model.onnx on a NaFlexVit run printed some 200 lines of torch's IR graph ("Torch IR graph at
+    # exception: ...", written from C++ to the process's stdout) before its one-line refusal.
+    pytest.importorskip("onnx")
+    with pytest.raises(RuntimeError, match="cannot export tiny .*aten::_upsample_bicubic2d_aa"):
+        export_api._torch_onnx_export(
+            _AntialiasedResize(), torch.zeros(1, 3, 8, 8), tmp_path / "x.onnx", {"timm_model": "tiny"}
+        )
+    assert capfd.readouterr() == ("", "")
+
+
 def test_onnx_without_onnxruntime_notes_it_on_stderr_and_prints_only_what_it_wrote(tmp_path, capsys, monkeypatch):
     # The note went to stdout, beside "wrote ...", where a script reads the command's answer.
     pytest.importorskip("onnx")
