@@ -62,7 +62,7 @@ class ViT(TimmModelParts, TimmBlockParts, Backbone):
                 )
             qkv = getattr(getattr(inner, "attn", None), "qkv", None)
             if not isinstance(qkv, nn.Linear) or qkv.out_features != 3 * qkv.in_features:
-                # e.g. the parallel blocks of vit_pwee_* (one in_proj for qkv and fc1, one residual): not taken yet.
+                # e.g. a block with separate q, k and v Linears; the parallel blocks of vit_pwee_* are vit_parallel's.
                 raise ValueError(
                     f"petl supports {self.supported}; block {i} of {name} ({type(inner).__name__}) has no fused "
                     "attn.qkv Linear."
