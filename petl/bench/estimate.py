@@ -378,13 +378,14 @@ def measure(cfg: Any, data: OwnData, steps: int = TIMED_STEPS) -> tuple[Probe, s
     images = torch.randn(batch, 3, size, size, device=device)
     labels = torch.randint(0, len(data.classes), (batch,), device=device)
     settings = OmegaConf.to_object(cfg.train)
-    # The run caches the frozen front under the same conditions (petl.train.runner._cache_plan), its size limit too:
-    # a final run's training images (a trial's train and val images are as many) over it train uncached, each step
-    # through the whole backbone.
-    cached = cfg.train.cache_features and not cfg.data.augment and engine.backbone_mode(model, settings) != "train"
-    plan = cache.plan(model) if cached else None
-    if plan is not None and not cache.fits(model, plan, [data.sizes[TRAIN_VAL]]):
-        plan = None
+    # The run caches the frozen front under the same conditions (cache.decide), its size limit too: a final run's
+    # training images (a trial's train and val images are as many) over it train uncached, each step through the
+    # whole backbone.
+    plan = None
+    if cfg.train.cache_features:
+        backbone_trains = engine.backbone_mode(model, settings) == "train"
+        sizes = [data.sizes[TRAIN_VAL]]
+        plan, _ = cache.decide(model, backbone_trains=backbone_trains, augmented=bool(cfg.data.augment), sizes=sizes)
     trainee: torch.nn.Module = model
     front_seconds = 0.0
     if plan is not None:

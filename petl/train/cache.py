@@ -104,6 +104,33 @@ def plan(model: nn.Module) -> CachePlan | None:
     return CachePlan(start=start, features=False)
 
 
+def decide(
+    model: nn.Module, *, backbone_trains: bool, augmented: bool, sizes: list[int]
+) -> tuple[CachePlan | None, str | None]:
+    """The features a run caches (:func:`plan`), or ``None`` and why none, as the run decides and its estimate too.
+
+    Args:
+        model: the backbone, its method applied.
+        backbone_trains: whether the backbone runs in train mode (``train.backbone_mode``).
+        augmented: whether the training images are augmented.
+        sizes: the images of each split the cache would hold (:func:`fits`).
+
+    """
+    found = plan(model)
+    if found is None:
+        return None, NOTHING_FROZEN
+    if backbone_trains:
+        # A cached front runs once in eval mode; with the backbone in train mode its dropout and drop-path must act
+        # on every step, so nothing can be cached.
+        return None, "train.backbone_mode is train, the frozen front is stochastic"
+    if augmented:
+        # A cached image would be one random crop and flip reused every epoch: the augmentation would be lost.
+        return None, "the training images are augmented (a new crop and flip each epoch)"
+    if not fits(model, found, sizes):
+        return None, f"the cache would exceed {MAX_CACHE_BYTES // 2**30} GiB"
+    return found, None
+
+
 class _Captured(Exception):
     """Raised by the capture hook to stop the forward once the cut point is reached."""
 

@@ -340,20 +340,13 @@ def _check_grad_accum(cfg: DictConfig, train_size: int, num_processes: int) -> N
 def _cache_plan(
     model: nn.Module, settings: TrainSettings | DictConfig, datasets: dict[str, Dataset]
 ) -> tuple[cache.CachePlan | None, str | None]:
-    """The features this run caches (``train.cache_features``), or ``None`` and why none."""
-    plan = cache.plan(model)
-    if plan is None:
-        return None, cache.NOTHING_FROZEN
-    if backbone_mode(model, settings) == "train":
-        # A cached front runs once in eval mode; with the backbone in train mode its dropout and
-        # drop-path must act on every step, so nothing can be cached.
-        return None, "train.backbone_mode is train, the frozen front is stochastic"
-    if build.is_augmented(datasets["train"]):
-        # A cached image would be one random crop and flip reused every epoch: the augmentation would be lost.
-        return None, "the training images are augmented (a new crop and flip each epoch)"
-    if not cache.fits(model, plan, [len(datasets[split]) for split in ("train", "val") if datasets.get(split)]):
-        return None, f"the cache would exceed {cache.MAX_CACHE_BYTES // 2**30} GiB"
-    return plan, None
+    """The features this run caches (``train.cache_features``), or ``None`` and why none (:func:`cache.decide`)."""
+    return cache.decide(
+        model,
+        backbone_trains=backbone_mode(model, settings) == "train",
+        augmented=build.is_augmented(datasets["train"]),
+        sizes=[len(datasets[split]) for split in ("train", "val") if datasets.get(split)],
+    )
 
 
 def _check_cache_option(cfg: DictConfig, model: nn.Module, datasets: dict[str, Dataset]) -> None:
