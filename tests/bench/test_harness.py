@@ -117,6 +117,8 @@ def fake_result(
     head: float = 100.0,
     model: str = "vit_fractal_tiny_patch4_32.fractaldb",
     total: int = 100_000,
+    train_seconds: float = 2.0,
+    peak_memory_mb: float = 10.0,
 ) -> dict:
     return {
         "method": method,
@@ -132,9 +134,9 @@ def fake_result(
         "val_top1": top1,
         "test_top1": top1,
         "epochs": 1,
-        "train_seconds": 2.0,
+        "train_seconds": train_seconds,
         "images_per_second": 100.0,
-        "peak_memory_mb": 10.0,
+        "peak_memory_mb": peak_memory_mb,
     }
 
 

@@ -447,15 +447,12 @@ def test_with_a_suite_a_seed_outside_it_is_left_out_of_the_cell_s_curves_too(tmp
 def test_with_a_suite_the_cost_columns_read_the_runs_the_accuracy_does(tmp_path):
     # Was: a seed outside the suite was left out of its cell's mean, but its parameters, train seconds and peak memory
     # still counted in the row's Trainable M, PPT, Train s/run and Peak MB.
-    import json
 
     from petl.bench.report import Plan, build_board
 
     for experiment in ("lora", "linear"):
         write_run(tmp_path, "mini/digits", experiment, 0, top1=80.0)
-    write_run(tmp_path, "mini/digits", "lora", 7, top1=10.0, no_head=9e4)
-    stray = tmp_path / "mini-digits" / "lora" / "seed7" / "result.json"
-    stray.write_text(json.dumps({**json.loads(stray.read_text()), "train_seconds": 100.0, "peak_memory_mb": 999.0}))
+    write_run(tmp_path, "mini/digits", "lora", 7, top1=10.0, no_head=9e4, train_seconds=100.0, peak_memory_mb=999.0)
     board = build_board(tmp_path, plan=Plan("two", ("lora", "linear"), ("mini/digits",), (0,)))
     lora = next(r for r in board.rows if r.experiment == "lora")
     assert lora.trainable_no_head == 1000.0 and lora.values["trainable"][0] == 1100.0
@@ -465,16 +462,13 @@ def test_with_a_suite_the_cost_columns_read_the_runs_the_accuracy_does(tmp_path)
 def test_with_a_suite_the_cost_columns_leave_out_the_runs_of_a_task_outside_it(tmp_path):
     # Was: a task outside the suite was left out of the row's means, but its runs' parameters, train seconds and peak
     # memory still counted in the row's Trainable M, PPT, Train s/run and Peak MB (and choose's train seconds).
-    import json
 
     from petl.bench.choice import train_seconds
     from petl.bench.report import Plan, build_board
 
     for experiment in ("lora", "linear"):
         write_run(tmp_path, "mini/digits", experiment, 0, top1=80.0)
-    write_run(tmp_path, "mini/mnist", "lora", 0, top1=10.0, no_head=9e4)
-    stray = tmp_path / "mini-mnist" / "lora" / "seed0" / "result.json"
-    stray.write_text(json.dumps({**json.loads(stray.read_text()), "train_seconds": 100.0, "peak_memory_mb": 999.0}))
+    write_run(tmp_path, "mini/mnist", "lora", 0, top1=10.0, no_head=9e4, train_seconds=100.0, peak_memory_mb=999.0)
     board = build_board(tmp_path, plan=Plan("two", ("lora", "linear"), ("mini/digits",), (0,)))
     lora = next(r for r in board.rows if r.experiment == "lora")
     assert "mini/mnist" in lora.scores and lora.outside_tasks == ("mini/mnist",)

@@ -92,6 +92,19 @@ async def _ask(app, method: str, path: str, body: bytes = b"", content_type: str
     return status, json.loads(b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body"))
 
 
+def _replayed(messages: list[dict]):
+    """An ASGI ``receive`` that hands out ``messages`` in order, a ``send``, and the list ``send`` fills."""
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        return messages.pop(0)
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    return receive, send, sent
+
+
 def _with_batcher(app, scenario):
     """Run ``scenario()`` with the app's batcher working, as its lifespan runs it."""
 
@@ -173,14 +186,7 @@ def test_a_client_that_closes_mid_upload_is_counted_not_logged_as_an_internal_er
     """An upload cancelled part-way (the browser tab closed) raised starlette's ClientDisconnect: logged twice with
     a traceback, "request failed" and uvicorn's "Exception in ASGI application", and counted a 500."""
     messages = [{"type": "http.request", "body": _png()[:20], "more_body": True}, {"type": "http.disconnect"}]
-
-    async def receive() -> dict:
-        return messages.pop(0)
-
-    sent = []
-
-    async def send(message: dict) -> None:
-        sent.append(message)
+    receive, send, sent = _replayed(messages)
 
     scope = asgi_scope("POST", serve.PREDICT_ROUTE.format(task="lora"), [(b"content-length", b"1000")])
     with caplog.at_level(logging.INFO):
@@ -197,14 +203,7 @@ def test_a_client_gone_while_its_images_wait_has_them_dropped_from_the_queue(tmp
     _run_folder(tmp_path / "lora", "lora", {}, seed=0)
     app = serve.create_app(*serve.load_tasks({"lora": tmp_path / "lora"}), serve.ServeOptions(precision="no"))
     messages = [{"type": "http.request", "body": _png(), "more_body": False}, {"type": "http.disconnect"}]
-
-    async def receive() -> dict:
-        return messages.pop(0)
-
-    sent = []
-
-    async def send(message: dict) -> None:
-        sent.append(message)
+    receive, send, sent = _replayed(messages)
 
     scope = asgi_scope("POST", serve.PREDICT_ROUTE.format(task="lora"), [(b"content-type", b"image/png")])
     _with_batcher(app, lambda: app(scope, receive, send))
