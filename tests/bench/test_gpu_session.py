@@ -62,3 +62,16 @@ def test_the_tree_and_the_session_kit_fit_one_device_call():
         f"it passes the {CALL_LIMIT / 1e6:.1f} MB a device call may send, and gpu_session.sh's call would be refused; "
         "keep large files (committed runs, weights) out of the tree, or carry less (benchmarks/device/README.md)"
     )
+
+
+def test_the_session_kit_is_made_by_the_command_its_readme_gives():
+    """`make_kit.py wheels data` (README.md here, gpu_session.sh's set-up line) was refused as an unknown pair."""
+    sys.path.insert(0, str(REPO / "benchmarks" / "device"))
+    try:
+        import make_kit
+    finally:
+        sys.path.pop(0)
+    assert make_kit.requested(["wheels", "data"]) == make_kit.requested(["data"]) == {"data", "wheels"}
+    assert make_kit.requested([]) == {"weights", "data", "wheels"} and make_kit.requested(["wheels"]) == {"wheels"}
+    with pytest.raises(SystemExit, match="'weights'"):
+        make_kit.requested(["weights"])
