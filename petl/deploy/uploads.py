@@ -26,9 +26,11 @@ if TYPE_CHECKING:
 # client's bytes, where it is installed, and seldom-used decoders (PCX, SGI, TGA, ICO...) parsed them.  JPEG
 # includes a phone's MPO (Pillow's JPEG opener returns it).
 UPLOAD_FORMATS = ("PNG", "JPEG", "WEBP", "BMP", "GIF", "TIFF")
-# An image's resize is refused over max_image_mp or this, whichever is more: under a small max_image_mp a cropping
-# run (whose resize of any image is 256 x 256 px at least, at 224 px) would refuse every image.
-RESIZED_PIXELS_FLOOR = 10**6
+# An image's resize is refused over max_image_mp or this many times what the resize makes of a square image
+# (its floor), whichever is more: a square image, or one nearer to a square than 16:1, is never refused for its
+# resize.  A floor of a fixed 1 MP refused every image under a max_image_mp below the model's own square, square
+# ones too (a run at 1,024 px makes 1.05 MP of any image); and at 224 px, 16 squares of 256 px are the 1 MP it was.
+RESIZED_SQUARES_FLOOR = 16
 
 
 class BadImage(ValueError):
@@ -72,8 +74,9 @@ def _which(number: int, name: str) -> str:
 def check_pixels(uploads: list[tuple[str, bytes]], options: ServeOptions, spec: ImageSpec) -> None:
     """Refuse a request whose images, read from their headers only, exceed max_image_mp or max_request_mp.
 
-    So is an image that ``spec``'s resize would make larger than that (1 MP at least): a cropping run's resize made a
-    138-byte PNG of 1 x 20,000 px 256 x 5,120,000 px (the shorter side 256), 6 GB and 40 s of the server's time.
+    So is an image that ``spec``'s resize would make larger than max_image_mp and than :data:`RESIZED_SQUARES_FLOOR`
+    times its resize of a square image: a cropping run's resize made a 138-byte PNG of 1 x 20,000 px 256 x 5,120,000
+    px (the shorter side 256), 6 GB and 40 s of the server's time.
 
     Raises:
         TooManyPixels: the first image over ``max_image_mp``, or the request's total over ``max_request_mp``.
@@ -81,6 +84,7 @@ def check_pixels(uploads: list[tuple[str, bytes]], options: ServeOptions, spec: 
     """
     # In whole pixels: max_image_mp=4.1 times 1e6 is 4099999.9999999995, which refused an image of 4.1 MP.
     image_limit, request_limit = round(options.max_image_mp * 1e6), round(options.max_request_mp * 1e6)
+    floor = RESIZED_SQUARES_FLOOR * math.prod(resize_size(1, 1, spec))
     total = 0
     for number, (name, data) in enumerate(uploads, 1):
         try:
@@ -92,11 +96,14 @@ def check_pixels(uploads: list[tuple[str, bytes]], options: ServeOptions, spec: 
         if pixels > image_limit:
             raise TooManyPixels(
                 f"{_which(number, name)}: {size}, over max_image_mp={options.max_image_mp:g}: send it smaller "
-                "(the model reads a few hundred pixels), or start petl-serve with a larger max_image_mp"
+                f"(the model reads {spec.image_size} x {spec.image_size} px), or start petl-serve with a larger "
+                "max_image_mp"
             )
         new_width, new_height = resize_size(width, height, spec) if pixels else (0, 0)
-        if new_width * new_height > max(image_limit, RESIZED_PIXELS_FLOOR):
-            limit = f"max_image_mp={options.max_image_mp:g}" if image_limit > RESIZED_PIXELS_FLOOR else "1 MP"
+        if new_width * new_height > max(image_limit, floor):
+            limit = f"max_image_mp={options.max_image_mp:g}"
+            if image_limit < floor:
+                limit = f"{floor / 1e6:.3g} MP ({RESIZED_SQUARES_FLOOR} times the task's resize of a square image)"
             raise TooManyPixels(
                 f"{_which(number, name)}: {width} x {height} px, which the task's resize (the shorter side to "
                 f"{min(new_width, new_height)} px) makes {new_width * new_height / 1e6:.3g} MP, over {limit}: crop it "

@@ -240,8 +240,27 @@ def test_a_long_thin_image_that_a_cropping_runs_resize_would_blow_up_is_refused_
     serve.check_pixels([thin], serve.ServeOptions(), SPEC)  # resized straight to the square: nothing to fear
     # A small max_image_mp still takes what any crop's resize makes of an image it takes (256 x 256 and more).
     serve.check_pixels([("small.png", _header_png(30, 20))], serve.ServeOptions(max_image_mp=0.001), crop)
-    with pytest.raises(serve.TooManyPixels, match="makes 1.31 MP, over 1 MP: crop it nearer to a square"):
+    with pytest.raises(serve.TooManyPixels, match=r"makes 1.31 MP, over 1.05 MP \(16 times the task's resize of a"):
         serve.check_pixels([("long.png", _header_png(20, 1))], serve.ServeOptions(max_image_mp=0.001), crop)
+
+
+@pytest.mark.parametrize(
+    "spec", [ImageSpec(image_size=1024), ImageSpec(image_size=896, crop=True)], ids=["1024 px", "896 px, cropped"]
+)
+def test_a_small_max_image_mp_takes_any_image_the_models_resize_makes_no_longer_than_16_squares(spec):
+    """The resize's floor was a fixed 1 MP: under max_image_mp=0.5, a model of 1,024 px (which makes 1.05 MP of any
+    image) refused every image, squares too, as one its resize would make "1.05 MP, over 1 MP"."""
+    small = serve.ServeOptions(max_image_mp=0.5)
+    for width, height in [(700, 700), (32, 32), (800, 600)]:  # squares up- or downscaled, a 4:3 photo
+        serve.check_pixels([("photo.png", _header_png(width, height))], small, spec)
+    # The edge: 64 x 4 px (16:1), which a crop's resize makes exactly 16 of its squares, is taken; 65 x 4 is not.
+    serve.check_pixels([("16 to 1.png", _header_png(64, 4))], small, spec)
+    if spec.crop:  # 16,640 x 1,024 px: 17 MP, over 16 x 1,024 x 1,024 px
+        with pytest.raises(serve.TooManyPixels, match=r"makes 17 MP, over 16.8 MP \(16 times the task's resize of a"):
+            serve.check_pixels([("wider.png", _header_png(65, 4))], small, spec)
+    # The limit on the image itself stays: a square over 0.5 MP is refused from its header.
+    with pytest.raises(serve.TooManyPixels, match=r"over max_image_mp=0.5: send it smaller \(the model reads "):
+        serve.check_pixels([("big.png", _header_png(708, 708))], small, spec)
 
 
 def test_a_shutdown_waits_shutdown_timeout_s_as_given(app):
