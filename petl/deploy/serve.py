@@ -55,7 +55,7 @@ from starlette.routing import Match
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from petl.data.transforms import ImageSpec
-from petl.deploy.batcher import Batcher, QueueFull
+from petl.deploy.batcher import Batcher, QueueFull, WorkerStopped
 from petl.deploy.metrics import ServeMetrics
 from petl.deploy.multitask import MultiTask
 from petl.deploy.uploads import BadImage, TooManyPixels, check_pixels, preprocess_all
@@ -501,7 +501,8 @@ ERRORS = {
     408: "the body did not all arrive within body_timeout_s",
     413: "a body over max_upload_mb, more images than max_queue, or more pixels than max_image_mp or max_request_mp",
     422: "a bad query value (top_k=0)",
-    503: "the queue is full: retry after Retry-After; or a shutdown ended the request before its images ran",
+    503: "the queue is full: retry after Retry-After; a shutdown ended the request before its images ran; or the "
+    "batcher stopped on an error (/health says so too): restart the server",
 }
 
 
@@ -595,9 +596,14 @@ async def index() -> HTMLResponse:
     return HTMLResponse(_page(), headers=PAGE_HEADERS)
 
 
-@router.get("/health")
-async def health(tasks: TasksDep, device: DeviceDep, precision: PrecisionDep) -> Health:
-    """Liveness, the device and the precision served in (``no``: fp32; ``tf32``; ``bf16``): no token needed."""
+@router.get("/health", responses=_errors(503))
+async def health(tasks: TasksDep, device: DeviceDep, precision: PrecisionDep, batcher: BatcherDep) -> Health:
+    """Liveness, the device and the precision served in (``no``: fp32; ``tf32``; ``bf16``): no token needed.
+
+    503 once the batcher has stopped on an error (every predict request would get 503 too): restart the server.
+    """
+    if batcher.stopped():
+        raise HTTPException(503, batcher.stopped())
     return Health(status="ok", tasks=len(tasks), device=device, precision=precision)
 
 
@@ -648,6 +654,8 @@ async def predict(
         raise HTTPException(400, str(error)) from None
     except QueueFull as error:
         raise HTTPException(503, f"{error}: retry in a moment", headers={"Retry-After": "1"}) from None
+    except WorkerStopped as error:
+        raise HTTPException(503, str(error)) from None
     except asyncio.CancelledError:
         # uvicorn cancels the requests still running when shutdown_timeout_s runs out (waiting for a decoding slot
         # or for the model): answered, not left to uvicorn's plain-text 500 (and a traceback in the log).
@@ -689,9 +697,8 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         worker.cancel()
         # Awaited: a worker waiting for rows took loop turns to stop, and a lifespan started again meanwhile (asgi-
         # lifespan) had its executor shut down and the batcher marked stopped by the old worker's exit: all 500.
-        [ended] = await asyncio.gather(worker, return_exceptions=True)
-        if isinstance(ended, Exception):  # not its cancellation: it had died, and every request since was a 500
-            log.error("the batcher's worker had stopped: %s", ended, exc_info=ended)
+        # An error that ended it was logged then (Batcher.failure).
+        await asyncio.gather(worker, return_exceptions=True)
 
 
 async def _one_line_validation(_request: Request, error: RequestValidationError) -> JSONResponse:

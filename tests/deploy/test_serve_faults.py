@@ -555,7 +555,7 @@ def test_an_app_served_again_answers_again(tmp_path):
             answers.append(client.post(route, content=_png()))
     assert [a.status_code for a in answers] == [200, 200] and answers[0].json() == answers[1].json()
     outside = TestClient(app, raise_server_exceptions=False).post(route, content=_png())  # no lifespan
-    assert outside.status_code == 500 and outside.json()["detail"].startswith("internal error (RuntimeError)")
+    assert outside.status_code == 503 and outside.json()["detail"].startswith("the batcher's worker is not running")
 
 
 def test_a_request_answered_with_an_error_leaves_its_other_images_unrun():
