@@ -639,7 +639,9 @@ async def predict(
     started = time.perf_counter()
     found = tasks.get(task)
     if found is None:
-        raise HTTPException(404, f"unknown task {task!r}: the tasks are {', '.join(tasks)} (GET /v1/tasks lists them)")
+        # Its first 100 characters, as a path no route has: the client's name was echoed whole (kilobytes a line).
+        said = f"unknown task {task[:100]!r}: the tasks are {', '.join(tasks)} (GET /v1/tasks lists them)"
+        raise HTTPException(404, said)
     uploads = await _uploads(request, await read_body(request, options.max_upload_bytes), options)
     if len(uploads) > options.max_queue:
         raise _too_many(len(uploads), options.max_queue)

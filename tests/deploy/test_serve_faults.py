@@ -135,6 +135,12 @@ def test_a_path_or_method_no_route_has_says_which_routes_there_are(app):
     # An unknown task keeps its own answer.
     status, answer = asyncio.run(_ask(app, "POST", serve.PREDICT_ROUTE.format(task="cars"), _png()))
     assert status == 404 and answer["detail"].startswith("unknown task 'cars': the tasks are lora")
+    # A name no task has is shown as a path is, its first 100 characters: it was echoed whole (5 kB here).
+    status, answer = asyncio.run(_ask(app, "POST", serve.PREDICT_ROUTE.format(task="x" * 5000), _png()))
+    assert (
+        status == 404
+        and answer["detail"] == f"unknown task {'x' * 100!r}: the tasks are lora (GET /v1/tasks lists them)"
+    )
 
 
 def test_predict_with_a_trailing_slash_answers_as_predict_does(tmp_path):
