@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 # includes a phone's MPO (Pillow's JPEG opener returns it).
 UPLOAD_FORMATS = ("PNG", "JPEG", "WEBP", "BMP", "GIF", "TIFF")
 # An image's resize is refused over max_image_mp or this many times what the resize makes of a square image
-# (its floor), whichever is more: a square image, or one nearer to a square than 16:1, is never refused for its
+# (its floor), whichever is more: a square image, or one of 16:1 or nearer to a square, is never refused for its
 # resize.  A floor of a fixed 1 MP refused every image under a max_image_mp below the model's own square, square
 # ones too (a run at 1,024 px makes 1.05 MP of any image); and at 224 px, 16 squares of 256 px are the 1 MP it was.
 RESIZED_SQUARES_FLOOR = 16
