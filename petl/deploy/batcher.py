@@ -78,6 +78,7 @@ class Batcher:
         # forward a stopped worker left may still be running when the next run's thread starts one.
         self._forwarding = threading.Lock()
         self.failure: BaseException | None = None  # what ended the worker, when not a cancellation
+        self._draining = False  # a shutdown began: no row will join the queued ones
 
     async def submit(self, images: Sequence[Tensor], task: int) -> list[Tensor]:
         """Queue ``images`` (preprocessed, each 3 x H x W) for ``task``; their logits, in order, once run.
@@ -125,7 +126,7 @@ class Batcher:
         # Made anew each run: the executor a run shut down took no forward, so an app served a second time (each
         # `with TestClient(app)`, as FastAPI's docs test an app) answered every image 500.
         self._rows.clear()  # a request of an earlier run still here was cancelled with it
-        self.failure = None
+        self.failure, self._draining = None, False
         self._arrived = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="petl-serve-forward")
         loop = asyncio.get_running_loop()
@@ -153,13 +154,23 @@ class Batcher:
                     row.future.set_exception(WorkerStopped(self.stopped()))
             self._executor.shutdown(wait=False, cancel_futures=True)
 
+    def drain(self) -> None:
+        """Run the rows queued now without waiting for more (a shutdown began: none will join them).
+
+        Their batching window held them until it ran out: with ``max_wait_ms`` above ``shutdown_timeout_s`` a request
+        queued at a SIGTERM was answered 503 while the model sat idle.
+        """
+        self._draining = True
+        if self._arrived is not None:
+            self._arrived.set()
+
     async def _next_batch(self) -> list[_Row]:
         """The next rows to run: up to ``max_batch``, once that many wait or the oldest has waited ``max_wait_s``."""
         while not self._rows:
             self._arrived.clear()
             await self._arrived.wait()
         deadline = self._rows[0].queued + self.max_wait_s
-        while len(self._rows) < self.max_batch:
+        while len(self._rows) < self.max_batch and not self._draining:
             left = deadline - time.perf_counter()
             if left <= 0:
                 break

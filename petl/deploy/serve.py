@@ -429,6 +429,18 @@ def server_config(app: FastAPI, host: str, port: int, options: ServeOptions, acc
     )
 
 
+def make_server(app: FastAPI, host: str, port: int, options: ServeOptions, access_log: bool = True) -> Any:
+    """The uvicorn server of :func:`server_config`, whose shutdown first runs the images queued (``Batcher.drain``)."""
+    import uvicorn
+
+    class Draining(uvicorn.Server):
+        async def shutdown(self, sockets: Any = None) -> None:
+            app.state.batcher.drain()  # no new request joins them: their batching window would only delay them
+            await super().shutdown(sockets)
+
+    return Draining(server_config(app, host, port, options, access_log))
+
+
 def _top_k(image: str, logits: torch.Tensor, task: Task, k: int) -> Prediction:
     """One row's top-k, as ``petl-predict`` computes it (softmax over the task's own classes)."""
     probabilities = logits[: len(task.class_names)].float().softmax(-1)

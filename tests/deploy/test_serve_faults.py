@@ -703,3 +703,42 @@ def test_a_forward_a_stopped_worker_left_running_ends_before_the_next_runs_start
         assert asyncio.run(scenario()) == (True, 1) and most[0] == 1
     finally:
         release.set()
+
+
+def test_a_shutdown_runs_the_queued_images_without_waiting_for_their_batching_window():
+    # With max_wait_ms above shutdown_timeout_s, a request queued at a SIGTERM waited out its window, which no new
+    # request would shorten, and was cancelled: 503 while the model sat idle.
+    def forward(images: torch.Tensor, tasks: torch.Tensor) -> torch.Tensor:
+        return images.flatten(1)
+
+    batcher = Batcher(forward, max_batch=8, max_wait_s=3600, max_queue=8, metrics=ServeMetrics())
+
+    async def scenario() -> int:
+        worker = asyncio.create_task(batcher.run())
+        await asyncio.sleep(0)
+        waiting = asyncio.create_task(batcher.submit([torch.zeros(3, 1, 1)], 0))
+        await asyncio.sleep(0.01)  # queued, its window an hour
+        batcher.drain()
+        try:
+            return len(await asyncio.wait_for(waiting, 60))
+        finally:
+            worker.cancel()
+
+    assert asyncio.run(scenario()) == 1
+
+
+def test_petl_serves_server_drains_the_batcher_when_its_shutdown_begins(app, monkeypatch):
+    drained = []
+    monkeypatch.setattr(app.state.batcher, "drain", lambda: drained.append(True))
+    listening = serve_cli.bind("127.0.0.1", 0)
+    serve_cli.listen(listening, "127.0.0.1", 0)
+    server = serve.make_server(app, "127.0.0.1", listening.getsockname()[1], serve.ServeOptions(), access_log=False)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [listening]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60  # a server that failed to start (its thread ended) fails the test, not hangs
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.05)
+    server.should_exit = True  # what uvicorn's SIGTERM and Ctrl-C handlers set
+    thread.join(timeout=60)
+    assert drained == [True] and not thread.is_alive()
