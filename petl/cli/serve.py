@@ -244,7 +244,7 @@ def run_cli(argv: Sequence[str]) -> int:
     """Load the runs and serve them until interrupted; returns the exit status."""
     runs, options, args = read_command_line(argv)
     try:
-        import uvicorn
+        import uvicorn  # noqa: F401  (the serve extra, said missing below)
 
         from petl.deploy import serve
     except ImportError as error:
@@ -284,7 +284,7 @@ def run_cli(argv: Sequence[str]) -> int:
                 f"{serve.TOKEN_VARIABLE} is not set: anyone who reaches this port can use the tasks",
                 file=sys.stderr,
             )
-        server = uvicorn.Server(serve.server_config(app, options["host"], port, serve_options, not args.quiet))
+        server = serve.make_server(app, options["host"], port, serve_options, not args.quiet)
         try:
             server.run(sockets=[listening])
         except SystemExit as stop:  # uvicorn exits 3 when it cannot start: petl's status for that is 1

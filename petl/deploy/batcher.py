@@ -13,6 +13,7 @@ batch it runs through state it holds, so two concurrent forwards would mix their
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections import deque
@@ -23,12 +24,18 @@ from dataclasses import dataclass
 import torch
 
 from petl.deploy.metrics import ServeMetrics
+from petl.utils.text import first_line
 
 Tensor = torch.Tensor
+log = logging.getLogger("petl.serve")
 
 
 class QueueFull(RuntimeError):
     """The queue has no room for a request's rows: the caller answers 503."""
+
+
+class WorkerStopped(RuntimeError):
+    """No worker runs the rows (not started, or ended by an error: :attr:`Batcher.failure`): the caller answers 503."""
 
 
 @dataclass
@@ -70,16 +77,21 @@ class Batcher:
         # Held by every forward: a run's executor is shut down without waiting (the event loop may not block), so the
         # forward a stopped worker left may still be running when the next run's thread starts one.
         self._forwarding = threading.Lock()
+        self.failure: BaseException | None = None  # what ended the worker, when not a cancellation
+        self._draining = False  # a shutdown began: no row will join the queued ones
 
     async def submit(self, images: Sequence[Tensor], task: int) -> list[Tensor]:
         """Queue ``images`` (preprocessed, each 3 x H x W) for ``task``; their logits, in order, once run.
 
         Raises:
             QueueFull: fewer than ``len(images)`` places are left in the queue.
+            WorkerStopped: no worker runs (:meth:`run` not awaited, or ended by an error).
 
         """
         if self._arrived is None:
-            raise RuntimeError("the batcher's worker is not running: await Batcher.run() first")
+            if self.failure is not None:
+                raise WorkerStopped(self.stopped())
+            raise WorkerStopped("the batcher's worker is not running: await Batcher.run() first (an app's lifespan)")
         if len(self._rows) + len(images) > self.max_queue:
             raise QueueFull(f"the queue is full ({len(self._rows)} images waiting, max_queue={self.max_queue})")
         loop = asyncio.get_running_loop()
@@ -96,15 +108,25 @@ class Batcher:
             self.metrics.queued.set(len(self._rows))
             raise
 
+    def stopped(self) -> str | None:
+        """One line saying that an error ended the worker (:attr:`failure`), what to do; ``None`` while it has not."""
+        if self.failure is None:
+            return None
+        # Its type alone: the message, for the log, may name the server's files.
+        return f"the server's batcher stopped ({type(self.failure).__name__}, in its log): restart petl-serve"
+
     async def run(self) -> None:
         """The worker: forms batches and runs them until cancelled; it may run again after (an app's lifespan again).
 
         Cancelled, it cancels the futures of the rows it leaves (queued, or in the forward it stopped waiting for):
-        their :meth:`submit` raises ``CancelledError``.
+        their :meth:`submit` raises ``CancelledError``.  A forward's ``Exception`` answers its batch's requests and the
+        worker goes on; anything else ends it, kept in :attr:`failure`: its requests and every one after get
+        :class:`WorkerStopped` (:meth:`stopped` says so in one line) until it runs again.
         """
         # Made anew each run: the executor a run shut down took no forward, so an app served a second time (each
         # `with TestClient(app)`, as FastAPI's docs test an app) answered every image 500.
         self._rows.clear()  # a request of an earlier run still here was cancelled with it
+        self.failure, self._draining = None, False
         self._arrived = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="petl-serve-forward")
         loop = asyncio.get_running_loop()
@@ -114,13 +136,33 @@ class Batcher:
                 batch = await self._next_batch()
                 if batch:
                     await self._run_batch(loop, batch)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as error:  # not a forward's Exception (its requests answer it): said by submit, /health
+            self.failure = error
+            log.error("the batcher stopped: %s", first_line(error, type(error).__name__), exc_info=error)
+            raise
         finally:
             self._arrived = None  # no worker: submit refuses rather than queue rows that nothing would run
             # The rows it leaves (queued, or in the forward it stopped waiting for) end their requests, cancelled (a
-            # server answers 503) where they waited for ever: a request still in flight when the lifespan ended.
+            # server answers 503) where they waited for ever: a request still in flight when the lifespan ended.  An
+            # error that ended it is theirs to answer (503 too), not a shutdown's.
             for row in [*batch, *self._rows]:
-                row.future.cancel()
+                if self.failure is None:
+                    row.future.cancel()
+                elif not row.future.done():
+                    row.future.set_exception(WorkerStopped(self.stopped()))
             self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def drain(self) -> None:
+        """Run the rows queued now without waiting for more (a shutdown began: none will join them).
+
+        Their batching window held them until it ran out: with ``max_wait_ms`` above ``shutdown_timeout_s`` a request
+        queued at a SIGTERM was answered 503 while the model sat idle.
+        """
+        self._draining = True
+        if self._arrived is not None:
+            self._arrived.set()
 
     async def _next_batch(self) -> list[_Row]:
         """The next rows to run: up to ``max_batch``, once that many wait or the oldest has waited ``max_wait_s``."""
@@ -128,7 +170,7 @@ class Batcher:
             self._arrived.clear()
             await self._arrived.wait()
         deadline = self._rows[0].queued + self.max_wait_s
-        while len(self._rows) < self.max_batch:
+        while len(self._rows) < self.max_batch and not self._draining:
             left = deadline - time.perf_counter()
             if left <= 0:
                 break
@@ -165,4 +207,10 @@ class Batcher:
 
     def _forward(self, images: list[Tensor], tasks: Tensor) -> Tensor:
         with self._forwarding, torch.inference_mode():
-            return self.forward(torch.stack(images), tasks).float().cpu()
+            logits = self.forward(torch.stack(images), tasks)
+            # Checked here, where a failure answers the batch's requests: a forward that gave fewer rows than images
+            # failed in the worker's own code after it (zip), which ended the worker, and every request since was a 500.
+            if not isinstance(logits, Tensor) or logits.ndim != 2 or len(logits) != len(images):
+                shape = tuple(logits.shape) if isinstance(logits, Tensor) else type(logits).__name__
+                raise ValueError(f"the model's forward gave {shape} for {len(images)} images, not a row of logits each")
+            return logits.float().cpu()

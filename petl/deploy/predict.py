@@ -75,7 +75,8 @@ def image_paths(items: Sequence[str], quiet: bool = False) -> list[Path]:
     (unless ``quiet``), so that no file is left without a row unsaid.
 
     Raises:
-        UsageError: an item that does not exist, a folder without images, a listed file that is missing.
+        UsageError: an item that does not exist or is neither a file nor a folder (a pipe), a folder without
+            images, a listed file that is missing.
 
     """
     paths: list[Path] = []
@@ -96,6 +97,8 @@ def image_paths(items: Sequence[str], quiet: bool = False) -> list[Path]:
             paths += listed
         elif path.is_file():
             paths.append(path)
+        elif path.exists():  # a named pipe, a device: it was said not to exist
+            raise UsageError(f"{shown(item)} is not a file or a folder (a pipe, a device): give image files or folders")
         else:
             raise UsageError(f"{shown(item)}: no such file or folder")
     return paths

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import io
 import logging
 import math
 import os
@@ -48,7 +47,6 @@ from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from PIL import Image
 from pydantic import BaseModel, Field
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -56,11 +54,11 @@ from starlette.requests import ClientDisconnect
 from starlette.routing import Match
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from petl.data.images import UnfitImage, decode_image
-from petl.data.transforms import ImageSpec, pil_to_tensor, resize_size
-from petl.deploy.batcher import Batcher, QueueFull
+from petl.data.transforms import ImageSpec
+from petl.deploy.batcher import Batcher, QueueFull, WorkerStopped
 from petl.deploy.metrics import ServeMetrics
 from petl.deploy.multitask import MultiTask
+from petl.deploy.uploads import BadImage, TooManyPixels, check_pixels, preprocess_all
 from petl.model.params import count_params
 from petl.store.run_card import read_card, spec_of
 from petl.utils.precision import INFERENCE_PRECISIONS, describe, inference, inference_precision
@@ -75,9 +73,6 @@ PREDICT_ROUTE = "/v1/tasks/{task}/predict"
 # way to the model's few hundred pixels (the file's pixels, an RGB copy, the resized one), so this and
 # max_image_mp bound the decoding memory (2 x 16 MP: about 0.3 GB).
 DECODE_SLOTS = 2
-# An image's resize is refused over max_image_mp or this, whichever is more: under a small max_image_mp a cropping
-# run (whose resize of any image is 256 x 256 px at least, at 224 px) would refuse every image.
-RESIZED_PIXELS_FLOOR = 10**6
 # Each option's allowed range (inclusive): a value outside it, or not finite, is refused naming the option.
 # Pillow itself refuses images over twice its Image.MAX_IMAGE_PIXELS (89 MP) before decoding them.
 OPTION_RANGES: dict[str, tuple[float, float]] = {
@@ -262,106 +257,6 @@ def load_tasks(runs: Mapping[str, str | Path]) -> tuple[MultiTask, list[Task]]:
     return served, tasks
 
 
-# The formats an upload is read as, those the 400 answers name.  Pillow reads many more, and an uploaded file was
-# opened as any of them: an EPS ran Ghostscript (an outside program, with a long record of exploits) on the
-# client's bytes, where it is installed, and seldom-used decoders (PCX, SGI, TGA, ICO...) parsed them.  JPEG
-# includes a phone's MPO (Pillow's JPEG opener returns it).
-UPLOAD_FORMATS = ("PNG", "JPEG", "WEBP", "BMP", "GIF", "TIFF")
-
-
-class BadImage(ValueError):
-    """An uploaded image that cannot be used; the message names it and says why."""
-
-
-class TooManyPixels(ValueError):
-    """An image, or a request's images, over the pixel limits; the message names the limit (413)."""
-
-
-def image_size(data: bytes) -> tuple[int, int] | None:
-    """An image file's width and height from its header alone, before any decoding (``None``: not a readable header).
-
-    Raises:
-        TooManyPixels: over twice Pillow's own limit (Pillow refuses to open it).
-
-    """
-    try:
-        with Image.open(io.BytesIO(data), formats=UPLOAD_FORMATS) as header:
-            return header.size
-    except Image.DecompressionBombError:
-        raise TooManyPixels(f"more than {2 * Image.MAX_IMAGE_PIXELS / 1e6:.0f} MP") from None
-    except (OSError, SyntaxError, ValueError):
-        return None  # decode_image says what is wrong, in its words
-
-
-def preprocess(data: bytes, spec: ImageSpec) -> torch.Tensor:
-    """One uploaded file's bytes (its size already checked: :func:`check_pixels`) as a model input.
-
-    Raises:
-        ValueError: not an image, truncated or damaged (one phrase saying which).
-
-    """
-    return pil_to_tensor(Image.fromarray(decode_image(data, UPLOAD_FORMATS)), spec)
-
-
-def _which(number: int, name: str) -> str:
-    return f"image {number}" + (f" ({shown(name)})" if name else "")
-
-
-def check_pixels(uploads: list[tuple[str, bytes]], options: ServeOptions, spec: ImageSpec) -> None:
-    """Refuse a request whose images, read from their headers only, exceed max_image_mp or max_request_mp.
-
-    So is an image that ``spec``'s resize would make larger than that (1 MP at least): a cropping run's resize made a
-    138-byte PNG of 1 x 20,000 px 256 x 5,120,000 px (the shorter side 256), 6 GB and 40 s of the server's time.
-
-    Raises:
-        TooManyPixels: the first image over ``max_image_mp``, or the request's total over ``max_request_mp``.
-
-    """
-    # In whole pixels: max_image_mp=4.1 times 1e6 is 4099999.9999999995, which refused an image of 4.1 MP.
-    image_limit, request_limit = round(options.max_image_mp * 1e6), round(options.max_request_mp * 1e6)
-    total = 0
-    for number, (name, data) in enumerate(uploads, 1):
-        try:
-            width, height = image_size(data) or (0, 0)
-        except TooManyPixels as error:
-            pixels, size = math.inf, str(error)
-        else:
-            pixels, size = width * height, f"{width * height / 1e6:.3g} MP"
-        if pixels > image_limit:
-            raise TooManyPixels(
-                f"{_which(number, name)}: {size}, over max_image_mp={options.max_image_mp:g}: send it smaller "
-                "(the model reads a few hundred pixels), or start petl-serve with a larger max_image_mp"
-            )
-        new_width, new_height = resize_size(width, height, spec) if pixels else (0, 0)
-        if new_width * new_height > max(image_limit, RESIZED_PIXELS_FLOOR):
-            limit = f"max_image_mp={options.max_image_mp:g}" if image_limit > RESIZED_PIXELS_FLOOR else "1 MP"
-            raise TooManyPixels(
-                f"{_which(number, name)}: {width} x {height} px, which the task's resize (the shorter side to "
-                f"{min(new_width, new_height)} px) makes {new_width * new_height / 1e6:.3g} MP, over {limit}: crop it "
-                "nearer to a square"
-            )
-        total += pixels
-    if total > request_limit:
-        raise TooManyPixels(
-            f"the request's {len(uploads)} images hold {total / 1e6:.3g} MP, over max_request_mp="
-            f"{options.max_request_mp:g}: split it, or send smaller images"
-        )
-
-
-def _preprocess_all(uploads: list[tuple[str, bytes]], spec: ImageSpec) -> list[torch.Tensor]:
-    tensors = []
-    for number, (name, data) in enumerate(uploads, 1):
-        try:
-            tensors.append(preprocess(data, spec))
-        except UnfitImage as error:  # its own remedy: "send a complete PNG..." would say the image was broken
-            raise BadImage(f"{_which(number, name)}: {error}") from None
-        except ValueError as error:
-            raise BadImage(
-                f"{_which(number, name)}: {error}: send a complete PNG, JPEG, WebP, BMP, GIF or TIFF image"
-            ) from None
-    return tensors
-
-
 async def read_body(request: Request, limit: int) -> bytes:
     """The request's body, refused (413) as soon as it is known to exceed ``limit`` bytes.
 
@@ -534,6 +429,18 @@ def server_config(app: FastAPI, host: str, port: int, options: ServeOptions, acc
     )
 
 
+def make_server(app: FastAPI, host: str, port: int, options: ServeOptions, access_log: bool = True) -> Any:
+    """The uvicorn server of :func:`server_config`, whose shutdown first runs the images queued (``Batcher.drain``)."""
+    import uvicorn
+
+    class Draining(uvicorn.Server):
+        async def shutdown(self, sockets: Any = None) -> None:
+            app.state.batcher.drain()  # no new request joins them: their batching window would only delay them
+            await super().shutdown(sockets)
+
+    return Draining(server_config(app, host, port, options, access_log))
+
+
 def _top_k(image: str, logits: torch.Tensor, task: Task, k: int) -> Prediction:
     """One row's top-k, as ``petl-predict`` computes it (softmax over the task's own classes)."""
     probabilities = logits[: len(task.class_names)].float().softmax(-1)
@@ -606,7 +513,8 @@ ERRORS = {
     408: "the body did not all arrive within body_timeout_s",
     413: "a body over max_upload_mb, more images than max_queue, or more pixels than max_image_mp or max_request_mp",
     422: "a bad query value (top_k=0)",
-    503: "the queue is full: retry after Retry-After; or a shutdown ended the request before its images ran",
+    503: "the queue is full: retry after Retry-After; a shutdown ended the request before its images ran; or the "
+    "batcher stopped on an error (/health says so too): restart the server",
 }
 
 
@@ -700,9 +608,14 @@ async def index() -> HTMLResponse:
     return HTMLResponse(_page(), headers=PAGE_HEADERS)
 
 
-@router.get("/health")
-async def health(tasks: TasksDep, device: DeviceDep, precision: PrecisionDep) -> Health:
-    """Liveness, the device and the precision served in (``no``: fp32; ``tf32``; ``bf16``): no token needed."""
+@router.get("/health", responses=_errors(503))
+async def health(tasks: TasksDep, device: DeviceDep, precision: PrecisionDep, batcher: BatcherDep) -> Health:
+    """Liveness, the device and the precision served in (``no``: fp32; ``tf32``; ``bf16``): no token needed.
+
+    503 once the batcher has stopped on an error (every predict request would get 503 too): restart the server.
+    """
+    if batcher.stopped():
+        raise HTTPException(503, batcher.stopped())
     return Health(status="ok", tasks=len(tasks), device=device, precision=precision)
 
 
@@ -738,14 +651,16 @@ async def predict(
     started = time.perf_counter()
     found = tasks.get(task)
     if found is None:
-        raise HTTPException(404, f"unknown task {task!r}: the tasks are {', '.join(tasks)} (GET /v1/tasks lists them)")
+        # Its first 100 characters, as a path no route has: the client's name was echoed whole (kilobytes a line).
+        said = f"unknown task {task[:100]!r}: the tasks are {', '.join(tasks)} (GET /v1/tasks lists them)"
+        raise HTTPException(404, said)
     uploads = await _uploads(request, await read_body(request, options.max_upload_bytes), options)
     if len(uploads) > options.max_queue:
         raise _too_many(len(uploads), options.max_queue)
     try:
         check_pixels(uploads, options, found.spec)
         async with decoding:
-            images = await asyncio.to_thread(_preprocess_all, uploads, found.spec)
+            images = await asyncio.to_thread(preprocess_all, uploads, found.spec)
         rows = await _unless_gone(request, batcher.submit(images, found.index))
     except TooManyPixels as error:
         raise HTTPException(413, str(error)) from None
@@ -753,6 +668,8 @@ async def predict(
         raise HTTPException(400, str(error)) from None
     except QueueFull as error:
         raise HTTPException(503, f"{error}: retry in a moment", headers={"Retry-After": "1"}) from None
+    except WorkerStopped as error:
+        raise HTTPException(503, str(error)) from None
     except asyncio.CancelledError:
         # uvicorn cancels the requests still running when shutdown_timeout_s runs out (waiting for a decoding slot
         # or for the model): answered, not left to uvicorn's plain-text 500 (and a traceback in the log).
@@ -794,9 +711,8 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         worker.cancel()
         # Awaited: a worker waiting for rows took loop turns to stop, and a lifespan started again meanwhile (asgi-
         # lifespan) had its executor shut down and the batcher marked stopped by the old worker's exit: all 500.
-        [ended] = await asyncio.gather(worker, return_exceptions=True)
-        if isinstance(ended, Exception):  # not its cancellation: it had died, and every request since was a 500
-            log.error("the batcher's worker had stopped: %s", ended, exc_info=ended)
+        # An error that ended it was logged then (Batcher.failure).
+        await asyncio.gather(worker, return_exceptions=True)
 
 
 async def _one_line_validation(_request: Request, error: RequestValidationError) -> JSONResponse:

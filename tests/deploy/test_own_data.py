@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import re
 import shlex
 from collections.abc import Callable
@@ -307,6 +308,18 @@ def test_predict_and_export_refuse_a_folder_without_weights(tmp_path, capsys):
     assert "not a run folder" in capsys.readouterr().err
     assert _exit_code(export_cli.main, [str(tmp_path / "run"), f"out={tmp_path / 'm.safetensors'}"]) == 2
     assert "holds no trainable.safetensors" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no named pipes here")
+def test_predict_names_an_image_that_is_a_pipe_as_one_not_as_missing(tmp_path):
+    # A named pipe (or a device) given as an image was said not to exist: "photo.png: no such file or folder".
+    from petl.deploy import predict
+    from petl.utils.errors import UsageError
+
+    pipe = tmp_path / "photo.png"
+    os.mkfifo(pipe)
+    with pytest.raises(UsageError, match=r"photo.png is not a file or a folder \(a pipe, a device\): give image files"):
+        predict.image_paths([str(pipe)])
 
 
 @pytest.mark.parametrize("bad", [2.5, "3", True])

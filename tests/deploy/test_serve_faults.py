@@ -135,6 +135,12 @@ def test_a_path_or_method_no_route_has_says_which_routes_there_are(app):
     # An unknown task keeps its own answer.
     status, answer = asyncio.run(_ask(app, "POST", serve.PREDICT_ROUTE.format(task="cars"), _png()))
     assert status == 404 and answer["detail"].startswith("unknown task 'cars': the tasks are lora")
+    # A name no task has is shown as a path is, its first 100 characters: it was echoed whole (5 kB here).
+    status, answer = asyncio.run(_ask(app, "POST", serve.PREDICT_ROUTE.format(task="x" * 5000), _png()))
+    assert (
+        status == 404
+        and answer["detail"] == f"unknown task {'x' * 100!r}: the tasks are lora (GET /v1/tasks lists them)"
+    )
 
 
 def test_predict_with_a_trailing_slash_answers_as_predict_does(tmp_path):
@@ -240,8 +246,27 @@ def test_a_long_thin_image_that_a_cropping_runs_resize_would_blow_up_is_refused_
     serve.check_pixels([thin], serve.ServeOptions(), SPEC)  # resized straight to the square: nothing to fear
     # A small max_image_mp still takes what any crop's resize makes of an image it takes (256 x 256 and more).
     serve.check_pixels([("small.png", _header_png(30, 20))], serve.ServeOptions(max_image_mp=0.001), crop)
-    with pytest.raises(serve.TooManyPixels, match="makes 1.31 MP, over 1 MP: crop it nearer to a square"):
+    with pytest.raises(serve.TooManyPixels, match=r"makes 1.31 MP, over 1.05 MP \(16 times the task's resize of a"):
         serve.check_pixels([("long.png", _header_png(20, 1))], serve.ServeOptions(max_image_mp=0.001), crop)
+
+
+@pytest.mark.parametrize(
+    "spec", [ImageSpec(image_size=1024), ImageSpec(image_size=896, crop=True)], ids=["1024 px", "896 px, cropped"]
+)
+def test_a_small_max_image_mp_takes_any_image_the_models_resize_makes_no_longer_than_16_squares(spec):
+    """The resize's floor was a fixed 1 MP: under max_image_mp=0.5, a model of 1,024 px (which makes 1.05 MP of any
+    image) refused every image, squares too, as one its resize would make "1.05 MP, over 1 MP"."""
+    small = serve.ServeOptions(max_image_mp=0.5)
+    for width, height in [(700, 700), (32, 32), (800, 600)]:  # squares up- or downscaled, a 4:3 photo
+        serve.check_pixels([("photo.png", _header_png(width, height))], small, spec)
+    # The edge: 64 x 4 px (16:1), which a crop's resize makes exactly 16 of its squares, is taken; 65 x 4 is not.
+    serve.check_pixels([("16 to 1.png", _header_png(64, 4))], small, spec)
+    if spec.crop:  # 16,640 x 1,024 px: 17 MP, over 16 x 1,024 x 1,024 px
+        with pytest.raises(serve.TooManyPixels, match=r"makes 17 MP, over 16.8 MP \(16 times the task's resize of a"):
+            serve.check_pixels([("wider.png", _header_png(65, 4))], small, spec)
+    # The limit on the image itself stays: a square over 0.5 MP is refused from its header.
+    with pytest.raises(serve.TooManyPixels, match=r"over max_image_mp=0.5: send it smaller \(the model reads "):
+        serve.check_pixels([("big.png", _header_png(708, 708))], small, spec)
 
 
 def test_a_shutdown_waits_shutdown_timeout_s_as_given(app):
@@ -536,7 +561,7 @@ def test_an_app_served_again_answers_again(tmp_path):
             answers.append(client.post(route, content=_png()))
     assert [a.status_code for a in answers] == [200, 200] and answers[0].json() == answers[1].json()
     outside = TestClient(app, raise_server_exceptions=False).post(route, content=_png())  # no lifespan
-    assert outside.status_code == 500 and outside.json()["detail"].startswith("internal error (RuntimeError)")
+    assert outside.status_code == 503 and outside.json()["detail"].startswith("the batcher's worker is not running")
 
 
 def test_a_request_answered_with_an_error_leaves_its_other_images_unrun():
@@ -678,3 +703,42 @@ def test_a_forward_a_stopped_worker_left_running_ends_before_the_next_runs_start
         assert asyncio.run(scenario()) == (True, 1) and most[0] == 1
     finally:
         release.set()
+
+
+def test_a_shutdown_runs_the_queued_images_without_waiting_for_their_batching_window():
+    # With max_wait_ms above shutdown_timeout_s, a request queued at a SIGTERM waited out its window, which no new
+    # request would shorten, and was cancelled: 503 while the model sat idle.
+    def forward(images: torch.Tensor, tasks: torch.Tensor) -> torch.Tensor:
+        return images.flatten(1)
+
+    batcher = Batcher(forward, max_batch=8, max_wait_s=3600, max_queue=8, metrics=ServeMetrics())
+
+    async def scenario() -> int:
+        worker = asyncio.create_task(batcher.run())
+        await asyncio.sleep(0)
+        waiting = asyncio.create_task(batcher.submit([torch.zeros(3, 1, 1)], 0))
+        await asyncio.sleep(0.01)  # queued, its window an hour
+        batcher.drain()
+        try:
+            return len(await asyncio.wait_for(waiting, 60))
+        finally:
+            worker.cancel()
+
+    assert asyncio.run(scenario()) == 1
+
+
+def test_petl_serves_server_drains_the_batcher_when_its_shutdown_begins(app, monkeypatch):
+    drained = []
+    monkeypatch.setattr(app.state.batcher, "drain", lambda: drained.append(True))
+    listening = serve_cli.bind("127.0.0.1", 0)
+    serve_cli.listen(listening, "127.0.0.1", 0)
+    server = serve.make_server(app, "127.0.0.1", listening.getsockname()[1], serve.ServeOptions(), access_log=False)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [listening]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60  # a server that failed to start (its thread ended) fails the test, not hangs
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.05)
+    server.should_exit = True  # what uvicorn's SIGTERM and Ctrl-C handlers set
+    thread.join(timeout=60)
+    assert drained == [True] and not thread.is_alive()
