@@ -94,6 +94,9 @@ def timm_config(run: LoadedRun) -> dict[str, Any]:
     # The model's own timm names for its first convolution and its classifier (a Swin's is head.fc, a ViT's
     # head): timm drops the classifier by this name when the folder is loaded with another num_classes.
     own = run.model.pretrained_cfg
+    # A NaFlexVit's run carries its size as pretrained_cfg_overlay (model.json): here pretrained_cfg holds it, and
+    # timm's local-dir loader passes its own overlay beside model_args (one more is "multiple values").
+    kwargs.pop("pretrained_cfg_overlay", None)
     return {
         "architecture": architecture,
         "num_classes": len(run.class_names),

@@ -43,6 +43,7 @@ from petl.train.engine import TrainSettings
 from petl.train.options import check_options, neutral_keys, option
 from petl.train.readers import (  # noqa: F401 (re-exported)
     check_built_size,
+    check_overlay_size,
     data_info,
     data_options,
     image_size,
@@ -129,6 +130,8 @@ class ModelConfig:
             and this default that no block in train mode holds is refused (so is a ``model.kwargs`` dropout rate).
         kwargs: extra keyword arguments for ``timm.create_model`` (e.g. ``+model.kwargs.depth=2``); ``num_classes``
             is refused (the data sets it), and one the pretrained weights do not fit is named with their keys.
+            ``pretrained_cfg_overlay`` is taken only as ``{input_size: [3, N, N]}``: the size a NaFlexVit, which
+            sizes its images by its pretrained config, trains at (``model.json`` carries it).
 
     """
 
@@ -620,7 +623,8 @@ def check_method(cfg: DictConfig) -> None:
         raise ConfigError(f"model.kwargs: {error}") from None
     # The refusal names the key the size was given as.
     key = "model.img_size" if cfg.model.img_size is not None else "model.kwargs.img_size"
-    check_built_size(model, cfg.model.name, kwargs.get("img_size"), key=key)
+    built = check_built_size(model, cfg.model.name, kwargs.get("img_size"), key=key)
+    check_overlay_size(built, cfg.model.name, kwargs)
     num_classes = data_info(cfg).num_classes
     try:
         # The backbone first: a method's options are read against a backbone it supports (SCT's default top_n

@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 import petl
 from petl.cli import run as cli
 from petl.run import default_config
-from petl.store.run_card import FILE_KWARGS
+from petl.store.run_card import FILE_KWARGS, OVERLAY
 from petl.train import config
 from petl.train.config import ConfigError
 from petl.train.engine import TrainSettings
@@ -133,7 +133,7 @@ def test_the_unknown_model_lines_command_lists_one_model_a_line(tmp_path):
     assert done.returncode == 0 and done.stdout == "vit_base_patch16_224\n", (command, done.stdout[:300], done.stderr)
 
 
-@pytest.mark.parametrize("key", FILE_KWARGS)
+@pytest.mark.parametrize("key", sorted(FILE_KWARGS - {OVERLAY}))
 def test_file_loading_model_kwargs_are_refused_before_training(tmp_path, key):
     """Issue 52: +model.kwargs.checkpoint_path=... trained, then the run folder was refused on load."""
     message = rf"^model.kwargs.{key} would make timm load a file .* model.checkpoint=PATH"
@@ -143,6 +143,26 @@ def test_file_loading_model_kwargs_are_refused_before_training(tmp_path, key):
     with pytest.raises(ConfigError, match=message):  # the Python API's path (petl.train) too
         config.to_config({"method": "lora", "model": {"kwargs": {key: str(tmp_path / "weights.pth")}}})
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    ("overlay", "message"),
+    [
+        # Its input_size alone is carried into model.json; it was refused whole, as "would make timm load a file".
+        ("{file:w.pth}", r"^model.kwargs.pretrained_cfg_overlay.file: petl takes only input_size of it .*checkpoint="),
+        ("w.pth", r'^model.kwargs.pretrained_cfg_overlay="w.pth" is not a mapping: petl takes only \{input_size'),
+        ("{input_size:[3,32,48]}", r"^model.kwargs.pretrained_cfg_overlay.input_size=\[3, 32, 48\] is not \[3, N, N\]"),
+        ("{input_size:[3,32,32],mean:[0,0,0]}", r"^model.kwargs.pretrained_cfg_overlay.mean: petl takes only input"),
+        # A ViT is built for its img_size: the overlay's size would be an option with no effect.
+        ("{input_size:[3,64,64]}", r"input_size=\[3, 64, 64\]: vit_fractal_tiny_patch4_32 is built for 32 px .*=64"),
+    ],
+)
+def test_a_pretrained_cfg_overlay_other_than_a_size_the_model_takes_is_refused(tmp_path, overlay, message):
+    with pytest.raises(ConfigError, match=message) as caught:
+        default_config([*tiny_run(), f"+model.kwargs.pretrained_cfg_overlay={overlay}", f"output_dir={tmp_path}/r"])
+    assert "\n" not in str(caught.value)
+    # The size the model is built for is taken (a ViT's own: nothing changes).
+    default_config([*tiny_run(), "+model.kwargs.pretrained_cfg_overlay={input_size:[3,32,32]}"])
 
 
 @pytest.mark.slow

@@ -161,10 +161,6 @@ FAMILY_BACKBONES = {
     }
     for family, (name, options) in TINY_FAMILIES.items()
 }
-# A run card refuses pretrained_cfg_overlay (timm could load a file it names): the NaFlexVit's run keeps timm's own
-# configuration, whose 384-pixel input_size only sizes the data of a run, not the 32-pixel images fed here.
-for family in ("naflexvit", "naflexvit_rope_mixed"):
-    del FAMILY_BACKBONES[family]["kwargs"]["pretrained_cfg_overlay"]
 # timm's SwinTransformerV2Cr (kind swinv2_cr), at the tiny Swin's sizes with one block a stage (norm3 ends each).
 FAMILY_BACKBONES["swinv2_cr"] = {
     "name": "swinv2_cr_tiny_ns_224",
