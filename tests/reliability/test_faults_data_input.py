@@ -1,0 +1,75 @@
+"""Faults and bad input, data input: own folders and data=hf datasets whose refusals named no file or remedy.
+
+Each test is one fault found by feeding awkward folders (a class of GIFs, an empty val/, a class in another letter
+case) and small ``datasets`` datasets built in a temporary folder through ``describe_dataset``, ``build_dataset``
+and petl-run's main.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+from test_faults_predict_data_report import TINY_MODEL, _exit_code, make_folder
+
+from petl.cli import run as cli
+from petl.data import folder
+
+CLASSES = ("a", "b")
+
+
+def _refusal(root: Path, capsys) -> str:
+    """petl-run's one line on ``root`` (exit 2 asserted)."""
+    folder._scan.cache_clear()
+    argv = ["method=lora", "data=folder", f"data.root={root}", *TINY_MODEL, f"output_dir={root.parent / 'run'}"]
+    capsys.readouterr()
+    assert _exit_code(cli.main, argv) == 2
+    error = capsys.readouterr().err.strip()
+    assert len(error.splitlines()) == 1, error
+    return error
+
+
+def test_a_class_folder_of_files_that_are_not_images_names_them_in_its_refusal(tmp_path, capsys):
+    # train/b of GIFs was refused as holding no images, the list of extensions alone: the warning naming its files
+    # comes after the refusal, so nobody was told the GIFs were there and why they did not count.
+    root = make_folder(tmp_path / "images", classes=CLASSES, test=0)
+    for path in (root / "train" / "b").iterdir():
+        path.unlink()
+    Image.fromarray(np.zeros((8, 8), np.uint8)).convert("P").save(root / "train" / "b" / "x.gif")
+    error = _refusal(root, capsys)
+    assert error.endswith(
+        f"{root / 'train' / 'b'} holds no images ({', '.join(folder.IMAGE_EXTENSIONS)}), only x.gif: "
+        "convert them or remove it"
+    ), error
+
+
+@pytest.mark.parametrize(
+    ("split", "without"), [("val", "val200 is 20% of each class"), ("test", "the run reports no test")]
+)
+def test_an_empty_val_or_test_folder_says_what_to_do(tmp_path, capsys, split, without):
+    # An empty val/ (made by a script, its images moved away) was refused as 'holds no images in class
+    # sub-folders', with no word of what to do about it.
+    root = make_folder(tmp_path / "images", classes=CLASSES, test=0)
+    (root / split / "a").mkdir(parents=True)
+    error = _refusal(root, capsys)
+    assert f"put images in {root / split}/<class name>/ or remove {root / split} (without it, {without}" in error, error
+
+
+def test_a_class_train_lacks_says_what_to_do_and_one_in_other_letter_case_is_said_to_be_so(tmp_path, capsys):
+    # 'val has classes that train/ lacks: A' said neither what to do nor that train/ has an a (a folder renamed on
+    # one machine and not on another; on macOS and Windows A/ and a/ are one folder).
+    root = make_folder(tmp_path / "images", classes=CLASSES, test=0)
+    for name in ("A", "b"):
+        (root / "val" / name).mkdir(parents=True)
+        Image.fromarray(np.zeros((8, 8, 3), np.uint8)).save(root / "val" / name / "0.png")
+    assert _refusal(root, capsys).endswith(
+        f"{root / 'val'} has classes that train/ lacks: A (A is train/'s a in other letter case: rename one of the two "
+        "so that they match)"
+    )
+    (root / "val" / "A").rename(root / "val" / "c")
+    error = _refusal(root, capsys)
+    assert error.endswith("has classes that train/ lacks: c; add them to train/ or remove them from val/"), error
+    assert not re.search(r"letter case|Unicode", error)
