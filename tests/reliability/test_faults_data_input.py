@@ -15,10 +15,14 @@ import pytest
 from PIL import Image
 from test_faults_predict_data_report import TINY_MODEL, _exit_code, make_folder
 
+from petl import data as petl_data
 from petl.cli import run as cli
 from petl.data import folder
 
+datasets = pytest.importorskip("datasets")
+
 CLASSES = ("a", "b")
+CAT_DOG = datasets.ClassLabel(names=["cat", "dog"])
 
 
 def _refusal(root: Path, capsys) -> str:
@@ -73,3 +77,62 @@ def test_a_class_train_lacks_says_what_to_do_and_one_in_other_letter_case_is_sai
     error = _refusal(root, capsys)
     assert error.endswith("has classes that train/ lacks: c; add them to train/ or remove them from val/"), error
     assert not re.search(r"letter case|Unicode", error)
+
+
+def _rows(labels: list, label: object) -> datasets.Dataset:
+    rng = np.random.default_rng(len(labels))
+    pictures = [Image.fromarray(rng.integers(0, 255, (8, 8, 3), dtype=np.uint8)) for _ in labels]
+    features = datasets.Features({"image": datasets.Image(), "label": label})
+    return datasets.Dataset.from_dict({"image": pictures, "label": labels}, features=features)
+
+
+def test_hf_with_one_row_per_class_and_no_validation_split_is_refused(tmp_path, capsys):
+    # data=folder refuses it; data=hf held nothing out, and the run trained on with an empty val200 ('val -').
+    root = tmp_path / "saved"
+    datasets.DatasetDict(train=_rows([0, 1], CAT_DOG)).save_to_disk(str(root))
+    argv = ["method=lora", "data=hf", f"data.root={root}", *TINY_MODEL, f"output_dir={tmp_path / 'run'}"]
+    capsys.readouterr()
+    assert _exit_code(cli.main, argv) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.endswith(
+        f"hf: {root}'s train split has at most one row per class, so none can be held out for validation: add a "
+        "validation split or more training rows"
+    ), error
+    assert not (tmp_path / "run" / "result.json").exists()
+
+
+def test_hf_imagefolder_rows_that_cannot_be_used_are_named_by_file(tmp_path):
+    # An imagefolder's empty file was named 'train[3]', a row number of a listing the user never sees.
+    for name in CLASSES:
+        for index in range(3):
+            path = tmp_path / "images" / "train" / name / f"{index}.png"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            Image.fromarray(np.full((8, 8, 3), 40 * index, np.uint8)).save(path)
+    empty = tmp_path / "images" / "train" / "b" / "2.png"
+    empty.write_bytes(b"")
+    with pytest.raises(petl_data.BadImagesError) as error:
+        petl_data.build_dataset("hf", "train800val200", image_size=8, root=str(tmp_path / "images"))
+    assert re.search(rf"train\[\d\] {re.escape(str(empty))} \(empty file\)$", str(error.value)), error.value
+
+
+def test_hf_float_labels_are_refused_not_made_classes_named_by_their_values(tmp_path):
+    # A float32 label column of 0.0 / 1.0 (a pandas column that held a NaN) trained classes named '0.0' and '1.0';
+    # a regression target made one class per value.
+    root = tmp_path / "saved"
+    datasets.DatasetDict(train=_rows([0.0, 1.0] * 3, datasets.Value("float32"))).save_to_disk(str(root))
+    with pytest.raises(ValueError, match=r"^hf: label column 'label' holds float32 numbers, not classes .*: cast it"):
+        petl_data.describe_dataset("hf", root=str(root))
+
+
+def test_hf_a_split_class_train_lacks_says_what_to_do(tmp_path):
+    # 'test split has classes that train lacks: Dog' said neither what to do nor that train has a dog.
+    root = tmp_path / "saved"
+    strings = datasets.Value("string")
+    datasets.DatasetDict(train=_rows(["cat", "dog"] * 3, strings), test=_rows(["Dog"], strings)).save_to_disk(str(root))
+    with pytest.raises(ValueError, match=r"lacks: Dog \(Dog is train's dog in other letter case: rename one"):
+        petl_data.describe_dataset("hf", root=str(root))
+    datasets.DatasetDict(train=_rows(["cat", "dog"] * 3, strings), test=_rows(["cow"], strings)).save_to_disk(
+        str(tmp_path / "other")
+    )
+    with pytest.raises(ValueError, match=r"lacks: cow; add rows of them to train or remove them from test$"):
+        petl_data.describe_dataset("hf", root=str(tmp_path / "other"))
