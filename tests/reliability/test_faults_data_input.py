@@ -136,3 +136,19 @@ def test_hf_a_split_class_train_lacks_says_what_to_do(tmp_path):
     )
     with pytest.raises(ValueError, match=r"lacks: cow; add rows of them to train or remove them from test$"):
         petl_data.describe_dataset("hf", root=str(tmp_path / "other"))
+
+
+def test_hf_a_row_changed_since_the_build_is_named_when_read_again(tmp_path, monkeypatch):
+    # Above the memory limit a row is decoded again on access: a file emptied since the build raised a bare
+    # 'ValueError: empty file' naming no row and no file (a FileListDataset names its file there).
+    monkeypatch.setattr("petl.data.hf.DECODED_MEMORY_LIMIT", 0)
+    for name in CLASSES:
+        for index in range(3):
+            path = tmp_path / "images" / "train" / name / f"{index}.png"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            Image.fromarray(np.full((8, 8, 3), 40 * index, np.uint8)).save(path)
+    train = petl_data.build_dataset("hf", "train800val200", image_size=8, root=str(tmp_path / "images"))
+    first = Path(train.rows[0][0][train.rows[0][2]]["image"]["path"])
+    first.write_bytes(b"")
+    with pytest.raises(petl_data.BadImagesError, match=rf"train\[0\] {re.escape(str(first))} \(empty file\)$"):
+        train[0]
