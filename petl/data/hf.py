@@ -178,9 +178,15 @@ def _open(root: str, image_column: str | None, label_column: str | None) -> tupl
     for name, split in dataset.items():
         extra = sorted(set(_label_names(split, label)) - set(names))
         if extra:
+            said = f"hf: {root}'s {name} split has classes that train lacks: {', '.join(extra[:5])}"
+            ours, trains = _kind(split.features[label]), _kind(features[label])
+            if ours != trains:  # a test split of integers beside train's ClassLabel: its numbers are no names
+                raise ValueError(
+                    f"{said}; its {label!r} holds {ours} where train's holds {trains}: cast it to train's, "
+                    f"d[{name!r}] = d[{name!r}].cast_column({label!r}, d['train'].features[{label!r}])"
+                )
             raise ValueError(
-                f"hf: {root}'s {name} split has classes that train lacks: {', '.join(extra[:5])}"
-                + (lookalike(extra, names, "train's") or f"; add rows of them to train or remove them from {name}")
+                said + (lookalike(extra, names, "train's") or f"; add rows of them to train or remove them from {name}")
             )
     index = {name: i for i, name in enumerate(names)}
     train_labels = [index[name] for name in _label_names(dataset["train"], label)]
@@ -191,6 +197,13 @@ def _open(root: str, image_column: str | None, label_column: str | None) -> tupl
             "add a validation split or more training rows"
         )
     return dataset, image, label, names
+
+
+def _kind(feature: Any) -> str:
+    """A label feature in a few words: ``a ClassLabel``, ``int64 values``."""
+    if type(feature).__name__ == "ClassLabel":
+        return "a ClassLabel"
+    return f"{getattr(feature, 'dtype', type(feature).__name__)} values"
 
 
 def _label_names(split: Any, label: str) -> list[str]:

@@ -152,3 +152,24 @@ def test_hf_a_row_changed_since_the_build_is_named_when_read_again(tmp_path, mon
     first.write_bytes(b"")
     with pytest.raises(petl_data.BadImagesError, match=rf"train\[0\] {re.escape(str(first))} \(empty file\)$"):
         train[0]
+
+
+def test_hf_a_split_of_integer_labels_beside_trains_classlabel_is_told_to_cast_them(tmp_path):
+    # A test split encoded apart as integers (train's class_encode_column alone) was told its classes 0 and 1 were
+    # classes train lacks, to add rows of them to train: the cast that makes them train's cat and dog was not said.
+    root = tmp_path / "saved"
+    datasets.DatasetDict(train=_rows([0, 1] * 3, CAT_DOG), test=_rows([1, 0], datasets.Value("int64"))).save_to_disk(
+        str(root)
+    )
+    with pytest.raises(ValueError) as error:
+        petl_data.describe_dataset("hf", root=str(root))
+    said = str(error.value)
+    assert said.endswith(
+        "lacks: 0, 1; its 'label' holds int64 values where train's holds a ClassLabel: cast it to train's, "
+        "d['test'] = d['test'].cast_column('label', d['train'].features['label'])"
+    ), said
+    # The cast it names is enough.
+    saved = datasets.load_from_disk(str(root))
+    saved["test"] = saved["test"].cast_column("label", saved["train"].features["label"])
+    saved.save_to_disk(str(tmp_path / "cast"))
+    assert petl_data.build_dataset("hf", "test", image_size=8, root=str(tmp_path / "cast")).labels == [1, 0]
