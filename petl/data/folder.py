@@ -244,10 +244,11 @@ def lookalike(extra: Sequence[str], names: Sequence[str], whose: str) -> str:
 
     macOS writes ``café`` as ``e`` and a combining accent (NFD) where Windows and Linux tools write one ``é`` (NFC):
     the two names print alike, so the refusal alone would name a class that seems to be there.  A name in another
-    case (``Cat`` against ``cat``) is a class of its own on Linux and the same folder on macOS and Windows: said too.
+    case (``Cat`` against ``cat``) is a class of its own on Linux and the same folder on macOS and Windows, and one
+    with a space at its end (``cat ``) prints as the other: said too.
     """
     forms = {unicodedata.normalize("NFC", name): name for name in names}
-    cases = {unicodedata.normalize("NFC", name).casefold(): name for name in names}
+    cases = {_loosely(name): name for name in names}
     for name in extra:
         twin = forms.get(unicodedata.normalize("NFC", name))
         if twin is not None:
@@ -256,10 +257,16 @@ def lookalike(extra: Sequence[str], names: Sequence[str], whose: str) -> str:
                 f"{ascii(twin)}, as folders made on macOS and elsewhere can be: rename one of the two folders)"
             )
     for name in extra:
-        twin = cases.get(unicodedata.normalize("NFC", name).casefold())
+        twin = cases.get(_loosely(name))
         if twin is not None:
-            return f" ({name} is {whose} {twin} in other letter case: rename one of the two so that they match)"
+            how = "in other letter case" if name.strip() == name and twin.strip() == twin else "but for spaces or case"
+            return f" ({name!r} is {whose} {twin!r} {how}: rename one of the two so that they match)"
     return ""
+
+
+def _loosely(name: str) -> str:
+    """A class name as a person reads it: one Unicode form, no case, spaces at the ends and doubled ones dropped."""
+    return " ".join(unicodedata.normalize("NFC", name).split()).casefold()
 
 
 def describe_folder(root: str) -> DatasetInfo:
