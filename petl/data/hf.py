@@ -139,6 +139,12 @@ def _open(root: str, image_column: str | None, label_column: str | None) -> tupl
         raise ValueError(f"hf: {root} has splits {' and '.join(held_out)}, both validation splits: keep one")
     features = dataset["train"].features
     image = _column(features, image_column, "Image", ("image", "img"), "image_column")
+    if label_column is None and all(column == image for column in features):
+        # An imagefolder of loose images: no column to name, so data.label_column= would be no remedy.
+        raise ValueError(
+            f"hf: {root} has no label column, only the images ({image!r}): put them in one folder per class, "
+            f"{root}/train/<class name>/ (read as an imagefolder, or with data=folder), or save a label column"
+        )
     label = _column(features, label_column, "ClassLabel", ("label", "labels", "target"), "label_column")
     if image == label:
         raise ValueError(f"hf: {image!r} is both the image and the label column: name the other with data.*_column")

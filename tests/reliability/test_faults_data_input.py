@@ -177,3 +177,16 @@ def test_hf_a_split_of_integer_labels_beside_trains_classlabel_is_told_to_cast_t
     saved["test"] = saved["test"].cast_column("label", saved["train"].features["label"])
     saved.save_to_disk(str(tmp_path / "cast"))
     assert petl_data.build_dataset("hf", "test", image_size=8, root=str(tmp_path / "cast")).labels == [1, 0]
+
+
+def test_hf_a_folder_of_loose_images_says_to_put_them_in_class_folders(tmp_path):
+    # An imagefolder without class folders has an image column alone: petl said to name the label column with
+    # data.label_column=COLUMN, where there is none to name.
+    (tmp_path / "images" / "train").mkdir(parents=True)
+    for index in range(4):
+        Image.fromarray(np.full((8, 8, 3), 40 * index, np.uint8)).save(tmp_path / "images" / "train" / f"{index}.png")
+    root = tmp_path / "images"
+    with pytest.raises(
+        ValueError, match=rf"^hf: {re.escape(str(root))} has no label column, only the images \('image'\)"
+    ):
+        petl_data.describe_dataset("hf", root=str(root))
