@@ -644,7 +644,9 @@ def _result(
         test_top1=test_top1,
         final_train_loss=last.get("loss"),
         final_train_top1=last.get("train_top1"),
-        not_learned=learning.not_learned([h.get("loss") for h in history], num_classes),
+        not_learned=learning.not_learned(
+            [h.get("loss") for h in history], num_classes, last.get("train_top1"), last.get("images")
+        ),
         epochs=cfg.train.epochs,
         train_seconds=round(train_seconds, 2),
         images_per_second=round(images / seconds, 1) if seconds else None,
