@@ -336,6 +336,12 @@ def test_the_rank_correlation_carries_a_seeded_bootstrap_interval():
     assert math.isnan(rank_correlation({"a": 1, "b": 2, "c": 3}, {"a": 1, "b": 3, "c": 2}).interval[0])
 
 
+def test_a_coefficient_over_too_few_rows_for_an_interval_says_so():
+    # Over three rows rho was shown bare ("+0.50"), as firm as one with its interval.
+    found = rank_correlation({"a": 3.0, "b": 2.0, "c": 1.0}, {"a": 3.0, "b": 1.0, "c": 2.0})
+    assert found.describe() == "+0.50 (no bootstrap interval: 3 rows, it needs 4)"
+
+
 def test_the_rank_interval_of_a_side_that_ties_every_method_is_nan_without_a_warning():
     import warnings
 
