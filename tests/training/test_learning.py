@@ -73,6 +73,15 @@ def test_a_one_epoch_run_that_diverged_is_recorded_as_not_learned(tmp_path):
     assert "not above chance" in json.loads((tmp_path / "result.json").read_text())["not_learned"]
 
 
+def test_the_console_line_of_a_run_that_did_not_learn_says_so():
+    from petl.train.runner import summary_line
+
+    record = {"method": "lora", "dataset": "mini/digits", "seed": 0, "val_top1": 14.0, "test_top1": 10.66}
+    assert "did not learn" not in summary_line(record)
+    said = summary_line({**record, "not_learned": "final epoch's train top-1 9.0 % of 800 images is not above chance"})
+    assert said.endswith(" s | did not learn: final epoch's train top-1 9.0 % of 800 images is not above chance")
+
+
 def test_a_run_of_few_optimizer_steps_is_warned_naming_what_to_change():
     from petl.train.learning import FEW_STEPS, few_steps
 
