@@ -90,7 +90,8 @@ def _weights_sha256(cfg: DictConfig, model: nn.Module) -> str | None:
 
 
 def summary_line(result: dict[str, Any]) -> str:
-    """One line for the console: method, task, accuracies, trainable parameters, time ("-" where unknown).
+    """One line for the console: method, task, accuracies, trainable parameters, time ("-" where unknown), and why
+    the run did not learn where it did not (:mod:`petl.train.learning`): its scores are then a guess's.
 
     ``result`` is a record as written or as read (:func:`petl.store.result.read_result` has checked its types).
     """
@@ -98,10 +99,11 @@ def summary_line(result: dict[str, Any]) -> str:
     def shown(key: str, spec: str) -> str:
         return "-" if result.get(key) is None else format(result[key], spec)
 
+    stuck = f" | did not learn: {result['not_learned']}" if result.get("not_learned") else ""
     return (
         f"{result['method']} on {result['dataset']} ({result.get('model')}, seed {result['seed']}): "
         f"val {shown('val_top1', '.2f')}  test {shown('test_top1', '.2f')}  | "
-        f"{shown('trainable_params', ',')} trainable params | {shown('train_seconds', '.0f')} s"
+        f"{shown('trainable_params', ',')} trainable params | {shown('train_seconds', '.0f')} s{stuck}"
     )
 
 
@@ -644,7 +646,9 @@ def _result(
         test_top1=test_top1,
         final_train_loss=last.get("loss"),
         final_train_top1=last.get("train_top1"),
-        not_learned=learning.not_learned([h.get("loss") for h in history], num_classes),
+        not_learned=learning.not_learned(
+            [h.get("loss") for h in history], num_classes, last.get("train_top1"), last.get("images")
+        ),
         epochs=cfg.train.epochs,
         train_seconds=round(train_seconds, 2),
         images_per_second=round(images / seconds, 1) if seconds else None,
