@@ -149,7 +149,9 @@ class TrainConfig(TrainSettings):
 
     Attributes:
         batch_size: training images per step and process (effective batch: x processes x grad_accum); also the
-            batch of a method's calibrate hook (GPS's selection gradient, NOAH's supernet steps).
+            batch of a method's calibrate hook (GPS's selection gradient, NOAH's supernet steps).  One above the
+            training images takes them all a step (not refused: the default is above small folders); the first line
+            and result.json's ``effective_batch_size`` give the batch that ran.
         eval_batch_size: images per step when evaluating.
         grad_accum: micro-batches accumulated per optimizer step; each step's gradient is the mean over its images,
             as one batch of them would give, also for an epoch's last step of fewer or shorter batches.  More than

@@ -266,3 +266,11 @@ def test_a_compiled_run_on_cuda_compiles_under_the_default_precision(tmp_path):
     result = _run(tmp_path / "run", "method=lora", "train.compile=true")
     assert result["compiled"] is True and result["precision"] == ("bf16" if precision.cuda_has_native_bf16() else "no")
     assert result["test_top1"] is not None and torch.isfinite(torch.tensor(result["final_train_loss"]))
+
+
+def test_a_batch_size_above_the_training_split_is_recorded_and_said_as_the_batch_that_ran(tmp_path, capsys):
+    # Not refused (the default 64 is above a small folder): each step takes the whole split, and the record and the
+    # first line say that batch, not the option's (effective_batch_size once read 64 for steps of 24 images).
+    result = _run(tmp_path / "run", "data.subset=24", "train.batch_size=64", "method=linear")
+    assert result["effective_batch_size"] == 24
+    assert "batch 24 (all the training images: train.batch_size=64 is more)" in capsys.readouterr().out
