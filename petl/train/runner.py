@@ -435,6 +435,7 @@ class _Setup:
     accelerator: Accelerator
     cache_plan: cache.CachePlan | None
     tick: float
+    steps_per_epoch: int  # optimizer steps (per process)
 
     def restore(self, checkpoint: dict[str, Any], out: Path) -> None:
         """Continue from ``out``'s checkpoint: weights, optimizer, schedule and every random generator.
@@ -525,7 +526,7 @@ def _set_up_training(
     eval_loaders = {name: accelerator.prepare(loader) for name, loader in eval_loaders.items()}
     return _Setup(
         model, trainee, train_loader, eval_loaders, test_loader, optimizer, scheduler, settings, accelerator,
-        cache_plan, tick,
+        cache_plan, tick, optimizer_steps,
     )  # fmt: skip
 
 
@@ -678,6 +679,7 @@ def _result(
         # What really ran: train.compile falls back to eager (with a warning) where no compiler is found.
         compiled=accelerator.state.dynamo_plugin.backend.value != "NO",
         effective_batch_size=effective_batch_size(cfg, train_size, accelerator.num_processes),
+        optimizer_steps=training.steps_per_epoch * cfg.train.epochs,
         versions=versions(),
         **git_commit(),
         output_dir=str(cfg.output_dir),
