@@ -42,6 +42,7 @@ from petl.model.surgery import check_supported
 from petl.train.engine import TrainSettings
 from petl.train.options import check_options, neutral_keys, option
 from petl.train.readers import (  # noqa: F401 (re-exported)
+    RUNNER_FIELDS,
     check_built_size,
     data_info,
     data_options,
@@ -58,9 +59,6 @@ CONFIG_GROUPS = ("method", "data", "model", "train")
 # are what runs, save for the fallbacks make_accelerator logs (fp16 or tf32 without a GPU, bf16 without support).
 PRECISIONS = ("auto", "no", "tf32", "bf16", "fp16")
 TRACKERS = tuple(LOGGER_TYPE_TO_CLASS)
-
-# Method fields the runner fills in itself (from the dataset), so they are not command-line options.
-RUNNER_FIELDS = ("num_classes",)
 
 
 def _check_trackers(key: str, trackers: Sequence[str]) -> None:
@@ -625,10 +623,16 @@ def check_method(cfg: DictConfig) -> None:
     check_built_size(model, cfg.model.name, kwargs.get("img_size"), key=key)
     num_classes = data_info(cfg).num_classes
     try:
+        options = method_options(cfg)
+    except ConfigError:
+        raise  # a runner field given: the message names its key
+    except ValueError as error:
+        raise method_error(cfg.method.name, error) from None
+    try:
         # The backbone first: a method's options are read against a backbone it supports (SCT's default top_n
         # asks for a single width, which a Swin has not).
         check_supported(model, cfg.method.name)
-        method_cfg = make_config(cfg.method.name, num_classes=num_classes, **method_options(cfg))
+        method_cfg = make_config(cfg.method.name, num_classes=num_classes, **options)
         method_cfg.validate(model)
     except ValueError as error:
         raise method_error(cfg.method.name, error) from None
