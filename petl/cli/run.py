@@ -194,13 +194,12 @@ def _check_own_folders(jobs: list[list[str]], checked: list[DictConfig]) -> None
     """
     from omegaconf import OmegaConf
 
-    from petl.train import build, config
+    from petl.train import config
     from petl.train import output_dir as folder
 
     first: dict[str, tuple[list[str], dict[str, Any]]] = {}
     for job, cfg in zip(jobs, checked, strict=True):
-        cfg = cfg.copy()
-        build.resolve_precision(cfg)  # as the run records it, so that two jobs compare as their folders would
+        # train.precision as given: resolving auto would ask accelerate for the device in the launching process.
         resolved = OmegaConf.to_container(cfg, resolve=True)
         assert isinstance(resolved, dict)
         out = str(resolved["output_dir"])
