@@ -42,6 +42,7 @@ from petl.model.surgery import check_supported
 from petl.train.engine import TrainSettings
 from petl.train.options import check_options, neutral_keys, option
 from petl.train.readers import (  # noqa: F401 (re-exported)
+    RUNNER_FIELDS,
     check_built_size,
     check_overlay_size,
     data_info,
@@ -59,9 +60,6 @@ CONFIG_GROUPS = ("method", "data", "model", "train")
 # are what runs, save for the fallbacks make_accelerator logs (fp16 or tf32 without a GPU, bf16 without support).
 PRECISIONS = ("auto", "no", "tf32", "bf16", "fp16")
 TRACKERS = tuple(LOGGER_TYPE_TO_CLASS)
-
-# Method fields the runner fills in itself (from the dataset), so they are not command-line options.
-RUNNER_FIELDS = ("num_classes",)
 
 
 def _check_trackers(key: str, trackers: Sequence[str]) -> None:
@@ -152,7 +150,9 @@ class TrainConfig(TrainSettings):
 
     Attributes:
         batch_size: training images per step and process (effective batch: x processes x grad_accum); also the
-            batch of a method's calibrate hook (GPS's selection gradient, NOAH's supernet steps).
+            batch of a method's calibrate hook (GPS's selection gradient, NOAH's supernet steps).  One above the
+            training images takes them all a step (not refused: the default is above small folders); the first line
+            and result.json's ``effective_batch_size`` give the batch that ran.
         eval_batch_size: images per step when evaluating.
         grad_accum: micro-batches accumulated per optimizer step; each step's gradient is the mean over its images,
             as one batch of them would give, also for an epoch's last step of fewer or shorter batches.  More than
@@ -627,10 +627,16 @@ def check_method(cfg: DictConfig) -> None:
     check_overlay_size(built, cfg.model.name, kwargs)
     num_classes = data_info(cfg).num_classes
     try:
+        options = method_options(cfg)
+    except ConfigError:
+        raise  # a runner field given: the message names its key
+    except ValueError as error:
+        raise method_error(cfg.method.name, error) from None
+    try:
         # The backbone first: a method's options are read against a backbone it supports (SCT's default top_n
         # asks for a single width, which a Swin has not).
         check_supported(model, cfg.method.name)
-        method_cfg = make_config(cfg.method.name, num_classes=num_classes, **method_options(cfg))
+        method_cfg = make_config(cfg.method.name, num_classes=num_classes, **options)
         method_cfg.validate(model)
     except ValueError as error:
         raise method_error(cfg.method.name, error) from None

@@ -18,7 +18,10 @@ from petl.store.run_card import FILE_KWARGS, OVERLAY, overlay_problem
 from petl.utils.checks import to_str_tuple
 from petl.utils.errors import ConfigError, UnreachableError
 
-__all__ = ["data_info", "data_options", "image_size", "method_options", "model_kwargs"]
+__all__ = ["RUNNER_FIELDS", "data_info", "data_options", "image_size", "method_options", "model_kwargs"]
+
+# Method fields the runner fills in itself (from the dataset), so they are not command-line options.
+RUNNER_FIELDS = ("num_classes",)
 
 
 def data_options(cfg: DictConfig) -> dict[str, Any]:
@@ -50,10 +53,21 @@ def method_options(cfg: DictConfig) -> dict[str, Any]:
 
     Lists (the command line's form of a ``tuple[str, ...]`` field, see :func:`_cli_type`) go back
     to tuples through :func:`petl.utils.checks.to_str_tuple`, the one normaliser the configs use too.
+
+    Raises:
+        ConfigError: a field the runner fills in from the data (``+method.num_classes=4``), which the method node
+            leaves out.
+
     """
     options = OmegaConf.to_container(cfg.method, resolve=True)
     assert isinstance(options, dict)
     name = options.pop("name")
+    for key in RUNNER_FIELDS:
+        if key in options:  # added with + (or a dict): make_config would get it twice, a TypeError's traceback
+            raise ConfigError(
+                f"method.{key}={options[key]}: the head's class count comes from the data ({cfg.data.name}'s "
+                "classes): drop it"
+            )
     hints = typing.get_type_hints(get_method(name).config_cls)
     for key, value in options.items():
         if typing.get_origin(hints.get(key)) is tuple and isinstance(value, list):

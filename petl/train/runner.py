@@ -201,6 +201,25 @@ def method_label(cfg: DictConfig) -> str:
     return f"{name} ({', '.join(shown)})"
 
 
+def batch_words(batch_size: int, train_size: int) -> str:
+    """The training batch for the console: ``batch 64``, or the whole split where ``train.batch_size`` is above it.
+
+    Not refused: the default 64 is above a small folder of own images, whose run then takes all of them a step.
+    """
+    if batch_size <= train_size:
+        return f"batch {batch_size}"
+    return f"batch {train_size} (all the training images: train.batch_size={batch_size} is more)"
+
+
+def effective_batch_size(cfg: DictConfig, train_size: int, num_processes: int) -> int:
+    """Images per full optimizer step: ``train.batch_size`` x processes x ``train.grad_accum``, at most the split.
+
+    A batch size above the training split takes the whole split a step (``train.grad_accum`` above the batches an
+    epoch holds is refused, so it never multiplies a split of one batch).
+    """
+    return min(cfg.train.batch_size * num_processes * cfg.train.grad_accum, train_size)
+
+
 def device_label(accelerator: Accelerator) -> str:
     """Where and in what precision a run trains, in words: ``on cpu in fp32``, ``on cuda in bf16 autocast, TF32``.
 
@@ -238,7 +257,8 @@ def _train_and_record(cfg: DictConfig, resolved: dict[str, Any], out: Path, acce
         size = build.eval_spec(cfg, model, info).image_size
         print(
             f"training {method_label(cfg)} on {cfg.data.name} ({len(datasets['train'])} images) at {size} px: "
-            f"{plural(cfg.train.epochs, 'epoch')}, batch {cfg.train.batch_size}, lr {cfg.train.lr:g}, "
+            f"{plural(cfg.train.epochs, 'epoch')}, {batch_words(cfg.train.batch_size, len(datasets['train']))}, "
+            f"lr {cfg.train.lr:g}, "
             f"{device_label(accelerator)}",
             flush=True,
         )
@@ -417,6 +437,7 @@ class _Setup:
     accelerator: Accelerator
     cache_plan: cache.CachePlan | None
     tick: float
+    steps_per_epoch: int  # optimizer steps (per process)
 
     def restore(self, checkpoint: dict[str, Any], out: Path) -> None:
         """Continue from ``out``'s checkpoint: weights, optimizer, schedule and every random generator.
@@ -498,7 +519,8 @@ def _set_up_training(
     # fell short wherever the batches do not divide among the processes, and the last steps ran at lr 0.
     optimizer_steps = math.ceil(len(train_loader) / cfg.train.grad_accum)
     optimizer, scheduler = build_optimizer(trainee, settings, optimizer_steps * accelerator.num_processes)
-    few = learning.few_steps(optimizer_steps * cfg.train.epochs, len(train_set), cfg.train.batch_size, cfg.train.epochs)
+    batch = min(cfg.train.batch_size, len(train_set))  # a batch_size above the split takes the split
+    few = learning.few_steps(optimizer_steps * cfg.train.epochs, len(train_set), batch, cfg.train.epochs)
     if few is not None and accelerator.is_main_process:
         warn_once(log, few)  # once per process: a sweep of such runs says it once, not once a run
     trainee, optimizer, scheduler = accelerator.prepare(trainee, optimizer, scheduler)
@@ -506,7 +528,7 @@ def _set_up_training(
     eval_loaders = {name: accelerator.prepare(loader) for name, loader in eval_loaders.items()}
     return _Setup(
         model, trainee, train_loader, eval_loaders, test_loader, optimizer, scheduler, settings, accelerator,
-        cache_plan, tick,
+        cache_plan, tick, optimizer_steps,
     )  # fmt: skip
 
 
@@ -660,7 +682,8 @@ def _result(
         tf32=accelerator.device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32,
         # What really ran: train.compile falls back to eager (with a warning) where no compiler is found.
         compiled=accelerator.state.dynamo_plugin.backend.value != "NO",
-        effective_batch_size=cfg.train.batch_size * accelerator.num_processes * cfg.train.grad_accum,
+        effective_batch_size=effective_batch_size(cfg, train_size, accelerator.num_processes),
+        optimizer_steps=training.steps_per_epoch * cfg.train.epochs,
         versions=versions(),
         **git_commit(),
         output_dir=str(cfg.output_dir),

@@ -186,6 +186,22 @@ def test_cli_error_exits_2_with_one_line_and_checks_every_sweep_job(capsys):
     assert "\n" not in err
 
 
+def test_a_sweep_whose_jobs_share_one_output_dir_is_refused_before_any_job_trains(tmp_path, capsys):
+    # The default folder names no lr: the sweep's first job trained there and every other job then failed on it.
+    with pytest.raises(SystemExit) as caught:
+        cli.main(["--multirun", *TINY, "method=linear", "train.lr=0.001,0.01", f"output_dir={tmp_path}/run"])
+    assert caught.value.code == cli.USAGE_ERROR
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        f"petl-run: error: --multirun: jobs train.lr=0.001 and train.lr=0.01 would both write to output_dir "
+        f"{tmp_path}/run (train.lr: 0.001 -> 0.01): put the swept keys in it, e.g. "
+        f"'output_dir={tmp_path}/run/lr${{train.lr}}'"
+    )
+    assert not (tmp_path / "run").exists()
+    # Jobs of one run (a neutral key swept) share a folder as a resume does.
+    cli.check_command_line([*TINY, "method=linear", "train.eval_batch_size=64,128", f"output_dir={tmp_path}/run"], True)
+
+
 @pytest.mark.slow
 def test_cli_refuses_nan_with_one_line_and_exit_2(capsys):
     with pytest.raises(SystemExit) as caught:
