@@ -220,10 +220,8 @@ def test_ssf_where_qkv_has_no_bias_predicts_unmerged_with_merge_and_export_names
         assert stop.value.code == 0, capsys.readouterr().err
         with open(tmp_path / "preds.csv", newline="") as handle:
             rows[bool(flags)] = list(csv.DictReader(handle))
-    # The same labels; probabilities to float rounding (merging rolls back the layers merged before the refusal).
-    for merged, unmerged in zip(rows[True], rows[False], strict=True):
-        assert [merged[f"label_{i}"] for i in (1, 2, 3)] == [unmerged[f"label_{i}"] for i in (1, 2, 3)]
-        assert abs(float(merged["prob_1"]) - float(unmerged["prob_1"])) < 1e-5
+    # The same rows: the refused merge put back the layers it merged before the refusal bit for bit.
+    assert rows[True] == rows[False]
     assert "note: method ssf: blocks.0.attn.qkv: SSF cannot merge" in capsys.readouterr().err
     with pytest.raises(SystemExit) as stop:
         export_cli.main([str(run_dir), f"out={tmp_path / 'exported'}"])
