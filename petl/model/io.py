@@ -260,7 +260,10 @@ def load_trainable(model: nn.Module, path: str | Path) -> nn.Module:
     meta = read_trainable_metadata(path)
     for key, have in (("embed_dim", bb.widths()[0]), ("depth", bb.depth()), ("widths", bb.widths())):
         if have != meta[key]:
-            raise ValueError(f"{path} was saved for a backbone with {key}={meta[key]}, this one has {key}={have}")
+            raise ValueError(
+                f"{path} was saved for a backbone with {key}={meta[key]}, this one has {key}={have}: load it onto the "
+                "backbone it was trained on"
+            )
     # Files saved before the family was recorded hold no "backbone": their shapes are all that is checked.
     if meta.get("backbone", bb.kind) != bb.kind:
         raise ValueError(
@@ -269,14 +272,20 @@ def load_trainable(model: nn.Module, path: str | Path) -> nn.Module:
         )
     fresh = getattr(model, "petl_method", None) is None
     if not fresh and model.petl_method != meta["method"]:
-        raise ValueError(f"{path} holds method {meta['method']!r}, the model carries {model.petl_method!r}")
+        raise ValueError(
+            f"{path} holds method {meta['method']!r}, the model carries {model.petl_method!r}: load it onto a fresh "
+            f"backbone (it applies {meta['method']!r} itself), or give a file of {model.petl_method!r}"
+        )
     if not fresh:
         have = dataclasses.asdict(model.petl_config)
         for key, value in meta["config"].items():
             if key == "num_classes" and value is None:
                 continue
             if json.loads(json.dumps(have.get(key))) != value:
-                raise ValueError(f"{path} was saved with {key}={value!r}, the model has {key}={have.get(key)!r}")
+                raise ValueError(
+                    f"{path} was saved with {key}={value!r}, the model has {key}={have.get(key)!r}: load it onto a "
+                    "fresh backbone (it applies the options it was saved with)"
+                )
     if any(getattr(m, "merged", False) for m in model.modules()):
         raise ValueError(
             "unmerge the model before loading trainable weights (petl.unmerge(model)): its update is in its weights"
