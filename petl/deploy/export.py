@@ -1,4 +1,5 @@
-"""Exporting a trained run as a plain timm model (``petl-export``'s API: :func:`export`).
+"""Exporting a trained run as a plain timm model (``petl-export``'s API: :func:`export`); to ONNX, a method that does
+not unload into one goes as petl runs it.
 
 The command line, its options and exit statuses are :mod:`petl.cli.export`'s.
 """
@@ -416,7 +417,8 @@ def check_target(run_dir: str | Path, out: str | Path, overwrite: bool = False) 
 
 
 def export(run_dir: str | Path, out: str | Path, overwrite: bool = False) -> float | None:
-    """Write a run's merged plain model to ``out`` (a timm folder, ``.safetensors`` or ``.onnx``).
+    """Write a run's merged plain model to ``out`` (a timm folder, ``.safetensors`` or ``.onnx``); to ``.onnx``, a
+    method that does not unload is written as petl runs it (:func:`_model_to_write`).
 
     Args:
         run_dir: the run folder.
@@ -429,7 +431,7 @@ def export(run_dir: str | Path, out: str | Path, overwrite: bool = False) -> flo
 
     Raises:
         ValueError: an unknown format, ``out`` inside a run folder, files in the way without ``overwrite``, a
-            method that cannot be unloaded, a run folder that cannot load.
+            method that cannot be unloaded (for a folder or ``.safetensors``), a run folder that cannot load.
         RuntimeError: the onnx package is missing for a ``.onnx`` file, the ONNX check failed, or a file could not be
             written (a full disk).
 
