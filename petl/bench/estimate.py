@@ -364,6 +364,7 @@ def measure(cfg: Any, data: OwnData, steps: int = TIMED_STEPS) -> tuple[Probe, s
     from omegaconf import OmegaConf
 
     import petl
+    from petl import data as petl_data
     from petl.train import build, cache, engine, readers
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -385,7 +386,8 @@ def measure(cfg: Any, data: OwnData, steps: int = TIMED_STEPS) -> tuple[Probe, s
     if cfg.train.cache_features:
         backbone_trains = engine.backbone_mode(model, settings) == "train"
         sizes = [data.sizes[TRAIN_VAL]]
-        plan, _ = cache.decide(model, backbone_trains=backbone_trains, augmented=bool(cfg.data.augment), sizes=sizes)
+        augmented = petl_data.get_info(cfg.data.name).crops(cfg.data.augment)
+        plan, _ = cache.decide(model, backbone_trains=backbone_trains, augmented=augmented, sizes=sizes)
     trainee: torch.nn.Module = model
     front_seconds = 0.0
     if plan is not None:
