@@ -210,17 +210,24 @@ class CachedTail(nn.Module):
         return captured[0]
 
 
-def _estimate_bytes(model: nn.Module, cache_plan: CachePlan, num_items: int) -> int:
+def cache_bytes(model: nn.Module, cache_plan: CachePlan, num_items: int) -> int:
+    """What :func:`cache_split` keeps for ``num_items`` images, in bytes: float32 tensors, as the front returns them.
+
+    Pre-logits features, or the tokens leaving the block in front of the cut (what
+    :meth:`~petl.model.backbone.base.Backbone.block_input_module` receives): a Swin's cut in a later stage holds that
+    stage's grid and width (or, at a stage's opening, the stage before's, in front of its PatchMerging), not the first
+    stage's grid at the cut's width (twice the size at the second stage's opening, 64 times inside the fourth stage).
+    """
     bb = backbone_of(model)
     if cache_plan.features:
         return num_items * bb.num_features() * 4
-    widths = bb.widths()
-    return num_items * bb.num_tokens() * widths[min(cache_plan.start, len(widths) - 1)] * 4
+    leaving = cache_plan.start - 1  # plan() caches nothing in front of block 0
+    return num_items * bb.block_tokens()[leaving] * bb.widths()[leaving] * 4
 
 
 def fits(model: nn.Module, cache_plan: CachePlan, sizes: list[int]) -> bool:
     """Whether caching splits of these sizes stays under :data:`MAX_CACHE_BYTES`."""
-    return _estimate_bytes(model, cache_plan, sum(sizes)) <= MAX_CACHE_BYTES
+    return cache_bytes(model, cache_plan, sum(sizes)) <= MAX_CACHE_BYTES
 
 
 @torch.no_grad()
