@@ -70,6 +70,7 @@ from petl.bench.speed_bench import (
     _Bench,
     build_model,
     cuda_matmul_precision,
+    image_side,
     measure_memory,
     measure_memory_in_subprocess,
     measure_times,
@@ -335,7 +336,8 @@ def main(args: Sequence[str]) -> int:
     if "out" in own:
         command = "petl-bench speed " + " ".join(args)
         # Whole or not at all (its folder made as needed): an interrupted write keeps the earlier table.
-        write_text(Path(own["out"]), f"# petl speed: {spec.model} on {spec.device}\n\nCommand: `{command}`\n\n{table}")
+        title = f"# petl speed: {spec.model} at {image_side(spec)} px on {spec.device}"
+        write_text(Path(own["out"]), f"{title}\n\nCommand: `{command}`\n\n{table}")
     return 0
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from petl.bench.speed_bench import FORWARD, NOTE_ABOVE, OPTIONS, PEFT_LORA, SpeedSpec
+from petl.bench.speed_bench import FORWARD, NOTE_ABOVE, OPTIONS, PEFT_LORA, SpeedSpec, image_side
 from petl.bench.table import Header, Table, markdown_lines
 
 
@@ -98,7 +98,8 @@ def format_table(
         else "Peak MB: not shown (inprocess=true: on a CPU every row's peak would be read in one process, whose RSS "
         "high-water mark an earlier row sets for the later ones; without inprocess each row runs in a fresh process). "
     )
-    size = f" at {spec.img_size} px" if spec.img_size else ""
+    # The size the cases ran at, given or the model's default (it went unsaid without img_size=).
+    size = f" at {image_side(spec)} px"
     if spec.model_kwargs:
         size += " built with " + ", ".join(f"{k}={v}" for k, v in spec.model_kwargs.items())
     lines = [

@@ -170,6 +170,22 @@ def test_a_bf16_rows_inference_runs_without_autocast_as_its_table_says():
     assert "act on its training step only" in format_table({}, TINY, "m")
 
 
+@pytest.mark.parametrize(("kind", "px"), [("vit", 32), ("naflexvit", 384)])
+def test_the_table_names_the_image_size_the_cases_ran_at_without_img_size_given(kind, px):
+    # Without img_size= the table said no size at all: the default model's 32 px, or a NaFlexVit's 384 px (its
+    # pretrained config's), went unsaid.
+    spec = TINY if kind == "vit" else _tiny_spec(kind)  # img_size=0 both: the model's own size
+    assert f"Backbone `{spec.model}` at {px} px" in format_table({}, spec, "m")
+    assert speed.image_side(spec) == speed._Bench(Case(FORWARD), spec).images.shape[-1] == px
+
+
+def test_the_out_files_title_names_the_image_size(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(speed, "run_speed", lambda *args, **kwargs: {})
+    speed.main(["methods=linear", "device=cpu", f"out={tmp_path / 'speed.md'}"])
+    title = (tmp_path / "speed.md").read_text().splitlines()[0]
+    assert title == "# petl speed: vit_fractal_tiny_patch4_32 at 32 px on cpu", title
+
+
 @pytest.mark.slow
 def test_inference_turns_change_order(monkeypatch):
     # Record the order of the timed inference calls: every turn must not start with the same case.
