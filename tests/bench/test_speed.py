@@ -356,6 +356,16 @@ def test_img_size_builds_the_backbone_at_that_size():
 BASE = ["speed", "methods=lora", "inprocess=true", "warmup=0", "infer_steps=1", "steps=1", "rounds=1"]
 
 
+def test_inprocess_on_a_gpu_is_refused_where_every_row_is_measured_in_process_anyway(monkeypatch, capsys):
+    # It changed nothing there (the CUDA allocator's peak resets in place): the table read the same either way.
+    monkeypatch.setattr(speed.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(speed, "run_speed", lambda *a, **k: pytest.fail("measured despite bad input"))
+    with pytest.raises(SystemExit) as caught:
+        cli.main([*BASE, "device=cuda"])
+    err = capsys.readouterr().err
+    assert caught.value.code == 2 and "inprocess=true acts on a CPU only: on a CUDA GPU every row's" in err, err
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
