@@ -101,3 +101,21 @@ def test_a_swin_cut_in_a_later_stage_is_timed_cached_where_its_cache_fits(monkey
     swin = ["model=swin_fractal_tiny_patch2_window4_32", "model.pretrained=false", "output_dir=unused"]
     probe, _ = costs.measure(default_config(["method=partial", "method.k=1", "data=mini/digits", *swin]), DATA, steps=1)
     assert probe.front_seconds > 0
+
+
+def test_steps_are_timed_with_gradient_checkpointing_where_the_run_has_it(monkeypatch):
+    # Was: timed without it, while the run's every backward recomputes each block's forward.
+    from petl.train import engine
+    from petl.train.config import default_config
+
+    tiny = ["model.pretrained=false", "+model.kwargs.depth=2", "+model.kwargs.embed_dim=48", "output_dir=unused"]
+    plain, checkpointed = (
+        default_config(["method=lora", "data=mini/digits", *tiny, *more])
+        for more in ([], ["train.grad_checkpointing=true"])
+    )
+    turned_on = []
+    monkeypatch.setattr(engine, "enable_grad_checkpointing", lambda model: turned_on.append(type(model).__name__))
+    costs.measure(plain, DATA, steps=1)
+    assert turned_on == []
+    costs.measure(checkpointed, DATA, steps=1)
+    assert turned_on == ["VisionTransformer"]
