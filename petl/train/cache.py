@@ -142,7 +142,12 @@ def decide(
     if unsettled is not None:
         return None, unsettled
     if not fits(model, found, sizes):
-        return None, f"the cache would exceed {MAX_CACHE_BYTES // 2**30} GiB"
+        needed = cache_bytes(model, found, sum(sizes)) / 2**30
+        # The amount and the limit both: "would exceed 8 GiB" left the user to guess how far over a run was.
+        return None, (
+            f"the cache of {sum(sizes)} images would take {needed:.3g} GiB, over its limit of "
+            f"{MAX_CACHE_BYTES / 2**30:.3g} GiB"
+        )
     return found, None
 
 

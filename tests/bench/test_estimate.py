@@ -119,3 +119,15 @@ def test_steps_are_timed_with_gradient_checkpointing_where_the_run_has_it(monkey
     assert turned_on == []
     costs.measure(checkpointed, DATA, steps=1)
     assert turned_on == ["VisionTransformer"]
+
+
+def test_a_cache_over_its_limit_says_how_large_it_would_be(monkeypatch, tiny_vit):
+    # Was "the cache would exceed 8 GiB": how far over, and for how many images, went unsaid.
+    import petl
+    from petl.train import cache
+
+    model = petl.apply(tiny_vit(), "linear", num_classes=4)
+    images = 2 * 2**30 // cache.cache_bytes(model, cache.plan(model), 1)
+    monkeypatch.setattr(cache, "MAX_CACHE_BYTES", 2**30)
+    plan, why = cache.decide(model, backbone_trains=False, augmented=False, sizes=[images])
+    assert plan is None and why == f"the cache of {images} images would take 2 GiB, over its limit of 1 GiB"
