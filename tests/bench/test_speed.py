@@ -551,3 +551,14 @@ def test_model_kwargs_are_read_as_petl_run_reads_them():
     assert make_spec({}, cuda_available=False, model_kwargs=kwargs).model_kwargs == kwargs
     with pytest.raises(SystemExit, match="give it as img_size=N"):
         speed.split_model_kwargs(["model.kwargs.img_size=64"])
+
+
+def test_the_machine_line_counts_the_logical_cpus_this_process_may_use(monkeypatch):
+    # Was "16 cores": os.cpu_count(), the machine's logical CPUs, where the process was given 2 of them.
+    from petl.bench import speed_table
+
+    monkeypatch.setattr(speed_table.os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(speed_table.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert ", 2 of the machine's 16 logical CPUs, " in speed_table.machine_line("cpu")
+    monkeypatch.setattr(speed_table.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    assert ", 16 logical CPUs, " in speed_table.machine_line("cpu")
