@@ -50,6 +50,8 @@ from petl.utils.errors import RUN_ERROR, USAGE_ERROR, ConfigError, RunError, Unr
 if TYPE_CHECKING:
     from omegaconf import DictConfig
 
+    from petl.train.cache import CacheOptionError
+
 # Hydra, torch and timm are imported where they are used, so that ``petl-run --help`` answers without them.
 
 PROG = "petl-run"
@@ -164,18 +166,25 @@ def check_command_line(overrides: Sequence[str], multirun: bool = False) -> list
     from hydra.errors import HydraException
 
     from petl.train import config
+    from petl.train.cache import CacheOptionError
 
     try:
         jobs = _job_overrides(list(overrides), multirun)
     except HydraException as error:
         raise ConfigError(config.explain(error, overrides)) from None
     checked = []
+    refused: list[tuple[list[str], CacheOptionError]] = []
     for job in jobs:
         try:
             checked.append(config.default_config(job))
         except ConfigError as error:
+            if isinstance(error, CacheOptionError) and len(jobs) > 1:
+                refused.append((job, error))  # every such job is named at once, once the others are checked
+                continue
             where = f" (in job {' '.join(job)})" if multirun and len(jobs) > 1 else ""
             raise ConfigError(f"{error}{where}") from None
+    if refused:
+        raise ConfigError(_cache_refusal(jobs, refused))
     if len(checked) > 1:
         _check_own_folders(jobs, checked)
     return checked
@@ -218,6 +227,17 @@ def _check_own_folders(jobs: list[list[str]], checked: list[DictConfig]) -> None
                 f"write to output_dir {out} ({difference}): put the swept keys in it, e.g. "
                 f"'output_dir={out}/{part}'"
             )
+
+
+def _cache_refusal(jobs: list[list[str]], refused: list[tuple[list[str], CacheOptionError]]) -> str:
+    """One line naming each job of a sweep where ``train.cache_features=false`` cannot act, by its swept values."""
+    common = set.intersection(*(set(job) for job in jobs))
+    named = [f"{' '.join(o for o in job if o not in common)}: {error.reason}" for job, error in refused]
+    todo = "drop it" if len(refused) == len(jobs) else "drop it, or sweep those jobs apart without it"
+    return (
+        f"train.cache_features=false cannot act in {len(refused)} of the {len(jobs)} jobs, where no features are "
+        f"cached either way: {'; '.join(named)}; {todo}"
+    )
 
 
 def _task(cfg: DictConfig, checked: bool = False) -> dict[str, Any] | None:

@@ -452,7 +452,7 @@ def _warn_copies(built: dict[str, Dataset]) -> None:
 def eval_spec(cfg: DictConfig, model: nn.Module, info: petl_data.DatasetInfo) -> petl_data.ImageSpec:
     """The preprocessing the run evaluated with: the backbone's size, mean/std, interpolation; the task's crop."""
     image = _image_options(cfg, model)
-    crop = info.group == "fgvc" if image["augment"] is None else bool(image["augment"])
+    crop = info.crops(image["augment"])
     return petl_data.ImageSpec(
         image_size=image["image_size"], mean=tuple(image["mean"]), std=tuple(image["std"]),
         interpolation=image["interpolation"], crop=crop,

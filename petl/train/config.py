@@ -659,24 +659,33 @@ def _stochastic_options(cfg: DictConfig) -> dict[str, type]:
     return chosen
 
 
-def check_cache_option_acts(cfg: DictConfig, model: Any) -> None:
-    """Refuse ``train.cache_features=false`` on a model, its method applied, that leaves nothing to cache (LoRA).
+def check_cache_option_acts(cfg: DictConfig, model: Any | None) -> None:
+    """Refuse ``train.cache_features=false`` where the run would cache nothing anyway (``cache.decide``'s reasons).
 
-    Checked on the meta model when the config is composed (not for a method whose calibration chooses where it
-    acts: NOAH's search may leave the first block as it is) and again by the runner on the real one, which also
-    refuses it where the backbone trains or the images are augmented.
+    A model, its method applied, that leaves nothing frozen in front of what trains (LoRA), a backbone that runs in
+    train mode, augmented training images (``data.augment``, on by default for fgvc/* tasks).  Checked on the meta
+    model when the config is composed, so that a sweep's check before it trains finds every run that refuses it
+    (``model`` ``None`` where the meta model cannot tell: a method whose calibration chooses where it acts, as NOAH's
+    search may leave the first block as it is, or one the meta device cannot apply; the settings are checked still),
+    and again by the runner on the real model, which also refuses it where the cache would exceed its size limit.
 
     Raises:
-        ConfigError: naming the option and the method.
+        CacheOptionError: naming the option and why nothing is cached (its ``reason``).
 
     """
     from petl.train import cache
 
-    if not cfg.train.cache_features and cache.plan(model) is None:
-        raise ConfigError(
-            f"train.cache_features=false cannot act: method {cfg.method.name} caches nothing ({cache.NOTHING_FROZEN}), "
-            "so no features are cached either way; drop it"
-        )
+    if cfg.train.cache_features:
+        return
+    if model is not None and cache.plan(model) is None:
+        raise cache.CacheOptionError(cache.NOTHING_FROZEN, cfg.method.name)
+    mode = cfg.train.backbone_mode
+    # The method's reference mode under auto, as engine.backbone_mode reads it off the applied model.
+    trains = (get_method(cfg.method.name).config_cls.backbone_mode if mode == "auto" else mode) == "train"
+    augmented = petl_data.get_info(cfg.data.name).crops(cfg.data.augment)
+    reason = cache.uncached_by_settings(backbone_trains=trains, augmented=augmented)
+    if reason is not None:
+        raise cache.CacheOptionError(reason)
 
 
 def check_grad_checkpointing_acts(cfg: DictConfig, model: Any) -> None:
@@ -703,12 +712,12 @@ def _check_applied(cfg: DictConfig, model: Any, method_cfg: Any) -> None:
     """Check the options whose effect depends on the method's modules on the meta model, the method applied.
 
     ``train.grad_checkpointing`` (refused by the side networks, and where only the head trains),
-    ``train.cache_features=false`` (refused where the method leaves nothing frozen to cache) and a chosen dropout or
-    drop-path rate (``model.drop_path``, ``model.kwargs.drop_rate``...), which acts only in the modules that run in
-    train mode: with the backbone in eval mode (``train.backbone_mode``, by default the method's reference choice:
-    VPT, linear, Mlp-k, Partial-k) only those that train.  Skipped, at no cost, when none is asked for.  And a
-    ``train.backbone_mode`` given on a backbone without any dropout, drop-path rate or BatchNorm, where it has
-    nothing to act on.
+    ``train.cache_features=false`` (refused where the run would cache nothing: :func:`check_cache_option_acts`) and a
+    chosen dropout or drop-path rate (``model.drop_path``, ``model.kwargs.drop_rate``...), which acts only in the
+    modules that run in train mode: with the backbone in eval mode (``train.backbone_mode``, by default the method's
+    reference choice: VPT, linear, Mlp-k, Partial-k) only those that train.  Skipped, at no cost, when none is asked
+    for.  And a ``train.backbone_mode`` given on a backbone without any dropout, drop-path rate or BatchNorm, where it
+    has nothing to act on.
 
     Raises:
         ConfigError: naming the option, why it cannot act, and what to do.
@@ -732,9 +741,10 @@ def _check_applied(cfg: DictConfig, model: Any, method_cfg: Any) -> None:
         with torch.device("meta"):
             apply(model, method_cfg)
     except Exception:  # anything the meta device cannot do is left to the run, which applies the method for real
+        check_cache_option_acts(cfg, None)  # its settings are known all the same
         return
-    if get_method(name).calibrate is None:  # a calibrated method is checked once its calibration chose
-        check_cache_option_acts(cfg, model)
+    # A calibrated method's frozen front is checked once its calibration chose.
+    check_cache_option_acts(cfg, model if get_method(name).calibrate is None else None)
     if cfg.train.grad_checkpointing:
         check_grad_checkpointing_acts(cfg, model)
         enable_grad_checkpointing(model)

@@ -375,17 +375,15 @@ def _check_cache_option(cfg: DictConfig, model: nn.Module, datasets: dict[str, D
     """Refuse ``train.cache_features=false`` where this run would cache nothing anyway (LoRA: its first block trains).
 
     Raises:
-        ConfigError: naming the option and why nothing is cached, before the run writes anything.
+        CacheOptionError: naming the option and why nothing is cached, before the run writes anything.
 
     """
     if cfg.train.cache_features:
         return
     config.check_cache_option_acts(cfg, model)  # composing checked it on the meta model, where it could
-    _, uncached = _cache_plan(model, cfg.train, datasets)
+    _, uncached = _cache_plan(model, cfg.train, datasets)  # the real data's size against the cache's limit
     if uncached is not None:
-        raise ConfigError(
-            f"train.cache_features=false cannot act: {uncached}, so no features are cached either way; drop it"
-        )
+        raise cache.CacheOptionError(uncached)
 
 
 @dataclass

@@ -203,6 +203,24 @@ def test_a_sweep_whose_jobs_share_one_output_dir_is_refused_before_any_job_train
 
 
 @pytest.mark.slow
+def test_a_sweep_names_every_job_where_cache_features_false_cannot_act_before_any_starts(tmp_path, capsys):
+    # The augmented task's job was refused only when it ran (the runner's check), after the others had trained; each
+    # such job is named now, in one line, before Hydra starts any.
+    with pytest.raises(SystemExit) as caught:
+        cli.main(
+            ["--multirun", "data=mini/digits,fgvc/cub", "method=linear,lora", "train.cache_features=false"]
+            + [f"hydra.sweep.dir={tmp_path / 'sweep'}"]
+        )
+    assert caught.value.code == cli.USAGE_ERROR
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("petl-run: error: train.cache_features=false cannot act in 3 of the 4 jobs"), err
+    assert "\n" not in err
+    assert "data=fgvc/cub method=linear: the training images are augmented" in err
+    assert "data=mini/digits method=lora: nothing in front" in err and "data=mini/digits method=linear" not in err
+    assert not (tmp_path / "sweep").exists()
+
+
+@pytest.mark.slow
 def test_cli_refuses_nan_with_one_line_and_exit_2(capsys):
     with pytest.raises(SystemExit) as caught:
         cli.main(["method=lora", "method.alpha=nan"])

@@ -186,8 +186,12 @@ def test_cache_features_false_where_nothing_is_cached_is_refused_before_anything
     with pytest.raises(config.ConfigError, match=refused):
         train(cfg)
     assert (tmp_path / "run" / "result.json").is_file() and [p.name for p in tmp_path.iterdir()] == ["run"]
-    # Where a calibration chooses the blocks that train (NOAH's search), the runner alone can tell.
-    assert not default_config([*TINY, "method=noah", "train.cache_features=false"]).train.cache_features
+    # Where a calibration chooses the blocks that train (NOAH's search), the runner alone can tell whether any front
+    # is frozen; a backbone in train mode (NOAH's own choice) caches nothing whatever it chooses: refused as composed.
+    noah = [*TINY, "method=noah", "train.cache_features=false"]
+    assert not default_config([*noah, "train.backbone_mode=eval"]).train.cache_features
+    with pytest.raises(config.ConfigError, match=r"cannot act: train.backbone_mode is train, the frozen front is"):
+        default_config(noah)
     with pytest.raises(config.ConfigError, match=r"cannot act: train.backbone_mode is train, the frozen front is"):
         tiny(tmp_path / "linear", "method=linear", "train.backbone_mode=train", "train.cache_features=false")
     assert not (tmp_path / "linear").exists()

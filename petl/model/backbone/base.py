@@ -334,6 +334,10 @@ class Backbone:
         """Tokens entering the first block per image at the model's image size (prefix tokens included)."""
         raise NotImplementedError
 
+    def block_tokens(self) -> list[int]:
+        """Tokens each block takes per image at the model's image size, in order: :meth:`num_tokens` for all."""
+        return [self.num_tokens()] * self.depth()
+
     def num_features(self) -> int:
         """Width of the pooled features (what :meth:`pre_logits` returns per image)."""
         raise NotImplementedError
