@@ -273,6 +273,10 @@ def test_data_root_is_refused_where_it_has_no_effect_and_named_once_where_it_doe
     # mini tasks read no folder: a root given there would be silently ignored.
     assert _exit_code(cli.main, ["data=mini/digits", f"data.root={tmp_path}", *TINY_MODEL]) == 2
     assert "reads no folder" in capsys.readouterr().err
+    # data.root= without data= (the default is a mini task): the line says which data= reads a folder.
+    assert _exit_code(cli.main, [f"data.root={tmp_path}", *TINY_MODEL]) == 2
+    error = capsys.readouterr().err
+    assert "add data=folder" in error and len(error.strip().splitlines()) == 1
     missing = tmp_path / "nowhere"
     assert _exit_code(cli.main, ["data=vtab/dtd", f"data.root={missing}", *TINY_MODEL]) == 2
     error = capsys.readouterr().err
