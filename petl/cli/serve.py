@@ -270,6 +270,7 @@ def run_cli(argv: Sequence[str]) -> int:
         import uvicorn
 
         from petl.deploy import serve
+        from petl.deploy.multitask import TaskRefused
     except ImportError as error:
         raise RuntimeError(f"petl-serve needs {error.name}: {PIP_HINT}") from None
     try:
@@ -284,7 +285,14 @@ def run_cli(argv: Sequence[str]) -> int:
         port = listening.getsockname()[1]
         try:
             served, tasks = serve.load_tasks(runs)
-        except ValueError as error:  # RunFolderError, TaskRefused, disagreeing backbones: each names the run
+        except TaskRefused as refused:
+            # "serve it as its own model" named no way to do that here: a lone full fine-tuning run was refused too.
+            raise UsageError(
+                f"{str(refused).splitlines()[0]} (petl-serve shares one frozen backbone among its tasks: leave "
+                f"{runs[refused.task]} out, and use it with petl-predict, or petl-export where its method folds into "
+                "the backbone)"
+            ) from None
+        except ValueError as error:  # RunFolderError, disagreeing backbones: each names the run
             raise UsageError(str(error).splitlines()[0]) from None
         app = serve.create_app(served, tasks, serve_options)
         listen(listening, options["host"], port)

@@ -460,16 +460,20 @@ def test_a_folder_of_runs_named_by_their_options_gets_task_names_a_url_can_hold(
     assert found == {"lr_0.001": tmp_path / "lr=0.001", "lr_0.01": tmp_path / "lr=0.01"}
 
 
-def test_petl_bench_choose_offers_petl_serve_only_a_run_it_serves(runs, tmp_path):
+def test_petl_bench_choose_offers_petl_serve_only_a_run_it_serves(runs, tmp_path, capsys):
     # petl-bench suite=choose offered "petl-serve RUN" for a full fine-tuning run, which petl-serve refuses.
     from petl.bench import choice
 
     full = tmp_path / "full"
     run_cli.main(["method=full", *tiny_run(subset=32, epochs=1), f"output_dir={full}"])
     assert not choice.servable(full) and choice.servable(runs["lora"])
+    capsys.readouterr()
     with pytest.raises(SystemExit) as stop:
         serve_cli.main([str(full), "port=0"])
     assert stop.value.code == 2
+    # It said "serve it as its own model", which petl-serve itself had just refused to do.
+    error = capsys.readouterr().err.strip()
+    assert f"leave {full} out, and use it with petl-predict, or petl-export" in error and len(error.splitlines()) == 1
 
 
 def test_petl_bench_selection_trials_without_weights_are_noted_not_served(runs, tmp_path, capsys):
