@@ -67,3 +67,12 @@ def test_steps_are_timed_uncached_where_the_run_s_cache_would_exceed_its_limit(m
     cfg = default_config(["method=partial", "data=mini/digits", *tiny])
     probe, _ = costs.measure(cfg, DATA, steps=1)
     assert (probe.front_seconds > 0) == (limit is None)
+
+
+def test_the_data_line_counts_a_folders_own_val_images_apart_from_its_training_images():
+    # Was "10 training images (val200 = its own validation split)": the val/ images counted as training images,
+    # under the protocol's name for a split of 200.
+    assert DATA.line() == (
+        "data folder photos: 2 classes, 8 training images and 2 validation images (its own: the trials are scored "
+        "on them, the final runs train on all 10), 4 test images; fingerprint 000000000000"
+    )
