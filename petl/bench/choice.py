@@ -167,10 +167,20 @@ def choose(board: Leaderboard, budget: Budget, data: dict[str, Any] | None = Non
         text += f". Over the budget: {', '.join(over)}"
     text += left_out
     run = chosen_run(best)
-    text += f". Use it: `petl-predict {run} IMAGES`"
+    uses = [f"`petl-predict {run} IMAGES`"]
     if exportable(run):
-        text += f", `petl-export {run} out=exported` (a plain timm model)"
-    text += f", or `petl-serve {run}` (an HTTP endpoint)."
+        uses.append(f"`petl-export {run} out=exported` (a plain timm model)")
+    # petl-serve serves tasks over one shared frozen backbone: it refuses a run that trains that backbone (full
+    # fine-tuning, Partial-k), which the answer offered to serve.
+    served = servable(run)
+    if served:
+        uses.append(f"`petl-serve {run}` (an HTTP endpoint)")
+    text += f". Use it: {', '.join(uses[:-1])}{', or ' if len(uses) > 1 else ''}{uses[-1]}."
+    if not served:
+        text += (
+            f" Not with petl-serve, which serves tasks over one shared frozen backbone: {best.experiment} trains the "
+            "backbone's own weights."
+        )
     return Choice(best, runner, run, text)
 
 
@@ -254,6 +264,23 @@ def exportable(run_dir: Path) -> bool:
         petl.unload(petl.load_run(run_dir).model)
     except ValueError:
         return False
+    return True
+
+
+def servable(run_dir: Path) -> bool:
+    """Whether ``petl-serve`` takes the run: ``petl.MultiTask`` refuses a method that trains the frozen backbone it
+    shares among tasks (full fine-tuning, Partial-k).
+
+    A run that cannot be loaded at all is no business of this check: ``petl-predict`` says why.
+    """
+    from petl.deploy.multitask import MultiTask, TaskRefused
+
+    try:
+        MultiTask.from_runs({"run": run_dir})
+    except TaskRefused:
+        return False
+    except ValueError:
+        return True
     return True
 
 

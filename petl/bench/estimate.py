@@ -120,6 +120,10 @@ class Estimate:
 
     def lines(self) -> list[str]:
         """What will run and what it costs, for the console."""
+        if not self.runs:
+            # Was: the full cost with every term nil ("0 s, between 0 s and 0 s ... 0 % of it ...").
+            experiments = plural(len(self.experiments), "experiment")
+            return [f"cost: none: every run of the {experiments} has finished, so nothing trains"]
         trials = sum(e.trials for e in self.experiments)
         finals = sum(e.finals for e in self.experiments)
         s = self.sizes

@@ -81,11 +81,17 @@ class OwnData:
 
     def line(self) -> str:
         """One line saying what the data is."""
-        held = f"val200 = {self.val_from_train}" if self.val_from_train else "val200 = its own validation split"
-        return (
-            f"data {self.task} {self.root}: {len(self.classes)} classes, {self.sizes[TRAIN_VAL]} training images "
-            f"({held}), {self.sizes[TEST]} test images; fingerprint {self.short}"
-        )
+        if self.val_from_train:
+            images = f"{self.sizes[TRAIN_VAL]} training images (val200 = {self.val_from_train})"
+        else:
+            # Was "48 training images (val200 = its own validation split)": the val/ images counted as training
+            # images, under the protocol's name for a 200-image split.
+            images = (
+                f"{self.sizes[TRAIN]} training images and {self.sizes[VAL]} validation images (its own: the trials "
+                f"are scored on them, the final runs train on all {self.sizes[TRAIN_VAL]})"
+            )
+        counts = f"{len(self.classes)} classes, {images}, {self.sizes[TEST]} test images"
+        return f"data {self.task} {self.root}: {counts}; fingerprint {self.short}"
 
 
 def is_own_data(name: str) -> bool:

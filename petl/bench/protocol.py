@@ -50,11 +50,10 @@ from typing import Any
 from petl.bench.suite import FINAL_SPLIT, Experiment, Suite, format_value, override
 from petl.bench.sweep import PlannedRun, SweepSummary, reused_from, run_dir_for, run_sweep, task_folder
 from petl.data.registry import TRAIN, VAL
-from petl.store.files import RESULT_FILE, WEIGHTS_FILE
+from petl.store.files import RESULT_FILE, SEARCH_DIR, WEIGHTS_FILE
 from petl.store.result import ResultError, RunResult, read_result, write_result
 from petl.train.learning import run_not_learned
 
-SEARCH_DIR = "search"
 UNSTABLE_DIR = "unstable"  # finals set aside by require_learning, one folder per point
 SEARCH_SPLIT = TRAIN  # the only split with a val split (val200) to select on
 METRIC = "val_top1"

@@ -5,11 +5,12 @@
     petl-serve task.cars=runs/cars/lora/seed0 runs/dtd host=0.0.0.0
     PETL_SERVE_TOKEN=secret petl-serve runs/cars             # /v1/... and /metrics need the bearer token
 
-A RUN is a run folder (``model.json`` beside ``trainable.safetensors``) or a folder holding run folders
-(searched recursively; there, earlier runs that ``resume=false`` set aside, ``<run>.replaced-<time>/``, and
-unfinished runs, ``checkpoint.pt`` without ``result.json`` or a run's ``config.yaml`` alone, are not served, a note
-naming them).  A task is named by its folder (by its path below the folders the runs share when two folders have one
-name); ``task.NAME=RUN`` names it.  Every run must have trained on one backbone and with a method that shares it
+A RUN is a run folder (``model.json`` beside ``trainable.safetensors``) or a folder holding run folders (searched
+recursively; there, earlier runs that ``resume=false`` set aside, ``<run>.replaced-<time>/``, and unfinished runs,
+``checkpoint.pt`` without ``result.json`` or a run's ``config.yaml`` alone, and runs without weights, as petl-bench
+leaves its selection trials, are not served, a note naming them). A task is named by its folder (by its path below
+the folders the runs share when two folders have one name; characters other than A-Z a-z 0-9 _ . - become _);
+``task.NAME=RUN`` names it. Every run must have trained on one backbone and with a method that shares it
 (``petl.MultiTask``); a run that fails ``petl.load_run``'s checks, or an unfinished run given as a RUN, is refused
 at start, naming it.
 The routes, the token, bad input and the limits: docs/serving.md (GET /openapi.json on the server).
@@ -88,6 +89,7 @@ CAPPED = (
 )
 USAGE = f"{PROG} RUN [RUN ...] [{TASK_PREFIX}NAME=RUN ...] [key=value ...] [--quiet]"
 TASK_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+NOT_IN_TASK_NAME = re.compile(r"[^A-Za-z0-9_.-]+")
 # A host name: dot-separated labels of letters, digits and inner hyphens (RFC 1123), and underscores, which
 # container networks' names have and resolvers take.
 HOST_NAME = re.compile(r"(?!-)[A-Za-z0-9_-]{1,63}(?<!-)(\.(?!-)[A-Za-z0-9_-]{1,63}(?<!-))*\.?")
@@ -106,7 +108,14 @@ def runs_under(folder: Path) -> list[Path]:
     checkpoint: :func:`petl.store.files.unfinished_run`) has no weights to serve yet.
     Each kind skipped is said in one line on stderr, naming the folders.
     """
-    from petl.store.files import CHECKPOINT_FILE, CONFIG_FILE, MODEL_FILE, REPLACED_MARK, unfinished_run
+    from petl.store.files import (
+        CHECKPOINT_FILE,
+        CONFIG_FILE,
+        MODEL_FILE,
+        REPLACED_MARK,
+        WEIGHTS_FILE,
+        unfinished_run,
+    )
 
     carded = {p.parent for p in folder.rglob(MODEL_FILE)}
     # A run stopped before its first checkpoint has its config.yaml alone: unfinished too, and said so.
@@ -121,7 +130,18 @@ def runs_under(folder: Path) -> list[Path]:
         )
     for path in sorted(unfinished):
         print(f"{PROG}: note: not served: {unfinished[path]}", file=sys.stderr)
-    return sorted(p for p in carded if _is_run(p) and p not in replaced and p not in unfinished)
+    # petl-bench removes a selection trial's weights once it is scored (its final runs retrain the chosen point), and
+    # keeps its model.json: such a trial stopped the start of a whole bench folder, "restore it from the run".
+    weightless = sorted(p for p in carded - set(replaced) - set(unfinished) if not (p / WEIGHTS_FILE).is_file())
+    if weightless:
+        print(
+            f"{PROG}: note: not served: {plural(len(weightless), 'run')} without {WEIGHTS_FILE} (petl-bench keeps "
+            f"none for its selection trials; their final runs, seed*/, hold the weights): "
+            f"{', '.join(shown(p) for p in weightless)}",
+            file=sys.stderr,
+        )
+    skipped = {*replaced, *unfinished, *weightless}
+    return sorted(p for p in carded if _is_run(p) and p not in skipped)
 
 
 def loopback(host: str) -> bool:
@@ -176,7 +196,10 @@ def find_runs(items: Sequence[str]) -> dict[str, Path]:
     for folder in sorted({p for p in unnamed if unnamed.count(p) > 1}):
         print(f"{PROG}: note: {folder} was given more than once: served once", file=sys.stderr)
     runs = dict(named)
-    for folder, name in run_labels(unnamed).items():
+    for folder, label in run_labels(unnamed).items():
+        # A name petl made from a path takes no character a URL part cannot hold: petl-bench's selection trials sit in
+        # folders named train.lr=0.001, and the line below told to name each of a folder's runs by hand.
+        name = NOT_IN_TASK_NAME.sub("_", label).lstrip("_.-") or label
         if name in runs:
             raise UsageError(f"two runs are named {name!r} ({runs[name]}, {folder}): name one with task.NAME=RUN")
         runs[name] = folder
@@ -247,6 +270,7 @@ def run_cli(argv: Sequence[str]) -> int:
         import uvicorn  # noqa: F401  (the serve extra, said missing below)
 
         from petl.deploy import serve
+        from petl.deploy.multitask import TaskRefused
     except ImportError as error:
         raise RuntimeError(f"petl-serve needs {error.name}: {PIP_HINT}") from None
     try:
@@ -261,7 +285,14 @@ def run_cli(argv: Sequence[str]) -> int:
         port = listening.getsockname()[1]
         try:
             served, tasks = serve.load_tasks(runs)
-        except ValueError as error:  # RunFolderError, TaskRefused, disagreeing backbones: each names the run
+        except TaskRefused as refused:
+            # "serve it as its own model" named no way to do that here: a lone full fine-tuning run was refused too.
+            raise UsageError(
+                f"{str(refused).splitlines()[0]} (petl-serve shares one frozen backbone among its tasks: leave "
+                f"{runs[refused.task]} out, and use it with petl-predict, or petl-export where its method folds into "
+                "the backbone)"
+            ) from None
+        except ValueError as error:  # RunFolderError, disagreeing backbones: each names the run
             raise UsageError(str(error).splitlines()[0]) from None
         app = serve.create_app(served, tasks, serve_options)
         listen(listening, options["host"], port)

@@ -208,8 +208,12 @@ def _check_inputs(info: DatasetInfo, root: str | None, options: Mapping[str, Any
             raise ValueError(f"{info.name} reads your own files: give the folder with root=PATH (data.root=PATH)")
         return
     if info.root == "none":
-        # Given and ignored, the run would train on something else than the user's folder without a word.
-        raise ValueError(f"{info.name} is generated in memory and reads no folder: drop root={root}")
+        # Given and ignored, the run would train on something else than the user's folder without a word.  The
+        # likeliest cause is data.root= without data=folder (the default data is a mini task): say that way too.
+        raise ValueError(
+            f"{info.name} is generated in memory and reads no folder: drop root={root}, or add data=folder to "
+            "train on the class folders in it (data=hf for a Hugging Face dataset)"
+        )
     # A dataset that describes its root checks it itself (data=hf also takes a hub id there).
     if info.name not in _DESCRIBE and not Path(root).expanduser().exists():
         raise ValueError(f"{info.name}: root={root} does not exist")

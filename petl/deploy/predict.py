@@ -473,8 +473,12 @@ def save_confusion_png(path: Path, matrix: np.ndarray, names: list[str], title: 
     ax.set_ylabel("true class")
     ax.set_title(title)
     if len(names) <= 20:
+        # White on the cells past the colour scale's middle, as scikit-learn's ConfusionMatrixDisplay: black on
+        # Blues' dark end could not be read, and that is the diagonal of a good run.
+        middle = (matrix.max() + matrix.min()) / 2
         for (row, col), value in np.ndenumerate(matrix):
-            ax.text(col, row, str(value), ha="center", va="center", fontsize=8)
+            colour = "white" if value > middle else "black"
+            ax.text(col, row, str(value), ha="center", va="center", fontsize=8, color=colour)
     for text in fig.findobj(matplotlib.text.Text):
         text.set_parse_math(False)  # class names are text: "cost_$5_vs_$10" is not mathtext
     fig.tight_layout()

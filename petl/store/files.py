@@ -31,6 +31,8 @@ CHECKPOINT_FILE = "checkpoint.pt"
 RUN_FILES = (CONFIG_FILE, METRICS_FILE, RESULT_FILE, WEIGHTS_FILE, MODEL_FILE, CHECKPOINT_FILE)
 # Files only a petl-run folder holds: a command writing into a folder holding one would write into a run.
 RUN_MARKERS = (MODEL_FILE, WEIGHTS_FILE, RESULT_FILE, CHECKPOINT_FILE)
+# petl-bench's selection trials: <cell>/search/<point>/, whose weights it removes once scored (the finals retrain).
+SEARCH_DIR = "search"
 # resume=false moves an earlier run's files to ``<output_dir>.replaced-<time>``; reports skip such folders.
 REPLACED_MARK = ".replaced-"
 

@@ -48,7 +48,16 @@ from petl.model.backbone import backbone_of
 from petl.model.io import load_trainable, read_trainable_metadata
 from petl.model.params import trainable_state
 from petl.model.registry import get_method
-from petl.store.files import MODEL_FILE, WEIGHTS_FILE, file_not_run, newer_file, unfinished_run, write_json
+from petl.store.files import (
+    MODEL_FILE,
+    RESULT_FILE,
+    SEARCH_DIR,
+    WEIGHTS_FILE,
+    file_not_run,
+    newer_file,
+    unfinished_run,
+    write_json,
+)
 from petl.utils.checks import is_finite_number
 from petl.utils.paths import file_sha256
 
@@ -307,6 +316,12 @@ def read_card(run_dir: str | Path) -> dict[str, Any]:
             f"run's own ({WEIGHTS_FILE}): restore the run's model.json"
         )
     if not (folder / weights).is_file():
+        if folder.parent.name == SEARCH_DIR and (folder / RESULT_FILE).is_file():
+            # "Restore it from the run, or train the run again" sent the user after weights petl-bench removed.
+            raise RunFolderError(
+                f"{folder} is a petl-bench selection trial, whose weights petl-bench removes once it is scored (the "
+                f"final runs retrain the chosen point): use a final run, {folder.parent.parent / 'seed0'}"
+            )
         raise RunFolderError(
             f"{folder} holds no {weights}, which its model.json names: restore it from the run, or train the run again"
         )

@@ -143,3 +143,22 @@ def test_choice_md_names_the_figures_its_report_drew(tmp_path, monkeypatch):
     own_run.answer_for(tmp_path, choice.Budget())
     said = (tmp_path / choice.CHOICE_FILE).read_text()
     assert "(also `.csv`, `.html`, `pareto.png`, `learning_curves.png`) in this folder" in said
+
+
+def test_a_run_petl_serve_refuses_is_not_offered_to_it(tmp_path, monkeypatch):
+    # Was: "or `petl-serve RUN` (an HTTP endpoint)" whatever won, and petl-serve refuses full fine-tuning (and
+    # Partial-k): it serves tasks over one shared frozen backbone, which they train.
+    monkeypatch.setattr(choice, "exportable", lambda run: True)
+    monkeypatch.setattr(choice, "servable", lambda run: run.parent.name != "full")
+    for method, top1 in (("full", 90.0), ("linear", 60.0)):
+        write_run(tmp_path / "folder" / method / "seed0", result_record("folder", method, 0, top1))
+    plan = report.Plan("choose", ("full", "linear"), ("folder",), (0,))
+    answer = choice.choose(report.build_board(tmp_path, plan=plan), choice.Budget())
+    run = tmp_path / "folder" / "full" / "seed0"
+    assert answer.best is not None and answer.best.experiment == "full"
+    assert f"Use it: `petl-predict {run} IMAGES`, or `petl-export {run} out=exported` (a plain timm model)." in (
+        answer.paragraph
+    )
+    assert "`petl-serve" not in answer.paragraph
+    assert answer.paragraph.endswith("Not with petl-serve, which serves tasks over one shared frozen backbone: full "
+                                     "trains the backbone's own weights.")  # fmt: skip

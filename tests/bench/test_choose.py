@@ -92,7 +92,8 @@ def test_choose_runs_the_suite_on_a_folder_and_names_a_run_that_predicts(tmp_pat
     assert bench(*["suite=choose", "data=folder", f"data.root={photos}", "methods=linear,lora,full",
                    f"output_dir={out}", *TINY]) == 0  # fmt: skip
     again = capsys.readouterr().out
-    assert "= 0 runs still to train" in again and "10 already done, 0 trained" in again
+    assert "every run of the 3 experiments has finished, so nothing trains" in again
+    assert "10 already done, 0 trained" in again and "estimated wall time" not in again
 
 
 def test_an_edited_folder_is_kept_apart_from_its_old_runs(tmp_path, monkeypatch, capsys):

@@ -36,6 +36,14 @@ def test_the_estimate_says_its_range_and_how_much_is_overhead():
     assert "7.0 s per run + 3.0 s per epoch" in line
 
 
+def test_nothing_left_to_train_is_said_in_one_line_without_a_nil_estimate():
+    # Was: "= 0 runs still to train", a line per experiment, then "0 s, between 0 s and 0 s ...; 0 % of it is ...".
+    done = [costs.ExperimentCost(name, 0, 0, 0.0, 0.0, 5, None) for name in ("linear", "lora")]
+    assert costs.Estimate(done, DATA.sizes, "cpu").lines() == [
+        "cost: none: every run of the 2 experiments has finished, so nothing trains"
+    ]
+
+
 def test_a_probe_run_takes_what_the_real_runs_take_on_its_four_images(tmp_path):
     # train.grad_accum=2 (two batches of 64 a step in the real runs) and data.epochs=3 (no train.epochs given): the
     # probe's 4 images hold one batch, and its train.epochs=1 beside data.epochs=3 would leave that one without use;
@@ -131,3 +139,12 @@ def test_a_cache_over_its_limit_says_how_large_it_would_be(monkeypatch, tiny_vit
     monkeypatch.setattr(cache, "MAX_CACHE_BYTES", 2**30)
     plan, why = cache.decide(model, backbone_trains=False, augmented=False, sizes=[images])
     assert plan is None and why == f"the cache of {images} images would take 2 GiB, over its limit of 1 GiB"
+
+
+def test_the_data_line_counts_a_folders_own_val_images_apart_from_its_training_images():
+    # Was "10 training images (val200 = its own validation split)": the val/ images counted as training images,
+    # under the protocol's name for a split of 200.
+    assert DATA.line() == (
+        "data folder photos: 2 classes, 8 training images and 2 validation images (its own: the trials are scored "
+        "on them, the final runs train on all 10), 4 test images; fingerprint 000000000000"
+    )

@@ -93,6 +93,37 @@ def test_an_exported_folder_loads_in_timm_without_petl(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_safetensors_export_loads_in_timm_as_docs_own_data_says_with_its_preprocessing_in_the_metadata(tmp_path):
+    # docs/own-data.md: the file's metadata, read with safe_open, builds the model; timm does not read it, so
+    # resolve_data_config gives the architecture's defaults and the run's preprocessing is in the metadata alone.
+    model_cfg = {**TINY, "kwargs": {**TINY["kwargs"], "img_size": 48}}
+    run_dir = _run_folder(tmp_path / "run", model_cfg=model_cfg)
+    export_cli.main([str(run_dir), f"out={tmp_path / 'model.safetensors'}"])
+    images = torch.randn(2, 3, 48, 48, generator=torch.Generator().manual_seed(0))
+    torch.save(images, tmp_path / "images.pt")
+    script = """
+        import json, timm, torch
+        from safetensors import safe_open
+        with safe_open("model.safetensors", "pt") as weights:
+            meta = weights.metadata()
+        model = timm.create_model(
+            meta["timm_model"], num_classes=int(meta["num_classes"]), checkpoint_path="model.safetensors",
+            **json.loads(meta["timm_kwargs"]),
+        ).eval()
+        with torch.no_grad():
+            torch.save(model(torch.load("images.pt")), "logits.pt")
+        data = timm.data.resolve_data_config(model=model)
+        print(json.loads(meta["preprocess"])["input_size"], tuple(data["input_size"]), data["crop_pct"])
+    """
+    done = run_without_petl(script, tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "48 (3, 224, 224) 0.9"
+    with torch.no_grad():
+        expected = petl.load_run(run_dir).model(images)
+    torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.slow
 def test_the_stub_really_keeps_petl_out(tmp_path):
     done = run_without_petl("import timm\nimport petl\n", tmp_path)
     assert done.returncode != 0 and "petl is not installed here" in done.stderr

@@ -274,6 +274,10 @@ def test_data_root_is_refused_where_it_has_no_effect_and_named_once_where_it_doe
     # mini tasks read no folder: a root given there would be silently ignored.
     assert _exit_code(cli.main, ["data=mini/digits", f"data.root={tmp_path}", *TINY_MODEL]) == 2
     assert "reads no folder" in capsys.readouterr().err
+    # data.root= without data= (the default is a mini task): the line says which data= reads a folder.
+    assert _exit_code(cli.main, [f"data.root={tmp_path}", *TINY_MODEL]) == 2
+    error = capsys.readouterr().err
+    assert "add data=folder" in error and len(error.strip().splitlines()) == 1
     missing = tmp_path / "nowhere"
     assert _exit_code(cli.main, ["data=vtab/dtd", f"data.root={missing}", *TINY_MODEL]) == 2
     error = capsys.readouterr().err
@@ -445,3 +449,21 @@ def test_a_suite_lists_an_own_folder_as_a_task(tmp_path):
         cfg = config.default_config(list(run.overrides))
         assert cfg.data.name == "folder" and cfg.data.root == str(root)
         assert config.data_info(cfg).class_names == CLASSES
+
+
+def test_the_confusion_png_writes_its_dark_cells_counts_in_white(tmp_path, monkeypatch):
+    # Was: every count in black, unreadable on Blues' dark end, which is where a good run's diagonal lies.
+    import matplotlib.axes
+
+    from petl.deploy.predict import save_confusion_png
+
+    written = []
+    text = matplotlib.axes.Axes.text
+    monkeypatch.setattr(
+        matplotlib.axes.Axes,
+        "text",
+        lambda ax, x, y, s, **kw: written.append((s, kw["color"])) or text(ax, x, y, s, **kw),
+    )
+    save_confusion_png(tmp_path / "cm.png", np.array([[9, 1], [4, 6]]), ["cat", "dog"], "pets")
+    assert written == [("9", "white"), ("1", "black"), ("4", "black"), ("6", "white")]
+    assert (tmp_path / "cm.png").stat().st_size > 0

@@ -449,6 +449,53 @@ def test_a_folder_of_runs_and_task_names(runs):
     assert found == {"prompts": runs["vpt"], "lora": runs["lora"], "lst": runs["lst"], "vpt": runs["vpt"]}
 
 
+def test_a_folder_of_runs_named_by_their_options_gets_task_names_a_url_can_hold(runs, tmp_path, capsys):
+    # Folders named as options (lr=0.001): the names made from their paths were refused ("cannot be part of a URL:
+    # name it with task.NAME=RUN"), one run at a time, for a folder of many runs.
+    import shutil
+
+    for name in ("lr=0.001", "lr=0.01"):
+        shutil.copytree(runs["lora"], tmp_path / name)
+    found = serve_cli.find_runs([str(tmp_path)])
+    assert found == {"lr_0.001": tmp_path / "lr=0.001", "lr_0.01": tmp_path / "lr=0.01"}
+
+
+def test_petl_bench_choose_offers_petl_serve_only_a_run_it_serves(runs, tmp_path, capsys):
+    # petl-bench suite=choose offered "petl-serve RUN" for a full fine-tuning run, which petl-serve refuses.
+    from petl.bench import choice
+
+    full = tmp_path / "full"
+    run_cli.main(["method=full", *tiny_run(subset=32, epochs=1), f"output_dir={full}"])
+    assert not choice.servable(full) and choice.servable(runs["lora"])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stop:
+        serve_cli.main([str(full), "port=0"])
+    assert stop.value.code == 2
+    # It said "serve it as its own model", which petl-serve itself had just refused to do.
+    error = capsys.readouterr().err.strip()
+    assert f"leave {full} out, and use it with petl-predict, or petl-export" in error and len(error.splitlines()) == 1
+
+
+def test_petl_bench_selection_trials_without_weights_are_noted_not_served(runs, tmp_path, capsys):
+    # petl-bench removes a scored trial's weights and keeps its model.json: serving the bench folder stopped at the
+    # first trial ("holds no trainable.safetensors ...: restore it from the run").
+    import shutil
+
+    cell = tmp_path / "folder" / "lora"
+    for trial in ("search/train.lr=0.001", "search/train.lr=0.01"):
+        shutil.copytree(runs["lora"], cell / trial)
+        (cell / trial / "trainable.safetensors").unlink()
+    shutil.copytree(runs["lora"], cell / "seed0")
+    capsys.readouterr()
+    assert serve_cli.find_runs([str(tmp_path)]) == {"seed0": cell / "seed0"}
+    note = capsys.readouterr().err
+    assert "not served: 2 runs without trainable.safetensors" in note and "train.lr=0.01" in note
+    # Given itself, such a folder is still refused in one line.
+    with pytest.raises(SystemExit) as stop:
+        serve_cli.main([str(cell / "search" / "train.lr=0.01")])
+    assert stop.value.code == 2
+
+
 def test_the_batcher_mixes_tasks_bounds_its_queue_and_survives_a_failing_forward():
     calls = []
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from pathlib import Path
 
 import numpy as np
@@ -269,6 +270,18 @@ def test_a_first_format_card_still_loads_and_says_what_it_cannot_check(tmp_path,
     assert len(notes) == 1 and "petl-model-1 card: it records no hash of trainable.safetensors" in notes[0]
     with torch.no_grad():
         torch.testing.assert_close(old.model(images), expected.model(images))
+
+
+def test_a_petl_bench_selection_trial_says_its_weights_were_removed_and_which_run_to_use(tmp_path):
+    # petl-bench removes a scored trial's weights: "restore it from the run, or train the run again" sent the user
+    # after weights that were removed on purpose.
+    trial = _run_folder(tmp_path / "lora" / "search" / "train.lr=0.01")
+    (trial / run_card.WEIGHTS_FILE).unlink()
+    (trial / "result.json").write_text("{}")
+    with pytest.raises(run_card.RunFolderError, match=r"is a petl-bench selection trial, whose weights petl-bench"):
+        petl.load_run(trial)
+    with pytest.raises(run_card.RunFolderError, match=re.escape(f"use a final run, {tmp_path / 'lora' / 'seed0'}")):
+        petl.load_run(trial)
 
 
 def test_a_first_format_card_of_a_run_at_another_resolution_loads(tmp_path):
