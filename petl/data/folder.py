@@ -145,7 +145,7 @@ def class_folders(split_dir: Path) -> list[str]:
         )
     names = sorted(p.name for p in split_dir.iterdir() if p.is_dir() and not p.name.startswith("."))
     for name in names:
-        if shown(name) != name:
+        if name != name.encode("utf-8", "surrogateescape").decode("utf-8", "replace"):
             # A class name is recorded (result.json, model.json) and printed: it must be text.
             raise ValueError(f"folder: class folder {shown(split_dir / name)} has a name that is not UTF-8: rename it")
     return names
