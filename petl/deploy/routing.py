@@ -41,12 +41,19 @@ def check_images(images: Any, channels: int | None, size: tuple[int, ...] | None
             f"images are {images.shape[2]}x{images.shape[3]} px: the backbone takes {size[0]}x{size[1]}; "
             "preprocess them as the runs' cards say (petl.load_run(run).preprocess)"
         )
-    cast = images.is_floating_point() and torch.is_autocast_enabled(images.device.type)
-    if images.dtype != dtype and not cast:  # else torch's own error: "Input type (unsigned char) and bias type ..."
+    # Else torch's own error: "Input type (unsigned char) and bias type (float) should be the same".
+    if images.dtype != dtype and not (images.is_floating_point() and _autocast(images.device.type)):
         raise ValueError(
             f"images are {images.dtype}: the backbone's weights are {dtype}; give {dtype} images, preprocessed as "
             "the runs' cards say (petl.load_run(run).preprocess), or cast the MultiTask with .to(dtype)"
         )
+
+
+def _autocast(device_type: str) -> bool:
+    try:
+        return torch.is_autocast_enabled(device_type)
+    except RuntimeError:  # a device type autocast does not know (meta)
+        return False
 
 
 def _own_parameter_hook(module: nn.Module, frozen: nn.Module, own: list[str]) -> RowHook | None:
