@@ -19,9 +19,10 @@ difference is the cost of one more epoch.  On small data these can dominate (one
 once, an estimate fell short by half and more), so the console line says how much of the total they are.  The
 range said with it comes from the measurements' own spread: the slowest and fastest of the timed steps.
 What it leaves out: calibration hooks (SCT, GPS, NOAH's search), mixed precision (steps are timed in fp32 on
-the device the run would use), a selection trial's per-epoch val pass beyond its images, and a machine's load
-changing between the estimate and the runs.  Each measurement is said as it starts (building a backbone
-takes seconds to minutes).  ``benchmarks/choose_estimate.py`` compares the estimate with the measured time.
+the device the run would use), ``train.compile`` (timed eager; gradient checkpointing is timed as the run has it),
+a selection trial's per-epoch val pass beyond its images, and a machine's load changing between the estimate and
+the runs.  Each measurement is said as it starts (building a backbone takes seconds to minutes).
+``benchmarks/choose_estimate.py`` compares the estimate with the measured time.
 """
 
 from __future__ import annotations
@@ -364,6 +365,7 @@ def measure(cfg: Any, data: OwnData, steps: int = TIMED_STEPS) -> tuple[Probe, s
     from omegaconf import OmegaConf
 
     import petl
+    from petl import data as petl_data
     from petl.train import build, cache, engine, readers
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -371,6 +373,9 @@ def measure(cfg: Any, data: OwnData, steps: int = TIMED_STEPS) -> tuple[Probe, s
     model = build.create_backbone(cfg)
     method_cfg = petl.make_config(cfg.method.name, num_classes=len(data.classes), **readers.method_options(cfg))
     build.apply_method(cfg, model, method_cfg)
+    if cfg.train.grad_checkpointing:
+        # As the run turns it on: each step's backward recomputes every block's forward (a third more per step).
+        engine.enable_grad_checkpointing(model)
     model.to(device)
     build_seconds = time.perf_counter() - tick
     size = readers.image_size(model)
@@ -385,7 +390,8 @@ def measure(cfg: Any, data: OwnData, steps: int = TIMED_STEPS) -> tuple[Probe, s
     if cfg.train.cache_features:
         backbone_trains = engine.backbone_mode(model, settings) == "train"
         sizes = [data.sizes[TRAIN_VAL]]
-        plan, _ = cache.decide(model, backbone_trains=backbone_trains, augmented=bool(cfg.data.augment), sizes=sizes)
+        augmented = petl_data.get_info(cfg.data.name).crops(cfg.data.augment)
+        plan, _ = cache.decide(model, backbone_trains=backbone_trains, augmented=augmented, sizes=sizes)
     trainee: torch.nn.Module = model
     front_seconds = 0.0
     if plan is not None:

@@ -20,9 +20,9 @@ from typing import Any
 
 from petl.bench import choice, own_data, protocol, report
 from petl.bench import estimate as costs
-from petl.bench.args import as_bool
+from petl.bench.args import as_bool, configs_folder
 from petl.bench.suite import Experiment, Suite
-from petl.bench.sweep import check_results_folder
+from petl.bench.sweep import check_configs, check_results_folder
 from petl.data.images import decode_progress
 from petl.store.lock import acquire_lock, describe_holder, release_lock
 from petl.utils.errors import RUN_ERROR
@@ -63,14 +63,24 @@ def run_on_own_data(
     finish: Finish,
 ) -> int:
     """Run ``suite`` on the data ``data=`` names (its options among ``overrides``); the exit status."""
-    from petl.train.config import default_config
+    from petl.train.cache import CacheOptionError
+    from petl.train.config import compose_config, default_config
 
     if "tasks" in own:
         raise ValueError(f"tasks={own['tasks']} and data={own['data']}: give one (data= makes your data the task)")
     if not suite.search:
         raise ValueError(f"suite {suite.name} does not select on val; run your data with a searching suite (choose)")
     budget = choice.Budget.parse(own)
-    cfg = default_config([*suite.overrides(), f"data={own['data']}", *overrides])
+    on_data = [*suite.overrides(), f"data={own['data']}", *overrides]
+    try:
+        cfg = default_config(on_data)
+    except CacheOptionError:
+        # Refused for the run config's default method (LoRA), which need not be among the experiments: they are
+        # checked next, and its config composed apart from that.
+        cfg = compose_config(on_data)
+    # Each experiment's config, as a sweep checks it (train.cache_features=false, which most methods cannot take, is
+    # named for each of them at once), before the images are decoded and the estimate builds each model.
+    check_configs(suite, configs_folder(own), experiments, [own["data"]], overrides)
     # Every image is decoded here first: a folder of a few thousand photos says how far it is (after 5 s).
     progress = as_bool("progress", own.get("progress", "true"))
     with decode_progress(_note if progress else None):

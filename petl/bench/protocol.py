@@ -21,9 +21,10 @@ trials and the finals reuse that choice (:mod:`petl.bench.calibration`), so the 
 on train800, as NOAH's scripts do.
 
 A suite with ``require_learning`` also passes over grid points at which training did not learn
-(:mod:`petl.train.learning`: final train loss at chance, not below its first epoch's, or not finite), judged on
-training losses only: a trial that did not learn ranks after every trial that did; and a point whose final
-runs include one that did not learn is *unstable* for the cell: those finals move, whole and kept, to
+(:mod:`petl.train.learning`: final train loss at chance, not below its first epoch's, or not finite, or the last
+epoch's train top-1 not above chance), judged on training figures only: a trial that did not learn ranks after
+every trial that did; and a point whose final runs include one that did not learn is *unstable* for the cell: those
+finals move, whole and kept, to
 ``<task>/<experiment>/unstable/<point>/seed<k>/`` (reports do not read them) and the best remaining point's
 finals train in their place, in the same invocation (a final still training in another sweep is judged when it
 has finished, by the invocation that finds it).  A point is set aside only while another point whose trial

@@ -187,6 +187,8 @@ CONFIDENCE = 0.95
 
 # Fewer shared methods give no ordering worth a coefficient (with two, Spearman's rho can only be +1 or -1).
 MIN_RANKED = 3
+# Fewer give no bootstrap interval (resamples of three methods draw one of them twice or more in 7 of 9).
+MIN_INTERVAL = 4
 
 
 @dataclass(frozen=True)
@@ -209,7 +211,8 @@ class RankCorrelation:
         """``+0.34 (95 % bootstrap interval -0.13 to +0.70)``."""
         low, high = self.interval
         if math.isnan(low):
-            return f"{self.rho:+.2f}"
+            # Said, not left out: a coefficient over three rows (+0.50, say) with no interval reads as a firm one.
+            return f"{self.rho:+.2f} (no bootstrap interval: {len(self.methods)} rows, it needs {MIN_INTERVAL})"
         return f"{self.rho:+.2f} (95 % bootstrap interval {low:+.2f} to {high:+.2f}, {RESAMPLES} resamples of the rows)"
 
 
@@ -237,15 +240,15 @@ def rank_correlation(measured: Mapping[str, float], published: Mapping[str, floa
 def rank_interval(measured: Sequence[float], published: Sequence[float]) -> tuple[float, float]:
     """The 95 % percentile bootstrap interval of Spearman's rho, the methods resampled in pairs (seeded).
 
-    NaN below four methods, or when no resample ranks anything; a resample in which one side ties every method it
-    drew (one method repeated, or methods of one score) is left out of the percentiles.
+    NaN below :data:`MIN_INTERVAL` methods, or when no resample ranks anything; a resample in which one side ties
+    every method it drew (one method repeated, or methods of one score) is left out of the percentiles.
     """
     import warnings
 
     import numpy as np
     from scipy import stats
 
-    if len(measured) < 4:
+    if len(measured) < MIN_INTERVAL:
         return math.nan, math.nan
 
     def rho(x: Any, y: Any) -> float:

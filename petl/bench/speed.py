@@ -70,6 +70,7 @@ from petl.bench.speed_bench import (
     _Bench,
     build_model,
     cuda_matmul_precision,
+    image_side,
     measure_memory,
     measure_memory_in_subprocess,
     measure_times,
@@ -293,6 +294,12 @@ def main(args: Sequence[str]) -> int:
         known = ", ".join(sorted(SPEED_KEYS | {MODEL_KWARGS + "KEY"}))
         raise SystemExit(f"petl-bench speed: unknown argument(s) {rest}; known: {known}")
     spec = make_spec(own, torch.cuda.is_available(), model_kwargs)
+    if "inprocess" in own and spec.device == "cuda":
+        # The CUDA allocator's peak resets in place: every row is measured in this process whatever inprocess says.
+        raise SystemExit(
+            f"petl-bench speed: inprocess={own['inprocess']} acts on a CPU only: on a CUDA GPU every row's memory is "
+            "read in this process, its allocator's peak reset per row: drop inprocess=, or give device=cpu"
+        )
     # Before any case is built: an unknown name is bad input (exit 2), not timm's RuntimeError mid-measure (exit 1).
     check_group_choice("model", spec.model)
     # Built on the meta device (shapes only, no weights), as petl-run checks its model before it builds one.
@@ -335,7 +342,8 @@ def main(args: Sequence[str]) -> int:
     if "out" in own:
         command = "petl-bench speed " + " ".join(args)
         # Whole or not at all (its folder made as needed): an interrupted write keeps the earlier table.
-        write_text(Path(own["out"]), f"# petl speed: {spec.model} on {spec.device}\n\nCommand: `{command}`\n\n{table}")
+        title = f"# petl speed: {spec.model} at {image_side(spec)} px on {spec.device}"
+        write_text(Path(own["out"]), f"{title}\n\nCommand: `{command}`\n\n{table}")
     return 0
 
 

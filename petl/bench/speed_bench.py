@@ -171,6 +171,16 @@ def _random_backbone(name: str, img_size: int, num_classes: int, kwargs_json: st
     return timm.create_model(name, pretrained=False, num_classes=num_classes, **size, **json.loads(kwargs_json))
 
 
+def image_side(spec: SpeedSpec) -> int:
+    """The side of the images every case is timed on: the built backbone's own (``img_size``, else its default).
+
+    Read off the model as :class:`_Bench` reads it (petl-run's rule: a patch embedding's size, else the pretrained
+    config's), so a table says the size without ``img_size=`` given too.
+    """
+    kwargs = json.dumps(spec.model_kwargs, sort_keys=True)
+    return image_size(_random_backbone(spec.model, spec.img_size, spec.num_classes, kwargs))
+
+
 def build_model(case: Case, spec: SpeedSpec):
     """The model of one case: plain frozen backbone, petl method (frozen too in a floor), or peft LoRA."""
     kwargs = json.dumps(spec.model_kwargs, sort_keys=True)

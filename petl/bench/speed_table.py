@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from petl.bench.speed_bench import FORWARD, NOTE_ABOVE, OPTIONS, PEFT_LORA, SpeedSpec
+from petl.bench.speed_bench import FORWARD, NOTE_ABOVE, OPTIONS, PEFT_LORA, SpeedSpec, image_side
 from petl.bench.table import Header, Table, markdown_lines
 
 
@@ -23,13 +23,22 @@ def machine_line(device: str) -> str:
     except (OSError, subprocess.CalledProcessError, StopIteration):
         pass
     threads = torch.get_num_threads()
-    parts = [f"CPU {cpu}", f"{os.cpu_count()} cores", f"torch {torch.__version__}", f"{threads} torch threads"]
+    parts = [f"CPU {cpu}", _cpus(), f"torch {torch.__version__}", f"{threads} torch threads"]
     if device == "cuda":
         parts.append(f"GPU {torch.cuda.get_device_name()}")
     if hasattr(os, "getloadavg"):
         # Called after the measurements: the 15-minute load average says how much else shared the cores.
         parts.append(f"15-min load average {os.getloadavg()[2]:.1f} at the end")
     return ", ".join(parts)
+
+
+def _cpus() -> str:
+    """The logical CPUs this process may run on, of the machine's: "16 cores" named the machine's logical CPUs
+    (os.cpu_count, threads not cores) where a container or taskset gave the process 2 of them.
+    """
+    machine = os.cpu_count()
+    ours = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else machine
+    return f"{ours} logical CPUs" if ours == machine else f"{ours} of the machine's {machine} logical CPUs"
 
 
 def _precision_note(spec: SpeedSpec) -> str:
@@ -98,7 +107,8 @@ def format_table(
         else "Peak MB: not shown (inprocess=true: on a CPU every row's peak would be read in one process, whose RSS "
         "high-water mark an earlier row sets for the later ones; without inprocess each row runs in a fresh process). "
     )
-    size = f" at {spec.img_size} px" if spec.img_size else ""
+    # The size the cases ran at, given or the model's default (it went unsaid without img_size=).
+    size = f" at {image_side(spec)} px"
     if spec.model_kwargs:
         size += " built with " + ", ".join(f"{k}={v}" for k, v in spec.model_kwargs.items())
     lines = [

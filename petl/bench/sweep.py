@@ -10,6 +10,7 @@ This is bookkeeping, not a scheduler: spreading runs over GPUs or SLURM is Hydra
 
 from __future__ import annotations
 
+import copy
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -193,14 +194,16 @@ def check_configs(
     A typo in an experiment's method option, a search over a key the run config (or the experiment's method)
     lacks, an unknown task: each would otherwise fail every run of the sweep, one by one, in its ``error.log``.
     Each experiment composes on the first task once per position in its search lists (every searched value is
-    composed, not every grid point); the task names are checked as choices.
+    composed, not every grid point); the task names are checked as choices.  ``train.cache_features=false`` is
+    checked on every task too (a task's training images may be augmented, fgvc/*'s are by default), and every
+    experiment and task where it cannot act is named in the one line (:func:`_check_cache_option`).
 
     Raises:
         ConfigError: one line naming the suite or experiment file (or the command line) and the config's error.
 
     """
-    from petl.train.config import check_group_choice, default_config
-    from petl.utils.errors import ConfigError
+    from petl.train.cache import CacheOptionError
+    from petl.train.config import check_group_choice
 
     suite_file = configs / "suites" / f"{suite.name}.yaml"
     for task in tasks:
@@ -209,30 +212,147 @@ def check_configs(
         except ConfigError as error:
             where = f"{suite_file}: tasks" if task in suite.tasks else "the command line's tasks="
             raise ConfigError(f"{where}: {error}") from None
+    refused: list[tuple[str, str, str]] = []  # (experiment, task, why) where train.cache_features=false cannot act
+    setting = ""  # where train.cache_features=false is set
     for exp in experiments:
-        exp_file = configs / "experiments" / f"{exp.name}.yaml"
-        exp_source = str(exp_file) if exp_file.is_file() else f"experiment {exp.name} (method {exp.method['name']})"
         space = suite.space_for(exp, tasks[0])
+        why = first = None
         for i in range(max((len(values) for values in space.values()), default=1)):
-            layers = [
-                (str(suite_file), [*suite.overrides(), f"data={tasks[0]}"]),
-                (exp_source, exp.overrides()),
-                (f"{suite_file}: per_experiment/per_task {exp.name}", suite.task_overrides(exp.name, tasks[0])),
-            ]
-            for key, values in space.items():  # each searched key as a layer of its own, named by its file
-                source = exp_source if key in exp.search else f"{suite_file}: search (experiment {exp.name})"
-                layers.append((source, [override(key, values[min(i, len(values) - 1)])]))
-            layers.append(("the command line", list(extra_overrides)))
             try:
-                default_config([o for _, part in layers for o in part])
-            except ConfigError:
-                # The first layer whose addition fails is the one to fix.
-                for n in range(1, len(layers) + 1):
-                    try:
-                        default_config([o for _, part in layers[:n] for o in part])
-                    except ConfigError as error:
-                        raise ConfigError(f"{layers[n - 1][0]}: {error}") from None
-                raise
+                composed = _compose_layers(_layers(suite, configs, exp, tasks[0], i, extra_overrides))
+            except CacheOptionError as error:
+                why = error.reason  # the other tasks are checked below, the other searched values once it is dropped
+                break
+            if i == 0:
+                first = composed
+        if why is None and first.train.cache_features:
+            continue
+        setting = setting or _setter(_layers(suite, configs, exp, tasks[0], 0, extra_overrides), "train.cache_features")
+        refused += [
+            (exp.name, task, reason)
+            for task, reason in _check_cache_option(suite, configs, exp, tasks, why, extra_overrides)
+        ]
+    if refused:
+        raise ConfigError(_cache_refusal(setting, refused, experiments, tasks))
+
+
+def _layers(
+    suite: Suite, configs: Path, exp: Experiment, task: str, position: int, extra_overrides: Sequence[str]
+) -> list[tuple[str, list[str]]]:
+    """One run config's overrides as (where they are written, overrides) layers, in the order they apply.
+
+    ``position`` picks each searched key's value (the last one past the end of a shorter list).
+    """
+    suite_file = configs / "suites" / f"{suite.name}.yaml"
+    exp_file = configs / "experiments" / f"{exp.name}.yaml"
+    exp_source = str(exp_file) if exp_file.is_file() else f"experiment {exp.name} (method {exp.method['name']})"
+    layers = [
+        (str(suite_file), [*suite.overrides(), f"data={task}"]),
+        (exp_source, exp.overrides()),
+        (f"{suite_file}: per_experiment/per_task {exp.name}", suite.task_overrides(exp.name, task)),
+    ]
+    for key, values in suite.space_for(exp, task).items():  # each searched key as a layer of its own, named by its file
+        source = exp_source if key in exp.search else f"{suite_file}: search (experiment {exp.name})"
+        layers.append((source, [override(key, values[min(position, len(values) - 1)])]))
+    layers.append(("the command line", list(extra_overrides)))
+    return layers
+
+
+def _compose_layers(layers: list[tuple[str, list[str]]]) -> Any:
+    """The run config of ``layers``; a :class:`ConfigError` names the first layer whose addition fails.
+
+    A :class:`~petl.train.cache.CacheOptionError` is raised as it is, for :func:`check_configs` to gather.
+    """
+    from petl.train.cache import CacheOptionError
+    from petl.train.config import default_config
+
+    try:
+        return default_config([o for _, part in layers for o in part])
+    except CacheOptionError:
+        raise
+    except ConfigError:
+        # The first layer whose addition fails is the one to fix.
+        for n in range(1, len(layers) + 1):
+            try:
+                default_config([o for _, part in layers[:n] for o in part])
+            except ConfigError as error:
+                raise ConfigError(f"{layers[n - 1][0]}: {error}") from None
+        raise
+
+
+def _setter(layers: list[tuple[str, list[str]]], key: str) -> str:
+    """Where ``key`` is set last among ``layers`` (its value is that layer's): the layer's name."""
+    for source, part in reversed(layers):
+        if any(o.lstrip("+~").partition("=")[0] == key for o in part):
+            return source
+    return "the command line"
+
+
+def _check_cache_option(
+    suite: Suite,
+    configs: Path,
+    exp: Experiment,
+    tasks: Sequence[str],
+    why: str | None,
+    extra_overrides: Sequence[str],
+) -> list[tuple[str, str]]:
+    """The tasks on which ``exp``'s ``train.cache_features=false`` cannot act, each with why.
+
+    ``why``: the refusal on the first task, or ``None`` where it was composed there.  Nothing frozen in front of what
+    the method trains, or a backbone in train mode, holds on every task; whether the training images are augmented
+    only the task tells (:meth:`petl.data.DatasetInfo.crops`), and it is checked on each without composing its whole
+    config again (half a second a config: a suite has hundreds).  A task with settings of its own (``per_task``) is
+    composed whole.
+    """
+    from petl.train import cache
+    from petl.train.config import check_cache_option_acts, compose_config
+
+    first = _layers(suite, configs, exp, tasks[0], 0, extra_overrides)
+    base = compose_config([o for _, part in first for o in part])
+    found = []
+    for task in tasks:
+        if suite.task_overrides(exp.name, task) != suite.task_overrides(exp.name, tasks[0]):
+            try:
+                _compose_layers(_layers(suite, configs, exp, task, 0, extra_overrides))
+            except cache.CacheOptionError as error:
+                found.append((task, error.reason))
+            continue
+        if why is not None and why != cache.AUGMENTED:  # the method's, or the backbone mode's: the same on any task
+            found.append((task, why))
+            continue
+        on_task = copy.deepcopy(base)
+        on_task.data.name = task
+        try:
+            check_cache_option_acts(on_task, None)
+        except cache.CacheOptionError as error:
+            found.append((task, error.reason))
+    return found
+
+
+def _cache_refusal(
+    setting: str, refused: list[tuple[str, str, str]], experiments: Sequence[Experiment], tasks: Sequence[str]
+) -> str:
+    """The one line naming every experiment and task where ``train.cache_features=false`` cannot act, and why."""
+    by_experiment: dict[tuple[str, str], list[str]] = {}  # (why, experiment) -> its tasks
+    for experiment, task, why in refused:
+        by_experiment.setdefault((why, experiment), []).append(task)
+    groups: dict[tuple[str, tuple[str, ...]], list[str]] = {}  # (why, tasks) -> the experiments
+    for (why, experiment), its_tasks in by_experiment.items():
+        groups.setdefault((why, tuple(its_tasks)), []).append(experiment)
+    parts = [
+        f"{', '.join(names)} on {'every task' if len(on) == len(tasks) > 1 else ', '.join(on)}: {why}"
+        for (why, on), names in groups.items()
+    ]
+    pairs = len(experiments) * len(tasks)
+    todo = (
+        "drop it"
+        if len(refused) == pairs
+        else "drop it, or leave those out (methods=, tasks=) and run them in a sweep of their own without it"
+    )
+    return (
+        f"{setting}: train.cache_features=false cannot act in {len(refused)} of {pairs} experiment x task pairs, "
+        f"where no features are cached either way: {'; '.join(parts)}; {todo}"
+    )
 
 
 @dataclass

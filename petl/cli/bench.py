@@ -20,14 +20,15 @@ Usage::
 Bad input (a run or commands without suite=, an unknown suite or key, a malformed YAML file, a results folder without
 results, suite= naming a suite whose backbone its runs did not train, compare on boards of different tasks, out= empty,
 inside a run folder or where nothing can be written; for run and commands, before any run, an experiment, search, task
-or command-line key or value no run config takes, named by its file, and methods=, tasks= or seeds= listing nothing, a
-name or seed twice or a negative seed; for speed, before any model is built, an unknown model= or one petl refuses
+or command-line key or value no run config takes, named by its file, train.cache_features=false where runs would cache
+nothing either way (every experiment and task named), and methods=, tasks= or seeds= listing nothing, a name or seed
+twice or a negative seed; for speed, before any model is built, an unknown model= or one petl refuses
 (a distilled DeiT), a model.kwargs.KEY the model does not take, an img_size= the model ignores (a NaFlexVit), a count
 out of its range, steps= below rounds=, options= without options_for=, a device other
-than cpu or a CUDA GPU torch sees, tf32= on a CPU) exits with status 2 and one line naming the file or value; a sweep
-with failed runs exits with 1; Ctrl-C with 130 and SIGTERM (a job scheduler's time limit) with 143, in one line saying
-so (finished runs are kept, an interrupted run resumes from its last epoch: run the same command again). ``--debug``
-shows the traceback.
+than cpu or a CUDA GPU torch sees, tf32= on a CPU, inprocess= on a GPU) exits with status 2 and one line naming the
+file or value; a sweep with failed runs exits with 1; Ctrl-C with 130 and SIGTERM (a job scheduler's time limit)
+with 143, in one line saying so (finished runs are kept, an interrupted run resumes from its last epoch: run the same
+command again). ``--debug`` shows the traceback.
 
 Arguments are Hydra-style ``key=value``; a yes/no key may be written as a flag (``--dry-run`` is
 ``dry_run=true``, ``--yes`` is ``yes=true``), and a key that is neither petl-bench's nor a run config's is

@@ -26,8 +26,11 @@ a killed export left beside a ``.safetensors`` file or a folder's files too.  ``
 ``FILE.onnx``, ``FILE.onnx.data`` too), or a folder already holding ``config.json`` or ``model.safetensors``, is
 refused in one line naming it; ``overwrite=true`` replaces it (a smaller model's export
 removes the old ``FILE.onnx.data``).
-Methods whose modules cannot fold into the backbone (adapters, prompts, an MLP head) are refused
-in one line: use ``petl-predict`` / ``petl.load_run`` for them.
+Methods whose modules cannot fold into the backbone (adapters, prompts, an MLP head) are refused for a folder
+or ``.safetensors`` in one line saying what to use instead: ``out=FILE.onnx``, which writes the model as petl runs
+it (its modules in the graph; metadata ``method`` says ``not merged``), checked as any ONNX export is, or
+``petl-predict`` / ``petl.load_run``.  A graph torch's exporter cannot trace or onnxruntime runs wrong at another
+batch size (HST, SCT, SNF today) fails in one line, exit 1.
 
 Exit status (as every petl command): 2 for bad input (no weights, a model.json petl cannot build, a method that
 cannot be unloaded, an unknown format, out= inside a run folder or where nothing can be written, files in the way

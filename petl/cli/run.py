@@ -17,7 +17,8 @@ line, which wins (``experiment=vpt_deep method.num_tokens=50``).  It cannot be c
 Bad input (an unknown method, dataset, model or key; a value of the wrong type or out of range)
 exits with status 2 and one line naming the key and what is valid; a run that cannot complete
 (non-finite loss, unreachable data, a full disk, output_dir held by another run) exits with status 1
-and one line.  Bad input is checked for every job of a sweep before the first one starts.  Ctrl-C exits
+and one line.  Bad input is checked for every job of a sweep before the first one starts, and so is a sweep
+whose jobs would train other runs into one ``output_dir``.  Ctrl-C exits
 with 130 and SIGTERM (a job scheduler's time limit, ``kill``) with 143, in one line saying how to resume;
 the finished epochs are kept and the folder's lock released.
 ``--debug`` (or ``HYDRA_FULL_ERROR=1``) shows the traceback instead of the line.
@@ -48,6 +49,8 @@ from petl.utils.errors import RUN_ERROR, USAGE_ERROR, ConfigError, RunError, Unr
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
+
+    from petl.train.cache import CacheOptionError
 
 # Hydra, torch and timm are imported where they are used, so that ``petl-run --help`` answers without them.
 
@@ -163,19 +166,78 @@ def check_command_line(overrides: Sequence[str], multirun: bool = False) -> list
     from hydra.errors import HydraException
 
     from petl.train import config
+    from petl.train.cache import CacheOptionError
 
     try:
         jobs = _job_overrides(list(overrides), multirun)
     except HydraException as error:
         raise ConfigError(config.explain(error, overrides)) from None
     checked = []
+    refused: list[tuple[list[str], CacheOptionError]] = []
     for job in jobs:
         try:
             checked.append(config.default_config(job))
         except ConfigError as error:
+            if isinstance(error, CacheOptionError) and len(jobs) > 1:
+                refused.append((job, error))  # every such job is named at once, once the others are checked
+                continue
             where = f" (in job {' '.join(job)})" if multirun and len(jobs) > 1 else ""
             raise ConfigError(f"{error}{where}") from None
+    if refused:
+        raise ConfigError(_cache_refusal(jobs, refused))
+    if len(checked) > 1:
+        _check_own_folders(jobs, checked)
     return checked
+
+
+def _check_own_folders(jobs: list[list[str]], checked: list[DictConfig]) -> None:
+    """Refuse a sweep of which two jobs train other runs into one ``output_dir``.
+
+    The default folder names the data, model, method and seed only: a sweep over ``train.lr`` put every job there,
+    and each after the first failed on the folder the first had filled, once the first had trained.  Jobs of one run
+    (a neutral key swept) share a folder as a resume does.
+
+    Raises:
+        ConfigError: naming the folder, the two jobs' overrides and the keys that differ.
+
+    """
+    from omegaconf import OmegaConf
+
+    from petl.train import config
+    from petl.train import output_dir as folder
+
+    first: dict[str, tuple[list[str], dict[str, Any]]] = {}
+    for job, cfg in zip(jobs, checked, strict=True):
+        # train.precision as given: resolving auto would ask accelerate for the device in the launching process.
+        resolved = OmegaConf.to_container(cfg, resolve=True)
+        assert isinstance(resolved, dict)
+        out = str(resolved["output_dir"])
+        if out not in first:
+            first[out] = (job, resolved)
+            continue
+        other_job, other = first[out]
+        difference = folder.config_difference(other, resolved)
+        if difference:
+            differ = [o for o in job if o not in other_job] or job
+            key = differ[0].split("=", 1)[0].lstrip("+~")
+            # A group's choice by its name (a folder per method); another key by its last part and value (lr0.01).
+            part = f"${{{key}.name}}" if key in config.CONFIG_GROUPS else f"{key.split('.')[-1]}${{{key}}}"
+            raise ConfigError(
+                f"--multirun: jobs {' '.join(o for o in other_job if o not in job)} and {' '.join(differ)} would both "
+                f"write to output_dir {out} ({difference}): put the swept keys in it, e.g. "
+                f"'output_dir={out}/{part}'"
+            )
+
+
+def _cache_refusal(jobs: list[list[str]], refused: list[tuple[list[str], CacheOptionError]]) -> str:
+    """One line naming each job of a sweep where ``train.cache_features=false`` cannot act, by its swept values."""
+    common = set.intersection(*(set(job) for job in jobs))
+    named = [f"{' '.join(o for o in job if o not in common)}: {error.reason}" for job, error in refused]
+    todo = "drop it" if len(refused) == len(jobs) else "drop it, or sweep those jobs apart without it"
+    return (
+        f"train.cache_features=false cannot act in {len(refused)} of the {len(jobs)} jobs, where no features are "
+        f"cached either way: {'; '.join(named)}; {todo}"
+    )
 
 
 def _task(cfg: DictConfig, checked: bool = False) -> dict[str, Any] | None:

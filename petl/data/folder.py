@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import unicodedata
+from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
 
@@ -41,6 +42,8 @@ IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".t
 VAL_FRACTION = 0.2
 VAL_SEED = 0
 HOLDOUT = f"{VAL_FRACTION:.0%} of each class of the training images, seed {VAL_SEED}"
+# What a run does without each optional split folder.
+NO_SPLIT = {"val": f"val200 is {HOLDOUT}", "test": "the run reports no test accuracy"}
 
 FOLDER_INFO = DatasetInfo(
     name="folder",
@@ -117,20 +120,22 @@ def not_images(others: list[Path], top: Path) -> str:
     said = []
     if files:
         said.append(
-            f"skipped {_few(files, top)} in {shown(top)}: not image files by their extension "
+            f"skipped {some(files, top)} in {shown(top)}: not image files by their extension "
             f"({', '.join(IMAGE_EXTENSIONS)}); convert them to use them"
         )
     if special:
         said.append(
-            f"skipped {_few(special, top)} in {shown(top)}: not files but pipes, devices or sockets; put the image "
+            f"skipped {some(special, top)} in {shown(top)}: not files but pipes, devices or sockets; put the image "
             "files there to use them"
         )
     return "; ".join(said)
 
 
-def _few(paths: list[Path], top: Path) -> str:
+def some(paths: list[Path], top: Path) -> str:
+    """The first three of ``paths`` relative to ``top``, and how many more: ``a/x.gif, a/y.gif and 5 more``."""
     names = [shown(os.path.relpath(path, top)) for path in paths]
-    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+    return f"{', '.join(names[:3])}{more}"
 
 
 def class_folders(split_dir: Path) -> list[str]:
@@ -211,22 +216,31 @@ def _scan(root: Path) -> tuple[tuple[str, ...], dict[str, list[tuple[Path, int]]
         present = names if split == "train" else class_folders(split_dir)
         extra = [name for name in present if name not in label]
         if extra:
-            message = f"folder: {split_dir} has classes that train/ lacks: {', '.join(extra[:5])}"
-            raise ValueError(message + other_unicode_form(extra, names, "train/'s"))
+            raise ValueError(
+                f"folder: {split_dir} has classes that train/ lacks: {', '.join(extra[:5])}"
+                + (lookalike(extra, names, "train/'s") or f"; add them to train/ or remove them from {split}/")
+            )
         items = []
         skipped: list[Path] = []
         for name in present if split != "train" else names:
             files, others = image_files(split_dir / name)
             skipped += others
             if not files and split == "train":
+                # Said here, with the files it does hold (a class of .gif or .heic photos), since the warning
+                # naming them below is never reached.
+                holds = f", only {some(others, split_dir / name)}: convert them" if others else ": add some"
                 raise ValueError(
-                    f"folder: {split_dir / name} holds no images ({', '.join(IMAGE_EXTENSIONS)}): add some or remove it"
+                    f"folder: {split_dir / name} holds no images ({', '.join(IMAGE_EXTENSIONS)}){holds} or remove it"
                 )
             items += [(path, label[name]) for path in files]
         if skipped:  # a class's .gif or .heic photos are never dropped without a word
             warn_once(log, f"folder: {not_images(skipped, split_dir)}")
         if not items:
-            raise ValueError(f"folder: {split_dir} holds no images in class sub-folders")
+            holds = f", only {some(skipped, split_dir)}, not images by their extension" if skipped else ""
+            raise ValueError(
+                f"folder: {split_dir} holds no images in class sub-folders{holds}; put images in "
+                f"{split_dir}/<class name>/ or remove {split_dir} (without it, {NO_SPLIT[split]})"
+            )
         splits[split] = items
     if "val" not in splits and not any(stratified_holdout([label for _, label in splits["train"]])):
         raise ValueError(
@@ -236,8 +250,8 @@ def _scan(root: Path) -> tuple[tuple[str, ...], dict[str, list[tuple[Path, int]]
     return tuple(names), splits
 
 
-def other_unicode_form(extra: list[str], names: list[str], whose: str) -> str:
-    """Where a class of ``extra`` is one of ``names`` written with other code points, the words that say so.
+def lookalike(extra: Sequence[str], names: Sequence[str], whose: str) -> str:
+    """Where a class of ``extra`` is one of ``names`` written otherwise, the words that say so; else ``""``.
 
     Args:
         extra: the class names refused.
@@ -245,9 +259,12 @@ def other_unicode_form(extra: list[str], names: list[str], whose: str) -> str:
         whose: who holds ``names``, in the message.
 
     macOS writes ``café`` as ``e`` and a combining accent (NFD) where Windows and Linux tools write one ``é`` (NFC):
-    the two names print alike, so the refusal alone would name a class that seems to be there.
+    the two names print alike, so the refusal alone would name a class that seems to be there.  A name in another
+    case (``Cat`` against ``cat``) is a class of its own on Linux and the same folder on macOS and Windows, and one
+    with a space at its end (``cat ``) prints as the other: said too.
     """
     forms = {unicodedata.normalize("NFC", name): name for name in names}
+    cases = {_loosely(name): name for name in names}
     for name in extra:
         twin = forms.get(unicodedata.normalize("NFC", name))
         if twin is not None:
@@ -255,7 +272,17 @@ def other_unicode_form(extra: list[str], names: list[str], whose: str) -> str:
                 f" ({name} is {whose} {twin} written with other Unicode code points, {ascii(name)} against "
                 f"{ascii(twin)}, as folders made on macOS and elsewhere can be: rename one of the two folders)"
             )
+    for name in extra:
+        twin = cases.get(_loosely(name))
+        if twin is not None:
+            how = "in other letter case" if name.strip() == name and twin.strip() == twin else "but for spaces or case"
+            return f" ({name!r} is {whose} {twin!r} {how}: rename one of the two so that they match)"
     return ""
+
+
+def _loosely(name: str) -> str:
+    """A class name as a person reads it: one Unicode form, no case, spaces at the ends and doubled ones dropped."""
+    return " ".join(unicodedata.normalize("NFC", name).split()).casefold()
 
 
 def describe_folder(root: str) -> DatasetInfo:

@@ -2,17 +2,19 @@
 
 ``root`` is a dataset written by ``save_to_disk`` (a ``DatasetDict`` or a single ``Dataset``, read with
 ``datasets.load_from_disk``), a folder of parquet files (a hub dataset as downloaded), any other folder (read as an
-``imagefolder``), or a hub id ``owner/name`` where the hub is reachable.  Splits answer to petl's names: ``train``
--> train800, ``validation`` / ``val`` / ``valid`` / ``dev`` -> val200 (without one, the same seeded stratified
-hold-out as ``data=folder``), ``test`` -> test (optional).  ``image_column`` / ``label_column`` name the columns;
-by default the first ``Image`` and ``ClassLabel`` features (else ``image`` / ``label``).  Labels are a
-``ClassLabel`` (its names are the class names), integers ``0..K-1``, or strings (sorted, as folder
-names are); each split's labels are matched to train's by name (a split's own ``ClassLabel`` may order them
-otherwise), and a class train lacks is refused.  ``-1`` (``ClassLabel``'s "no label") or an empty label marks a
-row unlabelled: a split with no label at all (the unlabelled test split several hub datasets ship) is left out with
-a warning, so the run reports no test accuracy rather than 0 %; a split with some unlabelled rows is refused,
-naming the split and a row.  Every image is decoded once when a split is built, so bad images are reported together
-before training, and the split has a content fingerprint, as local folders do.
+``imagefolder``), or a hub id ``owner/name`` where the hub is reachable.  Splits answer to petl's names: ``train`` ->
+train800, ``validation`` / ``val`` / ``valid`` / ``dev`` -> val200 (without one, the same seeded stratified hold-out as
+``data=folder``, refused where train has one row per class), ``test`` -> test (optional).  ``image_column`` /
+``label_column`` name the columns; by default the first ``Image`` and ``ClassLabel`` features (else ``image`` /
+``label``).  Labels are a ``ClassLabel`` (its names are the class names), integers ``0..K-1``, or strings (sorted, as
+folder names are; float numbers are refused, not made classes named ``0.0``); each split's labels are matched to train's
+by name (a split's own ``ClassLabel`` may order them otherwise), and a class train lacks is refused.  ``-1``
+(``ClassLabel``'s "no label") or an empty label marks a row unlabelled: a split with no label at all (the unlabelled
+test split several hub datasets ship) is left out with a warning, so the run reports no test accuracy rather than 0 %; a
+split with some unlabelled rows is refused, naming the split and a row.  A row whose image cannot be used is named
+``split[row]`` and by its file where it has one (an imagefolder's rows).  Every image is decoded once when a split is
+built, so bad images are reported together before training, and the split has a content fingerprint, as local folders
+do.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from PIL import Image
 from torch.utils.data import Dataset
 
 from petl.data import hub
-from petl.data.folder import HOLDOUT, split_items
+from petl.data.folder import HOLDOUT, lookalike, split_items, stratified_holdout
 from petl.data.images import DECODED_MEMORY_LIMIT, decode_image, decoding, geometry, hashing_only, held_form
 from petl.data.registry import (
     TEST,
@@ -43,6 +45,7 @@ from petl.data.registry import (
 from petl.data.transforms import ImageSpec, pil_to_tensor
 from petl.data.vtab import find_column
 from petl.utils.once import warn_main
+from petl.utils.text import first_line, shown
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +139,12 @@ def _open(root: str, image_column: str | None, label_column: str | None) -> tupl
         raise ValueError(f"hf: {root} has splits {' and '.join(held_out)}, both validation splits: keep one")
     features = dataset["train"].features
     image = _column(features, image_column, "Image", ("image", "img"), "image_column")
+    if label_column is None and all(column == image for column in features):
+        # An imagefolder of loose images: no column to name, so data.label_column= would be no remedy.
+        raise ValueError(
+            f"hf: {root} has no label column, only the images ({image!r}): put them in one folder per class, "
+            f"{root}/train/<class name>/ (read as an imagefolder, or with data=folder), or save a label column"
+        )
     label = _column(features, label_column, "ClassLabel", ("label", "labels", "target"), "label_column")
     if image == label:
         raise ValueError(f"hf: {image!r} is both the image and the label column: name the other with data.*_column")
@@ -143,6 +152,14 @@ def _open(root: str, image_column: str | None, label_column: str | None) -> tupl
         raise ValueError(
             f"hf: label column {label!r} holds {type(features[label]).__name__} values, not one class per image "
             "(a ClassLabel, integers or strings): name another with data.label_column=COLUMN"
+        )
+    dtype = str(getattr(features[label], "dtype", ""))
+    if dtype.startswith("float"):
+        # 0.0 / 1.0 would become classes named "0.0" and "1.0", a regression target one class per value.
+        raise ValueError(
+            f"hf: label column {label!r} holds {dtype} numbers, not classes (a ClassLabel, integers or strings): "
+            f"cast it, d.cast_column({label!r}, datasets.Value('int64')), or name another with "
+            "data.label_column=COLUMN"
         )
     for name, split in dataset.items():
         missing = [column for column in (image, label) if column not in split.features]
@@ -167,8 +184,32 @@ def _open(root: str, image_column: str | None, label_column: str | None) -> tupl
     for name, split in dataset.items():
         extra = sorted(set(_label_names(split, label)) - set(names))
         if extra:
-            raise ValueError(f"hf: {root}'s {name} split has classes that train lacks: {', '.join(extra[:5])}")
+            said = f"hf: {root}'s {name} split has classes that train lacks: {', '.join(extra[:5])}"
+            ours, trains = _kind(split.features[label]), _kind(features[label])
+            if ours != trains:  # a test split of integers beside train's ClassLabel: its numbers are no names
+                raise ValueError(
+                    f"{said}; its {label!r} holds {ours} where train's holds {trains}: cast it to train's, "
+                    f"d[{name!r}] = d[{name!r}].cast_column({label!r}, d['train'].features[{label!r}])"
+                )
+            raise ValueError(
+                said + (lookalike(extra, names, "train's") or f"; add rows of them to train or remove them from {name}")
+            )
+    index = {name: i for i, name in enumerate(names)}
+    train_labels = [index[name] for name in _label_names(dataset["train"], label)]
+    if not any(name in dataset for name in VAL_NAMES) and not any(stratified_holdout(train_labels)):
+        # As data=folder refuses it: else val200 is empty and the run goes on with no validation number.
+        raise ValueError(
+            f"hf: {root}'s train split has at most one row per class, so none can be held out for validation: "
+            "add a validation split or more training rows"
+        )
     return dataset, image, label, names
+
+
+def _kind(feature: Any) -> str:
+    """A label feature in a few words: ``a ClassLabel``, ``int64 values``."""
+    if type(feature).__name__ == "ClassLabel":
+        return "a ClassLabel"
+    return f"{getattr(feature, 'dtype', type(feature).__name__)} values"
 
 
 def _label_names(split: Any, label: str) -> list[str]:
@@ -259,7 +300,7 @@ class RowsDataset(Dataset):
                     continue
                 array = held_form(decode_image(data), spec)
             except ValueError as error:
-                bad.append((Path(f"{split_name}[{row}]"), str(error)))
+                bad.append((Path(self._name(split, split_name, row)), str(error)))
                 continue
             size += array.nbytes
             if held is not None and size > DECODED_MEMORY_LIMIT:
@@ -281,18 +322,30 @@ class RowsDataset(Dataset):
         if not path:
             raise ValueError(f"no image ({self.image_column!r} holds neither bytes nor a path)")
         if not Path(path).is_file():
-            raise ValueError(f"no such file {path}")
+            # datasets reads a relative path from the current folder, wherever the dataset was saved.
+            where = "" if Path(path).is_absolute() else f" (a relative path: read from the current folder {Path.cwd()})"
+            raise ValueError(f"no such file{where}")
         return Path(path).read_bytes()
+
+    def _name(self, split: Any, split_name: str, row: int) -> str:
+        """A row as a bad image is named: ``split[row]``, and its file where it has one (an imagefolder's rows)."""
+        value = split[row][self.image_column]
+        path = value.get("path") if isinstance(value, dict) else None
+        return f"{split_name}[{row}] {shown(path)}" if path else f"{split_name}[{row}]"
 
     def __len__(self) -> int:
         return len(self.rows)
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
-        split, _, row, label = self.rows[index]
+        split, split_name, row, label = self.rows[index]
         if self.images is not None and geometry(self.spec) == self.held_for:
             array = self.images[index]
         else:  # above the memory limit, or held for another geometry
-            array = decode_image(self._bytes(split, row))
+            try:  # checked when built, but a file it names may have changed since
+                array = decode_image(self._bytes(split, row))
+            except (OSError, ValueError) as error:
+                where = Path(self._name(split, split_name, row))
+                raise BadImagesError(self.name, [(where, first_line(error, type(error).__name__))]) from None
         return pil_to_tensor(Image.fromarray(array), self.spec), label
 
     @property

@@ -106,6 +106,14 @@ class DatasetInfo:
         if self.epochs < 1:
             raise ValueError(f"{self.name}: epochs must be >= 1, got {self.epochs}")
 
+    def crops(self, augment: bool | None) -> bool:
+        """Whether its images are cropped (randomly, with a flip, on the training splits) for ``augment``.
+
+        ``None`` (``data.augment``'s default) crops the fgvc group only: VPT's FGVC protocol; VTAB resizes straight
+        to the square.
+        """
+        return self.group == "fgvc" if augment is None else bool(augment)
+
 
 class Builder(Protocol):
     def __call__(self, split: str, spec: ImageSpec, *, root: str | None, strict: bool, **options: Any) -> Dataset: ...
@@ -259,7 +267,7 @@ def build_dataset(
     _check_inputs(info, root, options)
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r} for {name}; valid splits: {', '.join(SPLITS)}")
-    crop = info.group == "fgvc" if augment is None else augment
+    crop = info.crops(augment)
     spec = ImageSpec(
         image_size=image_size,
         mean=tuple(mean),

@@ -213,9 +213,17 @@ def _check_inside(info: DatasetInfo, root: Path, splits: dict[str, list[tuple[Pa
 
 
 def _check_files(info: DatasetInfo, items: list[tuple[Path, int]]) -> None:
-    missing = [path for path, _ in items if not path.is_file()]
+    missing = list(dict.fromkeys(path for path, _ in items if not path.is_file()))
     if missing:
-        raise DatasetUnavailableError(f"{info.name}: {len(missing)} listed images are missing, e.g. {missing[0]}")
+        example = missing[0]
+        if "\\" in str(example) and Path(str(example).replace("\\", "/")).is_file():
+            # A list written on Windows: its paths' separators are no separators here.
+            remedy = "the list writes paths with \\ (Windows): write them with /"
+        else:
+            remedy = "restore them (unpack the task folder again)"
+        raise DatasetUnavailableError(
+            f"{info.name}: {len(missing)} listed image file(s) missing, e.g. {example}: {remedy}"
+        )
 
 
 def _check_union(info: DatasetInfo, splits: dict[str, list[tuple[Path, int]]]) -> None:
@@ -315,11 +323,14 @@ def _read_json_split(path: Path) -> dict[str, int]:
     return out
 
 
-def _image_base(folder: Path, relative: str) -> Path:
-    """Where VPT-style relative paths live: the task folder or its images/ subfolder."""
-    for base in (folder, folder / "images", folder / "Images"):
-        if (base / relative).is_file():
-            return base
+def _image_base(folder: Path, relatives: Sequence[str]) -> Path:
+    """Where VPT-style relative paths live: the task folder or its images/ subfolder, where the first listed image
+    that is there lies (one image missing must not send every other to the wrong folder).
+    """
+    for relative in relatives:
+        for base in (folder, folder / "images", folder / "Images"):
+            if (base / relative).is_file():
+                return base
     return folder
 
 
@@ -339,13 +350,17 @@ def _load_fgvc_folder(
         # of all splits onto 0..K-1 so that every split shares one mapping.
         ids = sorted({label for split_map in raw.values() for label in split_map.values()})
         contiguous = {class_id: index for index, class_id in enumerate(ids)}
-        first = next((k for split_map in raw.values() for k in split_map), "")
-        base = _image_base(folder, first)
+        base = _image_base(folder, [key for split_map in raw.values() for key in split_map])
         for n, split_map in raw.items():
             splits[n] = [(base / rel, contiguous[label]) for rel, label in split_map.items()]
     else:
+        lists = [f"{n}.{kind}" for kind in ("txt", "json") for n in native]
+        present = [name for name in lists if (folder / name).is_file()]
+        kind = "json" if present and all(name.endswith(".json") for name in present) else "txt"
+        lacking = [f"{n}.{kind}" for n in native if not (folder / f"{n}.{kind}").is_file()]
         raise DatasetUnavailableError(
-            f"{info.name}: {folder} needs train/val/test lists (train.txt, val.txt, test.txt or VPT's *.json)"
+            f"{info.name}: {folder} needs train/val/test lists (train.txt, val.txt, test.txt or VPT's *.json); "
+            f"it lacks {', '.join(lacking)}"
         )
     _check_inside(info, root or folder, splits)  # every listed path inside data.root
     _check_labels(info, splits, strict)

@@ -1,4 +1,5 @@
-"""Exporting a trained run as a plain timm model (``petl-export``'s API: :func:`export`).
+"""Exporting a trained run as a plain timm model (``petl-export``'s API: :func:`export`); to ONNX, a method that does
+not unload into one goes as petl runs it.
 
 The command line, its options and exit statuses are :mod:`petl.cli.export`'s.
 """
@@ -25,7 +26,7 @@ from torch import nn
 import petl.methods  # noqa: F401  (importing the methods registers them)
 from petl.backbones.models import timm_native
 from petl.data.transforms import CROP_RATIO
-from petl.model.unloading import unload
+from petl.model.unloading import NotUnloadable, unload
 from petl.store import files
 from petl.store.run_card import LoadedRun, load_run
 from petl.utils.paths import cannot_be_written, cannot_write_in, remove_stale_temporaries
@@ -45,14 +46,22 @@ ONNX_TOLERANCE = 1e-3
 # Protobuf serializes nothing past 2 GiB, so weights past this (fp32 ViT-H/14 and up) go to one data file beside
 # the .onnx, as onnx.save_model(save_as_external_data=True) writes it; 64 MiB are left for the graph and metadata.
 ONNX_WEIGHTS_LIMIT = 2**31 - 2**26
+# What to do when the ONNX file cannot be written or checked: a merged model has the other formats, a petl model
+# (a method that does not unload) has petl itself.
+ONNX_INSTEAD = "export a folder or a .safetensors file instead"
+AS_PETL_MODEL = "use it as a petl model (petl-predict or petl-serve on its run folder, petl.load_run in Python)"
 ONNX_DATA_SUFFIX = ".data"  # FILE.onnx.data, the name torch's newer (dynamo) exporter gives that file
 # In an ONNX export's temporary folder: a file the export holds locked (flock) while it runs, so a later export
 # tells the folder of one killed (kill -9, a power cut) from a live one's, and both from a folder it did not make.
 WORK_LOCK = "petl-export.lock"
 
 
-def metadata(run: LoadedRun) -> dict[str, str]:
-    """What a consumer of the exported file needs, as string values (both formats take only strings)."""
+def metadata(run: LoadedRun, merged: bool = True) -> dict[str, str]:
+    """What a consumer of the exported file needs, as string values (both formats take only strings).
+
+    ``merged=False``: an ONNX graph of the run's petl model as it runs (its method's modules in the graph), for a
+    method that does not fold into the backbone; ``timm_model`` then names the backbone it was trained on.
+    """
     card = run.card
     architecture, kwargs = timm_native(card["backbone"]["name"], card["backbone"]["kwargs"])
     return {
@@ -62,7 +71,9 @@ def metadata(run: LoadedRun) -> dict[str, str]:
         "num_classes": str(len(run.class_names)),
         "class_names": json.dumps(run.class_names),
         "preprocess": json.dumps(card["preprocess"]),
-        "method": f"{card['method']} (merged)",
+        "method": f"{card['method']} (merged)"
+        if merged
+        else f"{card['method']} (not merged: its modules are in the graph)",
     }
 
 
@@ -94,6 +105,9 @@ def timm_config(run: LoadedRun) -> dict[str, Any]:
     # The model's own timm names for its first convolution and its classifier (a Swin's is head.fc, a ViT's
     # head): timm drops the classifier by this name when the folder is loaded with another num_classes.
     own = run.model.pretrained_cfg
+    # A NaFlexVit's run carries its size as pretrained_cfg_overlay (model.json): here pretrained_cfg holds it, and
+    # timm's local-dir loader passes its own overlay beside model_args (one more is "multiple values").
+    kwargs.pop("pretrained_cfg_overlay", None)
     return {
         "architecture": architecture,
         "num_classes": len(run.class_names),
@@ -136,7 +150,9 @@ def onnx_data_path(path: Path) -> Path:
     return path.with_name(path.name + ONNX_DATA_SUFFIX)
 
 
-def save_onnx(model: nn.Module, path: Path, meta: dict[str, str], image_size: int) -> float | None:
+def save_onnx(
+    model: nn.Module, path: Path, meta: dict[str, str], image_size: int, instead: str = ONNX_INSTEAD
+) -> float | None:
     """The plain model as ONNX (dynamic batch); returns the largest logit difference onnxruntime gives, if installed.
 
     A model whose weights pass protobuf's 2 GiB (:data:`ONNX_WEIGHTS_LIMIT`) keeps them in one file beside
@@ -146,8 +162,8 @@ def save_onnx(model: nn.Module, path: Path, meta: dict[str, str], image_size: in
     the folder of an export killed before it could remove it is removed here (:func:`remove_killed_exports`).
 
     Raises:
-        RuntimeError: torch's exporter cannot trace the model (timm's EVA), or onnxruntime disagrees with torch by
-            more than :data:`ONNX_TOLERANCE`.
+        RuntimeError: torch's exporter cannot trace the model (timm's EVA), onnxruntime cannot run the graph or
+            disagrees with torch by more than :data:`ONNX_TOLERANCE` (one line ending in ``instead``: what to do).
 
     """
     example = torch.randn(2, 3, image_size, image_size, generator=torch.Generator().manual_seed(0))
@@ -156,11 +172,12 @@ def save_onnx(model: nn.Module, path: Path, meta: dict[str, str], image_size: in
     work, held = _work_folder(path)
     try:
         written = work / path.name
-        _torch_onnx_export(model, example, written, meta)
+        _torch_onnx_export(model, example, written, meta, instead)
         large = _save_onnx_with_metadata(written, meta)
-        gap = _onnx_gap(written, model, example)
+        gap = _onnx_gap(written, model, example, instead)
         if gap is not None and gap > ONNX_TOLERANCE:
-            raise RuntimeError(f"onnxruntime's logits differ from torch's by {gap:.2e} (> {ONNX_TOLERANCE})")
+            # A graph traced at one batch size that is wrong at others (a shape kept as a constant) lands here too.
+            raise RuntimeError(f"onnxruntime's logits differ from torch's by {gap:.2e} (> {ONNX_TOLERANCE}): {instead}")
         _move_onnx_in(written, path, large)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -249,7 +266,9 @@ def _output_held() -> Iterator[None]:
             stream.write(file.read().decode(errors="replace"))
 
 
-def _torch_onnx_export(model: nn.Module, example: torch.Tensor, path: Path, meta: dict[str, str]) -> None:
+def _torch_onnx_export(
+    model: nn.Module, example: torch.Tensor, path: Path, meta: dict[str, str], instead: str = ONNX_INSTEAD
+) -> None:
     # torch's TorchScript exporter writes the whole graph to the process's stdout, from C++, before it raises on an
     # operator it cannot export (NaFlexVit's antialiased bicubic resize: some 200 lines above the one-line refusal;
     # torch 2.9's setup_onnx_logging turns that log on always).  What it writes is held back, shown only on success.
@@ -265,8 +284,7 @@ def _torch_onnx_export(model: nn.Module, example: torch.Tensor, path: Path, meta
         except Exception as error:  # noqa: BLE001  (a model torch's exporter cannot trace: timm's EVA)
             first = str(error).splitlines()[0] if str(error) else type(error).__name__
             raise RuntimeError(
-                f"torch.onnx.export cannot export {meta.get('timm_model', 'this model')} ({first}): "
-                "export a folder or a .safetensors file instead"
+                f"torch.onnx.export cannot export {meta.get('timm_model', 'this model')} ({first}): {instead}"
             ) from None
 
 
@@ -322,7 +340,7 @@ def require_onnx(out: Path) -> None:
         ) from None
 
 
-def _onnx_gap(path: Path, model: nn.Module, example: torch.Tensor) -> float | None:
+def _onnx_gap(path: Path, model: nn.Module, example: torch.Tensor, instead: str = ONNX_INSTEAD) -> float | None:
     try:
         import onnxruntime
     except ImportError:
@@ -332,10 +350,18 @@ def _onnx_gap(path: Path, model: nn.Module, example: torch.Tensor) -> float | No
     # it first would not lower the export's peak memory, which torch.onnx.export sets.  On a ViT-B/16 (330 MiB of
     # fp32 weights, CPU, onnxruntime 1.32) the exporter rose 965 MiB above the loaded model, the metadata rewrite
     # 361 MiB, this check 230 MiB (the steps' peak resident memory, sampled every 2 ms).
-    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     # A batch size other than the traced one: the batch axis must really be dynamic.
     images = torch.cat([example, example[:1]])
-    (logits,) = session.run(None, {"image": images.numpy()})
+    options = onnxruntime.SessionOptions()
+    options.log_severity_level = 4  # fatal only: the error it logs on stderr is said below, in the one line
+    try:
+        session = onnxruntime.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        (logits,) = session.run(None, {"image": images.numpy()})
+    except Exception as error:  # noqa: BLE001  (onnxruntime's own types: a shape traced as a constant)
+        first = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise RuntimeError(
+            f"onnxruntime cannot run the exported graph on {len(images)} images ({first}): {instead}"
+        ) from None
     with torch.inference_mode():
         expected = model(images).numpy()
     return float(abs(logits - expected).max())
@@ -394,7 +420,8 @@ def check_target(run_dir: str | Path, out: str | Path, overwrite: bool = False) 
 
 
 def export(run_dir: str | Path, out: str | Path, overwrite: bool = False) -> float | None:
-    """Write a run's merged plain model to ``out`` (a timm folder, ``.safetensors`` or ``.onnx``).
+    """Write a run's merged plain model to ``out`` (a timm folder, ``.safetensors`` or ``.onnx``); to ``.onnx``, a
+    method that does not unload is written as petl runs it (:func:`_model_to_write`).
 
     Args:
         run_dir: the run folder.
@@ -407,7 +434,7 @@ def export(run_dir: str | Path, out: str | Path, overwrite: bool = False) -> flo
 
     Raises:
         ValueError: an unknown format, ``out`` inside a run folder, files in the way without ``overwrite``, a
-            method that cannot be unloaded, a run folder that cannot load.
+            method that cannot be unloaded (for a folder or ``.safetensors``), a run folder that cannot load.
         RuntimeError: the onnx package is missing for a ``.onnx`` file, the ONNX check failed, or a file could not be
             written (a full disk).
 
@@ -417,12 +444,12 @@ def export(run_dir: str | Path, out: str | Path, overwrite: bool = False) -> flo
     if out.suffix.lower() == ".onnx":
         require_onnx(out)
     run = load_run(run_dir)
-    model = plain_model(run)
-    meta = metadata(run)
+    model, merged = _model_to_write(run, out)
+    meta = metadata(run, merged)
     with _made_folders_removed_on_failure(out.parent if out.suffix else out):
         try:
             if out.suffix.lower() == ".onnx":
-                return save_onnx(model, out, meta, run.spec.image_size)
+                return save_onnx(model, out, meta, run.spec.image_size, ONNX_INSTEAD if merged else AS_PETL_MODEL)
             if out.suffix:
                 save_safetensors(model, out, meta)
             else:
@@ -432,6 +459,27 @@ def export(run_dir: str | Path, out: str | Path, overwrite: bool = False) -> flo
                 f"cannot write out={out} ({error.strerror or error}): free the space and export again"
             ) from None
     return None
+
+
+def _model_to_write(run: LoadedRun, out: Path) -> tuple[nn.Module, bool]:
+    """The run's plain timm model (:func:`plain_model`) and ``True``; for ONNX, a method that does not unload gives
+    its petl model as it runs (in eval mode) and ``False``: an ONNX graph needs no timm architecture to hold it.
+
+    Raises:
+        ValueError: the method does not unload and ``out`` is a folder or a ``.safetensors`` file (one line saying
+            to export ONNX instead).
+
+    """
+    try:
+        return plain_model(run), True
+    except NotUnloadable as refused:  # nothing changed: the run's model is as load_run built it
+        if out.suffix.lower() == ".onnx":
+            return run.model.eval(), False
+        onnx = out.with_suffix(".onnx") if out.suffix else out.with_name(out.name + ".onnx")
+        raise ValueError(
+            f"method {refused.method!r} cannot be unloaded into a plain timm model: {refused.why}: export it as ONNX "
+            f"instead (out={onnx}: the model as petl runs it), or {AS_PETL_MODEL}"
+        ) from None
 
 
 @contextmanager

@@ -22,7 +22,7 @@ from PIL import Image
 
 import petl.methods  # noqa: F401  (importing the methods registers them)
 from petl import data as petl_data
-from petl.data.folder import IMAGE_EXTENSIONS, class_folders, image_files, not_images, other_unicode_form
+from petl.data.folder import IMAGE_EXTENSIONS, class_folders, image_files, lookalike, not_images
 from petl.data.images import FileListDataset, decode_image, decode_progress
 from petl.deploy.multitask import MultiTask, TaskRefused
 from petl.model import surgery
@@ -311,7 +311,7 @@ def _new_test_folder(run: LoadedRun, root: Path, read: dict[Path, _TestFolder]) 
         raise UsageError(
             f"{shown(test)} has class folders the run was not trained on: {', '.join(map(shown, unknown[:5]))} "
             f"(its classes: {', '.join(run.class_names)}); rename or remove them"
-            + other_unicode_form(unknown, run.class_names, "the run's")
+            + lookalike(unknown, run.class_names, "the run's")
         )
     spec = dataclasses.replace(run.spec, augment=False)
     if root not in read:

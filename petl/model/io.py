@@ -1,13 +1,15 @@
 """Saving and loading trained weights: only the trained tensors, with the method and its config as metadata.
 
-Files are safetensors (nothing is ever unpickled) and carry a SHA-256 of their tensors, which
-:func:`load_trainable` checks: safetensors itself has no checksum.
+Files are safetensors (nothing is ever unpickled) and carry a SHA-256 of their tensors and one of their metadata
+(the method, its options and the backbone they were saved for, with the tensors' hash), which :func:`load_trainable`
+checks: safetensors itself has no checksum.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import errno
+import hashlib
 import json
 import re
 import warnings
@@ -53,8 +55,10 @@ def save_trainable(model: nn.Module, path: str | Path) -> None:
     (``model.requires_grad_(False)`` after training), and any others that require grad (a norm unfrozen beside the
     method, which :func:`load_trainable` restores and makes trainable again).
 
-    The metadata also holds a SHA-256 of the tensors (:func:`petl.model.params.content_hash`): safetensors itself has
-    no checksum, and :func:`load_trainable` refuses a file whose bytes changed since it was written.
+    The metadata also holds a SHA-256 of the tensors (:func:`petl.model.params.content_hash`) and one of the rest of
+    the metadata (:func:`metadata_hash`): safetensors itself has no checksum, and :func:`load_trainable` refuses a
+    file whose tensors or metadata changed since it was written (an option edited that fits the tensors' shapes,
+    LoRA's ``alpha`` say, would load and give other logits).
 
     Args:
         model: a model returned by :func:`apply`.
@@ -68,11 +72,25 @@ def save_trainable(model: nn.Module, path: str | Path) -> None:
         raise ValueError("unmerge the model before saving: merged weights are not trainable tensors")
     _check_not_meta(model, f"saving {path}")
     tensors = {n: t.cpu().contiguous() for n, t in trainable_state(model).items()}
-    data = safetensors.torch.save(tensors, metadata={**_describe(model), "sha256": content_hash(tensors)})
+    meta = {**_describe(model), "sha256": content_hash(tensors)}
+    data = safetensors.torch.save(tensors, metadata={**meta, METADATA_HASH: metadata_hash(meta)})
     # Written by Python, not safetensors.save_file: a full disk then raises OSError(ENOSPC), which
     # callers can handle, instead of safetensors' own SafetensorError.  Whole or not at all: a crash mid-write
     # leaves the file that was there (an earlier save) as it was.
     write_atomic(Path(path), lambda tmp: tmp.write_bytes(data))
+
+
+# The metadata field holding :func:`metadata_hash`; files of earlier petl versions have none (their tensors' hash is
+# checked, their metadata is not).
+METADATA_HASH = "metadata_sha256"
+
+
+def metadata_hash(meta: dict[str, str]) -> str:
+    """SHA-256 of a weights file's metadata, but this hash's own field: the method, its options, the backbone's shape
+    and family, the format and the tensors' hash (so the tensors of another file with theirs do not pass either).
+    """
+    described = {key: value for key, value in meta.items() if key != METADATA_HASH}
+    return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()
 
 
 def _check_not_meta(model: nn.Module, doing: str) -> None:
@@ -160,15 +178,24 @@ def _check_bounded(value: Any, depth: int = 0) -> None:
 
 
 def _read_tensors(path: str | Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a safetensors file, checked against the hash in its metadata when it has one."""
+    """Every tensor of a safetensors file, checked against the hash in its metadata when it has one, and the metadata
+    against :func:`metadata_hash` when it records one (called once the metadata's fields are checked: an edited field
+    that cannot be right is named as such first).
+    """
     try:
         with _open_safetensors(path) as f:
-            recorded = (f.metadata() or {}).get("sha256")
+            meta = f.metadata() or {}
             tensors = {name: f.get_tensor(name) for name in f.keys()}
     except (ValueError, FileNotFoundError):
         raise  # already name the file
     except Exception as error:  # a truncated file passes the header and fails on its tensors
         raise ValueError(f"{path} is not a readable safetensors file ({error})") from None
+    if METADATA_HASH in meta and meta[METADATA_HASH] != metadata_hash(meta):
+        raise ValueError(
+            f"{path} is corrupt: its metadata (method, options, backbone) do not match the hash recorded when it was "
+            "saved: restore the file as petl.save_trainable wrote it"
+        )
+    recorded = meta.get("sha256")
     if recorded is None:
         warnings.warn(
             f"{path} has no content hash (written by an older petl): its tensors are not verified", stacklevel=3
@@ -233,7 +260,10 @@ def load_trainable(model: nn.Module, path: str | Path) -> nn.Module:
     meta = read_trainable_metadata(path)
     for key, have in (("embed_dim", bb.widths()[0]), ("depth", bb.depth()), ("widths", bb.widths())):
         if have != meta[key]:
-            raise ValueError(f"{path} was saved for a backbone with {key}={meta[key]}, this one has {key}={have}")
+            raise ValueError(
+                f"{path} was saved for a backbone with {key}={meta[key]}, this one has {key}={have}: load it onto the "
+                "backbone it was trained on"
+            )
     # Files saved before the family was recorded hold no "backbone": their shapes are all that is checked.
     if meta.get("backbone", bb.kind) != bb.kind:
         raise ValueError(
@@ -242,14 +272,20 @@ def load_trainable(model: nn.Module, path: str | Path) -> nn.Module:
         )
     fresh = getattr(model, "petl_method", None) is None
     if not fresh and model.petl_method != meta["method"]:
-        raise ValueError(f"{path} holds method {meta['method']!r}, the model carries {model.petl_method!r}")
+        raise ValueError(
+            f"{path} holds method {meta['method']!r}, the model carries {model.petl_method!r}: load it onto a fresh "
+            f"backbone (it applies {meta['method']!r} itself), or give a file of {model.petl_method!r}"
+        )
     if not fresh:
         have = dataclasses.asdict(model.petl_config)
         for key, value in meta["config"].items():
             if key == "num_classes" and value is None:
                 continue
             if json.loads(json.dumps(have.get(key))) != value:
-                raise ValueError(f"{path} was saved with {key}={value!r}, the model has {key}={have.get(key)!r}")
+                raise ValueError(
+                    f"{path} was saved with {key}={value!r}, the model has {key}={have.get(key)!r}: load it onto a "
+                    "fresh backbone (it applies the options it was saved with)"
+                )
     if any(getattr(m, "merged", False) for m in model.modules()):
         raise ValueError(
             "unmerge the model before loading trainable weights (petl.unmerge(model)): its update is in its weights"

@@ -42,24 +42,36 @@ def merge_updates(model: nn.Module) -> nn.Module:
     """Fold every mergeable wrapper's update into its frozen base weight (in place); see :func:`petl.merge`.
 
     All or nothing: a wrapper that refuses (a non-finite update, a layer without the bias a shift needs)
-    raises after the wrappers merged before it are unmerged again, so the model is never half merged.
+    raises after the wrappers merged before it are unmerged again and their tensors put back bit for bit, so the
+    model is never half merged, nor changed at all.
     """
     check_module(model)
-    done: list[nn.Module] = []
+    done: list[tuple[nn.Module, list[torch.Tensor]]] = []  # each merged wrapper, with its tensors as they were
     names = {id(m): name for name, m in model.named_modules()}
     try:
         for module in _mergeables(model):
             if not getattr(module, "merged", False):
+                # Unmerging subtracts the update again, which rounds: W + U - U is not W in the last bits, and a
+                # refused merge left the frozen weights (and their hash in model.json) changed.  A CPU copy while
+                # the loop runs puts them back exactly.
+                kept = [t.detach().to("cpu", copy=True) for t in _tensors(module)]
                 try:
                     module.merge()
                 except ValueError as error:  # the wrapper's reason, with where it is
                     raise ValueError(f"{names[id(module)]}: {error}") from None
-                done.append(module)
+                done.append((module, kept))
     except Exception:
-        for module in reversed(done):
-            module.unmerge()
+        for module, kept in reversed(done):
+            module.unmerge()  # the wrapper's own state (petl's merged mark, peft's merged adapters)
+            for tensor, value in zip(_tensors(module), kept, strict=True):
+                tensor.copy_(value)
         raise
     return model
+
+
+def _tensors(module: nn.Module) -> list[torch.Tensor]:
+    """Every parameter and buffer of a wrapper (its base layer's with them), in one order."""
+    return [*module.parameters(), *module.buffers()]
 
 
 @torch.no_grad()

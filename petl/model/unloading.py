@@ -27,6 +27,17 @@ from petl.model.wrappers import PetlModule, check_module
 USE_AS_IT_IS = "(use it as a petl model: petl-predict or petl-serve on its run folder, petl.load_run in Python)"
 
 
+class NotUnloadable(ValueError):
+    """A model :func:`unload` refuses, before anything changed: ``why`` names what does not fold into the backbone.
+
+    Its message adds what to use instead (:data:`USE_AS_IT_IS`); petl-export says its own remedy with ``why``.
+    """
+
+    def __init__(self, method: str | None, why: str) -> None:
+        self.method, self.why = method, why
+        super().__init__(f"method {method!r} cannot be unloaded into a plain timm model: {why} {USE_AS_IT_IS}")
+
+
 def _base_of(module: nn.Module) -> nn.Module | None:
     """The module a mergeable wrapper stands for (petl's ``base``, peft's ``get_base_layer()``), else None."""
     if isinstance(module, PetlModule):
@@ -41,20 +52,14 @@ def _check_unloadable(model: nn.Module) -> None:
     method = getattr(model, "petl_method", None)
     for name, module in model.named_modules():
         if isinstance(module, PetlModule) and not module.mergeable:
-            raise ValueError(
-                f"method {method!r} cannot be unloaded into a plain timm model: its {type(module).__name__} "
-                f"at {name} does not fold into the backbone {USE_AS_IT_IS}"
-            )
+            raise NotUnloadable(method, f"its {type(module).__name__} at {name} does not fold into the backbone")
     bb = backbone_of(model)
     head, plain = bb.head(), bb.plain_head_types()
     # A mergeable wrapper on the head (peft's LoRA on a Swin's head.fc) folds away: check the Linear it stands for.
     while _base_of(head) is not None:
         head = _base_of(head)
     if type(head) not in plain:
-        raise ValueError(
-            f"method {method!r} cannot be unloaded into a plain timm model: its head is a {type(head).__name__}, "
-            f"timm's is a {plain[0].__name__} {USE_AS_IT_IS}"
-        )
+        raise NotUnloadable(method, f"its head is a {type(head).__name__}, timm's is a {plain[0].__name__}")
 
 
 @torch.no_grad()
@@ -72,8 +77,8 @@ def unload(model: nn.Module) -> nn.Module:
         backbone, BitFit's biases say, train; the rest is frozen): ``model.requires_grad_(True)`` to train it whole.
 
     Raises:
-        ValueError: the method adds modules that cannot fold into the backbone, or a layer refuses to merge its
-            update (nothing is changed).
+        NotUnloadable: (a ValueError) the method adds modules that cannot fold into the backbone, or a layer refuses
+            to merge its update (nothing is changed).
 
     """
     _check_unloadable(model)
@@ -85,10 +90,7 @@ def unload(model: nn.Module) -> nn.Module:
         try:
             merge_updates(model)
         except ValueError as error:  # a layer that cannot hold its update (SSF's shift on a qkv without bias)
-            raise ValueError(
-                f"method {getattr(model, 'petl_method', None)!r} cannot be unloaded into a plain timm model: {error} "
-                f"{USE_AS_IT_IS}"
-            ) from None
+            raise NotUnloadable(getattr(model, "petl_method", None), str(error)) from None
     # Outermost first: a replaced wrapper's inner modules are gone with it.
     for name, module in list(model.named_modules()):
         base = _base_of(module)

@@ -68,6 +68,9 @@ class RunResult:
     # keep it in ``extra``, so the version stays.
     tf32: bool | None = None
     effective_batch_size: int | None = None
+    # Optimizer steps the run took over all its epochs (per process); null in records written before petl recorded
+    # it.  A field added, not changed: older readers keep it in ``extra``, so the version stays.
+    optimizer_steps: int | None = None
     versions: dict[str, str | None] | None = None
     git_commit: str | None = None
     git_dirty: bool | None = None
@@ -152,7 +155,7 @@ _FLAGS = ("pretrained", "compiled", "tf32", "git_dirty", "has_test_split")
 # Integers (never true/false), with their least value: a model has parameters and a task classes.
 _COUNTS = {
     "seed": 0, "num_classes": 1, "total_params": 1, "trainable_params": 0, "trainable_params_no_head": 0,
-    "epochs": 0, "num_processes": 1, "effective_batch_size": 1,
+    "epochs": 0, "num_processes": 1, "effective_batch_size": 1, "optimizer_steps": 1,
 }  # fmt: skip
 _PERCENTS = ("val_top1", "best_val_top1", "test_top1", "final_train_top1")
 _AMOUNTS = ("train_seconds", "test_seconds", "wall_seconds", "images_per_second", "peak_memory_mb")  # >= 0

@@ -13,7 +13,9 @@ outside the run folder are refused in one line instead of silently giving other 
 
 :func:`write_card` is the card's one writer and :func:`read_card` its one reader.  A card of the first
 format (``petl-model-1``: no weights hash, no ``img_size``) still loads, with one line saying what
-could not be checked; one of a newer format than this petl knows is refused, saying so.
+could not be checked; one of a newer format than this petl knows is refused, saying so.  From format 3 on,
+``backbone.kwargs`` may hold ``pretrained_cfg_overlay={"input_size": [3, N, N]}`` (N the card's input size): the
+size a NaFlexVit, which sizes its images by its pretrained config, was trained at; older cards never held it.
 
     run = petl.load_run("runs/folder/.../seed0")
     logits = run.model(run.preprocess(PIL.Image.open("cat.png"))[None])
@@ -52,7 +54,7 @@ from petl.utils.paths import file_sha256
 
 log = logging.getLogger(__name__)
 
-VERSION = 2  # of the card's format; read_card reads this one and every older one
+VERSION = 3  # of the card's format; read_card reads this one and every older one
 FORMAT = f"petl-model-{VERSION}"
 _FORMAT_PATTERN = re.compile(r"petl-model-([1-9][0-9]*)")  # formats count from 1
 
@@ -85,6 +87,33 @@ _FIELDS_SINCE = {2: {"weights_sha256": str, "backbone.kwargs.img_size": int}}
 # timm.create_model's arguments that name a file or a place to load weights from.  A card never steers file
 # loading: the one file it may name is backbone.checkpoint, checked by its SHA-256 (create_backbone).
 FILE_KWARGS = frozenset({"pretrained_cfg", "pretrained_cfg_overlay", "checkpoint_path", "cache_dir"})
+# The one pretrained_cfg_overlay petl takes (card format 3 on): {"input_size": [3, N, N]}, the size a model that
+# sizes its images by its pretrained config (timm's NaFlexVit) is built for.  Its other keys could name a file
+# (file, url, hf_hub_id) or change what the card does not record.
+OVERLAY = "pretrained_cfg_overlay"
+OVERLAY_SINCE = 3
+
+
+def overlay_problem(overlay: Any) -> str | None:
+    """What keeps ``overlay`` (a ``pretrained_cfg_overlay``) from being ``{"input_size": [3, N, N]}``, or ``None``.
+
+    Returns:
+        A phrase to follow the field's name (``.file: petl takes only input_size of it``).
+
+    """
+    if not isinstance(overlay, dict):
+        return f"={json.dumps(overlay)[:60]} is not a mapping: petl takes only {{input_size: [3, N, N]}}"
+    other = sorted(set(overlay) - {"input_size"})
+    if other:
+        return (
+            f".{other[0]}: petl takes only input_size of it (other keys could make timm load a file petl does not "
+            "check, or change the model in ways model.json does not record)"
+        )
+    size = overlay.get("input_size")
+    square = isinstance(size, list | tuple) and len(size) == 3 and size[0] == 3 and size[1] == size[2]
+    if not square or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in size):
+        return f".input_size={json.dumps(size)[:60]} is not [3, N, N] (petl's images are square RGB)"
+    return None
 
 
 class RunFolderError(ValueError):
@@ -263,12 +292,9 @@ def read_card(run_dir: str | Path) -> dict[str, Any]:
             f"{card_path}: field preprocess.input_size is {card['preprocess']['input_size']}, the backbone is built at "
             f"backbone.kwargs.img_size={card['backbone']['kwargs']['img_size']}: restore the run's model.json"
         )
-    steering = sorted(FILE_KWARGS & set(card["backbone"]["kwargs"]))
-    if steering:
-        raise RunFolderError(
-            f"{card_path}: backbone.kwargs.{steering[0]} would make timm load a file the card names; petl loads "
-            "only backbone.checkpoint, checked by its SHA-256: restore the run's model.json"
-        )
+    problem = _kwargs_problem(card, version)
+    if problem is not None:
+        raise RunFolderError(f"{card_path}: {problem}: restore the run's model.json")
     try:
         get_method(card["method"])
     except ValueError as error:
@@ -350,6 +376,33 @@ def _check_fields(card: dict[str, Any], card_path: Path, version: int) -> None:
             )
 
 
+def _kwargs_problem(card: dict[str, Any], version: int) -> str | None:
+    """What is wrong with a card's ``backbone.kwargs`` that steer timm's loading, or ``None``.
+
+    From format 3 on, a ``pretrained_cfg_overlay`` of the card's own input size alone is the run's (petl-run
+    writes it from ``model.kwargs``); every other such argument, and any in an older card, was put there by hand.
+    """
+    kwargs = card["backbone"]["kwargs"]
+    for key in sorted(FILE_KWARGS & set(kwargs)):
+        if key != OVERLAY:
+            return (
+                f"backbone.kwargs.{key} would make timm load a file the card names; petl loads only "
+                "backbone.checkpoint, checked by its SHA-256"
+            )
+        if version < OVERLAY_SINCE:
+            return f"backbone.kwargs.{key} is in a petl-model-{version} card, which petl never wrote with one"
+        problem = overlay_problem(kwargs[key])
+        if problem is not None:
+            return f"backbone.kwargs.{key}{problem}"
+        size = card["preprocess"]["input_size"]
+        if kwargs[key]["input_size"] != [3, size, size]:
+            return (
+                f"backbone.kwargs.{key}.input_size is {kwargs[key]['input_size']}, not the [3, {size}, {size}] of "
+                "preprocess.input_size"
+            )
+    return None
+
+
 def _preprocess_problem(card: dict[str, Any]) -> str | None:
     """What is wrong with a card's class names or preprocessing values (their types are checked), or ``None``.
 
@@ -410,7 +463,8 @@ def create_backbone(backbone: dict[str, Any], card_path: str | Path = MODEL_FILE
                 f"the backbone's weights file {checkpoint} changed since the run (its sha256 is not "
                 "backbone.checkpoint_sha256): put back the file the run was trained with"
             )
-        kwargs["pretrained_cfg_overlay"] = {"file": str(checkpoint)}
+        # Beside the run's own overlay (its input_size), which the file does not replace.
+        kwargs[OVERLAY] = {**kwargs.get(OVERLAY, {}), "file": str(checkpoint)}
     # The same generator state petl-run had when it built the backbone (a random init is drawn from it),
     # without disturbing the caller's.
     with torch.random.fork_rng(devices=[]), hub.offline_unless_reachable():

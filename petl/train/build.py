@@ -229,7 +229,8 @@ def create_backbone(cfg: DictConfig) -> nn.Module:
             raise ConfigError(f"model.checkpoint={m.checkpoint}: no such file")
         if not m.pretrained:
             raise ConfigError("model.checkpoint is set but model.pretrained=false: the file would be ignored")
-        kwargs["pretrained_cfg_overlay"] = {"file": str(m.checkpoint)}
+        # Beside the run's own overlay (its input_size, model_kwargs), which the file does not replace.
+        kwargs["pretrained_cfg_overlay"] = {**kwargs.get("pretrained_cfg_overlay", {}), "file": str(m.checkpoint)}
     try:
         # Offline, hub weights fail at once (a cached copy still loads) instead of after half a minute of retries.
         with hub.offline_unless_reachable():
@@ -240,7 +241,7 @@ def create_backbone(cfg: DictConfig) -> nn.Module:
         if not m.pretrained:
             raise
         if m.checkpoint:
-            kwargs.pop("pretrained_cfg_overlay")
+            kwargs = config.model_kwargs(cfg)  # without the file
             try:
                 why = run_card.checkpoint_mismatch(m.name, kwargs, m.checkpoint)
             except Exception as reading:  # not a weights file at all
@@ -264,9 +265,13 @@ def _kwargs_mismatch(cfg: DictConfig, kwargs: dict[str, Any]) -> str | None:
     """Why the pretrained weights failed to load into the architecture ``model.kwargs`` changed, or ``None``.
 
     A kwarg that changes the architecture (``depth``, ``global_pool``...) is bad input, not a failed download: the
-    weights were made for the model without it.  ``img_size`` is left out: timm resamples the position grid.
+    weights were made for the model without it.  ``img_size`` and ``pretrained_cfg_overlay`` (its input size) are
+    left out: timm resamples the position grid.
     """
-    changed = {key: value for key, value in cfg.model.kwargs.items() if key != "img_size"}
+    # The overlay's input_size sizes the images, not the weights' shapes (timm resamples the grid to it).
+    changed = {
+        key: value for key, value in cfg.model.kwargs.items() if key not in ("img_size", "pretrained_cfg_overlay")
+    }
     if not changed:
         return None
     try:
@@ -447,7 +452,7 @@ def _warn_copies(built: dict[str, Dataset]) -> None:
 def eval_spec(cfg: DictConfig, model: nn.Module, info: petl_data.DatasetInfo) -> petl_data.ImageSpec:
     """The preprocessing the run evaluated with: the backbone's size, mean/std, interpolation; the task's crop."""
     image = _image_options(cfg, model)
-    crop = info.group == "fgvc" if image["augment"] is None else bool(image["augment"])
+    crop = info.crops(image["augment"])
     return petl_data.ImageSpec(
         image_size=image["image_size"], mean=tuple(image["mean"]), std=tuple(image["std"]),
         interpolation=image["interpolation"], crop=crop,

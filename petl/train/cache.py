@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 from petl.model import timm_api
 from petl.model.backbone import backbone_of, family_of
 from petl.model.wrappers import PetlModule
+from petl.utils.errors import ConfigError
 from petl.utils.progress import progress_bar
 
 log = logging.getLogger(__name__)
@@ -70,8 +71,26 @@ def _replaced(model: nn.Module, name: str) -> bool:
     return own is not None and not (isinstance(own, functools.partial) and own.func is timm_api.forward_head)
 
 
-# Why plan() finds nothing to cache, as the refusal of train.cache_features=false says it.
+# Why a run caches nothing, as the refusal of train.cache_features=false says it: plan() finds nothing frozen in
+# front of what trains, the backbone runs in train mode, the training images are augmented.
 NOTHING_FROZEN = "nothing in front of what the method trains is frozen"
+BACKBONE_TRAINS = "train.backbone_mode is train, the frozen front is stochastic"
+AUGMENTED = "the training images are augmented (a new crop and flip each epoch)"
+
+
+class CacheOptionError(ConfigError):
+    """``train.cache_features=false`` where the run caches nothing either way; ``reason`` says why.
+
+    Its own class so that a sweep's check before it trains (:func:`petl.bench.sweep.check_configs`, petl-run's check
+    of a ``--multirun``'s jobs) can gather every run that refuses it into one line, instead of stopping at the first.
+    """
+
+    def __init__(self, reason: str, method: str | None = None) -> None:
+        said = f"method {method} caches nothing ({reason})" if method else reason
+        super().__init__(
+            f"train.cache_features=false cannot act: {said}, so no features are cached either way; drop it"
+        )
+        self.reason = reason
 
 
 def plan(model: nn.Module) -> CachePlan | None:
@@ -119,16 +138,33 @@ def decide(
     found = plan(model)
     if found is None:
         return None, NOTHING_FROZEN
+    unsettled = uncached_by_settings(backbone_trains=backbone_trains, augmented=augmented)
+    if unsettled is not None:
+        return None, unsettled
+    if not fits(model, found, sizes):
+        needed = cache_bytes(model, found, sum(sizes)) / 2**30
+        # The amount and the limit both: "would exceed 8 GiB" left the user to guess how far over a run was.
+        return None, (
+            f"the cache of {sum(sizes)} images would take {needed:.3g} GiB, over its limit of "
+            f"{MAX_CACHE_BYTES / 2**30:.3g} GiB"
+        )
+    return found, None
+
+
+def uncached_by_settings(*, backbone_trains: bool, augmented: bool) -> str | None:
+    """Why the run's settings leave nothing to cache whatever the model (see :func:`decide`), else ``None``.
+
+    Both are known from the config alone, so composing a config (:func:`petl.train.config.check_cache_option_acts`)
+    refuses ``train.cache_features=false`` for them before any run starts.
+    """
     if backbone_trains:
         # A cached front runs once in eval mode; with the backbone in train mode its dropout and drop-path must act
         # on every step, so nothing can be cached.
-        return None, "train.backbone_mode is train, the frozen front is stochastic"
+        return BACKBONE_TRAINS
     if augmented:
         # A cached image would be one random crop and flip reused every epoch: the augmentation would be lost.
-        return None, "the training images are augmented (a new crop and flip each epoch)"
-    if not fits(model, found, sizes):
-        return None, f"the cache would exceed {MAX_CACHE_BYTES // 2**30} GiB"
-    return found, None
+        return AUGMENTED
+    return None
 
 
 class _Captured(Exception):
@@ -179,17 +215,24 @@ class CachedTail(nn.Module):
         return captured[0]
 
 
-def _estimate_bytes(model: nn.Module, cache_plan: CachePlan, num_items: int) -> int:
+def cache_bytes(model: nn.Module, cache_plan: CachePlan, num_items: int) -> int:
+    """What :func:`cache_split` keeps for ``num_items`` images, in bytes: float32 tensors, as the front returns them.
+
+    Pre-logits features, or the tokens leaving the block in front of the cut (what
+    :meth:`~petl.model.backbone.base.Backbone.block_input_module` receives): a Swin's cut in a later stage holds that
+    stage's grid and width (or, at a stage's opening, the stage before's, in front of its PatchMerging), not the first
+    stage's grid at the cut's width (twice the size at the second stage's opening, 64 times inside the fourth stage).
+    """
     bb = backbone_of(model)
     if cache_plan.features:
         return num_items * bb.num_features() * 4
-    widths = bb.widths()
-    return num_items * bb.num_tokens() * widths[min(cache_plan.start, len(widths) - 1)] * 4
+    leaving = cache_plan.start - 1  # plan() caches nothing in front of block 0
+    return num_items * bb.block_tokens()[leaving] * bb.widths()[leaving] * 4
 
 
 def fits(model: nn.Module, cache_plan: CachePlan, sizes: list[int]) -> bool:
     """Whether caching splits of these sizes stays under :data:`MAX_CACHE_BYTES`."""
-    return _estimate_bytes(model, cache_plan, sum(sizes)) <= MAX_CACHE_BYTES
+    return cache_bytes(model, cache_plan, sum(sizes)) <= MAX_CACHE_BYTES
 
 
 @torch.no_grad()

@@ -42,7 +42,9 @@ from petl.model.surgery import check_supported
 from petl.train.engine import TrainSettings
 from petl.train.options import check_options, neutral_keys, option
 from petl.train.readers import (  # noqa: F401 (re-exported)
+    RUNNER_FIELDS,
     check_built_size,
+    check_overlay_size,
     data_info,
     data_options,
     image_size,
@@ -58,9 +60,6 @@ CONFIG_GROUPS = ("method", "data", "model", "train")
 # are what runs, save for the fallbacks make_accelerator logs (fp16 or tf32 without a GPU, bf16 without support).
 PRECISIONS = ("auto", "no", "tf32", "bf16", "fp16")
 TRACKERS = tuple(LOGGER_TYPE_TO_CLASS)
-
-# Method fields the runner fills in itself (from the dataset), so they are not command-line options.
-RUNNER_FIELDS = ("num_classes",)
 
 
 def _check_trackers(key: str, trackers: Sequence[str]) -> None:
@@ -129,6 +128,8 @@ class ModelConfig:
             and this default that no block in train mode holds is refused (so is a ``model.kwargs`` dropout rate).
         kwargs: extra keyword arguments for ``timm.create_model`` (e.g. ``+model.kwargs.depth=2``); ``num_classes``
             is refused (the data sets it), and one the pretrained weights do not fit is named with their keys.
+            ``pretrained_cfg_overlay`` is taken only as ``{input_size: [3, N, N]}``: the size a NaFlexVit, which
+            sizes its images by its pretrained config, trains at (``model.json`` carries it).
 
     """
 
@@ -149,7 +150,9 @@ class TrainConfig(TrainSettings):
 
     Attributes:
         batch_size: training images per step and process (effective batch: x processes x grad_accum); also the
-            batch of a method's calibrate hook (GPS's selection gradient, NOAH's supernet steps).
+            batch of a method's calibrate hook (GPS's selection gradient, NOAH's supernet steps).  One above the
+            training images takes them all a step (not refused: the default is above small folders); the first line
+            and result.json's ``effective_batch_size`` give the batch that ran.
         eval_batch_size: images per step when evaluating.
         grad_accum: micro-batches accumulated per optimizer step; each step's gradient is the mean over its images,
             as one batch of them would give, also for an epoch's last step of fewer or shorter batches.  More than
@@ -620,13 +623,20 @@ def check_method(cfg: DictConfig) -> None:
         raise ConfigError(f"model.kwargs: {error}") from None
     # The refusal names the key the size was given as.
     key = "model.img_size" if cfg.model.img_size is not None else "model.kwargs.img_size"
-    check_built_size(model, cfg.model.name, kwargs.get("img_size"), key=key)
+    built = check_built_size(model, cfg.model.name, kwargs.get("img_size"), key=key)
+    check_overlay_size(built, cfg.model.name, kwargs)
     num_classes = data_info(cfg).num_classes
+    try:
+        options = method_options(cfg)
+    except ConfigError:
+        raise  # a runner field given: the message names its key
+    except ValueError as error:
+        raise method_error(cfg.method.name, error) from None
     try:
         # The backbone first: a method's options are read against a backbone it supports (SCT's default top_n
         # asks for a single width, which a Swin has not).
         check_supported(model, cfg.method.name)
-        method_cfg = make_config(cfg.method.name, num_classes=num_classes, **method_options(cfg))
+        method_cfg = make_config(cfg.method.name, num_classes=num_classes, **options)
         method_cfg.validate(model)
     except ValueError as error:
         raise method_error(cfg.method.name, error) from None
@@ -649,24 +659,33 @@ def _stochastic_options(cfg: DictConfig) -> dict[str, type]:
     return chosen
 
 
-def check_cache_option_acts(cfg: DictConfig, model: Any) -> None:
-    """Refuse ``train.cache_features=false`` on a model, its method applied, that leaves nothing to cache (LoRA).
+def check_cache_option_acts(cfg: DictConfig, model: Any | None) -> None:
+    """Refuse ``train.cache_features=false`` where the run would cache nothing anyway (``cache.decide``'s reasons).
 
-    Checked on the meta model when the config is composed (not for a method whose calibration chooses where it
-    acts: NOAH's search may leave the first block as it is) and again by the runner on the real one, which also
-    refuses it where the backbone trains or the images are augmented.
+    A model, its method applied, that leaves nothing frozen in front of what trains (LoRA), a backbone that runs in
+    train mode, augmented training images (``data.augment``, on by default for fgvc/* tasks).  Checked on the meta
+    model when the config is composed, so that a sweep's check before it trains finds every run that refuses it
+    (``model`` ``None`` where the meta model cannot tell: a method whose calibration chooses where it acts, as NOAH's
+    search may leave the first block as it is, or one the meta device cannot apply; the settings are checked still),
+    and again by the runner on the real model, which also refuses it where the cache would exceed its size limit.
 
     Raises:
-        ConfigError: naming the option and the method.
+        CacheOptionError: naming the option and why nothing is cached (its ``reason``).
 
     """
     from petl.train import cache
 
-    if not cfg.train.cache_features and cache.plan(model) is None:
-        raise ConfigError(
-            f"train.cache_features=false cannot act: method {cfg.method.name} caches nothing ({cache.NOTHING_FROZEN}), "
-            "so no features are cached either way; drop it"
-        )
+    if cfg.train.cache_features:
+        return
+    if model is not None and cache.plan(model) is None:
+        raise cache.CacheOptionError(cache.NOTHING_FROZEN, cfg.method.name)
+    mode = cfg.train.backbone_mode
+    # The method's reference mode under auto, as engine.backbone_mode reads it off the applied model.
+    trains = (get_method(cfg.method.name).config_cls.backbone_mode if mode == "auto" else mode) == "train"
+    augmented = petl_data.get_info(cfg.data.name).crops(cfg.data.augment)
+    reason = cache.uncached_by_settings(backbone_trains=trains, augmented=augmented)
+    if reason is not None:
+        raise cache.CacheOptionError(reason)
 
 
 def check_grad_checkpointing_acts(cfg: DictConfig, model: Any) -> None:
@@ -693,12 +712,12 @@ def _check_applied(cfg: DictConfig, model: Any, method_cfg: Any) -> None:
     """Check the options whose effect depends on the method's modules on the meta model, the method applied.
 
     ``train.grad_checkpointing`` (refused by the side networks, and where only the head trains),
-    ``train.cache_features=false`` (refused where the method leaves nothing frozen to cache) and a chosen dropout or
-    drop-path rate (``model.drop_path``, ``model.kwargs.drop_rate``...), which acts only in the modules that run in
-    train mode: with the backbone in eval mode (``train.backbone_mode``, by default the method's reference choice:
-    VPT, linear, Mlp-k, Partial-k) only those that train.  Skipped, at no cost, when none is asked for.  And a
-    ``train.backbone_mode`` given on a backbone without any dropout, drop-path rate or BatchNorm, where it has
-    nothing to act on.
+    ``train.cache_features=false`` (refused where the run would cache nothing: :func:`check_cache_option_acts`) and a
+    chosen dropout or drop-path rate (``model.drop_path``, ``model.kwargs.drop_rate``...), which acts only in the
+    modules that run in train mode: with the backbone in eval mode (``train.backbone_mode``, by default the method's
+    reference choice: VPT, linear, Mlp-k, Partial-k) only those that train.  Skipped, at no cost, when none is asked
+    for.  And a ``train.backbone_mode`` given on a backbone without any dropout, drop-path rate or BatchNorm, where it
+    has nothing to act on.
 
     Raises:
         ConfigError: naming the option, why it cannot act, and what to do.
@@ -722,9 +741,10 @@ def _check_applied(cfg: DictConfig, model: Any, method_cfg: Any) -> None:
         with torch.device("meta"):
             apply(model, method_cfg)
     except Exception:  # anything the meta device cannot do is left to the run, which applies the method for real
+        check_cache_option_acts(cfg, None)  # its settings are known all the same
         return
-    if get_method(name).calibrate is None:  # a calibrated method is checked once its calibration chose
-        check_cache_option_acts(cfg, model)
+    # A calibrated method's frozen front is checked once its calibration chose.
+    check_cache_option_acts(cfg, model if get_method(name).calibrate is None else None)
     if cfg.train.grad_checkpointing:
         check_grad_checkpointing_acts(cfg, model)
         enable_grad_checkpointing(model)

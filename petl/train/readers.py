@@ -14,11 +14,14 @@ from timm.data import resolve_data_config
 import petl.methods  # noqa: F401  (importing the methods registers them)
 from petl import data as petl_data
 from petl.model.registry import get_method
-from petl.store.run_card import FILE_KWARGS
+from petl.store.run_card import FILE_KWARGS, OVERLAY, overlay_problem
 from petl.utils.checks import to_str_tuple
 from petl.utils.errors import ConfigError, UnreachableError
 
-__all__ = ["data_info", "data_options", "image_size", "method_options", "model_kwargs"]
+__all__ = ["RUNNER_FIELDS", "data_info", "data_options", "image_size", "method_options", "model_kwargs"]
+
+# Method fields the runner fills in itself (from the dataset), so they are not command-line options.
+RUNNER_FIELDS = ("num_classes",)
 
 
 def data_options(cfg: DictConfig) -> dict[str, Any]:
@@ -50,10 +53,21 @@ def method_options(cfg: DictConfig) -> dict[str, Any]:
 
     Lists (the command line's form of a ``tuple[str, ...]`` field, see :func:`_cli_type`) go back
     to tuples through :func:`petl.utils.checks.to_str_tuple`, the one normaliser the configs use too.
+
+    Raises:
+        ConfigError: a field the runner fills in from the data (``+method.num_classes=4``), which the method node
+            leaves out.
+
     """
     options = OmegaConf.to_container(cfg.method, resolve=True)
     assert isinstance(options, dict)
     name = options.pop("name")
+    for key in RUNNER_FIELDS:
+        if key in options:  # added with + (or a dict): make_config would get it twice, a TypeError's traceback
+            raise ConfigError(
+                f"method.{key}={options[key]}: the head's class count comes from the data ({cfg.data.name}'s "
+                "classes): drop it"
+            )
     hints = typing.get_type_hints(get_method(name).config_cls)
     for key, value in options.items():
         if typing.get_origin(hints.get(key)) is tuple and isinstance(value, list):
@@ -68,16 +82,20 @@ def model_kwargs(cfg: DictConfig) -> dict[str, Any]:
         ConfigError: ``model.img_size`` and ``model.kwargs.img_size`` both given, with different values;
             ``model.kwargs.num_classes`` (the data sets the head's classes); a
             kwarg that makes timm load a file (``checkpoint_path``...), which the run's ``model.json`` could
-            not carry (:func:`petl.store.run_card.read_card` refuses it).
+            not carry (:func:`petl.store.run_card.read_card` refuses it); a ``pretrained_cfg_overlay`` other than
+            ``{input_size: [3, N, N]}``, the one the card carries (a NaFlexVit's training size).
 
     """
     kwargs = dict(OmegaConf.to_container(cfg.model.kwargs, resolve=True))
-    steering = sorted(FILE_KWARGS & set(kwargs))
+    steering = sorted((FILE_KWARGS - {OVERLAY}) & set(kwargs))
     if steering:
         raise ConfigError(
             f"model.kwargs.{steering[0]} would make timm load a file petl does not check (the run could not be "
             "loaded): give the weights as model.checkpoint=PATH, checked by its SHA-256"
         )
+    problem = overlay_problem(kwargs[OVERLAY]) if OVERLAY in kwargs else None
+    if problem is not None:  # its input_size alone is carried into model.json (a NaFlexVit's training size)
+        raise ConfigError(f"model.kwargs.{OVERLAY}{problem}; give weights as model.checkpoint=PATH")
     if "num_classes" in kwargs:
         # petl.apply resets the head to the data's class count: this one would only shift the random stream.
         raise ConfigError(
@@ -126,8 +144,29 @@ def check_built_size(model: Any, name: str, asked: Any, key: str = "model.img_si
     """
     built = image_size(model)
     if asked is not None and list(asked if isinstance(asked, list | tuple) else (asked, asked)) != [built, built]:
+        # petl-run's way to another size there: the pretrained config's input_size, which model.json carries.
+        side = asked[-1] if isinstance(asked, list | tuple) else asked
+        instead = f"; for {side} px give +model.kwargs.{OVERLAY}={{input_size:[3,{side},{side}]}}"
         raise ConfigError(
             f"{key}={asked}: {name} is built for {built} px whatever img_size says (timm resamples its position "
-            f"grid to any size): drop {key}"
+            f"grid to any size): drop {key}{instead if key.startswith('model.') else ''}"
         )
     return built
+
+
+def check_overlay_size(built: int, name: str, kwargs: dict[str, Any]) -> None:
+    """Refuse a ``pretrained_cfg_overlay`` input size the model built at ``built`` px does not take.
+
+    A model with a fixed patch embedding (a ViT) is built for its ``img_size``; the overlay's input size would
+    only be written into its pretrained config, which petl does not read for it: an option with no effect.
+
+    Raises:
+        ConfigError: the overlay's size is not ``built``, naming ``model.img_size`` as the way to that size.
+
+    """
+    size = (kwargs.get(OVERLAY) or {}).get("input_size")
+    if size is not None and size[-1] != built:
+        raise ConfigError(
+            f"model.kwargs.{OVERLAY}.input_size={list(size)}: {name} is built for {built} px by its img_size, "
+            f"which the overlay does not change: give model.img_size={size[-1]} instead"
+        )

@@ -90,7 +90,8 @@ def _weights_sha256(cfg: DictConfig, model: nn.Module) -> str | None:
 
 
 def summary_line(result: dict[str, Any]) -> str:
-    """One line for the console: method, task, accuracies, trainable parameters, time ("-" where unknown).
+    """One line for the console: method, task, accuracies, trainable parameters, time ("-" where unknown), and why
+    the run did not learn where it did not (:mod:`petl.train.learning`): its scores are then a guess's.
 
     ``result`` is a record as written or as read (:func:`petl.store.result.read_result` has checked its types).
     """
@@ -98,10 +99,11 @@ def summary_line(result: dict[str, Any]) -> str:
     def shown(key: str, spec: str) -> str:
         return "-" if result.get(key) is None else format(result[key], spec)
 
+    stuck = f" | did not learn: {result['not_learned']}" if result.get("not_learned") else ""
     return (
         f"{result['method']} on {result['dataset']} ({result.get('model')}, seed {result['seed']}): "
         f"val {shown('val_top1', '.2f')}  test {shown('test_top1', '.2f')}  | "
-        f"{shown('trainable_params', ',')} trainable params | {shown('train_seconds', '.0f')} s"
+        f"{shown('trainable_params', ',')} trainable params | {shown('train_seconds', '.0f')} s{stuck}"
     )
 
 
@@ -199,6 +201,25 @@ def method_label(cfg: DictConfig) -> str:
     return f"{name} ({', '.join(shown)})"
 
 
+def batch_words(batch_size: int, train_size: int) -> str:
+    """The training batch for the console: ``batch 64``, or the whole split where ``train.batch_size`` is above it.
+
+    Not refused: the default 64 is above a small folder of own images, whose run then takes all of them a step.
+    """
+    if batch_size <= train_size:
+        return f"batch {batch_size}"
+    return f"batch {train_size} (all the training images: train.batch_size={batch_size} is more)"
+
+
+def effective_batch_size(cfg: DictConfig, train_size: int, num_processes: int) -> int:
+    """Images per full optimizer step: ``train.batch_size`` x processes x ``train.grad_accum``, at most the split.
+
+    A batch size above the training split takes the whole split a step (``train.grad_accum`` above the batches an
+    epoch holds is refused, so it never multiplies a split of one batch).
+    """
+    return min(cfg.train.batch_size * num_processes * cfg.train.grad_accum, train_size)
+
+
 def device_label(accelerator: Accelerator) -> str:
     """Where and in what precision a run trains, in words: ``on cpu in fp32``, ``on cuda in bf16 autocast, TF32``.
 
@@ -236,7 +257,8 @@ def _train_and_record(cfg: DictConfig, resolved: dict[str, Any], out: Path, acce
         size = build.eval_spec(cfg, model, info).image_size
         print(
             f"training {method_label(cfg)} on {cfg.data.name} ({len(datasets['train'])} images) at {size} px: "
-            f"{plural(cfg.train.epochs, 'epoch')}, batch {cfg.train.batch_size}, lr {cfg.train.lr:g}, "
+            f"{plural(cfg.train.epochs, 'epoch')}, {batch_words(cfg.train.batch_size, len(datasets['train']))}, "
+            f"lr {cfg.train.lr:g}, "
             f"{device_label(accelerator)}",
             flush=True,
         )
@@ -353,17 +375,15 @@ def _check_cache_option(cfg: DictConfig, model: nn.Module, datasets: dict[str, D
     """Refuse ``train.cache_features=false`` where this run would cache nothing anyway (LoRA: its first block trains).
 
     Raises:
-        ConfigError: naming the option and why nothing is cached, before the run writes anything.
+        CacheOptionError: naming the option and why nothing is cached, before the run writes anything.
 
     """
     if cfg.train.cache_features:
         return
     config.check_cache_option_acts(cfg, model)  # composing checked it on the meta model, where it could
-    _, uncached = _cache_plan(model, cfg.train, datasets)
+    _, uncached = _cache_plan(model, cfg.train, datasets)  # the real data's size against the cache's limit
     if uncached is not None:
-        raise ConfigError(
-            f"train.cache_features=false cannot act: {uncached}, so no features are cached either way; drop it"
-        )
+        raise cache.CacheOptionError(uncached)
 
 
 @dataclass
@@ -415,6 +435,7 @@ class _Setup:
     accelerator: Accelerator
     cache_plan: cache.CachePlan | None
     tick: float
+    steps_per_epoch: int  # optimizer steps (per process)
 
     def restore(self, checkpoint: dict[str, Any], out: Path) -> None:
         """Continue from ``out``'s checkpoint: weights, optimizer, schedule and every random generator.
@@ -496,7 +517,8 @@ def _set_up_training(
     # fell short wherever the batches do not divide among the processes, and the last steps ran at lr 0.
     optimizer_steps = math.ceil(len(train_loader) / cfg.train.grad_accum)
     optimizer, scheduler = build_optimizer(trainee, settings, optimizer_steps * accelerator.num_processes)
-    few = learning.few_steps(optimizer_steps * cfg.train.epochs, len(train_set), cfg.train.batch_size, cfg.train.epochs)
+    batch = min(cfg.train.batch_size, len(train_set))  # a batch_size above the split takes the split
+    few = learning.few_steps(optimizer_steps * cfg.train.epochs, len(train_set), batch, cfg.train.epochs)
     if few is not None and accelerator.is_main_process:
         warn_once(log, few)  # once per process: a sweep of such runs says it once, not once a run
     trainee, optimizer, scheduler = accelerator.prepare(trainee, optimizer, scheduler)
@@ -504,7 +526,7 @@ def _set_up_training(
     eval_loaders = {name: accelerator.prepare(loader) for name, loader in eval_loaders.items()}
     return _Setup(
         model, trainee, train_loader, eval_loaders, test_loader, optimizer, scheduler, settings, accelerator,
-        cache_plan, tick,
+        cache_plan, tick, optimizer_steps,
     )  # fmt: skip
 
 
@@ -644,7 +666,9 @@ def _result(
         test_top1=test_top1,
         final_train_loss=last.get("loss"),
         final_train_top1=last.get("train_top1"),
-        not_learned=learning.not_learned([h.get("loss") for h in history], num_classes),
+        not_learned=learning.not_learned(
+            [h.get("loss") for h in history], num_classes, last.get("train_top1"), last.get("images")
+        ),
         epochs=cfg.train.epochs,
         train_seconds=round(train_seconds, 2),
         images_per_second=round(images / seconds, 1) if seconds else None,
@@ -656,7 +680,8 @@ def _result(
         tf32=accelerator.device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32,
         # What really ran: train.compile falls back to eager (with a warning) where no compiler is found.
         compiled=accelerator.state.dynamo_plugin.backend.value != "NO",
-        effective_batch_size=cfg.train.batch_size * accelerator.num_processes * cfg.train.grad_accum,
+        effective_batch_size=effective_batch_size(cfg, train_size, accelerator.num_processes),
+        optimizer_steps=training.steps_per_epoch * cfg.train.epochs,
         versions=versions(),
         **git_commit(),
         output_dir=str(cfg.output_dir),

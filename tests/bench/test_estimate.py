@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from petl.bench import estimate as costs
 from petl.bench.own_data import OwnData
@@ -59,3 +60,74 @@ def test_steps_are_timed_uncached_where_the_run_s_cache_would_exceed_its_limit(m
     cfg = default_config(["method=partial", "data=mini/digits", *tiny])
     probe, _ = costs.measure(cfg, DATA, steps=1)
     assert (probe.front_seconds > 0) == (limit is None)
+
+
+SWIN_CUTS = [("partial", {"k": 1}), ("partial", {"k": 2}), ("partial", {"k": 3}), ("linear", {})]
+
+
+@pytest.mark.parametrize(
+    ("kind", "method"),
+    [("vit", ("partial", {"k": 1})), ("vit", ("linear", {}))]
+    + [(kind, cut) for kind in ("swin", "swinv2", "swinv2_cr") for cut in SWIN_CUTS],
+)
+def test_the_cache_size_the_estimate_decides_by_is_what_the_run_caches(kind, method):
+    # A Swin's cut in its second stage was sized as the first stage's grid at the cut's width: 2 to 4 times the
+    # tensors the run keeps here (64 times inside a fourth stage), so an estimate (and a run) went uncached under
+    # the size limit.  Partial-k on these two-stage models cuts inside the second stage (k=1), at its opening in
+    # front of the PatchMerging (k=2) and inside the first stage (k=3).
+    from accelerate import Accelerator
+    from conftest import TINY_MODELS
+    from torch.utils.data import TensorDataset
+
+    import petl
+    from petl.train import cache
+
+    name, options = method
+    model = petl.apply(TINY_MODELS[kind](), name, num_classes=5, **options)
+    plan = cache.plan(model)
+    images = TensorDataset(torch.randn(6, 3, 32, 32), torch.zeros(6, dtype=torch.long))
+    cached = cache.cache_split(cache.CachedTail(model, plan), images, Accelerator(cpu=True), batch_size=4).tensors[0]
+    assert cache.cache_bytes(model, plan, len(images)) == cached.numel() * cached.element_size()
+
+
+def test_a_swin_cut_in_a_later_stage_is_timed_cached_where_its_cache_fits(monkeypatch):
+    # swin_fractal_tiny's last block (Partial-1) takes a 4x4 grid at width 256: 16 KiB an image, 160 KiB for the 10
+    # training images of a final run (DATA).  Sized as the first stage's 16x16 grid at that width (2.5 MiB), the
+    # estimate timed it uncached under a limit the run's cache fits.
+    from petl.train import cache
+    from petl.train.config import default_config
+
+    monkeypatch.setattr(cache, "MAX_CACHE_BYTES", DATA.sizes[TRAIN_VAL] * 4 * 4 * 256 * 4)
+    swin = ["model=swin_fractal_tiny_patch2_window4_32", "model.pretrained=false", "output_dir=unused"]
+    probe, _ = costs.measure(default_config(["method=partial", "method.k=1", "data=mini/digits", *swin]), DATA, steps=1)
+    assert probe.front_seconds > 0
+
+
+def test_steps_are_timed_with_gradient_checkpointing_where_the_run_has_it(monkeypatch):
+    # Was: timed without it, while the run's every backward recomputes each block's forward.
+    from petl.train import engine
+    from petl.train.config import default_config
+
+    tiny = ["model.pretrained=false", "+model.kwargs.depth=2", "+model.kwargs.embed_dim=48", "output_dir=unused"]
+    plain, checkpointed = (
+        default_config(["method=lora", "data=mini/digits", *tiny, *more])
+        for more in ([], ["train.grad_checkpointing=true"])
+    )
+    turned_on = []
+    monkeypatch.setattr(engine, "enable_grad_checkpointing", lambda model: turned_on.append(type(model).__name__))
+    costs.measure(plain, DATA, steps=1)
+    assert turned_on == []
+    costs.measure(checkpointed, DATA, steps=1)
+    assert turned_on == ["VisionTransformer"]
+
+
+def test_a_cache_over_its_limit_says_how_large_it_would_be(monkeypatch, tiny_vit):
+    # Was "the cache would exceed 8 GiB": how far over, and for how many images, went unsaid.
+    import petl
+    from petl.train import cache
+
+    model = petl.apply(tiny_vit(), "linear", num_classes=4)
+    images = 2 * 2**30 // cache.cache_bytes(model, cache.plan(model), 1)
+    monkeypatch.setattr(cache, "MAX_CACHE_BYTES", 2**30)
+    plan, why = cache.decide(model, backbone_trains=False, augmented=False, sizes=[images])
+    assert plan is None and why == f"the cache of {images} images would take 2 GiB, over its limit of 1 GiB"

@@ -53,7 +53,7 @@ def test_the_cpu_mode_makes_every_table(tmp_path):
     assert all(f"{part}: exit 0" in log for part in ("speed_lora", "speed_methods", "multitask", "serve")), log
     assert "graph: skipped, a CUDA graph needs a GPU" in log and not (tmp_path / "multitask_graph_cuda.md").exists()
     speed = (tmp_path / "speed_cuda.md").read_text()
-    assert speed.count("## petl speed: vit_fractal_tiny_patch4_32 on cpu") == 2 and "| Precision |" in speed
+    assert speed.count("## petl speed: vit_fractal_tiny_patch4_32 at 32 px on cpu") == 2 and "| Precision |" in speed
     assert "| lora + bf16 autocast | bf16 autocast |" in speed and "| linear | fp32 |" in speed
     multitask = (tmp_path / "multitask_cuda.md").read_text()
     assert multitask.startswith("# Serving 8 tasks") and "per task (CPU)" in multitask.splitlines()[0]

@@ -52,6 +52,38 @@ def test_friedman_nemenyi_and_the_critical_difference_match_the_libraries_and_th
     assert [found.letters(m) for m in NAMES] == ["a", "ab", "ab", "b"]
 
 
+def test_equal_scores_summed_in_another_order_tie_in_the_ranks():
+    import statistics
+
+    from scipy.stats import friedmanchisquare
+
+    # The committed DINOv2 board's fashion_mnist: gps and ssf got the same test images right over their three seeds,
+    # and their means differ in the last bit (82.13333333333333 against 82.13333333333334).
+    gps, ssf = statistics.fmean([80.6, 82.8, 83.0]), statistics.fmean([83.4, 81.6, 81.4])
+    assert gps != ssf
+    table = [[gps, ssf, 70.0], [90.0, 80.0, 70.0], [60.0, 80.0, 70.0]]
+    found = ranking.rank_scores(["gps", "ssf", "linear"], table)
+    # Block 1 ties the two at 1.5 each, as one score written twice does: gps 1.5, 1, 3; ssf 1.5, 2, 1; linear 3, 3, 2.
+    assert found.mean_rank == pytest.approx({"gps": 5.5 / 3, "ssf": 1.5, "linear": 8 / 3})
+    tied = [[82.0, 82.0, 70.0], [90.0, 80.0, 70.0], [60.0, 80.0, 70.0]]
+    assert found.statistic == pytest.approx(friedmanchisquare(*np.array(tied).T).statistic)
+
+
+@pytest.mark.parametrize(
+    ("names", "values", "said"),
+    [
+        (["a", "b", "c"], [[1.0, math.nan, 2.0], [1.0, 2.0, 3.0]], "NaN or infinite"),
+        (["a", "b", "c"], [[1.0, math.inf, 2.0], [1.0, 2.0, 3.0]], "NaN or infinite"),
+        (["a"], [[1.0], [2.0]], "two methods or more"),
+        (["a", "b"], [[1.0, 2.0, 3.0]], "two methods or more"),
+    ],
+)
+def test_scores_no_rank_test_can_take_are_refused_in_one_line(names, values, said):
+    # A NaN ranked every mean rank NaN and drew one group; one method raised an IndexError.
+    with pytest.raises(ValueError, match=said):
+        ranking.rank_scores(names, values)
+
+
 def test_the_mean_rank_interval_is_a_student_t_interval_over_the_blocks():
     found = ranking.rank_scores(NAMES, TABLE)
     # B ranks 2, 2, 1, 2.5, 3: mean 2.1, sd sqrt(2.2 / 4); t(4) at 0.975 is 2.776.
@@ -302,6 +334,12 @@ def test_the_rank_correlation_carries_a_seeded_bootstrap_interval():
     )
     assert "95 % bootstrap interval" in found.describe()
     assert math.isnan(rank_correlation({"a": 1, "b": 2, "c": 3}, {"a": 1, "b": 3, "c": 2}).interval[0])
+
+
+def test_a_coefficient_over_too_few_rows_for_an_interval_says_so():
+    # Over three rows rho was shown bare ("+0.50"), as firm as one with its interval.
+    found = rank_correlation({"a": 3.0, "b": 2.0, "c": 1.0}, {"a": 3.0, "b": 1.0, "c": 2.0})
+    assert found.describe() == "+0.50 (no bootstrap interval: 3 rows, it needs 4)"
 
 
 def test_the_rank_interval_of_a_side_that_ties_every_method_is_nan_without_a_warning():

@@ -170,6 +170,22 @@ def test_a_bf16_rows_inference_runs_without_autocast_as_its_table_says():
     assert "act on its training step only" in format_table({}, TINY, "m")
 
 
+@pytest.mark.parametrize(("kind", "px"), [("vit", 32), ("naflexvit", 384)])
+def test_the_table_names_the_image_size_the_cases_ran_at_without_img_size_given(kind, px):
+    # Without img_size= the table said no size at all: the default model's 32 px, or a NaFlexVit's 384 px (its
+    # pretrained config's), went unsaid.
+    spec = TINY if kind == "vit" else _tiny_spec(kind)  # img_size=0 both: the model's own size
+    assert f"Backbone `{spec.model}` at {px} px" in format_table({}, spec, "m")
+    assert speed.image_side(spec) == speed._Bench(Case(FORWARD), spec).images.shape[-1] == px
+
+
+def test_the_out_files_title_names_the_image_size(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(speed, "run_speed", lambda *args, **kwargs: {})
+    speed.main(["methods=linear", "device=cpu", f"out={tmp_path / 'speed.md'}"])
+    title = (tmp_path / "speed.md").read_text().splitlines()[0]
+    assert title == "# petl speed: vit_fractal_tiny_patch4_32 at 32 px on cpu", title
+
+
 @pytest.mark.slow
 def test_inference_turns_change_order(monkeypatch):
     # Record the order of the timed inference calls: every turn must not start with the same case.
@@ -338,6 +354,16 @@ def test_img_size_builds_the_backbone_at_that_size():
 
 
 BASE = ["speed", "methods=lora", "inprocess=true", "warmup=0", "infer_steps=1", "steps=1", "rounds=1"]
+
+
+def test_inprocess_on_a_gpu_is_refused_where_every_row_is_measured_in_process_anyway(monkeypatch, capsys):
+    # It changed nothing there (the CUDA allocator's peak resets in place): the table read the same either way.
+    monkeypatch.setattr(speed.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(speed, "run_speed", lambda *a, **k: pytest.fail("measured despite bad input"))
+    with pytest.raises(SystemExit) as caught:
+        cli.main([*BASE, "device=cuda"])
+    err = capsys.readouterr().err
+    assert caught.value.code == 2 and "inprocess=true acts on a CPU only: on a CUDA GPU every row's" in err, err
 
 
 @pytest.mark.parametrize(
@@ -525,3 +551,14 @@ def test_model_kwargs_are_read_as_petl_run_reads_them():
     assert make_spec({}, cuda_available=False, model_kwargs=kwargs).model_kwargs == kwargs
     with pytest.raises(SystemExit, match="give it as img_size=N"):
         speed.split_model_kwargs(["model.kwargs.img_size=64"])
+
+
+def test_the_machine_line_counts_the_logical_cpus_this_process_may_use(monkeypatch):
+    # Was "16 cores": os.cpu_count(), the machine's logical CPUs, where the process was given 2 of them.
+    from petl.bench import speed_table
+
+    monkeypatch.setattr(speed_table.os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(speed_table.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert ", 2 of the machine's 16 logical CPUs, " in speed_table.machine_line("cpu")
+    monkeypatch.setattr(speed_table.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    assert ", 16 logical CPUs, " in speed_table.machine_line("cpu")

@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 import petl
 from petl.cli import run as cli
 from petl.run import default_config
-from petl.store.run_card import FILE_KWARGS
+from petl.store.run_card import FILE_KWARGS, OVERLAY
 from petl.train import config
 from petl.train.config import ConfigError
 from petl.train.engine import TrainSettings
@@ -133,7 +133,7 @@ def test_the_unknown_model_lines_command_lists_one_model_a_line(tmp_path):
     assert done.returncode == 0 and done.stdout == "vit_base_patch16_224\n", (command, done.stdout[:300], done.stderr)
 
 
-@pytest.mark.parametrize("key", FILE_KWARGS)
+@pytest.mark.parametrize("key", sorted(FILE_KWARGS - {OVERLAY}))
 def test_file_loading_model_kwargs_are_refused_before_training(tmp_path, key):
     """Issue 52: +model.kwargs.checkpoint_path=... trained, then the run folder was refused on load."""
     message = rf"^model.kwargs.{key} would make timm load a file .* model.checkpoint=PATH"
@@ -143,6 +143,26 @@ def test_file_loading_model_kwargs_are_refused_before_training(tmp_path, key):
     with pytest.raises(ConfigError, match=message):  # the Python API's path (petl.train) too
         config.to_config({"method": "lora", "model": {"kwargs": {key: str(tmp_path / "weights.pth")}}})
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    ("overlay", "message"),
+    [
+        # Its input_size alone is carried into model.json; it was refused whole, as "would make timm load a file".
+        ("{file:w.pth}", r"^model.kwargs.pretrained_cfg_overlay.file: petl takes only input_size of it .*checkpoint="),
+        ("w.pth", r'^model.kwargs.pretrained_cfg_overlay="w.pth" is not a mapping: petl takes only \{input_size'),
+        ("{input_size:[3,32,48]}", r"^model.kwargs.pretrained_cfg_overlay.input_size=\[3, 32, 48\] is not \[3, N, N\]"),
+        ("{input_size:[3,32,32],mean:[0,0,0]}", r"^model.kwargs.pretrained_cfg_overlay.mean: petl takes only input"),
+        # A ViT is built for its img_size: the overlay's size would be an option with no effect.
+        ("{input_size:[3,64,64]}", r"input_size=\[3, 64, 64\]: vit_fractal_tiny_patch4_32 is built for 32 px .*=64"),
+    ],
+)
+def test_a_pretrained_cfg_overlay_other_than_a_size_the_model_takes_is_refused(tmp_path, overlay, message):
+    with pytest.raises(ConfigError, match=message) as caught:
+        default_config([*tiny_run(), f"+model.kwargs.pretrained_cfg_overlay={overlay}", f"output_dir={tmp_path}/r"])
+    assert "\n" not in str(caught.value)
+    # The size the model is built for is taken (a ViT's own: nothing changes).
+    default_config([*tiny_run(), "+model.kwargs.pretrained_cfg_overlay={input_size:[3,32,32]}"])
 
 
 @pytest.mark.slow
@@ -164,6 +184,40 @@ def test_cli_error_exits_2_with_one_line_and_checks_every_sweep_job(capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith("petl-run: error: unknown config key 'method.k'") and "(in job method=lora method.k=2)" in err
     assert "\n" not in err
+
+
+def test_a_sweep_whose_jobs_share_one_output_dir_is_refused_before_any_job_trains(tmp_path, capsys):
+    # The default folder names no lr: the sweep's first job trained there and every other job then failed on it.
+    with pytest.raises(SystemExit) as caught:
+        cli.main(["--multirun", *TINY, "method=linear", "train.lr=0.001,0.01", f"output_dir={tmp_path}/run"])
+    assert caught.value.code == cli.USAGE_ERROR
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        f"petl-run: error: --multirun: jobs train.lr=0.001 and train.lr=0.01 would both write to output_dir "
+        f"{tmp_path}/run (train.lr: 0.001 -> 0.01): put the swept keys in it, e.g. "
+        f"'output_dir={tmp_path}/run/lr${{train.lr}}'"
+    )
+    assert not (tmp_path / "run").exists()
+    # Jobs of one run (a neutral key swept) share a folder as a resume does.
+    cli.check_command_line([*TINY, "method=linear", "train.eval_batch_size=64,128", f"output_dir={tmp_path}/run"], True)
+
+
+@pytest.mark.slow
+def test_a_sweep_names_every_job_where_cache_features_false_cannot_act_before_any_starts(tmp_path, capsys):
+    # The augmented task's job was refused only when it ran (the runner's check), after the others had trained; each
+    # such job is named now, in one line, before Hydra starts any.
+    with pytest.raises(SystemExit) as caught:
+        cli.main(
+            ["--multirun", "data=mini/digits,fgvc/cub", "method=linear,lora", "train.cache_features=false"]
+            + [f"hydra.sweep.dir={tmp_path / 'sweep'}"]
+        )
+    assert caught.value.code == cli.USAGE_ERROR
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("petl-run: error: train.cache_features=false cannot act in 3 of the 4 jobs"), err
+    assert "\n" not in err
+    assert "data=fgvc/cub method=linear: the training images are augmented" in err
+    assert "data=mini/digits method=lora: nothing in front" in err and "data=mini/digits method=linear" not in err
+    assert not (tmp_path / "sweep").exists()
 
 
 @pytest.mark.slow

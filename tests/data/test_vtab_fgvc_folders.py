@@ -109,7 +109,7 @@ def test_missing_folder_and_images_are_clear(tmp_path):
         data.build_dataset("vtab/svhn", "train800", image_size=32, root=str(tmp_path))
     make_vtab_task(tmp_path / "svhn", SMALL, num_classes=10)
     (tmp_path / "svhn" / "images" / "img 0.png").unlink()
-    with pytest.raises(data.DatasetUnavailableError, match="listed images are missing"):
+    with pytest.raises(data.DatasetUnavailableError, match="1 listed image file.s. missing, e.g. .*: restore them"):
         data.build_dataset("vtab/svhn", "train800", image_size=32, root=str(tmp_path), strict=False)
 
 
@@ -482,3 +482,37 @@ def test_an_image_listed_twice_or_in_train_and_test_is_refused(tmp_path):
     write_list(cub / "test.txt", [(names[201], 1), (names[7], 7)])
     with pytest.raises(ValueError, match=r"fgvc/cub: 1 image\(s\) listed in both train\.txt and test\.txt"):
         data.build_dataset("fgvc/cub", "test", image_size=4, root=str(tmp_path))
+
+
+def test_a_list_written_on_windows_is_told_to_use_slashes(tmp_path):
+    # 'images\\img 0.png' from a list saved on Windows was '8 listed images are missing', the files right there.
+    make_vtab_task(tmp_path / "svhn", SMALL, num_classes=10)
+    listed = tmp_path / "svhn" / "train800.txt"
+    listed.write_text(listed.read_text().replace("images/", "images\\"))
+    with pytest.raises(
+        data.DatasetUnavailableError, match=r"the list writes paths with \\ \(Windows\): write them with /$"
+    ):
+        data.build_dataset("vtab/svhn", "train800", image_size=8, root=str(tmp_path), strict=False)
+
+
+def test_fgvc_json_images_are_found_under_images_when_the_first_listed_one_is_missing(tmp_path):
+    # The images/ folder was guessed from the first listed image alone: that one missing, every image was looked
+    # for beside the lists and all were said to be missing.
+    folder = tmp_path / "cub"
+    write_images(folder, 3)
+    files = {"train": {"gone.png": 1, "img 0.png": 2}, "val": {"img 1.png": 1}, "test": {"img 2.png": 2}}
+    for split, mapping in files.items():
+        (folder / f"{split}.json").write_text(json.dumps(mapping))
+    with pytest.raises(data.DatasetUnavailableError, match=r"1 listed image file\(s\) missing, e.g. .*images/gone.png"):
+        data.build_dataset("fgvc/cub", "train800", image_size=8, root=str(tmp_path), strict=False)
+    assert len(data.build_dataset("fgvc/cub", "test", image_size=8, root=str(tmp_path), strict=False)) == 1
+
+
+def test_fgvc_lists_name_the_one_missing(tmp_path):
+    # train.txt and val.txt without test.txt: 'needs train/val/test lists', not which one it lacks.
+    folder = tmp_path / "cub"
+    names = write_images(folder, 3)
+    write_list(folder / "train.txt", [(names[0], 0)])
+    write_list(folder / "val.txt", [(names[1], 1)])
+    with pytest.raises(data.DatasetUnavailableError, match="it lacks test.txt$"):
+        data.build_dataset("fgvc/cub", "train800", image_size=8, root=str(tmp_path), strict=False)

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import timm
 import torch
-from conftest import TINY_FAMILIES, TINY_VIT
+from conftest import TINY_FAMILIES, TINY_MODELS, TINY_VIT, command_status
 from test_multitask import _run_folder as multitask_run_folder
 from test_run_card import TINY, _image, _run_folder
 
@@ -28,6 +28,7 @@ from petl.backbones import models
 from petl.cli import export as export_cli
 from petl.cli import predict as predict_cli
 from petl.deploy import export as export_api
+from petl.model import timm_api
 from petl.store import run_card
 
 
@@ -161,10 +162,6 @@ FAMILY_BACKBONES = {
     }
     for family, (name, options) in TINY_FAMILIES.items()
 }
-# A run card refuses pretrained_cfg_overlay (timm could load a file it names): the NaFlexVit's run keeps timm's own
-# configuration, whose 384-pixel input_size only sizes the data of a run, not the 32-pixel images fed here.
-for family in ("naflexvit", "naflexvit_rope_mixed"):
-    del FAMILY_BACKBONES[family]["kwargs"]["pretrained_cfg_overlay"]
 # timm's SwinTransformerV2Cr (kind swinv2_cr), at the tiny Swin's sizes with one block a stage (norm3 ends each).
 FAMILY_BACKBONES["swinv2_cr"] = {
     "name": "swinv2_cr_tiny_ns_224",
@@ -219,10 +216,8 @@ def test_ssf_where_qkv_has_no_bias_predicts_unmerged_with_merge_and_export_names
         assert stop.value.code == 0, capsys.readouterr().err
         with open(tmp_path / "preds.csv", newline="") as handle:
             rows[bool(flags)] = list(csv.DictReader(handle))
-    # The same labels; probabilities to float rounding (merging rolls back the layers merged before the refusal).
-    for merged, unmerged in zip(rows[True], rows[False], strict=True):
-        assert [merged[f"label_{i}"] for i in (1, 2, 3)] == [unmerged[f"label_{i}"] for i in (1, 2, 3)]
-        assert abs(float(merged["prob_1"]) - float(unmerged["prob_1"])) < 1e-5
+    # The same rows: the refused merge put back the layers it merged before the refusal bit for bit.
+    assert rows[True] == rows[False]
     assert "note: method ssf: blocks.0.attn.qkv: SSF cannot merge" in capsys.readouterr().err
     with pytest.raises(SystemExit) as stop:
         export_cli.main([str(run_dir), f"out={tmp_path / 'exported'}"])
@@ -468,7 +463,7 @@ def test_an_export_that_fails_removes_the_empty_folders_it_made_for_out(tmp_path
     # empty folders new/sub behind.
     run_dir = _run_folder(tmp_path / "run")
 
-    def cannot_trace(model, example, path, meta):
+    def cannot_trace(model, example, path, meta, instead):
         raise RuntimeError("torch.onnx.export cannot export eva02 (...): export a folder or a .safetensors file")
 
     monkeypatch.setattr(export_api, "_torch_onnx_export", cannot_trace)
@@ -547,3 +542,45 @@ def test_a_killed_onnx_exports_folder_is_found_whatever_characters_its_name_hold
         folder.mkdir()
         (folder / export_api.WORK_LOCK).write_bytes(b"")  # nobody holds it: a killed export's
     assert export_api.remove_killed_exports(out) == [folders[0]] and folders[1].is_dir()
+
+
+def _does_not_unload(method: str) -> bool:
+    model = petl.apply(TINY_MODELS["vit"](), method, num_classes=3)
+    return timm_api.support(model)["export (merged)"].startswith("refused")
+
+
+# Every registered method whose modules do not fold into the backbone (works-with.md's "refused" cells).
+NOT_UNLOADED = [method for method in petl.list_methods() if _does_not_unload(method)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", NOT_UNLOADED)
+def test_a_method_that_does_not_unload_is_told_to_export_onnx_which_holds_it_as_petl_runs_it(tmp_path, capsys, method):
+    # Refused for a folder or .safetensors in one line naming what to use instead; ONNX was refused the same way,
+    # though a graph needs no timm architecture to hold the method's modules.
+    import onnx
+    import onnxruntime
+
+    run_dir = tmp_path / "run"
+    multitask_run_folder(run_dir, method, {}, seed=0)
+    code, _, error = command_status(capsys, export_cli.main, str(run_dir), f"out={tmp_path / 'exported'}")
+    assert code == 2 and error.count("\n") == 1, error
+    assert error.startswith(f"petl-export: error: method '{method}' cannot be unloaded into a plain timm model: ")
+    assert f"export it as ONNX instead (out={tmp_path / 'exported.onnx'}" in error and "petl.load_run" in error
+    assert not (tmp_path / "exported").exists()
+    out = tmp_path / "exported.onnx"
+    code, printed, error = command_status(capsys, export_cli.main, str(run_dir), f"out={out}")
+    if code != 0:
+        # A graph torch cannot trace, or one traced at one batch size that is wrong at another: one line, exit 1.
+        assert code == 1 and error.count("\n") == 1, error
+        assert error.rstrip().endswith(export_api.AS_PETL_MODEL) and not out.exists()
+        return
+    assert printed.startswith(f"wrote {out} (onnxruntime matches torch within ")
+    meta = {entry.key: entry.value for entry in onnx.load(str(out)).metadata_props}
+    assert meta["method"] == f"{method} (not merged: its modules are in the graph)"
+    images = torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = petl.load_run(run_dir).model(images)
+    session = onnxruntime.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+    (logits,) = session.run(None, {"image": images.numpy()})
+    torch.testing.assert_close(torch.from_numpy(logits), want, rtol=1e-4, atol=1e-4)

@@ -150,3 +150,22 @@ def test_a_dinov3_built_for_one_size_is_timms_dinov3_and_its_blocks_run_one_by_o
             x = bb.run_block(block, x, inputs=inputs, index=index)
         torch.testing.assert_close(bb.head()(bb.pooled_features(x)), model(images), atol=1e-5, rtol=1e-5)
         assert not torch.allclose(model(images), dynamic(images), atol=1e-3)
+
+
+@pytest.mark.parametrize("family", ["eva02", "eva_rope_mixed", "naflexvit_rope_mixed"])
+def test_patch_dropout_under_a_rotary_embedding_trains_as_timm_and_petls_block_path_refuses_it(images, family):
+    # timm's forward takes the rotary table's rows of the patch tokens it keeps; petl's block path (embed_tokens,
+    # then run_block with block_inputs) hands the blocks the whole grid's table.  No petl path takes the block path
+    # in train mode (a MultiTask stays in eval mode; a feature cache is never kept where the backbone trains), and
+    # embed_tokens refuses it, so that none silently does.
+    plain = make_tiny_family(family, patch_drop_rate=0.5).train()
+    model = petl.apply(make_tiny_family(family, patch_drop_rate=0.5), "lora").train()
+    torch.manual_seed(5)
+    want = plain(images)
+    torch.manual_seed(5)
+    torch.testing.assert_close(model(images), want)  # LoRA starts unchanged: timm's forward, patches dropped
+    bb = backbone_of(model)
+    with pytest.raises(ValueError, match=r"drops patch tokens in training \(timm's patch_drop_rate=0.5\) and rot"):
+        bb.embed_tokens(images)
+    bb.model.eval()  # nothing dropped: the whole grid, as block_inputs' table
+    assert bb.embed_tokens(images).shape[1] == bb.num_tokens()

@@ -57,8 +57,8 @@ CARD_EDITS = {
             card["backbone"].update(pretrained=True),
             card["backbone"]["kwargs"].update(pretrained_cfg_overlay={"file": "/etc/passwd"}),
         ),
-        "backbone.kwargs.pretrained_cfg_overlay would make timm load a file",
-        "backbone.checkpoint",
+        "backbone.kwargs.pretrained_cfg_overlay.file: petl takes only input_size of it",
+        "load a file petl does not check",
     ),
     "checkpoint_path": (
         lambda card: card["backbone"]["kwargs"].update(checkpoint_path="/etc/passwd"),

@@ -70,6 +70,24 @@ def test_a_bad_key_or_task_in_ones_own_files_is_refused_naming_the_file_before_a
         assert not out.exists() or not any(out.rglob("*.log")), "a run was started"
 
 
+def test_cache_features_false_names_every_experiment_and_task_where_it_cannot_act_before_any_run(tmp_path, capsys):
+    # Composed on the first task only, the sweep found an augmented task's refusal as each of its runs failed, in its
+    # error.log, after the other tasks' runs had trained; and stopped at the first experiment that caches nothing.
+    configs = _configs(tmp_path, "experiments: [linear, lora]\ntasks: [mini/digits, fgvc/cub]\nseeds: [0]\n")
+    out = tmp_path / "runs"
+    for command in ([], ["commands"]):
+        argv = [*command, "suite=s", f"configs_dir={configs}", f"output_dir={out}", "train.cache_features=false"]
+        status, err = _main(bench_cli.main, argv, capsys)
+        assert status == 2 and len(err.strip().splitlines()) == 1, err
+        assert "the command line: train.cache_features=false cannot act in 3 of 4 experiment x task pairs" in err
+        assert "linear on fgvc/cub: the training images are augmented" in err
+        assert "lora on every task: nothing in front of what the method trains is frozen" in err
+        assert not out.exists()
+    # The experiments and tasks where it acts run with it.
+    argv = ["suite=s", f"configs_dir={configs}", f"output_dir={out}", "train.cache_features=false", "dry_run=true"]
+    assert bench_cli.main([*argv, "methods=linear", "tasks=mini/digits"]) == 0
+
+
 def test_seeds_must_be_whole_numbers_and_nothing_may_be_listed_twice(tmp_path):
     cases = {
         "experiments: [linear]\ntasks: [mini/digits]\nseeds: [0.5, 1]\n": r"`seeds` must list whole numbers",

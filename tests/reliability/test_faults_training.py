@@ -28,6 +28,7 @@ from safetensors.torch import save_file
 import petl
 from petl import data as petl_data
 from petl.cli import run as cli
+from petl.model import io
 from petl.run import default_config, train
 from petl.store import files, lock
 from petl.train import build, engine, runner
@@ -121,10 +122,33 @@ def test_a_flipped_byte_is_refused_naming_the_file(tiny_vit, tmp_path):
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
+@pytest.mark.parametrize("method", ["lora", "vpt", "ssf"])
+def test_an_edited_option_that_fits_the_tensors_is_refused_naming_the_file(tiny_vit, tmp_path, method):
+    # Only the tensors were hashed: LoRA's alpha (VPT's dropout, SSF's init_std) edited in the metadata loaded the
+    # file's tensors under another option, silently (LoRA's logits moved by 1.8).
+    path = _saved(tiny_vit, tmp_path, method)
+    option = {"lora": "alpha", "vpt": "dropout", "ssf": "init_std"}[method]
+    tensors, meta = _read(path)
+    config = json.loads(meta["config"])
+    _rewrite(path, metadata={**meta, "config": json.dumps({**config, option: config[option] + 0.25})})
+    refused = rf"^{path} is corrupt: its metadata \(method, options, backbone\) do not match the hash"
+    model = tiny_vit()
+    with pytest.raises(ValueError, match=refused):
+        petl.load_trainable(model, path)
+    assert getattr(model, "petl_method", None) is None
+    # Other tensors under this metadata with their own tensor hash (a tool that re-signs what it rewrites): the
+    # metadata's hash covers the tensors' hash.
+    tensors = {name: tensor * 2 for name, tensor in tensors.items()}
+    _rewrite(path, tensors=tensors, metadata={**meta, "sha256": petl.model.params.content_hash(tensors)})
+    with pytest.raises(ValueError, match=refused):
+        petl.load_trainable(tiny_vit(), path)
+
+
 def test_a_file_without_a_hash_loads_with_a_warning(tiny_vit, tmp_path):
+    # Files of earlier petl versions hold neither hash: the tensors' or the metadata's.
     path = _saved(tiny_vit, tmp_path)
     with safe_open(str(path), framework="pt") as f:
-        meta = {k: v for k, v in f.metadata().items() if k != "sha256"}
+        meta = {k: v for k, v in f.metadata().items() if k not in ("sha256", io.METADATA_HASH)}
     _rewrite(path, metadata=meta)
     with pytest.warns(UserWarning, match="has no content hash"):
         model = petl.load_trainable(tiny_vit(), path)
@@ -546,6 +570,7 @@ def test_a_version_1_file_still_loads(tiny_vit, tmp_path, images):
     path = _saved(tiny_vit, tmp_path)
     _, meta = _read(path)
     assert json.loads(meta.pop("widths")) == [48, 48, 48] and meta["format"] == "petl-trainable-2"
+    del meta[io.METADATA_HASH]  # added later, within version 2
     _rewrite(path, metadata={**meta, "format": "petl-trainable-1"})
     assert petl.read_trainable_metadata(path)["widths"] == [48, 48, 48]
     assert petl.load_trainable(tiny_vit(), path).petl_method == "lora"

@@ -14,17 +14,28 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import timm
 import torch
 from conftest import perturb_trainable, tiny_run
 from PIL import Image
 
 import petl
+from petl.cli import export as export_cli
 from petl.cli import predict as predict_cli
 from petl.cli import run as cli
 from petl.data.transforms import ImageSpec
+from petl.model.backbone import backbone_of
 from petl.store import run_card
+from petl.train.readers import image_size
 
 TINY = {"name": "vit_fractal_tiny_patch4_32", "pretrained": False, "kwargs": {"depth": 1, "embed_dim": 48}}
+# conftest's tiny NaFlexVit at one block, sized 32 px by its pretrained config's input_size, as petl-run records it.
+NAFLEX_KWARGS = {"patch_size": 4, "embed_dim": 48, "depth": 1, "num_heads": 3}
+NAFLEX = {
+    "name": "naflexvit_base_patch16_gap",
+    "pretrained": False,
+    "kwargs": {**NAFLEX_KWARGS, "pretrained_cfg_overlay": {"input_size": [3, 32, 32]}},
+}
 
 
 def _run_folder(folder: Path, seed: int = 0, classes: int = 3, model_cfg: dict | None = None) -> Path:
@@ -34,7 +45,7 @@ def _run_folder(folder: Path, seed: int = 0, classes: int = 3, model_cfg: dict |
     perturb_trainable(model, seed=seed)
     folder.mkdir(parents=True)
     petl.save_trainable(model, folder / run_card.WEIGHTS_FILE)
-    size = model.patch_embed.img_size[0]
+    size = image_size(model)
     spec = ImageSpec(image_size=size, mean=(0.5,) * 3, std=(0.25,) * 3, interpolation="bilinear", crop=False)
     card = run_card.model_card(
         model_cfg=model_cfg, seed=0, model=model, spec=spec, class_names=[f"c{i}" for i in range(classes)],
@@ -60,7 +71,7 @@ def test_a_run_at_another_resolution_loads_and_predicts(tmp_path, capsys):
     run_dir = tmp_path / "run48"
     cli.main([*tiny_run(), "model.img_size=48", f"output_dir={run_dir}"])
     card = json.loads((run_dir / run_card.MODEL_FILE).read_text())
-    assert card["format"] == "petl-model-2" and card["backbone"]["kwargs"]["img_size"] == 48
+    assert card["format"] == "petl-model-3" and card["backbone"]["kwargs"]["img_size"] == 48
     assert card["weights_sha256"] == run_card.file_sha256(run_dir / run_card.WEIGHTS_FILE)
     run = petl.load_run(run_dir)
     assert run.spec.image_size == 48 and run.model.patch_embed.img_size == (48, 48)
@@ -74,7 +85,6 @@ def test_a_run_at_another_resolution_loads_and_predicts(tmp_path, capsys):
 @pytest.mark.slow
 def test_a_relative_checkpoint_is_recorded_absolute_and_loads_from_elsewhere(tmp_path, monkeypatch):
     import safetensors.torch
-    import timm
 
     (tmp_path / "work" / "ckpt").mkdir(parents=True)
     backbone = timm.create_model(TINY["name"], pretrained=False, num_classes=0, **TINY["kwargs"])
@@ -129,7 +139,7 @@ def test_a_head_of_another_class_count_is_refused(tmp_path):
         (lambda card: card["preprocess"].update(input_size=True), "field preprocess.input_size is true, not a int"),
         (lambda card: card.update(backbone=[]), "field backbone is"),
         (lambda card: card.update(class_names=["a"]), "class_names has 1 names for num_classes=3"),
-        (lambda card: card.update(format="petl-model-3"), "was written by a newer petl .*upgrade petl"),
+        (lambda card: card.update(format="petl-model-4"), "was written by a newer petl .*upgrade petl"),
         (lambda card: card.update(format="something"), "not a petl model record .*: restore the run's model.json"),
         # Values of the right type but unusable: were a NaN prediction for every image (class 0, silently), or
         # torch's or ImageSpec's error not naming model.json.
@@ -154,6 +164,69 @@ def test_a_damaged_or_newer_card_is_refused_in_one_line(tmp_path, edit, message)
     with pytest.raises(run_card.RunFolderError, match=message) as error:
         petl.load_run(run)
     assert "\n" not in str(error.value) and str(run / run_card.MODEL_FILE) in str(error.value)
+
+
+@pytest.mark.slow
+def test_a_naflexvit_trained_at_its_overlays_size_reloads_predicts_and_exports_at_that_size(tmp_path, capsys):
+    """A NaFlexVit's size is its pretrained config's input_size (384 px): the overlay that changes it was refused as a
+    file timm would load; model.json now carries it, so the run reloads at the size it trained at."""
+    run_dir = tmp_path / "run"
+    overrides = [o for o in tiny_run(subset=32, epochs=1) if not o.startswith("model=")]
+    naflex = ["model=naflexvit_base_patch16_gap", "+model.kwargs.patch_size=4", "+model.kwargs.num_heads=3"]
+    overlay = "+model.kwargs.pretrained_cfg_overlay={input_size:[3,32,32]}"
+    cli.main([*overrides, *naflex, overlay, "method=lora", f"output_dir={run_dir}"])
+    card = json.loads((run_dir / run_card.MODEL_FILE).read_text())
+    assert card["format"] == "petl-model-3" and card["preprocess"]["input_size"] == 32
+    assert card["backbone"]["kwargs"]["pretrained_cfg_overlay"] == {"input_size": [3, 32, 32]}
+    run = petl.load_run(run_dir)
+    # The grid methods such as Convpass reshape the patch tokens to: 8x8 at 32 px, 96x96 at timm's 384.
+    assert backbone_of(run.model).grid_size() == (8, 8)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stop:
+        predict_cli.main([str(run_dir), str(_image(tmp_path / "a.png")), f"out={tmp_path / 'preds.csv'}", "--quiet"])
+    assert stop.value.code == 0, capsys.readouterr().err
+    # The timm folder petl-export writes holds the size in its pretrained_cfg (an overlay beside it was timm's
+    # "multiple values for keyword argument 'pretrained_cfg_overlay'").
+    export_cli.main([str(run_dir), f"out={tmp_path / 'exported'}"])
+    exported = timm.create_model(f"local-dir:{tmp_path / 'exported'}", pretrained=True).eval()
+    images = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(exported(images), run.model(images), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        # Format 3 on carries the overlay's input_size alone, the card's own.
+        (lambda card: card.update(format="petl-model-2"), "pretrained_cfg_overlay is in a petl-model-2 card, which"),
+        (
+            lambda card: card["backbone"]["kwargs"]["pretrained_cfg_overlay"].update(input_size=[3, 48, 48]),
+            r"overlay.input_size is \[3, 48, 48\], not the \[3, 32, 32\] of preprocess.input_size",
+        ),
+        (
+            lambda card: card["backbone"]["kwargs"]["pretrained_cfg_overlay"].update(url="https://x"),
+            "pretrained_cfg_overlay.url: petl takes only input_size of it",
+        ),
+        (
+            lambda card: card["backbone"]["kwargs"].update(pretrained_cfg_overlay=[3, 32, 32]),
+            r"pretrained_cfg_overlay=\[3, 32, 32\] is not a mapping",
+        ),
+    ],
+)
+def test_a_naflexvit_cards_overlay_other_than_its_input_size_is_refused(tmp_path, edit, message):
+    run = _run_folder(tmp_path / "run", model_cfg=NAFLEX)
+    assert backbone_of(petl.load_run(run).model).grid_size() == (8, 8)
+    _edit_card(run, edit)
+    with pytest.raises(run_card.RunFolderError, match=message) as error:
+        petl.load_run(run)
+    assert "\n" not in str(error.value) and str(run / run_card.MODEL_FILE) in str(error.value)
+
+
+def test_a_second_format_card_still_loads(tmp_path):
+    # Format 3 added the overlay a card may hold; a card of format 2, which holds none, is read as before.
+    run = _run_folder(tmp_path / "run")
+    _edit_card(run, lambda card: card.update(format="petl-model-2"))
+    assert petl.load_run(run).card["format"] == "petl-model-2"
 
 
 def test_a_file_of_the_run_given_for_its_folder_says_to_give_the_folder(tmp_path):

@@ -24,6 +24,24 @@ def test_the_three_ways_a_run_does_not_learn():
     assert not_learned([], 10) is None and not_learned([2.0], 10) is None  # one epoch: only chance and nan
 
 
+def test_a_run_whose_train_accuracy_is_at_chance_did_not_learn_whatever_its_loss():
+    # One epoch at lr 1e3 on mini/digits: the loss blew up to 22,422 (no first epoch to compare, nowhere near ln 10)
+    # while the model guessed: 9.0 % of 800 training images on 10 classes.  It was recorded as learned.
+    said = not_learned([22421.78], 10, 9.0, 800)
+    assert said and "train top-1 9.0 % of 800 images is not above chance, 100/10 = 10.0 %" in said
+    # A loss that blew up and fell back below its first epoch's, the model still guessing.
+    assert "not above chance" in not_learned([5e4, 300.0], 10, 10.4, 800)
+    # The committed Convpass trial on digits at lr 1e-2: 1.1 % above ln 10, 11.4 % of 800 (p = 0.11).
+    assert "p = 0.11" in not_learned([2.5, 2.329], 10, 11.375, 800)
+    # A little above chance, on enough images, learned: 7.9 % of 800 on 16 classes (p = 0.04); 13 % of 800 on 10.
+    assert not_learned([2.8, 2.740], 16, 7.875, 800) is None and not_learned([2.5, 2.2], 10, 13.0, 800) is None
+    # The same accuracy over fewer images cannot tell: 13 % of 40 on 10 classes is at chance.
+    assert not_learned([2.5, 1.2], 10, 13.0, 40) is not None
+    # Without the figures (records that predate them) the loss tests alone decide.
+    assert not_learned([22421.78], 10) is None and not_learned([22421.78], 10, 9.0, None) is None
+    assert not_learned([0.5], 10, math.nan, 800) is None and not_learned([0.5], None, 9.0, 800) is None
+
+
 def test_a_record_without_a_verdict_is_judged_from_its_metrics(tmp_path):
     losses = [2.6, 2.4, 2.307]
     (tmp_path / "metrics.jsonl").write_text(
@@ -35,6 +53,33 @@ def test_a_record_without_a_verdict_is_judged_from_its_metrics(tmp_path):
     assert run_not_learned(tmp_path, marked) == "written at training time"
     diverged = RunResult(method="lora", dataset="mini/mnist", seed=0, diverged="loss became nan")
     assert run_not_learned(tmp_path, diverged).startswith("diverged")
+
+
+def test_a_record_that_says_learned_is_judged_again_by_its_train_accuracy(tmp_path):
+    # Written before the accuracy test: no verdict in the record; its metrics.jsonl holds the last epoch's top-1.
+    row = {"epoch": 1, "loss": 22421.78, "train_top1": 9.0, "images": 800.0}
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(row) + "\n")
+    old = RunResult(method="lora", dataset="mini/digits", seed=0, num_classes=10, final_train_loss=22421.78)
+    assert "not above chance" in run_not_learned(tmp_path, old)
+
+
+def test_a_one_epoch_run_that_diverged_is_recorded_as_not_learned(tmp_path):
+    from conftest import tiny_run
+
+    from petl.run import default_config, train
+
+    result = train(default_config([*tiny_run(subset=400, epochs=1), "train.lr=1e3", f"output_dir={tmp_path}"]))
+    assert "not above chance" in result["not_learned"]
+    assert "not above chance" in json.loads((tmp_path / "result.json").read_text())["not_learned"]
+
+
+def test_the_console_line_of_a_run_that_did_not_learn_says_so():
+    from petl.train.runner import summary_line
+
+    record = {"method": "lora", "dataset": "mini/digits", "seed": 0, "val_top1": 14.0, "test_top1": 10.66}
+    assert "did not learn" not in summary_line(record)
+    said = summary_line({**record, "not_learned": "final epoch's train top-1 9.0 % of 800 images is not above chance"})
+    assert said.endswith(" s | did not learn: final epoch's train top-1 9.0 % of 800 images is not above chance")
 
 
 def test_a_run_of_few_optimizer_steps_is_warned_naming_what_to_change():

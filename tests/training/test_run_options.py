@@ -84,6 +84,14 @@ def test_num_classes_in_model_kwargs_is_refused():
         default_config(["+model.kwargs.num_classes=3"])
 
 
+def test_num_classes_added_to_the_method_is_refused_in_one_line():
+    # The method node leaves num_classes out (the runner sets it from the data): added with +, make_config got it
+    # twice, a TypeError's traceback and exit 1.
+    message = r"^method\.num_classes=4: the head's class count comes from the data \(mini/digits's classes\): drop it$"
+    with pytest.raises(ConfigError, match=message):
+        default_config([*TINY_MODEL, "data=mini/digits", "method=lora", "+method.num_classes=4"])
+
+
 def test_a_seed_numpy_cannot_take_is_bad_input():
     # It failed the run after the build (accelerate's set_seed seeds numpy): exit 1, "ValueError: Seed must be...".
     assert default_config([*TINY_MODEL, f"seed={2**32 - 1}"]).seed == 2**32 - 1

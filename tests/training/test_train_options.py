@@ -20,6 +20,7 @@ from petl.model.backbone import backbone_of
 from petl.model.wrappers import PetlModule
 from petl.presets import configs_dir, list_experiments, load_experiment
 from petl.run import default_config, train
+from petl.store.result import read_result
 from petl.train import build, engine, runner
 from petl.train.output_dir import check_finished
 from petl.utils import precision
@@ -266,3 +267,18 @@ def test_a_compiled_run_on_cuda_compiles_under_the_default_precision(tmp_path):
     result = _run(tmp_path / "run", "method=lora", "train.compile=true")
     assert result["compiled"] is True and result["precision"] == ("bf16" if precision.cuda_has_native_bf16() else "no")
     assert result["test_top1"] is not None and torch.isfinite(torch.tensor(result["final_train_loss"]))
+
+
+def test_a_batch_size_above_the_training_split_is_recorded_and_said_as_the_batch_that_ran(tmp_path, capsys):
+    # Not refused (the default 64 is above a small folder): each step takes the whole split, and the record and the
+    # first line say that batch, not the option's (effective_batch_size once read 64 for steps of 24 images).
+    result = _run(tmp_path / "run", "data.subset=24", "train.batch_size=64", "method=linear")
+    assert result["effective_batch_size"] == 24
+    assert "batch 24 (all the training images: train.batch_size=64 is more)" in capsys.readouterr().out
+
+
+def test_the_record_says_how_many_optimizer_steps_ran(tmp_path):
+    # 40 images in batches of 8 accumulated in twos: 5 batches, steps of 2, 2 and 1 batches, so 3 steps an epoch.
+    result = _run(tmp_path / "run", "data.subset=40", "train.batch_size=8", "train.grad_accum=2", "train.epochs=2")
+    assert (result["optimizer_steps"], result["effective_batch_size"]) == (6, 16)
+    assert read_result(tmp_path / "run" / "result.json").optimizer_steps == 6

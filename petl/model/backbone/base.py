@@ -162,7 +162,7 @@ class Backbone:
             ValueError: the model drops patch tokens (one line naming the option and what to do).
 
         """
-        rate = float(getattr(getattr(self.model, "patch_drop", None), "prob", 0.0))
+        rate = self.patch_drop_rate()
         if rate > 0:
             rows, cols = self.grid_size()
             raise ValueError(
@@ -170,6 +170,15 @@ class Backbone:
                 f"{type(self.model).__name__} drops patch tokens in training (timm's patch_drop_rate={rate:g}): "
                 "create the model with patch_drop_rate=0"
             )
+
+    def patch_drop_rate(self) -> float:
+        """The share of patch tokens the model's ``patch_drop`` drops in training (timm's ``patch_drop_rate``)."""
+        return float(getattr(getattr(self.model, "patch_drop", None), "prob", 0.0))
+
+    def drops_patches(self) -> bool:
+        """Whether :meth:`embed_tokens` drops patch tokens now (the model's ``patch_drop`` in train mode)."""
+        drop = getattr(self.model, "patch_drop", None)
+        return drop is not None and drop.training and self.patch_drop_rate() > 0
 
     def tokens_in(self, x: torch.Tensor) -> int:
         """Tokens per image in ``x``, a block's input (prompts a method added included)."""
@@ -324,6 +333,10 @@ class Backbone:
     def num_tokens(self) -> int:
         """Tokens entering the first block per image at the model's image size (prefix tokens included)."""
         raise NotImplementedError
+
+    def block_tokens(self) -> list[int]:
+        """Tokens each block takes per image at the model's image size, in order: :meth:`num_tokens` for all."""
+        return [self.num_tokens()] * self.depth()
 
     def num_features(self) -> int:
         """Width of the pooled features (what :meth:`pre_logits` returns per image)."""

@@ -119,9 +119,36 @@ class Eva(QvBiasesBesideQkv, GammaBranches, ViT):
         return {"rope": rope.get_embed(shape=self.model.patch_embed.grid_size)}
 
     def embed_tokens(self, images: torch.Tensor) -> torch.Tensor:
-        """Patch embedding, prefix tokens, position embedding, patch drop, pre-norm (timm's ``_pos_embed``)."""
+        """Patch embedding, prefix tokens, position embedding, patch drop, pre-norm (timm's ``_pos_embed``).
+
+        Raises:
+            ValueError: a rotary embedding and patch tokens dropped (:meth:`check_rope_follows_tokens`).
+
+        """
+        self.check_rope_follows_tokens()
         x, _ = self.model._pos_embed(self.model.patch_embed(images))
         return self.model.norm_pre(x)
+
+    def check_rope_follows_tokens(self) -> None:
+        """Refuse the block path (:meth:`embed_tokens`, then :meth:`run_block` with :meth:`block_inputs`) where the
+        model drops patch tokens now and rotates them.
+
+        timm's own forward takes the rotary table's rows of the kept tokens (``apply_keep_indices_nlc``);
+        :meth:`block_inputs` computes the whole grid's table, which no longer matches the tokens.  No petl path
+        takes the block path in train mode (a ``MultiTask`` stays in eval mode; a feature cache's front runs in eval
+        mode and none is kept where the backbone trains): this keeps it so.
+
+        Raises:
+            ValueError: one line naming the rate and what to do.
+
+        """
+        if self.model.rope is not None and self.drops_patches():
+            raise ValueError(
+                f"{type(self.model).__name__} drops patch tokens in training (timm's patch_drop_rate="
+                f"{self.patch_drop_rate():g}) and rotates them: petl's block path would hand its blocks the whole "
+                "grid's rotary table; run the model's own forward, put it in eval mode, or create it with "
+                "patch_drop_rate=0"
+            )
 
     def run_block(
         self,

@@ -202,6 +202,13 @@ class NaFlexEva(NaFlexViT, Eva):
         rope = self.model.rope
         return {"rope": None if rope is None else rope.get_embed(shape=self.grid_size())}
 
+    def embed_tokens(self, images: torch.Tensor) -> torch.Tensor:
+        """:meth:`NaFlexViT.embed_tokens`, refused where patch tokens are dropped and rotated
+        (:meth:`Eva.check_rope_follows_tokens`).
+        """
+        self.check_rope_follows_tokens()
+        return NaFlexViT.embed_tokens(self, images)
+
     def _per_block_rope(self) -> bool:
         """Whether block i is passed its own row of the rotary embedding (timm's ``rope_is_mixed``)."""
         return self.model.rope is not None and self.model.rope_is_mixed

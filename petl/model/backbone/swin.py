@@ -254,6 +254,18 @@ class Swin(TimmModelParts, TimmBlockParts, Backbone):
         rows, cols = self.grid_size()
         return rows * cols
 
+    def block_tokens(self) -> list[int]:
+        """Each block's stage's grid: a stage's PatchMerging halves the sides of the grid before it (an odd side
+        padded first, as timm's merging pads it).
+        """
+        rows, cols = self.grid_size()
+        tokens = []
+        for stage in self._stage_list():
+            if not isinstance(stage.downsample, nn.Identity):
+                rows, cols = (rows + 1) // 2, (cols + 1) // 2
+            tokens += [rows * cols] * len(stage.blocks)
+        return tokens
+
     # -- prompt tokens ---------------------------------------------------------------------------------------
 
     def insert_prompts(self, prompts: list[torch.Tensor | None], dropout: float, strip: bool) -> None:
