@@ -86,7 +86,8 @@ def image_files(folder: Path) -> tuple[list[Path], list[Path]]:
     ``.ipynb_checkpoints/`` copy are never images of a class, nor photos to predict.  Sub-folders that are
     symbolic links are followed, as torchvision's ``ImageFolder`` follows them, each real folder once; a link to
     ``folder`` or a folder above it is not (it would loop, or take in other classes).  A link to a missing file is
-    listed, so that reading it names it.
+    listed, so that reading it names it.  A named pipe, a device or a socket (or a link to one) is among the other
+    files whatever its extension: reading a pipe would wait for a writer.
     """
     images: list[Path] = []
     others: list[Path] = []
@@ -101,18 +102,33 @@ def image_files(folder: Path) -> tuple[list[Path], list[Path]]:
         dirs[:] = [name for name in dirs if not name.startswith(".")]
         for name in files:
             path = Path(top, name)
-            if name.startswith(".") or not (path.is_file() or path.is_symlink()):
-                continue
-            (images if path.suffix.lower() in IMAGE_EXTENSIONS else others).append(path)
+            if not name.startswith("."):
+                image = _is_plain(path) and path.suffix.lower() in IMAGE_EXTENSIONS
+                (images if image else others).append(path)
     return sorted(images), sorted(others)
 
 
+def _is_plain(path: Path) -> bool:
+    """A regular file, or a link to a missing one; not a pipe, a device or a socket."""
+    return path.is_file() or (path.is_symlink() and not path.exists())
+
+
 def not_images(others: list[Path], top: Path) -> str:
-    """What :func:`image_files` left out under ``top``, in a few words: the first three names and how many more."""
-    return (
-        f"skipped {some(others, top)} in {shown(top)}: not image files by their extension "
-        f"({', '.join(IMAGE_EXTENSIONS)}); convert them to use them"
-    )
+    """What :func:`image_files` left out under ``top``, in one line: three names of each kind and how many more."""
+    files = [path for path in others if _is_plain(path)]
+    special = [path for path in others if not _is_plain(path)]
+    said = []
+    if files:
+        said.append(
+            f"skipped {some(files, top)} in {shown(top)}: not image files by their extension "
+            f"({', '.join(IMAGE_EXTENSIONS)}); convert them to use them"
+        )
+    if special:
+        said.append(
+            f"skipped {some(special, top)} in {shown(top)}: not files but pipes, devices or sockets; put the image "
+            "files there to use them"
+        )
+    return "; ".join(said)
 
 
 def some(paths: list[Path], top: Path) -> str:
@@ -153,7 +169,7 @@ def class_folders(split_dir: Path) -> list[str]:
         )
     names = sorted(p.name for p in split_dir.iterdir() if p.is_dir() and not p.name.startswith("."))
     for name in names:
-        if shown(name) != name:
+        if name != name.encode("utf-8", "surrogateescape").decode("utf-8", "replace"):
             # A class name is recorded (result.json, model.json) and printed: it must be text.
             raise ValueError(f"folder: class folder {shown(split_dir / name)} has a name that is not UTF-8: rename it")
     return names

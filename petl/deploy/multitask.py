@@ -74,7 +74,7 @@ import torch
 from torch import nn
 
 from petl.deploy.graphs import LayoutGraph, LayoutGraphs, capture, storage_of
-from petl.deploy.routing import Batch, RoutedBlock, RoutedModule, Router, method_name, task_sites
+from petl.deploy.routing import Batch, RoutedBlock, RoutedModule, Router, check_images, method_name, task_sites
 from petl.model.backbone import Backbone, backbone_of, naflexvit
 from petl.model.io import load_trainable, meta_copy, read_header, read_trainable_metadata
 from petl.model.params import trainable_state
@@ -348,7 +348,7 @@ class MultiTask(nn.Module):
         backbone.requires_grad_(False).eval()
         self.names = [str(name) for name in tasks]
         # What timm's patch embedding takes: its channels, and its image size where it holds to one (or a shape error:
-        # _check_images says it in one line), or a NaFlexEva's rotation (block_inputs': the model's grid, timm's: any).
+        # check_images says it in one line), or a NaFlexEva's rotation (block_inputs': the model's grid, timm's: any).
         embed = getattr(backbone, "patch_embed", None)
         proj = getattr(embed, "proj", None)
         # A hybrid ViT's (timm's HybridEmbed) proj takes its CNN's features: the images' channels are its in_chans.
@@ -616,34 +616,18 @@ class MultiTask(nn.Module):
             raise ValueError("MultiTask serves trained tasks and stays in eval mode; train each task on its own")
         return super().train(False)
 
-    def _check_images(self, images: Tensor) -> None:
-        """A ValueError in one line for images the backbone cannot take: not a tensor, not N x C x H x W, another
-        channel count, another size where the backbone holds to one.
-        """
-        channels = self._channels
-        if not isinstance(images, Tensor):
-            raise ValueError(
-                f"images are a {type(images).__name__}: give a tensor N x {channels or 'C'} x H x W, preprocessed"
-            )
-        if images.dim() != 4 or (channels is not None and images.shape[1] != channels):
-            raise ValueError(f"images are {tuple(images.shape)}: give a batch N x {channels or 'C'} x H x W")
-        size = tuple(images.shape[2:])
-        if self._image_size is not None and size != self._image_size:
-            raise ValueError(
-                f"images are {size[0]}x{size[1]} px: the backbone takes {self._image_size[0]}x{self._image_size[1]}; "
-                "preprocess them as the runs' cards say (petl.load_run(run).preprocess)"
-            )
-
     def task_index(self, task_ids: Sequence[str] | Sequence[int] | Tensor, rows: int) -> Tensor:
         """``task_ids`` (names, or indices into :attr:`names`) as a CPU tensor of task indices, checked."""
         # Integers only: a bool or a float (True, 1.7) is no task index, and turning it into one would route the row
         # to a task nobody named.
         if isinstance(task_ids, str | numbers.Integral):  # a string would be read as one task per letter
             raise ValueError(f"task_ids={task_ids!r} is one task: give one per image, e.g. [{task_ids!r}] * {rows}")
+        if getattr(task_ids, "ndim", 1) != 1:  # an N x 1 tensor was flattened, a 2 x N one read as 2N rows
+            raise ValueError(f"task ids are {tuple(task_ids.shape)}: give one task per image, a list or a 1-D array")
         if isinstance(task_ids, Tensor):
             if task_ids.dtype == torch.bool or task_ids.is_floating_point() or task_ids.is_complex():
                 raise ValueError(f"task ids are a {task_ids.dtype} tensor: give task names or integer indices")
-            index = task_ids.detach().to("cpu", torch.long).reshape(-1)
+            index = task_ids.detach().to("cpu", torch.long)
         else:
             lookup = {name: i for i, name in enumerate(self.names)}
             kinds = (str, numbers.Integral)
@@ -731,16 +715,18 @@ class MultiTask(nn.Module):
         """Each image's logits from its own task.
 
         Args:
-            images: a batch (N x 3 x H x W), preprocessed as the backbone expects.
-            task_ids: one task per image: names, or integer indices into :attr:`names` (a list, a NumPy array or an
-                integer tensor; a bool or a float is refused, and so is one name or index alone: ``[name] * N``).
+            images: a batch (N x 3 x H x W), preprocessed as the backbone expects, of its weights' dtype (float32
+                unless the MultiTask was cast; under autocast any floating dtype); uint8 pixels are refused.
+            task_ids: one task per image: names, or integer indices into :attr:`names` (a list, a 1-D NumPy array or
+                integer tensor of N; a bool or a float is refused, and so is one name or index alone: ``[name] * N``,
+                and an N x 1 column).
 
         Returns:
             N x C logits, C the largest class count among the tasks; a row's columns beyond its own task's
             classes are ``-inf`` (so softmax and argmax ignore them).
 
         """
-        self._check_images(images)
+        check_images(images, self._channels, self._image_size, next(self.backbone.parameters()).dtype)
         index = self.task_index(task_ids, images.shape[0])
         if not len(index):  # no rows, no task to route: 0 x C, as a timm model answers an empty batch
             width = max(self.num_classes.values()) or backbone_of(self.backbone).num_features()
@@ -829,7 +815,7 @@ class MultiTask(nn.Module):
         """
         if images.device.type != "cuda":
             raise ValueError(f"MultiTask.graphed makes a CUDA graph: give images on a CUDA device, not {images.device}")
-        self._check_images(images)
+        check_images(images, self._channels, self._image_size, next(self.backbone.parameters()).dtype)
         index = self.task_index(task_ids, images.shape[0])
         return self._capture(images, self._layout(index, images))
 

@@ -25,6 +25,37 @@ from petl.model.rows import Batched, CannotShare, RowHook, Tokens, affine, per_d
 Tensor = torch.Tensor
 
 
+def check_images(images: Any, channels: int | None, size: tuple[int, ...] | None, dtype: torch.dtype) -> None:
+    """A ValueError in one line for images a MultiTask's backbone cannot take: not a tensor, not N x C x H x W,
+    another channel count, another size where the backbone holds to one (``size``), another dtype than its weights'
+    (``dtype``; any floating dtype under autocast, which casts them).
+    """
+    if not isinstance(images, Tensor):
+        raise ValueError(
+            f"images are a {type(images).__name__}: give a tensor N x {channels or 'C'} x H x W, preprocessed"
+        )
+    if images.dim() != 4 or (channels is not None and images.shape[1] != channels):
+        raise ValueError(f"images are {tuple(images.shape)}: give a batch N x {channels or 'C'} x H x W")
+    if size is not None and tuple(images.shape[2:]) != size:
+        raise ValueError(
+            f"images are {images.shape[2]}x{images.shape[3]} px: the backbone takes {size[0]}x{size[1]}; "
+            "preprocess them as the runs' cards say (petl.load_run(run).preprocess)"
+        )
+    # Else torch's own error: "Input type (unsigned char) and bias type (float) should be the same".
+    if images.dtype != dtype and not (images.is_floating_point() and _autocast(images.device.type)):
+        raise ValueError(
+            f"images are {images.dtype}: the backbone's weights are {dtype}; give {dtype} images, preprocessed as "
+            "the runs' cards say (petl.load_run(run).preprocess), or cast the MultiTask with .to(dtype)"
+        )
+
+
+def _autocast(device_type: str) -> bool:
+    try:
+        return torch.is_autocast_enabled(device_type)
+    except RuntimeError:  # a device type autocast does not know (meta)
+        return False
+
+
 def _own_parameter_hook(module: nn.Module, frozen: nn.Module, own: list[str]) -> RowHook | None:
     """The hook of a backbone module some of whose parameters the task trained itself (BitFit, LN tuning).
 

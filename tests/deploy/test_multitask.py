@@ -345,6 +345,10 @@ def test_run_folders_task_ids_and_bad_input(tmp_path):
         multi(images, ["a", "b"])
     with pytest.raises(ValueError, match="task index out of range"):
         multi(images, [0, 1, 2])
+    # One task per image, as the docstring says: an N x 1 column was flattened and taken, a 0-d index read as a list.
+    for wrong in (torch.tensor([[1], [0], [1]]), np.array([[1], [0], [1]]), torch.tensor(1)):
+        with pytest.raises(ValueError, match=r"^task ids are \(.*\): give one task per image, a list or a 1-D array$"):
+            multi(images, wrong)
     # A bool or a float is no task index (True was task 1, 1.7 task 1); numpy's integers are.
     for wrong in ([True, False, True], [0, 1.7, 1], torch.tensor([1.0, 0.0, 1.0]), torch.tensor([True, False, True])):
         with pytest.raises(ValueError, match="give task names or integer indices"):
@@ -359,6 +363,9 @@ def test_run_folders_task_ids_and_bad_input(tmp_path):
         (images[:, :1], r"^images are \(3, 1, 32, 32\): give a batch N x 3 x H x W$"),
         (images[0], r"^images are \(3, 32, 32\): give a batch N x 3 x H x W$"),
         (images.tolist(), r"^images are a list: give a tensor N x 3 x H x W, preprocessed$"),
+        # uint8 and half failed with torch's "Input type (unsigned char) and bias type (float) should be the same".
+        ((images * 255).to(torch.uint8), r"^images are torch.uint8: the backbone's weights are torch.float32; give"),
+        (images.half(), r"^images are torch.float16: the backbone's weights are torch.float32; give torch.float32"),
     ):
         with pytest.raises(ValueError, match=message):
             multi(wrong, ["a", "b", "a"])

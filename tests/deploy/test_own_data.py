@@ -326,6 +326,34 @@ def test_predict_names_an_image_that_is_a_pipe_as_one_not_as_missing(tmp_path):
         predict.image_paths([str(pipe)])
 
 
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no named pipes here")
+def test_a_pipe_inside_a_folder_is_named_in_the_note_not_read(tmp_path, capsys):
+    # image_files skipped a pipe (or a device) without a word, and listed a link to one as an image (reading it waits).
+    from petl.deploy import predict
+
+    _image("dark_red", np.random.default_rng(0)).save(tmp_path / "a.png")
+    os.mkfifo(tmp_path / "photo.png")
+    (tmp_path / "link.png").symlink_to("photo.png")
+    assert predict.image_paths([str(tmp_path)]) == [tmp_path / "a.png"]
+    note = capsys.readouterr().err
+    assert note.count("\n") == 1 and "skipped link.png, photo.png in" in note and "pipes, devices or sockets" in note
+
+
+def test_predict_names_a_file_name_holding_a_newline_on_one_line(tmp_path, capsys):
+    # shown() escaped only undecodable bytes: a name holding a newline split the error and the note in two.
+    from petl.deploy import predict
+    from petl.utils.errors import UsageError
+
+    with pytest.raises(UsageError) as raised:
+        predict.image_paths([str(tmp_path / "photo\n1.png")])
+    assert str(raised.value) == f"{tmp_path}/photo\\n1.png: no such file or folder"
+    _image("dark_red", np.random.default_rng(0)).save(tmp_path / "a.png")
+    (tmp_path / "notes\r\x1b[2J.txt").write_text("")
+    predict.image_paths([str(tmp_path)])
+    note = capsys.readouterr().err
+    assert note.count("\n") == 1 and "skipped notes\\r\\x1b[2J.txt in" in note
+
+
 @pytest.mark.parametrize("bad", [2.5, "3", True])
 def test_num_classes_must_be_a_whole_number(tiny_vit, bad):
     with pytest.raises(ValueError, match="is not a whole number"):
