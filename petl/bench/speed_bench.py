@@ -342,7 +342,11 @@ def measure_memory_in_subprocess(case: Case, spec: SpeedSpec) -> dict[str, Any]:
         [sys.executable, "-m", "petl.bench.speed", "--worker", payload], capture_output=True, text=True, check=False
     )
     if proc.returncode != 0:
-        raise RuntimeError(f"speed worker for {case.name!r} failed:\n{proc.stderr[-3000:]}")
+        # The worker's traceback goes to stderr as it wrote it; the error stays one line (exit_statuses escapes any
+        # newline in it), naming the worker's last line, which is its exception.
+        sys.stderr.write(proc.stderr[-3000:])
+        last = next((line for line in reversed(proc.stderr.splitlines()) if line.strip()), "no output")
+        raise RuntimeError(f"speed worker for {case.name!r} failed (exit {proc.returncode}): {last.strip()}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 

@@ -562,3 +562,19 @@ def test_the_machine_line_counts_the_logical_cpus_this_process_may_use(monkeypat
     assert ", 2 of the machine's 16 logical CPUs, " in speed_table.machine_line("cpu")
     monkeypatch.setattr(speed_table.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
     assert ", 16 logical CPUs, " in speed_table.machine_line("cpu")
+
+
+def test_a_failed_speed_worker_is_one_line_naming_its_exception_and_its_traceback_goes_to_stderr(monkeypatch, capsys):
+    # Was "failed:\n" and the worker's stderr tail in the message, which the commands' one-line errors escape into
+    # one long line of literal \n.
+    import subprocess
+
+    from petl.bench import speed_bench
+
+    traceback = 'Traceback (most recent call last):\n  File "x.py", line 1\nValueError: rank 0\n\n'
+    done = subprocess.CompletedProcess([], returncode=1, stdout="", stderr=traceback)
+    monkeypatch.setattr(speed_bench.subprocess, "run", lambda *args, **kwargs: done)
+    with pytest.raises(RuntimeError) as error:
+        measure_memory_in_subprocess(Case("lora", dict(LORA[1])), TINY)
+    assert str(error.value) == "speed worker for 'lora' failed (exit 1): ValueError: rank 0"
+    assert capsys.readouterr().err == traceback
