@@ -286,7 +286,9 @@ def run_cli(argv: Sequence[str]) -> int:
         try:
             served, tasks = serve.load_tasks(runs)
         except TaskRefused as refused:
-            # "serve it as its own model" named no way to do that here: a lone full fine-tuning run was refused too.
+            if refused.mismatch:  # the run fails load_run's own check: petl-predict would refuse it as well
+                raise UsageError(str(refused).splitlines()[0]) from None
+            # A method that cannot share the backbone is refused alone too: petl-serve has no way to serve it.
             raise UsageError(
                 f"{str(refused).splitlines()[0]} (petl-serve shares one frozen backbone among its tasks: leave "
                 f"{runs[refused.task]} out, and use it with petl-predict, or petl-export where its method folds into "
