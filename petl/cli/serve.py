@@ -105,7 +105,8 @@ def runs_under(folder: Path) -> list[Path]:
 
     A folder set aside by ``resume=false`` (``<run>.replaced-<time>/``) is an earlier run of a task, not a task: the
     reports skip it too.  An unfinished run (``checkpoint.pt`` without ``result.json``, or one stopped before its first
-    checkpoint: :func:`petl.store.files.unfinished_run`) has no weights to serve yet.
+    checkpoint: :func:`petl.store.files.unfinished_run`) has no weights to serve yet, and a run without
+    ``trainable.safetensors`` none at all (petl-bench removes its selection trials' weights once they are scored).
     Each kind skipped is said in one line on stderr, naming the folders.
     """
     from petl.store.files import (
@@ -197,8 +198,8 @@ def find_runs(items: Sequence[str]) -> dict[str, Path]:
         print(f"{PROG}: note: {folder} was given more than once: served once", file=sys.stderr)
     runs = dict(named)
     for folder, label in run_labels(unnamed).items():
-        # A name petl made from a path takes no character a URL part cannot hold: petl-bench's selection trials sit in
-        # folders named train.lr=0.001, and the line below told to name each of a folder's runs by hand.
+        # A name petl made from a path takes no character a URL part cannot hold: folders named by their options
+        # (lr=0.001) are common, and refusing them would have each of a folder's runs named by hand (task.NAME=RUN).
         name = NOT_IN_TASK_NAME.sub("_", label).lstrip("_.-") or label
         if name in runs:
             raise UsageError(f"two runs are named {name!r} ({runs[name]}, {folder}): name one with task.NAME=RUN")
@@ -286,7 +287,9 @@ def run_cli(argv: Sequence[str]) -> int:
         try:
             served, tasks = serve.load_tasks(runs)
         except TaskRefused as refused:
-            # "serve it as its own model" named no way to do that here: a lone full fine-tuning run was refused too.
+            if refused.mismatch:  # the run fails load_run's own check: petl-predict would refuse it as well
+                raise UsageError(str(refused).splitlines()[0]) from None
+            # A method that cannot share the backbone is refused alone too: petl-serve has no way to serve it.
             raise UsageError(
                 f"{str(refused).splitlines()[0]} (petl-serve shares one frozen backbone among its tasks: leave "
                 f"{runs[refused.task]} out, and use it with petl-predict, or petl-export where its method folds into "

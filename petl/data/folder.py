@@ -261,7 +261,8 @@ def lookalike(extra: Sequence[str], names: Sequence[str], whose: str) -> str:
     macOS writes ``café`` as ``e`` and a combining accent (NFD) where Windows and Linux tools write one ``é`` (NFC):
     the two names print alike, so the refusal alone would name a class that seems to be there.  A name in another
     case (``Cat`` against ``cat``) is a class of its own on Linux and the same folder on macOS and Windows, and one
-    with a space at its end (``cat ``) prints as the other: said too.
+    with a space at its end (``cat ``) prints as the other: said too.  The remedy renames the name of ``extra``:
+    ``names`` may be ones the user cannot rename (a trained run's classes, which its files record and check).
     """
     forms = {unicodedata.normalize("NFC", name): name for name in names}
     cases = {_loosely(name): name for name in names}
@@ -270,13 +271,13 @@ def lookalike(extra: Sequence[str], names: Sequence[str], whose: str) -> str:
         if twin is not None:
             return (
                 f" ({name} is {whose} {twin} written with other Unicode code points, {ascii(name)} against "
-                f"{ascii(twin)}, as folders made on macOS and elsewhere can be: rename one of the two folders)"
+                f"{ascii(twin)}, as folders made on macOS and elsewhere can be: retype {name} as {whose} one)"
             )
     for name in extra:
         twin = cases.get(_loosely(name))
         if twin is not None:
             how = "in other letter case" if name.strip() == name and twin.strip() == twin else "but for spaces or case"
-            return f" ({name!r} is {whose} {twin!r} {how}: rename one of the two so that they match)"
+            return f" ({name!r} is {whose} {twin!r} {how}: rename it {twin!r})"
     return ""
 
 

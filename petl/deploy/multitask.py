@@ -55,8 +55,7 @@ one graph per batch size answers every mix of tasks.
 A method opts in next to its wrapper: ``@register_row_hook(MyWrapper)`` on a function that says what
 the wrapper does to its rows, and optionally its batched form (see ``petl/methods/lora.py``).  A task
 whose model holds a module no hook covers (a peft tuner other than LoRA, DoRA or IA3), or trains a frozen
-weight matrix that every row's matmul shares (Partial-k, full fine-tuning), is refused with one line naming
-its method.
+weight matrix that every row's matmul shares (Partial-k, full fine-tuning), is refused with one line naming its method.
 Inference only: the tasks are in eval mode.
 """
 
@@ -86,14 +85,15 @@ Tensor = torch.Tensor
 
 
 class TaskRefused(ValueError):
-    """:class:`MultiTask` refuses a task: ``task`` names it, the one-line message says why.
+    """:class:`MultiTask` refuses a task: ``task`` names it, the one-line message says why; ``mismatch``: the
+    run did not train on this backbone (its architecture, size or frozen tensors), not a method that cannot share it.
 
     A caller serving many runs (``petl-predict``) can serve the others together and this one on its own.
     """
 
-    def __init__(self, task: str, message: str) -> None:
+    def __init__(self, task: str, message: str, mismatch: bool = False) -> None:
         super().__init__(message)
-        self.task = task
+        self.task, self.mismatch = task, mismatch
 
 
 def _weights_file(path: str | Path) -> Path:
@@ -481,7 +481,7 @@ class MultiTask(nn.Module):
                     f"its weights hold {backbone_of(model).num_classes()} classes, its card {card['num_classes']}"
                 )
         if mismatch is not None:
-            raise TaskRefused(name, f"task {name!r} cannot be served over this backbone: {mismatch}")
+            raise TaskRefused(name, f"task {name!r} cannot be served over this backbone: {mismatch}", mismatch=True)
         return model
 
     @staticmethod

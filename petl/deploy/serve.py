@@ -513,6 +513,7 @@ ERRORS = {
     408: "the body did not all arrive within body_timeout_s",
     413: "a body over max_upload_mb, more images than max_queue, or more pixels than max_image_mp or max_request_mp",
     422: "a bad query value (top_k=0)",
+    500: "the model's forward failed on the batch the request's images ran in (the log holds why): retry",
     503: "the queue is full: retry after Retry-After; a shutdown ended the request before its images ran; or the "
     "batcher stopped on an error (/health says so too): restart the server",
 }
@@ -636,7 +637,7 @@ async def prometheus(metrics: MetricsDep) -> PlainTextResponse:
     return PlainTextResponse(metrics.text(), media_type="text/plain; version=0.0.4")
 
 
-@data_router.post(PREDICT_ROUTE, openapi_extra=_IMAGE_BODY, responses=_errors(400, 404, 408, 413, 422, 503))
+@data_router.post(PREDICT_ROUTE, openapi_extra=_IMAGE_BODY, responses=_errors(400, 404, 408, 413, 422, 500, 503))
 async def predict(
     request: Request,
     task: str,

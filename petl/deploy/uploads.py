@@ -118,6 +118,12 @@ def check_pixels(uploads: list[tuple[str, bytes]], options: ServeOptions, spec: 
 
 
 def preprocess_all(uploads: list[tuple[str, bytes]], spec: ImageSpec) -> list[torch.Tensor]:
+    """Each upload (its name, its bytes: :func:`check_pixels` passed them) as a model input, in order.
+
+    Raises:
+        BadImage: the first image that cannot be used, named by its place and file name, and what to send instead.
+
+    """
     tensors = []
     for number, (name, data) in enumerate(uploads, 1):
         try:

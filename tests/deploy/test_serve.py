@@ -476,6 +476,29 @@ def test_petl_bench_choose_offers_petl_serve_only_a_run_it_serves(runs, tmp_path
     assert f"leave {full} out, and use it with petl-predict, or petl-export" in error and len(error.splitlines()) == 1
 
 
+def test_a_run_that_fails_its_frozen_check_is_not_sent_to_petl_predict(runs, tmp_path, capsys):
+    # A run whose backbone is not the one it trained on (its frozen tensors' hash) fails petl-predict's check too: the
+    # refusal told to use it with petl-predict, and petl-bench's choice said it trains the backbone's own weights.
+    import json
+    import shutil
+
+    from petl.bench import choice
+
+    other = tmp_path / "other"
+    shutil.copytree(runs["lora"], other)
+    card = json.loads((other / "model.json").read_text())
+    card["backbone"]["frozen_sha256"] = "0" * 64
+    (other / "model.json").write_text(json.dumps(card))
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stop:
+        serve_cli.main([str(other), "port=0"])
+    assert stop.value.code == 2
+    error = capsys.readouterr().err.strip()
+    assert "the backbone's frozen tensors differ" in error and len(error.splitlines()) == 1
+    assert "petl-predict" not in error and "leave" not in error
+    assert choice.servable(other)
+
+
 def test_petl_bench_selection_trials_without_weights_are_noted_not_served(runs, tmp_path, capsys):
     # petl-bench removes a scored trial's weights and keeps its model.json: serving the bench folder stopped at the
     # first trial ("holds no trainable.safetensors ...: restore it from the run").

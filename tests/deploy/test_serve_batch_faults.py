@@ -85,3 +85,11 @@ def test_a_batcher_an_error_stopped_says_so_on_health_and_answers_503(app, caplo
     assert [record.getMessage() for record in caplog.records] == ["the batcher stopped: the forward aborted"]
     # Served again (a new lifespan), the batcher runs again.
     assert [status for status, _ in _answers(app, "POST", "GET")] == [200, 200]
+
+
+def test_the_openapi_schema_names_the_500_of_a_failed_forward_and_the_503_of_health(app):
+    # The answers above were in no route's schema: a generated client did not know them as {"detail": ...}.
+    paths = app.openapi()["paths"]
+    for path, method, code in [(serve.PREDICT_ROUTE, "post", "500"), ("/health", "get", "503")]:
+        problem = paths[path][method]["responses"][code]["content"]["application/json"]["schema"]
+        assert list(problem["properties"]) == ["detail"], (path, code)

@@ -70,13 +70,10 @@ def test_a_class_train_lacks_says_what_to_do_and_one_in_other_letter_case_or_spa
         (root / "val" / name).mkdir(parents=True)
         Image.fromarray(np.zeros((8, 8, 3), np.uint8)).save(root / "val" / name / "0.png")
     assert _refusal(root, capsys).endswith(
-        f"{root / 'val'} has classes that train/ lacks: A ('A' is train/'s 'a' in other letter case: rename one of "
-        "the two so that they match)"
+        f"{root / 'val'} has classes that train/ lacks: A ('A' is train/'s 'a' in other letter case: rename it 'a')"
     )
     (root / "val" / "A").rename(root / "val" / "a ")  # a space at the end: printed as train/'s a
-    assert _refusal(root, capsys).endswith(
-        "lacks: a  ('a ' is train/'s 'a' but for spaces or case: rename one of the two so that they match)"
-    )
+    assert _refusal(root, capsys).endswith("lacks: a  ('a ' is train/'s 'a' but for spaces or case: rename it 'a')")
     (root / "val" / "a ").rename(root / "val" / "c")
     error = _refusal(root, capsys)
     assert error.endswith("has classes that train/ lacks: c; add them to train/ or remove them from val/"), error
@@ -133,7 +130,9 @@ def test_hf_a_split_class_train_lacks_says_what_to_do(tmp_path):
     root = tmp_path / "saved"
     strings = datasets.Value("string")
     datasets.DatasetDict(train=_rows(["cat", "dog"] * 3, strings), test=_rows(["Dog"], strings)).save_to_disk(str(root))
-    with pytest.raises(ValueError, match=r"lacks: Dog \('Dog' is train's 'dog' in other letter case: rename one"):
+    with pytest.raises(
+        ValueError, match=r"lacks: Dog \('Dog' is train's 'dog' in other letter case: rename it 'dog'\)"
+    ):
         petl_data.describe_dataset("hf", root=str(root))
     datasets.DatasetDict(train=_rows(["cat", "dog"] * 3, strings), test=_rows(["cow"], strings)).save_to_disk(
         str(tmp_path / "other")
