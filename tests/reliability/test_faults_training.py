@@ -136,6 +136,12 @@ def test_an_edited_option_that_fits_the_tensors_is_refused_naming_the_file(tiny_
     with pytest.raises(ValueError, match=refused):
         petl.load_trainable(model, path)
     assert getattr(model, "petl_method", None) is None
+    # Onto a model carrying the file's method and its true option, or read alone: the file is named as corrupt, not
+    # as saved with the edited option (whose remedy, a fresh backbone, then failed on the hash).
+    with pytest.raises(ValueError, match=refused):
+        petl.load_trainable(petl.apply(tiny_vit(), method, num_classes=4, **{option: config[option]}), path)
+    with pytest.raises(ValueError, match=refused):
+        petl.read_trainable_metadata(path)
     # Other tensors under this metadata with their own tensor hash (a tool that re-signs what it rewrites): the
     # metadata's hash covers the tensors' hash.
     tensors = {name: tensor * 2 for name, tensor in tensors.items()}
