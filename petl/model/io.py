@@ -118,8 +118,9 @@ def read_trainable_metadata(path: str | Path) -> dict[str, Any]:
     """The method, config and backbone shape recorded in a file written by :func:`save_trainable`.
 
     Raises:
-        ValueError: not a safetensors file, not a petl file, or a metadata field that is missing or
-            malformed (the message names the file and the field).
+        ValueError: not a safetensors file, not a petl file, a metadata field that is missing or
+            malformed (the message names the file and the field), or metadata that do not match the hash
+            :func:`save_trainable` recorded (:func:`metadata_hash`).
 
     """
     with _open_safetensors(path) as f:
@@ -156,6 +157,13 @@ def read_trainable_metadata(path: str | Path) -> dict[str, Any]:
     widths = field("widths", json.loads) if meta["format"] != FORMATS[0] else [embed_dim] * depth
     if not isinstance(widths, list) or len(widths) != depth or not all(isinstance(w, int) for w in widths):
         raise ValueError(f"{path}: metadata field 'widths' is malformed (not {depth} whole numbers)")
+    # After the fields (one that cannot be right is named as such), before any caller compares them with a model or a
+    # model.json: an edited option would be reported as the other side's mismatch, with the other side's remedy.
+    if METADATA_HASH in meta and meta[METADATA_HASH] != metadata_hash(meta):
+        raise ValueError(
+            f"{path} is corrupt: its metadata (method, options, backbone) do not match the hash recorded when it was "
+            "saved: restore the file as petl.save_trainable wrote it"
+        )
     return {**meta, "config": config, "embed_dim": embed_dim, "depth": depth, "widths": widths}
 
 
@@ -178,10 +186,7 @@ def _check_bounded(value: Any, depth: int = 0) -> None:
 
 
 def _read_tensors(path: str | Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a safetensors file, checked against the hash in its metadata when it has one, and the metadata
-    against :func:`metadata_hash` when it records one (called once the metadata's fields are checked: an edited field
-    that cannot be right is named as such first).
-    """
+    """Every tensor of a safetensors file, checked against the hash in its metadata when it has one."""
     try:
         with _open_safetensors(path) as f:
             meta = f.metadata() or {}
@@ -190,11 +195,6 @@ def _read_tensors(path: str | Path) -> dict[str, torch.Tensor]:
         raise  # already name the file
     except Exception as error:  # a truncated file passes the header and fails on its tensors
         raise ValueError(f"{path} is not a readable safetensors file ({error})") from None
-    if METADATA_HASH in meta and meta[METADATA_HASH] != metadata_hash(meta):
-        raise ValueError(
-            f"{path} is corrupt: its metadata (method, options, backbone) do not match the hash recorded when it was "
-            "saved: restore the file as petl.save_trainable wrote it"
-        )
     recorded = meta.get("sha256")
     if recorded is None:
         warnings.warn(

@@ -42,31 +42,43 @@ def merge_updates(model: nn.Module) -> nn.Module:
     """Fold every mergeable wrapper's update into its frozen base weight (in place); see :func:`petl.merge`.
 
     All or nothing: a wrapper that refuses (a non-finite update, a layer without the bias a shift needs)
-    raises after the wrappers merged before it are unmerged again and their tensors put back bit for bit, so the
-    model is never half merged, nor changed at all.
+    raises after the wrappers merged before it are unmerged again and their tensors, and its own, put back bit for
+    bit, so the model is never half merged, nor changed at all.  For that it holds a CPU copy of the wrappers'
+    tensors while it runs (their base layers': host memory up to the model's size, also for a model on a GPU).
     """
     check_module(model)
     done: list[tuple[nn.Module, list[torch.Tensor]]] = []  # each merged wrapper, with its tensors as they were
     names = {id(m): name for name, m in model.named_modules()}
+    merging: tuple[nn.Module, list[torch.Tensor]] | None = None
     try:
         for module in _mergeables(model):
             if not getattr(module, "merged", False):
                 # Unmerging subtracts the update again, which rounds: W + U - U is not W in the last bits, and a
                 # refused merge left the frozen weights (and their hash in model.json) changed.  A CPU copy while
                 # the loop runs puts them back exactly.
-                kept = [t.detach().to("cpu", copy=True) for t in _tensors(module)]
+                merging = (module, [t.detach().to("cpu", copy=True) for t in _tensors(module)])
                 try:
                     module.merge()
                 except ValueError as error:  # the wrapper's reason, with where it is
                     raise ValueError(f"{names[id(module)]}: {error}") from None
-                done.append((module, kept))
+                done.append(merging)
+                merging = None
     except Exception:
+        if merging is not None:  # it may have written part of its update before it refused (SSF: weight, then bias)
+            if getattr(merging[0], "merged", False):
+                merging[0].unmerge()
+            _put_back(*merging)
         for module, kept in reversed(done):
             module.unmerge()  # the wrapper's own state (petl's merged mark, peft's merged adapters)
-            for tensor, value in zip(_tensors(module), kept, strict=True):
-                tensor.copy_(value)
+            _put_back(module, kept)
         raise
     return model
+
+
+def _put_back(module: nn.Module, kept: list[torch.Tensor]) -> None:
+    """Copy ``kept`` (:func:`_tensors` of ``module`` as they were) back into the wrapper's tensors."""
+    for tensor, value in zip(_tensors(module), kept, strict=True):
+        tensor.copy_(value)
 
 
 def _tensors(module: nn.Module) -> list[torch.Tensor]:

@@ -192,10 +192,11 @@ def merge(model: nn.Module, unload: bool | None = None) -> nn.Module:
     """Fold every mergeable wrapper's update into its frozen base weight (in place); the wrappers stay.
 
     All or nothing: a wrapper that refuses (a non-finite update, a layer without the bias a shift needs)
-    raises after the wrappers merged before it are unmerged again, their tensors put back bit for bit, so the model is
-    never half merged nor changed.  :func:`petl.unmerge` undoes it (subtracting the update again: the weights come
-    back to float rounding); :func:`petl.unload` merges and then removes the wrappers (a plain timm
-    model), as peft's ``merge_and_unload()`` beside its ``merge_adapter()``.
+    raises after the wrappers merged before it are unmerged again, their tensors (and the refusing one's) put back bit
+    for bit, so the model is never half merged nor changed; for that it holds a CPU copy of the wrapped layers'
+    tensors while it runs (host memory up to the model's size, on a GPU too).  :func:`petl.unmerge` undoes it
+    (subtracting the update again: the weights come back to float rounding); :func:`petl.unload` merges and then
+    removes the wrappers (a plain timm model), as peft's ``merge_and_unload()`` beside its ``merge_adapter()``.
 
     The model's ``state_dict()`` says which wrappers are merged (in torch's state-dict metadata, which ``torch.save``
     keeps; a copy into a plain dict drops it): ``load_state_dict`` onto a model of the same method and config marks

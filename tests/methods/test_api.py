@@ -16,6 +16,7 @@ from torch import nn
 
 import petl
 from petl.deploy.multitask import TaskRefused
+from petl.methods.ssf import SsfLayer
 from petl.model.backbone import backbone_of
 from petl.model.registry import MethodConfig, make_config
 from petl.train import config as run_config
@@ -324,6 +325,20 @@ def test_count_params_of_another_timm_model_leaves_out_its_classifier(name):
     in_head = sum(p.numel() for p in model.get_classifier().parameters())
     total = sum(p.numel() for p in model.parameters())
     assert petl.count_params(model) == petl.ParamCount(trainable=total, trainable_no_head=total - in_head, total=total)
+
+
+def test_a_wrapper_that_refuses_part_way_through_its_fold_is_put_back_too(tiny_vit):
+    # SSF writes its weight, then refuses a bias that overflows float16: the model was said to be left unmerged with
+    # that weight doubled (the rollback put back the wrappers merged before the refusing one, not it).
+    model = petl.apply_ssf(tiny_vit()).half()
+    ssf = [m for m in model.modules() if isinstance(m, SsfLayer) and getattr(m.base, "bias", None) is not None][-1]
+    with torch.no_grad():
+        ssf.scale.fill_(2.0), ssf.base.bias.fill_(500.0), ssf.shift.fill_(65000.0)  # 66000 > float16's 65504
+    before = {n: t.clone() for n, t in model.state_dict().items()}
+    with pytest.raises(ValueError, match="refusing to merge SSF into the bias: it holds non-finite values"):
+        petl.merge(model)
+    assert not any(getattr(m, "merged", False) for m in model.modules())
+    assert all(torch.equal(tensor, before[name]) for name, tensor in model.state_dict().items())
 
 
 def test_merge_needs_a_mergeable_method(tiny_vit):

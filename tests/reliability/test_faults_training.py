@@ -66,6 +66,12 @@ def _rewrite(path: Path, tensors=None, metadata=None) -> None:
     save_file(old if tensors is None else tensors, str(path), metadata=old_meta if metadata is None else metadata)
 
 
+def _signed(meta: dict[str, str], tensors: dict[str, torch.Tensor]) -> dict[str, str]:
+    """``meta`` with both hashes of ``tensors`` recomputed: a file a bug wrote as save_trainable writes one."""
+    meta = {**meta, "sha256": petl.model.params.content_hash(tensors)}
+    return {**meta, io.METADATA_HASH: io.metadata_hash(meta)}
+
+
 def _read(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     with safe_open(str(path), framework="pt") as f:
         return {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
@@ -80,7 +86,7 @@ def test_failed_load_leaves_a_carrying_model_exactly_as_it_was(tiny_vit, tmp_pat
     tensors, meta = _read(path)
     last = sorted(tensors)[-1]
     tensors[last] = torch.zeros(3, 3)  # only the last tensor in copy order is wrong
-    _rewrite(path, tensors=tensors, metadata={**meta, "sha256": petl.model.params.content_hash(tensors)})
+    _rewrite(path, tensors=tensors, metadata=_signed(meta, tensors))
     model = petl.apply(tiny_vit(), "lora", num_classes=4)
     before = _state(model)
     with pytest.raises(ValueError, match=rf"{last} has shape \(3, 3\)"):
@@ -93,7 +99,7 @@ def test_failed_load_leaves_a_fresh_model_without_the_method(tiny_vit, tmp_path)
     path = _saved(tiny_vit, tmp_path)
     tensors, meta = _read(path)
     tensors.pop(sorted(tensors)[0])
-    _rewrite(path, tensors=tensors, metadata={**meta, "sha256": petl.model.params.content_hash(tensors)})
+    _rewrite(path, tensors=tensors, metadata=_signed(meta, tensors))
     model = tiny_vit()
     before = _state(model)
     with pytest.raises(ValueError, match="does not match the model: missing"):
@@ -136,6 +142,12 @@ def test_an_edited_option_that_fits_the_tensors_is_refused_naming_the_file(tiny_
     with pytest.raises(ValueError, match=refused):
         petl.load_trainable(model, path)
     assert getattr(model, "petl_method", None) is None
+    # Onto a model carrying the file's method and its true option, or read alone: the file is named as corrupt, not
+    # as saved with the edited option (whose remedy, a fresh backbone, then failed on the hash).
+    with pytest.raises(ValueError, match=refused):
+        petl.load_trainable(petl.apply(tiny_vit(), method, num_classes=4, **{option: config[option]}), path)
+    with pytest.raises(ValueError, match=refused):
+        petl.read_trainable_metadata(path)
     # Other tensors under this metadata with their own tensor hash (a tool that re-signs what it rewrites): the
     # metadata's hash covers the tensors' hash.
     tensors = {name: tensor * 2 for name, tensor in tensors.items()}

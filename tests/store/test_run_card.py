@@ -15,10 +15,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import safetensors.torch
 import timm
 import torch
 from conftest import perturb_trainable, tiny_run
 from PIL import Image
+from safetensors import safe_open
 
 import petl
 from petl.cli import export as export_cli
@@ -165,6 +167,19 @@ def test_a_damaged_or_newer_card_is_refused_in_one_line(tmp_path, edit, message)
     with pytest.raises(run_card.RunFolderError, match=message) as error:
         petl.load_run(run)
     assert "\n" not in str(error.value) and str(run / run_card.MODEL_FILE) in str(error.value)
+
+
+def test_weights_whose_options_were_edited_are_named_not_the_card(tmp_path):
+    # The weights' metadata was compared with model.json before its hash was checked: an alpha edited in the file
+    # was told as model.json's method_config.alpha, to be restored, though model.json was the run's own.
+    run = _run_folder(tmp_path / "run")
+    weights = run / run_card.WEIGHTS_FILE
+    with safe_open(str(weights), framework="pt") as f:
+        meta, tensors = f.metadata(), {name: f.get_tensor(name) for name in f.keys()}
+    edited = json.dumps({**json.loads(meta["config"]), "alpha": 2.0})
+    safetensors.torch.save_file(tensors, str(weights), metadata={**meta, "config": edited})
+    with pytest.raises(run_card.RunFolderError, match=rf"^{weights} is not the weights this run wrote"):
+        petl.load_run(run)
 
 
 @pytest.mark.slow
