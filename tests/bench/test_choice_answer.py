@@ -162,3 +162,22 @@ def test_a_run_petl_serve_refuses_is_not_offered_to_it(tmp_path, monkeypatch):
     assert "`petl-serve" not in answer.paragraph
     assert answer.paragraph.endswith("Not with petl-serve, which serves tasks over one shared frozen backbone: full "
                                      "trains the backbone's own weights.")  # fmt: skip
+
+
+def test_whether_the_task_is_saturated_is_said_by_the_rows_within_the_budget(tmp_path, monkeypatch):
+    # Was: by every complete row, so a row over the budget at 80 % made the rows within it (all within 2 points of
+    # 100 %) ranked over their seeds, a verdict that a row outside the comparison turned on.
+    monkeypatch.setattr(choice, "exportable", lambda run: False)
+    monkeypatch.setattr(choice, "servable", lambda run: True)
+    scores = {"lora": (99.6, 99.2, 99.4), "linear": (99.0, 99.1, 98.8), "full": (80.0, 81.0, 79.0)}
+    for method, top1s in scores.items():
+        for seed, top1 in enumerate(top1s):
+            size = {"trainable_params": 10**6, "total_params": 10**7} if method == "full" else {}
+            write_run(tmp_path / "folder" / method / f"seed{seed}", result_record("folder", method, seed, top1, **size))
+    board = report.build_board(tmp_path, plan=report.Plan("choose", tuple(scores), ("folder",), (0, 1, 2)))
+    assert board.saturated == []  # the leaderboard ranks the task: full is far from 100 %
+    answer = choice.choose(board, choice.Budget(params=1e5)).paragraph
+    assert "no test tells them apart or not (every task is saturated (folder): the methods differ there by a few " in (
+        answer
+    )
+    assert "sign test" not in answer and "Over the budget: full (1.00 M parameters)" in answer
