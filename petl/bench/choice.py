@@ -171,7 +171,7 @@ def choose(board: Leaderboard, budget: Budget, data: dict[str, Any] | None = Non
     if exportable(run):
         uses.append(f"`petl-export {run} out=exported` (a plain timm model)")
     # petl-serve serves tasks over one shared frozen backbone: it refuses a run that trains that backbone (full
-    # fine-tuning, Partial-k), which the answer offered to serve.
+    # fine-tuning, Partial-k), so the answer offers it only a run it takes, and says why not otherwise.
     served = servable(run)
     if served:
         uses.append(f"`petl-serve {run}` (an HTTP endpoint)")
