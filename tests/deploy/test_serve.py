@@ -466,7 +466,10 @@ def test_petl_bench_choose_offers_petl_serve_only_a_run_it_serves(runs, tmp_path
 
     full = tmp_path / "full"
     run_cli.main(["method=full", *tiny_run(subset=32, epochs=1), f"output_dir={full}"])
-    assert not choice.servable(full) and choice.servable(runs["lora"])
+    assert choice.serve_refusal(runs["lora"]) is None
+    assert choice.serve_refusal(full, "full").startswith(
+        "task 'full' (method full) cannot share the backbone: it trains every weight of the backbone"
+    )
     capsys.readouterr()
     with pytest.raises(SystemExit) as stop:
         serve_cli.main([str(full), "port=0"])
