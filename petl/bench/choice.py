@@ -171,16 +171,14 @@ def choose(board: Leaderboard, budget: Budget, data: dict[str, Any] | None = Non
     if exportable(run):
         uses.append(f"`petl-export {run} out=exported` (a plain timm model)")
     # petl-serve serves tasks over one shared frozen backbone: it refuses a run that trains that backbone (full
-    # fine-tuning, Partial-k), which the answer offered to serve.
-    served = servable(run)
-    if served:
+    # fine-tuning, Partial-k) or that it cannot route (prompts under a pooling it cannot mask), so the answer offers
+    # it only a run it takes, and otherwise gives its refusal, which is the reason whatever it is.
+    refused = serve_refusal(run, best.experiment)
+    if refused is None:
         uses.append(f"`petl-serve {run}` (an HTTP endpoint)")
     text += f". Use it: {', '.join(uses[:-1])}{', or ' if len(uses) > 1 else ''}{uses[-1]}."
-    if not served:
-        text += (
-            f" Not with petl-serve, which serves tasks over one shared frozen backbone: {best.experiment} trains the "
-            "backbone's own weights."
-        )
+    if refused is not None:
+        text += f" Not with petl-serve, which serves tasks over one shared frozen backbone and refuses it: {refused}."
     return Choice(best, runner, run, text)
 
 
@@ -267,21 +265,24 @@ def exportable(run_dir: Path) -> bool:
     return True
 
 
-def servable(run_dir: Path) -> bool:
-    """Whether ``petl-serve`` takes the run: ``petl.MultiTask`` refuses a method that trains the frozen backbone it
-    shares among tasks (full fine-tuning, Partial-k).
+def serve_refusal(run_dir: Path, task: str = "run") -> str | None:
+    """Why ``petl-serve`` refuses the run, as ``petl.MultiTask`` says it (naming it ``task``), or ``None`` where it
+    takes it: a method that trains the frozen backbone shared among tasks (full fine-tuning, Partial-k), or prompts
+    under a pooling a mixed batch cannot mask.
 
     A run that cannot be loaded at all is no business of this check: ``petl-predict`` says why.
     """
     from petl.deploy.multitask import MultiTask, TaskRefused
 
     try:
-        MultiTask.from_runs({"run": run_dir})
+        MultiTask.from_runs({task: run_dir})
     except TaskRefused as refused:
-        return refused.mismatch  # a run that fails load_run's checks is refused by petl-predict too
+        if refused.mismatch:
+            return None  # a run that fails load_run's checks is refused by petl-predict too, which says why
+        return str(refused).splitlines()[0].rstrip(".")
     except ValueError:
-        return True
-    return True
+        return None
+    return None
 
 
 def cost_lines(estimate: dict[str, Any] | None, measured_seconds: float | None) -> list[str]:

@@ -121,7 +121,7 @@ class Estimate:
     def lines(self) -> list[str]:
         """What will run and what it costs, for the console."""
         if not self.runs:
-            # Was: the full cost with every term nil ("0 s, between 0 s and 0 s ... 0 % of it ...").
+            # Nothing trains: said so, not as a cost whose every term is nil ("0 s, between 0 s and 0 s").
             experiments = plural(len(self.experiments), "experiment")
             return [f"cost: none: every run of the {experiments} has finished, so nothing trains"]
         trials = sum(e.trials for e in self.experiments)

@@ -84,8 +84,8 @@ class OwnData:
         if self.val_from_train:
             images = f"{self.sizes[TRAIN_VAL]} training images (val200 = {self.val_from_train})"
         else:
-            # Was "48 training images (val200 = its own validation split)": the val/ images counted as training
-            # images, under the protocol's name for a 200-image split.
+            # The folder's val/ images score the trials and join the finals' training images: counted apart, not
+            # under the protocol's name for its 200-image split (val200), which they are not.
             images = (
                 f"{self.sizes[TRAIN]} training images and {self.sizes[VAL]} validation images (its own: the trials "
                 f"are scored on them, the final runs train on all {self.sizes[TRAIN_VAL]})"

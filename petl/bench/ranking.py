@@ -74,13 +74,17 @@ def far_seeds(scores: Mapping[int, float], points: float = FAR_SEED_POINTS) -> t
     return tuple(sorted(seed for seed, value in scores.items() if abs(value - middle) > points))
 
 
-def saturated_tasks(board: Leaderboard, points: float = SATURATED_POINTS) -> list[str]:
+def saturated_tasks(
+    board: Leaderboard, points: float = SATURATED_POINTS, rows: Sequence[ExperimentRow] | None = None
+) -> list[str]:
     """The tasks the means count (:attr:`~petl.bench.board.Leaderboard.counted_tasks`) on which every complete row's
     mean is within ``points`` of 100 % (none without complete rows).
 
+    ``rows``: the complete rows among these (default: the board's), as :func:`rank_test` ranks them: whether the
+    rows compared differ by a few test images is theirs to say, not a row outside the comparison's.
     Not a task outside the board's suite: it is in no mean and no block, and marked as such, not as left out.
     """
-    complete = [row for row in board.rows if board.complete(row)]
+    complete = [row for row in (rows if rows is not None else board.rows) if board.complete(row)]
     if not complete:
         return []
     return [
@@ -203,7 +207,7 @@ def letter(index: int) -> str:
 def rank_test(board: Leaderboard, rows: Sequence[ExperimentRow] | None = None, alpha: float = ALPHA) -> Ranking | str:
     """Rank ``rows`` (default: the board's complete rows) across blocks; or why no test was run.
 
-    The blocks are the board's tasks less the saturated ones (:func:`saturated_tasks`) when two or more
+    The blocks are the board's tasks less those ``rows`` saturate (:func:`saturated_tasks`) when two or more
     remain, else the seeds of the one task left (those every row ran); with every task saturated, no test.
     """
     import numpy as np
@@ -211,7 +215,7 @@ def rank_test(board: Leaderboard, rows: Sequence[ExperimentRow] | None = None, a
     rows = [r for r in (rows if rows is not None else board.rows) if board.complete(r)]
     if len(rows) < 2:
         return f"{plural(len(rows), 'complete row')}: a comparison needs two"
-    left_out = saturated_tasks(board)
+    left_out = saturated_tasks(board, rows=rows)
     # The tasks every ranked row ran (a plan's; a task only an incomplete row reached is no block).
     tasks = [t for t in board.counted_tasks if t not in left_out and all(t in r.scores for r in rows)]
     if len(tasks) >= 2:

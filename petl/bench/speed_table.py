@@ -107,7 +107,7 @@ def format_table(
         else "Peak MB: not shown (inprocess=true: on a CPU every row's peak would be read in one process, whose RSS "
         "high-water mark an earlier row sets for the later ones; without inprocess each row runs in a fresh process). "
     )
-    # The size the cases ran at, given or the model's default (it went unsaid without img_size=).
+    # The size the cases ran at, given or the model's default: a time per image means nothing without it.
     size = f" at {image_side(spec)} px"
     if spec.model_kwargs:
         size += " built with " + ", ".join(f"{k}={v}" for k, v in spec.model_kwargs.items())

@@ -344,10 +344,12 @@ def _cache_refusal(
         for (why, on), names in groups.items()
     ]
     pairs = len(experiments) * len(tasks)
+    # tasks= only where there are tasks to pick: a choose on your data (data=) has one, and refuses tasks=.
+    keys = "methods=, tasks=" if len(tasks) > 1 else "methods="
     todo = (
         "drop it"
         if len(refused) == pairs
-        else "drop it, or leave those out (methods=, tasks=) and run them in a sweep of their own without it"
+        else f"drop it, or leave those out ({keys}) and run them in a sweep of their own without it"
     )
     return (
         f"{setting}: train.cache_features=false cannot act in {len(refused)} of {pairs} experiment x task pairs, "

@@ -149,7 +149,8 @@ def test_a_run_petl_serve_refuses_is_not_offered_to_it(tmp_path, monkeypatch):
     # Was: "or `petl-serve RUN` (an HTTP endpoint)" whatever won, and petl-serve refuses full fine-tuning (and
     # Partial-k): it serves tasks over one shared frozen backbone, which they train.
     monkeypatch.setattr(choice, "exportable", lambda run: True)
-    monkeypatch.setattr(choice, "servable", lambda run: run.parent.name != "full")
+    refusal = "task 'full' (method full) cannot share the backbone: it trains every weight of the backbone"
+    monkeypatch.setattr(choice, "serve_refusal", lambda run, task: refusal if run.parent.name == "full" else None)
     for method, top1 in (("full", 90.0), ("linear", 60.0)):
         write_run(tmp_path / "folder" / method / "seed0", result_record("folder", method, 0, top1))
     plan = report.Plan("choose", ("full", "linear"), ("folder",), (0,))
@@ -160,5 +161,43 @@ def test_a_run_petl_serve_refuses_is_not_offered_to_it(tmp_path, monkeypatch):
         answer.paragraph
     )
     assert "`petl-serve" not in answer.paragraph
-    assert answer.paragraph.endswith("Not with petl-serve, which serves tasks over one shared frozen backbone: full "
-                                     "trains the backbone's own weights.")  # fmt: skip
+    assert answer.paragraph.endswith(
+        f"Not with petl-serve, which serves tasks over one shared frozen backbone and refuses it: {refusal}."
+    )
+
+
+def test_a_run_petl_serve_refuses_for_another_reason_is_said_with_that_reason(tmp_path):
+    # petl-serve refuses a run it cannot route too, not only one that trains the backbone: VPT's prompts under an
+    # attention pooling ('map') a mixed batch cannot mask.  The answer said "vpt trains the backbone's own weights".
+    from conftest import tiny_run
+
+    from petl.cli import run as run_cli
+
+    run = tmp_path / "mini-digits" / "vpt" / "seed0"
+    run_cli.main(["method=vpt", "+model.kwargs.global_pool=map", *tiny_run(subset=32, epochs=1), f"output_dir={run}"])
+    board = report.build_board(tmp_path, plan=report.Plan("choose", ("vpt",), ("mini/digits",), (0,)))
+    answer = choice.choose(board, choice.Budget()).paragraph
+    assert "`petl-serve" not in answer and "trains the backbone" not in answer, answer
+    assert answer.endswith(
+        "Not with petl-serve, which serves tasks over one shared frozen backbone and refuses it: task 'vpt' adds "
+        "prompt tokens, which a mixed batch cannot leave out of the backbone's 'map' pooling yet (only token, avg)."
+    ), answer
+
+
+def test_whether_the_task_is_saturated_is_said_by_the_rows_within_the_budget(tmp_path, monkeypatch):
+    # Was: by every complete row, so a row over the budget at 80 % made the rows within it (all within 2 points of
+    # 100 %) ranked over their seeds, a verdict that a row outside the comparison turned on.
+    monkeypatch.setattr(choice, "exportable", lambda run: False)
+    monkeypatch.setattr(choice, "serve_refusal", lambda run, task: None)
+    scores = {"lora": (99.6, 99.2, 99.4), "linear": (99.0, 99.1, 98.8), "full": (80.0, 81.0, 79.0)}
+    for method, top1s in scores.items():
+        for seed, top1 in enumerate(top1s):
+            size = {"trainable_params": 10**6, "total_params": 10**7} if method == "full" else {}
+            write_run(tmp_path / "folder" / method / f"seed{seed}", result_record("folder", method, seed, top1, **size))
+    board = report.build_board(tmp_path, plan=report.Plan("choose", tuple(scores), ("folder",), (0, 1, 2)))
+    assert board.saturated == []  # the leaderboard ranks the task: full is far from 100 %
+    answer = choice.choose(board, choice.Budget(params=1e5)).paragraph
+    assert "no test tells them apart or not (every task is saturated (folder): the methods differ there by a few " in (
+        answer
+    )
+    assert "sign test" not in answer and "Over the budget: full (1.00 M parameters)" in answer

@@ -159,6 +159,9 @@ def test_cache_features_false_is_refused_for_every_method_that_cannot_take_it_be
     assert "measuring" not in captured.out and not (tmp_path / "out").exists()
     assert "train.cache_features=false cannot act in 2 of 3 experiment x task pairs" in captured.err
     assert "lora, full on folder: nothing in front of what the method trains is frozen" in captured.err
+    # Not tasks=, which data= refuses: the one task is the data.
+    assert captured.err.rstrip().endswith("; drop it, or leave those out (methods=) and run them in a sweep of their "
+                                          "own without it")  # fmt: skip
     # Where every experiment takes it, it runs: it was refused for the run config's default method (LoRA), which
     # composed the data's config and is none of them.
     args = [*args[:3], "methods=linear", *args[4:], f"output_dir={tmp_path / 'out'}", "train.cache_features=false"]

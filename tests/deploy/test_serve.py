@@ -466,7 +466,10 @@ def test_petl_bench_choose_offers_petl_serve_only_a_run_it_serves(runs, tmp_path
 
     full = tmp_path / "full"
     run_cli.main(["method=full", *tiny_run(subset=32, epochs=1), f"output_dir={full}"])
-    assert not choice.servable(full) and choice.servable(runs["lora"])
+    assert choice.serve_refusal(runs["lora"]) is None
+    assert choice.serve_refusal(full, "full").startswith(
+        "task 'full' (method full) cannot share the backbone: it trains every weight of the backbone"
+    )
     capsys.readouterr()
     with pytest.raises(SystemExit) as stop:
         serve_cli.main([str(full), "port=0"])
@@ -496,7 +499,7 @@ def test_a_run_that_fails_its_frozen_check_is_not_sent_to_petl_predict(runs, tmp
     error = capsys.readouterr().err.strip()
     assert "the backbone's frozen tensors differ" in error and len(error.splitlines()) == 1
     assert "petl-predict" not in error and "leave" not in error
-    assert choice.servable(other)
+    assert choice.serve_refusal(other) is None
 
 
 def test_petl_bench_selection_trials_without_weights_are_noted_not_served(runs, tmp_path, capsys):

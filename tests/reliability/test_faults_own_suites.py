@@ -82,6 +82,7 @@ def test_cache_features_false_names_every_experiment_and_task_where_it_cannot_ac
         assert "the command line: train.cache_features=false cannot act in 3 of 4 experiment x task pairs" in err
         assert "linear on fgvc/cub: the training images are augmented" in err
         assert "lora on every task: nothing in front of what the method trains is frozen" in err
+        assert "leave those out (methods=, tasks=) and run them" in err
         assert not out.exists()
     # The experiments and tasks where it acts run with it.
     argv = ["suite=s", f"configs_dir={configs}", f"output_dir={out}", "train.cache_features=false", "dry_run=true"]
