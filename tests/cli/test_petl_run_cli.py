@@ -202,6 +202,20 @@ def test_a_sweep_whose_jobs_share_one_output_dir_is_refused_before_any_job_train
     cli.check_command_line([*TINY, "method=linear", "train.eval_batch_size=64,128", f"output_dir={tmp_path}/run"], True)
 
 
+def test_a_sweep_refusing_cache_features_false_and_sharing_a_folder_names_the_option_first(tmp_path, monkeypatch):
+    # The jobs refusing the option are not composed, so the folders are compared once every job composes.
+    sweep = [*TINY, "train.lr=0.001,0.01", "train.cache_features=false", f"output_dir={tmp_path}/run"]
+    with pytest.raises(ConfigError, match=r"^train.cache_features=false cannot act in 2 of the 4 jobs") as caught:
+        cli.check_command_line([*sweep, "method=linear,lora"], True)
+    assert "train.lr=0.001 method=lora: nothing in front" in str(caught.value) and "output_dir" not in str(caught.value)
+    with pytest.raises(ConfigError, match=r"^--multirun: jobs train.lr=0.001 and train.lr=0.01 would both write"):
+        cli.check_command_line([*sweep, "method=linear"], True)
+    # A sweep larger than the jobs checked says how many were: it said "of the 2 jobs" of a sweep of 3.
+    monkeypatch.setattr(cli, "MAX_CHECKED_JOBS", 2)
+    with pytest.raises(ConfigError, match=r"^train.cache_features=false cannot act in 2 of the first 2 jobs"):
+        cli.check_command_line([*TINY, "method=lora", "train.lr=0.1,0.2,0.3", "train.cache_features=false"], True)
+
+
 @pytest.mark.slow
 def test_a_sweep_names_every_job_where_cache_features_false_cannot_act_before_any_starts(tmp_path, capsys):
     # The augmented task's job was refused only when it ran (the runner's check), after the others had trained; each
