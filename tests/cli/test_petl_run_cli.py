@@ -151,7 +151,12 @@ def test_file_loading_model_kwargs_are_refused_before_training(tmp_path, key):
         # Its input_size alone is carried into model.json; it was refused whole, as "would make timm load a file".
         ("{file:w.pth}", r"^model.kwargs.pretrained_cfg_overlay.file: petl takes only input_size of it .*checkpoint="),
         ("w.pth", r'^model.kwargs.pretrained_cfg_overlay="w.pth" is not a mapping: petl takes only \{input_size'),
-        ("{input_size:[3,32,48]}", r"^model.kwargs.pretrained_cfg_overlay.input_size=\[3, 32, 48\] is not \[3, N, N\]"),
+        # A size is fixed in the size (it said "give weights as model.checkpoint=PATH" too).
+        (
+            "{input_size:[3,32,48]}",
+            r"^model.kwargs.pretrained_cfg_overlay.input_size=\[3, 32, 48\] is not \[3, N, N\] \(petl's images are "
+            r"square RGB\)$",
+        ),
         ("{input_size:[3,32,32],mean:[0,0,0]}", r"^model.kwargs.pretrained_cfg_overlay.mean: petl takes only input"),
         # A ViT is built for its img_size: the overlay's size would be an option with no effect.
         ("{input_size:[3,64,64]}", r"input_size=\[3, 64, 64\]: vit_fractal_tiny_patch4_32 is built for 32 px .*=64"),
