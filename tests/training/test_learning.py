@@ -105,5 +105,6 @@ def test_a_run_says_so_before_training(tmp_path, caplog, monkeypatch):
     with caplog.at_level(logging.WARNING):
         for name in ("a", "b"):  # a sweep of two such runs in one process: said once
             train(default_config([*tiny_run(subset=20, epochs=1), f"output_dir={tmp_path / name}"]))
-    said = "this run takes only 1 optimizer step (20 training images in batches of 64, 1 epoch)"
+    # The batch that ran: train.batch_size=64 above the 20 images takes them all a step.
+    said = "this run takes only 1 optimizer step (20 training images in batches of 20, 1 epoch)"
     assert caplog.text.count(said) == 1
