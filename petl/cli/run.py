@@ -234,8 +234,10 @@ def _cache_refusal(jobs: list[list[str]], refused: list[tuple[list[str], CacheOp
     common = set.intersection(*(set(job) for job in jobs))
     named = [f"{' '.join(o for o in job if o not in common)}: {error.reason}" for job, error in refused]
     todo = "drop it" if len(refused) == len(jobs) else "drop it, or sweep those jobs apart without it"
+    # A larger sweep is checked on its first jobs only (_job_overrides): their count is not the sweep's.
+    among = f"the first {len(jobs)}" if len(jobs) == MAX_CHECKED_JOBS else f"the {len(jobs)}"
     return (
-        f"train.cache_features=false cannot act in {len(refused)} of the {len(jobs)} jobs, where no features are "
+        f"train.cache_features=false cannot act in {len(refused)} of {among} jobs, where no features are "
         f"cached either way: {'; '.join(named)}; {todo}"
     )
 

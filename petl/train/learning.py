@@ -8,7 +8,7 @@ A run *did not learn* when its training ended where it began:
 * its final training loss is at chance, ln(classes), within :data:`CHANCE_TOLERANCE` of it: a classifier
   whose loss sits there predicts the uniform distribution, whatever its accuracy on a few hundred images;
 * or its last epoch's training top-1 is not above chance, 1/classes: the exact one-sided binomial test
-  (:func:`scipy.stats.binomtest`) of its hits among the epoch's images does not reject chance at
+  (:func:`binomial_tail`) of its hits among the epoch's images does not reject chance at
   :data:`CHANCE_ALPHA`.  The loss tests miss a run that diverged within its first epoch (one epoch at lr 1e3 on
   mini/digits: loss 22,422, nowhere near ln 10, train top-1 9.0 % on 10 classes), or one whose loss, blown up
   early, fell back below its first epoch's without the model predicting better than a guess.  Chance is
@@ -100,16 +100,35 @@ def accuracy_at_chance(top1: float | None, images: float | None, num_classes: in
     if top1 is None or images is None or not math.isfinite(top1) or not math.isfinite(images) or images < 1:
         return None
     images = int(images)  # metrics.jsonl may hold the count as a float
-    from scipy import stats  # here: petl-run's startup does not pay for scipy until a run is recorded
-
     hits = min(images, max(0, round(top1 * images / 100)))
-    p = float(stats.binomtest(hits, images, 1 / num_classes, alternative="greater").pvalue)
+    p = binomial_tail(hits, images, 1 / num_classes)
     if p < CHANCE_ALPHA:
         return None
     return (
         f"final epoch's train top-1 {top1:.1f} % of {plural(images, 'image')} is not above chance, "
         f"100/{num_classes} = {100 / num_classes:.1f} % (one-sided binomial p = {p:.2g})"
     )
+
+
+def binomial_tail(hits: int, trials: int, chance: float) -> float:
+    """P(X >= ``hits``) for X ~ Binomial(``trials``, ``chance``): the exact one-sided binomial test's p-value.
+
+    :func:`scipy.stats.binomtest`'s ``greater`` p (its ``binom.sf(hits - 1)``), summed in log space without scipy:
+    importing scipy.stats costs 0.5 to 1.5 s, which the first run a process records would pay, and petl-bench
+    choose's estimate times a run's own cost on the first run of its process.
+    """
+    if hits <= 0:
+        return 1.0
+    if hits > trials:
+        return 0.0
+    log_chance, log_miss = math.log(chance), math.log1p(-chance)
+    whole = math.lgamma(trials + 1)
+    terms = [
+        whole - math.lgamma(k + 1) - math.lgamma(trials - k + 1) + k * log_chance + (trials - k) * log_miss
+        for k in range(hits, trials + 1)
+    ]
+    top = max(terms)
+    return min(1.0, math.exp(top) * math.fsum(math.exp(t - top) for t in terms))
 
 
 def epoch_rows(run_dir: Path) -> list[dict[str, Any]]:

@@ -95,7 +95,9 @@ def model_kwargs(cfg: DictConfig) -> dict[str, Any]:
         )
     problem = overlay_problem(kwargs[OVERLAY]) if OVERLAY in kwargs else None
     if problem is not None:  # its input_size alone is carried into model.json (a NaFlexVit's training size)
-        raise ConfigError(f"model.kwargs.{OVERLAY}{problem}; give weights as model.checkpoint=PATH")
+        # A size not [3, N, N] is fixed in the size; any other key may be there to load weights.
+        weights = "" if problem.startswith(".input_size") else "; give weights as model.checkpoint=PATH"
+        raise ConfigError(f"model.kwargs.{OVERLAY}{problem}{weights}")
     if "num_classes" in kwargs:
         # petl.apply resets the head to the data's class count: this one would only shift the random stream.
         raise ConfigError(

@@ -151,7 +151,12 @@ def test_file_loading_model_kwargs_are_refused_before_training(tmp_path, key):
         # Its input_size alone is carried into model.json; it was refused whole, as "would make timm load a file".
         ("{file:w.pth}", r"^model.kwargs.pretrained_cfg_overlay.file: petl takes only input_size of it .*checkpoint="),
         ("w.pth", r'^model.kwargs.pretrained_cfg_overlay="w.pth" is not a mapping: petl takes only \{input_size'),
-        ("{input_size:[3,32,48]}", r"^model.kwargs.pretrained_cfg_overlay.input_size=\[3, 32, 48\] is not \[3, N, N\]"),
+        # A size is fixed in the size (it said "give weights as model.checkpoint=PATH" too).
+        (
+            "{input_size:[3,32,48]}",
+            r"^model.kwargs.pretrained_cfg_overlay.input_size=\[3, 32, 48\] is not \[3, N, N\] \(petl's images are "
+            r"square RGB\)$",
+        ),
         ("{input_size:[3,32,32],mean:[0,0,0]}", r"^model.kwargs.pretrained_cfg_overlay.mean: petl takes only input"),
         # A ViT is built for its img_size: the overlay's size would be an option with no effect.
         ("{input_size:[3,64,64]}", r"input_size=\[3, 64, 64\]: vit_fractal_tiny_patch4_32 is built for 32 px .*=64"),
@@ -200,6 +205,20 @@ def test_a_sweep_whose_jobs_share_one_output_dir_is_refused_before_any_job_train
     assert not (tmp_path / "run").exists()
     # Jobs of one run (a neutral key swept) share a folder as a resume does.
     cli.check_command_line([*TINY, "method=linear", "train.eval_batch_size=64,128", f"output_dir={tmp_path}/run"], True)
+
+
+def test_a_sweep_refusing_cache_features_false_and_sharing_a_folder_names_the_option_first(tmp_path, monkeypatch):
+    # The jobs refusing the option are not composed, so the folders are compared once every job composes.
+    sweep = [*TINY, "train.lr=0.001,0.01", "train.cache_features=false", f"output_dir={tmp_path}/run"]
+    with pytest.raises(ConfigError, match=r"^train.cache_features=false cannot act in 2 of the 4 jobs") as caught:
+        cli.check_command_line([*sweep, "method=linear,lora"], True)
+    assert "train.lr=0.001 method=lora: nothing in front" in str(caught.value) and "output_dir" not in str(caught.value)
+    with pytest.raises(ConfigError, match=r"^--multirun: jobs train.lr=0.001 and train.lr=0.01 would both write"):
+        cli.check_command_line([*sweep, "method=linear"], True)
+    # A sweep larger than the jobs checked says how many were: it said "of the 2 jobs" of a sweep of 3.
+    monkeypatch.setattr(cli, "MAX_CHECKED_JOBS", 2)
+    with pytest.raises(ConfigError, match=r"^train.cache_features=false cannot act in 2 of the first 2 jobs"):
+        cli.check_command_line([*TINY, "method=lora", "train.lr=0.1,0.2,0.3", "train.cache_features=false"], True)
 
 
 @pytest.mark.slow
