@@ -29,8 +29,9 @@ removes the old ``FILE.onnx.data``).
 Methods whose modules cannot fold into the backbone (adapters, prompts, an MLP head) are refused for a folder
 or ``.safetensors`` in one line saying what to use instead: ``out=FILE.onnx``, which writes the model as petl runs
 it (its modules in the graph; metadata ``method`` says ``not merged``), checked as any ONNX export is, or
-``petl-predict`` / ``petl.load_run``.  A graph torch's exporter cannot trace or onnxruntime runs wrong at another
-batch size (HST, SCT, SNF today) fails in one line, exit 1.
+``petl-predict`` / ``petl.load_run``.  A graph torch's exporter cannot trace, or one onnxruntime cannot run or runs
+wrong at another batch size, fails in one line saying which, exit 1; which graphs fail depends on the method and the
+backbone (today HST, SCT and SNF on a ViT, and VPT on BEiT and the relative-position ViTs).
 
 Exit status (as every petl command): 2 for bad input (no weights, a model.json petl cannot build, a method that
 cannot be unloaded, an unknown format, out= inside a run folder or where nothing can be written, files in the way
