@@ -89,10 +89,13 @@ def _trains_frozen(model: nn.Module, frozen: dict[str, nn.Module], path: str, te
         if not any(id(p) in shared for p in mine.parameters()):
             whole = f"all of {prefix}" if prefix else "every weight of the backbone"
             return (
-                f"it trains {whole} ({tensor} among them), frozen weights every row's computation shares; serve it "
-                "as its own model"
+                f"it trains {whole} ({tensor} among them), frozen weights every row's computation shares; use it "
+                "as a model of its own (petl.load_run)"
             )
-    return f"it trains {tensor}, a frozen weight every row's computation shares; serve it as its own model"
+    return (
+        f"it trains {tensor}, a frozen weight every row's computation shares; use it as a model of its own "
+        "(petl.load_run)"
+    )
 
 
 def _delta_hook(frozen: nn.Module, delta: Tensor, channel_dim: int = -1) -> RowHook:

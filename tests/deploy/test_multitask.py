@@ -315,7 +315,7 @@ def test_methods_that_train_frozen_weights_are_refused_in_one_line(tmp_path, cas
     paths = {id(m): path for path, m in backbone.named_modules()}
     last = paths[id(backbone_of(backbone).block_container()[-1])]
     whole = {"partial": f"all of {last} ({last}.", "full": "every weight of the backbone ("}[case]
-    assert f"it trains {whole}" in str(error.value) and "serve it as its own model" in str(error.value)
+    assert f"it trains {whole}" in str(error.value) and "use it as a model of its own" in str(error.value)
 
 
 def test_a_peft_tuner_without_a_hook_is_refused_naming_it(tmp_path):

@@ -477,6 +477,7 @@ def test_petl_bench_choose_offers_petl_serve_only_a_run_it_serves(runs, tmp_path
     # It said "serve it as its own model", which petl-serve itself had just refused to do.
     error = capsys.readouterr().err.strip()
     assert f"leave {full} out, and use it with petl-predict, or petl-export" in error and len(error.splitlines()) == 1
+    assert "serve it" not in error and "serve it" not in choice.serve_refusal(full, "full")
 
 
 def test_a_run_that_fails_its_frozen_check_is_not_sent_to_petl_predict(runs, tmp_path, capsys):
