@@ -6,13 +6,14 @@
     PETL_SERVE_TOKEN=secret petl-serve runs/cars             # /v1/... and /metrics need the bearer token
 
 A RUN is a run folder (``model.json`` beside ``trainable.safetensors``) or a folder holding run folders (searched
-recursively; there, earlier runs that ``resume=false`` set aside, ``<run>.replaced-<time>/``, and unfinished runs,
-``checkpoint.pt`` without ``result.json`` or a run's ``config.yaml`` alone, and runs without weights, as petl-bench
-leaves its selection trials, are not served, a note naming them). A task is named by its folder (by its path below
-the folders the runs share when two folders have one name; characters other than A-Z a-z 0-9 _ . - become _);
-``task.NAME=RUN`` names it. Every run must have trained on one backbone and with a method that shares it
-(``petl.MultiTask``); a run that fails ``petl.load_run``'s checks, or an unfinished run given as a RUN, is refused
-at start, naming it.
+recursively, linked sub-folders followed; there, earlier runs that ``resume=false`` set aside,
+``<run>.replaced-<time>/``, and unfinished runs, ``checkpoint.pt`` without ``result.json`` or a run's ``config.yaml``
+alone, and runs without weights, as petl-bench leaves its selection trials, are not served, a note naming them). A
+task is named by its folder (by its path below the folders the runs share when two folders have one name;
+characters other than A-Z a-z 0-9 _ . - become _); ``task.NAME=RUN`` names it (only a ``task.`` word is read as
+NAME=RUN: a run folder named lr=0.001 is a RUN). Every run must have trained on one backbone and with a method that
+shares it (``petl.MultiTask``); a run that fails ``petl.load_run``'s checks, or an unfinished run given as a RUN, is
+refused at start, naming it.
 The routes, the token, bad input and the limits: docs/serving.md (GET /openapi.json on the server).
 
 Options (key=value, anywhere, listed below with their defaults, which are those of the Python API's
@@ -101,7 +102,8 @@ def _is_run(path: Path) -> bool:
 
 
 def runs_under(folder: Path) -> list[Path]:
-    """The finished run folders under ``folder``, less runs set aside by ``resume=false``; the others, in notes.
+    """The finished run folders under ``folder`` (linked sub-folders followed), less runs set aside by ``resume=false``;
+    the others, in notes.
 
     A folder set aside by ``resume=false`` (``<run>.replaced-<time>/``) is an earlier run of a task, not a task: the
     reports skip it too.  An unfinished run (``checkpoint.pt`` without ``result.json``, or one stopped before its first
@@ -117,10 +119,15 @@ def runs_under(folder: Path) -> list[Path]:
         WEIGHTS_FILE,
         unfinished_run,
     )
+    from petl.utils.paths import walk_linked
 
-    carded = {p.parent for p in folder.rglob(MODEL_FILE)}
-    # A run stopped before its first checkpoint has its config.yaml alone: unfinished too, and said so.
-    started = {p.parent for name in (CHECKPOINT_FILE, CONFIG_FILE) for p in folder.rglob(name)}
+    # Linked sub-folders followed (rglob does not), as petl-run reads a data folder: a folder of links to the runs to
+    # serve (cars -> sweep/lora/seed0) held "no finished run folder".
+    carded, started = set(), set()
+    for top, _dirs, files in walk_linked(folder):
+        carded |= {Path(top)} if MODEL_FILE in files else set()
+        # A run stopped before its first checkpoint has its config.yaml alone: unfinished too, and said so.
+        started |= {Path(top)} if CHECKPOINT_FILE in files or CONFIG_FILE in files else set()
     replaced = sorted(p for p in carded | started if REPLACED_MARK in str(p.relative_to(folder)))
     unfinished = {p: line for p in started - set(replaced) if (line := unfinished_run(p)) is not None}
     if replaced:
@@ -171,7 +178,9 @@ def find_runs(items: Sequence[str]) -> dict[str, Path]:
     named: dict[str, Path] = {}
     unnamed: list[Path] = []
     for item in items:
-        key, eq, value = item.partition("=")
+        # Only task.NAME=RUN names a task: any other word is a path whole, '=' and all (a run folder named by its
+        # options, runs/lr=0.001, was read as task 'runs/lr' of a folder '0.001': "no such run folder").
+        key, eq, value = item.partition("=") if item.startswith(TASK_PREFIX) else ("", "", item)
         if eq and not value:  # Path("") is the current folder: task.x= served whatever run was there
             raise UsageError(f"{item}: no run folder after '=': give one, as {item}runs/cars")
         path = Path(value if eq else item).expanduser()
@@ -222,7 +231,9 @@ def build_parser():  # noqa: ANN201  (argparse is imported by petl.cli.args)
 def read_command_line(argv: Sequence[str]) -> tuple[dict[str, Path], dict, argparse.Namespace]:
     """The runs, the ``key=value`` options (typed, checked) and the flags of a command line."""
     args = parse(build_parser(), argv)
-    runs, given = split_items(args.words, KEYS, PROG, prefixes=(TASK_PREFIX,))
+    # paths_first: a run folder named by its options (lr=0.001), given from the folder above it, is a run, not an
+    # unknown option 'lr'.
+    runs, given = split_items(args.words, KEYS, PROG, paths_first=True, prefixes=(TASK_PREFIX,))
     options = {key.name: key.default for key in KEYS if key.default is not None} | given
     if not 0 <= options["port"] <= 65535:
         raise UsageError(f"port={options['port']}: must be 0 to 65535")
