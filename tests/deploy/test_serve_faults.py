@@ -186,6 +186,12 @@ def test_a_multipart_body_that_cannot_be_read_is_refused_saying_how_to_send_imag
         assert answer["detail"].endswith(
             "send each image as a file field (curl -F image=@cat.jpg), or one image as the whole body"
         )
+    # Two images, the second cut short before the closing boundary: python-multipart dropped it, and the first alone
+    # was answered, 200.
+    first, second = _multipart("a.png", _png()), _multipart("b.png", _png())
+    cut = first[: first.rindex(b"--" + BOUNDARY.encode())] + second[:-40]
+    status, answer = asyncio.run(_ask(app, "POST", route, cut, f"multipart/form-data; boundary={BOUNDARY}"))
+    assert status == 400 and answer["detail"].startswith("the multipart body ends before its closing boundary"), answer
 
 
 def test_a_client_that_closes_mid_upload_is_counted_not_logged_as_an_internal_error(app, caplog):
