@@ -467,6 +467,19 @@ def test_a_host_that_does_not_resolve_is_one_line_before_the_runs_load(
     assert err.startswith(f"petl-serve: error: host=no-such-host.invalid{message}") and err.count("\n") == 1, err
 
 
+@pytest.mark.parametrize(
+    ("token", "said"), [("s3cret\r", "7 of 7 is '\\r'"), (" s3cret", "1 of 7 is ' '"), ("sé", "2 of 2 is not")]
+)
+def test_a_token_no_client_can_send_is_refused_before_the_runs_load(unloaded, capsys, monkeypatch, token, said):
+    """HTTP strips a header value's spaces and takes no control or non-ASCII character as it is: such a token (a
+    carriage return left by $(cat token.txt) of a Windows file) was never matched, every request answered 401."""
+    run, loaded = unloaded
+    monkeypatch.setenv(serve.TOKEN_VARIABLE, token)
+    code, out, err = command_status(capsys, serve_cli.main, str(run), "port=0", "--quiet")
+    assert (code, loaded) == (2, []) and err.count("\n") == 1, err
+    assert f"PETL_SERVE_TOKEN's character {said}" in err and "s3cret" not in err, err
+
+
 def test_a_port_in_use_is_one_line_naming_it_before_the_runs_load(unloaded, capsys):
     """Found at bind, after every run had loaded."""
     run, loaded = unloaded
