@@ -178,6 +178,9 @@ def find_runs(items: Sequence[str]) -> dict[str, Path]:
 
     named: dict[str, Path] = {}
     unnamed: list[Path] = []
+    # Every task in the order given, its name None where it is made from the path: named ones came first, and
+    # GET /v1/tasks, the page and the start-up line listed `petl-serve runs/a task.b=runs/b` as b, a.
+    given: list[tuple[str | None, Path]] = []
     for item in items:
         # Only task.NAME=RUN names a task: any other word is a path whole, '=' and all (a run folder named by its
         # options, runs/lr=0.001, was read as task 'runs/lr' of a folder '0.001': "no such run folder").
@@ -198,21 +201,29 @@ def find_runs(items: Sequence[str]) -> dict[str, Path]:
         name = key.removeprefix(TASK_PREFIX)
         if not eq:
             unnamed += found
+            given += [(None, folder) for folder in found]
         elif len(found) > 1:
             raise UsageError(f"{item}: {path} holds {len(found)} runs; task.NAME= names one run folder")
         elif name in named:
             raise UsageError(f"task {name!r} is named twice ({named[name]}, {found[0]}): give each task one name")
         else:
             named[name] = found[0]
+            given.append((name, found[0]))
     for folder in sorted({p for p in unnamed if unnamed.count(p) > 1}):
         print(f"{PROG}: note: {folder} was given more than once: served once", file=sys.stderr)
-    runs = dict(named)
-    for folder, label in run_labels(unnamed).items():
-        # A name petl made from a path takes no character a URL part cannot hold: folders named by their options
-        # (lr=0.001) are common, and refusing them would have each of a folder's runs named by hand (task.NAME=RUN).
-        name = NOT_IN_TASK_NAME.sub("_", label).lstrip("_.-") or label
-        if name in runs:
-            raise UsageError(f"two runs are named {name!r} ({runs[name]}, {folder}): name one with task.NAME=RUN")
+    labels = run_labels(unnamed)
+    runs: dict[str, Path] = {}
+    for name, folder in given:
+        if name is None:
+            if folder not in labels:  # given more than once: served once, where it came first
+                continue
+            # A name petl made from a path takes no character a URL part cannot hold: folders named by their options
+            # (lr=0.001) are common, and refusing them would have each of a folder's runs named by hand.
+            label = labels.pop(folder)
+            name = NOT_IN_TASK_NAME.sub("_", label).lstrip("_.-") or label
+            if name in runs or name in named:
+                other = runs.get(name, named.get(name))
+                raise UsageError(f"two runs are named {name!r} ({other}, {folder}): name one with task.NAME=RUN")
         runs[name] = folder
     for name in runs:
         if not TASK_NAME.fullmatch(name):

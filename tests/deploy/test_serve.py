@@ -447,6 +447,7 @@ def test_a_run_folder_that_fails_the_checks_is_refused_at_start_naming_it(runs, 
 def test_a_folder_of_runs_and_task_names(runs):
     found = serve_cli.find_runs([str(runs["lora"].parent), f"task.prompts={runs['vpt']}"])
     assert found == {"prompts": runs["vpt"], "lora": runs["lora"], "lst": runs["lst"], "vpt": runs["vpt"]}
+    assert list(found) == ["lora", "lst", "vpt", "prompts"]  # as given (GET /v1/tasks' order): named ones came first
 
 
 def test_a_folder_of_runs_named_by_their_options_gets_task_names_a_url_can_hold(runs, tmp_path, monkeypatch):
