@@ -291,8 +291,6 @@ async def _uploads(request: Request, body: bytes, options: ServeOptions) -> list
         if not body:
             raise HTTPException(400, "no image in the request: send the image as the body or as multipart file fields")
         return [("", body)]
-    if (problem := cut_short(body, request.headers["content-type"])) is not None:
-        raise HTTPException(400, problem)
 
     async def replay() -> dict[str, Any]:
         return {"type": "http.request", "body": body, "more_body": False}
@@ -317,6 +315,9 @@ async def _uploads(request: Request, body: bytes, options: ServeOptions) -> list
         ) from None
     uploads = []
     try:
+        # A body the parser read, whose part cut short it dropped without an error.
+        if (problem := cut_short(body, request.headers["content-type"])) is not None:
+            raise HTTPException(400, problem)
         for field, value in form.multi_items():
             if not isinstance(value, UploadFile):
                 raise HTTPException(400, f"multipart field {field!r} is text, not a file: send images as file fields")

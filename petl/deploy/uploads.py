@@ -125,7 +125,7 @@ def is_multipart(content_type: str) -> bool:
 
 def cut_short(body: bytes, content_type: str) -> str | None:
     """Why a multipart ``body`` cannot be read, where it holds its boundary but ends before the closing one
-    (``--BOUNDARY--``, RFC 2046); ``None`` where it does not (its parser then says what it finds wrong).
+    (``CRLF --BOUNDARY--``, RFC 2046); ``None`` where it does not (its parser then says what it finds wrong).
 
     python-multipart reads such a body without an error: the parts complete before the cut are its files, and the one
     cut short is dropped, so a request of three images whose third was cut was answered for two, and one of one image
@@ -134,12 +134,14 @@ def cut_short(body: bytes, content_type: str) -> str | None:
     from starlette.formparsers import parse_options_header  # python-multipart's, wherever Starlette found it
 
     boundary = parse_options_header(content_type)[1].get(b"boundary")
-    # A body without its boundary at all is no multipart body: the parser's own error says so.
-    if not boundary or b"--" + boundary not in body or b"--" + boundary + b"--" in body:
+    close = b"--" + boundary + b"--" if boundary else b""
+    # A body without its boundary at all is no multipart body: the parser's own error says so.  The closing boundary
+    # ends the last part only after a CRLF (one without it was read as that part's data, and the part dropped too).
+    if not boundary or b"--" + boundary not in body or body.startswith(close) or b"\r\n" + close in body:
         return None
     return (
-        "the multipart body ends before its closing boundary (it was cut short): send it whole, each image a file "
-        "field (curl -F image=@cat.jpg)"
+        "the multipart body ends before its closing boundary (CRLF --BOUNDARY--): it was cut short: send it whole, "
+        "each image a file field (curl -F image=@cat.jpg)"
     )
 
 
