@@ -6,13 +6,14 @@
     PETL_SERVE_TOKEN=secret petl-serve runs/cars             # /v1/... and /metrics need the bearer token
 
 A RUN is a run folder (``model.json`` beside ``trainable.safetensors``) or a folder holding run folders (searched
-recursively; there, earlier runs that ``resume=false`` set aside, ``<run>.replaced-<time>/``, and unfinished runs,
-``checkpoint.pt`` without ``result.json`` or a run's ``config.yaml`` alone, and runs without weights, as petl-bench
-leaves its selection trials, are not served, a note naming them). A task is named by its folder (by its path below
-the folders the runs share when two folders have one name; characters other than A-Z a-z 0-9 _ . - become _);
-``task.NAME=RUN`` names it. Every run must have trained on one backbone and with a method that shares it
-(``petl.MultiTask``); a run that fails ``petl.load_run``'s checks, or an unfinished run given as a RUN, is refused
-at start, naming it.
+recursively, linked sub-folders followed; there, earlier runs that ``resume=false`` set aside,
+``<run>.replaced-<time>/``, and unfinished runs, ``checkpoint.pt`` without ``result.json`` or a run's ``config.yaml``
+alone, and runs without weights, as petl-bench leaves its selection trials, are not served, a note naming them). A
+task is named by its folder (by its path below the folders the runs share when two folders have one name;
+characters other than A-Z a-z 0-9 _ . - become _); ``task.NAME=RUN`` names it (only a ``task.`` word is read as
+NAME=RUN: a run folder named lr=0.001 is a RUN). Every run must have trained on one backbone and with a method that
+shares it (``petl.MultiTask``); a run that fails ``petl.load_run``'s checks, or an unfinished run given as a RUN, is
+refused at start, naming it.
 The routes, the token, bad input and the limits: docs/serving.md (GET /openapi.json on the server).
 
 Options (key=value, anywhere, listed below with their defaults, which are those of the Python API's
@@ -21,9 +22,9 @@ listed, is refused, and so is a max_batch given above max_queue or a max_image_m
 the outer limit caps the inner one).  ``precision`` means what petl-run's ``train.precision`` does: the forward
 runs under it (bf16 autocast, TF32) on a GPU, the weights stay fp32, and a CPU under ``auto`` answers exactly as
 strict fp32.  Exit status: 2 bad input (an option, a run folder, a task named twice, a host that does not resolve
-or is not this machine's), 1 the server could not run (FastAPI missing, the port taken), 130 Ctrl-C; the host and
-the port are checked before the runs load; SIGTERM shuts the server down as Ctrl-C does, and then ends it as
-SIGTERM ends a process.
+or is not this machine's, a PETL_SERVE_TOKEN no client can send in a header), 1 the server could not run (FastAPI
+missing, the port taken), 130 Ctrl-C; the host and the port are checked before the runs load; SIGTERM shuts the
+server down as Ctrl-C does, and then ends it as SIGTERM ends a process.
 """
 
 from __future__ import annotations
@@ -93,6 +94,7 @@ NOT_IN_TASK_NAME = re.compile(r"[^A-Za-z0-9_.-]+")
 # A host name: dot-separated labels of letters, digits and inner hyphens (RFC 1123), and underscores, which
 # container networks' names have and resolvers take.
 HOST_NAME = re.compile(r"(?!-)[A-Za-z0-9_-]{1,63}(?<!-)(\.(?!-)[A-Za-z0-9_-]{1,63}(?<!-))*\.?")
+TOKEN_VARIABLE = "PETL_SERVE_TOKEN"  # petl.deploy.serve's, named here without importing FastAPI
 PIP_HINT = 'pip install -e ".[serve]" in petl\'s checkout (FastAPI, uvicorn, python-multipart)'
 
 
@@ -101,7 +103,8 @@ def _is_run(path: Path) -> bool:
 
 
 def runs_under(folder: Path) -> list[Path]:
-    """The finished run folders under ``folder``, less runs set aside by ``resume=false``; the others, in notes.
+    """The finished run folders under ``folder`` (linked sub-folders followed), less runs set aside by ``resume=false``;
+    the others, in notes.
 
     A folder set aside by ``resume=false`` (``<run>.replaced-<time>/``) is an earlier run of a task, not a task: the
     reports skip it too.  An unfinished run (``checkpoint.pt`` without ``result.json``, or one stopped before its first
@@ -117,10 +120,15 @@ def runs_under(folder: Path) -> list[Path]:
         WEIGHTS_FILE,
         unfinished_run,
     )
+    from petl.utils.paths import walk_linked
 
-    carded = {p.parent for p in folder.rglob(MODEL_FILE)}
-    # A run stopped before its first checkpoint has its config.yaml alone: unfinished too, and said so.
-    started = {p.parent for name in (CHECKPOINT_FILE, CONFIG_FILE) for p in folder.rglob(name)}
+    # Linked sub-folders followed (rglob does not), as petl-run reads a data folder: a folder of links to the runs to
+    # serve (cars -> sweep/lora/seed0) held "no finished run folder".
+    carded, started = set(), set()
+    for top, _dirs, files in walk_linked(folder):
+        carded |= {Path(top)} if MODEL_FILE in files else set()
+        # A run stopped before its first checkpoint has its config.yaml alone: unfinished too, and said so.
+        started |= {Path(top)} if CHECKPOINT_FILE in files or CONFIG_FILE in files else set()
     replaced = sorted(p for p in carded | started if REPLACED_MARK in str(p.relative_to(folder)))
     unfinished = {p: line for p in started - set(replaced) if (line := unfinished_run(p)) is not None}
     if replaced:
@@ -170,8 +178,13 @@ def find_runs(items: Sequence[str]) -> dict[str, Path]:
 
     named: dict[str, Path] = {}
     unnamed: list[Path] = []
+    # Every task in the order given, its name None where it is made from the path: named ones came first, and
+    # GET /v1/tasks, the page and the start-up line listed `petl-serve runs/a task.b=runs/b` as b, a.
+    given: list[tuple[str | None, Path]] = []
     for item in items:
-        key, eq, value = item.partition("=")
+        # Only task.NAME=RUN names a task: any other word is a path whole, '=' and all (a run folder named by its
+        # options, runs/lr=0.001, was read as task 'runs/lr' of a folder '0.001': "no such run folder").
+        key, eq, value = item.partition("=") if item.startswith(TASK_PREFIX) else ("", "", item)
         if eq and not value:  # Path("") is the current folder: task.x= served whatever run was there
             raise UsageError(f"{item}: no run folder after '=': give one, as {item}runs/cars")
         path = Path(value if eq else item).expanduser()
@@ -188,21 +201,29 @@ def find_runs(items: Sequence[str]) -> dict[str, Path]:
         name = key.removeprefix(TASK_PREFIX)
         if not eq:
             unnamed += found
+            given += [(None, folder) for folder in found]
         elif len(found) > 1:
             raise UsageError(f"{item}: {path} holds {len(found)} runs; task.NAME= names one run folder")
         elif name in named:
             raise UsageError(f"task {name!r} is named twice ({named[name]}, {found[0]}): give each task one name")
         else:
             named[name] = found[0]
+            given.append((name, found[0]))
     for folder in sorted({p for p in unnamed if unnamed.count(p) > 1}):
         print(f"{PROG}: note: {folder} was given more than once: served once", file=sys.stderr)
-    runs = dict(named)
-    for folder, label in run_labels(unnamed).items():
-        # A name petl made from a path takes no character a URL part cannot hold: folders named by their options
-        # (lr=0.001) are common, and refusing them would have each of a folder's runs named by hand (task.NAME=RUN).
-        name = NOT_IN_TASK_NAME.sub("_", label).lstrip("_.-") or label
-        if name in runs:
-            raise UsageError(f"two runs are named {name!r} ({runs[name]}, {folder}): name one with task.NAME=RUN")
+    labels = run_labels(unnamed)
+    runs: dict[str, Path] = {}
+    for name, folder in given:
+        if name is None:
+            if folder not in labels:  # given more than once: served once, where it came first
+                continue
+            # A name petl made from a path takes no character a URL part cannot hold: folders named by their options
+            # (lr=0.001) are common, and refusing them would have each of a folder's runs named by hand.
+            label = labels.pop(folder)
+            name = NOT_IN_TASK_NAME.sub("_", label).lstrip("_.-") or label
+            if name in runs or name in named:
+                other = runs.get(name, named.get(name))
+                raise UsageError(f"two runs are named {name!r} ({other}, {folder}): name one with task.NAME=RUN")
         runs[name] = folder
     for name in runs:
         if not TASK_NAME.fullmatch(name):
@@ -222,7 +243,9 @@ def build_parser():  # noqa: ANN201  (argparse is imported by petl.cli.args)
 def read_command_line(argv: Sequence[str]) -> tuple[dict[str, Path], dict, argparse.Namespace]:
     """The runs, the ``key=value`` options (typed, checked) and the flags of a command line."""
     args = parse(build_parser(), argv)
-    runs, given = split_items(args.words, KEYS, PROG, prefixes=(TASK_PREFIX,))
+    # paths_first: a run folder named by its options (lr=0.001), given from the folder above it, is a run, not an
+    # unknown option 'lr'.
+    runs, given = split_items(args.words, KEYS, PROG, paths_first=True, prefixes=(TASK_PREFIX,))
     options = {key.name: key.default for key in KEYS if key.default is not None} | given
     if not 0 <= options["port"] <= 65535:
         raise UsageError(f"port={options['port']}: must be 0 to 65535")
@@ -276,7 +299,7 @@ def run_cli(argv: Sequence[str]) -> int:
         raise RuntimeError(f"petl-serve needs {error.name}: {PIP_HINT}") from None
     try:
         serve_options = serve.ServeOptions(
-            **{k: options[k] for k in SERVE_OPTIONS if k in options}, token=serve.token_from_environment()
+            **{k: options[k] for k in SERVE_OPTIONS if k in options}, token=sendable(serve.token_from_environment())
         )
     except ValueError as error:
         raise UsageError(str(error)) from None
@@ -330,6 +353,32 @@ def run_cli(argv: Sequence[str]) -> int:
     if not server.started:
         raise RuntimeError(f"could not serve on {address(options['host'], port)} (uvicorn said why above)")
     return 0
+
+
+def sendable(token: str | None) -> str | None:
+    """``token`` (``PETL_SERVE_TOKEN``), once a client can send it in an ``Authorization`` header.
+
+    HTTP strips the spaces around a header's value and takes no control character or non-ASCII one as it is: such a
+    token (a trailing carriage return from a file with Windows line ends, ``$(cat token.txt)``) was never matched, and
+    every request got 401.
+
+    Raises:
+        ValueError: the first character no client can send, by its place (the token itself is not shown).
+
+    """
+    if token is None:
+        return None
+    edges = [place for place in (0, len(token) - 1) if token[place].isspace()]
+    bad = edges or [place for place, char in enumerate(token) if not " " <= char <= "~"]
+    if not bad:
+        return token
+    char = token[bad[0]]
+    said = repr(char) if char.isspace() or not char.isprintable() else "not ASCII"  # a letter of the secret: unsaid
+    raise ValueError(
+        f"{TOKEN_VARIABLE}'s character {bad[0] + 1} of {len(token)} is {said}, which no client can send in an "
+        "Authorization header: set it to ASCII letters, digits and -._~+/= (python -c 'import secrets; "
+        "print(secrets.token_urlsafe())')"
+    )
 
 
 def address(host: str, port: int) -> str:

@@ -32,6 +32,7 @@ from petl.data.images import FileListDataset
 from petl.data.registry import TEST, TRAIN, TRAIN_VAL, VAL, DatasetInfo, register_dataset
 from petl.data.transforms import ImageSpec
 from petl.utils.once import warn_once
+from petl.utils.paths import walk_linked
 from petl.utils.text import shown
 
 log = logging.getLogger(__name__)
@@ -91,14 +92,7 @@ def image_files(folder: Path) -> tuple[list[Path], list[Path]]:
     """
     images: list[Path] = []
     others: list[Path] = []
-    seen: set[str] = set()
-    start = os.path.join(os.path.realpath(folder), "")
-    for top, dirs, files in os.walk(folder, followlinks=True):
-        real = os.path.realpath(top)
-        if real in seen or (seen and start.startswith(os.path.join(real, ""))):
-            dirs[:] = []
-            continue
-        seen.add(real)
+    for top, dirs, files in walk_linked(folder):
         dirs[:] = [name for name in dirs if not name.startswith(".")]
         for name in files:
             path = Path(top, name)

@@ -58,7 +58,7 @@ from petl.data.transforms import ImageSpec
 from petl.deploy.batcher import Batcher, QueueFull, WorkerStopped
 from petl.deploy.metrics import ServeMetrics
 from petl.deploy.multitask import MultiTask
-from petl.deploy.uploads import BadImage, TooManyPixels, check_pixels, preprocess_all
+from petl.deploy.uploads import BadImage, TooManyPixels, check_pixels, cut_short, is_multipart, preprocess_all
 from petl.model.params import count_params
 from petl.store.run_card import read_card, spec_of
 from petl.utils.precision import INFERENCE_PRECISIONS, describe, inference, inference_precision
@@ -287,7 +287,7 @@ def _too_large(size: int, limit: int, at_least: bool = False) -> HTTPException:
 
 async def _uploads(request: Request, body: bytes, options: ServeOptions) -> list[tuple[str, bytes]]:
     """The images of a request: its multipart file fields, or the whole body as one image."""
-    if not _is_multipart(request):
+    if not is_multipart(request.headers.get("content-type", "")):
         if not body:
             raise HTTPException(400, "no image in the request: send the image as the body or as multipart file fields")
         return [("", body)]
@@ -315,6 +315,9 @@ async def _uploads(request: Request, body: bytes, options: ServeOptions) -> list
         ) from None
     uploads = []
     try:
+        # A body the parser read, whose part cut short it dropped without an error.
+        if (problem := cut_short(body, request.headers["content-type"])) is not None:
+            raise HTTPException(400, problem)
         for field, value in form.multi_items():
             if not isinstance(value, UploadFile):
                 raise HTTPException(400, f"multipart field {field!r} is text, not a file: send images as file fields")
@@ -324,11 +327,6 @@ async def _uploads(request: Request, body: bytes, options: ServeOptions) -> list
     if not uploads:
         raise HTTPException(400, "the multipart request holds no file: send each image as a file field")
     return uploads
-
-
-def _is_multipart(request: Request) -> bool:
-    # A media type is case-insensitive (RFC 9110 8.3.1): Multipart/Form-Data was read as one image.
-    return request.headers.get("content-type", "").split(";")[0].strip().lower() == "multipart/form-data"
 
 
 def _too_many(count: int | str, max_queue: int) -> HTTPException:

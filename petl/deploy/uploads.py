@@ -117,6 +117,34 @@ def check_pixels(uploads: list[tuple[str, bytes]], options: ServeOptions, spec: 
         )
 
 
+def is_multipart(content_type: str) -> bool:
+    """Whether a request's ``Content-Type`` is ``multipart/form-data``, in any case."""
+    # A media type is case-insensitive (RFC 9110 8.3.1): Multipart/Form-Data was read as one image.
+    return content_type.split(";")[0].strip().lower() == "multipart/form-data"
+
+
+def cut_short(body: bytes, content_type: str) -> str | None:
+    """Why a multipart ``body`` cannot be read, where it holds its boundary but ends before the closing one
+    (``CRLF --BOUNDARY--``, RFC 2046); ``None`` where it does not (its parser then says what it finds wrong).
+
+    python-multipart reads such a body without an error: the parts complete before the cut are its files, and the one
+    cut short is dropped, so a request of three images whose third was cut was answered for two, and one of one image
+    said it held no file.
+    """
+    from starlette.formparsers import parse_options_header  # python-multipart's, wherever Starlette found it
+
+    boundary = parse_options_header(content_type)[1].get(b"boundary")
+    close = b"--" + boundary + b"--" if boundary else b""
+    # A body without its boundary at all is no multipart body: the parser's own error says so.  The closing boundary
+    # ends the last part only after a CRLF (one without it was read as that part's data, and the part dropped too).
+    if not boundary or b"--" + boundary not in body or body.startswith(close) or b"\r\n" + close in body:
+        return None
+    return (
+        "the multipart body ends before its closing boundary (CRLF --BOUNDARY--): it was cut short: send it whole, "
+        "each image a file field (curl -F image=@cat.jpg)"
+    )
+
+
 def preprocess_all(uploads: list[tuple[str, bytes]], spec: ImageSpec) -> list[torch.Tensor]:
     """Each upload (its name, its bytes: :func:`check_pixels` passed them) as a model input, in order.
 

@@ -537,6 +537,14 @@ def frozen_mismatch(card: dict[str, Any], model: nn.Module) -> str | None:
     """Why ``model`` (a run's method loaded on some backbone) is not on the backbone it trained on; ``None``: it is."""
     recorded = card["backbone"].get("frozen_sha256")
     if recorded is not None and frozen_sha256(model) != recorded:
+        # petl trains on float32 frozen weights and hashes them with their dtype: a backbone cast before the run was
+        # loaded on it (MultiTask(backbone.to(torch.bfloat16), runs)) was said to hold other pretrained weights.
+        cast = sorted({str(t.dtype) for t in model.parameters() if t.is_floating_point() and t.dtype != torch.float32})
+        if cast:
+            return (
+                f"the backbone's weights are {cast[0].removeprefix('torch.')}, and the run's card checks the float32 "
+                f"ones it trained on: give the backbone in float32, and cast the model once loaded (.to({cast[0]}))"
+            )
         return (
             f"the backbone's frozen tensors differ from those {card['backbone']['name']} had in training "
             "(other pretrained weights, checkpoint or random init)"

@@ -166,3 +166,20 @@ def write_atomic(path: Path, write: Callable[[Path], None]) -> None:
     """Call ``write(tmp)`` and move the result onto ``path`` atomically."""
     with atomic_path(path) as tmp:
         write(tmp)
+
+
+def walk_linked(folder: Path) -> Iterator[tuple[str, list[str], list[str]]]:
+    """``os.walk(folder)`` following sub-folders that are symbolic links, each real folder once.
+
+    A link to ``folder`` or to a folder above it is not followed (it would loop, or take in the folders beside).
+    The caller may prune a yielded ``dirs`` list in place, as with ``os.walk``.
+    """
+    seen: set[str] = set()
+    start = os.path.join(os.path.realpath(folder), "")
+    for top, dirs, files in os.walk(folder, followlinks=True):
+        real = os.path.realpath(top)
+        if real in seen or (seen and start.startswith(os.path.join(real, ""))):
+            dirs[:] = []
+            continue
+        seen.add(real)
+        yield top, dirs, files

@@ -498,6 +498,9 @@ def test_a_run_is_refused_over_a_backbone_it_was_not_trained_on(tmp_path):
     with pytest.raises(TaskRefused, match="task 'a' cannot be served over this backbone: the backbone's frozen") as no:
         petl.MultiTask(redrawn, {"a": at_32})
     assert no.value.mismatch  # not a method that cannot share: petl-serve does not send it to petl-predict
+    # The backbone cast before the runs were loaded on it: said so, where it was said to hold other weights.
+    with pytest.raises(TaskRefused, match=r"weights are bfloat16, .*float32, .*\(\.to\(torch\.bfloat16\)\)"):
+        petl.MultiTask(run_card.create_backbone({**TINY, "seed": 0}).to(torch.bfloat16), {"a": at_32})
     # Another architecture of the same shapes.
     native = timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=4, depth=1, embed_dim=48)
     with pytest.raises(

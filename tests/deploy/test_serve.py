@@ -447,9 +447,10 @@ def test_a_run_folder_that_fails_the_checks_is_refused_at_start_naming_it(runs, 
 def test_a_folder_of_runs_and_task_names(runs):
     found = serve_cli.find_runs([str(runs["lora"].parent), f"task.prompts={runs['vpt']}"])
     assert found == {"prompts": runs["vpt"], "lora": runs["lora"], "lst": runs["lst"], "vpt": runs["vpt"]}
+    assert list(found) == ["lora", "lst", "vpt", "prompts"]  # as given (GET /v1/tasks' order): named ones came first
 
 
-def test_a_folder_of_runs_named_by_their_options_gets_task_names_a_url_can_hold(runs, tmp_path, capsys):
+def test_a_folder_of_runs_named_by_their_options_gets_task_names_a_url_can_hold(runs, tmp_path, monkeypatch):
     # Folders named as options (lr=0.001): the names made from their paths were refused ("cannot be part of a URL:
     # name it with task.NAME=RUN"), one run at a time, for a folder of many runs.
     import shutil
@@ -458,6 +459,19 @@ def test_a_folder_of_runs_named_by_their_options_gets_task_names_a_url_can_hold(
         shutil.copytree(runs["lora"], tmp_path / name)
     found = serve_cli.find_runs([str(tmp_path)])
     assert found == {"lr_0.001": tmp_path / "lr=0.001", "lr_0.01": tmp_path / "lr=0.01"}
+    # Such a run folder given itself: only task.NAME=RUN is split at '=' (this was task 'PATH/lr' of a folder
+    # '0.001', "no such run folder"), and given from the folder above it, a run, not an unknown option 'lr'.
+    assert serve_cli.find_runs([str(tmp_path / "lr=0.001")]) == {"lr_0.001": tmp_path / "lr=0.001"}
+    monkeypatch.chdir(tmp_path)
+    assert serve_cli.read_command_line(["lr=0.01", "port=0"])[0] == {"lr_0.01": Path("lr=0.01")}
+
+
+def test_a_folder_of_links_to_runs_serves_the_runs_they_name(runs, tmp_path):
+    # rglob follows no linked sub-folder: a folder of links to the runs to serve held "no finished run folder".
+    (tmp_path / "served").mkdir()
+    (tmp_path / "served" / "cars").symlink_to(runs["lora"], target_is_directory=True)
+    (tmp_path / "served" / "up").symlink_to(tmp_path, target_is_directory=True)  # a loop, not followed
+    assert serve_cli.find_runs([str(tmp_path / "served")]) == {"cars": tmp_path / "served" / "cars"}
 
 
 def test_petl_bench_choose_offers_petl_serve_only_a_run_it_serves(runs, tmp_path, capsys):

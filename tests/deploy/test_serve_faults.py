@@ -186,6 +186,17 @@ def test_a_multipart_body_that_cannot_be_read_is_refused_saying_how_to_send_imag
         assert answer["detail"].endswith(
             "send each image as a file field (curl -F image=@cat.jpg), or one image as the whole body"
         )
+    # Two images, the second cut short before the closing boundary: python-multipart dropped it, and the first alone
+    # was answered, 200.
+    first, second = _multipart("a.png", _png()), _multipart("b.png", _png())
+    head = first[: first.rindex(b"--" + BOUNDARY.encode())]
+    # And the second's closing boundary without the CRLF before it, which the parser read as the image's data.
+    for cut in (
+        head + second[:-40],
+        head + second.replace(b"\r\n--" + BOUNDARY.encode() + b"--", b"--" + BOUNDARY.encode() + b"--"),
+    ):
+        status, answer = asyncio.run(_ask(app, "POST", route, cut, f"multipart/form-data; boundary={BOUNDARY}"))
+        assert status == 400 and answer["detail"].startswith("the multipart body ends before its closing"), answer
 
 
 def test_a_client_that_closes_mid_upload_is_counted_not_logged_as_an_internal_error(app, caplog):
@@ -459,6 +470,19 @@ def test_a_host_that_does_not_resolve_is_one_line_before_the_runs_load(
     code, out, err = command_status(capsys, serve_cli.main, str(run), "host=no-such-host.invalid", "--quiet")
     assert (code, loaded) == (status, [])
     assert err.startswith(f"petl-serve: error: host=no-such-host.invalid{message}") and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize(
+    ("token", "said"), [("s3cret\r", "7 of 7 is '\\r'"), (" s3cret", "1 of 7 is ' '"), ("sé", "2 of 2 is not")]
+)
+def test_a_token_no_client_can_send_is_refused_before_the_runs_load(unloaded, capsys, monkeypatch, token, said):
+    """HTTP strips a header value's spaces and takes no control or non-ASCII character as it is: such a token (a
+    carriage return left by $(cat token.txt) of a Windows file) was never matched, every request answered 401."""
+    run, loaded = unloaded
+    monkeypatch.setenv(serve.TOKEN_VARIABLE, token)
+    code, out, err = command_status(capsys, serve_cli.main, str(run), "port=0", "--quiet")
+    assert (code, loaded) == (2, []) and err.count("\n") == 1, err
+    assert f"PETL_SERVE_TOKEN's character {said}" in err and "s3cret" not in err, err
 
 
 def test_a_port_in_use_is_one_line_naming_it_before_the_runs_load(unloaded, capsys):
