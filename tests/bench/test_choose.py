@@ -79,8 +79,12 @@ def test_choose_runs_the_suite_on_a_folder_and_names_a_run_that_predicts(tmp_pat
     record = json.loads((out / "folder" / named.group(1) / "seed0" / "result.json").read_text())
     assert record["split"] == "train800val200" and record["split_meaning"].startswith("train800val200: every")
 
+    # The run to use: the best's, or the smaller's where the two cannot be told apart (over 2 seeds they cannot).
+    smaller = re.search(r"; (\w+) is the smaller\.", paragraph)
+    used = re.search(r"\. Use (\w+): ", paragraph).group(1)
+    assert used == (smaller.group(1) if smaller else named.group(1))
     run_dir = Path(re.search(r"`petl-predict (\S+) IMAGES`", paragraph).group(1))
-    assert run_dir == out / "folder" / named.group(1) / "seed0"
+    assert run_dir == out / "folder" / used / "seed0"
     loaded = petl.load_run(run_dir)
     image = next((photos / "test" / CLASSES[0]).glob("*.png"))
     from PIL import Image
