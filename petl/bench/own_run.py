@@ -23,6 +23,7 @@ from petl.bench import estimate as costs
 from petl.bench.args import as_bool, configs_folder
 from petl.bench.suite import Experiment, Suite
 from petl.bench.sweep import check_configs, check_results_folder
+from petl.cli.args import plain
 from petl.data.images import decode_progress
 from petl.store.lock import acquire_lock, describe_holder, release_lock
 from petl.utils.errors import RUN_ERROR
@@ -149,10 +150,18 @@ def _run_locked(
     status = finish(summary, output_dir, own, finals_done, suite)
     if (output_dir / "leaderboard.csv").is_file() and finals_done and not summary.stale:
         plan = report.Plan(suite.name, tuple(suite.experiments), tuple(suite.tasks), tuple(suite.seeds))
-        answer = answer_for(output_dir, budget, plan)
-        print(f"petl-bench: {answer.paragraph}")
-        print(f"petl-bench: written to {output_dir / choice.CHOICE_FILE}")
+        for line in answer_lines(answer_for(output_dir, budget, plan), output_dir):
+            print(line)
     return status
+
+
+def answer_lines(answer: choice.Choice, output_dir: Path) -> list[str]:
+    """The answer as the terminal says it, and where ``choice.md`` holds it.
+
+    ``choice.md`` keeps its Markdown; here it is plain text: ``**bold**`` shows as asterisks in a terminal, and a
+    command copied with its backquotes runs as a shell command substitution.
+    """
+    return [f"petl-bench: {plain(answer.paragraph)}", f"petl-bench: written to {output_dir / choice.CHOICE_FILE}"]
 
 
 def stale_runs(cells: list[protocol.Cell]) -> list[str]:

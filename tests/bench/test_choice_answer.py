@@ -232,3 +232,20 @@ def test_two_rows_not_told_apart_give_the_commands_of_the_smaller(tmp_path, monk
     assert answer.taken.experiment == "lora" and answer.run_dir == tmp_path / "folder" / "lora" / "seed0"
     assert "lora is the smaller. Use lora: `petl-predict" in answer.paragraph
 
+
+def test_the_terminal_says_the_answer_without_markdown(tmp_path, monkeypatch):
+    # Was: "petl-bench: **Which method for this data** ... Use it: `petl-predict RUN IMAGES`": asterisks on screen,
+    # and a command copied with its backquotes runs as a shell substitution.  choice.md keeps the Markdown.
+    from petl.bench import own_run
+
+    monkeypatch.setattr(choice, "exportable", lambda run: True)
+    monkeypatch.setattr(choice, "serve_refusal", lambda run, task: None)
+    for method, top1 in (("lora", 60.0), ("linear", 50.0)):
+        write_run(tmp_path / "folder" / method / "seed0", result_record("folder", method, 0, top1))
+    plan = report.Plan("choose", ("lora", "linear"), ("folder",), (0,))
+    answer = choice.choose(report.build_board(tmp_path, plan=plan), choice.Budget())
+    assert "**" in answer.paragraph and "`petl-predict" in answer.paragraph
+    said, written = own_run.answer_lines(answer, tmp_path)
+    assert said.startswith("petl-bench: Which method for this data on folder") and "**" not in said and "`" not in said
+    assert f"Use lora: petl-predict {tmp_path / 'folder' / 'lora' / 'seed0'} IMAGES, " in said
+    assert written == f"petl-bench: written to {tmp_path / choice.CHOICE_FILE}"
