@@ -5,8 +5,9 @@ parameters, head included, what a task stores; ``budget.train_seconds=``: the fi
 recorded, on the machine that trained them), the best test top-1 mean is named with the runner-up, the gap between
 them and whether the rank test tells them apart (:func:`petl.bench.ranking.rank_test` over the rows within the
 budget: Friedman's test, then Nemenyi's, or with two rows the exact sign test; with the one task of a user's data,
-each seed is a block), and the commands that use the chosen run (its lowest seed's folder: chosen before looking at
-the seeds' test numbers).  The methods the answer could not weigh are named next to it: rows short of a seed (a
+each seed is a block), and the commands that use the chosen run: the best row's, or the runner-up's where the test
+cannot tell the two apart and it trains fewer parameters (its lowest seed's folder: chosen before looking at the
+seeds' test numbers).  The methods the answer could not weigh are named next to it: rows short of a seed (a
 failed or unfinished run) and the suite's experiments with no finished run at all.
 ``choice.md`` in the results folder holds the paragraph and the cost before the run against the real one.
 """
@@ -121,6 +122,8 @@ class Choice:
 
     best: ExperimentRow | None
     runner_up: ExperimentRow | None
+    taken: ExperimentRow | None
+    """The row to use: the best, or the runner-up where the rank test cannot tell the two apart and it is smaller."""
     run_dir: Path | None
     paragraph: str
 
@@ -145,12 +148,13 @@ def choose(board: Leaderboard, budget: Budget, data: dict[str, Any] | None = Non
                 f"{train_seconds(closest):.0f} s of training per run): the same command with a budget it fits "
                 "answers without training again"
             )
-        return Choice(None, None, None, head + f"nothing to choose, {why}{left_out}.")
+        return Choice(None, None, None, None, head + f"nothing to choose, {why}{left_out}.")
     best = within[0]
     runner = within[1] if len(within) > 1 else None
+    take = best  # the row whose run the commands use
     b = best.scores[task]
     text = head + (
-        f"**{best.experiment}** reaches {b.mean:.2f} % test top-1 (mean of {len(b.seeds)} seed(s)"
+        f"**{best.experiment}** reaches {b.mean:.2f} % test top-1 (mean of {plural(len(b.seeds), 'seed')}"
         f"{_std(b.std)}) with {_params(best.trainable)} trainable parameters and {train_seconds(best):.0f} s of "
         "training per run"
     )
@@ -160,26 +164,28 @@ def choose(board: Leaderboard, budget: Budget, data: dict[str, Any] | None = Non
             f"; the runner-up, **{runner.experiment}**, reaches {r.mean:.2f} %{_std(r.std)} with "
             f"{_params(runner.trainable)} parameters, {b.mean - r.mean:.2f} points apart: "
         )
-        text += _verdict(rank_test(board, within), best, runner, task)
+        verdict, take = _verdict(rank_test(board, within), best, runner, task)
+        text += verdict
     else:
         text += "; no other row fits the budget"
     if over:
         text += f". Over the budget: {', '.join(over)}"
     text += left_out
-    run = chosen_run(best)
+    run = chosen_run(take)
     uses = [f"`petl-predict {run} IMAGES`"]
     if exportable(run):
         uses.append(f"`petl-export {run} out=exported` (a plain timm model)")
     # petl-serve serves tasks over one shared frozen backbone: it refuses a run that trains that backbone (full
     # fine-tuning, Partial-k) or that it cannot route (prompts under a pooling it cannot mask), so the answer offers
     # it only a run it takes, and otherwise gives its refusal, which is the reason whatever it is.
-    refused = serve_refusal(run, best.experiment)
+    refused = serve_refusal(run, take.experiment)
     if refused is None:
         uses.append(f"`petl-serve {run}` (an HTTP endpoint)")
-    text += f". Use it: {', '.join(uses[:-1])}{', or ' if len(uses) > 1 else ''}{uses[-1]}."
+    # Named, not "it": after a verdict naming two rows, "it" read as the smaller one while the commands used the best.
+    text += f". Use {take.experiment}: {', '.join(uses[:-1])}{', or ' if len(uses) > 1 else ''}{uses[-1]}."
     if refused is not None:
         text += f" Not with petl-serve, which serves tasks over one shared frozen backbone and refuses it: {refused}."
-    return Choice(best, runner, run, text)
+    return Choice(best, runner, take, run, text)
 
 
 def _left_out(board: Leaderboard, complete: list[ExperimentRow]) -> str:
@@ -201,10 +207,12 @@ def _left_out(board: Leaderboard, complete: list[ExperimentRow]) -> str:
     )
 
 
-def _verdict(found: Ranking | str, best: ExperimentRow, runner: ExperimentRow, task: str) -> str:
-    """Whether the rank test tells the best row (by mean on ``task``) from the runner-up, which way, p and blocks."""
+def _verdict(found: Ranking | str, best: ExperimentRow, runner: ExperimentRow, task: str) -> tuple[str, ExperimentRow]:
+    """Whether the rank test tells the best row (by mean on ``task``) from the runner-up, which way, p and blocks;
+    and the row to use: the smaller of the two where they cannot be told apart, else the best.
+    """
     if not isinstance(found, Ranking):
-        return f"no test tells them apart or not ({found})"
+        return f"no test tells them apart or not ({found})", best
     a, b = best.experiment, runner.experiment
     blocks = f"each of the {plural(len(found.blocks), found.block)} a block" + (
         " (one task)" if found.block == "seed" else ""
@@ -225,7 +233,7 @@ def _verdict(found: Ranking | str, best: ExperimentRow, runner: ExperimentRow, t
             f"{found.mean_rank[second]:.2f}; {test})"
         )
         if first == a:
-            return said
+            return said, best
         # The best row is the best mean, the test compares ranks: a seed far out can leave the runner-up ranking
         # better in most blocks, and "they differ" beside the best row's name would read as its win.
         mean = (
@@ -233,9 +241,8 @@ def _verdict(found: Ranking | str, best: ExperimentRow, runner: ExperimentRow, t
             if best.scores[task].mean > runner.scores[task].mean
             else "the same mean, fewer parameters"
         )
-        return (
-            said + f", though {a} has {mean}: the best by mean and the best by rank disagree, so neither wins plainly"
-        )
+        disagree = f", though {a} has {mean}: the best by mean and the best by rank disagree, so neither wins plainly"
+        return said + disagree, best
     if not found.omnibus_rejects:
         test = f"Friedman's test over the {k} within the budget, {blocks}, does not reject that they rank alike: "
         test += "every block ties them" if math.isnan(found.p_value) else said_p(found.p_value, found.alpha)
@@ -246,8 +253,10 @@ def _verdict(found: Ranking | str, best: ExperimentRow, runner: ExperimentRow, t
     if few:
         # Not told apart, and no outcome over so few blocks could have been: say so, or it reads as a finding.
         test += f"; over {plural(len(found.blocks), found.block)} no outcome could tell them apart: {few}"
-    smaller = min((best, runner), key=lambda row: row.trainable).experiment
-    return f"**{a}** and **{b}** cannot be told apart on this data ({test}); {smaller} is the smaller"
+    # Equal within the test's reach: the smaller costs less to store and serve, so its run is the one to use.
+    smaller = min((best, runner), key=lambda row: row.trainable)
+    verdict = f"**{a}** and **{b}** cannot be told apart on this data ({test}); {smaller.experiment} is the smaller"
+    return verdict, smaller
 
 
 def _std(std: float) -> str:

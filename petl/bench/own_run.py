@@ -3,8 +3,8 @@
 The steps, in order: read the data (every image decoded once: classes, split sizes, fingerprint,
 :mod:`petl.bench.own_data`); plan the suite's cells on it (:mod:`petl.bench.protocol`, as for a registered
 task); measure what the remaining runs will cost here (:mod:`petl.bench.estimate`) and ask before training
-(``--yes`` answers for a script: without it, input that is not a terminal stops here with exit 2 and one line
-saying so); run the
+(``--yes`` answers for a script: without it, input that is not a terminal stops before the measuring with exit 2
+and one line saying so); run the
 protocol; write the leaderboard, then ``choice.md`` with the answer within ``budget.params=`` /
 ``budget.train_seconds=`` and the estimate against the real time (:mod:`petl.bench.choice`).
 """
@@ -23,6 +23,7 @@ from petl.bench import estimate as costs
 from petl.bench.args import as_bool, configs_folder
 from petl.bench.suite import Experiment, Suite
 from petl.bench.sweep import check_configs, check_results_folder
+from petl.cli.args import plain
 from petl.data.images import decode_progress
 from petl.store.lock import acquire_lock, describe_holder, release_lock
 from petl.utils.errors import RUN_ERROR
@@ -39,18 +40,26 @@ def _note(line: str) -> None:
     print(f"petl-bench: {line}", file=sys.stderr, flush=True)
 
 
-def confirm(yes: bool) -> bool:
-    """Whether to train: ``--yes``, else the user's answer at a terminal.
+def check_can_ask(yes: bool) -> None:
+    """Refuse, before anything is measured, to wait for an answer no one can give.
 
     Raises:
         SystemExit: input that is not a terminal, without ``--yes`` (one line: what to pass; exit 2).
 
     """
-    if yes:
-        return True
-    if not sys.stdin.isatty():
+    if not yes and not sys.stdin.isatty():
         raise SystemExit(f"petl-bench: not started: input is not a terminal; pass {YES_FLAG} to train without asking")
-    return input("train now? [y/N] ").strip().lower() in ("y", "yes")
+
+
+def confirm(yes: bool) -> bool:
+    """Whether to train: ``--yes``, else the user's answer at a terminal (:func:`check_can_ask` first)."""
+    check_can_ask(yes)
+    return yes or input("train now? [y/N] ").strip().lower() in ("y", "yes")
+
+
+def runs_to_train(cells: list[protocol.Cell]) -> bool:
+    """Whether any selection trial or final run of ``cells`` is unfinished (what the estimate counts), unmeasured."""
+    return any(not run.is_done() for cell in cells for run in (*(t.run for t in cell.trials), *cell.finals({})))
 
 
 def run_on_own_data(
@@ -131,10 +140,15 @@ def _run_locked(
             f"{output_dir}: {len(stale)} finished run(s) hold another config ({stale[0]}); leave output_dir= out "
             "to give this setup a folder of its own, or choose another output_dir"
         )
+    dry_run = as_bool("dry_run", own.get("dry_run", "false"))
+    if not dry_run and runs_to_train(cells):
+        # Measuring builds and steps every experiment (minutes on a real backbone): a script without --yes was told
+        # to pass it only after all that.
+        check_can_ask(yes)
     estimate = costs.estimate(cells, data, say=lambda line: print(f"petl-bench: {line}", flush=True))
     for line in estimate.lines():
         print(f"petl-bench: {line}")
-    if as_bool("dry_run", own.get("dry_run", "false")):
+    if dry_run:
         return 0
     if estimate.runs and not confirm(yes):
         print("petl-bench: not started")
@@ -149,10 +163,18 @@ def _run_locked(
     status = finish(summary, output_dir, own, finals_done, suite)
     if (output_dir / "leaderboard.csv").is_file() and finals_done and not summary.stale:
         plan = report.Plan(suite.name, tuple(suite.experiments), tuple(suite.tasks), tuple(suite.seeds))
-        answer = answer_for(output_dir, budget, plan)
-        print(f"petl-bench: {answer.paragraph}")
-        print(f"petl-bench: written to {output_dir / choice.CHOICE_FILE}")
+        for line in answer_lines(answer_for(output_dir, budget, plan), output_dir):
+            print(line)
     return status
+
+
+def answer_lines(answer: choice.Choice, output_dir: Path) -> list[str]:
+    """The answer as the terminal says it, and where ``choice.md`` holds it.
+
+    ``choice.md`` keeps its Markdown; here it is plain text: ``**bold**`` shows as asterisks in a terminal, and a
+    command copied with its backquotes runs as a shell command substitution.
+    """
+    return [f"petl-bench: {plain(answer.paragraph)}", f"petl-bench: written to {output_dir / choice.CHOICE_FILE}"]
 
 
 def stale_runs(cells: list[protocol.Cell]) -> list[str]:

@@ -174,7 +174,7 @@ def find_runs(items: Sequence[str]) -> dict[str, Path]:
 
     """
     from petl.deploy.predict import run_labels
-    from petl.store.files import file_not_run, unfinished_run
+    from petl.store.files import exported_not_run, file_not_run, unfinished_run
 
     named: dict[str, Path] = {}
     unnamed: list[Path] = []
@@ -197,7 +197,10 @@ def find_runs(items: Sequence[str]) -> dict[str, Path]:
             raise UsageError(unfinished)
         found = [path] if _is_run(path) else runs_under(path)
         if not found:
-            raise UsageError(f"{path} holds no finished run folder (no model.json): give petl-run output folders")
+            raise UsageError(
+                exported_not_run(path)
+                or f"{path} holds no finished run folder (no model.json): give petl-run output folders"
+            )
         name = key.removeprefix(TASK_PREFIX)
         if not eq:
             unnamed += found

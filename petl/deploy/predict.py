@@ -27,7 +27,14 @@ from petl.data.images import FileListDataset, decode_image, decode_progress
 from petl.deploy.multitask import MultiTask, TaskRefused
 from petl.model import surgery
 from petl.model.registry import get_method
-from petl.store.files import MODEL_FILE, WEIGHTS_FILE, check_outside_runs, file_not_run, unfinished_run
+from petl.store.files import (
+    MODEL_FILE,
+    WEIGHTS_FILE,
+    check_outside_runs,
+    exported_not_run,
+    file_not_run,
+    unfinished_run,
+)
 from petl.store.run_card import (
     LoadedRun,
     RunFolderError,
@@ -512,7 +519,10 @@ def _check(positional: list[str], options: dict) -> tuple[list[Path], list[str]]
                 f"{first} is not a run folder, {later} is: give the run folders first, then the images "
                 f"(petl-predict {later} ... {first} ...)"
             )
-        raise UsageError(f"{first} is not a run folder (no {WEIGHTS_FILE}): give a petl-run output_dir first")
+        raise UsageError(
+            exported_not_run(Path(first))
+            or f"{first} is not a run folder (no {WEIGHTS_FILE}): give a petl-run output_dir first"
+        )
     images = positional[len(runs) :]
     # Each image's rows came twice, and a run's confusion file was written twice; as petl-serve serves it once.
     kept: dict[Path, Path] = {}

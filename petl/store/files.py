@@ -31,6 +31,8 @@ CHECKPOINT_FILE = "checkpoint.pt"
 RUN_FILES = (CONFIG_FILE, METRICS_FILE, RESULT_FILE, WEIGHTS_FILE, MODEL_FILE, CHECKPOINT_FILE)
 # Files only a petl-run folder holds: a command writing into a folder holding one would write into a run.
 RUN_MARKERS = (MODEL_FILE, WEIGHTS_FILE, RESULT_FILE, CHECKPOINT_FILE)
+# A timm model folder (timm's local-dir and hub layout), what petl-export out=FOLDER writes (petl.deploy.export).
+TIMM_FOLDER_FILES = ("config.json", "model.safetensors")
 # petl-bench's selection trials: <cell>/search/<point>/, whose weights it removes once scored (the finals retrain).
 SEARCH_DIR = "search"
 # resume=false moves an earlier run's files to ``<output_dir>.replaced-<time>``; reports skip such folders.
@@ -118,6 +120,19 @@ def unfinished_run(folder: Path) -> str | None:
             f"{CHECKPOINT_FILE} or {RESULT_FILE}): run the same petl-run command again to train it"
         )
     return None
+
+
+def exported_not_run(folder: Path) -> str | None:
+    """The one line for a timm model folder (what ``petl-export out=FOLDER`` writes) given where a run folder is
+    wanted, or ``None``: without it, the answer was only that the folder lacks a run's files.
+    """
+    if (folder / MODEL_FILE).exists() or not all((folder / name).is_file() for name in TIMM_FOLDER_FILES):
+        return None
+    return (
+        f"{shown(folder)} is a plain timm model ({', '.join(TIMM_FOLDER_FILES)}, as petl-export writes it), not a "
+        f"petl-run folder: give the run folder it was exported from, or load it with timm "
+        f"(timm.create_model('local-dir:{shown(folder)}', pretrained=True))"
+    )
 
 
 def file_not_run(path: Path, given: str) -> str:

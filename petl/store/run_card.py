@@ -53,6 +53,7 @@ from petl.store.files import (
     RESULT_FILE,
     SEARCH_DIR,
     WEIGHTS_FILE,
+    exported_not_run,
     file_not_run,
     newer_file,
     unfinished_run,
@@ -256,7 +257,7 @@ def read_card(run_dir: str | Path) -> dict[str, Any]:
         raise RunFolderError(file_not_run(folder, str(folder)))
     if not folder.is_dir():
         raise RunFolderError(f"{folder}: no such run folder")
-    unfinished = unfinished_run(folder)
+    unfinished = unfinished_run(folder) or exported_not_run(folder)
     if unfinished is not None:
         raise RunFolderError(unfinished)
     card_path = folder / MODEL_FILE

@@ -157,7 +157,7 @@ def test_a_run_petl_serve_refuses_is_not_offered_to_it(tmp_path, monkeypatch):
     answer = choice.choose(report.build_board(tmp_path, plan=plan), choice.Budget())
     run = tmp_path / "folder" / "full" / "seed0"
     assert answer.best is not None and answer.best.experiment == "full"
-    assert f"Use it: `petl-predict {run} IMAGES`, or `petl-export {run} out=exported` (a plain timm model)." in (
+    assert f"Use full: `petl-predict {run} IMAGES`, or `petl-export {run} out=exported` (a plain timm model)." in (
         answer.paragraph
     )
     assert "`petl-serve" not in answer.paragraph
@@ -201,3 +201,51 @@ def test_whether_the_task_is_saturated_is_said_by_the_rows_within_the_budget(tmp
         answer
     )
     assert "sign test" not in answer and "Over the budget: full (1.00 M parameters)" in answer
+
+
+def test_two_rows_not_told_apart_give_the_commands_of_the_smaller(tmp_path, monkeypatch):
+    # Was: "lora and linear cannot be told apart ...; linear is the smaller. Use it: `petl-predict .../lora/seed0`":
+    # the paragraph pointed at the smaller while its commands used the larger best-by-mean row.
+    monkeypatch.setattr(choice, "exportable", lambda run: True)
+    monkeypatch.setattr(choice, "serve_refusal", lambda run, task: None)
+    for method, top1, trainable in (("lora", 80.0, 5000), ("linear", 75.0, 500)):
+        for seed in (0, 1):
+            record = result_record("folder", method, seed, top1 + seed, trainable_params=trainable)
+            write_run(tmp_path / "folder" / method / f"seed{seed}", record)
+    plan = report.Plan("choose", ("lora", "linear"), ("folder",), (0, 1))
+    answer = choice.choose(report.build_board(tmp_path, plan=plan), choice.Budget())
+    run = tmp_path / "folder" / "linear" / "seed0"
+    assert answer.best.experiment == "lora" and answer.taken.experiment == "linear" and answer.run_dir == run
+    assert "**lora** and **linear** cannot be told apart on this data" in answer.paragraph
+    assert "(mean of 2 seeds, std" in answer.paragraph
+    assert f"linear is the smaller. Use linear: `petl-predict {run} IMAGES`, `petl-export {run} out=exported`" in (
+        answer.paragraph
+    )
+    assert "lora/seed" not in answer.paragraph
+    # Where the best row is the smaller too, its commands stay.
+    for seed in (0, 1):
+        write_run(
+            tmp_path / "folder" / "linear" / f"seed{seed}",
+            result_record("folder", "linear", seed, 75.0 + seed, trainable_params=50_000),
+        )
+    answer = choice.choose(report.build_board(tmp_path, plan=plan), choice.Budget())
+    assert answer.taken.experiment == "lora" and answer.run_dir == tmp_path / "folder" / "lora" / "seed0"
+    assert "lora is the smaller. Use lora: `petl-predict" in answer.paragraph
+
+
+def test_the_terminal_says_the_answer_without_markdown(tmp_path, monkeypatch):
+    # Was: "petl-bench: **Which method for this data** ... Use it: `petl-predict RUN IMAGES`": asterisks on screen,
+    # and a command copied with its backquotes runs as a shell substitution.  choice.md keeps the Markdown.
+    from petl.bench import own_run
+
+    monkeypatch.setattr(choice, "exportable", lambda run: True)
+    monkeypatch.setattr(choice, "serve_refusal", lambda run, task: None)
+    for method, top1 in (("lora", 60.0), ("linear", 50.0)):
+        write_run(tmp_path / "folder" / method / "seed0", result_record("folder", method, 0, top1))
+    plan = report.Plan("choose", ("lora", "linear"), ("folder",), (0,))
+    answer = choice.choose(report.build_board(tmp_path, plan=plan), choice.Budget())
+    assert "**" in answer.paragraph and "`petl-predict" in answer.paragraph
+    said, written = own_run.answer_lines(answer, tmp_path)
+    assert said.startswith("petl-bench: Which method for this data on folder") and "**" not in said and "`" not in said
+    assert f"Use lora: petl-predict {tmp_path / 'folder' / 'lora' / 'seed0'} IMAGES, " in said
+    assert written == f"petl-bench: written to {tmp_path / choice.CHOICE_FILE}"

@@ -545,7 +545,7 @@ def test_a_p_that_underflowed_to_zero_is_said_as_below_1e_300_not_as_0(tmp_path)
     section = " ".join(comparison_lines(board))
     assert "chi-square = 6.00, p < 1e-300: at α = 0.05" in section and "p = 0:" not in section
     rows = {row.experiment: row for row in board.rows}
-    verdict = choice._verdict(board.ranking, rows["lora"], rows["mlp"], "mini/digits")
+    verdict, _ = choice._verdict(board.ranking, rows["lora"], rows["mlp"], "mini/digits")
     assert "after Friedman's test over the 3 rows (p < 1e-300)" in verdict and "(p = 0)" not in verdict, verdict
     assert verdict.endswith(": p = 0.038 < 0.05)"), verdict  # Nemenyi's p, said with alpha
 
@@ -558,7 +558,7 @@ def test_a_nemenyi_p_that_underflowed_to_zero_reads_as_below_1e_300_alone(tmp_pa
     p_values["lora"]["mlp"] = p_values["mlp"]["lora"] = 0.0
     found = dataclasses.replace(board.ranking, p_values=p_values)
     rows = {row.experiment: row for row in board.rows}
-    verdict = choice._verdict(found, rows["lora"], rows["mlp"], "mini/digits")
+    verdict, _ = choice._verdict(found, rows["lora"], rows["mlp"], "mini/digits")
     # It said "p < 1e-300 < 0.05".
     assert verdict.endswith(": p < 1e-300)"), verdict
 

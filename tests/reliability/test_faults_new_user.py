@@ -281,3 +281,30 @@ def test_petl_serve_says_a_run_given_twice_is_served_once(tmp_path, capsys):
 def test_petl_serve_notes_an_open_port_for_every_host_but_loopback(host, alone):
     """The note "anyone who reaches this port can use the tasks" went to 127.0.0.2 too (loopback, 127.0.0.0/8)."""
     assert serve_cli.loopback(host) is alone
+
+
+def test_an_exported_timm_folder_given_as_a_run_is_named_as_one_by_every_command(tmp_path, capsys):
+    # petl-predict said "exported is not a run folder (no trainable.safetensors)", petl-serve "holds no finished
+    # run folder (no model.json)", load_run and petl-export "not a finished petl-run folder": none said it is the
+    # plain timm model petl-export wrote, which timm loads, nor that its run folder is what they take.
+    exported = tmp_path / "exported"
+    exported.mkdir()
+    for name in files.TIMM_FOLDER_FILES:
+        (exported / name).write_text("{}")
+    image = _image(tmp_path / "a.png")
+    said = f"{exported} is a plain timm model (config.json, model.safetensors, as petl-export writes it), not a "
+    for main, argv in [
+        (predict_cli.main, [str(exported), str(image)]),
+        (export_cli.main, [str(exported), f"out={tmp_path / 'again'}"]),
+        (serve_cli.main, [str(exported)]),
+    ]:
+        code, err = _main(main, argv, capsys)
+        assert code == 2 and err.count("\n") == 1, (argv, err)
+        assert f"error: {said}" in err and f"timm.create_model('local-dir:{exported}', pretrained=True)" in err, err
+    with pytest.raises(RunFolderError, match=re.escape(said)):
+        petl.load_run(exported)
+    # A run folder holding such files beside its card is still a run (its own files win).
+    run = _finished(tmp_path / "run")
+    for name in files.TIMM_FOLDER_FILES:
+        (run / name).write_text("{}")
+    assert files.exported_not_run(run) is None
