@@ -43,6 +43,41 @@ def test_a_run_whose_train_accuracy_is_at_chance_did_not_learn_whatever_its_loss
     assert not_learned([0.5], 10, math.nan, 800) is None and not_learned([0.5], None, 9.0, 800) is None
 
 
+def test_a_run_stuck_on_the_most_frequent_label_did_not_learn():
+    # mini/fashion_mnist's train800 holds 95 pullovers of 800: a model that always says "pullover" scores 11.9 %,
+    # above 1/10 by the binomial test (p = 0.046); chance is what that guess scores, which the engine counts.
+    assert not_learned([2.5, 2.2], 10, 11.875, 800) is None  # a record that predates the count: only 1/10 is known
+    said = not_learned([2.5, 2.2], 10, 11.875, 800, majority_top1=11.875)
+    assert said and "not above chance, 11.9 %, what always guessing its most frequent label scores" in said
+    # Above the majority rate by enough, learned; a balanced epoch's rate (1/classes) changes nothing.
+    assert not_learned([2.5, 2.2], 10, 15.0, 800, majority_top1=11.875) is None
+    assert "100/10 = 10.0 %" in not_learned([2.5, 2.2], 10, 10.5, 800, majority_top1=10.0)
+    # A figure from an edited metrics.jsonl that no epoch can have falls back to 1/classes, never fails.
+    for edited in (250.0, -3.0, math.nan, math.inf):
+        assert not_learned([2.5, 2.2], 10, 11.875, 800, majority_top1=edited) is None
+    assert "p = 1" in not_learned([2.5, 2.2], 10, 99.0, 800, majority_top1=100.0)
+
+
+def test_the_engine_counts_the_epochs_most_frequent_label():
+    import torch
+
+    from petl.train import engine
+
+    # 10 images, 6 of label 2, in batches of 3 (the last of 1): always guessing 2 scores 60 %.
+    labels = torch.tensor([2, 0, 2, 1, 2, 2, 0, 2, 1, 2])
+    data = torch.utils.data.TensorDataset(torch.randn(10, 4, generator=torch.Generator().manual_seed(0)), labels)
+    model = torch.nn.Linear(4, 3)
+    accelerator = engine.fresh_accelerator(cpu=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    loader = torch.utils.data.DataLoader(data, batch_size=3)
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    metrics = engine.train_one_epoch(
+        model, loader, optimizer, scheduler, accelerator, engine.TrainSettings(progress=False)
+    )
+    assert metrics["images"] == 10 and metrics["majority_top1"] == 60.0
+
+
 def test_the_binomial_test_is_scipys_without_importing_scipy(monkeypatch):
     from scipy import stats
 
@@ -76,6 +111,11 @@ def test_a_record_that_says_learned_is_judged_again_by_its_train_accuracy(tmp_pa
     (tmp_path / "metrics.jsonl").write_text(json.dumps(row) + "\n")
     old = RunResult(method="lora", dataset="mini/digits", seed=0, num_classes=10, final_train_loss=22421.78)
     assert "not above chance" in run_not_learned(tmp_path, old)
+    # A record whose last epoch counted its most frequent label is tested against that label's rate.
+    row = {"epoch": 2, "loss": 2.2, "train_top1": 11.875, "images": 800, "majority_top1": 11.875}
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"epoch": 1, "loss": 2.5}) + "\n" + json.dumps(row) + "\n")
+    stuck = RunResult(method="lora", dataset="mini/fashion_mnist", seed=0, num_classes=10, final_train_loss=2.2)
+    assert "most frequent label" in run_not_learned(tmp_path, stuck)
 
 
 def test_a_one_epoch_run_that_diverged_is_recorded_as_not_learned(tmp_path):
