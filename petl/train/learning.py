@@ -48,6 +48,8 @@ CHANCE_ALPHA = 0.05  # the binomial test's level: a train top-1 whose p against 
 # example (60 images, batch 64, 5 epochs: 5 steps) LoRA ended at 42 % on 3 classes.  A lower bound on what a
 # method needs, not a recipe: the published VTAB-1k protocol takes 100 epochs x 13 steps.
 FEW_STEPS = 50
+# binomial_tail sums its terms up to this many trials (at most a fifth of a second on a 2-core CPU), scipy above it.
+SUMMED_TRIALS = 100_000
 
 
 def few_steps(steps: int, images: int, batch_size: int, epochs: int) -> str | None:
@@ -106,10 +108,14 @@ def accuracy_at_chance(
 
     At chance: the exact one-sided binomial test of its hits (``top1`` % of ``images``, rounded) against the larger
     of 1/classes and ``majority_top1`` % (what always guessing the most frequent label scores) gives p at or above
-    :data:`CHANCE_ALPHA`.  ``None`` also when ``top1`` or ``images`` is missing or not finite; a ``majority_top1``
-    that is missing, not finite or outside [0, 100] (an edited file) leaves 1/classes.
+    :data:`CHANCE_ALPHA`.  ``None`` also when ``top1`` or ``images`` is missing or no figure an epoch can have (a
+    top-1 outside [0, 100], a count of images that is no whole number from 1: an edited ``metrics.jsonl``, whose
+    1e308 % overflowed the count of hits, is read as the records that predate the figures are); a ``majority_top1``
+    that is missing, not finite or outside [0, 100] leaves 1/classes.
     """
-    if top1 is None or images is None or not math.isfinite(top1) or not math.isfinite(images) or images < 1:
+    if top1 is None or images is None or not (math.isfinite(top1) and 0 <= top1 <= 100):
+        return None
+    if not (math.isfinite(images) and images >= 1 and images == int(images)):
         return None
     images = int(images)  # metrics.jsonl may hold the count as a float
     hits = min(images, max(0, round(top1 * images / 100)))
@@ -132,9 +138,11 @@ def accuracy_at_chance(
 def binomial_tail(hits: int, trials: int, chance: float) -> float:
     """P(X >= ``hits``) for X ~ Binomial(``trials``, ``chance``): the exact one-sided binomial test's p-value.
 
-    :func:`scipy.stats.binomtest`'s ``greater`` p (its ``binom.sf(hits - 1)``), summed in log space without scipy:
-    importing scipy.stats costs 0.5 to 1.5 s, which the first run a process records would pay, and petl-bench
-    choose's estimate times a run's own cost on the first run of its process.
+    :func:`scipy.stats.binomtest`'s ``greater`` p (its ``binom.sf(hits - 1)``), summed in log space without scipy up
+    to :data:`SUMMED_TRIALS`: importing scipy.stats costs 0.5 to 1.5 s, which the first run a process records would
+    pay, and petl-bench choose's estimate times a run's own cost on the first run of its process.  Above it, scipy's
+    ``binom.sf``: the sum takes a term per hit count (an edited metrics.jsonl's 1e8 images held a report over a
+    minute, 1e12 ran out of memory), and an epoch of that many images dwarfs the import.
     """
     if hits <= 0:
         return 1.0
@@ -142,6 +150,10 @@ def binomial_tail(hits: int, trials: int, chance: float) -> float:
         return 0.0
     if chance >= 1:
         return 1.0  # every trial hits: log1p(-1) would be -inf
+    if trials > SUMMED_TRIALS:
+        from scipy import stats
+
+        return float(stats.binom.sf(hits - 1, trials, chance))
     log_chance, log_miss = math.log(chance), math.log1p(-chance)
     whole = math.lgamma(trials + 1)
     terms = [

@@ -92,6 +92,39 @@ def test_the_binomial_test_is_scipys_without_importing_scipy(monkeypatch):
     assert "not above chance" in not_learned([22421.78], 10, 9.0, 800)
 
 
+def test_a_binomial_tail_over_many_images_is_not_summed_term_by_term(monkeypatch):
+    import types
+
+    from scipy import stats
+
+    from petl.train import learning
+
+    # An edited metrics.jsonl's 1e8 images held a report over a minute and 1e12 ran out of memory: a term per hit.
+    calls = []
+
+    def lgamma(x: float) -> float:
+        calls.append(x)
+        assert len(calls) < 10_000, "binomial_tail summed term by term"
+        return math.lgamma(x)
+
+    monkeypatch.setattr(learning, "math", types.SimpleNamespace(**{**vars(math), "lgamma": lgamma}))
+    for hits, trials in [(5 * 10**11, 10**12), (10**8 + 10**5, 10**9), (1, 10**9)]:
+        expected = stats.binomtest(hits, trials, 0.1, alternative="greater").pvalue
+        assert math.isclose(binomial_tail(hits, trials, 0.1), expected, rel_tol=1e-9, abs_tol=1e-300)
+
+
+def test_train_figures_no_epoch_can_have_are_read_as_missing(tmp_path):
+    # A hand-edited metrics.jsonl: 1e308 % overflowed the count of hits and failed the report; a count of images
+    # that is no whole number is no count.  Such figures are read as those of a record that predates them.
+    old = RunResult(method="lora", dataset="mini/digits", seed=0, num_classes=10, final_train_loss=0.5)
+    for edited in ({"train_top1": 1e308, "images": 800}, {"train_top1": -4.0, "images": 800},
+                   {"train_top1": 9.0, "images": 800.5}, {"train_top1": 9.0, "images": 1e12}):  # fmt: skip
+        (tmp_path / "metrics.jsonl").write_text(json.dumps({"epoch": 1, "loss": 0.5, **edited}) + "\n")
+        verdict = run_not_learned(tmp_path, old)
+        assert verdict is None or "not above chance" in verdict, edited
+    assert "not above chance" in not_learned([0.5], 10, 9.0, 10**12)  # 9 % of 1e12 images is below 10 %
+
+
 def test_a_record_without_a_verdict_is_judged_from_its_metrics(tmp_path):
     losses = [2.6, 2.4, 2.307]
     (tmp_path / "metrics.jsonl").write_text(
