@@ -78,7 +78,8 @@ def far_seeds(scores: Mapping[int, float], points: float = FAR_SEED_POINTS) -> t
     if len(scores) < 3:
         return ()
     middle = statistics.median(scores.values())
-    return tuple(sorted(seed for seed, value in scores.items() if abs(value - middle) > points))
+    # At score_key's precision: 19.1 - 9.1 is 10.000000000000002 and 80.6 - 70.6 is 10.0, both ten points.
+    return tuple(sorted(seed for seed, value in scores.items() if score_key(abs(value - middle)) > points))
 
 
 def saturated_tasks(
