@@ -389,7 +389,8 @@ def published_ranking(board: Leaderboard, table: PublishedTable = RANKED_TABLE) 
     for row in board.rows:
         pub = rows.get(board.published_names.get(row.experiment, ""))
         if pub is not None and board.complete(row):
-            pairs[row.experiment] = (row.task_mean, pub.task_mean)
+            # At the rank test's precision (score_key): means of the same hits summed in another order tie.
+            pairs[row.experiment] = (ranking.score_key(row.task_mean), pub.task_mean)
     return rank_correlation({e: m for e, (m, _) in pairs.items()}, {e: p for e, (_, p) in pairs.items()})
 
 

@@ -602,3 +602,18 @@ def test_a_difference_of_exactly_the_threshold_is_read_alike_whatever_its_last_b
     assert RISING_POINTS == 10.0
     assert still_learning(TaskScore(50.0, 1.0, (0,), tail_change=100 * 7 / 30 - 100 * 4 / 30))
     assert not still_learning(TaskScore(50.0, 1.0, (0,), tail_change=100 * 6 / 30 - 100 * 4 / 30))
+
+
+def test_the_published_ordering_is_compared_with_means_tied_as_the_rank_test_ties_them():
+    import types
+
+    from petl.bench.notes import published_ranking
+
+    # gps and ssf got the same hits, summed in another order (80.6 + 82.8 + 83.0 and 83.4 + 81.6 + 81.4): one mean,
+    # whose last bit ranked ssf above gps and made rho 0.80 where, tied, it is 0.95.
+    means = {"gps": (80.6 + 82.8 + 83.0) / 3, "ssf": (83.4 + 81.6 + 81.4) / 3, "lora": 80.0, "bitfit": 70.0}
+    assert means["gps"] != means["ssf"]
+    rows = [types.SimpleNamespace(experiment=name, task_mean=mean) for name, mean in means.items()]
+    names = {"gps": "GPS", "ssf": "SSF", "lora": "LoRA", "bitfit": "BitFit"}
+    board = types.SimpleNamespace(rows=rows, published_names=names, complete=lambda row: True)
+    assert published_ranking(board).rho == pytest.approx(0.9486832980505138)  # scipy's rho with gps and ssf tied
