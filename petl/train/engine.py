@@ -310,7 +310,7 @@ def train_one_epoch(
     params = trainable_parameters(model)
     weights = accumulation_weights(loader, accelerator.gradient_accumulation_steps, accelerator.num_processes)
     loss_sum = correct = seen = 0.0
-    label_counts = torch.zeros(0, dtype=torch.long, device=accelerator.device)
+    label_counts = torch.zeros(0, dtype=torch.long)  # on the CPU: a few ints a batch, no CUDA bincount kernel
     lr = optimizer.param_groups[0]["lr"]
     start = time.perf_counter()
     bar = progress_bar(loader, desc=description, leave=False, show=settings.progress and accelerator.is_main_process)
@@ -348,7 +348,7 @@ def train_one_epoch(
         else:
             batch_loss = loss.item() * labels.numel()
         n = hits.numel()
-        counts = torch.bincount(labels.flatten().to(label_counts.device))
+        counts = torch.bincount(labels.detach().flatten().cpu())
         if len(counts) > len(label_counts):
             label_counts = nn.functional.pad(label_counts, (0, len(counts) - len(label_counts)))
         label_counts[: len(counts)] += counts
