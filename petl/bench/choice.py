@@ -22,7 +22,7 @@ from typing import Any
 
 from petl.bench.board import ExperimentRow, Leaderboard
 from petl.bench.estimate import duration
-from petl.bench.ranking import Ranking, rank_test, said_p
+from petl.bench.ranking import Ranking, rank_test, said_p, score_key
 from petl.store.files import write_text
 from petl.utils.text import plural
 
@@ -133,8 +133,9 @@ def choose(board: Leaderboard, budget: Budget, data: dict[str, Any] | None = Non
     task = board.counted_tasks[0]  # the suite's: not a run of another task in the folder, in no mean
     complete = [r for r in board.rows if board.complete(r) and task in r.scores]
     within = [r for r in complete if budget.over(r) is None]
-    # Equal accuracy: the row that trains fewer parameters first.
-    within.sort(key=lambda r: (-r.scores[task].mean, r.trainable))
+    # Equal accuracy: the row that trains fewer parameters first.  Equal as the rank test ties them (score_key): two
+    # rows that got the same test images right, summed in another order, differ in the last bit of their means.
+    within.sort(key=lambda r: (-score_key(r.scores[task].mean), r.trainable))
     over = [f"{r.experiment} ({budget.over(r)})" for r in complete if budget.over(r) is not None]
     where = f" on {data['task']} {data['root']} (fingerprint {data['fingerprint'][:12]})" if data else f" on {task}"
     head = f"**Which method for this data**{where}, {budget.describe()}: "
@@ -238,7 +239,7 @@ def _verdict(found: Ranking | str, best: ExperimentRow, runner: ExperimentRow, t
         # better in most blocks, and "they differ" beside the best row's name would read as its win.
         mean = (
             "the higher mean"
-            if best.scores[task].mean > runner.scores[task].mean
+            if score_key(best.scores[task].mean) > score_key(runner.scores[task].mean)
             else "the same mean, fewer parameters"
         )
         disagree = f", though {a} has {mean}: the best by mean and the best by rank disagree, so neither wins plainly"

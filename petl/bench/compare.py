@@ -29,6 +29,7 @@ from pathlib import Path
 
 from petl.bench.board import Leaderboard
 from petl.bench.published import MIN_RANKED, RankCorrelation, rank_correlation, rank_interval
+from petl.bench.ranking import score_key
 from petl.bench.table import md_escape
 from petl.utils.text import plural
 
@@ -137,7 +138,8 @@ def placings(board: Leaderboard) -> dict[str, Placing]:
 
     In the board's order, best first.
     """
-    means = {row.experiment: row.task_mean for row in board.rows if board.complete(row)}
+    # At the rank test's precision (score_key): means of the same hits summed in another order are one place.
+    means = {row.experiment: score_key(row.task_mean) for row in board.rows if board.complete(row)}
     return {name: Placing(tied_rank(name, means), mean) for name, mean in means.items()}
 
 

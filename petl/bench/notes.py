@@ -208,7 +208,8 @@ def not_learned_line(board: Leaderboard) -> str:
         return ""
     return (
         f"**† k**: k of the cell's seeds did not learn (final train loss not finite, not below its first "
-        f"epoch's, or at chance, ln(classes), or the last epoch's train top-1 not above chance, 1/classes: "
+        f"epoch's, or at chance, ln(classes), or the last epoch's train top-1 not above chance, the share of its most "
+        f"frequent label (1/classes in records that predate that count): "
         f"`petl.train.learning`); the cell's mean and ± include them, so a "
         f"finding must not rest on such a cell. {plural(len(cells), 'cell')}: {'; '.join(cells)}."
     )
@@ -388,7 +389,8 @@ def published_ranking(board: Leaderboard, table: PublishedTable = RANKED_TABLE) 
     for row in board.rows:
         pub = rows.get(board.published_names.get(row.experiment, ""))
         if pub is not None and board.complete(row):
-            pairs[row.experiment] = (row.task_mean, pub.task_mean)
+            # At the rank test's precision (score_key): means of the same hits summed in another order tie.
+            pairs[row.experiment] = (ranking.score_key(row.task_mean), pub.task_mean)
     return rank_correlation({e: m for e, (m, _) in pairs.items()}, {e: p for e, (_, p) in pairs.items()})
 
 

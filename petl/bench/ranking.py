@@ -60,6 +60,13 @@ SATURATED_POINTS = 2.0
 TIE_DIGITS = 9
 
 
+def score_key(value: float) -> float:
+    """``value`` at :data:`TIE_DIGITS` decimals: what scores are ordered and tied by wherever a board compares them
+    (its rows' order, petl-bench choose's answer, compare's places), as the rank test does.
+    """
+    return round(value, TIE_DIGITS)
+
+
 def seed_scores(row: ExperimentRow, task: str) -> dict[int, float]:
     """Test top-1 of each seed of ``row``'s cell on ``task`` (not of a seed the cell leaves out: outside its suite)."""
     seeds = set(row.scores[task].seeds) if task in row.scores else set()
@@ -71,7 +78,8 @@ def far_seeds(scores: Mapping[int, float], points: float = FAR_SEED_POINTS) -> t
     if len(scores) < 3:
         return ()
     middle = statistics.median(scores.values())
-    return tuple(sorted(seed for seed, value in scores.items() if abs(value - middle) > points))
+    # At score_key's precision: 19.1 - 9.1 is 10.000000000000002 and 80.6 - 70.6 is 10.0, both ten points.
+    return tuple(sorted(seed for seed, value in scores.items() if score_key(abs(value - middle)) > points))
 
 
 def saturated_tasks(
@@ -273,7 +281,7 @@ def rank_scores(
         raise ValueError(f"rank_scores needs blocks x methods scores of two methods or more, got shape {values.shape}")
     if not np.isfinite(values).all():
         raise ValueError("rank_scores: a score is NaN or infinite; rank only complete rows of measured scores")
-    values = values.round(TIE_DIGITS)  # one score summed in two orders is one score (TIE_DIGITS)
+    values = values.round(TIE_DIGITS)  # one score summed in two orders is one score (score_key)
     blocks = tuple(blocks) if blocks is not None else tuple(str(i + 1) for i in range(len(values)))
     # Rank 1 = the best accuracy in a block; ties share their mean rank.
     ranks = stats.rankdata(-values, axis=1)

@@ -283,7 +283,7 @@ def aggregate(
         rows,
         key=lambda r: (
             not board.complete(r),
-            -r.task_mean if not math.isnan(r.task_mean) else math.inf,
+            -ranking.score_key(r.task_mean) if not math.isnan(r.task_mean) else math.inf,  # equal means: by name
             r.experiment,
         ),
     )

@@ -296,8 +296,9 @@ def train_one_epoch(
     settings: TrainSettings,
     description: str = "train",
 ) -> dict[str, float]:
-    """One pass over ``loader``; returns the lr of its last optimizer step, mean loss, train top-1 (%), images seen
-    and images/s.
+    """One pass over ``loader``; returns the lr of its last optimizer step, mean loss, train top-1 (%), images seen,
+    the top-1 (%) of always guessing the epoch's most frequent label (``majority_top1``, the rate a model stuck on one
+    class reaches: :mod:`petl.train.learning` tests train top-1 against it) and images/s.
 
     Raises:
         NonFiniteLossError: when the loss is NaN or infinite, or a step overflows float32 (the caller keeps its last
@@ -309,6 +310,7 @@ def train_one_epoch(
     params = trainable_parameters(model)
     weights = accumulation_weights(loader, accelerator.gradient_accumulation_steps, accelerator.num_processes)
     loss_sum = correct = seen = 0.0
+    label_counts = torch.zeros(0, dtype=torch.long)  # on the CPU: a few ints a batch, no CUDA bincount kernel
     lr = optimizer.param_groups[0]["lr"]
     start = time.perf_counter()
     bar = progress_bar(loader, desc=description, leave=False, show=settings.progress and accelerator.is_main_process)
@@ -341,11 +343,15 @@ def train_one_epoch(
             per_image = nn.functional.cross_entropy(
                 logits.detach().float(), labels, reduction="none", label_smoothing=settings.label_smoothing
             )
-            per_image, hits = accelerator.gather_for_metrics((per_image, hits))
+            per_image, hits, labels = accelerator.gather_for_metrics((per_image, hits, labels))
             batch_loss = float(per_image.sum())
         else:
             batch_loss = loss.item() * labels.numel()
         n = hits.numel()
+        counts = torch.bincount(labels.detach().flatten().cpu())
+        if len(counts) > len(label_counts):
+            label_counts = nn.functional.pad(label_counts, (0, len(counts) - len(label_counts)))
+        label_counts[: len(counts)] += counts
         loss_sum += batch_loss
         correct += float(hits.sum())
         seen += n
@@ -360,6 +366,7 @@ def train_one_epoch(
         "loss": loss_sum / max(1, seen),
         "train_top1": 100.0 * correct / max(1, seen),
         "images": seen,
+        "majority_top1": 100.0 * int(label_counts.max()) / max(1, seen) if len(label_counts) else 0.0,
         "seconds": seconds,
         "images_per_second": seen / max(1e-9, seconds),
     }

@@ -667,7 +667,11 @@ def _result(
         final_train_loss=last.get("loss"),
         final_train_top1=last.get("train_top1"),
         not_learned=learning.not_learned(
-            [h.get("loss") for h in history], num_classes, last.get("train_top1"), last.get("images")
+            [h.get("loss") for h in history],
+            num_classes,
+            last.get("train_top1"),
+            last.get("images"),
+            last.get("majority_top1"),
         ),
         epochs=cfg.train.epochs,
         train_seconds=round(train_seconds, 2),

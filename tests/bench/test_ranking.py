@@ -586,3 +586,34 @@ def test_the_ranked_backbone_is_found_once_a_board_not_once_a_row(tmp_path, monk
     # Found again when the rows change.
     board.rows[:] = [r for r in board.rows if r.experiment == "m00"]
     assert board.ranked_backbone == "vit_fractal_tiny_patch4_32.fractaldb"
+
+
+def test_a_difference_of_exactly_the_threshold_is_read_alike_whatever_its_last_bit():
+    from petl.bench.board import TaskScore
+    from petl.bench.columns import still_learning
+    from petl.bench.ranking import FAR_SEED_POINTS, RISING_POINTS, far_seeds
+
+    # Both cells have a seed exactly 10 points from the middle one, which is not "more than 10": 19.1 - 9.1 is
+    # 10.000000000000002 in floating point and was flagged, 80.6 - 70.6 is 10.0 and was not.
+    assert FAR_SEED_POINTS == 10.0
+    assert far_seeds({0: 9.1, 1: 19.1, 2: 19.5}) == () and far_seeds({0: 70.6, 1: 80.6, 2: 81.0}) == ()
+    assert far_seeds({0: 9.0, 1: 19.1, 2: 19.5}) == (0,)
+    # A rise of 3 of 30 val images is 10 points, "10 or more": 100 * 7 / 30 - 100 * 4 / 30 is 9.999999999999998.
+    assert RISING_POINTS == 10.0
+    assert still_learning(TaskScore(50.0, 1.0, (0,), tail_change=100 * 7 / 30 - 100 * 4 / 30))
+    assert not still_learning(TaskScore(50.0, 1.0, (0,), tail_change=100 * 6 / 30 - 100 * 4 / 30))
+
+
+def test_the_published_ordering_is_compared_with_means_tied_as_the_rank_test_ties_them():
+    import types
+
+    from petl.bench.notes import published_ranking
+
+    # gps and ssf got the same hits, summed in another order (80.6 + 82.8 + 83.0 and 83.4 + 81.6 + 81.4): one mean,
+    # whose last bit ranked ssf above gps and made rho 0.80 where, tied, it is 0.95.
+    means = {"gps": (80.6 + 82.8 + 83.0) / 3, "ssf": (83.4 + 81.6 + 81.4) / 3, "lora": 80.0, "bitfit": 70.0}
+    assert means["gps"] != means["ssf"]
+    rows = [types.SimpleNamespace(experiment=name, task_mean=mean) for name, mean in means.items()]
+    names = {"gps": "GPS", "ssf": "SSF", "lora": "LoRA", "bitfit": "BitFit"}
+    board = types.SimpleNamespace(rows=rows, published_names=names, complete=lambda row: True)
+    assert published_ranking(board).rho == pytest.approx(0.9486832980505138)  # scipy's rho with gps and ssf tied

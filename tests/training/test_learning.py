@@ -43,6 +43,41 @@ def test_a_run_whose_train_accuracy_is_at_chance_did_not_learn_whatever_its_loss
     assert not_learned([0.5], 10, math.nan, 800) is None and not_learned([0.5], None, 9.0, 800) is None
 
 
+def test_a_run_stuck_on_the_most_frequent_label_did_not_learn():
+    # mini/fashion_mnist's train800 holds 95 pullovers of 800: a model that always says "pullover" scores 11.9 %,
+    # above 1/10 by the binomial test (p = 0.046); chance is what that guess scores, which the engine counts.
+    assert not_learned([2.5, 2.2], 10, 11.875, 800) is None  # a record that predates the count: only 1/10 is known
+    said = not_learned([2.5, 2.2], 10, 11.875, 800, majority_top1=11.875)
+    assert said and "not above chance, 11.9 %, what always guessing its most frequent label scores" in said
+    # Above the majority rate by enough, learned; a balanced epoch's rate (1/classes) changes nothing.
+    assert not_learned([2.5, 2.2], 10, 15.0, 800, majority_top1=11.875) is None
+    assert "100/10 = 10.0 %" in not_learned([2.5, 2.2], 10, 10.5, 800, majority_top1=10.0)
+    # A figure from an edited metrics.jsonl that no epoch can have falls back to 1/classes, never fails.
+    for edited in (250.0, -3.0, math.nan, math.inf):
+        assert not_learned([2.5, 2.2], 10, 11.875, 800, majority_top1=edited) is None
+    assert "p = 1" in not_learned([2.5, 2.2], 10, 99.0, 800, majority_top1=100.0)
+
+
+def test_the_engine_counts_the_epochs_most_frequent_label():
+    import torch
+
+    from petl.train import engine
+
+    # 10 images, 6 of label 2, in batches of 3 (the last of 1): always guessing 2 scores 60 %.
+    labels = torch.tensor([2, 0, 2, 1, 2, 2, 0, 2, 1, 2])
+    data = torch.utils.data.TensorDataset(torch.randn(10, 4, generator=torch.Generator().manual_seed(0)), labels)
+    model = torch.nn.Linear(4, 3)
+    accelerator = engine.fresh_accelerator(cpu=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    loader = torch.utils.data.DataLoader(data, batch_size=3)
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    metrics = engine.train_one_epoch(
+        model, loader, optimizer, scheduler, accelerator, engine.TrainSettings(progress=False)
+    )
+    assert metrics["images"] == 10 and metrics["majority_top1"] == 60.0
+
+
 def test_the_binomial_test_is_scipys_without_importing_scipy(monkeypatch):
     from scipy import stats
 
@@ -55,6 +90,39 @@ def test_the_binomial_test_is_scipys_without_importing_scipy(monkeypatch):
     monkeypatch.setitem(sys.modules, "scipy", None)  # an import of it raises ImportError
     monkeypatch.setitem(sys.modules, "scipy.stats", None)
     assert "not above chance" in not_learned([22421.78], 10, 9.0, 800)
+
+
+def test_a_binomial_tail_over_many_images_is_not_summed_term_by_term(monkeypatch):
+    import types
+
+    from scipy import stats
+
+    from petl.train import learning
+
+    # An edited metrics.jsonl's 1e8 images held a report over a minute and 1e12 ran out of memory: a term per hit.
+    calls = []
+
+    def lgamma(x: float) -> float:
+        calls.append(x)
+        assert len(calls) < 10_000, "binomial_tail summed term by term"
+        return math.lgamma(x)
+
+    monkeypatch.setattr(learning, "math", types.SimpleNamespace(**{**vars(math), "lgamma": lgamma}))
+    for hits, trials in [(5 * 10**11, 10**12), (10**8 + 10**5, 10**9), (1, 10**9)]:
+        expected = stats.binomtest(hits, trials, 0.1, alternative="greater").pvalue
+        assert math.isclose(binomial_tail(hits, trials, 0.1), expected, rel_tol=1e-9, abs_tol=1e-300)
+
+
+def test_train_figures_no_epoch_can_have_are_read_as_missing(tmp_path):
+    # A hand-edited metrics.jsonl: 1e308 % overflowed the count of hits and failed the report; a count of images
+    # that is no whole number is no count.  Such figures are read as those of a record that predates them.
+    old = RunResult(method="lora", dataset="mini/digits", seed=0, num_classes=10, final_train_loss=0.5)
+    for edited in ({"train_top1": 1e308, "images": 800}, {"train_top1": -4.0, "images": 800},
+                   {"train_top1": 9.0, "images": 800.5}, {"train_top1": 9.0, "images": 1e12}):  # fmt: skip
+        (tmp_path / "metrics.jsonl").write_text(json.dumps({"epoch": 1, "loss": 0.5, **edited}) + "\n")
+        verdict = run_not_learned(tmp_path, old)
+        assert verdict is None or "not above chance" in verdict, edited
+    assert "not above chance" in not_learned([0.5], 10, 9.0, 10**12)  # 9 % of 1e12 images is below 10 %
 
 
 def test_a_record_without_a_verdict_is_judged_from_its_metrics(tmp_path):
@@ -76,6 +144,11 @@ def test_a_record_that_says_learned_is_judged_again_by_its_train_accuracy(tmp_pa
     (tmp_path / "metrics.jsonl").write_text(json.dumps(row) + "\n")
     old = RunResult(method="lora", dataset="mini/digits", seed=0, num_classes=10, final_train_loss=22421.78)
     assert "not above chance" in run_not_learned(tmp_path, old)
+    # A record whose last epoch counted its most frequent label is tested against that label's rate.
+    row = {"epoch": 2, "loss": 2.2, "train_top1": 11.875, "images": 800, "majority_top1": 11.875}
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"epoch": 1, "loss": 2.5}) + "\n" + json.dumps(row) + "\n")
+    stuck = RunResult(method="lora", dataset="mini/fashion_mnist", seed=0, num_classes=10, final_train_loss=2.2)
+    assert "most frequent label" in run_not_learned(tmp_path, stuck)
 
 
 def test_a_one_epoch_run_that_diverged_is_recorded_as_not_learned(tmp_path):

@@ -21,6 +21,7 @@ import torch
 from conftest import tiny_run
 from safetensors.torch import load_file
 
+from petl.data import mini
 from petl.train import build
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -121,10 +122,14 @@ def test_two_cpu_processes_train_one_run_with_ddp(tmp_path, precision, method):
     # the cosine spans 8; counted from the unsharded loader it ended early and the last steps ran at lr 0.
     cosine = [1e-3 * 0.5 * (1 + math.cos(math.pi * count / 8)) for count in (2, 6)]  # each epoch's last step
     assert [epoch["lr"] for epoch in epochs] == pytest.approx(cosine)
+    # The learning verdict's chance: the most frequent label's share of the same 49 images, padding left out.
+    labels = build._subset(torch.utils.data.TensorDataset(torch.from_numpy(mini.digits().split("train800")[1])), 49)
+    majority = 100 * int(torch.bincount(torch.stack([label for (label,) in labels])).max()) / 49
     for epoch in epochs:
         assert epoch["images"] == 49, epoch
         correct = epoch["train_top1"] * 49 / 100  # the accuracy is over the same 49: a whole number of them right
         assert abs(correct - round(correct)) < 1e-6, epoch
+        assert epoch["majority_top1"] == pytest.approx(majority), epoch
     # The recorded accuracies are those of the saved weights over exactly the split's images.
     bf16 = result["precision"] == "bf16"
     for split in ("val", "test"):
