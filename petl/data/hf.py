@@ -121,7 +121,16 @@ def _column(features: Any, wanted: str | None, kind: str, fallbacks: Sequence[st
 
 
 def _open(root: str, image_column: str | None, label_column: str | None) -> tuple[Any, str, str, tuple[str, ...]]:
-    """The loaded dataset, its image and label columns and the class names; ValueError on what cannot be used."""
+    """The loaded dataset, its image and label columns and the class names; ValueError on what cannot be used.
+
+    datasets' own lines are held back until the dataset is accepted, so a refusal is the only line printed.
+    """
+    with hub.datasets_quiet_until_accepted():
+        return _checked(root, image_column, label_column)
+
+
+def _checked(root: str, image_column: str | None, label_column: str | None) -> tuple[Any, str, str, tuple[str, ...]]:
+    """:func:`_open` with datasets' lines as they come."""
     dataset = _load(root)
     if "train" not in dataset:
         # Name the remedy: petl takes no split mapping, so the user renames the split when saving.

@@ -494,6 +494,17 @@ def find_column(features: Any, kind: str, fallbacks: Sequence[str]) -> str:
 def _fgvc_from_hub(info: DatasetInfo, task: _Task, split: str, spec: ImageSpec) -> Dataset:
     if info.hub_id is None:
         raise _unavailable(info, task, _FGVC_LAYOUT)
+    with hub_access.datasets_quiet_until_accepted():  # datasets' lines only once the copy is accepted
+        pools, image_column, label_column = _fgvc_hub_pools(info, task)
+    if split == TRAIN_VAL:
+        parts = [HubDataset(*pools[n], image_column, label_column, spec) for n in ("train", "val")]
+        return torch.utils.data.ConcatDataset(parts)
+    native = {TRAIN: "train", VAL: "val", TEST: "test"}[split]
+    return HubDataset(*pools[native], image_column, label_column, spec)
+
+
+def _fgvc_hub_pools(info: DatasetInfo, task: _Task) -> tuple[dict[str, tuple[Any, Sequence[int]]], str, str]:
+    """The hub copy's train / val / test rows (a split and its row indices), image and label columns, checked."""
     try:
         import datasets
 
@@ -521,11 +532,7 @@ def _fgvc_from_hub(info: DatasetInfo, task: _Task, split: str, spec: ImageSpec) 
     labels = set(train.unique(label_column)) | set(test.unique(label_column))
     if max(labels) >= info.num_classes or min(labels) < 0 or len(labels) != info.num_classes:
         raise ValueError(f"{info.name}: hub copy {info.hub_id} has {len(labels)} classes, expected {info.num_classes}")
-    if split == TRAIN_VAL:
-        parts = [HubDataset(*pools[n], image_column, label_column, spec) for n in ("train", "val")]
-        return torch.utils.data.ConcatDataset(parts)
-    native = {TRAIN: "train", VAL: "val", TEST: "test"}[split]
-    return HubDataset(*pools[native], image_column, label_column, spec)
+    return pools, image_column, label_column
 
 
 # --------------------------------------------------------------------------------------------
