@@ -30,7 +30,7 @@ from PIL import Image
 from torch.utils.data import Dataset
 
 from petl.data import hub
-from petl.data.folder import HOLDOUT, lookalike, split_items, stratified_holdout
+from petl.data.folder import HOLDOUT, lookalike, printed_alike, split_items, stratified_holdout
 from petl.data.images import DECODED_MEMORY_LIMIT, decode_image, decoding, geometry, hashing_only, held_form
 from petl.data.registry import (
     TEST,
@@ -190,6 +190,12 @@ def _checked(root: str, image_column: str | None, label_column: str | None) -> t
         names = tuple(str(v) for v in values)
     if len(names) < 2:
         raise ValueError(f"hf: column {label!r} holds {len(names)} class(es); a classifier needs at least 2")
+    twins = printed_alike(names)
+    if twins:
+        raise ValueError(
+            f"hf: column {label!r} has classes {twins[0]} and {twins[1]}, which print alike but are two classes "
+            f"({ascii(twins[0])} against {ascii(twins[1])}: other Unicode code points or spaces): make them one"
+        )
     for name, split in dataset.items():
         extra = sorted(set(_label_names(split, label)) - set(names))
         if extra:
