@@ -148,6 +148,12 @@ def _checked(root: str, image_column: str | None, label_column: str | None) -> t
         raise ValueError(f"hf: {root} has splits {' and '.join(held_out)}, both validation splits: keep one")
     features = dataset["train"].features
     image = _column(features, image_column, "Image", ("image", "img"), "image_column")
+    if not _holds_images(features[image]):
+        # datasets' cast to an image failed later with a pyarrow traceback ("Unsupported cast from int64 to struct").
+        raise ValueError(
+            f"hf: image column {image!r} holds {_kind(features[image])}, not one image per row (an Image, file paths, "
+            "image file bytes or a pixel array): name another with data.image_column=COLUMN"
+        )
     if label_column is None and all(column == image for column in features):
         # An imagefolder of loose images: no column to name, so data.label_column= would be no remedy.
         raise ValueError(
@@ -220,11 +226,27 @@ def _checked(root: str, image_column: str | None, label_column: str | None) -> t
     return dataset, image, label, names
 
 
+def _holds_images(feature: Any) -> bool:
+    """Whether a column gives one image per row: an ``Image``, file paths or bytes, a pixel array (nested numbers)."""
+    kind = type(feature).__name__
+    if kind == "Image" or kind.startswith("Array"):
+        return True
+    if kind == "Value":
+        return feature.dtype in ("string", "large_string", "binary", "large_binary")
+    while type(feature).__name__ in ("List", "Sequence", "LargeList"):  # rows of pixels, not several images
+        feature = feature.feature
+    return type(feature).__name__ == "Value" and feature.dtype.startswith(("int", "uint", "float"))
+
+
 def _kind(feature: Any) -> str:
     """A label feature in a few words: ``a ClassLabel``, ``int64 values``."""
     if type(feature).__name__ == "ClassLabel":
         return "a ClassLabel"
-    return f"{getattr(feature, 'dtype', type(feature).__name__)} values"
+    if type(feature).__name__ == "Image":
+        return "images"
+    if type(feature).__name__ in ("List", "Sequence", "LargeList"):
+        return f"lists of {_kind(feature.feature)}"
+    return f"{getattr(feature, 'dtype', None) or type(feature).__name__} values"
 
 
 def _label_names(split: Any, label: str) -> list[str]:

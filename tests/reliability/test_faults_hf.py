@@ -210,3 +210,30 @@ def test_a_fgvc_hub_copy_petl_refuses_logs_no_datasets_lines_before_the_reason(m
         with pytest.raises(petl_data.DatasetUnavailableError, match="has splits .'train'., expected train and test"):
             petl_data.build_dataset("fgvc/cub", "test", image_size=8)
     assert "Using the latest cached version" not in caplog.text
+
+
+def test_an_image_column_that_holds_no_images_is_one_line(tmp_path, capsys):
+    # data.image_column naming a column of numbers, or of several images per row, failed in datasets' cast with a
+    # pyarrow or numpy traceback (exit 1); file bytes and pixel arrays are images and load.
+    pictures = _split([0, 1] * 3, CAT_DOG)["image"]
+    table = datasets.Dataset.from_dict(
+        {"image": pictures, "count": [3] * 6, "views": [[p] for p in pictures], "label": [0, 1] * 3},
+        features=datasets.Features(
+            {
+                "image": datasets.Image(),
+                "count": datasets.Value("int64"),
+                "views": datasets.Sequence(datasets.Image()),
+                "label": CAT_DOG,
+            }
+        ),
+    )
+    root = _save(tmp_path / "saved", train=table)
+    for column, holds in (("count", "int64 values"), ("views", "lists of images")):
+        argv = ["method=lora", "data=hf", f"data.root={root}", f"data.image_column={column}", *TINY_MODEL]
+        err = _refusal([*argv, f"output_dir={tmp_path / 'run'}"], capsys)
+        assert err.count("\n") == 1 and f"image column {column!r} holds {holds}, not one image per row" in err, err
+    pixels = datasets.Dataset.from_dict({"pixels": [np.asarray(p).tolist() for p in pictures], "label": [0, 1] * 3})
+    as_arrays = _save(tmp_path / "arrays", train=pixels)
+    options = {"image_column": "pixels"}
+    built = petl_data.build_dataset("hf", "train800val200", image_size=8, root=as_arrays, options=options)
+    assert len(built) == 6 and built[0][0].shape == (3, 8, 8)
