@@ -201,6 +201,12 @@ def _scan(root: Path) -> tuple[tuple[str, ...], dict[str, list[tuple[Path, int]]
                     f": {names[0]}/ holds the folders {listed}; if they are the classes, move them up into {train_dir}/"
                 )
         raise ValueError(message)
+    twins = printed_alike(names)
+    if twins:
+        raise ValueError(
+            f"folder: {train_dir} has class folders {twins[0]} and {twins[1]}, which print alike but are two classes "
+            f"({ascii(twins[0])} against {ascii(twins[1])}: other Unicode code points or spaces): merge them into one"
+        )
     label = {name: index for index, name in enumerate(names)}
     splits: dict[str, list[tuple[Path, int]]] = {}
     for split in ("train", "val", "test"):
@@ -273,6 +279,21 @@ def lookalike(extra: Sequence[str], names: Sequence[str], whose: str) -> str:
             how = "in other letter case" if name.strip() == name and twin.strip() == twin else "but for spaces or case"
             return f" ({name!r} is {whose} {twin!r} {how}: rename it {twin!r})"
     return ""
+
+
+def printed_alike(names: Sequence[str]) -> tuple[str, str] | None:
+    """Two of ``names`` that print alike (one Unicode form, spaces at the ends and doubled ones dropped), else None.
+
+    ``café`` in one Unicode form and in the other (macOS's), or ``cat`` and ``cat ``, would be two classes whose
+    predictions and reports read the same.  Letter case is not folded: ``A`` and ``a`` may be classes of their own.
+    """
+    seen: dict[str, str] = {}
+    for name in names:
+        key = " ".join(unicodedata.normalize("NFC", name).split())
+        if key in seen:
+            return seen[key], name
+        seen[key] = name
+    return None
 
 
 def _loosely(name: str) -> str:

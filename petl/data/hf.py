@@ -30,7 +30,7 @@ from PIL import Image
 from torch.utils.data import Dataset
 
 from petl.data import hub
-from petl.data.folder import HOLDOUT, lookalike, split_items, stratified_holdout
+from petl.data.folder import HOLDOUT, lookalike, printed_alike, split_items, stratified_holdout
 from petl.data.images import DECODED_MEMORY_LIMIT, decode_image, decoding, geometry, hashing_only, held_form
 from petl.data.registry import (
     TEST,
@@ -121,7 +121,16 @@ def _column(features: Any, wanted: str | None, kind: str, fallbacks: Sequence[st
 
 
 def _open(root: str, image_column: str | None, label_column: str | None) -> tuple[Any, str, str, tuple[str, ...]]:
-    """The loaded dataset, its image and label columns and the class names; ValueError on what cannot be used."""
+    """The loaded dataset, its image and label columns and the class names; ValueError on what cannot be used.
+
+    datasets' own lines are held back until the dataset is accepted, so a refusal is the only line printed.
+    """
+    with hub.datasets_quiet_until_accepted():
+        return _checked(root, image_column, label_column)
+
+
+def _checked(root: str, image_column: str | None, label_column: str | None) -> tuple[Any, str, str, tuple[str, ...]]:
+    """:func:`_open` with datasets' lines as they come."""
     dataset = _load(root)
     if "train" not in dataset:
         # Name the remedy: petl takes no split mapping, so the user renames the split when saving.
@@ -139,6 +148,12 @@ def _open(root: str, image_column: str | None, label_column: str | None) -> tupl
         raise ValueError(f"hf: {root} has splits {' and '.join(held_out)}, both validation splits: keep one")
     features = dataset["train"].features
     image = _column(features, image_column, "Image", ("image", "img"), "image_column")
+    if not _holds_images(features[image]):
+        # datasets' cast to an image failed later with a pyarrow traceback ("Unsupported cast from int64 to struct").
+        raise ValueError(
+            f"hf: image column {image!r} holds {_kind(features[image])}, not one image per row (an Image, file paths, "
+            "image file bytes or a pixel array): name another with data.image_column=COLUMN"
+        )
     if label_column is None and all(column == image for column in features):
         # An imagefolder of loose images: no column to name, so data.label_column= would be no remedy.
         raise ValueError(
@@ -181,6 +196,12 @@ def _open(root: str, image_column: str | None, label_column: str | None) -> tupl
         names = tuple(str(v) for v in values)
     if len(names) < 2:
         raise ValueError(f"hf: column {label!r} holds {len(names)} class(es); a classifier needs at least 2")
+    twins = printed_alike(names)
+    if twins:
+        raise ValueError(
+            f"hf: column {label!r} has classes {twins[0]} and {twins[1]}, which print alike but are two classes "
+            f"({ascii(twins[0])} against {ascii(twins[1])}: other Unicode code points or spaces): make them one"
+        )
     for name, split in dataset.items():
         extra = sorted(set(_label_names(split, label)) - set(names))
         if extra:
@@ -205,11 +226,27 @@ def _open(root: str, image_column: str | None, label_column: str | None) -> tupl
     return dataset, image, label, names
 
 
+def _holds_images(feature: Any) -> bool:
+    """Whether a column gives one image per row: an ``Image``, file paths or bytes, a pixel array (nested numbers)."""
+    kind = type(feature).__name__
+    if kind == "Image" or kind.startswith("Array"):
+        return True
+    if kind == "Value":
+        return feature.dtype in ("string", "large_string", "binary", "large_binary")
+    while type(feature).__name__ in ("List", "Sequence", "LargeList"):  # rows of pixels, not several images
+        feature = feature.feature
+    return type(feature).__name__ == "Value" and feature.dtype.startswith(("int", "uint", "float"))
+
+
 def _kind(feature: Any) -> str:
     """A label feature in a few words: ``a ClassLabel``, ``int64 values``."""
     if type(feature).__name__ == "ClassLabel":
         return "a ClassLabel"
-    return f"{getattr(feature, 'dtype', type(feature).__name__)} values"
+    if type(feature).__name__ == "Image":
+        return "images"
+    if type(feature).__name__ in ("List", "Sequence", "LargeList"):
+        return f"lists of {_kind(feature.feature)}"
+    return f"{getattr(feature, 'dtype', None) or type(feature).__name__} values"
 
 
 def _label_names(split: Any, label: str) -> list[str]:

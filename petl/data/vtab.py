@@ -16,7 +16,9 @@ FGVC has no fixed 800/200 protocol, so its splits answer to the VTAB names this 
 ``train800`` -> train, ``val200`` -> val, ``train800val200`` -> train + val, ``test`` -> test.
 Loading checks what can be checked: VTAB-1k split sizes (800/200/1000, unless ``strict=False``
 for small test fixtures), labels inside ``[0, num_classes)``, and (strict) that the labels
-present cover exactly ``num_classes`` classes.
+present cover exactly ``num_classes`` classes.  A local folder lacking its task folder, a list or a listed image is bad
+input (``ValueError``, ``petl-run`` exits 2, as for an unreadable image there); petl's unpacked hub copy lacking one is
+unavailable data (:class:`DatasetUnavailableError`, exit 1).
 """
 
 from __future__ import annotations
@@ -147,7 +149,7 @@ def _find_task_dir(info: DatasetInfo, task: _Task, root: Path, markers: Sequence
             f"{' or '.join(names)}: {holder}"
         )
     tried = ", ".join(str(root / name) for name in names)
-    raise DatasetUnavailableError(
+    raise ValueError(
         f"{info.name}: no task folder found under root={root} (looked for {' / '.join(markers)} in {tried}): {holder}"
     )
 
@@ -212,7 +214,14 @@ def _check_inside(info: DatasetInfo, root: Path, splits: dict[str, list[tuple[Pa
         raise BadImagesError(info.name, sorted(outside.items()))
 
 
-def _check_files(info: DatasetInfo, items: list[tuple[Path, int]]) -> None:
+def _folder_fault(message: str, root: Path | None) -> Exception:
+    """A task folder lacking a list or an image: bad input (ValueError, exit 2) in the folder the user gave as
+    ``root``, as an unreadable image there is; unavailable data (exit 1) in petl's unpacked hub copy (``root=None``).
+    """
+    return DatasetUnavailableError(message) if root is None else ValueError(message)
+
+
+def _check_files(info: DatasetInfo, items: list[tuple[Path, int]], root: Path | None) -> None:
     missing = list(dict.fromkeys(path for path, _ in items if not path.is_file()))
     if missing:
         example = missing[0]
@@ -221,9 +230,7 @@ def _check_files(info: DatasetInfo, items: list[tuple[Path, int]]) -> None:
             remedy = "the list writes paths with \\ (Windows): write them with /"
         else:
             remedy = "restore them (unpack the task folder again)"
-        raise DatasetUnavailableError(
-            f"{info.name}: {len(missing)} listed image file(s) missing, e.g. {example}: {remedy}"
-        )
+        raise _folder_fault(f"{info.name}: {len(missing)} listed image file(s) missing, e.g. {example}: {remedy}", root)
 
 
 def _check_union(info: DatasetInfo, splits: dict[str, list[tuple[Path, int]]]) -> None:
@@ -285,7 +292,7 @@ def _load_vtab_folder(
     for name in SPLITS:
         path = folder / f"{name}.txt"
         if not path.is_file():
-            raise DatasetUnavailableError(f"{info.name}: {path} is missing (a VTAB-1k task folder has all four lists)")
+            raise _folder_fault(f"{info.name}: {path} is missing (a VTAB-1k task folder has all four lists)", root)
         splits[name] = _read_list(path, folder)
     if strict:
         for name, expected in VTAB_SIZES.items():
@@ -299,7 +306,7 @@ def _load_vtab_folder(
         _check_apart(info, folder, splits, ".txt", [(TRAIN, VAL), (TRAIN, TEST), (VAL, TEST), (TRAIN_VAL, TEST)])
     _check_inside(info, root or folder, splits)  # every listed path inside data.root
     _check_labels(info, splits, strict)
-    _check_files(info, splits[split])
+    _check_files(info, splits[split], root)
     return FileListDataset(splits[split], spec, name=info.name, folder=folder)
 
 
@@ -358,7 +365,7 @@ def _load_fgvc_folder(
         present = [name for name in lists if (folder / name).is_file()]
         kind = "json" if present and all(name.endswith(".json") for name in present) else "txt"
         lacking = [f"{n}.{kind}" for n in native if not (folder / f"{n}.{kind}").is_file()]
-        raise DatasetUnavailableError(
+        raise ValueError(
             f"{info.name}: {folder} needs train/val/test lists (train.txt, val.txt, test.txt or VPT's *.json); "
             f"it lacks {', '.join(lacking)}"
         )
@@ -368,7 +375,7 @@ def _load_fgvc_folder(
         _check_apart(info, folder, splits, suffix, [("train", "val"), ("train", "test"), ("val", "test")])
     wanted = {TRAIN: ["train"], VAL: ["val"], TRAIN_VAL: ["train", "val"], TEST: ["test"]}[split]
     items = [item for n in wanted for item in splits[n]]
-    _check_files(info, items)
+    _check_files(info, items, root)
     return FileListDataset(items, spec, name=info.name, folder=folder)
 
 
@@ -494,6 +501,17 @@ def find_column(features: Any, kind: str, fallbacks: Sequence[str]) -> str:
 def _fgvc_from_hub(info: DatasetInfo, task: _Task, split: str, spec: ImageSpec) -> Dataset:
     if info.hub_id is None:
         raise _unavailable(info, task, _FGVC_LAYOUT)
+    with hub_access.datasets_quiet_until_accepted():  # datasets' lines only once the copy is accepted
+        pools, image_column, label_column = _fgvc_hub_pools(info, task)
+    if split == TRAIN_VAL:
+        parts = [HubDataset(*pools[n], image_column, label_column, spec) for n in ("train", "val")]
+        return torch.utils.data.ConcatDataset(parts)
+    native = {TRAIN: "train", VAL: "val", TEST: "test"}[split]
+    return HubDataset(*pools[native], image_column, label_column, spec)
+
+
+def _fgvc_hub_pools(info: DatasetInfo, task: _Task) -> tuple[dict[str, tuple[Any, Sequence[int]]], str, str]:
+    """The hub copy's train / val / test rows (a split and its row indices), image and label columns, checked."""
     try:
         import datasets
 
@@ -521,11 +539,7 @@ def _fgvc_from_hub(info: DatasetInfo, task: _Task, split: str, spec: ImageSpec) 
     labels = set(train.unique(label_column)) | set(test.unique(label_column))
     if max(labels) >= info.num_classes or min(labels) < 0 or len(labels) != info.num_classes:
         raise ValueError(f"{info.name}: hub copy {info.hub_id} has {len(labels)} classes, expected {info.num_classes}")
-    if split == TRAIN_VAL:
-        parts = [HubDataset(*pools[n], image_column, label_column, spec) for n in ("train", "val")]
-        return torch.utils.data.ConcatDataset(parts)
-    native = {TRAIN: "train", VAL: "val", TEST: "test"}[split]
-    return HubDataset(*pools[native], image_column, label_column, spec)
+    return pools, image_column, label_column
 
 
 # --------------------------------------------------------------------------------------------

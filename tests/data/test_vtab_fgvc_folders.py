@@ -105,12 +105,38 @@ def test_class_count_mismatch_fails(tmp_path):
 
 
 def test_missing_folder_and_images_are_clear(tmp_path):
-    with pytest.raises(data.DatasetUnavailableError, match="vtab/svhn: no task folder found"):
+    with pytest.raises(ValueError, match="vtab/svhn: no task folder found"):
         data.build_dataset("vtab/svhn", "train800", image_size=32, root=str(tmp_path))
     make_vtab_task(tmp_path / "svhn", SMALL, num_classes=10)
     (tmp_path / "svhn" / "images" / "img 0.png").unlink()
-    with pytest.raises(data.DatasetUnavailableError, match="1 listed image file.s. missing, e.g. .*: restore them"):
+    with pytest.raises(ValueError, match="1 listed image file.s. missing, e.g. .*: restore them"):
         data.build_dataset("vtab/svhn", "train800", image_size=32, root=str(tmp_path), strict=False)
+
+
+def test_a_missing_image_of_a_local_folder_exits_2_as_an_unreadable_one_does(tmp_path, capsys):
+    # A listed image not there exited 1 (data out of reach) and one that would not decode 2: both are bad input in the
+    # folder the user gave.  In petl's own unpacked hub copy a missing image is data out of reach still.
+    from conftest import tiny_run
+
+    from petl.cli import run as cli
+
+    make_vtab_task(tmp_path / "svhn", FULL, num_classes=10)
+    image = tmp_path / "svhn" / "images" / "img 3.png"
+    model = [option for option in tiny_run(depth=1) if not option.startswith("data")]
+    argv = ["method=lora", "data=vtab/svhn", f"data.root={tmp_path}", *model, f"output_dir={tmp_path / 'run'}"]
+
+    def refusal() -> str:
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as stop:
+            cli.main(argv)
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and err.count("\n") == 1, err
+        return err
+
+    image.unlink()
+    assert "1 listed image file(s) missing, e.g." in refusal()
+    image.write_bytes(b"junk")
+    assert "1 listed image(s) cannot be used" in refusal()
 
 
 def test_every_bad_image_is_reported_by_path_when_the_dataset_is_built(tmp_path):
@@ -293,6 +319,9 @@ def test_vtab_from_cached_extraction(monkeypatch, tmp_path):
     monkeypatch.setenv(vtab.CACHE_ENV, str(tmp_path))
     make_vtab_task(tmp_path / "vtab-1k" / "eurosat", FULL, num_classes=10)
     assert len(data.build_dataset("vtab/eurosat", "val200", image_size=8)) == 200
+    (tmp_path / "vtab-1k" / "eurosat" / "images" / "img 0.png").unlink()  # no file the user gave: unavailable data
+    with pytest.raises(data.DatasetUnavailableError, match="1 listed image file.s. missing"):
+        data.build_dataset("vtab/eurosat", "train800", image_size=8)
 
 
 @pytest.mark.slow
@@ -447,7 +476,7 @@ def test_root_at_another_tasks_folder_is_refused_not_trained_under_this_name(tmp
     with pytest.raises(ValueError, match=r"fgvc/cars: root=.*CUB_200_2011 is itself a task folder"):
         data.build_dataset("fgvc/cars", "train800", image_size=8, root=str(folder), strict=False)
     # A root one level too high says which folder to give.
-    with pytest.raises(data.DatasetUnavailableError, match=r"give the folder that holds dtd/ as root \(data\.root\)"):
+    with pytest.raises(ValueError, match=r"give the folder that holds dtd/ as root \(data\.root\)"):
         data.build_dataset("vtab/dtd", "train800", image_size=8, root=str(tmp_path.parent), strict=False)
 
 
@@ -489,9 +518,7 @@ def test_a_list_written_on_windows_is_told_to_use_slashes(tmp_path):
     make_vtab_task(tmp_path / "svhn", SMALL, num_classes=10)
     listed = tmp_path / "svhn" / "train800.txt"
     listed.write_text(listed.read_text().replace("images/", "images\\"))
-    with pytest.raises(
-        data.DatasetUnavailableError, match=r"the list writes paths with \\ \(Windows\): write them with /$"
-    ):
+    with pytest.raises(ValueError, match=r"the list writes paths with \\ \(Windows\): write them with /$"):
         data.build_dataset("vtab/svhn", "train800", image_size=8, root=str(tmp_path), strict=False)
 
 
@@ -503,7 +530,7 @@ def test_fgvc_json_images_are_found_under_images_when_the_first_listed_one_is_mi
     files = {"train": {"gone.png": 1, "img 0.png": 2}, "val": {"img 1.png": 1}, "test": {"img 2.png": 2}}
     for split, mapping in files.items():
         (folder / f"{split}.json").write_text(json.dumps(mapping))
-    with pytest.raises(data.DatasetUnavailableError, match=r"1 listed image file\(s\) missing, e.g. .*images/gone.png"):
+    with pytest.raises(ValueError, match=r"1 listed image file\(s\) missing, e.g. .*images/gone.png"):
         data.build_dataset("fgvc/cub", "train800", image_size=8, root=str(tmp_path), strict=False)
     assert len(data.build_dataset("fgvc/cub", "test", image_size=8, root=str(tmp_path), strict=False)) == 1
 
@@ -514,5 +541,5 @@ def test_fgvc_lists_name_the_one_missing(tmp_path):
     names = write_images(folder, 3)
     write_list(folder / "train.txt", [(names[0], 0)])
     write_list(folder / "val.txt", [(names[1], 1)])
-    with pytest.raises(data.DatasetUnavailableError, match="it lacks test.txt$"):
+    with pytest.raises(ValueError, match="it lacks test.txt$"):
         data.build_dataset("fgvc/cub", "train800", image_size=8, root=str(tmp_path), strict=False)

@@ -189,3 +189,27 @@ def test_hf_a_folder_of_loose_images_says_to_put_them_in_class_folders(tmp_path)
         ValueError, match=rf"^hf: {re.escape(str(root))} has no label column, only the images \('image'\)"
     ):
         petl_data.describe_dataset("hf", root=str(root))
+
+
+def test_two_training_classes_that_print_alike_are_refused_and_letter_case_is_not_folded(tmp_path, capsys):
+    # train/café/ made on macOS (e and a combining accent) beside train/café/ made elsewhere were two classes whose
+    # predictions, confusion matrices and reports read the same; so were cat/ and "cat "/.
+    root = make_folder(tmp_path / "images", classes=("caf\u00e9", "cafe\u0301", "b"), test=0)
+    error = _refusal(root, capsys)
+    assert "has class folders cafe\u0301 and caf\u00e9, which print alike but are two classes" in error, error
+    assert "('cafe\\u0301' against 'caf\\xe9'" in error and error.endswith("merge them into one"), error
+    spaced = make_folder(tmp_path / "spaced", classes=("cat", "cat ", "b"), test=0)
+    assert "class folders cat and cat , which print alike" in _refusal(spaced, capsys)
+    # A and a may be classes of their own (EMNIST's letters): kept.
+    cased = make_folder(tmp_path / "cased", classes=("A", "a", "b"), test=0)
+    assert petl_data.describe_dataset("folder", root=str(cased)).class_names == ("A", "a", "b")
+
+
+def test_string_labels_that_print_alike_are_refused(tmp_path):
+    rng = np.random.default_rng(0)
+    images = [Image.fromarray(rng.integers(0, 255, (8, 8, 3), dtype=np.uint8)) for _ in range(6)]
+    features = datasets.Features({"image": datasets.Image(), "label": datasets.Value("string")})
+    table = datasets.Dataset.from_dict({"image": images, "label": ["caf\u00e9", "cafe\u0301", "b"] * 2}, features)
+    datasets.DatasetDict(train=table).save_to_disk(str(tmp_path / "saved"))
+    with pytest.raises(ValueError, match=r"column 'label' has classes cafe\u0301 and caf\xe9, which print alike"):
+        petl_data.describe_dataset("hf", root=str(tmp_path / "saved"))

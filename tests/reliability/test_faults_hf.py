@@ -149,3 +149,91 @@ def test_a_finished_runs_check_hashes_the_rows_without_decoding_them(tmp_path, m
     monkeypatch.setattr(hf, "decode_image", lambda data: pytest.fail("a fingerprint check decoded an image"))
     output_dir._data_fingerprint.cache_clear()
     assert output_dir._data_fingerprint("hf", "test", root, ()) == built.fingerprint
+
+
+def _refusal(argv: list[str], capfd) -> str:
+    capfd.readouterr()
+    with pytest.raises(SystemExit) as stop:
+        cli.main(argv)
+    err = capfd.readouterr().err
+    assert stop.value.code == 2, err
+    return err
+
+
+def test_a_refusal_after_an_imagefolder_build_is_the_only_line_printed(tmp_path, capfd):
+    # datasets builds a folder of loose images (its "Generating train split" bar) before petl sees it has no labels.
+    for index in range(4):
+        Image.fromarray(np.full((8, 8, 3), index, dtype=np.uint8)).save(tmp_path / f"{index}.png")
+    argv = ["method=lora", "data=hf", f"data.root={tmp_path}", *TINY_MODEL, f"output_dir={tmp_path / 'run'}"]
+    err = _refusal(argv, capfd)
+    assert err.startswith("petl-run: error: hf:") and err.count("\n") == 1 and "\r" not in err, err
+
+
+def test_datasets_lines_are_held_until_petl_accepts_the_dataset(tmp_path, monkeypatch, capfd, caplog):
+    # As a hub id cached here loads offline: datasets logs which cached copy it took and draws a bar, then petl refuses
+    # its float labels.  The same lines where petl accepts the copy: logged after its checks, the bar drawn once late.
+    from petl.data import hub
+
+    floats = _split([0.0, 1.0] * 3, datasets.Value("float32"))
+    accepted = {"train": _split([0, 1] * 3, CAT_DOG)}
+
+    def cached_copy(root: str) -> datasets.DatasetDict:
+        datasets.utils.logging.get_logger("datasets.load").warning(f"Using the latest cached version of {root}")
+        for _ in datasets.utils.tqdm(range(3), desc="Generating train split"):
+            pass
+        return datasets.DatasetDict(accepted)
+
+    monkeypatch.setattr(hub, "reachable", lambda: False)
+    monkeypatch.setattr(datasets, "load_dataset", cached_copy)
+    accepted["train"] = floats
+    argv = ["method=lora", "data=hf", "data.root=someone/floats", *TINY_MODEL, f"output_dir={tmp_path / 'run'}"]
+    err = _refusal(argv, capfd)
+    assert err.startswith("petl-run: error: hf: label column 'label' holds float32") and err.count("\n") == 1, err
+    accepted["train"] = _split([0, 1] * 3, CAT_DOG)
+    monkeypatch.setattr(hub, "PROGRESS_DELAY", 0.0)
+    with caplog.at_level("WARNING", logger="datasets"):
+        assert petl_data.describe_dataset("hf", root="someone/cats").class_names == ("cat", "dog")
+    assert "Generating train split" in capfd.readouterr().err
+    assert "Using the latest cached version of someone/cats" in caplog.text
+
+
+def test_a_fgvc_hub_copy_petl_refuses_logs_no_datasets_lines_before_the_reason(monkeypatch, caplog):
+    from petl.data import hub
+
+    def cached_copy(hub_id: str) -> datasets.DatasetDict:
+        datasets.utils.logging.get_logger("datasets.load").warning(f"Using the latest cached version of {hub_id}")
+        return datasets.DatasetDict({"train": _split([0, 1], CAT_DOG)})
+
+    monkeypatch.setattr(hub, "reachable", lambda: False)
+    monkeypatch.setattr(datasets, "load_dataset", cached_copy)
+    with caplog.at_level("WARNING", logger="datasets"):
+        with pytest.raises(petl_data.DatasetUnavailableError, match="has splits .'train'., expected train and test"):
+            petl_data.build_dataset("fgvc/cub", "test", image_size=8)
+    assert "Using the latest cached version" not in caplog.text
+
+
+def test_an_image_column_that_holds_no_images_is_one_line(tmp_path, capsys):
+    # data.image_column naming a column of numbers, or of several images per row, failed in datasets' cast with a
+    # pyarrow or numpy traceback (exit 1); file bytes and pixel arrays are images and load.
+    pictures = _split([0, 1] * 3, CAT_DOG)["image"]
+    table = datasets.Dataset.from_dict(
+        {"image": pictures, "count": [3] * 6, "views": [[p] for p in pictures], "label": [0, 1] * 3},
+        features=datasets.Features(
+            {
+                "image": datasets.Image(),
+                "count": datasets.Value("int64"),
+                "views": datasets.Sequence(datasets.Image()),
+                "label": CAT_DOG,
+            }
+        ),
+    )
+    root = _save(tmp_path / "saved", train=table)
+    for column, holds in (("count", "int64 values"), ("views", "lists of images")):
+        argv = ["method=lora", "data=hf", f"data.root={root}", f"data.image_column={column}", *TINY_MODEL]
+        err = _refusal([*argv, f"output_dir={tmp_path / 'run'}"], capsys)
+        assert err.count("\n") == 1 and f"image column {column!r} holds {holds}, not one image per row" in err, err
+    pixels = datasets.Dataset.from_dict({"pixels": [np.asarray(p).tolist() for p in pictures], "label": [0, 1] * 3})
+    as_arrays = _save(tmp_path / "arrays", train=pixels)
+    options = {"image_column": "pixels"}
+    built = petl_data.build_dataset("hf", "train800val200", image_size=8, root=as_arrays, options=options)
+    assert len(built) == 6 and built[0][0].shape == (3, 8, 8)
