@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -96,6 +98,41 @@ def test_the_cache_size_the_estimate_decides_by_is_what_the_run_caches(kind, met
     images = TensorDataset(torch.randn(6, 3, 32, 32), torch.zeros(6, dtype=torch.long))
     cached = cache.cache_split(cache.CachedTail(model, plan), images, Accelerator(cpu=True), batch_size=4).tensors[0]
     assert cache.cache_bytes(model, plan, len(images)) == cached.numel() * cached.element_size()
+
+
+@pytest.mark.parametrize("kind", ["vit", "swin", "swinv2", "swinv2_cr"])
+def test_a_cache_under_bf16_autocast_is_sized_in_the_dtype_it_holds(monkeypatch, kind):
+    # Was sized at 4 bytes a value: a Swin's cache under CPU bf16 autocast holds bf16 (its residual stream starts at
+    # the patch embedding's convolution), half that, so a run whose cache fitted the limit went uncached.  A ViT's
+    # stays float32 (the position embedding's addition), and must not be halved.
+    import functools
+
+    from conftest import TINY_MODELS
+    from torch.utils.data import TensorDataset
+
+    import petl
+    from petl.train import cache
+
+    model = petl.apply(TINY_MODELS[kind](), "partial", num_classes=5, k=1)
+    plan = cache.plan(model)
+    bf16 = functools.partial(torch.autocast, "cpu", dtype=torch.bfloat16)
+
+    class Bf16Accelerator:  # what cache_split reads of accelerate's, without its process-wide precision state
+        device = torch.device("cpu")
+        autocast = staticmethod(bf16)
+
+    images = TensorDataset(torch.randn(6, 3, 32, 32), torch.zeros(6, dtype=torch.long))
+    cached = cache.cache_split(cache.CachedTail(model, plan), images, Bf16Accelerator(), batch_size=4).tensors[0]
+    dtype = cache.cached_dtype(model, plan, bf16)
+    assert dtype == cached.dtype == (torch.float32 if kind == "vit" else torch.bfloat16)
+    assert cache.cache_bytes(model, plan, len(images), dtype) == cached.numel() * cached.element_size()
+    # A limit the bf16 cache fits and its float32 size does not: cached under the autocast, not without it.
+    monkeypatch.setattr(cache, "MAX_CACHE_BYTES", cached.numel() * cached.element_size())
+    decided = {
+        autocast: cache.decide(model, backbone_trains=False, augmented=False, sizes=[6], autocast=autocast)[0]
+        for autocast in (bf16, contextlib.nullcontext)
+    }
+    assert decided == {bf16: plan, contextlib.nullcontext: plan if kind == "vit" else None}
 
 
 def test_a_swin_cut_in_a_later_stage_is_timed_cached_where_its_cache_fits(monkeypatch):
