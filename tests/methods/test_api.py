@@ -309,6 +309,17 @@ def test_vit_without_fused_qkv_is_unsupported(tiny_vit):
         petl.apply(model, "linear")
 
 
+@pytest.mark.parametrize("kind", ["vit", "swinv2_cr"])
+def test_a_model_without_pooling_is_refused_in_one_line(kind):
+    # timm's global_pool='' gives logits per token (per grid cell on a Swin): taken, a run failed at its first step
+    # inside the loss ("only batches of spatial targets supported"); a SwinV2Cr's head failed on the NCHW map.
+    model = TINY_MODELS[kind](global_pool="")
+    message = f"^{type(model).__name__} is built with global_pool='' .*: build it with a pooling [^\n]*$"
+    with pytest.raises(ValueError, match=message):
+        petl.apply(model, "lora", num_classes=4)
+    assert all(p.requires_grad for p in model.parameters())  # refused before anything changed
+
+
 def test_count_params(tiny_vit):
     model = petl.apply_linear(tiny_vit(), num_classes=4)
     counts = petl.count_params(model)
