@@ -632,6 +632,15 @@ def test_num_classes_0_is_refused_where_the_head_is_what_the_method_trains(tiny_
         petl.apply(tiny_vit(), method, num_classes=0)
 
 
+@pytest.mark.parametrize("kind", ["vit", "swin"])
+def test_linear_on_a_model_without_a_head_is_refused_unless_given_the_class_count(kind):
+    # A model built with num_classes=0, kept without num_classes: linear was taken and trained nothing at all (Mlp-k
+    # and HST refused it already).
+    with pytest.raises(ValueError, match="^linear needs num_classes: the model has no classifier head"):
+        petl.apply(TINY_MODELS[kind](num_classes=0), "linear")
+    assert petl.count_params(petl.apply(TINY_MODELS[kind](num_classes=0), "linear", num_classes=3)).trainable > 0
+
+
 @pytest.mark.parametrize("applied", [False, True])
 def test_a_file_whose_head_has_other_classes_says_how_many_to_give_the_model(tiny_vit, tmp_path, applied):
     # A file saved without num_classes keeps the model's head: onto a model of other classes the refusal said
