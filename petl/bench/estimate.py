@@ -28,6 +28,7 @@ the runs.  Each measurement is said as it starts (building a backbone takes seco
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import logging
 import math
@@ -395,7 +396,13 @@ def measure(cfg: Any, data: OwnData, steps: int = TIMED_STEPS) -> tuple[Probe, s
         backbone_trains = engine.backbone_mode(model, settings) == "train"
         sizes = [data.sizes[TRAIN_VAL]]
         augmented = petl_data.get_info(cfg.data.name).crops(cfg.data.augment)
-        plan, _ = cache.decide(model, backbone_trains=backbone_trains, augmented=augmented, sizes=sizes)
+        # In the dtype the run's autocast leaves the cached tensors in (a Swin's in bf16 under CPU autocast).
+        mixed = build.run_precision(cfg.train.precision, device)[0]
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mixed)
+        autocast = functools.partial(torch.autocast, device, dtype=dtype, enabled=dtype is not None)
+        plan, _ = cache.decide(
+            model, backbone_trains=backbone_trains, augmented=augmented, sizes=sizes, autocast=autocast
+        )
     trainee: torch.nn.Module = model
     front_seconds = 0.0
     if plan is not None:

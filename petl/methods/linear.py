@@ -32,6 +32,7 @@ from typing import Any, ClassVar
 from torch import nn
 
 from petl.model import surgery
+from petl.model.backbone import backbone_of
 from petl.model.registry import MethodConfig, register_method
 
 
@@ -46,6 +47,12 @@ class LinearConfig(MethodConfig):
         super().validate(model)
         if self.num_classes == 0:
             raise ValueError("num_classes=0 removes the head, the only thing linear trains: give the class count")
+        # A model built without a head (timm's num_classes=0) kept as it is: taken, it trained nothing at all.
+        if self.num_classes is None and backbone_of(model).num_classes() < 1:
+            raise ValueError(
+                "linear needs num_classes: the model has no classifier head, the only thing linear trains, and none "
+                "to take the class count from"
+            )
 
 
 def _formula(model: nn.Module, cfg: LinearConfig) -> int:

@@ -55,7 +55,10 @@ class PeftBridgeConfig(MethodConfig):
         target_modules: module-name suffixes to adapt, matched the way peft matches them (``qkv`` hits
             every ``blocks.N.attn.qkv``); one that matches no module (peft would pass over it) is refused, and so
             is none at all unless ``options`` gives peft's ``target_parameters``, and a ``layers_to_transform``
-            index of ``options`` that matches none of their layers.
+            index of ``options`` that matches none of their layers (the refusal names the indices peft reads).
+            peft reads a layer's index after ``layers_pattern`` in the module's name: ``"blocks"`` on a ViT; on a
+            Swin ``"blocks"`` (or none) gives a block's index within its stage, so ``[1]`` adapts the second block
+            of every stage, and ``"layers"`` (``"stages"`` on a SwinV2Cr) a stage's index.
         options: JSON object of extra keyword arguments for the peft config, e.g. ``'{"r": 8, "lora_alpha": 8}'``;
             each value is checked against the peft config's annotation (``{"r": "x"}`` is refused naming ``r``).
             A ``target_modules`` key there (a regex string, say) replaces the field, which must then be empty
@@ -130,10 +133,17 @@ class PeftBridgeConfig(MethodConfig):
         # exclude_modules applied, as peft applies them).
         names = [name for name, _ in model.named_modules()]
         entries = [targets] if isinstance(targets, str) else sorted(targets)
+        # Each entry without layers_to_transform, which is checked on its own below: an index that matches no layer
+        # said "target_modules=['qkv'] match no module" beside a list of the blocks' Linears that named qkv.
         unmatched = [
             entry
             for entry in entries
-            if not _matches_any(peft_config, names, target_modules=entry if isinstance(targets, str) else {entry})
+            if not _matches_any(
+                peft_config,
+                names,
+                target_modules=entry if isinstance(targets, str) else {entry},
+                layers_to_transform=None,
+            )
         ]
         if unmatched:
             block = backbone_of(model).block_list()[0]
@@ -147,7 +157,7 @@ class PeftBridgeConfig(MethodConfig):
         if unmatched:  # an index past the depth, say: peft adapts the other layers and passes over these
             raise ValueError(
                 f"options: layers_to_transform {unmatched} match no layer of target_modules={entries} on this model "
-                f"({backbone_of(model).depth()} blocks): drop them"
+                f"({backbone_of(model).depth()} blocks): {_layer_indices(model, peft_config, names)}"
             )
         # What else peft refuses (r=0, a dropout of 2) it refuses as it builds its layers, when the model would
         # already be frozen and its head reset: built first on a meta-device copy, which allocates nothing.
@@ -167,6 +177,21 @@ def on_meta(peft_config: PeftConfig) -> PeftConfig:
     if isinstance(getattr(peft_config, "init_lora_weights", True), bool):
         return peft_config
     return dataclasses.replace(peft_config, init_lora_weights=True)
+
+
+def _layer_indices(model: nn.Module, peft_config: PeftConfig, names: list[str]) -> str:
+    """What to do about a ``layers_to_transform`` that matches no layer: the indices peft reads in this model's names.
+
+    peft reads a layer's index after ``layers_pattern`` in a module's name, or without one after the first named
+    segment that follows a dot: a ViT's ``blocks.N`` opens its names, so peft finds no index there, and a Swin's
+    ``layers.S.blocks.N`` gives N, the block's index within its stage, not petl's block index across the stages.
+    """
+    found = [i for i in range(backbone_of(model).depth()) if _matches_any(peft_config, names, layers_to_transform=[i])]
+    pattern = getattr(peft_config, "layers_pattern", None)
+    if not found:
+        return 'peft reads no layer index in their names: give options {"layers_pattern": "blocks"}'
+    said = f"layers_pattern {pattern!r}" if pattern else "the first numbered name after a dot"
+    return f"peft reads the layer indices {', '.join(map(str, found))} here (by {said}): give some of those"
 
 
 def _matches_any(peft_config: PeftConfig, names: list[str], **fields: Any) -> bool:

@@ -173,12 +173,20 @@ def check_supported(model: nn.Module, method: str) -> None:
     fail later on what the backbone lacks.
 
     Raises:
-        ValueError: the model is no backbone petl reads, or one of a kind the method does not support.
+        ValueError: the model is no backbone petl reads, one without a pooling (``global_pool=''``), or one of a
+            kind the method does not support.
 
     """
     spec = get_method(method)
     bb = backbone_of(model)
     bb.check()
+    if bb.pool_type() == "":
+        # timm's global_pool='' leaves the tokens unpooled: logits per token (a Swin's per grid cell), which the
+        # training loss took for a batch of spatial targets and failed on at the first step.
+        raise ValueError(
+            f"{type(model).__name__} is built with global_pool='' (no pooling: its head gives logits per token), "
+            "where petl trains one label per image: build it with a pooling (leave global_pool out for timm's)"
+        )
     if bb.kind not in spec.backbones:
         why = f": {spec.why_refused(bb.kind)}" if spec.why_refused(bb.kind) else ""
         raise ValueError(

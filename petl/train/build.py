@@ -180,20 +180,27 @@ def resolve_precision(cfg: DictConfig) -> None:
         cfg.train.precision = auto_precision(run_device_type())
 
 
-def make_accelerator(cfg: DictConfig, out: Path) -> Accelerator:
-    trackers = list(cfg.train.trackers)
-    precision = cfg.train.precision
-    device_type = run_device_type()
+def run_precision(precision: str, device_type: str) -> tuple[str, str | None]:
+    """What ``train.precision`` runs as on ``device_type`` (``no``, ``tf32``, ``bf16``, ``fp16``), and the warning
+    where that falls back to fp32 (``None`` where it runs as asked).
+    """
     if precision == "auto":  # a config that did not go through petl.train.runner.run (resolve_precision)
         precision = auto_precision(device_type)
     if precision in ("fp16", "tf32") and device_type != "cuda":
         # accelerate would accept fp16 and silently run in fp32; say so, and record what really ran.
-        warn_main(log, f"train.precision={precision} needs a CUDA GPU: running in full precision (bf16 works on CPUs)")
-        precision = "no"
+        return "no", f"train.precision={precision} needs a CUDA GPU: running in full precision (bf16 works on CPUs)"
     if precision == "bf16" and device_type == "cpu" and not cpu_supports_bf16():
         # accelerate would autocast anyway, through slow emulated bf16 matmuls; result.json records "no".
-        warn_main(log, "train.precision=bf16: this CPU has no bf16 instructions (AVX512-BF16/AMX): running in fp32")
-        precision = "no"
+        return "no", "train.precision=bf16: this CPU has no bf16 instructions (AVX512-BF16/AMX): running in fp32"
+    return precision, None
+
+
+def make_accelerator(cfg: DictConfig, out: Path) -> Accelerator:
+    trackers = list(cfg.train.trackers)
+    device_type = run_device_type()
+    precision, fallback = run_precision(cfg.train.precision, device_type)
+    if fallback is not None:
+        warn_main(log, fallback)
     # tf32 is fp32 to accelerate: the TF32 switch is torch's, set by the runner (petl.utils.precision.uses_tf32).
     mixed_precision = "no" if precision == "tf32" else precision
     # train.compile goes through accelerate's dynamo plugin, which compiles the model in prepare().

@@ -13,8 +13,11 @@ telling this module about it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +28,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 from petl.model import timm_api
 from petl.model.backbone import backbone_of, family_of
 from petl.model.wrappers import PetlModule
+from petl.train.readers import image_size
 from petl.utils.errors import ConfigError
 from petl.utils.progress import progress_bar
 
@@ -124,15 +128,22 @@ def plan(model: nn.Module) -> CachePlan | None:
 
 
 def decide(
-    model: nn.Module, *, backbone_trains: bool, augmented: bool, sizes: list[int]
+    model: nn.Module,
+    *,
+    backbone_trains: bool,
+    augmented: bool,
+    sizes: list[int],
+    autocast: Callable[[], AbstractContextManager] = contextlib.nullcontext,
 ) -> tuple[CachePlan | None, str | None]:
     """The features a run caches (:func:`plan`), or ``None`` and why none, as the run decides and its estimate too.
 
     Args:
-        model: the backbone, its method applied.
+        model: the backbone, its method applied, on the device the cache would be computed on.
         backbone_trains: whether the backbone runs in train mode (``train.backbone_mode``).
         augmented: whether the training images are augmented.
         sizes: the images of each split the cache would hold (:func:`fits`).
+        autocast: the run's mixed precision (``accelerator.autocast``), under which :func:`cache_split` computes the
+            cache: a cache over the limit in float32 is sized again in the dtype it would hold (:func:`cached_dtype`).
 
     """
     found = plan(model)
@@ -141,8 +152,8 @@ def decide(
     unsettled = uncached_by_settings(backbone_trains=backbone_trains, augmented=augmented)
     if unsettled is not None:
         return None, unsettled
-    if not fits(model, found, sizes):
-        needed = cache_bytes(model, found, sum(sizes)) / 2**30
+    if not fits(model, found, sizes) and not fits(model, found, sizes, dtype := cached_dtype(model, found, autocast)):
+        needed = cache_bytes(model, found, sum(sizes), dtype) / 2**30
         # The amount and the limit both: "would exceed 8 GiB" left the user to guess how far over a run was.
         return None, (
             f"the cache of {sum(sizes)} images would take {needed:.3g} GiB, over its limit of "
@@ -215,8 +226,9 @@ class CachedTail(nn.Module):
         return captured[0]
 
 
-def cache_bytes(model: nn.Module, cache_plan: CachePlan, num_items: int) -> int:
-    """What :func:`cache_split` keeps for ``num_items`` images, in bytes: float32 tensors, as the front returns them.
+def cache_bytes(model: nn.Module, cache_plan: CachePlan, num_items: int, dtype: torch.dtype = torch.float32) -> int:
+    """What :func:`cache_split` keeps for ``num_items`` images, in bytes, in tensors of ``dtype`` (the front's output:
+    float32, or under mixed precision what :func:`cached_dtype` finds).
 
     Pre-logits features, or the tokens leaving the block in front of the cut (what
     :meth:`~petl.model.backbone.base.Backbone.block_input_module` receives): a Swin's cut in a later stage holds that
@@ -225,14 +237,35 @@ def cache_bytes(model: nn.Module, cache_plan: CachePlan, num_items: int) -> int:
     """
     bb = backbone_of(model)
     if cache_plan.features:
-        return num_items * bb.num_features() * 4
+        return num_items * bb.num_features() * dtype.itemsize
     leaving = cache_plan.start - 1  # plan() caches nothing in front of block 0
-    return num_items * bb.block_tokens()[leaving] * bb.widths()[leaving] * 4
+    return num_items * bb.block_tokens()[leaving] * bb.widths()[leaving] * dtype.itemsize
 
 
-def fits(model: nn.Module, cache_plan: CachePlan, sizes: list[int]) -> bool:
-    """Whether caching splits of these sizes stays under :data:`MAX_CACHE_BYTES`."""
-    return cache_bytes(model, cache_plan, sum(sizes)) <= MAX_CACHE_BYTES
+def fits(model: nn.Module, cache_plan: CachePlan, sizes: list[int], dtype: torch.dtype = torch.float32) -> bool:
+    """Whether caching splits of these sizes in tensors of ``dtype`` stays under :data:`MAX_CACHE_BYTES`."""
+    return cache_bytes(model, cache_plan, sum(sizes), dtype) <= MAX_CACHE_BYTES
+
+
+@torch.no_grad()
+def cached_dtype(
+    model: nn.Module, cache_plan: CachePlan, autocast: Callable[[], AbstractContextManager] = contextlib.nullcontext
+) -> torch.dtype:
+    """The dtype :func:`cache_split` would keep under ``autocast``: its front's output on one blank image.
+
+    Mixed precision decides it per family and device, so it is read off a forward, not foreseen: a Swin's residual
+    stream starts at its patch embedding's convolution, which CPU bf16 autocast leaves in bf16 (half float32's size);
+    a ViT's is float32 from the position embedding's addition on, whatever its blocks' Linears return.
+    """
+    size = image_size(model)
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    try:
+        with autocast():
+            return CachedTail(model, cache_plan).front(torch.zeros(1, 3, size, size, device=device)).dtype
+    finally:
+        model.train(was_training)
 
 
 @torch.no_grad()

@@ -267,12 +267,12 @@ def _train_and_record(cfg: DictConfig, resolved: dict[str, Any], out: Path, acce
     method_cfg = build.method_config(cfg, model, info.num_classes, checkpoint, accelerator)
     build.apply_method(cfg, model, method_cfg)
     _check_batch_statistics(cfg, model)
-    _check_cache_option(cfg, model, datasets)
     _check_grad_accum(cfg, len(datasets["train"]), accelerator.num_processes)
     if cfg.train.grad_checkpointing:
         config.check_grad_checkpointing_acts(cfg, model)  # composing checked it on the meta model, where it could
         engine.enable_grad_checkpointing(model)
     model.to(accelerator.device)
+    _check_cache_option(cfg, model, datasets, accelerator)  # on the device: its autocast sets the cache's dtype
     # Every run's peak is its own, also when runs share a process (Hydra's in-process --multirun, a notebook).
     reset_peak_rss()
     if accelerator.device.type == "cuda":
@@ -360,18 +360,24 @@ def _check_grad_accum(cfg: DictConfig, train_size: int, num_processes: int) -> N
 
 
 def _cache_plan(
-    model: nn.Module, settings: TrainSettings | DictConfig, datasets: dict[str, Dataset]
+    model: nn.Module, settings: TrainSettings | DictConfig, datasets: dict[str, Dataset], accelerator: Accelerator
 ) -> tuple[cache.CachePlan | None, str | None]:
-    """The features this run caches (``train.cache_features``), or ``None`` and why none (:func:`cache.decide`)."""
+    """The features this run caches (``train.cache_features``), or ``None`` and why none (:func:`cache.decide`).
+
+    ``model`` is on ``accelerator``'s device: the cache's size is the dtype its autocast leaves the front's output in.
+    """
     return cache.decide(
         model,
         backbone_trains=backbone_mode(model, settings) == "train",
         augmented=build.is_augmented(datasets["train"]),
         sizes=[len(datasets[split]) for split in ("train", "val") if datasets.get(split)],
+        autocast=accelerator.autocast,
     )
 
 
-def _check_cache_option(cfg: DictConfig, model: nn.Module, datasets: dict[str, Dataset]) -> None:
+def _check_cache_option(
+    cfg: DictConfig, model: nn.Module, datasets: dict[str, Dataset], accelerator: Accelerator
+) -> None:
     """Refuse ``train.cache_features=false`` where this run would cache nothing anyway (LoRA: its first block trains).
 
     Raises:
@@ -381,7 +387,7 @@ def _check_cache_option(cfg: DictConfig, model: nn.Module, datasets: dict[str, D
     if cfg.train.cache_features:
         return
     config.check_cache_option_acts(cfg, model)  # composing checked it on the meta model, where it could
-    _, uncached = _cache_plan(model, cfg.train, datasets)  # the real data's size against the cache's limit
+    _, uncached = _cache_plan(model, cfg.train, datasets, accelerator)  # the real data's size against its limit
     if uncached is not None:
         raise cache.CacheOptionError(uncached)
 
@@ -480,7 +486,9 @@ def _set_up_training(
     settings = dataclasses.replace(settings, progress=settings.progress and accelerator.is_main_process)
     num_workers = cfg.data.num_workers
     train_set, val_set = datasets["train"], datasets.get("val")
-    cache_plan, uncached = _cache_plan(model, settings, datasets) if cfg.train.cache_features else (None, None)
+    cache_plan, uncached = (
+        _cache_plan(model, settings, datasets, accelerator) if cfg.train.cache_features else (None, None)
+    )
     if uncached is not None and uncached != cache.NOTHING_FROZEN:
         build.say(accelerator, "not caching features: %s", uncached)
     trainee: nn.Module = model

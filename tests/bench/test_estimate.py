@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -98,16 +100,58 @@ def test_the_cache_size_the_estimate_decides_by_is_what_the_run_caches(kind, met
     assert cache.cache_bytes(model, plan, len(images)) == cached.numel() * cached.element_size()
 
 
-def test_a_swin_cut_in_a_later_stage_is_timed_cached_where_its_cache_fits(monkeypatch):
+@pytest.mark.parametrize("kind", ["vit", "swin", "swinv2", "swinv2_cr"])
+def test_a_cache_under_bf16_autocast_is_sized_in_the_dtype_it_holds(monkeypatch, kind):
+    # Was sized at 4 bytes a value: a Swin's cache under CPU bf16 autocast holds bf16 (its residual stream starts at
+    # the patch embedding's convolution), half that, so a run whose cache fitted the limit went uncached.  A ViT's
+    # stays float32 (the position embedding's addition), and must not be halved.
+    import functools
+
+    from conftest import TINY_MODELS
+    from torch.utils.data import TensorDataset
+
+    import petl
+    from petl.train import cache
+
+    model = petl.apply(TINY_MODELS[kind](), "partial", num_classes=5, k=1)
+    plan = cache.plan(model)
+    bf16 = functools.partial(torch.autocast, "cpu", dtype=torch.bfloat16)
+
+    class Bf16Accelerator:  # what cache_split reads of accelerate's, without its process-wide precision state
+        device = torch.device("cpu")
+        autocast = staticmethod(bf16)
+
+    images = TensorDataset(torch.randn(6, 3, 32, 32), torch.zeros(6, dtype=torch.long))
+    cached = cache.cache_split(cache.CachedTail(model, plan), images, Bf16Accelerator(), batch_size=4).tensors[0]
+    dtype = cache.cached_dtype(model, plan, bf16)
+    assert dtype == cached.dtype == (torch.float32 if kind == "vit" else torch.bfloat16)
+    assert cache.cache_bytes(model, plan, len(images), dtype) == cached.numel() * cached.element_size()
+    # A limit the bf16 cache fits and its float32 size does not: cached under the autocast, not without it.
+    monkeypatch.setattr(cache, "MAX_CACHE_BYTES", cached.numel() * cached.element_size())
+    decided = {
+        autocast: cache.decide(model, backbone_trains=False, augmented=False, sizes=[6], autocast=autocast)[0]
+        for autocast in (bf16, contextlib.nullcontext)
+    }
+    assert decided == {bf16: plan, contextlib.nullcontext: plan if kind == "vit" else None}
+
+
+@pytest.mark.parametrize(("precision", "itemsize"), [("no", 4), ("bf16", 2)])
+def test_a_swin_cut_in_a_later_stage_is_timed_cached_where_its_cache_fits(monkeypatch, precision, itemsize):
     # swin_fractal_tiny's last block (Partial-1) takes a 4x4 grid at width 256: 16 KiB an image, 160 KiB for the 10
     # training images of a final run (DATA).  Sized as the first stage's 16x16 grid at that width (2.5 MiB), the
-    # estimate timed it uncached under a limit the run's cache fits.
+    # estimate timed it uncached under a limit the run's cache fits; so it did under train.precision=bf16, where
+    # the run's cache holds bf16 (half that) and was sized at 4 bytes a value.
     from petl.train import cache
     from petl.train.config import default_config
+    from petl.utils.precision import cpu_supports_bf16
 
-    monkeypatch.setattr(cache, "MAX_CACHE_BYTES", DATA.sizes[TRAIN_VAL] * 4 * 4 * 256 * 4)
+    if precision == "bf16" and (torch.cuda.is_available() or not cpu_supports_bf16()):
+        # CUDA's autocast runs LayerNorm in fp32 (the Swin's cache is fp32 there); such a CPU runs bf16 in fp32.
+        pytest.skip("the Swin's cache is bf16 only under a CPU's bf16 autocast")
+    monkeypatch.setattr(cache, "MAX_CACHE_BYTES", DATA.sizes[TRAIN_VAL] * 4 * 4 * 256 * itemsize)
     swin = ["model=swin_fractal_tiny_patch2_window4_32", "model.pretrained=false", "output_dir=unused"]
-    probe, _ = costs.measure(default_config(["method=partial", "method.k=1", "data=mini/digits", *swin]), DATA, steps=1)
+    overrides = ["method=partial", "method.k=1", "data=mini/digits", f"train.precision={precision}", *swin]
+    probe, _ = costs.measure(default_config(overrides), DATA, steps=1)
     assert probe.front_seconds > 0
 
 

@@ -309,6 +309,17 @@ def test_vit_without_fused_qkv_is_unsupported(tiny_vit):
         petl.apply(model, "linear")
 
 
+@pytest.mark.parametrize("kind", ["vit", "swinv2_cr"])
+def test_a_model_without_pooling_is_refused_in_one_line(kind):
+    # timm's global_pool='' gives logits per token (per grid cell on a Swin): taken, a run failed at its first step
+    # inside the loss ("only batches of spatial targets supported"); a SwinV2Cr's head failed on the NCHW map.
+    model = TINY_MODELS[kind](global_pool="")
+    message = f"^{type(model).__name__} is built with global_pool='' .*: build it with a pooling [^\n]*$"
+    with pytest.raises(ValueError, match=message):
+        petl.apply(model, "lora", num_classes=4)
+    assert all(p.requires_grad for p in model.parameters())  # refused before anything changed
+
+
 def test_count_params(tiny_vit):
     model = petl.apply_linear(tiny_vit(), num_classes=4)
     counts = petl.count_params(model)
@@ -619,6 +630,15 @@ def test_a_model_whose_head_was_removed_saves_a_file_that_loads_as_it_was(images
 def test_num_classes_0_is_refused_where_the_head_is_what_the_method_trains(tiny_vit, method):
     with pytest.raises(ValueError, match=r"num_classes=0 removes the head|give num_classes \(at least 1\)"):
         petl.apply(tiny_vit(), method, num_classes=0)
+
+
+@pytest.mark.parametrize("kind", ["vit", "swin"])
+def test_linear_on_a_model_without_a_head_is_refused_unless_given_the_class_count(kind):
+    # A model built with num_classes=0, kept without num_classes: linear was taken and trained nothing at all (Mlp-k
+    # and HST refused it already).
+    with pytest.raises(ValueError, match="^linear needs num_classes: the model has no classifier head"):
+        petl.apply(TINY_MODELS[kind](num_classes=0), "linear")
+    assert petl.count_params(petl.apply(TINY_MODELS[kind](num_classes=0), "linear", num_classes=3)).trainable > 0
 
 
 @pytest.mark.parametrize("applied", [False, True])

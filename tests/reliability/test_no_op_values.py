@@ -117,10 +117,17 @@ def test_bench_speed_refuses_tf32_on_a_cpu(own, cuda_available):
     [
         # peft adapted qkv and passed over the typo.
         ({"target_modules": ["qkv", "fc_2"]}, "['fc_2'] of target_modules match no module of this model; its blocks'"),
-        # Matched, but layers_to_transform leaves it nothing: peft applies both, and so does the check.
+        # Matched, but layers_to_transform leaves it nothing: peft applies both.  Was "target_modules=['qkv'] match
+        # no module of this model; its blocks' Linears are attn.qkv, ...", blaming the module the list then named.
         (
             {"options": '{"layers_pattern": "blocks", "layers_to_transform": [7]}'},
-            "target_modules=['qkv'] match no module",
+            "options: layers_to_transform [7] match no layer of target_modules=['qkv'] on this model (3 blocks): "
+            "peft reads the layer indices 0, 1, 2 here (by layers_pattern 'blocks'): give some of those",
+        ),
+        # Without layers_pattern peft reads no index in a ViT's names (blocks.N opens them).
+        (
+            {"options": '{"layers_to_transform": [1]}'},
+            'peft reads no layer index in their names: give options {"layers_pattern": "blocks"}',
         ),
         # A layer past the depth beside one within it: peft adapted block 0 and passed over 99.
         (
@@ -136,6 +143,15 @@ def test_peft_refuses_a_target_module_that_matches_nothing(options, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         petl.apply(model, "peft", num_classes=3, **options)
     assert not any(p.requires_grad is False for p in model.parameters())  # refused before anything was frozen
+
+
+def test_peft_layer_indices_on_a_swin_are_named_as_peft_reads_them():
+    # peft reads a Swin's layers.S.blocks.N as layer N (the block within its stage): index 3 of petl's four blocks
+    # matches none, and the refusal said "target_modules=['qkv'] match no module", naming no index that would.
+    from conftest import make_tiny_swin
+
+    with pytest.raises(ValueError, match=re.escape("peft reads the layer indices 0, 1 here (by the first numbered")):
+        petl.apply(make_tiny_swin(), "peft", num_classes=3, options='{"layers_to_transform": [3]}')
 
 
 def test_peft_takes_target_parameters_in_place_of_target_modules():
