@@ -642,7 +642,8 @@ def load_run(run_dir: str | Path) -> LoadedRun:
     folder = Path(run_dir)
     card = read_card(folder)
     model = create_backbone(card["backbone"], folder / MODEL_FILE)
-    load_trainable(model, weights_file(folder, card))
+    # The card's frozen_sha256 (every value, checked by loaded) says it as the run's; an older card has none.
+    load_trainable(model, weights_file(folder, card), check_frozen=card["backbone"].get("frozen_sha256") is None)
     return loaded(folder, card, model)
 
 

@@ -1,0 +1,70 @@
+"""Weights files and the backbone they were trained on; what merging and unmerging give back."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import perturb_trainable
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+import petl
+from petl.model import io
+
+
+@pytest.mark.parametrize("method", petl.list_methods())
+def test_a_file_loads_onto_its_own_backbone_and_is_refused_on_other_weights_of_its_shape(tiny_vit, tmp_path, method):
+    model = petl.apply(tiny_vit(), method)
+    perturb_trainable(model)
+    path = tmp_path / "w.safetensors"
+    petl.save_trainable(model, path)
+    # The same weights built again (a checkpoint downloaded again), fresh or with the method applied: it loads.
+    petl.load_trainable(tiny_vit(), path)
+    petl.load_trainable(petl.apply(tiny_vit(), method), path)
+    other = tiny_vit(seed=1)  # the same shapes, other weights: the file's update was never trained on these
+    if method == "full":  # the file holds every tensor: it gives the same model on any weights of its shapes
+        assert petl.load_trainable(other, path).state_dict().keys() == model.state_dict().keys()
+        return
+    before = {name: t.clone() for name, t in other.state_dict().items()}
+    with pytest.raises(ValueError, match="trained on other frozen weights") as caught:
+        petl.load_trainable(other, path)
+    assert str(path) in str(caught.value) and "check_frozen=False" in str(caught.value)
+    assert len(str(caught.value).splitlines()) == 1
+    assert getattr(other, "petl_method", None) is None  # refused before anything changed
+    assert all(torch.equal(before[name], t) for name, t in other.state_dict().items())
+    # Knowingly: it loads.
+    loaded = petl.load_trainable(tiny_vit(seed=1), path, check_frozen=False)
+    assert loaded.petl_method == method
+
+
+def test_a_file_of_an_earlier_petl_without_a_fingerprint_loads_onto_any_weights_of_its_shape(tiny_vit, tmp_path):
+    model = petl.apply_lora(tiny_vit())
+    perturb_trainable(model)
+    path = tmp_path / "w.safetensors"
+    petl.save_trainable(model, path)
+    with safe_open(str(path), framework="pt") as f:
+        meta = {k: v for k, v in f.metadata().items() if k not in (io.FROZEN, io.METADATA_HASH)}
+        tensors = {name: f.get_tensor(name) for name in f.keys()}
+    save_file(tensors, str(path), metadata={**meta, io.METADATA_HASH: io.metadata_hash(meta)})  # as it wrote them
+    loaded = petl.load_trainable(tiny_vit(seed=1), path)
+    trained = petl.model.params.trainable_state(model)
+    assert all(torch.equal(loaded.state_dict()[name], t) for name, t in trained.items())
+
+
+def test_an_edited_fingerprint_is_corrupt_metadata(tiny_vit, tmp_path):
+    path = tmp_path / "w.safetensors"
+    petl.save_trainable(petl.apply_lora(tiny_vit()), path)
+    with safe_open(str(path), framework="pt") as f:
+        meta, tensors = f.metadata(), {name: f.get_tensor(name) for name in f.keys()}
+    save_file(tensors, str(path), metadata={**meta, io.FROZEN: "0" * 64})
+    with pytest.raises(ValueError, match="is corrupt: its metadata"):
+        petl.load_trainable(tiny_vit(), path)
+
+
+def test_a_half_precision_backbone_is_refused_and_loads_in_the_dtype_it_was_saved_in(tiny_vit, tmp_path):
+    path = tmp_path / "w.safetensors"
+    petl.save_trainable(petl.apply_lora(tiny_vit()), path)
+    with pytest.raises(ValueError, match="dtype"):
+        petl.load_trainable(tiny_vit().half(), path)
+    assert petl.load_trainable(tiny_vit(), path).half().blocks[0].attn.qkv.base.weight.dtype == torch.float16
+
