@@ -37,6 +37,16 @@ def test_a_file_loads_onto_its_own_backbone_and_is_refused_on_other_weights_of_i
     assert loaded.petl_method == method
 
 
+def test_multitask_refuses_a_bare_weights_file_over_other_frozen_weights(tiny_vit, tmp_path):
+    # A bare file "records no backbone and is not checked": served over another random init, its task's logits were
+    # silently another model's.
+    path = tmp_path / "w.safetensors"
+    petl.save_trainable(petl.apply_lora(tiny_vit()), path)
+    with pytest.raises(ValueError, match="trained on other frozen weights"):
+        petl.MultiTask(tiny_vit(seed=1), {"a": path})
+    assert petl.MultiTask(tiny_vit(), {"a": path}).names == ["a"]
+
+
 def test_a_file_of_an_earlier_petl_without_a_fingerprint_loads_onto_any_weights_of_its_shape(tiny_vit, tmp_path):
     model = petl.apply_lora(tiny_vit())
     perturb_trainable(model)
