@@ -113,12 +113,18 @@ def unmerge(model: nn.Module) -> nn.Module:
     it is.
     """
     check_module(model)
-    for module in _mergeables(model, "unmerge"):
+    modules = _mergeables(model, "unmerge")
+    restore = {}
+    for module in modules:  # all checked before any is changed: wrappers may share tensors (one wraps another)
         kept, versions = module.__dict__.pop(_KEPT, (None, None))
         # The copy is the wrapper's tensors as they were only while nothing wrote them since the merge (a state dict
         # loaded onto the merged model): else the update is subtracted, as without a copy.
-        exact = kept is not None and getattr(module, "merged", False) and versions == _versions(module)
+        if kept is not None and getattr(module, "merged", False) and versions == _versions(module):
+            restore[id(module)] = kept
+    # Last merged first: a wrapper around another (RepAdapter's two on one in_proj) kept the tensors of before both
+    # merges, and puts them back last.
+    for module in reversed(modules):
         module.unmerge()
-        if exact:
-            _put_back(module, kept)
+        if id(module) in restore:
+            _put_back(module, restore[id(module)])
     return model

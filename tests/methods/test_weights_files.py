@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import perturb_trainable
+from conftest import make_tiny_family, perturb_trainable
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -104,3 +104,14 @@ def test_unmerge_puts_the_weights_back_bit_for_bit_and_without_the_copy_to_round
     petl.unmerge(merged)
     for name, t in merged.state_dict().items():
         torch.testing.assert_close(t, before[name], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(("family", "method"), [("vit_pwee", "repadapter"), ("vit_pwee_4x", "fact")])
+def test_unmerge_is_bit_for_bit_where_wrappers_share_the_tensors_they_merge_into(family, method):
+    # Each wrapper put back the copy it kept, first merged first: the second found the tensors written since (by the
+    # first's copy) and subtracted its update from weights that no longer held it.
+    model = petl.apply(make_tiny_family(family), method)
+    perturb_trainable(model)
+    before = {name: t.clone() for name, t in model.state_dict().items()}
+    petl.unmerge(petl.merge(model))
+    assert all(torch.equal(before[name], t) for name, t in model.state_dict().items())
