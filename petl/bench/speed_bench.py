@@ -380,7 +380,7 @@ def measure_times(
         if case.method and not case.options and get_method(case.method["name"]).mergeable:
             # Merged after the warm-up steps, so the folded update is not zero.
             try:
-                bench.merged = merge(copy.deepcopy(bench.model))
+                bench.merged = merge(copy.deepcopy(bench.model), restorable=False)
             except ValueError as error:  # this model's layers cannot hold the update (SSF's shift without a bias)
                 log(f"speed: {case.name} not merged: {error}")
                 not_merged[case.name] = str(error)

@@ -11,7 +11,7 @@ petl is not installed.  A folder (``out=`` without a suffix) is timm's own forma
 configuration, the one ``huggingface_hub`` uploads: ``config.json`` (``architecture``, ``model_args``
 with ``img_size``, ``num_classes``, ``pretrained_cfg`` with the preprocessing and ``label_names``) and
 ``model.safetensors``.  A single file's metadata holds the same: the timm name and arguments, the class
-names and the preprocessing (input size, mean/std, interpolation, crop), as JSON strings (safetensors
+names, the preprocessing (input size, mean/std, interpolation, crop) and the dataset, as JSON strings (safetensors
 metadata; ONNX ``metadata_props``).  An ONNX file needs the onnx package (``pip install onnx``; petl does not
 install it) and is checked against the merged model's logits with onnxruntime where it is installed (a note on
 stderr where not); a model torch's ONNX exporter cannot trace (timm's EVA, NaFlexVit) fails in one line:

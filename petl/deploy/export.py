@@ -74,6 +74,8 @@ def metadata(run: LoadedRun, merged: bool = True) -> dict[str, str]:
         "method": f"{card['method']} (merged)"
         if merged
         else f"{card['method']} (not merged: its modules are in the graph)",
+        # What it was trained on, as a folder's config.json says it (a card of an older petl may not record it).
+        **({"dataset": card["dataset"]} if "dataset" in card else {}),
     }
 
 

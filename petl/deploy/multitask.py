@@ -474,7 +474,8 @@ class MultiTask(nn.Module):
 
         mismatch = run_card.backbone_mismatch(card, backbone)
         if mismatch is None:
-            model = cls._load(name, run_card.weights_file(folder, card), backbone)
+            checked = card["backbone"].get("frozen_sha256") is not None  # by frozen_mismatch, below
+            model = cls._load(name, run_card.weights_file(folder, card), backbone, check_frozen=not checked)
             mismatch = run_card.frozen_mismatch(card, model)
             if mismatch is None and backbone_of(model).num_classes() != card["num_classes"]:
                 mismatch = (
@@ -485,10 +486,10 @@ class MultiTask(nn.Module):
         return model
 
     @staticmethod
-    def _load(name: str, path: Path, backbone: nn.Module) -> nn.Module:
+    def _load(name: str, path: Path, backbone: nn.Module, check_frozen: bool = True) -> nn.Module:
         """The task's single-task model: the backbone's frozen tensors shared, the file's tensors its own."""
         model = _shared_copy(backbone, unshared=_trained_backbone_tensors(name, backbone, path))
-        load_trainable(model, path)
+        load_trainable(model, path, check_frozen=check_frozen)
         return model.eval()
 
     def _route(self, backbone: nn.Module, hooks: list[dict[str, RowHook]]) -> nn.Module:

@@ -592,7 +592,7 @@ def _load(folder: Path, merge: bool) -> LoadedRun:
         spec = get_method(run.card["method"])
         if spec.mergeable:
             try:
-                surgery.merge(run.model)
+                surgery.merge(run.model, restorable=False)  # never unmerged: no copy kept
             except ValueError as error:  # a layer that cannot hold its update: all or nothing, the model runs unmerged
                 print(f"{PROG}: note: method {spec.name}: {error}", file=sys.stderr)
         else:

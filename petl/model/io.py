@@ -23,7 +23,7 @@ from safetensors import safe_open
 from torch import nn
 
 from petl.model.backbone import backbone_of
-from petl.model.params import content_hash, trainable_state
+from petl.model.params import content_hash, frozen_fingerprint, trainable_state
 from petl.model.surgery import apply, meta_copy
 from petl.store.files import WEIGHTS_FILE, newer_file, write_atomic
 
@@ -72,7 +72,7 @@ def save_trainable(model: nn.Module, path: str | Path) -> None:
         raise ValueError("unmerge the model before saving: merged weights are not trainable tensors")
     _check_not_meta(model, f"saving {path}")
     tensors = {n: t.cpu().contiguous() for n, t in trainable_state(model).items()}
-    meta = {**_describe(model), "sha256": content_hash(tensors)}
+    meta = {**_describe(model), "sha256": content_hash(tensors), FROZEN: frozen_fingerprint(model, set(tensors))}
     data = safetensors.torch.save(tensors, metadata={**meta, METADATA_HASH: metadata_hash(meta)})
     # Written by Python, not safetensors.save_file: a full disk then raises OSError(ENOSPC), which
     # callers can handle, instead of safetensors' own SafetensorError.  Whole or not at all: a crash mid-write
@@ -83,11 +83,15 @@ def save_trainable(model: nn.Module, path: str | Path) -> None:
 # The metadata field holding :func:`metadata_hash`; files of earlier petl versions have none (their tensors' hash is
 # checked, their metadata is not).
 METADATA_HASH = "metadata_sha256"
+# The metadata field holding :func:`petl.model.params.frozen_fingerprint` of the backbone the tensors were trained on;
+# files of earlier petl versions have none (they load onto any backbone of their shapes, as they did).
+FROZEN = "frozen_fingerprint"
 
 
 def metadata_hash(meta: dict[str, str]) -> str:
     """SHA-256 of a weights file's metadata, but this hash's own field: the method, its options, the backbone's shape
-    and family, the format and the tensors' hash (so the tensors of another file with theirs do not pass either).
+    and family, the format, the tensors' hash (so the tensors of another file with theirs do not pass either) and the
+    frozen backbone's fingerprint.
     """
     described = {key: value for key, value in meta.items() if key != METADATA_HASH}
     return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()
@@ -243,7 +247,7 @@ def _check_matches(
             raise ValueError(f"{path}: {name} has dtype {dtype}, {needs} {param.dtype}")
 
 
-def load_trainable(model: nn.Module, path: str | Path) -> nn.Module:
+def load_trainable(model: nn.Module, path: str | Path, *, check_frozen: bool = True) -> nn.Module:
     """Restore trained tensors saved by :func:`save_trainable` onto ``model`` (in place).
 
     A fresh backbone (no petl method yet) first gets the method and config recorded in the file.  Tensors of the
@@ -254,6 +258,18 @@ def load_trainable(model: nn.Module, path: str | Path) -> nn.Module:
     A model that :func:`petl.unload` merged this very file's tensors into is refused too (the update would count
     twice); a merged model that still holds its wrappers is told to unmerge first.
     Files are read with safetensors, so nothing is ever unpickled.
+
+    The file records a fingerprint of the frozen backbone it was trained on (:func:`petl.model.params.
+    frozen_fingerprint`: names, dtypes, shapes and a sample of the values): a backbone of the same shapes with other
+    weights (another checkpoint, random init, or dtype) is refused, since the trained tensors would silently give
+    other predictions on it.  The same checkpoint downloaded again loads.  Files written before petl recorded it
+    hold no fingerprint and load onto any backbone of their shapes, as they did.
+
+    Args:
+        model: a fresh timm backbone, or one with the file's method and options applied.
+        path: a ``.safetensors`` file written by :func:`save_trainable`.
+        check_frozen: ``False`` loads onto other frozen weights of the same shapes anyway (moving an update trained
+            on one checkpoint to a fine-tuned variant of it, knowingly).
     """
     bb = backbone_of(model)
     _check_not_meta(model, f"loading {path}")
@@ -293,10 +309,8 @@ def load_trainable(model: nn.Module, path: str | Path) -> nn.Module:
     # The file's own tensor shapes are checked first, against the method built on a meta-device copy of a fresh
     # model: a config claiming a huge size (rank=2**30) allocates nothing, and a mismatch leaves the model as it was.
     header = read_header(path)
-    if fresh:
-        _check_matches(path, _applied(path, meta_copy(model), meta), header, "the config recorded in it needs")
-    else:
-        _check_matches(path, model, header)
+    trial = _applied(path, meta_copy(model), meta) if fresh else model  # the method's tensors, their names
+    _check_matches(path, trial, header, "the config recorded in it needs" if fresh else "the model needs")
     tensors = _read_tensors(path)
     # petl.unload leaves the hash of the tensors it folded into the weights: this file's update is in them already.
     if (meta.get("sha256") or content_hash(tensors)) in getattr(model, "petl_merged", ()):
@@ -304,6 +318,15 @@ def load_trainable(model: nn.Module, path: str | Path) -> nn.Module:
             f"{path} is merged into this model already (petl.unload folded its update into the weights), so loading "
             "it would add the update twice: load it onto a fresh backbone (timm.create_model) instead"
         )
+    recorded = meta.get(FROZEN)
+    if check_frozen and recorded is not None:
+        fingerprint = frozen_fingerprint(trial, set(header), values_of=model if fresh else None)
+        if fingerprint != recorded:
+            raise ValueError(
+                f"{path} was trained on other frozen weights than this model's (another checkpoint, random init or "
+                "dtype): load it onto the backbone it was trained on, in the dtype it was saved in (cast after "
+                "loading), or pass check_frozen=False to load it onto these weights anyway"
+            )
     if fresh:
         _applied(path, model, meta)
     params = {**dict(model.named_parameters()), **dict(model.named_buffers())}

@@ -37,14 +37,20 @@ def _mergeables(model: nn.Module, doing: str = "merge") -> list[nn.Module]:
     raise ValueError(f"nothing to {doing}: the model carries no petl method (petl.apply one first)")
 
 
+# The attribute of a merged wrapper holding its tensors as they were before the merge (on the CPU) and their version
+# counters after it, which :func:`unmerge` puts back bit for bit where nothing wrote them since.
+_KEPT = "_petl_unmerged_tensors"
+
+
 @torch.no_grad()
-def merge_updates(model: nn.Module) -> nn.Module:
+def merge_updates(model: nn.Module, restorable: bool = True) -> nn.Module:
     """Fold every mergeable wrapper's update into its frozen base weight (in place); see :func:`petl.merge`.
 
     All or nothing: a wrapper that refuses (a non-finite update, a layer without the bias a shift needs)
     raises after the wrappers merged before it are unmerged again and their tensors, and its own, put back bit for
     bit, so the model is never half merged, nor changed at all.  For that it holds a CPU copy of the wrappers'
-    tensors while it runs (their base layers': host memory up to the model's size, also for a model on a GPU).
+    tensors while it runs (their base layers': host memory up to the model's size, also for a model on a GPU); with
+    ``restorable`` each wrapper keeps its copy until :func:`unmerge` puts it back.
     """
     check_module(model)
     done: list[tuple[nn.Module, list[torch.Tensor]]] = []  # each merged wrapper, with its tensors as they were
@@ -72,7 +78,14 @@ def merge_updates(model: nn.Module) -> nn.Module:
             module.unmerge()  # the wrapper's own state (petl's merged mark, peft's merged adapters)
             _put_back(module, kept)
         raise
+    for module, kept in done if restorable else ():
+        setattr(module, _KEPT, (kept, _versions(module)))
     return model
+
+
+def _versions(module: nn.Module) -> list[int]:
+    """The version counters of a wrapper's tensors, which every in-place write (a load_state_dict) moves on."""
+    return [tensor._version for tensor in _tensors(module)]
 
 
 def _put_back(module: nn.Module, kept: list[torch.Tensor]) -> None:
@@ -88,8 +101,30 @@ def _tensors(module: nn.Module) -> list[torch.Tensor]:
 
 @torch.no_grad()
 def unmerge(model: nn.Module) -> nn.Module:
-    """Undo :func:`merge` (in place)."""
+    """Undo :func:`petl.merge` (in place): the wrappers run their update beside the frozen weights again.
+
+    What comes back: after ``petl.merge(model)`` (``restorable=True``, the default) every tensor of the wrapped
+    layers is put back bit for bit from the CPU copy the merge kept, so the frozen weights' hashes (a run card's
+    ``frozen_sha256``, a weights file's fingerprint) are those of before the merge.  After
+    ``petl.merge(model, restorable=False)``, or where the merged weights were written since (a state dict loaded onto
+    the merged model), the update is subtracted again, as peft's ``unmerge_adapter`` does: the weights come back to
+    float rounding only (``W + U - U`` is not ``W`` in the last bits; SSF divides its scale back out, which a zero
+    scale cannot), and a file saved afterwards records those rounded weights.  A wrapper that is not merged stays as
+    it is.
+    """
     check_module(model)
-    for module in _mergeables(model, "unmerge"):
+    modules = _mergeables(model, "unmerge")
+    restore = {}
+    for module in modules:  # all checked before any is changed: wrappers may share tensors (one wraps another)
+        kept, versions = module.__dict__.pop(_KEPT, (None, None))
+        # The copy is the wrapper's tensors as they were only while nothing wrote them since the merge (a state dict
+        # loaded onto the merged model): else the update is subtracted, as without a copy.
+        if kept is not None and getattr(module, "merged", False) and versions == _versions(module):
+            restore[id(module)] = kept
+    # Last merged first: a wrapper around another (RepAdapter's two on one in_proj) kept the tensors of before both
+    # merges, and puts them back last.
+    for module in reversed(modules):
         module.unmerge()
+        if id(module) in restore:
+            _put_back(module, restore[id(module)])
     return model

@@ -9,8 +9,9 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from petl.model.backbone import family_of
-from petl.model.wrappers import check_module
+from petl.model.backbone import backbone_of, family_of
+from petl.model.merging import _FOREIGN_MERGEABLE
+from petl.model.wrappers import PetlModule, check_module
 
 
 class ParamCount(NamedTuple):
@@ -82,3 +83,76 @@ def content_hash(tensors: dict[str, torch.Tensor]) -> str:
         # A uint8 view gives the bytes of every dtype (numpy has no bfloat16).
         digest.update(tensor.reshape(-1).view(torch.uint8).numpy())
     return digest.hexdigest()
+
+
+# How many values of each frozen tensor :func:`frozen_fingerprint` reads: evenly spaced over the tensor, so that
+# another checkpoint or random init (which changes every value) differs, at a cost that does not grow with the model.
+FINGERPRINT_VALUES = 1024
+
+
+def frozen_fingerprint(model: nn.Module, skip: set[str], values_of: nn.Module | None = None) -> str:
+    """SHA-256 of the backbone's frozen tensors as timm names them: each one's name, dtype, shape and
+    :data:`FINGERPRINT_VALUES` of its values, evenly spaced.
+
+    The same on the plain backbone as on the model :func:`petl.apply` made of it: a wrapped layer's tensors are named
+    as before it was wrapped (LoRA's ``qkv.base.weight`` is ``qkv.weight``), and tensors a method added, the head's
+    (reset to its class count) and those named in ``skip`` (the trained ones) are left out.  A sample, not every
+    value: hashing all of a ViT-B's 86M values takes over a second; an edit of a few values may pass unseen.
+
+    Args:
+        model: a model with a method applied, or a plain backbone.
+        skip: names (as in ``model``) of the tensors to leave out: the trained ones, which a weights file replaces.
+        values_of: the plain backbone whose values to read, where ``model`` is a method applied on a copy of it
+            (on the meta device: :func:`petl.model.surgery.meta_copy`) that says only which tensors count.
+
+    """
+    source = values_of if values_of is not None else model
+    head = {id(t) for t in [*backbone_of(model).head().parameters(), *backbone_of(model).head().buffers()]}
+    skipped = {plain_name(model, name) for name in skip}
+    tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    chosen = {}
+    for name, tensor in tensors.items():
+        plain = plain_name(model, name)
+        if plain is not None and plain not in skipped and id(tensor) not in head:
+            chosen[plain] = tensor
+    if values_of is not None:
+        held = {**dict(source.named_parameters()), **dict(source.named_buffers())}
+        chosen = {name: held[name] for name in chosen if name in held}
+    digest = hashlib.sha256()
+    for name in sorted(chosen):
+        tensor = chosen[name].detach()
+        flat = tensor.reshape(-1)
+        count = min(flat.numel(), FINGERPRINT_VALUES)
+        # Integer positions, computed on the CPU: the same on every device.
+        where = torch.arange(count, dtype=torch.long) * max(flat.numel() - 1, 0) // max(count - 1, 1)
+        sample = flat[where.to(flat.device)].cpu().contiguous()
+        digest.update(json.dumps([name, str(tensor.dtype), list(tensor.shape)]).encode())
+        digest.update(sample.view(torch.uint8).numpy())
+    return digest.hexdigest()
+
+
+def plain_name(model: nn.Module, name: str) -> str | None:
+    """A tensor's name in the plain backbone (a wrapper's ``base`` dropped), or ``None`` for a method's own tensor."""
+    parts = name.split(".")
+    module, plain = model, []
+    for part in parts[:-1]:
+        child = module._modules.get(part)
+        if child is None:
+            return None
+        if _is_wrapper(module):
+            if not _stands_for(module, child):
+                return None  # the wrapper's own (LoRA's A and B)
+        else:
+            plain.append(part)
+        module = child
+    return None if _is_wrapper(module) else ".".join([*plain, parts[-1]])
+
+
+def _is_wrapper(module: nn.Module) -> bool:
+    return isinstance(module, PetlModule) or bool(_FOREIGN_MERGEABLE) and isinstance(module, tuple(_FOREIGN_MERGEABLE))
+
+
+def _stands_for(wrapper: nn.Module, child: nn.Module) -> bool:
+    """Whether ``child`` is (or holds) the layer ``wrapper`` wraps: petl's ``base``, peft's ``base_layer``."""
+    base = wrapper.base if isinstance(wrapper, PetlModule) else wrapper.get_base_layer()
+    return any(m is base for m in child.modules())

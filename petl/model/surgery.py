@@ -196,14 +196,15 @@ def check_supported(model: nn.Module, method: str) -> None:
 
 
 @torch.no_grad()
-def merge(model: nn.Module, unload: bool | None = None) -> nn.Module:
+def merge(model: nn.Module, unload: bool | None = None, *, restorable: bool = True) -> nn.Module:
     """Fold every mergeable wrapper's update into its frozen base weight (in place); the wrappers stay.
 
     All or nothing: a wrapper that refuses (a non-finite update, a layer without the bias a shift needs)
     raises after the wrappers merged before it are unmerged again, their tensors (and the refusing one's) put back bit
     for bit, so the model is never half merged nor changed; for that it holds a CPU copy of the wrapped layers'
-    tensors while it runs (host memory up to the model's size, on a GPU too).  :func:`petl.unmerge` undoes it
-    (subtracting the update again: the weights come back to float rounding); :func:`petl.unload` merges and then
+    tensors while it runs (host memory up to the model's size, on a GPU too), and keeps it (``restorable``) so that
+    :func:`petl.unmerge` puts the weights back bit for bit; ``restorable=False`` frees it, and unmerge then subtracts
+    the update again, the weights coming back to float rounding only.  :func:`petl.unload` merges and then
     removes the wrappers (a plain timm model), as peft's ``merge_and_unload()`` beside its ``merge_adapter()``.
 
     The model's ``state_dict()`` says which wrappers are merged (in torch's state-dict metadata, which ``torch.save``
@@ -216,6 +217,8 @@ def merge(model: nn.Module, unload: bool | None = None) -> nn.Module:
     Args:
         model: a model prepared by :func:`petl.apply`.
         unload: deprecated: ``merge(model, unload=True)`` is ``petl.unload(model)``, and warns.
+        restorable: keep a CPU copy of the wrapped layers' tensors (host memory up to the model's size) until
+            :func:`petl.unmerge`, which puts them back bit for bit; ``False`` for a model that will not be unmerged.
     """
     check_module(model)  # said as it is, not as a layer that could not merge
     if unload is not None:
@@ -229,7 +232,7 @@ def merge(model: nn.Module, unload: bool | None = None) -> nn.Module:
         if unload:
             return unload_model(model)
     try:
-        return merge_updates(model)
+        return merge_updates(model, restorable)
     except ValueError as error:  # a layer that cannot hold its update: say that nothing is lost by not merging
         if getattr(model, "petl_method", None) is None:  # no method to run as trained: the reason says what to do
             raise

@@ -88,7 +88,7 @@ def unload(model: nn.Module) -> nn.Module:
         # model would apply its update on top of itself, silently.
         merged = content_hash(trainable_state(model))
         try:
-            merge_updates(model)
+            merge_updates(model, restorable=False)  # the wrappers, and what they would keep, go
         except ValueError as error:  # a layer that cannot hold its update (SSF's shift on a qkv without bias)
             raise NotUnloadable(getattr(model, "petl_method", None), str(error)) from None
     # Outermost first: a replaced wrapper's inner modules are gone with it.

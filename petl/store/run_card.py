@@ -11,7 +11,10 @@ backbone rebuilt otherwise (hub weights that changed, another timm version drawi
 init), a checkpoint file that changed, a head of another class count, a ``weights`` naming a file
 outside the run folder are refused in one line instead of silently giving other predictions.
 
-:func:`write_card` is the card's one writer and :func:`read_card` its one reader.  A card of the first
+:func:`write_card` is the card's one writer and :func:`read_card` its one reader.  The card records a SHA-256 of its
+own fields (``card_sha256``, :func:`card_hash`), which :func:`read_card` checks: the class names and preprocessing
+are checked against nothing else, and an edited one would give other predictions silently.  Cards written before it
+hold none and are read as before.  A card of the first
 format (``petl-model-1``: no weights hash, no ``img_size``) still loads, with one line saying what
 could not be checked; one of a newer format than this petl knows is refused, saying so.  From format 3 on,
 ``backbone.kwargs`` may hold ``pretrained_cfg_overlay={"input_size": [3, N, N]}`` (N the card's input size): the
@@ -92,6 +95,7 @@ _OPTIONAL: dict[str, type | tuple[type, ...]] = {
     "backbone.seed": int,
     "backbone.frozen_sha256": (str, type(None)),
     "dataset": str,  # what the model was trained on; petl-export copies it into the exported model's metadata
+    "card_sha256": str,  # card_hash, which read_card checks; cards written before it have none
 }
 _FIELDS_SINCE = {2: {"weights_sha256": str, "backbone.kwargs.img_size": int}}
 # timm.create_model's arguments that name a file or a place to load weights from.  A card never steers file
@@ -208,7 +212,20 @@ def write_card(folder: Path, card: dict[str, Any]) -> None:
         card: a record of :func:`model_card`.
 
     """
-    write_json(folder / MODEL_FILE, {**card, "weights_sha256": file_sha256(folder / card["weights"])})
+    card = json.loads(json.dumps({**card, "weights_sha256": file_sha256(folder / card["weights"])}, default=str))
+    write_json(folder / MODEL_FILE, {**card, CARD_HASH: card_hash(card)})
+
+
+# The card's field holding :func:`card_hash`, as a weights file's metadata holds its own (petl.model.io.METADATA_HASH).
+CARD_HASH = "card_sha256"
+
+
+def card_hash(card: dict[str, Any]) -> str:
+    """SHA-256 of a card's every field but this hash's own: class names and preprocessing, which nothing else checks,
+    included.
+    """
+    described = {key: value for key, value in card.items() if key != CARD_HASH}
+    return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()
 
 
 @dataclass
@@ -287,6 +304,13 @@ def read_card(run_dir: str | Path) -> dict[str, Any]:
     if version == 1:
         card = _upgraded_from_1(card, card_path)
     _check_fields(card, card_path, version)
+    # After the fields (one of a wrong type is named as such), before any is compared or used: an edited class name
+    # or mean would otherwise give other predictions, silently.
+    if CARD_HASH in card and card[CARD_HASH] != card_hash(card):
+        raise RunFolderError(
+            f"{card_path} was edited since petl-run wrote it (its fields do not match its {CARD_HASH}): restore the "
+            "run's model.json"
+        )
     if len(card["class_names"]) != card["num_classes"]:
         raise RunFolderError(
             f"{card_path}: class_names has {len(card['class_names'])} names for num_classes={card['num_classes']}: "
@@ -651,7 +675,8 @@ def load_run(run_dir: str | Path) -> LoadedRun:
     folder = Path(run_dir)
     card = read_card(folder)
     model = create_backbone(card["backbone"], folder / MODEL_FILE)
-    load_trainable(model, weights_file(folder, card))
+    # The card's frozen_sha256 (every value, checked by loaded) says it as the run's; an older card has none.
+    load_trainable(model, weights_file(folder, card), check_frozen=card["backbone"].get("frozen_sha256") is None)
     return loaded(folder, card, model)
 
 

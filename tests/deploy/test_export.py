@@ -20,6 +20,7 @@ import pytest
 import timm
 import torch
 from conftest import TINY_FAMILIES, TINY_MODELS, TINY_VIT, command_status
+from safetensors import safe_open
 from test_multitask import _run_folder as multitask_run_folder
 from test_run_card import TINY, _image, _run_folder
 
@@ -121,6 +122,14 @@ def test_a_safetensors_export_loads_in_timm_as_docs_own_data_says_with_its_prepr
     with torch.no_grad():
         expected = petl.load_run(run_dir).model(images)
     torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_a_single_file_export_says_what_it_was_trained_on_as_a_folders_config_does(tmp_path):
+    # config.json's petl section held the card's dataset; the .safetensors and .onnx metadata, "the same", did not.
+    run_dir = _run_folder(tmp_path / "run")
+    export_cli.main([str(run_dir), f"out={tmp_path / 'model.safetensors'}"])
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as weights:
+        assert weights.metadata()["dataset"] == "folder" == petl.load_run(run_dir).card["dataset"]
 
 
 @pytest.mark.slow

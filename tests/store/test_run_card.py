@@ -59,8 +59,13 @@ def _run_folder(folder: Path, seed: int = 0, classes: int = 3, model_cfg: dict |
 
 
 def _edit_card(folder: Path, edit) -> None:
+    """Edit a run's card as a crafted card would be: its card_sha256 made anew (an edit that keeps it is refused by
+    that alone: test_an_edited_card_is_refused_and_an_older_one_without_its_hash_loads), or dropped by ``edit``.
+    """
     card = json.loads((folder / run_card.MODEL_FILE).read_text())
     edit(card)
+    if run_card.CARD_HASH in card:
+        card[run_card.CARD_HASH] = run_card.card_hash(card)
     (folder / run_card.MODEL_FILE).write_text(json.dumps(card))
 
 
@@ -241,8 +246,34 @@ def test_a_naflexvit_cards_overlay_other_than_its_input_size_is_refused(tmp_path
 def test_a_second_format_card_still_loads(tmp_path):
     # Format 3 added the overlay a card may hold; a card of format 2, which holds none, is read as before.
     run = _run_folder(tmp_path / "run")
-    _edit_card(run, lambda card: card.update(format="petl-model-2"))
+    _edit_card(run, lambda card: card.update(format="petl-model-2") or card.pop(run_card.CARD_HASH))
     assert petl.load_run(run).card["format"] == "petl-model-2"
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda card: card.update(class_names=card["class_names"][::-1]),  # every prediction named as another class
+        lambda card: card["preprocess"].update(mean=[0.4, 0.4, 0.4]),
+        lambda card: card.update(dataset="other"),
+    ],
+)
+def test_an_edited_card_is_refused_and_an_older_one_without_its_hash_loads(tmp_path, edit):
+    # Nothing checked the class names, the preprocessing or the dataset against the run: an edited card was trusted.
+    run = _run_folder(tmp_path / "run")
+    card_path = run / run_card.MODEL_FILE
+    card = json.loads(card_path.read_text())
+    edit(card)
+    card_path.write_text(json.dumps(card))
+    with pytest.raises(run_card.RunFolderError) as error:
+        petl.load_run(run)
+    assert str(error.value) == (
+        f"{card_path} was edited since petl-run wrote it (its fields do not match its card_sha256): restore the run's "
+        "model.json"
+    )
+    card.pop(run_card.CARD_HASH)  # a card of petl before the hash: read as before
+    card_path.write_text(json.dumps(card))
+    assert petl.load_run(run).class_names == card["class_names"]
 
 
 def test_a_file_of_the_run_given_for_its_folder_says_to_give_the_folder(tmp_path):
@@ -270,6 +301,7 @@ def _as_first_format(card: dict) -> None:
     """What petl wrote before this format: no weights hash, no img_size unless the run gave it in kwargs."""
     card["format"] = "petl-model-1"
     card.pop("weights_sha256")
+    card.pop(run_card.CARD_HASH)
     card["backbone"]["kwargs"].pop("img_size")
 
 

@@ -1,0 +1,117 @@
+"""Weights files and the backbone they were trained on; what merging and unmerging give back."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_tiny_family, perturb_trainable
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+import petl
+from petl.model import io
+
+
+@pytest.mark.parametrize("method", petl.list_methods())
+def test_a_file_loads_onto_its_own_backbone_and_is_refused_on_other_weights_of_its_shape(tiny_vit, tmp_path, method):
+    model = petl.apply(tiny_vit(), method)
+    perturb_trainable(model)
+    path = tmp_path / "w.safetensors"
+    petl.save_trainable(model, path)
+    # The same weights built again (a checkpoint downloaded again), fresh or with the method applied: it loads.
+    petl.load_trainable(tiny_vit(), path)
+    petl.load_trainable(petl.apply(tiny_vit(), method), path)
+    other = tiny_vit(seed=1)  # the same shapes, other weights: the file's update was never trained on these
+    if method == "full":  # the file holds every tensor: it gives the same model on any weights of its shapes
+        assert petl.load_trainable(other, path).state_dict().keys() == model.state_dict().keys()
+        return
+    before = {name: t.clone() for name, t in other.state_dict().items()}
+    with pytest.raises(ValueError, match="trained on other frozen weights") as caught:
+        petl.load_trainable(other, path)
+    assert str(path) in str(caught.value) and "check_frozen=False" in str(caught.value)
+    assert len(str(caught.value).splitlines()) == 1
+    assert getattr(other, "petl_method", None) is None  # refused before anything changed
+    assert all(torch.equal(before[name], t) for name, t in other.state_dict().items())
+    # Knowingly: it loads.
+    loaded = petl.load_trainable(tiny_vit(seed=1), path, check_frozen=False)
+    assert loaded.petl_method == method
+
+
+def test_multitask_refuses_a_bare_weights_file_over_other_frozen_weights(tiny_vit, tmp_path):
+    # A bare file "records no backbone and is not checked": served over another random init, its task's logits were
+    # silently another model's.
+    path = tmp_path / "w.safetensors"
+    petl.save_trainable(petl.apply_lora(tiny_vit()), path)
+    with pytest.raises(ValueError, match="trained on other frozen weights"):
+        petl.MultiTask(tiny_vit(seed=1), {"a": path})
+    assert petl.MultiTask(tiny_vit(), {"a": path}).names == ["a"]
+
+
+def test_a_file_of_an_earlier_petl_without_a_fingerprint_loads_onto_any_weights_of_its_shape(tiny_vit, tmp_path):
+    model = petl.apply_lora(tiny_vit())
+    perturb_trainable(model)
+    path = tmp_path / "w.safetensors"
+    petl.save_trainable(model, path)
+    with safe_open(str(path), framework="pt") as f:
+        meta = {k: v for k, v in f.metadata().items() if k not in (io.FROZEN, io.METADATA_HASH)}
+        tensors = {name: f.get_tensor(name) for name in f.keys()}
+    save_file(tensors, str(path), metadata={**meta, io.METADATA_HASH: io.metadata_hash(meta)})  # as it wrote them
+    loaded = petl.load_trainable(tiny_vit(seed=1), path)
+    trained = petl.model.params.trainable_state(model)
+    assert all(torch.equal(loaded.state_dict()[name], t) for name, t in trained.items())
+
+
+def test_an_edited_fingerprint_is_corrupt_metadata(tiny_vit, tmp_path):
+    path = tmp_path / "w.safetensors"
+    petl.save_trainable(petl.apply_lora(tiny_vit()), path)
+    with safe_open(str(path), framework="pt") as f:
+        meta, tensors = f.metadata(), {name: f.get_tensor(name) for name in f.keys()}
+    save_file(tensors, str(path), metadata={**meta, io.FROZEN: "0" * 64})
+    with pytest.raises(ValueError, match="is corrupt: its metadata"):
+        petl.load_trainable(tiny_vit(), path)
+
+
+def test_a_half_precision_backbone_is_refused_and_loads_in_the_dtype_it_was_saved_in(tiny_vit, tmp_path):
+    path = tmp_path / "w.safetensors"
+    petl.save_trainable(petl.apply_lora(tiny_vit()), path)
+    with pytest.raises(ValueError, match="dtype"):
+        petl.load_trainable(tiny_vit().half(), path)
+    assert petl.load_trainable(tiny_vit(), path).half().blocks[0].attn.qkv.base.weight.dtype == torch.float16
+
+
+MERGEABLE = [name for name in petl.list_methods() if petl.model.registry.get_method(name).mergeable]
+
+
+@pytest.mark.parametrize("method", MERGEABLE)
+def test_unmerge_puts_the_weights_back_bit_for_bit_and_without_the_copy_to_rounding(tiny_vit, images, tmp_path, method):
+    # unmerge subtracted the update again: W + U - U is not W in the last bits, so a file saved after a merge and an
+    # unmerge recorded other frozen weights than the backbone's, and was refused on it.
+    model = petl.apply(tiny_vit(), method)
+    perturb_trainable(model)
+    before = {name: t.clone() for name, t in model.state_dict().items()}
+    petl.unmerge(petl.merge(model))
+    assert all(torch.equal(before[name], t) for name, t in model.state_dict().items())
+    petl.save_trainable(model, tmp_path / "w.safetensors")
+    petl.load_trainable(tiny_vit(), tmp_path / "w.safetensors")
+    # Without the copy (or with the merged weights written since): the update subtracted, to float rounding.
+    petl.unmerge(petl.merge(model, restorable=False))
+    assert not any(getattr(m, "merged", False) for m in model.modules())
+    for name, t in model.state_dict().items():
+        torch.testing.assert_close(t, before[name], rtol=1e-5, atol=1e-6)
+    merged = petl.merge(petl.apply(tiny_vit(), method))
+    perturb_trainable(merged)
+    merged.load_state_dict(petl.merge(model).state_dict())  # the merged weights written since the merge
+    petl.unmerge(merged)
+    for name, t in merged.state_dict().items():
+        torch.testing.assert_close(t, before[name], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(("family", "method"), [("vit_pwee", "repadapter"), ("vit_pwee_4x", "fact")])
+def test_unmerge_is_bit_for_bit_where_wrappers_share_the_tensors_they_merge_into(family, method):
+    # Each wrapper put back the copy it kept, first merged first: the second found the tensors written since (by the
+    # first's copy) and subtracted its update from weights that no longer held it.
+    model = petl.apply(make_tiny_family(family), method)
+    perturb_trainable(model)
+    before = {name: t.clone() for name, t in model.state_dict().items()}
+    petl.unmerge(petl.merge(model))
+    assert all(torch.equal(before[name], t) for name, t in model.state_dict().items())
