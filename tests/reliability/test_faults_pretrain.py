@@ -57,6 +57,7 @@ def no_generation(monkeypatch):
         (["--weight-decay", "-1"], "--weight-decay -1.0 is out of range"),
         (["--warmup-frac", "2"], "--warmup-frac 2.0 is out of range: allowed [0, 1]"),
         (["label_smoothing=inf"], "--label-smoothing inf is not a finite number"),
+        (["--label-smoothing", "1"], "--label-smoothing 1.0 is out of range: allowed [0, 1)"),
         (["--seed", "-1"], "--seed -1 is out of range: allowed [0, 4294967295]"),
         (["overwrite=yes"], "overwrite=yes: expected true or false"),
     ],
