@@ -159,8 +159,29 @@ def expand_experiment(overrides: Sequence[str]) -> list[str]:
     return [*expanded, f"output_dir={output_dir}", *rest]
 
 
-def check_command_line(overrides: Sequence[str], multirun: bool = False) -> list[DictConfig]:
+def experiment_sources(overrides: Sequence[str]) -> dict[str, str]:
+    """The keys ``experiment=NAME`` in ``overrides`` (as typed) sets and they do not, each with ``experiment=NAME``.
+
+    A refusal of such a value then says where it came from: the user never typed it.  :func:`expand_experiment` has
+    checked the name.
+    """
+    chosen = next((o for o in overrides if _key(o) == EXPERIMENT_KEY), None)
+    if chosen is None:
+        return {}
+    name = chosen.split("=", 1)[1]
+    typed = {_key(o) for o in overrides}
+    return {_key(o): chosen for o in presets.experiment_overrides(name) if _key(o) not in typed}
+
+
+def check_command_line(
+    overrides: Sequence[str], multirun: bool = False, sources: dict[str, str] | None = None
+) -> list[DictConfig]:
     """Compose and check every job of a command line before Hydra starts any of them.
+
+    Args:
+        overrides: the command line's overrides, an experiment's expanded (:func:`expand_experiment`).
+        multirun: ``--multirun``: each job of the sweep is checked.
+        sources: the keys an experiment set (:func:`experiment_sources`), named so in a refusal.
 
     Returns:
         The composed, checked config of each job checked (a single run's is the one it runs).
@@ -182,7 +203,7 @@ def check_command_line(overrides: Sequence[str], multirun: bool = False) -> list
     refused: list[tuple[list[str], CacheOptionError]] = []
     for job in jobs:
         try:
-            checked.append(config.default_config(job))
+            checked.append(config.default_config(job, sources))
         except ConfigError as error:
             if isinstance(error, CacheOptionError) and len(jobs) > 1:
                 refused.append((job, error))  # every such job is named at once, once the others are checked
@@ -371,6 +392,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     # --debug: bad input found while composing the command line shows its traceback too, as a run's does.
     with exit_statuses(PROG, usage=(ConfigError,), failure=(), debug=_debug, quiet=quiet):
         overrides = expand_experiment(args.overrides)
+        sources = experiment_sources(args.overrides)
         argv, args.overrides = [*flags, *overrides], overrides
         config.register_configs()
         config.register_models_in(args.overrides)
@@ -379,7 +401,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             getattr(args, flag, None) for flag in ("help", "hydra_help", "shell_completion", "info", "version")
         )
         try:
-            checked: list[DictConfig] = [] if informational else check_command_line(args.overrides, args.multirun)
+            checked: list[DictConfig] = (
+                [] if informational else check_command_line(args.overrides, args.multirun, sources)
+            )
         except RunError as error:  # data that cannot be reached here (a hub id offline): not bad input, exit 1
             if _debug:
                 raise
