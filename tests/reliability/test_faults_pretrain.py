@@ -140,6 +140,22 @@ def test_sigterm_keeps_the_epochs_and_the_same_command_continues(tmp_path, capsy
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([weights.name, provenance.name])
 
 
+def test_ctrl_c_before_the_first_epoch_says_the_same_command_starts_over(tmp_path, capsys, monkeypatch):
+    # Interrupted while it generated the fractals, it said "the same command continues from the last finished epoch":
+    # there was none, and the same command generated and trained from the start.
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patched:
+        patched.setattr(pretrain, "generate", interrupted)
+        code, err = petl_pretrain(capsys, *TINY, "--out", str(tmp_path))
+    assert code == 130 and not pretrain.partial_file(tmp_path).exists()
+    assert err == (
+        "petl-pretrain: error: interrupted before the first epoch finished, so no epoch is kept and no weights "
+        "written: the same command starts the pretraining over\n"
+    )
+
+
 def test_a_resume_with_other_options_names_the_difference_and_keeps_the_checkpoint(tmp_path, capsys, monkeypatch):
     # It said only 'a pretraining of another recipe' (exit 1, as a ValueError), after generating the images.
     code, _ = _interrupted_after_one_epoch(capsys, monkeypatch, tmp_path, KeyboardInterrupt)
