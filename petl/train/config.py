@@ -119,7 +119,8 @@ class ModelConfig:
         name: a timm model of a family petl takes (docs/backbones.md), optionally with a pretrained tag
             (``vit_base_patch16_224.augreg2_in21k_ft_in1k``).
         pretrained: load the tag's pretrained weights (from the hub, or a file petl ships).
-        checkpoint: a local weights file to load instead of the tag's source (offline clusters).
+        checkpoint: a local weights file to load instead of the tag's source (offline clusters); refused beside
+            ``model.pretrained=false``, which loads no weights.
         img_size: the side (px) of the square images the backbone is built for; ``None`` keeps its timm default.
             The data pipeline resizes to the built model's size whichever way it was set (this option or
             ``+model.kwargs.img_size``); a pretrained position grid is resampled by the model's own loader.
@@ -607,6 +608,9 @@ def check_values(cfg: DictConfig, sources: Mapping[str, str] | None = None) -> N
                 f"data.epochs={cfg.data.epochs} cannot act: train.epochs={cfg.train.epochs} is "
                 f"{f'set by {source}' if source else 'given'}, and the run trains that many; {todo}"
             )
+        if cfg.model.checkpoint and not cfg.model.pretrained:
+            # Refused here, not only when the backbone is built: a sweep's check before its first job names it.
+            raise ValueError("model.checkpoint is set but model.pretrained=false: the file would be ignored")
     except OmegaConfBaseException as error:
         # An interpolation that does not resolve, or a missing mandatory value.
         raise ConfigError(explain(error)) from None
