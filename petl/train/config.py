@@ -175,7 +175,8 @@ class TrainConfig(TrainSettings):
             a fixed cuBLAS workspace and no cuDNN autotuning); false turns them off for the run, and on CUDA turns
             cuDNN's autotuner (``cudnn.benchmark``) on, as timm's train.py does.
         trackers: experiment trackers through accelerate (``tensorboard``, ``wandb``...); none by default.
-        keep_checkpoint: keep the last per-epoch checkpoint after the run has finished.
+        keep_checkpoint: keep the last per-epoch checkpoint after the run has finished (the same command run again
+            without it returns the finished run and leaves the checkpoint kept).
         eval_test: evaluate the test split once after the last epoch; ``false`` for the selection trials of
             ``petl-bench`` (their result then has ``test_top1: null``, so no choice can see a test number).
 

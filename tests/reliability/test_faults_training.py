@@ -253,6 +253,15 @@ def test_ctrl_c_says_whether_an_epoch_is_kept_and_the_same_command_does_what_it_
     assert len((tmp_path / files.METRICS_FILE).read_text().splitlines()) == 2
 
 
+def test_the_same_command_again_keeps_the_checkpoint_a_finished_run_was_told_to_keep(tmp_path):
+    # Run again without train.keep_checkpoint (neutral: the finished result is returned), it deleted the checkpoint
+    # the first run had kept, taking it for one a kill had left between result.json and its removal.
+    first = tiny(tmp_path, "train.keep_checkpoint=true", "train.epochs=1")
+    assert (tmp_path / files.CHECKPOINT_FILE).is_file()
+    assert tiny(tmp_path, "train.epochs=1")["finished_at"] == first["finished_at"]  # returned, not trained again
+    assert (tmp_path / files.CHECKPOINT_FILE).is_file()
+
+
 def _image_folder(root: Path, seed: int) -> Path:
     """A two-class ``data=folder`` tree (train/ and test/) of random PNGs; another seed, other images."""
     rng = np.random.default_rng(seed)
