@@ -609,6 +609,13 @@ def check_values(cfg: DictConfig, sources: Mapping[str, str] | None = None) -> N
                 f"data.epochs={cfg.data.epochs} cannot act: train.epochs={cfg.train.epochs} is "
                 f"{f'set by {source}' if source else 'given'}, and the run trains that many; {todo}"
             )
+        if cfg.train.weight_decay_all and cfg.train.weight_decay == 0:
+            # Which tensors decay is moot where none does.
+            raise ValueError(
+                f"train.weight_decay_all=true{set_by('train.weight_decay_all', sources)} cannot act: "
+                f"train.weight_decay=0{set_by('train.weight_decay', sources)} decays no tensor; give "
+                "train.weight_decay_all=false, or a train.weight_decay above 0"
+            )
         if cfg.model.checkpoint and not cfg.model.pretrained:
             # Refused here, not only when the backbone is built: a sweep's check before its first job names it.
             raise ValueError("model.checkpoint is set but model.pretrained=false: the file would be ignored")

@@ -57,7 +57,8 @@ class TrainSettings:
             starts.
         weight_decay_all: decay every trainable tensor; by default biases, norms (every 1-D
             tensor), prompt tokens and position embeddings are exempt, as in timm's
-            ``param_groups_weight_decay`` and the models' ``no_weight_decay()``.
+            ``param_groups_weight_decay`` and the models' ``no_weight_decay()``.  ``petl-run`` refuses it beside
+            ``train.weight_decay=0``, where no tensor decays.
         progress: show a progress bar per epoch (drawn where stderr is a terminal or in a notebook, not into a
             log file: :mod:`petl.utils.progress`; ``petl-run`` logs a line per epoch either way).
 

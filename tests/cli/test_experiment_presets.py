@@ -94,8 +94,19 @@ WIDTH = "the side width 12/8 must be a whole number divisible by the backbone's 
             ["train=smoke", "train.epochs=3", "data.epochs=5"],
             "data.epochs=5 cannot act: train.epochs=3 is given, and the run trains that many; drop one of them",
         ),
+        # weight_decay_all chooses which tensors decay: moot where none does (gps's weight decay is 0).
+        (
+            ["experiment=gps", "train.weight_decay_all=true"],
+            "train.weight_decay_all=true cannot act: train.weight_decay=0 (set by experiment=gps) decays no tensor; "
+            "give train.weight_decay_all=false, or a train.weight_decay above 0",
+        ),
+        (
+            ["train.weight_decay=0", "train.weight_decay_all=true"],
+            "train.weight_decay_all=true cannot act: train.weight_decay=0 decays no tensor; give "
+            "train.weight_decay_all=false, or a train.weight_decay above 0",
+        ),
     ],
-    ids=["experiment-set", "typed", "recipe-set", "typed-over-recipe"],
+    ids=["experiment-set", "typed", "recipe-set", "typed-over-recipe", "decay-set", "both-typed"],
 )
 def test_a_refusal_says_which_value_a_file_set_and_which_was_typed(args, said, capsys):
     with pytest.raises(SystemExit) as caught:
