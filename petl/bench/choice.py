@@ -296,7 +296,11 @@ def serve_refusal(run_dir: Path, task: str = "run") -> str | None:
 
 
 def cost_lines(estimate: dict[str, Any] | None, measured_seconds: float | None) -> list[str]:
-    """The cost said before the run against the time the run took."""
+    """The cost said before the run against the time the run took.
+
+    And the runs the sweep trained, where the estimate counted others: ``require_learning`` trains the finals of a
+    point set aside again at the next point.
+    """
     if estimate is None:
         return ["**Cost**: no estimate recorded (the runs were trained before `petl-bench` estimated them)."]
     said = f"**Cost**: estimated {duration(estimate['seconds'])} for {plural(estimate['runs'], 'run')} before training "
@@ -304,7 +308,12 @@ def cost_lines(estimate: dict[str, Any] | None, measured_seconds: float | None) 
     if measured_seconds is None:
         return [said + "; the real time is recorded once the sweep that estimated it ends."]
     ratio = measured_seconds / estimate["seconds"] if estimate["seconds"] > 0 else math.nan
-    return [said + f"; they took {duration(measured_seconds)} ({ratio:.2f}x the estimate)."]
+    took = f"took {duration(measured_seconds)} ({ratio:.2f}x the estimate)"
+    trained = estimate.get("measured_runs")  # absent from the records of before it was kept
+    if trained is None or trained == estimate["runs"]:
+        return [said + f"; they {took}."]
+    # Under require_learning the finals of a point set aside are trained again at the next: more runs than counted.
+    return [said + f"; the sweep trained {plural(trained, 'run')}, not {estimate['runs']}, and {took}."]
 
 
 def write_choice(

@@ -185,11 +185,20 @@ class Estimate:
         files.write_json(output_dir / ESTIMATE_FILE, {"version": ESTIMATE_VERSION, **record})
 
 
-def record_measured(output_dir: Path, seconds: float) -> None:
-    """Add the suite's measured wall time to ``output_dir``'s ``estimate.json`` (written by :meth:`Estimate.write`)."""
+def record_measured(output_dir: Path, seconds: float, runs: int | None = None) -> None:
+    """Add the suite's measured wall time to ``output_dir``'s ``estimate.json`` (written by :meth:`Estimate.write`).
+
+    Args:
+        output_dir: the results folder.
+        seconds: the wall time of the sweep the estimate was made for.
+        runs: the runs it trained, which may differ from the estimate's count: under ``require_learning`` the
+            finals of a point set aside (did not learn) are trained again at the next point.
+
+    """
     record = read_estimate(output_dir)
     if record is not None:
-        files.write_json(Path(output_dir) / ESTIMATE_FILE, {**record, "measured_seconds": round(seconds, 1)})
+        measured = {"measured_seconds": round(seconds, 1)} | ({"measured_runs": runs} if runs is not None else {})
+        files.write_json(Path(output_dir) / ESTIMATE_FILE, {**record, **measured})
 
 
 def read_estimate(output_dir: Path) -> dict[str, Any] | None:
@@ -219,6 +228,8 @@ def read_estimate(output_dir: Path) -> dict[str, Any] | None:
     wanted = {"seconds": "a non-negative number", "runs": "a count", "measured_at": "text", "device": "text"}
     if "measured_seconds" in record:
         wanted["measured_seconds"] = "a non-negative number"
+    if "measured_runs" in record:
+        wanted["measured_runs"] = "a count"
     for name, what in wanted.items():
         value = record.get(name)
         if what == "text":

@@ -158,7 +158,7 @@ def _run_locked(
     tick = time.perf_counter()
     summary = protocol.run_protocol(cells, progress=as_bool("progress", own.get("progress", "true")))
     if estimate.runs:
-        costs.record_measured(output_dir, time.perf_counter() - tick)
+        costs.record_measured(output_dir, time.perf_counter() - tick, summary.trained)
     finals_done = any(output_dir.glob(f"{data.task}/*/seed*/result.json"))
     status = finish(summary, output_dir, own, finals_done, suite)
     if (output_dir / "leaderboard.csv").is_file() and finals_done and not summary.stale:

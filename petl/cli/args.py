@@ -174,7 +174,7 @@ def exit_statuses(
     prog: str,
     usage: tuple[type[Exception], ...] = (),
     failure: tuple[type[Exception], ...] = (RuntimeError, OSError),
-    interrupted: str = "interrupted",
+    interrupted: str | Callable[[], str] = "interrupted",
     debug: bool | None = None,
     quiet: bool = False,
 ) -> Iterator[None]:
@@ -190,7 +190,7 @@ def exit_statuses(
         usage: more exception types that are bad input.
         failure: the exception types of a run that could not complete.
         interrupted: what follows ``PROG: `` on Ctrl-C (the word ``interrupted``, then what is kept and how to go
-            on).
+            on), or a function that words it once Ctrl-C came (what was kept depends on when).
         debug: ``None`` for a command without ``--debug``; ``False``: a failure's line names its type and says
             that ``--debug`` shows the traceback (not a :class:`~petl.utils.errors.RunError`'s, whose message says
             why); ``True``: every exception goes on, traceback and all.
@@ -208,7 +208,8 @@ def exit_statuses(
     except KeyboardInterrupt as error:
         if debug:
             raise
-        raise stop(*interruption(error, interrupted)) from None
+        line = interrupted() if callable(interrupted) else interrupted
+        raise stop(*interruption(error, line)) from None
     except BrokenPipeError:  # the reader closed stdout: entry_point ends the command, not as a failure
         raise
     except (UsageError, *usage) as error:

@@ -42,6 +42,9 @@ from petl.utils.text import shown
 
 PROG = "petl-pretrain"
 DEFAULT_OUT = Path("runs/pretrain")
+# The checkpoint this pretraining keeps after each epoch, once the command line is read: Ctrl-C's line says
+# whether there is one to continue from (_interrupted_line).
+_partial: Path | None = None
 
 
 @entry_point(PROG)
@@ -50,13 +53,27 @@ def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv or "debug=true" in (a.lower() for a in argv)
     failure = (ValueError, OSError, RuntimeError)
-    # The checkpoint of each finished epoch stays in --out (petl.train.pretrain.partial_file), and the same command
-    # continues from it: "nothing was written" sent users to start over.
-    interrupted = "error: interrupted; no weights written yet: the same command continues from the last finished epoch"
+    global _partial
+    _partial = None
     # One process of a launch speaks (pretrain refuses several, each process alike).
     quiet = not is_main_process()
-    with exit_statuses(PROG, failure=failure, interrupted=interrupted, debug=debug, quiet=quiet):
+    with exit_statuses(PROG, failure=failure, interrupted=_interrupted_line, debug=debug, quiet=quiet):
         _main([a for a in argv if a != "--debug"])
+
+
+def _interrupted_line() -> str:
+    """Ctrl-C's line: whether an epoch is kept to continue from.
+
+    The checkpoint of each finished epoch stays in --out (:func:`petl.train.pretrain.partial_file`) and the same
+    command continues from it ("nothing was written" sent users to start over); before the first epoch finished (the
+    fractals still being generated, say) there is none, and the same command starts over.
+    """
+    if _partial is not None and not _partial.is_file():
+        return (
+            "error: interrupted before the first epoch finished, so no epoch is kept and no weights written: the same "
+            "command starts the pretraining over"
+        )
+    return "error: interrupted; no weights written yet: the same command continues from the last finished epoch"
 
 
 def build_parser() -> Parser:
@@ -146,8 +163,11 @@ def _main(argv: list[str]) -> None:
 
     from petl.data.fractaldb import FractalConfig
     from petl.train.engine import TrainSettings
-    from petl.train.pretrain import InUseError, pretrain
+    from petl.train.pretrain import InUseError, partial_file, pretrain
     from petl.utils.random import MAX_SEED
+
+    global _partial
+    _partial = partial_file(args.out, args.model)
 
     # --classes is checked on its own: its least is 2, which "--classes must be >= 1" for 0 did not say.
     for name in ("instances", "epochs", "batch_size"):

@@ -19,8 +19,9 @@ exits with status 2 and one line naming the key and what is valid; a run that ca
 (non-finite loss, unreachable data, a full disk, output_dir held by another run) exits with status 1
 and one line.  Bad input is checked for every job of a sweep before the first one starts, and so is a sweep
 whose jobs would train other runs into one ``output_dir``.  Ctrl-C exits
-with 130 and SIGTERM (a job scheduler's time limit, ``kill``) with 143, in one line saying how to resume;
-the finished epochs are kept and the folder's lock released.
+with 130 and SIGTERM (a job scheduler's time limit, ``kill``) with 143, in one line saying how to resume (or,
+before the first epoch finished, that the same command starts the run over); the finished epochs are kept and the
+folder's lock released.
 ``--debug`` (or ``HYDRA_FULL_ERROR=1``) shows the traceback instead of the line.
 
 A single run is composed and checked once and run directly; sweeps, and command lines that set
@@ -39,6 +40,7 @@ import os
 import sys
 from collections.abc import Sequence
 from importlib import resources
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import yaml
@@ -64,6 +66,10 @@ EXPERIMENT_KEY = "experiment"
 
 # Errors of the jobs of a local sweep (Hydra's basic launcher runs them in this process).
 _failed_jobs: list[str] = []
+
+# The folder of the run this process trains now (a single run's from the start; a local sweep's job's once it
+# starts): Ctrl-C's line says what it kept (_interrupted_line).
+_training: Path | None = None
 
 # Show tracebacks instead of one line (``--debug``, or Hydra's own HYDRA_FULL_ERROR=1).
 DEBUG_FLAG = "--debug"
@@ -153,8 +159,29 @@ def expand_experiment(overrides: Sequence[str]) -> list[str]:
     return [*expanded, f"output_dir={output_dir}", *rest]
 
 
-def check_command_line(overrides: Sequence[str], multirun: bool = False) -> list[DictConfig]:
+def experiment_sources(overrides: Sequence[str]) -> dict[str, str]:
+    """The keys ``experiment=NAME`` in ``overrides`` (as typed) sets and they do not, each with ``experiment=NAME``.
+
+    A refusal of such a value then says where it came from: the user never typed it.  :func:`expand_experiment` has
+    checked the name.
+    """
+    chosen = next((o for o in overrides if _key(o) == EXPERIMENT_KEY), None)
+    if chosen is None:
+        return {}
+    name = chosen.split("=", 1)[1]
+    typed = {_key(o) for o in overrides}
+    return {_key(o): chosen for o in presets.experiment_overrides(name) if _key(o) not in typed}
+
+
+def check_command_line(
+    overrides: Sequence[str], multirun: bool = False, sources: dict[str, str] | None = None
+) -> list[DictConfig]:
     """Compose and check every job of a command line before Hydra starts any of them.
+
+    Args:
+        overrides: the command line's overrides, an experiment's expanded (:func:`expand_experiment`).
+        multirun: ``--multirun``: each job of the sweep is checked.
+        sources: the keys an experiment set (:func:`experiment_sources`), named so in a refusal.
 
     Returns:
         The composed, checked config of each job checked (a single run's is the one it runs).
@@ -176,7 +203,7 @@ def check_command_line(overrides: Sequence[str], multirun: bool = False) -> list
     refused: list[tuple[list[str], CacheOptionError]] = []
     for job in jobs:
         try:
-            checked.append(config.default_config(job))
+            checked.append(config.default_config(job, sources))
         except ConfigError as error:
             if isinstance(error, CacheOptionError) and len(jobs) > 1:
                 refused.append((job, error))  # every such job is named at once, once the others are checked
@@ -256,6 +283,8 @@ def _task(cfg: DictConfig, checked: bool = False) -> dict[str, Any] | None:
     from petl.train import runner
     from petl.utils.distributed import is_main_process
 
+    global _training
+    _training = Path(cfg.output_dir)
     hydra_cfg = HydraConfig.get() if HydraConfig.initialized() else None
     multirun = hydra_cfg is not None and hydra_cfg.mode == RunMode.MULTIRUN
     # Hydra's basic launcher runs a sweep's jobs in this process; others (submitit...) elsewhere.
@@ -275,11 +304,13 @@ def _task(cfg: DictConfig, checked: bool = False) -> dict[str, Any] | None:
         if in_process:
             # Let the other jobs of the sweep run; main() reports the failures at the end.
             _failed_jobs.append(message)
+            _training = None  # ended: Ctrl-C before the next job's start is not this one's
             return None
         if multirun:
             # A remote job must fail visibly to its launcher (the line above is in its log).
             raise RuntimeError(message) from None
         raise SystemExit(status) from None
+    _training = None
     if is_main_process():
         print(runner.summary_line(result) + f"  -> {cfg.output_dir}", flush=True)
     return result
@@ -361,6 +392,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     # --debug: bad input found while composing the command line shows its traceback too, as a run's does.
     with exit_statuses(PROG, usage=(ConfigError,), failure=(), debug=_debug, quiet=quiet):
         overrides = expand_experiment(args.overrides)
+        sources = experiment_sources(args.overrides)
         argv, args.overrides = [*flags, *overrides], overrides
         config.register_configs()
         config.register_models_in(args.overrides)
@@ -369,7 +401,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             getattr(args, flag, None) for flag in ("help", "hydra_help", "shell_completion", "info", "version")
         )
         try:
-            checked: list[DictConfig] = [] if informational else check_command_line(args.overrides, args.multirun)
+            checked: list[DictConfig] = (
+                [] if informational else check_command_line(args.overrides, args.multirun, sources)
+            )
         except RunError as error:  # data that cannot be reached here (a hub id offline): not bad input, exit 1
             if _debug:
                 raise
@@ -377,12 +411,13 @@ def main(argv: Sequence[str] | None = None) -> None:
             _error(str(error), "machine" if isinstance(error, UnreachableError) else "launch")
             raise SystemExit(RUN_ERROR) from None
     _failed_jobs.clear()
-    resumes = not checked or checked[0].resume  # resume=false would delete the kept epochs
-    interrupted = "error: interrupted; " + (
-        "the same command resumes from the last finished epoch"
-        if resumes
-        else "run it again with resume=true to resume from the last finished epoch"
-    )
+    global _training
+    _training = Path(checked[0].output_dir) if len(checked) == 1 and not args.multirun else None
+    resumes = not checked or checked[0].resume  # resume=false would move the kept epochs aside
+
+    def interrupted() -> str:
+        return _interrupted_line(resumes)
+
     with exit_statuses(PROG, failure=(), interrupted=interrupted, debug=_debug, quiet=quiet):
         if checked and not _needs_hydra(args):
             _configure_logging()
@@ -392,6 +427,25 @@ def main(argv: Sequence[str] | None = None) -> None:
     if _failed_jobs:
         _error(f"{len(_failed_jobs)} job(s) of the sweep failed (see above)")
         raise SystemExit(RUN_ERROR)
+
+
+def _interrupted_line(resume: bool) -> str:
+    """Ctrl-C's line: what the run being trained kept, and what the same command does with it.
+
+    A run keeps a checkpoint as each epoch ends.  Interrupted before its first, its folder holds none (its
+    ``config.yaml``, perhaps ``metrics.jsonl``), and the same command, ``resume`` or not, trains it from its first
+    epoch: :func:`petl.train.output_dir.check_output_dir` rewrites what such a run left.  The line said it resumed
+    from the last finished epoch, of which there was none.
+    """
+    from petl.store import files
+
+    if _training is not None and not (_training / files.CHECKPOINT_FILE).is_file():
+        return (
+            "error: interrupted before the run's first epoch finished, so no epoch is kept: the same command trains "
+            "it from the start"
+        )
+    again = "the same command resumes" if resume else "run it again with resume=true to resume"
+    return f"error: interrupted; {again} from the last finished epoch"
 
 
 def _check_modes(parser: Parser, args: argparse.Namespace) -> None:

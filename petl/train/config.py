@@ -119,7 +119,8 @@ class ModelConfig:
         name: a timm model of a family petl takes (docs/backbones.md), optionally with a pretrained tag
             (``vit_base_patch16_224.augreg2_in21k_ft_in1k``).
         pretrained: load the tag's pretrained weights (from the hub, or a file petl ships).
-        checkpoint: a local weights file to load instead of the tag's source (offline clusters).
+        checkpoint: a local weights file to load instead of the tag's source (offline clusters); refused beside
+            ``model.pretrained=false``, which loads no weights.
         img_size: the side (px) of the square images the backbone is built for; ``None`` keeps its timm default.
             The data pipeline resizes to the built model's size whichever way it was set (this option or
             ``+model.kwargs.img_size``); a pretrained position grid is resampled by the model's own loader.
@@ -174,7 +175,8 @@ class TrainConfig(TrainSettings):
             a fixed cuBLAS workspace and no cuDNN autotuning); false turns them off for the run, and on CUDA turns
             cuDNN's autotuner (``cudnn.benchmark``) on, as timm's train.py does.
         trackers: experiment trackers through accelerate (``tensorboard``, ``wandb``...); none by default.
-        keep_checkpoint: keep the last per-epoch checkpoint after the run has finished.
+        keep_checkpoint: keep the last per-epoch checkpoint after the run has finished (the same command run again
+            without it returns the finished run and leaves the checkpoint kept).
         eval_test: evaluate the test split once after the last epoch; ``false`` for the selection trials of
             ``petl-bench`` (their result then has ``test_top1: null``, so no choice can see a test number).
 
@@ -463,17 +465,27 @@ def compose_config(overrides: Iterable[str] = ()) -> DictConfig:
             hydra.initialize(saved)
 
 
-def method_error(name: str, error: Exception) -> ConfigError:
-    """A method's refusal as a config error, prefixed with the method unless its message already names it."""
+def method_error(name: str, error: Exception, sources: Mapping[str, str] | None = None) -> ConfigError:
+    """A method's refusal as a config error, prefixed with the method unless its message already names it.
+
+    A refusal that starts with the option it names (``reduction=8: ...``) says where a file set it
+    (``reduction=8 (set by experiment=lst): ...``): the user never typed it.
+    """
     text = str(error)
+    named = re.match(r"(\w+)=[^\s:]+", text)
+    if named and set_by(f"method.{named[1]}", sources):
+        text = named[0] + set_by(f"method.{named[1]}", sources) + text[named.end() :]
     return ConfigError(text if text.startswith(f"method {name!r}") else f"method {name}: {text}")
 
 
-def default_config(overrides: Iterable[str] = ()) -> DictConfig:
+def default_config(overrides: Iterable[str] = (), sources: Mapping[str, str] | None = None) -> DictConfig:
     """The default run configuration with Hydra command-line style overrides applied and checked.
 
     Args:
         overrides: e.g. ``["method=lora", "method.rank=4", "data=mini/digits", "train.epochs=2"]``.
+        sources: the keys of ``overrides`` that a file set, not the user (``{"method.reduction": "experiment=lst"}``:
+            petl-run's ``experiment=``), so that a refusal names where such a value came from; the keys a train
+            recipe chosen in ``overrides`` sets (``train=smoke``) are found here (:func:`recipe_sources`).
 
     Returns:
         The composed config (interpolations such as ``output_dir`` left unresolved).
@@ -485,10 +497,39 @@ def default_config(overrides: Iterable[str] = ()) -> DictConfig:
     """
     if isinstance(overrides, str):  # a string is iterable too: its letters would be read as overrides
         raise ConfigError(f"default_config takes a list of overrides, got one string: write [{overrides!r}]")
+    overrides = list(overrides)
     cfg = _compose_checked(overrides)
-    check_values(cfg)
-    check_method(cfg)
+    sources = {**recipe_sources(overrides), **(sources or {})}
+    check_values(cfg, sources)
+    check_method(cfg, sources)
     return cfg
+
+
+def recipe_sources(overrides: Iterable[str]) -> dict[str, str]:
+    """The keys the train recipe chosen in ``overrides`` (``train=smoke``) sets, each with ``train=NAME``.
+
+    A key ``overrides`` give themselves is left out: Hydra applies it after the recipe's file, so it wins.
+    """
+    overrides = list(overrides)
+    given = {o.split("=", 1)[0].lstrip("+~") for o in overrides}
+    recipe = next((o.split("=", 1)[1] for o in reversed(overrides) if o.split("=", 1)[0] == "train"), None)
+    if recipe is None or "," in recipe or recipe not in group_choices("train"):
+        return {}
+    text = resources.files("petl.conf").joinpath(f"train/{recipe}.yaml").read_text(encoding="utf-8")
+    sets = OmegaConf.create(text or "{}")  # the recipes are ``# @package _global_``: their keys are full
+    keys = [key for key in _leaf_keys(OmegaConf.to_container(sets)) if key not in given]
+    return {key: f"train={recipe}" for key in keys}
+
+
+def _leaf_keys(node: Any, prefix: str = "") -> list[str]:
+    if not isinstance(node, dict):
+        return [prefix.rstrip(".")]
+    return [key for name, value in node.items() for key in _leaf_keys(value, f"{prefix}{name}.")]
+
+
+def set_by(key: str, sources: Mapping[str, str] | None) -> str:
+    """`` (set by experiment=lst)`` after a value a file set rather than the command line; ``""`` for one typed."""
+    return f" (set by {sources[key]})" if sources and key in sources else ""
 
 
 def _compose_checked(overrides: Iterable[str]) -> DictConfig:
@@ -541,10 +582,11 @@ def to_config(cfg: DictConfig | Mapping[str, Any]) -> DictConfig:
     return merged
 
 
-def check_values(cfg: DictConfig) -> None:
+def check_values(cfg: DictConfig, sources: Mapping[str, str] | None = None) -> None:
     """Check a composed config: every node against its own declared options, and the group choices.
 
-    Method options are checked on the model (:func:`check_method`).
+    Method options are checked on the model (:func:`check_method`).  ``sources``: the keys a file set, named so
+    (:func:`default_config`).
 
     Raises:
         ConfigError: naming the field and its allowed range or choices.
@@ -560,10 +602,23 @@ def check_values(cfg: DictConfig) -> None:
         check_group_choice("model", cfg.model.name)
         # data.epochs acts only through train.epochs, which follows it unless given: both given, it does nothing.
         if cfg.data.epochs != petl_data.get_info(cfg.data.name).epochs and cfg.train.epochs != cfg.data.epochs:
+            # train.epochs from a recipe (train=smoke) was not given by the user, who cannot drop it.
+            source = (sources or {}).get("train.epochs")
+            todo = f"give train.epochs={cfg.data.epochs} in place of data.epochs" if source else "drop one of them"
             raise ValueError(
-                f"data.epochs={cfg.data.epochs} cannot act: train.epochs={cfg.train.epochs} is given, and the run "
-                "trains that many; drop one of them"
+                f"data.epochs={cfg.data.epochs} cannot act: train.epochs={cfg.train.epochs} is "
+                f"{f'set by {source}' if source else 'given'}, and the run trains that many; {todo}"
             )
+        if cfg.train.weight_decay_all and cfg.train.weight_decay == 0:
+            # Which tensors decay is moot where none does.
+            raise ValueError(
+                f"train.weight_decay_all=true{set_by('train.weight_decay_all', sources)} cannot act: "
+                f"train.weight_decay=0{set_by('train.weight_decay', sources)} decays no tensor; give "
+                "train.weight_decay_all=false, or a train.weight_decay above 0"
+            )
+        if cfg.model.checkpoint and not cfg.model.pretrained:
+            # Refused here, not only when the backbone is built: a sweep's check before its first job names it.
+            raise ValueError("model.checkpoint is set but model.pretrained=false: the file would be ignored")
     except OmegaConfBaseException as error:
         # An interpolation that does not resolve, or a missing mandatory value.
         raise ConfigError(explain(error)) from None
@@ -601,11 +656,12 @@ def run_neutral_keys() -> set[str]:
     return neutral_keys(RunConfig)
 
 
-def check_method(cfg: DictConfig) -> None:
+def check_method(cfg: DictConfig, sources: Mapping[str, str] | None = None) -> None:
     """Check the image size and the method options against the chosen backbone (depth, width) without building it.
 
     The model is instantiated on PyTorch's ``meta`` device: it has shapes but no storage, so
-    even a ViT-L costs a fraction of a second and no weights are loaded.
+    even a ViT-L costs a fraction of a second and no weights are loaded.  ``sources``: the keys a file set, named so
+    (:func:`default_config`).
 
     Raises:
         ConfigError: naming the method field and its allowed range (``k`` larger than the depth...), the
@@ -631,7 +687,7 @@ def check_method(cfg: DictConfig) -> None:
     except ConfigError:
         raise  # a runner field given: the message names its key
     except ValueError as error:
-        raise method_error(cfg.method.name, error) from None
+        raise method_error(cfg.method.name, error, sources) from None
     try:
         # The backbone first: a method's options are read against a backbone it supports (SCT's default top_n
         # asks for a single width, which a Swin has not).
@@ -639,7 +695,7 @@ def check_method(cfg: DictConfig) -> None:
         method_cfg = make_config(cfg.method.name, num_classes=num_classes, **options)
         method_cfg.validate(model)
     except ValueError as error:
-        raise method_error(cfg.method.name, error) from None
+        raise method_error(cfg.method.name, error, sources) from None
     _check_applied(cfg, model, method_cfg)
 
 

@@ -45,7 +45,8 @@ class TrainSettings:
         lr: peak learning rate of AdamW.
         weight_decay: AdamW weight decay.
         warmup_frac: fraction of the steps spent in linear warm-up before the cosine decay.
-        label_smoothing: cross-entropy label smoothing.
+        label_smoothing: cross-entropy label smoothing, in [0, 1): the share of each target spread evenly over the
+            classes.  1 is refused: every target would be uniform, the same whatever the label, so nothing is learned.
         grad_clip: max gradient norm, 0 to disable.
         backbone_mode: how the frozen backbone runs while training: ``train`` (dropout and
             drop-path act everywhere, as V-PETL, NOAH and PETL_Vision train), ``eval`` (only what
@@ -56,7 +57,8 @@ class TrainSettings:
             starts.
         weight_decay_all: decay every trainable tensor; by default biases, norms (every 1-D
             tensor), prompt tokens and position embeddings are exempt, as in timm's
-            ``param_groups_weight_decay`` and the models' ``no_weight_decay()``.
+            ``param_groups_weight_decay`` and the models' ``no_weight_decay()``.  ``petl-run`` refuses it beside
+            ``train.weight_decay=0``, where no tensor decays.
         progress: show a progress bar per epoch (drawn where stderr is a terminal or in a notebook, not into a
             log file: :mod:`petl.utils.progress`; ``petl-run`` logs a line per epoch either way).
 
@@ -66,7 +68,8 @@ class TrainSettings:
     lr: float = option(1e-3, low=0, open_low=True)
     weight_decay: float = option(1e-4, low=0)
     warmup_frac: float = option(0.1, low=0, high=1)
-    label_smoothing: float = option(0.0, low=0, high=1)
+    # torch takes 0 to 1; at 1 every target is the uniform distribution, whatever the label.
+    label_smoothing: float = option(0.0, low=0, high=1, open_high=True)
     grad_clip: float = option(0.0, low=0)
     backbone_mode: str = option("auto", choices=BACKBONE_MODES)
     weight_decay_all: bool = False

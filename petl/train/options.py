@@ -25,6 +25,7 @@ def option(
     low: float | None = None,
     high: float | None = None,
     open_low: bool = False,
+    open_high: bool = False,
     choices: Iterable[str] | None = None,
     check: Callable[[str, Any], None] | None = None,
     neutral: bool = False,
@@ -37,6 +38,7 @@ def option(
         low: lower bound (:func:`petl.utils.checks.check_range`); NaN and infinity are refused too.
         high: upper bound.
         open_low: the lower bound itself is not allowed.
+        open_high: the upper bound itself is not allowed.
         choices: the valid values (of each element, for a list option).
         check: any other check, ``check(key, value)``, raising ValueError with a one-line message.
         neutral: the option does not change what a run computes (where it writes, how it reports), so a
@@ -47,6 +49,7 @@ def option(
         "low": low,
         "high": high,
         "open_low": open_low,
+        "open_high": open_high,
         "choices": tuple(choices) if choices is not None else None,
         "check": check,
         NEUTRAL: neutral,
@@ -71,7 +74,9 @@ def check_options(node_type: type, values: Any, prefix: str = "") -> None:
         if isinstance(value, str) and value.startswith("${"):
             continue  # an interpolation not resolved yet (a node's default): checked once the config resolves it
         if meta.get("low") is not None or meta.get("high") is not None:
-            check_range(key, value, low=meta["low"], high=meta["high"], open_low=meta["open_low"])
+            check_range(
+                key, value, low=meta["low"], high=meta["high"], open_low=meta["open_low"], open_high=meta["open_high"]
+            )
         if meta.get("choices") is not None:
             for item in value if isinstance(value, Sequence) and not isinstance(value, str) else [value]:
                 check_choice(key, item, meta["choices"])

@@ -172,7 +172,9 @@ def check_output_dir(out: Path, cfg: DictConfig, resolved: dict[str, Any], is_ma
     if finished is not None:
         _data_fingerprint.cache_clear()  # one run: the data as it is now (a sweep's checks share the cache)
         check_inputs(out, finished.inputs, finished_inputs(cfg, finished), finished=True)
-        if is_main and not cfg.train.keep_checkpoint:
+        # A run that kept its checkpoint (train.keep_checkpoint, neutral: this command may leave it out) keeps it.
+        kept = (finished.config.get("train") or {}).get("keep_checkpoint") is True
+        if is_main and not cfg.train.keep_checkpoint and not kept:
             # Left by a kill between result.json and the checkpoint's removal.
             (out / files.CHECKPOINT_FILE).unlink(missing_ok=True)
     return finished

@@ -270,3 +270,24 @@ def test_rows_of_one_mean_summed_in_another_order_go_to_the_smaller(tmp_path, mo
     from petl.bench.compare import placings
 
     assert [p.rank for p in placings(board).values()] == [1.5, 1.5]  # petl-bench compare's places: one tied place
+
+
+def test_the_cost_line_counts_the_runs_the_sweep_trained(tmp_path):
+    # It said "estimated 18 s for 22 runs ...; they took 22 s": the sweep had trained 24, require_learning having set
+    # two finals aside and trained the next point's in their place.
+    from petl.bench import estimate
+
+    (tmp_path / estimate.ESTIMATE_FILE).write_text(
+        '{"version": 1, "measured_at": "2026-11-29 12:32:43", "device": "cpu", "seconds": 18.0, "runs": 22}'
+    )
+    estimate.record_measured(tmp_path, 22.0, runs=24)  # the one writer, through the one reader
+    recorded = estimate.read_estimate(tmp_path)
+    assert recorded is not None and recorded["measured_runs"] == 24
+    assert choice.cost_lines(recorded, recorded["measured_seconds"]) == [
+        "**Cost**: estimated 18 s for 22 runs before training (2026-11-29 12:32:43, cpu); the sweep trained 24 runs, "
+        "not 22, and took 22 s (1.22x the estimate)."
+    ]
+    estimate.record_measured(tmp_path, 22.0, runs=22)
+    assert choice.cost_lines(estimate.read_estimate(tmp_path), 22.0)[0].endswith(
+        "; they took 22 s (1.22x the estimate)."
+    )

@@ -52,6 +52,7 @@ def test_choose_runs_the_suite_on_a_folder_and_names_a_run_that_predicts(tmp_pat
     assert "petl-bench: measuring linear (1/3)" in printed and "petl-bench: measuring full (3/3)" in printed
     estimate = json.loads((out / ESTIMATE_FILE).read_text())
     assert estimate["runs"] == 10 and estimate["seconds"] > 0 and estimate["measured_seconds"] > 0
+    assert estimate["measured_runs"] == 10  # what choice.md's cost line says the sweep trained
 
     with (out / "leaderboard.csv").open() as f:
         rows = {row["experiment"]: row for row in csv.DictReader(f)}

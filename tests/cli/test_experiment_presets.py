@@ -74,6 +74,47 @@ def test_cli_refuses_bad_experiment_use_with_one_line(args, message, capsys):
     assert re.search(message, err), err
 
 
+# A refusal of two values together named a value the user never typed as if they had: "reduction=8: the side
+# width ..." for experiment=lst's reduction, "train.epochs=2 is given ...; drop one of them" for train=smoke's epochs.
+NARROW = ["+model.kwargs.embed_dim=12", "+model.kwargs.num_heads=1"]  # LST's reduction 8 does not divide it
+WIDTH = "the side width 12/8 must be a whole number divisible by the backbone's 1 attention heads"
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["experiment=lst", *NARROW], "method lst: reduction=8 (set by experiment=lst): " + WIDTH),
+        (["experiment=lst", "method.reduction=8", *NARROW], "method lst: reduction=8: " + WIDTH),
+        (
+            ["train=smoke", "data.epochs=5"],
+            "data.epochs=5 cannot act: train.epochs=2 is set by train=smoke, and the run trains that many; give "
+            "train.epochs=5 in place of data.epochs",
+        ),
+        (
+            ["train=smoke", "train.epochs=3", "data.epochs=5"],
+            "data.epochs=5 cannot act: train.epochs=3 is given, and the run trains that many; drop one of them",
+        ),
+        # weight_decay_all chooses which tensors decay: moot where none does (gps's weight decay is 0).
+        (
+            ["experiment=gps", "train.weight_decay_all=true"],
+            "train.weight_decay_all=true cannot act: train.weight_decay=0 (set by experiment=gps) decays no tensor; "
+            "give train.weight_decay_all=false, or a train.weight_decay above 0",
+        ),
+        (
+            ["train.weight_decay=0", "train.weight_decay_all=true"],
+            "train.weight_decay_all=true cannot act: train.weight_decay=0 decays no tensor; give "
+            "train.weight_decay_all=false, or a train.weight_decay above 0",
+        ),
+    ],
+    ids=["experiment-set", "typed", "recipe-set", "typed-over-recipe", "decay-set", "both-typed"],
+)
+def test_a_refusal_says_which_value_a_file_set_and_which_was_typed(args, said, capsys):
+    with pytest.raises(SystemExit) as caught:
+        cli.main(args)
+    assert caught.value.code == cli.USAGE_ERROR
+    assert capsys.readouterr().err == f"petl-run: error: {said}\n"
+
+
 @pytest.mark.slow
 def test_help_mentions_experiments(capsys):
     with pytest.raises(SystemExit) as caught:

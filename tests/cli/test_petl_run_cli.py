@@ -93,6 +93,13 @@ def test_data_epochs_is_checked_under_its_own_name_and_refused_where_train_epoch
         (["train.lr=nan"], r"train.lr=nan is not a finite number: allowed \(0, inf\]"),
         (["train.warmup_frac=nan"], r"train.warmup_frac=nan is not a finite number: allowed \[0, 1\]"),
         (["train.weight_decay=inf"], r"train.weight_decay=inf is not a finite number: allowed \[0, inf\]"),
+        # 1 made every target uniform, whatever its label: the run trained and learned nothing, without a word.
+        (["train.label_smoothing=1"], r"^train.label_smoothing=1.0 is out of range: allowed \[0, 1\)$"),
+        # Refused only as each job built its backbone: a sweep's check let it through, and every job failed (exit 1).
+        (
+            ["model.pretrained=false", "model.checkpoint=weights.safetensors"],
+            r"^model.checkpoint is set but model.pretrained=false: the file would be ignored$",
+        ),
         (["model.drop_path=nan"], r"model.drop_path=nan is not a finite number: allowed \[0, 1\]"),
         (["method.alpha=nan"], r"method lora: alpha=nan is not a finite number$"),
         (["method=adapter", "method.scale=-inf"], r"method adapter: scale=-inf is not a finite number"),

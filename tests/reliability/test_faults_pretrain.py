@@ -57,6 +57,7 @@ def no_generation(monkeypatch):
         (["--weight-decay", "-1"], "--weight-decay -1.0 is out of range"),
         (["--warmup-frac", "2"], "--warmup-frac 2.0 is out of range: allowed [0, 1]"),
         (["label_smoothing=inf"], "--label-smoothing inf is not a finite number"),
+        (["--label-smoothing", "1"], "--label-smoothing 1.0 is out of range: allowed [0, 1)"),
         (["--seed", "-1"], "--seed -1 is out of range: allowed [0, 4294967295]"),
         (["overwrite=yes"], "overwrite=yes: expected true or false"),
     ],
@@ -137,6 +138,22 @@ def test_sigterm_keeps_the_epochs_and_the_same_command_continues(tmp_path, capsy
     weights, provenance = pretrain.output_files(tmp_path)
     assert code == 0 and weights.exists() and provenance.exists() and not partial.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([weights.name, provenance.name])
+
+
+def test_ctrl_c_before_the_first_epoch_says_the_same_command_starts_over(tmp_path, capsys, monkeypatch):
+    # Interrupted while it generated the fractals, it said "the same command continues from the last finished epoch":
+    # there was none, and the same command generated and trained from the start.
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patched:
+        patched.setattr(pretrain, "generate", interrupted)
+        code, err = petl_pretrain(capsys, *TINY, "--out", str(tmp_path))
+    assert code == 130 and not pretrain.partial_file(tmp_path).exists()
+    assert err == (
+        "petl-pretrain: error: interrupted before the first epoch finished, so no epoch is kept and no weights "
+        "written: the same command starts the pretraining over\n"
+    )
 
 
 def test_a_resume_with_other_options_names_the_difference_and_keeps_the_checkpoint(tmp_path, capsys, monkeypatch):

@@ -105,6 +105,7 @@ DAMAGED_ESTIMATES = {
     "seconds as text": json.dumps({**GOOD_ESTIMATE, "seconds": "60"}).encode(),
     "runs a bool": json.dumps({**GOOD_ESTIMATE, "runs": True}).encode(),
     "NaN measured": json.dumps({**GOOD_ESTIMATE, "measured_seconds": float("nan")}).encode(),
+    "runs measured as a float": json.dumps({**GOOD_ESTIMATE, "measured_runs": 24.5}).encode(),
     "a result.json": b'{"method": "lora", "dataset": "mini/digits", "seed": 0}',
     "a folder": None,
 }

@@ -228,6 +228,41 @@ def _killed_after_one_epoch(out: Path, *overrides: str) -> None:
     assert torch.load(out / "checkpoint.pt", weights_only=True)["epoch"] == 1
 
 
+@pytest.mark.parametrize("epoch", [1, 2], ids=["before-the-first-epoch", "after-one-epoch"])
+def test_ctrl_c_says_whether_an_epoch_is_kept_and_the_same_command_does_what_it_says(tmp_path, capsys, epoch):
+    # Interrupted before its first epoch ended, petl-run said "the same command resumes from the last finished epoch":
+    # there was none, and the same command trained the run from its first epoch.
+    args = [*TINY, "method=linear", "train.cache_features=false", f"output_dir={tmp_path}"]
+    with pytest.MonkeyPatch.context() as patch:
+        _crash_in_epoch(patch, epoch)
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as stop:
+            cli.main(args)
+    line = capsys.readouterr().err.splitlines()[-1]
+    assert stop.value.code == 130
+    if epoch == 1:
+        assert line == (
+            "petl-run: error: interrupted before the run's first epoch finished, so no epoch is kept: the same command "
+            "trains it from the start"
+        )
+        assert not (tmp_path / files.CHECKPOINT_FILE).exists()
+    else:
+        assert line == "petl-run: error: interrupted; the same command resumes from the last finished epoch"
+    cli.main(args)
+    said = capsys.readouterr()
+    assert ("resuming" in said.err + said.out) == (epoch == 2)  # the runner's "resuming ... from epoch 1/2"
+    assert len((tmp_path / files.METRICS_FILE).read_text().splitlines()) == 2
+
+
+def test_the_same_command_again_keeps_the_checkpoint_a_finished_run_was_told_to_keep(tmp_path):
+    # Run again without train.keep_checkpoint (neutral: the finished result is returned), it deleted the checkpoint
+    # the first run had kept, taking it for one a kill had left between result.json and its removal.
+    first = tiny(tmp_path, "train.keep_checkpoint=true", "train.epochs=1")
+    assert (tmp_path / files.CHECKPOINT_FILE).is_file()
+    assert tiny(tmp_path, "train.epochs=1")["finished_at"] == first["finished_at"]  # returned, not trained again
+    assert (tmp_path / files.CHECKPOINT_FILE).is_file()
+
+
 def _image_folder(root: Path, seed: int) -> Path:
     """A two-class ``data=folder`` tree (train/ and test/) of random PNGs; another seed, other images."""
     rng = np.random.default_rng(seed)
