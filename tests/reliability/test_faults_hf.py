@@ -272,3 +272,17 @@ def test_datasets_lines_are_held_by_one_thread_at_a_time_and_restored(caplog):
     with caplog.at_level("WARNING", logger="datasets"):
         datasets.utils.logging.get_logger("datasets.load").warning("a line after both blocks")
     assert "a line after both blocks" in caplog.text
+
+
+def test_an_image_column_of_bytes_and_path_records_loads(tmp_path):
+    # How an Image is stored, {bytes, path} per row, where the Image type was not recorded (a Parquet file written by
+    # pandas): datasets casts it to an Image, and it loaded, until the check for an image column refused it as
+    # "dict values".
+    pictures = _split([0, 1] * 3, CAT_DOG).cast_column("image", datasets.Image(decode=False))["image"]
+    record = {"bytes": datasets.Value("binary"), "path": datasets.Value("string")}
+    table = datasets.Dataset.from_dict(
+        {"image": pictures, "label": [0, 1] * 3}, features=datasets.Features({"image": record, "label": CAT_DOG})
+    )
+    root = _save(tmp_path / "saved", train=table)
+    built = petl_data.build_dataset("hf", "train800val200", image_size=8, root=root)
+    assert len(built) == 6 and built[0][0].shape == (3, 8, 8)
