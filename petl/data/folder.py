@@ -289,16 +289,21 @@ def printed_alike(names: Sequence[str]) -> tuple[str, str] | None:
     """
     seen: dict[str, str] = {}
     for name in names:
-        key = " ".join(unicodedata.normalize("NFC", name).split())
+        key = _as_printed(name)
         if key in seen:
             return seen[key], name
         seen[key] = name
     return None
 
 
+def _as_printed(name: str) -> str:
+    """A class name as it prints: one Unicode form, spaces at the ends and doubled ones dropped."""
+    return " ".join(unicodedata.normalize("NFC", name).split())
+
+
 def _loosely(name: str) -> str:
-    """A class name as a person reads it: one Unicode form, no case, spaces at the ends and doubled ones dropped."""
-    return " ".join(unicodedata.normalize("NFC", name).split()).casefold()
+    """A class name as a person reads it: :func:`_as_printed`, and no case."""
+    return _as_printed(name).casefold()
 
 
 def describe_folder(root: str) -> DatasetInfo:

@@ -227,7 +227,11 @@ def _checked(root: str, image_column: str | None, label_column: str | None) -> t
 
 
 def _holds_images(feature: Any) -> bool:
-    """Whether a column gives one image per row: an ``Image``, file paths or bytes, a pixel array (nested numbers)."""
+    """Whether a column gives one image per row: an ``Image``, file paths or bytes, a pixel array (nested numbers), or
+    the ``{bytes, path}`` records an ``Image`` is stored as, where its type was not recorded (Parquet from pandas).
+    """
+    if isinstance(feature, dict):  # datasets casts a record holding either field to an Image
+        return "bytes" in feature or "path" in feature
     kind = type(feature).__name__
     if kind == "Image" or kind.startswith("Array"):
         return True

@@ -14,6 +14,7 @@ import logging
 import os
 import socket
 import sys
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import lru_cache
@@ -25,6 +26,9 @@ CONNECT_TIMEOUT = 3.0
 # Seconds a datasets progress bar runs before it is drawn while petl loads and checks a dataset: a refusal after a
 # quick load is then the only line, and a long download or build still shows its progress.
 PROGRESS_DELAY = 2.0
+# datasets' logger and progress-bar class are the process's: one thread at a time swaps them, so that each restores
+# what it found (two blocks that overlapped in threads left datasets' lines sent to a finished block's list for good).
+_DATASETS_SWAPPED = threading.RLock()
 
 
 def offline_by_setting() -> bool:
@@ -102,7 +106,8 @@ def datasets_quiet_until_accepted() -> Iterator[None]:
 
     datasets says what it loads ("Using the latest cached version of the dataset...") before petl has looked at the
     columns; where petl then refuses, those lines and a quick build's progress bars stood above its one-line reason.
-    Held lines are logged after the block where it ends normally, and dropped where it raises.
+    Held lines are logged after the block where it ends normally, and dropped where it raises.  One thread at a time
+    runs such a block (another waits): datasets' logger and bar class are the whole process's.
     """
     try:
         from datasets.utils import tqdm as progress_bar  # the class of every progress bar datasets draws
@@ -112,19 +117,20 @@ def datasets_quiet_until_accepted() -> Iterator[None]:
 
     library = logging.getLogger("datasets")
     held = _HeldRecords()
-    saved_handlers, saved_propagate = library.handlers[:], library.propagate
-    library.handlers[:], library.propagate = [held], False
-    drawn_at_once = progress_bar.__init__
+    with _DATASETS_SWAPPED:
+        saved_handlers, saved_propagate = library.handlers[:], library.propagate
+        drawn_at_once = progress_bar.__init__
 
-    def drawn_late(bar: Any, *args: Any, **kwargs: Any) -> None:
-        kwargs.setdefault("delay", PROGRESS_DELAY)
-        drawn_at_once(bar, *args, **kwargs)
+        def drawn_late(bar: Any, *args: Any, **kwargs: Any) -> None:
+            kwargs.setdefault("delay", PROGRESS_DELAY)
+            drawn_at_once(bar, *args, **kwargs)
 
-    progress_bar.__init__ = drawn_late
-    try:
-        yield
-    finally:
-        progress_bar.__init__ = drawn_at_once
-        library.handlers[:], library.propagate = saved_handlers, saved_propagate
+        try:
+            library.handlers[:], library.propagate = [held], False
+            progress_bar.__init__ = drawn_late
+            yield
+        finally:
+            progress_bar.__init__ = drawn_at_once
+            library.handlers[:], library.propagate = saved_handlers, saved_propagate
     for record in held.records:
         library.handle(record)

@@ -237,3 +237,52 @@ def test_an_image_column_that_holds_no_images_is_one_line(tmp_path, capsys):
     options = {"image_column": "pixels"}
     built = petl_data.build_dataset("hf", "train800val200", image_size=8, root=as_arrays, options=options)
     assert len(built) == 6 and built[0][0].shape == (3, 8, 8)
+
+
+def test_datasets_lines_are_held_by_one_thread_at_a_time_and_restored(caplog):
+    # Two threads' blocks overlapping (A in, B in, A out, B out): B saved A's holding list as datasets' handlers and
+    # put it back on leaving, so every later datasets line went to that list, and every bar was drawn late, for good.
+    import logging
+    import threading
+
+    from petl.data import hub
+
+    library = logging.getLogger("datasets")
+    before = (library.handlers[:], library.propagate, datasets.utils.tqdm.__init__)
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+
+    def first() -> None:
+        with hub.datasets_quiet_until_accepted():
+            a_in.set()
+            b_in.wait(timeout=1)  # B is let in only once A is out: the wait runs out
+        a_out.set()
+
+    def second() -> None:
+        a_in.wait()
+        with hub.datasets_quiet_until_accepted():
+            b_in.set()
+            a_out.wait(timeout=5)
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert (library.handlers[:], library.propagate, datasets.utils.tqdm.__init__) == before
+    with caplog.at_level("WARNING", logger="datasets"):
+        datasets.utils.logging.get_logger("datasets.load").warning("a line after both blocks")
+    assert "a line after both blocks" in caplog.text
+
+
+def test_an_image_column_of_bytes_and_path_records_loads(tmp_path):
+    # How an Image is stored, {bytes, path} per row, where the Image type was not recorded (a Parquet file written by
+    # pandas): datasets casts it to an Image, and it loaded, until the check for an image column refused it as
+    # "dict values".
+    pictures = _split([0, 1] * 3, CAT_DOG).cast_column("image", datasets.Image(decode=False))["image"]
+    record = {"bytes": datasets.Value("binary"), "path": datasets.Value("string")}
+    table = datasets.Dataset.from_dict(
+        {"image": pictures, "label": [0, 1] * 3}, features=datasets.Features({"image": record, "label": CAT_DOG})
+    )
+    root = _save(tmp_path / "saved", train=table)
+    built = petl_data.build_dataset("hf", "train800val200", image_size=8, root=root)
+    assert len(built) == 6 and built[0][0].shape == (3, 8, 8)

@@ -533,3 +533,20 @@ def test_cache_on_a_swin_cuts_in_front_of_the_patch_merging(images, kind):
     assert cache.plan(model) == cache.CachePlan(start=2, features=False)
     tail = cache.CachedTail(model, cache.plan(model))
     torch.testing.assert_close(tail(tail.front(images)), model(images))
+
+
+@pytest.mark.parametrize(("precision", "cached"), [("bf16", "tokens entering block 7"), ("no", None)])
+def test_a_run_sizes_its_cache_in_the_dtype_its_autocast_leaves(tmp_path, monkeypatch, precision, cached):
+    # The run sizes its cache under the accelerator's autocast on its device: a Swin's front under CPU bf16 returns
+    # bf16 (from its patch embedding's convolution on), half float32's bytes, so a cache that fits only as bf16 is made
+    # under train.precision=bf16 and not in fp32.  Partial-1's cut on swin_fractal_tiny takes a 4x4 grid at width 256;
+    # data.subset=16 caches 16 train and 16 val images.
+    from petl.utils.precision import cpu_supports_bf16
+
+    if torch.cuda.is_available() or not cpu_supports_bf16():
+        pytest.skip("the Swin's cache is bf16 only under a CPU's bf16 autocast")
+    monkeypatch.setattr(cache, "MAX_CACHE_BYTES", 32 * 4 * 4 * 256 * 2)
+    swin = ["model=swin_fractal_tiny_patch2_window4_32", "model.pretrained=false", "data=mini/digits"]
+    overrides = [*swin, "data.subset=16", "method=partial", "method.k=1", "train.epochs=1", "train.progress=false"]
+    result = train(default_config([*overrides, f"train.precision={precision}", f"output_dir={tmp_path}"]))
+    assert result["feature_cache"] == cached
