@@ -9,6 +9,7 @@ import errno
 import io
 import json
 import logging
+import re
 import socket
 import threading
 import time
@@ -482,7 +483,10 @@ def test_a_token_no_client_can_send_is_refused_before_the_runs_load(unloaded, ca
     monkeypatch.setenv(serve.TOKEN_VARIABLE, token)
     code, out, err = command_status(capsys, serve_cli.main, str(run), "port=0", "--quiet")
     assert (code, loaded) == (2, []) and err.count("\n") == 1, err
-    assert f"PETL_SERVE_TOKEN's character {said}" in err and "s3cret" not in err, err
+    assert f"error: token (PETL_SERVE_TOKEN): its character {said}" in err and "s3cret" not in err, err
+    # The Python API's options too: every request to such a server got 401.
+    with pytest.raises(ValueError, match=re.escape(f"its character {said}")):
+        serve.ServeOptions(token=token)
 
 
 def test_a_port_in_use_is_one_line_naming_it_before_the_runs_load(unloaded, capsys):
