@@ -177,6 +177,24 @@ def test_a_multipart_body_is_read_whatever_the_case_of_its_content_type(app):
     assert answer_upper == answer and answer["predictions"][0]["image"] == "cat.png"
 
 
+def test_a_whole_multipart_body_with_an_epilogue_or_a_quoted_boundary_is_not_taken_for_cut_short(app):
+    # cut_short looks for CRLF --BOUNDARY-- where the body holds its boundary: the boundary as the Content-Type
+    # quotes it, and text after the closing boundary (RFC 2046's epilogue), leave a body whole.  (A preamble, text
+    # before the first boundary, python-multipart refuses itself: "cannot be read".)
+    route = serve.PREDICT_ROUTE.format(task="lora")
+    body = _multipart("cat.png", _png())
+    asks = [
+        (body, f'multipart/form-data; boundary="{BOUNDARY}"'),
+        (body + b"an epilogue, after the closing boundary\r\n", f"multipart/form-data; boundary={BOUNDARY}"),
+    ]
+
+    async def scenario():
+        return [await _ask(app, "POST", route, sent, kind) for sent, kind in asks]
+
+    for status, answer in _with_batcher(app, scenario):
+        assert status == 200 and answer["predictions"][0]["image"] == "cat.png", answer
+
+
 def test_a_multipart_body_that_cannot_be_read_is_refused_saying_how_to_send_images(app):
     route = serve.PREDICT_ROUTE.format(task="lora")
     body = _multipart("cat.png", _png())
