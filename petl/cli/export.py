@@ -68,7 +68,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of ``petl-export``: parse (``--help`` answers here), then export (torch loads here)."""
     with exit_statuses(PROG, failure=()):  # a bad flag too: one line, exit 2
         args = parse(build_parser(), sys.argv[1:] if argv is None else argv)
-        positional, options = split_items(args.words, KEYS, PROG)
+        # paths_first: a run folder named by its options (lr=0.001), given from the folder above it, is the run, not
+        # an unknown option 'lr' (as petl-predict and petl-serve read it).
+        positional, options = split_items(args.words, KEYS, PROG, paths_first=True)
         if not args.words:  # as petl-serve says it (the line below quoted an empty command line: got '')
             raise CommandLineError("no run folder given: petl-export RUN_DIR out=FOLDER|FILE.safetensors|FILE.onnx")
         if len(positional) == 1 and "out" not in options:

@@ -94,7 +94,6 @@ NOT_IN_TASK_NAME = re.compile(r"[^A-Za-z0-9_.-]+")
 # A host name: dot-separated labels of letters, digits and inner hyphens (RFC 1123), and underscores, which
 # container networks' names have and resolvers take.
 HOST_NAME = re.compile(r"(?!-)[A-Za-z0-9_-]{1,63}(?<!-)(\.(?!-)[A-Za-z0-9_-]{1,63}(?<!-))*\.?")
-TOKEN_VARIABLE = "PETL_SERVE_TOKEN"  # petl.deploy.serve's, named here without importing FastAPI
 PIP_HINT = 'pip install -e ".[serve]" in petl\'s checkout (FastAPI, uvicorn, python-multipart)'
 
 
@@ -302,7 +301,7 @@ def run_cli(argv: Sequence[str]) -> int:
         raise RuntimeError(f"petl-serve needs {error.name}: {PIP_HINT}") from None
     try:
         serve_options = serve.ServeOptions(
-            **{k: options[k] for k in SERVE_OPTIONS if k in options}, token=sendable(serve.token_from_environment())
+            **{k: options[k] for k in SERVE_OPTIONS if k in options}, token=serve.token_from_environment()
         )
     except ValueError as error:
         raise UsageError(str(error)) from None
@@ -356,32 +355,6 @@ def run_cli(argv: Sequence[str]) -> int:
     if not server.started:
         raise RuntimeError(f"could not serve on {address(options['host'], port)} (uvicorn said why above)")
     return 0
-
-
-def sendable(token: str | None) -> str | None:
-    """``token`` (``PETL_SERVE_TOKEN``), once a client can send it in an ``Authorization`` header.
-
-    HTTP strips the spaces around a header's value and takes no control character or non-ASCII one as it is: such a
-    token (a trailing carriage return from a file with Windows line ends, ``$(cat token.txt)``) was never matched, and
-    every request got 401.
-
-    Raises:
-        ValueError: the first character no client can send, by its place (the token itself is not shown).
-
-    """
-    if token is None:
-        return None
-    edges = [place for place in (0, len(token) - 1) if token[place].isspace()]
-    bad = edges or [place for place, char in enumerate(token) if not " " <= char <= "~"]
-    if not bad:
-        return token
-    char = token[bad[0]]
-    said = repr(char) if char.isspace() or not char.isprintable() else "not ASCII"  # a letter of the secret: unsaid
-    raise ValueError(
-        f"{TOKEN_VARIABLE}'s character {bad[0] + 1} of {len(token)} is {said}, which no client can send in an "
-        "Authorization header: set it to ASCII letters, digits and -._~+/= (python -c 'import secrets; "
-        "print(secrets.token_urlsafe())')"
-    )
 
 
 def address(host: str, port: int) -> str:

@@ -39,7 +39,7 @@ except ImportError:  # Windows: no advisory locks; a killed export's temporary f
 PROG = "petl-export"
 FORMAT = "petl-export-1"
 FORMATS = (".safetensors", ".onnx", "")  # "": a timm folder
-CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"  # timm's names in a local-dir/hub folder
+CONFIG_FILE, WEIGHTS_FILE = files.TIMM_FOLDER_FILES  # timm's local-dir names, which run loaders refuse
 ONNX_OPSET = 17
 # Largest |difference| of logits accepted between onnxruntime and torch (fp32 kernels differ in rounding).
 ONNX_TOLERANCE = 1e-3

@@ -103,9 +103,16 @@ def _weights_file(path: str | Path) -> Path:
 
 
 def _run_card(path: str | Path) -> dict[str, Any] | None:
-    """A run folder's checked card (:func:`petl.store.run_card.read_card`), or ``None`` for a weights file."""
+    """A run folder's checked card (:func:`petl.store.run_card.read_card`), or ``None`` for a weights file (or a
+    folder holding weights alone).
+
+    A folder with neither a card nor weights is read as a run folder, so that read_card names what it is (an
+    unfinished run, a timm folder petl-export wrote) rather than the weights file it lacks.
+    """
     path = Path(path)
-    return run_card.read_card(path) if path.is_dir() and (path / run_card.MODEL_FILE).is_file() else None
+    if not path.is_dir() or not (path / run_card.MODEL_FILE).is_file() and (path / files.WEIGHTS_FILE).is_file():
+        return None
+    return run_card.read_card(path)
 
 
 def _trained_backbone_tensors(task: str, backbone: nn.Module, path: Path) -> set[str]:

@@ -499,8 +499,9 @@ def _check(positional: list[str], options: dict) -> tuple[list[Path], list[str]]
     """The run folders and the image arguments of a command line, its options checked."""
     runs = []
     for item in positional:
-        unfinished = unfinished_run(Path(item))
-        if unfinished is not None:  # not an image folder either: say what it is
+        # Neither is an image folder: say what it is, wherever it stands (after a run it was searched for images).
+        unfinished = unfinished_run(Path(item)) or exported_not_run(Path(item))
+        if unfinished is not None:
             raise UsageError(unfinished)
         if not _is_run(Path(item)):
             break
@@ -519,10 +520,7 @@ def _check(positional: list[str], options: dict) -> tuple[list[Path], list[str]]
                 f"{first} is not a run folder, {later} is: give the run folders first, then the images "
                 f"(petl-predict {later} ... {first} ...)"
             )
-        raise UsageError(
-            exported_not_run(Path(first))
-            or f"{first} is not a run folder (no {WEIGHTS_FILE}): give a petl-run output_dir first"
-        )
+        raise UsageError(f"{first} is not a run folder (no {WEIGHTS_FILE}): give a petl-run output_dir first")
     images = positional[len(runs) :]
     # Each image's rows came twice, and a run's confusion file was written twice; as petl-serve serves it once.
     kept: dict[Path, Path] = {}

@@ -109,14 +109,16 @@ class ServeOptions:
         cuda_graphs: on a GPU, the most CUDA graphs the MultiTask keeps, one per mix of tasks in a batch that comes
             again (one per padded batch size where the tasks run every row: ``MultiTask.every_row``;
             ``MultiTask.graphs.size``); 0: every batch eager.
-        token: the bearer token every data route needs (``None``: no token).
+        token: the bearer token every data route needs (``None``: no token); ASCII, no space at its ends and no
+            control character, as an ``Authorization`` header carries it (:func:`unsendable`).
         precision: the forward's precision, as ``train.precision`` (:mod:`petl.utils.precision`): ``auto`` (bf16
             autocast on a CUDA GPU with native bf16, fp32 elsewhere), ``no`` (strict fp32), ``tf32``, ``bf16``.
             Set when the app is made, for every request; the weights stay fp32 and probabilities are fp32.
 
     Raises:
-        ValueError: a value that is not a finite number in :data:`OPTION_RANGES`, or a precision not in
-            :data:`petl.utils.precision.INFERENCE_PRECISIONS` (one line naming the option).
+        ValueError: a value that is not a finite number in :data:`OPTION_RANGES`, a precision not in
+            :data:`petl.utils.precision.INFERENCE_PRECISIONS`, or a token no client can send (one line naming the
+            option).
 
     """
 
@@ -143,10 +145,33 @@ class ServeOptions:
             if not number or not math.isfinite(value) or not low <= value <= high:
                 shown_value = f"{value:g}" if number else repr(value)
                 raise ValueError(f"{name}={shown_value}: must be a number from {low:g} to {high:g}")
+        if self.token is not None and (problem := unsendable(self.token)) is not None:
+            raise ValueError(problem)
 
     @property
     def max_upload_bytes(self) -> int:
         return int(self.max_upload_mb * 2**20)
+
+
+def unsendable(token: str) -> str | None:
+    """Why no client can send ``token`` in an ``Authorization`` header (one line naming the character by its place,
+    the token itself unshown), or ``None``.
+
+    HTTP strips the spaces around a header's value and takes no control character or non-ASCII one as it is: such a
+    token (a trailing carriage return from a file with Windows line ends, ``$(cat token.txt)``) is never matched, and
+    every request would get 401.
+    """
+    edges = [place for place in (0, len(token) - 1) if token and token[place].isspace()]
+    bad = edges or [place for place, char in enumerate(token) if not " " <= char <= "~"]
+    if not bad:
+        return None
+    char = token[bad[0]]
+    said = repr(char) if char.isspace() or not char.isprintable() else "not ASCII"  # a letter of the secret: unsaid
+    return (
+        f"token ({TOKEN_VARIABLE}): its character {bad[0] + 1} of {len(token)} is {said}, which no client can send in "
+        "an Authorization header: set it to ASCII letters, digits and -._~+/= (python -c 'import secrets; "
+        "print(secrets.token_urlsafe())')"
+    )
 
 
 # What the routes answer.  The fields' order is the order of the keys in the JSON answers.

@@ -32,7 +32,7 @@ RUN_FILES = (CONFIG_FILE, METRICS_FILE, RESULT_FILE, WEIGHTS_FILE, MODEL_FILE, C
 # Files only a petl-run folder holds: a command writing into a folder holding one would write into a run.
 RUN_MARKERS = (MODEL_FILE, WEIGHTS_FILE, RESULT_FILE, CHECKPOINT_FILE)
 # A timm model folder (timm's local-dir and hub layout), what petl-export out=FOLDER writes (petl.deploy.export).
-TIMM_FOLDER_FILES = ("config.json", "model.safetensors")
+TIMM_FOLDER_FILES = ("config.json", "model.safetensors")  # its config, its weights
 # petl-bench's selection trials: <cell>/search/<point>/, whose weights it removes once scored (the finals retrain).
 SEARCH_DIR = "search"
 # resume=false moves an earlier run's files to ``<output_dir>.replaced-<time>``; reports skip such folders.

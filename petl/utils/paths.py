@@ -169,9 +169,12 @@ def write_atomic(path: Path, write: Callable[[Path], None]) -> None:
 
 
 def walk_linked(folder: Path) -> Iterator[tuple[str, list[str], list[str]]]:
-    """``os.walk(folder)`` following sub-folders that are symbolic links, each real folder once.
+    """``os.walk(folder)`` following sub-folders that are symbolic links, each real folder once, sub-folders in
+    name order.
 
-    A link to ``folder`` or to a folder above it is not followed (it would loop, or take in the folders beside).
+    A link to ``folder`` or to a folder above it is not followed (it would loop, or take in the folders beside).  A
+    folder reached by two paths (itself and a link to it) is walked by the first in name order: in the order the file
+    system lists them, a copy of the folder elsewhere could name its images (and petl-serve its tasks) by the other.
     The caller may prune a yielded ``dirs`` list in place, as with ``os.walk``.
     """
     seen: set[str] = set()
@@ -182,4 +185,5 @@ def walk_linked(folder: Path) -> Iterator[tuple[str, list[str], list[str]]]:
             dirs[:] = []
             continue
         seen.add(real)
+        dirs.sort()
         yield top, dirs, files

@@ -533,6 +533,15 @@ def test_a_dangling_symlink_at_out_is_in_the_way_as_a_file_is(tmp_path, capsys):
     assert all(link.is_symlink() for link in links)
 
 
+def test_a_run_folder_named_by_its_options_given_from_the_folder_above_is_the_run(tmp_path, capsys, monkeypatch):
+    # petl-export lr=0.001 out=... said "unknown option 'lr'", where petl-predict and petl-serve take the run.
+    _run_folder(tmp_path / "lr=0.001")
+    monkeypatch.chdir(tmp_path)
+    code, out, err = command_status(capsys, export_cli.main, "lr=0.001", "out=exported.safetensors")
+    assert code == 0 and out == "wrote exported.safetensors\n", err
+    assert (tmp_path / "exported.safetensors").is_file()
+
+
 def test_out_the_current_folder_is_a_folder_export_not_a_file_without_a_name(tmp_path, monkeypatch):
     # out=. (a timm folder in the current folder) failed with "PosixPath('.') has an empty name": the check for
     # out=.onnx (a suffix without a name) took the current folder's empty name for a suffix.

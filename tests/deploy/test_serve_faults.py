@@ -9,6 +9,7 @@ import errno
 import io
 import json
 import logging
+import re
 import socket
 import threading
 import time
@@ -174,6 +175,24 @@ def test_a_multipart_body_is_read_whatever_the_case_of_its_content_type(app):
     (status, answer), (status_upper, answer_upper) = _with_batcher(app, scenario)
     assert status == status_upper == 200, answer_upper
     assert answer_upper == answer and answer["predictions"][0]["image"] == "cat.png"
+
+
+def test_a_whole_multipart_body_with_an_epilogue_or_a_quoted_boundary_is_not_taken_for_cut_short(app):
+    # cut_short looks for CRLF --BOUNDARY-- where the body holds its boundary: the boundary as the Content-Type
+    # quotes it, and text after the closing boundary (RFC 2046's epilogue), leave a body whole.  (A preamble, text
+    # before the first boundary, python-multipart refuses itself: "cannot be read".)
+    route = serve.PREDICT_ROUTE.format(task="lora")
+    body = _multipart("cat.png", _png())
+    asks = [
+        (body, f'multipart/form-data; boundary="{BOUNDARY}"'),
+        (body + b"an epilogue, after the closing boundary\r\n", f"multipart/form-data; boundary={BOUNDARY}"),
+    ]
+
+    async def scenario():
+        return [await _ask(app, "POST", route, sent, kind) for sent, kind in asks]
+
+    for status, answer in _with_batcher(app, scenario):
+        assert status == 200 and answer["predictions"][0]["image"] == "cat.png", answer
 
 
 def test_a_multipart_body_that_cannot_be_read_is_refused_saying_how_to_send_images(app):
@@ -482,7 +501,10 @@ def test_a_token_no_client_can_send_is_refused_before_the_runs_load(unloaded, ca
     monkeypatch.setenv(serve.TOKEN_VARIABLE, token)
     code, out, err = command_status(capsys, serve_cli.main, str(run), "port=0", "--quiet")
     assert (code, loaded) == (2, []) and err.count("\n") == 1, err
-    assert f"PETL_SERVE_TOKEN's character {said}" in err and "s3cret" not in err, err
+    assert f"error: token (PETL_SERVE_TOKEN): its character {said}" in err and "s3cret" not in err, err
+    # The Python API's options too: every request to such a server got 401.
+    with pytest.raises(ValueError, match=re.escape(f"its character {said}")):
+        serve.ServeOptions(token=token)
 
 
 def test_a_port_in_use_is_one_line_naming_it_before_the_runs_load(unloaded, capsys):

@@ -295,14 +295,23 @@ def test_an_exported_timm_folder_given_as_a_run_is_named_as_one_by_every_command
     said = f"{exported} is a plain timm model (config.json, model.safetensors, as petl-export writes it), not a "
     for main, argv in [
         (predict_cli.main, [str(exported), str(image)]),
+        # After a run, where petl-predict searched it for images: "holds no image files (.jpg, ...)".
+        (predict_cli.main, [str(_finished(tmp_path / "done")), str(exported), str(image)]),
         (export_cli.main, [str(exported), f"out={tmp_path / 'again'}"]),
         (serve_cli.main, [str(exported)]),
+        (serve_cli.main, [f"task.e={exported}"]),
     ]:
         code, err = _main(main, argv, capsys)
         assert code == 2 and err.count("\n") == 1, (argv, err)
         assert f"error: {said}" in err and f"timm.create_model('local-dir:{exported}', pretrained=True)" in err, err
     with pytest.raises(RunFolderError, match=re.escape(said)):
         petl.load_run(exported)
+    # MultiTask over a backbone given by hand took a folder without model.json for weights alone: "no such file:
+    # 'exported/trainable.safetensors'".
+    from conftest import make_tiny_vit
+
+    with pytest.raises(RunFolderError, match=re.escape(said)):
+        petl.MultiTask(make_tiny_vit(), {"e": exported})
     # A run folder holding such files beside its card is still a run (its own files win).
     run = _finished(tmp_path / "run")
     for name in files.TIMM_FOLDER_FILES:

@@ -112,6 +112,20 @@ def test_a_linked_sub_folder_is_followed_and_a_link_to_a_folder_above_is_not(tmp
     assert sorted(int(dataset[i][1]) for i in range(len(dataset))) == [0, 0, 0, 0, 1, 1, 1]
 
 
+def test_a_folder_reached_by_a_link_too_is_read_by_the_first_path_in_name_order(tmp_path):
+    # The path kept was the one the file system listed first: part real_*, part link_* on ext4 (hash order), so a
+    # copy of the data elsewhere named its images otherwise (and ordered them, and held out others for val).
+    for index, name in enumerate("abcdefgh"):
+        real, link = tmp_path / f"real_{name}", tmp_path / f"link_{name}"
+        if index % 2:  # tmpfs lists the newest first: some of each order
+            link.symlink_to(real, target_is_directory=True)
+        _png(real / "x.png")
+        if not index % 2:
+            link.symlink_to(real, target_is_directory=True)
+    found, _ = folder.image_files(tmp_path)
+    assert [path.parent.name for path in found] == [f"link_{name}" for name in "abcdefgh"]
+
+
 def test_a_huge_image_decodes_without_pillows_warning_and_a_bomb_says_what_to_do(monkeypatch):
     # Pillow's DecompressionBombWarning was printed, naming no file, for any photo over 89 megapixels.
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100)
