@@ -59,7 +59,7 @@ def confirm(yes: bool) -> bool:
 
 def runs_to_train(cells: list[protocol.Cell]) -> bool:
     """Whether any selection trial or final run of ``cells`` is unfinished (what the estimate counts), unmeasured."""
-    return any(not run.is_done() for cell in cells for run in (*(t.run for t in cell.trials), *cell.finals({})))
+    return any(sum(costs.unfinished(cell)) for cell in cells)
 
 
 def run_on_own_data(
