@@ -187,7 +187,7 @@ def choose(board: Leaderboard, budget: Budget, data: dict[str, Any] | None = Non
     refused = serve_refusal(run, take.experiment)
     if refused is None:
         uses.append(f"`petl-serve {run}` (an HTTP endpoint)")
-    # Named, not "it": after a verdict naming two rows, "it" read as the smaller one while the commands used the best.
+    # Named, not "it": after a verdict naming two rows, "it" could mean either.
     text += f". Use {take.experiment}: {', '.join(uses[:-1])}{', or ' if len(uses) > 1 else ''}{uses[-1]}."
     if refused is not None:
         text += f" Not with petl-serve, which serves tasks over one shared frozen backbone and refuses it: {refused}."

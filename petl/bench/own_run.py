@@ -142,8 +142,8 @@ def _run_locked(
         )
     dry_run = as_bool("dry_run", own.get("dry_run", "false"))
     if not dry_run and runs_to_train(cells):
-        # Measuring builds and steps every experiment (minutes on a real backbone): a script without --yes was told
-        # to pass it only after all that.
+        # Before the measuring, which builds and steps every experiment (minutes on a real backbone): a script that
+        # cannot answer learns what to pass without waiting for it.
         check_can_ask(yes)
     estimate = costs.estimate(cells, data, say=lambda line: print(f"petl-bench: {line}", flush=True))
     for line in estimate.lines():
