@@ -116,9 +116,12 @@ def chosen_run(row: ExperimentRow) -> Path:
     return min(row.counted_runs or row.runs, key=lambda r: r.seed).path.parent
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Choice:
-    """The answer: the best row within the budget, the runner-up, and the paragraph saying so."""
+    """The answer: the best row within the budget, the runner-up, the row to use and the paragraph saying so.
+
+    Keyword-only: three fields are rows, which a positional call could swap without an error.
+    """
 
     best: ExperimentRow | None
     runner_up: ExperimentRow | None
@@ -149,7 +152,9 @@ def choose(board: Leaderboard, budget: Budget, data: dict[str, Any] | None = Non
                 f"{train_seconds(closest):.0f} s of training per run): the same command with a budget it fits "
                 "answers without training again"
             )
-        return Choice(None, None, None, None, head + f"nothing to choose, {why}{left_out}.")
+        return Choice(
+            best=None, runner_up=None, taken=None, run_dir=None, paragraph=f"{head}nothing to choose, {why}{left_out}."
+        )
     best = within[0]
     runner = within[1] if len(within) > 1 else None
     take = best  # the row whose run the commands use
@@ -182,11 +187,11 @@ def choose(board: Leaderboard, budget: Budget, data: dict[str, Any] | None = Non
     refused = serve_refusal(run, take.experiment)
     if refused is None:
         uses.append(f"`petl-serve {run}` (an HTTP endpoint)")
-    # Named, not "it": after a verdict naming two rows, "it" read as the smaller one while the commands used the best.
+    # Named, not "it": after a verdict naming two rows, "it" could mean either.
     text += f". Use {take.experiment}: {', '.join(uses[:-1])}{', or ' if len(uses) > 1 else ''}{uses[-1]}."
     if refused is not None:
         text += f" Not with petl-serve, which serves tasks over one shared frozen backbone and refuses it: {refused}."
-    return Choice(best, runner, take, run, text)
+    return Choice(best=best, runner_up=runner, taken=take, run_dir=run, paragraph=text)
 
 
 def _left_out(board: Leaderboard, complete: list[ExperimentRow]) -> str:

@@ -273,8 +273,7 @@ def estimate(
     for index, cell in enumerate(cells, start=1):
         trials = [t.run for t in cell.trials]
         finals = cell.finals({})  # the folders do not depend on the point chosen
-        todo_trials = sum(not r.is_done() for r in trials)
-        todo_finals = sum(not r.is_done() for r in finals)
+        todo_trials, todo_finals = unfinished(cell)
         cfg = compose(list((trials or finals)[0].overrides))
         epochs = int(cfg.train.epochs)
         if not todo_trials + todo_finals:  # finished: nothing to measure
@@ -292,6 +291,12 @@ def estimate(
     return Estimate(
         costs, dict(data.sizes), device, fixed_seconds=fixed or 0.0, per_epoch_seconds=per_epoch, measure_seconds=spent
     )
+
+
+def unfinished(cell: Cell) -> tuple[int, int]:
+    """How many selection trials and final runs of ``cell`` are not finished yet: what :func:`estimate` counts."""
+    finals = cell.finals({})  # the folders do not depend on the point chosen
+    return sum(not t.run.is_done() for t in cell.trials), sum(not run.is_done() for run in finals)
 
 
 def run_seconds(probe: Probe, data: OwnData, epochs: int, final: bool, subset: int | None = None) -> float:

@@ -59,7 +59,7 @@ def confirm(yes: bool) -> bool:
 
 def runs_to_train(cells: list[protocol.Cell]) -> bool:
     """Whether any selection trial or final run of ``cells`` is unfinished (what the estimate counts), unmeasured."""
-    return any(not run.is_done() for cell in cells for run in (*(t.run for t in cell.trials), *cell.finals({})))
+    return any(sum(costs.unfinished(cell)) for cell in cells)
 
 
 def run_on_own_data(
@@ -142,8 +142,8 @@ def _run_locked(
         )
     dry_run = as_bool("dry_run", own.get("dry_run", "false"))
     if not dry_run and runs_to_train(cells):
-        # Measuring builds and steps every experiment (minutes on a real backbone): a script without --yes was told
-        # to pass it only after all that.
+        # Before the measuring, which builds and steps every experiment (minutes on a real backbone): a script that
+        # cannot answer learns what to pass without waiting for it.
         check_can_ask(yes)
     estimate = costs.estimate(cells, data, say=lambda line: print(f"petl-bench: {line}", flush=True))
     for line in estimate.lines():

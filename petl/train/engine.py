@@ -313,7 +313,9 @@ def train_one_epoch(
     params = trainable_parameters(model)
     weights = accumulation_weights(loader, accelerator.gradient_accumulation_steps, accelerator.num_processes)
     loss_sum = correct = seen = 0.0
-    label_counts = torch.zeros(0, dtype=torch.long)  # on the CPU: a few ints a batch, no CUDA bincount kernel
+    # The epoch's labels, counted once it ends, on the CPU (no CUDA bincount kernel): a count per batch would copy
+    # each batch's labels to the CPU, one more wait for the GPU every step.
+    epoch_labels: list[torch.Tensor] = []
     lr = optimizer.param_groups[0]["lr"]
     start = time.perf_counter()
     bar = progress_bar(loader, desc=description, leave=False, show=settings.progress and accelerator.is_main_process)
@@ -351,16 +353,14 @@ def train_one_epoch(
         else:
             batch_loss = loss.item() * labels.numel()
         n = hits.numel()
-        counts = torch.bincount(labels.detach().flatten().cpu())
-        if len(counts) > len(label_counts):
-            label_counts = nn.functional.pad(label_counts, (0, len(counts) - len(label_counts)))
-        label_counts[: len(counts)] += counts
+        epoch_labels.append(labels.detach().flatten())
         loss_sum += batch_loss
         correct += float(hits.sum())
         seen += n
         rate = seen / max(1e-9, time.perf_counter() - start)
         bar.set_postfix(loss=f"{loss_sum / seen:.3f}", acc=f"{100 * correct / seen:.1f}", img_s=f"{rate:.0f}")
     seconds = time.perf_counter() - start
+    label_counts = torch.bincount(torch.cat(epoch_labels).cpu()) if epoch_labels else torch.zeros(0, dtype=torch.long)
     if accelerator.num_processes > 1:
         # The counts above are already the whole epoch's (gathered per batch); the time is the slowest process's.
         seconds = float(accelerator.gather(torch.tensor([seconds], device=accelerator.device)).max())

@@ -14,7 +14,7 @@ A run *did not learn* when its training ended where it began:
   ln 10, train top-1 9.0 % on 10 classes), or one whose loss, blown up early, fell back below its first epoch's
   without the model predicting better than a guess.  Chance is the majority rate, not 1/classes: a model stuck on
   the most frequent class of mini/fashion_mnist's train800 (95 of 800 images, 11.9 %) scores 11.9 %, which a test
-  against 1/10 calls learned (p = 0.04).  Records written before the engine counted it are tested against
+  against 1/10 calls learned (p = 0.046).  Records written before the engine counted it are tested against
   1/classes, the only rate their files give.
 
 Only training-set figures decide (never val or test accuracy), so a selection protocol may use the verdict

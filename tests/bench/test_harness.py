@@ -330,6 +330,23 @@ def test_pareto_frontier_and_png(vtab_results):
     assert (vtab_results / "pareto.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_a_larger_row_of_the_same_mean_summed_in_another_order_is_off_the_pareto_front(tmp_path, monkeypatch):
+    from petl.bench import plot, report
+
+    # The committed DINOv2 board's gps and ssf on fashion_mnist: one score whose means differ in the last bit
+    # (82.13333333333333 against 82.13333333333334), which drew ssf, of 45 times the parameters, on the front.
+    for experiment, top1s, no_head in (("gps", (80.6, 82.8, 83.0), 1_000), ("ssf", (83.4, 81.6, 81.4), 45_000)):
+        for seed, top1 in enumerate(top1s):
+            write_run(tmp_path, "mini/digits", experiment, seed, top1=top1, no_head=no_head)
+    board = aggregate(collect(tmp_path), tmp_path)
+    assert board.rows[1].task_mean > board.rows[0].task_mean  # ssf's, in the last bit
+    drawn = {}
+    monkeypatch.setattr(plot, "render_pareto", lambda points, *args: drawn.setdefault("points", points) and b"")
+    report.pareto_png(board)
+    front = pareto_front([(p.params, p.accuracy) for p in drawn["points"]])
+    assert [drawn["points"][i].label for i in front] == ["gps"]
+
+
 def test_point_names_are_placed_clear_of_each_other_and_of_every_marker():
     # Twelve points packed 8-9 px apart (the mini board's adapters and scale-shift rows sit about that close).
     anchors = [(300.0 + 8 * (i % 4), 200.0 + 9 * (i // 4)) for i in range(12)]

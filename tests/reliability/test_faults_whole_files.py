@@ -42,10 +42,12 @@ def _kept(path: Path, before: bytes) -> None:
 
 
 def test_choice_md_cut_short_keeps_the_earlier_one(tmp_path):
-    first = choice.Choice(None, None, None, "A short paragraph.")
+    first = choice.Choice(best=None, runner_up=None, taken=None, run_dir=None, paragraph="A short paragraph.")
     path = choice.write_choice(tmp_path, first, None, None)
     before = path.read_bytes()
-    longer = choice.Choice(None, None, None, "A much longer paragraph. " * 200)
+    longer = choice.Choice(
+        best=None, runner_up=None, taken=None, run_dir=None, paragraph="A much longer paragraph. " * 200
+    )
     with room_for(len(before)), pytest.raises(OSError):
         choice.write_choice(tmp_path, longer, None, None)
     _kept(path, before)

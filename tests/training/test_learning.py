@@ -78,6 +78,32 @@ def test_the_engine_counts_the_epochs_most_frequent_label():
     assert metrics["images"] == 10 and metrics["majority_top1"] == 60.0
 
 
+def test_the_engine_counts_labels_once_an_epoch_not_once_a_batch(monkeypatch):
+    import torch
+
+    from petl.train import engine
+
+    # Counted per batch, each count copied the batch's labels to the CPU: on a GPU, a wait for it every step.
+    counted = []
+    bincount = torch.bincount
+    monkeypatch.setattr(
+        torch,
+        "bincount",
+        lambda values, *args, **kwargs: counted.append(len(values)) or bincount(values, *args, **kwargs),
+    )
+    data = torch.utils.data.TensorDataset(torch.randn(10, 4), torch.tensor([2, 0, 2, 1, 2, 2, 0, 2, 1, 2]))
+    model = torch.nn.Linear(4, 3)
+    accelerator = engine.fresh_accelerator(cpu=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    loader = torch.utils.data.DataLoader(data, batch_size=3)
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    metrics = engine.train_one_epoch(
+        model, loader, optimizer, scheduler, accelerator, engine.TrainSettings(progress=False)
+    )
+    assert counted == [10] and metrics["majority_top1"] == 60.0
+
+
 def test_the_binomial_test_is_scipys_without_importing_scipy(monkeypatch):
     from scipy import stats
 
