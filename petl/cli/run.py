@@ -20,8 +20,8 @@ exits with status 2 and one line naming the key and what is valid; a run that ca
 and one line.  Bad input is checked for every job of a sweep before the first one starts, and so is a sweep
 whose jobs would train other runs into one ``output_dir``.  Ctrl-C exits
 with 130 and SIGTERM (a job scheduler's time limit, ``kill``) with 143, in one line saying how to resume (or,
-before the first epoch finished, that the same command starts the run over); the finished epochs are kept and the
-folder's lock released.
+before the first epoch finished, that the same command starts the run over; on a finished run being checked, that
+the same command returns it); the finished epochs are kept and the folder's lock released.
 ``--debug`` (or ``HYDRA_FULL_ERROR=1``) shows the traceback instead of the line.
 
 A single run is composed and checked once and run directly; sweeps, and command lines that set
@@ -432,13 +432,16 @@ def main(argv: Sequence[str] | None = None) -> None:
 def _interrupted_line(resume: bool) -> str:
     """Ctrl-C's line: what the run being trained kept, and what the same command does with it.
 
-    A run keeps a checkpoint as each epoch ends.  Interrupted before its first, its folder holds none (its
+    A finished run (its ``result.json``; with ``resume`` on, the default) is what the same command returns, after
+    checking its config and data once more: Ctrl-C may come during that check, which decodes a folder of photos.  A
+    run keeps a checkpoint as each epoch ends.  Interrupted before its first, its folder holds none (its
     ``config.yaml``, perhaps ``metrics.jsonl``), and the same command, ``resume`` or not, trains it from its first
-    epoch: :func:`petl.train.output_dir.check_output_dir` rewrites what such a run left.  The line said it resumed
-    from the last finished epoch, of which there was none.
+    epoch: :func:`petl.train.output_dir.check_output_dir` rewrites what such a run left.
     """
     from petl.store import files
 
+    if _training is not None and resume and (_training / files.RESULT_FILE).is_file():
+        return f"error: interrupted; output_dir {_training} holds a finished run: the same command returns its result"
     if _training is not None and not (_training / files.CHECKPOINT_FILE).is_file():
         return (
             "error: interrupted before the run's first epoch finished, so no epoch is kept: the same command trains "
