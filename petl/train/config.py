@@ -484,8 +484,9 @@ def default_config(overrides: Iterable[str] = (), sources: Mapping[str, str] | N
     Args:
         overrides: e.g. ``["method=lora", "method.rank=4", "data=mini/digits", "train.epochs=2"]``.
         sources: the keys of ``overrides`` that a file set, not the user (``{"method.reduction": "experiment=lst"}``:
-            petl-run's ``experiment=``), so that a refusal names where such a value came from; the keys a train
-            recipe chosen in ``overrides`` sets (``train=smoke``) are found here (:func:`recipe_sources`).
+            petl-run's ``experiment=``, petl-bench's suite and experiment files), so that a refusal names where such a
+            value came from; the keys a train recipe chosen in ``overrides`` sets (``train=smoke``) are found here
+            (:func:`recipe_sources`).
 
     Returns:
         The composed config (interpolations such as ``output_dir`` left unresolved).
