@@ -209,6 +209,14 @@ def test_after_the_suite_was_edited_a_finished_or_unfinished_run_is_named_stale(
             "{configs}/experiments/mine.yaml: train.weight_decay_all=true cannot act: train.weight_decay=0 decays no "
             "tensor; give train.weight_decay_all=false, or a train.weight_decay above 0",
         ),
+        # A list's own spaces: "dims=['8', (set by ...) '16', ...]" cut the value where its first space was.
+        (
+            "experiments: [mine]\nper_experiment:\n  mine: {method.heads: [1, 2]}\n",
+            "method: {name: hst, dims: [8, 16, 32, 48]}\n",
+            [],
+            "{configs}/suites/s.yaml: per_experiment/per_task mine: method hst: dims=['8', '16', '32', '48'] (set by "
+            "{configs}/experiments/mine.yaml) and heads=['1', '2'] must name the same stages",
+        ),
         # Typed on the command line, it is the user's own.
         (
             "experiments: [linear]\n",
@@ -218,7 +226,7 @@ def test_after_the_suite_was_edited_a_finished_or_unfinished_run_is_named_stale(
             "one of them",
         ),
     ],
-    ids=["suite-set", "experiment-set", "in-the-failing-file", "typed"],
+    ids=["suite-set", "experiment-set", "in-the-failing-file", "a-list-set", "typed"],
 )
 def test_a_refusal_names_the_file_that_set_a_value_the_user_did_not_type(
     tmp_path, capsys, suite, experiment, extra, said
