@@ -67,9 +67,9 @@ EXPERIMENT_KEY = "experiment"
 # Errors of the jobs of a local sweep (Hydra's basic launcher runs them in this process).
 _failed_jobs: list[str] = []
 
-# The folder of the run this process trains now (a single run's from the start; a local sweep's job's once it
-# starts): Ctrl-C's line says what it kept (_interrupted_line).
-_training: Path | None = None
+# The config of the run this process trains now (a single run's from the start; a local sweep's job's once it
+# starts): Ctrl-C's line says what its output_dir kept (_interrupted_line).
+_training: DictConfig | None = None
 
 # Show tracebacks instead of one line (``--debug``, or Hydra's own HYDRA_FULL_ERROR=1).
 DEBUG_FLAG = "--debug"
@@ -284,7 +284,7 @@ def _task(cfg: DictConfig, checked: bool = False) -> dict[str, Any] | None:
     from petl.utils.distributed import is_main_process
 
     global _training
-    _training = Path(cfg.output_dir)
+    _training = cfg
     hydra_cfg = HydraConfig.get() if HydraConfig.initialized() else None
     multirun = hydra_cfg is not None and hydra_cfg.mode == RunMode.MULTIRUN
     # Hydra's basic launcher runs a sweep's jobs in this process; others (submitit...) elsewhere.
@@ -412,7 +412,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             raise SystemExit(RUN_ERROR) from None
     _failed_jobs.clear()
     global _training
-    _training = Path(checked[0].output_dir) if len(checked) == 1 and not args.multirun else None
+    _training = checked[0] if len(checked) == 1 and not args.multirun else None
     resumes = not checked or checked[0].resume  # resume=false would move the kept epochs aside
 
     def interrupted() -> str:
@@ -435,20 +435,37 @@ def _interrupted_line(resume: bool) -> str:
     A finished run (its ``result.json``; with ``resume`` on, the default) is what the same command returns, after
     checking its config and data once more: Ctrl-C may come during that check, which decodes a folder of photos.  A
     run keeps a checkpoint as each epoch ends.  Interrupted before its first, its folder holds none (its
-    ``config.yaml``, perhaps ``metrics.jsonl``), and the same command, ``resume`` or not, trains it from its first
-    epoch: :func:`petl.train.output_dir.check_output_dir` rewrites what such a run left.
+    ``config.yaml``, perhaps ``metrics.jsonl``), or, under ``resume=false`` before the run set the earlier one aside,
+    the earlier run's of another config, which ``resume=true`` would refuse; the same command trains it from its
+    first epoch: :func:`petl.train.output_dir.check_output_dir` rewrites what such a run left.
     """
     from petl.store import files
 
-    if _training is not None and resume and (_training / files.RESULT_FILE).is_file():
-        return f"error: interrupted; output_dir {_training} holds a finished run: the same command returns its result"
-    if _training is not None and not (_training / files.CHECKPOINT_FILE).is_file():
+    out = None if _training is None else Path(_training.output_dir)
+    if out is not None and resume and (out / files.RESULT_FILE).is_file():
+        return f"error: interrupted; output_dir {out} holds a finished run: the same command returns its result"
+    kept = out is not None and (out / files.CHECKPOINT_FILE).is_file()
+    if out is not None and (not kept or not resume and _kept_for_another_config(out)):
         return (
             "error: interrupted before the run's first epoch finished, so no epoch is kept: the same command trains "
             "it from the start"
         )
     again = "the same command resumes" if resume else "run it again with resume=true to resume"
     return f"error: interrupted; {again} from the last finished epoch"
+
+
+def _kept_for_another_config(out: Path) -> bool:
+    """Whether ``out``'s checkpoint was trained with another config than the run being trained (``config.yaml``)."""
+    from omegaconf import OmegaConf
+
+    from petl.store import files
+    from petl.train import output_dir as folder
+
+    try:
+        resolved = OmegaConf.to_container(_training, resolve=True)
+        return bool(folder.config_difference(files.read_config(out), resolved))
+    except Exception:  # the line comes whatever the folder holds; resume=true refuses an unreadable config.yaml too
+        return True
 
 
 def _check_modes(parser: Parser, args: argparse.Namespace) -> None:
