@@ -67,9 +67,9 @@ EXPERIMENT_KEY = "experiment"
 # Errors of the jobs of a local sweep (Hydra's basic launcher runs them in this process).
 _failed_jobs: list[str] = []
 
-# The config of the run this process trains now (a single run's from the start; a local sweep's job's once it
-# starts): Ctrl-C's line says what its output_dir kept (_interrupted_line).
-_training: DictConfig | None = None
+# The folder and config of the run this process trains now (a single run's from the start; a local sweep's job's
+# once it starts): Ctrl-C's line says what the folder kept (_interrupted_line).
+_training: tuple[Path, DictConfig] | None = None
 
 # Show tracebacks instead of one line (``--debug``, or Hydra's own HYDRA_FULL_ERROR=1).
 DEBUG_FLAG = "--debug"
@@ -284,7 +284,7 @@ def _task(cfg: DictConfig, checked: bool = False) -> dict[str, Any] | None:
     from petl.utils.distributed import is_main_process
 
     global _training
-    _training = cfg
+    _training = (Path(cfg.output_dir), cfg)  # the folder resolved here, in the job
     hydra_cfg = HydraConfig.get() if HydraConfig.initialized() else None
     multirun = hydra_cfg is not None and hydra_cfg.mode == RunMode.MULTIRUN
     # Hydra's basic launcher runs a sweep's jobs in this process; others (submitit...) elsewhere.
@@ -412,7 +412,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             raise SystemExit(RUN_ERROR) from None
     _failed_jobs.clear()
     global _training
-    _training = checked[0] if len(checked) == 1 and not args.multirun else None
+    _training = (Path(checked[0].output_dir), checked[0]) if len(checked) == 1 and not args.multirun else None
     resumes = not checked or checked[0].resume  # resume=false would move the kept epochs aside
 
     def interrupted() -> str:
@@ -441,11 +441,11 @@ def _interrupted_line(resume: bool) -> str:
     """
     from petl.store import files
 
-    out = None if _training is None else Path(_training.output_dir)
+    out = None if _training is None else _training[0]
     if out is not None and resume and (out / files.RESULT_FILE).is_file():
         return f"error: interrupted; output_dir {out} holds a finished run: the same command returns its result"
     kept = out is not None and (out / files.CHECKPOINT_FILE).is_file()
-    if out is not None and (not kept or not resume and _kept_for_another_config(out)):
+    if _training is not None and (not kept or not resume and _kept_for_another_config(*_training)):
         return (
             "error: interrupted before the run's first epoch finished, so no epoch is kept: the same command trains "
             "it from the start"
@@ -454,18 +454,29 @@ def _interrupted_line(resume: bool) -> str:
     return f"error: interrupted; {again} from the last finished epoch"
 
 
-def _kept_for_another_config(out: Path) -> bool:
-    """Whether ``out``'s checkpoint was trained with another config than the run being trained (``config.yaml``)."""
+def _kept_for_another_config(out: Path, cfg: DictConfig) -> bool:
+    """Whether ``out``'s checkpoint was trained with another config than ``cfg`` (its ``config.yaml``'s).
+
+    An unreadable ``config.yaml`` counts as another config's (``resume=true`` refuses it too); a ``cfg`` that does
+    not resolve here (an interpolation of Hydra's, out of its job) as this one's: the line says what it did before it
+    compared.
+    """
     from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
 
     from petl.store import files
     from petl.train import output_dir as folder
 
     try:
-        resolved = OmegaConf.to_container(_training, resolve=True)
-        return bool(folder.config_difference(files.read_config(out), resolved))
-    except Exception:  # the line comes whatever the folder holds; resume=true refuses an unreadable config.yaml too
+        recorded = files.read_config(out)
+    except files.DamagedFileError:
         return True
+    try:
+        resolved = OmegaConf.to_container(cfg, resolve=True)
+    except OmegaConfBaseException:
+        return False
+    assert isinstance(resolved, dict)
+    return bool(folder.config_difference(recorded, resolved))
 
 
 def _check_modes(parser: Parser, args: argparse.Namespace) -> None:
