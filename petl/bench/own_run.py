@@ -22,7 +22,7 @@ from petl.bench import choice, own_data, protocol, report
 from petl.bench import estimate as costs
 from petl.bench.args import as_bool, configs_folder
 from petl.bench.suite import Experiment, Suite
-from petl.bench.sweep import check_configs, check_results_folder
+from petl.bench.sweep import COMMAND_LINE, check_configs, check_results_folder, layer_sources
 from petl.cli.args import plain
 from petl.data.images import decode_progress
 from petl.store.lock import acquire_lock, describe_holder, release_lock
@@ -81,8 +81,10 @@ def run_on_own_data(
         raise ValueError(f"suite {suite.name} does not select on val; run your data with a searching suite (choose)")
     budget = choice.Budget.parse(own)
     on_data = [*suite.overrides(), f"data={own['data']}", *overrides]
+    suite_file = str(configs_folder(own) / "suites" / f"{suite.name}.yaml")
+    sources = layer_sources([(suite_file, suite.overrides()), (COMMAND_LINE, [f"data={own['data']}", *overrides])])
     try:
-        cfg = default_config(on_data)
+        cfg = default_config(on_data, sources)
     except CacheOptionError:
         # Refused for the run config's default method (LoRA), which need not be among the experiments: they are
         # checked next, and its config composed apart from that.

@@ -31,6 +31,8 @@ from petl.utils.progress import progress_bar
 from petl.utils.text import first_line
 
 ERROR_FILE = "error.log"
+# The layer of a run config's overrides that the user typed (_layers), named so in a refusal.
+COMMAND_LINE = "the command line"
 
 TrainFn = Callable[[Any], dict]
 ComposeFn = Callable[[list[str]], Any]
@@ -254,8 +256,25 @@ def _layers(
     for key, values in suite.space_for(exp, task).items():  # each searched key as a layer of its own, named by its file
         source = exp_source if key in exp.search else f"{suite_file}: search (experiment {exp.name})"
         layers.append((source, [override(key, values[min(position, len(values) - 1)])]))
-    layers.append(("the command line", list(extra_overrides)))
+    layers.append((COMMAND_LINE, list(extra_overrides)))
     return layers
+
+
+def layer_sources(layers: list[tuple[str, list[str]]]) -> dict[str, str]:
+    """The keys a file among ``layers`` sets, each with that file's name (the last layer's that sets it).
+
+    :func:`petl.train.config.default_config` names such a value so in a refusal (``train.epochs=20 is set by
+    .../suites/mini_selection.yaml``), where it would ask the user to drop a value they never typed.  A key the command
+    line sets is the user's own, and is left out.
+    """
+    sources: dict[str, str] = {}
+    for source, part in layers:
+        for key in (o.lstrip("+~").partition("=")[0] for o in part):
+            if source == COMMAND_LINE:
+                sources.pop(key, None)
+            else:
+                sources[key] = source
+    return sources
 
 
 def _compose_layers(layers: list[tuple[str, list[str]]]) -> Any:
@@ -273,8 +292,10 @@ def _compose_layers(layers: list[tuple[str, list[str]]]) -> Any:
     except ConfigError:
         # The first layer whose addition fails is the one to fix.
         for n in range(1, len(layers) + 1):
+            # The failing layer is named first: its own keys need no "set by".
+            sources = {k: v for k, v in layer_sources(layers[:n]).items() if v != layers[n - 1][0]}
             try:
-                default_config([o for _, part in layers[:n] for o in part])
+                default_config([o for _, part in layers[:n] for o in part], sources)
             except ConfigError as error:
                 raise ConfigError(f"{layers[n - 1][0]}: {error}") from None
         raise
@@ -285,7 +306,7 @@ def _setter(layers: list[tuple[str, list[str]]], key: str) -> str:
     for source, part in reversed(layers):
         if any(o.lstrip("+~").partition("=")[0] == key for o in part):
             return source
-    return "the command line"
+    return COMMAND_LINE
 
 
 def _check_cache_option(

@@ -20,8 +20,8 @@ exits with status 2 and one line naming the key and what is valid; a run that ca
 and one line.  Bad input is checked for every job of a sweep before the first one starts, and so is a sweep
 whose jobs would train other runs into one ``output_dir``.  Ctrl-C exits
 with 130 and SIGTERM (a job scheduler's time limit, ``kill``) with 143, in one line saying how to resume (or,
-before the first epoch finished, that the same command starts the run over); the finished epochs are kept and the
-folder's lock released.
+before the first epoch finished, that the same command starts the run over; on a finished run being checked, that
+the same command returns it); the finished epochs are kept and the folder's lock released.
 ``--debug`` (or ``HYDRA_FULL_ERROR=1``) shows the traceback instead of the line.
 
 A single run is composed and checked once and run directly; sweeps, and command lines that set
@@ -67,9 +67,9 @@ EXPERIMENT_KEY = "experiment"
 # Errors of the jobs of a local sweep (Hydra's basic launcher runs them in this process).
 _failed_jobs: list[str] = []
 
-# The folder of the run this process trains now (a single run's from the start; a local sweep's job's once it
-# starts): Ctrl-C's line says what it kept (_interrupted_line).
-_training: Path | None = None
+# The folder and config of the run this process trains now (a single run's from the start; a local sweep's job's
+# once it starts): Ctrl-C's line says what the folder kept (_interrupted_line).
+_training: tuple[Path, DictConfig] | None = None
 
 # Show tracebacks instead of one line (``--debug``, or Hydra's own HYDRA_FULL_ERROR=1).
 DEBUG_FLAG = "--debug"
@@ -284,7 +284,7 @@ def _task(cfg: DictConfig, checked: bool = False) -> dict[str, Any] | None:
     from petl.utils.distributed import is_main_process
 
     global _training
-    _training = Path(cfg.output_dir)
+    _training = (Path(cfg.output_dir), cfg)  # the folder resolved here, in the job
     hydra_cfg = HydraConfig.get() if HydraConfig.initialized() else None
     multirun = hydra_cfg is not None and hydra_cfg.mode == RunMode.MULTIRUN
     # Hydra's basic launcher runs a sweep's jobs in this process; others (submitit...) elsewhere.
@@ -412,7 +412,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             raise SystemExit(RUN_ERROR) from None
     _failed_jobs.clear()
     global _training
-    _training = Path(checked[0].output_dir) if len(checked) == 1 and not args.multirun else None
+    _training = (Path(checked[0].output_dir), checked[0]) if len(checked) == 1 and not args.multirun else None
     resumes = not checked or checked[0].resume  # resume=false would move the kept epochs aside
 
     def interrupted() -> str:
@@ -432,20 +432,51 @@ def main(argv: Sequence[str] | None = None) -> None:
 def _interrupted_line(resume: bool) -> str:
     """Ctrl-C's line: what the run being trained kept, and what the same command does with it.
 
-    A run keeps a checkpoint as each epoch ends.  Interrupted before its first, its folder holds none (its
-    ``config.yaml``, perhaps ``metrics.jsonl``), and the same command, ``resume`` or not, trains it from its first
-    epoch: :func:`petl.train.output_dir.check_output_dir` rewrites what such a run left.  The line said it resumed
-    from the last finished epoch, of which there was none.
+    A finished run (its ``result.json``; with ``resume`` on, the default) is what the same command returns, after
+    checking its config and data once more: Ctrl-C may come during that check, which decodes a folder of photos.  A
+    run keeps a checkpoint as each epoch ends.  Interrupted before its first, its folder holds none (its
+    ``config.yaml``, perhaps ``metrics.jsonl``), or, under ``resume=false`` before the run set the earlier one aside,
+    the earlier run's of another config, which ``resume=true`` would refuse; the same command trains it from its
+    first epoch: :func:`petl.train.output_dir.check_output_dir` rewrites what such a run left.
     """
     from petl.store import files
 
-    if _training is not None and not (_training / files.CHECKPOINT_FILE).is_file():
+    out = None if _training is None else _training[0]
+    if out is not None and resume and (out / files.RESULT_FILE).is_file():
+        return f"error: interrupted; output_dir {out} holds a finished run: the same command returns its result"
+    kept = out is not None and (out / files.CHECKPOINT_FILE).is_file()
+    if _training is not None and (not kept or not resume and _kept_for_another_config(*_training)):
         return (
             "error: interrupted before the run's first epoch finished, so no epoch is kept: the same command trains "
             "it from the start"
         )
     again = "the same command resumes" if resume else "run it again with resume=true to resume"
     return f"error: interrupted; {again} from the last finished epoch"
+
+
+def _kept_for_another_config(out: Path, cfg: DictConfig) -> bool:
+    """Whether ``out``'s checkpoint was trained with another config than ``cfg`` (its ``config.yaml``'s).
+
+    An unreadable ``config.yaml`` counts as another config's (``resume=true`` refuses it too); a ``cfg`` that does
+    not resolve here (an interpolation of Hydra's, out of its job) as this one's: the line says what it did before it
+    compared.
+    """
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from petl.store import files
+    from petl.train import output_dir as folder
+
+    try:
+        recorded = files.read_config(out)
+    except files.DamagedFileError:
+        return True
+    try:
+        resolved = OmegaConf.to_container(cfg, resolve=True)
+    except OmegaConfBaseException:
+        return False
+    assert isinstance(resolved, dict)
+    return bool(folder.config_difference(recorded, resolved))
 
 
 def _check_modes(parser: Parser, args: argparse.Namespace) -> None:

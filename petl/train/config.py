@@ -472,10 +472,32 @@ def method_error(name: str, error: Exception, sources: Mapping[str, str] | None 
     (``reduction=8 (set by experiment=lst): ...``): the user never typed it.
     """
     text = str(error)
-    named = re.match(r"(\w+)=[^\s:]+", text)
+    named = re.match(r"(\w+)=", text)
     if named and set_by(f"method.{named[1]}", sources):
-        text = named[0] + set_by(f"method.{named[1]}", sources) + text[named.end() :]
+        end = _value_end(text, named.end())
+        text = text[:end] + set_by(f"method.{named[1]}", sources) + text[end:]
     return ConfigError(text if text.startswith(f"method {name!r}") else f"method {name}: {text}")
+
+
+def _value_end(text: str, start: int) -> int:
+    """Where the value written from ``start`` ends: at a space or colon outside its brackets and quotes.
+
+    A list (``dims=[8, 16]``) or a quoted string (``options='{"a": 1}'``) holds spaces and colons of its own.
+    """
+    depth, quote = 0, ""
+    for i in range(start, len(text)):
+        char = text[i]
+        if quote:
+            quote = "" if char == quote else quote
+        elif char in "'\"":
+            quote = char
+        elif char in "([{":
+            depth += 1
+        elif char in ")]}":
+            depth -= 1
+        elif depth <= 0 and (char.isspace() or char == ":"):
+            return i
+    return len(text)
 
 
 def default_config(overrides: Iterable[str] = (), sources: Mapping[str, str] | None = None) -> DictConfig:
@@ -484,8 +506,9 @@ def default_config(overrides: Iterable[str] = (), sources: Mapping[str, str] | N
     Args:
         overrides: e.g. ``["method=lora", "method.rank=4", "data=mini/digits", "train.epochs=2"]``.
         sources: the keys of ``overrides`` that a file set, not the user (``{"method.reduction": "experiment=lst"}``:
-            petl-run's ``experiment=``), so that a refusal names where such a value came from; the keys a train
-            recipe chosen in ``overrides`` sets (``train=smoke``) are found here (:func:`recipe_sources`).
+            petl-run's ``experiment=``, petl-bench's suite and experiment files), so that a refusal names where such a
+            value came from; the keys a train recipe chosen in ``overrides`` sets (``train=smoke``) are found here
+            (:func:`recipe_sources`).
 
     Returns:
         The composed config (interpolations such as ``output_dir`` left unresolved).

@@ -14,6 +14,7 @@ from petl import presets
 from petl.bench import suite as suites
 from petl.cli import run as cli
 from petl.run import default_config
+from petl.train import config
 
 TINY = tiny_run(epochs=1)
 
@@ -113,6 +114,24 @@ def test_a_refusal_says_which_value_a_file_set_and_which_was_typed(args, said, c
         cli.main(args)
     assert caught.value.code == cli.USAGE_ERROR
     assert capsys.readouterr().err == f"petl-run: error: {said}\n"
+
+
+@pytest.mark.parametrize(
+    ("refusal", "said"),
+    [
+        ("reduction=8: the side width", "reduction=8 (set by experiment=x): the side width"),
+        # A value holding spaces or colons of its own was cut at the first: "dims=[8, (set by experiment=x) 16]".
+        ("dims=[8, 16] and heads=[1] differ", "dims=[8, 16] (set by experiment=x) and heads=[1] differ"),
+        (
+            "options='{\"a\": [1, 2]}' sets inference_mode",
+            "options='{\"a\": [1, 2]}' (set by experiment=x) sets inference_mode",
+        ),
+        ("alpha=2.0", "alpha=2.0 (set by experiment=x)"),
+    ],
+)
+def test_set_by_follows_the_whole_value_a_method_refusal_names(refusal, said):
+    sources = {f"method.{refusal.split('=')[0]}": "experiment=x"}
+    assert str(config.method_error("m", ValueError(refusal), sources)) == f"method m: {said}"
 
 
 @pytest.mark.slow

@@ -182,3 +182,73 @@ def test_after_the_suite_was_edited_a_finished_or_unfinished_run_is_named_stale(
     out = capsys.readouterr().out
     assert "failed: mini/digits linear seed0: output_dir" in out and "train.epochs: 1 -> 2" in out, out
     assert not (run_dir / "error.log").exists() and (run_dir / "config.yaml").is_file()
+
+
+@pytest.mark.parametrize(
+    ("suite", "experiment", "extra", "said"),
+    [
+        (
+            "experiments: [linear]\n",
+            None,
+            ["data.epochs=5"],
+            "the command line: data.epochs=5 cannot act: train.epochs=1 is set by {configs}/suites/s.yaml, and the run "
+            "trains that many; give train.epochs=5 in place of data.epochs",
+        ),
+        (
+            "experiments: [mine]\n",
+            "method: {name: bitfit}\ntrain: {weight_decay_all: true}\n",
+            ["train.weight_decay=0"],
+            "the command line: train.weight_decay_all=true (set by {configs}/experiments/mine.yaml) cannot act: "
+            "train.weight_decay=0 decays no tensor; give train.weight_decay_all=false, or a train.weight_decay above 0",
+        ),
+        # The file that fails is named first: its own values need no "set by".
+        (
+            "experiments: [mine]\n",
+            "method: {name: bitfit}\ntrain: {weight_decay_all: true, weight_decay: 0}\n",
+            [],
+            "{configs}/experiments/mine.yaml: train.weight_decay_all=true cannot act: train.weight_decay=0 decays no "
+            "tensor; give train.weight_decay_all=false, or a train.weight_decay above 0",
+        ),
+        # A list's own spaces: "dims=['8', (set by ...) '16', ...]" cut the value where its first space was.
+        (
+            "experiments: [mine]\nper_experiment:\n  mine: {method.heads: [1, 2]}\n",
+            "method: {name: hst, dims: [8, 16, 32, 48]}\n",
+            [],
+            "{configs}/suites/s.yaml: per_experiment/per_task mine: method hst: dims=['8', '16', '32', '48'] (set by "
+            "{configs}/experiments/mine.yaml) and heads=['1', '2'] must name the same stages",
+        ),
+        # Typed on the command line, it is the user's own.
+        (
+            "experiments: [linear]\n",
+            None,
+            ["train.epochs=2", "data.epochs=5"],
+            "the command line: data.epochs=5 cannot act: train.epochs=2 is given, and the run trains that many; drop "
+            "one of them",
+        ),
+    ],
+    ids=["suite-set", "experiment-set", "in-the-failing-file", "a-list-set", "typed"],
+)
+def test_a_refusal_names_the_file_that_set_a_value_the_user_did_not_type(
+    tmp_path, capsys, suite, experiment, extra, said
+):
+    # A refusal of two values together said "train.epochs=1 is given ...; drop one of them" of the suite's epochs, a
+    # value the user never typed and could not drop (petl-run named experiment= and train= so, petl-bench did not).
+    configs = _configs(tmp_path, suite + BASE, {"mine": experiment} if experiment else None)
+    argv = ["dry_run=true", "suite=s", f"configs_dir={configs}", f"output_dir={tmp_path / 'runs'}", *extra]
+    status, err = _main(bench_cli.main, argv, capsys)
+    assert status == 2 and err == f"petl-bench: error: {said.format(configs=configs)}\n", err
+
+
+def test_a_refusal_on_ones_own_data_names_the_suite_that_set_a_value(tmp_path, capsys):
+    # suite=choose's 20 epochs were "given" beside data.epochs=5: the user typed neither train.epochs nor could drop it.
+    from PIL import Image
+
+    for split, label in [("train", "a"), ("train", "b"), ("test", "a"), ("test", "b")]:
+        (tmp_path / "images" / split / label).mkdir(parents=True)
+        for i in range(2):
+            Image.new("RGB", (8, 8), (i * 90, 0, 0)).save(tmp_path / "images" / split / label / f"{i}.png")
+    argv = ["suite=choose", "data=folder", f"data.root={tmp_path / 'images'}", "data.epochs=5", "--yes"]
+    status, err = _main(bench_cli.main, [*argv, f"output_dir={tmp_path / 'runs'}"], capsys)
+    assert status == 2, err
+    assert "data.epochs=5 cannot act: train.epochs=20 is set by " in err and "suites/choose.yaml, and the run" in err
+    assert err.endswith("; give train.epochs=5 in place of data.epochs\n") and err.count("\n") == 1, err

@@ -254,6 +254,59 @@ def test_ctrl_c_says_whether_an_epoch_is_kept_and_the_same_command_does_what_it_
     assert len((tmp_path / files.METRICS_FILE).read_text().splitlines()) == 2
 
 
+@pytest.mark.parametrize("keep", ["false", "true"])
+def test_ctrl_c_while_a_finished_run_is_checked_says_the_same_command_returns_it(tmp_path, capsys, keep):
+    # Interrupted while petl-run checked a finished run's data (a folder of photos is decoded there), it said "before
+    # the run's first epoch finished ... trains it from the start" (no checkpoint.pt: a finished run removes it), or,
+    # where train.keep_checkpoint kept one, "resumes from the last finished epoch": the same command returns the run.
+    args = [*TINY, "method=linear", "train.cache_features=false", f"output_dir={tmp_path}"]
+    args.append(f"train.keep_checkpoint={keep}")
+    cli.main(args)
+    finished = (tmp_path / files.RESULT_FILE).read_bytes()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(folder, "check_inputs", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as stop:
+            cli.main(args)
+    assert stop.value.code == 130
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"petl-run: error: interrupted; output_dir {tmp_path} holds a finished run: the same command returns its result"
+    )
+    cli.main(args)
+    assert "already finished" in capsys.readouterr().err
+    assert (tmp_path / files.RESULT_FILE).read_bytes() == finished
+
+
+@pytest.mark.parametrize("other", [[], ["train.lr=0.01"]], ids=["same-config", "another-config"])
+def test_ctrl_c_before_resume_false_set_the_earlier_run_aside_says_what_resume_true_would_do(tmp_path, capsys, other):
+    # Interrupted while a resume=false run built its data (before it set the earlier run aside), it said "run it
+    # again with resume=true to resume from the last finished epoch" also of a checkpoint of another config, which
+    # resume=true refuses ('holds a run with another config'): none of this run's epochs was kept.
+    args = [*TINY, "method=linear", "train.cache_features=false", f"output_dir={tmp_path}"]
+    with pytest.MonkeyPatch.context() as patch:
+        _crash_in_epoch(patch, 2)
+        with pytest.raises(SystemExit):
+            cli.main(args)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(build, "datasets", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as stop:
+            cli.main([*args, *other, "resume=false"])
+    line = capsys.readouterr().err.splitlines()[-1]
+    assert stop.value.code == 130 and (tmp_path / files.CHECKPOINT_FILE).is_file()
+    if other:
+        assert line == (
+            "petl-run: error: interrupted before the run's first epoch finished, so no epoch is kept: the same command "
+            "trains it from the start"
+        )
+    else:
+        assert (
+            line == "petl-run: error: interrupted; run it again with resume=true to resume from the last finished epoch"
+        )
+        cli.main([*args, "resume=true"])
+        assert "resuming" in "".join(capsys.readouterr())
+
+
 def test_the_same_command_again_keeps_the_checkpoint_a_finished_run_was_told_to_keep(tmp_path):
     # Run again without train.keep_checkpoint (neutral: the finished result is returned), it deleted the checkpoint
     # the first run had kept, taking it for one a kill had left between result.json and its removal.
