@@ -75,7 +75,7 @@ from torch import nn
 from petl.deploy.graphs import LayoutGraph, LayoutGraphs, capture, storage_of
 from petl.deploy.routing import Batch, RoutedBlock, RoutedModule, Router, check_images, method_name, task_sites
 from petl.model.backbone import Backbone, backbone_of, naflexvit
-from petl.model.io import load_trainable, meta_copy, read_header, read_trainable_metadata
+from petl.model.io import OtherFrozenWeights, load_trainable, meta_copy, read_header, read_trainable_metadata
 from petl.model.params import trainable_state
 from petl.model.rows import CannotShare, RowHook, Tokens, rows_matmul
 from petl.model.surgery import apply
@@ -319,8 +319,8 @@ class MultiTask(nn.Module):
     Raises:
         ValueError: ``tasks`` not a mapping, a task named by an integer (forward reads integers as indices), a
             file that does not load onto ``backbone`` (the message names it), a task that cannot share the backbone
-            (the message names the task and its method), or a run trained on another backbone (:class:`TaskRefused`,
-            naming the task and the difference).
+            (the message names the task and its method), or a run or file trained on another backbone
+            (:class:`TaskRefused`, naming the task and the difference).
         TypeError: on ``copy.deepcopy``, ``copy.copy`` or pickling (``torch.save``) of a MultiTask: its tasks' hooks
             read its own modules, which a copy would not rebind; build another from the same backbone and files.
 
@@ -489,7 +489,12 @@ class MultiTask(nn.Module):
     def _load(name: str, path: Path, backbone: nn.Module, check_frozen: bool = True) -> nn.Module:
         """The task's single-task model: the backbone's frozen tensors shared, the file's tensors its own."""
         model = _shared_copy(backbone, unshared=_trained_backbone_tensors(name, backbone, path))
-        load_trainable(model, path, check_frozen=check_frozen)
+        try:
+            load_trainable(model, path, check_frozen=check_frozen)
+        except OtherFrozenWeights as error:  # its remedy, check_frozen=False, is load_trainable's: MultiTask has none
+            served = "serve it over the backbone it was trained on, in the dtype it was saved in (cast the MultiTask)"
+            why = f"task {name!r} cannot be served over this backbone: {error.why}: {served}"
+            raise TaskRefused(name, why, mismatch=True) from None
         return model.eval()
 
     def _route(self, backbone: nn.Module, hooks: list[dict[str, RowHook]]) -> nn.Module:
