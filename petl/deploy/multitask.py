@@ -103,9 +103,12 @@ def _weights_file(path: str | Path) -> Path:
 
 
 def _run_card(path: str | Path) -> dict[str, Any] | None:
-    """A run folder's checked card (:func:`petl.store.run_card.read_card`), or ``None`` for a weights file."""
+    """A folder's checked card (:func:`petl.store.run_card.read_card`, which names a folder that is no run, a timm
+    folder petl-export wrote), or ``None`` for a weights file or a folder holding one without a card.
+    """
     path = Path(path)
-    return run_card.read_card(path) if path.is_dir() and (path / run_card.MODEL_FILE).is_file() else None
+    card = (path / run_card.MODEL_FILE).is_file() or not (path / files.WEIGHTS_FILE).is_file()
+    return run_card.read_card(path) if path.is_dir() and card else None
 
 
 def _trained_backbone_tensors(task: str, backbone: nn.Module, path: Path) -> set[str]:
