@@ -7,10 +7,14 @@ import torch
 from conftest import make_tiny_family, perturb_trainable
 from safetensors import safe_open
 from safetensors.torch import save_file
+from test_multitask import _run_folder as multitask_run_folder
 
 import petl
+from petl.data.transforms import ImageSpec
 from petl.deploy.multitask import TaskRefused
+from petl.deploy.predict import serve_together
 from petl.model import io
+from petl.store import run_card
 
 
 @pytest.mark.parametrize("method", petl.list_methods())
@@ -52,6 +56,27 @@ def test_multitask_refuses_a_bare_weights_file_over_other_frozen_weights(tiny_vi
     assert refused.value.mismatch and refused.value.task == "a"  # the file's own backbone, not one it cannot share
     assert "check_frozen" not in str(refused.value) and len(str(refused.value).splitlines()) == 1
     assert petl.MultiTask(tiny_vit(), {"a": path}).names == ["a"]
+
+
+def test_petl_predict_predicts_apart_a_run_whose_weights_file_trained_on_other_frozen_weights(tmp_path):
+    # Runs grouped by their cards' backbone record (bar frozen_sha256: the hub's weights changed between them) are
+    # served by one MultiTask of their weights files: the file's frozen check was a plain ValueError, which stopped
+    # petl-predict with load_trainable's remedy (check_frozen=False); a TaskRefused predicts the run on its own.
+    multitask_run_folder(tmp_path / "a", "lora", {}, seed=0)
+    multitask_run_folder(tmp_path / "c", "lora", {}, seed=1)
+    backbone = {"name": "vit_fractal_tiny_patch4_32", "pretrained": False, "kwargs": {"depth": 2, "embed_dim": 48}}
+    model = petl.apply(run_card.create_backbone({**backbone, "seed": 1}), "lora", num_classes=3)
+    (tmp_path / "b").mkdir()
+    petl.save_trainable(model, tmp_path / "b" / run_card.WEIGHTS_FILE)
+    spec = ImageSpec(image_size=32, mean=(0.5,) * 3, std=(0.25,) * 3, interpolation="bilinear", crop=False)
+    card = run_card.model_card(
+        model_cfg=backbone, seed=0, model=model, spec=spec, class_names=list("xyz"), dataset="d", checkpoint_sha256=None
+    )
+    run_card.write_card(tmp_path / "b", card)  # a card recording seed 0, over the weights of seed 1
+    served, _, refused = serve_together([tmp_path / "a", tmp_path / "b", tmp_path / "c"], quiet=True)
+    assert served.names == [str(tmp_path / "a"), str(tmp_path / "c")] and refused == [tmp_path / "b"]
+    with pytest.raises(run_card.RunFolderError, match="b: the backbone's frozen tensors differ"):
+        petl.load_run(tmp_path / "b")  # what petl-predict says of it, predicting it alone
 
 
 def test_a_file_of_an_earlier_petl_without_a_fingerprint_loads_onto_any_weights_of_its_shape(tiny_vit, tmp_path):
