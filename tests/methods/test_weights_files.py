@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from conftest import make_tiny_family, perturb_trainable
@@ -147,3 +149,27 @@ def test_unmerge_is_bit_for_bit_where_wrappers_share_the_tensors_they_merge_into
     before = {name: t.clone() for name, t in model.state_dict().items()}
     petl.unmerge(petl.merge(model))
     assert all(torch.equal(before[name], t) for name, t in model.state_dict().items())
+
+
+@pytest.mark.parametrize("method", MERGEABLE)
+def test_a_copy_of_a_merged_model_unmerges_bit_for_bit_too(tiny_vit, tmp_path, method):
+    # A copy's tensors start their version counters anew: compared with the original's, every unmerge of a deepcopy
+    # (or of a model torch.save'd whole and loaded) subtracted the update, and a file saved from it was refused on the
+    # backbone it was trained on.
+    model = petl.apply(tiny_vit(), method)
+    perturb_trainable(model)
+    before = {name: t.clone() for name, t in model.state_dict().items()}
+    petl.merge(model)
+    torch.save(model, tmp_path / "merged.pt")
+    for copied in (copy.deepcopy(model), torch.load(tmp_path / "merged.pt", weights_only=False)):
+        petl.unmerge(copied)
+        assert all(torch.equal(before[name], t) for name, t in copied.state_dict().items())
+        petl.save_trainable(copied, tmp_path / "w.safetensors")
+        petl.load_trainable(tiny_vit(), tmp_path / "w.safetensors")
+    # The copy of a model whose merged weights were written since: what was written stays (the update subtracted).
+    frozen = [name for name, p in model.named_parameters() if not p.requires_grad]
+    with torch.no_grad():
+        for name in frozen:
+            model.get_parameter(name).add_(1.0)
+    copied = dict(petl.unmerge(copy.deepcopy(model)).named_parameters())
+    assert not any(torch.equal(copied[name], before[name]) for name in frozen)
