@@ -75,7 +75,7 @@ from torch import nn
 from petl.deploy.graphs import LayoutGraph, LayoutGraphs, capture, storage_of
 from petl.deploy.routing import Batch, RoutedBlock, RoutedModule, Router, check_images, method_name, task_sites
 from petl.model.backbone import Backbone, backbone_of, naflexvit
-from petl.model.io import load_trainable, meta_copy, read_header, read_trainable_metadata
+from petl.model.io import OtherFrozenWeights, load_trainable, meta_copy, read_header, read_trainable_metadata
 from petl.model.params import trainable_state
 from petl.model.rows import CannotShare, RowHook, Tokens, rows_matmul
 from petl.model.surgery import apply
@@ -103,16 +103,12 @@ def _weights_file(path: str | Path) -> Path:
 
 
 def _run_card(path: str | Path) -> dict[str, Any] | None:
-    """A run folder's checked card (:func:`petl.store.run_card.read_card`), or ``None`` for a weights file (or a
-    folder holding weights alone).
-
-    A folder with neither a card nor weights is read as a run folder, so that read_card names what it is (an
-    unfinished run, a timm folder petl-export wrote) rather than the weights file it lacks.
+    """A folder's checked card (:func:`petl.store.run_card.read_card`, which names a folder that is no run, a timm
+    folder petl-export wrote), or ``None`` for a weights file or a folder holding one without a card.
     """
     path = Path(path)
-    if not path.is_dir() or not (path / run_card.MODEL_FILE).is_file() and (path / files.WEIGHTS_FILE).is_file():
-        return None
-    return run_card.read_card(path)
+    card = (path / run_card.MODEL_FILE).is_file() or not (path / files.WEIGHTS_FILE).is_file()
+    return run_card.read_card(path) if path.is_dir() and card else None
 
 
 def _trained_backbone_tensors(task: str, backbone: nn.Module, path: Path) -> set[str]:
@@ -326,8 +322,8 @@ class MultiTask(nn.Module):
     Raises:
         ValueError: ``tasks`` not a mapping, a task named by an integer (forward reads integers as indices), a
             file that does not load onto ``backbone`` (the message names it), a task that cannot share the backbone
-            (the message names the task and its method), or a run trained on another backbone (:class:`TaskRefused`,
-            naming the task and the difference).
+            (the message names the task and its method), or a run or file trained on another backbone
+            (:class:`TaskRefused`, naming the task and the difference).
         TypeError: on ``copy.deepcopy``, ``copy.copy`` or pickling (``torch.save``) of a MultiTask: its tasks' hooks
             read its own modules, which a copy would not rebind; build another from the same backbone and files.
 
@@ -496,7 +492,12 @@ class MultiTask(nn.Module):
     def _load(name: str, path: Path, backbone: nn.Module, check_frozen: bool = True) -> nn.Module:
         """The task's single-task model: the backbone's frozen tensors shared, the file's tensors its own."""
         model = _shared_copy(backbone, unshared=_trained_backbone_tensors(name, backbone, path))
-        load_trainable(model, path, check_frozen=check_frozen)
+        try:
+            load_trainable(model, path, check_frozen=check_frozen)
+        except OtherFrozenWeights as error:  # its remedy, check_frozen=False, is load_trainable's: MultiTask has none
+            served = "serve it over the backbone it was trained on, in the dtype it was saved in (cast the MultiTask)"
+            why = f"task {name!r} cannot be served over this backbone: {error.why}: {served}"
+            raise TaskRefused(name, why, mismatch=True) from None
         return model.eval()
 
     def _route(self, backbone: nn.Module, hooks: list[dict[str, RowHook]]) -> nn.Module:

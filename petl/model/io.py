@@ -88,6 +88,18 @@ METADATA_HASH = "metadata_sha256"
 FROZEN = "frozen_fingerprint"
 
 
+class OtherFrozenWeights(ValueError):
+    """:func:`load_trainable` refuses a file trained on other frozen weights than the model's (its fingerprint).
+
+    ``why`` says so without the remedy, which names ``load_trainable``'s own ``check_frozen``: a caller that takes no
+    such argument (:class:`petl.MultiTask`) words its own.
+    """
+
+    def __init__(self, why: str, remedy: str) -> None:
+        super().__init__(f"{why}: {remedy}")
+        self.why = why
+
+
 def metadata_hash(meta: dict[str, str]) -> str:
     """SHA-256 of a weights file's metadata, but this hash's own field: the method, its options, the backbone's shape
     and family, the format, the tensors' hash (so the tensors of another file with theirs do not pass either) and the
@@ -322,10 +334,11 @@ def load_trainable(model: nn.Module, path: str | Path, *, check_frozen: bool = T
     if check_frozen and recorded is not None:
         fingerprint = frozen_fingerprint(trial, set(header), values_of=model if fresh else None)
         if fingerprint != recorded:
-            raise ValueError(
+            raise OtherFrozenWeights(
                 f"{path} was trained on other frozen weights than this model's (another checkpoint, random init or "
-                "dtype): load it onto the backbone it was trained on, in the dtype it was saved in (cast after "
-                "loading), or pass check_frozen=False to load it onto these weights anyway"
+                "dtype)",
+                "load it onto the backbone it was trained on, in the dtype it was saved in (cast after loading), or "
+                "pass check_frozen=False to load it onto these weights anyway",
             )
     if fresh:
         _applied(path, model, meta)

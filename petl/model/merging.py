@@ -37,9 +37,37 @@ def _mergeables(model: nn.Module, doing: str = "merge") -> list[nn.Module]:
     raise ValueError(f"nothing to {doing}: the model carries no petl method (petl.apply one first)")
 
 
-# The attribute of a merged wrapper holding its tensors as they were before the merge (on the CPU) and their version
-# counters after it, which :func:`unmerge` puts back bit for bit where nothing wrote them since.
+# The attribute of a merged wrapper holding its :class:`_Kept` copy, which :func:`unmerge` puts back bit for bit.
 _KEPT = "_petl_unmerged_tensors"
+
+
+class _Kept:
+    """A merged wrapper's tensors as they were before the merge (on the CPU), and whether nothing wrote them since.
+
+    Each in-place write (a ``load_state_dict``, an optimizer step) moves a tensor's version counter on; the merge notes
+    them.  A copy of the model (``copy.deepcopy``; ``torch.save`` and ``torch.load`` of it) starts its tensors'
+    counters anew, so the copy of this record notes the copy's own counters where the original's were unwritten.
+    """
+
+    def __init__(self, before: list[torch.Tensor], module: nn.Module) -> None:
+        self.before, self.tensors = before, _tensors(module)
+        self.versions: list[int] | None = [t._version for t in self.tensors]  # None: written since
+
+    def _unwritten(self) -> bool:
+        return self.versions is not None and [t._version for t in self.tensors] == self.versions
+
+    def unwritten(self, module: nn.Module) -> bool:
+        """Whether ``module`` holds the very tensors the merge left (none replaced), nothing written into them since."""
+        now = _tensors(module)
+        same = len(now) == len(self.tensors) and all(a is b for a, b in zip(now, self.tensors, strict=True))
+        return same and self._unwritten()
+
+    def __getstate__(self) -> dict:
+        return {"before": self.before, "tensors": self.tensors, "unwritten": self._unwritten()}
+
+    def __setstate__(self, state: dict) -> None:
+        self.before, self.tensors = state["before"], state["tensors"]  # the copy's own tensors (deepcopy's memo)
+        self.versions = [t._version for t in self.tensors] if state["unwritten"] else None
 
 
 @torch.no_grad()
@@ -79,13 +107,8 @@ def merge_updates(model: nn.Module, restorable: bool = True) -> nn.Module:
             _put_back(module, kept)
         raise
     for module, kept in done if restorable else ():
-        setattr(module, _KEPT, (kept, _versions(module)))
+        setattr(module, _KEPT, _Kept(kept, module))
     return model
-
-
-def _versions(module: nn.Module) -> list[int]:
-    """The version counters of a wrapper's tensors, which every in-place write (a load_state_dict) moves on."""
-    return [tensor._version for tensor in _tensors(module)]
 
 
 def _put_back(module: nn.Module, kept: list[torch.Tensor]) -> None:
@@ -116,11 +139,11 @@ def unmerge(model: nn.Module) -> nn.Module:
     modules = _mergeables(model, "unmerge")
     restore = {}
     for module in modules:  # all checked before any is changed: wrappers may share tensors (one wraps another)
-        kept, versions = module.__dict__.pop(_KEPT, (None, None))
+        kept = module.__dict__.pop(_KEPT, None)
         # The copy is the wrapper's tensors as they were only while nothing wrote them since the merge (a state dict
         # loaded onto the merged model): else the update is subtracted, as without a copy.
-        if kept is not None and getattr(module, "merged", False) and versions == _versions(module):
-            restore[id(module)] = kept
+        if kept is not None and getattr(module, "merged", False) and kept.unwritten(module):
+            restore[id(module)] = kept.before
     # Last merged first: a wrapper around another (RepAdapter's two on one in_proj) kept the tensors of before both
     # merges, and puts them back last.
     for module in reversed(modules):

@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from conftest import make_tiny_family, perturb_trainable
 from safetensors import safe_open
 from safetensors.torch import save_file
+from test_multitask import _run_folder as multitask_run_folder
 
 import petl
+from petl.data.transforms import ImageSpec
+from petl.deploy.multitask import TaskRefused
+from petl.deploy.predict import serve_together
 from petl.model import io
+from petl.store import run_card
 
 
 @pytest.mark.parametrize("method", petl.list_methods())
@@ -37,14 +44,41 @@ def test_a_file_loads_onto_its_own_backbone_and_is_refused_on_other_weights_of_i
     assert loaded.petl_method == method
 
 
-def test_multitask_refuses_a_bare_weights_file_over_other_frozen_weights(tiny_vit, tmp_path):
+@pytest.mark.parametrize("cast", [False, True])
+def test_multitask_refuses_a_bare_weights_file_over_other_frozen_weights(tiny_vit, tmp_path, cast):
     # A bare file "records no backbone and is not checked": served over another random init, its task's logits were
-    # silently another model's.
+    # silently another model's.  Refused, it was load_trainable's plain ValueError, whose remedy (check_frozen=False)
+    # MultiTask does not take, and petl-predict stopped on it where a TaskRefused predicts the run on its own.
     path = tmp_path / "w.safetensors"
     petl.save_trainable(petl.apply_lora(tiny_vit()), path)
-    with pytest.raises(ValueError, match="trained on other frozen weights"):
-        petl.MultiTask(tiny_vit(seed=1), {"a": path})
+    other = tiny_vit().to(torch.bfloat16) if cast else tiny_vit(seed=1)
+    message = f"^task 'a' cannot be served over this backbone: {path} was trained on other frozen weights"
+    with pytest.raises(TaskRefused, match=message) as refused:
+        petl.MultiTask(other, {"a": path})
+    assert refused.value.mismatch and refused.value.task == "a"  # the file's own backbone, not one it cannot share
+    assert "check_frozen" not in str(refused.value) and len(str(refused.value).splitlines()) == 1
     assert petl.MultiTask(tiny_vit(), {"a": path}).names == ["a"]
+
+
+def test_petl_predict_predicts_apart_a_run_whose_weights_file_trained_on_other_frozen_weights(tmp_path):
+    # Runs grouped by their cards' backbone record (bar frozen_sha256: the hub's weights changed between them) are
+    # served by one MultiTask of their weights files: the file's frozen check was a plain ValueError, which stopped
+    # petl-predict with load_trainable's remedy (check_frozen=False); a TaskRefused predicts the run on its own.
+    multitask_run_folder(tmp_path / "a", "lora", {}, seed=0)
+    multitask_run_folder(tmp_path / "c", "lora", {}, seed=1)
+    backbone = {"name": "vit_fractal_tiny_patch4_32", "pretrained": False, "kwargs": {"depth": 2, "embed_dim": 48}}
+    model = petl.apply(run_card.create_backbone({**backbone, "seed": 1}), "lora", num_classes=3)
+    (tmp_path / "b").mkdir()
+    petl.save_trainable(model, tmp_path / "b" / run_card.WEIGHTS_FILE)
+    spec = ImageSpec(image_size=32, mean=(0.5,) * 3, std=(0.25,) * 3, interpolation="bilinear", crop=False)
+    card = run_card.model_card(
+        model_cfg=backbone, seed=0, model=model, spec=spec, class_names=list("xyz"), dataset="d", checkpoint_sha256=None
+    )
+    run_card.write_card(tmp_path / "b", card)  # a card recording seed 0, over the weights of seed 1
+    served, _, refused = serve_together([tmp_path / "a", tmp_path / "b", tmp_path / "c"], quiet=True)
+    assert served.names == [str(tmp_path / "a"), str(tmp_path / "c")] and refused == [tmp_path / "b"]
+    with pytest.raises(run_card.RunFolderError, match="b: the backbone's frozen tensors differ"):
+        petl.load_run(tmp_path / "b")  # what petl-predict says of it, predicting it alone
 
 
 def test_a_file_of_an_earlier_petl_without_a_fingerprint_loads_onto_any_weights_of_its_shape(tiny_vit, tmp_path):
@@ -115,3 +149,27 @@ def test_unmerge_is_bit_for_bit_where_wrappers_share_the_tensors_they_merge_into
     before = {name: t.clone() for name, t in model.state_dict().items()}
     petl.unmerge(petl.merge(model))
     assert all(torch.equal(before[name], t) for name, t in model.state_dict().items())
+
+
+@pytest.mark.parametrize("method", MERGEABLE)
+def test_a_copy_of_a_merged_model_unmerges_bit_for_bit_too(tiny_vit, tmp_path, method):
+    # A copy's tensors start their version counters anew: compared with the original's, every unmerge of a deepcopy
+    # (or of a model torch.save'd whole and loaded) subtracted the update, and a file saved from it was refused on the
+    # backbone it was trained on.
+    model = petl.apply(tiny_vit(), method)
+    perturb_trainable(model)
+    before = {name: t.clone() for name, t in model.state_dict().items()}
+    petl.merge(model)
+    torch.save(model, tmp_path / "merged.pt")
+    for copied in (copy.deepcopy(model), torch.load(tmp_path / "merged.pt", weights_only=False)):
+        petl.unmerge(copied)
+        assert all(torch.equal(before[name], t) for name, t in copied.state_dict().items())
+        petl.save_trainable(copied, tmp_path / "w.safetensors")
+        petl.load_trainable(tiny_vit(), tmp_path / "w.safetensors")
+    # The copy of a model whose merged weights were written since: what was written stays (the update subtracted).
+    frozen = [name for name, p in model.named_parameters() if not p.requires_grad]
+    with torch.no_grad():
+        for name in frozen:
+            model.get_parameter(name).add_(1.0)
+    copied = dict(petl.unmerge(copy.deepcopy(model)).named_parameters())
+    assert not any(torch.equal(copied[name], before[name]) for name in frozen)

@@ -283,7 +283,7 @@ def test_petl_serve_notes_an_open_port_for_every_host_but_loopback(host, alone):
     assert serve_cli.loopback(host) is alone
 
 
-def test_an_exported_timm_folder_given_as_a_run_is_named_as_one_by_every_command(tmp_path, capsys):
+def test_an_exported_timm_folder_given_as_a_run_is_named_as_one_by_every_command(tmp_path, capsys, tiny_vit):
     # petl-predict said "exported is not a run folder (no trainable.safetensors)", petl-serve "holds no finished
     # run folder (no model.json)", load_run and petl-export "not a finished petl-run folder": none said it is the
     # plain timm model petl-export wrote, which timm loads, nor that its run folder is what they take.
@@ -306,12 +306,10 @@ def test_an_exported_timm_folder_given_as_a_run_is_named_as_one_by_every_command
         assert f"error: {said}" in err and f"timm.create_model('local-dir:{exported}', pretrained=True)" in err, err
     with pytest.raises(RunFolderError, match=re.escape(said)):
         petl.load_run(exported)
-    # MultiTask over a backbone given by hand took a folder without model.json for weights alone: "no such file:
-    # 'exported/trainable.safetensors'".
-    from conftest import make_tiny_vit
-
+    # MultiTask's task -> folder took a folder without model.json for one holding a bare weights file: "no such
+    # file: exported/trainable.safetensors".
     with pytest.raises(RunFolderError, match=re.escape(said)):
-        petl.MultiTask(make_tiny_vit(), {"e": exported})
+        petl.MultiTask(tiny_vit(), {"a": exported})
     # A run folder holding such files beside its card is still a run (its own files win).
     run = _finished(tmp_path / "run")
     for name in files.TIMM_FOLDER_FILES:
