@@ -24,6 +24,15 @@ from timm.models.vision_transformer import VisionTransformer
 # The runner sets it too, too late in a test process that already ran a CUDA matmul.  No effect without CUDA.
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
+# The README's test command runs the suite in pytest-xdist workers (`-n 2`), one per core of CI's 2-core machine.
+# torch gives every process as many threads as the machine has cores, so two workers would each run two threads on
+# two cores and spend their time switching: each worker, and every process a test starts (OMP_NUM_THREADS), takes
+# its share of the cores instead.  A thread count the user set is kept.
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ and "OMP_NUM_THREADS" not in os.environ:
+    _share = max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    os.environ["OMP_NUM_THREADS"] = str(_share)
+    torch.set_num_threads(_share)
+
 
 @pytest.fixture(autouse=True)
 def _no_log_handler_on_a_closed_stream() -> None:
