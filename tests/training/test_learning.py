@@ -58,12 +58,12 @@ def test_a_run_stuck_on_the_most_frequent_label_did_not_learn():
     assert "p = 1" in not_learned([2.5, 2.2], 10, 99.0, 800, majority_top1=100.0)
 
 
-def test_the_engine_counts_the_epochs_most_frequent_label():
+def _one_epoch_over_labels() -> dict:
+    """One epoch of a linear model over 10 images, 6 of label 2, in batches of 3 (the last of 1)."""
     import torch
 
     from petl.train import engine
 
-    # 10 images, 6 of label 2, in batches of 3 (the last of 1): always guessing 2 scores 60 %.
     labels = torch.tensor([2, 0, 2, 1, 2, 2, 0, 2, 1, 2])
     data = torch.utils.data.TensorDataset(torch.randn(10, 4, generator=torch.Generator().manual_seed(0)), labels)
     model = torch.nn.Linear(4, 3)
@@ -72,16 +72,17 @@ def test_the_engine_counts_the_epochs_most_frequent_label():
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     loader = torch.utils.data.DataLoader(data, batch_size=3)
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
-    metrics = engine.train_one_epoch(
-        model, loader, optimizer, scheduler, accelerator, engine.TrainSettings(progress=False)
-    )
+    settings = engine.TrainSettings(progress=False)
+    return engine.train_one_epoch(model, loader, optimizer, scheduler, accelerator, settings)
+
+
+def test_the_engine_counts_the_epochs_most_frequent_label():
+    metrics = _one_epoch_over_labels()  # always guessing 2 scores 60 %
     assert metrics["images"] == 10 and metrics["majority_top1"] == 60.0
 
 
 def test_the_engine_counts_labels_once_an_epoch_not_once_a_batch(monkeypatch):
     import torch
-
-    from petl.train import engine
 
     # Counted per batch, each count copied the batch's labels to the CPU: on a GPU, a wait for it every step.
     counted = []
@@ -91,16 +92,7 @@ def test_the_engine_counts_labels_once_an_epoch_not_once_a_batch(monkeypatch):
         "bincount",
         lambda values, *args, **kwargs: counted.append(len(values)) or bincount(values, *args, **kwargs),
     )
-    data = torch.utils.data.TensorDataset(torch.randn(10, 4), torch.tensor([2, 0, 2, 1, 2, 2, 0, 2, 1, 2]))
-    model = torch.nn.Linear(4, 3)
-    accelerator = engine.fresh_accelerator(cpu=True)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    loader = torch.utils.data.DataLoader(data, batch_size=3)
-    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
-    metrics = engine.train_one_epoch(
-        model, loader, optimizer, scheduler, accelerator, engine.TrainSettings(progress=False)
-    )
+    metrics = _one_epoch_over_labels()
     assert counted == [10] and metrics["majority_top1"] == 60.0
 
 
