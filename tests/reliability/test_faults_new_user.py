@@ -56,24 +56,34 @@ def _finished(path: Path) -> Path:
     return path
 
 
+def _each_command_refuses(folder: Path, tmp_path: Path, capsys) -> list[str]:
+    """What petl-predict (alone, and after a run), petl-export (out= ``tmp_path/export-out``) and petl-serve (a folder,
+    task.NAME=) say of ``folder`` given where a run folder is wanted: each exits 2 in one line."""
+    image = _image(tmp_path / "a.png")
+    said = []
+    for main, argv in [
+        (predict_cli.main, [str(folder), str(image)]),
+        # After a run, where petl-predict searched an exported folder for images: "holds no image files (.jpg, ...)".
+        (predict_cli.main, [str(_finished(tmp_path / "done")), str(folder), str(image)]),
+        (export_cli.main, [str(folder), f"out={tmp_path / 'export-out'}"]),
+        (serve_cli.main, [str(folder)]),
+        (serve_cli.main, [f"task.t={folder}"]),
+    ]:
+        code, err = _main(main, argv, capsys)
+        assert code == 2 and err.count("\n") == 1, (argv, err)
+        said.append(err)
+    return said
+
+
 def test_an_unfinished_run_is_named_as_one_by_every_command(tmp_path, capsys):
     # Each said another thing: "not a run folder (no trainable.safetensors)", "not a finished petl-run folder",
     # "holds no run folder (no model.json)".
     run = _unfinished(tmp_path / "u")
-    image = _image(tmp_path / "a.png")
-    for main, argv in [
-        (predict_cli.main, [str(run), str(image)]),
-        (predict_cli.main, [str(_finished(tmp_path / "done")), str(run), str(image)]),
-        (export_cli.main, [str(run), f"out={tmp_path / 'exported'}"]),
-        (serve_cli.main, [str(run)]),
-        (serve_cli.main, [f"task.u={run}"]),
-    ]:
-        code, err = _main(main, argv, capsys)
-        assert code == 2 and err.count("\n") == 1, (argv, err)
-        assert f"error: {run} {UNFINISHED}" in err, (argv, err)
+    for err in _each_command_refuses(run, tmp_path, capsys):
+        assert f"error: {run} {UNFINISHED}" in err, err
     with pytest.raises(RunFolderError, match=re.escape(f"{run} {UNFINISHED}")):
         petl.load_run(run)
-    assert not (tmp_path / "exported").exists()
+    assert not (tmp_path / "export-out").exists()  # petl-export's out= in _each_command_refuses
 
 
 def test_a_run_stopped_before_its_first_epoch_ended_is_named_as_one(tmp_path, capsys):
@@ -291,18 +301,8 @@ def test_an_exported_timm_folder_given_as_a_run_is_named_as_one_by_every_command
     exported.mkdir()
     for name in files.TIMM_FOLDER_FILES:
         (exported / name).write_text("{}")
-    image = _image(tmp_path / "a.png")
     said = f"{exported} is a plain timm model (config.json, model.safetensors, as petl-export writes it), not a "
-    for main, argv in [
-        (predict_cli.main, [str(exported), str(image)]),
-        # After a run, where petl-predict searched it for images: "holds no image files (.jpg, ...)".
-        (predict_cli.main, [str(_finished(tmp_path / "done")), str(exported), str(image)]),
-        (export_cli.main, [str(exported), f"out={tmp_path / 'again'}"]),
-        (serve_cli.main, [str(exported)]),
-        (serve_cli.main, [f"task.e={exported}"]),
-    ]:
-        code, err = _main(main, argv, capsys)
-        assert code == 2 and err.count("\n") == 1, (argv, err)
+    for err in _each_command_refuses(exported, tmp_path, capsys):
         assert f"error: {said}" in err and f"timm.create_model('local-dir:{exported}', pretrained=True)" in err, err
     with pytest.raises(RunFolderError, match=re.escape(said)):
         petl.load_run(exported)
