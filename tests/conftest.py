@@ -273,6 +273,17 @@ TINY_FAMILIES = {
         "naflexvit_base_patch16_gap",
         {"patch_size": 4, "pretrained_cfg_overlay": {"input_size": [3, 32, 32]}, "rope_type": "mixed"},
     ),
+    # The same with EVA's EvaBlocks without a rotation (attn_type='eva', swiglu_mlp): q/v biases beside a bias-free
+    # qkv, a packed SwiGLU MLP, layer scale, as an EVA-02's blocks behind NaFlexEmbeds.
+    "naflexvit_eva": (
+        "naflexvit_base_patch16_gap",
+        {
+            "patch_size": 4,
+            "pretrained_cfg_overlay": {"input_size": [3, 32, 32]},
+            "attn_type": "eva",
+            "swiglu_mlp": True,
+        },
+    ),
 }
 
 

@@ -2,18 +2,27 @@
 train.
 
 Blocks are chosen by their index in the block list; a name test such as ``'blocks.1' in name``
-would also catch ``blocks.10`` and ``blocks.11``.
+would also catch ``blocks.10`` and ``blocks.11``.  On a Swin the blocks are counted over the stages, and a patch
+merging between two trained blocks (in front of a stage whose blocks train, after a trained block of the stage
+before) trains with them, as in VPT's Swin Partial-4; the merging in front of the first trained block stays frozen.
 
 Trains:
-    the last k blocks (by index), the final norms, the attention pool of a model that pools by attention (timm's
-    ``global_pool='map'``, SigLIP), the head.
+    the last k blocks (by index), a Swin's patch merging between two of them, the final norms, the attention pool
+    of a model that pools by attention (timm's ``global_pool='map'``, SigLIP), the head.
 
 Reference:
-    - KMnP/vpt@4410440 (Partial-k is one of VPT's baselines)
+    - KMnP/vpt@4410440 (Partial-k is one of VPT's baselines); its Swin rule: src/models/vit_models.py L210-230
+      (``Swin.build_backbone``): Partial-1 trains the last block, Partial-2 the last stage, Partial-4 the last stage,
+      the last two blocks of the stage before and the patch merging between them (``layers.{L-2}.downsample``:
+      VPT's stage ends with the merging that timm's next stage opens with), each with the final ``norm``.
 
 Differences:
     - VPT keeps even Partial-k's trained blocks in eval mode; petl trains them in train mode (the frozen part
       follows ``backbone_mode``, ``eval`` by default as VPT's).
+    - VPT's Swin rule is written for k = 1, 2 and 4 on Swin-B (depths 2-2-18-2); petl takes any k, counting blocks
+      over the stages and training each patch merging with trained blocks on both sides, which is VPT's rule at
+      those k.  Files that Partial-k wrote on a Swin before it trained the merging lack its tensors and are refused
+      (``load_trainable``: re-run the training).
 """
 
 from __future__ import annotations
@@ -52,9 +61,13 @@ class PartialConfig(MethodConfig):
 def _trained_modules(model: nn.Module, k: int) -> list[nn.Module]:
     bb = backbone_of(model)
     blocks = bb.block_list()
+    first = len(blocks) - k
+    # A Swin's patch merging between two trained blocks trains too (VPT's Swin Partial-4: src/models/vit_models.py
+    # L224-230), where it would otherwise stay frozen between trained parts; the one in front of the first does not.
+    between = [m for index in range(first + 1, len(blocks)) for m in bb.modules_before_block(index)]
     # Everything between the last blocks and the head trains: the final norms and, on a model pooling by attention
     # (SigLIP's map head), the attention pool between them, which would otherwise stay frozen between trained parts.
-    return blocks[len(blocks) - k :] + bb.after_blocks()
+    return blocks[first:] + between + bb.after_blocks()
 
 
 def _formula(model: nn.Module, cfg: PartialConfig) -> int:
@@ -62,7 +75,7 @@ def _formula(model: nn.Module, cfg: PartialConfig) -> int:
 
 
 # The backbones partial's idea fits: the last k blocks and what follows them train: any backbone (on a Swin the
-# patch merging between stages is not a block and stays frozen).
+# patch merging between two trained blocks trains with them).
 BACKBONES = ("vit", "naflexvit", "swin", "swinv2", "swinv2_cr", "vit_relpos", "beit", "eva", "vit_parallel")
 
 
@@ -76,7 +89,8 @@ def inject_partial(model: nn.Module, cfg: PartialConfig) -> None:
 
 
 def apply_partial(model: nn.Module, **options: Any) -> nn.Module:
-    """Train only the last ``k`` blocks of ``model``, what runs after them (final norms, an attention pool), the head.
+    """Train only the last ``k`` blocks of ``model`` (with a Swin's patch merging between two of them), what runs after
+    them (final norms, an attention pool), the head.
 
     Args:
         model: a timm model of a backbone kind the method supports (its docs page; :func:`petl.list_backbones`).

@@ -239,6 +239,16 @@ def _check_matches(
     held = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     missing = sorted(params.keys() - header.keys())
     unexpected = sorted(header.keys() - params.keys() - held.keys())
+    method = getattr(model, "petl_method", None)
+    if missing and not unexpected and set(missing) <= set(getattr(model, "petl_trained", ())):
+        # Tensors the method itself trains on this model and the file lacks: a file an earlier petl wrote when the
+        # method trained fewer (Partial-k on a Swin before it trained the patch merging between trained blocks).
+        # Loaded, the model would carry a config that trains them, and a record of a training the file never had.
+        raise ValueError(
+            f"{path} lacks tensors that {method!r} trains on this model ({', '.join(missing[:3])}"
+            f"{', ...' if len(missing) > 3 else ''}): it was written by an earlier petl whose {method!r} trained "
+            "fewer, or edited since; re-run the training to write it again"
+        )
     if missing or unexpected:
         raise ValueError(f"{path} does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
     head_ids = {id(p) for p in backbone_of(model).head().parameters()}
@@ -265,7 +275,9 @@ def load_trainable(model: nn.Module, path: str | Path, *, check_frozen: bool = T
     A fresh backbone (no petl method yet) first gets the method and config recorded in the file.  Tensors of the
     model the file holds beside the method's (a norm the caller unfroze and trained) are restored too, and train
     again as when saved.  Any mismatch of method, option, backbone family, depth, width or tensor shape raises a
-    ValueError naming it, and so does a file whose tensors changed since it was saved.  Everything is checked before
+    ValueError naming it, and so does a file whose tensors changed since it was saved, or that lacks tensors the
+    method trains on this model (written by an earlier petl whose method trained fewer: Partial-k on a Swin before
+    it trained the patch merging between trained blocks; re-run the training).  Everything is checked before
     anything is changed: on an error the model is exactly as it was (a fresh one gets no method applied).
     A model that :func:`petl.unload` merged this very file's tensors into is refused too (the update would count
     twice); a merged model that still holds its wrappers is told to unmerge first.

@@ -747,6 +747,7 @@ FAMILIES |= {
         "eva_rope_mixed",
         "naflexvit",
         "naflexvit_rope_mixed",
+        "naflexvit_eva",
         "vit_relpos",
         "vit_srelpos",
         "vit_hybrid",
@@ -759,6 +760,7 @@ NOT_APPLIED = {
     "beit": ("repadapter",),
     "beit_shared": ("repadapter",),
     "eva02": ("repadapter", "fact", "fact_tt"),
+    "naflexvit_eva": ("repadapter", "fact", "fact_tt"),
     "eva02_unfused": (
         *("repadapter", "fact", "fact_tt", "ssf", "noah", "noah_mixed"),
         *("peft", "dora", "lora_all", "bitfit_linear", "peft_fc", "ia3"),
@@ -770,7 +772,7 @@ NOT_APPLIED = {
 # biases beside the qkv it wraps (EVA-02 with a fused qkv).  VPT's prompts, HST's meta tokens and NOAH's prompts are
 # served: the shared blocks get room for the batch's slots (no relative-position bias, no rotation), as each task's
 # own model has.
-GAMMAS = ("beit", "beit_shared", "eva02", "eva_rope", "eva_rope_mixed", "naflexvit_rope_mixed")
+GAMMAS = ("beit", "beit_shared", "eva02", "eva_rope", "eva_rope_mixed", "naflexvit_rope_mixed", "naflexvit_eva")
 MULTITASK_REFUSED = {family: ("gps",) for family in GAMMAS}
 # Cases that train a module computing a table every row shares (the position-bias MLP of a SwinV2, SwinV2Cr or a
 # relpos ViT: BitFit on all biases, peft on every fc1/fc2), refused naming it; BitFit on the Linears alone is served.

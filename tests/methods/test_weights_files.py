@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from conftest import make_tiny_family, perturb_trainable
+from conftest import make_tiny_family, make_tiny_swin, perturb_trainable
 from safetensors import safe_open
 from safetensors.torch import save_file
 from test_multitask import _run_folder as multitask_run_folder
@@ -93,6 +93,33 @@ def test_a_file_of_an_earlier_petl_without_a_fingerprint_loads_onto_any_weights_
     loaded = petl.load_trainable(tiny_vit(seed=1), path)
     trained = petl.model.params.trainable_state(model)
     assert all(torch.equal(loaded.state_dict()[name], t) for name, t in trained.items())
+
+
+def test_a_partial_file_of_a_swin_from_before_the_merging_trained_is_refused_naming_the_file(tmp_path):
+    # Partial-k on a Swin now trains the patch merging between two trained blocks (VPT's Swin Partial-4).  A file the
+    # earlier Partial-k wrote at k=3 on a two-stage Swin lacks the merging of the second stage; loaded, the model
+    # would carry k=3 with that merging untrained.  Written here as that Partial-k wrote it: the merging frozen.
+    old = petl.apply(make_tiny_swin(), "partial", k=3)
+    perturb_trainable(old)
+    old.layers[1].downsample.requires_grad_(False)
+    old.petl_trained = tuple(name for name in old.petl_trained if ".downsample." not in name)
+    path = tmp_path / "w.safetensors"
+    petl.save_trainable(old, path)
+    fresh = make_tiny_swin()
+    for model in (fresh, petl.apply(make_tiny_swin(), "partial", k=3)):
+        with pytest.raises(ValueError, match="lacks tensors that 'partial' trains") as caught:
+            petl.load_trainable(model, path)
+        message = str(caught.value)
+        assert message.startswith(str(path)) and "layers.1.downsample.reduction.weight" in message
+        assert "re-run the training" in message and len(message.splitlines()) == 1
+    assert getattr(fresh, "petl_method", None) is None  # refused before anything changed
+    # A file written now holds the merging and loads; at k=2 (the last stage) there is none between trained blocks.
+    for k in (3, 2):
+        model = petl.apply(make_tiny_swin(), "partial", k=k)
+        perturb_trainable(model)
+        petl.save_trainable(model, path)
+        loaded = petl.load_trainable(make_tiny_swin(), path)
+        assert torch.equal(loaded.layers[1].downsample.reduction.weight, model.layers[1].downsample.reduction.weight)
 
 
 def test_an_edited_fingerprint_is_corrupt_metadata(tiny_vit, tmp_path):

@@ -192,6 +192,12 @@ class Backbone:
         """What runs between block ``index - 1`` and block ``index`` (nothing in a ViT; a Swin's patch merging)."""
         return x
 
+    def modules_before_block(self, index: int) -> list[nn.Module]:
+        """The modules with weights that :meth:`before_block` runs in front of block ``index`` (none in a ViT; a
+        Swin's patch merging in front of the first block of a later stage).
+        """
+        return []
+
     def block_inputs(self, room: tuple[int, int] | None = None) -> dict[str, Any]:
         """What the model computes once per forward and passes the blocks besides the tokens (EVA's rotary
         embedding, a relpos ViT's or BEiT's shared position bias): none by default.  Where each block takes its own

@@ -121,6 +121,12 @@ class Swin(TimmModelParts, TimmBlockParts, Backbone):
         stage, j = self._places()[index]
         return self._stage_list()[stage].downsample(x) if j == 0 else x
 
+    def modules_before_block(self, index: int) -> list[nn.Module]:
+        """The PatchMerging of the stage block ``index`` opens, where it has one (none inside a stage)."""
+        stage, j = self._places()[index]
+        downsample = self._stage_list()[stage].downsample
+        return [downsample] if j == 0 and not isinstance(downsample, nn.Identity) else []
+
     def run_block(
         self,
         block: nn.Module,
@@ -224,9 +230,8 @@ class Swin(TimmModelParts, TimmBlockParts, Backbone):
         """
         if index >= self.depth():
             return self.model.norm
-        stage, j = self._places()[index]
-        downsample = self._stage_list()[stage].downsample
-        return downsample if j == 0 and not isinstance(downsample, nn.Identity) else self.block_container()[index]
+        merging = self.modules_before_block(index)
+        return merging[0] if merging else self.block_container()[index]
 
     def forward_from(self, x: torch.Tensor, start: int) -> torch.Tensor:
         """The model's logits from the tokens :meth:`block_input_module` ``(start)`` receives.
