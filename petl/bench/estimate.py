@@ -18,17 +18,18 @@ of one and of two epochs, are timed whole and what the terms above account for i
 difference is the cost of one more epoch.  On small data these can dominate (one run's per-epoch costs counted
 once, an estimate fell short by half and more), so the console line says how much of the total they are.  The
 range said with it comes from the measurements' own spread: the slowest and fastest of the timed steps.
-What it leaves out: calibration hooks (SCT, GPS, NOAH's search), mixed precision (steps are timed in fp32 on
-the device the run would use), ``train.compile`` (timed eager; gradient checkpointing is timed as the run has it),
-a selection trial's per-epoch val pass beyond its images, and a machine's load changing between the estimate and
-the runs.  Each measurement is said as it starts (building a backbone takes seconds to minutes).
+The steps, the front and the evaluation forwards are timed on the device and in the precision the run would
+use (``train.precision`` as the run resolves it, under the autocast of an Accelerator made as the run's, TF32 as the
+runner sets it), said on each experiment's line.  What it leaves out: calibration hooks (SCT, GPS, NOAH's search),
+``train.compile`` (timed eager; gradient checkpointing is timed as the run has it), a selection trial's per-epoch
+val pass beyond its images, and a machine's load changing between the estimate and the runs.  Each measurement is
+said as it starts (building a backbone takes seconds to minutes).
 ``benchmarks/choose_estimate.py`` compares the estimate with the measured time.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import io
 import logging
 import math
@@ -67,6 +68,8 @@ class Probe:
         batch: the batch the steps were timed at.
         image_size: the input size.
         spread: the slowest of the timed training steps over the fastest: how far one step's time varied here.
+        precision: what the steps were timed in, as a run's first line says it (``fp32``, ``bf16 autocast``,
+            ``fp32, TF32``).
 
     """
 
@@ -77,6 +80,7 @@ class Probe:
     batch: int
     image_size: int
     spread: float = 1.0  # the slowest timed training step over the fastest (>= 1)
+    precision: str = "fp32"
 
 
 @dataclass
@@ -142,7 +146,8 @@ class Estimate:
                 f"  {e.experiment}: {e.trials} trials x {duration(e.trial_seconds)} + {e.finals} finals x "
                 f"{duration(e.final_seconds)} ({plural(e.epochs, 'epoch')}; measured: build "
                 f"{p.build_seconds:.1f} s, "
-                f"{1000 * p.step_seconds:.2f} ms per training image at batch {p.batch}, {p.image_size} px)"
+                f"{1000 * p.step_seconds:.2f} ms per training image at batch {p.batch}, {p.image_size} px, in "
+                f"{p.precision})"
             )
         low, high = self.range()
         overhead = sum(
@@ -381,15 +386,46 @@ def _probe_run(overrides: list[str], epochs: int, compose: Callable[[list[str]],
 
 
 def measure(cfg: Any, data: OwnData, steps: int = TIMED_STEPS) -> tuple[Probe, str]:
-    """Build one run's model and time its training steps and evaluation forwards on random images."""
+    """Build one run's model and time its training steps and evaluation forwards on random images.
+
+    On the run's device and in its precision: an Accelerator made as :func:`petl.train.build.make_accelerator` makes
+    the run's (``train.precision`` resolved the same way, a CPU without bf16 instructions falling back to fp32 as the
+    run does) prepares the model and optimizer, so the steps and evaluation forwards run under the run's autocast,
+    and the cached front under ``accelerator.autocast()`` as :func:`petl.train.cache.cache_split` computes it.
+    """
+    import torch
+    from accelerate.state import AcceleratorState, GradientState
+
+    from petl.train import build, engine
+    from petl.utils.precision import uses_tf32
+
+    device = build.run_device_type()
+    precision, _ = build.run_precision(cfg.train.precision, device)  # the run warns of a fallback; said below
+    # tf32 is fp32 to accelerate, as in make_accelerator; its TF32 switch is torch's, set as the runner sets it.
+    accelerator = engine.fresh_accelerator(mixed_precision="no" if precision == "tf32" else precision)
+    tf32_before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    if device == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = uses_tf32(precision, device)
+    try:
+        return _measure(cfg, data, steps, accelerator), device
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32_before
+        # Its precision is process-wide state in accelerate: a later Accelerator() made without one would inherit it.
+        AcceleratorState._reset_state()
+        GradientState._reset_state()
+
+
+def _measure(cfg: Any, data: OwnData, steps: int, accelerator: Any) -> Probe:
+    """:func:`measure`'s timings, under ``accelerator`` (its device, precision and autocast)."""
     import torch
     from omegaconf import OmegaConf
 
     import petl
     from petl import data as petl_data
     from petl.train import build, cache, engine, readers
+    from petl.train.runner import precision_label
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = accelerator.device.type
     tick = time.perf_counter()
     model = build.create_backbone(cfg)
     method_cfg = petl.make_config(cfg.method.name, num_classes=len(data.classes), **readers.method_options(cfg))
@@ -397,41 +433,45 @@ def measure(cfg: Any, data: OwnData, steps: int = TIMED_STEPS) -> tuple[Probe, s
     if cfg.train.grad_checkpointing:
         # As the run turns it on: each step's backward recomputes every block's forward (a third more per step).
         engine.enable_grad_checkpointing(model)
-    model.to(device)
+    model.to(accelerator.device)
     build_seconds = time.perf_counter() - tick
     size = readers.image_size(model)
     batch = max(1, min(int(cfg.train.batch_size), data.sizes[TRAIN]))
-    images = torch.randn(batch, 3, size, size, device=device)
-    labels = torch.randint(0, len(data.classes), (batch,), device=device)
+    images = torch.randn(batch, 3, size, size, device=accelerator.device)
+    labels = torch.randint(0, len(data.classes), (batch,), device=accelerator.device)
     settings = OmegaConf.to_object(cfg.train)
     # The run caches the frozen front under the same conditions (cache.decide), its size limit too: a final run's
     # training images (a trial's train and val images are as many) over it train uncached, each step through the
-    # whole backbone.
+    # whole backbone.  Sized in the dtype the run's autocast leaves the cached tensors in (a Swin's in bf16 under
+    # CPU autocast).
     plan = None
     if cfg.train.cache_features:
         backbone_trains = engine.backbone_mode(model, settings) == "train"
         sizes = [data.sizes[TRAIN_VAL]]
         augmented = petl_data.get_info(cfg.data.name).crops(cfg.data.augment)
-        # In the dtype the run's autocast leaves the cached tensors in (a Swin's in bf16 under CPU autocast).
-        mixed = build.run_precision(cfg.train.precision, device)[0]
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mixed)
-        autocast = functools.partial(torch.autocast, device, dtype=dtype, enabled=dtype is not None)
         plan, _ = cache.decide(
-            model, backbone_trains=backbone_trains, augmented=augmented, sizes=sizes, autocast=autocast
+            model, backbone_trains=backbone_trains, augmented=augmented, sizes=sizes, autocast=accelerator.autocast
         )
     trainee: torch.nn.Module = model
     front_seconds = 0.0
     if plan is not None:
         trainee = cache.CachedTail(model, plan)
         model.eval()
-        front_seconds = _median(lambda: trainee.front(images), steps, device) / batch
-        images = trainee.front(images)
+
+        def front() -> torch.Tensor:
+            with torch.no_grad(), accelerator.autocast():  # as cache_split runs it
+                return trainee.front(images)
+
+        front_seconds = _median(front, steps, device) / batch
+        images = front()
     optimizer, _ = engine.build_optimizer(trainee, settings, steps_per_epoch=1)
+    # Prepared as the run prepares them: the forward under the run's autocast, an fp16 step through its scaler.
+    trainee, optimizer = accelerator.prepare(trainee, optimizer)
     loss_fn = torch.nn.CrossEntropyLoss(label_smoothing=settings.label_smoothing)
 
     def step() -> None:
         loss = loss_fn(trainee(images), labels)
-        loss.backward()
+        accelerator.backward(loss)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
@@ -442,7 +482,8 @@ def measure(cfg: Any, data: OwnData, steps: int = TIMED_STEPS) -> tuple[Probe, s
     with torch.no_grad():
         eval_seconds = _median(lambda: trainee(images), steps, device) / batch
     spread = max(step_times) / max(1e-9, min(step_times))
-    return Probe(build_seconds, step_seconds, eval_seconds, front_seconds, batch, size, spread), device
+    said = precision_label(accelerator)
+    return Probe(build_seconds, step_seconds, eval_seconds, front_seconds, batch, size, spread, said)
 
 
 def _median(fn: Callable[[], Any], steps: int, device: str) -> float:

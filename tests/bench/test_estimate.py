@@ -192,3 +192,28 @@ def test_the_data_line_counts_a_folders_own_val_images_apart_from_its_training_i
         "data folder photos: 2 classes, 8 training images and 2 validation images (its own: the trials are scored "
         "on them, the final runs train on all 10), 4 test images; fingerprint 000000000000"
     )
+
+
+@pytest.mark.parametrize(
+    ("precision", "dtype", "said"), [("bf16", torch.bfloat16, "bf16 autocast"), ("no", torch.float32, "fp32")]
+)
+def test_steps_are_timed_in_the_precision_the_run_trains_in(monkeypatch, precision, dtype, said):
+    # Was: timed in fp32 whatever train.precision said, while a bf16 run's every forward runs under bf16 autocast.
+    from petl.train import build
+    from petl.train.config import default_config
+
+    monkeypatch.setattr(build, "cpu_supports_bf16", lambda: True)  # a CPU without bf16 runs it in fp32, as runs do
+    outputs = []
+    forward = torch.nn.Linear.forward
+    monkeypatch.setattr(torch.nn.Linear, "forward", lambda self, x: outputs.append(y := forward(self, x)) or y)
+    tiny = ["model.pretrained=false", "+model.kwargs.depth=2", "+model.kwargs.embed_dim=48", "output_dir=unused"]
+    cfg = default_config(["method=lora", "data=mini/digits", f"train.precision={precision}", *tiny])
+    probe, _ = costs.measure(cfg, DATA, steps=1)
+    assert outputs and {y.dtype for y in outputs} == {dtype}
+    assert probe.precision.startswith(said)
+    line = costs.Estimate([costs.ExperimentCost("lora", 1, 1, 1.0, 1.0, 5, probe)], DATA.sizes, "cpu").lines()[1]
+    assert line.endswith(f"px, in {probe.precision})")
+    # accelerate's precision is process-wide: the estimate leaves none behind for an Accelerator made after it.
+    from accelerate import Accelerator
+
+    assert Accelerator(cpu=True).mixed_precision == "no"
