@@ -685,6 +685,7 @@ def _result(
             last.get("train_top1"),
             last.get("images"),
             last.get("majority_top1"),
+            last.get("prior_loss"),
         ),
         epochs=cfg.train.epochs,
         train_seconds=round(train_seconds, 2),
