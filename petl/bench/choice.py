@@ -6,9 +6,9 @@ recorded, on the machine that trained them), the best test top-1 mean is named w
 them and whether the rank test tells them apart (:func:`petl.bench.ranking.rank_test` over the rows within the
 budget: Friedman's test, then Nemenyi's, or with two rows the exact sign test; with the one task of a user's data,
 each seed is a block), and the commands that use the chosen run: the best row's, or the runner-up's where the test
-cannot tell the two apart and it trains fewer parameters (its lowest seed's folder: chosen before looking at the
-seeds' test numbers).  The methods the answer could not weigh are named next to it: rows short of a seed (a
-failed or unfinished run) and the suite's experiments with no finished run at all.
+cannot tell the two apart and it trains fewer parameters (its lowest seed's folder whose training learned: chosen
+before looking at the seeds' test numbers).  The methods the answer could not weigh are named next to it: rows short
+of a seed (a failed or unfinished run) and the suite's experiments with no finished run at all.
 ``choice.md`` in the results folder holds the paragraph and the cost before the run against the real one.
 """
 
@@ -108,12 +108,15 @@ def train_seconds(row: ExperimentRow) -> float:
 
 
 def chosen_run(row: ExperimentRow) -> Path:
-    """The folder of the row's run to use: its lowest seed's (picked without looking at test numbers).
+    """The folder of the row's run to use: its lowest seed's whose training learned (picked without looking at test
+    numbers: the verdict reads training figures only, :mod:`petl.train.learning`), else its lowest seed's.
 
     Of the runs its figures read (:attr:`~petl.bench.board.ExperimentRow.counted_runs`): a run of a seed outside the
     suite (an earlier ``seeds=``'s, in the same folder) is in none of the numbers the answer gives.
     """
-    return min(row.counted_runs or row.runs, key=lambda r: r.seed).path.parent
+    runs = row.counted_runs or row.runs
+    learned = [r for r in runs if not r.not_learned]
+    return min(learned or runs, key=lambda r: r.seed).path.parent
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -178,6 +181,7 @@ def choose(board: Leaderboard, budget: Budget, data: dict[str, Any] | None = Non
         text += f". Over the budget: {', '.join(over)}"
     text += left_out
     run = chosen_run(take)
+    stuck = next((r.not_learned for r in take.runs if r.path.parent == run and r.not_learned), None)
     uses = [f"`petl-predict {run} IMAGES`"]
     if exportable(run):
         uses.append(f"`petl-export {run} out=exported` (a plain timm model)")
@@ -189,6 +193,8 @@ def choose(board: Leaderboard, budget: Budget, data: dict[str, Any] | None = Non
         uses.append(f"`petl-serve {run}` (an HTTP endpoint)")
     # Named, not "it": after a verdict naming two rows, "it" could mean either.
     text += f". Use {take.experiment}: {', '.join(uses[:-1])}{', or ' if len(uses) > 1 else ''}{uses[-1]}."
+    if stuck:  # every seed of the row did not learn: the run named is one of them, and the user must know
+        text += f" No seed of {take.experiment} learned; this run did not ({stuck})."
     if refused is not None:
         text += f" Not with petl-serve, which serves tasks over one shared frozen backbone and refuses it: {refused}."
     return Choice(best=best, runner_up=runner, taken=take, run_dir=run, paragraph=text)

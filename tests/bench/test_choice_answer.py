@@ -131,6 +131,29 @@ def test_the_run_to_use_is_one_of_the_seeds_the_answer_reads(tmp_path, monkeypat
     assert f"`petl-predict {tmp_path / 'folder' / 'lora' / 'seed1'} IMAGES`" in answer.paragraph
 
 
+def test_the_run_to_use_is_one_whose_training_learned(tmp_path, monkeypatch):
+    # Was: the lowest seed whatever its training did: lora's seed 0 did not learn (its cell marked †1), and the answer
+    # told the user to predict with it.
+    monkeypatch.setattr(choice, "exportable", lambda run: False)
+    stuck = {"not_learned": "final epoch's train top-1 9.0 % of 800 images is not above chance"}
+    for method, top1 in (("lora", 70.0), ("linear", 60.0)):
+        for seed in (0, 1, 2):
+            extra = stuck if method == "lora" and seed == 0 else {}
+            write_run(
+                tmp_path / "folder" / method / f"seed{seed}", result_record("folder", method, seed, top1, **extra)
+            )
+    plan = report.Plan("choose", ("lora", "linear"), ("folder",), (0, 1, 2))
+    answer = choice.choose(report.build_board(tmp_path, plan=plan), choice.Budget())
+    assert answer.taken is not None and answer.taken.experiment == "lora"
+    assert answer.run_dir == tmp_path / "folder" / "lora" / "seed1" and "did not learn" not in answer.paragraph
+    # No seed of the row learned: its lowest seed still, and the answer says that run did not learn.
+    for seed in (1, 2):
+        write_run(tmp_path / "folder" / "lora" / f"seed{seed}", result_record("folder", "lora", seed, 70.0, **stuck))
+    answer = choice.choose(report.build_board(tmp_path, plan=plan), choice.Budget())
+    assert answer.run_dir == tmp_path / "folder" / "lora" / "seed0"
+    assert "No seed of lora learned; this run did not (final epoch's train top-1 9.0 %" in answer.paragraph
+
+
 def test_choice_md_names_the_figures_its_report_drew(tmp_path, monkeypatch):
     # choice.md said "pareto.png, critical_difference.png" whatever was drawn, and never learning_curves.png.
     from petl.bench import own_run
