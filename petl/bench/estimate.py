@@ -17,7 +17,9 @@ epoch, the model card): two real runs of the first experiment on :data:`PROBE_IM
 of one and of two epochs, are timed whole and what the terms above account for is taken off; their
 difference is the cost of one more epoch.  On small data these can dominate (one run's per-epoch costs counted
 once, an estimate fell short by half and more), so the console line says how much of the total they are.  The
-range said with it comes from the measurements' own spread: the slowest and fastest of the timed steps.
+range said with it comes from the measurements' own spread: the timed terms (steps, evaluation forwards, the
+cached front) at the slowest and at the fastest of the timed steps; a run's own costs, its build and decoding as
+measured.
 The steps, the front and the evaluation forwards are timed on the device and in the precision the run would
 use (``train.precision`` as the run resolves it, under the autocast of an Accelerator made as the run's, TF32 as the
 runner sets it), said on each experiment's line.  What it leaves out: calibration hooks (SCT, GPS, NOAH's search),
@@ -94,11 +96,20 @@ class ExperimentCost:
     final_seconds: float
     epochs: int
     probe: Probe | None  # None: every run of the experiment has finished, nothing was measured
+    # Of a trial's and a final's seconds, those no timed step measured: the build and the decoding (at their own
+    # measured rates), which the steps' spread does not move.
+    trial_untimed: float = 0.0
+    final_untimed: float = 0.0
 
     @property
     def seconds(self) -> float:
         """Estimated wall time of this experiment's remaining runs."""
         return self.trials * self.trial_seconds + self.finals * self.final_seconds
+
+    @property
+    def untimed_seconds(self) -> float:
+        """Of :attr:`seconds`, the builds' and decodings' (``trial_untimed``, ``final_untimed``)."""
+        return self.trials * self.trial_untimed + self.finals * self.final_untimed
 
 
 @dataclass
@@ -163,13 +174,16 @@ class Estimate:
         return out
 
     def range(self) -> tuple[float, float]:
-        """The total with every experiment's modelled terms at its fastest and at its slowest timed step."""
+        """The total with every experiment's timed terms (its steps, evaluation forwards and cached front) at its
+        fastest and at its slowest timed step; each run's own costs, builds and decoding as they are.
+        """
         low = high = 0.0
         for e in self.experiments:
             spread = e.probe.spread if e.probe is not None else 1.0
             overhead = (e.trials + e.finals) * (self.fixed_seconds + e.epochs * self.per_epoch_seconds)
-            low += overhead + (e.seconds - overhead) / spread
-            high += overhead + (e.seconds - overhead) * spread
+            steady = overhead + e.untimed_seconds
+            low += steady + (e.seconds - steady) / spread
+            high += steady + (e.seconds - steady) * spread
         return low, high
 
     def write(self, output_dir: Path) -> None:
@@ -291,7 +305,10 @@ def estimate(
             fixed, per_epoch = fixed_seconds(list(finals[0].overrides), probe, data, compose)
         trial = fixed + epochs * per_epoch + run_seconds(probe, data, epochs, final=False)
         final = fixed + epochs * per_epoch + run_seconds(probe, data, epochs, final=True)
-        costs.append(ExperimentCost(cell.experiment.name, todo_trials, todo_finals, trial, final, epochs, probe))
+        untimed = [untimed_seconds(probe, data, is_final) for is_final in (False, True)]
+        costs.append(
+            ExperimentCost(cell.experiment.name, todo_trials, todo_finals, trial, final, epochs, probe, *untimed)
+        )
     spent = time.perf_counter() - tick
     return Estimate(
         costs, dict(data.sizes), device, fixed_seconds=fixed or 0.0, per_epoch_seconds=per_epoch, measure_seconds=spent
@@ -310,19 +327,20 @@ def run_seconds(probe: Probe, data: OwnData, epochs: int, final: bool, subset: i
     ``subset`` cuts every split to that many images after decoding, as ``data.subset`` does.
     """
     s = {k: min(v, subset or v) for k, v in data.sizes.items()}
-    if final:
-        decoded = data.sizes[TRAIN_VAL] + data.sizes[TEST]  # a split is decoded whole, then cut
-        train, val, test = s[TRAIN_VAL], 0, s[TEST]
-    else:
-        decoded = data.sizes[TRAIN] + data.sizes[VAL]
-        train, val, test = s[TRAIN], s[VAL], 0
+    train, val, test = (s[TRAIN_VAL], 0, s[TEST]) if final else (s[TRAIN], s[VAL], 0)
     return (
-        probe.build_seconds
-        + data.decode_seconds * decoded
+        untimed_seconds(probe, data, final)
         + (train + val + test) * probe.front_seconds
         + epochs * (train * probe.step_seconds + val * probe.eval_seconds)
         + test * probe.eval_seconds
     )
+
+
+def untimed_seconds(probe: Probe, data: OwnData, final: bool) -> float:
+    """Of :func:`run_seconds`, what no timed step measured: the build, and decoding the run's splits."""
+    # A split is decoded whole, then cut (data.subset).
+    decoded = data.sizes[TRAIN_VAL] + data.sizes[TEST] if final else data.sizes[TRAIN] + data.sizes[VAL]
+    return probe.build_seconds + data.decode_seconds * decoded
 
 
 def fixed_seconds(

@@ -38,6 +38,19 @@ def test_the_estimate_says_its_range_and_how_much_is_overhead():
     assert "7.0 s per run + 3.0 s per epoch" in line
 
 
+def test_the_range_moves_the_timed_terms_only_not_the_builds_and_decoding():
+    # Was: a run's build and decoding (measured apart, at their own rates) were scaled by the steps' spread too.
+    data = OwnData("folder", "photos", {}, "0" * 64, ["a", "b"], {TRAIN: 8, VAL: 2, TRAIN_VAL: 10, TEST: 4}, None, 0.5)
+    probe = costs.Probe(10.0, 0.1, 0.0, 0.0, batch=4, image_size=32, spread=2.0)
+    trial, final = (costs.run_seconds(probe, data, 5, final=is_final) for is_final in (False, True))
+    untimed = [costs.untimed_seconds(probe, data, is_final) for is_final in (False, True)]
+    assert untimed == [10.0 + 0.5 * 10, 10.0 + 0.5 * 14]  # the build, and each image of its splits decoded
+    assert trial == untimed[0] + 5 * 8 * 0.1 and final == untimed[1] + 5 * 10 * 0.1
+    cost = costs.ExperimentCost("lora", 1, 1, trial, final, 5, probe, *untimed)
+    found = costs.Estimate([cost], data.sizes, "cpu")
+    assert found.range() == pytest.approx((32.0 + 9.0 / 2, 32.0 + 9.0 * 2))
+
+
 def test_nothing_left_to_train_is_said_in_one_line_without_a_nil_estimate():
     # Was: "= 0 runs still to train", a line per experiment, then "0 s, between 0 s and 0 s ...; 0 % of it is ...".
     done = [costs.ExperimentCost(name, 0, 0, 0.0, 0.0, 5, None) for name in ("linear", "lora")]
