@@ -48,6 +48,7 @@ from petl.bench.protocol import Cell
 from petl.data import TEST, TRAIN, TRAIN_VAL, VAL
 from petl.store import files
 from petl.utils.checks import is_finite_number
+from petl.utils.errors import RunError
 from petl.utils.text import plural
 
 ESTIMATE_FILE = "estimate.json"
@@ -363,7 +364,8 @@ def fixed_seconds(
         Seconds per run and seconds per epoch (each at least 0).
 
     Raises:
-        ValueError: a tiny run failed (its error log is named): the real runs would fail the same way.
+        ValueError: a tiny run failed (one line, the last of its error log): the real runs would fail the same way.
+        RunError: a tiny run could not start (its folder unwritable: a full disk), the line saying why.
 
     """
     one, two = (
@@ -398,8 +400,14 @@ def _probe_run(overrides: list[str], epochs: int, compose: Callable[[list[str]],
             logging.disable(logging.NOTSET)
         whole = time.perf_counter() - tick
         if summary.failed:
-            error = (run_dir / ERROR_FILE).read_text().strip().splitlines()[-1:]
-            raise ValueError(f"a one-epoch run to measure the cost failed: {' '.join(error) or summary.failed[0]}")
+            # Its traceback's last line; a run that could not start (its folder unwritable: a full disk) wrote no
+            # error log, and the sweep's own line says why.  The folder goes with the temporary directory.
+            log = run_dir / ERROR_FILE
+            failed = f"a {epochs}-epoch run on {PROBE_IMAGES} images to measure the cost failed"
+            if not log.is_file():  # not the config's fault: a run that cannot complete (exit 1)
+                raise RunError(f"{failed}: {summary.failed[0].removeprefix(f'{run.label}: ')}")
+            error = log.read_text(errors="replace").strip().splitlines()[-1:]
+            raise ValueError(f"{failed}: {' '.join(error) or summary.failed[0]}")
     return whole
 
 

@@ -70,6 +70,32 @@ def test_a_probe_run_takes_what_the_real_runs_take_on_its_four_images(tmp_path):
     assert costs._probe_run([*overrides, f"output_dir={tmp_path}"], 1, default_config) > 0
 
 
+def test_a_probe_run_that_could_not_start_says_why_in_one_line(monkeypatch):
+    # Was: a FileNotFoundError naming the error.log of a temporary folder, which a run that could not start (its
+    # folder unwritable: a full disk) never wrote, in place of why; and "a one-epoch run" of the two-epoch one too.
+    import errno
+
+    from petl.bench import sweep
+    from petl.train.config import default_config
+    from petl.utils.errors import ConfigError, RunError
+
+    def full_disk(path):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(sweep, "acquire_lock", full_disk)
+    tiny = ["model.pretrained=false", "+model.kwargs.depth=1", "+model.kwargs.embed_dim=48", "model.img_size=32"]
+    with pytest.raises(RunError, match=r"^a 2-epoch run on 4 images to measure the cost failed: cannot write to "):
+        costs._probe_run(["method=linear", "data=mini/digits", *tiny, "output_dir=x"], 2, default_config)
+    # A run that failed says its error log's last line: the real runs would fail the same way (bad input, exit 2).
+    monkeypatch.undo()
+
+    def refused(overrides):
+        raise ConfigError("train.lr=-1: must be positive")
+
+    with pytest.raises(ValueError, match=r"^a 1-epoch run on 4 images .* failed: .*ConfigError: train.lr=-1: must be"):
+        costs._probe_run(["method=linear", "output_dir=x"], 1, refused)
+
+
 @pytest.mark.parametrize("limit", [None, 0])
 def test_steps_are_timed_uncached_where_the_run_s_cache_would_exceed_its_limit(monkeypatch, limit):
     # Was: the estimate timed the steps on the cached front whenever the method left one frozen, while a run whose
