@@ -77,6 +77,9 @@ class Budget:
         if self.params is not None and row.trainable > self.params:
             return f"{_params(row.trainable)} parameters"
         seconds = train_seconds(row)
+        if self.train_seconds is not None and math.isnan(seconds):
+            # Records that predate train_seconds: not known to fit (overrun counts it furthest over, too).
+            return "no training time recorded"
         if self.train_seconds is not None and seconds > self.train_seconds:
             return f"{seconds:.0f} s of training"
         return None
@@ -105,6 +108,12 @@ def train_seconds(row: ExperimentRow) -> float:
     """The row's final runs' mean training time (seconds, as recorded)."""
     seconds = [float(r.result.train_seconds) for r in row.counted_runs if r.result.train_seconds is not None]
     return sum(seconds) / len(seconds) if seconds else math.nan
+
+
+def _seconds(row: ExperimentRow) -> str:
+    """``12 s of training per run``, or that its records hold no training time."""
+    seconds = train_seconds(row)
+    return "no training time recorded" if math.isnan(seconds) else f"{seconds:.0f} s of training per run"
 
 
 def chosen_run(row: ExperimentRow) -> Path:
@@ -152,7 +161,7 @@ def choose(board: Leaderboard, budget: Budget, data: dict[str, Any] | None = Non
             closest = min(complete, key=budget.overrun)
             why += (
                 f"; the closest is {closest.experiment} ({_params(closest.trainable)} parameters, "
-                f"{train_seconds(closest):.0f} s of training per run): the same command with a budget it fits "
+                f"{_seconds(closest)}): the same command with a budget it fits "
                 "answers without training again"
             )
         return Choice(
@@ -164,8 +173,7 @@ def choose(board: Leaderboard, budget: Budget, data: dict[str, Any] | None = Non
     b = best.scores[task]
     text = head + (
         f"**{best.experiment}** reaches {b.mean:.2f} % test top-1 (mean of {plural(len(b.seeds), 'seed')}"
-        f"{_std(b.std)}) with {_params(best.trainable)} trainable parameters and {train_seconds(best):.0f} s of "
-        "training per run"
+        f"{_std(b.std)}) with {_params(best.trainable)} trainable parameters and {_seconds(best)}"
     )
     if runner is not None:
         r = runner.scores[task]

@@ -110,6 +110,20 @@ def test_a_budget_under_a_thousand_parameters_is_said_as_its_count():
     assert choice.Budget.parse({"budget.params": "1.5M"}).describe() == "at most 1.50 M trainable parameters"
 
 
+def test_a_row_with_no_recorded_training_time_is_not_within_a_budget_of_seconds(tmp_path, monkeypatch):
+    # Was: its time was NaN, which no comparison finds over the budget: lora was the answer within 10 s of training,
+    # "with 1.1 k trainable parameters and nan s of training per run".
+    monkeypatch.setattr(choice, "exportable", lambda run: False)
+    write_run(tmp_path / "folder" / "lora" / "seed0", result_record("folder", "lora", 0, 70.0, train_seconds=None))
+    write_run(tmp_path / "folder" / "linear" / "seed0", result_record("folder", "linear", 0, 60.0, train_seconds=5.0))
+    board = report.build_board(tmp_path, plan=report.Plan("choose", ("lora", "linear"), ("folder",), (0,)))
+    answer = choice.choose(board, choice.Budget(train_seconds=10))
+    assert answer.best is not None and answer.best.experiment == "linear"
+    assert "Over the budget: lora (no training time recorded)" in answer.paragraph
+    said = choice.choose(board, choice.Budget()).paragraph  # no budget: lora, its time said as unknown
+    assert "trainable parameters and no training time recorded" in said and "nan" not in said
+
+
 def test_a_budget_of_seconds_takes_no_suffix():
     # budget.train_seconds=10m (ten minutes, meant) was read as 10 million seconds: every row fitted, silently.
     with pytest.raises(ValueError, match=r"^budget\.train_seconds=10m: expected a positive number \(seconds: 600 for"):
