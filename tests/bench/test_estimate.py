@@ -233,11 +233,13 @@ def test_the_data_line_counts_a_folders_own_val_images_apart_from_its_training_i
     )
 
 
+@pytest.mark.parametrize("method", ["lora", "partial"])
 @pytest.mark.parametrize(
     ("precision", "dtype", "said"), [("bf16", torch.bfloat16, "bf16 autocast"), ("no", torch.float32, "fp32")]
 )
-def test_steps_are_timed_in_the_precision_the_run_trains_in(monkeypatch, precision, dtype, said):
+def test_steps_are_timed_in_the_precision_the_run_trains_in(monkeypatch, method, precision, dtype, said):
     # Was: timed in fp32 whatever train.precision said, while a bf16 run's every forward runs under bf16 autocast.
+    # LoRA trains through the whole backbone; Partial-1 trains on its cached front, computed under the autocast too.
     from petl.train import build
     from petl.train.config import default_config
 
@@ -246,9 +248,10 @@ def test_steps_are_timed_in_the_precision_the_run_trains_in(monkeypatch, precisi
     forward = torch.nn.Linear.forward
     monkeypatch.setattr(torch.nn.Linear, "forward", lambda self, x: outputs.append(y := forward(self, x)) or y)
     tiny = ["model.pretrained=false", "+model.kwargs.depth=2", "+model.kwargs.embed_dim=48", "output_dir=unused"]
-    cfg = default_config(["method=lora", "data=mini/digits", f"train.precision={precision}", *tiny])
+    cfg = default_config([f"method={method}", "data=mini/digits", f"train.precision={precision}", *tiny])
     probe, _ = costs.measure(cfg, DATA, steps=1)
     assert outputs and {y.dtype for y in outputs} == {dtype}
+    assert (probe.front_seconds > 0) == (method == "partial")
     assert probe.precision.startswith(said)
     line = costs.Estimate([costs.ExperimentCost("lora", 1, 1, 1.0, 1.0, 5, probe)], DATA.sizes, "cpu").lines()[1]
     assert line.endswith(f"px, in {probe.precision})")
