@@ -6,9 +6,9 @@ recorded, on the machine that trained them), the best test top-1 mean is named w
 them and whether the rank test tells them apart (:func:`petl.bench.ranking.rank_test` over the rows within the
 budget: Friedman's test, then Nemenyi's, or with two rows the exact sign test; with the one task of a user's data,
 each seed is a block), and the commands that use the chosen run: the best row's, or the runner-up's where the test
-cannot tell the two apart and it trains fewer parameters (its lowest seed's folder: chosen before looking at the
-seeds' test numbers).  The methods the answer could not weigh are named next to it: rows short of a seed (a
-failed or unfinished run) and the suite's experiments with no finished run at all.
+cannot tell the two apart and it trains fewer parameters (its lowest seed's folder whose training learned: chosen
+before looking at the seeds' test numbers).  The methods the answer could not weigh are named next to it: rows short
+of a seed (a failed or unfinished run) and the suite's experiments with no finished run at all.
 ``choice.md`` in the results folder holds the paragraph and the cost before the run against the real one.
 """
 
@@ -77,6 +77,9 @@ class Budget:
         if self.params is not None and row.trainable > self.params:
             return f"{_params(row.trainable)} parameters"
         seconds = train_seconds(row)
+        if self.train_seconds is not None and math.isnan(seconds):
+            # Records that predate train_seconds: not known to fit (overrun counts it furthest over, too).
+            return "no training time recorded"
         if self.train_seconds is not None and seconds > self.train_seconds:
             return f"{seconds:.0f} s of training"
         return None
@@ -107,13 +110,22 @@ def train_seconds(row: ExperimentRow) -> float:
     return sum(seconds) / len(seconds) if seconds else math.nan
 
 
+def _seconds(row: ExperimentRow) -> str:
+    """``12 s of training per run``, or that its records hold no training time."""
+    seconds = train_seconds(row)
+    return "no training time recorded" if math.isnan(seconds) else f"{seconds:.0f} s of training per run"
+
+
 def chosen_run(row: ExperimentRow) -> Path:
-    """The folder of the row's run to use: its lowest seed's (picked without looking at test numbers).
+    """The folder of the row's run to use: its lowest seed's whose training learned (picked without looking at test
+    numbers: the verdict reads training figures only, :mod:`petl.train.learning`), else its lowest seed's.
 
     Of the runs its figures read (:attr:`~petl.bench.board.ExperimentRow.counted_runs`): a run of a seed outside the
     suite (an earlier ``seeds=``'s, in the same folder) is in none of the numbers the answer gives.
     """
-    return min(row.counted_runs or row.runs, key=lambda r: r.seed).path.parent
+    runs = row.counted_runs or row.runs
+    learned = [r for r in runs if not r.not_learned]
+    return min(learned or runs, key=lambda r: r.seed).path.parent
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -149,7 +161,7 @@ def choose(board: Leaderboard, budget: Budget, data: dict[str, Any] | None = Non
             closest = min(complete, key=budget.overrun)
             why += (
                 f"; the closest is {closest.experiment} ({_params(closest.trainable)} parameters, "
-                f"{train_seconds(closest):.0f} s of training per run): the same command with a budget it fits "
+                f"{_seconds(closest)}): the same command with a budget it fits "
                 "answers without training again"
             )
         return Choice(
@@ -161,8 +173,7 @@ def choose(board: Leaderboard, budget: Budget, data: dict[str, Any] | None = Non
     b = best.scores[task]
     text = head + (
         f"**{best.experiment}** reaches {b.mean:.2f} % test top-1 (mean of {plural(len(b.seeds), 'seed')}"
-        f"{_std(b.std)}) with {_params(best.trainable)} trainable parameters and {train_seconds(best):.0f} s of "
-        "training per run"
+        f"{_std(b.std)}) with {_params(best.trainable)} trainable parameters and {_seconds(best)}"
     )
     if runner is not None:
         r = runner.scores[task]
@@ -178,6 +189,7 @@ def choose(board: Leaderboard, budget: Budget, data: dict[str, Any] | None = Non
         text += f". Over the budget: {', '.join(over)}"
     text += left_out
     run = chosen_run(take)
+    stuck = next((r.not_learned for r in take.runs if r.path.parent == run and r.not_learned), None)
     uses = [f"`petl-predict {run} IMAGES`"]
     if exportable(run):
         uses.append(f"`petl-export {run} out=exported` (a plain timm model)")
@@ -189,6 +201,8 @@ def choose(board: Leaderboard, budget: Budget, data: dict[str, Any] | None = Non
         uses.append(f"`petl-serve {run}` (an HTTP endpoint)")
     # Named, not "it": after a verdict naming two rows, "it" could mean either.
     text += f". Use {take.experiment}: {', '.join(uses[:-1])}{', or ' if len(uses) > 1 else ''}{uses[-1]}."
+    if stuck:  # every seed of the row did not learn: the run named is one of them, and the user must know
+        text += f" No seed of {take.experiment} learned; this run did not ({stuck})."
     if refused is not None:
         text += f" Not with petl-serve, which serves tasks over one shared frozen backbone and refuses it: {refused}."
     return Choice(best=best, runner_up=runner, taken=take, run_dir=run, paragraph=text)

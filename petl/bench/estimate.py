@@ -17,18 +17,21 @@ epoch, the model card): two real runs of the first experiment on :data:`PROBE_IM
 of one and of two epochs, are timed whole and what the terms above account for is taken off; their
 difference is the cost of one more epoch.  On small data these can dominate (one run's per-epoch costs counted
 once, an estimate fell short by half and more), so the console line says how much of the total they are.  The
-range said with it comes from the measurements' own spread: the slowest and fastest of the timed steps.
-What it leaves out: calibration hooks (SCT, GPS, NOAH's search), mixed precision (steps are timed in fp32 on
-the device the run would use), ``train.compile`` (timed eager; gradient checkpointing is timed as the run has it),
-a selection trial's per-epoch val pass beyond its images, and a machine's load changing between the estimate and
-the runs.  Each measurement is said as it starts (building a backbone takes seconds to minutes).
+range said with it comes from the measurements' own spread: the timed terms (steps, evaluation forwards, the
+cached front) at the slowest and at the fastest of the timed steps; a run's own costs, its build and decoding as
+measured.
+The steps, the front and the evaluation forwards are timed on the device and in the precision the run would
+use (``train.precision`` as the run resolves it, under the autocast of an Accelerator made as the run's, TF32 as the
+runner sets it), said on each experiment's line.  What it leaves out: calibration hooks (SCT, GPS, NOAH's search),
+``train.compile`` (timed eager; gradient checkpointing is timed as the run has it), a selection trial's per-epoch
+val pass beyond its images, and a machine's load changing between the estimate and the runs.  Each measurement is
+said as it starts (building a backbone takes seconds to minutes).
 ``benchmarks/choose_estimate.py`` compares the estimate with the measured time.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import io
 import logging
 import math
@@ -45,6 +48,7 @@ from petl.bench.protocol import Cell
 from petl.data import TEST, TRAIN, TRAIN_VAL, VAL
 from petl.store import files
 from petl.utils.checks import is_finite_number
+from petl.utils.errors import RunError
 from petl.utils.text import plural
 
 ESTIMATE_FILE = "estimate.json"
@@ -67,6 +71,8 @@ class Probe:
         batch: the batch the steps were timed at.
         image_size: the input size.
         spread: the slowest of the timed training steps over the fastest: how far one step's time varied here.
+        precision: what the steps were timed in, as a run's first line says it (``fp32``, ``bf16 autocast``,
+            ``fp32, TF32``).
 
     """
 
@@ -77,6 +83,7 @@ class Probe:
     batch: int
     image_size: int
     spread: float = 1.0  # the slowest timed training step over the fastest (>= 1)
+    precision: str = "fp32"
 
 
 @dataclass
@@ -90,11 +97,20 @@ class ExperimentCost:
     final_seconds: float
     epochs: int
     probe: Probe | None  # None: every run of the experiment has finished, nothing was measured
+    # Of a trial's and a final's seconds, those no timed step measured: the build and the decoding (at their own
+    # measured rates), which the steps' spread does not move.
+    trial_untimed: float = 0.0
+    final_untimed: float = 0.0
 
     @property
     def seconds(self) -> float:
         """Estimated wall time of this experiment's remaining runs."""
         return self.trials * self.trial_seconds + self.finals * self.final_seconds
+
+    @property
+    def untimed_seconds(self) -> float:
+        """Of :attr:`seconds`, the builds' and decodings' (``trial_untimed``, ``final_untimed``)."""
+        return self.trials * self.trial_untimed + self.finals * self.final_untimed
 
 
 @dataclass
@@ -142,7 +158,8 @@ class Estimate:
                 f"  {e.experiment}: {e.trials} trials x {duration(e.trial_seconds)} + {e.finals} finals x "
                 f"{duration(e.final_seconds)} ({plural(e.epochs, 'epoch')}; measured: build "
                 f"{p.build_seconds:.1f} s, "
-                f"{1000 * p.step_seconds:.2f} ms per training image at batch {p.batch}, {p.image_size} px)"
+                f"{1000 * p.step_seconds:.2f} ms per training image at batch {p.batch}, {p.image_size} px, in "
+                f"{p.precision})"
             )
         low, high = self.range()
         overhead = sum(
@@ -158,13 +175,16 @@ class Estimate:
         return out
 
     def range(self) -> tuple[float, float]:
-        """The total with every experiment's modelled terms at its fastest and at its slowest timed step."""
+        """The total with every experiment's timed terms (its steps, evaluation forwards and cached front) at its
+        fastest and at its slowest timed step; each run's own costs, builds and decoding as they are.
+        """
         low = high = 0.0
         for e in self.experiments:
             spread = e.probe.spread if e.probe is not None else 1.0
             overhead = (e.trials + e.finals) * (self.fixed_seconds + e.epochs * self.per_epoch_seconds)
-            low += overhead + (e.seconds - overhead) / spread
-            high += overhead + (e.seconds - overhead) * spread
+            steady = overhead + e.untimed_seconds
+            low += steady + (e.seconds - steady) / spread
+            high += steady + (e.seconds - steady) * spread
         return low, high
 
     def write(self, output_dir: Path) -> None:
@@ -286,7 +306,10 @@ def estimate(
             fixed, per_epoch = fixed_seconds(list(finals[0].overrides), probe, data, compose)
         trial = fixed + epochs * per_epoch + run_seconds(probe, data, epochs, final=False)
         final = fixed + epochs * per_epoch + run_seconds(probe, data, epochs, final=True)
-        costs.append(ExperimentCost(cell.experiment.name, todo_trials, todo_finals, trial, final, epochs, probe))
+        untimed = [untimed_seconds(probe, data, is_final) for is_final in (False, True)]
+        costs.append(
+            ExperimentCost(cell.experiment.name, todo_trials, todo_finals, trial, final, epochs, probe, *untimed)
+        )
     spent = time.perf_counter() - tick
     return Estimate(
         costs, dict(data.sizes), device, fixed_seconds=fixed or 0.0, per_epoch_seconds=per_epoch, measure_seconds=spent
@@ -305,19 +328,20 @@ def run_seconds(probe: Probe, data: OwnData, epochs: int, final: bool, subset: i
     ``subset`` cuts every split to that many images after decoding, as ``data.subset`` does.
     """
     s = {k: min(v, subset or v) for k, v in data.sizes.items()}
-    if final:
-        decoded = data.sizes[TRAIN_VAL] + data.sizes[TEST]  # a split is decoded whole, then cut
-        train, val, test = s[TRAIN_VAL], 0, s[TEST]
-    else:
-        decoded = data.sizes[TRAIN] + data.sizes[VAL]
-        train, val, test = s[TRAIN], s[VAL], 0
+    train, val, test = (s[TRAIN_VAL], 0, s[TEST]) if final else (s[TRAIN], s[VAL], 0)
     return (
-        probe.build_seconds
-        + data.decode_seconds * decoded
+        untimed_seconds(probe, data, final)
         + (train + val + test) * probe.front_seconds
         + epochs * (train * probe.step_seconds + val * probe.eval_seconds)
         + test * probe.eval_seconds
     )
+
+
+def untimed_seconds(probe: Probe, data: OwnData, final: bool) -> float:
+    """Of :func:`run_seconds`, what no timed step measured: the build, and decoding the run's splits."""
+    # A split is decoded whole, then cut (data.subset).
+    decoded = data.sizes[TRAIN_VAL] + data.sizes[TEST] if final else data.sizes[TRAIN] + data.sizes[VAL]
+    return probe.build_seconds + data.decode_seconds * decoded
 
 
 def fixed_seconds(
@@ -340,7 +364,8 @@ def fixed_seconds(
         Seconds per run and seconds per epoch (each at least 0).
 
     Raises:
-        ValueError: a tiny run failed (its error log is named): the real runs would fail the same way.
+        ValueError: a tiny run failed (one line, the last of its error log): the real runs would fail the same way.
+        RunError: a tiny run could not start (its folder unwritable: a full disk), the line saying why.
 
     """
     one, two = (
@@ -375,21 +400,58 @@ def _probe_run(overrides: list[str], epochs: int, compose: Callable[[list[str]],
             logging.disable(logging.NOTSET)
         whole = time.perf_counter() - tick
         if summary.failed:
-            error = (run_dir / ERROR_FILE).read_text().strip().splitlines()[-1:]
-            raise ValueError(f"a one-epoch run to measure the cost failed: {' '.join(error) or summary.failed[0]}")
+            # Its traceback's last line; a run that could not start (its folder unwritable: a full disk) wrote no
+            # error log, and the sweep's own line says why.  The folder goes with the temporary directory.
+            log = run_dir / ERROR_FILE
+            failed = f"a {epochs}-epoch run on {PROBE_IMAGES} images to measure the cost failed"
+            if not log.is_file():  # not the config's fault: a run that cannot complete (exit 1)
+                raise RunError(f"{failed}: {summary.failed[0].removeprefix(f'{run.label}: ')}")
+            error = log.read_text(errors="replace").strip().splitlines()[-1:]
+            raise ValueError(f"{failed}: {' '.join(error) or summary.failed[0]}")
     return whole
 
 
 def measure(cfg: Any, data: OwnData, steps: int = TIMED_STEPS) -> tuple[Probe, str]:
-    """Build one run's model and time its training steps and evaluation forwards on random images."""
+    """Build one run's model and time its training steps and evaluation forwards on random images.
+
+    On the run's device and in its precision: an Accelerator made as :func:`petl.train.build.make_accelerator` makes
+    the run's (``train.precision`` resolved the same way, a CPU without bf16 instructions falling back to fp32 as the
+    run does) prepares the model and optimizer, so the steps and evaluation forwards run under the run's autocast,
+    and the cached front under ``accelerator.autocast()`` as :func:`petl.train.cache.cache_split` computes it.
+    """
+    import torch
+    from accelerate.state import AcceleratorState, GradientState
+
+    from petl.train import build, engine
+    from petl.utils.precision import uses_tf32
+
+    device = build.run_device_type()
+    precision, _ = build.run_precision(cfg.train.precision, device)  # the run warns of a fallback; said below
+    # tf32 is fp32 to accelerate, as in make_accelerator; its TF32 switch is torch's, set as the runner sets it.
+    accelerator = engine.fresh_accelerator(mixed_precision="no" if precision == "tf32" else precision)
+    tf32_before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    if device == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = uses_tf32(precision, device)
+    try:
+        return _measure(cfg, data, steps, accelerator), device
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32_before
+        # Its precision is process-wide state in accelerate: a later Accelerator() made without one would inherit it.
+        AcceleratorState._reset_state()
+        GradientState._reset_state()
+
+
+def _measure(cfg: Any, data: OwnData, steps: int, accelerator: Any) -> Probe:
+    """:func:`measure`'s timings, under ``accelerator`` (its device, precision and autocast)."""
     import torch
     from omegaconf import OmegaConf
 
     import petl
     from petl import data as petl_data
     from petl.train import build, cache, engine, readers
+    from petl.train.runner import precision_label
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = accelerator.device.type
     tick = time.perf_counter()
     model = build.create_backbone(cfg)
     method_cfg = petl.make_config(cfg.method.name, num_classes=len(data.classes), **readers.method_options(cfg))
@@ -397,41 +459,45 @@ def measure(cfg: Any, data: OwnData, steps: int = TIMED_STEPS) -> tuple[Probe, s
     if cfg.train.grad_checkpointing:
         # As the run turns it on: each step's backward recomputes every block's forward (a third more per step).
         engine.enable_grad_checkpointing(model)
-    model.to(device)
+    model.to(accelerator.device)
     build_seconds = time.perf_counter() - tick
     size = readers.image_size(model)
     batch = max(1, min(int(cfg.train.batch_size), data.sizes[TRAIN]))
-    images = torch.randn(batch, 3, size, size, device=device)
-    labels = torch.randint(0, len(data.classes), (batch,), device=device)
+    images = torch.randn(batch, 3, size, size, device=accelerator.device)
+    labels = torch.randint(0, len(data.classes), (batch,), device=accelerator.device)
     settings = OmegaConf.to_object(cfg.train)
     # The run caches the frozen front under the same conditions (cache.decide), its size limit too: a final run's
     # training images (a trial's train and val images are as many) over it train uncached, each step through the
-    # whole backbone.
+    # whole backbone.  Sized in the dtype the run's autocast leaves the cached tensors in (a Swin's in bf16 under
+    # CPU autocast).
     plan = None
     if cfg.train.cache_features:
         backbone_trains = engine.backbone_mode(model, settings) == "train"
         sizes = [data.sizes[TRAIN_VAL]]
         augmented = petl_data.get_info(cfg.data.name).crops(cfg.data.augment)
-        # In the dtype the run's autocast leaves the cached tensors in (a Swin's in bf16 under CPU autocast).
-        mixed = build.run_precision(cfg.train.precision, device)[0]
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mixed)
-        autocast = functools.partial(torch.autocast, device, dtype=dtype, enabled=dtype is not None)
         plan, _ = cache.decide(
-            model, backbone_trains=backbone_trains, augmented=augmented, sizes=sizes, autocast=autocast
+            model, backbone_trains=backbone_trains, augmented=augmented, sizes=sizes, autocast=accelerator.autocast
         )
     trainee: torch.nn.Module = model
     front_seconds = 0.0
     if plan is not None:
         trainee = cache.CachedTail(model, plan)
         model.eval()
-        front_seconds = _median(lambda: trainee.front(images), steps, device) / batch
-        images = trainee.front(images)
+
+        def front() -> torch.Tensor:
+            with torch.no_grad(), accelerator.autocast():  # as cache_split runs it
+                return trainee.front(images)
+
+        front_seconds = _median(front, steps, device) / batch
+        images = front()
     optimizer, _ = engine.build_optimizer(trainee, settings, steps_per_epoch=1)
+    # Prepared as the run prepares them: the forward under the run's autocast, an fp16 step through its scaler.
+    trainee, optimizer = accelerator.prepare(trainee, optimizer)
     loss_fn = torch.nn.CrossEntropyLoss(label_smoothing=settings.label_smoothing)
 
     def step() -> None:
         loss = loss_fn(trainee(images), labels)
-        loss.backward()
+        accelerator.backward(loss)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
@@ -442,7 +508,8 @@ def measure(cfg: Any, data: OwnData, steps: int = TIMED_STEPS) -> tuple[Probe, s
     with torch.no_grad():
         eval_seconds = _median(lambda: trainee(images), steps, device) / batch
     spread = max(step_times) / max(1e-9, min(step_times))
-    return Probe(build_seconds, step_seconds, eval_seconds, front_seconds, batch, size, spread), device
+    said = precision_label(accelerator)
+    return Probe(build_seconds, step_seconds, eval_seconds, front_seconds, batch, size, spread, said)
 
 
 def _median(fn: Callable[[], Any], steps: int, device: str) -> float:

@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader
 
 from petl.data.registry import PROTOCOL_EPOCHS
 from petl.model.wrappers import PetlModule
+from petl.train.learning import prior_loss
 from petl.train.options import check_options, option
 from petl.utils.errors import ConfigError
 from petl.utils.progress import progress_bar
@@ -301,7 +302,9 @@ def train_one_epoch(
 ) -> dict[str, float]:
     """One pass over ``loader``; returns the lr of its last optimizer step, mean loss, train top-1 (%), images seen,
     the top-1 (%) of always guessing the epoch's most frequent label (``majority_top1``, the rate a model stuck on one
-    class reaches: :mod:`petl.train.learning` tests train top-1 against it) and images/s.
+    class reaches: :mod:`petl.train.learning` tests train top-1 against it), the mean loss of always predicting the
+    epoch's label shares (``prior_loss``, the loss a model that learned only them ends at:
+    :func:`petl.train.learning.prior_loss`) and images/s.
 
     Raises:
         NonFiniteLossError: when the loss is NaN or infinite, or a step overflows float32 (the caller keeps its last
@@ -360,6 +363,7 @@ def train_one_epoch(
         rate = seen / max(1e-9, time.perf_counter() - start)
         bar.set_postfix(loss=f"{loss_sum / seen:.3f}", acc=f"{100 * correct / seen:.1f}", img_s=f"{rate:.0f}")
     seconds = time.perf_counter() - start
+    classes = int(logits.shape[-1]) if epoch_labels else 0
     label_counts = torch.bincount(torch.cat(epoch_labels).cpu()) if epoch_labels else torch.zeros(0, dtype=torch.long)
     if accelerator.num_processes > 1:
         # The counts above are already the whole epoch's (gathered per batch); the time is the slowest process's.
@@ -372,6 +376,8 @@ def train_one_epoch(
         "majority_top1": 100.0 * int(label_counts.max()) / max(1, seen) if len(label_counts) else 0.0,
         "seconds": seconds,
         "images_per_second": seen / max(1e-9, seconds),
+        # Over the head's classes: under label smoothing a class the epoch did not draw still takes its share.
+        **({"prior_loss": prior_loss(label_counts.tolist(), classes, settings.label_smoothing)} if seen else {}),
     }
 
 

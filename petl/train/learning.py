@@ -5,8 +5,12 @@ A run *did not learn* when its training ended where it began:
 * its final training loss is not finite;
 * its final training loss is not below its first epoch's (the mean loss over the first epoch, the earliest
   loss a run records; runs of a single epoch skip this test);
-* its final training loss is at chance, ln(classes), within :data:`CHANCE_TOLERANCE` of it: a classifier
-  whose loss sits there predicts the uniform distribution, whatever its accuracy on a few hundred images;
+* its final training loss is at chance, within :data:`CHANCE_TOLERANCE` of the loss of a classifier that ignores
+  its images: ln(classes), where one that predicts the uniform distribution sits, or the entropy of the epoch's
+  label shares (:func:`prior_loss`, which the engine computes as ``prior_loss``), where one that learned only how
+  often each label comes ends: below ln(classes) where the labels are imbalanced (6, 2 and 2 of 10 images on 3
+  classes: 0.950 against ln 3 = 1.099), the same where they are balanced.  Records written before the engine
+  computed it are tested against ln(classes) alone;
 * or its last epoch's training top-1 is not above chance: the exact one-sided binomial test (:func:`binomial_tail`)
   of its hits among the epoch's images does not reject the rate of always guessing the epoch's most frequent label
   (its ``majority_top1``, which the engine counts; never below 1/classes) at :data:`CHANCE_ALPHA`.  The loss tests
@@ -69,6 +73,7 @@ def not_learned(
     train_top1: float | None = None,
     train_images: float | None = None,
     majority_top1: float | None = None,
+    label_prior_loss: float | None = None,
 ) -> str | None:
     """Why a run with these per-epoch training losses did not learn, or ``None`` when it learned.
 
@@ -80,6 +85,9 @@ def not_learned(
         train_images: the images that top-1 is over; ``None`` (or 0) skips the accuracy test.
         majority_top1: the top-1 (%) of always guessing the most frequent label among those images; ``None`` (a record
             that predates it) tests against 1/classes.
+        label_prior_loss: the last epoch's loss of always predicting its label shares (:func:`prior_loss`); ``None``
+            (a record that predates it), or no value such a loss can have (not in (0, ln(classes)]), tests the final
+            loss against ln(classes) alone.
 
     Returns:
         A short reason ("final train loss 2.307 is at chance, ln(10) = 2.303"), or ``None``.
@@ -95,10 +103,38 @@ def not_learned(
     if not num_classes or num_classes < 2:
         return None
     if known:
-        chance = math.log(num_classes)
-        if abs(known[-1] - chance) <= CHANCE_TOLERANCE * chance:
-            return f"final train loss {known[-1]:.3f} is at chance, ln({num_classes}) = {chance:.3f}"
+        uniform = math.log(num_classes)
+        if abs(known[-1] - uniform) <= CHANCE_TOLERANCE * uniform:
+            return f"final train loss {known[-1]:.3f} is at chance, ln({num_classes}) = {uniform:.3f}"
+        prior = label_prior_loss
+        # A figure from an edited metrics.jsonl that no labels give is read as a record without it.
+        if prior is not None and math.isfinite(prior) and 0 < prior <= uniform * (1 + 1e-9):
+            if abs(known[-1] - prior) <= CHANCE_TOLERANCE * prior:
+                return (
+                    f"final train loss {known[-1]:.3f} is at chance, {prior:.3f}, what always predicting the "
+                    f"training labels' shares scores (ln({num_classes}) = {uniform:.3f} for balanced labels)"
+                )
     return accuracy_at_chance(train_top1, train_images, num_classes, majority_top1)
+
+
+def prior_loss(label_counts: Sequence[int], classes: int, label_smoothing: float = 0.0) -> float:
+    """The mean training loss of always predicting the labels' shares: where a model that ignores its images ends.
+
+    The entropy of the shares p (ln(classes) where they are balanced, less where they are not), or under
+    ``label_smoothing`` e the entropy of the smoothed targets' mean, (1 - e) p + e / classes, where the smoothed loss
+    of a prediction that is the same for every image is lowest.
+
+    Args:
+        label_counts: images of each label (index = label), as ``torch.bincount`` counts them; at least one.
+        classes: the classes the head predicts (a label the epoch did not draw still gets its smoothed share).
+        label_smoothing: ``train.label_smoothing``.
+
+    """
+    total = sum(label_counts)
+    classes = max(classes, len(label_counts))
+    shares = [count / total for count in label_counts] + [0.0] * (classes - len(label_counts))
+    targets = [(1 - label_smoothing) * share + label_smoothing / classes for share in shares]
+    return -math.fsum(t * math.log(t) for t in targets if t > 0)
 
 
 def accuracy_at_chance(
@@ -195,5 +231,6 @@ def run_not_learned(run_dir: Path, result: Any) -> str | None:
     if final is not None and (not losses or losses[-1] != final):
         losses.append(float(final))
     last = rows[-1] if rows else {}
-    top1, images, majority = (_number(last.get(key)) for key in ("train_top1", "images", "majority_top1"))
-    return not_learned(losses, getattr(result, "num_classes", None), top1, images, majority)
+    keys = ("train_top1", "images", "majority_top1", "prior_loss")
+    top1, images, majority, prior = (_number(last.get(key)) for key in keys)
+    return not_learned(losses, getattr(result, "num_classes", None), top1, images, majority, prior)

@@ -228,10 +228,15 @@ def device_label(accelerator: Accelerator) -> str:
     """
     device = accelerator.device.type
     where = f"{accelerator.num_processes} processes of {device}" if accelerator.num_processes > 1 else device
+    return f"on {where} in {precision_label(accelerator)}"
+
+
+def precision_label(accelerator: Accelerator) -> str:
+    """The precision a run trains in, in words: ``fp32``, ``bf16 autocast``, ``bf16 autocast, TF32``."""
     words = [f"{accelerator.mixed_precision} autocast" if accelerator.mixed_precision != "no" else "fp32"]
-    if device == "cuda" and torch.backends.cuda.matmul.allow_tf32:
+    if accelerator.device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32:
         words.append("TF32")
-    return f"on {where} in {', '.join(words)}"
+    return ", ".join(words)
 
 
 def _train_and_record(cfg: DictConfig, resolved: dict[str, Any], out: Path, accelerator: Accelerator) -> dict[str, Any]:
@@ -680,6 +685,7 @@ def _result(
             last.get("train_top1"),
             last.get("images"),
             last.get("majority_top1"),
+            last.get("prior_loss"),
         ),
         epochs=cfg.train.epochs,
         train_seconds=round(train_seconds, 2),

@@ -110,6 +110,20 @@ def test_a_budget_under_a_thousand_parameters_is_said_as_its_count():
     assert choice.Budget.parse({"budget.params": "1.5M"}).describe() == "at most 1.50 M trainable parameters"
 
 
+def test_a_row_with_no_recorded_training_time_is_not_within_a_budget_of_seconds(tmp_path, monkeypatch):
+    # Was: its time was NaN, which no comparison finds over the budget: lora was the answer within 10 s of training,
+    # "with 1.1 k trainable parameters and nan s of training per run".
+    monkeypatch.setattr(choice, "exportable", lambda run: False)
+    write_run(tmp_path / "folder" / "lora" / "seed0", result_record("folder", "lora", 0, 70.0, train_seconds=None))
+    write_run(tmp_path / "folder" / "linear" / "seed0", result_record("folder", "linear", 0, 60.0, train_seconds=5.0))
+    board = report.build_board(tmp_path, plan=report.Plan("choose", ("lora", "linear"), ("folder",), (0,)))
+    answer = choice.choose(board, choice.Budget(train_seconds=10))
+    assert answer.best is not None and answer.best.experiment == "linear"
+    assert "Over the budget: lora (no training time recorded)" in answer.paragraph
+    said = choice.choose(board, choice.Budget()).paragraph  # no budget: lora, its time said as unknown
+    assert "trainable parameters and no training time recorded" in said and "nan" not in said
+
+
 def test_a_budget_of_seconds_takes_no_suffix():
     # budget.train_seconds=10m (ten minutes, meant) was read as 10 million seconds: every row fitted, silently.
     with pytest.raises(ValueError, match=r"^budget\.train_seconds=10m: expected a positive number \(seconds: 600 for"):
@@ -129,6 +143,29 @@ def test_the_run_to_use_is_one_of_the_seeds_the_answer_reads(tmp_path, monkeypat
     assert answer.best is not None and answer.best.experiment == "lora" and answer.best.scores["folder"].mean == 71.5
     assert answer.run_dir == tmp_path / "folder" / "lora" / "seed1"
     assert f"`petl-predict {tmp_path / 'folder' / 'lora' / 'seed1'} IMAGES`" in answer.paragraph
+
+
+def test_the_run_to_use_is_one_whose_training_learned(tmp_path, monkeypatch):
+    # Was: the lowest seed whatever its training did: lora's seed 0 did not learn (its cell marked †1), and the answer
+    # told the user to predict with it.
+    monkeypatch.setattr(choice, "exportable", lambda run: False)
+    stuck = {"not_learned": "final epoch's train top-1 9.0 % of 800 images is not above chance"}
+    for method, top1 in (("lora", 70.0), ("linear", 60.0)):
+        for seed in (0, 1, 2):
+            extra = stuck if method == "lora" and seed == 0 else {}
+            write_run(
+                tmp_path / "folder" / method / f"seed{seed}", result_record("folder", method, seed, top1, **extra)
+            )
+    plan = report.Plan("choose", ("lora", "linear"), ("folder",), (0, 1, 2))
+    answer = choice.choose(report.build_board(tmp_path, plan=plan), choice.Budget())
+    assert answer.taken is not None and answer.taken.experiment == "lora"
+    assert answer.run_dir == tmp_path / "folder" / "lora" / "seed1" and "did not learn" not in answer.paragraph
+    # No seed of the row learned: its lowest seed still, and the answer says that run did not learn.
+    for seed in (1, 2):
+        write_run(tmp_path / "folder" / "lora" / f"seed{seed}", result_record("folder", "lora", seed, 70.0, **stuck))
+    answer = choice.choose(report.build_board(tmp_path, plan=plan), choice.Budget())
+    assert answer.run_dir == tmp_path / "folder" / "lora" / "seed0"
+    assert "No seed of lora learned; this run did not (final epoch's train top-1 9.0 %" in answer.paragraph
 
 
 def test_choice_md_names_the_figures_its_report_drew(tmp_path, monkeypatch):

@@ -38,6 +38,19 @@ def test_the_estimate_says_its_range_and_how_much_is_overhead():
     assert "7.0 s per run + 3.0 s per epoch" in line
 
 
+def test_the_range_moves_the_timed_terms_only_not_the_builds_and_decoding():
+    # Was: a run's build and decoding (measured apart, at their own rates) were scaled by the steps' spread too.
+    data = OwnData("folder", "photos", {}, "0" * 64, ["a", "b"], {TRAIN: 8, VAL: 2, TRAIN_VAL: 10, TEST: 4}, None, 0.5)
+    probe = costs.Probe(10.0, 0.1, 0.0, 0.0, batch=4, image_size=32, spread=2.0)
+    trial, final = (costs.run_seconds(probe, data, 5, final=is_final) for is_final in (False, True))
+    untimed = [costs.untimed_seconds(probe, data, is_final) for is_final in (False, True)]
+    assert untimed == [10.0 + 0.5 * 10, 10.0 + 0.5 * 14]  # the build, and each image of its splits decoded
+    assert trial == untimed[0] + 5 * 8 * 0.1 and final == untimed[1] + 5 * 10 * 0.1
+    cost = costs.ExperimentCost("lora", 1, 1, trial, final, 5, probe, *untimed)
+    found = costs.Estimate([cost], data.sizes, "cpu")
+    assert found.range() == pytest.approx((32.0 + 9.0 / 2, 32.0 + 9.0 * 2))
+
+
 def test_nothing_left_to_train_is_said_in_one_line_without_a_nil_estimate():
     # Was: "= 0 runs still to train", a line per experiment, then "0 s, between 0 s and 0 s ...; 0 % of it is ...".
     done = [costs.ExperimentCost(name, 0, 0, 0.0, 0.0, 5, None) for name in ("linear", "lora")]
@@ -55,6 +68,32 @@ def test_a_probe_run_takes_what_the_real_runs_take_on_its_four_images(tmp_path):
     tiny = ["model.pretrained=false", "+model.kwargs.depth=1", "+model.kwargs.embed_dim=48", "model.img_size=32"]
     overrides = ["method=linear", "data=mini/digits", *tiny, "train.grad_accum=2", "data.epochs=3"]
     assert costs._probe_run([*overrides, f"output_dir={tmp_path}"], 1, default_config) > 0
+
+
+def test_a_probe_run_that_could_not_start_says_why_in_one_line(monkeypatch):
+    # Was: a FileNotFoundError naming the error.log of a temporary folder, which a run that could not start (its
+    # folder unwritable: a full disk) never wrote, in place of why; and "a one-epoch run" of the two-epoch one too.
+    import errno
+
+    from petl.bench import sweep
+    from petl.train.config import default_config
+    from petl.utils.errors import ConfigError, RunError
+
+    def full_disk(path):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(sweep, "acquire_lock", full_disk)
+    tiny = ["model.pretrained=false", "+model.kwargs.depth=1", "+model.kwargs.embed_dim=48", "model.img_size=32"]
+    with pytest.raises(RunError, match=r"^a 2-epoch run on 4 images to measure the cost failed: cannot write to "):
+        costs._probe_run(["method=linear", "data=mini/digits", *tiny, "output_dir=x"], 2, default_config)
+    # A run that failed says its error log's last line: the real runs would fail the same way (bad input, exit 2).
+    monkeypatch.undo()
+
+    def refused(overrides):
+        raise ConfigError("train.lr=-1: must be positive")
+
+    with pytest.raises(ValueError, match=r"^a 1-epoch run on 4 images .* failed: .*ConfigError: train.lr=-1: must be"):
+        costs._probe_run(["method=linear", "output_dir=x"], 1, refused)
 
 
 @pytest.mark.parametrize("limit", [None, 0])
@@ -192,3 +231,31 @@ def test_the_data_line_counts_a_folders_own_val_images_apart_from_its_training_i
         "data folder photos: 2 classes, 8 training images and 2 validation images (its own: the trials are scored "
         "on them, the final runs train on all 10), 4 test images; fingerprint 000000000000"
     )
+
+
+@pytest.mark.parametrize("method", ["lora", "partial"])
+@pytest.mark.parametrize(
+    ("precision", "dtype", "said"), [("bf16", torch.bfloat16, "bf16 autocast"), ("no", torch.float32, "fp32")]
+)
+def test_steps_are_timed_in_the_precision_the_run_trains_in(monkeypatch, method, precision, dtype, said):
+    # Was: timed in fp32 whatever train.precision said, while a bf16 run's every forward runs under bf16 autocast.
+    # LoRA trains through the whole backbone; Partial-1 trains on its cached front, computed under the autocast too.
+    from petl.train import build
+    from petl.train.config import default_config
+
+    monkeypatch.setattr(build, "cpu_supports_bf16", lambda: True)  # a CPU without bf16 runs it in fp32, as runs do
+    outputs = []
+    forward = torch.nn.Linear.forward
+    monkeypatch.setattr(torch.nn.Linear, "forward", lambda self, x: outputs.append(y := forward(self, x)) or y)
+    tiny = ["model.pretrained=false", "+model.kwargs.depth=2", "+model.kwargs.embed_dim=48", "output_dir=unused"]
+    cfg = default_config([f"method={method}", "data=mini/digits", f"train.precision={precision}", *tiny])
+    probe, _ = costs.measure(cfg, DATA, steps=1)
+    assert outputs and {y.dtype for y in outputs} == {dtype}
+    assert (probe.front_seconds > 0) == (method == "partial")
+    assert probe.precision.startswith(said)
+    line = costs.Estimate([costs.ExperimentCost("lora", 1, 1, 1.0, 1.0, 5, probe)], DATA.sizes, "cpu").lines()[1]
+    assert line.endswith(f"px, in {probe.precision})")
+    # accelerate's precision is process-wide: the estimate leaves none behind for an Accelerator made after it.
+    from accelerate import Accelerator
+
+    assert Accelerator(cpu=True).mixed_precision == "no"

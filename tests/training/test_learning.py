@@ -58,6 +58,27 @@ def test_a_run_stuck_on_the_most_frequent_label_did_not_learn():
     assert "p = 1" in not_learned([2.5, 2.2], 10, 99.0, 800, majority_top1=100.0)
 
 
+def test_a_run_whose_loss_ends_at_its_imbalanced_labels_entropy_did_not_learn():
+    from petl.train.learning import prior_loss
+
+    # 6, 2 and 2 of 10 images on 3 classes: a model that learned only how often each label comes (predicting 0.6,
+    # 0.2, 0.2 for every image) ends at their entropy, 0.950, 13.5 % below ln 3 = 1.099: it was counted as learned.
+    prior = prior_loss([2, 2, 6], 3)
+    assert math.isclose(prior, -(0.6 * math.log(0.6) + 2 * 0.2 * math.log(0.2)))
+    said = not_learned([1.3, prior + 0.004], 3, label_prior_loss=prior)
+    assert said and "is at chance, 0.950, what always predicting the training labels' shares scores" in said
+    assert not_learned([1.3, 0.8], 3, label_prior_loss=prior) is None  # below it by more than the tolerance: learned
+    assert "ln(3) = 1.099" in not_learned([1.3, 1.1], 3, label_prior_loss=prior)  # at the uniform guess still
+    # Balanced labels give ln(classes) itself; a class the epoch did not draw counts (zero of it, a smoothed share).
+    assert math.isclose(prior_loss([5, 5], 2), math.log(2)) and math.isclose(prior_loss([5, 5], 4), math.log(2))
+    # Under label smoothing e the loss of a constant prediction is lowest at the smoothed shares' entropy.
+    smoothed = [0.9 * p + 0.1 / 3 for p in (0.2, 0.2, 0.6)]
+    assert math.isclose(prior_loss([2, 2, 6], 3, 0.1), -sum(t * math.log(t) for t in smoothed))
+    # A figure no labels give (an edited metrics.jsonl) is read as missing: ln(classes) alone.
+    for edited, final in ((math.nan, 0.9), (-0.5, -0.5), (1.5, 1.5)):  # 1.5: above ln 3, no entropy of 3 shares
+        assert not_learned([9.0, final], 3, label_prior_loss=edited) is None
+
+
 def _one_epoch_over_labels() -> dict:
     """One epoch of a linear model over 10 images, 6 of label 2, in batches of 3 (the last of 1)."""
     import torch
@@ -79,6 +100,8 @@ def _one_epoch_over_labels() -> dict:
 def test_the_engine_counts_the_epochs_most_frequent_label():
     metrics = _one_epoch_over_labels()  # always guessing 2 scores 60 %
     assert metrics["images"] == 10 and metrics["majority_top1"] == 60.0
+    # Always predicting the shares (0.2, 0.2, 0.6) scores their entropy: where a model that learned only them ends.
+    assert math.isclose(metrics["prior_loss"], -(0.6 * math.log(0.6) + 2 * 0.2 * math.log(0.2)))
 
 
 def test_the_engine_counts_labels_once_an_epoch_not_once_a_batch(monkeypatch):
@@ -169,14 +192,34 @@ def test_a_record_that_says_learned_is_judged_again_by_its_train_accuracy(tmp_pa
     assert "most frequent label" in run_not_learned(tmp_path, stuck)
 
 
-def test_a_one_epoch_run_that_diverged_is_recorded_as_not_learned(tmp_path):
+def test_a_record_whose_loss_ends_at_its_labels_entropy_is_judged_by_it(tmp_path):
+    # The last epoch's metrics.jsonl line holds prior_loss (the engine's); a record of before it has none.
+    prior = 0.9503
+    rows = [{"epoch": 1, "loss": 1.3}, {"epoch": 2, "loss": 0.951, "prior_loss": prior}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    record = RunResult(method="lora", dataset="mini/digits", seed=0, num_classes=3, final_train_loss=0.951)
+    assert "what always predicting the training labels' shares scores" in run_not_learned(tmp_path, record)
+    (tmp_path / "metrics.jsonl").write_text(
+        "".join(json.dumps(row) + "\n" for row in rows[:1] + [{**rows[1], "prior_loss": None}])
+    )
+    assert run_not_learned(tmp_path, record) is None
+
+
+def test_a_one_epoch_run_that_diverged_is_recorded_as_not_learned(tmp_path, monkeypatch):
     from conftest import tiny_run
 
     from petl.run import default_config, train
+    from petl.train import learning
 
+    judged = []
+    verdict = learning.not_learned
+    monkeypatch.setattr(learning, "not_learned", lambda *args: judged.append(args) or verdict(*args))
     result = train(default_config([*tiny_run(subset=400, epochs=1), "train.lr=1e3", f"output_dir={tmp_path}"]))
     assert "not above chance" in result["not_learned"]
     assert "not above chance" in json.loads((tmp_path / "result.json").read_text())["not_learned"]
+    # The verdict is given the last epoch's loss of predicting its label shares, which metrics.jsonl keeps.
+    last = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
+    assert 0 < last["prior_loss"] <= math.log(10) and judged[-1][-1] == last["prior_loss"]
 
 
 def test_the_console_line_of_a_run_that_did_not_learn_says_so():
