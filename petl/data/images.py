@@ -22,7 +22,7 @@ from PIL import ExifTags, Image, UnidentifiedImageError
 from torch.utils.data import Dataset, Subset
 
 from petl.data.registry import BadImagesError
-from petl.data.transforms import ImageSpec, UnfitImage, eight_bit, pil_to_tensor, resized
+from petl.data.transforms import ImageSpec, UnfitImage, check_resize, eight_bit, pil_to_tensor, resized
 from petl.utils.progress import progress_bar
 from petl.utils.text import first_line, shown
 
@@ -183,7 +183,12 @@ def held_form(array: np.ndarray, spec: ImageSpec) -> np.ndarray:
     :func:`pil_to_tensor` gives the same tensor for either, augmented or not (the random crop and flip come after
     that resize), so a folder of 12-megapixel photos is held at a few hundred kilobytes each, not 36 MB, and every
     result stays as it was.
+
+    Raises:
+        UnfitImage: an image ``spec``'s resize would make too large (:func:`petl.data.transforms.check_resize`),
+            said here, where a split is built, rather than on its first read in training.
     """
+    check_resize(array.shape[1], array.shape[0], spec)
     if array.shape[0] * array.shape[1] <= spec.image_size**2:  # no resize for spec is smaller: none to make
         return array
     small = np.asarray(resized(Image.fromarray(array), spec))
@@ -241,14 +246,15 @@ class FileListDataset(Dataset):
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
         path, label = self.items[index]
-        if self.images is not None and geometry(self.spec) == self.held_for:
-            array = self.images[index]
-        else:
-            try:  # checked when built, but the file may have changed since
+        try:
+            if self.images is not None and geometry(self.spec) == self.held_for:
+                array = self.images[index]
+            else:  # checked when built, but the file may have changed since
                 array = decode_image(path.read_bytes())
-            except (OSError, ValueError) as error:
-                raise BadImagesError(self.name, [(path, first_line(error, type(error).__name__))]) from None
-        return pil_to_tensor(Image.fromarray(array), self.spec), label
+            # Checked when built for the spec then, not for another geometry set since (its resize may be too large).
+            return pil_to_tensor(Image.fromarray(array), self.spec), label
+        except (OSError, ValueError) as error:
+            raise BadImagesError(self.name, [(path, first_line(error, type(error).__name__))]) from None
 
     @property
     def labels(self) -> list[int]:

@@ -127,11 +127,11 @@ def _decode(run: LoadedRun, batch: list[Path], bad: list[tuple[Path, str]]) -> t
     tensors, kept = [], []
     for path in batch:
         try:
-            array = decode_image(path.read_bytes())
+            # The preprocessing too: it refuses an image its resize would make too large (UnfitImage).
+            tensors.append(run.preprocess(Image.fromarray(decode_image(path.read_bytes()))))
         except (OSError, ValueError) as error:
             bad.append((path, str(error).splitlines()[0] if str(error) else type(error).__name__))
             continue
-        tensors.append(run.preprocess(Image.fromarray(array)))
         kept.append(path)
     return tensors, kept
 
