@@ -90,6 +90,16 @@ def decoding(items: Sequence[Any], name: str) -> Iterable[Any]:
     )
 
 
+# The formats an image file is decoded as, by its content, whatever its name: those of the extensions a folder is
+# read by (petl.data.folder.IMAGE_EXTENSIONS; PPM reads .pgm too) and GIF, in training, petl-predict and petl-serve
+# alike.  Pillow reads many more, and a training or predicted file was opened as any of them: an EPS named photo.jpg
+# in a downloaded folder ran Ghostscript (an outside program with a long record of exploits) where it is installed,
+# and an ICO, PCX or JPEG 2000 file was trained on and predicted, which petl-serve then refused.  JPEG includes a
+# phone's MPO (Pillow's JPEG opener returns it).
+IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "BMP", "GIF", "TIFF", "PPM")
+FORMAT_NAMES = "PNG, JPEG, WebP, BMP, GIF, TIFF or PPM"  # IMAGE_FORMATS as the messages name them
+
+
 # EXIF Orientation 2-8 and the turn that makes the stored pixels upright: the table of PIL.ImageOps.exif_transpose.
 _ORIENTATION_TURNS = {
     2: Image.Transpose.FLIP_LEFT_RIGHT,
@@ -139,16 +149,15 @@ def to_uint8(image: Image.Image) -> np.ndarray:
     return np.asarray(image.convert("RGB"))
 
 
-def decode_image(data: bytes, formats: Sequence[str] | None = None) -> np.ndarray:
+def decode_image(data: bytes) -> np.ndarray:
     """Decode one image file's bytes fully (truncation shows here, not later), :func:`upright`, to a uint8 array.
 
     Every image file petl decodes itself comes through here (data folders, ``data=hf`` rows, petl-predict's files,
-    petl-serve's uploads), so training, evaluation and prediction see the same pixels.
+    petl-serve's uploads), so training, evaluation and prediction see the same pixels, and read the same files:
+    those of :data:`IMAGE_FORMATS` by their content, whatever their name (another is "not a readable image").
 
     Args:
         data: the file's bytes.
-        formats: the Pillow formats to try (``Image.open``'s ``formats``; another is "not a readable image"); every
-            format Pillow reads where ``None``.
 
     Raises:
         ValueError: the bytes are not a decodable image; the message says why in a few words.
@@ -161,11 +170,11 @@ def decode_image(data: bytes, formats: Sequence[str] | None = None) -> np.ndarra
             # Pillow warns of an image above MAX_IMAGE_PIXELS (a 108-megapixel photo) in two lines naming no file,
             # then decodes it; one above twice that is refused below, and the caller names the file.
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            with Image.open(io.BytesIO(data), formats=formats) as image:
+            with Image.open(io.BytesIO(data), formats=IMAGE_FORMATS) as image:
                 image.load()
                 return to_uint8(upright(image))
     except UnidentifiedImageError:
-        raise ValueError("not a readable image: unknown format or damaged header") from None
+        raise ValueError(f"not a readable image: not a {FORMAT_NAMES} file, or its header is damaged") from None
     except Image.DecompressionBombError:
         limit = 2 * (Image.MAX_IMAGE_PIXELS or 0)
         raise UnfitImage(

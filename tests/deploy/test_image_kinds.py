@@ -1,7 +1,8 @@
 """Odd image files reach the model as the same tensor in training, petl-predict and petl-serve, or are refused there.
 
 Each kind is made with Pillow: a CMYK JPEG, 16-bit grey, 1-bit and palette images with transparency, grey and colour
-with alpha, an animated GIF and a multi-page TIFF (their first frame), a 1 x 1 image, a PNG named ``.jpg``.  An
+with alpha, an animated GIF and a multi-page TIFF (their first frame), a 1 x 1 image, a PNG named ``.jpg``, PGM and
+PPM.  An
 own-data split (``FileListDataset``, which holds a resized copy of each image), ``predict_images`` and petl-serve's
 upload preprocessing must give one tensor for one file; a file none can use is refused by each in its words.
 """
@@ -16,7 +17,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from PIL import Image
+from PIL import Image, features
 
 from petl.data.images import FileListDataset
 from petl.data.registry import BadImagesError
@@ -66,6 +67,16 @@ KINDS: dict[str, Callable[[], bytes]] = {
     "one_pixel.png": lambda: _saved(Image.fromarray(PICTURE[:1, :1]), "PNG"),
     "png_named.jpg": lambda: _saved(Image.fromarray(PICTURE), "PNG"),
     "lossless.webp": lambda: _saved(Image.fromarray(PICTURE), "WEBP", lossless=True),
+    "grey.pgm": lambda: _saved(Image.fromarray(PICTURE[..., 1]), "PPM"),
+    "colour.ppm": lambda: _saved(Image.fromarray(PICTURE), "PPM"),
+}
+# Files Pillow reads that petl does not, each named as a folder's extensions would take it in.
+OTHER_FORMATS = {
+    "eps_named.jpg": "EPS",
+    "pcx_named.jpg": "PCX",
+    "icon_named.png": "ICO",
+    "targa_named.png": "TGA",
+    "jpeg2000_named.jpg": "JPEG2000",
 }
 
 
@@ -163,3 +174,32 @@ def test_a_split_held_for_one_geometry_names_an_image_another_cannot_resize(tmp_
     with pytest.raises(BadImagesError, match="crop it nearer to a square") as refused:
         dataset[0]
     assert refused.value.bad[0][0] == path
+
+
+@pytest.mark.parametrize("name", OTHER_FORMATS)
+def test_a_file_of_a_format_petl_serve_refuses_is_refused_in_training_and_prediction_too(name, tmp_path, monkeypatch):
+    # Training and petl-predict opened a file as any format Pillow knows: an EPS named photo.jpg ran Ghostscript
+    # (where it is installed), an ICO, PCX, TGA or JPEG 2000 file was trained on and predicted, and petl-serve then
+    # refused the same file (400).
+    from PIL import EpsImagePlugin
+
+    ran = []
+
+    def ghostscript(*args, **kwargs):  # Pillow's EPS loader runs the gs program here
+        ran.append(args)
+        raise OSError("Ghostscript ran")
+
+    monkeypatch.setattr(EpsImagePlugin, "Ghostscript", ghostscript)
+    if OTHER_FORMATS[name] == "JPEG2000" and not features.check("jpg_2000"):
+        pytest.skip("this Pillow has no JPEG 2000 codec")
+    path = tmp_path / name
+    path.write_bytes(_saved(Image.fromarray(PICTURE), OTHER_FORMATS[name]))
+    said = "not a readable image: not a PNG, JPEG, WebP, BMP, GIF, TIFF or PPM file, or its header is damaged"
+    with pytest.raises(BadImagesError, match=said) as refused:
+        FileListDataset([(path, 0)], SPECS["square"], name="folder")
+    assert refused.value.bad[0][0] == path
+    predicted, bad = _predicted_on(path, SPECS["square"])
+    assert predicted is None and bad == [(path, said)]
+    with pytest.raises(uploads.BadImage, match=f"^image 1 \\({name}\\): {said}"):
+        _served(name, path.read_bytes(), SPECS["square"])
+    assert ran == []
