@@ -38,10 +38,10 @@ def _saved(image: Image.Image, fmt: str, **options) -> bytes:
     return buffer.getvalue()
 
 
-def _frames(fmt: str) -> bytes:
+def _frames(fmt: str, **options) -> bytes:
     """Three flat frames, the first dark: read as anything but the first, the picture is lighter."""
     frames = [Image.fromarray(np.full((20, 28, 3), level, np.uint8)) for level in (10, 128, 250)]
-    return _saved(frames[0], fmt, save_all=True, append_images=frames[1:])
+    return _saved(frames[0], fmt, save_all=True, append_images=frames[1:], **options)
 
 
 def _palette_with_transparency() -> bytes:
@@ -64,6 +64,8 @@ KINDS: dict[str, Callable[[], bytes]] = {
     "rgba.png": lambda: _half_transparent("RGBA"),
     "animated.gif": lambda: _frames("GIF"),
     "pages.tiff": lambda: _frames("TIFF"),
+    "animated.png": lambda: _frames("PNG"),
+    "animated.webp": lambda: _frames("WEBP", lossless=True),
     "one_pixel.png": lambda: _saved(Image.fromarray(PICTURE[:1, :1]), "PNG"),
     "png_named.jpg": lambda: _saved(Image.fromarray(PICTURE), "PNG"),
     "lossless.webp": lambda: _saved(Image.fromarray(PICTURE), "WEBP", lossless=True),
@@ -124,7 +126,7 @@ def test_an_odd_image_is_one_tensor_in_training_prediction_and_serving(kind, geo
     torch.testing.assert_close(_served(kind, data, spec), trained, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("kind", ["animated.gif", "pages.tiff"])
+@pytest.mark.parametrize("kind", ["animated.gif", "pages.tiff", "animated.png", "animated.webp"])
 def test_an_animation_or_a_multi_page_file_is_read_as_its_first_frame(kind, tmp_path):
     path = tmp_path / kind
     path.write_bytes(KINDS[kind]())
