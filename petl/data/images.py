@@ -149,6 +149,21 @@ def to_uint8(image: Image.Image) -> np.ndarray:
     return np.asarray(image.convert("RGB"))
 
 
+@contextmanager
+def pillow_quiet() -> Iterator[None]:
+    """Within the block, Pillow's own warnings are not shown: each is two lines on stderr naming no file.
+
+    Pillow warns of an image above ``MAX_IMAGE_PIXELS`` (a 108-megapixel photo), then decodes it (one above twice
+    that raises, and the caller names the file), and of damaged metadata it reads past: a TIFF cut after its header
+    printed "UserWarning: Corrupt EXIF data..." before petl's own line naming it, in petl-run, petl-predict and
+    petl-serve's log.  What the image is, readable or not, is petl's to say, by its file.
+    """
+    with warnings.catch_warnings():
+        # Those Pillow's modules raise (warnings.warn in PIL.Image, PIL.TiffImagePlugin...); others still show.
+        warnings.filterwarnings("ignore", module=r"PIL\.")
+        yield
+
+
 def decode_image(data: bytes) -> np.ndarray:
     """Decode one image file's bytes fully (truncation shows here, not later), :func:`upright`, to a uint8 array.
 
@@ -166,13 +181,9 @@ def decode_image(data: bytes) -> np.ndarray:
     if not data:
         raise ValueError("empty file")
     try:
-        with warnings.catch_warnings():
-            # Pillow warns of an image above MAX_IMAGE_PIXELS (a 108-megapixel photo) in two lines naming no file,
-            # then decodes it; one above twice that is refused below, and the caller names the file.
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            with Image.open(io.BytesIO(data), formats=IMAGE_FORMATS) as image:
-                image.load()
-                return to_uint8(upright(image))
+        with pillow_quiet(), Image.open(io.BytesIO(data), formats=IMAGE_FORMATS) as image:
+            image.load()
+            return to_uint8(upright(image))
     except UnidentifiedImageError:
         raise ValueError(f"not a readable image: not a {FORMAT_NAMES} file, or its header is damaged") from None
     except Image.DecompressionBombError:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 from PIL import Image
 
-from petl.data.images import FORMAT_NAMES, IMAGE_FORMATS, UnfitImage, decode_image
+from petl.data.images import FORMAT_NAMES, IMAGE_FORMATS, UnfitImage, decode_image, pillow_quiet
 from petl.data.transforms import ImageSpec, pil_to_tensor, resize_size
 from petl.utils.text import shown
 
@@ -45,7 +45,7 @@ def image_size(data: bytes) -> tuple[int, int] | None:
 
     """
     try:
-        with Image.open(io.BytesIO(data), formats=IMAGE_FORMATS) as header:
+        with pillow_quiet(), Image.open(io.BytesIO(data), formats=IMAGE_FORMATS) as header:
             return header.size
     except Image.DecompressionBombError:
         raise TooManyPixels(f"more than {2 * Image.MAX_IMAGE_PIXELS / 1e6:.0f} MP") from None

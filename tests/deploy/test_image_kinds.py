@@ -10,6 +10,7 @@ upload preprocessing must give one tensor for one file; a file none can use is r
 from __future__ import annotations
 
 import io
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
@@ -205,3 +206,18 @@ def test_a_file_of_a_format_petl_serve_refuses_is_refused_in_training_and_predic
     with pytest.raises(uploads.BadImage, match=f"^image 1 \\({name}\\): {said}"):
         _served(name, path.read_bytes(), SPECS["square"])
     assert ran == []
+
+
+def test_a_tiff_cut_after_its_header_is_one_line_without_pillows_warning(tmp_path):
+    # Pillow warned "UserWarning: Corrupt EXIF data.  Expecting to read 2 bytes but only got 0." in two lines naming
+    # no file before petl's line naming it, in training, petl-predict and (reading the header) petl-serve's log.
+    path = tmp_path / "cut.tiff"
+    path.write_bytes(KINDS["pages.tiff"]()[:8])
+    said = "not a readable image: not a PNG, JPEG, WebP, BMP, GIF, TIFF or PPM file, or its header is damaged"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(BadImagesError, match=said):
+            FileListDataset([(path, 0)], SPECS["square"], name="folder")
+        assert _predicted_on(path, SPECS["square"]) == (None, [(path, said)])
+        with pytest.raises(uploads.BadImage, match=f"^image 1 \\(cut.tiff\\): {said}"):
+            _served("cut.tiff", path.read_bytes(), SPECS["square"])
