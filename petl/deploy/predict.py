@@ -719,5 +719,7 @@ def run_command(positional: list[str], options: dict, merge: bool = False, quiet
         listing = "; ".join(f"{shown(path)} ({reason})" for path, reason in bad)
         # With nothing predicted there are no others to speak of (one bad image given alone, or every one bad).
         others = ", the others were predicted" if predictions else ", nothing was predicted"
-        raise UsageError(f"{len(bad)} image(s) cannot be read{others}: {listing}")
+        # What to do, as petl-run says it of a folder's bad images ("fix or remove them"): the reasons alone said
+        # "not a readable image..." or "cannot decode..." and left it there.
+        raise UsageError(f"{len(bad)} image(s) cannot be read{others}: {listing}: fix them, or leave them out")
     return 0
