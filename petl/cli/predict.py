@@ -6,7 +6,8 @@ r"""petl-predict: a trained run's labels for new images, or its accuracy on a la
     petl-predict RUN_A RUN_B RUN_C photos/ out=preds.csv          # several runs: one pass if one backbone
 
 Images are files, folders (searched recursively for image files) or list files (``.txt``: one path per
-line, relative to the list's folder).  They are decoded, preprocessed as the run evaluated
+line, relative to the list's folder).  They are decoded (PNG, JPEG, WebP, BMP, GIF, TIFF or PPM, by
+their content, as petl-run and petl-serve read them; an animation's first frame), preprocessed as the run evaluated
 (``model.json``), and classified in batches with a progress bar (where stderr is no terminal, a few lines
 on it say how many are done).  With ``data=`` the images and labels
 come from a dataset instead (``petl-run``'s ``data`` options), and the accuracy and the confusion matrix

@@ -379,15 +379,16 @@ class RowsDataset(Dataset):
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
         split, split_name, row, label = self.rows[index]
-        if self.images is not None and geometry(self.spec) == self.held_for:
-            array = self.images[index]
-        else:  # above the memory limit, or held for another geometry
-            try:  # checked when built, but a file it names may have changed since
+        try:
+            if self.images is not None and geometry(self.spec) == self.held_for:
+                array = self.images[index]
+            else:  # above the memory limit, or held for another geometry; a file it names may have changed since
                 array = decode_image(self._bytes(split, row))
-            except (OSError, ValueError) as error:
-                where = Path(self._name(split, split_name, row))
-                raise BadImagesError(self.name, [(where, first_line(error, type(error).__name__))]) from None
-        return pil_to_tensor(Image.fromarray(array), self.spec), label
+            # Checked when built for the spec then, not for another geometry set since (its resize may be too large).
+            return pil_to_tensor(Image.fromarray(array), self.spec), label
+        except (OSError, ValueError) as error:
+            where = Path(self._name(split, split_name, row))
+            raise BadImagesError(self.name, [(where, first_line(error, type(error).__name__))]) from None
 
     @property
     def labels(self) -> list[int]:

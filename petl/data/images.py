@@ -22,7 +22,7 @@ from PIL import ExifTags, Image, UnidentifiedImageError
 from torch.utils.data import Dataset, Subset
 
 from petl.data.registry import BadImagesError
-from petl.data.transforms import ImageSpec, UnfitImage, eight_bit, pil_to_tensor, resized
+from petl.data.transforms import ImageSpec, UnfitImage, check_resize, eight_bit, pil_to_tensor, resized
 from petl.utils.progress import progress_bar
 from petl.utils.text import first_line, shown
 
@@ -90,6 +90,16 @@ def decoding(items: Sequence[Any], name: str) -> Iterable[Any]:
     )
 
 
+# The formats an image file is decoded as, by its content, whatever its name: those of the extensions a folder is
+# read by (petl.data.folder.IMAGE_EXTENSIONS; PPM reads .pgm too) and GIF, in training, petl-predict and petl-serve
+# alike.  Pillow reads many more, and a training or predicted file was opened as any of them: an EPS named photo.jpg
+# in a downloaded folder ran Ghostscript (an outside program with a long record of exploits) where it is installed,
+# and an ICO, PCX or JPEG 2000 file was trained on and predicted, which petl-serve then refused.  JPEG includes a
+# phone's MPO (Pillow's JPEG opener returns it).
+IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "BMP", "GIF", "TIFF", "PPM")
+FORMAT_NAMES = "PNG, JPEG, WebP, BMP, GIF, TIFF or PPM"  # IMAGE_FORMATS as the messages name them
+
+
 # EXIF Orientation 2-8 and the turn that makes the stored pixels upright: the table of PIL.ImageOps.exif_transpose.
 _ORIENTATION_TURNS = {
     2: Image.Transpose.FLIP_LEFT_RIGHT,
@@ -139,16 +149,30 @@ def to_uint8(image: Image.Image) -> np.ndarray:
     return np.asarray(image.convert("RGB"))
 
 
-def decode_image(data: bytes, formats: Sequence[str] | None = None) -> np.ndarray:
+@contextmanager
+def pillow_quiet() -> Iterator[None]:
+    """Within the block, Pillow's own warnings are not shown: each is two lines on stderr naming no file.
+
+    Pillow warns of an image above ``MAX_IMAGE_PIXELS`` (a 108-megapixel photo), then decodes it (one above twice
+    that raises, and the caller names the file), and of damaged metadata it reads past: a TIFF cut after its header
+    printed "UserWarning: Corrupt EXIF data..." before petl's own line naming it, in petl-run, petl-predict and
+    petl-serve's log.  What the image is, readable or not, is petl's to say, by its file.
+    """
+    with warnings.catch_warnings():
+        # Those Pillow's modules raise (warnings.warn in PIL.Image, PIL.TiffImagePlugin...); others still show.
+        warnings.filterwarnings("ignore", module=r"PIL\.")
+        yield
+
+
+def decode_image(data: bytes) -> np.ndarray:
     """Decode one image file's bytes fully (truncation shows here, not later), :func:`upright`, to a uint8 array.
 
     Every image file petl decodes itself comes through here (data folders, ``data=hf`` rows, petl-predict's files,
-    petl-serve's uploads), so training, evaluation and prediction see the same pixels.
+    petl-serve's uploads), so training, evaluation and prediction see the same pixels, and read the same files:
+    those of :data:`IMAGE_FORMATS` by their content, whatever their name (another is "not a readable image").
 
     Args:
         data: the file's bytes.
-        formats: the Pillow formats to try (``Image.open``'s ``formats``; another is "not a readable image"); every
-            format Pillow reads where ``None``.
 
     Raises:
         ValueError: the bytes are not a decodable image; the message says why in a few words.
@@ -157,15 +181,11 @@ def decode_image(data: bytes, formats: Sequence[str] | None = None) -> np.ndarra
     if not data:
         raise ValueError("empty file")
     try:
-        with warnings.catch_warnings():
-            # Pillow warns of an image above MAX_IMAGE_PIXELS (a 108-megapixel photo) in two lines naming no file,
-            # then decodes it; one above twice that is refused below, and the caller names the file.
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            with Image.open(io.BytesIO(data), formats=formats) as image:
-                image.load()
-                return to_uint8(upright(image))
+        with pillow_quiet(), Image.open(io.BytesIO(data), formats=IMAGE_FORMATS) as image:
+            image.load()
+            return to_uint8(upright(image))
     except UnidentifiedImageError:
-        raise ValueError("not a readable image: unknown format or damaged header") from None
+        raise ValueError(f"not a readable image: not a {FORMAT_NAMES} file, or its header is damaged") from None
     except Image.DecompressionBombError:
         limit = 2 * (Image.MAX_IMAGE_PIXELS or 0)
         raise UnfitImage(
@@ -183,7 +203,12 @@ def held_form(array: np.ndarray, spec: ImageSpec) -> np.ndarray:
     :func:`pil_to_tensor` gives the same tensor for either, augmented or not (the random crop and flip come after
     that resize), so a folder of 12-megapixel photos is held at a few hundred kilobytes each, not 36 MB, and every
     result stays as it was.
+
+    Raises:
+        UnfitImage: an image ``spec``'s resize would make too large (:func:`petl.data.transforms.check_resize`),
+            said here, where a split is built, rather than on its first read in training.
     """
+    check_resize(array.shape[1], array.shape[0], spec)
     if array.shape[0] * array.shape[1] <= spec.image_size**2:  # no resize for spec is smaller: none to make
         return array
     small = np.asarray(resized(Image.fromarray(array), spec))
@@ -241,14 +266,15 @@ class FileListDataset(Dataset):
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
         path, label = self.items[index]
-        if self.images is not None and geometry(self.spec) == self.held_for:
-            array = self.images[index]
-        else:
-            try:  # checked when built, but the file may have changed since
+        try:
+            if self.images is not None and geometry(self.spec) == self.held_for:
+                array = self.images[index]
+            else:  # checked when built, but the file may have changed since
                 array = decode_image(path.read_bytes())
-            except (OSError, ValueError) as error:
-                raise BadImagesError(self.name, [(path, first_line(error, type(error).__name__))]) from None
-        return pil_to_tensor(Image.fromarray(array), self.spec), label
+            # Checked when built for the spec then, not for another geometry set since (its resize may be too large).
+            return pil_to_tensor(Image.fromarray(array), self.spec), label
+        except (OSError, ValueError) as error:
+            raise BadImagesError(self.name, [(path, first_line(error, type(error).__name__))]) from None
 
     @property
     def labels(self) -> list[int]:

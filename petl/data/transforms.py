@@ -193,6 +193,28 @@ def resize_size(width: int, height: int, spec: ImageSpec) -> tuple[int, int]:
     return (short, int(short * height / width)) if width <= height else (int(short * width / height), short)
 
 
+def check_resize(width: int, height: int, spec: ImageSpec) -> None:
+    """Refuse an image that ``spec``'s resize would make larger than Pillow's limit against decompression bombs.
+
+    A cropping spec resizes the shorter side to ``image_size * 256 / 224`` and the longer in proportion
+    (:func:`resize_size`), so a PNG of 118 bytes, 1 x 20,000 px, became 256 x 5,120,000 px at 224: 3.9 GB allocated
+    on each read, or a MemoryError naming no file.  The limit is the one Pillow refuses to decode above (twice
+    ``Image.MAX_IMAGE_PIXELS``, none where that is ``None``): no image petl decodes may be made larger than it.
+
+    Raises:
+        UnfitImage: the resize over the limit; the message says what to do.
+
+    """
+    limit = 2 * (Image.MAX_IMAGE_PIXELS or 0)
+    new_width, new_height = resize_size(width, height, spec)
+    if limit and new_width * new_height > limit:
+        raise UnfitImage(
+            f"{width} x {height} px, which the resize (the shorter side to {min(new_width, new_height)} px) makes "
+            f"{new_width} x {new_height} px, over Pillow's limit against decompression bombs ({limit:,} pixels): "
+            "crop it nearer to a square"
+        )
+
+
 def resized(image: Image.Image, spec: ImageSpec) -> Image.Image:
     """The deterministic front of :func:`pil_to_tensor`: three channels, then the resize ``spec`` asks for.
 
@@ -202,8 +224,10 @@ def resized(image: Image.Image, spec: ImageSpec) -> Image.Image:
     a dataset may hold the smaller of the two (:func:`petl.data.images.held_form`).
 
     Raises:
-        UnfitImage: an image of float pixels or of values beyond 16 bits (:func:`eight_bit`).
+        UnfitImage: an image of float pixels or of values beyond 16 bits (:func:`eight_bit`), or one the resize would
+            make too large (:func:`check_resize`).
     """
+    check_resize(*image.size, spec)  # before the conversion: a thin image's RGB copy is cheap, its resize is not
     # Scaled first: a 16-bit grey image straight to RGB would be clipped nearly white.
     image = eight_bit(image).convert("RGB")
     new = resize_size(*image.size, spec)
@@ -233,7 +257,8 @@ def pil_to_tensor(image: Image.Image, spec: ImageSpec) -> torch.Tensor:
     Any mode: grey is replicated to three channels, alpha dropped, 16-bit grey scaled to 8 bits.
 
     Raises:
-        UnfitImage: an image of float pixels or of values beyond 16 bits (:func:`eight_bit`).
+        UnfitImage: an image of float pixels or of values beyond 16 bits (:func:`eight_bit`), or one the resize would
+            make too large (:func:`check_resize`).
     """
     image = resized(image, spec)
     if spec.crop:

@@ -127,11 +127,11 @@ def _decode(run: LoadedRun, batch: list[Path], bad: list[tuple[Path, str]]) -> t
     tensors, kept = [], []
     for path in batch:
         try:
-            array = decode_image(path.read_bytes())
+            # The preprocessing too: it refuses an image its resize would make too large (UnfitImage).
+            tensors.append(run.preprocess(Image.fromarray(decode_image(path.read_bytes()))))
         except (OSError, ValueError) as error:
             bad.append((path, str(error).splitlines()[0] if str(error) else type(error).__name__))
             continue
-        tensors.append(run.preprocess(Image.fromarray(array)))
         kept.append(path)
     return tensors, kept
 
@@ -719,5 +719,7 @@ def run_command(positional: list[str], options: dict, merge: bool = False, quiet
         listing = "; ".join(f"{shown(path)} ({reason})" for path, reason in bad)
         # With nothing predicted there are no others to speak of (one bad image given alone, or every one bad).
         others = ", the others were predicted" if predictions else ", nothing was predicted"
-        raise UsageError(f"{len(bad)} image(s) cannot be read{others}: {listing}")
+        # What to do, as petl-run says it of a folder's bad images ("fix or remove them"): the reasons alone said
+        # "not a readable image..." or "cannot decode..." and left it there.
+        raise UsageError(f"{len(bad)} image(s) cannot be read{others}: {listing}: fix them, or leave them out")
     return 0

@@ -2,7 +2,8 @@
 
 An image is decoded only once its header says it is within ``max_image_mp`` and the request within
 ``max_request_mp`` (:func:`check_pixels`), so a decompression bomb is refused without being decoded; then it is
-decoded as one of :data:`UPLOAD_FORMATS` alone and resized to the model's input (:func:`preprocess`).
+decoded as one of :data:`petl.data.images.IMAGE_FORMATS` alone, as training and petl-predict decode a file, and
+resized to the model's input (:func:`preprocess`).
 """
 
 from __future__ import annotations
@@ -14,18 +15,13 @@ from typing import TYPE_CHECKING
 import torch
 from PIL import Image
 
-from petl.data.images import UnfitImage, decode_image
+from petl.data.images import FORMAT_NAMES, IMAGE_FORMATS, UnfitImage, decode_image, pillow_quiet
 from petl.data.transforms import ImageSpec, pil_to_tensor, resize_size
 from petl.utils.text import shown
 
 if TYPE_CHECKING:
     from petl.deploy.serve import ServeOptions
 
-# The formats an upload is read as, those the 400 answers name.  Pillow reads many more, and an uploaded file was
-# opened as any of them: an EPS ran Ghostscript (an outside program, with a long record of exploits) on the
-# client's bytes, where it is installed, and seldom-used decoders (PCX, SGI, TGA, ICO...) parsed them.  JPEG
-# includes a phone's MPO (Pillow's JPEG opener returns it).
-UPLOAD_FORMATS = ("PNG", "JPEG", "WEBP", "BMP", "GIF", "TIFF")
 # An image's resize is refused over max_image_mp or this many times what the resize makes of a square image
 # (its floor), whichever is more: a square image, or one of 16:1 or nearer to a square, is never refused for its
 # resize.  A floor of a fixed 1 MP refused every image under a max_image_mp below the model's own square, square
@@ -49,7 +45,7 @@ def image_size(data: bytes) -> tuple[int, int] | None:
 
     """
     try:
-        with Image.open(io.BytesIO(data), formats=UPLOAD_FORMATS) as header:
+        with pillow_quiet(), Image.open(io.BytesIO(data), formats=IMAGE_FORMATS) as header:
             return header.size
     except Image.DecompressionBombError:
         raise TooManyPixels(f"more than {2 * Image.MAX_IMAGE_PIXELS / 1e6:.0f} MP") from None
@@ -64,7 +60,7 @@ def preprocess(data: bytes, spec: ImageSpec) -> torch.Tensor:
         ValueError: not an image, truncated or damaged (one phrase saying which).
 
     """
-    return pil_to_tensor(Image.fromarray(decode_image(data, UPLOAD_FORMATS)), spec)
+    return pil_to_tensor(Image.fromarray(decode_image(data)), spec)
 
 
 def _which(number: int, name: str) -> str:
@@ -159,7 +155,5 @@ def preprocess_all(uploads: list[tuple[str, bytes]], spec: ImageSpec) -> list[to
         except UnfitImage as error:  # its own remedy: "send a complete PNG..." would say the image was broken
             raise BadImage(f"{_which(number, name)}: {error}") from None
         except ValueError as error:
-            raise BadImage(
-                f"{_which(number, name)}: {error}: send a complete PNG, JPEG, WebP, BMP, GIF or TIFF image"
-            ) from None
+            raise BadImage(f"{_which(number, name)}: {error}: send a complete {FORMAT_NAMES} image") from None
     return tensors

@@ -170,6 +170,8 @@ def test_predict_with_no_readable_image_says_nothing_was_predicted(tmp_path, mon
     bad.write_text("not an image")
     code, err = _main(predict_cli.main, [str(folder), str(bad)], capsys)
     assert code == 2 and f"error: 1 image(s) cannot be read, nothing was predicted: {bad} (" in err, err
+    # And what to do, at the end of the one line (the reason alone did not say it).
+    assert err.strip().splitlines()[-1].endswith("): fix them, or leave them out"), err
     code, err = _main(predict_cli.main, [str(folder), str(good), str(bad)], capsys)
     assert code == 2 and "error: 1 image(s) cannot be read, the others were predicted: " in err, err
 
