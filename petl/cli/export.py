@@ -41,6 +41,7 @@ Ctrl-C and 143 on SIGTERM (nothing half-written is left).
 
 from __future__ import annotations
 
+import shlex
 import sys
 from collections.abc import Sequence
 
@@ -74,7 +75,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         if not args.words:  # as petl-serve says it (the line below quoted an empty command line: got '')
             raise CommandLineError("no run folder given: petl-export RUN_DIR out=FOLDER|FILE.safetensors|FILE.onnx")
         if len(positional) == 1 and "out" not in options:
-            raise CommandLineError(f"no out= given: petl-export {positional[0]} out=FOLDER|FILE.safetensors|FILE.onnx")
+            # Quoted: the line is a command to copy, and a run folder's path may hold a space ("my runs/x").
+            raise CommandLineError(
+                f"no out= given: petl-export {shlex.quote(positional[0])} out=FOLDER|FILE.safetensors|FILE.onnx"
+            )
         if len(positional) != 1 or not options.get("out"):
             raise CommandLineError(
                 f"expected RUN_DIR out=FOLDER|FILE.safetensors|FILE.onnx, got {' '.join(args.words)!r}"
