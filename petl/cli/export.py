@@ -11,10 +11,12 @@ petl is not installed.  A folder (``out=`` without a suffix) is timm's own forma
 configuration, the one ``huggingface_hub`` uploads: ``config.json`` (``architecture``, ``model_args``
 with ``img_size``, ``num_classes``, ``pretrained_cfg`` with the preprocessing and ``label_names``) and
 ``model.safetensors``.  A single file's metadata holds the same: the timm name and arguments, the class
-names, the preprocessing (input size, mean/std, interpolation, crop) and the dataset, as JSON strings (safetensors
-metadata; ONNX ``metadata_props``).  An ONNX file needs the onnx package (``pip install onnx``; petl does not
-install it) and is checked against the merged model's logits with onnxruntime where it is installed (a note on
-stderr where not); a model torch's ONNX exporter cannot trace (timm's EVA, NaFlexVit) fails in one line:
+names, the preprocessing (input size, mean/std, interpolation, crop) and the dataset, as strings (safetensors
+metadata; ONNX ``metadata_props``): ``timm_kwargs``, ``class_names`` and ``preprocess`` hold JSON, ``num_classes``
+a number, ``timm_model``, ``method``, ``dataset`` and ``format`` plain text (not JSON: no quotes).
+An ONNX file needs the onnx package (``pip install onnx``; petl does not install it) and is checked against
+the merged model's logits with onnxruntime where it is installed (a note on stderr where not); a model torch's
+ONNX exporter cannot trace (timm's EVA, NaFlexVit) fails in one line:
 export a folder or ``.safetensors`` for it.  A model whose weights pass 2 GiB (fp32 ViT-H/14 and larger; one ONNX
 file cannot hold more) is written as two files: ``FILE.onnx`` and its weights ``FILE.onnx.data``, which the
 ``.onnx`` names; keep them together in one folder (onnx.load and onnxruntime read the weights from beside the
