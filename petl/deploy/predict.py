@@ -271,10 +271,15 @@ def evaluate_split(
     truth: list[int] = []
     predicted: list[int] = []
     with torch.inference_mode(), inference(precision, device.type):
-        batches = progress_bar(loader, desc=f"evaluate {run.run_dir.name}", show=progress, leave=False, say=_say)
-        for images, labels in batches:
+        # Counted in images, as the predict bar is ("evaluate run: 0/1" said one of what: a batch).
+        bar = progress_bar(
+            total=len(dataset), desc=f"evaluate {run.run_dir.name}", unit="img", show=progress, leave=False, say=_say
+        )
+        for images, labels in loader:
             predicted += run.model(images.to(device)).argmax(-1).cpu().tolist()
             truth += [int(label) for label in labels]
+            bar.update(len(labels))
+        bar.close()
     count = len(run.class_names)
     matrix = np.zeros((count, count), dtype=np.int64)
     np.add.at(matrix, (np.array(truth, dtype=np.int64), np.array(predicted, dtype=np.int64)), 1)
