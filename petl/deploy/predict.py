@@ -100,7 +100,12 @@ def image_paths(items: Sequence[str], quiet: bool = False) -> list[Path]:
             listed = [p if p.is_absolute() else path.parent / p for p in map(Path, read_names(path))]
             missing = [shown(p) for p in listed if not p.is_file()]
             if missing:
-                raise UsageError(f"{shown(path)} lists {len(missing)} missing file(s), e.g. {missing[0]}")
+                # Where it looked, and what to do: a list written relative to the shell's folder and kept in
+                # another reads as missing, though "ls" finds each file.
+                raise UsageError(
+                    f"{shown(path)} lists {len(missing)} missing file(s), e.g. {missing[0]}: fix or remove those "
+                    f"lines (a relative path is read from the list's folder, {shown(path.parent.absolute())})"
+                )
             paths += listed
         elif path.is_file():
             paths.append(path)
