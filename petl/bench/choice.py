@@ -15,6 +15,7 @@ of a seed (a failed or unfinished run) and the suite's experiments with no finis
 from __future__ import annotations
 
 import math
+import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -190,15 +191,18 @@ def choose(board: Leaderboard, budget: Budget, data: dict[str, Any] | None = Non
     text += left_out
     run = chosen_run(take)
     stuck = next((r.not_learned for r in take.runs if r.path.parent == run and r.not_learned), None)
-    uses = [f"`petl-predict {run} IMAGES`"]
+    # Quoted for the shell: the commands are there to be copied, and a run folder under a path with a space
+    # ("my runs/") or a quote would otherwise split into several arguments.
+    quoted = shlex.quote(str(run))
+    uses = [f"`petl-predict {quoted} IMAGES`"]
     if exportable(run):
-        uses.append(f"`petl-export {run} out=exported` (a plain timm model)")
+        uses.append(f"`petl-export {quoted} out=exported` (a plain timm model)")
     # petl-serve serves tasks over one shared frozen backbone: it refuses a run that trains that backbone (full
     # fine-tuning, Partial-k) or that it cannot route (prompts under a pooling it cannot mask), so the answer offers
     # it only a run it takes, and otherwise gives its refusal, which is the reason whatever it is.
     refused = serve_refusal(run, take.experiment)
     if refused is None:
-        uses.append(f"`petl-serve {run}` (an HTTP endpoint)")
+        uses.append(f"`petl-serve {quoted}` (an HTTP endpoint)")
     # Named, not "it": after a verdict naming two rows, "it" could mean either.
     text += f". Use {take.experiment}: {', '.join(uses[:-1])}{', or ' if len(uses) > 1 else ''}{uses[-1]}."
     if stuck:  # every seed of the row did not learn: the run named is one of them, and the user must know

@@ -11,10 +11,12 @@ petl is not installed.  A folder (``out=`` without a suffix) is timm's own forma
 configuration, the one ``huggingface_hub`` uploads: ``config.json`` (``architecture``, ``model_args``
 with ``img_size``, ``num_classes``, ``pretrained_cfg`` with the preprocessing and ``label_names``) and
 ``model.safetensors``.  A single file's metadata holds the same: the timm name and arguments, the class
-names, the preprocessing (input size, mean/std, interpolation, crop) and the dataset, as JSON strings (safetensors
-metadata; ONNX ``metadata_props``).  An ONNX file needs the onnx package (``pip install onnx``; petl does not
-install it) and is checked against the merged model's logits with onnxruntime where it is installed (a note on
-stderr where not); a model torch's ONNX exporter cannot trace (timm's EVA, NaFlexVit) fails in one line:
+names, the preprocessing (input size, mean/std, interpolation, crop) and the dataset, as strings (safetensors
+metadata; ONNX ``metadata_props``): ``timm_kwargs``, ``class_names`` and ``preprocess`` hold JSON, ``num_classes``
+a number, ``timm_model``, ``method``, ``dataset`` and ``format`` plain text (not JSON: no quotes).
+An ONNX file needs the onnx package (``pip install onnx``; petl does not install it) and is checked against
+the merged model's logits with onnxruntime where it is installed (a note on stderr where not); a model torch's
+ONNX exporter cannot trace (timm's EVA, NaFlexVit) fails in one line:
 export a folder or ``.safetensors`` for it.  A model whose weights pass 2 GiB (fp32 ViT-H/14 and larger; one ONNX
 file cannot hold more) is written as two files: ``FILE.onnx`` and its weights ``FILE.onnx.data``, which the
 ``.onnx`` names; keep them together in one folder (onnx.load and onnxruntime read the weights from beside the
@@ -41,6 +43,7 @@ Ctrl-C and 143 on SIGTERM (nothing half-written is left).
 
 from __future__ import annotations
 
+import shlex
 import sys
 from collections.abc import Sequence
 
@@ -74,7 +77,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         if not args.words:  # as petl-serve says it (the line below quoted an empty command line: got '')
             raise CommandLineError("no run folder given: petl-export RUN_DIR out=FOLDER|FILE.safetensors|FILE.onnx")
         if len(positional) == 1 and "out" not in options:
-            raise CommandLineError(f"no out= given: petl-export {positional[0]} out=FOLDER|FILE.safetensors|FILE.onnx")
+            # Quoted: the line is a command to copy, and a run folder's path may hold a space ("my runs/x").
+            raise CommandLineError(
+                f"no out= given: petl-export {shlex.quote(positional[0])} out=FOLDER|FILE.safetensors|FILE.onnx"
+            )
         if len(positional) != 1 or not options.get("out"):
             raise CommandLineError(
                 f"expected RUN_DIR out=FOLDER|FILE.safetensors|FILE.onnx, got {' '.join(args.words)!r}"

@@ -100,7 +100,12 @@ def image_paths(items: Sequence[str], quiet: bool = False) -> list[Path]:
             listed = [p if p.is_absolute() else path.parent / p for p in map(Path, read_names(path))]
             missing = [shown(p) for p in listed if not p.is_file()]
             if missing:
-                raise UsageError(f"{shown(path)} lists {len(missing)} missing file(s), e.g. {missing[0]}")
+                # Where it looked, and what to do: a list written relative to the shell's folder and kept in
+                # another reads as missing, though "ls" finds each file.
+                raise UsageError(
+                    f"{shown(path)} lists {len(missing)} missing file(s), e.g. {missing[0]}: fix or remove those "
+                    f"lines (a relative path is read from the list's folder, {shown(path.parent.absolute())})"
+                )
             paths += listed
         elif path.is_file():
             paths.append(path)
@@ -271,10 +276,15 @@ def evaluate_split(
     truth: list[int] = []
     predicted: list[int] = []
     with torch.inference_mode(), inference(precision, device.type):
-        batches = progress_bar(loader, desc=f"evaluate {run.run_dir.name}", show=progress, leave=False, say=_say)
-        for images, labels in batches:
+        # Counted in images, as the predict bar is ("evaluate run: 0/1" said one of what: a batch).
+        bar = progress_bar(
+            total=len(dataset), desc=f"evaluate {run.run_dir.name}", unit="img", show=progress, leave=False, say=_say
+        )
+        for images, labels in loader:
             predicted += run.model(images.to(device)).argmax(-1).cpu().tolist()
             truth += [int(label) for label in labels]
+            bar.update(len(labels))
+        bar.close()
     count = len(run.class_names)
     matrix = np.zeros((count, count), dtype=np.int64)
     np.add.at(matrix, (np.array(truth, dtype=np.int64), np.array(predicted, dtype=np.int64)), 1)

@@ -328,3 +328,17 @@ def test_the_cost_line_counts_the_runs_the_sweep_trained(tmp_path):
     assert choice.cost_lines(estimate.read_estimate(tmp_path), 22.0)[0].endswith(
         "; they took 22 s (1.22x the estimate)."
     )
+
+
+def test_the_commands_to_copy_quote_a_run_folder_whose_path_holds_a_space(tmp_path, monkeypatch):
+    # Was: "Use linear: petl-predict my runs/choose/folder/linear/seed0 IMAGES", which the shell splits in two.
+    monkeypatch.setattr(choice, "exportable", lambda run: True)
+    monkeypatch.setattr(choice, "serve_refusal", lambda run, task="run": None)
+    root = tmp_path / "my runs"
+    for method in ("lora", "linear"):
+        write_run(root / "folder" / method / "seed0", result_record("folder", method, 0, 50.0))
+    plan = report.Plan("choose", ("lora", "linear"), ("folder",), (0,))
+    answer = choice.choose(report.build_board(root, plan=plan), choice.Budget())
+    run = f"'{root}/folder/linear/seed0'"
+    for command in (f"petl-predict {run} IMAGES", f"petl-export {run} out=exported", f"petl-serve {run}`"):
+        assert command in answer.paragraph

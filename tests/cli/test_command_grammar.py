@@ -92,6 +92,13 @@ def test_petl_export_refuses_a_missing_out_with_status_2(capsys):
     assert exit_.value.code == 2 and "no out= given: petl-export RUN out=FOLDER|" in capsys.readouterr().err
 
 
+def test_petl_export_s_missing_out_line_quotes_a_run_folder_holding_a_space(capsys):
+    # Was "petl-export my runs/x out=...": copied, the shell gives petl-export two run folders.
+    with pytest.raises(SystemExit):
+        export.main(["my runs/x"])
+    assert "no out= given: petl-export 'my runs/x' out=FOLDER|" in capsys.readouterr().err
+
+
 # Every console script with each kind of bad flag it can meet (an unknown flag, a flag missing its value, a bad choice,
 # no arguments where some are required), and what its one line must say: the argparse-built parsers printed their
 # usage first (petl-run: Hydra's, 7 lines), petl-bench report and compare printed their usage as the line.

