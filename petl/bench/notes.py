@@ -99,7 +99,11 @@ def notes(board: Leaderboard) -> list[str]:
         lines.append(board.compute.line())
     if board.skipped:
         n = len(board.skipped)
-        names = ", ".join(str(p.relative_to(board.results_dir)) for p in board.skipped)
+        # A folder name of bytes that are not UTF-8 (one reason to skip a file) is named by its escapes: the pages are
+        # UTF-8.
+        names = ", ".join(
+            str(p.relative_to(board.results_dir)).encode("utf-8", "backslashreplace").decode() for p in board.skipped
+        )
         lines.append(
             f"**Skipped**: {n} result.json {'files were' if n > 1 else 'file was'} skipped as damaged or incomplete "
             f"(a field missing or malformed; each named in a warning when this report was built): {names}."

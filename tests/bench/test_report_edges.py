@@ -6,6 +6,7 @@ Training is faked (``write_run`` writes a result.json), so these take seconds.
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -550,3 +551,80 @@ def test_with_a_suite_a_run_outside_it_on_another_backbone_leaves_the_row_ranked
     board = build_board(tmp_path, plan=Plan("two", ("lora", "linear"), ("mini/digits", "mini/mnist"), (0,)))
     lora = next(r for r in board.rows if r.experiment == "lora")
     assert not board.mixed(lora) and board.complete(lora)
+
+
+# ------------------------------------------------------------------------------------ records not to be trusted
+
+
+def _three_seeds(root: Path, experiment: str = "lora", tasks=("mini/digits", "mini/mnist")) -> Path:
+    for task in tasks:
+        for seed in (0, 1, 2):
+            write_run(root, task, experiment, seed, top1=50.0 + seed)
+    return root
+
+
+def test_a_record_of_other_bytes_than_utf_8_is_skipped_by_name(tmp_path):
+    # Was: a result.json with a byte that is not UTF-8 (a method name edited in Latin-1) stopped the whole report with
+    # "petl-bench: error: 'utf-8' codec can't decode byte 0xff in position 14", naming no file; and a name written as
+    # the JSON escape \udcff (a lone surrogate) stopped it with a TypeError from matplotlib's text layout (exit 1).
+    from petl.bench.collect import read_all
+
+    root = _three_seeds(tmp_path)
+    latin1 = root / "mini-digits" / "lora" / "seed0" / "result.json"
+    latin1.write_bytes(latin1.read_bytes().replace(b'"method": "lora"', b'"method": "lo\xffra"'))
+    escaped = root / "mini-mnist" / "lora" / "seed1" / "result.json"
+    escaped.write_text(escaped.read_text().replace('"method": "lora"', '"method": "lo\\udcffra"'))
+    with pytest.warns(UserWarning) as caught:
+        found = read_all(root)
+    said = [str(w.message) for w in caught]
+    assert f"skipping {latin1}: not UTF-8 text (byte 0xff at 14)" in said
+    assert (
+        f"skipping {escaped}: field 'method' holds 'lo\\udcffra', which is not UTF-8 text (a lone surrogate escape)"
+        in (said)
+    )
+    assert len(found) == 4
+    with pytest.warns(UserWarning):
+        write_report(root)  # the other runs' board, the two files named under Skipped
+    assert "mini-mnist/lora/seed1/result.json" in (root / "leaderboard.md").read_text()
+
+
+def test_a_folder_name_of_other_bytes_than_utf_8_is_skipped_by_name(tmp_path):
+    # Was: an experiment folder named in bytes that are not UTF-8 (b"lo\xffra") stopped the report with matplotlib's
+    # TypeError on the surrogate its name read as; the pages (UTF-8) could not hold the name either.
+    root = _three_seeds(tmp_path, "linear")
+    _three_seeds(tmp_path, "lora")
+    for task in ("mini-digits", "mini-mnist"):
+        os.rename(root / task / "lora", os.fsencode(root / task) + b"/lo\xffra")
+    with pytest.warns(UserWarning, match="lo\udcffra/seed0/result.json: a folder name is not UTF-8 text; rename"):
+        board = write_report(root)
+    assert [row.experiment for row in board.rows] == ["linear"]
+    assert "mini-digits/lo\\udcffra/seed0/result.json" in (root / "leaderboard.md").read_text(encoding="utf-8")
+
+
+def test_a_record_in_another_seed_s_folder_is_skipped(tmp_path):
+    # Was: seed0/result.json edited (or copied) to say seed 1 stood in the cell as seed 1, and the true seed1/ run was
+    # then dropped as "already read" (a copy of it): the cell's mean read the wrong score, and no line said so.
+    from petl.bench.collect import collect
+
+    root = _three_seeds(tmp_path)
+    moved = root / "mini-digits" / "lora" / "seed0" / "result.json"
+    moved.write_text(moved.read_text().replace('"seed": 0', '"seed": 1'))
+    with pytest.warns(UserWarning, match=rf"skipping {moved}: a run of seed 1 in the folder of seed 0: move it"):
+        records = collect(root)
+    digits = {r.seed: r.result.test_top1 for r in records if r.task == "mini/digits"}
+    assert digits == {1: 51.0, 2: 52.0}
+
+
+def test_a_linked_run_folder_is_read_and_a_link_back_up_is_not_walked_again(tmp_path):
+    # Was: a run folder linked in from elsewhere (ln -s) counted as done for the sweep (its result.json is a file),
+    # while the report's Path.rglob did not enter the link: the cell showed two of three seeds, and nothing said why.
+    from petl.bench.collect import collect, result_files
+
+    root = _three_seeds(tmp_path / "results")
+    run = root / "mini-digits" / "lora" / "seed2"
+    shutil.move(run, tmp_path / "elsewhere")
+    run.symlink_to(tmp_path / "elsewhere")
+    (root / "mini-mnist" / "up").symlink_to(root)  # a loop
+    assert len(result_files(root)) == 6
+    assert sorted(r.seed for r in collect(root) if r.task == "mini/digits") == [0, 1, 2]
+
