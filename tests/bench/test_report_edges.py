@@ -6,6 +6,7 @@ Training is faked (``write_run`` writes a result.json), so these take seconds.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -598,7 +599,17 @@ def test_a_folder_name_of_other_bytes_than_utf_8_is_skipped_by_name(tmp_path):
     with pytest.warns(UserWarning, match="lo\udcffra/seed0/result.json: a folder name is not UTF-8 text; rename"):
         board = write_report(root)
     assert [row.experiment for row in board.rows] == ["linear"]
-    assert "mini-digits/lo\\udcffra/seed0/result.json" in (root / "leaderboard.md").read_text(encoding="utf-8")
+    assert "mini-digits/lo\\xffra/seed0/result.json" in (root / "leaderboard.md").read_text(encoding="utf-8")
+
+
+def test_a_results_folder_named_in_other_bytes_than_utf_8_gets_its_board(tmp_path):
+    # Was: a results folder named in Latin-1 (b"r\xe9s") stopped the report with "'utf-8' codec can't encode character
+    # '\udce9'", naming nothing: the page's title is the folder's name.  It is shown with its odd byte as \xe9.
+    root = Path(os.fsdecode(os.fsencode(tmp_path) + b"/r\xe9s"))
+    _three_seeds(root, "linear")
+    _three_seeds(root, "lora")
+    write_report(root)
+    assert (root / "leaderboard.md").read_text(encoding="utf-8").startswith("# petl leaderboard: r\\xe9s\n")
 
 
 def test_a_record_in_another_seed_s_folder_is_skipped(tmp_path):
@@ -628,3 +639,53 @@ def test_a_linked_run_folder_is_read_and_a_link_back_up_is_not_walked_again(tmp_
     assert len(result_files(root)) == 6
     assert sorted(r.seed for r in collect(root) if r.task == "mini/digits") == [0, 1, 2]
 
+
+def _at_size(root: Path, task: str, experiment: str, seed: int, img_size: int) -> None:
+    # The run's record as petl writes it when model.img_size is set: in the config it embeds.
+    path = root / task.replace("/", "-") / experiment / f"seed{seed}" / "result.json"
+    record = json.loads(path.read_text())
+    record["config"] = {"model": {"name": record["model"], "img_size": img_size}}
+    path.write_text(json.dumps(record))
+
+
+def test_a_row_at_another_resolution_is_not_ranked_as_the_same_backbone(tmp_path):
+    # Was: a row trained with model.img_size=64 on the board's 32-px model was named by its timm name alone, so it was
+    # complete and ranked beside the others: the rank test compared resolutions as if they were methods.
+    from petl.bench.report import build_board
+
+    tasks = ("mini/digits", "mini/mnist")
+    for experiment in ("linear", "vpt_deep", "lora"):
+        _three_seeds(tmp_path, experiment, tasks)
+    for task in tasks:
+        for seed in (0, 1, 2):
+            _at_size(tmp_path, task, "lora", seed, 64)
+    board = build_board(tmp_path)
+    lora = next(row for row in board.rows if row.experiment == "lora")
+    assert board.other_backbone(lora) and not board.complete(lora)
+    model = "vit_fractal_tiny_patch4_32.fractaldb"
+    assert board.models == [f"{model} at 64 px", f"{model} at its own resolution"]
+    assert board.ranked_backbone == f"{model} at its own resolution"
+    # One run at another size makes its row's tasks of two models (mixed), as another backbone does.
+    _at_size(tmp_path, "mini/digits", "linear", 0, 64)
+    _at_size(tmp_path, "mini/digits", "linear", 1, 64)
+    _at_size(tmp_path, "mini/digits", "linear", 2, 64)
+    board = build_board(tmp_path)
+    assert board.mixed(next(row for row in board.rows if row.experiment == "linear"))
+
+
+def test_published_figures_are_not_shown_beside_runs_at_another_resolution(tmp_path):
+    # Was: runs on the published ViT-B/16 at model.img_size=384 stood beside the published 224-px figures.
+    from petl.bench.board import DIFFERENT_BACKBONE
+    from petl.bench.report import build_board
+
+    root = _some_vtab(tmp_path / "vtab")
+    for task in SOME_VTAB:
+        _at_size(root, task, "lora", 0, 384)
+    board = build_board(root)
+    rows = {row.experiment: row for row in board.rows}
+    assert rows["lora"].published[VTAB.key] == DIFFERENT_BACKBONE
+    assert rows["linear"].published[VTAB.key] != DIFFERENT_BACKBONE
+    for task in SOME_VTAB:
+        _at_size(root, task, "lora", 0, 224)  # the published resolution, set explicitly
+    lora = next(row for row in build_board(root).rows if row.experiment == "lora")
+    assert lora.published[VTAB.key] != DIFFERENT_BACKBONE
