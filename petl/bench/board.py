@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -202,6 +202,7 @@ class Leaderboard:
     plan: Plan | None = None
     saturated: list[str] = field(default_factory=list)
     ranking: Any = None  # petl.bench.ranking.Ranking, or why no test ran
+    sized: frozenset[str] = frozenset()  # the models run at more than one resolution (sized_models)
     # ranked_backbone, and the rows it was found from (their ids: found again if the rows change).
     _ranked: tuple[frozenset[int], str | None] | None = field(default=None, init=False, repr=False, compare=False)
 
@@ -238,7 +239,7 @@ class Leaderboard:
         found: dict[str, list[str]] = {}
         counted = row.counted_runs
         for task in self.tasks:
-            for name in dict.fromkeys(backbone(r.result) for r in counted if r.task == task):
+            for name in dict.fromkeys(backbone(r.result, self.sized) for r in counted if r.task == task):
                 found.setdefault(name, []).append(task)
         return found
 
@@ -316,11 +317,32 @@ class Leaderboard:
         return all(t in row.scores and len(row.scores[t].seeds) >= seeds for t in self.tasks)
 
 
-def backbone(result: RunResult) -> str:
+def input_size(result: RunResult) -> int | None:
+    """The input resolution a run set (``model.img_size`` in the config its record embeds); ``None``: its model's."""
+    model = result.config.get("model") if isinstance(result.config, dict) else None
+    size = model.get("img_size") if isinstance(model, dict) else None
+    return size if isinstance(size, int) and not isinstance(size, bool) else None
+
+
+def sized_models(results: Iterable[RunResult]) -> frozenset[str]:
+    """The models ``results`` ran at more than one input resolution (:func:`input_size`)."""
+    sizes: dict[str, set[int | None]] = {}
+    for result in results:
+        sizes.setdefault(str(result.model or "?"), set()).add(input_size(result))
+    return frozenset(name for name, found in sizes.items() if len(found) > 1)
+
+
+def backbone(result: RunResult, sized: frozenset[str] = frozenset()) -> str:
     """The backbone a run trained, as boards name it: its timm name, and where its weights came from when they are
     not the pretrained ones (a local file, or a random init: a different model from its pretrained namesake).
+
+    ``sized``: the models the board ran at more than one resolution (:func:`sized_models`), whose runs are named with
+    theirs: a model at 64 px is not the model at 32 px, and rows of the two ranked together would compare resolutions.
     """
     name = str(result.model or "?")
+    if name in sized:
+        size = input_size(result)
+        name += f" at {size} px" if size is not None else " at its own resolution"
     if result.pretrained is not False:
         return name
     return f"{name} (weights from {result.checkpoint})" if result.checkpoint else f"{name} (random init)"

@@ -6,6 +6,7 @@ Reports only read run folders, so they are safe to build while a sweep is still 
 from __future__ import annotations
 
 import math
+import os
 import re
 import statistics
 import warnings
@@ -45,11 +46,32 @@ def result_files(results_dir: str | Path) -> list[Path]:
 
     Moved aside: runs replaced by ``resume=false`` (``<run>.replaced-<time>/``), and the finals a suite's
     ``require_learning`` set aside at a point where training did not learn (``unstable/<point>/seed<k>/``,
-    :mod:`petl.bench.protocol`).
+    :mod:`petl.bench.protocol`).  A folder that is a symbolic link (a run linked in from another disk) is read as the
+    folder it links to, as the sweep reads it when it finds the run done; a link back to a folder above it is not
+    followed again.
     """
     root = Path(results_dir)
-    paths = sorted(root.rglob(RESULT_FILE))
-    return [p for p in paths if not any(_moved_aside(part) for part in p.relative_to(root).parts)]
+    return sorted(_result_files_under(root, frozenset({os.path.realpath(root)})))
+
+
+def _result_files_under(folder: Path, above: frozenset[str]) -> list[Path]:
+    # Path.rglob does not enter a linked folder (before Python 3.13, nor after by default): a run linked into the
+    # results folder counted as done for the sweep, while the board left its cell short of that seed.
+    try:
+        entries = sorted(os.scandir(folder), key=lambda entry: entry.name)
+    except OSError:
+        return []  # an unreadable folder holds no record that can be read (rglob passed over it too)
+    found = []
+    for entry in entries:
+        if _moved_aside(entry.name):
+            continue
+        if entry.is_dir():
+            real = os.path.realpath(entry.path)
+            if real not in above:  # a link back up would walk the same folders for ever
+                found += _result_files_under(Path(entry.path), above | {real})
+        elif entry.name == RESULT_FILE and entry.is_file():
+            found.append(Path(entry.path))
+    return found
 
 
 def set_aside_files(results_dir: str | Path) -> list[Path]:
@@ -65,6 +87,15 @@ def set_aside_files(results_dir: str | Path) -> list[Path]:
 
 def _moved_aside(part: str) -> bool:
     return REPLACED_MARK in part or part == UNSTABLE_DIR
+
+
+def _is_utf8(text: str) -> bool:
+    # A file name of bytes that are not UTF-8 reads as text with lone surrogates (surrogateescape).
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _is_number(value: Any) -> bool:
@@ -88,12 +119,17 @@ def folder_problem(root: Path, path: Path, result: RunResult, task_folders: set[
     In a results root's layout, ``<root>/<task folder>/<experiment>/seed<k>/result.json``, the task folder says
     which task the run belongs to (:func:`petl.bench.sweep.task_folder`: ``mini-digits`` for ``mini/digits``), and
     the sweep trains into it by that name.  A record of another task there (copied, moved or edited by hand) is
-    refused rather than read as a task of its own, which would add a column and leave every row incomplete.
+    refused rather than read as a task of its own, which would add a column and leave every row incomplete.  So is,
+    at any depth, a record in a ``seed<k>`` folder of another seed than ``k``: it would stand in the cell as a seed
+    it is not, and the run of its seed be dropped as its copy.
     ``task_folders`` are the folder names that name a task (the registry's tasks and the runs' own); a folder
     outside them (petl-run's default ``<data>/<model>/<method>/seed<k>`` read from ``<data>/``) says nothing.
     """
     parts = path.relative_to(root).parts
-    if len(parts) != 4 or not _SEED_DIR.match(parts[2]) or parts[0] not in task_folders:
+    seed_folder = _SEED_DIR.match(path.parent.name)
+    if seed_folder and int(seed_folder.group(1)) != result.seed:
+        return f"a run of seed {result.seed} in the folder of seed {seed_folder.group(1)}: move it, or delete it"
+    if len(parts) != 4 or not seed_folder or parts[0] not in task_folders:
         return None
     expected = task_folder(result.dataset)
     if parts[0] == expected:
@@ -114,13 +150,18 @@ def read_all(results_dir: str | Path, skipped: list[Path] | None = None) -> list
     """Every usable ``result.json`` under ``results_dir``, read once.
 
     An unreadable file (:func:`petl.store.result.read_result` checks every field), a reported run's record
-    without its counts, or a record in another task's folder (:func:`folder_problem`) is skipped with a warning
+    without its counts, a record in another task's or seed's folder (:func:`folder_problem`), or one under a folder
+    whose name is not UTF-8 text is skipped with a warning
     naming it (and appended to ``skipped``).  Runs replaced by ``resume=false`` (``<run>.replaced-<time>/``) are
     not read.
     """
     root = Path(results_dir)
     read: list[tuple[Path, RunResult | None, str | None]] = []
     for path in result_files(root):
+        if not _is_utf8(str(path.relative_to(root))):
+            # The folder names the experiment: a name of other bytes than UTF-8 cannot be written into the pages.
+            read.append((path, None, f"{path}: a folder name is not UTF-8 text; rename the folder"))
+            continue
         try:
             result = read_result(path)
             problem = None if result is None or result.test_top1 is None else record_problem(result)

@@ -36,7 +36,7 @@ from petl.bench.published import (
 )
 from petl.bench.table import md_name
 from petl.store.result import ResultError, read_result
-from petl.utils.text import plural
+from petl.utils.text import plural, shown
 
 
 def notes(board: Leaderboard) -> list[str]:
@@ -99,7 +99,9 @@ def notes(board: Leaderboard) -> list[str]:
         lines.append(board.compute.line())
     if board.skipped:
         n = len(board.skipped)
-        names = ", ".join(str(p.relative_to(board.results_dir)) for p in board.skipped)
+        # A folder name of bytes that are not UTF-8 (one reason to skip a file) is named by its escapes: the pages are
+        # UTF-8.
+        names = ", ".join(shown(p.relative_to(board.results_dir)) for p in board.skipped)
         lines.append(
             f"**Skipped**: {n} result.json {'files were' if n > 1 else 'file was'} skipped as damaged or incomplete "
             f"(a field missing or malformed; each named in a warning when this report was built): {names}."
@@ -429,8 +431,8 @@ def ranking_line(board: Leaderboard, table: PublishedTable = RANKED_TABLE, name:
     return (
         head
         + body
-        + f" Published: {table.title}; source: {table.source} (supervised), on its own tasks at 224 px; measured "
-        f"here: {board.ranked_backbone or ', '.join(board.models)} on "
+        + f" Published: {table.title}; source: {table.source} (supervised), on its own tasks at {table.img_size} px; "
+        f"measured here: {board.ranked_backbone or ', '.join(board.models)} on "
         + ("this task. " if len(board.counted_tasks) == 1 else f"these {len(board.counted_tasks)} tasks. ")
         + "Other backbone, tasks and recipe: it compares the methods' orderings, not their accuracies."
     )

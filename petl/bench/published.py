@@ -103,6 +103,8 @@ class PublishedTable:
         source: where the figures come from (printed beside every published column).
         backbone: the timm name of the backbone the figures were measured on; a run on another
             backbone is not shown beside them.
+        img_size: the input resolution the figures were measured at; a run at another (``model.img_size``) is not
+            shown beside them.
 
     """
 
@@ -112,6 +114,7 @@ class PublishedTable:
     title: str
     source: str
     backbone: str = PUBLISHED_BACKBONE
+    img_size: int = 224
 
     def covers(self, task: str) -> bool:
         """Whether petl dataset ``task`` is one of this table's columns."""

@@ -31,8 +31,10 @@ from petl.bench.board import (
     Plan,
     TaskScore,
     backbone,
+    input_size,
     order_groups,
     show_number,
+    sized_models,
 )
 from petl.bench.collect import (
     Compute,
@@ -64,7 +66,7 @@ from petl.bench.published import (
 from petl.bench.table import Header, Table, markdown_lines, md_escape
 from petl.presets import FAMILIES
 from petl.store.files import write_atomic, write_text
-from petl.utils.text import csv_cell, plural
+from petl.utils.text import csv_cell, plural, shown
 
 # Re-exported: the report's public names, wherever they are declared.
 __all__ = [
@@ -112,7 +114,13 @@ def _published_status(runs: list[RunRecord], table: PublishedTable, row_name: st
         return NO_PUBLISHED_ROW
     # Published figures sit beside petl's only when petl measured on the same pretrained backbone.
     covered = [r for r in runs if table.covers(r.task)] or runs
-    if any(r.result.model != table.backbone or r.result.pretrained is False for r in covered):
+    # At its resolution too: the backbone at another img_size is another model than the one the figures came from.
+    if any(
+        r.result.model != table.backbone
+        or r.result.pretrained is False
+        or input_size(r.result) not in (None, table.img_size)
+        for r in covered
+    ):
         return DIFFERENT_BACKBONE
     return row
 
@@ -260,7 +268,8 @@ def aggregate(
         row.trainable = mean([float(r.result.trainable_params) for r in row.counted_runs])
         row.trainable_no_head = mean([float(r.result.trainable_params_no_head) for r in row.counted_runs])
         rows.append(row)
-    models = sorted({backbone(r.result) for r in records})
+    sized = sized_models(r.result for r in records)
+    models = sorted({backbone(r.result, sized) for r in records})
     memory_kinds = sorted({str(r.result.peak_memory_kind) for r in records if r.result.peak_memory_kind})
     board = Leaderboard(
         Path(results_dir),
@@ -275,6 +284,7 @@ def aggregate(
         skipped=list(skipped),
         published_names=dict(published),
         plan=plan,
+        sized=sized,
     )
     # Complete rows first: a mean over fewer tasks or seeds is not ranked among them.  Sorted into a new list, then
     # put back: complete() reads board.rows (the seed count most cells have, the ranked backbone), which CPython's
@@ -458,7 +468,8 @@ def check_plan_model(records: list[RunRecord], results_dir: str | Path, plan: Pl
 def _title(board: Leaderboard) -> str:
     if board.plan is not None:
         return f"petl leaderboard: suite {board.plan.suite}"
-    return f"petl leaderboard: {board.results_dir.name}"
+    # A folder named in bytes that are not UTF-8 (a Latin-1 "rés") shows its odd bytes as \xNN: the pages are UTF-8.
+    return f"petl leaderboard: {shown(board.results_dir.name)}"
 
 
 def _summary(board: Leaderboard) -> str:

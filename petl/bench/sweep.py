@@ -77,8 +77,8 @@ class PlannedRun:
         return [*self.overrides[:-1], *chosen, self.overrides[-1]]
 
     def damage(self) -> str | None:
-        """Why this run's ``result.json`` cannot be read (cut short, hand-edited) or is another task's, or, for a run
-        interrupted (no ``result.json``), its ``config.yaml`` is damaged; else ``None``.
+        """Why this run's ``result.json`` cannot be read (cut short, hand-edited) or is another task's or seed's, or,
+        for a run interrupted (no ``result.json``), its ``config.yaml`` is damaged; else ``None``.
         """
         path = self.run_dir / RESULT_FILE
         try:
@@ -95,6 +95,9 @@ class PlannedRun:
         if result is not None and result.dataset != self.task:
             # Copied or moved from another task's folder: the reports would not count it here (collect.folder_problem).
             return f"{path}: a run of {result.dataset}, not of {self.task} whose folder it is in"
+        if result is not None and result.seed != self.seed:
+            # Copied from another seed's folder, or edited: the reports would not count it here either.
+            return f"{path}: a run of seed {result.seed}, not of seed {self.seed} whose folder it is in"
         return None
 
 

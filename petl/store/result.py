@@ -125,6 +125,9 @@ class RunResult:
         problem = version_problem(record.get("version", RESULT_VERSION))
         if problem:
             raise ResultError(f"{source}: {problem}")
+        unwritable = _not_utf8(record)
+        if unwritable is not None:
+            raise ResultError(f"{source}: {unwritable}")
         known = {f.name for f in dataclasses.fields(cls)} - {"extra", "version"}
         values = {k: v for k, v in record.items() if k in known}
         for name, value in values.items():
@@ -205,6 +208,30 @@ def field_problem(name: str, value: Any) -> str | None:
     raise KeyError(name)
 
 
+def _not_utf8(value: Any, where: str = "") -> str | None:
+    r"""Where ``value`` (a record, or a part of one) holds text no UTF-8 file can hold, or ``None``.
+
+    A JSON escape of half a surrogate pair (``"\udcff"``) reads as a lone surrogate: a name with one stops every
+    report that writes it (its Markdown, its plots' labels), so the record is refused once, on read, rather than by
+    whichever writer meets it first.
+    """
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            shown = reprlib.repr(value)
+            return f"field {where or 'key'!r} holds {shown}, which is not UTF-8 text (a lone surrogate escape)"
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        at = f"{where}.{key}" if where else str(key)
+        problem = _not_utf8(key, where) if isinstance(key, str) else None
+        problem = problem or _not_utf8(item, at)
+        if problem:
+            return problem
+    return None
+
+
 def version_problem(version: Any) -> str | None:
     """Why ``version`` is not a record version this petl reads (it reads 1 to :data:`RESULT_VERSION`), or ``None``."""
     if not _is_count(version):
@@ -273,6 +300,9 @@ def read_result(path: Path) -> RunResult | None:
         return None
     except OSError as error:
         raise ResultError(f"{path}: cannot be read ({error.strerror or error})") from None
+    except UnicodeDecodeError as error:
+        # petl writes UTF-8 JSON; other bytes (a hand edit in another encoding) are no record, named as one.
+        raise ResultError(f"{path}: not UTF-8 text (byte {error.object[error.start]:#04x} at {error.start})") from None
     try:
         record = json.loads(text)
     except ValueError as error:

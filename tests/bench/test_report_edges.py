@@ -6,6 +6,8 @@ Training is faked (``write_run`` writes a result.json), so these take seconds.
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
 from pathlib import Path
 
@@ -550,3 +552,140 @@ def test_with_a_suite_a_run_outside_it_on_another_backbone_leaves_the_row_ranked
     board = build_board(tmp_path, plan=Plan("two", ("lora", "linear"), ("mini/digits", "mini/mnist"), (0,)))
     lora = next(r for r in board.rows if r.experiment == "lora")
     assert not board.mixed(lora) and board.complete(lora)
+
+
+# ------------------------------------------------------------------------------------ records not to be trusted
+
+
+def _three_seeds(root: Path, experiment: str = "lora", tasks=("mini/digits", "mini/mnist")) -> Path:
+    for task in tasks:
+        for seed in (0, 1, 2):
+            write_run(root, task, experiment, seed, top1=50.0 + seed)
+    return root
+
+
+def test_a_record_of_other_bytes_than_utf_8_is_skipped_by_name(tmp_path):
+    # Was: a result.json with a byte that is not UTF-8 (a method name edited in Latin-1) stopped the whole report with
+    # "petl-bench: error: 'utf-8' codec can't decode byte 0xff in position 14", naming no file; and a name written as
+    # the JSON escape \udcff (a lone surrogate) stopped it with a TypeError from matplotlib's text layout (exit 1).
+    from petl.bench.collect import read_all
+
+    root = _three_seeds(tmp_path)
+    latin1 = root / "mini-digits" / "lora" / "seed0" / "result.json"
+    latin1.write_bytes(latin1.read_bytes().replace(b'"method": "lora"', b'"method": "lo\xffra"'))
+    escaped = root / "mini-mnist" / "lora" / "seed1" / "result.json"
+    escaped.write_text(escaped.read_text().replace('"method": "lora"', '"method": "lo\\udcffra"'))
+    with pytest.warns(UserWarning) as caught:
+        found = read_all(root)
+    said = [str(w.message) for w in caught]
+    assert f"skipping {latin1}: not UTF-8 text (byte 0xff at 14)" in said
+    assert (
+        f"skipping {escaped}: field 'method' holds 'lo\\udcffra', which is not UTF-8 text (a lone surrogate escape)"
+        in (said)
+    )
+    assert len(found) == 4
+    with pytest.warns(UserWarning):
+        write_report(root)  # the other runs' board, the two files named under Skipped
+    assert "mini-mnist/lora/seed1/result.json" in (root / "leaderboard.md").read_text()
+
+
+def test_a_folder_name_of_other_bytes_than_utf_8_is_skipped_by_name(tmp_path):
+    # Was: an experiment folder named in bytes that are not UTF-8 (b"lo\xffra") stopped the report with matplotlib's
+    # TypeError on the surrogate its name read as; the pages (UTF-8) could not hold the name either.
+    root = _three_seeds(tmp_path, "linear")
+    _three_seeds(tmp_path, "lora")
+    for task in ("mini-digits", "mini-mnist"):
+        os.rename(root / task / "lora", os.fsencode(root / task) + b"/lo\xffra")
+    with pytest.warns(UserWarning, match="lo\udcffra/seed0/result.json: a folder name is not UTF-8 text; rename"):
+        board = write_report(root)
+    assert [row.experiment for row in board.rows] == ["linear"]
+    assert "mini-digits/lo\\xffra/seed0/result.json" in (root / "leaderboard.md").read_text(encoding="utf-8")
+
+
+def test_a_results_folder_named_in_other_bytes_than_utf_8_gets_its_board(tmp_path):
+    # Was: a results folder named in Latin-1 (b"r\xe9s") stopped the report with "'utf-8' codec can't encode character
+    # '\udce9'", naming nothing: the page's title is the folder's name.  It is shown with its odd byte as \xe9.
+    root = Path(os.fsdecode(os.fsencode(tmp_path) + b"/r\xe9s"))
+    _three_seeds(root, "linear")
+    _three_seeds(root, "lora")
+    write_report(root)
+    assert (root / "leaderboard.md").read_text(encoding="utf-8").startswith("# petl leaderboard: r\\xe9s\n")
+
+
+def test_a_record_in_another_seed_s_folder_is_skipped(tmp_path):
+    # Was: seed0/result.json edited (or copied) to say seed 1 stood in the cell as seed 1, and the true seed1/ run was
+    # then dropped as "already read" (a copy of it): the cell's mean read the wrong score, and no line said so.
+    from petl.bench.collect import collect
+
+    root = _three_seeds(tmp_path)
+    moved = root / "mini-digits" / "lora" / "seed0" / "result.json"
+    moved.write_text(moved.read_text().replace('"seed": 0', '"seed": 1'))
+    with pytest.warns(UserWarning, match=rf"skipping {moved}: a run of seed 1 in the folder of seed 0: move it"):
+        records = collect(root)
+    digits = {r.seed: r.result.test_top1 for r in records if r.task == "mini/digits"}
+    assert digits == {1: 51.0, 2: 52.0}
+
+
+def test_a_linked_run_folder_is_read_and_a_link_back_up_is_not_walked_again(tmp_path):
+    # Was: a run folder linked in from elsewhere (ln -s) counted as done for the sweep (its result.json is a file),
+    # while the report's Path.rglob did not enter the link: the cell showed two of three seeds, and nothing said why.
+    from petl.bench.collect import collect, result_files
+
+    root = _three_seeds(tmp_path / "results")
+    run = root / "mini-digits" / "lora" / "seed2"
+    shutil.move(run, tmp_path / "elsewhere")
+    run.symlink_to(tmp_path / "elsewhere")
+    (root / "mini-mnist" / "up").symlink_to(root)  # a loop
+    assert len(result_files(root)) == 6
+    assert sorted(r.seed for r in collect(root) if r.task == "mini/digits") == [0, 1, 2]
+
+
+def _at_size(root: Path, task: str, experiment: str, seed: int, img_size: int) -> None:
+    # The run's record as petl writes it when model.img_size is set: in the config it embeds.
+    path = root / task.replace("/", "-") / experiment / f"seed{seed}" / "result.json"
+    record = json.loads(path.read_text())
+    record["config"] = {"model": {"name": record["model"], "img_size": img_size}}
+    path.write_text(json.dumps(record))
+
+
+def test_a_row_at_another_resolution_is_not_ranked_as_the_same_backbone(tmp_path):
+    # Was: a row trained with model.img_size=64 on the board's 32-px model was named by its timm name alone, so it was
+    # complete and ranked beside the others: the rank test compared resolutions as if they were methods.
+    from petl.bench.report import build_board
+
+    tasks = ("mini/digits", "mini/mnist")
+    for experiment in ("linear", "vpt_deep", "lora"):
+        _three_seeds(tmp_path, experiment, tasks)
+    for task in tasks:
+        for seed in (0, 1, 2):
+            _at_size(tmp_path, task, "lora", seed, 64)
+    board = build_board(tmp_path)
+    lora = next(row for row in board.rows if row.experiment == "lora")
+    assert board.other_backbone(lora) and not board.complete(lora)
+    model = "vit_fractal_tiny_patch4_32.fractaldb"
+    assert board.models == [f"{model} at 64 px", f"{model} at its own resolution"]
+    assert board.ranked_backbone == f"{model} at its own resolution"
+    # One run at another size makes its row's tasks of two models (mixed), as another backbone does.
+    _at_size(tmp_path, "mini/digits", "linear", 0, 64)
+    _at_size(tmp_path, "mini/digits", "linear", 1, 64)
+    _at_size(tmp_path, "mini/digits", "linear", 2, 64)
+    board = build_board(tmp_path)
+    assert board.mixed(next(row for row in board.rows if row.experiment == "linear"))
+
+
+def test_published_figures_are_not_shown_beside_runs_at_another_resolution(tmp_path):
+    # Was: runs on the published ViT-B/16 at model.img_size=384 stood beside the published 224-px figures.
+    from petl.bench.board import DIFFERENT_BACKBONE
+    from petl.bench.report import build_board
+
+    root = _some_vtab(tmp_path / "vtab")
+    for task in SOME_VTAB:
+        _at_size(root, task, "lora", 0, 384)
+    board = build_board(root)
+    rows = {row.experiment: row for row in board.rows}
+    assert rows["lora"].published[VTAB.key] == DIFFERENT_BACKBONE
+    assert rows["linear"].published[VTAB.key] != DIFFERENT_BACKBONE
+    for task in SOME_VTAB:
+        _at_size(root, task, "lora", 0, 224)  # the published resolution, set explicitly
+    lora = next(row for row in build_board(root).rows if row.experiment == "lora")
+    assert lora.published[VTAB.key] != DIFFERENT_BACKBONE

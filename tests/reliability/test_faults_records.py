@@ -132,6 +132,13 @@ def test_f8_a_sweep_trains_a_run_whose_folder_holds_another_tasks_record_again(t
     assert len(engine.trained) == 3 and "resume=false" in engine.trained[-1]
 
 
+def test_f8_a_sweep_trains_a_run_whose_folder_holds_another_seeds_record_again(tmp_path, monkeypatch, capsys):
+    # Was: seed1/result.json edited to say seed 0 counted as done, and the report then left seed 1's cell short.
+    bad, said, engine = _sweep_again_after_editing(tmp_path, monkeypatch, capsys, seed=0)
+    assert f"{bad}: a run of seed 0, not of seed 1 whose folder it is in" in said
+    assert len(engine.trained) == 3 and "resume=false" in engine.trained[-1]
+
+
 # --- F2: petl-run returns a finished run only when its record and weights hold up --------------------------------
 
 
