@@ -617,6 +617,7 @@ def check_values(cfg: DictConfig, sources: Mapping[str, str] | None = None) -> N
     """
     try:
         schema = typing.get_type_hints(RunConfig)
+        check_known_keys(cfg)
         check_options(RunConfig, cfg)
         for group in ("data", "model", "train"):
             check_options(schema[group], cfg[group], f"{group}.")
@@ -647,6 +648,30 @@ def check_values(cfg: DictConfig, sources: Mapping[str, str] | None = None) -> N
         raise ConfigError(explain(error)) from None
     except ValueError as error:
         raise ConfigError(str(error)) from None
+
+
+def check_known_keys(cfg: DictConfig) -> None:
+    """Refuse a key the schema does not declare, at the top level or in the ``data``, ``model`` and ``train`` nodes.
+
+    Hydra's ``+key=value`` adds a key to any node, typed schema or not: ``+train.lrr=0.1`` (a typo of ``train.lr``)
+    ran at the default lr, the typo recorded in config.yaml and read by nothing.  ``model.kwargs`` is free-form (timm
+    checks its keys), and the method node's keys are checked by the method (:func:`method_options`).
+
+    Raises:
+        ConfigError: naming the key and the valid keys beside it.
+
+    """
+    schema = typing.get_type_hints(RunConfig)
+    nodes = [("", RunConfig, cfg)] + [(f"{group}.", schema[group], cfg[group]) for group in ("data", "model", "train")]
+    for prefix, node_type, node in nodes:
+        valid = [f.name for f in dataclasses.fields(node_type)]
+        unknown = [key for key in node if key not in valid]
+        if unknown:
+            where = f"under '{prefix[:-1]}'" if prefix else "at the top level"
+            raise ConfigError(
+                f"unknown config key '{prefix}{unknown[0]}' (a + before a key adds it, and nothing would read it); "
+                f"valid keys {where}: {', '.join(valid)}"
+            )
 
 
 def option_default(key: str, method: str | None = None) -> Any:

@@ -164,3 +164,34 @@ def test_peft_takes_target_parameters_in_place_of_target_modules():
         options='{"target_parameters": ["attn.qkv.weight"], "r": 2}',
     )
     assert any("qkv.lora_A" in name for name, p in model.named_parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize(
+    ("override", "key", "where"),
+    [
+        # Hydra's + adds a key to a typed node too: the typo of train.lr ran at the default lr, read by nothing.
+        ("+train.lrr=0.1", "train.lrr", "under 'train': epochs, lr, "),
+        ("++data.subsett=8", "data.subsett", "under 'data': name, split, "),
+        ("+model.pretrain=false", "model.pretrain", "under 'model': name, pretrained, "),
+        ("+seeds=3", "seeds", "at the top level: method, data, model, train, seed, output_dir, resume"),
+    ],
+)
+def test_petl_run_refuses_a_key_added_with_plus_that_nothing_reads(tmp_path, capsys, override, key, where):
+    from conftest import command_status, tiny_run
+
+    from petl.cli import run as run_cli
+
+    # A tiny run: without the check it trained, at the default of what the typo meant.
+    argv = [*tiny_run(epochs=1), override, f"output_dir={tmp_path / 'run'}"]
+    code, _, error = command_status(capsys, run_cli.main, *argv)
+    assert code == 2 and error.count("\n") == 1, error
+    assert error.startswith(f"petl-run: error: unknown config key '{key}' (a + before a key adds it, and nothing")
+    assert where in error
+    assert not (tmp_path / "run").exists()
+
+
+def test_free_form_model_kwargs_are_still_added_with_plus():
+    from petl.train.config import default_config
+
+    assert default_config(["+model.kwargs.depth=2", "++model.kwargs.qkv_bias=false"]).model.kwargs.depth == 2
+
