@@ -3,7 +3,8 @@
 Found by a pass over every user-settable value: petl-predict's options that act on one side of ``data=`` only;
 NOAH's ``init=reference`` where it has nothing to re-draw, and a NOAH subnet of zero widths; petl-serve's limits given
 above the limit that caps them; ``petl-bench speed tf32=`` on a CPU; a peft ``target_modules`` entry or
-``layers_to_transform`` index matching no module.
+``layers_to_transform`` index matching no module; petl-run's keys added with Hydra's ``+`` that nothing reads
+(``+train.lrr=0.1``), and a ``train.warmup_frac`` that rounds down to no warm-up step.
 """
 
 from __future__ import annotations
@@ -195,3 +196,30 @@ def test_free_form_model_kwargs_are_still_added_with_plus():
 
     assert default_config(["+model.kwargs.depth=2", "++model.kwargs.qkv_bias=false"]).model.kwargs.depth == 2
 
+
+def test_a_warmup_fraction_that_is_no_whole_step_is_refused_before_anything_is_written(tmp_path, capsys):
+    from conftest import command_status, tiny_run
+
+    from petl.cli import run as run_cli
+
+    # 64 images in one batch, 2 epochs: 2 steps, 0.05 of which rounds down to none; it ran as warmup_frac=0 would.
+    argv = [*tiny_run(subset=64, epochs=2), "train.warmup_frac=0.05", f"output_dir={tmp_path / 'run'}"]
+    code, _, error = command_status(capsys, run_cli.main, *argv)
+    assert code == 2 and error.count("\n") == 1, error
+    assert error.startswith(
+        "petl-run: error: train.warmup_frac=0.05 cannot act: the run takes 2 optimizer steps (2 epochs of 1), and "
+        "0.05 of them is no whole step, so it warms up for none; give train.warmup_frac=0.5 or more, or 0"
+    ), error
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("warmup_frac", ["0.5", "0", "0.1"])  # a whole step, none asked, the default
+def test_a_warmup_fraction_that_acts_or_asks_for_none_is_taken(tmp_path, warmup_frac):
+    from conftest import tiny_run
+
+    from petl.train.config import default_config
+    from petl.train.runner import train
+
+    out = tmp_path / "run"
+    train(default_config([*tiny_run(subset=64, epochs=2), f"train.warmup_frac={warmup_frac}", f"output_dir={out}"]))
+    assert (out / "result.json").exists()
