@@ -57,7 +57,8 @@ from petl.utils.text import first_line
 
 CONFIG_GROUPS = ("method", "data", "model", "train")
 # "auto" is resolved per machine before a run is fingerprinted (petl.train.build.resolve_precision); the others
-# are what runs, save for the fallbacks make_accelerator logs (fp16 or tf32 without a GPU, bf16 without support).
+# are what runs, save for the fallback make_accelerator logs (bf16 without support; fp16 or tf32 without a GPU are
+# refused there).
 PRECISIONS = ("auto", "no", "tf32", "bf16", "fp16")
 TRACKERS = tuple(LOGGER_TYPE_TO_CLASS)
 
@@ -162,7 +163,8 @@ class TrainConfig(TrainSettings):
             result.json record what it became on the machine that ran), ``no`` (fp32, with TF32 matmuls off also on
             a GPU: strict fp32, as every petl run before ``auto``), ``tf32`` (fp32 tensors, CUDA matmuls and
             convolutions on TF32 tensor cores), or accelerate's mixed precision ``bf16`` / ``fp16`` (TF32 on for the
-            fp32 matmuls autocast leaves, as in timm's train.py).
+            fp32 matmuls autocast leaves, as in timm's train.py).  ``tf32`` and ``fp16`` act on a CUDA GPU only, and
+            are refused by a run on another device.
         cache_features: train on cached activations of the frozen part of the backbone, when there is one;
             ``false`` where nothing would be cached (a method that trains from the first block on, a backbone in train
             mode, augmented training images) is refused.
