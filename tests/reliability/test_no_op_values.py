@@ -4,7 +4,8 @@ Found by a pass over every user-settable value: petl-predict's options that act 
 NOAH's ``init=reference`` where it has nothing to re-draw, and a NOAH subnet of zero widths; petl-serve's limits given
 above the limit that caps them; ``petl-bench speed tf32=`` on a CPU; a peft ``target_modules`` entry or
 ``layers_to_transform`` index matching no module; petl-run's keys added with Hydra's ``+`` that nothing reads
-(``+train.lrr=0.1``), and a ``train.warmup_frac`` that rounds down to no warm-up step.
+(``+train.lrr=0.1``), and a ``train.warmup_frac`` that rounds down to no warm-up step; petl-bench's budget and
+``--yes`` without ``data=``.
 """
 
 from __future__ import annotations
@@ -223,3 +224,38 @@ def test_a_warmup_fraction_that_acts_or_asks_for_none_is_taken(tmp_path, warmup_
     out = tmp_path / "run"
     train(default_config([*tiny_run(subset=64, epochs=2), f"train.warmup_frac={warmup_frac}", f"output_dir={out}"]))
     assert (out / "result.json").exists()
+
+
+@pytest.mark.parametrize(
+    ("argv", "shown"),
+    [
+        # Only a run on your own images reads a budget or --yes: a suite's sweep answered nothing within the budget.
+        (["budget.params=1M"], "budget.params=1M"),
+        (["budget.train_seconds=600", "--dry-run"], "budget.train_seconds=600"),
+        (["--yes"], "--yes"),
+        (["suite=choose", "yes=true"], "--yes"),
+    ],
+)
+def test_bench_refuses_a_budget_or_yes_without_own_data(tmp_path, capsys, monkeypatch, argv, shown):
+    from conftest import command_status
+
+    from petl.cli import bench as bench_cli
+
+    monkeypatch.chdir(tmp_path)
+    suite = [] if any(a.startswith("suite=") for a in argv) else ["suite=mini"]
+    code, _, error = command_status(capsys, bench_cli.main, "run", *suite, "methods=linear", "seeds=0", *argv)
+    assert code == 2 and error.count("\n") == 1, error
+    assert error.startswith(f"petl-bench: error: {shown} acts on a run on your own images only (suite=choose "), error
+    assert error.rstrip().endswith(f"add data=, or drop {shown.split('=')[0] + '=' if '=' in shown else shown}")
+    assert not (tmp_path / "runs").exists()
+
+
+def test_bench_takes_yes_false_without_own_data(tmp_path, capsys, monkeypatch):
+    from conftest import command_status
+
+    from petl.cli import bench as bench_cli
+
+    monkeypatch.chdir(tmp_path)
+    argv = ["run", "suite=mini", "methods=linear", "seeds=0", "tasks=mini/digits", "yes=false", "--dry-run"]
+    code, out, error = command_status(capsys, bench_cli.main, *argv)
+    assert code == 0 and "todo" in out, error
