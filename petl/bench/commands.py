@@ -64,6 +64,7 @@ def cmd_run(args: Sequence[str]) -> int:
             "petl-bench: no suite= given: name one (petl-bench list shows each with its experiments, tasks and seeds; "
             "suite=choose data=folder data.root=PATH compares methods on your images; petl-bench --help)"
         )
+    _check_own_data_keys(own)
     configs = configs_folder(own)
     suite = suites.load_suite(own["suite"], configs)
     names, tasks, seeds = _restriction(own, suite)
@@ -89,6 +90,28 @@ def cmd_run(args: Sequence[str]) -> int:
     with petl_log_lines():  # each run's epoch lines and "resuming ... from epoch K/N", as petl-run logs them
         summary = run_sweep(runs, progress=as_bool("progress", own.get("progress", "true")))
     return _finish(summary, output_dir, own, any(r.is_done() for r in runs), suite)
+
+
+def _check_own_data_keys(own: dict[str, str]) -> None:
+    """Refuse a budget or ``--yes`` without ``data=``: only a run on your own images reads them (:mod:`own_run`).
+
+    A suite's sweep answered no question within budget.params= and asked nothing --yes would answer.
+
+    Raises:
+        SystemExit: naming the key (one line, exit 2).
+
+    """
+    if "data" in own:
+        return
+    given = [key for key in sorted(OWN_DATA_KEYS - {"data"}) if key in own]
+    given = [key for key in given if key != "yes" or as_bool("yes", own["yes"])]  # yes=false is its default
+    if given:
+        key = given[0]
+        shown = "--yes" if key == "yes" else f"{key}={own[key]}"
+        raise SystemExit(
+            f"petl-bench: {shown} acts on a run on your own images only (suite=choose data=folder data.root=PATH), "
+            f"and no data= is given: add data=, or drop {'--yes' if key == 'yes' else f'{key}='}"
+        )
 
 
 def _restriction(own: dict[str, str], suite: suites.Suite) -> tuple[list[str], list[str], list[int]]:

@@ -21,8 +21,9 @@ Bad input (a run or commands without suite=, an unknown suite or key, a malforme
 results, suite= naming a suite whose backbone its runs did not train, compare on boards of different tasks, out= empty,
 inside a run folder or where nothing can be written; for run and commands, before any run, an experiment, search, task
 or command-line key or value no run config takes, named by its file, train.cache_features=false where runs would cache
-nothing either way (every experiment and task named), and methods=, tasks= or seeds= listing nothing, a name or seed
-twice or a negative seed; for speed, before any model is built, an unknown model= or one petl refuses
+nothing either way (every experiment and task named), methods=, tasks= or seeds= listing nothing, a name or seed
+twice or a negative seed, and budget.params=, budget.train_seconds= or --yes without data=, which only a run on your
+own images reads; for speed, before any model is built, an unknown model= or one petl refuses
 (a distilled DeiT), a model.kwargs.KEY the model does not take, an img_size= the model ignores (a NaFlexVit), a count
 out of its range, steps= below rounds=, options= without options_for=, a device other
 than cpu or a CUDA GPU torch sees, tf32= on a CPU, inprocess= on a GPU) exits with status 2 and one line naming the

@@ -17,14 +17,15 @@ refused at start, naming it.
 The routes, the token, bad input and the limits: docs/serving.md (GET /openapi.json on the server).
 
 Options (key=value, anywhere, listed below with their defaults, which are those of the Python API's
-petl.deploy.serve.ServeOptions; a value that is not a finite number in its range, or a precision not
-listed, is refused, and so is a max_batch given above max_queue or a max_image_mp given above max_request_mp:
-the outer limit caps the inner one).  ``precision`` means what petl-run's ``train.precision`` does: the forward
-runs under it (bf16 autocast, TF32) on a GPU, the weights stay fp32, and a CPU under ``auto`` answers exactly as
-strict fp32.  Exit status: 2 bad input (an option, a run folder, a task named twice, a host that does not resolve
-or is not this machine's, a PETL_SERVE_TOKEN no client can send in a header), 1 the server could not run (FastAPI
-missing, the port taken), 130 Ctrl-C; the host and the port are checked before the runs load; SIGTERM shuts the
-server down as Ctrl-C does, and then ends it as SIGTERM ends a process.
+petl.deploy.serve.ServeOptions; a value that is not a finite number in its range, or a precision not listed, is
+refused, and so is a max_batch given above max_queue or a max_image_mp given above max_request_mp: the outer limit
+caps the inner one, and a cuda_graphs other than its default where torch sees no GPU). ``precision`` means what
+petl-run's ``train.precision`` does: the forward runs under it (bf16 autocast, TF32) on a GPU, the weights stay
+fp32, and a CPU under ``auto`` answers exactly as strict fp32. Exit status: 2 bad input (an option, a run folder, a
+task named twice, a host that does not resolve or is not this machine's, a PETL_SERVE_TOKEN no client can send in a
+header), 1 the server could not run (FastAPI missing, the port taken), 130 Ctrl-C; the host and the port are
+checked before the runs load; SIGTERM shuts the server down as Ctrl-C does, and then ends it as SIGTERM ends a
+process.
 """
 
 from __future__ import annotations
@@ -305,6 +306,14 @@ def run_cli(argv: Sequence[str]) -> int:
         )
     except ValueError as error:
         raise UsageError(str(error)) from None
+    import torch
+
+    # The runs are served on the GPU where torch sees one (serve.load_tasks), else on the CPU, which keeps no graph.
+    if not torch.cuda.is_available() and serve_options.cuda_graphs != serve.ServeOptions.cuda_graphs:
+        raise UsageError(
+            f"cuda_graphs={options['cuda_graphs']} acts on a CUDA GPU only, and torch sees none here: every batch "
+            "runs eagerly on the CPU; drop cuda_graphs="
+        )
     # Bound before the runs load, which can take minutes: a host that is not this machine's or a port in use is
     # said at once.  It listens only once they have: until then a client is refused instead of kept waiting.
     with bind(options["host"], options["port"]) as listening:
@@ -330,12 +339,6 @@ def run_cli(argv: Sequence[str]) -> int:
         print(
             f"{PROG}: serving on {app.state.device} in {precision} (precision={options['precision']})", file=sys.stderr
         )
-        if app.state.device != "cuda" and serve_options.cuda_graphs != serve.ServeOptions.cuda_graphs:
-            print(
-                f"{PROG}: note: cuda_graphs={options['cuda_graphs']} acts on a GPU only; on the "
-                f"{app.state.device.upper()} every batch runs eagerly",
-                file=sys.stderr,
-            )
         print(f"{PROG}: http://{address(options['host'], port)}/ (the API: /openapi.json)", file=sys.stderr)
         if not loopback(options["host"]) and serve.token_from_environment() is None:
             print(

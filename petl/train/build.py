@@ -199,6 +199,12 @@ def make_accelerator(cfg: DictConfig, out: Path) -> Accelerator:
     trackers = list(cfg.train.trackers)
     device_type = run_device_type()
     precision, fallback = run_precision(cfg.train.precision, device_type)
+    if cfg.train.precision in ("fp16", "tf32") and precision != cfg.train.precision:
+        # Asked for, it could not act: the run was the train.precision=no run under another config fingerprint.
+        raise ConfigError(
+            f"train.precision={cfg.train.precision} acts on a CUDA GPU only, and this run trains on {device_type}: "
+            "give train.precision=no (or bf16, which CPUs autocast)"
+        )
     if fallback is not None:
         warn_main(log, fallback)
     # tf32 is fp32 to accelerate: the TF32 switch is torch's, set by the runner (petl.utils.precision.uses_tf32).

@@ -57,7 +57,8 @@ from petl.utils.text import first_line
 
 CONFIG_GROUPS = ("method", "data", "model", "train")
 # "auto" is resolved per machine before a run is fingerprinted (petl.train.build.resolve_precision); the others
-# are what runs, save for the fallbacks make_accelerator logs (fp16 or tf32 without a GPU, bf16 without support).
+# are what runs, save for the fallback make_accelerator logs (bf16 without support; fp16 or tf32 without a GPU are
+# refused there).
 PRECISIONS = ("auto", "no", "tf32", "bf16", "fp16")
 TRACKERS = tuple(LOGGER_TYPE_TO_CLASS)
 
@@ -162,7 +163,8 @@ class TrainConfig(TrainSettings):
             result.json record what it became on the machine that ran), ``no`` (fp32, with TF32 matmuls off also on
             a GPU: strict fp32, as every petl run before ``auto``), ``tf32`` (fp32 tensors, CUDA matmuls and
             convolutions on TF32 tensor cores), or accelerate's mixed precision ``bf16`` / ``fp16`` (TF32 on for the
-            fp32 matmuls autocast leaves, as in timm's train.py).
+            fp32 matmuls autocast leaves, as in timm's train.py).  ``tf32`` and ``fp16`` act on a CUDA GPU only, and
+            are refused by a run on another device.
         cache_features: train on cached activations of the frozen part of the backbone, when there is one;
             ``false`` where nothing would be cached (a method that trains from the first block on, a backbone in train
             mode, augmented training images) is refused.
@@ -617,6 +619,7 @@ def check_values(cfg: DictConfig, sources: Mapping[str, str] | None = None) -> N
     """
     try:
         schema = typing.get_type_hints(RunConfig)
+        check_known_keys(cfg)
         check_options(RunConfig, cfg)
         for group in ("data", "model", "train"):
             check_options(schema[group], cfg[group], f"{group}.")
@@ -647,6 +650,30 @@ def check_values(cfg: DictConfig, sources: Mapping[str, str] | None = None) -> N
         raise ConfigError(explain(error)) from None
     except ValueError as error:
         raise ConfigError(str(error)) from None
+
+
+def check_known_keys(cfg: DictConfig) -> None:
+    """Refuse a key the schema does not declare, at the top level or in the ``data``, ``model`` and ``train`` nodes.
+
+    Hydra's ``+key=value`` adds a key to any node, typed schema or not: ``+train.lrr=0.1`` (a typo of ``train.lr``)
+    ran at the default lr, the typo recorded in config.yaml and read by nothing.  ``model.kwargs`` is free-form (timm
+    checks its keys), and the method node's keys are checked by the method (:func:`method_options`).
+
+    Raises:
+        ConfigError: naming the key and the valid keys beside it.
+
+    """
+    schema = typing.get_type_hints(RunConfig)
+    nodes = [("", RunConfig, cfg)] + [(f"{group}.", schema[group], cfg[group]) for group in ("data", "model", "train")]
+    for prefix, node_type, node in nodes:
+        valid = [f.name for f in dataclasses.fields(node_type)]
+        unknown = [key for key in node if key not in valid]
+        if unknown:
+            where = f"under '{prefix[:-1]}'" if prefix else "at the top level"
+            raise ConfigError(
+                f"unknown config key '{prefix}{unknown[0]}' (a + before a key adds it, and nothing would read it); "
+                f"valid keys {where}: {', '.join(valid)}"
+            )
 
 
 def option_default(key: str, method: str | None = None) -> Any:

@@ -45,7 +45,8 @@ class TrainSettings:
         epochs: passes over the training split.
         lr: peak learning rate of AdamW.
         weight_decay: AdamW weight decay.
-        warmup_frac: fraction of the steps spent in linear warm-up before the cosine decay.
+        warmup_frac: fraction of the steps spent in linear warm-up before the cosine decay, rounded down to whole
+            steps; ``petl-run`` refuses one other than 0 and this default that is no whole step of its run.
         label_smoothing: cross-entropy label smoothing, in [0, 1): the share of each target spread evenly over the
             classes.  1 is refused: every target would be uniform, the same whatever the label, so nothing is learned.
         grad_clip: max gradient norm, 0 to disable.
@@ -210,6 +211,11 @@ def param_groups(model: nn.Module, settings: TrainSettings) -> list[dict]:
     return [g for g in groups if g["params"]]
 
 
+def warmup_steps(warmup_frac: float, total: int) -> int:
+    """The scheduler steps of linear warm-up: ``warmup_frac`` of ``total``, rounded down (0: no warm-up)."""
+    return int(warmup_frac * total)
+
+
 def build_optimizer(
     model: nn.Module, settings: TrainSettings, steps_per_epoch: int
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
@@ -218,7 +224,7 @@ def build_optimizer(
         raise ValueError("the model has no trainable parameters")
     optimizer = torch.optim.AdamW(param_groups(model, settings), lr=settings.lr, weight_decay=settings.weight_decay)
     total = max(1, settings.epochs * steps_per_epoch)
-    warmup = int(settings.warmup_frac * total)
+    warmup = warmup_steps(settings.warmup_frac, total)
 
     def factor(step: int) -> float:
         if step < warmup:

@@ -273,6 +273,7 @@ def _train_and_record(cfg: DictConfig, resolved: dict[str, Any], out: Path, acce
     build.apply_method(cfg, model, method_cfg)
     _check_batch_statistics(cfg, model)
     _check_grad_accum(cfg, len(datasets["train"]), accelerator.num_processes)
+    _check_warmup(cfg, len(datasets["train"]), accelerator.num_processes)
     if cfg.train.grad_checkpointing:
         config.check_grad_checkpointing_acts(cfg, model)  # composing checked it on the meta model, where it could
         engine.enable_grad_checkpointing(model)
@@ -344,6 +345,14 @@ def _check_batch_statistics(cfg: DictConfig, model: nn.Module) -> None:
         )
 
 
+def _batches_per_process(cfg: DictConfig, train_size: int, num_processes: int) -> int:
+    """The training batches of an epoch on each process, as the prepared training loader holds them."""
+    batch = cfg.train.batch_size
+    # The training loader leaves a lone last image out on one process (_set_up_training).
+    batches = math.ceil(train_size / batch) - (num_processes == 1 and train_size % batch == 1)
+    return math.ceil(batches / num_processes)
+
+
 def _check_grad_accum(cfg: DictConfig, train_size: int, num_processes: int) -> None:
     """Refuse a ``train.grad_accum`` above the batches an epoch holds per process: a step never accumulates more.
 
@@ -352,15 +361,38 @@ def _check_grad_accum(cfg: DictConfig, train_size: int, num_processes: int) -> N
 
     """
     batch = cfg.train.batch_size
-    # The training loader leaves a lone last image out on one process (_set_up_training).
-    batches = math.ceil(train_size / batch) - (num_processes == 1 and train_size % batch == 1)
-    most = math.ceil(batches / num_processes)
+    most = _batches_per_process(cfg, train_size, num_processes)
     if cfg.train.grad_accum > most:
         per = f" per process ({num_processes})" if num_processes > 1 else ""
         raise ConfigError(
             f"train.grad_accum={cfg.train.grad_accum} cannot act: an epoch holds {plural(most, 'batch', 'batches')} "
             f"of train.batch_size={batch}{per}, and a step accumulates no more than those; give "
             f"train.grad_accum={most}{' or less' if most > 1 else ''}"
+        )
+
+
+def _check_warmup(cfg: DictConfig, train_size: int, num_processes: int) -> None:
+    """Refuse a ``train.warmup_frac`` other than 0 and its default that is no whole step of this run's schedule.
+
+    The schedule warms up for ``warmup_frac`` of its steps rounded down (:func:`engine.warmup_steps`): 0.05 of a run
+    of 10 steps warmed up for none, as 0 would.  The default stays (a small folder's run is not refused for it).
+
+    Raises:
+        ConfigError: naming the option, the run's steps and the least fraction that warms up.
+
+    """
+    frac = cfg.train.warmup_frac
+    if frac in (0, config.option_default("train.warmup_frac")):
+        return
+    # As _set_up_training builds it: accelerate steps the scheduler once per process at each optimizer step.
+    optimizer_steps = math.ceil(_batches_per_process(cfg, train_size, num_processes) / cfg.train.grad_accum)
+    total = max(1, cfg.train.epochs * optimizer_steps * num_processes)
+    if engine.warmup_steps(frac, total) == 0:
+        least = math.ceil(1000 / total) / 1000  # rounded up: a whole step at least
+        raise ConfigError(
+            f"train.warmup_frac={frac:g} cannot act: the run takes {plural(total // num_processes, 'optimizer step')}"
+            f" ({plural(cfg.train.epochs, 'epoch')} of {optimizer_steps}), and {frac:g} of them is no whole step, so "
+            f"it warms up for none; give train.warmup_frac={least:g} or more, or 0"
         )
 
 

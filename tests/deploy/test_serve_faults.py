@@ -571,7 +571,7 @@ def test_a_privileged_port_refused_says_which_ports_a_user_may_take(unloaded, ca
     )
 
 
-def test_cuda_graphs_is_checked_set_on_the_served_model_and_said_to_do_nothing_on_a_cpu(tmp_path, capsys, monkeypatch):
+def test_cuda_graphs_is_checked_set_on_the_served_model_and_refused_on_a_cpu(tmp_path, capsys, monkeypatch):
     with pytest.raises(ValueError, match="^cuda_graphs=-1: must be a number from 0 to 256$"):
         serve.ServeOptions(cuda_graphs=-1)
     run = tmp_path / "lora"
@@ -587,11 +587,15 @@ def test_cuda_graphs_is_checked_set_on_the_served_model_and_said_to_do_nothing_o
     monkeypatch.setattr(serve, "create_app", recorded)
     # Serving ends at once: what matters is set and said before it starts.
     monkeypatch.setattr(uvicorn.Server, "run", lambda server, sockets: setattr(server, "started", True))
-    for options in ([], ["cuda_graphs=0"]):
-        code, out, err = command_status(capsys, serve_cli.main, str(run), "port=0", *options, "--quiet")
-        assert code == 0, err
-        said = "petl-serve: note: cuda_graphs=0 acts on a GPU only; on the CPU every batch runs eagerly\n"
-        assert (said in err) == bool(options), err
+    code, _, err = command_status(capsys, serve_cli.main, str(run), "port=0", "--quiet")
+    assert code == 0, err
+    # On a CPU it served as the default did, with a note: now refused before any run loads.
+    code, _, err = command_status(capsys, serve_cli.main, str(run), "port=0", "cuda_graphs=0", "--quiet")
+    assert code == 2 and err == (
+        "petl-serve: error: cuda_graphs=0 acts on a CUDA GPU only, and torch sees none here: every batch runs eagerly "
+        "on the CPU; drop cuda_graphs=\n"
+    ), err
+    serve.create_app(*serve.load_tasks({"lora": run}), serve.ServeOptions(cuda_graphs=0, precision="no"))
     assert [model.graphs.size for model in served] == [8, 0]
 
 

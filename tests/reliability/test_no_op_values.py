@@ -3,7 +3,9 @@
 Found by a pass over every user-settable value: petl-predict's options that act on one side of ``data=`` only;
 NOAH's ``init=reference`` where it has nothing to re-draw, and a NOAH subnet of zero widths; petl-serve's limits given
 above the limit that caps them; ``petl-bench speed tf32=`` on a CPU; a peft ``target_modules`` entry or
-``layers_to_transform`` index matching no module.
+``layers_to_transform`` index matching no module; petl-run's keys added with Hydra's ``+`` that nothing reads
+(``+train.lrr=0.1``), and a ``train.warmup_frac`` that rounds down to no warm-up step; petl-bench's budget and
+``--yes`` without ``data=``.
 """
 
 from __future__ import annotations
@@ -164,3 +166,96 @@ def test_peft_takes_target_parameters_in_place_of_target_modules():
         options='{"target_parameters": ["attn.qkv.weight"], "r": 2}',
     )
     assert any("qkv.lora_A" in name for name, p in model.named_parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize(
+    ("override", "key", "where"),
+    [
+        # Hydra's + adds a key to a typed node too: the typo of train.lr ran at the default lr, read by nothing.
+        ("+train.lrr=0.1", "train.lrr", "under 'train': epochs, lr, "),
+        ("++data.subsett=8", "data.subsett", "under 'data': name, split, "),
+        ("+model.pretrain=false", "model.pretrain", "under 'model': name, pretrained, "),
+        ("+seeds=3", "seeds", "at the top level: method, data, model, train, seed, output_dir, resume"),
+    ],
+)
+def test_petl_run_refuses_a_key_added_with_plus_that_nothing_reads(tmp_path, capsys, override, key, where):
+    from conftest import command_status, tiny_run
+
+    from petl.cli import run as run_cli
+
+    # A tiny run: without the check it trained, at the default of what the typo meant.
+    argv = [*tiny_run(epochs=1), override, f"output_dir={tmp_path / 'run'}"]
+    code, _, error = command_status(capsys, run_cli.main, *argv)
+    assert code == 2 and error.count("\n") == 1, error
+    assert error.startswith(f"petl-run: error: unknown config key '{key}' (a + before a key adds it, and nothing")
+    assert where in error
+    assert not (tmp_path / "run").exists()
+
+
+def test_free_form_model_kwargs_are_still_added_with_plus():
+    from petl.train.config import default_config
+
+    assert default_config(["+model.kwargs.depth=2", "++model.kwargs.qkv_bias=false"]).model.kwargs.depth == 2
+
+
+def test_a_warmup_fraction_that_is_no_whole_step_is_refused_before_anything_is_written(tmp_path, capsys):
+    from conftest import command_status, tiny_run
+
+    from petl.cli import run as run_cli
+
+    # 64 images in one batch, 2 epochs: 2 steps, 0.05 of which rounds down to none; it ran as warmup_frac=0 would.
+    argv = [*tiny_run(subset=64, epochs=2), "train.warmup_frac=0.05", f"output_dir={tmp_path / 'run'}"]
+    code, _, error = command_status(capsys, run_cli.main, *argv)
+    assert code == 2 and error.count("\n") == 1, error
+    assert error.startswith(
+        "petl-run: error: train.warmup_frac=0.05 cannot act: the run takes 2 optimizer steps (2 epochs of 1), and "
+        "0.05 of them is no whole step, so it warms up for none; give train.warmup_frac=0.5 or more, or 0"
+    ), error
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("warmup_frac", ["0.5", "0", "0.1"])  # a whole step, none asked, the default
+def test_a_warmup_fraction_that_acts_or_asks_for_none_is_taken(tmp_path, warmup_frac):
+    from conftest import tiny_run
+
+    from petl.train.config import default_config
+    from petl.train.runner import train
+
+    out = tmp_path / "run"
+    train(default_config([*tiny_run(subset=64, epochs=2), f"train.warmup_frac={warmup_frac}", f"output_dir={out}"]))
+    assert (out / "result.json").exists()
+
+
+@pytest.mark.parametrize(
+    ("argv", "shown"),
+    [
+        # Only a run on your own images reads a budget or --yes: a suite's sweep answered nothing within the budget.
+        (["budget.params=1M"], "budget.params=1M"),
+        (["budget.train_seconds=600", "--dry-run"], "budget.train_seconds=600"),
+        (["--yes"], "--yes"),
+        (["suite=choose", "yes=true"], "--yes"),
+    ],
+)
+def test_bench_refuses_a_budget_or_yes_without_own_data(tmp_path, capsys, monkeypatch, argv, shown):
+    from conftest import command_status
+
+    from petl.cli import bench as bench_cli
+
+    monkeypatch.chdir(tmp_path)
+    suite = [] if any(a.startswith("suite=") for a in argv) else ["suite=mini"]
+    code, _, error = command_status(capsys, bench_cli.main, "run", *suite, "methods=linear", "seeds=0", *argv)
+    assert code == 2 and error.count("\n") == 1, error
+    assert error.startswith(f"petl-bench: error: {shown} acts on a run on your own images only (suite=choose "), error
+    assert error.rstrip().endswith(f"add data=, or drop {shown.split('=')[0] + '=' if '=' in shown else shown}")
+    assert not (tmp_path / "runs").exists()
+
+
+def test_bench_takes_yes_false_without_own_data(tmp_path, capsys, monkeypatch):
+    from conftest import command_status
+
+    from petl.cli import bench as bench_cli
+
+    monkeypatch.chdir(tmp_path)
+    argv = ["run", "suite=mini", "methods=linear", "seeds=0", "tasks=mini/digits", "yes=false", "--dry-run"]
+    code, out, error = command_status(capsys, bench_cli.main, *argv)
+    assert code == 0 and "todo" in out, error

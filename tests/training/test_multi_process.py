@@ -226,14 +226,15 @@ def test_a_fault_of_the_data_or_config_every_process_meets_is_warned_by_the_firs
     for path in (*images, "train/stray.png"):  # an image outside the class folders
         (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
         Image.new("RGB", (8, 8)).save(tmp_path / path)
-    train = {"trackers": [], "precision": "fp16", "compile": False, "grad_accum": 1}
+    train = {"trackers": [], "precision": "bf16", "compile": False, "grad_accum": 1}
     monkeypatch.setattr(build, "run_device_type", lambda: "cpu")
+    monkeypatch.setattr(build, "cpu_supports_bf16", lambda: False)
     with caplog.at_level("WARNING"):
         folder.describe_folder(str(tmp_path))
-        build.make_accelerator(OmegaConf.create({"train": train}), tmp_path / "out")  # fp16 without a GPU
+        build.make_accelerator(OmegaConf.create({"train": train}), tmp_path / "out")  # bf16 on a CPU without it
     said = [record.getMessage() for record in caplog.records]
     assert sum(message.startswith("folder: skipped stray.png in ") for message in said) == lines, said
-    assert sum("train.precision=fp16 needs a CUDA GPU" in message for message in said) == lines, said
+    assert sum("train.precision=bf16: this CPU has no bf16 instructions" in message for message in said) == lines, said
 
 
 @pytest.mark.parametrize("missing", ["data", "weights"])

@@ -181,14 +181,13 @@ def test_the_default_precision_on_a_cpu_is_bit_identical_to_fp32(tmp_path, train
         check_finished(default_config([*TINY, f"output_dir={tmp_path / 'no'}", "method=lora", "train.precision=bf16"]))
 
 
-@pytest.mark.slow
-def test_tf32_without_a_gpu_runs_in_fp32_with_a_warning(tmp_path, train_on_cpu, caplog):
-    plain = _run(tmp_path / "plain", "method=linear", "train.precision=no")
-    with caplog.at_level(logging.WARNING):
-        result = _run(tmp_path / "run", "method=linear", "train.precision=tf32")
-    assert "train.precision=tf32 needs a CUDA GPU" in caplog.text
-    assert result["precision"] == "no" and result["tf32"] is False
-    assert result["final_train_loss"] == plain["final_train_loss"]
+@pytest.mark.parametrize("asked", ["tf32", "fp16"])
+def test_tf32_or_fp16_without_a_gpu_is_refused_before_anything_is_written(tmp_path, train_on_cpu, asked):
+    # They ran in fp32 with a warning: the train.precision=no run, under another config fingerprint.
+    message = f"^train.precision={asked} acts on a CUDA GPU only, and this run trains on cpu: give train.precision=no"
+    with pytest.raises(ConfigError, match=message):
+        _run(tmp_path / "run", "method=linear", f"train.precision={asked}")
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_resume_that_sees_fewer_gpus_restores_the_states_of_those_it_has(monkeypatch):
