@@ -311,7 +311,7 @@ class MultiTask(nn.Module):
         graphs: the CUDA graphs :meth:`forward` replays (:class:`petl.deploy.graphs.LayoutGraphs`): on a GPU and
             without autograd, a layout (the rows of each task, whatever their order) that comes a second time is
             captured and every later batch of it replayed with one launch, 8 layouts at most (the most used);
-            ``graphs.size = 0`` runs every batch eagerly.
+            ``graphs.size = 0`` runs every batch eagerly (and drops the graphs kept).
         every_row: whether every task's every hook stacks (one task's batched form too) and every head is a Linear
             (LoRA, FacT, SSF, BitFit, adapters, VPT, Convpass): then the graphs' batches run every row through every
             stack, the neutral entry for the rows of other tasks, with slots for every task's prompts and each row's

@@ -143,6 +143,36 @@ def test_size_zero_keeps_no_graph_and_layouts_that_never_repeat_are_forgotten():
     assert made.keys == []
 
 
+def test_lowering_the_size_drops_the_least_used_graphs_past_it():
+    """Each graph holds the GPU memory of its forward: ``size = 0`` (documented as turning the graphs off) kept every
+    graph captured so far, and a lower size kept them all until a capture replaced one."""
+    made, graphs = _Made(), LayoutGraphs(size=3, after=1)
+    for key in ["a", "a", "a", "b", "b", "c"]:
+        graphs.answer(key, None, _Layout(), made(key))
+    assert list(graphs.graphs) == ["a", "b", "c"]
+    graphs.size = 2
+    assert list(graphs.graphs) == ["a", "b"]
+    graphs.size = 0
+    assert not graphs.graphs and graphs.answer("a", None, _Layout(), made("a")) is None and made.keys == ["a", "b", "c"]
+
+
+def test_the_graph_a_layout_replaces_is_dropped_before_its_capture():
+    """Its memory is then free for the capture: kept until after it, the graphs held ``size + 1`` forwards'
+    intermediate tensors at once, and a capture that ran out of memory for it turned every graph off."""
+    held = []
+    graphs = LayoutGraphs(size=1, after=1)
+
+    def make(key):
+        def capture():
+            held.append(list(graphs.graphs))
+            return lambda images, order: key
+
+        return capture
+
+    assert [graphs.answer(key, None, _Layout(), make(key)) for key in ["a", "b", "b"]] == ["a", None, "b"]
+    assert held == [[], []] and list(graphs.graphs) == ["b"]
+
+
 def test_a_capture_that_fails_turns_the_graphs_off_with_a_warning():
     def fails():
         raise RuntimeError("operation not permitted when stream is capturing")
