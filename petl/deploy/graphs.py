@@ -12,6 +12,7 @@ size answers every mix of tasks, a batch padded to the next power of two rows fo
 
 from __future__ import annotations
 
+import threading
 import warnings
 from collections import Counter
 from collections.abc import Callable, Hashable
@@ -51,6 +52,7 @@ class LayoutGraph:
         weights: tuple[Tensor, ...] = (),
     ) -> None:
         self.graph, self.images, self.output, self.layout, self.weights = graph, images, output, layout, weights
+        self._replaying = threading.Lock()  # a call from another thread would copy its images in midway
 
     def __call__(self, images: Tensor, layout: Any = None) -> Tensor:
         """The logits of ``images`` (of the captured shape, dtype and device), each row from its task.
@@ -65,14 +67,15 @@ class LayoutGraph:
                 f"this graph answers {tuple(static.shape)} {static.dtype} images on {static.device}, got "
                 f"{tuple(images.shape)} {images.dtype} on {images.device}: make a graph for that layout"
             )
-        with torch.inference_mode():  # the graph's own tensors were made under it: only it writes into them
-            static.copy_(images)
-            if layout is not None and layout is not self.layout:
-                self.layout.order.copy_(layout.order, non_blocking=True)
-                self.layout.rows.copy_(layout.rows, non_blocking=True)
-            self.graph.replay()
-        # Copied outside it: a plain tensor, as the eager forward gives under no_grad, which autograd may save later.
-        return self.output.clone()
+        with self._replaying:
+            with torch.inference_mode():  # the graph's own tensors were made under it: only it writes into them
+                static.copy_(images)
+                if layout is not None and layout is not self.layout:
+                    self.layout.order.copy_(layout.order, non_blocking=True)
+                    self.layout.rows.copy_(layout.rows, non_blocking=True)
+                self.graph.replay()
+            # Copied outside it: a plain tensor, as the eager forward gives under no_grad, which autograd may save.
+            return self.output.clone()
 
 
 def capture(
