@@ -335,7 +335,7 @@ class MultiTask(nn.Module):
     def __init__(self, backbone: nn.Module, tasks: Mapping[str, str | Path]) -> None:
         super().__init__()
         self.graphs = LayoutGraphs()
-        self._serving = threading.Lock()  # one forward at a time: another's batch would replace its Router.batch
+        self._serving = threading.RLock()  # one forward at a time: another thread would replace its Router.batch
         # The prompt slots' masks of every task, per device, dtype and token layout (_row_mask).
         self._mask_tables: dict[tuple[Any, ...], Tensor] = {}
         if getattr(backbone, "petl_method", None) is not None:
