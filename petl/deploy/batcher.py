@@ -6,8 +6,8 @@ waited ``max_wait_s``, whichever comes first, then runs them as one batch in its
 keeps accepting requests meanwhile, and rows arriving during a forward pass form the next batch).  A full
 queue refuses new rows (:class:`QueueFull`) instead of growing without end.
 
-Forward passes run one at a time (under a lock, across the worker's runs): :class:`petl.MultiTask` routes the
-batch it runs through state it holds, so two concurrent forwards would mix their rows.
+Forward passes run one at a time (under a lock, across the worker's runs): a forward need not be safe to call from
+two threads at once (:class:`petl.MultiTask` routes the batch it runs through state it holds, under a lock of its own).
 """
 
 from __future__ import annotations

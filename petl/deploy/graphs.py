@@ -12,6 +12,7 @@ size answers every mix of tasks, a batch padded to the next power of two rows fo
 
 from __future__ import annotations
 
+import threading
 import warnings
 from collections import Counter
 from collections.abc import Callable, Hashable
@@ -51,6 +52,7 @@ class LayoutGraph:
         weights: tuple[Tensor, ...] = (),
     ) -> None:
         self.graph, self.images, self.output, self.layout, self.weights = graph, images, output, layout, weights
+        self._replaying = threading.Lock()  # a call from another thread would copy its images in midway
 
     def __call__(self, images: Tensor, layout: Any = None) -> Tensor:
         """The logits of ``images`` (of the captured shape, dtype and device), each row from its task.
@@ -65,14 +67,15 @@ class LayoutGraph:
                 f"this graph answers {tuple(static.shape)} {static.dtype} images on {static.device}, got "
                 f"{tuple(images.shape)} {images.dtype} on {images.device}: make a graph for that layout"
             )
-        with torch.inference_mode():  # the graph's own tensors were made under it: only it writes into them
-            static.copy_(images)
-            if layout is not None and layout is not self.layout:
-                self.layout.order.copy_(layout.order, non_blocking=True)
-                self.layout.rows.copy_(layout.rows, non_blocking=True)
-            self.graph.replay()
-        # Copied outside it: a plain tensor, as the eager forward gives under no_grad, which autograd may save later.
-        return self.output.clone()
+        with self._replaying:
+            with torch.inference_mode():  # the graph's own tensors were made under it: only it writes into them
+                static.copy_(images)
+                if layout is not None and layout is not self.layout:
+                    self.layout.order.copy_(layout.order, non_blocking=True)
+                    self.layout.rows.copy_(layout.rows, non_blocking=True)
+                self.graph.replay()
+            # Copied outside it: a plain tensor, as the eager forward gives under no_grad, which autograd may save.
+            return self.output.clone()
 
 
 def capture(
@@ -108,8 +111,10 @@ class LayoutGraphs:
     least used graph only once it has come more often than that graph: a server whose batches mix tasks anew each
     time captures ``size`` graphs and then seldom another, instead of one at every batch.  Every count halves when
     the record of layouts grows past 64 per graph, so a mix that stopped coming gives way to one that comes now.
-    Every graph is dropped when the MultiTask moves (``.to()``): it reads the weights' old memory.  A capture that
-    fails (an op CUDA cannot capture) turns the graphs off, with a warning: every batch then runs eagerly.
+    Every graph is dropped when the MultiTask moves (``.to()``): it reads the weights' old memory.  Lowering ``size``
+    drops the least used graphs past it (``size = 0`` every one), and a graph a layout replaces is dropped before that
+    layout's capture: each holds the GPU memory of its forward's intermediate tensors.  A capture that fails (an op
+    CUDA cannot capture) turns the graphs off, with a warning: every batch then runs eagerly.
 
     Attributes:
         captured: how many graphs were captured.
@@ -118,10 +123,23 @@ class LayoutGraphs:
     """
 
     def __init__(self, size: int = 8, after: int = 2) -> None:
-        self.size, self.after = size, after
         self.graphs: dict[Hashable, LayoutGraph] = {}
         self.uses: Counter[Hashable] = Counter()  # batches per layout, captured or not
+        self.size, self.after = size, after
         self.captured = self.replayed = 0
+
+    @property
+    def size(self) -> int:
+        """The most graphs kept; set lower, the least used graphs past it are dropped (0: every one)."""
+        return self._size
+
+    @size.setter
+    def size(self, size: int) -> None:
+        # Dropped now, not at the next capture: a graph no batch replays would hold its GPU memory for ever (and none
+        # is captured while size is 0).
+        self._size = size
+        while len(self.graphs) > max(size, 0):
+            del self.graphs[min(self.graphs, key=self.uses.__getitem__)]
 
     def clear(self) -> None:
         self.graphs.clear()
@@ -150,6 +168,8 @@ class LayoutGraphs:
             if len(self.uses) > 64 * self.size:
                 self.uses = Counter({k: n // 2 for k, n in self.uses.items() if n // 2 or k in self.graphs})
             return None
+        if victim is not None:  # dropped first: its memory is free for the capture (which empties torch's cache)
+            del self.graphs[victim], self.uses[victim]
         try:
             graph = make()
         except RuntimeError as error:  # an op CUDA cannot capture: every batch eager, as without graphs
@@ -159,8 +179,6 @@ class LayoutGraphs:
                 f"MultiTask serves every batch eagerly: capturing a CUDA graph failed ({error})", stacklevel=4
             )
             return None
-        if victim is not None:
-            del self.graphs[victim], self.uses[victim]
         self.graphs[key] = graph
         self.captured += 1
         return graph

@@ -64,6 +64,7 @@ from __future__ import annotations
 import copy
 import numbers
 import os
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -311,7 +312,7 @@ class MultiTask(nn.Module):
         graphs: the CUDA graphs :meth:`forward` replays (:class:`petl.deploy.graphs.LayoutGraphs`): on a GPU and
             without autograd, a layout (the rows of each task, whatever their order) that comes a second time is
             captured and every later batch of it replayed with one launch, 8 layouts at most (the most used);
-            ``graphs.size = 0`` runs every batch eagerly.
+            ``graphs.size = 0`` runs every batch eagerly (and drops the graphs kept).
         every_row: whether every task's every hook stacks (one task's batched form too) and every head is a Linear
             (LoRA, FacT, SSF, BitFit, adapters, VPT, Convpass): then the graphs' batches run every row through every
             stack, the neutral entry for the rows of other tasks, with slots for every task's prompts and each row's
@@ -334,6 +335,7 @@ class MultiTask(nn.Module):
     def __init__(self, backbone: nn.Module, tasks: Mapping[str, str | Path]) -> None:
         super().__init__()
         self.graphs = LayoutGraphs()
+        self._serving = threading.RLock()  # one forward at a time: another thread would replace its Router.batch
         # The prompt slots' masks of every task, per device, dtype and token layout (_row_mask).
         self._mask_tables: dict[tuple[Any, ...], Tensor] = {}
         if getattr(backbone, "petl_method", None) is not None:
@@ -740,20 +742,21 @@ class MultiTask(nn.Module):
         if not len(index):  # no rows, no task to route: 0 x C, as a timm model answers an empty batch
             width = max(self.num_classes.values()) or backbone_of(self.backbone).num_features()
             return images.new_empty(0, width)
-        replay = _may_replay(images) and self.graphs.size > 0
-        layout, logits = None, None
-        if replay and self.every_row:  # every row through every stack: a graph answers every mix of tasks
-            logits = self._replay_every_row(images, index)
-        elif replay:  # a graph per layout: the rows of each task, in any order
-            layout = self._layout(index, images)
-            mix = tuple(torch.bincount(index, minlength=len(self.names)).tolist())
-            logits = self.graphs.answer(
-                (mix, *self._graph_setting(images)), images, layout, lambda: self._capture(images, layout)
-            )
-        if logits is not None:
-            return logits
-        # Eager: each task's hooks on its own rows, fewer ops where few tasks are in the batch.
-        return self._run(images, self._layout(index, images) if layout is None else layout)
+        with self._serving:
+            replay = _may_replay(images) and self.graphs.size > 0
+            layout, logits = None, None
+            if replay and self.every_row:  # every row through every stack: a graph answers every mix of tasks
+                logits = self._replay_every_row(images, index)
+            elif replay:  # a graph per layout: the rows of each task, in any order
+                layout = self._layout(index, images)
+                mix = tuple(torch.bincount(index, minlength=len(self.names)).tolist())
+                logits = self.graphs.answer(
+                    (mix, *self._graph_setting(images)), images, layout, lambda: self._capture(images, layout)
+                )
+            if logits is not None:
+                return logits
+            # Eager: each task's hooks on its own rows, fewer ops where few tasks are in the batch.
+            return self._run(images, self._layout(index, images) if layout is None else layout)
 
     def _replay_every_row(self, images: Tensor, index: Tensor) -> Tensor | None:
         """The logits of a batch of tasks that run every row, from the graph of its padded size, or None where no
@@ -826,7 +829,8 @@ class MultiTask(nn.Module):
             raise ValueError(f"MultiTask.graphed makes a CUDA graph: give images on a CUDA device, not {images.device}")
         check_images(images, self._channels, self._image_size, next(self.backbone.parameters()).dtype)
         index = self.task_index(task_ids, images.shape[0])
-        return self._capture(images, self._layout(index, images))
+        with self._serving:
+            return self._capture(images, self._layout(index, images))
 
     def _layout(self, index: Tensor, images: Tensor, every_row: bool = False) -> _Layout:
         """How the rows of a batch with these task indices are sorted and routed (see :class:`_Layout`)."""

@@ -6,6 +6,8 @@ and what it holds is checked on the CPU with a stand-in graph that replays by ru
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from conftest import make_tiny_swin, make_tiny_vit
@@ -14,6 +16,7 @@ from test_multitask import BATCHED, OTHER_SETS_OPS, _mixed_batch, _run_folder, _
 import petl
 from petl.deploy import multitask as multitask_module
 from petl.deploy.graphs import LayoutGraph, LayoutGraphs, storage_of
+from petl.model.backbone import backbone_of
 from petl.utils.ops import CountOps
 
 
@@ -141,6 +144,36 @@ def test_size_zero_keeps_no_graph_and_layouts_that_never_repeat_are_forgotten():
         assert graphs.answer(key, None, _Layout(), made(key)) is None
         assert len(graphs.uses) <= 65
     assert made.keys == []
+
+
+def test_lowering_the_size_drops_the_least_used_graphs_past_it():
+    """Each graph holds the GPU memory of its forward: ``size = 0`` (documented as turning the graphs off) kept every
+    graph captured so far, and a lower size kept them all until a capture replaced one."""
+    made, graphs = _Made(), LayoutGraphs(size=3, after=1)
+    for key in ["a", "a", "a", "b", "b", "c"]:
+        graphs.answer(key, None, _Layout(), made(key))
+    assert list(graphs.graphs) == ["a", "b", "c"]
+    graphs.size = 2
+    assert list(graphs.graphs) == ["a", "b"]
+    graphs.size = 0
+    assert not graphs.graphs and graphs.answer("a", None, _Layout(), made("a")) is None and made.keys == ["a", "b", "c"]
+
+
+def test_the_graph_a_layout_replaces_is_dropped_before_its_capture():
+    """Its memory is then free for the capture: kept until after it, the graphs held ``size + 1`` forwards'
+    intermediate tensors at once, and a capture that ran out of memory for it turned every graph off."""
+    held = []
+    graphs = LayoutGraphs(size=1, after=1)
+
+    def make(key):
+        def capture():
+            held.append(list(graphs.graphs))
+            return lambda images, order: key
+
+        return capture
+
+    assert [graphs.answer(key, None, _Layout(), make(key)) for key in ["a", "b", "b"]] == ["a", None, "b"]
+    assert held == [[], []] and list(graphs.graphs) == ["b"]
 
 
 def test_a_capture_that_fails_turns_the_graphs_off_with_a_warning():
@@ -401,3 +434,65 @@ def test_a_swin_runs_every_row_through_its_windows(tmp_path):
             expected = multi(images, ids)
             got = multi._run(images, multi._layout(multi.task_index(ids, 6), images, every_row=True))
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def _meanwhile(call) -> dict:
+    """Start ``call`` in another thread, and wait for it a while (for ever where nothing holds it back): what it
+    returned or raised, under "answer" or "error", once it has ended (the dict's "thread": join it)."""
+    ended: dict = {}
+
+    def run():
+        try:
+            ended["answer"] = call()
+        except Exception as error:  # noqa: BLE001  (the test reads it)
+            ended["error"] = error
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join(1.0)  # ends first where the forward takes no lock; with one it waits for this forward to end
+    ended["thread"] = thread
+    return ended
+
+
+def test_a_forward_from_another_thread_waits_for_the_one_running(tmp_path):
+    """A batch's routing is state the routed modules read (Router.batch): a forward from another thread ran in the
+    middle of one and, at its end, cleared it, so that the first failed ('runs only inside MultiTask.forward'), or
+    read the other's rows.  Each now gets its own logits, one after the other."""
+    backbone = make_tiny_vit()
+    _, files = _save(tmp_path, {"lora": BATCHED["lora_qv"], "ssf": BATCHED["ssf"], "vpt": BATCHED["vpt_5"]}, backbone)
+    multi = petl.MultiTask(backbone, files)
+    first, other = (torch.randn(4, 3, 32, 32), ["lora", "ssf", "vpt", "lora"]), (torch.randn(3, 3, 32, 32), ["vpt"] * 3)
+    with torch.no_grad():
+        expected = [multi(*first), multi(*other)]
+    meanwhile = []
+
+    def midway(module, args):  # in the first forward's second block, the other forward from another thread
+        if not meanwhile:
+            meanwhile.append(_meanwhile(lambda: multi(*other)))
+
+    backbone_of(multi.backbone).block_container()[1].register_forward_pre_hook(midway)
+    with torch.no_grad():
+        answer = multi(*first)
+    meanwhile[0]["thread"].join()
+    assert "error" not in meanwhile[0]
+    torch.testing.assert_close([answer, meanwhile[0]["answer"]], expected, rtol=0, atol=0)
+
+
+def test_a_layout_graph_called_from_two_threads_answers_each_its_own_images(stacked):  # noqa: F811
+    """Another thread's call copied its images into the graph's input while this one's replay was running."""
+    _, _, multi, _ = stacked
+    images = torch.randn(2, 3, 32, 32)
+    layout = multi._layout(multi.task_index(["ssf", "fact"], 2), images)
+    static, output, meanwhile = torch.zeros_like(images), torch.zeros(2), []
+
+    class Graph:
+        def replay(self):
+            if not meanwhile:  # another thread's call of other images while this replay runs
+                meanwhile.append(_meanwhile(lambda: graph(images + 1)))
+            output.copy_(static.mean(dim=(1, 2, 3)))
+
+    graph = LayoutGraph(Graph(), static, output, layout)
+    answer = graph(images)
+    meanwhile[0]["thread"].join()
+    torch.testing.assert_close(answer, images.mean(dim=(1, 2, 3)))
+    torch.testing.assert_close(meanwhile[0]["answer"], (images + 1).mean(dim=(1, 2, 3)))
