@@ -48,7 +48,7 @@ from petl.bench.protocol import Cell
 from petl.data import TEST, TRAIN, TRAIN_VAL, VAL
 from petl.store import files
 from petl.utils.checks import is_finite_number
-from petl.utils.errors import RunError
+from petl.utils.errors import RUN_ERROR, USAGE_ERROR, RunError
 from petl.utils.text import plural
 
 ESTIMATE_FILE = "estimate.json"
@@ -364,8 +364,10 @@ def fixed_seconds(
         Seconds per run and seconds per epoch (each at least 0).
 
     Raises:
-        ValueError: a tiny run failed (one line, the last of its error log): the real runs would fail the same way.
-        RunError: a tiny run could not start (its folder unwritable: a full disk), the line saying why.
+        ValueError: a tiny run was refused as bad input (one line, the last of its error log; petl-bench exits 2):
+            the real runs would fail the same way.
+        RunError: a tiny run could not start (its folder unwritable: a full disk) or failed otherwise (out of memory,
+            a fault in the forward; the last line of its error log), the line saying why (exit 1).
 
     """
     one, two = (
@@ -407,7 +409,12 @@ def _probe_run(overrides: list[str], epochs: int, compose: Callable[[list[str]],
             if not log.is_file():  # not the config's fault: a run that cannot complete (exit 1)
                 raise RunError(f"{failed}: {summary.failed[0].removeprefix(f'{run.label}: ')}")
             error = log.read_text(errors="replace").strip().splitlines()[-1:]
-            raise ValueError(f"{failed}: {' '.join(error) or summary.failed[0]}")
+            line = f"{failed}: {' '.join(error) or summary.failed[0]}"
+            # The status petl-run would have exited with: bad input 2, a run that could not complete (out of
+            # memory, a fault in the forward) 1.
+            if summary.failed_status.get(run.label, RUN_ERROR) == USAGE_ERROR:
+                raise ValueError(line)
+            raise RunError(line)
     return whole
 
 

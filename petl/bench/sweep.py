@@ -25,7 +25,7 @@ from petl.store.files import CONFIG_FILE, RESULT_FILE, DamagedFileError, read_co
 from petl.store.lock import LOCK_FILE as LOCK_FILE  # the lock is petl-run's too: one home, re-exported here
 from petl.store.lock import acquire_lock, release_lock
 from petl.store.result import ResultError, RunResult, read_result, write_result
-from petl.utils.errors import ConfigError, UsageError
+from petl.utils.errors import ConfigError, UsageError, exit_status
 from petl.utils.paths import cannot_write_in
 from petl.utils.progress import progress_bar
 from petl.utils.text import first_line
@@ -394,6 +394,8 @@ class SweepSummary:
     diverged: list[str] = field(default_factory=list)
     stale: list[str] = field(default_factory=list)
     set_aside: list[str] = field(default_factory=list)  # finals moved to unstable/ (protocol.require_learning)
+    # A failed run's label -> the exit status petl-run would have ended it with (bad input 2, else 1).
+    failed_status: dict[str, int] = field(default_factory=dict)
 
     def line(self) -> str:
         """One-line summary for the console."""
@@ -566,6 +568,7 @@ def run_sweep(
                 bar.write(f"DIVERGED {run.label}: scored last ({see})")
             else:
                 summary.failed.append(f"{run.label}: {see}")
+                summary.failed_status[run.label] = exit_status(error)
                 bar.write(f"FAILED {run.label} ({see})")
         finally:
             release_lock(run.run_dir)

@@ -47,7 +47,7 @@ import yaml
 
 from petl import presets
 from petl.cli.args import Parser, entry_point, exit_statuses, hydra_parser, plain
-from petl.utils.errors import RUN_ERROR, USAGE_ERROR, ConfigError, RunError, UnreachableError
+from petl.utils.errors import RUN_ERROR, USAGE_ERROR, ConfigError, RunError, UnreachableError, exit_status
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -294,7 +294,7 @@ def _task(cfg: DictConfig, checked: bool = False) -> dict[str, Any] | None:
     except (ConfigError, runner.RunError, OSError, ValueError) as error:
         if _debug:
             raise
-        status = USAGE_ERROR if isinstance(error, ConfigError) else RUN_ERROR
+        status = exit_status(error)
         # OSError/ValueError: faults the run did not foresee (a bad file met mid-training...);
         # one line names them, the checkpoint of finished epochs is on disk.
         known = isinstance(error, (ConfigError, runner.RunError))

@@ -22,7 +22,8 @@ Differences:
     - VPT's Swin rule is written for k = 1, 2 and 4 on Swin-B (depths 2-2-18-2); petl takes any k, counting blocks
       over the stages and training each patch merging with trained blocks on both sides, which is VPT's rule at
       those k.  Files that Partial-k wrote on a Swin before it trained the merging lack its tensors and are refused
-      (``load_trainable``: re-run the training).
+      (``load_trainable``: re-run the training), and so is resuming a run it began (its ``checkpoint.pt``: start
+      it over with ``resume=false``, which moves the old run aside).
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from safetensors import safe_open
 from torch import nn
 
 from petl.model.backbone import backbone_of
-from petl.model.params import content_hash, frozen_fingerprint, trainable_state
+from petl.model.params import content_hash, frozen_fingerprint, trainable_state, trained_by_an_earlier_method
 from petl.model.surgery import apply, meta_copy
 from petl.store.files import WEIGHTS_FILE, newer_file, write_atomic
 
@@ -239,16 +239,10 @@ def _check_matches(
     held = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     missing = sorted(params.keys() - header.keys())
     unexpected = sorted(header.keys() - params.keys() - held.keys())
-    method = getattr(model, "petl_method", None)
-    if missing and not unexpected and set(missing) <= set(getattr(model, "petl_trained", ())):
-        # Tensors the method itself trains on this model and the file lacks: a file an earlier petl wrote when the
-        # method trained fewer (Partial-k on a Swin before it trained the patch merging between trained blocks).
-        # Loaded, the model would carry a config that trains them, and a record of a training the file never had.
-        raise ValueError(
-            f"{path} lacks tensors that {method!r} trains on this model ({', '.join(missing[:3])}"
-            f"{', ...' if len(missing) > 3 else ''}): it was written by an earlier petl whose {method!r} trained "
-            "fewer, or edited since; re-run the training to write it again"
-        )
+    # Loaded, such a file would leave the model with a config that trains tensors the file never trained.
+    earlier = trained_by_an_earlier_method(model, missing, unexpected)
+    if earlier is not None:
+        raise ValueError(f"{path} {earlier}; re-run the training to write it again")
     if missing or unexpected:
         raise ValueError(f"{path} does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
     head_ids = {id(p) for p in backbone_of(model).head().parameters()}

@@ -74,6 +74,24 @@ def trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return state
 
 
+def trained_by_an_earlier_method(model: nn.Module, missing: list[str], unexpected: list[str]) -> str | None:
+    """Why a saved state lacks ``missing`` of ``model``'s trained tensors, when its method explains it; else None.
+
+    A weights file or a run's checkpoint that lacks tensors the model's method trains on it, and holds nothing the
+    model does not, was written by an earlier petl whose method trained fewer (Partial-k on a Swin before it trained
+    the patch merging between trained blocks), or edited since.  The words follow the file's path; the caller adds
+    what to do (re-run the training, or start the run over).
+    """
+    method = getattr(model, "petl_method", None)
+    if not missing or unexpected or not set(missing) <= set(getattr(model, "petl_trained", ())):
+        return None
+    names = ", ".join(sorted(missing)[:3]) + (", ..." if len(missing) > 3 else "")
+    return (
+        f"lacks tensors that {method!r} trains on this model ({names}): it was written by an earlier petl whose "
+        f"{method!r} trained fewer, or edited since"
+    )
+
+
 def content_hash(tensors: dict[str, torch.Tensor]) -> str:
     """SHA-256 over the tensors in name order: each one's name, dtype and shape, then its raw bytes."""
     digest = hashlib.sha256()

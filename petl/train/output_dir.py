@@ -462,6 +462,11 @@ def damaged_checkpoint(out: Path, why: str) -> ConfigError:
     return ConfigError(f"{out / files.CHECKPOINT_FILE} is damaged ({why}): {_REPLACE}")
 
 
+def older_checkpoint(out: Path, why: str) -> ConfigError:
+    """The one line for ``out``'s ``checkpoint.pt`` that an earlier petl wrote (``why`` says how it differs)."""
+    return ConfigError(f"{out / files.CHECKPOINT_FILE} {why}; {_REPLACE}")
+
+
 def resume_checkpoint(
     out: Path, cfg: DictConfig, inputs: dict[str, Any], num_processes: int = 1
 ) -> dict[str, Any] | None:

@@ -38,7 +38,7 @@ import petl.methods  # noqa: F401  (importing the methods registers them)
 from petl import data as petl_data
 from petl.data.images import decode_progress
 from petl.model.io import save_trainable
-from petl.model.params import count_params, trainable_state
+from petl.model.params import count_params, trainable_state, trained_by_an_earlier_method
 from petl.model.registry import get_method
 from petl.store import files, run_card
 from petl.store.result import RunResult, write_result
@@ -484,15 +484,21 @@ class _Setup:
         """Continue from ``out``'s checkpoint: weights, optimizer, schedule and every random generator.
 
         Raises:
-            ConfigError: a tensor or state in it does not fit this run's model (a hand-edited or foreign file).
+            ConfigError: a tensor or state in it does not fit this run's model (a hand-edited or foreign file), or
+                it lacks tensors the method trains (a run an earlier petl began, whose method trained fewer).
 
         """
         # trainable_state also holds buffers of trained modules (BatchNorm statistics in Mlp-k's head).
         params = {**dict(self.model.named_parameters()), **dict(self.model.named_buffers())}
         expected, trained = trainable_state(self.model), checkpoint["trainable"]
         # Every trained tensor, each of its shape: one left out would resume at its initial value, unsaid.
-        unfit = sorted(set(expected) ^ set(trained))
+        missing, unexpected = sorted(set(expected) - set(trained)), sorted(set(trained) - set(expected))
+        unfit = [*missing, *unexpected]
         unfit += [n for n in expected if n in trained and expected[n].shape != trained[n].shape]
+        earlier = trained_by_an_earlier_method(self.model, missing, unexpected)
+        if earlier is not None and len(unfit) == len(missing):
+            # Not damaged: a run an earlier petl began, when its method trained fewer tensors (an old Partial-k Swin).
+            raise folder.older_checkpoint(out, earlier)
         if unfit:
             raise folder.damaged_checkpoint(out, f"trainable tensor {unfit[0]} does not fit the model")
         with torch.no_grad():

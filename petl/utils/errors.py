@@ -51,3 +51,12 @@ USAGE_ERROR = 2
 RUN_ERROR = 1
 INTERRUPTED = 130
 TERMINATED = 143
+
+
+def exit_status(error: BaseException) -> int:
+    """The exit status of a command that ``error`` ended: bad input (:class:`ConfigError`, :class:`UsageError`) is
+    :data:`USAGE_ERROR`, anything else (a :class:`RunError`, a fault nobody foresaw: out of memory) :data:`RUN_ERROR`.
+
+    petl-run's own rule, shared with what reports a run's failure for it (petl-bench's estimate of a tiny run).
+    """
+    return USAGE_ERROR if isinstance(error, ConfigError | UsageError) else RUN_ERROR

@@ -96,6 +96,22 @@ def test_a_probe_run_that_could_not_start_says_why_in_one_line(monkeypatch):
         costs._probe_run(["method=linear", "output_dir=x"], 1, refused)
 
 
+@pytest.mark.parametrize(
+    "fault", [RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"), ValueError("a fault in the forward")]
+)
+def test_a_probe_run_that_failed_not_on_bad_input_is_a_run_failure_as_petl_run_says(fault):
+    # Was: every failed tiny run was a ValueError, which petl-bench reports as bad input (exit 2), an out-of-memory
+    # or a fault in the forward too; petl-run exits 1 on those (petl.utils.errors.exit_status), and so does this now.
+    from petl.utils.errors import RUN_ERROR, RunError, exit_status
+
+    def failing(overrides):
+        raise fault
+
+    with pytest.raises(RunError, match=rf"^a 1-epoch run on 4 images .* failed: {type(fault).__name__}: ") as caught:
+        costs._probe_run(["method=linear", "output_dir=x"], 1, failing)
+    assert exit_status(caught.value) == exit_status(fault) == RUN_ERROR
+
+
 @pytest.mark.parametrize("limit", [None, 0])
 def test_steps_are_timed_uncached_where_the_run_s_cache_would_exceed_its_limit(monkeypatch, limit):
     # Was: the estimate timed the steps on the cached front whenever the method left one frozen, while a run whose

@@ -25,6 +25,7 @@ from petl.bench.collect import collect, set_aside_files
 from petl.bench.sweep import PlannedRun
 from petl.cli import bench as cli
 from petl.data.images import FileListDataset
+from petl.store import files
 
 # Two VTAB tasks with few classes, under NOAH's folder names (kitti, not kitti_dist).
 TASKS = {"vtab/patch_camelyon": ("patch_camelyon", 2), "vtab/kitti_dist": ("kitti", 4)}
@@ -579,8 +580,11 @@ def test_calibrated_options_are_those_the_calibration_changed(tmp_path):
     assert calibrated_options(kept, {"num_classes": 10, "channels": ("1,2",)}) == {}
     assert calibration_overrides(tmp_path) is None  # no result yet
     (tmp_path / "result.json").write_text(json.dumps({"method": "sct", "dataset": "d", "seed": 0}))
-    with pytest.raises(ValueError, match="records no method_config to reuse"):
+    with pytest.raises(ValueError, match="records no method_config to reuse") as caught:
         calibration_overrides(tmp_path)
+    # Was: "delete it to calibrate again"; a finished run is set aside, under a name the reports skip.
+    assert "delete" not in str(caught.value) and f"move its folder aside (rename {tmp_path} to " in str(caught.value)
+    assert f"to {tmp_path.name}{files.REPLACED_MARK}old)" in str(caught.value)  # a name the reports skip
 
 
 def test_calibrate_once_needs_a_calibrate_hook_and_multirun_lines_refuse_it(tmp_path, capsys):

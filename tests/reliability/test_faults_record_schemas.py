@@ -205,7 +205,10 @@ DAMAGED_CHECKPOINTS = {
     "beyond train.epochs": (lambda s: s.update(epoch=3, history=[*s["history"], {}]), "epoch 3 of 2"),
     "seconds NaN": (lambda s: s.update(seconds=float("nan")), "seconds nan is not a non-negative number"),
     "rng as text": (lambda s: s.update(rng="x"), "rng is not a mapping"),  # was: TypeError
-    "a tensor left out": (lambda s: s["trainable"].popitem(), "does not fit the model"),  # was: resumed, exit 0
+    "a tensor renamed": (  # was (one left out): resumed at its initial value, exit 0
+        lambda s: s["trainable"].update(renamed=s["trainable"].popitem()[1]),
+        "does not fit the model",
+    ),
     "a tensor of another shape": (
         lambda s: s["trainable"].update({k: torch.zeros(3) for k in list(s["trainable"])[:1]}),
         "does not fit the model",  # was: RuntimeError traceback
@@ -274,6 +277,32 @@ def test_a_checkpoint_value_a_resume_cannot_use_is_named_in_one_line(capsys, unf
     line = err.strip().splitlines()[-1]
     assert code == 2 and "Traceback" not in err, err
     assert line.startswith(f"petl-run: error: {out / 'checkpoint.pt'} is damaged (") and said in line, err
+    assert line.endswith(
+        "run again with resume=false to move that run aside and train anew, or choose another output_dir"
+    )
+    assert not (out / "result.json").exists() and (out / "checkpoint.pt").is_file()  # nothing recorded or deleted
+
+
+def test_a_checkpoint_lacking_tensors_the_method_trains_is_named_as_an_earlier_petls_not_as_damaged(capsys, tmp_path):
+    # Partial-k on a Swin now trains the patch merging between two trained blocks: a run an earlier petl began at k=3
+    # left a checkpoint.pt without the merging's tensors.  Its resume was refused as "checkpoint.pt is damaged
+    # (trainable tensor layers.2.downsample... does not fit the model)", as if the file were broken.
+    out = tmp_path / "run"
+    swin = ["model=swin_fractal_tiny_patch2_window4_32", "model.pretrained=false", "data=mini/digits"]
+    run = [*swin, "data.subset=16", "method=partial", "method.k=3", "train.epochs=2", "train.progress=false"]
+    assert cli.main([*run, f"output_dir={out}", "train.keep_checkpoint=true"]) in (0, None)
+    (out / "result.json").unlink()
+    state = torch.load(out / "checkpoint.pt", weights_only=True)
+    merging = [name for name in state["trainable"] if ".downsample." in name]
+    assert merging  # the merging in front of the last stage, between trained blocks
+    for name in merging:  # as the earlier Partial-k saved it: the merging frozen
+        del state["trainable"][name]
+    torch.save(state, out / "checkpoint.pt")
+    code, _, err = command_status(capsys, cli.main, *run, f"output_dir={out}")
+    line = err.strip().splitlines()[-1]
+    assert code == 2 and "Traceback" not in err and "damaged" not in err, err
+    assert line.startswith(f"petl-run: error: {out / 'checkpoint.pt'} lacks tensors that 'partial' trains"), err
+    assert sorted(merging)[0] in line and "written by an earlier petl whose 'partial' trained fewer" in line
     assert line.endswith(
         "run again with resume=false to move that run aside and train anew, or choose another output_dir"
     )
