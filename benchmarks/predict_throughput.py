@@ -4,11 +4,12 @@
 
 For each backbone (petl's default 32 px FractalDB ViT with its weights, and ViT-B/16 at 224 px with
 random weights: speed does not depend on the values), LoRA rank 8 on q and v is applied and given
-non-zero updates; a deep copy is merged.  Both then classify the same generated PNG files through
-``petl-predict``'s own path (:func:`petl.deploy.predict.predict_images`: decode, preprocess, batched
-forward, top-5), alternating merged and unmerged ``--repeats`` times; the median images/s of each and
-their ratio are printed as a Markdown table, with the load average before and after (the machine may
-be shared: the ratio, taken under the same load, is the number to read).
+non-zero updates; a deep copy is merged (``restorable=False``: it is never unmerged, so no copy is kept).  Both
+then classify the same generated PNG files through ``petl-predict``'s own path
+(:func:`petl.deploy.predict.predict_images`: decode, preprocess, batched forward, top-5), alternating merged
+and unmerged ``--repeats`` times; the median images/s of each and their ratio are printed as a Markdown table,
+with the load average before and after (the machine may be shared: the ratio, taken under the same load, is
+the number to read).
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def _runs(name: str, pretrained: bool) -> tuple[LoadedRun, LoadedRun]:
             if p.requires_grad:
                 p.normal_(0, 0.02)
     model.eval()
-    merged = petl.merge(copy.deepcopy(model))
+    merged = petl.merge(copy.deepcopy(model), restorable=False)  # never unmerged: no CPU copy to keep
     spec = ImageSpec(int(cfg["input_size"][-1]), tuple(cfg["mean"]), tuple(cfg["std"]), True, cfg["interpolation"])
     names = [str(i) for i in range(10)]
     make = lambda m, tag: LoadedRun(m, spec, names, {}, Path(tag))  # noqa: E731

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import math
 import statistics
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from petl.bench.board import ExperimentRow, Leaderboard
 from petl.bench.collect import RunRecord, nanmean
@@ -54,7 +55,8 @@ def val_curve(record: RunRecord) -> ValCurve | None:
     of the selection protocol trains on ``train800val200`` and has no val split; its curve is the one of
     the search trial it was chosen from (same configuration, one seed, on ``train800``), found through
     ``result["selection"]``: the chosen trial's ``output_dir`` ends in ``search/<point>`` under the
-    experiment's folder.
+    experiment's folder.  One that leaves the results folder (``..``, an absolute path: an edited record) is not
+    read: a warning names the file and the value.
     """
     own = _read_val_history(record.path.parent)
     if own is not None:
@@ -64,8 +66,19 @@ def val_curve(record: RunRecord) -> ValCurve | None:
         return None
     for trial in selection.get("trials") or []:
         # A trial's folder that is no text (a hand edit; the reader checks only that trials are mappings) is none.
-        if trial.get("overrides") == selection.get("chosen") and isinstance(trial.get("output_dir"), str):
-            return _read_val_history(record.path.parent.parent.joinpath(*Path(trial["output_dir"]).parts[-2:]))
+        folder = trial.get("output_dir")
+        if trial.get("overrides") == selection.get("chosen") and isinstance(folder, str):
+            parts = PurePosixPath(folder).parts
+            if folder.startswith("/") or ".." in parts:
+                # petl-bench writes it below the results folder: one leaving it (an edit) would show another folder's
+                # curve as this run's.
+                warnings.warn(
+                    f"{record.path}: selection trial output_dir {folder!r} leaves the results folder: its curve is "
+                    "not shown (restore the record petl-bench wrote)",
+                    stacklevel=2,
+                )
+                return None
+            return _read_val_history(record.path.parent.parent.joinpath(*parts[-2:]))
     return None
 
 

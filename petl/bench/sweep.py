@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from petl.bench.calibration import calibration_overrides
 from petl.bench.suite import Experiment, Suite, format_value, override
-from petl.store.files import CONFIG_FILE, RESULT_FILE, DamagedFileError, read_config, write_text
+from petl.store.files import CHECKPOINT_FILE, CONFIG_FILE, RESULT_FILE, DamagedFileError, read_config, write_text
 from petl.store.lock import LOCK_FILE as LOCK_FILE  # the lock is petl-run's too: one home, re-exported here
 from petl.store.lock import acquire_lock, release_lock
 from petl.store.result import ResultError, RunResult, read_result, write_result
@@ -37,6 +37,10 @@ COMMAND_LINE = "the command line"
 TrainFn = Callable[[Any], dict]
 ComposeFn = Callable[[list[str]], Any]
 CheckFn = Callable[[Any], None]
+
+# The run this process is training (run_sweep sets it around its train_fn; Ctrl-C leaves it set): petl-bench's
+# Ctrl-C line says from it whether that run kept an epoch to resume (interrupted_line).
+_training: PlannedRun | None = None
 
 
 @dataclass(frozen=True)
@@ -484,6 +488,8 @@ def run_sweep(
         check_fn = check_fn or (default_check if train_fn is None else None)
         train_fn = train_fn or default_train
         compose_fn = compose_fn or default_compose
+    global _training
+    _training = None  # one an earlier sweep of this process left at its Ctrl-C
     summary = SweepSummary(total=len(runs))
     pending = [r for r in runs if not r.is_done()]
     summary.already_done = len(runs) - len(pending)
@@ -506,6 +512,7 @@ def run_sweep(
     counted = summary.already_done  # runs taken care of, as the bar counts them
 
     def train(run: PlannedRun, overrides: list[str]) -> None:
+        global _training
         bar.set_postfix_str(run.label)
         try:
             taken = acquire_lock(run.run_dir)
@@ -547,11 +554,14 @@ def run_sweep(
                 if say_runs:
                     print(f"sweep: run {counted + 1}/{len(runs)}: {run.label}", flush=True)
                 # Runs share this process; each resets its own peak memory (petl.train.runner._train_and_record).
+                _training = run
                 train_fn(cfg)
+                _training = None
                 summary.trained += 1
             else:
                 summary.already_done += 1  # by the sweep that held it: counted, so the summary adds up to the total
         except Exception as error:  # one bad run must not end a day-long sweep
+            _training = None
             log_file = run.run_dir / ERROR_FILE
             try:
                 write_text(log_file, traceback.format_exc())
@@ -599,3 +609,23 @@ def run_sweep(
     finally:
         bar.close()
     return summary
+
+
+def interrupted_line() -> str:
+    """petl-bench's Ctrl-C line: what the run being trained kept, and what the same command does with it.
+
+    A run keeps a checkpoint as each epoch ends, which the next sweep resumes.  Interrupted before its first, or
+    while it trained anew a run whose damaged folder the next sweep would set aside again (:meth:`PlannedRun.damage`),
+    it keeps no epoch: the same command trains it from the start.  Interrupted while no run trains (the sweep's
+    checks, a report), there is no such run to speak of.
+    """
+    run = _training
+    generic = "error: interrupted; run the same command again to go on (finished runs are kept"
+    if run is None or (run.run_dir / RESULT_FILE).is_file() and run.damage() is None:
+        return f"{generic})"
+    if (run.run_dir / CHECKPOINT_FILE).is_file() and run.damage() is None:
+        return f"{generic}, an interrupted run resumes from its last finished epoch)"
+    return (
+        f"error: interrupted before the first epoch of {run.label} finished, so no epoch of it is kept: run the same "
+        "command again to go on (finished runs are kept, that run trains from the start)"
+    )

@@ -28,8 +28,8 @@ own images reads; for speed, before any model is built, an unknown model= or one
 out of its range, steps= below rounds=, options= without options_for=, a device other
 than cpu or a CUDA GPU torch sees, tf32= on a CPU, inprocess= on a GPU) exits with status 2 and one line naming the
 file or value; a sweep with failed runs exits with 1; Ctrl-C with 130 and SIGTERM (a job scheduler's time limit)
-with 143, in one line saying so (finished runs are kept, an interrupted run resumes from its last epoch: run the same
-command again). ``--debug`` shows the traceback.
+with 143, in one line saying so (finished runs are kept, an interrupted run resumes from its last epoch, or, stopped
+before its first epoch ended, trains from the start: run the same command again). ``--debug`` shows the traceback.
 
 Arguments are Hydra-style ``key=value``; a yes/no key may be written as a flag (``--dry-run`` is
 ``dry_run=true``, ``--yes`` is ``yes=true``), and a key that is neither petl-bench's nor a run config's is
@@ -66,12 +66,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     debug = DEBUG_FLAG in args
     args = [a for a in args if a != DEBUG_FLAG]
-    interrupted = (
-        "error: interrupted; run the same command again to go on (finished runs are kept, an interrupted run "
-        "resumes from its last finished epoch)"
-    )
     usage = (ValueError, FileNotFoundError)
-    with exit_statuses(PROG, usage=usage, failure=(Exception,), interrupted=interrupted, debug=debug):
+    with exit_statuses(PROG, usage=usage, failure=(Exception,), interrupted=_interrupted_line, debug=debug):
         try:
             with warnings.catch_warnings():
                 if not debug:
@@ -82,6 +78,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise
             print(_as_error(exit_.code), file=sys.stderr)  # an argument error, already one line
             raise SystemExit(USAGE_ERROR) from None
+
+
+def _interrupted_line() -> str:
+    """Ctrl-C's line, worded when it comes: whether the run being trained kept an epoch (sweep.interrupted_line)."""
+    sweep = sys.modules.get("petl.bench.sweep")  # not imported: no run was trained (--help, an argument error)
+    if sweep is None:
+        return "error: interrupted; run the same command again to go on (finished runs are kept)"
+    return sweep.interrupted_line()
 
 
 def _as_error(line: str) -> str:

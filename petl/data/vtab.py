@@ -18,7 +18,8 @@ Loading checks what can be checked: VTAB-1k split sizes (800/200/1000, unless ``
 for small test fixtures), labels inside ``[0, num_classes)``, and (strict) that the labels
 present cover exactly ``num_classes`` classes.  A local folder lacking its task folder, a list or a listed image is bad
 input (``ValueError``, ``petl-run`` exits 2, as for an unreadable image there); petl's unpacked hub copy lacking one is
-unavailable data (:class:`DatasetUnavailableError`, exit 1).
+unavailable data (:class:`DatasetUnavailableError`, exit 1), as is an FGVC hub copy without petl's splits, columns or
+class count: the hub ids are petl's, not the user's input, and the remedy is a local copy.
 """
 
 from __future__ import annotations
@@ -389,17 +390,18 @@ def _cache_dir() -> Path:
 
 
 def _unavailable(
-    info: DatasetInfo, task: _Task, layout: str, error: BaseException | None = None
+    info: DatasetInfo, task: _Task, layout: str, error: BaseException | None = None, why: str | None = None
 ) -> DatasetUnavailableError:
-    """The one message users see when the hub cannot provide a dataset."""
+    """The one message users see when the hub cannot provide a dataset (``why``, when it is not out of reach)."""
     reason = ""
     if error is not None:
         reason = f" ({type(error).__name__}: {first_line(error)[:200]})"
-    hub = (
-        f"the Hugging Face hub dataset {info.hub_id!r} is not reachable or not cached{reason}"
-        if info.hub_id
-        else ("no public Hugging Face hub copy is known")
-    )
+    if why is not None:
+        hub = why
+    elif info.hub_id:
+        hub = f"the Hugging Face hub dataset {info.hub_id!r} is not reachable or not cached{reason}"
+    else:
+        hub = "no public Hugging Face hub copy is known"
     # Once each: most tasks' zip folder bears petl's short name ("<root>/dtd/ or <root>/dtd/").
     folders = " or ".join(f"<root>/{f}/" for f in dict.fromkeys((task.name, *task.folders)))
     return DatasetUnavailableError(
@@ -519,14 +521,17 @@ def _fgvc_hub_pools(info: DatasetInfo, task: _Task) -> tuple[dict[str, tuple[Any
             hub = datasets.load_dataset(info.hub_id)
     except Exception as error:  # network, offline and cache errors come in many types
         raise _unavailable(info, task, _FGVC_LAYOUT, error) from None
+    # petl's own hub id, not the user's input: a copy that has changed upstream is data out of reach here (exit 1, as
+    # a missing image in petl's unpacked VTAB copy is), whose remedy is a local copy.
     if "train" not in hub or "test" not in hub:
-        raise DatasetUnavailableError(
-            f"{info.name}: hub copy {info.hub_id} has splits {sorted(hub)}, expected train and test"
-        )
+        raise _unusable(info, task, f"has splits {sorted(hub)}, expected train and test")
     train = hub["train"]
     test = hub["test"]
-    image_column = find_column(train.features, "Image", ("image", "img"))
-    label_column = find_column(train.features, "ClassLabel", ("label", "labels", "target"))
+    try:
+        image_column = find_column(train.features, "Image", ("image", "img"))
+        label_column = find_column(train.features, "ClassLabel", ("label", "labels", "target"))
+    except ValueError as error:
+        raise _unusable(info, task, f"has {error}") from None
     val_name = next((n for n in ("validation", "val", "valid") if n in hub), None)
     if val_name is not None:
         pools = {"train": (train, range(len(train))), "val": (hub[val_name], range(len(hub[val_name])))}
@@ -538,8 +543,15 @@ def _fgvc_hub_pools(info: DatasetInfo, task: _Task) -> tuple[dict[str, tuple[Any
     pools["test"] = (test, range(len(test)))
     labels = set(train.unique(label_column)) | set(test.unique(label_column))
     if max(labels) >= info.num_classes or min(labels) < 0 or len(labels) != info.num_classes:
-        raise ValueError(f"{info.name}: hub copy {info.hub_id} has {len(labels)} classes, expected {info.num_classes}")
+        raise _unusable(
+            info, task, f"has {len(labels)} classes (labels {min(labels)}..{max(labels)}), expected {info.num_classes}"
+        )
     return pools, image_column, label_column
+
+
+def _unusable(info: DatasetInfo, task: _Task, why: str) -> DatasetUnavailableError:
+    """The line for an FGVC hub copy of petl's that is not what the task needs (``why``), as for one out of reach."""
+    return _unavailable(info, task, _FGVC_LAYOUT, why=f"hub copy {info.hub_id} {why}")
 
 
 # --------------------------------------------------------------------------------------------

@@ -37,7 +37,7 @@ except ImportError:  # Windows: no advisory locks; a killed export's temporary f
     fcntl = None  # type: ignore[assignment]
 
 PROG = "petl-export"
-FORMAT = "petl-export-1"
+FORMAT = files.EXPORT_FORMAT  # in the metadata and config.json: how a run loader tells an export (file_not_run)
 FORMATS = (".safetensors", ".onnx", "")  # "": a timm folder
 CONFIG_FILE, WEIGHTS_FILE = files.TIMM_FOLDER_FILES  # timm's local-dir names, which run loaders refuse
 ONNX_OPSET = 17

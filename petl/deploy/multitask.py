@@ -63,7 +63,6 @@ from __future__ import annotations
 
 import copy
 import numbers
-import os
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -75,6 +74,7 @@ from torch import nn
 
 from petl.deploy.graphs import LayoutGraph, LayoutGraphs, capture, storage_of
 from petl.deploy.routing import Batch, RoutedBlock, RoutedModule, Router, check_images, method_name, task_sites
+from petl.deploy.tasks import check_task_names, named_runs
 from petl.model.backbone import Backbone, backbone_of, naflexvit
 from petl.model.io import OtherFrozenWeights, load_trainable, meta_copy, read_header, read_trainable_metadata
 from petl.model.params import trainable_state
@@ -283,18 +283,6 @@ class _Layout:
     every_row: bool = False
 
 
-def _check_task_names(tasks: Mapping[Any, Any]) -> None:
-    """Refuse a task named by an integer: forward reads an integer task id as an index into the names, so task 1
-    would answer for the task at position 1.
-    """
-    wrong = next((name for name in tasks if isinstance(name, numbers.Integral)), None)
-    if wrong is not None:
-        raise ValueError(
-            f"task name {wrong!r} is an integer: name tasks by strings ({str(wrong)!r}); an integer "
-            "task id given to forward is an index into the names"
-        )
-
-
 class MultiTask(nn.Module):
     """Several tasks' trained PETL modules over one shared frozen ViT, serving batches of mixed tasks.
 
@@ -349,7 +337,7 @@ class MultiTask(nn.Module):
             )
         if not tasks:
             raise ValueError("MultiTask needs at least one task")
-        _check_task_names(tasks)
+        check_task_names(tasks)
         backbone.requires_grad_(False).eval()
         self.names = [str(name) for name in tasks]
         # What timm's patch embedding takes: its channels, and its image size where it holds to one (or a shape error:
@@ -442,25 +430,13 @@ class MultiTask(nn.Module):
 
         Raises:
             ValueError: runs trained on different backbones (the message names the run and the first difference),
-                a folder that cannot be loaded, or one path given where a list of them is taken.
+                a folder that cannot be loaded, one path given where a list of them is taken, or one folder listed
+                twice (a dict names two tasks of one run).
 
         """
         from petl.store import run_card
 
-        if isinstance(runs, str | Path):  # a string is a sequence too: of one-letter "folders"
-            raise ValueError(f"MultiTask.from_runs takes a list of run folders, got one path: write [{str(runs)!r}]")
-        if isinstance(runs, Mapping):
-            _check_task_names(runs)
-        else:  # read once: a generator (Path.glob's) is checked below and then named
-            runs = list(runs)
-        folders = runs.values() if isinstance(runs, Mapping) else runs
-        wrong = next((run for run in folders if not isinstance(run, str | os.PathLike)), None)
-        if wrong is not None:  # a petl.load_run answer, say: pathlib would fail on it without saying what to give
-            where = f": give its folder ({wrong.run_dir})" if isinstance(getattr(wrong, "run_dir", None), Path) else ""
-            raise ValueError(f"MultiTask.from_runs takes run folders, got a {type(wrong).__name__}{where}")
-        tasks = {str(k): v for k, v in runs.items()} if isinstance(runs, Mapping) else {str(r): r for r in runs}
-        if not tasks:
-            raise ValueError("MultiTask.from_runs needs at least one run folder")
+        tasks = named_runs(runs)
         cards = {name: run_card.read_card(path) for name, path in tasks.items()}
         first, *others = cards
         for name in others:

@@ -33,6 +33,9 @@ RUN_FILES = (CONFIG_FILE, METRICS_FILE, RESULT_FILE, WEIGHTS_FILE, MODEL_FILE, C
 RUN_MARKERS = (MODEL_FILE, WEIGHTS_FILE, RESULT_FILE, CHECKPOINT_FILE)
 # A timm model folder (timm's local-dir and hub layout), what petl-export out=FOLDER writes (petl.deploy.export).
 TIMM_FOLDER_FILES = ("config.json", "model.safetensors")  # its config, its weights
+# The format petl-export records in what it writes (a .safetensors file's metadata, a folder's config.json), by which
+# a file given where a run folder is wanted is told to be an export (file_not_run).
+EXPORT_FORMAT = "petl-export-1"
 # petl-bench's selection trials: <cell>/search/<point>/, whose weights it removes once scored (the finals retrain).
 SEARCH_DIR = "search"
 # resume=false moves an earlier run's files to ``<output_dir>.replaced-<time>``; reports skip such folders.
@@ -143,7 +146,38 @@ def file_not_run(path: Path, given: str) -> str:
     """
     if (path.parent / MODEL_FILE).is_file() or (path.parent / WEIGHTS_FILE).is_file():
         return f"{given}: a file, not a run folder: give the folder holding it ({path.parent})"
+    exported = exported_not_run(path.parent) if path.name in TIMM_FOLDER_FILES else None
+    if exported is not None:  # exported/model.safetensors: the folder is what timm loads
+        return f"{given}: a file, not a run folder; {exported}"
+    exported = _export_metadata(path)
+    if exported is not None:  # petl-export out=FILE.safetensors: its metadata says how timm builds it
+        kwargs = "".join(f", {key}={value!r}" for key, value in exported["kwargs"].items())
+        return (
+            f"{given} is a plain timm model's weights ({exported['timm_model']}, as petl-export writes it), not a "
+            f"petl-run folder: give the run folder it was exported from, or load it with timm "
+            f"(timm.create_model('{exported['timm_model']}', num_classes={exported['num_classes']}{kwargs}, "
+            f"checkpoint_path='{given}'))"
+        )
     return f"{given}: a file, not a run folder: give a petl-run output folder (model.json beside {WEIGHTS_FILE})"
+
+
+def _export_metadata(path: Path) -> dict[str, Any] | None:
+    """What a ``.safetensors`` file petl-export wrote records of its timm model, or ``None`` (another file, or one
+    whose metadata cannot be read: it is named as a file, no more).
+    """
+    if path.suffix.lower() != ".safetensors":
+        return None
+    try:
+        from safetensors import safe_open
+
+        with safe_open(str(path), "pt") as weights:
+            meta = weights.metadata() or {}
+        if meta.get("format") != EXPORT_FORMAT:
+            return None
+        kwargs = json.loads(meta["timm_kwargs"])
+        return {"timm_model": meta["timm_model"], "num_classes": int(meta["num_classes"]), "kwargs": dict(kwargs)}
+    except Exception:  # a damaged or hand-made file: safetensors', json's, KeyError, ValueError, TypeError
+        return None
 
 
 def temporary_files(folder: Path) -> list[Path]:

@@ -578,3 +578,24 @@ def test_a_failed_speed_worker_is_one_line_naming_its_exception_and_its_tracebac
         measure_memory_in_subprocess(Case("lora", dict(LORA[1])), TINY)
     assert str(error.value) == "speed worker for 'lora' failed (exit 1): ValueError: rank 0"
     assert capsys.readouterr().err == traceback
+
+
+def test_predict_throughput_merges_without_keeping_a_copy_it_never_restores(monkeypatch):
+    # benchmarks/predict_throughput.py merged with restorable=True: a CPU copy of the wrapped layers, never unmerged,
+    # held beside the merged model it times.
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    from petl.model import merging
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "predict_throughput.py"
+    spec = importlib.util.spec_from_file_location("predict_throughput", path)
+    script = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "predict_throughput", script)
+    spec.loader.exec_module(script)
+    unmerged, merged = script._runs("vit_fractal_tiny_patch4_32", pretrained=False)
+    assert not any(hasattr(module, merging._KEPT) for module in merged.model.modules())
+    images = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(merged.model(images), unmerged.model(images), atol=1e-4, rtol=1e-4)

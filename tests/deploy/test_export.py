@@ -133,6 +133,41 @@ def test_a_single_file_export_says_what_it_was_trained_on_as_a_folders_config_do
         assert weights.metadata()["dataset"] == "folder" == petl.load_run(run_dir).card["dataset"]
 
 
+def test_an_exported_file_given_as_a_run_says_what_it_is_and_how_timm_loads_it(tmp_path, capsys):
+    # petl.load_run("exported/model.safetensors") said "a file, not a run folder: give a petl-run output folder
+    # (model.json beside trainable.safetensors)": not that it is the plain timm model petl-export wrote, nor how to
+    # load it.
+    run_dir = _run_folder(tmp_path / "run")
+    for out in ("exported", "model.safetensors"):
+        export_cli.main([str(run_dir), f"out={tmp_path / out}"])
+    for in_folder in (tmp_path / "exported" / name for name in ("model.safetensors", "config.json")):
+        with pytest.raises(run_card.RunFolderError) as refused:
+            petl.load_run(in_folder)
+        assert str(refused.value) == (
+            f"{in_folder}: a file, not a run folder; {tmp_path / 'exported'} is a plain timm model (config.json, "
+            "model.safetensors, as petl-export writes it), not a petl-run folder: give the run folder it was exported "
+            f"from, or load it with timm (timm.create_model('local-dir:{tmp_path / 'exported'}', pretrained=True))"
+        )
+    alone = tmp_path / "model.safetensors"
+    with pytest.raises(run_card.RunFolderError) as refused:
+        petl.load_run(alone)
+    said = str(refused.value)
+    assert "\n" not in said and said.startswith(
+        f"{alone} is a plain timm model's weights (vit_tiny_patch16_224, as petl-export writes it), not a petl-run "
+        "folder: give the run folder it was exported from, or load it with timm (timm.create_model("
+    )
+    # The call it names builds the run's model in timm.
+    call = said.split("load it with timm (", 1)[1].removesuffix(")")
+    model = eval(call, {"timm": timm}).eval()  # noqa: S307  (the line petl wrote, in a test)
+    images = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(model(images), petl.load_run(run_dir).model(images), atol=1e-5, rtol=1e-5)
+    # Any other file is named as a file, as before.
+    (tmp_path / "notes.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(run_card.RunFolderError, match="a file, not a run folder: give a petl-run output folder"):
+        petl.load_run(tmp_path / "notes.safetensors")
+
+
 @pytest.mark.slow
 def test_the_stub_really_keeps_petl_out(tmp_path):
     done = run_without_petl("import timm\nimport petl\n", tmp_path)

@@ -1119,6 +1119,24 @@ def test_one_path_or_a_list_where_a_mapping_is_taken_is_named(tmp_path):
         petl.MultiTask(make_tiny_vit(), [str(tmp_path / "a.safetensors")])
 
 
+def test_one_run_folder_listed_twice_is_refused_naming_it(tmp_path):
+    # from_runs([a, a]) served one task where two were listed (a list's tasks are named by their paths, so two
+    # entries of one folder were one dict key); runs/a and runs/a/ served one run as two tasks.
+    from test_run_card import _run_folder as run_folder
+
+    run = run_folder(tmp_path / "a", seed=1)
+    for twice, spelt in (([run, run], ""), ([run, str(run)], ""), ([run, f"{run}/"], f" (as '{run}' and '{run}/')")):
+        with pytest.raises(ValueError) as refused:
+            petl.MultiTask.from_runs(twice)
+        assert str(refused.value) == (
+            f"run folder {twice[1]} is given twice{spelt}: give each run once, or a dict to name two tasks of it"
+        )
+    assert petl.MultiTask.from_runs({"x": run, "y": run}).names == ["x", "y"]  # two tasks of one run, as asked
+    _singles, files = _save(tmp_path, {"a": SHARED["lora"]}, make_tiny_vit())
+    with pytest.raises(ValueError, match="^task name 'a' is given twice: give each task one name$"):
+        petl.MultiTask(make_tiny_vit(), {"a": files["a"], Path("a"): files["a"]})
+
+
 def test_one_task_id_where_one_per_image_is_taken_is_named(tmp_path):
     # served(images, "a") read the string as one task per letter ("unknown task 'a'" for a task named "ab", or a batch
     # of len("ab") rows answered by tasks nobody named); served(images, 0) failed with "'int' object is not iterable".

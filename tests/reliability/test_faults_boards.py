@@ -387,6 +387,25 @@ def test_a_selected_trial_whose_folder_is_no_text_has_no_curve(tmp_path, capsys)
     assert "| lora | low-rank | 0.0010 (1.00%) | – |" in (root / "leaderboard.md").read_text()
 
 
+@pytest.mark.parametrize("folder", ["../elsewhere", "/elsewhere/../elsewhere"])
+def test_a_selected_trial_whose_folder_leaves_the_results_is_not_read_and_named(tmp_path, capsys, folder):
+    # Was: an edited output_dir "../elsewhere" read <experiment>/../elsewhere/metrics.jsonl, another folder's curve
+    # shown as this run's convergence: a record is checked, never trusted.
+    import json
+
+    root = _runs(tmp_path, tasks=("mini/digits", "mini/mnist", "mini/textures"))
+    elsewhere = root / "mini-digits" / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "metrics.jsonl").write_text("".join(f'{{"epoch": {e}, "val_top1": {40 + e}}}\n' for e in (1, 2, 3)))
+    edited = root / "mini-digits" / "lora" / "seed0" / "result.json"
+    selection = {"chosen": ["train.lr=0.1"], "trials": [{"overrides": ["train.lr=0.1"], "output_dir": folder}]}
+    edited.write_text(json.dumps({**json.loads(edited.read_text()), "selection": selection}))
+    code, _, err = petl_bench(capsys, "report", str(root))
+    assert code == 0 and "| lora | low-rank | 0.0010 (1.00%) | – |" in (root / "leaderboard.md").read_text()
+    said = f"petl-bench: warning: {edited}: selection trial output_dir {folder!r} leaves the results folder: its curve"
+    assert said in err, err
+
+
 def test_an_empty_out_is_refused_not_read_as_the_current_folder(tmp_path, capsys, monkeypatch):
     # Was: report out= wrote the board into the current folder (Path("") is ".") and said "-> /leaderboard.{md,...}".
     root = _runs(tmp_path / "runs")

@@ -212,6 +212,26 @@ def test_a_fgvc_hub_copy_petl_refuses_logs_no_datasets_lines_before_the_reason(m
     assert "Using the latest cached version" not in caplog.text
 
 
+@pytest.mark.parametrize("fault", ["splits", "classes"])
+def test_a_fgvc_hub_copy_petl_cannot_use_is_data_out_of_reach_in_one_line(tmp_path, monkeypatch, capfd, fault):
+    # Wrong splits exited 1 (unavailable data) and a wrong class count 2 (bad input), though both are petl's own hub
+    # copy, which the user did not give and cannot fix: both exit 1 now, and the line says to use a local copy.
+    splits = {"train": _split([0, 1], CAT_DOG)}
+    if fault == "classes":  # fgvc/cub has 200 classes
+        splits["test"] = _split([1, 0], CAT_DOG)
+    monkeypatch.setattr(datasets, "load_dataset", lambda hub_id, *args, **kwargs: datasets.DatasetDict(splits))
+    capfd.readouterr()
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["method=linear", "data=fgvc/cub", *TINY_MODEL, f"output_dir={tmp_path / 'run'}"])
+    err = capfd.readouterr().err
+    assert stop.value.code == 1 and err.count("\n") == 1, err
+    why = "has splits ['train'], expected train and test" if fault == "splits" else "has 2 classes (labels 0..1)"
+    assert err.startswith(
+        f"petl-run: error: fgvc/cub is unavailable: hub copy bentrevett/caltech-ucsd-birds-200-2011 {why}"
+    )
+    assert "Use a local copy instead: pass root=/path (command line: data.root=/path)" in err
+
+
 def test_an_image_column_that_holds_no_images_is_one_line(tmp_path, capsys):
     # data.image_column naming a column of numbers, or of several images per row, failed in datasets' cast with a
     # pyarrow or numpy traceback (exit 1); file bytes and pixel arrays are images and load.

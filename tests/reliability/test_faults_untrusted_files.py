@@ -33,6 +33,7 @@ from petl.cli import pretrain as pretrain_cli
 from petl.cli import run as cli
 from petl.presets import configs_dir
 from petl.run import default_config, train
+from petl.store import files
 from petl.train import pretrain
 
 TINY = tiny_run(batch_size=32)
@@ -276,13 +277,44 @@ def test_7_a_malformed_yaml_is_one_line_and_list_still_lists_the_rest(tmp_path, 
 # --- 8. Ctrl-C on petl-bench: one line, status 130 ------------------------------------------------------------------
 
 
-def test_8_ctrl_c_on_petl_bench_is_one_line(tmp_path, monkeypatch, capsys):
-    def interrupted(*args, **kwargs):
+@pytest.mark.parametrize("epochs", [0, 1], ids=["before-the-first-epoch", "after-one-epoch"])
+def test_8_ctrl_c_on_petl_bench_is_one_line_saying_whether_the_run_kept_an_epoch(tmp_path, monkeypatch, capsys, epochs):
+    # Interrupted before its run's first epoch ended, the line said "an interrupted run resumes from its last finished
+    # epoch": there was none, and the same command trains that run from the start (petl-run's line says so).
+    def interrupted(cfg):
+        out = Path(cfg["output_dir"])
+        out.mkdir(parents=True, exist_ok=True)
+        # What petl-run writes as the run starts (a damaged one is set aside: the run trained anew, no epoch kept).
+        (out / files.CONFIG_FILE).write_text("method: {}\ndata: {}\nmodel: {}\ntrain: {}\n")
+        if epochs:
+            (out / files.CHECKPOINT_FILE).write_bytes(b"an epoch")
         raise KeyboardInterrupt
 
     monkeypatch.setattr(sweep, "_default_fns", lambda: (interrupted, FakeEngine().compose, None))
     code, out, err = petl_bench(capsys, *_mini_sweep(tmp_path))
-    assert code == 130 and err.count("\n") == 1 and "interrupted" in err and "Traceback" not in err
+    assert code == 130 and err.count("\n") == 1 and "Traceback" not in err
+    if epochs:
+        assert err == (
+            "petl-bench: error: interrupted; run the same command again to go on (finished runs are kept, an "
+            "interrupted run resumes from its last finished epoch)\n"
+        )
+    else:
+        assert err == (
+            "petl-bench: error: interrupted before the first epoch of mini/digits linear seed0 finished, so no epoch "
+            "of it is kept: run the same command again to go on (finished runs are kept, that run trains from the "
+            "start)\n"
+        )
+
+
+def test_8_ctrl_c_on_petl_bench_before_any_run_names_none(tmp_path, monkeypatch, capsys):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sweep, "_default_fns", lambda: (FakeEngine().train, interrupted, None))
+    code, out, err = petl_bench(capsys, *_mini_sweep(tmp_path))
+    assert code == 130 and err == (
+        "petl-bench: error: interrupted; run the same command again to go on (finished runs are kept)\n"
+    )
 
 
 # --- exit codes and --debug are petl-run's in petl-bench and petl-pretrain too ----------------------------------------
