@@ -19,6 +19,7 @@
 # then copy tables/*.md to benchmarks/results/ and read tests/summary.txt.
 #
 # `bash benchmarks/device/gpu_session.sh --cpu` runs both scripts in their --cpu modes (see each), the same way.
+# With KIT=1 and a python like the machine's on PATH, the call rehearsed here, kit and all (README.md here).
 set -u
 OUT=${OUT:-/tmp/petl_gpu_session}
 BUDGET=${BUDGET:-500}
