@@ -14,7 +14,9 @@
 #                      precision each server's /health reported).
 # Each part ends by its own deadline (seconds from the start: SPEED_LORA_END, SPEED_METHODS_END, MULTITASK_END,
 # GRAPH_END, SERVE_END); a part that finishes early leaves its time to the next.  multitask_speed.py and serve_load.py start
-# nothing new after their deadline and write the rows they measured, saying which are missing; a speed part cut
+# nothing new after their deadline and write the rows they measured, saying which are missing; they write their
+# table after each row, so one cut off by `timeout` (or a process a GPU fault ended) leaves its finished rows, the
+# table saying "Partial table"; a speed part cut
 # off by `timeout` writes nothing, so its table says so, and the other speed part stands alone.  Every part's exit
 # status and seconds go to gpu_tables.log.
 #
