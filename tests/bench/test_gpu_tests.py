@@ -111,6 +111,18 @@ def test_cuda_tests_run_first_and_every_failure_and_cut_off_is_said(tmp_path):
 
 
 @pytest.mark.slow
+def test_the_last_phase_leaves_its_kill_inside_the_budget(tmp_path):
+    """A phase that ignores SIGINT is killed 30 s after its deadline: the last one's deadline was 97 % of the budget,
+    so such a kill ended the script up to 27 s past BUDGET, and gpu_session.sh's 500 s call at 523 s."""
+    quick, _ = _files(tmp_path)
+    out = tmp_path / "out"
+    done = _tests(out, BUDGET="100", CUDA_END="0", GPU_END="0", REST_TESTS=f"{quick} -k test_passes")
+    assert done.returncode == 0, done.stderr
+    assert "rest: exit 0 after" in (out / "summary.txt").read_text()
+    assert "(deadline 65 s, " in (out / "gpu_tests.log").read_text()  # 100 s less the 30 s kill and 5 s to pack
+
+
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("pytest_timeout") is None, reason="pytest-timeout is not installed")
 def test_a_test_past_its_time_fails_naming_the_timeout(tmp_path):
     _, hangs = _files(tmp_path)
