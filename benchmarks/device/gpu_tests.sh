@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The suite on the lent GPU machine (issue 49: the suite passes on a GPU machine), in one call of at most BUDGET
 # seconds (480 by default), telling what it found even when cut off.  Three pytest phases, each to its deadline
-# (seconds from the start: CUDA_END, GPU_END, REST_END, as shares of BUDGET; a phase that ends early leaves its time
-# to the next):
+# (seconds from the start: CUDA_END, GPU_END, REST_END, as shares of BUDGET, each at least KILL_AFTER + 5 s before
+# its end; a phase that ends early leaves its time to the next):
 #   cuda  the tests marked cuda (`pytest -m cuda`: petl on the GPU itself), one process, first;
 #   gpu   the other tests of the folders whose code picks the GPU where there is one (training, serving,
 #         predicting, the commands run in-process and their faults, the bench, timm autocast), under pytest-xdist:
@@ -69,12 +69,13 @@ THREADS=${THREADS:-2}
 DIST=${DIST:-loadfile}
 TEST_TIMEOUT=${TEST_TIMEOUT:-180}
 export PYTHONUNBUFFERED=1
-CUDA_END=${CUDA_END:-$((BUDGET * 35 / 100))}
-GPU_END=${GPU_END:-$((BUDGET * 90 / 100))}
-# A phase is killed KILL_AFTER seconds after its deadline where SIGINT did not end it: the last one's deadline leaves
-# that and 5 s for the summary and the archive inside BUDGET, which the device call's timeout counts on.
+# A phase is killed KILL_AFTER seconds after its deadline where SIGINT did not end it: every deadline leaves that and
+# 5 s for the summary and the archive inside BUDGET, which the device call's timeout counts on.
 KILL_AFTER=30
-REST_END=${REST_END:-$((BUDGET * 97 / 100 < BUDGET - KILL_AFTER - 5 ? BUDGET * 97 / 100 : BUDGET - KILL_AFTER - 5))}
+share() { local end=$((BUDGET * $1 / 100)) last=$((BUDGET - KILL_AFTER - 5)); echo $((end < last ? end : last)); }
+CUDA_END=${CUDA_END:-$(share 35)}
+GPU_END=${GPU_END:-$(share 90)}
+REST_END=${REST_END:-$(share 97)}
 
 left() { echo $(($1 - (SECONDS - START))); }
 
