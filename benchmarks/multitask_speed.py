@@ -300,8 +300,10 @@ def render(
     dtype: str = "float32",
     missing: list[str] | None = None,
     launch_bound: bool = False,
+    unfinished: list[str] | None = None,
 ) -> str:
-    """The results file: one table row per task set and batch size (``missing``: rows the deadline cut off)."""
+    """The results file: one table row per task set and batch size (``missing``: rows the deadline cut off;
+    ``unfinished``: rows not measured yet, in a table written while the run goes on)."""
     gpu = f", GPU {torch.cuda.get_device_name(torch.device(device))}" if device.startswith("cuda") else ""
     graph = any(GRAPH in seconds for seconds in results.values())
     cases = (*CASES, GRAPH) if graph else CASES
@@ -347,6 +349,12 @@ def render(
         ]
     if missing:
         lines += ["", f"Not measured: the --deadline had passed before {'; '.join(missing)}."]
+    if unfinished:
+        lines += [
+            "",
+            "**Partial table**: written after each row while the run went on; it ended (cut off at its part's "
+            f"deadline, or failed) before {'; '.join(unfinished)}.",
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -401,30 +409,39 @@ def main(argv: list[str]) -> None:
         return
     started, before = time.monotonic(), os.getloadavg()[0]
     results, missing, profiles = {}, [], {}
-    for task_set in (SET_KEYS[key] for key in args.sets.split(",")):
-        for batch in (int(b) for b in args.batches.split(",")):
-            if args.deadline is not None and time.monotonic() - started > args.deadline:
-                missing.append(f"{task_set} at batch {batch}")
-                continue
-            methods = TASK_SETS[task_set]
-            launch_bound = True if args.launch_bound else None
-            calls = build_cases(
-                args.model, methods, batch, args.device, args.dtype, args.img_size, launch_bound, args.graph
-            )
-            results[(task_set, batch)] = measure(calls, args.rounds, args.device)
-            if args.profile:
-                profiles[(task_set, batch)] = profile(calls, args.device)
-            print(task_set, batch, {k: f"{batch / v:.0f} img/s" for k, v in results[(task_set, batch)].items()})
-    command = "python benchmarks/multitask_speed.py " + " ".join(argv)
-    load = (before, os.getloadavg()[0])
-    table = render(
-        results, args.model, args.rounds, command.strip(), load, args.device, args.dtype, missing, args.launch_bound
-    )
-    if args.out:
-        args.out.write_text(table)
-    print(table)
+    command = ("python benchmarks/multitask_speed.py " + " ".join(argv)).strip()
+    plan = [(SET_KEYS[key], int(b)) for key in args.sets.split(",") for b in args.batches.split(",")]
+
+    def write(unfinished: list[str] | None = None) -> str:
+        """The table (and profile) of the rows measured so far, into their files: a run cut off leaves those."""
+        load = (before, os.getloadavg()[0])
+        table = render(
+            results, args.model, args.rounds, command, load, args.device, args.dtype, missing, args.launch_bound,
+            unfinished,
+        )  # fmt: skip
+        if args.out:
+            args.out.write_text(table)
+        if args.profile:
+            args.profile.write_text(render_profile(profiles, results, args.model, command, args.device, args.dtype))
+        return table
+
+    for step, (task_set, batch) in enumerate(plan):
+        if args.deadline is not None and time.monotonic() - started > args.deadline:
+            missing.append(f"{task_set} at batch {batch}")
+            continue
+        methods = TASK_SETS[task_set]
+        launch_bound = True if args.launch_bound else None
+        calls = build_cases(
+            args.model, methods, batch, args.device, args.dtype, args.img_size, launch_bound, args.graph
+        )
+        results[(task_set, batch)] = measure(calls, args.rounds, args.device)
+        if args.profile:
+            profiles[(task_set, batch)] = profile(calls, args.device)
+        print(task_set, batch, {k: f"{batch / v:.0f} img/s" for k, v in results[(task_set, batch)].items()})
+        if step + 1 < len(plan):  # the rows so far, said to be partial until the last is written
+            write([f"{later} at batch {size}" for later, size in plan[step + 1 :]])
+    print(write())
     if args.profile:
-        args.profile.write_text(render_profile(profiles, results, args.model, command.strip(), args.device, args.dtype))
         print(f"profile: {args.profile}")
 
 

@@ -327,13 +327,22 @@ def bench_backbone(key: str, counts: list[int], args: argparse.Namespace, folder
             medians = {setup: median_of(rounds) for setup, rounds in results.items()}
             rows.append({"backbone": label, "tasks": count, "methods": methods, **medians})
             print(f"  {rows[-1]}", file=sys.stderr, flush=True)
+            args.row_done(rows)
     finally:
         for server in [*together.values(), *alone]:
             server.stop()
     return rows
 
 
-def render(rows: list[dict], args: argparse.Namespace, load_before: tuple, load_after: tuple, seconds: float) -> str:
+def render(
+    rows: list[dict],
+    args: argparse.Namespace,
+    load_before: tuple,
+    load_after: tuple,
+    seconds: float,
+    unfinished: bool = False,
+) -> str:
+    """The results file; ``unfinished``: written while the run goes on, after its last row so far."""
     command = "python benchmarks/serve_load.py " + " ".join(sys.argv[1:])
     # petl-serve moves the model to the GPU when torch sees one (petl.deploy.serve); each server's /health said
     # the device and precision it served in (precision=auto: bf16 autocast with TF32 on a GPU with native bf16).
@@ -395,6 +404,12 @@ def render(rows: list[dict], args: argparse.Namespace, load_before: tuple, load_
         )
     if args.missing:
         lines += ["", f"Not measured: the --deadline had passed before {'; '.join(args.missing)}."]
+    if unfinished:
+        lines += [
+            "",
+            "**Partial table**: written after each row while the run went on; it ended (cut off at its part's "
+            "deadline, or failed) before the rows after these.",
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -424,14 +439,20 @@ def main() -> None:
     args.stop_at = started + args.deadline if args.deadline is not None else float("inf")
     args.missing = []
     args.served_in = set()
-    rows = []
+    rows: list[dict] = []
+
+    def write(measured: list[dict], unfinished: bool = False) -> str:
+        """The table of ``measured``, into --out: a run cut off leaves the rows it finished, said to be partial."""
+        text = render(measured, args, load_before, os.getloadavg(), time.monotonic() - started, unfinished)
+        if args.out:
+            args.out.write_text(text)
+        return text
+
+    args.row_done = lambda backbone_rows: write([*rows, *backbone_rows], unfinished=True)
     with tempfile.TemporaryDirectory() as folder:
         for key in chosen:
             rows += bench_backbone(key, counts, args, Path(folder))
-    text = render(rows, args, load_before, os.getloadavg(), time.monotonic() - started)
-    print(text)
-    if args.out:
-        args.out.write_text(text)
+    print(write(rows))
 
 
 if __name__ == "__main__":

@@ -14,7 +14,9 @@
 #                      precision each server's /health reported).
 # Each part ends by its own deadline (seconds from the start: SPEED_LORA_END, SPEED_METHODS_END, MULTITASK_END,
 # GRAPH_END, SERVE_END); a part that finishes early leaves its time to the next.  multitask_speed.py and serve_load.py start
-# nothing new after their deadline and write the rows they measured, saying which are missing; a speed part cut
+# nothing new after their deadline and write the rows they measured, saying which are missing; they write their
+# table after each row, so one cut off by `timeout` (or a process a GPU fault ended) leaves its finished rows, the
+# table saying "Partial table"; a speed part cut
 # off by `timeout` writes nothing, so its table says so, and the other speed part stands alone.  Every part's exit
 # status and seconds go to gpu_tables.log.
 #
@@ -27,7 +29,7 @@
 #
 # `bash benchmarks/device/gpu_tables.sh --cpu` runs the same parts on the CPU with tiny settings (the tiny FractalDB
 # ViT, a few steps, one round: about a minute on two quiet cores, BUDGET=300 s by default for busy ones) and the
-# python on PATH, installing nothing: the script's logic,
+# python on PATH, installing nothing (KIT=1: the kit, as on the device; kit.sh): the script's logic,
 # tested by tests/bench/test_gpu_tables.py.  Its numbers mean nothing.
 #
 # What the new defaults (issue 49: train.precision=auto, TF32) would save a DINOv2 sweep row: see README.md here.
@@ -43,12 +45,11 @@ mkdir -p "$OUT"
 WORK=$(mktemp -d)
 LOG="$OUT/gpu_tables.log"
 : > "$LOG"
+PYTHON=${PYTHON:-python3}
+source "$(dirname "$0")/kit.sh"
 if [ "$MODE" = gpu ]; then
     BUDGET=${BUDGET:-480}
-    PYTHON=${PYTHON:-python3}
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-        .device/whl/*.whl || { echo "no kit: run make_kit.py wheels here and carry .device" | tee -a "$LOG"; exit 3; }
-    export PYTHONPATH=/tmp/site:$PWD
+    use_kit "$LOG"
     nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee -a "$LOG"
     "$PYTHON" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'" || exit 5
     SPEED_COMMON="device=cuda"
@@ -58,8 +59,8 @@ if [ "$MODE" = gpu ]; then
     SERVE="--backbones default --tasks 1,4 --rounds 3 --precision auto"
 else
     BUDGET=${BUDGET:-300}
-    PYTHON=${PYTHON:-python3}
     export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+    [ "${KIT:-0}" = 1 ] && use_kit "$LOG"
     SPEED_COMMON="device=cpu batch=2 steps=1 warmup=1 rounds=1 infer_steps=2 inprocess=true"
     METHODS=linear
     LORA_OPTIONS=bf16

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The suite on the lent GPU machine (issue 49: the suite passes on a GPU machine), in one call of at most BUDGET
 # seconds (480 by default), telling what it found even when cut off.  Three pytest phases, each to its deadline
-# (seconds from the start: CUDA_END, GPU_END, REST_END, as shares of BUDGET; a phase that ends early leaves its time
-# to the next):
+# (seconds from the start: CUDA_END, GPU_END, REST_END, as shares of BUDGET, each at least KILL_AFTER + 5 s before
+# its end; a phase that ends early leaves its time to the next):
 #   cuda  the tests marked cuda (`pytest -m cuda`: petl on the GPU itself), one process, first;
 #   gpu   the other tests of the folders whose code picks the GPU where there is one (training, serving,
 #         predicting, the commands run in-process and their faults, the bench, timm autocast), under pytest-xdist:
@@ -24,7 +24,8 @@
 #
 # `bash benchmarks/device/gpu_tests.sh --cpu` runs the same phases here, on a handful of tiny tests (CUDA_TESTS,
 # GPU_TESTS and REST_TESTS, pytest arguments, choose them), one process, with the python on PATH (or $PYTHON),
-# installing nothing: the script's logic, tested by tests/bench/test_gpu_tests.py.
+# installing nothing (KIT=1: the kit, as on the device; kit.sh): the script's logic, tested by
+# tests/bench/test_gpu_tests.py.
 set -u
 # The deadlines count from here: the install and the checks below are inside BUDGET, as the call's timeout is.
 START=$SECONDS
@@ -38,6 +39,7 @@ WORK=$(mktemp -d)  # each phase's own output and JUnit XML; packed into $OUT/jun
 : > "$LOG"
 : > "$SUMMARY"
 PYTHON=${PYTHON:-python3}
+source "$(dirname "$0")/kit.sh"
 # The folders and files whose code runs on the GPU where there is one: petl-run, -pretrain, -bench, -predict and
 # -serve train and answer there, in-process in tests/reliability, tests/cli, tests/bench and tests/store too (in the
 # rest phase until 2026-11-29, where the suite's growth, 4,668 tests to 6,944, would leave them to be cut off last).
@@ -46,14 +48,7 @@ GPU_FILES="$GPU_FILES tests/methods/test_lora_ops.py tests/methods/test_timm_api
 if [ "$MODE" = gpu ]; then
     BUDGET=${BUDGET:-480}
     WORKERS=${WORKERS:-8}
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-        .device/whl/*.whl || { echo "no kit: run make_kit.py wheels here and carry .device" | tee -a "$LOG"; exit 3; }
-    export PYTHONPATH=/tmp/site:$PWD
-    # The machine reaches no hub: said up front, as HF_HUB_OFFLINE=1, instead of each test process (and each
-    # server or worker it starts) finding out from a DNS lookup and a connection that may take seconds to fail.
-    export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1}
-    # The mini tasks' Fashion-MNIST, where the kit carries it (make_kit.py data): the machine has no apt package.
-    [ -d .device/fmnist ] && export PETL_FASHION_MNIST_DIR=${PETL_FASHION_MNIST_DIR:-$PWD/.device/fmnist}
+    use_kit "$LOG"
     MACHINE="GPU $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1), $(nproc) cores"
     "$PYTHON" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'" >> "$LOG" 2>&1 || exit 5
     # The files that use the marker: collecting only them starts the first phase in seconds.
@@ -65,6 +60,7 @@ else
     MACHINE="CPU only, $(nproc) cores"
     WORKERS=${WORKERS:-0}
     export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+    [ "${KIT:-0}" = 1 ] && use_kit "$LOG"
     CUDA_TESTS=${CUDA_TESTS:-tests/deploy/test_inference_precision.py}
     GPU_TESTS=${GPU_TESTS:-tests/training/test_learning.py -k three_ways}
     REST_TESTS=${REST_TESTS:-tests/training/test_engine.py -k epoch_sampler}
@@ -73,9 +69,13 @@ THREADS=${THREADS:-2}
 DIST=${DIST:-loadfile}
 TEST_TIMEOUT=${TEST_TIMEOUT:-180}
 export PYTHONUNBUFFERED=1
-CUDA_END=${CUDA_END:-$((BUDGET * 35 / 100))}
-GPU_END=${GPU_END:-$((BUDGET * 90 / 100))}
-REST_END=${REST_END:-$((BUDGET * 97 / 100))}
+# A phase is killed KILL_AFTER seconds after its deadline where SIGINT did not end it: every deadline leaves that and
+# 5 s for the summary and the archive inside BUDGET, which the device call's timeout counts on.
+KILL_AFTER=30
+share() { local end=$((BUDGET * $1 / 100)) last=$((BUDGET - KILL_AFTER - 5)); echo $((end < last ? end : last)); }
+CUDA_END=${CUDA_END:-$(share 35)}
+GPU_END=${GPU_END:-$(share 90)}
+REST_END=${REST_END:-$(share 97)}
 
 left() { echo $(($1 - (SECONDS - START))); }
 
@@ -124,7 +124,7 @@ phase() {  # phase NAME END MARKERS PYTEST-ARGS...: pytest until END (s from the
     echo "== $name: ${command[*]} (deadline $end s, $budget s left)" >> "$LOG"
     began=$SECONDS
     # SIGINT at the deadline: pytest stops, lists what failed so far and writes its XML; killed 30 s later if not.
-    "${threads[@]}" timeout -s INT -k 30 "$budget" "${command[@]}" 2>&1 | tee "$WORK/$name.out" >> "$LOG"
+    "${threads[@]}" timeout -s INT -k "$KILL_AFTER" "$budget" "${command[@]}" 2>&1 | tee "$WORK/$name.out" >> "$LOG"
     status=${PIPESTATUS[0]}
     local said="exit $status"
     [ "$status" = 124 ] && said="cut off at its deadline"

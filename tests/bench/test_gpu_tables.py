@@ -82,6 +82,55 @@ def test_the_multitask_title_names_the_device_and_what_it_left_out():
     assert "Not measured: the --deadline had passed before 8 methods at batch 8." in table
 
 
+def test_a_multitask_run_cut_off_leaves_its_finished_rows_said_to_be_partial(tmp_path, monkeypatch):
+    """gpu_tables.sh's part ends in `timeout`'s kill, or a CUDA graph's device-side assert ends the process: the table
+    and profile were written at the end only, so the rows measured before were lost with the rest."""
+    multitask = _script("multitask_speed")
+    monkeypatch.setattr(multitask, "build_cases", lambda *args: None)
+    monkeypatch.setattr(multitask, "profile", lambda calls, device: {})
+    measured, cut_off = [], [True]
+
+    def measure(calls, rounds, device):
+        if measured and cut_off[0]:
+            raise RuntimeError("stands for the process killed during its second row")
+        measured.append(1)
+        return dict.fromkeys(multitask.CASES, 0.1)
+
+    monkeypatch.setattr(multitask, "measure", measure)
+    out, profile = tmp_path / "multitask.md", tmp_path / "profile.md"
+    argv = ["--sets", "lora,methods", "--batches", "8", "--out", str(out), "--profile", str(profile)]
+    with pytest.raises(RuntimeError, match="second row"):
+        multitask.main(argv)
+    table = out.read_text()
+    assert "| 8 LoRA tasks | 8 (1) |" in table and "| 8 methods |" not in table
+    assert "**Partial table**" in table and "before 8 methods at batch 8." in table
+    assert "## 8 LoRA tasks, batch 8" in profile.read_text()
+    cut_off[0] = False
+    multitask.main(argv)  # a run that ends writes the whole table, not said to be partial
+    assert "| 8 methods | 8 (1) |" in out.read_text() and "Partial" not in out.read_text()
+
+
+def test_a_serve_load_run_cut_off_leaves_its_finished_rows_said_to_be_partial(tmp_path, monkeypatch):
+    """As the multitask part: serve_load.py wrote its table at the end only, so a part killed at its deadline
+    (servers slow to start, a GPU fault in one) lost the rows it had measured."""
+    serve_load = _script("serve_load")
+    figures = dict.fromkeys(("rps", "p50", "p99", "rows_per_batch", "tasks_per_batch", "graphed", "rss", "uss"), 1.0)
+    row = {"backbone": "tiny", "tasks": 1, "methods": "lora", "one": figures, "separate": figures}
+
+    def bench_backbone(key, counts, args, folder):
+        args.row_done([row])
+        raise RuntimeError("stands for the part killed before its next row")
+
+    monkeypatch.setattr(serve_load, "bench_backbone", bench_backbone)
+    monkeypatch.setattr(serve_load.signal, "signal", lambda *args: None)  # not this process's SIGTERM
+    out = tmp_path / "serve.md"
+    monkeypatch.setattr(sys, "argv", ["serve_load.py", "--backbones", "default", "--out", str(out)])
+    with pytest.raises(RuntimeError, match="next row"):
+        serve_load.main()
+    table = out.read_text()
+    assert "| tiny | 1 | 1 server |" in table and "**Partial table**" in table
+
+
 def test_the_multitask_table_gives_a_graph_its_own_column_and_ratio():
     multitask = _script("multitask_speed")
     seconds = {**dict.fromkeys(multitask.CASES, 0.1), multitask.GRAPH: 0.05}

@@ -111,6 +111,18 @@ def test_cuda_tests_run_first_and_every_failure_and_cut_off_is_said(tmp_path):
 
 
 @pytest.mark.slow
+def test_the_last_phase_leaves_its_kill_inside_the_budget(tmp_path):
+    """A phase that ignores SIGINT is killed 30 s after its deadline: the last one's deadline was 97 % of the budget,
+    so such a kill ended the script up to 27 s past BUDGET, and gpu_session.sh's 500 s call at 523 s."""
+    quick, _ = _files(tmp_path)
+    out = tmp_path / "out"
+    done = _tests(out, BUDGET="100", CUDA_END="0", GPU_END="0", REST_TESTS=f"{quick} -k test_passes")
+    assert done.returncode == 0, done.stderr
+    assert "rest: exit 0 after" in (out / "summary.txt").read_text()
+    assert "(deadline 65 s, " in (out / "gpu_tests.log").read_text()  # 100 s less the 30 s kill and 5 s to pack
+
+
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("pytest_timeout") is None, reason="pytest-timeout is not installed")
 def test_a_test_past_its_time_fails_naming_the_timeout(tmp_path):
     _, hangs = _files(tmp_path)
@@ -151,3 +163,59 @@ def test_the_gpu_phase_takes_every_folder_whose_tests_run_petls_commands():
     # 3,595 method contracts on tiny CPU models.
     commands = {"tests/training", "tests/deploy", "tests/reliability", "tests/cli", "tests/bench", "tests/store"}
     assert commands <= set(files)
+
+
+KIT_PROBE = """
+import os
+
+import kit_probe
+
+
+def test_the_kit_is_on_the_path():
+    assert kit_probe.CARRIED and os.environ["HF_HUB_OFFLINE"] == "1"
+    assert os.environ["PETL_FASHION_MNIST_DIR"].endswith("/.device/fmnist")
+"""
+
+
+def _wheel(folder: Path, name: str, module: str) -> None:
+    """A pure-Python wheel of one module, as make_kit.py carries them (pip installs it offline)."""
+    import zipfile
+
+    info = f"{name}-0.1.dist-info"
+    files = {
+        f"{name}.py": module,
+        f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.1\n",
+        f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: hand\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    files[f"{info}/RECORD"] = "".join(f"{path},,\n" for path in [*files, f"{info}/RECORD"])
+    with zipfile.ZipFile(folder / f"{name}-0.1-py3-none-any.whl", "w") as archive:
+        for path, text in files.items():
+            archive.writestr(path, text)
+
+
+@pytest.mark.slow
+def test_kit_1_rehearses_the_device_call_with_the_carried_wheels(tmp_path):
+    """KIT=1: the --cpu mode installs the kit as the GPU mode does, so that a python like the machine's (without
+    hydra-core, FastAPI...) runs the call here; until then it installed nothing, and a rehearsal imported whatever
+    this machine had installed."""
+    checkout = tmp_path / "checkout"  # the script reads .device/ in the folder it runs in
+    (checkout / ".device" / "whl").mkdir(parents=True)
+    (checkout / ".device" / "fmnist").mkdir()
+    _wheel(checkout / ".device" / "whl", "kit_probe", "CARRIED = True\n")
+    (checkout / "test_kit.py").write_text(KIT_PROBE)
+    out, site = tmp_path / "out", tmp_path / "site"
+    ends = {"CUDA_END": "0", "GPU_TESTS": "test_kit.py", "REST_END": "0", "TEST_TIMEOUT": "0"}
+    env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable, "KIT": "1", "SITE": str(site), **ends}
+    env.pop("HF_HUB_OFFLINE", None)
+    env.pop("PETL_FASHION_MNIST_DIR", None)
+    done = subprocess.run(["bash", str(SCRIPT), "--cpu"], cwd=checkout, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert (site / "kit_probe.py").is_file()
+    summary = (out / "summary.txt").read_text()
+    assert "gpu: exit 0 after" in summary and "1 passed" in summary, summary
+
+    # Without a kit, the call is wasted: exit 3 and one line saying what to make.
+    (checkout / ".device" / "whl" / "kit_probe-0.1-py3-none-any.whl").unlink()
+    done = subprocess.run(["bash", str(SCRIPT), "--cpu"], cwd=checkout, env=env, capture_output=True, text=True)
+    assert done.returncode == 3
+    assert "no kit: run make_kit.py wheels here and carry .device" in (out / "gpu_tests.log").read_text()
