@@ -21,7 +21,7 @@ from petl.store import files
 from petl.store.files import REPLACED_MARK, RESULT_FILE
 from petl.store.result import ResultError, RunResult, read_result
 from petl.train.learning import run_not_learned
-from petl.utils.text import plural
+from petl.utils.text import plural, shown
 
 _SEED_DIR = re.compile(r"^seed(\d+)$")
 
@@ -177,7 +177,9 @@ def read_all(results_dir: str | Path, skipped: list[Path] | None = None) -> list
             problem = folder_problem(root, path, result, task_folders)
         if problem is not None:
             name = problem if problem.startswith(str(path)) else f"{path}: {problem}"
-            warnings.warn(f"skipping {name}", stacklevel=2)
+            # shown(): a name or value of bytes that are not UTF-8 (a surrogate once decoded) is written as \xNN, so
+            # the line can be printed, logged and passed on as UTF-8 text.
+            warnings.warn(f"skipping {shown(name)}", stacklevel=2)
             if skipped is not None:
                 skipped.append(path)
             continue
