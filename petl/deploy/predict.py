@@ -31,6 +31,7 @@ from petl.store.files import (
     MODEL_FILE,
     WEIGHTS_FILE,
     check_outside_runs,
+    exported_file_not_run,
     exported_not_run,
     file_not_run,
     unfinished_run,
@@ -522,7 +523,8 @@ def _check(positional: list[str], options: dict) -> tuple[list[Path], list[str]]
         )
     if not runs:
         first = positional[0]
-        if Path(first).is_file() and _is_run(Path(first).parent):  # the run's model.json or weights: its folder
+        # The run's model.json or weights (its folder), or a file petl-export wrote (how timm loads it).
+        if Path(first).is_file() and (_is_run(Path(first).parent) or exported_file_not_run(Path(first), first)):
             raise UsageError(file_not_run(Path(first), first))
         later = next((item for item in positional[1:] if _is_run(Path(item))), None)
         if later is not None:  # the images came before the run: the order is the fault, not the folder
