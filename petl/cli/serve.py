@@ -174,6 +174,7 @@ def find_runs(items: Sequence[str]) -> dict[str, Path]:
 
     """
     from petl.deploy.predict import run_labels
+    from petl.deploy.tasks import given_once
     from petl.store.files import exported_not_run, file_not_run, unfinished_run
 
     named: dict[str, Path] = {}
@@ -212,13 +213,17 @@ def find_runs(items: Sequence[str]) -> dict[str, Path]:
         else:
             named[name] = found[0]
             given.append((name, found[0]))
-    for folder in sorted({p for p in unnamed if unnamed.count(p) > 1}):
+    # Given more than once, however spelt (runs/a and its absolute path were two tasks named alike: refused):
+    # served once, where it came first.
+    unnamed, again = given_once(unnamed)
+    for folder in again:
         print(f"{PROG}: note: {folder} was given more than once: served once", file=sys.stderr)
+    served_once = {id(folder) for folder in unnamed}  # by identity: a later giving may be an equal Path
     labels = run_labels(unnamed)
     runs: dict[str, Path] = {}
     for name, folder in given:
         if name is None:
-            if folder not in labels:  # given more than once: served once, where it came first
+            if id(folder) not in served_once:
                 continue
             # A name petl made from a path takes no character a URL part cannot hold: folders named by their options
             # (lr=0.001) are common, and refusing them would have each of a folder's runs named by hand.

@@ -25,6 +25,7 @@ from petl import data as petl_data
 from petl.data.folder import IMAGE_EXTENSIONS, class_folders, image_files, lookalike, not_images
 from petl.data.images import FileListDataset, decode_image, decode_progress
 from petl.deploy.multitask import MultiTask, TaskRefused
+from petl.deploy.tasks import given_once
 from petl.model import surgery
 from petl.model.registry import get_method
 from petl.store.files import (
@@ -535,11 +536,9 @@ def _check(positional: list[str], options: dict) -> tuple[list[Path], list[str]]
         raise UsageError(f"{first} is not a run folder (no {WEIGHTS_FILE}): give a petl-run output_dir first")
     images = positional[len(runs) :]
     # Each image's rows came twice, and a run's confusion file was written twice; as petl-serve serves it once.
-    kept: dict[Path, Path] = {}
-    for run in runs:
-        if kept.setdefault(run.resolve(), run) is not run:
-            print(f"{PROG}: note: {run} was given more than once: predicted once", file=sys.stderr)
-    runs = list(kept.values())
+    runs, again = given_once(runs)
+    for run in again:
+        print(f"{PROG}: note: {run} was given more than once: predicted once", file=sys.stderr)
     if "data" in options and images:
         raise UsageError("give images or data=..., not both")
     if "data" not in options and not images:
