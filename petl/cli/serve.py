@@ -305,20 +305,18 @@ def run_cli(argv: Sequence[str]) -> int:
         from petl.deploy.multitask import TaskRefused
     except ImportError as error:
         raise RuntimeError(f"petl-serve needs {error.name}: {PIP_HINT}") from None
+    import torch
+
     try:
         serve_options = serve.ServeOptions(
             **{k: options[k] for k in SERVE_OPTIONS if k in options}, token=serve.token_from_environment()
         )
+        # Before the runs load (minutes), as create_app checks it: they are served on the GPU where torch sees one
+        # (serve.load_tasks), else on the CPU, which keeps no graph.
+        if not torch.cuda.is_available():
+            serve.refuse_graphs_off_gpu(serve_options, "cpu", "torch sees none here")
     except ValueError as error:
         raise UsageError(str(error)) from None
-    import torch
-
-    # The runs are served on the GPU where torch sees one (serve.load_tasks), else on the CPU, which keeps no graph.
-    if not torch.cuda.is_available() and serve_options.cuda_graphs != serve.ServeOptions.cuda_graphs:
-        raise UsageError(
-            f"cuda_graphs={options['cuda_graphs']} acts on a CUDA GPU only, and torch sees none here: every batch "
-            "runs eagerly on the CPU; drop cuda_graphs="
-        )
     # Bound before the runs load, which can take minutes: a host that is not this machine's or a port in use is
     # said at once.  It listens only once they have: until then a client is refused instead of kept waiting.
     with bind(options["host"], options["port"]) as listening:
