@@ -174,6 +174,7 @@ def find_runs(items: Sequence[str]) -> dict[str, Path]:
 
     """
     from petl.deploy.predict import run_labels
+    from petl.deploy.tasks import given_once
     from petl.store.files import exported_not_run, file_not_run, unfinished_run
 
     named: dict[str, Path] = {}
@@ -212,13 +213,17 @@ def find_runs(items: Sequence[str]) -> dict[str, Path]:
         else:
             named[name] = found[0]
             given.append((name, found[0]))
-    for folder in sorted({p for p in unnamed if unnamed.count(p) > 1}):
+    # Given more than once, however spelt (runs/a and its absolute path were two tasks named alike: refused):
+    # served once, where it came first.
+    unnamed, again = given_once(unnamed)
+    for folder in again:
         print(f"{PROG}: note: {folder} was given more than once: served once", file=sys.stderr)
+    served_once = {id(folder) for folder in unnamed}  # by identity: a later giving may be an equal Path
     labels = run_labels(unnamed)
     runs: dict[str, Path] = {}
     for name, folder in given:
         if name is None:
-            if folder not in labels:  # given more than once: served once, where it came first
+            if id(folder) not in served_once:
                 continue
             # A name petl made from a path takes no character a URL part cannot hold: folders named by their options
             # (lr=0.001) are common, and refusing them would have each of a folder's runs named by hand.
@@ -300,20 +305,18 @@ def run_cli(argv: Sequence[str]) -> int:
         from petl.deploy.multitask import TaskRefused
     except ImportError as error:
         raise RuntimeError(f"petl-serve needs {error.name}: {PIP_HINT}") from None
+    import torch
+
     try:
         serve_options = serve.ServeOptions(
             **{k: options[k] for k in SERVE_OPTIONS if k in options}, token=serve.token_from_environment()
         )
+        # Before the runs load (minutes), as create_app checks it: they are served on the GPU where torch sees one
+        # (serve.load_tasks), else on the CPU, which keeps no graph.
+        if not torch.cuda.is_available():
+            serve.refuse_graphs_off_gpu(serve_options, "cpu", "torch sees none here")
     except ValueError as error:
         raise UsageError(str(error)) from None
-    import torch
-
-    # The runs are served on the GPU where torch sees one (serve.load_tasks), else on the CPU, which keeps no graph.
-    if not torch.cuda.is_available() and serve_options.cuda_graphs != serve.ServeOptions.cuda_graphs:
-        raise UsageError(
-            f"cuda_graphs={options['cuda_graphs']} acts on a CUDA GPU only, and torch sees none here: every batch "
-            "runs eagerly on the CPU; drop cuda_graphs="
-        )
     # Bound before the runs load, which can take minutes: a host that is not this machine's or a port in use is
     # said at once.  It listens only once they have: until then a client is refused instead of kept waiting.
     with bind(options["host"], options["port"]) as listening:

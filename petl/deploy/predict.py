@@ -25,12 +25,14 @@ from petl import data as petl_data
 from petl.data.folder import IMAGE_EXTENSIONS, class_folders, image_files, lookalike, not_images
 from petl.data.images import FileListDataset, decode_image, decode_progress
 from petl.deploy.multitask import MultiTask, TaskRefused
+from petl.deploy.tasks import given_once
 from petl.model import surgery
 from petl.model.registry import get_method
 from petl.store.files import (
     MODEL_FILE,
     WEIGHTS_FILE,
     check_outside_runs,
+    exported_file_not_run,
     exported_not_run,
     file_not_run,
     unfinished_run,
@@ -522,7 +524,8 @@ def _check(positional: list[str], options: dict) -> tuple[list[Path], list[str]]
         )
     if not runs:
         first = positional[0]
-        if Path(first).is_file() and _is_run(Path(first).parent):  # the run's model.json or weights: its folder
+        # The run's model.json or weights (its folder), or a file petl-export wrote (how timm loads it).
+        if Path(first).is_file() and (_is_run(Path(first).parent) or exported_file_not_run(Path(first), first)):
             raise UsageError(file_not_run(Path(first), first))
         later = next((item for item in positional[1:] if _is_run(Path(item))), None)
         if later is not None:  # the images came before the run: the order is the fault, not the folder
@@ -533,11 +536,9 @@ def _check(positional: list[str], options: dict) -> tuple[list[Path], list[str]]
         raise UsageError(f"{first} is not a run folder (no {WEIGHTS_FILE}): give a petl-run output_dir first")
     images = positional[len(runs) :]
     # Each image's rows came twice, and a run's confusion file was written twice; as petl-serve serves it once.
-    kept: dict[Path, Path] = {}
-    for run in runs:
-        if kept.setdefault(run.resolve(), run) is not run:
-            print(f"{PROG}: note: {run} was given more than once: predicted once", file=sys.stderr)
-    runs = list(kept.values())
+    runs, again = given_once(runs)
+    for run in again:
+        print(f"{PROG}: note: {run} was given more than once: predicted once", file=sys.stderr)
     if "data" in options and images:
         raise UsageError("give images or data=..., not both")
     if "data" not in options and not images:

@@ -108,7 +108,8 @@ class ServeOptions:
         shutdown_timeout_s: how long a shutdown (SIGTERM, Ctrl-C) waits for requests in flight before ending them.
         cuda_graphs: on a GPU, the most CUDA graphs the MultiTask keeps, one per mix of tasks in a batch that comes
             again (one per padded batch size where the tasks run every row: ``MultiTask.every_row``;
-            ``MultiTask.graphs.size``); 0: every batch eager.
+            ``MultiTask.graphs.size``); 0: every batch eager.  Another value than 8 is refused (by
+            :func:`create_app`, petl-serve) where the runs are served off a CUDA GPU.
         token: the bearer token every data route needs (``None``: no token); ASCII, no space at its ends and no
             control character, as an ``Authorization`` header carries it (:func:`unsendable`).
         precision: the forward's precision, as ``train.precision`` (:mod:`petl.utils.precision`): ``auto`` (bf16
@@ -151,6 +152,25 @@ class ServeOptions:
     @property
     def max_upload_bytes(self) -> int:
         return int(self.max_upload_mb * 2**20)
+
+
+def refuse_graphs_off_gpu(options: ServeOptions, device_type: str, why: str) -> None:
+    """Refuse a ``cuda_graphs`` other than its default where the forward runs on ``device_type`` other than ``cuda``.
+
+    Args:
+        options: the server's options.
+        device_type: the device type the runs are served on.
+        why: what puts them there, for the one line (``torch sees none here``).
+
+    Raises:
+        ValueError: the option would have no effect: no graph is kept off a CUDA GPU (one line naming it).
+
+    """
+    if device_type != "cuda" and options.cuda_graphs != ServeOptions.cuda_graphs:
+        raise ValueError(
+            f"cuda_graphs={options.cuda_graphs} acts on a CUDA GPU only, and {why}: every batch runs eagerly on the "
+            f"{device_type.upper()}; drop cuda_graphs="
+        )
 
 
 def unsendable(token: str) -> str | None:
@@ -793,6 +813,7 @@ def create_app(served: MultiTask, tasks: list[Task], options: ServeOptions) -> F
     device = next(served.parameters()).device
     # Fixed here for every request: bf16 autocast and TF32 on a GPU under auto, strict fp32 on a CPU.
     precision = inference_precision(options.precision, device.type)
+    refuse_graphs_off_gpu(options, device.type, f"the MultiTask is on the {device.type.upper()}")
     served.graphs.size = options.cuda_graphs
 
     def forward(images: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

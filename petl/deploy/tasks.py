@@ -1,4 +1,6 @@
-"""What names a :class:`petl.MultiTask`'s tasks: the checks of the names and of the run folders it is given."""
+"""What names a :class:`petl.MultiTask`'s tasks: the checks of the names and of the run folders it is given (and the
+CLIs' run folders given twice).
+"""
 
 from __future__ import annotations
 
@@ -64,3 +66,12 @@ def named_runs(runs: Iterable[str | Path] | Mapping[str, str | Path]) -> dict[st
     if not tasks:
         raise ValueError("MultiTask.from_runs needs at least one run folder")
     return tasks
+
+
+def given_once(folders: Iterable[Path]) -> tuple[list[Path], list[Path]]:
+    """Each run folder once, as first given, and the later givings of one already given (however spelt: ``runs/a``,
+    ``runs/a/``, ``./runs/../runs/a``, its absolute path), which petl-predict and petl-serve note and leave out.
+    """
+    first: dict[Path, Path] = {}
+    again = [folder for folder in folders if first.setdefault(folder.resolve(), folder) is not folder]
+    return list(first.values()), again

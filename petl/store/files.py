@@ -141,24 +141,41 @@ def exported_not_run(folder: Path) -> str | None:
 def file_not_run(path: Path, given: str) -> str:
     """The one line for a file given where a run folder is wanted (``given``: the argument as written).
 
-    A file of a run (its ``model.json``, its weights) points to its folder; any other file (an image given before
-    the run, say) does not, and naming its folder as the run would only lead to a second refusal.
+    A file of a run (its ``model.json``, its weights) points to its folder, and a file petl-export wrote says how timm
+    loads it (:func:`exported_file_not_run`); any other file (an image given before the run, say) does not, and
+    naming its folder as the run would only lead to a second refusal.
     """
     if (path.parent / MODEL_FILE).is_file() or (path.parent / WEIGHTS_FILE).is_file():
         return f"{given}: a file, not a run folder: give the folder holding it ({path.parent})"
+    exported = exported_file_not_run(path, given)
+    if exported is not None:
+        return exported
+    return f"{given}: a file, not a run folder: give a petl-run output folder (model.json beside {WEIGHTS_FILE})"
+
+
+def exported_file_not_run(path: Path, given: str) -> str | None:
+    """The one line for a file petl-export wrote given where a run folder is wanted, or ``None`` for any other file.
+
+    Args:
+        path: the file.
+        given: the argument as written (``task.x=FILE`` for petl-serve), which the line names; the timm call it gives
+            loads ``path``.
+
+    """
     exported = exported_not_run(path.parent) if path.name in TIMM_FOLDER_FILES else None
     if exported is not None:  # exported/model.safetensors: the folder is what timm loads
         return f"{given}: a file, not a run folder; {exported}"
-    exported = _export_metadata(path)
-    if exported is not None:  # petl-export out=FILE.safetensors: its metadata says how timm builds it
-        kwargs = "".join(f", {key}={value!r}" for key, value in exported["kwargs"].items())
-        return (
-            f"{given} is a plain timm model's weights ({exported['timm_model']}, as petl-export writes it), not a "
-            f"petl-run folder: give the run folder it was exported from, or load it with timm "
-            f"(timm.create_model('{exported['timm_model']}', num_classes={exported['num_classes']}{kwargs}, "
-            f"checkpoint_path='{given}'))"
-        )
-    return f"{given}: a file, not a run folder: give a petl-run output folder (model.json beside {WEIGHTS_FILE})"
+    meta = _export_metadata(path)
+    if meta is None:
+        return None
+    # petl-export out=FILE.safetensors: its metadata says how timm builds it.
+    kwargs = "".join(f", {key}={value!r}" for key, value in meta["kwargs"].items())
+    return (
+        f"{given} is a plain timm model's weights ({meta['timm_model']}, as petl-export writes it), not a "
+        f"petl-run folder: give the run folder it was exported from, or load it with timm "
+        f"(timm.create_model({meta['timm_model']!r}, num_classes={meta['num_classes']}{kwargs}, "
+        f"checkpoint_path={shown(path)!r}))"
+    )
 
 
 def _export_metadata(path: Path) -> dict[str, Any] | None:

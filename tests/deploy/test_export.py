@@ -168,6 +168,30 @@ def test_an_exported_file_given_as_a_run_says_what_it_is_and_how_timm_loads_it(t
         petl.load_run(tmp_path / "notes.safetensors")
 
 
+def test_petl_predict_and_petl_serve_say_what_an_exported_file_is_and_load_the_file_not_the_argument(
+    tmp_path, capsys, monkeypatch
+):
+    # petl-predict said "model.safetensors is not a run folder (no trainable.safetensors)" of either export, and
+    # petl-serve's timm call for task.x=FILE read checkpoint_path='task.x=FILE', a file that is not there.
+    from petl.cli import serve as serve_cli
+
+    run_dir = _run_folder(tmp_path / "run")
+    for out in ("exported", "model.safetensors"):
+        export_cli.main([str(run_dir), f"out={tmp_path / out}"])
+    image = _image(tmp_path / "img.png")
+    monkeypatch.chdir(tmp_path)
+    for given in ("model.safetensors", "exported/model.safetensors"):
+        code, _, err = command_status(capsys, predict_cli.main, given, str(image))
+        assert code == 2 and err.startswith(f"petl-predict: error: {given}") and "plain timm model" in err, err
+    code, _, err = command_status(capsys, predict_cli.main, str(image), str(run_dir))  # an image first: as before
+    assert code == 2 and f"{image} is not a run folder, {run_dir} is" in err, err
+    code, _, err = command_status(capsys, serve_cli.main, "task.x=model.safetensors", "--quiet")
+    assert code == 2 and err.startswith("petl-serve: error: task.x=model.safetensors is a plain timm model's"), err
+    call = err.split("load it with timm (", 1)[1].rstrip().removesuffix(")")
+    assert call.endswith("checkpoint_path='model.safetensors')"), call
+    eval(call, {"timm": timm})  # noqa: S307  (the line petl wrote, in a test)
+
+
 @pytest.mark.slow
 def test_the_stub_really_keeps_petl_out(tmp_path):
     done = run_without_petl("import timm\nimport petl\n", tmp_path)

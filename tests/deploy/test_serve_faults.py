@@ -595,8 +595,13 @@ def test_cuda_graphs_is_checked_set_on_the_served_model_and_refused_on_a_cpu(tmp
         "petl-serve: error: cuda_graphs=0 acts on a CUDA GPU only, and torch sees none here: every batch runs eagerly "
         "on the CPU; drop cuda_graphs=\n"
     ), err
-    serve.create_app(*serve.load_tasks({"lora": run}), serve.ServeOptions(cuda_graphs=0, precision="no"))
-    assert [model.graphs.size for model in served] == [8, 0]
+    # The Python API agrees: create_app on a CPU MultiTask set graphs.size to a value that could not act, silently.
+    model, tasks = serve.load_tasks({"lora": run})
+    with pytest.raises(ValueError, match=r"^cuda_graphs=0 acts on a CUDA GPU only, and the MultiTask is on the CPU: "):
+        serve.create_app(model, tasks, serve.ServeOptions(cuda_graphs=0, precision="no"))
+    model.graphs.size = 3
+    serve.create_app(model, tasks, serve.ServeOptions(precision="no"))
+    assert served[0].graphs.size == 8 and model.graphs.size == 8
 
 
 def test_an_app_served_again_answers_again(tmp_path):

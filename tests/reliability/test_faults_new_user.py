@@ -285,6 +285,19 @@ def test_petl_serve_says_a_run_given_twice_is_served_once(tmp_path, capsys):
     assert capsys.readouterr().err == f"petl-serve: note: {run} was given more than once: served once\n"
 
 
+def test_petl_serve_serves_a_run_spelt_twice_once_as_petl_predict_predicts_it(tmp_path, capsys, monkeypatch):
+    """``petl-serve runs/a $PWD/runs/a`` was refused as two runs named 'a', where ``runs/a runs/a`` was served once
+    and petl-predict predicted either once."""
+    run = _finished(tmp_path / "a")
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    assert serve_cli.find_runs(["a", str(run), "./a/"]) == {"a": Path("a")}
+    assert capsys.readouterr().err == (
+        f"petl-serve: note: {run} was given more than once: served once\n"
+        "petl-serve: note: a was given more than once: served once\n"
+    )
+
+
 @pytest.mark.parametrize(
     ("host", "alone"),
     [("localhost", True), ("127.0.0.1", True), ("127.0.0.2", True), ("::1", True), ("0.0.0.0", False)]
