@@ -93,10 +93,10 @@ def decoding(items: Sequence[Any], name: str) -> Iterable[Any]:
 
 # The formats an image file is decoded as, by its content, whatever its name: those of the extensions a folder is
 # read by (petl.data.folder.IMAGE_EXTENSIONS; PPM reads .pgm too) and GIF, in training, petl-predict and petl-serve
-# alike.  Pillow reads many more, and a training or predicted file was opened as any of them: an EPS named photo.jpg
-# in a downloaded folder ran Ghostscript (an outside program with a long record of exploits) where it is installed,
-# and an ICO, PCX or JPEG 2000 file was trained on and predicted, which petl-serve then refused.  JPEG includes a
-# phone's MPO (Pillow's JPEG opener returns it).
+# alike.  Pillow reads many more, which are not tried: an EPS named photo.jpg in a downloaded folder would run
+# Ghostscript (an outside program with a long record of exploits) where it is installed, and an ICO, PCX or JPEG 2000
+# file would be trained on and predicted, then refused by petl-serve.  JPEG includes a phone's MPO (Pillow's JPEG
+# opener returns it).
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "BMP", "GIF", "TIFF", "PPM")
 FORMAT_NAMES = "PNG, JPEG, WebP, BMP, GIF, TIFF or PPM"  # IMAGE_FORMATS as the messages name them
 
