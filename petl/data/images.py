@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+import threading
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -92,10 +93,10 @@ def decoding(items: Sequence[Any], name: str) -> Iterable[Any]:
 
 # The formats an image file is decoded as, by its content, whatever its name: those of the extensions a folder is
 # read by (petl.data.folder.IMAGE_EXTENSIONS; PPM reads .pgm too) and GIF, in training, petl-predict and petl-serve
-# alike.  Pillow reads many more, and a training or predicted file was opened as any of them: an EPS named photo.jpg
-# in a downloaded folder ran Ghostscript (an outside program with a long record of exploits) where it is installed,
-# and an ICO, PCX or JPEG 2000 file was trained on and predicted, which petl-serve then refused.  JPEG includes a
-# phone's MPO (Pillow's JPEG opener returns it).
+# alike.  Pillow reads many more, which are not tried: an EPS named photo.jpg in a downloaded folder would run
+# Ghostscript (an outside program with a long record of exploits) where it is installed, and an ICO, PCX or JPEG 2000
+# file would be trained on and predicted, then refused by petl-serve.  JPEG includes a phone's MPO (Pillow's JPEG
+# opener returns it).
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "BMP", "GIF", "TIFF", "PPM")
 FORMAT_NAMES = "PNG, JPEG, WebP, BMP, GIF, TIFF or PPM"  # IMAGE_FORMATS as the messages name them
 
@@ -123,9 +124,7 @@ def upright(image: Image.Image) -> Image.Image:
     tag, so a TIFF is not turned twice.)
     """
     try:
-        with warnings.catch_warnings():
-            # Pillow warns of corrupt EXIF in lines naming no file; the pixels are what matters here.
-            warnings.simplefilter("ignore")
+        with pillow_quiet():  # Pillow warns of corrupt EXIF in lines naming no file; the pixels are what matters here
             orientation = image.getexif().get(ExifTags.Base.Orientation)
     except Exception:  # Pillow's EXIF parser raises many kinds on damaged blocks (struct.error, UnicodeDecodeError...)
         return image
@@ -149,6 +148,13 @@ def to_uint8(image: Image.Image) -> np.ndarray:
     return np.asarray(image.convert("RGB"))
 
 
+# pillow_quiet's one filter, shared by every thread inside it (:func:`pillow_quiet`): how many are inside, and the
+# catch_warnings that the first one in entered and the last one out leaves.
+_quiet_lock = threading.Lock()
+_quiet_inside = 0
+_quiet_filters: warnings.catch_warnings | None = None
+
+
 @contextmanager
 def pillow_quiet() -> Iterator[None]:
     """Within the block, Pillow's own warnings are not shown: each is two lines on stderr naming no file.
@@ -157,11 +163,29 @@ def pillow_quiet() -> Iterator[None]:
     that raises, and the caller names the file), and of damaged metadata it reads past: a TIFF cut after its header
     printed "UserWarning: Corrupt EXIF data..." before petl's own line naming it, in petl-run, petl-predict and
     petl-serve's log.  What the image is, readable or not, is petl's to say, by its file.
+
+    Safe in threads (petl-serve decodes uploads in several): ``warnings.catch_warnings`` swaps the process's one
+    filter list and puts back the list it found (unless Python runs with context-aware warnings), so two threads
+    each in their own would put back each other's lists out of order: one thread's Pillow warnings shown while it
+    decodes, and the filter left on for good.  The threads inside share one: the first in enters it, the last out
+    leaves it.
     """
-    with warnings.catch_warnings():
-        # Those Pillow's modules raise (warnings.warn in PIL.Image, PIL.TiffImagePlugin...); others still show.
-        warnings.filterwarnings("ignore", module=r"PIL\.")
+    global _quiet_inside, _quiet_filters
+    with _quiet_lock:
+        if _quiet_inside == 0:
+            _quiet_filters = warnings.catch_warnings()
+            _quiet_filters.__enter__()
+            # Those Pillow's modules raise (warnings.warn in PIL.Image, PIL.TiffImagePlugin...); others still show.
+            warnings.filterwarnings("ignore", module=r"PIL\.")
+        _quiet_inside += 1
+    try:
         yield
+    finally:
+        with _quiet_lock:
+            _quiet_inside -= 1
+            if _quiet_inside == 0 and _quiet_filters is not None:
+                _quiet_filters.__exit__(None, None, None)
+                _quiet_filters = None
 
 
 def decode_image(data: bytes) -> np.ndarray:

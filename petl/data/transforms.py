@@ -197,8 +197,8 @@ def check_resize(width: int, height: int, spec: ImageSpec) -> None:
     """Refuse an image that ``spec``'s resize would make larger than Pillow's limit against decompression bombs.
 
     A cropping spec resizes the shorter side to ``image_size * 256 / 224`` and the longer in proportion
-    (:func:`resize_size`), so a PNG of 118 bytes, 1 x 20,000 px, became 256 x 5,120,000 px at 224: 3.9 GB allocated
-    on each read, or a MemoryError naming no file.  The limit is the one Pillow refuses to decode above (twice
+    (:func:`resize_size`), so a PNG of 118 bytes, 1 x 20,000 px, would become 256 x 5,120,000 px at 224: 3.9 GB
+    allocated on each read, or a MemoryError naming no file.  The limit is the one Pillow refuses to decode above (twice
     ``Image.MAX_IMAGE_PIXELS``, none where that is ``None``): no image petl decodes may be made larger than it.
 
     Raises:

@@ -542,10 +542,13 @@ def _fgvc_hub_pools(info: DatasetInfo, task: _Task) -> tuple[dict[str, tuple[Any
         pools = {"train": (train, sorted(order[cut:].tolist())), "val": (train, sorted(order[:cut].tolist()))}
     pools["test"] = (test, range(len(test)))
     labels = set(train.unique(label_column)) | set(test.unique(label_column))
-    if max(labels) >= info.num_classes or min(labels) < 0 or len(labels) != info.num_classes:
-        raise _unusable(
-            info, task, f"has {len(labels)} classes (labels {min(labels)}..{max(labels)}), expected {info.num_classes}"
-        )
+    if labels != set(range(info.num_classes)):
+        # Empty splits or labels of text (max() and >= raise on them) are a copy petl cannot use all the same.
+        if not all(isinstance(label, int) for label in labels):
+            found = f"labels that are not class numbers ({', '.join(sorted(map(repr, labels))[:3])})"
+        else:
+            found = f"{len(labels)} classes" + (f" (labels {min(labels)}..{max(labels)})" if labels else "")
+        raise _unusable(info, task, f"has {found}, expected {info.num_classes} classes")
     return pools, image_column, label_column
 
 

@@ -10,6 +10,7 @@ upload preprocessing must give one tensor for one file; a file none can use is r
 from __future__ import annotations
 
 import io
+import threading
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -20,7 +21,7 @@ import pytest
 import torch
 from PIL import Image, features
 
-from petl.data.images import FileListDataset
+from petl.data.images import FileListDataset, pillow_quiet
 from petl.data.registry import BadImagesError
 from petl.data.transforms import ImageSpec, UnfitImage
 from petl.deploy import uploads  # what petl-serve reads an upload with (it needs no serve extra)
@@ -221,3 +222,29 @@ def test_a_tiff_cut_after_its_header_is_one_line_without_pillows_warning(tmp_pat
         assert _predicted_on(path, SPECS["square"]) == (None, [(path, said)])
         with pytest.raises(uploads.BadImage, match=f"^image 1 \\(cut.tiff\\): {said}"):
             _served("cut.tiff", path.read_bytes(), SPECS["square"])
+
+
+def test_pillows_warnings_stay_quiet_while_another_thread_leaves_its_quiet_block():
+    # petl-serve decodes uploads in several threads.  Each pillow_quiet was its own warnings.catch_warnings, which
+    # puts back the filter list it found: a thread leaving first took the filter away from one still decoding (its
+    # Pillow warning shown), and the one leaving last put back a list holding the filter, left on for good.
+    inside, leave, left = threading.Event(), threading.Event(), threading.Event()
+
+    def decoding_elsewhere() -> None:
+        with pillow_quiet():
+            inside.set()
+            leave.wait(10)
+        left.set()
+
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("always")
+        before = list(warnings.filters)
+        other = threading.Thread(target=decoding_elsewhere)
+        other.start()
+        assert inside.wait(10)
+        with pillow_quiet():
+            leave.set()
+            assert left.wait(10)
+            warnings.warn_explicit("Corrupt EXIF data", UserWarning, "TiffImagePlugin.py", 1, "PIL.TiffImagePlugin")
+        other.join()
+        assert shown == [] and warnings.filters == before

@@ -212,20 +212,30 @@ def test_a_fgvc_hub_copy_petl_refuses_logs_no_datasets_lines_before_the_reason(m
     assert "Using the latest cached version" not in caplog.text
 
 
-@pytest.mark.parametrize("fault", ["splits", "classes"])
+@pytest.mark.parametrize("fault", ["splits", "classes", "empty", "text"])
 def test_a_fgvc_hub_copy_petl_cannot_use_is_data_out_of_reach_in_one_line(tmp_path, monkeypatch, capfd, fault):
     # Wrong splits exited 1 (unavailable data) and a wrong class count 2 (bad input), though both are petl's own hub
     # copy, which the user did not give and cannot fix: both exit 1 now, and the line says to use a local copy.
+    # Empty splits and labels of text raised from max() and >= (exit 2 naming nothing, and a traceback).
     splits = {"train": _split([0, 1], CAT_DOG)}
     if fault == "classes":  # fgvc/cub has 200 classes
         splits["test"] = _split([1, 0], CAT_DOG)
+    elif fault == "empty":
+        splits = {"train": _split([], CAT_DOG), "test": _split([], CAT_DOG)}
+    elif fault == "text":
+        splits = {name: _split(["cat", "dog"], datasets.Value("string")) for name in ("train", "test")}
     monkeypatch.setattr(datasets, "load_dataset", lambda hub_id, *args, **kwargs: datasets.DatasetDict(splits))
     capfd.readouterr()
     with pytest.raises(SystemExit) as stop:
         cli.main(["method=linear", "data=fgvc/cub", *TINY_MODEL, f"output_dir={tmp_path / 'run'}"])
     err = capfd.readouterr().err
     assert stop.value.code == 1 and err.count("\n") == 1, err
-    why = "has splits ['train'], expected train and test" if fault == "splits" else "has 2 classes (labels 0..1)"
+    why = {
+        "splits": "has splits ['train'], expected train and test",
+        "classes": "has 2 classes (labels 0..1), expected 200 classes",
+        "empty": "has 0 classes, expected 200 classes",
+        "text": "has labels that are not class numbers ('cat', 'dog'), expected 200 classes",
+    }[fault]
     assert err.startswith(
         f"petl-run: error: fgvc/cub is unavailable: hub copy bentrevett/caltech-ucsd-birds-200-2011 {why}"
     )
