@@ -60,13 +60,15 @@ def test_nothing_left_to_train_is_said_in_one_line_without_a_nil_estimate():
 
 
 def test_a_probe_run_takes_what_the_real_runs_take_on_its_four_images(tmp_path):
-    # train.grad_accum=2 (two batches of 64 a step in the real runs) and data.epochs=3 (no train.epochs given): the
-    # probe's 4 images hold one batch, and its train.epochs=1 beside data.epochs=3 would leave that one without use;
-    # both were refused, and the estimate stopped saying the real runs would fail.
+    # train.grad_accum=2 (two batches of 64 a step in the real runs), train.warmup_frac=0.05 (a whole step of their
+    # hundreds) and data.epochs=3 (no train.epochs given): the probe's 4 images hold one batch, one step, and its
+    # train.epochs=1 beside data.epochs=3 would leave that one without use; each was refused, and the estimate
+    # stopped saying the real runs would fail.
     from petl.train.config import default_config
 
     tiny = ["model.pretrained=false", "+model.kwargs.depth=1", "+model.kwargs.embed_dim=48", "model.img_size=32"]
-    overrides = ["method=linear", "data=mini/digits", *tiny, "train.grad_accum=2", "data.epochs=3"]
+    overrides = ["method=linear", "data=mini/digits", *tiny, "train.grad_accum=2", "train.warmup_frac=0.05"]
+    overrides.append("data.epochs=3")
     assert costs._probe_run([*overrides, f"output_dir={tmp_path}"], 1, default_config) > 0
 
 
