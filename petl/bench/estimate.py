@@ -426,6 +426,11 @@ def measure(cfg: Any, data: OwnData, steps: int = TIMED_STEPS) -> tuple[Probe, s
     the run's (``train.precision`` resolved the same way, a CPU without bf16 instructions falling back to fp32 as the
     run does) prepares the model and optimizer, so the steps and evaluation forwards run under the run's autocast,
     and the cached front under ``accelerator.autocast()`` as :func:`petl.train.cache.cache_split` computes it.
+
+    Raises:
+        ConfigError: ``train.precision=tf32`` or ``fp16`` off a CUDA GPU, which the run refuses
+            (:func:`petl.train.build.run_precision`): nothing is built or timed.
+
     """
     import torch
     from accelerate.state import AcceleratorState, GradientState

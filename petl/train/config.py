@@ -58,7 +58,7 @@ from petl.utils.text import first_line
 CONFIG_GROUPS = ("method", "data", "model", "train")
 # "auto" is resolved per machine before a run is fingerprinted (petl.train.build.resolve_precision); the others
 # are what runs, save for the fallback make_accelerator logs (bf16 without support; fp16 or tf32 without a GPU are
-# refused there).
+# refused: petl.train.build.run_precision).
 PRECISIONS = ("auto", "no", "tf32", "bf16", "fp16")
 TRACKERS = tuple(LOGGER_TYPE_TO_CLASS)
 

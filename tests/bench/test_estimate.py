@@ -212,6 +212,26 @@ def test_a_swin_cut_in_a_later_stage_is_timed_cached_where_its_cache_fits(monkey
     assert probe.front_seconds > 0
 
 
+@pytest.mark.parametrize("asked", ["tf32", "fp16"])
+def test_tf32_or_fp16_off_a_gpu_is_refused_before_anything_is_timed(monkeypatch, asked):
+    # Was: timed in fp32 (run_precision's fallback, its warning dropped), then the tiny real run refused it, the
+    # line naming a failed 1-epoch run of 4 images; the run and the estimate now refuse it in one place.
+    from petl.train import build
+    from petl.train.config import default_config
+    from petl.utils.errors import ConfigError
+
+    monkeypatch.setattr(build, "run_device_type", lambda: "cpu")
+    tiny = ["model.pretrained=false", "+model.kwargs.depth=1", "+model.kwargs.embed_dim=48", "output_dir=unused"]
+    cfg = default_config(["method=linear", "data=mini/digits", *tiny, f"train.precision={asked}"])
+    built = []
+    monkeypatch.setattr(build, "create_backbone", lambda cfg: built.append(cfg))
+    with pytest.raises(
+        ConfigError, match=rf"^train.precision={asked} acts on a CUDA GPU only, and this run trains on cpu"
+    ):
+        costs.measure(cfg, DATA, steps=1)
+    assert built == []
+
+
 def test_steps_are_timed_with_gradient_checkpointing_where_the_run_has_it(monkeypatch):
     # Was: timed without it, while the run's every backward recomputes each block's forward.
     from petl.train import engine
