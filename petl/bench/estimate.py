@@ -388,7 +388,7 @@ def _probe_run(overrides: list[str], epochs: int, compose: Callable[[list[str]],
         run_dir = Path(folder) / "run"
         # train.epochs beside another data.epochs (the command line's, where the suite sets no train.epochs) is
         # refused, data.epochs then doing nothing: both are set.  A train.grad_accum above the batches 4 images hold,
-        # and a train.warmup_frac that is no whole step of their one or two steps, are refused too, and a run's own
+        # and a train.warmup_frac that warms up none of their one or two steps, are refused too, and a run's own
         # costs (loaders, records, checkpoints) depend on neither.
         extra = [f"data.epochs={epochs}", f"train.epochs={epochs}", f"data.subset={PROBE_IMAGES}"]
         extra += ["train.grad_accum=1", "train.warmup_frac=0", "train.progress=false"]
