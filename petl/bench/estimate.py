@@ -387,10 +387,11 @@ def _probe_run(overrides: list[str], epochs: int, compose: Callable[[list[str]],
     with tempfile.TemporaryDirectory(prefix="petl-estimate-") as folder:
         run_dir = Path(folder) / "run"
         # train.epochs beside another data.epochs (the command line's, where the suite sets no train.epochs) is
-        # refused, data.epochs then doing nothing: both are set.  A train.grad_accum above the batches 4 images hold
-        # is refused too, and a run's own costs (loaders, records, checkpoints) do not depend on it.
+        # refused, data.epochs then doing nothing: both are set.  A train.grad_accum above the batches 4 images hold,
+        # and a train.warmup_frac that warms up none of their one or two steps, are refused too, and a run's own
+        # costs (loaders, records, checkpoints) depend on neither.
         extra = [f"data.epochs={epochs}", f"train.epochs={epochs}", f"data.subset={PROBE_IMAGES}"]
-        extra += ["train.grad_accum=1", "train.progress=false"]
+        extra += ["train.grad_accum=1", "train.warmup_frac=0", "train.progress=false"]
         run = PlannedRun("probe", "probe", 0, run_dir, (*overrides[:-1], *extra, f"output_dir={run_dir}"))
         tick = time.perf_counter()
         # Its "training ..." line and its warnings (a 4-image run takes few steps) are not about the user's runs.
@@ -425,6 +426,11 @@ def measure(cfg: Any, data: OwnData, steps: int = TIMED_STEPS) -> tuple[Probe, s
     the run's (``train.precision`` resolved the same way, a CPU without bf16 instructions falling back to fp32 as the
     run does) prepares the model and optimizer, so the steps and evaluation forwards run under the run's autocast,
     and the cached front under ``accelerator.autocast()`` as :func:`petl.train.cache.cache_split` computes it.
+
+    Raises:
+        ConfigError: ``train.precision=tf32`` or ``fp16`` off a CUDA GPU, which the run refuses
+            (:func:`petl.train.build.run_precision`): nothing is built or timed.
+
     """
     import torch
     from accelerate.state import AcceleratorState, GradientState

@@ -125,7 +125,7 @@ class RunResult:
         problem = version_problem(record.get("version", RESULT_VERSION))
         if problem:
             raise ResultError(f"{source}: {problem}")
-        unwritable = _not_utf8(record)
+        unwritable = not_utf8(record)
         if unwritable is not None:
             raise ResultError(f"{source}: {unwritable}")
         known = {f.name for f in dataclasses.fields(cls)} - {"extra", "version"}
@@ -208,7 +208,7 @@ def field_problem(name: str, value: Any) -> str | None:
     raise KeyError(name)
 
 
-def _not_utf8(value: Any, where: str = "") -> str | None:
+def not_utf8(value: Any, where: str = "") -> str | None:
     r"""Where ``value`` (a record, or a part of one) holds text no UTF-8 file can hold, or ``None``.
 
     A JSON escape of half a surrogate pair (``"\udcff"``) reads as a lone surrogate: a name with one stops every
@@ -225,8 +225,8 @@ def _not_utf8(value: Any, where: str = "") -> str | None:
     items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
     for key, item in items:
         at = f"{where}.{key}" if where else str(key)
-        problem = _not_utf8(key, where) if isinstance(key, str) else None
-        problem = problem or _not_utf8(item, at)
+        problem = not_utf8(key, where) if isinstance(key, str) else None
+        problem = problem or not_utf8(item, at)
         if problem:
             return problem
     return None

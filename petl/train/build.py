@@ -183,12 +183,19 @@ def resolve_precision(cfg: DictConfig) -> None:
 def run_precision(precision: str, device_type: str) -> tuple[str, str | None]:
     """What ``train.precision`` runs as on ``device_type`` (``no``, ``tf32``, ``bf16``, ``fp16``), and the warning
     where that falls back to fp32 (``None`` where it runs as asked).
+
+    Raises:
+        ConfigError: ``tf32`` or ``fp16`` off a CUDA GPU, where either would be the ``no`` run under another config
+            fingerprint (accelerate runs fp16 in fp32 there without a word).
+
     """
     if precision == "auto":  # a config that did not go through petl.train.runner.run (resolve_precision)
         precision = auto_precision(device_type)
     if precision in ("fp16", "tf32") and device_type != "cuda":
-        # accelerate would accept fp16 and silently run in fp32; say so, and record what really ran.
-        return "no", f"train.precision={precision} needs a CUDA GPU: running in full precision (bf16 works on CPUs)"
+        raise ConfigError(
+            f"train.precision={precision} acts on a CUDA GPU only, and this run trains on {device_type}: "
+            "give train.precision=no (or bf16, which CPUs autocast)"
+        )
     if precision == "bf16" and device_type == "cpu" and not cpu_supports_bf16():
         # accelerate would autocast anyway, through slow emulated bf16 matmuls; result.json records "no".
         return "no", "train.precision=bf16: this CPU has no bf16 instructions (AVX512-BF16/AMX): running in fp32"
@@ -199,12 +206,6 @@ def make_accelerator(cfg: DictConfig, out: Path) -> Accelerator:
     trackers = list(cfg.train.trackers)
     device_type = run_device_type()
     precision, fallback = run_precision(cfg.train.precision, device_type)
-    if cfg.train.precision in ("fp16", "tf32") and precision != cfg.train.precision:
-        # Asked for, it could not act: the run was the train.precision=no run under another config fingerprint.
-        raise ConfigError(
-            f"train.precision={cfg.train.precision} acts on a CUDA GPU only, and this run trains on {device_type}: "
-            "give train.precision=no (or bf16, which CPUs autocast)"
-        )
     if fallback is not None:
         warn_main(log, fallback)
     # tf32 is fp32 to accelerate: the TF32 switch is torch's, set by the runner (petl.utils.precision.uses_tf32).

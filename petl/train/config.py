@@ -39,6 +39,7 @@ from petl.backbones import models as petl_models
 from petl.model.backbone import list_backbones, timm_modules
 from petl.model.registry import get_method, list_methods, make_config
 from petl.model.surgery import check_supported
+from petl.store.result import not_utf8
 from petl.train.engine import TrainSettings
 from petl.train.options import check_options, neutral_keys, option
 from petl.train.readers import (  # noqa: F401 (re-exported)
@@ -58,7 +59,7 @@ from petl.utils.text import first_line
 CONFIG_GROUPS = ("method", "data", "model", "train")
 # "auto" is resolved per machine before a run is fingerprinted (petl.train.build.resolve_precision); the others
 # are what runs, save for the fallback make_accelerator logs (bf16 without support; fp16 or tf32 without a GPU are
-# refused there).
+# refused: petl.train.build.run_precision).
 PRECISIONS = ("auto", "no", "tf32", "bf16", "fp16")
 TRACKERS = tuple(LOGGER_TYPE_TO_CLASS)
 
@@ -620,6 +621,13 @@ def check_values(cfg: DictConfig, sources: Mapping[str, str] | None = None) -> N
     try:
         schema = typing.get_type_hints(RunConfig)
         check_known_keys(cfg)
+        # A path through a folder named in other bytes (lone surrogates in Python): result.json would record it, and
+        # a record holding one is refused on read, so the run would refuse its own record on its next invocation.
+        if unreadable := not_utf8(OmegaConf.to_container(cfg, resolve=False)):
+            raise ValueError(
+                f"config {unreadable}: result.json would record it, and no record holding it is read; rename that "
+                "folder or give another"
+            )
         check_options(RunConfig, cfg)
         for group in ("data", "model", "train"):
             check_options(schema[group], cfg[group], f"{group}.")

@@ -46,7 +46,8 @@ class TrainSettings:
         lr: peak learning rate of AdamW.
         weight_decay: AdamW weight decay.
         warmup_frac: fraction of the steps spent in linear warm-up before the cosine decay, rounded down to whole
-            steps; ``petl-run`` refuses one other than 0 and this default that is no whole step of its run.
+            steps, the first at 1/steps of the lr; ``petl-run`` refuses one other than 0 and this default that is
+            under two steps of its run (one runs at the full lr, as none does).
         label_smoothing: cross-entropy label smoothing, in [0, 1): the share of each target spread evenly over the
             classes.  1 is refused: every target would be uniform, the same whatever the label, so nothing is learned.
         grad_clip: max gradient norm, 0 to disable.
@@ -209,6 +210,11 @@ def param_groups(model: nn.Module, settings: TrainSettings) -> list[dict]:
         {"params": [p for n, p in named if n in skip], "weight_decay": 0.0},
     ]
     return [g for g in groups if g["params"]]
+
+
+# The first step of a warm-up of w steps runs at 1/w of the lr (factor in build_optimizer): one of a single step runs
+# at the full lr, as no warm-up would (it only holds the peak a step longer), so two are the least that warm up.
+LEAST_WARMUP_STEPS = 2
 
 
 def warmup_steps(warmup_frac: float, total: int) -> int:

@@ -60,13 +60,15 @@ def test_nothing_left_to_train_is_said_in_one_line_without_a_nil_estimate():
 
 
 def test_a_probe_run_takes_what_the_real_runs_take_on_its_four_images(tmp_path):
-    # train.grad_accum=2 (two batches of 64 a step in the real runs) and data.epochs=3 (no train.epochs given): the
-    # probe's 4 images hold one batch, and its train.epochs=1 beside data.epochs=3 would leave that one without use;
-    # both were refused, and the estimate stopped saying the real runs would fail.
+    # train.grad_accum=2 (two batches of 64 a step in the real runs), train.warmup_frac=0.05 (a whole step of their
+    # hundreds) and data.epochs=3 (no train.epochs given): the probe's 4 images hold one batch, one step, and its
+    # train.epochs=1 beside data.epochs=3 would leave that one without use; each was refused, and the estimate
+    # stopped saying the real runs would fail.
     from petl.train.config import default_config
 
     tiny = ["model.pretrained=false", "+model.kwargs.depth=1", "+model.kwargs.embed_dim=48", "model.img_size=32"]
-    overrides = ["method=linear", "data=mini/digits", *tiny, "train.grad_accum=2", "data.epochs=3"]
+    overrides = ["method=linear", "data=mini/digits", *tiny, "train.grad_accum=2", "train.warmup_frac=0.05"]
+    overrides.append("data.epochs=3")
     assert costs._probe_run([*overrides, f"output_dir={tmp_path}"], 1, default_config) > 0
 
 
@@ -208,6 +210,26 @@ def test_a_swin_cut_in_a_later_stage_is_timed_cached_where_its_cache_fits(monkey
     overrides = ["method=partial", "method.k=1", "data=mini/digits", f"train.precision={precision}", *swin]
     probe, _ = costs.measure(default_config(overrides), DATA, steps=1)
     assert probe.front_seconds > 0
+
+
+@pytest.mark.parametrize("asked", ["tf32", "fp16"])
+def test_tf32_or_fp16_off_a_gpu_is_refused_before_anything_is_timed(monkeypatch, asked):
+    # Was: timed in fp32 (run_precision's fallback, its warning dropped), then the tiny real run refused it, the
+    # line naming a failed 1-epoch run of 4 images; the run and the estimate now refuse it in one place.
+    from petl.train import build
+    from petl.train.config import default_config
+    from petl.utils.errors import ConfigError
+
+    monkeypatch.setattr(build, "run_device_type", lambda: "cpu")
+    tiny = ["model.pretrained=false", "+model.kwargs.depth=1", "+model.kwargs.embed_dim=48", "output_dir=unused"]
+    cfg = default_config(["method=linear", "data=mini/digits", *tiny, f"train.precision={asked}"])
+    built = []
+    monkeypatch.setattr(build, "create_backbone", lambda cfg: built.append(cfg))
+    with pytest.raises(
+        ConfigError, match=rf"^train.precision={asked} acts on a CUDA GPU only, and this run trains on cpu"
+    ):
+        costs.measure(cfg, DATA, steps=1)
+    assert built == []
 
 
 def test_steps_are_timed_with_gradient_checkpointing_where_the_run_has_it(monkeypatch):

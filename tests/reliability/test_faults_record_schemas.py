@@ -351,3 +351,18 @@ def test_a_preset_file_that_cannot_be_read_is_named(tmp_path):
 
     with pytest.raises(ValueError, match=f"^{tmp_path}: cannot be read \\(Is a directory\\): give a YAML file there$"):
         read_yaml(tmp_path)  # was: IsADirectoryError
+
+
+def test_an_output_dir_that_is_not_utf8_is_refused_before_a_record_is_written(capsys, tmp_path):
+    # A folder whose name is other bytes (Python holds them as lone surrogates): output_dir=runs/r\xff trained and
+    # wrote its result.json, which the next petl-run refused as damaged ("field 'output_dir' holds ... not UTF-8"),
+    # as a sweep's check and every board did: petl wrote a record its own reader refuses.  Every config value is
+    # checked alike (data.root, model.checkpoint).
+    import os
+
+    odd = os.fsdecode(bytes(tmp_path) + b"/r\xff")
+    code, _, err = command_status(capsys, cli.main, *tiny_run(epochs=1), f"output_dir='{odd}'")
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith("petl-run: error: config field 'output_dir' holds "), err
+    assert "which is not UTF-8 text" in err and err.rstrip().endswith("rename that folder or give another")
+    assert not Path(odd).exists()

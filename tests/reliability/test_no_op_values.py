@@ -4,7 +4,7 @@ Found by a pass over every user-settable value: petl-predict's options that act 
 NOAH's ``init=reference`` where it has nothing to re-draw, and a NOAH subnet of zero widths; petl-serve's limits given
 above the limit that caps them; ``petl-bench speed tf32=`` on a CPU; a peft ``target_modules`` entry or
 ``layers_to_transform`` index matching no module; petl-run's keys added with Hydra's ``+`` that nothing reads
-(``+train.lrr=0.1``), and a ``train.warmup_frac`` that rounds down to no warm-up step; petl-bench's budget and
+(``+train.lrr=0.1``), and a ``train.warmup_frac`` that warms up no step; petl-bench's budget and
 ``--yes`` without ``data=``.
 """
 
@@ -198,23 +198,40 @@ def test_free_form_model_kwargs_are_still_added_with_plus():
     assert default_config(["+model.kwargs.depth=2", "++model.kwargs.qkv_bias=false"]).model.kwargs.depth == 2
 
 
-def test_a_warmup_fraction_that_is_no_whole_step_is_refused_before_anything_is_written(tmp_path, capsys):
+# 64 images in one batch, 2 epochs: 2 steps.  0.05 of them rounds down to none, and ran as warmup_frac=0 would; 0.5
+# to one, whose step runs at the full lr (the first step of a warm-up of w runs at 1/w of it): it was taken and said
+# "0.5 or more" warms up.
+@pytest.mark.parametrize("warmup_frac", ["0.05", "0.5"])
+def test_a_warmup_fraction_that_warms_up_no_step_is_refused_before_anything_is_written(tmp_path, capsys, warmup_frac):
     from conftest import command_status, tiny_run
 
     from petl.cli import run as run_cli
 
-    # 64 images in one batch, 2 epochs: 2 steps, 0.05 of which rounds down to none; it ran as warmup_frac=0 would.
-    argv = [*tiny_run(subset=64, epochs=2), "train.warmup_frac=0.05", f"output_dir={tmp_path / 'run'}"]
+    argv = [*tiny_run(subset=64, epochs=2), f"train.warmup_frac={warmup_frac}", f"output_dir={tmp_path / 'run'}"]
     code, _, error = command_status(capsys, run_cli.main, *argv)
     assert code == 2 and error.count("\n") == 1, error
     assert error.startswith(
-        "petl-run: error: train.warmup_frac=0.05 cannot act: the run takes 2 optimizer steps (2 epochs of 1), and "
-        "0.05 of them is no whole step, so it warms up for none; give train.warmup_frac=0.5 or more, or 0"
+        f"petl-run: error: train.warmup_frac={warmup_frac} cannot act: the run takes 2 optimizer steps (2 epochs of "
+        f"1), and {warmup_frac} of them warms up for none (a warm-up of one step runs that step at the full lr); give "
+        "train.warmup_frac=1 or more, or 0"
     ), error
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize("warmup_frac", ["0.5", "0", "0.1"])  # a whole step, none asked, the default
+def test_the_least_warmup_fraction_the_refusal_names_warms_up():
+    import torch
+
+    from petl.train.engine import TrainSettings, build_optimizer
+
+    # The 2-step run above: warmup_frac=1 runs its first step at half the lr; 0.5 ran both at the full lr.
+    for warmup_frac, first_lr in ((1.0, 0.5), (0.5, 1.0), (0.0, 1.0)):
+        optimizer, _ = build_optimizer(
+            torch.nn.Linear(2, 2), TrainSettings(epochs=2, lr=1.0, warmup_frac=warmup_frac), 1
+        )
+        assert optimizer.param_groups[0]["lr"] == first_lr
+
+
+@pytest.mark.parametrize("warmup_frac", ["1", "0", "0.1"])  # two steps, none asked, the default
 def test_a_warmup_fraction_that_acts_or_asks_for_none_is_taken(tmp_path, warmup_frac):
     from conftest import tiny_run
 
