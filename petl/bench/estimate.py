@@ -397,7 +397,7 @@ def _probe_run(overrides: list[str], epochs: int, compose: Callable[[list[str]],
         logging.disable(logging.WARNING)
         try:
             with contextlib.redirect_stdout(io.StringIO()):
-                summary = run_sweep([run], compose_fn=compose, progress=False)
+                summary = run_sweep([run], compose_fn=compose, progress=False, users_runs=False)
         finally:
             logging.disable(logging.NOTSET)
         whole = time.perf_counter() - tick

@@ -96,6 +96,23 @@ def test_a_probe_run_that_could_not_start_says_why_in_one_line(monkeypatch):
         costs._probe_run(["method=linear", "output_dir=x"], 1, refused)
 
 
+def test_ctrl_c_in_a_probe_run_names_no_run_of_the_user_s(monkeypatch):
+    # Was: "interrupted before the first epoch of probe probe seed0 finished ... that run trains from the start",
+    # naming the estimate's tiny run in a temporary folder, which no command trains again.
+    from petl.bench import sweep
+    from petl.train.config import default_config
+
+    def interrupted(cfg):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sweep, "_default_fns", lambda: (interrupted, default_config, None))
+    with pytest.raises(KeyboardInterrupt):
+        costs._probe_run(["method=linear", "output_dir=x"], 1, default_config)
+    assert sweep.interrupted_line() == (
+        "error: interrupted; run the same command again to go on (finished runs are kept)"
+    )
+
+
 @pytest.mark.parametrize(
     "fault", [RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"), ValueError("a fault in the forward")]
 )
