@@ -620,8 +620,15 @@ def test_a_record_in_another_seed_s_folder_is_skipped(tmp_path):
     root = _three_seeds(tmp_path)
     moved = root / "mini-digits" / "lora" / "seed0" / "result.json"
     moved.write_text(moved.read_text().replace('"seed": 0', '"seed": 1'))
-    with pytest.warns(UserWarning, match=rf"skipping {moved}: a run of seed 1 in the folder of seed 0: move it"):
+    with pytest.warns(
+        UserWarning, match=rf"skipping {moved}: a run of seed 1 in the folder of seed 0: move it"
+    ) as said:
         records = collect(root)
+    # Nothing finished is deleted unless the user asks (was: "move it, or delete it"): where it belongs, or aside.
+    seeds = moved.parent.parent
+    assert str(said[0].message).endswith(
+        f": move it to {seeds / 'seed1'}, or aside (rename {seeds / 'seed0'} to seed0.replaced-old)"
+    )
     digits = {r.seed: r.result.test_top1 for r in records if r.task == "mini/digits"}
     assert digits == {1: 51.0, 2: 52.0}
 
