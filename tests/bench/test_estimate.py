@@ -266,6 +266,31 @@ def test_the_data_line_counts_a_folders_own_val_images_apart_from_its_training_i
     )
 
 
+def test_a_precision_accelerate_refuses_is_named_and_leaves_no_precision_behind(monkeypatch):
+    # Was: the Accelerator was made before the state it sets was put back on every path: accelerate records bf16
+    # process-wide, then refuses it on a GPU without bf16, and a later Accelerator() inherited it; the line was
+    # accelerate's own, naming no setting.
+    from accelerate import Accelerator
+
+    from petl.train import build, engine
+    from petl.train.config import default_config
+    from petl.utils.errors import ConfigError
+
+    made = engine.fresh_accelerator
+
+    def refused(**kwargs):
+        made(**kwargs)  # its state is set before it refuses, as on a GPU without bf16
+        raise ValueError("bf16 mixed precision requires PyTorch >= 1.10 and a supported device.")
+
+    monkeypatch.setattr(build, "cpu_supports_bf16", lambda: True)
+    monkeypatch.setattr(engine, "fresh_accelerator", refused)
+    tiny = ["model.pretrained=false", "+model.kwargs.depth=1", "+model.kwargs.embed_dim=48", "output_dir=unused"]
+    cfg = default_config(["method=linear", "data=mini/digits", "train.precision=bf16", *tiny])
+    with pytest.raises(ConfigError, match=r"^train\.precision=bf16: bf16 mixed precision requires"):
+        costs.measure(cfg, DATA, steps=1)
+    assert Accelerator(cpu=True).mixed_precision == "no"
+
+
 @pytest.mark.parametrize("method", ["lora", "partial"])
 @pytest.mark.parametrize(
     ("precision", "dtype", "said"), [("bf16", torch.bfloat16, "bf16 autocast"), ("no", torch.float32, "fp32")]
