@@ -318,10 +318,25 @@ class Leaderboard:
 
 
 def input_size(result: RunResult) -> int | None:
-    """The input resolution a run set (``model.img_size`` in the config its record embeds); ``None``: its model's."""
+    """The input resolution a run set, in the config its record embeds; ``None``: its model's.
+
+    Set as ``model.img_size``, as ``model.kwargs.img_size`` (the same timm argument, petl.train.readers.model_kwargs),
+    or, for a NaFlexVit, as ``model.kwargs.pretrained_cfg_overlay.input_size`` (``[3, N, N]``).
+    """
     model = result.config.get("model") if isinstance(result.config, dict) else None
-    size = model.get("img_size") if isinstance(model, dict) else None
-    return size if isinstance(size, int) and not isinstance(size, bool) else None
+    if not isinstance(model, dict):
+        return None
+    kwargs = model.get("kwargs") if isinstance(model.get("kwargs"), dict) else {}
+    overlay = kwargs.get("pretrained_cfg_overlay") if isinstance(kwargs.get("pretrained_cfg_overlay"), dict) else {}
+    shape = overlay.get("input_size")
+    for size in (
+        model.get("img_size"),
+        kwargs.get("img_size"),
+        shape[-1] if isinstance(shape, list) and shape else None,
+    ):
+        if isinstance(size, int) and not isinstance(size, bool):
+            return size
+    return None
 
 
 def sized_models(results: Iterable[RunResult]) -> frozenset[str]:

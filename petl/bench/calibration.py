@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from petl.presets import override
-from petl.store.files import REPLACED_MARK, RESULT_FILE
+from petl.store.files import RESULT_FILE, set_aside_advice
 from petl.store.result import read_result
 
 # Filled by the run itself from the data, never by a calibration.
@@ -59,10 +59,9 @@ def calibration_overrides(run_dir: Path) -> list[str] | None:
     if result is None:
         return None
     if not result.method_config or result.config is None:
-        # Nothing finished is deleted: renamed as resume=false sets a run aside, the folder is one the reports skip.
         raise ValueError(
-            f"{run_dir / RESULT_FILE}: records no method_config to reuse; move its folder aside (rename {run_dir} to "
-            f"{run_dir.name}{REPLACED_MARK}old) and run again to calibrate anew"
+            f"{run_dir / RESULT_FILE}: records no method_config to reuse; move its folder aside "
+            f"({set_aside_advice(run_dir)}) and run again to calibrate anew"
         )
     chosen = calibrated_options(result.config, result.method_config)
     return [override(f"method.{key}", value) for key, value in chosen.items()]

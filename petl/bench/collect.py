@@ -18,7 +18,7 @@ from typing import Any
 from petl.bench.protocol import UNSTABLE_DIR
 from petl.bench.sweep import task_folder
 from petl.store import files
-from petl.store.files import REPLACED_MARK, RESULT_FILE
+from petl.store.files import REPLACED_MARK, RESULT_FILE, set_aside_advice
 from petl.store.result import ResultError, RunResult, read_result
 from petl.train.learning import run_not_learned
 from petl.utils.text import plural, shown
@@ -127,8 +127,12 @@ def folder_problem(root: Path, path: Path, result: RunResult, task_folders: set[
     """
     parts = path.relative_to(root).parts
     seed_folder = _SEED_DIR.match(path.parent.name)
+    # Nothing finished is deleted unless the user asks: the line offers to move the run where it belongs, or aside.
     if seed_folder and int(seed_folder.group(1)) != result.seed:
-        return f"a run of seed {result.seed} in the folder of seed {seed_folder.group(1)}: move it, or delete it"
+        return (
+            f"a run of seed {result.seed} in the folder of seed {seed_folder.group(1)}: move it to "
+            f"{path.parent.parent / f'seed{result.seed}'}, or aside ({set_aside_advice(path.parent)})"
+        )
     if len(parts) != 4 or not seed_folder or parts[0] not in task_folders:
         return None
     expected = task_folder(result.dataset)
@@ -136,7 +140,7 @@ def folder_problem(root: Path, path: Path, result: RunResult, task_folders: set[
         return None
     return (
         f"a run of {result.dataset} in the folder of another task ({parts[0]}/): move it to "
-        f"{root / expected / parts[1] / parts[2]}, or delete it"
+        f"{root / expected / parts[1] / parts[2]}, or aside ({set_aside_advice(path.parent)})"
     )
 
 

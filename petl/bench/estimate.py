@@ -398,7 +398,7 @@ def _probe_run(overrides: list[str], epochs: int, compose: Callable[[list[str]],
         logging.disable(logging.WARNING)
         try:
             with contextlib.redirect_stdout(io.StringIO()):
-                summary = run_sweep([run], compose_fn=compose, progress=False)
+                summary = run_sweep([run], compose_fn=compose, progress=False, users_runs=False)
         finally:
             logging.disable(logging.NOTSET)
         whole = time.perf_counter() - tick
@@ -435,17 +435,17 @@ def measure(cfg: Any, data: OwnData, steps: int = TIMED_STEPS) -> tuple[Probe, s
     import torch
     from accelerate.state import AcceleratorState, GradientState
 
-    from petl.train import build, engine
+    from petl.train import build
     from petl.utils.precision import uses_tf32
 
     device = build.run_device_type()
     precision, _ = build.run_precision(cfg.train.precision, device)  # the run warns of a fallback; said below
-    # tf32 is fp32 to accelerate, as in make_accelerator; its TF32 switch is torch's, set as the runner sets it.
-    accelerator = engine.fresh_accelerator(mixed_precision="no" if precision == "tf32" else precision)
     tf32_before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    if device == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = uses_tf32(precision, device)
     try:
+        # Inside: accelerate sets its process-wide precision before it may refuse it (bf16 on a GPU without it).
+        accelerator = build.precision_accelerator(precision)
+        if device == "cuda":  # TF32 is torch's switch, set as the runner sets it
+            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = uses_tf32(precision, device)
         return _measure(cfg, data, steps, accelerator), device
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32_before

@@ -460,6 +460,7 @@ def run_sweep(
     compose_fn: ComposeFn | None = None,
     progress: bool = True,
     check_fn: CheckFn | None = None,
+    users_runs: bool = True,
 ) -> SweepSummary:
     """Train every planned run that has no result yet, one after another, in this process.
 
@@ -478,6 +479,8 @@ def run_sweep(
             (:mod:`petl.utils.progress`); elsewhere a line per run as it starts (``sweep: run 3/40: LABEL``).
         check_fn: raises when a finished run's folder holds another config; with the engine's defaults
             ``petl.train.output_dir.check_finished``, else none unless given.
+        users_runs: the runs are the user's, so Ctrl-C's line names the one it stopped (:func:`interrupted_line`);
+            ``False`` for the estimate's tiny runs in a temporary folder, which the same command never resumes.
 
     Returns:
         The sweep's summary.
@@ -554,7 +557,7 @@ def run_sweep(
                 if say_runs:
                     print(f"sweep: run {counted + 1}/{len(runs)}: {run.label}", flush=True)
                 # Runs share this process; each resets its own peak memory (petl.train.runner._train_and_record).
-                _training = run
+                _training = run if users_runs else None
                 train_fn(cfg)
                 _training = None
                 summary.trained += 1

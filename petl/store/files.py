@@ -42,6 +42,15 @@ SEARCH_DIR = "search"
 REPLACED_MARK = ".replaced-"
 
 
+def set_aside_advice(folder: Path) -> str:
+    """How to set a finished run's folder aside by hand (``rename FOLDER to NAME.replaced-old``).
+
+    Nothing finished is deleted unless the user asks: a line naming a run in the way offers this, the name
+    :data:`REPLACED_MARK` gives (as ``resume=false`` sets a run aside), which the reports and sweeps skip.
+    """
+    return f"rename {folder} to {folder.name}{REPLACED_MARK}old"
+
+
 def enclosing_run(path: Path) -> tuple[Path, str] | None:
     """The run folder ``path`` is in or is (the nearest folder above it holding a :data:`RUN_MARKERS` file).
 

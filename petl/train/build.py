@@ -202,30 +202,41 @@ def run_precision(precision: str, device_type: str) -> tuple[str, str | None]:
     return precision, None
 
 
+def precision_accelerator(precision: str, **kwargs: Any) -> Accelerator:
+    """A fresh Accelerator (:func:`petl.train.engine.fresh_accelerator`) in ``precision`` as :func:`run_precision`
+    resolves it; ``kwargs`` are accelerate's others.
+
+    Raises:
+        ConfigError: accelerate refuses the precision on this device (bf16 on a GPU without it), naming
+            ``train.precision``.
+
+    """
+    # tf32 is fp32 to accelerate: the TF32 switch is torch's, set by the runner (petl.utils.precision.uses_tf32).
+    try:
+        return engine.fresh_accelerator(mixed_precision="no" if precision == "tf32" else precision, **kwargs)
+    except ValueError as error:  # e.g. bf16 on a GPU without bf16 support
+        raise ConfigError(f"train.precision={precision}: {error}") from None
+
+
 def make_accelerator(cfg: DictConfig, out: Path) -> Accelerator:
     trackers = list(cfg.train.trackers)
     device_type = run_device_type()
     precision, fallback = run_precision(cfg.train.precision, device_type)
     if fallback is not None:
         warn_main(log, fallback)
-    # tf32 is fp32 to accelerate: the TF32 switch is torch's, set by the runner (petl.utils.precision.uses_tf32).
-    mixed_precision = "no" if precision == "tf32" else precision
     # train.compile goes through accelerate's dynamo plugin, which compiles the model in prepare().
     dynamo = "inductor" if cfg.train.compile else None
     missing = engine.compiler_missing(device_type) if cfg.train.compile else None
     if missing:
         warn_main(log, f"train.compile: {missing}; running uncompiled")
         dynamo = None
-    try:
-        accelerator = engine.fresh_accelerator(
-            mixed_precision=mixed_precision,
-            dynamo_backend=dynamo,
-            gradient_accumulation_steps=cfg.train.grad_accum,
-            log_with=trackers or None,
-            project_dir=str(out),
-        )
-    except ValueError as error:  # e.g. bf16 on a GPU without bf16 support
-        raise ConfigError(f"train.precision={precision}: {error}") from None
+    accelerator = precision_accelerator(
+        precision,
+        dynamo_backend=dynamo,
+        gradient_accumulation_steps=cfg.train.grad_accum,
+        log_with=trackers or None,
+        project_dir=str(out),
+    )
     check_process_group(accelerator.num_processes)
     if note := single_cpu_launch(accelerator.num_processes):
         log.warning(note)

@@ -98,6 +98,23 @@ def test_a_probe_run_that_could_not_start_says_why_in_one_line(monkeypatch):
         costs._probe_run(["method=linear", "output_dir=x"], 1, refused)
 
 
+def test_ctrl_c_in_a_probe_run_names_no_run_of_the_user_s(monkeypatch):
+    # Was: "interrupted before the first epoch of probe probe seed0 finished ... that run trains from the start",
+    # naming the estimate's tiny run in a temporary folder, which no command trains again.
+    from petl.bench import sweep
+    from petl.train.config import default_config
+
+    def interrupted(cfg):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sweep, "_default_fns", lambda: (interrupted, default_config, None))
+    with pytest.raises(KeyboardInterrupt):
+        costs._probe_run(["method=linear", "output_dir=x"], 1, default_config)
+    assert sweep.interrupted_line() == (
+        "error: interrupted; run the same command again to go on (finished runs are kept)"
+    )
+
+
 @pytest.mark.parametrize(
     "fault", [RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"), ValueError("a fault in the forward")]
 )
@@ -269,6 +286,31 @@ def test_the_data_line_counts_a_folders_own_val_images_apart_from_its_training_i
         "data folder photos: 2 classes, 8 training images and 2 validation images (its own: the trials are scored "
         "on them, the final runs train on all 10), 4 test images; fingerprint 000000000000"
     )
+
+
+def test_a_precision_accelerate_refuses_is_named_and_leaves_no_precision_behind(monkeypatch):
+    # Was: the Accelerator was made before the state it sets was put back on every path: accelerate records bf16
+    # process-wide, then refuses it on a GPU without bf16, and a later Accelerator() inherited it; the line was
+    # accelerate's own, naming no setting.
+    from accelerate import Accelerator
+
+    from petl.train import build, engine
+    from petl.train.config import default_config
+    from petl.utils.errors import ConfigError
+
+    made = engine.fresh_accelerator
+
+    def refused(**kwargs):
+        made(**kwargs)  # its state is set before it refuses, as on a GPU without bf16
+        raise ValueError("bf16 mixed precision requires PyTorch >= 1.10 and a supported device.")
+
+    monkeypatch.setattr(build, "cpu_supports_bf16", lambda: True)
+    monkeypatch.setattr(engine, "fresh_accelerator", refused)
+    tiny = ["model.pretrained=false", "+model.kwargs.depth=1", "+model.kwargs.embed_dim=48", "output_dir=unused"]
+    cfg = default_config(["method=linear", "data=mini/digits", "train.precision=bf16", *tiny])
+    with pytest.raises(ConfigError, match=r"^train\.precision=bf16: bf16 mixed precision requires"):
+        costs.measure(cfg, DATA, steps=1)
+    assert Accelerator(cpu=True).mixed_precision == "no"
 
 
 @pytest.mark.parametrize("method", ["lora", "partial"])

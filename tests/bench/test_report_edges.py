@@ -621,8 +621,15 @@ def test_a_record_in_another_seed_s_folder_is_skipped(tmp_path):
     root = _three_seeds(tmp_path)
     moved = root / "mini-digits" / "lora" / "seed0" / "result.json"
     moved.write_text(moved.read_text().replace('"seed": 0', '"seed": 1'))
-    with pytest.warns(UserWarning, match=rf"skipping {moved}: a run of seed 1 in the folder of seed 0: move it"):
+    with pytest.warns(
+        UserWarning, match=rf"skipping {moved}: a run of seed 1 in the folder of seed 0: move it"
+    ) as said:
         records = collect(root)
+    # Nothing finished is deleted unless the user asks (was: "move it, or delete it"): where it belongs, or aside.
+    seeds = moved.parent.parent
+    assert str(said[0].message).endswith(
+        f": move it to {seeds / 'seed1'}, or aside (rename {seeds / 'seed0'} to seed0.replaced-old)"
+    )
     digits = {r.seed: r.result.test_top1 for r in records if r.task == "mini/digits"}
     assert digits == {1: 51.0, 2: 52.0}
 
@@ -641,11 +648,18 @@ def test_a_linked_run_folder_is_read_and_a_link_back_up_is_not_walked_again(tmp_
     assert sorted(r.seed for r in collect(root) if r.task == "mini/digits") == [0, 1, 2]
 
 
-def _at_size(root: Path, task: str, experiment: str, seed: int, img_size: int) -> None:
-    # The run's record as petl writes it when model.img_size is set: in the config it embeds.
+def _at_size(root: Path, task: str, experiment: str, seed: int, img_size: int, given_as: str = "img_size") -> None:
+    # The run's record as petl writes it when model.img_size (or +model.kwargs.img_size) is set: in its config.
     path = root / task.replace("/", "-") / experiment / f"seed{seed}" / "result.json"
     record = json.loads(path.read_text())
-    record["config"] = {"model": {"name": record["model"], "img_size": img_size}}
+    model = {"name": record["model"], "img_size": None, "kwargs": {}}
+    if given_as == "img_size":
+        model["img_size"] = img_size
+    elif given_as == "kwargs":
+        model["kwargs"] = {"img_size": img_size}
+    else:  # a NaFlexVit's training size
+        model["kwargs"] = {"pretrained_cfg_overlay": {"input_size": [3, img_size, img_size]}}
+    record["config"] = {"model": model}
     path.write_text(json.dumps(record))
 
 
@@ -672,6 +686,30 @@ def test_a_row_at_another_resolution_is_not_ranked_as_the_same_backbone(tmp_path
     _at_size(tmp_path, "mini/digits", "linear", 2, 64)
     board = build_board(tmp_path)
     assert board.mixed(next(row for row in board.rows if row.experiment == "linear"))
+
+
+@pytest.mark.parametrize("given_as", ["kwargs", "overlay"])
+def test_a_resolution_given_as_a_timm_keyword_is_told_apart_as_model_img_size_is(tmp_path, given_as):
+    # Was: only model.img_size was read, so runs at +model.kwargs.img_size=64 (the same timm argument) were named
+    # by the timm name alone and ranked beside the 32-px rows, and runs given the same size both ways were two models.
+    from petl.bench.report import build_board
+
+    tasks = ("mini/digits", "mini/mnist")
+    for experiment in ("linear", "vpt_deep", "lora"):
+        _three_seeds(tmp_path, experiment, tasks)
+    for task in tasks:
+        for seed in (0, 1, 2):
+            _at_size(tmp_path, task, "lora", seed, 64, given_as)
+    board = build_board(tmp_path)
+    model = "vit_fractal_tiny_patch4_32.fractaldb"
+    assert board.models == [f"{model} at 64 px", f"{model} at its own resolution"]
+    assert board.other_backbone(next(row for row in board.rows if row.experiment == "lora"))
+    for task in tasks:
+        for seed in (0, 1, 2):
+            _at_size(tmp_path, task, "linear", seed, 64)  # the same size as model.img_size: the same model
+    board = build_board(tmp_path)
+    assert not board.mixed(next(row for row in board.rows if row.experiment == "linear"))
+    assert board.models == [f"{model} at 64 px", f"{model} at its own resolution"]
 
 
 def test_published_figures_are_not_shown_beside_runs_at_another_resolution(tmp_path):

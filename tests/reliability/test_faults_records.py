@@ -108,7 +108,9 @@ def test_f8_a_record_of_another_task_in_a_task_folder_is_skipped_with_a_warning(
     code, out, err = petl_bench(capsys, "report", str(tmp_path), f"out={tmp_path / 'r'}")
     assert code == 0 and "Traceback" not in err, err
     assert f"skipping {moved}: a run of mini/mnist in the folder of another task (mini-digits/)" in err
-    assert f"move it to {tmp_path / 'mini-mnist/full/seed1'}" in err
+    # Nothing finished is deleted unless the user asks (was: "or delete it"): moved where it belongs, or aside.
+    aside = f"or aside (rename {moved.parent} to seed1.replaced-old)"
+    assert f"move it to {tmp_path / 'mini-mnist/full/seed1'}, {aside}" in err
     rows = _rows(tmp_path / "r")
     # One task, no mnist column; the other rows complete (before: every row starred, the rank test on 0 rows).
     assert not any("mnist" in key for key in rows["full"]) and rows["full"]["runs"] == "1"
