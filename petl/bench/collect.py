@@ -21,7 +21,7 @@ from petl.store import files
 from petl.store.files import REPLACED_MARK, RESULT_FILE
 from petl.store.result import ResultError, RunResult, read_result
 from petl.train.learning import run_not_learned
-from petl.utils.text import plural
+from petl.utils.text import plural, shown
 
 _SEED_DIR = re.compile(r"^seed(\d+)$")
 
@@ -177,7 +177,9 @@ def read_all(results_dir: str | Path, skipped: list[Path] | None = None) -> list
             problem = folder_problem(root, path, result, task_folders)
         if problem is not None:
             name = problem if problem.startswith(str(path)) else f"{path}: {problem}"
-            warnings.warn(f"skipping {name}", stacklevel=2)
+            # A folder name of other bytes than UTF-8 as \xNN, as the pages show it: its lone surrogates cannot be
+            # encoded, so a warning holding them fails wherever it is written as UTF-8 (a log file, another process).
+            warnings.warn(f"skipping {shown(name)}", stacklevel=2)
             if skipped is not None:
                 skipped.append(path)
             continue
