@@ -214,8 +214,28 @@ def profile(calls: dict[str, Callable[[], object]], device: str = "cpu", top: in
     return summary
 
 
-def render_profile(profiles: dict, timed: dict, model_name: str, command: str, device: str, dtype: str) -> str:
-    """The profile file: for each task set and batch, the two cases' device time and their costliest ops."""
+def partial_note(unfinished: list[str] | None) -> list[str]:
+    """The lines that say a file written while the run goes on holds only the rows before ``unfinished``."""
+    if not unfinished:
+        return []
+    return [
+        "",
+        "**Partial table**: written after each row while the run went on; it ended (cut off at its part's "
+        f"deadline, or failed) before {'; '.join(unfinished)}.",
+    ]
+
+
+def render_profile(
+    profiles: dict,
+    timed: dict,
+    model_name: str,
+    command: str,
+    device: str,
+    dtype: str,
+    unfinished: list[str] | None = None,
+) -> str:
+    """The profile file: for each task set and batch, the two cases' device time and their costliest ops
+    (``unfinished``: as :func:`render`'s)."""
     where = "GPU kernels" if device.startswith("cuda") else "the ops' own CPU time"
     lines = [
         f"# Where a mixed batch spends its time: MultiTask and the plain backbone once, `{model_name}` "
@@ -242,7 +262,7 @@ def render_profile(profiles: dict, timed: dict, model_name: str, command: str, d
             for op, count, seconds in part["top"]:
                 share = seconds / part["busy"] if part["busy"] else 0.0
                 lines.append(f"| `{op}` | {count} | {seconds * 1e3:.3f} | {share:.0%} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + partial_note(unfinished)) + "\n"
 
 
 def count_ops(model_name: str, methods: list, batch: int, img_size: int | None = None) -> dict[str, int]:
@@ -349,13 +369,7 @@ def render(
         ]
     if missing:
         lines += ["", f"Not measured: the --deadline had passed before {'; '.join(missing)}."]
-    if unfinished:
-        lines += [
-            "",
-            "**Partial table**: written after each row while the run went on; it ended (cut off at its part's "
-            f"deadline, or failed) before {'; '.join(unfinished)}.",
-        ]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + partial_note(unfinished)) + "\n"
 
 
 def main(argv: list[str]) -> None:
@@ -422,7 +436,8 @@ def main(argv: list[str]) -> None:
         if args.out:
             args.out.write_text(table)
         if args.profile:
-            args.profile.write_text(render_profile(profiles, results, args.model, command, args.device, args.dtype))
+            profile_text = render_profile(profiles, results, args.model, command, args.device, args.dtype, unfinished)
+            args.profile.write_text(profile_text)
         return table
 
     for step, (task_set, batch) in enumerate(plan):

@@ -17,7 +17,8 @@
 # lacks and the mini tasks' Fashion-MNIST)
 # The device call, whose device time (about 10 minutes with the machine's start) leaves no room for another:
 #   run(command="bash benchmarks/device/gpu_session.sh", carry=[".device"], timeout_s=580)
-# then copy tables/*.md to benchmarks/results/ and read tests/summary.txt.
+# then copy tables/*.md to benchmarks/results/ and read tests/summary.txt.  A table (or the profile) that ends in
+# "**Partial table**" or says "Not measured" lacks rows the committed one may hold: `git diff` it before keeping it.
 #
 # `bash benchmarks/device/gpu_session.sh --cpu` runs both scripts in their --cpu modes (see each), the same way.
 # With KIT=1 and a python like the machine's on PATH, the call rehearsed here, kit and all (README.md here).

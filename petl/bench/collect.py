@@ -181,8 +181,8 @@ def read_all(results_dir: str | Path, skipped: list[Path] | None = None) -> list
             problem = folder_problem(root, path, result, task_folders)
         if problem is not None:
             name = problem if problem.startswith(str(path)) else f"{path}: {problem}"
-            # shown(): a name or value of bytes that are not UTF-8 (a surrogate once decoded) is written as \xNN, so
-            # the line can be printed, logged and passed on as UTF-8 text.
+            # A folder name of other bytes than UTF-8 as \xNN, as the pages show it: its lone surrogates cannot be
+            # encoded, so a warning holding them fails wherever it is written as UTF-8 (a log file, another process).
             warnings.warn(f"skipping {shown(name)}", stacklevel=2)
             if skipped is not None:
                 skipped.append(path)

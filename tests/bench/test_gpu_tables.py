@@ -104,10 +104,13 @@ def test_a_multitask_run_cut_off_leaves_its_finished_rows_said_to_be_partial(tmp
     table = out.read_text()
     assert "| 8 LoRA tasks | 8 (1) |" in table and "| 8 methods |" not in table
     assert "**Partial table**" in table and "before 8 methods at batch 8." in table
-    assert "## 8 LoRA tasks, batch 8" in profile.read_text()
+    # The profile beside it says so too: copied in without the table, it read as the whole run's.
+    assert "## 8 LoRA tasks, batch 8" in profile.read_text() and "## 8 methods" not in profile.read_text()
+    assert "**Partial table**" in profile.read_text() and "before 8 methods at batch 8." in profile.read_text()
     cut_off[0] = False
     multitask.main(argv)  # a run that ends writes the whole table, not said to be partial
     assert "| 8 methods | 8 (1) |" in out.read_text() and "Partial" not in out.read_text()
+    assert "## 8 methods, batch 8" in profile.read_text() and "Partial" not in profile.read_text()
 
 
 def test_a_serve_load_run_cut_off_leaves_its_finished_rows_said_to_be_partial(tmp_path, monkeypatch):

@@ -122,6 +122,17 @@ def test_the_last_phase_leaves_its_kill_inside_the_budget(tmp_path):
     assert "(deadline 65 s, " in (out / "gpu_tests.log").read_text()  # 100 s less the 30 s kill and 5 s to pack
 
 
+def test_every_phase_leaves_its_kill_inside_the_budget(tmp_path):
+    # Each phase's deadline, not the last one's alone, is 35 s before BUDGET's end at the latest: below a 350 s budget
+    # the gpu phase's 90 % was later, so a phase killed 30 s after it ended the script past BUDGET.  At 44 s every
+    # deadline is 9 s, under the 10 s a phase needs: all three are skipped, and nothing runs.
+    done = _tests(tmp_path / "out", BUDGET="44")
+    assert done.returncode == 0, done.stderr
+    summary = (tmp_path / "out" / "summary.txt").read_text()
+    for phase in ("cuda", "gpu", "rest"):
+        assert f"{phase}: skipped, no time left before its deadline (9 s)" in summary, summary
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("pytest_timeout") is None, reason="pytest-timeout is not installed")
 def test_a_test_past_its_time_fails_naming_the_timeout(tmp_path):

@@ -283,6 +283,7 @@ def test_a_checkpoint_value_a_resume_cannot_use_is_named_in_one_line(capsys, unf
     assert not (out / "result.json").exists() and (out / "checkpoint.pt").is_file()  # nothing recorded or deleted
 
 
+@pytest.mark.slow  # a real training of a Swin, then its resume
 def test_a_checkpoint_lacking_tensors_the_method_trains_is_named_as_an_earlier_petls_not_as_damaged(capsys, tmp_path):
     # Partial-k on a Swin now trains the patch merging between two trained blocks: a run an earlier petl began at k=3
     # left a checkpoint.pt without the merging's tensors.  Its resume was refused as "checkpoint.pt is damaged
