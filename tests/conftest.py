@@ -298,3 +298,16 @@ def make_tiny_family(family: str, seed: int = 0, **overrides) -> torch.nn.Module
             if any(key in param_name for key in keys):
                 param.normal_(0.0, 0.1)
     return model
+
+
+class BatchRecorder(torch.nn.Module):
+    """A two-class model that keeps the batch it was given: what a surface fed the model, to compare surfaces."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(()))
+        self.seen: torch.Tensor | None = None
+
+    def forward(self, batch: torch.Tensor) -> torch.Tensor:
+        self.seen = batch.clone()
+        return torch.zeros(len(batch), 2)

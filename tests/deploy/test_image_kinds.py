@@ -19,6 +19,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from conftest import BatchRecorder
 from PIL import Image, features
 
 from petl.data.images import FileListDataset, pillow_quiet
@@ -84,19 +85,6 @@ OTHER_FORMATS = {
 }
 
 
-class _Recorder(torch.nn.Module):
-    """A two-class model that keeps the batch it was given."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.weight = torch.nn.Parameter(torch.zeros(()))
-        self.seen: torch.Tensor | None = None
-
-    def forward(self, batch: torch.Tensor) -> torch.Tensor:
-        self.seen = batch.clone()
-        return torch.zeros(len(batch), 2)
-
-
 def _trained_on(path: Path, spec: ImageSpec) -> torch.Tensor:
     """The tensor an own-data split evaluates ``path`` as (its held copy through the evaluation transform)."""
     return FileListDataset([(path, 0)], spec, name="folder")[0][0]
@@ -104,7 +92,7 @@ def _trained_on(path: Path, spec: ImageSpec) -> torch.Tensor:
 
 def _predicted_on(path: Path, spec: ImageSpec) -> tuple[torch.Tensor | None, list[tuple[Path, str]]]:
     """The batch petl-predict fed the model for ``path`` (None where it could not), and the images it set apart."""
-    run = LoadedRun(_Recorder(), spec, ["a", "b"], {}, path.parent)
+    run = LoadedRun(BatchRecorder(), spec, ["a", "b"], {}, path.parent)
     predictions, bad = predict_images(run, [path], top_k=1, progress=False, precision="no")
     return (run.model.seen[0] if predictions else None), bad
 
@@ -160,7 +148,7 @@ def test_an_image_the_crop_resize_would_blow_up_is_refused_in_one_line_on_every_
     assert len(bad[0][1].splitlines()) == 1 and bad[0][1].endswith("crop it nearer to a square")
     with pytest.raises(uploads.BadImage, match=r"^image 1 \(thin.png\): 1 x 300 px, .*crop it nearer to a square$"):
         _served("thin.png", path.read_bytes(), spec)
-    run = LoadedRun(_Recorder(), spec, ["a", "b"], {}, tmp_path)
+    run = LoadedRun(BatchRecorder(), spec, ["a", "b"], {}, tmp_path)
     with pytest.raises(UnfitImage, match=said), Image.open(path) as image:
         run.preprocess(image)
     # Without the crop it is resized straight to the square, as any image is: used.

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import BatchRecorder
 from PIL import Image
 
 from petl import data as petl_data
@@ -153,23 +154,10 @@ def test_a_datasets_imagefolder_reads_the_photo_upright_as_the_folder_does(tmp_p
     np.testing.assert_allclose(_pixels(_item_of(dataset, "photo.jpg")), UPRIGHT, atol=ATOL)
 
 
-class _Recorder(torch.nn.Module):
-    """A two-class model that keeps the batch it was given."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.weight = torch.nn.Parameter(torch.zeros(()))
-        self.seen: torch.Tensor | None = None
-
-    def forward(self, batch: torch.Tensor) -> torch.Tensor:
-        self.seen = batch.clone()
-        return torch.zeros(len(batch), 2)
-
-
 def test_petl_predict_feeds_the_upright_photo(tmp_path):
     path = tmp_path / "photo.jpg"
     path.write_bytes(_photo(6))
-    run = LoadedRun(_Recorder(), PLAIN, ["a", "b"], {}, tmp_path)
+    run = LoadedRun(BatchRecorder(), PLAIN, ["a", "b"], {}, tmp_path)
     predictions, bad = predict_images(run, [path], top_k=1, progress=False, precision="no")
     assert len(predictions) == 1 and not bad
     np.testing.assert_allclose(_pixels(run.model.seen[0]), UPRIGHT, atol=ATOL)
@@ -186,7 +174,7 @@ def test_load_run_preprocess_scales_a_16_bit_grey_image_as_petl_predict_reads_it
     grey = (np.arange(SIDE * SIDE, dtype=np.uint16).reshape(SIDE, SIDE) * 113).astype(np.uint16)
     path = tmp_path / "deep.png"
     Image.fromarray(grey).save(path)
-    run = LoadedRun(_Recorder(), PLAIN, ["a", "b"], {}, tmp_path)
+    run = LoadedRun(BatchRecorder(), PLAIN, ["a", "b"], {}, tmp_path)
     predict_images(run, [path], top_k=1, progress=False, precision="no")
     with Image.open(path) as image:
         assert image.mode.startswith("I")
