@@ -36,7 +36,7 @@ from petl.train.config import ConfigError
 from petl.utils.distributed import is_main_process
 from petl.utils.errors import RunError, UnreachableError
 from petl.utils.once import warn_main, warn_once
-from petl.utils.precision import auto_precision, cpu_supports_bf16
+from petl.utils.precision import auto_precision, cpu_supports_bf16, refuse_gpu_only
 from petl.utils.text import first_line
 
 log = logging.getLogger(__name__)
@@ -191,11 +191,7 @@ def run_precision(precision: str, device_type: str) -> tuple[str, str | None]:
     """
     if precision == "auto":  # a config that did not go through petl.train.runner.run (resolve_precision)
         precision = auto_precision(device_type)
-    if precision in ("fp16", "tf32") and device_type != "cuda":
-        raise ConfigError(
-            f"train.precision={precision} acts on a CUDA GPU only, and this run trains on {device_type}: "
-            "give train.precision=no (or bf16, which CPUs autocast)"
-        )
+    refuse_gpu_only("train.precision", precision, device_type, "this run trains")
     if precision == "bf16" and device_type == "cpu" and not cpu_supports_bf16():
         # accelerate would autocast anyway, through slow emulated bf16 matmuls; result.json records "no".
         return "no", "train.precision=bf16: this CPU has no bf16 instructions (AVX512-BF16/AMX): running in fp32"
