@@ -374,30 +374,21 @@ def _check_grad_accum(cfg: DictConfig, train_size: int, num_processes: int) -> N
 def _check_warmup(cfg: DictConfig, train_size: int, num_processes: int) -> None:
     """Refuse a ``train.warmup_frac`` other than 0 and its default that warms up no step of this run's schedule.
 
-    The schedule warms up for ``warmup_frac`` of its steps rounded down (:func:`engine.warmup_steps`), its first step
-    at 1/steps of the lr: 0.05 of a run of 10 steps warmed up for none, as 0 would, and 0.5 of a run of 2 steps for
-    one, at the full lr (:data:`engine.LEAST_WARMUP_STEPS`).  The default stays (a small folder's run is not refused
-    for it).
+    The rule is :func:`engine.refuse_idle_warmup`'s, shared with petl-pretrain's ``--warmup-frac``: the schedule
+    warms up for ``warmup_frac`` of its steps rounded down, its first step at 1/steps of the lr, so 0.05 of a run of
+    10 steps warmed up for none, as 0 would, and 0.5 of a run of 2 steps for one, at the full lr.  The default stays
+    (a small folder's run is not refused for it).
 
     Raises:
         ConfigError: naming the option, the run's steps and the least fraction that warms up.
 
     """
     frac = cfg.train.warmup_frac
-    if frac in (0, config.option_default("train.warmup_frac")):
+    if frac == config.option_default("train.warmup_frac"):
         return
     # As _set_up_training builds it: accelerate steps the scheduler once per process at each optimizer step.
     optimizer_steps = math.ceil(_batches_per_process(cfg, train_size, num_processes) / cfg.train.grad_accum)
-    total = max(1, cfg.train.epochs * optimizer_steps * num_processes)
-    least_steps = engine.LEAST_WARMUP_STEPS
-    if engine.warmup_steps(frac, total) < least_steps:
-        least = math.ceil(1000 * least_steps / total) / 1000  # rounded up: two steps at least
-        todo = f"train.warmup_frac={least:g} or more, or 0" if least <= 1 else "train.warmup_frac=0"
-        raise ConfigError(
-            f"train.warmup_frac={frac:g} cannot act: the run takes {plural(total // num_processes, 'optimizer step')}"
-            f" ({plural(cfg.train.epochs, 'epoch')} of {optimizer_steps}), and {frac:g} of them warms up for none (a "
-            f"warm-up of one step runs that step at the full lr); give {todo}"
-        )
+    engine.refuse_idle_warmup(frac, cfg.train.epochs, optimizer_steps, num_processes)
 
 
 def _cache_plan(
