@@ -432,23 +432,19 @@ def measure(cfg: Any, data: OwnData, steps: int = TIMED_STEPS) -> tuple[Probe, s
             (:func:`petl.train.build.run_precision`): nothing is built or timed.
 
     """
-    import torch
     from accelerate.state import AcceleratorState, GradientState
 
     from petl.train import build
-    from petl.utils.precision import uses_tf32
 
     device = build.run_device_type()
     precision, _ = build.run_precision(cfg.train.precision, device)  # the run warns of a fallback; said below
-    tf32_before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     try:
         # Inside: accelerate sets its process-wide precision before it may refuse it (bf16 on a GPU without it).
         accelerator = build.precision_accelerator(precision)
-        if device == "cuda":  # TF32 is torch's switch, set as the runner sets it
-            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = uses_tf32(precision, device)
-        return _measure(cfg, data, steps, accelerator), device
+        # cudnn.benchmark and TF32 as the runner sets them (one function): the run's kernels are the ones timed.
+        with build.cuda_switches(precision, cfg.train.deterministic, device):
+            return _measure(cfg, data, steps, accelerator), device
     finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32_before
         # Its precision is process-wide state in accelerate: a later Accelerator() made without one would inherit it.
         AcceleratorState._reset_state()
         GradientState._reset_state()

@@ -24,7 +24,8 @@ run uses its own model.
 
 ``precision`` means what petl-run's ``train.precision`` does: the forward runs under it (bf16 autocast, TF32) on a
 GPU, the weights stay fp32 (``--merge`` merges in fp32) and probabilities are computed in fp32; on a CPU ``auto``
-predicts exactly as strict fp32.  A line on stderr says the device and precision (not with ``--quiet``).
+predicts exactly as strict fp32, and ``tf32``, which acts on a GPU only, is refused there as petl-run refuses it.
+A line on stderr says the device and precision (not with ``--quiet``).
 
 ``out=`` writes every prediction, in the format its suffix names: ``.csv`` (text cells that would start
 a spreadsheet formula get a ``'``), ``.json`` (one list) or ``.jsonl`` (one object per line); the file is
@@ -35,10 +36,10 @@ folder (one holding ``model.json``, ``trainable.safetensors``, ``result.json`` o
 refused even with ``overwrite=true``: a run's files are never replaced by a prediction.  Whether a file can be
 written where ``out=`` and ``confusion=`` name (a read-only folder, ``/proc``) is checked before predicting.
 
-Exit status (as every petl command): 2 for bad input (a run folder without weights or unfinished, a missing
-image, an unreadable image, an unknown option or ``out=`` suffix, out= or confusion= inside a run folder or where
-no file can be written, a file in the way without overwrite=true, a precision not listed), 1 when the prediction
-cannot complete (a full disk...), 130 on Ctrl-C, 143 on SIGTERM (nothing half-written is left).
+Exit status (as every petl command): 2 for bad input (a run folder without weights or unfinished, a missing image,
+an unreadable image, an unknown option or ``out=`` suffix, out= or confusion= inside a run folder or where no file
+can be written, a file in the way without overwrite=true, a precision not listed or tf32 without a GPU), 1 when the
+prediction cannot complete (a full disk...), 130 on Ctrl-C, 143 on SIGTERM (nothing half-written is left).
 """
 
 from __future__ import annotations

@@ -42,6 +42,9 @@ from petl.utils.text import shown
 
 PROG = "petl-pretrain"
 DEFAULT_OUT = Path("runs/pretrain")
+# Given as None by the parser when --warmup-frac is not: only a fraction the user gave is checked to warm up (the
+# default's 0.05 of the few steps of a small pretraining warms up none, and such pretrainings are not refused).
+DEFAULT_WARMUP_FRAC = 0.05
 # The checkpoint this pretraining keeps after each epoch, once the command line is read: Ctrl-C's line says
 # whether there is one to continue from (_interrupted_line).
 _partial: Path | None = None
@@ -98,7 +101,11 @@ def build_parser() -> Parser:
     parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate of AdamW (default: 0.001)")
     parser.add_argument("--weight-decay", type=float, default=0.05, help="AdamW weight decay (default: 0.05)")
     parser.add_argument(
-        "--warmup-frac", type=float, default=0.05, help="share of the steps in linear warm-up (default: 0.05)"
+        "--warmup-frac",
+        type=float,
+        default=None,
+        help="share of the steps in linear warm-up; one given must warm up two steps or more, or be 0 "
+        f"(default: {DEFAULT_WARMUP_FRAC})",
     )
     parser.add_argument(
         "--label-smoothing", type=float, default=0.1, help="cross-entropy label smoothing (default: 0.1)"
@@ -162,7 +169,7 @@ def _main(argv: list[str]) -> None:
     import timm
 
     from petl.data.fractaldb import FractalConfig
-    from petl.train.engine import TrainSettings
+    from petl.train.engine import TrainSettings, refuse_idle_warmup
     from petl.train.pretrain import InUseError, partial_file, pretrain
     from petl.utils.random import MAX_SEED
 
@@ -189,12 +196,13 @@ def _main(argv: list[str]) -> None:
         raise CommandLineError(f"--seed {args.seed} is out of range: allowed [0, {MAX_SEED}]")
     if not timm.is_model(args.model):
         raise CommandLineError(f"--model {args.model} is not a timm architecture (petl's own: petl.backbones.models)")
+    warmup_frac = DEFAULT_WARMUP_FRAC if args.warmup_frac is None else args.warmup_frac
     try:
         settings = TrainSettings(
             epochs=args.epochs,
             lr=args.lr,
             weight_decay=args.weight_decay,
-            warmup_frac=args.warmup_frac,
+            warmup_frac=warmup_frac,
             label_smoothing=args.label_smoothing,
             grad_clip=1.0,
             progress=not args.no_progress,
@@ -203,6 +211,12 @@ def _main(argv: list[str]) -> None:
         raise CommandLineError(
             re.sub(r"^train\.(\w+)=", lambda m: "--" + m[1].replace("_", "-") + " ", str(error))
         ) from None
+    if args.warmup_frac is not None:  # petl-run's rule (the same scheduler), on a fraction given only: see above
+        steps_per_epoch = args.classes * args.instances // args.batch_size  # one process; the last batch dropped
+        try:
+            refuse_idle_warmup(args.warmup_frac, args.epochs, steps_per_epoch, option="--warmup-frac ")
+        except ValueError as error:
+            raise CommandLineError(str(error)) from None
     fractal = FractalConfig(num_classes=args.classes, instances=args.instances, seed=args.seed)
     try:
         # Weights already in --out are refused (overwrite=False) before hours of training, under the lock.

@@ -19,13 +19,13 @@ The routes, the token, bad input and the limits: docs/serving.md (GET /openapi.j
 Options (key=value, anywhere, listed below with their defaults, which are those of the Python API's
 petl.deploy.serve.ServeOptions; a value that is not a finite number in its range, or a precision not listed, is
 refused, and so is a max_batch given above max_queue or a max_image_mp given above max_request_mp: the outer limit
-caps the inner one, and a cuda_graphs other than its default where torch sees no GPU). ``precision`` means what
-petl-run's ``train.precision`` does: the forward runs under it (bf16 autocast, TF32) on a GPU, the weights stay
-fp32, and a CPU under ``auto`` answers exactly as strict fp32. Exit status: 2 bad input (an option, a run folder, a
-task named twice, a host that does not resolve or is not this machine's, a PETL_SERVE_TOKEN no client can send in a
-header), 1 the server could not run (FastAPI missing, the port taken), 130 Ctrl-C; the host and the port are
-checked before the runs load; SIGTERM shuts the server down as Ctrl-C does, and then ends it as SIGTERM ends a
-process.
+caps the inner one, and a cuda_graphs other than its default or precision=tf32 where torch sees no GPU).
+``precision`` means what petl-run's ``train.precision`` does: the forward runs under it (bf16 autocast, TF32) on a
+GPU, the weights stay fp32, and a CPU under ``auto`` answers exactly as strict fp32. Exit status: 2 bad input (an
+option, a run folder, a task named twice, a host that does not resolve or is not this machine's, a PETL_SERVE_TOKEN
+no client can send in a header), 1 the server could not run (FastAPI missing, the port taken), 130 Ctrl-C; the host
+and the port are checked before the runs load; SIGTERM shuts the server down as Ctrl-C does, and then ends it as
+SIGTERM ends a process.
 """
 
 from __future__ import annotations
@@ -311,10 +311,11 @@ def run_cli(argv: Sequence[str]) -> int:
         serve_options = serve.ServeOptions(
             **{k: options[k] for k in SERVE_OPTIONS if k in options}, token=serve.token_from_environment()
         )
-        # Before the runs load (minutes), as create_app checks it: they are served on the GPU where torch sees one
-        # (serve.load_tasks), else on the CPU, which keeps no graph.
+        # Before the runs load (minutes), as create_app checks them: they are served on the GPU where torch sees one
+        # (serve.load_tasks), else on the CPU, which keeps no graph and has no TF32.
         if not torch.cuda.is_available():
             serve.refuse_graphs_off_gpu(serve_options, "cpu", "torch sees none here")
+            serve.inference_precision(serve_options.precision, "cpu")
     except ValueError as error:
         raise UsageError(str(error)) from None
     # Bound before the runs load, which can take minutes: a host that is not this machine's or a port in use is

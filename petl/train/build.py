@@ -10,6 +10,7 @@ import logging
 import os
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +37,7 @@ from petl.train.config import ConfigError
 from petl.utils.distributed import is_main_process
 from petl.utils.errors import RunError, UnreachableError
 from petl.utils.once import warn_main, warn_once
-from petl.utils.precision import auto_precision, cpu_supports_bf16
+from petl.utils.precision import auto_precision, cpu_supports_bf16, refuse_gpu_only, uses_tf32
 from petl.utils.text import first_line
 
 log = logging.getLogger(__name__)
@@ -191,15 +192,38 @@ def run_precision(precision: str, device_type: str) -> tuple[str, str | None]:
     """
     if precision == "auto":  # a config that did not go through petl.train.runner.run (resolve_precision)
         precision = auto_precision(device_type)
-    if precision in ("fp16", "tf32") and device_type != "cuda":
-        raise ConfigError(
-            f"train.precision={precision} acts on a CUDA GPU only, and this run trains on {device_type}: "
-            "give train.precision=no (or bf16, which CPUs autocast)"
-        )
+    refuse_gpu_only("train.precision", precision, device_type, "this run trains")
     if precision == "bf16" and device_type == "cpu" and not cpu_supports_bf16():
         # accelerate would autocast anyway, through slow emulated bf16 matmuls; result.json records "no".
         return "no", "train.precision=bf16: this CPU has no bf16 instructions (AVX512-BF16/AMX): running in fp32"
     return precision, None
+
+
+@contextmanager
+def cuda_switches(precision: str, deterministic: bool, device_type: str) -> Iterator[None]:
+    """Set torch's process-wide CUDA switches as a run sets them on ``device_type``; put them back on leaving.
+
+    The one place petl-run's runner and petl-bench's estimate of a run (:mod:`petl.bench.estimate`) set them, so the
+    estimate times the kernels the run will use.  On a CUDA GPU: cuDNN's autotuner (``cudnn.benchmark``) on unless
+    ``deterministic``, TF32 as :func:`petl.utils.precision.uses_tf32` says for ``precision``; elsewhere nothing.
+    """
+    before = torch.backends.cudnn.benchmark, torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    try:
+        if device_type == "cuda":
+            # cuDNN's autotuner (timm's train.py turns it on) times several kernels on the first batch and keeps
+            # the fastest, which may differ from one run to the next: a deterministic run goes without it.
+            torch.backends.cudnn.benchmark = not deterministic
+            # TF32 rounds the inputs of a matmul to 10 mantissa bits, the same way every time: deterministic
+            # runs keep it; train.precision=no is the one setting in strict fp32.
+            tf32 = uses_tf32(precision, "cuda")
+            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32
+            if deterministic:
+                # cuBLAS repeats its results only with a fixed workspace, read when cuBLAS starts (torch's
+                # reproducibility notes); set here, it acts unless this process already ran a CUDA matmul.
+                os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        yield
+    finally:
+        torch.backends.cudnn.benchmark, torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
 
 
 def precision_accelerator(precision: str, **kwargs: Any) -> Accelerator:

@@ -28,6 +28,7 @@ from petl.train.learning import prior_loss
 from petl.train.options import check_options, option
 from petl.utils.errors import ConfigError
 from petl.utils.progress import progress_bar
+from petl.utils.text import plural
 
 
 class NonFiniteLossError(RuntimeError):
@@ -220,6 +221,40 @@ LEAST_WARMUP_STEPS = 2
 def warmup_steps(warmup_frac: float, total: int) -> int:
     """The scheduler steps of linear warm-up: ``warmup_frac`` of ``total``, rounded down (0: no warm-up)."""
     return int(warmup_frac * total)
+
+
+def refuse_idle_warmup(
+    warmup_frac: float, epochs: int, steps_per_epoch: int, num_processes: int = 1, option: str = "train.warmup_frac="
+) -> None:
+    """Refuse a ``warmup_frac`` other than 0 that warms up fewer than :data:`LEAST_WARMUP_STEPS` scheduler steps.
+
+    The rule of petl-run's ``train.warmup_frac`` and petl-pretrain's ``--warmup-frac`` (both schedules are
+    :func:`build_optimizer`'s): 0.05 of a run of 10 steps warms up for none, as 0 would, and 0.5 of a run of 2 steps
+    for one, at the full lr.  Each caller decides whether its default is checked.
+
+    Args:
+        warmup_frac: the fraction asked.
+        epochs: the run's epochs.
+        steps_per_epoch: optimizer steps per epoch of one process.
+        num_processes: accelerate steps the scheduler once per process at each optimizer step.
+        option: how the command names the option, up to its value (``train.warmup_frac=``, ``--warmup-frac ``).
+
+    Raises:
+        ConfigError: naming the option, the run's steps and the least fraction that warms up.
+
+    """
+    if warmup_frac == 0:
+        return
+    total = max(1, epochs * steps_per_epoch * num_processes)
+    if warmup_steps(warmup_frac, total) >= LEAST_WARMUP_STEPS:
+        return
+    least = math.ceil(1000 * LEAST_WARMUP_STEPS / total) / 1000  # rounded up: two steps at least
+    todo = f"{option}{least:g} or more, or 0" if least <= 1 else f"{option}0"
+    raise ConfigError(
+        f"{option}{warmup_frac:g} cannot act: the run takes {plural(total // num_processes, 'optimizer step')} "
+        f"({plural(epochs, 'epoch')} of {steps_per_epoch}), and {warmup_frac:g} of them warms up for none (a "
+        f"warm-up of one step runs that step at the full lr); give {todo}"
+    )
 
 
 def build_optimizer(

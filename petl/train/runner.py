@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,7 +50,6 @@ from petl.utils.distributed import is_main_process
 from petl.utils.errors import DivergedError, RunError
 from petl.utils.memory import peak_memory, reset_peak_rss
 from petl.utils.once import warn_once
-from petl.utils.precision import uses_tf32
 from petl.utils.provenance import git_commit, versions
 from petl.utils.random import rng_state, set_rng_state
 from petl.utils.text import first_line, plural
@@ -136,35 +134,15 @@ def run(cfg: DictConfig, *, checked: bool = False) -> dict[str, Any]:
 
         accelerator = build.make_accelerator(cfg, out)
         deterministic_before = torch.are_deterministic_algorithms_enabled()
-        # Process-wide switches, put back after the run (one process may run many: notebooks, petl-bench).
-        cuda_before = (
-            torch.backends.cudnn.benchmark,
-            torch.backends.cuda.matmul.allow_tf32,
-            torch.backends.cudnn.allow_tf32,
-        )
         # warn_only: an op without a deterministic kernel warns instead of stopping the run.
         torch.use_deterministic_algorithms(cfg.train.deterministic, warn_only=True)
-        if accelerator.device.type == "cuda":
-            # cuDNN's autotuner (timm's train.py turns it on) times several kernels on the first batch and keeps
-            # the fastest, which may differ from one run to the next: a deterministic run goes without it.
-            torch.backends.cudnn.benchmark = not cfg.train.deterministic
-            # TF32 rounds the inputs of a matmul to 10 mantissa bits, the same way every time: deterministic
-            # runs keep it; train.precision=no is the one setting in strict fp32 (see petl.utils.precision.uses_tf32).
-            tf32 = uses_tf32(cfg.train.precision, "cuda")
-            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32
-            if cfg.train.deterministic:
-                # cuBLAS repeats its results only with a fixed workspace, read when cuBLAS starts (torch's
-                # reproducibility notes); set here, it acts unless this process already ran a CUDA matmul.
-                os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        # Process-wide switches, put back after the run (one process may run many: notebooks, petl-bench).
+        switches = build.cuda_switches(cfg.train.precision, cfg.train.deterministic, accelerator.device.type)
         try:
-            return _train_and_record(cfg, resolved, out, accelerator)
+            with switches:
+                return _train_and_record(cfg, resolved, out, accelerator)
         finally:
             torch.use_deterministic_algorithms(deterministic_before)
-            (
-                torch.backends.cudnn.benchmark,
-                torch.backends.cuda.matmul.allow_tf32,
-                torch.backends.cudnn.allow_tf32,
-            ) = cuda_before
             if cfg.train.trackers:
                 accelerator.end_training()
 
@@ -374,30 +352,21 @@ def _check_grad_accum(cfg: DictConfig, train_size: int, num_processes: int) -> N
 def _check_warmup(cfg: DictConfig, train_size: int, num_processes: int) -> None:
     """Refuse a ``train.warmup_frac`` other than 0 and its default that warms up no step of this run's schedule.
 
-    The schedule warms up for ``warmup_frac`` of its steps rounded down (:func:`engine.warmup_steps`), its first step
-    at 1/steps of the lr: 0.05 of a run of 10 steps warmed up for none, as 0 would, and 0.5 of a run of 2 steps for
-    one, at the full lr (:data:`engine.LEAST_WARMUP_STEPS`).  The default stays (a small folder's run is not refused
-    for it).
+    The rule is :func:`engine.refuse_idle_warmup`'s, shared with petl-pretrain's ``--warmup-frac``: the schedule
+    warms up for ``warmup_frac`` of its steps rounded down, its first step at 1/steps of the lr, so 0.05 of a run of
+    10 steps warmed up for none, as 0 would, and 0.5 of a run of 2 steps for one, at the full lr.  The default stays
+    (a small folder's run is not refused for it).
 
     Raises:
         ConfigError: naming the option, the run's steps and the least fraction that warms up.
 
     """
     frac = cfg.train.warmup_frac
-    if frac in (0, config.option_default("train.warmup_frac")):
+    if frac == config.option_default("train.warmup_frac"):
         return
     # As _set_up_training builds it: accelerate steps the scheduler once per process at each optimizer step.
     optimizer_steps = math.ceil(_batches_per_process(cfg, train_size, num_processes) / cfg.train.grad_accum)
-    total = max(1, cfg.train.epochs * optimizer_steps * num_processes)
-    least_steps = engine.LEAST_WARMUP_STEPS
-    if engine.warmup_steps(frac, total) < least_steps:
-        least = math.ceil(1000 * least_steps / total) / 1000  # rounded up: two steps at least
-        todo = f"train.warmup_frac={least:g} or more, or 0" if least <= 1 else "train.warmup_frac=0"
-        raise ConfigError(
-            f"train.warmup_frac={frac:g} cannot act: the run takes {plural(total // num_processes, 'optimizer step')}"
-            f" ({plural(cfg.train.epochs, 'epoch')} of {optimizer_steps}), and {frac:g} of them warms up for none (a "
-            f"warm-up of one step runs that step at the full lr); give {todo}"
-        )
+    engine.refuse_idle_warmup(frac, cfg.train.epochs, optimizer_steps, num_processes)
 
 
 def _cache_plan(

@@ -14,9 +14,12 @@ from contextlib import contextmanager
 
 import torch
 
+from petl.utils.errors import ConfigError
+
 log = logging.getLogger(__name__)
 
 INFERENCE_PRECISIONS = ("auto", "no", "tf32", "bf16")
+GPU_ONLY_PRECISIONS = ("tf32", "fp16")  # TF32 tensor cores, fp16 autocast: neither exists off a CUDA GPU
 
 
 def cuda_has_native_bf16() -> bool:
@@ -55,23 +58,46 @@ def uses_tf32(precision: str, device_type: str) -> bool:
     return device_type == "cuda" and precision != "no"
 
 
+def refuse_gpu_only(setting: str, precision: str, device_type: str, where: str) -> None:
+    """Refuse a precision that acts on a CUDA GPU only (:data:`GPU_ONLY_PRECISIONS`) where ``device_type`` is
+    another: it would run as ``no`` (fp32) under another name, a value with no effect.
+
+    The one rule of petl-run's ``train.precision`` and petl-serve's and petl-predict's ``precision``.
+
+    Args:
+        setting: the option's name, for the one line (``train.precision``, ``precision``).
+        precision: its value.
+        device_type: where the work runs (``cpu``, ``cuda``, ``mps``).
+        where: what runs there, for the one line (``this run trains``).
+
+    Raises:
+        ConfigError: ``precision`` is GPU-only and ``device_type`` is not ``cuda`` (one line naming the value).
+
+    """
+    if precision in GPU_ONLY_PRECISIONS and device_type != "cuda":
+        raise ConfigError(
+            f"{setting}={precision} acts on a CUDA GPU only, and {where} on {device_type}: "
+            f"give {setting}=no (or bf16, which CPUs autocast)"
+        )
+
+
 def inference_precision(precision: str, device_type: str) -> str:
     """The precision petl-serve and petl-predict run a forward in on ``device_type``: ``no``, ``tf32`` or ``bf16``.
 
-    ``auto`` becomes :func:`auto_precision`; what the device cannot do (TF32 off CUDA, bf16 on a CPU without bf16
-    instructions or a GPU without native bf16) falls back to ``no`` with one warning, as training does.
+    ``auto`` becomes :func:`auto_precision`; ``tf32`` off a CUDA GPU is refused as petl-run refuses it
+    (:func:`refuse_gpu_only`); bf16 where the device lacks it (a CPU without bf16 instructions, a GPU without
+    native bf16) falls back to ``no`` with one warning, as training does.
 
     Raises:
-        ValueError: a value not in :data:`INFERENCE_PRECISIONS` (one line naming it).
+        ValueError: a value not in :data:`INFERENCE_PRECISIONS` (one line naming it); a :class:`ConfigError` for
+            ``tf32`` off a CUDA GPU.
 
     """
     if precision not in INFERENCE_PRECISIONS:
         raise ValueError(f"precision={precision!r}: must be one of {', '.join(INFERENCE_PRECISIONS)}")
     if precision == "auto":
         return auto_precision(device_type)
-    if precision == "tf32" and device_type != "cuda":
-        log.warning("precision=tf32 needs a CUDA GPU: running in fp32")
-        return "no"
+    refuse_gpu_only("precision", precision, device_type, "the forward runs")
     if precision == "bf16" and device_type == "cpu" and not cpu_supports_bf16():
         log.warning("precision=bf16: this CPU has no bf16 instructions (AVX512-BF16/AMX): running in fp32")
         return "no"

@@ -339,3 +339,53 @@ def test_steps_are_timed_in_the_precision_the_run_trains_in(monkeypatch, method,
     from accelerate import Accelerator
 
     assert Accelerator(cpu=True).mixed_precision == "no"
+
+
+@pytest.mark.parametrize(("deterministic", "autotuned"), [("false", True), ("true", False)])
+def test_steps_are_timed_with_the_cuda_switches_the_run_sets(monkeypatch, deterministic, autotuned):
+    # Was: TF32 set as the runner sets it, but not cudnn.benchmark, which a train.deterministic=false run turns on
+    # on CUDA: its convolutions (a Swin's patch embedding) were timed on other kernels than the run uses.  Both now
+    # go through build.cuda_switches; here a CPU stands in for the GPU, the switches being plain flags.
+    from petl.train import build
+    from petl.train.config import default_config
+
+    switches = (torch.backends.cudnn.benchmark, torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    seen = []
+
+    def measured(*args):
+        seen.append(
+            (torch.backends.cudnn.benchmark, torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+        )
+        return _probe()
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)  # a deterministic run sets it
+    monkeypatch.setattr(build, "run_device_type", lambda: "cuda")
+    monkeypatch.setattr(costs, "_measure", measured)
+    tiny = ["model.pretrained=false", "+model.kwargs.depth=1", "+model.kwargs.embed_dim=48", "output_dir=unused"]
+    overrides = ["method=linear", "data=mini/digits", "train.precision=tf32", f"train.deterministic={deterministic}"]
+    assert costs.measure(default_config([*overrides, *tiny]), DATA, steps=1)[1] == "cuda"
+    assert seen == [(autotuned, True, True)]
+    assert (
+        torch.backends.cudnn.benchmark,
+        torch.backends.cuda.matmul.allow_tf32,
+        torch.backends.cudnn.allow_tf32,
+    ) == switches  # put back
+
+
+def test_the_cuda_switches_act_on_cuda_only_and_are_put_back(monkeypatch):
+    from petl.train import build
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)  # a deterministic run sets it
+
+    def switches() -> tuple[bool, bool, bool]:
+        return torch.backends.cudnn.benchmark, torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+
+    before = switches()
+    with build.cuda_switches("bf16", deterministic=False, device_type="cpu"):
+        assert switches() == before
+    with build.cuda_switches("no", deterministic=False, device_type="cuda"):
+        assert switches() == (True, False, False)
+    with pytest.raises(RuntimeError), build.cuda_switches("bf16", deterministic=True, device_type="cuda"):
+        assert switches() == (False, True, True)
+        raise RuntimeError("a failed run")
+    assert switches() == before

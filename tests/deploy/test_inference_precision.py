@@ -1,8 +1,9 @@
 """petl-serve's and petl-predict's ``precision``: train.precision's names and meanings at inference.
 
-On a CPU the default answers bit-identically to strict fp32; an unknown value is one line (exit 2); bf16 on a CPU
-without bf16 instructions falls back to fp32 with one warning.  On a CUDA GPU the default runs the forward under
-bf16 autocast with TF32 (where the GPU has native bf16) and agrees with fp32 within a tolerance.
+On a CPU the default answers bit-identically to strict fp32; an unknown value, or tf32 off a CUDA GPU (as petl-run
+refuses it), is one line (exit 2); bf16 on a CPU without bf16 instructions falls back to fp32 with one warning. On
+a CUDA GPU the default runs the forward under bf16 autocast with TF32 (where the GPU has native bf16) and agrees
+with fp32 within a tolerance.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from petl.cli import predict as predict_cli
 from petl.deploy import predict
 from petl.store.run_card import load_run
 from petl.utils import precision
+from petl.utils.errors import ConfigError
 
 CUDA = pytest.mark.cuda  # skipped without a CUDA GPU (tests/conftest.py)
 # bf16 keeps 8 mantissa bits: the tiny model's logits (order 1) move by a few 1e-3 under autocast.
@@ -76,17 +78,28 @@ def test_auto_is_strict_fp32_on_a_cpu_and_an_unknown_value_is_refused_in_one_lin
         precision.inference_precision("fp16", "cpu")
 
 
-def test_what_a_cpu_cannot_do_falls_back_to_fp32_with_one_warning(monkeypatch, caplog):
+def test_bf16_on_a_cpu_without_it_falls_back_to_fp32_with_one_warning(monkeypatch, caplog):
     monkeypatch.setattr(precision, "cpu_supports_bf16", lambda: False)
     with caplog.at_level(logging.WARNING):
         assert precision.inference_precision("bf16", "cpu") == "no"
-        assert precision.inference_precision("tf32", "cpu") == "no"
     assert [r.getMessage() for r in caplog.records] == [
         "precision=bf16: this CPU has no bf16 instructions (AVX512-BF16/AMX): running in fp32",
-        "precision=tf32 needs a CUDA GPU: running in fp32",
     ]
     monkeypatch.setattr(precision, "cpu_supports_bf16", lambda: True)
     assert precision.inference_precision("bf16", "cpu") == "bf16"
+
+
+@pytest.mark.parametrize("device_type", ["cpu", "mps"])
+def test_tf32_off_a_cuda_gpu_is_refused_as_petl_run_refuses_it(device_type, caplog):
+    # It would run as precision=no: a value with no effect.  One rule with train.precision (refuse_gpu_only).
+    with caplog.at_level(logging.WARNING), pytest.raises(ConfigError) as refused:
+        precision.inference_precision("tf32", device_type)
+    assert str(refused.value) == (
+        f"precision=tf32 acts on a CUDA GPU only, and the forward runs on {device_type}: "
+        "give precision=no (or bf16, which CPUs autocast)"
+    )
+    assert not caplog.records
+    assert precision.inference_precision("tf32", "cuda") == "tf32"
 
 
 # --- petl-predict ---------------------------------------------------------------------------------------------
@@ -128,6 +141,11 @@ def test_the_predict_command_says_its_precision_and_refuses_an_unknown_one(tmp_p
     run_dir, image = _run_folder(tmp_path / "run"), _image(tmp_path / "a.png")
     code, error = _predict_cli([str(run_dir), str(image), "precision=fp16"], capsys)
     assert code == 2 and error == "petl-predict: error: precision='fp16': must be one of auto, no, tf32, bf16\n"
+    code, error = _predict_cli([str(run_dir), str(image), "precision=tf32"], capsys)
+    assert code == 2 and error == (
+        "petl-predict: error: precision=tf32 acts on a CUDA GPU only, and the forward runs on cpu: "
+        "give precision=no (or bf16, which CPUs autocast)\n"
+    )
     code, error = _predict_cli([str(run_dir), str(image)], capsys)
     assert code == 0 and "petl-predict: predicted on cpu in fp32\n" in error
     monkeypatch.setattr(precision, "cpu_supports_bf16", lambda: False)
@@ -207,6 +225,27 @@ def test_serve_refuses_an_unknown_precision_in_one_line(tmp_path, capsys):
         serve_cli.main([str(_run_folder(tmp_path / "run")), "precision=half", "port=1"])
     assert stop.value.code == 2
     assert capsys.readouterr().err == "petl-serve: error: precision='half': must be one of auto, no, tf32, bf16\n"
+
+
+def test_serve_refuses_tf32_without_a_gpu_before_the_runs_load(tmp_path, capsys, monkeypatch):
+    serve_cli = pytest.importorskip("petl.cli.serve")
+    serve = pytest.importorskip("petl.deploy.serve", reason="petl-serve's extra is not installed")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(serve, "load_tasks", lambda _runs: pytest.fail("loaded the runs before refusing"))
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stop:
+        serve_cli.main([str(_run_folder(tmp_path / "run")), "precision=tf32", "port=1"])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err == (
+        "petl-serve: error: precision=tf32 acts on a CUDA GPU only, and the forward runs on cpu: "
+        "give precision=no (or bf16, which CPUs autocast)\n"
+    )
+
+
+def test_serve_api_refuses_tf32_on_a_cpu(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match=r"^precision=tf32 acts on a CUDA GPU only, and the forward runs on cpu: "):
+        _serve(_run_folder(tmp_path / "run"), _image(tmp_path / "a.png"), precision="tf32")
 
 
 def test_serve_bf16_on_a_cpu_without_bf16_falls_back_with_one_warning(tmp_path, monkeypatch, caplog):

@@ -56,6 +56,13 @@ def no_generation(monkeypatch):
         (["--lr", "0"], "--lr 0.0 is out of range: allowed (0, inf]"),
         (["--weight-decay", "-1"], "--weight-decay -1.0 is out of range"),
         (["--warmup-frac", "2"], "--warmup-frac 2.0 is out of range: allowed [0, 1]"),
+        # TINY takes 4 steps: 0.1 of them warmed up none, as 0 would (petl-run's rule, engine.refuse_idle_warmup).
+        (
+            ["--warmup-frac", "0.1"],
+            "--warmup-frac 0.1 cannot act: the run takes 4 optimizer steps (2 epochs of 2), and 0.1 of them warms up "
+            "for none (a warm-up of one step runs that step at the full lr); give --warmup-frac 0.5 or more, or 0\n",
+        ),
+        (["warmup_frac=0.05"], "--warmup-frac 0.05 cannot act"),  # the default's value, given: checked too
         (["label_smoothing=inf"], "--label-smoothing inf is not a finite number"),
         (["--label-smoothing", "1"], "--label-smoothing 1.0 is out of range: allowed [0, 1)"),
         (["--seed", "-1"], "--seed -1 is out of range: allowed [0, 4294967295]"),
@@ -69,6 +76,21 @@ def test_a_bad_option_value_is_one_line_naming_it_and_exit_2(option, said, tmp_p
     assert code == 2 and err.count("\n") == 1, err
     assert err.startswith("petl-pretrain: error: ") and said in err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(("given", "frac"), [([], 0.05), (["--warmup-frac", "0.5"], 0.5), (["warmup_frac=0"], 0.0)])
+def test_a_warmup_that_acts_or_none_or_the_default_is_taken_on_a_tiny_run(given, frac, tmp_path, capsys, monkeypatch):
+    # The default's 0.05 of TINY's 4 steps warms up none, but is not refused: the committed tiny pretrainings use it.
+    taken = []
+
+    def recorded(_fractal, settings, *args, **kwargs) -> dict:
+        taken.append(settings.warmup_frac)
+        return {"images_seen": 0, "final_val_top1": 0.0, "wall_seconds": 0.0}
+
+    monkeypatch.setattr(pretrain, "pretrain", recorded)
+    code, err = petl_pretrain(capsys, *TINY, "--out", str(tmp_path / "out"), *given)
+    assert code == 0, err
+    assert taken == [frac]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="fp16 acts on a CUDA GPU")
