@@ -6,6 +6,7 @@ and writes it.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import Counter
 from collections.abc import Callable, Iterable
@@ -164,6 +165,8 @@ class Plan:
         model: the backbone its file trains (``model.name``), when the runs must be checked against it (a report
             asked about a suite by name); ``None``: not checked (a sweep's own report, whose command line may
             change the backbone).
+        img_size: the input resolution its file trains at (:func:`suite_size`), checked as ``model`` is; ``None``:
+            not checked.
 
     """
 
@@ -172,6 +175,7 @@ class Plan:
     tasks: tuple[str, ...]
     seeds: tuple[int, ...]
     model: str | None = None
+    img_size: int | None = None
 
 
 @dataclass
@@ -317,13 +321,12 @@ class Leaderboard:
         return all(t in row.scores and len(row.scores[t].seeds) >= seeds for t in self.tasks)
 
 
-def input_size(result: RunResult) -> int | None:
-    """The input resolution a run set, in the config its record embeds; ``None``: its model's.
+def configured_size(model: Any) -> int | None:
+    """The input resolution a ``model`` config group sets; ``None``: it sets none (the model's own is used).
 
     Set as ``model.img_size``, as ``model.kwargs.img_size`` (the same timm argument, petl.train.readers.model_kwargs),
     or, for a NaFlexVit, as ``model.kwargs.pretrained_cfg_overlay.input_size`` (``[3, N, N]``).
     """
-    model = result.config.get("model") if isinstance(result.config, dict) else None
     if not isinstance(model, dict):
         return None
     kwargs = model.get("kwargs") if isinstance(model.get("kwargs"), dict) else {}
@@ -337,6 +340,52 @@ def input_size(result: RunResult) -> int | None:
         if isinstance(size, int) and not isinstance(size, bool):
             return size
     return None
+
+
+@functools.cache
+def own_input_size(model: str) -> int | None:
+    """The input resolution timm builds ``model`` at when none is given: its pretrained config's ``input_size``.
+
+    ``None`` where timm knows no pretrained config of that name (a model registered by a plugin not imported here).
+    """
+    import timm.models
+
+    import petl.backbones  # noqa: F401  (registers petl's own models, whose sizes timm then knows)
+
+    try:
+        found = timm.models.get_pretrained_cfg(model)
+    except (RuntimeError, ValueError):  # a name timm cannot parse: no size known
+        return None
+    size = getattr(found, "input_size", None)
+    return int(size[-1]) if size else None
+
+
+def suite_size(model: Any) -> int | None:
+    """The input resolution a suite's ``model`` group trains at: the one it sets, else its model's own (petl's default
+    model where it names none); ``None`` where neither is known.
+    """
+    from petl.backbones.models import DEFAULT_MODEL
+
+    size = configured_size(model)
+    name = model.get("name", DEFAULT_MODEL) if isinstance(model, dict) else DEFAULT_MODEL
+    return size if size is not None else own_input_size(str(name))
+
+
+def input_size(result: RunResult) -> int | None:
+    """The input resolution a run trained at: the one its config sets (:func:`configured_size`), else its model's own
+    (:func:`own_input_size`); ``None`` where neither is known, and for a record without the run's ``model`` config
+    (what it set is not known).
+
+    Resolved to a number so that ``model.img_size=224`` on a model built at 224 px and no ``model.img_size`` are one
+    backbone, not two.
+    """
+    model = result.config.get("model") if isinstance(result.config, dict) else None
+    if not isinstance(model, dict):
+        return None
+    size = configured_size(model)
+    if size is not None:
+        return size
+    return own_input_size(str(result.model)) if result.model else None
 
 
 def sized_models(results: Iterable[RunResult]) -> frozenset[str]:
@@ -353,6 +402,8 @@ def backbone(result: RunResult, sized: frozenset[str] = frozenset()) -> str:
 
     ``sized``: the models the board ran at more than one resolution (:func:`sized_models`), whose runs are named with
     theirs: a model at 64 px is not the model at 32 px, and rows of the two ranked together would compare resolutions.
+    A run at its model's own size is named with that size (``vit_base_patch16_224 at 224 px``), as is one given it
+    explicitly; "at its own resolution" only where timm knows no size of the model.
     """
     name = str(result.model or "?")
     if name in sized:

@@ -404,17 +404,13 @@ def cmd_compare(args: Sequence[str]) -> int:
 
 
 def suite_backbone(suite: suites.Suite) -> tuple[str, int | str]:
-    """The timm backbone a suite trains and its input resolution (``model.img_size``, else the model's own)."""
-    import timm.models
-
+    """The timm backbone a suite trains and its input resolution (:func:`petl.bench.board.suite_size`)."""
     from petl.backbones.models import DEFAULT_MODEL
+    from petl.bench.board import suite_size
 
     model = suite.groups.get("model", {})
-    name = model.get("name", DEFAULT_MODEL)
-    if model.get("img_size"):
-        return name, model["img_size"]
-    pretrained = timm.models.get_pretrained_cfg(name)
-    return name, pretrained.input_size[-1] if pretrained else "its default"
+    size = suite_size(model)
+    return model.get("name", DEFAULT_MODEL), "its default" if size is None else size
 
 
 def cmd_list(args: Sequence[str]) -> int:

@@ -35,6 +35,7 @@ from petl.bench.board import (
     order_groups,
     show_number,
     sized_models,
+    suite_size,
 )
 from petl.bench.collect import (
     Compute,
@@ -441,18 +442,21 @@ def plan_of(suite_name: str, configs_dir: str | Path | None = None) -> Plan:
 
     found = suite.load_suite(suite_name, suite.configs_dir(configs_dir))
     # The backbone the suite's file trains (petl's default where it names none): aggregate checks the runs against it.
-    model = str(found.groups.get("model", {}).get("name", DEFAULT_MODEL))
-    return Plan(found.name, tuple(found.experiments), tuple(found.tasks), tuple(found.seeds), model)
+    group = found.groups.get("model", {})
+    model = str(group.get("name", DEFAULT_MODEL))
+    return Plan(found.name, tuple(found.experiments), tuple(found.tasks), tuple(found.seeds), model, suite_size(group))
 
 
 def check_plan_model(records: list[RunRecord], results_dir: str | Path, plan: Plan | None) -> None:
-    """Refuse runs of another backbone than the one ``plan``'s suite trains (when the plan names one).
+    """Refuse runs of another backbone than the one ``plan``'s suite trains (when the plan names one), or of another
+    input resolution than its own (:func:`petl.bench.board.input_size`, when both are known).
 
-    A board titled after a suite whose runs trained another backbone (``suite=mini_swin`` on a ViT's folder) would
-    read as that suite's.
+    A board titled after a suite whose runs trained another backbone (``suite=mini_swin`` on a ViT's folder), or the
+    suite's backbone at another size (``model.img_size=64`` on a 32-px suite), would read as that suite's.
 
     Raises:
-        ValueError: one line naming the folder, the runs' backbones, the suite and its backbone.
+        ValueError: one line naming the folder, the runs' backbones, the suite and its backbone; or the first run of
+            another resolution (its ``result.json``), its size and the suite's.
 
     """
     if plan is None or plan.model is None:
@@ -463,6 +467,16 @@ def check_plan_model(records: list[RunRecord], results_dir: str | Path, plan: Pl
             f"{results_dir}: its runs trained {', '.join(others)}, and suite {plan.suite} trains {plan.model} (its "
             "model.name): name the suite these runs came from, or none"
         )
+    if plan.img_size is None:
+        return
+    for record in sorted(records, key=lambda r: str(r.path)):
+        size = input_size(record.result)
+        if size is not None and size != plan.img_size:
+            raise ValueError(
+                f"{record.path}: this run trained {plan.model} at {size} px, and suite {plan.suite} trains it at "
+                f"{plan.img_size} px (its model.img_size, else the model's own): name the suite these runs came "
+                "from, or none"
+            )
 
 
 def _title(board: Leaderboard) -> str:

@@ -135,16 +135,37 @@ def unfinished_run(folder: Path) -> str | None:
 
 
 def exported_not_run(folder: Path) -> str | None:
-    """The one line for a timm model folder (what ``petl-export out=FOLDER`` writes) given where a run folder is
-    wanted, or ``None``: without it, the answer was only that the folder lacks a run's files.
+    """The one line for a timm model folder given where a run folder is wanted, or ``None``: without it, the answer
+    was only that the folder lacks a run's files.
+
+    A folder petl-export wrote (its ``config.json`` carries petl's export marker, :func:`petl_export_config`) points
+    back to its run; any other (a timm model downloaded from the hub, say) is named as a timm folder, no more.
     """
     if (folder / MODEL_FILE).exists() or not all((folder / name).is_file() for name in TIMM_FOLDER_FILES):
         return None
+    load = f"load it with timm (timm.create_model('local-dir:{shown(folder)}', pretrained=True))"
+    if not petl_export_config(folder / TIMM_FOLDER_FILES[0]):
+        return (
+            f"{shown(folder)} is a timm model folder ({', '.join(TIMM_FOLDER_FILES)}) that petl-export did not write "
+            f"(its config.json has no petl section: a model downloaded from the hub, say), not a petl-run folder: "
+            f"give a petl-run output folder (model.json beside {WEIGHTS_FILE}), or {load}"
+        )
     return (
         f"{shown(folder)} is a plain timm model ({', '.join(TIMM_FOLDER_FILES)}, as petl-export writes it), not a "
-        f"petl-run folder: give the run folder it was exported from, or load it with timm "
-        f"(timm.create_model('local-dir:{shown(folder)}', pretrained=True))"
+        f"petl-run folder: give the run folder it was exported from, or {load}"
     )
+
+
+def petl_export_config(path: Path) -> bool:
+    """Whether ``path`` is a timm ``config.json`` petl-export wrote: its ``petl`` section names an export format
+    (``petl-export-N``).  A file that cannot be read as a JSON object is not.
+    """
+    try:
+        config = read_json(path)
+    except DamagedFileError:
+        return False
+    section = (config or {}).get("petl")
+    return isinstance(section, dict) and str(section.get("format", "")).startswith("petl-export")
 
 
 def file_not_run(path: Path, given: str) -> str:

@@ -195,6 +195,29 @@ def test_a_suite_of_another_backbone_is_refused_by_report_and_compare(tmp_path, 
     assert report.plan_of("mini").model == "vit_fractal_tiny_patch4_32.fractaldb"  # no model: petl's default
 
 
+def test_a_suite_at_another_resolution_is_refused_by_report(tmp_path, capsys):
+    # Was: only the model name was compared with the suite's, so runs of the fractal ViT at model.img_size=64 were
+    # reported as suite mini's, which trains it at its own 32 px.
+    import json
+
+    a = _fill(tmp_path / "a", {"lora": 60.0, "linear": 50.0, "full": 70.0})
+    records = sorted(a.rglob("result.json"))
+    for path in records:  # given as the model's own size, and left at it: both the suite's
+        record = json.loads(path.read_text())
+        record["config"] = {"model": {"name": record["model"], "img_size": 32 if "lora" in str(path) else None}}
+        path.write_text(json.dumps(record))
+    assert report.plan_of("mini").img_size == 32
+    assert _exit(["report", str(a), "suite=mini", f"out={tmp_path / 'r'}"]) == 0
+    record = json.loads(records[0].read_text())
+    record["config"]["model"]["img_size"] = 64
+    records[0].write_text(json.dumps(record))
+    assert _exit(["report", str(a), "suite=mini", f"out={tmp_path / 'r2'}"]) == 2
+    err = capsys.readouterr().err
+    assert f"{records[0]}: this run trained vit_fractal_tiny_patch4_32.fractaldb at 64 px, and suite mini" in err
+    assert "trains it at 32 px" in err and err.count("\n") == 1
+    assert not (tmp_path / "r2").exists()
+
+
 def test_a_row_outside_the_suite_is_not_complete_on_its_board(tmp_path):
     a = _fill(tmp_path / "a", {"lora": 60.0, "linear": 50.0, "full": 70.0, "lora_extra": 65.0})
     plan = report.Plan("a", ("lora", "linear", "full"), TASKS, (0,))

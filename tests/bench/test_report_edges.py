@@ -717,6 +717,32 @@ def test_a_resolution_given_as_a_timm_keyword_is_told_apart_as_model_img_size_is
     assert board.models == [f"{model} at 64 px", f"{model} at its own resolution"]
 
 
+def test_a_run_given_its_models_own_size_is_the_same_backbone_as_one_given_none(tmp_path):
+    # Was: model.img_size=32 on the 32-px fractal ViT was named "<model> at 32 px" and a run that left it at the
+    # default "<model> at its own resolution": one backbone counted as two, its rows marked and not ranked.
+    from petl.bench.report import build_board
+
+    tasks = ("mini/digits", "mini/mnist")
+    for experiment in ("linear", "vpt_deep", "lora"):
+        _three_seeds(tmp_path, experiment, tasks)
+    for task in tasks:
+        for seed in (0, 1, 2):
+            _at_size(tmp_path, task, "lora", seed, 32)  # given explicitly
+            _at_size(tmp_path, task, "linear", seed, None)  # left at the default: the config sets no size
+            _at_size(tmp_path, task, "vpt_deep", seed, None)
+    board = build_board(tmp_path)
+    model = "vit_fractal_tiny_patch4_32.fractaldb"
+    assert board.models == [model]
+    assert all(board.complete(row) for row in board.rows)
+    # At another size the default's runs are named with the size the model is built at, not "its own resolution".
+    for task in tasks:
+        for seed in (0, 1, 2):
+            _at_size(tmp_path, task, "vpt_deep", seed, 64)
+    board = build_board(tmp_path)
+    assert board.models == [f"{model} at 32 px", f"{model} at 64 px"]
+    assert board.ranked_backbone == f"{model} at 32 px"
+
+
 def test_published_figures_are_not_shown_beside_runs_at_another_resolution(tmp_path):
     # Was: runs on the published ViT-B/16 at model.img_size=384 stood beside the published 224-px figures.
     from petl.bench.board import DIFFERENT_BACKBONE

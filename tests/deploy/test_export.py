@@ -168,6 +168,34 @@ def test_an_exported_file_given_as_a_run_says_what_it_is_and_how_timm_loads_it(t
         petl.load_run(tmp_path / "notes.safetensors")
 
 
+def test_a_timm_folder_petl_export_did_not_write_is_not_called_an_export(tmp_path):
+    # Was: any folder of config.json + model.safetensors was "a plain timm model (..., as petl-export writes it)" and
+    # the advice was "give the run folder it was exported from", of a timm hub folder no petl run exported.
+    import json
+
+    from petl.store.files import exported_not_run
+
+    run_dir = _run_folder(tmp_path / "run")
+    export_cli.main([str(run_dir), f"out={tmp_path / 'exported'}"])
+    hub = tmp_path / "hub"
+    hub.mkdir()
+    (hub / "model.safetensors").write_bytes((tmp_path / "exported" / "model.safetensors").read_bytes())
+    config = json.loads((tmp_path / "exported" / "config.json").read_text())
+    del config["petl"]  # a hub folder's config.json: timm's fields, no petl section
+    (hub / "config.json").write_text(json.dumps(config))
+    with pytest.raises(run_card.RunFolderError) as refused:
+        petl.load_run(hub)
+    assert str(refused.value) == (
+        f"{hub} is a timm model folder (config.json, model.safetensors) that petl-export did not write (its "
+        "config.json has no petl section: a model downloaded from the hub, say), not a petl-run folder: give a "
+        "petl-run output folder (model.json beside trainable.safetensors), or load it with timm "
+        f"(timm.create_model('local-dir:{hub}', pretrained=True))"
+    )
+    (hub / "config.json").write_text("{not json")  # unreadable: not called petl's either
+    assert "that petl-export did not write" in exported_not_run(hub)
+    assert "as petl-export writes it" in exported_not_run(tmp_path / "exported")
+
+
 def test_petl_predict_and_petl_serve_say_what_an_exported_file_is_and_load_the_file_not_the_argument(
     tmp_path, capsys, monkeypatch
 ):

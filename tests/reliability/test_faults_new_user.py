@@ -9,6 +9,7 @@ Each test goes through a public entry point (the commands' mains, petl.load_run,
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from pathlib import Path
@@ -316,6 +317,8 @@ def test_an_exported_timm_folder_given_as_a_run_is_named_as_one_by_every_command
     exported.mkdir()
     for name in files.TIMM_FOLDER_FILES:
         (exported / name).write_text("{}")
+    # petl-export's marker: its config.json's petl section (a hub folder's has none: test_export.py).
+    (exported / "config.json").write_text(json.dumps({"petl": {"format": files.EXPORT_FORMAT}}))
     said = f"{exported} is a plain timm model (config.json, model.safetensors, as petl-export writes it), not a "
     for err in _each_command_refuses(exported, tmp_path, capsys):
         assert f"error: {said}" in err and f"timm.create_model('local-dir:{exported}', pretrained=True)" in err, err
