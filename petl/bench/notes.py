@@ -210,7 +210,8 @@ def not_learned_line(board: Leaderboard) -> str:
         return ""
     return (
         f"**† k**: k of the cell's seeds did not learn (final train loss not finite, not below its first "
-        f"epoch's, or at chance, ln(classes), or the last epoch's train top-1 not above chance, the share of its most "
+        f"epoch's, or at chance: ln(classes), or the entropy of its labels' shares in records that hold it, or the "
+        f"last epoch's train top-1 not above chance, the share of its most "
         f"frequent label (1/classes in records that predate that count): "
         f"`petl.train.learning`); the cell's mean and ± include them, so a "
         f"finding must not rest on such a cell. {plural(len(cells), 'cell')}: {'; '.join(cells)}."
