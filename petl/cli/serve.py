@@ -18,8 +18,8 @@ The routes, the token, bad input and the limits: docs/serving.md (GET /openapi.j
 
 Options (key=value, anywhere, listed below with their defaults, which are those of the Python API's
 petl.deploy.serve.ServeOptions; a value that is not a finite number in its range, or a precision not listed, is
-refused, and so is a max_batch given above max_queue or a max_image_mp given above max_request_mp: the outer limit
-caps the inner one, and a cuda_graphs other than its default or precision=tf32 where torch sees no GPU).
+refused, and so is a cuda_graphs other than its default or precision=tf32 where torch sees no GPU, and a max_batch
+given above max_queue or a max_image_mp given above max_request_mp, as the outer limit caps the inner one).
 ``precision`` means what petl-run's ``train.precision`` does: the forward runs under it (bf16 autocast, TF32) on a
 GPU, the weights stay fp32, and a CPU under ``auto`` answers exactly as strict fp32. Exit status: 2 bad input (an
 option, a run folder, a task named twice, a host that does not resolve or is not this machine's, a PETL_SERVE_TOKEN
