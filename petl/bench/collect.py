@@ -19,7 +19,7 @@ from petl.bench.protocol import UNSTABLE_DIR
 from petl.bench.sweep import task_folder
 from petl.store import files
 from petl.store.files import REPLACED_MARK, RESULT_FILE, set_aside_advice
-from petl.store.result import ResultError, RunResult, read_result
+from petl.store.result import ResultError, RunResult, not_utf8, read_result
 from petl.train.learning import run_not_learned
 from petl.utils.text import plural, shown
 
@@ -89,15 +89,6 @@ def _moved_aside(part: str) -> bool:
     return REPLACED_MARK in part or part == UNSTABLE_DIR
 
 
-def _is_utf8(text: str) -> bool:
-    # A file name of bytes that are not UTF-8 reads as text with lone surrogates (surrogateescape).
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
 def _is_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
@@ -162,7 +153,8 @@ def read_all(results_dir: str | Path, skipped: list[Path] | None = None) -> list
     root = Path(results_dir)
     read: list[tuple[Path, RunResult | None, str | None]] = []
     for path in result_files(root):
-        if not _is_utf8(str(path.relative_to(root))):
+        # A file name of bytes that are not UTF-8 reads as text with lone surrogates (surrogateescape).
+        if not_utf8(str(path.relative_to(root))) is not None:
             # The folder names the experiment: a name of other bytes than UTF-8 cannot be written into the pages.
             read.append((path, None, f"{path}: a folder name is not UTF-8 text; rename the folder"))
             continue
